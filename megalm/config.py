@@ -1,0 +1,274 @@
+"""Structured configs: the schema Hydra validates every run against.
+
+`configs/` holds the values (one group per sub-package); these dataclasses hold the types and the
+defaults. Registering `MegalmConfig` as the base of `configs/config.yaml` makes a misspelt key or a
+wrong type fail at start. `validate` adds the cross-field rules a type system cannot express, each
+as a one-line `ConfigError` that names the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from megalm.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # None: equal to num_heads (multi-head); fewer: GQA
+    ffn_hidden_size: int | None = None  # None: 4h for gelu, 8h/3 rounded up to 64 for swiglu
+    vocab_size: int = 320
+    seq_length: int = 256
+    max_position_embeddings: int | None = None  # None: seq_length
+    norm: str = "rmsnorm"  # rmsnorm | layernorm
+    norm_eps: float = 1e-5
+    activation: str = "swiglu"  # swiglu | gelu
+    position_embedding: str = "rope"  # rope | learned
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    bias: bool = False  # biases in linear layers (GPT-2 style)
+    dropout: float = 0.0  # hidden dropout after attention and MLP
+    attention_dropout: float = 0.0
+    init_std: float = 0.02
+    attention_backend: str = "auto"  # auto | flash_attn | torch_varlen | sdpa | reference
+
+
+@dataclass
+class SyntheticDataConfig:
+    num_docs: int = 100_000
+    mean_doc_length: int = 2048  # log-normal document lengths with this mean, in tokens
+    fixed_doc_length: int | None = None  # all documents this long instead
+
+
+@dataclass
+class DataConfig:
+    name: str = "demo"  # demo | indexed | synthetic
+    path: str | None = None  # indexed: the prefix of PREFIX.bin / PREFIX.idx
+    varlen: bool = False  # one document per sample (split at seq_length) instead of fixed-length packing
+    tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json (demo / synthetic)
+    valid_fraction: float = 0.01  # share of documents held out for validation
+    split_seed: int = 0  # fixes the train/valid split independently of `seed`
+    cache_dir: str | None = None  # demo corpus cache; default: $XDG_CACHE_HOME/megalm or ~/.cache/megalm
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    schedule: str = "cosine"  # cosine | wsd | linear | constant
+    warmup_steps: int = 20
+    decay_steps: int | None = None  # cosine/linear: steps from warmup end to min_lr; None: to max_steps
+    wsd_decay_fraction: float = 0.2  # wsd: the last fraction of max_steps decays linearly to min_lr
+    implementation: str = "auto"  # auto | fused | foreach
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 300
+    global_batch_size: int = 16  # samples per optimizer step
+    micro_batch_size: int = 8  # samples per forward/backward
+    log_interval: int = 10
+    eval_interval: int = 100  # 0: never
+    eval_iters: int = 4
+    save_interval: int = 100  # 0: only at the end
+    keep_last: int = 2  # checkpoints kept in the run dir
+    resume: str = "auto"  # auto | never | <path of a checkpoint dir>
+    stop_at_step: int | None = None  # stop (and save) early, as a preemption would; schedules keep max_steps
+    grad_clip: float = 1.0  # 0: no clipping
+    device: str = "auto"  # auto | cpu | cuda
+    num_threads: int | None = None  # torch CPU threads; None: torch's default
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    dp: int | None = None  # None: world size / (tp * pp * cp)
+    sequence_parallel: bool = False
+    zero1: bool = False
+    hdp: bool = False
+    cp_comm: str = "ring"  # ring | a2a
+    pp_schedule: str = "1f1b"  # 1f1b | interleaved | zb
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"  # fp32 | bf16
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: str = "megalm"
+    name: str | None = None
+    entity: str | None = None
+    mode: str = "offline"  # offline | online
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool | None = None  # None: on when tensorboard is installed
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class MegalmConfig:
+    seed: int = 1234
+    debug: bool = False  # keep tracebacks on errors
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def register_schema() -> None:
+    """Register the schema under the name `configs/config.yaml` lists first in its defaults."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="megalm_schema", node=MegalmConfig)
+
+
+def to_dataclass(cfg: DictConfig | MegalmConfig) -> MegalmConfig:
+    """A plain `MegalmConfig` from a Hydra config (already validated by the schema)."""
+    if isinstance(cfg, MegalmConfig):
+        return cfg
+    merged = OmegaConf.merge(OmegaConf.structured(MegalmConfig), cfg)
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def _choice(value: str, key: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ConfigError(f"{key}={value} is not one of {'|'.join(options)}; pick one of those")
+
+
+def _positive(value: int | float | None, key: str) -> None:
+    if value is not None and value <= 0:
+        raise ConfigError(f"{key}={value} must be > 0")
+
+
+def resolve_model_defaults(model: ModelConfig) -> ModelConfig:
+    """Fill the `None` fields that derive from others (kv heads, ffn size, max positions)."""
+    if model.num_kv_heads is None:
+        model.num_kv_heads = model.num_heads
+    if model.ffn_hidden_size is None:
+        if model.activation == "swiglu":
+            model.ffn_hidden_size = 64 * -(-int(8 * model.hidden_size / 3) // 64)
+        else:
+            model.ffn_hidden_size = 4 * model.hidden_size
+    if model.max_position_embeddings is None:
+        model.max_position_embeddings = model.seq_length
+    return model
+
+
+def validate_model(model: ModelConfig) -> None:
+    for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
+                "seq_length", "max_position_embeddings"):
+        _positive(getattr(model, key), f"model.{key}")
+    _choice(model.norm, "model.norm", ("rmsnorm", "layernorm"))
+    _choice(model.activation, "model.activation", ("swiglu", "gelu"))
+    _choice(model.position_embedding, "model.position_embedding", ("rope", "learned"))
+    _choice(model.attention_backend, "model.attention_backend",
+            ("auto", "flash_attn", "torch_varlen", "sdpa", "reference"))
+    if model.hidden_size % model.num_heads:
+        raise ConfigError(f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads="
+                          f"{model.num_heads}; change one so that hidden_size % num_heads == 0")
+    if model.num_heads % model.num_kv_heads:
+        raise ConfigError(f"model.num_heads={model.num_heads} is not divisible by model.num_kv_heads="
+                          f"{model.num_kv_heads}; choose num_kv_heads among the divisors of num_heads")
+    head_dim = model.hidden_size // model.num_heads
+    if model.position_embedding == "rope" and head_dim % 2:
+        raise ConfigError(f"RoPE needs an even head dim, got hidden_size/num_heads={head_dim}; change num_heads")
+    if model.seq_length > model.max_position_embeddings:
+        raise ConfigError(f"model.seq_length={model.seq_length} exceeds the model's positions "
+                          f"(model.max_position_embeddings={model.max_position_embeddings}); "
+                          "lower seq_length or raise max_position_embeddings")
+    for key in ("dropout", "attention_dropout"):
+        if not 0.0 <= getattr(model, key) < 1.0:
+            raise ConfigError(f"model.{key}={getattr(model, key)} must be in [0, 1)")
+
+
+def validate(cfg: MegalmConfig, world_size: int = 1) -> MegalmConfig:
+    """Check cross-field rules; fill derived defaults. Returns the same (mutated) config."""
+    resolve_model_defaults(cfg.model)
+    validate_model(cfg.model)
+
+    t = cfg.trainer
+    for key in ("max_steps", "global_batch_size", "micro_batch_size", "log_interval", "eval_iters", "keep_last"):
+        _positive(getattr(t, key), f"trainer.{key}")
+    for key in ("eval_interval", "save_interval"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"trainer.{key}={getattr(t, key)} must be >= 0 (0 turns it off)")
+    if t.stop_at_step is not None and not 0 < t.stop_at_step <= t.max_steps:
+        raise ConfigError(f"trainer.stop_at_step={t.stop_at_step} must be in [1, trainer.max_steps={t.max_steps}]")
+    _choice(t.device, "trainer.device", ("auto", "cpu", "cuda"))
+
+    p = cfg.parallel
+    for key in ("tp", "pp", "vpp", "cp"):
+        _positive(getattr(p, key), f"parallel.{key}")
+        if getattr(p, key) > 1:
+            raise ConfigError(f"parallel.{key}={getattr(p, key)} is not implemented yet in this megalm version; "
+                              f"use parallel.{key}=1")
+    for key in ("sequence_parallel", "zero1", "hdp"):
+        if getattr(p, key):
+            raise ConfigError(f"parallel.{key}=true is not implemented yet in this megalm version; "
+                              f"use parallel.{key}=false")
+    _choice(p.cp_comm, "parallel.cp_comm", ("ring", "a2a"))
+    _choice(p.pp_schedule, "parallel.pp_schedule", ("1f1b", "interleaved", "zb"))
+    model_parallel = p.tp * p.pp * p.cp
+    if p.dp is None:
+        p.dp = max(world_size // model_parallel, 1)
+    _positive(p.dp, "parallel.dp")
+    if p.dp * model_parallel != world_size:
+        raise ConfigError(f"world size {world_size} != tp*pp*cp*dp = {p.tp}*{p.pp}*{p.cp}*{p.dp}; "
+                          "change parallel.* or the number of processes")
+    if p.dp > 1:
+        raise ConfigError(f"data parallelism (dp={p.dp}) is not implemented yet in this megalm version; "
+                          "run one process")
+    if t.global_batch_size % (t.micro_batch_size * p.dp):
+        raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
+                          f"micro_batch_size*dp={t.micro_batch_size}*{p.dp}; change one of them")
+
+    o = cfg.optim
+    _choice(o.name, "optim.name", ("adamw",))
+    _choice(o.schedule, "optim.schedule", ("cosine", "wsd", "linear", "constant"))
+    _choice(o.implementation, "optim.implementation", ("auto", "fused", "foreach"))
+    _positive(o.lr, "optim.lr")
+    if o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}]")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    if not 0.0 < o.wsd_decay_fraction <= 1.0:
+        raise ConfigError(f"optim.wsd_decay_fraction={o.wsd_decay_fraction} must be in (0, 1]")
+
+    _choice(cfg.precision.name, "precision", ("fp32", "bf16"))
+    d = cfg.data
+    _choice(d.name, "data", ("demo", "indexed", "synthetic"))
+    if d.name == "indexed" and not d.path:
+        raise ConfigError("data=indexed needs data.path=PREFIX (the prefix of PREFIX.bin/PREFIX.idx "
+                          "written by megalm-preprocess)")
+    if not 0.0 <= d.valid_fraction < 1.0:
+        raise ConfigError(f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
+    _choice(cfg.logging.wandb.mode, "logging.wandb.mode", ("offline", "online"))
+    return cfg
+
+
+def config_to_dict(cfg: MegalmConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]

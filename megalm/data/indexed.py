@@ -1,0 +1,272 @@
+"""The on-disk token dataset: PREFIX.bin (all tokens) + PREFIX.idx (header and document offsets).
+
+Pretraining corpora are far larger than memory, so tokens live in one flat file that is memory-
+mapped and read by slicing: a document is `tokens[offsets[i]:offsets[i + 1]]`. The writer appends
+the end-of-document token to every document, so the samplers never need the tokenizer. The .idx
+also records the vocab size and the tokenizer spec, so a run can check the model's vocab and
+rebuild the tokenizer the data was made with.
+
+.idx layout (little-endian): the header struct below, the tokenizer spec (utf-8, length given in
+the header), then int64 offsets[num_docs + 1] with offsets[0] == 0 and offsets[-1] == num_tokens.
+Both files are written under temporary names, fsynced and moved into place with os.replace, .idx
+last, so a reader never sees a half-written dataset.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import struct
+from array import array
+
+import numpy as np
+
+from megalm.errors import DataError
+
+MAGIC = b"MEGALMDS"
+VERSION = 1
+# magic, version, dtype code, num_docs, num_tokens, vocab_size, eod_id, spec length (bytes)
+_HEADER = struct.Struct("<8sIIQQQqI")
+_DTYPE_CODES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
+
+
+class DatasetExistsError(DataError):
+    """The output dataset already exists and overwriting was not asked for."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits (vocab_size <= 65536), else uint32."""
+    return _DTYPE_CODES[1] if vocab_size <= 65536 else _DTYPE_CODES[2]
+
+
+def dataset_exists(prefix: str) -> bool:
+    return os.path.exists(f"{prefix}.bin") or os.path.exists(f"{prefix}.idx")
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class IndexedDatasetWriter:
+    """Streams documents into PREFIX.bin/.idx; nothing is visible under PREFIX until `finalize()`.
+
+    `eod_id` defaults to the eod of the tokenizer `tokenizer_spec` describes. Use as a context manager
+    (or call `abort()`) so that an error leaves no temporary files behind.
+    """
+
+    def __init__(self, prefix: str, vocab_size: int, tokenizer_spec: str, eod_id: int | None = None,
+                 overwrite: bool = False) -> None:
+        self.prefix = os.fspath(prefix)
+        if vocab_size <= 0 or vocab_size > 2**32:
+            raise ValueError(f"vocab_size={vocab_size} must be in [1, 2**32]")
+        if eod_id is None:
+            from megalm.data.tokenizer import build_tokenizer
+
+            eod_id = build_tokenizer(tokenizer_spec).eod_id
+        if not 0 <= eod_id < vocab_size:
+            raise ValueError(f"eod_id={eod_id} is outside the vocab [0, {vocab_size})")
+        self.vocab_size = int(vocab_size)
+        self.tokenizer_spec = tokenizer_spec
+        self.eod_id = int(eod_id)
+        self.overwrite = overwrite
+        self.dtype = token_dtype(vocab_size)
+        if not overwrite:
+            self._check_absent()
+        directory = os.path.dirname(os.path.abspath(self.prefix))
+        os.makedirs(directory, exist_ok=True)
+        base = os.path.basename(self.prefix)
+        tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._tmp_bin = os.path.join(directory, f".{base}.bin.tmp-{tag}")
+        self._tmp_idx = os.path.join(directory, f".{base}.idx.tmp-{tag}")
+        self._bin = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed in finalize/abort
+        self._eod = np.array([self.eod_id], dtype=self.dtype).tobytes()
+        self._offsets = array("q", [0])
+        self._done = False
+
+    @property
+    def num_docs(self) -> int:
+        return len(self._offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self._offsets[-1]
+
+    def _check_absent(self) -> None:
+        if dataset_exists(self.prefix):
+            raise DatasetExistsError(f"{self.prefix}.bin/.idx already exist; pass --overwrite (overwrite=True) "
+                                     "to replace them, or choose another output prefix")
+
+    def add_document(self, tokens: list[int] | np.ndarray) -> None:
+        """Append one document; the eod token is added after it."""
+        if self._done:
+            raise RuntimeError("add_document after finalize/abort")
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise ValueError(f"a document is a 1-D sequence of token ids, got shape {arr.shape}")
+        if arr.size:
+            if not np.issubdtype(arr.dtype, np.integer):
+                raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= self.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise DataError(f"token id {bad} is outside the vocab [0, {self.vocab_size}) of {self.prefix}; "
+                                "the tokenizer and vocab_size do not match")
+            self._bin.write(arr.astype(self.dtype, copy=False).tobytes())
+        self._bin.write(self._eod)
+        self._offsets.append(self._offsets[-1] + arr.size + 1)
+
+    def finalize(self) -> None:
+        """fsync both files and move them into place (.bin first, .idx last)."""
+        if self._done:
+            raise RuntimeError("finalize called twice")
+        try:
+            self._bin.flush()
+            os.fsync(self._bin.fileno())
+            self._bin.close()
+            spec = self.tokenizer_spec.encode("utf-8")
+            header = _HEADER.pack(MAGIC, VERSION, 1 if self.dtype == _DTYPE_CODES[1] else 2, self.num_docs,
+                                  self.num_tokens, self.vocab_size, self.eod_id, len(spec))
+            with open(self._tmp_idx, "wb") as f:
+                f.write(header)
+                f.write(spec)
+                f.write(np.frombuffer(self._offsets, dtype=np.int64).astype("<i8", copy=False).tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+            if not self.overwrite:
+                self._check_absent()
+            os.replace(self._tmp_bin, f"{self.prefix}.bin")
+            os.replace(self._tmp_idx, f"{self.prefix}.idx")
+            _fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+
+    def abort(self) -> None:
+        """Drop the temporary files (nothing under PREFIX was touched)."""
+        self._done = True
+        if not self._bin.closed:
+            self._bin.close()
+        for path in (self._tmp_bin, self._tmp_idx):
+            if os.path.exists(path):
+                os.remove(path)
+
+    def __enter__(self) -> IndexedDatasetWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self._done:
+            self.abort()
+
+
+class IndexedDataset:
+    """Read-only, memory-mapped view of PREFIX.bin/.idx; validated when opened."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix = os.fspath(prefix)
+        idx_path, bin_path = f"{prefix}.idx", f"{prefix}.bin"
+        for path in (idx_path, bin_path):
+            if not os.path.isfile(path):
+                raise DataError(f"data.path={prefix}: {path} not found; build it with "
+                                f"megalm-preprocess --input ... --output-prefix {prefix}")
+
+        def corrupt(why: str) -> DataError:
+            return DataError(f"dataset {prefix} is corrupt ({why}); re-run megalm-preprocess --input ... "
+                             f"--output-prefix {prefix} --overwrite")
+
+        idx_size = os.path.getsize(idx_path)
+        with open(idx_path, "rb") as f:
+            head = f.read(_HEADER.size)
+            if len(head) < _HEADER.size:
+                raise corrupt(f"{idx_path} is truncated: {idx_size} bytes, shorter than its header")
+            magic, version, code, num_docs, num_tokens, vocab_size, eod_id, spec_len = _HEADER.unpack(head)
+            if magic != MAGIC:
+                raise corrupt(f"{idx_path} is not a megalm index: bad magic bytes")
+            if version != VERSION:
+                raise corrupt(f"{idx_path} has format version {version}, this megalm reads {VERSION}")
+            if code not in _DTYPE_CODES:
+                raise corrupt(f"{idx_path} has unknown dtype code {code}")
+            expected = _HEADER.size + spec_len + 8 * (num_docs + 1)
+            if idx_size != expected:
+                raise corrupt(f"{idx_path} has {idx_size} bytes, its header implies {expected}")
+            try:
+                spec = f.read(spec_len).decode("utf-8")
+            except UnicodeDecodeError:
+                raise corrupt(f"{idx_path} has an undecodable tokenizer spec") from None
+        self.dtype = _DTYPE_CODES[code]
+        if self.dtype != token_dtype(vocab_size):
+            raise corrupt(f"dtype {self.dtype} does not match vocab_size={vocab_size}")
+        if not 0 <= eod_id < vocab_size:
+            raise corrupt(f"eod id {eod_id} outside the vocab [0, {vocab_size})")
+        bin_size = os.path.getsize(bin_path)
+        if bin_size != num_tokens * self.dtype.itemsize:
+            raise corrupt(f"{bin_path} has {bin_size} bytes, the index expects "
+                          f"{num_tokens} tokens * {self.dtype.itemsize} bytes")
+        self._offsets = np.memmap(idx_path, dtype="<i8", mode="r", offset=_HEADER.size + spec_len,
+                                  shape=(num_docs + 1,))
+        if self._offsets[0] != 0 or self._offsets[-1] != num_tokens:
+            raise corrupt(f"{idx_path} offsets do not span [0, {num_tokens}]")
+        chunk = 1 << 22  # check in slices so a 10^9-document index needs no 8 GB temporary
+        for start in range(0, num_docs, chunk):
+            if np.any(np.diff(self._offsets[start:start + chunk + 1]) <= 0):
+                raise corrupt(f"{idx_path} document offsets are not increasing")
+        if num_tokens:
+            self._tokens = np.memmap(bin_path, dtype=self.dtype, mode="r", shape=(num_tokens,))
+        else:
+            self._tokens = np.zeros(0, dtype=self.dtype)
+        self._num_docs = int(num_docs)
+        self._num_tokens = int(num_tokens)
+        self._vocab_size = int(vocab_size)
+        self._eod_id = int(eod_id)
+        self._spec = spec
+        self._doc_lengths: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self._num_docs
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod_id(self) -> int:
+        return self._eod_id
+
+    @property
+    def tokenizer_spec(self) -> str:
+        return self._spec
+
+    @property
+    def doc_lengths(self) -> np.ndarray:
+        """Tokens per document (eod included), int64 [num_docs]."""
+        if self._doc_lengths is None:
+            self._doc_lengths = np.diff(self._offsets).astype(np.int64)
+        return self._doc_lengths
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens [offset, offset + length) of document i (to its end when length is None); a view."""
+        if not 0 <= i < self._num_docs:
+            raise IndexError(f"document {i} out of range [0, {self._num_docs})")
+        start, end = int(self._offsets[i]), int(self._offsets[i + 1])
+        if length is None:
+            length = end - start - offset
+        if offset < 0 or length < 0 or start + offset + length > end:
+            raise IndexError(f"slice [{offset}, {offset + length}) outside document {i} of {end - start} tokens")
+        return np.asarray(self._tokens[start + offset:start + offset + length])
+
+    def __repr__(self) -> str:
+        return (f"IndexedDataset({self.prefix!r}: {self._num_docs} docs, {self._num_tokens} tokens, "
+                f"vocab {self._vocab_size}, tokenizer {self._spec!r})")

@@ -1,0 +1,268 @@
+"""megalm-preprocess: text (jsonl, txt, directories) -> tokenized PREFIX.bin/.idx.
+
+Tokenizing is done once, offline, so training only memory-maps ids. Documents are read in a fixed
+order (inputs in the order given, directory contents sorted by path) so the same inputs always give
+the same dataset, byte for byte; with --workers the batches are tokenized in parallel but written in
+order. Every user error is one line on stderr and exit code 2.
+
+    megalm-preprocess --input corpus.jsonl --output-prefix data/corpus --tokenizer byte
+    megalm-preprocess --input books/ --glob "*.txt" --output-prefix data/books --tokenizer tok.json --workers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from megalm.data.indexed import DatasetExistsError, IndexedDatasetWriter, dataset_exists, token_dtype
+from megalm.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
+from megalm.errors import DataError, MegalmError
+
+JSON_SUFFIXES = (".jsonl", ".json", ".jsonlines", ".ndjson")
+_BATCH_DOCS = 512  # documents per tokenization batch
+_BATCH_CHARS = 4 << 20  # ... or this many characters, whichever comes first
+
+
+@dataclass
+class PreprocessStats:
+    output_prefix: str
+    num_files: int
+    num_docs: int
+    num_tokens: int
+    skipped_empty: int  # documents with no text (blank lines, empty files), not written
+    vocab_size: int
+    dtype: str
+    seconds: float
+
+    def summary(self) -> str:
+        return (f"wrote {self.output_prefix}.bin/.idx: {self.num_docs} documents, {self.num_tokens} tokens "
+                f"({self.dtype}, vocab {self.vocab_size}) from {self.num_files} files in {self.seconds:.1f}s"
+                + (f"; skipped {self.skipped_empty} empty documents" if self.skipped_empty else ""))
+
+
+def _is_hidden(name: str) -> bool:
+    return name.startswith(".")
+
+
+def list_input_files(inputs: Sequence[str | os.PathLike], glob: str = "*") -> list[Path]:
+    """The files to read, in order: each input as given; a directory's files (matching `glob`, hidden
+    files and directories skipped) sorted by their path inside it."""
+    files: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            found = []
+            for root, dirs, names in os.walk(path):
+                dirs[:] = [d for d in dirs if not _is_hidden(d)]
+                for name in names:
+                    if not _is_hidden(name) and fnmatch.fnmatch(name, glob):
+                        found.append(Path(root, name))
+            files.extend(sorted(found, key=lambda p: p.relative_to(path).as_posix()))
+        else:
+            raise DataError(f"input {path} not found; check --input")
+    return files
+
+
+def _read_json_lines(path: Path, json_key: str) -> Iterator[tuple[str, int]]:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = raw.decode("utf-8", errors="replace").strip()
+            if not line:
+                yield "", len(raw)
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg}); fix or remove that line") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
+            if json_key not in obj:
+                keys = ", ".join(list(obj)[:5])
+                raise DataError(f"{path}:{lineno}: no key {json_key!r} (keys: {keys}); pass --json-key KEY")
+            text = obj[json_key]
+            if not isinstance(text, str):
+                raise DataError(f"{path}:{lineno}: {json_key!r} is a {type(text).__name__}, not a string")
+            yield text, len(raw)
+
+
+def iter_documents(files: Sequence[Path], json_key: str = "text",
+                   split_lines: bool = False) -> Iterator[tuple[str, int]]:
+    """(text, bytes read) for every document; the byte counts drive the progress bar."""
+    for path in files:
+        if path.suffix.lower() in JSON_SUFFIXES:
+            yield from _read_json_lines(path, json_key)
+        elif split_lines and path.suffix.lower() == ".txt":
+            with open(path, "rb") as f:
+                for raw in f:
+                    yield raw.decode("utf-8", errors="replace").rstrip("\r\n"), len(raw)
+        else:
+            data = path.read_bytes()
+            yield data.decode("utf-8", errors="replace"), len(data)
+
+
+def _batches(docs: Iterator[tuple[str, int]]) -> Iterator[tuple[list[str], int, int]]:
+    """Group non-empty documents into batches: (texts, bytes read, empty documents skipped)."""
+    texts: list[str] = []
+    nbytes = chars = skipped = 0
+    for text, size in docs:
+        nbytes += size
+        if not text:
+            skipped += 1
+            continue
+        texts.append(text)
+        chars += len(text)
+        if len(texts) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
+            yield texts, nbytes, skipped
+            texts, nbytes, chars, skipped = [], 0, 0, 0
+    if texts or nbytes or skipped:
+        yield texts, nbytes, skipped
+
+
+def _encode_batch(tokenizer: Tokenizer, texts: list[str]) -> list[np.ndarray]:
+    if isinstance(tokenizer, ByteTokenizer):  # bytes are the ids: no Python ints needed
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+    encode_batch = getattr(tokenizer, "encode_batch", None)
+    ids = encode_batch(texts) if encode_batch is not None else [tokenizer.encode(t) for t in texts]
+    return [np.asarray(x, dtype=np.int64) for x in ids]
+
+
+# Worker processes rebuild the tokenizer from its spec once, then encode batches.
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _worker_init(spec: str) -> None:
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # parallelism comes from the processes
+    _worker_tokenizer = build_tokenizer(spec)
+
+
+def _worker_encode(texts: list[str]) -> list[np.ndarray]:
+    assert _worker_tokenizer is not None
+    return _encode_batch(_worker_tokenizer, texts)
+
+
+def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str, tokenizer: Tokenizer | str = "byte",
+               json_key: str = "text", split_lines: bool = False, overwrite: bool = False,
+               show_progress: bool = True, glob: str = "*", workers: int = 1) -> PreprocessStats:
+    """Tokenize `inputs` into output_prefix.bin/.idx and return what was written."""
+    start = time.perf_counter()
+    if isinstance(tokenizer, str):
+        tokenizer = build_tokenizer(tokenizer)
+    output_prefix = os.fspath(output_prefix)
+    if not output_prefix or output_prefix.endswith(("/", os.sep)) or os.path.isdir(output_prefix):
+        raise DataError(f"output prefix {output_prefix!r} is a directory; give a file prefix such as "
+                        f"{os.path.join(output_prefix or '.', 'corpus')}")
+    if not overwrite and dataset_exists(output_prefix):
+        raise DatasetExistsError(f"{output_prefix}.bin/.idx already exist; pass --overwrite to replace them, "
+                                 "or choose another --output-prefix")
+    if not inputs:
+        raise DataError("no input given; pass --input PATH [PATH ...]")
+    files = list_input_files(inputs, glob)
+    if not files:
+        raise DataError(f"no files matching --glob {glob!r} under {', '.join(map(str, inputs))}; "
+                        "check --input and --glob")
+    total_bytes = sum(p.stat().st_size for p in files)
+    batches = _batches(iter_documents(files, json_key, split_lines))
+    use_pool = workers > 1 and not isinstance(tokenizer, ByteTokenizer)
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not show_progress)
+    skipped = 0
+    with bar, IndexedDatasetWriter(output_prefix, tokenizer.vocab_size, tokenizer.spec, tokenizer.eod_id,
+                              overwrite=overwrite) as writer:
+
+        def write(encoded: list[np.ndarray], nbytes: int, n_skipped: int) -> None:
+            nonlocal skipped
+            for ids in encoded:
+                writer.add_document(ids)
+            skipped += n_skipped
+            bar.update(nbytes)
+
+        if use_pool:
+            import multiprocessing as mp
+
+            # spawn, not fork: the parent may already run tokenizer threads. At most 2 batches per
+            # worker are in flight, so memory stays bounded however large the corpus is.
+            with mp.get_context("spawn").Pool(workers, _worker_init, (tokenizer.spec,)) as pool:
+                pending: deque = deque()
+                for texts, nbytes, n_skipped in batches:
+                    pending.append((pool.apply_async(_worker_encode, (texts,)), nbytes, n_skipped))
+                    if len(pending) >= 2 * workers:
+                        result, nb, ns = pending.popleft()
+                        write(result.get(), nb, ns)
+                while pending:
+                    result, nb, ns = pending.popleft()
+                    write(result.get(), nb, ns)
+        else:
+            for texts, nbytes, n_skipped in batches:
+                write(_encode_batch(tokenizer, texts), nbytes, n_skipped)
+        if writer.num_docs == 0:
+            raise DataError(f"no documents found in {', '.join(map(str, inputs))} (all empty); "
+                            "check --input, --json-key and --glob")
+        writer.finalize()
+        stats = PreprocessStats(output_prefix, len(files), writer.num_docs, writer.num_tokens, skipped,
+                                tokenizer.vocab_size, str(token_dtype(tokenizer.vocab_size).name),
+                                time.perf_counter() - start)
+    return stats
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one `error: ...` line (exit code 2), like every other error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _OneLineParser(prog="megalm-preprocess",
+                       description="Tokenize text into an indexed dataset (PREFIX.bin + PREFIX.idx) for megalm.")
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help=".jsonl/.json (one JSON object per line), .txt (one document; one per line with "
+                        "--split-lines), any other file (one document), or a directory (walked recursively)")
+    p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
+    p.add_argument("--tokenizer", default="byte", help="'byte' (default) or the path of a Hugging Face "
+                                                       "tokenizer.json")
+    p.add_argument("--json-key", default="text", help="the key holding the text in .jsonl files (default: text)")
+    p.add_argument("--split-lines", action="store_true", help="every line of a .txt file is a document")
+    p.add_argument("--glob", default="*", help="file-name pattern for files inside directories (default: *)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT_PREFIX.bin/.idx")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes tokenizing in parallel (Hugging Face tokenizers; 'byte' needs none)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.workers < 1:
+            raise DataError(f"--workers={args.workers} must be >= 1")
+        stats = preprocess(args.input, args.output_prefix, build_tokenizer(args.tokenizer), json_key=args.json_key,
+                           split_lines=args.split_lines, overwrite=args.overwrite,
+                           show_progress=not args.no_progress, glob=args.glob, workers=args.workers)
+    except (MegalmError, OSError) as e:
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written", file=sys.stderr)
+        sys.exit(130)
+    print(stats.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

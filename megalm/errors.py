@@ -1,0 +1,24 @@
+"""User-facing errors.
+
+Anything the user can fix (a config value, a path, a corrupt file, an incompatible checkpoint) is
+raised as `MegalmError` with a one-line message that names the problem and the fix. The CLI entry
+points print it as a single line and exit non-zero; with `debug=true` the traceback is kept.
+"""
+
+from __future__ import annotations
+
+
+class MegalmError(Exception):
+    """An error caused by user input; its message is one line that says what to change."""
+
+
+class ConfigError(MegalmError):
+    """A config value is invalid or inconsistent with another one."""
+
+
+class DataError(MegalmError):
+    """A data file is missing, corrupt, or does not match the model."""
+
+
+class CheckpointError(MegalmError):
+    """A checkpoint is missing, corrupt, or was written by a different model."""

@@ -1,0 +1,99 @@
+"""`megalm-generate`: sample text from a checkpoint, to see what a model learned.
+
+    megalm-generate outputs/2026-11-21/10-00-00 --prompt "def " --max-new-tokens 200 --temperature 0.8 --top-k 50
+
+The checkpoint is self-describing (its config.yaml rebuilds the model, state.json names the
+tokenizer). Sampling recomputes the whole context every token (no KV cache): simple, and fast
+enough for the small models one samples from on a workstation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from megalm.config import ModelConfig, resolve_model_defaults
+from megalm.errors import MegalmError
+from megalm.model import GPT
+from megalm.training.checkpoint import load_model_weights, read_checkpoint_meta, resolve_checkpoint_path
+
+
+@torch.no_grad()
+def sample(model: GPT, prompt: list[int], max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+           eod_id: int | None = None, generator: torch.Generator | None = None) -> list[int]:
+    """Autoregressive sampling; the context is cropped to the model's positions; stops at eod."""
+    device = next(model.parameters()).device
+    max_positions = model.cfg.max_position_embeddings
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        context = torch.tensor(ids[-max_positions:], dtype=torch.long, device=device)
+        n = context.numel()
+        cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+        logits = model(context, torch.arange(n, device=device), cu, n)[-1].float()
+        if temperature <= 0:
+            next_id = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            next_id = int(torch.multinomial(probs.cpu(), 1, generator=generator))
+        ids.append(next_id)
+        if eod_id is not None and next_id == eod_id:
+            break
+    return ids[len(prompt):]
+
+
+def load_for_generation(path: str, device: str = "cpu") -> tuple[GPT, object]:
+    """Model (weights loaded) and tokenizer of a checkpoint dir or run dir."""
+    from megalm.data.tokenizer import build_tokenizer
+
+    ckpt = resolve_checkpoint_path(path)
+    meta = read_checkpoint_meta(ckpt)
+    model_cfg = resolve_model_defaults(ModelConfig(**meta.config["model"]))
+    model = GPT(model_cfg, device=torch.device(device))
+    load_model_weights(ckpt, model)
+    model.eval()
+    spec = meta.state.get("tokenizer")
+    if spec is None:
+        raise MegalmError(f"checkpoint {ckpt} was trained without a tokenizer (synthetic data); nothing to decode")
+    return model, build_tokenizer(spec)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="megalm-generate", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a checkpoint dir (RUN/checkpoints/step_...) or a run dir (uses latest)")
+    parser.add_argument("--prompt", default="", help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=50, help="0 = no top-k filtering")
+    parser.add_argument("--num-samples", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--debug", action="store_true", help="keep tracebacks")
+    args = parser.parse_args(argv)
+    try:
+        if args.max_new_tokens < 1:
+            raise MegalmError("--max-new-tokens must be >= 1")
+        model, tokenizer = load_for_generation(args.checkpoint, args.device)
+        prompt = tokenizer.encode(args.prompt) or [tokenizer.eod_id]
+        generator = torch.Generator().manual_seed(args.seed)
+        for i in range(args.num_samples):
+            out = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k or None,
+                         tokenizer.eod_id, generator)
+            text = tokenizer.decode([t for t in out if t != tokenizer.eod_id])
+            if args.num_samples > 1:
+                print(f"--- sample {i + 1}")
+            print(args.prompt + text, flush=True)
+    except MegalmError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

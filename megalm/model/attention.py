@@ -1,0 +1,230 @@
+"""Causal self-attention on packed variable-length documents, with interchangeable backends.
+
+Hidden states are [T, hidden]: the documents of a micro-batch are packed into one stream and
+`cu_seqlens` [N + 1] holds their start offsets. Attention is causal inside each document and never
+crosses a boundary, i.e. a block-diagonal causal mask. softmax(q k^T / sqrt(D)) v (Vaswani et al.
+2017) with grouped-query attention (GQA, Ainslie et al. 2023): query head h reads kv head
+h // (Hq / Hkv), the convention flash-attn and torch SDPA share.
+
+Backends compute the same function and differ only in speed and where they run:
+  flash_attn    flash-attn's varlen kernel (CUDA, fp16/bf16, sm80+)
+  torch_varlen  torch.nn.attention.varlen.varlen_attn (CUDA, fp16/bf16, sm80+; no dropout)
+  sdpa          torch SDPA: one batched call when all documents have the same length, else one per
+                document. Runs anywhere; the CPU path.
+  reference     explicit fp32 math with a [T, T] mask; the oracle for tests (O(T^2) memory).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalm.config import ModelConfig
+from megalm.errors import ConfigError
+from megalm.model.rope import apply_rope
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa", "reference")
+_FAST_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _flash_attn_importable() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:  # ImportError, or an OSError/RuntimeError from a build that does not match torch
+        return False
+    return True
+
+
+@functools.cache
+def _torch_varlen_importable() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _flash_capable(device: torch.device, dtype: torch.dtype) -> bool:
+    """A CUDA device of compute capability 8.0+ (what flash kernels need) and a half-precision dtype."""
+    if device.type != "cuda" or dtype not in _FAST_DTYPES or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def select_attention_backend(
+    requested: str, device: torch.device | str, dtype: torch.dtype, *, dropout: bool = False
+) -> str:
+    """The backend to run for q of this device/dtype; "auto" picks the fastest that can run.
+
+    auto: flash_attn if importable on CUDA in fp16/bf16, else torch_varlen there, else sdpa.
+    `dropout=True` (attention dropout active) rules out torch_varlen, which has no dropout.
+    An explicit backend that cannot run raises ConfigError naming the fix.
+    """
+    device = torch.device(device)
+    fast = _flash_capable(device, dtype)
+    can_flash = fast and _flash_attn_importable()
+    can_varlen = fast and _torch_varlen_importable() and not dropout
+    where = f"(got {device.type} {str(dtype).removeprefix('torch.')})"
+    if requested == "auto":
+        return "flash_attn" if can_flash else "torch_varlen" if can_varlen else "sdpa"
+    if requested == "flash_attn" and not can_flash:
+        raise ConfigError("model.attention_backend=flash_attn needs the flash-attn package and a CUDA device "
+                          f"(sm80+) in fp16/bf16 {where}; use model.attention_backend=auto")
+    if requested == "torch_varlen" and not can_varlen:
+        if dropout and fast:
+            raise ConfigError("model.attention_backend=torch_varlen has no attention dropout; set "
+                              "model.attention_dropout=0 or use model.attention_backend=auto")
+        raise ConfigError("model.attention_backend=torch_varlen needs torch.nn.attention.varlen and a CUDA "
+                          f"device (sm80+) in fp16/bf16 {where}; use model.attention_backend=auto")
+    if requested not in BACKENDS:
+        raise ConfigError(f"model.attention_backend={requested} is not one of {'|'.join(BACKENDS)}; "
+                          "use model.attention_backend=auto")
+    return requested
+
+
+@functools.cache
+def _resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, dropout: bool) -> str:
+    """`select_attention_backend`, cached per (device, dtype, dropout) and logged once for each."""
+    backend = select_attention_backend(requested, device, dtype, dropout=dropout)
+    logger.info("attention backend: %s (model.attention_backend=%s, %s, %s)", backend, requested,
+                device, str(dtype).removeprefix("torch."))
+    return backend
+
+
+def reference_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Explicit fp32 attention with a block-diagonal causal [T, T] mask built from `cu_seqlens`."""
+    total, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    scale = head_dim**-0.5 if scale is None else scale
+    qf = q.float().transpose(0, 1)  # [H, T, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = (qf @ kf.transpose(1, 2)) * scale  # [H, T, T]
+
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths, output_size=total)
+    pos = torch.arange(total, device=q.device)
+    allowed = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return (probs @ vf).transpose(0, 1).to(q.dtype)
+
+
+def _sdpa_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float,
+    scale: float | None,
+) -> torch.Tensor:
+    total, num_heads, head_dim = q.shape
+    num_docs = cu_seqlens.numel() - 1
+    gqa = num_heads != k.shape[1]
+    sdpa = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout_p, is_causal=True, scale=scale,
+                             enable_gqa=gqa)
+    if num_docs * max_seqlen == total:
+        # Every document is max_seqlen long (no document is longer): one batched [B, H, S, D] call.
+        to_bhsd = lambda t: t.reshape(num_docs, max_seqlen, t.shape[1], head_dim).transpose(1, 2)
+        out = sdpa(to_bhsd(q), to_bhsd(k), to_bhsd(v))
+        return out.transpose(1, 2).reshape(total, num_heads, head_dim)
+    bounds = cu_seqlens.tolist()  # host copy: a device sync on CUDA, acceptable on this fallback path
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        if end > start:  # [1, H, S, D] views of this document
+            q_doc, k_doc, v_doc = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            outs.append(sdpa(q_doc, k_doc, v_doc).squeeze(0).transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    backend: str,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention within each packed document: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
+
+    `cu_seqlens` int32 [N + 1] are document offsets (cu_seqlens[-1] == T), `max_seqlen` the longest
+    document; `backend` one of flash_attn | torch_varlen | sdpa | reference (not "auto").
+    """
+    if backend == "flash_attn":
+        from flash_attn import flash_attn_varlen_func
+
+        cu = cu_seqlens.to(torch.int32)
+        return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p,
+                                      softmax_scale=scale, causal=True)
+    if backend == "torch_varlen":
+        if dropout_p > 0.0:
+            raise ValueError("the torch_varlen attention backend has no dropout")
+        from torch.nn.attention.varlen import varlen_attn
+
+        cu = cu_seqlens.to(torch.int32)
+        return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0),
+                           enable_gqa=True)
+    if backend == "sdpa":
+        return _sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale)
+    if backend == "reference":
+        return reference_varlen_attention(q, k, v, cu_seqlens, dropout_p, scale)
+    raise ValueError(f"unknown attention backend {backend!r}")
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query causal self-attention over packed documents.
+
+    The projections are plain nn.Linear, and heads are inferred from the projected width
+    (`view(T, -1, head_dim)`), so tensor parallelism can swap in column/row-parallel layers that
+    hold only this rank's heads without touching this module.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        q_width, kv_width = cfg.num_heads * self.head_dim, cfg.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_width, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_width, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_width, bias=cfg.bias)
+        self.o_proj = nn.Linear(q_width, cfg.hidden_size, bias=cfg.bias)
+        self.dropout_p = cfg.attention_dropout
+        self.backend = cfg.attention_backend
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; `rope` = (cos, sin) [T, head_dim] or None (no rotary)."""
+        total = x.shape[0]
+        q = self.q_proj(x).view(total, -1, self.head_dim)
+        k = self.k_proj(x).view(total, -1, self.head_dim)
+        v = self.v_proj(x).view(total, -1, self.head_dim)
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        dropout_p = self.dropout_p if self.training else 0.0
+        backend = _resolve_backend(self.backend, q.device, q.dtype, dropout_p > 0.0)
+        out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, backend, dropout_p=dropout_p)
+        return self.o_proj(out.reshape(total, -1))

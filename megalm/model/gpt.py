@@ -1,0 +1,198 @@
+"""The GPT decoder: Llama style by default, GPT-2 style by config, over packed documents.
+
+Pre-norm residual blocks (GPT-2, Radford et al. 2019; Xiong et al. 2020):
+    x = x + dropout(attention(attention_norm(x)))
+    x = x + dropout(mlp(mlp_norm(x)))
+then a final norm and the output head. Llama (Touvron et al. 2023) = RMSNorm, SwiGLU, RoPE, GQA,
+untied head, no biases; GPT-2 = LayerNorm, GELU, learned positions, tied head, biases.
+
+There is no batch dimension: hidden states are [T, hidden] for T packed tokens, documents are
+delimited by `cu_seqlens` and positions restart per document (see megalm/data/batch.py).
+The model holds plain nn.Linear layers and no collectives; parallelism is applied from outside.
+
+`init_weights` makes the initial weights a function of the seed only: every parameter is drawn on
+CPU in fp32 from its own generator seeded by (seed, crc32(name)), so the result does not depend on
+construction order, device, dtype, or which layers a pipeline stage holds. Every parallel layout
+therefore starts from the same model.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from megalm.config import ModelConfig, resolve_model_defaults, validate_model
+from megalm.data.batch import PackedBatch
+from megalm.model.attention import Attention
+from megalm.model.mlp import build_mlp
+from megalm.model.norm import build_norm
+from megalm.model.rope import rope_cos_sin
+
+# Parameters that are embedding tables (excluded by num_parameters(exclude_embeddings=True)).
+EMBEDDING_PARAMS = ("embedding.weight", "position_embedding.weight")
+# Projections that write into the residual stream: init std scaled by 1/sqrt(2 * num_layers) (GPT-2).
+RESIDUAL_PROJECTIONS = ("o_proj.weight", "down_proj.weight")
+
+
+class TransformerBlock(nn.Module):
+    """One pre-norm decoder layer. `layer_id` is its global index, kept when a pipeline stage
+    holds only some layers (it names the parameters for `init_weights`)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = build_norm(cfg)
+        self.attention = Attention(cfg)
+        self.mlp_norm = build_norm(cfg)
+        self.mlp = build_mlp(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.attention_norm(x), cu_seqlens, max_seqlen, rope))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer: tokens [T] -> logits [T, vocab_size] over packed documents.
+
+    `device` chooses where the parameters are created ("meta" for no memory: then
+    `model.to_empty(device=...)` and `init_weights(model, seed)`). Always call `init_weights`:
+    construction leaves torch's default (seed-dependent, order-dependent) initialization.
+    """
+
+    def __init__(self, cfg: ModelConfig | DictConfig, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if not isinstance(cfg, ModelConfig):
+            cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), cfg))
+        cfg = resolve_model_defaults(copy.deepcopy(cfg))
+        validate_model(cfg)
+        self.cfg = cfg
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        with torch.device(device) if device is not None else nullcontext():
+            self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.position_embedding = (
+                nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+                if cfg.position_embedding == "learned" else None
+            )
+            self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.num_layers))
+            self.final_norm = build_norm(cfg)
+            # Tied: logits use embedding.weight and there is no output module (nor output.weight).
+            self.output = (
+                None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            )
+
+    def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """tokens [T] -> hidden [T, hidden] (token embedding, plus learned positions for GPT-2)."""
+        hidden = self.embedding(tokens)
+        if self.position_embedding is not None:
+            hidden = hidden + self.position_embedding(position_ids)
+        return hidden
+
+    def rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """RoPE (cos, sin) fp32 [T, head_dim] shared by all layers; None without rotary embeddings."""
+        if self.cfg.position_embedding != "rope":
+            return None
+        return rope_cos_sin(position_ids, self.head_dim, self.cfg.rope_theta)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden] -> logits [T, vocab_size] (final norm, then the output projection)."""
+        hidden = self.final_norm(hidden)
+        if self.output is None:
+            return F.linear(hidden, self.embedding.weight)
+        return self.output(hidden)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+    ) -> torch.Tensor:
+        """tokens, position_ids int64 [T]; cu_seqlens int32 [N + 1]; max_seqlen: longest document (int).
+
+        Returns logits [T, vocab_size] in the compute dtype (bf16 under autocast): take the loss in fp32.
+        """
+        hidden = self.embed(tokens, position_ids)
+        rope = self.rotary(position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, cu_seqlens, max_seqlen, rope)
+        return self.head(hidden)
+
+    def forward_batch(self, batch: PackedBatch) -> torch.Tensor:
+        """`forward` on a PackedBatch (already on the model's device)."""
+        return self(batch.tokens, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
+
+
+def canonical_named_parameters(model: GPT) -> Iterator[tuple[str, nn.Parameter]]:
+    """(name, parameter) with the name the full model gives it: `layers.{i}` uses the block's
+    global `layer_id`, so a pipeline stage holding a slice of the layers gets the full model's names."""
+    for name, param in model.named_parameters():
+        if name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            name = f"layers.{model.layers[int(index)].layer_id}.{rest}"
+        yield name, param
+
+
+def param_seed(seed: int, name: str) -> int:
+    """The generator seed of parameter `name`: a function of (seed, crc32(name)) only."""
+    return (seed * 2**32 + zlib.crc32(name.encode())) % 2**64
+
+
+def initial_value(
+    name: str, shape: tuple[int, ...] | torch.Size, cfg: ModelConfig, seed: int
+) -> torch.Tensor:
+    """The full fp32 CPU initial value of parameter `name` (its full-model name and shape).
+
+    Biases 0, norm weights 1, residual output projections (o_proj, down_proj) N(0, std/sqrt(2L)),
+    every other weight (linear, embedding) N(0, std), with std = cfg.init_std and L = cfg.num_layers.
+    """
+    module_name, _, leaf = name.rpartition(".")
+    if leaf == "bias":
+        return torch.zeros(shape)
+    if module_name.endswith("norm"):
+        return torch.ones(shape)
+    std = cfg.init_std
+    if name.endswith(RESIDUAL_PROJECTIONS):
+        std = std / math.sqrt(2 * cfg.num_layers)
+    generator = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
+    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+
+
+@torch.no_grad()
+def init_weights(model: GPT, seed: int) -> None:
+    """Set every parameter to `initial_value(name, ...)`: deterministic in `seed` only.
+
+    A sharded parameter (tensor parallelism) may carry `full_shape` (the unsharded shape) and
+    `shard_full` (a function full tensor -> this rank's shard): the full value is drawn, then sharded,
+    so every layout starts from the same model.
+    """
+    for name, param in canonical_named_parameters(model):
+        if param.is_meta:
+            raise RuntimeError(f"init_weights: {name} is on the meta device; "
+                               "call model.to_empty(device=...) first")
+        full = initial_value(name, tuple(getattr(param, "full_shape", param.shape)), model.cfg, seed)
+        shard_full: Callable[[torch.Tensor], torch.Tensor] | None = getattr(param, "shard_full", None)
+        param.copy_(shard_full(full) if shard_full is not None else full)
+
+
+def num_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Number of (unique) parameters; `exclude_embeddings` drops the token and position tables
+    (with tied embeddings this also drops the output head, which is the same tensor)."""
+    return sum(
+        p.numel() for name, p in model.named_parameters()
+        if not (exclude_embeddings and name in EMBEDDING_PARAMS)
+    )

@@ -1,0 +1,58 @@
+"""Normalization layers: RMSNorm (Llama) and LayerNorm (GPT-2), both computed in fp32.
+
+RMSNorm (Zhang & Sennrich 2019) rescales by the root mean square only: y = x / rms(x) * g, with
+rms(x) = sqrt(mean(x^2) + eps). LayerNorm (Ba et al. 2016) also subtracts the mean and adds a bias.
+Under bf16 autocast the residual stream may be low precision; the statistics are computed in fp32
+and the result is cast back to the input dtype, so small-variance features are not lost.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalm.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, over the last dimension, computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class LayerNorm(nn.Module):
+    """y = (x - mean) / sqrt(var + eps) * weight + bias, over the last dimension, computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        y = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), bias, self.eps)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, bias={self.bias is not None}"
+
+
+def build_norm(cfg: ModelConfig) -> nn.Module:
+    """The norm layer `cfg.norm` names, over `cfg.hidden_size` (LayerNorm has a bias iff `cfg.bias`)."""
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.hidden_size, cfg.norm_eps)
+    if cfg.norm == "layernorm":
+        return LayerNorm(cfg.hidden_size, cfg.norm_eps, bias=cfg.bias)
+    raise ValueError(f"unknown norm {cfg.norm!r}")

@@ -1,0 +1,99 @@
+"""`megalm-train` / `python -m megalm.train`: compose the Hydra config, then `Trainer(cfg).fit()`.
+
+Every run writes its resolved config, `metrics.jsonl` and checkpoints into its Hydra run dir
+(`hydra.run.dir=...` chooses it). User errors print as one line and exit with code 2; `debug=true`
+keeps the traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from megalm.config import register_schema, to_dataclass
+from megalm.errors import MegalmError
+
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
+log = logging.getLogger("megalm")
+
+register_schema()
+
+
+def fail(message: str) -> None:
+    """Print a user error as one line and exit non-zero."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _one_line(exc: BaseException) -> str:
+    """Condense a Hydra/OmegaConf composition error into one line that names the key and the fix."""
+    cause = exc.__cause__ or exc
+    lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+    full_key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
+    head = lines[0] if lines else type(cause).__name__
+    if "not in struct" in head and full_key:
+        return f"unknown config key '{full_key}'; check the spelling (megalm-train --cfg job lists all keys)"
+    if full_key:
+        return f"{full_key}: {head}"
+    if "Could not find" in head:
+        options = [ln for ln in lines[1:] if not ln.startswith("Available options")]
+        return f"{head}; available: {', '.join(options)}" if options else head
+    return head
+
+
+def precheck_overrides(argv: list[str]) -> None:
+    """Compose once with the command-line overrides so bad keys/values fail as a single line.
+
+    Hydra reports composition errors over several lines; this runs the same composition first and
+    condenses its error. Sweeps (-m) and Hydra's own flags are left to Hydra.
+    """
+    if any(a in ("-m", "--multirun") for a in argv):
+        return
+    overrides = [a for a in argv if not a.startswith("-")]
+    if any(a.startswith("-") for a in argv):  # --help, --cfg, --info ...: Hydra handles these itself
+        return
+    from hydra import compose, initialize_config_dir
+
+    try:
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            compose(config_name="config", overrides=overrides)
+    except Exception as e:  # noqa: BLE001 - any composition failure is a user error here
+        if "debug=true" in overrides:
+            raise
+        fail(_one_line(e))
+
+
+def run(cfg: DictConfig) -> float | None:
+    """Train with a composed config; returns the last logged loss (what a Hydra sweeper minimises)."""
+    from megalm.training.trainer import Trainer
+
+    debug = bool(cfg.get("debug", False))
+    try:
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        summary = Trainer(to_dataclass(cfg), run_dir).fit()
+        return summary.last_loss
+    except MegalmError as e:
+        if debug:
+            raise
+        fail(str(e))
+    return None
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+def hydra_main(cfg: DictConfig) -> float | None:
+    return run(cfg)
+
+
+def main() -> None:
+    precheck_overrides(sys.argv[1:])
+    hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Training: the loop, optimizer and schedules, loss, checkpoints, metrics and MFU."""

@@ -1,0 +1,93 @@
+"""Where training metrics go: the console, `metrics.jsonl`, TensorBoard and Weights & Biases.
+
+`metrics.jsonl` is the contract: one JSON object per logged step, appended and flushed as it is
+written, so tests, scripts and plots read runs without TensorBoard. TensorBoard is used when
+installed (or forced on); W&B only when `logging.wandb.enabled=true`, offline by default, so no
+network call happens unless asked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from megalm.config import LoggingConfig
+from megalm.errors import ConfigError
+
+log = logging.getLogger("megalm")
+
+
+def format_line(record: dict[str, Any], max_steps: int) -> str:
+    """A concise console line: step, loss, lr, grad norm, throughput (and MFU, eval when known)."""
+    parts = [f"step {record['step']:>{len(str(max_steps))}}/{max_steps}", f"loss {record['loss']:.4f}"]
+    if "val_loss" in record:
+        parts.append(f"val {record['val_loss']:.4f}")
+    parts += [f"lr {record['lr']:.2e}", f"grad {record['grad_norm']:.3f}",
+              f"{record['tokens_per_sec']:,.0f} tok/s"]
+    if record.get("mfu") is not None:
+        parts.append(f"mfu {100 * record['mfu']:.1f}%")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Fan-out of metric records; only the process that owns it (rank 0) should create one."""
+
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, max_steps: int, config_dict: dict | None = None):
+        self.max_steps = max_steps
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a")
+        self._tb = self._open_tensorboard(run_dir, cfg.tensorboard)
+        self._wandb = self._open_wandb(run_dir, cfg, config_dict) if cfg.wandb.enabled else None
+
+    @staticmethod
+    def _open_tensorboard(run_dir: Path, wanted: bool | None):
+        installed = importlib.util.find_spec("tensorboard") is not None
+        if wanted is False or (wanted is None and not installed):
+            return None
+        if not installed:
+            raise ConfigError("logging.tensorboard=true but tensorboard is not installed; "
+                              "pip install tensorboard or set logging.tensorboard=false")
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+
+    @staticmethod
+    def _open_wandb(run_dir: Path, cfg: LoggingConfig, config_dict: dict | None):
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("logging.wandb.enabled=true but wandb is not installed; pip install wandb "
+                              "or set logging.wandb.enabled=false")
+        import wandb
+
+        os.environ.setdefault("WANDB_MODE", cfg.wandb.mode)
+        return wandb.init(project=cfg.wandb.project, name=cfg.wandb.name, entity=cfg.wandb.entity,
+                          dir=str(run_dir), mode=cfg.wandb.mode, config=config_dict)
+
+    def log(self, record: dict[str, Any]) -> None:
+        log.info(format_line(record, self.max_steps))
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        step = record["step"]
+        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(f"train/{key}", value, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
+    """All records of a run's metrics.jsonl, in order."""
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,75 @@
+"""AdamW with decoupled weight decay and the learning-rate schedules megalm offers.
+
+The schedule is a pure function of the step (`lr_at`), so resuming needs no scheduler state
+beyond the step counter and a resumed run follows exactly the curve of one that never stopped.
+
+- cosine: linear warmup, then cosine from lr to min_lr over `decay_steps`, then min_lr.
+- linear: linear warmup, then linear decay to min_lr.
+- wsd: warmup-stable-decay (Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond
+  Fixed Training Durations"): warmup, constant lr, then a linear decay to min_lr over the last
+  `wsd_decay_fraction` of the run.
+- constant: warmup, then lr.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from megalm.config import OptimConfig
+
+
+def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
+    """Learning rate for the optimizer step with 0-based index `step`."""
+    if optim.warmup_steps > 0 and step < optim.warmup_steps:
+        return optim.lr * (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return optim.lr
+    if optim.schedule == "wsd":
+        decay_steps = max(1, round(optim.wsd_decay_fraction * max_steps))
+        decay_start = max(optim.warmup_steps, max_steps - decay_steps)
+        if step < decay_start:
+            return optim.lr
+        progress = min(1.0, (step - decay_start + 1) / decay_steps)
+        return optim.lr + (optim.min_lr - optim.lr) * progress
+    decay_steps = optim.decay_steps or max(1, max_steps - optim.warmup_steps)
+    progress = min(1.0, (step - optim.warmup_steps) / decay_steps)
+    if optim.schedule == "linear":
+        return optim.lr + (optim.min_lr - optim.lr) * progress
+    return optim.min_lr + 0.5 * (optim.lr - optim.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices (linear and embedding weights); leave norms and biases undecayed."""
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (decay if param.ndim >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
+    """torch AdamW, fused kernel when the parameters' device supports it, foreach otherwise."""
+    device = next(model.parameters()).device
+    use_fused = optim.implementation == "fused" or (
+        optim.implementation == "auto" and device.type in ("cuda", "cpu")
+    )
+    kwargs = {"fused": True} if use_fused else {"foreach": True}
+    return torch.optim.AdamW(
+        param_groups(model, optim.weight_decay),
+        lr=optim.lr,
+        betas=(optim.beta1, optim.beta2),
+        eps=optim.eps,
+        **kwargs,
+    )
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

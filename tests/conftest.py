@@ -1,0 +1,48 @@
+"""Shared test helpers: compose a real config from configs/ with overrides, small and fast."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Tests are small; more threads than cores only adds contention on the 2-core CI machine.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.seq_length=32",
+    "data=synthetic",
+    "data.synthetic.num_docs=400",
+    "data.synthetic.mean_doc_length=40",
+    "data.valid_fraction=0.05",
+    "trainer.global_batch_size=8",
+    "trainer.micro_batch_size=4",
+    "trainer.log_interval=1",
+    "trainer.eval_interval=0",
+    "trainer.save_interval=0",
+    "logging.tensorboard=false",
+    "optim.warmup_steps=2",
+]
+
+
+def compose_config(*overrides: str, tiny: bool = True):
+    """A validated-by-schema MegalmConfig from configs/config.yaml and the given overrides."""
+    from hydra import compose, initialize_config_dir
+
+    from megalm.config import register_schema, to_dataclass
+    from megalm.train import CONFIG_DIR
+
+    register_schema()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=(TINY if tiny else []) + list(overrides))
+    return to_dataclass(cfg)
+
+
+@pytest.fixture
+def make_config():
+    return compose_config

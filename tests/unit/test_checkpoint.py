@@ -1,0 +1,134 @@
+"""Checkpoint files: round trip, atomicity under a crash mid-save, pruning, refusing foreign checkpoints."""
+
+import os
+
+import pytest
+import torch
+
+from megalm.errors import CheckpointError
+from megalm.training import checkpoint as ckpt
+
+
+class Net(torch.nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, x):
+        return self.norm(self.fc(x))
+
+
+def trained(seed: int = 0, steps: int = 3, width: int = 8):
+    torch.manual_seed(seed)
+    net = Net(width)
+    opt = torch.optim.AdamW([{"params": [net.fc.weight]}, {"params": [net.fc.bias, *net.norm.parameters()],
+                                                           "weight_decay": 0.0}], lr=1e-2)
+    for _ in range(steps):
+        net(torch.randn(4, width)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return net, opt
+
+
+CONFIG = {"model": {"hidden_size": 8, "num_layers": 1}}
+
+
+def save(run_dir, step, net, opt, keep=3):
+    return ckpt.save_checkpoint(run_dir, step, net, opt, {"consumed_tokens": step * 10}, CONFIG, keep)
+
+
+def test_round_trip_restores_weights_optimizer_and_rng(tmp_path):
+    net, opt = trained()
+    torch.manual_seed(7)
+    path = save(tmp_path, 3, net, opt)
+    expected_rng = torch.rand(3)
+
+    net2, opt2 = trained(seed=1, steps=1)
+    meta = ckpt.load_checkpoint(path, net2, opt2)
+    assert torch.equal(torch.rand(3), expected_rng), "RNG state must be restored"
+    assert meta.state["step"] == 3 and meta.state["consumed_tokens"] == 30
+    for (n, a), (_, b) in zip(net.state_dict().items(), net2.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+    # One more identical update from both must stay identical (moments and step count restored).
+    x = torch.randn(4, 8)
+    for n_, o_ in ((net, opt), (net2, opt2)):
+        n_(x).square().mean().backward()
+        o_.step()
+    for a, b in zip(net.parameters(), net2.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fail_at", ["model.safetensors", "optimizer.safetensors", "rng.safetensors", "rename",
+                                     "latest"])
+def test_crash_mid_save_keeps_previous_checkpoint_usable(tmp_path, monkeypatch, fail_at):
+    net, opt = trained()
+    first = save(tmp_path, 1, net, opt)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    net2, opt2 = trained(seed=5)
+
+    class Crash(BaseException):
+        pass
+
+    real_save, real_rename, real_write = ckpt.save_file, os.rename, ckpt._write_text_atomic
+
+    def crashing_save(tensors, filename):
+        if filename.endswith(fail_at):
+            with open(filename, "wb") as f:  # a half-written file, as a kill would leave it
+                f.write(b"\x00" * 17)
+            raise Crash
+        real_save(tensors, filename)
+
+    def crashing_rename(src, dst):
+        if fail_at == "rename":
+            raise Crash
+        real_rename(src, dst)
+
+    def crashing_latest(path, text):
+        if fail_at == "latest":
+            with open(path.with_name(".latest.partial"), "w") as f:
+                f.write("step_0000")
+            raise Crash
+        real_write(path, text)
+
+    monkeypatch.setattr(ckpt, "save_file", crashing_save)
+    monkeypatch.setattr(ckpt.os, "rename", crashing_rename)
+    monkeypatch.setattr(ckpt, "_write_text_atomic", crashing_latest)
+    with pytest.raises(Crash):
+        save(tmp_path, 2, net2, opt2)
+    monkeypatch.undo()
+
+    assert ckpt.latest_checkpoint(tmp_path) == first
+    restored, ropt = trained(seed=9, steps=1)
+    ckpt.load_checkpoint(first, restored, ropt)
+    for k, v in restored.state_dict().items():
+        assert torch.equal(v, before[k])
+    # The next save succeeds and clears the debris of the crashed one.
+    third = save(tmp_path, 3, net2, opt2)
+    assert ckpt.latest_checkpoint(tmp_path) == third
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_keeps_last_k(tmp_path):
+    net, opt = trained()
+    for step in range(1, 6):
+        save(tmp_path, step, net, opt, keep=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert names == ["step_00000004", "step_00000005"]
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_00000005"
+    assert ckpt.resolve_checkpoint_path(tmp_path).name == "step_00000005"
+
+
+def test_refuses_another_model_and_corrupt_files(tmp_path):
+    net, opt = trained()
+    path = save(tmp_path, 1, net, opt)
+    with pytest.raises(CheckpointError, match="hidden_size=8 .this run: 16"):
+        ckpt.check_model_config({"hidden_size": 8}, {"hidden_size": 16}, path)
+    bigger, bigger_opt = trained(width=16)
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        ckpt.load_checkpoint(path, bigger, bigger_opt)
+    (path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        ckpt.load_checkpoint(path, net, opt)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        ckpt.resolve_checkpoint_path(tmp_path / "nope")
