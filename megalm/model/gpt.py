@@ -19,6 +19,7 @@ therefore starts from the same model.
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import zlib
 from collections.abc import Callable, Iterator
@@ -148,8 +149,13 @@ def canonical_named_parameters(model: GPT) -> Iterator[tuple[str, nn.Parameter]]
 
 
 def param_seed(seed: int, name: str) -> int:
-    """The generator seed of parameter `name`: a function of (seed, crc32(name)) only."""
-    return (seed * 2**32 + zlib.crc32(name.encode())) % 2**64
+    """The generator seed of parameter `name`: a hash of (seed, crc32(name)).
+
+    32 bits, because torch's CPU generator (mt19937) keeps only the low 32 bits of a seed:
+    `seed * 2**32 + crc` would give every seed the same weights.
+    """
+    key = f"{seed}:{zlib.crc32(name.encode())}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
 
 
 def initial_value(

@@ -1,0 +1,321 @@
+"""Unit tests of megalm.model: attention backends against an fp32 oracle, packing, causality, init."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalm.config import ModelConfig
+from megalm.data.batch import packed_from_documents
+from megalm.errors import ConfigError
+from megalm.model import GPT, init_weights, num_parameters, select_attention_backend, varlen_attention
+from megalm.model.norm import LayerNorm, RMSNorm
+from megalm.model.rope import apply_rope, rope_cos_sin
+
+GPT2_STYLE = dict(norm="layernorm", activation="gelu", position_embedding="learned", tie_embeddings=True,
+                  bias=True)
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    fields = dict(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48,
+                  vocab_size=64, seq_length=32, attention_backend="sdpa")
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def build(cfg: ModelConfig, seed: int = 0, perturb: bool = True) -> GPT:
+    """An initialized model in eval mode; `perturb` makes norm weights and biases non-trivial too."""
+    model = GPT(cfg)
+    init_weights(model, seed)
+    if perturb:
+        gen = torch.Generator().manual_seed(seed + 100)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def pack(docs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    lengths = [len(d) for d in docs]
+    cu = torch.zeros(len(docs) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    return torch.cat(docs), positions, cu, max(lengths)
+
+
+def random_docs(lengths: list[int], vocab: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
+
+
+def random_qkv(total: int, hq: int, hkv: int, dim: int, dtype=torch.float32, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(total, h, dim, generator=gen, dtype=dtype).requires_grad_() for h in (hq, hkv, hkv)]
+
+
+def cu_from(lengths: list[int]) -> torch.Tensor:
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    return cu
+
+
+# ---------------------------------------------------------------- attention
+
+
+def test_reference_matches_naive_loop():
+    lengths, hq, hkv, dim = [3, 1, 4], 4, 2, 8
+    q, k, v = random_qkv(sum(lengths), hq, hkv, dim, dtype=torch.float64)
+    out = varlen_attention(q, k, v, cu_from(lengths), max(lengths), "reference").double()
+    expected = torch.zeros_like(out)
+    start = 0
+    for n in lengths:
+        for t in range(start, start + n):
+            for h in range(hq):
+                kv = h // (hq // hkv)
+                keys, values = k[start:t + 1, kv], v[start:t + 1, kv]
+                weights = torch.softmax(keys @ q[t, h] / math.sqrt(dim), dim=0)
+                expected[t, h] = weights @ values
+        start += n
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("lengths", [[6, 6, 6], [5, 1, 9, 3]], ids=["equal", "ragged"])
+def test_sdpa_matches_reference(lengths, heads, monkeypatch):
+    hq, hkv = heads
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    cu, total = cu_from(lengths), sum(lengths)
+    grad_out = torch.randn(total, hq, 8, generator=torch.Generator().manual_seed(5))
+    results = {}
+    for backend in ("sdpa", "reference"):
+        q, k, v = random_qkv(total, hq, hkv, 8)
+        out = varlen_attention(q, k, v, cu, max(lengths), backend)
+        results[backend] = (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+    # equal lengths: one batched SDPA call; ragged: one call per document
+    assert len(calls) == (1 if len(set(lengths)) == 1 else len(lengths))
+    for got, want, name in zip(results["sdpa"], results["reference"], ("out", "dq", "dk", "dv"), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_select_backend_on_cpu():
+    cpu = torch.device("cpu")
+    assert select_attention_backend("auto", cpu, torch.float32) == "sdpa"
+    assert select_attention_backend("auto", cpu, torch.bfloat16) == "sdpa"
+    assert select_attention_backend("sdpa", cpu, torch.float32) == "sdpa"
+    assert select_attention_backend("reference", cpu, torch.float32) == "reference"
+    if not torch.cuda.is_available():
+        assert select_attention_backend("auto", torch.device("cuda"), torch.bfloat16) == "sdpa"
+    for backend in ("flash_attn", "torch_varlen"):
+        with pytest.raises(ConfigError, match=f"attention_backend={backend}.*attention_backend=auto"):
+            select_attention_backend(backend, cpu, torch.bfloat16)
+    with pytest.raises(ConfigError):
+        select_attention_backend("bogus", cpu, torch.float32)
+
+
+def test_model_with_unrunnable_backend_raises():
+    model = GPT(tiny_config(attention_backend="flash_attn"))
+    tokens, positions, cu, max_len = pack(random_docs([5], 64))
+    with pytest.raises(ConfigError, match="flash_attn"):
+        model(tokens, positions, cu, max_len)
+
+
+# ---------------------------------------------------------------- rope and norms
+
+
+def test_rope_matches_complex_rotation():
+    dim, theta = 8, 10000.0
+    x = torch.randn(5, 3, dim, dtype=torch.float64)
+    positions = torch.tensor([0, 1, 2, 0, 7])
+    cos, sin = rope_cos_sin(positions, dim, theta)
+    got = apply_rope(x, cos, sin)
+    # Rotate-half pairs (x[i], x[i + D/2]) as one complex number, rotated by exp(i * p * theta^(-2i/D)).
+    z = torch.complex(x[..., : dim // 2], x[..., dim // 2:])
+    freqs = torch.tensor([theta ** (-2 * i / dim) for i in range(dim // 2)], dtype=torch.float64)
+    z = z * torch.polar(torch.ones_like(freqs), positions[:, None, None].double() * freqs)
+    torch.testing.assert_close(got, torch.cat([z.real, z.imag], dim=-1), atol=1e-6, rtol=1e-6)
+    # positions restart per document: identical rows for identical positions
+    torch.testing.assert_close(cos[0], cos[3])
+
+
+def test_norms_match_formulas():
+    x = torch.randn(6, 16)
+    rms = RMSNorm(16, eps=1e-5)
+    ln = LayerNorm(16, eps=1e-5, bias=True)
+    with torch.no_grad():
+        for p in (rms.weight, ln.weight, ln.bias):
+            p.copy_(torch.randn(16))
+    expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * rms.weight
+    torch.testing.assert_close(rms(x), expected)
+    mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+    torch.testing.assert_close(ln(x), (x - mean) / torch.sqrt(var + 1e-5) * ln.weight + ln.bias)
+    assert rms(x.bfloat16()).dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------- the model
+
+
+def test_causal():
+    model = build(tiny_config())
+    tokens, positions, cu, max_len = pack(random_docs([12], 64))
+    changed = tokens.clone()
+    changed[7] = (changed[7] + 1) % 64
+    with torch.no_grad():
+        a, b = model(tokens, positions, cu, max_len), model(changed, positions, cu, max_len)
+    torch.testing.assert_close(a[:7], b[:7], atol=0, rtol=0)
+    assert not torch.allclose(a[7:], b[7:])
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_packed_equals_separate(style, backend):
+    cfg = tiny_config(attention_backend=backend, **(GPT2_STYLE if style == "gpt2" else {}))
+    model = build(cfg)
+    docs = random_docs([7, 3, 11, 1], cfg.vocab_size)
+    with torch.no_grad():
+        packed = model(*pack(docs))
+        separate = torch.cat([model(*pack([doc])) for doc in docs])
+    torch.testing.assert_close(packed, separate, atol=1e-5, rtol=1e-5)
+    # The model does read positions (so the equality above checks that they restart per document).
+    tokens, positions, cu, max_len = pack(docs)
+    with torch.no_grad():
+        unpositioned = model(tokens, torch.zeros_like(positions), cu, max_len)
+    assert not torch.allclose(unpositioned[7:], packed[7:], atol=1e-4)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_model_sdpa_matches_reference(num_kv_heads):
+    docs = random_docs([5, 9, 2], 64)
+    results = []
+    for backend in ("sdpa", "reference"):
+        model = build(tiny_config(num_kv_heads=num_kv_heads, attention_backend=backend))
+        logits = model(*pack(docs))
+        logits.pow(2).mean().backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        results.append((logits.detach(), grads))
+    assert model.layers[0].attention.k_proj.weight.shape == (num_kv_heads * 8, 32)
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(grad, results[1][1][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_forward_batch():
+    model = build(tiny_config())
+    docs = random_docs([6, 4], 64)
+    batch = packed_from_documents(docs)  # inputs are each document but its last token
+    with torch.no_grad():
+        expected = torch.cat([model(*pack([d[:-1]])) for d in docs])
+        torch.testing.assert_close(model.forward_batch(batch), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_parameter_names_llama():
+    cfg = tiny_config()
+    model = GPT(cfg)
+    per_layer = ["attention_norm.weight", "attention.q_proj.weight", "attention.k_proj.weight",
+                 "attention.v_proj.weight", "attention.o_proj.weight", "mlp_norm.weight",
+                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+    expected = {"embedding.weight", "final_norm.weight", "output.weight"}
+    expected |= {f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in per_layer}
+    assert set(model.state_dict()) == expected
+    h, hq, hkv, f, V, L = 32, 32, 16, 48, 64, 2
+    per_block = 2 * h + h * hq + 2 * h * hkv + hq * h + 3 * h * f
+    assert num_parameters(model) == V * h + L * per_block + h + h * V
+    assert num_parameters(model, exclude_embeddings=True) == L * per_block + h + h * V
+
+
+def test_gpt2_variant_and_tied_embeddings():
+    cfg = tiny_config(num_kv_heads=None, **GPT2_STYLE)
+    model = build(cfg)
+    names = set(model.state_dict())
+    assert "output.weight" not in names and model.output is None
+    assert model.position_embedding.weight.shape == (cfg.seq_length, cfg.hidden_size)
+    for i in range(cfg.num_layers):
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            assert f"layers.{i}.attention.{proj}.bias" in names
+        for proj in ("up_proj", "down_proj"):
+            assert f"layers.{i}.mlp.{proj}.bias" in names
+        assert f"layers.{i}.attention_norm.bias" in names
+        assert f"layers.{i}.mlp.gate_proj.weight" not in names
+    # The head reads the embedding table: zeroing a row zeroes that token's logit, and the
+    # table gets gradient from the head even for tokens absent from the input.
+    tokens, positions, cu, max_len = pack([torch.tensor([1, 2, 3, 4])])
+    with torch.no_grad():
+        model.embedding.weight[9].zero_()
+    logits = model(tokens, positions, cu, max_len)
+    assert torch.all(logits[:, 9] == 0) and torch.all(logits[:, 10] != 0)
+    logits.sum().backward()
+    assert model.embedding.weight.grad[10].abs().sum() > 0
+
+
+def test_init_is_deterministic_and_seed_dependent():
+    cfg = tiny_config(**GPT2_STYLE)
+    torch.manual_seed(1)
+    a = GPT(cfg)
+    init_weights(a, seed=7)
+    torch.manual_seed(2)  # a different global RNG state while building must not matter
+    b = GPT(cfg)
+    init_weights(b, seed=7)
+    c = GPT(cfg)
+    init_weights(c, seed=8)
+    for name, value in a.state_dict().items():
+        torch.testing.assert_close(value, b.state_dict()[name], atol=0, rtol=0, msg=name)
+        if name.endswith("weight") and "norm" not in name:
+            assert not torch.equal(value, c.state_dict()[name]), name
+    # parameters of the same shape get different values (each has its own generator)
+    q0, q1 = a.layers[0].attention.q_proj.weight, a.layers[1].attention.q_proj.weight
+    assert not torch.equal(q0, q1) and not torch.equal(q0, a.layers[0].attention.k_proj.weight)
+
+
+def test_init_on_meta_equals_init_on_cpu():
+    cfg = tiny_config()
+    cpu = GPT(cfg, device="cpu")
+    init_weights(cpu, seed=3)
+    meta = GPT(cfg, device="meta")
+    assert all(p.is_meta for p in meta.parameters())
+    with pytest.raises(RuntimeError, match="to_empty"):
+        init_weights(meta, seed=3)
+    meta.to_empty(device="cpu")
+    init_weights(meta, seed=3)
+    for name, value in cpu.state_dict().items():
+        torch.testing.assert_close(meta.state_dict()[name], value, atol=0, rtol=0, msg=name)
+
+
+def test_init_independent_of_which_layers_exist():
+    cfg = tiny_config(num_layers=3)
+    full = GPT(cfg)
+    init_weights(full, seed=5)
+    stage = GPT(cfg)
+    stage.layers = nn.ModuleList(list(stage.layers)[1:])  # a pipeline stage holding layers 1 and 2
+    init_weights(stage, seed=5)
+    for local, global_ in ((0, 1), (1, 2)):
+        for name, value in stage.layers[local].state_dict().items():
+            torch.testing.assert_close(value, full.layers[global_].state_dict()[name], atol=0, rtol=0)
+    # a sharded parameter (first half of q_proj's rows) gets the matching slice of the full init
+    shard = nn.Linear(32, 16, bias=False)
+    shard.weight.full_shape = (32, 32)
+    shard.weight.shard_full = lambda full_value: full_value[:16]
+    stage.layers[0].attention.q_proj = shard
+    init_weights(stage, seed=5)
+    torch.testing.assert_close(shard.weight, full.layers[1].attention.q_proj.weight[:16], atol=0, rtol=0)
+
+
+def test_init_distribution():
+    cfg = tiny_config(hidden_size=64, ffn_hidden_size=256, num_layers=2, vocab_size=256, init_std=0.02,
+                      **GPT2_STYLE)
+    model = GPT(cfg)
+    init_weights(model, seed=0)
+    residual_std = 0.02 / math.sqrt(2 * cfg.num_layers)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            assert torch.all(p == 0), name
+        elif "norm" in name:
+            assert torch.all(p == 1), name
+        else:
+            want = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            assert abs(p.std().item() / want - 1) < 0.1, (name, p.std().item(), want)
+            assert abs(p.mean().item()) < 0.1 * want, name
