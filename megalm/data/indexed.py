@@ -102,8 +102,8 @@ class IndexedDatasetWriter:
 
     def _check_absent(self) -> None:
         if dataset_exists(self.prefix):
-            raise DatasetExistsError(f"{self.prefix}.bin/.idx already exist; pass --overwrite (overwrite=True) "
-                                     "to replace them, or choose another output prefix")
+            raise DatasetExistsError(f"{self.prefix}.bin/.idx already exist; pass --overwrite "
+                                     "(overwrite=True) to replace them, or choose another output prefix")
 
     def add_document(self, tokens: list[int] | np.ndarray) -> None:
         """Append one document; the eod token is added after it."""
@@ -118,8 +118,8 @@ class IndexedDatasetWriter:
             lo, hi = int(arr.min()), int(arr.max())
             if lo < 0 or hi >= self.vocab_size:
                 bad = lo if lo < 0 else hi
-                raise DataError(f"token id {bad} is outside the vocab [0, {self.vocab_size}) of {self.prefix}; "
-                                "the tokenizer and vocab_size do not match")
+                raise DataError(f"token id {bad} is outside the vocab [0, {self.vocab_size}) of "
+                                f"{self.prefix}; the tokenizer and vocab_size do not match")
             self._bin.write(arr.astype(self.dtype, copy=False).tobytes())
         self._bin.write(self._eod)
         self._offsets.append(self._offsets[-1] + arr.size + 1)
@@ -264,7 +264,8 @@ class IndexedDataset:
         if length is None:
             length = end - start - offset
         if offset < 0 or length < 0 or start + offset + length > end:
-            raise IndexError(f"slice [{offset}, {offset + length}) outside document {i} of {end - start} tokens")
+            raise IndexError(f"slice [{offset}, {offset + length}) outside document {i} "
+                             f"of {end - start} tokens")
         return np.asarray(self._tokens[start + offset:start + offset + length])
 
     def __repr__(self) -> str:

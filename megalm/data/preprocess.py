@@ -6,7 +6,8 @@ the same dataset, byte for byte; with --workers the batches are tokenized in par
 order. Every user error is one line on stderr and exit code 2.
 
     megalm-preprocess --input corpus.jsonl --output-prefix data/corpus --tokenizer byte
-    megalm-preprocess --input books/ --glob "*.txt" --output-prefix data/books --tokenizer tok.json --workers 8
+    megalm-preprocess --input books/ --glob "*.txt" --output-prefix data/books \
+        --tokenizer tokenizer.json --workers 8
 """
 
 from __future__ import annotations
@@ -179,10 +180,13 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str, tokenize
 
     from tqdm import tqdm
 
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not show_progress)
+    # disable=None: no bar when stderr is not a terminal (batch logs stay clean).
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
+               disable=None if show_progress else True)
     skipped = 0
-    with bar, IndexedDatasetWriter(output_prefix, tokenizer.vocab_size, tokenizer.spec, tokenizer.eod_id,
-                              overwrite=overwrite) as writer:
+    writer = IndexedDatasetWriter(output_prefix, tokenizer.vocab_size, tokenizer.spec, tokenizer.eod_id,
+                                  overwrite=overwrite)
+    with bar, writer:
 
         def write(encoded: list[np.ndarray], nbytes: int, n_skipped: int) -> None:
             nonlocal skipped
@@ -193,19 +197,27 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str, tokenize
 
         if use_pool:
             import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
+            from concurrent.futures.process import BrokenProcessPool
 
             # spawn, not fork: the parent may already run tokenizer threads. At most 2 batches per
-            # worker are in flight, so memory stays bounded however large the corpus is.
-            with mp.get_context("spawn").Pool(workers, _worker_init, (tokenizer.spec,)) as pool:
-                pending: deque = deque()
-                for texts, nbytes, n_skipped in batches:
-                    pending.append((pool.apply_async(_worker_encode, (texts,)), nbytes, n_skipped))
-                    if len(pending) >= 2 * workers:
-                        result, nb, ns = pending.popleft()
-                        write(result.get(), nb, ns)
-                while pending:
-                    result, nb, ns = pending.popleft()
-                    write(result.get(), nb, ns)
+            # worker are in flight, so memory stays bounded however large the corpus is; results are
+            # written in submission order, so the output does not depend on --workers.
+            try:
+                with ProcessPoolExecutor(workers, mp.get_context("spawn"), _worker_init,
+                                         (tokenizer.spec,)) as pool:
+                    pending: deque = deque()
+                    for texts, nbytes, n_skipped in batches:
+                        pending.append((pool.submit(_worker_encode, texts), nbytes, n_skipped))
+                        if len(pending) >= 2 * workers:
+                            future, nb, ns = pending.popleft()
+                            write(future.result(), nb, ns)
+                    while pending:
+                        future, nb, ns = pending.popleft()
+                        write(future.result(), nb, ns)
+            except BrokenProcessPool:
+                raise DataError("the --workers processes died (out of memory, or started from an "
+                                "interactive/stdin script); run with --workers 1") from None
         else:
             for texts, nbytes, n_skipped in batches:
                 write(_encode_batch(tokenizer, texts), nbytes, n_skipped)
@@ -228,16 +240,19 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _OneLineParser(prog="megalm-preprocess",
-                       description="Tokenize text into an indexed dataset (PREFIX.bin + PREFIX.idx) for megalm.")
+                       description="Tokenize text into an indexed dataset (PREFIX.bin + PREFIX.idx) "
+                                   "for megalm.")
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
                    help=".jsonl/.json (one JSON object per line), .txt (one document; one per line with "
                         "--split-lines), any other file (one document), or a directory (walked recursively)")
     p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
     p.add_argument("--tokenizer", default="byte", help="'byte' (default) or the path of a Hugging Face "
                                                        "tokenizer.json")
-    p.add_argument("--json-key", default="text", help="the key holding the text in .jsonl files (default: text)")
+    p.add_argument("--json-key", default="text",
+                   help="the key holding the text in .jsonl files (default: text)")
     p.add_argument("--split-lines", action="store_true", help="every line of a .txt file is a document")
-    p.add_argument("--glob", default="*", help="file-name pattern for files inside directories (default: *)")
+    p.add_argument("--glob", default="*", help="file-name pattern for files inside directories (default: *); "
+                                               "hidden files and directories are skipped")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT_PREFIX.bin/.idx")
     p.add_argument("--workers", type=int, default=1,
                    help="processes tokenizing in parallel (Hugging Face tokenizers; 'byte' needs none)")
@@ -250,8 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.workers < 1:
             raise DataError(f"--workers={args.workers} must be >= 1")
-        stats = preprocess(args.input, args.output_prefix, build_tokenizer(args.tokenizer), json_key=args.json_key,
-                           split_lines=args.split_lines, overwrite=args.overwrite,
+        stats = preprocess(args.input, args.output_prefix, build_tokenizer(args.tokenizer),
+                           json_key=args.json_key, split_lines=args.split_lines, overwrite=args.overwrite,
                            show_progress=not args.no_progress, glob=args.glob, workers=args.workers)
     except (MegalmError, OSError) as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

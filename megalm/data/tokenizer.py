@@ -93,8 +93,9 @@ class HFTokenizer:
                 self.eod_token = name
                 break
         else:
-            raise DataError(f"tokenizer {path} has none of the end-of-document tokens {', '.join(EOD_CANDIDATES)}; "
-                            "add one of them to its vocabulary (e.g. as a special token)")
+            raise DataError(f"tokenizer {path} has none of the end-of-document tokens "
+                            f"{', '.join(EOD_CANDIDATES)}; add one of them to its vocabulary "
+                            "(e.g. as a special token)")
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,667 @@
+"""Data package: tokenizers, the .bin/.idx format, megalm-preprocess, the demo corpus, and sampling.
+
+Sampling tests check the properties the rest of megalm relies on: the global batch depends on
+(seed, step) only, any micro-batch / DP split of it packs back to the same tokens, packed windows
+cover each epoch's stream and mask the loss exactly at document boundaries.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer as HFTok
+from tokenizers import models, pre_tokenizers
+
+from megalm.config import MegalmConfig
+from megalm.data import demo as demo_mod
+from megalm.data import indexed as indexed_mod
+from megalm.data.batch import Sample, pack_samples
+from megalm.data.dataset import (
+    PackedDataset,
+    VarlenDataset,
+    build_datasets,
+    global_batch,
+    loss_token_count,
+    micro_batches,
+    split_documents,
+)
+from megalm.data.demo import demo_corpus
+from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter
+from megalm.data.preprocess import main, preprocess
+from megalm.data.synthetic import SyntheticDocuments
+from megalm.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
+from megalm.errors import DataError
+
+# ----------------------------------------------------------------------------------------- helpers
+
+
+def make_hf_tokenizer(path: Path, words: list[str], specials: tuple[str, ...] = ("<|endoftext|>",)) -> Path:
+    """A WordLevel tokenizer: '<unk>' = 0, words = 1.., then the special tokens; whitespace split."""
+    vocab = {w: i for i, w in enumerate(["<unk>", *words, *specials])}
+    tok = HFTok(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if specials:
+        tok.add_special_tokens(list(specials))
+    tok.save(str(path))
+    return path
+
+
+def write_dataset(prefix: Path, docs: list[list[int]], vocab_size: int, eod_id: int, spec: str = "") -> str:
+    with IndexedDatasetWriter(str(prefix), vocab_size, spec, eod_id=eod_id) as w:
+        for d in docs:
+            w.add_document(d)
+        w.finalize()
+    return str(prefix)
+
+
+def byte_dataset(tmp_path: Path, texts: list[str]) -> str:
+    tok = ByteTokenizer()
+    return write_dataset(tmp_path / "bytes", [tok.encode(t) for t in texts], 257, 256, "byte")
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def synth() -> SyntheticDocuments:
+    return SyntheticDocuments(num_docs=40, vocab_size=1000, mean_doc_length=24, seed=3)
+
+
+# -------------------------------------------------------------------------------------- tokenizers
+
+
+def test_byte_tokenizer_round_trip_and_eod():
+    tok = build_tokenizer("byte")
+    assert isinstance(tok, ByteTokenizer) and isinstance(tok, Tokenizer)
+    assert (tok.vocab_size, tok.eod_id, tok.spec) == (257, 256, "byte")
+    text = "héllo → wörld\n"
+    ids = tok.encode(text)
+    assert ids == list(text.encode("utf-8")) and max(ids) < 256
+    assert tok.decode(ids) == text
+    assert tok.decode([104, 256, 105]) == "h<eod>i"
+    assert tok.decode([0xFF, 104]) == "\ufffdh"  # invalid utf-8 is replaced, not raised
+    assert tok.decode([300]) == "\ufffd"  # ids of a padded model vocab
+
+
+def test_hf_tokenizer_round_trip(tmp_path):
+    path = make_hf_tokenizer(tmp_path / "tok.json", ["hello", "world"], ("</s>", "<|endoftext|>"))
+    tok = build_tokenizer(str(path))
+    assert isinstance(tok, HFTokenizer) and isinstance(tok, Tokenizer)
+    assert tok.vocab_size == 5
+    assert tok.eod_id == 4  # "<|endoftext|>" is preferred over "</s>"
+    ids = tok.encode("hello world hello")
+    assert ids == [1, 2, 1]
+    assert tok.decode(ids) == "hello world hello"
+    again = build_tokenizer(tok.spec)  # the spec rebuilds the same tokenizer
+    assert again.encode("world hello") == tok.encode("world hello") == [2, 1]
+
+
+def test_hf_tokenizer_directory_and_other_eod_names(tmp_path):
+    path = make_hf_tokenizer(tmp_path / "tokenizer.json", ["a", "b"], ("<eos>",))
+    tok = build_tokenizer(str(tmp_path))  # a directory means its tokenizer.json
+    assert tok.spec == str(path.resolve()) and tok.eod_id == 3
+
+
+def test_hf_tokenizer_errors(tmp_path):
+    no_eod = make_hf_tokenizer(tmp_path / "noeod.json", ["a", "b"], ())
+    with pytest.raises(DataError, match="end-of-document"):
+        build_tokenizer(str(no_eod))
+    with pytest.raises(DataError, match="not found"):
+        build_tokenizer(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{ this is not a tokenizer")
+    with pytest.raises(DataError, match="not a valid") as e:
+        build_tokenizer(str(bad))
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------- indexed format
+
+
+@pytest.mark.parametrize("vocab_size, dtype", [(1000, np.uint16), (65536, np.uint16), (70000, np.uint32)])
+def test_indexed_round_trip(tmp_path, vocab_size, dtype):
+    docs = [[1, 2, 3], [], [vocab_size - 2, 7], list(range(50))]
+    eod = vocab_size - 1
+    prefix = write_dataset(tmp_path / "ds", docs, vocab_size, eod, "spec-string")
+    ds = IndexedDataset(prefix)
+    assert len(ds) == 4 and ds.vocab_size == vocab_size and ds.tokenizer_spec == "spec-string"
+    assert ds.eod_id == eod and ds.get(0).dtype == dtype
+    assert ds.doc_lengths.dtype == np.int64 and ds.doc_lengths.tolist() == [4, 1, 3, 51]
+    assert ds.num_tokens == 59
+    for i, d in enumerate(docs):
+        assert ds.get(i).tolist() == d + [eod]
+    assert ds.get(3, offset=10, length=5).tolist() == [10, 11, 12, 13, 14]
+    assert ds.get(3, offset=48).tolist() == [48, 49, eod]
+    assert os.path.getsize(f"{prefix}.bin") == 59 * np.dtype(dtype).itemsize
+    with pytest.raises(IndexError):
+        ds.get(4)
+    with pytest.raises(IndexError):
+        ds.get(0, offset=2, length=3)
+
+
+def test_writer_rejects_bad_ids_and_never_overwrites(tmp_path):
+    prefix = str(tmp_path / "ds")
+    with IndexedDatasetWriter(prefix, 10, "", eod_id=9) as w, pytest.raises(DataError, match="outside"):
+        w.add_document([3, 10])
+    assert os.listdir(tmp_path) == []  # the failed writer left no temporary files
+    write_dataset(tmp_path / "ds", [[1, 2]], 10, 9)
+    with pytest.raises(DataError, match="already exist"):
+        write_dataset(tmp_path / "ds", [[3]], 10, 9)
+    assert IndexedDataset(prefix).get(0).tolist() == [1, 2, 9]
+    with IndexedDatasetWriter(prefix, 10, "", eod_id=9, overwrite=True) as w:
+        w.add_document([5])
+        w.finalize()
+    assert IndexedDataset(prefix).get(0).tolist() == [5, 9]
+    assert sorted(os.listdir(tmp_path)) == ["ds.bin", "ds.idx"]
+
+
+def _corrupt(prefix: str, how: str) -> None:
+    idx, bin_ = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    data = bytearray(idx.read_bytes())
+    if how == "magic":
+        data[:8] = b"NOTMAGIC"
+        idx.write_bytes(bytes(data))
+    elif how == "truncated_idx":
+        idx.write_bytes(bytes(data[:-8]))
+    elif how == "short_header":
+        idx.write_bytes(bytes(data[:10]))
+    elif how == "truncated_bin":
+        bin_.write_bytes(bin_.read_bytes()[:-2])
+    elif how == "offsets":  # docs of 3, 2, 4 tokens: offsets 0 3 5 9 -> 0 5 3 9
+        start = indexed_mod._HEADER.size + len(b"byte")
+        offsets = np.frombuffer(bytes(data[start:]), dtype="<i8").copy()
+        assert offsets.tolist() == [0, 3, 5, 9]
+        offsets[1], offsets[2] = offsets[2], offsets[1]
+        data[start:] = offsets.tobytes()
+        idx.write_bytes(bytes(data))
+    elif how == "missing_idx":
+        idx.unlink()
+    elif how == "missing_bin":
+        bin_.unlink()
+
+
+@pytest.mark.parametrize("how", ["magic", "truncated_idx", "short_header", "truncated_bin", "offsets"])
+def test_corrupt_dataset_raises(tmp_path, how):
+    prefix = write_dataset(tmp_path / "ds", [[1, 2], [3], [4, 5, 6]], 257, 256, "byte")
+    IndexedDataset(prefix)
+    _corrupt(prefix, how)
+    with pytest.raises(DataError, match="corrupt.*re-run megalm-preprocess") as e:
+        IndexedDataset(prefix)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("how, missing", [("missing_idx", ".idx"), ("missing_bin", ".bin")])
+def test_missing_dataset_files_raise(tmp_path, how, missing):
+    prefix = write_dataset(tmp_path / "ds", [[1, 2], [3], [4, 5, 6]], 257, 256, "byte")
+    _corrupt(prefix, how)
+    with pytest.raises(DataError, match=f"{missing} not found; build it with megalm-preprocess"):
+        IndexedDataset(prefix)
+
+
+# -------------------------------------------------------------------------------------- preprocess
+
+
+def _texts(prefix: str) -> list[str]:
+    ds = IndexedDataset(prefix)
+    tok = build_tokenizer(ds.tokenizer_spec)
+    out = []
+    for i in range(len(ds)):
+        ids = ds.get(i)
+        assert ids[-1] == tok.eod_id
+        out.append(tok.decode(ids[:-1].tolist()))
+    return out
+
+
+def test_preprocess_jsonl(tmp_path):
+    src = tmp_path / "in.jsonl"
+    lines = [json.dumps({"text": "hello"}), json.dumps({"text": "wörld ✓", "meta": 1}), "",
+             json.dumps({"text": ""})]
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    stats = preprocess([src], str(tmp_path / "out"), ByteTokenizer(), show_progress=False)
+    assert (stats.num_docs, stats.num_files, stats.skipped_empty) == (2, 1, 2)
+    assert stats.num_tokens == len(b"hello") + len("wörld ✓".encode()) + 2
+    assert _texts(str(tmp_path / "out")) == ["hello", "wörld ✓"]
+    ds = IndexedDataset(str(tmp_path / "out"))
+    assert ds.get(0).dtype == np.uint16 and ds.tokenizer_spec == "byte" and ds.vocab_size == 257
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"content": "abc"}) + "\n")
+    preprocess([other], str(tmp_path / "o2"), "byte", json_key="content", show_progress=False)
+    assert _texts(str(tmp_path / "o2")) == ["abc"]
+
+
+def test_preprocess_txt_whole_and_split_lines(tmp_path):
+    src = tmp_path / "a.txt"
+    src.write_text("line one\nline two\n\nline three\n")
+    preprocess([src], str(tmp_path / "whole"), "byte", show_progress=False)
+    assert _texts(str(tmp_path / "whole")) == ["line one\nline two\n\nline three\n"]
+    preprocess([src], str(tmp_path / "lines"), "byte", split_lines=True, show_progress=False)
+    assert _texts(str(tmp_path / "lines")) == ["line one", "line two", "line three"]
+
+
+def test_preprocess_directory_sorted_and_glob(tmp_path):
+    root = tmp_path / "corpus"
+    (root / "a").mkdir(parents=True)
+    (root / ".git").mkdir()
+    (root / "b.txt").write_text("B")
+    (root / "a" / "z.txt").write_text("Z")
+    (root / "a" / "c.jsonl").write_text(json.dumps({"text": "C1"}) + "\n" + json.dumps({"text": "C2"}) + "\n")
+    (root / "notes.md").write_text("N")
+    (root / ".hidden.txt").write_text("H")
+    (root / ".git" / "x.txt").write_text("G")
+    stats = preprocess([root], str(tmp_path / "all"), "byte", show_progress=False)
+    assert _texts(str(tmp_path / "all")) == ["C1", "C2", "Z", "B", "N"]  # a/c.jsonl a/z.txt b.txt notes.md
+    assert stats.num_files == 4
+    preprocess([root], str(tmp_path / "txt"), "byte", glob="*.txt", show_progress=False)
+    assert _texts(str(tmp_path / "txt")) == ["Z", "B"]
+    # Inputs are read in the order given; the output is byte-identical when run again.
+    preprocess([root / "b.txt", root / "a"], str(tmp_path / "mixed"), "byte", show_progress=False)
+    assert _texts(str(tmp_path / "mixed")) == ["B", "C1", "C2", "Z"]
+    preprocess([root], str(tmp_path / "again"), "byte", show_progress=False)
+    for ext in (".bin", ".idx"):
+        assert Path(f"{tmp_path}/all{ext}").read_bytes() == Path(f"{tmp_path}/again{ext}").read_bytes()
+
+
+def test_preprocess_hf_tokenizer_and_uint32(tmp_path):
+    words = [f"w{i}" for i in range(70000)]  # ids 1..70000, eod 70001
+    tok = HFTokenizer(str(make_hf_tokenizer(tmp_path / "big.json", words)))
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"text": "w69999 w3 w65535"}) + "\n" + json.dumps({"text": "w0"}) + "\n")
+    preprocess([src], str(tmp_path / "big"), tok, show_progress=False)
+    ds = IndexedDataset(str(tmp_path / "big"))
+    assert ds.get(0).dtype == np.uint32 and ds.vocab_size == 70002 and ds.eod_id == 70001
+    assert ds.get(0).tolist() == [70000, 4, 65536, 70001] and ds.get(1).tolist() == [1, 70001]
+    assert ds.tokenizer_spec == tok.spec
+    assert _texts(str(tmp_path / "big")) == ["w69999 w3 w65535", "w0"]
+
+
+def test_preprocess_workers_match_single_process(tmp_path):
+    path = make_hf_tokenizer(tmp_path / "tok.json", ["alpha", "beta", "gamma"])
+    src = tmp_path / "in.txt"
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta"]  # "delta" is unknown: <unk>
+    src.write_text("\n".join(" ".join(rng.choice(words, size=rng.integers(1, 9))) for _ in range(1200)))
+    preprocess([src], str(tmp_path / "one"), str(path), split_lines=True, show_progress=False)
+    preprocess([src], str(tmp_path / "two"), str(path), split_lines=True, show_progress=False, workers=2)
+    assert len(IndexedDataset(str(tmp_path / "one"))) == 1200
+    for ext in (".bin", ".idx"):
+        assert Path(f"{tmp_path}/one{ext}").read_bytes() == Path(f"{tmp_path}/two{ext}").read_bytes()
+
+
+def test_cli_success_and_overwrite(tmp_path, capsys):
+    src = tmp_path / "a.txt"
+    src.write_text("abc")
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "out" / "ds")]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0 and "1 documents" in out and err == ""
+    assert _texts(str(tmp_path / "out" / "ds")) == ["abc"]
+    src.write_text("xyz")
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2 and "--overwrite" in err
+    code, _, _ = run_cli([*argv, "--overwrite"], capsys)
+    assert code == 0 and _texts(str(tmp_path / "out" / "ds")) == ["xyz"]
+
+
+def _cli_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
+    out = ["--output-prefix", str(tmp_path / "out")]
+    if case == "missing_input":
+        return ["--input", str(tmp_path / "nope.jsonl"), *out], "not found"
+    if case == "bad_json":
+        (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
+        return ["--input", str(tmp_path / "bad.jsonl"), *out], "bad.jsonl:2: invalid JSON"
+    if case == "missing_key":
+        (tmp_path / "k.jsonl").write_text('{"body": "x"}\n')
+        return ["--input", str(tmp_path / "k.jsonl"), *out], "k.jsonl:1: no key 'text'"
+    if case == "exists":
+        (tmp_path / "a.txt").write_text("a")
+        (tmp_path / "out.idx").write_bytes(b"")
+        return ["--input", str(tmp_path / "a.txt"), *out], "already exist"
+    if case == "empty":
+        (tmp_path / "empty.txt").write_text("")
+        return ["--input", str(tmp_path / "empty.txt"), *out], "no documents"
+    if case == "empty_dir":
+        (tmp_path / "d").mkdir()
+        return ["--input", str(tmp_path / "d"), *out], "no files matching"
+    if case == "tokenizer":
+        (tmp_path / "a.txt").write_text("a")
+        argv = ["--input", str(tmp_path / "a.txt"), "--tokenizer", str(tmp_path / "t.json"), *out]
+        return argv, "tokenizer file"
+    if case == "usage":
+        return ["--input", "x"], "required"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["missing_input", "bad_json", "missing_key", "exists", "empty", "empty_dir",
+                                  "tokenizer", "usage"])
+def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, case):
+    argv, expected = _cli_case(tmp_path, case)
+    code, out, err = run_cli(argv, capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and expected in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out.bin").exists()
+
+
+def test_cli_subprocess_exit_code(tmp_path):
+    missing = tmp_path / "none.txt"
+    argv = ["--input", str(missing), "--output-prefix", str(tmp_path / "o")]
+    proc = subprocess.run([sys.executable, "-m", "megalm.data.preprocess", *argv], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: input {missing} not found; check --input"]
+
+
+# ------------------------------------------------------------------------------------- demo corpus
+
+
+def make_fake_stdlib(root: Path) -> Path:
+    files = {
+        "os2.py": "import sys\n",
+        "pkg/__init__.py": "",  # empty: skipped as a document
+        "pkg/mod.py": "def f():\n    return 1\n",
+        "test/test_x.py": "EXCLUDED",
+        "pkg/tests/t.py": "EXCLUDED",
+        "idlelib/i.py": "EXCLUDED",
+        "site-packages/s.py": "EXCLUDED",
+        "lib2to3/l.py": "EXCLUDED",
+        "__pycache__/c.py": "EXCLUDED",
+        "README.txt": "EXCLUDED",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_demo_corpus_builds_once_and_caches(tmp_path, monkeypatch, caplog):
+    src = make_fake_stdlib(tmp_path / "lib")
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger="megalm.data.demo"):
+        prefix = demo_corpus(str(cache), source_dir=str(src))
+    assert [r for r in caplog.records if "building the demo corpus" in r.getMessage()]
+    assert Path(prefix).parent.parent == cache
+    assert Path(prefix).parent.name.startswith(f"py{sys.version_info.major}.{sys.version_info.minor}-")
+    assert _texts(prefix) == ["import sys\n", "def f():\n    return 1\n"]
+    assert IndexedDataset(prefix).tokenizer_spec == "byte"
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("the cached demo corpus was rebuilt")
+
+    monkeypatch.setattr(demo_mod, "preprocess", no_rebuild)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megalm.data.demo"):
+        assert demo_corpus(str(cache), source_dir=str(src)) == prefix
+    assert not caplog.records
+    # A changed file list (or size) is another corpus: it would be built.
+    (src / "new.py").write_text("x = 1\n")
+    with pytest.raises(AssertionError, match="rebuilt"):
+        demo_corpus(str(cache), source_dir=str(src))
+
+
+def test_demo_corpus_default_cache_and_corrupt_rebuild(tmp_path, monkeypatch):
+    src = make_fake_stdlib(tmp_path / "lib")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    prefix = demo_corpus(source_dir=str(src))
+    assert Path(prefix).is_relative_to(tmp_path / "xdg" / "megalm")
+    Path(f"{prefix}.bin").write_bytes(b"\0")  # corrupt cache: rebuilt, not an error
+    assert demo_corpus(source_dir=str(src)) == prefix
+    assert _texts(prefix) == ["import sys\n", "def f():\n    return 1\n"]
+
+
+def test_demo_corpus_concurrent_builds(tmp_path):
+    src = make_fake_stdlib(tmp_path / "lib")
+    results, errors = [], []
+
+    def build():
+        try:
+            results.append(demo_corpus(str(tmp_path / "cache"), source_dir=str(src)))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=build) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(results)) == 1
+    assert sorted(os.listdir(Path(results[0]).parent)) == ["stdlib.bin", "stdlib.idx"]  # no temp files left
+    assert len(IndexedDataset(results[0])) == 2
+
+
+# --------------------------------------------------------------------------------------- synthetic
+
+
+def test_synthetic_documents():
+    a = SyntheticDocuments(2000, vocab_size=500, mean_doc_length=100, seed=1)
+    b = SyntheticDocuments(2000, vocab_size=500, mean_doc_length=100, seed=1)
+    c = SyntheticDocuments(2000, vocab_size=500, mean_doc_length=100, seed=2)
+    assert np.array_equal(a.doc_lengths, b.doc_lengths) and not np.array_equal(a.doc_lengths, c.doc_lengths)
+    assert a.doc_lengths.min() >= 2 and 80 < a.doc_lengths.mean() < 120 and a.doc_lengths.max() > 300
+    assert len(a) == 2000 and a.num_tokens == a.doc_lengths.sum()
+    for i in (0, 7, 1999):
+        doc = a.get(i)
+        assert len(doc) == a.doc_lengths[i] and doc[-1] == 499 and (doc[:-1] < 499).all()
+        assert np.array_equal(doc, b.get(i)) and not np.array_equal(doc[:2], c.get(i)[:2])
+        n = len(doc)
+        assert np.array_equal(a.get(i, 1, n - 2), doc[1:-1]) and np.array_equal(a.get(i, n - 1), doc[-1:])
+    fixed = SyntheticDocuments(10, vocab_size=50, mean_doc_length=100, fixed_doc_length=33)
+    assert fixed.doc_lengths.tolist() == [33] * 10
+
+
+# ---------------------------------------------------------------------------------------- sampling
+
+
+def test_split_documents():
+    train, valid = split_documents(1000, 0.05, split_seed=0)
+    assert len(valid) == 50 and len(train) == 950
+    assert sorted(np.concatenate([train, valid]).tolist()) == list(range(1000))
+    t2, v2 = split_documents(1000, 0.05, split_seed=0)
+    assert np.array_equal(valid, v2) and np.array_equal(train, t2)
+    assert not np.array_equal(valid, split_documents(1000, 0.05, split_seed=1)[1])
+    assert len(split_documents(10, 0.01, 0)[1]) == 1  # a nonzero fraction holds out at least one
+    assert len(split_documents(10, 0.0, 0)[1]) == 0 and len(split_documents(1, 0.5, 0)[0]) == 1
+
+
+def _eod_boundaries(tokens: np.ndarray, eod: int) -> tuple[int, ...]:
+    """Document lengths implied by eod tokens: a document ends after each eod (but the last token)."""
+    cuts = [i + 1 for i in np.flatnonzero(tokens[:-1] == eod)]
+    edges = [0, *cuts, len(tokens)]
+    return tuple(int(b - a) for a, b in zip(edges[:-1], edges[1:], strict=True))
+
+
+def test_packed_windows_cover_the_stream_with_right_boundaries(synth):
+    L = 16
+    ds = PackedDataset(synth, np.arange(len(synth)), L, seed=7)
+    order = ds.epoch_documents(0)
+    assert sorted(order.tolist()) == list(range(len(synth)))
+    stream = np.concatenate([synth.get(int(d)) for d in order])
+    assert ds.samples_per_epoch == (len(stream) - 1) // L
+    windows = [ds.window(0, j) for j in range(ds.samples_per_epoch)]
+    rebuilt = np.concatenate([windows[0].tokens] + [w.tokens[1:] for w in windows[1:]])
+    assert np.array_equal(rebuilt, stream[:len(rebuilt)])  # every token up to the < L tail is used
+    assert len(stream) - len(rebuilt) < L
+    for w in windows:
+        assert len(w.tokens) == L + 1
+        assert w.doc_lengths == _eod_boundaries(w.tokens, synth.eod_id)
+        batch = pack_samples([w])
+        inputs = w.tokens[:-1]
+        # the loss is masked exactly where the label is the first token of the next document
+        assert torch.equal(batch.loss_mask, torch.from_numpy((inputs != synth.eod_id).astype(np.float32)))
+        starts = np.concatenate([[0], np.flatnonzero(inputs[:-1] == synth.eod_id) + 1])
+        assert (batch.position_ids.numpy()[starts] == 0).all()
+        assert batch.num_loss_tokens() == w.num_loss_tokens()
+
+
+def test_packed_shuffle_and_epochs(synth):
+    ds = PackedDataset(synth, np.arange(len(synth)), 16, seed=7)
+    n = ds.samples_per_epoch
+    key = lambda s: tuple(s.tokens.tolist())
+    epoch0 = [key(ds[k]) for k in range(n)]
+    assert sorted(epoch0) == sorted(key(ds.window(0, j)) for j in range(n))
+    assert epoch0 != [key(ds.window(0, j)) for j in range(n)]  # shuffled
+    epoch1 = [key(ds[n + k]) for k in range(n)]
+    assert sorted(epoch1) == sorted(key(ds.window(1, j)) for j in range(n))
+    assert not np.array_equal(ds.epoch_documents(0), ds.epoch_documents(1))
+    assert key(ds[3]) == key(PackedDataset(synth, np.arange(len(synth)), 16, seed=7)[3])
+    with pytest.raises(IndexError):
+        ds[-1]
+
+
+def test_varlen_chunking(tmp_path):
+    L = 4
+    sizes = [0, 1, L - 1, L, L + 1, 2 * L, 3 * L - 1]  # tokens before eod: documents of 1, 2, L, ... 3L
+    docs = [list(range(100 * k, 100 * k + n)) for k, n in enumerate(sizes)]
+    src = IndexedDataset(write_dataset(tmp_path / "v", docs, 1000, 999))
+    ds = VarlenDataset(src, np.arange(len(src)), L, seed=0)
+    expected_chunks = [0, 1, 1, 1, 2, 2, 3]
+    assert ds.samples_per_epoch == sum(expected_chunks)
+    c = 0
+    for d, n in enumerate(expected_chunks):
+        chunks = [ds.chunk(c + q) for q in range(n)]
+        c += n
+        for q, s in enumerate(chunks):
+            assert 2 <= len(s.tokens) <= L + 1 and s.doc_lengths == (len(s.tokens),)
+            assert s.tokens[0] == src.get(d)[q * L]
+        if n:
+            rebuilt = np.concatenate([chunks[0].tokens] + [s.tokens[1:] for s in chunks[1:]])
+            assert rebuilt.tolist() == src.get(d).tolist()  # neighbours share one token: no prediction lost
+            assert sum(s.num_loss_tokens() for s in chunks) == src.doc_lengths[d] - 1
+    key = lambda s: tuple(s.tokens.tolist())
+    shuffled = [key(ds[k]) for k in range(ds.samples_per_epoch)]
+    in_order = [key(ds.chunk(j)) for j in range(ds.samples_per_epoch)]
+    assert sorted(shuffled) == sorted(in_order) and shuffled != in_order
+    assert [key(ds[ds.samples_per_epoch + k]) for k in range(ds.samples_per_epoch)] != shuffled
+
+
+@pytest.mark.parametrize("sampler", [PackedDataset, VarlenDataset])
+def test_global_batch_depends_on_seed_and_step_only(synth, sampler):
+    ids = np.arange(len(synth))
+    key = lambda batch: [tuple(s.tokens.tolist()) for s in batch]
+    a = key(global_batch(sampler(synth, ids, 16, seed=1), step=5, global_batch_size=8))
+    b = key(global_batch(sampler(synth, ids, 16, seed=1), step=5, global_batch_size=8))
+    c = key(global_batch(sampler(synth, ids, 16, seed=2), step=5, global_batch_size=8))
+    d = key(global_batch(sampler(synth, ids, 16, seed=1), step=6, global_batch_size=8))
+    assert a == b and a != c and a != d and len(a) == 8
+    # steps tile the sample sequence: step s with gbs 8 = steps 2s, 2s+1 with gbs 4
+    ds = sampler(synth, ids, 16, seed=1)
+    assert a == key(global_batch(ds, 10, 4) + global_batch(ds, 11, 4))
+
+
+@pytest.mark.parametrize("sampler", [PackedDataset, VarlenDataset])
+def test_micro_batches_are_independent_of_layout(synth, sampler):
+    samples = global_batch(sampler(synth, np.arange(len(synth)), 16, seed=4), step=2, global_batch_size=8)
+    whole = pack_samples(samples)
+    total = loss_token_count(samples)
+    assert total == whole.num_loss_tokens() == sum(s.num_loss_tokens() for s in samples)
+    for dp in (1, 2, 4):
+        for mbs in (1, 2):
+            if 8 % (dp * mbs):
+                continue
+            mbs_all = [mb for r in range(dp) for mb in micro_batches(samples, mbs, r, dp)]
+            assert len(mbs_all) == 8 // mbs
+            for field in ("tokens", "labels", "loss_mask", "position_ids"):
+                joined = torch.cat([getattr(mb, field) for mb in mbs_all])
+                assert torch.equal(joined, getattr(whole, field)), (dp, mbs, field)
+            assert [n for mb in mbs_all for n in mb.doc_lengths] == whole.doc_lengths
+            assert sum(mb.num_loss_tokens() for mb in mbs_all) == total
+            rank1 = micro_batches(samples, mbs, dp - 1, dp)
+            assert sum(loss_token_count(samples[i:i + 1]) for i in range(8 - 8 // dp, 8)) == \
+                sum(mb.num_loss_tokens() for mb in rank1)
+    with pytest.raises(ValueError):
+        micro_batches(samples, 3)
+    with pytest.raises(ValueError):
+        micro_batches(samples, 1, 0, 3)
+
+
+def test_loss_token_count():
+    samples = [Sample(np.arange(5), (2, 3)), Sample(np.arange(4), (4,)), Sample(np.arange(3), (1, 1, 1))]
+    assert loss_token_count(samples) == 3 + 3 + 0
+    assert loss_token_count(samples) == pack_samples(samples).num_loss_tokens()
+
+
+# ------------------------------------------------------------------------------------ build_datasets
+
+
+def _cfg(**data) -> MegalmConfig:
+    cfg = MegalmConfig()
+    cfg.model.seq_length = 16
+    for k, v in data.items():
+        setattr(cfg.data, k, v)
+    return cfg
+
+
+def test_build_datasets_synthetic():
+    cfg = _cfg(name="synthetic", valid_fraction=0.1)
+    cfg.data.synthetic.num_docs = 60
+    cfg.data.synthetic.mean_doc_length = 40
+    bundle = build_datasets(cfg)
+    assert isinstance(bundle.train, PackedDataset) and bundle.tokenizer is None
+    assert bundle.valid is not None and bundle.train.num_docs + bundle.valid.num_docs == 60
+    assert not set(bundle.train.doc_ids) & set(bundle.valid.doc_ids)
+    batch = global_batch(bundle.train, 0, 4)
+    assert all(len(s.tokens) == 17 and s.tokens.max() < cfg.model.vocab_size for s in batch)
+    cfg.data.varlen = True
+    assert isinstance(build_datasets(cfg).train, VarlenDataset)
+
+
+def test_build_datasets_indexed_byte(tmp_path):
+    prefix = byte_dataset(tmp_path, [f"document number {i} " * 3 for i in range(20)])
+    bundle = build_datasets(_cfg(name="indexed", path=prefix, valid_fraction=0.1))
+    assert isinstance(bundle.tokenizer, ByteTokenizer)
+    assert bundle.valid is not None and bundle.valid.num_docs == 2
+    text = bundle.tokenizer.decode(global_batch(bundle.train, 0, 1)[0].tokens.tolist())
+    assert "number" in text and len(text) == 17
+
+
+def test_build_datasets_vocab_and_tokenizer_errors(tmp_path):
+    path = make_hf_tokenizer(tmp_path / "tok.json", [f"w{i}" for i in range(398)])  # vocab 400
+    src = tmp_path / "in.txt"
+    src.write_text(" ".join(f"w{i}" for i in range(0, 398, 3)))
+    preprocess([src], str(tmp_path / "hf"), str(path), show_progress=False)
+    with pytest.raises(DataError, match=r"^tokenizer vocab 400 exceeds model.vocab_size=320; "
+                                        r"set model.vocab_size>=400 \(e.g. 448\)$"):
+        build_datasets(_cfg(name="indexed", path=str(tmp_path / "hf"), valid_fraction=0.0))
+    cfg = _cfg(name="indexed", path=str(tmp_path / "hf"), valid_fraction=0.0)
+    cfg.model.vocab_size = 448
+    assert build_datasets(cfg).tokenizer.vocab_size == 400
+    path.unlink()
+    with pytest.raises(DataError, match="data.tokenizer="):
+        build_datasets(cfg)
+    with pytest.raises(DataError, match="not found"):
+        build_datasets(_cfg(name="indexed", path=str(tmp_path / "nothing")))
+
+
+def test_build_datasets_empty_or_tiny(tmp_path):
+    empty = write_dataset(tmp_path / "empty", [], 257, 256, "byte")
+    with pytest.raises(DataError, match="train split is empty"):
+        build_datasets(_cfg(name="indexed", path=empty))
+    tiny = byte_dataset(tmp_path, ["abc"])
+    with pytest.raises(DataError, match="fewer than the seq_length"):
+        build_datasets(_cfg(name="indexed", path=tiny))
+
+
+def test_build_datasets_demo(tmp_path, monkeypatch):
+    src = make_fake_stdlib(tmp_path / "lib")
+    real = demo_mod.demo_corpus
+    monkeypatch.setattr(demo_mod, "demo_corpus", lambda cache_dir=None: real(cache_dir, source_dir=str(src)))
+    cfg = _cfg(name="demo", cache_dir=str(tmp_path / "cache"), valid_fraction=0.0)
+    cfg.model.seq_length = 8
+    bundle = build_datasets(cfg)
+    assert isinstance(bundle.tokenizer, ByteTokenizer) and bundle.valid is None
+    assert bundle.train.num_tokens == len("import sys\n") + len("def f():\n    return 1\n") + 2
+    with pytest.raises(DataError, match="byte-tokenized"):
+        build_datasets(_cfg(name="demo", tokenizer="some/tokenizer.json"))
