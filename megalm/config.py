@@ -78,8 +78,8 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = 300
-    global_batch_size: int = 16  # samples per optimizer step
-    micro_batch_size: int = 8  # samples per forward/backward
+    global_batch_size: int = 12  # samples per optimizer step
+    micro_batch_size: int = 6  # samples per forward/backward
     log_interval: int = 10
     eval_interval: int = 100  # 0: never
     eval_iters: int = 4
@@ -146,11 +146,27 @@ def register_schema() -> None:
     ConfigStore.instance().store(name="megalm_schema", node=MegalmConfig)
 
 
+def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
+    """Keys of `node` the schema lacks (Hydra's `+key=value` can append them past the schema)."""
+    unknown = []
+    for key in node:
+        if key not in schema:
+            unknown.append(f"{prefix}{key}")
+        elif OmegaConf.is_dict(node[key]) and OmegaConf.is_dict(schema[key]):
+            unknown += _unknown_keys(node[key], schema[key], f"{prefix}{key}.")
+    return unknown
+
+
 def to_dataclass(cfg: DictConfig | MegalmConfig) -> MegalmConfig:
-    """A plain `MegalmConfig` from a Hydra config (already validated by the schema)."""
+    """A plain `MegalmConfig` from a Hydra config; keys outside the schema are an error."""
     if isinstance(cfg, MegalmConfig):
         return cfg
-    merged = OmegaConf.merge(OmegaConf.structured(MegalmConfig), cfg)
+    schema = OmegaConf.structured(MegalmConfig)
+    unknown = _unknown_keys(cfg, schema)
+    if unknown:
+        raise ConfigError(f"unknown config key '{unknown[0]}'; check the spelling "
+                          "(megalm-train --cfg job lists all keys)")
+    merged = OmegaConf.merge(schema, cfg)
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
 
 

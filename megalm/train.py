@@ -36,12 +36,17 @@ def _one_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
     full_key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
     head = lines[0] if lines else type(cause).__name__
-    if "not in struct" in head and full_key:
+    if ("not in struct" in head or "not in '" in head) and full_key:
         return f"unknown config key '{full_key}'; check the spelling (megalm-train --cfg job lists all keys)"
     if full_key:
         return f"{full_key}: {head}"
     if "Could not find" in head:
-        options = [ln for ln in lines[1:] if not ln.startswith("Available options")]
+        options = []
+        for ln in lines[1:]:
+            if ln.startswith("Config search path"):
+                break
+            if not ln.startswith("Available options"):
+                options.append(ln)
         return f"{head}; available: {', '.join(options)}" if options else head
     return head
 
@@ -61,7 +66,7 @@ def precheck_overrides(argv: list[str]) -> None:
 
     try:
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-            compose(config_name="config", overrides=overrides)
+            to_dataclass(compose(config_name="config", overrides=overrides))
     except Exception as e:  # noqa: BLE001 - any composition failure is a user error here
         if "debug=true" in overrides:
             raise

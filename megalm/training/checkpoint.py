@@ -192,16 +192,21 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def resolve_checkpoint_path(path: str | Path) -> Path:
-    """Accept a checkpoint dir, a `checkpoints/` dir or a run dir; return a complete checkpoint dir."""
+    """A complete checkpoint dir from: a checkpoint dir, a run dir, its `checkpoints/` dir, or a dir
+    of runs (such as `outputs/`, where the run whose `latest` was written last wins)."""
     path = Path(path).expanduser()
     if is_complete(path):
         return path
-    for run_dir in (path, path.parent):
-        found = latest_checkpoint(run_dir)
-        if found is not None and (path in (found, found.parent, found.parent.parent)):
-            return found
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist; pass a checkpoint dir or a run dir")
+    found = latest_checkpoint(path.parent if path.name == CHECKPOINTS else path)
+    if found is not None:
+        return found
+    pointers = sorted(path.glob(f"**/{CHECKPOINTS}/{LATEST}"), key=lambda p: p.stat().st_mtime)
+    for pointer in reversed(pointers):
+        found = latest_checkpoint(pointer.parent.parent)
+        if found is not None:
+            return found
     raise CheckpointError(f"{path} holds no complete checkpoint (needs {', '.join(FILES)}); "
                           "pass a checkpoint dir such as RUN_DIR/checkpoints/step_00000100")
 

@@ -40,7 +40,7 @@ class MetricsLogger:
         self.max_steps = max_steps
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a")
+        self._file = open(self.path, "a")  # noqa: SIM115 - open for the logger's lifetime, closed in close()
         self._tb = self._open_tensorboard(run_dir, cfg.tensorboard)
         self._wandb = self._open_wandb(run_dir, cfg, config_dict) if cfg.wandb.enabled else None
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from megalm.config import MegalmConfig, config_to_dict, validate
+from megalm.data.batch import Sample
 from megalm.data.dataset import build_datasets, global_batch, loss_token_count, micro_batches
 from megalm.errors import CheckpointError, ConfigError, MegalmError
 from megalm.model import GPT, init_weights
@@ -130,11 +131,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def train_step(self, step: int) -> StepResult:
-        """Forward/backward over the micro-batches of global batch `step`, then one AdamW step."""
+    def forward_backward(self, samples: list[Sample], n_loss_tokens: int) -> tuple[torch.Tensor, int, float]:
+        """Accumulate gradients of sum(token losses) / n_loss_tokens over the samples' micro-batches.
+
+        Returns the summed (unnormalised) loss, the input tokens processed and their model FLOPs.
+        """
         t = self.cfg.trainer
-        samples = global_batch(self.data.train, step, t.global_batch_size)
-        n_loss_tokens = max(loss_token_count(samples), 1)
         loss_total = torch.zeros((), device=self.device)
         tokens, flops = 0, 0.0
         self.model.train()
@@ -147,14 +149,26 @@ class Trainer:
             loss_total += loss_sum.detach()
             tokens += mb.num_tokens
             flops += training_flops(self.cfg.model, mb.doc_lengths)
+        return loss_total, tokens, flops
 
+    def optimizer_step(self, step: int) -> tuple[float, float]:
+        """Clip by global grad norm, set the schedule's lr, step AdamW. Returns (grad_norm, lr)."""
+        t = self.cfg.trainer
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
         lr = lr_at(step, self.cfg.optim, t.max_steps)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss=(loss_total / n_loss_tokens).item(), grad_norm=grad_norm.item(), lr=lr,
+        return grad_norm.item(), lr
+
+    def train_step(self, step: int) -> StepResult:
+        """One optimizer step on global batch `step` (0-based)."""
+        samples = global_batch(self.data.train, step, self.cfg.trainer.global_batch_size)
+        n_loss_tokens = max(loss_token_count(samples), 1)
+        loss_total, tokens, flops = self.forward_backward(samples, n_loss_tokens)
+        grad_norm, lr = self.optimizer_step(step)
+        return StepResult(loss=(loss_total / n_loss_tokens).item(), grad_norm=grad_norm, lr=lr,
                           tokens=tokens, flops=flops)
 
     @torch.no_grad()

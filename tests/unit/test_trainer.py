@@ -1,0 +1,108 @@
+"""Trainer: grad accumulation is exact, resume is bit-exact, loss falls, bad configs are refused."""
+
+import pytest
+import torch
+
+from megalm.data.dataset import global_batch, loss_token_count
+from megalm.errors import CheckpointError, ConfigError
+from megalm.training.metrics import read_metrics
+from megalm.training.trainer import Trainer
+from tests.conftest import compose_config
+
+
+def grads_after_one_batch(tmp_path, micro_batch_size: int) -> tuple[float, dict[str, torch.Tensor]]:
+    cfg = compose_config(f"trainer.micro_batch_size={micro_batch_size}", "trainer.global_batch_size=8")
+    trainer = Trainer(cfg, tmp_path / f"mbs{micro_batch_size}")
+    samples = global_batch(trainer.data.train, 0, 8)
+    n = loss_token_count(samples)
+    loss, _, _ = trainer.forward_backward(samples, n)
+    return loss.item() / n, {k: p.grad.clone() for k, p in trainer.model.named_parameters()}
+
+
+def test_grad_accumulation_equals_one_big_batch(tmp_path):
+    loss_big, big = grads_after_one_batch(tmp_path, 8)
+    loss_acc, acc = grads_after_one_batch(tmp_path, 2)
+    assert loss_acc == pytest.approx(loss_big, rel=1e-6)
+    for name, g in big.items():
+        torch.testing.assert_close(acc[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_training_trajectory_independent_of_micro_batch_split(tmp_path):
+    runs = {}
+    for mbs in (8, 1):
+        cfg = compose_config(f"trainer.micro_batch_size={mbs}", "trainer.max_steps=4")
+        trainer = Trainer(cfg, tmp_path / f"{mbs}-full")
+        runs[mbs] = [trainer.train_step(s).loss for s in range(4)]
+    assert runs[1] == pytest.approx(runs[8], rel=1e-5)
+
+
+def test_resume_is_bit_exact(tmp_path):
+    common = ["trainer.max_steps=12", "model.dropout=0.1", "trainer.save_interval=4"]
+    straight = Trainer(compose_config(*common), tmp_path / "straight").fit()
+
+    stopped_dir = tmp_path / "stopped"
+    first = Trainer(compose_config(*common, "trainer.stop_at_step=6"), stopped_dir).fit()
+    assert first.steps == 6
+    resumed_trainer = Trainer(compose_config(*common, "trainer.resume=auto"), stopped_dir)
+    assert resumed_trainer.step == 6 and resumed_trainer.resumed_from.name == "step_00000006"
+    resumed_trainer.fit()
+
+    expected = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "straight")}
+    got = {r["step"]: r["loss"] for r in read_metrics(stopped_dir)}
+    assert sorted(got) == list(range(1, 13))
+    for step in range(7, 13):
+        assert got[step] == expected[step], f"step {step}: {got[step]} != {expected[step]}"
+    assert [loss for _, loss in straight.losses][6:] == [got[s] for s in range(7, 13)]
+
+
+def test_resume_refuses_other_model_and_changed_data_order(tmp_path):
+    Trainer(compose_config("trainer.max_steps=2"), tmp_path).fit()
+    with pytest.raises(CheckpointError, match="hidden_size=64 .this run: 128"):
+        Trainer(compose_config("trainer.max_steps=4", "model.hidden_size=128"), tmp_path)
+    with pytest.raises(CheckpointError, match="global_batch_size=8, this run has 16"):
+        Trainer(compose_config("trainer.max_steps=4", "trainer.global_batch_size=16"), tmp_path)
+    with pytest.raises(CheckpointError, match="already has checkpoints"):
+        Trainer(compose_config("trainer.max_steps=4", "trainer.resume=never"), tmp_path)
+
+
+def test_loss_falls_and_metrics_are_written(tmp_path):
+    cfg = compose_config("trainer.max_steps=40", "optim.lr=1e-2", "data.synthetic.fixed_doc_length=33",
+                         "trainer.eval_interval=20", "trainer.log_interval=10")
+    # Synthetic tokens are uniform noise, so learning shows as loss -> log(vocab_used), far below the
+    # initial loss when the used vocabulary is small.
+    cfg.data.synthetic.num_docs = 64
+    cfg.model.vocab_size = 320
+    summary = Trainer(cfg, tmp_path).fit()
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 10, 20, 30, 40]
+    for key in ("loss", "grad_norm", "lr", "tokens", "tokens_per_sec"):
+        assert all(key in r for r in records), key
+    assert "val_loss" in records[2] and "val_loss" in records[4]
+    assert records[-1]["tokens"] == 40 * 8 * 32
+    assert summary.checkpoint is not None and summary.checkpoint.name == "step_00000040"
+    assert summary.last_loss < summary.first_loss
+
+
+def test_bf16_autocast_trains(tmp_path):
+    cfg = compose_config("precision=bf16", "trainer.max_steps=3")
+    trainer = Trainer(cfg, tmp_path)
+    losses = [trainer.train_step(s).loss for s in range(3)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters()), "master weights stay fp32"
+    fp32 = Trainer(compose_config("trainer.max_steps=3"), tmp_path / "fp32")
+    ref = fp32.train_step(0).loss
+    assert losses[0] == pytest.approx(ref, rel=2e-2) and losses[0] != ref
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.num_heads=3", "not divisible by model.num_heads"),
+    ("model.num_kv_heads=3", "not divisible by model.num_kv_heads"),
+    ("trainer.micro_batch_size=3", "not divisible by micro_batch_size"),
+    ("parallel.tp=2", "parallel.tp=2 is not implemented yet"),
+    ("model.max_position_embeddings=16", "exceeds the model's positions"),
+    ("optim.schedule=exp", "optim.schedule=exp is not one of"),
+])
+def test_bad_config_is_a_one_line_error(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        Trainer(compose_config(override), tmp_path)
+    assert "\n" not in str(info.value)
