@@ -19,6 +19,7 @@ Random streams are keyed by explicit entropy lists (seed, epoch, tag) so no two 
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -89,13 +90,15 @@ class _EpochCache:
         return self._cache[epoch]
 
 
-class PackedDataset:
-    """Fixed-length samples of seq_length + 1 tokens cut from a per-epoch shuffled document stream.
+class _DocumentSampler(ABC):
+    """What both samplers share: the documents of one split, their lengths, L and the seed.
 
-    Index k >= 0 is any sample of the run: epoch k // samples_per_epoch, and within it the window
-    chosen by that epoch's sample permutation. The last (num_tokens - 1) % seq_length tokens of
-    each epoch's stream do not fit a window and are skipped (different ones every epoch).
+    Subclasses set `samples_per_epoch`, `_epoch` (an `_EpochCache` whose entry's last element is
+    the epoch's sample permutation) and `_sample(epoch, r)`, the r-th unshuffled sample of an epoch.
     """
+
+    samples_per_epoch: int
+    _epoch: _EpochCache
 
     def __init__(self, source: DocumentSource, doc_ids: np.ndarray | list[int], seq_length: int,
                  seed: int) -> None:
@@ -108,6 +111,30 @@ class PackedDataset:
         self._lengths = np.asarray(source.doc_lengths, dtype=np.int64)[self.doc_ids]
         self.num_docs = len(self.doc_ids)
         self.num_tokens = int(self._lengths.sum())
+
+    @abstractmethod
+    def _sample(self, epoch: int, r: int) -> Sample:
+        """The r-th sample of `epoch` before shuffling."""
+
+    def __getitem__(self, k: int) -> Sample:
+        """Sample k of the run (any k >= 0): epoch k // samples_per_epoch, shuffled within it."""
+        if k < 0:
+            raise IndexError(f"sample index {k} must be >= 0")
+        epoch, r = divmod(int(k), self.samples_per_epoch)
+        return self._sample(epoch, int(self._epoch(epoch)[-1][r]))
+
+
+class PackedDataset(_DocumentSampler):
+    """Fixed-length samples of seq_length + 1 tokens cut from a per-epoch shuffled document stream.
+
+    Index k >= 0 is any sample of the run: epoch k // samples_per_epoch, and within it the window
+    chosen by that epoch's sample permutation. The last (num_tokens - 1) % seq_length tokens of
+    each epoch's stream do not fit a window and are skipped (different ones every epoch).
+    """
+
+    def __init__(self, source: DocumentSource, doc_ids: np.ndarray | list[int], seq_length: int,
+                 seed: int) -> None:
+        super().__init__(source, doc_ids, seq_length, seed)
         self.samples_per_epoch = max(self.num_tokens - 1, 0) // self.seq_length
         if self.samples_per_epoch == 0:
             raise DataError(f"{self.num_docs} documents hold {self.num_tokens} tokens, fewer than the "
@@ -144,18 +171,15 @@ class PackedDataset:
             d += 1
         return Sample(np.concatenate(pieces).astype(np.int64), tuple(lengths))
 
-    def __getitem__(self, k: int) -> Sample:
-        if k < 0:
-            raise IndexError(f"sample index {k} must be >= 0")
-        epoch, r = divmod(int(k), self.samples_per_epoch)
-        return self.window(epoch, int(self._epoch(epoch)[2][r]))
+    def _sample(self, epoch: int, r: int) -> Sample:
+        return self.window(epoch, r)
 
     def __repr__(self) -> str:
         return (f"PackedDataset({self.num_docs} docs, {self.num_tokens} tokens, "
                 f"{self.samples_per_epoch} samples of {self.seq_length} per epoch)")
 
 
-class VarlenDataset:
+class VarlenDataset(_DocumentSampler):
     """One document per sample; a document of n > L + 1 tokens becomes chunks starting every L tokens.
 
     Chunk q of a document is tokens [q*L, min(q*L + L + 1, n)): at most L + 1 tokens, neighbours
@@ -165,22 +189,14 @@ class VarlenDataset:
 
     def __init__(self, source: DocumentSource, doc_ids: np.ndarray | list[int], seq_length: int,
                  seed: int) -> None:
-        if seq_length < 1:
-            raise ValueError(f"seq_length={seq_length} must be >= 1")
-        self.source = source
-        self.doc_ids = np.asarray(doc_ids, dtype=np.int64)
-        self.seq_length = int(seq_length)
-        self.seed = int(seed)
-        self._lengths = np.asarray(source.doc_lengths, dtype=np.int64)[self.doc_ids]
-        self.num_docs = len(self.doc_ids)
-        self.num_tokens = int(self._lengths.sum())
+        super().__init__(source, doc_ids, seq_length, seed)
         chunks = np.where(self._lengths >= 2, (self._lengths - 2) // self.seq_length + 1, 0)
         self._chunk_starts = np.zeros(self.num_docs + 1, dtype=np.int64)
         np.cumsum(chunks, out=self._chunk_starts[1:])
         self.samples_per_epoch = int(self._chunk_starts[-1])
         if self.samples_per_epoch == 0:
             raise DataError(f"{self.num_docs} documents give no sample of 2 or more tokens; use more data")
-        self._epoch = _EpochCache(lambda e: _permutation(self.samples_per_epoch, self.seed, e, _VARLEN_ORDER))
+        self._epoch = _EpochCache(lambda e: (_permutation(self.samples_per_epoch, self.seed, e, _VARLEN_ORDER),))
 
     def chunk(self, c: int) -> Sample:
         """Chunk c in document order (before shuffling)."""
@@ -192,11 +208,8 @@ class VarlenDataset:
         tokens = self.source.get(int(self.doc_ids[d]), start, length).astype(np.int64)
         return Sample(tokens, (length,))
 
-    def __getitem__(self, k: int) -> Sample:
-        if k < 0:
-            raise IndexError(f"sample index {k} must be >= 0")
-        epoch, r = divmod(int(k), self.samples_per_epoch)
-        return self.chunk(int(self._epoch(epoch)[r]))
+    def _sample(self, epoch: int, r: int) -> Sample:
+        return self.chunk(r)
 
     def __repr__(self) -> str:
         return (f"VarlenDataset({self.num_docs} docs, {self.num_tokens} tokens, "
