@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -76,7 +77,9 @@ class Trainer:
     """Builds data, model and optimizer from a config; `fit()` trains and checkpoints in `run_dir`."""
 
     def __init__(self, cfg: MegalmConfig, run_dir: Path | str):
-        self.cfg = validate(cfg)
+        # torchrun sets WORLD_SIZE; until the parallel layers land, several processes are refused
+        # instead of silently training independent copies into one run dir.
+        self.cfg = validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.trainer.num_threads:
@@ -224,7 +227,8 @@ class Trainer:
                     elapsed = max(now - window_start, 1e-9)
                     record = {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
                               "lr": result.lr, "tokens": self.consumed_tokens,
-                              "tokens_per_sec": window_tokens / elapsed}
+                              "tokens_per_sec": window_tokens / elapsed,
+                              "peak_memory_gib": peak_memory_gb(self.device)}
                     if self.peak is not None:
                         record["mfu"] = window_flops / elapsed / self.peak
                     if evaluate and val_loss is not None:

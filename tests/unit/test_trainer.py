@@ -1,5 +1,10 @@
 """Trainer: grad accumulation is exact, resume is bit-exact, loss falls, bad configs are refused."""
 
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
 import pytest
 import torch
 
@@ -106,3 +111,48 @@ def test_bad_config_is_a_one_line_error(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message) as info:
         Trainer(compose_config(override), tmp_path)
     assert "\n" not in str(info.value)
+
+
+def test_several_processes_are_refused_until_parallelism_lands(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="data parallelism .dp=2. is not implemented"):
+        Trainer(compose_config(), tmp_path)
+
+
+class FakeWandb(types.ModuleType):
+    """Stands in for wandb: records init arguments and logged scalars, never touches a network."""
+
+    def __init__(self):
+        super().__init__("wandb")
+        self.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+        self.inits, self.logged, self.finished = [], [], False
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self
+
+    def log(self, scalars, step):
+        self.logged.append((step, scalars))
+
+    def finish(self):
+        self.finished = True
+
+
+def test_tensorboard_and_wandb_offline_receive_the_metrics(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = compose_config("trainer.max_steps=2", "logging.tensorboard=true", "logging.wandb.enabled=true")
+    Trainer(cfg, tmp_path).fit()
+    assert fake.inits[0]["mode"] == "offline" and fake.finished
+    assert [step for step, _ in fake.logged] == [1, 2] and "loss" in fake.logged[0][1]
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_wandb_enabled_but_missing_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` and find_spec fail
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else _find(name, *a))
+    with pytest.raises(ConfigError, match="pip install wandb"):
+        Trainer(compose_config("trainer.max_steps=1", "logging.wandb.enabled=true"), tmp_path).fit()
+
+
+_find = importlib.util.find_spec
