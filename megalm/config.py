@@ -104,6 +104,8 @@ class ParallelConfig:
     hdp: bool = False
     cp_comm: str = "ring"  # ring | a2a
     pp_schedule: str = "1f1b"  # 1f1b | interleaved | zb
+    grad_reduce_dtype: str | None = None  # fp32 | bf16 | None (the gradients' own dtype)
+    bucket_size_mb: float = 25.0  # DP gradient bucket size
 
 
 @dataclass
@@ -236,31 +238,14 @@ def validate(cfg: MegalmConfig, world_size: int = 1) -> MegalmConfig:
         raise ConfigError(f"trainer.stop_at_step={t.stop_at_step} must be in [1, trainer.max_steps={t.max_steps}]")
     _choice(t.device, "trainer.device", ("auto", "cpu", "cuda"))
 
-    p = cfg.parallel
-    for key in ("tp", "pp", "vpp", "cp"):
-        _positive(getattr(p, key), f"parallel.{key}")
-        if getattr(p, key) > 1:
-            raise ConfigError(f"parallel.{key}={getattr(p, key)} is not implemented yet in this megalm version; "
-                              f"use parallel.{key}=1")
-    for key in ("sequence_parallel", "zero1", "hdp"):
-        if getattr(p, key):
-            raise ConfigError(f"parallel.{key}=true is not implemented yet in this megalm version; "
-                              f"use parallel.{key}=false")
-    _choice(p.cp_comm, "parallel.cp_comm", ("ring", "a2a"))
-    _choice(p.pp_schedule, "parallel.pp_schedule", ("1f1b", "interleaved", "zb"))
-    model_parallel = p.tp * p.pp * p.cp
-    if p.dp is None:
-        p.dp = max(world_size // model_parallel, 1)
-    _positive(p.dp, "parallel.dp")
-    if p.dp * model_parallel != world_size:
-        raise ConfigError(f"world size {world_size} != tp*pp*cp*dp = {p.tp}*{p.pp}*{p.cp}*{p.dp}; "
-                          "change parallel.* or the number of processes")
-    if p.dp > 1:
-        raise ConfigError(f"data parallelism (dp={p.dp}) is not implemented yet in this megalm version; "
-                          "run one process")
-    if t.global_batch_size % (t.micro_batch_size * p.dp):
-        raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
-                          f"micro_batch_size*dp={t.micro_batch_size}*{p.dp}; change one of them")
+    _choice(cfg.parallel.cp_comm, "parallel.cp_comm", ("ring", "a2a"))
+    _choice(cfg.parallel.pp_schedule, "parallel.pp_schedule", ("1f1b", "interleaved", "zb"))
+    if cfg.parallel.grad_reduce_dtype is not None:
+        _choice(cfg.parallel.grad_reduce_dtype, "parallel.grad_reduce_dtype", ("fp32", "bf16"))
+    _positive(cfg.parallel.bucket_size_mb, "parallel.bucket_size_mb")
+    from megalm.parallel.dims import validate_layout  # the layout rules live with the mesh
+
+    validate_layout(cfg, world_size)
 
     o = cfg.optim
     _choice(o.name, "optim.name", ("adamw",))

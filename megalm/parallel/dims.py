@@ -1,0 +1,150 @@
+"""ParallelDims: tp/pp/cp/dp sizes -> a DeviceMesh with named process groups, plus validation.
+
+Rank order is tp fastest, then cp, dp, pp (Megatron's order), so the ranks of a TP group are
+consecutive and stay inside one node, where the all-reduces of every layer are cheapest:
+
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+
+This module is the only place process groups are created. A single process gets a `ParallelMesh`
+whose groups are None; the parallel layers treat a None group (or one of size 1) as "no
+communication", so the same code runs with and without torch.distributed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megalm.errors import ConfigError
+
+MESH_DIMS = ("pp", "dp", "cp", "tp")  # slowest to fastest
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's index along each mesh dimension."""
+        tp_rank = rank % self.tp
+        cp_rank = (rank // self.tp) % self.cp
+        dp_rank = (rank // (self.tp * self.cp)) % self.dp
+        pp_rank = rank // (self.tp * self.cp * self.dp)
+        return {"tp": tp_rank, "cp": cp_rank, "dp": dp_rank, "pp": pp_rank}
+
+
+def validate_layout(cfg, world_size: int) -> ParallelDims:
+    """Check `cfg.parallel` against the world size, the model and the batch; fill `parallel.dp`.
+
+    `cfg` is a MegalmConfig whose model defaults are already resolved. Every rule is a one-line
+    ConfigError naming what to change, raised identically on every rank (no collective needed).
+    """
+    p, m, t = cfg.parallel, cfg.model, cfg.trainer
+    for key in ("tp", "pp", "vpp", "cp"):
+        if getattr(p, key) < 1:
+            raise ConfigError(f"parallel.{key}={getattr(p, key)} must be >= 1")
+    for key in ("pp", "cp"):
+        if getattr(p, key) > 1:
+            raise ConfigError(f"parallel.{key}={getattr(p, key)} is not implemented yet in this megalm version; "
+                              f"use parallel.{key}=1")
+    if p.vpp > 1:
+        raise ConfigError(f"parallel.vpp={p.vpp} needs pipeline parallelism, not implemented yet; use parallel.vpp=1")
+    if p.hdp:
+        raise ConfigError("parallel.hdp=true is not implemented yet in this megalm version; use parallel.hdp=false")
+    model_parallel = p.tp * p.pp * p.cp
+    if p.dp is None:
+        if world_size % model_parallel:
+            raise ConfigError(f"world size {world_size} is not divisible by tp*pp*cp = {p.tp}*{p.pp}*{p.cp}; "
+                              "change parallel.* or the number of processes")
+        p.dp = world_size // model_parallel
+    if p.dp < 1:
+        raise ConfigError(f"parallel.dp={p.dp} must be >= 1")
+    if p.dp * model_parallel != world_size:
+        raise ConfigError(f"world size {world_size} != tp*pp*cp*dp = {p.tp}*{p.pp}*{p.cp}*{p.dp}; "
+                          "change parallel.* or the number of processes (torchrun --nproc-per-node)")
+    if m.num_heads % p.tp:
+        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by parallel.tp={p.tp}; "
+                          "choose tp among the divisors of num_heads")
+    if m.num_kv_heads % p.tp and p.tp % m.num_kv_heads:
+        raise ConfigError(f"model.num_kv_heads={m.num_kv_heads} and parallel.tp={p.tp}: one must divide the "
+                          "other (kv heads are split over tp, or replicated when tp > kv heads)")
+    if m.ffn_hidden_size % p.tp:
+        raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}; "
+                          f"set it to a multiple of {p.tp}")
+    if m.vocab_size % p.tp:
+        padded = -(-m.vocab_size // (64 * p.tp)) * 64 * p.tp
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}; pad it, "
+                          f"e.g. model.vocab_size={padded}")
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp>1; set parallel.tp or turn it off")
+    if t.global_batch_size % (t.micro_batch_size * p.dp):
+        raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
+                          f"micro_batch_size*dp={t.micro_batch_size}*{p.dp}; change one of them")
+    return ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
+
+
+@dataclass
+class ParallelMesh:
+    """The process groups of one rank. Groups are None in a single process."""
+
+    dims: ParallelDims
+    rank: int = 0
+    mesh: object | None = None  # torch DeviceMesh when distributed
+    tp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    cp_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        coords = self.dims.coordinates(self.rank)
+        self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank = (coords[k] for k in ("tp", "cp", "dp", "pp"))
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """Rank 0 prints and writes metrics; every other rank stays quiet."""
+        return self.rank == 0
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """Join the torchrun job if there is one (env:// rendezvous). Returns (rank, world_size).
+
+    A group someone else already initialised (a test launcher, a notebook) is used as it is.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def build_mesh(dims: ParallelDims, device: torch.device) -> ParallelMesh:
+    """Create the DeviceMesh and its named groups (all ranks must call this together)."""
+    if dims.world_size == 1:
+        return ParallelMesh(dims)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.get_world_size() != dims.world_size:
+        raise ConfigError(f"world size {dist.get_world_size()} != tp*pp*cp*dp = {dims.world_size}")
+    mesh = init_device_mesh(device.type, (dims.pp, dims.dp, dims.cp, dims.tp), mesh_dim_names=MESH_DIMS)
+    return ParallelMesh(dims, rank=dist.get_rank(), mesh=mesh, tp_group=mesh.get_group("tp"),
+                        dp_group=mesh.get_group("dp"), cp_group=mesh.get_group("cp"), pp_group=mesh.get_group("pp"))

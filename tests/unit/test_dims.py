@@ -1,0 +1,56 @@
+"""Layout validation and rank coordinates (no processes needed)."""
+
+import pytest
+
+from megalm.errors import ConfigError
+from megalm.parallel.dims import ParallelDims, validate_layout
+from tests.conftest import compose_config
+
+
+def layout(world_size: int, *overrides: str) -> ParallelDims:
+    from megalm.config import resolve_model_defaults
+
+    cfg = compose_config(*overrides)
+    resolve_model_defaults(cfg.model)
+    return validate_layout(cfg, world_size)
+
+
+def test_rank_order_is_tp_fastest_then_cp_dp_pp():
+    dims = ParallelDims(tp=2, cp=2, dp=2, pp=2)
+    assert dims.world_size == 16
+    assert dims.coordinates(0) == {"tp": 0, "cp": 0, "dp": 0, "pp": 0}
+    assert dims.coordinates(1) == {"tp": 1, "cp": 0, "dp": 0, "pp": 0}
+    assert dims.coordinates(2) == {"tp": 0, "cp": 1, "dp": 0, "pp": 0}
+    assert dims.coordinates(4) == {"tp": 0, "cp": 0, "dp": 1, "pp": 0}
+    assert dims.coordinates(13) == {"tp": 1, "cp": 0, "dp": 1, "pp": 1}
+
+
+def test_dp_defaults_to_what_is_left():
+    assert layout(8, "parallel.tp=2", "trainer.micro_batch_size=2") == ParallelDims(tp=2, dp=4)
+    assert layout(4, "parallel.tp=4", "trainer.micro_batch_size=2") == ParallelDims(tp=4, dp=1)
+
+
+@pytest.mark.parametrize("world, overrides, message", [
+    (4, ["parallel.tp=2", "parallel.dp=3"], "world size 4 != tp.pp.cp.dp"),
+    (3, ["parallel.tp=2"], "world size 3 is not divisible"),
+    (2, ["parallel.tp=2", "model.num_heads=2", "model.num_kv_heads=1", "model.hidden_size=64",
+         "model.ffn_hidden_size=63"], "ffn_hidden_size=63 is not divisible"),
+    (8, ["parallel.tp=8"], "model.num_heads=4 is not divisible by parallel.tp=8"),
+    (2, ["parallel.tp=2", "model.vocab_size=321"], "model.vocab_size=321 is not divisible by parallel.tp=2"),
+    (1, ["parallel.sequence_parallel=true"], "needs parallel.tp>1"),
+    (4, ["trainer.global_batch_size=8", "trainer.micro_batch_size=4"], "not divisible by micro_batch_size.dp=4.4"),
+    (2, ["parallel.cp=2"], "parallel.cp=2 is not implemented yet"),
+    (1, ["parallel.hdp=true"], "parallel.hdp=true is not implemented yet"),
+])
+def test_bad_layouts_name_the_fix(world, overrides, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        layout(world, *overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_kv_heads_split_or_replicated():
+    assert layout(2, "parallel.tp=2").tp == 2  # 2 kv heads split over tp=2
+    assert layout(4, "parallel.tp=4", "trainer.micro_batch_size=2").tp == 4  # 2 kv heads replicated over tp=4
+    with pytest.raises(ConfigError, match="one must divide the other"):
+        layout(4, "parallel.tp=4", "model.num_heads=12", "model.num_kv_heads=6", "model.hidden_size=96",
+               "trainer.micro_batch_size=2")
