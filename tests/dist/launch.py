@@ -1,0 +1,110 @@
+"""Run a function on N local processes joined in a torch.distributed group, for tests.
+
+    run_distributed(fn, world_size, *args, timeout=120)
+
+spawns `world_size` processes (torch.multiprocessing, "spawn" start method), each of which joins a
+gloo group on 127.0.0.1 at a free port and calls `fn(rank, world_size, *args)`; the group is
+destroyed afterwards. `fn` and `args` must be picklable: define `fn` at module level in the test file.
+
+Failures surface in the calling test:
+  * an exception in a worker raises WorkerError in the parent with the traceback of every worker that
+    failed, earliest first: when one rank raises, its peers usually fail next inside a collective
+    ("connection closed by peer"), and the earliest traceback is the cause;
+  * a worker that dies without a Python exception (segfault, os._exit) raises torch's
+    ProcessExitedException;
+  * if the workers have not all finished within `timeout` seconds (a hang, e.g. a collective some rank
+    never reaches) they are killed and TimeoutError is raised, so CI does not stall.
+Workers use one intra-op thread: tests run several processes on few cores.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it; a small race is possible)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class WorkerError(RuntimeError):
+    """One or more workers raised; the message holds their tracebacks, earliest failure first."""
+
+
+def _worker(
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, timeout: float, args: tuple,
+    error_dir: str,
+) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        fn(rank, world_size, *args)
+    except BaseException:
+        # Recorded before the group is torn down: peers only fail (connection closed) after that.
+        with open(f"{error_dir}/{rank}", "w") as f:
+            f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _worker_errors(error_dir: str, world_size: int) -> list[tuple[float, int, str]]:
+    """(time, rank, traceback) of every worker that recorded a failure, earliest first."""
+    errors = []
+    for rank in range(world_size):
+        try:
+            with open(f"{error_dir}/{rank}") as f:
+                when, text = f.read().split("\n", 1)
+        except FileNotFoundError:
+            continue
+        errors.append((float(when), rank, text))
+    return sorted(errors)
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, backend: str = "gloo"
+) -> None:
+    """Call `fn(rank, world_size, *args)` on `world_size` spawned processes in one process group.
+
+    Raises WorkerError (tracebacks of the failed workers, earliest first), torch's
+    ProcessExitedException (a worker died without an exception), or TimeoutError after `timeout` s.
+    """
+    name = getattr(fn, "__name__", repr(fn))
+    with tempfile.TemporaryDirectory(prefix="run_distributed_") as error_dir:
+        context = mp.start_processes(
+            _worker, args=(fn, world_size, free_port(), backend, timeout, args, error_dir),
+            nprocs=world_size, join=False, start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    alive = [rank for rank, p in enumerate(context.processes) if p.is_alive()]
+                    raise TimeoutError(f"run_distributed({name}): ranks {alive} still running after "
+                                       f"{timeout:.0f}s (a hang?); killed them")
+        except mp.ProcessRaisedException as error:
+            errors = _worker_errors(error_dir, world_size)
+            if not errors:
+                raise
+            report = "\n".join(f"--- rank {rank} ---\n{text}" for _, rank, text in errors)
+            raise WorkerError(f"run_distributed({name}): {len(errors)} worker(s) failed, earliest first:\n"
+                              f"{report}") from error
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join()
