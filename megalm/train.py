@@ -73,15 +73,39 @@ def precheck_overrides(argv: list[str]) -> None:
         fail(_one_line(e))
 
 
+def shared_run_dir(own_dir: Path, config) -> tuple[Path, int]:
+    """Under torchrun every rank composes its own Hydra run dir (from its own clock); all ranks
+    take rank 0's, and a rank whose dir differs removes the empty one Hydra made for it."""
+    from megalm.parallel.dims import init_distributed
+    from megalm.training.trainer import select_device
+
+    rank, world_size = init_distributed(select_device(config.trainer.device))
+    if world_size == 1:
+        return own_dir, rank
+    import shutil
+
+    import torch.distributed as dist
+
+    shared = [str(own_dir)]
+    dist.broadcast_object_list(shared, src=0)
+    if shared[0] != str(own_dir) and not any(p.name not in (".hydra", "train.log") for p in own_dir.iterdir()):
+        shutil.rmtree(own_dir, ignore_errors=True)
+    return Path(shared[0]), rank
+
+
 def run(cfg: DictConfig) -> float | None:
     """Train with a composed config; returns the last logged loss (what a Hydra sweeper minimises)."""
     from megalm.training.trainer import Trainer
 
     debug = bool(cfg.get("debug", False))
     try:
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        summary = Trainer(to_dataclass(cfg), run_dir).fit()
+        config = to_dataclass(cfg)
+        run_dir, rank = shared_run_dir(Path(HydraConfig.get().runtime.output_dir), config)
+        if rank == 0:
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        else:  # one voice: rank 0 logs, the others only warn
+            log.setLevel(logging.WARNING)
+        summary = Trainer(config, run_dir).fit()
         return summary.last_loss
     except MegalmError as e:
         if debug:

@@ -1,22 +1,24 @@
-"""Single-process checkpoints: atomic, self-describing, loaded without executing pickled code.
+"""Checkpoints: atomic, self-describing, resharable, loaded without executing pickled code.
 
 Layout of a run dir:
 
     checkpoints/
       step_00000100/
-        model.safetensors       # model weights
-        optimizer.safetensors   # AdamW moments and step, keyed by parameter name
-        rng.safetensors         # torch CPU (and CUDA) generator states
-        state.json              # step, consumed tokens, seed, batch size, param-group hyper-parameters
-        config.yaml             # the resolved run config (megalm-generate rebuilds the model from it)
-      latest                    # text file naming the newest complete checkpoint
+        shard-0000R-model-00001-of-00001.safetensors   # weights + optimizer state, per saving rank
+        rng-rank0000R.safetensors                       # every rank's torch CPU (and CUDA) generator
+        state.json        # step, consumed tokens, seed, batch size, optimizer hyper-parameters
+        config.yaml       # the resolved run config (megalm-generate rebuilds the model from it)
+      latest              # text file naming the newest complete checkpoint
 
-A save writes everything into `.tmp-step_…` first, fsyncs, renames the directory into place and
-only then replaces `latest` (os.replace is atomic on POSIX). A crash at any point leaves the
-previous `latest` pointing at a complete checkpoint; stale temporaries are removed by the next
-save. Tensors go through safetensors and metadata through JSON/YAML, so loading never unpickles.
-Optimizer state is keyed by parameter *name*, not position, so a checkpoint survives a change in
-parameter-group layout and can be checked against the model it is loaded into.
+Tensors go through torch.distributed.checkpoint (DCP) with its Hugging Face storage: safetensors
+files whose JSON headers hold each shard's offsets, so loading reads no pickle (DCP's default
+storage pickles its metadata). Every rank writes its own tensor-parallel shards (as DTensors over
+the TP mesh; DCP writes a replicated tensor once), and a load into another layout reshards —
+both handled by DCP. Optimizer state is keyed by parameter *name*, not position.
+
+A save writes into `.tmp-step_…`, fsyncs, renames the directory into place and only then replaces
+`latest` (os.replace is atomic on POSIX). A crash at any point leaves the previous `latest`
+pointing at a complete checkpoint; stale temporaries are removed by the next save.
 """
 
 from __future__ import annotations
@@ -24,22 +26,26 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 from megalm.errors import CheckpointError
 
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
-FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json", "config.yaml")
+FILES = ("state.json", "config.yaml")  # plus shard-*.safetensors and rng-rank*.safetensors
 
 
 def checkpoint_name(step: int) -> str:
@@ -114,6 +120,86 @@ def load_optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, t
     optimizer.load_state_dict({"state": per_param, "param_groups": new_groups})
 
 
+# ---------------------------------------------------------------------------- tensors <-> DCP layout
+
+
+def _tp_shard_dim(param: nn.Parameter, mesh) -> int | None:
+    """The dim along which `param` is an even TP chunk (chunk index = tp rank), else None."""
+    full_shape = getattr(param, "full_shape", None)
+    if mesh is None or mesh.dims.tp == 1 or full_shape is None or getattr(param, "tp_replicas", 1) != 1:
+        return None
+    dims = [d for d, (a, b) in enumerate(zip(param.shape, full_shape, strict=True)) if a != b]
+    if len(dims) != 1:
+        return None
+    index = torch.arange(torch.Size(full_shape).numel()).reshape(full_shape)
+    expected = index.chunk(mesh.dims.tp, dims[0])[mesh.tp_rank]
+    return dims[0] if torch.equal(param.shard_full(index), expected) else None
+
+
+def _gather_full(local: torch.Tensor, param: nn.Parameter, mesh) -> torch.Tensor:
+    """The full tensor from every TP rank's piece, placed by each rank's own `shard_full` of an
+    index tensor (covers pieces several ranks hold, e.g. kv heads replicated when tp > kv heads)."""
+    full_shape = torch.Size(param.full_shape)
+    index = param.shard_full(torch.arange(full_shape.numel()).reshape(full_shape)).contiguous()
+    pieces = [torch.empty_like(local) for _ in range(mesh.dims.tp)]
+    indices = [torch.empty_like(index) for _ in range(mesh.dims.tp)]
+    dist.all_gather(pieces, local.contiguous(), group=mesh.tp_group)
+    dist.all_gather(indices, index, group=mesh.tp_group)
+    full = torch.empty(full_shape.numel(), dtype=local.dtype, device=local.device)
+    for piece, idx in zip(pieces, indices, strict=True):
+        full[idx.reshape(-1)] = piece.reshape(-1)
+    return full.reshape(full_shape)
+
+
+def _for_dcp(local: torch.Tensor, param: nn.Parameter, mesh) -> torch.Tensor:
+    """What DCP should see for a tensor shaped like `param`: a DTensor over the TP mesh for an
+    even shard (each rank writes its own), the gathered full tensor for an irregular TP piece, the
+    tensor itself when it is not sharded (DCP writes replicated tensors once)."""
+    if not getattr(param, "tp_sharded", False) or mesh is None or mesh.dims.tp == 1:
+        return local
+    dim = _tp_shard_dim(param, mesh)
+    if dim is None:
+        return _gather_full(local, param, mesh)
+    from torch.distributed.tensor import DTensor, Shard
+
+    full_shape = torch.Size(param.full_shape)
+    stride = torch.empty(full_shape, device="meta").stride()
+    return DTensor.from_local(local.contiguous(), mesh.mesh["tp"], [Shard(dim)], shape=full_shape, stride=stride)
+
+
+def _from_dcp(loaded: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """This rank's local tensor from what `_for_dcp` made and DCP filled."""
+    if hasattr(loaded, "to_local"):
+        return loaded.to_local()
+    if getattr(param, "tp_sharded", False) and tuple(loaded.shape) == tuple(param.full_shape) != tuple(param.shape):
+        return param.shard_full(loaded)
+    return loaded
+
+
+def _dcp_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    with warnings.catch_warnings():  # one process: DCP warns that it saves without a process group
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(path), save_distributed=True))
+
+
+def _dcp_load(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(path)))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises many types
+        cause = next(iter(getattr(e, "failures", {}).values()), e)  # CheckpointException: per-rank causes
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
+        raise CheckpointError(f"checkpoint {path} cannot be read into this model ({type(cause).__name__}: {first}); "
+                              "it is corrupt or from another model — resume from another with "
+                              "trainer.resume=PATH") from None
+
+
+def _barrier(mesh) -> None:
+    if mesh is not None and mesh.is_distributed:
+        dist.barrier()
+
+
 # ---------------------------------------------------------------------------- save / find / load
 
 
@@ -125,42 +211,55 @@ class LoadedCheckpoint:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict[str, Any], config: dict[str, Any], keep_last: int) -> Path:
-    """Write the checkpoint of `step` atomically, point `latest` at it, keep the newest `keep_last`."""
-    root = Path(run_dir) / CHECKPOINTS
-    root.mkdir(parents=True, exist_ok=True)
-    name = checkpoint_name(step)
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+                    state: dict[str, Any], config: dict[str, Any], keep_last: int, mesh=None) -> Path:
+    """Write the checkpoint of `step` atomically, point `latest` at it, keep the newest `keep_last`.
 
-    model_state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(model_state, str(tmp / "model.safetensors"))
+    Collective when `mesh` is distributed: every rank must call it.
+    """
+    rank = mesh.rank if mesh is not None else 0
+    root = Path(run_dir) / CHECKPOINTS
+    name = checkpoint_name(step)
+    tmp = root / f".tmp-{name}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier(mesh)
+
+    params = dict(model.named_parameters())
+    tensors = {f"model/{n}": _for_dcp(p.detach(), p, mesh) for n, p in params.items()}
     opt_tensors, groups = optimizer_tensors(model, optimizer)
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    for key, value in opt_tensors.items():
+        param = params[key.split("::")[0]]
+        tensors[f"optim/{key}"] = _for_dcp(value, param, mesh) if value.shape == param.shape else value
+    _dcp_save(tensors, tmp)
     rng = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             rng[f"torch_cuda_{i}"] = s
-    save_file(rng, str(tmp / "rng.safetensors"))
-    full_state = {"format_version": FORMAT_VERSION, "step": step, "optimizer_param_groups": groups, **state}
-    (tmp / "state.json").write_text(json.dumps(full_state, indent=1))
-    (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
-    for f in FILES:
-        _fsync_path(tmp / f)
-    _fsync_path(tmp)
+    rng_file = tmp / f"rng-rank{rank:05d}.safetensors"
+    save_file(rng, str(rng_file))
+    _fsync_path(rng_file)
+    _barrier(mesh)
 
     final = root / name
-    if final.exists():  # re-saving a step (e.g. after a resume): swap atomically, then drop the old copy
-        old = root / f".old-{name}-{os.getpid()}"
-        os.rename(final, old)
+    if rank == 0:
+        full_state = {"format_version": FORMAT_VERSION, "step": step, "optimizer_param_groups": groups,
+                      "world_size": mesh.dims.world_size if mesh is not None else 1, **state}
+        (tmp / "state.json").write_text(json.dumps(full_state, indent=1))
+        (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+        for f in tmp.iterdir():
+            _fsync_path(f)
+        _fsync_path(tmp)
+        if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old copy
+            old = root / f".old-{name}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
         os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    _fsync_path(root)
-    _write_text_atomic(root / LATEST, name + "\n")
-    _prune(root, keep_last)
+        _fsync_path(root)
+        _write_text_atomic(root / LATEST, name + "\n")
+        _prune(root, keep_last)
+    _barrier(mesh)
     return final
 
 
@@ -176,7 +275,8 @@ def _prune(root: Path, keep_last: int) -> None:
 
 
 def is_complete(path: Path) -> bool:
-    return path.is_dir() and all((path / f).is_file() for f in FILES)
+    return (path.is_dir() and all((path / f).is_file() for f in FILES)
+            and any(path.glob("shard-*.safetensors")))
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -242,26 +342,61 @@ def check_model_config(saved: dict[str, Any], current: dict[str, Any], path: Pat
                               "model=... overrides or a new hydra.run.dir")
 
 
-def load_model_weights(path: Path, model: nn.Module) -> None:
-    weights = _load_tensors(path / "model.safetensors")
-    try:
-        model.load_state_dict(weights, strict=True)
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise CheckpointError(f"checkpoint {path} does not fit this model ({first}); use the matching "
-                              "model config") from None
+def _model_targets(model: nn.Module, mesh) -> dict[str, torch.Tensor]:
+    return {f"model/{n}": _for_dcp(torch.empty_like(p.detach()), p, mesh) for n, p in model.named_parameters()}
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> LoadedCheckpoint:
-    """Load weights, optimizer and RNG state in place; return the checkpoint's metadata."""
+@torch.no_grad()
+def _copy_model(model: nn.Module, targets: dict[str, torch.Tensor], path: Path) -> None:
+    for name, param in model.named_parameters():
+        value = _from_dcp(targets[f"model/{name}"], param)
+        if value.shape != param.shape:
+            raise CheckpointError(f"checkpoint {path} has {name} of shape {tuple(value.shape)}, this model "
+                                  f"{tuple(param.shape)}; use the matching model config")
+        param.copy_(value)
+
+
+def load_model_weights(path: Path, model: nn.Module, mesh=None) -> None:
+    """Weights only (megalm-generate, fine-tuning starts)."""
+    targets = _model_targets(model, mesh)
+    _dcp_load(targets, path)
+    _copy_model(model, targets, path)
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    mesh=None) -> LoadedCheckpoint:
+    """Load weights, optimizer and this rank's RNG state in place; return the checkpoint's metadata.
+
+    The saved layout may differ from this run's: DCP reads each rank's pieces from whichever shards
+    hold them. Collective when `mesh` is distributed.
+    """
     meta = read_checkpoint_meta(path)
-    load_model_weights(path, model)
+    targets = _model_targets(model, mesh)
+    params = dict(model.named_parameters())
     if optimizer is not None:
-        load_optimizer_tensors(model, optimizer, _load_tensors(path / "optimizer.safetensors"),
-                               meta.state["optimizer_param_groups"])
-    rng = _load_tensors(path / "rng.safetensors")
-    torch.set_rng_state(rng["torch_cpu"])
-    cuda_states = [rng[k] for k in sorted(rng) if k.startswith("torch_cuda_")]
-    if cuda_states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda_states[: torch.cuda.device_count()])
+        like, groups = optimizer_tensors(model, optimizer)
+        if not like:  # a fresh torch AdamW has no state yet: take one step's worth of shapes
+            like = {f"{n}::{k}": torch.zeros(() if k == "step" else p.shape, dtype=torch.float32)
+                    for n, p in params.items() for k in ("step", "exp_avg", "exp_avg_sq")}
+        for key, value in like.items():
+            param = params[key.split("::")[0]]
+            shaped = value.shape == param.shape
+            targets[f"optim/{key}"] = _for_dcp(torch.empty_like(value), param, mesh) if shaped else value.clone()
+    _dcp_load(targets, path)
+    _copy_model(model, targets, path)
+    if optimizer is not None:
+        tensors = {}
+        for key, value in targets.items():
+            if key.startswith("optim/"):
+                name = key[len("optim/"):]
+                tensors[name] = _from_dcp(value, params[name.split("::")[0]])
+        load_optimizer_tensors(model, optimizer, tensors, meta.state["optimizer_param_groups"])
+    rank = mesh.rank if mesh is not None else 0
+    rng_file = path / f"rng-rank{rank:05d}.safetensors"
+    if rng_file.is_file() and meta.state.get("world_size", 1) == (mesh.dims.world_size if mesh else 1):
+        rng = _load_tensors(rng_file)
+        torch.set_rng_state(rng["torch_cpu"])
+        cuda_states = [rng[k] for k in sorted(rng) if k.startswith("torch_cuda_")]
+        if cuda_states and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(cuda_states[: torch.cuda.device_count()])
     return meta

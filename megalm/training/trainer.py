@@ -13,23 +13,26 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megalm.config import MegalmConfig, config_to_dict, validate
 from megalm.data.batch import Sample
-from megalm.data.dataset import build_datasets, global_batch, loss_token_count, micro_batches
+from megalm.data.dataset import SampleDataset, build_datasets, loss_token_count, micro_batches
 from megalm.errors import CheckpointError, ConfigError, MegalmError
-from megalm.model import GPT, init_weights
+from megalm.model import GPT, init_weights, num_parameters
+from megalm.parallel.data import GradReducer, build_zero1_optimizer
+from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh, init_distributed
+from megalm.parallel.parallelize import apply_tensor_parallel, loss_fn_for, pad_for_sequence_parallel
+from megalm.parallel.tensor import tp_grad_norm_squared, tp_norm_share
 from megalm.precision import autocast
 from megalm.training import checkpoint as ckpt
 from megalm.training.flops import peak_flops, training_flops
-from megalm.training.loss import token_loss_sum
 from megalm.training.metrics import MetricsLogger
 from megalm.training.optim import build_optimizer, lr_at, set_lr
 
@@ -74,29 +77,55 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class Trainer:
-    """Builds data, model and optimizer from a config; `fit()` trains and checkpoints in `run_dir`."""
+    """Builds data, model and optimizer from a config; `fit()` trains and checkpoints in `run_dir`.
 
-    def __init__(self, cfg: MegalmConfig, run_dir: Path | str):
-        # torchrun sets WORLD_SIZE; until the parallel layers land, several processes are refused
-        # instead of silently training independent copies into one run dir.
-        self.cfg = validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-        self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+    Under torchrun (or inside an initialised process group) the model is split over the mesh:
+    tensor parallelism swaps the model's layers for sharded ones (`parallel/parallelize.py`), each
+    DP rank takes its slice of the global batch, and `parallel/data.py` sums gradients over DP
+    (all-reduce, or reduce-scatter into the ZeRO-1 optimizer). `mesh` forces a layout (tests pass a
+    one-rank mesh to get the single-process reference inside a distributed job).
+    """
+
+    def __init__(self, cfg: MegalmConfig, run_dir: Path | str, mesh: ParallelMesh | None = None):
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
         self.device = select_device(cfg.trainer.device)
-        torch.manual_seed(cfg.seed)
+        world_size = mesh.dims.world_size if mesh is not None else init_distributed(self.device)[1]
+        self.cfg = validate(cfg, world_size=world_size)
+        p = cfg.parallel
+        self.mesh = mesh or build_mesh(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp), self.device)
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)  # the same on every rank: TP ranks must draw the same dropout masks
 
         self.data = build_datasets(cfg)
-        self.model = GPT(cfg.model, device=self.device)
-        init_weights(self.model, cfg.seed)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.model = self._build_model()
+        self.loss_fn = loss_fn_for(self.mesh)
+        reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(p.grad_reduce_dtype or "")
+        self.reducer = GradReducer(list(self.model.parameters()), self.mesh.dp_group, p.bucket_size_mb,
+                                   reduce_dtype=reduce_dtype, zero1=p.zero1)
+        self.optimizer = (build_zero1_optimizer(self.model, cfg.optim, self.reducer) if p.zero1
+                          else build_optimizer(self.model, cfg.optim))
         self.config_dict = config_to_dict(cfg)
         self.step = 0
         self.consumed_tokens = 0
         self.resumed_from: Path | None = None
         self._maybe_resume()
         self.peak = peak_flops(self.device, cfg.precision.name)
+
+    def _build_model(self) -> GPT:
+        """Build on the meta device, shard for TP, then materialise and initialise: every rank draws
+        its shards of the single-process initial weights (`init_weights` + `shard_full`)."""
+        model = GPT(self.cfg.model, device="meta")
+        apply_tensor_parallel(model, self.mesh, self.cfg.parallel.sequence_parallel)
+        model.to_empty(device=self.device)
+        init_weights(model, self.cfg.seed)
+        return model
+
+    def _all_reduce(self, value: torch.Tensor, group) -> torch.Tensor:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(value, group=group)
+        return value
 
     # ------------------------------------------------------------------ resume
 
@@ -119,7 +148,7 @@ class Trainer:
                 raise CheckpointError(f"checkpoint {path} was trained with {key}={meta.state.get(key)}, this run "
                                       f"has {current}; resuming would change the data order — set it back or "
                                       "start a new hydra.run.dir")
-        ckpt.load_checkpoint(path, self.model, self.optimizer)
+        ckpt.load_checkpoint(path, self.model, self.optimizer, self.mesh)
         self.step = meta.state["step"]
         self.consumed_tokens = meta.state["consumed_tokens"]
         self.resumed_from = path
@@ -130,49 +159,88 @@ class Trainer:
                  "global_batch_size": self.cfg.trainer.global_batch_size, "varlen": self.cfg.data.varlen,
                  "tokenizer": getattr(self.data.tokenizer, "spec", None)}
         return ckpt.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state,
-                                    self.config_dict, self.cfg.trainer.keep_last)
+                                    self.config_dict, self.cfg.trainer.keep_last, self.mesh)
 
     # ------------------------------------------------------------------ one step
 
-    def forward_backward(self, samples: list[Sample], n_loss_tokens: int) -> tuple[torch.Tensor, int, float]:
-        """Accumulate gradients of sum(token losses) / n_loss_tokens over the samples' micro-batches.
+    def local_samples(self, step: int, dataset: SampleDataset | None = None) -> list[Sample]:
+        """This DP rank's contiguous slice of global batch `step` (TP ranks of a DP rank share it);
+        only these samples are read, so no rank reads another's data."""
+        dataset = self.data.train if dataset is None else dataset
+        gbs, dp = self.cfg.trainer.global_batch_size, self.mesh.dims.dp
+        per_rank = gbs // dp
+        first = step * gbs + self.mesh.dp_rank * per_rank
+        return [dataset[first + i] for i in range(per_rank)]
 
-        Returns the summed (unnormalised) loss, the input tokens processed and their model FLOPs.
+    def forward_backward(self, samples: list[Sample], n_loss_tokens: int) -> tuple[torch.Tensor, int, float]:
+        """Accumulate gradients of sum(token losses) / n_loss_tokens over the samples' micro-batches,
+        then finish the DP gradient reduction (overlapped with the backward by the reducer's hooks).
+
+        Returns this rank's summed (unnormalised) loss, its input tokens and their model FLOPs.
         """
-        t = self.cfg.trainer
+        t, sp = self.cfg.trainer, self.cfg.parallel.sequence_parallel
         loss_total = torch.zeros((), device=self.device)
         tokens, flops = 0, 0.0
         self.model.train()
-        for mb in micro_batches(samples, t.micro_batch_size):
+        batches = micro_batches(samples, t.micro_batch_size)
+        self.reducer.start_step(len(batches))
+        for mb in batches:
+            tokens += mb.num_tokens
+            flops += training_flops(self.cfg.model, mb.doc_lengths)
+            if sp:
+                mb = pad_for_sequence_parallel(mb, self.mesh.dims.tp)
             mb = mb.to(self.device)
             with autocast(self.cfg.precision.name, self.device):
                 logits = self.model(mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
-            loss_sum = token_loss_sum(logits, mb.labels, mb.loss_mask)
+            loss_sum = self.loss_fn(logits, mb.labels, mb.loss_mask)
             (loss_sum / n_loss_tokens).backward()
             loss_total += loss_sum.detach()
-            tokens += mb.num_tokens
-            flops += training_flops(self.cfg.model, mb.doc_lengths)
+        self.reducer.finish()
         return loss_total, tokens, flops
+
+    def forward_backward_step(self, step: int) -> tuple[torch.Tensor, int, int, float]:
+        """forward_backward on this rank's share of global batch `step`; also returns the step's
+        global loss-token count (the normaliser, summed over DP)."""
+        samples = self.local_samples(step)
+        n_loss_tokens = int(self._all_reduce(torch.tensor(loss_token_count(samples)), self.mesh.dp_group))
+        loss_total, tokens, flops = self.forward_backward(samples, max(n_loss_tokens, 1))
+        return loss_total, max(n_loss_tokens, 1), tokens, flops
+
+    def grad_norm(self) -> torch.Tensor:
+        """L2 norm of the full model's gradient: TP shards summed over TP, replicated parameters
+        counted once (`tp_norm_share`); under ZeRO-1 each DP rank holds a shard of the gradient,
+        so the squares are summed over DP too."""
+        tp_group, share = self.mesh.tp_group, lambda p: tp_norm_share(p, self.mesh.tp_group)
+        if self.cfg.parallel.zero1:
+            sq = self.optimizer.local_grad_sq_norm(weight=share)
+            self._all_reduce(sq, self.mesh.dp_group)
+            return self._all_reduce(sq, tp_group).sqrt()
+        return tp_grad_norm_squared(self.model.parameters(), tp_group).sqrt()
 
     def optimizer_step(self, step: int) -> tuple[float, float]:
         """Clip by global grad norm, set the schedule's lr, step AdamW. Returns (grad_norm, lr)."""
         t = self.cfg.trainer
-        max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        norm = self.grad_norm()
+        if t.grad_clip > 0:
+            coef = torch.clamp(t.grad_clip / (norm + 1e-6), max=1.0)
+            if self.cfg.parallel.zero1:
+                self.optimizer.scale_grads(coef)
+            else:
+                torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], coef)
         lr = lr_at(step, self.cfg.optim, t.max_steps)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm.item(), lr
+        return norm.item(), lr
 
     def train_step(self, step: int) -> StepResult:
-        """One optimizer step on global batch `step` (0-based)."""
-        samples = global_batch(self.data.train, step, self.cfg.trainer.global_batch_size)
-        n_loss_tokens = max(loss_token_count(samples), 1)
-        loss_total, tokens, flops = self.forward_backward(samples, n_loss_tokens)
+        """One optimizer step on global batch `step` (0-based). Loss, tokens and FLOPs are global."""
+        loss_total, n_loss_tokens, tokens, flops = self.forward_backward_step(step)
         grad_norm, lr = self.optimizer_step(step)
-        return StepResult(loss=(loss_total / n_loss_tokens).item(), grad_norm=grad_norm, lr=lr,
-                          tokens=tokens, flops=flops)
+        totals = self._all_reduce(torch.tensor([loss_total.item(), tokens, flops], dtype=torch.float64),
+                                  self.mesh.dp_group)
+        return StepResult(loss=totals[0].item() / n_loss_tokens, grad_norm=grad_norm, lr=lr,
+                          tokens=int(totals[1]), flops=float(totals[2]))
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -181,28 +249,36 @@ class Trainer:
             return None
         t = self.cfg.trainer
         self.model.eval()
-        loss_total, n_tokens = 0.0, 0
+        totals = torch.zeros(2, dtype=torch.float64)
         for i in range(t.eval_iters):
-            samples = global_batch(self.data.valid, i, t.global_batch_size)
+            samples = self.local_samples(i, self.data.valid)
             for mb in micro_batches(samples, t.micro_batch_size):
+                if self.cfg.parallel.sequence_parallel:
+                    mb = pad_for_sequence_parallel(mb, self.mesh.dims.tp)
                 mb = mb.to(self.device)
                 with autocast(self.cfg.precision.name, self.device):
                     logits = self.model(mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
-                loss_total += token_loss_sum(logits, mb.labels, mb.loss_mask).item()
-            n_tokens += loss_token_count(samples)
+                totals[0] += self.loss_fn(logits, mb.labels, mb.loss_mask).item()
+            totals[1] += loss_token_count(samples)
         self.model.train()
-        return loss_total / max(n_tokens, 1)
+        self._all_reduce(totals, self.mesh.dp_group)
+        return (totals[0] / max(totals[1], 1)).item()
 
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> TrainSummary:
         t = self.cfg.trainer
         stop_at = t.stop_at_step or t.max_steps
-        logger = MetricsLogger(self.run_dir, self.cfg.logging, t.max_steps, self.config_dict)
-        n_params = sum(p.numel() for p in self.model.parameters())
-        log.info(f"model {self.cfg.model.name}: {n_params / 1e6:.2f}M parameters, {self.cfg.model.num_layers} "
-                 f"layers | {self.cfg.precision.name} on {self.device} | data {self.cfg.data.name} "
-                 f"({'varlen' if self.cfg.data.varlen else 'packed'}) | run dir {self.run_dir}")
+        main = self.mesh.is_logging_rank
+        logger = MetricsLogger(self.run_dir, self.cfg.logging, t.max_steps, self.config_dict) if main else None
+        dims = self.mesh.dims
+        if main:
+            n_params = num_parameters(GPT(self.cfg.model, device="meta"))
+            log.info(f"model {self.cfg.model.name}: {n_params / 1e6:.2f}M parameters, {self.cfg.model.num_layers} "
+                     f"layers | {self.cfg.precision.name} on {self.device} | {dims.world_size} rank(s): tp={dims.tp} "
+                     f"dp={dims.dp}{' sp' if self.cfg.parallel.sequence_parallel else ''}"
+                     f"{' zero1' if self.cfg.parallel.zero1 else ''} | data {self.cfg.data.name} "
+                     f"({'varlen' if self.cfg.data.varlen else 'packed'}) | run dir {self.run_dir}")
         first_loss = last_loss = val_loss = None
         losses: list[tuple[int, float]] = []
         last_saved: Path | None = None
@@ -228,24 +304,28 @@ class Trainer:
                     record = {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
                               "lr": result.lr, "tokens": self.consumed_tokens,
                               "tokens_per_sec": window_tokens / elapsed,
+                              "tokens_per_sec_per_gpu": window_tokens / elapsed / dims.world_size,
                               "peak_memory_gib": peak_memory_gb(self.device)}
-                    if self.peak is not None:
-                        record["mfu"] = window_flops / elapsed / self.peak
+                    if self.peak is not None:  # per GPU: global model FLOPs over all ranks' peak
+                        record["mfu"] = window_flops / elapsed / (self.peak * dims.world_size)
                     if evaluate and val_loss is not None:
                         record["val_loss"] = val_loss
-                    logger.log(record)
+                    if logger is not None:
+                        logger.log(record)
                     first_loss = result.loss if first_loss is None else first_loss
                     last_loss = result.loss
                     window_start, window_tokens, window_flops = now, 0, 0.0
                 if (t.save_interval and self.step % t.save_interval == 0) or self.step == stop_at:
                     last_saved = self.save()
         finally:
-            logger.close()
+            if logger is not None:
+                logger.close()
         seconds = time.perf_counter() - start
         summary = TrainSummary(steps=self.step, first_loss=first_loss, last_loss=last_loss, val_loss=val_loss,
                                tokens=self.consumed_tokens, seconds=seconds, checkpoint=last_saved,
                                run_dir=self.run_dir, losses=losses)
-        self._log_summary(summary)
+        if main:
+            self._log_summary(summary)
         return summary
 
     def _log_summary(self, s: TrainSummary) -> None:

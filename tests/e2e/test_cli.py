@@ -69,10 +69,11 @@ def test_train_writes_config_metrics_and_checkpoints(trained_run):
 
 
 def test_checkpoint_of_another_model_is_refused_and_kept(trained_run):
-    before = (trained_run / "checkpoints" / "step_00000004" / "model.safetensors").read_bytes()
+    shard = next((trained_run / "checkpoints" / "step_00000004").glob("shard-*.safetensors"))
+    before = shard.read_bytes()
     proc = train(["hydra.run.dir=run", "trainer.max_steps=6", "model.hidden_size=128"], trained_run.parent)
     assert_one_line_error(proc, "another model", "hidden_size=64")
-    assert (trained_run / "checkpoints" / "step_00000004" / "model.safetensors").read_bytes() == before
+    assert shard.read_bytes() == before
     assert (trained_run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
 
 
@@ -83,7 +84,8 @@ def test_checkpoint_of_another_model_is_refused_and_kept(trained_run):
     (["model=nonexistent"], ["model/nonexistent", "tiny"]),
     (["model.num_heads=3"], ["model.num_heads=3"]),
     (["trainer.micro_batch_size=3"], ["global_batch_size=8", "micro_batch_size"]),
-    (["parallel.tp=2"], ["parallel.tp=2"]),
+    (["parallel.tp=2"], ["world size 1 is not divisible by tp*pp*cp = 2"]),
+    (["parallel.cp=2"], ["parallel.cp=2 is not implemented"]),
     (["model.seq_length=64", "model.max_position_embeddings=32"], ["exceeds the model's positions"]),
     (["data=indexed"], ["data.path"]),
     (["data=indexed", "data.path=/nonexistent/corpus"], ["/nonexistent/corpus"]),

@@ -59,8 +59,7 @@ def test_round_trip_restores_weights_optimizer_and_rng(tmp_path):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("fail_at", ["model.safetensors", "optimizer.safetensors", "rng.safetensors", "rename",
-                                     "latest"])
+@pytest.mark.parametrize("fail_at", ["tensors", "rng", "rename", "latest"])
 def test_crash_mid_save_keeps_previous_checkpoint_usable(tmp_path, monkeypatch, fail_at):
     net, opt = trained()
     first = save(tmp_path, 1, net, opt)
@@ -70,12 +69,16 @@ def test_crash_mid_save_keeps_previous_checkpoint_usable(tmp_path, monkeypatch, 
     class Crash(BaseException):
         pass
 
-    real_save, real_rename, real_write = ckpt.save_file, os.rename, ckpt._write_text_atomic
+    real_dcp, real_save, real_rename, real_write = ckpt._dcp_save, ckpt.save_file, os.rename, ckpt._write_text_atomic
+
+    def crashing_dcp(tensors, path):
+        if fail_at == "tensors":
+            (path / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"\x00" * 17)  # half-written
+            raise Crash
+        real_dcp(tensors, path)
 
     def crashing_save(tensors, filename):
-        if filename.endswith(fail_at):
-            with open(filename, "wb") as f:  # a half-written file, as a kill would leave it
-                f.write(b"\x00" * 17)
+        if fail_at == "rng":
             raise Crash
         real_save(tensors, filename)
 
@@ -91,6 +94,7 @@ def test_crash_mid_save_keeps_previous_checkpoint_usable(tmp_path, monkeypatch, 
             raise Crash
         real_write(path, text)
 
+    monkeypatch.setattr(ckpt, "_dcp_save", crashing_dcp)
     monkeypatch.setattr(ckpt, "save_file", crashing_save)
     monkeypatch.setattr(ckpt.os, "rename", crashing_rename)
     monkeypatch.setattr(ckpt, "_write_text_atomic", crashing_latest)
@@ -125,9 +129,9 @@ def test_refuses_another_model_and_corrupt_files(tmp_path):
     with pytest.raises(CheckpointError, match="hidden_size=8 .this run: 16"):
         ckpt.check_model_config({"hidden_size": 8}, {"hidden_size": 16}, path)
     bigger, bigger_opt = trained(width=16)
-    with pytest.raises(CheckpointError, match="does not fit this model"):
+    with pytest.raises(CheckpointError, match="cannot be read into this model|of shape"):
         ckpt.load_checkpoint(path, bigger, bigger_opt)
-    (path / "model.safetensors").write_bytes(b"garbage")
+    next(path.glob("shard-*.safetensors")).write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="corrupt"):
         ckpt.load_checkpoint(path, net, opt)
     with pytest.raises(CheckpointError, match="does not exist"):

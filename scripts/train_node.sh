@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# One node, N processes (GPUs, or CPU processes with gloo). Hydra overrides follow, e.g.:
+#   NPROC=8 scripts/train_node.sh model=1.3b precision=bf16 parallel.tp=2
+#   NPROC=2 scripts/train_node.sh trainer.device=cpu parallel.tp=2      # CPU, gloo
+# parallel.dp defaults to NPROC / (tp * pp * cp).
+set -euo pipefail
+NPROC=${NPROC:-$( (command -v nvidia-smi >/dev/null && nvidia-smi -L | wc -l) || echo 1)}
+exec torchrun --standalone --nnodes 1 --nproc-per-node "$NPROC" -m megalm.train "$@"

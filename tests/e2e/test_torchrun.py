@@ -1,0 +1,47 @@
+"""`torchrun -m megalm.train` on CPU/gloo: the same losses as one process, and clean layout errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY
+from tests.e2e.test_cli import run
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_torchrun_tp2_dp2_matches_single_process(tmp_path):
+    common = [*TINY, "trainer.max_steps=4", "precision=fp32", "trainer.micro_batch_size=2"]
+    single = run([sys.executable, "-m", "megalm.train", *common, "hydra.run.dir=single"], tmp_path)
+    assert single.returncode == 0, single.stderr
+    multi = run([*TORCHRUN, "--nproc-per-node", "4", "-m", "megalm.train", *common, "parallel.tp=2",
+                 "parallel.dp=2", "parallel.sequence_parallel=true", "hydra.run.dir=multi"], tmp_path)
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    a, b = losses(tmp_path / "single"), losses(tmp_path / "multi")
+    assert len(a) == len(b) == 4
+    for x, y in zip(b, a, strict=True):
+        assert abs(x - y) <= 1e-5 * abs(y), (b, a)
+    assert not any(p.name != "multi" and p.name != "single" for p in tmp_path.iterdir() if p.is_dir()), \
+        "all ranks must share rank 0's run dir"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["parallel.tp=3"], "world size 2 is not divisible by tp*pp*cp = 3"),
+    (["parallel.tp=2", "model.num_heads=2", "model.num_kv_heads=1", "model.hidden_size=64",
+      "model.ffn_hidden_size=63"], "model.ffn_hidden_size=63 is not divisible by parallel.tp=2"),
+    (["parallel.dp=4"], "world size 2 != tp*pp*cp*dp"),
+])
+def test_bad_layout_fails_on_every_rank_without_hanging(tmp_path, args, message):
+    proc = run([*TORCHRUN, "--nproc-per-node", "2", "-m", "megalm.train", *TINY, *args], tmp_path, timeout=120)
+    assert proc.returncode != 0
+    ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(ours) == 2 and all(message in ln for ln in ours), proc.stderr[-2000:]
+    assert "megalm/" not in proc.stderr, "no traceback from megalm's code (torchrun adds its own report)"

@@ -1,0 +1,123 @@
+"""Communication volume of one training step, per collective type, for a parallel layout.
+
+    python tools/bench/comm_volume.py --nproc 4 parallel.tp=2 parallel.dp=2
+    python tools/bench/comm_volume.py --nproc 4 parallel.dp=4 parallel.zero1=true model=125m
+
+Spawns `--nproc` CPU processes (gloo), builds the real Trainer with the given Hydra overrides
+(data defaults to synthetic), runs one warm-up step, then counts every torch.distributed
+collective issued by one more step: calls, payload bytes (the tensor each rank hands in), and the
+bytes a ring algorithm puts on the wire per rank (all-reduce 2(n-1)/n, reduce-scatter and
+all-gather (n-1)/n of the full buffer). Counting wraps the torch.distributed functions in the
+benchmark process, so the library code carries no instrumentation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+COUNTED = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "broadcast",
+           "isend", "irecv", "send", "recv")
+
+
+def _group(kwargs: dict, args: tuple, position: int):
+    return kwargs.get("group", args[position] if len(args) > position else None)
+
+
+def _wire_factor(name: str, n: int) -> float:
+    if n <= 1:
+        return 0.0
+    return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter_tensor": (n - 1) / n,
+            "all_gather_into_tensor": (n - 1) / n, "all_gather": (n - 1) / n}.get(name, 1.0)
+
+
+def install_counters(stats: dict, group_names: dict) -> None:
+    """Wrap the collectives so each call adds to stats["name[group]"] = [calls, payload, wire bytes]."""
+    for name in COUNTED:
+        original = getattr(dist, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            if _name == "reduce_scatter_tensor":  # the input (full buffer) is the payload
+                tensor, group = args[1], _group(kwargs, args, 3)
+            elif _name in ("all_gather_into_tensor", "all_gather"):
+                tensor, group = args[1 if _name == "all_gather" else 0], _group(kwargs, args, 2)
+            else:
+                tensor, group = args[0], _group(kwargs, args, 2 if _name == "all_reduce" else 3)
+            size = dist.get_world_size(group)
+            nbytes = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
+            if _name == "all_gather_into_tensor":
+                nbytes *= size  # the output buffer is size x the input
+            entry = stats[f"{_name}[{group_names.get(group, 'world' if group is None else '?')}]"]
+            entry[0] += 1
+            entry[1] += nbytes
+            entry[2] += nbytes * _wire_factor(_name, size)
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+
+def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from megalm.config import register_schema, to_dataclass
+    from megalm.train import CONFIG_DIR
+    from megalm.training.trainer import Trainer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    register_schema()
+    base = ["data=synthetic", "trainer.eval_interval=0", "trainer.save_interval=0", "logging.tensorboard=false",
+            "trainer.max_steps=2"]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = to_dataclass(compose(config_name="config", overrides=base + overrides))
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(cfg, run_dir)
+        trainer.train_step(0)
+        stats: dict = collections.defaultdict(lambda: [0, 0, 0.0])
+        mesh = trainer.mesh
+        install_counters(stats, {mesh.tp_group: "tp", mesh.dp_group: "dp", mesh.cp_group: "cp", mesh.pp_group: "pp"})
+        trainer.train_step(1)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, dict(stats))
+    if rank == 0:
+        Path(out).write_text(json.dumps({"layout": overrides, "world_size": world, "per_rank": gathered}))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    args, overrides = parser.parse_known_args(argv)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "stats.json")
+        mp.start_processes(_worker, args=(args.nproc, port, overrides, out), nprocs=args.nproc, start_method="spawn")
+        report = json.loads(Path(out).read_text())
+    print(f"one step, layout {' '.join(overrides) or '(default)'} on {args.nproc} ranks; per rank, rank 0 shown")
+    print(f"{'collective[group]':<32}{'calls':>8}{'payload MB':>14}{'ring wire MB':>14}")
+    for name, (calls, payload, wire) in sorted(report["per_rank"][0].items()):
+        print(f"{name:<32}{calls:>8}{payload / 2**20:>14.3f}{wire / 2**20:>14.3f}")
+    if args.json:
+        print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
