@@ -8,6 +8,7 @@ global token count, so only a SUM over DP ranks reproduces the single-process gr
 
 from __future__ import annotations
 
+import gc
 import math
 
 import pytest
@@ -24,8 +25,19 @@ from .launch import run_distributed
 TIMEOUT = 60  # seconds; a hang (unpaired collective) fails the test instead of stalling CI
 
 
+def _collected(rank: int, world: int, fn, *args) -> None:
+    """Run fn, then free its garbage before the launcher destroys the process group.
+
+    torch.optim's constructor leaves a reference cycle through the caller's frames, which keeps the
+    worker's locals (reducer, optimizer -> process group) alive until the cyclic GC runs; if that is
+    at interpreter exit, a gloo worker thread may still be releasing a tensor and aborts (SIGABRT).
+    """
+    fn(rank, world, *args)
+    gc.collect()
+
+
 def _spawn(fn, world: int, *args) -> None:
-    run_distributed(fn, world, *args, timeout=TIMEOUT)
+    run_distributed(_collected, world, fn, *args, timeout=TIMEOUT)
 
 
 # ---------------------------------------------------------------------------- model and data
@@ -372,3 +384,18 @@ def test_hooks_need_a_step_and_go_away_with_the_reducer():
     del reducer  # hooks hold it weakly: no cycle keeps it (and its process group) alive
     loss_of(net, x, y).backward()
     assert all(p.grad is not None for p in net.parameters())
+
+
+def test_weighted_local_grad_sq_norm_single_process():
+    net, reducer, opt = zero_setup(None)
+    ref = make_net(extras=False)
+    reference_grads(ref, 0, 2)
+    reducer.start_step(4)
+    for mbs in pieces(0, 2):
+        for x, y in mbs:
+            loss_of(net, x, y).backward()
+    reducer.finish()
+    full = sum(p.grad.pow(2).sum() for p in ref.parameters())
+    matrices = sum(p.grad.pow(2).sum() for p in ref.parameters() if p.ndim >= 2)
+    assert_close(opt.local_grad_sq_norm(), full, "norm^2")
+    assert_close(opt.local_grad_sq_norm(lambda p: float(p.ndim >= 2)), matrices, "weighted norm^2")

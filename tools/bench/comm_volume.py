@@ -6,8 +6,8 @@
 Spawns `--nproc` CPU processes (gloo), builds the real Trainer with the given Hydra overrides
 (data defaults to synthetic), runs one warm-up step, then counts every torch.distributed
 collective issued by one more step: calls, payload bytes (the tensor each rank hands in), and the
-bytes a ring algorithm puts on the wire per rank (all-reduce 2(n-1)/n, reduce-scatter and
-all-gather (n-1)/n of the full buffer). Counting wraps the torch.distributed functions in the
+bytes a ring algorithm puts on the wire per rank (all-reduce 2(n-1)/n of the buffer,
+reduce-scatter and all-gather (n-1)/n of the full, unsharded buffer; payload is that full buffer). Counting wraps the torch.distributed functions in the
 benchmark process, so the library code carries no instrumentation.
 """
 
@@ -29,7 +29,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-COUNTED = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "broadcast",
+FULL_BUFFER_IN_OUTPUT = ("all_gather_into_tensor", "all_gather_single")  # (output, input): output is full
+FULL_BUFFER_IN_INPUT = ("reduce_scatter_tensor", "reduce_scatter_single")  # (output, input): input is full
+COUNTED = ("all_reduce", *FULL_BUFFER_IN_OUTPUT, *FULL_BUFFER_IN_INPUT, "all_gather", "broadcast",
            "isend", "irecv", "send", "recv")
 
 
@@ -40,27 +42,45 @@ def _group(kwargs: dict, args: tuple, position: int):
 def _wire_factor(name: str, n: int) -> float:
     if n <= 1:
         return 0.0
-    return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter_tensor": (n - 1) / n,
-            "all_gather_into_tensor": (n - 1) / n, "all_gather": (n - 1) / n}.get(name, 1.0)
+    if name == "all_reduce":
+        return 2 * (n - 1) / n
+    if name in (*FULL_BUFFER_IN_OUTPUT, *FULL_BUFFER_IN_INPUT, "all_gather"):
+        return (n - 1) / n
+    return 1.0
 
 
-def install_counters(stats: dict, group_names: dict) -> None:
-    """Wrap the collectives so each call adds to stats["name[group]"] = [calls, payload, wire bytes]."""
+class Counters:
+    """Adds each collective call to stats["name[group]"] = [calls, payload, wire bytes] while on."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.stats: dict = collections.defaultdict(lambda: [0, 0, 0.0])
+        self.group_names: dict = {}
+
+
+def install_counters(counters: Counters) -> None:
+    """Wrap the torch.distributed collectives. Call it before megalm is imported: modules that bind
+    a collective at import time (`x = dist.all_gather_into_tensor`) then bind the wrapper."""
     for name in COUNTED:
         original = getattr(dist, name)
 
         def counted(*args, _name=name, _original=original, **kwargs):
-            if _name == "reduce_scatter_tensor":  # the input (full buffer) is the payload
+            if not counters.on:
+                return _original(*args, **kwargs)
+            if _name in FULL_BUFFER_IN_INPUT:
                 tensor, group = args[1], _group(kwargs, args, 3)
-            elif _name in ("all_gather_into_tensor", "all_gather"):
-                tensor, group = args[1 if _name == "all_gather" else 0], _group(kwargs, args, 2)
+            elif _name in FULL_BUFFER_IN_OUTPUT:
+                tensor, group = args[0], _group(kwargs, args, 2)
+            elif _name == "all_gather":  # (list of outputs, input)
+                tensor, group = args[1], _group(kwargs, args, 2)
             else:
                 tensor, group = args[0], _group(kwargs, args, 2 if _name == "all_reduce" else 3)
             size = dist.get_world_size(group)
             nbytes = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
-            if _name == "all_gather_into_tensor":
-                nbytes *= size  # the output buffer is size x the input
-            entry = stats[f"{_name}[{group_names.get(group, 'world' if group is None else '?')}]"]
+            if _name == "all_gather":
+                nbytes *= size  # each rank's input lands in every rank's list
+            label = counters.group_names.get(group, "world" if group is None else "?")
+            entry = counters.stats[f"{_name}[{label}]"]
             entry[0] += 1
             entry[1] += nbytes
             entry[2] += nbytes * _wire_factor(_name, size)
@@ -70,6 +90,8 @@ def install_counters(stats: dict, group_names: dict) -> None:
 
 
 def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
+    counters = Counters()
+    install_counters(counters)
     from hydra import compose, initialize_config_dir
 
     from megalm.config import register_schema, to_dataclass
@@ -87,12 +109,13 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) ->
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(cfg, run_dir)
         trainer.train_step(0)
-        stats: dict = collections.defaultdict(lambda: [0, 0, 0.0])
         mesh = trainer.mesh
-        install_counters(stats, {mesh.tp_group: "tp", mesh.dp_group: "dp", mesh.cp_group: "cp", mesh.pp_group: "pp"})
+        counters.group_names = {mesh.tp_group: "tp", mesh.dp_group: "dp", mesh.cp_group: "cp", mesh.pp_group: "pp"}
+        counters.on = True
         trainer.train_step(1)
+        counters.on = False
     gathered = [None] * world
-    dist.all_gather_object(gathered, dict(stats))
+    dist.all_gather_object(gathered, dict(counters.stats))
     if rank == 0:
         Path(out).write_text(json.dumps({"layout": overrides, "world_size": world, "per_rank": gathered}))
     dist.destroy_process_group()
