@@ -5,10 +5,10 @@
 
 Spawns `--nproc` CPU processes (gloo), builds the real Trainer with the given Hydra overrides
 (data defaults to synthetic), runs one warm-up step, then counts every torch.distributed
-collective issued by one more step: calls, payload bytes (the tensor each rank hands in), and the
-bytes a ring algorithm puts on the wire per rank: all-reduce 2(n-1)/n of the buffer,
-reduce-scatter and all-gather (n-1)/n of the full, unsharded buffer (the payload counted). Counting wraps the torch.distributed functions in the
-benchmark process, so the library code carries no instrumentation.
+collective issued by one more step: calls, payload bytes (the full, unsharded buffer of each
+collective), and the bytes a ring algorithm puts on the wire per rank: all-reduce 2(n-1)/n of the
+buffer, reduce-scatter and all-gather (n-1)/n. Counting wraps the torch.distributed functions in
+the benchmark process, so the library code carries no instrumentation.
 """
 
 from __future__ import annotations
