@@ -93,6 +93,18 @@ def shared_run_dir(own_dir: Path, config) -> tuple[Path, int]:
     return Path(shared[0]), rank
 
 
+def shutdown_distributed() -> None:
+    """Free everything that holds the process group, then destroy it: left to the GC at interpreter
+    exit, gloo threads can outlive Python and abort the process after a successful run."""
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+
+
 def run(cfg: DictConfig) -> float | None:
     """Train with a composed config; returns the last logged loss (what a Hydra sweeper minimises)."""
     from megalm.training.trainer import Trainer
@@ -105,7 +117,10 @@ def run(cfg: DictConfig) -> float | None:
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         else:  # one voice: rank 0 logs, the others only warn
             log.setLevel(logging.WARNING)
-        summary = Trainer(config, run_dir).fit()
+        trainer = Trainer(config, run_dir)
+        summary = trainer.fit()
+        del trainer
+        shutdown_distributed()
         return summary.last_loss
     except MegalmError as e:
         if debug:

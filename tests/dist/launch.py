@@ -20,6 +20,7 @@ Workers use one intra-op thread: tests run several processes on few cores.
 from __future__ import annotations
 
 import datetime
+import gc
 import socket
 import tempfile
 import time
@@ -58,6 +59,10 @@ def _worker(
             f.write(f"{time.time()!r}\n{traceback.format_exc()}")
         raise
     finally:
+        # Objects in reference cycles (torch optimizers make some) can keep the process group alive
+        # past destroy_process_group(); if the GC frees them at interpreter exit, gloo's threads
+        # release tensors without Python and the worker dies with SIGABRT. Collect them first.
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 

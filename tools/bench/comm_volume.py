@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import gc
 import json
 import os
 import socket
@@ -118,6 +119,8 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) ->
     dist.all_gather_object(gathered, dict(counters.stats))
     if rank == 0:
         Path(out).write_text(json.dumps({"layout": overrides, "world_size": world, "per_rank": gathered}))
+    del trainer
+    gc.collect()  # nothing may hold the process group when it is destroyed (see megalm.train)
     dist.destroy_process_group()
 
 
