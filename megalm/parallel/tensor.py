@@ -41,6 +41,7 @@ element of the full model exactly once (see `tp_grad_norm_squared`).
 from __future__ import annotations
 
 import functools
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
 import torch
@@ -107,58 +108,26 @@ def _own_chunk_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+def _conjugate(name: str, forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
+    """An autograd function applying `forward(x, group)` and, to the gradient, `backward(grad, group)`."""
+
+    def fwd(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
-        return x.view_as(x)
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad, ctx.group), None
+    def bwd(ctx, grad: torch.Tensor):
+        return backward(grad, ctx.group), None
 
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter_dim0(grad, ctx.group), None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return _reduce_scatter_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_gather_dim0(grad, ctx.group), None
-
-
-class _SplitToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return _own_chunk_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_gather_dim0(grad, ctx.group), None
+_identity = lambda x, group: x.view_as(x)
+#                            forward            backward
+_CopyToTP = _conjugate("_CopyToTP", _identity, _all_reduce)
+_ReduceFromTP = _conjugate("_ReduceFromTP", _all_reduce, _identity)
+_GatherFromSP = _conjugate("_GatherFromSP", _all_gather_dim0, _reduce_scatter_dim0)
+_ReduceScatterToSP = _conjugate("_ReduceScatterToSP", _reduce_scatter_dim0, _all_gather_dim0)
+_SplitToSP = _conjugate("_SplitToSP", _own_chunk_dim0, _all_gather_dim0)
 
 
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -261,15 +230,16 @@ def _tag_shard(
     param.tp_replicas = replicas
 
 
-class _TPModule(nn.Module):
+class _TPModule(nn.Module, ABC):
     """Base of the sharded layers: re-attaches the shard metadata after `_apply`.
 
     `model.to_empty(...)` (from the meta device) and some `.to(...)` calls replace Parameter objects,
     dropping Python attributes such as `full_shape`; `init_weights` needs them afterwards.
     """
 
+    @abstractmethod
     def _tag_parameters(self) -> None:
-        raise NotImplementedError
+        """Set `full_shape`, `shard_full`, `tp_sharded` (and `tp_replicas`) on this layer's parameters."""
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
