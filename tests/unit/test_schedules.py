@@ -1,0 +1,209 @@
+"""Pipeline schedules as action lists: completeness, deadlock freedom, timing, memory (pure Python)."""
+
+import pytest
+
+from megalm.parallel.schedules import (
+    Action,
+    Schedule,
+    comm_mismatches,
+    interleaved_1f1b,
+    one_f_one_b,
+    peak_in_flight,
+    render_text,
+    simulate,
+    validate,
+    zb_h1,
+)
+
+
+def all_schedules():
+    for p in range(1, 6):
+        for m in range(1, 10):
+            yield one_f_one_b(p, m)
+            yield zb_h1(p, m)
+            for vpp in (1, 2, 3):
+                if vpp == 1 or m % p == 0:
+                    yield interleaved_1f1b(p, m, vpp)
+
+
+def test_all_generators_validate_over_grid():
+    n = 0
+    for sched in all_schedules():
+        validate(sched)
+        validate(sched.with_comm())
+        n += 1
+    assert n > 100
+
+
+def test_interleaved_rejects_m_not_multiple_of_p():
+    with pytest.raises(ValueError, match="multiple of the number of pipeline stages"):
+        interleaved_1f1b(4, 6, 2)
+
+
+def _copy(sched: Schedule, actions) -> Schedule:
+    return Schedule(sched.num_stages, sched.num_micro_batches, sched.vpp, sched.name, sched.split_backward, actions)
+
+
+def test_validate_rejects_missing_backward():
+    s = one_f_one_b(3, 4)
+    acts = [list(a) for a in s.actions]
+    acts[1].remove(Action("B", 2))
+    with pytest.raises(ValueError, match=r"rank 1 never runs B2"):
+        validate(_copy(s, acts))
+
+
+def test_validate_rejects_backward_before_forward():
+    s = one_f_one_b(2, 2)
+    acts = [list(a) for a in s.actions]
+    acts[1] = [Action("B", 0), Action("F", 0), Action("F", 1), Action("B", 1)]
+    with pytest.raises(ValueError, match=r"rank 1 runs B0 before F0"):
+        validate(_copy(s, acts))
+
+
+def test_validate_rejects_w_before_b_and_duplicates():
+    s = zb_h1(2, 2)
+    acts = [list(a) for a in s.actions]
+    i = acts[0].index(Action("W", 0))
+    acts[0].insert(0, acts[0].pop(i))
+    with pytest.raises(ValueError, match=r"runs W0 before B0"):
+        validate(_copy(s, acts))
+    acts = [list(a) for a in s.actions]
+    acts[1].append(Action("F", 1))
+    with pytest.raises(ValueError, match=r"F1 twice"):
+        validate(_copy(s, acts))
+
+
+def test_validate_detects_cross_rank_deadlock():
+    # Locally fine on every rank, but rank 0 runs B0 (waiting for rank 1's B0) before F1, while rank 1
+    # runs F1 (waiting for rank 0's F1) before B0: a cycle under blocking in-order execution.
+    s = one_f_one_b(2, 2)
+    acts = [
+        [Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
+        [Action("F", 0), Action("F", 1), Action("B", 1), Action("B", 0)],
+    ]
+    with pytest.raises(ValueError, match=r"deadlock: rank 0 blocks on B0.*waiting for B0 on rank 1"):
+        validate(_copy(s, acts))
+
+
+def test_validate_rejects_unpaired_comm():
+    s = one_f_one_b(3, 3).with_comm()
+    acts = [list(a) for a in s.actions]
+    acts[1].remove(Action("RECV_B", 0, 0, 2))
+    with pytest.raises(ValueError, match="unpaired communication"):
+        validate(_copy(s, acts))
+
+
+@pytest.mark.parametrize("p", [1, 2, 4, 5])
+@pytest.mark.parametrize("m", [1, 3, 4, 8])
+def test_1f1b_peak_in_flight_is_min_p_minus_rank_m(p, m):
+    assert peak_in_flight(one_f_one_b(p, m)) == [min(p - r, m) for r in range(p)]
+
+
+@pytest.mark.parametrize("p", [1, 2, 4, 5])
+@pytest.mark.parametrize("m", [1, 3, 4, 8, 9])
+def test_zb_h1_memory_matches_1f1b(p, m):
+    ref = peak_in_flight(one_f_one_b(p, m))
+    zb = zb_h1(p, m)
+    assert peak_in_flight(zb) == ref
+    # Counting until W (the deferred W keeps the weight-GEMM inputs) no rank exceeds 1F1B's worst rank.
+    assert max(peak_in_flight(zb, release="W")) <= max(ref) == min(p, m)
+
+
+def test_bubble_fractions_p4_m8():
+    p, m = 4, 8
+    # 1F1B with f=1 and an unsplit backward of b+w=2 (the usual "backward = 2x forward"): the bubble is
+    # the same as GPipe's, (p-1)/(m+p-1), because every rank idles (p-1)(f+b+w) of a makespan of
+    # (m+p-1)(f+b+w).
+    r1 = simulate(one_f_one_b(p, m), f=1, b=2, w=0)
+    assert r1.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert r1.makespan == pytest.approx((m + p - 1) * 3)
+    # Interleaved with the same per-action costs: the warm-up/cool-down are made of chunk-sized steps.
+    ri = simulate(interleaved_1f1b(p, m, 2), f=1, b=2, w=0)
+    assert ri.bubble_fraction < r1.bubble_fraction
+    # Same costs at equal model size (a chunk is half a stage): less makespan than 1F1B too.
+    assert simulate(interleaved_1f1b(p, m, 2), f=0.5, b=1, w=0).makespan < r1.makespan
+    # ZB-H1 at f=b=w=1 against 1F1B at the same costs: ZB-H1 idles (p-1)(f+b-w) per rank (the paper's
+    # closed form), i.e. makespan 3m + p - 1, vs 1F1B's (p-1)(f+b+w).
+    rz = simulate(zb_h1(p, m), f=1, b=1, w=1)
+    r1u = simulate(one_f_one_b(p, m), f=1, b=1, w=1)
+    assert r1u.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert rz.makespan == pytest.approx(3 * m + (p - 1))
+    assert rz.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert rz.bubble_fraction < r1u.bubble_fraction
+
+
+def test_simulate_accounting():
+    r = simulate(zb_h1(3, 5), f=1, b=2, w=0.5)
+    assert r.busy == pytest.approx([5 * 3.5] * 3)
+    assert r.bubble_fraction == pytest.approx(1 - sum(r.busy) / (3 * r.makespan))
+    for rank_t in r.timeline:
+        for (_, _, e0), (_, s1, _) in zip(rank_t[:-1], rank_t[1:], strict=True):
+            assert e0 <= s1 + 1e-12  # in order, no overlap on a rank
+    # Unsplit backward costs b + w.
+    r1 = simulate(one_f_one_b(1, 2), f=1, b=2, w=0.5)
+    assert r1.makespan == pytest.approx(2 * 3.5) and r1.bubble_fraction == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize(
+    "sched", [one_f_one_b(4, 6), interleaved_1f1b(2, 4, 3), zb_h1(5, 3), interleaved_1f1b(1, 3, 2)]
+)
+def test_with_comm_pairs_every_send_with_one_recv(sched):
+    c = sched.with_comm()
+    assert comm_mismatches(c) == []
+    sends = [(r, a) for r, acts in enumerate(c.actions) for a in acts if a.kind.startswith("SEND")]
+    recvs = [(r, a) for r, acts in enumerate(c.actions) for a in acts if a.kind.startswith("RECV")]
+    assert len(sends) == len(recvs)
+    for r, a in sends:
+        assert abs(a.peer - r) in (1, sched.num_stages - 1) and a.peer != r
+        direction = a.kind[-1]
+        matches = [
+            (q, x)
+            for q, x in recvs
+            if q == a.peer
+            and x.peer == r
+            and x.kind == "RECV_" + direction
+            and x.micro_batch == a.micro_batch
+            and c.stage_of(q, x.chunk) == c.stage_of(r, a.chunk) + (1 if direction == "F" else -1)
+        ]
+        assert len(matches) == 1, (r, a)
+    # The compute order is unchanged.
+    for r in range(sched.num_stages):
+        assert c.compute_actions(r) == sched.actions[r]
+    # Expected count: one hop per micro-batch and stage boundary, both directions.
+    hops = sched.num_virtual_stages - 1 if sched.num_stages > 1 else 0
+    assert len(sends) == 2 * hops * sched.num_micro_batches
+
+
+def test_interleaved_wraps_last_rank_to_first():
+    c = interleaved_1f1b(3, 3, 2).with_comm()
+    assert Action("SEND_F", 0, 0, 0) in c.actions[2]
+    assert Action("RECV_F", 0, 1, 2) in c.actions[0]
+    assert Action("SEND_B", 0, 1, 2) in c.actions[0]
+
+
+@pytest.mark.parametrize("sched", [one_f_one_b(3, 4), zb_h1(4, 5), interleaved_1f1b(2, 2, 2)])
+def test_render_text_contains_every_action_once(sched):
+    text = render_text(sched, f=1, b=1, w=1)
+    cells = text.split()
+    for r in range(sched.num_stages):
+        row = text.splitlines()[1 + r].split()[2:]
+        labels = [cell for cell in row if not cell.startswith(("-", "."))]
+        assert labels == [str(a) for a in sched.actions[r]]  # each action once, in list order
+    assert (
+        sum(not c.startswith(("-", ".", "rank")) for c in cells[len(text.splitlines()[0].split()) :])
+        == sum(len(a) for a in sched.actions) + sched.num_stages
+    )  # + the "N:" of each row
+
+
+def test_action_str_and_checks():
+    assert str(Action("F", 3)) == "F3"
+    assert str(Action("B", 3)) == "B3"
+    assert str(Action("W", 3)) == "W3"
+    assert str(Action("F", 3, 1)) == "F3.c1"
+    assert str(Action("SEND_F", 3, 0, 2)) == "SEND_F3->2"
+    with pytest.raises(ValueError):
+        Action("X", 0)
+    with pytest.raises(ValueError):
+        Action("SEND_F", 0)
+    with pytest.raises(ValueError):
+        Action("F", 0, peer=1)
