@@ -75,8 +75,7 @@ def _write_text_atomic(path: Path, text: str) -> None:
 
 def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """Parameter names in the order `optimizer.state_dict()` numbers them."""
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return [name for group in optimizer.param_groups for name in _group_names(model, group)]
 
 
 def optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:

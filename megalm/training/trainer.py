@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megalm.config import MegalmConfig, config_to_dict, validate
-from megalm.data.batch import Sample
+from megalm.data.batch import PackedBatch, Sample
 from megalm.data.dataset import SampleDataset, build_datasets, loss_token_count, micro_batches
 from megalm.errors import CheckpointError, ConfigError, MegalmError
 from megalm.model import GPT, init_weights, num_parameters
@@ -172,13 +172,23 @@ class Trainer:
         first = step * gbs + self.mesh.dp_rank * per_rank
         return [dataset[first + i] for i in range(per_rank)]
 
+    def _micro_batch_loss(self, mb: PackedBatch) -> torch.Tensor:
+        """Summed token loss of one packed micro-batch (padded for SP, on the device, under the
+        precision recipe). Training and evaluation share it."""
+        if self.cfg.parallel.sequence_parallel:
+            mb = pad_for_sequence_parallel(mb, self.mesh.dims.tp)
+        mb = mb.to(self.device)
+        with autocast(self.cfg.precision.name, self.device):
+            logits = self.model(mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
+        return self.loss_fn(logits, mb.labels, mb.loss_mask)
+
     def forward_backward(self, samples: list[Sample], n_loss_tokens: int) -> tuple[torch.Tensor, int, float]:
         """Accumulate gradients of sum(token losses) / n_loss_tokens over the samples' micro-batches,
         then finish the DP gradient reduction (overlapped with the backward by the reducer's hooks).
 
         Returns this rank's summed (unnormalised) loss, its input tokens and their model FLOPs.
         """
-        t, sp = self.cfg.trainer, self.cfg.parallel.sequence_parallel
+        t = self.cfg.trainer
         loss_total = torch.zeros((), device=self.device)
         tokens, flops = 0, 0.0
         self.model.train()
@@ -187,12 +197,7 @@ class Trainer:
         for mb in batches:
             tokens += mb.num_tokens
             flops += training_flops(self.cfg.model, mb.doc_lengths)
-            if sp:
-                mb = pad_for_sequence_parallel(mb, self.mesh.dims.tp)
-            mb = mb.to(self.device)
-            with autocast(self.cfg.precision.name, self.device):
-                logits = self.model(mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
-            loss_sum = self.loss_fn(logits, mb.labels, mb.loss_mask)
+            loss_sum = self._micro_batch_loss(mb)
             (loss_sum / n_loss_tokens).backward()
             loss_total += loss_sum.detach()
         self.reducer.finish()
@@ -253,12 +258,7 @@ class Trainer:
         for i in range(t.eval_iters):
             samples = self.local_samples(i, self.data.valid)
             for mb in micro_batches(samples, t.micro_batch_size):
-                if self.cfg.parallel.sequence_parallel:
-                    mb = pad_for_sequence_parallel(mb, self.mesh.dims.tp)
-                mb = mb.to(self.device)
-                with autocast(self.cfg.precision.name, self.device):
-                    logits = self.model(mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
-                totals[0] += self.loss_fn(logits, mb.labels, mb.loss_mask).item()
+                totals[0] += self._micro_batch_loss(mb).item()
             totals[1] += loss_token_count(samples)
         self.model.train()
         self._all_reduce(totals, self.mesh.dp_group)
