@@ -104,6 +104,8 @@ class ParallelConfig:
     hdp: bool = False
     cp_comm: str = "ring"  # ring | a2a
     pp_schedule: str = "1f1b"  # 1f1b | interleaved | zb
+    layers_per_stage: list[int] | None = None  # one layer count per virtual stage (pp*vpp); None: even split
+    recompute: Any = "none"  # none | full | selective, or a list with one mode per pipeline rank
     grad_reduce_dtype: str | None = None  # fp32 | bf16 | None (the gradients' own dtype)
     bucket_size_mb: float = 25.0  # DP gradient bucket size
 

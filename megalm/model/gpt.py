@@ -95,6 +95,10 @@ class GPT(nn.Module):
             self.output = (
                 None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
             )
+        # A pipeline stage (megalm/parallel/pipeline.py) keeps a slice of `layers` and clears these:
+        # a stage that is not first takes hidden states as input, one that is not last returns them.
+        self.is_first_stage = True
+        self.is_last_stage = True
 
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """tokens [T] -> hidden [T, hidden] (token embedding, plus learned positions for GPT-2)."""
@@ -126,26 +130,42 @@ class GPT(nn.Module):
         """tokens, position_ids int64 [T]; cu_seqlens int32 [N + 1]; max_seqlen: longest document (int).
 
         Returns logits [T, vocab_size] in the compute dtype (bf16 under autocast): take the loss in fp32.
+        A pipeline stage that is not the first takes the previous stage's hidden states [T, hidden] in
+        place of `tokens`; one that is not the last returns its hidden states instead of logits.
         """
-        hidden = self.embed(tokens, position_ids)
+        hidden = self.embed(tokens, position_ids) if self.is_first_stage else tokens
         rope = self.rotary(position_ids)
         for layer in self.layers:
             hidden = layer(hidden, cu_seqlens, max_seqlen, rope)
-        return self.head(hidden)
+        return self.head(hidden) if self.is_last_stage else hidden
 
     def forward_batch(self, batch: PackedBatch) -> torch.Tensor:
         """`forward` on a PackedBatch (already on the model's device)."""
         return self(batch.tokens, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
 
 
-def canonical_named_parameters(model: GPT) -> Iterator[tuple[str, nn.Parameter]]:
+def model_chunks(model: nn.Module) -> list[GPT]:
+    """The GPT chunks of `model`: itself, or the chunks a pipeline rank holds (an nn.ModuleList)."""
+    return list(model) if isinstance(model, nn.ModuleList) else [model]  # type: ignore[list-item]
+
+
+def canonical_named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """(name, parameter) with the name the full model gives it: `layers.{i}` uses the block's
-    global `layer_id`, so a pipeline stage holding a slice of the layers gets the full model's names."""
-    for name, param in model.named_parameters():
-        if name.startswith("layers."):
-            _, index, rest = name.split(".", 2)
-            name = f"layers.{model.layers[int(index)].layer_id}.{rest}"
-        yield name, param
+    global `layer_id`, so a pipeline stage holding a slice of the layers gets the full model's names.
+
+    `model` is a GPT or an nn.ModuleList of GPT chunks (a pipeline rank with virtual stages); a
+    parameter two chunks share (tied embeddings on one rank) is yielded once.
+    """
+    seen: set[int] = set()
+    for chunk in model_chunks(model):
+        for name, param in chunk.named_parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if name.startswith("layers."):
+                _, index, rest = name.split(".", 2)
+                name = f"layers.{chunk.layers[int(index)].layer_id}.{rest}"
+            yield name, param
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -179,18 +199,19 @@ def initial_value(
 
 
 @torch.no_grad()
-def init_weights(model: GPT, seed: int) -> None:
+def init_weights(model: nn.Module, seed: int) -> None:
     """Set every parameter to `initial_value(name, ...)`: deterministic in `seed` only.
 
     A sharded parameter (tensor parallelism) may carry `full_shape` (the unsharded shape) and
     `shard_full` (a function full tensor -> this rank's shard): the full value is drawn, then sharded,
-    so every layout starts from the same model.
+    so every layout starts from the same model. `model` may be a ModuleList of pipeline chunks.
     """
+    cfg = model_chunks(model)[0].cfg
     for name, param in canonical_named_parameters(model):
         if param.is_meta:
             raise RuntimeError(f"init_weights: {name} is on the meta device; "
                                "call model.to_empty(device=...) first")
-        full = initial_value(name, tuple(getattr(param, "full_shape", param.shape)), model.cfg, seed)
+        full = initial_value(name, tuple(getattr(param, "full_shape", param.shape)), cfg, seed)
         shard_full: Callable[[torch.Tensor], torch.Tensor] | None = getattr(param, "shard_full", None)
         param.copy_(shard_full(full) if shard_full is not None else full)
 

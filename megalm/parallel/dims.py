@@ -53,12 +53,8 @@ def validate_layout(cfg, world_size: int) -> ParallelDims:
     for key in ("tp", "pp", "vpp", "cp"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key}={getattr(p, key)} must be >= 1")
-    for key in ("pp", "cp"):
-        if getattr(p, key) > 1:
-            raise ConfigError(f"parallel.{key}={getattr(p, key)} is not implemented yet in this megalm version; "
-                              f"use parallel.{key}=1")
-    if p.vpp > 1:
-        raise ConfigError(f"parallel.vpp={p.vpp} needs pipeline parallelism, not implemented yet; use parallel.vpp=1")
+    if p.cp > 1:
+        raise ConfigError(f"parallel.cp={p.cp} is not implemented yet in this megalm version; use parallel.cp=1")
     if p.hdp:
         raise ConfigError("parallel.hdp=true is not implemented yet in this megalm version; use parallel.hdp=false")
     model_parallel = p.tp * p.pp * p.cp
@@ -90,7 +86,41 @@ def validate_layout(cfg, world_size: int) -> ParallelDims:
     if t.global_batch_size % (t.micro_batch_size * p.dp):
         raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
                           f"micro_batch_size*dp={t.micro_batch_size}*{p.dp}; change one of them")
+    _validate_pipeline(cfg)
     return ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
+
+
+def _validate_pipeline(cfg) -> None:
+    """Pipeline rules: schedule vs vpp, the layer split, micro-batch counts, recompute modes."""
+    from megalm.parallel.recompute import MODES
+    from megalm.parallel.stages import split_layers
+
+    p, t = cfg.parallel, cfg.trainer
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError(f"parallel.vpp={p.vpp} needs pipeline parallelism; set parallel.pp>1 or parallel.vpp=1")
+    if p.pp_schedule == "interleaved" and p.vpp == 1 and p.pp > 1:
+        raise ConfigError("parallel.pp_schedule=interleaved needs parallel.vpp>1 (model chunks per rank)")
+    if p.vpp > 1 and p.pp_schedule != "interleaved":
+        raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp_schedule=interleaved "
+                          f"(got {p.pp_schedule}); set it or use parallel.vpp=1")
+    micro_batches = t.global_batch_size // (t.micro_batch_size * p.dp)
+    if p.pp_schedule == "interleaved" and p.pp > 1 and micro_batches % p.pp:
+        raise ConfigError(f"interleaved pipelining needs micro-batches per step ({micro_batches} = global_batch_size/"
+                          f"(micro_batch_size*dp)) to be a multiple of parallel.pp={p.pp}; change the batch sizes")
+    if p.layers_per_stage is not None and p.pp * p.vpp == 1:
+        raise ConfigError("parallel.layers_per_stage is set but there is one pipeline stage; "
+                          "remove it or set parallel.pp")
+    split_layers(cfg.model.num_layers, p.pp * p.vpp, list(p.layers_per_stage) if p.layers_per_stage else None)
+    modes = [p.recompute] if isinstance(p.recompute, str) else list(p.recompute)
+    if not isinstance(p.recompute, str) and len(modes) != p.pp:
+        raise ConfigError(f"parallel.recompute={modes} has {len(modes)} entries for parallel.pp={p.pp}; give one "
+                          "mode, or one per pipeline rank")
+    for mode in modes:
+        if mode not in MODES:
+            raise ConfigError(f"parallel.recompute={mode!r} is not one of {', '.join(MODES)}")
+    if p.pp > 1 and p.zero1 and cfg.model.tie_embeddings:
+        raise ConfigError("parallel.zero1 with pipeline parallelism and tied embeddings is not supported yet; "
+                          "set parallel.zero1=false or model.tie_embeddings=false")
 
 
 @dataclass
@@ -104,6 +134,8 @@ class ParallelMesh:
     dp_group: dist.ProcessGroup | None = None
     cp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
+    # First and last pipeline stage of this rank's tp/cp/dp coordinates (tied embedding gradients).
+    embedding_group: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         coords = self.dims.coordinates(self.rank)
@@ -146,5 +178,14 @@ def build_mesh(dims: ParallelDims, device: torch.device) -> ParallelMesh:
     if dist.get_world_size() != dims.world_size:
         raise ConfigError(f"world size {dist.get_world_size()} != tp*pp*cp*dp = {dims.world_size}")
     mesh = init_device_mesh(device.type, (dims.pp, dims.dp, dims.cp, dims.tp), mesh_dim_names=MESH_DIMS)
+    embedding_group = None
+    if dims.pp > 1:  # every rank creates every group (new_group is collective), joins its own
+        stage_size = dims.world_size // dims.pp
+        for offset in range(stage_size):
+            ranks = [offset, (dims.pp - 1) * stage_size + offset]
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                embedding_group = group
     return ParallelMesh(dims, rank=dist.get_rank(), mesh=mesh, tp_group=mesh.get_group("tp"),
-                        dp_group=mesh.get_group("dp"), cp_group=mesh.get_group("cp"), pp_group=mesh.get_group("pp"))
+                        dp_group=mesh.get_group("dp"), cp_group=mesh.get_group("cp"), pp_group=mesh.get_group("pp"),
+                        embedding_group=embedding_group)

@@ -96,6 +96,27 @@ def exchange(
     return received
 
 
+def isend_tensor(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> list[tuple]:
+    """Post the header and payload of `t` to global rank `dst` without waiting.
+
+    Returns the pending (work, tensor) pairs: keep them alive and `wait_all` them before reusing or
+    freeing `t` (the pipeline runtime waits at the end of the step). The receiver uses `recv_tensor`.
+    """
+    payload = t.detach().contiguous()
+    header = encode_header(payload)
+    pending = [(dist.isend(header, dst, group), header)]
+    if payload.numel():
+        pending.append((dist.isend(payload, dst, group), payload))
+    return pending
+
+
+def wait_all(pending: list[tuple]) -> None:
+    """Wait for the (work, tensor) pairs `isend_tensor` returned, and drop them."""
+    for work, _ in pending:
+        work.wait()
+    pending.clear()
+
+
 def send_tensor(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> None:
     """Blocking send of `t` (any shape, a supported dtype) to global rank `dst`."""
     exchange([(t, dst)], [], group, t.device)
@@ -107,14 +128,21 @@ def recv_tensor(src: int, group: dist.ProcessGroup | None = None,
     return exchange([], [src], group, device)[0]
 
 
+def pipeline_peer(mesh: ParallelMesh, pp_rank: int) -> int:
+    """Global rank of pipeline rank `pp_rank` with this rank's tp/cp/dp coordinates."""
+    dims: ParallelDims = mesh.dims
+    if not 0 <= pp_rank < dims.pp:
+        raise ValueError(f"pipeline rank {pp_rank} is outside pp={dims.pp}")
+    return ((pp_rank * dims.dp + mesh.dp_rank) * dims.cp + mesh.cp_rank) * dims.tp + mesh.tp_rank
+
+
 def pipeline_neighbours(mesh: ParallelMesh, wrap: bool = False) -> tuple[int | None, int | None]:
     """Global ranks (prev, next) of the same tp/cp/dp coordinates at pp_rank - 1 and pp_rank + 1.
 
     None at the ends of the pipeline (and always when pp == 1). `wrap=True` links the last stage to
     the first, which the interleaved (vpp > 1) schedule needs to go from chunk c to chunk c + 1.
     """
-    dims: ParallelDims = mesh.dims
-    pp = dims.pp
+    pp = mesh.dims.pp
 
     def rank_at(pp_rank: int) -> int | None:
         if pp == 1:
@@ -123,6 +151,6 @@ def pipeline_neighbours(mesh: ParallelMesh, wrap: bool = False) -> tuple[int | N
             pp_rank %= pp
         elif not 0 <= pp_rank < pp:
             return None
-        return ((pp_rank * dims.dp + mesh.dp_rank) * dims.cp + mesh.cp_rank) * dims.tp + mesh.tp_rank
+        return pipeline_peer(mesh, pp_rank)
 
     return rank_at(mesh.pp_rank - 1), rank_at(mesh.pp_rank + 1)

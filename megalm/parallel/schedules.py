@@ -19,7 +19,9 @@ stages; chunk `c` on rank `r` is virtual stage `c * p + r` (Megatron's layout: t
 - ``W mb`` backward w.r.t. the chunk's weights (split schedules only), which nothing downstream
   waits for, so it can be deferred into bubbles;
 - ``SEND_F/RECV_F`` activations to/from the next/previous stage, ``SEND_B/RECV_B`` gradients to/from
-  the previous/next stage (inserted by `Schedule.with_comm`).
+  the previous/next stage (inserted by `Schedule.with_comm`);
+- ``OFFLOAD mb`` / ``RELOAD mb``: move the micro-batch's saved activations to host memory and back
+  (inserted by `with_offload`, between the F and the B of that micro-batch and chunk).
 
 Generators (papers):
 
@@ -53,7 +55,10 @@ from dataclasses import dataclass, field
 
 COMPUTE_KINDS = ("F", "B", "W")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-KINDS = COMPUTE_KINDS + COMM_KINDS
+# Activation offload (PipeOffload): move a micro-batch's saved activations to host memory after its
+# forward and bring them back before its backward. Executed by the runtime's `memory_hooks`.
+MEMORY_KINDS = ("OFFLOAD", "RELOAD")
+KINDS = COMPUTE_KINDS + COMM_KINDS + MEMORY_KINDS
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,27 @@ class Schedule:
                     if s > 0 and self.place_of(s - 1)[0] != rank:
                         after = Action("SEND_B", a.micro_batch, a.chunk, self.place_of(s - 1)[0])
                 new.extend(x for x in (before, a, after) if x is not None)
+            out.append(new)
+        return Schedule(self.num_stages, self.num_micro_batches, self.vpp, self.name, self.split_backward, out)
+
+    def with_offload(self, offloaded: set[tuple[int, int, int]]) -> Schedule:
+        """A copy with OFFLOAD after the F (after its SEND_F, if any: the send reads the output), and
+        RELOAD before the B (before its RECV_B, if any, so the copy overlaps the wait), of each
+        (rank, micro_batch, chunk) in `offloaded`."""
+        out: list[list[Action]] = []
+        for rank, acts in enumerate(self.actions):
+            new: list[Action] = []
+            reloaded: set[tuple[int, int]] = set()
+            for i, a in enumerate(acts):
+                key = (a.micro_batch, a.chunk)
+                if a.kind in ("RECV_B", "B") and (rank, *key) in offloaded and key not in reloaded:
+                    new.append(Action("RELOAD", *key))
+                    reloaded.add(key)
+                new.append(a)
+                nxt = acts[i + 1] if i + 1 < len(acts) else None
+                sent_next = nxt is not None and nxt.kind == "SEND_F" and (nxt.micro_batch, nxt.chunk) == key
+                if (rank, *key) in offloaded and (a.kind == "SEND_F" or (a.kind == "F" and not sent_next)):
+                    new.append(Action("OFFLOAD", *key))
             out.append(new)
         return Schedule(self.num_stages, self.num_micro_batches, self.vpp, self.name, self.split_backward, out)
 
@@ -246,6 +272,25 @@ def zb_h1(p: int, m: int) -> Schedule:
     return Schedule(p, m, 1, "zb_h1", True, actions)
 
 
+SCHEDULES = ("1f1b", "interleaved", "zb")
+
+
+def build_schedule(name: str, p: int, m: int, vpp: int = 1) -> Schedule:
+    """The schedule `parallel.pp_schedule=name` runs for p stages and m micro-batches, validated."""
+    if name == "1f1b":
+        sched = one_f_one_b(p, m)
+    elif name == "interleaved":
+        sched = interleaved_1f1b(p, m, vpp)
+    elif name == "zb":
+        sched = zb_h1(p, m)
+    else:
+        raise ValueError(f"unknown pipeline schedule {name!r}; expected one of {SCHEDULES}")
+    if name != "interleaved" and vpp != 1:
+        raise ValueError(f"pipeline schedule {name!r} runs one model chunk per rank; set vpp=1 or use 'interleaved'")
+    validate(sched)
+    return sched
+
+
 # ---------------------------------------------------------------------------------------------
 # Checks, timing, memory, rendering
 # ---------------------------------------------------------------------------------------------
@@ -262,6 +307,24 @@ def _deps(sched: Schedule, rank: int, a: Action) -> list[tuple[str, int, int]]:
             deps.append(("B", a.micro_batch, s + 1))
         return deps
     return [("B", a.micro_batch, s)]  # W
+
+
+def _check_memory_actions(sched: Schedule) -> None:
+    """Each OFFLOAD comes after its F, each RELOAD after its OFFLOAD and before its B, at most once."""
+    for rank, acts in enumerate(sched.actions):
+        done: set[tuple[str, int, int]] = set()
+        for a in acts:
+            key = (a.micro_batch, a.chunk)
+            need = {"OFFLOAD": ("F",), "RELOAD": ("OFFLOAD",), "B": ()}.get(a.kind)
+            if a.kind == "B" and ("OFFLOAD", *key) in done and ("RELOAD", *key) not in done:
+                raise ValueError(f"{sched.name}: rank {rank} runs {a} while its activations are offloaded "
+                                 "(RELOAD missing before it)")
+            for prev in need or ():
+                if (prev, *key) not in done:
+                    raise ValueError(f"{sched.name}: rank {rank} runs {a} before {Action(prev, *key)}")
+            if a.kind in MEMORY_KINDS and (a.kind, *key) in done:
+                raise ValueError(f"{sched.name}: rank {rank} runs {a} twice")
+            done.add((a.kind, *key))
 
 
 def _check_local(sched: Schedule) -> None:
@@ -300,7 +363,7 @@ def comm_mismatches(sched: Schedule) -> list[str]:
     recvs: Counter[tuple] = Counter()
     for rank, acts in enumerate(sched.actions):
         for a in acts:
-            if a.is_compute:
+            if a.kind not in COMM_KINDS:
                 continue
             s = sched.stage_of(rank, a.chunk)
             if a.kind == "SEND_F":
@@ -325,6 +388,29 @@ def comm_mismatches(sched: Schedule) -> list[str]:
                 f"{kind} mb {i} stage {src}->{dst}: {n_send} SEND(s) on rank {r_src} and {n_recv} RECV(s) on "
                 f"rank {r_dst}, expected one of each"
             )
+    return bad
+
+
+def comm_order_mismatches(sched: Schedule) -> list[str]:
+    """Directed rank pairs whose messages would be received in another order than they were sent.
+
+    The runtime matches messages between two ranks by order alone (that is all NCCL offers: no
+    tags), so for every (src, dst) the sequence of SEND actions on src must equal the sequence of
+    RECV actions on dst. Empty if that holds.
+    """
+    bad = []
+    p = sched.num_stages
+    for src in range(p):
+        for dst in range(p):
+            sent = [(a.kind[5:], a.micro_batch, sched.stage_of(src, a.chunk)) for a in sched.actions[src]
+                    if a.kind.startswith("SEND") and a.peer == dst]
+            received = [(a.kind[5:], a.micro_batch, sched.stage_of(dst, a.chunk) + (-1 if a.kind == "RECV_F" else 1))
+                        for a in sched.actions[dst] if a.kind.startswith("RECV") and a.peer == src]
+            if sent != received:
+                pairs = enumerate(zip(sent, received, strict=False))
+                first = next((i for i, (x, y) in pairs if x != y), min(len(sent), len(received)))
+                bad.append(f"rank {src} -> rank {dst}: message {first} is sent as {sent[first:first + 1]} but "
+                           f"received as {received[first:first + 1]}")
     return bad
 
 
@@ -370,13 +456,18 @@ def validate(sched: Schedule) -> None:
     """Raise ValueError naming the first violation; return None if `sched` is complete and deadlock-free.
 
     Checks: every rank runs each F and B (and W if split) of every micro-batch and chunk exactly once,
-    F before B before W locally; communication actions (if any) are paired; and blocking in-order
+    F before B before W locally; communication actions (if any) are paired and received in the
+    order they are sent between every pair of ranks; and blocking in-order
     execution of all ranks finishes (see the module docstring for the dependency model).
     """
     _check_local(sched)
+    _check_memory_actions(sched)
     bad = comm_mismatches(sched)
     if bad:
         raise ValueError(f"{sched.name}: unpaired communication: {bad[0]}")
+    bad = comm_order_mismatches(sched)
+    if bad:
+        raise ValueError(f"{sched.name}: messages out of order: {bad[0]}")
     _run(sched, None)
 
 

@@ -235,7 +235,13 @@ class _TPModule(nn.Module, ABC):
 
     `model.to_empty(...)` (from the meta device) and some `.to(...)` calls replace Parameter objects,
     dropping Python attributes such as `full_shape`; `init_weights` needs them afterwards.
+
+    `linear_fn(x, weight, bias=None)` computes the layer's local GEMM (F.linear by default). It is
+    the one place a caller may swap the GEMM from outside, e.g. to defer weight gradients for
+    zero-bubble pipelines (megalm/parallel/weight_grad.py) or to apply a precision recipe.
     """
+
+    linear_fn = staticmethod(F.linear)
 
     @abstractmethod
     def _tag_parameters(self) -> None:
@@ -323,7 +329,7 @@ class ColumnParallelLinear(_TPModule):
         if not self.input_in_tp_region:
             x = gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
         bias = None if self.bias is None else self._synced(self.bias)
-        return F.linear(x, self._synced(self.weight), bias)
+        return self.linear_fn(x, self._synced(self.weight), bias)
 
     def extra_repr(self) -> str:
         entry = "caller" if self.input_in_tp_region else "gather_from_sp" if self.sequence_parallel else "copy_to_tp"
@@ -378,7 +384,7 @@ class RowParallelLinear(_TPModule):
         _tag_shard(self.weight, (self.out_features, self.in_features), shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)
+        partial = self.linear_fn(x, self.weight)
         if self.sequence_parallel:
             out = reduce_scatter_to_sp(partial, self.group)
             bias = None if self.bias is None else sync_grad_over_tp(self.bias, self.group)
@@ -548,15 +554,21 @@ def tp_norm_share(param: torch.Tensor, group: Group) -> float:
     return 1.0 / tp_world_size(group)
 
 
-def tp_grad_norm_squared(params: Iterable[torch.Tensor], group: Group) -> torch.Tensor:
+def tp_grad_norm_squared(params: Iterable[torch.Tensor], group: Group,
+                         weight: Callable[[torch.Tensor], float] | None = None) -> torch.Tensor:
     """Squared L2 norm of the full (unsharded) model's gradient from this rank's parameters, counting
     every element once: sharded ones summed over TP, replicated ones once. fp32 scalar, same on all
-    TP ranks. (Data parallelism needs no further reduction: DP replicas hold identical grads.)"""
+    TP ranks. (Data parallelism needs no further reduction: DP replicas hold identical grads.)
+    `weight(param)` replaces `tp_norm_share` as each parameter's share (a caller that also drops
+    pipeline copies of a tied weight multiplies it in)."""
+    share = weight or (lambda p: tp_norm_share(p, group))
     params = [p for p in params if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
-        total += p.grad.detach().float().pow(2).sum() * tp_norm_share(p, group)
+        w = share(p)
+        if w:
+            total += p.grad.detach().float().pow(2).sum() * w
     if tp_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return total

@@ -14,7 +14,9 @@ Tensors go through torch.distributed.checkpoint (DCP) with its Hugging Face stor
 files whose JSON headers hold each shard's offsets, so loading reads no pickle (DCP's default
 storage pickles its metadata). Every rank writes its own tensor-parallel shards (as DTensors over
 the TP mesh; DCP writes a replicated tensor once), and a load into another layout reshards —
-both handled by DCP. Optimizer state is keyed by parameter *name*, not position.
+both handled by DCP. Optimizer state is keyed by parameter *name*, not position. Names are the
+full model's (`canonical_named_parameters`), so a pipeline stage writes `layers.5.…` for the layers
+it holds and every stage saves its own part of one checkpoint, which loads into any other layout.
 
 A save writes into `.tmp-step_…`, fsyncs, renames the directory into place and only then replaces
 `latest` (os.replace is atomic on POSIX). A crash at any point leaves the previous `latest`
@@ -41,6 +43,7 @@ from torch import nn
 from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 from megalm.errors import CheckpointError
+from megalm.model.gpt import canonical_named_parameters
 
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
@@ -93,7 +96,7 @@ def optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> tup
 
 
 def _group_names(model: nn.Module, group: dict) -> list[str]:
-    name_of = {id(p): n for n, p in model.named_parameters()}
+    name_of = {id(p): n for n, p in canonical_named_parameters(model)}
     return [name_of[id(p)] for p in group["params"]]
 
 
@@ -225,7 +228,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         tmp.mkdir()
     _barrier(mesh)
 
-    params = dict(model.named_parameters())
+    params = dict(canonical_named_parameters(model))
     tensors = {f"model/{n}": _for_dcp(p.detach(), p, mesh) for n, p in params.items()}
     opt_tensors, groups = optimizer_tensors(model, optimizer)
     for key, value in opt_tensors.items():
@@ -342,12 +345,12 @@ def check_model_config(saved: dict[str, Any], current: dict[str, Any], path: Pat
 
 
 def _model_targets(model: nn.Module, mesh) -> dict[str, torch.Tensor]:
-    return {f"model/{n}": _for_dcp(torch.empty_like(p.detach()), p, mesh) for n, p in model.named_parameters()}
+    return {f"model/{n}": _for_dcp(torch.empty_like(p.detach()), p, mesh) for n, p in canonical_named_parameters(model)}
 
 
 @torch.no_grad()
 def _copy_model(model: nn.Module, targets: dict[str, torch.Tensor], path: Path) -> None:
-    for name, param in model.named_parameters():
+    for name, param in canonical_named_parameters(model):
         value = _from_dcp(targets[f"model/{name}"], param)
         if value.shape != param.shape:
             raise CheckpointError(f"checkpoint {path} has {name} of shape {tuple(value.shape)}, this model "
@@ -371,7 +374,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     """
     meta = read_checkpoint_meta(path)
     targets = _model_targets(model, mesh)
-    params = dict(model.named_parameters())
+    params = dict(canonical_named_parameters(model))
     if optimizer is not None:
         like, groups = optimizer_tensors(model, optimizer)
         if not like:  # a fresh torch AdamW has no state yet: take one step's worth of shapes

@@ -29,6 +29,8 @@ from megalm.model import GPT, init_weights, num_parameters
 from megalm.parallel.data import GradReducer, build_zero1_optimizer
 from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh, init_distributed
 from megalm.parallel.parallelize import apply_tensor_parallel, loss_fn_for, pad_for_sequence_parallel
+from megalm.parallel.pipeline import PipelineRuntime, build_stage_chunks
+from megalm.parallel.recompute import apply_recompute, stage_mode
 from megalm.parallel.tensor import tp_grad_norm_squared, tp_norm_share
 from megalm.precision import autocast
 from megalm.training import checkpoint as ckpt
@@ -80,10 +82,11 @@ class Trainer:
     """Builds data, model and optimizer from a config; `fit()` trains and checkpoints in `run_dir`.
 
     Under torchrun (or inside an initialised process group) the model is split over the mesh:
-    tensor parallelism swaps the model's layers for sharded ones (`parallel/parallelize.py`), each
-    DP rank takes its slice of the global batch, and `parallel/data.py` sums gradients over DP
-    (all-reduce, or reduce-scatter into the ZeRO-1 optimizer). `mesh` forces a layout (tests pass a
-    one-rank mesh to get the single-process reference inside a distributed job).
+    pipeline parallelism gives each pipeline rank its chunks of layers and runs the schedule
+    (`parallel/pipeline.py`), tensor parallelism swaps the layers for sharded ones
+    (`parallel/parallelize.py`), each DP rank takes its slice of the global batch, and
+    `parallel/data.py` sums gradients over DP (all-reduce, or reduce-scatter into ZeRO-1).
+    `mesh` forces a layout (tests pass a one-rank mesh to get the single-process reference inside a distributed job).
     """
 
     def __init__(self, cfg: MegalmConfig, run_dir: Path | str, mesh: ParallelMesh | None = None):
@@ -98,9 +101,14 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)  # the same on every rank: TP ranks must draw the same dropout masks
 
+        check_same_config_on_all_ranks(cfg, self.mesh)
         self.data = build_datasets(cfg)
         self.model = self._build_model()
         self.loss_fn = loss_fn_for(self.mesh)
+        self.pipeline = None
+        if p.pp > 1:
+            self.pipeline = PipelineRuntime(self.model, self.mesh, p.pp_schedule, self.loss_fn,
+                                            lambda: autocast(cfg.precision.name, self.device), self.device)
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(p.grad_reduce_dtype or "")
         self.reducer = GradReducer(list(self.model.parameters()), self.mesh.dp_group, p.bucket_size_mb,
                                    reduce_dtype=reduce_dtype, zero1=p.zero1)
@@ -113,11 +121,20 @@ class Trainer:
         self._maybe_resume()
         self.peak = peak_flops(self.device, cfg.precision.name)
 
-    def _build_model(self) -> GPT:
-        """Build on the meta device, shard for TP, then materialise and initialise: every rank draws
-        its shards of the single-process initial weights (`init_weights` + `shard_full`)."""
-        model = GPT(self.cfg.model, device="meta")
-        apply_tensor_parallel(model, self.mesh, self.cfg.parallel.sequence_parallel)
+    def _build_model(self) -> GPT | torch.nn.ModuleList:
+        """Build on the meta device (only this pipeline rank's chunks), shard for TP, wrap for
+        recomputation, then materialise and initialise: every rank draws its shards of the
+        single-process initial weights (`init_weights` + `shard_full`)."""
+        p = self.cfg.parallel
+        if p.pp > 1:
+            model = build_stage_chunks(self.cfg.model, self.mesh.pp_rank, p.pp, p.vpp,
+                                       list(p.layers_per_stage) if p.layers_per_stage else None)
+        else:
+            model = GPT(self.cfg.model, device="meta")
+        chunks = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
+        for chunk in chunks:
+            apply_tensor_parallel(chunk, self.mesh, p.sequence_parallel)
+            apply_recompute(chunk, stage_mode(p.recompute, self.mesh.pp_rank, p.pp))
         model.to_empty(device=self.device)
         init_weights(model, self.cfg.seed)
         return model
@@ -172,12 +189,16 @@ class Trainer:
         first = step * gbs + self.mesh.dp_rank * per_rank
         return [dataset[first + i] for i in range(per_rank)]
 
-    def _micro_batch_loss(self, mb: PackedBatch) -> torch.Tensor:
-        """Summed token loss of one packed micro-batch (padded for SP, on the device, under the
-        precision recipe). Training and evaluation share it."""
+    def _prepare(self, mb: PackedBatch) -> PackedBatch:
+        """A micro-batch as the model takes it: padded for SP, on the device."""
         if self.cfg.parallel.sequence_parallel:
             mb = pad_for_sequence_parallel(mb, self.mesh.dims.tp)
-        mb = mb.to(self.device)
+        return mb.to(self.device)
+
+    def _micro_batch_loss(self, mb: PackedBatch) -> torch.Tensor:
+        """Summed token loss of one packed micro-batch under the precision recipe (no pipeline).
+        Training and evaluation share it."""
+        mb = self._prepare(mb)
         with autocast(self.cfg.precision.name, self.device):
             logits = self.model(mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
         return self.loss_fn(logits, mb.labels, mb.loss_mask)
@@ -186,7 +207,7 @@ class Trainer:
         """Accumulate gradients of sum(token losses) / n_loss_tokens over the samples' micro-batches,
         then finish the DP gradient reduction (overlapped with the backward by the reducer's hooks).
 
-        Returns this rank's summed (unnormalised) loss, its input tokens and their model FLOPs.
+        Returns this DP rank's summed (unnormalised) loss, its input tokens and their model FLOPs.
         """
         t = self.cfg.trainer
         loss_total = torch.zeros((), device=self.device)
@@ -197,10 +218,17 @@ class Trainer:
         for mb in batches:
             tokens += mb.num_tokens
             flops += training_flops(self.cfg.model, mb.doc_lengths)
-            loss_sum = self._micro_batch_loss(mb)
-            (loss_sum / n_loss_tokens).backward()
-            loss_total += loss_sum.detach()
+        if self.pipeline is not None:  # the schedule runs forward and backward of all micro-batches
+            loss_total = self.pipeline.step([self._prepare(mb) for mb in batches], n_loss_tokens)
+        else:
+            for mb in batches:
+                loss_sum = self._micro_batch_loss(mb)
+                (loss_sum / n_loss_tokens).backward()
+                loss_total += loss_sum.detach()
         self.reducer.finish()
+        if self.pipeline is not None:
+            self.pipeline.sync_tied_embedding_grads()
+            self._all_reduce(loss_total, self.mesh.pp_group)  # only the last stage computed it
         return loss_total, tokens, flops
 
     def forward_backward_step(self, step: int) -> tuple[torch.Tensor, int, int, float]:
@@ -211,16 +239,21 @@ class Trainer:
         loss_total, tokens, flops = self.forward_backward(samples, max(n_loss_tokens, 1))
         return loss_total, max(n_loss_tokens, 1), tokens, flops
 
+    def _norm_share(self, param: torch.nn.Parameter) -> float:
+        share = tp_norm_share(param, self.mesh.tp_group)
+        return share * self.pipeline.norm_share(param) if self.pipeline is not None else share
+
     def grad_norm(self) -> torch.Tensor:
-        """L2 norm of the full model's gradient: TP shards summed over TP, replicated parameters
-        counted once (`tp_norm_share`); under ZeRO-1 each DP rank holds a shard of the gradient,
-        so the squares are summed over DP too."""
-        tp_group, share = self.mesh.tp_group, lambda p: tp_norm_share(p, self.mesh.tp_group)
+        """L2 norm of the full model's gradient: squares summed over TP shards and pipeline stages,
+        replicated parameters counted once (`tp_norm_share`, the tied embedding's last-stage copy);
+        under ZeRO-1 each DP rank holds a shard of the gradient, so the squares are summed over DP too."""
         if self.cfg.parallel.zero1:
-            sq = self.optimizer.local_grad_sq_norm(weight=share)
+            sq = self.optimizer.local_grad_sq_norm(weight=self._norm_share)
             self._all_reduce(sq, self.mesh.dp_group)
-            return self._all_reduce(sq, tp_group).sqrt()
-        return tp_grad_norm_squared(self.model.parameters(), tp_group).sqrt()
+            self._all_reduce(sq, self.mesh.tp_group)
+        else:
+            sq = tp_grad_norm_squared(self.model.parameters(), self.mesh.tp_group, weight=self._norm_share)
+        return self._all_reduce(sq, self.mesh.pp_group).sqrt()
 
     def optimizer_step(self, step: int) -> tuple[float, float]:
         """Clip by global grad norm, set the schedule's lr, step AdamW. Returns (grad_norm, lr)."""
@@ -257,10 +290,15 @@ class Trainer:
         totals = torch.zeros(2, dtype=torch.float64)
         for i in range(t.eval_iters):
             samples = self.local_samples(i, self.data.valid)
-            for mb in micro_batches(samples, t.micro_batch_size):
-                totals[0] += self._micro_batch_loss(mb).item()
+            batches = micro_batches(samples, t.micro_batch_size)
+            if self.pipeline is not None:
+                totals[0] += self.pipeline.forward_only([self._prepare(mb) for mb in batches]).item()
+            else:
+                for mb in batches:
+                    totals[0] += self._micro_batch_loss(mb).item()
             totals[1] += loss_token_count(samples)
         self.model.train()
+        self._all_reduce(totals[:1], self.mesh.pp_group)  # the loss lives on the last stage
         self._all_reduce(totals, self.mesh.dp_group)
         return (totals[0] / max(totals[1], 1)).item()
 
@@ -276,7 +314,8 @@ class Trainer:
             n_params = num_parameters(GPT(self.cfg.model, device="meta"))
             log.info(f"model {self.cfg.model.name}: {n_params / 1e6:.2f}M parameters, {self.cfg.model.num_layers} "
                      f"layers | {self.cfg.precision.name} on {self.device} | {dims.world_size} rank(s): tp={dims.tp} "
-                     f"dp={dims.dp}{' sp' if self.cfg.parallel.sequence_parallel else ''}"
+                     f"pp={dims.pp}{self._pipeline_note()} dp={dims.dp}"
+                     f"{' sp' if self.cfg.parallel.sequence_parallel else ''}"
                      f"{' zero1' if self.cfg.parallel.zero1 else ''} | data {self.cfg.data.name} "
                      f"({'varlen' if self.cfg.data.varlen else 'packed'}) | run dir {self.run_dir}")
         first_loss = last_loss = val_loss = None
@@ -328,6 +367,13 @@ class Trainer:
             self._log_summary(summary)
         return summary
 
+    def _pipeline_note(self) -> str:
+        p = self.cfg.parallel
+        if p.pp == 1:
+            return ""
+        vpp = f" vpp={p.vpp}" if p.vpp > 1 else ""
+        return f" ({p.pp_schedule}{vpp})"
+
     def _log_summary(self, s: TrainSummary) -> None:
         done = "finished" if s.steps >= self.cfg.trainer.max_steps else "stopped early"
         parts = [f"{done} at step {s.steps}/{self.cfg.trainer.max_steps} in {s.seconds:.1f}s"]
@@ -341,3 +387,22 @@ class Trainer:
             log.info(f"checkpoint: {s.checkpoint}")
             log.info(f"sample from it: megalm-generate {s.checkpoint} --prompt 'def '")
         log.info(f"metrics: {self.run_dir / 'metrics.jsonl'}")
+
+
+def check_same_config_on_all_ranks(cfg: MegalmConfig, mesh: ParallelMesh) -> None:
+    """Fail fast, on every rank, when ranks were launched with different configs (different overrides
+    per rank would otherwise pair mismatched collectives and hang, or silently train garbage)."""
+    if not mesh.is_distributed:
+        return
+    import hashlib
+    import json
+
+    text = json.dumps(config_to_dict(cfg), sort_keys=True, default=str)
+    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+    mine = torch.tensor([digest], dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    differ = [r for r, d in enumerate(everyone) if int(d) != digest]
+    if differ:
+        raise ConfigError(f"rank {mesh.rank}'s config differs from rank(s) {differ[:8]}'s; launch every rank with "
+                          "the same config and overrides")

@@ -41,11 +41,29 @@ def test_dp_defaults_to_what_is_left():
     (4, ["trainer.global_batch_size=8", "trainer.micro_batch_size=4"], "not divisible by micro_batch_size.dp=4.4"),
     (2, ["parallel.cp=2"], "parallel.cp=2 is not implemented yet"),
     (1, ["parallel.hdp=true"], "parallel.hdp=true is not implemented yet"),
+    (1, ["parallel.vpp=2", "parallel.pp_schedule=interleaved"], "needs pipeline parallelism"),
+    (2, ["parallel.pp=2", "parallel.vpp=2"], "needs parallel.pp_schedule=interleaved"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved"], "needs parallel.vpp>1"),
+    (4, ["parallel.pp=4", "parallel.vpp=2", "parallel.pp_schedule=interleaved", "model.num_layers=8"],
+     "multiple of parallel.pp=4"),
+    (2, ["parallel.pp=2", "model.num_layers=3"], r"set parallel.layers_per_stage=\[1, 2\]|not divisible"),
+    (2, ["parallel.pp=2", "parallel.layers_per_stage=[1,2]"], "sums to 3, not model.num_layers=2"),
+    (1, ["parallel.layers_per_stage=[2]"], "one pipeline stage"),
+    (2, ["parallel.pp=2", "parallel.recompute=[full]"], "1 entries for parallel.pp=2"),
+    (1, ["parallel.recompute=most"], "'most' is not one of none, full, selective"),
+    (2, ["parallel.pp=2", "parallel.zero1=true", "model.tie_embeddings=true"], "tied embeddings is not supported"),
 ])
 def test_bad_layouts_name_the_fix(world, overrides, message):
     with pytest.raises(ConfigError, match=message) as info:
         layout(world, *overrides)
     assert "\n" not in str(info.value)
+
+
+def test_pipeline_layouts_accepted():
+    assert layout(4, "parallel.pp=2", "parallel.tp=2").pp == 2
+    assert layout(2, "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved",
+                  "model.num_layers=4", "trainer.micro_batch_size=2").pp == 2
+    assert layout(2, "parallel.pp=2", "parallel.pp_schedule=zb", "parallel.recompute=[full,none]").pp == 2
 
 
 def test_kv_heads_split_or_replicated():

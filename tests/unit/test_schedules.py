@@ -207,3 +207,35 @@ def test_action_str_and_checks():
         Action("SEND_F", 0)
     with pytest.raises(ValueError):
         Action("F", 0, peer=1)
+
+
+def test_with_offload_places_offload_after_forward_and_reload_before_backward():
+    sched = zb_h1(4, 8).with_comm()
+    chosen = {(r, mb, 0) for r in range(4) for mb in range(8) if mb % 3 == 0}
+    offloaded = sched.with_offload(chosen)
+    validate(offloaded)
+    for r in range(4):
+        acts = offloaded.actions[r]
+        kinds = [(a.kind, a.micro_batch) for a in acts]
+        for mb in range(8):
+            if (r, mb, 0) not in chosen:
+                assert ("OFFLOAD", mb) not in kinds and ("RELOAD", mb) not in kinds
+                continue
+            f, off, rel, b = (kinds.index((k, mb)) for k in ("F", "OFFLOAD", "RELOAD", "B"))
+            assert f < off < rel < b
+            assert acts[off - 1].kind in ("F", "SEND_F")  # right after the forward (and its send)
+            assert acts[rel + 1].kind in ("B", "RECV_B")  # right before the backward (and its receive)
+        # compute order and communication unchanged
+        assert [a for a in acts if a.kind not in ("OFFLOAD", "RELOAD")] == sched.actions[r]
+
+
+def test_validate_rejects_misplaced_memory_actions():
+    base = one_f_one_b(2, 2)
+    bad = Schedule(2, 2, 1, "bad", False, [list(base.actions[0]), list(base.actions[1])])
+    bad.actions[0].insert(0, Action("OFFLOAD", 0))
+    with pytest.raises(ValueError, match="before F0"):
+        validate(bad)
+    bad = one_f_one_b(2, 2).with_offload({(0, 0, 0)})
+    bad.actions[0] = [a for a in bad.actions[0] if a.kind != "RELOAD"]
+    with pytest.raises(ValueError, match="offloaded"):
+        validate(bad)

@@ -1,0 +1,84 @@
+"""Activation recomputation: trade compute for the memory of saved activations, per pipeline stage.
+
+A pipeline stage holds the activations of every micro-batch in flight: under 1F1B stage r keeps up to
+p - r of them, so the first stages are the ones that run out of memory. Recomputation is therefore
+chosen per stage (`parallel.recompute=full` for all stages, or one mode per pipeline rank such as
+`[full,selective,none,none]`).
+
+- ``full`` (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"): each transformer
+  block keeps only its input; its forward runs again in backward. About one extra forward (~33% more
+  compute) for activation memory of one [T, h] tensor per layer.
+- ``selective`` (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models"): keep the outputs of the matmuls and of attention (costly to recompute), recompute the cheap
+  elementwise work between them (norms, RoPE, SwiGLU/GELU, residual adds, dropout masks from the saved
+  RNG state). Built on torch's selective activation checkpointing: the policy below decides per op.
+- ``none``: save everything.
+
+Both run through `torch.utils.checkpoint` (non-reentrant), which restores the RNG state for the
+recomputation, so dropout draws the same masks and a run with recomputation computes the same
+gradients as one without.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+MODES = ("none", "full", "selective")
+
+_aten = torch.ops.aten
+# Ops whose outputs `selective` keeps: GEMMs and fused attention (the expensive ones).
+SAVED_OPS = {
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.linear.default,
+    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+for _name in ("_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward"):
+    if hasattr(_aten, _name):
+        SAVED_OPS.add(getattr(_aten, _name).default)
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op in SAVED_OPS or "c10d" in str(op):  # never re-run a collective in the recomputation
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def _checkpointed_forward(forward, selective: bool, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    if selective:
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=_selective_context, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def apply_recompute(model: nn.Module, mode: str) -> int:
+    """Wrap every transformer block of `model` (a GPT or a pipeline chunk) for `mode`.
+
+    Returns the number of blocks wrapped (0 for "none").
+    """
+    if mode not in MODES:
+        raise ValueError(f"recompute mode {mode!r}; expected one of {MODES}")
+    if mode == "none":
+        return 0
+    layers = getattr(model, "layers", [])
+    for layer in layers:
+        layer.forward = functools.partial(_checkpointed_forward, layer.forward, mode == "selective")
+    return len(layers)
+
+
+def stage_mode(recompute: str | list[str], pp_rank: int, pp: int) -> str:
+    """The recompute mode of pipeline rank `pp_rank`: one mode for all, or one per rank."""
+    if isinstance(recompute, str):
+        return recompute
+    modes = list(recompute)
+    if len(modes) != pp:
+        raise ValueError(f"parallel.recompute has {len(modes)} entries for pp={pp}; give one mode per pipeline rank")
+    return modes[pp_rank]

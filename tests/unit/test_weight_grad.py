@@ -1,0 +1,80 @@
+"""The zero-bubble B/W split: B leaves linear weights without gradient, W adds exactly the gradient a
+plain backward gives, through AccumulateGrad (so post-accumulate-grad hooks fire once, at W)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megalm.model import GPT, init_weights
+from megalm.parallel.weight_grad import WeightGradStore, defer_weight_grads
+from tests.conftest import compose_config
+
+
+def tiny_model() -> GPT:
+    model = GPT(compose_config("model=gpt2_tiny", "model.num_layers=2", "model.hidden_size=64",
+                               "model.num_heads=4", "model.num_kv_heads=4").model)
+    init_weights(model, 3)
+    return model
+
+
+def batch(vocab: int):
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (48,), generator=g)
+    positions = torch.cat([torch.arange(30), torch.arange(18)])
+    return tokens, positions, torch.tensor([0, 30, 48], dtype=torch.int32), 30
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_split_backward_equals_plain_backward(autocast):
+    plain, split = tiny_model(), tiny_model()
+    store = WeightGradStore()
+    rerouted = defer_weight_grads(split, store)
+    assert rerouted == 2 * 6  # q, k, v, o, up, down in each of 2 layers (the tied head is no nn.Linear)
+    fires: dict[str, int] = {}
+    for name, p in split.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, name=name: fires.__setitem__(name, fires.get(name, 0) + 1))
+    args = batch(plain.cfg.vocab_size)
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else torch.enable_grad
+    for model in (plain, split):
+        for mb in range(2):  # two micro-batches accumulate
+            with ctx():
+                out = model(*args)
+            with store.collect(("mb", mb)) if model is split else torch.enable_grad():
+                out.float().pow(2).mean().mul(mb + 1).backward()
+    linear_weights = [n for n, m in split.named_modules() if isinstance(m, torch.nn.Linear)]
+    for name in linear_weights:
+        assert split.get_submodule(name).weight.grad is None, f"{name}.weight got its gradient in B"
+        assert f"{name}.weight" not in fires
+    assert fires["final_norm.weight"] == 2  # non-linear parameters keep their gradient in B
+    for mb in range(2):
+        store.apply(("mb", mb))
+    assert not store.pending
+    plain_grads = dict(plain.named_parameters())
+    tol = {"rtol": 2e-2, "atol": 1e-4} if autocast else {"rtol": 1e-5, "atol": 1e-7}
+    for name, p in split.named_parameters():
+        torch.testing.assert_close(p.grad, plain_grads[name].grad, **tol, msg=lambda m, n=name: f"{n}: {m}")
+        assert fires[name] == 2, f"{name}: hook fired {fires.get(name)} times for 2 micro-batches"
+
+
+def test_store_refuses_backward_without_key_and_double_collect():
+    model = tiny_model()
+    store = WeightGradStore()
+    defer_weight_grads(model, store)
+    out = model(*batch(model.cfg.vocab_size))
+    with pytest.raises(RuntimeError, match="outside WeightGradStore.collect"):
+        out.sum().backward()
+    store.collect(0)
+    with pytest.raises(RuntimeError, match="already pending"):
+        store.collect(0)
+
+
+def test_no_grad_forward_is_plain():
+    model = tiny_model()
+    reference = copy.deepcopy(model)
+    defer_weight_grads(model, WeightGradStore())
+    args = batch(model.cfg.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(model(*args), reference(*args), rtol=0, atol=0)
