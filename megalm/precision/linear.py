@@ -1,0 +1,506 @@
+"""Low-precision linear layers: a recipe says how each of a layer's three GEMMs rounds its operands.
+
+A linear layer y = x W^T + b (x [T, in], W [out, in]) runs three GEMMs, each with its own
+reduction dimension K:
+
+    fprop  y  = x W^T     K = in    x along its dim 1, W along its dim 1
+    dgrad  dx = dy W      K = out   dy along its dim 1, W along its dim 0
+    wgrad  dW = dy^T x    K = T     dy along its dim 0, x along its dim 0
+
+Block scales (MX: one per 32 elements) and per-row FP8 scales must run along K, or the GEMM could not
+factor them out of its sums. So every GEMM quantizes its two operands itself, from the
+high-precision tensors it was given: W is quantized along `in` for fprop and along `out` for dgrad,
+dy along `out` for dgrad and along the tokens for wgrad. The backward saves x and W in high precision.
+
+Recipes (`get_recipe(name)`; fprop / dgrad / wgrad):
+
+    fp32         F.linear, untouched (also what a layer gets when it is skipped)
+    bf16         operands rounded to bf16, fp32 accumulation, in all three
+    fp8          FP8 with per-tensor current scaling: E4M3 for x and W, E5M2 for dy
+    fp8_delayed  the same with delayed scaling (amax history of 16 uses, per layer and tensor)
+    fp8_rowwise  the same with one scale per row along K (per token / feature / output channel)
+    mxfp8        MXFP8 (E4M3 elements, block 32 along K, "ceil" scales: no clipping) in all three
+    mxfp4        Tseng et al. 2025 ("Training LLMs with MXFP4", arXiv 2502.20586): fprop in bf16
+                 (or FP8: `get_recipe("mxfp4", forward="fp8")`), dgrad and wgrad in MXFP4 (E2M1,
+                 block 32 along K, spec "floor" scales) after a random Hadamard transform of size 64
+                 along K, with stochastic rounding (x3/4 so it never clips; see megalm.precision.mx).
+                 Unbiased gradient estimates: E[dx] = dy W and E[dW] = dy^T x.
+    mxfp4_rtn    ablation: MXFP4 backward, round to nearest, no RHT (biased)
+    mxfp4_sr     ablation: stochastic rounding only
+    mxfp4_rht    ablation: RHT only, round to nearest
+
+Everything runs as an fp32 emulation (round operands to the format, dequantize, fp32 matmul), on any
+device; FP8 GEMMs call torch._scaled_mm on a GPU that has FP8 units (see megalm.precision.fp8).
+Bias and its gradient stay fp32. Under torch.autocast the output has the autocast dtype, as F.linear's.
+
+Measured error (tests/unit/test_precision_linear.py; CPU, torch 2.13): relative Frobenius error
+||C - C_exact|| / ||C_exact|| of each GEMM against fp64, x [512, 256], W [256, 256], dy [512, 256];
+Gaussian: N(0, 1) entries; heavy: Student-t with 3 degrees of freedom; random recipes: mean of 8 seeds
+(the spread between seeds is < 0.01). The tests assert bands around these values.
+
+    recipe        Gaussian: y    dx      dW     | heavy: dx    dW
+    bf16                0.0024  0.0023  0.0023  |      0.0023  0.0023
+    fp8                 0.038   0.059   0.059   |      0.058   0.058
+    fp8_delayed         0.038   0.059   0.059   |      0.058   0.058   (one call: = current scaling)
+    fp8_rowwise         0.037   0.058   0.059   |      0.052   0.054
+    mxfp8               0.038   0.038   0.038   |      0.038   0.037
+    mxfp4_rtn           0.0024  0.161   0.161   |      0.202   0.202
+    mxfp4_rht           0.0024  0.162   0.162   |      0.161   0.161
+    mxfp4_sr            0.0024  0.240   0.238   |      0.309   0.309
+    mxfp4               0.0024  0.239   0.239   |      0.231   0.232
+
+(y of the mxfp4 family is the bf16 forward.) Round-to-nearest has the smallest error per draw, but
+the same error in every draw: it is a bias. Stochastic rounding has ~1.5x the error per draw with zero
+mean, so it averages out over steps and micro-batches: the mean of 48 draws of dW (x [128, 64],
+W [96, 64]) has relative error 0.035 against 0.240 for one draw, i.e. 1/sqrt(48) of it, while
+mxfp4_rtn stays at 0.164. Heavy tails put outliers in blocks, which inflates their scale and SR's
+variance (0.24 -> 0.31); the RHT spreads them over 64 elements and brings it back to 0.23.
+
+Randomness and reproducibility. A GEMM that draws (RHT signs, SR noise) uses its own torch.Generator
+seeded by (call seed, GEMM name), `gemm_generator`. Each forward call fixes its call seed and the
+backward's GEMMs use it, so the draws do not depend on the order in which layers run backward
+(pipeline schedules reorder them). The call seed comes from the layer's `LinearState`: a hash of (base seed,
+layer name, step, micro-batch, call index within the micro-batch). A trainer calls
+`set_precision_step(model, step, micro_batch)` before each micro-batch's forward; then every run of
+the same seed draws the same numbers whatever the pipeline schedule. Put the data-parallel rank into
+`micro_batch` (e.g. the global micro-batch index) so that replicas draw independent noise. Activation
+recomputation re-runs forwards and so advances the call index: deterministic, but different draws
+from a run without it. Without a state and without `seed=`, a call draws its seed from torch's
+default generator (reproducible under torch.manual_seed).
+
+Tensor parallelism. A TP shard quantizes its own K-slice. TP ranks of one layer share its name, so
+they draw the same seeds; RHT signs are drawn first (block_size of them, the same for every block),
+so they do not depend on the shard's shape either. A tp>1 run equals the tp=1 run, up to fp32
+summation order, for the GEMMs whose K is not sharded, with round-to-nearest and block-local scales
+(MX or rowwise):
+    column-parallel (W split by output rows): fprop (K = in) and wgrad (K = T) are exact; dgrad's
+        K = out is sharded: each shard's partial dx comes from its own blocks, which are tp=1's blocks
+        only when out/tp is a multiple of the block size (and of the RHT size).
+    row-parallel (W split by input columns): dgrad (K = out) and wgrad (K = T) are exact; fprop's
+        K = in is sharded (the same alignment condition).
+Per-tensor FP8 scales are a shard's own amax, not the full tensor's, and SR noise is drawn for the
+shard's shape, so those are reproducible but not equal to tp=1.
+
+`apply_precision(model, recipe, skip=...)` installs a recipe on the model's linear layers from outside
+(plain nn.Linear: its forward is replaced; TP layers: their `linear_fn` hook).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import hashlib
+import types
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalm.precision import fp8
+from megalm.precision.hadamard import random_signs, rht
+from megalm.precision.mx import mx_quantize_dequantize
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """How one GEMM rounds its operands a (first) and b (second), both along the GEMM's K.
+
+    kind: fp32 | bf16 | fp8 | mx. a_format / b_format: e4m3 | e5m2 for fp8, an MX element format for mx.
+    scaling: fp8: tensor | delayed | row; mx: floor | ceil. rounding (mx): nearest | stochastic.
+    rht (mx): random Hadamard transform of rht_block along K before quantizing.
+    """
+
+    kind: str = "fp32"
+    a_format: str = "e4m3"
+    b_format: str = "e4m3"
+    scaling: str = "tensor"
+    rounding: str = "nearest"
+    rht: bool = False
+    block_size: int = 32
+    rht_block: int = 64
+
+    @property
+    def random(self) -> bool:
+        return self.kind == "mx" and (self.rht or self.rounding == "stochastic")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A precision recipe: one GemmSpec per GEMM of a linear layer."""
+
+    name: str
+    fprop: GemmSpec
+    dgrad: GemmSpec
+    wgrad: GemmSpec
+
+    @property
+    def forward(self) -> str:
+        """The forward GEMM's kind (fp32 | bf16 | fp8 | mx)."""
+        return self.fprop.kind
+
+    @property
+    def is_fp32(self) -> bool:
+        return all(spec.kind == "fp32" for spec in self.specs)
+
+    @property
+    def specs(self) -> tuple[GemmSpec, GemmSpec, GemmSpec]:
+        return self.fprop, self.dgrad, self.wgrad
+
+
+_FP32 = GemmSpec("fp32")
+_BF16 = GemmSpec("bf16")
+_FP8_FWD = GemmSpec("fp8", "e4m3", "e4m3")  # x, W
+_FP8_BWD = GemmSpec("fp8", "e5m2", "e4m3")  # dgrad: dy, W; wgrad: dy, x
+_MXFP8 = GemmSpec("mx", "e4m3", "e4m3", "ceil")
+
+
+def _fp8(name: str, scaling: str) -> Recipe:
+    fwd, bwd = (dataclasses.replace(s, scaling=scaling) for s in (_FP8_FWD, _FP8_BWD))
+    return Recipe(name, fwd, bwd, bwd)
+
+
+def _mxfp4(name: str, stochastic: bool, hadamard: bool) -> Recipe:
+    bwd = GemmSpec("mx", "e2m1", "e2m1", "floor", "stochastic" if stochastic else "nearest", hadamard)
+    return Recipe(name, _BF16, bwd, bwd)
+
+
+RECIPES: dict[str, Recipe] = {
+    "fp32": Recipe("fp32", _FP32, _FP32, _FP32),
+    "bf16": Recipe("bf16", _BF16, _BF16, _BF16),
+    "fp8": _fp8("fp8", "tensor"),
+    "fp8_delayed": _fp8("fp8_delayed", "delayed"),
+    "fp8_rowwise": _fp8("fp8_rowwise", "row"),
+    "mxfp8": Recipe("mxfp8", _MXFP8, _MXFP8, _MXFP8),
+    "mxfp4": _mxfp4("mxfp4", stochastic=True, hadamard=True),
+    "mxfp4_rtn": _mxfp4("mxfp4_rtn", stochastic=False, hadamard=False),
+    "mxfp4_sr": _mxfp4("mxfp4_sr", stochastic=True, hadamard=False),
+    "mxfp4_rht": _mxfp4("mxfp4_rht", stochastic=False, hadamard=True),
+}
+FORWARD_SPECS = {"fp32": _FP32, "bf16": _BF16, "fp8": _FP8_FWD, "mxfp8": _MXFP8}
+
+
+def get_recipe(recipe: str | Recipe, forward: str | None = None) -> Recipe:
+    """The recipe named `recipe` (see RECIPES); `forward` (fp32 | bf16 | fp8 | mxfp8) replaces its fprop."""
+    if isinstance(recipe, str):
+        if recipe not in RECIPES:
+            raise ValueError(f"unknown precision recipe {recipe!r}; expected one of {sorted(RECIPES)}")
+        recipe = RECIPES[recipe]
+    if forward is not None:
+        if forward not in FORWARD_SPECS:
+            raise ValueError(f"unknown forward precision {forward!r}; expected one of {sorted(FORWARD_SPECS)}")
+        recipe = dataclasses.replace(recipe, name=f"{recipe.name}+{forward}_fwd", fprop=FORWARD_SPECS[forward])
+    return recipe
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-layer state: seeds and FP8 amax histories
+# ---------------------------------------------------------------------------------------------------
+
+
+def hash_seed(*parts: object) -> int:
+    """A 63-bit seed from any printable parts (stable across processes, unlike hash())."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def gemm_generator(seed: int, gemm: str, device: torch.device | str) -> torch.Generator:
+    """The generator GEMM `gemm` of the call with seed `seed` draws its RHT signs and SR noise from."""
+    return torch.Generator(device=device).manual_seed(hash_seed(seed, gemm))
+
+
+class LinearState:
+    """What a layer's recipe remembers between calls: its seed stream and FP8 amax histories.
+
+    Call seed = hash(seed, name, step, micro_batch, calls): `set_step` at the start of each
+    micro-batch makes the draws independent of anything but those (see the module docstring).
+    """
+
+    def __init__(self, name: str = "", seed: int = 0, amax_history_len: int = 16) -> None:
+        self.name, self.seed = name, seed
+        self.step, self.micro_batch, self.calls = 0, 0, 0
+        self.amax = {tensor: fp8.AmaxHistory(amax_history_len) for tensor in ("x", "w", "dy")}
+
+    def set_step(self, step: int, micro_batch: int = 0) -> None:
+        self.step, self.micro_batch, self.calls = step, micro_batch, 0
+
+    def next_seed(self) -> int:
+        seed = hash_seed(self.seed, self.name, self.step, self.micro_batch, self.calls)
+        self.calls += 1
+        return seed
+
+    def state_dict(self) -> dict:
+        return {"amax": {k: v.state_dict() for k, v in self.amax.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state["amax"].items():
+            self.amax[k].load_state_dict(v)
+
+
+# ---------------------------------------------------------------------------------------------------
+# One GEMM
+# ---------------------------------------------------------------------------------------------------
+
+
+def _fp8_tensor_scale(
+    spec: GemmSpec, tensor: str, t: torch.Tensor, fmt: str, state: LinearState | None, cache: dict
+) -> torch.Tensor | None:
+    """Per-tensor FP8 scale of `tensor` (x, w or dy), computed once per call and shared by the two
+    GEMMs that use it; delayed scaling reads the history, then pushes the current amax (once)."""
+    if spec.kind != "fp8" or spec.scaling == "row":
+        return None
+    key = (tensor, fmt)
+    if key not in cache:
+        dtype = fp8.fp8_dtype(fmt)
+        amax = t.detach().abs().amax().float()
+        if spec.scaling == "tensor":
+            cache[key] = fp8.scale_from_amax(amax, dtype)
+        elif spec.scaling == "delayed":
+            if state is None:
+                raise ValueError("delayed FP8 scaling needs a LinearState (the amax history lives there)")
+            cache[key] = state.amax[tensor].scale(amax, dtype)
+            state.amax[tensor].update(amax)
+        else:
+            raise ValueError(f"unknown FP8 scaling {spec.scaling!r}; expected tensor, delayed or row")
+    return cache[key]
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+def gemm(
+    spec: GemmSpec,
+    a: torch.Tensor,
+    a_dim: int,
+    b: torch.Tensor,
+    b_dim: int,
+    generator: torch.Generator | None = None,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp32 product of 2-D a and b contracted over their K dims: a's `a_dim` and b's `b_dim` (0 or 1).
+
+    Each operand is quantized along its K dim as `spec` says, with no transposed copies: blocks run
+    along whichever dim K is. a_scale / b_scale: per-tensor FP8 scales (None: computed here).
+    """
+    as_a = (lambda t: t) if a_dim == 1 else (lambda t: t.t())  # -> [M, K]
+    as_b = (lambda t: t) if b_dim == 0 else (lambda t: t.t())  # -> [K, N]
+    a, b = a.float(), b.float()  # bf16 activations / gradients under autocast
+    if spec.kind == "fp32":
+        return as_a(a) @ as_b(b)
+    if spec.kind == "bf16":
+        return as_a(_bf16(a)) @ as_b(_bf16(b))
+    if spec.kind == "fp8":
+        a_dtype, b_dtype = fp8.fp8_dtype(spec.a_format), fp8.fp8_dtype(spec.b_format)
+        ma, mb = as_a(a), as_b(b)
+        if spec.scaling == "row":
+            a_scale, b_scale = fp8.rowwise_scale(ma, a_dtype, dim=1), fp8.rowwise_scale(mb, b_dtype, dim=0)
+        else:
+            a_scale = fp8.tensor_scale(a, a_dtype) if a_scale is None else a_scale
+            b_scale = fp8.tensor_scale(b, b_dtype) if b_scale is None else b_scale
+        return fp8.scaled_mm(ma, mb, a_scale, b_scale, a_dtype, b_dtype)
+    if spec.kind == "mx":
+        if spec.rht:
+            signs = random_signs(spec.rht_block, generator, a.device)
+            a, b = rht(a, signs, a_dim, spec.rht_block), rht(b, signs, b_dim, spec.rht_block)
+        qa = mx_quantize_dequantize(a, spec.a_format, spec.block_size, a_dim, spec.rounding, spec.scaling, generator)
+        qb = mx_quantize_dequantize(b, spec.b_format, spec.block_size, b_dim, spec.rounding, spec.scaling, generator)
+        return as_a(qa) @ as_b(qb)
+    raise ValueError(f"unknown GEMM kind {spec.kind!r}; expected fp32, bf16, fp8 or mx")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The layer
+# ---------------------------------------------------------------------------------------------------
+
+
+class _LowPrecisionLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe: Recipe, state: LinearState | None, seed: int | None,
+                out_dtype: torch.dtype):
+        device = x.device
+        x2 = x.reshape(-1, x.shape[-1])
+        scales: dict = {}
+        with torch.autocast(device.type, enabled=False):
+            spec = recipe.fprop
+            x_scale = _fp8_tensor_scale(spec, "x", x2, spec.a_format, state, scales)
+            w_scale = _fp8_tensor_scale(spec, "w", weight, spec.b_format, state, scales)
+            generator = gemm_generator(seed, "fprop", device) if spec.random else None
+            y = gemm(spec, x2, 1, weight, 1, generator, x_scale, w_scale)
+            if bias is not None:
+                y = y + bias.float()
+        ctx.save_for_backward(x, weight)
+        ctx.recipe, ctx.state, ctx.seed, ctx.scales = recipe, state, seed, scales
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        recipe, state, seed, scales = ctx.recipe, ctx.state, ctx.seed, ctx.scales
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        with torch.autocast(x.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                spec = recipe.dgrad
+                dy_scale = _fp8_tensor_scale(spec, "dy", dy2, spec.a_format, state, scales)
+                w_scale = _fp8_tensor_scale(spec, "w", weight, spec.b_format, state, scales)
+                generator = gemm_generator(seed, "dgrad", x.device) if spec.random else None
+                dx = gemm(spec, dy2, 1, weight, 0, generator, dy_scale, w_scale).reshape(x.shape).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                spec = recipe.wgrad
+                dy_scale = _fp8_tensor_scale(spec, "dy", dy2, spec.a_format, state, scales)
+                x_scale = _fp8_tensor_scale(spec, "x", x2, spec.b_format, state, scales)
+                generator = gemm_generator(seed, "wgrad", x.device) if spec.random else None
+                dw = gemm(spec, dy2, 0, x2, 0, generator, dy_scale, x_scale).to(weight.dtype)
+            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+                db = dy2.float().sum(dim=0).to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None
+
+
+def low_precision_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    recipe: str | Recipe = "fp32",
+    state: LinearState | None = None,
+    *,
+    seed: int | None = None,
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) with its three GEMMs in the precision of `recipe`.
+
+    x [..., in], weight [out, in], bias [out] or None -> [..., out]. `state` carries the layer's seed
+    stream and FP8 amax histories (needed by fp8_delayed); `seed` overrides the call seed. The fp32
+    recipe is plain F.linear.
+    """
+    recipe = get_recipe(recipe)
+    if recipe.is_fp32:
+        return F.linear(x, weight, bias)
+    if seed is None and any(spec.random for spec in recipe.specs):
+        seed = state.next_seed() if state is not None else int(torch.randint(2**62, ()).item())
+    device_type = x.device.type
+    autocast = torch.is_autocast_enabled(device_type)
+    out_dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
+    return _LowPrecisionLinear.apply(x, weight, bias, recipe, state, seed, out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Installing recipes on a model
+# ---------------------------------------------------------------------------------------------------
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear.forward routed through the installed `linear_fn`."""
+    return self.linear_fn(x, self.weight, self.bias)
+
+
+def _tp_linear_types() -> tuple[type, ...]:
+    from megalm.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+    return ColumnParallelLinear, RowParallelLinear
+
+
+def _chunks(model: nn.Module) -> list[nn.Module]:
+    """The model chunks: an nn.ModuleList of GPT chunks (a pipeline rank with virtual stages), or itself."""
+    if isinstance(model, nn.ModuleList) and len(model) and all(hasattr(m, "layers") for m in model):
+        return list(model)
+    return [model]
+
+
+def canonical_named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name, module) with `layers.{i}` renamed to the block's global `layer_id` (as
+    megalm.model.gpt.canonical_named_parameters does), so a pipeline stage matches the full model's
+    names; `model` may be a ModuleList of pipeline chunks (their own prefixes are dropped)."""
+    seen: set[int] = set()
+    for chunk in _chunks(model):
+        layers = getattr(chunk, "layers", None)
+        for name, module in chunk.named_modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            if isinstance(layers, nn.ModuleList) and name.startswith("layers."):
+                _, index, *rest = name.split(".", 2)
+                name = ".".join(["layers", str(getattr(layers[int(index)], "layer_id", index)), *rest])
+            yield name, module
+
+
+def _expand(patterns: Iterable[str], last: int | None) -> list[str]:
+    """`{last}` (or `{L-1}`) in a pattern is the index of the model's last layer."""
+    out = []
+    for pattern in patterns:
+        if "{last}" in pattern or "{L-1}" in pattern:
+            if last is None:
+                raise ValueError(f"pattern {pattern!r} needs a model with cfg.num_layers")
+            pattern = pattern.replace("{last}", str(last)).replace("{L-1}", str(last))
+        out.append(pattern)
+    return out
+
+
+def apply_precision(
+    model: nn.Module,
+    recipe: str | Recipe,
+    skip: Iterable[str] | Callable[[str, nn.Module], bool] = (),
+    overrides: Mapping[str, str | Recipe] | None = None,
+    seed: int = 0,
+) -> dict[str, LinearState]:
+    """Run the linear layers of `model` in `recipe`; returns {layer name: its LinearState}.
+
+    Layers are plain nn.Linear (their forward is replaced by one through `linear_fn`) and
+    megalm's ColumnParallelLinear / RowParallelLinear (their `linear_fn` hook is set). Names are
+    canonical (`layers.{layer_id}...`, see `canonical_named_modules`). `skip`: fnmatch patterns (or a
+    predicate on (name, module)) of layers left untouched, e.g. ("output", "layers.0.*",
+    "layers.{last}.*") keeps the head and the first and last blocks in the trainer's precision.
+    `overrides`: {pattern: recipe}, first match wins, for layers that take another recipe. The
+    embedding and a tied output head (F.linear on the embedding) are not linear modules: untouched.
+    A previous `apply_precision` is undone first.
+    """
+    remove_precision(model)
+    recipe = get_recipe(recipe)
+    cfg = getattr(_chunks(model)[0], "cfg", None)
+    last = getattr(cfg, "num_layers", None)
+    last = None if last is None else last - 1
+    if callable(skip):
+        skipped = skip
+    else:
+        skip_patterns = _expand(skip, last)
+        skipped = lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in skip_patterns)
+    override_patterns = [(p, get_recipe(r)) for p, r in (overrides or {}).items()]
+    override_patterns = [(_expand([p], last)[0], r) for p, r in override_patterns]
+    tp_types = _tp_linear_types()
+    states = {}
+    for name, module in canonical_named_modules(model):
+        if not isinstance(module, (nn.Linear, *tp_types)) or skipped(name, module):
+            continue
+        chosen = next((r for p, r in override_patterns if fnmatch.fnmatchcase(name, p)), recipe)
+        state = LinearState(name, seed)
+        linear_fn = functools.partial(low_precision_linear, recipe=chosen, state=state)
+        if isinstance(module, nn.Linear):
+            module.forward = types.MethodType(_linear_forward, module)
+        elif not hasattr(type(module), "linear_fn"):
+            raise NotImplementedError(
+                f"{name}: {type(module).__name__} has no linear_fn hook; its forward must call "
+                "self.linear_fn(...) instead of F.linear(...) (see megalm/precision/linear.py)")
+        module.linear_fn = linear_fn
+        module.precision_recipe, module.precision_state = chosen, state
+        states[name] = state
+    return states
+
+
+def remove_precision(model: nn.Module) -> None:
+    """Undo `apply_precision`: every layer runs its own forward / F.linear again."""
+    for module in model.modules():
+        if "precision_state" in module.__dict__:
+            for attr in ("forward", "linear_fn", "precision_recipe", "precision_state"):
+                module.__dict__.pop(attr, None)
+
+
+def set_precision_step(model: nn.Module, step: int, micro_batch: int = 0) -> None:
+    """Start the seed stream of every low-precision layer at (step, micro_batch); call it before each
+    micro-batch's forward for draws that do not depend on the schedule."""
+    for module in model.modules():
+        state = module.__dict__.get("precision_state")
+        if state is not None:
+            state.set_step(step, micro_batch)
