@@ -1,0 +1,365 @@
+"""Cost model for HDP planning and simulation: how long a micro-batch keeps a rank (or a ring) busy.
+
+ByteScale (Ge et al. 2025, arXiv 2502.21231) balances ranks by *time*, not by tokens:
+attention is quadratic in the document length, so a rank holding a slice of a 1M-token document is
+busy far longer than one holding as many tokens of short documents. Per transformer layer, a
+micro-batch of documents s_i (packed, varlen attention that never crosses a document) costs one rank
+
+    T = a·Σ s_i² + b·Σ s_i + c                                    (DESIGN, "Cost model")
+
+with a the causal attention forward+backward (7·h FLOPs per token pair: 2·h in the forward for the
+causal half of QKᵀ and PV, ×3.5 with FlashAttention's recomputing backward), b the linear layers
+(6 FLOPs per weight per token) and c a fixed cost per micro-batch (launches, syncs).
+
+A document sharded over a ring of d ranks (zigzag, so the causal work is even) costs each member
+(a·s² + b·s)/d + c plus the communication its attention does not hide. Ring attention takes d steps;
+in each of the d−1 transfers a rank sends its KV chunk (s/d tokens × kv_bytes for K and V, ×3 for
+forward KV, backward KV and dKV) while it computes attention on the current chunk (a·s²/d²):
+
+    exposed = (d−1) · max(0, latency + 3·(s/d)·kv_bytes / bw − overlap·a·s²/d²)
+
+bw is the NVLink bandwidth if the ring stays inside a node and the NIC's otherwise (a ring step is as
+slow as its slowest edge). overlap < 1 says the overlap is partial (the two streams share SMs and
+memory bandwidth). Linear layers are not overlapped with the ring.
+
+Until calibrated with measurements on a GPU, the coefficients are derived from first principles,
+FLOPs / (peak × efficiency): `preset()` computes them from a model shape, configs/hdp_cost/*.yaml
+store them, and the scheduler and the simulator (tools/hdp_sim.py) read the same numbers.
+No torch import: the planner runs on every rank's CPU each step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per micro-batch; a, b, c are per layer, `head` per token for the whole model."""
+
+    a: float  # s per (token pair) per layer: causal attention fwd+bwd
+    b: float  # s per token per layer: linear layers fwd+bwd
+    c: float  # s per micro-batch per layer: launch/sync overhead
+    layers: int = 1
+    head: float = 0.0  # s per token: embedding + LM head + loss, whole model
+    kv_bytes: float = 0.0  # bytes per token per layer of K and V (2 · h_kv · 2 bytes in bf16)
+    comm_passes: float = 3.0  # KV forward, KV and dKV backward
+    bw_intra: float = 3.0e11  # bytes/s per rank inside a node (NVLink, one peer)
+    bw_inter: float = 4.0e10  # bytes/s per rank across nodes (400 Gb/s NIC at 80%)
+    latency: float = 2.0e-5  # s per ring step per layer (p2p setup, sync)
+    overlap: float = 0.8  # fraction of a ring step's attention that hides its transfer
+    ranks_per_node: int = 8  # HDP ranks per node (GPUs per node / tp)
+    capacity: int = 8192  # default tokens per rank per micro-batch (parallel.hdp_capacity)
+    act_bytes: float = 0.0  # e: activation bytes per token kept for the backward, per GPU, all layers
+    act_fixed: float = 0.0  # f: model-state bytes per GPU (activation memory A(s) = e·s + f on top)
+    host_bw: float = 0.0  # bytes/s per GPU to host memory (activation offload)
+    name: str = "custom"
+
+    def parts(self, tokens: float, sum_sq: float, d: int = 1, intra: bool = True) -> tuple[float, float]:
+        """(compute, exposed communication) seconds of one micro-batch on each of its d ranks."""
+        compute = self.layers * ((self.a * sum_sq + self.b * tokens) / d + self.c) + self.head * tokens / d
+        if d == 1:
+            return compute, 0.0
+        bw = self.bw_intra if intra else self.bw_inter
+        step_comm = self.latency + self.comm_passes * tokens / d * self.kv_bytes / bw
+        step_attn = self.a * sum_sq / (d * d)
+        return compute, self.layers * (d - 1) * max(0.0, step_comm - self.overlap * step_attn)
+
+    def time(self, tokens: float, sum_sq: float, d: int = 1, intra: bool = True) -> float:
+        """Seconds one micro-batch (documents with Σs = tokens, Σs² = sum_sq) keeps each of its d ranks."""
+        compute, comm = self.parts(tokens, sum_sq, d, intra)
+        return compute + comm
+
+    def ring_bytes(self, tokens: float, d: int) -> float:
+        """Bytes the d members of a ring send in total for one micro-batch (all layers, fwd + bwd)."""
+        return self.layers * self.comm_passes * (d - 1) * tokens * self.kv_bytes if d > 1 else 0.0
+
+    def intra(self, ranks: tuple[int, ...] | list[int]) -> bool:
+        """True when all ranks sit in one node (ranks are numbered node by node)."""
+        n = self.ranks_per_node
+        return ranks[0] // n == ranks[-1] // n and all(r // n == ranks[0] // n for r in ranks)
+
+    def replace(self, **changes) -> CostModel:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - fields
+        if unknown:
+            raise ValueError(f"unknown cost model keys: {sorted(unknown)}")
+        return cls(**d)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> CostModel:
+        import yaml  # PyYAML comes with omegaconf
+
+        with open(path) as f:
+            return cls.from_dict(yaml.safe_load(f))
+
+
+def pipeline_cost(total: float, longest: float, pp: int) -> float:
+    """Step time of a pipeline of pp stages running micro-batches of total time `total` (one stage
+    holds 1/pp of the layers): Σt/pp + (pp−1)·max(t)/pp, i.e. (m + pp − 1) stage slots for m equal
+    micro-batches. ByteScale's PP-balance weighs pipelines by this, not by Σt alone."""
+    return (total + (pp - 1) * longest) / pp
+
+
+# ---------------------------------------------------------------------------------------------
+# Execution model: checking and costing a plan (megalm.parallel.hdp.Plan)
+
+
+def execute(plan, duration) -> tuple[list[float], list[list[tuple[float, float, int]]]]:
+    """Run every rank's list in order; a multi-rank micro-batch starts when all its ranks reach it.
+    duration(mb_index) gives its time. Returns (finish time per rank, per-rank (start, end, mb)).
+    Raises ValueError if some ranks wait on each other forever (inconsistent ring order)."""
+    D = plan.num_ranks
+    mbs, per_rank = plan.micro_batches, plan.per_rank
+    clock = [0.0] * D
+    pos = [0] * D
+    arrived: dict[int, int] = {}
+    ready: dict[int, float] = {}
+    timeline: list[list[tuple[float, float, int]]] = [[] for _ in range(D)]
+    stack = list(range(D - 1, -1, -1))
+    while stack:
+        r = stack.pop()
+        todo = per_rank[r]
+        while pos[r] < len(todo):
+            k = todo[pos[r]]
+            ranks = mbs[k].ranks
+            if len(ranks) == 1:
+                t0 = clock[r]
+                clock[r] = t0 + duration(k)
+                timeline[r].append((t0, clock[r], k))
+                pos[r] += 1
+                continue
+            n = arrived.get(k, 0) + 1
+            arrived[k] = n
+            ready[k] = max(ready.get(k, 0.0), clock[r])
+            if n < len(ranks):
+                break
+            t0 = ready[k]
+            t1 = t0 + duration(k)
+            for m in ranks:
+                clock[m] = t1
+                timeline[m].append((t0, t1, k))
+                pos[m] += 1
+                if m != r:
+                    stack.append(m)
+    stuck = [r for r in range(D) if pos[r] < len(per_rank[r])]
+    if stuck:
+        k = per_rank[stuck[0]][pos[stuck[0]]]
+        raise ValueError(f"deadlock: {len(stuck)} ranks wait forever, e.g. rank {stuck[0]} at micro-batch {k} "
+                         f"(ranks {mbs[k].ranks[:8]}...): rings are ordered differently on their ranks")
+    return clock, timeline
+
+
+def ring_size(s: int, capacity: int) -> int:
+    """Minimal number of ranks for a document of s tokens: ceil(s / C)."""
+    return -(-s // capacity)
+
+
+def check_plan(plan, lengths: Sequence[int], num_ranks: int, capacity: int) -> None:
+    """Raise ValueError naming the first violation: every document in exactly one micro-batch, token
+    counts right, no rank over `capacity` tokens per micro-batch, each micro-batch listed exactly on its
+    ranks, and an execution order without deadlock (rings in a consistent order on shared ranks)."""
+    if len(plan.per_rank) != num_ranks:
+        raise ValueError(f"plan has {len(plan.per_rank)} ranks, expected {num_ranks}")
+    seen = [0] * len(lengths)
+    for k, mb in enumerate(plan.micro_batches):
+        d = len(mb.ranks)
+        if d == 0 or len(set(mb.ranks)) != d or not all(0 <= r < num_ranks for r in mb.ranks):
+            raise ValueError(f"micro-batch {k}: bad rank list {mb.ranks}")
+        for i in mb.seqs:
+            seen[i] += 1
+        if mb.tokens != sum(lengths[i] for i in mb.seqs):
+            raise ValueError(f"micro-batch {k}: tokens {mb.tokens} != sum of its document lengths")
+        if ring_size(mb.tokens + mb.padding, d) > capacity:
+            total = mb.tokens + mb.padding
+            raise ValueError(f"micro-batch {k}: {total} tokens over {d} ranks exceed capacity {capacity}")
+    for i, n in enumerate(seen):
+        if n != 1:
+            raise ValueError(f"document {i} is assigned {n} times")
+    listed: dict[int, list[int]] = {}
+    for r, todo in enumerate(plan.per_rank):
+        for k in todo:
+            if not 0 <= k < len(plan.micro_batches):
+                raise ValueError(f"rank {r} lists unknown micro-batch {k}")
+            listed.setdefault(k, []).append(r)
+    for k, mb in enumerate(plan.micro_batches):
+        if sorted(listed.get(k, [])) != sorted(mb.ranks):
+            raise ValueError(f"micro-batch {k} on ranks {mb.ranks} is listed by ranks {listed.get(k, [])}")
+    execute(plan, lambda k: 0.0)
+
+
+@dataclass
+class SimResult:
+    step_time: float
+    finish: list[float]  # per rank, with the pipeline fill/drain
+    compute: list[float]  # per rank, seconds of compute
+    comm: list[float]  # per rank, seconds of exposed CP communication
+    cp_bytes: float  # bytes sent over CP rings in the step, all ranks
+    padding: int  # padded token positions computed
+    timeline: list[list[tuple[float, float, int]]]  # per rank (start, end, micro-batch)
+    durations: list[tuple[float, float]]  # per micro-batch (compute, exposed comm), per stage
+
+    @property
+    def utilization(self) -> float:
+        """Compute seconds / (ranks × step time): idle waiting, exposed comm and bubbles are waste."""
+        return sum(self.compute) / (len(self.compute) * self.step_time) if self.step_time else 0.0
+
+
+def simulate(plan, cost: CostModel, pp: int = 1) -> SimResult:
+    """Simulated step time of a plan: in-order execution, rings wait for all members; with pp > 1
+    each rank is a pipeline whose stages take 1/pp of a micro-batch's time, plus a fill/drain of
+    (pp−1)·(its longest micro-batch)/pp. Gradient reduction and the optimizer step are not included."""
+    durations = []
+    cp_bytes = 0.0
+    for mb in plan.micro_batches:
+        d = len(mb.ranks)
+        if not mb.seqs:
+            durations.append((0.0, 0.0))
+            continue
+        comp, comm = cost.parts(mb.tokens + mb.padding, mb.sum_sq, d, d == 1 or cost.intra(mb.ranks))
+        durations.append((comp / pp, comm / pp))
+        cp_bytes += cost.ring_bytes(mb.tokens + mb.padding, d)
+    clock, timeline = execute(plan, lambda k: durations[k][0] + durations[k][1])
+    D = plan.num_ranks
+    compute, comm, finish = [0.0] * D, [0.0] * D, clock[:]
+    for r, todo in enumerate(plan.per_rank):
+        longest = 0.0
+        for k in todo:
+            c, e = durations[k]
+            compute[r] += c
+            comm[r] += e
+            longest = max(longest, c + e)
+        finish[r] += (pp - 1) * longest
+    padding = sum(mb.padding for mb in plan.micro_batches)
+    return SimResult(max(finish, default=0.0), finish, compute, comm, cp_bytes, padding, timeline, durations)
+
+
+# ---------------------------------------------------------------------------------------------
+# First-principles presets
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+
+    @property
+    def kv_dim(self) -> int:
+        return self.hidden // self.heads * self.kv_heads
+
+    @property
+    def layer_params(self) -> int:  # q, o: h²; k, v: h·h_kv; SwiGLU: 3·h·ffn
+        return 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_dim + 3 * self.hidden * self.ffn
+
+    @property
+    def params(self) -> int:  # untied embedding and LM head
+        return self.layers * self.layer_params + 2 * self.vocab * self.hidden
+
+
+# 1b and 7b as in configs/model/1.3b.yaml and 7b.yaml; 13b and 70b are the Llama-2 shapes.
+SHAPES = {
+    "1b": ModelShape(layers=24, hidden=2048, heads=16, kv_heads=16, ffn=5504, vocab=50304),
+    "7b": ModelShape(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000),
+    "13b": ModelShape(layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000),
+    "70b": ModelShape(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000),
+}
+DEFAULT_TP = {"1b": 1, "7b": 1, "13b": 2, "70b": 8}  # smallest TP whose memory holds ≥ 8K tokens
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU and its links. Defaults: H100 SXM 80 GB, NVLink 4, one 400 Gb/s NIC per GPU."""
+
+    peak_flops: float = 989.4e12  # dense bf16
+    hbm_bytes: float = 80 * GiB
+    bw_intra: float = 3.0e11  # achievable NVLink p2p to one peer, bytes/s
+    bw_inter: float = 4.0e10  # 400 Gb/s NIC at 80%
+    gpus_per_node: int = 8
+    host_bw: float = 5.0e10  # PCIe Gen5 x16, achievable per direction
+
+
+H100 = Hardware()
+
+
+def memory_model(shape: ModelShape, tp: int = 1) -> tuple[float, float]:
+    """(e, f): activation bytes per token and model-state bytes, per GPU.
+
+    f: bf16 weights + bf16 gradients, 4 bytes/param / tp; the fp32 master copy and Adam moments
+    (12 bytes/param) are ZeRO-1 sharded over the large HDP domain (≈ 0). e: selective recomputation
+    with flash attention (Korthikanti et al. 2022, eq. 2 without the 5·a·s/h term): 34·h bytes per
+    layer per token / tp, plus bf16 and fp32 logits.
+    """
+    return (shape.layers * 34 * shape.hidden + 6 * shape.vocab) / tp, 4 * shape.params / tp
+
+
+def memory_capacity(shape: ModelShape, tp: int = 1, hw: Hardware = H100) -> int:
+    """Tokens one HDP rank (a TP group) holds per micro-batch: (90% of HBM − 4 GiB of workspace − f) / e,
+    rounded down to a power of two, which keeps the baselines' CP groups exact (cp = context / C)."""
+    e, f = memory_model(shape, tp)
+    free = 0.9 * hw.hbm_bytes - f - 4 * GiB
+    if free <= e:
+        raise ValueError(f"model does not fit: {f / GiB:.1f} GiB of state per GPU at tp={tp}")
+    return 2 ** int(math.log2(free / e))
+
+
+def preset(
+    model: str,
+    tp: int | None = None,
+    hw: Hardware = H100,
+    eff_linear: float = 0.55,
+    eff_attn: float = 0.45,
+    c: float = 1.0e-4,
+) -> CostModel:
+    """Cost model for a named shape ("1b", "7b", "13b", "70b") from FLOPs / (peak × efficiency).
+
+    One HDP rank is a TP group of `tp` GPUs: it has tp× the FLOPs (at 90% TP efficiency for tp > 1),
+    tp NICs, and gpus_per_node / tp ranks share a node.
+    """
+    if model not in SHAPES:
+        raise ValueError(f"unknown model {model!r}; known: {sorted(SHAPES)}")
+    shape = SHAPES[model]
+    tp = tp or DEFAULT_TP[model]
+    flops = hw.peak_flops * tp * (0.9 if tp > 1 else 1.0)
+    e, f = memory_model(shape, tp)
+    return CostModel(
+        a=7 * shape.hidden / (flops * eff_attn),
+        b=6 * shape.layer_params / (flops * eff_linear),
+        c=c,
+        layers=shape.layers,
+        head=6 * shape.hidden * shape.vocab / (flops * eff_linear),
+        kv_bytes=2 * shape.kv_dim * 2,
+        bw_intra=hw.bw_intra * tp,
+        bw_inter=hw.bw_inter * tp,
+        ranks_per_node=max(1, hw.gpus_per_node // tp),
+        capacity=memory_capacity(shape, tp, hw),
+        act_bytes=e,
+        act_fixed=f,
+        host_bw=hw.host_bw,
+        name=f"h100_{model}" if hw == H100 else model,
+    )
+
+
+def load_cost(name_or_path: str) -> CostModel:
+    """A preset name ("7b"), a file under configs/hdp_cost ("h100_7b") or a path to a YAML file."""
+    if name_or_path in SHAPES:
+        return preset(name_or_path)
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = Path(__file__).resolve().parents[2] / "configs" / "hdp_cost" / f"{name_or_path}.yaml"
+    if not path.exists():
+        raise ValueError(f"no cost model {name_or_path!r}: not a preset {sorted(SHAPES)} and no file {path}")
+    return CostModel.from_yaml(path)

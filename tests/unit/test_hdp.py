@@ -1,0 +1,292 @@
+"""HDP scheduler (megalm/parallel/hdp.py): plan invariants, balance, deadlock freedom, baselines (pure Python)."""
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megalm.parallel.hdp import (
+    MicroBatch,
+    Plan,
+    check_plan,
+    megatron_cp_size,
+    plan_hdp,
+    plan_megatron_hybrid,
+    plan_static,
+    ring_size,
+    simulate,
+)
+from megalm.parallel.hdp_cost import CostModel, load_cost, pipeline_cost, preset
+
+ROOT = Path(__file__).resolve().parents[2]
+COST = preset("7b")
+
+
+def sample(n: int, seed: int, context: int, tail: float = 0.03) -> list[int]:
+    """Lengths with a realistic shape: log-normal around 2K, plus a heavy tail up to the context."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        if rng.random() < tail:
+            s = int(context ** rng.random() * 4096 ** (1 - rng.random()))
+        else:
+            s = int(rng.lognormvariate(7.5, 1.1))
+        out.append(max(1, min(context, s)))
+    return out
+
+
+def all_plans(lengths, D, C, context, pp=1):
+    return [
+        plan_hdp(lengths, D, C, COST, pp=pp),
+        plan_static(lengths, D, C, context, COST),
+        plan_megatron_hybrid(lengths, D, C),
+    ]
+
+
+CASES = [(64, 4096, 65536, 0), (60, 4096, 65536, 1), (16, 8192, 131072, 2), (128, 2048, 65536, 3)]
+
+
+@pytest.mark.parametrize("D,C,context,seed", CASES)
+def test_every_token_once_capacity_and_no_deadlock(D, C, context, seed):
+    lengths = sample(400, seed, context)
+    for plan in all_plans(lengths, D, C, context):
+        check_plan(plan, lengths, D, C)  # raises on any violation
+        seqs = sorted(i for mb in plan.micro_batches for i in mb.seqs)
+        assert seqs == list(range(len(lengths))), plan.policy
+        assert sum(mb.tokens for mb in plan.micro_batches) == sum(lengths)
+        for k, mb in enumerate(plan.micro_batches):
+            assert ring_size(mb.tokens + mb.padding, len(mb.ranks)) <= C
+            for r in mb.ranks:
+                assert plan.per_rank[r].count(k) == 1
+
+
+@pytest.mark.parametrize("D,C,context,seed", CASES)
+def test_hdp_rings_are_minimal_and_short_documents_local(D, C, context, seed):
+    lengths = sample(400, seed, context)
+    plan = plan_hdp(lengths, D, C, COST)
+    rings = [mb for mb in plan.micro_batches if len(mb.ranks) > 1]
+    assert rings, "the sample should contain documents longer than C"
+    for mb in plan.micro_batches:
+        if len(mb.ranks) > 1:
+            (i,) = mb.seqs  # one document per ring
+            assert len(mb.ranks) == ring_size(lengths[i], C) == -(-lengths[i] // C)
+            assert list(mb.ranks) == sorted(mb.ranks)
+        else:
+            assert mb.tokens <= C and all(lengths[i] <= C for i in mb.seqs)
+    assert {len(mb.ranks) for mb in rings} - {1, 2, 4, 8, 16, 32}, "ring sizes are not rounded to powers of two"
+
+
+def test_deterministic():
+    lengths = sample(500, 7, 65536)
+    a, b = plan_hdp(lengths, 64, 4096, COST), plan_hdp(list(lengths), 64, 4096, COST)
+    assert a.micro_batches == b.micro_batches and a.per_rank == b.per_rank
+    assert plan_hdp(sample(500, 8, 65536), 64, 4096, COST).micro_batches != a.micro_batches
+
+
+def ring_orders_consistent(plan: Plan) -> None:
+    """If rings X and Y share ranks, X comes before Y on all of them (so rings cannot deadlock)."""
+    first: dict[tuple[int, int], bool] = {}
+    for todo in plan.per_rank:
+        rings = [k for k in todo if len(plan.micro_batches[k].ranks) > 1]
+        for a in range(len(rings)):
+            for b in range(a + 1, len(rings)):
+                x, y = rings[a], rings[b]
+                key, before = ((x, y), True) if x < y else ((y, x), False)
+                assert first.setdefault(key, before) == before, f"rings {x} and {y} in different orders"
+
+
+@pytest.mark.parametrize("D,C,context,seed", CASES)
+def test_ring_order_consistent_on_shared_ranks(D, C, context, seed):
+    lengths = sample(400, seed, context, tail=0.08)
+    for plan in all_plans(lengths, D, C, context) + [plan_hdp(lengths, D, C, COST, pp=4)]:
+        ring_orders_consistent(plan)
+        shared = [
+            (x, y) for x, mx in enumerate(plan.micro_batches) for y, my in enumerate(plan.micro_batches)
+            if x < y and len(mx.ranks) > 1 and len(my.ranks) > 1 and len(set(mx.ranks) & set(my.ranks)) >= 2
+        ]
+        if plan.policy == "hdp":
+            assert shared, "the case should have rings sharing ranks"
+
+
+def naive_round_robin(lengths, D, C) -> Plan:
+    """A plan a balance scheduler must beat: documents in input order, short ones round-robin one per
+    micro-batch, each long one on the next d ranks in rank order."""
+    mbs, per_rank, cursor = [], [[] for _ in range(D)], 0
+    for i, s in enumerate(lengths):
+        d = ring_size(s, C)
+        ranks = tuple(sorted((cursor + j) % D for j in range(d)))
+        cursor = (cursor + d) % D
+        for r in ranks:
+            per_rank[r].append(len(mbs))
+        mbs.append(MicroBatch(ranks, (i,), s, s * s))
+    return Plan("round_robin", mbs, per_rank)
+
+
+def lower_bound(sim) -> float:
+    """No plan beats the mean busy time or its longest micro-batch (with the same ring placement)."""
+    busy = [c + e for c, e in zip(sim.compute, sim.comm, strict=True)]
+    return max(sum(busy) / len(busy), max(c + e for c, e in sim.durations))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_balance_is_near_the_lower_bound_and_beats_round_robin(seed):
+    D, C = 64, 8192
+    lengths = sample(3000, seed, 65536)
+    plan = plan_hdp(lengths, D, C, COST)
+    hdp = simulate(plan, COST)
+    assert hdp.step_time <= 1.10 * lower_bound(hdp)
+    assert hdp.step_time == pytest.approx(plan.stats["estimated_step"], rel=1e-3)  # the planner knows its step
+    rr_plan = naive_round_robin(lengths, D, C)
+    check_plan(rr_plan, lengths, D, C)
+    assert hdp.step_time < 0.9 * simulate(rr_plan, COST).step_time
+    for other in (plan_static(lengths, D, C, 65536, COST), plan_megatron_hybrid(lengths, D, C)):
+        assert hdp.step_time < simulate(other, COST).step_time
+    # ranks run different numbers of micro-batches: a ring rank holds a long document's share
+    counts = [len(todo) for todo in plan_hdp(lengths, D, C, COST).per_rank]
+    assert max(counts) > min(counts)
+
+
+def test_ranks_finish_together_when_no_single_document_dominates():
+    lengths = sample(4000, 5, 32768, tail=0.02)
+    sim = simulate(plan_hdp(lengths, 32, 8192, COST), COST)
+    mean = sum(sim.finish) / len(sim.finish)
+    assert max(sim.finish) <= 1.03 * mean
+    assert sim.utilization > 0.9
+
+
+def test_pp_balance_gives_pipelines_with_long_rings_fewer_micro_batches():
+    D, C, pp = 64, 8192, 4
+    lengths = sample(3000, 11, 8192, tail=0.0) + [65536, 49152, 32768]
+    aware = plan_hdp(lengths, D, C, COST, pp=pp)
+    check_plan(aware, lengths, D, C)
+    blind = plan_hdp(lengths, D, C, COST, pp=1)
+    assert simulate(aware, COST, pp=pp).step_time < simulate(blind, COST, pp=pp).step_time
+    longest = [max(COST.time(mb.tokens, mb.sum_sq, len(mb.ranks)) for mb in map(aware.micro_batches.__getitem__, t))
+               for t in aware.per_rank]
+    counts = [len(t) for t in aware.per_rank]
+    heavy = [c for c, m in zip(counts, longest, strict=True) if m > 2 * min(longest)]
+    light = [c for c, m in zip(counts, longest, strict=True) if m <= 2 * min(longest)]
+    assert heavy and light and max(heavy) < min(light)
+    assert pipeline_cost(10.0, 4.0, 4) == pytest.approx((10 + 3 * 4) / 4)
+
+
+def test_simulate_waits_for_ring_partners():
+    cost = CostModel(a=0.0, b=1.0, c=0.0, latency=0.0)
+    mbs = [MicroBatch((0,), (0,), 2, 4), MicroBatch((0, 1), (1,), 4, 16), MicroBatch((1,), (2,), 1, 1)]
+    plan = Plan("hand", mbs, [[0, 1], [1, 2]])
+    sim = simulate(plan, cost)
+    assert sim.timeline[1][0] == (2.0, 4.0, 1)  # rank 1 waits for rank 0 to finish its local work
+    assert sim.finish == [4.0, 5.0] and sim.step_time == 5.0
+    assert sim.utilization == pytest.approx((2 + 2 + 2 + 1) / 10)
+
+
+def test_check_plan_names_the_violation():
+    lengths = [3, 5, 9]
+    good = Plan("hand", [MicroBatch((0,), (0, 1), 8, 34), MicroBatch((0, 1), (2,), 9, 81)], [[0, 1], [1]])
+    check_plan(good, lengths, 2, 8)
+    bad = [
+        (Plan("x", [MicroBatch((0,), (0, 1), 8, 34)], [[0], []]), "document 2 is assigned 0 times"),
+        (Plan("x", [MicroBatch((0,), (0, 1, 2), 17, 115)], [[0], []]), "exceed capacity"),
+        (Plan("x", [MicroBatch((0,), (0, 1), 8, 34), MicroBatch((0, 1), (2, 1), 14, 106)], [[0, 1], [1]]),
+         "assigned 2 times"),
+        (Plan("x", [MicroBatch((0,), (0, 1), 7, 34), MicroBatch((0, 1), (2,), 9, 81)], [[0, 1], [1]]), "tokens"),
+        (Plan("x", [MicroBatch((0,), (0, 1), 8, 34), MicroBatch((0, 1), (2,), 9, 81)], [[0, 1], []]), "listed"),
+        (Plan("x", [MicroBatch((0, 0), (0, 1, 2), 17, 115)], [[0], []]), "bad rank list"),
+    ]
+    for plan, message in bad:
+        with pytest.raises(ValueError, match=message):
+            check_plan(plan, lengths, 2, 8)
+    # two rings in opposite orders on their two shared ranks: deadlock
+    lengths = [10, 10]
+    crossed = Plan("x", [MicroBatch((0, 1), (0,), 10, 100), MicroBatch((0, 1), (1,), 10, 100)], [[0, 1], [1, 0]])
+    with pytest.raises(ValueError, match="deadlock"):
+        check_plan(crossed, lengths, 2, 8)
+
+
+def test_documents_that_do_not_fit_are_refused():
+    with pytest.raises(ValueError, match="needs more than"):
+        plan_hdp([100], 2, 10, COST)
+    with pytest.raises(ValueError):
+        plan_static([100], 2, 10, 100, COST)
+    with pytest.raises(ValueError, match="does not fit"):
+        plan_megatron_hybrid([100], 2, 10)
+    with pytest.raises(ValueError, match="positive"):
+        plan_hdp([5, 0], 2, 10, COST)
+
+
+def test_static_baseline_shape():
+    lengths = sample(400, 3, 65536)
+    plan = plan_static(lengths, 64, 4096, 65536, COST)
+    cp = plan.stats["cp"]
+    assert cp == 16 and plan.stats["dp"] == 4
+    for mb in plan.micro_batches:
+        assert len(mb.ranks) == cp and mb.ranks[0] % cp == 0
+        assert mb.tokens + mb.padding == 65536  # every micro-batch is one context-length sequence
+    assert plan_static(lengths, 48, 4096, 65536, COST).stats["cp"] == 16  # smallest divisor of 48 ≥ 16
+    assert plan_static(lengths, 40, 4096, 65536, COST).stats["cp"] == 20
+
+
+def test_megatron_hybrid_rule():
+    assert [megatron_cp_size(s, 100, 64) for s in (1, 100, 101, 250, 300, 401, 10000)] == [1, 1, 2, 4, 4, 8, 64]
+    lengths = sample(400, 4, 65536, tail=0.08)
+    plan = plan_megatron_hybrid(lengths, 64, 4096)
+    for mb in plan.micro_batches:
+        d = len(mb.ranks)
+        if mb.seqs and d > 1:
+            assert d & (d - 1) == 0 and d >= megatron_cp_size(mb.tokens, 4096, 64)
+            assert mb.ranks[0] % d == 0  # aligned blocks
+        if not mb.seqs:
+            assert d == 64  # barrier between rounds
+    assert plan.stats["rounds"] >= 1
+
+
+def test_cost_model():
+    c = COST
+    s, d = 262144, 32
+    assert c.time(s, s * s, d, intra=True) <= c.time(s, s * s, d, intra=False)
+    comp, comm = c.parts(s, s * s, d, intra=False)
+    assert comp == pytest.approx(c.layers * ((c.a * s * s + c.b * s) / d + c.c) + c.head * s / d)
+    assert comm >= 0 and c.parts(8192, 8192**2)[1] == 0.0
+    # a rank busy with a slice of a long document works longer than one with as many short-document tokens
+    assert c.time(s, s * s, d) > 3 * c.time(8192, 16 * 512**2)
+    assert c.ring_bytes(s, d) == pytest.approx(c.layers * 3 * (d - 1) * s * 16384)
+    assert preset("70b").ranks_per_node == 1 and preset("70b").kv_bytes == 2 * 1024 * 2
+    assert preset("1b").capacity > preset("7b").capacity == 8192
+    with pytest.raises(ValueError, match="unknown model"):
+        preset("3b")
+
+
+def test_cost_yaml_matches_first_principles_preset():
+    from_yaml = load_cost("h100_7b")
+    assert from_yaml == CostModel.from_yaml(ROOT / "configs" / "hdp_cost" / "h100_7b.yaml")
+    derived = preset("7b")
+    for name, value in derived.__dict__.items():
+        if isinstance(value, float):
+            assert getattr(from_yaml, name) == pytest.approx(value, rel=1e-3), name
+        else:
+            assert getattr(from_yaml, name) == value, name
+    with pytest.raises(ValueError, match="unknown cost model keys"):
+        CostModel.from_dict({"a": 1, "b": 1, "c": 1, "alpha": 2})
+
+
+def test_scheduler_does_not_import_torch():
+    code = "import sys, megalm.parallel.hdp; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_widen_spreads_a_dominating_document_over_more_ranks():
+    D, C = 64, 32768
+    lengths = sample(600, 9, 8192, tail=0.0) + [262144]
+    minimal = plan_hdp(lengths, D, C, COST)
+    wide = plan_hdp(lengths, D, C, COST, widen=True)
+    check_plan(wide, lengths, D, C)
+    rings = [mb for mb in wide.micro_batches if len(mb.ranks) > 1]
+    assert all(len(mb.ranks) >= ring_size(mb.tokens, C) for mb in rings)
+    assert wide.stats["widened_rings"] == 1 and wide.stats["largest_ring"] > ring_size(262144, C)
+    assert simulate(wide, COST).step_time < 0.8 * simulate(minimal, COST).step_time
+    # nothing to widen when no ring is above the mean load
+    lengths = sample(3000, 1, 65536)
+    plain, wide = plan_hdp(lengths, 64, 8192, COST), plan_hdp(lengths, 64, 8192, COST, widen=True)
+    assert wide.micro_batches == plain.micro_batches

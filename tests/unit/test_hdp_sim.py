@@ -1,0 +1,97 @@
+"""tools/hdp_sim.py: command-line contract, the long-tail generator's calibration, the PNG writer."""
+
+import importlib.util
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("hdp_sim", ROOT / "tools" / "hdp_sim.py")
+hdp_sim = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hdp_sim)
+
+
+def test_parse_size():
+    assert hdp_sim.parse_size("2M") == 2097152
+    assert hdp_sim.parse_size("256k") == 262144
+    assert hdp_sim.parse_size("131072") == 131072
+    assert hdp_sim.parse_size("0.5K") == 512
+    assert hdp_sim.size_name(2097152) == "2M" and hdp_sim.size_name(1000) == "1000"
+
+
+def test_longtail_matches_the_bytescale_statistics():
+    x = hdp_sim.sample_longtail(1_000_000, np.random.default_rng(0)).astype(np.float64)
+    tokens = x.sum()
+    assert (x <= 4096).mean() == pytest.approx(0.80, abs=0.005)  # ~80% of sequences ≤ 4K
+    assert (x >= 131072).mean() == pytest.approx(0.01, rel=0.05)  # 1% of sequences ≥ 128K ...
+    assert x[x >= 131072].sum() / tokens == pytest.approx(0.443, abs=0.02)  # ... hold 44.3% of tokens
+    assert (x >= 2**21).mean() == pytest.approx(0.0005, rel=0.15)  # 0.05% ≥ 2M ...
+    assert x[x >= 2**21].sum() / tokens == pytest.approx(0.121, abs=0.015)  # ... hold 12.1%
+    assert x[x > 262144].sum() / tokens == pytest.approx(0.37, abs=0.02)  # 37% of tokens > 256K
+    segments = hdp_sim.calibrate_longtail()
+    assert sum(p for p, *_ in segments) == pytest.approx(1.0)
+
+
+def test_global_batch_is_seeded_capped_and_exact():
+    a = hdp_sim.global_batch("longtail", 262144, 4_000_000, np.random.default_rng(3))
+    b = hdp_sim.global_batch("longtail", 262144, 4_000_000, np.random.default_rng(3))
+    assert a == b and sum(a) == 4_000_000 and max(a) <= 262144 and min(a) >= 1
+    source = np.array([100, 5000, 700000])
+    c = hdp_sim.global_batch(source, 65536, 1_000_000, np.random.default_rng(0))
+    assert sum(c) == 1_000_000 and max(c) == 65536 and 700000 - 10 * 65536 in c  # 700000 = 10 pieces + rest
+
+
+def read_png(path: Path) -> np.ndarray:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos : pos + 4])
+        kind = data[pos + 4 : pos + 8]
+        body = data[pos + 8 : pos + 8 + n]
+        assert struct.unpack(">I", data[pos + 8 + n : pos + 12 + n])[0] == zlib.crc32(kind + body) & 0xFFFFFFFF
+        chunks[kind] = chunks.get(kind, b"") + body
+        pos += 12 + n
+    w, h, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert (depth, color) == (8, 2)
+    raw = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), np.uint8).reshape(h, 1 + 3 * w)
+    assert not raw[:, 0].any()  # filter type 0 on every row
+    return raw[:, 1:].reshape(h, w, 3)
+
+
+def test_write_png_round_trip(tmp_path):
+    img = np.random.default_rng(0).integers(0, 256, (7, 5, 3), dtype=np.uint8)
+    hdp_sim.write_png(tmp_path / "x.png", img)
+    assert np.array_equal(read_png(tmp_path / "x.png"), img)
+
+
+def test_cli_contract_json_and_pngs(tmp_path, capsys):
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps([120, 900, 2000, 3000, 9000, 20000, 70000]))
+    argv = ["--ranks", "64", "--context", "64K", "--lengths", str(lengths), "--model", "7b",
+            "--global-tokens", "2M", "--json", "--check", "--png-dir", str(tmp_path / "png")]
+    hdp_sim.main(argv)
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    for key in ("static", "megatron_hybrid", "hdp", "plan_seconds"):
+        assert isinstance(result[key], float) and result[key] > 0
+    assert result["hdp"] <= result["static"]
+    assert result["config"]["static_cp"] == 8 and result["config"]["capacity"] == 8192
+    for policy in hdp_sim.POLICIES:
+        img = read_png(tmp_path / "png" / f"{policy}.png")
+        assert img.shape[0] > 64 and img.shape[1] > 1000
+    assert any("static" in line for line in out[:-1])  # the human table comes first
+
+
+def test_cli_longtail_with_pipeline_and_capacity(capsys):
+    result = hdp_sim.main(["--ranks", "96", "--context", "256K", "--dist", "longtail", "--global-tokens", "4M",
+                           "--capacity", "16K", "--pp", "2", "--steps", "2", "--check"])
+    assert result["config"]["capacity"] == 16384 and result["config"]["static_cp"] == 16
+    assert result["speedup_vs_static"] > 1 and len(result["per_step"]["hdp"]) == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        hdp_sim.main(["--ranks", "8", "--context", "8K"])

@@ -1,0 +1,371 @@
+"""Simulate one training step under three ways of spreading variable-length documents over ranks.
+
+    python tools/hdp_sim.py --ranks 1024 --context 2M --lengths longtail --model 7b
+    python tools/hdp_sim.py --ranks 1024 --context 128K --lengths /work/shared/data/seqlen/prolong_lengths.json \
+        --model 7b --global-tokens 33554432 --json --png-dir docs/hdp
+
+Policies (megalm/parallel/hdp.py): `static` (pack to the context length, fixed cp group), the
+`megatron_hybrid` rule (power-of-two CP groups, s²/d estimate, greedy rounds) and `hdp` (ByteScale:
+minimal rings, cost-balanced). Each step draws a global batch of --global-tokens tokens (seeded),
+cuts documents longer than the context into context-length pieces, plans it with each policy and
+runs the plan through the same execution model and cost model (megalm/parallel/hdp_cost.py).
+Prints step time, utilisation, CP traffic, padding and speedups; with --json the last stdout line
+is one JSON object with the step seconds per policy and `plan_seconds` (HDP planner wall time);
+with --png-dir, one Gantt chart per policy (rows = ranks, x = time on a common scale).
+
+`--lengths longtail`: a parametric long tail calibrated to ByteScale's published statistics for
+its pretraining mix (arXiv 2502.21231, §2, Fig. 4): 80% of sequences ≤ 4K; the 1% ≥ 128K hold
+44.3% of tokens; the 0.05% ≥ 2M hold 12.1%; 37% of tokens in sequences > 256K. It is a piecewise
+truncated power law; the two free exponents are solved from those numbers (`calibrate_longtail`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import struct
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megalm.parallel.hdp import (  # noqa: E402
+    Plan,
+    SimResult,
+    check_plan,
+    plan_hdp,
+    plan_megatron_hybrid,
+    plan_static,
+    simulate,
+)
+from megalm.parallel.hdp_cost import CostModel, load_cost  # noqa: E402
+
+POLICIES = ("static", "megatron_hybrid", "hdp")
+K, M = 1024, 1024 * 1024
+
+
+def parse_size(text: str | int) -> int:
+    """'2M' -> 2097152, '256K' -> 262144, '131072' -> 131072, '32M' -> 33554432."""
+    text = str(text).strip().upper()
+    scale = {"K": K, "M": M, "G": K * M}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def size_name(n: int) -> str:
+    for unit, scale in (("M", M), ("K", K)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Long-tail length distribution
+
+
+def _pl_mean(lo: float, hi: float, alpha: float) -> float:
+    """Mean of a power law with density ∝ s^-alpha on [lo, hi]."""
+    if abs(alpha - 1) < 1e-9:
+        return (hi - lo) / math.log(hi / lo)
+    if abs(alpha - 2) < 1e-9:
+        return math.log(hi / lo) / (1 / lo - 1 / hi)
+    e1, e2 = 1 - alpha, 2 - alpha
+    return e1 / e2 * (hi**e2 - lo**e2) / (hi**e1 - lo**e1)
+
+
+def _pl_sample(u: np.ndarray, lo: float, hi: float, alpha: float) -> np.ndarray:
+    if abs(alpha - 1) < 1e-9:
+        return lo * (hi / lo) ** u
+    e = 1 - alpha
+    return (lo**e + u * (hi**e - lo**e)) ** (1 / e)
+
+
+def _solve_alpha(lo: float, hi: float, mean: float) -> float:
+    a, b = -6.0, 8.0  # the mean decreases with alpha
+    if not _pl_mean(lo, hi, b) < mean < _pl_mean(lo, hi, a):
+        raise ValueError(f"no power law on [{lo}, {hi}] has mean {mean}")
+    for _ in range(100):
+        mid = (a + b) / 2
+        a, b = (mid, b) if _pl_mean(lo, hi, mid) > mean else (a, mid)
+    return (a + b) / 2
+
+
+def calibrate_longtail() -> list[tuple[float, float, float, float]]:
+    """Segments (probability, lo, hi, alpha) of the long-tail mix. Fixed shapes: log-uniform on
+    [128, 4K] (80% of sequences), on [128K, 256K] and on [2M, 4M] (the 0.05%); the exponents on
+    [4K, 128K] and [256K, 2M] and the split of the 1% ≥ 128K follow from the token shares."""
+    p1, p5 = 0.80, 0.0005
+    m1, m3, m5 = _pl_mean(128, 4 * K, 1), _pl_mean(128 * K, 256 * K, 1), _pl_mean(2 * M, 4 * M, 1)
+    mean = p5 * m5 / 0.121  # tokens per sequence, from the 12.1% held by sequences ≥ 2M
+    p3 = (0.443 - 0.37) * mean / m3  # [128K, 256K] holds 44.3% - 37%
+    p4 = 0.01 - p5 - p3
+    a4 = _solve_alpha(256 * K, 2 * M, (0.37 - 0.121) * mean / p4)
+    p2 = 1 - p1 - 0.01
+    a2 = _solve_alpha(4 * K, 128 * K, ((1 - 0.443) * mean - p1 * m1) / p2)
+    return [(p1, 128, 4 * K, 1.0), (p2, 4 * K, 128 * K, a2), (p3, 128 * K, 256 * K, 1.0),
+            (p4, 256 * K, 2 * M, a4), (p5, 2 * M, 4 * M, 1.0)]
+
+
+def sample_longtail(n: int, rng: np.random.Generator) -> np.ndarray:
+    """n document lengths from the calibrated long tail (uncapped)."""
+    segs = calibrate_longtail()
+    cum = np.cumsum([p for p, *_ in segs])
+    which = np.minimum(np.searchsorted(cum, rng.random(n), side="right"), len(segs) - 1)
+    u = rng.random(n)
+    out = np.empty(n)
+    for k, (_, lo, hi, alpha) in enumerate(segs):
+        sel = which == k
+        out[sel] = _pl_sample(u[sel], lo, hi, alpha)
+    return np.maximum(1, out.astype(np.int64))
+
+
+def global_batch(source, context: int, tokens: int, rng: np.random.Generator) -> list[int]:
+    """Draw documents until `tokens` tokens; documents longer than the context are cut into
+    context-length pieces (as a pretraining data pipeline does); the last one is trimmed to fit."""
+    out: list[int] = []
+    total = 0
+    while total < tokens:
+        if isinstance(source, str):
+            draw = sample_longtail(4096, rng)
+        else:
+            draw = source[rng.integers(0, len(source), 4096)]
+        for s in draw.tolist():
+            while s > 0 and total < tokens:
+                piece = min(s, context, tokens - total)
+                out.append(piece)
+                total += piece
+                s -= piece
+            if total >= tokens:
+                break
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# PNG (no matplotlib): a tiny zlib writer and a 3x5 font
+
+FONT = {  # 3x5 glyphs, rows top to bottom, 3 bits each
+    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
+    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001001001001",
+    "8": "111101111101111", "9": "111101111001111", "A": "010101111101101", "B": "110101110101110",
+    "C": "011100100100011", "D": "110101101101110", "E": "111100110100111", "F": "111100110100100",
+    "G": "011100101101011", "H": "101101111101101", "I": "111010010010111", "J": "001001001101010",
+    "K": "101101110101101", "L": "100100100100111", "M": "101111111101101", "N": "110101101101101",
+    "O": "010101101101010", "P": "110101110100100", "Q": "010101101110011", "R": "110101110101101",
+    "S": "011100010001110", "T": "111010010010010", "U": "101101101101111", "V": "101101101101010",
+    "W": "101101111111101", "X": "101101010101101", "Y": "101101010010010", "Z": "111001010100111",
+    " ": "000000000000000", ".": "000000000000010", ":": "000010000010000", "%": "101001010100101",
+    "-": "000000111000000", "/": "001001010100100", "=": "000111000111000", "(": "010100100100010",
+    ")": "010001001001010", ",": "000000000010100", "+": "000010111010000",
+}
+
+
+def draw_text(img: np.ndarray, x: int, y: int, text: str, color=(0, 0, 0), scale: int = 2) -> None:
+    for ch in text.upper():
+        glyph = FONT.get(ch, FONT[" "])
+        for k, bit in enumerate(glyph):
+            if bit == "1":
+                r, c = divmod(k, 3)
+                img[y + r * scale : y + (r + 1) * scale, x + c * scale : x + (c + 1) * scale] = color
+        x += 4 * scale
+
+
+def write_png(path: str | Path, img: np.ndarray) -> None:
+    """Write an (H, W, 3) uint8 array as an 8-bit RGB PNG."""
+    h, w, _ = img.shape
+    raw = np.concatenate([np.zeros((h, 1), np.uint8), img.reshape(h, w * 3)], axis=1).tobytes()
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+    png += chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b"")
+    Path(path).write_bytes(png)
+
+
+def _ring_color(k: int, d: int) -> tuple[int, int, int]:
+    """Rings: warm colours, darker for bigger rings, a per-ring jitter so neighbours differ."""
+    level = min(1.0, math.log2(d) / 9)
+    j = (k * 2654435761 % 97) / 97 - 0.5
+    return int(250 - 60 * level + 10 * j), int(190 - 150 * level + 40 * j), int(60 - 40 * level + 30 * j)
+
+
+def draw_plan(path: str | Path, plan: Plan, sim: SimResult, t_max: float, title: str, rows: int = 1024) -> None:
+    """Gantt chart: one row per rank (sampled if there are more than `rows`), x = time up to t_max.
+    Blue: packed single-rank micro-batches (two shades alternate); orange to dark red: ring
+    micro-batches by ring size, grey tail: their exposed communication; pale yellow: pipeline
+    fill/drain; white: idle or waiting for ring partners; red line: this policy's step time."""
+    D = plan.num_ranks
+    n_rows = min(rows, D)
+    row_h = max(1, min(8, 512 // n_rows))
+    width, left, top = 1200, 10, 30
+    img = np.full((top + n_rows * row_h + 10, left + width + 10, 3), 255, np.uint8)
+    scale = width / t_max
+    for y in range(n_rows):
+        r = y * D // n_rows
+        y0 = top + y * row_h
+        band = img[y0 : y0 + row_h]
+        for n, (t0, t1, k) in enumerate(sim.timeline[r]):
+            mb = plan.micro_batches[k]
+            x0, x1 = left + int(t0 * scale), left + max(int(t0 * scale) + 1, int(t1 * scale))
+            if len(mb.ranks) == 1:
+                band[:, x0:x1] = (70, 130, 200) if n % 2 else (120, 170, 230)
+            elif mb.seqs:
+                comp, comm = sim.durations[k]
+                xc = left + int((t0 + comp) * scale)
+                band[:, x0:x1] = (110, 110, 110)
+                band[:, x0 : max(x0 + 1, xc)] = _ring_color(k, len(mb.ranks))
+        end = sim.timeline[r][-1][1] if sim.timeline[r] else 0.0
+        if sim.finish[r] > end:
+            band[:, left + int(end * scale) : left + int(sim.finish[r] * scale)] = (250, 235, 160)
+    x = left + min(width - 1, int(sim.step_time * scale))
+    img[top:-10, x : x + 2] = (220, 0, 0)
+    draw_text(img, left, 8, title)
+    write_png(path, img)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def run_step(lengths: list[int], args, cost: CostModel, capacity: int):
+    """Plan and simulate one global batch with every policy. Returns {policy: (plan, sim)}, plan time."""
+    out = {}
+    t0 = time.perf_counter()
+    hdp = plan_hdp(lengths, args.ranks, capacity, cost, pp=args.pp)
+    plan_seconds = time.perf_counter() - t0
+    plans = {
+        "static": plan_static(lengths, args.ranks, capacity, args.context, cost),
+        "megatron_hybrid": plan_megatron_hybrid(lengths, args.ranks, capacity),
+        "hdp": hdp,
+    }
+    if args.widen:
+        plans["hdp_widen"] = plan_hdp(lengths, args.ranks, capacity, cost, pp=args.pp, widen=True)
+    for name, plan in plans.items():
+        if args.check:
+            check_plan(plan, lengths, args.ranks, capacity)
+        out[name] = (plan, simulate(plan, cost, pp=args.pp))
+    return out, plan_seconds
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, required=True, help="HDP domain size D (dp·cp ranks per TP×PP position)")
+    p.add_argument("--context", type=parse_size, required=True, help="context length, e.g. 2M, 256K, 131072")
+    p.add_argument("--lengths", default=None, help="JSON list of document lengths, or 'longtail'")
+    p.add_argument("--dist", choices=["longtail"], default=None, help="same as --lengths longtail")
+    p.add_argument("--model", default="7b", help="1b, 7b, 13b, 70b (configs/hdp_cost/h100_<model>.yaml if present)")
+    p.add_argument("--cost", default=None, help="cost model: preset name or YAML path (overrides --model)")
+    p.add_argument("--capacity", type=parse_size, default=None, help="tokens per rank per micro-batch")
+    p.add_argument("--global-tokens", type=parse_size, default=33554432)
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages per HDP rank")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=1, help="simulate this many global batches; means are reported")
+    p.add_argument("--check", action="store_true", help="also run check_plan on every plan")
+    p.add_argument("--png-dir", default=None, help="write <dir>/<prefix><policy>.png Gantt charts")
+    p.add_argument("--png-prefix", default="")
+    p.add_argument("--widen", action="store_true", help="also plan 'hdp_widen': HDP with rings of documents "
+                   "longer than the mean load widened beyond ceil(s/C) (not ByteScale's rule)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    policies = POLICIES + (("hdp_widen",) if args.widen else ())
+
+    source = args.lengths or args.dist
+    if source is None:
+        p.error("give --lengths FILE.json|longtail or --dist longtail")
+    if source != "longtail":
+        source = np.asarray(json.loads(Path(source).read_text()), dtype=np.int64)
+    yaml_path = Path(__file__).resolve().parents[1] / "configs" / "hdp_cost" / f"h100_{args.model}.yaml"
+    try:
+        cost = load_cost(args.cost or (str(yaml_path) if yaml_path.exists() else args.model))
+    except ValueError as e:
+        p.error(str(e))
+    capacity = args.capacity or cost.capacity
+
+    rng = np.random.default_rng(args.seed)
+    totals = {k: {"step": 0.0, "compute": 0.0, "comm": 0.0, "bytes": 0.0, "pad": 0, "mbs": 0, "max_mbs": 0,
+                  "min_util": 1.0} for k in policies}
+    plan_times, tokens, docs, last = [], 0, 0, None
+    per_step: dict[str, list[float]] = {k: [] for k in policies}
+    for _ in range(args.steps):
+        lengths = global_batch(source, args.context, args.global_tokens, rng)
+        tokens += sum(lengths)
+        docs += len(lengths)
+        try:
+            last, plan_seconds = run_step(lengths, args, cost, capacity)
+        except ValueError as e:  # e.g. a context that does not fit on the ranks
+            p.error(str(e))
+        plan_times.append(plan_seconds)
+        for name, (plan, sim) in last.items():
+            t = totals[name]
+            t["step"] += sim.step_time
+            per_step[name].append(sim.step_time)
+            t["compute"] += sum(sim.compute)
+            t["comm"] += sum(sim.comm)
+            t["bytes"] += sim.cp_bytes
+            t["pad"] += sim.padding
+            t["mbs"] += len([mb for mb in plan.micro_batches if mb.seqs])
+            t["max_mbs"] = max(t["max_mbs"], max(len(x) for x in plan.per_rank))
+            t["min_util"] = min(t["min_util"], min(sim.compute) / sim.step_time)
+
+    hdp_step = totals["hdp"]["step"]
+    result = {name: totals[name]["step"] / args.steps for name in policies}
+    result["plan_seconds"] = sum(plan_times) / len(plan_times)
+    result["plan_seconds_max"] = max(plan_times)
+    details = {}
+    for name in policies:
+        t = totals[name]
+        details[name] = {
+            "step_seconds": t["step"] / args.steps,
+            "hdp_speedup": t["step"] / hdp_step,
+            "utilization": t["compute"] / (args.ranks * t["step"]),
+            "min_rank_utilization": t["min_util"],
+            "exposed_comm_share": t["comm"] / (args.ranks * t["step"]),
+            "cp_traffic_tb_per_step": t["bytes"] / 1e12 / args.steps,
+            "padding_share": t["pad"] / (tokens + t["pad"]),
+            "micro_batches_per_step": t["mbs"] / args.steps,
+            "max_micro_batches_per_rank": t["max_mbs"],
+        }
+    result.update(speedup_vs_static=details["static"]["hdp_speedup"],
+                  speedup_vs_megatron_hybrid=details["megatron_hybrid"]["hdp_speedup"])
+    result["config"] = {"ranks": args.ranks, "context": args.context, "capacity": capacity, "cost": cost.name,
+                        "lengths": "longtail" if isinstance(source, str) else args.lengths, "pp": args.pp,
+                        "global_tokens": args.global_tokens, "steps": args.steps, "seed": args.seed,
+                        "docs_per_step": docs / args.steps, "static_cp": last["static"][0].stats["cp"]}
+    result["details"] = details
+    result["per_step"] = per_step
+
+    print(f"{args.ranks} ranks, context {size_name(args.context)}, capacity {capacity} tokens/rank, "
+          f"cost {cost.name}, pp {args.pp}, {tokens // args.steps} tokens and {docs / args.steps:.0f} documents "
+          f"per step, {args.steps} step(s), seed {args.seed}")
+    print(f"{'policy':<16} {'step s':>9} {'hdp x':>6} {'util':>6} {'min':>6} {'comm':>6} {'CP TB':>8} {'pad':>6} "
+          f"{'mbs':>7} {'max/rank':>8}")
+    for name in policies:
+        d = details[name]
+        print(f"{name:<16} {d['step_seconds']:>9.2f} {d['hdp_speedup']:>6.2f} {d['utilization']:>6.1%} "
+              f"{d['min_rank_utilization']:>6.1%} {d['exposed_comm_share']:>6.1%} "
+              f"{d['cp_traffic_tb_per_step']:>8.2f} {d['padding_share']:>6.1%} "
+              f"{d['micro_batches_per_step']:>7.0f} {d['max_micro_batches_per_rank']:>8}")
+    print("util: compute / (ranks × step); min: the least-utilised rank; comm: exposed CP communication share; "
+          "CP TB: ring traffic per step; pad: padded positions; mbs: micro-batches per step")
+    print(f"HDP planning: {result['plan_seconds'] * 1e3:.1f} ms per step (max {result['plan_seconds_max'] * 1e3:.1f})")
+
+    if args.png_dir:
+        out = Path(args.png_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        t_max = 1.02 * max(sim.step_time for _, sim in last.values())
+        for name, (plan, sim) in last.items():
+            title = (f"{name} {args.ranks} ranks ctx {size_name(args.context)} c {size_name(capacity)} "
+                     f"step {sim.step_time:.1f} s util {sum(sim.compute) / (args.ranks * sim.step_time):.0%}")
+            path = out / f"{args.png_prefix}{name}.png"
+            draw_plan(path, plan, sim, t_max, title.replace("_", " "))
+            print(f"wrote {path}")
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
