@@ -1,0 +1,303 @@
+"""Context parallelism: zigzag sharding of packed varlen micro-batches over a ring of N ranks.
+
+Why zigzag: with causal attention, token t attends to t + 1 keys, so cutting a document into N
+contiguous pieces leaves the last rank with ~2N-1 times the work of the first. Cutting every
+document into 2N equal chunks and giving rank i chunks i and 2N-1-i (Megatron-LM's CP, Brandon et
+al. 2023 "Striped Attention" discuss the same imbalance) gives every rank the same work, for every
+document of a packed micro-batch independently (DESIGN.md joint 1: the batch is a list of documents).
+
+Padding rule. A document of L tokens is padded AT ITS END to P = ceil(L / 2N) * 2N tokens (L = 0
+stays 0), so each of its 2N chunks has c = P / 2N tokens. Padding tokens have token id 0, label 0,
+loss_mask 0 and position ids that continue the document (L, L+1, ...). Because attention is causal
+and the padding sits after the document's last real token, no real token ever attends to padding;
+padding outputs carry loss_mask 0, so no gradient flows from them. With the global token count as
+the loss denominator (joint 2), the loss and every gradient are exactly those of the unpadded batch.
+
+Layout on rank i: for every document d in order, chunk i (c_d tokens) then chunk 2N-1-i (c_d
+tokens). The local `cu_seqlens` have ONE segment of 2·c_d tokens per document. The two chunks of a
+segment are not contiguous in the document, but since chunk 2N-1-i lies after chunk i, plain causal
+attention over the segment is exactly the part of the document's attention that stays on the rank
+(step 0 of the ring). The rest comes from the other ranks: see ring_attention.py and ulysses.py.
+
+The attention ops only need a `ZigzagLayout` (N and the chunk size of every document), which the
+local `cu_seqlens` alone determine (`layout_from_local_cu_seqlens`); a `ZigzagPlan` adds the
+original document lengths needed to shard and unshard a batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.distributed as dist
+
+from megalm.data.batch import PackedBatch
+
+
+def _cumsum(lengths: torch.Tensor) -> torch.Tensor:
+    """int64 offsets [len + 1] of consecutive segments of `lengths`."""
+    return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+
+
+@dataclass(frozen=True, eq=False)
+class ZigzagLayout:
+    """Where every token of a zigzag-sharded micro-batch lives; the same on every rank of the ring.
+
+    chunk_sizes int64 [D]: c_d. Derived (int64 unless noted):
+      local_cu_seqlens int32 [D+1]: offsets of the 2·c_d-token segments on a rank (front chunk, back chunk);
+      half_cu_seqlens int32 [D+1]: offsets of the c_d-token front (or back) chunks once gathered together;
+      front, back [T_local / 2]: local indices of the front (chunk i) and back (chunk 2N-1-i) tokens;
+      indices [N, T_local]: index in the padded stream of each local token of each rank;
+      padded_cu_seqlens int32 [D+1]: offsets of the padded documents (2N·c_d tokens) in the padded stream.
+    """
+
+    n: int
+    chunk_sizes: torch.Tensor
+    local_cu_seqlens: torch.Tensor
+    half_cu_seqlens: torch.Tensor
+    front: torch.Tensor
+    back: torch.Tensor
+    indices: torch.Tensor
+    padded_cu_seqlens: torch.Tensor
+    max_chunk: int
+
+    @property
+    def local_tokens(self) -> int:
+        return int(self.front.numel() * 2)
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.local_tokens * self.n
+
+    @property
+    def local_max_seqlen(self) -> int:
+        """The longest local segment (2·c_d), what varlen kernels want as max_seqlen."""
+        return 2 * self.max_chunk
+
+    @property
+    def padded_max_seqlen(self) -> int:
+        return 2 * self.n * self.max_chunk
+
+    def to(self, device: torch.device | str) -> ZigzagLayout:
+        """This layout with its index tensors on `device` (the kernels want them next to q)."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
+
+
+def zigzag_layout(chunk_sizes: Sequence[int] | torch.Tensor, n: int,
+                  device: torch.device | str = "cpu") -> ZigzagLayout:
+    """The layout of documents of 2N·c_d padded tokens (c_d = `chunk_sizes`) over a ring of `n` ranks."""
+    if n < 1:
+        raise ValueError(f"a context-parallel ring needs n >= 1 ranks, got {n}")
+    chunks = torch.as_tensor(chunk_sizes, dtype=torch.int64).cpu()
+    if chunks.dim() != 1 or (chunks < 0).any():
+        raise ValueError(f"chunk sizes must be a 1-d tensor of non-negative ints, got {chunk_sizes}")
+    local_cu = _cumsum(2 * chunks)
+    half_cu = _cumsum(chunks)
+    padded_cu = _cumsum(2 * n * chunks)
+    local_tokens = int(local_cu[-1])
+    # For every local token: its document, its offset j in the 2c segment, front or back chunk, offset in chunk.
+    doc = torch.repeat_interleave(torch.arange(len(chunks)), 2 * chunks, output_size=local_tokens)
+    j = torch.arange(local_tokens) - local_cu[doc]
+    c = chunks[doc]
+    is_back = j >= c
+    offset = j - is_back * c
+    rank = torch.arange(n)[:, None]
+    chunk_id = torch.where(is_back[None, :], 2 * n - 1 - rank, rank)  # [n, T_local]
+    indices = padded_cu[doc][None, :] + chunk_id * c[None, :] + offset[None, :]
+    positions = torch.arange(local_tokens)
+    to = functools.partial(torch.Tensor.to, device=device)
+    return ZigzagLayout(
+        n=n, chunk_sizes=to(chunks), local_cu_seqlens=to(local_cu.to(torch.int32)),
+        half_cu_seqlens=to(half_cu.to(torch.int32)), front=to(positions[~is_back]), back=to(positions[is_back]),
+        indices=to(indices), padded_cu_seqlens=to(padded_cu.to(torch.int32)),
+        max_chunk=int(chunks.max()) if len(chunks) else 0,
+    )
+
+
+_LAYOUT_CACHE: list[tuple[weakref.ref, int, ZigzagLayout]] = []
+
+
+def layout_from_local_cu_seqlens(cu_seqlens: torch.Tensor, n: int) -> ZigzagLayout:
+    """The layout of a rank's shard, recovered from its local `cu_seqlens` (segments of 2·c_d).
+
+    This is what lets the model's attention call stay `fn(q, k, v, cu_seqlens, max_seqlen, ...)`.
+    Cached on the identity of `cu_seqlens`: every layer of a micro-batch (and its recompute) passes
+    the same tensor, so the host copy happens once per micro-batch.
+    """
+    for ref, cached_n, layout in _LAYOUT_CACHE:
+        if ref() is cu_seqlens and cached_n == n:
+            return layout
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().cpu()
+    if (lengths % 2).any():
+        raise ValueError(f"local cu_seqlens {cu_seqlens.tolist()} are not zigzag segments (odd length); "
+                         "shard the batch with megalm.parallel.context.shard_batch")
+    layout = zigzag_layout(lengths // 2, n, cu_seqlens.device)
+    _LAYOUT_CACHE.insert(0, (weakref.ref(cu_seqlens), n, layout))
+    del _LAYOUT_CACHE[4:]
+    return layout
+
+
+@dataclass(frozen=True, eq=False)
+class ZigzagPlan:
+    """A `ZigzagLayout` plus the original documents: what sharding and unsharding a batch need.
+
+    doc_lengths: L_d; padded_lengths: P_d = 2N·c_d; source int64 [T_pad]: for each token of the
+    padded stream its index in the original packed stream, -1 for padding; padded_positions
+    int64 [T_pad]: each padded-stream token's position in its (padded) document.
+    """
+
+    layout: ZigzagLayout
+    doc_lengths: tuple[int, ...]
+    padded_lengths: tuple[int, ...]
+    source: torch.Tensor
+    padded_positions: torch.Tensor
+
+    @property
+    def n(self) -> int:
+        return self.layout.n
+
+    @property
+    def chunk_sizes(self) -> tuple[int, ...]:
+        return tuple(self.layout.chunk_sizes.tolist())
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.doc_lengths)
+
+    @property
+    def local_tokens(self) -> int:
+        return self.layout.local_tokens
+
+    @property
+    def local_cu_seqlens(self) -> torch.Tensor:
+        return self.layout.local_cu_seqlens
+
+    @property
+    def local_max_seqlen(self) -> int:
+        return self.layout.local_max_seqlen
+
+    def local_source(self, rank_index: int) -> torch.Tensor:
+        """int64 [T_local]: original packed index of each token of rank `rank_index`, -1 for padding."""
+        return self.source[self.layout.indices[rank_index]]
+
+
+def as_layout(plan: ZigzagPlan | ZigzagLayout, device: torch.device | str | None = None) -> ZigzagLayout:
+    """The layout of a plan (or the layout itself), moved to `device` if it is elsewhere."""
+    layout = plan.layout if isinstance(plan, ZigzagPlan) else plan
+    return layout if device is None or layout.front.device == torch.device(device) else layout.to(device)
+
+
+def zigzag_plan(cu_seqlens: torch.Tensor | Sequence[int], n: int) -> ZigzagPlan:
+    """Plan the zigzag sharding over `n` ranks of a packed micro-batch with document offsets `cu_seqlens`.
+
+    Each document of L tokens is padded at its end to P = ceil(L / 2n)·2n (see the module docstring)
+    and cut into 2n chunks of P / 2n tokens; rank i holds chunks i and 2n-1-i of every document.
+    """
+    cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).cpu()
+    if cu.dim() != 1 or len(cu) < 1 or int(cu[0]) != 0 or (cu[1:] < cu[:-1]).any():
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()}")
+    if n < 1:
+        raise ValueError(f"a context-parallel ring needs n >= 1 ranks, got {n}")
+    lengths = cu[1:] - cu[:-1]
+    chunks = (lengths + 2 * n - 1) // (2 * n)
+    device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu")
+    layout = zigzag_layout(chunks, n, device)
+    padded = 2 * n * chunks
+    padded_cu = _cumsum(padded)
+    total = int(padded_cu[-1])
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), padded, output_size=total)
+    pos = torch.arange(total) - padded_cu[doc]
+    source = torch.where(pos < lengths[doc], cu[:-1][doc] + pos, -1)
+    return ZigzagPlan(layout=layout, doc_lengths=tuple(lengths.tolist()), padded_lengths=tuple(padded.tolist()),
+                      source=source.to(device), padded_positions=pos.to(device))
+
+
+def shard_tensor(x: torch.Tensor, plan: ZigzagPlan, rank_index: int, pad_value: float = 0) -> torch.Tensor:
+    """Rank `rank_index`'s zigzag shard [T_local, ...] of a full packed tensor [T, ...]; padding = `pad_value`.
+
+    Differentiable (a gather), so tests can compare gradients of shards with those of the full tensor.
+    """
+    if x.shape[0] != plan.num_tokens:
+        raise ValueError(f"tensor has {x.shape[0]} tokens, the plan {plan.num_tokens}")
+    src = plan.local_source(rank_index).to(x.device)
+    real = (src >= 0).view(-1, *([1] * (x.dim() - 1)))
+    return torch.where(real, x[src.clamp(min=0)], torch.as_tensor(pad_value, dtype=x.dtype, device=x.device))
+
+
+def shard_batch(batch: PackedBatch, plan: ZigzagPlan, rank_index: int) -> PackedBatch:
+    """This rank's part of a packed micro-batch: its 2 chunks of every document, padding included.
+
+    position_ids are the ORIGINAL positions (RoPE follows them), continued on padding; cu_seqlens
+    has one 2·c_d segment per document (see the module docstring); padding has token 0, label 0,
+    loss_mask 0. Summed over the ring, loss tokens equal those of `batch`.
+    """
+    if not 0 <= rank_index < plan.n:
+        raise ValueError(f"rank_index {rank_index} is outside the ring of {plan.n}")
+    if plan.doc_lengths != tuple((batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()):
+        raise ValueError("the plan was made for a batch with different document boundaries")
+    idx = plan.layout.indices[rank_index]
+    src = plan.source[idx].to(batch.tokens.device)
+    real = src >= 0
+    at = lambda t: t[src.clamp(min=0)]
+    padding_positions = plan.padded_positions[idx].to(batch.position_ids.device)
+    layout = plan.layout
+    return PackedBatch(
+        tokens=torch.where(real, at(batch.tokens), 0),
+        labels=torch.where(real, at(batch.labels), 0),
+        loss_mask=torch.where(real, at(batch.loss_mask), 0),
+        position_ids=torch.where(real, at(batch.position_ids), padding_positions),
+        cu_seqlens=layout.local_cu_seqlens.to(batch.cu_seqlens.device),
+        max_seqlen=layout.local_max_seqlen,
+        doc_lengths=(2 * layout.chunk_sizes).tolist(),
+    )
+
+
+def unshard(local_tensors: Sequence[torch.Tensor], plan: ZigzagPlan) -> torch.Tensor:
+    """The full packed tensor [T, ...] in original order from the shards of all ranks (padding dropped)."""
+    if len(local_tensors) != plan.n:
+        raise ValueError(f"unshard needs the shards of all {plan.n} ranks, got {len(local_tensors)}")
+    stacked = torch.cat(list(local_tensors), dim=0)  # token k comes from padded index indices.flatten()[k]
+    order = plan.layout.indices.reshape(-1).to(stacked.device)
+    padded = stacked[torch.argsort(order)]
+    return padded[(plan.source >= 0).to(stacked.device)]
+
+
+def context_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    backend: str = "auto",
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    *,
+    ranks: Sequence[int],
+    rank_index: int,
+    group: dist.ProcessGroup | None = None,
+    comm: str = "ring",
+) -> torch.Tensor:
+    """Drop-in for `megalm.model.attention.varlen_attention` on a zigzag shard (`shard_batch` output).
+
+    The positional signature is varlen_attention's, so a model can call either; bind the ring with
+    functools.partial(context_attention, ranks=..., rank_index=..., group=..., comm="ring" | "a2a").
+    `cu_seqlens` must be the shard's local cu_seqlens; the layout is recovered from them.
+    """
+    layout = layout_from_local_cu_seqlens(cu_seqlens, len(ranks))
+    if comm == "ring":
+        from megalm.parallel.ring_attention import ring_attention
+
+        if dropout_p > 0.0:
+            raise ValueError("ring attention has no attention dropout; set model.attention_dropout=0")
+        return ring_attention(q, k, v, layout, ranks, rank_index, group, backend=backend, scale=scale)
+    if comm == "a2a":
+        from megalm.parallel.ulysses import ulysses_attention
+
+        return ulysses_attention(q, k, v, layout, ranks, rank_index, group, backend=backend, dropout_p=dropout_p,
+                                 scale=scale)
+    raise ValueError(f"unknown context-parallel communication {comm!r}; use ring or a2a")

@@ -1,0 +1,315 @@
+"""Ring attention over zigzag shards of packed varlen documents, on an explicit ordered rank list.
+
+Liu et al. 2023 "Ring Attention with Blockwise Transformers": each of the N ranks of a ring keeps
+its queries and passes its K/V block around the ring; after N steps every query has seen every key,
+and the partial softmaxes are merged with their log-sum-exp (Milakov & Gimelshein 2018, the online
+softmax flash attention uses):
+
+    lse = log(e^lse_a + e^lse_b),   out = e^(lse_a - lse) · out_a + e^(lse_b - lse) · out_b.
+
+With the zigzag layout (context.py) rank r holds chunks r and 2N-1-r of each document and the block
+that arrives at step j comes from rank s = r - j (mod N). Chunk a attends fully to chunks b < a of
+its document, causally to b == a, not at all to b > a, so each step is one dense half-block:
+
+    s == r   causal attention of the local segments (front, back) onto themselves;
+    s <  r   all local queries onto the front chunks (chunk s) of the block: full;
+    s >  r   the back queries (chunk 2N-1-r) onto the whole block: full.
+
+Every rank does the same work each step (Megatron-LM CP / zhuzilin's ring-flash-attention zigzag
+variant), and the fully masked quadrants are never computed. Backward (flash-attention's: needs
+the saved out and lse) accumulates dQ locally while dK/dV travel with their K/V block and come home
+after N hops. Communication is batched isend/irecv between GLOBAL ranks on one group spanning them
+(DESIGN.md joint 4): any ordered list of ranks forms a ring, without a new communicator. Each
+step's transfer is posted before its compute, so the two overlap.
+
+Per-block kernels return (out, lse) in fp32 (fp64 for fp64 inputs): `reference` (explicit math with
+a mask: the CPU path and the oracle), `torch_varlen` (torch's built-in varlen flash kernels, the ones
+torch.nn.attention.varlen uses) and `flash_attn` (the flash-attn package), both CUDA fp16/bf16 only.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megalm.model.attention import select_attention_backend, varlen_attention
+from megalm.parallel.context import ZigzagLayout, ZigzagPlan, as_layout
+
+KV_TAG, DKV_TAG = 0x6B76, 0x646B  # distinct tags keep the K/V and dK/dV streams apart on one rank pair
+KERNELS = ("reference", "torch_varlen", "flash_attn")
+
+
+def block_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The per-block kernel for a model attention backend (auto|flash_attn|torch_varlen|sdpa|reference)."""
+    resolved = select_attention_backend(backend, device, dtype)
+    return resolved if resolved in KERNELS else "reference"  # sdpa returns no log-sum-exp
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _block_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int, tk: int, causal: bool) -> torch.Tensor:
+    """bool [Tq, Tk]: same document, and key position <= query position when `causal` (top-left aligned)."""
+    def doc_and_pos(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cu = cu.long()
+        doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device), cu[1:] - cu[:-1],
+                                      output_size=total)
+        return doc, torch.arange(total, device=cu.device) - cu[doc]
+
+    doc_q, pos_q = doc_and_pos(cu_q, tq)
+    doc_k, pos_k = doc_and_pos(cu_k, tk)
+    allowed = doc_q[:, None] == doc_k[None, :]
+    return allowed & (pos_q[:, None] >= pos_k[None, :]) if causal else allowed
+
+
+def _reference_scores(q, k, cu_q, cu_k, causal, scale):
+    """Masked scores [Hq, Tq, Tk] in the accumulation dtype, and the GQA group size."""
+    acc, group = _acc_dtype(q.dtype), q.shape[1] // k.shape[1]
+    qf = q.to(acc).transpose(0, 1)
+    kf = k.to(acc).repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = (qf @ kf.transpose(1, 2)) * scale
+    mask = _block_mask(cu_q, cu_k, q.shape[0], k.shape[0], causal).to(q.device)
+    return scores.masked_fill(~mask, float("-inf")), group
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (rows without a key) replaced by 0, so exp(score - lse) gives 0 there, not nan."""
+    return lse.masked_fill(torch.isneginf(lse), 0.0)
+
+
+def block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, kernel="reference"):
+    """Attention of q [Tq, Hq, D] onto k/v [Tk, Hkv, D] per document -> (out [Tq, Hq, D], lse [Tq, Hq]).
+
+    Both in the accumulation dtype (fp32, fp64 for fp64 inputs). Rows without any key get out 0, lse -inf.
+    """
+    if kernel == "reference":
+        scores, group = _reference_scores(q, k, cu_q, cu_k, causal, scale)
+        lse = torch.logsumexp(scores, dim=-1)  # [H, Tq]
+        probs = torch.exp(scores - _finite(lse)[..., None])
+        vf = v.to(scores.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        return (probs @ vf).transpose(0, 1), lse.transpose(0, 1)
+    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    if kernel == "torch_varlen":
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal,
+                                                               False, scale=scale)
+    elif kernel == "flash_attn":
+        from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
+
+        res = _call(_flash_attn_varlen_forward, q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                    max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=0.0, softmax_scale=scale, causal=causal,
+                    return_softmax=False)
+        out, lse = res[0], res[1] if len(res) == 4 else res[5]  # flash-attn >= 2.6 | older 8-tuple
+    else:
+        raise ValueError(f"unknown ring attention kernel {kernel!r}; one of {', '.join(KERNELS)}")
+    return out.float(), lse.float().transpose(0, 1)  # varlen kernels give lse as [H, Tq]
+
+
+def block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, kernel="reference"):
+    """Gradients (dq, dk, dv) of one block given the FINAL out and lse of the query rows (flash backward).
+
+    P = exp(s - lse) is the block's share of the full softmax; with delta = rowsum(dO ∘ O):
+    dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - delta), dQ = dS K · scale, dK = dSᵀ Q · scale (GQA: summed per kv head).
+    """
+    if kernel == "reference":
+        scores, group = _reference_scores(q, k, cu_q, cu_k, causal, scale)
+        acc = scores.dtype
+        probs = torch.exp(scores - _finite(lse.to(acc)).transpose(0, 1)[..., None])  # [H, Tq, Tk]
+        do, o = dout.to(acc).transpose(0, 1), out.to(acc).transpose(0, 1)
+        qf = q.to(acc).transpose(0, 1)
+        kf, vf = (t.to(acc).repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
+        delta = (do * o).sum(-1, keepdim=True)
+        ds = probs * (do @ vf.transpose(1, 2) - delta)
+        dq = (ds @ kf) * scale
+        dk = (ds.transpose(1, 2) @ qf) * scale
+        dv = probs.transpose(1, 2) @ do
+        fold = lambda t: t.reshape(k.shape[1], group, *t.shape[1:]).sum(1).transpose(0, 1)  # [Tk, Hkv, D]
+        return dq.transpose(0, 1), fold(dk), fold(dv)
+    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    lse_ht = lse.float().transpose(0, 1).contiguous()
+    dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
+    if kernel == "torch_varlen":
+        rng, unused = torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device)
+        return torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse_ht, cu_q, cu_k, max_q, max_k, 0.0,
+                                                        causal, rng, unused, scale=scale)
+    if kernel == "flash_attn":
+        from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
+
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _call(_flash_attn_varlen_backward, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse_ht, dq=dq, dk=dk,
+              dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=0.0,
+              softmax_scale=scale, causal=causal, deterministic=False, rng_state=None)
+        return dq, dk, dv
+    raise ValueError(f"unknown ring attention kernel {kernel!r}; one of {', '.join(KERNELS)}")
+
+
+def _call(fn, **kwargs):
+    """Call a flash-attn internal with the keywords its version knows (window/softcap/alibi defaults added)."""
+    params = inspect.signature(fn).parameters
+    defaults = {"window_size_left": -1, "window_size_right": -1, "window_size": (-1, -1), "softcap": 0.0,
+                "alibi_slopes": None}
+    kwargs |= {key: value for key, value in defaults.items() if key in params}
+    return fn(**{key: value for key, value in kwargs.items() if key in params})
+
+
+# ------------------------------------------------------------------------------------------------ steps
+
+
+def _step(layout: ZigzagLayout, r: int, s: int):
+    """(query rows, key rows, cu_q, cu_k, max_q, max_k, causal) of rank r's step on rank s's block.
+
+    Rows are local index tensors, or None for all rows.
+    """
+    lc, lm = layout.local_cu_seqlens, layout.local_max_seqlen
+    hc, hm = layout.half_cu_seqlens, layout.max_chunk
+    if s == r:
+        return None, None, lc, lc, lm, lm, True
+    if s < r:  # everything here lies after chunk s; nothing here lies after chunk 2N-1-s
+        return None, layout.front, lc, hc, lm, hm, False
+    return layout.back, None, hc, lc, hm, lm, False  # only chunk 2N-1-r lies after (both chunks of) block s
+
+
+def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return t if rows is None else t[rows]
+
+
+def ring_step_forward(q, k, v, out, lse, layout: ZigzagLayout, r: int, s: int, scale: float,
+                      kernel: str = "reference") -> None:
+    """Merge rank r's attention onto rank s's K/V block into the running `out` [T, Hq, D] and `lse` [T, Hq]."""
+    q_rows, kv_rows, cu_q, cu_k, max_q, max_k, causal = _step(layout, r, s)
+    blk_out, blk_lse = block_forward(_rows(q, q_rows), _rows(k, kv_rows), _rows(v, kv_rows), cu_q, cu_k, max_q,
+                                     max_k, causal, scale, kernel)
+    old_out, old_lse = _rows(out, q_rows), _rows(lse, q_rows)
+    new_lse = torch.logaddexp(old_lse, blk_lse)
+    safe = _finite(new_lse)
+    merged = old_out * torch.exp(old_lse - safe)[..., None] + blk_out * torch.exp(blk_lse - safe)[..., None]
+    if q_rows is None:
+        out.copy_(merged)
+        lse.copy_(new_lse)
+    else:
+        out[q_rows], lse[q_rows] = merged, new_lse
+
+
+def ring_step_backward(dout, q, k, v, out, lse, dq, dk, dv, layout: ZigzagLayout, r: int, s: int, scale: float,
+                       kernel: str = "reference") -> None:
+    """Add rank r's gradient contributions for its step on rank s's block into dq (local) and dk/dv (the block's)."""
+    q_rows, kv_rows, cu_q, cu_k, max_q, max_k, causal = _step(layout, r, s)
+    bq, bk, bv = block_backward(_rows(dout, q_rows), _rows(q, q_rows), _rows(k, kv_rows), _rows(v, kv_rows),
+                                _rows(out, q_rows), _rows(lse, q_rows), cu_q, cu_k, max_q, max_k, causal, scale,
+                                kernel)
+    for acc, grad, rows in ((dq, bq, q_rows), (dk, bk, kv_rows), (dv, bv, kv_rows)):
+        if rows is None:
+            acc += grad
+        else:
+            acc.index_add_(0, rows, grad.to(acc.dtype))
+
+
+# ------------------------------------------------------------------------------------------------- ring
+
+
+def _post(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group, tag: int) -> list:
+    """Send `send` to global rank `nxt` and receive `recv` from `prv`, posted together (no deadlock)."""
+    ops = [dist.P2POp(dist.isend, send, nxt, group, tag), dist.P2POp(dist.irecv, recv, prv, group, tag)]
+    return dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list | None) -> None:
+    for work in works or ():
+        work.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout: ZigzagLayout, ranks: tuple[int, ...], r: int, group, kernel: str, scale):
+        n = len(ranks)
+        nxt, prv = ranks[(r + 1) % n], ranks[(r - 1) % n]
+        acc = _acc_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        for j in range(n):
+            works, incoming = None, None
+            if j < n - 1:  # post the next block's transfer first: it runs while this step computes
+                incoming = torch.empty_like(kv)
+                works = _post(kv, incoming, nxt, prv, group, KV_TAG)
+            ring_step_forward(q, kv[0], kv[1], out, lse, layout, r, (r - j) % n, scale, kernel)
+            _wait(works)
+            kv = incoming if incoming is not None else kv
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout, ctx.ranks, ctx.r, ctx.group, ctx.kernel, ctx.scale = layout, ranks, r, group, kernel, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, ranks, r, group, kernel, scale = ctx.layout, ctx.ranks, ctx.r, ctx.group, ctx.kernel, ctx.scale
+        n = len(ranks)
+        nxt, prv = ranks[(r + 1) % n], ranks[(r - 1) % n]
+        acc = _acc_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        dkv, dkv_works, dkv_in = None, None, None
+        for j in range(n):
+            kv_works, kv_in = None, None
+            if j < n - 1:
+                kv_in = torch.empty_like(kv)
+                kv_works = _post(kv, kv_in, nxt, prv, group, KV_TAG)
+            grads = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this rank's share for the held block
+            ring_step_backward(dout, q, kv[0], kv[1], out, lse, dq, grads[0], grads[1], layout, r, (r - j) % n,
+                               scale, kernel)
+            _wait(dkv_works)  # the block's dK/dV accumulated by the ranks it visited before
+            dkv = grads if dkv_in is None else grads.add_(dkv_in)
+            if n > 1:  # pass it on with the block (it overlaps the next step); after N hops it is home
+                dkv_in = torch.empty_like(dkv)
+                dkv_works = _post(dkv, dkv_in, nxt, prv, group, DKV_TAG)
+            _wait(kv_works)
+            kv = kv_in if kv_in is not None else kv
+        if n > 1:
+            _wait(dkv_works)
+            dkv = dkv_in
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: ZigzagPlan | ZigzagLayout,
+    ranks: Sequence[int],
+    rank_index: int,
+    group: dist.ProcessGroup | None = None,
+    backend: str = "auto",
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of this rank's zigzag shard against the whole documents held by the ring.
+
+    q [T_local, Hq, D], k/v [T_local, Hkv, D] (Hkv divides Hq) are the shards of `plan` held by
+    ring position `rank_index`; `ranks` are the ring's GLOBAL ranks in order (any N >= 1); `group`
+    (default WORLD) must contain all of them. Returns [T_local, Hq, D]. N == 1 is plain local
+    varlen attention with no communication. `backend` as model.attention_backend.
+    """
+    layout, ranks, n = as_layout(plan, q.device), tuple(int(rank) for rank in ranks), len(ranks)
+    if n != layout.n or len(set(ranks)) != n:
+        raise ValueError(f"ranks {list(ranks)} must be {layout.n} distinct ranks (the plan's ring size)")
+    if not 0 <= rank_index < n:
+        raise ValueError(f"rank_index {rank_index} is outside the ring {list(ranks)}")
+    if q.shape[0] != layout.local_tokens or k.shape != v.shape or k.shape[0] != q.shape[0]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match the plan's "
+                         f"{layout.local_tokens} local tokens")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads {q.shape[1]} are not a multiple of kv heads {k.shape[1]}")
+    if n > 1 and dist.is_initialized() and dist.get_rank() != ranks[rank_index]:
+        raise ValueError(f"this is global rank {dist.get_rank()}, but ranks[{rank_index}] = {ranks[rank_index]}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if n == 1:  # the local segments are the whole padded documents, in order
+        local = select_attention_backend(backend, q.device, q.dtype)
+        return varlen_attention(q, k, v, layout.local_cu_seqlens, layout.local_max_seqlen, local, scale=scale)
+    kernel = block_kernel(backend, q.device, q.dtype)
+    return _RingAttention.apply(q, k, v, layout, ranks, rank_index, group, kernel, scale)
