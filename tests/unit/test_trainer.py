@@ -104,7 +104,7 @@ def test_bf16_autocast_trains(tmp_path):
     ("model.num_kv_heads=3", "not divisible by model.num_kv_heads"),
     ("trainer.micro_batch_size=3", "not divisible by micro_batch_size"),
     ("parallel.tp=2", "world size 1 is not divisible by tp"),
-    ("parallel.pp=2", "world size 1 is not divisible by tp\*pp\*cp = 1\*2\*1"),
+    ("parallel.pp=2", r"world size 1 is not divisible by tp\*pp\*cp = 1\*2\*1"),
     ("model.max_position_embeddings=16", "exceeds the model's positions"),
     ("optim.schedule=exp", "optim.schedule=exp is not one of"),
 ])
