@@ -112,7 +112,12 @@ class ParallelConfig:
 
 @dataclass
 class PrecisionConfig:
-    name: str = "fp32"  # fp32 | bf16
+    # fp32 | bf16 | fp8 | fp8_delayed | fp8_rowwise | mxfp8 | mxfp4 | mxfp4_rtn | mxfp4_sr | mxfp4_rht
+    name: str = "fp32"
+    forward: str | None = None  # mxfp4 family: the forward GEMM in bf16 (None) or fp8
+    skip: list[str] = field(default_factory=list)  # fnmatch patterns of linear layers kept in bf16
+    backend: str = "native"  # native | te (Transformer Engine's fp8 recipes when it is installed)
+    autocast: bool = True  # recipes: bf16 autocast for the rest of the model (false: fp32 around the recipe)
 
 
 @dataclass
@@ -261,7 +266,21 @@ def validate(cfg: MegalmConfig, world_size: int = 1) -> MegalmConfig:
     if not 0.0 < o.wsd_decay_fraction <= 1.0:
         raise ConfigError(f"optim.wsd_decay_fraction={o.wsd_decay_fraction} must be in (0, 1]")
 
-    _choice(cfg.precision.name, "precision", ("fp32", "bf16"))
+    from megalm.precision.linear import RECIPES  # the recipes live with their numerics
+
+    _choice(cfg.precision.name, "precision", tuple(RECIPES))
+    if cfg.precision.forward is not None:
+        _choice(cfg.precision.forward, "precision.forward", ("bf16", "fp8"))
+        if not cfg.precision.name.startswith("mxfp4"):
+            raise ConfigError(f"precision.forward={cfg.precision.forward} applies to the mxfp4 recipes only; "
+                              f"remove it for precision={cfg.precision.name}")
+    _choice(cfg.precision.backend, "precision.backend", ("native", "te"))
+    if cfg.precision.backend == "te" and not cfg.precision.name.startswith("fp8"):
+        raise ConfigError(f"precision.backend=te runs Transformer Engine's fp8 recipes; precision={cfg.precision.name} "
+                          "needs precision.backend=native")
+    if cfg.parallel.pp_schedule == "zb" and cfg.parallel.pp > 1 and cfg.precision.name not in ("fp32", "bf16"):
+        raise ConfigError(f"parallel.pp_schedule=zb does not combine with precision={cfg.precision.name} yet (both "
+                          "replace the linear GEMM); use parallel.pp_schedule=1f1b or precision=bf16")
     d = cfg.data
     _choice(d.name, "data", ("demo", "indexed", "synthetic"))
     if d.name == "indexed" and not d.path:

@@ -67,7 +67,8 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    kind = "bf16" if precision in ("bf16", "fp16") else ("tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32")
+    # Low-precision recipes (fp8, mx*) are quoted against the bf16 peak, as Megatron and TorchTitan do.
+    kind = "bf16" if precision != "fp32" else ("tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32")
     for fragment, table in PEAK_FLOPS.items():
         if fragment in name:
             return table[kind]

@@ -32,7 +32,8 @@ from megalm.parallel.parallelize import apply_tensor_parallel, loss_fn_for, pad_
 from megalm.parallel.pipeline import PipelineRuntime, build_stage_chunks
 from megalm.parallel.recompute import apply_recompute, stage_mode
 from megalm.parallel.tensor import tp_grad_norm_squared, tp_norm_share
-from megalm.precision import autocast
+from megalm.precision import apply_recipe, autocast
+from megalm.precision.linear import set_precision_step
 from megalm.training import checkpoint as ckpt
 from megalm.training.flops import peak_flops, training_flops
 from megalm.training.metrics import MetricsLogger
@@ -108,7 +109,7 @@ class Trainer:
         self.pipeline = None
         if p.pp > 1:
             self.pipeline = PipelineRuntime(self.model, self.mesh, p.pp_schedule, self.loss_fn,
-                                            lambda: autocast(cfg.precision.name, self.device), self.device)
+                                            lambda: autocast(cfg.precision, self.device), self.device)
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(p.grad_reduce_dtype or "")
         self.reducer = GradReducer(list(self.model.parameters()), self.mesh.dp_group, p.bucket_size_mb,
                                    reduce_dtype=reduce_dtype, zero1=p.zero1)
@@ -132,8 +133,10 @@ class Trainer:
         else:
             model = GPT(self.cfg.model, device="meta")
         chunks = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
+        prec = self.cfg.precision
         for chunk in chunks:
             apply_tensor_parallel(chunk, self.mesh, p.sequence_parallel)
+            self.precision_note = apply_recipe(chunk, prec.name, prec.forward, prec.skip, prec.backend, self.cfg.seed)
             apply_recompute(chunk, stage_mode(p.recompute, self.mesh.pp_rank, p.pp))
         model.to_empty(device=self.device)
         init_weights(model, self.cfg.seed)
@@ -199,13 +202,15 @@ class Trainer:
         """Summed token loss of one packed micro-batch under the precision recipe (no pipeline).
         Training and evaluation share it."""
         mb = self._prepare(mb)
-        with autocast(self.cfg.precision.name, self.device):
+        with autocast(self.cfg.precision, self.device):
             logits = self.model(mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
         return self.loss_fn(logits, mb.labels, mb.loss_mask)
 
-    def forward_backward(self, samples: list[Sample], n_loss_tokens: int) -> tuple[torch.Tensor, int, float]:
+    def forward_backward(self, samples: list[Sample], n_loss_tokens: int, step: int = 0
+                         ) -> tuple[torch.Tensor, int, float]:
         """Accumulate gradients of sum(token losses) / n_loss_tokens over the samples' micro-batches,
         then finish the DP gradient reduction (overlapped with the backward by the reducer's hooks).
+        `step` seeds the random rounding of low-precision recipes, with the global micro-batch index.
 
         Returns this DP rank's summed (unnormalised) loss, its input tokens and their model FLOPs.
         """
@@ -218,10 +223,13 @@ class Trainer:
         for mb in batches:
             tokens += mb.num_tokens
             flops += training_flops(self.cfg.model, mb.doc_lengths)
+        first_mb = self.mesh.dp_rank * len(batches)  # global micro-batch index: DP replicas draw apart
         if self.pipeline is not None:  # the schedule runs forward and backward of all micro-batches
+            self.pipeline.before_forward = lambda chunk, i: set_precision_step(chunk, step, first_mb + i)
             loss_total = self.pipeline.step([self._prepare(mb) for mb in batches], n_loss_tokens)
         else:
-            for mb in batches:
+            for i, mb in enumerate(batches):
+                set_precision_step(self.model, step, first_mb + i)
                 loss_sum = self._micro_batch_loss(mb)
                 (loss_sum / n_loss_tokens).backward()
                 loss_total += loss_sum.detach()
@@ -236,7 +244,7 @@ class Trainer:
         global loss-token count (the normaliser, summed over DP)."""
         samples = self.local_samples(step)
         n_loss_tokens = int(self._all_reduce(torch.tensor(loss_token_count(samples)), self.mesh.dp_group))
-        loss_total, tokens, flops = self.forward_backward(samples, max(n_loss_tokens, 1))
+        loss_total, tokens, flops = self.forward_backward(samples, max(n_loss_tokens, 1), step)
         return loss_total, max(n_loss_tokens, 1), tokens, flops
 
     def _norm_share(self, param: torch.nn.Parameter) -> float:
@@ -313,7 +321,7 @@ class Trainer:
         if main:
             n_params = num_parameters(GPT(self.cfg.model, device="meta"))
             log.info(f"model {self.cfg.model.name}: {n_params / 1e6:.2f}M parameters, {self.cfg.model.num_layers} "
-                     f"layers | {self.cfg.precision.name} on {self.device} | {dims.world_size} rank(s): tp={dims.tp} "
+                     f"layers | {self.precision_note} on {self.device} | {dims.world_size} rank(s): tp={dims.tp} "
                      f"pp={dims.pp}{self._pipeline_note()} dp={dims.dp}"
                      f"{' sp' if self.cfg.parallel.sequence_parallel else ''}"
                      f"{' zero1' if self.cfg.parallel.zero1 else ''} | data {self.cfg.data.name} "

@@ -107,6 +107,9 @@ def test_bf16_autocast_trains(tmp_path):
     ("parallel.pp=2", r"world size 1 is not divisible by tp\*pp\*cp = 1\*2\*1"),
     ("model.max_position_embeddings=16", "exceeds the model's positions"),
     ("optim.schedule=exp", "optim.schedule=exp is not one of"),
+    ("precision.name=fp4", "precision=fp4 is not one of"),
+    ("precision.forward=fp8", "applies to the mxfp4 recipes only"),
+    ("precision.backend=te", "precision.backend=te runs Transformer Engine's fp8 recipes"),
 ])
 def test_bad_config_is_a_one_line_error(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message) as info:

@@ -1,0 +1,60 @@
+"""Precision recipes compose with tensor parallelism: tp2 trains like tp1 under the same recipe.
+
+A TP shard quantizes its own K-slice. With hidden 128 / 4 heads / 2 kv heads every sharded K (q, k,
+v, gate, up outputs; o, down inputs) splits into whole 32-element blocks, so round-to-nearest recipes
+(mxfp8, mxfp4_rtn) quantize exactly tp1's blocks. With the rest of the model in fp32
+(`precision.autocast=false`) tp2 then equals tp1 up to fp32 summation order: the first step's
+gradients agree to 1e-4. Later steps drift apart slowly (losses ~5e-5 apart after 4 steps), since
+the quantizers amplify fp32 rounding differences once the weights have been updated.
+
+Why not under bf16 autocast: a row-parallel layer sums bf16 partial products over TP where tp1 rounds
+one GEMM, a ~0.4% difference in the gradients, and a 4-bit quantizer amplifies such a perturbation
+(an element near a rounding boundary moves a whole step, ~20% of its value): the FP4 gradients of
+tp1 and tp2 then differ by ~5-20%, as two draws would. mxfp4 (SR + RHT) draws its noise per shard
+shape, so tp2 draws other (equally unbiased) noise than tp1: there the losses agree up to SR noise.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megalm.data.dataset import global_batch, loss_token_count
+from megalm.model.gpt import canonical_named_parameters
+from megalm.parallel.dims import ParallelDims, ParallelMesh
+from megalm.training.trainer import Trainer
+from tests.conftest import compose_config
+from tests.dist.launch import run_distributed
+
+MODEL = ["model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=2"]
+STEPS = 4
+
+
+def check_tp_recipe(rank: int, world_size: int, overrides: list[str], loss_rtol: float, grad_rtol: float | None,
+                    tmp: str) -> None:
+    one = Trainer(compose_config(*MODEL, *overrides), f"{tmp}/one{rank}", mesh=ParallelMesh(ParallelDims()))
+    tp = Trainer(compose_config(*MODEL, *overrides, "parallel.tp=2"), f"{tmp}/tp")
+    if grad_rtol is not None:
+        samples = global_batch(one.data.train, 0, one.cfg.trainer.global_batch_size)
+        one.forward_backward(samples, loss_token_count(samples))
+        tp.forward_backward_step(0)
+        full = dict(canonical_named_parameters(one.model))
+        for name, p in canonical_named_parameters(tp.model):
+            expected = full[name].grad
+            expected = p.shard_full(expected) if hasattr(p, "shard_full") else expected
+            error = ((p.grad - expected).norm() / expected.norm()).item()
+            assert error <= grad_rtol, f"{overrides} {name}: tp2 grad differs from tp1 by {error:.3g} (relative)"
+        for t in (one, tp):
+            t.optimizer.zero_grad(set_to_none=True)
+    a = [one.train_step(s).loss for s in range(STEPS)]
+    b = [tp.train_step(s).loss for s in range(STEPS)]
+    for step, (x, y) in enumerate(zip(b, a, strict=True)):
+        assert abs(x - y) <= loss_rtol * abs(y), f"{overrides} step {step}: tp2 loss {x} vs tp1 {y}"
+
+
+@pytest.mark.parametrize("overrides, loss_rtol, grad_rtol", [
+    (["precision=mxfp8", "precision.autocast=false"], 3e-4, 1e-4),
+    (["precision=mxfp4_rtn", "precision.autocast=false"], 3e-4, 1e-4),
+    (["precision=mxfp4"], 3e-3, None),  # SR + RHT noise per shard, bf16 around: losses only
+], ids=["mxfp8", "mxfp4_rtn", "mxfp4"])
+def test_tp2_matches_tp1(tmp_path, overrides, loss_rtol, grad_rtol):
+    run_distributed(check_tp_recipe, 2, overrides, loss_rtol, grad_rtol, str(tmp_path), timeout=240)
