@@ -9,7 +9,6 @@ of 5 optimizer steps (1e-5 relative) and the parameters after them.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,17 +19,13 @@ from megalm.parallel.dims import ParallelDims, ParallelMesh
 from megalm.parallel.schedules import Schedule, peak_in_flight
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
+from tests.dist.equivalence import assert_grads_match, assert_same_training, train_and_record
 from tests.dist.launch import run_distributed
 
 STEPS = 5
 # 4 layers so that pp4 and pp2 x vpp2 hold one layer per virtual stage; micro-batches of 2 samples
 # give 4 micro-batches per step (per DP rank: 2 under dp2).
 COMMON = ["model.num_layers=4", "trainer.micro_batch_size=2"]
-
-
-def shard_of(param: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-    shard_full = getattr(param, "shard_full", None)
-    return shard_full(full) if shard_full is not None else full
 
 
 def check_pipeline(rank: int, world_size: int, overrides: list[str], tmp: str) -> None:
@@ -43,13 +38,8 @@ def check_pipeline(rank: int, world_size: int, overrides: list[str], tmp: str) -
     samples = global_batch(ref.data.train, 0, ref.cfg.trainer.global_batch_size)
     ref.forward_backward(samples, loss_token_count(samples))
     par.forward_backward_step(0)
-    ref_params = dict(canonical_named_parameters(ref.model))
-    names = [name for name, _ in canonical_named_parameters(par.model)]
-    assert names, f"rank {rank} holds no parameters"
     if not par.cfg.parallel.zero1:  # ZeRO-1 keeps only gradient shards; its steps are compared below
-        for name, p in canonical_named_parameters(par.model):
-            torch.testing.assert_close(p.grad, shard_of(p, ref_params[name].grad), rtol=1e-4, atol=1e-6,
-                                       msg=lambda m: f"rank {rank} grad {name}: {m}")
+        assert_grads_match(ref, par, rank)
     torch.testing.assert_close(par.grad_norm(), ref.grad_norm(), rtol=1e-5, atol=0)
     # the runtime held exactly as many micro-batch activations as the schedule's accounting says
     sched = par.pipeline.schedule(len(samples) // par.cfg.trainer.micro_batch_size // par.mesh.dims.dp)
@@ -57,16 +47,7 @@ def check_pipeline(rank: int, world_size: int, overrides: list[str], tmp: str) -
     for t in (ref, par):
         t.optimizer.zero_grad(set_to_none=True)
 
-    ref_losses = [ref.train_step(s).loss for s in range(STEPS)]
-    par_losses = [par.train_step(s).loss for s in range(STEPS)]
-    for step, (a, b) in enumerate(zip(par_losses, ref_losses, strict=True)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: loss {a} vs single-process {b}"
-    # Adam divides by sqrt(v): an element whose gradients are ~1e-10 (a token seen once) can turn
-    # summation-order noise into an update of up to lr. The strict checks are the gradients and losses
-    # above; the parameters only have to agree to well under one lr-sized step (lr = 3e-3).
-    for name, p in canonical_named_parameters(par.model):
-        torch.testing.assert_close(p.detach(), shard_of(p, ref_params[name].detach()), rtol=1e-4, atol=1e-3,
-                                   msg=lambda m: f"rank {rank} param {name} after {STEPS} steps: {m}")
+    assert_same_training(ref, par, rank, STEPS, param_atol=1e-3)  # summation order: see assert_same_training
     assert abs(par.evaluate() - ref.evaluate()) <= 1e-5 * ref.evaluate()
 
 
@@ -95,12 +76,6 @@ LAYOUTS = {
 def test_pipeline_matches_single_process(tmp_path, name):
     world, parallel = LAYOUTS[name]
     run_distributed(check_pipeline, world, COMMON + parallel, str(tmp_path), timeout=300)
-
-
-def train_and_record(rank: int, world_size: int, overrides: list[str], run_dir: str, out: str) -> None:
-    summary = Trainer(compose_config(*overrides), run_dir).fit()
-    if rank == 0:
-        Path(out).write_text(json.dumps([loss for _, loss in summary.losses]))
 
 
 def test_pipeline_checkpoint_resumes_bit_exact_and_loads_into_one_process(tmp_path):
@@ -192,3 +167,16 @@ def check_offload_actions(rank: int, world_size: int, tmp: str) -> None:
 
 def test_offload_actions_run_between_forward_and_backward(tmp_path):
     run_distributed(check_offload_actions, 2, str(tmp_path), timeout=120)
+
+
+def build_with_rank_dependent_config(rank: int, world_size: int, tmp: str) -> None:
+    from megalm.errors import ConfigError
+
+    schedule = "1f1b" if rank == 0 else "zb"  # e.g. a launcher that passed different overrides per rank
+    with pytest.raises(ConfigError, match="config differs from rank"):
+        Trainer(compose_config(*COMMON, "parallel.pp=2", f"parallel.pp_schedule={schedule}"), f"{tmp}/run")
+
+
+def test_ranks_with_different_configs_fail_at_start(tmp_path):
+    """A mismatched config would pair the wrong sends and receives and hang: every rank refuses it first."""
+    run_distributed(build_with_rank_dependent_config, 2, str(tmp_path), timeout=60)

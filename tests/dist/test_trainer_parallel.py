@@ -9,7 +9,6 @@ shard against the matching slice of the full gradient) and the parameters after 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,14 +17,10 @@ from megalm.data.dataset import global_batch, loss_token_count
 from megalm.parallel.dims import ParallelDims, ParallelMesh
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
+from tests.dist.equivalence import assert_grads_match, assert_same_training, train_and_record
 from tests.dist.launch import run_distributed
 
 STEPS = 5
-
-
-def shard_of(param: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-    shard_full = getattr(param, "shard_full", None)
-    return shard_full(full) if shard_full is not None else full
 
 
 def check_layout(rank: int, world_size: int, overrides: list[str], tmp: str, compare_grads: bool) -> None:
@@ -37,21 +32,10 @@ def check_layout(rank: int, world_size: int, overrides: list[str], tmp: str, com
         samples = global_batch(ref.data.train, 0, cfg.trainer.global_batch_size)
         ref.forward_backward(samples, loss_token_count(samples))
         par.forward_backward_step(0)
-        ref_grads = dict(ref.model.named_parameters())
-        for name, p in par.model.named_parameters():
-            expected = shard_of(p, ref_grads[name].grad)
-            torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-6, msg=f"rank {rank} grad {name}")
+        assert_grads_match(ref, par, rank)
         for t in (ref, par):
             t.optimizer.zero_grad(set_to_none=True)
-
-    ref_losses = [ref.train_step(s).loss for s in range(STEPS)]
-    par_losses = [par.train_step(s).loss for s in range(STEPS)]
-    for step, (a, b) in enumerate(zip(par_losses, ref_losses, strict=True)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: loss {a} vs single-process {b}"
-    ref_params = dict(ref.model.named_parameters())
-    for name, p in par.model.named_parameters():
-        torch.testing.assert_close(p.detach(), shard_of(p, ref_params[name].detach()), rtol=1e-4, atol=2e-5,
-                                   msg=f"rank {rank} param {name} after {STEPS} steps")
+    assert_same_training(ref, par, rank, STEPS)
 
 
 LAYOUTS = {
@@ -69,12 +53,6 @@ LAYOUTS = {
 def test_layout_matches_single_process(tmp_path, name):
     world, overrides, grads = LAYOUTS[name]
     run_distributed(check_layout, world, overrides, str(tmp_path), grads, timeout=240)
-
-
-def train_and_record(rank: int, world_size: int, overrides: list[str], run_dir: str, out: str) -> None:
-    summary = Trainer(compose_config(*overrides), run_dir).fit()
-    if rank == 0:
-        Path(out).write_text(json.dumps([loss for _, loss in summary.losses]))
 
 
 def test_resume_under_tp_dp_zero1_is_bit_exact(tmp_path):

@@ -1,0 +1,57 @@
+"""Shared checks of the equivalence tests: a parallel Trainer against the single-process one.
+
+Parameters are compared by their full-model names (`canonical_named_parameters`: pipeline chunks
+hold slices of the layers) and each rank's TP shard against the matching slice of the full tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megalm.model.gpt import canonical_named_parameters
+from megalm.training.trainer import Trainer
+from tests.conftest import compose_config
+
+
+def shard_of(param: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `full` for `param` (the whole of it for an unsharded parameter)."""
+    shard_full = getattr(param, "shard_full", None)
+    return shard_full(full) if shard_full is not None else full
+
+
+def assert_grads_match(ref: Trainer, par: Trainer, rank: int, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    """Every gradient `par` holds equals its shard of the single-process gradient."""
+    ref_params = dict(canonical_named_parameters(ref.model))
+    names = []
+    for name, p in canonical_named_parameters(par.model):
+        names.append(name)
+        torch.testing.assert_close(p.grad, shard_of(p, ref_params[name].grad), rtol=rtol, atol=atol,
+                                   msg=lambda m, n=name: f"rank {rank} grad {n}: {m}")
+    assert names, f"rank {rank} holds no parameters"
+
+
+def assert_same_training(ref: Trainer, par: Trainer, rank: int, steps: int, param_atol: float = 2e-5) -> None:
+    """`steps` optimizer steps: losses within 1e-5 relative, then the parameters close.
+
+    Adam divides by sqrt(v): an element whose gradients are ~1e-10 (a token seen once) can turn
+    summation-order noise into an update of up to lr, so layouts that reorder sums (pipelines) pass a
+    looser `param_atol`; the losses and the first step's gradients are the strict checks.
+    """
+    ref_losses = [ref.train_step(s).loss for s in range(steps)]
+    par_losses = [par.train_step(s).loss for s in range(steps)]
+    for step, (a, b) in enumerate(zip(par_losses, ref_losses, strict=True)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: loss {a} vs single-process {b}"
+    ref_params = dict(canonical_named_parameters(ref.model))
+    for name, p in canonical_named_parameters(par.model):
+        torch.testing.assert_close(p.detach(), shard_of(p, ref_params[name].detach()), rtol=1e-4, atol=param_atol,
+                                   msg=lambda m, n=name: f"rank {rank} param {n} after {steps} steps: {m}")
+
+
+def train_and_record(rank: int, world_size: int, overrides: list[str], run_dir: str, out: str) -> None:
+    """`Trainer.fit()` under `overrides`; rank 0 writes the per-step losses to `out` (JSON)."""
+    summary = Trainer(compose_config(*overrides), run_dir).fit()
+    if rank == 0:
+        Path(out).write_text(json.dumps([loss for _, loss in summary.losses]))
