@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -194,7 +195,9 @@ class Attention(nn.Module):
 
     The projections are plain nn.Linear, and heads are inferred from the projected width
     (`view(T, -1, head_dim)`), so tensor parallelism can swap in column/row-parallel layers that
-    hold only this rank's heads without touching this module.
+    hold only this rank's heads without touching this module. `attention_fn` (default
+    `varlen_attention`, same signature) is the core op; context parallelism swaps in its ring or
+    all-to-all version from outside, so the model itself stays free of collectives.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -208,6 +211,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_width, cfg.hidden_size, bias=cfg.bias)
         self.dropout_p = cfg.attention_dropout
         self.backend = cfg.attention_backend
+        self.attention_fn: Callable[..., torch.Tensor] = varlen_attention
 
     def forward(
         self,
@@ -226,5 +230,5 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dropout_p = self.dropout_p if self.training else 0.0
         backend = _resolve_backend(self.backend, q.device, q.dtype, dropout_p > 0.0)
-        out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, backend, dropout_p=dropout_p)
+        out = self.attention_fn(q, k, v, cu_seqlens, max_seqlen, backend, dropout_p=dropout_p)
         return self.o_proj(out.reshape(total, -1))

@@ -53,8 +53,6 @@ def validate_layout(cfg, world_size: int) -> ParallelDims:
     for key in ("tp", "pp", "vpp", "cp"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key}={getattr(p, key)} must be >= 1")
-    if p.cp > 1:
-        raise ConfigError(f"parallel.cp={p.cp} is not implemented yet in this megalm version; use parallel.cp=1")
     if p.hdp:
         raise ConfigError("parallel.hdp=true is not implemented yet in this megalm version; use parallel.hdp=false")
     model_parallel = p.tp * p.pp * p.cp
@@ -83,11 +81,33 @@ def validate_layout(cfg, world_size: int) -> ParallelDims:
                           f"e.g. model.vocab_size={padded}")
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp>1; set parallel.tp or turn it off")
+    _validate_context(cfg)
     if t.global_batch_size % (t.micro_batch_size * p.dp):
         raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
                           f"micro_batch_size*dp={t.micro_batch_size}*{p.dp}; change one of them")
     _validate_pipeline(cfg)
     return ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
+
+
+def _validate_context(cfg) -> None:
+    """Context-parallel rules: what the ring and the all-to-all (Ulysses) need from the model."""
+    p, m = cfg.parallel, cfg.model
+    if p.cp == 1:
+        return
+    if p.cp_comm == "ring" and m.attention_dropout > 0:
+        raise ConfigError(f"parallel.cp={p.cp} with parallel.cp_comm=ring has no attention dropout; set "
+                          "model.attention_dropout=0 or parallel.cp_comm=a2a")
+    modes = [p.recompute] if isinstance(p.recompute, str) else list(p.recompute)
+    if "selective" in modes:  # its cache replays the collectives but not their in-place receive buffers
+        raise ConfigError(f"parallel.recompute=selective does not combine with parallel.cp={p.cp} yet (the "
+                          "ring/all-to-all would be replayed without its received data); use parallel.recompute="
+                          "full or none")
+    if p.cp_comm == "a2a":
+        heads, kv_heads = m.num_heads // p.tp, max(1, m.num_kv_heads // p.tp)  # what each TP rank holds
+        if heads % p.cp or kv_heads % p.cp:
+            raise ConfigError(f"parallel.cp_comm=a2a splits each TP rank's {heads} query and {kv_heads} kv heads over "
+                              f"parallel.cp={p.cp}, which must divide both; use parallel.cp_comm=ring or a cp that "
+                              "divides them")
 
 
 def _validate_pipeline(cfg) -> None:
@@ -134,12 +154,20 @@ class ParallelMesh:
     dp_group: dist.ProcessGroup | None = None
     cp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
+    # DP x CP ranks of this rank's tp/pp coordinates: gradients are summed (and ZeRO-1 shards) over it.
+    dp_cp_group: dist.ProcessGroup | None = None
     # First and last pipeline stage of this rank's tp/cp/dp coordinates (tied embedding gradients).
     embedding_group: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         coords = self.dims.coordinates(self.rank)
         self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank = (coords[k] for k in ("tp", "cp", "dp", "pp"))
+
+    @property
+    def cp_ranks(self) -> list[int]:
+        """Global ranks of this rank's context-parallel ring, in cp order (rank i holds zigzag chunks i, 2cp-1-i)."""
+        d = self.dims
+        return [((self.pp_rank * d.dp + self.dp_rank) * d.cp + c) * d.tp + self.tp_rank for c in range(d.cp)]
 
     @property
     def is_distributed(self) -> bool:
@@ -186,6 +214,16 @@ def build_mesh(dims: ParallelDims, device: torch.device) -> ParallelMesh:
             group = dist.new_group(ranks)
             if dist.get_rank() in ranks:
                 embedding_group = group
-    return ParallelMesh(dims, rank=dist.get_rank(), mesh=mesh, tp_group=mesh.get_group("tp"),
-                        dp_group=mesh.get_group("dp"), cp_group=mesh.get_group("cp"), pp_group=mesh.get_group("pp"),
-                        embedding_group=embedding_group)
+    dp_group = mesh.get_group("dp")
+    dp_cp_group = dp_group
+    if dims.cp > 1:  # one group per (pp, tp) coordinate over its dp x cp ranks
+        for pp_rank in range(dims.pp):
+            for tp_rank in range(dims.tp):
+                ranks = [((pp_rank * dims.dp + d) * dims.cp + c) * dims.tp + tp_rank
+                         for d in range(dims.dp) for c in range(dims.cp)]
+                group = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    dp_cp_group = group
+    return ParallelMesh(dims, rank=dist.get_rank(), mesh=mesh, tp_group=mesh.get_group("tp"), dp_group=dp_group,
+                        cp_group=mesh.get_group("cp"), pp_group=mesh.get_group("pp"), embedding_group=embedding_group,
+                        dp_cp_group=dp_cp_group)

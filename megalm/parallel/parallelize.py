@@ -28,6 +28,9 @@ Hidden dropout (after attention and the MLP) stays where the model puts it:
 
 Order for the trainer: build the model (CPU or "meta") -> apply_tensor_parallel -> (`to_empty` if meta)
 -> init_weights(model, seed); shards are slices of the single-process initial weights.
+
+Context parallelism (`apply_context_parallel`) only rebinds each attention's core op to the ring or
+all-to-all version (megalm/parallel/context.py); the batch is zigzag-sharded by the trainer.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from torch import nn
 
 from megalm.data.batch import PackedBatch
 from megalm.model.gpt import GPT
+from megalm.parallel.context import context_attention
 from megalm.parallel.dims import ParallelMesh
 from megalm.parallel.tensor import (
     ColumnParallelLinear,
@@ -121,6 +125,23 @@ def apply_tensor_parallel(model: GPT, mesh: ParallelMesh, sequence_parallel: boo
         model.output = column(model.output)
 
 
+def apply_context_parallel(model: GPT, mesh: ParallelMesh, comm: str) -> None:
+    """Make every attention layer of `model` (a GPT or a pipeline chunk) attend over this rank's CP ring.
+
+    The layers then expect zigzag shards (`context.shard_batch`) and call `context_attention` with the
+    ring's global ranks in cp order; `comm="ring"` passes K/V blocks over the default group (any rank
+    list, DESIGN.md joint 4), `comm="a2a"` (Ulysses) needs the fixed cp group. No-op when cp == 1.
+    """
+    if mesh.dims.cp == 1:
+        return
+    if comm not in ("ring", "a2a"):
+        raise ValueError(f"unknown context-parallel communication {comm!r}; use ring or a2a")
+    fn = functools.partial(context_attention, ranks=mesh.cp_ranks, rank_index=mesh.cp_rank,
+                           group=mesh.cp_group if comm == "a2a" else None, comm=comm)
+    for layer in model.layers:
+        layer.attention.attention_fn = fn
+
+
 def loss_fn_for(mesh: ParallelMesh) -> LossFn:
     """loss(logits, labels, loss_mask) -> summed fp32 token loss for this layout: `token_loss_sum`
     on full logits when tp == 1, else the vocab-parallel loss on [T, V/tp] logits (same value on
@@ -130,14 +151,19 @@ def loss_fn_for(mesh: ParallelMesh) -> LossFn:
     return functools.partial(vocab_parallel_token_loss_sum, group=mesh.tp_group)
 
 
-def pad_for_sequence_parallel(batch: PackedBatch, tp: int) -> PackedBatch:
+def pad_for_sequence_parallel(batch: PackedBatch, tp: int, even: bool = False) -> PackedBatch:
     """Append a padding document so that T is a multiple of `tp` (sequence parallelism splits T).
 
     The padding tokens form their own document (own cu_seqlens entry, positions from 0), so
     attention never mixes them with real tokens, and carry loss_mask 0, so they change neither
     the loss nor any gradient. Returns `batch` itself when T is already a multiple of `tp`.
+    `even=True` keeps the padding document's length even: a zigzag shard (context parallelism) is
+    made of 2·c-token segments, and the padding then reads as one more document of c-token chunks,
+    padded identically on every CP rank (they all hold the same number of tokens).
     """
     pad = -batch.num_tokens % tp
+    if even and pad % 2:  # T is even (2·c segments), so pad is odd only for an odd tp: add tp once
+        pad += tp
     if pad == 0:
         return batch
     device = batch.tokens.device

@@ -26,9 +26,15 @@ from megalm.data.batch import PackedBatch, Sample
 from megalm.data.dataset import SampleDataset, build_datasets, loss_token_count, micro_batches
 from megalm.errors import CheckpointError, ConfigError, MegalmError
 from megalm.model import GPT, init_weights, num_parameters
+from megalm.parallel.context import shard_batch, zigzag_plan
 from megalm.parallel.data import GradReducer, build_zero1_optimizer
 from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh, init_distributed
-from megalm.parallel.parallelize import apply_tensor_parallel, loss_fn_for, pad_for_sequence_parallel
+from megalm.parallel.parallelize import (
+    apply_context_parallel,
+    apply_tensor_parallel,
+    loss_fn_for,
+    pad_for_sequence_parallel,
+)
 from megalm.parallel.pipeline import PipelineRuntime, build_stage_chunks
 from megalm.parallel.recompute import apply_recompute, stage_mode
 from megalm.parallel.tensor import tp_grad_norm_squared, tp_norm_share
@@ -85,8 +91,9 @@ class Trainer:
     Under torchrun (or inside an initialised process group) the model is split over the mesh:
     pipeline parallelism gives each pipeline rank its chunks of layers and runs the schedule
     (`parallel/pipeline.py`), tensor parallelism swaps the layers for sharded ones
-    (`parallel/parallelize.py`), each DP rank takes its slice of the global batch, and
-    `parallel/data.py` sums gradients over DP (all-reduce, or reduce-scatter into ZeRO-1).
+    (`parallel/parallelize.py`), each DP rank takes its slice of the global batch, context
+    parallelism gives each CP rank a zigzag shard of every micro-batch (`parallel/context.py`), and
+    `parallel/data.py` sums gradients over DP x CP (all-reduce, or reduce-scatter into ZeRO-1).
     `mesh` forces a layout (tests pass a one-rank mesh to get the single-process reference inside a distributed job).
     """
 
@@ -111,7 +118,9 @@ class Trainer:
             self.pipeline = PipelineRuntime(self.model, self.mesh, p.pp_schedule, self.loss_fn,
                                             lambda: autocast(cfg.precision, self.device), self.device)
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(p.grad_reduce_dtype or "")
-        self.reducer = GradReducer(list(self.model.parameters()), self.mesh.dp_group, p.bucket_size_mb,
+        # Each CP rank holds the gradient of its tokens only: sum over DP and CP (ZeRO-1 shards over both).
+        grad_group = self.mesh.dp_cp_group if p.cp > 1 else self.mesh.dp_group
+        self.reducer = GradReducer(list(self.model.parameters()), grad_group, p.bucket_size_mb,
                                    reduce_dtype=reduce_dtype, zero1=p.zero1)
         self.optimizer = (build_zero1_optimizer(self.model, cfg.optim, self.reducer) if p.zero1
                           else build_optimizer(self.model, cfg.optim))
@@ -136,6 +145,7 @@ class Trainer:
         prec = self.cfg.precision
         for chunk in chunks:
             apply_tensor_parallel(chunk, self.mesh, p.sequence_parallel)
+            apply_context_parallel(chunk, self.mesh, p.cp_comm)
             self.precision_note = apply_recipe(chunk, prec.name, prec.forward, prec.skip, prec.backend, self.cfg.seed)
             apply_recompute(chunk, stage_mode(p.recompute, self.mesh.pp_rank, p.pp))
         model.to_empty(device=self.device)
@@ -193,9 +203,20 @@ class Trainer:
         return [dataset[first + i] for i in range(per_rank)]
 
     def _prepare(self, mb: PackedBatch) -> PackedBatch:
-        """A micro-batch as the model takes it: padded for SP, on the device."""
-        if self.cfg.parallel.sequence_parallel:
-            mb = pad_for_sequence_parallel(mb, self.mesh.dims.tp)
+        """A micro-batch as the model takes it: this CP rank's zigzag shard, padded for SP, on the device.
+
+        CP first, then SP: the SP padding of the local shard is one more (even) zigzag segment, the
+        same on every CP rank. Zigzag padding continues each document's positions, so for learned
+        position tables they are clamped to the table (padding is masked out of the loss and never
+        attended to by real tokens, so what it reads does not matter).
+        """
+        p = self.cfg.parallel
+        if p.cp > 1:
+            mb = shard_batch(mb, zigzag_plan(mb.cu_seqlens, p.cp), self.mesh.cp_rank)
+            if self.cfg.model.position_embedding == "learned":
+                mb.position_ids = mb.position_ids.clamp(max=self.cfg.model.max_position_embeddings - 1)
+        if p.sequence_parallel:
+            mb = pad_for_sequence_parallel(mb, self.mesh.dims.tp, even=p.cp > 1)
         return mb.to(self.device)
 
     def _micro_batch_loss(self, mb: PackedBatch) -> torch.Tensor:
@@ -212,7 +233,8 @@ class Trainer:
         then finish the DP gradient reduction (overlapped with the backward by the reducer's hooks).
         `step` seeds the random rounding of low-precision recipes, with the global micro-batch index.
 
-        Returns this DP rank's summed (unnormalised) loss, its input tokens and their model FLOPs.
+        Returns this DP rank's summed (unnormalised) loss, its input tokens and their model FLOPs
+        (CP ranks share the samples: the loss is summed over their shards, tokens are counted once).
         """
         t = self.cfg.trainer
         loss_total = torch.zeros((), device=self.device)
@@ -237,6 +259,7 @@ class Trainer:
         if self.pipeline is not None:
             self.pipeline.sync_tied_embedding_grads()
             self._all_reduce(loss_total, self.mesh.pp_group)  # only the last stage computed it
+        self._all_reduce(loss_total, self.mesh.cp_group)  # each CP rank has the loss of its tokens
         return loss_total, tokens, flops
 
     def forward_backward_step(self, step: int) -> tuple[torch.Tensor, int, int, float]:
@@ -254,10 +277,11 @@ class Trainer:
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the full model's gradient: squares summed over TP shards and pipeline stages,
         replicated parameters counted once (`tp_norm_share`, the tied embedding's last-stage copy);
-        under ZeRO-1 each DP rank holds a shard of the gradient, so the squares are summed over DP too."""
+        under ZeRO-1 each DP (x CP) rank holds a shard of the gradient, so the squares are summed over
+        the reducer's group too."""
         if self.cfg.parallel.zero1:
             sq = self.optimizer.local_grad_sq_norm(weight=self._norm_share)
-            self._all_reduce(sq, self.mesh.dp_group)
+            self._all_reduce(sq, self.reducer.dp_group)
             self._all_reduce(sq, self.mesh.tp_group)
         else:
             sq = tp_grad_norm_squared(self.model.parameters(), self.mesh.tp_group, weight=self._norm_share)
@@ -307,6 +331,7 @@ class Trainer:
             totals[1] += loss_token_count(samples)
         self.model.train()
         self._all_reduce(totals[:1], self.mesh.pp_group)  # the loss lives on the last stage
+        self._all_reduce(totals[:1], self.mesh.cp_group)  # CP ranks hold the losses of their shards
         self._all_reduce(totals, self.mesh.dp_group)
         return (totals[0] / max(totals[1], 1)).item()
 
@@ -322,7 +347,7 @@ class Trainer:
             n_params = num_parameters(GPT(self.cfg.model, device="meta"))
             log.info(f"model {self.cfg.model.name}: {n_params / 1e6:.2f}M parameters, {self.cfg.model.num_layers} "
                      f"layers | {self.precision_note} on {self.device} | {dims.world_size} rank(s): tp={dims.tp} "
-                     f"pp={dims.pp}{self._pipeline_note()} dp={dims.dp}"
+                     f"pp={dims.pp}{self._pipeline_note()}{self._context_note()} dp={dims.dp}"
                      f"{' sp' if self.cfg.parallel.sequence_parallel else ''}"
                      f"{' zero1' if self.cfg.parallel.zero1 else ''} | data {self.cfg.data.name} "
                      f"({'varlen' if self.cfg.data.varlen else 'packed'}) | run dir {self.run_dir}")
@@ -381,6 +406,10 @@ class Trainer:
             return ""
         vpp = f" vpp={p.vpp}" if p.vpp > 1 else ""
         return f" ({p.pp_schedule}{vpp})"
+
+    def _context_note(self) -> str:
+        p = self.cfg.parallel
+        return f" cp={p.cp} ({p.cp_comm})" if p.cp > 1 else ""
 
     def _log_summary(self, s: TrainSummary) -> None:
         done = "finished" if s.steps >= self.cfg.trainer.max_steps else "stopped early"

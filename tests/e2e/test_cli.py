@@ -85,7 +85,7 @@ def test_checkpoint_of_another_model_is_refused_and_kept(trained_run):
     (["model.num_heads=3"], ["model.num_heads=3"]),
     (["trainer.micro_batch_size=3"], ["global_batch_size=8", "micro_batch_size"]),
     (["parallel.tp=2"], ["world size 1 is not divisible by tp*pp*cp = 2"]),
-    (["parallel.cp=2"], ["parallel.cp=2 is not implemented"]),
+    (["parallel.cp=2"], ["world size 1 is not divisible by tp*pp*cp = 1*1*2"]),
     (["model.seq_length=64", "model.max_position_embeddings=32"], ["exceeds the model's positions"]),
     (["data=indexed"], ["data.path"]),
     (["data=indexed", "data.path=/nonexistent/corpus"], ["/nonexistent/corpus"]),

@@ -39,7 +39,13 @@ def test_dp_defaults_to_what_is_left():
     (2, ["parallel.tp=2", "model.vocab_size=321"], "model.vocab_size=321 is not divisible by parallel.tp=2"),
     (1, ["parallel.sequence_parallel=true"], "needs parallel.tp>1"),
     (4, ["trainer.global_batch_size=8", "trainer.micro_batch_size=4"], "not divisible by micro_batch_size.dp=4.4"),
-    (2, ["parallel.cp=2"], "parallel.cp=2 is not implemented yet"),
+    (2, ["parallel.cp=2", "parallel.cp_comm=a2a", "model.num_kv_heads=1"], "cp_comm=a2a splits each TP rank's 4 "
+     "query and 1 kv heads over parallel.cp=2"),
+    (4, ["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm=a2a"], "use parallel.cp_comm=ring"),
+    (2, ["parallel.cp=2", "model.attention_dropout=0.1"], "cp_comm=ring has no attention dropout"),
+    (4, ["parallel.cp=2", "parallel.pp=2", "parallel.recompute=[full,selective]"], "recompute=selective does not "
+     "combine with parallel.cp=2"),
+    (6, ["parallel.cp=4"], "world size 6 is not divisible by tp.pp.cp"),
     (1, ["parallel.hdp=true"], "parallel.hdp=true is not implemented yet"),
     (1, ["parallel.vpp=2", "parallel.pp_schedule=interleaved"], "needs pipeline parallelism"),
     (2, ["parallel.pp=2", "parallel.vpp=2"], "needs parallel.pp_schedule=interleaved"),
@@ -72,3 +78,14 @@ def test_kv_heads_split_or_replicated():
     with pytest.raises(ConfigError, match="one must divide the other"):
         layout(4, "parallel.tp=4", "model.num_heads=12", "model.num_kv_heads=6", "model.hidden_size=96",
                "trainer.micro_batch_size=2")
+
+
+def test_context_parallel_layouts_accepted():
+    assert layout(2, "parallel.cp=2") == ParallelDims(cp=2)
+    assert layout(4, "parallel.cp=2", "parallel.cp_comm=a2a", "trainer.micro_batch_size=2") == ParallelDims(cp=2, dp=2)
+    assert layout(8, "parallel.cp=2", "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
+                  "parallel.recompute=full") == ParallelDims(tp=2, pp=2, cp=2)
+    # a2a counts the heads each TP rank holds: 8 query / 4 kv heads over tp=2 leave 4 / 2, divisible by cp=2
+    assert layout(4, "parallel.cp=2", "parallel.tp=2", "parallel.cp_comm=a2a", "model.num_heads=8",
+                  "model.num_kv_heads=4").cp == 2
+    assert layout(2, "parallel.cp=2", "parallel.cp_comm=a2a", "model.attention_dropout=0.1").cp == 2

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as distributed_c10d
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -75,7 +76,7 @@ def install_counters(counters: Counters) -> None:
             elif _name == "all_gather":  # (list of outputs, input)
                 tensor, group = args[1], _group(kwargs, args, 2)
             else:
-                tensor, group = args[0], _group(kwargs, args, 2 if _name == "all_reduce" else 3)
+                tensor, group = args[0], _group(kwargs, args, 2)  # (tensor, op | src | dst, group, ...)
             size = dist.get_world_size(group)
             nbytes = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
             if _name == "all_gather":
@@ -88,6 +89,8 @@ def install_counters(counters: Counters) -> None:
             return _original(*args, **kwargs)
 
         setattr(dist, name, counted)
+        if name in ("isend", "irecv"):  # P2POp (batch_isend_irecv: ring attention) checks op against these
+            setattr(distributed_c10d, name, counted)
 
 
 def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
@@ -111,7 +114,8 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) ->
         trainer = Trainer(cfg, run_dir)
         trainer.train_step(0)
         mesh = trainer.mesh
-        counters.group_names = {mesh.tp_group: "tp", mesh.dp_group: "dp", mesh.cp_group: "cp", mesh.pp_group: "pp"}
+        counters.group_names = {mesh.dp_cp_group: "dp×cp", mesh.tp_group: "tp", mesh.dp_group: "dp",
+                                mesh.cp_group: "cp", mesh.pp_group: "pp"}  # dp_cp_group is dp_group when cp = 1
         counters.on = True
         trainer.train_step(1)
         counters.on = False
