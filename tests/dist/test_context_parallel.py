@@ -62,7 +62,8 @@ LAYOUTS = {
     # already a multiple of tp = 2; the SP padding of a shard: tests/unit/test_context_parallel.py)
     "cp2_tp2_sp": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "cp2_pp2": (4, ["parallel.cp=2", "parallel.pp=2", "model.num_layers=4"]),
-    # gradients summed over dp x cp, ZeRO-1 shards over those 4 ranks
+    # gradients summed over dp x cp (checked per parameter), and ZeRO-1 sharded over those 4 ranks
+    "cp2_dp2": (4, ["parallel.cp=2", "parallel.dp=2"]),
     "cp2_dp2_zero1": (4, ["parallel.cp=2", "parallel.dp=2", "parallel.zero1=true"]),
 }
 
