@@ -55,3 +55,19 @@ def train_and_record(rank: int, world_size: int, overrides: list[str], run_dir: 
     summary = Trainer(compose_config(*overrides), run_dir).fit()
     if rank == 0:
         Path(out).write_text(json.dumps([loss for _, loss in summary.losses]))
+
+
+def assert_resume_is_bit_exact(tmp_path: Path, world_size: int, layout: list[str], stop_at: int,
+                               timeout: float = 300) -> None:
+    """Train `layout` straight through; train it again stopped at `stop_at` and resumed: the resumed
+    losses must repeat the straight run's exactly. The stopped run is left in tmp_path / "stopped"."""
+    from tests.dist.launch import run_distributed
+
+    runs = {"straight": layout, "first": [*layout, f"trainer.stop_at_step={stop_at}"], "resumed": layout}
+    for name, overrides in runs.items():
+        run_dir = tmp_path / ("straight" if name == "straight" else "stopped")
+        run_distributed(train_and_record, world_size, overrides, str(run_dir), str(tmp_path / f"{name}.json"),
+                        timeout=timeout)
+    losses = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in runs}
+    assert losses["first"] == losses["straight"][:stop_at]
+    assert losses["resumed"] == losses["straight"][stop_at:], f"resumed {layout} run diverged from the straight one"

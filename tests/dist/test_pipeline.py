@@ -8,8 +8,6 @@ of 5 optimizer steps (1e-5 relative) and the parameters after them.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -19,7 +17,7 @@ from megalm.parallel.dims import ParallelDims, ParallelMesh
 from megalm.parallel.schedules import Schedule, peak_in_flight
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
-from tests.dist.equivalence import assert_grads_match, assert_same_training, train_and_record
+from tests.dist.equivalence import assert_grads_match, assert_resume_is_bit_exact, assert_same_training
 from tests.dist.launch import run_distributed
 
 STEPS = 5
@@ -86,15 +84,7 @@ def test_pipeline_checkpoint_resumes_bit_exact_and_loads_into_one_process(tmp_pa
 
     model = ["model=gpt2_tiny", *COMMON]
     layout = [*model, "parallel.pp=2", "parallel.tp=2", "trainer.max_steps=4"]
-    run_distributed(train_and_record, 4, layout, str(tmp_path / "straight"), str(tmp_path / "straight.json"),
-                    timeout=300)
-    run_distributed(train_and_record, 4, [*layout, "trainer.stop_at_step=2"], str(tmp_path / "stopped"),
-                    str(tmp_path / "first.json"), timeout=300)
-    run_distributed(train_and_record, 4, layout, str(tmp_path / "stopped"), str(tmp_path / "resumed.json"),
-                    timeout=300)
-    straight = json.loads((tmp_path / "straight.json").read_text())
-    assert json.loads((tmp_path / "first.json").read_text()) == straight[:2]
-    assert json.loads((tmp_path / "resumed.json").read_text()) == straight[2:], "resumed pp2 x tp2 run diverged"
+    assert_resume_is_bit_exact(tmp_path, 4, layout, stop_at=2)
 
     reference = Trainer(compose_config(*model, "trainer.max_steps=4"), tmp_path / "single")
     reference.fit()

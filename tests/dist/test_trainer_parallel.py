@@ -8,8 +8,6 @@ shard against the matching slice of the full gradient) and the parameters after 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -17,7 +15,12 @@ from megalm.data.dataset import global_batch, loss_token_count
 from megalm.parallel.dims import ParallelDims, ParallelMesh
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
-from tests.dist.equivalence import assert_grads_match, assert_same_training, train_and_record
+from tests.dist.equivalence import (
+    assert_grads_match,
+    assert_resume_is_bit_exact,
+    assert_same_training,
+    train_and_record,
+)
 from tests.dist.launch import run_distributed
 
 STEPS = 5
@@ -57,16 +60,7 @@ def test_layout_matches_single_process(tmp_path, name):
 
 def test_resume_under_tp_dp_zero1_is_bit_exact(tmp_path):
     layout = ["parallel.tp=2", "parallel.dp=2", "parallel.zero1=true", "trainer.max_steps=6"]
-    run_distributed(train_and_record, 4, layout, str(tmp_path / "straight"), str(tmp_path / "straight.json"),
-                    timeout=240)
-    run_distributed(train_and_record, 4, [*layout, "trainer.stop_at_step=3"], str(tmp_path / "stopped"),
-                    str(tmp_path / "first.json"), timeout=240)
-    run_distributed(train_and_record, 4, layout, str(tmp_path / "stopped"), str(tmp_path / "resumed.json"),
-                    timeout=240)
-    straight = json.loads((tmp_path / "straight.json").read_text())
-    resumed = json.loads((tmp_path / "resumed.json").read_text())
-    assert json.loads((tmp_path / "first.json").read_text()) == straight[:3]
-    assert resumed == straight[3:], "a resumed TP x DP x ZeRO-1 run must repeat the uninterrupted losses exactly"
+    assert_resume_is_bit_exact(tmp_path, 4, layout, stop_at=3, timeout=240)
     shards = sorted(p.name for p in (tmp_path / "stopped" / "checkpoints" / "step_00000006").glob("shard-*"))
     assert len(shards) > 1, f"every rank with distinct shards writes its own file, got {shards}"
 
