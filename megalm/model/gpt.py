@@ -24,6 +24,7 @@ import math
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -144,9 +145,29 @@ class GPT(nn.Module):
         return self(batch.tokens, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
 
 
-def model_chunks(model: nn.Module) -> list[GPT]:
-    """The GPT chunks of `model`: itself, or the chunks a pipeline rank holds (an nn.ModuleList)."""
-    return list(model) if isinstance(model, nn.ModuleList) else [model]  # type: ignore[list-item]
+def model_chunks(model: nn.Module) -> list[nn.Module]:
+    """The GPT chunks of `model`: the chunks a pipeline rank holds (an nn.ModuleList of modules with
+    `layers`), or the model itself."""
+    if isinstance(model, nn.ModuleList) and len(model) and all(hasattr(m, "layers") for m in model):
+        return list(model)
+    return [model]
+
+
+def _canonical_named(model: nn.Module, named: Callable[[nn.Module], Iterator[tuple[str, Any]]]
+                     ) -> Iterator[tuple[str, Any]]:
+    """`named(chunk)` over every chunk, each object once, with `layers.{i}` renamed to the block's
+    global `layer_id` (a module without `layers` keeps its names)."""
+    seen: set[int] = set()
+    for chunk in model_chunks(model):
+        layers = getattr(chunk, "layers", None)
+        for name, obj in named(chunk):
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if isinstance(layers, nn.ModuleList) and name.startswith("layers."):
+                _, index, *rest = name.split(".", 2)
+                name = ".".join(["layers", str(getattr(layers[int(index)], "layer_id", index)), *rest])
+            yield name, obj
 
 
 def canonical_named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
@@ -156,16 +177,13 @@ def canonical_named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Param
     `model` is a GPT or an nn.ModuleList of GPT chunks (a pipeline rank with virtual stages); a
     parameter two chunks share (tied embeddings on one rank) is yielded once.
     """
-    seen: set[int] = set()
-    for chunk in model_chunks(model):
-        for name, param in chunk.named_parameters():
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            if name.startswith("layers."):
-                _, index, rest = name.split(".", 2)
-                name = f"layers.{chunk.layers[int(index)].layer_id}.{rest}"
-            yield name, param
+    return _canonical_named(model, lambda chunk: chunk.named_parameters())
+
+
+def canonical_named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name, module) with the full model's names, as `canonical_named_parameters` (the chunks' own
+    prefixes are dropped), for code that installs things on modules by name (precision recipes)."""
+    return _canonical_named(model, lambda chunk: chunk.named_modules())
 
 
 def param_seed(seed: int, name: str) -> int:

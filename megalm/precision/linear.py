@@ -92,13 +92,14 @@ import fnmatch
 import functools
 import hashlib
 import types
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalm.model.gpt import canonical_named_modules, model_chunks
 from megalm.precision import fp8
 from megalm.precision.hadamard import random_signs, rht
 from megalm.precision.mx import mx_quantize_dequantize
@@ -403,30 +404,6 @@ def _tp_linear_types() -> tuple[type, ...]:
     return ColumnParallelLinear, RowParallelLinear
 
 
-def _chunks(model: nn.Module) -> list[nn.Module]:
-    """The model chunks: an nn.ModuleList of GPT chunks (a pipeline rank with virtual stages), or itself."""
-    if isinstance(model, nn.ModuleList) and len(model) and all(hasattr(m, "layers") for m in model):
-        return list(model)
-    return [model]
-
-
-def canonical_named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(name, module) with `layers.{i}` renamed to the block's global `layer_id` (as
-    megalm.model.gpt.canonical_named_parameters does), so a pipeline stage matches the full model's
-    names; `model` may be a ModuleList of pipeline chunks (their own prefixes are dropped)."""
-    seen: set[int] = set()
-    for chunk in _chunks(model):
-        layers = getattr(chunk, "layers", None)
-        for name, module in chunk.named_modules():
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            if isinstance(layers, nn.ModuleList) and name.startswith("layers."):
-                _, index, *rest = name.split(".", 2)
-                name = ".".join(["layers", str(getattr(layers[int(index)], "layer_id", index)), *rest])
-            yield name, module
-
-
 def _expand(patterns: Iterable[str], last: int | None) -> list[str]:
     """`{last}` (or `{L-1}`) in a pattern is the index of the model's last layer."""
     out = []
@@ -450,7 +427,7 @@ def apply_precision(
 
     Layers are plain nn.Linear (their forward is replaced by one through `linear_fn`) and
     megalm's ColumnParallelLinear / RowParallelLinear (their `linear_fn` hook is set). Names are
-    canonical (`layers.{layer_id}...`, see `canonical_named_modules`). `skip`: fnmatch patterns (or a
+    canonical (`layers.{layer_id}...`, see megalm.model.gpt.canonical_named_modules). `skip`: fnmatch patterns (or a
     predicate on (name, module)) of layers left untouched, e.g. ("output", "layers.0.*",
     "layers.{last}.*") keeps the head and the first and last blocks in the trainer's precision.
     `overrides`: {pattern: recipe}, first match wins, for layers that take another recipe. The
@@ -459,7 +436,7 @@ def apply_precision(
     """
     remove_precision(model)
     recipe = get_recipe(recipe)
-    cfg = getattr(_chunks(model)[0], "cfg", None)
+    cfg = getattr(model_chunks(model)[0], "cfg", None)
     last = getattr(cfg, "num_layers", None)
     last = None if last is None else last - 1
     if callable(skip):
