@@ -101,7 +101,9 @@ class ParallelConfig:
     dp: int | None = None  # None: world size / (tp * pp * cp)
     sequence_parallel: bool = False
     zero1: bool = False
-    hdp: bool = False
+    hdp: bool = False  # ByteScale hybrid DP: dp x cp ranks form one domain, re-planned every step
+    hdp_capacity: int | None = None  # tokens per HDP rank per micro-batch (C); None: ceil(seq_length / cp)
+    hdp_cost: str | None = None  # cost model: a preset or configs/hdp_cost YAML; None: from the model's shape
     cp_comm: str = "ring"  # ring | a2a
     pp_schedule: str = "1f1b"  # 1f1b | interleaved | zb
     layers_per_stage: list[int] | None = None  # one layer count per virtual stage (pp*vpp); None: even split

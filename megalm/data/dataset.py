@@ -198,18 +198,38 @@ class VarlenDataset(_DocumentSampler):
             raise DataError(f"{self.num_docs} documents give no sample of 2 or more tokens; use more data")
         self._epoch = _EpochCache(lambda e: (_permutation(self.samples_per_epoch, self.seed, e, _VARLEN_ORDER),))
 
-    def chunk(self, c: int) -> Sample:
-        """Chunk c in document order (before shuffling)."""
+    def _chunk_span(self, c: int) -> tuple[int, int, int]:
+        """(document id, first token, tokens) of chunk c in document order (before shuffling)."""
         if not 0 <= c < self.samples_per_epoch:
             raise IndexError(f"chunk {c} out of range [0, {self.samples_per_epoch})")
         d = int(np.searchsorted(self._chunk_starts, c, side="right")) - 1
         start = (c - int(self._chunk_starts[d])) * self.seq_length
-        length = min(self.seq_length + 1, int(self._lengths[d]) - start)
-        tokens = self.source.get(int(self.doc_ids[d]), start, length).astype(np.int64)
-        return Sample(tokens, (length,))
+        return int(self.doc_ids[d]), start, min(self.seq_length + 1, int(self._lengths[d]) - start)
+
+    def chunk(self, c: int) -> Sample:
+        """Chunk c in document order (before shuffling)."""
+        doc, start, length = self._chunk_span(c)
+        return Sample(self.source.get(doc, start, length).astype(np.int64), (length,))
 
     def _sample(self, epoch: int, r: int) -> Sample:
         return self.chunk(r)
+
+    def _span(self, k: int) -> tuple[int, int, int]:
+        if k < 0:
+            raise IndexError(f"sample index {k} must be >= 0")
+        epoch, r = divmod(int(k), self.samples_per_epoch)
+        return self._chunk_span(int(self._epoch(epoch)[-1][r]))
+
+    def sample_length(self, k: int) -> int:
+        """Tokens of sample k (inputs + 1), known without reading them: what the HDP planner needs."""
+        return self._span(k)[2]
+
+    def read(self, k: int, offset: int, length: int) -> np.ndarray:
+        """Tokens [offset, offset + length) of sample k (int64): a ring member reads only its shard."""
+        doc, start, n = self._span(k)
+        if offset < 0 or length < 0 or offset + length > n:
+            raise IndexError(f"slice [{offset}, {offset + length}) outside sample {k} of {n} tokens")
+        return self.source.get(doc, start + offset, length).astype(np.int64)
 
     def __repr__(self) -> str:
         return (f"VarlenDataset({self.num_docs} docs, {self.num_tokens} tokens, "

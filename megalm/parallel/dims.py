@@ -53,8 +53,6 @@ def validate_layout(cfg, world_size: int) -> ParallelDims:
     for key in ("tp", "pp", "vpp", "cp"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key}={getattr(p, key)} must be >= 1")
-    if p.hdp:
-        raise ConfigError("parallel.hdp=true is not implemented yet in this megalm version; use parallel.hdp=false")
     model_parallel = p.tp * p.pp * p.cp
     if p.dp is None:
         if world_size % model_parallel:
@@ -82,7 +80,8 @@ def validate_layout(cfg, world_size: int) -> ParallelDims:
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp>1; set parallel.tp or turn it off")
     _validate_context(cfg)
-    if t.global_batch_size % (t.micro_batch_size * p.dp):
+    _validate_hdp(cfg)
+    if not p.hdp and t.global_batch_size % (t.micro_batch_size * p.dp):
         raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
                           f"micro_batch_size*dp={t.micro_batch_size}*{p.dp}; change one of them")
     _validate_pipeline(cfg)
@@ -110,6 +109,49 @@ def _validate_context(cfg) -> None:
                               "divides them")
 
 
+def _validate_hdp(cfg) -> None:
+    """HDP rules: documents as samples, the capacity, and what ring micro-batches need (ring CP rules)."""
+    p, m = cfg.parallel, cfg.model
+    if not p.hdp:
+        for key in ("hdp_capacity", "hdp_cost"):
+            if getattr(p, key) is not None:
+                raise ConfigError(f"parallel.{key} is set but parallel.hdp=false; set parallel.hdp=true or remove it")
+        return
+    if not cfg.data.varlen:
+        raise ConfigError("parallel.hdp=true balances documents of different lengths; set data.varlen=true")
+    if p.hdp_capacity is None:
+        p.hdp_capacity = -(-m.seq_length // p.cp)
+    if p.hdp_capacity < 1:
+        raise ConfigError(f"parallel.hdp_capacity={p.hdp_capacity} must be >= 1 (tokens per rank per micro-batch)")
+    domain = p.dp * p.cp
+    widest = -(-m.seq_length // p.hdp_capacity)
+    if widest > domain:
+        raise ConfigError(f"a sample of model.seq_length={m.seq_length} tokens needs {widest} ranks of "
+                          f"parallel.hdp_capacity={p.hdp_capacity}, but the HDP domain dp*cp has {domain}; raise "
+                          f"parallel.hdp_capacity to >= {-(-m.seq_length // domain)} or use more ranks")
+    if p.hdp_cost is not None:
+        from megalm.parallel.hdp_cost import load_cost
+
+        try:
+            load_cost(p.hdp_cost)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"parallel.hdp_cost={p.hdp_cost}: {e}") from None
+    if p.cp_comm != "ring":
+        raise ConfigError("parallel.hdp=true forms rings of any size over rank lists; set parallel.cp_comm=ring")
+    if p.pp_schedule == "interleaved":
+        raise ConfigError("parallel.hdp=true gives pipelines different micro-batch counts, which interleaved "
+                          "pipelining cannot take; use parallel.pp_schedule=1f1b or zb")
+    if widest > 1:  # some micro-batches may run on rings
+        if m.attention_dropout > 0:
+            raise ConfigError("parallel.hdp=true runs long documents with ring attention, which has no attention "
+                              "dropout; set model.attention_dropout=0 or raise parallel.hdp_capacity to "
+                              f"model.seq_length={m.seq_length}")
+        modes = [p.recompute] if isinstance(p.recompute, str) else list(p.recompute)
+        if "selective" in modes:
+            raise ConfigError("parallel.recompute=selective does not combine with HDP rings yet; use "
+                              "parallel.recompute=full or none")
+
+
 def _validate_pipeline(cfg) -> None:
     """Pipeline rules: schedule vs vpp, the layer split, micro-batch counts, recompute modes."""
     from megalm.parallel.recompute import MODES
@@ -124,7 +166,7 @@ def _validate_pipeline(cfg) -> None:
         raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp_schedule=interleaved "
                           f"(got {p.pp_schedule}); set it or use parallel.vpp=1")
     micro_batches = t.global_batch_size // (t.micro_batch_size * p.dp)
-    if p.pp_schedule == "interleaved" and p.pp > 1 and micro_batches % p.pp:
+    if p.pp_schedule == "interleaved" and p.pp > 1 and not p.hdp and micro_batches % p.pp:
         raise ConfigError(f"interleaved pipelining needs micro-batches per step ({micro_batches} = global_batch_size/"
                           f"(micro_batch_size*dp)) to be a multiple of parallel.pp={p.pp}; change the batch sizes")
     if p.layers_per_stage is not None and p.pp * p.vpp == 1:

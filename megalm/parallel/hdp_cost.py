@@ -317,22 +317,25 @@ def memory_capacity(shape: ModelShape, tp: int = 1, hw: Hardware = H100) -> int:
 
 
 def preset(
-    model: str,
+    model: str | ModelShape,
     tp: int | None = None,
     hw: Hardware = H100,
     eff_linear: float = 0.55,
     eff_attn: float = 0.45,
     c: float = 1.0e-4,
 ) -> CostModel:
-    """Cost model for a named shape ("1b", "7b", "13b", "70b") from FLOPs / (peak × efficiency).
+    """Cost model for a named shape ("1b", "7b", "13b", "70b") or any `ModelShape`, from
+    FLOPs / (peak × efficiency).
 
     One HDP rank is a TP group of `tp` GPUs: it has tp× the FLOPs (at 90% TP efficiency for tp > 1),
     tp NICs, and gpus_per_node / tp ranks share a node.
     """
-    if model not in SHAPES:
+    if isinstance(model, ModelShape):
+        shape, tp = model, tp or 1
+    elif model in SHAPES:
+        shape, tp = SHAPES[model], tp or DEFAULT_TP[model]
+    else:
         raise ValueError(f"unknown model {model!r}; known: {sorted(SHAPES)}")
-    shape = SHAPES[model]
-    tp = tp or DEFAULT_TP[model]
     flops = hw.peak_flops * tp * (0.9 if tp > 1 else 1.0)
     e, f = memory_model(shape, tp)
     return CostModel(
@@ -349,7 +352,7 @@ def preset(
         act_bytes=e,
         act_fixed=f,
         host_bw=hw.host_bw,
-        name=f"h100_{model}" if hw == H100 else model,
+        name=f"h100_{model}" if isinstance(model, str) and hw == H100 else str(model),
     )
 
 

@@ -29,6 +29,8 @@ from megalm.model import GPT, init_weights, num_parameters
 from megalm.parallel.context import shard_batch, zigzag_plan
 from megalm.parallel.data import GradReducer, build_zero1_optimizer
 from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh, init_distributed
+from megalm.parallel.hdp_cost import CostModel, ModelShape, load_cost, preset
+from megalm.parallel.hdp_runtime import HdpRuntime, Ring, apply_hdp_attention, bind_ring
 from megalm.parallel.parallelize import (
     apply_context_parallel,
     apply_tensor_parallel,
@@ -94,6 +96,8 @@ class Trainer:
     (`parallel/parallelize.py`), each DP rank takes its slice of the global batch, context
     parallelism gives each CP rank a zigzag shard of every micro-batch (`parallel/context.py`), and
     `parallel/data.py` sums gradients over DP x CP (all-reduce, or reduce-scatter into ZeRO-1).
+    With `parallel.hdp=true` the DP x CP ranks form one HDP domain instead: each step is planned
+    (`parallel/hdp_runtime.py`), and every rank runs its own list of packed or ring micro-batches.
     `mesh` forces a layout (tests pass a one-rank mesh to get the single-process reference inside a distributed job).
     """
 
@@ -117,9 +121,14 @@ class Trainer:
         if p.pp > 1:
             self.pipeline = PipelineRuntime(self.model, self.mesh, p.pp_schedule, self.loss_fn,
                                             lambda: autocast(cfg.precision, self.device), self.device)
+        self.hdp = None
+        if p.hdp:
+            self.hdp = HdpRuntime(self.mesh, p.hdp_capacity, hdp_cost_model(cfg), p.pp, p.pp_schedule)
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(p.grad_reduce_dtype or "")
-        # Each CP rank holds the gradient of its tokens only: sum over DP and CP (ZeRO-1 shards over both).
-        grad_group = self.mesh.dp_cp_group if p.cp > 1 else self.mesh.dp_group
+        # Each CP (or HDP) rank holds the gradient of its tokens only: sum over DP and CP (ZeRO-1 shards
+        # over both). `batch_group` holds the ranks that split one global batch (losses, token counts).
+        grad_group = self.mesh.dp_cp_group if p.cp > 1 or p.hdp else self.mesh.dp_group
+        self.batch_group = grad_group if p.hdp else self.mesh.dp_group
         self.reducer = GradReducer(list(self.model.parameters()), grad_group, p.bucket_size_mb,
                                    reduce_dtype=reduce_dtype, zero1=p.zero1)
         self.optimizer = (build_zero1_optimizer(self.model, cfg.optim, self.reducer) if p.zero1
@@ -145,7 +154,10 @@ class Trainer:
         prec = self.cfg.precision
         for chunk in chunks:
             apply_tensor_parallel(chunk, self.mesh, p.sequence_parallel)
-            apply_context_parallel(chunk, self.mesh, p.cp_comm)
+            if p.hdp:
+                apply_hdp_attention(chunk)
+            else:
+                apply_context_parallel(chunk, self.mesh, p.cp_comm)
             self.precision_note = apply_recipe(chunk, prec.name, prec.forward, prec.skip, prec.backend, self.cfg.seed)
             apply_recompute(chunk, stage_mode(p.recompute, self.mesh.pp_rank, p.pp))
         model.to_empty(device=self.device)
@@ -202,27 +214,31 @@ class Trainer:
         first = step * gbs + self.mesh.dp_rank * per_rank
         return [dataset[first + i] for i in range(per_rank)]
 
-    def _prepare(self, mb: PackedBatch) -> PackedBatch:
+    def _prepare(self, mb: PackedBatch, ring: Ring | None = None) -> PackedBatch:
         """A micro-batch as the model takes it: this CP rank's zigzag shard, padded for SP, on the device.
 
         CP first, then SP: the SP padding of the local shard is one more (even) zigzag segment, the
         same on every CP rank. Zigzag padding continues each document's positions, so for learned
         position tables they are clamped to the table (padding is masked out of the loss and never
-        attended to by real tokens, so what it reads does not matter).
+        attended to by real tokens, so what it reads does not matter). Under HDP `mb` is already this
+        rank's part (a ring's shard, `HdpRuntime.micro_batches`), and `ring` is bound to it last.
         """
         p = self.cfg.parallel
-        if p.cp > 1:
+        sharded = ring is not None if p.hdp else p.cp > 1
+        if p.cp > 1 and not p.hdp:
             mb = shard_batch(mb, zigzag_plan(mb.cu_seqlens, p.cp), self.mesh.cp_rank)
-            if self.cfg.model.position_embedding == "learned":
-                mb.position_ids = mb.position_ids.clamp(max=self.cfg.model.max_position_embeddings - 1)
+        if sharded and self.cfg.model.position_embedding == "learned":
+            mb.position_ids = mb.position_ids.clamp(max=self.cfg.model.max_position_embeddings - 1)
         if p.sequence_parallel:
-            mb = pad_for_sequence_parallel(mb, self.mesh.dims.tp, even=p.cp > 1)
-        return mb.to(self.device)
+            mb = pad_for_sequence_parallel(mb, self.mesh.dims.tp, even=sharded)
+        mb = mb.to(self.device)
+        if p.hdp:
+            bind_ring(mb.cu_seqlens, ring)
+        return mb
 
     def _micro_batch_loss(self, mb: PackedBatch) -> torch.Tensor:
-        """Summed token loss of one packed micro-batch under the precision recipe (no pipeline).
+        """Summed token loss of one prepared micro-batch under the precision recipe (no pipeline).
         Training and evaluation share it."""
-        mb = self._prepare(mb)
         with autocast(self.cfg.precision, self.device):
             logits = self.model(mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
         return self.loss_fn(logits, mb.labels, mb.loss_mask)
@@ -236,22 +252,27 @@ class Trainer:
         Returns this DP rank's summed (unnormalised) loss, its input tokens and their model FLOPs
         (CP ranks share the samples: the loss is summed over their shards, tokens are counted once).
         """
-        t = self.cfg.trainer
-        loss_total = torch.zeros((), device=self.device)
-        tokens, flops = 0, 0.0
-        self.model.train()
-        batches = micro_batches(samples, t.micro_batch_size)
-        self.reducer.start_step(len(batches))
-        for mb in batches:
-            tokens += mb.num_tokens
-            flops += training_flops(self.cfg.model, mb.doc_lengths)
+        batches = micro_batches(samples, self.cfg.trainer.micro_batch_size)
+        tokens = sum(mb.num_tokens for mb in batches)
+        flops = sum(training_flops(self.cfg.model, mb.doc_lengths) for mb in batches)
         first_mb = self.mesh.dp_rank * len(batches)  # global micro-batch index: DP replicas draw apart
+        ids = list(range(first_mb, first_mb + len(batches)))
+        loss_total = self._accumulate([self._prepare(mb) for mb in batches], ids, n_loss_tokens, step)
+        self._all_reduce(loss_total, self.mesh.cp_group)  # each CP rank has the loss of its tokens
+        return loss_total, tokens, flops
+
+    def _accumulate(self, batches: list[PackedBatch], ids: list[int], n_loss_tokens: int, step: int) -> torch.Tensor:
+        """Forward and backward of prepared micro-batches (`ids`: their global indices, which seed random
+        rounding), gradients accumulated and reduced; returns this rank's summed loss."""
+        self.model.train()
+        self.reducer.start_step(len(batches))
         if self.pipeline is not None:  # the schedule runs forward and backward of all micro-batches
-            self.pipeline.before_forward = lambda chunk, i: set_precision_step(chunk, step, first_mb + i)
-            loss_total = self.pipeline.step([self._prepare(mb) for mb in batches], n_loss_tokens)
+            self.pipeline.before_forward = lambda chunk, i: set_precision_step(chunk, step, ids[i])
+            loss_total = self.pipeline.step(batches, n_loss_tokens)
         else:
-            for i, mb in enumerate(batches):
-                set_precision_step(self.model, step, first_mb + i)
+            loss_total = torch.zeros((), device=self.device)
+            for mb, mb_id in zip(batches, ids, strict=True):
+                set_precision_step(self.model, step, mb_id)
                 loss_sum = self._micro_batch_loss(mb)
                 (loss_sum / n_loss_tokens).backward()
                 loss_total += loss_sum.detach()
@@ -259,12 +280,18 @@ class Trainer:
         if self.pipeline is not None:
             self.pipeline.sync_tied_embedding_grads()
             self._all_reduce(loss_total, self.mesh.pp_group)  # only the last stage computed it
-        self._all_reduce(loss_total, self.mesh.cp_group)  # each CP rank has the loss of its tokens
-        return loss_total, tokens, flops
+        return loss_total
 
     def forward_backward_step(self, step: int) -> tuple[torch.Tensor, int, int, float]:
         """forward_backward on this rank's share of global batch `step`; also returns the step's
         global loss-token count (the normaliser, summed over DP)."""
+        if self.hdp is not None:  # every rank plans the step and reads only its own micro-batches
+            local, n_loss_tokens = self.hdp.micro_batches(self.data.train, step, self.cfg.trainer.global_batch_size)
+            batches = [self._prepare(m.batch, m.ring) for m in local]
+            loss_total = self._accumulate(batches, [m.plan_index for m in local], max(n_loss_tokens, 1), step)
+            tokens = sum(map(sum, (m.counted_doc_lengths for m in local)))
+            flops = sum(training_flops(self.cfg.model, m.counted_doc_lengths) for m in local)
+            return loss_total, max(n_loss_tokens, 1), tokens, flops
         samples = self.local_samples(step)
         n_loss_tokens = int(self._all_reduce(torch.tensor(loss_token_count(samples)), self.mesh.dp_group))
         loss_total, tokens, flops = self.forward_backward(samples, max(n_loss_tokens, 1), step)
@@ -308,7 +335,7 @@ class Trainer:
         loss_total, n_loss_tokens, tokens, flops = self.forward_backward_step(step)
         grad_norm, lr = self.optimizer_step(step)
         totals = self._all_reduce(torch.tensor([loss_total.item(), tokens, flops], dtype=torch.float64),
-                                  self.mesh.dp_group)
+                                  self.batch_group)
         return StepResult(loss=totals[0].item() / n_loss_tokens, grad_norm=grad_norm, lr=lr,
                           tokens=int(totals[1]), flops=float(totals[2]))
 
@@ -320,19 +347,27 @@ class Trainer:
         t = self.cfg.trainer
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64)
+        if self.pipeline is not None:
+            self.pipeline.before_forward = None  # a forward has no random rounding to seed
         for i in range(t.eval_iters):
-            samples = self.local_samples(i, self.data.valid)
-            batches = micro_batches(samples, t.micro_batch_size)
+            if self.hdp is not None:
+                local, n_loss_tokens = self.hdp.micro_batches(self.data.valid, i, t.global_batch_size)
+                batches = [self._prepare(m.batch, m.ring) for m in local]
+                totals[1] += n_loss_tokens if self.hdp.index == 0 else 0  # the global count, once per domain
+            else:
+                samples = self.local_samples(i, self.data.valid)
+                batches = [self._prepare(mb) for mb in micro_batches(samples, t.micro_batch_size)]
+                totals[1] += loss_token_count(samples)
             if self.pipeline is not None:
-                totals[0] += self.pipeline.forward_only([self._prepare(mb) for mb in batches]).item()
+                totals[0] += self.pipeline.forward_only(batches).item()
             else:
                 for mb in batches:
                     totals[0] += self._micro_batch_loss(mb).item()
-            totals[1] += loss_token_count(samples)
         self.model.train()
         self._all_reduce(totals[:1], self.mesh.pp_group)  # the loss lives on the last stage
-        self._all_reduce(totals[:1], self.mesh.cp_group)  # CP ranks hold the losses of their shards
-        self._all_reduce(totals, self.mesh.dp_group)
+        if self.hdp is None:
+            self._all_reduce(totals[:1], self.mesh.cp_group)  # CP ranks hold the losses of their shards
+        self._all_reduce(totals, self.batch_group)
         return (totals[0] / max(totals[1], 1)).item()
 
     # ------------------------------------------------------------------ the loop
@@ -409,6 +444,8 @@ class Trainer:
 
     def _context_note(self) -> str:
         p = self.cfg.parallel
+        if p.hdp:
+            return f" cp={p.cp} hdp (C={p.hdp_capacity} tokens, {self.hdp.cost.name} cost)"
         return f" cp={p.cp} ({p.cp_comm})" if p.cp > 1 else ""
 
     def _log_summary(self, s: TrainSummary) -> None:
@@ -424,6 +461,17 @@ class Trainer:
             log.info(f"checkpoint: {s.checkpoint}")
             log.info(f"sample from it: megalm-generate {s.checkpoint} --prompt 'def '")
         log.info(f"metrics: {self.run_dir / 'metrics.jsonl'}")
+
+
+def hdp_cost_model(cfg: MegalmConfig) -> CostModel:
+    """`parallel.hdp_cost`: a preset or YAML (megalm.parallel.hdp_cost.load_cost); unset, the first-principles
+    model of this model's shape on H100s, one HDP rank = one TP group (only the balance depends on it)."""
+    if cfg.parallel.hdp_cost:
+        return load_cost(cfg.parallel.hdp_cost)
+    m = cfg.model
+    shape = ModelShape(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_heads, kv_heads=m.num_kv_heads,
+                       ffn=m.ffn_hidden_size, vocab=m.vocab_size)
+    return preset(shape, tp=cfg.parallel.tp)
 
 
 def check_same_config_on_all_ranks(cfg: MegalmConfig, mesh: ParallelMesh) -> None:

@@ -46,7 +46,7 @@ def test_dp_defaults_to_what_is_left():
     (4, ["parallel.cp=2", "parallel.pp=2", "parallel.recompute=[full,selective]"], "recompute=selective does not "
      "combine with parallel.cp=2"),
     (6, ["parallel.cp=4"], "world size 6 is not divisible by tp.pp.cp"),
-    (1, ["parallel.hdp=true"], "parallel.hdp=true is not implemented yet"),
+    (1, ["parallel.hdp=true"], "parallel.hdp=true balances documents of different lengths; set data.varlen=true"),
     (1, ["parallel.vpp=2", "parallel.pp_schedule=interleaved"], "needs pipeline parallelism"),
     (2, ["parallel.pp=2", "parallel.vpp=2"], "needs parallel.pp_schedule=interleaved"),
     (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved"], "needs parallel.vpp>1"),

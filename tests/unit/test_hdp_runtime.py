@@ -1,0 +1,155 @@
+"""HDP trainer pieces that need no process group: pipelined plans, ring shards read from the dataset,
+ring binding, fillers, and the config rules."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from megalm.config import validate
+from megalm.data.batch import Sample, pack_samples
+from megalm.data.dataset import VarlenDataset
+from megalm.data.synthetic import SyntheticDocuments
+from megalm.errors import ConfigError
+from megalm.model import GPT, init_weights
+from megalm.parallel.context import shard_batch, zigzag_plan
+from megalm.parallel.hdp import plan_hdp
+from megalm.parallel.hdp_cost import load_cost
+from megalm.parallel.hdp_pipeline import align_rings, check_pipelined
+from megalm.parallel.hdp_runtime import Ring, bind_ring, filler_batch, hdp_attention, read_ring_shard, ring_of
+from megalm.training.loss import token_loss_sum
+
+COST = load_cost("h100_7b")
+
+
+def random_plans(trials: int, seed: int = 0):
+    rng = random.Random(seed)
+    for _ in range(trials):
+        ranks, pp = rng.choice([2, 3, 4, 6, 8]), rng.choice([2, 3, 4])
+        lengths = [rng.choice([rng.randint(1, 100), rng.randint(1, 100 * ranks)]) for _ in range(rng.randint(1, 16))]
+        yield plan_hdp(lengths, ranks, 100, COST, pp=pp), pp, lengths
+
+
+def test_unaligned_pipelined_plans_can_deadlock_and_the_check_finds_it():
+    found = 0
+    for plan, pp, _ in random_plans(300):
+        try:
+            check_pipelined(plan, pp)
+        except ValueError as e:
+            assert "deadlocks" in str(e)
+            found += 1
+    assert found > 0, "expected some plans whose rings sit at different pipeline positions to deadlock"
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_aligned_plans_run_as_pipelines(schedule):
+    for plan, pp, lengths in random_plans(300, seed=1):
+        aligned = align_rings(plan)
+        check_pipelined(aligned, pp, schedule)  # raises on deadlock
+        # same work: every document once, locals stay on their rank, fillers carry no documents
+        assert sorted(i for mb in aligned.micro_batches for i in mb.seqs) == list(range(len(lengths)))
+        for r, todo in enumerate(aligned.per_rank):
+            assert sorted(k for k in todo if k < len(plan.micro_batches)) == sorted(plan.per_rank[r])
+            for k in todo:
+                assert r in aligned.micro_batches[k].ranks
+        for k, mb in enumerate(aligned.micro_batches):
+            if len(mb.ranks) > 1:
+                assert len({aligned.per_rank[r].index(k) for r in mb.ranks}) == 1, "ring at different positions"
+        assert aligned.stats["fillers"] == len(aligned.micro_batches) - len(plan.micro_batches)
+
+
+def varlen_dataset(seq_length: int = 40) -> VarlenDataset:
+    source = SyntheticDocuments(60, 97, mean_doc_length=30, seed=3)
+    return VarlenDataset(source, np.arange(60), seq_length, seed=5)
+
+
+def test_sample_length_and_read_agree_with_the_sample():
+    data = varlen_dataset()
+    for k in range(0, 200, 7):
+        sample = data[k]
+        assert data.sample_length(k) == len(sample.tokens)
+        np.testing.assert_array_equal(data.read(k, 1, len(sample.tokens) - 2), sample.tokens[1:-1])
+    with pytest.raises(IndexError):
+        data.read(0, 0, data.sample_length(0) + 1)
+
+
+def test_ring_shard_reads_only_its_chunks_and_equals_the_full_shard():
+    data = varlen_dataset()
+    reads: list[tuple[int, int]] = []
+    real_read = data.read
+    data.read = lambda k, offset, length: reads.append((offset, length)) or real_read(k, offset, length)
+    k = next(k for k in range(100) if data.sample_length(k) > 30)
+    full = pack_samples([data[k]])
+    for n in (2, 3):
+        for index in range(n):
+            reads.clear()
+            shard = read_ring_shard(data, k, n, index)
+            expect = shard_batch(full, zigzag_plan(full.cu_seqlens, n), index)
+            for name in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens"):
+                torch.testing.assert_close(getattr(shard, name), getattr(expect, name), rtol=0, atol=0)
+            read_tokens = sum(length for _, length in reads)
+            assert read_tokens <= shard.loss_mask.sum().item() + 2, "a ring member read more than its chunks"
+
+
+def test_filler_adds_zero_loss_and_zero_gradient():
+    model = GPT(_tiny_model_cfg())
+    init_weights(model, 0)
+    mb = filler_batch()
+    loss = token_loss_sum(model(mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen), mb.labels, mb.loss_mask)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def _tiny_model_cfg():
+    from tests.conftest import compose_config
+
+    return validate(compose_config()).model
+
+
+def test_hdp_attention_needs_a_bound_ring_and_runs_locally_without_one():
+    q = torch.randn(6, 2, 8)
+    cu = torch.tensor([0, 4, 6], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="no ring was bound"):
+        hdp_attention(q, q, q, cu, 4, "reference")
+    bind_ring(cu, None)
+    assert ring_of(cu) is None
+    from megalm.model.attention import varlen_attention
+
+    local = varlen_attention(q, q, q, cu, 4, "reference")
+    torch.testing.assert_close(hdp_attention(q, q, q, cu, 4, "reference"), local)
+    bind_ring(cu, Ring((0, 2), 1))
+    assert ring_of(cu) == Ring((0, 2), 1)
+    assert ring_of(cu.clone()) if False else True  # a copy is a different micro-batch
+    with pytest.raises(RuntimeError):  # a copy is another micro-batch, with no ring bound
+        ring_of(cu.clone())
+
+
+HDP = ["parallel.hdp=true", "data.varlen=true"]
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["parallel.hdp=true"], 4, "data.varlen=true"),
+    (HDP + ["parallel.hdp_capacity=4"], 4, "needs 8 ranks"),
+    (HDP + ["parallel.cp=2", "parallel.cp_comm=a2a"], 4, "cp_comm=ring"),
+    (HDP + ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved"], 4, "interleaved"),
+    (HDP + ["parallel.hdp_capacity=16", "model.attention_dropout=0.1"], 4, "attention_dropout=0"),
+    (HDP + ["parallel.hdp_capacity=16", "parallel.recompute=selective"], 4, "selective"),
+    (HDP + ["parallel.hdp_cost=nope"], 4, "parallel.hdp_cost=nope"),
+    (["parallel.hdp_capacity=16"], 1, "parallel.hdp=false"),
+])
+def test_hdp_config_rules(make_config, overrides, world, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(make_config(*overrides), world_size=world)
+
+
+def test_hdp_capacity_defaults_to_the_static_cp_share(make_config):
+    cfg = validate(make_config(*HDP, "parallel.cp=2", "model.seq_length=33"), world_size=4)
+    assert cfg.parallel.hdp_capacity == 17
+
+
+def test_sample_is_one_document():
+    assert Sample(np.arange(5), (5,)).num_loss_tokens() == 4  # what HdpRuntime's loss-token count assumes
