@@ -78,7 +78,8 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = 300
-    global_batch_size: int = 12  # samples per optimizer step
+    global_batch_size: int = 12  # samples per optimizer step (unless tokens_per_step is set)
+    tokens_per_step: int | None = None  # varlen data: a token budget per step instead (samples while they fit)
     micro_batch_size: int = 6  # samples per forward/backward
     log_interval: int = 10
     eval_interval: int = 100  # 0: never
@@ -246,6 +247,11 @@ def validate(cfg: MegalmConfig, world_size: int = 1) -> MegalmConfig:
     if t.stop_at_step is not None and not 0 < t.stop_at_step <= t.max_steps:
         raise ConfigError(f"trainer.stop_at_step={t.stop_at_step} must be in [1, trainer.max_steps={t.max_steps}]")
     _choice(t.device, "trainer.device", ("auto", "cpu", "cuda"))
+    if t.tokens_per_step is not None:
+        _positive(t.tokens_per_step, "trainer.tokens_per_step")
+        if not cfg.data.varlen:
+            raise ConfigError("trainer.tokens_per_step is a budget over documents of different lengths; set "
+                              "data.varlen=true, or use trainer.global_batch_size for packed samples")
 
     _choice(cfg.parallel.cp_comm, "parallel.cp_comm", ("ring", "a2a"))
     _choice(cfg.parallel.pp_schedule, "parallel.pp_schedule", ("1f1b", "interleaved", "zb"))

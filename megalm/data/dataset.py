@@ -239,6 +239,41 @@ class VarlenDataset(_DocumentSampler):
 SampleDataset = PackedDataset | VarlenDataset
 
 
+class TokenBudgetSteps:
+    """Which samples each step takes under a token budget (`trainer.tokens_per_step`, varlen data).
+
+    Step s takes samples start(s), start(s) + 1, ... while their input tokens fit the budget, and at
+    least one; start(s + 1) is where step s stopped. Still a function of (seed, step) only, never of
+    the layout. Boundaries are found forward from a known point: sample 0 at step 0, or a checkpoint's
+    cursor (`next_sample`) when resuming, so a resumed run does not rescan its whole history.
+    """
+
+    def __init__(self, dataset: VarlenDataset, tokens_per_step: int, first_step: int = 0, first_sample: int = 0):
+        if tokens_per_step < 1:
+            raise ValueError(f"tokens_per_step={tokens_per_step} must be >= 1")
+        self.dataset, self.budget = dataset, int(tokens_per_step)
+        self.first_step = first_step
+        self._starts = [int(first_sample)]  # _starts[i] = first sample of step first_step + i
+
+    def start(self, step: int) -> int:
+        if step < self.first_step:
+            raise IndexError(f"step {step} is before step {self.first_step}, where these boundaries start")
+        while len(self._starts) <= step - self.first_step:
+            k, total = self._starts[-1], 0
+            while True:
+                n = self.dataset.sample_length(k) - 1
+                if total and total + n > self.budget:
+                    break
+                total += n
+                k += 1
+            self._starts.append(k)
+        return self._starts[step - self.first_step]
+
+    def ids(self, step: int) -> range:
+        """Sample indices of step `step`."""
+        return range(self.start(step), self.start(step + 1))
+
+
 def global_batch(dataset: SampleDataset, step: int, global_batch_size: int) -> list[Sample]:
     """The samples of optimizer step `step`: step*gbs ... step*gbs + gbs - 1, whatever the layout."""
     first = step * global_batch_size
@@ -246,16 +281,17 @@ def global_batch(dataset: SampleDataset, step: int, global_batch_size: int) -> l
 
 
 def micro_batches(samples: list[Sample], micro_batch_size: int, dp_rank: int = 0,
-                  dp_size: int = 1) -> list[PackedBatch]:
+                  dp_size: int = 1, partial_last: bool = False) -> list[PackedBatch]:
     """DP rank r's share of a global batch: its contiguous slice of len/dp samples, packed in
     consecutive groups of `micro_batch_size`. Concatenating all ranks' micro-batches in order gives
-    back the global batch."""
+    back the global batch. `partial_last` (token budgets: sample counts vary) lets the last group be
+    smaller."""
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} out of range [0, {dp_size})")
     if len(samples) % dp_size:
         raise ValueError(f"{len(samples)} samples do not split evenly over dp_size={dp_size}")
     per_rank = len(samples) // dp_size
-    if per_rank % micro_batch_size:
+    if per_rank % micro_batch_size and not partial_last:
         raise ValueError(f"{per_rank} samples per rank are not a multiple of "
                          f"micro_batch_size={micro_batch_size}")
     mine = samples[dp_rank * per_rank:(dp_rank + 1) * per_rank]

@@ -81,7 +81,7 @@ def validate_layout(cfg, world_size: int) -> ParallelDims:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp>1; set parallel.tp or turn it off")
     _validate_context(cfg)
     _validate_hdp(cfg)
-    if not p.hdp and t.global_batch_size % (t.micro_batch_size * p.dp):
+    if not p.hdp and t.tokens_per_step is None and t.global_batch_size % (t.micro_batch_size * p.dp):
         raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
                           f"micro_batch_size*dp={t.micro_batch_size}*{p.dp}; change one of them")
     _validate_pipeline(cfg)
@@ -166,6 +166,9 @@ def _validate_pipeline(cfg) -> None:
         raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp_schedule=interleaved "
                           f"(got {p.pp_schedule}); set it or use parallel.vpp=1")
     micro_batches = t.global_batch_size // (t.micro_batch_size * p.dp)
+    if p.pp_schedule == "interleaved" and p.pp > 1 and t.tokens_per_step is not None:
+        raise ConfigError("trainer.tokens_per_step gives steps different micro-batch counts, which interleaved "
+                          "pipelining cannot take; use parallel.pp_schedule=1f1b or zb, or trainer.global_batch_size")
     if p.pp_schedule == "interleaved" and p.pp > 1 and not p.hdp and micro_batches % p.pp:
         raise ConfigError(f"interleaved pipelining needs micro-batches per step ({micro_batches} = global_batch_size/"
                           f"(micro_batch_size*dp)) to be a multiple of parallel.pp={p.pp}; change the batch sizes")

@@ -149,12 +149,9 @@ class HdpRuntime:
         self.last_plan = plan
         return plan
 
-    def micro_batches(self, dataset: VarlenDataset, step: int, global_batch_size: int
-                      ) -> tuple[list[HdpMicroBatch], int]:
-        """This rank's micro-batches of global batch `step`, in plan order, and the batch's loss-token
-        count (one document per sample: every input token carries a loss)."""
-        first = step * global_batch_size
-        ids = range(first, first + global_batch_size)
+    def micro_batches(self, dataset: VarlenDataset, ids: range) -> tuple[list[HdpMicroBatch], int]:
+        """This rank's micro-batches of the global batch of samples `ids`, in plan order, and the batch's
+        loss-token count (one document per sample: every input token carries a loss)."""
         lengths = [dataset.sample_length(k) - 1 for k in ids]
         plan = self.plan(lengths)
         out = []

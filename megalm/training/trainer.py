@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megalm.config import MegalmConfig, config_to_dict, validate
 from megalm.data.batch import PackedBatch, Sample
-from megalm.data.dataset import SampleDataset, build_datasets, loss_token_count, micro_batches
+from megalm.data.dataset import SampleDataset, TokenBudgetSteps, build_datasets, loss_token_count, micro_batches
 from megalm.errors import CheckpointError, ConfigError, MegalmError
 from megalm.model import GPT, init_weights, num_parameters
 from megalm.parallel.context import shard_batch, zigzag_plan
@@ -134,6 +134,9 @@ class Trainer:
         self.optimizer = (build_zero1_optimizer(self.model, cfg.optim, self.reducer) if p.zero1
                           else build_optimizer(self.model, cfg.optim))
         self.config_dict = config_to_dict(cfg)
+        budget = cfg.trainer.tokens_per_step
+        self.train_steps = TokenBudgetSteps(self.data.train, budget) if budget else None
+        self.valid_steps = TokenBudgetSteps(self.data.valid, budget) if budget and self.data.valid else None
         self.step = 0
         self.consumed_tokens = 0
         self.resumed_from: Path | None = None
@@ -184,8 +187,9 @@ class Trainer:
             return
         meta = ckpt.read_checkpoint_meta(path)
         ckpt.check_model_config(meta.config.get("model", {}), self.config_dict["model"], path)
-        for key, current in (("seed", self.cfg.seed), ("global_batch_size", self.cfg.trainer.global_batch_size),
-                             ("varlen", self.cfg.data.varlen)):
+        t = self.cfg.trainer
+        for key, current in (("seed", self.cfg.seed), ("global_batch_size", t.global_batch_size),
+                             ("varlen", self.cfg.data.varlen), ("tokens_per_step", t.tokens_per_step)):
             if meta.state.get(key) != current:
                 raise CheckpointError(f"checkpoint {path} was trained with {key}={meta.state.get(key)}, this run "
                                       f"has {current}; resuming would change the data order — set it back or "
@@ -193,26 +197,39 @@ class Trainer:
         ckpt.load_checkpoint(path, self.model, self.optimizer, self.mesh)
         self.step = meta.state["step"]
         self.consumed_tokens = meta.state["consumed_tokens"]
+        if t.tokens_per_step:  # continue the step boundaries from the checkpoint's cursor
+            cursor = meta.state["next_sample"]
+            self.train_steps = TokenBudgetSteps(self.data.train, t.tokens_per_step, self.step, cursor)
         self.resumed_from = path
         log.info(f"resumed from {path} at step {self.step}")
 
     def save(self) -> Path:
         state = {"consumed_tokens": self.consumed_tokens, "seed": self.cfg.seed,
                  "global_batch_size": self.cfg.trainer.global_batch_size, "varlen": self.cfg.data.varlen,
-                 "tokenizer": getattr(self.data.tokenizer, "spec", None)}
+                 "tokenizer": getattr(self.data.tokenizer, "spec", None),
+                 "tokens_per_step": self.cfg.trainer.tokens_per_step}
+        if self.train_steps is not None:
+            state["next_sample"] = self.train_steps.start(self.step)
         return ckpt.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state,
                                     self.config_dict, self.cfg.trainer.keep_last, self.mesh)
 
     # ------------------------------------------------------------------ one step
 
+    def step_sample_ids(self, step: int, dataset: SampleDataset | None = None) -> range:
+        """The sample indices of global batch `step`: `global_batch_size` of them, or as many as fit
+        `trainer.tokens_per_step` (a function of (seed, step) only, whatever the layout)."""
+        t = self.cfg.trainer
+        if t.tokens_per_step is None:
+            return range(step * t.global_batch_size, (step + 1) * t.global_batch_size)
+        return (self.valid_steps if dataset is self.data.valid else self.train_steps).ids(step)
+
     def local_samples(self, step: int, dataset: SampleDataset | None = None) -> list[Sample]:
         """This DP rank's contiguous slice of global batch `step` (TP ranks of a DP rank share it);
-        only these samples are read, so no rank reads another's data."""
+        only these samples are read, so no rank reads another's data. Under a token budget the
+        slices differ by at most one sample (a rank may get none)."""
         dataset = self.data.train if dataset is None else dataset
-        gbs, dp = self.cfg.trainer.global_batch_size, self.mesh.dims.dp
-        per_rank = gbs // dp
-        first = step * gbs + self.mesh.dp_rank * per_rank
-        return [dataset[first + i] for i in range(per_rank)]
+        ids, dp, rank = self.step_sample_ids(step, dataset), self.mesh.dims.dp, self.mesh.dp_rank
+        return [dataset[k] for k in ids[rank * len(ids) // dp:(rank + 1) * len(ids) // dp]]
 
     def _prepare(self, mb: PackedBatch, ring: Ring | None = None) -> PackedBatch:
         """A micro-batch as the model takes it: this CP rank's zigzag shard, padded for SP, on the device.
@@ -252,7 +269,8 @@ class Trainer:
         Returns this DP rank's summed (unnormalised) loss, its input tokens and their model FLOPs
         (CP ranks share the samples: the loss is summed over their shards, tokens are counted once).
         """
-        batches = micro_batches(samples, self.cfg.trainer.micro_batch_size)
+        batches = micro_batches(samples, self.cfg.trainer.micro_batch_size,
+                                partial_last=self.train_steps is not None)
         tokens = sum(mb.num_tokens for mb in batches)
         flops = sum(training_flops(self.cfg.model, mb.doc_lengths) for mb in batches)
         first_mb = self.mesh.dp_rank * len(batches)  # global micro-batch index: DP replicas draw apart
@@ -286,7 +304,7 @@ class Trainer:
         """forward_backward on this rank's share of global batch `step`; also returns the step's
         global loss-token count (the normaliser, summed over DP)."""
         if self.hdp is not None:  # every rank plans the step and reads only its own micro-batches
-            local, n_loss_tokens = self.hdp.micro_batches(self.data.train, step, self.cfg.trainer.global_batch_size)
+            local, n_loss_tokens = self.hdp.micro_batches(self.data.train, self.step_sample_ids(step))
             batches = [self._prepare(m.batch, m.ring) for m in local]
             loss_total = self._accumulate(batches, [m.plan_index for m in local], max(n_loss_tokens, 1), step)
             tokens = sum(map(sum, (m.counted_doc_lengths for m in local)))
@@ -351,12 +369,13 @@ class Trainer:
             self.pipeline.before_forward = None  # a forward has no random rounding to seed
         for i in range(t.eval_iters):
             if self.hdp is not None:
-                local, n_loss_tokens = self.hdp.micro_batches(self.data.valid, i, t.global_batch_size)
+                local, n_loss_tokens = self.hdp.micro_batches(self.data.valid, self.step_sample_ids(i, self.data.valid))
                 batches = [self._prepare(m.batch, m.ring) for m in local]
                 totals[1] += n_loss_tokens if self.hdp.index == 0 else 0  # the global count, once per domain
             else:
                 samples = self.local_samples(i, self.data.valid)
-                batches = [self._prepare(mb) for mb in micro_batches(samples, t.micro_batch_size)]
+                packed = micro_batches(samples, t.micro_batch_size, partial_last=self.valid_steps is not None)
+                batches = [self._prepare(mb) for mb in packed]
                 totals[1] += loss_token_count(samples)
             if self.pipeline is not None:
                 totals[0] += self.pipeline.forward_only(batches).item()

@@ -11,7 +11,7 @@ import torch
 
 from megalm.config import validate
 from megalm.data.batch import Sample, pack_samples
-from megalm.data.dataset import VarlenDataset
+from megalm.data.dataset import TokenBudgetSteps, VarlenDataset
 from megalm.data.synthetic import SyntheticDocuments
 from megalm.errors import ConfigError
 from megalm.model import GPT, init_weights
@@ -153,3 +153,24 @@ def test_hdp_capacity_defaults_to_the_static_cp_share(make_config):
 
 def test_sample_is_one_document():
     assert Sample(np.arange(5), (5,)).num_loss_tokens() == 4  # what HdpRuntime's loss-token count assumes
+
+
+def test_token_budget_steps_fill_the_budget_and_resume_from_a_cursor():
+    data = varlen_dataset()
+    steps = TokenBudgetSteps(data, 100)
+    inputs = lambda ids: sum(data.sample_length(k) - 1 for k in ids)
+    for step in range(20):
+        ids = steps.ids(step)
+        assert len(ids) >= 1 and ids.start == (steps.ids(step - 1).stop if step else 0)
+        assert len(ids) == 1 or inputs(ids) <= 100, "over the budget with more than one sample"
+        assert inputs(range(ids.start, ids.stop + 1)) > 100, "the next sample would have fitted"
+    resumed = TokenBudgetSteps(data, 100, first_step=7, first_sample=steps.start(7))
+    assert [resumed.ids(s) for s in range(7, 20)] == [steps.ids(s) for s in range(7, 20)]
+    with pytest.raises(IndexError):
+        resumed.ids(3)
+    assert TokenBudgetSteps(data, 1).ids(0) == range(0, 1)  # a sample longer than the budget still runs
+
+
+def test_token_budget_needs_varlen_data(make_config):
+    with pytest.raises(ConfigError, match="data.varlen=true"):
+        validate(make_config("trainer.tokens_per_step=100"))
