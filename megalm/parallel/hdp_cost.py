@@ -336,6 +336,7 @@ def preset(
         shape, tp = SHAPES[model], tp or DEFAULT_TP[model]
     else:
         raise ValueError(f"unknown model {model!r}; known: {sorted(SHAPES)}")
+    label = model if isinstance(model, str) else f"{shape.layers}L-{shape.hidden}h"
     flops = hw.peak_flops * tp * (0.9 if tp > 1 else 1.0)
     e, f = memory_model(shape, tp)
     return CostModel(
@@ -352,7 +353,7 @@ def preset(
         act_bytes=e,
         act_fixed=f,
         host_bw=hw.host_bw,
-        name=f"h100_{model}" if isinstance(model, str) and hw == H100 else str(model),
+        name=f"h100_{label}" if hw == H100 else label,
     )
 
 

@@ -18,17 +18,22 @@ def losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_torchrun_tp2_dp2_matches_single_process(tmp_path):
-    common = [*TINY, "trainer.max_steps=4", "precision=fp32", "trainer.micro_batch_size=2"]
+def assert_torchrun_matches_single_process(tmp_path: Path, common: list[str], parallel: list[str]) -> None:
     single = run([sys.executable, "-m", "megalm.train", *common, "hydra.run.dir=single"], tmp_path)
     assert single.returncode == 0, single.stderr
-    multi = run([*TORCHRUN, "--nproc-per-node", "4", "-m", "megalm.train", *common, "parallel.tp=2",
-                 "parallel.dp=2", "parallel.sequence_parallel=true", "hydra.run.dir=multi"], tmp_path)
+    multi = run([*TORCHRUN, "--nproc-per-node", "4", "-m", "megalm.train", *common, *parallel, "hydra.run.dir=multi"],
+                tmp_path)
     assert multi.returncode == 0, multi.stderr[-3000:]
     a, b = losses(tmp_path / "single"), losses(tmp_path / "multi")
     assert len(a) == len(b) == 4
     for x, y in zip(b, a, strict=True):
         assert abs(x - y) <= 1e-5 * abs(y), (b, a)
+
+
+def test_torchrun_tp2_dp2_matches_single_process(tmp_path):
+    common = [*TINY, "trainer.max_steps=4", "precision=fp32", "trainer.micro_batch_size=2"]
+    assert_torchrun_matches_single_process(tmp_path, common, ["parallel.tp=2", "parallel.dp=2",
+                                                              "parallel.sequence_parallel=true"])
     assert not any(p.name != "multi" and p.name != "single" for p in tmp_path.iterdir() if p.is_dir()), \
         "all ranks must share rank 0's run dir"
 
@@ -45,3 +50,11 @@ def test_bad_layout_fails_on_every_rank_without_hanging(tmp_path, args, message)
     ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert len(ours) == 2 and all(message in ln for ln in ours), proc.stderr[-2000:]
     assert "megalm/" not in proc.stderr, "no traceback from megalm's code (torchrun adds its own report)"
+
+
+def test_torchrun_hdp_matches_single_process(tmp_path):
+    """HDP from the command line: dp2 x cp2 as one domain of 4, rings of up to 3 ranks, a token budget."""
+    common = [*TINY, "trainer.max_steps=4", "precision=fp32", "data.varlen=true", "model.seq_length=48",
+              "trainer.tokens_per_step=300"]
+    assert_torchrun_matches_single_process(tmp_path, common, ["parallel.hdp=true", "parallel.dp=2", "parallel.cp=2",
+                                                              "parallel.hdp_capacity=16"])

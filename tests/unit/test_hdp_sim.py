@@ -95,3 +95,21 @@ def test_cli_longtail_with_pipeline_and_capacity(capsys):
     capsys.readouterr()
     with pytest.raises(SystemExit):
         hdp_sim.main(["--ranks", "8", "--context", "8K"])
+
+
+def test_plan_tool_shows_the_trainers_plan(tmp_path, capsys):
+    from megalm.parallel.hdp import check_plan
+
+    spec = importlib.util.spec_from_file_location("hdp_plan", ROOT / "tools" / "hdp_plan.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    png = tmp_path / "plan.png"
+    overrides = ["parallel.hdp=true", "parallel.dp=4", "parallel.pp=2", "model.num_layers=2", "data.varlen=true",
+                 "data=synthetic", "data.synthetic.num_docs=200", "data.synthetic.mean_doc_length=40",
+                 "model.seq_length=48", "parallel.hdp_capacity=16", "trainer.tokens_per_step=300"]
+    plan, lengths = tool.main(["--step", "1", "--png", str(png), *overrides])
+    check_plan(plan, lengths, 4, 16)
+    assert sum(lengths) <= 300 and any(len(mb.ranks) > 1 for mb in plan.micro_batches)
+    out = capsys.readouterr().out
+    assert out.count("\nrank ") == 4 and "ring(" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

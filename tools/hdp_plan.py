@@ -1,0 +1,97 @@
+"""Show the HDP plan a training run executes at one step: which rank runs which documents, on which ring.
+
+    python tools/hdp_plan.py --step 0 --png plan.png parallel.hdp=true parallel.dp=8 data.varlen=true \
+        parallel.hdp_capacity=512 model.seq_length=2048 trainer.tokens_per_step=16384
+
+Arguments without dashes are the run's Hydra overrides (the same ones `megalm-train` gets; set
+`parallel.dp` and `parallel.cp`, since there is no torchrun world to derive them from). The tool
+reads the step's sample lengths exactly as the trainer does (no token is read), plans them with the
+trainer's planner and cost model (`megalm.parallel.hdp_runtime.HdpRuntime.plan`: with pp > 1 the
+rings are aligned across pipelines), prints one line per HDP rank, and with --png draws the plan as
+a Gantt chart on the cost model's clock (tools/hdp_sim.py's renderer: blue packed micro-batches,
+orange to red rings by size, grey their exposed ring traffic, yellow pipeline fill/drain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megalm.config import register_schema, to_dataclass, validate  # noqa: E402
+from megalm.data.dataset import TokenBudgetSteps, build_datasets  # noqa: E402
+from megalm.errors import ConfigError  # noqa: E402
+from megalm.parallel.dims import ParallelDims, ParallelMesh  # noqa: E402
+from megalm.parallel.hdp import Plan, simulate  # noqa: E402
+from megalm.parallel.hdp_runtime import HdpRuntime  # noqa: E402
+from megalm.train import CONFIG_DIR  # noqa: E402
+from megalm.training.trainer import hdp_cost_model  # noqa: E402
+
+
+def _hdp_sim():
+    spec = importlib.util.spec_from_file_location("hdp_sim", Path(__file__).with_name("hdp_sim.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def describe(plan: Plan, lengths: list[int]) -> list[str]:
+    """One line per HDP rank: its micro-batches in order, `[docs: tokens]` packed, `ring(d)@i` sharded."""
+    lines = []
+    for h, todo in enumerate(plan.per_rank):
+        parts = []
+        for k in todo:
+            mb = plan.micro_batches[k]
+            if not mb.seqs:
+                parts.append("filler")
+            elif len(mb.ranks) == 1:
+                parts.append(f"[{len(mb.seqs)} docs: {mb.tokens} tok]")
+            else:
+                parts.append(f"ring{mb.ranks}@{mb.ranks.index(h)} doc {mb.seqs[0]} ({lengths[mb.seqs[0]]} tok)")
+        lines.append(f"rank {h:>3}: " + " | ".join(parts))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> tuple[Plan, list[int]]:
+    """Plan and print (and draw) one step; returns the plan and the documents' input lengths."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--step", type=int, default=0, help="training step (0-based)")
+    p.add_argument("--png", default=None, help="write the plan's Gantt chart here")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides of the run")
+    args = p.parse_args(argv)
+
+    from hydra import compose, initialize_config_dir
+
+    register_schema()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = to_dataclass(compose(config_name="config", overrides=args.overrides))
+    par = cfg.parallel
+    if par.dp is None or not par.hdp:
+        raise ConfigError("set parallel.hdp=true and parallel.dp (and parallel.cp): the HDP domain is dp*cp ranks")
+    cfg = validate(cfg, world_size=par.tp * par.pp * par.cp * par.dp)
+    data = build_datasets(cfg)
+    t = cfg.trainer
+    ids = (TokenBudgetSteps(data.train, t.tokens_per_step).ids(args.step) if t.tokens_per_step
+           else range(args.step * t.global_batch_size, (args.step + 1) * t.global_batch_size))
+    lengths = [data.train.sample_length(k) - 1 for k in ids]
+    runtime = HdpRuntime(ParallelMesh(ParallelDims(cp=par.cp, dp=par.dp)), par.hdp_capacity, hdp_cost_model(cfg),
+                         par.pp, par.pp_schedule)
+    plan = runtime.plan(lengths)
+    sim = simulate(plan, runtime.cost, pp=par.pp)
+    print(f"step {args.step}: {len(lengths)} documents, {sum(lengths)} tokens over {runtime.num_ranks} HDP ranks, "
+          f"C = {par.hdp_capacity}, pp = {par.pp}; {plan.stats['rings']} rings, "
+          f"{plan.stats.get('fillers', 0)} fillers; estimated step {sim.step_time * 1e3:.2f} ms ({runtime.cost.name})")
+    print("\n".join(describe(plan, lengths)))
+    if args.png:
+        utilisation = sum(sim.compute) / (runtime.num_ranks * sim.step_time) if sim.step_time else 0.0
+        title = f"step {args.step} {runtime.num_ranks} ranks c {par.hdp_capacity} util {utilisation:.0%}"
+        _hdp_sim().draw_plan(args.png, plan, sim, 1.02 * max(sim.step_time, 1e-12), title)
+        print(f"wrote {args.png}")
+    return plan, lengths
+
+
+if __name__ == "__main__":
+    main()
