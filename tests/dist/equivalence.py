@@ -50,6 +50,26 @@ def assert_same_training(ref: Trainer, par: Trainer, rank: int, steps: int, para
                                    msg=lambda m, n=name: f"rank {rank} param {n} after {steps} steps: {m}")
 
 
+def assert_first_step_matches(ref: Trainer, par: Trainer, rank: int, samples: list) -> None:
+    """Step 0's gradients: `ref` (one process) on `samples`, `par` on its share of the same batch.
+    Every gradient by full-model name (not under ZeRO-1, which keeps shards) and the grad norm."""
+    from megalm.data.dataset import loss_token_count
+
+    ref.forward_backward(samples, loss_token_count(samples))
+    par.forward_backward_step(0)
+    if not par.cfg.parallel.zero1:  # ZeRO-1 keeps only gradient shards; its steps are compared later
+        assert_grads_match(ref, par, rank)
+    torch.testing.assert_close(par.grad_norm(), ref.grad_norm(), rtol=1e-5, atol=0)
+
+
+def assert_training_and_eval_match(ref: Trainer, par: Trainer, rank: int, steps: int, param_atol: float) -> None:
+    """After `assert_first_step_matches`: `steps` optimizer steps from scratch, then the validation loss."""
+    for t in (ref, par):
+        t.optimizer.zero_grad(set_to_none=True)
+    assert_same_training(ref, par, rank, steps, param_atol=param_atol)
+    assert abs(par.evaluate() - ref.evaluate()) <= 1e-5 * ref.evaluate()
+
+
 def train_and_record(rank: int, world_size: int, overrides: list[str], run_dir: str, out: str) -> None:
     """`Trainer.fit()` under `overrides`; rank 0 writes the per-step losses to `out` (JSON)."""
     summary = Trainer(compose_config(*overrides), run_dir).fit()
