@@ -283,9 +283,12 @@ def validate(cfg: MegalmConfig, world_size: int = 1) -> MegalmConfig:
             raise ConfigError(f"precision.forward={cfg.precision.forward} applies to the mxfp4 recipes only; "
                               f"remove it for precision={cfg.precision.name}")
     _choice(cfg.precision.backend, "precision.backend", ("native", "te"))
-    if cfg.precision.backend == "te" and not cfg.precision.name.startswith("fp8"):
-        raise ConfigError(f"precision.backend=te runs Transformer Engine's fp8 recipes; precision={cfg.precision.name} "
-                          "needs precision.backend=native")
+    if cfg.precision.backend == "te" and cfg.precision.name not in ("fp8", "fp8_delayed"):
+        raise ConfigError(f"precision.backend=te runs Transformer Engine's fp8 recipes (fp8, fp8_delayed); "
+                          f"precision={cfg.precision.name} needs precision.backend=native")
+    if cfg.precision.backend == "te" and cfg.parallel.tp > 1:
+        raise ConfigError(f"precision.backend=te swaps in TE's Linear, which megalm's tensor parallelism does not "
+                          f"shard; use parallel.tp=1 or precision.backend=native (tp={cfg.parallel.tp})")
     if cfg.parallel.pp_schedule == "zb" and cfg.parallel.pp > 1 and cfg.precision.name not in ("fp32", "bf16"):
         raise ConfigError(f"parallel.pp_schedule=zb does not combine with precision={cfg.precision.name} yet (both "
                           "replace the linear GEMM); use parallel.pp_schedule=1f1b or precision=bf16")

@@ -4,6 +4,8 @@
 - fp8*, mxfp8, mxfp4*: bf16 autocast for everything (attention, norms, the skipped layers) and the
   recipe's low-precision GEMMs in the linear layers (`precision/linear.py`, installed by
   `apply_recipe` on plain and tensor-parallel linear layers alike).
+- `precision.backend=te` with fp8 / fp8_delayed: Transformer Engine's Linear and fp8 recipes
+  (`precision/te.py`) when TE is importable; otherwise the native path, and the log says so.
 """
 
 from __future__ import annotations
@@ -23,9 +25,21 @@ def autocast(precision, device: torch.device) -> contextlib.AbstractContextManag
     recipes unless `precision.autocast` is false (then everything but the recipe's GEMMs runs in fp32).
     `precision` is a PrecisionConfig or a recipe name."""
     name = getattr(precision, "name", precision)
+    stack = contextlib.ExitStack()
     if name == "bf16" or (name != "fp32" and getattr(precision, "autocast", True)):
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+        stack.enter_context(torch.autocast(device_type=device.type, dtype=torch.bfloat16))
+    if uses_transformer_engine(name, getattr(precision, "backend", "native")):
+        from megalm.precision.te import te_autocast
+
+        stack.enter_context(te_autocast(name))
+    return stack
+
+
+def uses_transformer_engine(name: str, backend: str) -> bool:
+    """Whether recipe `name` under `backend` runs Transformer Engine's layers (te requested, TE importable)."""
+    from megalm.precision.te import TE_RECIPES
+
+    return backend == "te" and name in TE_RECIPES and transformer_engine_available()
 
 
 @functools.cache
@@ -43,17 +57,18 @@ def apply_recipe(model: nn.Module, name: str, forward: str | None = None, skip: 
     one-line description of what runs, for the log. fp32 and bf16 install nothing."""
     if name in ("fp32", "bf16"):
         return f"{name} (autocast only)"
-    if backend == "te":
-        from megalm.errors import ConfigError
+    skipped = f", skipping {list(skip)}" if skip else ""
+    fallback = ""
+    if uses_transformer_engine(name, backend):
+        from megalm.precision.te import apply_te, te_recipe
 
-        if not transformer_engine_available():
-            raise ConfigError("precision.backend=te but transformer_engine is not importable; install it or use "
-                              "precision.backend=native")
-        raise ConfigError("precision.backend=te is detected but not wired into megalm yet; use "
-                          "precision.backend=native (the native fp8 path uses torch._scaled_mm on Hopper)")
+        count = apply_te(model, name, list(skip))
+        return f"{name} on {count} linear layers (transformer_engine {type(te_recipe(name)).__name__}){skipped}"
+    if backend == "te":
+        log.warning("precision.backend=te but transformer_engine is not importable; running the native %s path", name)
+        fallback = ", transformer_engine not importable"
     from megalm.precision.linear import apply_precision, get_recipe
 
     recipe = get_recipe(name, forward=forward)
     states = apply_precision(model, recipe, skip=list(skip), seed=seed)
-    skipped = f", skipping {list(skip)}" if skip else ""
-    return f"{name} on {len(states)} linear layers (native emulation/scaled_mm){skipped}"
+    return f"{name} on {len(states)} linear layers (native emulation/scaled_mm{fallback}){skipped}"

@@ -1,0 +1,114 @@
+"""precision.backend=te, tested with a stand-in transformer_engine (the real one cannot be built here).
+
+The stand-in's Linear computes exactly what nn.Linear does and refuses to run outside fp8_autocast,
+which records the recipe it was given: so these tests check the wiring (which layers are swapped,
+that parameters keep their names and initial values, that every forward runs under TE's autocast
+with the right recipe, the fallback when TE is missing), not TE's numerics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from megalm.config import validate
+from megalm.errors import ConfigError
+from megalm.parallel.dims import ParallelDims, ParallelMesh
+from megalm.precision import transformer_engine_available
+from megalm.training.trainer import Trainer
+
+
+class _Recipe:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    state = {"active": 0, "recipes": [], "forwards": 0}
+
+    class Linear(nn.Linear):
+        def __init__(self, in_features, out_features, bias=True, params_dtype=None, device=None):
+            super().__init__(in_features, out_features, bias=bias, dtype=params_dtype, device=device)
+
+        def forward(self, x):
+            assert state["active"], "a TE Linear ran outside fp8_autocast"
+            state["forwards"] += 1
+            return super().forward(x)
+
+    @contextlib.contextmanager
+    def fp8_autocast(enabled=False, fp8_recipe=None):
+        state["recipes"].append(fp8_recipe)
+        state["active"] += 1
+        try:
+            yield
+        finally:
+            state["active"] -= 1
+
+    root = types.ModuleType("transformer_engine")
+    pytorch = types.ModuleType("transformer_engine.pytorch")
+    common = types.ModuleType("transformer_engine.common")
+    recipe = types.ModuleType("transformer_engine.common.recipe")
+    pytorch.Linear, pytorch.fp8_autocast = Linear, fp8_autocast
+    recipe.Format = types.SimpleNamespace(HYBRID="HYBRID", E4M3="E4M3")
+    recipe.DelayedScaling = type("DelayedScaling", (_Recipe,), {})
+    recipe.Float8CurrentScaling = type("Float8CurrentScaling", (_Recipe,), {})
+    root.pytorch, root.common, common.recipe = pytorch, common, recipe
+    for name, module in (("transformer_engine", root), ("transformer_engine.pytorch", pytorch),
+                         ("transformer_engine.common", common), ("transformer_engine.common.recipe", recipe)):
+        monkeypatch.setitem(sys.modules, name, module)
+    transformer_engine_available.cache_clear()
+    state["Linear"] = Linear
+    yield state
+    transformer_engine_available.cache_clear()
+
+
+def one_process(make_config, tmp_path, name, *overrides):
+    return Trainer(make_config(*overrides), tmp_path / name, mesh=ParallelMesh(ParallelDims()))
+
+
+@pytest.mark.parametrize("recipe, te_class", [("fp8", "Float8CurrentScaling"), ("fp8_delayed", "DelayedScaling")])
+def test_te_backend_swaps_linears_and_runs_every_forward_under_its_recipe(fake_te, make_config, tmp_path, recipe,
+                                                                          te_class):
+    te = one_process(make_config, tmp_path, "te", f"precision={recipe}", "precision.backend=te",
+                     "precision.autocast=false")
+    swapped = {name for name, m in te.model.named_modules() if isinstance(m, fake_te["Linear"])}
+    linears = {name for name, m in te.model.named_modules() if isinstance(m, nn.Linear)}
+    assert swapped == linears - {"output"}, "every linear layer but the skipped head runs in TE"
+    assert f"transformer_engine {te_class}" in te.precision_note
+
+    ref = one_process(make_config, tmp_path, "ref", "precision=fp32")
+    for (name, p), (ref_name, q) in zip(te.model.named_parameters(), ref.model.named_parameters(), strict=True):
+        assert name == ref_name and torch.equal(p, q), f"{name}: TE layers must keep the names and initial values"
+    # the stand-in computes what nn.Linear does, so the step equals fp32's exactly
+    assert te.train_step(0).loss == ref.train_step(0).loss
+    assert fake_te["forwards"] > 0 and fake_te["recipes"]
+    assert all(type(r).__name__ == te_class and r.kwargs["fp8_format"] == "HYBRID" for r in fake_te["recipes"])
+    if recipe == "fp8_delayed":
+        assert fake_te["recipes"][0].kwargs["amax_history_len"] == 16
+
+
+def test_te_backend_without_te_runs_the_native_path_and_says_so(make_config, tmp_path, caplog):
+    transformer_engine_available.cache_clear()
+    if transformer_engine_available():
+        pytest.skip("transformer_engine is installed here")
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        trainer = one_process(make_config, tmp_path, "native", "precision=fp8", "precision.backend=te")
+    assert "transformer_engine not importable" in trainer.precision_note
+    assert "running the native fp8 path" in caplog.text
+    assert not any(type(m).__module__.startswith("transformer_engine") for m in trainer.model.modules())
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["precision=fp8_rowwise", "precision.backend=te"], "fp8, fp8_delayed"),
+    (["precision=fp8", "precision.backend=te", "parallel.tp=2"], "parallel.tp=1"),
+])
+def test_te_backend_config_rules(make_config, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(make_config(*overrides), world_size=2)
