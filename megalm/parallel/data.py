@@ -274,7 +274,9 @@ class GradReducer:
             for bucket in self.buckets:
                 if not bucket.launched:
                     for p in bucket.params:
-                        if self._fires[id(p)] < self._num_micro_batches:
+                        # not final yet (unused in some micro-batch), or a rank with no micro-batch at all
+                        # (HDP): its bucket still holds the last step's gradient, so zeros go in
+                        if self._fires[id(p)] < self._num_micro_batches or self._num_micro_batches == 0:
                             self._copy_in(p)
                     bucket.pending = 0
             self._launch_ready(in_backward=False)

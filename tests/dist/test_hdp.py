@@ -36,7 +36,10 @@ def plan_shapes(trainer: Trainer) -> tuple[set[int], list[int]]:
     return {len(mb.ranks) for mb in plan.micro_batches if mb.seqs}, [len(todo) for todo in plan.per_rank]
 
 
-def check_hdp(rank: int, world_size: int, overrides: list[str], tmp: str) -> None:
+def check_hdp(rank: int, world_size: int, overrides: list[str], tmp: str, expect: tuple[str, ...]) -> None:
+    """`expect` names what step 0's plan must show: "mixed" (packed documents and rings of 2 and 3
+    ranks, different micro-batch counts per rank), "fillers" (pipelines needed aligned rings and a
+    filler), "idle" (some rank has no micro-batch at all)."""
     same_model_and_data = [o for o in overrides if not o.startswith("parallel.")]
     ref = Trainer(compose_config(*same_model_and_data), f"{tmp}/ref{rank}", mesh=ParallelMesh(ParallelDims()))
     par = Trainer(compose_config(*overrides), f"{tmp}/par")
@@ -45,35 +48,42 @@ def check_hdp(rank: int, world_size: int, overrides: list[str], tmp: str) -> Non
     assert_first_step_matches(ref, par, rank, [ref.data.train[k] for k in ref.step_sample_ids(0)])
     if par.hdp is not None:
         sizes, counts = plan_shapes(par)
-        assert {1, 2, 3} <= sizes, f"step 0 should mix packed documents and rings of 2 and 3 ranks, got {sizes}"
-        assert len(set(counts)) > 1, f"ranks should run different numbers of micro-batches, got {counts}"
-        if "data.synthetic.mean_doc_length=40" in overrides:
+        if "mixed" in expect:
+            assert {1, 2, 3} <= sizes, f"step 0 should mix packed documents and rings of 2 and 3 ranks, got {sizes}"
+            assert len(set(counts)) > 1, f"ranks should run different numbers of micro-batches, got {counts}"
+        if "fillers" in expect:
             assert par.hdp.last_plan.stats["fillers"] > 0, "this pipelined layout should need a filler micro-batch"
+        if "idle" in expect:
+            assert min(counts) == 0, f"some rank should have nothing to do in step 0, got {counts}"
     assert_training_and_eval_match(ref, par, rank, STEPS, PARAM_ATOL)
 
+
+MIXED = ("mixed",)
 LAYOUTS = {
-    "dp4": (4, ["parallel.dp=4"]),
-    "dp2_cp2": (4, ["parallel.dp=2", "parallel.cp=2"]),
-    "dp2_cp2_zero1": (4, ["parallel.dp=2", "parallel.cp=2", "parallel.zero1=true"]),
+    "dp4": (4, ["parallel.dp=4"], MIXED),
+    "dp2_cp2": (4, ["parallel.dp=2", "parallel.cp=2"], MIXED),
+    "dp2_cp2_zero1": (4, ["parallel.dp=2", "parallel.cp=2", "parallel.zero1=true"], MIXED),
     # a token budget per step instead of a sample count: steps hold different numbers of documents
-    "dp4_token_budget": (4, ["parallel.dp=4", "trainer.tokens_per_step=400"]),
+    "dp4_token_budget": (4, ["parallel.dp=4", "trainer.tokens_per_step=400"], MIXED),
+    # a budget of one document per step: most ranks have no micro-batch, and still join the reduction
+    "dp4_idle_ranks": (4, ["parallel.dp=4", "trainer.tokens_per_step=20"], ("idle",)),
     # the same budget without HDP: DP ranks take slices that differ by a sample, micro-batches a partial last one
     "dp2_token_budget_without_hdp": (2, ["parallel.dp=2", "trainer.tokens_per_step=400", "parallel.hdp=false",
-                                         "parallel.hdp_capacity=null"]),
-    "tp2_dp4_sp": (8, ["parallel.tp=2", "parallel.dp=4", "parallel.sequence_parallel=true"]),
+                                         "parallel.hdp_capacity=null"], ()),
+    "tp2_dp4_sp": (8, ["parallel.tp=2", "parallel.dp=4", "parallel.sequence_parallel=true"], MIXED),
     # Longer documents: step 0's plan would deadlock as four 1F1B pipelines unless its rings are aligned,
-    # which takes a filler micro-batch (asserted in check_hdp).
+    # which takes a filler micro-batch.
     "pp2_dp4": (8, ["parallel.pp=2", "parallel.dp=4", "model.num_layers=4", "data.synthetic.mean_doc_length=40",
-                    "trainer.global_batch_size=8"]),
+                    "trainer.global_batch_size=8"], ("mixed", "fillers")),
     "pp2_dp4_zb_full_recompute": (8, ["parallel.pp=2", "parallel.dp=4", "model.num_layers=4",
-                                      "parallel.pp_schedule=zb", "parallel.recompute=full"]),
+                                      "parallel.pp_schedule=zb", "parallel.recompute=full"], MIXED),
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_hdp_matches_single_process(tmp_path, name):
-    world, parallel = LAYOUTS[name]
-    run_distributed(check_hdp, world, HDP + parallel, str(tmp_path), timeout=300)
+    world, parallel, expect = LAYOUTS[name]
+    run_distributed(check_hdp, world, HDP + parallel, str(tmp_path), expect, timeout=300)
 
 
 def test_hdp_resume_is_bit_exact(tmp_path):
