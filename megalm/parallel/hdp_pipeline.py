@@ -31,38 +31,49 @@ def align_rings(plan: Plan) -> Plan:
 
     Local micro-batches keep their rank; only their order changes, plus fillers (micro-batches with
     no documents) where no local work can take a slot. `plan.stats["fillers"]` counts those.
+    Rings are taken when every member has it next (their global order makes one always ready);
+    O(total micro-batches + Σ ring sizes).
     """
     mbs = list(plan.micro_batches)
     queues = [list(todo) for todo in plan.per_rank]
+    pos = [0] * len(queues)  # queues[r][:pos[r]] are placed
     out: list[list[int]] = [[] for _ in queues]
+    waiting = {}  # ring -> members whose next ring it is
+    ready: list[int] = []
+
+    def advance_head(r: int) -> None:
+        k = next((k for k in queues[r][pos[r]:] if _is_ring(mbs[k])), None)
+        if k is not None:
+            waiting[k] = waiting.get(k, 0) + 1
+            if waiting[k] == len(mbs[k].ranks):
+                ready.append(k)
+
+    for r in range(len(queues)):
+        advance_head(r)
     fillers = 0
-    while True:
-        heads = [next((k for k in q if _is_ring(mbs[k])), None) for q in queues]
-        ring = next((k for k in heads if k is not None and all(heads[m] == k for m in mbs[k].ranks)), None)
-        if ring is None:
-            break
+    while ready:
+        ring = ready.pop()
         members = mbs[ring].ranks
-        before = {m: queues[m].index(ring) for m in members}
-        target = max(len(out[m]) + before[m] for m in members)
+        at = {m: queues[m].index(ring, pos[m]) for m in members}
+        target = max(len(out[m]) + at[m] - pos[m] for m in members)
         for m in members:
-            out[m] += queues[m][:before[m]]
-            rest = queues[m][before[m] + 1:]
+            out[m] += queues[m][pos[m]:at[m]]
+            rest = queues[m][at[m] + 1:]
             while len(out[m]) < target:
                 # this rank's next local micro-batch before its next ring, if any
-                local = next((k for k in rest if not _is_ring(mbs[k])), None)
-                if local is not None and not any(_is_ring(mbs[k]) for k in rest[:rest.index(local)]):
-                    rest.remove(local)
-                    out[m].append(local)
+                if rest and not _is_ring(mbs[rest[0]]):
+                    out[m].append(rest.pop(0))
                 else:
                     out[m].append(len(mbs))
                     mbs.append(MicroBatch((m,), (), 0, 0))
                     fillers += 1
             out[m].append(ring)
-            queues[m] = rest
-    if any(_is_ring(mbs[k]) for q in queues for k in q):
+            queues[m], pos[m] = rest, 0
+            advance_head(m)
+    if any(_is_ring(mbs[k]) for q, p in zip(queues, pos, strict=True) for k in q[p:]):
         raise ValueError("align_rings: the plan's rings are not in one consistent order on their ranks")
     for m, q in enumerate(queues):
-        out[m] += q
+        out[m] += q[pos[m]:]
     return Plan(plan.policy, mbs, out, dict(plan.stats, fillers=fillers))
 
 
@@ -72,10 +83,14 @@ def check_pipelined(plan: Plan, pp: int, schedule: str = "1f1b") -> None:
     F, B the next stage's B (the last stage its own F), W its own B; the F or B of a ring needs every
     member pipeline's same stage to be at that same action (sends never block)."""
     lists: dict[tuple[int, int], list[tuple[str, int]]] = {}
+    per_stage: dict[int, list[list[tuple[str, int]]]] = {}  # micro-batch count -> (kind, index) per stage
     for h, todo in enumerate(plan.per_rank):
-        sched = build_schedule(schedule, pp, len(todo)) if todo else None
+        m = len(todo)
+        if m and m not in per_stage:
+            sched = build_schedule(schedule, pp, m)
+            per_stage[m] = [[(a.kind, a.micro_batch) for a in sched.compute_actions(s)] for s in range(pp)]
         for s in range(pp):
-            lists[h, s] = [(a.kind, todo[a.micro_batch]) for a in sched.compute_actions(s)] if sched else []
+            lists[h, s] = [(kind, todo[i]) for kind, i in per_stage[m][s]] if m else []
     pos = dict.fromkeys(lists, 0)
     done: set[tuple[str, int, int, int]] = set()
 
@@ -88,24 +103,23 @@ def check_pipelined(plan: Plan, pp: int, schedule: str = "1f1b") -> None:
                 "W": ("B", k, h, s)}[kind]
         return (kind, k) if need is None or need in done else None
 
-    remaining = sum(map(len, lists.values()))
-    while remaining:
-        progressed = False
-        for h, s in lists:
-            action = ready(h, s)
-            if action is None:
-                continue
-            kind, k = action
-            members = plan.micro_batches[k].ranks if kind in "FB" and _is_ring(plan.micro_batches[k]) else (h,)
-            if any(ready(m, s) != action for m in members):
-                continue
-            for m in members:
-                done.add((kind, k, m, s))
-                pos[m, s] += 1
-                remaining -= 1
-            progressed = True
-        if not progressed:
-            h, s = next(key for key in lists if pos[key] < len(lists[key]))
-            kind, k = lists[h, s][pos[h, s]]
-            raise ValueError(f"HDP plan deadlocks under pp={pp} {schedule}: pipeline {h} stage {s} waits at {kind} of "
-                             f"micro-batch {k} (ring {plan.micro_batches[k].ranks}); align its rings with align_rings")
+    todo = list(lists)  # (rank, stage) pairs that may be able to move; a worklist, not sweeps
+    while todo:
+        h, s = todo.pop()
+        action = ready(h, s)
+        if action is None:
+            continue
+        kind, k = action
+        members = plan.micro_batches[k].ranks if kind in "FB" and _is_ring(plan.micro_batches[k]) else (h,)
+        if any(ready(m, s) != action for m in members):
+            continue  # the last member to arrive runs it
+        for m in members:
+            done.add((kind, k, m, s))
+            pos[m, s] += 1
+            todo += [(m, s)] + [(m, t) for t in (s - 1, s + 1) if 0 <= t < pp]
+    stuck = next((key for key in lists if pos[key] < len(lists[key])), None)
+    if stuck is not None:
+        h, s = stuck
+        kind, k = lists[h, s][pos[h, s]]
+        raise ValueError(f"HDP plan deadlocks under pp={pp} {schedule}: pipeline {h} stage {s} waits at {kind} of "
+                         f"micro-batch {k} (ring {plan.micro_batches[k].ranks}); align its rings with align_rings")
