@@ -286,6 +286,10 @@ def validate(cfg: MegalmConfig, world_size: int = 1) -> MegalmConfig:
     if cfg.precision.backend == "te" and cfg.precision.name not in ("fp8", "fp8_delayed"):
         raise ConfigError(f"precision.backend=te runs Transformer Engine's fp8 recipes (fp8, fp8_delayed); "
                           f"precision={cfg.precision.name} needs precision.backend=native")
+    if cfg.precision.backend == "te" and cfg.parallel.recompute != "none":
+        raise ConfigError("precision.backend=te does not combine with parallel.recompute yet (the recomputed "
+                          "forward would run outside TE's fp8_autocast); use parallel.recompute=none or "
+                          "precision.backend=native")
     if cfg.precision.backend == "te" and cfg.parallel.tp > 1:
         raise ConfigError(f"precision.backend=te swaps in TE's Linear, which megalm's tensor parallelism does not "
                           f"shard; use parallel.tp=1 or precision.backend=native (tp={cfg.parallel.tp})")

@@ -79,7 +79,8 @@ def validate_layout(cfg, world_size: int) -> ParallelDims:
                           f"e.g. model.vocab_size={padded}")
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp>1; set parallel.tp or turn it off")
-    _validate_context(cfg)
+    if not p.hdp:  # under HDP the ring rules apply only when rings can form (_validate_hdp)
+        _validate_context(cfg)
     _validate_hdp(cfg)
     if not p.hdp and t.tokens_per_step is None and t.global_batch_size % (t.micro_batch_size * p.dp):
         raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
@@ -134,8 +135,9 @@ def _validate_hdp(cfg) -> None:
 
         try:
             load_cost(p.hdp_cost)
-        except (ValueError, OSError) as e:
-            raise ConfigError(f"parallel.hdp_cost={p.hdp_cost}: {e}") from None
+        except Exception as e:  # a missing file, bad YAML, missing or mistyped keys
+            raise ConfigError(f"parallel.hdp_cost={p.hdp_cost} cannot be loaded ({type(e).__name__}: {e}); "
+                              "give a preset (7b) or a YAML like configs/hdp_cost/h100_7b.yaml") from None
     if p.cp_comm != "ring":
         raise ConfigError("parallel.hdp=true forms rings of any size over rank lists; set parallel.cp_comm=ring")
     if p.pp_schedule == "interleaved":

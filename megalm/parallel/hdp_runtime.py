@@ -8,7 +8,8 @@ each rank reads only what it runs (`HdpRuntime.micro_batches`):
 - a local micro-batch: the whole documents packed on it;
 - a ring micro-batch of n ranks: only this rank's two zigzag chunks of the document (context.py),
   plus the one token after each chunk that its last label needs. No token is read twice in the domain
-  except those chunk-boundary labels (TP ranks of one HDP rank read the same data, as under DP);
+  except those chunk-boundary labels (the TP ranks and pipeline stages of one HDP rank read the same
+  data, as under DP);
 - a filler (pipelines only, hdp_pipeline.py): one masked token, which adds zero loss and zero gradient.
 
 Which ring a micro-batch runs on is data, not module state: `bind_ring` attaches it to the
@@ -32,6 +33,7 @@ import torch
 
 from megalm.data.batch import PackedBatch, Sample, pack_samples
 from megalm.data.dataset import VarlenDataset
+from megalm.errors import MegalmError
 from megalm.model.attention import varlen_attention
 from megalm.parallel.context import context_attention, shard_batch, zigzag_plan
 from megalm.parallel.dims import ParallelMesh
@@ -145,7 +147,11 @@ class HdpRuntime:
         plan = plan_hdp(lengths, self.num_ranks, self.capacity, self.cost, pp=self.pp)
         if self.pp > 1:
             plan = align_rings(plan)
-            check_pipelined(plan, self.pp, self.schedule)
+            try:
+                check_pipelined(plan, self.pp, self.schedule)
+            except ValueError as e:  # not seen in randomized tests; stop rather than hang every rank
+                raise MegalmError(f"{e}. This is a megalm bug (please report it with the step); meanwhile try "
+                                  "parallel.pp_schedule=1f1b or another parallel.hdp_capacity") from None
         self.last_plan = plan
         return plan
 

@@ -28,18 +28,20 @@ def autocast(precision, device: torch.device) -> contextlib.AbstractContextManag
     stack = contextlib.ExitStack()
     if name == "bf16" or (name != "fp32" and getattr(precision, "autocast", True)):
         stack.enter_context(torch.autocast(device_type=device.type, dtype=torch.bfloat16))
-    if uses_transformer_engine(name, getattr(precision, "backend", "native")):
+    if uses_transformer_engine(name, getattr(precision, "backend", "native"), device):
         from megalm.precision.te import te_autocast
 
         stack.enter_context(te_autocast(name))
     return stack
 
 
-def uses_transformer_engine(name: str, backend: str) -> bool:
-    """Whether recipe `name` under `backend` runs Transformer Engine's layers (te requested, TE importable)."""
-    from megalm.precision.te import TE_RECIPES
+def uses_transformer_engine(name: str, backend: str, device: torch.device | None = None) -> bool:
+    """Whether recipe `name` under `backend` runs Transformer Engine's layers: te requested, TE importable,
+    and (when `device` is given) a CUDA device — TE has no CPU kernels."""
+    from megalm.precision import te
 
-    return backend == "te" and name in TE_RECIPES and transformer_engine_available()
+    on_gpu = device is None or torch.device(device).type in te.TE_DEVICES
+    return backend == "te" and name in te.TE_RECIPES and on_gpu and transformer_engine_available()
 
 
 @functools.cache
@@ -52,21 +54,22 @@ def transformer_engine_available() -> bool:
 
 
 def apply_recipe(model: nn.Module, name: str, forward: str | None = None, skip: list[str] | tuple[str, ...] = (),
-                 backend: str = "native", seed: int = 0) -> str:
+                 backend: str = "native", seed: int = 0, device: torch.device | None = None) -> str:
     """Install recipe `name` on the linear layers of `model` (a GPT or pipeline chunks); returns a
     one-line description of what runs, for the log. fp32 and bf16 install nothing."""
     if name in ("fp32", "bf16"):
         return f"{name} (autocast only)"
     skipped = f", skipping {list(skip)}" if skip else ""
     fallback = ""
-    if uses_transformer_engine(name, backend):
+    if uses_transformer_engine(name, backend, device):
         from megalm.precision.te import apply_te, te_recipe
 
         count = apply_te(model, name, list(skip))
         return f"{name} on {count} linear layers (transformer_engine {type(te_recipe(name)).__name__}){skipped}"
     if backend == "te":
-        log.warning("precision.backend=te but transformer_engine is not importable; running the native %s path", name)
-        fallback = ", transformer_engine not importable"
+        why = "transformer_engine not importable" if not transformer_engine_available() else "no CUDA device"
+        log.warning("precision.backend=te but %s; running the native %s path", why, name)
+        fallback = f", {why}"
     from megalm.precision.linear import apply_precision, get_recipe
 
     recipe = get_recipe(name, forward=forward)

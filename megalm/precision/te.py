@@ -32,6 +32,8 @@ from megalm.model.gpt import canonical_named_modules
 log = logging.getLogger("megalm")
 
 TE_RECIPES = ("fp8", "fp8_delayed")
+TE_DEVICES = ("cuda",)  # TE has no CPU kernels (tests with a stand-in TE add "cpu")
+TE_TOKEN_MULTIPLE = 16  # TE's FP8 GEMMs need every dimension divisible by 16: the trainer pads micro-batches
 AMAX_HISTORY = 16
 
 

@@ -40,8 +40,9 @@ from megalm.parallel.parallelize import (
 from megalm.parallel.pipeline import PipelineRuntime, build_stage_chunks
 from megalm.parallel.recompute import apply_recompute, stage_mode
 from megalm.parallel.tensor import tp_grad_norm_squared, tp_norm_share
-from megalm.precision import apply_recipe, autocast
+from megalm.precision import apply_recipe, autocast, uses_transformer_engine
 from megalm.precision.linear import set_precision_step
+from megalm.precision.te import TE_TOKEN_MULTIPLE
 from megalm.training import checkpoint as ckpt
 from megalm.training.flops import peak_flops, training_flops
 from megalm.training.metrics import MetricsLogger
@@ -161,7 +162,8 @@ class Trainer:
                 apply_hdp_attention(chunk)
             else:
                 apply_context_parallel(chunk, self.mesh, p.cp_comm)
-            self.precision_note = apply_recipe(chunk, prec.name, prec.forward, prec.skip, prec.backend, self.cfg.seed)
+            self.precision_note = apply_recipe(chunk, prec.name, prec.forward, prec.skip, prec.backend, self.cfg.seed,
+                                               self.device)
             apply_recompute(chunk, stage_mode(p.recompute, self.mesh.pp_rank, p.pp))
         model.to_empty(device=self.device)
         init_weights(model, self.cfg.seed)
@@ -221,7 +223,8 @@ class Trainer:
         t = self.cfg.trainer
         if t.tokens_per_step is None:
             return range(step * t.global_batch_size, (step + 1) * t.global_batch_size)
-        return (self.valid_steps if dataset is self.data.valid else self.train_steps).ids(step)
+        is_valid = dataset is not None and dataset is self.data.valid
+        return (self.valid_steps if is_valid else self.train_steps).ids(step)
 
     def local_samples(self, step: int, dataset: SampleDataset | None = None) -> list[Sample]:
         """This DP rank's contiguous slice of global batch `step` (TP ranks of a DP rank share it);
@@ -248,6 +251,8 @@ class Trainer:
             mb.position_ids = mb.position_ids.clamp(max=self.cfg.model.max_position_embeddings - 1)
         if p.sequence_parallel:
             mb = pad_for_sequence_parallel(mb, self.mesh.dims.tp, even=sharded)
+        elif uses_transformer_engine(self.cfg.precision.name, self.cfg.precision.backend, self.device):
+            mb = pad_for_sequence_parallel(mb, TE_TOKEN_MULTIPLE, even=sharded)  # TE's FP8 GEMMs want T % 16 == 0
         mb = mb.to(self.device)
         if p.hdp:
             bind_ring(mb.cu_seqlens, ring)
@@ -273,8 +278,10 @@ class Trainer:
                                 partial_last=self.train_steps is not None)
         tokens = sum(mb.num_tokens for mb in batches)
         flops = sum(training_flops(self.cfg.model, mb.doc_lengths) for mb in batches)
-        first_mb = self.mesh.dp_rank * len(batches)  # global micro-batch index: DP replicas draw apart
-        ids = list(range(first_mb, first_mb + len(batches)))
+        # Each micro-batch's random rounding is seeded by the index of its first sample in the step, so DP
+        # replicas draw apart (their slices may differ in length under a token budget).
+        first = self.mesh.dp_rank * len(self.step_sample_ids(step)) // self.mesh.dims.dp if self.mesh.dims.dp > 1 else 0
+        ids = [first + i * self.cfg.trainer.micro_batch_size for i in range(len(batches))]
         loss_total = self._accumulate([self._prepare(mb) for mb in batches], ids, n_loss_tokens, step)
         self._all_reduce(loss_total, self.mesh.cp_group)  # each CP rank has the loss of its tokens
         return loss_total, tokens, flops

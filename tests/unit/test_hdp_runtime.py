@@ -174,3 +174,17 @@ def test_token_budget_steps_fill_the_budget_and_resume_from_a_cursor():
 def test_token_budget_needs_varlen_data(make_config):
     with pytest.raises(ConfigError, match="data.varlen=true"):
         validate(make_config("trainer.tokens_per_step=100"))
+
+
+def test_one_process_hdp_with_a_token_budget_and_no_validation_split(make_config, tmp_path):
+    """The trainer's HDP path in one process (a domain of one rank): plans, packs and trains."""
+    from megalm.parallel.dims import ParallelDims, ParallelMesh
+    from megalm.training.trainer import Trainer
+
+    cfg = make_config(*HDP, "trainer.tokens_per_step=100", "data.valid_fraction=0")
+    trainer = Trainer(cfg, tmp_path, mesh=ParallelMesh(ParallelDims()))
+    assert trainer.data.valid is None
+    result = trainer.train_step(0)
+    ids = trainer.step_sample_ids(0)
+    assert result.tokens == sum(trainer.data.train.sample_length(k) - 1 for k in ids)
+    assert trainer.hdp.last_plan.num_ranks == 1 and trainer.evaluate() is None

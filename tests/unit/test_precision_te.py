@@ -39,6 +39,7 @@ def fake_te(monkeypatch):
 
         def forward(self, x):
             assert state["active"], "a TE Linear ran outside fp8_autocast"
+            assert x.shape[0] % 16 == 0, f"TE's FP8 GEMMs need tokens % 16 == 0, got {x.shape[0]}"
             state["forwards"] += 1
             return super().forward(x)
 
@@ -64,6 +65,7 @@ def fake_te(monkeypatch):
                          ("transformer_engine.common", common), ("transformer_engine.common.recipe", recipe)):
         monkeypatch.setitem(sys.modules, name, module)
     transformer_engine_available.cache_clear()
+    monkeypatch.setattr("megalm.precision.te.TE_DEVICES", ("cuda", "cpu"))  # the stand-in runs on CPU
     state["Linear"] = Linear
     yield state
     transformer_engine_available.cache_clear()
@@ -105,8 +107,16 @@ def test_te_backend_without_te_runs_the_native_path_and_says_so(make_config, tmp
     assert not any(type(m).__module__.startswith("transformer_engine") for m in trainer.model.modules())
 
 
+def test_te_backend_on_cpu_runs_the_native_path(fake_te, make_config, tmp_path, monkeypatch):
+    monkeypatch.setattr("megalm.precision.te.TE_DEVICES", ("cuda",))
+    trainer = one_process(make_config, tmp_path, "cpu", "precision=fp8", "precision.backend=te")
+    assert "no CUDA device" in trainer.precision_note
+    assert not any(isinstance(m, fake_te["Linear"]) for m in trainer.model.modules())
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["precision=fp8_rowwise", "precision.backend=te"], "fp8, fp8_delayed"),
+    (["precision=fp8", "precision.backend=te", "parallel.recompute=full"], "parallel.recompute=none"),
     (["precision=fp8", "precision.backend=te", "parallel.tp=2"], "parallel.tp=1"),
 ])
 def test_te_backend_config_rules(make_config, overrides, message):
