@@ -226,13 +226,16 @@ class Trainer:
         is_valid = dataset is not None and dataset is self.data.valid
         return (self.valid_steps if is_valid else self.train_steps).ids(step)
 
-    def local_samples(self, step: int, dataset: SampleDataset | None = None) -> list[Sample]:
-        """This DP rank's contiguous slice of global batch `step` (TP ranks of a DP rank share it);
-        only these samples are read, so no rank reads another's data. Under a token budget the
-        slices differ by at most one sample (a rank may get none)."""
-        dataset = self.data.train if dataset is None else dataset
+    def local_sample_ids(self, step: int, dataset: SampleDataset | None = None) -> range:
+        """This DP rank's contiguous slice of global batch `step` (TP ranks of a DP rank share it).
+        Under a token budget the slices differ by at most one sample (a rank may get none)."""
         ids, dp, rank = self.step_sample_ids(step, dataset), self.mesh.dims.dp, self.mesh.dp_rank
-        return [dataset[k] for k in ids[rank * len(ids) // dp:(rank + 1) * len(ids) // dp]]
+        return ids[rank * len(ids) // dp:(rank + 1) * len(ids) // dp]
+
+    def local_samples(self, step: int, dataset: SampleDataset | None = None) -> list[Sample]:
+        """The samples of `local_sample_ids`: only these are read, so no rank reads another's data."""
+        dataset = self.data.train if dataset is None else dataset
+        return [dataset[k] for k in self.local_sample_ids(step, dataset)]
 
     def _prepare(self, mb: PackedBatch, ring: Ring | None = None) -> PackedBatch:
         """A micro-batch as the model takes it: this CP rank's zigzag shard, padded for SP, on the device.
@@ -280,7 +283,7 @@ class Trainer:
         flops = sum(training_flops(self.cfg.model, mb.doc_lengths) for mb in batches)
         # Each micro-batch's random rounding is seeded by the index of its first sample in the step, so DP
         # replicas draw apart (their slices may differ in length under a token budget).
-        first = self.mesh.dp_rank * len(self.step_sample_ids(step)) // self.mesh.dims.dp if self.mesh.dims.dp > 1 else 0
+        first = self.local_sample_ids(step).start - self.step_sample_ids(step).start
         ids = [first + i * self.cfg.trainer.micro_batch_size for i in range(len(batches))]
         loss_total = self._accumulate([self._prepare(mb) for mb in batches], ids, n_loss_tokens, step)
         self._all_reduce(loss_total, self.mesh.cp_group)  # each CP rank has the loss of its tokens
