@@ -1,9 +1,9 @@
 """The low-precision recipes train as well as fp32 on the demo: the shorter run of the 300-step benchmark.
 
 100 steps of the default demo (tiny model, stdlib corpus, seed 0) per recipe, validation loss over
-20 batches at the end: fp8, mxfp8 and mxfp4 must end no more than 2% above fp32. Measured when the test
-was written (docs/benchmarks.md): fp8 +0.3%, mxfp8 −6.4%, mxfp4 +1.0%. Slow (about 8 minutes on
-2 cores: the recipes are emulated), so in `pytest -m slow`.
+20 batches at the end: fp8, mxfp8 and mxfp4 must end no more than 2% above fp32. Measured
+(docs/benchmarks.md): fp8 +0.3%, mxfp8 −6.4%, mxfp4 −4.1% (+1.0% under an earlier assignment of
+rounding seeds). Slow (about 10 minutes on 2 cores: the recipes are emulated), so in `pytest -m slow`.
 """
 
 from __future__ import annotations
