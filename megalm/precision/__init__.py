@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -20,19 +21,21 @@ from torch import nn
 log = logging.getLogger("megalm")
 
 
-def autocast(precision, device: torch.device) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def autocast(precision, device: torch.device) -> Iterator[None]:
     """bf16 autocast around forward passes (fp32 master weights): for bf16, and for the low-precision
-    recipes unless `precision.autocast` is false (then everything but the recipe's GEMMs runs in fp32).
-    `precision` is a PrecisionConfig or a recipe name."""
+    recipes unless `precision.autocast` is false (then everything but the recipe's GEMMs runs in fp32);
+    plus TE's fp8_autocast when the recipe runs on Transformer Engine. Nothing is entered before the
+    `with`. `precision` is a PrecisionConfig or a recipe name."""
     name = getattr(precision, "name", precision)
-    stack = contextlib.ExitStack()
-    if name == "bf16" or (name != "fp32" and getattr(precision, "autocast", True)):
-        stack.enter_context(torch.autocast(device_type=device.type, dtype=torch.bfloat16))
-    if uses_transformer_engine(name, getattr(precision, "backend", "native"), device):
-        from megalm.precision.te import te_autocast
+    with contextlib.ExitStack() as stack:
+        if name == "bf16" or (name != "fp32" and getattr(precision, "autocast", True)):
+            stack.enter_context(torch.autocast(device_type=device.type, dtype=torch.bfloat16))
+        if uses_transformer_engine(name, getattr(precision, "backend", "native"), device):
+            from megalm.precision.te import te_autocast
 
-        stack.enter_context(te_autocast(name))
-    return stack
+            stack.enter_context(te_autocast(name))
+        yield
 
 
 def uses_transformer_engine(name: str, backend: str, device: torch.device | None = None) -> bool:
