@@ -2,8 +2,11 @@
 
 `configs/` holds the values (one group per sub-package); these dataclasses hold the types and the
 defaults. Registering `MegalmConfig` as the base of `configs/config.yaml` makes a misspelt key or a
-wrong type fail at start. `validate` adds the cross-field rules a type system cannot express, each
-as a one-line `ConfigError` that names the fix.
+wrong type fail at start. `validate` adds the cross-field rules of the sections this module owns
+(model, trainer, optim, data, logging), each as a one-line `ConfigError` that names the fix; the
+packages validate their own sections (`megalm.parallel.parallelism.validate_parallel`,
+`megalm.precision.validate_precision`), and `megalm.training.validation.validate_run` runs them all.
+This module imports no other megalm package: everything imports it.
 """
 
 from __future__ import annotations
@@ -182,12 +185,14 @@ def to_dataclass(cfg: DictConfig | MegalmConfig) -> MegalmConfig:
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
 
 
-def _choice(value: str, key: str, options: tuple[str, ...]) -> None:
+def choice(value: str, key: str, options: tuple[str, ...]) -> None:
+    """A one-line ConfigError unless `value` is one of `options`."""
     if value not in options:
         raise ConfigError(f"{key}={value} is not one of {'|'.join(options)}; pick one of those")
 
 
-def _positive(value: int | float | None, key: str) -> None:
+def positive(value: int | float | None, key: str) -> None:
+    """A one-line ConfigError unless `value` is None or > 0."""
     if value is not None and value <= 0:
         raise ConfigError(f"{key}={value} must be > 0")
 
@@ -209,11 +214,11 @@ def resolve_model_defaults(model: ModelConfig) -> ModelConfig:
 def validate_model(model: ModelConfig) -> None:
     for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
                 "seq_length", "max_position_embeddings"):
-        _positive(getattr(model, key), f"model.{key}")
-    _choice(model.norm, "model.norm", ("rmsnorm", "layernorm"))
-    _choice(model.activation, "model.activation", ("swiglu", "gelu"))
-    _choice(model.position_embedding, "model.position_embedding", ("rope", "learned"))
-    _choice(model.attention_backend, "model.attention_backend",
+        positive(getattr(model, key), f"model.{key}")
+    choice(model.norm, "model.norm", ("rmsnorm", "layernorm"))
+    choice(model.activation, "model.activation", ("swiglu", "gelu"))
+    choice(model.position_embedding, "model.position_embedding", ("rope", "learned"))
+    choice(model.attention_backend, "model.attention_backend",
             ("auto", "flash_attn", "torch_varlen", "sdpa", "reference"))
     if model.hidden_size % model.num_heads:
         raise ConfigError(f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads="
@@ -233,40 +238,32 @@ def validate_model(model: ModelConfig) -> None:
             raise ConfigError(f"model.{key}={getattr(model, key)} must be in [0, 1)")
 
 
-def validate(cfg: MegalmConfig, world_size: int = 1) -> MegalmConfig:
-    """Check cross-field rules; fill derived defaults. Returns the same (mutated) config."""
+def validate(cfg: MegalmConfig) -> MegalmConfig:
+    """Check the cross-field rules of the model, trainer, optim, data and logging sections; fill derived
+    defaults. Returns the same (mutated) config."""
     resolve_model_defaults(cfg.model)
     validate_model(cfg.model)
 
     t = cfg.trainer
     for key in ("max_steps", "global_batch_size", "micro_batch_size", "log_interval", "eval_iters", "keep_last"):
-        _positive(getattr(t, key), f"trainer.{key}")
+        positive(getattr(t, key), f"trainer.{key}")
     for key in ("eval_interval", "save_interval"):
         if getattr(t, key) < 0:
             raise ConfigError(f"trainer.{key}={getattr(t, key)} must be >= 0 (0 turns it off)")
     if t.stop_at_step is not None and not 0 < t.stop_at_step <= t.max_steps:
         raise ConfigError(f"trainer.stop_at_step={t.stop_at_step} must be in [1, trainer.max_steps={t.max_steps}]")
-    _choice(t.device, "trainer.device", ("auto", "cpu", "cuda"))
+    choice(t.device, "trainer.device", ("auto", "cpu", "cuda"))
     if t.tokens_per_step is not None:
-        _positive(t.tokens_per_step, "trainer.tokens_per_step")
+        positive(t.tokens_per_step, "trainer.tokens_per_step")
         if not cfg.data.varlen:
             raise ConfigError("trainer.tokens_per_step is a budget over documents of different lengths; set "
                               "data.varlen=true, or use trainer.global_batch_size for packed samples")
 
-    _choice(cfg.parallel.cp_comm, "parallel.cp_comm", ("ring", "a2a"))
-    _choice(cfg.parallel.pp_schedule, "parallel.pp_schedule", ("1f1b", "interleaved", "zb"))
-    if cfg.parallel.grad_reduce_dtype is not None:
-        _choice(cfg.parallel.grad_reduce_dtype, "parallel.grad_reduce_dtype", ("fp32", "bf16"))
-    _positive(cfg.parallel.bucket_size_mb, "parallel.bucket_size_mb")
-    from megalm.parallel.dims import validate_layout  # the layout rules live with the mesh
-
-    validate_layout(cfg, world_size)
-
     o = cfg.optim
-    _choice(o.name, "optim.name", ("adamw",))
-    _choice(o.schedule, "optim.schedule", ("cosine", "wsd", "linear", "constant"))
-    _choice(o.implementation, "optim.implementation", ("auto", "fused", "foreach"))
-    _positive(o.lr, "optim.lr")
+    choice(o.name, "optim.name", ("adamw",))
+    choice(o.schedule, "optim.schedule", ("cosine", "wsd", "linear", "constant"))
+    choice(o.implementation, "optim.implementation", ("auto", "fused", "foreach"))
+    positive(o.lr, "optim.lr")
     if o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}]")
     if o.warmup_steps < 0:
@@ -274,36 +271,14 @@ def validate(cfg: MegalmConfig, world_size: int = 1) -> MegalmConfig:
     if not 0.0 < o.wsd_decay_fraction <= 1.0:
         raise ConfigError(f"optim.wsd_decay_fraction={o.wsd_decay_fraction} must be in (0, 1]")
 
-    from megalm.precision.linear import RECIPES  # the recipes live with their numerics
-
-    _choice(cfg.precision.name, "precision", tuple(RECIPES))
-    if cfg.precision.forward is not None:
-        _choice(cfg.precision.forward, "precision.forward", ("bf16", "fp8"))
-        if not cfg.precision.name.startswith("mxfp4"):
-            raise ConfigError(f"precision.forward={cfg.precision.forward} applies to the mxfp4 recipes only; "
-                              f"remove it for precision={cfg.precision.name}")
-    _choice(cfg.precision.backend, "precision.backend", ("native", "te"))
-    if cfg.precision.backend == "te" and cfg.precision.name not in ("fp8", "fp8_delayed"):
-        raise ConfigError(f"precision.backend=te runs Transformer Engine's fp8 recipes (fp8, fp8_delayed); "
-                          f"precision={cfg.precision.name} needs precision.backend=native")
-    if cfg.precision.backend == "te" and cfg.parallel.recompute != "none":
-        raise ConfigError("precision.backend=te does not combine with parallel.recompute yet (the recomputed "
-                          "forward would run outside TE's fp8_autocast); use parallel.recompute=none or "
-                          "precision.backend=native")
-    if cfg.precision.backend == "te" and cfg.parallel.tp > 1:
-        raise ConfigError(f"precision.backend=te swaps in TE's Linear, which megalm's tensor parallelism does not "
-                          f"shard; use parallel.tp=1 or precision.backend=native (tp={cfg.parallel.tp})")
-    if cfg.parallel.pp_schedule == "zb" and cfg.parallel.pp > 1 and cfg.precision.name not in ("fp32", "bf16"):
-        raise ConfigError(f"parallel.pp_schedule=zb does not combine with precision={cfg.precision.name} yet (both "
-                          "replace the linear GEMM); use parallel.pp_schedule=1f1b or precision=bf16")
     d = cfg.data
-    _choice(d.name, "data", ("demo", "indexed", "synthetic"))
+    choice(d.name, "data", ("demo", "indexed", "synthetic"))
     if d.name == "indexed" and not d.path:
         raise ConfigError("data=indexed needs data.path=PREFIX (the prefix of PREFIX.bin/PREFIX.idx "
                           "written by megalm-preprocess)")
     if not 0.0 <= d.valid_fraction < 1.0:
         raise ConfigError(f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
-    _choice(cfg.logging.wandb.mode, "logging.wandb.mode", ("offline", "online"))
+    choice(cfg.logging.wandb.mode, "logging.wandb.mode", ("offline", "online"))
     return cfg
 
 

@@ -15,6 +15,7 @@ import sys
 import torch
 
 from megalm.config import ModelConfig, resolve_model_defaults
+from megalm.data.tokenizer import build_tokenizer
 from megalm.errors import MegalmError
 from megalm.model import GPT
 from megalm.training.checkpoint import load_model_weights, read_checkpoint_meta, resolve_checkpoint_path
@@ -49,8 +50,6 @@ def sample(model: GPT, prompt: list[int], max_new_tokens: int, temperature: floa
 
 def load_for_generation(path: str, device: str = "cpu") -> tuple[GPT, object]:
     """Model (weights loaded) and tokenizer of a checkpoint dir or run dir."""
-    from megalm.data.tokenizer import build_tokenizer
-
     ckpt = resolve_checkpoint_path(path)
     meta = read_checkpoint_meta(ckpt)
     model_cfg = resolve_model_defaults(ModelConfig(**meta.config["model"]))

@@ -2,12 +2,15 @@
 
 Every run writes its resolved config, `metrics.jsonl` and checkpoints into its Hydra run dir
 (`hydra.run.dir=...` chooses it). User errors print as one line and exit with code 2; `debug=true`
-keeps the traceback.
+keeps the traceback. torch and the trainer (3 s of imports) are imported only when a run starts, so
+`--help`, `--cfg job` and config errors answer at once.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
+import shutil
 import sys
 from pathlib import Path
 
@@ -82,8 +85,6 @@ def shared_run_dir(own_dir: Path, config) -> tuple[Path, int]:
     rank, world_size = init_distributed(select_device(config.trainer.device))
     if world_size == 1:
         return own_dir, rank
-    import shutil
-
     import torch.distributed as dist
 
     shared = [str(own_dir)]
@@ -96,8 +97,6 @@ def shared_run_dir(own_dir: Path, config) -> tuple[Path, int]:
 def shutdown_distributed() -> None:
     """Free everything that holds the process group, then destroy it: left to the GC at interpreter
     exit, gloo threads can outlive Python and abort the process after a successful run."""
-    import gc
-
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -6,7 +6,7 @@
 Arguments without dashes are the run's Hydra overrides (the same ones `megalm-train` gets; set
 `parallel.dp` and `parallel.cp`, since there is no torchrun world to derive them from). The tool
 reads the step's sample lengths exactly as the trainer does (no token is read), plans them with the
-trainer's planner and cost model (`megalm.parallel.hdp_runtime.HdpRuntime.plan`: with pp > 1 the
+trainer's planner and cost model (`megalm.parallel.hdp.runtime.HdpSplit.plan`: with pp > 1 the
 rings are aligned across pipelines), prints one line per HDP rank, and with --png draws the plan as
 a Gantt chart on the cost model's clock (tools/hdp_sim.py's renderer: blue packed micro-batches,
 orange to red rings by size, grey their exposed ring traffic, yellow pipeline fill/drain).
@@ -21,14 +21,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megalm.config import register_schema, to_dataclass, validate  # noqa: E402
+from megalm.config import register_schema, to_dataclass  # noqa: E402
 from megalm.data.dataset import TokenBudgetSteps, build_datasets  # noqa: E402
 from megalm.errors import ConfigError  # noqa: E402
 from megalm.parallel.dims import ParallelDims, ParallelMesh  # noqa: E402
 from megalm.parallel.hdp import Plan, simulate  # noqa: E402
-from megalm.parallel.hdp_runtime import HdpRuntime  # noqa: E402
+from megalm.parallel.hdp.runtime import HdpSplit, hdp_cost_model  # noqa: E402
 from megalm.train import CONFIG_DIR  # noqa: E402
-from megalm.training.trainer import hdp_cost_model  # noqa: E402
+from megalm.training.validation import validate_run  # noqa: E402
 
 
 def _hdp_sim():
@@ -71,13 +71,13 @@ def main(argv: list[str] | None = None) -> tuple[Plan, list[int]]:
     par = cfg.parallel
     if par.dp is None or not par.hdp:
         raise ConfigError("set parallel.hdp=true and parallel.dp (and parallel.cp): the HDP domain is dp*cp ranks")
-    cfg = validate(cfg, world_size=par.tp * par.pp * par.cp * par.dp)
+    cfg = validate_run(cfg, world_size=par.tp * par.pp * par.cp * par.dp)
     data = build_datasets(cfg)
     t = cfg.trainer
     ids = (TokenBudgetSteps(data.train, t.tokens_per_step).ids(args.step) if t.tokens_per_step
            else range(args.step * t.global_batch_size, (args.step + 1) * t.global_batch_size))
     lengths = [data.train.sample_length(k) - 1 for k in ids]
-    runtime = HdpRuntime(ParallelMesh(ParallelDims(cp=par.cp, dp=par.dp)), par.hdp_capacity, hdp_cost_model(cfg),
+    runtime = HdpSplit(ParallelMesh(ParallelDims(cp=par.cp, dp=par.dp)), par.hdp_capacity, hdp_cost_model(cfg),
                          par.pp, par.pp_schedule)
     plan = runtime.plan(lengths)
     sim = simulate(plan, runtime.cost, pp=par.pp)

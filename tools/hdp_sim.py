@@ -1,14 +1,14 @@
 """Simulate one training step under three ways of spreading variable-length documents over ranks.
 
     python tools/hdp_sim.py --ranks 1024 --context 2M --lengths longtail --model 7b
-    python tools/hdp_sim.py --ranks 1024 --context 128K --lengths /work/shared/data/seqlen/prolong_lengths.json \
+    python tools/hdp_sim.py --ranks 1024 --context 128K --lengths tools/data/seqlen/prolong_lengths.json \
         --model 7b --global-tokens 33554432 --json --png-dir docs/hdp
 
-Policies (megalm/parallel/hdp.py): `static` (pack to the context length, fixed cp group), the
+Policies (megalm/parallel/hdp/planner.py): `static` (pack to the context length, fixed cp group), the
 `megatron_hybrid` rule (power-of-two CP groups, s²/d estimate, greedy rounds) and `hdp` (ByteScale:
 minimal rings, cost-balanced). Each step draws a global batch of --global-tokens tokens (seeded),
 cuts documents longer than the context into context-length pieces, plans it with each policy and
-runs the plan through the same execution model and cost model (megalm/parallel/hdp_cost.py).
+runs the plan through the same execution model and cost model (megalm/parallel/hdp/cost.py).
 Prints step time, utilisation, CP traffic, padding and speedups; with --json the last stdout line
 is one JSON object with the step seconds per policy and `plan_seconds` (HDP planner wall time);
 with --png-dir, one Gantt chart per policy (rows = ranks, x = time on a common scale).
@@ -43,7 +43,7 @@ from megalm.parallel.hdp import (  # noqa: E402
     plan_static,
     simulate,
 )
-from megalm.parallel.hdp_cost import CostModel, load_cost  # noqa: E402
+from megalm.parallel.hdp.cost import CostModel, load_cost  # noqa: E402
 
 POLICIES = ("static", "megatron_hybrid", "hdp")
 K, M = 1024, 1024 * 1024
@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--context", type=parse_size, required=True, help="context length, e.g. 2M, 256K, 131072")
     p.add_argument("--lengths", default=None, help="JSON list of document lengths, or 'longtail'")
     p.add_argument("--dist", choices=["longtail"], default=None, help="same as --lengths longtail")
-    p.add_argument("--model", default="7b", help="1b, 7b, 13b, 70b (configs/hdp_cost/h100_<model>.yaml if present)")
+    p.add_argument("--model", default="7b", help="1b, 7b, 13b, 70b (the configs/hdp_cost YAML of h100 and the model, "
+                   "if present)")
     p.add_argument("--cost", default=None, help="cost model: preset name or YAML path (overrides --model)")
     p.add_argument("--capacity", type=parse_size, default=None, help="tokens per rank per micro-batch")
     p.add_argument("--global-tokens", type=parse_size, default=33554432)

@@ -118,3 +118,35 @@ def pack_samples(samples: list[Sample]) -> PackedBatch:
 def packed_from_documents(documents: list[torch.Tensor | np.ndarray]) -> PackedBatch:
     """A micro-batch of whole documents, each its own sample (handy for tests and generation)."""
     return pack_samples([Sample(np.asarray(d), (len(d),)) for d in documents])
+
+
+def pad_to_multiple(batch: PackedBatch, multiple: int, even: bool = False) -> PackedBatch:
+    """Append a padding document so that T is a multiple of `multiple` (sequence parallelism splits
+    T over tp ranks; Transformer Engine's FP8 GEMMs want T % 16 == 0).
+
+    The padding tokens form their own document (own cu_seqlens entry, positions from 0), so
+    attention never mixes them with real tokens, and carry loss_mask 0, so they change neither
+    the loss nor any gradient. Returns `batch` itself when T is already a multiple.
+    `even=True` keeps the padding document's length even: a zigzag shard (context parallelism) is
+    made of 2·c-token segments, and the padding then reads as one more document of c-token chunks,
+    padded identically on every CP rank (they all hold the same number of tokens).
+    """
+    pad = -batch.num_tokens % multiple
+    if even and pad % 2:  # T is even (2·c segments), so pad is odd only for an odd multiple: add it once
+        pad += multiple
+    if pad == 0:
+        return batch
+    device = batch.tokens.device
+    zeros = lambda t: torch.zeros(pad, dtype=t.dtype, device=device)
+    total = batch.num_tokens + pad
+    return PackedBatch(
+        tokens=torch.cat([batch.tokens, zeros(batch.tokens)]),
+        labels=torch.cat([batch.labels, zeros(batch.labels)]),
+        loss_mask=torch.cat([batch.loss_mask, zeros(batch.loss_mask)]),
+        position_ids=torch.cat([batch.position_ids,
+                                torch.arange(pad, dtype=batch.position_ids.dtype, device=device)]),
+        cu_seqlens=torch.cat([batch.cu_seqlens,
+                              torch.tensor([total], dtype=batch.cu_seqlens.dtype, device=batch.cu_seqlens.device)]),
+        max_seqlen=max(batch.max_seqlen, pad),
+        doc_lengths=[*batch.doc_lengths, pad],
+    )

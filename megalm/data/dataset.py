@@ -21,16 +21,17 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
+from megalm.config import MegalmConfig
+from megalm.data import demo
 from megalm.data.batch import PackedBatch, Sample, pack_samples
-from megalm.data.tokenizer import Tokenizer
+from megalm.data.indexed import IndexedDataset
+from megalm.data.synthetic import SyntheticDocuments
+from megalm.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 from megalm.errors import DataError
-
-if TYPE_CHECKING:
-    from megalm.config import MegalmConfig
 
 log = logging.getLogger(__name__)
 
@@ -321,8 +322,6 @@ def padded_vocab_size(vocab_size: int, multiple: int = 64) -> int:
 
 def _indexed_tokenizer(source, override: str) -> Tokenizer | None:
     """The tokenizer an indexed dataset was written with, or `override` if it matches the data."""
-    from megalm.data.tokenizer import build_tokenizer
-
     if override and override != "byte":
         tok = build_tokenizer(override)
         if tok.vocab_size != source.vocab_size or tok.eod_id != source.eod_id:
@@ -343,11 +342,6 @@ def _indexed_tokenizer(source, override: str) -> Tokenizer | None:
 
 def build_datasets(cfg: MegalmConfig) -> DataBundle:
     """Source, split and sampler from `cfg.data` (a `MegalmConfig` or its Hydra DictConfig)."""
-    from megalm.data.demo import demo_corpus
-    from megalm.data.indexed import IndexedDataset
-    from megalm.data.synthetic import SyntheticDocuments
-    from megalm.data.tokenizer import ByteTokenizer
-
     d = cfg.data
     source: DocumentSource
     tokenizer: Tokenizer | None
@@ -355,7 +349,7 @@ def build_datasets(cfg: MegalmConfig) -> DataBundle:
         if d.tokenizer != "byte":
             raise DataError(f"data=demo is byte-tokenized, got data.tokenizer={d.tokenizer}; drop it, or "
                             "tokenize your own text with megalm-preprocess and use data=indexed")
-        source = IndexedDataset(demo_corpus(d.cache_dir))
+        source = IndexedDataset(demo.demo_corpus(d.cache_dir))
         tokenizer = ByteTokenizer()
     elif d.name == "indexed":
         if not d.path:

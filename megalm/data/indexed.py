@@ -21,6 +21,7 @@ from array import array
 
 import numpy as np
 
+from megalm.data.tokenizer import build_tokenizer
 from megalm.errors import DataError
 
 MAGIC = b"MEGALMDS"
@@ -69,8 +70,6 @@ class IndexedDatasetWriter:
         if vocab_size <= 0 or vocab_size > 2**32:
             raise ValueError(f"vocab_size={vocab_size} must be in [1, 2**32]")
         if eod_id is None:
-            from megalm.data.tokenizer import build_tokenizer
-
             eod_id = build_tokenizer(tokenizer_spec).eod_id
         if not 0 <= eod_id < vocab_size:
             raise ValueError(f"eod_id={eod_id} is outside the vocab [0, {vocab_size})")

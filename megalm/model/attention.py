@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,7 @@ from torch import nn
 
 from megalm.config import ModelConfig
 from megalm.errors import ConfigError
+from megalm.model.linear import Linear
 from megalm.model.rope import apply_rope
 
 logger = logging.getLogger(__name__)
@@ -190,14 +191,25 @@ def varlen_attention(
     raise ValueError(f"unknown attention backend {backend!r}")
 
 
+class AttentionContext(Protocol):
+    """How attention runs for one micro-batch when its documents are spread over several ranks.
+
+    A micro-batch may carry one (context parallelism, HDP rings: megalm/parallel/context/attention.py);
+    every attention layer then calls `attend` instead of `varlen_attention`. The context holds the ring's
+    ranks and the shard layout, so the model stays free of collectives and nothing is looked up globally.
+    """
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, dropout_p: float = 0.0,
+               scale: float | None = None) -> torch.Tensor: ...
+
+
 class Attention(nn.Module):
     """Multi-head / grouped-query causal self-attention over packed documents.
 
-    The projections are plain nn.Linear, and heads are inferred from the projected width
-    (`view(T, -1, head_dim)`), so tensor parallelism can swap in column/row-parallel layers that
-    hold only this rank's heads without touching this module. `attention_fn` (default
-    `varlen_attention`, same signature) is the core op; context parallelism swaps in its ring or
-    all-to-all version from outside, so the model itself stays free of collectives.
+    The projections are `Linear` (nn.Linear with precision / weight-gradient hooks), and heads are
+    inferred from the projected width (`view(T, -1, head_dim)`), so tensor parallelism can swap in
+    column/row-parallel layers that hold only this rank's heads without touching this module. The core
+    op is `varlen_attention` over the local documents, or the micro-batch's `AttentionContext`.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -205,13 +217,12 @@ class Attention(nn.Module):
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         q_width, kv_width = cfg.num_heads * self.head_dim, cfg.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_width, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_width, bias=cfg.bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_width, bias=cfg.bias)
-        self.o_proj = nn.Linear(q_width, cfg.hidden_size, bias=cfg.bias)
+        self.q_proj = Linear(cfg.hidden_size, q_width, bias=cfg.bias)
+        self.k_proj = Linear(cfg.hidden_size, kv_width, bias=cfg.bias)
+        self.v_proj = Linear(cfg.hidden_size, kv_width, bias=cfg.bias)
+        self.o_proj = Linear(q_width, cfg.hidden_size, bias=cfg.bias)
         self.dropout_p = cfg.attention_dropout
         self.backend = cfg.attention_backend
-        self.attention_fn: Callable[..., torch.Tensor] = varlen_attention
 
     def forward(
         self,
@@ -219,6 +230,7 @@ class Attention(nn.Module):
         cu_seqlens: torch.Tensor,
         max_seqlen: int,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        context: AttentionContext | None = None,
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; `rope` = (cos, sin) [T, head_dim] or None (no rotary)."""
         total = x.shape[0]
@@ -229,6 +241,9 @@ class Attention(nn.Module):
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dropout_p = self.dropout_p if self.training else 0.0
-        backend = _resolve_backend(self.backend, q.device, q.dtype, dropout_p > 0.0)
-        out = self.attention_fn(q, k, v, cu_seqlens, max_seqlen, backend, dropout_p=dropout_p)
+        if context is not None:
+            out = context.attend(q, k, v, self.backend, dropout_p)
+        else:
+            backend = _resolve_backend(self.backend, q.device, q.dtype, dropout_p > 0.0)
+            out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, backend, dropout_p=dropout_p)
         return self.o_proj(out.reshape(total, -1))

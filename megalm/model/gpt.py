@@ -8,7 +8,8 @@ untied head, no biases; GPT-2 = LayerNorm, GELU, learned positions, tied head, b
 
 There is no batch dimension: hidden states are [T, hidden] for T packed tokens, documents are
 delimited by `cu_seqlens` and positions restart per document (see megalm/data/batch.py).
-The model holds plain nn.Linear layers and no collectives; parallelism is applied from outside.
+The model holds `Linear` layers (nn.Linear with hooks, megalm/model/linear.py) and no collectives;
+parallelism and precision recipes are applied from outside.
 
 `init_weights` makes the initial weights a function of the seed only: every parameter is drawn on
 CPU in fp32 from its own generator seeded by (seed, crc32(name)), so the result does not depend on
@@ -22,9 +23,7 @@ import copy
 import hashlib
 import math
 import zlib
-from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +32,13 @@ from torch import nn
 
 from megalm.config import ModelConfig, resolve_model_defaults, validate_model
 from megalm.data.batch import PackedBatch
-from megalm.model.attention import Attention
+from megalm.model.attention import Attention, AttentionContext
+from megalm.model.linear import Linear
 from megalm.model.mlp import build_mlp
+from megalm.model.naming import canonical_named_parameters, model_chunks
 from megalm.model.norm import build_norm
 from megalm.model.rope import rope_cos_sin
+from megalm.model.shard import shard_specs
 
 # Parameters that are embedding tables (excluded by num_parameters(exclude_embeddings=True)).
 EMBEDDING_PARAMS = ("embedding.weight", "position_embedding.weight")
@@ -63,8 +65,9 @@ class TransformerBlock(nn.Module):
         cu_seqlens: torch.Tensor,
         max_seqlen: int,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        context: AttentionContext | None = None,
     ) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.attention_norm(x), cu_seqlens, max_seqlen, rope))
+        x = x + self.dropout(self.attention(self.attention_norm(x), cu_seqlens, max_seqlen, rope, context))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -94,9 +97,9 @@ class GPT(nn.Module):
             self.final_norm = build_norm(cfg)
             # Tied: logits use embedding.weight and there is no output module (nor output.weight).
             self.output = (
-                None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+                None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
             )
-        # A pipeline stage (megalm/parallel/pipeline.py) keeps a slice of `layers` and clears these:
+        # A pipeline stage (megalm/parallel/pipeline/stages.py) keeps a slice of `layers` and clears these:
         # a stage that is not first takes hidden states as input, one that is not last returns them.
         self.is_first_stage = True
         self.is_last_stage = True
@@ -127,8 +130,10 @@ class GPT(nn.Module):
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         max_seqlen: int,
+        context: AttentionContext | None = None,
     ) -> torch.Tensor:
-        """tokens, position_ids int64 [T]; cu_seqlens int32 [N + 1]; max_seqlen: longest document (int).
+        """tokens, position_ids int64 [T]; cu_seqlens int32 [N + 1]; max_seqlen: longest document (int);
+        `context`: how attention runs when the micro-batch's documents span several ranks (None: locally).
 
         Returns logits [T, vocab_size] in the compute dtype (bf16 under autocast): take the loss in fp32.
         A pipeline stage that is not the first takes the previous stage's hidden states [T, hidden] in
@@ -137,53 +142,12 @@ class GPT(nn.Module):
         hidden = self.embed(tokens, position_ids) if self.is_first_stage else tokens
         rope = self.rotary(position_ids)
         for layer in self.layers:
-            hidden = layer(hidden, cu_seqlens, max_seqlen, rope)
+            hidden = layer(hidden, cu_seqlens, max_seqlen, rope, context)
         return self.head(hidden) if self.is_last_stage else hidden
 
     def forward_batch(self, batch: PackedBatch) -> torch.Tensor:
         """`forward` on a PackedBatch (already on the model's device)."""
         return self(batch.tokens, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
-
-
-def model_chunks(model: nn.Module) -> list[nn.Module]:
-    """The GPT chunks of `model`: the chunks a pipeline rank holds (an nn.ModuleList of modules with
-    `layers`), or the model itself."""
-    if isinstance(model, nn.ModuleList) and len(model) and all(hasattr(m, "layers") for m in model):
-        return list(model)
-    return [model]
-
-
-def _canonical_named(model: nn.Module, named: Callable[[nn.Module], Iterator[tuple[str, Any]]]
-                     ) -> Iterator[tuple[str, Any]]:
-    """`named(chunk)` over every chunk, each object once, with `layers.{i}` renamed to the block's
-    global `layer_id` (a module without `layers` keeps its names)."""
-    seen: set[int] = set()
-    for chunk in model_chunks(model):
-        layers = getattr(chunk, "layers", None)
-        for name, obj in named(chunk):
-            if id(obj) in seen:
-                continue
-            seen.add(id(obj))
-            if isinstance(layers, nn.ModuleList) and name.startswith("layers."):
-                _, index, *rest = name.split(".", 2)
-                name = ".".join(["layers", str(getattr(layers[int(index)], "layer_id", index)), *rest])
-            yield name, obj
-
-
-def canonical_named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """(name, parameter) with the name the full model gives it: `layers.{i}` uses the block's
-    global `layer_id`, so a pipeline stage holding a slice of the layers gets the full model's names.
-
-    `model` is a GPT or an nn.ModuleList of GPT chunks (a pipeline rank with virtual stages); a
-    parameter two chunks share (tied embeddings on one rank) is yielded once.
-    """
-    return _canonical_named(model, lambda chunk: chunk.named_parameters())
-
-
-def canonical_named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(name, module) with the full model's names, as `canonical_named_parameters` (the chunks' own
-    prefixes are dropped), for code that installs things on modules by name (precision recipes)."""
-    return _canonical_named(model, lambda chunk: chunk.named_modules())
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -220,18 +184,19 @@ def initial_value(
 def init_weights(model: nn.Module, seed: int) -> None:
     """Set every parameter to `initial_value(name, ...)`: deterministic in `seed` only.
 
-    A sharded parameter (tensor parallelism) may carry `full_shape` (the unsharded shape) and
-    `shard_full` (a function full tensor -> this rank's shard): the full value is drawn, then sharded,
-    so every layout starts from the same model. `model` may be a ModuleList of pipeline chunks.
+    A sharded parameter (tensor parallelism) has a `ShardSpec` (megalm/model/shard.py): the full value
+    is drawn, then sliced, so every layout starts from the same model. `model` may be a ModuleList of
+    pipeline chunks.
     """
     cfg = model_chunks(model)[0].cfg
+    specs = shard_specs(model)
     for name, param in canonical_named_parameters(model):
         if param.is_meta:
             raise RuntimeError(f"init_weights: {name} is on the meta device; "
                                "call model.to_empty(device=...) first")
-        full = initial_value(name, tuple(getattr(param, "full_shape", param.shape)), cfg, seed)
-        shard_full: Callable[[torch.Tensor], torch.Tensor] | None = getattr(param, "shard_full", None)
-        param.copy_(shard_full(full) if shard_full is not None else full)
+        spec = specs.get(name)
+        full = initial_value(name, spec.full_shape if spec else tuple(param.shape), cfg, seed)
+        param.copy_(spec.shard(full) if spec else full)
 
 
 def num_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:

@@ -4,8 +4,8 @@ SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)); it has three matrices, which
 ffn size is 8h/3 instead of 4h (same parameter count as a 4h GELU MLP).
 GELU:   down_proj(gelu_tanh(up_proj(x))), the tanh approximation GPT-2 was trained with.
 
-The projections are plain nn.Linear so tensor parallelism can swap them for column-parallel
-(gate/up) and row-parallel (down) layers from outside.
+The projections are `Linear` (nn.Linear with precision / weight-gradient hooks), so tensor parallelism
+can swap them for column-parallel (gate/up) and row-parallel (down) layers from outside.
 """
 
 from __future__ import annotations
@@ -15,15 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.config import ModelConfig
+from megalm.model.linear import Linear
 
 
 class SwiGLUMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
-        self.gate_proj = nn.Linear(h, f, bias=cfg.bias)
-        self.up_proj = nn.Linear(h, f, bias=cfg.bias)
-        self.down_proj = nn.Linear(f, h, bias=cfg.bias)
+        self.gate_proj = Linear(h, f, bias=cfg.bias)
+        self.up_proj = Linear(h, f, bias=cfg.bias)
+        self.down_proj = Linear(f, h, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -33,8 +34,8 @@ class GeluMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
-        self.up_proj = nn.Linear(h, f, bias=cfg.bias)
-        self.down_proj = nn.Linear(f, h, bias=cfg.bias)
+        self.up_proj = Linear(h, f, bias=cfg.bias)
+        self.down_proj = Linear(f, h, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from megalm.errors import ConfigError
+
 MODES = ("none", "full", "selective")
 
 _aten = torch.ops.aten
@@ -74,11 +76,18 @@ def apply_recompute(model: nn.Module, mode: str) -> int:
     return len(layers)
 
 
+def recompute_modes(recompute: str | list[str], pp: int) -> list[str]:
+    """`parallel.recompute` as one validated mode per pipeline rank (one mode for all, or a list of pp)."""
+    modes = [recompute] * pp if isinstance(recompute, str) else list(recompute)
+    if len(modes) != pp:
+        raise ConfigError(f"parallel.recompute={modes} has {len(modes)} entries for parallel.pp={pp}; give one "
+                          "mode, or one mode per pipeline rank")
+    for mode in modes:
+        if mode not in MODES:
+            raise ConfigError(f"parallel.recompute={mode!r} is not one of {', '.join(MODES)}")
+    return modes
+
+
 def stage_mode(recompute: str | list[str], pp_rank: int, pp: int) -> str:
     """The recompute mode of pipeline rank `pp_rank`: one mode for all, or one per rank."""
-    if isinstance(recompute, str):
-        return recompute
-    modes = list(recompute)
-    if len(modes) != pp:
-        raise ValueError(f"parallel.recompute has {len(modes)} entries for pp={pp}; give one mode per pipeline rank")
-    return modes[pp_rank]
+    return recompute_modes(recompute, pp)[pp_rank]

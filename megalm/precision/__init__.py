@@ -1,11 +1,15 @@
-"""Precision recipes, applied from outside the model (DESIGN.md joint 5).
+"""Precision recipes, applied from outside the model (docs/architecture.md, "Precision from outside").
 
 - fp32: nothing; bf16: autocast around the forward, fp32 master weights and optimizer state.
 - fp8*, mxfp8, mxfp4*: bf16 autocast for everything (attention, norms, the skipped layers) and the
-  recipe's low-precision GEMMs in the linear layers (`precision/linear.py`, installed by
-  `apply_recipe` on plain and tensor-parallel linear layers alike).
+  recipe's low-precision GEMMs in the linear layers (`precision/linear.py`, set as each linear
+  layer's `gemm_recipe` hook, on plain and tensor-parallel layers alike).
 - `precision.backend=te` with fp8 / fp8_delayed: Transformer Engine's Linear and fp8 recipes
   (`precision/te.py`) when TE is importable; otherwise the native path, and the log says so.
+
+`Precision` is the model converter the parallelism applies to every model chunk (after tensor
+parallelism, before the pipeline's weight-gradient split and recomputation) and whose forward context
+and per-micro-batch seeding it runs around each forward.
 """
 
 from __future__ import annotations
@@ -18,33 +22,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from megalm.config import MegalmConfig, PrecisionConfig
+from megalm.errors import ConfigError
+from megalm.precision import te
+from megalm.precision.linear import RECIPES, apply_precision, get_recipe, set_precision_step
+
 log = logging.getLogger("megalm")
-
-
-@contextlib.contextmanager
-def autocast(precision, device: torch.device) -> Iterator[None]:
-    """bf16 autocast around forward passes (fp32 master weights): for bf16, and for the low-precision
-    recipes unless `precision.autocast` is false (then everything but the recipe's GEMMs runs in fp32);
-    plus TE's fp8_autocast when the recipe runs on Transformer Engine. Nothing is entered before the
-    `with`. `precision` is a PrecisionConfig or a recipe name."""
-    name = getattr(precision, "name", precision)
-    with contextlib.ExitStack() as stack:
-        if name == "bf16" or (name != "fp32" and getattr(precision, "autocast", True)):
-            stack.enter_context(torch.autocast(device_type=device.type, dtype=torch.bfloat16))
-        if uses_transformer_engine(name, getattr(precision, "backend", "native"), device):
-            from megalm.precision.te import te_autocast
-
-            stack.enter_context(te_autocast(name))
-        yield
-
-
-def uses_transformer_engine(name: str, backend: str, device: torch.device | None = None) -> bool:
-    """Whether recipe `name` under `backend` runs Transformer Engine's layers: te requested, TE importable,
-    and (when `device` is given) a CUDA device — TE has no CPU kernels."""
-    from megalm.precision import te
-
-    on_gpu = device is None or torch.device(device).type in te.TE_DEVICES
-    return backend == "te" and name in te.TE_RECIPES and on_gpu and transformer_engine_available()
 
 
 @functools.cache
@@ -56,25 +39,86 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def apply_recipe(model: nn.Module, name: str, forward: str | None = None, skip: list[str] | tuple[str, ...] = (),
-                 backend: str = "native", seed: int = 0, device: torch.device | None = None) -> str:
-    """Install recipe `name` on the linear layers of `model` (a GPT or pipeline chunks); returns a
-    one-line description of what runs, for the log. fp32 and bf16 install nothing."""
-    if name in ("fp32", "bf16"):
-        return f"{name} (autocast only)"
-    skipped = f", skipping {list(skip)}" if skip else ""
-    fallback = ""
-    if uses_transformer_engine(name, backend, device):
-        from megalm.precision.te import apply_te, te_recipe
+def uses_transformer_engine(name: str, backend: str, device: torch.device | None = None) -> bool:
+    """Whether recipe `name` under `backend` runs Transformer Engine's layers: te requested, TE importable,
+    and (when `device` is given) a CUDA device — TE has no CPU kernels."""
+    on_gpu = device is None or torch.device(device).type in te.TE_DEVICES
+    return backend == "te" and name in te.TE_RECIPES and on_gpu and transformer_engine_available()
 
-        count = apply_te(model, name, list(skip))
-        return f"{name} on {count} linear layers (transformer_engine {type(te_recipe(name)).__name__}){skipped}"
-    if backend == "te":
-        why = "transformer_engine not importable" if not transformer_engine_available() else "no CUDA device"
-        log.warning("precision.backend=te but %s; running the native %s path", why, name)
-        fallback = f", {why}"
-    from megalm.precision.linear import apply_precision, get_recipe
 
-    recipe = get_recipe(name, forward=forward)
-    states = apply_precision(model, recipe, skip=list(skip), seed=seed)
-    return f"{name} on {len(states)} linear layers (native emulation/scaled_mm{fallback}){skipped}"
+@contextlib.contextmanager
+def autocast(precision: PrecisionConfig | str, device: torch.device) -> Iterator[None]:
+    """bf16 autocast around forward passes (fp32 master weights): for bf16, and for the low-precision
+    recipes unless `precision.autocast` is false (then everything but the recipe's GEMMs runs in fp32);
+    plus TE's fp8_autocast when the recipe runs on Transformer Engine. Nothing is entered before the
+    `with`. `precision` is a PrecisionConfig or a recipe name."""
+    name = getattr(precision, "name", precision)
+    with contextlib.ExitStack() as stack:
+        if name == "bf16" or (name != "fp32" and getattr(precision, "autocast", True)):
+            stack.enter_context(torch.autocast(device_type=device.type, dtype=torch.bfloat16))
+        if uses_transformer_engine(name, getattr(precision, "backend", "native"), device):
+            stack.enter_context(te.te_autocast(name))
+        yield
+
+
+class Precision:
+    """`cfg.precision` as a model converter: what it installs, the context of every forward, the seeding
+    of random rounding per micro-batch, and the token multiple its GEMMs need (TE FP8: 16)."""
+
+    def __init__(self, cfg: PrecisionConfig, seed: int, device: torch.device):
+        self.cfg, self.seed, self.device = cfg, seed, device
+        self.on_te = uses_transformer_engine(cfg.name, cfg.backend, device)
+        self.token_multiple = te.TE_TOKEN_MULTIPLE if self.on_te else 1
+        self.note = f"{cfg.name} (autocast only)" if cfg.name in ("fp32", "bf16") else cfg.name
+        if cfg.backend == "te" and not self.on_te:
+            why = "transformer_engine not importable" if not transformer_engine_available() else "no CUDA device"
+            log.warning("precision.backend=te but %s; running the native %s path", why, cfg.name)
+            self.fallback = f", {why}"
+        else:
+            self.fallback = ""
+
+    def convert(self, chunk: nn.Module) -> None:
+        """Install the recipe on the linear layers of `chunk` (a GPT or a pipeline chunk)."""
+        name, skip = self.cfg.name, list(self.cfg.skip)
+        skipped = f", skipping {skip}" if skip else ""
+        if name in ("fp32", "bf16"):
+            return
+        if self.on_te:
+            count = te.apply_te(chunk, name, skip)
+            self.note = f"{name} on {count} linear layers (transformer_engine {type(te.te_recipe(name)).__name__})"
+        else:
+            states = apply_precision(chunk, get_recipe(name, forward=self.cfg.forward), skip=skip, seed=self.seed)
+            self.note = f"{name} on {len(states)} linear layers (native emulation/scaled_mm{self.fallback})"
+        self.note += skipped
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return autocast(self.cfg, self.device)
+
+    def before_forward(self, chunk: nn.Module, step: int, micro_batch: int) -> None:
+        """Seed the random rounding of `chunk`'s layers by (step, micro-batch index in the step)."""
+        set_precision_step(chunk, step, micro_batch)
+
+
+def validate_precision(cfg: MegalmConfig) -> None:
+    """The rules of `cfg.precision`, alone and with the parallel layout, as one-line ConfigErrors."""
+    p, parallel = cfg.precision, cfg.parallel
+    if p.name not in RECIPES:
+        raise ConfigError(f"precision={p.name} is not one of {'|'.join(RECIPES)}; pick one of those")
+    if p.forward is not None:
+        if p.forward not in ("bf16", "fp8"):
+            raise ConfigError(f"precision.forward={p.forward} is not one of bf16|fp8; pick one of those")
+        if not p.name.startswith("mxfp4"):
+            raise ConfigError(f"precision.forward={p.forward} applies to the mxfp4 recipes only; "
+                              f"remove it for precision={p.name}")
+    if p.backend not in ("native", "te"):
+        raise ConfigError(f"precision.backend={p.backend} is not one of native|te; pick one of those")
+    if p.backend == "te" and p.name not in te.TE_RECIPES:
+        raise ConfigError(f"precision.backend=te runs Transformer Engine's fp8 recipes (fp8, fp8_delayed); "
+                          f"precision={p.name} needs precision.backend=native")
+    if p.backend == "te" and parallel.recompute != "none":
+        raise ConfigError("precision.backend=te does not combine with parallel.recompute yet (the recomputed "
+                          "forward would run outside TE's fp8_autocast); use parallel.recompute=none or "
+                          "precision.backend=native")
+    if p.backend == "te" and parallel.tp > 1:
+        raise ConfigError(f"precision.backend=te swaps in TE's Linear, which megalm's tensor parallelism does not "
+                          f"shard; use parallel.tp=1 or precision.backend=native (tp={parallel.tp})")

@@ -81,17 +81,17 @@ summation order, for the GEMMs whose K is not sharded, with round-to-nearest and
 Per-tensor FP8 scales are a shard's own amax, not the full tensor's, and SR noise is drawn for the
 shard's shape, so those are reproducible but not equal to tp=1.
 
-`apply_precision(model, recipe, skip=...)` installs a recipe on the model's linear layers from outside
-(plain nn.Linear: its forward is replaced; TP layers: their `linear_fn` hook).
+`apply_precision(model, recipe, skip=...)` installs a recipe on the model's linear layers from outside:
+it sets each layer's `gemm_recipe` hook (megalm/model/linear.py) to a `RecipeGemms`, which the layer's
+GEMM function reads; tensor-parallel layers have the same hook, and a zero-bubble pipeline's
+weight-gradient sink composes with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import functools
 import hashlib
-import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -99,7 +99,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalm.model.gpt import canonical_named_modules, model_chunks
+from megalm.model.linear import LinearHooks, linear, linear_modules
+from megalm.model.naming import canonical_named_modules, model_chunks
 from megalm.precision import fp8
 from megalm.precision.hadamard import random_signs, rht
 from megalm.precision.mx import mx_quantize_dequantize
@@ -314,52 +315,52 @@ def gemm(
 
 
 # ---------------------------------------------------------------------------------------------------
-# The layer
+# The layer's GEMMs under a recipe
 # ---------------------------------------------------------------------------------------------------
 
 
-class _LowPrecisionLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, recipe: Recipe, state: LinearState | None, seed: int | None,
-                out_dtype: torch.dtype):
-        device = x.device
-        x2 = x.reshape(-1, x.shape[-1])
-        scales: dict = {}
-        with torch.autocast(device.type, enabled=False):
-            spec = recipe.fprop
-            x_scale = _fp8_tensor_scale(spec, "x", x2, spec.a_format, state, scales)
-            w_scale = _fp8_tensor_scale(spec, "w", weight, spec.b_format, state, scales)
-            generator = gemm_generator(seed, "fprop", device) if spec.random else None
-            y = gemm(spec, x2, 1, weight, 1, generator, x_scale, w_scale)
-            if bias is not None:
-                y = y + bias.float()
-        ctx.save_for_backward(x, weight)
-        ctx.recipe, ctx.state, ctx.seed, ctx.scales = recipe, state, seed, scales
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)
+@dataclass
+class _Call:
+    """One forward call's state, shared by its three GEMMs: the call seed and the FP8 scales computed."""
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        recipe, state, seed, scales = ctx.recipe, ctx.state, ctx.seed, ctx.scales
-        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-        dx = dw = db = None
-        with torch.autocast(x.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
-                spec = recipe.dgrad
-                dy_scale = _fp8_tensor_scale(spec, "dy", dy2, spec.a_format, state, scales)
-                w_scale = _fp8_tensor_scale(spec, "w", weight, spec.b_format, state, scales)
-                generator = gemm_generator(seed, "dgrad", x.device) if spec.random else None
-                dx = gemm(spec, dy2, 1, weight, 0, generator, dy_scale, w_scale).reshape(x.shape).to(x.dtype)
-            if ctx.needs_input_grad[1]:
-                spec = recipe.wgrad
-                dy_scale = _fp8_tensor_scale(spec, "dy", dy2, spec.a_format, state, scales)
-                x_scale = _fp8_tensor_scale(spec, "x", x2, spec.b_format, state, scales)
-                generator = gemm_generator(seed, "wgrad", x.device) if spec.random else None
-                dw = gemm(spec, dy2, 0, x2, 0, generator, dy_scale, x_scale).to(weight.dtype)
-            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-                db = dy2.float().sum(dim=0).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None
+    seed: int | None
+    scales: dict
+
+
+class RecipeGemms:
+    """A recipe's three GEMMs for one layer: the `gemm_recipe` hook of megalm.model.linear.
+
+    `start` fixes the call seed (from the layer's `LinearState`, or `seed`, or torch's generator) when
+    any GEMM draws random numbers; fprop/dgrad/wgrad quantize their operands along K as the recipe's
+    GemmSpecs say and return fp32. The backward GEMMs run with the call's seed whenever they run (in B,
+    or later in a zero-bubble W), so deferring them changes no draw.
+    """
+
+    def __init__(self, recipe: Recipe, state: LinearState | None = None, seed: int | None = None):
+        self.recipe, self.state, self.seed = recipe, state, seed
+        self.random = any(spec.random for spec in recipe.specs)
+
+    def start(self, x: torch.Tensor) -> _Call:
+        seed = self.seed
+        if seed is None and self.random:
+            seed = self.state.next_seed() if self.state is not None else int(torch.randint(2**62, ()).item())
+        return _Call(seed, {})
+
+    def _run(self, spec: GemmSpec, gemm_name: str, call: _Call, a: torch.Tensor, a_name: str, a_dim: int,
+             b: torch.Tensor, b_name: str, b_dim: int) -> torch.Tensor:
+        a_scale = _fp8_tensor_scale(spec, a_name, a, spec.a_format, self.state, call.scales)
+        b_scale = _fp8_tensor_scale(spec, b_name, b, spec.b_format, self.state, call.scales)
+        generator = gemm_generator(call.seed, gemm_name, a.device) if spec.random else None
+        return gemm(spec, a, a_dim, b, b_dim, generator, a_scale, b_scale)
+
+    def fprop(self, call: _Call, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self._run(self.recipe.fprop, "fprop", call, x, "x", 1, weight, "w", 1)
+
+    def dgrad(self, call: _Call, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self._run(self.recipe.dgrad, "dgrad", call, dy, "dy", 1, weight, "w", 0)
+
+    def wgrad(self, call: _Call, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self._run(self.recipe.wgrad, "wgrad", call, dy, "dy", 0, x, "x", 0)
 
 
 def low_precision_linear(
@@ -380,28 +381,12 @@ def low_precision_linear(
     recipe = get_recipe(recipe)
     if recipe.is_fp32:
         return F.linear(x, weight, bias)
-    if seed is None and any(spec.random for spec in recipe.specs):
-        seed = state.next_seed() if state is not None else int(torch.randint(2**62, ()).item())
-    device_type = x.device.type
-    autocast = torch.is_autocast_enabled(device_type)
-    out_dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
-    return _LowPrecisionLinear.apply(x, weight, bias, recipe, state, seed, out_dtype)
+    return linear(x, weight, bias, RecipeGemms(recipe, state, seed))
 
 
 # ---------------------------------------------------------------------------------------------------
 # Installing recipes on a model
 # ---------------------------------------------------------------------------------------------------
-
-
-def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """nn.Linear.forward routed through the installed `linear_fn`."""
-    return self.linear_fn(x, self.weight, self.bias)
-
-
-def _tp_linear_types() -> tuple[type, ...]:
-    from megalm.parallel.tensor import ColumnParallelLinear, RowParallelLinear
-
-    return ColumnParallelLinear, RowParallelLinear
 
 
 def _expand(patterns: Iterable[str], last: int | None) -> list[str]:
@@ -425,14 +410,15 @@ def apply_precision(
 ) -> dict[str, LinearState]:
     """Run the linear layers of `model` in `recipe`; returns {layer name: its LinearState}.
 
-    Layers are plain nn.Linear (their forward is replaced by one through `linear_fn`) and
-    megalm's ColumnParallelLinear / RowParallelLinear (their `linear_fn` hook is set). Names are
-    canonical (`layers.{layer_id}...`, see megalm.model.gpt.canonical_named_modules). `skip`: fnmatch patterns (or a
+    Every layer that runs its GEMMs through megalm.model.linear (the model's `Linear`, megalm's
+    Column/RowParallelLinear) gets a `RecipeGemms` as its `gemm_recipe` hook; its `forward` is left
+    alone, so a zero-bubble weight-gradient sink on the same layer composes with it. Names are
+    canonical (`layers.{layer_id}...`, see megalm.model.naming). `skip`: fnmatch patterns (or a
     predicate on (name, module)) of layers left untouched, e.g. ("output", "layers.0.*",
     "layers.{last}.*") keeps the head and the first and last blocks in the trainer's precision.
     `overrides`: {pattern: recipe}, first match wins, for layers that take another recipe. The
-    embedding and a tied output head (F.linear on the embedding) are not linear modules: untouched.
-    A previous `apply_precision` is undone first.
+    embedding and a tied output head (F.linear on the embedding) are not linear layers: untouched.
+    A plain torch nn.Linear has no hook and is refused. A previous `apply_precision` is undone first.
     """
     remove_precision(model)
     recipe = get_recipe(recipe)
@@ -446,38 +432,30 @@ def apply_precision(
         skipped = lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in skip_patterns)
     override_patterns = [(p, get_recipe(r)) for p, r in (overrides or {}).items()]
     override_patterns = [(_expand([p], last)[0], r) for p, r in override_patterns]
-    tp_types = _tp_linear_types()
     states = {}
     for name, module in canonical_named_modules(model):
-        if not isinstance(module, (nn.Linear, *tp_types)) or skipped(name, module):
+        if not isinstance(module, (nn.Linear, LinearHooks)) or skipped(name, module):
             continue
+        if not isinstance(module, LinearHooks):
+            raise TypeError(f"{name} is a plain torch nn.Linear, which has no precision hook; build it as "
+                            "megalm.model.linear.Linear (same parameters)")
         chosen = next((r for p, r in override_patterns if fnmatch.fnmatchcase(name, p)), recipe)
         state = LinearState(name, seed)
-        linear_fn = functools.partial(low_precision_linear, recipe=chosen, state=state)
-        if isinstance(module, nn.Linear):
-            module.forward = types.MethodType(_linear_forward, module)
-        elif not hasattr(type(module), "linear_fn"):
-            raise NotImplementedError(
-                f"{name}: {type(module).__name__} has no linear_fn hook; its forward must call "
-                "self.linear_fn(...) instead of F.linear(...) (see megalm/precision/linear.py)")
-        module.linear_fn = linear_fn
-        module.precision_recipe, module.precision_state = chosen, state
+        module.gemm_recipe = None if chosen.is_fp32 else RecipeGemms(chosen, state)
         states[name] = state
     return states
 
 
 def remove_precision(model: nn.Module) -> None:
-    """Undo `apply_precision`: every layer runs its own forward / F.linear again."""
-    for module in model.modules():
-        if "precision_state" in module.__dict__:
-            for attr in ("forward", "linear_fn", "precision_recipe", "precision_state"):
-                module.__dict__.pop(attr, None)
+    """Undo `apply_precision`: every layer runs its GEMMs in the trainer's precision again."""
+    for module in linear_modules(model):
+        module.__dict__.pop("gemm_recipe", None)
 
 
 def set_precision_step(model: nn.Module, step: int, micro_batch: int = 0) -> None:
     """Start the seed stream of every low-precision layer at (step, micro_batch); call it before each
     micro-batch's forward for draws that do not depend on the schedule."""
-    for module in model.modules():
-        state = module.__dict__.get("precision_state")
-        if state is not None:
-            state.set_step(step, micro_batch)
+    for module in linear_modules(model):
+        gemms = module.gemm_recipe
+        if isinstance(gemms, RecipeGemms) and gemms.state is not None:
+            gemms.state.set_step(step, micro_batch)

@@ -214,7 +214,7 @@ def _dequant_factor(s: torch.Tensor, prescale: float) -> torch.Tensor:
     return _exp2(s) / prescale if prescale != 1.0 else _exp2(s)
 
 
-def _resolve_prescale(prescale: float | None, rounding: str, scale_mode: str) -> float:
+def resolve_prescale(prescale: float | None, rounding: str, scale_mode: str) -> float:
     """Default: 3/4 for stochastic rounding with floor scales (the only case that could clip), else 1."""
     if prescale is not None:
         return float(prescale)
@@ -239,7 +239,7 @@ def mx_quantize_dequantize(
     rounding with floor scales (Tseng et al.), 1 otherwise.
     """
     fmt = get_format(fmt)
-    prescale = _resolve_prescale(prescale, rounding, scale_mode)
+    prescale = resolve_prescale(prescale, rounding, scale_mode)
     dim = dim % x.dim()
     blocks = _to_blocks(x, block_size, dim)
     elements, s, _ = _quantize_blocks(blocks, dim + 1, fmt, rounding, scale_mode, prescale, generator)
@@ -317,7 +317,7 @@ def mx_quantize(
     fmt = get_format(fmt)
     if fmt.bits == 4 and block_size % 2:
         raise ValueError(f"FP4 packs two elements per byte: block_size must be even, got {block_size}")
-    prescale = _resolve_prescale(prescale, rounding, scale_mode)
+    prescale = resolve_prescale(prescale, rounding, scale_mode)
     dim = dim % x.dim()
     axis = dim + 1
     elements, s, finite = _quantize_blocks(_to_blocks(x, block_size, dim), axis, fmt, rounding, scale_mode,

@@ -5,7 +5,7 @@ reference implementation and what most Megatron-LM users run; where TE is instal
 instead of re-deriving it. The native path (`precision/linear.py`) stays the default and the one that
 always works (CPU emulation, `torch._scaled_mm` on Hopper).
 
-How, from outside the model (DESIGN.md joint 5): every selected plain `nn.Linear` is swapped for a
+How, from outside the model (docs/architecture.md): every selected model `Linear` is swapped for a
 `transformer_engine.pytorch.Linear` of the same shape, keeping the parameter names (`weight`,
 `bias`) and values, so initialisation by name, checkpoints and the optimizer see the same
 parameters; and `precision.autocast` enters `te.pytorch.fp8_autocast(enabled=True, fp8_recipe=...)`
@@ -27,7 +27,8 @@ import logging
 import torch
 from torch import nn
 
-from megalm.model.gpt import canonical_named_modules
+from megalm.model.linear import Linear
+from megalm.model.naming import canonical_named_modules
 
 log = logging.getLogger("megalm")
 
@@ -57,7 +58,7 @@ def te_autocast(name: str) -> contextlib.AbstractContextManager:
 
 
 def apply_te(model: nn.Module, name: str, skip: list[str] | tuple[str, ...] = ()) -> int:
-    """Swap the plain nn.Linear layers of `model` not matched by `skip` (fnmatch on canonical names,
+    """Swap the model `Linear` layers of `model` not matched by `skip` (fnmatch on canonical names,
     as `apply_precision`) for TE Linear layers with the same parameters. Returns how many."""
     import transformer_engine.pytorch as te
 
@@ -65,7 +66,7 @@ def apply_te(model: nn.Module, name: str, skip: list[str] | tuple[str, ...] = ()
     parents = {id(child): (parent, attr) for parent in model.modules() for attr, child in parent.named_children()}
     swapped = 0
     for canonical, module in list(canonical_named_modules(model)):
-        if type(module) is not nn.Linear or any(fnmatch.fnmatchcase(canonical, p) for p in skip):
+        if not isinstance(module, Linear) or any(fnmatch.fnmatchcase(canonical, p) for p in skip):
             continue
         weight = module.weight
         layer = te.Linear(module.in_features, module.out_features, bias=module.bias is not None,

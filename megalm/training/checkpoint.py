@@ -41,9 +41,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.tensor import DTensor, Shard
 
 from megalm.errors import CheckpointError
-from megalm.model.gpt import canonical_named_parameters
+from megalm.model.naming import canonical_named_parameters
+from megalm.model.shard import ShardSpec, shard_specs
 
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
@@ -88,7 +90,7 @@ def optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> tup
     tensors = {}
     for index, per_param in state["state"].items():
         for key, value in per_param.items():
-            tensors[f"{names[index]}::{key}"] = value.detach().cpu().contiguous()
+            tensors[f"{names[index]}::{key}"] = value.detach().contiguous()
     groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
     for group, torch_group in zip(groups, optimizer.param_groups, strict=True):
         group["param_names"] = _group_names(model, torch_group)
@@ -125,56 +127,29 @@ def load_optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, t
 # ---------------------------------------------------------------------------- tensors <-> DCP layout
 
 
-def _tp_shard_dim(param: nn.Parameter, mesh) -> int | None:
-    """The dim along which `param` is an even TP chunk (chunk index = tp rank), else None."""
-    full_shape = getattr(param, "full_shape", None)
-    if mesh is None or mesh.dims.tp == 1 or full_shape is None or getattr(param, "tp_replicas", 1) != 1:
-        return None
-    dims = [d for d, (a, b) in enumerate(zip(param.shape, full_shape, strict=True)) if a != b]
-    if len(dims) != 1:
-        return None
-    index = torch.arange(torch.Size(full_shape).numel()).reshape(full_shape)
-    expected = index.chunk(mesh.dims.tp, dims[0])[mesh.tp_rank]
-    return dims[0] if torch.equal(param.shard_full(index), expected) else None
-
-
-def _gather_full(local: torch.Tensor, param: nn.Parameter, mesh) -> torch.Tensor:
-    """The full tensor from every TP rank's piece, placed by each rank's own `shard_full` of an
-    index tensor (covers pieces several ranks hold, e.g. kv heads replicated when tp > kv heads)."""
-    full_shape = torch.Size(param.full_shape)
-    index = param.shard_full(torch.arange(full_shape.numel()).reshape(full_shape)).contiguous()
-    pieces = [torch.empty_like(local) for _ in range(mesh.dims.tp)]
-    indices = [torch.empty_like(index) for _ in range(mesh.dims.tp)]
-    dist.all_gather(pieces, local.contiguous(), group=mesh.tp_group)
-    dist.all_gather(indices, index, group=mesh.tp_group)
-    full = torch.empty(full_shape.numel(), dtype=local.dtype, device=local.device)
-    for piece, idx in zip(pieces, indices, strict=True):
-        full[idx.reshape(-1)] = piece.reshape(-1)
-    return full.reshape(full_shape)
-
-
-def _for_dcp(local: torch.Tensor, param: nn.Parameter, mesh) -> torch.Tensor:
-    """What DCP should see for a tensor shaped like `param`: a DTensor over the TP mesh for an
-    even shard (each rank writes its own), the gathered full tensor for an irregular TP piece, the
-    tensor itself when it is not sharded (DCP writes replicated tensors once)."""
-    if not getattr(param, "tp_sharded", False) or mesh is None or mesh.dims.tp == 1:
+def _for_dcp(local: torch.Tensor, spec: ShardSpec | None, mesh) -> torch.Tensor:
+    """What DCP should see for a tensor laid out like a parameter with `spec`: a DTensor over the TP mesh
+    for a slice one rank holds (each rank writes its own), the gathered full tensor for slices several
+    ranks hold (kv rows replicated when tp > kv heads: small), the tensor itself when it is not sharded
+    (DCP writes replicated tensors once)."""
+    if spec is None or mesh is None or mesh.dims.tp == 1:
         return local
-    dim = _tp_shard_dim(param, mesh)
-    if dim is None:
-        return _gather_full(local, param, mesh)
-    from torch.distributed.tensor import DTensor, Shard
-
-    full_shape = torch.Size(param.full_shape)
+    if spec.replicas > 1:
+        pieces = [torch.empty_like(local) for _ in range(mesh.dims.tp)]
+        dist.all_gather(pieces, local.contiguous(), group=mesh.tp_group)
+        return spec.unshard(pieces)
+    full_shape = torch.Size(spec.full_shape)
     stride = torch.empty(full_shape, device="meta").stride()
-    return DTensor.from_local(local.contiguous(), mesh.mesh["tp"], [Shard(dim)], shape=full_shape, stride=stride)
+    return DTensor.from_local(local.contiguous(), mesh.mesh["tp"], [Shard(spec.dim)], shape=full_shape,
+                              stride=stride)
 
 
-def _from_dcp(loaded: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+def _from_dcp(loaded: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
     """This rank's local tensor from what `_for_dcp` made and DCP filled."""
-    if hasattr(loaded, "to_local"):
+    if isinstance(loaded, DTensor):
         return loaded.to_local()
-    if getattr(param, "tp_sharded", False) and tuple(loaded.shape) == tuple(param.full_shape) != tuple(param.shape):
-        return param.shard_full(loaded)
+    if spec is not None and tuple(loaded.shape) == spec.full_shape != spec.local_shape:
+        return spec.shard(loaded)
     return loaded
 
 
@@ -228,12 +203,13 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         tmp.mkdir()
     _barrier(mesh)
 
-    params = dict(canonical_named_parameters(model))
-    tensors = {f"model/{n}": _for_dcp(p.detach(), p, mesh) for n, p in params.items()}
+    params, specs = dict(canonical_named_parameters(model)), shard_specs(model)
+    tensors = {f"model/{n}": _for_dcp(p.detach(), specs.get(n), mesh) for n, p in params.items()}
     opt_tensors, groups = optimizer_tensors(model, optimizer)
     for key, value in opt_tensors.items():
-        param = params[key.split("::")[0]]
-        tensors[f"optim/{key}"] = _for_dcp(value, param, mesh) if value.shape == param.shape else value
+        param_name = key.split("::")[0]
+        shaped = value.shape == params[param_name].shape  # moments are laid out like their parameter; "step" is not
+        tensors[f"optim/{key}"] = _for_dcp(value, specs.get(param_name), mesh) if shaped else value
     _dcp_save(tensors, tmp)
     rng = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -345,13 +321,16 @@ def check_model_config(saved: dict[str, Any], current: dict[str, Any], path: Pat
 
 
 def _model_targets(model: nn.Module, mesh) -> dict[str, torch.Tensor]:
-    return {f"model/{n}": _for_dcp(torch.empty_like(p.detach()), p, mesh) for n, p in canonical_named_parameters(model)}
+    specs = shard_specs(model)
+    return {f"model/{n}": _for_dcp(torch.empty_like(p.detach()), specs.get(n), mesh)
+            for n, p in canonical_named_parameters(model)}
 
 
 @torch.no_grad()
 def _copy_model(model: nn.Module, targets: dict[str, torch.Tensor], path: Path) -> None:
+    specs = shard_specs(model)
     for name, param in canonical_named_parameters(model):
-        value = _from_dcp(targets[f"model/{name}"], param)
+        value = _from_dcp(targets[f"model/{name}"], specs.get(name))
         if value.shape != param.shape:
             raise CheckpointError(f"checkpoint {path} has {name} of shape {tuple(value.shape)}, this model "
                                   f"{tuple(param.shape)}; use the matching model config")
@@ -374,16 +353,17 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     """
     meta = read_checkpoint_meta(path)
     targets = _model_targets(model, mesh)
-    params = dict(canonical_named_parameters(model))
+    params, specs = dict(canonical_named_parameters(model)), shard_specs(model)
     if optimizer is not None:
         like, groups = optimizer_tensors(model, optimizer)
         if not like:  # a fresh torch AdamW has no state yet: take one step's worth of shapes
             like = {f"{n}::{k}": torch.zeros(() if k == "step" else p.shape, dtype=torch.float32)
                     for n, p in params.items() for k in ("step", "exp_avg", "exp_avg_sq")}
         for key, value in like.items():
-            param = params[key.split("::")[0]]
-            shaped = value.shape == param.shape
-            targets[f"optim/{key}"] = _for_dcp(torch.empty_like(value), param, mesh) if shaped else value.clone()
+            param_name = key.split("::")[0]
+            shaped = value.shape == params[param_name].shape
+            targets[f"optim/{key}"] = (_for_dcp(torch.empty_like(value), specs.get(param_name), mesh) if shaped
+                                       else value.clone())
     _dcp_load(targets, path)
     _copy_model(model, targets, path)
     if optimizer is not None:
@@ -391,7 +371,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         for key, value in targets.items():
             if key.startswith("optim/"):
                 name = key[len("optim/"):]
-                tensors[name] = _from_dcp(value, params[name.split("::")[0]])
+                tensors[name] = _from_dcp(value, specs.get(name.split("::")[0]))
         load_optimizer_tensors(model, optimizer, tensors, meta.state["optimizer_param_groups"])
     rank = mesh.rank if mesh is not None else 0
     rng_file = path / f"rng-rank{rank:05d}.safetensors"
@@ -402,3 +382,11 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         if cuda_states and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(cuda_states[: torch.cuda.device_count()])
     return meta
+
+
+def check_same_data_order(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    """Refuse to resume with settings that would change which samples later steps see (seed, batch size, ...)."""
+    for key, value in current.items():
+        if saved.get(key) != value:
+            raise CheckpointError(f"checkpoint {path} was trained with {key}={saved.get(key)}, this run has {value}; "
+                                  "resuming would change the data order — set it back or start a new hydra.run.dir")

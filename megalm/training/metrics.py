@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -91,3 +92,26 @@ def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
     """All records of a run's metrics.jsonl, in order."""
     with open(Path(run_dir) / "metrics.jsonl") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+class ThroughputWindow:
+    """Tokens and model FLOPs since the last logged step: tokens/s, per GPU, and MFU over that window."""
+
+    def __init__(self, world_size: int, peak_flops: float | None):
+        self.world_size, self.peak = world_size, peak_flops
+        self.start, self.tokens, self.flops = time.perf_counter(), 0, 0.0
+
+    def add(self, tokens: int, flops: float) -> None:
+        self.tokens += tokens
+        self.flops += flops
+
+    def close(self) -> dict[str, float]:
+        """The window's rates (a metrics record's throughput fields); starts the next window."""
+        now = time.perf_counter()
+        elapsed = max(now - self.start, 1e-9)
+        rates = {"tokens_per_sec": self.tokens / elapsed,
+                 "tokens_per_sec_per_gpu": self.tokens / elapsed / self.world_size}
+        if self.peak is not None:  # per GPU: global model FLOPs over all ranks' peak
+            rates["mfu"] = self.flops / elapsed / (self.peak * self.world_size)
+        self.start, self.tokens, self.flops = now, 0, 0.0
+        return rates

@@ -14,6 +14,8 @@ beyond the step counter and a resumed run follows exactly the curve of one that 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,20 +56,19 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
-    """torch AdamW, fused kernel when the parameters' device supports it, foreach otherwise."""
+def build_optimizer(model: nn.Module, optim: OptimConfig, sharded: Callable[..., Any] | None = None):
+    """AdamW over `model`'s param groups: torch's (fused kernel when the parameters' device supports it,
+    foreach otherwise), or the layout's own sharded class when it brings one (`sharded`, e.g. ZeRO-1's,
+    megalm.parallel.parallelism.Parallelism.sharded_optimizer)."""
+    groups = param_groups(model, optim.weight_decay)
+    hyper = {"lr": optim.lr, "betas": (optim.beta1, optim.beta2), "eps": optim.eps}
+    if sharded is not None:
+        return sharded(groups, weight_decay=optim.weight_decay, **hyper)
     device = next(model.parameters()).device
     use_fused = optim.implementation == "fused" or (
         optim.implementation == "auto" and device.type in ("cuda", "cpu")
     )
-    kwargs = {"fused": True} if use_fused else {"foreach": True}
-    return torch.optim.AdamW(
-        param_groups(model, optim.weight_decay),
-        lr=optim.lr,
-        betas=(optim.beta1, optim.beta2),
-        eps=optim.eps,
-        **kwargs,
-    )
+    return torch.optim.AdamW(groups, **hyper, **({"fused": True} if use_fused else {"foreach": True}))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

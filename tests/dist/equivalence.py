@@ -11,15 +11,16 @@ from pathlib import Path
 
 import torch
 
-from megalm.model.gpt import canonical_named_parameters
+from megalm.model.naming import canonical_named_parameters
+from megalm.model.shard import shard_specs
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
 
 
-def shard_of(param: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of `full` for `param` (the whole of it for an unsharded parameter)."""
-    shard_full = getattr(param, "shard_full", None)
-    return shard_full(full) if shard_full is not None else full
+def shard_of(model: torch.nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `full` for `model`'s parameter `name` (the whole of it when unsharded)."""
+    spec = shard_specs(model).get(name)
+    return spec.shard(full) if spec is not None else full
 
 
 def assert_grads_match(ref: Trainer, par: Trainer, rank: int, rtol: float = 1e-4, atol: float = 1e-6) -> None:
@@ -28,7 +29,7 @@ def assert_grads_match(ref: Trainer, par: Trainer, rank: int, rtol: float = 1e-4
     names = []
     for name, p in canonical_named_parameters(par.model):
         names.append(name)
-        torch.testing.assert_close(p.grad, shard_of(p, ref_params[name].grad), rtol=rtol, atol=atol,
+        torch.testing.assert_close(p.grad, shard_of(par.model, name, ref_params[name].grad), rtol=rtol, atol=atol,
                                    msg=lambda m, n=name: f"rank {rank} grad {n}: {m}")
     assert names, f"rank {rank} holds no parameters"
 
@@ -46,17 +47,16 @@ def assert_same_training(ref: Trainer, par: Trainer, rank: int, steps: int, para
         assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: loss {a} vs single-process {b}"
     ref_params = dict(canonical_named_parameters(ref.model))
     for name, p in canonical_named_parameters(par.model):
-        torch.testing.assert_close(p.detach(), shard_of(p, ref_params[name].detach()), rtol=1e-4, atol=param_atol,
+        torch.testing.assert_close(p.detach(), shard_of(par.model, name, ref_params[name].detach()), rtol=1e-4,
+                                   atol=param_atol,
                                    msg=lambda m, n=name: f"rank {rank} param {n} after {steps} steps: {m}")
 
 
-def assert_first_step_matches(ref: Trainer, par: Trainer, rank: int, samples: list) -> None:
-    """Step 0's gradients: `ref` (one process) on `samples`, `par` on its share of the same batch.
+def assert_first_step_matches(ref: Trainer, par: Trainer, rank: int) -> None:
+    """Step 0's gradients: `ref` (one process) on the whole global batch, `par` on its share of it.
     Every gradient by full-model name (not under ZeRO-1, which keeps shards) and the grad norm."""
-    from megalm.data.dataset import loss_token_count
-
-    ref.forward_backward(samples, loss_token_count(samples))
-    par.forward_backward_step(0)
+    ref.forward_backward(0)
+    par.forward_backward(0)
     if not par.cfg.parallel.zero1:  # ZeRO-1 keeps only gradient shards; its steps are compared later
         assert_grads_match(ref, par, rank)
     torch.testing.assert_close(par.grad_norm(), ref.grad_norm(), rtol=1e-5, atol=0)

@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 from megalm.model.attention import reference_varlen_attention
-from megalm.parallel.context import ZigzagPlan, context_attention, shard_tensor, zigzag_plan
-from megalm.parallel.ring_attention import ring_attention
-from megalm.parallel.ulysses import ulysses_attention
+from megalm.parallel.context.attention import RingContext
+from megalm.parallel.context.zigzag import ZigzagPlan, layout_from_local_cu_seqlens, shard_tensor, zigzag_plan
+from megalm.parallel.context.ring import ring_attention
+from megalm.parallel.context.ulysses import ulysses_attention
 
 from .launch import run_distributed
 
@@ -84,13 +85,14 @@ def _ulysses_worker(rank: int, world_size: int) -> None:
                                                                              backend="reference")
         for seed, (lengths, hq, hkv) in enumerate(CASES[:2]):
             _check(ulysses, lengths, hq, hkv, 2, index, seed, f"ulysses {ranks} {lengths} {hq}/{hkv}")
-    # the model-facing entry point: local cu_seqlens in, zigzag layout recovered from them
+    # the model-facing entry point: the context a micro-batch carries, its layout from the local cu_seqlens
     for comm in ("ring", "a2a"):
-        def hooked(q, k, v, plan, comm=comm):
-            return context_attention(q, k, v, plan.local_cu_seqlens, plan.local_max_seqlen, "sdpa", ranks=[0, 1],
-                                     rank_index=rank, group=group, comm=comm)
+        def attend(q, k, v, plan, comm=comm):
+            layout = layout_from_local_cu_seqlens(plan.local_cu_seqlens, 2)
+            context = RingContext((0, 1), rank, layout, comm, group if comm == "a2a" else None)
+            return context.attend(q, k, v, "sdpa")
 
-        _check(hooked, [10, 4], 4, 2, 2, rank, 3, f"context_attention {comm}")
+        _check(attend, [10, 4], 4, 2, 2, rank, 3, f"RingContext {comm}")
 
 
 def test_ulysses_attention_matches_full() -> None:

@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megalm.parallel.data import GradReducer, ZeroOneAdamW
+from megalm.parallel.data_parallel.reducer import GradReducer
+from megalm.parallel.data_parallel.zero1 import ZeroOneAdamW
 from megalm.training.optim import param_groups, set_lr
 
 from .launch import run_distributed

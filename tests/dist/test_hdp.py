@@ -32,7 +32,7 @@ PARAM_ATOL = 3e-3
 
 def plan_shapes(trainer: Trainer) -> tuple[set[int], list[int]]:
     """Ring sizes in the last plan, and the number of micro-batches each HDP rank runs."""
-    plan = trainer.hdp.last_plan
+    plan = trainer.parallel.split.last_plan
     return {len(mb.ranks) for mb in plan.micro_batches if mb.seqs}, [len(todo) for todo in plan.per_rank]
 
 
@@ -43,16 +43,16 @@ def check_hdp(rank: int, world_size: int, overrides: list[str], tmp: str, expect
     same_model_and_data = [o for o in overrides if not o.startswith("parallel.")]
     ref = Trainer(compose_config(*same_model_and_data), f"{tmp}/ref{rank}", mesh=ParallelMesh(ParallelDims()))
     par = Trainer(compose_config(*overrides), f"{tmp}/par")
-    assert par.reducer.world == par.mesh.dims.dp * par.mesh.dims.cp
+    assert par.parallel.reducer.world == par.mesh.dims.dp * par.mesh.dims.cp
 
-    assert_first_step_matches(ref, par, rank, [ref.data.train[k] for k in ref.step_sample_ids(0)])
-    if par.hdp is not None:
+    assert_first_step_matches(ref, par, rank)
+    if par.cfg.parallel.hdp:
         sizes, counts = plan_shapes(par)
         if "mixed" in expect:
             assert {1, 2, 3} <= sizes, f"step 0 should mix packed documents and rings of 2 and 3 ranks, got {sizes}"
             assert len(set(counts)) > 1, f"ranks should run different numbers of micro-batches, got {counts}"
         if "fillers" in expect:
-            assert par.hdp.last_plan.stats["fillers"] > 0, "this pipelined layout should need a filler micro-batch"
+            assert par.parallel.split.last_plan.stats["fillers"] > 0, "this pipelined layout should need a filler micro-batch"
         if "idle" in expect:
             assert min(counts) == 0, f"some rank should have nothing to do in step 0, got {counts}"
     assert_training_and_eval_match(ref, par, rank, STEPS, PARAM_ATOL)

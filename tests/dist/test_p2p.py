@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh
-from megalm.parallel.p2p import (
+from megalm.parallel.pipeline.p2p import (
     DTYPES,
     HEADER_LEN,
     decode_header,

@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalm.data.dataset import global_batch
-from megalm.model.gpt import canonical_named_parameters
+from megalm.model.linear import linear_modules
+from megalm.model.naming import canonical_named_modules, canonical_named_parameters
 from megalm.parallel.dims import ParallelDims, ParallelMesh
-from megalm.parallel.schedules import Schedule, peak_in_flight
+from megalm.parallel.pipeline.runtime import PipelineRuntime
+from megalm.parallel.pipeline.schedules import Schedule, peak_in_flight
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
 from tests.dist.equivalence import (
@@ -35,13 +36,14 @@ def check_pipeline(rank: int, world_size: int, overrides: list[str], tmp: str) -
     same_model_and_data = [o for o in overrides if not o.startswith("parallel.")]
     ref = Trainer(compose_config(*same_model_and_data), f"{tmp}/ref{rank}", mesh=ParallelMesh(ParallelDims()))
     par = Trainer(compose_config(*overrides), f"{tmp}/par")
-    assert par.pipeline is not None
+    pipeline = par.parallel.runner
+    assert isinstance(pipeline, PipelineRuntime)
 
-    samples = global_batch(ref.data.train, 0, ref.cfg.trainer.global_batch_size)
-    assert_first_step_matches(ref, par, rank, samples)
+    assert_first_step_matches(ref, par, rank)
     # the runtime held exactly as many micro-batch activations as the schedule's accounting says
-    sched = par.pipeline.schedule(len(samples) // par.cfg.trainer.micro_batch_size // par.mesh.dims.dp)
-    assert par.pipeline.peak_in_flight == peak_in_flight(sched)[par.mesh.pp_rank]
+    samples = par.cfg.trainer.global_batch_size
+    sched = pipeline.schedule(samples // par.cfg.trainer.micro_batch_size // par.mesh.dims.dp)
+    assert pipeline.peak_in_flight == peak_in_flight(sched)[par.mesh.pp_rank]
     # summation order: see assert_same_training
     assert_training_and_eval_match(ref, par, rank, STEPS, param_atol=1e-3)
 
@@ -139,13 +141,13 @@ def check_offload_actions(rank: int, world_size: int, tmp: str) -> None:
     plain = Trainer(compose_config(*overrides), f"{tmp}/plain")
     offloaded = Trainer(compose_config(*overrides), f"{tmp}/offloaded")
     hooks = HostOffload(rank)
-    offloaded.pipeline.memory_hooks = hooks
-    plain.forward_backward_step(0)
-    offloaded.forward_backward_step(0)
+    offloaded.parallel.runner.memory_hooks = hooks
+    plain.forward_backward(0)
+    offloaded.forward_backward(0)
     for (name, a), (_, b) in zip(canonical_named_parameters(plain.model), canonical_named_parameters(offloaded.model),
                                  strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
-    kinds = [a.kind for a in offloaded.pipeline.schedule(4).actions[rank]]
+    kinds = [a.kind for a in offloaded.parallel.runner.schedule(4).actions[rank]]
     assert kinds.count("OFFLOAD") == kinds.count("RELOAD") == 2
     for mb in (0, 2):
         order = [e for e, k in hooks.events if k == (mb, 0)]
@@ -167,3 +169,27 @@ def build_with_rank_dependent_config(rank: int, world_size: int, tmp: str) -> No
 def test_ranks_with_different_configs_fail_at_start(tmp_path):
     """A mismatched config would pair the wrong sends and receives and hang: every rank refuses it first."""
     run_distributed(build_with_rank_dependent_config, 2, str(tmp_path), timeout=60)
+
+
+def check_zb_with_recipe(rank: int, world_size: int, recipe: str, tmp: str) -> None:
+    """pp2 under ZB and under 1F1B with the same precision recipe: the linear layers carry both the recipe
+    and ZB's weight-gradient sink, and the losses agree (the deferred dW is the recipe's own GEMM with the
+    same seeds and scales)."""
+    common = [*COMMON, "parallel.pp=2", f"precision={recipe}"]
+    one_f_one_b = Trainer(compose_config(*common), f"{tmp}/1f1b")
+    zb = Trainer(compose_config(*common, "parallel.pp_schedule=zb"), f"{tmp}/zb")
+    store = zb.parallel.runner.store
+    layers = dict(canonical_named_modules(zb.model))
+    linears = {name for name, m in layers.items() if m in linear_modules(zb.model)}
+    assert linears and all(layers[name].weight_grad_sink is store for name in linears)
+    assert all(layers[name].gemm_recipe is not None for name in linears - {"output"})  # the head is skipped
+    expected = [one_f_one_b.train_step(s).loss for s in range(STEPS)]
+    got = [zb.train_step(s).loss for s in range(STEPS)]
+    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"{recipe} step {step}: zb loss {a} vs 1f1b {b}"
+    assert got[-1] < got[0], f"{recipe} under ZB did not train: {got}"
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "mxfp4_rtn", "mxfp4"])
+def test_zero_bubble_composes_with_precision_recipes(tmp_path, recipe):
+    run_distributed(check_zb_with_recipe, 2, recipe, str(tmp_path), timeout=300)

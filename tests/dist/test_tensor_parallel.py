@@ -4,7 +4,7 @@ slices of the single-process gradients.
 Each worker builds the unsharded reference itself (same seed, same batch; tiny models), then the
 sharded model, and compares. Expected shards are computed here from the layout rules (rows of q/k/v,
 gate/up, embedding and head; columns of o/down; kv-head rows under GQA), not from the layers'
-own `shard_full`, so a wrong slicing fails. fp32 throughout.
+own shard specs, so a wrong slicing fails. fp32 throughout.
 """
 
 from __future__ import annotations
@@ -19,18 +19,19 @@ from torch import nn
 from torch.testing import assert_close
 
 from megalm.config import ModelConfig
-from megalm.data.batch import PackedBatch, Sample, pack_samples
+from megalm.data.batch import PackedBatch, Sample, pack_samples, pad_to_multiple
 from megalm.model.gpt import GPT, init_weights
 from megalm.parallel.dims import ParallelDims, build_mesh
-from megalm.parallel.parallelize import apply_tensor_parallel, loss_fn_for, pad_for_sequence_parallel
+from megalm.model.loss import token_loss_sum
 from megalm.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    apply_tensor_parallel,
+    loss_fn_for,
     tp_grad_norm_squared,
     vocab_parallel_token_loss_sum,
 )
-from megalm.training.loss import token_loss_sum
 
 from .launch import WorkerError, run_distributed
 
@@ -181,12 +182,12 @@ def _gpt_worker(rank: int, world: int, model_kwargs: dict, sequence_parallel: bo
 
     mesh = build_mesh(ParallelDims(tp=world), torch.device("cpu"))
     model = GPT(cfg, device="meta" if on_meta else None)
-    apply_tensor_parallel(model, mesh, sequence_parallel)
+    apply_tensor_parallel(model, mesh.tp_group, sequence_parallel)
     if on_meta:
         model.to_empty(device="cpu")
     init_weights(model, SEED)
 
-    local = pad_for_sequence_parallel(batch, world) if sequence_parallel else batch
+    local = pad_to_multiple(batch, world) if sequence_parallel else batch
     if sequence_parallel:
         assert batch.num_tokens % world != 0 and local.num_tokens % world == 0
     residual_rows = []
@@ -194,7 +195,7 @@ def _gpt_worker(rank: int, world: int, model_kwargs: dict, sequence_parallel: bo
     logits = model.forward_batch(local)
     assert logits.shape == (local.num_tokens, cfg.vocab_size // world)
     assert residual_rows == [local.num_tokens // world if sequence_parallel else local.num_tokens]
-    loss = loss_fn_for(mesh)(logits, local.labels, local.loss_mask)
+    loss = loss_fn_for(mesh.tp_group)(logits, local.labels, local.loss_mask)
     loss.backward()
 
     assert_close(loss, ref_loss, rtol=1e-5, atol=0)
@@ -210,7 +211,7 @@ def _gpt_worker(rank: int, world: int, model_kwargs: dict, sequence_parallel: bo
                      msg=lambda m, name=name: f"{name} grad: {m}")
     # Gradient norm of the full model from the shards (sharded summed over TP, replicated once).
     ref_norm_sq = sum(p.grad.double().pow(2).sum() for p in reference.parameters())
-    assert_close(tp_grad_norm_squared(model.parameters(), mesh.tp_group).double(), ref_norm_sq, rtol=1e-5, atol=0)
+    assert_close(tp_grad_norm_squared(model, mesh.tp_group).double(), ref_norm_sq, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -231,11 +232,11 @@ def test_padding_document_changes_nothing() -> None:
     """One process: the padded batch gives the same loss and gradients as the original."""
     cfg = ModelConfig(**GPT2)
     batch = _batch(cfg.vocab_size)
-    padded = pad_for_sequence_parallel(batch, 4)
+    padded = pad_to_multiple(batch, 4)
     assert padded.num_tokens % 4 == 0 and padded.num_tokens > batch.num_tokens
     assert padded.cu_seqlens[-1] == padded.num_tokens and padded.cu_seqlens[-2] == batch.num_tokens
     assert padded.loss_mask[batch.num_tokens:].sum() == 0
-    assert pad_for_sequence_parallel(padded, 4) is padded
+    assert pad_to_multiple(padded, 4) is padded
     grads = []
     for b in (batch, padded):
         model = GPT(cfg)

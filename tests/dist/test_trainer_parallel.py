@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalm.data.dataset import global_batch, loss_token_count
 from megalm.parallel.dims import ParallelDims, ParallelMesh
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
@@ -32,9 +31,8 @@ def check_layout(rank: int, world_size: int, overrides: list[str], tmp: str, com
     par = Trainer(cfg, f"{tmp}/par")
 
     if compare_grads:
-        samples = global_batch(ref.data.train, 0, cfg.trainer.global_batch_size)
-        ref.forward_backward(samples, loss_token_count(samples))
-        par.forward_backward_step(0)
+        ref.forward_backward(0)
+        par.forward_backward(0)
         assert_grads_match(ref, par, rank)
         for t in (ref, par):
             t.optimizer.zero_grad(set_to_none=True)

@@ -1,4 +1,4 @@
-"""Context parallelism wired into the model, one process: which ring each rank's attention uses, and
+"""Context parallelism wired into the step, one process: which ring each rank's micro-batches carry, and
 the sequence-parallel padding of a zigzag shard."""
 
 from __future__ import annotations
@@ -6,13 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalm.data.batch import packed_from_documents
-from megalm.model.attention import varlen_attention
-from megalm.model.gpt import GPT
-from megalm.parallel.context import context_attention, layout_from_local_cu_seqlens, shard_batch, zigzag_plan
+from megalm.data.batch import packed_from_documents, pad_to_multiple
+from megalm.parallel.context.attention import ContextShards, RingContext
+from megalm.parallel.context.zigzag import layout_from_local_cu_seqlens, shard_batch, zigzag_plan
 from megalm.parallel.dims import ParallelDims, ParallelMesh
-from megalm.parallel.parallelize import apply_context_parallel, pad_for_sequence_parallel
-from tests.conftest import compose_config
+from megalm.parallel.microbatch import LocalMicroBatch, Ring
 
 
 def test_cp_ranks_follow_the_mesh_order():
@@ -23,18 +21,31 @@ def test_cp_ranks_follow_the_mesh_order():
     assert ParallelMesh(ParallelDims(cp=4, dp=2), rank=6).cp_ranks == [4, 5, 6, 7]
 
 
-@pytest.mark.parametrize("comm", ["ring", "a2a"])
-def test_apply_context_parallel_binds_every_layer_to_its_ring(comm: str):
-    model = GPT(compose_config().model, device="meta")
-    apply_context_parallel(model, ParallelMesh(ParallelDims()), comm)  # cp = 1: nothing changes
-    assert all(layer.attention.attention_fn is varlen_attention for layer in model.layers)
+class FixedSplit:
+    """A step split that returns the same whole micro-batches every time."""
 
-    mesh = ParallelMesh(ParallelDims(tp=2, cp=2), rank=3)
-    apply_context_parallel(model, mesh, comm)
-    for layer in model.layers:
-        fn = layer.attention.attention_fn
-        assert fn.func is context_attention
-        assert fn.keywords == {"ranks": [1, 3], "rank_index": 1, "group": None, "comm": comm}
+    def __init__(self, micro_batches):
+        self.mbs = micro_batches
+
+    def micro_batches(self, dataset, ids):
+        return list(self.mbs), 99
+
+
+@pytest.mark.parametrize("cp_rank", [0, 1])
+def test_context_shards_give_every_micro_batch_the_ranks_ring(cp_rank: int):
+    """Static CP: every micro-batch becomes this rank's zigzag shard on the mesh's CP ring (data, not a layer
+    binding), and only the ring's first rank counts its documents."""
+    docs = [torch.arange(n + 1) + 3 for n in (5, 12)]
+    whole = LocalMicroBatch(packed_from_documents(docs), 4, counted_doc_lengths=[5, 12])
+    mesh = ParallelMesh(ParallelDims(tp=2, cp=2), rank=2 * cp_rank + 1)
+    ring = Ring(tuple(mesh.cp_ranks), mesh.cp_rank)
+    (mb,), loss_tokens = ContextShards(FixedSplit([whole]), ring).micro_batches(None, range(0))
+    assert loss_tokens == 99 and mb.ring == Ring((1, 3), cp_rank) and mb.index == 4
+    expect = shard_batch(whole.batch, zigzag_plan(whole.batch.cu_seqlens, 2), cp_rank)
+    assert torch.equal(mb.batch.tokens, expect.tokens) and torch.equal(mb.batch.cu_seqlens, expect.cu_seqlens)
+    assert mb.counted_doc_lengths == ([5, 12] if cp_rank == 0 else [])
+    context = RingContext.for_shard(mb.batch, mb.ring, torch.device("cpu"), "a2a", group=None)
+    assert context.comm == "a2a" and context.layout.local_tokens == mb.batch.num_tokens
 
 
 @pytest.mark.parametrize("tp", [2, 3, 4])
@@ -48,7 +59,7 @@ def test_sequence_parallel_padding_of_a_zigzag_shard(tp: int, cp: int):
     total_loss_tokens = 0
     for rank in range(cp):
         local = shard_batch(batch, plan, rank)
-        padded = pad_for_sequence_parallel(local, tp, even=True)
+        padded = pad_to_multiple(local, tp, even=True)
         assert padded.num_tokens % tp == 0 and padded.num_tokens - local.num_tokens < 2 * tp
         segments = (padded.cu_seqlens[1:] - padded.cu_seqlens[:-1]).tolist()
         assert all(n % 2 == 0 for n in segments)

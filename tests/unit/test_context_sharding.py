@@ -9,16 +9,16 @@ import torch
 
 from megalm.data.batch import packed_from_documents
 from megalm.model.attention import reference_varlen_attention
-from megalm.parallel.context import (
-    context_attention,
+from megalm.parallel.context.attention import RingContext
+from megalm.parallel.context.ring import block_kernel, ring_attention, ring_step_backward, ring_step_forward
+from megalm.parallel.context.ulysses import ulysses_attention
+from megalm.parallel.context.zigzag import (
     layout_from_local_cu_seqlens,
     shard_batch,
     shard_tensor,
     unshard,
     zigzag_plan,
 )
-from megalm.parallel.ring_attention import block_kernel, ring_attention, ring_step_backward, ring_step_forward
-from megalm.parallel.ulysses import ulysses_attention
 
 DOCS = [[1], [5], [8], [7, 1, 12], [3, 9, 2, 30]]  # shorter than 2N, not divisible by 2N, several docs
 
@@ -140,11 +140,11 @@ def test_single_rank_is_local_attention() -> None:
     want = reference_varlen_attention(q, k, v, cu)
     want_grads = torch.autograd.grad(want, (q, k, v), grad_out)
     shards = [shard_tensor(t, plan, 0) for t in (q, k, v)]
-    local = plan.local_cu_seqlens, plan.local_max_seqlen
+    layout = layout_from_local_cu_seqlens(plan.local_cu_seqlens, 1)
     for got in (ring_attention(*shards, plan, [0], 0, backend="reference"),
                 ulysses_attention(*shards, plan, [3], 0, backend="sdpa"),
-                context_attention(*shards, *local, "sdpa", ranks=[5], rank_index=0, comm="ring"),
-                context_attention(*shards, *local, "reference", ranks=[5], rank_index=0, comm="a2a")):
+                RingContext((5,), 0, layout, "ring").attend(*shards, "sdpa"),
+                RingContext((5,), 0, layout, "a2a").attend(*shards, "reference")):
         full = unshard([got], plan)
         torch.testing.assert_close(full, want, atol=1e-5, rtol=1e-5)
         for g, w in zip(torch.autograd.grad(full, (q, k, v), grad_out, retain_graph=True), want_grads, strict=True):

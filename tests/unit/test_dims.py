@@ -3,7 +3,8 @@
 import pytest
 
 from megalm.errors import ConfigError
-from megalm.parallel.dims import ParallelDims, validate_layout
+from megalm.parallel.dims import ParallelDims
+from megalm.parallel.parallelism import validate_parallel
 from tests.conftest import compose_config
 
 
@@ -12,7 +13,7 @@ def layout(world_size: int, *overrides: str) -> ParallelDims:
 
     cfg = compose_config(*overrides)
     resolve_model_defaults(cfg.model)
-    return validate_layout(cfg, world_size)
+    return validate_parallel(cfg, world_size)
 
 
 def test_rank_order_is_tp_fastest_then_cp_dp_pp():

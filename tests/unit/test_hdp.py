@@ -1,4 +1,5 @@
-"""HDP scheduler (megalm/parallel/hdp.py): plan invariants, balance, deadlock freedom, baselines (pure Python)."""
+"""HDP scheduler (megalm/parallel/hdp/planner.py): plan invariants, balance, deadlock freedom, baselines
+(pure Python)."""
 
 import random
 import subprocess
@@ -18,7 +19,7 @@ from megalm.parallel.hdp import (
     ring_size,
     simulate,
 )
-from megalm.parallel.hdp_cost import CostModel, load_cost, pipeline_cost, preset
+from megalm.parallel.hdp.cost import CostModel, load_cost, pipeline_cost, preset
 
 ROOT = Path(__file__).resolve().parents[2]
 COST = preset("7b")

@@ -1,5 +1,5 @@
 """HDP trainer pieces that need no process group: pipelined plans, ring shards read from the dataset,
-ring binding, fillers, and the config rules."""
+the ring context a micro-batch carries, fillers, and the config rules."""
 
 from __future__ import annotations
 
@@ -9,18 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from megalm.config import validate
 from megalm.data.batch import Sample, pack_samples
 from megalm.data.dataset import TokenBudgetSteps, VarlenDataset
 from megalm.data.synthetic import SyntheticDocuments
 from megalm.errors import ConfigError
 from megalm.model import GPT, init_weights
-from megalm.parallel.context import shard_batch, zigzag_plan
+from megalm.model.loss import token_loss_sum
+from megalm.parallel.context.zigzag import shard_batch, zigzag_plan
 from megalm.parallel.hdp import plan_hdp
-from megalm.parallel.hdp_cost import load_cost
-from megalm.parallel.hdp_pipeline import align_rings, check_pipelined
-from megalm.parallel.hdp_runtime import Ring, bind_ring, filler_batch, hdp_attention, read_ring_shard, ring_of
-from megalm.training.loss import token_loss_sum
+from megalm.parallel.hdp.cost import load_cost
+from megalm.parallel.hdp.pipelined import align_rings, check_pipelined
+from megalm.parallel.hdp.runtime import filler_batch, read_ring_shard
+from megalm.training.validation import validate_run
 
 COST = load_cost("h100_7b")
 
@@ -107,25 +107,40 @@ def test_filler_adds_zero_loss_and_zero_gradient():
 def _tiny_model_cfg():
     from tests.conftest import compose_config
 
-    return validate(compose_config()).model
+    return validate_run(compose_config()).model
 
 
-def test_hdp_attention_needs_a_bound_ring_and_runs_locally_without_one():
-    q = torch.randn(6, 2, 8)
-    cu = torch.tensor([0, 4, 6], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="no ring was bound"):
-        hdp_attention(q, q, q, cu, 4, "reference")
-    bind_ring(cu, None)
-    assert ring_of(cu) is None
-    from megalm.model.attention import varlen_attention
+def test_micro_batches_carry_their_ring_context_and_attention_runs_it(make_config, tmp_path):
+    """Which ring a micro-batch runs on is data: a prepared ring micro-batch carries its RingContext (ranks,
+    position, the shard's zigzag layout); a local one carries none; the model's attention runs the context
+    it is given."""
+    from megalm.parallel.context.attention import RingContext
+    from megalm.parallel.dims import ParallelDims, ParallelMesh
+    from megalm.parallel.microbatch import LocalMicroBatch, Ring
+    from megalm.training.trainer import Trainer
 
-    local = varlen_attention(q, q, q, cu, 4, "reference")
-    torch.testing.assert_close(hdp_attention(q, q, q, cu, 4, "reference"), local)
-    bind_ring(cu, Ring((0, 2), 1))
-    assert ring_of(cu) == Ring((0, 2), 1)
-    assert ring_of(cu.clone()) if False else True  # a copy is a different micro-batch
-    with pytest.raises(RuntimeError):  # a copy is another micro-batch, with no ring bound
-        ring_of(cu.clone())
+    data = varlen_dataset()
+    k = next(k for k in range(100) if data.sample_length(k) > 30)
+    trainer = Trainer(make_config(*HDP), tmp_path, mesh=ParallelMesh(ParallelDims()))
+    prepared = trainer.parallel._prepare(LocalMicroBatch(read_ring_shard(data, k, 3, 1), 5, ring=Ring((4, 0, 2), 1)))
+    context = prepared.attention
+    assert isinstance(context, RingContext) and (context.ranks, context.index, context.comm) == ((4, 0, 2), 1, "ring")
+    expected = zigzag_plan(pack_samples([data[k]]).cu_seqlens, 3).layout
+    assert torch.equal(context.layout.chunk_sizes, expected.chunk_sizes) and prepared.index == 5
+    assert trainer.parallel._prepare(LocalMicroBatch(filler_batch(), 0)).attention is None
+
+    calls = []
+
+    class Recording:
+        def attend(self, q, k, v, backend, dropout_p=0.0, scale=None):
+            calls.append(tuple(q.shape))
+            return torch.zeros_like(q)
+
+    model = GPT(_tiny_model_cfg())
+    init_weights(model, 0)
+    mb = pack_samples([Sample(np.arange(9) % 50, (9,))])
+    model(mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, Recording())
+    assert len(calls) == model.cfg.num_layers and calls[0][0] == 8
 
 
 HDP = ["parallel.hdp=true", "data.varlen=true"]
@@ -143,11 +158,11 @@ HDP = ["parallel.hdp=true", "data.varlen=true"]
 ])
 def test_hdp_config_rules(make_config, overrides, world, message):
     with pytest.raises(ConfigError, match=message):
-        validate(make_config(*overrides), world_size=world)
+        validate_run(make_config(*overrides), world_size=world)
 
 
 def test_hdp_capacity_defaults_to_the_static_cp_share(make_config):
-    cfg = validate(make_config(*HDP, "parallel.cp=2", "model.seq_length=33"), world_size=4)
+    cfg = validate_run(make_config(*HDP, "parallel.cp=2", "model.seq_length=33"), world_size=4)
     assert cfg.parallel.hdp_capacity == 17
 
 
@@ -173,7 +188,7 @@ def test_token_budget_steps_fill_the_budget_and_resume_from_a_cursor():
 
 def test_token_budget_needs_varlen_data(make_config):
     with pytest.raises(ConfigError, match="data.varlen=true"):
-        validate(make_config("trainer.tokens_per_step=100"))
+        validate_run(make_config("trainer.tokens_per_step=100"))
 
 
 def test_one_process_hdp_with_a_token_budget_and_no_validation_split(make_config, tmp_path):
@@ -187,4 +202,4 @@ def test_one_process_hdp_with_a_token_budget_and_no_validation_split(make_config
     result = trainer.train_step(0)
     ids = trainer.step_sample_ids(0)
     assert result.tokens == sum(trainer.data.train.sample_length(k) - 1 for k in ids)
-    assert trainer.hdp.last_plan.num_ranks == 1 and trainer.evaluate() is None
+    assert trainer.parallel.split.last_plan.num_ranks == 1 and trainer.evaluate() is None

@@ -15,6 +15,7 @@ from megalm.errors import ConfigError
 from megalm.model import GPT, init_weights, num_parameters, select_attention_backend, varlen_attention
 from megalm.model.norm import LayerNorm, RMSNorm
 from megalm.model.rope import apply_rope, rope_cos_sin
+from megalm.model.shard import ShardSpec
 
 GPT2_STYLE = dict(norm="layernorm", activation="gelu", position_embedding="learned", tie_embeddings=True,
                   bias=True)
@@ -297,8 +298,7 @@ def test_init_independent_of_which_layers_exist():
             torch.testing.assert_close(value, full.layers[global_].state_dict()[name], atol=0, rtol=0)
     # a sharded parameter (first half of q_proj's rows) gets the matching slice of the full init
     shard = nn.Linear(32, 16, bias=False)
-    shard.weight.full_shape = (32, 32)
-    shard.weight.shard_full = lambda full_value: full_value[:16]
+    shard.shard_specs = {"weight": ShardSpec(full_shape=(32, 32), dim=0, num_slices=2, index=0)}
     stage.layers[0].attention.q_proj = shard
     init_weights(stage, seed=5)
     torch.testing.assert_close(shard.weight, full.layers[1].attention.q_proj.weight[:16], atol=0, rtol=0)

@@ -368,9 +368,9 @@ def test_apply_precision_skip_and_overrides():
     assert sorted(states) == sorted(f"layers.1.{m}" for m in (
         "attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj",
         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
-    assert model.layers[1].mlp.up_proj.precision_recipe.name == "mxfp8"
-    assert model.layers[1].attention.q_proj.precision_recipe.name == "mxfp4"
-    assert "forward" not in model.output.__dict__ and "forward" not in model.layers[0].mlp.up_proj.__dict__
+    assert model.layers[1].mlp.up_proj.gemm_recipe.recipe.name == "mxfp8"
+    assert model.layers[1].attention.q_proj.gemm_recipe.recipe.name == "mxfp4"
+    assert model.output.gemm_recipe is None and model.layers[0].mlp.up_proj.gemm_recipe is None
     set_precision_step(model, step=0)
     logits, grads = forward_backward(model)
     assert 0 < rel_err(logits, ref_logits) < 0.05
@@ -378,7 +378,7 @@ def test_apply_precision_skip_and_overrides():
         assert torch.isfinite(g).all()
         if name.startswith("layers.1.") and name.endswith("proj.weight"):
             assert 0 < rel_err(g, ref_grads[name]) < 0.5, name
-    twin = copy.deepcopy(model)  # the installed forwards follow the copy
+    twin = copy.deepcopy(model)  # the installed recipes follow the copy
     with torch.no_grad():
         twin.layers[1].mlp.up_proj.weight.zero_()
     assert not torch.equal(forward_backward(twin)[0], forward_backward(model)[0])
@@ -386,8 +386,8 @@ def test_apply_precision_skip_and_overrides():
     assert torch.equal(forward_backward(model)[0], ref_logits)
     # installing again replaces the previous recipe everywhere
     apply_precision(model, "bf16", skip=("output",))
-    assert model.layers[1].mlp.up_proj.precision_recipe.name == "bf16"
-    assert model.layers[0].mlp.up_proj.precision_recipe.name == "bf16"
+    assert model.layers[1].mlp.up_proj.gemm_recipe.recipe.name == "bf16"
+    assert model.layers[0].mlp.up_proj.gemm_recipe.recipe.name == "bf16"
 
 
 def test_apply_precision_is_reproducible_across_models():
@@ -418,12 +418,14 @@ def test_apply_precision_on_tensor_parallel_layers():
         for p in (*col.parameters(), *row.parameters()):
             p.copy_(torch.randn(p.shape, generator=gen))
     model = nn.Sequential(col, row)
-    if not hasattr(ColumnParallelLinear, "linear_fn"):
-        with pytest.raises(NotImplementedError, match="linear_fn"):
-            apply_precision(model, "mxfp4_rtn")
-        return
     x = torch.randn(64, 64, generator=gen)
     apply_precision(model, "mxfp4_rtn")
     y = model(x)
     h = low_precision_linear(x, col.weight, col.bias, "mxfp4_rtn")
     assert torch.equal(y, low_precision_linear(h, row.weight, None, "mxfp4_rtn") + row.bias)
+
+
+def test_apply_precision_refuses_a_plain_torch_linear():
+    """Only layers with the precision hook can run a recipe; a plain torch layer is named, not skipped."""
+    with pytest.raises(TypeError, match="0 is a plain torch nn.Linear"):
+        apply_precision(nn.Sequential(nn.Linear(4, 4)), "mxfp8")

@@ -17,11 +17,11 @@ import pytest
 import torch
 from torch import nn
 
-from megalm.config import validate
 from megalm.errors import ConfigError
 from megalm.parallel.dims import ParallelDims, ParallelMesh
 from megalm.precision import transformer_engine_available
 from megalm.training.trainer import Trainer
+from megalm.training.validation import validate_run
 
 
 class _Recipe:
@@ -83,7 +83,7 @@ def test_te_backend_swaps_linears_and_runs_every_forward_under_its_recipe(fake_t
     swapped = {name for name, m in te.model.named_modules() if isinstance(m, fake_te["Linear"])}
     linears = {name for name, m in te.model.named_modules() if isinstance(m, nn.Linear)}
     assert swapped == linears - {"output"}, "every linear layer but the skipped head runs in TE"
-    assert f"transformer_engine {te_class}" in te.precision_note
+    assert f"transformer_engine {te_class}" in te.precision.note
 
     ref = one_process(make_config, tmp_path, "ref", "precision=fp32")
     for (name, p), (ref_name, q) in zip(te.model.named_parameters(), ref.model.named_parameters(), strict=True):
@@ -102,7 +102,7 @@ def test_te_backend_without_te_runs_the_native_path_and_says_so(make_config, tmp
         pytest.skip("transformer_engine is installed here")
     with caplog.at_level(logging.WARNING, logger="megalm"):
         trainer = one_process(make_config, tmp_path, "native", "precision=fp8", "precision.backend=te")
-    assert "transformer_engine not importable" in trainer.precision_note
+    assert "transformer_engine not importable" in trainer.precision.note
     assert "running the native fp8 path" in caplog.text
     assert not any(type(m).__module__.startswith("transformer_engine") for m in trainer.model.modules())
 
@@ -110,7 +110,7 @@ def test_te_backend_without_te_runs_the_native_path_and_says_so(make_config, tmp
 def test_te_backend_on_cpu_runs_the_native_path(fake_te, make_config, tmp_path, monkeypatch):
     monkeypatch.setattr("megalm.precision.te.TE_DEVICES", ("cuda",))
     trainer = one_process(make_config, tmp_path, "cpu", "precision=fp8", "precision.backend=te")
-    assert "no CUDA device" in trainer.precision_note
+    assert "no CUDA device" in trainer.precision.note
     assert not any(isinstance(m, fake_te["Linear"]) for m in trainer.model.modules())
 
 
@@ -121,4 +121,4 @@ def test_te_backend_on_cpu_runs_the_native_path(fake_te, make_config, tmp_path, 
 ])
 def test_te_backend_config_rules(make_config, overrides, message):
     with pytest.raises(ConfigError, match=message):
-        validate(make_config(*overrides), world_size=2)
+        validate_run(make_config(*overrides), world_size=2)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megalm.errors import ConfigError
 from megalm.model import GPT, init_weights
 from megalm.parallel.recompute import apply_recompute, stage_mode
 from tests.conftest import compose_config
@@ -73,7 +74,7 @@ def test_recompute_modes_same_gradients_and_what_they_recompute():
 def test_stage_mode():
     assert stage_mode("full", 1, 4) == "full"
     assert stage_mode(["full", "selective", "none", "none"], 1, 4) == "selective"
-    with pytest.raises(ValueError, match="one mode per pipeline rank"):
+    with pytest.raises(ConfigError, match="one mode per pipeline rank"):
         stage_mode(["full"], 0, 2)
     with pytest.raises(ValueError, match="recompute mode"):
         apply_recompute(torch.nn.Linear(2, 2), "some")

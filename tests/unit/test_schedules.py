@@ -2,7 +2,7 @@
 
 import pytest
 
-from megalm.parallel.schedules import (
+from megalm.parallel.pipeline.schedules import (
     Action,
     Schedule,
     comm_mismatches,

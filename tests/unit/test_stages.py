@@ -6,7 +6,7 @@ import re
 import pytest
 
 from megalm.errors import ConfigError
-from megalm.parallel.stages import StageSplitError, split_layers, stage_holds, stage_layer_ranges
+from megalm.parallel.pipeline.stages import StageSplitError, split_layers, stage_holds, stage_layer_ranges
 
 
 def as_lists(ranges: list[list[range]]) -> list[list[list[int]]]:

@@ -18,9 +18,9 @@ from tests.conftest import compose_config
 def grads_after_one_batch(tmp_path, micro_batch_size: int) -> tuple[float, dict[str, torch.Tensor]]:
     cfg = compose_config(f"trainer.micro_batch_size={micro_batch_size}", "trainer.global_batch_size=8")
     trainer = Trainer(cfg, tmp_path / f"mbs{micro_batch_size}")
-    samples = global_batch(trainer.data.train, 0, 8)
-    n = loss_token_count(samples)
-    loss, _, _ = trainer.forward_backward(samples, n)
+    loss, share = trainer.forward_backward(0)
+    n = loss_token_count(global_batch(trainer.data.train, 0, 8))
+    assert share.loss_tokens == n, "the normaliser is the loss-token count of the whole global batch"
     return loss.item() / n, {k: p.grad.clone() for k, p in trainer.model.named_parameters()}
 
 

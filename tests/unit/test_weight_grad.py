@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from megalm.model import GPT, init_weights
-from megalm.parallel.weight_grad import WeightGradStore, defer_weight_grads
+from megalm.model.linear import linear_modules
+from megalm.parallel.pipeline.weight_grad import WeightGradStore, defer_weight_grads
+from megalm.precision.linear import apply_precision, set_precision_step
 from tests.conftest import compose_config
 
 
@@ -32,7 +34,7 @@ def test_split_backward_equals_plain_backward(autocast):
     plain, split = tiny_model(), tiny_model()
     store = WeightGradStore()
     rerouted = defer_weight_grads(split, store)
-    assert rerouted == 2 * 6  # q, k, v, o, up, down in each of 2 layers (the tied head is no nn.Linear)
+    assert rerouted == 2 * 6  # q, k, v, o, up, down in each of 2 layers (the tied head is no Linear)
     fires: dict[str, int] = {}
     for name, p in split.named_parameters():
         p.register_post_accumulate_grad_hook(lambda _, name=name: fires.__setitem__(name, fires.get(name, 0) + 1))
@@ -78,3 +80,27 @@ def test_no_grad_forward_is_plain():
     args = batch(model.cfg.vocab_size)
     with torch.no_grad():
         torch.testing.assert_close(model(*args), reference(*args), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "mxfp4_rtn", "mxfp4"])
+def test_split_backward_composes_with_precision_recipes(recipe):
+    """A layer with a precision recipe and a weight-gradient sink: B leaves the weight without gradient, and W
+    computes exactly the recipe's dW of a plain backward (same GEMM, same call seed and FP8 scales)."""
+    plain, split = tiny_model(), tiny_model()
+    for model in (plain, split):
+        apply_precision(model, recipe, seed=3)
+        set_precision_step(model, step=2, micro_batch=1)
+    store = WeightGradStore()
+    assert defer_weight_grads(split, store) == 2 * 6
+    assert all(m.gemm_recipe is not None and m.weight_grad_sink is store for m in linear_modules(split))
+    args = batch(plain.cfg.vocab_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain_out, split_out = plain(*args), split(*args)
+    plain_out.float().pow(2).mean().backward()
+    with store.collect(0):
+        split_out.float().pow(2).mean().backward()
+    assert all(m.weight.grad is None for m in linear_modules(split)), "a weight got its gradient in B"
+    store.apply(0)
+    plain_grads = dict(plain.named_parameters())
+    for name, p in split.named_parameters():
+        torch.testing.assert_close(p.grad, plain_grads[name].grad, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")

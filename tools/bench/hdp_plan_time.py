@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT / "tools"))
 from hdp_sim import global_batch, parse_size  # noqa: E402
 
 from megalm.parallel.hdp import plan_hdp  # noqa: E402
-from megalm.parallel.hdp_cost import load_cost  # noqa: E402
+from megalm.parallel.hdp.cost import load_cost  # noqa: E402
 
-SAMPLE = Path("/work/shared/data/seqlen/prolong_lengths.json")
+SAMPLE = Path("tools/data/seqlen/prolong_lengths.json")
 
 
 def main() -> None:

@@ -64,7 +64,7 @@ import os
 
 import torch
 
-from megalm.precision.mx import MXTensor, get_format
+from megalm.precision.mx import MXTensor, get_format, resolve_prescale
 
 BLOCK_SIZE = 32  # MX block (elements per E8M0 scale)
 RHT_BLOCK = 64  # Hadamard block: two MX blocks; also the width of one kernel tile
@@ -288,13 +288,6 @@ def _kernel(interpret: bool):
     return mx_quantize_kernel
 
 
-def _resolve_prescale(prescale: float | None, rounding: str, scale_mode: str) -> float:
-    """As megalm.precision.mx: 3/4 for stochastic rounding with floor scales, else 1."""
-    if prescale is not None:
-        return float(prescale)
-    return 0.75 if rounding == "stochastic" and scale_mode == "floor" else 1.0
-
-
 def mx_quantize_triton(
     x: torch.Tensor,
     fmt: str = "e2m1",
@@ -335,7 +328,7 @@ def mx_quantize_triton(
         raise RuntimeError(f"mx_quantize_triton: triton cannot run on {x.device} (CUDA with triton, or "
                            "TRITON_INTERPRET=1 for CPU tensors)")
     elem = get_format(fmt)
-    prescale = _resolve_prescale(prescale, rounding, scale_mode)
+    prescale = resolve_prescale(prescale, rounding, scale_mode)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     m = x2.shape[0]

@@ -6,10 +6,10 @@ d(s) = ceil(s / C) ranks, C the per-rank token capacity of one micro-batch (para
 
 - documents with s ≤ C are packed best-fit onto single ranks and run with no CP traffic;
 - longer ones get a ring of exactly d(s) ranks (any integer, not a power of two), run by CP ring
-  attention over that ordered list of global ranks (DESIGN joint 4);
-- the balance scheduler weighs work with the cost model (hdp_cost.py: a·s² + b·s + c per layer plus
+  attention over that ordered list of global ranks (docs/architecture.md);
+- the balance scheduler weighs work with the cost model (cost.py: a·s² + b·s + c per layer plus
   exposed ring traffic) so that ranks finish together: ranks run different numbers of micro-batches,
-  which is exact because the loss is a sum over tokens divided by the step's token count (joint 2);
+  which is exact because the loss is a sum over tokens divided by the step's token count;
 - with pipeline parallelism each HDP rank is one pipeline; its cost is Σt + (pp−1)·max t (ByteScale's
   PP-balance), so pipelines that hold a long ring get fewer micro-batches.
 
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from megalm.parallel.hdp_cost import CostModel, SimResult, check_plan, ring_size, simulate
+from megalm.parallel.hdp.cost import CostModel, SimResult, check_plan, ring_size, simulate
 
 __all__ = [
     "CostModel", "MicroBatch", "Plan", "SimResult", "check_plan", "megatron_cp_size", "plan_hdp",

@@ -4,35 +4,34 @@ Why zigzag: with causal attention, token t attends to t + 1 keys, so cutting a d
 contiguous pieces leaves the last rank with ~2N-1 times the work of the first. Cutting every
 document into 2N equal chunks and giving rank i chunks i and 2N-1-i (Megatron-LM's CP, Brandon et
 al. 2023 "Striped Attention" discuss the same imbalance) gives every rank the same work, for every
-document of a packed micro-batch independently (DESIGN.md joint 1: the batch is a list of documents).
+document of a packed micro-batch independently (docs/architecture.md: the batch is a list of documents).
 
 Padding rule. A document of L tokens is padded AT ITS END to P = ceil(L / 2N) * 2N tokens (L = 0
 stays 0), so each of its 2N chunks has c = P / 2N tokens. Padding tokens have token id 0, label 0,
 loss_mask 0 and position ids that continue the document (L, L+1, ...). Because attention is causal
 and the padding sits after the document's last real token, no real token ever attends to padding;
 padding outputs carry loss_mask 0, so no gradient flows from them. With the global token count as
-the loss denominator (joint 2), the loss and every gradient are exactly those of the unpadded batch.
+the loss denominator (docs/architecture.md), the loss and every gradient are exactly those of the unpadded batch.
 
 Layout on rank i: for every document d in order, chunk i (c_d tokens) then chunk 2N-1-i (c_d
 tokens). The local `cu_seqlens` have ONE segment of 2·c_d tokens per document. The two chunks of a
 segment are not contiguous in the document, but since chunk 2N-1-i lies after chunk i, plain causal
 attention over the segment is exactly the part of the document's attention that stays on the rank
-(step 0 of the ring). The rest comes from the other ranks: see ring_attention.py and ulysses.py.
+(step 0 of the ring). The rest comes from the other ranks: see ring.py and ulysses.py.
 
 The attention ops only need a `ZigzagLayout` (N and the chunk size of every document), which the
-local `cu_seqlens` alone determine (`layout_from_local_cu_seqlens`); a `ZigzagPlan` adds the
-original document lengths needed to shard and unshard a batch.
+local `cu_seqlens` alone determine (`layout_from_local_cu_seqlens`; a micro-batch's `RingContext`
+carries it, attention.py); a `ZigzagPlan` adds the original document lengths needed to shard and
+unshard a batch.
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
-import torch.distributed as dist
 
 from megalm.data.batch import PackedBatch
 
@@ -119,27 +118,17 @@ def zigzag_layout(chunk_sizes: Sequence[int] | torch.Tensor, n: int,
     )
 
 
-_LAYOUT_CACHE: list[tuple[weakref.ref, int, ZigzagLayout]] = []
-
-
 def layout_from_local_cu_seqlens(cu_seqlens: torch.Tensor, n: int) -> ZigzagLayout:
     """The layout of a rank's shard, recovered from its local `cu_seqlens` (segments of 2·c_d).
 
-    This is what lets the model's attention call stay `fn(q, k, v, cu_seqlens, max_seqlen, ...)`.
-    Cached on the identity of `cu_seqlens`: every layer of a micro-batch (and its recompute) passes
-    the same tensor, so the host copy happens once per micro-batch.
+    Computed once per micro-batch when it is prepared (its `RingContext` keeps it), so no layer
+    copies `cu_seqlens` to the host.
     """
-    for ref, cached_n, layout in _LAYOUT_CACHE:
-        if ref() is cu_seqlens and cached_n == n:
-            return layout
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().cpu()
     if (lengths % 2).any():
         raise ValueError(f"local cu_seqlens {cu_seqlens.tolist()} are not zigzag segments (odd length); "
-                         "shard the batch with megalm.parallel.context.shard_batch")
-    layout = zigzag_layout(lengths // 2, n, cu_seqlens.device)
-    _LAYOUT_CACHE.insert(0, (weakref.ref(cu_seqlens), n, layout))
-    del _LAYOUT_CACHE[4:]
-    return layout
+                         "shard the batch with megalm.parallel.context.zigzag.shard_batch")
+    return zigzag_layout(lengths // 2, n, cu_seqlens.device)
 
 
 @dataclass(frozen=True, eq=False)
@@ -265,39 +254,3 @@ def unshard(local_tensors: Sequence[torch.Tensor], plan: ZigzagPlan) -> torch.Te
     order = plan.layout.indices.reshape(-1).to(stacked.device)
     padded = stacked[torch.argsort(order)]
     return padded[(plan.source >= 0).to(stacked.device)]
-
-
-def context_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    backend: str = "auto",
-    dropout_p: float = 0.0,
-    scale: float | None = None,
-    *,
-    ranks: Sequence[int],
-    rank_index: int,
-    group: dist.ProcessGroup | None = None,
-    comm: str = "ring",
-) -> torch.Tensor:
-    """Drop-in for `megalm.model.attention.varlen_attention` on a zigzag shard (`shard_batch` output).
-
-    The positional signature is varlen_attention's, so a model can call either; bind the ring with
-    functools.partial(context_attention, ranks=..., rank_index=..., group=..., comm="ring" | "a2a").
-    `cu_seqlens` must be the shard's local cu_seqlens; the layout is recovered from them.
-    """
-    layout = layout_from_local_cu_seqlens(cu_seqlens, len(ranks))
-    if comm == "ring":
-        from megalm.parallel.ring_attention import ring_attention
-
-        if dropout_p > 0.0:
-            raise ValueError("ring attention has no attention dropout; set model.attention_dropout=0")
-        return ring_attention(q, k, v, layout, ranks, rank_index, group, backend=backend, scale=scale)
-    if comm == "a2a":
-        from megalm.parallel.ulysses import ulysses_attention
-
-        return ulysses_attention(q, k, v, layout, ranks, rank_index, group, backend=backend, dropout_p=dropout_p,
-                                 scale=scale)
-    raise ValueError(f"unknown context-parallel communication {comm!r}; use ring or a2a")

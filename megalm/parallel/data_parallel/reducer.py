@@ -1,9 +1,10 @@
-"""Data parallelism: bucketed, overlapped gradient reduction and the ZeRO-1 distributed optimizer.
+"""Data parallelism: bucketed, overlapped gradient reduction (the ZeRO-1 optimizer is in zero1.py).
 
 Every DP rank holds the whole model, runs its own slice of the global batch and ends the backward
 with a *partial* gradient. Because megalm's loss is `sum(token losses) / tokens in the global
-batch` (DESIGN.md, joint 2), the gradient of the step is the **sum** of the ranks' partial
-gradients, never their mean: a rank that saw more tokens simply contributes more.
+batch` (docs/architecture.md, "Loss is per token over the global batch"), the gradient of the step
+is the **sum** of the ranks' partial gradients, never their mean: a rank that saw more tokens simply
+contributes more.
 
 GradReducer (the "DDP" half)
 ----------------------------
@@ -21,17 +22,6 @@ gradient in a step (an unused branch, a rank whose data skipped a layer) never r
 `finish()` reduces whatever is left, so they cannot hang the step. Buckets are always launched in
 bucket order, on every rank, which is what keeps the collectives of different ranks paired even
 when ranks disagree about which parameters were used.
-
-ZeRO-1 (the optimizer half)
----------------------------
-Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
-(SC20): with plain DP every rank stores the full AdamW state (2 fp32 moments, 8 bytes/param) and
-performs the same update. Stage 1 ("P_os") partitions the optimizer state instead: the flattened
-parameters of each bucket are split into `dp` contiguous shards, the gradient is *reduce-scattered*
-(each rank receives the summed gradient of its shard only), each rank updates its shard and an
-*all-gather* returns the full updated parameters to everyone. A ring reduce-scatter plus a ring
-all-gather move exactly as many bytes as one ring all-reduce (2(n-1)/n of the buffer per rank), so
-the memory saving is free in communication volume.
 
 Single process
 --------------
@@ -61,17 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# torch 2.13 renamed the flat-tensor collectives; keep working on the torch>=2.5 we support.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """(size, rank) of a DP group; None means "no data parallelism" and gives (1, 0)."""
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
+from megalm.parallel.collectives import group_rank, group_size, reduce_scatter_flat
 
 # ---------------------------------------------------------------------------- layout
 
@@ -218,7 +198,7 @@ class GradReducer:
                 unique.setdefault(id(p), p)  # tied weights appear once
         self.params: list[nn.Parameter] = list(unique.values())
         self.dp_group = dp_group
-        self.world, self.rank = group_size_and_rank(dp_group)
+        self.world, self.rank = group_size(dp_group), group_rank(dp_group)
         self.zero1 = zero1
         self.reduce_dtype = reduce_dtype
         # Reverse registration order approximates the order in which backward finalises gradients.
@@ -359,7 +339,7 @@ class GradReducer:
         self.stats["collective_calls"] += 1
         if self.zero1:
             self.stats["reduce_scatter_bytes"] += nbytes
-            bucket.work = _reduce_scatter(bucket.shard, bucket.buffer, op=dist.ReduceOp.SUM,
+            bucket.work = reduce_scatter_flat(bucket.shard, bucket.buffer, op=dist.ReduceOp.SUM,
                                           group=self.dp_group, async_op=True)
         else:
             self.stats["all_reduce_bytes"] += nbytes
@@ -377,235 +357,3 @@ class GradReducer:
             # Same dtype: the grad is a view of the bucket (no copy); it stays valid until the next
             # step's first final gradient overwrites the bucket.
             p.grad = flat.view_as(p) if flat.dtype == p.dtype else flat.view_as(p).to(p.dtype)
-
-
-# ---------------------------------------------------------------------------- ZeRO-1 AdamW
-
-
-class ZeroOneAdamW:
-    """AdamW whose fp32 state is sharded over the DP group (ZeRO stage 1, Rajbhandari et al. 2020).
-
-    Same maths as torch.optim.AdamW (decoupled weight decay: p *= 1 - lr*wd, then the Adam step),
-    applied only to this rank's shard of every bucket, followed by an all-gather of the updated
-    parameters. It looks like a torch optimizer where the trainer and checkpoint code need it to:
-    `param_groups` (list of dicts with "params", "lr", "betas", "eps", "weight_decay", so
-    `optim.set_lr` works and per-group weight decay is respected), `zero_grad`, and a torch-format
-    `state_dict()` indexed in param-group order, so `training.checkpoint` saves and loads it by
-    parameter name — under any DP size, and interchangeably with a plain torch AdamW.
-
-    Gradients come from the reducer (`GradReducer(..., zero1=True)`); norm and clipping act on the
-    shard: `local_grad_sq_norm()` (sum it over the DP group for the global norm²) and
-    `scale_grads(coef)`, or `clip_grad_norm_(max_norm)` for a DP-only layout.
-
-    Parameters are fp32 (megalm keeps fp32 weights and gets bf16/fp8 from autocast and precision
-    recipes), so the parameters themselves are the master weights: the shard is read from them at
-    every step, which also means a model loaded after this optimizer was built is picked up.
-    """
-
-    def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict], reducer: GradReducer, lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
-        if not reducer.zero1:
-            raise ValueError("ZeroOneAdamW needs a GradReducer built with zero1=True")
-        params = list(params)
-        if params and not isinstance(params[0], dict):
-            params = [{"params": params}]
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        self.param_groups: list[dict] = []
-        for group in params:
-            full = {**defaults, **group, "params": list(group["params"])}
-            full["betas"] = tuple(full["betas"])
-            self.param_groups.append(full)
-        self.reducer = reducer
-        self.dp_group = reducer.dp_group
-        self.world, self.rank = reducer.world, reducer.rank
-
-        self._group_of: dict[int, dict] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if id(p) in self._group_of:
-                    raise ValueError("a parameter appears in more than one param group")
-                if p.dtype != torch.float32:
-                    raise ValueError(f"ZeroOneAdamW keeps parameters as fp32 master weights; got {p.dtype}")
-                self._group_of[id(p)] = group
-        if set(self._group_of) != {id(p) for p in reducer.params}:
-            raise ValueError("ZeroOneAdamW's parameters must be exactly the reducer's trainable parameters")
-
-        self.step_count = 0
-        self.exp_avg = [torch.zeros(b.shard_numel, dtype=torch.float32, device=b.buffer.device)
-                        for b in reducer.buckets]
-        self.exp_avg_sq = [torch.zeros_like(m) for m in self.exp_avg]
-
-    # ------------------------------------------------------------------ gradients
-
-    def _grad_shards(self) -> list[torch.Tensor]:
-        if not self.reducer.step_finished:
-            raise RuntimeError("the reducer has no finished step: call reducer.finish() before using grads")
-        return self.reducer.grad_shards()
-
-    @torch.no_grad()
-    def local_grad_sq_norm(self, weight: Callable[[nn.Parameter], float] | None = None) -> torch.Tensor:
-        """Sum of squares of the gradient elements this rank owns (fp32 scalar). Shards partition
-        the parameters, so summing this over the DP group gives the full gradient norm squared.
-
-        `weight(param)` scales each parameter's part (tensor parallelism passes `tp_norm_share`, so
-        that parameters replicated over TP count once after the sum over TP ranks too).
-        """
-        total = torch.zeros((), dtype=torch.float32, device=self.exp_avg[0].device if self.exp_avg else None)
-        for bucket, g in zip(self.reducer.buckets, self._grad_shards(), strict=True):
-            if weight is None:
-                total += g.float().pow(2).sum()
-                continue
-            for seg in bucket.segments:
-                total += g[seg.shard_slice].float().pow(2).sum() * weight(seg.param)
-        return total
-
-    @torch.no_grad()
-    def scale_grads(self, coef: float | torch.Tensor) -> None:
-        """Multiply this rank's gradient shards by `coef` (the clip coefficient)."""
-        for g in self._grad_shards():
-            g.mul_(coef)
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Global-norm clipping like torch.nn.utils.clip_grad_norm_, for a layout where DP is the only
-        parallelism (with TP, combine local_grad_sq_norm over the TP group too). Collective."""
-        sq = self.local_grad_sq_norm()
-        if self.world > 1:
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.dp_group)
-        norm = sq.sqrt()
-        if math.isfinite(max_norm):
-            self.scale_grads(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-        return norm
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Gradients live in the reducer's buckets and are overwritten each step; this only drops any
-        `p.grad` left behind (e.g. by a backward run outside a reducer step)."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
-
-    # ------------------------------------------------------------------ the update
-
-    @torch.no_grad()
-    def step(self) -> None:
-        """AdamW on this rank's shard, then all-gather the updated parameters (collective)."""
-        grads = self._grad_shards()
-        self.step_count += 1
-        t = self.step_count
-        gathers = []
-        for bucket, grad, m, v in zip(self.reducer.buckets, grads, self.exp_avg, self.exp_avg_sq, strict=True):
-            shard = torch.zeros(bucket.shard_numel, dtype=torch.float32, device=m.device)
-            for seg in bucket.segments:
-                group = self._group_of[id(seg.param)]
-                lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-                beta1, beta2 = group["betas"]
-                s = seg.shard_slice
-                p = shard[s]
-                p.copy_(seg.param.detach().reshape(-1)[seg.param_slice])
-                g = grad[s].float()
-                # torch.optim.AdamW, step by step: decoupled decay, moments, bias-corrected update.
-                p.mul_(1 - lr * wd)
-                m[s].lerp_(g, 1 - beta1)
-                v[s].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                bias_correction1 = 1 - beta1**t
-                bias_correction2 = 1 - beta2**t
-                denom = (v[s].sqrt() / math.sqrt(bias_correction2)).add_(eps)
-                p.addcdiv_(m[s], denom, value=-lr / bias_correction1)
-            gathers.append(self._gather(shard, bucket.padded_numel))
-        for bucket, (full, work) in zip(self.reducer.buckets, gathers, strict=True):
-            if work is not None:
-                work.wait()
-            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
-                p.copy_(full[offset:offset + p.numel()].view_as(p))
-
-    def _gather(self, shard: torch.Tensor, padded_numel: int) -> tuple[torch.Tensor, dist.Work | None]:
-        """Start an all-gather of every rank's shard into one padded flat tensor."""
-        if self.world == 1:
-            return shard, None
-        full = torch.empty(padded_numel, dtype=shard.dtype, device=shard.device)
-        self.reducer.stats["all_gather_bytes"] += full.numel() * full.element_size()
-        self.reducer.stats["collective_calls"] += 1
-        return full, _all_gather(full, shard, group=self.dp_group, async_op=True)
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def _ordered_params(self) -> list[nn.Parameter]:
-        return [p for group in self.param_groups for p in group["params"]]
-
-    @torch.no_grad()
-    def state_dict(self) -> dict:
-        """Full AdamW state in torch's format ({"state": {index: {"step", "exp_avg", "exp_avg_sq"}},
-        "param_groups": [...]}) with indices in param-group order.
-
-        Collective: every DP rank must call it. Each bucket's moments are all-gathered, so every rank
-        briefly holds the full state (memory-heavy, simple): the price of a checkpoint that loads
-        under any DP size and into a plain torch AdamW.
-        """
-        full_m, full_v = [], []
-        for bucket, m, v in zip(self.reducer.buckets, self.exp_avg, self.exp_avg_sq, strict=True):
-            for local, out in ((m, full_m), (v, full_v)):
-                full, work = self._gather(local, bucket.padded_numel)
-                if work is not None:
-                    work.wait()
-                out.append(full)
-        state = {}
-        if self.step_count > 0:
-            for index, p in enumerate(self._ordered_params()):
-                bucket, offset = self.reducer._where[id(p)]
-                sl = slice(offset, offset + p.numel())
-                state[index] = {"step": torch.tensor(float(self.step_count), dtype=torch.float32),
-                                "exp_avg": full_m[bucket.index][sl].view_as(p).clone(),
-                                "exp_avg_sq": full_v[bucket.index][sl].view_as(p).clone()}
-        groups, start = [], 0
-        for group in self.param_groups:
-            n = len(group["params"])
-            groups.append({**{k: v for k, v in group.items() if k != "params"},
-                           "amsgrad": False, "maximize": False, "params": list(range(start, start + n))})
-            start += n
-        return {"state": state, "param_groups": groups}
-
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a full (any-DP-size, or torch AdamW) state: each rank keeps the slices it owns.
-
-        torch AdamW keeps one step counter per parameter; this optimizer has one for all (every
-        parameter steps every time), so the largest saved counter is used.
-        """
-        params = self._ordered_params()
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"state has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
-        for saved, group in zip(groups, self.param_groups, strict=True):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError("param group sizes differ between the state and this optimizer")
-            for key in ("lr", "betas", "eps", "weight_decay"):
-                if key in saved:
-                    group[key] = tuple(saved[key]) if key == "betas" else saved[key]
-        steps = [0]
-        for m in self.exp_avg + self.exp_avg_sq:
-            m.zero_()
-        for index, per_param in state_dict["state"].items():
-            p = params[int(index)]
-            for key in ("exp_avg", "exp_avg_sq"):
-                if per_param[key].shape != p.shape:
-                    raise ValueError(f"state {key} of parameter {index} has shape {tuple(per_param[key].shape)}, "
-                                     f"the parameter {tuple(p.shape)}")
-            steps.append(int(float(per_param["step"])))
-            bucket, _ = self.reducer._where[id(p)]
-            for seg in bucket.segments:
-                if seg.param is p:
-                    self.exp_avg[bucket.index][seg.shard_slice] = per_param["exp_avg"].reshape(-1)[seg.param_slice]
-                    self.exp_avg_sq[bucket.index][seg.shard_slice] = \
-                        per_param["exp_avg_sq"].reshape(-1)[seg.param_slice]
-        self.step_count = max(steps)
-
-
-def build_zero1_optimizer(model: nn.Module, optim, reducer: GradReducer) -> ZeroOneAdamW:
-    """ZeroOneAdamW with `training.optim`'s param groups (decay for ndim>=2, none for norms/biases).
-
-    `optim` is an `OptimConfig`; the reducer must cover the model's trainable parameters.
-    """
-    from megalm.training.optim import param_groups
-
-    return ZeroOneAdamW(param_groups(model, optim.weight_decay), reducer, lr=optim.lr,
-                        betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay)

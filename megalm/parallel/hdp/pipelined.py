@@ -18,8 +18,8 @@ checks them with `check_pipelined`, and the trainer checks each plan before runn
 
 from __future__ import annotations
 
-from megalm.parallel.hdp import MicroBatch, Plan
-from megalm.parallel.schedules import build_schedule
+from megalm.parallel.hdp.planner import MicroBatch, Plan
+from megalm.parallel.pipeline.schedules import build_schedule
 
 
 def _is_ring(mb: MicroBatch) -> bool:

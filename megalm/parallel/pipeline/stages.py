@@ -1,4 +1,4 @@
-"""Which transformer layers each pipeline rank holds, with interleaved virtual stages.
+"""Which transformer layers each pipeline rank holds, with interleaved virtual stages, and the chunks.
 
 The model's `num_layers` are cut into `pp * vpp` contiguous *virtual stages*. Chunk `c` of pipeline
 rank `r` holds virtual stage `c * pp + r` (the interleaved assignment): with vpp > 1 a micro-batch
@@ -16,7 +16,14 @@ interior stage must hold >= 1, since an empty interior stage would only forward 
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
+from megalm.config import MegalmConfig, ModelConfig, choice
 from megalm.errors import ConfigError
+from megalm.model.gpt import GPT
+from megalm.parallel.pipeline.schedules import SCHEDULES
+from megalm.parallel.recompute import recompute_modes
 
 
 class StageSplitError(ConfigError, ValueError):
@@ -91,3 +98,57 @@ def stage_holds(pp_rank: int, chunk: int, pp: int, vpp: int = 1) -> tuple[bool, 
         raise StageSplitError(f"stage (pp_rank={pp_rank}, chunk={chunk}) is outside pp={pp}, vpp={vpp}")
     virtual = chunk * pp + pp_rank
     return virtual == 0, virtual == pp * vpp - 1
+
+
+def build_stage_chunks(cfg: ModelConfig, pp_rank: int, pp: int, vpp: int = 1,
+                       layers_per_stage: list[int] | None = None, device: torch.device | str = "meta") -> nn.ModuleList:
+    """The `vpp` GPT chunks pipeline rank `pp_rank` holds (chunk c = virtual stage c * pp + pp_rank).
+
+    Each chunk is a GPT keeping only its layers (with their global `layer_id`, so parameters keep the
+    full model's names); the embedding lives on the first virtual stage, the final norm and output head
+    on the last. With tied embeddings the last stage also keeps `embedding` (a copy) for its head.
+    """
+    ranges = stage_layer_ranges(cfg.num_layers, pp, vpp, layers_per_stage)[pp_rank]
+    chunks = []
+    for c, layer_range in enumerate(ranges):
+        first, last = stage_holds(pp_rank, c, pp, vpp)
+        chunk = GPT(cfg, device=device)
+        chunk.layers = nn.ModuleList(chunk.layers[i] for i in layer_range)
+        if not first:
+            chunk.position_embedding = None
+            if not (last and chunk.cfg.tie_embeddings):
+                chunk.embedding = None
+        if not last:
+            chunk.final_norm = None
+            chunk.output = None
+        chunk.is_first_stage, chunk.is_last_stage = first, last
+        chunks.append(chunk)
+    return nn.ModuleList(chunks)
+
+
+def validate_pipeline(cfg: MegalmConfig) -> None:
+    """Pipeline rules: schedule vs vpp, the layer split, micro-batch counts, recompute modes."""
+    p, t = cfg.parallel, cfg.trainer
+    choice(p.pp_schedule, "parallel.pp_schedule", SCHEDULES)
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError(f"parallel.vpp={p.vpp} needs pipeline parallelism; set parallel.pp>1 or parallel.vpp=1")
+    if p.pp_schedule == "interleaved" and p.vpp == 1 and p.pp > 1:
+        raise ConfigError("parallel.pp_schedule=interleaved needs parallel.vpp>1 (model chunks per rank)")
+    if p.vpp > 1 and p.pp_schedule != "interleaved":
+        raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp_schedule=interleaved "
+                          f"(got {p.pp_schedule}); set it or use parallel.vpp=1")
+    micro_batches = t.global_batch_size // (t.micro_batch_size * p.dp)
+    if p.pp_schedule == "interleaved" and p.pp > 1 and t.tokens_per_step is not None:
+        raise ConfigError("trainer.tokens_per_step gives steps different micro-batch counts, which interleaved "
+                          "pipelining cannot take; use parallel.pp_schedule=1f1b or zb, or trainer.global_batch_size")
+    if p.pp_schedule == "interleaved" and p.pp > 1 and not p.hdp and micro_batches % p.pp:
+        raise ConfigError(f"interleaved pipelining needs micro-batches per step ({micro_batches} = global_batch_size/"
+                          f"(micro_batch_size*dp)) to be a multiple of parallel.pp={p.pp}; change the batch sizes")
+    if p.layers_per_stage is not None and p.pp * p.vpp == 1:
+        raise ConfigError("parallel.layers_per_stage is set but there is one pipeline stage; "
+                          "remove it or set parallel.pp")
+    split_layers(cfg.model.num_layers, p.pp * p.vpp, list(p.layers_per_stage) if p.layers_per_stage else None)
+    recompute_modes(p.recompute, p.pp)
+    if p.pp > 1 and p.zero1 and cfg.model.tie_embeddings:
+        raise ConfigError("parallel.zero1 with pipeline parallelism and tied embeddings is not supported yet; "
+                          "set parallel.zero1=false or model.tie_embeddings=false")

@@ -4,22 +4,22 @@ Hand-written rather than torch.distributed.pipelining (docs/architecture.md says
 activation shapes once, its action set is closed, and its split backward bypasses the hooks our DP
 reducer relies on). The pieces, each in its own file:
 
-- `stages.py`     which layers each (rank, chunk) holds;
-- `schedules.py`  the per-rank action lists (1F1B, interleaved 1F1B, ZB-H1), validated as data;
-- `p2p.py`        shape-first point-to-point sends, so micro-batches may differ in token count;
+- `stages.py`      which layers each (rank, chunk) holds, and the chunks themselves;
+- `schedules.py`   the per-rank action lists (1F1B, interleaved 1F1B, ZB-H1), validated as data;
+- `p2p.py`         shape-first point-to-point sends, so micro-batches may differ in token count;
 - `weight_grad.py` the B/W split of zero-bubble schedules;
-- this file       builds the chunks and runs one rank's action list.
+- this file        runs one rank's action list.
 
 Data: every pipeline rank reads the same micro-batches itself (the global batch is a function of
 (seed, step) only), so only hidden states and their gradients travel between stages; token ids,
 positions, document boundaries and labels are local. The first stage embeds, the last stage computes
-`loss_sum / n_loss_tokens` (the global-batch normaliser, DESIGN.md joint 2) and starts each
+`loss_sum / n_loss_tokens` (the global-batch normaliser, docs/architecture.md) and starts each
 micro-batch's backward from it. Gradients accumulate over micro-batches as in one process.
 
 Tied embeddings (GPT-2): the first stage holds the embedding and the last stage a copy for the output
 head, initialised identically (weights are drawn by name). After the backward their gradients are
 summed over `mesh.embedding_group` (the two ranks), so both copies take the same update; the
-gradient norm counts the weight once (the copy's norm share is 0).
+gradient norm counts the weight once (`tied_embedding_copy` names the copy, whose share is 0).
 """
 
 from __future__ import annotations
@@ -32,14 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalm.config import ModelConfig
-from megalm.data.batch import PackedBatch
-from megalm.model.gpt import GPT
 from megalm.parallel.dims import ParallelMesh
-from megalm.parallel.p2p import isend_tensor, pipeline_peer, recv_tensor, wait_all
-from megalm.parallel.schedules import Action, Schedule, build_schedule, validate
-from megalm.parallel.stages import stage_holds, stage_layer_ranges
-from megalm.parallel.weight_grad import WeightGradStore, defer_weight_grads
+from megalm.parallel.microbatch import LocalMicroBatch
+from megalm.parallel.pipeline.p2p import isend_tensor, pipeline_peer, recv_tensor, wait_all
+from megalm.parallel.pipeline.schedules import Action, Schedule, build_schedule, validate
+from megalm.parallel.pipeline.weight_grad import WeightGradStore, defer_weight_grads
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Key = tuple[int, int]  # (micro_batch, chunk)
@@ -63,32 +60,6 @@ class MemoryHooks(Protocol):
     def reload(self, key: Key) -> None: ...
 
 
-def build_stage_chunks(cfg: ModelConfig, pp_rank: int, pp: int, vpp: int = 1,
-                       layers_per_stage: list[int] | None = None, device: torch.device | str = "meta") -> nn.ModuleList:
-    """The `vpp` GPT chunks pipeline rank `pp_rank` holds (chunk c = virtual stage c * pp + pp_rank).
-
-    Each chunk is a GPT keeping only its layers (with their global `layer_id`, so parameters keep the
-    full model's names); the embedding lives on the first virtual stage, the final norm and output head
-    on the last. With tied embeddings the last stage also keeps `embedding` (a copy) for its head.
-    """
-    ranges = stage_layer_ranges(cfg.num_layers, pp, vpp, layers_per_stage)[pp_rank]
-    chunks = []
-    for c, layer_range in enumerate(ranges):
-        first, last = stage_holds(pp_rank, c, pp, vpp)
-        chunk = GPT(cfg, device=device)
-        chunk.layers = nn.ModuleList(chunk.layers[i] for i in layer_range)
-        if not first:
-            chunk.position_embedding = None
-            if not (last and chunk.cfg.tie_embeddings):
-                chunk.embedding = None
-        if not last:
-            chunk.final_norm = None
-            chunk.output = None
-        chunk.is_first_stage, chunk.is_last_stage = first, last
-        chunks.append(chunk)
-    return nn.ModuleList(chunks)
-
-
 def tied_embedding_copy(chunks: nn.ModuleList) -> nn.Parameter | None:
     """The last stage's copy of a tied embedding (None when this rank has none or holds the original)."""
     holds_first = any(chunk.is_first_stage for chunk in chunks)
@@ -101,19 +72,25 @@ def tied_embedding_copy(chunks: nn.ModuleList) -> nn.Parameter | None:
 class PipelineRuntime:
     """Runs one pipeline rank's action list per step: forward, backward (and W) of its chunks.
 
-    `step(batches, n_loss_tokens)` trains on this rank's micro-batches (gradients accumulate into the
-    chunks' parameters, through the DP reducer's hooks as usual) and returns the summed token loss
-    (non-zero on the last stage only). `forward_only(batches)` is the evaluation pass.
-    The schedule is rebuilt for every new micro-batch count, so steps may differ in their number of
-    micro-batches (and micro-batches in their number of tokens).
+    `step(micro_batches, n_loss_tokens, step)` trains on this rank's micro-batches (gradients
+    accumulate into the chunks' parameters, through the DP reducer's hooks as usual) and returns the
+    summed token loss (non-zero on the last stage only). `forward_only(micro_batches)` is the
+    evaluation pass. The schedule is rebuilt for every new micro-batch count, so steps may differ in
+    their number of micro-batches (and micro-batches in their number of tokens).
+
+    `forward_context()` is entered around every F (autocast, precision); `before_forward(chunk, step,
+    index)` runs before each training F (seeds random rounding by the micro-batch's index in the step).
+    With `schedule="zb"` the chunks' linear layers defer their weight gradients to W (weight_grad.py).
     """
 
     def __init__(self, chunks: nn.ModuleList, mesh: ParallelMesh, schedule: str, loss_fn: LossFn,
-                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 before_forward: Callable[[nn.Module, int, int], None] | None = None,
                  device: torch.device | str = "cpu", memory_hooks: MemoryHooks | None = None) -> None:
         self.chunks, self.mesh, self.schedule_name = chunks, mesh, schedule
         self.vpp = len(chunks)
-        self.loss_fn, self.autocast, self.device = loss_fn, autocast, torch.device(device)
+        self.loss_fn, self.forward_context, self.device = loss_fn, forward_context, torch.device(device)
+        self.before_forward = before_forward
         self.store: WeightGradStore | None = None
         if schedule == "zb":
             self.store = WeightGradStore()
@@ -121,8 +98,6 @@ class PipelineRuntime:
         self._schedules: dict[int, Schedule] = {}
         self.tied_copy = tied_embedding_copy(chunks)
         self.memory_hooks = memory_hooks
-        # Called as before_forward(chunk, micro_batch) ahead of each F (e.g. to seed precision recipes).
-        self.before_forward: Callable[[nn.Module, int], None] | None = None
         self.peak_in_flight = 0  # most micro-batch activations held at once in the last step
 
     def schedule(self, num_micro_batches: int) -> Schedule:
@@ -137,25 +112,27 @@ class PipelineRuntime:
 
     # ------------------------------------------------------------------ execution
 
-    def step(self, batches: list[PackedBatch], n_loss_tokens: int) -> torch.Tensor:
-        """Forward and backward of every micro-batch in `batches` by the schedule."""
-        if not batches:
+    def step(self, micro_batches: list[LocalMicroBatch], n_loss_tokens: int, step: int = 0) -> torch.Tensor:
+        """Forward and backward of every micro-batch by the schedule."""
+        if not micro_batches:
             return torch.zeros((), device=self.device)
-        sched = self.schedule(len(batches))
-        return self._execute(sched, sched.actions[self.mesh.pp_rank], batches, n_loss_tokens, train=True)
+        sched = self.schedule(len(micro_batches))
+        return self._execute(sched, sched.actions[self.mesh.pp_rank], micro_batches, n_loss_tokens, step)
 
     @torch.no_grad()
-    def forward_only(self, batches: list[PackedBatch]) -> torch.Tensor:
-        """Summed token loss of `batches` (last stage; 0 elsewhere): forwards in micro-batch order."""
-        if not batches:
+    def forward_only(self, micro_batches: list[LocalMicroBatch]) -> torch.Tensor:
+        """Summed token loss of the micro-batches (last stage; 0 elsewhere): forwards in order."""
+        if not micro_batches:
             return torch.zeros((), device=self.device)
-        p, vpp = self.mesh.dims.pp, self.vpp
-        actions = [[Action("F", i, c) for i in range(len(batches)) for c in range(vpp)] for _ in range(p)]
-        sched = Schedule(p, len(batches), vpp, "forward_only", False, actions).with_comm()
-        return self._execute(sched, sched.actions[self.mesh.pp_rank], batches, 1, train=False)
+        p, vpp, m = self.mesh.dims.pp, self.vpp, len(micro_batches)
+        actions = [[Action("F", i, c) for i in range(m) for c in range(vpp)] for _ in range(p)]
+        sched = Schedule(p, m, vpp, "forward_only", False, actions).with_comm()
+        return self._execute(sched, sched.actions[self.mesh.pp_rank], micro_batches, 1, None)
 
-    def _execute(self, sched: Schedule, actions: list[Action], batches: list[PackedBatch], n_loss_tokens: int,
-                 train: bool) -> torch.Tensor:
+    def _execute(self, sched: Schedule, actions: list[Action], micro_batches: list[LocalMicroBatch],
+                 n_loss_tokens: int, step: int | None) -> torch.Tensor:
+        """Run `actions`; `step` is None for a forward-only pass."""
+        train = step is not None
         rank, last = self.mesh.pp_rank, sched.num_virtual_stages - 1
         inputs: dict[tuple[int, int], torch.Tensor] = {}  # received activations (leaves)
         outputs: dict[tuple[int, int], torch.Tensor] = {}  # chunk outputs (the last stage: scaled loss)
@@ -171,14 +148,15 @@ class PipelineRuntime:
             if a.kind == "RECV_F":
                 inputs[key] = recv_tensor(pipeline_peer(self.mesh, a.peer), device=self.device).requires_grad_(train)
             elif a.kind == "F":
-                mb = batches[a.micro_batch]
-                x = mb.tokens if stage == 0 else inputs[key] if train else inputs.pop(key)
-                if self.before_forward is not None:
-                    self.before_forward(self.chunks[a.chunk], a.micro_batch)
-                with self.autocast(), hooks.forward_context(key) if hooks else contextlib.nullcontext():
-                    out = self.chunks[a.chunk](x, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
+                mb = micro_batches[a.micro_batch]
+                x = None if stage == 0 else inputs[key] if train else inputs.pop(key)
+                chunk = self.chunks[a.chunk]
+                if train and self.before_forward is not None:
+                    self.before_forward(chunk, step, mb.index)
+                with self.forward_context(), hooks.forward_context(key) if hooks else contextlib.nullcontext():
+                    out = mb.run(chunk, x)
                 if stage == last:
-                    loss_sum = self.loss_fn(out, mb.labels, mb.loss_mask)
+                    loss_sum = self.loss_fn(out, mb.batch.labels, mb.batch.loss_mask)
                     loss += loss_sum.detach()
                     out = loss_sum / n_loss_tokens
                 if train or stage != last:
@@ -222,7 +200,3 @@ class PipelineRuntime:
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         dist.all_reduce(weight.grad, group=group)
-
-    def norm_share(self, param: nn.Parameter) -> float:
-        """0 for the tied embedding's last-stage copy (counted on the first stage), else 1."""
-        return 0.0 if param is self.tied_copy else 1.0

@@ -44,7 +44,7 @@ stage s needs B of stage s + 1, and the last stage's B needs its own F; W needs 
 are non-blocking (isend), so only the compute order can deadlock; the communication actions are
 checked for pairing, and cost zero in `simulate`.
 
-Run ``python -m megalm.parallel.schedules`` for a table of bubble fraction and peak in-flight
+Run ``python -m megalm.parallel.pipeline.schedules`` for a table of bubble fraction and peak in-flight
 micro-batches at p=4, m=8.
 """
 

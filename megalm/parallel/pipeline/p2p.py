@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from megalm.parallel.dims import ParallelDims, ParallelMesh
+from megalm.parallel.dims import ParallelMesh
 
 MAX_NDIM = 8
 HEADER_LEN = 2 + MAX_NDIM
@@ -130,10 +130,9 @@ def recv_tensor(src: int, group: dist.ProcessGroup | None = None,
 
 def pipeline_peer(mesh: ParallelMesh, pp_rank: int) -> int:
     """Global rank of pipeline rank `pp_rank` with this rank's tp/cp/dp coordinates."""
-    dims: ParallelDims = mesh.dims
-    if not 0 <= pp_rank < dims.pp:
-        raise ValueError(f"pipeline rank {pp_rank} is outside pp={dims.pp}")
-    return ((pp_rank * dims.dp + mesh.dp_rank) * dims.cp + mesh.cp_rank) * dims.tp + mesh.tp_rank
+    if not 0 <= pp_rank < mesh.dims.pp:
+        raise ValueError(f"pipeline rank {pp_rank} is outside pp={mesh.dims.pp}")
+    return mesh.peer(pp=pp_rank)
 
 
 def pipeline_neighbours(mesh: ParallelMesh, wrap: bool = False) -> tuple[int | None, int | None]:

@@ -6,7 +6,7 @@ with an ordinary varlen kernel, and a second all-to-all returns every rank its t
 Communication per layer is 4 all-to-alls of T·h/N each, independent of N, but N must divide the
 number of kv heads (use ring attention otherwise).
 
-Token sharding is the zigzag one of context.py, so both CP modes consume the same `shard_batch`
+Token sharding is the zigzag one of zigzag.py, so both CP modes consume the same `shard_batch`
 output: the gathered tokens are put back in original order (the padded stream, where padding sits
 at the end of each document and never reaches a real token) before attention. Unlike the ring,
 Ulysses needs a fixed group: `group` must contain exactly the ring's ranks.
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megalm.model.attention import select_attention_backend, varlen_attention
-from megalm.parallel.context import ZigzagLayout, ZigzagPlan, as_layout
+from megalm.parallel.context.zigzag import ZigzagLayout, ZigzagPlan, as_layout
 
 
 class _AllToAll(torch.autograd.Function):

@@ -5,7 +5,7 @@ attention is quadratic in the document length, so a rank holding a slice of a 1M
 busy far longer than one holding as many tokens of short documents. Per transformer layer, a
 micro-batch of documents s_i (packed, varlen attention that never crosses a document) costs one rank
 
-    T = a·Σ s_i² + b·Σ s_i + c                                    (DESIGN, "Cost model")
+    T = a·Σ s_i² + b·Σ s_i + c                                    (docs/hdp.md, "Cost model")
 
 with a the causal attention forward+backward (7·h FLOPs per token pair: 2·h in the forward for the
 causal half of QKᵀ and PV, ×3.5 with FlashAttention's recomputing backward), b the linear layers
@@ -35,6 +35,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml  # PyYAML comes with omegaconf
 
 GiB = 2**30
 
@@ -98,8 +100,6 @@ class CostModel:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> CostModel:
-        import yaml  # PyYAML comes with omegaconf
-
         with open(path) as f:
             return cls.from_dict(yaml.safe_load(f))
 
@@ -363,7 +363,7 @@ def load_cost(name_or_path: str) -> CostModel:
         return preset(name_or_path)
     path = Path(name_or_path)
     if not path.suffix:
-        path = Path(__file__).resolve().parents[2] / "configs" / "hdp_cost" / f"{name_or_path}.yaml"
+        path = Path(__file__).resolve().parents[3] / "configs" / "hdp_cost" / f"{name_or_path}.yaml"
     if not path.exists():
         raise ValueError(f"no cost model {name_or_path!r}: not a preset {sorted(SHAPES)} and no file {path}")
     return CostModel.from_yaml(path)

@@ -7,7 +7,7 @@ softmax flash attention uses):
 
     lse = log(e^lse_a + e^lse_b),   out = e^(lse_a - lse) · out_a + e^(lse_b - lse) · out_b.
 
-With the zigzag layout (context.py) rank r holds chunks r and 2N-1-r of each document and the block
+With the zigzag layout (zigzag.py) rank r holds chunks r and 2N-1-r of each document and the block
 that arrives at step j comes from rank s = r - j (mod N). Chunk a attends fully to chunks b < a of
 its document, causally to b == a, not at all to b > a, so each step is one dense half-block:
 
@@ -19,8 +19,8 @@ Every rank does the same work each step (Megatron-LM CP / zhuzilin's ring-flash-
 variant), and the fully masked quadrants are never computed. Backward (flash-attention's: needs
 the saved out and lse) accumulates dQ locally while dK/dV travel with their K/V block and come home
 after N hops. Communication is batched isend/irecv between GLOBAL ranks on one group spanning them
-(DESIGN.md joint 4): any ordered list of ranks forms a ring, without a new communicator. Each
-step's transfer is posted before its compute, so the two overlap.
+(docs/architecture.md, "CP rings over explicit rank lists"): any ordered list of ranks forms a ring,
+without a new communicator. Each step's transfer is posted before its compute, so the two overlap.
 
 Per-block kernels return (out, lse) in fp32 (fp64 for fp64 inputs): `reference` (explicit math with
 a mask: the CPU path and the oracle), `torch_varlen` (torch's built-in varlen flash kernels, the ones
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megalm.model.attention import select_attention_backend, varlen_attention
-from megalm.parallel.context import ZigzagLayout, ZigzagPlan, as_layout
+from megalm.parallel.context.zigzag import ZigzagLayout, ZigzagPlan, as_layout
 
 KV_TAG, DKV_TAG = 0x6B76, 0x646B  # distinct tags keep the K/V and dK/dV streams apart on one rank pair
 KERNELS = ("reference", "torch_varlen", "flash_attn")

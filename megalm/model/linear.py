@@ -1,0 +1,145 @@
+"""The linear layer's GEMMs, with two hooks that transforms set from outside the model.
+
+A linear layer y = x Wᵀ + b runs three GEMMs: fprop (y), dgrad (dx = dy W) and wgrad (dW = dyᵀ x).
+Two features change them, and must compose:
+
+- a precision recipe (megalm/precision/linear.py) changes how each GEMM rounds its operands
+  (`gemm_recipe`: an object with `start`, `fprop`, `dgrad` and `wgrad`);
+- a zero-bubble pipeline (megalm/parallel/pipeline/weight_grad.py) changes *when* wgrad runs: dx in
+  the B action, dW later in W (`weight_grad_sink`: an object with `stash(param, compute_dw)`).
+
+Both are attributes of the layer (`LinearHooks`), read by one function, `linear`, which runs the
+recipe's three GEMMs and hands wgrad to the sink instead of running it. So ZB + fp8/MX is simply
+both attributes set; neither replaces the other's `forward`. With neither set, `linear` is `F.linear`.
+
+`Linear` is the model's nn.Linear with these hooks; megalm's tensor-parallel layers inherit
+`LinearHooks` too and call `linear` on their local shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GemmRecipe(Protocol):
+    """How a layer's three GEMMs compute (2-D operands, results in fp32 or the compute dtype).
+
+    `start(x)` is called once per forward and returns the call's state (random seeds, cached scales),
+    which the backward's GEMMs receive too, whenever they run."""
+
+    def start(self, x: torch.Tensor) -> Any: ...
+
+    def fprop(self, call: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def dgrad(self, call: Any, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def wgrad(self, call: Any, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class WeightGradSink(Protocol):
+    """Takes a layer's weight gradient as a thunk to run later (ZB's W action)."""
+
+    def stash(self, param: nn.Parameter, compute: Callable[[], torch.Tensor]) -> None: ...
+
+
+class PlainGemms:
+    """The GEMMs of F.linear in the compute dtype (autocast's, else the input's): what a layer runs
+    when only its weight gradient is deferred."""
+
+    def start(self, x: torch.Tensor) -> torch.dtype:
+        device = x.device.type
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+    def fprop(self, dtype: torch.dtype, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(dtype), weight.to(dtype))
+
+    def dgrad(self, dtype: torch.dtype, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return dy.matmul(weight.to(dy.dtype))
+
+    def wgrad(self, dtype: torch.dtype, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return dy.t().matmul(x.to(dy.dtype))
+
+
+PLAIN_GEMMS = PlainGemms()
+
+
+class LinearHooks:
+    """The two hooks of a linear layer (class attributes: None = unset, for every instance)."""
+
+    gemm_recipe: GemmRecipe | None = None
+    weight_grad_sink: WeightGradSink | None = None
+
+
+class Linear(LinearHooks, nn.Linear):
+    """nn.Linear whose GEMMs run through `linear` (same parameters, names and init)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.gemm_recipe, self.weight_grad_sink)
+
+
+def _deferrable(weight: torch.Tensor) -> bool:
+    """Only a leaf parameter's gradient can wait for W: a weight that reaches the GEMM through another op
+    (kv rows shared over TP ranks pass an all-reduce in backward) keeps its gradient in B."""
+    return isinstance(weight, nn.Parameter) and weight.requires_grad and torch.is_grad_enabled()
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe: GemmRecipe, sink: WeightGradSink | None, param: list, out_dtype):
+        # With a sink, `weight` comes detached and the real parameter in the `param` list: autograd then
+        # never reaches the parameter's AccumulateGrad in B (no gradient, no DP hook fires until W).
+        call = recipe.start(x)
+        x2 = x.reshape(-1, x.shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            y = recipe.fprop(call, x2, weight)
+            if bias is not None:
+                y = y + bias.to(y.dtype)
+        ctx.save_for_backward(x, weight)
+        ctx.recipe, ctx.call, ctx.sink, ctx.param = recipe, call, sink, param
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        recipe, call = ctx.recipe, ctx.call
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        with torch.autocast(x.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                dx = recipe.dgrad(call, dy2, weight).reshape(x.shape).to(x.dtype)
+            if ctx.sink is not None:
+                param = ctx.param[0]
+                ctx.sink.stash(param, lambda: recipe.wgrad(call, dy2, x2).to(param.dtype))
+            elif ctx.needs_input_grad[1]:
+                dw = recipe.wgrad(call, dy2, x2).to(weight.dtype)
+            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+                db = dy2.float().sum(dim=0).to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           recipe: GemmRecipe | None = None, sink: WeightGradSink | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) with its GEMMs from `recipe` and its weight gradient handed to `sink`.
+
+    x [..., in], weight [out, in] -> [..., out] in the compute dtype (autocast's under autocast, as
+    F.linear). Without a recipe and without a (usable) sink this is F.linear itself.
+    """
+    defer = sink is not None and _deferrable(weight)
+    if recipe is None and not defer:
+        return F.linear(x, weight, bias)
+    device = x.device.type
+    out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    if defer:
+        return _Linear.apply(x, weight.detach(), bias, recipe or PLAIN_GEMMS, sink, [weight], out_dtype)
+    return _Linear.apply(x, weight, bias, recipe, None, [], out_dtype)
+
+
+def linear_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` that run their GEMMs through `linear` (model and tensor-parallel layers)."""
+    return [m for m in model.modules() if isinstance(m, LinearHooks)]

@@ -1,0 +1,30 @@
+"""Collective helpers every parallelism shares: a group of None means "one rank, no communication".
+
+torch 2.13 renamed the flat-tensor collectives (the old names warn); megalm supports torch >= 2.5, which
+has only the old names, so the new ones are used when present.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks in `group`; 1 for None."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank inside `group`; 0 for None."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum `tensor` in place over `group` (nothing to do for None or one rank); returns it."""
+    if group_size(group) > 1:
+        dist.all_reduce(tensor, group=group)
+    return tensor

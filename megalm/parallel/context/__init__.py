@@ -1,0 +1,3 @@
+"""Context parallelism: zigzag.py (sharding packed documents over a ring), ring.py (ring attention over an
+ordered list of global ranks), ulysses.py (all-to-all over heads), attention.py (`RingContext`, what a
+sharded micro-batch carries to the model's attention)."""

@@ -1,0 +1,104 @@
+"""A micro-batch's attention over a ring of ranks: the `AttentionContext` context parallelism and HDP
+attach to the micro-batches that span several ranks.
+
+The model calls `context.attend(q, k, v, ...)` in every attention layer when its micro-batch carries
+one (megalm/model/attention.py). The context holds everything the op needs, explicitly: the ring's
+global ranks in order, this rank's position, the zigzag layout of the shard (computed once when the
+micro-batch is prepared) and the communication (`ring`: K/V passed around the rank list on the
+default group, so any list of ranks forms a ring; `a2a`: Ulysses over a fixed group of exactly those
+ranks). Interleaved micro-batches on different rings (pipelines, HDP, recomputation) each carry their
+own, so nothing is looked up in module state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megalm.config import MegalmConfig, choice
+from megalm.data.batch import PackedBatch
+from megalm.errors import ConfigError
+from megalm.parallel.context.ring import ring_attention
+from megalm.parallel.context.ulysses import ulysses_attention
+from megalm.parallel.context.zigzag import ZigzagLayout, layout_from_local_cu_seqlens, shard_batch, zigzag_plan
+from megalm.parallel.microbatch import LocalMicroBatch, Ring
+from megalm.parallel.recompute import recompute_modes
+
+COMMS = ("ring", "a2a")
+
+
+@dataclass(frozen=True, eq=False)
+class RingContext:
+    """Attention of one zigzag-sharded micro-batch over the ring `ranks` (global ranks, in ring order)."""
+
+    ranks: tuple[int, ...]
+    index: int  # this rank's position in `ranks`
+    layout: ZigzagLayout
+    comm: str = "ring"
+    group: dist.ProcessGroup | None = None  # a2a: the group of exactly `ranks`
+
+    def __post_init__(self) -> None:
+        if self.comm not in COMMS:
+            raise ValueError(f"unknown context-parallel communication {self.comm!r}; use ring or a2a")
+
+    @classmethod
+    def for_shard(cls, batch: PackedBatch, ring: Ring, device: torch.device, comm: str = "ring",
+                  group: dist.ProcessGroup | None = None) -> RingContext:
+        """The context of `batch` (on the host), this rank's zigzag shard over `ring` (`zigzag.shard_batch`,
+        possibly padded with one more even segment), with its layout on `device`."""
+        layout = layout_from_local_cu_seqlens(batch.cu_seqlens, len(ring.ranks))
+        return cls(tuple(int(r) for r in ring.ranks), ring.index, layout.to(device), comm, group)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, dropout_p: float = 0.0,
+               scale: float | None = None) -> torch.Tensor:
+        """Causal attention of this rank's shard q/k/v [T_local, H, D] against the ring's whole documents."""
+        if self.comm == "ring":
+            if dropout_p > 0.0:
+                raise ValueError("ring attention has no attention dropout; set model.attention_dropout=0")
+            return ring_attention(q, k, v, self.layout, self.ranks, self.index, None, backend=backend, scale=scale)
+        return ulysses_attention(q, k, v, self.layout, self.ranks, self.index, self.group, backend=backend,
+                                 dropout_p=dropout_p, scale=scale)
+
+
+def validate_context(cfg: MegalmConfig) -> None:
+    """What rings and Ulysses need from the model and the layout (`parallel.cp > 1`; HDP rings ask for the
+    same, megalm/parallel/hdp/runtime.py)."""
+    p, m = cfg.parallel, cfg.model
+    choice(p.cp_comm, "parallel.cp_comm", COMMS)
+    if p.cp == 1 or p.hdp:
+        return
+    if p.cp_comm == "ring" and m.attention_dropout > 0:
+        raise ConfigError(f"parallel.cp={p.cp} with parallel.cp_comm=ring has no attention dropout; set "
+                          "model.attention_dropout=0 or parallel.cp_comm=a2a")
+    if "selective" in recompute_modes(p.recompute, p.pp):  # its cache replays the collectives, not their receives
+        raise ConfigError(f"parallel.recompute=selective does not combine with parallel.cp={p.cp} yet (the "
+                          "ring/all-to-all would be replayed without its received data); use parallel.recompute="
+                          "full or none")
+    if p.cp_comm == "a2a":
+        heads, kv_heads = m.num_heads // p.tp, max(1, m.num_kv_heads // p.tp)  # what each TP rank holds
+        if heads % p.cp or kv_heads % p.cp:
+            raise ConfigError(f"parallel.cp_comm=a2a splits each TP rank's {heads} query and {kv_heads} kv heads over "
+                              f"parallel.cp={p.cp}, which must divide both; use parallel.cp_comm=ring or a cp that "
+                              "divides them")
+
+
+def shard_over_ring(mb: LocalMicroBatch, ring: Ring) -> LocalMicroBatch:
+    """This rank's zigzag shard of a whole micro-batch over `ring` (static context parallelism: every
+    micro-batch runs on the rank's CP ring). The ring's first member counts the documents."""
+    batch = shard_batch(mb.batch, zigzag_plan(mb.batch.cu_seqlens, len(ring.ranks)), ring.index)
+    counted = mb.counted_doc_lengths if ring.index == 0 else []
+    return LocalMicroBatch(batch, mb.index, ring, counted)
+
+
+class ContextShards:
+    """A step split (e.g. data_parallel.slices.DataParallelSlices) whose micro-batches are each sharded over
+    this rank's CP ring."""
+
+    def __init__(self, split, ring: Ring):
+        self.split, self.ring = split, ring
+
+    def micro_batches(self, dataset, ids: range) -> tuple[list[LocalMicroBatch], int]:
+        micro_batches, loss_tokens = self.split.micro_batches(dataset, ids)
+        return [shard_over_ring(mb, self.ring) for mb in micro_batches], loss_tokens

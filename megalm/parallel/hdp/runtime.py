@@ -1,0 +1,173 @@
+"""HDP in the trainer: this rank's micro-batches of a step's plan, each with the ring it runs on.
+
+Every rank of the HDP domain (the D = dp·cp ranks that share a TP and PP coordinate) plans the step
+itself: the lengths of the global batch are known without reading a token (`VarlenDataset.sample_length`),
+the planner is deterministic (planner.py), so all ranks agree on the plan with no communication. Then
+each rank reads only what it runs (`HdpSplit.micro_batches`):
+
+- a local micro-batch: the whole documents packed on it;
+- a ring micro-batch of n ranks: only this rank's two zigzag chunks of the document
+  (megalm/parallel/context/zigzag.py), plus the one token after each chunk that its last label needs.
+  No token is read twice in the domain except those chunk-boundary labels (the TP ranks and pipeline
+  stages of one HDP rank read the same data, as under DP);
+- a filler (pipelines only, pipelined.py): one masked token, which adds zero loss and zero gradient.
+
+Which ring a micro-batch runs on is data: each `LocalMicroBatch` carries its `Ring` (ordered global
+ranks, this rank's position), from which the parallelism builds the micro-batch's attention context
+(megalm/parallel/context/attention.py). A ring runs ring attention over its ordered global ranks on the
+default group (docs/architecture.md, "CP rings over explicit rank lists": no communicator per ring).
+
+The loss normaliser is the token count of the whole global batch, and gradients are summed over the
+HDP domain (`mesh.dp_cp_group`), so the update is the single-process update on the same batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megalm.config import MegalmConfig
+from megalm.data.batch import PackedBatch, Sample, pack_samples
+from megalm.data.dataset import VarlenDataset
+from megalm.errors import ConfigError, MegalmError
+from megalm.parallel.context.zigzag import shard_batch, zigzag_plan
+from megalm.parallel.dims import ParallelMesh
+from megalm.parallel.hdp.cost import CostModel, ModelShape, load_cost, preset
+from megalm.parallel.hdp.pipelined import align_rings, check_pipelined
+from megalm.parallel.hdp.planner import Plan, plan_hdp
+from megalm.parallel.microbatch import LocalMicroBatch, Ring
+from megalm.parallel.recompute import recompute_modes
+
+
+def filler_batch() -> PackedBatch:
+    """One masked token: a pipeline slot with no loss and an exactly zero gradient."""
+    zero = torch.zeros(1, dtype=torch.int64)
+    return PackedBatch(tokens=zero, labels=zero.clone(), loss_mask=torch.zeros(1), position_ids=zero.clone(),
+                       cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1, doc_lengths=[1])
+
+
+def read_ring_shard(dataset: VarlenDataset, k: int, n: int, index: int) -> PackedBatch:
+    """Rank `index`'s zigzag shard over a ring of `n` of sample k, reading only its chunks' tokens.
+
+    The sample's L inputs are padded to 2n chunks of c = ceil(L / 2n); the rank holds input positions
+    [index·c, (index+1)·c) and [(2n−1−index)·c, (2n−index)·c), so it reads those tokens and the next one
+    (the last label). Unread tokens stay 0 in a host buffer that `shard_batch` never gathers from.
+    """
+    length = dataset.sample_length(k)
+    inputs = length - 1
+    c = -(-inputs // (2 * n))
+    tokens = np.zeros(length, dtype=np.int64)
+    for chunk in (index, 2 * n - 1 - index):
+        start = min(chunk * c, inputs)
+        stop = min((chunk + 1) * c, inputs) + 1  # + the label of the chunk's last input
+        if stop - 1 > start:
+            tokens[start:stop] = dataset.read(k, start, stop - start)
+    full = pack_samples([Sample(tokens, (length,))])
+    return shard_batch(full, zigzag_plan(full.cu_seqlens, n), index)
+
+
+class HdpSplit:
+    """Plans each step over the HDP domain and builds this rank's micro-batches.
+
+    `capacity` (parallel.hdp_capacity) is C in tokens; `pp`/`schedule` make pipelined plans aligned and
+    checked (pipelined.py). The domain index of a rank is h = dp_rank·cp + cp_rank; `domain[h]` its
+    global rank at this rank's TP and PP coordinates.
+    """
+
+    def __init__(self, mesh: ParallelMesh, capacity: int, cost: CostModel, pp: int = 1, schedule: str = "1f1b"):
+        d = mesh.dims
+        self.mesh, self.capacity, self.cost, self.pp, self.schedule = mesh, capacity, cost, pp, schedule
+        self.domain = d.domain_ranks(mesh.tp_rank, mesh.pp_rank)
+        self.num_ranks = len(self.domain)
+        self.index = mesh.dp_rank * d.cp + mesh.cp_rank
+        self.last_plan: Plan | None = None
+
+    def plan(self, lengths: list[int]) -> Plan:
+        """The step's plan over input lengths; with pp > 1, rings aligned and checked deadlock-free."""
+        plan = plan_hdp(lengths, self.num_ranks, self.capacity, self.cost, pp=self.pp)
+        if self.pp > 1:
+            plan = align_rings(plan)
+            try:
+                check_pipelined(plan, self.pp, self.schedule)
+            except ValueError as e:  # not seen in randomized tests; stop rather than hang every rank
+                raise MegalmError(f"{e}. This is a megalm bug (please report it with the step); meanwhile try "
+                                  "parallel.pp_schedule=1f1b or another parallel.hdp_capacity") from None
+        self.last_plan = plan
+        return plan
+
+    def micro_batches(self, dataset: VarlenDataset, ids: range) -> tuple[list[LocalMicroBatch], int]:
+        """This rank's micro-batches of the global batch of samples `ids`, in plan order (on the host, the
+        ring shards already cut), and the batch's loss-token count (one document per sample: every input
+        token carries a loss). A ring's document is counted by its first rank only."""
+        lengths = [dataset.sample_length(k) - 1 for k in ids]
+        plan = self.plan(lengths)
+        out = []
+        for k in plan.per_rank[self.index]:
+            mb = plan.micro_batches[k]
+            if not mb.seqs:
+                out.append(LocalMicroBatch(filler_batch(), k))
+            elif len(mb.ranks) == 1:
+                samples = [dataset[ids[i]] for i in mb.seqs]
+                counted = [lengths[i] for i in mb.seqs]
+                out.append(LocalMicroBatch(pack_samples(samples), k, counted_doc_lengths=counted))
+            else:
+                (i,) = mb.seqs
+                position = mb.ranks.index(self.index)
+                ring = Ring(tuple(self.domain[h] for h in mb.ranks), position)
+                shard = read_ring_shard(dataset, ids[i], len(mb.ranks), position)
+                counted = [lengths[i]] if position == 0 else []
+                out.append(LocalMicroBatch(shard, k, ring=ring, counted_doc_lengths=counted))
+        return out, sum(lengths)
+
+
+def hdp_cost_model(cfg: MegalmConfig) -> CostModel:
+    """`parallel.hdp_cost`: a preset or YAML (cost.load_cost); unset, the first-principles model of this
+    model's shape on H100s, one HDP rank = one TP group (only the balance depends on it)."""
+    if cfg.parallel.hdp_cost:
+        return load_cost(cfg.parallel.hdp_cost)
+    m = cfg.model
+    shape = ModelShape(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_heads, kv_heads=m.num_kv_heads,
+                       ffn=m.ffn_hidden_size, vocab=m.vocab_size)
+    return preset(shape, tp=cfg.parallel.tp)
+
+
+def validate_hdp(cfg: MegalmConfig) -> None:
+    """HDP rules: documents as samples, the capacity, and what ring micro-batches need (ring CP rules).
+    Fills `parallel.hdp_capacity` when unset (the static CP share of a sample: ceil(seq_length / cp))."""
+    p, m = cfg.parallel, cfg.model
+    if not p.hdp:
+        for key in ("hdp_capacity", "hdp_cost"):
+            if getattr(p, key) is not None:
+                raise ConfigError(f"parallel.{key} is set but parallel.hdp=false; set parallel.hdp=true or remove it")
+        return
+    if not cfg.data.varlen:
+        raise ConfigError("parallel.hdp=true balances documents of different lengths; set data.varlen=true")
+    if p.hdp_capacity is None:
+        p.hdp_capacity = -(-m.seq_length // p.cp)
+    if p.hdp_capacity < 1:
+        raise ConfigError(f"parallel.hdp_capacity={p.hdp_capacity} must be >= 1 (tokens per rank per micro-batch)")
+    domain = p.dp * p.cp
+    widest = -(-m.seq_length // p.hdp_capacity)
+    if widest > domain:
+        raise ConfigError(f"a sample of model.seq_length={m.seq_length} tokens needs {widest} ranks of "
+                          f"parallel.hdp_capacity={p.hdp_capacity}, but the HDP domain dp*cp has {domain}; raise "
+                          f"parallel.hdp_capacity to >= {-(-m.seq_length // domain)} or use more ranks")
+    if p.hdp_cost is not None:
+        try:
+            load_cost(p.hdp_cost)
+        except Exception as e:  # a missing file, bad YAML, missing or mistyped keys
+            raise ConfigError(f"parallel.hdp_cost={p.hdp_cost} cannot be loaded ({type(e).__name__}: {e}); "
+                              "give a preset (7b) or a YAML like configs/hdp_cost/h100_7b.yaml") from None
+    if p.cp_comm != "ring":
+        raise ConfigError("parallel.hdp=true forms rings of any size over rank lists; set parallel.cp_comm=ring")
+    if p.pp_schedule == "interleaved":
+        raise ConfigError("parallel.hdp=true gives pipelines different micro-batch counts, which interleaved "
+                          "pipelining cannot take; use parallel.pp_schedule=1f1b or zb")
+    if widest > 1:  # some micro-batches may run on rings
+        if m.attention_dropout > 0:
+            raise ConfigError("parallel.hdp=true runs long documents with ring attention, which has no attention "
+                              "dropout; set model.attention_dropout=0 or raise parallel.hdp_capacity to "
+                              f"model.seq_length={m.seq_length}")
+        if "selective" in recompute_modes(p.recompute, p.pp):
+            raise ConfigError("parallel.recompute=selective does not combine with HDP rings yet; use "
+                              "parallel.recompute=full or none")

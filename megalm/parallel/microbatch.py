@@ -1,0 +1,57 @@
+"""What a rank runs in one step: its micro-batches, each ready for the model, and the step's normaliser.
+
+Every parallelism hands the same two types around, so the pipeline runtime, the plain loop, HDP and
+context parallelism need not know about each other:
+
+- `LocalMicroBatch`: this rank's part of one micro-batch (whole packed documents, or its zigzag shard
+  of documents that a `Ring` of ranks shares), its index in the step (which seeds random rounding) and
+  the documents this rank counts for throughput; once prepared (padded, on the compute device) it
+  also carries the attention context that says how its attention runs over the ring;
+- `StepShare`: the step number, this rank's micro-batches in execution order, and the global
+  loss-token count of the step (the loss normaliser, docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from megalm.data.batch import PackedBatch
+from megalm.model.attention import AttentionContext
+
+
+@dataclass(frozen=True)
+class Ring:
+    """The ordered global ranks a micro-batch's documents are sharded over, and this rank's position."""
+
+    ranks: tuple[int, ...]
+    index: int
+
+
+@dataclass
+class LocalMicroBatch:
+    batch: PackedBatch
+    index: int  # global index of the micro-batch in its step: seeds random rounding, the same on every layout
+    ring: Ring | None = None  # None: the documents are whole on this rank; else `batch` is its zigzag shard
+    counted_doc_lengths: list[int] = field(default_factory=list)  # documents this rank counts in tokens/FLOPs
+    attention: AttentionContext | None = None  # set when prepared: how attention runs over `ring`
+
+    def run(self, model: nn.Module, inputs: torch.Tensor | None = None) -> torch.Tensor:
+        """`model` (a GPT or pipeline chunk) on this micro-batch: on its tokens, or on `inputs` (the hidden
+        states a previous pipeline stage sent)."""
+        b = self.batch
+        return model(b.tokens if inputs is None else inputs, b.position_ids, b.cu_seqlens, b.max_seqlen,
+                     self.attention)
+
+
+@dataclass
+class StepShare:
+    step: int
+    micro_batches: list[LocalMicroBatch]
+    loss_tokens: int  # loss-carrying tokens of the whole global batch (>= 1): the loss normaliser
+
+    @property
+    def counted_doc_lengths(self) -> list[int]:
+        return [n for mb in self.micro_batches for n in mb.counted_doc_lengths]

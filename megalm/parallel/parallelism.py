@@ -1,0 +1,282 @@
+"""The one object the trainer talks to: every layout decision is made here, once, from config + mesh.
+
+`Parallelism` hides which layout runs. It
+1. builds and parallelizes the model: meta-device GPT (or this pipeline rank's chunks) -> tensor
+   parallelism -> model converters (precision recipes) -> recomputation -> materialize -> init by name;
+   a zero-bubble pipeline adds its weight-gradient split when its runtime is made;
+2. gives each step's samples to the ranks (`share_of_step`): a DP slice of the samples, each micro-batch
+   sharded over the CP ring, or the step's HDP plan; then prepares every micro-batch (padding, device,
+   the attention context of its ring: carried by the micro-batch, no module state);
+3. runs the step's micro-batches (`forward_backward`): the pipeline schedule or the plain loop, with the
+   data-parallel reducer armed around them;
+4. performs the step's reductions in one place, on the compute device: sums over the ranks that split
+   the batch (`sum_over_batch`), the gradient norm and clipping (`clip_grad_norm_`);
+5. says what runs (`describe`).
+The choices (which split, which runner, which optimizer) are made in `__init__`; the step methods
+have no layout branches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from megalm.config import MegalmConfig, config_to_dict
+from megalm.data.batch import pad_to_multiple
+from megalm.data.dataset import SampleDataset
+from megalm.errors import ConfigError
+from megalm.model.gpt import GPT, init_weights
+from megalm.model.naming import canonical_named_parameters, model_chunks
+from megalm.model.shard import shard_specs
+from megalm.parallel.collectives import all_reduce_sum
+from megalm.parallel.context.attention import ContextShards, RingContext, validate_context
+from megalm.parallel.data_parallel.reducer import GradReducer
+from megalm.parallel.data_parallel.slices import DataParallelSlices, validate_data_parallel
+from megalm.parallel.data_parallel.zero1 import ZeroOneAdamW
+from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh, check_same_on_all_ranks, resolve_dims
+from megalm.parallel.hdp.runtime import HdpSplit, hdp_cost_model, validate_hdp
+from megalm.parallel.microbatch import LocalMicroBatch, Ring, StepShare
+from megalm.parallel.pipeline.runtime import PipelineRuntime, tied_embedding_copy
+from megalm.parallel.pipeline.stages import build_stage_chunks, validate_pipeline
+from megalm.parallel.recompute import apply_recompute, stage_mode
+from megalm.parallel.tensor.apply import (
+    LossFn,
+    apply_tensor_parallel,
+    check_tensor_parallel,
+    grad_norm_squared,
+    loss_fn_for,
+    tp_norm_share,
+)
+
+
+class ModelConverter(Protocol):
+    """A transform applied to every model chunk from outside (TorchTitan's model converters): precision
+    recipes (megalm.precision.Precision). `token_multiple`: micro-batches are padded to a multiple of it."""
+
+    token_multiple: int
+
+    def convert(self, chunk: nn.Module) -> None: ...
+
+    def forward_context(self) -> contextlib.AbstractContextManager: ...
+
+    def before_forward(self, chunk: nn.Module, step: int, micro_batch: int) -> None: ...
+
+
+def validate_parallel(cfg: MegalmConfig, world_size: int) -> ParallelDims:
+    """Every parallel rule, each parallelism checking its own (one-line ConfigErrors, the same on every
+    rank); fills `parallel.dp` and `parallel.hdp_capacity`. `cfg.model` must have its defaults resolved."""
+    p = cfg.parallel
+    dims = resolve_dims(p, world_size)
+    check_tensor_parallel(cfg.model, p.tp)
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp>1; set parallel.tp or turn it off")
+    validate_context(cfg)
+    validate_hdp(cfg)
+    validate_data_parallel(cfg)
+    validate_pipeline(cfg)
+    return dims
+
+
+class LocalRunner:
+    """Runs a step's micro-batches one after the other on the whole model (no pipeline)."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, forward_context: Callable, before_forward: Callable,
+                 device: torch.device):
+        self.model, self.loss_fn, self.device = model, loss_fn, device
+        self.forward_context, self.before_forward = forward_context, before_forward
+
+    def _loss(self, mb: LocalMicroBatch) -> torch.Tensor:
+        with self.forward_context():
+            logits = mb.run(self.model)
+        return self.loss_fn(logits, mb.batch.labels, mb.batch.loss_mask)
+
+    def step(self, micro_batches: list[LocalMicroBatch], n_loss_tokens: int, step: int) -> torch.Tensor:
+        """Forward and backward of each micro-batch on loss_sum / n_loss_tokens; returns the summed loss."""
+        total = torch.zeros((), device=self.device)
+        for mb in micro_batches:
+            self.before_forward(self.model, step, mb.index)
+            loss_sum = self._loss(mb)
+            (loss_sum / n_loss_tokens).backward()
+            total += loss_sum.detach()
+        return total
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[LocalMicroBatch]) -> torch.Tensor:
+        return sum((self._loss(mb) for mb in micro_batches), torch.zeros((), device=self.device))
+
+    def sync_tied_embedding_grads(self) -> None:
+        """Nothing to do: the tied embedding and head are one parameter here."""
+
+
+class Parallelism:
+    """The layout of one rank: its model, how it takes its share of a step, how it runs it and reduces it.
+
+    `mesh` forces a layout (tests pass a one-rank mesh for the single-process reference inside a
+    distributed job); by default the mesh is built from `cfg.parallel` over the world.
+    """
+
+    def __init__(self, cfg: MegalmConfig, device: torch.device, converters: Sequence[ModelConverter] = (),
+                 mesh: ParallelMesh | None = None):
+        p = cfg.parallel
+        self.cfg, self.device, self.converters = cfg, device, list(converters)
+        self.mesh = mesh or build_mesh(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp), device)
+        check_same_on_all_ranks(json.dumps(config_to_dict(cfg), sort_keys=True, default=str), self.mesh, device)
+        self.model = self._build_model()
+        self.loss_fn = loss_fn_for(self.mesh.tp_group)
+        if p.pp > 1:
+            self.runner = PipelineRuntime(self.model, self.mesh, p.pp_schedule, self.loss_fn, self._forward_context,
+                                          self._before_forward, device)
+        else:
+            self.runner = LocalRunner(self.model, self.loss_fn, self._forward_context, self._before_forward, device)
+        self.split = self._build_split()
+        self.token_multiple = math.lcm(p.tp if p.sequence_parallel else 1,
+                                       *(c.token_multiple for c in self.converters))
+        # Each CP (or HDP) rank holds the gradient of its tokens only: sum over DP x CP (ZeRO-1 shards over it).
+        reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(p.grad_reduce_dtype or "")
+        self.reducer = GradReducer(list(self.model.parameters()), self.mesh.dp_cp_group, p.bucket_size_mb,
+                                   reduce_dtype=reduce_dtype, zero1=p.zero1)
+        # The optimizer class of this layout (None: the trainer's own AdamW).
+        self.sharded_optimizer = functools.partial(ZeroOneAdamW, reducer=self.reducer) if p.zero1 else None
+        self._norm_weights = self._grad_norm_weights()
+
+    # ------------------------------------------------------------------ building
+
+    def _build_model(self) -> nn.Module:
+        """Build on the meta device (only this pipeline rank's chunks), shard for TP, convert (precision),
+        wrap for recomputation, then materialise and initialise: every rank draws its shards of the
+        single-process initial weights (`init_weights` + the layers' shard specs)."""
+        p, mesh = self.cfg.parallel, self.mesh
+        if p.pp > 1:
+            model = build_stage_chunks(self.cfg.model, mesh.pp_rank, p.pp, p.vpp,
+                                       list(p.layers_per_stage) if p.layers_per_stage else None)
+        else:
+            model = GPT(self.cfg.model, device="meta")
+        for chunk in model_chunks(model):
+            apply_tensor_parallel(chunk, mesh.tp_group, p.sequence_parallel)
+            for converter in self.converters:
+                converter.convert(chunk)
+            apply_recompute(chunk, stage_mode(p.recompute, mesh.pp_rank, p.pp))
+        model.to_empty(device=self.device)
+        init_weights(model, self.cfg.seed)
+        return model
+
+    def _build_split(self):
+        """How this rank takes its share of a step: the HDP plan, or a DP slice (sharded over the CP ring)."""
+        p, mesh = self.cfg.parallel, self.mesh
+        if p.hdp:
+            return HdpSplit(mesh, p.hdp_capacity, hdp_cost_model(self.cfg), p.pp, p.pp_schedule)
+        split = DataParallelSlices(mesh, self.cfg.trainer.micro_batch_size,
+                                   partial_last=self.cfg.trainer.tokens_per_step is not None, device=self.device)
+        return ContextShards(split, Ring(tuple(mesh.cp_ranks), mesh.cp_rank)) if p.cp > 1 else split
+
+    def _grad_norm_weights(self) -> dict[int, float]:
+        """Each parameter's share of the full model's squared gradient norm: a TP shard counts whole, a
+        TP-replicated parameter 1/tp, the tied embedding's last-stage copy 0 (the first stage counts it)."""
+        specs, tp = shard_specs(self.model), self.mesh.dims.tp
+        tied_copy = tied_embedding_copy(self.model) if self.cfg.parallel.pp > 1 else None
+        return {id(p): 0.0 if p is tied_copy else tp_norm_share(specs.get(name), tp)
+                for name, p in canonical_named_parameters(self.model)}
+
+    # ------------------------------------------------------------------ around every forward
+
+    def _forward_context(self) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        for converter in self.converters:
+            stack.enter_context(converter.forward_context())
+        return stack
+
+    def _before_forward(self, chunk: nn.Module, step: int, micro_batch: int) -> None:
+        for converter in self.converters:
+            converter.before_forward(chunk, step, micro_batch)
+
+    # ------------------------------------------------------------------ one step
+
+    def share_of_step(self, dataset: SampleDataset, sample_ids: range, step: int) -> StepShare:
+        """This rank's micro-batches of the step whose global batch is `sample_ids`, ready to run."""
+        micro_batches, loss_tokens = self.split.micro_batches(dataset, sample_ids)
+        return StepShare(step, [self._prepare(mb) for mb in micro_batches], loss_tokens)
+
+    def _prepare(self, mb: LocalMicroBatch) -> LocalMicroBatch:
+        """Pad (SP splits T over tp, TE's FP8 GEMMs want T % 16 == 0), build the ring's attention context,
+        move to the device. A shard's padding is one more even zigzag segment; zigzag padding continues
+        each document's positions, so learned position tables get them clamped (padding is masked out of
+        the loss and never attended to by real tokens). Only the last pipeline stage counts tokens."""
+        batch, ring = mb.batch, mb.ring
+        if ring is not None and self.cfg.model.position_embedding == "learned":
+            batch.position_ids = batch.position_ids.clamp(max=self.cfg.model.max_position_embeddings - 1)
+        batch = pad_to_multiple(batch, self.token_multiple, even=ring is not None)
+        attention = None
+        if ring is not None:
+            a2a = self.cfg.parallel.cp_comm == "a2a"
+            attention = RingContext.for_shard(batch, ring, self.device, self.cfg.parallel.cp_comm,
+                                              self.mesh.cp_group if a2a else None)
+        counted = mb.counted_doc_lengths if self.mesh.is_last_stage else []
+        return LocalMicroBatch(batch.to(self.device), mb.index, ring, counted, attention)
+
+    def forward_backward(self, share: StepShare) -> torch.Tensor:
+        """Gradients of sum(token losses) / (the step's loss tokens) accumulated over this rank's
+        micro-batches and reduced over the ranks that split the batch; returns this rank's summed loss."""
+        self.model.train()
+        self.reducer.start_step(len(share.micro_batches))
+        loss = self.runner.step(share.micro_batches, max(share.loss_tokens, 1), share.step)
+        self.reducer.finish()
+        self.runner.sync_tied_embedding_grads()
+        return loss
+
+    @torch.no_grad()
+    def forward_loss(self, share: StepShare) -> torch.Tensor:
+        """This rank's summed token loss of the share, no gradients (evaluation)."""
+        self.model.eval()
+        loss = self.runner.forward_only(share.micro_batches)
+        self.model.train()
+        return loss
+
+    # ------------------------------------------------------------------ reductions
+
+    def sum_over_batch(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum per-rank values of a step (losses, counted tokens) over the ranks that split its batch:
+        DP x CP (or the HDP domain), then the pipeline stages (only the last has losses and counts)."""
+        return all_reduce_sum(all_reduce_sum(values, self.mesh.dp_cp_group), self.mesh.pp_group)
+
+    def _norm_weight(self, param: nn.Parameter) -> float:
+        return self._norm_weights[id(param)]
+
+    def grad_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """L2 norm of the full model's gradient: squares summed over TP shards and pipeline stages, each
+        element counted once; under ZeRO-1 each DP (x CP) rank holds a shard of it, summed over those too."""
+        if self.cfg.parallel.zero1:
+            sq = all_reduce_sum(optimizer.local_grad_sq_norm(weight=self._norm_weight), self.reducer.dp_group)
+        else:
+            sq = grad_norm_squared(((p, self._norm_weight(p)) for p in self.model.parameters()), self.device)
+        return all_reduce_sum(all_reduce_sum(sq, self.mesh.tp_group), self.mesh.pp_group).sqrt()
+
+    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so their global norm is at most `max_norm` (0: no clipping); returns the norm."""
+        norm = self.grad_norm(optimizer)
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            if self.cfg.parallel.zero1:
+                optimizer.scale_grads(coef)
+            else:
+                torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], coef)
+        return norm
+
+    # ------------------------------------------------------------------ reporting
+
+    def describe(self) -> str:
+        """One line: the layout this rank runs."""
+        d, p = self.mesh.dims, self.cfg.parallel
+        pipeline = f" ({p.pp_schedule}{f' vpp={p.vpp}' if p.vpp > 1 else ''})" if p.pp > 1 else ""
+        if p.hdp:
+            context = f" cp={p.cp} hdp (C={p.hdp_capacity} tokens, {self.split.cost.name} cost)"
+        else:
+            context = f" cp={p.cp} ({p.cp_comm})" if p.cp > 1 else ""
+        flags = (" sp" if p.sequence_parallel else "") + (" zero1" if p.zero1 else "")
+        return f"{d.world_size} rank(s): tp={d.tp} pp={d.pp}{pipeline}{context} dp={d.dp}{flags}"

@@ -1,0 +1,94 @@
+"""Split backward for zero-bubble pipelines: input gradients now (B), weight gradients later (W).
+
+Qi et al. 2024, "Zero Bubble Pipeline Parallelism", observe that a linear layer y = x Wᵀ has two
+backward GEMMs: dx = dy W, which the previous stage is waiting for, and dW = dyᵀ x, which nobody
+waits for. ZB schedules run the first in the B action and defer the second to a W action placed in
+a pipeline bubble.
+
+How: `defer_weight_grads(model, store)` sets every linear layer's `weight_grad_sink` hook
+(megalm/model/linear.py) to `store`. The layer's GEMM then gets its weight *detached* (so autograd
+never reaches the weight's AccumulateGrad during B: no gradient, no post-accumulate-grad hook, no DP
+bucket counted) and, in backward, hands the store a thunk that computes dW, under the key the runtime
+opened for the B being run (`store.collect(key)`). The W action calls `store.apply(key)`: every thunk,
+then one `torch.autograd.backward` on the parameters themselves, so the gradients land through
+AccumulateGrad exactly as in a normal backward (accumulation over micro-batches, the DP reducer's
+hooks). The thunk runs the layer's own wgrad GEMM, so a precision recipe set on the same layer
+(`gemm_recipe`, e.g. fp8 or MXFP4 with its seeds) computes dW at W exactly as it would have in B.
+
+What is deferred: the weight of every model `Linear` and of megalm's Column/RowParallelLinear whose
+weight is a leaf parameter. Biases, norms and embeddings (cheap, elementwise or gathers) keep their
+gradients in B; so do weights that reach the GEMM through another op (GQA kv weights replicated over
+TP ranks pass through an all-reduce in backward), which would otherwise need that collective at W.
+Layers that do not run through `linear` (Transformer Engine's) keep their weight gradients in B.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+
+import torch
+from torch import nn
+
+from megalm.model.linear import linear_modules
+
+log = logging.getLogger("megalm")
+
+
+class WeightGradStore:
+    """Pending weight-gradient GEMMs, grouped by the key of the backward that produced them."""
+
+    def __init__(self) -> None:
+        self.pending: dict[Hashable, list[tuple[nn.Parameter, Callable[[], torch.Tensor]]]] = {}
+        self.key: Hashable | None = None
+
+    def collect(self, key: Hashable) -> WeightGradStore:
+        """Context manager: stashes made inside go under `key` (one micro-batch of one chunk)."""
+        if key in self.pending:
+            raise RuntimeError(f"weight gradients of {key} are already pending; run W before the next B")
+        self.pending[key] = []
+        self.key = key
+        return self
+
+    def __enter__(self) -> WeightGradStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.key = None
+
+    def stash(self, param: nn.Parameter, compute: Callable[[], torch.Tensor]) -> None:
+        """Keep `compute` (it returns dW of `param`) for the W of the current key."""
+        if self.key is None:
+            raise RuntimeError("a deferred linear ran backward outside WeightGradStore.collect(key); "
+                               "the runtime must open a key for every B")
+        self.pending[self.key].append((param, compute))
+
+    def apply(self, key: Hashable) -> None:
+        """Compute and accumulate the weight gradients stashed under `key` (the W action)."""
+        stashes = self.pending.pop(key)
+        if not stashes:
+            return
+        grads: dict[int, torch.Tensor] = {}
+        params: dict[int, nn.Parameter] = {}
+        for param, compute in stashes:
+            dw = compute()
+            grads[id(param)] = grads[id(param)] + dw if id(param) in grads else dw
+            params[id(param)] = param
+        torch.autograd.backward([params[k] for k in grads], [grads[k] for k in grads])
+
+    def clear(self) -> None:
+        self.pending.clear()
+        self.key = None
+
+
+def defer_weight_grads(model: nn.Module, store: WeightGradStore) -> int:
+    """Send the weight gradients of every linear layer of `model` to `store`; returns how many layers."""
+    layers = linear_modules(model)
+    for module in layers:
+        module.weight_grad_sink = store
+    foreign = sum(type(m).__module__.startswith("transformer_engine") for m in model.modules())
+    if foreign:
+        log.warning("zero-bubble schedule: %d Transformer Engine linear layers keep their weight gradients in B "
+                    "(they do not run through megalm's linear hooks); precision.backend=native defers them too",
+                    foreign)
+    return len(layers)

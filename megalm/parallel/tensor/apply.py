@@ -1,0 +1,157 @@
+"""Apply tensor (and sequence) parallelism to a plain GPT from outside, TorchTitan style.
+
+The model definition (megalm/model) holds `Linear` / nn.Embedding and no collectives;
+`apply_tensor_parallel` swaps them in place for the layers of megalm/parallel/tensor/layers.py:
+
+    embedding                  VocabParallelEmbedding   (partial lookups summed: all-reduce / reduce-scatter)
+    q_proj, k_proj, v_proj     ColumnParallelLinear     (this rank's heads; attention infers heads from widths)
+    o_proj                     RowParallelLinear        (all-reduce, or reduce-scatter under SP)
+    gate_proj, up_proj         ColumnParallelLinear
+    down_proj                  RowParallelLinear
+    attention_norm, mlp_norm,  ParallelNorm             (enter the TP region: copy_to_tp, or gather_from_sp
+    final_norm                                           under SP, once for q/k/v, gate/up or the head)
+    output                     ColumnParallelLinear over the vocabulary -> logits [T, V/tp]
+    (tied: the head is F.linear with the VocabParallelEmbedding shard, also [T, V/tp])
+
+Under sequence parallelism the residual stream between the TP regions is this rank's [T/tp, h]
+chunk of tokens: the embedding reduce-scatters into it, a learned position embedding (GPT-2) is
+computed for all T positions and split to the same chunk (split_to_sp, whose backward all-gathers
+so the table gets its full gradient on every rank), norms run on the chunk, and the final norm
+gathers [T, h] again for the head. T must then be a multiple of tp: `megalm.data.batch.pad_to_multiple`.
+
+Hidden dropout (after attention and the MLP) stays where the model puts it:
+  * without SP it acts on the replicated [T, h] stream, so every TP rank must draw the same mask:
+    give the TP ranks the same torch RNG seed (they then draw identical masks, as Megatron does);
+  * under SP each rank drops out its own tokens, so masks differ per rank and the run differs
+    from one process with the same seed, as in Megatron. Attention dropout draws per rank for the
+    rank's own heads either way (with equal seeds, the masks of heads on different ranks are equal).
+
+Order (megalm/parallel/parallelism.py): build the model (CPU or "meta") -> apply_tensor_parallel ->
+(`to_empty` if meta) -> init_weights(model, seed); shards are slices of the single-process initial
+weights (each layer's `shard_specs`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalm.config import ModelConfig
+from megalm.errors import ConfigError
+from megalm.model.loss import token_loss_sum
+from megalm.model.naming import canonical_named_parameters
+from megalm.model.shard import ShardSpec, shard_specs
+from megalm.parallel.tensor.comm import Group, split_to_sp, tp_world_size
+from megalm.parallel.tensor.layers import ColumnParallelLinear, ParallelNorm, RowParallelLinear, VocabParallelEmbedding
+from megalm.parallel.tensor.loss import vocab_parallel_token_loss_sum
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
+    """The model's shape rules for `tp` ranks (config validation and `apply_tensor_parallel` both ask)."""
+    if model.num_heads % tp:
+        raise ConfigError(f"model.num_heads={model.num_heads} is not divisible by parallel.tp={tp}; "
+                          "choose tp among the divisors of num_heads")
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        raise ConfigError(f"model.num_kv_heads={model.num_kv_heads} and parallel.tp={tp}: one must divide the "
+                          "other (kv heads are split over tp, or replicated when tp > kv heads)")
+    if model.ffn_hidden_size % tp:
+        raise ConfigError(f"model.ffn_hidden_size={model.ffn_hidden_size} is not divisible by parallel.tp={tp}; "
+                          f"set it to a multiple of {tp}")
+    if model.vocab_size % tp:
+        padded = -(-model.vocab_size // (64 * tp)) * 64 * tp
+        raise ConfigError(f"model.vocab_size={model.vocab_size} is not divisible by parallel.tp={tp}; pad it, "
+                          f"e.g. model.vocab_size={padded}")
+
+
+def _split_output_hook(group: Group, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook: a replicated [T, h] output -> this rank's sequence chunk [T/tp, h]."""
+    return split_to_sp(output, group)
+
+
+def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: bool) -> None:
+    """Shard `model` (a GPT or a pipeline chunk) in place over the TP `group` (Megatron TP; SP if
+    `sequence_parallel`).
+
+    Works on a model built on CPU (its current values are sliced) or on "meta" (shards stay meta:
+    `to_empty` then `init_weights`). With one TP rank it does nothing. Tolerates a chunk whose
+    `embedding`/`output` were removed (a pipeline stage) and whose `layers` hold a subset.
+    """
+    tp = tp_world_size(group)
+    if tp == 1:
+        return
+    sp = sequence_parallel
+    check_tensor_parallel(model.cfg, tp)
+    if isinstance(getattr(model, "embedding", None), VocabParallelEmbedding):
+        raise RuntimeError("apply_tensor_parallel: the model is already tensor-parallel")
+
+    column = functools.partial(ColumnParallelLinear.from_linear, group=group, sequence_parallel=sp,
+                               input_in_tp_region=True)
+    row = functools.partial(RowParallelLinear.from_linear, group=group, sequence_parallel=sp)
+    norm = functools.partial(ParallelNorm, group=group, sequence_parallel=sp)
+    # GQA with tp > num_kv_heads: rank r's query heads all read kv head r // (tp / num_kv_heads),
+    # so tp / num_kv_heads consecutive ranks hold the same kv rows.
+    kv_replicas = max(1, tp // model.cfg.num_kv_heads)
+
+    if getattr(model, "embedding", None) is not None:
+        model.embedding = VocabParallelEmbedding.from_embedding(model.embedding, group, sequence_parallel=sp)
+    if sp and getattr(model, "position_embedding", None) is not None:
+        model.position_embedding.register_forward_hook(functools.partial(_split_output_hook, group))
+
+    for layer in model.layers:
+        attention, mlp = layer.attention, layer.mlp
+        attention.q_proj = column(attention.q_proj)
+        attention.k_proj = column(attention.k_proj, replicas=kv_replicas)
+        attention.v_proj = column(attention.v_proj, replicas=kv_replicas)
+        attention.o_proj = row(attention.o_proj)
+        for name in ("gate_proj", "up_proj"):
+            if isinstance(getattr(mlp, name, None), nn.Linear):
+                setattr(mlp, name, column(getattr(mlp, name)))
+        mlp.down_proj = row(mlp.down_proj)
+        layer.attention_norm = norm(layer.attention_norm)
+        layer.mlp_norm = norm(layer.mlp_norm)
+
+    if getattr(model, "final_norm", None) is not None:
+        model.final_norm = norm(model.final_norm)
+    if getattr(model, "output", None) is not None:
+        model.output = column(model.output)
+
+
+def loss_fn_for(group: Group) -> LossFn:
+    """loss(logits, labels, loss_mask) -> summed fp32 token loss: `token_loss_sum` on full logits with
+    one TP rank, else the vocab-parallel loss on [T, V/tp] logits (same value on every TP rank)."""
+    if tp_world_size(group) == 1:
+        return token_loss_sum
+    return functools.partial(vocab_parallel_token_loss_sum, group=group)
+
+
+def tp_norm_share(spec: ShardSpec | None, tp: int) -> float:
+    """The share of a parameter's local ||grad||^2 that belongs in the full model's squared norm once
+    the local sums are all-reduced over TP: 1 for a shard, 1/replicas for a shard several ranks hold
+    (replicated kv rows), 1/tp for a parameter every TP rank holds whole."""
+    return 1.0 / spec.replicas if spec is not None else 1.0 / tp
+
+
+def grad_norm_squared(params: Iterable[tuple[torch.Tensor, float]], device: torch.device) -> torch.Tensor:
+    """sum(weight * ||grad||^2) over (parameter, weight) pairs with a gradient: an fp32 scalar on `device`."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for param, weight in params:
+        if weight and param.grad is not None:
+            total += param.grad.detach().float().pow(2).sum() * weight
+    return total
+
+
+def tp_grad_norm_squared(model: nn.Module, group: Group) -> torch.Tensor:
+    """Squared L2 norm of the full (unsharded) model's gradient from this rank's shards, counting every
+    element once; the same on every TP rank."""
+    specs, tp = shard_specs(model), tp_world_size(group)
+    weighted = [(p, tp_norm_share(specs.get(name), tp)) for name, p in canonical_named_parameters(model)]
+    total = grad_norm_squared(weighted, next(model.parameters()).device)
+    if tp > 1:
+        dist.all_reduce(total, group=group)
+    return total

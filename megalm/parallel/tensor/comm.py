@@ -1,0 +1,193 @@
+"""The communication of tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism
+(Korthikanti et al. 2022), as pairs of conjugate autograd functions.
+
+Tensor parallelism (TP) splits every weight matrix of a block over the `tp` ranks of a TP group:
+
+    column-parallel  Y_r = X A_r        A split by output rows: each rank computes some heads / ffn units
+    row-parallel     Y = sum_r X_r B_r  B split by input columns: partial sums, reduced over TP
+
+so attention and the MLP each need one reduction in the forward pass (after the row-parallel layer)
+and one in the backward pass (of the input gradient of the column-parallel layers). The conjugate
+pairs below make that explicit: a function and its backward are each other's transpose.
+
+    copy_to_tp            fwd identity            bwd all-reduce       (enter the TP region)
+    reduce_from_tp        fwd all-reduce          bwd identity         (leave it)
+
+Sequence parallelism (SP) notices that between two TP regions (norms, dropout, residual adds) every
+TP rank holds the same [T, h] activations and does the same work. SP splits that stream along the
+token dimension instead, [T/tp, h] per rank, and replaces each all-reduce by a reduce-scatter plus an
+all-gather of the same total volume, so it costs no extra communication and saves (tp-1)/tp of
+those activations:
+
+    gather_from_sp        fwd all-gather dim 0    bwd reduce-scatter   (enter the TP region under SP)
+    reduce_scatter_to_sp  fwd reduce-scatter      bwd all-gather       (leave it under SP)
+    split_to_sp           fwd keep own chunk      bwd all-gather       (replicated -> sequence shard)
+
+Every TP gradient synchronisation happens inside autograd: after backward, each parameter's .grad is
+already the gradient of its local shard or replica, so data-parallel hooks (post-accumulate-grad)
+see final gradients and nothing needs calling afterwards. Two weight-side functions do the cases
+where a replicated parameter saw only part of the work:
+    sync_grad_over_tp        replicated params fed by a sequence shard under SP (norms, row bias)
+    sum_grad_over_sharers    kv rows held by several ranks (GQA with tp > num_kv_heads)
+
+Every group argument may be None or a group of size 1: then every function here is the identity and
+every layer is its unsharded self, so the same code runs in one process. The sharded layers that use
+them are in layers.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from megalm.parallel.collectives import all_gather_flat, group_rank, group_size, reduce_scatter_flat
+
+Group = dist.ProcessGroup | None
+
+
+
+# ---------------------------------------------------------------------------------------------------
+# Group helpers and the raw collectives (fresh output tensors; inputs are never modified)
+# ---------------------------------------------------------------------------------------------------
+
+
+tp_world_size = group_size  # ranks of the TP group; 1 for None (a single process)
+tp_rank = group_rank  # this process's rank inside the TP group; 0 for None
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] * tp_world_size(group), *x.shape[1:]))
+    all_gather_flat(out, x, group=group)
+    return out
+
+
+def _reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
+    size = tp_world_size(group)
+    if x.shape[0] % size:
+        raise ValueError(f"sequence parallelism needs the token count ({x.shape[0]}) to be a multiple of tp={size}; "
+                         "pad the batch with megalm.data.batch.pad_to_multiple")
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    reduce_scatter_flat(out, x, group=group)
+    return out
+
+
+def _own_chunk_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
+    size = tp_world_size(group)
+    if x.shape[0] % size:
+        raise ValueError(f"sequence parallelism needs the token count ({x.shape[0]}) to be a multiple of tp={size}; "
+                         "pad the batch with megalm.data.batch.pad_to_multiple")
+    return x.chunk(size, dim=0)[tp_rank(group)].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Conjugate communication functions
+# ---------------------------------------------------------------------------------------------------
+
+
+def _conjugate(name: str, forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
+    """An autograd function applying `forward(x, group)` and, to the gradient, `backward(grad, group)`."""
+
+    def fwd(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return forward(x, group)
+
+    def bwd(ctx, grad: torch.Tensor):
+        return backward(grad, ctx.group), None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+
+
+_identity = lambda x, group: x.view_as(x)
+#                            forward            backward
+_CopyToTP = _conjugate("_CopyToTP", _identity, _all_reduce)
+_ReduceFromTP = _conjugate("_ReduceFromTP", _all_reduce, _identity)
+_GatherFromSP = _conjugate("_GatherFromSP", _all_gather_dim0, _reduce_scatter_dim0)
+_ReduceScatterToSP = _conjugate("_ReduceScatterToSP", _reduce_scatter_dim0, _all_gather_dim0)
+_SplitToSP = _conjugate("_SplitToSP", _own_chunk_dim0, _all_gather_dim0)
+
+
+def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Enter the TP region: identity forward; backward all-reduces the gradient.
+
+    Each rank's column-parallel layer gives only the part of dL/dx that flows through its own
+    output columns; the full input gradient is their sum over the TP group.
+    """
+    return x if tp_world_size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Leave the TP region: all-reduce the partial sums of a row-parallel layer; backward identity
+    (every rank needs the same, full output gradient, which it already has)."""
+    return x if tp_world_size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Enter the TP region under SP: all-gather the sequence shards [T/tp, ...] -> [T, ...].
+
+    Backward reduce-scatters: the full-sequence gradient is a partial sum on each rank (its own
+    heads / columns), and each rank keeps the summed gradient of its own tokens.
+    """
+    return x if tp_world_size(group) == 1 else _GatherFromSP.apply(x, group)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Leave the TP region under SP: sum the partial [T, ...] outputs and keep this rank's tokens
+    [T/tp, ...] (half of an all-reduce). Backward all-gathers the gradient of the shards."""
+    return x if tp_world_size(group) == 1 else _ReduceScatterToSP.apply(x, group)
+
+
+def split_to_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """A replicated [T, ...] tensor -> this rank's chunk [T/tp, ...] of dim 0 (no communication).
+
+    Backward all-gathers: the replicated producer gets the full gradient on every rank, as it
+    would without SP, so its own parameters need no further synchronisation.
+    """
+    return x if tp_world_size(group) == 1 else _SplitToSP.apply(x, group)
+
+
+def sync_grad_over_tp(param: torch.Tensor, group: Group) -> torch.Tensor:
+    """Weight-side copy_to_tp: use `sync_grad_over_tp(p)` in place of a replicated parameter `p`.
+
+    Under SP a replicated parameter applied to a sequence shard (norm weight/bias, the bias of a
+    row-parallel layer) gets a gradient summed over T/tp tokens only; the all-reduce in backward
+    makes every rank's .grad the gradient over all T tokens, before it is accumulated.
+    """
+    return copy_to_tp(param, group)
+
+
+class _SumGradOverSharers(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, param: torch.Tensor, group: Group, start: int, full_rows: int) -> torch.Tensor:
+        ctx.group, ctx.start, ctx.full_rows = group, start, full_rows
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows = grad.shape[0]
+        full = grad.new_zeros((ctx.full_rows, *grad.shape[1:]))
+        full[ctx.start:ctx.start + rows] = grad
+        dist.all_reduce(full, group=ctx.group)
+        return full[ctx.start:ctx.start + rows].clone(), None, None, None
+
+
+def sum_grad_over_sharers(param: torch.Tensor, group: Group, start: int, full_rows: int) -> torch.Tensor:
+    """Weight-side sync for rows [start, start + len(param)) of a `full_rows`-row weight that several
+    TP ranks hold identical copies of (kv heads when tp > num_kv_heads).
+
+    Each holder's gradient covers only its own query heads; the true gradient of those rows is the sum
+    over the holders. Backward scatters the local gradient into a zero buffer of the full shape,
+    all-reduces it over TP (ranks holding other rows add zeros there) and takes its rows back.
+    """
+    if tp_world_size(group) == 1:
+        return param
+    return _SumGradOverSharers.apply(param, group, start, full_rows)

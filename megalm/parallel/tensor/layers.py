@@ -1,0 +1,257 @@
+"""The sharded layers of tensor parallelism: column- and row-parallel linear, vocab-parallel embedding,
+and the norm that enters the TP region (Megatron-LM, Shoeybi et al. 2019; SP: Korthikanti et al. 2022).
+
+    column-parallel  Y_r = X A_r        A split by output rows: each rank computes some heads / ffn units
+    row-parallel     Y = sum_r X_r B_r  B split by input columns: partial sums, reduced over TP
+
+Hand-written rather than torch's DTensor-based `parallelize_module`: megalm's batches are packed [T, h]
+streams of documents whose token count changes every step, GQA needs kv rows replicated over TP
+ranks when tp exceeds the kv heads, and every layer here must also run its GEMM through the precision
+and weight-gradient hooks (`LinearHooks`, megalm/model/linear.py). The collectives are the conjugate
+functions of comm.py, all inside autograd, so after backward every `.grad` is final for its shard.
+
+Each layer declares how its parameters relate to the full model's (`shard_specs`, megalm/model/shard.py):
+init draws the full tensor and keeps this rank's slice, checkpoints write each slice once, and the
+gradient norm counts every element of the full model once. With a group of None (or of size 1) every
+layer is its unsharded self.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalm.model.linear import LinearHooks, linear
+from megalm.model.shard import ShardSpec
+from megalm.parallel.tensor.comm import (
+    Group,
+    copy_to_tp,
+    gather_from_sp,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+    sum_grad_over_sharers,
+    sync_grad_over_tp,
+    tp_rank,
+    tp_world_size,
+)
+
+
+def _sliced_param(source: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
+    """A parameter holding this rank's slice of `source` (a copy; meta stays meta)."""
+    with torch.no_grad():
+        return nn.Parameter(spec.shard(source.detach()).clone(), requires_grad=source.requires_grad)
+
+
+def _copy_hooks(source: nn.Module, layer: LinearHooks) -> None:
+    """Keep a precision recipe / weight-gradient sink already installed on the layer being sharded."""
+    for hook in ("gemm_recipe", "weight_grad_sink"):
+        if hook in source.__dict__:
+            setattr(layer, hook, source.__dict__[hook])
+
+
+class ColumnParallelLinear(LinearHooks, nn.Module):
+    """y[:, rows_r] = x W[rows_r]^T + b[rows_r]: weight [out/tp, in], output stays sharded.
+
+    The output dimension is cut into tp / replicas contiguous slices; rank r holds slice
+    r // replicas. `replicas` > 1 means several consecutive ranks hold the same slice (GQA kv heads
+    with tp > num_kv_heads); their weight gradients are summed over those ranks in backward.
+
+    The input must be the full [T, in] activation with a gradient that is summed over TP. By default
+    the layer does that itself (copy_to_tp, or gather_from_sp under SP); `input_in_tp_region=True`
+    says the caller already did, so that q, k and v (or gate and up) share one collective.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: Group = None,
+        sequence_parallel: bool = False,
+        input_in_tp_region: bool = False,
+        replicas: int = 1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        tp = tp_world_size(group)
+        if tp % replicas or out_features % (tp // replicas):
+            raise ValueError(f"ColumnParallelLinear: out_features={out_features} must split into tp/replicas="
+                             f"{tp}/{replicas} slices")
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.sequence_parallel, self.input_in_tp_region = group, sequence_parallel, input_in_tp_region
+        self.replicas = replicas
+        slices, index = tp // replicas, tp_rank(group) // replicas
+        self.shard_specs = {"weight": ShardSpec((out_features, in_features), 0, slices, index, replicas)}
+        if bias:
+            self.shard_specs["bias"] = ShardSpec((out_features,), 0, slices, index, replicas)
+        self.local_out, self.start = self.shard_specs["weight"].length, self.shard_specs["weight"].start
+        self.weight = nn.Parameter(torch.empty(self.local_out, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(self.local_out, device=device, dtype=dtype)) if bias else None
+
+    @classmethod
+    def from_linear(cls, source: nn.Linear, group: Group, **kwargs) -> ColumnParallelLinear:
+        """The column-parallel shard of `source` (its current values are sliced, meta stays meta)."""
+        layer = cls(source.in_features, source.out_features, source.bias is not None, group=group,
+                    device="meta", **kwargs)
+        layer.weight = _sliced_param(source.weight, layer.shard_specs["weight"])
+        if source.bias is not None:
+            layer.bias = _sliced_param(source.bias, layer.shard_specs["bias"])
+        _copy_hooks(source, layer)
+        return layer
+
+    def _synced(self, param: torch.Tensor) -> torch.Tensor:
+        if self.replicas == 1:
+            return param
+        return sum_grad_over_sharers(param, self.group, self.start, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_in_tp_region:
+            x = gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        bias = None if self.bias is None else self._synced(self.bias)
+        return linear(x, self._synced(self.weight), bias, self.gemm_recipe, self.weight_grad_sink)
+
+    def extra_repr(self) -> str:
+        entry = "caller" if self.input_in_tp_region else "gather_from_sp" if self.sequence_parallel else "copy_to_tp"
+        return (f"in={self.in_features}, out={self.out_features} (local {self.local_out} from "
+                f"{self.start}), bias={self.bias is not None}, replicas={self.replicas}, input_entry={entry}")
+
+
+class RowParallelLinear(LinearHooks, nn.Module):
+    """y = sum_r x_r W[:, cols_r]^T + b: weight [out, in/tp], input sharded along its last dimension.
+
+    The partial products are all-reduced (reduce-scattered along tokens under SP); the bias is
+    replicated and added once, after the reduction. Under SP the bias sees only this rank's tokens,
+    so its gradient is all-reduced over TP in backward (sync_grad_over_tp).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: Group = None,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        tp = tp_world_size(group)
+        if in_features % tp:
+            raise ValueError(f"RowParallelLinear: in_features={in_features} is not divisible by tp={tp}")
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.shard_specs = {"weight": ShardSpec((out_features, in_features), 1, tp, tp_rank(group))}
+        self.local_in, self.start = self.shard_specs["weight"].length, self.shard_specs["weight"].start
+        self.weight = nn.Parameter(torch.empty(out_features, self.local_in, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+
+    @classmethod
+    def from_linear(cls, source: nn.Linear, group: Group, **kwargs) -> RowParallelLinear:
+        """The row-parallel shard of `source` (its current values are sliced, meta stays meta)."""
+        layer = cls(source.in_features, source.out_features, source.bias is not None, group=group,
+                    device="meta", **kwargs)
+        layer.weight = _sliced_param(source.weight, layer.shard_specs["weight"])
+        if source.bias is not None:
+            with torch.no_grad():
+                layer.bias = nn.Parameter(source.bias.detach().clone(), requires_grad=source.bias.requires_grad)
+        _copy_hooks(source, layer)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = linear(x, self.weight, None, self.gemm_recipe, self.weight_grad_sink)
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sp(partial, self.group)
+            bias = None if self.bias is None else sync_grad_over_tp(self.bias, self.group)
+        else:
+            out = reduce_from_tp(partial, self.group)
+            bias = self.bias
+        return out if bias is None else out + bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} (local {self.local_in} from {self.start}), out={self.out_features}, "
+                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows: weight [V/tp, h], rank r holds ids [r V/tp, (r+1) V/tp).
+
+    Each rank looks up the ids in its range and writes zeros for the others; the partial outputs are
+    summed over TP (all-reduce, or reduce-scatter into sequence shards under SP, which is how the
+    residual stream enters the SP region). With tied embeddings the output head reuses this shard as
+    a column-parallel [V/tp, h] weight, giving vocab-sharded logits.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        group: Group = None,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        tp = tp_world_size(group)
+        if num_embeddings % tp:
+            raise ValueError(f"VocabParallelEmbedding: vocab {num_embeddings} is not divisible by tp={tp}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.shard_specs = {"weight": ShardSpec((num_embeddings, embedding_dim), 0, tp, tp_rank(group))}
+        self.local_vocab, self.start = self.shard_specs["weight"].length, self.shard_specs["weight"].start
+        self.weight = nn.Parameter(torch.empty(self.local_vocab, embedding_dim, device=device, dtype=dtype))
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group: Group, **kwargs) -> VocabParallelEmbedding:
+        """The vocab shard of `embedding` (its current values are sliced, meta stays meta)."""
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group=group, device="meta", **kwargs)
+        layer.weight = _sliced_param(embedding.weight, layer.shard_specs["weight"])
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.local_vocab)
+        partial = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sp(partial, self.group)
+        return reduce_from_tp(partial, self.group)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings} (local {self.local_vocab} from {self.start}), {self.embedding_dim}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class ParallelNorm(nn.Module):
+    """A model norm whose output feeds column-parallel layers: it enters the TP region.
+
+    Without SP the norm runs on the replicated [T, h] stream and its output goes through copy_to_tp.
+    Under SP it runs on this rank's [T/tp, h] tokens (the point of SP: norms cost 1/tp), its output
+    is all-gathered to [T, h], and its weight/bias gradients, partial over tokens, are all-reduced
+    over TP in backward (sync_grad_over_tp).
+
+    The wrapped norm's parameters are registered here under their own names (`weight`, `bias`), so
+    parameter names, state dicts and `init_weights` are unchanged; the wrapped module is kept
+    unregistered and run with `torch.func.functional_call`, which keeps its math (fp32 statistics)
+    the single source of truth.
+    """
+
+    def __init__(self, norm: nn.Module, group: Group, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self._norm = (norm,)  # a tuple: not a registered submodule (its parameters are ours)
+        for name, param in list(norm.named_parameters(recurse=False)):
+            self.register_parameter(name, param)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = dict(self.named_parameters(recurse=False))
+        if self.sequence_parallel:
+            params = {name: sync_grad_over_tp(p, self.group) for name, p in params.items()}
+        y = torch.func.functional_call(self._norm[0], params, (x,))
+        return gather_from_sp(y, self.group) if self.sequence_parallel else copy_to_tp(y, self.group)
+
+    def extra_repr(self) -> str:
+        return f"{self._norm[0]!r}, sequence_parallel={self.sequence_parallel}"
