@@ -1,0 +1,190 @@
+"""The package structure holds: no import cycle, no upward import between layers, a trainer that does not
+know which layout runs, and every repo path the docs and the docstrings cite exists."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "megalm"
+
+# Lowest first. A module may import its own top-level package and any lower layer; siblings on one layer
+# (precision and parallel) may not import each other.
+LAYERS = [
+    {"megalm", "megalm.errors", "megalm.config"},
+    {"megalm.data"},
+    {"megalm.model"},
+    {"megalm.precision", "megalm.parallel"},
+    {"megalm.training"},
+    {"megalm.train", "megalm.generate"},
+]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def unit_of(module: str) -> str:
+    """The layer unit a megalm module belongs to: megalm.<package> (or the module itself at the top)."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def layer_of(module: str) -> int:
+    unit = unit_of(module)
+    return next(i for i, units in enumerate(LAYERS) if unit in units)
+
+
+def imports_of(module: str) -> list[tuple[str, int]]:
+    """(imported megalm module, line) for every import in `module`, at any depth (function-local too).
+    `from a.b import c` counts as importing a.b.c when that is a module, else a.b."""
+    tree = ast.parse(MODULES[module].read_text())
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names if alias.name.startswith("megalm")]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # a relative import: up from this module's package
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            if not base.startswith("megalm"):
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append((sub if sub in MODULES else base, node.lineno))
+    return found
+
+
+GRAPH = {module: imports_of(module) for module in MODULES}
+
+
+def test_every_megalm_import_resolves_to_a_module():
+    missing = [f"{m}:{line} imports {target}" for m, edges in GRAPH.items() for target, line in edges
+               if target not in MODULES]
+    assert not missing, missing
+
+
+def test_no_upward_import_between_layers():
+    bad = []
+    for module, edges in GRAPH.items():
+        for target, line in edges:
+            if target not in MODULES or unit_of(target) == unit_of(module):
+                continue
+            if layer_of(target) > layer_of(module) or (layer_of(target) == layer_of(module) and layer_of(module)):
+                bad.append(f"{MODULES[module].relative_to(ROOT)}:{line}: {module} ({unit_of(module)}) imports "
+                           f"{target} ({unit_of(target)})")
+    assert not bad, "imports against the layers data -> model -> precision/parallel -> training -> CLI:\n" + \
+        "\n".join(bad)
+
+
+def test_no_import_cycle():
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    stack: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        stack.append(module)
+        for target, _ in GRAPH.get(module, []):
+            if target not in MODULES or target == module:
+                continue
+            if state.get(target) == 1:
+                return stack[stack.index(target):] + [target]
+            if state.get(target) is None:
+                cycle = visit(target)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[module] = 2
+        return None
+
+    for module in MODULES:
+        if module not in state:
+            cycle = visit(module)
+            assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_trainer_does_not_know_the_layout():
+    """The trainer talks to the Parallelism object only (plus the mesh type and the step's share)."""
+    allowed = {"megalm.parallel.parallelism", "megalm.parallel.dims", "megalm.parallel.microbatch"}
+    used = {t for t, _ in GRAPH["megalm.training.trainer"] if t.startswith("megalm.parallel")}
+    assert used <= allowed, f"the trainer imports parallel internals: {sorted(used - allowed)}"
+    source = MODULES["megalm.training.trainer"].read_text()
+    for word in ("hdp", "pipeline", "zero1", "sequence_parallel", "cp_rank", "pp_rank"):
+        assert not re.search(rf"\b(if|elif)\b[^\n]*{word}", source), f"the trainer branches on {word}"
+    assert len(source.splitlines()) <= 300
+
+
+def test_parallel_subpackages_do_not_import_the_composition():
+    """Each parallelism is readable alone: only the composition (parallelism.py) imports it, not the reverse."""
+    bad = [f"{m} imports {t}" for m, edges in GRAPH.items() for t, _ in edges
+           if m.startswith("megalm.parallel.") and m != "megalm.parallel.parallelism"
+           and t == "megalm.parallel.parallelism"]
+    assert not bad, bad
+
+
+# ------------------------------------------------------------------------------------------ cited paths
+
+PATH = re.compile(r"(?<![\w/.-])((?:megalm|docs|tools|configs|scripts|tests|\.ci)/[\w./-]*\w|"
+                  r"(?:parallel|precision|training|model|data)/[\w./-]*\.(?:py|md))")
+DOTTED = re.compile(r"(?<![\w.])(megalm(?:\.\w+)+)")
+
+
+def cited_texts() -> list[tuple[Path, str]]:
+    """README and docs/, the READMEs under tools/, and the docstrings and comments of megalm/, tools/ and tests/."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "tools").rglob("*.md"))]
+    texts = [(p, p.read_text()) for p in docs]
+    sources = [*MODULES.values(), *sorted((ROOT / "tools").rglob("*.py")), *sorted((ROOT / "tests").rglob("*.py"))]
+    for path in sources:
+        tree = ast.parse(path.read_text())
+        texts += [(path, node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str)]
+        texts += [(path, line) for line in path.read_text().splitlines() if line.strip().startswith("#")]
+    return texts
+
+
+def resolves(cited: str) -> bool:
+    cited = cited.rstrip(".")
+    if any(ch in cited for ch in "*{<") or "XXXX" in cited:
+        return True  # a pattern, not a path
+    return any((base / cited).exists() for base in (ROOT, PACKAGE))
+
+
+def test_every_cited_repo_path_exists():
+    missing = sorted({f"{where.relative_to(ROOT)}: {m}" for where, text in cited_texts()
+                      for m in PATH.findall(text) if not resolves(m)})
+    assert not missing, "repo paths cited in the docs or in docstrings that do not exist:\n" + "\n".join(missing)
+
+
+def dotted_resolves(name: str) -> bool:
+    """A dotted megalm name is a module, or an attribute of the longest module prefix it starts with."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        module = ".".join(parts[:end])
+        if module in MODULES:
+            if end == len(parts):
+                return True
+            return hasattr(importlib.import_module(module), parts[end])
+    return False
+
+
+def test_every_cited_megalm_name_exists():
+    missing = sorted({f"{where.relative_to(ROOT)}: {m}" for where, text in cited_texts()
+                      for m in DOTTED.findall(text) if not dotted_resolves(m)})
+    assert not missing, "megalm names cited in the docs or in docstrings that do not exist:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_docstring_cites_a_file_outside_the_repo(module):
+    text = MODULES[module].read_text()
+    assert "DESIGN.md" not in text and "../shared" not in text and "/work/shared" not in text, module
