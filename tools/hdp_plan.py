@@ -6,7 +6,7 @@
 Arguments without dashes are the run's Hydra overrides (the same ones `megalm-train` gets; set
 `parallel.dp` and `parallel.cp`, since there is no torchrun world to derive them from). The tool
 reads the step's sample lengths exactly as the trainer does (no token is read), plans them with the
-trainer's planner and cost model (`megalm.parallel.hdp.runtime.HdpSplit.plan`: with pp > 1 the
+trainer's planner and cost model (`megalm.parallel.hdp.split.HdpSplit.plan`: with pp > 1 the
 rings are aligned across pipelines), prints one line per HDP rank, and with --png draws the plan as
 a Gantt chart on the cost model's clock (tools/hdp_sim.py's renderer: blue packed micro-batches,
 orange to red rings by size, grey their exposed ring traffic, yellow pipeline fill/drain).
@@ -26,7 +26,7 @@ from megalm.data.dataset import TokenBudgetSteps, build_datasets  # noqa: E402
 from megalm.errors import ConfigError  # noqa: E402
 from megalm.parallel.dims import ParallelDims, ParallelMesh  # noqa: E402
 from megalm.parallel.hdp import Plan, simulate  # noqa: E402
-from megalm.parallel.hdp.runtime import HdpSplit, hdp_cost_model  # noqa: E402
+from megalm.parallel.hdp.split import HdpSplit, hdp_cost_model  # noqa: E402
 from megalm.train import CONFIG_DIR  # noqa: E402
 from megalm.training.validation import validate_run  # noqa: E402
 

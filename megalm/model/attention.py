@@ -241,9 +241,9 @@ class Attention(nn.Module):
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dropout_p = self.dropout_p if self.training else 0.0
+        backend = _resolve_backend(self.backend, q.device, q.dtype, dropout_p > 0.0)
         if context is not None:
-            out = context.attend(q, k, v, self.backend, dropout_p)
+            out = context.attend(q, k, v, backend, dropout_p)
         else:
-            backend = _resolve_backend(self.backend, q.device, q.dtype, dropout_p > 0.0)
             out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, backend, dropout_p=dropout_p)
         return self.o_proj(out.reshape(total, -1))

@@ -50,7 +50,7 @@ class LocalMicroBatch:
 class StepShare:
     step: int
     micro_batches: list[LocalMicroBatch]
-    loss_tokens: int  # loss-carrying tokens of the whole global batch (>= 1): the loss normaliser
+    loss_tokens: int  # loss-carrying tokens of the whole global batch: the loss normaliser (used as max(1, it))
 
     @property
     def counted_doc_lengths(self) -> list[int]:

@@ -36,12 +36,13 @@ from megalm.model.gpt import GPT, init_weights
 from megalm.model.naming import canonical_named_parameters, model_chunks
 from megalm.model.shard import shard_specs
 from megalm.parallel.collectives import all_reduce_sum
-from megalm.parallel.context.attention import ContextShards, RingContext, validate_context
+from megalm.parallel.context.attention import RingContext, validate_context
+from megalm.parallel.context.split import ContextShards
 from megalm.parallel.data_parallel.reducer import GradReducer
 from megalm.parallel.data_parallel.slices import DataParallelSlices, validate_data_parallel
 from megalm.parallel.data_parallel.zero1 import ZeroOneAdamW
 from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh, check_same_on_all_ranks, resolve_dims
-from megalm.parallel.hdp.runtime import HdpSplit, hdp_cost_model, validate_hdp
+from megalm.parallel.hdp.split import HdpSplit, hdp_cost_model, validate_hdp
 from megalm.parallel.microbatch import LocalMicroBatch, Ring, StepShare
 from megalm.parallel.pipeline.runtime import PipelineRuntime, tied_embedding_copy
 from megalm.parallel.pipeline.stages import build_stage_chunks, validate_pipeline
@@ -50,7 +51,6 @@ from megalm.parallel.tensor.apply import (
     LossFn,
     apply_tensor_parallel,
     check_tensor_parallel,
-    grad_norm_squared,
     loss_fn_for,
     tp_norm_share,
 )
@@ -142,8 +142,8 @@ class Parallelism:
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(p.grad_reduce_dtype or "")
         self.reducer = GradReducer(list(self.model.parameters()), self.mesh.dp_cp_group, p.bucket_size_mb,
                                    reduce_dtype=reduce_dtype, zero1=p.zero1)
-        # The optimizer class of this layout (None: the trainer's own AdamW).
-        self.sharded_optimizer = functools.partial(ZeroOneAdamW, reducer=self.reducer) if p.zero1 else None
+        # How to build this layout's optimizer (None: the trainer's own AdamW).
+        self.optimizer_factory = functools.partial(ZeroOneAdamW, reducer=self.reducer) if p.zero1 else None
         self._norm_weights = self._grad_norm_weights()
 
     # ------------------------------------------------------------------ building
@@ -248,24 +248,17 @@ class Parallelism:
     def _norm_weight(self, param: nn.Parameter) -> float:
         return self._norm_weights[id(param)]
 
-    def grad_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """L2 norm of the full model's gradient: squares summed over TP shards and pipeline stages, each
-        element counted once; under ZeRO-1 each DP (x CP) rank holds a shard of it, summed over those too."""
-        if self.cfg.parallel.zero1:
-            sq = all_reduce_sum(optimizer.local_grad_sq_norm(weight=self._norm_weight), self.reducer.dp_group)
-        else:
-            sq = grad_norm_squared(((p, self._norm_weight(p)) for p in self.model.parameters()), self.device)
+    def grad_norm(self) -> torch.Tensor:
+        """L2 norm of the full model's gradient: squares summed over the reducer's shards (ZeRO-1), TP
+        shards and pipeline stages, each element of the full model counted once."""
+        sq = all_reduce_sum(self.reducer.local_grad_sq_norm(weight=self._norm_weight), self.reducer.shard_group)
         return all_reduce_sum(all_reduce_sum(sq, self.mesh.tp_group), self.mesh.pp_group).sqrt()
 
-    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so their global norm is at most `max_norm` (0: no clipping); returns the norm."""
-        norm = self.grad_norm(optimizer)
+        norm = self.grad_norm()
         if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            if self.cfg.parallel.zero1:
-                optimizer.scale_grads(coef)
-            else:
-                torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], coef)
+            self.reducer.scale_grads(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         return norm
 
     # ------------------------------------------------------------------ reporting

@@ -64,9 +64,9 @@ layer name, step, micro-batch, call index within the micro-batch). A trainer cal
 `set_precision_step(model, step, micro_batch)` before each micro-batch's forward; then every run of
 the same seed draws the same numbers whatever the pipeline schedule. Put the data-parallel rank into
 `micro_batch` (e.g. the global micro-batch index) so that replicas draw independent noise. Activation
-recomputation re-runs forwards and so advances the call index: deterministic, but different draws
-from a run without it. Without a state and without `seed=`, a call draws its seed from torch's
-default generator (reproducible under torch.manual_seed).
+recomputation re-runs forwards (advancing the call index), but the backward GEMMs use the seed their
+original forward fixed, so recomputation changes no draw. Without a state and without `seed=`, a call
+draws its seed from torch's default generator (reproducible under torch.manual_seed).
 
 Tensor parallelism. A TP shard quantizes its own K-slice. TP ranks of one layer share its name, so
 they draw the same seeds; RHT signs are drawn first (block_size of them, the same for every block),

@@ -144,6 +144,14 @@ def _for_dcp(local: torch.Tensor, spec: ShardSpec | None, mesh) -> torch.Tensor:
                               stride=stride)
 
 
+def _load_target(like: torch.Tensor, spec: ShardSpec | None, mesh) -> torch.Tensor:
+    """An empty tensor for DCP to load into, laid out as `_for_dcp` saved one like `like`: a DTensor slice,
+    the full tensor of slices several ranks hold (no collective: only its shape matters), or a plain one."""
+    if spec is not None and mesh is not None and mesh.dims.tp > 1 and spec.replicas > 1:
+        return torch.empty(spec.full_shape, dtype=like.dtype, device=like.device)
+    return _for_dcp(torch.empty_like(like), spec, mesh)
+
+
 def _from_dcp(loaded: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
     """This rank's local tensor from what `_for_dcp` made and DCP filled."""
     if isinstance(loaded, DTensor):
@@ -322,8 +330,7 @@ def check_model_config(saved: dict[str, Any], current: dict[str, Any], path: Pat
 
 def _model_targets(model: nn.Module, mesh) -> dict[str, torch.Tensor]:
     specs = shard_specs(model)
-    return {f"model/{n}": _for_dcp(torch.empty_like(p.detach()), specs.get(n), mesh)
-            for n, p in canonical_named_parameters(model)}
+    return {f"model/{n}": _load_target(p.detach(), specs.get(n), mesh) for n, p in canonical_named_parameters(model)}
 
 
 @torch.no_grad()
@@ -357,13 +364,12 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if optimizer is not None:
         like, groups = optimizer_tensors(model, optimizer)
         if not like:  # a fresh torch AdamW has no state yet: take one step's worth of shapes
-            like = {f"{n}::{k}": torch.zeros(() if k == "step" else p.shape, dtype=torch.float32)
+            like = {f"{n}::{k}": torch.zeros(() if k == "step" else p.shape, dtype=torch.float32, device=p.device)
                     for n, p in params.items() for k in ("step", "exp_avg", "exp_avg_sq")}
         for key, value in like.items():
             param_name = key.split("::")[0]
             shaped = value.shape == params[param_name].shape
-            targets[f"optim/{key}"] = (_for_dcp(torch.empty_like(value), specs.get(param_name), mesh) if shaped
-                                       else value.clone())
+            targets[f"optim/{key}"] = _load_target(value, specs.get(param_name), mesh) if shaped else value.clone()
     _dcp_load(targets, path)
     _copy_model(model, targets, path)
     if optimizer is not None:

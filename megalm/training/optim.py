@@ -56,14 +56,14 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, optim: OptimConfig, sharded: Callable[..., Any] | None = None):
+def build_optimizer(model: nn.Module, optim: OptimConfig, factory: Callable[..., Any] | None = None):
     """AdamW over `model`'s param groups: torch's (fused kernel when the parameters' device supports it,
-    foreach otherwise), or the layout's own sharded class when it brings one (`sharded`, e.g. ZeRO-1's,
-    megalm.parallel.parallelism.Parallelism.sharded_optimizer)."""
+    foreach otherwise), or the layout's own class when it brings one (`factory`, e.g. ZeRO-1's sharded
+    AdamW: megalm.parallel.parallelism.Parallelism.optimizer_factory)."""
     groups = param_groups(model, optim.weight_decay)
     hyper = {"lr": optim.lr, "betas": (optim.beta1, optim.beta2), "eps": optim.eps}
-    if sharded is not None:
-        return sharded(groups, weight_decay=optim.weight_decay, **hyper)
+    if factory is not None:
+        return factory(groups, weight_decay=optim.weight_decay, **hyper)
     device = next(model.parameters()).device
     use_fused = optim.implementation == "fused" or (
         optim.implementation == "auto" and device.type in ("cuda", "cpu")

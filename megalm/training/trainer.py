@@ -91,11 +91,11 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)  # the same on every rank: TP ranks must draw the same dropout masks
 
+        self.data = build_datasets(cfg)  # before the model: a bad path or vocab fails before any weight is made
         self.precision = Precision(cfg.precision, cfg.seed, self.device)
         self.parallel = Parallelism(cfg, self.device, [self.precision], mesh)
         self.mesh, self.model = self.parallel.mesh, self.parallel.model
-        self.data = build_datasets(cfg)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.parallel.sharded_optimizer)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.parallel.optimizer_factory)
         self.config_dict = config_to_dict(cfg)
         budget = cfg.trainer.tokens_per_step
         self.train_steps = TokenBudgetSteps(self.data.train, budget) if budget else None
@@ -164,12 +164,12 @@ class Trainer:
 
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the full model's gradient (whatever the layout)."""
-        return self.parallel.grad_norm(self.optimizer)
+        return self.parallel.grad_norm()
 
     def train_step(self, step: int) -> StepResult:
         """One optimizer step on global batch `step` (0-based). Loss, tokens and FLOPs are global."""
         loss, share = self.forward_backward(step)
-        grad_norm = self.parallel.clip_grad_norm_(self.optimizer, self.cfg.trainer.grad_clip)
+        grad_norm = self.parallel.clip_grad_norm_(self.cfg.trainer.grad_clip)
         lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
         set_lr(self.optimizer, lr)
         self.optimizer.step()

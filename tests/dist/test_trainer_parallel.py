@@ -63,17 +63,18 @@ def test_resume_under_tp_dp_zero1_is_bit_exact(tmp_path):
     assert len(shards) > 1, f"every rank with distinct shards writes its own file, got {shards}"
 
 
-def test_checkpoint_saved_under_tp4_loads_into_one_process(tmp_path):
-    """Save under tp4 (kv heads replicated) x 2 steps; reshard into a single-process model on load."""
+def test_checkpoint_under_tp4_resumes_bit_exact_and_loads_into_one_process(tmp_path):
+    """tp4 with 2 kv heads: kv rows replicated over TP ranks (their checkpoint piece is gathered, and loaded
+    back as the full tensor). A resumed tp4 run repeats the straight losses exactly, and the checkpoint
+    loads into a single-process model."""
     from megalm.model import GPT
     from megalm.training.checkpoint import latest_checkpoint, load_model_weights
 
-    overrides = ["parallel.tp=4", "trainer.max_steps=2"]
-    run_distributed(train_and_record, 4, overrides, str(tmp_path / "tp4"), str(tmp_path / "tp4.json"), timeout=240)
-    reference = Trainer(compose_config("trainer.max_steps=2"), tmp_path / "single")
+    assert_resume_is_bit_exact(tmp_path, 4, ["parallel.tp=4", "trainer.max_steps=4"], stop_at=2, timeout=240)
+    reference = Trainer(compose_config("trainer.max_steps=4"), tmp_path / "single")
     reference.fit()
     model = GPT(reference.cfg.model)
-    load_model_weights(latest_checkpoint(tmp_path / "tp4"), model)
+    load_model_weights(latest_checkpoint(tmp_path / "stopped"), model)
     expected = dict(reference.model.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p, expected[name], rtol=1e-4, atol=2e-5, msg=name)

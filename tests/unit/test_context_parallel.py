@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megalm.data.batch import packed_from_documents, pad_to_multiple
-from megalm.parallel.context.attention import ContextShards, RingContext
+from megalm.parallel.context.attention import RingContext
+from megalm.parallel.context.split import ContextShards
 from megalm.parallel.context.zigzag import layout_from_local_cu_seqlens, shard_batch, zigzag_plan
 from megalm.parallel.dims import ParallelDims, ParallelMesh
 from megalm.parallel.microbatch import LocalMicroBatch, Ring

@@ -19,7 +19,7 @@ from megalm.parallel.context.zigzag import shard_batch, zigzag_plan
 from megalm.parallel.hdp import plan_hdp
 from megalm.parallel.hdp.cost import load_cost
 from megalm.parallel.hdp.pipelined import align_rings, check_pipelined
-from megalm.parallel.hdp.runtime import filler_batch, read_ring_shard
+from megalm.parallel.hdp.split import filler_batch, read_ring_shard
 from megalm.training.validation import validate_run
 
 COST = load_cost("h100_7b")

@@ -22,8 +22,8 @@ from megalm.data.batch import PackedBatch
 from megalm.errors import ConfigError
 from megalm.parallel.context.ring import ring_attention
 from megalm.parallel.context.ulysses import ulysses_attention
-from megalm.parallel.context.zigzag import ZigzagLayout, layout_from_local_cu_seqlens, shard_batch, zigzag_plan
-from megalm.parallel.microbatch import LocalMicroBatch, Ring
+from megalm.parallel.context.zigzag import ZigzagLayout, layout_from_local_cu_seqlens
+from megalm.parallel.microbatch import Ring
 from megalm.parallel.recompute import recompute_modes
 
 COMMS = ("ring", "a2a")
@@ -64,7 +64,7 @@ class RingContext:
 
 def validate_context(cfg: MegalmConfig) -> None:
     """What rings and Ulysses need from the model and the layout (`parallel.cp > 1`; HDP rings ask for the
-    same, megalm/parallel/hdp/runtime.py)."""
+    same, megalm/parallel/hdp/split.py)."""
     p, m = cfg.parallel, cfg.model
     choice(p.cp_comm, "parallel.cp_comm", COMMS)
     if p.cp == 1 or p.hdp:
@@ -82,23 +82,3 @@ def validate_context(cfg: MegalmConfig) -> None:
             raise ConfigError(f"parallel.cp_comm=a2a splits each TP rank's {heads} query and {kv_heads} kv heads over "
                               f"parallel.cp={p.cp}, which must divide both; use parallel.cp_comm=ring or a cp that "
                               "divides them")
-
-
-def shard_over_ring(mb: LocalMicroBatch, ring: Ring) -> LocalMicroBatch:
-    """This rank's zigzag shard of a whole micro-batch over `ring` (static context parallelism: every
-    micro-batch runs on the rank's CP ring). The ring's first member counts the documents."""
-    batch = shard_batch(mb.batch, zigzag_plan(mb.batch.cu_seqlens, len(ring.ranks)), ring.index)
-    counted = mb.counted_doc_lengths if ring.index == 0 else []
-    return LocalMicroBatch(batch, mb.index, ring, counted)
-
-
-class ContextShards:
-    """A step split (e.g. data_parallel.slices.DataParallelSlices) whose micro-batches are each sharded over
-    this rank's CP ring."""
-
-    def __init__(self, split, ring: Ring):
-        self.split, self.ring = split, ring
-
-    def micro_batches(self, dataset, ids: range) -> tuple[list[LocalMicroBatch], int]:
-        micro_batches, loss_tokens = self.split.micro_batches(dataset, ids)
-        return [shard_over_ring(mb, self.ring) for mb in micro_batches], loss_tokens

@@ -284,7 +284,46 @@ class GradReducer:
         """ZeRO-1: this rank's summed gradient shard of every bucket (valid after finish())."""
         if not self.zero1:
             raise RuntimeError("grad_shards() needs GradReducer(zero1=True)")
+        if not self.step_finished:
+            raise RuntimeError("the reducer has no finished step: call reducer.finish() before using grads")
         return [b.grad_shard for b in self.buckets]
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup | None:
+        """The group whose ranks each hold one shard of the summed gradients (ZeRO-1's DP group); None
+        when every rank holds all of them."""
+        return self.dp_group if self.zero1 else None
+
+    @torch.no_grad()
+    def local_grad_sq_norm(self, weight: Callable[[nn.Parameter], float] | None = None) -> torch.Tensor:
+        """Sum of squares of the summed gradient elements this rank holds (fp32 scalar): its shard of every
+        bucket under ZeRO-1 (shards partition the parameters: sum this over `shard_group` for the full
+        norm²), every parameter's whole gradient otherwise. `weight(param)` scales each parameter's part
+        (tensor parallelism passes each parameter's share, so TP-replicated parameters count once)."""
+        device = self.params[0].device if self.params else None
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        if self.zero1:
+            for bucket, g in zip(self.buckets, self.grad_shards(), strict=True):
+                if weight is None:
+                    total += g.float().pow(2).sum()
+                    continue
+                for seg in bucket.segments:
+                    total += g[seg.shard_slice].float().pow(2).sum() * weight(seg.param)
+            return total
+        for p in self.params:
+            w = 1.0 if weight is None else weight(p)
+            if w and p.grad is not None:
+                total += p.grad.detach().float().pow(2).sum() * w
+        return total
+
+    @torch.no_grad()
+    def scale_grads(self, coef: float | torch.Tensor) -> None:
+        """Multiply the summed gradients this rank holds by `coef` (the clip coefficient)."""
+        if self.zero1:
+            for g in self.grad_shards():
+                g.mul_(coef)
+        else:
+            torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], coef)
 
     def remove(self) -> None:
         """Detach the hooks (the model can then run backward without a reducer)."""

@@ -82,32 +82,17 @@ class ZeroOneAdamW:
     # ------------------------------------------------------------------ gradients
 
     def _grad_shards(self) -> list[torch.Tensor]:
-        if not self.reducer.step_finished:
-            raise RuntimeError("the reducer has no finished step: call reducer.finish() before using grads")
         return self.reducer.grad_shards()
 
-    @torch.no_grad()
     def local_grad_sq_norm(self, weight: Callable[[nn.Parameter], float] | None = None) -> torch.Tensor:
-        """Sum of squares of the gradient elements this rank owns (fp32 scalar). Shards partition
-        the parameters, so summing this over the DP group gives the full gradient norm squared.
+        """Sum of squares of the gradient elements this rank owns (the reducer's shards; fp32 scalar).
+        Summed over the DP group it is the full gradient norm squared; `weight(param)` scales each
+        parameter's part (see `GradReducer.local_grad_sq_norm`)."""
+        return self.reducer.local_grad_sq_norm(weight)
 
-        `weight(param)` scales each parameter's part (tensor parallelism passes `tp_norm_share`, so
-        that parameters replicated over TP count once after the sum over TP ranks too).
-        """
-        total = torch.zeros((), dtype=torch.float32, device=self.exp_avg[0].device if self.exp_avg else None)
-        for bucket, g in zip(self.reducer.buckets, self._grad_shards(), strict=True):
-            if weight is None:
-                total += g.float().pow(2).sum()
-                continue
-            for seg in bucket.segments:
-                total += g[seg.shard_slice].float().pow(2).sum() * weight(seg.param)
-        return total
-
-    @torch.no_grad()
     def scale_grads(self, coef: float | torch.Tensor) -> None:
         """Multiply this rank's gradient shards by `coef` (the clip coefficient)."""
-        for g in self._grad_shards():
-            g.mul_(coef)
+        self.reducer.scale_grads(coef)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
