@@ -124,6 +124,7 @@ class PrecisionConfig:
     skip: list[str] = field(default_factory=list)  # fnmatch patterns of linear layers kept in bf16
     backend: str = "native"  # native | te (Transformer Engine's fp8 recipes when it is installed)
     autocast: bool = True  # recipes: bf16 autocast for the rest of the model (false: fp32 around the recipe)
+    tf32: bool = True  # on CUDA, fp32 matmuls and convolutions use TF32 tensor cores (false: full fp32)
 
 
 @dataclass

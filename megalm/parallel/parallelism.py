@@ -131,8 +131,12 @@ class Parallelism:
         self.model = self._build_model()
         self.loss_fn = loss_fn_for(self.mesh.tp_group)
         if p.pp > 1:
+            sp = p.tp if p.sequence_parallel else 1  # under SP a stage holds its 1/tp of the tokens
+            hidden = self.cfg.model.hidden_size
             self.runner = PipelineRuntime(self.model, self.mesh, p.pp_schedule, self.loss_fn, self._forward_context,
-                                          self._before_forward, device)
+                                          self._before_forward, device,
+                                          activation_shape=lambda mb: (mb.batch.num_tokens // sp, hidden),
+                                          activation_dtype=next(self.model.parameters()).dtype)
         else:
             self.runner = LocalRunner(self.model, self.loss_fn, self._forward_context, self._before_forward, device)
         self.split = self._build_split()

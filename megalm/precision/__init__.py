@@ -70,6 +70,11 @@ class Precision:
         self.on_te = uses_transformer_engine(cfg.name, cfg.backend, device)
         self.token_multiple = te.TE_TOKEN_MULTIPLE if self.on_te else 1
         self.note = f"{cfg.name} (autocast only)" if cfg.name in ("fp32", "bf16") else cfg.name
+        if device.type == "cuda":  # fp32 GEMMs on Ampere/Hopper: TF32 (10-bit mantissa) unless asked not to
+            torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+            torch.backends.cudnn.allow_tf32 = cfg.tf32
+            log.info("fp32 matmuls on %s: %s (precision.tf32=%s)", device, "TF32" if cfg.tf32 else "full fp32",
+                     str(cfg.tf32).lower())
         if cfg.backend == "te" and not self.on_te:
             why = "transformer_engine not importable" if not transformer_engine_available() else "no CUDA device"
             log.warning("precision.backend=te but %s; running the native %s path", why, cfg.name)

@@ -45,7 +45,10 @@ def test_torchrun_tp2_dp2_matches_single_process(tmp_path):
     (["parallel.dp=4"], "world size 2 != tp*pp*cp*dp"),
 ])
 def test_bad_layout_fails_on_every_rank_without_hanging(tmp_path, args, message):
-    proc = run([*TORCHRUN, "--nproc-per-node", "2", "-m", "megalm.train", *TINY, *args], tmp_path, timeout=120)
+    # torchrun stops the other workers once one has failed: a 2 s monitor interval gives the slower rank (on a
+    # loaded machine) the time to print its own line first.
+    proc = run([*TORCHRUN, "--monitor-interval", "2", "--nproc-per-node", "2", "-m", "megalm.train", *TINY, *args],
+               tmp_path, timeout=120)
     assert proc.returncode != 0
     ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert len(ours) == 2 and all(message in ln for ln in ours), proc.stderr[-2000:]

@@ -4,13 +4,23 @@ and a simulated ring (every rank's steps run here, without communication) agains
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 
 from megalm.data.batch import packed_from_documents
 from megalm.model.attention import reference_varlen_attention
 from megalm.parallel.context.attention import RingContext
-from megalm.parallel.context.ring import block_kernel, ring_attention, ring_step_backward, ring_step_forward
+from megalm.parallel.context.ring import (
+    block_backward,
+    block_forward,
+    block_kernel,
+    ring_attention,
+    ring_step_backward,
+    ring_step_forward,
+)
 from megalm.parallel.context.ulysses import ulysses_attention
 from megalm.parallel.context.zigzag import (
     layout_from_local_cu_seqlens,
@@ -174,3 +184,74 @@ def test_block_kernel_and_layout_device() -> None:
     layout = zigzag_plan(_cu([5, 9]), 3).layout
     moved = layout.to("meta")
     assert moved.indices.device.type == "meta" and moved.n == 3 and moved.max_chunk == layout.max_chunk
+
+
+# flash-attn >= 2.7 registers its varlen internals as torch.library.custom_op, whose Python signature is
+# (*args, **kwargs). This stand-in does the same, on CPU, with the reference block kernel inside.
+@torch.library.custom_op("megalm_test_flash::varlen_fwd", mutates_args=())
+def _fake_flash_varlen_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
+    window_size_left: int = -1, window_size_right: int = -1, softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None, return_softmax: bool = False, block_table: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    assert window_size_left == -1 and window_size_right == -1 and softcap == 0.0 and not return_softmax
+    out, lse = block_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+    return out.to(q.dtype), lse.transpose(0, 1).contiguous(), q.new_empty(0), q.new_empty(2)
+
+
+@torch.library.custom_op("megalm_test_flash::varlen_bwd", mutates_args=("dq", "dk", "dv"))
+def _fake_flash_varlen_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    softmax_lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float,
+    causal: bool, window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: torch.Tensor | None,
+    deterministic: bool, rng_state: torch.Tensor | None = None,
+) -> torch.Tensor:
+    grads = block_backward(dout, q, k, v, out, softmax_lse.transpose(0, 1), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, causal, softmax_scale)
+    for buffer, grad in zip((dq, dk, dv), grads, strict=True):
+        buffer.copy_(grad)
+    return softmax_lse.new_empty(0)
+
+
+@pytest.fixture
+def fake_flash_attn(monkeypatch):
+    package = types.ModuleType("flash_attn")
+    interface = types.ModuleType("flash_attn.flash_attn_interface")
+    interface._flash_attn_varlen_forward = _fake_flash_varlen_forward
+    interface._flash_attn_varlen_backward = _fake_flash_varlen_backward
+    package.flash_attn_interface = interface
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
+
+
+def test_ring_runs_flash_attn_internals_registered_as_custom_ops(fake_flash_attn) -> None:
+    """The ring's flash_attn block kernel passes every argument to custom-op internals (whose signature
+    hides their parameters) and gives the reference ring's output and gradients."""
+    cu, n = _cu([13, 3, 20]), 3
+    plan, layout = zigzag_plan(cu, n), zigzag_plan(cu, n).layout
+    q, k, v = _qkv(int(cu[-1]), 4, 2)
+    scale = q.shape[-1] ** -0.5
+    shards = [[shard_tensor(t.detach(), plan, i) for t in (q, k, v)] for i in range(n)]
+    results = {}
+    for kernel in ("reference", "flash_attn"):
+        outs, lses, grads = [], [], [[torch.zeros(t.shape) for t in shard] for shard in shards]
+        for r in range(n):
+            out, lse = torch.zeros(shards[r][0].shape), torch.full(shards[r][0].shape[:2], float("-inf"))
+            for j in range(n):
+                s = (r - j) % n
+                ring_step_forward(shards[r][0], shards[s][1], shards[s][2], out, lse, layout, r, s, scale, kernel)
+            outs.append(out)
+            lses.append(lse)
+        dout = [torch.ones_like(o) for o in outs]
+        for r in range(n):
+            for s in range(n):
+                ring_step_backward(dout[r], shards[r][0], shards[s][1], shards[s][2], outs[r], lses[r], grads[r][0],
+                                   grads[s][1], grads[s][2], layout, r, s, scale, kernel)
+        results[kernel] = (outs, grads)
+    for got, want in zip(results["flash_attn"][0], results["reference"][0], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for got, want in zip(results["flash_attn"][1], results["reference"][1], strict=True):
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)

@@ -444,3 +444,20 @@ def test_recomputation_changes_no_draw():
         set_precision_step(model, step=1, micro_batch=2)
         grads.append(forward_backward(model)[1])
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_tf32_follows_the_config_on_cuda(tf32):
+    """fp32 on a GPU runs its matmuls in TF32 unless precision.tf32=false (a CPU run leaves the flags alone)."""
+    from megalm.config import PrecisionConfig
+    from megalm.precision import Precision
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not tf32
+        Precision(PrecisionConfig(name="fp32", tf32=tf32), seed=0, device=torch.device("cpu"))
+        assert torch.backends.cuda.matmul.allow_tf32 is (not tf32)
+        Precision(PrecisionConfig(name="fp32", tf32=tf32), seed=0, device=torch.device("cuda"))
+        assert torch.backends.cuda.matmul.allow_tf32 is tf32 and torch.backends.cudnn.allow_tf32 is tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

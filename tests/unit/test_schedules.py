@@ -6,6 +6,7 @@ from megalm.parallel.pipeline.schedules import (
     Action,
     Schedule,
     comm_mismatches,
+    comm_order_mismatches,
     interleaved_1f1b,
     one_f_one_b,
     peak_in_flight,
@@ -239,3 +240,21 @@ def test_validate_rejects_misplaced_memory_actions():
     bad.actions[0] = [a for a in bad.actions[0] if a.kind != "RELOAD"]
     with pytest.raises(ValueError, match="offloaded"):
         validate(bad)
+
+
+def test_rendezvous_model_finds_what_nccl_would_hang_on(monkeypatch):
+    """Sends that wait for their receives: interleaved 1F1B with every receive next to its compute action
+    deadlocks (two ranks each hold a send the other only receives later); posting the stuck receives one
+    batch earlier fixes it, keeps messages in order, and 1F1B and ZB-H1 need no move."""
+    from megalm.parallel.pipeline import rendezvous, schedules
+
+    monkeypatch.setattr(schedules, "post_receives_early", lambda sched: sched)
+    raw = interleaved_1f1b(2, 4, 2).with_comm()
+    assert "waits for a partner" in rendezvous.rendezvous_deadlock(raw)
+    with pytest.raises(ValueError, match="deadlock when sends wait for their receives"):
+        validate(raw)
+    fixed = rendezvous.post_receives_early(raw)
+    assert rendezvous.rendezvous_deadlock(fixed) is None and not comm_order_mismatches(fixed)
+    validate(fixed)
+    for sched in (one_f_one_b(4, 8).with_comm(), zb_h1(4, 8).with_comm()):
+        assert rendezvous.post_receives_early(sched).actions == sched.actions

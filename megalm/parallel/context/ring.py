@@ -149,13 +149,29 @@ def block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, sc
     raise ValueError(f"unknown ring attention kernel {kernel!r}; one of {', '.join(KERNELS)}")
 
 
+def _parameter_names(fn) -> set[str]:
+    """The keyword names a flash-attn internal takes. flash-attn >= 2.7 wraps them in torch.library.custom_op,
+    whose own signature is (*args, **kwargs): read the wrapped function's, or else the op schema's."""
+    for target in (getattr(fn, "_init_fn", None), inspect.unwrap(fn)):
+        if target is None:
+            continue
+        params = inspect.signature(target).parameters
+        if not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
+            return set(params)
+    schema = getattr(getattr(fn, "_opoverload", None), "_schema", None)
+    if schema is None:
+        raise RuntimeError(f"cannot read the parameters of flash-attn's {getattr(fn, '__name__', fn)}; this "
+                           "flash-attn version is not supported: use model.attention_backend=torch_varlen")
+    return {argument.name for argument in schema.arguments}
+
+
 def _call(fn, **kwargs):
     """Call a flash-attn internal with the keywords its version knows (window/softcap/alibi defaults added)."""
-    params = inspect.signature(fn).parameters
+    names = _parameter_names(fn)
     defaults = {"window_size_left": -1, "window_size_right": -1, "window_size": (-1, -1), "softcap": 0.0,
                 "alibi_slopes": None}
-    kwargs |= {key: value for key, value in defaults.items() if key in params}
-    return fn(**{key: value for key, value in kwargs.items() if key in params})
+    kwargs |= {key: value for key, value in defaults.items() if key in names}
+    return fn(**{key: value for key, value in kwargs.items() if key in names})
 
 
 # ------------------------------------------------------------------------------------------------ steps

@@ -19,6 +19,7 @@ checks them with `check_pipelined`, and the trainer checks each plan before runn
 from __future__ import annotations
 
 from megalm.parallel.hdp.planner import MicroBatch, Plan
+from megalm.parallel.pipeline.rendezvous import steps
 from megalm.parallel.pipeline.schedules import build_schedule
 
 
@@ -123,3 +124,82 @@ def check_pipelined(plan: Plan, pp: int, schedule: str = "1f1b") -> None:
         kind, k = lists[h, s][pos[h, s]]
         raise ValueError(f"HDP plan deadlocks under pp={pp} {schedule}: pipeline {h} stage {s} waits at {kind} of "
                          f"micro-batch {k} (ring {plan.micro_batches[k].ranks}); align its rings with align_rings")
+    _check_rendezvous(plan, pp, schedule)
+
+
+def _check_rendezvous(plan: Plan, pp: int, schedule: str) -> None:
+    """The same plan with each pipeline's sends and receives as the runtime posts them (batches of its
+    schedule's `with_comm` actions, rendezvous.py): a batch completes once the partner of each of its
+    messages is posted by the neighbouring stage of the same pipeline, a ring's F or B once every member
+    pipeline's stage is at it; compute runs as soon as it is reached (its inputs came with the batches)."""
+    per_stage: dict[int, list[list]] = {}  # micro-batch count -> per stage: items with schedule indices
+    lists: dict[tuple[int, int], list] = {}
+    for h, todo in enumerate(plan.per_rank):
+        m = len(todo)
+        if m and m not in per_stage:
+            sched = build_schedule(schedule, pp, m).with_comm()
+            per_stage[m] = [[_item(step, s) for step in steps(sched.actions[s])] for s in range(pp)]
+        for s in range(pp):
+            lists[h, s] = [_in_plan(item, todo) for item in per_stage[m][s]] if m else []
+    pos = dict.fromkeys(lists, 0)
+    pending: dict[tuple[int, int], set | None] = dict.fromkeys(lists)  # the posted batch's open messages
+
+    def current(h: int, s: int):
+        return lists[h, s][pos[h, s]] if pos[h, s] < len(lists[h, s]) else None
+
+    todo = list(lists)
+    while todo:
+        h, s = todo.pop()
+        while (item := current(h, s)) is not None:
+            if item[0] == "C":
+                kind, k = item[1], item[2]
+                mb = plan.micro_batches[k]
+                members = mb.ranks if kind in "FB" and _is_ring(mb) else (h,)
+                if any(current(m, s) != item for m in members):
+                    break  # the last member to arrive runs it
+                for m in members:
+                    pos[m, s] += 1
+                    if m != h:
+                        todo.append((m, s))
+                continue
+            if pending[h, s] is None:  # post the batch: match what the neighbours have posted
+                pending[h, s] = set(item[1])
+                for op in list(pending[h, s]):
+                    send, kind, k, src, dst = op
+                    peer = (h, dst if send else src)
+                    partner = (not send, kind, k, src, dst)
+                    if pending.get(peer) is not None and partner in pending[peer]:
+                        pending[h, s].discard(op)
+                        pending[peer].discard(partner)
+                        todo.append(peer)
+            if pending[h, s]:
+                break
+            pending[h, s] = None
+            pos[h, s] += 1
+            todo += [(h, t) for t in (s - 1, s + 1) if 0 <= t < pp]
+    stuck = next((key for key in lists if pos[key] < len(lists[key])), None)
+    if stuck is not None:
+        h, s = stuck
+        raise ValueError(f"HDP plan deadlocks under pp={pp} {schedule} when sends wait for their receives: pipeline "
+                         f"{h} stage {s} waits at {current(h, s)}; align its rings with align_rings")
+
+
+def _item(step, s: int) -> tuple:
+    """("C", kind, micro-batch index) for a compute action; ("X", [(is_send, F|B, index, source stage,
+    destination stage)]) for a batch of sends and receives (memory actions do not wait)."""
+    if not isinstance(step, tuple):
+        return "C", step.kind, step.micro_batch
+    return "X", [(a.kind.startswith("SEND"), a.kind[-1], a.micro_batch, *_stages(a.kind, s)) for a in step
+                 if a.kind.startswith(("SEND", "RECV"))]
+
+
+def _in_plan(item: tuple, todo: list[int]) -> tuple:
+    """`item` with the schedule's micro-batch indices replaced by the plan's micro-batch ids."""
+    if item[0] == "C":
+        return "C", item[1], todo[item[2]]
+    return "X", [(send, kind, todo[i], src, dst) for send, kind, i, src, dst in item[1]]
+
+
+def _stages(kind: str, s: int) -> tuple[int, int]:
+    """(source stage, destination stage) of a SEND/RECV action on stage s."""
+    return {"SEND_F": (s, s + 1), "RECV_F": (s - 1, s), "SEND_B": (s, s - 1), "RECV_B": (s + 1, s)}[kind]

@@ -9,10 +9,12 @@ buffer from the config the way fixed-shape pipelines do. Every message here is t
   2. the payload, received into a buffer allocated from the header (skipped when it has 0 elements,
      e.g. a [0, h] micro-batch of a rank with no tokens: both sides know that from the header).
 
-`exchange` posts all headers of one step in a single `dist.batch_isend_irecv` and waits, then all
+`exchange` posts all headers of one batch in a single `dist.batch_isend_irecv` and waits, then all
 payloads in a second one. Posting a send to the next stage and a receive from the previous stage
 together is what keeps a ring (or the steady state of 1F1B) from deadlocking: with blocking calls
-every rank would sit in `send` waiting for a peer that is itself sitting in `send`.
+every rank would sit in `send` waiting for a peer that is itself sitting in `send`. Every pipeline
+message goes through it (no lone `isend`: NCCL may put unbatched and batched p2p on different
+communicators, and may hold a send until its receive is posted; rendezvous.py checks schedules for that).
 
 Ranks are GLOBAL ranks throughout (what `pipeline_neighbours` returns and what `P2POp`/`dist.send`
 take); `group` only selects the communicator (e.g. `mesh.pp_group`), it does not renumber peers.
@@ -96,25 +98,26 @@ def exchange(
     return received
 
 
-def isend_tensor(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> list[tuple]:
-    """Post the header and payload of `t` to global rank `dst` without waiting.
+def exchange_known(
+    sends: Sequence[tuple[torch.Tensor, int]],
+    recvs: Sequence[tuple[int, torch.Size | tuple[int, ...], torch.dtype]],
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
+) -> list[torch.Tensor]:
+    """`exchange` for messages whose shape and dtype the receiver knows, in ONE batch (no headers).
 
-    Returns the pending (work, tensor) pairs: keep them alive and `wait_all` them before reusing or
-    freeing `t` (the pipeline runtime waits at the end of the step). The receiver uses `recv_tensor`.
+    `recvs` are (src, shape, dtype). One phase matters under NCCL: a batch that waited for shape headers
+    before posting its payloads could hold a payload send that the peer only receives after a later batch
+    of its own (rendezvous.py models exactly this single-phase batch). Empty tensors are not sent.
     """
-    payload = t.detach().contiguous()
-    header = encode_header(payload)
-    pending = [(dist.isend(header, dst, group), header)]
-    if payload.numel():
-        pending.append((dist.isend(payload, dst, group), payload))
-    return pending
-
-
-def wait_all(pending: list[tuple]) -> None:
-    """Wait for the (work, tensor) pairs `isend_tensor` returned, and drop them."""
-    for work, _ in pending:
-        work.wait()
-    pending.clear()
+    device = torch.device(device)
+    payloads = [t.detach().contiguous() for t, _ in sends]
+    received = [torch.empty(shape, dtype=dtype, device=device) for _, shape, dtype in recvs]
+    ops = [dist.P2POp(dist.isend, t, dst, group) for t, (_, dst) in zip(payloads, sends, strict=True) if t.numel()]
+    ops += [dist.P2POp(dist.irecv, t, src, group) for t, (src, _, _) in zip(received, recvs, strict=True)
+            if t.numel()]
+    _run_batch(ops)
+    return received
 
 
 def send_tensor(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> None:

@@ -7,6 +7,7 @@ reducer relies on). The pieces, each in its own file:
 - `stages.py`      which layers each (rank, chunk) holds, and the chunks themselves;
 - `schedules.py`   the per-rank action lists (1F1B, interleaved 1F1B, ZB-H1), validated as data;
 - `p2p.py`         shape-first point-to-point sends, so micro-batches may differ in token count;
+- `rendezvous.py`  NCCL's rule that a send may wait for its receive: batches of sends and receives;
 - `weight_grad.py` the B/W split of zero-bubble schedules;
 - this file        runs one rank's action list.
 
@@ -34,7 +35,8 @@ from torch import nn
 
 from megalm.parallel.dims import ParallelMesh
 from megalm.parallel.microbatch import LocalMicroBatch
-from megalm.parallel.pipeline.p2p import isend_tensor, pipeline_peer, recv_tensor, wait_all
+from megalm.parallel.pipeline.p2p import exchange_known, pipeline_peer
+from megalm.parallel.pipeline.rendezvous import steps
 from megalm.parallel.pipeline.schedules import Action, Schedule, build_schedule, validate
 from megalm.parallel.pipeline.weight_grad import WeightGradStore, defer_weight_grads
 
@@ -86,11 +88,18 @@ class PipelineRuntime:
     def __init__(self, chunks: nn.ModuleList, mesh: ParallelMesh, schedule: str, loss_fn: LossFn,
                  forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  before_forward: Callable[[nn.Module, int, int], None] | None = None,
-                 device: torch.device | str = "cpu", memory_hooks: MemoryHooks | None = None) -> None:
+                 device: torch.device | str = "cpu", memory_hooks: MemoryHooks | None = None,
+                 activation_shape: Callable[[LocalMicroBatch], tuple[int, ...]] | None = None,
+                 activation_dtype: torch.dtype = torch.float32) -> None:
         self.chunks, self.mesh, self.schedule_name = chunks, mesh, schedule
         self.vpp = len(chunks)
         self.loss_fn, self.forward_context, self.device = loss_fn, forward_context, torch.device(device)
         self.before_forward = before_forward
+        # What one stage hands the next: [tokens of the micro-batch on this rank, hidden] (the residual stream
+        # keeps the parameters' dtype under autocast); its gradient has the same shape and dtype.
+        hidden = chunks[0].cfg.hidden_size
+        self.activation_shape = activation_shape or (lambda mb: (mb.batch.num_tokens, hidden))
+        self.activation_dtype = activation_dtype
         self.store: WeightGradStore | None = None
         if schedule == "zb":
             self.store = WeightGradStore()
@@ -131,23 +140,30 @@ class PipelineRuntime:
 
     def _execute(self, sched: Schedule, actions: list[Action], micro_batches: list[LocalMicroBatch],
                  n_loss_tokens: int, step: int | None) -> torch.Tensor:
-        """Run `actions`; `step` is None for a forward-only pass."""
+        """Run `actions`; `step` is None for a forward-only pass. Compute actions run one by one; each run of
+        communication between two of them is one batch of sends and receives, posted together and waited
+        for (NCCL may hold a send until its receive is posted: rendezvous.py), then its memory actions."""
         train = step is not None
         rank, last = self.mesh.pp_rank, sched.num_virtual_stages - 1
         inputs: dict[tuple[int, int], torch.Tensor] = {}  # received activations (leaves)
         outputs: dict[tuple[int, int], torch.Tensor] = {}  # chunk outputs (the last stage: scaled loss)
         output_grads: dict[tuple[int, int], torch.Tensor] = {}
         input_grads: dict[tuple[int, int], torch.Tensor] = {}
-        pending: list[tuple] = []  # sends in flight
         loss = torch.zeros((), device=self.device)
         hooks = self.memory_hooks if train else None
         self.peak_in_flight = 0
-        for a in actions:
-            key = (a.micro_batch, a.chunk)
+        for item in steps(actions):
+            if isinstance(item, tuple):
+                self._communicate(item, micro_batches, outputs, input_grads, inputs, output_grads, train)
+                for a in item:
+                    if a.kind == "OFFLOAD" and hooks:
+                        hooks.offload((a.micro_batch, a.chunk))
+                    elif a.kind == "RELOAD" and hooks:
+                        hooks.reload((a.micro_batch, a.chunk))
+                continue
+            a, key = item, (item.micro_batch, item.chunk)
             stage = sched.stage_of(rank, a.chunk)
-            if a.kind == "RECV_F":
-                inputs[key] = recv_tensor(pipeline_peer(self.mesh, a.peer), device=self.device).requires_grad_(train)
-            elif a.kind == "F":
+            if a.kind == "F":
                 mb = micro_batches[a.micro_batch]
                 x = None if stage == 0 else inputs[key] if train else inputs.pop(key)
                 chunk = self.chunks[a.chunk]
@@ -162,11 +178,6 @@ class PipelineRuntime:
                 if train or stage != last:
                     outputs[key] = out
                     self.peak_in_flight = max(self.peak_in_flight, len(outputs))
-            elif a.kind == "SEND_F":
-                out = outputs[key] if train else outputs.pop(key)
-                pending += isend_tensor(out, pipeline_peer(self.mesh, a.peer))
-            elif a.kind == "RECV_B":
-                output_grads[key] = recv_tensor(pipeline_peer(self.mesh, a.peer), device=self.device)
             elif a.kind == "B":
                 out, grad = outputs.pop(key), output_grads.pop(key, None)
                 with self.store.collect(key) if self.store is not None else contextlib.nullcontext():
@@ -174,20 +185,44 @@ class PipelineRuntime:
                 x = inputs.pop(key, None)
                 if stage > 0:
                     input_grads[key] = x.grad
-            elif a.kind == "SEND_B":
-                pending += isend_tensor(input_grads.pop(key), pipeline_peer(self.mesh, a.peer))
             elif a.kind == "W":
                 self.store.apply(key)
-            elif a.kind == "OFFLOAD" and hooks:
-                hooks.offload(key)
-            elif a.kind == "RELOAD" and hooks:
-                hooks.reload(key)
             else:
                 raise RuntimeError(f"the pipeline runtime cannot execute {a}")
-        wait_all(pending)
         if outputs or output_grads or input_grads or (self.store is not None and self.store.pending):
             raise RuntimeError(f"{sched.name}: step ended with work left on pipeline rank {rank}")
         return loss
+
+    def _communicate(self, batch: tuple[Action, ...], micro_batches: list[LocalMicroBatch], outputs: dict,
+                     input_grads: dict, inputs: dict, output_grads: dict, train: bool) -> None:
+        """One batch of the schedule's SEND/RECV actions, posted together (`p2p.exchange_known`) and
+        completed. Activations and their gradients between stages are [tokens, hidden] in
+        `activation_dtype`; both sides know the micro-batch, so no shape header is needed."""
+        sends, receives = [], []
+        for a in batch:
+            key, peer = (a.micro_batch, a.chunk), None if a.peer is None else pipeline_peer(self.mesh, a.peer)
+            if a.kind == "SEND_F":
+                sends.append((outputs[key] if train else outputs.pop(key), peer))
+            elif a.kind == "SEND_B":
+                sends.append((input_grads.pop(key), peer))
+            elif a.kind in ("RECV_F", "RECV_B"):
+                receives.append((a, peer))
+        if not sends and not receives:
+            return
+        shapes = [self.activation_shape(micro_batches[a.micro_batch]) for a, _ in receives]
+        for tensor, _ in sends:  # both sides must agree without a header: a mismatch is a megalm bug
+            if tensor.dtype != self.activation_dtype:
+                raise RuntimeError(f"pipeline stage output is {tensor.dtype}, the receiver expects "
+                                   f"{self.activation_dtype}")
+        received = exchange_known(sends, [(peer, shape, self.activation_dtype)
+                                          for (_, peer), shape in zip(receives, shapes, strict=True)],
+                                  device=self.device)
+        for (a, _), tensor in zip(receives, received, strict=True):
+            key = (a.micro_batch, a.chunk)
+            if a.kind == "RECV_F":
+                inputs[key] = tensor.requires_grad_(train)
+            else:
+                output_grads[key] = tensor
 
     # ------------------------------------------------------------------ after the backward
 

@@ -40,9 +40,13 @@ Generators (papers):
 
 Execution model used by `validate` and `simulate`: each rank runs its list in order and blocks on an
 action until its inputs exist (F of stage s needs F of stage s - 1 of the same micro-batch; B of
-stage s needs B of stage s + 1, and the last stage's B needs its own F; W needs its own B). Sends
-are non-blocking (isend), so only the compute order can deadlock; the communication actions are
-checked for pairing, and cost zero in `simulate`.
+stage s needs B of stage s + 1, and the last stage's B needs its own F; W needs its own B).
+Communication follows NCCL's rules, not gloo's: a send may block until its receive is posted, and
+messages between two ranks match by order. The runtime therefore posts each maximal run of
+communication actions between two compute actions as one batch (`steps`: e.g. SEND_F then RECV_B
+is Megatron's send_forward_recv_backward) and waits for all of it; `validate` checks that every rank's
+batches find their partners posted (`rendezvous_deadlock`), besides pairing and order. Communication
+costs zero in `simulate`.
 
 Run ``python -m megalm.parallel.pipeline.schedules`` for a table of bubble fraction and peak in-flight
 micro-batches at p=4, m=8.
@@ -52,6 +56,8 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+
+from megalm.parallel.pipeline.rendezvous import post_receives_early, rendezvous_deadlock
 
 COMPUTE_KINDS = ("F", "B", "W")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -121,7 +127,9 @@ class Schedule:
         whose output goes to another rank; RECV_B/SEND_B likewise around B (gradients flow from
         stage s + 1 to stage s). The `chunk` of a communication action is this rank's chunk that
         produces (SEND) or consumes (RECV) the tensor. Hand-offs between two chunks on the same rank
-        (p == 1 with vpp > 1) stay local and get no actions. W needs no communication.
+        (p == 1 with vpp > 1) stay local and get no actions. W needs no communication. Receives that
+        would leave a send waiting forever under NCCL's rendezvous are then posted earlier
+        (`post_receives_early`).
         """
         last = self.num_virtual_stages - 1
         out: list[list[Action]] = []
@@ -145,7 +153,8 @@ class Schedule:
                         after = Action("SEND_B", a.micro_batch, a.chunk, self.place_of(s - 1)[0])
                 new.extend(x for x in (before, a, after) if x is not None)
             out.append(new)
-        return Schedule(self.num_stages, self.num_micro_batches, self.vpp, self.name, self.split_backward, out)
+        return post_receives_early(Schedule(self.num_stages, self.num_micro_batches, self.vpp, self.name,
+                                            self.split_backward, out))
 
     def with_offload(self, offloaded: set[tuple[int, int, int]]) -> Schedule:
         """A copy with OFFLOAD after the F (after its SEND_F, if any: the send reads the output), and
@@ -456,9 +465,10 @@ def validate(sched: Schedule) -> None:
     """Raise ValueError naming the first violation; return None if `sched` is complete and deadlock-free.
 
     Checks: every rank runs each F and B (and W if split) of every micro-batch and chunk exactly once,
-    F before B before W locally; communication actions (if any) are paired and received in the
-    order they are sent between every pair of ranks; and blocking in-order
-    execution of all ranks finishes (see the module docstring for the dependency model).
+    F before B before W locally; communication actions (if any) are paired, received in the order they
+    are sent between every pair of ranks, and complete when each batch's sends wait for their receives
+    (rendezvous, as NCCL may); and blocking in-order execution of all ranks finishes (see the module
+    docstring for the dependency model).
     """
     _check_local(sched)
     _check_memory_actions(sched)
@@ -468,6 +478,9 @@ def validate(sched: Schedule) -> None:
     bad = comm_order_mismatches(sched)
     if bad:
         raise ValueError(f"{sched.name}: messages out of order: {bad[0]}")
+    stuck = rendezvous_deadlock(sched)
+    if stuck:
+        raise ValueError(f"{sched.name}: deadlock when sends wait for their receives: {stuck}")
     _run(sched, None)
 
 
