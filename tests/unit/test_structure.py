@@ -45,12 +45,18 @@ def layer_of(module: str) -> int:
 
 
 def imports_of(module: str) -> list[tuple[str, int]]:
-    """(imported megalm module, line) for every import in `module`, at any depth (function-local too).
-    `from a.b import c` counts as importing a.b.c when that is a module, else a.b."""
+    """(imported megalm module, line) for every import in `module`, at any depth (function-local too), but
+    for those under `if TYPE_CHECKING:`. `from a.b import c` counts as importing a.b.c when that is a
+    module, else a.b."""
     tree = ast.parse(MODULES[module].read_text())
     package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    type_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                 and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+                 for n in ast.walk(block)}  # annotations only: never imported at run time
     found = []
     for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.Import):
             found += [(alias.name, node.lineno) for alias in node.names if alias.name.startswith("megalm")]
         elif isinstance(node, ast.ImportFrom):
