@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recipes", nargs="+", default=DEFAULT_RECIPES)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--json", action="store_true")
-    args, overrides = parser.parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # Hydra overrides (key=value) may follow a list flag (--seq 1024 2048 model=125m): set them aside first.
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    args = parser.parse_args([a for a in argv if a not in overrides])
     with tempfile.TemporaryDirectory(prefix="megalm-precision-") as tmp:
         rows = [train(r, args.steps, overrides, Path(tmp)) for r in args.recipes]
     base = rows[0]["val_loss"]

@@ -46,7 +46,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
-    args, overrides = parser.parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # Hydra overrides (key=value) may follow a list flag (--seq 1024 2048 model=125m): set them aside first.
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    args = parser.parse_args([a for a in argv if a not in overrides])
     from megalm.training.trainer import Trainer, peak_memory_gb
 
     cfg = compose_config(overrides)

@@ -1,0 +1,170 @@
+"""Every command in README.md and docs/ runs, so the docs cannot rot (slow: a few minutes; CI runs it).
+
+Commands are read from the fenced code blocks and from inline `code` that starts like a command. Each
+runs in a scratch directory, in document order (a resume follows its first run, generation follows
+training), with tiny overrides: a small model on the documented data (the demo corpus is built in the
+scratch directory in a second), 3 steps (stops and token budgets scaled down), benchmarks cut to one
+short repetition, outputs redirected away from docs/. Commands that need a GPU cluster are checked by
+config validation at their world size; the set-up commands (`pip install`, `pytest`, `docker`) are what
+CI itself runs, or cannot run without a Docker engine. A documented command this file cannot classify
+fails the test: add a rule for it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+STARTS = r"(megalm-\w+|python |torchrun |NPROC=|MASTER_ADDR=|scripts/\S+\.sh\b|pytest|pip |docker )"
+
+# Appended to every training run unless the command sets the key itself (later overrides win).
+TINY = {"model.num_layers": "4", "model.hidden_size": "64", "model.num_heads": "4", "model.num_kv_heads": "2",
+        "model.ffn_hidden_size": "128", "model.seq_length": "32", "trainer.eval_interval": "0",
+        "trainer.log_interval": "1", "logging.tensorboard": "false", "trainer.max_steps": "3"}
+# Values scaled down wherever a command sets them.
+SCALED = {"trainer.max_steps": "3", "trainer.stop_at_step": "2", "trainer.tokens_per_step": "600",
+          "trainer.eval_iters": "2", "trainer.save_interval": "0"}
+FLAGS = {"--steps": ["1"], "--warmup": ["0"], "--reps": ["1"], "--seq": ["64"], "--nproc": None,
+         "--global-tokens": ["4M"]}
+# Benchmarks that train: flags appended (argparse keeps the last value) so that they run one short repetition.
+TOOL_FLAGS = {"precision_convergence.py": ["--steps", "2"], "throughput.py": ["--steps", "1", "--warmup", "0"],
+              "context_parallel.py": ["--steps", "1", "--warmup", "0", "--seq", "64"], "comm_volume.py": []}
+SET_UP = ("pip install", "pytest", "docker ")
+NAMES_IN_PROSE = {"torchrun -m megalm.train", "python -m megalm.train", "megalm-generate --debug"}
+
+
+def documented_commands(path: Path) -> list[str]:
+    """The commands of one doc, in order: fenced blocks (continuations joined), then inline spans."""
+    text = path.read_text()
+    found = []
+    for block in re.findall(r"```\w*\n(.*?)```", text, re.S):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            line = line.split("  #")[0].strip()
+            if re.match(STARTS, line):
+                found.append(line)
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    found += [span for span in re.findall(r"`([^`\n]+)`", prose)
+              if re.match(r"(megalm-\w+ |python (tools|-m megalm)|torchrun )", span)]
+    return list(dict.fromkeys(found))
+
+
+def is_pattern(command: str) -> bool:
+    """A usage pattern (placeholders), not a command to run."""
+    return command in NAMES_IN_PROSE or bool(re.search(r"<[^>]*>|\[--|\bN\b|\bR\b|FILE\.json", command))
+
+
+def overrides_set(words: list[str]) -> set[str]:
+    return {w.split("=", 1)[0] for w in words if "=" in w and not w.startswith("-")}
+
+
+def shrink(words: list[str], tmp: Path) -> list[str]:
+    """Scaled values, cut benchmark flags, outputs in `tmp`, repo paths absolute."""
+    out, skip = [], 0
+    for i, w in enumerate(words):
+        if skip:
+            skip -= 1
+            continue
+        key = w.split("=", 1)[0]
+        if key in SCALED and "=" in w:
+            w = f"{key}={SCALED[key]}"
+        elif w in FLAGS:
+            values = []
+            for v in words[i + 1:]:
+                if v.startswith("-") or "=" in v:
+                    break
+                values.append(v)
+            skip = len(values)
+            if FLAGS[w] is None:  # keep, capped
+                values = [str(min(int(values[0]), 4))] if w == "--nproc" else values
+            else:
+                values = FLAGS[w]
+            out += [w, *values]
+            continue
+        elif w in ("--png-dir",):
+            out += [w, str(tmp)]
+            skip = 1
+            continue
+        elif w == "--png":
+            out += [w, str(tmp / "plan.png")]
+            skip = 1
+            continue
+        w = w.replace("/tmp/", f"{tmp}/")
+        if re.match(r"(tools|scripts|configs)/", w):
+            w = str(ROOT / w)
+        out.append(w)
+    return out
+
+
+def runnable(command: str, tmp: Path) -> tuple[list[str], dict[str, str]] | None:
+    """The argv and extra environment that run `command` small; None for set-up commands."""
+    if command.startswith(SET_UP):
+        return None
+    env, words = {}, shlex.split(command)
+    while words and re.match(r"[A-Z_]+=", words[0]):
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    exe = words.pop(0)
+    python = [sys.executable]
+    if exe == "python":
+        if words[:1] == ["-c"]:  # a data-making one-liner with its redirection
+            return ["bash", "-c", command.replace("python", shlex.quote(sys.executable), 1)
+                    .replace("/tmp/", f"{tmp}/")], env
+        head = python
+    elif exe in ("megalm-train", "megalm-generate", "megalm-preprocess"):
+        head = python + ["-m", {"megalm-train": "megalm.train", "megalm-generate": "megalm.generate",
+                               "megalm-preprocess": "megalm.data.preprocess"}[exe]]
+    elif exe == "torchrun":
+        head = python + ["-m", "torch.distributed.run"]
+    elif exe.startswith("scripts/"):
+        head = ["bash", str(ROOT / exe)]
+    else:
+        raise AssertionError(f"no rule to run the documented command: {command}")
+    words = shrink(words, tmp)
+    tool = next((name for name in TOOL_FLAGS if any(w.endswith(name) for w in words)), None)
+    if tool is not None:  # a benchmark: one short repetition, a small model; it runs its own steps
+        words += TOOL_FLAGS[tool] + [f"{k}={v}" for k, v in TINY.items()
+                                     if k.startswith("model.") and k not in overrides_set(words)]
+    elif ("megalm.train" in head + words or exe.startswith("scripts/")) and "--cfg" not in words:
+        words += [f"{k}={v}" for k, v in TINY.items() if k not in overrides_set(words)]
+    return head + words, env
+
+
+def validate_only(command: str) -> None:
+    """A multi-node GPU command: its overrides must pass validation at its world size (8 GPUs a node)."""
+    from megalm.training.validation import validate_run
+    from tests.conftest import compose_config
+
+    words = shlex.split(command)
+    nodes = int(next(w.split("=")[1] for w in words if w.startswith("NNODES=")))
+    overrides = [w for w in words if "=" in w and not re.match(r"[A-Z_]+=", w)]
+    validate_run(compose_config(*overrides, tiny=False), world_size=8 * nodes)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_documented_commands_run(doc: Path, tmp_path: Path):
+    commands = [c for c in documented_commands(doc) if not is_pattern(c)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    for command in commands:
+        if command.startswith("MASTER_ADDR=") or "NNODES=" in command:
+            validate_only(command)
+            continue
+        spec = runnable(command, tmp_path)
+        if spec is None:
+            continue
+        argv, extra = spec
+        proc = subprocess.run(argv, cwd=tmp_path, env={**env, **extra}, capture_output=True, text=True, timeout=600)
+        wandb_missing = "logging.wandb.enabled=true" in command and "pip install wandb" in proc.stderr
+        assert proc.returncode == 0 or wandb_missing, \
+            f"{doc.name}: `{command}` failed as `{' '.join(argv)}`:\n{proc.stderr[-3000:]}"
