@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.adamw import adamw
 
 from megalm.parallel.collectives import all_gather_flat
 from megalm.parallel.data_parallel.reducer import GradReducer
@@ -29,9 +30,10 @@ from megalm.parallel.data_parallel.reducer import GradReducer
 class ZeroOneAdamW:
     """AdamW whose fp32 state is sharded over the DP group (ZeRO stage 1, Rajbhandari et al. 2020).
 
-    Same maths as torch.optim.AdamW (decoupled weight decay: p *= 1 - lr*wd, then the Adam step),
-    applied only to this rank's shard of every bucket, followed by an all-gather of the updated
-    parameters. It looks like a torch optimizer where the trainer and checkpoint code need it to:
+    torch's AdamW (its fused kernel on CPU and CUDA, foreach elsewhere: decoupled weight decay, then the
+    Adam step) applied to this rank's flat segments of every bucket, one call per param group, followed by
+    an all-gather of the updated parameters. It looks like a torch optimizer where the trainer and
+    checkpoint code need it to:
     `param_groups` (list of dicts with "params", "lr", "betas", "eps", "weight_decay", so
     `optim.set_lr` works and per-group weight decay is respected), `zero_grad`, and a torch-format
     `state_dict()` indexed in param-group order, so `training.checkpoint` saves and loads it by
@@ -75,6 +77,9 @@ class ZeroOneAdamW:
             raise ValueError("ZeroOneAdamW's parameters must be exactly the reducer's trainable parameters")
 
         self.step_count = 0
+        # torch's fused AdamW kernel where the device has one (CPU and CUDA), its foreach kernels otherwise
+        device = reducer.params[0].device if reducer.params else torch.device("cpu")
+        self.fused = device.type in ("cpu", "cuda")
         self.exp_avg = [torch.zeros(b.shard_numel, dtype=torch.float32, device=b.buffer.device)
                         for b in reducer.buckets]
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.exp_avg]
@@ -120,27 +125,28 @@ class ZeroOneAdamW:
         """AdamW on this rank's shard, then all-gather the updated parameters (collective)."""
         grads = self._grad_shards()
         self.step_count += 1
-        t = self.step_count
-        gathers = []
-        for bucket, grad, m, v in zip(self.reducer.buckets, grads, self.exp_avg, self.exp_avg_sq, strict=True):
-            shard = torch.zeros(bucket.shard_numel, dtype=torch.float32, device=m.device)
+        shards = [torch.empty(b.shard_numel, dtype=torch.float32, device=m.device)
+                  for b, m in zip(self.reducer.buckets, self.exp_avg, strict=True)]
+        per_group: dict[int, tuple[dict, list[list[torch.Tensor]]]] = {}  # id(group) -> (group, 4 tensor lists)
+        for bucket, grad, m, v, shard in zip(self.reducer.buckets, grads, self.exp_avg, self.exp_avg_sq, shards,
+                                             strict=True):
             for seg in bucket.segments:
                 group = self._group_of[id(seg.param)]
-                lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-                beta1, beta2 = group["betas"]
                 s = seg.shard_slice
-                p = shard[s]
-                p.copy_(seg.param.detach().reshape(-1)[seg.param_slice])
-                g = grad[s].float()
-                # torch.optim.AdamW, step by step: decoupled decay, moments, bias-corrected update.
-                p.mul_(1 - lr * wd)
-                m[s].lerp_(g, 1 - beta1)
-                v[s].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                bias_correction1 = 1 - beta1**t
-                bias_correction2 = 1 - beta2**t
-                denom = (v[s].sqrt() / math.sqrt(bias_correction2)).add_(eps)
-                p.addcdiv_(m[s], denom, value=-lr / bias_correction1)
-            gathers.append(self._gather(shard, bucket.padded_numel))
+                shard[s].copy_(seg.param.detach().reshape(-1)[seg.param_slice])
+                lists = per_group.setdefault(id(group), (group, [[], [], [], []]))[1]
+                for out, tensor in zip(lists, (shard[s], grad[s].float(), m[s], v[s]), strict=True):
+                    out.append(tensor)
+        for group, (params, grads_, exp_avgs, exp_avg_sqs) in per_group.values():
+            # torch's own AdamW kernels (fused, or foreach) on this rank's flat segments, one call per param group
+            steps = [torch.tensor(float(self.step_count - 1), device=p.device) for p in params]
+            beta1, beta2 = group["betas"]
+            adamw(params, grads_, exp_avgs, exp_avg_sqs, [], steps, fused=self.fused,
+                                    foreach=None if self.fused else True, amsgrad=False, beta1=beta1,
+                                    beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                                    eps=group["eps"], maximize=False)
+        gathers = [self._gather(shard, bucket.padded_numel) for bucket, shard in zip(self.reducer.buckets, shards,
+                                                                                      strict=True)]
         for bucket, (full, work) in zip(self.reducer.buckets, gathers, strict=True):
             if work is not None:
                 work.wait()
