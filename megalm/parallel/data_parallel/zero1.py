@@ -142,9 +142,8 @@ class ZeroOneAdamW:
             steps = [torch.tensor(float(self.step_count - 1), device=p.device) for p in params]
             beta1, beta2 = group["betas"]
             adamw(params, grads_, exp_avgs, exp_avg_sqs, [], steps, fused=self.fused,
-                                    foreach=None if self.fused else True, amsgrad=False, beta1=beta1,
-                                    beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                                    eps=group["eps"], maximize=False)
+                  foreach=None if self.fused else True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
         gathers = [self._gather(shard, bucket.padded_numel) for bucket, shard in zip(self.reducer.buckets, shards,
                                                                                       strict=True)]
         for bucket, (full, work) in zip(self.reducer.buckets, gathers, strict=True):
