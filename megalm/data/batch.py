@@ -67,6 +67,13 @@ class PackedBatch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 
+    def pin_memory(self) -> PackedBatch:
+        """This batch in page-locked host memory (CUDA), so that `.to(cuda, non_blocking=True)` is asynchronous."""
+        pin = lambda t: t.pin_memory()
+        return PackedBatch(tokens=pin(self.tokens), labels=pin(self.labels), loss_mask=pin(self.loss_mask),
+                           position_ids=pin(self.position_ids), cu_seqlens=pin(self.cu_seqlens),
+                           max_seqlen=self.max_seqlen, doc_lengths=list(self.doc_lengths))
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         move = lambda t: t.to(device, non_blocking=non_blocking)
         return PackedBatch(

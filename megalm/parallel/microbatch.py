@@ -50,7 +50,16 @@ class LocalMicroBatch:
 class StepShare:
     step: int
     micro_batches: list[LocalMicroBatch]
-    loss_tokens: int  # loss-carrying tokens of the whole global batch: the loss normaliser (used as max(1, it))
+    # Loss-carrying tokens of the whole global batch: an int, or a 0-dim tensor on the compute device where it
+    # came from a collective (reading it would be a host sync).
+    loss_tokens: int | torch.Tensor
+
+    @property
+    def normaliser(self) -> int | torch.Tensor:
+        """What every token loss of the step is divided by: the loss-token count, at least 1."""
+        if isinstance(self.loss_tokens, torch.Tensor):
+            return self.loss_tokens.clamp(min=1)
+        return max(self.loss_tokens, 1)
 
     @property
     def counted_doc_lengths(self) -> list[int]:

@@ -97,7 +97,8 @@ class LocalRunner:
             logits = mb.run(self.model)
         return self.loss_fn(logits, mb.batch.labels, mb.batch.loss_mask)
 
-    def step(self, micro_batches: list[LocalMicroBatch], n_loss_tokens: int, step: int) -> torch.Tensor:
+    def step(self, micro_batches: list[LocalMicroBatch], n_loss_tokens: int | torch.Tensor, step: int
+             ) -> torch.Tensor:
         """Forward and backward of each micro-batch on loss_sum / n_loss_tokens; returns the summed loss."""
         total = torch.zeros((), device=self.device)
         for mb in micro_batches:
@@ -222,6 +223,9 @@ class Parallelism:
             attention = RingContext.for_shard(batch, ring, self.device, self.cfg.parallel.cp_comm,
                                               self.mesh.cp_group if a2a else None)
         counted = mb.counted_doc_lengths if self.mesh.is_last_stage else []
+        if self.device.type == "cuda":  # pinned host memory: the copies overlap instead of syncing the stream
+            return LocalMicroBatch(batch.pin_memory().to(self.device, non_blocking=True), mb.index, ring, counted,
+                                   attention)
         return LocalMicroBatch(batch.to(self.device), mb.index, ring, counted, attention)
 
     def forward_backward(self, share: StepShare) -> torch.Tensor:
@@ -229,7 +233,7 @@ class Parallelism:
         micro-batches and reduced over the ranks that split the batch; returns this rank's summed loss."""
         self.model.train()
         self.reducer.start_step(len(share.micro_batches))
-        loss = self.runner.step(share.micro_batches, max(share.loss_tokens, 1), share.step)
+        loss = self.runner.step(share.micro_batches, share.normaliser, share.step)
         self.reducer.finish()
         self.runner.sync_tied_embedding_grads()
         return loss

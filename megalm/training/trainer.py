@@ -175,11 +175,14 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         counted = share.counted_doc_lengths
-        local = [loss.double(), torch.tensor(float(sum(counted)), dtype=torch.float64, device=self.device),
-                 torch.tensor(training_flops(self.cfg.model, counted), dtype=torch.float64, device=self.device)]
-        totals = self.parallel.sum_over_batch(torch.stack(local)).tolist()
-        return StepResult(loss=totals[0] / max(share.loss_tokens, 1), grad_norm=grad_norm.item(), lr=lr,
-                          tokens=int(totals[1]), flops=totals[2])
+        fill = lambda value: torch.full((), value, dtype=torch.float64, device=self.device)  # a kernel, no copy
+        local = torch.stack([loss.double(), fill(sum(counted)), fill(training_flops(self.cfg.model, counted))])
+        totals = self.parallel.sum_over_batch(local)
+        normaliser = torch.as_tensor(share.normaliser, dtype=torch.float64, device=self.device)
+        # the step's one device-to-host sync: everything the log needs, read together
+        loss_sum, tokens, flops, norm, n = torch.cat([totals, grad_norm.double().reshape(1), normaliser.reshape(1)]
+                                                     ).tolist()
+        return StepResult(loss=loss_sum / n, grad_norm=norm, lr=lr, tokens=int(tokens), flops=flops)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -192,7 +195,7 @@ class Trainer:
             share = self.parallel.share_of_step(valid, self.step_sample_ids(i, valid), i)
             loss += self.parallel.forward_loss(share).double()
             tokens += share.loss_tokens
-        return (self.parallel.sum_over_batch(loss) / max(tokens, 1)).item()
+        return (self.parallel.sum_over_batch(loss) / max(int(tokens), 1)).item()
 
     # ------------------------------------------------------------------ the loop
 

@@ -35,13 +35,13 @@ class DataParallelSlices:
         dp, rank = self.mesh.dims.dp, self.mesh.dp_rank
         return ids[rank * len(ids) // dp:(rank + 1) * len(ids) // dp]
 
-    def micro_batches(self, dataset: SampleDataset, ids: range) -> tuple[list[LocalMicroBatch], int]:
+    def micro_batches(self, dataset: SampleDataset, ids: range) -> tuple[list[LocalMicroBatch], torch.Tensor]:
         """This rank's micro-batches (on the host) of the step whose samples are `ids`, and the step's
-        global loss-token count."""
+        global loss-token count (a 0-dim tensor on the compute device)."""
         mine = self.sample_ids(ids)
         samples = [dataset[k] for k in mine]
-        count = torch.tensor(loss_token_count(samples), dtype=torch.int64, device=self.device)
-        loss_tokens = int(all_reduce_sum(count, self.mesh.dp_group))
+        count = torch.full((), loss_token_count(samples), dtype=torch.int64, device=self.device)
+        loss_tokens = all_reduce_sum(count, self.mesh.dp_group)  # stays on the device: no host sync
         packed = micro_batches(samples, self.micro_batch_size, partial_last=self.partial_last)
         first = mine.start - ids.start
         return [LocalMicroBatch(batch, first + i * self.micro_batch_size, counted_doc_lengths=list(batch.doc_lengths))

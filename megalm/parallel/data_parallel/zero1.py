@@ -139,7 +139,7 @@ class ZeroOneAdamW:
                     out.append(tensor)
         for group, (params, grads_, exp_avgs, exp_avg_sqs) in per_group.values():
             # torch's own AdamW kernels (fused, or foreach) on this rank's flat segments, one call per param group
-            steps = [torch.tensor(float(self.step_count - 1), device=p.device) for p in params]
+            steps = [torch.full((), float(self.step_count - 1), device=p.device) for p in params]
             beta1, beta2 = group["betas"]
             adamw(params, grads_, exp_avgs, exp_avg_sqs, [], steps, fused=self.fused,
                   foreach=None if self.fused else True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],

@@ -121,7 +121,8 @@ class PipelineRuntime:
 
     # ------------------------------------------------------------------ execution
 
-    def step(self, micro_batches: list[LocalMicroBatch], n_loss_tokens: int, step: int = 0) -> torch.Tensor:
+    def step(self, micro_batches: list[LocalMicroBatch], n_loss_tokens: int | torch.Tensor, step: int = 0
+             ) -> torch.Tensor:
         """Forward and backward of every micro-batch by the schedule."""
         if not micro_batches:
             return torch.zeros((), device=self.device)
@@ -139,7 +140,7 @@ class PipelineRuntime:
         return self._execute(sched, sched.actions[self.mesh.pp_rank], micro_batches, 1, None)
 
     def _execute(self, sched: Schedule, actions: list[Action], micro_batches: list[LocalMicroBatch],
-                 n_loss_tokens: int, step: int | None) -> torch.Tensor:
+                 n_loss_tokens: int | torch.Tensor, step: int | None) -> torch.Tensor:
         """Run `actions`; `step` is None for a forward-only pass. Compute actions run one by one; each run of
         communication between two of them is one batch of sends and receives, posted together and waited
         for (NCCL may hold a send until its receive is posted: rendezvous.py), then its memory actions."""

@@ -1,0 +1,50 @@
+"""The plain training step reads the device once: one device-to-host sync per step (everything the log needs,
+read together), and no pageable host-to-device copy made from Python values.
+
+Counted on CPU with the device guard's notion of host tensors (tests/dist/device_guard.py): a read of a
+tensor that was not made on the host (.item(), .tolist(), int(), float(), bool()) is a sync; so is a
+`torch.tensor(values, device=...)`, a copy from pageable memory. The CPU attention path (SDPA per
+document, which reads cu_seqlens) is left out: on a GPU the varlen kernels take max_seqlen as a host int.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+
+from megalm.training.trainer import Trainer
+from tests.conftest import compose_config
+from tests.dist.device_guard import HostTensorGuard
+
+READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
+         torch.Tensor.__bool__, torch.Tensor.__index__}
+
+
+class SyncCounter(HostTensorGuard):
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        caller = next((f for f in reversed(traceback.extract_stack()[:-1]) if "/megalm/" in f.filename), None)
+        counted = caller is not None and not caller.filename.endswith("model/attention.py")
+        if counted and func in READS and isinstance(args[0], torch.Tensor) and self.site(args[0]) is None:
+            self.syncs.append(f"{func.__name__} at {caller.filename}:{caller.lineno}")
+        if counted and func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None \
+                and not isinstance(args[0], torch.Tensor):
+            self.syncs.append(f"host copy at {caller.filename}:{caller.lineno}")
+        out = super().__torch_function__(func, types, args, kwargs)
+        if func is torch.from_numpy:  # data made on the host
+            self._tag(out, "from_numpy")
+        return out
+
+
+def test_one_host_sync_per_training_step(tmp_path):
+    trainer = Trainer(compose_config("trainer.max_steps=3"), tmp_path)
+    trainer.train_step(0)  # first-call work (caches, backend choice) is not per step
+    with SyncCounter() as counter:
+        result = trainer.train_step(1)
+    assert len(counter.syncs) == 1, counter.syncs
+    assert "trainer.py" in counter.syncs[0] and result.tokens > 0
