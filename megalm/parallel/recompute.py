@@ -43,9 +43,15 @@ for _name in ("_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
         SAVED_OPS.add(getattr(_aten, _name).default)
 
 
+# Attention kernels registered as custom ops, saved by name: torch's varlen op, flash-attn's internals
+# (flash_attn::_flash_attn_varlen_forward ...) and Transformer Engine's.
+SAVED_OP_NAMES = ("varlen_attn", "flash_attn", "fused_attn")
+
+
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op in SAVED_OPS or "c10d" in str(op):  # never re-run a collective in the recomputation
-        return CheckpointPolicy.MUST_SAVE
+    name = str(op)
+    if op in SAVED_OPS or "c10d" in name or any(part in name for part in SAVED_OP_NAMES):
+        return CheckpointPolicy.MUST_SAVE  # never re-run a collective, nor an attention kernel
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 

@@ -78,3 +78,36 @@ def test_stage_mode():
         stage_mode(["full"], 0, 2)
     with pytest.raises(ValueError, match="recompute mode"):
         apply_recompute(torch.nn.Linear(2, 2), "some")
+
+
+@torch.library.custom_op("megalm_test::fake_flash_attn_fwd", mutates_args=())
+def _fake_flash_attn(x: torch.Tensor) -> torch.Tensor:
+    return x.tanh()
+
+
+@_fake_flash_attn.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_fake_flash_attn.register_autograd(lambda ctx, grad: grad * (1 - ctx.y ** 2),
+                                   setup_context=lambda ctx, inputs, output: setattr(ctx, "y", output))
+
+
+def test_selective_keeps_attention_custom_ops():
+    """Selective recomputation saves attention kernels registered as custom ops (flash-attn's, torch's varlen,
+    TE's), matched by name, instead of running them again in the backward (full recomputation re-runs it)."""
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return _fake_flash_attn(x * 2).sum(-1, keepdim=True) * x
+
+    reruns = {}
+    for mode in ("selective", "full"):
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList([Block()])
+        apply_recompute(model, mode)
+        out = model.layers[0](torch.randn(4, 3, requires_grad=True)).sum()
+        with OpCounter() as counter:
+            out.backward()
+        reruns[mode] = sum(n for op, n in counter.ops.items() if "fake_flash_attn" in str(op))
+    assert reruns == {"selective": 0, "full": 1}
