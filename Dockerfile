@@ -1,6 +1,7 @@
-# megalm on an NGC PyTorch image (CUDA, NCCL, PyTorch and Triton included).
+# megalm on PyTorch's own CUDA image (CUDA, cuDNN, NCCL, PyTorch and Triton; devel: a compiler for Triton).
+# torch here must satisfy pyproject.toml's floor (torch>=2.9: the checkpoint API megalm uses).
 # Build: docker build -t megalm .   Run: docker run --gpus all --ipc=host -it megalm megalm-train model=125m precision=bf16
-FROM nvcr.io/nvidia/pytorch:25.01-py3
+FROM pytorch/pytorch:2.11.0-cuda12.8-cudnn9-devel
 
 WORKDIR /workspace/megalm
 COPY pyproject.toml README.md ./

@@ -47,6 +47,20 @@ from megalm.errors import CheckpointError
 from megalm.model.naming import canonical_named_parameters
 from megalm.model.shard import ShardSpec, shard_specs
 
+TORCH_FLOOR = (2, 9)  # HuggingFaceStorageWriter(save_distributed=...) first appears in torch 2.9
+
+
+def check_torch_version(version: str) -> None:
+    """Refuse a torch older than the floor pyproject.toml states, with the fix (checkpoints need its DCP API)."""
+    major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
+    if (major, minor) < TORCH_FLOOR:
+        raise ImportError(f"megalm needs torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]} (its checkpoints use "
+                          f"torch.distributed.checkpoint's Hugging Face storage), found {version}; "
+                          f"pip install 'torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}'")
+
+
+check_torch_version(torch.__version__)
+
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"

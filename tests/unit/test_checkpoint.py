@@ -136,3 +136,21 @@ def test_refuses_another_model_and_corrupt_files(tmp_path):
         ckpt.load_checkpoint(path, net, opt)
     with pytest.raises(CheckpointError, match="does not exist"):
         ckpt.resolve_checkpoint_path(tmp_path / "nope")
+
+
+def test_torch_floor_is_checked_and_matches_pyproject():
+    """The floor pyproject.toml states is the one megalm checks, and the DCP API behind it is there."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    floor = tuple(int(x) for x in re.search(r'"torch>=(\d+)\.(\d+)"', pyproject).groups())
+    assert floor == ckpt.TORCH_FLOOR
+    assert "save_distributed" in inspect.signature(HuggingFaceStorageWriter.__init__).parameters
+    ckpt.check_torch_version(torch.__version__)
+    ckpt.check_torch_version("2.9.0a0+nv25.09")
+    with pytest.raises(ImportError, match=r"torch>=2\.9.*found 2\.8\.0"):
+        ckpt.check_torch_version("2.8.0")
