@@ -255,3 +255,21 @@ def test_ring_runs_flash_attn_internals_registered_as_custom_ops(fake_flash_attn
     for got, want in zip(results["flash_attn"][1], results["reference"][1], strict=True):
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_ring_kernel_is_logged_and_the_reference_refuses_huge_blocks(caplog, monkeypatch):
+    """No silent O(T^2) fallback: the ring says which block kernel it runs, and the reference kernel refuses a
+    block whose scores would not fit, naming the fix."""
+    import logging
+
+    from megalm.parallel.context import ring
+
+    ring._log_kernel.cache_clear()
+    with caplog.at_level(logging.INFO, logger="megalm"):
+        assert block_kernel("auto", torch.device("cpu"), torch.float32) == "reference"
+    assert "ring attention block kernel: reference on cpu float32 (sdpa returns no log-sum-exp" in caplog.text
+    monkeypatch.setattr(ring, "REFERENCE_LIMIT_BYTES", 1000)
+    cu = _cu([24])
+    q, k, v = _qkv(24, 2, 2)
+    with pytest.raises(ValueError, match="O\\(T\\^2\\) reference kernel on a 24 x 24-token block"):
+        block_forward(q, k, v, cu, cu, 24, 24, True, 0.5)

@@ -29,7 +29,9 @@ torch.nn.attention.varlen uses) and `flash_attn` (the flash-attn package), both 
 
 from __future__ import annotations
 
+import functools
 import inspect
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -38,14 +40,38 @@ import torch.distributed as dist
 from megalm.model.attention import select_attention_backend, varlen_attention
 from megalm.parallel.context.zigzag import ZigzagLayout, ZigzagPlan, as_layout
 
+log = logging.getLogger("megalm")
+
 KV_TAG, DKV_TAG = 0x6B76, 0x646B  # distinct tags keep the K/V and dK/dV streams apart on one rank pair
 KERNELS = ("reference", "torch_varlen", "flash_attn")
 
 
+# The reference kernel materialises [heads, T_q, T_k] fp32 scores: past this many bytes a ring block refuses it.
+REFERENCE_LIMIT_BYTES = 2 * 2**30
+
+
 def block_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The per-block kernel for a model attention backend (auto|flash_attn|torch_varlen|sdpa|reference)."""
+    """The per-block kernel for a model attention backend (auto|flash_attn|torch_varlen|sdpa|reference).
+    Logged once per (device, dtype): the ring has no silent fallback to the O(T^2) reference."""
     resolved = select_attention_backend(backend, device, dtype)
-    return resolved if resolved in KERNELS else "reference"  # sdpa returns no log-sum-exp
+    kernel = resolved if resolved in KERNELS else "reference"  # sdpa returns no log-sum-exp
+    _log_kernel(kernel, device.type, str(dtype).removeprefix("torch."), resolved)
+    return kernel
+
+
+@functools.cache
+def _log_kernel(kernel: str, device: str, dtype: str, resolved: str) -> None:
+    why = "" if kernel == resolved else f" ({resolved} returns no log-sum-exp; bf16 on a GPU runs flash kernels)"
+    log.info("ring attention block kernel: %s on %s %s%s", kernel, device, dtype, why)
+
+
+def _check_reference_size(q: torch.Tensor, k: torch.Tensor) -> None:
+    """Refuse the O(T^2)-memory reference kernel on a block too large for it, naming the fix."""
+    size = q.shape[0] * k.shape[0] * q.shape[1] * 4
+    if size > REFERENCE_LIMIT_BYTES:
+        raise ValueError(f"ring attention would run the O(T^2) reference kernel on a {q.shape[0]} x {k.shape[0]}-token "
+                         f"block ({size / 2**30:.1f} GiB of scores); run bf16 on a GPU (flash kernels), use more CP "
+                         "ranks or a smaller model.seq_length")
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -90,6 +116,7 @@ def block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, kernel="refe
     Both in the accumulation dtype (fp32, fp64 for fp64 inputs). Rows without any key get out 0, lse -inf.
     """
     if kernel == "reference":
+        _check_reference_size(q, k)
         scores, group = _reference_scores(q, k, cu_q, cu_k, causal, scale)
         lse = torch.logsumexp(scores, dim=-1)  # [H, Tq]
         probs = torch.exp(scores - _finite(lse)[..., None])
