@@ -24,7 +24,7 @@ from torch import nn
 
 from megalm.config import MegalmConfig, PrecisionConfig
 from megalm.errors import ConfigError
-from megalm.precision import te
+from megalm.precision import fp8, te
 from megalm.precision.linear import RECIPES, apply_precision, get_recipe, set_precision_step
 
 log = logging.getLogger("megalm")
@@ -68,7 +68,10 @@ class Precision:
     def __init__(self, cfg: PrecisionConfig, seed: int, device: torch.device):
         self.cfg, self.seed, self.device = cfg, seed, device
         self.on_te = uses_transformer_engine(cfg.name, cfg.backend, device)
-        self.token_multiple = te.TE_TOKEN_MULTIPLE if self.on_te else 1
+        # FP8 GEMMs on a GPU (TE's, or torch._scaled_mm) need the token count divisible by 16: pad micro-batches
+        fp8_on_gpu = device.type == "cuda" and (cfg.name.startswith("fp8") or cfg.forward == "fp8")
+        self.token_multiple = (te.TE_TOKEN_MULTIPLE if self.on_te else fp8.SCALED_MM_TOKEN_MULTIPLE if fp8_on_gpu
+                               else 1)
         self.note = f"{cfg.name} (autocast only)" if cfg.name in ("fp32", "bf16") else cfg.name
         if device.type == "cuda":  # fp32 GEMMs on Ampere/Hopper: TF32 (10-bit mantissa) unless asked not to
             torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
@@ -93,7 +96,9 @@ class Precision:
             self.note = f"{name} on {count} linear layers (transformer_engine {type(te.te_recipe(name)).__name__})"
         else:
             states = apply_precision(chunk, get_recipe(name, forward=self.cfg.forward), skip=skip, seed=self.seed)
-            self.note = f"{name} on {len(states)} linear layers (native emulation/scaled_mm{self.fallback})"
+            fp8_gemms = name.startswith("fp8") or self.cfg.forward == "fp8"
+            path = f"FP8 GEMMs {fp8.gemm_path(self.device)}" if fp8_gemms else "MX GEMMs emulated"
+            self.note = f"{name} on {len(states)} linear layers (native: {path}{self.fallback})"
         self.note += skipped
 
     def forward_context(self) -> contextlib.AbstractContextManager:

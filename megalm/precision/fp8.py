@@ -106,6 +106,18 @@ class AmaxHistory:
 # ---------------------------------------------------------------------------------------------------
 
 
+SCALED_MM_TOKEN_MULTIPLE = 16  # torch._scaled_mm needs every GEMM dimension, the tokens too, divisible by 16
+
+
+def gemm_path(device: torch.device) -> str:
+    """Where FP8 GEMMs run on `device`, for the log: torch._scaled_mm, or the fp32 emulation and why."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"emulated in fp32 (no FP8 GEMMs on {device.type})"
+    if not hasattr(torch, "_scaled_mm") or torch.cuda.get_device_capability(device) < (8, 9):
+        return "emulated in fp32 (FP8 GEMMs need compute capability 8.9+)"
+    return "torch._scaled_mm (emulated where a dimension is not a multiple of 16, or for E5M2 x E5M2)"
+
+
 def _scaled_mm_available(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype,
                          rowwise: bool) -> bool:
     """Whether torch._scaled_mm can run a [M, K] @ b [K, N]: detected from the device, never assumed."""

@@ -461,3 +461,23 @@ def test_tf32_follows_the_config_on_cuda(tf32):
         assert torch.backends.cuda.matmul.allow_tf32 is tf32 and torch.backends.cudnn.allow_tf32 is tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_fp8_pads_micro_batches_on_a_gpu_and_says_where_its_gemms_run():
+    """torch._scaled_mm needs T % 16 == 0: on a GPU the fp8 recipes pad micro-batches to 16 tokens (they
+    emulated silently before); the log names the GEMM path (emulation on CPU)."""
+    from megalm.config import PrecisionConfig
+    from megalm.precision import Precision
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        for name, forward, multiple in (("fp8", None, 16), ("fp8_rowwise", None, 16), ("mxfp4", "fp8", 16),
+                                        ("mxfp4", None, 1), ("bf16", None, 1)):
+            gpu = Precision(PrecisionConfig(name=name, forward=forward), seed=0, device=torch.device("cuda"))
+            assert gpu.token_multiple == multiple, name
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    cpu = Precision(PrecisionConfig(name="fp8"), seed=0, device=torch.device("cpu"))
+    assert cpu.token_multiple == 1
+    cpu.convert(tiny_gpt())
+    assert "FP8 GEMMs emulated in fp32 (no FP8 GEMMs on cpu)" in cpu.note
