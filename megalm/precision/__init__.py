@@ -39,11 +39,20 @@ def transformer_engine_available() -> bool:
     return True
 
 
+def transformer_engine_problem(name: str) -> str | None:
+    """Why Transformer Engine cannot run recipe `name` here (not importable, or too old), or None."""
+    if not transformer_engine_available():
+        return "transformer_engine not importable"
+    import transformer_engine
+
+    return te.version_problem(name, str(getattr(transformer_engine, "__version__", "")))
+
+
 def uses_transformer_engine(name: str, backend: str, device: torch.device | None = None) -> bool:
-    """Whether recipe `name` under `backend` runs Transformer Engine's layers: te requested, TE importable,
-    and (when `device` is given) a CUDA device — TE has no CPU kernels."""
+    """Whether recipe `name` under `backend` runs Transformer Engine's layers: te requested, a TE that runs
+    the recipe, and (when `device` is given) a CUDA device — TE has no CPU kernels."""
     on_gpu = device is None or torch.device(device).type in te.TE_DEVICES
-    return backend == "te" and name in te.TE_RECIPES and on_gpu and transformer_engine_available()
+    return backend == "te" and name in te.TE_RECIPES and on_gpu and transformer_engine_problem(name) is None
 
 
 @contextlib.contextmanager
@@ -79,7 +88,7 @@ class Precision:
             log.info("fp32 matmuls on %s: %s (precision.tf32=%s)", device, "TF32" if cfg.tf32 else "full fp32",
                      str(cfg.tf32).lower())
         if cfg.backend == "te" and not self.on_te:
-            why = "transformer_engine not importable" if not transformer_engine_available() else "no CUDA device"
+            why = transformer_engine_problem(cfg.name) or "no CUDA device"
             log.warning("precision.backend=te but %s; running the native %s path", why, cfg.name)
             self.fallback = f", {why}"
         else:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import logging
+import re
 
 import torch
 from torch import nn
@@ -36,6 +37,18 @@ TE_RECIPES = ("fp8", "fp8_delayed")
 TE_DEVICES = ("cuda",)  # TE has no CPU kernels (tests with a stand-in TE add "cpu")
 TE_TOKEN_MULTIPLE = 16  # TE's FP8 GEMMs need every dimension divisible by 16: the trainer pads micro-batches
 AMAX_HISTORY = 16
+TE_MIN_VERSION = {"fp8": (2, 2)}  # Float8CurrentScaling first shipped in TE 2.2; DelayedScaling is older
+
+
+def version_problem(name: str, version: str) -> str | None:
+    """Why TE `version` cannot run recipe `name` (with the fix), or None when it can."""
+    need = TE_MIN_VERSION.get(name)
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if need is None or (found and (int(found[1]), int(found[2])) >= need):
+        return None
+    floor = f"{need[0]}.{need[1]}"
+    return (f"transformer_engine {version or '(no __version__)'} has no Float8CurrentScaling (TE >= {floor}; "
+            f"pip install 'transformer-engine>={floor}' or use precision=fp8_delayed)")
 
 
 def te_recipe(name: str):

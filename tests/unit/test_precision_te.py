@@ -20,6 +20,7 @@ from torch import nn
 from megalm.errors import ConfigError
 from megalm.parallel.dims import ParallelDims, ParallelMesh
 from megalm.precision import transformer_engine_available
+from megalm.precision.te import version_problem
 from megalm.training.trainer import Trainer
 from megalm.training.validation import validate_run
 
@@ -61,6 +62,7 @@ def fake_te(monkeypatch):
     recipe.DelayedScaling = type("DelayedScaling", (_Recipe,), {})
     recipe.Float8CurrentScaling = type("Float8CurrentScaling", (_Recipe,), {})
     root.pytorch, root.common, common.recipe = pytorch, common, recipe
+    root.__version__ = "2.8.0+cu128"
     for name, module in (("transformer_engine", root), ("transformer_engine.pytorch", pytorch),
                          ("transformer_engine.common", common), ("transformer_engine.common.recipe", recipe)):
         monkeypatch.setitem(sys.modules, name, module)
@@ -112,6 +114,27 @@ def test_te_backend_on_cpu_runs_the_native_path(fake_te, make_config, tmp_path, 
     trainer = one_process(make_config, tmp_path, "cpu", "precision=fp8", "precision.backend=te")
     assert "no CUDA device" in trainer.precision.note
     assert not any(isinstance(m, fake_te["Linear"]) for m in trainer.model.modules())
+
+
+def test_te_too_old_for_current_scaling_runs_the_native_path_and_names_the_fix(fake_te, make_config, tmp_path,
+                                                                             monkeypatch, caplog):
+    monkeypatch.setattr(sys.modules["transformer_engine"], "__version__", "2.1.0")
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        trainer = one_process(make_config, tmp_path, "old", "precision=fp8", "precision.backend=te")
+    assert not any(isinstance(m, fake_te["Linear"]) for m in trainer.model.modules())
+    warning = [r.getMessage() for r in caplog.records if "precision.backend=te" in r.getMessage()]
+    assert len(warning) == 1 and "2.1.0 has no Float8CurrentScaling" in warning[0]
+    assert "transformer-engine>=2.2" in warning[0] and "running the native fp8 path" in warning[0]
+    # DelayedScaling is older than 2.2: the same TE still runs fp8_delayed
+    delayed = one_process(make_config, tmp_path, "delayed", "precision=fp8_delayed", "precision.backend=te")
+    assert any(isinstance(m, fake_te["Linear"]) for m in delayed.model.modules())
+
+
+@pytest.mark.parametrize("version, ok", [("2.2.0", True), ("2.10.1+cu12", True), ("3.0", True), ("2.1.0", False),
+                                         ("1.13.0", False), ("", False)])
+def test_te_version_floor_for_current_scaling(version, ok):
+    assert (version_problem("fp8", version) is None) == ok
+    assert version_problem("fp8_delayed", version) is None
 
 
 @pytest.mark.parametrize("overrides, message", [
