@@ -115,7 +115,8 @@ def gemm_path(device: torch.device) -> str:
         return f"emulated in fp32 (no FP8 GEMMs on {device.type})"
     if not hasattr(torch, "_scaled_mm") or torch.cuda.get_device_capability(device) < (8, 9):
         return "emulated in fp32 (FP8 GEMMs need compute capability 8.9+)"
-    return "torch._scaled_mm (emulated where a dimension is not a multiple of 16, or for E5M2 x E5M2)"
+    return ("torch._scaled_mm (emulated where a dimension is not a multiple of 16, for E5M2 x E5M2, "
+            "and for E5M2 under per-row scales)")
 
 
 def _scaled_mm_available(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype,

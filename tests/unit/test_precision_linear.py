@@ -481,3 +481,26 @@ def test_fp8_pads_micro_batches_on_a_gpu_and_says_where_its_gemms_run():
     assert cpu.token_multiple == 1
     cpu.convert(tiny_gpt())
     assert "FP8 GEMMs emulated in fp32 (no FP8 GEMMs on cpu)" in cpu.note
+
+
+@pytest.mark.parametrize("a_dtype, b_dtype, rowwise, shape, on_hardware", [
+    (fp8.E4M3, fp8.E4M3, False, (32, 64, 48), True),
+    (fp8.E5M2, fp8.E4M3, False, (32, 64, 48), True),  # per-tensor dgrad: E5M2 x E4M3 has a kernel
+    (fp8.E5M2, fp8.E5M2, False, (32, 64, 48), False),  # no E5M2 x E5M2 kernel
+    (fp8.E4M3, fp8.E4M3, True, (32, 64, 48), True),
+    (fp8.E5M2, fp8.E4M3, True, (32, 64, 48), False),  # fp8_rowwise never runs E5M2 on _scaled_mm
+    (fp8.E4M3, fp8.E5M2, True, (32, 64, 48), False),
+    (fp8.E4M3, fp8.E4M3, False, (30, 64, 48), False),  # tokens not a multiple of 16
+])
+def test_which_fp8_gemms_run_on_scaled_mm(monkeypatch, a_dtype, b_dtype, rowwise, shape, on_hardware):
+    """The dispatch rule on a (faked) Hopper GPU: every other case is emulated, never sent to a kernel
+    that would refuse it or lose precision."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    m, k, n = shape
+    a = SimpleNamespace(device=torch.device("cuda"), shape=(m, k))
+    b = SimpleNamespace(device=torch.device("cuda"), shape=(k, n))
+    assert fp8._scaled_mm_available(a, b, a_dtype, b_dtype, rowwise) == on_hardware
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # A100: no FP8 GEMMs
+    assert not fp8._scaled_mm_available(a, b, a_dtype, b_dtype, rowwise)
