@@ -70,11 +70,17 @@ def _all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
-def _reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
+def _sp_shards(x: torch.Tensor, group: Group) -> int:
+    """The number of sequence shards of `x` along tokens (tp), refusing a token count they do not divide."""
     size = tp_world_size(group)
     if x.shape[0] % size:
         raise ValueError(f"sequence parallelism needs the token count ({x.shape[0]}) to be a multiple of tp={size}; "
                          "pad the batch with megalm.data.batch.pad_to_multiple")
+    return size
+
+
+def _reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
+    size = _sp_shards(x, group)
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
     reduce_scatter_flat(out, x, group=group)
@@ -82,11 +88,7 @@ def _reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def _own_chunk_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
-    size = tp_world_size(group)
-    if x.shape[0] % size:
-        raise ValueError(f"sequence parallelism needs the token count ({x.shape[0]}) to be a multiple of tp={size}; "
-                         "pad the batch with megalm.data.batch.pad_to_multiple")
-    return x.chunk(size, dim=0)[tp_rank(group)].contiguous()
+    return x.chunk(_sp_shards(x, group), dim=0)[tp_rank(group)].contiguous()
 
 
 # ---------------------------------------------------------------------------------------------------
