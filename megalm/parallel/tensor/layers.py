@@ -37,14 +37,15 @@ from megalm.parallel.tensor.comm import (
 )
 
 
-def _sliced_param(source: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
-    """A parameter holding this rank's slice of `source` (a copy; meta stays meta)."""
+def _take_params(source: nn.Module, layer: nn.Module) -> None:
+    """Give `layer` copies of `source`'s own parameters: this rank's slice where `layer.shard_specs`
+    declares one, the whole tensor otherwise (meta stays meta); and keep a precision recipe /
+    weight-gradient sink already installed on `source`."""
     with torch.no_grad():
-        return nn.Parameter(spec.shard(source.detach()).clone(), requires_grad=source.requires_grad)
-
-
-def _copy_hooks(source: nn.Module, layer: LinearHooks) -> None:
-    """Keep a precision recipe / weight-gradient sink already installed on the layer being sharded."""
+        for name, value in source.named_parameters(recurse=False):
+            spec = layer.shard_specs.get(name)
+            local = spec.shard(value.detach()) if spec is not None else value.detach()
+            setattr(layer, name, nn.Parameter(local.clone(), requires_grad=value.requires_grad))
     for hook in ("gemm_recipe", "weight_grad_sink"):
         if hook in source.__dict__:
             setattr(layer, hook, source.__dict__[hook])
@@ -96,10 +97,7 @@ class ColumnParallelLinear(LinearHooks, nn.Module):
         """The column-parallel shard of `source` (its current values are sliced, meta stays meta)."""
         layer = cls(source.in_features, source.out_features, source.bias is not None, group=group,
                     device="meta", **kwargs)
-        layer.weight = _sliced_param(source.weight, layer.shard_specs["weight"])
-        if source.bias is not None:
-            layer.bias = _sliced_param(source.bias, layer.shard_specs["bias"])
-        _copy_hooks(source, layer)
+        _take_params(source, layer)
         return layer
 
     def _synced(self, param: torch.Tensor) -> torch.Tensor:
@@ -154,11 +152,7 @@ class RowParallelLinear(LinearHooks, nn.Module):
         """The row-parallel shard of `source` (its current values are sliced, meta stays meta)."""
         layer = cls(source.in_features, source.out_features, source.bias is not None, group=group,
                     device="meta", **kwargs)
-        layer.weight = _sliced_param(source.weight, layer.shard_specs["weight"])
-        if source.bias is not None:
-            with torch.no_grad():
-                layer.bias = nn.Parameter(source.bias.detach().clone(), requires_grad=source.bias.requires_grad)
-        _copy_hooks(source, layer)
+        _take_params(source, layer)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -209,7 +203,7 @@ class VocabParallelEmbedding(nn.Module):
     def from_embedding(cls, embedding: nn.Embedding, group: Group, **kwargs) -> VocabParallelEmbedding:
         """The vocab shard of `embedding` (its current values are sliced, meta stays meta)."""
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, group=group, device="meta", **kwargs)
-        layer.weight = _sliced_param(embedding.weight, layer.shard_specs["weight"])
+        _take_params(embedding, layer)
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
