@@ -39,8 +39,10 @@ def transformer_engine_available() -> bool:
     return True
 
 
+@functools.cache
 def transformer_engine_problem(name: str) -> str | None:
-    """Why Transformer Engine cannot run recipe `name` here (not importable, or too old), or None."""
+    """Why Transformer Engine cannot run recipe `name` here (not importable, or too old), or None. Cached:
+    `autocast` asks before every forward."""
     if not transformer_engine_available():
         return "transformer_engine not importable"
     import transformer_engine

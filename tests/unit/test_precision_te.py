@@ -19,7 +19,7 @@ from torch import nn
 
 from megalm.errors import ConfigError
 from megalm.parallel.dims import ParallelDims, ParallelMesh
-from megalm.precision import transformer_engine_available
+from megalm.precision import transformer_engine_available, transformer_engine_problem
 from megalm.precision.te import version_problem
 from megalm.training.trainer import Trainer
 from megalm.training.validation import validate_run
@@ -67,10 +67,12 @@ def fake_te(monkeypatch):
                          ("transformer_engine.common", common), ("transformer_engine.common.recipe", recipe)):
         monkeypatch.setitem(sys.modules, name, module)
     transformer_engine_available.cache_clear()
+    transformer_engine_problem.cache_clear()
     monkeypatch.setattr("megalm.precision.te.TE_DEVICES", ("cuda", "cpu"))  # the stand-in runs on CPU
     state["Linear"] = Linear
     yield state
     transformer_engine_available.cache_clear()
+    transformer_engine_problem.cache_clear()
 
 
 def one_process(make_config, tmp_path, name, *overrides):
@@ -100,6 +102,7 @@ def test_te_backend_swaps_linears_and_runs_every_forward_under_its_recipe(fake_t
 
 def test_te_backend_without_te_runs_the_native_path_and_says_so(make_config, tmp_path, caplog):
     transformer_engine_available.cache_clear()
+    transformer_engine_problem.cache_clear()
     if transformer_engine_available():
         pytest.skip("transformer_engine is installed here")
     with caplog.at_level(logging.WARNING, logger="megalm"):
