@@ -25,7 +25,7 @@ from torch import nn
 from megalm.config import MegalmConfig, PrecisionConfig
 from megalm.errors import ConfigError
 from megalm.precision import fp8, te
-from megalm.precision.linear import RECIPES, apply_precision, get_recipe, set_precision_step
+from megalm.precision.linear import RECIPES, apply_precision, get_recipe, mx_gemm_path, set_precision_step
 
 log = logging.getLogger("megalm")
 
@@ -108,7 +108,9 @@ class Precision:
         else:
             states = apply_precision(chunk, get_recipe(name, forward=self.cfg.forward), skip=skip, seed=self.seed)
             fp8_gemms = name.startswith("fp8") or self.cfg.forward == "fp8"
-            path = f"FP8 GEMMs {fp8.gemm_path(self.device)}" if fp8_gemms else "MX GEMMs emulated"
+            paths = [f"FP8 GEMMs {fp8.gemm_path(self.device)}"] * fp8_gemms
+            paths += [f"MX GEMMs {mx_gemm_path(self.device)}"] * name.startswith("mx")
+            path = "; ".join(paths)
             self.note = f"{name} on {len(states)} linear layers (native: {path}{self.fallback})"
         self.note += skipped
 

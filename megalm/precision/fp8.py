@@ -17,13 +17,17 @@ for gradients. Where amax comes from:
     rowwise  one scale per row of an operand along the GEMM's reduction dim K (DeepSeek-V3 style
              fine-grained scaling, coarser): outliers only hurt their own row.
 
-`scaled_mm(a, b, ...)` computes a @ b from the quantized operands. On a CUDA GPU of compute
-capability 8.9+ (Ada, Hopper, Blackwell) with dimensions that are multiples of 16 it calls
-torch._scaled_mm; everywhere else it emulates: cast to the torch float8 dtype and back (which rounds
-exactly like the hardware cast), then an fp32 matmul. The two differ only in summation order.
+`quantize(x, dtype, scale)` casts (on CUDA in one fused kernel straight from bf16, never through an fp32
+copy), and `scaled_mm(qa, qb, ...)` multiplies the FP8 operands. On a CUDA GPU of compute capability 8.9+
+(Ada, Hopper, Blackwell) with dimensions that are multiples of 16 it calls torch._scaled_mm; everywhere
+else it emulates: dequantize (exact) and an fp32 matmul. The two differ only in summation order; the FP8
+values are the same, since torch's cast to float8 rounds like the hardware's.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 
@@ -63,10 +67,32 @@ def rowwise_scale(x: torch.Tensor, dtype: torch.dtype, dim: int = -1) -> torch.T
     return scale_from_amax(x.detach().abs().amax(dim=dim, keepdim=True), dtype)
 
 
+def _quantize_math(x: torch.Tensor, scale: torch.Tensor, limit: float, dtype: torch.dtype) -> torch.Tensor:
+    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+@functools.cache
+def _quantize_fused() -> Callable[..., torch.Tensor]:
+    """`_quantize_math` compiled by torch.compile (once per process; dtype and limit are constants of the
+    graph): one kernel that reads x in its own dtype (bf16 activations and gradients), multiplies and clamps
+    in fp32 registers and writes FP8, where eager PyTorch would write an fp32 copy of x first. It computes
+    the same values bit for bit (tests/unit/test_precision_weight_cache.py compiles it on CPU and compares).
+    Its variants: x dtype (fp32, bf16, fp16) x FP8 dtype x scale shape (per tensor, per row, per column):
+    up to 18 graphs, past dynamo's default of 8 recompiles per function, so the limit is raised to hold them."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 24)
+    return torch.compile(_quantize_math, dynamic=True, fullgraph=True)
+
+
 def quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
-    """x -> FP8 tensor of x * scale, saturated to +-max, rounded to nearest even."""
-    limit = fp8_max(dtype)
-    return (x.float() * scale).clamp_(-limit, limit).to(dtype)
+    """x -> FP8 tensor of x * scale (in fp32), saturated to +-max, rounded to nearest even.
+
+    On CUDA one fused kernel straight from x's dtype (no fp32 copy of a bf16 x in memory); elsewhere eager
+    PyTorch, the reference. The fused kernel is compiled once per (x dtype, FP8 dtype): x contiguous and the
+    scale as many dims as x (a 0-dim scale is viewed as [1, 1]) so that layouts do not multiply its variants."""
+    if not x.is_cuda:
+        return _quantize_math(x, scale, fp8_max(dtype), dtype)
+    scale = scale.reshape([1] * x.dim()) if scale.dim() == 0 else scale
+    return _quantize_fused()(x.contiguous(), scale, fp8_max(dtype), dtype)
 
 
 def quantize_dequantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
@@ -133,31 +159,23 @@ def _scaled_mm_available(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype,
     return not rowwise or (a_dtype == E4M3 and b_dtype == E4M3)
 
 
-def _scaled_mm_cuda(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
-                    a_dtype: torch.dtype, b_dtype: torch.dtype, rowwise: bool) -> torch.Tensor:
-    """The hardware path: row-major a_fp8 [M, K] times column-major b_fp8 [K, N], each scaled back by its
+def _scaled_mm_cuda(qa: torch.Tensor, qb: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                    rowwise: bool) -> torch.Tensor:
+    """The hardware path: row-major qa [M, K] times column-major qb [K, N], each scaled back by its
     inverse scale (0-dim per tensor; [M, 1] and [1, N] per row, which needs a bf16 output)."""
-    qa = quantize(a, a_dtype, a_scale).contiguous()
-    qb = quantize(b, b_dtype, b_scale).t().contiguous().t()
-    inv_a, inv_b = a_scale.float().reciprocal(), b_scale.float().reciprocal()
+    inv_a = a_scale.float().reciprocal().contiguous()
+    inv_b = b_scale.float().reciprocal().contiguous()
     out_dtype = torch.bfloat16 if rowwise else torch.float32
-    return torch._scaled_mm(qa, qb, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype).float()
+    return torch._scaled_mm(qa.contiguous(), qb.t().contiguous().t(), scale_a=inv_a, scale_b=inv_b,
+                            out_dtype=out_dtype).float()
 
 
-def scaled_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_scale: torch.Tensor,
-    b_scale: torch.Tensor,
-    a_dtype: torch.dtype = E4M3,
-    b_dtype: torch.dtype = E4M3,
-) -> torch.Tensor:
-    """a [M, K] @ b [K, N] -> fp32 [M, N], both operands cast to FP8 (torch._scaled_mm's convention).
-
-    Scales multiply before the cast: 0-dim tensors (per tensor), or a_scale [M, 1] and b_scale [1, N]
-    (per row of a and per column of b, i.e. one scale per K-vector).
-    """
+def scaled_mm(qa: torch.Tensor, qb: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+    """qa [M, K] @ qb [K, N] -> fp32 [M, N] for FP8 operands quantized with these scales (`quantize`):
+    0-dim tensors (per tensor), or a_scale [M, 1] and b_scale [1, N] (per row of a and per column of b,
+    i.e. one scale per K-vector). torch._scaled_mm where the device and shapes allow, else the emulation:
+    dequantize exactly and multiply in fp32 (the two differ only in summation order)."""
     rowwise = a_scale.numel() > 1 or b_scale.numel() > 1
-    if _scaled_mm_available(a, b, a_dtype, b_dtype, rowwise):
-        return _scaled_mm_cuda(a, b, a_scale, b_scale, a_dtype, b_dtype, rowwise)
-    return quantize_dequantize(a, a_dtype, a_scale) @ quantize_dequantize(b, b_dtype, b_scale)
+    if _scaled_mm_available(qa, qb, qa.dtype, qb.dtype, rowwise):
+        return _scaled_mm_cuda(qa, qb, a_scale, b_scale, rowwise)
+    return (qa.float() / a_scale) @ (qb.float() / b_scale)

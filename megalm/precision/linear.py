@@ -29,9 +29,19 @@ Recipes (`get_recipe(name)`; fprop / dgrad / wgrad):
     mxfp4_sr     ablation: stochastic rounding only
     mxfp4_rht    ablation: RHT only, round to nearest
 
-Everything runs as an fp32 emulation (round operands to the format, dequantize, fp32 matmul), on any
-device; FP8 GEMMs call torch._scaled_mm on a GPU that has FP8 units (see megalm.precision.fp8).
-Bias and its gradient stay fp32. Under torch.autocast the output has the autocast dtype, as F.linear's.
+Where the GEMMs run (the log says which; Precision.note):
+    CPU          the reference: round operands to the format, dequantize, fp32 matmul
+    CUDA, bf16   a bf16 GEMM with fp32 accumulation and output (`mm_bf16`)
+    CUDA, FP8    operands cast to FP8 in one fused kernel straight from bf16, then torch._scaled_mm on
+                 compute capability 8.9+ (see megalm.precision.fp8)
+    CUDA, MX     the Triton quantizer (RHT, E8M0 scales, rounding in one pass; megalm.precision.kernels)
+                 writes the dequantized operands in bf16, where MX values are exact (the 3/4 prescale of
+                 stochastic rounding stays in them and is divided out of the output), and a bf16 GEMM
+                 with fp32 output; the same values as the reference for round-to-nearest, stochastic
+                 rounding with Philox draws instead of torch's generator (tests/unit/test_mx_gemm_fused.py)
+A weight's FP8 copy is made once per optimizer step and reused by every micro-batch (and by fprop and
+dgrad under per-tensor scales): `LinearState.quantized_weight`. Bias and its gradient stay fp32. Under
+torch.autocast the output has the autocast dtype, as F.linear's.
 
 Measured error (tests/unit/test_precision_linear.py; CPU, torch 2.13): relative Frobenius error
 ||C - C_exact|| / ||C_exact|| of each GEMM against fp64, x [512, 256], W [256, 256], dy [512, 256];
@@ -91,19 +101,25 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import hashlib
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megalm.model.linear import LinearHooks, linear, linear_modules
 from megalm.model.naming import canonical_named_modules, model_chunks
 from megalm.precision import fp8
 from megalm.precision.hadamard import random_signs, rht
-from megalm.precision.mx import mx_quantize_dequantize
+from megalm.precision.kernels.mx_triton import BLOCK_SIZE, RHT_BLOCK, mx_quantize_triton, triton_available
+from megalm.precision.mx import mx_quantize_dequantize, resolve_prescale
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -213,6 +229,26 @@ def gemm_generator(seed: int, gemm: str, device: torch.device | str) -> torch.Ge
     return torch.Generator(device=device).manual_seed(hash_seed(seed, gemm))
 
 
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(*_: object) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+@functools.cache
+def _watch_optimizer_steps() -> None:
+    register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+def _weights_version() -> int:
+    """How many optimizer steps ran in this process (any torch optimizer: a global post-step hook,
+    registered on first use): cached quantized weights are valid within one such version."""
+    _watch_optimizer_steps()
+    return _optimizer_steps
+
+
 class LinearState:
     """What a layer's recipe remembers between calls: its seed stream and FP8 amax histories.
 
@@ -224,6 +260,18 @@ class LinearState:
         self.name, self.seed = name, seed
         self.step, self.micro_batch, self.calls = 0, 0, 0
         self.amax = {tensor: fp8.AmaxHistory(amax_history_len) for tensor in ("x", "w", "dy")}
+        self.weights: dict[tuple, tuple[tuple, Fp8Operand]] = {}
+
+    def quantized_weight(self, key: tuple, weight: torch.Tensor, make: Callable[[], Fp8Operand]) -> Fp8Operand:
+        """The weight's FP8 copy `key` (format, K dim), made once per optimizer step: every micro-batch of a
+        step, and fprop and dgrad under per-tensor scales, reuse it (Transformer Engine's FP8 weight cache).
+        Valid while no optimizer stepped (fused AdamW updates in place without bumping version counters)
+        and the weight's storage and version counter (any other in-place write) are the same."""
+        token = (_weights_version(), weight.data_ptr(), weight._version)
+        cached = self.weights.get(key)
+        if cached is None or cached[0] != token:
+            cached = self.weights[key] = (token, make())
+        return cached[1]
 
     def set_step(self, step: int, micro_batch: int = 0) -> None:
         self.step, self.micro_batch, self.calls = step, micro_batch, 0
@@ -269,8 +317,68 @@ def _fp8_tensor_scale(
     return cache[key]
 
 
-def _bf16(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.bfloat16).float()
+Fp8Operand = tuple[torch.Tensor, torch.Tensor]  # (FP8 tensor in the operand's own layout, its scale)
+
+
+def fp8_operand(spec: GemmSpec, t: torch.Tensor, k_dim: int, fmt: str, scale: torch.Tensor | None = None
+                ) -> Fp8Operand:
+    """t quantized to FP8 for a GEMM whose K is t's dim `k_dim`: per-row scales along K (spec.scaling
+    row), else the given per-tensor scale (None: t's current amax). Kept in t's layout: transposing an
+    FP8 tensor is a view, and the scale (0-dim, or size 1 along K) transposes with it."""
+    dtype = fp8.fp8_dtype(fmt)
+    if spec.scaling == "row":
+        scale = fp8.rowwise_scale(t, dtype, dim=k_dim)
+    elif scale is None:
+        scale = fp8.tensor_scale(t, dtype)
+    return fp8.quantize(t, dtype, scale), scale
+
+
+def mx_gemm_fused(device: torch.device) -> bool:
+    """Whether MX GEMMs on `device` run fused: the Triton quantizer (RHT, scale, rounding in one pass) and
+    a bf16 GEMM of the dequantized operands. On CUDA with triton; elsewhere the PyTorch reference."""
+    return device.type == "cuda" and triton_available(device)
+
+
+def mx_gemm_path(device: torch.device) -> str:
+    """Where MX GEMMs run on `device`, for the log."""
+    if mx_gemm_fused(device):
+        return "Triton quantizer + bf16 GEMM"
+    why = "triton is not importable" if device.type == "cuda" else f"no fused kernels on {device.type}"
+    return f"emulated in fp32 ({why})"
+
+
+@functools.cache
+def _mm_out_dtype_missing() -> bool:
+    """torch.mm(..., out_dtype=) (bf16 operands, fp32 output) is missing from this torch: logged once."""
+    if hasattr(torch.ops.aten.mm, "dtype"):
+        return False
+    log.warning("this torch has no torch.mm(out_dtype=): bf16 GEMMs with fp32 output run as fp32 matmuls of the "
+                "bf16 values (same values, slower); upgrade torch for the bf16 GEMM")
+    return True
+
+
+def mm_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [K, N] for operands whose values are exact in bf16: a bf16 GEMM with fp32 accumulation
+    and fp32 output on CUDA; the same product as an fp32 matmul elsewhere (the reference)."""
+    if a.is_cuda and not _mm_out_dtype_missing():
+        return torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16), out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def _mx_gemm_triton(spec: GemmSpec, a: torch.Tensor, a_dim: int, b: torch.Tensor, b_dim: int,
+                    signs: torch.Tensor | None, seed: int) -> torch.Tensor:
+    """The fused MX GEMM: each operand, as [rows, K] (a transposed view where K is dim 0), goes through the
+    Triton quantizer (RHT, E8M0 scale, rounding) to bf16 values q * 2^s (exact: the prescale of stochastic
+    rounding is left in), then one bf16 GEMM; the two prescales are divided out of its output."""
+    rows_k = lambda t, k_dim: t if k_dim == t.dim() - 1 else t.t()
+    prescale = resolve_prescale(None, spec.rounding, spec.scaling)
+    quantized = [
+        mx_quantize_triton(rows_k(t, k_dim), fmt, spec.rounding, spec.scaling, signs, hash_seed(seed, operand),
+                           out_dtype=torch.bfloat16, divide_prescale=False)
+        for t, k_dim, fmt, operand in ((a, a_dim, spec.a_format, "a"), (b, b_dim, spec.b_format, "b"))
+    ]
+    out = mm_bf16(quantized[0], quantized[1].t())
+    return out if prescale == 1.0 else out * (1.0 / prescale**2)
 
 
 def gemm(
@@ -282,31 +390,36 @@ def gemm(
     generator: torch.Generator | None = None,
     a_scale: torch.Tensor | None = None,
     b_scale: torch.Tensor | None = None,
+    *,
+    seed: int | None = None,
+    b_fp8: Fp8Operand | None = None,
 ) -> torch.Tensor:
     """fp32 product of 2-D a and b contracted over their K dims: a's `a_dim` and b's `b_dim` (0 or 1).
 
     Each operand is quantized along its K dim as `spec` says, with no transposed copies: blocks run
-    along whichever dim K is. a_scale / b_scale: per-tensor FP8 scales (None: computed here).
+    along whichever dim K is. a_scale / b_scale: per-tensor FP8 scales (None: computed here); b_fp8: b
+    already quantized (a weight's cached FP8 copy). MX: RHT signs from `generator`; on CUDA the fused
+    path draws its stochastic rounding from `seed` (Triton's Philox), the reference from `generator`.
     """
     as_a = (lambda t: t) if a_dim == 1 else (lambda t: t.t())  # -> [M, K]
     as_b = (lambda t: t) if b_dim == 0 else (lambda t: t.t())  # -> [K, N]
-    a, b = a.float(), b.float()  # bf16 activations / gradients under autocast
     if spec.kind == "fp32":
-        return as_a(a) @ as_b(b)
+        return as_a(a.float()) @ as_b(b.float())
     if spec.kind == "bf16":
-        return as_a(_bf16(a)) @ as_b(_bf16(b))
+        return mm_bf16(as_a(a.to(torch.bfloat16)), as_b(b.to(torch.bfloat16)))
     if spec.kind == "fp8":
-        a_dtype, b_dtype = fp8.fp8_dtype(spec.a_format), fp8.fp8_dtype(spec.b_format)
-        ma, mb = as_a(a), as_b(b)
-        if spec.scaling == "row":
-            a_scale, b_scale = fp8.rowwise_scale(ma, a_dtype, dim=1), fp8.rowwise_scale(mb, b_dtype, dim=0)
-        else:
-            a_scale = fp8.tensor_scale(a, a_dtype) if a_scale is None else a_scale
-            b_scale = fp8.tensor_scale(b, b_dtype) if b_scale is None else b_scale
-        return fp8.scaled_mm(ma, mb, a_scale, b_scale, a_dtype, b_dtype)
+        qa, sa = fp8_operand(spec, a, a_dim, spec.a_format, a_scale)
+        qb, sb = b_fp8 if b_fp8 is not None else fp8_operand(spec, b, b_dim, spec.b_format, b_scale)
+        return fp8.scaled_mm(as_a(qa), as_b(qb), as_a(sa) if sa.dim() else sa, as_b(sb) if sb.dim() else sb)
     if spec.kind == "mx":
+        signs = random_signs(spec.rht_block, generator, a.device) if spec.rht else None
+        if mx_gemm_fused(a.device) and (spec.block_size, spec.rht_block) == (BLOCK_SIZE, RHT_BLOCK):
+            if seed is None:  # a standalone call: one draw from the generator (a host sync; GEMMs of a layer pass it)
+                seed = int(torch.randint(2**62, (), generator=generator, device=generator.device).item()) \
+                    if generator is not None else 0
+            return _mx_gemm_triton(spec, a, a_dim, b, b_dim, signs, seed)
+        a, b = a.float(), b.float()  # the reference works in fp32
         if spec.rht:
-            signs = random_signs(spec.rht_block, generator, a.device)
             a, b = rht(a, signs, a_dim, spec.rht_block), rht(b, signs, b_dim, spec.rht_block)
         qa = mx_quantize_dequantize(a, spec.a_format, spec.block_size, a_dim, spec.rounding, spec.scaling, generator)
         qb = mx_quantize_dequantize(b, spec.b_format, spec.block_size, b_dim, spec.rounding, spec.scaling, generator)
@@ -349,9 +462,16 @@ class RecipeGemms:
     def _run(self, spec: GemmSpec, gemm_name: str, call: _Call, a: torch.Tensor, a_name: str, a_dim: int,
              b: torch.Tensor, b_name: str, b_dim: int) -> torch.Tensor:
         a_scale = _fp8_tensor_scale(spec, a_name, a, spec.a_format, self.state, call.scales)
-        b_scale = _fp8_tensor_scale(spec, b_name, b, spec.b_format, self.state, call.scales)
+        b_fp8 = b_scale = None
+        if spec.kind == "fp8" and b_name == "w" and self.state is not None:
+            fmt = spec.b_format
+            make = lambda: fp8_operand(spec, b, b_dim, fmt, _fp8_tensor_scale(spec, "w", b, fmt, self.state, {}))
+            b_fp8 = self.state.quantized_weight((fmt, b_dim if spec.scaling == "row" else None), b, make)
+        else:
+            b_scale = _fp8_tensor_scale(spec, b_name, b, spec.b_format, self.state, call.scales)
         generator = gemm_generator(call.seed, gemm_name, a.device) if spec.random else None
-        return gemm(spec, a, a_dim, b, b_dim, generator, a_scale, b_scale)
+        seed = hash_seed(call.seed, gemm_name) if spec.random else None
+        return gemm(spec, a, a_dim, b, b_dim, generator, a_scale, b_scale, seed=seed, b_fp8=b_fp8)
 
     def fprop(self, call: _Call, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._run(self.recipe.fprop, "fprop", call, x, "x", 1, weight, "w", 1)

@@ -397,10 +397,13 @@ signature = {"x_ptr": "*i16", "signs_ptr": "*fp32", "out_ptr": "*i16", "codes_pt
              "M": "i32", "K": "i32", "K_OUT": "i32", "N_BLOCKS": "i32", "stride_xm": "i32", "stride_xk": "i32",
              "stride_om": "i32", "stride_cm": "i32", "stride_sm": "i32", "seed": "i64", "prescale": "fp32"}
 for arch in (90, 100):
-    for packed in (False, True):  # the mxfp4 recipe: bf16 in, RHT on the tensor cores, SR, floor scales
+    # the mxfp4 recipe: bf16 in, RHT on the tensor cores, SR, floor scales; dequantized with and without the
+    # prescale divided out (training's GEMMs leave it in), and packed
+    for packed, divide in ((False, True), (False, False), (True, False)):
         constexprs = dict(EBITS=f.ebits, MBITS=f.mbits, EMAX=f.emax, EMIN=f.emin, BIAS=f.bias, MAXV=f.max,
                           POW2_EMAX=2.0**f.emax, POW2_EMIN=2.0**f.emin, CEIL=False, STOCHASTIC=True,
-                          HAS_PRESCALE=True, HAS_RHT=True, IN_BF16=True, OUT_BF16=not packed, DOT_LOW=True,
+                          HAS_PRESCALE=True, DIVIDE_PRESCALE=divide, HAS_RHT=True, IN_BF16=True,
+                          OUT_BF16=not packed, DOT_LOW=True,
                           PACKED=packed, FP4=True, BLOCK_M=64)
         sig = {**signature, **{name: "constexpr" for name in constexprs}}
         src = ASTSource(fn=kernel, signature=sig,

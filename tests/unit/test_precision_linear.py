@@ -194,7 +194,9 @@ def test_fp8_helpers():
     a, b = torch.randn(32, 48), torch.randn(48, 16)
     sa, sb = fp8.tensor_scale(a, E4M3), fp8.rowwise_scale(b, E4M3, dim=0)
     assert sb.shape == (1, 16)
-    assert close(fp8.scaled_mm(a, b, sa, sb), fp8_qdq(a, E4M3, a.abs().max()) @ fp8_qdq(b, E4M3, b.abs().amax(0)))
+    qa, qb = fp8.quantize(a, E4M3, sa), fp8.quantize(b, E4M3, sb)
+    assert qa.dtype == qb.dtype == E4M3
+    assert close(fp8.scaled_mm(qa, qb, sa, sb), fp8_qdq(a, E4M3, a.abs().max()) @ fp8_qdq(b, E4M3, b.abs().amax(0)))
 
 
 def test_fp8_delayed_needs_a_state():

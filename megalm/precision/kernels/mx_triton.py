@@ -178,7 +178,8 @@ def _kernel(interpret: bool):
         seed, prescale,
         EBITS: tl.constexpr, MBITS: tl.constexpr, EMAX: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr,
         MAXV: tl.constexpr, POW2_EMAX: tl.constexpr, POW2_EMIN: tl.constexpr,
-        CEIL: tl.constexpr, STOCHASTIC: tl.constexpr, HAS_PRESCALE: tl.constexpr, HAS_RHT: tl.constexpr,
+        CEIL: tl.constexpr, STOCHASTIC: tl.constexpr, HAS_PRESCALE: tl.constexpr, DIVIDE_PRESCALE: tl.constexpr,
+        HAS_RHT: tl.constexpr,
         IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr, DOT_LOW: tl.constexpr,
         PACKED: tl.constexpr, FP4: tl.constexpr, BLOCK_M: tl.constexpr,
     ):
@@ -271,7 +272,7 @@ def _kernel(interpret: bool):
                      mask=row_ok[:, None] & (blk < N_BLOCKS)[None, :])
         else:
             deq = tl.where(s > -127, (s + 127) << 23, 0x400000).to(tl.float32, bitcast=True)  # 2^s
-            if HAS_PRESCALE:
+            if DIVIDE_PRESCALE:
                 deq = tl.math.div_rn(deq, prescale + tl.zeros_like(deq))  # correctly rounded, as torch's `/`
             y = q * deq[:, :, None]
             y = (y.to(tl.int32, bitcast=True) | (xbits & -2147483648)).to(tl.float32, bitcast=True)
@@ -299,6 +300,7 @@ def mx_quantize_triton(
     *,
     prescale: float | None = None,
     out_dtype: torch.dtype | None = None,
+    divide_prescale: bool = True,
     block_size: int = BLOCK_SIZE,
     block_m: int | None = None,
     num_warps: int | None = None,
@@ -311,7 +313,9 @@ def mx_quantize_triton(
     `seed`). scale_mode: floor | ceil. rht_signs: 64 +-1 values, the same for every block of 64 along K
     (K is then zero-padded to a multiple of 64). prescale: None = 3/4 for SR with floor scales, else 1.
     packed=False: the dequantized tensor, dtype `out_dtype` (default x.dtype, or fp32 after an RHT, as the
-    reference's rht returns fp32). packed=True: an `MXTensor` (codes uint8 [..., n_blocks, 32], FP4
+    reference's rht returns fp32); divide_prescale=False leaves the prescale in (values q * 2^s, exact in
+    bf16: a GEMM of two such operands divides its output by both prescales instead).
+    packed=True: an `MXTensor` (codes uint8 [..., n_blocks, 32], FP4
     [..., n_blocks, 16]; scales uint8 [..., n_blocks]; dim = last) that `mx.mx_dequantize` reads.
     """
     if block_size != BLOCK_SIZE:
@@ -369,6 +373,7 @@ def mx_quantize_triton(
             EBITS=elem.ebits, MBITS=elem.mbits, EMAX=elem.emax, EMIN=elem.emin, BIAS=elem.bias,
             MAXV=float(elem.max), POW2_EMAX=float(2.0**elem.emax), POW2_EMIN=float(2.0**elem.emin),
             CEIL=scale_mode == "ceil", STOCHASTIC=rounding == "stochastic", HAS_PRESCALE=prescale != 1.0,
+            DIVIDE_PRESCALE=prescale != 1.0 and divide_prescale,
             HAS_RHT=has_rht, IN_BF16=in_bf16, OUT_BF16=out_bf16,
             DOT_LOW=x.dtype != torch.float32 and not interpret, PACKED=packed, FP4=fp4, BLOCK_M=block_m,
             num_warps=num_warps, enable_fp_fusion=False,
