@@ -104,6 +104,7 @@ import fnmatch
 import functools
 import hashlib
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -260,18 +261,20 @@ class LinearState:
         self.name, self.seed = name, seed
         self.step, self.micro_batch, self.calls = 0, 0, 0
         self.amax = {tensor: fp8.AmaxHistory(amax_history_len) for tensor in ("x", "w", "dy")}
-        self.weights: dict[tuple, tuple[tuple, Fp8Operand]] = {}
+        self.weights: dict[tuple, tuple[weakref.ref, tuple, Fp8Operand]] = {}
 
     def quantized_weight(self, key: tuple, weight: torch.Tensor, make: Callable[[], Fp8Operand]) -> Fp8Operand:
         """The weight's FP8 copy `key` (format, K dim), made once per optimizer step: every micro-batch of a
         step, and fprop and dgrad under per-tensor scales, reuse it (Transformer Engine's FP8 weight cache).
-        Valid while no optimizer stepped (fused AdamW updates in place without bumping version counters)
-        and the weight's storage and version counter (any other in-place write) are the same."""
-        token = (_weights_version(), weight.data_ptr(), weight._version)
+        Valid for the same tensor object (a weakref: a weight computed afresh per call, e.g. a detached
+        alias or kv rows gathered over TP ranks, is never served another call's copy, even at a reused
+        address) while no torch optimizer stepped (fused AdamW updates in place without bumping version
+        counters) and its version counter is unchanged (any other in-place write, ZeRO-1's copy-back)."""
+        token = (_weights_version(), weight._version)
         cached = self.weights.get(key)
-        if cached is None or cached[0] != token:
-            cached = self.weights[key] = (token, make())
-        return cached[1]
+        if cached is None or cached[0]() is not weight or cached[1] != token:
+            cached = self.weights[key] = (weakref.ref(weight), token, make())
+        return cached[2]
 
     def set_step(self, step: int, micro_batch: int = 0) -> None:
         self.step, self.micro_batch, self.calls = step, micro_batch, 0

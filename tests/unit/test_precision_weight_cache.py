@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalm.model.linear import Linear
+from megalm.model.linear import Linear, linear
 from megalm.precision import fp8
 from megalm.precision.linear import LinearState, RecipeGemms, get_recipe, low_precision_linear
 
@@ -112,3 +112,17 @@ def test_fused_fp8_quantize_equals_the_eager_cast(dtype, fmt):
             want = fp8._quantize_math(t, scale, limit, fmt)
             got = fused(t, scale, limit, fmt)
             assert got.dtype == fmt and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_a_weight_computed_per_call_is_never_served_a_stale_copy():
+    """A weight tensor made afresh for each call (kv rows gathered over TP ranks, a detached alias) may land
+    at a freed weight's address with the same version (0): the cache must not take it for that weight."""
+    state = LinearState("layer")
+    gemms = RecipeGemms(get_recipe("fp8"), state)
+    torch.manual_seed(0)
+    x, base = torch.randn(16, 64), torch.randn(32, 64)
+    for factor in (1.0, 2.0, 3.0, 5.0):
+        w = base * factor
+        y = linear(x, w, None, gemms)
+        assert torch.equal(y, low_precision_linear(x, w, None, "fp8")), factor
+        del w, y
