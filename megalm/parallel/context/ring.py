@@ -23,8 +23,10 @@ after N hops. Communication is batched isend/irecv between GLOBAL ranks on one g
 without a new communicator. Each step's transfer is posted before its compute, so the two overlap.
 
 Per-block kernels return (out, lse) in fp32 (fp64 for fp64 inputs): `reference` (explicit math with
-a mask: the CPU path and the oracle), `torch_varlen` (torch's built-in varlen flash kernels, the ones
-torch.nn.attention.varlen uses) and `flash_attn` (the flash-attn package), both CUDA fp16/bf16 only.
+a mask, O(T^2) memory: the CPU path and the oracle), `torch_varlen` (torch's built-in varlen flash kernels,
+the ones torch.nn.attention.varlen uses) and `flash_attn` (the flash-attn package), both CUDA fp16/bf16
+sm80+, and `torch_efficient` (torch's memory-efficient kernels, xformers' cutlass ones: CUDA fp32/fp16,
+bf16 on sm80+), which the ring runs on CUDA wherever flash cannot. `block_kernel` logs its choice.
 """
 
 from __future__ import annotations
@@ -43,26 +45,53 @@ from megalm.parallel.context.zigzag import ZigzagLayout, ZigzagPlan, as_layout
 log = logging.getLogger("megalm")
 
 KV_TAG, DKV_TAG = 0x6B76, 0x646B  # distinct tags keep the K/V and dK/dV streams apart on one rank pair
-KERNELS = ("reference", "torch_varlen", "flash_attn")
+KERNELS = ("reference", "torch_varlen", "flash_attn", "torch_efficient")
 
 
 # The reference kernel materialises [heads, T_q, T_k] fp32 scores: past this many bytes a ring block refuses it.
 REFERENCE_LIMIT_BYTES = 2 * 2**30
 
 
+def _efficient_capable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's memory-efficient kernels run here: NVIDIA CUDA sm50+, fp32/fp16, bf16 on sm80+ (the
+    rule torch's SDPA applies). Not ROCm: its builds run other kernels (aotriton), unchecked against this adapter."""
+    if device.type != "cuda" or dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return False
+    if torch.version.hip is not None or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= ((8, 0) if dtype == torch.bfloat16 else (5, 0))
+
+
 def block_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     """The per-block kernel for a model attention backend (auto|flash_attn|torch_varlen|sdpa|reference).
-    Logged once per (device, dtype): the ring has no silent fallback to the O(T^2) reference."""
+
+    The flash kernel the backend resolves to; where it resolves to sdpa (no log-sum-exp) torch's
+    memory-efficient kernels on CUDA, and the O(T^2) reference only where those do not run either, or when
+    asked for. Logged once per (device, dtype): the ring has no silent fallback to the reference.
+    """
     resolved = select_attention_backend(backend, device, dtype)
-    kernel = resolved if resolved in KERNELS else "reference"  # sdpa returns no log-sum-exp
+    if resolved in KERNELS:
+        kernel = resolved
+    else:  # sdpa returns no log-sum-exp
+        kernel = "torch_efficient" if _efficient_capable(device, dtype) else "reference"
     _log_kernel(kernel, device.type, str(dtype).removeprefix("torch."), resolved)
     return kernel
 
 
 @functools.cache
 def _log_kernel(kernel: str, device: str, dtype: str, resolved: str) -> None:
-    why = "" if kernel == resolved else f" ({resolved} returns no log-sum-exp; bf16 on a GPU runs flash kernels)"
-    log.info("ring attention block kernel: %s on %s %s%s", kernel, device, dtype, why)
+    level = logging.INFO
+    if kernel == resolved:
+        why = ""
+    elif kernel == "torch_efficient":
+        why = f" ({resolved} returns no log-sum-exp; flash kernels need fp16/bf16 on sm80+)"
+    elif device == "cuda":
+        level = logging.WARNING  # a GPU run with O(T^2) memory per block
+        why = (f" ({resolved} returns no log-sum-exp; this GPU has no flash or memory-efficient kernel for {dtype}: "
+               "O(T^2) memory per block)")
+    else:
+        why = f" ({resolved} returns no log-sum-exp; on a CUDA GPU the ring runs flash or memory-efficient kernels)"
+    log.log(level, "ring attention block kernel: %s on %s %s%s", kernel, device, dtype, why)
 
 
 def _check_reference_size(q: torch.Tensor, k: torch.Tensor) -> None:
@@ -70,8 +99,9 @@ def _check_reference_size(q: torch.Tensor, k: torch.Tensor) -> None:
     size = q.shape[0] * k.shape[0] * q.shape[1] * 4
     if size > REFERENCE_LIMIT_BYTES:
         raise ValueError(f"ring attention would run the O(T^2) reference kernel on a {q.shape[0]} x {k.shape[0]}-token "
-                         f"block ({size / 2**30:.1f} GiB of scores); run bf16 on a GPU (flash kernels), use more CP "
-                         "ranks or a smaller model.seq_length")
+                         f"block ({size / 2**30:.1f} GiB of scores); run on a CUDA GPU with model.attention_backend="
+                         "auto (flash or memory-efficient kernels; bf16 needs sm80+), use more CP ranks or a smaller "
+                         "model.seq_length")
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -81,16 +111,17 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _doc_and_pos(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token of a packed stream: its document and its position in it (no host sync: output_size)."""
+    cu = cu.long()
+    doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device), cu[1:] - cu[:-1], output_size=total)
+    return doc, torch.arange(total, device=cu.device) - cu[doc]
+
+
 def _block_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int, tk: int, causal: bool) -> torch.Tensor:
     """bool [Tq, Tk]: same document, and key position <= query position when `causal` (top-left aligned)."""
-    def doc_and_pos(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cu = cu.long()
-        doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device), cu[1:] - cu[:-1],
-                                      output_size=total)
-        return doc, torch.arange(total, device=cu.device) - cu[doc]
-
-    doc_q, pos_q = doc_and_pos(cu_q, tq)
-    doc_k, pos_k = doc_and_pos(cu_k, tk)
+    doc_q, pos_q = _doc_and_pos(cu_q, tq)
+    doc_k, pos_k = _doc_and_pos(cu_k, tk)
     allowed = doc_q[:, None] == doc_k[None, :]
     return allowed & (pos_q[:, None] >= pos_k[None, :]) if causal else allowed
 
@@ -110,10 +141,76 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(torch.isneginf(lse), 0.0)
 
 
+# torch's memory-efficient attention ops (aten, CUDA only). Module attributes, so a test can swap them for a
+# stand-in on CPU; `torch_efficient` reaches them nowhere else.
+EFFICIENT_FORWARD = torch.ops.aten._efficient_attention_forward.default
+EFFICIENT_BACKWARD = torch.ops.aten._efficient_attention_backward.default
+_LSE_ALIGN = 32  # the kernels keep each document's log-sum-exp row padded to a multiple of this
+
+
+def _efficient_rows(cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int,
+                    causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(document, position, has a key) of each query row. Causal is bottom-right aligned, as in the flash kernels
+    (custom_mask_type 2): row i of a document with n_q queries and n_k keys sees keys j <= i + n_k - n_q."""
+    doc, pos = _doc_and_pos(cu_q, tq)
+    n_q, n_k = (cu_q[1:] - cu_q[:-1]).long()[doc], (cu_k[1:] - cu_k[:-1]).long()[doc]
+    return doc, pos, (pos + n_k - n_q >= 0) if causal else (n_k > 0)
+
+
+def _heads_expanded(t: torch.Tensor, group: int) -> torch.Tensor:
+    """[T, Hkv, D] -> [1, T, Hq, D]: the kernels want as many kv heads as query heads (GQA: h reads h // group)."""
+    return (t if group == 1 else t.repeat_interleave(group, dim=1)).contiguous().unsqueeze(0)
+
+
+def _efficient_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                       max_q: int, max_k: int, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `torch_efficient` block forward: varlen (batch 1 + cu_seqlens), lse [documents, H, padded max_q]
+    read back per row into [Tq, H]; rows without a key get out 0, lse -inf (the kernel writes lse 0 there)."""
+    tq, hq = q.shape[:2]
+    acc = {"dtype": torch.float32, "device": q.device}
+    if min(tq, k.shape[0], max_q, max_k) == 0:  # nothing to attend (and the backward refuses max_seqlen 0)
+        return torch.zeros(tq, hq, v.shape[-1], **acc), torch.full((tq, hq), float("-inf"), **acc)
+    group = hq // k.shape[1]
+    out, lse, *_ = EFFICIENT_FORWARD(
+        query=q.contiguous().unsqueeze(0), key=_heads_expanded(k, group), value=_heads_expanded(v, group), bias=None,
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=0.0,
+        custom_mask_type=2 if causal else 0, compute_log_sumexp=True, scale=scale)
+    doc, pos, has_key = _efficient_rows(cu_q, cu_k, tq, causal)
+    lse = lse[doc, :, pos].masked_fill(~has_key[:, None], float("-inf"))  # [Tq, H]
+    return out[0].float().masked_fill(~has_key[:, None, None], 0.0), lse
+
+
+def _efficient_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `torch_efficient` block backward: the final lse [Tq, H] goes back into the forward's padded layout;
+    an lse of -inf (a row without keys) goes in as 0, where the kernel would make nan of exp(-inf - -inf).
+    GQA gradients of the expanded kv heads are summed per kv head (in fp32)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if min(q.shape[0], k.shape[0], max_q, max_k) == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    group = hq // hkv
+    doc, pos, _ = _efficient_rows(cu_q, cu_k, q.shape[0], causal)
+    width = -(-max_q // _LSE_ALIGN) * _LSE_ALIGN
+    lse_docs = torch.full((len(cu_q) - 1, hq, width), float("inf"), dtype=torch.float32, device=q.device)
+    lse_docs[doc, :, pos] = _finite(lse.float())
+    unused = torch.empty((), dtype=torch.long, device=q.device)  # no dropout: no philox state
+    dq, dk, dv, _ = EFFICIENT_BACKWARD(
+        grad_out_=dout.to(q.dtype).contiguous().unsqueeze(0), query=q.contiguous().unsqueeze(0),
+        key=_heads_expanded(k, group), value=_heads_expanded(v, group), bias=None,
+        out=out.to(q.dtype).contiguous().unsqueeze(0), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+        max_seqlen_k=max_k, logsumexp=lse_docs, dropout_p=0.0, philox_seed=unused, philox_offset=unused,
+        custom_mask_type=2 if causal else 0, bias_requires_grad=False, scale=scale)
+    fold = lambda t: t[0] if group == 1 else t[0].unflatten(1, (hkv, group)).sum(2, dtype=torch.float32)
+    return dq[0], fold(dk), fold(dv)
+
+
 def block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, kernel="reference"):
     """Attention of q [Tq, Hq, D] onto k/v [Tk, Hkv, D] per document -> (out [Tq, Hq, D], lse [Tq, Hq]).
 
     Both in the accumulation dtype (fp32, fp64 for fp64 inputs). Rows without any key get out 0, lse -inf.
+    `causal` is asked only of blocks whose documents have as many queries as keys (zigzag steps s == r), where
+    the reference's top-left mask and the GPU kernels' bottom-right one agree.
     """
     if kernel == "reference":
         _check_reference_size(q, k)
@@ -122,7 +219,9 @@ def block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, kernel="refe
         probs = torch.exp(scores - _finite(lse)[..., None])
         vf = v.to(scores.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
         return (probs @ vf).transpose(0, 1), lse.transpose(0, 1)
-    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    cu_q, cu_k = cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous()
+    if kernel == "torch_efficient":
+        return _efficient_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
     if kernel == "torch_varlen":
         out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal,
                                                                False, scale=scale)
@@ -158,7 +257,9 @@ def block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, sc
         dv = probs.transpose(1, 2) @ do
         fold = lambda t: t.reshape(k.shape[1], group, *t.shape[1:]).sum(1).transpose(0, 1)  # [Tk, Hkv, D]
         return dq.transpose(0, 1), fold(dk), fold(dv)
-    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    cu_q, cu_k = cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous()
+    if kernel == "torch_efficient":
+        return _efficient_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
     lse_ht = lse.float().transpose(0, 1).contiguous()
     dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
     if kernel == "torch_varlen":
