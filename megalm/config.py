@@ -128,6 +128,14 @@ class PrecisionConfig:
 
 
 @dataclass
+class OffloadConfig:
+    enabled: bool = False  # activation offload to host memory (megalm/offload)
+    policy: str = "uniform"  # pipeline (pp>1): uniform | lifespan | auto; pp=1 offloads layer groups
+    fraction: float = 0.5  # share of micro-batches (pipeline) or of transformer blocks (pp=1) offloaded
+    min_tensor_bytes: int = 65536  # saved tensors smaller than this stay on the device
+
+
+@dataclass
 class WandbConfig:
     enabled: bool = False
     project: str = "megalm"
@@ -152,6 +160,7 @@ class MegalmConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 

@@ -35,6 +35,7 @@ from megalm.errors import ConfigError
 from megalm.model.gpt import GPT, init_weights
 from megalm.model.naming import canonical_named_parameters, model_chunks
 from megalm.model.shard import shard_specs
+from megalm.offload import ActivationStore, LayerOffload, PipelineOffload
 from megalm.parallel.collectives import all_reduce_sum
 from megalm.parallel.context.attention import RingContext, validate_context
 from megalm.parallel.context.split import ContextShards
@@ -45,6 +46,7 @@ from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh, check_s
 from megalm.parallel.hdp.split import HdpSplit, hdp_cost_model, validate_hdp
 from megalm.parallel.microbatch import LocalMicroBatch, Ring, StepShare
 from megalm.parallel.pipeline.runtime import PipelineRuntime, tied_embedding_copy
+from megalm.parallel.pipeline.schedules import simulate
 from megalm.parallel.pipeline.stages import build_stage_chunks, validate_pipeline
 from megalm.parallel.recompute import apply_recompute, stage_mode
 from megalm.parallel.tensor.apply import (
@@ -91,6 +93,7 @@ class LocalRunner:
                  device: torch.device):
         self.model, self.loss_fn, self.device = model, loss_fn, device
         self.forward_context, self.before_forward = forward_context, before_forward
+        self.memory_hooks: LayerOffload | None = None  # activation offload of transformer blocks
 
     def _loss(self, mb: LocalMicroBatch) -> torch.Tensor:
         with self.forward_context():
@@ -101,10 +104,14 @@ class LocalRunner:
              ) -> torch.Tensor:
         """Forward and backward of each micro-batch on loss_sum / n_loss_tokens; returns the summed loss."""
         total = torch.zeros((), device=self.device)
+        hooks = self.memory_hooks
+        if hooks is not None:
+            hooks.start_step()
         for mb in micro_batches:
             self.before_forward(self.model, step, mb.index)
-            loss_sum = self._loss(mb)
-            (loss_sum / n_loss_tokens).backward()
+            with hooks.micro_batch() if hooks is not None else contextlib.nullcontext():
+                loss_sum = self._loss(mb)
+                (loss_sum / n_loss_tokens).backward()
             total += loss_sum.detach()
         return total
 
@@ -140,6 +147,7 @@ class Parallelism:
                                           activation_dtype=next(self.model.parameters()).dtype)
         else:
             self.runner = LocalRunner(self.model, self.loss_fn, self._forward_context, self._before_forward, device)
+        self.offload_store = self._attach_offload() if cfg.offload.enabled else None
         self.split = self._build_split()
         self.token_multiple = math.lcm(p.tp if p.sequence_parallel else 1,
                                        *(c.token_multiple for c in self.converters))
@@ -171,6 +179,30 @@ class Parallelism:
         model.to_empty(device=self.device)
         init_weights(model, self.cfg.seed)
         return model
+
+    def _attach_offload(self) -> ActivationStore:
+        """Activation offload on this rank's runner: PipeOffload's actions in the pipeline schedule, or
+        layer-wise offload of the transformer blocks without a pipeline (megalm/offload)."""
+        o, p = self.cfg.offload, self.cfg.parallel
+        store = ActivationStore(self.device, self.model.parameters(), o.min_tensor_bytes)
+        if p.pp > 1:
+            timeline = lambda schedule: simulate(schedule).timeline
+            self.runner.memory_hooks = PipelineOffload(store, o.policy, o.fraction, timeline, self._copy_to_compute())
+        else:
+            self.runner.memory_hooks = LayerOffload(self.model.layers, store, o.fraction)
+        return store
+
+    def _copy_to_compute(self) -> float:
+        """PipeOffload's k for one micro-batch of this run, from the cost model (megalm/parallel/hdp/cost.py):
+        the one-way copy time of its activations over its forward + backward time, per layer (the ratio does
+        not depend on how many layers a chunk holds). Samples of seq_length tokens, micro_batch_size of them."""
+        cost = hdp_cost_model(self.cfg)
+        if not cost.host_bw or not cost.act_bytes:
+            return 0.0
+        seq, mbs = self.cfg.model.seq_length, self.cfg.trainer.micro_batch_size
+        tokens = seq * mbs
+        copy = cost.act_bytes / cost.layers * tokens / cost.host_bw
+        return copy / (cost.a * mbs * seq**2 + cost.b * tokens + cost.c)
 
     def _build_split(self):
         """How this rank takes its share of a step: the HDP plan, or a DP slice (sharded over the CP ring)."""
@@ -280,4 +312,8 @@ class Parallelism:
         else:
             context = f" cp={p.cp} ({p.cp_comm})" if p.cp > 1 else ""
         flags = (" sp" if p.sequence_parallel else "") + (" zero1" if p.zero1 else "")
+        o = self.cfg.offload
+        if o.enabled:
+            what = f"{o.policy} {o.fraction:g} of micro-batches" if p.pp > 1 else f"{o.fraction:g} of the blocks"
+            flags += f" offload({what})"
         return f"{d.world_size} rank(s): tp={d.tp} pp={d.pp}{pipeline}{context} dp={d.dp}{flags}"

@@ -2,12 +2,14 @@
 
 `megalm.config.validate` owns the model, trainer, optim, data and logging sections; the precision
 package checks `precision` (`validate_precision`), the parallel package the layout against the world
-size (`validate_parallel`). This is the one place that runs them all, above every package it asks.
+size (`validate_parallel`), the offload package `offload` (`validate_offload`). This is the one place
+that runs them all, above every package it asks.
 """
 
 from __future__ import annotations
 
 from megalm.config import MegalmConfig, validate
+from megalm.offload import validate_offload
 from megalm.parallel.parallelism import validate_parallel
 from megalm.precision import validate_precision
 
@@ -18,4 +20,5 @@ def validate_run(cfg: MegalmConfig, world_size: int = 1) -> MegalmConfig:
     validate(cfg)
     validate_parallel(cfg, world_size)
     validate_precision(cfg)
+    validate_offload(cfg)
     return cfg

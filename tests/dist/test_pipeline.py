@@ -135,6 +135,12 @@ class HostOffload:
     def reload(self, key) -> None:
         self.events.append(("reload", key))
 
+    def start_step(self) -> None:
+        self.events.clear()
+
+    def release(self, key) -> None:
+        self.events.append(("release", key))
+
 
 def check_offload_actions(rank: int, world_size: int, tmp: str) -> None:
     overrides = [*COMMON, "parallel.pp=2"]
@@ -151,7 +157,7 @@ def check_offload_actions(rank: int, world_size: int, tmp: str) -> None:
     assert kinds.count("OFFLOAD") == kinds.count("RELOAD") == 2
     for mb in (0, 2):
         order = [e for e, k in hooks.events if k == (mb, 0)]
-        assert order == ["forward", "offload", "reload"], order
+        assert order == ["forward", "offload", "reload", "release"], order
 
 
 def test_offload_actions_run_between_forward_and_backward(tmp_path):

@@ -19,6 +19,7 @@ LAYERS = [
     {"megalm", "megalm.errors", "megalm.config"},
     {"megalm.data"},
     {"megalm.model"},
+    {"megalm.offload"},
     {"megalm.precision", "megalm.parallel"},
     {"megalm.training"},
     {"megalm.train", "megalm.generate"},

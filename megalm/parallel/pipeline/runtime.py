@@ -48,12 +48,17 @@ class MemoryHooks(Protocol):
     """What activation offload plugs into the runtime (the offload feature implements it).
 
     `select(schedule)` names the (pp_rank, micro_batch, chunk) whose activations to offload; the runtime
-    inserts OFFLOAD/RELOAD actions for them (`Schedule.with_offload`), runs each F inside
-    `forward_context(key)` (saved-tensor hooks that can take over the activations) and calls
-    `offload(key)` / `reload(key)` where the schedule says.
+    inserts OFFLOAD/RELOAD actions for them (`Schedule.with_offload`), calls `start_step()` before a
+    training step, runs each F inside `forward_context(key)` (saved-tensor hooks that can take over the
+    activations), calls `offload(key)` / `reload(key)` where the schedule says, and `release(key)` after
+    the micro-batch's B.
     """
 
     def select(self, schedule: Schedule) -> set[tuple[int, int, int]]: ...
+
+    def start_step(self) -> None: ...
+
+    def release(self, key: Key) -> None: ...
 
     def forward_context(self, key: Key) -> contextlib.AbstractContextManager: ...
 
@@ -152,6 +157,8 @@ class PipelineRuntime:
         input_grads: dict[tuple[int, int], torch.Tensor] = {}
         loss = torch.zeros((), device=self.device)
         hooks = self.memory_hooks if train else None
+        if hooks:
+            hooks.start_step()
         self.peak_in_flight = 0
         for item in steps(actions):
             if isinstance(item, tuple):
@@ -183,6 +190,8 @@ class PipelineRuntime:
                 out, grad = outputs.pop(key), output_grads.pop(key, None)
                 with self.store.collect(key) if self.store is not None else contextlib.nullcontext():
                     torch.autograd.backward(out, grad)
+                if hooks:
+                    hooks.release(key)
                 x = inputs.pop(key, None)
                 if stage > 0:
                     input_grads[key] = x.grad

@@ -1,0 +1,44 @@
+"""Activation offload: a step's saved activations moved to host memory and back, bit-exactly.
+
+- `store.py`   saved-tensor hooks per group, the copies (CUDA side streams and events), byte accounting;
+- `pool.py`    the reusable (pinned) host buffers;
+- `policy.py`  which micro-batches / blocks to offload, and the memory the schedule leaves on the device;
+- `hooks.py`   the two runners' plugs: `PipelineOffload` (OFFLOAD/RELOAD actions in the pipeline schedule,
+               PipeOffload) and `LayerOffload` (pp = 1: blocks offloaded in forward, reloaded one ahead).
+
+Hand-written: torch's `save_on_cpu` hook copies every saved tensor synchronously at save time and back at
+use, with no schedule, no streams, no pool and no choice of what to offload, which is all that matters here.
+`validate_offload` checks `cfg.offload`.
+"""
+
+from __future__ import annotations
+
+from megalm.config import MegalmConfig
+from megalm.errors import ConfigError
+from megalm.offload.hooks import LayerOffload, PipelineOffload
+from megalm.offload.policy import POLICIES
+from megalm.offload.pool import HostPool
+from megalm.offload.store import ActivationStore
+
+__all__ = ["ActivationStore", "HostPool", "LayerOffload", "PipelineOffload", "validate_offload"]
+
+
+def validate_offload(cfg: MegalmConfig) -> None:
+    """The rules of `cfg.offload`, alone and with the layout, as one-line ConfigErrors."""
+    o, p = cfg.offload, cfg.parallel
+    if not o.enabled:
+        return
+    if o.policy not in POLICIES:
+        raise ConfigError(f"offload.policy={o.policy} is not one of {'|'.join(POLICIES)}; pick one of those")
+    if not 0.0 < o.fraction <= 1.0:
+        raise ConfigError(f"offload.fraction={o.fraction} must be in (0, 1]; it is the share of micro-batches "
+                          "(pp>1) or transformer blocks (pp=1) offloaded")
+    if o.min_tensor_bytes < 0:
+        raise ConfigError(f"offload.min_tensor_bytes={o.min_tensor_bytes} must be >= 0")
+    if p.pp == 1 and o.policy != "uniform":
+        raise ConfigError(f"offload.policy={o.policy} picks pipeline micro-batches; with parallel.pp=1 blocks are "
+                          "offloaded by offload.fraction: drop offload.policy or use parallel.pp>1")
+    if p.recompute not in ("none", None) and any(m != "none" for m in (
+            p.recompute if isinstance(p.recompute, (list, tuple)) else [p.recompute])):
+        raise ConfigError(f"offload.enabled=true does not combine with parallel.recompute={p.recompute} yet "
+                          "(recomputed blocks keep their inputs outside the saved-tensor hooks); use one or the other")

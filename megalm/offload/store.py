@@ -1,0 +1,249 @@
+"""Where offloaded activations live: saved-tensor hooks that take over a group's activations, and the
+copies that move them to host memory and back.
+
+A *group* is what is offloaded as one: a micro-batch's forward through a pipeline chunk (PipeOffload), or
+one transformer block's forward (layer-wise offload without a pipeline). While a group's forward runs
+inside `store.hooks(key)`, every tensor autograd saves for backward passes through `pack`:
+
+- parameters (and aliases of their storage), tensors on another device, and tensors smaller than
+  `min_tensor_bytes` are kept as they are (copying them saves nothing or costs more than it saves);
+- every other tensor is recorded by its *storage*: a view of a storage the group already holds (a
+  transpose, a slice, a reshape) adds nothing and is rebuilt from it, by (offset, size, stride), on unpack.
+
+`offload(key)` copies the group's storages into one host buffer from the `HostPool` and drops the device
+references, so the caching allocator can reuse that memory; `reload(key)` copies them back into fresh device
+buffers; a group is released (device buffers to their last users, host buffers to the pool) when autograd
+drops its last saved-tensor handle, i.e. as soon as its backward has run, or by `release(key)`. On CUDA the
+copies run on two side streams (device-to-host, host-to-device), ordered by events: an offload starts after
+the compute that produced the activations (an event recorded on the compute stream), a reload after its
+offload's copy, and the first unpack of a reloaded group makes the compute stream wait for the reload (no host
+sync anywhere). An unpack of a group still on the host reloads it on the spot (counted in `sync_reloads`: a
+reload that was not prefetched early enough). On CPU the same code runs with synchronous copies into separate
+host buffers, so every test exercises the real bookkeeping; the bytes are measured, not assumed.
+
+The copies are bit-exact, so offload never changes what the model computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from megalm.offload.pool import HostPool
+
+RESIDENT, OFFLOADED, RELOADED = "resident", "offloaded", "reloaded"
+
+
+ALIGN = 64  # byte alignment of each storage inside a group's host buffer (and reloaded device buffer)
+
+
+@dataclass
+class _Storage:
+    """One storage saved by a group: its bytes on the device (`device`, a uint8 tensor: all of the original
+    storage, or its slice of the group's reloaded buffer) and its place in the group's host buffer."""
+
+    nbytes: int
+    device: torch.Tensor | None
+    offset: int = 0  # in the group's host / reloaded buffer
+
+
+@dataclass
+class _Group:
+    storages: list[_Storage] = field(default_factory=list)
+    index: dict[int, int] = field(default_factory=dict)  # storage address -> position in `storages`
+    host: torch.Tensor | None = None  # one pool buffer holding all storages while offloaded
+    state: str = RESIDENT
+    event: object | None = None  # CUDA event of the group's last copy
+    waited: bool = True  # whether the compute stream waits for the reload already
+    unpacked: bool = False  # whether its backward has started (the first unpack ran)
+    live: int = 0  # saved-tensor handles autograd still holds; at 0 after the backward the group is freed
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.storages)
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """What autograd holds instead of a saved tensor: where to rebuild it from."""
+
+    key: object
+    storage: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over all of `storage` (to copy it whole, whatever views of it were saved)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+class ActivationStore:
+    """Saved-tensor hooks per group, and offload / reload / release of a group's activations.
+
+    Counters (bytes): `resident_bytes` of offloadable activations on the device now and `peak_resident_bytes`
+    since `reset_peak`; `offloaded_bytes` / `reloaded_bytes` copied each way; `sync_reloads` counts reloads
+    an unpack had to wait for. `on_unpack(key)` (optional) runs at each group's first unpack in backward:
+    the layer-wise policy prefetches the next group from it.
+    """
+
+    def __init__(self, device: torch.device | str, params: Iterable[nn.Parameter] = (), min_tensor_bytes: int = 0,
+                 pool: HostPool | None = None) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.pool = pool or HostPool(pin=self.cuda)
+        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.min_tensor_bytes = min_tensor_bytes
+        self.groups: dict[object, _Group] = {}
+        self.group_bytes_seen: dict[object, int] = {}  # each group's activation bytes, kept after its release
+        self.on_unpack: Callable[[object], None] | None = None
+        self.resident_bytes = self.peak_resident_bytes = 0
+        self.offloaded_bytes = self.reloaded_bytes = self.sync_reloads = 0
+        if self.cuda:
+            self.d2h, self.h2d = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+
+    # ------------------------------------------------------------------ hooks
+
+    def hooks(self, key: object) -> contextlib.AbstractContextManager:
+        """Saved-tensor hooks that record the activations saved inside as group `key` (a new group)."""
+        group = self.groups[key] = _Group()
+
+        def pack(t: torch.Tensor) -> torch.Tensor | _Ref:
+            if not self._offloadable(t):
+                return t
+            storage = t.untyped_storage()
+            address = storage.data_ptr()
+            if address not in group.index:
+                group.index[address] = len(group.storages)
+                group.storages.append(_Storage(storage.nbytes(), _bytes_of(storage, t.device)))
+                self._add_resident(storage.nbytes())
+                self.group_bytes_seen[key] = group.nbytes
+            ref = _Ref(key, group.index[address], t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+            group.live += 1
+            weakref.finalize(ref, self._handle_freed, key, group)
+            return ref
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
+
+    def _offloadable(self, t: torch.Tensor) -> bool:
+        if isinstance(t, nn.Parameter) or t.device != self.device:
+            return False
+        if t.numel() * t.element_size() < self.min_tensor_bytes:
+            return False
+        return t.untyped_storage().data_ptr() not in self.param_storages
+
+    def _unpack(self, ref: torch.Tensor | _Ref) -> torch.Tensor:
+        if isinstance(ref, torch.Tensor):
+            return ref
+        group = self.groups[ref.key]
+        if group.state == OFFLOADED:
+            self.sync_reloads += 1
+            self.reload(ref.key)
+        if not group.waited:  # first use after a reload: the compute stream waits for its copy
+            torch.cuda.current_stream(self.device).wait_event(group.event)
+            group.storages[0].device.record_stream(torch.cuda.current_stream(self.device))  # one shared buffer
+            group.waited = True
+        if not group.unpacked:
+            group.unpacked = True
+            if self.on_unpack is not None:
+                self.on_unpack(ref.key)
+        saved = group.storages[ref.storage].device
+        itemsize = torch.empty(0, dtype=ref.dtype).element_size()
+        offset = saved.storage_offset() // itemsize + ref.offset  # slices of a reloaded buffer are ALIGN-ed
+        return torch.empty(0, dtype=ref.dtype, device=self.device).set_(saved.untyped_storage(), offset, ref.size,
+                                                                        ref.stride)
+
+    # ------------------------------------------------------------------ moves
+
+    def offload(self, key: object) -> None:
+        """Copy group `key`'s activations into one host buffer and let go of the device memory."""
+        group = self.groups[key]
+        if group.state != RESIDENT or not group.storages:
+            return
+        total = 0
+        for s in group.storages:
+            s.offset, total = total, total + -(-s.nbytes // ALIGN) * ALIGN
+        group.host = self.pool.take(total)
+        if self.cuda:
+            produced = torch.cuda.Event()
+            produced.record(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.d2h):
+                self.d2h.wait_event(produced)
+                for s in group.storages:
+                    group.host[s.offset:s.offset + s.nbytes].copy_(s.device, non_blocking=True)
+                    s.device.record_stream(self.d2h)  # the allocator may reuse it only after this copy
+                    s.device = None
+                group.event = torch.cuda.Event()
+                group.event.record(self.d2h)
+        else:
+            for s in group.storages:
+                group.host[s.offset:s.offset + s.nbytes].copy_(s.device)
+                s.device = None
+        group.state = OFFLOADED
+        self.resident_bytes -= group.nbytes
+        self.offloaded_bytes += group.nbytes
+
+    def reload(self, key: object) -> None:
+        """Copy group `key`'s activations back into one device buffer (asynchronously on CUDA)."""
+        group = self.groups[key]
+        if group.state != OFFLOADED:
+            return
+        last = group.storages[-1]
+        total = last.offset + last.nbytes
+        if self.cuda:
+            with torch.cuda.stream(self.h2d):
+                self.h2d.wait_event(group.event)  # the offload's copy has filled the host buffer
+                buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+                buffer.copy_(group.host[:total], non_blocking=True)
+                group.event = torch.cuda.Event()
+                group.event.record(self.h2d)
+            self.pool.give(group.host, group.event)
+            group.waited = False
+        else:
+            buffer = group.host[:total].clone()
+            self.pool.give(group.host)
+        group.host = None
+        for s in group.storages:
+            s.device = buffer[s.offset:s.offset + s.nbytes]
+        group.state = RELOADED
+        self._add_resident(group.nbytes)
+        self.reloaded_bytes += group.nbytes
+
+    def release(self, key: object) -> None:
+        """Forget group `key` (its backward has run): device buffers go to autograd's last users, host
+        buffers back to the pool."""
+        group = self.groups.pop(key, None)
+        if group is None:
+            return
+        if group.state == OFFLOADED:
+            self.pool.give(group.host, group.event)
+        else:
+            self.resident_bytes -= group.nbytes
+
+    def _handle_freed(self, key: object, group: _Group) -> None:
+        """Autograd let go of one of the group's saved tensors (its backward node ran, or the graph died):
+        with the last one the group's activations are no longer needed anywhere."""
+        group.live -= 1
+        if group.live == 0 and self.groups.get(key) is group:
+            self.release(key)
+
+    def release_all(self) -> None:
+        for key in list(self.groups):
+            self.release(key)
+
+    # ------------------------------------------------------------------ accounting
+
+    def _add_resident(self, nbytes: int) -> None:
+        self.resident_bytes += nbytes
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+
+    def reset_peak(self) -> None:
+        self.peak_resident_bytes = self.resident_bytes
+

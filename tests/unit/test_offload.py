@@ -1,0 +1,246 @@
+"""Activation offload on CPU: the real store, pool and policies, with a host pool that is a separate buffer.
+
+Offload must never change what the model computes (gradients bit-identical to no offload), must free what it
+says it frees (device-resident bytes measured by the store equal the schedule's theory), and must reuse its
+host buffers. Pipeline layouts are tested in tests/dist/test_offload.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from megalm.config import ModelConfig
+from megalm.model import GPT, init_weights
+from megalm.offload import ActivationStore, HostPool, LayerOffload
+from megalm.offload.policy import (
+    auto_fraction,
+    layer_groups,
+    layer_resident_profile,
+    lifespans,
+    resident_profile,
+    select_pipeline,
+    spread,
+)
+from megalm.offload.pool import bucket_size
+from megalm.parallel.pipeline.schedules import build_schedule, simulate, validate
+from megalm.training.validation import validate_run
+from tests.conftest import compose_config
+
+
+def tiny_gpt(layers: int = 4) -> GPT:
+    model = GPT(ModelConfig(num_layers=layers, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=128,
+                            seq_length=64))
+    init_weights(model, 0)
+    return model
+
+
+def batch(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 128, (96,), generator=gen)
+    cu = torch.tensor([0, 40, 96], dtype=torch.int32)
+    pos = torch.cat([torch.arange(40), torch.arange(56)])
+    return tokens, pos, cu, 56
+
+
+def loss_of(model: GPT, seed: int = 0) -> torch.Tensor:
+    tokens, pos, cu, longest = batch(seed)
+    return nn.functional.cross_entropy(model(tokens, pos, cu, longest).float(), tokens.roll(-1))
+
+
+# ------------------------------------------------------------------ the store
+
+
+def test_offloaded_activations_come_back_bit_exact_and_are_freed():
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(32, 32))
+    x = torch.randn(64, 32, requires_grad=True)
+    store = ActivationStore("cpu", [w])
+    with store.hooks("g"):
+        h = torch.tanh(x @ w)
+        y = (h * h.t().t()).sum()  # h saved twice (as itself and as a view): one storage
+    group = store.groups["g"]
+    assert len(group.storages) == 2  # x (for dW) and h (tanh's output and the mul's operand); w is a parameter
+    assert store.resident_bytes == (64 * 32 * 4) * 2
+    store.offload("g")
+    assert store.resident_bytes == 0 and store.offloaded_bytes == 2 * 64 * 32 * 4
+    assert all(s.device is None for s in group.storages)
+    store.reload("g")
+    y.backward()
+    x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    h_ref = torch.tanh(x_ref @ w_ref)
+    (h_ref * h_ref).sum().backward()
+    assert torch.equal(x.grad, x_ref.grad) and torch.equal(w.grad, w_ref.grad)
+    # autograd dropped its handles after the backward: the group is gone, its bytes no longer resident
+    assert "g" not in store.groups and store.resident_bytes == 0
+    assert store.peak_resident_bytes == 2 * 64 * 32 * 4 and store.sync_reloads == 0
+
+
+def test_parameters_their_aliases_and_small_tensors_stay():
+    w = nn.Parameter(torch.randn(8, 8))
+    store = ActivationStore("cpu", [w], min_tensor_bytes=1024)
+    with store.hooks("g"):
+        small = torch.randn(4, 8, requires_grad=True) @ w  # x: 128 bytes < 1024; w: a parameter
+    assert store.groups["g"].storages == [] and store.resident_bytes == 0
+    every = ActivationStore("cpu", [w], min_tensor_bytes=0)
+    with every.hooks("g"):
+        x = torch.randn(4, 8, requires_grad=True)
+        aliased = x @ w.detach().requires_grad_()  # a detached alias of w (as the zero-bubble path passes it)
+    assert [s.nbytes for s in every.groups["g"].storages] == [4 * 8 * 4]  # x only
+    (small.sum() + aliased.sum()).backward()
+
+
+def test_an_unpack_before_its_reload_reloads_on_the_spot_and_is_counted():
+    x = torch.randn(64, 64, requires_grad=True)
+    store = ActivationStore("cpu")
+    with store.hooks("g"):
+        y = (x.exp()).sum()
+    store.offload("g")
+    y.backward()
+    assert store.sync_reloads == 1 and torch.equal(x.grad, x.detach().exp())
+
+
+def test_the_host_pool_is_reused_across_micro_batches():
+    pool = HostPool()
+    store = ActivationStore("cpu", pool=pool)
+    for step in range(4):
+        x = torch.randn(256, 64, requires_grad=True)
+        with store.hooks(step):
+            y = (x.sin() * x.cos()).sum()
+        store.offload(step)
+        store.reload(step)
+        y.backward()
+    assert pool.allocations == 1  # one bucket, taken and given back four times
+    assert bucket_size(1) == 1 << 20 and bucket_size((1 << 20) + 1) == 1 << 21
+
+
+# ------------------------------------------------------------------ pp = 1: blocks
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_layer_offload_is_exact_and_frees_what_the_theory_says(fraction):
+    plain, offloaded = tiny_gpt(), tiny_gpt()
+    store = ActivationStore("cpu", offloaded.parameters())
+    layer_offload = LayerOffload(offloaded.layers, store, fraction)
+    for seed in range(2):  # two micro-batches: accumulation, pool reuse
+        loss_of(plain, seed).backward()
+        with layer_offload.micro_batch():
+            loss_of(offloaded, seed).backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), offloaded.named_parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
+    block_bytes = {store.group_bytes_seen[("layer", i)] for i in range(4)}
+    assert len(block_bytes) == 1  # identical blocks
+    offloaded_blocks = layer_groups(4, fraction)
+    theory = max(layer_resident_profile(4, offloaded_blocks)) * block_bytes.pop()
+    assert store.peak_resident_bytes == theory
+    per_block = min(store.group_bytes_seen.values())
+    assert store.offloaded_bytes == store.reloaded_bytes == 2 * len(offloaded_blocks) * per_block
+    assert store.sync_reloads == (2 if fraction == 1.0 else 0)  # the last block, when offloaded, is not prefetched
+    assert not store.groups and store.resident_bytes == 0
+
+
+def test_layer_theory():
+    assert max(layer_resident_profile(8, [])) == 8
+    assert max(layer_resident_profile(8, layer_groups(8, 0.5))) == 4  # 4 resident at the end of forward
+    assert max(layer_resident_profile(8, layer_groups(8, 1.0))) == 2  # a block and its prefetched neighbour
+
+
+# ------------------------------------------------------------------ pipeline policies
+
+
+def test_spread_and_auto_fraction():
+    assert spread(8, 0.5) == [0, 2, 4, 6] and spread(8, 1.0) == list(range(8)) and spread(4, 0.0) == []
+    assert auto_fraction(0.5) == 1.0 and auto_fraction(4.0) == 0.25
+
+
+def test_lifespans_are_longest_on_the_first_rank_and_zero_on_the_last():
+    timeline = simulate(build_schedule("1f1b", 4, 8)).timeline
+    first, last = lifespans(timeline, 0), lifespans(timeline, 3)
+    assert sum(first.values()) > sum(lifespans(timeline, 1).values())
+    assert first[(3, 0)] == max(first.values())  # the last warm-up forward waits longest for its backward
+    assert set(last.values()) == {0.0}  # the last rank runs each F and its B back to back
+
+
+def _peaks(sched, policy: str, fraction: float) -> tuple[list[int], list[int]]:
+    chosen = select_pipeline(sched, simulate(sched).timeline, policy, fraction)
+    with_offload = sched.with_offload(chosen)
+    validate(with_offload)
+    peaks = [max(resident_profile(with_offload, r)) for r in range(sched.num_stages)]
+    return peaks, [sum(1 for rank, _, _ in chosen if rank == r) for r in range(sched.num_stages)]
+
+
+@pytest.mark.parametrize("name, vpp", [("1f1b", 1), ("interleaved", 2), ("zb", 1)])
+def test_lifespan_never_leaves_a_higher_peak_than_uniform(name, vpp):
+    sched = build_schedule(name, 4, 8, vpp).with_comm()
+    for fraction in (0.125, 0.25, 0.375, 0.5, 0.75, 1.0):
+        (uniform, u_volume), (lifespan, l_volume) = _peaks(sched, "uniform", fraction), _peaks(sched, "lifespan",
+                                                                                             fraction)
+        for r in range(4):  # lifespan skips a rank's micro-batches whose F and B touch (nothing to free)
+            assert l_volume[r] <= u_volume[r] and lifespan[r] <= uniform[r], (fraction, r)
+
+
+def test_lifespan_cuts_the_peak_better_than_linear_where_lifespans_differ():
+    """Interleaved 1F1B (p=4, vpp=2, m=8): lifespans differ a lot, and offloading the long-lived micro-batch-
+    chunks at the peak cuts it faster than the volume offloaded (PipeOffload's better-than-linear), where
+    spreading them evenly does not. The full table: docs/benchmarks.md (tools/bench/offload.py)."""
+    sched = build_schedule("interleaved", 4, 8, 2).with_comm()
+    base = [max(resident_profile(sched, r)) for r in range(4)]
+    (uniform, _), (lifespan, _) = _peaks(sched, "uniform", 0.375), _peaks(sched, "lifespan", 0.375)
+    assert lifespan[0] < uniform[0]
+    assert 1 - lifespan[0] / base[0] > 0.375  # peak falls by more than the share offloaded
+
+
+def test_lifespan_skips_micro_batches_whose_copy_cannot_hide():
+    sched = build_schedule("1f1b", 4, 8).with_comm()
+    timeline = simulate(sched).timeline
+    assert select_pipeline(sched, timeline, "lifespan", 1.0, copy_to_compute=0.0) != set()
+    # a round trip far longer than any lifespan: nothing is worth offloading
+    assert select_pipeline(sched, timeline, "lifespan", 1.0, copy_to_compute=100.0) == set()
+    # auto: k = 4 -> a quarter of the micro-batches, the longest-lived
+    auto = select_pipeline(sched, timeline, "auto", 1.0, copy_to_compute=4.0)
+    assert {(r, mb) for r, mb, _ in auto} <= {(r, mb) for r in range(3) for mb in range(8)}
+    assert auto == select_pipeline(sched, timeline, "lifespan", 0.25, copy_to_compute=4.0)
+
+
+# ------------------------------------------------------------------ config
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["offload.enabled=true", "offload.fraction=0"], "offload.fraction=0.0 must be in"),
+    (["offload.enabled=true", "offload.policy=sometimes"], "offload.policy=sometimes is not one of"),
+    (["offload.enabled=true", "offload.policy=lifespan"], "with parallel.pp=1"),
+    (["offload.enabled=true", "parallel.recompute=full"], "does not combine with parallel.recompute"),
+    (["offload.enabled=true", "offload.min_tensor_bytes=-1"], "must be >= 0"),
+])
+def test_bad_offload_configs_get_one_line_errors(overrides, message):
+    from megalm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        validate_run(compose_config(*overrides))
+
+
+def test_layer_offload_through_the_trainer_is_exact(tmp_path):
+    from megalm.training.trainer import Trainer
+
+    overrides = ["model.num_layers=4", "offload.min_tensor_bytes=0"]
+    plain = Trainer(compose_config(*overrides), str(tmp_path / "plain"))
+    offloaded = Trainer(compose_config(*overrides, "offload.enabled=true", "offload.fraction=0.5"),
+                        str(tmp_path / "offloaded"))
+    assert "offload(0.5 of the blocks)" in offloaded.parallel.describe()
+    for step in range(3):
+        a, b = plain.train_step(step), offloaded.train_step(step)
+        assert a.loss == b.loss, step
+    for (name, p), (_, q) in zip(plain.model.named_parameters(), offloaded.model.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+    store = offloaded.parallel.offload_store
+    assert store.offloaded_bytes > 0 and store.offloaded_bytes == store.reloaded_bytes
+
+
+def test_copy_model_is_not_shared():
+    """(guard) tiny_gpt builds independent models: offload tests compare two of them."""
+    a = tiny_gpt()
+    b = copy.deepcopy(a)
+    assert a.layers[0] is not b.layers[0]
