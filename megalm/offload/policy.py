@@ -78,17 +78,23 @@ def auto_fraction(copy_to_compute: float) -> float:
 
 def _live_intervals(actions: list) -> tuple[dict[tuple[int, int], tuple[int, int, int, int]], int]:
     """{(micro_batch, chunk): (F, last index resident after F, first index resident before B, B)} in a rank's
-    action list when offloaded: OFFLOAD follows the F's SEND_F if there is one, RELOAD precedes the B's RECV_B
-    if there is one (as `Schedule.with_offload` places them); and the list's length."""
+    action list when offloaded, as `Schedule.with_offload` places the memory actions: OFFLOAD after the F
+    (after its SEND_F if there is one), RELOAD before the compute action ahead of the B, or right before the
+    B's RECV_B (or the B) when that action is the F itself; and the list's length."""
     first: dict[tuple[int, int], dict[str, int]] = {}
+    compute = []
     for i, a in enumerate(actions):
         first.setdefault((a.micro_batch, a.chunk), {}).setdefault(a.kind, i)
+        if a.kind in COSTS:
+            compute.append(i)
     out = {}
     for key, at in first.items():
         if "F" in at and "B" in at:
             f, b = at["F"], at["B"]
             sent = f + 1 if at.get("SEND_F") == f + 1 else f
-            out[key] = (f, sent, min(at.get("RECV_B", b), b), b)
+            back = min(at.get("RECV_B", b), b)
+            ahead = max((j for j in compute if j < back), default=None)
+            out[key] = (f, sent, ahead if ahead is not None and ahead > sent else back, b)
     return out, len(actions)
 
 

@@ -158,8 +158,9 @@ class Schedule:
 
     def with_offload(self, offloaded: set[tuple[int, int, int]]) -> Schedule:
         """A copy with OFFLOAD after the F (after its SEND_F, if any: the send reads the output), and
-        RELOAD before the B (before its RECV_B, if any, so the copy overlaps the wait), of each
-        (rank, micro_batch, chunk) in `offloaded`."""
+        RELOAD one compute action ahead of the B (prefetch: the copy runs under that action, and the wait for
+        the B's RECV_B), of each (rank, micro_batch, chunk) in `offloaded`; right before the B (or its
+        RECV_B) where the action ahead is the F itself."""
         out: list[list[Action]] = []
         for rank, acts in enumerate(self.actions):
             new: list[Action] = []
@@ -174,11 +175,26 @@ class Schedule:
                 sent_next = nxt is not None and nxt.kind == "SEND_F" and (nxt.micro_batch, nxt.chunk) == key
                 if (rank, *key) in offloaded and (a.kind == "SEND_F" or (a.kind == "F" and not sent_next)):
                     new.append(Action("OFFLOAD", *key))
-            out.append(new)
+            out.append(_prefetch_reloads(new))
         return Schedule(self.num_stages, self.num_micro_batches, self.vpp, self.name, self.split_backward, out)
 
     def compute_actions(self, rank: int) -> list[Action]:
         return [a for a in self.actions[rank] if a.is_compute]
+
+
+def _prefetch_reloads(actions: list[Action]) -> list[Action]:
+    """Move each RELOAD to just before the compute action that precedes it, if that comes after the key's
+    OFFLOAD (megalm.offload.policy mirrors this placement in its peak estimate)."""
+    out = list(actions)
+    for i in [i for i, a in enumerate(actions) if a.kind == "RELOAD"]:
+        reload = actions[i]
+        at = out.index(reload)
+        ahead = max((j for j in range(at) if out[j].is_compute), default=None)
+        offload_at = out.index(Action("OFFLOAD", reload.micro_batch, reload.chunk))
+        if ahead is not None and ahead > offload_at:
+            out.pop(at)
+            out.insert(ahead, reload)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
