@@ -108,6 +108,7 @@ class ParallelConfig:
     hdp: bool = False  # ByteScale hybrid DP: dp x cp ranks form one domain, re-planned every step
     hdp_capacity: int | None = None  # tokens per HDP rank per micro-batch (C); None: ceil(seq_length / cp)
     hdp_cost: str | None = None  # cost model: a preset or configs/hdp_cost YAML; None: from the model's shape
+    hdp_offload: bool = False  # ByteScale's selective offload: long documents offload r(s) and need fewer ranks
     cp_comm: str = "ring"  # ring | a2a
     pp_schedule: str = "1f1b"  # 1f1b | interleaved | zb
     layers_per_stage: list[int] | None = None  # one layer count per virtual stage (pp*vpp); None: even split

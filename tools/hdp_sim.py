@@ -6,9 +6,13 @@
 
 Policies (megalm/parallel/hdp/planner.py): `static` (pack to the context length, fixed cp group), the
 `megatron_hybrid` rule (power-of-two CP groups, s²/d estimate, greedy rounds) and `hdp` (ByteScale:
-minimal rings, cost-balanced). Each step draws a global batch of --global-tokens tokens (seeded),
-cuts documents longer than the context into context-length pieces, plans it with each policy and
-runs the plan through the same execution model and cost model (megalm/parallel/hdp/cost.py).
+minimal rings, cost-balanced); with --offload also `hdp_offload` (+ ByteScale's selective offload: a
+document offloads r(s) of its activations and runs on ceil((1 - r(s)) s / C) ranks, cost.offload_ratio)
+and `hdp_offload_widen` (that, with rings longer than the mean load widened: balance), the rows of
+ByteScale's ablation (static mesh -> HDP -> + selective offload -> + balance). Each step draws a global
+batch of --global-tokens tokens (seeded), cuts documents longer than the context into context-length
+pieces, plans it with each policy and runs the plan through the same execution model and cost model
+(megalm/parallel/hdp/cost.py).
 Prints step time, utilisation, CP traffic, padding and speedups; with --json the last stdout line
 is one JSON object with the step seconds per policy and `plan_seconds` (HDP planner wall time);
 with --png-dir, one Gantt chart per policy (rows = ranks, x = time on a common scale).
@@ -243,9 +247,13 @@ def run_step(lengths: list[int], args, cost: CostModel, capacity: int):
     }
     if args.widen:
         plans["hdp_widen"] = plan_hdp(lengths, args.ranks, capacity, cost, pp=args.pp, widen=True)
+    if args.offload:  # ByteScale's ablation: + selective offload, then + balance (widened rings)
+        plans["hdp_offload"] = plan_hdp(lengths, args.ranks, capacity, cost, pp=args.pp, offload=True)
+        plans["hdp_offload_widen"] = plan_hdp(lengths, args.ranks, capacity, cost, pp=args.pp, widen=True,
+                                              offload=True)
     for name, plan in plans.items():
         if args.check:
-            check_plan(plan, lengths, args.ranks, capacity)
+            check_plan(plan, lengths, args.ranks, capacity, offload=cost if "offload" in name else None)
         out[name] = (plan, simulate(plan, cost, pp=args.pp))
     return out, plan_seconds
 
@@ -269,9 +277,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--png-prefix", default="")
     p.add_argument("--widen", action="store_true", help="also plan 'hdp_widen': HDP with rings of documents "
                    "longer than the mean load widened beyond ceil(s/C) (not ByteScale's rule)")
+    p.add_argument("--offload", action="store_true", help="also plan 'hdp_offload' (ByteScale's selective offload: "
+                   "rings of ceil((1 - r(s)) s / C) ranks) and 'hdp_offload_widen' (that, balanced by widening)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    policies = POLICIES + (("hdp_widen",) if args.widen else ())
+    policies = POLICIES + (("hdp_widen",) if args.widen else ()) + (
+        ("hdp_offload", "hdp_offload_widen") if args.offload else ())
 
     source = args.lengths or args.dist
     if source is None:

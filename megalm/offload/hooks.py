@@ -7,7 +7,8 @@ activations as one group, and moves them where the schedule's OFFLOAD / RELOAD a
 `LayerOffload` is the no-pipeline case (pp = 1): each transformer block's forward is one group; the first
 `fraction` of the blocks go to the host right after their forward, and in backward the first unpack of a
 block reloads the block before it (one ahead), so its copy runs under this block's backward; the last
-blocks, whose backward comes first, stay resident.
+blocks, whose backward comes first, stay resident. Under HDP's selective offload each micro-batch brings its
+own fraction: r(s) for a long document planned on fewer ranks (megalm/parallel/hdp/cost.py), 0 otherwise.
 """
 
 from __future__ import annotations
@@ -53,10 +54,11 @@ class PipelineOffload:
 class LayerOffload:
     """Layer-wise offload for a model whose blocks are `blocks` (the GPT's `layers`)."""
 
-    def __init__(self, blocks: nn.ModuleList, store: ActivationStore, fraction: float) -> None:
-        self.store = store
-        self.offloaded = set(layer_groups(len(blocks), fraction))
+    def __init__(self, blocks: nn.ModuleList, store: ActivationStore, fraction: float,
+                 per_micro_batch: bool = False) -> None:
+        self.store, self.fraction, self.per_micro_batch = store, fraction, per_micro_batch
         self.num_blocks = len(blocks)
+        self.offloaded = set(layer_groups(self.num_blocks, fraction))
         self._open: dict[int, contextlib.AbstractContextManager] = {}
         self.active = False
         for index, block in enumerate(blocks):
@@ -87,8 +89,12 @@ class LayerOffload:
             self.store.reload(("layer", index - 1))
 
     @contextlib.contextmanager
-    def micro_batch(self) -> Iterator[None]:
-        """Around one micro-batch's forward and backward (training only: evaluation saves nothing)."""
+    def micro_batch(self, fraction: float = 0.0) -> Iterator[None]:
+        """Around one micro-batch's forward and backward (training only: evaluation saves nothing). With
+        `per_micro_batch` (HDP's selective offload) the micro-batch's own `fraction` of the blocks, rounded up
+        so that at most 1 - fraction of its activations stay resident; else the fixed fraction."""
+        if self.per_micro_batch:
+            self.offloaded = set(layer_groups(self.num_blocks, fraction, round_up=True))
         self.active = True
         try:
             yield

@@ -168,9 +168,11 @@ def resident_profile(schedule: ScheduleLike, rank: int, weights: dict[tuple[int,
     return out
 
 
-def layer_groups(num_layers: int, fraction: float) -> list[int]:
-    """The transformer blocks offloaded without a pipeline: the first round(fraction * num_layers)."""
-    return list(range(round(fraction * num_layers)))
+def layer_groups(num_layers: int, fraction: float, round_up: bool = False) -> list[int]:
+    """The transformer blocks offloaded without a pipeline: the first round(fraction * num_layers) (ceil with
+    `round_up`: a share of the activations that must leave the device)."""
+    count = math.ceil(fraction * num_layers - 1e-9) if round_up else round(fraction * num_layers)
+    return list(range(count))
 
 
 def layer_resident_profile(num_blocks: int, offloaded: set[int] | list[int]) -> list[int]:

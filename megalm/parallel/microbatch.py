@@ -37,6 +37,7 @@ class LocalMicroBatch:
     ring: Ring | None = None  # None: the documents are whole on this rank; else `batch` is its zigzag shard
     counted_doc_lengths: list[int] = field(default_factory=list)  # documents this rank counts in tokens/FLOPs
     attention: AttentionContext | None = None  # set when prepared: how attention runs over `ring`
+    offload_fraction: float = 0.0  # share of its activations it must offload (HDP selective offload)
 
     def run(self, model: nn.Module, inputs: torch.Tensor | None = None) -> torch.Tensor:
         """`model` (a GPT or pipeline chunk) on this micro-batch: on its tokens, or on `inputs` (the hidden

@@ -109,7 +109,7 @@ class LocalRunner:
             hooks.start_step()
         for mb in micro_batches:
             self.before_forward(self.model, step, mb.index)
-            with hooks.micro_batch() if hooks is not None else contextlib.nullcontext():
+            with hooks.micro_batch(mb.offload_fraction) if hooks is not None else contextlib.nullcontext():
                 loss_sum = self._loss(mb)
                 (loss_sum / n_loss_tokens).backward()
             total += loss_sum.detach()
@@ -189,7 +189,8 @@ class Parallelism:
             timeline = lambda schedule: simulate(schedule).timeline
             self.runner.memory_hooks = PipelineOffload(store, o.policy, o.fraction, timeline, self._copy_to_compute())
         else:
-            self.runner.memory_hooks = LayerOffload(self.model.layers, store, o.fraction)
+            self.runner.memory_hooks = LayerOffload(self.model.layers, store, o.fraction,
+                                                    per_micro_batch=p.hdp and p.hdp_offload)
         return store
 
     def _copy_to_compute(self) -> float:
@@ -208,7 +209,7 @@ class Parallelism:
         """How this rank takes its share of a step: the HDP plan, or a DP slice (sharded over the CP ring)."""
         p, mesh = self.cfg.parallel, self.mesh
         if p.hdp:
-            return HdpSplit(mesh, p.hdp_capacity, hdp_cost_model(self.cfg), p.pp, p.pp_schedule)
+            return HdpSplit(mesh, p.hdp_capacity, hdp_cost_model(self.cfg), p.pp, p.pp_schedule, p.hdp_offload)
         split = DataParallelSlices(mesh, self.cfg.trainer.micro_batch_size,
                                    partial_last=self.cfg.trainer.tokens_per_step is not None, device=self.device)
         return ContextShards(split, Ring(tuple(mesh.cp_ranks), mesh.cp_rank)) if p.cp > 1 else split
@@ -257,8 +258,8 @@ class Parallelism:
         counted = mb.counted_doc_lengths if self.mesh.is_last_stage else []
         if self.device.type == "cuda":  # pinned host memory: the copies overlap instead of syncing the stream
             return LocalMicroBatch(batch.pin_memory().to(self.device, non_blocking=True), mb.index, ring, counted,
-                                   attention)
-        return LocalMicroBatch(batch.to(self.device), mb.index, ring, counted, attention)
+                                   attention, mb.offload_fraction)
+        return LocalMicroBatch(batch.to(self.device), mb.index, ring, counted, attention, mb.offload_fraction)
 
     def forward_backward(self, share: StepShare) -> torch.Tensor:
         """Gradients of sum(token losses) / (the step's loss tokens) accumulated over this rank's
@@ -308,12 +309,14 @@ class Parallelism:
         d, p = self.mesh.dims, self.cfg.parallel
         pipeline = f" ({p.pp_schedule}{f' vpp={p.vpp}' if p.vpp > 1 else ''})" if p.pp > 1 else ""
         if p.hdp:
-            context = f" cp={p.cp} hdp (C={p.hdp_capacity} tokens, {self.split.cost.name} cost)"
+            offload = ", selective offload" if p.hdp_offload else ""
+            context = f" cp={p.cp} hdp (C={p.hdp_capacity} tokens, {self.split.cost.name} cost{offload})"
         else:
             context = f" cp={p.cp} ({p.cp_comm})" if p.cp > 1 else ""
         flags = (" sp" if p.sequence_parallel else "") + (" zero1" if p.zero1 else "")
         o = self.cfg.offload
         if o.enabled:
             what = f"{o.policy} {o.fraction:g} of micro-batches" if p.pp > 1 else f"{o.fraction:g} of the blocks"
+            what = "r(s) of the blocks of long documents" if p.hdp and p.hdp_offload else what
             flags += f" offload({what})"
         return f"{d.world_size} rank(s): tp={d.tp} pp={d.pp}{pipeline}{context} dp={d.dp}{flags}"

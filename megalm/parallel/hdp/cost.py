@@ -165,10 +165,47 @@ def ring_size(s: int, capacity: int) -> int:
     return -(-s // capacity)
 
 
-def check_plan(plan, lengths: Sequence[int], num_ranks: int, capacity: int) -> None:
+def offload_ratio(s: int, cost: CostModel) -> float:
+    """ByteScale's selective offload (arXiv 2502.21231, communication optimizer): the share r(s) of a document's
+    activations that goes to host memory, the largest whose copy hides under the document's forward.
+
+    Per layer, a document of s tokens on d ranks keeps e·s/d activation bytes on each (e = act_bytes / layers)
+    and computes for (a·s² + b·s + c)/d seconds, a third of it forward (backward ≈ 2x forward). Offloading r
+    of the activations during forward (and reloading them during backward, the other direction of the link)
+    is hidden when r·e·s/d / host_bw <= (a·s² + b·s + c) / (3d), so
+
+        r(s) = min(r_max, host_bw · (a·s² + b·s + c) / (3·e·s)),   r_max = 1 − 2 / layers,
+
+    independent of d; it grows with s (compute ~s², activations ~s): long documents can offload more.
+    r_max keeps two layers resident (the one computing and the one being reloaded: megalm.offload's
+    layer-wise offload). 0 without a host link or activation sizes in the cost model.
+    """
+    if s <= 0 or cost.host_bw <= 0 or cost.act_bytes <= 0 or cost.layers < 3:
+        return 0.0
+    per_layer = cost.act_bytes / cost.layers
+    hidden = cost.host_bw * (cost.a * s * s + cost.b * s + cost.c) / (3 * per_layer * s)
+    return min(1.0 - 2.0 / cost.layers, hidden)
+
+
+def offload_ring_size(s: int, capacity: int, cost: CostModel) -> int:
+    """Ranks a document of s tokens needs when it offloads r(s) of its activations: d(s) = ceil((1 − r(s))·s / C)
+    (at least 1) instead of ceil(s / C): fewer ring members, less ring traffic."""
+    return max(1, math.ceil((1.0 - offload_ratio(s, cost)) * s / capacity - 1e-9))
+
+
+def fits(tokens: int, d: int, capacity: int, ratio: float = 0.0) -> bool:
+    """Whether a micro-batch of `tokens` over d ranks, offloading `ratio` of its activations, keeps each rank
+    within `capacity` tokens of resident activations."""
+    return (1.0 - ratio) * tokens <= d * capacity + 1e-9 if ratio else ring_size(tokens, d) <= capacity
+
+
+def check_plan(plan, lengths: Sequence[int], num_ranks: int, capacity: int, offload: CostModel | None = None
+               ) -> None:
     """Raise ValueError naming the first violation: every document in exactly one micro-batch, token
-    counts right, no rank over `capacity` tokens per micro-batch, each micro-batch listed exactly on its
-    ranks, and an execution order without deadlock (rings in a consistent order on shared ranks)."""
+    counts right, no rank over `capacity` tokens per micro-batch (of resident activations: with `offload`, the
+    cost model of a plan made with selective offload, a one-document micro-batch may offload r(s) of them),
+    each micro-batch listed exactly on its ranks, and an execution order without deadlock (rings in a
+    consistent order on shared ranks)."""
     if len(plan.per_rank) != num_ranks:
         raise ValueError(f"plan has {len(plan.per_rank)} ranks, expected {num_ranks}")
     seen = [0] * len(lengths)
@@ -180,8 +217,9 @@ def check_plan(plan, lengths: Sequence[int], num_ranks: int, capacity: int) -> N
             seen[i] += 1
         if mb.tokens != sum(lengths[i] for i in mb.seqs):
             raise ValueError(f"micro-batch {k}: tokens {mb.tokens} != sum of its document lengths")
-        if ring_size(mb.tokens + mb.padding, d) > capacity:
-            total = mb.tokens + mb.padding
+        total = mb.tokens + mb.padding
+        ratio = offload_ratio(total, offload) if offload is not None and len(mb.seqs) == 1 else 0.0
+        if not fits(total, d, capacity, ratio):
             raise ValueError(f"micro-batch {k}: {total} tokens over {d} ranks exceed capacity {capacity}")
     for i, n in enumerate(seen):
         if n != 1:

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from megalm.parallel.hdp.cost import CostModel, SimResult, check_plan, ring_size, simulate
+from megalm.parallel.hdp.cost import CostModel, SimResult, check_plan, offload_ring_size, ring_size, simulate
 
 __all__ = [
     "CostModel", "MicroBatch", "Plan", "SimResult", "check_plan", "megatron_cp_size", "plan_hdp",
@@ -315,7 +315,7 @@ def _widened(s: int, d: int, work: float, cost: CostModel, num_ranks: int, pp: i
     base = work - d * t(d)
     best, best_cost, k = d, max(t(d), work / (num_ranks * pp)), d
     while k < num_ranks:
-        k = min(num_ranks, max(k + 1, int(k * 1.09)))
+        k = min(num_ranks, k + 1 if k < 2 * d else max(k + 1, int(k * 1.09)))  # every size up to 2d
         tk = t(k)
         step = max(tk, (base + k * tk) / (num_ranks * pp))
         if step < best_cost:
@@ -324,7 +324,8 @@ def _widened(s: int, d: int, work: float, cost: CostModel, num_ranks: int, pp: i
 
 
 def plan_hdp(
-    lengths: Sequence[int], num_ranks: int, capacity: int, cost: CostModel, pp: int = 1, widen: bool = False
+    lengths: Sequence[int], num_ranks: int, capacity: int, cost: CostModel, pp: int = 1, widen: bool = False,
+    offload: bool = False,
 ) -> Plan:
     """ByteScale HDP plan: minimal rings for long documents, best-fit packing for short ones, balanced
     by time so that ranks (pipelines, if pp > 1) finish together.
@@ -336,10 +337,12 @@ def plan_hdp(
        in planned start order, which is one global order for rings, so plans cannot deadlock.
     Deterministic (ties broken by index); O(n log n + Σd · log D + rings · holes).
 
-    Rings have the minimal size ceil(s / C). When one document's ring takes longer than the mean
+    Rings have the minimal size ceil(s / C); with `offload` (ByteScale's selective offload) the smaller
+    ceil((1 − r(s))·s / C) of `cost.offload_ring_size`, the document offloading r(s) of its activations.
+    When one document's ring takes longer than the mean
     load, that ring alone sets the step time; `widen=True` (not ByteScale's rule, off by default)
     also plans with such rings widened (`_widened`) and keeps whichever plan has the shorter
-    estimated step.
+    estimated step; with `offload` too, the plan without offload competes as well.
     """
     n, C = len(lengths), capacity
     order = sorted(range(n), key=lengths.__getitem__, reverse=True)
@@ -347,13 +350,14 @@ def plan_hdp(
         raise ValueError("document lengths must be positive")
     split = bisect.bisect_left([-lengths[i] for i in order], -C)  # order[:split] are longer than C
     longs = order[:split]
-    if longs and ring_size(lengths[longs[0]], C) > num_ranks:
+    need = (lambda s: offload_ring_size(s, C, cost)) if offload else (lambda s: ring_size(s, C))
+    if longs and need(lengths[longs[0]]) > num_ranks:
         raise ValueError(f"a document of {lengths[longs[0]]} tokens needs more than {num_ranks} ranks of {C}")
     per_node = cost.ranks_per_node
     sizes, estimates = {}, {}
     for i in longs:
         s = lengths[i]
-        sizes[i] = d = ring_size(s, C)
+        sizes[i] = d = need(s)
         estimates[i] = cost.time(s, s * s, d, d <= per_node)
     work = sum(t * sizes[i] for i, t in estimates.items())
     qa, qb, q0 = cost.layers * cost.a, cost.layers * cost.b + cost.head, cost.layers * cost.c
@@ -371,6 +375,10 @@ def plan_hdp(
         wide = _place(lengths, num_ranks, C, cost, pp, order, split, sizes, estimates, work)
         if wide.stats["widened_rings"] and wide.stats["estimated_step"] < plan.stats["estimated_step"]:
             plan = wide
+        if offload:  # offload is a choice, not a rule: keep the rings without it where they estimate faster
+            plain = plan_hdp(lengths, num_ranks, capacity, cost, pp, widen=True)
+            if plain.stats["estimated_step"] < plan.stats["estimated_step"]:
+                plan = plain
     return plan
 
 
@@ -395,6 +403,7 @@ def _place(lengths, num_ranks, C, cost, pp, order, split, sizes, estimates, work
         "local_micro_batches": len(planner.micro_batches) - len(longs),
         "largest_ring": max(sizes.values(), default=1),
         "widened_rings": sum(sizes[i] > ring_size(lengths[i], C) for i in longs),
+        "offloading_rings": sum(sizes[i] < ring_size(lengths[i], C) for i in longs),
         "estimated_step": max(planner.key, default=0.0) / pp,
     }
     return Plan("hdp", planner.micro_batches, per_rank, stats)

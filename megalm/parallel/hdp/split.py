@@ -32,7 +32,7 @@ from megalm.data.dataset import VarlenDataset
 from megalm.errors import ConfigError, MegalmError
 from megalm.parallel.context.zigzag import shard_batch, zigzag_plan
 from megalm.parallel.dims import ParallelMesh
-from megalm.parallel.hdp.cost import CostModel, ModelShape, load_cost, preset
+from megalm.parallel.hdp.cost import CostModel, ModelShape, load_cost, offload_ratio, preset
 from megalm.parallel.hdp.pipelined import align_rings, check_pipelined
 from megalm.parallel.hdp.planner import Plan, plan_hdp
 from megalm.parallel.microbatch import LocalMicroBatch, Ring
@@ -74,9 +74,11 @@ class HdpSplit:
     global rank at this rank's TP and PP coordinates.
     """
 
-    def __init__(self, mesh: ParallelMesh, capacity: int, cost: CostModel, pp: int = 1, schedule: str = "1f1b"):
+    def __init__(self, mesh: ParallelMesh, capacity: int, cost: CostModel, pp: int = 1, schedule: str = "1f1b",
+                 offload: bool = False):
         d = mesh.dims
         self.mesh, self.capacity, self.cost, self.pp, self.schedule = mesh, capacity, cost, pp, schedule
+        self.offload = offload  # ByteScale's selective offload: rings of d(s) = ceil((1 - r(s)) s / C) ranks
         self.domain = d.domain_ranks(mesh.tp_rank, mesh.pp_rank)
         self.num_ranks = len(self.domain)
         self.index = mesh.dp_rank * d.cp + mesh.cp_rank
@@ -84,7 +86,7 @@ class HdpSplit:
 
     def plan(self, lengths: list[int]) -> Plan:
         """The step's plan over input lengths; with pp > 1, rings aligned and checked deadlock-free."""
-        plan = plan_hdp(lengths, self.num_ranks, self.capacity, self.cost, pp=self.pp)
+        plan = plan_hdp(lengths, self.num_ranks, self.capacity, self.cost, pp=self.pp, offload=self.offload)
         if self.pp > 1:
             plan = align_rings(plan)
             try:
@@ -104,20 +106,30 @@ class HdpSplit:
         out = []
         for k in plan.per_rank[self.index]:
             mb = plan.micro_batches[k]
+            offload = self.offload_fraction(mb.tokens, len(mb.ranks))  # a ring planned smaller: offloads r(s)
             if not mb.seqs:
                 out.append(LocalMicroBatch(filler_batch(), k))
             elif len(mb.ranks) == 1:
                 samples = [dataset[ids[i]] for i in mb.seqs]
                 counted = [lengths[i] for i in mb.seqs]
-                out.append(LocalMicroBatch(pack_samples(samples), k, counted_doc_lengths=counted))
+                out.append(LocalMicroBatch(pack_samples(samples), k, counted_doc_lengths=counted,
+                                           offload_fraction=offload))
             else:
                 (i,) = mb.seqs
                 position = mb.ranks.index(self.index)
                 ring = Ring(tuple(self.domain[h] for h in mb.ranks), position)
                 shard = read_ring_shard(dataset, ids[i], len(mb.ranks), position)
                 counted = [lengths[i]] if position == 0 else []
-                out.append(LocalMicroBatch(shard, k, ring=ring, counted_doc_lengths=counted))
+                out.append(LocalMicroBatch(shard, k, ring=ring, counted_doc_lengths=counted,
+                                           offload_fraction=offload))
         return out, sum(lengths)
+
+    def offload_fraction(self, tokens: int, d: int) -> float:
+        """The share of its activations a micro-batch of `tokens` on d ranks offloads: r(s) for a document
+        whose ring is smaller than ceil(s / C) (planned with selective offload), else 0."""
+        if not self.offload or tokens <= d * self.capacity:
+            return 0.0
+        return offload_ratio(tokens, self.cost)
 
 
 def hdp_cost_model(cfg: MegalmConfig) -> CostModel:
@@ -139,7 +151,15 @@ def validate_hdp(cfg: MegalmConfig) -> None:
         for key in ("hdp_capacity", "hdp_cost"):
             if getattr(p, key) is not None:
                 raise ConfigError(f"parallel.{key} is set but parallel.hdp=false; set parallel.hdp=true or remove it")
+        if p.hdp_offload:
+            raise ConfigError("parallel.hdp_offload=true is HDP's selective offload; set parallel.hdp=true or drop it")
         return
+    if p.hdp_offload and not cfg.offload.enabled:
+        raise ConfigError("parallel.hdp_offload=true plans rings that hold only 1 - r(s) of a long document's "
+                          "activations; set offload.enabled=true so that the rest goes to host memory")
+    if p.hdp_offload and p.pp > 1:
+        raise ConfigError("parallel.hdp_offload=true runs layer-wise offload, which pipelines do not run yet; "
+                          "use parallel.pp=1 or parallel.hdp_offload=false")
     if not cfg.data.varlen:
         raise ConfigError("parallel.hdp=true balances documents of different lengths; set data.varlen=true")
     if p.hdp_capacity is None:

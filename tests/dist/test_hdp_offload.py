@@ -1,0 +1,63 @@
+"""HDP with ByteScale's selective offload: long documents on rings smaller than ceil(s / C), their r(s) of
+activations on the host.
+
+The cost model here makes every copy hide (a fast host link), so r(s) = r_max = 1 - 2/layers = 1/2 and a
+document of s tokens needs ceil(s / 2C) ranks: the 48-token documents of C = 16 run on 2 ranks instead of
+3, and those of up to 32 tokens on one rank (asserted from the plan). The run must equal one process (the
+HDP tolerances of tests/dist/test_hdp.py) and be bit-identical to the same plan run without moving a byte
+(offload changes no computation), and the store must have moved the offloaded blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import yaml
+
+from megalm.parallel.dims import ParallelDims, ParallelMesh
+from megalm.training.trainer import Trainer
+from tests.conftest import compose_config
+from tests.dist.equivalence import assert_first_step_matches
+from tests.dist.launch import run_distributed
+
+STEPS = 3
+FAST_HOST = {"a": 1e-9, "b": 1e-6, "c": 1e-4, "layers": 4, "act_bytes": 4000.0, "host_bw": 1e12, "capacity": 16,
+             "kv_bytes": 512.0, "name": "fast_host"}
+
+
+def overrides(cost_path: str) -> list[str]:
+    return ["parallel.hdp=true", "parallel.hdp_capacity=16", "data.varlen=true", "model.seq_length=48",
+            "data.synthetic.mean_doc_length=30", "trainer.global_batch_size=12", "model.num_layers=4",
+            "parallel.dp=4", "parallel.hdp_offload=true", "offload.enabled=true", "offload.min_tensor_bytes=0",
+            f"parallel.hdp_cost={cost_path}"]
+
+
+def check_hdp_offload(rank: int, world_size: int, cost_path: str, tmp: str) -> None:
+    run = overrides(cost_path)
+    ref = Trainer(compose_config(*[o for o in run if not o.startswith("parallel.")]), f"{tmp}/ref{rank}",
+                  mesh=ParallelMesh(ParallelDims()))
+    par = Trainer(compose_config(*run), f"{tmp}/par")
+    same_plan = Trainer(compose_config(*run), f"{tmp}/same_plan")
+    same_plan.parallel.runner.memory_hooks = None  # the same plans, nothing moved
+    assert "selective offload" in par.parallel.describe()
+
+    assert_first_step_matches(ref, par, rank)
+    stats = par.parallel.split.last_plan.stats
+    assert stats["offloading_rings"] > 0, stats
+    plan = par.parallel.split.last_plan
+    assert any(mb.tokens > 16 * len(mb.ranks) for mb in plan.micro_batches), "a document on fewer than s/C ranks"
+    same_plan.forward_backward(0)
+    for (name, a), (_, b) in zip(par.model.named_parameters(), same_plan.model.named_parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
+    for trainer in (par, same_plan):
+        trainer.optimizer.zero_grad(set_to_none=True)
+    losses = [(par.train_step(s).loss, same_plan.train_step(s).loss) for s in range(1, STEPS)]
+    assert all(a == b for a, b in losses), losses
+    store = par.parallel.offload_store
+    assert store.offloaded_bytes > 0 and store.offloaded_bytes == store.reloaded_bytes
+    assert not store.groups
+
+
+def test_hdp_selective_offload_equals_one_process_and_moves_bytes(tmp_path):
+    cost = tmp_path / "fast_host.yaml"
+    cost.write_text(yaml.safe_dump(FAST_HOST))
+    run_distributed(check_hdp_offload, 4, str(cost), str(tmp_path), timeout=300)

@@ -1,0 +1,65 @@
+"""ByteScale's selective offload in the HDP cost model and planner: r(s), d(s), and plans that use them."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from megalm.parallel.hdp import check_plan, plan_hdp, ring_size
+from megalm.parallel.hdp.cost import fits, load_cost, offload_ratio, offload_ring_size
+
+COST = load_cost("configs/hdp_cost/h100_7b.yaml")
+
+
+def test_ratio_is_the_largest_whose_copy_hides_under_the_forward():
+    e = COST.act_bytes / COST.layers
+    r_max = 1 - 2 / COST.layers
+    for s in (1024, 4096, 16384, 65536, 262144, 2 * 1024 * 1024):
+        r = offload_ratio(s, COST)
+        forward = (COST.a * s * s + COST.b * s + COST.c) / 3
+        copy = r * e * s / COST.host_bw
+        assert 0 < r <= r_max
+        assert copy <= forward * (1 + 1e-9)  # hidden
+        if r < r_max:  # and the largest: any more would not hide
+            assert math.isclose(copy, forward, rel_tol=1e-9)
+
+
+def test_ratio_grows_with_length_and_rings_shrink():
+    rng = random.Random(0)
+    lengths = sorted(rng.randrange(1, 4 * 1024 * 1024) for _ in range(300))
+    ratios = [offload_ratio(s, COST) for s in lengths]
+    assert all(a <= b + 1e-12 for a, b in zip(ratios, ratios[1:], strict=False))  # compute ~s², activations ~s
+    C = COST.capacity
+    for s, r in zip(lengths, ratios, strict=True):
+        d = offload_ring_size(s, C, COST)
+        assert d == max(1, math.ceil((1 - r) * s / C - 1e-9)) and d <= ring_size(s, C)
+        assert fits(s, d, C, r) and (d == 1 or not fits(s, d - 1, C, r))  # the fewest ranks that hold it
+    # 7B on H100s: a 2M-token document keeps 2 of its 32 layers' activations: 16x fewer ranks
+    assert offload_ring_size(2 * 1024 * 1024, C, COST) == ring_size(2 * 1024 * 1024, C) // 16
+
+
+def test_no_host_link_no_offload():
+    assert offload_ratio(1 << 20, COST.replace(host_bw=0.0)) == 0.0
+    assert offload_ring_size(100_000, 8192, COST.replace(host_bw=0.0)) == ring_size(100_000, 8192)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_plans_with_offload_use_the_smaller_rings_and_pass_the_offload_aware_check(seed):
+    rng = random.Random(seed)
+    C, ranks = 8192, 64
+    lengths = [int(rng.lognormvariate(8, 1.6)) + 1 for _ in range(400)]
+    lengths = [min(s, C * ranks // 2) for s in lengths]
+    plain = plan_hdp(lengths, ranks, C, COST)
+    offload = plan_hdp(lengths, ranks, C, COST, offload=True)
+    check_plan(plain, lengths, ranks, C)
+    check_plan(offload, lengths, ranks, C, offload=COST)
+    assert offload.stats["offloading_rings"] > 0
+    with pytest.raises(ValueError, match="exceed capacity"):  # without offload those rings would not fit
+        check_plan(offload, lengths, ranks, C)
+    ring_bytes = lambda plan: sum(COST.ring_bytes(mb.tokens, len(mb.ranks)) for mb in plan.micro_batches)
+    assert ring_bytes(offload) < ring_bytes(plain)
+    for mb in offload.micro_batches:
+        if len(mb.seqs) == 1 and mb.tokens > C:
+            assert len(mb.ranks) == offload_ring_size(mb.tokens, C, COST)
