@@ -45,7 +45,12 @@ EXACT = DEVICE == "cpu"  # on CUDA the reference's fp32 matmul and the bf16 GEMM
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _restore_triton_interpret():
+def _triton_interpret():
+    """This module's tests run in the mode chosen at import (pytest imports every module before running any,
+    and another module may have put the variable back since): set it for them, put it back afterwards so
+    that it does not leak into other modules' tests."""
+    if DEVICE == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
     yield
     _restore_env()
 

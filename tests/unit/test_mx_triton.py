@@ -63,9 +63,12 @@ if not triton_available(DEVICE):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _restore_triton_interpret():
-    """The kernel was built (lazily, by the first test) in the mode chosen above; afterwards put the
-    variable back so that it does not leak into other modules' tests."""
+def _triton_interpret():
+    """This module's tests run in the mode chosen at import (pytest imports every module before running any,
+    and another module may have put the variable back since): set it for them, put it back afterwards so
+    that it does not leak into other modules' tests."""
+    if DEVICE == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
     yield
     _restore_env()
 
