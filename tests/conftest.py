@@ -1,4 +1,5 @@
-"""Shared test helpers: compose a real config from configs/ with overrides, small and fast."""
+"""Shared test helpers: compose a real config from configs/ with overrides, small and fast; gpu tests skip
+without CUDA."""
 
 from __future__ import annotations
 
@@ -45,3 +46,14 @@ def compose_config(*overrides: str, tiny: bool = True):
 @pytest.fixture
 def make_config():
     return compose_config
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` skip themselves where no CUDA device is visible, so `pytest -m gpu` on a CPU machine
+    reports skips, not failures (the default run deselects them: pyproject.toml's addopts)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu test: no CUDA device visible (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:  # the marker itself, not a `gpu` directory in the node id
+            item.add_marker(skip)

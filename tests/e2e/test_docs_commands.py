@@ -5,9 +5,11 @@ runs in a scratch directory, in document order (a resume follows its first run, 
 training), with tiny overrides: a small model on the documented data (the demo corpus is built in the
 scratch directory in a second), 3 steps (stops and token budgets scaled down), benchmarks cut to one
 short repetition, outputs redirected away from docs/. Commands that need a GPU cluster are checked by
-config validation at their world size; the set-up commands (`pip install`, `pytest`, `docker`) are what
-CI itself runs, or cannot run without a Docker engine. A documented command this file cannot classify
-fails the test: add a rule for it.
+config validation at their world size; the GPU tier's script (`tools/gpu_check.sh`), which refuses to run
+without CUDA, by bash parsing it (tests/gpu/test_gpu_check_script.py checks its refusal); the set-up
+commands (`pip install`, `pytest`, `docker`, `tools/gpu_wheels.sh`) are what CI itself runs, or cannot run
+without a Docker engine or a package index. A documented command this file cannot classify fails the test:
+add a rule for it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-STARTS = r"(megalm-\w+|python |torchrun |NPROC=|MASTER_ADDR=|scripts/\S+\.sh\b|pytest|pip |docker )"
+STARTS = r"(megalm-\w+|python |torchrun |NPROC=|MASTER_ADDR=|(scripts|tools)/\S+\.sh\b|pytest|pip |docker )"
 
 # Appended to every training run unless the command sets the key itself (later overrides win).
 TINY = {"model.num_layers": "4", "model.hidden_size": "64", "model.num_heads": "4", "model.num_kv_heads": "2",
@@ -36,8 +38,10 @@ FLAGS = {"--steps": ["1"], "--warmup": ["0"], "--reps": ["1"], "--seq": ["64"], 
          "--global-tokens": ["4M"]}
 # Benchmarks that train: flags appended (argparse keeps the last value) so that they run one short repetition.
 TOOL_FLAGS = {"precision_convergence.py": ["--steps", "2"], "throughput.py": ["--steps", "1", "--warmup", "0"],
-              "context_parallel.py": ["--steps", "1", "--warmup", "0", "--seq", "64"], "comm_volume.py": []}
-SET_UP = ("pip install", "pytest", "docker ")
+              "context_parallel.py": ["--steps", "1", "--warmup", "0", "--seq", "64"], "comm_volume.py": [],
+              "offload.py": ["--steps", "1", "--warmup", "0"]}
+SET_UP = ("pip install", "pytest", "docker ", "tools/gpu_wheels.sh")
+GPU_ONLY = ("tools/gpu_check.sh",)  # exits 2 without CUDA by design
 NAMES_IN_PROSE = {"torchrun -m megalm.train", "python -m megalm.train", "megalm-generate --debug"}
 
 
@@ -137,6 +141,13 @@ def runnable(command: str, tmp: Path) -> tuple[list[str], dict[str, str]] | None
     return head + words, env
 
 
+def parse_only(command: str) -> None:
+    """A GPU-only script: it exists and bash parses it (running it here would only show its refusal)."""
+    script = ROOT / shlex.split(command)[0]
+    assert script.is_file(), f"documented script {script} does not exist"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
 def validate_only(command: str) -> None:
     """A multi-node GPU command: its overrides must pass validation at its world size (8 GPUs a node)."""
     from megalm.training.validation import validate_run
@@ -159,6 +170,9 @@ def test_documented_commands_run(doc: Path, tmp_path: Path):
     for command in commands:
         if command.startswith("MASTER_ADDR=") or "NNODES=" in command:
             validate_only(command)
+            continue
+        if command.startswith(GPU_ONLY):
+            parse_only(command)
             continue
         spec = runnable(command, tmp_path)
         if spec is None:
