@@ -12,7 +12,7 @@ inside `store.hooks(key)`, every tensor autograd saves for backward passes throu
 
 `offload(key)` copies the group's storages into one host buffer from the `HostPool` and drops the device
 references, so the caching allocator can reuse that memory; `reload(key)` copies them back into fresh device
-buffers; a group is released (device buffers to their last users, host buffers to the pool) when autograd
+buffers (one per storage); a group is released (device buffers to their last users, host buffers to the pool) when autograd
 drops its last saved-tensor handle, i.e. as soon as its backward has run, or by `release(key)`. On CUDA the
 copies run on two side streams (device-to-host, host-to-device), ordered by events: an offload starts after
 the compute that produced the activations (an event recorded on the compute stream), a reload after its
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +49,9 @@ class _Storage:
 
     nbytes: int
     device: torch.Tensor | None
-    offset: int = 0  # in the group's host / reloaded buffer
+    alias: torch.Tensor | None  # a saved tensor on it (shares its version counter) while on the device
+    offset: int = 0  # in the group's host buffer
+    version: int = 0  # the version counter when it was offloaded
 
 
 @dataclass
@@ -62,22 +64,33 @@ class _Group:
     waited: bool = True  # whether the compute stream waits for the reload already
     unpacked: bool = False  # whether its backward has started (the first unpack ran)
     live: int = 0  # saved-tensor handles autograd still holds; at 0 after the backward the group is freed
+    closed: bool = False  # its forward is over (no more packs): only then can `live` reaching 0 free it
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.storages)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Ref:
-    """What autograd holds instead of a saved tensor: where to rebuild it from."""
+    """What autograd holds instead of a saved tensor: where to rebuild it from, and the version counter it
+    had when saved (autograd's in-place check, which saved-tensor hooks bypass, is redone here)."""
 
     key: object
+    group: _Group
     storage: int
+    version: int
     dtype: torch.dtype
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+
+
+def with_index(device: torch.device) -> torch.device:
+    """cuda -> cuda:<current>: tensors always carry their index, and torch.device("cuda") != "cuda:0"."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
@@ -94,12 +107,12 @@ class ActivationStore:
     the layer-wise policy prefetches the next group from it.
     """
 
-    def __init__(self, device: torch.device | str, params: Iterable[nn.Parameter] = (), min_tensor_bytes: int = 0,
+    def __init__(self, device: torch.device | str, params: Iterable[torch.Tensor] = (), min_tensor_bytes: int = 0,
                  pool: HostPool | None = None) -> None:
-        self.device = torch.device(device)
+        self.device = with_index(torch.device(device))
         self.cuda = self.device.type == "cuda"
         self.pool = pool or HostPool(pin=self.cuda)
-        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.param_storages = {p.untyped_storage().data_ptr() for p in params}  # parameters and buffers
         self.min_tensor_bytes = min_tensor_bytes
         self.groups: dict[object, _Group] = {}
         self.group_bytes_seen: dict[object, int] = {}  # each group's activation bytes, kept after its release
@@ -112,7 +125,10 @@ class ActivationStore:
     # ------------------------------------------------------------------ hooks
 
     def hooks(self, key: object) -> contextlib.AbstractContextManager:
-        """Saved-tensor hooks that record the activations saved inside as group `key` (a new group)."""
+        """Saved-tensor hooks that record the activations saved inside as group `key` (a new group; a key
+        whose group is still alive is refused)."""
+        if key in self.groups:
+            raise RuntimeError(f"activation offload: group {key!r} is still alive (released after its backward)")
         group = self.groups[key] = _Group()
 
         def pack(t: torch.Tensor) -> torch.Tensor | _Ref:
@@ -122,43 +138,63 @@ class ActivationStore:
             address = storage.data_ptr()
             if address not in group.index:
                 group.index[address] = len(group.storages)
-                group.storages.append(_Storage(storage.nbytes(), _bytes_of(storage, t.device)))
+                group.storages.append(_Storage(storage.nbytes(), _bytes_of(storage, t.device), t.detach()))
                 self._add_resident(storage.nbytes())
                 self.group_bytes_seen[key] = group.nbytes
-            ref = _Ref(key, group.index[address], t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+            ref = _Ref(key, group, group.index[address], t._version, t.dtype, tuple(t.shape), t.stride(),
+                       t.storage_offset())
             group.live += 1
             weakref.finalize(ref, self._handle_freed, key, group)
             return ref
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
+        @contextlib.contextmanager
+        def recording() -> Iterator[None]:
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                try:
+                    yield
+                finally:
+                    group.closed = True
+                    if group.live == 0:  # nothing it saved is still needed
+                        self.release(key)
+
+        return recording()
 
     def _offloadable(self, t: torch.Tensor) -> bool:
+        """Activations worth moving: on this device, not a parameter or buffer (or an alias of one), and on a
+        storage of at least `min_tensor_bytes` (a small view of a large storage moves the storage)."""
         if isinstance(t, nn.Parameter) or t.device != self.device:
             return False
-        if t.numel() * t.element_size() < self.min_tensor_bytes:
+        storage = t.untyped_storage()
+        if storage.nbytes() < self.min_tensor_bytes:
             return False
-        return t.untyped_storage().data_ptr() not in self.param_storages
+        return storage.data_ptr() not in self.param_storages
 
     def _unpack(self, ref: torch.Tensor | _Ref) -> torch.Tensor:
         if isinstance(ref, torch.Tensor):
             return ref
-        group = self.groups[ref.key]
+        group = ref.group
+        if self.groups.get(ref.key) is not group:
+            raise RuntimeError(f"activation offload: a tensor of group {ref.key!r} was used after its release")
         if group.state == OFFLOADED:
             self.sync_reloads += 1
             self.reload(ref.key)
+        saved = group.storages[ref.storage]
+        current = saved.alias._version if saved.alias is not None else saved.version
+        if current != ref.version:
+            raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
+                               f"inplace operation (activation offload, group {ref.key!r}: saved at version "
+                               f"{ref.version}, now {current})")
         if not group.waited:  # first use after a reload: the compute stream waits for its copy
             torch.cuda.current_stream(self.device).wait_event(group.event)
-            group.storages[0].device.record_stream(torch.cuda.current_stream(self.device))  # one shared buffer
             group.waited = True
         if not group.unpacked:
             group.unpacked = True
             if self.on_unpack is not None:
                 self.on_unpack(ref.key)
-        saved = group.storages[ref.storage].device
         itemsize = torch.empty(0, dtype=ref.dtype).element_size()
-        offset = saved.storage_offset() // itemsize + ref.offset  # slices of a reloaded buffer are ALIGN-ed
-        return torch.empty(0, dtype=ref.dtype, device=self.device).set_(saved.untyped_storage(), offset, ref.size,
-                                                                        ref.stride)
+        offset = saved.device.storage_offset() // itemsize + ref.offset
+        return torch.empty(0, dtype=ref.dtype, device=self.device).set_(saved.device.untyped_storage(), offset,
+                                                                        ref.size, ref.stride)
 
     # ------------------------------------------------------------------ moves
 
@@ -170,6 +206,7 @@ class ActivationStore:
         total = 0
         for s in group.storages:
             s.offset, total = total, total + -(-s.nbytes // ALIGN) * ALIGN
+            s.version, s.alias = s.alias._version, None
         group.host = self.pool.take(total)
         if self.cuda:
             produced = torch.cuda.Event()
@@ -191,27 +228,29 @@ class ActivationStore:
         self.offloaded_bytes += group.nbytes
 
     def reload(self, key: object) -> None:
-        """Copy group `key`'s activations back into one device buffer (asynchronously on CUDA)."""
+        """Copy group `key`'s activations back into device buffers, one per storage (so that a tensor kept
+        past its backward, e.g. by a zero-bubble W, keeps only its own), asynchronously on CUDA."""
         group = self.groups[key]
         if group.state != OFFLOADED:
             return
-        last = group.storages[-1]
-        total = last.offset + last.nbytes
+        for s in group.storages:  # allocated on the compute stream, which uses them
+            s.device = torch.empty(s.nbytes, dtype=torch.uint8, device=self.device)
         if self.cuda:
+            self.h2d.wait_stream(torch.cuda.current_stream(self.device))  # the allocations are in place
+            self.h2d.wait_event(group.event)  # the offload's copy has filled the host buffer
             with torch.cuda.stream(self.h2d):
-                self.h2d.wait_event(group.event)  # the offload's copy has filled the host buffer
-                buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
-                buffer.copy_(group.host[:total], non_blocking=True)
+                for s in group.storages:
+                    s.device.copy_(group.host[s.offset:s.offset + s.nbytes], non_blocking=True)
+                    s.device.record_stream(self.h2d)
                 group.event = torch.cuda.Event()
                 group.event.record(self.h2d)
             self.pool.give(group.host, group.event)
             group.waited = False
         else:
-            buffer = group.host[:total].clone()
+            for s in group.storages:
+                s.device.copy_(group.host[s.offset:s.offset + s.nbytes])
             self.pool.give(group.host)
         group.host = None
-        for s in group.storages:
-            s.device = buffer[s.offset:s.offset + s.nbytes]
         group.state = RELOADED
         self._add_resident(group.nbytes)
         self.reloaded_bytes += group.nbytes
@@ -229,9 +268,9 @@ class ActivationStore:
 
     def _handle_freed(self, key: object, group: _Group) -> None:
         """Autograd let go of one of the group's saved tensors (its backward node ran, or the graph died):
-        with the last one the group's activations are no longer needed anywhere."""
+        with the last one, once its forward is over, the group's activations are no longer needed."""
         group.live -= 1
-        if group.live == 0 and self.groups.get(key) is group:
+        if group.live == 0 and group.closed and self.groups.get(key) is group:
             self.release(key)
 
     def release_all(self) -> None:

@@ -184,7 +184,7 @@ class Parallelism:
         """Activation offload on this rank's runner: PipeOffload's actions in the pipeline schedule, or
         layer-wise offload of the transformer blocks without a pipeline (megalm/offload)."""
         o, p = self.cfg.offload, self.cfg.parallel
-        store = ActivationStore(self.device, self.model.parameters(), o.min_tensor_bytes)
+        store = ActivationStore(self.device, [*self.model.parameters(), *self.model.buffers()], o.min_tensor_bytes)
         if p.pp > 1:
             timeline = lambda schedule: simulate(schedule).timeline
             self.runner.memory_hooks = PipelineOffload(store, o.policy, o.fraction, timeline, self._copy_to_compute())

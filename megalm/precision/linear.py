@@ -262,6 +262,7 @@ class LinearState:
         self.step, self.micro_batch, self.calls = 0, 0, 0
         self.amax = {tensor: fp8.AmaxHistory(amax_history_len) for tensor in ("x", "w", "dy")}
         self.weights: dict[tuple, tuple[weakref.ref, tuple, Fp8Operand]] = {}
+        self.w_amax_token: tuple | None = None  # when W's amax was last pushed (delayed scaling)
 
     def quantized_weight(self, key: tuple, weight: torch.Tensor, make: Callable[[], Fp8Operand]) -> Fp8Operand:
         """The weight's FP8 copy `key` (format, K dim), made once per optimizer step: every micro-batch of a
@@ -314,7 +315,12 @@ def _fp8_tensor_scale(
             if state is None:
                 raise ValueError("delayed FP8 scaling needs a LinearState (the amax history lives there)")
             cache[key] = state.amax[tensor].scale(amax, dtype)
-            state.amax[tensor].update(amax)
+            # W's history moves once per weight update (optimizer step, training step, in-place write), not per
+            # call: so that the micro-batch count, the schedule and offload do not change it
+            token = (_weights_version(), state.step, t._version) if tensor == "w" else None
+            if token is None or token != state.w_amax_token:
+                state.amax[tensor].update(amax)
+                state.w_amax_token = token if tensor == "w" else state.w_amax_token
         else:
             raise ValueError(f"unknown FP8 scaling {spec.scaling!r}; expected tensor, delayed or row")
     return cache[key]
@@ -452,8 +458,10 @@ class RecipeGemms:
     or later in a zero-bubble W), so deferring them changes no draw.
     """
 
-    def __init__(self, recipe: Recipe, state: LinearState | None = None, seed: int | None = None):
+    def __init__(self, recipe: Recipe, state: LinearState | None = None, seed: int | None = None,
+                 weight: torch.Tensor | None = None):
         self.recipe, self.state, self.seed = recipe, state, seed
+        self.weight = weight  # the layer's weight parameter: what its cached FP8 copy is keyed on
         self.random = any(spec.random for spec in recipe.specs)
 
     def start(self, x: torch.Tensor) -> _Call:
@@ -469,12 +477,21 @@ class RecipeGemms:
         if spec.kind == "fp8" and b_name == "w" and self.state is not None:
             fmt = spec.b_format
             make = lambda: fp8_operand(spec, b, b_dim, fmt, _fp8_tensor_scale(spec, "w", b, fmt, self.state, {}))
-            b_fp8 = self.state.quantized_weight((fmt, b_dim if spec.scaling == "row" else None), b, make)
+            b_fp8 = self.state.quantized_weight((fmt, b_dim if spec.scaling == "row" else None), self._owner(b), make)
         else:
             b_scale = _fp8_tensor_scale(spec, b_name, b, spec.b_format, self.state, call.scales)
         generator = gemm_generator(call.seed, gemm_name, a.device) if spec.random else None
         seed = hash_seed(call.seed, gemm_name) if spec.random else None
         return gemm(spec, a, a_dim, b, b_dim, generator, a_scale, b_scale, seed=seed, b_fp8=b_fp8)
+
+    def _owner(self, w: torch.Tensor) -> torch.Tensor:
+        """The layer's parameter when `w` is it or an alias of it (the zero-bubble path passes weight.detach(),
+        a new object per call sharing storage and version counter), so that the cache hits; else `w` itself
+        (a weight computed per call, e.g. kv rows gathered over TP ranks)."""
+        p = self.weight
+        if p is not None and w.shape == p.shape and w.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
+            return p
+        return w
 
     def fprop(self, call: _Call, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._run(self.recipe.fprop, "fprop", call, x, "x", 1, weight, "w", 1)
@@ -564,7 +581,7 @@ def apply_precision(
                             "megalm.model.linear.Linear (same parameters)")
         chosen = next((r for p, r in override_patterns if fnmatch.fnmatchcase(name, p)), recipe)
         state = LinearState(name, seed)
-        module.gemm_recipe = None if chosen.is_fp32 else RecipeGemms(chosen, state)
+        module.gemm_recipe = None if chosen.is_fp32 else RecipeGemms(chosen, state, weight=module.weight)
         states[name] = state
     return states
 

@@ -84,13 +84,36 @@ def test_parameters_their_aliases_and_small_tensors_stay():
     store = ActivationStore("cpu", [w], min_tensor_bytes=1024)
     with store.hooks("g"):
         small = torch.randn(4, 8, requires_grad=True) @ w  # x: 128 bytes < 1024; w: a parameter
-    assert store.groups["g"].storages == [] and store.resident_bytes == 0
+        assert store.groups["g"].storages == []
+    assert "g" not in store.groups and store.resident_bytes == 0  # nothing recorded: released at once
     every = ActivationStore("cpu", [w], min_tensor_bytes=0)
     with every.hooks("g"):
         x = torch.randn(4, 8, requires_grad=True)
         aliased = x @ w.detach().requires_grad_()  # a detached alias of w (as the zero-bubble path passes it)
     assert [s.nbytes for s in every.groups["g"].storages] == [4 * 8 * 4]  # x only
     (small.sum() + aliased.sum()).backward()
+
+
+def test_a_group_lives_until_its_forward_is_over_and_its_handles_are_gone():
+    """A graph dropped inside the forward frees its handles early: the group must survive until the forward
+    ends; a key still alive is refused; an in-place change of a saved tensor raises as autograd would."""
+    store = ActivationStore("cpu")
+    x = torch.randn(64, 64, requires_grad=True)
+    with store.hooks("g"):
+        (x * 1).exp()  # saved, then the whole graph is dropped: live goes 1 -> 0 mid-forward
+        assert "g" in store.groups
+        y = x.sin().sum()
+    with pytest.raises(RuntimeError, match="still alive"):
+        store.hooks("g").__enter__()
+    y.backward()
+    assert "g" not in store.groups
+    h = torch.randn(64, 64, requires_grad=True) * 2
+    with store.hooks("h"):
+        z = h.sin().sum()
+    with torch.no_grad():
+        h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward()
 
 
 def test_an_unpack_before_its_reload_reloads_on_the_spot_and_is_counted():
@@ -245,3 +268,14 @@ def test_copy_model_is_not_shared():
     a = tiny_gpt()
     b = copy.deepcopy(a)
     assert a.layers[0] is not b.layers[0]
+
+
+def test_a_cuda_store_compares_devices_with_their_index(monkeypatch):
+    """torch.device("cuda") != torch.device("cuda", 0), and every CUDA tensor carries its index: a store built
+    for "cuda" (what the trainer's device is) must take the current index, or it would offload nothing."""
+    from megalm.offload.store import with_index
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert with_index(torch.device("cuda")) == torch.device("cuda", 3)
+    assert with_index(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert with_index(torch.device("cpu")) == torch.device("cpu")

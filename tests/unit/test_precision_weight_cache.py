@@ -126,3 +126,18 @@ def test_a_weight_computed_per_call_is_never_served_a_stale_copy():
         y = linear(x, w, None, gemms)
         assert torch.equal(y, low_precision_linear(x, w, None, "fp8")), factor
         del w, y
+
+
+def test_a_detached_alias_of_the_weight_hits_its_cache(monkeypatch):
+    """The zero-bubble path hands the GEMMs weight.detach(), a new object per call on the parameter's storage
+    and version counter: it must reuse the parameter's copy (and push W's amax once, under delayed scaling),
+    so that the schedule does not change what FP8 computes."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(32, 64))
+    state = LinearState("layer")
+    gemms = RecipeGemms(get_recipe("fp8_delayed"), state, weight=weight)
+    calls = _count_weight_quantizations(monkeypatch, weight)
+    for _ in range(3):
+        x = torch.randn(16, 64, requires_grad=True)
+        linear(x, weight.detach(), None, gemms).sum().backward()
+    assert len(calls) == 1 and state.amax["w"].count == 1
