@@ -38,7 +38,3 @@ def validate_offload(cfg: MegalmConfig) -> None:
     if p.pp == 1 and o.policy != "uniform":
         raise ConfigError(f"offload.policy={o.policy} picks pipeline micro-batches; with parallel.pp=1 blocks are "
                           "offloaded by offload.fraction: drop offload.policy or use parallel.pp>1")
-    if p.recompute not in ("none", None) and any(m != "none" for m in (
-            p.recompute if isinstance(p.recompute, (list, tuple)) else [p.recompute])):
-        raise ConfigError(f"offload.enabled=true does not combine with parallel.recompute={p.recompute} yet "
-                          "(recomputed blocks keep their inputs outside the saved-tensor hooks); use one or the other")

@@ -12,14 +12,15 @@ inside `store.hooks(key)`, every tensor autograd saves for backward passes throu
 
 `offload(key)` copies the group's storages into one host buffer from the `HostPool` and drops the device
 references, so the caching allocator can reuse that memory; `reload(key)` copies them back into fresh device
-buffers (one per storage); a group is released (device buffers to their last users, host buffers to the pool) when autograd
-drops its last saved-tensor handle, i.e. as soon as its backward has run, or by `release(key)`. On CUDA the
-copies run on two side streams (device-to-host, host-to-device), ordered by events: an offload starts after
-the compute that produced the activations (an event recorded on the compute stream), a reload after its
-offload's copy, and the first unpack of a reloaded group makes the compute stream wait for the reload (no host
-sync anywhere). An unpack of a group still on the host reloads it on the spot (counted in `sync_reloads`: a
-reload that was not prefetched early enough). On CPU the same code runs with synchronous copies into separate
-host buffers, so every test exercises the real bookkeeping; the bytes are measured, not assumed.
+buffers (one per storage); a group is released (device buffers to their last users, host buffers to the pool)
+when autograd drops its last saved-tensor handle, i.e. as soon as its backward has run, or by `release(key)`.
+On CUDA the copies run on two side streams (device-to-host, host-to-device), ordered by events: an offload
+starts after the compute that produced the activations (an event recorded on the compute stream), a reload
+after its offload's copy, and the first unpack of a reloaded group makes the compute stream wait for the
+reload (no host sync anywhere). An unpack of a group still on the host reloads it on the spot (counted in
+`sync_reloads`: a reload that was not prefetched early enough). On CPU the same code runs with synchronous
+copies into separate host buffers, so every test exercises the real bookkeeping; the bytes are measured, not
+assumed.
 
 The copies are bit-exact, so offload never changes what the model computes.
 """

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -56,6 +57,8 @@ from megalm.parallel.tensor.apply import (
     loss_fn_for,
     tp_norm_share,
 )
+
+log = logging.getLogger("megalm")
 
 
 class ModelConverter(Protocol):
@@ -184,6 +187,10 @@ class Parallelism:
         """Activation offload on this rank's runner: PipeOffload's actions in the pipeline schedule, or
         layer-wise offload of the transformer blocks without a pipeline (megalm/offload)."""
         o, p = self.cfg.offload, self.cfg.parallel
+        if stage_mode(p.recompute, self.mesh.pp_rank, p.pp) == "selective":
+            log.info("offload with parallel.recompute=selective: the GEMM and attention outputs selective "
+                     "checkpointing keeps stay on the device (it holds them outside saved-tensor hooks); "
+                     "each block's inputs are offloaded")
         store = ActivationStore(self.device, [*self.model.parameters(), *self.model.buffers()], o.min_tensor_bytes)
         if p.pp > 1:
             timeline = lambda schedule: simulate(schedule).timeline

@@ -23,6 +23,8 @@ LAYOUTS = {
     "pp2_1f1b": ["parallel.pp=2"],
     "pp2_vpp2_interleaved": ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved"],
     "pp2_zb": ["parallel.pp=2", "parallel.pp_schedule=zb"],
+    # checkpointed blocks save only their inputs, through the offload hooks: those are what moves
+    "pp2_1f1b_full_recompute": ["parallel.pp=2", "parallel.recompute=full"],
 }
 
 

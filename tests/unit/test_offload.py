@@ -236,7 +236,6 @@ def test_lifespan_skips_micro_batches_whose_copy_cannot_hide():
     (["offload.enabled=true", "offload.fraction=0"], "offload.fraction=0.0 must be in"),
     (["offload.enabled=true", "offload.policy=sometimes"], "offload.policy=sometimes is not one of"),
     (["offload.enabled=true", "offload.policy=lifespan"], "with parallel.pp=1"),
-    (["offload.enabled=true", "parallel.recompute=full"], "does not combine with parallel.recompute"),
     (["offload.enabled=true", "offload.min_tensor_bytes=-1"], "must be >= 0"),
 ])
 def test_bad_offload_configs_get_one_line_errors(overrides, message):
@@ -246,10 +245,13 @@ def test_bad_offload_configs_get_one_line_errors(overrides, message):
         validate_run(compose_config(*overrides))
 
 
-def test_layer_offload_through_the_trainer_is_exact(tmp_path):
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+def test_layer_offload_through_the_trainer_is_exact(tmp_path, recompute):
+    """Also under recomputation: a checkpointed block saves its inputs through the offload hooks (they are
+    offloaded; the recomputation reads them back), selective checkpointing keeps its saved outputs itself."""
     from megalm.training.trainer import Trainer
 
-    overrides = ["model.num_layers=4", "offload.min_tensor_bytes=0"]
+    overrides = ["model.num_layers=4", "offload.min_tensor_bytes=0", f"parallel.recompute={recompute}"]
     plain = Trainer(compose_config(*overrides), str(tmp_path / "plain"))
     offloaded = Trainer(compose_config(*overrides, "offload.enabled=true", "offload.fraction=0.5"),
                         str(tmp_path / "offloaded"))
