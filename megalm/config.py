@@ -134,6 +134,7 @@ class OffloadConfig:
     policy: str = "uniform"  # pipeline (pp>1): uniform | lifespan | auto; pp=1 offloads layer groups
     fraction: float = 0.5  # share of micro-batches (pipeline) or of transformer blocks (pp=1) offloaded
     min_tensor_bytes: int = 65536  # saved tensors smaller than this stay on the device
+    recompute_cheap: bool = False  # recompute SiLU/GELU outputs from their inputs instead of storing them
 
 
 @dataclass

@@ -7,6 +7,8 @@ inside `store.hooks(key)`, every tensor autograd saves for backward passes throu
 
 - parameters (and aliases of their storage), tensors on another device, and tensors smaller than
   `min_tensor_bytes` are kept as they are (copying them saves nothing or costs more than it saves);
+- with `recompute_cheap`, the output of a cheap activation (SiLU, GELU: `CHEAP_OPS`) is not stored at all but
+  recomputed from the op's input, which its own backward keeps anyway (PipeOffload's partial recompute);
 - every other tensor is recorded by its *storage*: a view of a storage the group already holds (a
   transpose, a slice, a reshape) adds nothing and is rebuilt from it, by (offset, size, stride), on unpack.
 
@@ -87,6 +89,22 @@ class _Ref:
     offset: int
 
 
+# PipeOffload's partial recompute: outputs of cheap elementwise ops are recomputed from their input (which
+# the op's own backward keeps anyway) instead of being stored and copied.
+CHEAP_OPS: dict[str, Callable[[object, torch.Tensor], torch.Tensor]] = {
+    "SiluBackward0": lambda node, x: torch.nn.functional.silu(x),
+    "GeluBackward0": lambda node, x: torch.nn.functional.gelu(x, approximate=node._saved_approximate),
+}
+
+
+@dataclass(frozen=True, eq=False)
+class _Recompute:
+    """A saved output of a cheap op: rebuilt from the op's input when backward needs it."""
+
+    node: object  # the op's autograd node: its saved input is `node._saved_self`
+    dtype: torch.dtype
+
+
 def with_index(device: torch.device) -> torch.device:
     """cuda -> cuda:<current>: tensors always carry their index, and torch.device("cuda") != "cuda:0"."""
     if device.type == "cuda" and device.index is None:
@@ -109,12 +127,14 @@ class ActivationStore:
     """
 
     def __init__(self, device: torch.device | str, params: Iterable[torch.Tensor] = (), min_tensor_bytes: int = 0,
-                 pool: HostPool | None = None) -> None:
+                 pool: HostPool | None = None, recompute_cheap: bool = False) -> None:
         self.device = with_index(torch.device(device))
         self.cuda = self.device.type == "cuda"
         self.pool = pool or HostPool(pin=self.cuda)
         self.param_storages = {p.untyped_storage().data_ptr() for p in params}  # parameters and buffers
         self.min_tensor_bytes = min_tensor_bytes
+        self.recompute_cheap = recompute_cheap
+        self.recomputed = 0  # cheap outputs rebuilt instead of stored
         self.groups: dict[object, _Group] = {}
         self.group_bytes_seen: dict[object, int] = {}  # each group's activation bytes, kept after its release
         self.on_unpack: Callable[[object], None] | None = None
@@ -132,9 +152,12 @@ class ActivationStore:
             raise RuntimeError(f"activation offload: group {key!r} is still alive (released after its backward)")
         group = self.groups[key] = _Group()
 
-        def pack(t: torch.Tensor) -> torch.Tensor | _Ref:
+        def pack(t: torch.Tensor) -> torch.Tensor | _Ref | _Recompute:
             if not self._offloadable(t):
                 return t
+            node = t.grad_fn
+            if self.recompute_cheap and node is not None and type(node).__name__ in CHEAP_OPS and not t._is_view():
+                return _Recompute(node, t.dtype)
             storage = t.untyped_storage()
             address = storage.data_ptr()
             if address not in group.index:
@@ -170,9 +193,13 @@ class ActivationStore:
             return False
         return storage.data_ptr() not in self.param_storages
 
-    def _unpack(self, ref: torch.Tensor | _Ref) -> torch.Tensor:
+    def _unpack(self, ref: torch.Tensor | _Ref | _Recompute) -> torch.Tensor:
         if isinstance(ref, torch.Tensor):
             return ref
+        if isinstance(ref, _Recompute):  # the op's input comes through these hooks too (reloaded if needed)
+            self.recomputed += 1
+            with torch.no_grad():
+                return CHEAP_OPS[type(ref.node).__name__](ref.node, ref.node._saved_self.to(ref.dtype))
         group = ref.group
         if self.groups.get(ref.key) is not group:
             raise RuntimeError(f"activation offload: a tensor of group {ref.key!r} was used after its release")

@@ -191,7 +191,8 @@ class Parallelism:
             log.info("offload with parallel.recompute=selective: the GEMM and attention outputs selective "
                      "checkpointing keeps stay on the device (it holds them outside saved-tensor hooks); "
                      "each block's inputs are offloaded")
-        store = ActivationStore(self.device, [*self.model.parameters(), *self.model.buffers()], o.min_tensor_bytes)
+        store = ActivationStore(self.device, [*self.model.parameters(), *self.model.buffers()], o.min_tensor_bytes,
+                                recompute_cheap=o.recompute_cheap)
         if p.pp > 1:
             timeline = lambda schedule: simulate(schedule).timeline
             self.runner.memory_hooks = PipelineOffload(store, o.policy, o.fraction, timeline, self._copy_to_compute())

@@ -1,7 +1,7 @@
 """PipeOffload in the pipeline schedule: bit-identical to no offload, and freeing what the schedule says.
 
-Each worker runs the pipelined trainer twice in one process, without and with `offload.enabled` (every
-policy), on the same seed and data: losses and parameters after 3 optimizer steps must be identical to the
+Each worker runs the pipelined trainer without and with `offload.enabled` (every policy, and with the cheap
+activations recomputed instead of stored), on the same seed and data in one process: losses and parameters after 3 optimizer steps must be identical to the
 bit (the copies are exact, and offload changes no computation). The store's measured peak of device-resident
 activation bytes in the last step must equal the theory: `resident_profile` of the schedule the runtime ran
 (its OFFLOAD / RELOAD actions), weighted by the bytes each micro-batch-chunk's forward saved.
@@ -31,9 +31,11 @@ LAYOUTS = {
 def check_offload(rank: int, world_size: int, layout: list[str], tmp: str) -> None:
     plain = Trainer(compose_config(*COMMON, *layout), f"{tmp}/plain")
     losses = [plain.train_step(step).loss for step in range(STEPS)]
-    for policy, fraction in (("uniform", 0.5), ("lifespan", 0.5), ("auto", 1.0)):
+    for policy, fraction, cheap in (("uniform", 0.5, False), ("lifespan", 0.5, False), ("auto", 1.0, False),
+                                    ("uniform", 1.0, True)):
         run = Trainer(compose_config(*COMMON, *layout, "offload.enabled=true", f"offload.policy={policy}",
-                                     f"offload.fraction={fraction}"), f"{tmp}/{policy}")
+                                     f"offload.fraction={fraction}", f"offload.recompute_cheap={cheap}"),
+                      f"{tmp}/{policy}{fraction}{cheap}")
         assert [run.train_step(step).loss for step in range(STEPS)] == losses, policy
         for (name, p), (_, q) in zip(plain.model.named_parameters(), run.model.named_parameters(), strict=True):
             assert torch.equal(p, q), (policy, name)

@@ -281,3 +281,31 @@ def test_a_cuda_store_compares_devices_with_their_index(monkeypatch):
     assert with_index(torch.device("cuda")) == torch.device("cuda", 3)
     assert with_index(torch.device("cuda", 1)) == torch.device("cuda", 1)
     assert with_index(torch.device("cpu")) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_cheap_activations_are_recomputed_not_stored(activation):
+    """offload.recompute_cheap: the SiLU / GELU outputs are rebuilt from their inputs in backward, bit-exactly,
+    and the blocks store fewer bytes (one [T, ffn] tensor fewer each)."""
+    def model():
+        m = GPT(ModelConfig(num_layers=2, hidden_size=64, num_heads=4, vocab_size=128, seq_length=64,
+                            activation=activation, norm="layernorm" if activation == "gelu" else "rmsnorm"))
+        init_weights(m, 0)
+        return m
+
+    runs = {}
+    for cheap in (False, True):
+        m = model()
+        store = ActivationStore("cpu", m.parameters(), recompute_cheap=cheap)
+        offload = LayerOffload(m.layers, store, 1.0)
+        with offload.micro_batch():
+            loss_of(m).backward()
+        runs[cheap] = (m, store)
+    (plain, plain_store), (cheap, cheap_store) = runs[False], runs[True]
+    for (name, a), (_, b) in zip(plain.named_parameters(), cheap.named_parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
+    ffn_bytes = 96 * plain.cfg.ffn_hidden_size * 4
+    for i in range(2):
+        key = ("layer", i)
+        assert plain_store.group_bytes_seen[key] - cheap_store.group_bytes_seen[key] == ffn_bytes
+    assert cheap_store.recomputed == 2 and plain_store.recomputed == 0
