@@ -38,7 +38,7 @@ class PipelineOffload:
     def start_step(self) -> None:
         self.store.reset_peak()
 
-    def forward_context(self, key: tuple[int, int]) -> contextlib.AbstractContextManager:
+    def forward_context(self, key: tuple[int, int], micro_batch=None) -> contextlib.AbstractContextManager:
         return self.store.hooks(key)
 
     def offload(self, key: tuple[int, int]) -> None:
@@ -52,55 +52,96 @@ class PipelineOffload:
 
 
 class LayerOffload:
-    """Layer-wise offload for a model whose blocks are `blocks` (the GPT's `layers`)."""
+    """Layer-wise offload of transformer blocks: `blocks` is the GPT's `layers`, or one `layers` per pipeline
+    chunk. A block's group key is (micro-batch prefix, chunk, block index): the prefix is () without a
+    pipeline (one micro-batch at a time, `micro_batch`), the micro-batch's position in the step inside a
+    pipeline (`forward_context`, the pipeline runtime's MemoryHooks plug: HDP's selective offload there)."""
 
-    def __init__(self, blocks: nn.ModuleList, store: ActivationStore, fraction: float,
+    def __init__(self, blocks: nn.ModuleList | list[nn.ModuleList], store: ActivationStore, fraction: float,
                  per_micro_batch: bool = False) -> None:
         self.store, self.fraction, self.per_micro_batch = store, fraction, per_micro_batch
-        self.num_blocks = len(blocks)
-        self.offloaded = set(layer_groups(self.num_blocks, fraction))
-        self._open: dict[int, contextlib.AbstractContextManager] = {}
+        chunks = list(blocks) if isinstance(blocks, (list, tuple)) else [blocks]
+        self.num_blocks = [len(chunk) for chunk in chunks]
+        self.offloaded: dict[tuple, set[int]] = {}  # (prefix, chunk) -> offloaded block indices
+        self.prefix: tuple = ()
+        self._open: dict[tuple, contextlib.AbstractContextManager] = {}
         self.active = False
-        for index, block in enumerate(blocks):
-            block.register_forward_pre_hook(self._enter(index))
-            block.register_forward_hook(self._exit(index), always_call=True)
+        for c, chunk in enumerate(chunks):
+            for index, block in enumerate(chunk):
+                block.register_forward_pre_hook(self._enter(c, index))
+                block.register_forward_hook(self._exit(c, index), always_call=True)
         store.on_unpack = self._prefetch
 
-    def _enter(self, index: int):
+    def _enter(self, chunk: int, index: int):
         def hook(module, args):
             if self.active:
-                self._open[index] = ctx = self.store.hooks(("layer", index))
+                key = (*self.prefix, chunk, index)
+                self._open[key] = ctx = self.store.hooks(key)
                 ctx.__enter__()
         return hook
 
-    def _exit(self, index: int):
+    def _exit(self, chunk: int, index: int):
         def hook(module, args, output):
-            ctx = self._open.pop(index, None)
+            key = (*self.prefix, chunk, index)
+            ctx = self._open.pop(key, None)
             if ctx is not None:
                 ctx.__exit__(None, None, None)
-                if index in self.offloaded:
-                    self.store.offload(("layer", index))
+                if index in self.offloaded.get(key[:-1], ()):
+                    self.store.offload(key)
         return hook
 
-    def _prefetch(self, key: object) -> None:
+    def _prefetch(self, key: tuple) -> None:
         """Backward reached block i: bring block i - 1 back while block i's backward runs."""
-        _, index = key
-        if index - 1 in self.offloaded and ("layer", index - 1) in self.store.groups:
-            self.store.reload(("layer", index - 1))
+        before = (*key[:-1], key[-1] - 1)
+        if key[-1] - 1 in self.offloaded.get(key[:-1], ()) and before in self.store.groups:
+            self.store.reload(before)
+
+    def _choose(self, prefix: tuple, chunk: int, fraction: float) -> None:
+        """The micro-batch's blocks to offload: its own `fraction` (HDP, rounded up: at most 1 - fraction of
+        its activations stay resident) or the fixed one."""
+        blocks = self.num_blocks[chunk]
+        chosen = layer_groups(blocks, fraction, round_up=True) if self.per_micro_batch else \
+            layer_groups(blocks, self.fraction)
+        self.offloaded[(*prefix, chunk)] = set(chosen)
 
     @contextlib.contextmanager
     def micro_batch(self, fraction: float = 0.0) -> Iterator[None]:
-        """Around one micro-batch's forward and backward (training only: evaluation saves nothing). With
-        `per_micro_batch` (HDP's selective offload) the micro-batch's own `fraction` of the blocks, rounded up
-        so that at most 1 - fraction of its activations stay resident; else the fixed fraction."""
-        if self.per_micro_batch:
-            self.offloaded = set(layer_groups(self.num_blocks, fraction, round_up=True))
+        """Without a pipeline: around one micro-batch's forward and backward (training only: evaluation saves
+        nothing)."""
+        self.prefix = ()
+        self._choose((), 0, fraction)
         self.active = True
         try:
             yield
         finally:
             self.active = False
             self.store.release_all()
+
+    # -------------------------------------------------- the pipeline runtime's MemoryHooks
+
+    def select(self, schedule) -> set[tuple[int, int, int]]:
+        """No whole micro-batch moves: the blocks do, inside each F."""
+        return set()
+
+    @contextlib.contextmanager
+    def forward_context(self, key: tuple[int, int], micro_batch=None) -> Iterator[None]:
+        """Around one F of the pipeline: the blocks of (micro-batch, chunk) `key` record their groups."""
+        mb, chunk = key
+        self.prefix = (mb,)
+        self._choose(self.prefix, chunk, getattr(micro_batch, "offload_fraction", 0.0))
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def offload(self, key: tuple[int, int]) -> None:
+        raise RuntimeError("layer-wise offload inserts no OFFLOAD actions")
+
+    reload = offload
+
+    def release(self, key: tuple[int, int]) -> None:
+        """After the micro-batch's B: its block groups were released as autograd dropped them."""
 
     def start_step(self) -> None:
         self.store.reset_peak()

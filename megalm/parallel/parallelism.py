@@ -193,12 +193,14 @@ class Parallelism:
                      "each block's inputs are offloaded")
         store = ActivationStore(self.device, [*self.model.parameters(), *self.model.buffers()], o.min_tensor_bytes,
                                 recompute_cheap=o.recompute_cheap)
-        if p.pp > 1:
+        if p.hdp and p.hdp_offload:  # each long document's own r(s) of the blocks, in every chunk it runs
+            blocks = [chunk.layers for chunk in self.model] if p.pp > 1 else self.model.layers
+            self.runner.memory_hooks = LayerOffload(blocks, store, o.fraction, per_micro_batch=True)
+        elif p.pp > 1:
             timeline = lambda schedule: simulate(schedule).timeline
             self.runner.memory_hooks = PipelineOffload(store, o.policy, o.fraction, timeline, self._copy_to_compute())
         else:
-            self.runner.memory_hooks = LayerOffload(self.model.layers, store, o.fraction,
-                                                    per_micro_batch=p.hdp and p.hdp_offload)
+            self.runner.memory_hooks = LayerOffload(self.model.layers, store, o.fraction)
         return store
 
     def _copy_to_compute(self) -> float:

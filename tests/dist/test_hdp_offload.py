@@ -10,6 +10,7 @@ HDP tolerances of tests/dist/test_hdp.py) and be bit-identical to the same plan 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import yaml
 
@@ -31,8 +32,8 @@ def overrides(cost_path: str) -> list[str]:
             f"parallel.hdp_cost={cost_path}"]
 
 
-def check_hdp_offload(rank: int, world_size: int, cost_path: str, tmp: str) -> None:
-    run = overrides(cost_path)
+def check_hdp_offload(rank: int, world_size: int, cost_path: str, tmp: str, layout: list[str]) -> None:
+    run = overrides(cost_path) + layout
     ref = Trainer(compose_config(*[o for o in run if not o.startswith("parallel.")]), f"{tmp}/ref{rank}",
                   mesh=ParallelMesh(ParallelDims()))
     par = Trainer(compose_config(*run), f"{tmp}/par")
@@ -57,7 +58,9 @@ def check_hdp_offload(rank: int, world_size: int, cost_path: str, tmp: str) -> N
     assert not store.groups
 
 
-def test_hdp_selective_offload_equals_one_process_and_moves_bytes(tmp_path):
+@pytest.mark.parametrize("world, layout", [(4, []), (8, ["parallel.pp=2"])], ids=["dp4", "pp2_dp4"])
+def test_hdp_selective_offload_equals_one_process_and_moves_bytes(tmp_path, world, layout):
+    """dp4: layer-wise offload in the plain loop; pp2 x dp4: inside each pipeline F, per chunk."""
     cost = tmp_path / "fast_host.yaml"
     cost.write_text(yaml.safe_dump(FAST_HOST))
-    run_distributed(check_hdp_offload, 4, str(cost), str(tmp_path), timeout=300)
+    run_distributed(check_hdp_offload, world, str(cost), str(tmp_path), layout, timeout=400)

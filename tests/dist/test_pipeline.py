@@ -106,7 +106,7 @@ class HostOffload:
     def select(self, schedule: Schedule) -> set[tuple[int, int, int]]:
         return {(r, mb, 0) for r in range(schedule.num_stages) for mb in range(0, schedule.num_micro_batches, 2)}
 
-    def forward_context(self, key):
+    def forward_context(self, key, micro_batch=None):
         store = self.saved.setdefault(key, [])
 
         def pack(t: torch.Tensor):

@@ -154,7 +154,7 @@ def test_layer_offload_is_exact_and_frees_what_the_theory_says(fraction):
             loss_of(offloaded, seed).backward()
     for (name, a), (_, b) in zip(plain.named_parameters(), offloaded.named_parameters(), strict=True):
         assert torch.equal(a.grad, b.grad), name
-    block_bytes = {store.group_bytes_seen[("layer", i)] for i in range(4)}
+    block_bytes = {store.group_bytes_seen[(0, i)] for i in range(4)}
     assert len(block_bytes) == 1  # identical blocks
     offloaded_blocks = layer_groups(4, fraction)
     theory = max(layer_resident_profile(4, offloaded_blocks)) * block_bytes.pop()
@@ -306,6 +306,6 @@ def test_cheap_activations_are_recomputed_not_stored(activation):
         assert torch.equal(a.grad, b.grad), name
     ffn_bytes = 96 * plain.cfg.ffn_hidden_size * 4
     for i in range(2):
-        key = ("layer", i)
+        key = (0, i)
         assert plain_store.group_bytes_seen[key] - cheap_store.group_bytes_seen[key] == ffn_bytes
     assert cheap_store.recomputed == 2 and plain_store.recomputed == 0

@@ -157,9 +157,6 @@ def validate_hdp(cfg: MegalmConfig) -> None:
     if p.hdp_offload and not cfg.offload.enabled:
         raise ConfigError("parallel.hdp_offload=true plans rings that hold only 1 - r(s) of a long document's "
                           "activations; set offload.enabled=true so that the rest goes to host memory")
-    if p.hdp_offload and p.pp > 1:
-        raise ConfigError("parallel.hdp_offload=true runs layer-wise offload, which pipelines do not run yet; "
-                          "use parallel.pp=1 or parallel.hdp_offload=false")
     if not cfg.data.varlen:
         raise ConfigError("parallel.hdp=true balances documents of different lengths; set data.varlen=true")
     if p.hdp_capacity is None:

@@ -49,8 +49,8 @@ class MemoryHooks(Protocol):
 
     `select(schedule)` names the (pp_rank, micro_batch, chunk) whose activations to offload; the runtime
     inserts OFFLOAD/RELOAD actions for them (`Schedule.with_offload`), calls `start_step()` before a
-    training step, runs each F inside `forward_context(key)` (saved-tensor hooks that can take over the
-    activations), calls `offload(key)` / `reload(key)` where the schedule says, and `release(key)` after
+    training step, runs each F inside `forward_context(key, micro_batch)` (saved-tensor hooks that can take
+    over the activations), calls `offload(key)` / `reload(key)` where the schedule says, and `release(key)` after
     the micro-batch's B.
     """
 
@@ -60,7 +60,7 @@ class MemoryHooks(Protocol):
 
     def release(self, key: Key) -> None: ...
 
-    def forward_context(self, key: Key) -> contextlib.AbstractContextManager: ...
+    def forward_context(self, key: Key, micro_batch: LocalMicroBatch) -> contextlib.AbstractContextManager: ...
 
     def offload(self, key: Key) -> None: ...
 
@@ -177,7 +177,7 @@ class PipelineRuntime:
                 chunk = self.chunks[a.chunk]
                 if train and self.before_forward is not None:
                     self.before_forward(chunk, step, mb.index)
-                with self.forward_context(), hooks.forward_context(key) if hooks else contextlib.nullcontext():
+                with self.forward_context(), hooks.forward_context(key, mb) if hooks else contextlib.nullcontext():
                     out = mb.run(chunk, x)
                 if stage == last:
                     loss_sum = self.loss_fn(out, mb.batch.labels, mb.batch.loss_mask)
