@@ -38,3 +38,6 @@ def validate_offload(cfg: MegalmConfig) -> None:
     if p.pp == 1 and o.policy != "uniform":
         raise ConfigError(f"offload.policy={o.policy} picks pipeline micro-batches; with parallel.pp=1 blocks are "
                           "offloaded by offload.fraction: drop offload.policy or use parallel.pp>1")
+    if p.hdp and p.hdp_offload and o.policy != "uniform":
+        raise ConfigError(f"offload.policy={o.policy} picks pipeline micro-batches; with parallel.hdp_offload=true "
+                          "each long document offloads its own r(s) of the blocks: drop offload.policy")

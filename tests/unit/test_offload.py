@@ -237,12 +237,16 @@ def test_lifespan_skips_micro_batches_whose_copy_cannot_hide():
     (["offload.enabled=true", "offload.policy=sometimes"], "offload.policy=sometimes is not one of"),
     (["offload.enabled=true", "offload.policy=lifespan"], "with parallel.pp=1"),
     (["offload.enabled=true", "offload.min_tensor_bytes=-1"], "must be >= 0"),
+    (["parallel.hdp_offload=true"], "set parallel.hdp=true or drop it"),
+    (["parallel.hdp=true", "data.varlen=true", "parallel.hdp_offload=true"], "set offload.enabled=true"),
+    (["parallel.hdp=true", "data.varlen=true", "parallel.hdp_offload=true", "offload.enabled=true",
+      "parallel.pp=2", "model.num_layers=4", "offload.policy=lifespan"], "each long document offloads its own"),
 ])
 def test_bad_offload_configs_get_one_line_errors(overrides, message):
     from megalm.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
-        validate_run(compose_config(*overrides))
+        validate_run(compose_config(*overrides), world_size=2 if "parallel.pp=2" in overrides else 1)
 
 
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"])
