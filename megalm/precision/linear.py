@@ -102,8 +102,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
-import hashlib
-import logging
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -116,34 +114,16 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from megalm.model.linear import LinearHooks, linear, linear_modules
 from megalm.model.naming import canonical_named_modules, model_chunks
 from megalm.precision import fp8
-from megalm.precision.hadamard import random_signs, rht
-from megalm.precision.kernels.mx_triton import BLOCK_SIZE, RHT_BLOCK, mx_quantize_triton, triton_available
-from megalm.precision.mx import mx_quantize_dequantize, resolve_prescale
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GemmSpec:
-    """How one GEMM rounds its operands a (first) and b (second), both along the GEMM's K.
-
-    kind: fp32 | bf16 | fp8 | mx. a_format / b_format: e4m3 | e5m2 for fp8, an MX element format for mx.
-    scaling: fp8: tensor | delayed | row; mx: floor | ceil. rounding (mx): nearest | stochastic.
-    rht (mx): random Hadamard transform of rht_block along K before quantizing.
-    """
-
-    kind: str = "fp32"
-    a_format: str = "e4m3"
-    b_format: str = "e4m3"
-    scaling: str = "tensor"
-    rounding: str = "nearest"
-    rht: bool = False
-    block_size: int = 32
-    rht_block: int = 64
-
-    @property
-    def random(self) -> bool:
-        return self.kind == "mx" and (self.rht or self.rounding == "stochastic")
+from megalm.precision.gemm import (  # noqa: F401 (gemm, mm_bf16 ... are this module's API too)
+    Fp8Operand,
+    GemmSpec,
+    fp8_operand,
+    gemm,
+    hash_seed,
+    mm_bf16,
+    mx_gemm_fused,
+    mx_gemm_path,
+)
 
 
 @dataclass(frozen=True)
@@ -217,12 +197,6 @@ def get_recipe(recipe: str | Recipe, forward: str | None = None) -> Recipe:
 # ---------------------------------------------------------------------------------------------------
 # Per-layer state: seeds and FP8 amax histories
 # ---------------------------------------------------------------------------------------------------
-
-
-def hash_seed(*parts: object) -> int:
-    """A 63-bit seed from any printable parts (stable across processes, unlike hash())."""
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 def gemm_generator(seed: int, gemm: str, device: torch.device | str) -> torch.Generator:
@@ -324,116 +298,6 @@ def _fp8_tensor_scale(
         else:
             raise ValueError(f"unknown FP8 scaling {spec.scaling!r}; expected tensor, delayed or row")
     return cache[key]
-
-
-Fp8Operand = tuple[torch.Tensor, torch.Tensor]  # (FP8 tensor in the operand's own layout, its scale)
-
-
-def fp8_operand(spec: GemmSpec, t: torch.Tensor, k_dim: int, fmt: str, scale: torch.Tensor | None = None
-                ) -> Fp8Operand:
-    """t quantized to FP8 for a GEMM whose K is t's dim `k_dim`: per-row scales along K (spec.scaling
-    row), else the given per-tensor scale (None: t's current amax). Kept in t's layout: transposing an
-    FP8 tensor is a view, and the scale (0-dim, or size 1 along K) transposes with it."""
-    dtype = fp8.fp8_dtype(fmt)
-    if spec.scaling == "row":
-        scale = fp8.rowwise_scale(t, dtype, dim=k_dim)
-    elif scale is None:
-        scale = fp8.tensor_scale(t, dtype)
-    return fp8.quantize(t, dtype, scale), scale
-
-
-def mx_gemm_fused(device: torch.device) -> bool:
-    """Whether MX GEMMs on `device` run fused: the Triton quantizer (RHT, scale, rounding in one pass) and
-    a bf16 GEMM of the dequantized operands. On CUDA with triton; elsewhere the PyTorch reference."""
-    return device.type == "cuda" and triton_available(device)
-
-
-def mx_gemm_path(device: torch.device) -> str:
-    """Where MX GEMMs run on `device`, for the log."""
-    if mx_gemm_fused(device):
-        return "Triton quantizer + bf16 GEMM"
-    why = "triton is not importable" if device.type == "cuda" else f"no fused kernels on {device.type}"
-    return f"emulated in fp32 ({why})"
-
-
-@functools.cache
-def _mm_out_dtype_missing() -> bool:
-    """torch.mm(..., out_dtype=) (bf16 operands, fp32 output) is missing from this torch: logged once."""
-    if hasattr(torch.ops.aten.mm, "dtype"):
-        return False
-    log.warning("this torch has no torch.mm(out_dtype=): bf16 GEMMs with fp32 output run as fp32 matmuls of the "
-                "bf16 values (same values, slower); upgrade torch for the bf16 GEMM")
-    return True
-
-
-def mm_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] @ b [K, N] for operands whose values are exact in bf16: a bf16 GEMM with fp32 accumulation
-    and fp32 output on CUDA; the same product as an fp32 matmul elsewhere (the reference)."""
-    if a.is_cuda and not _mm_out_dtype_missing():
-        return torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16), out_dtype=torch.float32)
-    return a.float() @ b.float()
-
-
-def _mx_gemm_triton(spec: GemmSpec, a: torch.Tensor, a_dim: int, b: torch.Tensor, b_dim: int,
-                    signs: torch.Tensor | None, seed: int) -> torch.Tensor:
-    """The fused MX GEMM: each operand, as [rows, K] (a transposed view where K is dim 0), goes through the
-    Triton quantizer (RHT, E8M0 scale, rounding) to bf16 values q * 2^s (exact: the prescale of stochastic
-    rounding is left in), then one bf16 GEMM; the two prescales are divided out of its output."""
-    rows_k = lambda t, k_dim: t if k_dim == t.dim() - 1 else t.t()
-    prescale = resolve_prescale(None, spec.rounding, spec.scaling)
-    quantized = [
-        mx_quantize_triton(rows_k(t, k_dim), fmt, spec.rounding, spec.scaling, signs, hash_seed(seed, operand),
-                           out_dtype=torch.bfloat16, divide_prescale=False)
-        for t, k_dim, fmt, operand in ((a, a_dim, spec.a_format, "a"), (b, b_dim, spec.b_format, "b"))
-    ]
-    out = mm_bf16(quantized[0], quantized[1].t())
-    return out if prescale == 1.0 else out * (1.0 / prescale**2)
-
-
-def gemm(
-    spec: GemmSpec,
-    a: torch.Tensor,
-    a_dim: int,
-    b: torch.Tensor,
-    b_dim: int,
-    generator: torch.Generator | None = None,
-    a_scale: torch.Tensor | None = None,
-    b_scale: torch.Tensor | None = None,
-    *,
-    seed: int | None = None,
-    b_fp8: Fp8Operand | None = None,
-) -> torch.Tensor:
-    """fp32 product of 2-D a and b contracted over their K dims: a's `a_dim` and b's `b_dim` (0 or 1).
-
-    Each operand is quantized along its K dim as `spec` says, with no transposed copies: blocks run
-    along whichever dim K is. a_scale / b_scale: per-tensor FP8 scales (None: computed here); b_fp8: b
-    already quantized (a weight's cached FP8 copy). MX: RHT signs from `generator`; on CUDA the fused
-    path draws its stochastic rounding from `seed` (Triton's Philox), the reference from `generator`.
-    """
-    as_a = (lambda t: t) if a_dim == 1 else (lambda t: t.t())  # -> [M, K]
-    as_b = (lambda t: t) if b_dim == 0 else (lambda t: t.t())  # -> [K, N]
-    if spec.kind == "fp32":
-        return as_a(a.float()) @ as_b(b.float())
-    if spec.kind == "bf16":
-        return mm_bf16(as_a(a.to(torch.bfloat16)), as_b(b.to(torch.bfloat16)))
-    if spec.kind == "fp8":
-        qa, sa = fp8_operand(spec, a, a_dim, spec.a_format, a_scale)
-        qb, sb = b_fp8 if b_fp8 is not None else fp8_operand(spec, b, b_dim, spec.b_format, b_scale)
-        return fp8.scaled_mm(as_a(qa), as_b(qb), as_a(sa) if sa.dim() else sa, as_b(sb) if sb.dim() else sb)
-    if spec.kind == "mx":
-        signs = random_signs(spec.rht_block, generator, a.device) if spec.rht else None
-        if mx_gemm_fused(a.device) and (spec.block_size, spec.rht_block) == (BLOCK_SIZE, RHT_BLOCK):
-            if seed is None:  # a standalone call: one draw from the generator (a host sync; GEMMs of a layer pass it)
-                seed = int(torch.randint(2**62, (), generator=generator, device=generator.device).item()) \
-                    if generator is not None else 0
-            return _mx_gemm_triton(spec, a, a_dim, b, b_dim, signs, seed)
-        a, b = a.float(), b.float()  # the reference works in fp32
-        if spec.rht:
-            a, b = rht(a, signs, a_dim, spec.rht_block), rht(b, signs, b_dim, spec.rht_block)
-        qa = mx_quantize_dequantize(a, spec.a_format, spec.block_size, a_dim, spec.rounding, spec.scaling, generator)
-        qb = mx_quantize_dequantize(b, spec.b_format, spec.block_size, b_dim, spec.rounding, spec.scaling, generator)
-        return as_a(qa) @ as_b(qb)
-    raise ValueError(f"unknown GEMM kind {spec.kind!r}; expected fp32, bf16, fp8 or mx")
 
 
 # ---------------------------------------------------------------------------------------------------

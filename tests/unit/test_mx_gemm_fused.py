@@ -1,7 +1,7 @@
 """MX GEMMs on the fused path (issue 13, item 5): the Triton quantizer and a bf16 GEMM, against the PyTorch
 reference (fp32 emulation) that CPU runs.
 
-On CUDA training runs the fused path (`megalm.precision.linear.mx_gemm_fused`); here, without CUDA, the same
+On CUDA training runs the fused path (`megalm.precision.gemm.mx_gemm_fused`); here, without CUDA, the same
 code runs with the kernel under the Triton interpreter (TRITON_INTERPRET=1, set as in test_mx_triton.py) and
 the bf16 GEMM as the fp32 product of the bf16 values, by forcing `mx_gemm_fused` to True. Round-to-nearest
 must give the reference's GEMM bit for bit on CPU (same quantized values, same fp32 matmul); the RHT sums in
@@ -33,7 +33,7 @@ if importlib.util.find_spec("triton") is None:
     _restore_env()
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from megalm.precision import linear as precision_linear  # noqa: E402
+from megalm.precision import gemm as precision_gemm  # noqa: E402
 from megalm.precision.kernels import mx_triton  # noqa: E402
 from megalm.precision.linear import gemm, gemm_generator, get_recipe, low_precision_linear  # noqa: E402
 
@@ -56,7 +56,7 @@ def _triton_interpret():
 
 
 def _path(monkeypatch, fused: bool) -> None:
-    monkeypatch.setattr(precision_linear, "mx_gemm_fused", lambda device: fused)
+    monkeypatch.setattr(precision_gemm, "mx_gemm_fused", lambda device: fused)
 
 
 def _operands(t: int = 48, k: int = 96, n: int = 40, seed: int = 0, dtype=torch.float32):
@@ -123,7 +123,7 @@ def test_a_layer_runs_the_fused_path_and_matches_the_reference(monkeypatch):
     dy = torch.randn(64, 40, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     calls = []
     real = mx_triton.mx_quantize_triton
-    monkeypatch.setattr(precision_linear, "mx_quantize_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(precision_gemm, "mx_quantize_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
     grads = {}
     for fused in (False, True):
         _path(monkeypatch, fused)
