@@ -12,25 +12,16 @@ it is tested for being unbiased, which also checks that the 3/4 prescale left in
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
 
-_ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere in this process
+from tests.unit.triton_env import interpreter_fixture, restore_env, use_interpreter_without_cuda
 
-
-def _restore_env() -> None:
-    if _ENV_BEFORE is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _ENV_BEFORE
-
+use_interpreter_without_cuda()  # before triton is imported anywhere in this process
 
 if importlib.util.find_spec("triton") is None:
-    _restore_env()
+    restore_env()
     pytest.skip("triton is not installed", allow_module_level=True)
 
 from megalm.precision import gemm as precision_gemm  # noqa: E402
@@ -39,20 +30,12 @@ from megalm.precision.linear import gemm, gemm_generator, get_recipe, low_precis
 
 DEVICE = "cpu" if mx_triton._interpret() else "cuda"
 if not mx_triton.triton_available(DEVICE):
-    _restore_env()
+    restore_env()
     pytest.skip(f"triton cannot run on {DEVICE}", allow_module_level=True)
 EXACT = DEVICE == "cpu"  # on CUDA the reference's fp32 matmul and the bf16 GEMM sum in different orders
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _triton_interpret():
-    """This module's tests run in the mode chosen at import (pytest imports every module before running any,
-    and another module may have put the variable back since): set it for them, put it back afterwards so
-    that it does not leak into other modules' tests."""
-    if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    _restore_env()
+_triton_interpret = interpreter_fixture(DEVICE)
 
 
 def _path(monkeypatch, fused: bool) -> None:

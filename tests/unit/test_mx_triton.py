@@ -23,20 +23,12 @@ import sys
 import pytest
 import torch  # importing torch does not import triton
 
-_ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere in this process
+from tests.unit.triton_env import interpreter_fixture, restore_env, use_interpreter_without_cuda
 
-
-def _restore_env() -> None:
-    if _ENV_BEFORE is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _ENV_BEFORE
-
+use_interpreter_without_cuda()  # before triton is imported anywhere in this process
 
 if importlib.util.find_spec("triton") is None:
-    _restore_env()
+    restore_env()
     pytest.skip("triton is not installed", allow_module_level=True)
 pytest.importorskip("triton")
 
@@ -58,19 +50,11 @@ from megalm.precision.mx import (  # noqa: E402
 DEVICE = "cpu" if mx_triton._interpret() else "cuda"
 if not triton_available(DEVICE):
     _reason = f"triton cannot run on {DEVICE} (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')})"
-    _restore_env()
+    restore_env()
     pytest.skip(_reason, allow_module_level=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _triton_interpret():
-    """This module's tests run in the mode chosen at import (pytest imports every module before running any,
-    and another module may have put the variable back since): set it for them, put it back afterwards so
-    that it does not leak into other modules' tests."""
-    if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    _restore_env()
+_triton_interpret = interpreter_fixture(DEVICE)
 
 
 # fp32 max in a ceil-scaled block rounds up to 4 * 2^126, which overflows to Inf on dequantization, in the
