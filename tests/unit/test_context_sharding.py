@@ -29,6 +29,7 @@ from megalm.parallel.context.zigzag import (
     unshard,
     zigzag_plan,
 )
+from tests.unit.ring_sim import simulated_ring
 
 DOCS = [[1], [5], [8], [7, 1, 12], [3, 9, 2, 30]]  # shorter than 2N, not divisible by 2N, several docs
 
@@ -234,22 +235,7 @@ def test_ring_runs_flash_attn_internals_registered_as_custom_ops(fake_flash_attn
     q, k, v = _qkv(int(cu[-1]), 4, 2)
     scale = q.shape[-1] ** -0.5
     shards = [[shard_tensor(t.detach(), plan, i) for t in (q, k, v)] for i in range(n)]
-    results = {}
-    for kernel in ("reference", "flash_attn"):
-        outs, lses, grads = [], [], [[torch.zeros(t.shape) for t in shard] for shard in shards]
-        for r in range(n):
-            out, lse = torch.zeros(shards[r][0].shape), torch.full(shards[r][0].shape[:2], float("-inf"))
-            for j in range(n):
-                s = (r - j) % n
-                ring_step_forward(shards[r][0], shards[s][1], shards[s][2], out, lse, layout, r, s, scale, kernel)
-            outs.append(out)
-            lses.append(lse)
-        dout = [torch.ones_like(o) for o in outs]
-        for r in range(n):
-            for s in range(n):
-                ring_step_backward(dout[r], shards[r][0], shards[s][1], shards[s][2], outs[r], lses[r], grads[r][0],
-                                   grads[s][1], grads[s][2], layout, r, s, scale, kernel)
-        results[kernel] = (outs, grads)
+    results = {kernel: simulated_ring(shards, layout, scale, kernel) for kernel in ("reference", "flash_attn")}
     for got, want in zip(results["flash_attn"][0], results["reference"][0], strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for got, want in zip(results["flash_attn"][1], results["reference"][1], strict=True):

@@ -21,10 +21,9 @@ from megalm.parallel.context.ring import (
     block_backward,
     block_forward,
     block_kernel,
-    ring_step_backward,
-    ring_step_forward,
 )
 from megalm.parallel.context.zigzag import shard_tensor, zigzag_plan
+from tests.unit.ring_sim import simulated_ring
 
 REAL_FORWARD = torch.ops.aten._efficient_attention_forward.default
 REAL_BACKWARD = torch.ops.aten._efficient_attention_backward.default
@@ -312,25 +311,6 @@ def test_torch_efficient_causal_is_bottom_right_aligned_like_flash(stand_in) -> 
     _check_bottom_right()
 
 
-def _simulated_ring(shards, layout, scale: float, kernel: str):
-    """Every rank's ring steps in one process: the outputs, and each rank's (dq, dk, dv)."""
-    n = len(shards)
-    outs, lses, grads = [], [], [[torch.zeros(t.shape) for t in shard] for shard in shards]
-    for r in range(n):
-        out, lse = torch.zeros(shards[r][0].shape), torch.full(shards[r][0].shape[:2], float("-inf"))
-        for j in range(n):
-            s = (r - j) % n
-            ring_step_forward(shards[r][0], shards[s][1], shards[s][2], out, lse, layout, r, s, scale, kernel)
-        outs.append(out)
-        lses.append(lse)
-    for r in range(n):
-        dout = torch.full_like(outs[r], 0.5) + torch.arange(outs[r].shape[0])[:, None, None] / 7
-        for s in range(n):
-            ring_step_backward(dout, shards[r][0], shards[s][1], shards[s][2], outs[r], lses[r], grads[r][0],
-                               grads[s][1], grads[s][2], layout, r, s, scale, kernel)
-    return outs, grads
-
-
 def test_simulated_ring_with_torch_efficient_equals_reference(stand_in) -> None:
     """The zigzag ring's blocks (causal s == r, front chunks s < r, back queries s > r) and their merge."""
     cu, n = _cu([13, 3, 20, 1]), 3
@@ -338,8 +318,8 @@ def test_simulated_ring_with_torch_efficient_equals_reference(stand_in) -> None:
     q, k, v = _qkv(int(cu[-1]), int(cu[-1]), 4, 2)
     shards = [[shard_tensor(t, plan, i) for t in (q, k, v)] for i in range(n)]
     scale = q.shape[-1] ** -0.5
-    got = _simulated_ring(shards, plan.layout, scale, "torch_efficient")
-    want = _simulated_ring(shards, plan.layout, scale, "reference")
+    got = simulated_ring(shards, plan.layout, scale, "torch_efficient")
+    want = simulated_ring(shards, plan.layout, scale, "reference")
     assert stand_in.calls == {"forward": n * n, "backward": n * n}
     for g, w in zip(got[0], want[0], strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
