@@ -122,8 +122,9 @@ class LocalRunner:
     def forward_only(self, micro_batches: list[LocalMicroBatch]) -> torch.Tensor:
         return sum((self._loss(mb) for mb in micro_batches), torch.zeros((), device=self.device))
 
-    def sync_tied_embedding_grads(self) -> None:
-        """Nothing to do: the tied embedding and head are one parameter here."""
+    def tied_embedding(self) -> None:
+        """None: the tied embedding and head are one parameter here."""
+        return None
 
 
 class Parallelism:
@@ -156,8 +157,9 @@ class Parallelism:
                                        *(c.token_multiple for c in self.converters))
         # Each CP (or HDP) rank holds the gradient of its tokens only: sum over DP x CP (ZeRO-1 shards over it).
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(p.grad_reduce_dtype or "")
+        tied = self.runner.tied_embedding()  # a pipeline's two copies: summed before the DP reduction
         self.reducer = GradReducer(list(self.model.parameters()), self.mesh.dp_cp_group, p.bucket_size_mb,
-                                   reduce_dtype=reduce_dtype, zero1=p.zero1)
+                                   reduce_dtype=reduce_dtype, zero1=p.zero1, presum=dict([tied]) if tied else None)
         # How to build this layout's optimizer (None: the trainer's own AdamW).
         self.optimizer_factory = functools.partial(ZeroOneAdamW, reducer=self.reducer) if p.zero1 else None
         self._norm_weights = self._grad_norm_weights()
@@ -278,7 +280,6 @@ class Parallelism:
         self.reducer.start_step(len(share.micro_batches))
         loss = self.runner.step(share.micro_batches, share.normaliser, share.step)
         self.reducer.finish()
-        self.runner.sync_tied_embedding_grads()
         return loss
 
     @torch.no_grad()

@@ -62,6 +62,8 @@ LAYOUTS = {
                                        "parallel.recompute=[full,selective]"]),
     # GPT-2: tied embeddings, copies on the first and last stage kept in sync
     "pp2_dp2_gpt2_tied": (4, ["model=gpt2_tiny", "parallel.pp=2", "parallel.dp=2"]),
+    # ZeRO-1 shards the summed gradient: the tied copies are summed over the embedding group before it
+    "pp2_dp2_zero1_gpt2_tied": (4, ["model=gpt2_tiny", "parallel.pp=2", "parallel.dp=2", "parallel.zero1=true"]),
     "pp2_zb_tp2_sp": (4, ["parallel.pp=2", "parallel.pp_schedule=zb", "parallel.tp=2",
                           "parallel.sequence_parallel=true"]),
     "pp2_vpp2_dp2_zero1": (4, ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved",

@@ -58,7 +58,6 @@ def test_dp_defaults_to_what_is_left():
     (1, ["parallel.layers_per_stage=[2]"], "one pipeline stage"),
     (2, ["parallel.pp=2", "parallel.recompute=[full]"], "1 entries for parallel.pp=2"),
     (1, ["parallel.recompute=most"], "'most' is not one of none, full, selective"),
-    (2, ["parallel.pp=2", "parallel.zero1=true", "model.tie_embeddings=true"], "tied embeddings is not supported"),
 ])
 def test_bad_layouts_name_the_fix(world, overrides, message):
     with pytest.raises(ConfigError, match=message) as info:

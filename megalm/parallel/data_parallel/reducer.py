@@ -191,7 +191,8 @@ class GradReducer:
     """
 
     def __init__(self, params: Iterable[nn.Parameter], dp_group: dist.ProcessGroup | None,
-                 bucket_size_mb: float = 25.0, reduce_dtype: torch.dtype | None = None, zero1: bool = False):
+                 bucket_size_mb: float = 25.0, reduce_dtype: torch.dtype | None = None, zero1: bool = False,
+                 presum: dict[nn.Parameter, dist.ProcessGroup] | None = None):
         unique: dict[int, nn.Parameter] = {}
         for p in params:
             if p.requires_grad:
@@ -201,9 +202,15 @@ class GradReducer:
         self.world, self.rank = group_size(dp_group), group_rank(dp_group)
         self.zero1 = zero1
         self.reduce_dtype = reduce_dtype
-        # Reverse registration order approximates the order in which backward finalises gradients.
-        self.buckets = _build_buckets(self.params[::-1], bucket_size_mb * 2**20, reduce_dtype, zero1,
-                                      self.world, self.rank)
+        # Parameters whose local gradient is first summed over another group (a pipeline's tied embedding: its
+        # first- and last-stage copies), in finish(), before the DP reduction: under ZeRO-1 the DP reduction
+        # shards the gradient, and the two stages' shards of the weight do not line up.
+        self.presum = [(p, g) for p, g in (presum or {}).items() if p.requires_grad]
+        presummed = {id(p) for p, _ in self.presum}
+        # Reverse registration order approximates the order in which backward finalises gradients; the
+        # pre-summed parameters go last, so that waiting for finish() holds back no other bucket.
+        order = [p for p in self.params[::-1] if id(p) not in presummed] + [p for p, _ in self.presum]
+        self.buckets = _build_buckets(order, bucket_size_mb * 2**20, reduce_dtype, zero1, self.world, self.rank)
         self._where: dict[int, tuple[GradBucket, int]] = {}  # id(param) -> (bucket, offset)
         for bucket in self.buckets:
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
@@ -216,7 +223,7 @@ class GradReducer:
         self._active = False
         self.step_finished = False  # True between finish() and the next start_step()
         # Plain DP in one process has nothing to do; ZeRO-1 still needs its flat grad shard.
-        self.enabled = self.world > 1 or zero1
+        self.enabled = self.world > 1 or zero1 or bool(self.presum)
         self._handles = []
         if self.enabled:
             # The hooks hold the reducer weakly and are removed when it is collected. A strong
@@ -251,12 +258,21 @@ class GradReducer:
         if not self._active:
             raise RuntimeError("GradReducer.finish() without start_step()")
         if self.enabled:
+            for p, group in self.presum:  # their local gradients, summed over their group first
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                if group_size(group) > 1:
+                    dist.all_reduce(p.grad, group=group)
+                self._copy_in(p)
+                self._where[id(p)][0].pending -= 1
+            presummed = {id(p) for p, _ in self.presum}
             for bucket in self.buckets:
                 if not bucket.launched:
                     for p in bucket.params:
                         # not final yet (unused in some micro-batch), or a rank with no micro-batch at all
                         # (HDP): its bucket still holds the last step's gradient, so zeros go in
-                        if self._fires[id(p)] < self._num_micro_batches or self._num_micro_batches == 0:
+                        stale = self._fires[id(p)] < self._num_micro_batches or self._num_micro_batches == 0
+                        if stale and id(p) not in presummed:
                             self._copy_in(p)
                     bucket.pending = 0
             self._launch_ready(in_backward=False)
@@ -343,6 +359,8 @@ class GradReducer:
                                f"start_step({self._num_micro_batches}); its bucket was already reduced")
         if self._fires[key] < self._num_micro_batches:
             return
+        if any(p is param for p, _ in self.presum):
+            return  # summed over its group in finish(), then copied in
         bucket, _ = self._where[key]
         self._copy_in(param)
         bucket.pending -= 1

@@ -18,9 +18,10 @@ positions, document boundaries and labels are local. The first stage embeds, the
 micro-batch's backward from it. Gradients accumulate over micro-batches as in one process.
 
 Tied embeddings (GPT-2): the first stage holds the embedding and the last stage a copy for the output
-head, initialised identically (weights are drawn by name). After the backward their gradients are
-summed over `mesh.embedding_group` (the two ranks), so both copies take the same update; the
-gradient norm counts the weight once (`tied_embedding_copy` names the copy, whose share is 0).
+head, initialised identically (weights are drawn by name). After the backward the DP reducer sums their
+gradients over `mesh.embedding_group` (the two ranks) before its own reduction (`tied_embedding`), so
+both copies take the same update, sharded by ZeRO-1 or not; the gradient norm counts the weight once
+(`tied_embedding_copy` names the copy, whose share is 0).
 """
 
 from __future__ import annotations
@@ -236,12 +237,10 @@ class PipelineRuntime:
 
     # ------------------------------------------------------------------ after the backward
 
-    def sync_tied_embedding_grads(self) -> None:
-        """Sum the tied embedding's gradient over its first- and last-stage copies (after the DP reduce)."""
+    def tied_embedding(self) -> tuple[nn.Parameter, dist.ProcessGroup] | None:
+        """This rank's copy of a tied embedding and the group of its two copies (first and last stage), whose
+        gradients the DP reducer sums before its own reduction (`GradReducer(presum=...)`); None elsewhere."""
         group = self.mesh.embedding_group
         if group is None or not any(c.cfg.tie_embeddings for c in self.chunks):
-            return
-        weight = next(c.embedding.weight for c in self.chunks if c.embedding is not None)
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        dist.all_reduce(weight.grad, group=group)
+            return None
+        return next(c.embedding.weight for c in self.chunks if c.embedding is not None), group

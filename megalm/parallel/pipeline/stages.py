@@ -149,6 +149,3 @@ def validate_pipeline(cfg: MegalmConfig) -> None:
                           "remove it or set parallel.pp")
     split_layers(cfg.model.num_layers, p.pp * p.vpp, list(p.layers_per_stage) if p.layers_per_stage else None)
     recompute_modes(p.recompute, p.pp)
-    if p.pp > 1 and p.zero1 and cfg.model.tie_embeddings:
-        raise ConfigError("parallel.zero1 with pipeline parallelism and tied embeddings is not supported yet; "
-                          "set parallel.zero1=false or model.tie_embeddings=false")
