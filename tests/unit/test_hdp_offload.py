@@ -63,3 +63,18 @@ def test_plans_with_offload_use_the_smaller_rings_and_pass_the_offload_aware_che
     for mb in offload.micro_batches:
         if len(mb.seqs) == 1 and mb.tokens > C:
             assert len(mb.ranks) == offload_ring_size(mb.tokens, C, COST)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_offload_with_widening_never_plans_a_slower_step_than_without_offload(seed):
+    """What the trainer plans under parallel.hdp_offload (HdpSplit passes widen): narrower offload rings where
+    they estimate faster, the plain plan where they would lengthen the step (a long-tail batch on 7B)."""
+    rng = random.Random(seed)
+    C, ranks = 8192, 64
+    lengths = [min(int(rng.lognormvariate(8, 1.8)) + 1, C * ranks // 2) for _ in range(400)]
+    plain = plan_hdp(lengths, ranks, C, COST, widen=True)
+    chosen = plan_hdp(lengths, ranks, C, COST, widen=True, offload=True)
+    forced = plan_hdp(lengths, ranks, C, COST, offload=True)
+    assert chosen.stats["estimated_step"] <= plain.stats["estimated_step"]
+    assert chosen.stats["estimated_step"] <= forced.stats["estimated_step"]
+    check_plan(chosen, lengths, ranks, C, offload=COST)

@@ -86,7 +86,9 @@ class HdpSplit:
 
     def plan(self, lengths: list[int]) -> Plan:
         """The step's plan over input lengths; with pp > 1, rings aligned and checked deadlock-free."""
-        plan = plan_hdp(lengths, self.num_ranks, self.capacity, self.cost, pp=self.pp, offload=self.offload)
+        # with selective offload the narrower rings are a choice: the plan without them competes (widen)
+        plan = plan_hdp(lengths, self.num_ranks, self.capacity, self.cost, pp=self.pp, offload=self.offload,
+                        widen=self.offload)
         if self.pp > 1:
             plan = align_rings(plan)
             try:
