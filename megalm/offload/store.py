@@ -219,8 +219,7 @@ class ActivationStore:
             group.unpacked = True
             if self.on_unpack is not None:
                 self.on_unpack(ref.key)
-        itemsize = torch.empty(0, dtype=ref.dtype).element_size()
-        offset = saved.device.storage_offset() // itemsize + ref.offset
+        offset = saved.device.storage_offset() // ref.dtype.itemsize + ref.offset
         return torch.empty(0, dtype=ref.dtype, device=self.device).set_(saved.device.untyped_storage(), offset,
                                                                         ref.size, ref.stride)
 
