@@ -10,6 +10,9 @@ rebuild the tokenizer the data was made with.
 the header), then int64 offsets[num_docs + 1] with offsets[0] == 0 and offsets[-1] == num_tokens.
 Both files are written under temporary names, fsynced and moved into place with os.replace, .idx
 last, so a reader never sees a half-written dataset.
+
+`IndexedDataset` also reads Megatron-LM's MMIDIDX files as they are (megalm/data/megatron_format.py);
+the .idx's magic bytes say which format a prefix holds.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from array import array
 
 import numpy as np
 
-from megalm.data.tokenizer import build_tokenizer
+from megalm.data.tokenizer import Tokenizer, build_tokenizer
 from megalm.errors import DataError
 
 MAGIC = b"MEGALMDS"
+_SIDECAR_SUFFIX = ".megalm.json"  # megatron_format.SIDECAR_SUFFIX (that module imports this one lazily)
 VERSION = 1
 # magic, version, dtype code, num_docs, num_tokens, vocab_size, eod_id, spec length (bytes)
 _HEADER = struct.Struct("<8sIIQQQqI")
@@ -41,7 +45,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def dataset_exists(prefix: str) -> bool:
-    return os.path.exists(f"{prefix}.bin") or os.path.exists(f"{prefix}.idx")
+    """Whether any file of a dataset (.bin, .idx, or a Megatron dataset's sidecar) is at `prefix`."""
+    return any(os.path.exists(f"{prefix}{ext}") for ext in (".bin", ".idx", _SIDECAR_SUFFIX))
 
 
 def _fsync_dir(directory: str) -> None:
@@ -144,6 +149,8 @@ class IndexedDatasetWriter:
                 self._check_absent()
             os.replace(self._tmp_bin, f"{self.prefix}.bin")
             os.replace(self._tmp_idx, f"{self.prefix}.idx")
+            if os.path.exists(f"{self.prefix}{_SIDECAR_SUFFIX}"):  # left by a Megatron-format dataset replaced here
+                os.remove(f"{self.prefix}{_SIDECAR_SUFFIX}")
             _fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
         except BaseException:
             self.abort()
@@ -168,16 +175,45 @@ class IndexedDatasetWriter:
 
 
 class IndexedDataset:
-    """Read-only, memory-mapped view of PREFIX.bin/.idx; validated when opened."""
+    """Read-only, memory-mapped view of PREFIX.bin/.idx, megalm's format or Megatron-LM's; validated when opened.
 
-    def __init__(self, prefix: str) -> None:
+    The .idx's magic bytes pick the format (`self.format`: "megalm" or "megatron"). `tokenizer` (a spec
+    such as "byte" or a tokenizer.json path, or a Tokenizer) is used only for a Megatron-LM dataset
+    without megalm's sidecar PREFIX.megalm.json: Megatron's files do not record vocab, eod or
+    tokenizer, so they come from there. Megatron documents that do not end with eod read as if they
+    did (one eod appended virtually), so every document of either format ends with eod.
+    """
+
+    def __init__(self, prefix: str, tokenizer: Tokenizer | str | None = None) -> None:
         self.prefix = prefix = os.fspath(prefix)
         idx_path, bin_path = f"{prefix}.idx", f"{prefix}.bin"
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
                 raise DataError(f"data.path={prefix}: {path} not found; build it with "
                                 f"megalm-preprocess --input ... --output-prefix {prefix}")
+        with open(idx_path, "rb") as f:
+            head = f.read(16)
+        from megalm.data import megatron_format  # imports this module: not at the top
 
+        self._add_eod: np.ndarray | None = None  # per document: append eod virtually (Megatron data only)
+        self._doc_lengths: np.ndarray | None = None
+        if head.startswith(megatron_format.MAGIC) or (len(head) < len(megatron_format.MAGIC)
+                                                      and head.startswith(b"MM")):
+            m = megatron_format.open_megatron(prefix, tokenizer)
+            self.format = "megatron"
+            self.dtype = m.tokens.dtype
+            self._tokens, self._offsets, self._add_eod = m.tokens, m.offsets, m.add_eod
+            self._num_docs = len(m.offsets) - 1
+            self._vocab_size, self._eod_id, self._spec = m.vocab_size, m.eod_id, m.tokenizer_spec
+            self._num_tokens = int(m.offsets[-1]) + (int(m.add_eod.sum()) if m.add_eod is not None else 0)
+        else:
+            self.format = "megalm"
+            self._open_megalm(prefix, idx_path, bin_path)
+        # get() returns this dtype: the stored one, or int64 if a virtual eod would not fit in it
+        fits = np.can_cast(np.min_scalar_type(self._eod_id), self.dtype)
+        self._out_dtype = self.dtype if self._add_eod is None or fits else np.dtype(np.int64)
+
+    def _open_megalm(self, prefix: str, idx_path: str, bin_path: str) -> None:
         def corrupt(why: str) -> DataError:
             return DataError(f"dataset {prefix} is corrupt ({why}); re-run megalm-preprocess --input ... "
                              f"--output-prefix {prefix} --overwrite")
@@ -189,7 +225,8 @@ class IndexedDataset:
                 raise corrupt(f"{idx_path} is truncated: {idx_size} bytes, shorter than its header")
             magic, version, code, num_docs, num_tokens, vocab_size, eod_id, spec_len = _HEADER.unpack(head)
             if magic != MAGIC:
-                raise corrupt(f"{idx_path} is not a megalm index: bad magic bytes")
+                raise corrupt(f"{idx_path} is neither a megalm (MEGALMDS) nor a Megatron-LM (MMIDIDX) index: "
+                              "bad magic bytes")
             if version != VERSION:
                 raise corrupt(f"{idx_path} has format version {version}, this megalm reads {VERSION}")
             if code not in _DTYPE_CODES:
@@ -227,7 +264,6 @@ class IndexedDataset:
         self._vocab_size = int(vocab_size)
         self._eod_id = int(eod_id)
         self._spec = spec
-        self._doc_lengths: np.ndarray | None = None
 
     def __len__(self) -> int:
         return self._num_docs
@@ -250,23 +286,37 @@ class IndexedDataset:
 
     @property
     def doc_lengths(self) -> np.ndarray:
-        """Tokens per document (eod included), int64 [num_docs]."""
+        """Tokens per document (eod included, virtual ones too), int64 [num_docs]."""
         if self._doc_lengths is None:
-            self._doc_lengths = np.diff(self._offsets).astype(np.int64)
+            lengths = np.diff(self._offsets).astype(np.int64)
+            if self._add_eod is not None:
+                lengths += self._add_eod
+            self._doc_lengths = lengths
         return self._doc_lengths
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """Tokens [offset, offset + length) of document i (to its end when length is None); a view."""
+        """Tokens [offset, offset + length) of document i (to its end when length is None).
+
+        A view of the memory map, except for a slice that reaches a virtual eod (a copy).
+        """
         if not 0 <= i < self._num_docs:
             raise IndexError(f"document {i} out of range [0, {self._num_docs})")
         start, end = int(self._offsets[i]), int(self._offsets[i + 1])
+        stored = end - start
+        n = stored + (1 if self._add_eod is not None and self._add_eod[i] else 0)
         if length is None:
-            length = end - start - offset
-        if offset < 0 or length < 0 or start + offset + length > end:
-            raise IndexError(f"slice [{offset}, {offset + length}) outside document {i} "
-                             f"of {end - start} tokens")
-        return np.asarray(self._tokens[start + offset:start + offset + length])
+            length = n - offset
+        if offset < 0 or length < 0 or offset + length > n:
+            raise IndexError(f"slice [{offset}, {offset + length}) outside document {i} of {n} tokens")
+        if offset + length <= stored or length == 0:
+            return np.asarray(self._tokens[start + offset:start + offset + length]).astype(self._out_dtype,
+                                                                                          copy=False)
+        out = np.empty(length, dtype=self._out_dtype)  # the slice ends with the virtual eod
+        out[:-1] = self._tokens[start + offset:end]
+        out[-1] = self._eod_id
+        return out
 
     def __repr__(self) -> str:
-        return (f"IndexedDataset({self.prefix!r}: {self._num_docs} docs, {self._num_tokens} tokens, "
+        return (f"IndexedDataset({self.prefix!r}, {self.format} format: {self._num_docs} docs, "
+                f"{self._num_tokens} tokens, "
                 f"vocab {self._vocab_size}, tokenizer {self._spec!r})")

@@ -3,11 +3,14 @@
 Tokenizing is done once, offline, so training only memory-maps ids. Documents are read in a fixed
 order (inputs in the order given, directory contents sorted by path) so the same inputs always give
 the same dataset, byte for byte; with --workers the batches are tokenized in parallel but written in
-order. Every user error is one line on stderr and exit code 2.
+order. Every user error is one line on stderr and exit code 2. `--format megatron` writes the same
+tokens as Megatron-LM's MMIDIDX files (plus megalm's sidecar PREFIX.megalm.json), for Megatron-LM
+runs or for sharing one corpus between both; megalm reads either (docs/data_formats.md).
 
     megalm-preprocess --input corpus.jsonl --output-prefix data/corpus --tokenizer byte
     megalm-preprocess --input books/ --glob "*.txt" --output-prefix data/books \
         --tokenizer tokenizer.json --workers 8
+    megalm-preprocess --input corpus.jsonl --output-prefix data/corpus --format megatron
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ from pathlib import Path
 
 import numpy as np
 
-from megalm.data.indexed import DatasetExistsError, IndexedDatasetWriter, dataset_exists, token_dtype
+from megalm.data.indexed import DatasetExistsError, IndexedDatasetWriter, dataset_exists
+from megalm.data.megatron_format import SIDECAR_SUFFIX, MegatronDatasetWriter
 from megalm.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 from megalm.errors import DataError, MegalmError
 
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonlines", ".ndjson")
 _BATCH_DOCS = 512  # documents per tokenization batch
 _BATCH_CHARS = 4 << 20  # ... or this many characters, whichever comes first
+FORMATS = ("megalm", "megatron")
 
 
 @dataclass
@@ -44,9 +49,13 @@ class PreprocessStats:
     vocab_size: int
     dtype: str
     seconds: float
+    format: str = "megalm"
 
     def summary(self) -> str:
-        return (f"wrote {self.output_prefix}.bin/.idx: {self.num_docs} documents, {self.num_tokens} tokens "
+        files = f"{self.output_prefix}.bin/.idx"
+        if self.format == "megatron":
+            files += f" + {SIDECAR_SUFFIX} (Megatron-LM format)"
+        return (f"wrote {files}: {self.num_docs} documents, {self.num_tokens} tokens "
                 f"({self.dtype}, vocab {self.vocab_size}) from {self.num_files} files in {self.seconds:.1f}s"
                 + (f"; skipped {self.skipped_empty} empty documents" if self.skipped_empty else ""))
 
@@ -156,9 +165,13 @@ def _worker_encode(texts: list[str]) -> list[np.ndarray]:
 
 def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str, tokenizer: Tokenizer | str = "byte",
                json_key: str = "text", split_lines: bool = False, overwrite: bool = False,
-               show_progress: bool = True, glob: str = "*", workers: int = 1) -> PreprocessStats:
-    """Tokenize `inputs` into output_prefix.bin/.idx and return what was written."""
+               show_progress: bool = True, glob: str = "*", workers: int = 1,
+               output_format: str = "megalm") -> PreprocessStats:
+    """Tokenize `inputs` into output_prefix.bin/.idx (megalm's format, or Megatron-LM's with
+    output_format="megatron") and return what was written."""
     start = time.perf_counter()
+    if output_format not in FORMATS:
+        raise DataError(f"--format {output_format!r} is not one of {', '.join(FORMATS)}")
     if isinstance(tokenizer, str):
         tokenizer = build_tokenizer(tokenizer)
     output_prefix = os.fspath(output_prefix)
@@ -184,8 +197,11 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str, tokenize
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
                disable=None if show_progress else True)
     skipped = 0
-    writer = IndexedDatasetWriter(output_prefix, tokenizer.vocab_size, tokenizer.spec, tokenizer.eod_id,
-                                  overwrite=overwrite)
+    if output_format == "megatron" and tokenizer.vocab_size > 2**31:
+        raise DataError(f"vocab {tokenizer.vocab_size} is too large for Megatron-LM's int32 tokens; "
+                        "use --format megalm")
+    writer_class = MegatronDatasetWriter if output_format == "megatron" else IndexedDatasetWriter
+    writer = writer_class(output_prefix, tokenizer.vocab_size, tokenizer.spec, tokenizer.eod_id, overwrite=overwrite)
     with bar, writer:
 
         def write(encoded: list[np.ndarray], nbytes: int, n_skipped: int) -> None:
@@ -226,8 +242,7 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str, tokenize
                             "check --input, --json-key and --glob")
         writer.finalize()
         stats = PreprocessStats(output_prefix, len(files), writer.num_docs, writer.num_tokens, skipped,
-                                tokenizer.vocab_size, str(token_dtype(tokenizer.vocab_size).name),
-                                time.perf_counter() - start)
+                                tokenizer.vocab_size, writer.dtype.name, time.perf_counter() - start, output_format)
     return stats
 
 
@@ -253,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-lines", action="store_true", help="every line of a .txt file is a document")
     p.add_argument("--glob", default="*", help="file-name pattern for files inside directories (default: *); "
                                                "hidden files and directories are skipped")
+    p.add_argument("--format", choices=FORMATS, default="megalm",
+                   help="megalm (default) or megatron: Megatron-LM's MMIDIDX .bin/.idx, which Megatron-LM reads "
+                        "too, plus OUTPUT_PREFIX.megalm.json with the tokenizer, vocab and eod for megalm")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT_PREFIX.bin/.idx")
     p.add_argument("--workers", type=int, default=1,
                    help="processes tokenizing in parallel (Hugging Face tokenizers; 'byte' needs none)")
@@ -267,7 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise DataError(f"--workers={args.workers} must be >= 1")
         stats = preprocess(args.input, args.output_prefix, build_tokenizer(args.tokenizer),
                            json_key=args.json_key, split_lines=args.split_lines, overwrite=args.overwrite,
-                           show_progress=not args.no_progress, glob=args.glob, workers=args.workers)
+                           show_progress=not args.no_progress, glob=args.glob, workers=args.workers,
+                           output_format=args.format)
     except (MegalmError, OSError) as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"error: {message}", file=sys.stderr)

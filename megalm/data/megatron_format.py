@@ -1,0 +1,365 @@
+"""Megatron-LM's MMIDIDX token datasets (PREFIX.bin + PREFIX.idx), read as they are and written by megalm.
+
+Corpora are often tokenized once for Megatron-LM; reading its files directly saves re-tokenizing
+terabytes, and writing them lets a corpus made by megalm-preprocess feed a Megatron-LM run.
+
+.idx layout (version 1, little-endian), as Megatron-LM's `megatron/core/datasets/indexed_dataset.py`
+writes it: magic b"MMIDIDX\\x00\\x00", <Q version (1), <B dtype code, <Q sequence count S, <Q document
+index count D, int32 sequence_lengths[S], int64 sequence_pointers[S] (byte offsets into .bin),
+int64 document_indices[D] (the sequence each document starts at, then S: D is documents + 1). A
+multimodal index has int8 modes[S] after that; megalm reads text only. A megalm document is one
+Megatron document: the concatenation of its sequences.
+
+Megatron's files carry no vocab size, eod id or tokenizer. megalm-preprocess --format megatron writes
+them into a sidecar, PREFIX.megalm.json; for files made by Megatron-LM they come from the tokenizer
+the caller names (`data.tokenizer`). Megatron may or may not end documents with eod (--append-eod):
+a document whose last token is not eod gets one appended virtually at read time, so every megalm
+document ends with eod, as the samplers expect. The sidecar's `eod_appended: true` says every
+document already does, which spares the check of each document's last token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import struct
+from array import array
+from dataclasses import dataclass
+
+import numpy as np
+
+from megalm.data.tokenizer import Tokenizer, build_tokenizer
+from megalm.errors import DataError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document index count
+# Megatron-LM's DType enum codes.
+DTYPE_CODES = {1: np.dtype("u1"), 2: np.dtype("i1"), 3: np.dtype("<i2"), 4: np.dtype("<i4"), 5: np.dtype("<i8"),
+               6: np.dtype("<f8"), 7: np.dtype("<f4"), 8: np.dtype("<u2")}
+SIDECAR_SUFFIX = ".megalm.json"
+SIDECAR_FORMAT = "megalm-megatron-sidecar"
+SIDECAR_VERSION = 1
+_CHUNK = 1 << 22  # elements checked at a time: a 10^9-entry index needs no multi-GB temporaries
+_VOCAB_PROBE = 1 << 20  # tokens checked against the vocab when it comes from the caller, not the sidecar
+
+
+def megatron_dtype(vocab_size: int) -> np.dtype:
+    """Megatron-LM's choice (DType.optimal_dtype): uint16 when vocab_size < 65500, else int32."""
+    return DTYPE_CODES[8] if vocab_size < 65500 else DTYPE_CODES[4]
+
+
+def sidecar_path(prefix: str) -> str:
+    return f"{prefix}{SIDECAR_SUFFIX}"
+
+
+def is_megatron_index(head: bytes) -> bool:
+    return head[:len(MAGIC)] == MAGIC
+
+
+@dataclass
+class MegatronData:
+    """What IndexedDataset needs from an opened Megatron dataset."""
+
+    tokens: np.ndarray  # the .bin stream (a memmap)
+    offsets: np.ndarray  # int64 [num_docs + 1]: document i is tokens[offsets[i]:offsets[i + 1]]
+    add_eod: np.ndarray | None  # bool [num_docs]: append eod virtually; None when no document needs it
+    vocab_size: int
+    eod_id: int
+    tokenizer_spec: str
+
+
+def _fix(prefix: str) -> str:
+    return (f"re-run megalm-preprocess --input ... --output-prefix {prefix} --format megatron --overwrite "
+            "(or Megatron-LM's tools/preprocess_data.py)")
+
+
+def _read_sidecar(prefix: str, num_docs: int, num_tokens: int) -> dict | None:
+    path = sidecar_path(prefix)
+    if not os.path.isfile(path):
+        return None
+    delete = f"delete {path} and set data.tokenizer to the tokenizer the data was made with, or {_fix(prefix)}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"sidecar {path} is unreadable ({type(e).__name__}); {delete}") from None
+    if not isinstance(meta, dict) or meta.get("format") != SIDECAR_FORMAT:
+        raise DataError(f"sidecar {path} is not a megalm sidecar (no \"format\": \"{SIDECAR_FORMAT}\"); {delete}")
+    if meta.get("version") != SIDECAR_VERSION:
+        raise DataError(f"sidecar {path} has version {meta.get('version')!r}, this megalm reads {SIDECAR_VERSION}; "
+                        "upgrade megalm or " + delete)
+    types = {"tokenizer_spec": str, "vocab_size": int, "eod_id": int, "eod_appended": bool, "num_docs": int,
+             "num_tokens": int}
+    for key, kind in types.items():
+        value = meta.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise DataError(f"sidecar {path}: {key!r} is missing or not a {kind.__name__}; {delete}")
+    if (meta["num_docs"], meta["num_tokens"]) != (num_docs, num_tokens):
+        raise DataError(f"sidecar {path} describes {meta['num_docs']} documents / {meta['num_tokens']} tokens, "
+                        f"{prefix}.idx has {num_docs} / {num_tokens} (stale sidecar?); {delete}")
+    return meta
+
+
+def open_megatron(prefix: str, tokenizer: Tokenizer | str | None = None) -> MegatronData:
+    """Validate PREFIX.idx/.bin (MMIDIDX v1) and return documents, eod handling, vocab and tokenizer spec.
+
+    vocab/eod/spec come from the sidecar when there is one (`tokenizer` is then ignored), else from
+    `tokenizer`; with neither, a DataError says to set data.tokenizer. Every error is one line.
+    """
+    idx_path, bin_path = f"{prefix}.idx", f"{prefix}.bin"
+
+    def corrupt(why: str) -> DataError:
+        return DataError(f"dataset {prefix} is corrupt ({why}); {_fix(prefix)}")
+
+    idx_size = os.path.getsize(idx_path)
+    with open(idx_path, "rb") as f:
+        head = f.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        raise corrupt(f"{idx_path} is truncated: {idx_size} bytes, shorter than Megatron's {_HEADER.size}-byte "
+                      "header")
+    magic, version, code, seq_count, doc_count = _HEADER.unpack(head)
+    if magic != MAGIC:
+        raise corrupt(f"{idx_path} is not a Megatron-LM index: bad magic bytes")
+    if version != VERSION:
+        raise corrupt(f"{idx_path} is Megatron index version {version}, megalm reads version {VERSION}")
+    if code not in DTYPE_CODES:
+        raise corrupt(f"{idx_path} has dtype code {code}, not one of Megatron-LM's codes 1-8")
+    dtype = DTYPE_CODES[code]
+    if dtype.kind == "f":
+        raise corrupt(f"{idx_path} stores {dtype.name} values (dtype code {code}); token ids must be integers")
+    expected = _HEADER.size + 12 * seq_count + 8 * doc_count
+    if idx_size == expected + seq_count and seq_count:
+        raise DataError(f"{idx_path} is a multimodal Megatron index (it has per-sequence modes); megalm trains on "
+                        "text only: point data.path at a text dataset made by Megatron-LM's tools/preprocess_data.py")
+    if idx_size < expected:
+        raise corrupt(f"{idx_path} is truncated: {idx_size} bytes, its header implies {expected}")
+    if idx_size != expected:
+        raise corrupt(f"{idx_path} has {idx_size} bytes, its header implies {expected}")
+    if doc_count < 1:
+        raise corrupt(f"{idx_path} has no document indices (Megatron's list starts with 0)")
+    lengths = np.memmap(idx_path, dtype="<i4", mode="r", offset=_HEADER.size, shape=(seq_count,)) \
+        if seq_count else np.zeros(0, "<i4")
+    pointers = np.memmap(idx_path, dtype="<i8", mode="r", offset=_HEADER.size + 4 * seq_count,
+                         shape=(seq_count,)) if seq_count else np.zeros(0, "<i8")
+    doc_index = np.memmap(idx_path, dtype="<i8", mode="r", offset=_HEADER.size + 12 * seq_count,
+                          shape=(doc_count,))
+    if doc_index[0] != 0 or doc_index[-1] != seq_count:
+        raise corrupt(f"{idx_path} document indices run from {int(doc_index[0])} to {int(doc_index[-1])}, "
+                      f"not from 0 to the sequence count {seq_count}")
+    for start in range(0, doc_count, _CHUNK):
+        if np.any(np.diff(doc_index[start:start + _CHUNK + 1]) < 0):
+            raise corrupt(f"{idx_path} document indices are not monotonic")
+
+    # Token offset of every document: the running sum of sequence lengths at each document's first
+    # sequence. Sequences must lie back to back in .bin (pointers == running sum * itemsize), as
+    # Megatron-LM writes them, so a document is one contiguous slice of the token stream.
+    offsets = np.empty(doc_count, dtype=np.int64)
+    carry = 0
+    for start in range(0, seq_count, _CHUNK):
+        lens = np.asarray(lengths[start:start + _CHUNK], dtype=np.int64)
+        if np.any(lens < 0):
+            raise corrupt(f"{idx_path} has negative sequence lengths")
+        run = np.empty(len(lens) + 1, dtype=np.int64)
+        run[0] = carry
+        np.cumsum(lens, out=run[1:])
+        run[1:] += carry
+        bad = np.flatnonzero(np.asarray(pointers[start:start + _CHUNK]) != run[:-1] * dtype.itemsize)
+        if bad.size:
+            i = start + int(bad[0])
+            raise corrupt(f"{idx_path} sequence {i} points at byte {int(pointers[i])}, its preceding lengths put "
+                          f"it at {int(run[bad[0]]) * dtype.itemsize}")
+        lo = int(np.searchsorted(doc_index, start, side="left"))
+        hi = int(np.searchsorted(doc_index, start + len(lens), side="right"))
+        offsets[lo:hi] = run[np.asarray(doc_index[lo:hi]) - start]
+        carry = int(run[-1])
+    if seq_count == 0:
+        offsets[:] = 0
+    num_tokens = carry
+    bin_size = os.path.getsize(bin_path)
+    if bin_size != num_tokens * dtype.itemsize:
+        raise corrupt(f"{bin_path} has {bin_size} bytes, the index expects {num_tokens} tokens * "
+                      f"{dtype.itemsize} bytes")
+    tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(num_tokens,)) if num_tokens else np.zeros(0, dtype)
+    num_docs = doc_count - 1
+
+    meta = _read_sidecar(prefix, num_docs, num_tokens)
+    if meta is not None:
+        vocab_size, eod_id, spec = meta["vocab_size"], meta["eod_id"], meta["tokenizer_spec"]
+        if not 0 <= eod_id < vocab_size:
+            raise DataError(f"sidecar {sidecar_path(prefix)}: eod_id {eod_id} is outside the vocab [0, {vocab_size})")
+    else:
+        if tokenizer is None:
+            raise DataError(f"{idx_path} is a Megatron-LM index without megalm's sidecar {sidecar_path(prefix)}, so "
+                            "its vocab and eod token are unknown; set data.tokenizer=byte|PATH/tokenizer.json to "
+                            "the tokenizer it was made with")
+        tok = build_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        vocab_size, eod_id, spec = int(tok.vocab_size), int(tok.eod_id), tok.spec
+        # The vocab is the caller's claim: check the first tokens against it, so that ids of another
+        # tokenizer (e.g. GPT-2's read with the default data.tokenizer=byte) fail here, not as garbage.
+        probe = np.asarray(tokens[:_VOCAB_PROBE])
+        if probe.size and (int(probe.min()) < 0 or int(probe.max()) >= vocab_size):
+            bad = int(probe.min()) if int(probe.min()) < 0 else int(probe.max())
+            raise DataError(f"{bin_path} holds token id {bad}, outside the vocab [0, {vocab_size}) of tokenizer "
+                            f"{spec!r}; set data.tokenizer to the tokenizer the data was made with")
+
+    lengths_per_doc = np.diff(offsets)
+    if meta is not None and meta["eod_appended"]:
+        if num_docs and int(lengths_per_doc.min()) == 0:
+            raise corrupt(f"sidecar {sidecar_path(prefix)} says every document ends with eod, but a document "
+                          "is empty")
+        add_eod = None
+    else:
+        add_eod = np.ones(num_docs, dtype=bool)
+        if meta is None:  # documents that already end with eod (Megatron's --append-eod) keep theirs alone
+            for start in range(0, num_docs, _CHUNK):
+                ends = offsets[start + 1:start + _CHUNK + 1]
+                nonempty = lengths_per_doc[start:start + _CHUNK] > 0
+                last = np.asarray(tokens[ends[nonempty] - 1])
+                add_eod[start:start + len(ends)][nonempty] = last != eod_id
+        if not add_eod.any():
+            add_eod = None
+    return MegatronData(tokens, offsets, add_eod, int(vocab_size), int(eod_id), spec)
+
+
+class MegatronDatasetWriter:
+    """Streams documents into Megatron-LM's PREFIX.bin/.idx plus megalm's sidecar PREFIX.megalm.json.
+
+    Same interface as `IndexedDatasetWriter`, same tokens: each document gets eod appended and is one
+    Megatron sequence; the dtype is Megatron's choice for the vocab. Nothing is visible under PREFIX
+    until `finalize()`, which moves .bin, then the sidecar, then .idx into place, so a reader that sees
+    the .idx also sees its sidecar.
+    """
+
+    def __init__(self, prefix: str, vocab_size: int, tokenizer_spec: str, eod_id: int | None = None,
+                 overwrite: bool = False) -> None:
+        from megalm.data.indexed import DatasetExistsError
+
+        self._exists_error = DatasetExistsError
+        self.prefix = os.fspath(prefix)
+        if vocab_size <= 0 or vocab_size > 2**31:
+            raise ValueError(f"vocab_size={vocab_size} must be in [1, 2**31] (Megatron stores ids as int32)")
+        if eod_id is None:
+            eod_id = build_tokenizer(tokenizer_spec).eod_id
+        if not 0 <= eod_id < vocab_size:
+            raise ValueError(f"eod_id={eod_id} is outside the vocab [0, {vocab_size})")
+        self.vocab_size = int(vocab_size)
+        self.tokenizer_spec = tokenizer_spec
+        self.eod_id = int(eod_id)
+        self.overwrite = overwrite
+        self.dtype = megatron_dtype(vocab_size)
+        if not overwrite:
+            self._check_absent()
+        directory = os.path.dirname(os.path.abspath(self.prefix))
+        os.makedirs(directory, exist_ok=True)
+        base = os.path.basename(self.prefix)
+        tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._tmp = {ext: os.path.join(directory, f".{base}.{ext}.tmp-{tag}") for ext in ("bin", "json", "idx")}
+        self._bin = open(self._tmp["bin"], "wb")  # noqa: SIM115 - closed in finalize/abort
+        self._eod = np.array([self.eod_id], dtype=self.dtype).tobytes()
+        self._lengths = array("q")
+        self._num_tokens = 0
+        self._done = False
+
+    @property
+    def num_docs(self) -> int:
+        return len(self._lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def _check_absent(self) -> None:
+        from megalm.data.indexed import dataset_exists
+
+        if dataset_exists(self.prefix):
+            raise self._exists_error(f"{self.prefix}.bin/.idx already exist; pass --overwrite (overwrite=True) to "
+                                     "replace them, or choose another output prefix")
+
+    def add_document(self, tokens: list[int] | np.ndarray) -> None:
+        """Append one document (one Megatron sequence); the eod token is added after it."""
+        if self._done:
+            raise RuntimeError("add_document after finalize/abort")
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise ValueError(f"a document is a 1-D sequence of token ids, got shape {arr.shape}")
+        if arr.size + 1 > np.iinfo(np.int32).max:
+            raise DataError(f"a document of {arr.size} tokens is longer than a Megatron sequence can be (2**31 - 1)")
+        if arr.size:
+            if not np.issubdtype(arr.dtype, np.integer):
+                raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= self.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise DataError(f"token id {bad} is outside the vocab [0, {self.vocab_size}) of "
+                                f"{self.prefix}; the tokenizer and vocab_size do not match")
+            self._bin.write(arr.astype(self.dtype, copy=False).tobytes())
+        self._bin.write(self._eod)
+        self._lengths.append(arr.size + 1)
+        self._num_tokens += arr.size + 1
+
+    def _write_index(self, f) -> None:
+        n = self.num_docs
+        code = next(c for c, d in DTYPE_CODES.items() if d == self.dtype)
+        f.write(_HEADER.pack(MAGIC, VERSION, code, n, n + 1))
+        lengths = np.frombuffer(self._lengths, dtype=np.int64) if n else np.zeros(0, np.int64)
+        for start in range(0, n, _CHUNK):
+            f.write(lengths[start:start + _CHUNK].astype("<i4").tobytes())
+        carry = 0
+        for start in range(0, n, _CHUNK):
+            chunk = lengths[start:start + _CHUNK]
+            pointers = (np.cumsum(chunk) - chunk + carry) * self.dtype.itemsize
+            f.write(pointers.astype("<i8").tobytes())
+            carry += int(chunk.sum())
+        for start in range(0, n + 1, _CHUNK):
+            f.write(np.arange(start, min(start + _CHUNK, n + 1), dtype="<i8").tobytes())
+
+    def finalize(self) -> None:
+        """fsync everything and move it into place: .bin, sidecar, .idx last."""
+        if self._done:
+            raise RuntimeError("finalize called twice")
+        try:
+            self._bin.flush()
+            os.fsync(self._bin.fileno())
+            self._bin.close()
+            meta = {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "tokenizer_spec": self.tokenizer_spec,
+                    "vocab_size": self.vocab_size, "eod_id": self.eod_id, "eod_appended": True,
+                    "dtype": self.dtype.name, "num_docs": self.num_docs, "num_tokens": self.num_tokens}
+            with open(self._tmp["json"], "w", encoding="utf-8") as f:
+                json.dump(meta, f, indent=1)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            with open(self._tmp["idx"], "wb") as f:
+                self._write_index(f)
+                f.flush()
+                os.fsync(f.fileno())
+            if not self.overwrite:
+                self._check_absent()
+            os.replace(self._tmp["bin"], f"{self.prefix}.bin")
+            os.replace(self._tmp["json"], sidecar_path(self.prefix))
+            os.replace(self._tmp["idx"], f"{self.prefix}.idx")
+            from megalm.data.indexed import _fsync_dir
+
+            _fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+
+    def abort(self) -> None:
+        """Drop the temporary files (nothing under PREFIX was touched)."""
+        self._done = True
+        if not self._bin.closed:
+            self._bin.close()
+        for path in self._tmp.values():
+            if os.path.exists(path):
+                os.remove(path)
+
+    def __enter__(self) -> MegatronDatasetWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self._done:
+            self.abort()
