@@ -59,6 +59,9 @@ class DataConfig:
     valid_fraction: float = 0.01  # share of documents held out for validation
     split_seed: int = 0  # fixes the train/valid split independently of `seed`
     cache_dir: str | None = None  # demo corpus cache; default: $XDG_CACHE_HOME/megalm or ~/.cache/megalm
+    # indexed, instead of path: a weighted mix of prefixes, Megatron's --data-path: [0.3, PREFIX_A, 0.7, PREFIX_B]
+    # (or [{weight: 0.3, path: PREFIX_A}, ...], or the string "0.3 PREFIX_A 0.7 PREFIX_B"); docs/blends.md
+    blend: Any = None
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
 
 
@@ -67,6 +70,51 @@ class OptimConfig:
     name: str = "adamw"
     lr: float = 1e-3
     min_lr: float = 1e-4
+def blend_pairs(blend: Any) -> list[tuple[float, str]]:
+    """`data.blend` as (weight, prefix) pairs, weights as written (not normalized); a one-line ConfigError for a
+    malformed blend. Accepts a flat [w, prefix, ...] list, a list of {weight, path} mappings, or a string."""
+    if isinstance(blend, str):
+        blend = blend.replace(",", " ").split()
+    if OmegaConf.is_config(blend):
+        blend = OmegaConf.to_container(blend, resolve=True)
+    if not isinstance(blend, (list, tuple)) or not blend:
+        raise ConfigError(f"data.blend={blend!r} is not a weighted list; write data.blend=[0.3,PREFIX_A,0.7,PREFIX_B]")
+    if all(isinstance(x, dict) for x in blend):
+        for i, x in enumerate(blend):
+            if set(x) != {"weight", "path"}:
+                raise ConfigError(f"data.blend[{i}] has keys {sorted(x)}; each mapping needs exactly weight and path")
+        flat = [v for x in blend for v in (x["weight"], x["path"])]
+    else:
+        flat = list(blend)
+    if len(flat) % 2:
+        raise ConfigError(f"data.blend has {len(flat)} entries, an odd number; it pairs each weight with a prefix: "
+                          "[W1,PREFIX1,W2,PREFIX2,...]")
+    pairs = []
+    for i in range(0, len(flat), 2):
+        weight, path = flat[i], flat[i + 1]
+        bad = ConfigError(f"data.blend weight {weight!r} (entry {i}) is not a number; write weight, prefix pairs: "
+                          "[0.3,PREFIX_A,0.7,PREFIX_B]")
+        if isinstance(weight, str):
+            try:
+                weight = float(weight)
+            except ValueError:
+                raise bad from None
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise bad
+        if not 0 < weight < float("inf"):
+            raise ConfigError(f"data.blend weight {weight} of {path} must be > 0 (and finite); drop the prefix "
+                              "instead of giving it weight 0")
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"data.blend entry {i + 1} ({path!r}) is not a dataset prefix; write weight, prefix "
+                              "pairs: [0.3,PREFIX_A,0.7,PREFIX_B]")
+        pairs.append((float(weight), path))
+    seen = [p for _, p in pairs]
+    for path in seen:
+        if seen.count(path) > 1:
+            raise ConfigError(f"data.blend lists {path} twice; give it one entry with the summed weight")
+    return pairs
+
+
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -285,9 +333,16 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
 
     d = cfg.data
     choice(d.name, "data", ("demo", "indexed", "synthetic"))
-    if d.name == "indexed" and not d.path:
+    if d.blend is not None:
+        if d.name != "indexed":
+            raise ConfigError(f"data.blend mixes indexed datasets, but data={d.name}; add data=indexed")
+        if d.path:
+            raise ConfigError(f"data.path={d.path} and data.blend are both set; use one (a single dataset is "
+                              f"data.blend=[1,{d.path}])")
+        blend_pairs(d.blend)
+    elif d.name == "indexed" and not d.path:
         raise ConfigError("data=indexed needs data.path=PREFIX (the prefix of PREFIX.bin/PREFIX.idx "
-                          "written by megalm-preprocess)")
+                          "written by megalm-preprocess), or data.blend=[W1,PREFIX1,W2,PREFIX2,...]")
     if not 0.0 <= d.valid_fraction < 1.0:
         raise ConfigError(f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
     choice(cfg.logging.wandb.mode, "logging.wandb.mode", ("offline", "online"))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, Union
 
 import numpy as np
 
@@ -32,6 +32,9 @@ from megalm.data.indexed import IndexedDataset
 from megalm.data.synthetic import SyntheticDocuments
 from megalm.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 from megalm.errors import DataError
+
+if TYPE_CHECKING:
+    from megalm.data.blend import BlendedDataset
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +240,9 @@ class VarlenDataset(_DocumentSampler):
                 f"{self.samples_per_epoch} samples of <= {self.seq_length} inputs per epoch)")
 
 
-SampleDataset = PackedDataset | VarlenDataset
+# What the trainer samples from: sample k (any k >= 0) is a function of (seed, k); varlen ones also answer
+# sample_length(k) and read(k, offset, length). A blend (megalm/data/blend.py) is either kind, mixed.
+SampleDataset = Union[PackedDataset, VarlenDataset, "BlendedDataset"]  # noqa: UP007 - a forward reference
 
 
 class TokenBudgetSteps:
@@ -309,11 +314,13 @@ class DataBundle:
     train: SampleDataset
     valid: SampleDataset | None
     tokenizer: Tokenizer | None
-    source: DocumentSource | None = None
+    source: DocumentSource | None = None  # None for a blend: each component has its own
+    blend: list | None = None  # a blend's [[weight, prefix], ...] as sampled: part of the checkpoint's data order
 
     def summary(self) -> str:
         valid = f"valid {self.valid.num_docs} docs" if self.valid is not None else "no valid split"
-        return f"data {self.source!r}: train {self.train!r}; {valid}"
+        what = f"blend of {len(self.blend)}" if self.blend is not None else repr(self.source)
+        return f"data {what}: train {self.train!r}; {valid}"
 
 
 def padded_vocab_size(vocab_size: int, multiple: int = 64) -> int:
@@ -340,9 +347,44 @@ def _indexed_tokenizer(source, override: str) -> Tokenizer | None:
                         "tokenizer") from None
 
 
+def check_vocab(source: DocumentSource, tokenizer: Tokenizer | None, model_vocab_size: int) -> None:
+    """The data's (and tokenizer's) ids must fit the model's embedding: a one-line DataError naming the fix."""
+    vocab = max(source.vocab_size, tokenizer.vocab_size if tokenizer is not None else 0)
+    if vocab > model_vocab_size:
+        what = "tokenizer vocab" if tokenizer is not None else "dataset vocab"
+        raise DataError(f"{what} {vocab} exceeds model.vocab_size={model_vocab_size}; set "
+                        f"model.vocab_size>={vocab} (e.g. {padded_vocab_size(vocab)})")
+
+
+def split_samplers(source: DocumentSource, cfg: MegalmConfig, what: str) -> tuple[SampleDataset, SampleDataset | None]:
+    """(train, valid) samplers over the `data.split_seed` split of `source`; valid is None when nothing is held
+    out or the held-out documents are too small for one sample. `what` names the data in errors."""
+    d = cfg.data
+    train_ids, valid_ids = split_documents(len(source), d.valid_fraction, d.split_seed)
+    if len(train_ids) == 0:
+        raise DataError(f"the train split is empty: {what} has {len(source)} documents; "
+                        "use a dataset with documents in it")
+    sampler = VarlenDataset if d.varlen else PackedDataset
+    train = sampler(source, train_ids, cfg.model.seq_length, cfg.seed)
+    valid = None
+    if len(valid_ids):
+        try:
+            valid = sampler(source, valid_ids, cfg.model.seq_length, cfg.seed)
+        except DataError as e:
+            log.warning("no validation set from %s: the %d held-out documents are too small (%s)", what,
+                        len(valid_ids), e)
+    return train, valid
+
+
 def build_datasets(cfg: MegalmConfig) -> DataBundle:
     """Source, split and sampler from `cfg.data` (a `MegalmConfig` or its Hydra DictConfig)."""
     d = cfg.data
+    if d.name == "indexed" and d.blend is not None:
+        from megalm.data.blend import build_blend  # blend.py builds on this module's samplers
+
+        bundle = build_blend(cfg)
+        log.info("%s", bundle.summary())
+        return bundle
     source: DocumentSource
     tokenizer: Tokenizer | None
     if d.name == "demo":
@@ -355,7 +397,7 @@ def build_datasets(cfg: MegalmConfig) -> DataBundle:
         if not d.path:
             raise DataError("data=indexed needs data.path=PREFIX (of PREFIX.bin/.idx written by "
                             "megalm-preprocess)")
-        source = IndexedDataset(d.path)
+        source = IndexedDataset(d.path, tokenizer=d.tokenizer)
         tokenizer = _indexed_tokenizer(source, d.tokenizer)
     elif d.name == "synthetic":
         s = d.synthetic
@@ -365,24 +407,8 @@ def build_datasets(cfg: MegalmConfig) -> DataBundle:
     else:
         raise DataError(f"data={d.name} is not one of demo|indexed|synthetic; pick one of those")
 
-    vocab = max(source.vocab_size, tokenizer.vocab_size if tokenizer is not None else 0)
-    if vocab > cfg.model.vocab_size:
-        what = "tokenizer vocab" if tokenizer is not None else "dataset vocab"
-        raise DataError(f"{what} {vocab} exceeds model.vocab_size={cfg.model.vocab_size}; set "
-                        f"model.vocab_size>={vocab} (e.g. {padded_vocab_size(vocab)})")
-
-    train_ids, valid_ids = split_documents(len(source), d.valid_fraction, d.split_seed)
-    if len(train_ids) == 0:
-        raise DataError(f"the train split is empty: data={d.name} has {len(source)} documents; "
-                        "use a dataset with documents in it")
-    sampler = VarlenDataset if d.varlen else PackedDataset
-    train = sampler(source, train_ids, cfg.model.seq_length, cfg.seed)
-    valid = None
-    if len(valid_ids):
-        try:
-            valid = sampler(source, valid_ids, cfg.model.seq_length, cfg.seed)
-        except DataError as e:
-            log.warning("no validation set: the %d held-out documents are too small (%s)", len(valid_ids), e)
+    check_vocab(source, tokenizer, cfg.model.vocab_size)
+    train, valid = split_samplers(source, cfg, f"data={d.name}")
     bundle = DataBundle(train, valid, tokenizer, source)
     log.info("%s", bundle.summary())
     return bundle

@@ -112,7 +112,7 @@ class Trainer:
         """What fixes the samples of every step: a resumed run must have the same."""
         t = self.cfg.trainer
         return {"seed": self.cfg.seed, "global_batch_size": t.global_batch_size, "varlen": self.cfg.data.varlen,
-                "tokens_per_step": t.tokens_per_step}
+                "tokens_per_step": t.tokens_per_step, "blend": self.data.blend}  # blend: [[weight, prefix], ...]
 
     def _maybe_resume(self) -> None:
         resume = self.cfg.trainer.resume
