@@ -8,14 +8,14 @@ Arguments without dashes are the run's Hydra overrides (the same ones `megalm-tr
 reads the step's sample lengths exactly as the trainer does (no token is read), plans them with the
 trainer's planner and cost model (`megalm.parallel.hdp.split.HdpSplit.plan`: with pp > 1 the
 rings are aligned across pipelines), prints one line per HDP rank, and with --png draws the plan as
-a Gantt chart on the cost model's clock (tools/hdp_sim.py's renderer: blue packed micro-batches,
-orange to red rings by size, grey their exposed ring traffic, yellow pipeline fill/drain).
+a Gantt chart on the cost model's clock (megalm.plot.plot_hdp_plan, as tools/hdp_sim.py: blue packed
+micro-batches, orange to red rings by size, grey their exposed ring traffic, yellow pipeline fill/drain,
+and each rank's compute / comm / idle time beside it). --png needs matplotlib (pip install 'megalm[plots]').
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -29,13 +29,6 @@ from megalm.parallel.hdp import Plan, simulate  # noqa: E402
 from megalm.parallel.hdp.split import HdpSplit, hdp_cost_model  # noqa: E402
 from megalm.train import CONFIG_DIR  # noqa: E402
 from megalm.training.validation import validate_run  # noqa: E402
-
-
-def _hdp_sim():
-    spec = importlib.util.spec_from_file_location("hdp_sim", Path(__file__).with_name("hdp_sim.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def describe(plan: Plan, lengths: list[int]) -> list[str]:
@@ -62,6 +55,13 @@ def main(argv: list[str] | None = None) -> tuple[Plan, list[int]]:
     p.add_argument("--png", default=None, help="write the plan's Gantt chart here")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the run")
     args = p.parse_args(argv)
+    if args.png:
+        from megalm.plot import PlotError, require_matplotlib
+
+        try:
+            require_matplotlib()
+        except PlotError as e:
+            sys.exit(f"error: {e}")
 
     from hydra import compose, initialize_config_dir
 
@@ -87,8 +87,12 @@ def main(argv: list[str] | None = None) -> tuple[Plan, list[int]]:
     print("\n".join(describe(plan, lengths)))
     if args.png:
         utilisation = sum(sim.compute) / (runtime.num_ranks * sim.step_time) if sim.step_time else 0.0
-        title = f"step {args.step} {runtime.num_ranks} ranks c {par.hdp_capacity} util {utilisation:.0%}"
-        _hdp_sim().draw_plan(args.png, plan, sim, 1.02 * max(sim.step_time, 1e-12), title)
+        title = (f"HDP plan of step {args.step}: {len(lengths)} documents on {runtime.num_ranks} ranks, capacity "
+                 f"{par.hdp_capacity}, pp {par.pp}, {plan.stats['rings']} rings, utilisation {utilisation:.0%} "
+                 f"({runtime.cost.name})")
+        from megalm.plot import plot_hdp_plan, save_figure
+
+        save_figure(plot_hdp_plan(plan, sim, 1.02 * max(sim.step_time, 1e-12), title), args.png)
         print(f"wrote {args.png}")
     return plan, lengths
 

@@ -15,7 +15,9 @@ pieces, plans it with each policy and runs the plan through the same execution m
 (megalm/parallel/hdp/cost.py).
 Prints step time, utilisation, CP traffic, padding and speedups; with --json the last stdout line
 is one JSON object with the step seconds per policy and `plan_seconds` (HDP planner wall time);
-with --png-dir, one Gantt chart per policy (rows = ranks, x = time on a common scale).
+with --png-dir, one Gantt chart per policy (rows = ranks, at most 128 drawn; x = time on a common scale)
+and `<prefix>balance.png`, the histogram of per-rank busy time under every policy (megalm.plot;
+needs matplotlib: pip install 'megalm[plots]').
 
 `--lengths longtail`: a parametric long tail calibrated to ByteScale's published statistics for
 its pretraining mix (arXiv 2502.21231, §2, Fig. 4): 80% of sequences ≤ 4K; the 1% ≥ 128K hold
@@ -28,10 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import struct
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -149,86 +149,16 @@ def global_batch(source, context: int, tokens: int, rng: np.random.Generator) ->
 
 
 # ---------------------------------------------------------------------------------------------
-# PNG (no matplotlib): a tiny zlib writer and a 3x5 font
+# Charts (megalm.plot; matplotlib is optional and imported only when a chart is drawn)
 
-FONT = {  # 3x5 glyphs, rows top to bottom, 3 bits each
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
-    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001001001001",
-    "8": "111101111101111", "9": "111101111001111", "A": "010101111101101", "B": "110101110101110",
-    "C": "011100100100011", "D": "110101101101110", "E": "111100110100111", "F": "111100110100100",
-    "G": "011100101101011", "H": "101101111101101", "I": "111010010010111", "J": "001001001101010",
-    "K": "101101110101101", "L": "100100100100111", "M": "101111111101101", "N": "110101101101101",
-    "O": "010101101101010", "P": "110101110100100", "Q": "010101101110011", "R": "110101110101101",
-    "S": "011100010001110", "T": "111010010010010", "U": "101101101101111", "V": "101101101101010",
-    "W": "101101111111101", "X": "101101010101101", "Y": "101101010010010", "Z": "111001010100111",
-    " ": "000000000000000", ".": "000000000000010", ":": "000010000010000", "%": "101001010100101",
-    "-": "000000111000000", "/": "001001010100100", "=": "000111000111000", "(": "010100100100010",
-    ")": "010001001001010", ",": "000000000010100", "+": "000010111010000",
-}
+MAX_ROWS = 128  # ranks drawn per Gantt chart (evenly sampled beyond that; the title says so)
 
 
-def draw_text(img: np.ndarray, x: int, y: int, text: str, color=(0, 0, 0), scale: int = 2) -> None:
-    for ch in text.upper():
-        glyph = FONT.get(ch, FONT[" "])
-        for k, bit in enumerate(glyph):
-            if bit == "1":
-                r, c = divmod(k, 3)
-                img[y + r * scale : y + (r + 1) * scale, x + c * scale : x + (c + 1) * scale] = color
-        x += 4 * scale
+def draw_plan(path: str | Path, plan: Plan, sim: SimResult, t_max: float, title: str, rows: int = MAX_ROWS) -> None:
+    """Write the plan's Gantt chart (megalm.plot.plot_hdp_plan: rows = ranks, x = time up to t_max)."""
+    from megalm.plot import plot_hdp_plan, save_figure
 
-
-def write_png(path: str | Path, img: np.ndarray) -> None:
-    """Write an (H, W, 3) uint8 array as an 8-bit RGB PNG."""
-    h, w, _ = img.shape
-    raw = np.concatenate([np.zeros((h, 1), np.uint8), img.reshape(h, w * 3)], axis=1).tobytes()
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-    png += chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b"")
-    Path(path).write_bytes(png)
-
-
-def _ring_color(k: int, d: int) -> tuple[int, int, int]:
-    """Rings: warm colours, darker for bigger rings, a per-ring jitter so neighbours differ."""
-    level = min(1.0, math.log2(d) / 9)
-    j = (k * 2654435761 % 97) / 97 - 0.5
-    return int(250 - 60 * level + 10 * j), int(190 - 150 * level + 40 * j), int(60 - 40 * level + 30 * j)
-
-
-def draw_plan(path: str | Path, plan: Plan, sim: SimResult, t_max: float, title: str, rows: int = 1024) -> None:
-    """Gantt chart: one row per rank (sampled if there are more than `rows`), x = time up to t_max.
-    Blue: packed single-rank micro-batches (two shades alternate); orange to dark red: ring
-    micro-batches by ring size, grey tail: their exposed communication; pale yellow: pipeline
-    fill/drain; white: idle or waiting for ring partners; red line: this policy's step time."""
-    D = plan.num_ranks
-    n_rows = min(rows, D)
-    row_h = max(1, min(8, 512 // n_rows))
-    width, left, top = 1200, 10, 30
-    img = np.full((top + n_rows * row_h + 10, left + width + 10, 3), 255, np.uint8)
-    scale = width / t_max
-    for y in range(n_rows):
-        r = y * D // n_rows
-        y0 = top + y * row_h
-        band = img[y0 : y0 + row_h]
-        for n, (t0, t1, k) in enumerate(sim.timeline[r]):
-            mb = plan.micro_batches[k]
-            x0, x1 = left + int(t0 * scale), left + max(int(t0 * scale) + 1, int(t1 * scale))
-            if len(mb.ranks) == 1:
-                band[:, x0:x1] = (70, 130, 200) if n % 2 else (120, 170, 230)
-            elif mb.seqs:
-                comp, comm = sim.durations[k]
-                xc = left + int((t0 + comp) * scale)
-                band[:, x0:x1] = (110, 110, 110)
-                band[:, x0 : max(x0 + 1, xc)] = _ring_color(k, len(mb.ranks))
-        end = sim.timeline[r][-1][1] if sim.timeline[r] else 0.0
-        if sim.finish[r] > end:
-            band[:, left + int(end * scale) : left + int(sim.finish[r] * scale)] = (250, 235, 160)
-    x = left + min(width - 1, int(sim.step_time * scale))
-    img[top:-10, x : x + 2] = (220, 0, 0)
-    draw_text(img, left, 8, title)
-    write_png(path, img)
+    save_figure(plot_hdp_plan(plan, sim, t_max, title, max_rows=rows), path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,7 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=1, help="simulate this many global batches; means are reported")
     p.add_argument("--check", action="store_true", help="also run check_plan on every plan")
-    p.add_argument("--png-dir", default=None, help="write <dir>/<prefix><policy>.png Gantt charts")
+    p.add_argument("--png-dir", default=None, help="write <dir>/<prefix><policy>.png Gantt charts "
+                   "and <dir>/<prefix>balance.png (needs matplotlib)")
     p.add_argument("--png-prefix", default="")
     p.add_argument("--widen", action="store_true", help="also plan 'hdp_widen': HDP with rings of documents "
                    "longer than the mean load widened beyond ceil(s/C) (not ByteScale's rule)")
@@ -281,6 +212,13 @@ def main(argv: list[str] | None = None) -> dict:
                    "rings of ceil((1 - r(s)) s / C) ranks) and 'hdp_offload_widen' (that, balanced by widening)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.png_dir:
+        from megalm.plot import PlotError, require_matplotlib
+
+        try:
+            require_matplotlib()
+        except PlotError as e:
+            sys.exit(f"error: {e}")
     policies = POLICIES + (("hdp_widen",) if args.widen else ()) + (
         ("hdp_offload", "hdp_offload_widen") if args.offload else ())
 
@@ -366,14 +304,21 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.png_dir:
         out = Path(args.png_dir)
-        out.mkdir(parents=True, exist_ok=True)
         t_max = 1.02 * max(sim.step_time for _, sim in last.values())
         for name, (plan, sim) in last.items():
-            title = (f"{name} {args.ranks} ranks ctx {size_name(args.context)} c {size_name(capacity)} "
-                     f"step {sim.step_time:.1f} s util {sum(sim.compute) / (args.ranks * sim.step_time):.0%}")
+            title = (f"{name}: {args.ranks} ranks, context {size_name(args.context)}, capacity "
+                     f"{size_name(capacity)}, step {sim.step_time:.1f} s, utilisation "
+                     f"{sum(sim.compute) / (args.ranks * sim.step_time):.0%}")
             path = out / f"{args.png_prefix}{name}.png"
-            draw_plan(path, plan, sim, t_max, title.replace("_", " "))
+            draw_plan(path, plan, sim, t_max, title)
             print(f"wrote {path}")
+        from megalm.plot import plot_hdp_balance, save_figure
+
+        title = (f"per-rank load, {args.ranks} ranks, context {size_name(args.context)}, "
+                 f"{size_name(args.global_tokens)} tokens (last step)")
+        path = save_figure(plot_hdp_balance({k: s for k, (_, s) in last.items()}, title),
+                           out / f"{args.png_prefix}balance.png")
+        print(f"wrote {path}")
     if args.json:
         print(json.dumps(result))
     return result

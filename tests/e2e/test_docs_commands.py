@@ -122,9 +122,9 @@ def runnable(command: str, tmp: Path) -> tuple[list[str], dict[str, str]] | None
             return ["bash", "-c", command.replace("python", shlex.quote(sys.executable), 1)
                     .replace("/tmp/", f"{tmp}/")], env
         head = python
-    elif exe in ("megalm-train", "megalm-generate", "megalm-preprocess"):
+    elif exe in ("megalm-train", "megalm-generate", "megalm-preprocess", "megalm-plot"):
         head = python + ["-m", {"megalm-train": "megalm.train", "megalm-generate": "megalm.generate",
-                               "megalm-preprocess": "megalm.data.preprocess"}[exe]]
+                               "megalm-preprocess": "megalm.data.preprocess", "megalm-plot": "megalm.plot"}[exe]]
     elif exe == "torchrun":
         head = python + ["-m", "torch.distributed.run"]
     elif exe.startswith("scripts/"):
