@@ -27,7 +27,12 @@ class ModelConfig:
     num_heads: int = 4
     num_kv_heads: int | None = None  # None: equal to num_heads (multi-head); fewer: GQA
     ffn_hidden_size: int | None = None  # None: 4h for gelu, 8h/3 rounded up to 64 for swiglu
-    vocab_size: int = 320
+    vocab_size: int = 320  # the tokenizer's vocabulary; the embedding and head are padded past it (below)
+    # Megatron's rule: the embedding and output rows are vocab_size rounded up to a multiple of this x tp;
+    # the padded rows start at 0 and their logits are masked (no probability mass in loss or generation)
+    make_vocab_size_divisible_by: int = 128
+    padded_vocab_size: int | None = None  # derived from the two above and parallel.tp; not set by hand
+    init_from: str | None = None  # start from these weights: hf:DIR (a Hugging Face Llama/GPT-2 directory)
     seq_length: int = 256
     max_position_embeddings: int | None = None  # None: seq_length
     norm: str = "rmsnorm"  # rmsnorm | layernorm
@@ -54,22 +59,17 @@ class SyntheticDataConfig:
 class DataConfig:
     name: str = "demo"  # demo | indexed | synthetic
     path: str | None = None  # indexed: the prefix of PREFIX.bin / PREFIX.idx
+    # indexed, instead of path: a weighted mix of prefixes, Megatron's --data-path: [0.3, PREFIX_A, 0.7, PREFIX_B]
+    # (or [{weight: 0.3, path: PREFIX_A}, ...], or the string "0.3 PREFIX_A 0.7 PREFIX_B"); docs/blends.md
+    blend: Any = None
     varlen: bool = False  # one document per sample (split at seq_length) instead of fixed-length packing
     tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json (demo / synthetic)
     valid_fraction: float = 0.01  # share of documents held out for validation
     split_seed: int = 0  # fixes the train/valid split independently of `seed`
     cache_dir: str | None = None  # demo corpus cache; default: $XDG_CACHE_HOME/megalm or ~/.cache/megalm
-    # indexed, instead of path: a weighted mix of prefixes, Megatron's --data-path: [0.3, PREFIX_A, 0.7, PREFIX_B]
-    # (or [{weight: 0.3, path: PREFIX_A}, ...], or the string "0.3 PREFIX_A 0.7 PREFIX_B"); docs/blends.md
-    blend: Any = None
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
 
 
-@dataclass
-class OptimConfig:
-    name: str = "adamw"
-    lr: float = 1e-3
-    min_lr: float = 1e-4
 def blend_pairs(blend: Any) -> list[tuple[float, str]]:
     """`data.blend` as (weight, prefix) pairs, weights as written (not normalized); a one-line ConfigError for a
     malformed blend. Accepts a flat [w, prefix, ...] list, a list of {weight, path} mappings, or a string."""
@@ -115,6 +115,11 @@ def blend_pairs(blend: Any) -> list[tuple[float, str]]:
     return pairs
 
 
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    min_lr: float = 1e-4
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -257,8 +262,21 @@ def positive(value: int | float | None, key: str) -> None:
         raise ConfigError(f"{key}={value} must be > 0")
 
 
-def resolve_model_defaults(model: ModelConfig) -> ModelConfig:
-    """Fill the `None` fields that derive from others (kv heads, ffn size, max positions)."""
+def pad_vocab(vocab_size: int, multiple: int) -> int:
+    """`vocab_size` rounded up to a multiple of `multiple` (Megatron-LM's padded vocab)."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def resolve_model_defaults(model: ModelConfig, tp: int | None = None) -> ModelConfig:
+    """Fill the `None` fields that derive from others (kv heads, ffn size, max positions, padded vocab).
+
+    With `tp` (a run's validation), the padded vocab is (re)derived for that many tensor-parallel ranks:
+    `vocab_size` up to a multiple of `make_vocab_size_divisible_by * tp`. Without it a missing value is
+    derived for one rank and a present one (a saved run's) is kept.
+    """
+    if tp is not None or model.padded_vocab_size is None:
+        multiple = max(1, model.make_vocab_size_divisible_by) * max(1, tp or 1)
+        model.padded_vocab_size = pad_vocab(model.vocab_size, multiple)
     if model.num_kv_heads is None:
         model.num_kv_heads = model.num_heads
     if model.ffn_hidden_size is None:
@@ -273,8 +291,11 @@ def resolve_model_defaults(model: ModelConfig) -> ModelConfig:
 
 def validate_model(model: ModelConfig) -> None:
     for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
-                "seq_length", "max_position_embeddings"):
+                "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by"):
         positive(getattr(model, key), f"model.{key}")
+    if model.padded_vocab_size is not None and model.padded_vocab_size < model.vocab_size:
+        raise ConfigError(f"model.padded_vocab_size={model.padded_vocab_size} is below model.vocab_size="
+                          f"{model.vocab_size}; leave it unset (it is derived from make_vocab_size_divisible_by)")
     choice(model.norm, "model.norm", ("rmsnorm", "layernorm"))
     choice(model.activation, "model.activation", ("swiglu", "gelu"))
     choice(model.position_embedding, "model.position_embedding", ("rope", "learned"))
@@ -301,7 +322,7 @@ def validate_model(model: ModelConfig) -> None:
 def validate(cfg: MegalmConfig) -> MegalmConfig:
     """Check the cross-field rules of the model, trainer, optim, data and logging sections; fill derived
     defaults. Returns the same (mutated) config."""
-    resolve_model_defaults(cfg.model)
+    resolve_model_defaults(cfg.model, tp=cfg.parallel.tp)
     validate_model(cfg.model)
 
     t = cfg.trainer

@@ -18,6 +18,7 @@ from megalm.config import ModelConfig, resolve_model_defaults
 from megalm.data.tokenizer import build_tokenizer
 from megalm.errors import MegalmError
 from megalm.model import GPT
+from megalm.model.gpt import real_logits
 from megalm.training.checkpoint import load_model_weights, read_checkpoint_meta, resolve_checkpoint_path
 
 
@@ -32,7 +33,8 @@ def sample(model: GPT, prompt: list[int], max_new_tokens: int, temperature: floa
         context = torch.tensor(ids[-max_positions:], dtype=torch.long, device=device)
         n = context.numel()
         cu = torch.tensor([0, n], dtype=torch.int32, device=device)
-        logits = model(context, torch.arange(n, device=device), cu, n)[-1].float()
+        # Only the real vocab: the padding columns (megalm.model.gpt, VOCAB_PARAMS) are never sampled.
+        logits = real_logits(model(context, torch.arange(n, device=device), cu, n)[-1], model.cfg.vocab_size).float()
         if temperature <= 0:
             next_id = int(logits.argmax())
         else:

@@ -42,6 +42,8 @@ from megalm.model.shard import shard_specs
 
 # Parameters that are embedding tables (excluded by num_parameters(exclude_embeddings=True)).
 EMBEDDING_PARAMS = ("embedding.weight", "position_embedding.weight")
+# Parameters with one row per token id: `padded_vocab_size` rows, of which the first `vocab_size` are real.
+VOCAB_PARAMS = ("embedding.weight", "output.weight")
 # Projections that write into the residual stream: init std scaled by 1/sqrt(2 * num_layers) (GPT-2).
 RESIDUAL_PROJECTIONS = ("o_proj.weight", "down_proj.weight")
 
@@ -72,7 +74,8 @@ class TransformerBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer: tokens [T] -> logits [T, vocab_size] over packed documents.
+    """Decoder-only transformer: tokens [T] -> logits [T, padded_vocab_size] over packed documents; the
+    columns from `vocab_size` on are padding (`real_logits` drops them; the losses mask them).
 
     `device` chooses where the parameters are created ("meta" for no memory: then
     `model.to_empty(device=...)` and `init_weights(model, seed)`). Always call `init_weights`:
@@ -88,7 +91,9 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.head_dim = cfg.hidden_size // cfg.num_heads
         with torch.device(device) if device is not None else nullcontext():
-            self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            # Padded past the tokenizer's vocab (Megatron's make_vocab_size_divisible_by x tp): the loss and
+            # generation mask the logits of ids >= vocab_size, so the padding rows never matter.
+            self.embedding = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
             self.position_embedding = (
                 nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
                 if cfg.position_embedding == "learned" else None
@@ -97,7 +102,7 @@ class GPT(nn.Module):
             self.final_norm = build_norm(cfg)
             # Tied: logits use embedding.weight and there is no output module (nor output.weight).
             self.output = (
-                None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+                None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
             )
         # A pipeline stage (megalm/parallel/pipeline/stages.py) keeps a slice of `layers` and clears these:
         # a stage that is not first takes hidden states as input, one that is not last returns them.
@@ -118,7 +123,7 @@ class GPT(nn.Module):
         return rope_cos_sin(position_ids, self.head_dim, self.cfg.rope_theta)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [T, hidden] -> logits [T, vocab_size] (final norm, then the output projection)."""
+        """hidden [T, hidden] -> logits [T, padded_vocab_size] (final norm, then the output projection)."""
         hidden = self.final_norm(hidden)
         if self.output is None:
             return F.linear(hidden, self.embedding.weight)
@@ -135,7 +140,7 @@ class GPT(nn.Module):
         """tokens, position_ids int64 [T]; cu_seqlens int32 [N + 1]; max_seqlen: longest document (int);
         `context`: how attention runs when the micro-batch's documents span several ranks (None: locally).
 
-        Returns logits [T, vocab_size] in the compute dtype (bf16 under autocast): take the loss in fp32.
+        Returns logits [T, padded_vocab_size] in the compute dtype (bf16 under autocast): take the loss in fp32.
         A pipeline stage that is not the first takes the previous stage's hidden states [T, hidden] in
         place of `tokens`; one that is not the last returns its hidden states instead of logits.
         """
@@ -167,17 +172,39 @@ def initial_value(
 
     Biases 0, norm weights 1, residual output projections (o_proj, down_proj) N(0, std/sqrt(2L)),
     every other weight (linear, embedding) N(0, std), with std = cfg.init_std and L = cfg.num_layers.
+    The rows of the vocab padding are 0 and the real rows are drawn as if there were none, so the
+    padding (which depends on tp) changes nothing in the model.
     """
     module_name, _, leaf = name.rpartition(".")
     if leaf == "bias":
         return torch.zeros(shape)
     if module_name.endswith("norm"):
         return torch.ones(shape)
+    if name in VOCAB_PARAMS and shape[0] > cfg.vocab_size:
+        real = initial_value(name, (cfg.vocab_size, *shape[1:]), cfg, seed)
+        return resize_vocab_rows(real, shape[0])
     std = cfg.init_std
     if name.endswith(RESIDUAL_PROJECTIONS):
         std = std / math.sqrt(2 * cfg.num_layers)
     generator = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
     return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+
+
+def resize_vocab_rows(value: torch.Tensor, rows: int) -> torch.Tensor:
+    """A vocab parameter (or its optimizer moment) with `rows` rows: padding rows cut or added as zeros.
+
+    Layouts pad the vocab differently (tp enters the rule), so a checkpoint's tables are resized on load;
+    every row past the real vocab is zero in every layout, so nothing real is lost.
+    """
+    if rows <= value.shape[0]:
+        return value[:rows]
+    padding = value.new_zeros((rows - value.shape[0], *value.shape[1:]))
+    return torch.cat([value, padding])
+
+
+def real_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The logits of the real vocab: [..., padded] -> [..., vocab_size] (a view)."""
+    return logits[..., :vocab_size]
 
 
 @torch.no_grad()

@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross entropy over the positions where `loss_mask` is 1, in fp32."""
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+                   vocab_size: int | None = None) -> torch.Tensor:
+    """Sum of next-token cross entropy over the positions where `loss_mask` is 1, in fp32.
+
+    `vocab_size`: the real vocab when `logits` has padding columns past it (they get no probability
+    mass, and so no gradient).
+    """
+    if vocab_size is not None and vocab_size < logits.shape[-1]:
+        logits = logits[..., :vocab_size]
     losses = F.cross_entropy(logits.float(), labels, reduction="none")
     return (losses * loss_mask).sum()

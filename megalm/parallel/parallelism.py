@@ -141,7 +141,7 @@ class Parallelism:
         self.mesh = mesh or build_mesh(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp), device)
         check_same_on_all_ranks(json.dumps(config_to_dict(cfg), sort_keys=True, default=str), self.mesh, device)
         self.model = self._build_model()
-        self.loss_fn = loss_fn_for(self.mesh.tp_group)
+        self.loss_fn = loss_fn_for(self.mesh.tp_group, self.cfg.model.vocab_size)
         if p.pp > 1:
             sp = p.tp if p.sequence_parallel else 1  # under SP a stage holds its 1/tp of the tokens
             hidden = self.cfg.model.hidden_size

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorage
 from torch.distributed.tensor import DTensor, Shard
 
 from megalm.errors import CheckpointError
+from megalm.model.gpt import VOCAB_PARAMS, resize_vocab_rows
 from megalm.model.naming import canonical_named_parameters
 from megalm.model.shard import ShardSpec, shard_specs
 
@@ -342,16 +343,44 @@ def check_model_config(saved: dict[str, Any], current: dict[str, Any], path: Pat
                               "model=... overrides or a new hydra.run.dir")
 
 
-def _model_targets(model: nn.Module, mesh) -> dict[str, torch.Tensor]:
+def saved_vocab_rows(config: dict[str, Any]) -> int | None:
+    """The rows of the vocab tables a checkpoint holds (its padded vocab; older ones padded none)."""
+    model = config.get("model", {})
+    return model.get("padded_vocab_size") or model.get("vocab_size")
+
+
+def _vocab_resized(name: str, like: torch.Tensor, spec: ShardSpec | None, saved_rows: int | None) -> bool:
+    """Whether `name`'s full tensor has another row count in the checkpoint (a layout padded differently)."""
+    rows = spec.full_shape[0] if spec is not None else like.shape[0]
+    return name in VOCAB_PARAMS and saved_rows is not None and saved_rows != rows
+
+
+def _target(name: str, like: torch.Tensor, spec: ShardSpec | None, mesh, saved_rows: int | None) -> torch.Tensor:
+    """`_load_target`, except a vocab table padded to another row count: read whole, resized by `_local`."""
+    if _vocab_resized(name, like, spec, saved_rows):
+        return torch.empty((saved_rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
+    return _load_target(like, spec, mesh)
+
+
+def _local(name: str, loaded: torch.Tensor, spec: ShardSpec | None, like: torch.Tensor,
+           saved_rows: int | None) -> torch.Tensor:
+    """This rank's tensor from what DCP filled: `_from_dcp`, after resizing a differently padded table."""
+    if _vocab_resized(name, like, spec, saved_rows):
+        loaded = resize_vocab_rows(loaded, spec.full_shape[0] if spec is not None else like.shape[0])
+    return _from_dcp(loaded, spec)
+
+
+def _model_targets(model: nn.Module, mesh, saved_rows: int | None) -> dict[str, torch.Tensor]:
     specs = shard_specs(model)
-    return {f"model/{n}": _load_target(p.detach(), specs.get(n), mesh) for n, p in canonical_named_parameters(model)}
+    return {f"model/{n}": _target(n, p.detach(), specs.get(n), mesh, saved_rows)
+            for n, p in canonical_named_parameters(model)}
 
 
 @torch.no_grad()
-def _copy_model(model: nn.Module, targets: dict[str, torch.Tensor], path: Path) -> None:
+def _copy_model(model: nn.Module, targets: dict[str, torch.Tensor], path: Path, saved_rows: int | None) -> None:
     specs = shard_specs(model)
     for name, param in canonical_named_parameters(model):
-        value = _from_dcp(targets[f"model/{name}"], specs.get(name))
+        value = _local(name, targets[f"model/{name}"], specs.get(name), param, saved_rows)
         if value.shape != param.shape:
             raise CheckpointError(f"checkpoint {path} has {name} of shape {tuple(value.shape)}, this model "
                                   f"{tuple(param.shape)}; use the matching model config")
@@ -360,9 +389,10 @@ def _copy_model(model: nn.Module, targets: dict[str, torch.Tensor], path: Path) 
 
 def load_model_weights(path: Path, model: nn.Module, mesh=None) -> None:
     """Weights only (megalm-generate, fine-tuning starts)."""
-    targets = _model_targets(model, mesh)
+    saved_rows = saved_vocab_rows(read_checkpoint_meta(path).config)
+    targets = _model_targets(model, mesh, saved_rows)
     _dcp_load(targets, path)
-    _copy_model(model, targets, path)
+    _copy_model(model, targets, path, saved_rows)
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -373,7 +403,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     hold them. Collective when `mesh` is distributed.
     """
     meta = read_checkpoint_meta(path)
-    targets = _model_targets(model, mesh)
+    saved_rows = saved_vocab_rows(meta.config)
+    targets = _model_targets(model, mesh, saved_rows)
     params, specs = dict(canonical_named_parameters(model)), shard_specs(model)
     if optimizer is not None:
         like, groups = optimizer_tensors(model, optimizer)
@@ -383,15 +414,20 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         for key, value in like.items():
             param_name = key.split("::")[0]
             shaped = value.shape == params[param_name].shape
-            targets[f"optim/{key}"] = _load_target(value, specs.get(param_name), mesh) if shaped else value.clone()
+            targets[f"optim/{key}"] = (_target(param_name, value, specs.get(param_name), mesh, saved_rows)
+                                       if shaped else value.clone())
     _dcp_load(targets, path)
-    _copy_model(model, targets, path)
+    _copy_model(model, targets, path, saved_rows)
     if optimizer is not None:
         tensors = {}
         for key, value in targets.items():
             if key.startswith("optim/"):
                 name = key[len("optim/"):]
-                tensors[name] = _from_dcp(value, specs.get(name.split("::")[0]))
+                param_name = name.split("::")[0]
+                param = params[param_name]
+                shaped = value.shape[1:] == param.shape[1:] and value.dim() == param.dim() and value.dim() > 0
+                tensors[name] = (_local(param_name, value, specs.get(param_name), param, saved_rows) if shaped
+                                 else _from_dcp(value, specs.get(param_name)))
         load_optimizer_tensors(model, optimizer, tensors, meta.state["optimizer_param_groups"])
     rank = mesh.rank if mesh is not None else 0
     rng_file = path / f"rng-rank{rank:05d}.safetensors"

@@ -46,7 +46,8 @@ def matmul_params(model: ModelConfig) -> int:
     h, hq, hkv = model.hidden_size, model.num_heads * head_dim, model.num_kv_heads * head_dim
     mlp_mats = 3 if model.activation == "swiglu" else 2
     per_layer = h * hq + 2 * h * hkv + hq * h + mlp_mats * h * model.ffn_hidden_size
-    return model.num_layers * per_layer + h * model.vocab_size
+    head_rows = model.padded_vocab_size or model.vocab_size  # the head multiplies its padding rows too
+    return model.num_layers * per_layer + h * head_rows
 
 
 def forward_flops(model: ModelConfig, doc_lengths: Iterable[int]) -> float:

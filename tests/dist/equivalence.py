@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from megalm.model.naming import canonical_named_parameters
+from megalm.model.gpt import VOCAB_PARAMS, resize_vocab_rows
+from megalm.model.naming import canonical_named_parameters, model_chunks
 from megalm.model.shard import shard_specs
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
@@ -20,6 +21,8 @@ from tests.conftest import compose_config
 def shard_of(model: torch.nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
     """This rank's piece of `full` for `model`'s parameter `name` (the whole of it when unsharded)."""
     spec = shard_specs(model).get(name)
+    if name in VOCAB_PARAMS:  # layouts pad the vocab to different row counts; the padding rows are all 0
+        full = resize_vocab_rows(full, spec.full_shape[0] if spec is not None else model_chunks(model)[0].cfg.padded_vocab_size)
     return spec.shard(full) if spec is not None else full
 
 

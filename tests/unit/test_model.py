@@ -223,7 +223,9 @@ def test_parameter_names_llama():
     expected = {"embedding.weight", "final_norm.weight", "output.weight"}
     expected |= {f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in per_layer}
     assert set(model.state_dict()) == expected
-    h, hq, hkv, f, V, L = 32, 32, 16, 48, 64, 2
+    # vocab 64 is padded to a multiple of make_vocab_size_divisible_by (128 by default): 128 rows
+    h, hq, hkv, f, V, L = 32, 32, 16, 48, 128, 2
+    assert model.cfg.padded_vocab_size == V and cfg.vocab_size == 64
     per_block = 2 * h + h * hq + 2 * h * hkv + hq * h + 3 * h * f
     assert num_parameters(model) == V * h + L * per_block + h + h * V
     assert num_parameters(model, exclude_embeddings=True) == L * per_block + h + h * V

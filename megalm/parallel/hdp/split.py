@@ -141,7 +141,7 @@ def hdp_cost_model(cfg: MegalmConfig) -> CostModel:
         return load_cost(cfg.parallel.hdp_cost)
     m = cfg.model
     shape = ModelShape(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_heads, kv_heads=m.num_kv_heads,
-                       ffn=m.ffn_hidden_size, vocab=m.vocab_size)
+                       ffn=m.ffn_hidden_size, vocab=m.padded_vocab_size or m.vocab_size)
     return preset(shape, tp=cfg.parallel.tp)
 
 

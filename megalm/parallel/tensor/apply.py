@@ -63,10 +63,10 @@ def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
     if model.ffn_hidden_size % tp:
         raise ConfigError(f"model.ffn_hidden_size={model.ffn_hidden_size} is not divisible by parallel.tp={tp}; "
                           f"set it to a multiple of {tp}")
-    if model.vocab_size % tp:
-        padded = -(-model.vocab_size // (64 * tp)) * 64 * tp
-        raise ConfigError(f"model.vocab_size={model.vocab_size} is not divisible by parallel.tp={tp}; pad it, "
-                          f"e.g. model.vocab_size={padded}")
+    rows = model.padded_vocab_size or model.vocab_size
+    if rows % tp:
+        raise ConfigError(f"the model's vocab rows ({rows}) are not divisible by parallel.tp={tp}; leave "
+                          "model.padded_vocab_size unset so that it is padded for this tp")
 
 
 def _split_output_hook(group: Group, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -122,12 +122,13 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
         model.output = column(model.output)
 
 
-def loss_fn_for(group: Group) -> LossFn:
+def loss_fn_for(group: Group, vocab_size: int | None = None) -> LossFn:
     """loss(logits, labels, loss_mask) -> summed fp32 token loss: `token_loss_sum` on full logits with
-    one TP rank, else the vocab-parallel loss on [T, V/tp] logits (same value on every TP rank)."""
+    one TP rank, else the vocab-parallel loss on [T, V/tp] logits (same value on every TP rank). Logits of
+    ids >= `vocab_size` (the vocab padding) are masked."""
     if tp_world_size(group) == 1:
-        return token_loss_sum
-    return functools.partial(vocab_parallel_token_loss_sum, group=group)
+        return functools.partial(token_loss_sum, vocab_size=vocab_size)
+    return functools.partial(vocab_parallel_token_loss_sum, group=group, vocab_size=vocab_size)
 
 
 def tp_norm_share(spec: ShardSpec | None, tp: int) -> float:

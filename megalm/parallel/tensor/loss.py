@@ -17,10 +17,16 @@ from megalm.parallel.tensor.comm import Group, tp_rank, tp_world_size
 
 class _VocabParallelTokenLossSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, group: Group):
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, group: Group,
+                vocab_size: int | None):
         local_vocab = logits.shape[-1]
         start = tp_rank(group) * local_vocab
         x = logits.float()
+        if vocab_size is not None and start + local_vocab > vocab_size:
+            # Vocab padding: exp(-inf) = 0, so those ids get no probability mass and no gradient. A rank
+            # whose slice is all padding has a local max of -inf; the all-reduced max is a real logit.
+            padding = torch.arange(start, start + local_vocab, device=x.device) >= vocab_size
+            x = x.masked_fill(padding, float("-inf"))
         # log-sum-exp over the full vocabulary: the global max keeps exp() in range.
         row_max = x.max(dim=-1).values
         if tp_world_size(group) > 1:
@@ -47,19 +53,21 @@ class _VocabParallelTokenLossSum(torch.autograd.Function):
         # d loss_t / d logit_v = softmax_v - [v == label_t], scaled by the token's weight.
         grad_logits = softmax.scatter_add(-1, local_target.unsqueeze(-1), -in_shard.to(softmax.dtype).unsqueeze(-1))
         grad_logits.mul_((weight * grad).unsqueeze(-1))
-        return grad_logits.to(ctx.logits_dtype), None, None, None
+        return grad_logits.to(ctx.logits_dtype), None, None, None, None
 
 
 def vocab_parallel_token_loss_sum(
-    logits_shard: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, group: Group
+    logits_shard: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, group: Group,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """`token_loss_sum` on vocab-sharded logits [T, V/tp] without ever forming [T, V] (Megatron).
 
     The max, the sum of exponentials and the target logit are each reduced over TP (the target
     lives on one rank; the others add 0), in fp32. Every TP rank returns the same scalar, and the
     backward needs no communication: each rank's logit gradient is softmax - onehot on its own
-    vocabulary slice. Labels equal to -100 are ignored, as by F.cross_entropy.
+    vocabulary slice. Labels equal to -100 are ignored, as by F.cross_entropy. `vocab_size`: the real
+    vocab when the shards hold padding columns past it (masked).
     """
     ignored = labels == -100
     weight = loss_mask.float().masked_fill(ignored, 0.0)
-    return _VocabParallelTokenLossSum.apply(logits_shard, labels.masked_fill(ignored, 0), weight, group)
+    return _VocabParallelTokenLossSum.apply(logits_shard, labels.masked_fill(ignored, 0), weight, group, vocab_size)
