@@ -323,10 +323,6 @@ class DataBundle:
         return f"data {what}: train {self.train!r}; {valid}"
 
 
-def padded_vocab_size(vocab_size: int, multiple: int = 64) -> int:
-    return -(-vocab_size // multiple) * multiple
-
-
 def _indexed_tokenizer(source, override: str) -> Tokenizer | None:
     """The tokenizer an indexed dataset was written with, or `override` if it matches the data."""
     if override and override != "byte":
@@ -352,8 +348,8 @@ def check_vocab(source: DocumentSource, tokenizer: Tokenizer | None, model_vocab
     vocab = max(source.vocab_size, tokenizer.vocab_size if tokenizer is not None else 0)
     if vocab > model_vocab_size:
         what = "tokenizer vocab" if tokenizer is not None else "dataset vocab"
-        raise DataError(f"{what} {vocab} exceeds model.vocab_size={model_vocab_size}; set "
-                        f"model.vocab_size>={vocab} (e.g. {padded_vocab_size(vocab)})")
+        raise DataError(f"{what} {vocab} exceeds model.vocab_size={model_vocab_size}; set model.vocab_size={vocab} "
+                        "(the embedding and head are padded past it by make_vocab_size_divisible_by)")
 
 
 def split_samplers(source: DocumentSource, cfg: MegalmConfig, what: str) -> tuple[SampleDataset, SampleDataset | None]:
