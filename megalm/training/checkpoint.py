@@ -176,7 +176,8 @@ def _from_dcp(loaded: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
     return loaded
 
 
-def _dcp_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write `tensors` (plain or DTensor) into the safetensors files of a checkpoint dir through DCP (collective)."""
     with warnings.catch_warnings():  # one process: DCP warns that it saves without a process group
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(path), save_distributed=True))
@@ -233,7 +234,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         param_name = key.split("::")[0]
         shaped = value.shape == params[param_name].shape  # moments are laid out like their parameter; "step" is not
         tensors[f"optim/{key}"] = _for_dcp(value, specs.get(param_name), mesh) if shaped else value
-    _dcp_save(tensors, tmp)
+    save_tensors(tensors, tmp)
     rng = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):

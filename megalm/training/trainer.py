@@ -121,11 +121,18 @@ class Trainer:
             if own_latest is not None:
                 raise CheckpointError(f"run dir {self.run_dir} already has checkpoints ({own_latest.name}); "
                                       "use trainer.resume=auto to continue it or choose a new hydra.run.dir")
+            self._maybe_init_from()
             return
         path = own_latest if resume == "auto" else ckpt.resolve_checkpoint_path(resume)
         if path is None:
+            self._maybe_init_from()
             return
         meta = ckpt.read_checkpoint_meta(path)
+        if meta.state.get("weights_only"):
+            raise CheckpointError(f"checkpoint {path} holds weights only (megalm-import); start from it with "
+                                  f"model.init_from={path} instead of trainer.resume")
+        if self.cfg.model.init_from:
+            log.info(f"model.init_from={self.cfg.model.init_from} not used: resuming from {path}")
         ckpt.check_model_config(meta.config.get("model", {}), self.config_dict["model"], path)
         ckpt.check_same_data_order(meta.state, self._data_order(), path)
         ckpt.load_checkpoint(path, self.model, self.optimizer, self.mesh)
@@ -136,6 +143,15 @@ class Trainer:
                                                 meta.state["next_sample"])
         self.resumed_from = path
         log.info(f"resumed from {path} at step {self.step}")
+
+    def _maybe_init_from(self) -> None:
+        """A fresh run with `model.init_from`: replace the seed's initial weights by those weights (any layout)."""
+        if not self.cfg.model.init_from:
+            return
+        from megalm.interop.init_from import load_init_weights
+
+        source = load_init_weights(self.cfg.model.init_from, self.model, self.config_dict["model"])
+        log.info(f"model.init_from: weights from {source}")
 
     def save(self) -> Path:
         state = {"consumed_tokens": self.consumed_tokens, "tokenizer": getattr(self.data.tokenizer, "spec", None),

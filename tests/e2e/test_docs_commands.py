@@ -42,6 +42,10 @@ TOOL_FLAGS = {"precision_convergence.py": ["--steps", "2"], "throughput.py": ["-
               "offload.py": ["--steps", "1", "--warmup", "0"]}
 SET_UP = ("pip install", "pytest", "docker ", "tools/gpu_wheels.sh")
 GPU_ONLY = ("tools/gpu_check.sh",)  # exits 2 without CUDA by design
+# pyproject's console scripts, run as modules of this checkout
+CONSOLE_SCRIPTS = {"megalm-train": "megalm.train", "megalm-generate": "megalm.generate",
+                   "megalm-preprocess": "megalm.data.preprocess", "megalm-plot": "megalm.plot",
+                   "megalm-export": "megalm.interop.export", "megalm-import": "megalm.interop.hf_import"}
 NAMES_IN_PROSE = {"torchrun -m megalm.train", "python -m megalm.train", "megalm-generate --debug"}
 
 
@@ -122,9 +126,8 @@ def runnable(command: str, tmp: Path) -> tuple[list[str], dict[str, str]] | None
             return ["bash", "-c", command.replace("python", shlex.quote(sys.executable), 1)
                     .replace("/tmp/", f"{tmp}/")], env
         head = python
-    elif exe in ("megalm-train", "megalm-generate", "megalm-preprocess", "megalm-plot"):
-        head = python + ["-m", {"megalm-train": "megalm.train", "megalm-generate": "megalm.generate",
-                               "megalm-preprocess": "megalm.data.preprocess", "megalm-plot": "megalm.plot"}[exe]]
+    elif exe in CONSOLE_SCRIPTS:
+        head = python + ["-m", CONSOLE_SCRIPTS[exe]]
     elif exe == "torchrun":
         head = python + ["-m", "torch.distributed.run"]
     elif exe.startswith("scripts/"):

@@ -1,0 +1,126 @@
+"""`megalm-export`: a megalm checkpoint as a Hugging Face model directory (LlamaForCausalLM or GPT2LMHeadModel).
+
+    megalm-export outputs/2026-11-21/10-00-00 --format hf --out /tmp/hf-model
+
+Why: so a model trained here can be evaluated, served and shared with the `transformers` ecosystem. The checkpoint
+may come from any layout (TP/PP/ZeRO-1): it is loaded into one CPU process first. The directory holds
+safetensors weights (sharded past --max-shard-size, with model.safetensors.index.json), config.json,
+generation_config.json and, when the run used a Hugging Face tokenizer, tokenizer.json + tokenizer_config.json.
+The mapping is megalm.interop.hf_mapping's; the directory is written whole or not at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from megalm.data.tokenizer import HFTokenizer, build_tokenizer
+from megalm.errors import MegalmError
+from megalm.interop.files import (
+    DEFAULT_MAX_SHARD,
+    atomic_output_dir,
+    check_output_dir,
+    parse_size,
+    read_megalm_weights,
+    write_safetensors,
+)
+from megalm.interop.hf_mapping import ARCHITECTURES, DTYPES, InteropError, architecture_of, hf_config, megalm_to_hf
+
+log = logging.getLogger("megalm")
+
+
+def _tokenizer_spec(state: dict[str, Any], config: dict[str, Any], override: str | None) -> str | None:
+    """The run's tokenizer: --tokenizer, else the one its data was made with (state.json), else config's
+    data.tokenizer; None for synthetic data (no tokenizer) or --tokenizer none."""
+    if override is not None:
+        return None if override.lower() == "none" else override
+    if "tokenizer" in state:
+        return state["tokenizer"]
+    return config.get("data", {}).get("tokenizer")
+
+
+def export_hf(source: str | Path, out: str | Path, *, overwrite: bool = False, dtype: str = "auto",
+              max_shard_size: str = DEFAULT_MAX_SHARD, tokenizer: str | None = None) -> Path:
+    """Write the HF model directory of checkpoint (or run dir) `source` to `out`; returns `out`.
+
+    `dtype` "auto": an imported model's original dtype (so export(import(x)) writes x's tensors), else float32.
+    """
+    out = Path(out).expanduser().absolute()
+    check_output_dir(out, overwrite)  # before any work: refuse fast
+    if dtype not in ("auto", *DTYPES):
+        raise InteropError(f"--dtype={dtype} is not one of auto|{'|'.join(DTYPES)}")
+    max_bytes = parse_size(max_shard_size)
+    meta, cfg, weights = read_megalm_weights(source)
+    origin = meta.state.get("source") or {}  # an imported model (megalm-import) keeps its dtype and token ids
+    if dtype == "auto":
+        dtype = origin.get("dtype") if origin.get("dtype") in DTYPES else "float32"
+    arch = architecture_of(cfg)
+
+    spec = _tokenizer_spec(meta.state, meta.config, tokenizer)
+    tok = None
+    if spec is not None:
+        try:
+            tok = build_tokenizer(spec)
+        except MegalmError as e:
+            raise InteropError(f"the run's tokenizer cannot be loaded ({e}); pass --tokenizer PATH/tokenizer.json "
+                               "or --tokenizer none") from None
+    eod = tok.eod_id if tok is not None else None
+    bos, eos = (origin.get("bos_token_id"), origin.get("eos_token_id")) if origin.get("format") == "hf" else (eod, eod)
+
+    tensors = {k: v.to(DTYPES[dtype]) for k, v in megalm_to_hf(weights, cfg, arch).items()}
+    with atomic_output_dir(out, overwrite) as tmp:
+        files = write_safetensors(tmp, tensors, max_bytes)
+        config = hf_config(cfg, arch, dtype, bos, eos)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if isinstance(tok, HFTokenizer):
+            shutil.copyfile(tok.spec, tmp / "tokenizer.json")
+            tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.eod_token,
+                          "eos_token": tok.eod_token, "model_max_length": cfg.max_position_embeddings,
+                          "clean_up_tokenization_spaces": False}
+            (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    if isinstance(tok, HFTokenizer):
+        log.info(f"tokenizer: copied {tok.spec} (+ tokenizer_config.json; AutoTokenizer loads it)")
+    elif tok is not None:
+        log.info(f"tokenizer: none written (the byte tokenizer has no transformers class: ids 0-255 are UTF-8 "
+                 f"bytes, {eod} is end of document)")
+    else:
+        log.info("tokenizer: none written (the checkpoint has none: synthetic data, an import without one, "
+                 "or --tokenizer none)")
+    log.info(f"exported {meta.path} (step {meta.state.get('step')}) as {ARCHITECTURES[arch]} to {out} "
+             f"({len(files)} weight file(s), {dtype})")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="megalm-export", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a checkpoint dir (RUN/checkpoints/step_...) or a run dir (uses latest)")
+    parser.add_argument("--format", choices=["hf"], default="hf", help="output format (hf: transformers)")
+    parser.add_argument("--out", required=True, help="output directory (must be absent or empty)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (once complete)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                        help="dtype of the written weights (auto: an imported model's own, else float32)")
+    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD, help="largest safetensors file (e.g. 5GB)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer.json to ship instead of the run's (or 'none'); default: the run's")
+    parser.add_argument("--debug", action="store_true", help="keep tracebacks")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        export_hf(args.checkpoint, args.out, overwrite=args.overwrite, dtype=args.dtype,
+                  max_shard_size=args.max_shard_size, tokenizer=args.tokenizer)
+    except MegalmError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""`megalm-import`: a local Hugging Face Llama / GPT-2 directory as a megalm checkpoint directory.
+
+    megalm-import /tmp/hf-model --out /tmp/imported
+    megalm-train model.init_from=/tmp/imported <the model.* overrides it prints> ...
+
+Why: to continue pretraining (or sample from) a `transformers` model under any megalm layout. The result is a
+checkpoint dir in megalm's own layout (DCP safetensors shards, state.json, config.yaml), so `megalm-generate`,
+`megalm-export` and `model.init_from` read it like any checkpoint; state.json marks it weights-only (step 0, no
+optimizer state: a run started from it builds a fresh optimizer). Weights are stored in fp32 (megalm's master
+weights), which is lossless from bf16/fp16 files. Only safetensors are read (no pickle) and nothing is
+downloaded. Directories megalm cannot compute exactly are refused in one line (see hf_mapping).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from megalm.config import DataConfig, MegalmConfig, ModelConfig, config_to_dict
+from megalm.data.tokenizer import HFTokenizer
+from megalm.errors import MegalmError
+from megalm.interop.files import atomic_output_dir, check_output_dir, read_safetensors
+from megalm.interop.hf_mapping import (
+    ARCHITECTURES,
+    VOCAB_PARAMS,
+    InteropError,
+    fit_vocab_rows,
+    hf_to_megalm,
+    model_config_from_hf,
+    run_overrides,
+)
+from megalm.model import GPT
+from megalm.training.checkpoint import FORMAT_VERSION, save_tensors
+
+log = logging.getLogger("megalm")
+
+
+def read_hf_model(hf_dir: str | Path) -> tuple[str, ModelConfig, dict[str, torch.Tensor], dict]:
+    """(architecture, megalm model config, megalm full-model weights in fp32 with the model's padded vocab rows,
+    config.json) of a local transformers model dir. `model.init_from=hf:DIR` and megalm-import read it so."""
+    hf_dir = Path(hf_dir).expanduser().absolute()
+    if not hf_dir.is_dir():
+        raise InteropError(f"{hf_dir} is not a directory; pass a local Hugging Face model dir (no downloads)")
+    config_file = hf_dir / "config.json"
+    if not config_file.is_file():
+        raise InteropError(f"{hf_dir} has no config.json; pass a transformers model dir (save_pretrained's output)")
+    try:
+        hf = json.loads(config_file.read_text())
+    except ValueError as e:
+        raise InteropError(f"{config_file} is not valid JSON ({e})") from None
+    arch, cfg = model_config_from_hf(hf, str(hf_dir))
+    tensors = read_safetensors(hf_dir)
+    model = GPT(cfg, device="meta")  # parameter names and shapes only
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    weights = hf_to_megalm(tensors, model.cfg, arch, shapes, str(hf_dir))
+    for name in VOCAB_PARAMS:
+        if name in weights:
+            weights[name] = fit_vocab_rows(weights[name], cfg.vocab_size, shapes[name][0])
+    return arch, model.cfg, weights, hf
+
+
+def _source_dtype(hf: dict) -> str:
+    return str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+
+
+def _tokenizer(hf_dir: Path, out: Path, choice: str | None) -> tuple[Path | None, str | None]:
+    """(tokenizer.json to copy into `out`, the tokenizer spec state.json records) for --tokenizer `choice`:
+    None = the directory's tokenizer.json if it has one megalm can use, "byte", "none", or a tokenizer.json."""
+    if choice is not None and choice.lower() in ("byte", "none"):
+        return None, "byte" if choice.lower() == "byte" else None
+    file = hf_dir / "tokenizer.json" if choice is None else Path(choice).expanduser().absolute()
+    if file.is_dir():
+        file = file / "tokenizer.json"
+    if choice is None and not file.is_file():
+        return None, None
+    try:
+        HFTokenizer(str(file))
+    except MegalmError as e:
+        if choice is not None:
+            raise InteropError(f"--tokenizer {choice}: {e}") from None
+        log.info(f"tokenizer: {file} not kept ({e}); pass --tokenizer to choose one")
+        return None, None
+    return file, str(out / "tokenizer.json")
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False, tokenizer: str | None = None) -> Path:
+    """Write the megalm checkpoint dir of HF model dir `hf_dir` to `out`; returns `out`. `tokenizer`: None (the
+    directory's tokenizer.json, if any), "byte", "none" or the path of a tokenizer.json."""
+    out = Path(out).expanduser().absolute()
+    check_output_dir(out, overwrite)
+    hf_dir = Path(hf_dir).expanduser().absolute()
+    arch, cfg, weights, hf = read_hf_model(hf_dir)
+    tokenizer_file, spec = _tokenizer(hf_dir, out, tokenizer)
+    config = config_to_dict(MegalmConfig(model=cfg, data=DataConfig(tokenizer=spec or "byte")))
+    state = {"format_version": FORMAT_VERSION, "step": 0, "consumed_tokens": 0, "optimizer_param_groups": [],
+             "world_size": 1, "weights_only": True, "tokenizer": spec,
+             "source": {"format": "hf", "path": str(hf_dir), "architecture": ARCHITECTURES[arch],
+                        "dtype": _source_dtype(hf), "bos_token_id": hf.get("bos_token_id"),
+                        "eos_token_id": hf.get("eos_token_id")}}
+    with atomic_output_dir(out, overwrite) as tmp:
+        save_tensors({f"model/{name}": t.contiguous() for name, t in weights.items()}, tmp)
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+        if tokenizer_file is not None:
+            shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
+    kept = "none" if spec is None else "byte" if spec == "byte" else f"tokenizer.json from {tokenizer_file}"
+    log.info(f"imported {ARCHITECTURES[arch]} {hf_dir} to {out} (weights only, fp32; tokenizer: {kept})")
+    log.info(f"continue pretraining from it: megalm-train model.init_from={out} {' '.join(run_overrides(cfg))}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="megalm-import", description=__doc__.splitlines()[0])
+    parser.add_argument("hf_dir", help="a local transformers model dir (config.json + safetensors)")
+    parser.add_argument("--out", required=True, help="the checkpoint dir to write (must be absent or empty)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (once complete)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="byte | none | a tokenizer.json (default: HF_DIR/tokenizer.json if present)")
+    parser.add_argument("--debug", action="store_true", help="keep tracebacks")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        import_hf(args.hf_dir, args.out, overwrite=args.overwrite, tokenizer=args.tokenizer)
+    except MegalmError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,338 @@
+"""The mapping between megalm's GPT and Hugging Face's LlamaForCausalLM / GPT2LMHeadModel: configs and tensors.
+
+megalm's GPT is one module with two styles (megalm/model/gpt.py), and each style is exactly one `transformers`
+architecture; the correspondence follows transformers' own modeling files (models/llama/modeling_llama.py,
+models/gpt2/modeling_gpt2.py), which define what a key means:
+
+    megalm                             LlamaForCausalLM                      GPT2LMHeadModel
+    embedding.weight [:vocab]          model.embed_tokens.weight             transformer.wte.weight
+    position_embedding.weight          -                                     transformer.wpe.weight
+    layers.N.attention_norm.*          model.layers.N.input_layernorm.*      transformer.h.N.ln_1.*
+    layers.N.attention.{q,k,v}_proj.*  model.layers.N.self_attn.{q,k,v}_proj transformer.h.N.attn.c_attn.* (q|k|v, T)
+    layers.N.attention.o_proj.*        model.layers.N.self_attn.o_proj.*     transformer.h.N.attn.c_proj.* (T)
+    layers.N.mlp_norm.*                model.layers.N.post_attention_layernorm transformer.h.N.ln_2.*
+    layers.N.mlp.gate_proj.weight      model.layers.N.mlp.gate_proj.weight   -
+    layers.N.mlp.up_proj.*             model.layers.N.mlp.up_proj.weight     transformer.h.N.mlp.c_fc.* (T)
+    layers.N.mlp.down_proj.*           model.layers.N.mlp.down_proj.weight   transformer.h.N.mlp.c_proj.* (T)
+    final_norm.*                       model.norm.weight                     transformer.ln_f.*
+    output.weight [:vocab] (untied)    lm_head.weight                        - (tied to wte)
+
+(T): GPT-2's Conv1D stores weights as [in, out], the transpose of nn.Linear's [out, in].
+No permutation of q/k is needed for RoPE: megalm rotates the two halves of each head (megalm/model/rope.py,
+`rotate_half`), the convention HF Llama's `apply_rotary_pos_emb` uses for its own weight layout, with the same
+frequencies theta^(-2i/D). GPT-2's MLP activation is exported as "gelu_pytorch_tanh", which is
+F.gelu(approximate="tanh"), exactly megalm's GeluMLP; "gelu_new" (GPT-2's original name) is the same tanh
+formula written out, equal up to float rounding, and is accepted on import.
+
+Vocabulary: megalm pads the embedding and head rows past `vocab_size` (Megatron's rule); only the first
+`vocab_size` rows are real, so export writes `weight[:vocab_size]` and import leaves padding to megalm.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from megalm.config import ModelConfig, resolve_model_defaults, validate_model
+from megalm.errors import ConfigError, MegalmError
+
+LLAMA, GPT2 = "llama", "gpt2"
+ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel"}
+VOCAB_PARAMS = ("embedding.weight", "output.weight")  # rows = (padded) vocabulary
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# GPT-2 activations that are the tanh approximation of GELU, i.e. megalm's GeluMLP.
+GPT2_TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new")
+
+# Per-layer names: megalm suffix -> HF Llama suffix (after "layers.N." / "model.layers.N.").
+_LLAMA_LAYER = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "attention.q_proj.weight": "self_attn.q_proj.weight",
+    "attention.k_proj.weight": "self_attn.k_proj.weight",
+    "attention.v_proj.weight": "self_attn.v_proj.weight",
+    "attention.o_proj.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+_LLAMA_GLOBAL = {"embedding.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+# GPT-2: renamed as is (norms) or transposed (Conv1D weights); q, k, v are fused into c_attn separately.
+_GPT2_LAYER_SAME = {"attention_norm": "ln_1", "mlp_norm": "ln_2"}
+_GPT2_LAYER_CONV = {"attention.o_proj": "attn.c_proj", "mlp.up_proj": "mlp.c_fc", "mlp.down_proj": "mlp.c_proj"}
+_GPT2_GLOBAL = {"embedding.weight": "transformer.wte.weight", "position_embedding.weight": "transformer.wpe.weight",
+                "final_norm.weight": "transformer.ln_f.weight", "final_norm.bias": "transformer.ln_f.bias"}
+# Buffers some HF checkpoints carry that are not weights (causal masks, rotary frequencies).
+_IGNORED_HF_KEYS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
+
+
+class InteropError(MegalmError):
+    """A model or directory that cannot be mapped between megalm and Hugging Face (one line, names why)."""
+
+
+# ---------------------------------------------------------------------------- architectures
+
+
+def architecture_of(cfg: ModelConfig) -> str:
+    """"llama" or "gpt2": the HF architecture that computes exactly what `cfg`'s GPT computes; else InteropError."""
+    style = (cfg.norm, cfg.activation, cfg.position_embedding)
+    if style == ("rmsnorm", "swiglu", "rope"):
+        if cfg.bias:
+            raise InteropError("model.bias=true with rmsnorm/swiglu/rope has no Hugging Face counterpart "
+                               "(LlamaForCausalLM's norms have no bias); export supports bias=false only")
+        return LLAMA
+    if style == ("layernorm", "gelu", "learned"):
+        problems = []
+        if not cfg.bias:
+            problems.append("bias=false (GPT2LMHeadModel has biases everywhere)")
+        if not cfg.tie_embeddings:
+            problems.append("tie_embeddings=false (GPT2LMHeadModel ties its head to wte)")
+        if cfg.num_kv_heads != cfg.num_heads:
+            problems.append(f"num_kv_heads={cfg.num_kv_heads} != num_heads={cfg.num_heads} (GPT-2 has no GQA)")
+        if problems:
+            raise InteropError(f"the GPT-2-style model cannot be exported as GPT2LMHeadModel: {'; '.join(problems)}")
+        return GPT2
+    raise InteropError(f"model norm={cfg.norm}, activation={cfg.activation}, position_embedding="
+                       f"{cfg.position_embedding} maps to no Hugging Face architecture: LlamaForCausalLM needs "
+                       "rmsnorm/swiglu/rope, GPT2LMHeadModel needs layernorm/gelu/learned")
+
+
+def hf_config(cfg: ModelConfig, arch: str, dtype: str, bos_id: int | list[int] | None,
+              eos_id: int | list[int] | None) -> dict[str, Any]:
+    """config.json for `cfg` (the keys transformers' LlamaConfig / GPT2Config read; dropout off as in megalm's
+    `dropout` values). Token ids outside the vocabulary are left out (transformers warns about them)."""
+    def in_vocab(ids: int | list[int] | None) -> int | list[int] | None:
+        valid = lambda i: isinstance(i, int) and 0 <= i < cfg.vocab_size
+        return ids if valid(ids) or (isinstance(ids, list) and ids and all(map(valid, ids))) else None
+
+    common = {"architectures": [ARCHITECTURES[arch]], "model_type": arch, "vocab_size": cfg.vocab_size,
+              "bos_token_id": in_vocab(bos_id), "eos_token_id": in_vocab(eos_id),
+              "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std, "use_cache": True,
+              "dtype": dtype, "torch_dtype": dtype}
+    if arch == LLAMA:
+        return {**common, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+                "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+                "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.hidden_size // cfg.num_heads,
+                "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
+                "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
+                # transformers >= 5 reads rope_parameters; 4.x reads rope_theta/rope_scaling
+                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attention_dropout,
+                "pretraining_tp": 1}
+    return {**common, "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
+            "n_inner": cfg.ffn_hidden_size, "n_positions": cfg.max_position_embeddings, "n_ctx":
+            cfg.max_position_embeddings, "activation_function": "gelu_pytorch_tanh",
+            "layer_norm_epsilon": cfg.norm_eps, "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
+            "attn_pdrop": cfg.attention_dropout, "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
+
+
+def _rope_theta(hf: Mapping[str, Any], where: str) -> float:
+    """rope_theta of a Llama config, refusing any RoPE scaling (megalm's RoPE has none)."""
+    if hf.get("rope_scaling"):
+        raise InteropError(f"{where}: rope_scaling={hf['rope_scaling']} is set; megalm's RoPE has no scaling "
+                           "(only plain rope_theta models import)")
+    params = hf.get("rope_parameters") or {}
+    if params.get("rope_type", "default") != "default" or set(params) - {"rope_type", "rope_theta"}:
+        raise InteropError(f"{where}: rope_parameters={params} is not plain RoPE; megalm's RoPE has no scaling "
+                           "(only rope_type=default imports)")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelConfig]:
+    """(architecture, megalm ModelConfig) for a transformers config.json, or InteropError naming what megalm
+    cannot compute. Defaults are transformers' LlamaConfig / GPT2Config defaults for keys the file omits."""
+    model_type = hf.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise InteropError(f"{where}: model_type={model_type!r} is not supported; megalm imports llama and gpt2")
+    for key in ("sliding_window", "use_sliding_window"):
+        if hf.get(key):
+            raise InteropError(f"{where}: {key}={hf[key]} is set; megalm attends over the whole document "
+                               "(no sliding window)")
+    kwargs: dict[str, Any]
+    if model_type == LLAMA:
+        bias = [k for k in ("attention_bias", "mlp_bias") if hf.get(k)]
+        if bias:
+            raise InteropError(f"{where}: {'/'.join(bias)}=true; megalm's Llama-style model has no biases")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise InteropError(f"{where}: hidden_act={hf['hidden_act']}; megalm's SwiGLU uses silu")
+        hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        if hf.get("head_dim") is not None and (hidden % heads or int(hf["head_dim"]) != hidden // heads):
+            raise InteropError(f"{where}: head_dim={hf['head_dim']} != hidden_size/num_attention_heads="
+                               f"{hidden}/{heads}; megalm derives head_dim from them")
+        max_pos = int(hf.get("max_position_embeddings", 2048))
+        kwargs = dict(norm="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
+                      num_layers=int(hf["num_hidden_layers"]), hidden_size=hidden, num_heads=heads,
+                      num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                      ffn_hidden_size=int(hf["intermediate_size"]), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                      rope_theta=_rope_theta(hf, where), max_position_embeddings=max_pos,
+                      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                      attention_dropout=float(hf.get("attention_dropout", 0.0)))
+    else:
+        act = hf.get("activation_function", "gelu_new")
+        if act not in GPT2_TANH_GELUS:
+            raise InteropError(f"{where}: activation_function={act}; megalm's GELU is the tanh approximation "
+                               f"({' or '.join(GPT2_TANH_GELUS)})")
+        for key, wanted in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                            ("add_cross_attention", False)):
+            if bool(hf.get(key, wanted)) != wanted:
+                raise InteropError(f"{where}: {key}={hf[key]}; megalm's attention needs {key}={wanted}")
+        if not hf.get("tie_word_embeddings", True):
+            raise InteropError(f"{where}: tie_word_embeddings=false; megalm's GPT-2 style ties the head to wte")
+        hidden = int(hf.get("n_embd", 768))
+        max_pos = int(hf.get("n_positions", 1024))
+        kwargs = dict(norm="layernorm", activation="gelu", position_embedding="learned", bias=True,
+                      tie_embeddings=True, num_layers=int(hf.get("n_layer", 12)), hidden_size=hidden,
+                      num_heads=int(hf.get("n_head", 12)), num_kv_heads=int(hf.get("n_head", 12)),
+                      ffn_hidden_size=int(hf.get("n_inner") or 4 * hidden),
+                      norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), max_position_embeddings=max_pos,
+                      dropout=float(hf.get("resid_pdrop", 0.0)), attention_dropout=float(hf.get("attn_pdrop", 0.0)))
+    cfg = ModelConfig(name=f"hf-{model_type}", vocab_size=int(hf["vocab_size"]), seq_length=min(max_pos, 2048),
+                      init_std=float(hf.get("initializer_range", 0.02)), **kwargs)
+    try:
+        cfg = resolve_model_defaults(cfg)
+        validate_model(cfg)
+    except ConfigError as e:
+        raise InteropError(f"{where}: {e}") from None
+    return model_type, cfg
+
+
+def model_config_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """`cfg` as the plain dict a checkpoint's config.yaml holds under `model`."""
+    return asdict(cfg)
+
+
+# ---------------------------------------------------------------------------- tensors
+
+
+def _layer_of(name: str) -> tuple[int, str] | None:
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    return (int(match[1]), match[2]) if match else None
+
+
+def megalm_to_hf(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
+    """HF state dict (contiguous tensors) from megalm's full-model parameters; vocab rows cut to `vocab_size`,
+    a tied head written once (as the embedding, which transformers ties `lm_head` to)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in tensors.items():
+        if name in VOCAB_PARAMS:
+            value = value[: cfg.vocab_size]
+        layer = _layer_of(name)
+        if arch == LLAMA:
+            key = _LLAMA_GLOBAL[name] if layer is None else f"model.layers.{layer[0]}.{_LLAMA_LAYER[layer[1]]}"
+            out[key] = value
+            continue
+        if layer is None:
+            out[_GPT2_GLOBAL[name]] = value
+            continue
+        index, rest = layer
+        module, _, leaf = rest.rpartition(".")
+        prefix = f"transformer.h.{index}."
+        if module in _GPT2_LAYER_SAME:
+            out[prefix + f"{_GPT2_LAYER_SAME[module]}.{leaf}"] = value
+        elif module in _GPT2_LAYER_CONV:
+            out[prefix + f"{_GPT2_LAYER_CONV[module]}.{leaf}"] = value.t() if leaf == "weight" else value
+        elif module == "attention.q_proj":  # c_attn = [q | k | v] along the output features
+            parts = [tensors[f"layers.{index}.attention.{p}_proj.{leaf}"] for p in "qkv"]
+            fused = torch.cat(parts, dim=0)
+            out[prefix + f"attn.c_attn.{leaf}"] = fused.t() if leaf == "weight" else fused
+        elif module not in ("attention.k_proj", "attention.v_proj"):
+            raise InteropError(f"parameter {name} has no GPT-2 counterpart")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _strip_gpt2_prefix(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """{canonical "transformer.…"/"lm_head.…" key: stored key}: the original GPT-2 files store GPT2Model keys
+    (no "transformer." prefix)."""
+    return {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": k for k in tensors}
+
+
+def hf_to_megalm(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: str,
+                 shapes: Mapping[str, tuple[int, ...]], where: str) -> dict[str, torch.Tensor]:
+    """megalm full-model parameters (fp32, unpadded vocab rows) from an HF state dict.
+
+    `shapes` are the megalm model's parameter shapes (names = the parameters to fill). Refuses missing or
+    unexpected tensors, shape mismatches and a head that contradicts tie_word_embeddings, each in one line.
+    """
+    keys = _strip_gpt2_prefix(tensors) if arch == GPT2 else {k: k for k in tensors}
+    used: set[str] = set()
+
+    def get(key: str) -> torch.Tensor:
+        if key == "lm_head.weight" and key not in keys:
+            raise InteropError(f"{where}: tie_word_embeddings=false but the files hold no lm_head.weight; "
+                               "set tie_word_embeddings=true in config.json if the head is the embedding")
+        if key not in keys:
+            raise InteropError(f"{where}: tensor {key} is missing; the files do not hold a complete "
+                               f"{ARCHITECTURES[arch]}")
+        used.add(key)
+        return tensors[keys[key]].to(torch.float32)
+
+    out: dict[str, torch.Tensor] = {}
+    for name in shapes:
+        layer = _layer_of(name)
+        if arch == LLAMA:
+            key = _LLAMA_GLOBAL[name] if layer is None else f"model.layers.{layer[0]}.{_LLAMA_LAYER[layer[1]]}"
+            out[name] = get(key)
+            continue
+        if layer is None:
+            out[name] = get(_GPT2_GLOBAL[name])
+            continue
+        index, rest = layer
+        module, _, leaf = rest.rpartition(".")
+        prefix = f"transformer.h.{index}."
+        if module in _GPT2_LAYER_SAME:
+            out[name] = get(prefix + f"{_GPT2_LAYER_SAME[module]}.{leaf}")
+        elif module in _GPT2_LAYER_CONV:
+            value = get(prefix + f"{_GPT2_LAYER_CONV[module]}.{leaf}")
+            out[name] = value.t().contiguous() if leaf == "weight" else value
+        else:  # q/k/v from c_attn: [in, 3 * out] (weight) or [3 * out] (bias)
+            fused = get(prefix + f"attn.c_attn.{leaf}")
+            fused = fused.t() if leaf == "weight" else fused
+            if fused.shape[0] % 3:
+                raise InteropError(f"{where}: {prefix}attn.c_attn.{leaf} of shape {tuple(fused.shape)} is not q|k|v")
+            part = "qkv".index(module.split(".")[1][0])
+            out[name] = fused.chunk(3, dim=0)[part].contiguous()
+
+    head_key = "lm_head.weight"
+    if cfg.tie_embeddings and head_key in keys:  # some files store the tied head too: it must be the embedding
+        embedding = out["embedding.weight"]
+        head = tensors[keys[head_key]].to(torch.float32)
+        if head.shape != embedding.shape or not torch.equal(head, embedding):
+            raise InteropError(f"{where}: tie_word_embeddings=true but lm_head.weight differs from the embedding; "
+                               "megalm cannot tie them (set tie_word_embeddings=false in config.json if untied)")
+        used.add(head_key)
+    unexpected = sorted(k for k in keys if k not in used and not _IGNORED_HF_KEYS.search(k))
+    if unexpected:
+        more = f" (+{len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
+        raise InteropError(f"{where}: unexpected tensors {', '.join(unexpected[:3])}{more}; they do not belong to "
+                           f"a {ARCHITECTURES[arch]} that megalm can compute")
+    for name, value in out.items():
+        expected = tuple(shapes[name])
+        if name in VOCAB_PARAMS:
+            expected = (cfg.vocab_size, *expected[1:])
+        if tuple(value.shape) != expected:
+            raise InteropError(f"{where}: {name} has shape {tuple(value.shape)}, config.json implies {expected}")
+    return out
+
+
+def fit_vocab_rows(t: torch.Tensor, vocab_size: int, rows: int) -> torch.Tensor:
+    """The first `vocab_size` (real) rows of an embedding/head, zero-padded to `rows` (a model's padded vocab)."""
+    t = t[:vocab_size]
+    if rows > t.shape[0]:
+        t = torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+    return t
+
+
+def run_overrides(cfg: ModelConfig) -> list[str]:
+    """The `model.*` overrides that make a run's model the shape of `cfg` (to start it from these weights)."""
+    keys = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
+            "max_position_embeddings", "seq_length", "norm", "norm_eps", "activation", "position_embedding",
+            "rope_theta", "tie_embeddings", "bias")
+    values = {k: getattr(cfg, k) for k in keys}
+    if cfg.position_embedding != "rope":
+        values.pop("rope_theta")
+    return [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]

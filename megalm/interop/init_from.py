@@ -1,0 +1,85 @@
+"""`model.init_from`: start a run from existing weights instead of its seed's initial ones.
+
+    model.init_from=hf:DIR   a local Hugging Face Llama / GPT-2 directory (read directly, as megalm-import would)
+    model.init_from=PATH     a megalm checkpoint or run dir (e.g. megalm-import's output): its weights only
+
+Why weights only: a fresh run (step 0, new optimizer, its own schedule and data order) that continues
+pretraining from a model trained elsewhere. The source is read on CPU as the full single-process model, then
+every parameter of this rank's model is filled with its slice (the same path `init_weights` takes), so any
+TP/PP/ZeRO-1 layout starts from it. The source's model shape must equal the run's; only the first `vocab_size`
+embedding/head rows are real, so a source padded for another TP degree fits too.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from megalm.errors import ConfigError
+from megalm.interop.hf_mapping import VOCAB_PARAMS, fit_vocab_rows, model_config_dict
+from megalm.model.naming import canonical_named_parameters
+from megalm.model.shard import shard_specs
+from megalm.training.checkpoint import check_model_config
+
+log = logging.getLogger("megalm")
+HF_PREFIX = "hf:"
+# Not part of the shape check, but they change the function the weights compute: named in a warning.
+FUNCTION_KEYS = ("rope_theta", "norm_eps")
+
+
+def validate_init_from(spec: str | None) -> None:
+    """One-line ConfigError for a `model.init_from` that cannot name weights (before anything is built)."""
+    if spec is None:
+        return
+    if not isinstance(spec, str) or not spec.strip() or spec.strip() == HF_PREFIX:
+        raise ConfigError(f"model.init_from={spec!r} is empty; use hf:DIR (a Hugging Face model dir) or the path "
+                          "of a megalm checkpoint (e.g. megalm-import's output)")
+    path = Path(spec[len(HF_PREFIX):] if spec.startswith(HF_PREFIX) else spec).expanduser()
+    if not path.exists():
+        raise ConfigError(f"model.init_from={spec}: {path} does not exist; use hf:DIR or a megalm checkpoint path")
+
+
+def read_init_weights(spec: str) -> tuple[str, Path, dict[str, Any], dict[str, torch.Tensor]]:
+    """(description, source path, source model config dict, full-model weights on CPU) of `model.init_from`."""
+    validate_init_from(spec)
+    if spec.startswith(HF_PREFIX):
+        from megalm.interop.hf_import import read_hf_model
+
+        hf_dir = Path(spec[len(HF_PREFIX):]).expanduser().absolute()
+        arch, cfg, weights, _ = read_hf_model(hf_dir)
+        return f"Hugging Face {arch} dir {hf_dir}", hf_dir, model_config_dict(cfg), weights
+    from megalm.interop.files import read_megalm_weights
+
+    meta, cfg, weights = read_megalm_weights(spec)
+    return f"checkpoint {meta.path} (step {meta.state.get('step')})", meta.path, model_config_dict(cfg), weights
+
+
+@torch.no_grad()
+def load_init_weights(spec: str, model: nn.Module, run_model: dict[str, Any]) -> str:
+    """Copy the weights `spec` names into `model` (a GPT or this rank's pipeline chunks, any layout), checking
+    the source model's shape against `run_model` (the run's model config dict). Returns a log description."""
+    where, path, source, weights = read_init_weights(spec)
+    check_model_config(source, run_model, path)
+    differing = [f"{k}={source.get(k)} (this run: {run_model.get(k)})" for k in FUNCTION_KEYS
+                 if source.get(k) != run_model.get(k)]
+    if differing:
+        log.warning(f"model.init_from: the source differs in {', '.join(differing)}; its weights will compute "
+                    "another function — set them to match unless that is intended")
+    specs = shard_specs(model)
+    vocab = run_model["vocab_size"]
+    for name, param in canonical_named_parameters(model):
+        if name not in weights:
+            raise ConfigError(f"model.init_from={spec}: the source has no {name}; it is from another model")
+        shard = specs.get(name)
+        full = weights[name]
+        if name in VOCAB_PARAMS:
+            full = fit_vocab_rows(full, vocab, shard.full_shape[0] if shard else param.shape[0])
+        if tuple(full.shape) != (shard.full_shape if shard else tuple(param.shape)):
+            raise ConfigError(f"model.init_from={spec}: {name} has shape {tuple(full.shape)}, this run's model "
+                              f"{shard.full_shape if shard else tuple(param.shape)}; use the matching model config")
+        param.copy_(shard.shard(full) if shard else full)
+    return where

@@ -1,0 +1,343 @@
+"""Hugging Face export / import: transformers loads the export cleanly and computes megalm's logits and greedy
+generation; export(import(x)) and import(export(ckpt)) are exact; a checkpoint written under tp2 exports like
+the one-process one; `model.init_from` starts training from the imported weights; bad inputs are refused in
+one line without touching --out."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megalm.config import config_to_dict, validate
+from megalm.data.tokenizer import build_tokenizer
+from megalm.generate import sample
+from megalm.interop import export as export_cli
+from megalm.interop import hf_import as import_cli
+from megalm.interop.export import export_hf
+from megalm.interop.files import read_megalm_weights
+from megalm.interop.hf_import import import_hf
+from megalm.model import GPT, init_weights
+from megalm.training.checkpoint import read_checkpoint_meta, save_checkpoint
+from tests.conftest import compose_config
+
+transformers = pytest.importorskip("transformers")
+
+STYLES = {
+    "llama": ["model.num_kv_heads=2", "model.rope_theta=5000", "model.norm_eps=1e-6"],  # GQA, untied
+    "llama_tied": ["model.num_kv_heads=2", "model.tie_embeddings=true"],
+    "gpt2": ["model.norm=layernorm", "model.activation=gelu", "model.position_embedding=learned",
+             "model.tie_embeddings=true", "model.bias=true", "model.num_kv_heads=4"],
+}
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tmp_path_factory) -> str:
+    """A small byte-level BPE tokenizer.json (vocab 300 < the model's 320) with GPT-2's end-of-text token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def hello(world): return world + 1\n" * 4, "the quick brown fox jumps"] * 20, trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)
+
+
+def make_run(run_dir: Path, style: str, tokenizer: str | None = None, seed: int = 3) -> tuple[Path, GPT]:
+    """A run dir whose checkpoint holds random weights (norm weights and biases too, so a swapped mapping shows)."""
+    cfg = validate(compose_config(*STYLES[style]))
+    model = GPT(cfg.model)
+    init_weights(model, seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+            if name in ("embedding.weight", "output.weight"):
+                p[cfg.model.vocab_size:] = 0  # megalm's padded vocab rows (none until padding lands) stay zero
+    optimizer = torch.optim.AdamW(model.parameters())
+    save_checkpoint(run_dir, 5, model, optimizer, {"consumed_tokens": 0, "tokenizer": tokenizer},
+                    config_to_dict(cfg), keep_last=1)
+    return run_dir, model.eval()
+
+
+def megalm_logits(model: GPT, ids: list[int]) -> torch.Tensor:
+    n = len(ids)
+    tokens = torch.tensor(ids)
+    return model(tokens, torch.arange(n), torch.tensor([0, n], dtype=torch.int32), n)[:, : model.cfg.vocab_size]
+
+
+def load_hf(path: Path):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        path, output_loading_info=True, attn_implementation="eager", dtype=torch.float32)
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs", "conversion_errors"):
+        assert not info.get(key), f"transformers reports {key}: {info[key]}"
+    return model.eval()
+
+
+def assert_same_weights(weights: dict[str, torch.Tensor], model: GPT) -> None:
+    """`weights` (a checkpoint's, padded for its own vocab rule) hold `model`'s parameters; padding rows are 0."""
+    vocab = model.cfg.vocab_size
+    for name, p in model.named_parameters():
+        value = weights[name]
+        if name in ("embedding.weight", "output.weight"):
+            assert not value[vocab:].any(), f"{name}: padding rows must be zero"
+            value, p = value[:vocab], p[:vocab]
+        assert torch.equal(value, p.detach()), name
+
+
+def files_tensors(path: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_export_matches_megalm_and_round_trips(tmp_path, style, hf_tokenizer):
+    tokenizer = hf_tokenizer if style != "llama_tied" else "byte"
+    run, model = make_run(tmp_path / "run", style, tokenizer)
+    shard = "20KB" if style == "llama" else "5GB"  # the Llama export is sharded, the others one file
+    out = export_hf(run, tmp_path / "hf", max_shard_size=shard)
+    assert (out / "model.safetensors.index.json").is_file() == (style == "llama")
+    hf_model = load_hf(out)
+    assert type(hf_model).__name__ == ("GPT2LMHeadModel" if style == "gpt2" else "LlamaForCausalLM")
+
+    ids = torch.randint(0, model.cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        diff = (hf_model(torch.tensor([ids])).logits[0] - megalm_logits(model, ids)).abs().max().item()
+    print(f"{style}: max abs logit difference megalm vs transformers = {diff:.3g}")
+    assert diff <= 1e-4
+
+    eod = build_tokenizer(tokenizer).eod_id
+    prompt = ids[:5]
+    ours = sample(model, prompt, 12, temperature=0, eod_id=eod)
+    theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=eod)
+    assert theirs[0, len(prompt):].tolist() == ours
+
+    if tokenizer != "byte":
+        hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+        text = "def hello(world): the fox"
+        assert hf_tok.encode(text, add_special_tokens=False) == build_tokenizer(tokenizer).encode(text)
+        assert hf_tok.eos_token_id == eod
+    else:
+        assert not (out / "tokenizer.json").exists()
+
+    # import(export(ckpt)) gives the checkpoint's weights; export(import(x)) gives x's tensors exactly.
+    imported = import_hf(out, tmp_path / "imported")
+    assert_same_weights(read_megalm_weights(imported)[2], model)
+    again = export_hf(imported, tmp_path / "hf2")
+    first, second = files_tensors(out), files_tensors(again)
+    assert first.keys() == second.keys()
+    for key, value in first.items():
+        assert torch.equal(second[key], value), key
+    assert json.loads((again / "config.json").read_text()) == json.loads((out / "config.json").read_text())
+    if tokenizer != "byte":  # the import keeps the tokenizer (megalm-generate decodes with it), the export ships it
+        spec = read_checkpoint_meta(imported).state["tokenizer"]
+        assert Path(spec).parent == imported and build_tokenizer(spec).encode("the fox") == hf_tok.encode("the fox")
+        assert (again / "tokenizer.json").read_bytes() == Path(tokenizer).read_bytes()
+
+
+def save_under_tp2(rank: int, world_size: int, tmp: str, imported: str) -> None:
+    from megalm.training.trainer import Trainer
+
+    Trainer(compose_config("parallel.tp=2"), f"{tmp}/tp2").save()  # step 0: the layout-independent initial weights
+    Trainer(compose_config(*STYLES["llama"], "parallel.tp=2", f"model.init_from={imported}"), f"{tmp}/init").save()
+
+
+def test_tp2_checkpoint_exports_as_one_process_and_init_from_fills_tp_shards(tmp_path):
+    """tp2 pads the vocab to 384 rows (320 on one rank) and splits heads: the export is the same, and a tp2 run
+    started from an imported dir holds exactly the imported weights."""
+    from megalm.training.trainer import Trainer
+    from tests.dist.launch import run_distributed
+
+    run, source = make_run(tmp_path / "src", "llama")
+    imported = import_hf(export_hf(run, tmp_path / "hf"), tmp_path / "imported")
+    run_distributed(save_under_tp2, 2, str(tmp_path), str(imported), timeout=120)
+    assert len(list((tmp_path / "tp2" / "checkpoints" / "step_00000000").glob("shard-*"))) == 2
+    Trainer(compose_config(), tmp_path / "one").save()
+    a = files_tensors(export_hf(tmp_path / "tp2", tmp_path / "hf_tp2"))
+    b = files_tensors(export_hf(tmp_path / "one", tmp_path / "hf_one"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert_same_weights(read_megalm_weights(tmp_path / "init")[2], source)
+
+
+@pytest.mark.parametrize("via", ["import", "hf"])
+def test_init_from_starts_training_from_the_imported_weights(tmp_path, via, caplog):
+    from megalm.training.trainer import Trainer
+
+    run, _ = make_run(tmp_path / "src", "llama")
+    hf_dir = export_hf(run, tmp_path / "hf")
+    source = str(import_hf(hf_dir, tmp_path / "imported")) if via == "import" else f"hf:{hf_dir}"
+    common = [*STYLES["llama"], "trainer.max_steps=2"]
+
+    reference = Trainer(compose_config(*common), tmp_path / "ref")  # the imported weights' loss on step 0's batch
+    from megalm.training.checkpoint import load_model_weights
+
+    load_model_weights(tmp_path / "imported" if via == "import" else import_hf(hf_dir, tmp_path / "imp"),
+                       reference.model)
+    loss, share = reference.forward_backward(0)
+    expected = loss.item() / share.normaliser
+
+    with caplog.at_level(logging.INFO, logger="megalm"):
+        summary = Trainer(compose_config(*common, f"model.init_from={source}"), tmp_path / "run").fit()
+    assert summary.losses[0][1] == pytest.approx(expected, rel=1e-6)
+    assert summary.losses[1][1] < summary.losses[0][1] + 1.0  # it trained on from there
+    assert sum("model.init_from: weights from" in r.message for r in caplog.records) == 1
+
+
+def test_init_from_refuses_another_shape_and_resume_refuses_an_import(tmp_path):
+    from megalm.errors import MegalmError
+    from megalm.training.trainer import Trainer
+
+    run, _ = make_run(tmp_path / "src", "llama")
+    with pytest.raises(MegalmError, match="num_kv_heads=2 .this run: 4.") as e:
+        Trainer(compose_config("model.num_kv_heads=4", f"model.init_from={run}"), tmp_path / "run")
+    assert "\n" not in str(e.value)
+    imported = import_hf(export_hf(run, tmp_path / "hf"), tmp_path / "imported")
+    with pytest.raises(MegalmError, match="weights only .* model.init_from="):  # no optimizer state to resume
+        Trainer(compose_config(*STYLES["llama"], f"trainer.resume={imported}"), tmp_path / "resumed")
+
+
+def _hf_dir(tmp_path: Path, style: str = "llama") -> Path:
+    run, _ = make_run(tmp_path / f"src-{style}", style)
+    return export_hf(run, tmp_path / f"good-{style}")
+
+
+def _edit_config(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+BAD_IMPORTS = {
+    "rope_scaling": (lambda d: _edit_config(d, rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
+    "attention_bias": (lambda d: _edit_config(d, attention_bias=True), "attention_bias=true"),
+    "sliding_window": (lambda d: _edit_config(d, sliding_window=16), "sliding_window"),
+    "head_dim": (lambda d: _edit_config(d, head_dim=8), "head_dim=8"),
+    "model_type": (lambda d: _edit_config(d, model_type="mistral"), "model_type='mistral'"),
+    "tie_mismatch": (lambda d: _edit_config(d, tie_word_embeddings=True), "lm_head.weight differs"),
+    "missing_config": (lambda d: (d / "config.json").unlink(), "no config.json"),
+    "missing_shard": (lambda d: next(d.glob("model-00002-*.safetensors")).unlink(), "which is missing"),
+    "pickle_only": (lambda d: [f.unlink() for f in d.glob("model*.safetensors*")]
+                    and (d / "pytorch_model.bin").write_bytes(b"pickle"), "pickle"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_IMPORTS))
+def test_import_refuses_bad_inputs_in_one_line(tmp_path, case, capsys):
+    hf_dir = tmp_path / "hf"
+    run, _ = make_run(tmp_path / "src", "llama")
+    export_hf(run, hf_dir, max_shard_size="20KB")
+    edit, message = BAD_IMPORTS[case]
+    edit(hf_dir)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("untouched")
+    with pytest.raises(SystemExit) as e:
+        import_cli.main([str(hf_dir), "--out", str(out), "--overwrite"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code != 0 and "\n" not in err and message in err, err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "untouched"
+    assert not list(tmp_path.glob(".out.*")), "no temporary directory is left behind"
+
+
+def test_export_refuses_bad_inputs_in_one_line(tmp_path, capsys):
+    run, _ = make_run(tmp_path / "src", "llama")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("untouched")
+    cases = [([str(run), "--out", str(out)], "exists and is not empty"),  # no --overwrite
+             ([str(tmp_path / "nope"), "--out", str(out), "--overwrite"], "does not exist")]
+    # Llama style with biases, and GELU with RoPE: no transformers architecture computes them
+    for override, message in (("model.bias=true", "model.bias=true"), ("model.activation=gelu", "activation=gelu")):
+        cfg = validate(compose_config(override))
+        model = GPT(cfg.model)
+        init_weights(model, 0)
+        save_checkpoint(tmp_path / override, 1, model, torch.optim.AdamW(model.parameters()), {"consumed_tokens": 0},
+                        config_to_dict(cfg), keep_last=1)
+        cases.append(([str(tmp_path / override), "--out", str(out), "--overwrite"], message))
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            export_cli.main(argv)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code != 0 and "\n" not in err and message in err, err
+        assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    # --overwrite replaces it once the new directory is complete
+    export_cli.main([str(run), "--out", str(out), "--overwrite"])
+    assert (out / "model.safetensors").is_file() and not (out / "keep.txt").exists()
+
+
+def test_import_accepts_original_gpt2_key_names_and_gelu_new(tmp_path):
+    """The original GPT-2 files store GPT2Model keys (no "transformer." prefix), the causal-mask buffers and
+    activation_function=gelu_new; they import to the same weights."""
+    run, model = make_run(tmp_path / "src", "gpt2")
+    hf_dir = export_hf(run, tmp_path / "hf")
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    legacy = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    legacy["h.0.attn.bias"] = torch.ones(1, 1, 32, 32)
+    save_file(legacy, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    _edit_config(hf_dir, activation_function="gelu_new")
+    assert_same_weights(read_megalm_weights(import_hf(hf_dir, tmp_path / "imported"))[2], model)
+
+
+def transformers_dir(path: Path, style: str) -> tuple[Path, object]:
+    """A tiny random model saved by transformers itself (its own key names, dtype and config), norms perturbed."""
+    torch.manual_seed(0)
+    if style == "llama":
+        config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          rope_theta=5000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                         bos_token_id=0, eos_token_id=0)  # activation_function: gelu_new
+        model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path, model.eval()
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_import_of_a_transformers_save_computes_its_logits_and_exports_back_exactly(tmp_path, style):
+    hf_dir, hf_model = transformers_dir(tmp_path / "hf", style)
+    imported = import_hf(hf_dir, tmp_path / "imported")
+    meta, cfg, weights = read_megalm_weights(imported)
+    model = GPT(cfg)
+    model.load_state_dict(weights)
+    model.eval()
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        diff = (hf_model(torch.tensor([ids])).logits[0] - megalm_logits(model, ids)).abs().max().item()
+    print(f"{style}: imported from transformers, max abs logit difference = {diff:.3g}")
+    assert diff <= 1e-4
+
+    again = export_hf(imported, tmp_path / "again")
+    original, exported = files_tensors(hf_dir), files_tensors(again)
+    tied = {"lm_head.weight"} if style == "gpt2" else set()  # a tied head is stored once (as wte)
+    assert exported.keys() == original.keys() - tied
+    for key, value in exported.items():
+        assert torch.equal(value, original[key]), key
+    config = json.loads((again / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == ((1, 2) if style == "llama" else (0, 0))
+    load_hf(again)
+
+
+def test_bf16_directory_round_trips_exactly_in_its_own_dtype(tmp_path):
+    hf_dir, hf_model = transformers_dir(tmp_path / "hf", "llama")
+    hf_model.to(torch.bfloat16).save_pretrained(hf_dir)
+    again = export_hf(import_hf(hf_dir, tmp_path / "imported"), tmp_path / "again")  # --dtype auto: bfloat16
+    original, exported = files_tensors(hf_dir), files_tensors(again)
+    assert exported.keys() == original.keys()
+    for key, value in exported.items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value, original[key]), key
