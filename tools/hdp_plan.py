@@ -22,7 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalm.config import register_schema, to_dataclass  # noqa: E402
-from megalm.data.dataset import TokenBudgetSteps, build_datasets  # noqa: E402
+from megalm.data.build import build_datasets  # noqa: E402
+from megalm.data.dataset import TokenBudgetSteps  # noqa: E402
 from megalm.errors import ConfigError  # noqa: E402
 from megalm.parallel.dims import ParallelDims, ParallelMesh  # noqa: E402
 from megalm.parallel.hdp import Plan, simulate  # noqa: E402

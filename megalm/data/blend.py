@@ -25,7 +25,7 @@ import numpy as np
 
 from megalm.config import MegalmConfig, blend_pairs
 from megalm.data.batch import Sample
-from megalm.data.dataset import DataBundle, SampleDataset, _indexed_tokenizer, check_vocab, split_samplers
+from megalm.data.dataset import DataBundle, SampleDataset, check_vocab, indexed_tokenizer, split_samplers
 from megalm.data.indexed import IndexedDataset
 from megalm.errors import ConfigError, DataError
 
@@ -172,7 +172,7 @@ def build_blend(cfg: MegalmConfig) -> DataBundle:
     quotas = blend_quotas([w for w, _ in pairs])
     sources = [open_component(p, d.tokenizer) for p in names]
     _check_same_tokens(sources, names)
-    tokenizer = _indexed_tokenizer(sources[0], d.tokenizer)
+    tokenizer = indexed_tokenizer(sources[0], d.tokenizer)
     check_vocab(sources[0], tokenizer, cfg.model.vocab_size)
     splits = [split_samplers(s, cfg, f"data.blend component {name}") for s, name in zip(sources, names, strict=True)]
     train = BlendedDataset([t for t, _ in splits], quotas, names)

@@ -21,20 +21,14 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Union
+from typing import Protocol
 
 import numpy as np
 
 from megalm.config import MegalmConfig
-from megalm.data import demo
 from megalm.data.batch import PackedBatch, Sample, pack_samples
-from megalm.data.indexed import IndexedDataset
-from megalm.data.synthetic import SyntheticDocuments
-from megalm.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
+from megalm.data.tokenizer import Tokenizer, build_tokenizer
 from megalm.errors import DataError
-
-if TYPE_CHECKING:
-    from megalm.data.blend import BlendedDataset
 
 log = logging.getLogger(__name__)
 
@@ -240,9 +234,14 @@ class VarlenDataset(_DocumentSampler):
                 f"{self.samples_per_epoch} samples of <= {self.seq_length} inputs per epoch)")
 
 
-# What the trainer samples from: sample k (any k >= 0) is a function of (seed, k); varlen ones also answer
-# sample_length(k) and read(k, offset, length). A blend (megalm/data/blend.py) is either kind, mixed.
-SampleDataset = Union[PackedDataset, VarlenDataset, "BlendedDataset"]  # noqa: UP007 - a forward reference
+class SampleDataset(Protocol):
+    """What the trainer samples from (PackedDataset, VarlenDataset, or a blend of either, megalm/data/blend.py):
+    sample k (any k >= 0) is a function of (seed, k); varlen ones also answer sample_length(k) and
+    read(k, offset, length)."""
+
+    num_docs: int
+
+    def __getitem__(self, k: int) -> Sample: ...
 
 
 class TokenBudgetSteps:
@@ -323,7 +322,7 @@ class DataBundle:
         return f"data {what}: train {self.train!r}; {valid}"
 
 
-def _indexed_tokenizer(source, override: str) -> Tokenizer | None:
+def indexed_tokenizer(source, override: str) -> Tokenizer | None:
     """The tokenizer an indexed dataset was written with, or `override` if it matches the data."""
     if override and override != "byte":
         tok = build_tokenizer(override)
@@ -370,41 +369,3 @@ def split_samplers(source: DocumentSource, cfg: MegalmConfig, what: str) -> tupl
             log.warning("no validation set from %s: the %d held-out documents are too small (%s)", what,
                         len(valid_ids), e)
     return train, valid
-
-
-def build_datasets(cfg: MegalmConfig) -> DataBundle:
-    """Source, split and sampler from `cfg.data` (a `MegalmConfig` or its Hydra DictConfig)."""
-    d = cfg.data
-    if d.name == "indexed" and d.blend is not None:
-        from megalm.data.blend import build_blend  # blend.py builds on this module's samplers
-
-        bundle = build_blend(cfg)
-        log.info("%s", bundle.summary())
-        return bundle
-    source: DocumentSource
-    tokenizer: Tokenizer | None
-    if d.name == "demo":
-        if d.tokenizer != "byte":
-            raise DataError(f"data=demo is byte-tokenized, got data.tokenizer={d.tokenizer}; drop it, or "
-                            "tokenize your own text with megalm-preprocess and use data=indexed")
-        source = IndexedDataset(demo.demo_corpus(d.cache_dir))
-        tokenizer = ByteTokenizer()
-    elif d.name == "indexed":
-        if not d.path:
-            raise DataError("data=indexed needs data.path=PREFIX (of PREFIX.bin/.idx written by "
-                            "megalm-preprocess)")
-        source = IndexedDataset(d.path, tokenizer=d.tokenizer)
-        tokenizer = _indexed_tokenizer(source, d.tokenizer)
-    elif d.name == "synthetic":
-        s = d.synthetic
-        source = SyntheticDocuments(s.num_docs, cfg.model.vocab_size, s.mean_doc_length, s.fixed_doc_length,
-                                    seed=cfg.seed)
-        tokenizer = None
-    else:
-        raise DataError(f"data={d.name} is not one of demo|indexed|synthetic; pick one of those")
-
-    check_vocab(source, tokenizer, cfg.model.vocab_size)
-    train, valid = split_samplers(source, cfg, f"data={d.name}")
-    bundle = DataBundle(train, valid, tokenizer, source)
-    log.info("%s", bundle.summary())
-    return bundle

@@ -24,42 +24,20 @@ from array import array
 
 import numpy as np
 
+from megalm.data.files import SIDECAR_SUFFIX, DatasetExistsError, dataset_exists, fsync_dir
 from megalm.data.tokenizer import Tokenizer, build_tokenizer
 from megalm.errors import DataError
 
 MAGIC = b"MEGALMDS"
-_SIDECAR_SUFFIX = ".megalm.json"  # megatron_format.SIDECAR_SUFFIX (that module imports this one lazily)
 VERSION = 1
 # magic, version, dtype code, num_docs, num_tokens, vocab_size, eod_id, spec length (bytes)
 _HEADER = struct.Struct("<8sIIQQQqI")
 _DTYPE_CODES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
 
 
-class DatasetExistsError(DataError):
-    """The output dataset already exists and overwriting was not asked for."""
-
-
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every id fits (vocab_size <= 65536), else uint32."""
     return _DTYPE_CODES[1] if vocab_size <= 65536 else _DTYPE_CODES[2]
-
-
-def dataset_exists(prefix: str) -> bool:
-    """Whether any file of a dataset (.bin, .idx, or a Megatron dataset's sidecar) is at `prefix`."""
-    return any(os.path.exists(f"{prefix}{ext}") for ext in (".bin", ".idx", _SIDECAR_SUFFIX))
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class IndexedDatasetWriter:
@@ -149,9 +127,9 @@ class IndexedDatasetWriter:
                 self._check_absent()
             os.replace(self._tmp_bin, f"{self.prefix}.bin")
             os.replace(self._tmp_idx, f"{self.prefix}.idx")
-            if os.path.exists(f"{self.prefix}{_SIDECAR_SUFFIX}"):  # left by a Megatron-format dataset replaced here
-                os.remove(f"{self.prefix}{_SIDECAR_SUFFIX}")
-            _fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
+            if os.path.exists(f"{self.prefix}{SIDECAR_SUFFIX}"):  # left by a Megatron-format dataset replaced here
+                os.remove(f"{self.prefix}{SIDECAR_SUFFIX}")
+            fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
         except BaseException:
             self.abort()
             raise

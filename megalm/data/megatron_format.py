@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megalm.data.files import SIDECAR_SUFFIX, DatasetExistsError, dataset_exists, fsync_dir
 from megalm.data.tokenizer import Tokenizer, build_tokenizer
 from megalm.errors import DataError
 
@@ -38,7 +39,6 @@ _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count
 # Megatron-LM's DType enum codes.
 DTYPE_CODES = {1: np.dtype("u1"), 2: np.dtype("i1"), 3: np.dtype("<i2"), 4: np.dtype("<i4"), 5: np.dtype("<i8"),
                6: np.dtype("<f8"), 7: np.dtype("<f4"), 8: np.dtype("<u2")}
-SIDECAR_SUFFIX = ".megalm.json"
 SIDECAR_FORMAT = "megalm-megatron-sidecar"
 SIDECAR_VERSION = 1
 _CHUNK = 1 << 22  # elements checked at a time: a 10^9-entry index needs no multi-GB temporaries
@@ -72,7 +72,7 @@ class MegatronData:
 
 def _fix(prefix: str) -> str:
     return (f"re-run megalm-preprocess --input ... --output-prefix {prefix} --format megatron --overwrite "
-            "(or Megatron-LM's tools/preprocess_data.py)")
+            "(or Megatron-LM/tools/preprocess_data.py)")
 
 
 def _read_sidecar(prefix: str, num_docs: int, num_tokens: int) -> dict | None:
@@ -132,7 +132,7 @@ def open_megatron(prefix: str, tokenizer: Tokenizer | str | None = None) -> Mega
     expected = _HEADER.size + 12 * seq_count + 8 * doc_count
     if idx_size == expected + seq_count and seq_count:
         raise DataError(f"{idx_path} is a multimodal Megatron index (it has per-sequence modes); megalm trains on "
-                        "text only: point data.path at a text dataset made by Megatron-LM's tools/preprocess_data.py")
+                        "text only: point data.path at a text dataset made by Megatron-LM/tools/preprocess_data.py")
     if idx_size < expected:
         raise corrupt(f"{idx_path} is truncated: {idx_size} bytes, its header implies {expected}")
     if idx_size != expected:
@@ -234,7 +234,6 @@ class MegatronDatasetWriter:
 
     def __init__(self, prefix: str, vocab_size: int, tokenizer_spec: str, eod_id: int | None = None,
                  overwrite: bool = False) -> None:
-        from megalm.data.indexed import DatasetExistsError
 
         self._exists_error = DatasetExistsError
         self.prefix = os.fspath(prefix)
@@ -271,7 +270,6 @@ class MegatronDatasetWriter:
         return self._num_tokens
 
     def _check_absent(self) -> None:
-        from megalm.data.indexed import dataset_exists
 
         if dataset_exists(self.prefix):
             raise self._exists_error(f"{self.prefix}.bin/.idx already exist; pass --overwrite (overwrite=True) to "
@@ -340,9 +338,8 @@ class MegatronDatasetWriter:
             os.replace(self._tmp["bin"], f"{self.prefix}.bin")
             os.replace(self._tmp["json"], sidecar_path(self.prefix))
             os.replace(self._tmp["idx"], f"{self.prefix}.idx")
-            from megalm.data.indexed import _fsync_dir
 
-            _fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
+            fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
         except BaseException:
             self.abort()
             raise

@@ -6,7 +6,7 @@ Why: so a model trained here can be evaluated, served and shared with the `trans
 may come from any layout (TP/PP/ZeRO-1): it is loaded into one CPU process first. The directory holds
 safetensors weights (sharded past --max-shard-size, with model.safetensors.index.json), config.json,
 generation_config.json and, when the run used a Hugging Face tokenizer, tokenizer.json + tokenizer_config.json.
-The mapping is megalm.interop.hf_mapping's; the directory is written whole or not at all.
+The mapping is megalm.model.hf's; the directory is written whole or not at all.
 """
 
 from __future__ import annotations
@@ -21,15 +21,9 @@ from typing import Any
 
 from megalm.data.tokenizer import HFTokenizer, build_tokenizer
 from megalm.errors import MegalmError
-from megalm.interop.files import (
-    DEFAULT_MAX_SHARD,
-    atomic_output_dir,
-    check_output_dir,
-    parse_size,
-    read_megalm_weights,
-    write_safetensors,
-)
-from megalm.interop.hf_mapping import ARCHITECTURES, DTYPES, InteropError, architecture_of, hf_config, megalm_to_hf
+from megalm.interop.files import DEFAULT_MAX_SHARD, atomic_output_dir, check_output_dir, parse_size, write_safetensors
+from megalm.model.hf import ARCHITECTURES, DTYPES, InteropError, architecture_of, hf_config, megalm_to_hf
+from megalm.training.init_from import read_megalm_weights
 
 log = logging.getLogger("megalm")
 

@@ -1,4 +1,5 @@
-"""Files for export and import: all-or-nothing output directories, safetensors shards, megalm weights on CPU.
+"""Files for export and import: all-or-nothing output directories and safetensors shards (the writing side;
+reading a Hugging Face directory is megalm/model/hf.py's, reading megalm weights megalm/training/init_from.py's).
 
 An output directory is written as a hidden sibling and renamed into place only when complete, so an error or a
 crash never leaves a half-written model where a user (or transformers) would load it, and an existing directory
@@ -16,23 +17,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from megalm.config import ModelConfig, resolve_model_defaults
-from megalm.interop.hf_mapping import InteropError
-from megalm.model import GPT
-from megalm.model.naming import canonical_named_parameters
-from megalm.training.checkpoint import (
-    LoadedCheckpoint,
-    load_model_weights,
-    read_checkpoint_meta,
-    resolve_checkpoint_path,
-)
+from megalm.model.hf import INDEX, SINGLE, InteropError
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DEFAULT_MAX_SHARD = "5GB"  # transformers' save_pretrained default
 
 
@@ -118,58 +106,3 @@ def write_safetensors(directory: Path, tensors: dict[str, torch.Tensor], max_sha
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
     (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return [*names, INDEX]
-
-
-def _load(file: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(file), device="cpu")
-    except (SafetensorError, OSError, ValueError) as e:
-        raise InteropError(f"{file} is not a readable safetensors file ({str(e).strip()[:200]})") from None
-
-
-def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a transformers model dir: sharded (model.safetensors.index.json) or one file. Pickle
-    weights (pytorch_model.bin, ...) are refused: loading them runs arbitrary code."""
-    index = hf_dir / INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise InteropError(f"{index} is not a safetensors index ({type(e).__name__}); re-save the model") from None
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (hf_dir / f).is_file()]
-        if missing:
-            raise InteropError(f"{hf_dir}: {INDEX} names {missing[0]}, which is missing"
-                               f"{f' (+{len(missing) - 1} more)' if len(missing) > 1 else ''}; copy every shard")
-        tensors: dict[str, torch.Tensor] = {}
-        for f in files:
-            tensors.update(_load(hf_dir / f))
-        absent = [k for k in weight_map if k not in tensors]
-        if absent:
-            raise InteropError(f"{hf_dir}: {INDEX} maps {absent[0]} to {weight_map[absent[0]]}, which lacks it")
-        return tensors
-    if (hf_dir / SINGLE).is_file():
-        return _load(hf_dir / SINGLE)
-    found = sorted(p.name for p in hf_dir.glob("*.safetensors"))
-    if len(found) == 1:
-        return _load(hf_dir / found[0])
-    if found:
-        raise InteropError(f"{hf_dir} holds {len(found)} .safetensors files but no {INDEX}; "
-                           "add the index transformers wrote with them")
-    pickles = sorted(p.name for p in hf_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if pickles:
-        raise InteropError(f"{hf_dir} holds only pickle weights ({pickles[0]}); megalm reads safetensors only "
-                           "(pickle can run code): re-save with save_pretrained(..., safe_serialization=True)")
-    raise InteropError(f"{hf_dir} holds no model weights ({SINGLE} or {INDEX}); pass a transformers model dir")
-
-
-def read_megalm_weights(path: str | Path) -> tuple[LoadedCheckpoint, ModelConfig, dict[str, torch.Tensor]]:
-    """The full model's weights of a megalm checkpoint (or run dir: its `latest`) on CPU, whatever layout wrote
-    it (TP/PP/ZeRO-1: DCP reshards into one process), with the model config from its config.yaml."""
-    ckpt = resolve_checkpoint_path(path)
-    meta = read_checkpoint_meta(ckpt)
-    cfg = resolve_model_defaults(ModelConfig(**meta.config["model"]))  # keeps a saved padded vocab
-    model = GPT(cfg, device="meta")
-    model.to_empty(device="cpu")  # no init: every parameter is loaded next
-    load_model_weights(ckpt, model)
-    return meta, model.cfg, {name: p.detach() for name, p in canonical_named_parameters(model)}

@@ -8,7 +8,8 @@ checkpoint dir in megalm's own layout (DCP safetensors shards, state.json, confi
 `megalm-export` and `model.init_from` read it like any checkpoint; state.json marks it weights-only (step 0, no
 optimizer state: a run started from it builds a fresh optimizer). Weights are stored in fp32 (megalm's master
 weights), which is lossless from bf16/fp16 files. Only safetensors are read (no pickle) and nothing is
-downloaded. Directories megalm cannot compute exactly are refused in one line (see hf_mapping).
+downloaded. Directories megalm cannot compute exactly are refused in one line (see megalm/model/hf.py, which
+reads the directory).
 """
 
 from __future__ import annotations
@@ -20,50 +21,16 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
 from omegaconf import OmegaConf
 
-from megalm.config import DataConfig, MegalmConfig, ModelConfig, config_to_dict
+from megalm.config import DataConfig, MegalmConfig, config_to_dict
 from megalm.data.tokenizer import HFTokenizer
 from megalm.errors import MegalmError
-from megalm.interop.files import atomic_output_dir, check_output_dir, read_safetensors
-from megalm.interop.hf_mapping import (
-    ARCHITECTURES,
-    VOCAB_PARAMS,
-    InteropError,
-    fit_vocab_rows,
-    hf_to_megalm,
-    model_config_from_hf,
-    run_overrides,
-)
-from megalm.model import GPT
+from megalm.interop.files import atomic_output_dir, check_output_dir
+from megalm.model.hf import ARCHITECTURES, InteropError, read_hf_model, run_overrides
 from megalm.training.checkpoint import FORMAT_VERSION, save_tensors
 
 log = logging.getLogger("megalm")
-
-
-def read_hf_model(hf_dir: str | Path) -> tuple[str, ModelConfig, dict[str, torch.Tensor], dict]:
-    """(architecture, megalm model config, megalm full-model weights in fp32 with the model's padded vocab rows,
-    config.json) of a local transformers model dir. `model.init_from=hf:DIR` and megalm-import read it so."""
-    hf_dir = Path(hf_dir).expanduser().absolute()
-    if not hf_dir.is_dir():
-        raise InteropError(f"{hf_dir} is not a directory; pass a local Hugging Face model dir (no downloads)")
-    config_file = hf_dir / "config.json"
-    if not config_file.is_file():
-        raise InteropError(f"{hf_dir} has no config.json; pass a transformers model dir (save_pretrained's output)")
-    try:
-        hf = json.loads(config_file.read_text())
-    except ValueError as e:
-        raise InteropError(f"{config_file} is not valid JSON ({e})") from None
-    arch, cfg = model_config_from_hf(hf, str(hf_dir))
-    tensors = read_safetensors(hf_dir)
-    model = GPT(cfg, device="meta")  # parameter names and shapes only
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    weights = hf_to_megalm(tensors, model.cfg, arch, shapes, str(hf_dir))
-    for name in VOCAB_PARAMS:
-        if name in weights:
-            weights[name] = fit_vocab_rows(weights[name], cfg.vocab_size, shapes[name][0])
-    return arch, model.cfg, weights, hf
 
 
 def _source_dtype(hf: dict) -> str:

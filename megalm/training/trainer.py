@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from megalm.config import MegalmConfig, config_to_dict
-from megalm.data.dataset import SampleDataset, TokenBudgetSteps, build_datasets
+from megalm.data.build import build_datasets
+from megalm.data.dataset import SampleDataset, TokenBudgetSteps
 from megalm.errors import CheckpointError, ConfigError, MegalmError
 from megalm.model import GPT, num_parameters
 from megalm.parallel.dims import ParallelMesh, init_distributed
@@ -148,7 +149,7 @@ class Trainer:
         """A fresh run with `model.init_from`: replace the seed's initial weights by those weights (any layout)."""
         if not self.cfg.model.init_from:
             return
-        from megalm.interop.init_from import load_init_weights
+        from megalm.training.init_from import load_init_weights
 
         source = load_init_weights(self.cfg.model.init_from, self.model, self.config_dict["model"])
         log.info(f"model.init_from: weights from {source}")

@@ -13,11 +13,11 @@ import pytest
 
 from megalm.config import MegalmConfig, validate
 from megalm.data.blend import BlendedDataset, blend_period, blend_quotas
+from megalm.data.build import build_datasets
 from megalm.data.dataset import (
     PackedDataset,
     TokenBudgetSteps,
     VarlenDataset,
-    build_datasets,
     global_batch,
     split_documents,
 )

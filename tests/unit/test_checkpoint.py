@@ -69,7 +69,7 @@ def test_crash_mid_save_keeps_previous_checkpoint_usable(tmp_path, monkeypatch, 
     class Crash(BaseException):
         pass
 
-    real_dcp, real_save, real_rename, real_write = ckpt._dcp_save, ckpt.save_file, os.rename, ckpt._write_text_atomic
+    real_dcp, real_save, real_rename, real_write = ckpt.save_tensors, ckpt.save_file, os.rename, ckpt._write_text_atomic
 
     def crashing_dcp(tensors, path):
         if fail_at == "tensors":
@@ -94,7 +94,7 @@ def test_crash_mid_save_keeps_previous_checkpoint_usable(tmp_path, monkeypatch, 
             raise Crash
         real_write(path, text)
 
-    monkeypatch.setattr(ckpt, "_dcp_save", crashing_dcp)
+    monkeypatch.setattr(ckpt, "save_tensors", crashing_dcp)
     monkeypatch.setattr(ckpt, "save_file", crashing_save)
     monkeypatch.setattr(ckpt.os, "rename", crashing_rename)
     monkeypatch.setattr(ckpt, "_write_text_atomic", crashing_latest)

@@ -25,10 +25,10 @@ from megalm.config import MegalmConfig
 from megalm.data import demo as demo_mod
 from megalm.data import indexed as indexed_mod
 from megalm.data.batch import Sample, pack_samples
+from megalm.data.build import build_datasets
 from megalm.data.dataset import (
     PackedDataset,
     VarlenDataset,
-    build_datasets,
     global_batch,
     loss_token_count,
     micro_batches,

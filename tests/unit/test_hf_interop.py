@@ -19,10 +19,10 @@ from megalm.generate import sample
 from megalm.interop import export as export_cli
 from megalm.interop import hf_import as import_cli
 from megalm.interop.export import export_hf
-from megalm.interop.files import read_megalm_weights
 from megalm.interop.hf_import import import_hf
 from megalm.model import GPT, init_weights
 from megalm.training.checkpoint import read_checkpoint_meta, save_checkpoint
+from megalm.training.init_from import read_megalm_weights
 from tests.conftest import compose_config
 
 transformers = pytest.importorskip("transformers")

@@ -20,7 +20,8 @@ import pytest
 from tokenizers import Tokenizer as HFTok
 from tokenizers import models, pre_tokenizers
 
-from megalm.data.dataset import PackedDataset, VarlenDataset, build_datasets
+from megalm.data.build import build_datasets
+from megalm.data.dataset import PackedDataset, VarlenDataset
 from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter
 from megalm.data.megatron_format import MegatronDatasetWriter
 from megalm.data.preprocess import main, preprocess
@@ -128,7 +129,7 @@ def test_megatron_format_equals_megalm_format(tmp_path, capsys, tokenizer):
     meta = json.loads((tmp_path / "megatron.megalm.json").read_text())
     assert meta["tokenizer_spec"] == spec and meta["eod_appended"] is True and meta["vocab_size"] == ours.vocab_size
     # the same tokens, byte for byte, as megalm's own .bin (both uint16 here)
-    assert (tmp_path / "megatron.bin").read_bytes() == (tmp_path / "megalm.bin").read_bytes()
+    assert (tmp_path / "megatron.bin").read_bytes() == (tmp_path / "megalm").with_suffix(".bin").read_bytes()
 
 
 def test_independent_reader_sees_the_same_documents_and_dtype(tmp_path):

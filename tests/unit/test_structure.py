@@ -22,7 +22,7 @@ LAYERS = [
     {"megalm.offload"},
     {"megalm.precision", "megalm.parallel"},
     {"megalm.training"},
-    {"megalm.train", "megalm.generate"},
+    {"megalm.train", "megalm.generate", "megalm.interop", "megalm.plot"},
 ]
 
 

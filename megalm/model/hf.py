@@ -1,4 +1,5 @@
-"""The mapping between megalm's GPT and Hugging Face's LlamaForCausalLM / GPT2LMHeadModel: configs and tensors.
+"""The mapping between megalm's GPT and Hugging Face's LlamaForCausalLM / GPT2LMHeadModel: configs and tensors,
+and the reading of a local transformers model directory (safetensors only) as megalm weights.
 
 megalm's GPT is one module with two styles (megalm/model/gpt.py), and each style is exactly one `transformers`
 architecture; the correspondence follows transformers' own modeling files (models/llama/modeling_llama.py,
@@ -26,23 +27,34 @@ formula written out, equal up to float rounding, and is accepted on import.
 
 Vocabulary: megalm pads the embedding and head rows past `vocab_size` (Megatron's rule); only the first
 `vocab_size` rows are real, so export writes `weight[:vocab_size]` and import leaves padding to megalm.
+
+Reading: `read_hf_model` is what `model.init_from=hf:DIR` (megalm/training/init_from.py) and megalm-import
+(megalm/interop/hf_import.py) use; nothing here imports `transformers` (safetensors and json only). Writing
+a directory (atomic output, shards) is the CLI's part, in megalm/interop/files.py.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from megalm.config import ModelConfig, resolve_model_defaults, validate_model
 from megalm.errors import ConfigError, MegalmError
+from megalm.model.gpt import GPT, VOCAB_PARAMS, resize_vocab_rows
 
 LLAMA, GPT2 = "llama", "gpt2"
 ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel"}
-VOCAB_PARAMS = ("embedding.weight", "output.weight")  # rows = (padded) vocabulary
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # GPT-2 activations that are the tanh approximation of GELU, i.e. megalm's GeluMLP.
 GPT2_TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new")
@@ -319,14 +331,6 @@ def hf_to_megalm(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: st
     return out
 
 
-def fit_vocab_rows(t: torch.Tensor, vocab_size: int, rows: int) -> torch.Tensor:
-    """The first `vocab_size` (real) rows of an embedding/head, zero-padded to `rows` (a model's padded vocab)."""
-    t = t[:vocab_size]
-    if rows > t.shape[0]:
-        t = torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
-    return t
-
-
 def run_overrides(cfg: ModelConfig) -> list[str]:
     """The `model.*` overrides that make a run's model the shape of `cfg` (to start it from these weights)."""
     keys = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
@@ -336,3 +340,73 @@ def run_overrides(cfg: ModelConfig) -> list[str]:
     if cfg.position_embedding != "rope":
         values.pop("rope_theta")
     return [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
+
+
+# ---------------------------------------------------------------------------- reading a directory
+
+
+def _load(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file), device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise InteropError(f"{file} is not a readable safetensors file ({str(e).strip()[:200]})") from None
+
+
+def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a transformers model dir: sharded (model.safetensors.index.json) or one file. Pickle
+    weights (pytorch_model.bin, ...) are refused: loading them runs arbitrary code."""
+    index = hf_dir / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise InteropError(f"{index} is not a safetensors index ({type(e).__name__}); re-save the model") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (hf_dir / f).is_file()]
+        if missing:
+            raise InteropError(f"{hf_dir}: {INDEX} names {missing[0]}, which is missing"
+                               f"{f' (+{len(missing) - 1} more)' if len(missing) > 1 else ''}; copy every shard")
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            tensors.update(_load(hf_dir / f))
+        absent = [k for k in weight_map if k not in tensors]
+        if absent:
+            raise InteropError(f"{hf_dir}: {INDEX} maps {absent[0]} to {weight_map[absent[0]]}, which lacks it")
+        return tensors
+    if (hf_dir / SINGLE).is_file():
+        return _load(hf_dir / SINGLE)
+    found = sorted(p.name for p in hf_dir.glob("*.safetensors"))
+    if len(found) == 1:
+        return _load(hf_dir / found[0])
+    if found:
+        raise InteropError(f"{hf_dir} holds {len(found)} .safetensors files but no {INDEX}; "
+                           "add the index transformers wrote with them")
+    pickles = sorted(p.name for p in hf_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise InteropError(f"{hf_dir} holds only pickle weights ({pickles[0]}); megalm reads safetensors only "
+                           "(pickle can run code): re-save with save_pretrained(..., safe_serialization=True)")
+    raise InteropError(f"{hf_dir} holds no model weights ({SINGLE} or {INDEX}); pass a transformers model dir")
+
+
+def read_hf_model(hf_dir: str | Path) -> tuple[str, ModelConfig, dict[str, torch.Tensor], dict]:
+    """(architecture, megalm model config, megalm full-model weights in fp32 with the model's padded vocab rows,
+    config.json) of a local transformers model dir. `model.init_from=hf:DIR` and megalm-import read it so."""
+    hf_dir = Path(hf_dir).expanduser().absolute()
+    if not hf_dir.is_dir():
+        raise InteropError(f"{hf_dir} is not a directory; pass a local Hugging Face model dir (no downloads)")
+    config_file = hf_dir / "config.json"
+    if not config_file.is_file():
+        raise InteropError(f"{hf_dir} has no config.json; pass a transformers model dir (save_pretrained's output)")
+    try:
+        hf = json.loads(config_file.read_text())
+    except ValueError as e:
+        raise InteropError(f"{config_file} is not valid JSON ({e})") from None
+    arch, cfg = model_config_from_hf(hf, str(hf_dir))
+    tensors = read_safetensors(hf_dir)
+    model = GPT(cfg, device="meta")  # parameter names and shapes only
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    weights = hf_to_megalm(tensors, model.cfg, arch, shapes, str(hf_dir))
+    for name in VOCAB_PARAMS:
+        if name in weights:
+            weights[name] = resize_vocab_rows(weights[name][: cfg.vocab_size], shapes[name][0])
+    return arch, model.cfg, weights, hf

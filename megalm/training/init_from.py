@@ -8,6 +8,9 @@ pretraining from a model trained elsewhere. The source is read on CPU as the ful
 every parameter of this rank's model is filled with its slice (the same path `init_weights` takes), so any
 TP/PP/ZeRO-1 layout starts from it. The source's model shape must equal the run's; only the first `vocab_size`
 embedding/head rows are real, so a source padded for another TP degree fits too.
+
+`read_megalm_weights` (a megalm checkpoint's full model on CPU) is megalm-export's reader too; the Hugging Face
+side (`read_hf_model`) is megalm/model/hf.py's.
 """
 
 from __future__ import annotations
@@ -19,11 +22,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from megalm.config import ModelConfig, resolve_model_defaults
 from megalm.errors import ConfigError
-from megalm.interop.hf_mapping import VOCAB_PARAMS, fit_vocab_rows, model_config_dict
+from megalm.model import GPT
+from megalm.model.gpt import VOCAB_PARAMS, resize_vocab_rows
+from megalm.model.hf import model_config_dict, read_hf_model
 from megalm.model.naming import canonical_named_parameters
 from megalm.model.shard import shard_specs
-from megalm.training.checkpoint import check_model_config
+from megalm.training.checkpoint import (
+    LoadedCheckpoint,
+    check_model_config,
+    load_model_weights,
+    read_checkpoint_meta,
+    resolve_checkpoint_path,
+)
 
 log = logging.getLogger("megalm")
 HF_PREFIX = "hf:"
@@ -43,17 +55,25 @@ def validate_init_from(spec: str | None) -> None:
         raise ConfigError(f"model.init_from={spec}: {path} does not exist; use hf:DIR or a megalm checkpoint path")
 
 
+def read_megalm_weights(path: str | Path) -> tuple[LoadedCheckpoint, ModelConfig, dict[str, torch.Tensor]]:
+    """The full model's weights of a megalm checkpoint (or run dir: its `latest`) on CPU, whatever layout wrote
+    it (TP/PP/ZeRO-1: DCP reshards into one process), with the model config from its config.yaml."""
+    ckpt = resolve_checkpoint_path(path)
+    meta = read_checkpoint_meta(ckpt)
+    cfg = resolve_model_defaults(ModelConfig(**meta.config["model"]))  # keeps a saved padded vocab
+    model = GPT(cfg, device="meta")
+    model.to_empty(device="cpu")  # no init: every parameter is loaded next
+    load_model_weights(ckpt, model)
+    return meta, model.cfg, {name: p.detach() for name, p in canonical_named_parameters(model)}
+
+
 def read_init_weights(spec: str) -> tuple[str, Path, dict[str, Any], dict[str, torch.Tensor]]:
     """(description, source path, source model config dict, full-model weights on CPU) of `model.init_from`."""
     validate_init_from(spec)
     if spec.startswith(HF_PREFIX):
-        from megalm.interop.hf_import import read_hf_model
-
         hf_dir = Path(spec[len(HF_PREFIX):]).expanduser().absolute()
         arch, cfg, weights, _ = read_hf_model(hf_dir)
         return f"Hugging Face {arch} dir {hf_dir}", hf_dir, model_config_dict(cfg), weights
-    from megalm.interop.files import read_megalm_weights
-
     meta, cfg, weights = read_megalm_weights(spec)
     return f"checkpoint {meta.path} (step {meta.state.get('step')})", meta.path, model_config_dict(cfg), weights
 
@@ -77,7 +97,7 @@ def load_init_weights(spec: str, model: nn.Module, run_model: dict[str, Any]) ->
         shard = specs.get(name)
         full = weights[name]
         if name in VOCAB_PARAMS:
-            full = fit_vocab_rows(full, vocab, shard.full_shape[0] if shard else param.shape[0])
+            full = resize_vocab_rows(full[:vocab], shard.full_shape[0] if shard else param.shape[0])
         if tuple(full.shape) != (shard.full_shape if shard else tuple(param.shape)):
             raise ConfigError(f"model.init_from={spec}: {name} has shape {tuple(full.shape)}, this run's model "
                               f"{shard.full_shape if shard else tuple(param.shape)}; use the matching model config")
