@@ -147,6 +147,14 @@ class TrainerConfig:
     grad_clip: float = 1.0  # 0: no clipping
     device: str = "auto"  # auto | cpu | cuda
     num_threads: int | None = None  # torch CPU threads; None: torch's default
+    # On these signals: finish the step, save, exit 75 (requeue me); [] leaves the signals' default actions
+    preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    nonfinite: str = "skip"  # skip | stop: a step whose loss or grad norm is inf/NaN skips its update, or ends the run
+    max_consecutive_skips: int = 10  # this many non-finite steps in a row end the run (one line naming the step)
+    spike_window: int = 100  # loss spikes: z-score against the last this many losses ...
+    spike_zscore: float = 6.0  # ... above this is logged with the step and its sample ids (0: off)
+    async_save: bool = False  # checkpoints written by a background thread (DCP async_save) while training goes on
+    hang_minutes: float = 30.0  # no step, eval or save for this long: hang report per rank, exit 124 (0: off)
 
 
 @dataclass
@@ -168,6 +176,7 @@ class ParallelConfig:
     recompute: Any = "none"  # none | full | selective, or a list with one mode per pipeline rank
     grad_reduce_dtype: str | None = None  # fp32 | bf16 | None (the gradients' own dtype)
     bucket_size_mb: float = 25.0  # DP gradient bucket size
+    timeout_minutes: float | None = None  # the process group's collective timeout; None: torch's default
 
 
 @dataclass
@@ -334,6 +343,14 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
     if t.stop_at_step is not None and not 0 < t.stop_at_step <= t.max_steps:
         raise ConfigError(f"trainer.stop_at_step={t.stop_at_step} must be in [1, trainer.max_steps={t.max_steps}]")
     choice(t.device, "trainer.device", ("auto", "cpu", "cuda"))
+    choice(t.nonfinite, "trainer.nonfinite", ("skip", "stop"))
+    positive(t.max_consecutive_skips, "trainer.max_consecutive_skips")
+    positive(t.spike_window, "trainer.spike_window")
+    if t.hang_minutes < 0:
+        raise ConfigError(f"trainer.hang_minutes={t.hang_minutes} must be >= 0 (0 turns the watchdog off)")
+    positive(cfg.parallel.timeout_minutes, "parallel.timeout_minutes")
+    if t.spike_zscore < 0:
+        raise ConfigError(f"trainer.spike_zscore={t.spike_zscore} must be >= 0 (0 turns spike reports off)")
     if t.tokens_per_step is not None:
         positive(t.tokens_per_step, "trainer.tokens_per_step")
         if not cfg.data.varlen:

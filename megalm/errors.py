@@ -7,6 +7,10 @@ points print it as a single line and exit non-zero; with `debug=true` the traceb
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class MegalmError(Exception):
     """An error caused by user input; its message is one line that says what to change."""
@@ -22,3 +26,16 @@ class DataError(MegalmError):
 
 class CheckpointError(MegalmError):
     """A checkpoint is missing, corrupt, or was written by a different model."""
+
+
+@contextmanager
+def one_line_errors(debug: bool = False) -> Iterator[None]:
+    """For CLI entry points: a MegalmError inside becomes `error: <message>` on stderr and exit code 2;
+    `debug` keeps the traceback."""
+    try:
+        yield
+    except MegalmError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -10,13 +10,12 @@ enough for the small models one samples from on a workstation.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
 from megalm.config import ModelConfig, resolve_model_defaults
 from megalm.data.tokenizer import build_tokenizer
-from megalm.errors import MegalmError
+from megalm.errors import MegalmError, one_line_errors
 from megalm.model import GPT
 from megalm.model.gpt import real_logits
 from megalm.training.checkpoint import load_model_weights, read_checkpoint_meta, resolve_checkpoint_path
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--debug", action="store_true", help="keep tracebacks")
     args = parser.parse_args(argv)
-    try:
+    with one_line_errors(args.debug):
         if args.max_new_tokens < 1:
             raise MegalmError("--max-new-tokens must be >= 1")
         model, tokenizer = load_for_generation(args.checkpoint, args.device)
@@ -89,11 +88,6 @@ def main(argv: list[str] | None = None) -> None:
             if args.num_samples > 1:
                 print(f"--- sample {i + 1}")
             print(args.prompt + text, flush=True)
-    except MegalmError as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

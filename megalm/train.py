@@ -2,14 +2,16 @@
 
 Every run writes its resolved config, `metrics.jsonl` and checkpoints into its Hydra run dir
 (`hydra.run.dir=...` chooses it). User errors print as one line and exit with code 2; `debug=true`
-keeps the traceback. torch and the trainer (3 s of imports) are imported only when a run starts, so
-`--help`, `--cfg job` and config errors answer at once.
+keeps the traceback. A run stopped by a preemption signal exits with 75 after its checkpoint. torch and the
+trainer (3 s of imports) are imported only when a run starts, so `--help`, `--cfg job` and config errors answer
+at once.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -82,7 +84,7 @@ def shared_run_dir(own_dir: Path, config) -> tuple[Path, int]:
     from megalm.parallel.dims import init_distributed
     from megalm.training.trainer import select_device
 
-    rank, world_size = init_distributed(select_device(config.trainer.device))
+    rank, world_size = init_distributed(select_device(config.trainer.device), config.parallel.timeout_minutes)
     if world_size == 1:
         return own_dir, rank
     import torch.distributed as dist
@@ -106,6 +108,7 @@ def shutdown_distributed() -> None:
 
 def run(cfg: DictConfig) -> float | None:
     """Train with a composed config; returns the last logged loss (what a Hydra sweeper minimises)."""
+    from megalm.training.preemption import REQUEUE_EXIT_CODE
     from megalm.training.trainer import Trainer
 
     debug = bool(cfg.get("debug", False))
@@ -120,6 +123,11 @@ def run(cfg: DictConfig) -> float | None:
         summary = trainer.fit()
         del trainer
         shutdown_distributed()
+        if summary.preempted:  # saved; the launcher requeues on this code (megalm/training/preemption.py)
+            if os.environ.get("MEGALM_REQUEUE_MARKER"):  # torchrun reports a worker's 75 as 1: a file says it
+                Path(os.environ["MEGALM_REQUEUE_MARKER"]).touch()
+            logging.shutdown()
+            sys.exit(REQUEUE_EXIT_CODE)
         return summary.last_loss
     except MegalmError as e:
         if debug:

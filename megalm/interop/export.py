@@ -15,12 +15,11 @@ import argparse
 import json
 import logging
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 from megalm.data.tokenizer import HFTokenizer, build_tokenizer
-from megalm.errors import MegalmError
+from megalm.errors import MegalmError, one_line_errors
 from megalm.interop.files import DEFAULT_MAX_SHARD, atomic_output_dir, check_output_dir, parse_size, write_safetensors
 from megalm.model.hf import ARCHITECTURES, DTYPES, InteropError, architecture_of, hf_config, megalm_to_hf
 from megalm.training.init_from import read_megalm_weights
@@ -106,14 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--debug", action="store_true", help="keep tracebacks")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+    with one_line_errors(args.debug):
         export_hf(args.checkpoint, args.out, overwrite=args.overwrite, dtype=args.dtype,
                   max_shard_size=args.max_shard_size, tokenizer=args.tokenizer)
-    except MegalmError as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

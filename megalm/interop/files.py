@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from megalm.model.hf import INDEX, SINGLE, InteropError
+from megalm.training.checkpoint import fsync_path
 
 DEFAULT_MAX_SHARD = "5GB"  # transformers' save_pretrained default
 
@@ -42,14 +43,6 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
                            "another directory")
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @contextmanager
 def atomic_output_dir(out: Path, overwrite: bool) -> Iterator[Path]:
     """Yield an empty temporary directory next to `out`; on success it replaces `out` in one rename (the old
@@ -64,14 +57,14 @@ def atomic_output_dir(out: Path, overwrite: bool) -> Iterator[Path]:
         yield tmp
         for f in tmp.rglob("*"):
             if f.is_file():
-                _fsync(f)
-        _fsync(tmp)
+                fsync_path(f)
+        fsync_path(tmp)
         old = None
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             os.rename(out, old)
         os.rename(tmp, out)
-        _fsync(out.parent)
+        fsync_path(out.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     finally:

@@ -18,14 +18,13 @@ import argparse
 import json
 import logging
 import shutil
-import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from megalm.config import DataConfig, MegalmConfig, config_to_dict
 from megalm.data.tokenizer import HFTokenizer
-from megalm.errors import MegalmError
+from megalm.errors import MegalmError, one_line_errors
 from megalm.interop.files import atomic_output_dir, check_output_dir
 from megalm.model.hf import ARCHITECTURES, InteropError, read_hf_model, run_overrides
 from megalm.training.checkpoint import FORMAT_VERSION, save_tensors
@@ -93,13 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--debug", action="store_true", help="keep tracebacks")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+    with one_line_errors(args.debug):
         import_hf(args.hf_dir, args.out, overwrite=args.overwrite, tokenizer=args.tokenizer)
-    except MegalmError as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

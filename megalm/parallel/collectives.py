@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megalm.parallel.progress import note_collective
+
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -23,8 +25,10 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum `tensor` in place over `group` (nothing to do for None or one rank); returns it."""
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str = "") -> torch.Tensor:
+    """Sum `tensor` in place over `group` (nothing to do for None or one rank); returns it. `what` names it in
+    hang reports."""
     if group_size(group) > 1:
+        note_collective(f"all_reduce{f' ({what})' if what else ''}", group_size(group))
         dist.all_reduce(tensor, group=group)
     return tensor

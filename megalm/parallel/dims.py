@@ -17,6 +17,7 @@ exchanges a tensor on the run's device.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import os
 from dataclasses import dataclass
@@ -126,23 +127,25 @@ class ParallelMesh:
         return self.pp_rank == self.dims.pp - 1
 
 
-def init_distributed(device: torch.device) -> tuple[int, int]:
+def init_distributed(device: torch.device, timeout_minutes: float | None = None) -> tuple[int, int]:
     """Join the torchrun job if there is one (env:// rendezvous). Returns (rank, world_size).
 
     On CUDA the group is NCCL, bound to this rank's GPU (LOCAL_RANK); on CPU it is gloo. A group someone
-    else already initialised (a test launcher, a notebook) is used as it is.
+    else already initialised (a test launcher, a notebook) is used as it is. `timeout_minutes`
+    (`parallel.timeout_minutes`): how long a collective may wait before it fails; None keeps torch's default.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return 0, 1
+    timeout = {"timeout": datetime.timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
     if device.type == "cuda":
         local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(local)
-        dist.init_process_group(backend="nccl", device_id=local)
+        dist.init_process_group(backend="nccl", device_id=local, **timeout)
     else:
-        dist.init_process_group(backend="gloo")
+        dist.init_process_group(backend="gloo", **timeout)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -49,6 +49,7 @@ from megalm.parallel.microbatch import LocalMicroBatch, Ring, StepShare
 from megalm.parallel.pipeline.runtime import PipelineRuntime, tied_embedding_copy
 from megalm.parallel.pipeline.schedules import simulate
 from megalm.parallel.pipeline.stages import build_stage_chunks, validate_pipeline
+from megalm.parallel.progress import PROGRESS
 from megalm.parallel.recompute import apply_recompute, stage_mode
 from megalm.parallel.tensor.apply import (
     LossFn,
@@ -110,7 +111,8 @@ class LocalRunner:
         hooks = self.memory_hooks
         if hooks is not None:
             hooks.start_step()
-        for mb in micro_batches:
+        for i, mb in enumerate(micro_batches):
+            PROGRESS.note(micro_batch=f"{i + 1} of {len(micro_batches)}")
             self.before_forward(self.model, step, mb.index)
             with hooks.micro_batch(mb.offload_fraction) if hooks is not None else contextlib.nullcontext():
                 loss_sum = self._loss(mb)
@@ -295,7 +297,8 @@ class Parallelism:
     def sum_over_batch(self, values: torch.Tensor) -> torch.Tensor:
         """Sum per-rank values of a step (losses, counted tokens) over the ranks that split its batch:
         DP x CP (or the HDP domain), then the pipeline stages (only the last has losses and counts)."""
-        return all_reduce_sum(all_reduce_sum(values, self.mesh.dp_cp_group), self.mesh.pp_group)
+        return all_reduce_sum(all_reduce_sum(values, self.mesh.dp_cp_group, "step totals"), self.mesh.pp_group,
+                              "step totals")
 
     def _norm_weight(self, param: nn.Parameter) -> float:
         return self._norm_weights[id(param)]
@@ -303,8 +306,10 @@ class Parallelism:
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the full model's gradient: squares summed over the reducer's shards (ZeRO-1), TP
         shards and pipeline stages, each element of the full model counted once."""
-        sq = all_reduce_sum(self.reducer.local_grad_sq_norm(weight=self._norm_weight), self.reducer.shard_group)
-        return all_reduce_sum(all_reduce_sum(sq, self.mesh.tp_group), self.mesh.pp_group).sqrt()
+        sq = all_reduce_sum(self.reducer.local_grad_sq_norm(weight=self._norm_weight), self.reducer.shard_group,
+                            "grad norm")
+        sq = all_reduce_sum(sq, self.mesh.tp_group, "grad norm")
+        return all_reduce_sum(sq, self.mesh.pp_group, "grad norm").sqrt()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so their global norm is at most `max_norm` (0: no clipping); returns the norm."""

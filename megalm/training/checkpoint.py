@@ -25,7 +25,9 @@ pointing at a complete checkpoint; stale temporaries are removed by the next sav
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -62,6 +64,9 @@ def check_torch_version(version: str) -> None:
 
 check_torch_version(torch.__version__)
 
+log = logging.getLogger("megalm")
+# One process saves without a process group on purpose; DCP warns about it, from async_save's thread too.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -72,7 +77,8 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's (or a directory's entries') writes to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -87,7 +93,7 @@ def _write_text_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_path(path.parent)
+    fsync_path(path.parent)
 
 
 # ---------------------------------------------------------------------------- optimizer state by name
@@ -211,11 +217,47 @@ class LoadedCheckpoint:
     config: dict[str, Any]
 
 
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint whose tensors are being written in the background (`save_checkpoint(async_save=True)`).
+    `wait()` (collective, every rank at the same point) finishes the write and only then makes the checkpoint
+    visible: state.json, the rename into place and `latest`, as a synchronous save does."""
+
+    path: Path  # where it will be once complete
+    _future: Any
+    _finalize: Any
+
+    def wait(self) -> Path:
+        self._future.result()  # re-raises an error of the background write
+        self._finalize()
+        return self.path
+
+
+_async_group = None
+
+
+def _async_save(tensors: dict[str, torch.Tensor], path: Path, mesh) -> Any:
+    """DCP's async save: the tensors are staged (copied to host memory) before it returns, then written by a
+    thread. Its collectives run on a gloo group of their own, so they never interleave with the training's."""
+    global _async_group
+    group = None
+    if mesh is not None and mesh.is_distributed:
+        if _async_group is None:
+            _async_group = dist.new_group(backend="gloo")
+        group = _async_group
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return dcp.async_save(tensors, storage_writer=HuggingFaceStorageWriter(str(path), save_distributed=True),
+                              process_group=group)
+
+
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict[str, Any], config: dict[str, Any], keep_last: int, mesh=None) -> Path:
+                    state: dict[str, Any], config: dict[str, Any], keep_last: int, mesh=None,
+                    async_save: bool = False) -> Path | PendingCheckpoint:
     """Write the checkpoint of `step` atomically, point `latest` at it, keep the newest `keep_last`.
 
-    Collective when `mesh` is distributed: every rank must call it.
+    Collective when `mesh` is distributed: every rank must call it. `async_save`: return once the tensors are
+    copied to host memory, with a `PendingCheckpoint` to `wait()` on (before the next save and at the end).
     """
     rank = mesh.rank if mesh is not None else 0
     root = Path(run_dir) / CHECKPOINTS
@@ -234,35 +276,45 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         param_name = key.split("::")[0]
         shaped = value.shape == params[param_name].shape  # moments are laid out like their parameter; "step" is not
         tensors[f"optim/{key}"] = _for_dcp(value, specs.get(param_name), mesh) if shaped else value
-    save_tensors(tensors, tmp)
+    future = _async_save(tensors, tmp, mesh) if async_save else save_tensors(tensors, tmp)
     rng = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             rng[f"torch_cuda_{i}"] = s
     rng_file = tmp / f"rng-rank{rank:05d}.safetensors"
     save_file(rng, str(rng_file))
-    _fsync_path(rng_file)
-    _barrier(mesh)
-
+    fsync_path(rng_file)
+    full_state = {"format_version": FORMAT_VERSION, "step": step, "optimizer_param_groups": groups,
+                  "world_size": mesh.dims.world_size if mesh is not None else 1, **state}
     final = root / name
+    finalize = functools.partial(_publish, root, name, full_state, config, keep_last, mesh)
+    if async_save:
+        return PendingCheckpoint(final, future, finalize)
+    finalize()
+    return final
+
+
+def _publish(root: Path, name: str, full_state: dict, config: dict[str, Any], keep_last: int, mesh) -> None:
+    """The second half of a save, once every rank's files are written: state.json and config.yaml, fsync, the
+    rename into place, then `latest` (collective)."""
+    rank = mesh.rank if mesh is not None else 0
+    tmp, final = root / f".tmp-{name}", root / name
+    _barrier(mesh)
     if rank == 0:
-        full_state = {"format_version": FORMAT_VERSION, "step": step, "optimizer_param_groups": groups,
-                      "world_size": mesh.dims.world_size if mesh is not None else 1, **state}
         (tmp / "state.json").write_text(json.dumps(full_state, indent=1))
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
         for f in tmp.iterdir():
-            _fsync_path(f)
-        _fsync_path(tmp)
+            fsync_path(f)
+        fsync_path(tmp)
         if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old copy
             old = root / f".old-{name}"
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_path(root)
+        fsync_path(root)
         _write_text_atomic(root / LATEST, name + "\n")
         _prune(root, keep_last)
     _barrier(mesh)
-    return final
 
 
 def _step_dirs(root: Path) -> list[Path]:
@@ -311,6 +363,68 @@ def resolve_checkpoint_path(path: str | Path) -> Path:
             return found
     raise CheckpointError(f"{path} holds no complete checkpoint (needs {', '.join(FILES)}); "
                           "pass a checkpoint dir such as RUN_DIR/checkpoints/step_00000100")
+
+
+def _damaged(file: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint file {file} is damaged ({why}); resume from another checkpoint with "
+                           "trainer.resume=PATH")
+
+
+def _check_safetensors(file: Path) -> None:
+    """A safetensors file is an 8-byte header length, a JSON header, then exactly the data it describes: a
+    truncated file or another kind of file fails this without reading any tensor."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= min(size - 8, 1 << 27):
+            raise _damaged(file, "not a safetensors file")
+        try:
+            header = json.loads(f.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            raise _damaged(file, "not a safetensors file: its header is not safetensors JSON") from None
+    if 8 + n + end != size:
+        raise _damaged(file, f"truncated: {size} bytes, its header describes {8 + n + end}")
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Refuse (one line naming the file) a checkpoint whose files were damaged after it was written: an
+    unreadable state.json or config.yaml, a truncated or foreign .safetensors file. Reads headers only."""
+    for name, parse in (("state.json", json.loads), ("config.yaml", OmegaConf.create)):
+        file = path / name
+        try:
+            parse(file.read_text())
+        except Exception as e:  # noqa: BLE001 - JSON, YAML and decoding errors all mean "damaged"
+            raise _damaged(file, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
+                           ) from None
+    for file in sorted(path.glob("*.safetensors")):
+        _check_safetensors(file)
+
+
+def resumable_checkpoint(run_dir: Path, resume: str) -> Path | None:
+    """The checkpoint `trainer.resume` names, checked by `verify_checkpoint`. A path: that checkpoint, or a one-line
+    error naming its damaged file. "auto": the run dir's `latest`, or, when its files are damaged, the newest older
+    complete checkpoint that is intact (a warning names what was skipped); None when the run dir has none."""
+    if resume != "auto":
+        path = resolve_checkpoint_path(resume)
+        verify_checkpoint(path)
+        if json.loads((path / "state.json").read_text()).get("weights_only"):
+            raise CheckpointError(f"checkpoint {path} holds weights only (megalm-import); start from it with "
+                                  f"model.init_from={path} instead of trainer.resume")
+        return path
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        return None
+    older = [p for p in reversed(_step_dirs(latest.parent)) if p.name < latest.name and is_complete(p)]
+    for candidate in [latest, *older]:
+        try:
+            verify_checkpoint(candidate)
+            return candidate
+        except CheckpointError as e:
+            log.warning(f"{e}; trainer.resume=auto falls back to the previous complete checkpoint")
+    raise CheckpointError(f"every checkpoint in {latest.parent} is damaged (see the warnings above); move them "
+                          "away to start over, or resume from a copy with trainer.resume=PATH")
 
 
 def read_checkpoint_meta(path: Path) -> LoadedCheckpoint:

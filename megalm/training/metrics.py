@@ -12,9 +12,12 @@ import importlib.util
 import json
 import logging
 import os
+import resource
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from megalm.config import LoggingConfig
 from megalm.errors import ConfigError
@@ -115,3 +118,10 @@ class ThroughputWindow:
             rates["mfu"] = self.flops / elapsed / (self.peak * self.world_size)
         self.start, self.tokens, self.flops = now, 0, 0.0
         return rates
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak allocated device memory (GPU) or peak resident set size of the process (CPU), in GiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB

@@ -13,8 +13,6 @@ The trainer does not know which layout runs: megalm/parallel/parallelism.py deci
 from __future__ import annotations
 
 import logging
-import math
-import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +22,7 @@ import torch
 from megalm.config import MegalmConfig, config_to_dict
 from megalm.data.build import build_datasets
 from megalm.data.dataset import SampleDataset, TokenBudgetSteps
-from megalm.errors import CheckpointError, ConfigError, MegalmError
+from megalm.errors import CheckpointError, ConfigError
 from megalm.model import GPT, num_parameters
 from megalm.parallel.dims import ParallelMesh, init_distributed
 from megalm.parallel.microbatch import StepShare
@@ -32,9 +30,13 @@ from megalm.parallel.parallelism import Parallelism
 from megalm.precision import Precision
 from megalm.training import checkpoint as ckpt
 from megalm.training.flops import peak_flops, training_flops
-from megalm.training.metrics import MetricsLogger, ThroughputWindow
+from megalm.training.guards import NonFiniteGuard, SpikeDetector, check_finite_state
+from megalm.training.init_from import load_init_weights
+from megalm.training.metrics import MetricsLogger, ThroughputWindow, peak_memory_gb
 from megalm.training.optim import build_optimizer, lr_at, set_lr
+from megalm.training.preemption import Preemption
 from megalm.training.validation import validate_run
+from megalm.training.watchdog import Watchdog
 
 log = logging.getLogger("megalm")
 
@@ -46,6 +48,7 @@ class StepResult:
     lr: float
     tokens: int  # input tokens processed in the step
     flops: float  # model training FLOPs of the step
+    skipped: bool = False  # the loss or grad norm was not finite: no update (trainer.nonfinite=skip)
 
 
 @dataclass
@@ -59,6 +62,7 @@ class TrainSummary:
     checkpoint: Path | None
     run_dir: Path
     losses: list[tuple[int, float]] = field(default_factory=list)
+    preempted: bool = False  # stopped by a preemption signal, with a checkpoint: exit REQUEUE_EXIT_CODE
 
 
 def select_device(name: str) -> torch.device:
@@ -67,13 +71,6 @@ def select_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak allocated device memory (GPU) or peak resident set size of the process (CPU), in GiB."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
 class Trainer:
@@ -86,7 +83,8 @@ class Trainer:
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
         self.device = select_device(cfg.trainer.device)
-        world_size = mesh.dims.world_size if mesh is not None else init_distributed(self.device)[1]
+        world_size = (mesh.dims.world_size if mesh is not None
+                      else init_distributed(self.device, cfg.parallel.timeout_minutes)[1])
         self.cfg = validate_run(cfg, world_size)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -104,6 +102,11 @@ class Trainer:
         self.step = 0
         self.consumed_tokens = 0
         self.resumed_from: Path | None = None
+        self.pending_save: ckpt.PendingCheckpoint | None = None
+        self.preemption = Preemption(cfg.trainer.preempt_signals, self.device, self.mesh.is_distributed)
+        self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, cfg.trainer.max_consecutive_skips)
+        self.spikes = SpikeDetector(cfg.trainer.spike_window, cfg.trainer.spike_zscore)
+        self.watchdog = Watchdog(cfg.trainer.hang_minutes * 60, self.mesh.rank, self.run_dir)
         self._maybe_resume()
         self.peak = peak_flops(self.device, cfg.precision.name)
 
@@ -116,22 +119,17 @@ class Trainer:
                 "tokens_per_step": t.tokens_per_step, "blend": self.data.blend}  # blend: [[weight, prefix], ...]
 
     def _maybe_resume(self) -> None:
+        """Continue from a checkpoint (`trainer.resume`); a fresh run starts from `model.init_from` when set."""
         resume = self.cfg.trainer.resume
-        own_latest = ckpt.latest_checkpoint(self.run_dir)
-        if resume == "never":
-            if own_latest is not None:
-                raise CheckpointError(f"run dir {self.run_dir} already has checkpoints ({own_latest.name}); "
-                                      "use trainer.resume=auto to continue it or choose a new hydra.run.dir")
-            self._maybe_init_from()
-            return
-        path = own_latest if resume == "auto" else ckpt.resolve_checkpoint_path(resume)
-        if path is None:
-            self._maybe_init_from()
+        if resume == "never" and (own := ckpt.latest_checkpoint(self.run_dir)) is not None:
+            raise CheckpointError(f"run dir {self.run_dir} already has checkpoints ({own.name}); "
+                                  "use trainer.resume=auto to continue it or choose a new hydra.run.dir")
+        if resume == "never" or (path := ckpt.resumable_checkpoint(self.run_dir, resume)) is None:
+            if self.cfg.model.init_from:  # weights from elsewhere, any layout (megalm/training/init_from.py)
+                where = load_init_weights(self.cfg.model.init_from, self.model, self.config_dict["model"])
+                log.info(f"model.init_from: weights from {where}")
             return
         meta = ckpt.read_checkpoint_meta(path)
-        if meta.state.get("weights_only"):
-            raise CheckpointError(f"checkpoint {path} holds weights only (megalm-import); start from it with "
-                                  f"model.init_from={path} instead of trainer.resume")
         if self.cfg.model.init_from:
             log.info(f"model.init_from={self.cfg.model.init_from} not used: resuming from {path}")
         ckpt.check_model_config(meta.config.get("model", {}), self.config_dict["model"], path)
@@ -145,22 +143,25 @@ class Trainer:
         self.resumed_from = path
         log.info(f"resumed from {path} at step {self.step}")
 
-    def _maybe_init_from(self) -> None:
-        """A fresh run with `model.init_from`: replace the seed's initial weights by those weights (any layout)."""
-        if not self.cfg.model.init_from:
-            return
-        from megalm.training.init_from import load_init_weights
-
-        source = load_init_weights(self.cfg.model.init_from, self.model, self.config_dict["model"])
-        log.info(f"model.init_from: weights from {source}")
-
     def save(self) -> Path:
+        """A checkpoint of this step; refused (one line) when any weight or optimizer state is not finite."""
+        check_finite_state(self.model, self.optimizer, self.step, self.device, self.mesh.is_distributed)
+        self.finish_save()  # one save in flight at a time
         state = {"consumed_tokens": self.consumed_tokens, "tokenizer": getattr(self.data.tokenizer, "spec", None),
                  **self._data_order()}
         if self.train_steps is not None:
             state["next_sample"] = self.train_steps.start(self.step)
-        return ckpt.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state,
-                                    self.config_dict, self.cfg.trainer.keep_last, self.mesh)
+        saved = ckpt.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state, self.config_dict,
+                                     self.cfg.trainer.keep_last, self.mesh, async_save=self.cfg.trainer.async_save)
+        if isinstance(saved, ckpt.PendingCheckpoint):  # trainer.async_save: published by finish_save()
+            self.pending_save, saved = saved, saved.path
+        return saved
+
+    def finish_save(self) -> None:
+        """Complete the save in flight, if any: every rank at the same point (before a save, at the end)."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is not None:
+            pending.wait()
 
     # ------------------------------------------------------------------ one step
 
@@ -184,22 +185,25 @@ class Trainer:
         return self.parallel.grad_norm()
 
     def train_step(self, step: int) -> StepResult:
-        """One optimizer step on global batch `step` (0-based). Loss, tokens and FLOPs are global."""
+        """One optimizer step on global batch `step` (0-based). Loss, tokens and FLOPs are global. A step whose loss
+        or grad norm is not finite skips its update (`trainer.nonfinite`, megalm/training/guards.py)."""
         loss, share = self.forward_backward(step)
         grad_norm = self.parallel.clip_grad_norm_(self.cfg.trainer.grad_clip)
-        lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         counted = share.counted_doc_lengths
         fill = lambda value: torch.full((), value, dtype=torch.float64, device=self.device)  # a kernel, no copy
         local = torch.stack([loss.double(), fill(sum(counted)), fill(training_flops(self.cfg.model, counted))])
         totals = self.parallel.sum_over_batch(local)
         normaliser = torch.as_tensor(share.normaliser, dtype=torch.float64, device=self.device)
-        # the step's one device-to-host sync: everything the log needs, read together
+        # the step's one device-to-host sync: everything the log and the guard need, read together, before the update
         loss_sum, tokens, flops, norm, n = torch.cat([totals, grad_norm.double().reshape(1), normaliser.reshape(1)]
                                                      ).tolist()
-        return StepResult(loss=loss_sum / n, grad_norm=norm, lr=lr, tokens=int(tokens), flops=flops)
+        lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
+        skipped = self.nonfinite.should_skip(step + 1, loss_sum / n, norm)
+        if not skipped:
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss=loss_sum / n, grad_norm=norm, lr=lr, tokens=int(tokens), flops=flops, skipped=skipped)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -232,37 +236,48 @@ class Trainer:
         last_saved: Path | None = None
         start = time.perf_counter()
         window = ThroughputWindow(self.mesh.dims.world_size, self.peak)
-        try:
-            while self.step < stop_at:
-                result = self.train_step(self.step)
-                self.step += 1
-                self.consumed_tokens += result.tokens
-                window.add(result.tokens, result.flops)
-                losses.append((self.step, result.loss))
-                if not math.isfinite(result.loss):
-                    raise MegalmError(f"loss became {result.loss} at step {self.step}; lower optim.lr or "
-                                      "set trainer.grad_clip=1.0")
-                evaluate = t.eval_interval > 0 and self.step % t.eval_interval == 0
-                if evaluate:
-                    val_loss = self.evaluate()
-                if self.step == 1 or self.step % t.log_interval == 0 or evaluate or self.step == stop_at:
-                    record = {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
-                              "lr": result.lr, "tokens": self.consumed_tokens, **window.close(),
-                              "peak_memory_gib": peak_memory_gb(self.device)}
-                    if evaluate and val_loss is not None:
-                        record["val_loss"] = val_loss
-                    if logger is not None:
-                        logger.log(record)
-                    first_loss = result.loss if first_loss is None else first_loss
-                    last_loss = result.loss
-                if (t.save_interval and self.step % t.save_interval == 0) or self.step == stop_at:
-                    last_saved = self.save()
-        finally:
-            if logger is not None:
-                logger.close()
+        preempted = False
+        with self.preemption, self.watchdog:  # signals caught and hangs watched only while training
+            try:
+                while self.step < stop_at:
+                    self.watchdog.beat(self.step + 1)
+                    result = self.train_step(self.step)
+                    self.step += 1
+                    self.consumed_tokens += result.tokens
+                    window.add(result.tokens, result.flops)
+                    losses.append((self.step, result.loss))
+                    self.spikes.check(result.loss, self.step, self.step_sample_ids(self.step - 1))
+                    evaluate = t.eval_interval > 0 and self.step % t.eval_interval == 0
+                    if evaluate:
+                        val_loss = self.evaluate()
+                        self.watchdog.beat(self.step + 1)
+                    if self.step == 1 or self.step % t.log_interval == 0 or evaluate or self.step == stop_at:
+                        record = {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
+                                  "lr": result.lr, "tokens": self.consumed_tokens, **window.close(),
+                                  "peak_memory_gib": peak_memory_gb(self.device)}
+                        if self.nonfinite.skipped_steps:
+                            record["skipped_steps"] = len(self.nonfinite.skipped_steps)
+                        if evaluate and val_loss is not None:
+                            record["val_loss"] = val_loss
+                        if logger is not None:
+                            logger.log(record)
+                        first_loss = result.loss if first_loss is None else first_loss
+                        last_loss = result.loss
+                    saved = (t.save_interval and self.step % t.save_interval == 0) or self.step == stop_at
+                    if saved:
+                        last_saved = self.save()
+                        self.watchdog.beat(self.step + 1)
+                    if self.step < stop_at and self.preemption.requested():
+                        last_saved, preempted = last_saved if saved else self.save(), True
+                        self.preemption.log_stop(self.step, last_saved)
+                        break
+                self.finish_save()
+            finally:
+                if logger is not None:
+                    logger.close()
         summary = TrainSummary(steps=self.step, first_loss=first_loss, last_loss=last_loss, val_loss=val_loss,
                                tokens=self.consumed_tokens, seconds=time.perf_counter() - start,
-                               checkpoint=last_saved, run_dir=self.run_dir, losses=losses)
+                               checkpoint=last_saved, run_dir=self.run_dir, losses=losses, preempted=preempted)
         if main:
             self._log_summary(summary)
         return summary

@@ -22,7 +22,8 @@ def shard_of(model: torch.nn.Module, name: str, full: torch.Tensor) -> torch.Ten
     """This rank's piece of `full` for `model`'s parameter `name` (the whole of it when unsharded)."""
     spec = shard_specs(model).get(name)
     if name in VOCAB_PARAMS:  # layouts pad the vocab to different row counts; the padding rows are all 0
-        full = resize_vocab_rows(full, spec.full_shape[0] if spec is not None else model_chunks(model)[0].cfg.padded_vocab_size)
+        rows = spec.full_shape[0] if spec is not None else model_chunks(model)[0].cfg.padded_vocab_size
+        full = resize_vocab_rows(full, rows)
     return spec.shard(full) if spec is not None else full
 
 

@@ -56,8 +56,8 @@ def test_layout_matches_single_process(tmp_path, name):
     run_distributed(check_layout, world, overrides, str(tmp_path), grads, timeout=240)
 
 
-# A vocab of 301: one process unpadded (301 rows) against tp2 (padded to 384) and tp4 (512), make_vocab_size_divisible_by
-# 64 (tiny's). The padded rows' logits are masked, so every layout trains the unpadded model.
+# A vocab of 301: one process unpadded (301 rows) against tp2 (padded to 384) and tp4 (512),
+# make_vocab_size_divisible_by 64 (tiny's). The padded rows' logits are masked, so every layout trains the unpadded model.
 UNPADDED_301 = ["model.vocab_size=301", "model.make_vocab_size_divisible_by=1"]
 
 
@@ -108,3 +108,10 @@ def test_checkpoint_under_tp4_resumes_bit_exact_and_loads_into_one_process(tmp_p
     expected = dict(reference.model.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p, expected[name], rtol=1e-4, atol=2e-5, msg=name)
+
+
+def test_async_save_under_tp2_dp2_resumes_bit_exact(tmp_path):
+    """trainer.async_save: DCP writes in a thread on a gloo group of its own while the steps go on."""
+    layout = ["parallel.tp=2", "parallel.dp=2", "trainer.max_steps=6", "trainer.save_interval=2",
+              "trainer.async_save=true"]
+    assert_resume_is_bit_exact(tmp_path, 4, layout, stop_at=3, timeout=240)

@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> dict:
     # Hydra overrides (key=value) may follow a list flag (--seq 1024 2048 model=125m): set them aside first.
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
     args = parser.parse_args([a for a in argv if a not in overrides])
-    from megalm.training.trainer import Trainer, peak_memory_gb
+    from megalm.training.metrics import peak_memory_gb
+    from megalm.training.trainer import Trainer
 
     cfg = compose_config(overrides)
     cfg.trainer.max_steps = args.warmup + args.steps

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from megalm.model.attention import select_attention_backend, varlen_attention
 from megalm.parallel.context.zigzag import ZigzagLayout, ZigzagPlan, as_layout
+from megalm.parallel.progress import PROGRESS
 
 log = logging.getLogger("megalm")
 
@@ -360,6 +361,7 @@ def ring_step_backward(dout, q, k, v, out, lse, dq, dk, dv, layout: ZigzagLayout
 def _post(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group, tag: int) -> list:
     """Send `send` to global rank `nxt` and receive `recv` from `prv`, posted together (no deadlock)."""
     ops = [dist.P2POp(dist.isend, send, nxt, group, tag), dist.P2POp(dist.irecv, recv, prv, group, tag)]
+    PROGRESS.note(collective=f"CP ring p2p: send to rank {nxt}, receive from rank {prv}")
     return dist.batch_isend_irecv(ops)
 
 

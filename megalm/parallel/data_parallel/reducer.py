@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalm.parallel.collectives import group_rank, group_size, reduce_scatter_flat
+from megalm.parallel.progress import note_collective
 
 # ---------------------------------------------------------------------------- layout
 
@@ -394,6 +395,7 @@ class GradReducer:
                 bucket.shard.copy_(bucket.buffer)
             return
         self.stats["collective_calls"] += 1
+        note_collective("DP reduce_scatter" if self.zero1 else "DP all_reduce", self.world)
         if self.zero1:
             self.stats["reduce_scatter_bytes"] += nbytes
             bucket.work = reduce_scatter_flat(bucket.shard, bucket.buffer, op=dist.ReduceOp.SUM,

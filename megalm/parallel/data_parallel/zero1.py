@@ -163,6 +163,13 @@ class ZeroOneAdamW:
 
     # ------------------------------------------------------------------ checkpoints
 
+    @property
+    def state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """This rank's moment shards by bucket, shaped like torch's per-parameter `optimizer.state` (what the
+        trainer's non-finite check reads before a save; `state_dict()` is the full, gathered state)."""
+        return {i: {"exp_avg": m, "exp_avg_sq": v} for i, (m, v) in enumerate(zip(self.exp_avg, self.exp_avg_sq,
+                                                                                   strict=True))}
+
     def _ordered_params(self) -> list[nn.Parameter]:
         return [p for group in self.param_groups for p in group["params"]]
 

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megalm.parallel.dims import ParallelMesh
+from megalm.parallel.progress import PROGRESS
 
 MAX_NDIM = 8
 HEADER_LEN = 2 + MAX_NDIM
@@ -64,6 +65,8 @@ def decode_header(header: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
 def _run_batch(ops: list[dist.P2POp]) -> None:
     """Post `ops` together and wait for all of them (an empty list is a no-op)."""
     if ops:
+        PROGRESS.note(collective=f"pipeline p2p: {len(ops)} sends/receives with ranks "
+                                 f"{sorted({op.peer for op in ops})}")
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 

@@ -40,6 +40,7 @@ from megalm.parallel.pipeline.p2p import exchange_known, pipeline_peer
 from megalm.parallel.pipeline.rendezvous import steps
 from megalm.parallel.pipeline.schedules import Action, Schedule, build_schedule, validate
 from megalm.parallel.pipeline.weight_grad import WeightGradStore, defer_weight_grads
+from megalm.parallel.progress import PROGRESS
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Key = tuple[int, int]  # (micro_batch, chunk)
@@ -162,6 +163,7 @@ class PipelineRuntime:
             hooks.start_step()
         self.peak_in_flight = 0
         for item in steps(actions):
+            PROGRESS.note(pipeline_action=" + ".join(map(str, item)) if isinstance(item, tuple) else str(item))
             if isinstance(item, tuple):
                 self._communicate(item, micro_batches, outputs, input_grads, inputs, output_grads, train)
                 for a in item:

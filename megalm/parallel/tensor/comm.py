@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from megalm.parallel.collectives import all_gather_flat, group_rank, group_size, reduce_scatter_flat
+from megalm.parallel.progress import note_collective
 
 Group = dist.ProcessGroup | None
 
@@ -59,6 +60,7 @@ tp_rank = group_rank  # this process's rank inside the TP group; 0 for None
 
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     out = x.contiguous().clone()
+    note_collective("TP all_reduce", tp_world_size(group))
     dist.all_reduce(out, group=group)
     return out
 
@@ -66,6 +68,7 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
 def _all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((x.shape[0] * tp_world_size(group), *x.shape[1:]))
+    note_collective("TP all_gather", tp_world_size(group))
     all_gather_flat(out, x, group=group)
     return out
 
@@ -83,6 +86,7 @@ def _reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
     size = _sp_shards(x, group)
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    note_collective("TP reduce_scatter", size)
     reduce_scatter_flat(out, x, group=group)
     return out
 

@@ -1,0 +1,103 @@
+"""Guards of a long run: non-finite steps skipped (or stopping the run), loss spikes reported, and no checkpoint
+written from non-finite weights.
+
+One bad batch or an fp8 overflow can make a step's loss or gradient norm inf/NaN. Applying that update would
+poison the weights and the Adam moments for good, and the next checkpoint would carry them. So the trainer reads
+the step's loss and global grad norm before `optimizer.step()` (the step's one host sync, moved ahead of the
+update as in Megatron-LM's found-inf check) and skips the update when either is not finite: the weights and
+optimizer state stay as they were, the step still counts (schedule and data advance). Many skips in a row mean the
+run is broken, not unlucky: it stops with the step named. Every rank reads the same all-reduced values, so all
+ranks skip together.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from megalm.errors import MegalmError
+
+log = logging.getLogger("megalm")
+
+
+class NonFiniteError(MegalmError):
+    """The run met non-finite values it must not continue with."""
+
+
+class NonFiniteGuard:
+    """`trainer.nonfinite`: skip | stop; `trainer.max_consecutive_skips` skips in a row end the run."""
+
+    def __init__(self, mode: str, max_consecutive_skips: int) -> None:
+        self.mode, self.max_consecutive = mode, max_consecutive_skips
+        self.consecutive = 0
+        self.skipped_steps: list[int] = []
+
+    def should_skip(self, step: int, loss: float, grad_norm: float) -> bool:
+        """Whether step `step` (1-based, as logged) must not update the weights; raises when the run must stop."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.consecutive = 0
+            return False
+        what = f"loss {loss}, grad norm {grad_norm} at step {step}"
+        if self.mode == "stop":
+            raise NonFiniteError(f"{what}; stopped (trainer.nonfinite=stop). Resume from the last checkpoint with a "
+                                 "lower optim.lr, or set trainer.nonfinite=skip to skip such steps")
+        self.consecutive += 1
+        self.skipped_steps.append(step)
+        if self.consecutive >= self.max_consecutive:
+            raise NonFiniteError(f"{what}: {self.consecutive} non-finite steps in a row (trainer.max_consecutive_"
+                                 f"skips={self.max_consecutive}); the run diverged — resume from the last checkpoint "
+                                 "with a lower optim.lr")
+        log.warning(f"{what}: update skipped ({self.consecutive} in a row)")
+        return True
+
+
+class SpikeDetector:
+    """Flags a loss more than `zscore` standard deviations above the mean of the last `window` finite losses."""
+
+    def __init__(self, window: int, zscore: float, min_history: int = 10) -> None:
+        self.zscore, self.min_history = zscore, min_history
+        self.history: deque[float] = deque(maxlen=max(window, 1))
+
+    def check(self, loss: float, step: int | None = None, sample_ids: range | None = None) -> float | None:
+        """The loss's z-score when it is a spike (then logged with `step` and its `sample_ids`, and not added to
+        the history), else None."""
+        if not math.isfinite(loss):
+            return None
+        if self.zscore > 0 and len(self.history) >= self.min_history:
+            mean = sum(self.history) / len(self.history)
+            std = math.sqrt(sum((x - mean) ** 2 for x in self.history) / len(self.history))
+            z = (loss - mean) / max(std, 1e-12)
+            if z > self.zscore:
+                samples = f"; its samples are {sample_ids.start}..{sample_ids.stop - 1} of the train split" \
+                    if sample_ids is not None else ""
+                log.warning(f"loss spike at step {step}: {loss:.4f} is {z:.1f} standard deviations above the last "
+                            f"{len(self.history)} steps' mean{samples}")
+                return z
+        self.history.append(loss)
+        return None
+
+
+def check_finite_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, device: torch.device,
+                       distributed: bool) -> None:
+    """Refuse (one line) to checkpoint weights or optimizer state that hold inf/NaN anywhere (collective)."""
+    tensors = [*model.parameters(), *(v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v))]
+    if not all_finite(tensors, device, distributed):
+        raise NonFiniteError(f"weights or optimizer state are not finite at step {step}: no checkpoint written; "
+                             "resume from the last one with a lower optim.lr")
+
+
+@torch.no_grad()
+def all_finite(tensors: Iterable[torch.Tensor], device: torch.device, distributed: bool) -> bool:
+    """Whether every tensor is finite on every rank (collective when `distributed`): the check before a save."""
+    bad = torch.zeros((), device=device)
+    for t in tensors:
+        if t.is_floating_point():
+            bad += (~torch.isfinite(t)).any().to(bad.device, bad.dtype)
+    if distributed:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bool(bad.item())

@@ -1,0 +1,82 @@
+"""The hang watchdog: a thread that ends a run whose steps stopped making progress, saying where each rank was.
+
+A rank that never enters a collective leaves its peers waiting inside it until the process group's timeout
+(`parallel.timeout_minutes`; NCCL's default is 10 minutes) and the job dies with an error that names neither the
+rank nor the action. The trainer beats this watchdog after every step, evaluation and save. When no beat came for
+`trainer.hang_minutes`, every rank's watchdog (each fires on its own clock) prints one report line: the step, and
+the last micro-batch, pipeline action and collective its parallel code noted (megalm/parallel/progress.py), plus
+the Python stacks of its threads, writes the line to RUN_DIR/hang-rankR.txt, and exits with `HANG_EXIT_CODE`
+so that torchrun (`--max-restarts`) or the scheduler restarts the job from its last checkpoint. The rank whose
+report differs from the others' is the one to look at.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from megalm.parallel.progress import PROGRESS
+
+log = logging.getLogger("megalm")
+
+HANG_EXIT_CODE = 124  # as coreutils' timeout
+
+
+class Watchdog:
+    """`with Watchdog(...)`: a daemon thread checks the last `beat()`; `timeout_s` <= 0 turns it off."""
+
+    def __init__(self, timeout_s: float, rank: int, run_dir: Path, exit: Callable[[int], None] = os._exit) -> None:
+        self.timeout_s, self.rank, self.run_dir, self._exit = timeout_s, rank, Path(run_dir), exit
+        self.last_beat = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def beat(self, step: int | None = None) -> None:
+        """Progress: a step, eval or save ended; `step` is the one that starts now (for the report)."""
+        self.last_beat = time.monotonic()
+        if step is not None:
+            PROGRESS.note(step=step)
+
+    def __enter__(self) -> Watchdog:
+        if self.timeout_s > 0:
+            self.beat()
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._watch, name="megalm-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _watch(self) -> None:
+        poll = min(10.0, max(self.timeout_s / 4, 0.05))
+        while not self._stop.wait(poll):
+            idle = time.monotonic() - self.last_beat
+            if idle > self.timeout_s:
+                self._fire(idle)
+                return
+
+    def report(self, idle: float) -> str:
+        return (f"hang: rank {self.rank} made no progress for {idle:.0f} s (trainer.hang_minutes="
+                f"{self.timeout_s / 60:g}); {PROGRESS.report()}")
+
+    def _fire(self, idle: float) -> None:
+        line = self.report(idle)
+        print(line, file=sys.stderr, flush=True)
+        try:
+            (self.run_dir / f"hang-rank{self.rank}.txt").write_text(line + "\n")
+        except OSError as e:
+            print(f"hang report not written to {self.run_dir}: {e}", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        print(f"exiting with {HANG_EXIT_CODE} so that the launcher restarts the run from its last checkpoint",
+              file=sys.stderr, flush=True)
+        self._exit(HANG_EXIT_CODE)

@@ -1,0 +1,73 @@
+"""The hang watchdog: a rank stuck outside a collective leaves its peer waiting inside it; both ranks' watchdogs
+report where they were and exit with HANG_EXIT_CODE instead of waiting for the process group's timeout."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+import torch.distributed as dist
+
+from megalm.training.watchdog import HANG_EXIT_CODE, Watchdog
+from tests.dist.launch import free_port
+
+
+def _hanging_rank(rank: int, world_size: int, port: int, run_dir: str) -> None:
+    from megalm.training.trainer import Trainer
+    from tests.conftest import compose_config
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    trainer = Trainer(compose_config("parallel.dp=2", "trainer.max_steps=6", "trainer.hang_minutes=0.05",
+                                     "trainer.preempt_signals=[]"), run_dir)
+    forward_backward = trainer.forward_backward
+
+    def stuck_on_rank_1(step: int):
+        if step == 2 and rank == 1:
+            time.sleep(120)  # rank 0 meanwhile waits in step 3's first gradient all-reduce
+        return forward_backward(step)
+
+    trainer.forward_backward = stuck_on_rank_1
+    trainer.fit()
+
+
+@pytest.mark.timeout(120)
+def test_both_ranks_report_where_they_hang_and_exit(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_hanging_rank, args=(rank, 2, port, str(tmp_path))) for rank in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=90)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [HANG_EXIT_CODE] * 2
+    reports = {rank: (tmp_path / f"hang-rank{rank}.txt").read_text() for rank in range(2)}
+    for rank, report in reports.items():
+        assert report.startswith(f"hang: rank {rank} made no progress for") and "step: 3" in report, report
+    # rank 0 waits inside step 3's first collective; rank 1 never reached it: its last one closed step 2
+    assert "collective: all_reduce (loss-token count) over 2 ranks" in reports[0], reports[0]
+    assert "collective: all_reduce (step totals) over 2 ranks" in reports[1], reports[1]
+
+
+def test_beats_keep_it_quiet_and_silence_fires_once(tmp_path):
+    exits: list[int] = []
+    with Watchdog(0.3, rank=3, run_dir=tmp_path, exit=exits.append) as watchdog:
+        for _ in range(8):
+            time.sleep(0.1)
+            watchdog.beat()
+        assert exits == []
+        time.sleep(1.0)
+    assert exits == [HANG_EXIT_CODE]
+    assert (tmp_path / "hang-rank3.txt").read_text().startswith("hang: rank 3 made no progress for")
+
+
+def test_off_at_zero(tmp_path):
+    exits: list[int] = []
+    with Watchdog(0, rank=0, run_dir=tmp_path, exit=exits.append):
+        time.sleep(0.2)
+    assert exits == [] and not (tmp_path / "hang-rank0.txt").exists()

@@ -1,0 +1,113 @@
+"""Restarts: under `torchrun --max-restarts`, a rank killed with SIGKILL mid-run makes torchrun restart the job,
+which resumes from the last complete checkpoint with the losses of an uninterrupted run; a rank killed while a
+checkpoint is being written leaves `latest` on the previous complete one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megalm.training.checkpoint import latest_checkpoint
+from tests.conftest import TINY
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--monitor-interval", "0.5"]
+COMMON = [*TINY, "parallel.dp=2", "trainer.max_steps=40", "trainer.save_interval=4", "trainer.keep_last=20"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if '"step"' in line]
+
+
+def workers_of(pid: int) -> list[int]:
+    """The megalm.train processes below `pid` (torchrun's workers)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and b"megalm.train" in cmdline:
+            children.append(int(stat.parent.name))
+    return sorted(children)
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_rank_restarts_and_resumes_with_the_same_losses(tmp_path):
+    straight = subprocess.run([*TORCHRUN, "-m", "megalm.train", *COMMON, f"hydra.run.dir={tmp_path / 'straight'}"],
+                              capture_output=True, text=True, timeout=300, env=ENV)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    run_dir = tmp_path / "killed"
+    log_file = (tmp_path / "killed.log").open("w")  # a file, not a pipe: nobody reads while the run goes on
+    proc = subprocess.Popen([*TORCHRUN, "--max-restarts", "1", "-m", "megalm.train", *COMMON,
+                             f"hydra.run.dir={run_dir}"], stdout=log_file, stderr=subprocess.STDOUT, env=ENV)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(r["step"] >= 6 for r in records(run_dir)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before step 6"
+            time.sleep(0.02)
+        victims = workers_of(proc.pid)
+        assert len(victims) == 2, victims
+        before = records(run_dir)
+        os.kill(victims[1], signal.SIGKILL)
+        killed_at, killed_step = time.monotonic(), max(r["step"] for r in before)
+        while not any(r["step"] <= killed_step for r in records(run_dir)[len(before):]):  # the first re-run step
+            assert time.monotonic() < killed_at + 200, "no step after the restart"
+            time.sleep(0.02)
+        restart_seconds = time.monotonic() - killed_at
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+        log_file.close()
+    out = (tmp_path / "killed.log").read_text()
+    assert proc.returncode == 0, out[-3000:]
+    assert "resumed from" in out
+    resumed_step = int(out.split("resumed from")[1].split(" at step ")[1].split()[0])
+    assert 4 <= resumed_step <= killed_step and resumed_step % 4 == 0
+    expected = {r["step"]: r["loss"] for r in records(tmp_path / "straight")}
+    got: dict[int, float] = {}
+    for r in records(run_dir):  # steps after the checkpoint ran twice: the re-run's values come last
+        got[r["step"]] = r["loss"]
+    assert got == expected
+    print(f"killed after step {killed_step}; restarted from step {resumed_step}; its first step logged "
+          f"{restart_seconds:.1f} s after the kill")
+
+
+def _die_while_saving(rank: int, world_size: int, run_dir: str) -> None:
+    from megalm.training import checkpoint as ckpt
+    from megalm.training.trainer import Trainer
+    from tests.conftest import compose_config
+
+    trainer = Trainer(compose_config("parallel.dp=2", "trainer.max_steps=4", "trainer.save_interval=2"), run_dir)
+    save_tensors = ckpt.save_tensors
+
+    def dying(tensors, path):
+        if rank == 1 and trainer.step == 4:
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-save: the files of step 4 are half written
+        save_tensors(tensors, path)
+
+    ckpt.save_tensors = dying
+    trainer.fit()
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_killed_mid_save_leaves_latest_on_the_previous_checkpoint(tmp_path):
+    from tests.dist.launch import run_distributed
+
+    with pytest.raises(Exception):  # noqa: B017 - rank 1 dies by SIGKILL, rank 0 fails in the save's collective
+        run_distributed(_die_while_saving, 2, str(tmp_path), timeout=150)
+    assert latest_checkpoint(tmp_path).name == "step_00000002"
+    assert not (tmp_path / "checkpoints" / "step_00000004").exists()

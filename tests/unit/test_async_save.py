@@ -1,0 +1,42 @@
+"""trainer.async_save: checkpoints written in the background while training goes on, published (state.json, rename,
+`latest`) only once complete, and resumed bit-exactly."""
+
+from __future__ import annotations
+
+from megalm.training import checkpoint as ckpt
+from megalm.training.trainer import Trainer
+from tests.conftest import compose_config
+
+RUN = ["trainer.max_steps=6", "trainer.save_interval=2", "trainer.keep_last=5"]
+
+
+def test_async_checkpoints_resume_bit_exactly(tmp_path):
+    straight = Trainer(compose_config(*RUN), tmp_path / "straight").fit()
+    first = Trainer(compose_config(*RUN, "trainer.async_save=true", "trainer.stop_at_step=4"), tmp_path / "run").fit()
+    assert first.checkpoint.name == "step_00000004" and ckpt.is_complete(first.checkpoint)
+    assert [p.name for p in ckpt._step_dirs(tmp_path / "run" / "checkpoints")] == ["step_00000002", "step_00000004"]
+    resumed = Trainer(compose_config(*RUN, "trainer.async_save=true"), tmp_path / "run")
+    assert resumed.step == 4
+    rest = resumed.fit()
+    assert first.losses + rest.losses == straight.losses
+
+
+def test_nothing_is_published_before_the_write_completes(tmp_path):
+    trainer = Trainer(compose_config(*RUN, "trainer.async_save=true"), tmp_path)
+    trainer.train_step(0)
+    trainer.step = 1
+    path = trainer.save()
+    assert trainer.pending_save is not None and not path.exists()
+    assert ckpt.latest_checkpoint(tmp_path) is None, "latest points at nothing until the save completes"
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train_step(1)  # the weights move on while the checkpoint holds step 1's
+    trainer.finish_save()
+    assert ckpt.latest_checkpoint(tmp_path) == path and trainer.pending_save is None
+    import torch
+
+    from megalm.model import GPT
+
+    model = GPT(trainer.cfg.model)
+    ckpt.load_model_weights(path, model)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, weights[name]), f"{name}: the checkpoint must hold the weights of the step it names"

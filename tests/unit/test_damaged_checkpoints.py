@@ -1,0 +1,92 @@
+"""Checkpoints damaged after they were written: a one-line error naming the file for an explicit
+trainer.resume=PATH, a fall-back to the previous complete checkpoint (with a warning) under trainer.resume=auto."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megalm.errors import CheckpointError
+from megalm.training.trainer import Trainer
+from tests.conftest import TINY, compose_config
+
+RUN = ["trainer.max_steps=4", "trainer.save_interval=2", "trainer.keep_last=3"]
+
+
+def truncate(file):
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def not_safetensors(file):
+    file.write_text("this is not a safetensors file\n")
+
+
+def garbage_json(file):
+    file.write_text("{\"step\": 4, \"consumed")
+
+
+DAMAGE = {  # (file in step_00000004, how, what the message says)
+    "truncated shard": ("shard-*.safetensors", truncate, "truncated"),
+    "foreign shard": ("shard-*.safetensors", not_safetensors, "not a safetensors file"),
+    "truncated rng": ("rng-rank00000.safetensors", truncate, "truncated"),
+    "broken state": ("state.json", garbage_json, "JSONDecodeError"),
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    run = tmp_path_factory.mktemp("run")
+    Trainer(compose_config(*RUN), run).fit()
+    return run
+
+
+def damaged_copy(trained, tmp_path, case: str):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    pattern, damage, _ = DAMAGE[case]
+    file = next((run / "checkpoints" / "step_00000004").glob(pattern))
+    damage(file)
+    return run, file
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_auto_falls_back_to_the_previous_checkpoint(trained, tmp_path, caplog, case):
+    run, file = damaged_copy(trained, tmp_path, case)
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        trainer = Trainer(compose_config(*RUN), run)
+    assert trainer.step == 2 and trainer.resumed_from.name == "step_00000002"
+    warnings = [r.message for r in caplog.records if "falls back" in r.message]
+    assert len(warnings) == 1 and str(file) in warnings[0] and DAMAGE[case][2] in warnings[0]
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_an_explicit_path_stops_naming_the_file(trained, tmp_path, case):
+    run, file = damaged_copy(trained, tmp_path, case)
+    with pytest.raises(CheckpointError, match=rf"^checkpoint file {file} is damaged \(.*{DAMAGE[case][2]}"):
+        Trainer(compose_config(*RUN, f"trainer.resume={run / 'checkpoints' / 'step_00000004'}"), tmp_path / "new")
+
+
+def test_every_checkpoint_damaged_is_an_error(trained, tmp_path):
+    run, _ = damaged_copy(trained, tmp_path, "truncated shard")
+    truncate(next((run / "checkpoints" / "step_00000002").glob("shard-*.safetensors")))
+    with pytest.raises(CheckpointError, match="every checkpoint in .* is damaged"):
+        Trainer(compose_config(*RUN), run)
+
+
+def test_the_cli_says_one_line_and_exits_2(trained, tmp_path):
+    run, file = damaged_copy(trained, tmp_path, "foreign shard")
+    command = [sys.executable, "-m", "megalm.train", *TINY, *RUN, f"hydra.run.dir={tmp_path / 'new'}",
+               f"trainer.resume={run / 'checkpoints' / 'step_00000004'}"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ,
+                                                                                     "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: checkpoint file {file} is damaged (not a safetensors file); resume from another "
+                      "checkpoint with trainer.resume=PATH"], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,118 @@
+"""The non-finite guard (skip or stop; too many skips in a row stop), the save refusal on non-finite state, and
+loss-spike reports."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from megalm.training.checkpoint import latest_checkpoint
+from megalm.training.guards import NonFiniteError, SpikeDetector
+from megalm.training.trainer import Trainer
+from tests.conftest import compose_config
+
+
+def poison_grads_at(trainer: Trainer, steps: set[int]) -> None:
+    """A NaN in one gradient element at these steps (0-based), as an overflow would leave it."""
+    forward_backward = trainer.forward_backward
+
+    def wrapped(step: int):
+        out = forward_backward(step)
+        if step in steps:
+            next(p for p in trainer.model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+        return out
+
+    trainer.forward_backward = wrapped
+
+
+def snapshot(trainer: Trainer) -> tuple[dict, dict]:
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    state = {(id(p), k): v.clone() for p, st in trainer.optimizer.state.items() for k, v in st.items()
+             if torch.is_tensor(v)}
+    return params, state
+
+
+def test_a_non_finite_step_skips_its_update_and_the_run_goes_on(tmp_path):
+    trainer = Trainer(compose_config("trainer.max_steps=5"), tmp_path)
+    poison_grads_at(trainer, {2})
+    for step in range(2):
+        trainer.train_step(step)
+    params, state = snapshot(trainer)
+    result = trainer.train_step(2)
+    assert result.skipped and result.grad_norm != result.grad_norm  # NaN
+    after_params, after_state = snapshot(trainer)
+    for name, value in params.items():
+        assert torch.equal(after_params[name], value), f"{name} changed in a skipped step"
+    assert state.keys() == after_state.keys() and all(torch.equal(state[k], after_state[k]) for k in state)
+    good = trainer.train_step(3)
+    assert not good.skipped
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert any(not torch.equal(p.detach(), params[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_fit_logs_the_skips_and_saves_finite_weights(tmp_path):
+    trainer = Trainer(compose_config("trainer.max_steps=4"), tmp_path)
+    poison_grads_at(trainer, {1})
+    summary = trainer.fit()
+    assert trainer.nonfinite.skipped_steps == [2] and summary.steps == 4
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("skipped_steps") for r in records if "step" in r][-1] == 1
+    assert latest_checkpoint(tmp_path).name == "step_00000004"
+
+
+def test_stop_mode_ends_the_run_naming_the_step(tmp_path):
+    trainer = Trainer(compose_config("trainer.max_steps=4", "trainer.nonfinite=stop"), tmp_path)
+    poison_grads_at(trainer, {1})
+    with pytest.raises(NonFiniteError, match=r"grad norm nan at step 2; stopped \(trainer.nonfinite=stop\)"):
+        trainer.fit()
+
+
+def test_consecutive_skips_end_the_run(tmp_path):
+    trainer = Trainer(compose_config("trainer.max_steps=8", "trainer.max_consecutive_skips=3"), tmp_path)
+    poison_grads_at(trainer, {1, 2, 3, 4})
+    with pytest.raises(NonFiniteError, match=r"at step 4: 3 non-finite steps in a row"):
+        trainer.fit()
+    assert trainer.step == 3  # steps 2 and 3 were skipped; the third skip in a row stops before step 4 counts
+
+
+def test_no_checkpoint_from_non_finite_weights(tmp_path):
+    trainer = Trainer(compose_config("trainer.max_steps=4"), tmp_path)
+    trainer.train_step(0)
+    trainer.step = 1
+    first = trainer.save()
+    with torch.no_grad():
+        trainer.model.embedding.weight[0, 0] = float("inf")
+    trainer.step = 2
+    with pytest.raises(NonFiniteError, match="not finite at step 2: no checkpoint written"):
+        trainer.save()
+    assert latest_checkpoint(tmp_path) == first
+    assert not (tmp_path / "checkpoints" / "step_00000002").exists()
+
+
+def test_spike_detector():
+    spikes = SpikeDetector(window=50, zscore=6.0)
+    for i in range(30):
+        assert spikes.check(2.0 + 0.01 * (i % 5)) is None
+    z = spikes.check(3.0)
+    assert z is not None and z > 6
+    assert len(spikes.history) == 30, "a spike does not join the history"
+    assert spikes.check(2.02) is None and spikes.check(float("nan")) is None
+    assert SpikeDetector(window=50, zscore=0).check(100.0) is None
+
+
+def test_a_spike_is_logged_with_its_step_and_samples(tmp_path, caplog):
+    trainer = Trainer(compose_config("trainer.max_steps=14", "trainer.spike_window=20"), tmp_path)
+    forward_backward = trainer.forward_backward
+
+    def spiking(step: int):
+        loss, share = forward_backward(step)
+        return (loss * 50 if step == 12 else loss), share  # only the reported value: the update is already made
+
+    trainer.forward_backward = spiking
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        trainer.fit()
+    spikes = [r.message for r in caplog.records if "loss spike" in r.message]
+    assert len(spikes) == 1 and "loss spike at step 13" in spikes[0] and "samples are 96..103" in spikes[0]

@@ -1,0 +1,101 @@
+"""Preemption: a signal stops the run after the current step with a checkpoint, the resumed run repeats the
+uninterrupted losses, and `megalm-train` exits with the requeue code. Several ranks: tests/dist/test_preemption.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megalm.errors import ConfigError
+from megalm.training.preemption import REQUEUE_EXIT_CODE, signal_numbers
+from megalm.training.trainer import Trainer
+from tests.conftest import TINY, compose_config
+
+STEPS = 8
+
+
+def signal_during_step(trainer: Trainer, step: int, sig: signal.Signals) -> None:
+    """Make `trainer` receive `sig` (a real signal, to this process) while it computes step `step` (0-based)."""
+    train_step = trainer.train_step
+
+    def wrapped(s: int):
+        if s == step:
+            os.kill(os.getpid(), sig)
+        return train_step(s)
+
+    trainer.train_step = wrapped
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_saves_stops_and_the_resumed_run_repeats_the_losses(tmp_path, sig):
+    straight = Trainer(compose_config(f"trainer.max_steps={STEPS}"), tmp_path / "straight").fit()
+
+    before = signal.getsignal(sig)
+    first = Trainer(compose_config(f"trainer.max_steps={STEPS}"), tmp_path / "run")
+    signal_during_step(first, 2, sig)
+    summary = first.fit()
+    assert summary.preempted and summary.steps == 3, "the step in progress finishes, then the run stops"
+    assert summary.checkpoint is not None and summary.checkpoint.name == "step_00000003"
+    assert signal.getsignal(sig) == before, "the signal's previous handler is back after fit()"
+
+    resumed = Trainer(compose_config(f"trainer.max_steps={STEPS}"), tmp_path / "run")
+    assert resumed.step == 3
+    rest = resumed.fit()
+    assert not rest.preempted
+    assert summary.losses + rest.losses == straight.losses
+
+
+def test_no_signal_no_preemption(tmp_path):
+    summary = Trainer(compose_config("trainer.max_steps=2", "trainer.preempt_signals=[]"), tmp_path).fit()
+    assert not summary.preempted and summary.steps == 2
+
+
+def test_signal_names_are_checked():
+    assert signal_numbers(["SIGTERM", "usr1"]) == [signal.SIGTERM, signal.SIGUSR1]
+    for bad in (["SIGKILL"], ["SIGNOPE"]):
+        with pytest.raises(ConfigError, match="trainer.preempt_signals"):
+            signal_numbers(bad)
+
+
+def _wait_for_steps(metrics: Path, proc: subprocess.Popen, steps: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before step {steps}"
+        if metrics.is_file() and sum(1 for line in metrics.read_text().splitlines() if '"step"' in line) >= steps:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"no step {steps} in {metrics} after {timeout} s")
+
+
+@pytest.mark.timeout(300)
+def test_megalm_train_exits_with_the_requeue_code(tmp_path):
+    """The CLI on SIGTERM: a checkpoint, exit code 75; the same command again finishes the run."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "megalm.train", *TINY, "trainer.max_steps=2000", f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_steps(run_dir / "metrics.jsonl", proc, 2)
+        proc.send_signal(signal.SIGTERM)
+        err, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == REQUEUE_EXIT_CODE, err[-2000:]
+    assert "preempted by SIGTERM" in err
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    stopped_at = int(latest.split("_")[1])
+    assert 2 <= stopped_at < 2000
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if '"step"' in line]
+    assert steps[-1] == stopped_at
+    resumed = subprocess.run([*command[:-2], f"trainer.stop_at_step={stopped_at + 2}", command[-1]], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=200)
+    assert resumed.returncode == 0, resumed.stdout[-2000:]
+    assert f"resumed from {run_dir / 'checkpoints' / latest} at step {stopped_at}" in resumed.stdout
