@@ -25,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-STARTS = r"(megalm-\w+|python |torchrun |NPROC=|MASTER_ADDR=|(scripts|tools)/\S+\.sh\b|pytest|pip |docker )"
+STARTS = r"(megalm-\w+|python |torchrun |NPROC=|MASTER_ADDR=|(scripts|tools)/\S+\.sh\b|pytest|pip |docker |sbatch )"
 
 # Appended to every training run unless the command sets the key itself (later overrides win).
 TINY = {"model.num_layers": "4", "model.hidden_size": "64", "model.num_heads": "4", "model.num_kv_heads": "2",
@@ -39,8 +39,9 @@ FLAGS = {"--steps": ["1"], "--warmup": ["0"], "--reps": ["1"], "--seq": ["64"], 
 # Benchmarks that train: flags appended (argparse keeps the last value) so that they run one short repetition.
 TOOL_FLAGS = {"precision_convergence.py": ["--steps", "2"], "throughput.py": ["--steps", "1", "--warmup", "0"],
               "context_parallel.py": ["--steps", "1", "--warmup", "0", "--seq", "64"], "comm_volume.py": [],
-              "offload.py": ["--steps", "1", "--warmup", "0"]}
-SET_UP = ("pip install", "pytest", "docker ", "tools/gpu_wheels.sh")
+              "offload.py": ["--steps", "1", "--warmup", "0"], "checkpoint_save.py": ["--reps", "1"]}
+SET_UP = ("pip install", "pytest", "docker ", "tools/gpu_wheels.sh",
+          "python tools/slurm_local/")  # the loopback Slurm cluster needs root and apt: tests/e2e/test_slurm.py runs it
 GPU_ONLY = ("tools/gpu_check.sh",)  # exits 2 without CUDA by design
 # pyproject's console scripts, run as modules of this checkout
 CONSOLE_SCRIPTS = {"megalm-train": "megalm.train", "megalm-generate": "megalm.generate",
@@ -151,6 +152,25 @@ def parse_only(command: str) -> None:
     subprocess.run(["bash", "-n", str(script)], check=True)
 
 
+def validate_sbatch(command: str) -> None:
+    """A Slurm submission: the template exists and bash parses it; its overrides pass validation at its world size
+    (8 GPUs a node, the nodes from --nodes= or the template's #SBATCH --nodes; --gpus-per-node=0: one process).
+    tests/e2e/test_slurm.py submits the templates to a real (loopback) Slurm."""
+    from megalm.training.validation import validate_run
+    from tests.conftest import compose_config
+
+    words = shlex.split(command)[1:]
+    script = ROOT / next(w for w in words if w.endswith(".sbatch"))
+    assert script.is_file(), f"documented template {script} does not exist"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    nodes_line = re.search(r"#SBATCH --nodes=(\d+)", script.read_text())
+    nodes = next((int(w.split("=")[1]) for w in words if w.startswith("--nodes=")),
+                 int(nodes_line.group(1)) if nodes_line else 1)
+    world = 1 if "--gpus-per-node=0" in words else 8 * nodes
+    overrides = [w for w in words[words.index(next(w for w in words if w.endswith(".sbatch"))) + 1:] if "=" in w]
+    validate_run(compose_config(*overrides, tiny=False), world_size=world)
+
+
 def validate_only(command: str) -> None:
     """A multi-node GPU command: its overrides must pass validation at its world size (8 GPUs a node)."""
     from megalm.training.validation import validate_run
@@ -173,6 +193,9 @@ def test_documented_commands_run(doc: Path, tmp_path: Path):
     for command in commands:
         if command.startswith("MASTER_ADDR=") or "NNODES=" in command:
             validate_only(command)
+            continue
+        if command.startswith("sbatch "):
+            validate_sbatch(command)
             continue
         if command.startswith(GPU_ONLY):
             parse_only(command)

@@ -1,0 +1,120 @@
+# shellcheck shell=bash disable=SC2034  # LOG_DIR, NPROC: set here, used by the templates sourcing this
+# Sourced by scripts/slurm/train.sbatch and train_single_node.sbatch: the run dir, per-node logs, the
+# preemption signal path and the requeue-on-exit-75 rule, written once. Not a job script of its own.
+#
+# Contract with megalm (megalm/train.py): on SIGTERM or SIGUSR1 every training process finishes its step,
+# writes a checkpoint and exits with 75 (EX_TEMPFAIL, "requeue me"). torchrun turns any failing worker into
+# its own exit status 1, so megalm also touches $MEGALM_REQUEUE_MARKER when it exits 75; the job is requeued
+# when srun exits 75 or that file exists. Anything else passes through as is.
+
+EX_TEMPFAIL=75
+
+megalm_log() { echo "[megalm-slurm $(date +%H:%M:%S)] $*" >&2; }
+
+# The checkout: sbatch runs a *copy* of the batch script from slurmd's spool dir, so "$0" cannot locate the
+# repo; jobs are submitted from the checkout (or MEGALM_ROOT names it).
+MEGALM_ROOT=${MEGALM_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
+if [[ ! -f "$MEGALM_ROOT/megalm/train.py" ]]; then
+    megalm_log "error: $MEGALM_ROOT is not a megalm checkout; submit from it or set MEGALM_ROOT"
+    exit 2
+fi
+# torchrun -m megalm.train imports this checkout even where it is not pip-installed
+export PYTHONPATH="$MEGALM_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+# The run dir is a function of the job, not of the clock (Hydra's default): a requeued job keeps its
+# SLURM_JOB_ID, lands in the same dir, and trainer.resume=auto (the default) continues from its checkpoint.
+# A hydra.run.dir=... among the overrides wins.
+megalm_run_dir() {
+    local arg submit=${SLURM_SUBMIT_DIR:-$PWD}
+    local dir="outputs/${SLURM_JOB_NAME:-megalm}-${SLURM_JOB_ID:?not inside a Slurm job}"
+    for arg in "$@"; do
+        [[ "$arg" == hydra.run.dir=* ]] && dir=${arg#hydra.run.dir=}
+    done
+    [[ "$dir" == /* ]] || dir="$submit/$dir"  # relative to the submit dir, the job's working dir
+    echo "$dir"
+}
+
+# Processes per node: the GPUs Slurm gave this node (SLURM_GPUS_ON_NODE, or SLURM_GPUS_PER_NODE as "8" or
+# "h100:8"), unless NPROC_PER_NODE says otherwise; 1 without GPUs (a CPU run on gloo).
+megalm_nproc_per_node() {
+    local gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}
+    gpus=${gpus##*:}
+    if [[ -n "${NPROC_PER_NODE:-}" ]]; then
+        echo "$NPROC_PER_NODE"
+    elif [[ "$gpus" =~ ^[0-9]+$ && "$gpus" -gt 0 ]]; then
+        echo "$gpus"
+    else
+        echo 1
+    fi
+}
+
+# Preemption: the training must get SIGTERM (or SIGUSR1) while srun itself does not get SIGTERM, because srun
+# answers SIGTERM by SIGKILLing its tasks ("forcing job termination"): no checkpoint. So:
+# - `#SBATCH --signal=B:USR1@120` (Slurm, 120 s before the time limit; or `scancel --batch --signal=USR1`):
+#   only this shell gets it; the trap turns it into one SIGTERM to the job steps (`scancel --signal=TERM
+#   JOBID` signals the steps, not the batch shell nor srun): torchrun on every node forwards it to its workers.
+# - `scancel --signal=TERM JOBID` (or `#SBATCH --signal=TERM@120`, no B:): reaches the steps directly; works too.
+# - SIGTERM to the whole job (time limit reached without --signal, preemption without
+#   PreemptParameters=send_user_signal, `scancel --full`): srun gets it as well and kills the step; the job
+#   resumes from its last periodic checkpoint (trainer.save_interval) if Slurm requeues it. The trap only
+#   keeps this shell alive to report srun's status.
+MEGALM_SIGNALLED=0
+MEGALM_TRAPPED=0
+megalm_on_usr1() {
+    MEGALM_TRAPPED=1
+    if [[ "$MEGALM_SIGNALLED" == 0 ]]; then
+        MEGALM_SIGNALLED=1
+        megalm_log "SIGUSR1: asking the training processes to checkpoint and exit (SIGTERM to the job step)"
+        scancel --signal=TERM "$SLURM_JOB_ID" || megalm_log "scancel failed"
+    fi
+}
+megalm_on_term() {
+    MEGALM_TRAPPED=1
+    MEGALM_SIGNALLED=1
+    megalm_log "SIGTERM to the whole job: srun kills its tasks on it (no checkpoint); see scripts/slurm/lib.sh"
+}
+
+# Run srun "$@" in the background (a trap runs only between commands, and `wait` returns at once on a
+# trapped signal), wait for it to really end, then requeue on 75 or the marker, else pass the status on.
+megalm_srun_and_requeue() {
+    local pid rc
+    rm -f "$MEGALM_REQUEUE_MARKER"
+    trap megalm_on_usr1 USR1
+    trap megalm_on_term TERM
+    srun "$@" &
+    pid=$!
+    while :; do
+        rc=0
+        MEGALM_TRAPPED=0
+        wait "$pid" || rc=$?
+        # A trapped signal cuts `wait` short (status > 128) while srun runs on: wait again. Once srun has
+        # ended, `wait` answers with its real status, even if it ended while the trap ran.
+        [[ "$MEGALM_TRAPPED" == 1 && "$rc" -gt 128 ]] || break
+    done
+    trap - USR1 TERM
+    if [[ "$rc" == "$EX_TEMPFAIL" || -e "$MEGALM_REQUEUE_MARKER" ]]; then
+        megalm_log "the training checkpointed and asked to be requeued (srun exit $rc): scontrol requeue $SLURM_JOB_ID"
+        rm -f "$MEGALM_REQUEUE_MARKER"
+        scontrol requeue "$SLURM_JOB_ID"
+        exit 0
+    fi
+    megalm_log "srun exited with $rc"
+    exit "$rc"
+}
+
+# Everything each job needs before its srun; sets RUN_DIR, LOG_DIR, NPROC and exports the marker path.
+megalm_setup() {
+    RUN_DIR=$(megalm_run_dir "$@")
+    LOG_DIR="$RUN_DIR/slurm"
+    mkdir -p "$LOG_DIR"  # srun does not create the directory of --output
+    NPROC=$(megalm_nproc_per_node)
+    export MEGALM_REQUEUE_MARKER="$LOG_DIR/requeue-$SLURM_JOB_ID"
+    # CPU threads per process: torchrun sets 1 when unset; on GPUs 1 is right too (the GPU does the work),
+    # raise it for CPU-side data work. Set it here so every rank agrees and torchrun does not warn.
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    # How long torchrun waits for its workers to write their checkpoint after it forwards SIGTERM before it
+    # SIGKILLs them (torch versions whose torchrun has --shutdown-timeout read it; older ones wait 30 s). Keep it under the --signal lead time.
+    export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}
+    megalm_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST:-?}: run dir $RUN_DIR," \
+        "$NPROC process(es) per node, per-node logs in $LOG_DIR"
+}
