@@ -18,14 +18,15 @@ the .idx's magic bytes say which format a prefix holds.
 from __future__ import annotations
 
 import os
-import secrets
 import struct
 from array import array
 
 import numpy as np
 
-from megalm.data.files import SIDECAR_SUFFIX, DatasetExistsError, dataset_exists, fsync_dir
-from megalm.data.tokenizer import Tokenizer, build_tokenizer
+from megalm.data.files import SIDECAR_SUFFIX, TokenFileWriter
+from megalm.data.files import DatasetExistsError as DatasetExistsError  # re-exported: preprocess, demo
+from megalm.data.files import dataset_exists as dataset_exists  # re-exported: preprocess, demo
+from megalm.data.tokenizer import Tokenizer
 from megalm.errors import DataError
 
 MAGIC = b"MEGALMDS"
@@ -40,7 +41,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return _DTYPE_CODES[1] if vocab_size <= 65536 else _DTYPE_CODES[2]
 
 
-class IndexedDatasetWriter:
+class IndexedDatasetWriter(TokenFileWriter):
     """Streams documents into PREFIX.bin/.idx; nothing is visible under PREFIX until `finalize()`.
 
     `eod_id` defaults to the eod of the tokenizer `tokenizer_spec` describes. Use as a context manager
@@ -49,107 +50,24 @@ class IndexedDatasetWriter:
 
     def __init__(self, prefix: str, vocab_size: int, tokenizer_spec: str, eod_id: int | None = None,
                  overwrite: bool = False) -> None:
-        self.prefix = os.fspath(prefix)
-        if vocab_size <= 0 or vocab_size > 2**32:
-            raise ValueError(f"vocab_size={vocab_size} must be in [1, 2**32]")
-        if eod_id is None:
-            eod_id = build_tokenizer(tokenizer_spec).eod_id
-        if not 0 <= eod_id < vocab_size:
-            raise ValueError(f"eod_id={eod_id} is outside the vocab [0, {vocab_size})")
-        self.vocab_size = int(vocab_size)
-        self.tokenizer_spec = tokenizer_spec
-        self.eod_id = int(eod_id)
-        self.overwrite = overwrite
-        self.dtype = token_dtype(vocab_size)
-        if not overwrite:
-            self._check_absent()
-        directory = os.path.dirname(os.path.abspath(self.prefix))
-        os.makedirs(directory, exist_ok=True)
-        base = os.path.basename(self.prefix)
-        tag = f"{os.getpid()}-{secrets.token_hex(4)}"
-        self._tmp_bin = os.path.join(directory, f".{base}.bin.tmp-{tag}")
-        self._tmp_idx = os.path.join(directory, f".{base}.idx.tmp-{tag}")
-        self._bin = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed in finalize/abort
-        self._eod = np.array([self.eod_id], dtype=self.dtype).tobytes()
+        super().__init__(prefix, vocab_size, tokenizer_spec, eod_id, overwrite, dtype=token_dtype(vocab_size),
+                         max_vocab=2**32, temporary=("bin", "idx"))
         self._offsets = array("q", [0])
-        self._done = False
 
-    @property
-    def num_docs(self) -> int:
-        return len(self._offsets) - 1
+    def _record(self, length: int) -> None:
+        self._offsets.append(self._offsets[-1] + length)
 
-    @property
-    def num_tokens(self) -> int:
-        return self._offsets[-1]
-
-    def _check_absent(self) -> None:
-        if dataset_exists(self.prefix):
-            raise DatasetExistsError(f"{self.prefix}.bin/.idx already exist; pass --overwrite "
-                                     "(overwrite=True) to replace them, or choose another output prefix")
-
-    def add_document(self, tokens: list[int] | np.ndarray) -> None:
-        """Append one document; the eod token is added after it."""
-        if self._done:
-            raise RuntimeError("add_document after finalize/abort")
-        arr = np.asarray(tokens)
-        if arr.ndim != 1:
-            raise ValueError(f"a document is a 1-D sequence of token ids, got shape {arr.shape}")
-        if arr.size:
-            if not np.issubdtype(arr.dtype, np.integer):
-                raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0 or hi >= self.vocab_size:
-                bad = lo if lo < 0 else hi
-                raise DataError(f"token id {bad} is outside the vocab [0, {self.vocab_size}) of "
-                                f"{self.prefix}; the tokenizer and vocab_size do not match")
-            self._bin.write(arr.astype(self.dtype, copy=False).tobytes())
-        self._bin.write(self._eod)
-        self._offsets.append(self._offsets[-1] + arr.size + 1)
-
-    def finalize(self) -> None:
-        """fsync both files and move them into place (.bin first, .idx last)."""
-        if self._done:
-            raise RuntimeError("finalize called twice")
-        try:
-            self._bin.flush()
-            os.fsync(self._bin.fileno())
-            self._bin.close()
-            spec = self.tokenizer_spec.encode("utf-8")
-            header = _HEADER.pack(MAGIC, VERSION, 1 if self.dtype == _DTYPE_CODES[1] else 2, self.num_docs,
-                                  self.num_tokens, self.vocab_size, self.eod_id, len(spec))
-            with open(self._tmp_idx, "wb") as f:
-                f.write(header)
-                f.write(spec)
-                f.write(np.frombuffer(self._offsets, dtype=np.int64).astype("<i8", copy=False).tobytes())
-                f.flush()
-                os.fsync(f.fileno())
-            if not self.overwrite:
-                self._check_absent()
-            os.replace(self._tmp_bin, f"{self.prefix}.bin")
-            os.replace(self._tmp_idx, f"{self.prefix}.idx")
-            if os.path.exists(f"{self.prefix}{SIDECAR_SUFFIX}"):  # left by a Megatron-format dataset replaced here
-                os.remove(f"{self.prefix}{SIDECAR_SUFFIX}")
-            fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
-        except BaseException:
-            self.abort()
-            raise
-        self._done = True
-
-    def abort(self) -> None:
-        """Drop the temporary files (nothing under PREFIX was touched)."""
-        self._done = True
-        if not self._bin.closed:
-            self._bin.close()
-        for path in (self._tmp_bin, self._tmp_idx):
-            if os.path.exists(path):
-                os.remove(path)
-
-    def __enter__(self) -> IndexedDatasetWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if not self._done:
-            self.abort()
+    def _finish(self) -> None:
+        """Write the .idx, then move .bin and .idx into place (.bin first, .idx last)."""
+        spec = self.tokenizer_spec.encode("utf-8")
+        header = _HEADER.pack(MAGIC, VERSION, 1 if self.dtype == _DTYPE_CODES[1] else 2, self.num_docs,
+                              self.num_tokens, self.vocab_size, self.eod_id, len(spec))
+        with self._write_temporary("idx") as f:
+            f.write(header)
+            f.write(spec)
+            f.write(np.frombuffer(self._offsets, dtype=np.int64).astype("<i8", copy=False).tobytes())
+        self._publish([(self._tmp["bin"], f"{self.prefix}.bin"), (self._tmp["idx"], f"{self.prefix}.idx")],
+                      stale=(f"{self.prefix}{SIDECAR_SUFFIX}",))  # left by a Megatron-format dataset replaced here
 
 
 class IndexedDataset:

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import struct
 from array import array
 from dataclasses import dataclass
 
 import numpy as np
 
-from megalm.data.files import SIDECAR_SUFFIX, DatasetExistsError, dataset_exists, fsync_dir
+from megalm.data.files import SIDECAR_SUFFIX, TokenFileWriter
 from megalm.data.tokenizer import Tokenizer, build_tokenizer
 from megalm.errors import DataError
 
@@ -223,7 +222,7 @@ def open_megatron(prefix: str, tokenizer: Tokenizer | str | None = None) -> Mega
     return MegatronData(tokens, offsets, add_eod, int(vocab_size), int(eod_id), spec)
 
 
-class MegatronDatasetWriter:
+class MegatronDatasetWriter(TokenFileWriter):
     """Streams documents into Megatron-LM's PREFIX.bin/.idx plus megalm's sidecar PREFIX.megalm.json.
 
     Same interface as `IndexedDatasetWriter`, same tokens: each document gets eod appended and is one
@@ -234,68 +233,17 @@ class MegatronDatasetWriter:
 
     def __init__(self, prefix: str, vocab_size: int, tokenizer_spec: str, eod_id: int | None = None,
                  overwrite: bool = False) -> None:
-
-        self._exists_error = DatasetExistsError
-        self.prefix = os.fspath(prefix)
-        if vocab_size <= 0 or vocab_size > 2**31:
-            raise ValueError(f"vocab_size={vocab_size} must be in [1, 2**31] (Megatron stores ids as int32)")
-        if eod_id is None:
-            eod_id = build_tokenizer(tokenizer_spec).eod_id
-        if not 0 <= eod_id < vocab_size:
-            raise ValueError(f"eod_id={eod_id} is outside the vocab [0, {vocab_size})")
-        self.vocab_size = int(vocab_size)
-        self.tokenizer_spec = tokenizer_spec
-        self.eod_id = int(eod_id)
-        self.overwrite = overwrite
-        self.dtype = megatron_dtype(vocab_size)
-        if not overwrite:
-            self._check_absent()
-        directory = os.path.dirname(os.path.abspath(self.prefix))
-        os.makedirs(directory, exist_ok=True)
-        base = os.path.basename(self.prefix)
-        tag = f"{os.getpid()}-{secrets.token_hex(4)}"
-        self._tmp = {ext: os.path.join(directory, f".{base}.{ext}.tmp-{tag}") for ext in ("bin", "json", "idx")}
-        self._bin = open(self._tmp["bin"], "wb")  # noqa: SIM115 - closed in finalize/abort
-        self._eod = np.array([self.eod_id], dtype=self.dtype).tobytes()
+        super().__init__(prefix, vocab_size, tokenizer_spec, eod_id, overwrite, dtype=megatron_dtype(vocab_size),
+                         max_vocab=2**31, vocab_note=" (Megatron stores ids as int32)",
+                         temporary=("bin", "json", "idx"))
         self._lengths = array("q")
-        self._num_tokens = 0
-        self._done = False
 
-    @property
-    def num_docs(self) -> int:
-        return len(self._lengths)
+    def _check_length(self, num_tokens: int) -> None:
+        if num_tokens + 1 > np.iinfo(np.int32).max:
+            raise DataError(f"a document of {num_tokens} tokens is longer than a Megatron sequence can be (2**31 - 1)")
 
-    @property
-    def num_tokens(self) -> int:
-        return self._num_tokens
-
-    def _check_absent(self) -> None:
-
-        if dataset_exists(self.prefix):
-            raise self._exists_error(f"{self.prefix}.bin/.idx already exist; pass --overwrite (overwrite=True) to "
-                                     "replace them, or choose another output prefix")
-
-    def add_document(self, tokens: list[int] | np.ndarray) -> None:
-        """Append one document (one Megatron sequence); the eod token is added after it."""
-        if self._done:
-            raise RuntimeError("add_document after finalize/abort")
-        arr = np.asarray(tokens)
-        if arr.ndim != 1:
-            raise ValueError(f"a document is a 1-D sequence of token ids, got shape {arr.shape}")
-        if arr.size + 1 > np.iinfo(np.int32).max:
-            raise DataError(f"a document of {arr.size} tokens is longer than a Megatron sequence can be (2**31 - 1)")
-        if arr.size:
-            if not np.issubdtype(arr.dtype, np.integer):
-                raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0 or hi >= self.vocab_size:
-                bad = lo if lo < 0 else hi
-                raise DataError(f"token id {bad} is outside the vocab [0, {self.vocab_size}) of "
-                                f"{self.prefix}; the tokenizer and vocab_size do not match")
-            self._bin.write(arr.astype(self.dtype, copy=False).tobytes())
-        self._bin.write(self._eod)
-        self._lengths.append(arr.size + 1)
-        self._num_tokens += arr.size + 1
+    def _record(self, length: int) -> None:
+        self._lengths.append(length)  # one document, one Megatron sequence
 
     def _write_index(self, f) -> None:
         n = self.num_docs
@@ -313,50 +261,15 @@ class MegatronDatasetWriter:
         for start in range(0, n + 1, _CHUNK):
             f.write(np.arange(start, min(start + _CHUNK, n + 1), dtype="<i8").tobytes())
 
-    def finalize(self) -> None:
-        """fsync everything and move it into place: .bin, sidecar, .idx last."""
-        if self._done:
-            raise RuntimeError("finalize called twice")
-        try:
-            self._bin.flush()
-            os.fsync(self._bin.fileno())
-            self._bin.close()
-            meta = {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "tokenizer_spec": self.tokenizer_spec,
-                    "vocab_size": self.vocab_size, "eod_id": self.eod_id, "eod_appended": True,
-                    "dtype": self.dtype.name, "num_docs": self.num_docs, "num_tokens": self.num_tokens}
-            with open(self._tmp["json"], "w", encoding="utf-8") as f:
-                json.dump(meta, f, indent=1)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            with open(self._tmp["idx"], "wb") as f:
-                self._write_index(f)
-                f.flush()
-                os.fsync(f.fileno())
-            if not self.overwrite:
-                self._check_absent()
-            os.replace(self._tmp["bin"], f"{self.prefix}.bin")
-            os.replace(self._tmp["json"], sidecar_path(self.prefix))
-            os.replace(self._tmp["idx"], f"{self.prefix}.idx")
-
-            fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
-        except BaseException:
-            self.abort()
-            raise
-        self._done = True
-
-    def abort(self) -> None:
-        """Drop the temporary files (nothing under PREFIX was touched)."""
-        self._done = True
-        if not self._bin.closed:
-            self._bin.close()
-        for path in self._tmp.values():
-            if os.path.exists(path):
-                os.remove(path)
-
-    def __enter__(self) -> MegatronDatasetWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if not self._done:
-            self.abort()
+    def _finish(self) -> None:
+        """Write the sidecar and the .idx, then move everything into place: .bin, sidecar, .idx last."""
+        meta = {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "tokenizer_spec": self.tokenizer_spec,
+                "vocab_size": self.vocab_size, "eod_id": self.eod_id, "eod_appended": True,
+                "dtype": self.dtype.name, "num_docs": self.num_docs, "num_tokens": self.num_tokens}
+        with self._write_temporary("json", "w") as f:
+            json.dump(meta, f, indent=1)
+            f.write("\n")
+        with self._write_temporary("idx") as f:
+            self._write_index(f)
+        self._publish([(self._tmp["bin"], f"{self.prefix}.bin"), (self._tmp["json"], sidecar_path(self.prefix)),
+                       (self._tmp["idx"], f"{self.prefix}.idx")])
