@@ -19,13 +19,17 @@ from __future__ import annotations
 import pytest
 
 from megalm.model.naming import canonical_named_parameters
-from megalm.model.shard import shard_specs
 from megalm.parallel.dims import ParallelDims, ParallelMesh
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
+from tests.dist.equivalence import shard_of
 from tests.dist.launch import run_distributed
 
-MODEL = ["model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=2"]
+# make_vocab_size_divisible_by=32: 320 rows under tp1 and tp2 alike. A padding that differs between the two
+# (Megatron's rule pads tiny's 320 to 384 for tp2) changes the fp32 summation of the head's input gradient by
+# ~1e-7, which the FP8/MX gradient quantizers then amplify to ~0.5%: what this test checks is the recipes under
+# TP, so both layouts get the same rows (tests/dist/test_trainer_parallel.py covers the padding in fp32).
+MODEL = ["model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=2", "model.make_vocab_size_divisible_by=32"]
 STEPS = 4
 
 
@@ -36,10 +40,9 @@ def check_tp_recipe(rank: int, world_size: int, overrides: list[str], loss_rtol:
     if grad_rtol is not None:
         one.forward_backward(0)
         tp.forward_backward(0)
-        full, specs = dict(canonical_named_parameters(one.model)), shard_specs(tp.model)
+        full = dict(canonical_named_parameters(one.model))
         for name, p in canonical_named_parameters(tp.model):
-            expected = full[name].grad
-            expected = specs[name].shard(expected) if name in specs else expected
+            expected = shard_of(tp.model, name, full[name].grad)  # vocab tables: tp2 pads more rows (zero grads)
             error = ((p.grad - expected).norm() / expected.norm()).item()
             assert error <= grad_rtol, f"{overrides} {name}: tp2 grad differs from tp1 by {error:.3g} (relative)"
         for t in (one, tp):

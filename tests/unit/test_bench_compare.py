@@ -1,0 +1,95 @@
+"""tools/bench/compare.py on the CPU: a row per (framework, shape, seq, precision), one FLOP formula for all
+frameworks, runs alternated A B A B, and a reason for every framework that could not run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megalm.config import ModelConfig
+from megalm.training.flops import training_flops
+
+ROOT = Path(__file__).resolve().parents[2]
+FRAMEWORKS = ["megalm", "megatron", "torchtitan"]
+SEQS = [32, 64]
+REPEATS = 2
+PEAK_TFLOPS = 0.5  # a made-up device peak, so that MFU is computed (a CPU has none in flops.py)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("compare") / "compare.json"
+    command = [sys.executable, str(ROOT / "tools/bench/compare.py"), "--tiny", "--precisions", "fp32",
+               "--seqs", ",".join(map(str, SEQS)), "--steps", "1", "--warmup", "0", "--repeats", str(REPEATS),
+               "--tokens-per-step", "128", "--peak-tflops", str(PEAK_TFLOPS), "--frameworks", ",".join(FRAMEWORKS),
+               "--json", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_row_per_framework_shape_seq_precision(report):
+    rows = report[0]["rows"]
+    keys = [(r["framework"], r["shape"], r["seq"], r["precision"]) for r in rows]
+    assert sorted(keys) == sorted((fw, "tiny", seq, "fp32") for fw in FRAMEWORKS for seq in SEQS)
+    for r in rows:
+        assert r["status"] in ("ok", "skipped")
+        if r["status"] == "skipped":  # a peer that cannot run here says exactly why
+            assert r["reason"] and r["tokens_per_sec"] is None
+
+
+@pytest.mark.timeout(120)
+def test_megalm_runs_and_megatron_core_runs_on_cpu(report):
+    rows = report[0]["rows"]
+    for r in rows:
+        if r["framework"] == "megalm":
+            assert r["status"] == "ok", r["reason"]
+            assert r["tokens_per_sec"] > 0 and r["peak_memory_gib"] > 0
+            assert r["tokens_per_step"] == r["batch"] * r["seq"] == 128  # one full document per sample
+            assert len(r["tokens_per_sec_per_repeat"]) == REPEATS
+    if any(r["framework"] == "megatron" for r in rows) and report[0]["versions"]["megatron-core"]:
+        megatron = [r for r in rows if r["framework"] == "megatron"]
+        assert all(r["status"] == "ok" for r in megatron), [r["reason"] for r in megatron]
+
+
+@pytest.mark.timeout(120)
+def test_one_flop_formula_for_all(report):
+    """TFLOP/s and MFU recomputed from the JSON alone: megalm's training_flops of the shape over the step time."""
+    ok = [r for r in report[0]["rows"] if r["status"] == "ok"]
+    assert ok
+    for r in ok:
+        model = ModelConfig(**r["model"])
+        assert model.hidden_size == 64 and model.num_layers == 2 and model.num_kv_heads == 2  # the --tiny shape
+        step_s = r["tokens_per_step"] / r["tokens_per_sec"]
+        flops = training_flops(model, [r["seq"]] * r["batch"])
+        assert r["tflops_per_sec"] == pytest.approx(flops / step_s / 1e12, rel=1e-9)
+        assert r["mfu"] == pytest.approx(flops / step_s / (PEAK_TFLOPS * 1e12), rel=1e-9)
+
+
+@pytest.mark.timeout(120)
+def test_runs_alternate_between_frameworks(report):
+    data, _ = report
+    for seq in SEQS:
+        cell = [o for o in data["run_order"] if o["seq"] == seq]
+        ran = [fw for fw in FRAMEWORKS
+               if next(r for r in data["rows"] if r["framework"] == fw and r["seq"] == seq)["status"] == "ok"]
+        runs = [(o["framework"], o["repeat"]) for o in cell if o["framework"] in ran]
+        assert runs == [(fw, k) for k in range(REPEATS) for fw in ran]  # A B A B, never A A B B
+    assert data["settings"]["repeats"] == REPEATS
+
+
+@pytest.mark.timeout(120)
+def test_skip_reasons_printed_one_line_each(report):
+    data, stdout = report
+    for r in data["rows"]:
+        if r["status"] == "skipped":
+            line = next(line for line in stdout.splitlines() if line.startswith(r["framework"]) and
+                        f" {r['seq']} " in line)
+            assert line.endswith(f"skipped: {r['reason']}") and "\n" not in r["reason"]

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Fill a wheels folder with what tools/bench/compare.py needs on a GPU machine without network access, for its
+# Python (3.12, x86-64, CUDA PyTorch 2.11 already there): megalm's own pure-Python needs (tools/gpu_wheels.sh),
+# Megatron-Core, TorchTitan with the few packages its llama3 model imports, and torchao for TorchTitan's fp8.
+# Run it where pip reaches an index:
+#     tools/compare_wheels.sh        # -> .whl/ (git-ignored; WHEELS=DIR for another folder)
+# then carry the folder and install from it there before the benchmark:
+#     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=${WHEELS:-.whl}
+PYTHON=${PYTHON:-python3}
+WHEELS="$WHEELS" PYTHON="$PYTHON" tools/gpu_wheels.sh >/dev/null  # empties the folder first, then megalm's needs
+platforms=()
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
+         manylinux2014_x86_64 manylinux1_x86_64; do
+  platforms+=(--platform "$p")
+done
+# Versions read on 2026-11-24. torchtitan 0.3.0's llama3 needs spmd_types and tyro (tyro: docstring-parser,
+# typeguard) at import; einops is in the GPU image. torchao 0.17 is the release paired with PyTorch 2.11.
+"$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "${platforms[@]}" -d "$WHEELS" megatron-core==0.16.1 torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 \
+  docstring-parser==0.18.0 typeguard==4.6.1 torchao==0.17.0
+ls -1 "$WHEELS"
+du -sh "$WHEELS"
