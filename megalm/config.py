@@ -176,7 +176,7 @@ class ParallelConfig:
     recompute: Any = "none"  # none | full | selective, or a list with one mode per pipeline rank
     grad_reduce_dtype: str | None = None  # fp32 | bf16 | None (the gradients' own dtype)
     bucket_size_mb: float = 25.0  # DP gradient bucket size
-    timeout_minutes: float | None = None  # the process group's collective timeout; None: torch's default
+    timeout_minutes: float | None = None  # collective timeout; None: trainer.hang_minutes + 5 (torch's if that is 0)
 
 
 @dataclass
@@ -349,6 +349,10 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
     if t.hang_minutes < 0:
         raise ConfigError(f"trainer.hang_minutes={t.hang_minutes} must be >= 0 (0 turns the watchdog off)")
     positive(cfg.parallel.timeout_minutes, "parallel.timeout_minutes")
+    if cfg.parallel.timeout_minutes is not None and 0 < t.hang_minutes >= cfg.parallel.timeout_minutes:
+        raise ConfigError(f"parallel.timeout_minutes={cfg.parallel.timeout_minutes} must exceed trainer.hang_minutes="
+                          f"{t.hang_minutes}, so that the watchdog reports a hang before a collective times out; "
+                          "raise it, or lower trainer.hang_minutes (0 turns the watchdog off)")
     if t.spike_zscore < 0:
         raise ConfigError(f"trainer.spike_zscore={t.spike_zscore} must be >= 0 (0 turns spike reports off)")
     if t.tokens_per_step is not None:
@@ -385,6 +389,15 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
         raise ConfigError(f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
     choice(cfg.logging.wandb.mode, "logging.wandb.mode", ("offline", "online"))
     return cfg
+
+
+def process_group_minutes(cfg: MegalmConfig) -> float | None:
+    """The collective timeout of the process group: `parallel.timeout_minutes`, or, unset with the hang watchdog
+    on, `trainer.hang_minutes` + 5 (torch's default, 10 minutes for NCCL, would end the run before the watchdog
+    could say where each rank is); None keeps torch's default."""
+    if cfg.parallel.timeout_minutes is not None or cfg.trainer.hang_minutes <= 0:
+        return cfg.parallel.timeout_minutes
+    return cfg.trainer.hang_minutes + 5
 
 
 def config_to_dict(cfg: MegalmConfig) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from megalm.config import register_schema, to_dataclass
+from megalm.config import process_group_minutes, register_schema, to_dataclass
 from megalm.errors import MegalmError
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
@@ -84,7 +84,7 @@ def shared_run_dir(own_dir: Path, config) -> tuple[Path, int]:
     from megalm.parallel.dims import init_distributed
     from megalm.training.trainer import select_device
 
-    rank, world_size = init_distributed(select_device(config.trainer.device), config.parallel.timeout_minutes)
+    rank, world_size = init_distributed(select_device(config.trainer.device), process_group_minutes(config))
     if world_size == 1:
         return own_dir, rank
     import torch.distributed as dist

@@ -233,18 +233,20 @@ class PendingCheckpoint:
         return self.path
 
 
-_async_group = None
+_async_groups: dict[int, dist.ProcessGroup] = {}  # by the id of the world group it was made in
 
 
 def _async_save(tensors: dict[str, torch.Tensor], path: Path, mesh) -> Any:
     """DCP's async save: the tensors are staged (copied to host memory) before it returns, then written by a
-    thread. Its collectives run on a gloo group of their own, so they never interleave with the training's."""
-    global _async_group
+    thread. Its collectives run on a gloo group of their own, so they never interleave with the training's (one
+    per process group: a new `init_process_group`, as in a Hydra multirun, gets a new one)."""
     group = None
     if mesh is not None and mesh.is_distributed:
-        if _async_group is None:
-            _async_group = dist.new_group(backend="gloo")
-        group = _async_group
+        key = id(dist.group.WORLD)
+        if key not in _async_groups:
+            _async_groups.clear()
+            _async_groups[key] = dist.new_group(backend="gloo")
+        group = _async_groups[key]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         return dcp.async_save(tensors, storage_writer=HuggingFaceStorageWriter(str(path), save_distributed=True),
@@ -313,7 +315,7 @@ def _publish(root: Path, name: str, full_state: dict, config: dict[str, Any], ke
         os.rename(tmp, final)
         fsync_path(root)
         _write_text_atomic(root / LATEST, name + "\n")
-        _prune(root, keep_last)
+        _prune(root, keep_last, name)
     _barrier(mesh)
 
 
@@ -321,10 +323,12 @@ def _step_dirs(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if p.is_dir())
 
 
-def _prune(root: Path, keep_last: int) -> None:
+def _prune(root: Path, keep_last: int, published: str) -> None:
+    """Drop crash debris and all but the newest `keep_last` checkpoints up to `published` (the one `latest` now
+    names). Newer step dirs are left alone: they are those a resume skipped as damaged (kept for inspection)."""
     for stale in [*root.glob(".tmp-*"), *root.glob(".old-*")]:  # debris of saves that crashed
         shutil.rmtree(stale, ignore_errors=True)
-    for old in _step_dirs(root)[:-keep_last]:
+    for old in [p for p in _step_dirs(root) if p.name <= published][:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
 
 

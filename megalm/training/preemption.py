@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import weakref
+from collections.abc import Callable
 from types import FrameType
 
 import torch
@@ -38,32 +40,53 @@ def signal_numbers(names: list[str]) -> list[signal.Signals]:
     return found
 
 
+def _restore(previous: dict[signal.Signals, object]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+    previous.clear()
+
+
 class Preemption:
     """Catches the preemption signals while a run trains (a context manager) and agrees on stopping."""
 
     def __init__(self, names: list[str], device: torch.device, distributed: bool) -> None:
+        """Installs the handlers at once (a job preempted while it loads data, builds the model or resumes stops
+        after its first step, requeued too); leaving the `with` block (the end of `Trainer.fit`), or this object
+        being collected, gives the signals back their previous handlers."""
         self.signals = signal_numbers(names)
         self.device, self.distributed = device, distributed
         self.received: signal.Signals | None = None
         self._previous: dict[signal.Signals, object] = {}
+        self._install()
+        weakref.finalize(self, _restore, self._previous)
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is None:
-            self.received = signal.Signals(signum)
+    @staticmethod
+    def _handler(ref: weakref.ref) -> Callable[[int, FrameType | None], None]:
+        """The signal handler: it only sets the flag, and holds this object weakly (so that collecting it restores
+        the previous handlers)."""
+        def handle(signum: int, frame: FrameType | None) -> None:
+            owner = ref()
+            if owner is not None and owner.received is None:
+                owner.received = signal.Signals(signum)
+        return handle
 
-    def __enter__(self) -> Preemption:
+    def _install(self) -> None:
+        if self._previous:
+            return
         if threading.current_thread() is not threading.main_thread():
             if self.signals:
                 log.warning("preemption signals are not caught: the trainer runs outside the main thread")
-            return self
+            return
+        handle = self._handler(weakref.ref(self))
         for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
+            self._previous[sig] = signal.signal(sig, handle)
+
+    def __enter__(self) -> Preemption:
+        self._install()
         return self
 
     def __exit__(self, *exc) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous.clear()
+        _restore(self._previous)
 
     def log_stop(self, step: int, checkpoint: object) -> None:
         who = self.received.name if self.received is not None else "a signal to another rank"
@@ -73,7 +96,7 @@ class Preemption:
     def requested(self) -> bool:
         """Whether any rank received a preemption signal (collective when distributed: call it on every rank)."""
         flag = self.received is not None
-        if not self.distributed:
+        if not self.distributed or not self.signals:  # nothing to agree on: no collective, no host sync
             return flag
         t = torch.tensor(float(flag), device=self.device)  # on the device: NCCL reduces no CPU tensors
         dist.all_reduce(t, op=dist.ReduceOp.MAX)

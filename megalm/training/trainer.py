@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from megalm.config import MegalmConfig, config_to_dict
+from megalm.config import MegalmConfig, config_to_dict, process_group_minutes
 from megalm.data.build import build_datasets
 from megalm.data.dataset import SampleDataset, TokenBudgetSteps
 from megalm.errors import CheckpointError, ConfigError
@@ -30,7 +30,7 @@ from megalm.parallel.parallelism import Parallelism
 from megalm.precision import Precision
 from megalm.training import checkpoint as ckpt
 from megalm.training.flops import peak_flops, training_flops
-from megalm.training.guards import NonFiniteGuard, SpikeDetector, check_finite_state
+from megalm.training.guards import NonFiniteError, NonFiniteGuard, SpikeDetector, check_finite_state
 from megalm.training.init_from import load_init_weights
 from megalm.training.metrics import MetricsLogger, ThroughputWindow, peak_memory_gb
 from megalm.training.optim import build_optimizer, lr_at, set_lr
@@ -83,8 +83,9 @@ class Trainer:
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
         self.device = select_device(cfg.trainer.device)
+        self.preemption = Preemption(cfg.trainer.preempt_signals, self.device, distributed=False)
         world_size = (mesh.dims.world_size if mesh is not None
-                      else init_distributed(self.device, cfg.parallel.timeout_minutes)[1])
+                      else init_distributed(self.device, process_group_minutes(cfg))[1])
         self.cfg = validate_run(cfg, world_size)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -99,11 +100,10 @@ class Trainer:
         budget = cfg.trainer.tokens_per_step
         self.train_steps = TokenBudgetSteps(self.data.train, budget) if budget else None
         self.valid_steps = TokenBudgetSteps(self.data.valid, budget) if budget and self.data.valid else None
-        self.step = 0
-        self.consumed_tokens = 0
+        self.step, self.consumed_tokens = 0, 0
         self.resumed_from: Path | None = None
         self.pending_save: ckpt.PendingCheckpoint | None = None
-        self.preemption = Preemption(cfg.trainer.preempt_signals, self.device, self.mesh.is_distributed)
+        self.preemption.distributed = self.mesh.is_distributed
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, cfg.trainer.max_consecutive_skips)
         self.spikes = SpikeDetector(cfg.trainer.spike_window, cfg.trainer.spike_zscore)
         self.watchdog = Watchdog(cfg.trainer.hang_minutes * 60, self.mesh.rank, self.run_dir)
@@ -145,8 +145,8 @@ class Trainer:
 
     def save(self) -> Path:
         """A checkpoint of this step; refused (one line) when any weight or optimizer state is not finite."""
+        self.finish_save()  # one save in flight at a time, published before anything can fail
         check_finite_state(self.model, self.optimizer, self.step, self.device, self.mesh.is_distributed)
-        self.finish_save()  # one save in flight at a time
         state = {"consumed_tokens": self.consumed_tokens, "tokenizer": getattr(self.data.tokenizer, "spec", None),
                  **self._data_order()}
         if self.train_steps is not None:
@@ -272,6 +272,9 @@ class Trainer:
                         self.preemption.log_stop(self.step, last_saved)
                         break
                 self.finish_save()
+            except NonFiniteError:  # decided on all-reduced values: every rank is here, the publish is safe
+                self.finish_save()
+                raise
             finally:
                 if logger is not None:
                     logger.close()

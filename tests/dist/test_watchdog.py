@@ -71,3 +71,29 @@ def test_off_at_zero(tmp_path):
     with Watchdog(0, rank=0, run_dir=tmp_path, exit=exits.append):
         time.sleep(0.2)
     assert exits == [] and not (tmp_path / "hang-rank0.txt").exists()
+
+
+def test_the_collective_timeout_outlasts_the_watchdog(monkeypatch):
+    import datetime
+
+    from megalm.config import process_group_minutes, validate
+    from megalm.errors import ConfigError
+    from megalm.parallel import dims
+    from tests.conftest import compose_config
+
+    assert process_group_minutes(compose_config()) == 35  # hang_minutes 30 + 5: the watchdog reports first
+    assert process_group_minutes(compose_config("parallel.timeout_minutes=60")) == 60
+    assert process_group_minutes(compose_config("trainer.hang_minutes=0")) is None  # torch's default
+    with pytest.raises(ConfigError, match="parallel.timeout_minutes=20.0 must exceed trainer.hang_minutes=30.0"):
+        validate(compose_config("parallel.timeout_minutes=20"))
+
+    seen = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dims.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dims.dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(dims.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dims.dist, "get_world_size", lambda: 2)
+    import torch
+
+    dims.init_distributed(torch.device("cpu"), 35)
+    assert seen == {"backend": "gloo", "timeout": datetime.timedelta(minutes=35)}

@@ -90,3 +90,14 @@ def test_the_cli_says_one_line_and_exits_2(trained, tmp_path):
     assert errors == [f"error: checkpoint file {file} is damaged (not a safetensors file); resume from another "
                       "checkpoint with trainer.resume=PATH"], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_the_save_after_a_fall_back_survives_pruning(trained, tmp_path):
+    """keep_last=1 after falling back from a damaged step 4 to step 2: the new step 3 is what `latest` names and
+    what pruning keeps (the damaged, newer step 4 is left for inspection, not counted)."""
+    run, _ = damaged_copy(trained, tmp_path, "truncated shard")
+    summary = Trainer(compose_config(*RUN, "trainer.keep_last=1", "trainer.stop_at_step=3"), run).fit()
+    assert summary.checkpoint.name == "step_00000003" and summary.checkpoint.is_dir()
+    names = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    assert names == ["step_00000003", "step_00000004"]
+    assert Trainer(compose_config(*RUN, "trainer.keep_last=1"), run).step == 3

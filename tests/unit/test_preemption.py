@@ -99,3 +99,23 @@ def test_megalm_train_exits_with_the_requeue_code(tmp_path):
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=200)
     assert resumed.returncode == 0, resumed.stdout[-2000:]
     assert f"resumed from {run_dir / 'checkpoints' / latest} at step {stopped_at}" in resumed.stdout
+
+
+def test_a_signal_while_the_run_starts_up_stops_it_after_its_first_step(tmp_path):
+    """The handlers are installed when the Trainer is built (data, model, resume can take minutes): a signal
+    then is not lost, and the run stops after step 1 with a checkpoint. Collecting the Trainer gives the signal
+    its previous handler back."""
+    import gc
+
+    before = signal.getsignal(signal.SIGUSR1)
+    trainer = Trainer(compose_config(f"trainer.max_steps={STEPS}"), tmp_path)
+    assert signal.getsignal(signal.SIGUSR1) is not before
+    os.kill(os.getpid(), signal.SIGUSR1)
+    summary = trainer.fit()
+    assert summary.preempted and summary.steps == 1 and summary.checkpoint.name == "step_00000001"
+    assert signal.getsignal(signal.SIGUSR1) == before
+    unused = Trainer(compose_config(f"trainer.max_steps={STEPS}"), tmp_path / "unused")
+    assert signal.getsignal(signal.SIGUSR1) is not before
+    del unused
+    gc.collect()
+    assert signal.getsignal(signal.SIGUSR1) == before
