@@ -193,7 +193,7 @@ def _gpt_worker(rank: int, world: int, model_kwargs: dict, sequence_parallel: bo
     residual_rows = []
     model.layers[0].register_forward_hook(lambda m, args, out: residual_rows.append(out.shape[0]))
     logits = model.forward_batch(local)
-    assert logits.shape == (local.num_tokens, cfg.vocab_size // world)
+    assert logits.shape == (local.num_tokens, reference.cfg.padded_vocab_size // world)  # the padded vocab's rows
     assert residual_rows == [local.num_tokens // world if sequence_parallel else local.num_tokens]
     loss = loss_fn_for(mesh.tp_group)(logits, local.labels, local.loss_mask)
     loss.backward()
