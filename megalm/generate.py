@@ -13,12 +13,11 @@ import argparse
 
 import torch
 
-from megalm.config import ModelConfig, resolve_model_defaults
 from megalm.data.tokenizer import build_tokenizer
 from megalm.errors import MegalmError, one_line_errors
 from megalm.model import GPT
 from megalm.model.gpt import real_logits
-from megalm.training.checkpoint import load_model_weights, read_checkpoint_meta, resolve_checkpoint_path
+from megalm.training.checkpoint import load_saved_model
 
 
 @torch.no_grad()
@@ -51,15 +50,11 @@ def sample(model: GPT, prompt: list[int], max_new_tokens: int, temperature: floa
 
 def load_for_generation(path: str, device: str = "cpu") -> tuple[GPT, object]:
     """Model (weights loaded) and tokenizer of a checkpoint dir or run dir."""
-    ckpt = resolve_checkpoint_path(path)
-    meta = read_checkpoint_meta(ckpt)
-    model_cfg = resolve_model_defaults(ModelConfig(**meta.config["model"]))
-    model = GPT(model_cfg, device=torch.device(device))
-    load_model_weights(ckpt, model)
+    meta, model = load_saved_model(path, device)
     model.eval()
     spec = meta.state.get("tokenizer")
     if spec is None:
-        raise MegalmError(f"checkpoint {ckpt} was trained without a tokenizer (synthetic data); nothing to decode")
+        raise MegalmError(f"checkpoint {meta.path} was trained without a tokenizer (synthetic data); nothing to decode")
     return model, build_tokenizer(spec)
 
 

@@ -45,8 +45,9 @@ from torch import nn
 from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.tensor import DTensor, Shard
 
+from megalm.config import ModelConfig, resolve_model_defaults
 from megalm.errors import CheckpointError
-from megalm.model.gpt import VOCAB_PARAMS, resize_vocab_rows
+from megalm.model.gpt import GPT, VOCAB_PARAMS, resize_vocab_rows
 from megalm.model.naming import canonical_named_parameters
 from megalm.model.shard import ShardSpec, shard_specs
 
@@ -512,6 +513,18 @@ def load_model_weights(path: Path, model: nn.Module, mesh=None) -> None:
     targets = _model_targets(model, mesh, saved_rows)
     _dcp_load(targets, path)
     _copy_model(model, targets, path, saved_rows)
+
+
+def load_saved_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[LoadedCheckpoint, GPT]:
+    """The whole model of a checkpoint (or of a run dir's `latest`) in one process on `device`, whatever layout
+    wrote it (DCP reshards), built from its config.yaml (its saved padded vocab kept): what megalm-generate,
+    megalm-export and model.init_from read. No initialization is drawn: every parameter is loaded."""
+    ckpt = resolve_checkpoint_path(path)
+    meta = read_checkpoint_meta(ckpt)
+    model = GPT(resolve_model_defaults(ModelConfig(**meta.config["model"])), device="meta")
+    model.to_empty(device=device)
+    load_model_weights(ckpt, model)
+    return meta, model
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,

@@ -22,20 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from megalm.config import ModelConfig, resolve_model_defaults
+from megalm.config import ModelConfig
 from megalm.errors import ConfigError
-from megalm.model import GPT
 from megalm.model.gpt import VOCAB_PARAMS, resize_vocab_rows
 from megalm.model.hf import model_config_dict, read_hf_model
 from megalm.model.naming import canonical_named_parameters
 from megalm.model.shard import shard_specs
-from megalm.training.checkpoint import (
-    LoadedCheckpoint,
-    check_model_config,
-    load_model_weights,
-    read_checkpoint_meta,
-    resolve_checkpoint_path,
-)
+from megalm.training.checkpoint import LoadedCheckpoint, check_model_config, load_saved_model
 
 log = logging.getLogger("megalm")
 HF_PREFIX = "hf:"
@@ -58,12 +51,7 @@ def validate_init_from(spec: str | None) -> None:
 def read_megalm_weights(path: str | Path) -> tuple[LoadedCheckpoint, ModelConfig, dict[str, torch.Tensor]]:
     """The full model's weights of a megalm checkpoint (or run dir: its `latest`) on CPU, whatever layout wrote
     it (TP/PP/ZeRO-1: DCP reshards into one process), with the model config from its config.yaml."""
-    ckpt = resolve_checkpoint_path(path)
-    meta = read_checkpoint_meta(ckpt)
-    cfg = resolve_model_defaults(ModelConfig(**meta.config["model"]))  # keeps a saved padded vocab
-    model = GPT(cfg, device="meta")
-    model.to_empty(device="cpu")  # no init: every parameter is loaded next
-    load_model_weights(ckpt, model)
+    meta, model = load_saved_model(path)
     return meta, model.cfg, {name: p.detach() for name, p in canonical_named_parameters(model)}
 
 
