@@ -393,18 +393,14 @@ def _check_safetensors(file: Path) -> None:
         raise _damaged(file, f"truncated: {size} bytes, its header describes {8 + n + end}")
 
 
-def verify_checkpoint(path: Path) -> None:
+def verify_checkpoint(path: Path) -> LoadedCheckpoint:
     """Refuse (one line naming the file) a checkpoint whose files were damaged after it was written: an
-    unreadable state.json or config.yaml, a truncated or foreign .safetensors file. Reads headers only."""
-    for name, parse in (("state.json", json.loads), ("config.yaml", OmegaConf.create)):
-        file = path / name
-        try:
-            parse(file.read_text())
-        except Exception as e:  # noqa: BLE001 - JSON, YAML and decoding errors all mean "damaged"
-            raise _damaged(file, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
-                           ) from None
+    unreadable state.json or config.yaml, a truncated or foreign .safetensors file. Reads headers only; returns
+    the metadata it read."""
+    meta = read_checkpoint_meta(path)
     for file in sorted(path.glob("*.safetensors")):
         _check_safetensors(file)
+    return meta
 
 
 def resumable_checkpoint(run_dir: Path, resume: str) -> Path | None:
@@ -413,8 +409,7 @@ def resumable_checkpoint(run_dir: Path, resume: str) -> Path | None:
     complete checkpoint that is intact (a warning names what was skipped); None when the run dir has none."""
     if resume != "auto":
         path = resolve_checkpoint_path(resume)
-        verify_checkpoint(path)
-        if json.loads((path / "state.json").read_text()).get("weights_only"):
+        if verify_checkpoint(path).state.get("weights_only"):
             raise CheckpointError(f"checkpoint {path} holds weights only (megalm-import); start from it with "
                                   f"model.init_from={path} instead of trainer.resume")
         return path
@@ -432,13 +427,19 @@ def resumable_checkpoint(run_dir: Path, resume: str) -> Path | None:
                           "away to start over, or resume from a copy with trainer.resume=PATH")
 
 
-def read_checkpoint_meta(path: Path) -> LoadedCheckpoint:
+def _read_text_file(file: Path, parse: Any) -> Any:
     try:
-        state = json.loads((path / "state.json").read_text())
-        config = OmegaConf.to_container(OmegaConf.load(path / "config.yaml"), resolve=True)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt ({type(e).__name__}: {e}); "
-                              "resume from another one with trainer.resume=PATH") from None
+        return parse(file.read_text())
+    except Exception as e:  # noqa: BLE001 - I/O, decoding, JSON and YAML errors all mean "damaged"
+        first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
+        raise _damaged(file, f"{type(e).__name__}: {first}") from None
+
+
+def read_checkpoint_meta(path: Path) -> LoadedCheckpoint:
+    """state.json and config.yaml of a checkpoint; a one-line error naming the file when one cannot be read."""
+    state = _read_text_file(path / "state.json", json.loads)
+    config = _read_text_file(path / "config.yaml",
+                             lambda text: OmegaConf.to_container(OmegaConf.create(text), resolve=True))
     if state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format version {state.get('format_version')}, "
                               f"this megalm reads {FORMAT_VERSION}")
