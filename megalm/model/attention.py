@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalm import compat
 from megalm.config import ModelConfig
 from megalm.errors import ConfigError
 from megalm.model.linear import Linear
@@ -44,20 +45,10 @@ def _flash_attn_importable() -> bool:
     return True
 
 
-@functools.cache
-def _torch_varlen_importable() -> bool:
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _flash_capable(device: torch.device, dtype: torch.dtype) -> bool:
     """A CUDA device of compute capability 8.0+ (what flash kernels need) and a half-precision dtype."""
-    if device.type != "cuda" or dtype not in _FAST_DTYPES or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+    capability = compat.cuda_capability(device)
+    return dtype in _FAST_DTYPES and capability is not None and capability >= (8, 0)
 
 
 def select_attention_backend(
@@ -72,7 +63,7 @@ def select_attention_backend(
     device = torch.device(device)
     fast = _flash_capable(device, dtype)
     can_flash = fast and _flash_attn_importable()
-    can_varlen = fast and _torch_varlen_importable() and not dropout
+    can_varlen = fast and compat.varlen_attn_available() and not dropout
     where = f"(got {device.type} {str(dtype).removeprefix('torch.')})"
     if requested == "auto":
         return "flash_attn" if can_flash else "torch_varlen" if can_varlen else "sdpa"
@@ -179,11 +170,7 @@ def varlen_attention(
     if backend == "torch_varlen":
         if dropout_p > 0.0:
             raise ValueError("the torch_varlen attention backend has no dropout")
-        from torch.nn.attention.varlen import varlen_attn
-
-        cu = cu_seqlens.to(torch.int32)
-        return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0),
-                           enable_gqa=True)
+        return compat.varlen_attn(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, scale=scale)
     if backend == "sdpa":
         return _sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale)
     if backend == "reference":

@@ -1,7 +1,7 @@
 """Collective helpers every parallelism shares: a group of None means "one rank, no communication".
 
-torch 2.13 renamed the flat-tensor collectives (the old names warn); megalm supports torch >= 2.5, which
-has only the old names, so the new ones are used when present.
+The flat-tensor collectives (all_gather_flat, reduce_scatter_flat) come from megalm.compat: torch 2.13 renamed
+them, and the floor has only the old names.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megalm.compat import all_gather_flat, reduce_scatter_flat
 from megalm.parallel.progress import note_collective
 
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+__all__ = ["all_gather_flat", "reduce_scatter_flat", "group_size", "group_rank", "all_reduce_sum"]
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from megalm import compat
 from megalm.errors import ConfigError
 
 MODES = ("none", "full", "selective")
@@ -38,9 +39,8 @@ SAVED_OPS = {
     _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
-for _name in ("_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward"):
-    if hasattr(_aten, _name):
-        SAVED_OPS.add(getattr(_aten, _name).default)
+SAVED_OPS.update(compat.present_aten_ops(
+    ("_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")))
 
 
 # Attention kernels registered as custom ops, saved by name: torch's varlen op, flash-attn's internals

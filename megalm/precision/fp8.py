@@ -31,6 +31,8 @@ from collections.abc import Callable
 
 import torch
 
+from megalm import compat
+
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 _DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
@@ -78,8 +80,9 @@ def _quantize_fused() -> Callable[..., torch.Tensor]:
     in fp32 registers and writes FP8, where eager PyTorch would write an fp32 copy of x first. It computes
     the same values bit for bit (tests/unit/test_precision_weight_cache.py compiles it on CPU and compares).
     Its variants: x dtype (fp32, bf16, fp16) x FP8 dtype x scale shape (per tensor, per row, per column):
-    up to 18 graphs, past dynamo's default of 8 recompiles per function, so the limit is raised to hold them."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 24)
+    up to 18 graphs, past dynamo's default of 8 recompiles per function, so the limit is raised to hold them
+    (tests/unit/test_compile_recompiles.py runs it over a training run's shapes and bounds the count)."""
+    compat.raise_recompile_limit(24)
     return torch.compile(_quantize_math, dynamic=True, fullgraph=True)
 
 
@@ -89,7 +92,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.
     On CUDA one fused kernel straight from x's dtype (no fp32 copy of a bf16 x in memory); elsewhere eager
     PyTorch, the reference. The fused kernel is compiled once per (x dtype, FP8 dtype): x contiguous and the
     scale as many dims as x (a 0-dim scale is viewed as [1, 1]) so that layouts do not multiply its variants."""
-    if not x.is_cuda:
+    if not x.is_cuda or compat.is_fake(x):  # fake tensors (the fake-CUDA tier): the values, no kernel to compile
         return _quantize_math(x, scale, fp8_max(dtype), dtype)
     scale = scale.reshape([1] * x.dim()) if scale.dim() == 0 else scale
     return _quantize_fused()(x.contiguous(), scale, fp8_max(dtype), dtype)
@@ -137,9 +140,10 @@ SCALED_MM_TOKEN_MULTIPLE = 16  # torch._scaled_mm needs every GEMM dimension, th
 
 def gemm_path(device: torch.device) -> str:
     """Where FP8 GEMMs run on `device`, for the log: torch._scaled_mm, or the fp32 emulation and why."""
-    if device.type != "cuda" or not torch.cuda.is_available():
+    capability = compat.cuda_capability(device)
+    if capability is None:
         return f"emulated in fp32 (no FP8 GEMMs on {device.type})"
-    if not hasattr(torch, "_scaled_mm") or torch.cuda.get_device_capability(device) < (8, 9):
+    if not compat.scaled_mm_available() or capability < (8, 9):
         return "emulated in fp32 (FP8 GEMMs need compute capability 8.9+)"
     return ("torch._scaled_mm (emulated where a dimension is not a multiple of 16, for E5M2 x E5M2, "
             "and for E5M2 under per-row scales)")
@@ -148,9 +152,8 @@ def gemm_path(device: torch.device) -> str:
 def _scaled_mm_available(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype,
                          rowwise: bool) -> bool:
     """Whether torch._scaled_mm can run a [M, K] @ b [K, N]: detected from the device, never assumed."""
-    if a.device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
-        return False
-    if torch.cuda.get_device_capability(a.device) < (8, 9):
+    capability = compat.cuda_capability(a.device)
+    if capability is None or capability < (8, 9) or not compat.scaled_mm_available():
         return False
     if any(n % 16 for n in (*a.shape, b.shape[1])):
         return False

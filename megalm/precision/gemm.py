@@ -10,13 +10,13 @@ into a layer under a recipe; its docstring has the formats, the measured errors 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 from dataclasses import dataclass
 
 import torch
 
+from megalm import compat
 from megalm.precision import fp8
 from megalm.precision.hadamard import random_signs, rht
 from megalm.precision.kernels.mx_triton import BLOCK_SIZE, RHT_BLOCK, mx_quantize_triton, triton_available
@@ -84,20 +84,10 @@ def mx_gemm_path(device: torch.device) -> str:
     return f"emulated in fp32 ({why})"
 
 
-@functools.cache
-def _mm_out_dtype_missing() -> bool:
-    """torch.mm(..., out_dtype=) (bf16 operands, fp32 output) is missing from this torch: logged once."""
-    if hasattr(torch.ops.aten.mm, "dtype"):
-        return False
-    log.warning("this torch has no torch.mm(out_dtype=): bf16 GEMMs with fp32 output run as fp32 matmuls of the "
-                "bf16 values (same values, slower); upgrade torch for the bf16 GEMM")
-    return True
-
-
 def mm_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [M, K] @ b [K, N] for operands whose values are exact in bf16: a bf16 GEMM with fp32 accumulation
     and fp32 output on CUDA; the same product as an fp32 matmul elsewhere (the reference)."""
-    if a.is_cuda and not _mm_out_dtype_missing():
+    if a.is_cuda and compat.mm_out_dtype_available():
         return torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16), out_dtype=torch.float32)
     return a.float() @ b.float()
 

@@ -42,28 +42,15 @@ from omegaconf import OmegaConf
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader
 from torch.distributed.tensor import DTensor, Shard
 
+from megalm import compat
 from megalm.config import ModelConfig, resolve_model_defaults
 from megalm.errors import CheckpointError
 from megalm.model.gpt import GPT, VOCAB_PARAMS, resize_vocab_rows
 from megalm.model.naming import canonical_named_parameters
 from megalm.model.shard import ShardSpec, shard_specs
-
-TORCH_FLOOR = (2, 9)  # HuggingFaceStorageWriter(save_distributed=...) first appears in torch 2.9
-
-
-def check_torch_version(version: str) -> None:
-    """Refuse a torch older than the floor pyproject.toml states, with the fix (checkpoints need its DCP API)."""
-    major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
-    if (major, minor) < TORCH_FLOOR:
-        raise ImportError(f"megalm needs torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]} (its checkpoints use "
-                          f"torch.distributed.checkpoint's Hugging Face storage), found {version}; "
-                          f"pip install 'torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}'")
-
-
-check_torch_version(torch.__version__)
 
 log = logging.getLogger("megalm")
 # One process saves without a process group on purpose; DCP warns about it, from async_save's thread too.
@@ -187,7 +174,7 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """Write `tensors` (plain or DTensor) into the safetensors files of a checkpoint dir through DCP (collective)."""
     with warnings.catch_warnings():  # one process: DCP warns that it saves without a process group
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(path), save_distributed=True))
+        dcp.save(tensors, storage_writer=compat.hf_storage_writer(str(path)))
 
 
 def _dcp_load(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -250,7 +237,7 @@ def _async_save(tensors: dict[str, torch.Tensor], path: Path, mesh) -> Any:
         group = _async_groups[key]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        return dcp.async_save(tensors, storage_writer=HuggingFaceStorageWriter(str(path), save_distributed=True),
+        return dcp.async_save(tensors, storage_writer=compat.hf_storage_writer(str(path)),
                               process_group=group)
 
 

@@ -146,11 +146,13 @@ def test_torch_floor_is_checked_and_matches_pyproject():
 
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
+    from megalm import compat
+
     pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     floor = tuple(int(x) for x in re.search(r'"torch>=(\d+)\.(\d+)"', pyproject).groups())
-    assert floor == ckpt.TORCH_FLOOR
+    assert floor == compat.TORCH_FLOOR
     assert "save_distributed" in inspect.signature(HuggingFaceStorageWriter.__init__).parameters
-    ckpt.check_torch_version(torch.__version__)
-    ckpt.check_torch_version("2.9.0a0+nv25.09")
+    compat.check_torch_version(torch.__version__)
+    compat.check_torch_version("2.9.0a0+nv25.09")
     with pytest.raises(ImportError, match=r"torch>=2\.9.*found 2\.8\.0"):
-        ckpt.check_torch_version("2.8.0")
+        compat.check_torch_version("2.8.0")

@@ -494,15 +494,17 @@ def test_fp8_pads_micro_batches_on_a_gpu_and_says_where_its_gemms_run():
     (fp8.E4M3, fp8.E5M2, True, (32, 64, 48), False),
     (fp8.E4M3, fp8.E4M3, False, (30, 64, 48), False),  # tokens not a multiple of 16
 ])
-def test_which_fp8_gemms_run_on_scaled_mm(monkeypatch, a_dtype, b_dtype, rowwise, shape, on_hardware):
-    """The dispatch rule on a (faked) Hopper GPU: every other case is emulated, never sent to a kernel
+def test_which_fp8_gemms_run_on_scaled_mm(a_dtype, b_dtype, rowwise, shape, on_hardware):
+    """The dispatch rule on a (simulated) Hopper GPU: every other case is emulated, never sent to a kernel
     that would refuse it or lose precision."""
     from types import SimpleNamespace
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    from megalm import compat
+
     m, k, n = shape
     a = SimpleNamespace(device=torch.device("cuda"), shape=(m, k))
     b = SimpleNamespace(device=torch.device("cuda"), shape=(k, n))
-    assert fp8._scaled_mm_available(a, b, a_dtype, b_dtype, rowwise) == on_hardware
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # A100: no FP8 GEMMs
-    assert not fp8._scaled_mm_available(a, b, a_dtype, b_dtype, rowwise)
+    with compat.simulated_cuda((9, 0)):
+        assert fp8._scaled_mm_available(a, b, a_dtype, b_dtype, rowwise) == on_hardware
+    with compat.simulated_cuda((8, 0)):  # A100: no FP8 GEMMs
+        assert not fp8._scaled_mm_available(a, b, a_dtype, b_dtype, rowwise)

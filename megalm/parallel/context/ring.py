@@ -32,13 +32,13 @@ bf16 on sm80+), which the ring runs on CUDA wherever flash cannot. `block_kernel
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from megalm import compat
 from megalm.model.attention import select_attention_backend, varlen_attention
 from megalm.parallel.context.zigzag import ZigzagLayout, ZigzagPlan, as_layout
 from megalm.parallel.progress import PROGRESS
@@ -56,11 +56,10 @@ REFERENCE_LIMIT_BYTES = 2 * 2**30
 def _efficient_capable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch's memory-efficient kernels run here: NVIDIA CUDA sm50+, fp32/fp16, bf16 on sm80+ (the
     rule torch's SDPA applies). Not ROCm: its builds run other kernels (aotriton), unchecked against this adapter."""
-    if device.type != "cuda" or dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    capability = compat.cuda_capability(device)  # None on ROCm too
+    if capability is None or dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return False
-    if torch.version.hip is not None or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= ((8, 0) if dtype == torch.bfloat16 else (5, 0))
+    return capability >= ((8, 0) if dtype == torch.bfloat16 else (5, 0))
 
 
 def block_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -278,29 +277,13 @@ def block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, sc
     raise ValueError(f"unknown ring attention kernel {kernel!r}; one of {', '.join(KERNELS)}")
 
 
-def _parameter_names(fn) -> set[str]:
-    """The keyword names a flash-attn internal takes. flash-attn >= 2.7 wraps them in torch.library.custom_op,
-    whose own signature is (*args, **kwargs): read the wrapped function's, or else the op schema's."""
-    for target in (getattr(fn, "_init_fn", None), inspect.unwrap(fn)):
-        if target is None:
-            continue
-        params = inspect.signature(target).parameters
-        if not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
-            return set(params)
-    schema = getattr(getattr(fn, "_opoverload", None), "_schema", None)
-    if schema is None:
-        raise RuntimeError(f"cannot read the parameters of flash-attn's {getattr(fn, '__name__', fn)}; this "
-                           "flash-attn version is not supported: use model.attention_backend=torch_varlen")
-    return {argument.name for argument in schema.arguments}
+_FLASH_DEFAULTS = {"window_size_left": -1, "window_size_right": -1, "window_size": (-1, -1), "softcap": 0.0,
+                   "alibi_slopes": None}
 
 
 def _call(fn, **kwargs):
     """Call a flash-attn internal with the keywords its version knows (window/softcap/alibi defaults added)."""
-    names = _parameter_names(fn)
-    defaults = {"window_size_left": -1, "window_size_right": -1, "window_size": (-1, -1), "softcap": 0.0,
-                "alibi_slopes": None}
-    kwargs |= {key: value for key, value in defaults.items() if key in names}
-    return fn(**{key: value for key, value in kwargs.items() if key in names})
+    return compat.call_with_known_keywords(fn, _FLASH_DEFAULTS, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------ steps

@@ -64,6 +64,7 @@ import os
 
 import torch
 
+from megalm import compat
 from megalm.precision.mx import MXTensor, get_format, resolve_prescale
 
 BLOCK_SIZE = 32  # MX block (elements per E8M0 scale)
@@ -90,7 +91,7 @@ def triton_available(device: torch.device | str | None = None) -> bool:
     tensors under the Triton interpreter (TRITON_INTERPRET=1). None means the current CUDA device."""
     device = torch.device("cuda" if device is None else device)
     if device.type == "cuda":
-        return torch.cuda.is_available() and _triton_importable()
+        return compat.cuda_capability(device) is not None and _triton_importable()
     if device.type == "cpu":
         return _interpret() and _triton_importable()
     return False
@@ -335,54 +336,82 @@ def mx_quantize_triton(
     prescale = resolve_prescale(prescale, rounding, scale_mode)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
-    m = x2.shape[0]
     has_rht = rht_signs is not None
     if has_rht:
         if rht_signs.numel() != RHT_BLOCK:
             raise ValueError(f"rht_signs must have {RHT_BLOCK} entries (one block, shared), got {rht_signs.numel()}")
         signs = rht_signs.to(device=x.device, dtype=torch.float32).contiguous()
-        k_out = _cdiv(k, RHT_BLOCK) * RHT_BLOCK
     else:
         signs = torch.empty(RHT_BLOCK, device=x.device, dtype=torch.float32)  # unused
-        k_out = k
-    n_blocks = _cdiv(k_out, BLOCK_SIZE)
+    k_out = _cdiv(k, RHT_BLOCK) * RHT_BLOCK if has_rht else k
     out_dtype = out_dtype or (torch.float32 if has_rht else x.dtype)
-    fp4 = elem.bits == 4
-    dummy_u8 = torch.empty(1, device=x.device, dtype=torch.uint8)
-    if packed:
-        codes = torch.empty(m, n_blocks, BLOCK_SIZE // 2 if fp4 else BLOCK_SIZE, device=x.device, dtype=torch.uint8)
-        scales = torch.empty(m, n_blocks, device=x.device, dtype=torch.uint8)
-        out = torch.empty(1, device=x.device, dtype=out_dtype)
-    else:
-        out = torch.empty(m, k_out, device=x.device, dtype=out_dtype)
-        codes = scales = dummy_u8
+    if block_m is None:  # 64 x 64 tiles, 8 warps: ~80-130 registers on sm_90, no spills (tl.dot needs >= 16)
+        block_m = 16 if x.device.type == "cpu" else 64
+    if num_warps is None:
+        num_warps = 8 if block_m >= 64 else 4
+    out, codes, scales = torch.ops.megalm.mx_quantize(
+        x2, signs, elem.name, rounding, scale_mode, int(seed) & (2**63 - 1), packed, prescale, out_dtype,
+        divide_prescale, has_rht, block_m, num_warps)
+    shape = torch.Size((*lead, k_out))
+    if not packed:
+        return out.reshape(shape)
+    n_blocks = scales.shape[-1]
+    return MXTensor(codes.reshape(*lead, n_blocks, codes.shape[-1]), scales.reshape(*lead, n_blocks), elem,
+                    BLOCK_SIZE, len(shape) - 1, shape, out_dtype, prescale)
+
+
+def _mx_outputs(x2: torch.Tensor, fmt: str, packed: bool, has_rht: bool, out_dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op's (out, codes, scales), empty: the dequantized [M, K_out] or the packed codes and scales; the unused
+    ones are one-element placeholders (a custom op returns fresh tensors, never one twice)."""
+    m, k = x2.shape
+    k_out = _cdiv(k, RHT_BLOCK) * RHT_BLOCK if has_rht else k
+    n_blocks = _cdiv(k_out, BLOCK_SIZE)
+    placeholder = lambda dtype: x2.new_empty(1, dtype=dtype)
+    if not packed:
+        return x2.new_empty(m, k_out, dtype=out_dtype), placeholder(torch.uint8), placeholder(torch.uint8)
+    width = BLOCK_SIZE // 2 if get_format(fmt).bits == 4 else BLOCK_SIZE
+    return (placeholder(out_dtype), x2.new_empty(m, n_blocks, width, dtype=torch.uint8),
+            x2.new_empty(m, n_blocks, dtype=torch.uint8))
+
+
+# A custom op, so that FakeTensorMode (the fake-CUDA tests, memory estimates) and torch.compile see shapes without
+# launching Triton: the launch is opaque to both, and `_mx_quantize_fake` says what it returns.
+@torch.library.custom_op("megalm::mx_quantize", mutates_args=())
+def _mx_quantize_op(x2: torch.Tensor, signs: torch.Tensor, fmt: str, rounding: str, scale_mode: str, seed: int,
+                    packed: bool, prescale: float, out_dtype: torch.dtype, divide_prescale: bool, has_rht: bool,
+                    block_m: int, num_warps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One launch of the kernel on x2 [M, K]; `mx_quantize_triton` validates and shapes around it."""
+    elem = get_format(fmt)
+    out, codes, scales = _mx_outputs(x2, fmt, packed, has_rht, out_dtype)
+    m, k = x2.shape
+    k_out = _cdiv(k, RHT_BLOCK) * RHT_BLOCK if has_rht else k
+    n_blocks = _cdiv(k_out, BLOCK_SIZE)
     if m and n_blocks:
-        if block_m is None:  # 64 x 64 tiles, 8 warps: ~80-130 registers on sm_90, no spills (tl.dot needs >= 16)
-            block_m = 16 if x.device.type == "cpu" else 64
-        if num_warps is None:
-            num_warps = 8 if block_m >= 64 else 4
         grid = (_cdiv(m, block_m), _cdiv(k_out, RHT_BLOCK))
         interpret = _interpret()
-        in_bf16, out_bf16 = x.dtype == torch.bfloat16, out_dtype == torch.bfloat16 and not packed
+        in_bf16, out_bf16 = x2.dtype == torch.bfloat16, out_dtype == torch.bfloat16 and not packed
         _kernel(interpret)[grid](
             x2.view(torch.int16) if in_bf16 else x2, signs, out.view(torch.int16) if out_bf16 else out, codes, scales,
             m, k, k_out, n_blocks,
             x2.stride(0), x2.stride(1), out.stride(0) if not packed else 0,
             codes.stride(0) if packed else 0, scales.stride(0) if packed else 0,
-            int(seed) & (2**63 - 1), prescale,
+            seed, prescale,
             EBITS=elem.ebits, MBITS=elem.mbits, EMAX=elem.emax, EMIN=elem.emin, BIAS=elem.bias,
             MAXV=float(elem.max), POW2_EMAX=float(2.0**elem.emax), POW2_EMIN=float(2.0**elem.emin),
             CEIL=scale_mode == "ceil", STOCHASTIC=rounding == "stochastic", HAS_PRESCALE=prescale != 1.0,
             DIVIDE_PRESCALE=prescale != 1.0 and divide_prescale,
             HAS_RHT=has_rht, IN_BF16=in_bf16, OUT_BF16=out_bf16,
-            DOT_LOW=x.dtype != torch.float32 and not interpret, PACKED=packed, FP4=fp4, BLOCK_M=block_m,
+            DOT_LOW=x2.dtype != torch.float32 and not interpret, PACKED=packed, FP4=elem.bits == 4, BLOCK_M=block_m,
             num_warps=num_warps, enable_fp_fusion=False,
         )
-    shape = torch.Size((*lead, k_out))
-    if not packed:
-        return out.reshape(shape)
-    return MXTensor(codes.reshape(*lead, n_blocks, codes.shape[-1]), scales.reshape(*lead, n_blocks), elem,
-                    BLOCK_SIZE, len(shape) - 1, shape, out_dtype, prescale)
+    return out, codes, scales
+
+
+@_mx_quantize_op.register_fake
+def _mx_quantize_fake(x2, signs, fmt, rounding, scale_mode, seed, packed, prescale, out_dtype, divide_prescale,
+                      has_rht, block_m, num_warps):
+    return _mx_outputs(x2, fmt, packed, has_rht, out_dtype)
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -1,0 +1,197 @@
+"""Every torch API megalm calls that is newer than its floor or changed inside the supported range, probed once.
+
+megalm supports torch >= 2.9 (pyproject.toml states it; `.ci/run` tests the floor, the GPU image's 2.11 and the
+newest release). What differs across that range goes through this module, so the version-dependent surface is in
+one place: each probe is a signature or capability check computed once (functools.cache), never a version number
+compared, and a probe that picks a fallback says so in one log line naming it.
+
+It is also the one place that answers "is this a CUDA device, and of which compute capability" for the code that
+selects kernels (attention backends, FP8 GEMMs, the MX Triton quantizer, the ring's block kernels). `simulated_cuda`
+makes it answer for a device this process does not have: the fake-CUDA test tier runs megalm's CUDA paths on a CPU
+machine under FakeTensorMode (tests/unit/test_fake_cuda.py), where `torch.cuda.is_available()` must stay False
+(fake tensors reach for the driver when it says True).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("megalm")
+
+# HuggingFaceStorageWriter(save_distributed=...) (checkpoints) first appears in torch 2.9: the floor.
+TORCH_FLOOR = (2, 9)
+
+
+def check_torch_version(version: str) -> None:
+    """Refuse a torch older than the floor pyproject.toml states, with the fix."""
+    major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
+    if (major, minor) < TORCH_FLOOR:
+        raise ImportError(f"megalm needs torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]} (its checkpoints use "
+                          f"torch.distributed.checkpoint's Hugging Face storage), found {version}; "
+                          f"pip install 'torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}'")
+
+
+check_torch_version(torch.__version__)
+
+
+@functools.cache
+def _log_fallback(message: str) -> None:
+    log.info(message)
+
+
+# ------------------------------------------------------------------------------------------------ devices
+
+_simulated_capability: tuple[int, int] | None = None
+
+
+def cuda_capability(device: torch.device | str | None = None) -> tuple[int, int] | None:
+    """The compute capability of CUDA `device` (None: the current one), or None where it is not a usable CUDA
+    device (another device type, or no CUDA in this process). Under `simulated_cuda` the simulated one."""
+    device = torch.device("cuda" if device is None else device)
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    if _simulated_capability is not None:
+        return _simulated_capability
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+@contextlib.contextmanager
+def simulated_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
+    """Inside, `cuda_capability` answers `capability` for every CUDA device: kernel selection takes its CUDA paths
+    on a machine without one (for FakeTensorMode with fake CUDA tensors; real CUDA tensors still need a GPU)."""
+    global _simulated_capability
+    saved, _simulated_capability = _simulated_capability, capability
+    try:
+        yield
+    finally:
+        _simulated_capability = saved
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a FakeTensor (shapes and dtypes, no data): code that compiles or launches kernels
+    runs its eager twin on it instead (inductor and Triton need a real device)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+# ---------------------------------------------------------------------------------------------- attention
+
+
+@functools.cache
+def _varlen_attn() -> Callable[..., torch.Tensor] | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        _log_fallback("this torch has no torch.nn.attention.varlen: attention_backend=auto runs sdpa (one call per "
+                      "document when their lengths differ); torch >= 2.10 has the varlen flash kernel")
+        return None
+    return varlen_attn
+
+
+def varlen_attn_available() -> bool:
+    """Whether torch.nn.attention.varlen.varlen_attn exists (torch >= 2.10)."""
+    return _varlen_attn() is not None
+
+
+@functools.cache
+def _varlen_gqa_keyword() -> bool:
+    """torch 2.13's varlen_attn wants enable_gqa=True for fewer kv heads than query heads; 2.10-2.12's has no such
+    keyword, and their kernel takes GQA shapes as they are."""
+    if "enable_gqa" in inspect.signature(_varlen_attn()).parameters:
+        return True
+    _log_fallback("this torch's varlen_attn has no enable_gqa keyword: grouped-query shapes are passed as they are "
+                  "(its flash kernel reads kv head h // (Hq / Hkv) itself)")
+    return False
+
+
+def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                scale: float | None = None) -> torch.Tensor:
+    """Causal varlen flash attention (torch.nn.attention.varlen) of q [T, Hq, D] onto k/v [T, Hkv, D], with the
+    keywords this torch's signature takes."""
+    fn = _varlen_attn()
+    if fn is None:
+        raise RuntimeError("torch.nn.attention.varlen is missing from this torch (it needs >= 2.10); use "
+                           "model.attention_backend=auto")
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] and _varlen_gqa_keyword() else {}
+    return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), **gqa)
+
+
+def present_aten_ops(names: tuple[str, ...]) -> list[torch._ops.OpOverload]:
+    """The `.default` overloads of those aten ops this torch has (attention kernels come and go by version)."""
+    return [getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name)]
+
+
+def kernel_parameter_names(fn: Callable[..., Any]) -> set[str]:
+    """The keyword names a flash-attn internal takes. flash-attn >= 2.7 wraps them in torch.library.custom_op,
+    whose own signature is (*args, **kwargs): read the wrapped function's, or else the op schema's."""
+    for target in (getattr(fn, "_init_fn", None), inspect.unwrap(fn)):
+        if target is None:
+            continue
+        params = inspect.signature(target).parameters
+        if not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
+            return set(params)
+    schema = getattr(getattr(fn, "_opoverload", None), "_schema", None)
+    if schema is None:
+        raise RuntimeError(f"cannot read the parameters of flash-attn's {getattr(fn, '__name__', fn)}; this "
+                           "flash-attn version is not supported: use model.attention_backend=torch_varlen")
+    return {argument.name for argument in schema.arguments}
+
+
+def call_with_known_keywords(fn: Callable[..., Any], defaults: dict[str, Any], **kwargs: Any) -> Any:
+    """Call `fn` (a flash-attn internal) with the keywords its version knows, `defaults` added where it takes them."""
+    names = kernel_parameter_names(fn)
+    kwargs |= {key: value for key, value in defaults.items() if key in names}
+    return fn(**{key: value for key, value in kwargs.items() if key in names})
+
+
+# ------------------------------------------------------------------------------------------------- GEMMs
+
+
+@functools.cache
+def mm_out_dtype_available() -> bool:
+    """torch.mm(..., out_dtype=) (bf16 operands, fp32 output); logged once when missing."""
+    if hasattr(torch.ops.aten.mm, "dtype"):
+        return True
+    log.warning("this torch has no torch.mm(out_dtype=): bf16 GEMMs with fp32 output run as fp32 matmuls of the "
+                "bf16 values (same values, slower); upgrade torch for the bf16 GEMM")
+    return False
+
+
+def scaled_mm_available() -> bool:
+    """torch._scaled_mm (FP8 GEMMs) exists in this torch."""
+    return hasattr(torch, "_scaled_mm")
+
+
+def raise_recompile_limit(limit: int) -> None:
+    """Let dynamo keep `limit` graphs per compiled function (it falls back to eager past it)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), limit))
+
+
+# ---------------------------------------------------------------------------------------------- collectives
+
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); older releases have only the old names.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+
+
+def hf_storage_writer(path: str) -> Any:
+    """torch.distributed.checkpoint's HuggingFaceStorageWriter writing one file per rank (save_distributed)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    return HuggingFaceStorageWriter(path, save_distributed=True)

@@ -1,0 +1,279 @@
+"""The fake-CUDA tier: megalm's CUDA forward paths, run on a machine without a GPU.
+
+Under torch's FakeTensorMode a tensor has a shape, a dtype and a device but no data; with a torch built with
+CUDA (the PyPI wheels) fake tensors can claim to live on `cuda:0`, and every op checks what it would check on a
+GPU (its fake or meta kernel): signatures and keywords, shapes, dtypes, devices, the layout and alignment rules of
+torch._scaled_mm. `megalm.compat.simulated_cuda` makes megalm's kernel selection see an sm90 device, while
+`torch.cuda.is_available()` stays False (fake tensors reach for the driver when it says True). So an API that
+differs on the GPU image's torch, or a CUDA-only call with a wrong signature, fails here, on CPU CI, instead of in
+the first minute of a GPU session. `pytest -k fake_cuda` selects this tier; `.ci/run` runs it on every torch leg.
+
+What it cannot reach, and where that is tested instead:
+- values: nothing is computed. The GPU tier (tests/gpu, tools/gpu_check.sh) compares results.
+- backward through autograd: the engine asks the fake device for a CUDA context. Backward kernels that megalm
+  calls directly are called directly here (the ring's block backward, the dgrad/wgrad GEMMs of the recipes).
+- Triton launches and torch.compile (both need a driver): the MX quantizer is a custom op with a fake
+  implementation (megalm::mx_quantize), and fp8.quantize runs its eager twin on fake tensors.
+- CUDA streams, events and pinned host memory (activation offload's copies), and NCCL: tests/gpu; the offload
+  logic itself runs on CPU in tests/unit/test_offload.py.
+- sdpa over documents of unequal lengths reads cu_seqlens on the host (one call per document): it needs values.
+- rings of more than one rank need a process group: tests/dist runs them on gloo; here a one-rank ring runs the
+  micro-batch path that HDP and context parallelism attach (RingContext, the zigzag layout on the device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from megalm import compat
+from megalm.config import ModelConfig, PrecisionConfig
+from megalm.model import attention
+from megalm.model.gpt import GPT
+from megalm.parallel.context import ring
+from megalm.parallel.context.attention import RingContext
+from megalm.parallel.context.zigzag import layout_from_local_cu_seqlens
+from megalm.precision import Precision, fp8, linear
+from megalm.precision.kernels import mx_triton
+from megalm.precision.linear import RecipeGemms, get_recipe
+from megalm.precision.mx import mx_quantize
+
+needs_cuda_build = pytest.mark.skipif(
+    torch.version.cuda is None,
+    reason=f"fake CUDA tensors need a torch built with CUDA (the PyPI wheels); torch {torch.__version__} is CPU-only")
+CUDA = torch.device("cuda", 0)
+SM90 = (9, 0)
+
+
+def _clear_selection_caches() -> None:
+    attention._resolve_backend.cache_clear()
+
+
+@contextlib.contextmanager
+def fake_cuda(capability: tuple[int, int] = SM90, host_tensors: bool = False) -> Iterator[None]:
+    """Fake tensors on cuda:0 by default, kernel selection seeing `capability`, and autocast allowed on cuda (it
+    asks the driver whether CUDA and bf16 are there: the simulated device has both). `host_tensors`: real CPU
+    tensors may enter (a batch prepared on the host and moved to the device)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _clear_selection_caches()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(pytest.MonkeyPatch.context()).setattr(
+            torch.cuda.amp.common, "amp_definitely_not_available", lambda: False)
+        stack.enter_context(pytest.MonkeyPatch.context()).setattr(
+            torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+        stack.enter_context(compat.simulated_cuda(capability))
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=host_tensors))
+        stack.enter_context(torch.device(CUDA))
+        yield
+    _clear_selection_caches()
+
+
+def _qkv(tokens: int, heads: int = 8, kv_heads: int = 2, head_dim: int = 32, dtype=torch.bfloat16):
+    return (torch.empty(tokens, heads, head_dim, dtype=dtype), torch.empty(tokens, kv_heads, head_dim, dtype=dtype),
+            torch.empty(tokens, kv_heads, head_dim, dtype=dtype))
+
+
+def _model_config(**overrides) -> ModelConfig:
+    cfg = ModelConfig(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, vocab_size=256, seq_length=64)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------- selection
+
+
+def test_fake_cuda_auto_picks_the_fastest_backend_the_device_has():
+    """What `auto` picks on a simulated GPU: no torch.cuda.is_available() needed, none touched."""
+    _clear_selection_caches()
+    fast = "flash_attn" if attention._flash_attn_importable() else \
+        "torch_varlen" if compat.varlen_attn_available() else "sdpa"
+    with compat.simulated_cuda(SM90):
+        assert attention.select_attention_backend("auto", CUDA, torch.bfloat16) == fast
+        assert attention.select_attention_backend("auto", CUDA, torch.float32) == "sdpa"
+        assert ring.block_kernel("auto", CUDA, torch.float32) == "torch_efficient"
+        assert fp8.gemm_path(CUDA).startswith("torch._scaled_mm")
+        assert mx_triton.triton_available(CUDA) == mx_triton._triton_importable()
+    with compat.simulated_cuda((7, 5)):  # Turing: no flash kernels, no FP8 GEMMs
+        assert attention.select_attention_backend("auto", CUDA, torch.bfloat16) == "sdpa"
+        assert fp8.gemm_path(CUDA).startswith("emulated")
+    assert attention.select_attention_backend("auto", CUDA, torch.bfloat16) == "sdpa"  # no CUDA in this process
+
+
+# ------------------------------------------------------------------------------------------------- attention
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("backend", ["torch_varlen", "flash_attn", "sdpa"])
+def test_fake_cuda_varlen_attention_backend(backend):
+    """Each backend `auto` can choose on a GPU accepts megalm's call: GQA, packed documents, bf16."""
+    if backend == "flash_attn" and not attention._flash_attn_importable():
+        pytest.skip("flash-attn is not installed")
+    if backend == "torch_varlen" and not compat.varlen_attn_available():
+        pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen (>= 2.10): auto runs sdpa")
+    with fake_cuda():
+        q, k, v = _qkv(96)
+        cu = torch.tensor([0, 32, 64, 96], dtype=torch.int32)  # equal documents: sdpa's batched call
+        out = attention.varlen_attention(q, k, v, cu, 32, backend)
+        assert out.shape == q.shape and out.dtype == q.dtype and out.device == CUDA
+        if backend != "sdpa":  # unequal documents: sdpa would read cu_seqlens on the host (module docstring)
+            cu = torch.tensor([0, 10, 64, 96], dtype=torch.int32)
+            out = attention.varlen_attention(q, k, v, cu, 54, backend)
+            assert out.shape == q.shape and out.device == CUDA
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("kernel", ["torch_varlen", "torch_efficient", "flash_attn"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fake_cuda_ring_block_kernels_forward_and_backward(kernel, causal):
+    """The ring's CUDA block kernels (aten ops, called directly: their backward too) accept its varlen blocks."""
+    if kernel == "flash_attn" and not attention._flash_attn_importable():
+        pytest.skip("flash-attn is not installed")
+    with fake_cuda():
+        q, k, v = _qkv(48)
+        cu_q = torch.tensor([0, 16, 48], dtype=torch.int32)
+        cu_k = cu_q if causal else torch.tensor([0, 8, 24], dtype=torch.int32)
+        k, v = (k, v) if causal else (k[:24], v[:24])
+        max_k = 32 if causal else 16
+        out, lse = ring.block_forward(q, k, v, cu_q, cu_k, 32, max_k, causal, 32**-0.5, kernel)
+        assert out.shape == q.shape and out.dtype == torch.float32 and lse.shape == (48, 8)
+        if kernel == "torch_efficient" and not _efficient_backward_meta_matches_schema():
+            pytest.skip(f"torch {torch.__version__}'s meta kernel of _efficient_attention_backward lacks the schema's "
+                        "`out` argument: fake mode cannot call it (a real GPU can)")
+        dq, dk, dv = ring.block_backward(torch.empty_like(out), q, k, v, out, lse, cu_q, cu_k, 32, max_k, causal,
+                                         32**-0.5, kernel)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dq.device == CUDA
+
+
+def _efficient_backward_meta_matches_schema() -> bool:
+    """Whether torch's meta (fake) kernel of _efficient_attention_backward takes the op's arguments (2.11's lacks
+    `out`, so every keyword after it lands one place off)."""
+    import inspect
+
+    from torch._meta_registrations import meta__efficient_attention_backward
+
+    return "out" in inspect.signature(meta__efficient_attention_backward).parameters
+
+
+# ------------------------------------------------------------------------------------------------- the model
+
+
+def _forward(model: GPT, tokens: int = 64, docs: tuple[int, ...] = (32, 32), context=None) -> torch.Tensor:
+    ids = torch.zeros(tokens, dtype=torch.long)
+    pos = torch.cat([torch.arange(n) for n in docs])
+    cu = torch.tensor([0, *itertools.accumulate(docs)], dtype=torch.int32)
+    return model(ids, pos, cu, max(docs), context)
+
+
+@contextlib.contextmanager
+def counting(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> Iterator[list[int]]:
+    """Counts calls of `owner.name` (e.g. torch._scaled_mm) while inside."""
+    calls, original = [0], getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    yield calls
+    monkeypatch.setattr(owner, name, original)
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("recipe", ["bf16", "fp8", "fp8_delayed", "fp8_rowwise", "mxfp8", "mxfp4"])
+def test_fake_cuda_model_forward_under_each_recipe(recipe, monkeypatch):
+    """The trainer's forward on a GPU: fp32 weights under the recipe's autocast, GQA, the backend auto picks, FP8
+    GEMMs on torch._scaled_mm (its fake kernel checks the operands' dtypes, layouts and 16-alignment)."""
+    with fake_cuda():
+        model = GPT(_model_config())
+        precision = Precision(PrecisionConfig(name=recipe), seed=0, device=CUDA)
+        precision.convert(model)
+        with counting(monkeypatch, torch, "_scaled_mm") as scaled_mm, precision.forward_context():
+            precision.before_forward(model, step=0, micro_batch=0)
+            logits = _forward(model)
+        assert logits.shape == (64, model.cfg.padded_vocab_size) and logits.device == CUDA
+        assert logits.dtype == torch.bfloat16  # autocast ran: the attention was bf16, so the flash backend ran
+        uses_scaled_mm = recipe.startswith("fp8")
+        assert (scaled_mm[0] > 0) == uses_scaled_mm, (recipe, scaled_mm[0])
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_rowwise", "mxfp4", "mxfp4_rht"])
+def test_fake_cuda_recipe_gemms_of_backward(recipe, monkeypatch):
+    """dgrad and wgrad (the backward GEMMs, in E5M2 for FP8 and MX with stochastic rounding / RHT for MXFP4),
+    called as the layer's backward calls them: FP8 through torch._scaled_mm, MX through the Triton quantizer op."""
+    if recipe.startswith("mx") and not mx_triton._triton_importable():
+        pytest.skip("triton is not installed: MX GEMMs run the PyTorch reference")
+    # A CUDA torch.Generator (RHT signs, the reference's SR draws) needs a driver: draw them on the CPU here.
+    on_device = linear.gemm_generator
+    cpu_generator = lambda seed, gemm, device: on_device(seed, gemm, "cpu")
+    monkeypatch.setattr(linear, "gemm_generator", cpu_generator)
+    with fake_cuda():
+        gemms = RecipeGemms(get_recipe(recipe), seed=0)
+        x, weight, dy = torch.empty(64, 128), torch.empty(96, 128), torch.empty(64, 96)
+        # megalm::mx_quantize's outputs are allocated by _mx_outputs, in its kernel and in its fake implementation
+        with counting(monkeypatch, torch, "_scaled_mm") as scaled_mm, \
+                counting(monkeypatch, mx_triton, "_mx_outputs") as quantized:
+            call = gemms.start(x)
+            y = gemms.fprop(call, x, weight)
+            dx = gemms.dgrad(call, dy, weight)
+            dw = gemms.wgrad(call, dy, x)
+        assert (y.shape, dx.shape, dw.shape) == ((64, 96), (64, 128), (96, 128))
+        assert dx.device == dw.device == CUDA
+        # FP8: fprop, dgrad and wgrad on the kernel, but row-wise scaling keeps E5M2 (dgrad, wgrad) emulated.
+        # MX (MXFP4): fprop in bf16; dgrad and wgrad quantize both operands.
+        want = {"fp8": (3, 0), "fp8_rowwise": (1, 0), "mxfp4": (0, 4), "mxfp4_rht": (0, 4)}[recipe]
+        assert (scaled_mm[0], quantized[0]) == want, recipe
+
+
+@needs_cuda_build
+def test_fake_cuda_scaled_mm_rules_are_checked():
+    """The tier can fail: torch._scaled_mm's fake kernel refuses what the GPU refuses (here a row-major second
+    operand), and megalm's dispatch never sends it one (a 30-token GEMM is emulated, not sent)."""
+    with fake_cuda():
+        a = torch.empty(32, 64, dtype=fp8.E4M3)
+        b = torch.empty(64, 48, dtype=fp8.E4M3)  # row-major: cuBLASLt wants it column-major
+        one = torch.ones((), dtype=torch.float32)
+        with pytest.raises(RuntimeError):
+            torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        assert fp8.scaled_mm(a, b, one, one).shape == (32, 48)
+        assert fp8.scaled_mm(torch.empty(30, 64, dtype=fp8.E4M3), b, one, one).shape == (30, 48)
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("rht", [False, True])
+def test_fake_cuda_mx_quantizer_op_shapes_match_the_reference(packed, rht):
+    """megalm::mx_quantize's fake implementation returns what the kernel writes: the reference's shapes."""
+    if not mx_triton._triton_importable():
+        pytest.skip("triton is not installed")
+    x_cpu = torch.randn(40, 100)
+    want = mx_quantize(x_cpu if not rht else torch.nn.functional.pad(x_cpu, (0, 28)), "e2m1", dim=-1)
+    with fake_cuda():
+        signs = torch.ones(64) if rht else None
+        got = mx_triton.mx_quantize_triton(torch.empty(40, 100, dtype=torch.bfloat16), "e2m1", "stochastic",
+                                           rht_signs=signs, packed=packed)
+        if packed:
+            assert got.codes.shape == want.codes.shape and got.scales.shape == want.scales.shape
+            assert got.codes.device == CUDA
+        else:
+            assert got.shape == (40, 128 if rht else 100) and got.device == CUDA
+
+
+@needs_cuda_build
+def test_fake_cuda_one_rank_ring_micro_batch():
+    """An HDP / context-parallel micro-batch: its RingContext (zigzag layout moved to the device) in every
+    attention layer, on the backend auto picks."""
+    layout = layout_from_local_cu_seqlens(torch.tensor([0, 20, 64], dtype=torch.int32), 1)  # on the host, as prepared
+    with fake_cuda(host_tensors=True):
+        model = GPT(_model_config())
+        context = RingContext((0,), 0, layout.to(CUDA))
+        assert context.layout.local_cu_seqlens.device == CUDA
+        with Precision(PrecisionConfig(name="bf16"), seed=0, device=CUDA).forward_context():
+            logits = _forward(model, docs=(20, 44), context=context)
+        assert logits.shape == (64, model.cfg.padded_vocab_size) and logits.dtype == torch.bfloat16
