@@ -94,8 +94,15 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.
     scale as many dims as x (a 0-dim scale is viewed as [1, 1]) so that layouts do not multiply its variants."""
     if not x.is_cuda or compat.is_fake(x):  # fake tensors (the fake-CUDA tier): the values, no kernel to compile
         return _quantize_math(x, scale, fp8_max(dtype), dtype)
+    return quantize_compiled(x, dtype, scale)
+
+
+def quantize_compiled(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+    """`quantize`'s CUDA path on any device: the compiled kernel, called as `quantize` calls it. x is detached
+    (the cast has no gradient): dynamo guards on the type and requires_grad of its input and keeps a parameter's
+    shape static, so passing weights as Parameters would compile one graph per weight shape."""
     scale = scale.reshape([1] * x.dim()) if scale.dim() == 0 else scale
-    return _quantize_fused()(x.contiguous(), scale, fp8_max(dtype), dtype)
+    return _quantize_fused()(x.detach().contiguous(), scale.detach(), fp8_max(dtype), dtype)
 
 
 def quantize_dequantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
