@@ -181,7 +181,9 @@ class ParallelConfig:
 
 @dataclass
 class PrecisionConfig:
-    # fp32 | bf16 | fp8 | fp8_delayed | fp8_rowwise | mxfp8 | mxfp4 | mxfp4_rtn | mxfp4_sr | mxfp4_rht
+    # fp32 | bf16 | fp8 | fp8_delayed | fp8_rowwise | mxfp8 | mxfp4 | mxfp4_rtn | mxfp4_sr | mxfp4_rht, or auto
+    # (configs/config.yaml's default: bf16 on CUDA sm80+, else fp32; replaced by that recipe's section before
+    # validation, megalm/training/device.py). A MegalmConfig built in Python keeps fp32 unless asked.
     name: str = "fp32"
     forward: str | None = None  # mxfp4 family: the forward GEMM in bf16 (None) or fp8
     skip: list[str] = field(default_factory=list)  # fnmatch patterns of linear layers kept in bf16

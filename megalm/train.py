@@ -82,7 +82,7 @@ def shared_run_dir(own_dir: Path, config) -> tuple[Path, int]:
     """Under torchrun every rank composes its own Hydra run dir (from its own clock); all ranks
     take rank 0's, and a rank whose dir differs removes the empty one Hydra made for it."""
     from megalm.parallel.dims import init_distributed
-    from megalm.training.trainer import select_device
+    from megalm.training.device import select_device
 
     rank, world_size = init_distributed(select_device(config.trainer.device), process_group_minutes(config))
     if world_size == 1:
@@ -108,6 +108,7 @@ def shutdown_distributed() -> None:
 
 def run(cfg: DictConfig) -> float | None:
     """Train with a composed config; returns the last logged loss (what a Hydra sweeper minimises)."""
+    from megalm.training.device import resolve_auto_precision, select_device
     from megalm.training.preemption import REQUEUE_EXIT_CODE
     from megalm.training.trainer import Trainer
 
@@ -115,10 +116,13 @@ def run(cfg: DictConfig) -> float | None:
     try:
         config = to_dataclass(cfg)
         run_dir, rank = shared_run_dir(Path(HydraConfig.get().runtime.output_dir), config)
+        if rank != 0:  # one voice: rank 0 logs, the others only warn
+            log.setLevel(logging.WARNING)
+        # precision=auto becomes the recipe of this device before anything is written: config.yaml names it
+        if resolve_auto_precision(cfg, select_device(config.trainer.device)) is not None:
+            config = to_dataclass(cfg)
         if rank == 0:
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        else:  # one voice: rank 0 logs, the others only warn
-            log.setLevel(logging.WARNING)
         trainer = Trainer(config, run_dir)
         summary = trainer.fit()
         del trainer

@@ -22,13 +22,14 @@ import torch
 from megalm.config import MegalmConfig, config_to_dict, process_group_minutes
 from megalm.data.build import build_datasets
 from megalm.data.dataset import SampleDataset, TokenBudgetSteps
-from megalm.errors import CheckpointError, ConfigError
+from megalm.errors import CheckpointError
 from megalm.model import GPT, num_parameters
 from megalm.parallel.dims import ParallelMesh, init_distributed
 from megalm.parallel.microbatch import StepShare
 from megalm.parallel.parallelism import Parallelism
 from megalm.precision import Precision
 from megalm.training import checkpoint as ckpt
+from megalm.training.device import select_device
 from megalm.training.flops import peak_flops, training_flops
 from megalm.training.guards import NonFiniteError, NonFiniteGuard, SpikeDetector, check_finite_state
 from megalm.training.init_from import load_init_weights
@@ -65,14 +66,6 @@ class TrainSummary:
     preempted: bool = False  # stopped by a preemption signal, with a checkpoint: exit REQUEUE_EXIT_CODE
 
 
-def select_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 class Trainer:
     """Builds data, the parallel model and the optimizer from a config; `fit()` trains and checkpoints
     in `run_dir`. Under torchrun the layout comes from `cfg.parallel` (megalm/parallel/parallelism.py);
@@ -86,7 +79,7 @@ class Trainer:
         self.preemption = Preemption(cfg.trainer.preempt_signals, self.device, distributed=False)
         world_size = (mesh.dims.world_size if mesh is not None
                       else init_distributed(self.device, process_group_minutes(cfg))[1])
-        self.cfg = validate_run(cfg, world_size)
+        self.cfg = validate_run(cfg, world_size, self.device)  # precision=auto: for this device
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)  # the same on every rank: TP ranks must draw the same dropout masks

@@ -1,22 +1,31 @@
 """Every config rule of a run, each package checking its own section.
 
 `megalm.config.validate` owns the model, trainer, optim, data and logging sections; the precision
-package checks `precision` (`validate_precision`), the parallel package the layout against the world
+package checks `precision` (`validate_precision`; `precision=auto` is resolved first, against the run's device:
+megalm/training/device.py), the parallel package the layout against the world
 size (`validate_parallel`), the offload package `offload` (`validate_offload`). This is the one place
 that runs them all, above every package it asks.
 """
 
 from __future__ import annotations
 
+import torch
+
 from megalm.config import MegalmConfig, validate
 from megalm.offload import validate_offload
 from megalm.parallel.parallelism import validate_parallel
 from megalm.precision import validate_precision
+from megalm.training.device import resolve_auto_precision
 
 
-def validate_run(cfg: MegalmConfig, world_size: int = 1) -> MegalmConfig:
+def validate_run(cfg: MegalmConfig, world_size: int = 1, device: torch.device | None = None) -> MegalmConfig:
     """Check every rule for a run on `world_size` processes; fill derived defaults (model sizes,
-    `parallel.dp`, `parallel.hdp_capacity`). Returns the same (mutated) config."""
+    `parallel.dp`, `parallel.hdp_capacity`) and resolve `precision=auto` against the run's `device` (default,
+    for tools that only check a config: the GPU here if `trainer.device` allows one, else the CPU), so no rule
+    sees "auto". Returns the same (mutated) config."""
+    if device is None:
+        device = torch.device("cuda" if cfg.trainer.device != "cpu" and torch.cuda.is_available() else "cpu")
+    resolve_auto_precision(cfg, device)
     validate(cfg)
     validate_parallel(cfg, world_size)
     validate_precision(cfg)

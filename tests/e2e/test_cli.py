@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import TINY
 
@@ -65,6 +66,12 @@ def test_train_writes_config_metrics_and_checkpoints(trained_run):
     assert {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_sec"} <= set(records[0])
     assert (trained_run / "config.yaml").is_file()
     assert (trained_run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    # precision=auto (the default) is saved as the recipe it chose (fp32 on a CPU), as if that was written
+    line = next(ln for ln in (trained_run / "train.log").read_text().splitlines() if "precision: auto -> " in ln)
+    recipe = line.split("precision: auto -> ")[1].split()[0]
+    assert recipe in ("fp32", "bf16") and (torch.cuda.is_available() or line.endswith("auto -> fp32 (cpu)")), line
+    for saved in (trained_run / "config.yaml", trained_run / "checkpoints" / "step_00000004" / "config.yaml"):
+        assert f"precision:\n  name: {recipe}\n" in saved.read_text(), saved
     assert sorted(p.name for p in (trained_run / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000004"]
 
 

@@ -94,7 +94,7 @@ def test_bf16_autocast_trains(tmp_path):
     losses = [trainer.train_step(s).loss for s in range(3)]
     assert all(torch.isfinite(torch.tensor(losses)))
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters()), "master weights stay fp32"
-    fp32 = Trainer(compose_config("trainer.max_steps=3"), tmp_path / "fp32")
+    fp32 = Trainer(compose_config("precision=fp32", "trainer.max_steps=3"), tmp_path / "fp32")  # not auto: bf16 on GPUs
     ref = fp32.train_step(0).loss
     assert losses[0] == pytest.approx(ref, rel=2e-2) and losses[0] != ref
 
