@@ -1,52 +1,114 @@
 #!/usr/bin/env bash
-# The GPU tier in one command, on a machine with a CUDA GPU (docs/benchmarks.md, "The GPU tier"):
-#   1. refuses, exit 2, when no CUDA device is visible (nothing is installed or run then);
-#   2. installs what the machine lacks: hydra-core, omegaconf, pytest-timeout from the git-ignored wheels
-#      folder (.wheels/, filled by tools/gpu_wheels.sh where pip reaches an index; no network needed here),
-#      then megalm itself (pip install --no-deps -e .);
-#   3. runs the GPU tests: tests/gpu (marker gpu), and the unit test files that take their CUDA paths when a GPU
-#      is visible: the MX GEMMs through the Triton quantizer (test_mx_gemm_fused.py), the compiled Triton MX
-#      kernel (test_mx_triton.py) and the ring's memory-efficient block kernel (test_ring_kernels.py);
-#   4. runs the quick GPU benchmarks of tools/bench with small settings, within a time budget;
-#   5. writes a markdown report (date, device, versions, test counts, benchmark lines) to $OUT (a file, or a
-#      folder to write gpu_check_report.md into; default ./gpu_check_report.md), the full output beside it.
-# Exit 0 when every test passed and every benchmark ran; 1 when a test failed, none ran, or a benchmark
-# failed; 2 without CUDA; 3 when the dependencies cannot be installed.
-# Environment: PYTHON (default python3), WHEELS (default .wheels), OUT, GPU_CHECK_BUDGET_S (default 540: the
-# benchmarks that would start after it are skipped, so the whole run stays under ten minutes on one H100).
+# The GPU check: megalm's GPU tier (tests/gpu and the CUDA paths of the unit tests), its quick benchmarks, the HDP
+# cost-model calibration and the peer comparison, on one machine with a CUDA GPU. Run in steps that each fit ten
+# minutes; every step appends its lines to the report as it goes, so a step killed by a time limit leaves what it
+# wrote (docs/benchmarks.md, "The GPU tier").
+#
+# THE GPU RUN (printed by `tools/gpu_check.sh --print-run`, and when the wheels are missing):
+GPU_RUN='The GPU run. Where pip reaches an index: tools/gpu_wheels.sh && tools/compare_wheels.sh (fills the
+git-ignored .wheels/ and .whl/). Copy the checkout with .wheels/ and .whl/ to the GPU machine (one H100 or H200,
+torch with CUDA, no network needed); from its root run
+    OUT=DIR tools/gpu_check.sh setup tests bench calibrate    (expected about 8 minutes on one H100)
+then, if time is left,
+    OUT=DIR tools/gpu_check.sh compare                        (expected about 7 minutes)
+Each step stays under ten minutes. The report is DIR/gpu_check_report.md, the full output DIR/gpu_check.log.
+With the device tool: command "OUT=$OUT tools/gpu_check.sh setup tests bench calibrate", carry [".wheels", ".whl"].'
+#
+# Usage: tools/gpu_check.sh [--dry-run] [--print-run] [STEP ...]
+#   STEP: setup tests bench calibrate compare (default: all five, in that order; setup always runs first)
+#   --dry-run: the whole script on a machine without a GPU (CI runs it): setup only reports, the tests are the GPU
+#              tier (skipped there) and the fake-CUDA tier, each benchmark is asked for --help, calibration and the
+#              comparison run their CPU sizes. Exit 0 when all of that works.
+# Exit: 0 every test passed and nothing failed (a benchmark cut by the time budget is "not run", not a failure);
+# 1 a test or a step failed; 2 no CUDA device (and not --dry-run); 3 the dependencies cannot be installed.
+# Environment: PYTHON (default python3), WHEELS (.wheels), PEER_WHEELS (.whl), OUT (a folder, or a .md file; default
+# the current folder), GPU_CHECK_BUDGET_S (default 570: one invocation's time; what would start later is not run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PYTHON=${PYTHON:-python3}
 WHEELS=${WHEELS:-.wheels}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
-TEST_TIMEOUT_S=420
+PEER_WHEELS=${PEER_WHEELS:-.whl}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-570}
+DRY_RUN=0
+STEPS=()
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY_RUN=1 ;;
+    --print-run) echo "$GPU_RUN"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
+    setup|tests|bench|calibrate|compare) STEPS+=("$arg") ;;
+    *) echo "gpu_check: unknown argument '$arg'; steps are setup tests bench calibrate compare (or --dry-run)" >&2
+       exit 2 ;;
+  esac
+done
+((${#STEPS[@]})) || STEPS=(setup tests bench calibrate compare)
+wants() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
-# ------------------------------------------------------------------------------------------ 1. a CUDA GPU
+# ------------------------------------------------------------------------------------------------ a CUDA GPU
 if ! "$PYTHON" -c 'import torch' >/dev/null 2>&1; then
   echo "gpu_check: $PYTHON cannot import torch; install a CUDA build of PyTorch (or set PYTHON=...)." >&2
   exit 2
 fi
-if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+if ((!DRY_RUN)) && ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
+    >/dev/null 2>&1; then
   echo "gpu_check: no CUDA device visible (torch.cuda.is_available() is False for $PYTHON); the GPU tier needs" \
-       "one, so nothing was run. On a CPU machine run the default suite: pytest" >&2
+       "one, so nothing was run. On a CPU machine: tools/gpu_check.sh --dry-run, or the default suite: pytest" >&2
   exit 2
 fi
 
-REPORT=${OUT:-gpu_check_report.md}
-[ -d "$REPORT" ] && REPORT="$REPORT/gpu_check_report.md"
+OUT=${OUT:-.}
+if [[ "$OUT" == *.md ]]; then REPORT=$OUT; else REPORT="$OUT/gpu_check_report.md"; fi
 mkdir -p "$(dirname "$REPORT")"
-LOG="${REPORT%.md}.log"
+OUT_DIR=$(cd "$(dirname "$REPORT")" && pwd)
+LOG="$OUT_DIR/gpu_check.log"
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-: >"$LOG"
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # megalm importable even if the editable install fails
-unset TRITON_INTERPRET  # the MX kernel's tests must run compiled on the GPU, not in Triton's interpreter
+# Bit-equality tests on a GPU mean it only with deterministic cuBLAS: set before any CUDA context exists.
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
+((DRY_RUN)) || unset TRITON_INTERPRET  # on the GPU the MX kernel's tests run compiled, not interpreted
 start=$SECONDS
+failures=()
+last_rc=0 last_s=0
 say() { echo "gpu_check: $*" | tee -a "$LOG"; }
+report() { printf '%s\n' "$@" >>"$REPORT"; }
+left() { echo $((BUDGET_S - (SECONDS - start))); }
+[ -s "$REPORT" ] || "$PYTHON" tools/gpu_check_report.py header "$REPORT" $( ((DRY_RUN)) && echo --dry-run)
+report "" "## Run of $(date -u +%H:%M) UTC: ${STEPS[*]}$( ((DRY_RUN)) && echo ' (dry run)'), budget ${BUDGET_S} s"
 
-# ---------------------------------------------------------------------------------------- 2. dependencies
+# run NAME LIMIT_S CMD...: one measured command within what is left of the budget; appends its status and the tail
+# of its output to the report. Cut by a time limit (its own or the budget's): "not run", never "failed".
+run() {
+  local name=$1 limit=$2 rc t0 status remaining log
+  shift 2
+  remaining=$(left)
+  if ((remaining < 30)); then
+    say "$name: not run (the ${BUDGET_S} s budget is spent)"
+    report "" "### $name: not run (the ${BUDGET_S} s budget was spent before it could start)"
+    return
+  fi
+  ((limit > remaining)) && limit=$remaining
+  log="$WORK/$(echo "$name" | tr -c 'A-Za-z0-9' _).log"
+  report "" "### $name" "" "\`${*/#$PYTHON/python}\` (started $(date -u +%H:%M:%S), at most $limit s)"
+  say "$name: $* (at most $limit s)"
+  t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$log" | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  last_rc=$rc last_s=$((SECONDS - t0))
+  if ((rc == 0)); then
+    status="ok, $((SECONDS - t0)) s"
+  elif ((rc == 124 || rc == 137)); then
+    status="not run to the end: cut by its $limit s limit"
+  else
+    status="failed (exit $rc), $((SECONDS - t0)) s"
+    failures+=("$name")
+  fi
+  report "" "$status" "" '```' "$(grep -v '^\s*$' "$log" | tail -n 20)" '```'
+}
+
+# ------------------------------------------------------------------------------------------------------ setup
 # What .wheels/ carries (pure Python), and megalm's other needs, which a CUDA image with PyTorch has.
 missing=$("$PYTHON" - <<'EOF'
 import importlib.util
@@ -61,154 +123,135 @@ needed = {"numpy": "numpy", "safetensors": "safetensors", "tokenizers": "tokeniz
 print(" ".join(package for module, package in needed.items() if importlib.util.find_spec(module) is None))
 EOF
 )
+report "" "### setup"
 if [ -n "$absent" ]; then
   echo "gpu_check: $PYTHON lacks $absent, which megalm or its GPU tests need and $WHEELS/ does not carry;" \
-       "install them (pip install $absent) and run again." >&2
+       "install them (pip install $absent) and run again." | tee -a "$LOG" >&2
+  report "" "failed: $PYTHON lacks $absent"
   exit 3
 fi
 if [ -n "$missing" ]; then
   if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-    echo "gpu_check: $PYTHON lacks $missing and $WHEELS/ holds no wheels; run tools/gpu_wheels.sh where pip" \
-         "reaches an index and bring $WHEELS/ along (or pip install $missing)." >&2
+    { echo "gpu_check: $PYTHON lacks $missing and $WHEELS/ holds no wheels."; echo "$GPU_RUN"; } | tee -a "$LOG" >&2
+    report "" "failed: $PYTHON lacks $missing and $WHEELS/ holds no wheels (tools/gpu_check.sh --print-run)"
     exit 3
   fi
-  say "installing $missing from $WHEELS/"
-  # shellcheck disable=SC2086  # one word per package
-  if ! "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" $missing >>"$LOG" 2>&1; then
-    echo "gpu_check: pip could not install $missing from $WHEELS/ (see $LOG)" >&2
-    exit 3
+  if ((DRY_RUN)); then
+    report "" "dry run: would install $missing from $WHEELS/"
+  else
+    say "installing $missing from $WHEELS/"
+    # shellcheck disable=SC2086  # one word per package
+    if ! "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" $missing >>"$LOG" 2>&1; then
+      echo "gpu_check: pip could not install $missing from $WHEELS/ (see $LOG)" >&2
+      report "" "failed: pip could not install $missing from $WHEELS/"
+      exit 3
+    fi
   fi
 fi
-install_note="megalm installed editable (pip install --no-deps -e .)"
-if ! "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$LOG" 2>&1; then
-  install_note="pip install -e . failed (see the log); megalm imported from $ROOT through PYTHONPATH"
+if ((DRY_RUN)); then
+  report "" "dry run: megalm from $ROOT through PYTHONPATH"
+elif "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$LOG" 2>&1; then
+  report "" "megalm installed editable (pip install --no-deps -e .)"
+else
+  report "" "pip install -e . failed (see the log); megalm imported from $ROOT through PYTHONPATH"
 fi
-say "$install_note"
 
-# --------------------------------------------------------------------------------------------- 3. tests
-TESTS=(tests/gpu tests/unit/test_mx_gemm_fused.py tests/unit/test_mx_triton.py tests/unit/test_ring_kernels.py)
-# `-m "gpu or not slow"`: the gpu tests, and the unit files' tests, which carry no marker (on a CPU machine they
-# run in the default suite: the Triton kernels under its interpreter, the CUDA-only tests skipped)
-TEST_CMD=("$PYTHON" -m pytest -m "gpu or not slow" "${TESTS[@]}" -p no:cacheprovider -rfEs
-          --junitxml="$WORK/junit.xml")
-TEST_SHOWN="$PYTHON -m pytest -m \"gpu or not slow\" ${TESTS[*]}"
-say "tests: $TEST_SHOWN"
-t0=$SECONDS
-timeout "$TEST_TIMEOUT_S" "${TEST_CMD[@]}" 2>&1 | tee -a "$LOG"
-test_rc=${PIPESTATUS[0]}
-test_s=$((SECONDS - t0))
-
-# ----------------------------------------------------------------------------------------- 4. benchmarks
-capability=$("$PYTHON" -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())')
-gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
-cp_ranks=$((gpus < 4 ? gpus : 4))  # one GPU per CP rank: cp = 1 (the baseline) only, on one GPU
-: >"$WORK/bench.tsv"
-bench() {  # bench NAME TIMEOUT_S SCRIPT ARGS...: run one benchmark within what is left of the budget
-  local name=$1 limit=$2 i left status rc t0
-  shift 2
-  i=$(($(wc -l <"$WORK/bench.tsv")))
-  left=$((BUDGET_S - (SECONDS - start)))
-  if ((left < 30)); then
-    say "benchmark $name: skipped (the ${BUDGET_S} s budget is spent)"
-    printf '%s\t%s\tskipped\t-\t0\t%s\n' "$i" "$name" "$*" >>"$WORK/bench.tsv"
-    return
+# ------------------------------------------------------------------------------------------------------ tests
+if wants tests; then
+  if ((DRY_RUN)); then  # on CPU: the GPU tier collects and skips; the fake-CUDA tier runs (or skips on a CPU torch)
+    TESTS=(tests/gpu tests/unit/test_fake_cuda.py)
+  else
+    TESTS=(tests/gpu tests/unit/test_fake_cuda.py tests/unit/test_mx_gemm_fused.py tests/unit/test_mx_triton.py
+           tests/unit/test_ring_kernels.py)
   fi
-  ((limit > left)) && limit=$left
-  say "benchmark $name: $PYTHON $* (at most $limit s)"
-  t0=$SECONDS
-  timeout "$limit" "$PYTHON" "$@" 2>&1 | tee "$WORK/bench$i.log" | tee -a "$LOG"
-  rc=${PIPESTATUS[0]}
-  status=$([ "$rc" -eq 0 ] && echo ok || { [ "$rc" -eq 124 ] && echo "timed out" || echo failed; })
-  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$i" "$name" "$status" "$rc" "$((SECONDS - t0))" "$*" >>"$WORK/bench.tsv"
+  # `-m "gpu or not slow"`: the gpu tests, and the unit files' tests, which carry no marker
+  run "tests" 420 "$PYTHON" -m pytest -m "gpu or not slow" "${TESTS[@]}" -p no:cacheprovider -rfEs -q \
+    --junitxml="$WORK/junit.xml"
+  summary=$("$PYTHON" tools/gpu_check_report.py junit "$WORK/junit.xml" "$last_rc" "$last_s" 2>&1) \
+    || [[ " ${failures[*]} " == *" tests "* ]] || failures+=("tests")
+  report "" "$summary"
+fi
+
+# ------------------------------------------------------------------------------------------------- benchmarks
+bench() {  # bench NAME LIMIT_S SCRIPT ARGS...: on the GPU as given; in a dry run the script's --help only
+  local name=$1 limit=$2 script=$3
+  shift 3
+  if ((DRY_RUN)); then
+    run "$name (dry run: imports and arguments)" 60 "$PYTHON" "$script" --help
+  else
+    run "$name" "$limit" "$PYTHON" "$script" "$@"
+  fi
 }
-bench "MX quantization bandwidth (Triton kernel vs PyTorch reference)" 240 \
-  tools/bench/mx_quantize_bandwidth.py --m 8192 --k 8192 --iters 10 --warmup 2
-bench "training throughput, 125m bf16" 180 \
-  tools/bench/throughput.py model=125m precision=bf16 trainer.global_batch_size=8 trainer.micro_batch_size=8 \
-  --steps 10 --warmup 3
-if ((capability >= 89)); then
-  bench "training throughput, 125m fp8 (torch._scaled_mm)" 180 \
-    tools/bench/throughput.py model=125m precision=fp8 trainer.global_batch_size=8 trainer.micro_batch_size=8 \
-    --steps 10 --warmup 3
+if wants bench; then
+  capability=$("$PYTHON" -c 'import torch; print("%d%d" % torch.cuda.get_device_capability()
+                              if torch.cuda.is_available() else "0")')
+  gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
+  bench "MX quantization bandwidth (Triton kernel vs PyTorch reference)" 120 \
+    tools/bench/mx_quantize_bandwidth.py --m 8192 --k 8192 --iters 10 --warmup 2
+  bench "training throughput, 125m bf16" 120 tools/bench/throughput.py model=125m precision=bf16 \
+    trainer.global_batch_size=8 trainer.micro_batch_size=8 --steps 10 --warmup 3
+  bench "training throughput, 1.3b bf16" 150 tools/bench/throughput.py model=1.3b precision=bf16 \
+    trainer.global_batch_size=4 trainer.micro_batch_size=4 --steps 6 --warmup 2
+  if ((DRY_RUN || capability >= 89)); then
+    bench "training throughput, 125m fp8 (torch._scaled_mm)" 120 tools/bench/throughput.py model=125m \
+      precision=fp8 trainer.global_batch_size=8 trainer.micro_batch_size=8 --steps 10 --warmup 3
+  fi
+  bench "precision recipes on the demo, 100 steps" 180 tools/bench/precision_convergence.py \
+    --recipes fp32 bf16 fp8 mxfp4 --steps 100 trainer.eval_iters=4
+  if ((DRY_RUN || gpus > 1)); then  # one GPU per CP rank: on one GPU there is nothing to compare
+    bench "context parallelism, cp up to $((gpus < 4 ? gpus : 4))" 150 tools/bench/context_parallel.py \
+      --nproc "$((gpus < 4 ? gpus : 4))" --seq 4096 8192 --steps 3 --warmup 1 model=125m precision=bf16
+  else
+    report "" "### context parallelism: not run (one GPU: one GPU per CP rank)"
+  fi
 fi
-bench "precision recipes on the demo, 100 steps" 240 \
-  tools/bench/precision_convergence.py --recipes fp32 bf16 fp8 mxfp4 --steps 100 trainer.eval_iters=4
-bench "context parallelism, cp up to $cp_ranks (one GPU per rank)" 180 \
-  tools/bench/context_parallel.py --nproc "$cp_ranks" --seq 4096 8192 --steps 3 --warmup 1 model=125m precision=bf16
 
-# ----------------------------------------------------------------------------------------------- 5. report
-"$PYTHON" - "$REPORT" "$WORK" "$test_rc" "$test_s" "$((SECONDS - start))" "$install_note" "$TEST_SHOWN" \
-  <<'EOF' | tee -a "$LOG"
-"""Write the markdown report from the junit XML and the benchmark logs; print the verdict; exit 0 or 1."""
-import datetime, platform, subprocess, sys, xml.etree.ElementTree as ET
-from collections import Counter
-from pathlib import Path
+# -------------------------------------------------------------------------------------------------- calibrate
+if wants calibrate; then
+  if ((DRY_RUN)); then
+    run "HDP cost-model calibration (dry run: tiny model on CPU)" 120 "$PYTHON" tools/bench/hdp_calibrate.py \
+      model=tiny --device cpu --base configs/hdp_cost/h100_7b.yaml --out "$OUT_DIR/hdp_cost_dry_run.yaml" \
+      --budget-s 60
+  else
+    gpu_name=$("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name(0).split()[-1].lower())' \
+               | tr -c 'a-z0-9\n' _)
+    run "HDP cost-model calibration, 7b" 240 "$PYTHON" tools/bench/hdp_calibrate.py model=7b --device cuda \
+      --base configs/hdp_cost/h100_7b.yaml --out "$OUT_DIR/hdp_cost_${gpu_name}_7b.yaml" --budget-s 200
+  fi
+fi
 
-import torch
+# ---------------------------------------------------------------------------------------------------- compare
+if wants compare; then
+  peers_ok=1
+  if ((!DRY_RUN)); then  # the peers go into a folder of their own, not into the image's site-packages
+    if ls "$PEER_WHEELS"/*.whl >/dev/null 2>&1 && "$PYTHON" -m pip install -q --no-index --no-deps \
+        --target "$WORK/site" "$PEER_WHEELS"/*.whl >>"$LOG" 2>&1; then
+      export PYTHONPATH="$PYTHONPATH:$WORK/site"
+    else
+      peers_ok=0
+      report "" "### compare: the peers' wheels are missing from $PEER_WHEELS/ or do not install" \
+        "(tools/gpu_check.sh --print-run); megalm alone is measured"
+    fi
+  fi
+  if ((DRY_RUN)); then
+    run "megalm vs Megatron-Core vs TorchTitan (dry run: tiny, CPU, megalm only)" 120 "$PYTHON" \
+      tools/bench/compare.py --tiny --precisions fp32 --steps 1 --warmup 0 --repeats 1 --frameworks megalm \
+      --json "$OUT_DIR/compare_dry_run.json"
+  elif ((peers_ok)); then
+    run "megalm vs Megatron-Core vs TorchTitan" 540 "$PYTHON" tools/bench/compare.py --json "$OUT_DIR/compare.json"
+  else
+    run "megalm alone (no peers)" 300 "$PYTHON" tools/bench/compare.py --frameworks megalm \
+      --json "$OUT_DIR/compare.json"
+  fi
+fi
 
-report, work, test_rc, test_s, total_s, install_note, test_cmd = sys.argv[1:]
-work, test_rc = Path(work), int(test_rc)
-
-def version(module):
-    try:
-        return __import__(module).__version__
-    except Exception:
-        return "not installed"
-
-def sh(*cmd):
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
-    except Exception:
-        return ""
-
-props = torch.cuda.get_device_properties(0)
-driver = sh("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader").splitlines()[:1]
-commit = sh("git", "describe", "--always", "--dirty") or "unknown (no git checkout)"
-counts, failed, skips = Counter(), [], Counter()
-junit = work / "junit.xml"
-if junit.exists():
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        name = f"{case.get('classname')}::{case.get('name')}"
-        outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
-        counts[outcome] += 1
-        if outcome in ("failure", "error"):
-            failed.append(f"{name} ({outcome})")
-        elif outcome == "skipped":
-            skips[next(c for c in case if c.tag == "skipped").get("message", "")[:160]] += 1
-tests_ok = test_rc == 0 and counts["passed"] > 0 and not failed
-benches = [line.rstrip("\n").split("\t") for line in (work / "bench.tsv").read_text().splitlines()]
-bench_failed = [b[1] for b in benches if b[2] not in ("ok", "skipped")]
-ok = tests_ok and not bench_failed
-why = [] if ok else ([f"tests (pytest exit {test_rc})"] if not tests_ok else []) + bench_failed
-
-lines = [
-    "# megalm GPU check", "",
-    f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {total_s} s in all",
-    f"- device: {torch.cuda.get_device_name(0)} (sm{props.major}{props.minor}, {props.total_memory / 2**30:.1f} GiB), "
-    f"{torch.cuda.device_count()} visible" + (f"; driver {driver[0]}" if driver else ""),
-    f"- torch {torch.__version__} (CUDA {torch.version.cuda}), triton {version('triton')}, "
-    f"flash-attn {version('flash_attn')}, Python {platform.python_version()}",
-    f"- commit: {commit}; {install_note}",
-    f"- result: **{'PASS' if ok else 'FAIL'}**" + (f" ({', '.join(why)})" if why else ""),
-    "", "## Tests", "", f"`{test_cmd}`", "",
-    f"{counts['passed']} passed, {counts['failure']} failed, {counts['error']} errors, {counts['skipped']} skipped "
-    f"in {test_s} s (pytest exit code {test_rc}" + (", timed out" if test_rc == 124 else "") + ")",
-]
-if failed:
-    lines += ["", "Failed:", *[f"- `{name}`" for name in failed]]
-if skips:
-    lines += ["", "Skipped:", *[f"- {n} × {reason}" for reason, n in skips.most_common()]]
-lines += ["", "## Benchmarks"]
-for i, name, status, rc, seconds, command in benches:
-    lines += ["", f"### {name}: {status}" + (f" (exit {rc})" if status not in ("ok", "skipped") else "")
-              + (f", {seconds} s" if status != "skipped" else ""), "", f"`python {command}`"]
-    log = work / f"bench{i}.log"
-    if log.exists():
-        tail = [line for line in log.read_text().splitlines() if line.strip()][-24:]
-        lines += ["", "```", *tail, "```"] if tail else ["", "(no output)"]
-Path(report).write_text("\n".join(lines) + "\n")
-print(f"gpu_check: {'PASS' if ok else 'FAIL'}" + (f" ({', '.join(why)})" if why else "")
-      + f"; report {report}, full output {report.removesuffix('.md')}.log")
-sys.exit(0 if ok else 1)
-EOF
-exit "${PIPESTATUS[0]}"
+# ---------------------------------------------------------------------------------------------------- verdict
+total=$((SECONDS - start))
+if ((${#failures[@]})); then
+  report "" "**FAIL** after $total s: ${failures[*]}"
+  say "FAIL (${failures[*]}); report $REPORT, full output $LOG"
+  exit 1
+fi
+report "" "**PASS** after $total s$( ((DRY_RUN)) && echo ' (dry run)')"
+say "PASS$( ((DRY_RUN)) && echo ' (dry run)'); report $REPORT, full output $LOG"
+exit 0

@@ -2,16 +2,30 @@
 
 `pytest -m gpu` runs them (tools/gpu_check.sh runs them with the Triton MX kernel's tests and the quick GPU
 benchmarks); the default run deselects them, and without CUDA they skip (tests/conftest.py). Every comparison
-states its tolerance and why. Helpers here: the relative error measure, a counter of FP8 GEMM calls, and the TF32
-flags put back after each test (the trainer sets them for the whole process on CUDA).
+states its tolerance and why: a test that demands bit-equality runs under `deterministic` (deterministic algorithms,
+cuBLAS with a fixed workspace, SDPA's math backend), so that equality means what it claims; the others take
+tolerances in units of their dtype's machine epsilon (`eps`). Helpers here: those two, the relative error measure,
+a counter of FP8 GEMM calls, and the TF32 flags put back after each test (the trainer sets them for the process).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
+
+# cuBLAS picks its reduction split by workspace: deterministic only with a fixed one, set before the first CUDA context
+# (tools/gpu_check.sh exports it too; a CUDA context made earlier in the process would ignore it).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+TF32 = "tf32"  # fp32 GEMMs on tensor cores round operands to 10 mantissa bits
+
+
+def eps(dtype: torch.dtype | str) -> float:
+    """Machine epsilon of `dtype` (2^-7 for bf16, 2^-23 for fp32; TF32's 2^-10 for "tf32"): tolerances are multiples."""
+    return 2.0**-10 if dtype == TF32 else torch.finfo(dtype).eps
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -60,3 +74,20 @@ def no_tf32() -> Iterator[None]:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     yield
+
+
+@pytest.fixture
+def deterministic() -> Iterator[None]:
+    """Deterministic kernels for a bit-equality test: torch's deterministic algorithms (an op that has none warns, so
+    the first GPU run reports a number rather than a traceback) and SDPA's math backend (the memory-efficient
+    backward accumulates with atomics, in any order)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG"), "set CUBLAS_WORKSPACE_CONFIG before CUDA starts"
+    saved = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(saved)

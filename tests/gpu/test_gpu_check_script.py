@@ -1,13 +1,17 @@
 """tools/gpu_check.sh and tools/gpu_wheels.sh, checked on any machine (no gpu marker: these run in the default
-suite, so `pytest tests/gpu` is never empty): bash parses both, and without a visible CUDA device gpu_check.sh
-refuses at once with one clear line and exit code 2, before it installs, runs or writes anything.
+suite, so `pytest tests/gpu` is never empty): bash parses both; without a visible CUDA device gpu_check.sh refuses
+at once with one clear line and exit code 2, before it installs, runs or writes anything; the GPU run it prints is
+the one docs/benchmarks.md documents; a budget that is spent marks steps "not run", not failed; a step killed
+mid-way leaves its lines in the report; and `--dry-run` runs the whole script on CPU (slow: about two minutes).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,3 +36,52 @@ def test_gpu_check_refuses_without_cuda(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "gpu_check: no CUDA device visible" in proc.stderr and "nothing was run" in proc.stderr, proc.stderr
     assert list(tmp_path.iterdir()) == [], "the refusal must not write a report or a log"
+
+
+def _dry_run(tmp_path: Path, *args: str, budget: int = 570) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "GPU_CHECK_BUDGET_S": str(budget)}
+    return subprocess.run(["bash", str(SCRIPTS[0]), "--dry-run", *args], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=540)
+
+
+def test_the_documented_gpu_run_is_the_one_the_script_prints() -> None:
+    printed = subprocess.run(["bash", str(SCRIPTS[0]), "--print-run"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+    assert "OUT=DIR tools/gpu_check.sh setup tests bench calibrate" in printed
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert printed in docs, "docs/benchmarks.md must quote `tools/gpu_check.sh --print-run` verbatim"
+
+
+def test_a_spent_budget_means_not_run_never_failed(tmp_path: Path) -> None:
+    proc = _dry_run(tmp_path, "bench", budget=1)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = (tmp_path / "gpu_check_report.md").read_text()
+    assert report.count(": not run (the 1 s budget was spent") >= 5, report
+    assert "failed" not in report and "**PASS**" in report
+
+
+def test_a_killed_step_leaves_its_lines(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    proc = subprocess.Popen(["bash", str(SCRIPTS[0]), "--dry-run", "tests"], env=env, cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    report = tmp_path / "gpu_check_report.md"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "### tests" not in (report.read_text() if report.exists() else ""):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # as a device's time limit would
+    proc.wait(timeout=30)
+    text = report.read_text()
+    assert "# megalm GPU check (dry run)" in text and "### setup" in text and "### tests" in text, text
+    assert "-m pytest" in text and "(started " in text, text
+
+
+@pytest.mark.slow
+def test_the_whole_script_dry_runs_on_cpu(tmp_path: Path) -> None:
+    proc = _dry_run(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = (tmp_path / "gpu_check_report.md").read_text()
+    for section in ("### setup", "### tests", "### training throughput, 125m bf16", "### HDP cost-model calibration",
+                    "### megalm vs Megatron-Core vs TorchTitan", "**PASS**"):
+        assert section in report, (section, report)
+    assert "failed" not in report, report
+    assert (tmp_path / "hdp_cost_dry_run.yaml").exists() and (tmp_path / "compare_dry_run.json").exists()
