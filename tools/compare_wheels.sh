@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fill a wheels folder with what tools/bench/compare.py needs on a GPU machine without network access, for its
 # Python (3.12, x86-64, CUDA PyTorch 2.11 already there): megalm's own pure-Python needs (tools/gpu_wheels.sh),
-# Megatron-Core, TorchTitan with the few packages its llama3 model imports, and torchao for TorchTitan's fp8.
+# then every pin of tools/compare_peers.txt (Megatron-Core, TorchTitan and the packages its llama3 imports that
+# the image lacks, torchao for TorchTitan's fp8), the one place their versions are set.
 # Run it where pip reaches an index:
 #     tools/compare_wheels.sh        # -> .whl/ (git-ignored; WHEELS=DIR for another folder)
 # then carry the folder and install from it there before the benchmark:
@@ -16,10 +17,8 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manyl
          manylinux2014_x86_64 manylinux1_x86_64; do
   platforms+=(--platform "$p")
 done
-# Versions read on 2026-11-24. torchtitan 0.3.0's llama3 needs spmd_types and tyro (tyro: docstring-parser,
-# typeguard) at import; einops is in the GPU image. torchao 0.17 is the release paired with PyTorch 2.11.
+# --no-deps: the pins name every package the image lacks, and nothing may bring another torch.
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  "${platforms[@]}" -d "$WHEELS" megatron-core==0.16.1 torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 \
-  docstring-parser==0.18.0 typeguard==4.6.1 torchao==0.17.0
+  "${platforms[@]}" -d "$WHEELS" -r tools/compare_peers.txt
 ls -1 "$WHEELS"
 du -sh "$WHEELS"

@@ -1,5 +1,6 @@
-"""tools/bench/compare.py on the CPU: a row per (framework, shape, seq, precision), one FLOP formula for all
-frameworks, runs alternated A B A B, and a reason for every framework that could not run."""
+"""tools/bench/compare.py on the CPU: a row per (framework, shape, seq, precision) that names the kernels it ran,
+one FLOP formula for all frameworks, runs alternated A B A B, and a reason for every framework that could not
+run. The peers' pinned builds: tests/unit/test_compare_peers.py."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def test_a_row_per_framework_shape_seq_precision(report):
     rows = report[0]["rows"]
     keys = [(r["framework"], r["shape"], r["seq"], r["precision"]) for r in rows]
     assert sorted(keys) == sorted((fw, "tiny", seq, "fp32") for fw in FRAMEWORKS for seq in SEQS)
+    assert report[0]["complete"]  # rewritten after every cell; true once the last one is in
     for r in rows:
         assert r["status"] in ("ok", "skipped")
         if r["status"] == "skipped":  # a peer that cannot run here says exactly why
@@ -57,6 +59,40 @@ def test_megalm_runs_and_megatron_core_runs_on_cpu(report):
     if any(r["framework"] == "megatron" for r in rows) and report[0]["versions"]["megatron-core"]:
         megatron = [r for r in rows if r["framework"] == "megatron"]
         assert all(r["status"] == "ok" for r in megatron), [r["reason"] for r in megatron]
+
+
+@pytest.mark.timeout(120)
+def test_torchtitan_runs_on_cpu_at_its_pin(report):
+    """Eager on a CPU (its per-block compile is for CUDA) where the pinned release is installed; else one line."""
+    data = report[0]
+    titan = [r for r in data["rows"] if r["framework"] == "torchtitan"]
+    if data["versions"]["torchtitan"] != data["pins"]["torchtitan"]:
+        assert all(r["status"] == "skipped" and "tools/compare_peers.txt pins" in r["reason"] for r in titan)
+        pytest.skip(titan[0]["reason"])  # e.g. "torchtitan not installed (tools/compare_peers.txt pins 0.2.2)"
+    assert all(r["status"] == "ok" for r in titan), [r["reason"] for r in titan]
+
+
+@pytest.mark.timeout(120)
+def test_every_row_names_its_kernels(report):
+    data, stdout = report
+    pins = (ROOT / "tools" / "compare_peers.txt").read_text()
+    assert all(f"{name}=={pin}" in pins for name, pin in data["pins"].items()) and "torchtitan" in data["pins"]
+    assert set(data["versions"]) == {"torch", *data["pins"]}  # the JSON says what ran, each pin included
+    for r in data["rows"]:
+        assert r["label"]
+        if r["framework"] == "megatron":
+            assert "custom spec: SDPA core attention" in r["label"]  # not Megatron's own local spec
+        if r["status"] != "ok":
+            continue
+        assert set(r["kernels"]) == {"attention", "gemm", "compile", "loss"} and all(r["kernels"].values())
+        for key, what in r["kernels"].items():
+            assert f"    {key}: {what}" in stdout.splitlines()
+    ran = {r["framework"]: r["kernels"] for r in data["rows"] if r["status"] == "ok"}
+    if "megatron" in ran:
+        assert "SDPA" in ran["megatron"]["attention"] and "eager" in ran["megatron"]["compile"]
+    if "torchtitan" in ran:
+        assert "SDPA" in ran["torchtitan"]["attention"] and "eager" in ran["torchtitan"]["compile"]
+    assert "sdpa" in ran["megalm"]["attention"]  # megalm's CPU backend (torch_varlen needs CUDA)
 
 
 @pytest.mark.timeout(120)

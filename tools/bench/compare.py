@@ -1,31 +1,53 @@
-"""megalm against Megatron-Core and TorchTitan: the same Llama shapes, tokens and step, one process, one device.
+"""megalm against Megatron-Core and TorchTitan, each run as its own recommended one-GPU setup: the same Llama
+shapes, tokens and step, one process, one device.
 
+    python tools/bench/compare.py --json compare.json     # the default grid below: ~9 minutes on one H100
     python tools/bench/compare.py --shapes 125m,1.3b --seqs 2048,4096,8192 --precisions bf16,fp8 \
         --frameworks megalm,megatron,torchtitan --steps 10 --warmup 3 --repeats 2 --json compare.json
     python tools/bench/compare.py --tiny --precisions fp32 --steps 1 --warmup 0 --repeats 1   # CPU, seconds
 
-Why: a throughput number means little without the frameworks people would otherwise use, measured the same
-way. Every run here trains the same shape (layers, hidden, heads, GQA kv heads, SwiGLU ffn, RMSNorm, RoPE,
-untied head, megalm's padded vocab) on the same synthetic tokens (megalm's own synthetic documents, each
-exactly seq + 1 tokens, so every sample is one full causal sequence), with one step everywhere: forward,
-backward, grad-norm clip at 1.0, fused AdamW. Only the model code differs:
+Why: a throughput number means little without the frameworks people would otherwise use, run the way their
+authors would run them on one GPU. Every run trains the same shape (layers, hidden, heads, GQA kv heads, SwiGLU
+ffn, RMSNorm, RoPE, untied head, megalm's padded vocab; tests/unit/test_compare_peers.py checks the parameter
+counts agree) on the same synthetic tokens (megalm's synthetic documents, each exactly seq + 1 tokens, so every
+sample is one full causal sequence), with one step everywhere: forward, backward, grad-norm clip at 1.0, fused
+AdamW, no activation recomputation. The peers' versions are pinned in one place, tools/compare_peers.txt.
 
-- megalm: its own `Trainer.train_step` (as tools/bench/throughput.py times it; `data.varlen=true`).
-- megatron: Megatron-Core's `GPTModel` with `get_gpt_layer_local_spec` (no Transformer Engine: its unfused
-  `DotProductAttention`, recomputed in backward on CUDA as Megatron's selective recompute does, since its s x s
-  scores would not fit; torch RMSNorm), one rank (TP = PP = 1), its own vocab-parallel cross entropy.
-- torchtitan: TorchTitan's llama3 `Llama3Model` with its config resized to the shape, its default `flex`
-  attention (compiled flex_attention with the causal + document mask), its cross entropy in fp32.
+- megalm: its own `Trainer.train_step` (as tools/bench/throughput.py times it; `data.varlen=true`), eager, its
+  attention backend `auto` (torch's varlen flash kernel on CUDA in bf16; SDPA elsewhere).
+- megatron, labelled "megatron (custom spec: SDPA core attention)": Megatron-Core's `GPTModel` on
+  `get_gpt_layer_local_spec` with its `core_attention` swapped for `SDPACoreAttention` below (torch SDPA,
+  `is_causal=True`, which picks the flash or cuDNN kernel on an H100), since the GPU image has neither
+  Transformer Engine nor flash-attn and the local spec's own `DotProductAttention` materialises fp32 s x s
+  scores. On CUDA with Megatron's own fusions that need neither (compiled by its `jit_fuser`, torch.compile):
+  SwiGLU, bias-dropout-add and the native fused cross entropy. One rank (TP = PP = 1), torch RMSNorm.
+- torchtitan: TorchTitan's llama3 `Transformer` (the release in tools/compare_peers.txt: the newest that imports
+  on torch 2.11) with its args at the shape: its default `sdpa` attention (cuDNN > flash priority, causal), and
+  on CUDA its per-`TransformerBlock` torch.compile plus its compiled loss (`compile.enable`, components model and
+  loss); for fp8 its `quantize.linear.float8` converter (torchao Float8Linear, tensorwise scaling), the output
+  head kept in bf16 as megalm does. On a CPU it runs eager (inductor would build C++ kernels for minutes).
 
-Precisions: fp32; bf16 = bf16 autocast with fp32 weights and optimizer state for all three (megalm's bf16
-recipe, and what TorchTitan does on one GPU); fp8 = megalm's `precision=fp8`, TorchTitan's torchao float8
-linears (output head kept in bf16, as megalm does), and no Megatron-Core run (its fp8 needs Transformer Engine).
+Each row names the kernels its system used (`kernels`: attention, GEMMs, compile, loss): the SDPA kernel is the
+one torch's dispatcher chooses for the run's own shapes and dtype (`torch._fused_sdp_choice`).
+
+Precisions: fp32 (one TF32 setting for all: megalm's `precision.tf32`); bf16 = bf16 autocast with fp32 weights
+and optimizer state for all three (megalm's bf16 recipe, and what TorchTitan does on one GPU); fp8 = megalm's
+`precision=fp8`, TorchTitan's Float8 converter, and no Megatron-Core run (its fp8 needs Transformer Engine).
 
 Runs alternate by framework (A B C A B C for `--repeats 2`) inside each (shape, seq, precision) cell, each run
-building its model afresh, so clock and thermal drift hit every framework alike; the JSON keeps the order.
+building its model afresh after `torch._dynamo.reset()` (so each compiles as a fresh process would, from the
+warm on-disk caches), so clock and thermal drift hit every framework alike; the JSON keeps the order.
 Tokens/s is the tokens of a step over the median timed step of all repeats; TFLOP/s and MFU come from one
 formula for all three, megalm's `training_flops` (megalm/training/flops.py) over that step time, against
 `peak_flops` of the device (or `--peak-tflops`). A framework that cannot run says why, one line each.
+
+The default grid (125m and 1.3b, seq 4096, bf16 and fp8, 16,384 tokens a step, 3 + 10 steps, 2 repeats) is sized
+for ten minutes on one H100, estimated (not yet measured) as: 20 runs (megalm 8, TorchTitan 8, Megatron-Core 4:
+it has no fp8); steps from megalm's FLOPs at ~400 TFLOP/s effective (15.9 TFLOP a step for 125m, 149 for 1.3b:
+0.04 s and 0.37 s) -> 13 steps x (10 x 0.04 + 10 x 0.37 s) = 54 s, doubled for slower peers: ~110 s; model,
+optimizer and data builds ~4 s (125m) / 6 s (1.3b) a run: ~100 s; compiles: TorchTitan's blocks and loss ~45 s
+cold in each of its 4 cells plus ~10 s warm for the repeat: ~220 s, Megatron's fusions ~40 s, megalm's FP8 cast
+~20 s; start-up ~30 s. Total ~520 s (~9 minutes). Each further (shape, seq) adds ~2 to 3 minutes.
 """
 
 from __future__ import annotations
@@ -38,6 +60,7 @@ import importlib
 import json
 import math
 import os
+import re
 import socket
 import statistics
 import sys
@@ -48,6 +71,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import torch
@@ -62,6 +86,10 @@ from megalm.config import MegalmConfig, ModelConfig  # noqa: E402
 from megalm.training.flops import peak_flops, training_flops  # noqa: E402
 
 FRAMEWORKS = ("megalm", "megatron", "torchtitan")
+# What each row is called: Megatron-Core runs a spec of ours, which the label must say.
+LABELS = {"megalm": "megalm", "megatron": "megatron (custom spec: SDPA core attention)",
+          "torchtitan": "torchtitan (llama3)"}
+PEERS_FILE = Path(__file__).resolve().parents[1] / "compare_peers.txt"
 # --tiny: a shape every framework builds on a CPU in a second (the model=tiny config, shrunk further).
 TINY_SHAPE = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
               "model.ffn_hidden_size=128"]
@@ -83,12 +111,13 @@ class Cell:
 
 @dataclass
 class Run:
-    """One build + warm-up + timed steps of one framework in one cell."""
+    """One build + warm-up + timed steps of one framework in one cell, and the kernels it ran."""
 
     step_seconds: list[float]
     tokens_per_step: int
     peak_memory_gib: float
     params_m: float
+    kernels: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -97,6 +126,7 @@ class Row:
     shape: str
     seq: int
     precision: str
+    label: str = ""
     status: str = "ok"  # ok | skipped
     reason: str | None = None
     batch: int = 0
@@ -108,7 +138,49 @@ class Row:
     mfu: float | None = None
     peak_memory_gib: float | None = None
     params_m: float | None = None
+    kernels: dict[str, str] = field(default_factory=dict)  # attention, gemm, compile, loss
     model: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------- pinned peers
+
+
+def normalise(name: str) -> str:
+    """A distribution name as pip compares them (PEP 503): lower case, runs of -_. as one dash."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def peer_pins(path: Path = PEERS_FILE) -> dict[str, str]:
+    """{name: version} of tools/compare_peers.txt, the one place the peers' versions are pinned; any line that
+    is not an exact `name==version` is an error, so that the file cannot drift into ranges."""
+    pins = {}
+    for raw in path.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9.+!-]+)", line)
+        if not match:
+            raise ValueError(f"{path}: {raw.strip()!r} is not an exact name==version pin")
+        pins[normalise(match[1])] = match[2]
+    return pins
+
+
+def version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def pin_problem(package: str) -> str | None:
+    """Why `package` is not here at its pinned version (not installed, or another version); None when it is."""
+    pinned = peer_pins()[normalise(package)]
+    have = version(package)
+    if have is None:
+        return f"{package} not installed (tools/compare_peers.txt pins {pinned})"
+    if have != pinned:
+        return f"{package} {have} installed, but tools/compare_peers.txt pins {pinned} (the API this harness drives)"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- shared set-up
@@ -134,6 +206,11 @@ def synthetic_batches(cfg: MegalmConfig, steps: int, batch: int, device: torch.d
     return out
 
 
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype activations (and so attention) run in: bf16 for every recipe but fp32."""
+    return torch.float32 if precision == "fp32" else torch.bfloat16
+
+
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     """bf16 autocast for every recipe but fp32 (fp8 keeps the non-fp8 parts in bf16, as megalm does)."""
     if precision == "fp32":
@@ -142,7 +219,8 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 
 
 def adamw(model: torch.nn.Module, cfg: MegalmConfig, device: torch.device) -> torch.optim.Optimizer:
-    """megalm's optimizer for the peers: AdamW with its hyper-parameters, the fused kernel (as megalm's auto)."""
+    """megalm's optimizer for the peers: AdamW with its hyper-parameters, the fused kernel (as megalm's auto,
+    and TorchTitan's default implementation)."""
     o = cfg.optim
     return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
                              fused=device.type in ("cuda", "cpu"))
@@ -180,7 +258,66 @@ def require(module: str, package: str) -> None:
         raise Skip(f"{package} {'not installed' if absent else 'not importable'} ({type(e).__name__}: {e})") from None
 
 
+# The kernels behind torch SDPA, by the number `torch._fused_sdp_choice` answers (torch.nn.attention.SDPBackend).
+SDPA_KERNELS = {-1: "no kernel", 0: "math", 1: "flash", 2: "memory-efficient", 3: "cuDNN", 4: "overrideable"}
+
+
+def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                is_causal: bool = True, enable_gqa: bool = False) -> str:
+    """Which kernel torch SDPA runs for these inputs: the dispatcher's own choice (it depends on the device,
+    dtype, head size, mask and GQA, and on any `sdpa_kernel` priority in force), so a row can say it."""
+    try:
+        choice = torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, is_causal, enable_gqa=enable_gqa)
+    except (RuntimeError, TypeError) as e:  # an older torch, or inputs no kernel takes
+        return f"unknown ({type(e).__name__})"
+    name = SDPA_KERNELS.get(int(choice), str(choice))
+    return f"{name} on CPU" if q.device.type == "cpu" else name
+
+
+def probe_sdpa(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, dtype: torch.dtype,
+               device: torch.device) -> str:
+    """`sdpa_kernel` for causal attention of this shape, on empty [b, h, s, d] tensors."""
+    q = torch.empty(batch, heads, seq, head_dim, dtype=dtype, device=device)
+    kv = torch.empty(batch, kv_heads, seq, head_dim, dtype=dtype, device=device)
+    return sdpa_kernel(q, kv, kv, is_causal=True, enable_gqa=heads != kv_heads)
+
+
+def gemm_kernels(device: torch.device, precision: str, layers: str) -> str:
+    """Where bf16 and fp32 GEMMs run: cuBLAS under autocast, or fp32 with the TF32 setting of this run."""
+    where = "cuBLAS" if device.type == "cuda" else "CPU"
+    if precision == "fp32":
+        tf32 = device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
+        return f"{layers}: {where} fp32{' (TF32)' if tf32 else ''}"
+    return f"{layers}: {where} bf16 under autocast"
+
+
 # ---------------------------------------------------------------------------------------------- megalm
+
+MEGALM_ATTENTION = {
+    "flash_attn": "flash-attn's varlen kernel (flash_attn_varlen_func)",
+    "torch_varlen": "torch.nn.attention.varlen.varlen_attn (flash varlen kernel)",
+    "sdpa": "torch SDPA, one batched is_causal call",
+    "reference": "explicit fp32 attention with a [T, T] mask",
+}
+
+
+def megalm_kernels(trainer: Any, cfg: MegalmConfig, batch: int, device: torch.device) -> dict[str, str]:
+    from megalm.model.attention import select_attention_backend
+
+    m, name = cfg.model, cfg.precision.name
+    backend = select_attention_backend(m.attention_backend, device, compute_dtype(name),
+                                       dropout=m.attention_dropout > 0)
+    attention = f"{backend}: {MEGALM_ATTENTION.get(backend, backend)}"
+    if backend == "sdpa":
+        kv_heads = m.num_kv_heads or m.num_heads
+        attention += " (" + probe_sdpa(batch, m.num_heads, kv_heads, m.seq_length, m.hidden_size // m.num_heads,
+                                       compute_dtype(name), device) + ")"
+    gemm = (gemm_kernels(device, name, "megalm's Linear (F.linear)") if name in ("fp32", "bf16")
+            else f"megalm {trainer.precision.note}")
+    fp8_cast = device.type == "cuda" and name.startswith("fp8")
+    return {"attention": attention, "gemm": gemm,
+            "compile": "eager" + ("; its FP8 casts are one torch.compile'd kernel" if fp8_cast else ""),
+            "loss": "fp32 F.cross_entropy (token sum / tokens)"}
 
 
 def run_megalm(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.device, warmup: int,
@@ -194,10 +331,88 @@ def run_megalm(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.dev
         if trainer.device.type != device.type:
             raise Skip(f"megalm chose {trainer.device}, the others {device}")
         times = time_steps(lambda i: tokens.append(trainer.train_step(i).tokens), warmup, steps, device)
-        return Run(times, tokens[-1], peak_memory(device), params_m(trainer.model))
+        kernels = megalm_kernels(trainer, cfg, batches[0].shape[0], device)
+        return Run(times, tokens[-1], peak_memory(device), params_m(trainer.model), kernels)
 
 
 # ---------------------------------------------------------------------------------------------- Megatron-Core
+
+
+class SDPACoreAttention(torch.nn.Module):
+    """Megatron-Core's `core_attention` slot filled by torch SDPA (`F.scaled_dot_product_attention`).
+
+    Why: without Transformer Engine or flash-attn, the local spec's `DotProductAttention` computes fp32 s x s
+    scores with baddbmm and an unfused softmax: a strawman at 4K+ tokens. SDPA runs the flash or cuDNN kernel
+    on an H100. The constructor and `forward` take exactly what Megatron-Core 0.16's SelfAttention passes its
+    core attention (the arguments of DotProductAttention): query [sq, b, np, hn], key and value
+    [sk, b, ng, hn] (ng query groups: GQA via SDPA's `enable_gqa`, query head i reading group i // (np / ng),
+    Megatron's repeat_interleave convention), a boolean `attention_mask` that is True where attention is
+    masked out (or None), and returns [sq, b, np * hn]. With no mask, a causal mask type runs `is_causal=True`
+    (no s x s mask is built at all). What DotProductAttention also refuses here (packed sequences,
+    attention bias, context parallelism) or what SDPA has no form for (windows, softmax offsets) raises.
+    `kernel` records the SDPA kernel the dispatcher chose on the first call.
+    """
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection: Any = None) -> None:
+        super().__init__()
+        if config.context_parallel_size != 1:
+            raise NotImplementedError("SDPACoreAttention: context parallelism needs TEDotProductAttention")
+        if config.window_size is not None or config.softmax_type != "vanilla":
+            raise NotImplementedError("SDPACoreAttention: no sliding windows or softmax offsets in torch SDPA")
+        self.config = config
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        # None: 1 / sqrt(hn), SDPA's default and DotProductAttention's. apply_query_key_layer_scaling divides the
+        # scale by the layer number and multiplies the scores back before an fp32 softmax: the same function.
+        self.softmax_scale = softmax_scale
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.kernel: str | None = None
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
+                attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise NotImplementedError("SDPACoreAttention: packed sequences (THD) need TEDotProductAttention")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention: no attention bias")
+        mask_type = getattr(attn_mask_type if attn_mask_type is not None else self.attn_mask_type, "name", None)
+        sq, b, heads, head_dim = query.shape
+        if attention_mask is not None:  # Megatron's mask is True where hidden; SDPA's boolean mask, where attended
+            mask, causal = ~attention_mask, False
+        elif mask_type == "causal":
+            if key.shape[0] != sq:
+                raise NotImplementedError("SDPACoreAttention: causal attention needs as many keys as queries")
+            mask, causal = None, True
+        elif mask_type == "no_mask":
+            mask, causal = None, False
+        else:
+            raise ValueError(f"SDPACoreAttention: mask type {mask_type} needs an attention_mask")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
+        gqa = k.shape[1] != heads
+        if self.kernel is None:
+            self.kernel = sdpa_kernel(q, k, v, mask, causal, gqa)
+        dropout = self.dropout_p if self.training else 0.0
+        fork = contextlib.nullcontext()
+        if dropout > 0.0 and not self.config.sequence_parallel:  # as DotProductAttention: per-TP-rank dropout
+            from megatron.core import tensor_parallel
+
+            fork = tensor_parallel.get_cuda_rng_tracker().fork()
+        with fork:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                                 scale=self.softmax_scale, enable_gqa=gqa)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)  # [b, h, s, d] -> [s, b, h * d]
+
+
+def megatron_sdpa_spec(normalization: str) -> Any:
+    """Megatron-Core's local (non-TE) GPT layer spec with `SDPACoreAttention` as its core attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization=normalization)  # a fresh spec each call: ours to change
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
 
 
 def megatron_process_group(device: torch.device) -> None:
@@ -215,52 +430,52 @@ def megatron_process_group(device: torch.device) -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
 
 
-def build_megatron(model: ModelConfig, device: torch.device, seed: int) -> torch.nn.Module:
-    """Megatron-Core's GPTModel, local (non-TE) layer spec, in the shape of `model`."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def build_megatron(model: ModelConfig, device: torch.device, seed: int, fused: bool | None = None) -> torch.nn.Module:
+    """Megatron-Core's GPTModel on the SDPA spec, in the shape of `model`; on the meta device, uninitialised.
+
+    `fused` (default: on CUDA) turns on the fusions Megatron-LM trains with that need neither Transformer
+    Engine nor Apex, each a function compiled by Megatron's `jit_fuser` (torch.compile): SwiGLU,
+    bias-dropout-add, and the native fused vocab-parallel cross entropy. RoPE fusion needs TE: off."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     megatron_process_group(device)
-    on_cuda = device.type == "cuda"
+    on_cuda, on_meta = device.type == "cuda", device.type == "meta"
+    fused = on_cuda if fused is None else fused
     torch.manual_seed(seed)
     if on_cuda:
         torch.cuda.set_device(device)
         model_parallel_cuda_manual_seed(seed)  # Megatron's RNG tracker: GPU init and its dropout forks use it
+    swiglu = model.activation == "swiglu"
     config = TransformerConfig(
         num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_heads,
         num_query_groups=model.num_kv_heads, ffn_hidden_size=model.ffn_hidden_size,
         normalization="RMSNorm" if model.norm == "rmsnorm" else "LayerNorm", layernorm_epsilon=model.norm_eps,
-        gated_linear_unit=model.activation == "swiglu", activation_func=F.silu if model.activation == "swiglu"
-        else F.gelu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        # The fused kernels below come from Transformer Engine or Apex, which the local spec goes without.
-        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-        params_dtype=torch.float32, use_cpu_initialization=not on_cuda,
-        # Local attention keeps the s x s scores of every layer for backward (~150 GB for 125m at 8K on one GPU);
-        # Megatron's own remedy is to recompute core attention in backward. Its checkpoint saves the CUDA RNG state,
-        # so CPU checks run without (their sequences are short).
-        recompute_granularity="selective" if on_cuda else None)
-    gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
-                   vocab_size=model.padded_vocab_size or model.vocab_size,
-                   max_sequence_length=model.seq_length, position_embedding_type=model.position_embedding,
-                   rotary_base=int(model.rope_theta), share_embeddings_and_output_weights=model.tie_embeddings)
-    return gpt.to(device)
+        gated_linear_unit=swiglu, activation_func=F.silu if swiglu else F.gelu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=fused and swiglu, bias_dropout_fusion=fused, cross_entropy_loss_fusion=fused,
+        cross_entropy_fusion_impl="native",
+        # Transformer Engine's or Apex's kernels, which this image lacks (the softmax one is unused under SDPA).
+        masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        params_dtype=torch.float32, use_cpu_initialization=not on_cuda, perform_initialization=not on_meta)
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        gpt = GPTModel(config=config, transformer_layer_spec=megatron_sdpa_spec(config.normalization),
+                       vocab_size=model.padded_vocab_size or model.vocab_size,
+                       max_sequence_length=model.seq_length, position_embedding_type=model.position_embedding,
+                       rotary_base=int(model.rope_theta), share_embeddings_and_output_weights=model.tie_embeddings)
+    return gpt if on_meta else gpt.to(device)
 
 
 @contextlib.contextmanager
 def megatron_on_cpu(device: torch.device) -> Iterator[None]:
-    """CPU checks only: Megatron-Core puts RoPE's frequencies and DotProductAttention's QK^T buffer on
-    `torch.cuda.current_device()`, forks the CUDA RNG around attention dropout (0 here) and makes its default
-    causal mask on "cuda" (see megatron_steps). Answering "cpu", forking nothing and passing the mask in lets
-    the same model code run on a CPU. On CUDA nothing is changed."""
+    """CPU (and meta) only: Megatron-Core puts RoPE's frequencies on `torch.cuda.current_device()`; answering
+    "cpu" lets the same model code run without a GPU. On CUDA nothing is changed."""
     if device.type == "cuda":
         yield
         return
-    no_fork = mock.Mock(fork=contextlib.nullcontext)
-    with mock.patch("torch.cuda.current_device", lambda: "cpu"), \
-            mock.patch("megatron.core.tensor_parallel.get_cuda_rng_tracker", lambda *a, **k: no_fork):
+    with mock.patch("torch.cuda.current_device", lambda: "cpu"):
         yield
 
 
@@ -282,83 +497,142 @@ def megatron_steps(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch
     optimizer = adamw(model, cfg, device)
     seq = batches[0].shape[1] - 1
     positions = torch.arange(seq, device=device).expand(batches[0].shape[0], -1)
-    # Megatron's default causal mask is made with device="cuda"; on the CPU the same mask is passed in (True = hidden).
-    mask = None if device.type == "cuda" else torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None]
 
     def step(i: int) -> None:
         tokens = batches[i % len(batches)]
-        with autocast(device, cfg.precision.name):
-            loss = model(tokens[:, :-1], positions, mask, labels=tokens[:, 1:]).mean()  # per-token losses [b, s]
+        with autocast(device, cfg.precision.name):  # no mask: SDPACoreAttention runs is_causal
+            loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean()  # per-token losses [b, s]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     times = time_steps(step, warmup, steps, device)
-    return Run(times, batches[0][:, :-1].numel(), peak_memory(device), params_m(model))
+    chosen = next((m.kernel for m in model.modules() if isinstance(m, SDPACoreAttention)), None)
+    fused = model.config.cross_entropy_loss_fusion
+    kernels = {
+        "attention": f"torch SDPA is_causal ({chosen or 'not run'}) as core_attention in the local spec",
+        "gemm": gemm_kernels(device, cfg.precision.name, "Megatron's Column/RowParallelLinear (TP=1)"),
+        "compile": ("eager; Megatron's jit_fuser (torch.compile) fusions: SwiGLU, bias-dropout-add, cross entropy"
+                    if fused else "eager (Megatron's jit fusions off: on CUDA only)"),
+        "loss": f"Megatron's {'fused ' if fused else ''}vocab-parallel cross entropy (fp32), mean",
+    }
+    return Run(times, batches[0][:, :-1].numel(), peak_memory(device), params_m(model), kernels)
 
 
 # ---------------------------------------------------------------------------------------------- TorchTitan
 
 
-def build_torchtitan(model: ModelConfig, device: torch.device, seed: int) -> torch.nn.Module:
-    """TorchTitan's llama3 model, its config built with llama3's own layer builder at the shape of `model`."""
-    from torchtitan.models import llama3
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+def torchtitan_job(precision: str, compile_model: bool, emulate_fp8: bool = False) -> Any:
+    """TorchTitan's JobConfig for one GPU, as its llama3 recipe sets it where it matters for a step: per-block
+    compile of the model and the loss (`compile.enable`), bf16 AMP (its single-device mixed precision), for
+    fp8 its Float8 linear converter with the output head left out. No activation checkpointing: megalm and
+    Megatron-Core recompute nothing either, and every default shape fits without."""
+    from torchtitan.config import JobConfig
+
+    job = JobConfig()
+    job.compile.enable = compile_model
+    job.compile.components = ["model", "loss"]
+    job.activation_checkpoint.mode = "none"
+    job.training.mixed_precision_param = "bfloat16"
+    if precision == "fp8":
+        job.model.converters = ["quantize.linear.float8"]
+        job.quantize.linear.float8.filter_fqns = ["output"]
+        job.quantize.linear.float8.emulate = emulate_fp8  # CPU checks only: TorchTitan's emulation is eager-only
+    return job
+
+
+def torchtitan_args(model: ModelConfig) -> Any:
+    """llama3's TransformerModelArgs at the shape of `model`. Its FeedForward sizes the hidden layer from
+    4 * dim (2/3 of it, times ffn_dim_multiplier, rounded up to multiple_of), so multiple_of = ffn and a
+    multiplier just under ffn / base give exactly ffn; RoPE scaling factor 1 is plain RoPE, as megalm's."""
+    from torchtitan.models.llama3 import TransformerModelArgs
+    from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
     if model.activation != "swiglu" or model.norm != "rmsnorm" or model.position_embedding != "rope":
         raise Skip("TorchTitan's llama3 is SwiGLU + RMSNorm + RoPE only")
-    dim, vocab = model.hidden_size, model.padded_vocab_size or model.vocab_size
-    config = llama3.Llama3Model.Config(
-        dim=dim, vocab_size=vocab, enable_weight_tying=model.tie_embeddings,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=dim, eps=model.norm_eps, param_init=llama3._NORM_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=llama3._output_linear_init(dim)),
-        layers=llama3._build_llama3_layers(
-            n_layers=model.num_layers, dim=dim, n_heads=model.num_heads, n_kv_heads=model.num_kv_heads,
-            hidden_dim=model.ffn_hidden_size, attn_backend="flex",
-            rope=ComplexRoPE.Config(dim=dim // model.num_heads, max_seq_len=model.seq_length, theta=model.rope_theta)))
+    if model.tie_embeddings or model.bias:
+        raise Skip("TorchTitan's llama3 has an untied output head and no biases")
+    ffn = model.ffn_hidden_size
+    base = int(2 * 4 * model.hidden_size / 3)
+    return TransformerModelArgs(
+        dim=model.hidden_size, n_layers=model.num_layers, n_heads=model.num_heads, n_kv_heads=model.num_kv_heads,
+        vocab_size=model.padded_vocab_size or model.vocab_size, multiple_of=ffn, ffn_dim_multiplier=ffn / base,
+        norm_eps=model.norm_eps, rope_theta=model.rope_theta, rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0),
+        max_seq_len=model.seq_length, attn_type="sdpa", attn_mask_type="causal")
+
+
+def build_torchtitan(model: ModelConfig, device: torch.device, seed: int, job: Any) -> torch.nn.Module:
+    """TorchTitan's llama3 Transformer as its trainer makes it on one GPU: built on meta, converted (fp8),
+    materialised and initialised on `device`, then each TransformerBlock compiled; on meta, only built."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.llama3 import Transformer
+    from torchtitan.models.llama3.infra.parallelize import apply_compile
+    from torchtitan.protocols.model_converter import build_model_converters
+
+    args = torchtitan_args(model)
     torch.manual_seed(seed)
-    with device:
-        titan = config.build()
-    titan.init_states(buffer_device=device)
+    with torch.device("meta"):
+        titan = Transformer(args)
+    one_gpu = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    build_model_converters(job, one_gpu).convert(titan)
+    if device.type == "meta":
+        return titan
+    titan.to_empty(device=device)
+    with torch.no_grad():
+        titan.init_weights(buffer_device=device)
+    if job.compile.enable and "model" in job.compile.components:
+        apply_compile(titan, job.compile)
     return titan
-
-
-def float8_linears(model: torch.nn.Module) -> None:
-    """TorchTitan's fp8: torchao's float8 training linears (tensorwise scaling), the output head left in bf16."""
-    try:
-        from torchao.float8 import convert_to_float8_training
-    except ImportError as e:
-        raise Skip(f"fp8 needs torchao's float8 ({e})") from None
-    convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn != "lm_head")
 
 
 def run_torchtitan(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.device, warmup: int,
                    steps: int) -> Run:
-    if cfg.precision.name not in ("fp32", "bf16", "fp8"):
-        raise Skip(f"no {cfg.precision.name} recipe wired for TorchTitan here (fp32, bf16, fp8)")
+    name = cfg.precision.name
+    if name not in ("fp32", "bf16", "fp8"):
+        raise Skip(f"no {name} recipe wired for TorchTitan here (fp32, bf16, fp8)")
+    problem = pin_problem("torchtitan")
+    if problem:
+        raise Skip(problem)
     require("torchtitan.models.llama3", "torchtitan")
-    model = build_torchtitan(cfg.model, device, cfg.seed)
-    if cfg.precision.name == "fp8":
-        float8_linears(model)
+    if name == "fp8":
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+            raise Skip("fp8: TorchTitan's Float8 converter needs a CUDA device of compute capability 8.9+")
+        require("torchao.float8", "torchao")
+    from torch.nn.attention import sdpa_kernel as sdpa_priority
+    from torchtitan.components.loss import build_cross_entropy_loss
+    from torchtitan.models.attention import ScaledDotProductAttentionWrapper
+
+    job = torchtitan_job(name, compile_model=device.type == "cuda")
+    model = build_torchtitan(cfg.model, device, cfg.seed, job)
+    loss_fn = build_cross_entropy_loss(job)  # fp32 cross entropy, summed; compiled with the model
     optimizer = adamw(model, cfg, device)
-    seq = batches[0].shape[1] - 1
-    positions = torch.arange(seq, device=device).expand(batches[0].shape[0], -1)
+    labels_per_step = batches[0][:, 1:].numel()
 
     def step(i: int) -> None:
         tokens = batches[i % len(batches)]
-        masks = model.get_attention_masks(positions)  # one document per row: the causal mask
-        with autocast(device, cfg.precision.name):
-            logits = model(tokens[:, :-1], positions, masks)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())  # TorchTitan's: fp32 logits
+        with autocast(device, name):  # TorchTitan's single-device AMP wraps the loss too
+            loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:]) / labels_per_step  # its sum / tokens
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     times = time_steps(step, warmup, steps, device)
-    return Run(times, batches[0][:, :-1].numel(), peak_memory(device), params_m(model))
+    m = cfg.model
+    with sdpa_priority(ScaledDotProductAttentionWrapper().sdpa_backends, set_priority=True):
+        chosen = probe_sdpa(batches[0].shape[0], m.num_heads, m.num_kv_heads or m.num_heads, m.seq_length,
+                            m.hidden_size // m.num_heads, compute_dtype(name), device)
+    compiled = job.compile.enable
+    kernels = {
+        "attention": f"torch SDPA is_causal ({chosen}): llama3's default sdpa, priority cuDNN > flash > math",
+        "gemm": ("torchao Float8Linear (tensorwise scaling): torch._scaled_mm; output head bf16" if name == "fp8"
+                 else gemm_kernels(device, name, "nn.Linear")),
+        "compile": ("torch.compile per TransformerBlock (fullgraph, inductor) and of the loss" if compiled
+                    else "eager (per-block compile on CUDA only: inductor would build C++ kernels here)"),
+        "loss": "TorchTitan's fp32 cross entropy (sum / tokens)" + (", compiled" if compiled else ""),
+    }
+    return Run(times, batches[0][:, :-1].numel(), peak_memory(device), params_m(model), kernels)
 
 
 RUNNERS: dict[str, Callable[..., Run]] = {"megalm": run_megalm, "megatron": run_megatron, "torchtitan": run_torchtitan}
@@ -375,10 +649,14 @@ def one_line(error: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def fresh_device(device: torch.device) -> Iterator[None]:
-    """Each run starts from a clean allocator and a reset peak, and gives its memory back afterwards."""
+def fresh_device(device: torch.device, cfg: MegalmConfig) -> Iterator[None]:
+    """Each run starts from a clean allocator, a reset peak, no compiled code from earlier runs (dynamo would
+    otherwise turn a second sequence length into dynamic shapes, or stop compiling at its recompile limit),
+    and megalm's TF32 setting (megalm sets it globally; the peers run under the same one)."""
     gc.collect()
+    torch._dynamo.reset()
     if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.precision.tf32
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
@@ -401,6 +679,7 @@ def summarise(row: Row, runs: list[Run], cfg: MegalmConfig, batch: int, seq: int
     row.mfu = flops / step_s / peak if peak else None
     row.peak_memory_gib = max(run.peak_memory_gib for run in runs)
     row.params_m = runs[0].params_m
+    row.kernels = runs[-1].kernels
 
 
 def run_cell(cell: Cell, args: argparse.Namespace, overrides: list[str], device: torch.device,
@@ -408,7 +687,8 @@ def run_cell(cell: Cell, args: argparse.Namespace, overrides: list[str], device:
     batch = max(1, args.tokens_per_step // cell.seq)
     cfg = cell_config(cell, batch, overrides, args.tiny)
     model = {k: getattr(cfg.model, k) for k in MODEL_FIELDS}
-    rows = {fw: Row(fw, cell.shape, cell.seq, cell.precision, batch=batch, model=model) for fw in args.frameworks}
+    rows = {fw: Row(fw, cell.shape, cell.seq, cell.precision, label=LABELS[fw], batch=batch, model=model)
+            for fw in args.frameworks}
     runs: dict[str, list[Run]] = {fw: [] for fw in args.frameworks}
     batches = synthetic_batches(cfg, min(args.warmup + args.steps, 4), batch, device)
     for repeat in range(args.repeats):
@@ -416,7 +696,7 @@ def run_cell(cell: Cell, args: argparse.Namespace, overrides: list[str], device:
             row = rows[fw]
             if row.status != "ok":
                 continue
-            with fresh_device(device):
+            with fresh_device(device, cfg):
                 try:
                     runs[fw].append(RUNNERS[fw](cfg, batches, device, args.warmup, args.steps))
                 except Exception as e:  # noqa: BLE001 - a peer that cannot run is a result, said in one line
@@ -432,32 +712,37 @@ def run_cell(cell: Cell, args: argparse.Namespace, overrides: list[str], device:
     return list(rows.values())
 
 
-def version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def fmt(value: float | None, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
-def print_table(rows: list[Row]) -> None:
-    print(f"{'framework':<11} {'shape':<6} {'seq':>6} {'prec':<5} {'tokens/s':>12} {'TFLOP/s':>8} {'MFU':>6} "
-          f"{'peak GiB':>8}  status")
+def table_width(frameworks: list[str]) -> int:
+    return max([len(LABELS[fw]) for fw in frameworks] + [9])
+
+
+def print_header(width: int) -> None:
+    print(f"{'framework':<{width}} {'shape':<6} {'seq':>6} {'prec':<5} {'tokens/s':>12} {'TFLOP/s':>8} {'MFU':>6} "
+          f"{'peak GiB':>8}  status", flush=True)
+
+
+def print_rows(rows: list[Row], width: int) -> None:
+    """One line a row (a skip's reason on it), and under each row that ran, the kernels it used."""
     for r in rows:
         mfu = fmt(None if r.mfu is None else 100 * r.mfu, ".1f") + ("%" if r.mfu is not None else "")
         status = "ok" if r.status == "ok" else f"skipped: {r.reason}"
-        print(f"{r.framework:<11} {r.shape:<6} {r.seq:>6} {r.precision:<5} {fmt(r.tokens_per_sec, ',.0f'):>12} "
+        print(f"{r.label:<{width}} {r.shape:<6} {r.seq:>6} {r.precision:<5} {fmt(r.tokens_per_sec, ',.0f'):>12} "
               f"{fmt(r.tflops_per_sec, '.2f'):>8} {mfu:>6} {fmt(r.peak_memory_gib, '.2f'):>8}  {status}")
+        for key, what in r.kernels.items():
+            print(f"    {key}: {what}")
+    sys.stdout.flush()
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     csv = lambda kind: lambda s: [kind(x) for x in s.split(",") if x]  # noqa: E731
+    # The defaults are the grid sized for ten minutes on one H100 (the estimate is in the module docstring).
     parser.add_argument("--shapes", type=csv(str), default=["125m", "1.3b"], help="configs/model names")
-    parser.add_argument("--seqs", type=csv(int), default=[2048, 4096, 8192], help="sequence lengths")
+    parser.add_argument("--seqs", type=csv(int), default=[4096], help="sequence lengths")
     parser.add_argument("--precisions", type=csv(str), default=["bf16", "fp8"], help="fp32, bf16, fp8")
     parser.add_argument("--frameworks", type=csv(str), default=list(FRAMEWORKS), help=",".join(FRAMEWORKS))
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
@@ -483,26 +768,39 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Runs the grid cell by cell, printing each cell's rows and rewriting the JSON (`complete` false until the
+    last cell) as it finishes, so that a run stopped by a time limit keeps every cell it measured."""
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "compare_inductor"))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    cells = [Cell(shape, seq, precision) for shape in args.shapes for seq in args.seqs
+             for precision in args.precisions]
     order: list[dict] = []
-    rows = [row for shape in args.shapes for seq in args.seqs for precision in args.precisions
-            for row in run_cell(Cell(shape, seq, precision), args, overrides, device, order)]
+    rows: list[Row] = []
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "versions": {"torch": torch.__version__, "megatron-core": version("megatron-core"),
-                     "torchtitan": version("torchtitan"), "torchao": version("torchao")},
-        "settings": {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+        "versions": {"torch": torch.__version__, **{name: version(name) for name in peer_pins()}},
+        "pins": peer_pins(),
+        "settings": {"shapes": args.shapes, "seqs": args.seqs, "precisions": args.precisions,
+                     "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                      "tokens_per_step": args.tokens_per_step, "overrides": overrides,
                      "peak_tflops": args.peak_tflops},
+        "complete": False,
         "run_order": order,
-        "rows": [dataclasses.asdict(r) for r in rows],
+        "rows": [],
     }
     print(f"device: {report['device']}, torch {torch.__version__}")
-    print_table(rows)
+    width = table_width(args.frameworks)
+    print_header(width)
+    for k, cell in enumerate(cells):
+        cell_rows = run_cell(cell, args, overrides, device, order)
+        rows += cell_rows
+        print_rows(cell_rows, width)
+        report["rows"] = [dataclasses.asdict(r) for r in rows]
+        report["complete"] = k == len(cells) - 1
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
     return report
 
