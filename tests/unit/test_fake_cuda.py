@@ -24,6 +24,7 @@ What it cannot reach, and where that is tested instead:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import Iterator
 
@@ -73,6 +74,66 @@ def fake_cuda(capability: tuple[int, int] = SM90, host_tensors: bool = False) ->
     _clear_selection_caches()
 
 
+@functools.cache
+def fake_mode_misses(op: str) -> str | None:
+    """Why this torch's fake mode cannot run `op` on fake CUDA tensors, or None when it can. Probed with torch's own
+    calls (no megalm code), so a test that needs the op skips with the reason instead of blaming megalm: torch 2.9's
+    SDPA asks the driver for device properties, its meta kernel of mm(out_dtype=) takes no out_dtype, and so on."""
+    bf16 = torch.bfloat16
+
+    def varlen_operands():
+        q = torch.empty(16, 2, 32, dtype=bf16)
+        return q, torch.empty_like(q), torch.empty_like(q), torch.tensor([0, 16], dtype=torch.int32)
+
+    def flash():
+        q, k, v, cu = varlen_operands()
+        torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, 16, 16, 0.0, True, False, scale=0.1)
+
+    def efficient():
+        q, k, v, cu = (t.unsqueeze(0) if t.dim() == 3 else t for t in varlen_operands())
+        torch.ops.aten._efficient_attention_forward(query=q, key=k, value=v, bias=None, cu_seqlens_q=cu,
+                                                    cu_seqlens_k=cu, max_seqlen_q=16, max_seqlen_k=16, dropout_p=0.0,
+                                                    custom_mask_type=2, compute_log_sumexp=True, scale=0.1)
+
+    def scaled_mm():
+        one = torch.ones((), dtype=torch.float32)
+        a, b = torch.empty(32, 64, dtype=fp8.E4M3), torch.empty(48, 64, dtype=fp8.E4M3).t()
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+
+    def views():  # ordinary ops: torch 2.9 asks the driver for a device guard in some of them
+        x = torch.empty(8, 4)
+        x[:4].t().contiguous().t()
+        torch.repeat_interleave(torch.arange(2), torch.tensor([1, 3]), output_size=4)
+
+    probes = {
+        "views": views,
+        "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
+            *[torch.empty(1, 2, 16, 32, dtype=bf16)] * 3, is_causal=True),
+        "varlen_attn": lambda: compat.varlen_attn(*varlen_operands(), 16),
+        "mm_out_dtype": lambda: torch.mm(torch.empty(16, 32, dtype=bf16), torch.empty(32, 16, dtype=bf16),
+                                         out_dtype=torch.float32),
+        "flash_varlen": flash, "efficient_varlen": efficient, "scaled_mm": scaled_mm,
+    }
+    try:
+        with fake_cuda():
+            probes[op]()
+    except Exception as error:
+        return f"torch {torch.__version__}'s fake mode cannot run {op}: {type(error).__name__}: {str(error)[:120]}"
+    return None
+
+
+def needs_fake(*ops: str) -> None:
+    """Skip unless this torch's fake mode runs every op in `ops` (`fake_mode_misses`)."""
+    for op in ops:
+        if (why := fake_mode_misses(op)) is not None:
+            pytest.skip(why)
+
+
+def auto_attention_op() -> str:
+    """The torch op the attention backend `auto` picks on a GPU in bf16 (flash-attn's is not probed)."""
+    return "varlen_attn" if compat.varlen_attn_available() else "sdpa"
+
+
 def _qkv(tokens: int, heads: int = 8, kv_heads: int = 2, head_dim: int = 32, dtype=torch.bfloat16):
     return (torch.empty(tokens, heads, head_dim, dtype=dtype), torch.empty(tokens, kv_heads, head_dim, dtype=dtype),
             torch.empty(tokens, kv_heads, head_dim, dtype=dtype))
@@ -116,6 +177,7 @@ def test_fake_cuda_varlen_attention_backend(backend):
         pytest.skip("flash-attn is not installed")
     if backend == "torch_varlen" and not compat.varlen_attn_available():
         pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen (>= 2.10): auto runs sdpa")
+    needs_fake({"sdpa": "sdpa", "torch_varlen": "varlen_attn"}.get(backend, "sdpa"))
     with fake_cuda():
         q, k, v = _qkv(96)
         cu = torch.tensor([0, 32, 64, 96], dtype=torch.int32)  # equal documents: sdpa's batched call
@@ -134,6 +196,7 @@ def test_fake_cuda_ring_block_kernels_forward_and_backward(kernel, causal):
     """The ring's CUDA block kernels (aten ops, called directly: their backward too) accept its varlen blocks."""
     if kernel == "flash_attn" and not attention._flash_attn_importable():
         pytest.skip("flash-attn is not installed")
+    needs_fake("views", {"torch_varlen": "flash_varlen", "torch_efficient": "efficient_varlen"}.get(kernel, "sdpa"))
     with fake_cuda():
         q, k, v = _qkv(48)
         cu_q = torch.tensor([0, 16, 48], dtype=torch.int32)
@@ -189,6 +252,7 @@ def counting(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> Itera
 def test_fake_cuda_model_forward_under_each_recipe(recipe, monkeypatch):
     """The trainer's forward on a GPU: fp32 weights under the recipe's autocast, GQA, the backend auto picks, FP8
     GEMMs on torch._scaled_mm (its fake kernel checks the operands' dtypes, layouts and 16-alignment)."""
+    needs_fake("views", auto_attention_op(), *["scaled_mm"] * recipe.startswith("fp8"), *["mm_out_dtype"] * (recipe == "mxfp8"))
     with fake_cuda():
         model = GPT(_model_config())
         precision = Precision(PrecisionConfig(name=recipe), seed=0, device=CUDA)
@@ -209,6 +273,7 @@ def test_fake_cuda_recipe_gemms_of_backward(recipe, monkeypatch):
     called as the layer's backward calls them: FP8 through torch._scaled_mm, MX through the Triton quantizer op."""
     if recipe.startswith("mx") and not mx_triton._triton_importable():
         pytest.skip("triton is not installed: MX GEMMs run the PyTorch reference")
+    needs_fake("views", "scaled_mm" if recipe.startswith("fp8") else "mm_out_dtype")
     # A CUDA torch.Generator (RHT signs, the reference's SR draws) needs a driver: draw them on the CPU here.
     on_device = linear.gemm_generator
     cpu_generator = lambda seed, gemm, device: on_device(seed, gemm, "cpu")
@@ -235,6 +300,7 @@ def test_fake_cuda_recipe_gemms_of_backward(recipe, monkeypatch):
 def test_fake_cuda_scaled_mm_rules_are_checked():
     """The tier can fail: torch._scaled_mm's fake kernel refuses what the GPU refuses (here a row-major second
     operand), and megalm's dispatch never sends it one (a 30-token GEMM is emulated, not sent)."""
+    needs_fake("views", "scaled_mm")
     with fake_cuda():
         a = torch.empty(32, 64, dtype=fp8.E4M3)
         b = torch.empty(64, 48, dtype=fp8.E4M3)  # row-major: cuBLASLt wants it column-major
@@ -269,6 +335,7 @@ def test_fake_cuda_mx_quantizer_op_shapes_match_the_reference(packed, rht):
 def test_fake_cuda_one_rank_ring_micro_batch():
     """An HDP / context-parallel micro-batch: its RingContext (zigzag layout moved to the device) in every
     attention layer, on the backend auto picks."""
+    needs_fake("views", auto_attention_op())
     layout = layout_from_local_cu_seqlens(torch.tensor([0, 20, 64], dtype=torch.int32), 1)  # on the host, as prepared
     with fake_cuda(host_tensors=True):
         model = GPT(_model_config())
