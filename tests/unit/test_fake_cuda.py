@@ -252,7 +252,8 @@ def counting(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> Itera
 def test_fake_cuda_model_forward_under_each_recipe(recipe, monkeypatch):
     """The trainer's forward on a GPU: fp32 weights under the recipe's autocast, GQA, the backend auto picks, FP8
     GEMMs on torch._scaled_mm (its fake kernel checks the operands' dtypes, layouts and 16-alignment)."""
-    needs_fake("views", auto_attention_op(), *["scaled_mm"] * recipe.startswith("fp8"), *["mm_out_dtype"] * (recipe == "mxfp8"))
+    gemm_ops = ["scaled_mm"] if recipe.startswith("fp8") else ["mm_out_dtype"] if recipe == "mxfp8" else []
+    needs_fake("views", auto_attention_op(), *gemm_ops)
     with fake_cuda():
         model = GPT(_model_config())
         precision = Precision(PrecisionConfig(name=recipe), seed=0, device=CUDA)

@@ -195,3 +195,33 @@ def test_every_cited_megalm_name_exists():
 def test_no_docstring_cites_a_file_outside_the_repo(module):
     text = MODULES[module].read_text()
     assert "DESIGN.md" not in text and "../shared" not in text and "/work/shared" not in text, module
+
+
+def _test_imports(path: Path) -> set[str]:
+    """The megalm modules a test file imports (a `from` import of a submodule counts the submodule)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megalm"):
+            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                      for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("megalm")}
+    return found
+
+
+def test_the_extra_torch_legs_cover_every_module_that_goes_through_compat():
+    """.ci/torch_leg_tests.txt (the unit subset the floor and GPU-image torch legs run) imports, directly or through
+    at most two modules in between (a package's __init__ and its layer module), every megalm module that calls
+    megalm.compat: an API that differs by torch version."""
+    listed = [ROOT / line.strip() for line in (ROOT / ".ci" / "torch_leg_tests.txt").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    assert all(path.exists() for path in listed), [str(p) for p in listed if not p.exists()]
+    reached = set()
+    for path in listed:
+        frontier = _test_imports(path)
+        for _ in range(3):
+            reached |= frontier
+            frontier = {target for module in frontier for target, _ in GRAPH.get(module, [])} - reached
+    users = {module for module, edges in GRAPH.items() if any(t == "megalm.compat" for t, _ in edges)}
+    assert users, "nothing imports megalm.compat?"
+    assert users <= reached, f"not reached by .ci/torch_leg_tests.txt: {sorted(users - reached)}"
