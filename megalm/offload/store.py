@@ -136,6 +136,9 @@ class ActivationStore:
         self.recompute_cheap = recompute_cheap
         self.recomputed = 0  # cheap outputs rebuilt instead of stored
         self.groups: dict[object, _Group] = {}
+        # groups released as their forward ended, holding nothing (no saved tensor reached min_tensor_bytes):
+        # offload and reload have nothing to move for them, which is no error
+        self.released_empty: set[object] = set()
         self.group_bytes_seen: dict[object, int] = {}  # each group's activation bytes, kept after its release
         self.on_unpack: Callable[[object], None] | None = None
         self.resident_bytes = self.peak_resident_bytes = 0
@@ -151,6 +154,7 @@ class ActivationStore:
         if key in self.groups:
             raise RuntimeError(f"activation offload: group {key!r} is still alive (released after its backward)")
         group = self.groups[key] = _Group()
+        self.released_empty.discard(key)
 
         def pack(t: torch.Tensor) -> torch.Tensor | _Ref | _Recompute:
             if not self._offloadable(t):
@@ -180,6 +184,7 @@ class ActivationStore:
                     group.closed = True
                     if group.live == 0:  # nothing it saved is still needed
                         self.release(key)
+                        self.released_empty.add(key)
 
         return recording()
 
@@ -227,8 +232,8 @@ class ActivationStore:
 
     def offload(self, key: object) -> None:
         """Copy group `key`'s activations into one host buffer and let go of the device memory."""
-        group = self.groups[key]
-        if group.state != RESIDENT or not group.storages:
+        group = self._group(key)
+        if group is None or group.state != RESIDENT or not group.storages:
             return
         total = 0
         for s in group.storages:
@@ -257,8 +262,8 @@ class ActivationStore:
     def reload(self, key: object) -> None:
         """Copy group `key`'s activations back into device buffers, one per storage (so that a tensor kept
         past its backward, e.g. by a zero-bubble W, keeps only its own), asynchronously on CUDA."""
-        group = self.groups[key]
-        if group.state != OFFLOADED:
+        group = self._group(key)
+        if group is None or group.state != OFFLOADED:
             return
         for s in group.storages:  # allocated on the compute stream, which uses them
             s.device = torch.empty(s.nbytes, dtype=torch.uint8, device=self.device)
@@ -281,6 +286,14 @@ class ActivationStore:
         group.state = RELOADED
         self._add_resident(group.nbytes)
         self.reloaded_bytes += group.nbytes
+
+    def _group(self, key: object) -> _Group | None:
+        """Group `key`, or None when it was released empty at the end of its forward; an unknown key is an error."""
+        if key in self.groups:
+            return self.groups[key]
+        if key in self.released_empty:
+            return None
+        raise KeyError(f"activation offload: no group {key!r} (never recorded, or released after its backward)")
 
     def release(self, key: object) -> None:
         """Forget group `key` (its backward has run): device buffers go to autograd's last users, host

@@ -313,3 +313,39 @@ def test_cheap_activations_are_recomputed_not_stored(activation):
         key = (0, i)
         assert plain_store.group_bytes_seen[key] - cheap_store.group_bytes_seen[key] == ffn_bytes
     assert cheap_store.recomputed == 2 and plain_store.recomputed == 0
+
+
+def test_a_group_that_saves_nothing_worth_moving_is_no_error():
+    """At the default threshold a block of a small micro-batch may save no tensor of min_tensor_bytes: its group is
+    released as its forward ends, and offloading or reloading it moves nothing (it once raised KeyError)."""
+    w = nn.Parameter(torch.randn(8, 8))
+    store = ActivationStore("cpu", [w], min_tensor_bytes=65536)
+    with store.hooks("small"):
+        y = torch.tanh(torch.randn(4, 8, requires_grad=True) @ w).sum()
+    assert "small" not in store.groups
+    store.offload("small")
+    store.reload("small")
+    y.backward()
+    assert store.offloaded_bytes == store.reloaded_bytes == 0
+    with pytest.raises(KeyError, match="no group 'never'"):
+        store.offload("never")
+
+
+@pytest.mark.parametrize("micro_batch", [1, 2, 8])
+def test_layer_offload_at_the_default_threshold_is_exact(tmp_path, micro_batch):
+    """offload.min_tensor_bytes at its default (64 KiB): with 1 or 2 sequences of the tiny model no saved tensor
+    reaches it, with 8 some do; every micro-batch size trains exactly as without offload."""
+    from megalm.training.trainer import Trainer
+
+    overrides = ["model.num_layers=4", f"trainer.micro_batch_size={micro_batch}",
+                 f"trainer.global_batch_size={2 * micro_batch}"]
+    plain = Trainer(compose_config(*overrides), str(tmp_path / "plain"))
+    offloaded = Trainer(compose_config(*overrides, "offload.enabled=true", "offload.fraction=0.5"),
+                        str(tmp_path / "offloaded"))
+    for step in range(2):
+        assert plain.train_step(step).loss == offloaded.train_step(step).loss, step
+    for (name, p), (_, q) in zip(plain.model.named_parameters(), offloaded.model.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+    store = offloaded.parallel.offload_store
+    assert store.min_tensor_bytes == 65536 and store.offloaded_bytes == store.reloaded_bytes
+    assert (store.offloaded_bytes > 0) == (micro_batch == 8), store.offloaded_bytes
