@@ -64,3 +64,26 @@ def test_hdp_selective_offload_equals_one_process_and_moves_bytes(tmp_path, worl
     cost = tmp_path / "fast_host.yaml"
     cost.write_text(yaml.safe_dump(FAST_HOST))
     run_distributed(check_hdp_offload, world, str(cost), str(tmp_path), layout, timeout=400)
+
+
+def check_default_threshold(rank: int, world_size: int, cost_path: str, tmp: str) -> None:
+    """offload.min_tensor_bytes at its default (64 KiB) over several capacity / length ratios: groups of short
+    micro-batches save nothing that large (released as their forward ends, nothing to move), longer ones do."""
+    base = [o for o in overrides(cost_path) if not o.startswith(("offload.min_tensor_bytes", "parallel.hdp_capacity"))]
+    ref = Trainer(compose_config(*[o for o in base if not o.startswith("parallel.")]), f"{tmp}/ref{rank}",
+                  mesh=ParallelMesh(ParallelDims()))
+    for capacity in (12, 16, 24):  # 48-token sequences: 4, 3 and 2 capacities long
+        par = Trainer(compose_config(*base, f"parallel.hdp_capacity={capacity}"), f"{tmp}/par{capacity}")
+        assert par.parallel.offload_store.min_tensor_bytes == 65536
+        assert_first_step_matches(ref, par, rank)
+        par.optimizer.zero_grad(set_to_none=True)
+        assert torch.isfinite(torch.tensor(par.train_step(1).loss))
+        store = par.parallel.offload_store
+        assert store.offloaded_bytes == store.reloaded_bytes and not store.groups, capacity
+        ref.optimizer.zero_grad(set_to_none=True)
+
+
+def test_hdp_selective_offload_at_the_default_threshold(tmp_path):
+    cost = tmp_path / "fast_host.yaml"
+    cost.write_text(yaml.safe_dump(FAST_HOST))
+    run_distributed(check_default_threshold, 4, str(cost), str(tmp_path), timeout=400)

@@ -56,3 +56,22 @@ def check_offload(rank: int, world_size: int, layout: list[str], tmp: str) -> No
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pipeline_offload_is_exact_and_matches_the_memory_theory(tmp_path, layout):
     run_distributed(check_offload, 2, LAYOUTS[layout], str(tmp_path), timeout=300)
+
+
+def check_default_threshold(rank: int, world_size: int, tmp: str) -> None:
+    """offload.min_tensor_bytes at its default (64 KiB): with one sequence a micro-batch no saved tensor reaches it,
+    with eight some do; pp2 1F1B trains exactly as without offload either way."""
+    for micro_batch in (1, 8):
+        common = ["model.num_layers=4", f"trainer.micro_batch_size={micro_batch}",
+                  f"trainer.global_batch_size={4 * micro_batch}", "parallel.pp=2"]
+        plain = Trainer(compose_config(*common), f"{tmp}/plain{micro_batch}")
+        run = Trainer(compose_config(*common, "offload.enabled=true", "offload.fraction=1.0"),
+                      f"{tmp}/offload{micro_batch}")
+        assert [plain.train_step(s).loss for s in range(2)] == [run.train_step(s).loss for s in range(2)]
+        store = run.parallel.offload_store
+        assert store.min_tensor_bytes == 65536 and store.offloaded_bytes == store.reloaded_bytes
+        assert not store.groups and store.resident_bytes == 0
+
+
+def test_pipeline_offload_at_the_default_threshold(tmp_path):
+    run_distributed(check_default_threshold, 2, str(tmp_path), timeout=300)
