@@ -1,4 +1,4 @@
-"""MX GEMMs on the fused path (issue 13, item 5): the Triton quantizer and a bf16 GEMM, against the PyTorch
+"""MX GEMMs on the fused path: the Triton quantizer and a bf16 GEMM, against the PyTorch
 reference (fp32 emulation) that CPU runs.
 
 On CUDA training runs the fused path (`megalm.precision.gemm.mx_gemm_fused`); here, without CUDA, the same

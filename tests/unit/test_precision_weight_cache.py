@@ -1,4 +1,4 @@
-"""FP8 weights are quantized once per optimizer step, and on CUDA straight from bf16 (issue 13, item 6).
+"""FP8 weights are quantized once per optimizer step, and on CUDA straight from bf16.
 
 A layer runs fprop (W along `in`) and dgrad (W along `out`) for every micro-batch of a step; W changes only
 at the optimizer step, so its FP8 copy is made once and reused (per-tensor scales: one copy for both GEMMs;

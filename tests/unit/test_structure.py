@@ -225,3 +225,14 @@ def test_the_extra_torch_legs_cover_every_module_that_goes_through_compat():
     users = {module for module, edges in GRAPH.items() if any(t == "megalm.compat" for t, _ in edges)}
     assert users, "nothing imports megalm.compat?"
     assert users <= reached, f"not reached by .ci/torch_leg_tests.txt: {sorted(users - reached)}"
+
+
+def test_no_doc_or_code_speaks_of_issue_numbers():
+    """Docs, docstrings and comments say what is measured, on what, and what is not yet: not which issue or session
+    did it (a reader has neither)."""
+    pattern = re.compile(r"\b(issue|issues) #?\d+|\(issue \d|\bsession that built", re.I)
+    paths = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *PACKAGE.rglob("*.py"),
+             *(ROOT / "tests").rglob("*.py"), *(ROOT / "tools").rglob("*.py"), *(ROOT / "configs").rglob("*.yaml")]
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}" for path in paths if path != Path(__file__)
+             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, "\n".join(found)
