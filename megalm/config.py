@@ -384,6 +384,8 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
             raise ConfigError(f"data.path={d.path} and data.blend are both set; use one (a single dataset is "
                               f"data.blend=[1,{d.path}])")
         blend_pairs(d.blend)
+    elif d.path and d.name != "indexed":  # it would be ignored: the run would train on the wrong data
+        raise ConfigError(f"data.path={d.path} is read by data=indexed only, but data={d.name}; add data=indexed")
     elif d.name == "indexed" and not d.path:
         raise ConfigError("data=indexed needs data.path=PREFIX (the prefix of PREFIX.bin/PREFIX.idx "
                           "written by megalm-preprocess), or data.blend=[W1,PREFIX1,W2,PREFIX2,...]")

@@ -1,5 +1,6 @@
 """Simulate one training step under three ways of spreading variable-length documents over ranks.
 
+    python tools/hdp_sim.py                      # 256 ranks, 256K context, the long tail below, 7b
     python tools/hdp_sim.py --ranks 1024 --context 2M --lengths longtail --model 7b
     python tools/hdp_sim.py --ranks 1024 --context 128K --lengths tools/data/seqlen/prolong_lengths.json \
         --model 7b --global-tokens 33554432 --json --png-dir docs/hdp
@@ -190,9 +191,11 @@ def run_step(lengths: list[int], args, cost: CostModel, capacity: int):
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, required=True, help="HDP domain size D (dp·cp ranks per TP×PP position)")
-    p.add_argument("--context", type=parse_size, required=True, help="context length, e.g. 2M, 256K, 131072")
-    p.add_argument("--lengths", default=None, help="JSON list of document lengths, or 'longtail'")
+    p.add_argument("--ranks", type=int, default=256,
+                   help="HDP domain size D (dp·cp ranks per TP×PP position; default 256)")
+    p.add_argument("--context", type=parse_size, default=parse_size("256K"),
+                   help="context length, e.g. 2M, 256K, 131072 (default 256K)")
+    p.add_argument("--lengths", default=None, help="JSON list of document lengths, or 'longtail' (the default)")
     p.add_argument("--dist", choices=["longtail"], default=None, help="same as --lengths longtail")
     p.add_argument("--model", default="7b", help="1b, 7b, 13b, 70b (the configs/hdp_cost YAML of h100 and the model, "
                    "if present)")
@@ -222,9 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
     policies = POLICIES + (("hdp_widen",) if args.widen else ()) + (
         ("hdp_offload", "hdp_offload_widen") if args.offload else ())
 
-    source = args.lengths or args.dist
-    if source is None:
-        p.error("give --lengths FILE.json|longtail or --dist longtail")
+    source = args.lengths or args.dist or "longtail"  # bare `python tools/hdp_sim.py`: 256 ranks, 256K, long tail
     if source != "longtail":
         source = np.asarray(json.loads(Path(source).read_text()), dtype=np.int64)
     yaml_path = Path(__file__).resolve().parents[1] / "configs" / "hdp_cost" / f"h100_{args.model}.yaml"

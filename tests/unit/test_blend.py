@@ -268,6 +268,7 @@ def test_resume_with_another_blend_is_refused(prefixes, tmp_path):
     (["data.blend=[]"], "is not a weighted list"),
     (["data.blend=[1,A]", "data.path=B"], "data.path=B and data.blend are both set"),
     (["data=synthetic", "data.blend=[1,A]"], "but data=synthetic; add data=indexed"),
+    (["data=demo", "data.path=corpus"], "data.path=corpus is read by data=indexed only, but data=demo; add data=i"),
 ])
 def test_bad_blend_config_is_a_one_line_config_error(overrides, message):
     base = [] if any(o.startswith("data=") for o in overrides) else ["data=indexed"]
