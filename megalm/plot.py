@@ -112,8 +112,9 @@ CURVES = {
 }
 
 
-def plot_metrics(records: list[dict[str, Any]], run_name: str = "") -> dict[str, Figure]:
-    """One figure per curve in CURVES whose key a record has: {name: Figure}, x = optimizer step."""
+def plot_metrics(records: list[dict[str, Any]], run_name: str = "", log_loss: bool = False) -> dict[str, Figure]:
+    """One figure per curve in CURVES whose key a record has: {name: Figure}, x = optimizer step; `log_loss`: the
+    loss on a log y-axis (late training's small gains stay visible)."""
     figures = {}
     for name, (keys, labels, ylabel, title) in CURVES.items():
         present = [(k, lab) for k, lab in zip(keys, labels, strict=True) if _series(records, k)[0]]
@@ -133,6 +134,8 @@ def plot_metrics(records: list[dict[str, Any]], run_name: str = "") -> dict[str,
             ax.set_ylabel(ylabel)
         if name == "lr":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        if name == "loss" and log_loss:
+            ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_title(f"{title} — {run_name}" if run_name else title)
         ax.grid(alpha=0.3)
@@ -388,12 +391,13 @@ def _run_main(argv: list[str]) -> int:
                                 "`megalm-plot schedule -h` draws a pipeline schedule.")
     p.add_argument("run_dir", help="a run directory holding metrics.jsonl")
     p.add_argument("--out", default=None, help="where the PNGs go (default RUN_DIR/plots)")
+    p.add_argument("--log-loss", action="store_true", help="the loss on a log y-axis")
     args = p.parse_args(argv)
     records = load_metrics(args.run_dir)
     require_matplotlib()
     out = Path(args.out) if args.out else Path(args.run_dir) / "plots"
     run_name = "/".join(Path(args.run_dir).resolve().parts[-2:])  # hydra's runs are DATE/TIME
-    for name, fig in plot_metrics(records, run_name).items():
+    for name, fig in plot_metrics(records, run_name, log_loss=args.log_loss).items():
         print(f"wrote {save_figure(fig, out / f'{name}.png')}")
     return 0
 

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,15 +26,26 @@ from megalm.errors import ConfigError
 log = logging.getLogger("megalm")
 
 
+def clock(seconds: float) -> str:
+    """H:MM:SS."""
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
 def format_line(record: dict[str, Any], max_steps: int) -> str:
-    """A concise console line: step, loss, lr, grad norm, throughput (and MFU, eval when known)."""
-    parts = [f"step {record['step']:>{len(str(max_steps))}}/{max_steps}", f"loss {record['loss']:.4f}"]
+    """A concise console line: step and progress, loss, lr, grad norm, throughput (and MFU, eval when known),
+    elapsed time and the estimate of what is left."""
+    parts = [f"step {record['step']:>{len(str(max_steps))}}/{max_steps} ({100 * record['step'] / max_steps:.0f}%)",
+             f"loss {record['loss']:.4f}"]
     if "val_loss" in record:
         parts.append(f"val {record['val_loss']:.4f}")
     parts += [f"lr {record['lr']:.2e}", f"grad {record['grad_norm']:.3f}",
               f"{record['tokens_per_sec']:,.0f} tok/s"]
     if record.get("mfu") is not None:
         parts.append(f"mfu {100 * record['mfu']:.1f}%")
+    if "elapsed_sec" in record:
+        eta = record.get("eta_sec")
+        parts.append(f"{clock(record['elapsed_sec'])} elapsed" + (f", eta {clock(eta)}" if eta is not None else ""))
     return " | ".join(parts)
 
 
@@ -42,6 +54,9 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, cfg: LoggingConfig, max_steps: int, config_dict: dict | None = None):
         self.max_steps = max_steps
+        self.started = time.perf_counter()
+        self._first: tuple[int, float] | None = None  # (step, time) of the first record: the rate's origin
+        self._bar = _terminal_bar(max_steps)
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a")  # noqa: SIM115 - open for the logger's lifetime, closed in close()
@@ -72,6 +87,17 @@ class MetricsLogger:
                           dir=str(run_dir), mode=cfg.wandb.mode, config=config_dict)
 
     def log(self, record: dict[str, Any]) -> None:
+        """Add progress (`progress`, `elapsed_sec`, `eta_sec`: from the rate since the first record, which a resumed
+        run makes after its first step) and send the record everywhere."""
+        now, step = time.perf_counter(), record["step"]
+        if self._first is None:
+            self._first = (step, now)
+        first_step, first_time = self._first
+        rate = (now - first_time) / (step - first_step) if step > first_step else None
+        record = {**record, "progress": step / self.max_steps, "elapsed_sec": now - self.started,
+                  "eta_sec": None if rate is None else rate * (self.max_steps - step)}
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
         log.info(format_line(record, self.max_steps))
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
@@ -84,11 +110,22 @@ class MetricsLogger:
             self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
         self._file.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _terminal_bar(total: int):
+    """A tqdm progress bar of the steps when stdout is a terminal (never in a log file or under a scheduler)."""
+    if not sys.stdout.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="step", dynamic_ncols=True, leave=False)
 
 
 def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:

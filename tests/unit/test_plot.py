@@ -70,6 +70,8 @@ def test_metrics_figures_have_curves_axes_and_legends():
         assert legend_texts(ax) == [label] and len(ax.get_lines()) == 1 and ax.get_xlabel() == "step"
     ax = figs["throughput"].axes[0]
     assert legend_texts(ax) == ["all ranks", "per GPU"] and "tokens/s" in ax.get_ylabel()
+    assert figs["loss"].axes[0].get_yscale() == "linear"
+    assert plot.plot_metrics(records(), "run1", log_loss=True)["loss"].axes[0].get_yscale() == "log"
 
 
 def test_metrics_without_validation_or_per_gpu_rate_draw_fewer_curves():
