@@ -21,6 +21,25 @@ fi
 # torchrun -m megalm.train imports this checkout even where it is not pip-installed
 export PYTHONPATH="$MEGALM_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
+# The Python environment of the training processes. Without a knob, the one sbatch was called from (sbatch exports
+# it to the job). MEGALM_VENV=/path/to/venv: activated here, so srun's tasks on every node inherit it (the path
+# must exist on the nodes). MEGALM_LAUNCH: words put before torchrun on every node, for a container, e.g.
+# MEGALM_LAUNCH="apptainer exec --nv --bind $MEGALM_ROOT /images/megalm.sif" (the checkout visible inside).
+if [[ -n "${MEGALM_VENV:-}" ]]; then
+    if [[ ! -f "$MEGALM_VENV/bin/activate" ]]; then
+        megalm_log "error: MEGALM_VENV=$MEGALM_VENV has no bin/activate; point it at a virtualenv or unset it"
+        exit 2
+    fi
+    # shellcheck source=/dev/null
+    source "$MEGALM_VENV/bin/activate"
+fi
+read -r -a MEGALM_LAUNCH_WORDS <<<"${MEGALM_LAUNCH:-}"
+if [[ ${#MEGALM_LAUNCH_WORDS[@]} -eq 0 ]] && ! command -v torchrun >/dev/null; then
+    megalm_log "error: torchrun is not on PATH; export MEGALM_VENV=/path/to/venv (or activate it) before sbatch," \
+        "or MEGALM_LAUNCH='apptainer exec --nv IMAGE' for a container"
+    exit 2
+fi
+
 # The run dir is a function of the job, not of the clock (Hydra's default): a requeued job keeps its
 # SLURM_JOB_ID, lands in the same dir, and trainer.resume=auto (the default) continues from its checkpoint.
 # A hydra.run.dir=... among the overrides wins.
