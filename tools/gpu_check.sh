@@ -8,14 +8,14 @@
 GPU_RUN='The GPU run. Where pip reaches an index: tools/gpu_wheels.sh && tools/compare_wheels.sh (fills the
 git-ignored .wheels/ and .whl/). Copy the checkout with .wheels/ and .whl/ to the GPU machine (one H100 or H200,
 torch with CUDA, no network needed); from its root run
-    OUT=DIR tools/gpu_check.sh setup tests bench calibrate    (expected about 8 minutes on one H100)
+    OUT=DIR tools/gpu_check.sh setup tests calibrate bench    (expected about 9 minutes on one H100)
 then, if time is left,
     OUT=DIR tools/gpu_check.sh compare                        (expected about 7 minutes)
 Each step stays under ten minutes. The report is DIR/gpu_check_report.md, the full output DIR/gpu_check.log.
-With the device tool: command "OUT=$OUT tools/gpu_check.sh setup tests bench calibrate", carry [".wheels", ".whl"].'
+With the device tool: command "OUT=$OUT tools/gpu_check.sh setup tests calibrate bench", carry [".wheels", ".whl"].'
 #
 # Usage: tools/gpu_check.sh [--dry-run] [--print-run] [STEP ...]
-#   STEP: setup tests bench calibrate compare (default: all five, in that order; setup always runs first)
+#   STEP: setup tests calibrate bench compare (default: all five, in that order; setup always runs first)
 #   --dry-run: the whole script on a machine without a GPU (CI runs it): setup only reports, the tests are the GPU
 #              tier (skipped there) and the fake-CUDA tier, each benchmark is asked for --help, calibration and the
 #              comparison run their CPU sizes. Exit 0 when all of that works.
@@ -37,12 +37,12 @@ for arg in "$@"; do
     --dry-run) DRY_RUN=1 ;;
     --print-run) echo "$GPU_RUN"; exit 0 ;;
     -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
-    setup|tests|bench|calibrate|compare) STEPS+=("$arg") ;;
-    *) echo "gpu_check: unknown argument '$arg'; steps are setup tests bench calibrate compare (or --dry-run)" >&2
+    setup|tests|calibrate|bench|compare) STEPS+=("$arg") ;;
+    *) echo "gpu_check: unknown argument '$arg'; steps are setup tests calibrate bench compare (or --dry-run)" >&2
        exit 2 ;;
   esac
 done
-((${#STEPS[@]})) || STEPS=(setup tests bench calibrate compare)
+((${#STEPS[@]})) || STEPS=(setup tests calibrate bench compare)
 wants() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 # ------------------------------------------------------------------------------------------------ a CUDA GPU
@@ -172,6 +172,20 @@ if wants tests; then
   report "" "$summary"
 fi
 
+# -------------------------------------------------------------------------------------------------- calibrate
+if wants calibrate; then
+  if ((DRY_RUN)); then
+    run "HDP cost-model calibration (dry run: tiny model on CPU)" 120 "$PYTHON" tools/bench/hdp_calibrate.py \
+      model=tiny --device cpu --base configs/hdp_cost/h100_7b.yaml --out "$OUT_DIR/hdp_cost_dry_run.yaml" \
+      --budget-s 60
+  else
+    gpu_name=$("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name(0).split()[-1].lower())' \
+               | tr -c 'a-z0-9\n' _)
+    run "HDP cost-model calibration, 7b" 240 "$PYTHON" tools/bench/hdp_calibrate.py model=7b --device cuda \
+      --base configs/hdp_cost/h100_7b.yaml --out "$OUT_DIR/hdp_cost_${gpu_name}_7b.yaml" --budget-s 200
+  fi
+fi
+
 # ------------------------------------------------------------------------------------------------- benchmarks
 bench() {  # bench NAME LIMIT_S SCRIPT ARGS...: on the GPU as given; in a dry run the script's --help only
   local name=$1 limit=$2 script=$3
@@ -203,20 +217,6 @@ if wants bench; then
       --nproc "$((gpus < 4 ? gpus : 4))" --seq 4096 8192 --steps 3 --warmup 1 model=125m precision=bf16
   else
     report "" "### context parallelism: not run (one GPU: one GPU per CP rank)"
-  fi
-fi
-
-# -------------------------------------------------------------------------------------------------- calibrate
-if wants calibrate; then
-  if ((DRY_RUN)); then
-    run "HDP cost-model calibration (dry run: tiny model on CPU)" 120 "$PYTHON" tools/bench/hdp_calibrate.py \
-      model=tiny --device cpu --base configs/hdp_cost/h100_7b.yaml --out "$OUT_DIR/hdp_cost_dry_run.yaml" \
-      --budget-s 60
-  else
-    gpu_name=$("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name(0).split()[-1].lower())' \
-               | tr -c 'a-z0-9\n' _)
-    run "HDP cost-model calibration, 7b" 240 "$PYTHON" tools/bench/hdp_calibrate.py model=7b --device cuda \
-      --base configs/hdp_cost/h100_7b.yaml --out "$OUT_DIR/hdp_cost_${gpu_name}_7b.yaml" --budget-s 200
   fi
 fi
 
