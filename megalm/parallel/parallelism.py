@@ -23,7 +23,7 @@ import functools
 import json
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -49,10 +49,9 @@ from megalm.parallel.microbatch import LocalMicroBatch, Ring, StepShare
 from megalm.parallel.pipeline.runtime import PipelineRuntime, tied_embedding_copy
 from megalm.parallel.pipeline.schedules import simulate
 from megalm.parallel.pipeline.stages import build_stage_chunks, validate_pipeline
-from megalm.parallel.progress import PROGRESS
 from megalm.parallel.recompute import apply_recompute, stage_mode
+from megalm.parallel.runner import LocalRunner, Runner, StepSplit
 from megalm.parallel.tensor.apply import (
-    LossFn,
     apply_tensor_parallel,
     check_tensor_parallel,
     loss_fn_for,
@@ -90,45 +89,6 @@ def validate_parallel(cfg: MegalmConfig, world_size: int) -> ParallelDims:
     return dims
 
 
-class LocalRunner:
-    """Runs a step's micro-batches one after the other on the whole model (no pipeline)."""
-
-    def __init__(self, model: nn.Module, loss_fn: LossFn, forward_context: Callable, before_forward: Callable,
-                 device: torch.device):
-        self.model, self.loss_fn, self.device = model, loss_fn, device
-        self.forward_context, self.before_forward = forward_context, before_forward
-        self.memory_hooks: LayerOffload | None = None  # activation offload of transformer blocks
-
-    def _loss(self, mb: LocalMicroBatch) -> torch.Tensor:
-        with self.forward_context():
-            logits = mb.run(self.model)
-        return self.loss_fn(logits, mb.batch.labels, mb.batch.loss_mask)
-
-    def step(self, micro_batches: list[LocalMicroBatch], n_loss_tokens: int | torch.Tensor, step: int
-             ) -> torch.Tensor:
-        """Forward and backward of each micro-batch on loss_sum / n_loss_tokens; returns the summed loss."""
-        total = torch.zeros((), device=self.device)
-        hooks = self.memory_hooks
-        if hooks is not None:
-            hooks.start_step()
-        for i, mb in enumerate(micro_batches):
-            PROGRESS.note(micro_batch=f"{i + 1} of {len(micro_batches)}")
-            self.before_forward(self.model, step, mb.index)
-            with hooks.micro_batch(mb.offload_fraction) if hooks is not None else contextlib.nullcontext():
-                loss_sum = self._loss(mb)
-                (loss_sum / n_loss_tokens).backward()
-            total += loss_sum.detach()
-        return total
-
-    @torch.no_grad()
-    def forward_only(self, micro_batches: list[LocalMicroBatch]) -> torch.Tensor:
-        return sum((self._loss(mb) for mb in micro_batches), torch.zeros((), device=self.device))
-
-    def tied_embedding(self) -> None:
-        """None: the tied embedding and head are one parameter here."""
-        return None
-
-
 class Parallelism:
     """The layout of one rank: its model, how it takes its share of a step, how it runs it and reduces it.
 
@@ -147,14 +107,14 @@ class Parallelism:
         if p.pp > 1:
             sp = p.tp if p.sequence_parallel else 1  # under SP a stage holds its 1/tp of the tokens
             hidden = self.cfg.model.hidden_size
-            self.runner = PipelineRuntime(self.model, self.mesh, p.pp_schedule, self.loss_fn, self._forward_context,
-                                          self._before_forward, device,
-                                          activation_shape=lambda mb: (mb.batch.num_tokens // sp, hidden),
-                                          activation_dtype=next(self.model.parameters()).dtype)
+            self.runner: Runner = PipelineRuntime(
+                self.model, self.mesh, p.pp_schedule, self.loss_fn, self._forward_context, self._before_forward,
+                device, activation_shape=lambda mb: (mb.batch.num_tokens // sp, hidden),
+                activation_dtype=next(self.model.parameters()).dtype)
         else:
             self.runner = LocalRunner(self.model, self.loss_fn, self._forward_context, self._before_forward, device)
         self.offload_store = self._attach_offload() if cfg.offload.enabled else None
-        self.split = self._build_split()
+        self.split: StepSplit = self._build_split()
         self.token_multiple = math.lcm(p.tp if p.sequence_parallel else 1,
                                        *(c.token_multiple for c in self.converters))
         # Each CP (or HDP) rank holds the gradient of its tokens only: sum over DP x CP (ZeRO-1 shards over it).
@@ -280,7 +240,7 @@ class Parallelism:
         micro-batches and reduced over the ranks that split the batch; returns this rank's summed loss."""
         self.model.train()
         self.reducer.start_step(len(share.micro_batches))
-        loss = self.runner.step(share.micro_batches, share.normaliser, share.step)
+        loss = self.runner.run_micro_batches(share.micro_batches, share.normaliser, share.step)
         self.reducer.finish()
         return loss
 

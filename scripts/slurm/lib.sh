@@ -24,7 +24,7 @@ export PYTHONPATH="$MEGALM_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # The Python environment of the training processes. Without a knob, the one sbatch was called from (sbatch exports
 # it to the job). MEGALM_VENV=/path/to/venv: activated here, so srun's tasks on every node inherit it (the path
 # must exist on the nodes). MEGALM_LAUNCH: words put before torchrun on every node, for a container, e.g.
-# MEGALM_LAUNCH="apptainer exec --nv --bind $MEGALM_ROOT /images/megalm.sif" (the checkout visible inside).
+# MEGALM_LAUNCH="apptainer exec --nv --bind $MEGALM_ROOT /images/train.sif" (the checkout visible inside).
 if [[ -n "${MEGALM_VENV:-}" ]]; then
     if [[ ! -f "$MEGALM_VENV/bin/activate" ]]; then
         megalm_log "error: MEGALM_VENV=$MEGALM_VENV has no bin/activate; point it at a virtualenv or unset it"

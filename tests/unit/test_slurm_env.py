@@ -36,9 +36,9 @@ def test_megalm_venv_is_activated(tmp_path):
 
 
 def test_a_container_launcher_prefixes_torchrun(tmp_path):
-    proc = source_lib(tmp_path, MEGALM_LAUNCH="apptainer exec --nv /images/megalm.sif")
+    proc = source_lib(tmp_path, MEGALM_LAUNCH="apptainer exec --nv /images/train.sif")
     assert proc.returncode == 0, proc.stderr
-    assert "launch=apptainer exec --nv /images/megalm.sif" in proc.stdout
+    assert "launch=apptainer exec --nv /images/train.sif" in proc.stdout
 
 
 def test_no_python_environment_is_one_line(tmp_path):

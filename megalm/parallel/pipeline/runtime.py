@@ -81,7 +81,7 @@ def tied_embedding_copy(chunks: nn.ModuleList) -> nn.Parameter | None:
 class PipelineRuntime:
     """Runs one pipeline rank's action list per step: forward, backward (and W) of its chunks.
 
-    `step(micro_batches, n_loss_tokens, step)` trains on this rank's micro-batches (gradients
+    `run_micro_batches(micro_batches, n_loss_tokens, step)` trains on this rank's micro-batches (gradients
     accumulate into the chunks' parameters, through the DP reducer's hooks as usual) and returns the
     summed token loss (non-zero on the last stage only). `forward_only(micro_batches)` is the
     evaluation pass. The schedule is rebuilt for every new micro-batch count, so steps may differ in
@@ -128,8 +128,8 @@ class PipelineRuntime:
 
     # ------------------------------------------------------------------ execution
 
-    def step(self, micro_batches: list[LocalMicroBatch], n_loss_tokens: int | torch.Tensor, step: int = 0
-             ) -> torch.Tensor:
+    def run_micro_batches(self, micro_batches: list[LocalMicroBatch], n_loss_tokens: int | torch.Tensor,
+                          step: int = 0) -> torch.Tensor:
         """Forward and backward of every micro-batch by the schedule."""
         if not micro_batches:
             return torch.zeros((), device=self.device)
