@@ -160,7 +160,7 @@ EVENT_LABELS = {"SEND_F": "SEND activations", "RECV_F": "RECV activations", "SEN
 def schedule_events(sched: Schedule, timeline: list[list[tuple[Action, float, float]]]
                     ) -> list[list[tuple[Action, float]]]:
     """Per rank, the non-compute actions (SEND/RECV, OFFLOAD/RELOAD) of `sched` with their time on the
-    compute `timeline` (schedules.simulate: communication is free): a SEND or an OFFLOAD at the end of
+    compute `timeline` (schedules.simulate_schedule: communication is free): a SEND or an OFFLOAD at the end of
     the compute action before it, a RECV or a RELOAD at the start of the compute action after it."""
     out = []
     for rank, acts in enumerate(sched.actions):
@@ -181,10 +181,10 @@ def plot_schedule(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.
                   ) -> Figure:
     """Timeline of a pipeline schedule: ranks on y, simulated time on x, F/B/W bars (micro-batch number
     inside, model chunk by shade), SEND/RECV above and OFFLOAD/RELOAD below each row as markers.
-    Costs per action as in `schedules.simulate` (an unsplit B costs b + w)."""
-    from megalm.parallel.pipeline.schedules import simulate
+    Costs per action as in `schedules.simulate_schedule` (an unsplit B costs b + w)."""
+    from megalm.parallel.pipeline.schedules import simulate_schedule
 
-    res = simulate(sched, f, b, w)
+    res = simulate_schedule(sched, f, b, w)
     p, vpp = sched.num_stages, sched.vpp
     fig = new_figure(13, 1.2 + 0.62 * p)
     ax = fig.add_subplot()
@@ -231,13 +231,13 @@ def build_plotted_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, 
                            offload_policy: str = "lifespan") -> Schedule:
     """The schedule the runtime executes (with its SEND/RECV actions, and OFFLOAD/RELOAD for `offload` > 0:
     that fraction of micro-batch-chunks chosen by megalm.offload.policy)."""
-    from megalm.parallel.pipeline.schedules import build_schedule, simulate
+    from megalm.parallel.pipeline.schedules import build_schedule, simulate_schedule
 
     sched = build_schedule(name, pp, microbatches, vpp)
     if offload > 0:
         from megalm.offload.policy import COSTS, select_pipeline
 
-        timeline = simulate(sched, COSTS["F"], 1.0 if sched.split_backward else COSTS["B"] / 2,
+        timeline = simulate_schedule(sched, COSTS["F"], 1.0 if sched.split_backward else COSTS["B"] / 2,
                             1.0 if sched.split_backward else COSTS["B"] / 2).timeline
         chosen = select_pipeline(sched, timeline, offload_policy, offload)
         return sched.with_comm().with_offload(chosen)

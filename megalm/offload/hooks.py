@@ -30,7 +30,7 @@ class PipelineOffload:
     def __init__(self, store: ActivationStore, policy: str, fraction: float, timeline: Callable[[object], Timeline],
                  copy_to_compute: float = 0.0) -> None:
         self.store, self.policy, self.fraction, self.copy_to_compute = store, policy, fraction, copy_to_compute
-        self.timeline = timeline  # schedule -> its simulated timeline (pipeline.schedules.simulate)
+        self.timeline = timeline  # schedule -> its simulated timeline (pipeline.schedules.simulate_schedule)
 
     def select(self, schedule) -> set[tuple[int, int, int]]:
         return select_pipeline(schedule, self.timeline(schedule), self.policy, self.fraction, self.copy_to_compute)

@@ -57,7 +57,7 @@ Timeline = list[list[tuple[object, float, float]]]  # per rank: (compute action,
 
 def lifespans(timeline: Timeline, rank: int) -> dict[tuple[int, int], float]:
     """{(micro_batch, chunk): time on `rank` between the end of its F and the start of its B}, from the
-    schedule's simulated timeline (megalm.parallel.pipeline.schedules.simulate(...).timeline): waits for
+    schedule's simulated timeline (megalm.parallel.pipeline.schedules.simulate_schedule(...).timeline): waits for
     the backward to come back down the pipeline count, which is what makes the first micro-batches live long."""
     end_f, out = {}, {}
     for a, start, end in timeline[rank]:

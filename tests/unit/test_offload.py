@@ -26,7 +26,7 @@ from megalm.offload.policy import (
     spread,
 )
 from megalm.offload.pool import bucket_size
-from megalm.parallel.pipeline.schedules import build_schedule, simulate, validate
+from megalm.parallel.pipeline.schedules import build_schedule, simulate_schedule, validate
 from megalm.training.validation import validate_run
 from tests.conftest import compose_config
 
@@ -180,7 +180,7 @@ def test_spread_and_auto_fraction():
 
 
 def test_lifespans_are_longest_on_the_first_rank_and_zero_on_the_last():
-    timeline = simulate(build_schedule("1f1b", 4, 8)).timeline
+    timeline = simulate_schedule(build_schedule("1f1b", 4, 8)).timeline
     first, last = lifespans(timeline, 0), lifespans(timeline, 3)
     assert sum(first.values()) > sum(lifespans(timeline, 1).values())
     assert first[(3, 0)] == max(first.values())  # the last warm-up forward waits longest for its backward
@@ -188,7 +188,7 @@ def test_lifespans_are_longest_on_the_first_rank_and_zero_on_the_last():
 
 
 def _peaks(sched, policy: str, fraction: float) -> tuple[list[int], list[int]]:
-    chosen = select_pipeline(sched, simulate(sched).timeline, policy, fraction)
+    chosen = select_pipeline(sched, simulate_schedule(sched).timeline, policy, fraction)
     with_offload = sched.with_offload(chosen)
     validate(with_offload)
     peaks = [max(resident_profile(with_offload, r)) for r in range(sched.num_stages)]
@@ -219,7 +219,7 @@ def test_lifespan_cuts_the_peak_better_than_linear_where_lifespans_differ():
 
 def test_lifespan_skips_micro_batches_whose_copy_cannot_hide():
     sched = build_schedule("1f1b", 4, 8).with_comm()
-    timeline = simulate(sched).timeline
+    timeline = simulate_schedule(sched).timeline
     assert select_pipeline(sched, timeline, "lifespan", 1.0, copy_to_compute=0.0) != set()
     # a round trip far longer than any lifespan: nothing is worth offloading
     assert select_pipeline(sched, timeline, "lifespan", 1.0, copy_to_compute=100.0) == set()

@@ -152,7 +152,7 @@ def test_schedule_timeline_bars_and_legend():
 
 
 def test_schedule_events_sit_on_the_compute_timeline():
-    from megalm.parallel.pipeline.schedules import simulate as simulate_schedule
+    from megalm.parallel.pipeline.schedules import simulate_schedule
 
     sched = one_f_one_b(2, 2).with_comm()
     events = plot.schedule_events(sched, simulate_schedule(sched, 1, 1, 1).timeline)

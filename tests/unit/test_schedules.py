@@ -11,7 +11,7 @@ from megalm.parallel.pipeline.schedules import (
     one_f_one_b,
     peak_in_flight,
     render_text,
-    simulate,
+    simulate_schedule,
     validate,
     zb_h1,
 )
@@ -115,18 +115,18 @@ def test_bubble_fractions_p4_m8():
     # 1F1B with f=1 and an unsplit backward of b+w=2 (the usual "backward = 2x forward"): the bubble is
     # the same as GPipe's, (p-1)/(m+p-1), because every rank idles (p-1)(f+b+w) of a makespan of
     # (m+p-1)(f+b+w).
-    r1 = simulate(one_f_one_b(p, m), f=1, b=2, w=0)
+    r1 = simulate_schedule(one_f_one_b(p, m), f=1, b=2, w=0)
     assert r1.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
     assert r1.makespan == pytest.approx((m + p - 1) * 3)
     # Interleaved with the same per-action costs: the warm-up/cool-down are made of chunk-sized steps.
-    ri = simulate(interleaved_1f1b(p, m, 2), f=1, b=2, w=0)
+    ri = simulate_schedule(interleaved_1f1b(p, m, 2), f=1, b=2, w=0)
     assert ri.bubble_fraction < r1.bubble_fraction
     # Same costs at equal model size (a chunk is half a stage): less makespan than 1F1B too.
-    assert simulate(interleaved_1f1b(p, m, 2), f=0.5, b=1, w=0).makespan < r1.makespan
+    assert simulate_schedule(interleaved_1f1b(p, m, 2), f=0.5, b=1, w=0).makespan < r1.makespan
     # ZB-H1 at f=b=w=1 against 1F1B at the same costs: ZB-H1 idles (p-1)(f+b-w) per rank (the paper's
     # closed form), i.e. makespan 3m + p - 1, vs 1F1B's (p-1)(f+b+w).
-    rz = simulate(zb_h1(p, m), f=1, b=1, w=1)
-    r1u = simulate(one_f_one_b(p, m), f=1, b=1, w=1)
+    rz = simulate_schedule(zb_h1(p, m), f=1, b=1, w=1)
+    r1u = simulate_schedule(one_f_one_b(p, m), f=1, b=1, w=1)
     assert r1u.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
     assert rz.makespan == pytest.approx(3 * m + (p - 1))
     assert rz.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1))
@@ -134,14 +134,14 @@ def test_bubble_fractions_p4_m8():
 
 
 def test_simulate_accounting():
-    r = simulate(zb_h1(3, 5), f=1, b=2, w=0.5)
+    r = simulate_schedule(zb_h1(3, 5), f=1, b=2, w=0.5)
     assert r.busy == pytest.approx([5 * 3.5] * 3)
     assert r.bubble_fraction == pytest.approx(1 - sum(r.busy) / (3 * r.makespan))
     for rank_t in r.timeline:
         for (_, _, e0), (_, s1, _) in zip(rank_t[:-1], rank_t[1:], strict=True):
             assert e0 <= s1 + 1e-12  # in order, no overlap on a rank
     # Unsplit backward costs b + w.
-    r1 = simulate(one_f_one_b(1, 2), f=1, b=2, w=0.5)
+    r1 = simulate_schedule(one_f_one_b(1, 2), f=1, b=2, w=0.5)
     assert r1.makespan == pytest.approx(2 * 3.5) and r1.bubble_fraction == pytest.approx(0.0)
 
 

@@ -42,7 +42,7 @@ def measured_rows(overrides: list[str], variants: list[tuple[str, float]], steps
     import torch.distributed as dist
 
     from megalm.offload import ActivationStore, LayerOffload, PipelineOffload
-    from megalm.parallel.pipeline.schedules import simulate
+    from megalm.parallel.pipeline.schedules import simulate_schedule
     from megalm.training.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as run_dir:
@@ -67,7 +67,7 @@ def measured_rows(overrides: list[str], variants: list[tuple[str, float]], steps
         store = ActivationStore(plain.device, [*plain.model.parameters(), *plain.model.buffers()],
                                 plain.cfg.offload.min_tensor_bytes)
         if plain.cfg.parallel.pp > 1:
-            hooks = PipelineOffload(store, "uniform", 0.0, lambda schedule: simulate(schedule).timeline)
+            hooks = PipelineOffload(store, "uniform", 0.0, lambda schedule: simulate_schedule(schedule).timeline)
         else:
             hooks = LayerOffload(plain.model.layers, store, 0.0)
         plain.parallel.runner.memory_hooks = hooks
@@ -129,12 +129,12 @@ def pipeline_measured_rows(overrides: list[str], pp: int, fractions: list[float]
 
 def pipeline_rows(fractions: list[float], p: int = 4, m: int = 8) -> list[dict]:
     from megalm.offload.policy import resident_profile, select_pipeline
-    from megalm.parallel.pipeline.schedules import build_schedule, simulate
+    from megalm.parallel.pipeline.schedules import build_schedule, simulate_schedule
 
     rows = []
     for name, vpp in (("1f1b", 1), ("interleaved", 2), ("zb", 1)):
         sched = build_schedule(name, p, m, vpp).with_comm()
-        timeline = simulate(sched).timeline
+        timeline = simulate_schedule(sched).timeline
         base = [max(resident_profile(sched, r)) for r in range(p)]
         for policy in ("uniform", "lifespan"):
             for fraction in fractions:

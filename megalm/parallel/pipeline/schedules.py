@@ -38,7 +38,7 @@ Generators (papers):
   number of in-flight micro-batches as 1F1B, bubble about ``(p - 1)(f + b - w)`` instead of
   ``(p - 1)(f + b + w)`` per rank.
 
-Execution model used by `validate` and `simulate`: each rank runs its list in order and blocks on an
+Execution model used by `validate` and `simulate_schedule`: each rank runs its list in order and blocks on an
 action until its inputs exist (F of stage s needs F of stage s - 1 of the same micro-batch; B of
 stage s needs B of stage s + 1, and the last stage's B needs its own F; W needs its own B).
 Communication follows NCCL's rules, not gloo's: a send may block until its receive is posted, and
@@ -46,7 +46,7 @@ messages between two ranks match by order. The runtime therefore posts each maxi
 communication actions between two compute actions as one batch (`steps`: e.g. SEND_F then RECV_B
 is Megatron's send_forward_recv_backward) and waits for all of it; `validate` checks that every rank's
 batches find their partners posted (`rendezvous_deadlock`), besides pairing and order. Communication
-costs zero in `simulate`.
+costs zero in `simulate_schedule`.
 
 Run ``python -m megalm.parallel.pipeline.schedules`` for a table of bubble fraction and peak in-flight
 micro-batches at p=4, m=8.
@@ -501,14 +501,14 @@ def validate(sched: Schedule) -> None:
 
 
 @dataclass
-class SimResult:
+class ScheduleTimeline:
     makespan: float
     busy: list[float]  # per rank
     bubble_fraction: float  # 1 - sum(busy) / (p * makespan)
     timeline: list[list[tuple[Action, float, float]]]  # per rank: (action, start, end)
 
 
-def simulate(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> SimResult:
+def simulate_schedule(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> ScheduleTimeline:
     """Event-driven timing of blocking in-order execution with per-action costs.
 
     f, b, w are the costs of one action (one micro-batch through one model chunk); for a schedule that
@@ -522,7 +522,7 @@ def simulate(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0) ->
     makespan = max((t[-1][2] for t in timeline if t), default=0.0)
     busy = [sum(e - s for _, s, e in t) for t in timeline]
     bubble = 1.0 - sum(busy) / (sched.num_stages * makespan) if makespan > 0 else 0.0
-    return SimResult(makespan, busy, bubble, timeline)
+    return ScheduleTimeline(makespan, busy, bubble, timeline)
 
 
 def peak_in_flight(sched: Schedule, release: str = "B") -> list[int]:
@@ -555,7 +555,7 @@ def render_text(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
     An action's label ("F3", "B3", "W3", "F3.c1") sits in its first column, "--" marks the rest of a
     longer action, dots mark idle time. Costs must be multiples of `unit`.
     """
-    res = simulate(sched, f, b, w)
+    res = simulate_schedule(sched, f, b, w)
 
     def col(t: float) -> int:
         c = round(t / unit)
@@ -587,7 +587,7 @@ def summary_table(p: int = 4, m: int = 8, vpp: int = 2) -> str:
     out = [f"p={p} m={m}; costs per action (one micro-batch through one chunk), communication free"]
     out.append(f"{'schedule':<26} {'cost model':<36} {'bubble':>7} {'makespan':>9}  peak in-flight per rank")
     for sched, (f, b, w), model in rows:
-        res = simulate(sched, f, b, w)
+        res = simulate_schedule(sched, f, b, w)
         out.append(
             f"{sched.name:<26} {model:<36} {res.bubble_fraction:>7.3f} {res.makespan:>9.1f}  {peak_in_flight(sched)}"
         )
