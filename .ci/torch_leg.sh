@@ -15,7 +15,7 @@ python -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q "torch==$VERSION"
 "$VENV/bin/python" -m pip install -q -e ".[dev]"
 if [ "${PEERS:-0}" = 1 ]; then
-  "$VENV/bin/python" -m pip install -q -r tools/compare_peers.txt
+  "$VENV/bin/python" -m pip install -q -r tools/compare_peers.txt -c <(echo "torch==$VERSION")  # keep this torch
 fi
 installed=$("$VENV/bin/python" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')
 install_s=$((SECONDS - t0))
@@ -28,6 +28,7 @@ set +e
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${tests[@]}" 2>&1 | tee "$(dirname "$VENV")/pytest.log"
 rc=${PIPESTATUS[0]}
 set -e
-summary=$(grep -E '^=*\s*[0-9]+ (passed|failed)' "$(dirname "$VENV")/pytest.log" | tail -1 | tr -d '=' | xargs)
+summary=$(grep -E '^=*\s*[0-9]+ (passed|failed|errors?)' "$(dirname "$VENV")/pytest.log" | tail -1 | tr -d '=' | xargs \
+  || true)
 echo "torch leg $VERSION ($installed): install ${install_s} s; ${summary:-no summary} (tests ${#tests[@]} files, $((SECONDS - t1)) s); leg $((SECONDS - t0)) s"
 exit "$rc"

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -90,29 +91,40 @@ def is_fake(tensor: torch.Tensor) -> bool:
 
 @functools.cache
 def _varlen_attn() -> Callable[..., torch.Tensor] | None:
+    """torch.nn.attention.varlen.varlen_attn in a form megalm can call causally, or None (logged once)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # torch < 2.10
         _log_fallback("this torch has no torch.nn.attention.varlen: attention_backend=auto runs sdpa (one call per "
                       "document when their lengths differ); torch >= 2.10 has the varlen flash kernel")
         return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" not in params and "is_causal" not in params:
+        _log_fallback("this torch's varlen_attn takes neither window_size nor is_causal: attention_backend=auto "
+                      "runs sdpa")
+        return None
     return varlen_attn
 
 
 def varlen_attn_available() -> bool:
-    """Whether torch.nn.attention.varlen.varlen_attn exists (torch >= 2.10)."""
+    """Whether torch.nn.attention.varlen.varlen_attn exists (torch >= 2.10) in a form megalm can call."""
     return _varlen_attn() is not None
 
 
 @functools.cache
-def _varlen_gqa_keyword() -> bool:
-    """torch 2.13's varlen_attn wants enable_gqa=True for fewer kv heads than query heads; 2.10-2.12's has no such
-    keyword, and their kernel takes GQA shapes as they are."""
-    if "enable_gqa" in inspect.signature(_varlen_attn()).parameters:
-        return True
-    _log_fallback("this torch's varlen_attn has no enable_gqa keyword: grouped-query shapes are passed as they are "
-                  "(its flash kernel reads kv head h // (Hq / Hkv) itself)")
-    return False
+def _varlen_keywords() -> tuple[bool, bool, bool]:
+    """(causal by window_size, takes scale, takes enable_gqa). torch 2.10's varlen_attn is (..., is_causal,
+    return_aux): no scale, no window, GQA shapes as they are; 2.11's takes scale and window_size=(-1, 0) for causal
+    and no enable_gqa (its kernel reads kv head h // (Hq / Hkv) itself); 2.12+ wants enable_gqa=True for GQA."""
+    params = inspect.signature(_varlen_attn()).parameters
+    window, scale, gqa = "window_size" in params, "scale" in params, "enable_gqa" in params
+    if not window:
+        _log_fallback("this torch's varlen_attn is causal by is_causal=True and takes no softmax scale (its "
+                      "default, 1/sqrt(head_dim), is the only one it runs)")
+    if not gqa:
+        _log_fallback("this torch's varlen_attn has no enable_gqa keyword: grouped-query shapes are passed as they "
+                      "are (its flash kernel reads kv head h // (Hq / Hkv) itself)")
+    return window, scale, gqa
 
 
 def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
@@ -121,10 +133,18 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
     keywords this torch's signature takes."""
     fn = _varlen_attn()
     if fn is None:
-        raise RuntimeError("torch.nn.attention.varlen is missing from this torch (it needs >= 2.10); use "
-                           "model.attention_backend=auto")
-    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] and _varlen_gqa_keyword() else {}
-    return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), **gqa)
+        raise RuntimeError("torch.nn.attention.varlen.varlen_attn is missing from this torch or has an unknown form "
+                           "(it needs >= 2.10); use model.attention_backend=auto")
+    window, takes_scale, takes_gqa = _varlen_keywords()
+    kwargs: dict[str, Any] = {"window_size": (-1, 0)} if window else {"is_causal": True}
+    if takes_scale:
+        kwargs["scale"] = scale
+    elif scale is not None and not math.isclose(scale, q.shape[-1] ** -0.5):
+        raise ValueError(f"this torch's varlen_attn runs softmax scale 1/sqrt(head_dim) only, not {scale}; use "
+                         "model.attention_backend=sdpa")
+    if takes_gqa and q.shape[1] != k.shape[1]:
+        kwargs["enable_gqa"] = True
+    return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
 
 
 def present_aten_ops(names: tuple[str, ...]) -> list[torch._ops.OpOverload]:

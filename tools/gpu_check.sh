@@ -22,14 +22,17 @@ With the device tool: command "OUT=$OUT tools/gpu_check.sh setup tests calibrate
 # Exit: 0 every test passed and nothing failed (a benchmark cut by the time budget is "not run", not a failure);
 # 1 a test or a step failed; 2 no CUDA device (and not --dry-run); 3 the dependencies cannot be installed.
 # Environment: PYTHON (default python3), WHEELS (.wheels), PEER_WHEELS (.whl), OUT (a folder, or a .md file; default
-# the current folder), GPU_CHECK_BUDGET_S (default 570: one invocation's time; what would start later is not run).
+# the folder it is called from; a relative OUT is relative to it), GPU_CHECK_BUDGET_S (default 540: one invocation's
+# time, counted from its start; what would start later is not run, so the whole call stays under ten minutes).
 set -uo pipefail
+start=$SECONDS
+CALLER=$(pwd)
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PYTHON=${PYTHON:-python3}
 WHEELS=${WHEELS:-.wheels}
 PEER_WHEELS=${PEER_WHEELS:-.whl}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-570}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
 DRY_RUN=0
 STEPS=()
 for arg in "$@"; do
@@ -57,7 +60,8 @@ if ((!DRY_RUN)) && ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.i
   exit 2
 fi
 
-OUT=${OUT:-.}
+OUT=${OUT:-$CALLER}
+[[ "$OUT" == /* ]] || OUT="$CALLER/$OUT"
 if [[ "$OUT" == *.md ]]; then REPORT=$OUT; else REPORT="$OUT/gpu_check_report.md"; fi
 mkdir -p "$(dirname "$REPORT")"
 OUT_DIR=$(cd "$(dirname "$REPORT")" && pwd)
@@ -69,9 +73,8 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # megalm importable even i
 # Bit-equality tests on a GPU mean it only with deterministic cuBLAS: set before any CUDA context exists.
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 ((DRY_RUN)) || unset TRITON_INTERPRET  # on the GPU the MX kernel's tests run compiled, not interpreted
-start=$SECONDS
 failures=()
-last_rc=0 last_s=0
+last_rc=0 last_s=0 last_status=skipped
 say() { echo "gpu_check: $*" | tee -a "$LOG"; }
 report() { printf '%s\n' "$@" >>"$REPORT"; }
 left() { echo $((BUDGET_S - (SECONDS - start))); }
@@ -84,6 +87,7 @@ run() {
   local name=$1 limit=$2 rc t0 status remaining log
   shift 2
   remaining=$(left)
+  last_status=skipped last_rc=0 last_s=0
   if ((remaining < 30)); then
     say "$name: not run (the ${BUDGET_S} s budget is spent)"
     report "" "### $name: not run (the ${BUDGET_S} s budget was spent before it could start)"
@@ -98,11 +102,11 @@ run() {
   rc=${PIPESTATUS[0]}
   last_rc=$rc last_s=$((SECONDS - t0))
   if ((rc == 0)); then
-    status="ok, $((SECONDS - t0)) s"
-  elif ((rc == 124 || rc == 137)); then
-    status="not run to the end: cut by its $limit s limit"
+    status="ok, $last_s s" last_status=ok
+  elif ((rc == 124 || (rc == 137 && last_s >= limit - 1))); then  # timeout's 124, or its KILL after the limit
+    status="not run to the end: cut by its $limit s limit" last_status=cut
   else
-    status="failed (exit $rc), $((SECONDS - t0)) s"
+    status="failed (exit $rc), $last_s s" last_status=failed
     failures+=("$name")
   fi
   report "" "$status" "" '```' "$(grep -v '^\s*$' "$log" | tail -n 20)" '```'
@@ -156,6 +160,9 @@ else
   report "" "pip install -e . failed (see the log); megalm imported from $ROOT through PYTHONPATH"
 fi
 
+# The device's facts, read once: compute capability, GPU count, a short name (h100, h200, a100, b200, ...)
+read -r capability gpus gpu_name < <("$PYTHON" tools/gpu_check_report.py device)
+
 # ------------------------------------------------------------------------------------------------------ tests
 if wants tests; then
   if ((DRY_RUN)); then  # on CPU: the GPU tier collects and skips; the fake-CUDA tier runs (or skips on a CPU torch)
@@ -165,11 +172,14 @@ if wants tests; then
            tests/unit/test_ring_kernels.py)
   fi
   # `-m "gpu or not slow"`: the gpu tests, and the unit files' tests, which carry no marker
+  # --timeout 90: a hung test fails alone and the others are still counted (addopts' 600 s exceeds the step)
   run "tests" 420 "$PYTHON" -m pytest -m "gpu or not slow" "${TESTS[@]}" -p no:cacheprovider -rfEs -q \
-    --junitxml="$WORK/junit.xml"
-  summary=$("$PYTHON" tools/gpu_check_report.py junit "$WORK/junit.xml" "$last_rc" "$last_s" 2>&1) \
-    || [[ " ${failures[*]} " == *" tests "* ]] || failures+=("tests")
-  report "" "$summary"
+    --timeout 90 --junitxml="$WORK/junit.xml"
+  if [[ "$last_status" == ok || "$last_status" == failed ]]; then  # cut or not started: no verdict on the tests
+    summary=$("$PYTHON" tools/gpu_check_report.py junit "$WORK/junit.xml" "$last_rc" "$last_s" 2>&1) \
+      || [[ " ${failures[*]} " == *" tests "* ]] || failures+=("tests")
+    report "" "$summary"
+  fi
 fi
 
 # -------------------------------------------------------------------------------------------------- calibrate
@@ -179,8 +189,6 @@ if wants calibrate; then
       model=tiny --device cpu --base configs/hdp_cost/h100_7b.yaml --out "$OUT_DIR/hdp_cost_dry_run.yaml" \
       --budget-s 60
   else
-    gpu_name=$("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name(0).split()[-1].lower())' \
-               | tr -c 'a-z0-9\n' _)
     run "HDP cost-model calibration, 7b" 240 "$PYTHON" tools/bench/hdp_calibrate.py model=7b --device cuda \
       --base configs/hdp_cost/h100_7b.yaml --out "$OUT_DIR/hdp_cost_${gpu_name}_7b.yaml" --budget-s 200
   fi
@@ -197,9 +205,6 @@ bench() {  # bench NAME LIMIT_S SCRIPT ARGS...: on the GPU as given; in a dry ru
   fi
 }
 if wants bench; then
-  capability=$("$PYTHON" -c 'import torch; print("%d%d" % torch.cuda.get_device_capability()
-                              if torch.cuda.is_available() else "0")')
-  gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
   bench "MX quantization bandwidth (Triton kernel vs PyTorch reference)" 120 \
     tools/bench/mx_quantize_bandwidth.py --m 8192 --k 8192 --iters 10 --warmup 2
   bench "training throughput, 125m bf16" 120 tools/bench/throughput.py model=125m precision=bf16 \

@@ -2,6 +2,7 @@
 
     python tools/gpu_check_report.py header REPORT [--dry-run]   # appends the header: date, device, versions, commit
     python tools/gpu_check_report.py junit JUNIT_XML RC SECONDS  # prints the tests' lines (counts, failures, skips)
+    python tools/gpu_check_report.py device                      # prints "CAPABILITY GPUS NAME", e.g. "90 1 h100"
 
 Why separate: the shell script appends each step's lines to the report as it goes (a step killed by a time limit
 leaves what it wrote); these two parts are structured data, easier read in Python than in bash.
@@ -75,11 +76,30 @@ def junit(path: Path, rc: int, seconds: str) -> tuple[list[str], bool]:
     return lines, rc == 0 and counts["passed"] > 0 and not failed
 
 
+def device() -> str:
+    """The device's compute capability (e.g. 90), GPU count and short name (h100: NVIDIA's "H100 80GB HBM3" reads
+    as its model, not as its memory), or "0 0 cpu"."""
+    import re
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return "0 0 cpu"
+    name = torch.cuda.get_device_name(0)
+    model = re.search(r"\b[A-Z]\d{2,3}\b", name)
+    short = re.sub(r"[^a-z0-9]", "_", (model.group(0) if model else name.split()[-1]).lower())
+    major, minor = torch.cuda.get_device_capability()
+    return f"{major}{minor} {torch.cuda.device_count()} {short}"
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["header"]:
         report = Path(argv[1])
         with report.open("a") as out:
             out.write("\n".join(header("--dry-run" in argv)) + "\n")
+        return 0
+    if argv[:1] == ["device"]:
+        print(device())
         return 0
     if argv[:1] == ["junit"]:
         lines, ok = junit(Path(argv[1]), int(argv[2]), argv[3])

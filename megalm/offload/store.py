@@ -316,6 +316,7 @@ class ActivationStore:
     def release_all(self) -> None:
         for key in list(self.groups):
             self.release(key)
+        self.released_empty.clear()
 
     # ------------------------------------------------------------------ accounting
 

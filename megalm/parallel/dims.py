@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megalm.errors import ConfigError
 
@@ -88,7 +88,7 @@ class ParallelMesh:
 
     dims: ParallelDims
     rank: int = 0
-    mesh: object | None = None  # torch DeviceMesh when distributed
+    mesh: DeviceMesh | None = None  # when distributed
     tp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
     cp_group: dist.ProcessGroup | None = None

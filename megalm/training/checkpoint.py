@@ -33,7 +33,7 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,9 @@ from megalm.errors import CheckpointError
 from megalm.model.gpt import GPT, VOCAB_PARAMS, resize_vocab_rows
 from megalm.model.naming import canonical_named_parameters
 from megalm.model.shard import ShardSpec, shard_specs
+
+if TYPE_CHECKING:  # annotations only: checkpoints take the mesh they are given
+    from megalm.parallel.dims import ParallelMesh
 
 log = logging.getLogger("megalm")
 # One process saves without a process group on purpose; DCP warns about it, from async_save's thread too.
@@ -136,7 +139,7 @@ def load_optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, t
 # ---------------------------------------------------------------------------- tensors <-> DCP layout
 
 
-def _for_dcp(local: torch.Tensor, spec: ShardSpec | None, mesh) -> torch.Tensor:
+def _for_dcp(local: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | None) -> torch.Tensor:
     """What DCP should see for a tensor laid out like a parameter with `spec`: a DTensor over the TP mesh
     for a slice one rank holds (each rank writes its own), the gathered full tensor for slices several
     ranks hold (kv rows replicated when tp > kv heads: small), the tensor itself when it is not sharded
@@ -153,7 +156,7 @@ def _for_dcp(local: torch.Tensor, spec: ShardSpec | None, mesh) -> torch.Tensor:
                               stride=stride)
 
 
-def _load_target(like: torch.Tensor, spec: ShardSpec | None, mesh) -> torch.Tensor:
+def _load_target(like: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | None) -> torch.Tensor:
     """An empty tensor for DCP to load into, laid out as `_for_dcp` saved one like `like`: a DTensor slice,
     the full tensor of slices several ranks hold (no collective: only its shape matters), or a plain one."""
     if spec is not None and mesh is not None and mesh.dims.tp > 1 and spec.replicas > 1:
@@ -190,7 +193,7 @@ def _dcp_load(tensors: dict[str, torch.Tensor], path: Path) -> None:
                               "trainer.resume=PATH") from None
 
 
-def _barrier(mesh) -> None:
+def _barrier(mesh: ParallelMesh | None) -> None:
     if mesh is not None and mesh.is_distributed:
         dist.barrier()
 
@@ -224,7 +227,7 @@ class PendingCheckpoint:
 _async_groups: dict[int, dist.ProcessGroup] = {}  # by the id of the world group it was made in
 
 
-def _async_save(tensors: dict[str, torch.Tensor], path: Path, mesh) -> Any:
+def _async_save(tensors: dict[str, torch.Tensor], path: Path, mesh: ParallelMesh | None) -> Any:
     """DCP's async save: the tensors are staged (copied to host memory) before it returns, then written by a
     thread. Its collectives run on a gloo group of their own, so they never interleave with the training's (one
     per process group: a new `init_process_group`, as in a Hydra multirun, gets a new one)."""
@@ -242,7 +245,7 @@ def _async_save(tensors: dict[str, torch.Tensor], path: Path, mesh) -> Any:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict[str, Any], config: dict[str, Any], keep_last: int, mesh=None,
+                    state: dict[str, Any], config: dict[str, Any], keep_last: int, mesh: ParallelMesh | None = None,
                     async_save: bool = False) -> Path | PendingCheckpoint:
     """Write the checkpoint of `step` atomically, point `latest` at it, keep the newest `keep_last`.
 
@@ -284,7 +287,8 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     return final
 
 
-def _publish(root: Path, name: str, full_state: dict, config: dict[str, Any], keep_last: int, mesh) -> None:
+def _publish(root: Path, name: str, full_state: dict, config: dict[str, Any], keep_last: int,
+             mesh: ParallelMesh | None) -> None:
     """The second half of a save, once every rank's files are written: state.json and config.yaml, fsync, the
     rename into place, then `latest` (collective)."""
     rank = mesh.rank if mesh is not None else 0
@@ -463,7 +467,8 @@ def _vocab_resized(name: str, like: torch.Tensor, spec: ShardSpec | None, saved_
     return name in VOCAB_PARAMS and saved_rows is not None and saved_rows != rows
 
 
-def _target(name: str, like: torch.Tensor, spec: ShardSpec | None, mesh, saved_rows: int | None) -> torch.Tensor:
+def _target(name: str, like: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | None,
+            saved_rows: int | None) -> torch.Tensor:
     """`_load_target`, except a vocab table padded to another row count: read whole, resized by `_local`."""
     if _vocab_resized(name, like, spec, saved_rows):
         return torch.empty((saved_rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
@@ -478,7 +483,7 @@ def _local(name: str, loaded: torch.Tensor, spec: ShardSpec | None, like: torch.
     return _from_dcp(loaded, spec)
 
 
-def _model_targets(model: nn.Module, mesh, saved_rows: int | None) -> dict[str, torch.Tensor]:
+def _model_targets(model: nn.Module, mesh: ParallelMesh | None, saved_rows: int | None) -> dict[str, torch.Tensor]:
     specs = shard_specs(model)
     return {f"model/{n}": _target(n, p.detach(), specs.get(n), mesh, saved_rows)
             for n, p in canonical_named_parameters(model)}
@@ -495,7 +500,7 @@ def _copy_model(model: nn.Module, targets: dict[str, torch.Tensor], path: Path, 
         param.copy_(value)
 
 
-def load_model_weights(path: Path, model: nn.Module, mesh=None) -> None:
+def load_model_weights(path: Path, model: nn.Module, mesh: ParallelMesh | None = None) -> None:
     """Weights only (megalm-generate, fine-tuning starts)."""
     saved_rows = saved_vocab_rows(read_checkpoint_meta(path).config)
     targets = _model_targets(model, mesh, saved_rows)
@@ -516,7 +521,7 @@ def load_saved_model(path: str | Path, device: str | torch.device = "cpu") -> tu
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    mesh=None) -> LoadedCheckpoint:
+                    mesh: ParallelMesh | None = None) -> LoadedCheckpoint:
     """Load weights, optimizer and this rank's RNG state in place; return the checkpoint's metadata.
 
     The saved layout may differ from this run's: DCP reads each rank's pieces from whichever shards

@@ -7,6 +7,7 @@ mid-way leaves its lines in the report; and `--dry-run` runs the whole script on
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -38,7 +39,7 @@ def test_gpu_check_refuses_without_cuda(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == [], "the refusal must not write a report or a log"
 
 
-def _dry_run(tmp_path: Path, *args: str, budget: int = 570) -> subprocess.CompletedProcess:
+def _dry_run(tmp_path: Path, *args: str, budget: int = 540) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "GPU_CHECK_BUDGET_S": str(budget)}
     return subprocess.run(["bash", str(SCRIPTS[0]), "--dry-run", *args], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=540)
@@ -60,6 +61,18 @@ def test_a_spent_budget_means_not_run_never_failed(tmp_path: Path) -> None:
     assert "failed" not in report and "**PASS**" in report
 
 
+def _kill_session(session: int) -> None:
+    """SIGKILL every process of session `session` (/proc/PID/stat's sixth field)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+
+
 def test_a_killed_step_leaves_its_lines(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)}
     proc = subprocess.Popen(["bash", str(SCRIPTS[0]), "--dry-run", "tests"], env=env, cwd=tmp_path,
@@ -68,7 +81,7 @@ def test_a_killed_step_leaves_its_lines(tmp_path: Path) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and "### tests" not in (report.read_text() if report.exists() else ""):
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)  # as a device's time limit would
+    _kill_session(proc.pid)  # as a device's time limit would: every process of the run (timeout has its own group)
     proc.wait(timeout=30)
     text = report.read_text()
     assert "# megalm GPU check (dry run)" in text and "### setup" in text and "### tests" in text, text

@@ -51,7 +51,7 @@ EXACT = {"out": 1e-4, "grad": 1e-4, "lse": 1e-4}
 FAST_BF16 = {"out": 1.5 * eps(torch.bfloat16), "grad": 3 * eps(torch.bfloat16), "lse": 1e-3}
 # GPU kernels in fp32: fp32 in and out, but the products may run on tensor cores in TF32 (10-bit mantissa
 # operands, ~5e-4 relative), which is what such kernels on sm80+ do unless they emulate full fp32.
-FAST_FP32 = {"out": 2 * eps(TF32), "grad": 2 * eps(TF32), "lse": 1e-3}
+FAST_FP32 = {"out": 2 * eps(TF32), "grad": 4 * eps(TF32), "lse": 1e-3}  # backward: three TF32 GEMMs
 
 
 def _cu(sizes: list[int]) -> torch.Tensor:

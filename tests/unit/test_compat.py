@@ -1,0 +1,66 @@
+"""megalm.compat calls each torch's varlen_attn in the form that torch defines, read from its signature: 2.10's
+(is_causal, no scale, no window), 2.11's (window_size=(-1, 0) for causal, scale, no enable_gqa) and 2.12+'s
+(enable_gqa=True for grouped-query shapes). Stand-ins with those signatures record what megalm passed; on the
+torch actually installed, the fake-CUDA tier calls the real one (tests/unit/test_fake_cuda.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megalm import compat
+
+
+def varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    return {"is_causal": is_causal}
+
+
+def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1)):
+    return {"scale": scale, "window_size": window_size}
+
+
+def varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1), enable_gqa=False, seqused_k=None):
+    return {"scale": scale, "window_size": window_size, "enable_gqa": enable_gqa}
+
+
+def varlen_unknown(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k):
+    return {}
+
+
+@pytest.fixture
+def torch_varlen(monkeypatch):
+    def use(fn):
+        compat._varlen_attn.cache_clear()
+        compat._varlen_keywords.cache_clear()
+        module = type("varlen", (), {"varlen_attn": staticmethod(fn)})
+        monkeypatch.setitem(__import__("sys").modules, "torch.nn.attention.varlen", module)
+    yield use
+    compat._varlen_attn.cache_clear()
+    compat._varlen_keywords.cache_clear()
+
+
+def _call(heads: int = 8, kv_heads: int = 2, scale: float | None = None):
+    q, k = torch.empty(16, heads, 32), torch.empty(16, kv_heads, 32)
+    return compat.varlen_attn(q, k, k, torch.tensor([0, 16], dtype=torch.int32), 16, scale=scale)
+
+
+def test_each_signature_gets_causal_attention_its_own_way(torch_varlen):
+    torch_varlen(varlen_2_10)
+    assert _call() == {"is_causal": True}
+    assert _call(scale=32**-0.5) == {"is_causal": True}  # the default scale, said explicitly: fine
+    with pytest.raises(ValueError, match="1/sqrt.head_dim. only"):
+        _call(scale=0.5)
+    torch_varlen(varlen_2_11)
+    assert _call(scale=0.5) == {"scale": 0.5, "window_size": (-1, 0)}
+    torch_varlen(varlen_2_13)
+    assert _call() == {"scale": None, "window_size": (-1, 0), "enable_gqa": True}
+    assert _call(heads=2) == {"scale": None, "window_size": (-1, 0), "enable_gqa": False}
+
+
+def test_an_unknown_form_is_not_used(torch_varlen):
+    torch_varlen(varlen_unknown)
+    assert not compat.varlen_attn_available()
+    with pytest.raises(RuntimeError, match="unknown form"):
+        _call()
