@@ -26,7 +26,6 @@ from megalm.errors import MegalmError
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 log = logging.getLogger("megalm")
 
-register_schema()
 
 
 def fail(message: str) -> None:
@@ -149,6 +148,7 @@ def main() -> None:
     if not Path(CONFIG_DIR).is_dir():
         fail(f"megalm's configs/ is not at {CONFIG_DIR}; install megalm from its checkout with pip install -e .")
     precheck_overrides(sys.argv[1:])
+    register_schema()  # here, not at import: importing megalm registers nothing anywhere
     hydra_main()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -236,3 +237,32 @@ def test_no_doc_or_code_speaks_of_issue_numbers():
     found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}" for path in paths if path != Path(__file__)
              for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert not found, "\n".join(found)
+
+
+IMPORT_REGISTERS_NOTHING = """
+import importlib, json, pkgutil
+import torch.nn.modules.module as module_hooks
+import torch.optim.optimizer as optimizer_hooks
+from hydra.core.config_store import ConfigStore
+import megalm
+for info in pkgutil.walk_packages(megalm.__path__, "megalm."):
+    importlib.import_module(info.name)
+hooks = {name: len(getattr(owner, name)) for owner in (module_hooks, optimizer_hooks) for name in dir(owner)
+         if name.startswith("_global") and name.endswith("hooks") and getattr(owner, name)}
+print(json.dumps({"hooks": hooks, "config_store": sorted(ConfigStore.instance().repo)}))
+"""
+
+
+def test_importing_megalm_registers_nothing_globally():
+    """Importing every megalm module installs no hook on all of torch (module or optimizer hooks) and registers
+    nothing in Hydra's ConfigStore: the CLIs register their schema when they run."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", IMPORT_REGISTERS_NOTHING], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["hooks"] == {}, found["hooks"]
+    assert "megalm_schema.yaml" not in found["config_store"], found["config_store"]
