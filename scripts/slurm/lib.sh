@@ -53,6 +53,18 @@ megalm_run_dir() {
     echo "$dir"
 }
 
+# The rendezvous address of HEAD_NODE, looked up inside the job: the first non-loopback IPv4 address its name
+# resolves to (many clusters map a node's own name to 127.0.1.1 in /etc/hosts, which the other nodes cannot
+# reach), or, on the head node itself, this host's first address; else the name (tests/unit/test_slurm_env.py).
+megalm_rdzv_host() {
+    local head=$1 addr
+    addr=$(getent ahostsv4 "$head" | awk '$1 !~ /^127\./ {print $1; exit}' || true)
+    if [[ -z "$addr" && "${SLURMD_NODENAME:-}" == "$head" ]]; then
+        addr=$(hostname -I 2>/dev/null | awk '{print $1}' || true)
+    fi
+    echo "${addr:-$head}"
+}
+
 # Processes per node: the GPUs Slurm gave this node (SLURM_GPUS_ON_NODE, or SLURM_GPUS_PER_NODE as "8" or
 # "h100:8"), unless NPROC_PER_NODE says otherwise; 1 without GPUs (a CPU run on gloo).
 megalm_nproc_per_node() {

@@ -47,3 +47,32 @@ def test_no_python_environment_is_one_line(tmp_path):
     assert "torchrun is not on PATH" in proc.stderr and "MEGALM_VENV" in proc.stderr
     proc = source_lib(tmp_path, MEGALM_VENV=str(tmp_path / "missing"))
     assert proc.returncode == 2 and "has no bin/activate" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def fake_tools(tmp_path: Path, getent: str, hostname: str) -> Path:
+    """getent and hostname stand-ins printing what a cluster's would."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, output in (("getent", getent), ("hostname", hostname)):
+        (bin_dir / name).write_text(f"#!/bin/sh\nprintf '{output}'\n")
+        os.chmod(bin_dir / name, 0o755)
+    return bin_dir
+
+
+def rdzv_host(tmp_path: Path, getent: str, hostname: str, node: str = "") -> str:
+    bin_dir = fake_tools(tmp_path, getent, hostname)
+    script = f'source "{LIB}" && megalm_rdzv_host gpu-001'
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "MEGALM_ROOT": str(ROOT),
+           "MEGALM_LAUNCH": "stand-in", "SLURMD_NODENAME": node}
+    proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_the_head_node_lookup_skips_loopback_addresses(tmp_path):
+    """train.sbatch's rendezvous host (the real-Slurm test forces MEGALM_RDZV_HOST, so it is tested here)."""
+    hosts = "127.0.1.1 STREAM gpu-001\\n10.0.0.5 STREAM gpu-001\\n"
+    assert rdzv_host(tmp_path, hosts, "10.9.9.9") == "10.0.0.5"
+    # the name resolves to loopback only: on the head node, its own first address; elsewhere the name
+    assert rdzv_host(tmp_path, "127.0.1.1 STREAM gpu-001\\n", "10.1.2.3 172.17.0.1\\n", node="gpu-001") == "10.1.2.3"
+    assert rdzv_host(tmp_path, "127.0.1.1 STREAM gpu-001\\n", "10.1.2.3\\n", node="gpu-002") == "gpu-001"
