@@ -3,9 +3,14 @@
 A TP shard quantizes its own K-slice. With hidden 128 / 4 heads / 2 kv heads every sharded K (q, k,
 v, gate, up outputs; o, down inputs) splits into whole 32-element blocks, so round-to-nearest recipes
 (mxfp8, mxfp4_rtn) quantize exactly tp1's blocks. With the rest of the model in fp32
-(`precision.autocast=false`) tp2 then equals tp1 up to fp32 summation order: the first step's
-gradients agree to 1e-4. Later steps drift apart slowly (losses ~5e-5 apart after 4 steps), since
-the quantizers amplify fp32 rounding differences once the weights have been updated.
+(`precision.autocast=false`) tp2 then equals tp1 up to fp32 summation order. Where that order differs
+(the CPU's GEMM kernels split K differently for a shard than for the whole; which ones depends on the
+machine), an element on a rounding boundary moves a whole MX step, and the flip travels on through the
+quantized GEMMs: the first step's gradients of the head (output and final norm, no MX GEMM before them)
+agree to 1e-4, every other one to a few percent (measured on a 2-core AMD EPYC: mxfp8 up to 0.7%,
+mxfp4_rtn up to 5.3% in the first block). A skipped reduction or a block quantized across a shard
+boundary is off by O(1) instead.
+Later steps drift apart slowly (losses ~5e-5 apart after 4 steps; mxfp4_rtn up to 3.3e-4).
 
 Why not under bf16 autocast: a row-parallel layer sums bf16 partial products over TP where tp1 rounds
 one GEMM, a ~0.4% difference in the gradients, and a 4-bit quantizer amplifies such a perturbation
@@ -33,8 +38,9 @@ MODEL = ["model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=2", "
 STEPS = 4
 
 
-def check_tp_recipe(rank: int, world_size: int, overrides: list[str], loss_rtol: float, grad_rtol: float | None,
-                    tmp: str) -> None:
+def check_tp_recipe(rank: int, world_size: int, overrides: list[str], loss_rtol: float,
+                    grad_rtol: tuple[float, float] | None, tmp: str) -> None:
+    """grad_rtol: (the head, which no rounding flip reaches; every other parameter)."""
     one = Trainer(compose_config(*MODEL, *overrides), f"{tmp}/one{rank}", mesh=ParallelMesh(ParallelDims()))
     tp = Trainer(compose_config(*MODEL, *overrides, "parallel.tp=2"), f"{tmp}/tp")
     if grad_rtol is not None:
@@ -44,7 +50,9 @@ def check_tp_recipe(rank: int, world_size: int, overrides: list[str], loss_rtol:
         for name, p in canonical_named_parameters(tp.model):
             expected = shard_of(tp.model, name, full[name].grad)  # vocab tables: tp2 pads more rows (zero grads)
             error = ((p.grad - expected).norm() / expected.norm()).item()
-            assert error <= grad_rtol, f"{overrides} {name}: tp2 grad differs from tp1 by {error:.3g} (relative)"
+            exact = name in ("output.weight", "final_norm.weight")
+            limit = grad_rtol[0] if exact else grad_rtol[1]
+            assert error <= limit, f"{overrides} {name}: tp2 grad differs from tp1 by {error:.3g} (relative)"
         for t in (one, tp):
             t.optimizer.zero_grad(set_to_none=True)
     a = [one.train_step(s).loss for s in range(STEPS)]
@@ -54,8 +62,8 @@ def check_tp_recipe(rank: int, world_size: int, overrides: list[str], loss_rtol:
 
 
 @pytest.mark.parametrize("overrides, loss_rtol, grad_rtol", [
-    (["precision=mxfp8", "precision.autocast=false"], 3e-4, 1e-4),
-    (["precision=mxfp4_rtn", "precision.autocast=false"], 3e-4, 1e-4),
+    (["precision=mxfp8", "precision.autocast=false"], 3e-4, (1e-4, 3e-2)),
+    (["precision=mxfp4_rtn", "precision.autocast=false"], 1e-3, (1e-4, 1.5e-1)),
     (["precision=mxfp4"], 3e-3, None),  # SR + RHT noise per shard, bf16 around: losses only
 ], ids=["mxfp8", "mxfp4_rtn", "mxfp4"])
 def test_tp2_matches_tp1(tmp_path, overrides, loss_rtol, grad_rtol):
