@@ -227,7 +227,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     source = args.lengths or args.dist or "longtail"  # bare `python tools/hdp_sim.py`: 256 ranks, 256K, long tail
     if source != "longtail":
-        source = np.asarray(json.loads(Path(source).read_text()), dtype=np.int64)
+        try:
+            source = np.asarray(json.loads(Path(source).read_text()), dtype=np.int64)
+        except (OSError, ValueError) as error:
+            p.error(f"--lengths {source}: not a JSON list of document lengths ({error}); give a file or longtail")
     yaml_path = Path(__file__).resolve().parents[1] / "configs" / "hdp_cost" / f"h100_{args.model}.yaml"
     try:
         cost = load_cost(args.cost or (str(yaml_path) if yaml_path.exists() else args.model))

@@ -79,8 +79,15 @@ def test_cli_longtail_with_pipeline_and_capacity(capsys):
     assert result["config"]["capacity"] == 16384 and result["config"]["static_cp"] == 16
     assert result["speedup_vs_static"] > 1 and len(result["per_step"]["hdp"]) == 2
     capsys.readouterr()
-    with pytest.raises(SystemExit):
-        hdp_sim.main(["--ranks", "8", "--context", "8K"])
+    with pytest.raises(SystemExit):  # a lengths file that is not there: one line, exit 2
+        hdp_sim.main(["--ranks", "8", "--context", "8K", "--lengths", "/nonexistent/lengths.json"])
+
+
+def test_cli_bare_runs_with_its_defaults(capsys):
+    """`python tools/hdp_sim.py` with no arguments: 256 ranks, 256K context, the long tail (copy-paste safe)."""
+    result = hdp_sim.main(["--global-tokens", "2M", "--json"])
+    assert result["config"]["ranks"] == 256 and result["config"]["context"] == 262144
+    assert result["per_step"]["hdp"]
 
 
 def test_plan_tool_shows_the_trainers_plan(tmp_path, capsys):
