@@ -147,8 +147,8 @@ def hydra_main(cfg: DictConfig) -> float | None:
 def main() -> None:
     if not Path(CONFIG_DIR).is_dir():
         fail(f"megalm's configs/ is not at {CONFIG_DIR}; install megalm from its checkout with pip install -e .")
-    precheck_overrides(sys.argv[1:])
     register_schema()  # here, not at import: importing megalm registers nothing anywhere
+    precheck_overrides(sys.argv[1:])
     hydra_main()
 
 
