@@ -140,13 +140,29 @@ def init_distributed(device: torch.device, timeout_minutes: float | None = None)
     if world_size == 1:
         return 0, 1
     timeout = {"timeout": datetime.timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
+    store = _attempt_store(world_size, timeout.get("timeout"))
+    join = {"store": store, "rank": int(os.environ["RANK"]), "world_size": world_size} if store is not None else {}
     if device.type == "cuda":
         local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(local)
-        dist.init_process_group(backend="nccl", device_id=local, **timeout)
+        dist.init_process_group(backend="nccl", device_id=local, **timeout, **join)
     else:
-        dist.init_process_group(backend="gloo", **timeout)
+        dist.init_process_group(backend="gloo", **timeout, **join)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _attempt_store(world_size: int, timeout: datetime.timedelta | None) -> dist.Store | None:
+    """Under torchrun, the agent's store with a key prefix of this restart attempt (None: env:// as it is).
+
+    torchrun's workers share the agent's TCPStore, and torch's env:// rendezvous adds no per-attempt prefix to it
+    (it assumes a new store per restart). A restarted group that reads a key its dead predecessor wrote (a gloo
+    rank's listening address) connects to a port nobody listens on: refused, or a wait until the timeout. Keys
+    under the prefix "attempt_<TORCHELASTIC_RESTART_COUNT>" are this attempt's only."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                           **({"timeout": timeout} if timeout is not None else {}))
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
 
 
 def build_mesh(dims: ParallelDims, device: torch.device) -> ParallelMesh:

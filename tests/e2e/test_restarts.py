@@ -116,3 +116,34 @@ def test_a_rank_killed_mid_save_leaves_latest_on_the_previous_checkpoint(tmp_pat
         run_distributed(_die_while_saving, 2, str(tmp_path), timeout=150)
     assert latest_checkpoint(tmp_path).name == "step_00000002"
     assert not (tmp_path / "checkpoints" / "step_00000004").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_kill_and_restart_ten_times_in_a_row(tmp_path):
+    """A restarted group used to hang in init_process_group (or be refused) about one time in four: it read the gloo
+    addresses its dead predecessor left in torchrun's store. Ten kill-and-restart cycles in a row, each resuming
+    within 60 s, so a one-in-four hang cannot pass (0.75^10 < 6%)."""
+    for cycle in range(10):
+        run_dir = tmp_path / f"cycle{cycle}"
+        log_file = (tmp_path / f"cycle{cycle}.log").open("w")
+        proc = subprocess.Popen([*TORCHRUN, "--max-restarts", "1", "-m", "megalm.train", *COMMON,
+                                 f"hydra.run.dir={run_dir}"], stdout=log_file, stderr=subprocess.STDOUT, env=ENV)
+        try:
+            deadline = time.monotonic() + 120
+            while not any(r["step"] >= 6 for r in records(run_dir)):
+                assert proc.poll() is None and time.monotonic() < deadline, f"cycle {cycle}: no step 6"
+                time.sleep(0.02)
+            before = records(run_dir)
+            os.kill(workers_of(proc.pid)[1], signal.SIGKILL)
+            killed_at, killed_step = time.monotonic(), max(r["step"] for r in before)
+            while not any(r["step"] <= killed_step for r in records(run_dir)[len(before):]):
+                assert proc.poll() is None, (tmp_path / f"cycle{cycle}.log").read_text()[-3000:]
+                assert time.monotonic() < killed_at + 60, f"cycle {cycle}: no step within 60 s of the restart"
+                time.sleep(0.05)
+        finally:
+            for worker in workers_of(proc.pid):  # before torchrun: once it is gone they are no longer its children
+                os.kill(worker, signal.SIGKILL)
+            proc.kill()
+            proc.wait(timeout=30)
+            log_file.close()
