@@ -27,7 +27,6 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 log = logging.getLogger("megalm")
 
 
-
 def fail(message: str) -> None:
     """Print a user error as one line and exit non-zero."""
     print(f"error: {message}", file=sys.stderr, flush=True)
