@@ -15,6 +15,7 @@ machine under FakeTensorMode (tests/unit/test_fake_cuda.py), where `torch.cuda.i
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import logging
@@ -50,7 +51,9 @@ def _log_fallback(message: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ devices
 
-_simulated_capability: tuple[int, int] | None = None
+# simulated_cuda's answer, in the caller's context (a ContextVar: set and reset by the context manager only)
+_simulated_capability: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "megalm_simulated_cuda_capability", default=None)
 
 
 def cuda_capability(device: torch.device | str | None = None) -> tuple[int, int] | None:
@@ -59,8 +62,8 @@ def cuda_capability(device: torch.device | str | None = None) -> tuple[int, int]
     device = torch.device("cuda" if device is None else device)
     if device.type != "cuda" or torch.version.hip is not None:
         return None
-    if _simulated_capability is not None:
-        return _simulated_capability
+    if (simulated := _simulated_capability.get()) is not None:
+        return simulated
     if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_capability(device)
@@ -70,12 +73,11 @@ def cuda_capability(device: torch.device | str | None = None) -> tuple[int, int]
 def simulated_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
     """Inside, `cuda_capability` answers `capability` for every CUDA device: kernel selection takes its CUDA paths
     on a machine without one (for FakeTensorMode with fake CUDA tensors; real CUDA tensors still need a GPU)."""
-    global _simulated_capability
-    saved, _simulated_capability = _simulated_capability, capability
+    token = _simulated_capability.set(capability)
     try:
         yield
     finally:
-        _simulated_capability = saved
+        _simulated_capability.reset(token)
 
 
 def is_fake(tensor: torch.Tensor) -> bool:
@@ -191,13 +193,6 @@ def mm_out_dtype_available() -> bool:
 def scaled_mm_available() -> bool:
     """torch._scaled_mm (FP8 GEMMs) exists in this torch."""
     return hasattr(torch, "_scaled_mm")
-
-
-def raise_recompile_limit(limit: int) -> None:
-    """Let dynamo keep `limit` graphs per compiled function (it falls back to eager past it)."""
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), limit))
 
 
 # ---------------------------------------------------------------------------------------------- collectives

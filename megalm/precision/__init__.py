@@ -25,7 +25,14 @@ from torch import nn
 from megalm.config import MegalmConfig, PrecisionConfig
 from megalm.errors import ConfigError
 from megalm.precision import fp8, te
-from megalm.precision.linear import RECIPES, apply_precision, get_recipe, mx_gemm_path, set_precision_step
+from megalm.precision.linear import (
+    RECIPES,
+    WeightsVersion,
+    apply_precision,
+    get_recipe,
+    mx_gemm_path,
+    set_precision_step,
+)
 
 log = logging.getLogger("megalm")
 
@@ -78,6 +85,7 @@ class Precision:
 
     def __init__(self, cfg: PrecisionConfig, seed: int, device: torch.device):
         self.cfg, self.seed, self.device = cfg, seed, device
+        self.weights_version = WeightsVersion()  # shared by the layers' states of every chunk it converts
         self.on_te = uses_transformer_engine(cfg.name, cfg.backend, device)
         # FP8 GEMMs on a GPU (TE's, or torch._scaled_mm) need the token count divisible by 16: pad micro-batches
         fp8_on_gpu = device.type == "cuda" and (cfg.name.startswith("fp8") or cfg.forward == "fp8")
@@ -106,13 +114,18 @@ class Precision:
             count = te.apply_te(chunk, name, skip)
             self.note = f"{name} on {count} linear layers (transformer_engine {type(te.te_recipe(name)).__name__})"
         else:
-            states = apply_precision(chunk, get_recipe(name, forward=self.cfg.forward), skip=skip, seed=self.seed)
+            states = apply_precision(chunk, get_recipe(name, forward=self.cfg.forward), skip=skip, seed=self.seed,
+                                     weights_version=self.weights_version)
             fp8_gemms = name.startswith("fp8") or self.cfg.forward == "fp8"
             paths = [f"FP8 GEMMs {fp8.gemm_path(self.device)}"] * fp8_gemms
             paths += [f"MX GEMMs {mx_gemm_path(self.device)}"] * name.startswith("mx")
             path = "; ".join(paths)
             self.note = f"{name} on {len(states)} linear layers (native: {path}{self.fallback})"
         self.note += skipped
+
+    def watch_optimizer(self, optimizer: object) -> None:
+        """Count `optimizer`'s steps (a hook on it alone), so that each layer quantizes its weight once per step."""
+        self.weights_version.watch(optimizer)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return autocast(self.cfg, self.device)

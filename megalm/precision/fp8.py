@@ -27,6 +27,7 @@ values are the same, since torch's cast to float8 rounds like the hardware's.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 
 import torch
@@ -73,25 +74,38 @@ def _quantize_math(x: torch.Tensor, scale: torch.Tensor, limit: float, dtype: to
     return (x.float() * scale).clamp(-limit, limit).to(dtype)
 
 
+def _scale_layout(x: torch.Tensor, scale: torch.Tensor) -> str:
+    """How `scale` broadcasts over x: one scale, one per row, or one per column."""
+    if scale.numel() == 1:
+        return "tensor"
+    return "row" if scale.shape[-1] == 1 else "column"
+
+
 @functools.cache
-def _quantize_fused() -> Callable[..., torch.Tensor]:
-    """`_quantize_math` compiled by torch.compile (once per process; dtype and limit are constants of the
-    graph): one kernel that reads x in its own dtype (bf16 activations and gradients), multiplies and clamps
-    in fp32 registers and writes FP8, where eager PyTorch would write an fp32 copy of x first. It computes
+def _quantize_fused(x_dtype: torch.dtype, dtype: torch.dtype, layout: str) -> Callable[..., torch.Tensor]:
+    """`_quantize_math` compiled by torch.compile for one variant (x dtype, FP8 dtype, scale layout), with
+    dynamic shapes: one kernel that reads x in its own dtype (bf16 activations and gradients), multiplies and
+    clamps in fp32 registers and writes FP8, where eager PyTorch would write an fp32 copy of x first. It computes
     the same values bit for bit (tests/unit/test_precision_weight_cache.py compiles it on CPU and compares).
-    Its variants: x dtype (fp32, bf16, fp16) x FP8 dtype x scale shape (per tensor, per row, per column):
-    up to 18 graphs, past dynamo's default of 8 recompiles per function, so the limit is raised to hold them
-    (tests/unit/test_compile_recompiles.py runs it over a training run's shapes and bounds the count)."""
-    compat.raise_recompile_limit(24)
-    return torch.compile(_quantize_math, dynamic=True, fullgraph=True)
+
+    Each variant compiles a copy of `_quantize_math` with a code object of its own: dynamo counts a function's
+    graphs per code object and, past its recompile limit (8), fails a fullgraph compile. Up to 3 x 2 x 3 = 18
+    variants would pass it if they shared one; one graph per code object keeps every variant compiled without
+    raising that process-wide limit (tests/unit/test_compile_recompiles.py runs it over a training run's
+    shapes and bounds the count)."""
+    name = f"_quantize_{str(x_dtype).removeprefix('torch.')}_to_{str(dtype).removeprefix('torch.')}_{layout}"
+    code = _quantize_math.__code__.replace(co_name=name)
+    variant = types.FunctionType(code, _quantize_math.__globals__, name)
+    return torch.compile(variant, dynamic=True, fullgraph=True)
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
     """x -> FP8 tensor of x * scale (in fp32), saturated to +-max, rounded to nearest even.
 
     On CUDA one fused kernel straight from x's dtype (no fp32 copy of a bf16 x in memory); elsewhere eager
-    PyTorch, the reference. The fused kernel is compiled once per (x dtype, FP8 dtype): x contiguous and the
-    scale as many dims as x (a 0-dim scale is viewed as [1, 1]) so that layouts do not multiply its variants."""
+    PyTorch, the reference. The fused kernel is compiled once per (x dtype, FP8 dtype, scale layout): x
+    contiguous and the scale as many dims as x (a 0-dim scale is viewed as [1, 1]) so that layouts do not
+    multiply its variants."""
     if not x.is_cuda or compat.is_fake(x):  # fake tensors (the fake-CUDA tier): the values, no kernel to compile
         return _quantize_math(x, scale, fp8_max(dtype), dtype)
     return quantize_compiled(x, dtype, scale)
@@ -102,7 +116,8 @@ def quantize_compiled(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) 
     (the cast has no gradient): dynamo guards on the type and requires_grad of its input and keeps a parameter's
     shape static, so passing weights as Parameters would compile one graph per weight shape."""
     scale = scale.reshape([1] * x.dim()) if scale.dim() == 0 else scale
-    return _quantize_fused()(x.detach().contiguous(), scale.detach(), fp8_max(dtype), dtype)
+    fused = _quantize_fused(x.dtype, dtype, _scale_layout(x, scale))
+    return fused(x.detach().contiguous(), scale.detach(), fp8_max(dtype), dtype)
 
 
 def quantize_dequantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:

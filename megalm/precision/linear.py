@@ -40,7 +40,8 @@ Where the GEMMs run (the log says which; Precision.note):
                  with fp32 output; the same values as the reference for round-to-nearest, stochastic
                  rounding with Philox draws instead of torch's generator (tests/unit/test_mx_gemm_fused.py)
 A weight's FP8 copy is made once per optimizer step and reused by every micro-batch (and by fprop and
-dgrad under per-tensor scales): `LinearState.quantized_weight`. Bias and its gradient stay fp32. Under
+dgrad under per-tensor scales): `LinearState.quantized_weight`, once the trainer's optimizer is watched
+(`WeightsVersion.watch`, a hook on that optimizer alone). Bias and its gradient stay fp32. Under
 torch.autocast the output has the autocast dtype, as F.linear's.
 
 Measured error (tests/unit/test_precision_linear.py; CPU, torch 2.13): relative Frobenius error
@@ -101,7 +102,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import functools
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -109,7 +109,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megalm.model.linear import LinearHooks, linear, linear_modules
 from megalm.model.naming import canonical_named_modules, model_chunks
@@ -204,24 +203,23 @@ def gemm_generator(seed: int, gemm: str, device: torch.device | str) -> torch.Ge
     return torch.Generator(device=device).manual_seed(hash_seed(seed, gemm))
 
 
-_optimizer_steps = 0
+class WeightsVersion:
+    """How many times the optimizer that updates a model's weights has stepped: cached quantized weights are valid
+    within one version. Counted by a post-step hook registered on that optimizer only (`watch`), never on all of
+    torch. Until an optimizer is watched nothing is cached (fused AdamW updates weights in place without bumping
+    their version counters, so an unwatched cache could serve a stale weight): every call quantizes afresh."""
 
+    def __init__(self) -> None:
+        self.steps = 0
+        self.watched = False
 
-def _count_optimizer_step(*_: object) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
+    def watch(self, optimizer: object) -> None:
+        """Count `optimizer`'s steps (a torch optimizer, or ZeRO-1's, which has the same hook)."""
+        optimizer.register_step_post_hook(self._count)  # type: ignore[attr-defined]
+        self.watched = True
 
-
-@functools.cache
-def _watch_optimizer_steps() -> None:
-    register_optimizer_step_post_hook(_count_optimizer_step)
-
-
-def _weights_version() -> int:
-    """How many optimizer steps ran in this process (any torch optimizer: a global post-step hook,
-    registered on first use): cached quantized weights are valid within one such version."""
-    _watch_optimizer_steps()
-    return _optimizer_steps
+    def _count(self, *_: object) -> None:
+        self.steps += 1
 
 
 class LinearState:
@@ -231,8 +229,10 @@ class LinearState:
     micro-batch makes the draws independent of anything but those (see the module docstring).
     """
 
-    def __init__(self, name: str = "", seed: int = 0, amax_history_len: int = 16) -> None:
+    def __init__(self, name: str = "", seed: int = 0, amax_history_len: int = 16,
+                 weights_version: WeightsVersion | None = None) -> None:
         self.name, self.seed = name, seed
+        self.weights_version = weights_version or WeightsVersion()
         self.step, self.micro_batch, self.calls = 0, 0, 0
         self.amax = {tensor: fp8.AmaxHistory(amax_history_len) for tensor in ("x", "w", "dy")}
         self.weights: dict[tuple, tuple[weakref.ref, tuple, Fp8Operand]] = {}
@@ -243,9 +243,12 @@ class LinearState:
         step, and fprop and dgrad under per-tensor scales, reuse it (Transformer Engine's FP8 weight cache).
         Valid for the same tensor object (a weakref: a weight computed afresh per call, e.g. a detached
         alias or kv rows gathered over TP ranks, is never served another call's copy, even at a reused
-        address) while no torch optimizer stepped (fused AdamW updates in place without bumping version
-        counters) and its version counter is unchanged (any other in-place write, ZeRO-1's copy-back)."""
-        token = (_weights_version(), weight._version)
+        address) while the watched optimizer did not step (fused AdamW updates in place without bumping version
+        counters) and its version counter is unchanged (any other in-place write, ZeRO-1's copy-back). Nothing
+        is cached while no optimizer is watched (`WeightsVersion`)."""
+        if not self.weights_version.watched:
+            return make()
+        token = (self.weights_version.steps, weight._version)
         cached = self.weights.get(key)
         if cached is None or cached[0]() is not weight or cached[1] != token:
             cached = self.weights[key] = (weakref.ref(weight), token, make())
@@ -291,7 +294,7 @@ def _fp8_tensor_scale(
             cache[key] = state.amax[tensor].scale(amax, dtype)
             # W's history moves once per weight update (optimizer step, training step, in-place write), not per
             # call: so that the micro-batch count, the schedule and offload do not change it
-            token = (_weights_version(), state.step, t._version) if tensor == "w" else None
+            token = (state.weights_version.steps, state.step, t._version) if tensor == "w" else None
             if token is None or token != state.w_amax_token:
                 state.amax[tensor].update(amax)
                 state.w_amax_token = token if tensor == "w" else state.w_amax_token
@@ -411,6 +414,7 @@ def apply_precision(
     skip: Iterable[str] | Callable[[str, nn.Module], bool] = (),
     overrides: Mapping[str, str | Recipe] | None = None,
     seed: int = 0,
+    weights_version: WeightsVersion | None = None,
 ) -> dict[str, LinearState]:
     """Run the linear layers of `model` in `recipe`; returns {layer name: its LinearState}.
 
@@ -423,9 +427,11 @@ def apply_precision(
     `overrides`: {pattern: recipe}, first match wins, for layers that take another recipe. The
     embedding and a tied output head (F.linear on the embedding) are not linear layers: untouched.
     A plain torch nn.Linear has no hook and is refused. A previous `apply_precision` is undone first.
+    `weights_version`: shared by every layer's state; `weights_version.watch(optimizer)` lets them cache a
+    quantized weight for the optimizer step (see `LinearState.quantized_weight`).
     """
     remove_precision(model)
-    recipe = get_recipe(recipe)
+    recipe, weights_version = get_recipe(recipe), weights_version or WeightsVersion()
     cfg = getattr(model_chunks(model)[0], "cfg", None)
     last = getattr(cfg, "num_layers", None)
     last = None if last is None else last - 1
@@ -444,7 +450,7 @@ def apply_precision(
             raise TypeError(f"{name} is a plain torch nn.Linear, which has no precision hook; build it as "
                             "megalm.model.linear.Linear (same parameters)")
         chosen = next((r for p, r in override_patterns if fnmatch.fnmatchcase(name, p)), recipe)
-        state = LinearState(name, seed)
+        state = LinearState(name, seed, weights_version=weights_version)
         module.gemm_recipe = None if chosen.is_fp32 else RecipeGemms(chosen, state, weight=module.weight)
         states[name] = state
     return states

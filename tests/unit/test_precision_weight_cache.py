@@ -3,8 +3,9 @@
 A layer runs fprop (W along `in`) and dgrad (W along `out`) for every micro-batch of a step; W changes only
 at the optimizer step, so its FP8 copy is made once and reused (per-tensor scales: one copy for both GEMMs;
 per-row scales: one per K dim). These tests count the quantizations of the weight and check that every
-way a weight changes (any torch optimizer, fused AdamW included, which bumps no version counter; an
-in-place write) makes a new copy, so the cache never serves a stale weight.
+way a weight changes (the watched optimizer, fused AdamW included, which bumps no version counter; an
+in-place write) makes a new copy, so the cache never serves a stale weight; and that nothing is cached before an
+optimizer is watched (a hook on that optimizer alone: another optimizer's steps are not seen).
 """
 
 from __future__ import annotations
@@ -51,13 +52,17 @@ def _micro_batches(layer: Linear, n: int, seed: int = 1) -> list[torch.Tensor]:
 @pytest.mark.parametrize("recipe, per_step", [("fp8", 1), ("fp8_delayed", 1), ("fp8_rowwise", 2)])
 def test_weight_is_quantized_once_per_optimizer_step(monkeypatch, recipe, per_step):
     layer, state = _layer(recipe)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1, fused=True)  # updates in place, version unchanged
+    state.weights_version.watch(optimizer)
     calls = _count_weight_quantizations(monkeypatch, layer.weight)
     _micro_batches(layer, 3)  # 3 fprops + 3 dgrads
     assert len(calls) == per_step, "per-tensor scales: one copy for fprop and dgrad; rows: one per K dim"
     if recipe == "fp8_delayed":
         assert state.amax["w"].count == 1 and state.amax["x"].count == 3  # W's history: once per step
 
-    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1, fused=True)  # updates in place, version unchanged
+    torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1).step()  # another optimizer: not seen
+    _micro_batches(layer, 1)
+    assert len(calls) == per_step
     optimizer.step()
     before = len(calls)
     ys = _micro_batches(layer, 2, seed=2)
@@ -84,9 +89,21 @@ def _inputs(n: int, seed: int) -> list[torch.Tensor]:
     return out
 
 
+def test_nothing_is_cached_before_an_optimizer_is_watched(monkeypatch):
+    """Unwatched, fused AdamW's in-place update would go unseen: every call quantizes the weight afresh."""
+    layer, _ = _layer("fp8")
+    calls = _count_weight_quantizations(monkeypatch, layer.weight)
+    _micro_batches(layer, 2)
+    assert len(calls) == 4  # fprop and dgrad of each micro-batch
+    torch.optim.AdamW(layer.parameters(), lr=0.1, fused=True).step()
+    x = _inputs(1, seed=3)[0]
+    assert torch.equal(layer(x), low_precision_linear(x, layer.weight.detach(), None, "fp8"))
+
+
 def test_weight_cache_never_serves_another_tensor():
     """Two weights (a model and its copy, or a weight replaced by load_state_dict) never share an entry."""
     layer, state = _layer("fp8")
+    state.weights_version.watch(torch.optim.SGD(layer.parameters(), lr=0.1))
     x = torch.randn(16, 64)
     y1 = layer(x)
     layer.weight = torch.nn.Parameter(layer.weight.detach() * 3)  # new storage
@@ -104,13 +121,12 @@ def test_fused_fp8_quantize_equals_the_eager_cast(dtype, fmt):
     torch.manual_seed(0)
     x = (torch.randn(37, 96) * 30).to(dtype)
     x[0, 0] = 1e6  # saturates
-    fused = fp8._quantize_fused()
     limit = fp8.fp8_max(fmt)
     for t in (x, x.t().contiguous()):
         for scale in ((fp8.tensor_scale(t, fmt) / 4).reshape(1, 1), fp8.rowwise_scale(t, fmt, dim=1),
                       fp8.rowwise_scale(t, fmt, dim=0)):
             want = fp8._quantize_math(t, scale, limit, fmt)
-            got = fused(t, scale, limit, fmt)
+            got = fp8.quantize_compiled(t, fmt, scale)
             assert got.dtype == fmt and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
@@ -118,6 +134,7 @@ def test_a_weight_computed_per_call_is_never_served_a_stale_copy():
     """A weight tensor made afresh for each call (kv rows gathered over TP ranks, a detached alias) may land
     at a freed weight's address with the same version (0): the cache must not take it for that weight."""
     state = LinearState("layer")
+    state.weights_version.watch(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))
     gemms = RecipeGemms(get_recipe("fp8"), state)
     torch.manual_seed(0)
     x, base = torch.randn(16, 64), torch.randn(32, 64)
@@ -135,9 +152,28 @@ def test_a_detached_alias_of_the_weight_hits_its_cache(monkeypatch):
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(32, 64))
     state = LinearState("layer")
+    state.weights_version.watch(torch.optim.SGD([weight], lr=0.1))
     gemms = RecipeGemms(get_recipe("fp8_delayed"), state, weight=weight)
     calls = _count_weight_quantizations(monkeypatch, weight)
     for _ in range(3):
         x = torch.randn(16, 64, requires_grad=True)
         linear(x, weight.detach(), None, gemms).sum().backward()
     assert len(calls) == 1 and state.amax["w"].count == 1
+
+
+@pytest.mark.parametrize("zero1", [False, True])
+def test_the_trainer_quantizes_each_weight_once_per_step(tmp_path, monkeypatch, zero1):
+    """The trainer watches its own optimizer (torch's AdamW, or ZeRO-1's): over two steps of two micro-batches
+    each, a layer's weight is quantized once per step (not once per micro-batch, and not once in all: the
+    second step's copy is new)."""
+    from megalm.training.trainer import Trainer
+    from tests.conftest import compose_config
+
+    trainer = Trainer(compose_config("precision=fp8", "trainer.micro_batch_size=4", "trainer.global_batch_size=8",
+                                     f"parallel.zero1={str(zero1).lower()}"), tmp_path)
+    weight = trainer.model.layers[0].mlp.up_proj.weight
+    calls = _count_weight_quantizations(monkeypatch, weight)
+    for step in range(2):
+        trainer.train_step(step)
+        assert len(calls) == step + 1, calls
+    assert trainer.precision.weights_version.steps == 2  # (ZeRO-1 writes weights in place: versions bump anyway)

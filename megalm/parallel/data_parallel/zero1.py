@@ -16,12 +16,14 @@ each rank's shard of every bucket.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.adamw import adamw
+from torch.utils.hooks import RemovableHandle
 
 from megalm.parallel.collectives import all_gather_flat
 from megalm.parallel.data_parallel.reducer import GradReducer
@@ -35,7 +37,8 @@ class ZeroOneAdamW:
     an all-gather of the updated parameters. It looks like a torch optimizer where the trainer and
     checkpoint code need it to:
     `param_groups` (list of dicts with "params", "lr", "betas", "eps", "weight_decay", so
-    `optim.set_lr` works and per-group weight decay is respected), `zero_grad`, and a torch-format
+    `optim.set_lr` works and per-group weight decay is respected), `zero_grad`, `register_step_post_hook`
+    (precision recipes count steps with it), and a torch-format
     `state_dict()` indexed in param-group order, so `training.checkpoint` saves and loads it by
     parameter name — under any DP size, and interchangeably with a plain torch AdamW.
 
@@ -77,6 +80,7 @@ class ZeroOneAdamW:
             raise ValueError("ZeroOneAdamW's parameters must be exactly the reducer's trainable parameters")
 
         self.step_count = 0
+        self._post_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()  # RemovableHandle's weakref
         # torch's fused AdamW kernel where the device has one (CPU and CUDA), its foreach kernels otherwise
         device = reducer.params[0].device if reducer.params else torch.device("cpu")
         self.fused = device.type in ("cpu", "cuda")
@@ -118,6 +122,12 @@ class ZeroOneAdamW:
             for p in group["params"]:
                 p.grad = None
 
+    def register_step_post_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """`hook(optimizer, args, kwargs)` after every `step()`, as torch.optim.Optimizer's hook of that name."""
+        handle = RemovableHandle(self._post_hooks)
+        self._post_hooks[handle.id] = hook
+        return handle
+
     # ------------------------------------------------------------------ the update
 
     @torch.no_grad()
@@ -151,6 +161,8 @@ class ZeroOneAdamW:
                 work.wait()
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 p.copy_(full[offset:offset + p.numel()].view_as(p))
+        for hook in list(self._post_hooks.values()):
+            hook(self, (), {})
 
     def _gather(self, shard: torch.Tensor, padded_numel: int) -> tuple[torch.Tensor, dist.Work | None]:
         """Start an all-gather of every rank's shard into one padded flat tensor."""
