@@ -89,17 +89,19 @@ class Trainer:
         self.parallel = Parallelism(cfg, self.device, [self.precision], mesh)
         self.mesh, self.model = self.parallel.mesh, self.parallel.model
         self.optimizer = build_optimizer(self.model, cfg.optim, self.parallel.optimizer_factory)
+        self.precision.watch_optimizer(self.optimizer)  # quantized weights: made once per optimizer step
         self.config_dict = config_to_dict(cfg)
         budget = cfg.trainer.tokens_per_step
         self.train_steps = TokenBudgetSteps(self.data.train, budget) if budget else None
         self.valid_steps = TokenBudgetSteps(self.data.valid, budget) if budget and self.data.valid else None
         self.step, self.consumed_tokens = 0, 0
         self.resumed_from: Path | None = None
-        self.pending_save: ckpt.PendingCheckpoint | None = None
+        self.checkpointer = ckpt.Checkpointer(self.run_dir, cfg.trainer.keep_last, self.mesh, cfg.trainer.async_save)
         self.preemption.distributed = self.mesh.is_distributed
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, cfg.trainer.max_consecutive_skips)
         self.spikes = SpikeDetector(cfg.trainer.spike_window, cfg.trainer.spike_zscore)
-        self.watchdog = Watchdog(cfg.trainer.hang_minutes * 60, self.mesh.rank, self.run_dir)
+        self.watchdog = Watchdog(cfg.trainer.hang_minutes * 60, self.mesh.rank, self.run_dir,
+                                 progress=self.mesh.progress)
         self._maybe_resume()
         self.peak = peak_flops(self.device, cfg.precision.name)
 
@@ -138,23 +140,18 @@ class Trainer:
 
     def save(self) -> Path:
         """A checkpoint of this step; refused (one line) when any weight or optimizer state is not finite."""
-        self.finish_save()  # one save in flight at a time, published before anything can fail
+        self.finish_save()  # published before anything can fail
         check_finite_state(self.model, self.optimizer, self.step, self.device, self.mesh.is_distributed)
         state = {"consumed_tokens": self.consumed_tokens, "tokenizer": getattr(self.data.tokenizer, "spec", None),
                  **self._data_order()}
         if self.train_steps is not None:
             state["next_sample"] = self.train_steps.start(self.step)
-        saved = ckpt.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state, self.config_dict,
-                                     self.cfg.trainer.keep_last, self.mesh, async_save=self.cfg.trainer.async_save)
-        if isinstance(saved, ckpt.PendingCheckpoint):  # trainer.async_save: published by finish_save()
-            self.pending_save, saved = saved, saved.path
-        return saved
+        return self.checkpointer.save(self.step, self.model, self.optimizer, state, self.config_dict)
 
     def finish_save(self) -> None:
-        """Complete the save in flight, if any: every rank at the same point (before a save, at the end)."""
-        pending, self.pending_save = self.pending_save, None
-        if pending is not None:
-            pending.wait()
+        """Publish the save in flight, if any (`trainer.async_save`): every rank at the same point (before a
+        save, at the end)."""
+        self.checkpointer.finish()
 
     # ------------------------------------------------------------------ one step
 

@@ -89,19 +89,19 @@ def test_a_killed_rank_restarts_and_resumes_with_the_same_losses(tmp_path):
 
 
 def _die_while_saving(rank: int, world_size: int, run_dir: str) -> None:
-    from megalm.training import checkpoint as ckpt
+    from megalm.training.checkpoint import save as ckpt_save  # the module whose save_checkpoint writes the tensors
     from megalm.training.trainer import Trainer
     from tests.conftest import compose_config
 
     trainer = Trainer(compose_config("parallel.dp=2", "trainer.max_steps=4", "trainer.save_interval=2"), run_dir)
-    save_tensors = ckpt.save_tensors
+    save_tensors = ckpt_save.save_tensors
 
     def dying(tensors, path):
         if rank == 1 and trainer.step == 4:
             os.kill(os.getpid(), signal.SIGKILL)  # mid-save: the files of step 4 are half written
         save_tensors(tensors, path)
 
-    ckpt.save_tensors = dying
+    ckpt_save.save_tensors = dying
     trainer.fit()
 
 

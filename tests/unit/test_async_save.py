@@ -14,7 +14,8 @@ def test_async_checkpoints_resume_bit_exactly(tmp_path):
     straight = Trainer(compose_config(*RUN), tmp_path / "straight").fit()
     first = Trainer(compose_config(*RUN, "trainer.async_save=true", "trainer.stop_at_step=4"), tmp_path / "run").fit()
     assert first.checkpoint.name == "step_00000004" and ckpt.is_complete(first.checkpoint)
-    assert [p.name for p in ckpt._step_dirs(tmp_path / "run" / "checkpoints")] == ["step_00000002", "step_00000004"]
+    kept = ckpt.layout.step_dirs(tmp_path / "run" / "checkpoints")
+    assert [p.name for p in kept] == ["step_00000002", "step_00000004"]
     resumed = Trainer(compose_config(*RUN, "trainer.async_save=true"), tmp_path / "run")
     assert resumed.step == 4
     rest = resumed.fit()
@@ -26,12 +27,12 @@ def test_nothing_is_published_before_the_write_completes(tmp_path):
     trainer.train_step(0)
     trainer.step = 1
     path = trainer.save()
-    assert trainer.pending_save is not None and not path.exists()
+    assert trainer.checkpointer.pending is not None and not path.exists()
     assert ckpt.latest_checkpoint(tmp_path) is None, "latest points at nothing until the save completes"
     weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train_step(1)  # the weights move on while the checkpoint holds step 1's
     trainer.finish_save()
-    assert ckpt.latest_checkpoint(tmp_path) == path and trainer.pending_save is None
+    assert ckpt.latest_checkpoint(tmp_path) == path and trainer.checkpointer.pending is None
     import torch
 
     from megalm.model import GPT

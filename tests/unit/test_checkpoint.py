@@ -7,6 +7,7 @@ import torch
 
 from megalm.errors import CheckpointError
 from megalm.training import checkpoint as ckpt
+from megalm.training.checkpoint import save as ckpt_save
 
 
 class Net(torch.nn.Module):
@@ -69,7 +70,9 @@ def test_crash_mid_save_keeps_previous_checkpoint_usable(tmp_path, monkeypatch, 
     class Crash(BaseException):
         pass
 
-    real_dcp, real_save, real_rename, real_write = ckpt.save_tensors, ckpt.save_file, os.rename, ckpt._write_text_atomic
+    writer = ckpt_save  # the module whose steps a crash interrupts
+    real_dcp, real_save, real_write = writer.save_tensors, writer.save_file, writer.write_text_atomic
+    real_rename = os.rename
 
     def crashing_dcp(tensors, path):
         if fail_at == "tensors":
@@ -94,10 +97,10 @@ def test_crash_mid_save_keeps_previous_checkpoint_usable(tmp_path, monkeypatch, 
             raise Crash
         real_write(path, text)
 
-    monkeypatch.setattr(ckpt, "save_tensors", crashing_dcp)
-    monkeypatch.setattr(ckpt, "save_file", crashing_save)
-    monkeypatch.setattr(ckpt.os, "rename", crashing_rename)
-    monkeypatch.setattr(ckpt, "_write_text_atomic", crashing_latest)
+    monkeypatch.setattr(writer, "save_tensors", crashing_dcp)
+    monkeypatch.setattr(writer, "save_file", crashing_save)
+    monkeypatch.setattr(writer.os, "rename", crashing_rename)
+    monkeypatch.setattr(writer, "write_text_atomic", crashing_latest)
     with pytest.raises(Crash):
         save(tmp_path, 2, net2, opt2)
     monkeypatch.undo()

@@ -1,0 +1,106 @@
+"""Loading a checkpoint into a model (and optimizer) of any layout, or a whole model into one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import nn
+
+from megalm.config import ModelConfig, resolve_model_defaults
+from megalm.errors import CheckpointError
+from megalm.model.gpt import GPT
+from megalm.model.naming import canonical_named_parameters
+from megalm.model.shard import shard_specs
+from megalm.training.checkpoint.layout import resolve_checkpoint_path
+from megalm.training.checkpoint.tensors import (
+    copy_model,
+    dcp_load,
+    from_dcp,
+    load_optimizer_tensors,
+    local_tensor,
+    model_targets,
+    optimizer_tensors,
+    saved_vocab_rows,
+    target_tensor,
+)
+from megalm.training.checkpoint.verify import LoadedCheckpoint, read_checkpoint_meta
+
+if TYPE_CHECKING:  # annotations only: checkpoints take the mesh they are given
+    from megalm.parallel.dims import ParallelMesh
+
+
+def load_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file), device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint file {file} is corrupt ({e}); "
+                              "resume from another checkpoint with trainer.resume=PATH") from None
+
+
+def load_model_weights(path: Path, model: nn.Module, mesh: ParallelMesh | None = None) -> None:
+    """Weights only (megalm-generate, fine-tuning starts)."""
+    saved_rows = saved_vocab_rows(read_checkpoint_meta(path).config)
+    targets = model_targets(model, mesh, saved_rows)
+    dcp_load(targets, path)
+    copy_model(model, targets, path, saved_rows)
+
+
+def load_saved_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[LoadedCheckpoint, GPT]:
+    """The whole model of a checkpoint (or of a run dir's `latest`) in one process on `device`, whatever layout
+    wrote it (DCP reshards), built from its config.yaml (its saved padded vocab kept): what megalm-generate,
+    megalm-export and model.init_from read. No initialization is drawn: every parameter is loaded."""
+    ckpt = resolve_checkpoint_path(path)
+    meta = read_checkpoint_meta(ckpt)
+    model = GPT(resolve_model_defaults(ModelConfig(**meta.config["model"])), device="meta")
+    model.to_empty(device=device)
+    load_model_weights(ckpt, model)
+    return meta, model
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    mesh: ParallelMesh | None = None) -> LoadedCheckpoint:
+    """Load weights, optimizer and this rank's RNG state in place; return the checkpoint's metadata.
+
+    The saved layout may differ from this run's: DCP reads each rank's pieces from whichever shards
+    hold them. Collective when `mesh` is distributed.
+    """
+    meta = read_checkpoint_meta(path)
+    saved_rows = saved_vocab_rows(meta.config)
+    targets = model_targets(model, mesh, saved_rows)
+    params, specs = dict(canonical_named_parameters(model)), shard_specs(model)
+    if optimizer is not None:
+        like, groups = optimizer_tensors(model, optimizer)
+        if not like:  # a fresh torch AdamW has no state yet: take one step's worth of shapes
+            like = {f"{n}::{k}": torch.zeros(() if k == "step" else p.shape, dtype=torch.float32, device=p.device)
+                    for n, p in params.items() for k in ("step", "exp_avg", "exp_avg_sq")}
+        for key, value in like.items():
+            param_name = key.split("::")[0]
+            shaped = value.shape == params[param_name].shape
+            targets[f"optim/{key}"] = (target_tensor(param_name, value, specs.get(param_name), mesh, saved_rows)
+                                       if shaped else value.clone())
+    dcp_load(targets, path)
+    copy_model(model, targets, path, saved_rows)
+    if optimizer is not None:
+        tensors = {}
+        for key, value in targets.items():
+            if key.startswith("optim/"):
+                name = key[len("optim/"):]
+                param_name = name.split("::")[0]
+                param = params[param_name]
+                shaped = value.shape[1:] == param.shape[1:] and value.dim() == param.dim() and value.dim() > 0
+                tensors[name] = (local_tensor(param_name, value, specs.get(param_name), param, saved_rows) if shaped
+                                 else from_dcp(value, specs.get(param_name)))
+        load_optimizer_tensors(model, optimizer, tensors, meta.state["optimizer_param_groups"])
+    rank = mesh.rank if mesh is not None else 0
+    rng_file = path / f"rng-rank{rank:05d}.safetensors"
+    if rng_file.is_file() and meta.state.get("world_size", 1) == (mesh.dims.world_size if mesh else 1):
+        rng = load_safetensors(rng_file)
+        torch.set_rng_state(rng["torch_cpu"])
+        cuda_states = [rng[k] for k in sorted(rng) if k.startswith("torch_cuda_")]
+        if cuda_states and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(cuda_states[: torch.cuda.device_count()])
+    return meta

@@ -1,0 +1,181 @@
+"""Saving: a checkpoint is written into a temporary dir, fsynced, renamed into place, and only then named by
+`latest` (layout.py); `Checkpointer` holds what one run's saves share: where, how many to keep, and for
+`trainer.async_save` the save in flight and the gloo group its collectives run on."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+from safetensors.torch import save_file
+from torch import nn
+
+from megalm import compat
+from megalm.model.naming import canonical_named_parameters
+from megalm.model.shard import shard_specs
+from megalm.training.checkpoint.layout import (
+    CHECKPOINTS,
+    FORMAT_VERSION,
+    LATEST,
+    checkpoint_name,
+    fsync_path,
+    step_dirs,
+    write_text_atomic,
+)
+from megalm.training.checkpoint.tensors import for_dcp, optimizer_tensors, save_tensors
+
+if TYPE_CHECKING:  # annotations only: checkpoints take the mesh they are given
+    from megalm.parallel.dims import ParallelMesh
+
+
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint whose tensors are being written in the background (`Checkpointer` with `async_save`).
+    `wait()` (collective, every rank at the same point) finishes the write and only then makes the checkpoint
+    visible: state.json, the rename into place and `latest`, as a synchronous save does."""
+
+    path: Path  # where it will be once complete
+    _future: Future
+    _finalize: Callable[[], None]
+
+    def wait(self) -> Path:
+        self._future.result()  # re-raises an error of the background write
+        self._finalize()
+        return self.path
+
+
+def _barrier(mesh: ParallelMesh | None) -> None:
+    if mesh is not None and mesh.is_distributed:
+        dist.barrier()
+
+
+def _write(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+           config: dict[str, Any], keep_last: int, mesh: ParallelMesh | None,
+           write_tensors: Callable[[dict[str, torch.Tensor], Path], Any]) -> tuple[Path, Any, Callable[[], None]]:
+    """Everything of a save but its publication: the temporary dir, the tensors (`write_tensors(tensors, dir)`,
+    whose result is returned) and every rank's RNG file. Returns (final path, that result, publish)."""
+    rank = mesh.rank if mesh is not None else 0
+    root = Path(run_dir) / CHECKPOINTS
+    name = checkpoint_name(step)
+    tmp = root / f".tmp-{name}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier(mesh)
+
+    params, specs = dict(canonical_named_parameters(model)), shard_specs(model)
+    tensors = {f"model/{n}": for_dcp(p.detach(), specs.get(n), mesh) for n, p in params.items()}
+    opt_tensors, groups = optimizer_tensors(model, optimizer)
+    for key, value in opt_tensors.items():
+        param_name = key.split("::")[0]
+        shaped = value.shape == params[param_name].shape  # moments are laid out like their parameter; "step" is not
+        tensors[f"optim/{key}"] = for_dcp(value, specs.get(param_name), mesh) if shaped else value
+    written = write_tensors(tensors, tmp)
+    rng = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            rng[f"torch_cuda_{i}"] = s
+    rng_file = tmp / f"rng-rank{rank:05d}.safetensors"
+    save_file(rng, str(rng_file))
+    fsync_path(rng_file)
+    full_state = {"format_version": FORMAT_VERSION, "step": step, "optimizer_param_groups": groups,
+                  "world_size": mesh.dims.world_size if mesh is not None else 1, **state}
+    return root / name, written, functools.partial(_publish, root, name, full_state, config, keep_last, mesh)
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    state: dict[str, Any], config: dict[str, Any], keep_last: int,
+                    mesh: ParallelMesh | None = None) -> Path:
+    """Write the checkpoint of `step` atomically, point `latest` at it, keep the newest `keep_last`.
+    Collective when `mesh` is distributed: every rank must call it."""
+    final, _, publish = _write(run_dir, step, model, optimizer, state, config, keep_last, mesh, save_tensors)
+    publish()
+    return final
+
+
+def _publish(root: Path, name: str, full_state: dict, config: dict[str, Any], keep_last: int,
+             mesh: ParallelMesh | None) -> None:
+    """The second half of a save, once every rank's files are written: state.json and config.yaml, fsync, the
+    rename into place, then `latest` (collective)."""
+    rank = mesh.rank if mesh is not None else 0
+    tmp, final = root / f".tmp-{name}", root / name
+    _barrier(mesh)
+    if rank == 0:
+        (tmp / "state.json").write_text(json.dumps(full_state, indent=1))
+        (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+        for f in tmp.iterdir():
+            fsync_path(f)
+        fsync_path(tmp)
+        if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old copy
+            old = root / f".old-{name}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        fsync_path(root)
+        write_text_atomic(root / LATEST, name + "\n")
+        _prune(root, keep_last, name)
+    _barrier(mesh)
+
+
+def _prune(root: Path, keep_last: int, published: str) -> None:
+    """Drop crash debris and all but the newest `keep_last` checkpoints up to `published` (the one `latest` now
+    names). Newer step dirs are left alone: they are those a resume skipped as damaged (kept for inspection)."""
+    for stale in [*root.glob(".tmp-*"), *root.glob(".old-*")]:  # debris of saves that crashed
+        shutil.rmtree(stale, ignore_errors=True)
+    for old in [p for p in step_dirs(root) if p.name <= published][:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class Checkpointer:
+    """One run's saves: into `run_dir`, keeping the newest `keep_last`, collective over `mesh`.
+
+    With `async_save`, `save` returns once the tensors are staged in host memory and DCP's thread writes them
+    while training goes on; the checkpoint is published by `finish()` (before the next save and at the end, on
+    every rank at the same point). The background write's collectives run on a gloo group of this
+    checkpointer's own, made at its first distributed save, so they never interleave with the training's.
+    """
+
+    def __init__(self, run_dir: Path, keep_last: int, mesh: ParallelMesh | None = None, async_save: bool = False):
+        self.run_dir, self.keep_last, self.mesh, self.async_save = Path(run_dir), keep_last, mesh, async_save
+        self.pending: PendingCheckpoint | None = None
+        self._async_group: dist.ProcessGroup | None = None
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+             config: dict[str, Any]) -> Path:
+        """The checkpoint of `step` (published on return, or by `finish()` when saving asynchronously)."""
+        self.finish()  # one save in flight at a time
+        if not self.async_save:
+            return save_checkpoint(self.run_dir, step, model, optimizer, state, config, self.keep_last, self.mesh)
+        final, future, publish = _write(self.run_dir, step, model, optimizer, state, config, self.keep_last,
+                                        self.mesh, self._start_async_write)
+        self.pending = PendingCheckpoint(final, future, publish)
+        return final
+
+    def finish(self) -> None:
+        """Publish the save in flight, if any (collective)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait()
+
+    def _start_async_write(self, tensors: dict[str, torch.Tensor], path: Path) -> Future:
+        """DCP's async save: the tensors are staged (copied to host memory) before it returns, then written by a
+        thread."""
+        if self.mesh is not None and self.mesh.is_distributed and self._async_group is None:
+            self._async_group = dist.new_group(backend="gloo")
+        with warnings.catch_warnings():  # one process: DCP warns that it saves without a process group
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            return dcp.async_save(tensors, storage_writer=compat.hf_storage_writer(str(path)),
+                                  process_group=self._async_group)

@@ -1,0 +1,172 @@
+"""Weights and optimizer state in DCP's layout, and back.
+
+Optimizer state is keyed by parameter *name* (`canonical_named_parameters`), not position, so that it loads into
+any layout. A tensor-parallel slice is handed to DCP as a DTensor over the TP mesh, so each rank writes its own
+and a load into another layout reshards. Vocab tables padded to another row count are resized on load.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader
+from torch.distributed.tensor import DTensor, Shard
+
+from megalm import compat
+from megalm.errors import CheckpointError
+from megalm.model.gpt import VOCAB_PARAMS, resize_vocab_rows
+from megalm.model.naming import canonical_named_parameters
+from megalm.model.shard import ShardSpec, shard_specs
+
+if TYPE_CHECKING:  # annotations only: checkpoints take the mesh they are given
+    from megalm.parallel.dims import ParallelMesh
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Parameter names in the order `optimizer.state_dict()` numbers them."""
+    return [name for group in optimizer.param_groups for name in _group_names(model, group)]
+
+
+def optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
+    """Flatten AdamW state to {"<param>::<key>": tensor} and hyper-parameters per group."""
+    state = optimizer.state_dict()
+    names = _param_names(model, optimizer)
+    tensors = {}
+    for index, per_param in state["state"].items():
+        for key, value in per_param.items():
+            tensors[f"{names[index]}::{key}"] = value.detach().contiguous()
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
+    for group, torch_group in zip(groups, optimizer.param_groups, strict=True):
+        group["param_names"] = _group_names(model, torch_group)
+    return tensors, groups
+
+
+def _group_names(model: nn.Module, group: dict) -> list[str]:
+    name_of = {id(p): n for n, p in canonical_named_parameters(model)}
+    return [name_of[id(p)] for p in group["params"]]
+
+
+def load_optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
+                           groups: list[dict]) -> None:
+    names = _param_names(model, optimizer)
+    per_param: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        name, _, field = key.partition("::")
+        if name not in names:
+            raise CheckpointError(f"optimizer state has parameter {name!r} that this model lacks; "
+                                  "the checkpoint is from another model")
+        per_param.setdefault(names.index(name), {})[field] = value
+    current = optimizer.state_dict()
+    if len(groups) != len(current["param_groups"]):
+        raise CheckpointError(f"checkpoint has {len(groups)} optimizer param groups, this run has "
+                              f"{len(current['param_groups'])}; the checkpoint is from another setup")
+    new_groups = []
+    for saved, cur in zip(groups, current["param_groups"], strict=True):
+        merged = {k: v for k, v in saved.items() if k != "param_names"}
+        merged["params"] = cur["params"]
+        new_groups.append(merged)
+    optimizer.load_state_dict({"state": per_param, "param_groups": new_groups})
+
+
+def for_dcp(local: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | None) -> torch.Tensor:
+    """What DCP should see for a tensor laid out like a parameter with `spec`: a DTensor over the TP mesh
+    for a slice one rank holds (each rank writes its own), the gathered full tensor for slices several
+    ranks hold (kv rows replicated when tp > kv heads: small), the tensor itself when it is not sharded
+    (DCP writes replicated tensors once)."""
+    if spec is None or mesh is None or mesh.dims.tp == 1:
+        return local
+    if spec.replicas > 1:
+        pieces = [torch.empty_like(local) for _ in range(mesh.dims.tp)]
+        dist.all_gather(pieces, local.contiguous(), group=mesh.tp_group)
+        return spec.unshard(pieces)
+    full_shape = torch.Size(spec.full_shape)
+    stride = torch.empty(full_shape, device="meta").stride()
+    return DTensor.from_local(local.contiguous(), mesh.mesh["tp"], [Shard(spec.dim)], shape=full_shape,
+                              stride=stride)
+
+
+def _load_target(like: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | None) -> torch.Tensor:
+    """An empty tensor for DCP to load into, laid out as `for_dcp` saved one like `like`: a DTensor slice,
+    the full tensor of slices several ranks hold (no collective: only its shape matters), or a plain one."""
+    if spec is not None and mesh is not None and mesh.dims.tp > 1 and spec.replicas > 1:
+        return torch.empty(spec.full_shape, dtype=like.dtype, device=like.device)
+    return for_dcp(torch.empty_like(like), spec, mesh)
+
+
+def from_dcp(loaded: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
+    """This rank's local tensor from what `for_dcp` made and DCP filled."""
+    if isinstance(loaded, DTensor):
+        return loaded.to_local()
+    if spec is not None and tuple(loaded.shape) == spec.full_shape != spec.local_shape:
+        return spec.shard(loaded)
+    return loaded
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write `tensors` (plain or DTensor) into the safetensors files of a checkpoint dir through DCP (collective)."""
+    with warnings.catch_warnings():  # one process: DCP warns that it saves without a process group
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(tensors, storage_writer=compat.hf_storage_writer(str(path)))
+
+
+def dcp_load(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(path)))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises many types
+        cause = next(iter(getattr(e, "failures", {}).values()), e)  # CheckpointException: per-rank causes
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
+        raise CheckpointError(f"checkpoint {path} cannot be read into this model ({type(cause).__name__}: {first}); "
+                              "it is corrupt or from another model — resume from another with "
+                              "trainer.resume=PATH") from None
+
+
+def saved_vocab_rows(config: dict[str, Any]) -> int | None:
+    """The rows of the vocab tables a checkpoint holds (its padded vocab; older ones padded none)."""
+    model = config.get("model", {})
+    return model.get("padded_vocab_size") or model.get("vocab_size")
+
+
+def _vocab_resized(name: str, like: torch.Tensor, spec: ShardSpec | None, saved_rows: int | None) -> bool:
+    """Whether `name`'s full tensor has another row count in the checkpoint (a layout padded differently)."""
+    rows = spec.full_shape[0] if spec is not None else like.shape[0]
+    return name in VOCAB_PARAMS and saved_rows is not None and saved_rows != rows
+
+
+def target_tensor(name: str, like: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | None,
+            saved_rows: int | None) -> torch.Tensor:
+    """`_load_target`, except a vocab table padded to another row count: read whole, resized by `local_tensor`."""
+    if _vocab_resized(name, like, spec, saved_rows):
+        return torch.empty((saved_rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
+    return _load_target(like, spec, mesh)
+
+
+def local_tensor(name: str, loaded: torch.Tensor, spec: ShardSpec | None, like: torch.Tensor,
+           saved_rows: int | None) -> torch.Tensor:
+    """This rank's tensor from what DCP filled: `from_dcp`, after resizing a differently padded table."""
+    if _vocab_resized(name, like, spec, saved_rows):
+        loaded = resize_vocab_rows(loaded, spec.full_shape[0] if spec is not None else like.shape[0])
+    return from_dcp(loaded, spec)
+
+
+def model_targets(model: nn.Module, mesh: ParallelMesh | None, saved_rows: int | None) -> dict[str, torch.Tensor]:
+    specs = shard_specs(model)
+    return {f"model/{n}": target_tensor(n, p.detach(), specs.get(n), mesh, saved_rows)
+            for n, p in canonical_named_parameters(model)}
+
+
+@torch.no_grad()
+def copy_model(model: nn.Module, targets: dict[str, torch.Tensor], path: Path, saved_rows: int | None) -> None:
+    specs = shard_specs(model)
+    for name, param in canonical_named_parameters(model):
+        value = local_tensor(name, targets[f"model/{name}"], specs.get(name), param, saved_rows)
+        if value.shape != param.shape:
+            raise CheckpointError(f"checkpoint {path} has {name} of shape {tuple(value.shape)}, this model "
+                                  f"{tuple(param.shape)}; use the matching model config")
+        param.copy_(value)

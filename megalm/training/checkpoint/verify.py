@@ -1,0 +1,125 @@
+"""Reading a checkpoint's metadata and checking its files before a resume: a damaged file, another model or a
+changed data order is a one-line error naming the file or the setting, and `trainer.resume=auto` falls back to
+the newest intact checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from megalm.errors import CheckpointError
+from megalm.training.checkpoint.layout import (
+    FORMAT_VERSION,
+    is_complete,
+    latest_checkpoint,
+    resolve_checkpoint_path,
+    step_dirs,
+)
+
+log = logging.getLogger("megalm")
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    state: dict[str, Any]
+    config: dict[str, Any]
+
+
+def _damaged(file: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint file {file} is damaged ({why}); resume from another checkpoint with "
+                           "trainer.resume=PATH")
+
+
+def _check_safetensors(file: Path) -> None:
+    """A safetensors file is an 8-byte header length, a JSON header, then exactly the data it describes: a
+    truncated file or another kind of file fails this without reading any tensor."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= min(size - 8, 1 << 27):
+            raise _damaged(file, "not a safetensors file")
+        try:
+            header = json.loads(f.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            raise _damaged(file, "not a safetensors file: its header is not safetensors JSON") from None
+    if 8 + n + end != size:
+        raise _damaged(file, f"truncated: {size} bytes, its header describes {8 + n + end}")
+
+
+def _read_text_file(file: Path, parse: Any) -> Any:
+    try:
+        return parse(file.read_text())
+    except Exception as e:  # noqa: BLE001 - I/O, decoding, JSON and YAML errors all mean "damaged"
+        first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
+        raise _damaged(file, f"{type(e).__name__}: {first}") from None
+
+
+def read_checkpoint_meta(path: Path) -> LoadedCheckpoint:
+    """state.json and config.yaml of a checkpoint; a one-line error naming the file when one cannot be read."""
+    state = _read_text_file(path / "state.json", json.loads)
+    config = _read_text_file(path / "config.yaml",
+                             lambda text: OmegaConf.to_container(OmegaConf.create(text), resolve=True))
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format version {state.get('format_version')}, "
+                              f"this megalm reads {FORMAT_VERSION}")
+    return LoadedCheckpoint(path=path, state=state, config=config)  # type: ignore[arg-type]
+
+
+def verify_checkpoint(path: Path) -> LoadedCheckpoint:
+    """Refuse (one line naming the file) a checkpoint whose files were damaged after it was written: an
+    unreadable state.json or config.yaml, a truncated or foreign .safetensors file. Reads headers only; returns
+    the metadata it read."""
+    meta = read_checkpoint_meta(path)
+    for file in sorted(path.glob("*.safetensors")):
+        _check_safetensors(file)
+    return meta
+
+
+def resumable_checkpoint(run_dir: Path, resume: str) -> Path | None:
+    """The checkpoint `trainer.resume` names, checked by `verify_checkpoint`. A path: that checkpoint, or a one-line
+    error naming its damaged file. "auto": the run dir's `latest`, or, when its files are damaged, the newest older
+    complete checkpoint that is intact (a warning names what was skipped); None when the run dir has none."""
+    if resume != "auto":
+        path = resolve_checkpoint_path(resume)
+        if verify_checkpoint(path).state.get("weights_only"):
+            raise CheckpointError(f"checkpoint {path} holds weights only (megalm-import); start from it with "
+                                  f"model.init_from={path} instead of trainer.resume")
+        return path
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        return None
+    older = [p for p in reversed(step_dirs(latest.parent)) if p.name < latest.name and is_complete(p)]
+    for candidate in [latest, *older]:
+        try:
+            verify_checkpoint(candidate)
+            return candidate
+        except CheckpointError as e:
+            log.warning(f"{e}; trainer.resume=auto falls back to the previous complete checkpoint")
+    raise CheckpointError(f"every checkpoint in {latest.parent} is damaged (see the warnings above); move them "
+                          "away to start over, or resume from a copy with trainer.resume=PATH")
+
+
+def check_model_config(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    """Refuse a checkpoint written by a model of another shape, naming the differing keys."""
+    shape_keys = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
+                  "norm", "activation", "position_embedding", "tie_embeddings", "bias", "max_position_embeddings")
+    diffs = [f"{k}={saved.get(k)} (this run: {current.get(k)})" for k in shape_keys if saved.get(k) != current.get(k)]
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} is from another model: {', '.join(diffs)}; use the matching "
+                              "model=... overrides or a new hydra.run.dir")
+
+
+def check_same_data_order(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    """Refuse to resume with settings that would change which samples later steps see (seed, batch size, ...)."""
+    for key, value in current.items():
+        if saved.get(key) != value:
+            raise CheckpointError(f"checkpoint {path} was trained with {key}={saved.get(key)}, this run has {value}; "
+                                  "resuming would change the data order — set it back or start a new hydra.run.dir")
