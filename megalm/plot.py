@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # only for annotations: importing this module must not need m
 
     from megalm.parallel.hdp import Plan
     from megalm.parallel.hdp.cost import SimResult as HdpSimResult
-    from megalm.parallel.pipeline.schedules import Action, Schedule
+    from megalm.parallel.pipeline.actions import Action, Schedule
 
 INSTALL_HINT = "plotting needs matplotlib; pip install 'megalm[plots]'"
 DPI = 110
@@ -231,6 +231,7 @@ def build_plotted_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, 
                            offload_policy: str = "lifespan") -> Schedule:
     """The schedule the runtime executes (with its SEND/RECV actions, and OFFLOAD/RELOAD for `offload` > 0:
     that fraction of micro-batch-chunks chosen by megalm.offload.policy)."""
+    from megalm.parallel.pipeline.rendezvous import with_comm
     from megalm.parallel.pipeline.schedules import build_schedule, simulate_schedule
 
     sched = build_schedule(name, pp, microbatches, vpp)
@@ -240,8 +241,8 @@ def build_plotted_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, 
         timeline = simulate_schedule(sched, COSTS["F"], 1.0 if sched.split_backward else COSTS["B"] / 2,
                             1.0 if sched.split_backward else COSTS["B"] / 2).timeline
         chosen = select_pipeline(sched, timeline, offload_policy, offload)
-        return sched.with_comm().with_offload(chosen)
-    return sched.with_comm()
+        return with_comm(sched).with_offload(chosen)
+    return with_comm(sched)
 
 
 # ---------------------------------------------------------------------------------------------

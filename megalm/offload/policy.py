@@ -37,7 +37,7 @@ MIN_GAP_ROUND_TRIPS = 3.0  # lifespan: skip a micro-batch whose lifespan is unde
 
 
 class ScheduleLike(Protocol):
-    """What the policies read from a pipeline schedule (megalm.parallel.pipeline.schedules.Schedule)."""
+    """What the policies read from a pipeline schedule (megalm.parallel.pipeline.actions.Schedule)."""
 
     num_stages: int
     num_micro_batches: int

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megalm.compat import all_gather_flat, reduce_scatter_flat
-from megalm.parallel.progress import note_collective
+from megalm.parallel.progress import Progress, note_collective
 
 __all__ = ["all_gather_flat", "reduce_scatter_flat", "group_size", "group_rank", "all_reduce_sum"]
 
@@ -25,10 +25,11 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str = "") -> torch.Tensor:
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str = "",
+                   progress: Progress | None = None) -> torch.Tensor:
     """Sum `tensor` in place over `group` (nothing to do for None or one rank); returns it. `what` names it in
-    hang reports."""
+    the hang report `progress` holds."""
     if group_size(group) > 1:
-        note_collective(f"all_reduce{f' ({what})' if what else ''}", group_size(group))
+        note_collective(progress, f"all_reduce{f' ({what})' if what else ''}", group_size(group))
         dist.all_reduce(tensor, group=group)
     return tensor

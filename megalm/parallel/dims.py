@@ -20,13 +20,14 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megalm.errors import ConfigError
+from megalm.parallel.progress import Progress
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # slowest to fastest
 
@@ -84,7 +85,9 @@ def resolve_dims(p, world_size: int) -> ParallelDims:
 
 @dataclass
 class ParallelMesh:
-    """The process groups of one rank. Groups are None in a single process."""
+    """The process groups of one rank (None in a single process), and the record of what the rank's parallel code
+    last entered (`progress`: the hang watchdog reads it; runners, layers and reducers built from this mesh
+    write it)."""
 
     dims: ParallelDims
     rank: int = 0
@@ -97,6 +100,7 @@ class ParallelMesh:
     dp_cp_group: dist.ProcessGroup | None = None
     # First and last pipeline stage of this rank's tp/cp/dp coordinates (tied embedding gradients).
     embedding_group: dist.ProcessGroup | None = None
+    progress: Progress = field(default_factory=Progress, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         coords = self.dims.coordinates(self.rank)

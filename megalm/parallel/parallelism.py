@@ -112,7 +112,8 @@ class Parallelism:
                 device, activation_shape=lambda mb: (mb.batch.num_tokens // sp, hidden),
                 activation_dtype=next(self.model.parameters()).dtype)
         else:
-            self.runner = LocalRunner(self.model, self.loss_fn, self._forward_context, self._before_forward, device)
+            self.runner = LocalRunner(self.model, self.loss_fn, self._forward_context, self._before_forward, device,
+                                      self.mesh.progress)
         self.offload_store = self._attach_offload() if cfg.offload.enabled else None
         self.split: StepSplit = self._build_split()
         self.token_multiple = math.lcm(p.tp if p.sequence_parallel else 1,
@@ -121,7 +122,8 @@ class Parallelism:
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(p.grad_reduce_dtype or "")
         tied = self.runner.tied_embedding()  # a pipeline's two copies: summed before the DP reduction
         self.reducer = GradReducer(list(self.model.parameters()), self.mesh.dp_cp_group, p.bucket_size_mb,
-                                   reduce_dtype=reduce_dtype, zero1=p.zero1, presum=dict([tied]) if tied else None)
+                                   reduce_dtype=reduce_dtype, zero1=p.zero1, presum=dict([tied]) if tied else None,
+                                   progress=self.mesh.progress)
         # How to build this layout's optimizer (None: the trainer's own AdamW).
         self.optimizer_factory = functools.partial(ZeroOneAdamW, reducer=self.reducer) if p.zero1 else None
         self._norm_weights = self._grad_norm_weights()
@@ -139,7 +141,7 @@ class Parallelism:
         else:
             model = GPT(self.cfg.model, device="meta")
         for chunk in model_chunks(model):
-            apply_tensor_parallel(chunk, mesh.tp_group, p.sequence_parallel)
+            apply_tensor_parallel(chunk, mesh.tp_group, p.sequence_parallel, mesh.progress)
             for converter in self.converters:
                 converter.convert(chunk)
             apply_recompute(chunk, stage_mode(p.recompute, mesh.pp_rank, p.pp))
@@ -228,7 +230,7 @@ class Parallelism:
         if ring is not None:
             a2a = self.cfg.parallel.cp_comm == "a2a"
             attention = RingContext.for_shard(batch, ring, self.device, self.cfg.parallel.cp_comm,
-                                              self.mesh.cp_group if a2a else None)
+                                              self.mesh.cp_group if a2a else None, self.mesh.progress)
         counted = mb.counted_doc_lengths if self.mesh.is_last_stage else []
         if self.device.type == "cuda":  # pinned host memory: the copies overlap instead of syncing the stream
             return LocalMicroBatch(batch.pin_memory().to(self.device, non_blocking=True), mb.index, ring, counted,
@@ -257,8 +259,9 @@ class Parallelism:
     def sum_over_batch(self, values: torch.Tensor) -> torch.Tensor:
         """Sum per-rank values of a step (losses, counted tokens) over the ranks that split its batch:
         DP x CP (or the HDP domain), then the pipeline stages (only the last has losses and counts)."""
-        return all_reduce_sum(all_reduce_sum(values, self.mesh.dp_cp_group, "step totals"), self.mesh.pp_group,
-                              "step totals")
+        progress = self.mesh.progress
+        values = all_reduce_sum(values, self.mesh.dp_cp_group, "step totals", progress)
+        return all_reduce_sum(values, self.mesh.pp_group, "step totals", progress)
 
     def _norm_weight(self, param: nn.Parameter) -> float:
         return self._norm_weights[id(param)]
@@ -266,10 +269,10 @@ class Parallelism:
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the full model's gradient: squares summed over the reducer's shards (ZeRO-1), TP
         shards and pipeline stages, each element of the full model counted once."""
-        sq = all_reduce_sum(self.reducer.local_grad_sq_norm(weight=self._norm_weight), self.reducer.shard_group,
-                            "grad norm")
-        sq = all_reduce_sum(sq, self.mesh.tp_group, "grad norm")
-        return all_reduce_sum(sq, self.mesh.pp_group, "grad norm").sqrt()
+        sq = self.reducer.local_grad_sq_norm(weight=self._norm_weight)
+        for group in (self.reducer.shard_group, self.mesh.tp_group, self.mesh.pp_group):
+            sq = all_reduce_sum(sq, group, "grad norm", self.mesh.progress)
+        return sq.sqrt()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so their global norm is at most `max_norm` (0: no clipping); returns the norm."""

@@ -1,10 +1,11 @@
 """Where this rank is inside a step: the last pipeline action, collective and micro-batch it started.
 
 A hang in distributed training is a rank waiting in a collective or a p2p receive that its peers never enter;
-NCCL's timeout then kills the job minutes later with little to go on. The parallel code notes here, with a few
-attribute writes and no synchronisation, what it is about to do; the trainer's watchdog
+NCCL's timeout then kills the job minutes later with little to go on. The parallel code notes in a `Progress`,
+with a few attribute writes and no synchronisation, what it is about to do; the trainer's watchdog
 (megalm/training/watchdog.py) prints this record for every rank when a step stops making progress, so that the
-rank that is elsewhere stands out.
+rank that is elsewhere stands out. One `Progress` per rank, carried by its `ParallelMesh` (`mesh.progress`) and
+handed to the runners, layers and reducers built from that mesh: nothing here is process-wide.
 """
 
 from __future__ import annotations
@@ -35,9 +36,8 @@ class Progress:
                          for key in ("step", "micro_batch", "pipeline_action", "collective"))
 
 
-PROGRESS = Progress()
-
-
-def note_collective(name: str, group_size: int) -> None:
-    """Before a collective: its name and how many ranks take part."""
-    PROGRESS.note(collective=f"{name} over {group_size} ranks")
+def note_collective(progress: Progress | None, name: str, group_size: int) -> None:
+    """Before a collective: its name and how many ranks take part (nothing for `progress` None: code run outside
+    a mesh, as unit tests of one layer do)."""
+    if progress is not None:
+        progress.note(collective=f"{name} over {group_size} ranks")

@@ -22,7 +22,7 @@ from torch import nn
 
 from megalm.offload import LayerOffload
 from megalm.parallel.microbatch import LocalMicroBatch
-from megalm.parallel.progress import PROGRESS
+from megalm.parallel.progress import Progress
 from megalm.parallel.tensor.apply import LossFn
 
 
@@ -49,8 +49,9 @@ class LocalRunner:
     """Runs a step's micro-batches one after the other on the whole model (no pipeline)."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, forward_context: Callable, before_forward: Callable,
-                 device: torch.device):
+                 device: torch.device, progress: Progress | None = None):
         self.model, self.loss_fn, self.device = model, loss_fn, device
+        self.progress = progress or Progress()  # where the hang watchdog reads the micro-batch in flight
         self.forward_context, self.before_forward = forward_context, before_forward
         self.memory_hooks: LayerOffload | None = None  # activation offload of transformer blocks
 
@@ -67,7 +68,7 @@ class LocalRunner:
         if hooks is not None:
             hooks.start_step()
         for i, mb in enumerate(micro_batches):
-            PROGRESS.note(micro_batch=f"{i + 1} of {len(micro_batches)}")
+            self.progress.note(micro_batch=f"{i + 1} of {len(micro_batches)}")
             self.before_forward(self.model, step, mb.index)
             with hooks.micro_batch(mb.offload_fraction) if hooks is not None else contextlib.nullcontext():
                 loss_sum = self._loss(mb)

@@ -4,8 +4,9 @@ A rank that never enters a collective leaves its peers waiting inside it until t
 (`parallel.timeout_minutes`; NCCL's default is 10 minutes) and the job dies with an error that names neither the
 rank nor the action. The trainer beats this watchdog after every step, evaluation and save. When no beat came for
 `trainer.hang_minutes`, every rank's watchdog (each fires on its own clock) prints one report line: the step, and
-the last micro-batch, pipeline action and collective its parallel code noted (megalm/parallel/progress.py), plus
-the Python stacks of its threads, writes the line to RUN_DIR/hang-rankR.txt, and exits with `HANG_EXIT_CODE`
+the last micro-batch, pipeline action and collective its parallel code noted in the mesh's `Progress`
+(megalm/parallel/progress.py), plus the Python stacks of its threads, writes the line to RUN_DIR/hang-rankR.txt,
+and exits with `HANG_EXIT_CODE`
 so that torchrun (`--max-restarts`) or the scheduler restarts the job from its last checkpoint. The rank whose
 report differs from the others' is the one to look at.
 """
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from megalm.parallel.progress import PROGRESS
+from megalm.parallel.progress import Progress
 
 log = logging.getLogger("megalm")
 
@@ -31,8 +32,10 @@ HANG_EXIT_CODE = 124  # as coreutils' timeout
 class Watchdog:
     """`with Watchdog(...)`: a daemon thread checks the last `beat()`; `timeout_s` <= 0 turns it off."""
 
-    def __init__(self, timeout_s: float, rank: int, run_dir: Path, exit: Callable[[int], None] = os._exit) -> None:
+    def __init__(self, timeout_s: float, rank: int, run_dir: Path, exit: Callable[[int], None] = os._exit,
+                 progress: Progress | None = None) -> None:
         self.timeout_s, self.rank, self.run_dir, self._exit = timeout_s, rank, Path(run_dir), exit
+        self.progress = progress or Progress()  # the rank's record (`mesh.progress`), written by its parallel code
         self.last_beat = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -41,7 +44,7 @@ class Watchdog:
         """Progress: a step, eval or save ended; `step` is the one that starts now (for the report)."""
         self.last_beat = time.monotonic()
         if step is not None:
-            PROGRESS.note(step=step)
+            self.progress.note(step=step)
 
     def __enter__(self) -> Watchdog:
         if self.timeout_s > 0:
@@ -67,7 +70,7 @@ class Watchdog:
 
     def report(self, idle: float) -> str:
         return (f"hang: rank {self.rank} made no progress for {idle:.0f} s (trainer.hang_minutes="
-                f"{self.timeout_s / 60:g}); {PROGRESS.report()}")
+                f"{self.timeout_s / 60:g}); {self.progress.report()}")
 
     def _fire(self, idle: float) -> None:
         line = self.report(idle)

@@ -26,6 +26,7 @@ from megalm.offload.policy import (
     spread,
 )
 from megalm.offload.pool import bucket_size
+from megalm.parallel.pipeline.rendezvous import with_comm
 from megalm.parallel.pipeline.schedules import build_schedule, simulate_schedule, validate
 from megalm.training.validation import validate_run
 from tests.conftest import compose_config
@@ -197,7 +198,7 @@ def _peaks(sched, policy: str, fraction: float) -> tuple[list[int], list[int]]:
 
 @pytest.mark.parametrize("name, vpp", [("1f1b", 1), ("interleaved", 2), ("zb", 1)])
 def test_lifespan_never_leaves_a_higher_peak_than_uniform(name, vpp):
-    sched = build_schedule(name, 4, 8, vpp).with_comm()
+    sched = with_comm(build_schedule(name, 4, 8, vpp))
     for fraction in (0.125, 0.25, 0.375, 0.5, 0.75, 1.0):
         (uniform, u_volume), (lifespan, l_volume) = _peaks(sched, "uniform", fraction), _peaks(sched, "lifespan",
                                                                                              fraction)
@@ -209,7 +210,7 @@ def test_lifespan_cuts_the_peak_better_than_linear_where_lifespans_differ():
     """Interleaved 1F1B (p=4, vpp=2, m=8): lifespans differ a lot, and offloading the long-lived micro-batch-
     chunks at the peak cuts it faster than the volume offloaded (PipeOffload's better-than-linear), where
     spreading them evenly does not. The full table: docs/benchmarks.md (tools/bench/offload.py)."""
-    sched = build_schedule("interleaved", 4, 8, 2).with_comm()
+    sched = with_comm(build_schedule("interleaved", 4, 8, 2))
     base = [max(resident_profile(sched, r)) for r in range(4)]
     for fraction in (0.125, 0.25):
         (uniform, _), (lifespan, _) = _peaks(sched, "uniform", fraction), _peaks(sched, "lifespan", fraction)
@@ -218,7 +219,7 @@ def test_lifespan_cuts_the_peak_better_than_linear_where_lifespans_differ():
 
 
 def test_lifespan_skips_micro_batches_whose_copy_cannot_hide():
-    sched = build_schedule("1f1b", 4, 8).with_comm()
+    sched = with_comm(build_schedule("1f1b", 4, 8))
     timeline = simulate_schedule(sched).timeline
     assert select_pipeline(sched, timeline, "lifespan", 1.0, copy_to_compute=0.0) != set()
     # a round trip far longer than any lifespan: nothing is worth offloading

@@ -12,6 +12,7 @@ pytest.importorskip("matplotlib")
 from megalm import plot  # noqa: E402
 from megalm.parallel.hdp import plan_hdp, plan_static, simulate  # noqa: E402
 from megalm.parallel.hdp.cost import load_cost  # noqa: E402
+from megalm.parallel.pipeline.rendezvous import with_comm  # noqa: E402
 from megalm.parallel.pipeline.schedules import interleaved_1f1b, one_f_one_b, zb_h1  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,7 +133,7 @@ def test_missing_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
 
 def test_schedule_timeline_bars_and_legend():
     p, m = 4, 8
-    fig = plot.plot_schedule(one_f_one_b(p, m).with_comm())
+    fig = plot.plot_schedule(with_comm(one_f_one_b(p, m)))
     ax = fig.axes[0]
     assert bars(ax) == {"F forward": p * m, "B backward (full)": p * m}
     labels = legend_texts(ax)
@@ -154,7 +155,7 @@ def test_schedule_timeline_bars_and_legend():
 def test_schedule_events_sit_on_the_compute_timeline():
     from megalm.parallel.pipeline.schedules import simulate_schedule
 
-    sched = one_f_one_b(2, 2).with_comm()
+    sched = with_comm(one_f_one_b(2, 2))
     events = plot.schedule_events(sched, simulate_schedule(sched, 1, 1, 1).timeline)
     # 1F1B, p = 2, m = 2, F = 1, B = 2: rank 0 runs F0 [0, 1], F1 [1, 2], B0 [4, 6], B1 [7, 9];
     # rank 1 runs F0 [1, 2], B0 [2, 4], F1 [4, 5], B1 [5, 7]

@@ -2,9 +2,9 @@
 
 import pytest
 
+from megalm.parallel.pipeline.actions import Action, Schedule
+from megalm.parallel.pipeline.rendezvous import with_comm
 from megalm.parallel.pipeline.schedules import (
-    Action,
-    Schedule,
     comm_mismatches,
     comm_order_mismatches,
     interleaved_1f1b,
@@ -31,7 +31,7 @@ def test_all_generators_validate_over_grid():
     n = 0
     for sched in all_schedules():
         validate(sched)
-        validate(sched.with_comm())
+        validate(with_comm(sched))
         n += 1
     assert n > 100
 
@@ -87,7 +87,7 @@ def test_validate_detects_cross_rank_deadlock():
 
 
 def test_validate_rejects_unpaired_comm():
-    s = one_f_one_b(3, 3).with_comm()
+    s = with_comm(one_f_one_b(3, 3))
     acts = [list(a) for a in s.actions]
     acts[1].remove(Action("RECV_B", 0, 0, 2))
     with pytest.raises(ValueError, match="unpaired communication"):
@@ -149,7 +149,7 @@ def test_simulate_accounting():
     "sched", [one_f_one_b(4, 6), interleaved_1f1b(2, 4, 3), zb_h1(5, 3), interleaved_1f1b(1, 3, 2)]
 )
 def test_with_comm_pairs_every_send_with_one_recv(sched):
-    c = sched.with_comm()
+    c = with_comm(sched)
     assert comm_mismatches(c) == []
     sends = [(r, a) for r, acts in enumerate(c.actions) for a in acts if a.kind.startswith("SEND")]
     recvs = [(r, a) for r, acts in enumerate(c.actions) for a in acts if a.kind.startswith("RECV")]
@@ -176,7 +176,7 @@ def test_with_comm_pairs_every_send_with_one_recv(sched):
 
 
 def test_interleaved_wraps_last_rank_to_first():
-    c = interleaved_1f1b(3, 3, 2).with_comm()
+    c = with_comm(interleaved_1f1b(3, 3, 2))
     assert Action("SEND_F", 0, 0, 0) in c.actions[2]
     assert Action("RECV_F", 0, 1, 2) in c.actions[0]
     assert Action("SEND_B", 0, 1, 2) in c.actions[0]
@@ -211,7 +211,7 @@ def test_action_str_and_checks():
 
 
 def test_with_offload_places_offload_after_forward_and_reload_before_backward():
-    sched = zb_h1(4, 8).with_comm()
+    sched = with_comm(zb_h1(4, 8))
     chosen = {(r, mb, 0) for r in range(4) for mb in range(8) if mb % 3 == 0}
     offloaded = sched.with_offload(chosen)
     validate(offloaded)
@@ -250,15 +250,17 @@ def test_rendezvous_model_finds_what_nccl_would_hang_on(monkeypatch):
     """Sends that wait for their receives: interleaved 1F1B with every receive next to its compute action
     deadlocks (two ranks each hold a send the other only receives later); posting the stuck receives one
     batch earlier fixes it, keeps messages in order, and 1F1B and ZB-H1 need no move."""
-    from megalm.parallel.pipeline import rendezvous, schedules
+    from megalm.parallel.pipeline import rendezvous
 
-    monkeypatch.setattr(schedules, "post_receives_early", lambda sched: sched)
-    raw = interleaved_1f1b(2, 4, 2).with_comm()
+    post_receives_early = rendezvous.post_receives_early
+    monkeypatch.setattr(rendezvous, "post_receives_early", lambda sched: sched)  # with_comm without the repair
+    raw = with_comm(interleaved_1f1b(2, 4, 2))
+    monkeypatch.undo()
     assert "waits for a partner" in rendezvous.rendezvous_deadlock(raw)
     with pytest.raises(ValueError, match="deadlock when sends wait for their receives"):
         validate(raw)
-    fixed = rendezvous.post_receives_early(raw)
+    fixed = post_receives_early(raw)
     assert rendezvous.rendezvous_deadlock(fixed) is None and not comm_order_mismatches(fixed)
     validate(fixed)
-    for sched in (one_f_one_b(4, 8).with_comm(), zb_h1(4, 8).with_comm()):
+    for sched in (with_comm(one_f_one_b(4, 8)), with_comm(zb_h1(4, 8))):
         assert rendezvous.post_receives_early(sched).actions == sched.actions

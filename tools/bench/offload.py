@@ -129,11 +129,12 @@ def pipeline_measured_rows(overrides: list[str], pp: int, fractions: list[float]
 
 def pipeline_rows(fractions: list[float], p: int = 4, m: int = 8) -> list[dict]:
     from megalm.offload.policy import resident_profile, select_pipeline
+    from megalm.parallel.pipeline.rendezvous import with_comm
     from megalm.parallel.pipeline.schedules import build_schedule, simulate_schedule
 
     rows = []
     for name, vpp in (("1f1b", 1), ("interleaved", 2), ("zb", 1)):
-        sched = build_schedule(name, p, m, vpp).with_comm()
+        sched = with_comm(build_schedule(name, p, m, vpp))
         timeline = simulate_schedule(sched).timeline
         base = [max(resident_profile(sched, r)) for r in range(p)]
         for policy in ("uniform", "lifespan"):

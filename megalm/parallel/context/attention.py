@@ -24,6 +24,7 @@ from megalm.parallel.context.ring import ring_attention
 from megalm.parallel.context.ulysses import ulysses_attention
 from megalm.parallel.context.zigzag import ZigzagLayout, layout_from_local_cu_seqlens
 from megalm.parallel.microbatch import Ring
+from megalm.parallel.progress import Progress
 from megalm.parallel.recompute import recompute_modes
 
 COMMS = ("ring", "a2a")
@@ -38,6 +39,7 @@ class RingContext:
     layout: ZigzagLayout
     comm: str = "ring"
     group: dist.ProcessGroup | None = None  # a2a: the group of exactly `ranks`
+    progress: Progress | None = None  # the mesh's record of the transfer entered (hang reports)
 
     def __post_init__(self) -> None:
         if self.comm not in COMMS:
@@ -45,11 +47,11 @@ class RingContext:
 
     @classmethod
     def for_shard(cls, batch: PackedBatch, ring: Ring, device: torch.device, comm: str = "ring",
-                  group: dist.ProcessGroup | None = None) -> RingContext:
+                  group: dist.ProcessGroup | None = None, progress: Progress | None = None) -> RingContext:
         """The context of `batch` (on the host), this rank's zigzag shard over `ring` (`zigzag.shard_batch`,
         possibly padded with one more even segment), with its layout on `device`."""
         layout = layout_from_local_cu_seqlens(batch.cu_seqlens, len(ring.ranks))
-        return cls(tuple(int(r) for r in ring.ranks), ring.index, layout.to(device), comm, group)
+        return cls(tuple(int(r) for r in ring.ranks), ring.index, layout.to(device), comm, group, progress)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, dropout_p: float = 0.0,
                scale: float | None = None) -> torch.Tensor:
@@ -57,7 +59,8 @@ class RingContext:
         if self.comm == "ring":
             if dropout_p > 0.0:
                 raise ValueError("ring attention has no attention dropout; set model.attention_dropout=0")
-            return ring_attention(q, k, v, self.layout, self.ranks, self.index, None, backend=backend, scale=scale)
+            return ring_attention(q, k, v, self.layout, self.ranks, self.index, None, backend=backend, scale=scale,
+                                  progress=self.progress)
         return ulysses_attention(q, k, v, self.layout, self.ranks, self.index, self.group, backend=backend,
                                  dropout_p=dropout_p, scale=scale)
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from megalm import compat
 from megalm.model.attention import select_attention_backend, varlen_attention
 from megalm.parallel.context.zigzag import ZigzagLayout, ZigzagPlan, as_layout
-from megalm.parallel.progress import PROGRESS
+from megalm.parallel.progress import Progress
 
 log = logging.getLogger("megalm")
 
@@ -341,10 +341,12 @@ def ring_step_backward(dout, q, k, v, out, lse, dq, dk, dv, layout: ZigzagLayout
 # ------------------------------------------------------------------------------------------------- ring
 
 
-def _post(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group, tag: int) -> list:
+def _post(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group, tag: int,
+          progress: Progress | None) -> list:
     """Send `send` to global rank `nxt` and receive `recv` from `prv`, posted together (no deadlock)."""
     ops = [dist.P2POp(dist.isend, send, nxt, group, tag), dist.P2POp(dist.irecv, recv, prv, group, tag)]
-    PROGRESS.note(collective=f"CP ring p2p: send to rank {nxt}, receive from rank {prv}")
+    if progress is not None:
+        progress.note(collective=f"CP ring p2p: send to rank {nxt}, receive from rank {prv}")
     return dist.batch_isend_irecv(ops)
 
 
@@ -355,7 +357,8 @@ def _wait(works: list | None) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout: ZigzagLayout, ranks: tuple[int, ...], r: int, group, kernel: str, scale):
+    def forward(ctx, q, k, v, layout: ZigzagLayout, ranks: tuple[int, ...], r: int, group, kernel: str, scale,
+                progress: Progress | None):
         n = len(ranks)
         nxt, prv = ranks[(r + 1) % n], ranks[(r - 1) % n]
         acc = _acc_dtype(q.dtype)
@@ -366,13 +369,14 @@ class _RingAttention(torch.autograd.Function):
             works, incoming = None, None
             if j < n - 1:  # post the next block's transfer first: it runs while this step computes
                 incoming = torch.empty_like(kv)
-                works = _post(kv, incoming, nxt, prv, group, KV_TAG)
+                works = _post(kv, incoming, nxt, prv, group, KV_TAG, progress)
             ring_step_forward(q, kv[0], kv[1], out, lse, layout, r, (r - j) % n, scale, kernel)
             _wait(works)
             kv = incoming if incoming is not None else kv
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.layout, ctx.ranks, ctx.r, ctx.group, ctx.kernel, ctx.scale = layout, ranks, r, group, kernel, scale
+        ctx.progress = progress
         return out
 
     @staticmethod
@@ -389,7 +393,7 @@ class _RingAttention(torch.autograd.Function):
             kv_works, kv_in = None, None
             if j < n - 1:
                 kv_in = torch.empty_like(kv)
-                kv_works = _post(kv, kv_in, nxt, prv, group, KV_TAG)
+                kv_works = _post(kv, kv_in, nxt, prv, group, KV_TAG, ctx.progress)
             grads = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this rank's share for the held block
             ring_step_backward(dout, q, kv[0], kv[1], out, lse, dq, grads[0], grads[1], layout, r, (r - j) % n,
                                scale, kernel)
@@ -397,13 +401,13 @@ class _RingAttention(torch.autograd.Function):
             dkv = grads if dkv_in is None else grads.add_(dkv_in)
             if n > 1:  # pass it on with the block (it overlaps the next step); after N hops it is home
                 dkv_in = torch.empty_like(dkv)
-                dkv_works = _post(dkv, dkv_in, nxt, prv, group, DKV_TAG)
+                dkv_works = _post(dkv, dkv_in, nxt, prv, group, DKV_TAG, ctx.progress)
             _wait(kv_works)
             kv = kv_in if kv_in is not None else kv
         if n > 1:
             _wait(dkv_works)
             dkv = dkv_in
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -416,13 +420,15 @@ def ring_attention(
     group: dist.ProcessGroup | None = None,
     backend: str = "auto",
     scale: float | None = None,
+    progress: Progress | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's zigzag shard against the whole documents held by the ring.
 
     q [T_local, Hq, D], k/v [T_local, Hkv, D] (Hkv divides Hq) are the shards of `plan` held by
     ring position `rank_index`; `ranks` are the ring's GLOBAL ranks in order (any N >= 1); `group`
     (default WORLD) must contain all of them. Returns [T_local, Hq, D]. N == 1 is plain local
-    varlen attention with no communication. `backend` as model.attention_backend.
+    varlen attention with no communication. `backend` as model.attention_backend. `progress`: where the ring's
+    transfers are noted for the hang watchdog (the mesh's).
     """
     layout, ranks, n = as_layout(plan, q.device), tuple(int(rank) for rank in ranks), len(ranks)
     if n != layout.n or len(set(ranks)) != n:
@@ -441,4 +447,4 @@ def ring_attention(
         local = select_attention_backend(backend, q.device, q.dtype)
         return varlen_attention(q, k, v, layout.local_cu_seqlens, layout.local_max_seqlen, local, scale=scale)
     kernel = block_kernel(backend, q.device, q.dtype)
-    return _RingAttention.apply(q, k, v, layout, ranks, rank_index, group, kernel, scale)
+    return _RingAttention.apply(q, k, v, layout, ranks, rank_index, group, kernel, scale, progress)

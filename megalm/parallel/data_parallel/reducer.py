@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalm.parallel.collectives import group_rank, group_size, reduce_scatter_flat
-from megalm.parallel.progress import note_collective
+from megalm.parallel.progress import Progress, note_collective
 
 # ---------------------------------------------------------------------------- layout
 
@@ -193,7 +193,8 @@ class GradReducer:
 
     def __init__(self, params: Iterable[nn.Parameter], dp_group: dist.ProcessGroup | None,
                  bucket_size_mb: float = 25.0, reduce_dtype: torch.dtype | None = None, zero1: bool = False,
-                 presum: dict[nn.Parameter, dist.ProcessGroup] | None = None):
+                 presum: dict[nn.Parameter, dist.ProcessGroup] | None = None, progress: Progress | None = None):
+        self.progress = progress  # the mesh's record of the collective entered (hang reports)
         unique: dict[int, nn.Parameter] = {}
         for p in params:
             if p.requires_grad:
@@ -395,7 +396,7 @@ class GradReducer:
                 bucket.shard.copy_(bucket.buffer)
             return
         self.stats["collective_calls"] += 1
-        note_collective("DP reduce_scatter" if self.zero1 else "DP all_reduce", self.world)
+        note_collective(self.progress, "DP reduce_scatter" if self.zero1 else "DP all_reduce", self.world)
         if self.zero1:
             self.stats["reduce_scatter_bytes"] += nbytes
             bucket.work = reduce_scatter_flat(bucket.shard, bucket.buffer, op=dist.ReduceOp.SUM,

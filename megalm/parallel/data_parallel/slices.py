@@ -41,7 +41,8 @@ class DataParallelSlices:
         mine = self.sample_ids(ids)
         samples = [dataset[k] for k in mine]
         count = torch.full((), loss_token_count(samples), dtype=torch.int64, device=self.device)
-        loss_tokens = all_reduce_sum(count, self.mesh.dp_group, "loss-token count")  # stays on the device: no host sync
+        loss_tokens = all_reduce_sum(count, self.mesh.dp_group, "loss-token count",
+                                     self.mesh.progress)  # stays on the device: no host sync
         packed = micro_batches(samples, self.micro_batch_size, partial_last=self.partial_last)
         first = mine.start - ids.start
         return [LocalMicroBatch(batch, first + i * self.micro_batch_size, counted_doc_lengths=list(batch.doc_lengths))

@@ -19,7 +19,7 @@ checks them with `check_pipelined`, and the trainer checks each plan before runn
 from __future__ import annotations
 
 from megalm.parallel.hdp.planner import MicroBatch, Plan
-from megalm.parallel.pipeline.rendezvous import steps
+from megalm.parallel.pipeline.rendezvous import steps, with_comm
 from megalm.parallel.pipeline.schedules import build_schedule
 
 
@@ -137,7 +137,7 @@ def _check_rendezvous(plan: Plan, pp: int, schedule: str) -> None:
     for h, todo in enumerate(plan.per_rank):
         m = len(todo)
         if m and m not in per_stage:
-            sched = build_schedule(schedule, pp, m).with_comm()
+            sched = with_comm(build_schedule(schedule, pp, m))
             per_stage[m] = [[_item(step, s) for step in steps(sched.actions[s])] for s in range(pp)]
         for s in range(pp):
             lists[h, s] = [_in_plan(item, todo) for item in per_stage[m][s]] if m else []

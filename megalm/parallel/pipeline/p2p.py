@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megalm.parallel.dims import ParallelMesh
-from megalm.parallel.progress import PROGRESS
+from megalm.parallel.progress import Progress
 
 MAX_NDIM = 8
 HEADER_LEN = 2 + MAX_NDIM
@@ -62,11 +62,12 @@ def decode_header(header: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
     return torch.Size(values[2:2 + ndim]), DTYPES[code]
 
 
-def _run_batch(ops: list[dist.P2POp]) -> None:
-    """Post `ops` together and wait for all of them (an empty list is a no-op)."""
+def _run_batch(ops: list[dist.P2POp], progress: Progress | None = None) -> None:
+    """Post `ops` together and wait for all of them (an empty list is a no-op); `progress` records them."""
     if ops:
-        PROGRESS.note(collective=f"pipeline p2p: {len(ops)} sends/receives with ranks "
-                                 f"{sorted({op.peer for op in ops})}")
+        if progress is not None:
+            progress.note(collective=f"pipeline p2p: {len(ops)} sends/receives with ranks "
+                                     f"{sorted({op.peer for op in ops})}")
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 
@@ -106,6 +107,7 @@ def exchange_known(
     recvs: Sequence[tuple[int, torch.Size | tuple[int, ...], torch.dtype]],
     group: dist.ProcessGroup | None = None,
     device: torch.device | str = "cpu",
+    progress: Progress | None = None,
 ) -> list[torch.Tensor]:
     """`exchange` for messages whose shape and dtype the receiver knows, in ONE batch (no headers).
 
@@ -119,7 +121,7 @@ def exchange_known(
     ops = [dist.P2POp(dist.isend, t, dst, group) for t, (_, dst) in zip(payloads, sends, strict=True) if t.numel()]
     ops += [dist.P2POp(dist.irecv, t, src, group) for t, (src, _, _) in zip(received, recvs, strict=True)
             if t.numel()]
-    _run_batch(ops)
+    _run_batch(ops, progress)
     return received
 
 

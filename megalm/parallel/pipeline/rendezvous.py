@@ -6,16 +6,15 @@ pipeline runtime therefore posts each maximal run of communication actions betwe
 actions as one `batch_isend_irecv` (`steps`) and waits for all of it, as Megatron's
 send_forward_recv_backward family does. Whether a schedule can run that way is a property of its
 action lists, checked here before a step runs (`rendezvous_deadlock`); `post_receives_early` repairs
-the schedules that need a receive posted sooner (interleaved 1F1B).
+the schedules that need a receive posted sooner (interleaved 1F1B). `with_comm` inserts a schedule's SEND/RECV
+actions, posted that way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from megalm.parallel.pipeline.schedules import Action, Schedule
+from megalm.parallel.pipeline.actions import Action, Schedule
 
 
 def steps(actions: list[Action]) -> list[Action | tuple[Action, ...]]:
@@ -120,3 +119,40 @@ def post_receives_early(sched: Schedule) -> Schedule:
             moved = [actions[receiver][i] for i in sorted(indices)]
             kept = [a for i, a in enumerate(actions[receiver]) if i not in set(indices)]
             actions[receiver] = kept[:at] + moved + kept[at:]
+
+
+def with_comm(sched: Schedule) -> Schedule:
+    """A copy of `sched` with SEND/RECV actions around the compute actions that need them.
+
+    RECV_F goes right before an F whose input comes from another rank, SEND_F right after an F
+    whose output goes to another rank; RECV_B/SEND_B likewise around B (gradients flow from
+    stage s + 1 to stage s). The `chunk` of a communication action is this rank's chunk that
+    produces (SEND) or consumes (RECV) the tensor. Hand-offs between two chunks on the same rank
+    (p == 1 with vpp > 1) stay local and get no actions. W needs no communication. Receives that
+    would leave a send waiting forever under NCCL's rendezvous are then posted earlier
+    (`post_receives_early`).
+    """
+    last = sched.num_virtual_stages - 1
+    out: list[list[Action]] = []
+    for rank, acts in enumerate(sched.actions):
+        new: list[Action] = []
+        for a in acts:
+            if not a.is_compute:
+                new.append(a)
+                continue
+            s = sched.stage_of(rank, a.chunk)
+            before = after = None
+            if a.kind == "F":
+                if s > 0 and sched.place_of(s - 1)[0] != rank:
+                    before = Action("RECV_F", a.micro_batch, a.chunk, sched.place_of(s - 1)[0])
+                if s < last and sched.place_of(s + 1)[0] != rank:
+                    after = Action("SEND_F", a.micro_batch, a.chunk, sched.place_of(s + 1)[0])
+            elif a.kind == "B":
+                if s < last and sched.place_of(s + 1)[0] != rank:
+                    before = Action("RECV_B", a.micro_batch, a.chunk, sched.place_of(s + 1)[0])
+                if s > 0 and sched.place_of(s - 1)[0] != rank:
+                    after = Action("SEND_B", a.micro_batch, a.chunk, sched.place_of(s - 1)[0])
+            new.extend(x for x in (before, a, after) if x is not None)
+        out.append(new)
+    return post_receives_early(Schedule(sched.num_stages, sched.num_micro_batches, sched.vpp, sched.name,
+                                        sched.split_backward, out))

@@ -5,7 +5,8 @@ activation shapes once, its action set is closed, and its split backward bypasse
 reducer relies on). The pieces, each in its own file:
 
 - `stages.py`      which layers each (rank, chunk) holds, and the chunks themselves;
-- `schedules.py`   the per-rank action lists (1F1B, interleaved 1F1B, ZB-H1), validated as data;
+- `actions.py`     a schedule's data: `Action`, and `Schedule`'s per-rank action lists;
+- `schedules.py`   the generators (1F1B, interleaved 1F1B, ZB-H1), validated as data;
 - `p2p.py`         shape-first point-to-point sends, so micro-batches may differ in token count;
 - `rendezvous.py`  NCCL's rule that a send may wait for its receive: batches of sends and receives;
 - `weight_grad.py` the B/W split of zero-bubble schedules;
@@ -36,11 +37,11 @@ from torch import nn
 
 from megalm.parallel.dims import ParallelMesh
 from megalm.parallel.microbatch import LocalMicroBatch
+from megalm.parallel.pipeline.actions import Action, Schedule
 from megalm.parallel.pipeline.p2p import exchange_known, pipeline_peer
-from megalm.parallel.pipeline.rendezvous import steps
-from megalm.parallel.pipeline.schedules import Action, Schedule, build_schedule, validate
+from megalm.parallel.pipeline.rendezvous import steps, with_comm
+from megalm.parallel.pipeline.schedules import build_schedule, validate
 from megalm.parallel.pipeline.weight_grad import WeightGradStore, defer_weight_grads
-from megalm.parallel.progress import PROGRESS
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Key = tuple[int, int]  # (micro_batch, chunk)
@@ -119,7 +120,7 @@ class PipelineRuntime:
     def schedule(self, num_micro_batches: int) -> Schedule:
         """The validated schedule (with communication actions) for `num_micro_batches`."""
         if num_micro_batches not in self._schedules:
-            sched = build_schedule(self.schedule_name, self.mesh.dims.pp, num_micro_batches, self.vpp).with_comm()
+            sched = with_comm(build_schedule(self.schedule_name, self.mesh.dims.pp, num_micro_batches, self.vpp))
             if self.memory_hooks is not None:
                 sched = sched.with_offload(self.memory_hooks.select(sched))
             validate(sched)
@@ -143,7 +144,7 @@ class PipelineRuntime:
             return torch.zeros((), device=self.device)
         p, vpp, m = self.mesh.dims.pp, self.vpp, len(micro_batches)
         actions = [[Action("F", i, c) for i in range(m) for c in range(vpp)] for _ in range(p)]
-        sched = Schedule(p, m, vpp, "forward_only", False, actions).with_comm()
+        sched = with_comm(Schedule(p, m, vpp, "forward_only", False, actions))
         return self._execute(sched, sched.actions[self.mesh.pp_rank], micro_batches, 1, None)
 
     def _execute(self, sched: Schedule, actions: list[Action], micro_batches: list[LocalMicroBatch],
@@ -163,7 +164,8 @@ class PipelineRuntime:
             hooks.start_step()
         self.peak_in_flight = 0
         for item in steps(actions):
-            PROGRESS.note(pipeline_action=" + ".join(map(str, item)) if isinstance(item, tuple) else str(item))
+            action = " + ".join(map(str, item)) if isinstance(item, tuple) else str(item)
+            self.mesh.progress.note(pipeline_action=action)
             if isinstance(item, tuple):
                 self._communicate(item, micro_batches, outputs, input_grads, inputs, output_grads, train)
                 for a in item:
@@ -229,7 +231,7 @@ class PipelineRuntime:
                                    f"{self.activation_dtype}")
         received = exchange_known(sends, [(peer, shape, self.activation_dtype)
                                           for (_, peer), shape in zip(receives, shapes, strict=True)],
-                                  device=self.device)
+                                  device=self.device, progress=self.mesh.progress)
         for (a, _), tensor in zip(receives, received, strict=True):
             key = (a.micro_batch, a.chunk)
             if a.kind == "RECV_F":

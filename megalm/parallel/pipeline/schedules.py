@@ -1,4 +1,6 @@
-"""Pipeline schedules as data: one list of actions per pipeline rank.
+"""Pipeline schedules as data: one list of actions per pipeline rank; this module generates, validates and times
+them (the data types, `Action` and `Schedule`, are in actions.py; SEND/RECV insertion under NCCL's rules in
+rendezvous.py).
 
 Why data and not code: the runtime that executes a schedule, the offload feature that inserts
 OFFLOAD/RELOAD actions after a forward and before a backward, and the HDP balancer that gives
@@ -19,7 +21,7 @@ stages; chunk `c` on rank `r` is virtual stage `c * p + r` (Megatron's layout: t
 - ``W mb`` backward w.r.t. the chunk's weights (split schedules only), which nothing downstream
   waits for, so it can be deferred into bubbles;
 - ``SEND_F/RECV_F`` activations to/from the next/previous stage, ``SEND_B/RECV_B`` gradients to/from
-  the previous/next stage (inserted by `Schedule.with_comm`);
+  the previous/next stage (inserted by `rendezvous.with_comm`);
 - ``OFFLOAD mb`` / ``RELOAD mb``: move the micro-batch's saved activations to host memory and back
   (inserted by `with_offload`, between the F and the B of that micro-batch and chunk).
 
@@ -55,147 +57,10 @@ micro-batches at p=4, m=8.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from megalm.parallel.pipeline.rendezvous import post_receives_early, rendezvous_deadlock
-
-COMPUTE_KINDS = ("F", "B", "W")
-COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-# Activation offload (PipeOffload): move a micro-batch's saved activations to host memory after its
-# forward and bring them back before its backward. Executed by the runtime's `memory_hooks`.
-MEMORY_KINDS = ("OFFLOAD", "RELOAD")
-KINDS = COMPUTE_KINDS + COMM_KINDS + MEMORY_KINDS
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step of one rank: compute (F/B/W) or point-to-point communication of one micro-batch."""
-
-    kind: str
-    micro_batch: int
-    chunk: int = 0  # model chunk (virtual stage index) on this rank
-    peer: int | None = None  # the other rank, for SEND_*/RECV_* only
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown action kind {self.kind!r}; expected one of {KINDS}")
-        if self.micro_batch < 0 or self.chunk < 0:
-            raise ValueError(f"negative micro_batch/chunk in {self.kind} {self.micro_batch} c{self.chunk}")
-        if (self.peer is not None) != (self.kind in COMM_KINDS):
-            raise ValueError(f"{self.kind} needs peer={'a rank' if self.kind in COMM_KINDS else 'None'}")
-
-    @property
-    def is_compute(self) -> bool:
-        return self.kind in COMPUTE_KINDS
-
-    def __str__(self) -> str:
-        s = f"{self.kind}{self.micro_batch}" + (f".c{self.chunk}" if self.chunk else "")
-        if self.kind.startswith("SEND"):
-            s += f"->{self.peer}"
-        elif self.kind.startswith("RECV"):
-            s += f"<-{self.peer}"
-        return s
-
-
-@dataclass
-class Schedule:
-    """`actions[rank]` is the ordered list of actions pipeline rank `rank` executes for one step."""
-
-    num_stages: int  # p, pipeline ranks
-    num_micro_batches: int  # m
-    vpp: int
-    name: str
-    split_backward: bool
-    actions: list[list[Action]] = field(default_factory=list)
-
-    @property
-    def num_virtual_stages(self) -> int:
-        return self.num_stages * self.vpp
-
-    def stage_of(self, rank: int, chunk: int) -> int:
-        """Virtual stage of `chunk` on `rank` (Megatron layout: chunk-major)."""
-        return chunk * self.num_stages + rank
-
-    def place_of(self, stage: int) -> tuple[int, int]:
-        """(rank, chunk) holding virtual stage `stage`."""
-        return stage % self.num_stages, stage // self.num_stages
-
-    def with_comm(self) -> Schedule:
-        """A copy with SEND/RECV actions around the compute actions that need them.
-
-        RECV_F goes right before an F whose input comes from another rank, SEND_F right after an F
-        whose output goes to another rank; RECV_B/SEND_B likewise around B (gradients flow from
-        stage s + 1 to stage s). The `chunk` of a communication action is this rank's chunk that
-        produces (SEND) or consumes (RECV) the tensor. Hand-offs between two chunks on the same rank
-        (p == 1 with vpp > 1) stay local and get no actions. W needs no communication. Receives that
-        would leave a send waiting forever under NCCL's rendezvous are then posted earlier
-        (`post_receives_early`).
-        """
-        last = self.num_virtual_stages - 1
-        out: list[list[Action]] = []
-        for rank, acts in enumerate(self.actions):
-            new: list[Action] = []
-            for a in acts:
-                if not a.is_compute:
-                    new.append(a)
-                    continue
-                s = self.stage_of(rank, a.chunk)
-                before = after = None
-                if a.kind == "F":
-                    if s > 0 and self.place_of(s - 1)[0] != rank:
-                        before = Action("RECV_F", a.micro_batch, a.chunk, self.place_of(s - 1)[0])
-                    if s < last and self.place_of(s + 1)[0] != rank:
-                        after = Action("SEND_F", a.micro_batch, a.chunk, self.place_of(s + 1)[0])
-                elif a.kind == "B":
-                    if s < last and self.place_of(s + 1)[0] != rank:
-                        before = Action("RECV_B", a.micro_batch, a.chunk, self.place_of(s + 1)[0])
-                    if s > 0 and self.place_of(s - 1)[0] != rank:
-                        after = Action("SEND_B", a.micro_batch, a.chunk, self.place_of(s - 1)[0])
-                new.extend(x for x in (before, a, after) if x is not None)
-            out.append(new)
-        return post_receives_early(Schedule(self.num_stages, self.num_micro_batches, self.vpp, self.name,
-                                            self.split_backward, out))
-
-    def with_offload(self, offloaded: set[tuple[int, int, int]]) -> Schedule:
-        """A copy with OFFLOAD after the F (after its SEND_F, if any: the send reads the output), and
-        RELOAD one compute action ahead of the B (prefetch: the copy runs under that action, and the wait for
-        the B's RECV_B), of each (rank, micro_batch, chunk) in `offloaded`; right before the B (or its
-        RECV_B) where the action ahead is the F itself."""
-        out: list[list[Action]] = []
-        for rank, acts in enumerate(self.actions):
-            new: list[Action] = []
-            reloaded: set[tuple[int, int]] = set()
-            for i, a in enumerate(acts):
-                key = (a.micro_batch, a.chunk)
-                if a.kind in ("RECV_B", "B") and (rank, *key) in offloaded and key not in reloaded:
-                    new.append(Action("RELOAD", *key))
-                    reloaded.add(key)
-                new.append(a)
-                nxt = acts[i + 1] if i + 1 < len(acts) else None
-                sent_next = nxt is not None and nxt.kind == "SEND_F" and (nxt.micro_batch, nxt.chunk) == key
-                if (rank, *key) in offloaded and (a.kind == "SEND_F" or (a.kind == "F" and not sent_next)):
-                    new.append(Action("OFFLOAD", *key))
-            out.append(_prefetch_reloads(new))
-        return Schedule(self.num_stages, self.num_micro_batches, self.vpp, self.name, self.split_backward, out)
-
-    def compute_actions(self, rank: int) -> list[Action]:
-        return [a for a in self.actions[rank] if a.is_compute]
-
-
-def _prefetch_reloads(actions: list[Action]) -> list[Action]:
-    """Move each RELOAD to just before the compute action that precedes it, if that comes after the key's
-    OFFLOAD (megalm.offload.policy mirrors this placement in its peak estimate)."""
-    out = list(actions)
-    for i in [i for i, a in enumerate(actions) if a.kind == "RELOAD"]:
-        reload = actions[i]
-        at = out.index(reload)
-        ahead = max((j for j in range(at) if out[j].is_compute), default=None)
-        offload_at = out.index(Action("OFFLOAD", reload.micro_batch, reload.chunk))
-        if ahead is not None and ahead > offload_at:
-            out.pop(at)
-            out.insert(ahead, reload)
-    return out
-
+from megalm.parallel.pipeline.actions import COMM_KINDS, MEMORY_KINDS, Action, Schedule
+from megalm.parallel.pipeline.rendezvous import rendezvous_deadlock
 
 # ---------------------------------------------------------------------------------------------
 # Generators

@@ -45,6 +45,7 @@ from megalm.errors import ConfigError
 from megalm.model.loss import token_loss_sum
 from megalm.model.naming import canonical_named_parameters
 from megalm.model.shard import ShardSpec, shard_specs
+from megalm.parallel.progress import Progress
 from megalm.parallel.tensor.comm import Group, split_to_sp, tp_world_size
 from megalm.parallel.tensor.layers import ColumnParallelLinear, ParallelNorm, RowParallelLinear, VocabParallelEmbedding
 from megalm.parallel.tensor.loss import vocab_parallel_token_loss_sum
@@ -69,17 +70,20 @@ def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
                           "model.padded_vocab_size unset so that it is padded for this tp")
 
 
-def _split_output_hook(group: Group, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+def _split_output_hook(group: Group, progress: Progress | None, module: nn.Module, args: tuple,
+                       output: torch.Tensor) -> torch.Tensor:
     """Forward hook: a replicated [T, h] output -> this rank's sequence chunk [T/tp, h]."""
-    return split_to_sp(output, group)
+    return split_to_sp(output, group, progress)
 
 
-def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: bool) -> None:
+def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: bool,
+                          progress: Progress | None = None) -> None:
     """Shard `model` (a GPT or a pipeline chunk) in place over the TP `group` (Megatron TP; SP if
     `sequence_parallel`).
 
     Works on a model built on CPU (its current values are sliced) or on "meta" (shards stay meta:
-    `to_empty` then `init_weights`). With one TP rank it does nothing. Tolerates a chunk whose
+    `to_empty` then `init_weights`). With one TP rank it does nothing. `progress`: the mesh's record that the
+    layers note their collectives in (hang reports). Tolerates a chunk whose
     `embedding`/`output` were removed (a pipeline stage) and whose `layers` hold a subset.
     """
     tp = tp_world_size(group)
@@ -91,17 +95,18 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
         raise RuntimeError("apply_tensor_parallel: the model is already tensor-parallel")
 
     column = functools.partial(ColumnParallelLinear.from_linear, group=group, sequence_parallel=sp,
-                               input_in_tp_region=True)
-    row = functools.partial(RowParallelLinear.from_linear, group=group, sequence_parallel=sp)
-    norm = functools.partial(ParallelNorm, group=group, sequence_parallel=sp)
+                               input_in_tp_region=True, progress=progress)
+    row = functools.partial(RowParallelLinear.from_linear, group=group, sequence_parallel=sp, progress=progress)
+    norm = functools.partial(ParallelNorm, group=group, sequence_parallel=sp, progress=progress)
     # GQA with tp > num_kv_heads: rank r's query heads all read kv head r // (tp / num_kv_heads),
     # so tp / num_kv_heads consecutive ranks hold the same kv rows.
     kv_replicas = max(1, tp // model.cfg.num_kv_heads)
 
     if getattr(model, "embedding", None) is not None:
-        model.embedding = VocabParallelEmbedding.from_embedding(model.embedding, group, sequence_parallel=sp)
+        model.embedding = VocabParallelEmbedding.from_embedding(model.embedding, group, sequence_parallel=sp,
+                                                                progress=progress)
     if sp and getattr(model, "position_embedding", None) is not None:
-        model.position_embedding.register_forward_hook(functools.partial(_split_output_hook, group))
+        model.position_embedding.register_forward_hook(functools.partial(_split_output_hook, group, progress))
 
     for layer in model.layers:
         attention, mlp = layer.attention, layer.mlp

@@ -32,7 +32,8 @@ where a replicated parameter saw only part of the work:
 
 Every group argument may be None or a group of size 1: then every function here is the identity and
 every layer is its unsharded self, so the same code runs in one process. The sharded layers that use
-them are in layers.py.
+them are in layers.py. `progress` (the mesh's `Progress`, carried by each layer) records the collective a rank
+enters, for the hang watchdog's report.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from megalm.parallel.collectives import all_gather_flat, group_rank, group_size, reduce_scatter_flat
-from megalm.parallel.progress import note_collective
+from megalm.parallel.progress import Progress, note_collective
 
 Group = dist.ProcessGroup | None
 
@@ -58,17 +59,17 @@ tp_world_size = group_size  # ranks of the TP group; 1 for None (a single proces
 tp_rank = group_rank  # this process's rank inside the TP group; 0 for None
 
 
-def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: Group, progress: Progress | None) -> torch.Tensor:
     out = x.contiguous().clone()
-    note_collective("TP all_reduce", tp_world_size(group))
+    note_collective(progress, "TP all_reduce", tp_world_size(group))
     dist.all_reduce(out, group=group)
     return out
 
 
-def _all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
+def _all_gather_dim0(x: torch.Tensor, group: Group, progress: Progress | None) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((x.shape[0] * tp_world_size(group), *x.shape[1:]))
-    note_collective("TP all_gather", tp_world_size(group))
+    note_collective(progress, "TP all_gather", tp_world_size(group))
     all_gather_flat(out, x, group=group)
     return out
 
@@ -82,16 +83,16 @@ def _sp_shards(x: torch.Tensor, group: Group) -> int:
     return size
 
 
-def _reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
+def _reduce_scatter_dim0(x: torch.Tensor, group: Group, progress: Progress | None) -> torch.Tensor:
     size = _sp_shards(x, group)
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    note_collective("TP reduce_scatter", size)
+    note_collective(progress, "TP reduce_scatter", size)
     reduce_scatter_flat(out, x, group=group)
     return out
 
 
-def _own_chunk_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
+def _own_chunk_dim0(x: torch.Tensor, group: Group, progress: Progress | None) -> torch.Tensor:
     return x.chunk(_sp_shards(x, group), dim=0)[tp_rank(group)].contiguous()
 
 
@@ -101,19 +102,20 @@ def _own_chunk_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def _conjugate(name: str, forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
-    """An autograd function applying `forward(x, group)` and, to the gradient, `backward(grad, group)`."""
+    """An autograd function applying `forward(x, group, progress)` and, to the gradient, `backward(grad, group,
+    progress)` (`progress`: where the hang watchdog reads the collective this rank last entered, or None)."""
 
-    def fwd(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return forward(x, group)
+    def fwd(ctx, x: torch.Tensor, group: Group, progress: Progress | None) -> torch.Tensor:
+        ctx.group, ctx.progress = group, progress
+        return forward(x, group, progress)
 
     def bwd(ctx, grad: torch.Tensor):
-        return backward(grad, ctx.group), None
+        return backward(grad, ctx.group, ctx.progress), None, None
 
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-_identity = lambda x, group: x.view_as(x)
+_identity = lambda x, group, progress: x.view_as(x)
 #                            forward            backward
 _CopyToTP = _conjugate("_CopyToTP", _identity, _all_reduce)
 _ReduceFromTP = _conjugate("_ReduceFromTP", _all_reduce, _identity)
@@ -122,53 +124,53 @@ _ReduceScatterToSP = _conjugate("_ReduceScatterToSP", _reduce_scatter_dim0, _all
 _SplitToSP = _conjugate("_SplitToSP", _own_chunk_dim0, _all_gather_dim0)
 
 
-def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+def copy_to_tp(x: torch.Tensor, group: Group, progress: Progress | None = None) -> torch.Tensor:
     """Enter the TP region: identity forward; backward all-reduces the gradient.
 
     Each rank's column-parallel layer gives only the part of dL/dx that flows through its own
     output columns; the full input gradient is their sum over the TP group.
     """
-    return x if tp_world_size(group) == 1 else _CopyToTP.apply(x, group)
+    return x if tp_world_size(group) == 1 else _CopyToTP.apply(x, group, progress)
 
 
-def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+def reduce_from_tp(x: torch.Tensor, group: Group, progress: Progress | None = None) -> torch.Tensor:
     """Leave the TP region: all-reduce the partial sums of a row-parallel layer; backward identity
     (every rank needs the same, full output gradient, which it already has)."""
-    return x if tp_world_size(group) == 1 else _ReduceFromTP.apply(x, group)
+    return x if tp_world_size(group) == 1 else _ReduceFromTP.apply(x, group, progress)
 
 
-def gather_from_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
+def gather_from_sp(x: torch.Tensor, group: Group, progress: Progress | None = None) -> torch.Tensor:
     """Enter the TP region under SP: all-gather the sequence shards [T/tp, ...] -> [T, ...].
 
     Backward reduce-scatters: the full-sequence gradient is a partial sum on each rank (its own
     heads / columns), and each rank keeps the summed gradient of its own tokens.
     """
-    return x if tp_world_size(group) == 1 else _GatherFromSP.apply(x, group)
+    return x if tp_world_size(group) == 1 else _GatherFromSP.apply(x, group, progress)
 
 
-def reduce_scatter_to_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
+def reduce_scatter_to_sp(x: torch.Tensor, group: Group, progress: Progress | None = None) -> torch.Tensor:
     """Leave the TP region under SP: sum the partial [T, ...] outputs and keep this rank's tokens
     [T/tp, ...] (half of an all-reduce). Backward all-gathers the gradient of the shards."""
-    return x if tp_world_size(group) == 1 else _ReduceScatterToSP.apply(x, group)
+    return x if tp_world_size(group) == 1 else _ReduceScatterToSP.apply(x, group, progress)
 
 
-def split_to_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
+def split_to_sp(x: torch.Tensor, group: Group, progress: Progress | None = None) -> torch.Tensor:
     """A replicated [T, ...] tensor -> this rank's chunk [T/tp, ...] of dim 0 (no communication).
 
     Backward all-gathers: the replicated producer gets the full gradient on every rank, as it
     would without SP, so its own parameters need no further synchronisation.
     """
-    return x if tp_world_size(group) == 1 else _SplitToSP.apply(x, group)
+    return x if tp_world_size(group) == 1 else _SplitToSP.apply(x, group, progress)
 
 
-def sync_grad_over_tp(param: torch.Tensor, group: Group) -> torch.Tensor:
+def sync_grad_over_tp(param: torch.Tensor, group: Group, progress: Progress | None = None) -> torch.Tensor:
     """Weight-side copy_to_tp: use `sync_grad_over_tp(p)` in place of a replicated parameter `p`.
 
     Under SP a replicated parameter applied to a sequence shard (norm weight/bias, the bias of a
     row-parallel layer) gets a gradient summed over T/tp tokens only; the all-reduce in backward
     makes every rank's .grad the gradient over all T tokens, before it is accumulated.
     """
-    return copy_to_tp(param, group)
+    return copy_to_tp(param, group, progress)
 
 
 class _SumGradOverSharers(torch.autograd.Function):

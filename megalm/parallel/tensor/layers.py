@@ -24,6 +24,7 @@ from torch import nn
 
 from megalm.model.linear import LinearHooks, linear
 from megalm.model.shard import ShardSpec
+from megalm.parallel.progress import Progress
 from megalm.parallel.tensor.comm import (
     Group,
     copy_to_tp,
@@ -73,6 +74,7 @@ class ColumnParallelLinear(LinearHooks, nn.Module):
         sequence_parallel: bool = False,
         input_in_tp_region: bool = False,
         replicas: int = 1,
+        progress: Progress | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -83,6 +85,7 @@ class ColumnParallelLinear(LinearHooks, nn.Module):
                              f"{tp}/{replicas} slices")
         self.in_features, self.out_features = in_features, out_features
         self.group, self.sequence_parallel, self.input_in_tp_region = group, sequence_parallel, input_in_tp_region
+        self.progress = progress  # the mesh's record of the collective entered (hang reports)
         self.replicas = replicas
         slices, index = tp // replicas, tp_rank(group) // replicas
         self.shard_specs = {"weight": ShardSpec((out_features, in_features), 0, slices, index, replicas)}
@@ -107,7 +110,8 @@ class ColumnParallelLinear(LinearHooks, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_in_tp_region:
-            x = gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+            enter = gather_from_sp if self.sequence_parallel else copy_to_tp
+            x = enter(x, self.group, self.progress)
         bias = None if self.bias is None else self._synced(self.bias)
         return linear(x, self._synced(self.weight), bias, self.gemm_recipe, self.weight_grad_sink)
 
@@ -133,6 +137,7 @@ class RowParallelLinear(LinearHooks, nn.Module):
         *,
         group: Group = None,
         sequence_parallel: bool = False,
+        progress: Progress | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -141,7 +146,7 @@ class RowParallelLinear(LinearHooks, nn.Module):
         if in_features % tp:
             raise ValueError(f"RowParallelLinear: in_features={in_features} is not divisible by tp={tp}")
         self.in_features, self.out_features = in_features, out_features
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.progress = group, sequence_parallel, progress
         self.shard_specs = {"weight": ShardSpec((out_features, in_features), 1, tp, tp_rank(group))}
         self.local_in, self.start = self.shard_specs["weight"].length, self.shard_specs["weight"].start
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in, device=device, dtype=dtype))
@@ -158,10 +163,10 @@ class RowParallelLinear(LinearHooks, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = linear(x, self.weight, None, self.gemm_recipe, self.weight_grad_sink)
         if self.sequence_parallel:
-            out = reduce_scatter_to_sp(partial, self.group)
-            bias = None if self.bias is None else sync_grad_over_tp(self.bias, self.group)
+            out = reduce_scatter_to_sp(partial, self.group, self.progress)
+            bias = None if self.bias is None else sync_grad_over_tp(self.bias, self.group, self.progress)
         else:
-            out = reduce_from_tp(partial, self.group)
+            out = reduce_from_tp(partial, self.group, self.progress)
             bias = self.bias
         return out if bias is None else out + bias
 
@@ -186,6 +191,7 @@ class VocabParallelEmbedding(nn.Module):
         *,
         group: Group = None,
         sequence_parallel: bool = False,
+        progress: Progress | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -194,7 +200,7 @@ class VocabParallelEmbedding(nn.Module):
         if num_embeddings % tp:
             raise ValueError(f"VocabParallelEmbedding: vocab {num_embeddings} is not divisible by tp={tp}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.progress = group, sequence_parallel, progress
         self.shard_specs = {"weight": ShardSpec((num_embeddings, embedding_dim), 0, tp, tp_rank(group))}
         self.local_vocab, self.start = self.shard_specs["weight"].length, self.shard_specs["weight"].start
         self.weight = nn.Parameter(torch.empty(self.local_vocab, embedding_dim, device=device, dtype=dtype))
@@ -211,8 +217,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.local_vocab)
         partial = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return reduce_scatter_to_sp(partial, self.group)
-        return reduce_from_tp(partial, self.group)
+            return reduce_scatter_to_sp(partial, self.group, self.progress)
+        return reduce_from_tp(partial, self.group, self.progress)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings} (local {self.local_vocab} from {self.start}), {self.embedding_dim}, "
@@ -233,9 +239,10 @@ class ParallelNorm(nn.Module):
     the single source of truth.
     """
 
-    def __init__(self, norm: nn.Module, group: Group, sequence_parallel: bool) -> None:
+    def __init__(self, norm: nn.Module, group: Group, sequence_parallel: bool,
+                 progress: Progress | None = None) -> None:
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.progress = group, sequence_parallel, progress
         self._norm = (norm,)  # a tuple: not a registered submodule (its parameters are ours)
         for name, param in list(norm.named_parameters(recurse=False)):
             self.register_parameter(name, param)
@@ -243,9 +250,10 @@ class ParallelNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         params = dict(self.named_parameters(recurse=False))
         if self.sequence_parallel:
-            params = {name: sync_grad_over_tp(p, self.group) for name, p in params.items()}
+            params = {name: sync_grad_over_tp(p, self.group, self.progress) for name, p in params.items()}
         y = torch.func.functional_call(self._norm[0], params, (x,))
-        return gather_from_sp(y, self.group) if self.sequence_parallel else copy_to_tp(y, self.group)
+        enter = gather_from_sp if self.sequence_parallel else copy_to_tp
+        return enter(y, self.group, self.progress)
 
     def extra_repr(self) -> str:
         return f"{self._norm[0]!r}, sequence_parallel={self.sequence_parallel}"
