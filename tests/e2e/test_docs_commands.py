@@ -1,8 +1,11 @@
-"""Every command in README.md and docs/ runs, so the docs cannot rot (slow: a few minutes; CI runs it).
+"""Every command in README.md and docs/ runs, twice, so the docs cannot rot and stay copy-paste safe (slow: a few
+minutes; CI runs it).
 
 Commands are read from the fenced code blocks and from inline `code` that starts like a command. Each
 runs in a scratch directory, in document order (a resume follows its first run, generation follows
-training), with tiny overrides: a small model on the documented data (the demo corpus is built in the
+training), and then the whole document's commands run a second time in the same directory, as a reader who
+pastes them again would (an output that refuses to be replaced, a run dir that refuses to continue, fail it);
+with tiny overrides: a small model on the documented data (the demo corpus is built in the
 scratch directory in a second), 3 steps (stops and token budgets scaled down), benchmarks cut to one
 short repetition, outputs redirected away from docs/. Commands that need a GPU cluster are checked by
 config validation at their world size; the GPU tier's script (`tools/gpu_check.sh`), which refuses to run
@@ -191,7 +194,7 @@ def test_documented_commands_run(doc: Path, tmp_path: Path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    for command in commands:
+    for attempt, command in [(attempt, c) for attempt in ("first", "second") for c in commands]:
         if command.startswith("MASTER_ADDR=") or "NNODES=" in command:
             validate_only(command)
             continue
@@ -208,4 +211,4 @@ def test_documented_commands_run(doc: Path, tmp_path: Path):
         proc = subprocess.run(argv, cwd=tmp_path, env={**env, **extra}, capture_output=True, text=True, timeout=600)
         wandb_missing = "logging.wandb.enabled=true" in command and "pip install wandb" in proc.stderr
         assert proc.returncode == 0 or wandb_missing, \
-            f"{doc.name}: `{command}` failed as `{' '.join(argv)}`:\n{proc.stderr[-3000:]}"
+            f"{doc.name}: `{command}` failed on its {attempt} run as `{' '.join(argv)}`:\n{proc.stderr[-3000:]}"
