@@ -155,6 +155,9 @@ class TrainerConfig:
     spike_zscore: float = 6.0  # ... above this is logged with the step and its sample ids (0: off)
     async_save: bool = False  # checkpoints written by a background thread (DCP async_save) while training goes on
     hang_minutes: float = 30.0  # no step, eval or save for this long: hang report per rank, exit 124 (0: off)
+    # joining the job (rendezvous, process groups, the model's build and the config check) longer than this: hang
+    # report per rank, exit 124 (0: off)
+    init_hang_minutes: float = 10.0
 
 
 @dataclass
@@ -348,13 +351,15 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
     choice(t.nonfinite, "trainer.nonfinite", ("skip", "stop"))
     positive(t.max_consecutive_skips, "trainer.max_consecutive_skips")
     positive(t.spike_window, "trainer.spike_window")
-    if t.hang_minutes < 0:
-        raise ConfigError(f"trainer.hang_minutes={t.hang_minutes} must be >= 0 (0 turns the watchdog off)")
+    for key in ("hang_minutes", "init_hang_minutes"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"trainer.{key}={getattr(t, key)} must be >= 0 (0 turns the watchdog off)")
     positive(cfg.parallel.timeout_minutes, "parallel.timeout_minutes")
-    if cfg.parallel.timeout_minutes is not None and 0 < t.hang_minutes >= cfg.parallel.timeout_minutes:
-        raise ConfigError(f"parallel.timeout_minutes={cfg.parallel.timeout_minutes} must exceed trainer.hang_minutes="
-                          f"{t.hang_minutes}, so that the watchdog reports a hang before a collective times out; "
-                          "raise it, or lower trainer.hang_minutes (0 turns the watchdog off)")
+    for key in ("hang_minutes", "init_hang_minutes"):
+        if cfg.parallel.timeout_minutes is not None and 0 < getattr(t, key) >= cfg.parallel.timeout_minutes:
+            raise ConfigError(f"parallel.timeout_minutes={cfg.parallel.timeout_minutes} must exceed trainer.{key}="
+                              f"{getattr(t, key)}, so that the watchdog reports a hang before a collective times "
+                              f"out; raise it, or lower trainer.{key} (0 turns the watchdog off)")
     if t.spike_zscore < 0:
         raise ConfigError(f"trainer.spike_zscore={t.spike_zscore} must be >= 0 (0 turns spike reports off)")
     if t.tokens_per_step is not None:

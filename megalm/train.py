@@ -109,11 +109,14 @@ def run(cfg: DictConfig) -> float | None:
     from megalm.training.device import resolve_auto_precision, select_device
     from megalm.training.preemption import REQUEUE_EXIT_CODE
     from megalm.training.trainer import Trainer
+    from megalm.training.watchdog import joining_watchdog
 
     debug = bool(cfg.get("debug", False))
     try:
         config = to_dataclass(cfg)
-        run_dir, rank = shared_run_dir(Path(HydraConfig.get().runtime.output_dir), config)
+        own_dir = Path(HydraConfig.get().runtime.output_dir)
+        with joining_watchdog(config.trainer.init_hang_minutes, own_dir):  # a stuck rendezvous is reported
+            run_dir, rank = shared_run_dir(own_dir, config)
         if rank != 0:  # one voice: rank 0 logs, the others only warn
             log.setLevel(logging.WARNING)
         # precision=auto becomes the recipe of this device before anything is written: config.yaml names it

@@ -16,7 +16,8 @@ pieces, plans it with each policy and runs the plan through the same execution m
 (megalm/parallel/hdp/cost.py).
 Prints step time, utilisation, CP traffic, padding and speedups; with --json the last stdout line
 is one JSON object with the step seconds per policy and `plan_seconds` (HDP planner wall time);
-with --png-dir, one Gantt chart per policy (rows = ranks, at most 128 drawn; x = time on a common scale)
+with --png-dir, one Gantt chart per policy (rows = ranks, at most 128 drawn; x = time up to that plan's step,
+or up to the slowest policy's with --shared-x, to compare widths)
 and `<prefix>balance.png`, the histogram of per-rank busy time under every policy (megalm.plot;
 needs matplotlib: pip install 'megalm[plots]').
 
@@ -209,6 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--png-dir", default=None, help="write <dir>/<prefix><policy>.png Gantt charts "
                    "and <dir>/<prefix>balance.png (needs matplotlib)")
     p.add_argument("--png-prefix", default="")
+    p.add_argument("--shared-x", action="store_true", help="draw every policy's Gantt chart on the slowest one's "
+                   "time axis (default: each fitted to its own plan)")
     p.add_argument("--widen", action="store_true", help="also plan 'hdp_widen': HDP with rings of documents "
                    "longer than the mean load widened beyond ceil(s/C) (not ByteScale's rule)")
     p.add_argument("--offload", action="store_true", help="also plan 'hdp_offload' (ByteScale's selective offload: "
@@ -308,8 +311,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.png_dir:
         out = Path(args.png_dir)
-        t_max = 1.02 * max(sim.step_time for _, sim in last.values())
+        slowest = max(sim.step_time for _, sim in last.values())
         for name, (plan, sim) in last.items():
+            t_max = 1.02 * (slowest if args.shared_x else sim.step_time)
             title = (f"{name}: {args.ranks} ranks, context {size_name(args.context)}, capacity "
                      f"{size_name(capacity)}, step {sim.step_time:.1f} s, utilisation "
                      f"{sum(sim.compute) / (args.ranks * sim.step_time):.0%}")

@@ -37,7 +37,7 @@ from megalm.training.metrics import MetricsLogger, ThroughputWindow, peak_memory
 from megalm.training.optim import build_optimizer, lr_at, set_lr
 from megalm.training.preemption import Preemption
 from megalm.training.validation import validate_run
-from megalm.training.watchdog import Watchdog
+from megalm.training.watchdog import Watchdog, joining_watchdog
 
 log = logging.getLogger("megalm")
 
@@ -77,16 +77,21 @@ class Trainer:
             torch.set_num_threads(cfg.trainer.num_threads)
         self.device = select_device(cfg.trainer.device)
         self.preemption = Preemption(cfg.trainer.preempt_signals, self.device, distributed=False)
-        world_size = (mesh.dims.world_size if mesh is not None
-                      else init_distributed(self.device, process_group_minutes(cfg))[1])
-        self.cfg = validate_run(cfg, world_size, self.device)  # precision=auto: for this device
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(cfg.seed)  # the same on every rank: TP ranks must draw the same dropout masks
+        # Joining the job is watched too: a rank stuck in the rendezvous or in building the groups is reported
+        # (and exits 124 for the launcher to restart) within trainer.init_hang_minutes, not at the group timeout.
+        with joining_watchdog(cfg.trainer.init_hang_minutes, self.run_dir) as joining:
+            world_size = (mesh.dims.world_size if mesh is not None
+                          else init_distributed(self.device, process_group_minutes(cfg))[1])
+            self.cfg = validate_run(cfg, world_size, self.device)  # precision=auto: for this device
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            torch.manual_seed(cfg.seed)  # the same on every rank: TP ranks must draw the same dropout masks
 
-        self.data = build_datasets(cfg)  # before the model: a bad path or vocab fails before any weight is made
-        self.precision = Precision(cfg.precision, cfg.seed, self.device)
-        self.parallel = Parallelism(cfg, self.device, [self.precision], mesh)
+            self.data = build_datasets(cfg)  # before the model: a bad path or vocab fails before any weight is made
+            self.precision = Precision(cfg.precision, cfg.seed, self.device)
+            joining.progress.note(collective="building the mesh's process groups and the model, checking the "
+                                             "config on every rank")
+            self.parallel = Parallelism(cfg, self.device, [self.precision], mesh)
         self.mesh, self.model = self.parallel.mesh, self.parallel.model
         self.optimizer = build_optimizer(self.model, cfg.optim, self.parallel.optimizer_factory)
         self.precision.watch_optimizer(self.optimizer)  # quantized weights: made once per optimizer step

@@ -29,12 +29,24 @@ log = logging.getLogger("megalm")
 HANG_EXIT_CODE = 124  # as coreutils' timeout
 
 
+def joining_watchdog(init_hang_minutes: float, run_dir: Path) -> Watchdog:
+    """The watchdog of joining the job (rendezvous, process groups, the model's build): a rank stuck there is
+    reported, with what it was joining, and exits with `HANG_EXIT_CODE` after `trainer.init_hang_minutes`, not at
+    the process group's timeout. The rank is torchrun's (RANK), known before the group exists."""
+    watch = Watchdog(init_hang_minutes * 60, int(os.environ.get("RANK", "0")), run_dir,
+                     setting="trainer.init_hang_minutes")
+    watch.progress.note(collective=f"init_process_group (world size {os.environ.get('WORLD_SIZE', '1')}, store "
+                                   f"{os.environ.get('MASTER_ADDR', '-')}:{os.environ.get('MASTER_PORT', '-')})")
+    return watch
+
+
 class Watchdog:
     """`with Watchdog(...)`: a daemon thread checks the last `beat()`; `timeout_s` <= 0 turns it off."""
 
     def __init__(self, timeout_s: float, rank: int, run_dir: Path, exit: Callable[[int], None] = os._exit,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, setting: str = "trainer.hang_minutes") -> None:
         self.timeout_s, self.rank, self.run_dir, self._exit = timeout_s, rank, Path(run_dir), exit
+        self.setting = setting  # the config key of `timeout_s`, named in the report
         self.progress = progress or Progress()  # the rank's record (`mesh.progress`), written by its parallel code
         self.last_beat = time.monotonic()
         self._stop = threading.Event()
@@ -69,13 +81,14 @@ class Watchdog:
                 return
 
     def report(self, idle: float) -> str:
-        return (f"hang: rank {self.rank} made no progress for {idle:.0f} s (trainer.hang_minutes="
+        return (f"hang: rank {self.rank} made no progress for {idle:.0f} s ({self.setting}="
                 f"{self.timeout_s / 60:g}); {self.progress.report()}")
 
     def _fire(self, idle: float) -> None:
         line = self.report(idle)
         print(line, file=sys.stderr, flush=True)
         try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / f"hang-rank{self.rank}.txt").write_text(line + "\n")
         except OSError as e:
             print(f"hang report not written to {self.run_dir}: {e}", file=sys.stderr, flush=True)

@@ -73,6 +73,32 @@ def test_off_at_zero(tmp_path):
     assert exits == [] and not (tmp_path / "hang-rank0.txt").exists()
 
 
+@pytest.mark.timeout(120)
+def test_a_rank_stuck_joining_the_job_is_reported_within_init_hang_minutes(tmp_path):
+    """Rank 0 of two starts alone (its peer never comes) and waits in init_process_group's rendezvous: the init
+    watchdog reports where it waits and exits with HANG_EXIT_CODE after trainer.init_hang_minutes, not at the
+    process group's timeout (35 minutes by default)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import TINY
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "megalm.train", *TINY, "trainer.init_hang_minutes=0.05",
+                           f"hydra.run.dir={tmp_path}"], env=env, capture_output=True, text=True, timeout=100)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == HANG_EXIT_CODE, proc.stderr[-3000:]
+    report = (tmp_path / "hang-rank0.txt").read_text()
+    assert report.startswith("hang: rank 0 made no progress for") and "(trainer.init_hang_minutes=0.05)" in report
+    assert "collective: init_process_group (world size 2, store 127.0.0.1:" in report, report
+    assert elapsed < 60, f"{elapsed:.0f} s: the watchdog fires 3 s after the start"
+
+
 def test_the_collective_timeout_outlasts_the_watchdog(monkeypatch):
     import datetime
 
@@ -82,10 +108,13 @@ def test_the_collective_timeout_outlasts_the_watchdog(monkeypatch):
     from tests.conftest import compose_config
 
     assert process_group_minutes(compose_config()) == 35  # hang_minutes 30 + 5: the watchdog reports first
+    assert compose_config().trainer.init_hang_minutes < 35  # and a stuck init is reported before it too
     assert process_group_minutes(compose_config("parallel.timeout_minutes=60")) == 60
     assert process_group_minutes(compose_config("trainer.hang_minutes=0")) is None  # torch's default
     with pytest.raises(ConfigError, match="parallel.timeout_minutes=20.0 must exceed trainer.hang_minutes=30.0"):
         validate(compose_config("parallel.timeout_minutes=20"))
+    with pytest.raises(ConfigError, match="must exceed trainer.init_hang_minutes=40.0"):
+        validate(compose_config("parallel.timeout_minutes=36", "trainer.init_hang_minutes=40"))
 
     seen = {}
     monkeypatch.setenv("WORLD_SIZE", "2")

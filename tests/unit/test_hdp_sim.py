@@ -73,6 +73,22 @@ def test_cli_contract_json_and_pngs(tmp_path, capsys):
     assert any("static" in line for line in out[:-1])  # the human table comes first
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_gantt_charts_are_fitted_to_their_plan(tmp_path, monkeypatch, shared):
+    """Each policy's chart spans its own step (2% margin), so a fast plan is not squeezed into the slowest one's
+    axis; --shared-x puts them all on the slowest one's."""
+    drawn = {}
+    monkeypatch.setattr(hdp_sim, "draw_plan", lambda path, plan, sim, t_max, title: drawn.update(
+        {Path(path).stem: (t_max, sim.step_time)}))
+    argv = ["--ranks", "16", "--context", "32K", "--model", "7b", "--global-tokens", "512K",
+            "--png-dir", str(tmp_path), *(["--shared-x"] if shared else [])]
+    hdp_sim.main(argv)
+    slowest = max(step for _, step in drawn.values())
+    assert set(drawn) == set(hdp_sim.POLICIES) and len({step for _, step in drawn.values()}) > 1
+    for name, (t_max, step) in drawn.items():
+        assert t_max == pytest.approx(1.02 * (slowest if shared else step)), name
+
+
 def test_cli_longtail_with_pipeline_and_capacity(capsys):
     result = hdp_sim.main(["--ranks", "96", "--context", "256K", "--dist", "longtail", "--global-tokens", "4M",
                            "--capacity", "16K", "--pp", "2", "--steps", "2", "--check"])
