@@ -5,7 +5,7 @@
     python tools/hdp_sim.py --ranks 1024 --context 128K --lengths tools/data/seqlen/prolong_lengths.json \
         --model 7b --global-tokens 33554432 --json --png-dir docs/hdp
 
-Policies (megalm/parallel/hdp/planner.py): `static` (pack to the context length, fixed cp group), the
+Policies (megalm/parallel/hdp/planner.py and baselines.py): `static` (pack to the context length, fixed cp group), the
 `megatron_hybrid` rule (power-of-two CP groups, s²/d estimate, greedy rounds) and `hdp` (ByteScale:
 minimal rings, cost-balanced); with --offload also `hdp_offload` (+ ByteScale's selective offload: a
 document offloads r(s) of its activations and runs on ceil((1 - r(s)) s / C) ranks, cost.offload_ratio)

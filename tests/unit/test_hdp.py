@@ -1,4 +1,4 @@
-"""HDP scheduler (megalm/parallel/hdp/planner.py): plan invariants, balance, deadlock freedom, baselines
+"""HDP scheduler (megalm/parallel/hdp/planner.py, baselines.py): plan invariants, balance, deadlock freedom, baselines
 (pure Python)."""
 
 import random

@@ -18,7 +18,7 @@ checks them with `check_pipelined`, and the trainer checks each plan before runn
 
 from __future__ import annotations
 
-from megalm.parallel.hdp.planner import MicroBatch, Plan
+from megalm.parallel.hdp.plan import MicroBatch, Plan
 from megalm.parallel.pipeline.rendezvous import steps, with_comm
 from megalm.parallel.pipeline.schedules import build_schedule
 

@@ -34,7 +34,8 @@ from megalm.parallel.context.zigzag import shard_batch, zigzag_plan
 from megalm.parallel.dims import ParallelMesh
 from megalm.parallel.hdp.cost import CostModel, ModelShape, load_cost, offload_ratio, preset
 from megalm.parallel.hdp.pipelined import align_rings, check_pipelined
-from megalm.parallel.hdp.planner import Plan, plan_hdp
+from megalm.parallel.hdp.plan import Plan
+from megalm.parallel.hdp.planner import plan_hdp
 from megalm.parallel.microbatch import LocalMicroBatch, Ring
 from megalm.parallel.recompute import recompute_modes
 

@@ -1,0 +1,57 @@
+"""An HDP plan as data: `MicroBatch` (its ordered ranks and document indices) and `Plan` (the micro-batches, and
+per rank the indices of those it runs, in order), plus the packing of short documents onto one rank that every
+planner shares (planner.py: HDP's; baselines.py: the static mesh and Megatron-LM's hybrid CP). Pure Python."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class MicroBatch(NamedTuple):
+    """One unit of work. len(ranks) == 1: documents packed on one rank; > 1: a ring over `ranks`
+    (in ring order); no documents: a barrier over `ranks`. `tokens` counts real tokens, `padding`
+    the extra positions computed (the static mesh pads), `sum_sq` is Σs² of the (padded) documents.
+    A NamedTuple: immutable and cheap to build (a plan can hold tens of thousands)."""
+
+    ranks: tuple[int, ...]
+    seqs: tuple[int, ...]
+    tokens: int
+    sum_sq: int
+    padding: int = 0
+
+
+@dataclass
+class Plan:
+    policy: str
+    micro_batches: list[MicroBatch]
+    per_rank: list[list[int]]  # micro-batch indices, in execution order
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.per_rank)
+
+
+def local_micro_batch(rank: int, docs: list[int], lengths: Sequence[int]) -> MicroBatch:
+    return MicroBatch((rank,), tuple(docs), sum(lengths[i] for i in docs), sum(lengths[i] ** 2 for i in docs))
+
+
+def packed_micro_batches(rank: int, docs: list[int], lengths: Sequence[int], capacity: int) -> list[MicroBatch]:
+    """Best-fit packing of documents (longest first) into micro-batches of at most `capacity` tokens."""
+    if sum(lengths[i] for i in docs) <= capacity:
+        return [local_micro_batch(rank, docs, lengths)]
+    free: list[int] = []
+    bins: list[list[int]] = []
+    for i in docs:
+        s = lengths[i]
+        fits = [k for k, f in enumerate(free) if f >= s]
+        if fits:
+            k = min(fits, key=free.__getitem__)
+            free[k] -= s
+            bins[k].append(i)
+        else:
+            free.append(capacity - s)
+            bins.append([i])
+    return [local_micro_batch(rank, b, lengths) for b in bins]
