@@ -83,7 +83,7 @@ class Trainer:
         with joining_watchdog(cfg.trainer.init_hang_minutes, self.run_dir) as joining:
             world_size = (mesh.dims.world_size if mesh is not None
                           else init_distributed(self.device, process_group_minutes(cfg))[1])
-            self.cfg = validate_run(cfg, world_size, self.device)  # precision=auto: for this device
+            self.cfg = cfg = validate_run(cfg, world_size, self.device)  # a resolved copy (precision=auto: this device)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             torch.manual_seed(cfg.seed)  # the same on every rank: TP ranks must draw the same dropout masks
 

@@ -9,6 +9,8 @@ that runs them all, above every package it asks.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from megalm.config import MegalmConfig, validate
@@ -19,10 +21,12 @@ from megalm.training.device import resolve_auto_precision
 
 
 def validate_run(cfg: MegalmConfig, world_size: int = 1, device: torch.device | None = None) -> MegalmConfig:
-    """Check every rule for a run on `world_size` processes; fill derived defaults (model sizes,
-    `parallel.dp`, `parallel.hdp_capacity`) and resolve `precision=auto` against the run's `device` (default,
-    for tools that only check a config: the GPU here if `trainer.device` allows one, else the CPU), so no rule
-    sees "auto". Returns the same (mutated) config."""
+    """Check every rule for a run on `world_size` processes. Returns a resolved copy: derived defaults filled
+    (model sizes, `parallel.dp`, `parallel.hdp_capacity`) and `precision=auto` resolved against the run's
+    `device` (default, for tools that only check a config: the GPU here if `trainer.device` allows one, else the
+    CPU), so no rule sees "auto". The config passed in is left as it was (the package validators below fill
+    the copy)."""
+    cfg = copy.deepcopy(cfg)
     if device is None:
         device = torch.device("cuda" if cfg.trainer.device != "cpu" and torch.cuda.is_available() else "cpu")
     resolve_auto_precision(cfg, device)

@@ -117,3 +117,16 @@ def test_a_run_with_auto_saves_and_resumes_the_concrete_recipe(tmp_path):
     assert saved.precision.name == "fp32"
     resumed = Trainer(compose_config("trainer.max_steps=3", "trainer.device=cpu"), tmp_path)
     assert resumed.step == 2 and resumed.cfg.precision.name == "fp32"
+
+
+def test_validation_resolves_a_copy_and_leaves_the_config_as_it_was():
+    """validate_run fills derived values (dp, model sizes, the padded vocab, precision=auto) in a copy it returns;
+    the config it checked compares equal to its state before (a caller's config is never changed under it)."""
+    import copy
+
+    cfg = compose_config("parallel.tp=2", "model.vocab_size=301")
+    before = copy.deepcopy(cfg)
+    resolved = validate_run(cfg, world_size=4, device=torch.device("cpu"))
+    assert cfg == before
+    assert resolved.parallel.dp == 2 and resolved.precision.name == "fp32" and resolved.model.padded_vocab_size
+    assert (cfg.parallel.dp, cfg.precision.name) == (before.parallel.dp, "auto")

@@ -24,9 +24,10 @@ from tests.conftest import compose_config
 def test_padded_rows_follow_megatrons_rule(multiple, tp, rows):
     cfg = compose_config("model.vocab_size=301", f"model.make_vocab_size_divisible_by={multiple}",
                          f"parallel.tp={tp}")
-    validate_run(cfg, world_size=tp)
-    assert cfg.model.padded_vocab_size == rows
-    assert cfg.model.vocab_size == 301
+    resolved = validate_run(cfg, world_size=tp)
+    assert resolved.model.padded_vocab_size == rows
+    assert resolved.model.vocab_size == 301
+    assert cfg.model.padded_vocab_size is None, "validation resolves a copy: the config passed in is unchanged"
 
 
 def test_a_saved_padding_is_kept_without_a_layout():
