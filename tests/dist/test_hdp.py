@@ -86,6 +86,7 @@ def test_hdp_matches_single_process(tmp_path, name):
     run_distributed(check_hdp, world, HDP + parallel, str(tmp_path), expect, timeout=300)
 
 
+@pytest.mark.slow  # about 30 s: the default suite keeps test_resume_under_tp_dp_zero1_is_bit_exact
 def test_hdp_resume_is_bit_exact(tmp_path):
     """Stopped at step 3 and resumed (token budget: the checkpoint carries the sample cursor)."""
     layout = [*HDP, "parallel.dp=4", "trainer.tokens_per_step=400", "trainer.max_steps=5"]

@@ -78,6 +78,7 @@ def test_pipeline_matches_single_process(tmp_path, name):
     run_distributed(check_pipeline, world, COMMON + parallel, str(tmp_path), timeout=300)
 
 
+@pytest.mark.slow  # about 30 s: the default suite keeps test_resume_under_tp_dp_zero1_is_bit_exact
 def test_pipeline_checkpoint_resumes_bit_exact_and_loads_into_one_process(tmp_path):
     """Every stage saves its part of one DCP checkpoint (tied embedding copies included); a resumed
     pp2 x tp2 run repeats the uninterrupted losses exactly, and the checkpoint loads into one process."""

@@ -93,6 +93,7 @@ def test_resume_under_tp_dp_zero1_is_bit_exact(tmp_path):
     assert len(shards) > 1, f"every rank with distinct shards writes its own file, got {shards}"
 
 
+@pytest.mark.slow  # about 30 s: the default suite keeps test_resume_under_tp_dp_zero1_is_bit_exact
 def test_checkpoint_under_tp4_resumes_bit_exact_and_loads_into_one_process(tmp_path):
     """tp4 with 2 kv heads: kv rows replicated over TP ranks (their checkpoint piece is gathered, and loaded
     back as the full tensor). A resumed tp4 run repeats the straight losses exactly, and the checkpoint
@@ -110,6 +111,7 @@ def test_checkpoint_under_tp4_resumes_bit_exact_and_loads_into_one_process(tmp_p
         torch.testing.assert_close(p, expected[name], rtol=1e-4, atol=2e-5, msg=name)
 
 
+@pytest.mark.slow  # about 30 s: the default suite keeps test_resume_under_tp_dp_zero1_is_bit_exact
 def test_async_save_under_tp2_dp2_resumes_bit_exact(tmp_path):
     """trainer.async_save: DCP writes in a thread on a gloo group of its own while the steps go on."""
     layout = ["parallel.tp=2", "parallel.dp=2", "trainer.max_steps=6", "trainer.save_interval=2",
