@@ -4,8 +4,8 @@ minutes; CI runs it).
 Commands are read from the fenced code blocks and from inline `code` that starts like a command. Each
 runs in a scratch directory, in document order (a resume follows its first run, generation follows
 training), and then the whole document's commands run a second time in the same directory, as a reader who
-pastes them again would (an output that refuses to be replaced, a run dir that refuses to continue, fail it);
-with tiny overrides: a small model on the documented data (the demo corpus is built in the
+pastes them again would (an output that refuses to be replaced, a run dir that refuses to continue, fail it).
+Two docs run at a time (`doc_runs`), each in a directory of its own. With tiny overrides: a small model on the documented data (the demo corpus is built in the
 scratch directory in a second), 3 steps (stops and token budgets scaled down), benchmarks cut to one
 short repetition, outputs redirected away from docs/. Commands that need a GPU cluster are checked by
 config validation at their world size; the GPU tier's script (`tools/gpu_check.sh`), which refuses to run
@@ -22,6 +22,8 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -186,20 +188,23 @@ def validate_only(command: str) -> None:
     validate_run(compose_config(*overrides, tiny=False), world_size=8 * nodes)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
-def test_documented_commands_run(doc: Path, tmp_path: Path):
+_IN_PROCESS = threading.Lock()  # Hydra's compose (the validations below) keeps global state: one at a time
+
+
+def run_doc(doc: Path, tmp_path: Path) -> None:
+    """Every command of `doc`, in order, in `tmp_path`, and then all of them again; raises on the first failure."""
     commands = [c for c in documented_commands(doc) if not is_pattern(c)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "XDG_CACHE_HOME": str(tmp_path / "cache")}
     for attempt, command in [(attempt, c) for attempt in ("first", "second") for c in commands]:
         if command.startswith("MASTER_ADDR=") or "NNODES=" in command:
-            validate_only(command)
+            with _IN_PROCESS:
+                validate_only(command)
             continue
         if command.startswith("sbatch "):
-            validate_sbatch(command)
+            with _IN_PROCESS:
+                validate_sbatch(command)
             continue
         if command.startswith(GPU_ONLY):
             parse_only(command)
@@ -212,3 +217,24 @@ def test_documented_commands_run(doc: Path, tmp_path: Path):
         wandb_missing = "logging.wandb.enabled=true" in command and "pip install wandb" in proc.stderr
         assert proc.returncode == 0 or wandb_missing, \
             f"{doc.name}: `{command}` failed on its {attempt} run as `{' '.join(argv)}`:\n{proc.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def doc_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[Path, Future]:
+    """Every selected doc's run, started at once on two worker threads: most commands are one single-threaded
+    process, so two docs at a time keep both cores of a CI machine busy. Each doc has its own directory and
+    cache; the longest docs start first."""
+    selected = [item.callspec.params["doc"] for item in request.session.items
+                if getattr(item, "originalname", "") == "test_documented_commands_run"]
+    order = sorted(selected, key=lambda doc: -len(documented_commands(doc)))
+    pool = ThreadPoolExecutor(2, thread_name_prefix="docs")
+    runs = {doc: pool.submit(run_doc, doc, tmp_path_factory.mktemp(doc.stem)) for doc in order}
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_documented_commands_run(doc: Path, doc_runs: dict[Path, Future]):
+    doc_runs[doc].result()  # re-raises the doc's failure
