@@ -28,8 +28,10 @@ log = logging.getLogger("megalm")
 
 
 def fail(message: str) -> None:
-    """Print a user error as one line and exit non-zero."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    """Print a user error as one line and exit non-zero. One write with its newline: under torchrun every rank
+    shares stderr, and print's separate write of the newline let two ranks' lines run together."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
     sys.exit(2)
 
 

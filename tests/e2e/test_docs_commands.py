@@ -5,13 +5,13 @@ Commands are read from the fenced code blocks and from inline `code` that starts
 runs in a scratch directory, in document order (a resume follows its first run, generation follows
 training), and then the whole document's commands run a second time in the same directory, as a reader who
 pastes them again would (an output that refuses to be replaced, a run dir that refuses to continue, fail it).
-Two docs run at a time (`doc_runs`), each in a directory of its own. With tiny overrides: a small model on the documented data (the demo corpus is built in the
-scratch directory in a second), 3 steps (stops and token budgets scaled down), benchmarks cut to one
-short repetition, outputs redirected away from docs/. Commands that need a GPU cluster are checked by
-config validation at their world size; the GPU tier's script (`tools/gpu_check.sh`), which refuses to run
-without CUDA, by bash parsing it (tests/gpu/test_gpu_check_script.py checks its refusal); the set-up
-commands (`pip install`, `pytest`, `docker`, `tools/gpu_wheels.sh`) are what CI itself runs, or cannot run
-without a Docker engine or a package index. A documented command this file cannot classify fails the test:
+Two docs run at a time (`doc_runs`), each in a directory of its own. With tiny overrides: a small model on the
+documented data (the demo corpus is built in the scratch directory in a second), 3 steps (stops and token budgets
+scaled down), benchmarks cut to one short repetition, outputs redirected away from docs/. Commands that need a GPU
+cluster are checked by config validation at their world size; the GPU tier's script (`tools/gpu_check.sh`), which
+refuses to run without CUDA, by bash parsing it (tests/gpu/test_gpu_check_script.py checks its refusal); the set-up
+commands (`pip install`, `pytest`, `docker`, `tools/gpu_wheels.sh`) are what CI itself runs, or cannot run without
+a Docker engine or a package index. A documented command this file cannot classify fails the test:
 add a rule for it.
 """
 
