@@ -351,15 +351,16 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
     choice(t.nonfinite, "trainer.nonfinite", ("skip", "stop"))
     positive(t.max_consecutive_skips, "trainer.max_consecutive_skips")
     positive(t.spike_window, "trainer.spike_window")
-    for key in ("hang_minutes", "init_hang_minutes"):
-        if getattr(t, key) < 0:
-            raise ConfigError(f"trainer.{key}={getattr(t, key)} must be >= 0 (0 turns the watchdog off)")
     positive(cfg.parallel.timeout_minutes, "parallel.timeout_minutes")
-    for key in ("hang_minutes", "init_hang_minutes"):
-        if cfg.parallel.timeout_minutes is not None and 0 < getattr(t, key) >= cfg.parallel.timeout_minutes:
-            raise ConfigError(f"parallel.timeout_minutes={cfg.parallel.timeout_minutes} must exceed trainer.{key}="
-                              f"{getattr(t, key)}, so that the watchdog reports a hang before a collective times "
-                              f"out; raise it, or lower trainer.{key} (0 turns the watchdog off)")
+    timeout = cfg.parallel.timeout_minutes
+    for key in ("hang_minutes", "init_hang_minutes"):  # the two watchdogs: steps, and joining the job
+        minutes = getattr(t, key)
+        if minutes < 0:
+            raise ConfigError(f"trainer.{key}={minutes} must be >= 0 (0 turns the watchdog off)")
+        if timeout is not None and 0 < minutes >= timeout:
+            raise ConfigError(f"parallel.timeout_minutes={timeout} must exceed trainer.{key}={minutes}, so that the "
+                              f"watchdog reports a hang before a collective times out; raise it, or lower "
+                              f"trainer.{key} (0 turns the watchdog off)")
     if t.spike_zscore < 0:
         raise ConfigError(f"trainer.spike_zscore={t.spike_zscore} must be >= 0 (0 turns spike reports off)")
     if t.tokens_per_step is not None:

@@ -74,8 +74,8 @@ def _quantize_math(x: torch.Tensor, scale: torch.Tensor, limit: float, dtype: to
     return (x.float() * scale).clamp(-limit, limit).to(dtype)
 
 
-def _scale_layout(x: torch.Tensor, scale: torch.Tensor) -> str:
-    """How `scale` broadcasts over x: one scale, one per row, or one per column."""
+def _scale_layout(scale: torch.Tensor) -> str:
+    """How `scale` (as many dims as x) broadcasts over x: one scale, one per row, or one per column."""
     if scale.numel() == 1:
         return "tensor"
     return "row" if scale.shape[-1] == 1 else "column"
@@ -116,7 +116,7 @@ def quantize_compiled(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) 
     (the cast has no gradient): dynamo guards on the type and requires_grad of its input and keeps a parameter's
     shape static, so passing weights as Parameters would compile one graph per weight shape."""
     scale = scale.reshape([1] * x.dim()) if scale.dim() == 0 else scale
-    fused = _quantize_fused(x.dtype, dtype, _scale_layout(x, scale))
+    fused = _quantize_fused(x.dtype, dtype, _scale_layout(scale))
     return fused(x.detach().contiguous(), scale.detach(), fp8_max(dtype), dtype)
 
 

@@ -6,9 +6,8 @@ rank nor the action. The trainer beats this watchdog after every step, evaluatio
 `trainer.hang_minutes`, every rank's watchdog (each fires on its own clock) prints one report line: the step, and
 the last micro-batch, pipeline action and collective its parallel code noted in the mesh's `Progress`
 (megalm/parallel/progress.py), plus the Python stacks of its threads, writes the line to RUN_DIR/hang-rankR.txt,
-and exits with `HANG_EXIT_CODE`
-so that torchrun (`--max-restarts`) or the scheduler restarts the job from its last checkpoint. The rank whose
-report differs from the others' is the one to look at.
+and exits with `HANG_EXIT_CODE` so that torchrun (`--max-restarts`) or the scheduler restarts the job from its last
+checkpoint. The rank whose report differs from the others' is the one to look at.
 """
 
 from __future__ import annotations
