@@ -20,8 +20,14 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from megalm.config import process_group_minutes, register_schema, to_dataclass
-from megalm.errors import MegalmError
+from megalm.config import (
+    MegalmConfig,
+    process_group_minutes,
+    register_schema,
+    schema_error_line,
+    to_dataclass,
+)
+from megalm.errors import ConfigError, MegalmError
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 log = logging.getLogger("megalm")
@@ -44,7 +50,7 @@ def _one_line(exc: BaseException) -> str:
     if ("not in struct" in head or "not in '" in head) and full_key:
         return f"unknown config key '{full_key}'; check the spelling (megalm-train --cfg job lists all keys)"
     if full_key:
-        return f"{full_key}: {head}"
+        return schema_error_line(cause)
     if "Could not find" in head:
         options = []
         for ln in lines[1:]:
@@ -56,26 +62,35 @@ def _one_line(exc: BaseException) -> str:
     return head
 
 
-def precheck_overrides(argv: list[str]) -> None:
-    """Compose once with the command-line overrides so bad keys/values fail as a single line.
+def compose_config(overrides: list[str]) -> MegalmConfig:
+    """configs/config.yaml with `overrides`, checked against the schema, as a MegalmConfig; a bad key or value
+    is a one-line ConfigError (Hydra reports composition errors over several lines)."""
+    from hydra import compose, initialize_config_dir
 
-    Hydra reports composition errors over several lines; this runs the same composition first and
-    condenses its error. Sweeps (-m) and Hydra's own flags are left to Hydra.
-    """
+    register_schema()
+    try:
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            return to_dataclass(compose(config_name="config", overrides=overrides))
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any composition failure is a user error here
+        raise ConfigError(_one_line(e)) from e
+
+
+def precheck_overrides(argv: list[str]) -> None:
+    """Compose once with the command-line overrides so bad keys/values fail as a single line before Hydra
+    starts the run. Sweeps (-m) and Hydra's own flags are left to Hydra."""
     if any(a in ("-m", "--multirun") for a in argv):
         return
     overrides = [a for a in argv if not a.startswith("-")]
     if any(a.startswith("-") for a in argv):  # --help, --cfg, --info ...: Hydra handles these itself
         return
-    from hydra import compose, initialize_config_dir
-
     try:
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-            to_dataclass(compose(config_name="config", overrides=overrides))
-    except Exception as e:  # noqa: BLE001 - any composition failure is a user error here
+        compose_config(overrides)
+    except ConfigError as e:
         if "debug=true" in overrides:
             raise
-        fail(_one_line(e))
+        fail(str(e))
 
 
 def shared_run_dir(own_dir: Path, config) -> tuple[Path, int]:

@@ -31,16 +31,11 @@ TINY = [
 
 
 def compose_config(*overrides: str, tiny: bool = True):
-    """A validated-by-schema MegalmConfig from configs/config.yaml and the given overrides."""
-    from hydra import compose, initialize_config_dir
+    """A validated-by-schema MegalmConfig from configs/config.yaml and the given overrides, composed as
+    megalm-train composes it (a bad key or value is a one-line ConfigError)."""
+    from megalm.train import compose_config as compose_run_config
 
-    from megalm.config import register_schema, to_dataclass
-    from megalm.train import CONFIG_DIR
-
-    register_schema()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=(TINY if tiny else []) + list(overrides))
-    return to_dataclass(cfg)
+    return compose_run_config((TINY if tiny else []) + list(overrides))
 
 
 @pytest.fixture

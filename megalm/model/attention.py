@@ -26,13 +26,14 @@ from torch import nn
 
 from megalm import compat
 from megalm.config import ModelConfig
+from megalm.config.choices import AttentionBackend
 from megalm.errors import ConfigError
 from megalm.model.linear import Linear
 from megalm.model.rope import apply_rope
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa", "reference")
+BACKENDS = AttentionBackend.names()
 _FAST_DTYPES = (torch.float16, torch.bfloat16)
 
 

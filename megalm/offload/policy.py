@@ -31,7 +31,9 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
-POLICIES = ("uniform", "lifespan", "auto")
+from megalm.config.choices import OffloadPolicy
+
+POLICIES = OffloadPolicy.names()
 COSTS = {"F": 1.0, "B": 2.0, "W": 1.0}
 MIN_GAP_ROUND_TRIPS = 3.0  # lifespan: skip a micro-batch whose lifespan is under 3x its round trip
 

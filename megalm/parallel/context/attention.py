@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megalm.config import MegalmConfig, choice
+from megalm.config.choices import ContextComm
 from megalm.data.batch import PackedBatch
 from megalm.errors import ConfigError
 from megalm.parallel.context.ring import ring_attention
@@ -27,7 +28,7 @@ from megalm.parallel.microbatch import Ring
 from megalm.parallel.progress import Progress
 from megalm.parallel.recompute import recompute_modes
 
-COMMS = ("ring", "a2a")
+COMMS = ContextComm.names()
 
 
 @dataclass(frozen=True, eq=False)

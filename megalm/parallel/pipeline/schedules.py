@@ -59,6 +59,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from megalm.config.choices import PipelineScheduleName
 from megalm.parallel.pipeline.actions import COMM_KINDS, MEMORY_KINDS, Action, Schedule
 from megalm.parallel.pipeline.rendezvous import rendezvous_deadlock
 
@@ -162,7 +163,7 @@ def zb_h1(p: int, m: int) -> Schedule:
     return Schedule(p, m, 1, "zb_h1", True, actions)
 
 
-SCHEDULES = ("1f1b", "interleaved", "zb")
+SCHEDULES = PipelineScheduleName.names()
 
 
 def build_schedule(name: str, p: int, m: int, vpp: int = 1) -> Schedule:

@@ -1,0 +1,42 @@
+"""Structured configs: the schema (`schema`), the fixed sets a value is picked from (`choices`), and the rules
+across fields (`checks`).
+
+`configs/` holds the values; these modules hold the types, the defaults, what each field means and the checks.
+This package imports no other megalm package but errors: everything imports it.
+"""
+
+from megalm.config.checks import (
+    blend_pairs,
+    choice,
+    pad_vocab,
+    positive,
+    process_group_minutes,
+    resolve_model_defaults,
+    validate,
+    validate_model,
+)
+from megalm.config.choices import Choice
+from megalm.config.schema import (
+    DataConfig,
+    LoggingConfig,
+    MegalmConfig,
+    ModelConfig,
+    OffloadConfig,
+    OptimConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    SyntheticDataConfig,
+    TrainerConfig,
+    WandbConfig,
+    config_to_dict,
+    register_schema,
+    schema_error_line,
+    to_dataclass,
+)
+
+__all__ = [
+    "Choice", "DataConfig", "LoggingConfig", "MegalmConfig", "ModelConfig", "OffloadConfig", "OptimConfig",
+    "ParallelConfig", "PrecisionConfig", "SyntheticDataConfig", "TrainerConfig", "WandbConfig", "blend_pairs",
+    "choice", "config_to_dict", "pad_vocab", "positive", "process_group_minutes", "register_schema",
+    "resolve_model_defaults", "schema_error_line", "to_dataclass", "validate", "validate_model",
+]

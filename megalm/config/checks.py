@@ -1,0 +1,223 @@
+"""The cross-field rules of the sections megalm.config owns (model, trainer, optim, data, logging).
+
+Each rule is a one-line `ConfigError` that names the fix. The packages check their own sections
+(`megalm.parallel.parallelism.validate_parallel`, `megalm.precision.validate_precision`), and
+`megalm.training.validation.validate_run` runs them all on a copy of the config.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from megalm.config.choices import (
+    Activation,
+    AttentionBackend,
+    DataSource,
+    Device,
+    LRSchedule,
+    NonFinite,
+    Norm,
+    OptimizerImplementation,
+    OptimizerName,
+    PositionEmbedding,
+    WandbMode,
+)
+from megalm.config.schema import MegalmConfig, ModelConfig
+from megalm.errors import ConfigError
+
+
+def blend_pairs(blend: Any) -> list[tuple[float, str]]:
+    """`data.blend` as (weight, prefix) pairs, weights as written (not normalized); a one-line ConfigError for a
+    malformed blend. Accepts a flat [w, prefix, ...] list, a list of {weight, path} mappings, or a string."""
+    if isinstance(blend, str):
+        blend = blend.replace(",", " ").split()
+    if OmegaConf.is_config(blend):
+        blend = OmegaConf.to_container(blend, resolve=True)
+    if not isinstance(blend, (list, tuple)) or not blend:
+        raise ConfigError(f"data.blend={blend!r} is not a weighted list; write data.blend=[0.3,PREFIX_A,0.7,PREFIX_B]")
+    if all(isinstance(x, dict) for x in blend):
+        for i, x in enumerate(blend):
+            if set(x) != {"weight", "path"}:
+                raise ConfigError(f"data.blend[{i}] has keys {sorted(x)}; each mapping needs exactly weight and path")
+        flat = [v for x in blend for v in (x["weight"], x["path"])]
+    else:
+        flat = list(blend)
+    if len(flat) % 2:
+        raise ConfigError(f"data.blend has {len(flat)} entries, an odd number; it pairs each weight with a prefix: "
+                          "[W1,PREFIX1,W2,PREFIX2,...]")
+    pairs = []
+    for i in range(0, len(flat), 2):
+        weight, path = flat[i], flat[i + 1]
+        bad = ConfigError(f"data.blend weight {weight!r} (entry {i}) is not a number; write weight, prefix pairs: "
+                          "[0.3,PREFIX_A,0.7,PREFIX_B]")
+        if isinstance(weight, str):
+            try:
+                weight = float(weight)
+            except ValueError:
+                raise bad from None
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise bad
+        if not 0 < weight < float("inf"):
+            raise ConfigError(f"data.blend weight {weight} of {path} must be > 0 (and finite); drop the prefix "
+                              "instead of giving it weight 0")
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"data.blend entry {i + 1} ({path!r}) is not a dataset prefix; write weight, prefix "
+                              "pairs: [0.3,PREFIX_A,0.7,PREFIX_B]")
+        pairs.append((float(weight), path))
+    seen = [p for _, p in pairs]
+    for path in seen:
+        if seen.count(path) > 1:
+            raise ConfigError(f"data.blend lists {path} twice; give it one entry with the summed weight")
+    return pairs
+
+
+
+def choice(value: str, key: str, options: tuple[str, ...] | type[Enum]) -> None:
+    """A one-line ConfigError unless `value` is one of `options` (names, or a choice's Enum). The schema checks
+    composed configs; this catches a value set in Python or after composition."""
+    if isinstance(options, type):
+        options = tuple(member.value for member in options)
+    if value not in options:
+        raise ConfigError(f"{key}={value} is not one of {'|'.join(options)}; pick one of those")
+
+
+def positive(value: int | float | None, key: str) -> None:
+    """A one-line ConfigError unless `value` is None or > 0."""
+    if value is not None and value <= 0:
+        raise ConfigError(f"{key}={value} must be > 0")
+
+
+def pad_vocab(vocab_size: int, multiple: int) -> int:
+    """`vocab_size` rounded up to a multiple of `multiple` (Megatron-LM's padded vocab)."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def resolve_model_defaults(model: ModelConfig, tp: int | None = None) -> ModelConfig:
+    """Fill the `None` fields that derive from others (kv heads, ffn size, max positions, padded vocab).
+
+    With `tp` (a run's validation), the padded vocab is (re)derived for that many tensor-parallel ranks:
+    `vocab_size` up to a multiple of `make_vocab_size_divisible_by * tp`. Without it a missing value is
+    derived for one rank and a present one (a saved run's) is kept.
+    """
+    if tp is not None or model.padded_vocab_size is None:
+        multiple = max(1, model.make_vocab_size_divisible_by) * max(1, tp or 1)
+        model.padded_vocab_size = pad_vocab(model.vocab_size, multiple)
+    if model.num_kv_heads is None:
+        model.num_kv_heads = model.num_heads
+    if model.ffn_hidden_size is None:
+        if model.activation == "swiglu":
+            model.ffn_hidden_size = 64 * -(-int(8 * model.hidden_size / 3) // 64)
+        else:
+            model.ffn_hidden_size = 4 * model.hidden_size
+    if model.max_position_embeddings is None:
+        model.max_position_embeddings = model.seq_length
+    return model
+
+
+def validate_model(model: ModelConfig) -> None:
+    for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
+                "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by"):
+        positive(getattr(model, key), f"model.{key}")
+    if model.padded_vocab_size is not None and model.padded_vocab_size < model.vocab_size:
+        raise ConfigError(f"model.padded_vocab_size={model.padded_vocab_size} is below model.vocab_size="
+                          f"{model.vocab_size}; leave it unset (it is derived from make_vocab_size_divisible_by)")
+    choice(model.norm, "model.norm", Norm)
+    choice(model.activation, "model.activation", Activation)
+    choice(model.position_embedding, "model.position_embedding", PositionEmbedding)
+    choice(model.attention_backend, "model.attention_backend", AttentionBackend)
+    if model.hidden_size % model.num_heads:
+        raise ConfigError(f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads="
+                          f"{model.num_heads}; change one so that hidden_size % num_heads == 0")
+    if model.num_heads % model.num_kv_heads:
+        raise ConfigError(f"model.num_heads={model.num_heads} is not divisible by model.num_kv_heads="
+                          f"{model.num_kv_heads}; choose num_kv_heads among the divisors of num_heads")
+    head_dim = model.hidden_size // model.num_heads
+    if model.position_embedding == "rope" and head_dim % 2:
+        raise ConfigError(f"RoPE needs an even head dim, got hidden_size/num_heads={head_dim}; change num_heads")
+    if model.seq_length > model.max_position_embeddings:
+        raise ConfigError(f"model.seq_length={model.seq_length} exceeds the model's positions "
+                          f"(model.max_position_embeddings={model.max_position_embeddings}); "
+                          "lower seq_length or raise max_position_embeddings")
+    for key in ("dropout", "attention_dropout"):
+        if not 0.0 <= getattr(model, key) < 1.0:
+            raise ConfigError(f"model.{key}={getattr(model, key)} must be in [0, 1)")
+
+
+def validate(cfg: MegalmConfig) -> MegalmConfig:
+    """Check the cross-field rules of the model, trainer, optim, data and logging sections; fill derived
+    defaults. Returns the same (mutated) config."""
+    resolve_model_defaults(cfg.model, tp=cfg.parallel.tp)
+    validate_model(cfg.model)
+
+    t = cfg.trainer
+    for key in ("max_steps", "global_batch_size", "micro_batch_size", "log_interval", "eval_iters", "keep_last"):
+        positive(getattr(t, key), f"trainer.{key}")
+    for key in ("eval_interval", "save_interval"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"trainer.{key}={getattr(t, key)} must be >= 0 (0 turns it off)")
+    if t.stop_at_step is not None and not 0 < t.stop_at_step <= t.max_steps:
+        raise ConfigError(f"trainer.stop_at_step={t.stop_at_step} must be in [1, trainer.max_steps={t.max_steps}]")
+    choice(t.device, "trainer.device", Device)
+    choice(t.nonfinite, "trainer.nonfinite", NonFinite)
+    positive(t.max_consecutive_skips, "trainer.max_consecutive_skips")
+    positive(t.spike_window, "trainer.spike_window")
+    positive(cfg.parallel.timeout_minutes, "parallel.timeout_minutes")
+    timeout = cfg.parallel.timeout_minutes
+    for key in ("hang_minutes", "init_hang_minutes"):  # the two watchdogs: steps, and joining the job
+        minutes = getattr(t, key)
+        if minutes < 0:
+            raise ConfigError(f"trainer.{key}={minutes} must be >= 0 (0 turns the watchdog off)")
+        if timeout is not None and 0 < minutes >= timeout:
+            raise ConfigError(f"parallel.timeout_minutes={timeout} must exceed trainer.{key}={minutes}, so that the "
+                              f"watchdog reports a hang before a collective times out; raise it, or lower "
+                              f"trainer.{key} (0 turns the watchdog off)")
+    if t.spike_zscore < 0:
+        raise ConfigError(f"trainer.spike_zscore={t.spike_zscore} must be >= 0 (0 turns spike reports off)")
+    if t.tokens_per_step is not None:
+        positive(t.tokens_per_step, "trainer.tokens_per_step")
+        if not cfg.data.varlen:
+            raise ConfigError("trainer.tokens_per_step is a budget over documents of different lengths; set "
+                              "data.varlen=true, or use trainer.global_batch_size for packed samples")
+
+    o = cfg.optim
+    choice(o.name, "optim.name", OptimizerName)
+    choice(o.schedule, "optim.schedule", LRSchedule)
+    choice(o.implementation, "optim.implementation", OptimizerImplementation)
+    positive(o.lr, "optim.lr")
+    if o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}]")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    if not 0.0 < o.wsd_decay_fraction <= 1.0:
+        raise ConfigError(f"optim.wsd_decay_fraction={o.wsd_decay_fraction} must be in (0, 1]")
+
+    d = cfg.data
+    choice(d.name, "data", DataSource)
+    if d.blend is not None:
+        if d.name != "indexed":
+            raise ConfigError(f"data.blend mixes indexed datasets, but data={d.name}; add data=indexed")
+        if d.path:
+            raise ConfigError(f"data.path={d.path} and data.blend are both set; use one (a single dataset is "
+                              f"data.blend=[1,{d.path}])")
+        blend_pairs(d.blend)
+    elif d.path and d.name != "indexed":  # it would be ignored: the run would train on the wrong data
+        raise ConfigError(f"data.path={d.path} is read by data=indexed only, but data={d.name}; add data=indexed")
+    elif d.name == "indexed" and not d.path:
+        raise ConfigError("data=indexed needs data.path=PREFIX (the prefix of PREFIX.bin/PREFIX.idx "
+                          "written by megalm-preprocess), or data.blend=[W1,PREFIX1,W2,PREFIX2,...]")
+    if not 0.0 <= d.valid_fraction < 1.0:
+        raise ConfigError(f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
+    choice(cfg.logging.wandb.mode, "logging.wandb.mode", WandbMode)
+    return cfg
+
+
+def process_group_minutes(cfg: MegalmConfig) -> float | None:
+    """The collective timeout of the process group: `parallel.timeout_minutes`, or, unset with the hang watchdog
+    on, `trainer.hang_minutes` + 5 (torch's default, 10 minutes for NCCL, would end the run before the watchdog
+    could say where each rank is); None keeps torch's default."""
+    if cfg.parallel.timeout_minutes is not None or cfg.trainer.hang_minutes <= 0:
+        return cfg.parallel.timeout_minutes
+    return cfg.trainer.hang_minutes + 5

@@ -1,0 +1,396 @@
+"""The schema Hydra validates every run against: one dataclass per config section, a docstring per field.
+
+`configs/` holds the values (one group per sub-package); these dataclasses hold the types, the defaults and
+what each field means (`megalm-train --cfg job` prints the composed values). Registering `MegalmConfig` as the
+base of `configs/config.yaml` makes a misspelt key, a wrong type or a value outside a choice's Enum
+(`megalm.config.choices`) fail at start, before anything runs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ValidationError
+
+from megalm.config.choices import (
+    Activation,
+    AttentionBackend,
+    ContextComm,
+    DataSource,
+    Device,
+    ForwardFormat,
+    GradReduceDtype,
+    LRSchedule,
+    NonFinite,
+    Norm,
+    OffloadPolicy,
+    OptimizerImplementation,
+    OptimizerName,
+    PipelineScheduleName,
+    PositionEmbedding,
+    PrecisionBackend,
+    PrecisionRecipe,
+    WandbMode,
+)
+from megalm.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """The transformer's shape and kind (Llama-style or GPT-2-style); presets in configs/model/."""
+
+    name: str = "tiny"
+    """The preset's name, for logs and run dirs."""
+    num_layers: int = 4
+    """Transformer blocks."""
+    hidden_size: int = 256
+    """The residual stream's width (h)."""
+    num_heads: int = 4
+    """Query heads; the head dim is hidden_size / num_heads."""
+    num_kv_heads: int | None = None
+    """Key/value heads: None equals num_heads (multi-head attention); fewer is grouped-query attention."""
+    ffn_hidden_size: int | None = None
+    """The MLP's inner size; None: 4h for gelu, 8h/3 rounded up to a multiple of 64 for swiglu."""
+    vocab_size: int = 320
+    """The tokenizer's vocabulary; the embedding and head are padded past it (make_vocab_size_divisible_by)."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron's rule: the embedding and output rows are vocab_size rounded up to a multiple of this x tp; the
+    padded rows start at 0 and their logits are masked (no probability mass in loss or generation)."""
+    padded_vocab_size: int | None = None
+    """Derived from vocab_size, make_vocab_size_divisible_by and parallel.tp; not set by hand."""
+    init_from: str | None = None
+    """Start from these weights: hf:DIR (a Hugging Face Llama/GPT-2 directory)."""
+    seq_length: int = 256
+    """Tokens per sample (packed), or the longest document piece (data.varlen)."""
+    max_position_embeddings: int | None = None
+    """Positions the model has; None: seq_length."""
+    norm: Norm = Norm.rmsnorm
+    """rmsnorm (Llama) | layernorm (GPT-2), before each sublayer and at the end."""
+    norm_eps: float = 1e-5
+    """The epsilon inside the norm's square root."""
+    activation: Activation = Activation.swiglu
+    """swiglu (Llama's gated MLP) | gelu (GPT-2)."""
+    position_embedding: PositionEmbedding = PositionEmbedding.rope
+    """rope (rotary, Llama) | learned (an absolute table, GPT-2)."""
+    rope_theta: float = 10000.0
+    """RoPE's base: the longest wavelength grows with it."""
+    tie_embeddings: bool = False
+    """The output head shares the input embedding's weight."""
+    bias: bool = False
+    """Biases in the linear layers (GPT-2 style)."""
+    dropout: float = 0.0
+    """Hidden dropout after attention and MLP."""
+    attention_dropout: float = 0.0
+    """Dropout on the attention probabilities."""
+    init_std: float = 0.02
+    """The standard deviation of the normal init of the weights."""
+    attention_backend: AttentionBackend = AttentionBackend.auto
+    """auto | flash_attn | torch_varlen | sdpa | reference; auto picks the fastest one present
+    (megalm/model/attention.py) and a slower pick than asked for is logged."""
+
+
+@dataclass
+class SyntheticDataConfig:
+    """Documents of random tokens, for throughput runs without a corpus."""
+
+    num_docs: int = 100_000
+    """Documents in the synthetic corpus."""
+    mean_doc_length: int = 2048
+    """Log-normal document lengths with this mean, in tokens."""
+    fixed_doc_length: int | None = None
+    """All documents this long instead."""
+
+
+@dataclass
+class DataConfig:
+    """Where training tokens come from (configs/data/)."""
+
+    name: DataSource = DataSource.demo
+    """demo (the bundled corpus) | indexed (megalm-preprocess's files) | synthetic; chosen by data=NAME."""
+    path: str | None = None
+    """data=indexed: the prefix of PREFIX.bin / PREFIX.idx (megalm-preprocess writes them)."""
+    blend: Any = None
+    """data=indexed, instead of path: a weighted mix of prefixes, Megatron's --data-path: [0.3, PREFIX_A, 0.7,
+    PREFIX_B] (or [{weight: 0.3, path: PREFIX_A}, ...], or the string "0.3 PREFIX_A 0.7 PREFIX_B"); docs/blends.md."""
+    varlen: bool = False
+    """One document per sample (split at seq_length) instead of fixed-length packing."""
+    tokenizer: str = "byte"
+    """byte, or the path of a Hugging Face tokenizer.json (demo and synthetic data)."""
+    valid_fraction: float = 0.01
+    """The share of documents held out for validation."""
+    split_seed: int = 0
+    """Fixes the train/valid split independently of `seed`."""
+    cache_dir: str | None = None
+    """The demo corpus cache; None: $XDG_CACHE_HOME/megalm or ~/.cache/megalm."""
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+    """data=synthetic: the documents' count and lengths."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
+    name: OptimizerName = OptimizerName.adamw
+    """adamw (decoupled weight decay, Loshchilov & Hutter)."""
+    lr: float = 1e-3
+    """The peak learning rate, reached at the end of warmup."""
+    min_lr: float = 1e-4
+    """The learning rate the schedule decays to."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay of the matrices; norms and biases get none."""
+    beta1: float = 0.9
+    """AdamW's first-moment decay."""
+    beta2: float = 0.95
+    """AdamW's second-moment decay."""
+    eps: float = 1e-8
+    """AdamW's denominator epsilon."""
+    schedule: LRSchedule = LRSchedule.cosine
+    """cosine | wsd (warmup-stable-decay) | linear | constant, after warmup."""
+    warmup_steps: int = 20
+    """Linear warmup from 0 to lr over this many steps."""
+    decay_steps: int | None = None
+    """cosine/linear: steps from the end of warmup to min_lr; None: to trainer.max_steps."""
+    wsd_decay_fraction: float = 0.2
+    """wsd: the last fraction of trainer.max_steps decays linearly to min_lr."""
+    implementation: OptimizerImplementation = OptimizerImplementation.auto
+    """auto | fused (one kernel per step) | foreach: torch's AdamW kernel."""
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop: batch, steps, checkpoints, and what a bad step or a hang does."""
+
+    max_steps: int = 300
+    """Optimizer steps of the run; the learning-rate schedule spans them."""
+    global_batch_size: int = 12
+    """Samples per optimizer step (unless tokens_per_step is set)."""
+    tokens_per_step: int | None = None
+    """data.varlen: a token budget per step instead (samples are taken while they fit)."""
+    micro_batch_size: int = 6
+    """Samples per forward/backward."""
+    log_interval: int = 10
+    """Steps between log lines (and metrics.jsonl records)."""
+    eval_interval: int = 100
+    """Steps between validations; 0: never."""
+    eval_iters: int = 4
+    """Batches per validation."""
+    save_interval: int = 100
+    """Steps between checkpoints; 0: only at the end."""
+    keep_last: int = 2
+    """Checkpoints kept in the run dir."""
+    resume: str = "auto"
+    """auto (the run dir's latest checkpoint, if any), never, or the path of a checkpoint dir."""
+    stop_at_step: int | None = None
+    """Stop (and save) early, as a preemption would; the schedules keep max_steps."""
+    grad_clip: float = 1.0
+    """The global grad-norm clip; 0: no clipping."""
+    device: Device = Device.auto
+    """auto (CUDA when visible, else CPU) | cpu | cuda."""
+    num_threads: int | None = None
+    """torch's CPU threads; None: torch's default."""
+    preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """On these signals: finish the step, save, exit 75 (requeue me); [] leaves the signals' default actions."""
+    nonfinite: NonFinite = NonFinite.skip
+    """A step whose loss or grad norm is inf/NaN skips its update, or ends the run."""
+    max_consecutive_skips: int = 10
+    """This many non-finite steps in a row end the run (one line naming the step)."""
+    spike_window: int = 100
+    """Loss spikes: the z-score is taken against the last this many losses ..."""
+    spike_zscore: float = 6.0
+    """... and a loss above it is logged with the step and its sample ids; 0: off."""
+    async_save: bool = False
+    """Checkpoints are written by a background thread (DCP async_save) while training goes on."""
+    hang_minutes: float = 30.0
+    """No step, eval or save for this long: a hang report per rank, exit 124; 0: off."""
+    init_hang_minutes: float = 10.0
+    """Joining the job (rendezvous, process groups, the model's build, the config check) longer than this: a hang
+    report per rank, exit 124; 0: off."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the ranks split the work; dp x tp x pp x cp = world size (docs/guide.md lists the layouts)."""
+
+    tp: int = 1
+    """Tensor-parallel ranks (Megatron's column/row-parallel linears)."""
+    pp: int = 1
+    """Pipeline stages."""
+    vpp: int = 1
+    """Virtual stages per pipeline rank (interleaved schedule)."""
+    cp: int = 1
+    """Context-parallel ranks: each sequence is split over them."""
+    dp: int | None = None
+    """Data-parallel replicas; None: world size / (tp * pp * cp)."""
+    sequence_parallel: bool = False
+    """Shard the norm/dropout activations over the tp ranks (Korthikanti et al.)."""
+    zero1: bool = False
+    """Shard the optimizer states over the data-parallel ranks (ZeRO stage 1)."""
+    hdp: bool = False
+    """ByteScale's hybrid data parallelism: the dp x cp ranks form one domain, re-planned every step."""
+    hdp_capacity: int | None = None
+    """Tokens per HDP rank per micro-batch (C); None: ceil(seq_length / cp)."""
+    hdp_cost: str | None = None
+    """The HDP cost model: a preset or a configs/hdp_cost YAML; None: derived from the model's shape."""
+    hdp_offload: bool = False
+    """ByteScale's selective offload: long documents offload a ratio r(s) and need fewer ranks."""
+    cp_comm: ContextComm = ContextComm.ring
+    """ring (ring attention, K/V passed round the CP ranks) | a2a (Ulysses all-to-all over heads)."""
+    pp_schedule: PipelineScheduleName = PipelineScheduleName["1f1b"]
+    """1f1b | interleaved (needs vpp > 1) | zb (zero-bubble, split weight gradients)."""
+    layers_per_stage: list[int] | None = None
+    """One layer count per virtual stage (pp * vpp); None: an even split."""
+    recompute: Any = "none"
+    """none | full | selective, or a list with one mode per pipeline rank."""
+    grad_reduce_dtype: GradReduceDtype | None = None
+    """The dtype gradients are summed in; None: the gradients' own dtype."""
+    bucket_size_mb: float = 25.0
+    """The data-parallel gradient bucket size."""
+    timeout_minutes: float | None = None
+    """The collective timeout; None: trainer.hang_minutes + 5 (torch's default if that is 0)."""
+
+
+@dataclass
+class PrecisionConfig:
+    """The number formats of the linears and of the rest of the model (configs/precision/)."""
+
+    name: PrecisionRecipe = PrecisionRecipe.fp32
+    """The recipe. configs/config.yaml's default is auto (bf16 on CUDA sm80+, else fp32), replaced by that
+    recipe's section before validation (megalm/training/device.py); a MegalmConfig built in Python keeps fp32."""
+    forward: ForwardFormat | None = None
+    """mxfp4 recipes: the forward GEMM in bf16 (None) or fp8."""
+    skip: list[str] = field(default_factory=list)
+    """fnmatch patterns of linear layers kept in bf16."""
+    backend: PrecisionBackend = PrecisionBackend.native
+    """native (megalm's linears) | te (Transformer Engine's fp8 recipes, when it is installed)."""
+    autocast: bool = True
+    """Recipes: bf16 autocast for the rest of the model (false: fp32 around the recipe)."""
+    tf32: bool = True
+    """On CUDA, fp32 matmuls and convolutions use TF32 tensor cores (false: full fp32)."""
+
+
+@dataclass
+class OffloadConfig:
+    """Activation offload to host memory (megalm/offload, docs/offload.md)."""
+
+    enabled: bool = False
+    """Offload saved activations to host memory between forward and backward."""
+    policy: OffloadPolicy = OffloadPolicy.uniform
+    """pp > 1: which micro-batches offload; pp = 1 offloads groups of blocks."""
+    fraction: float = 0.5
+    """The share of micro-batches (pipeline) or of transformer blocks (pp = 1) offloaded."""
+    min_tensor_bytes: int = 65536
+    """Saved tensors smaller than this stay on the device."""
+    recompute_cheap: bool = False
+    """Recompute SiLU/GELU outputs from their inputs instead of storing them."""
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging (pip install -e ".[wandb]")."""
+
+    enabled: bool = False
+    """Log the metrics to Weights & Biases too."""
+    project: str = "megalm"
+    """The W&B project."""
+    name: str | None = None
+    """The run's name; None: W&B's."""
+    entity: str | None = None
+    """The W&B team or user; None: the default of the logged-in account."""
+    mode: WandbMode = WandbMode.offline
+    """offline (written to the run dir; wandb sync uploads it) | online."""
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go besides the console and the run dir's metrics.jsonl."""
+
+    tensorboard: bool | None = None
+    """None: on when tensorboard is installed."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases."""
+
+
+@dataclass
+class MegalmConfig:
+    """A whole run."""
+
+    seed: int = 1234
+    """Seeds the init and the data order; any layout of the same seed trains the same model."""
+    debug: bool = False
+    """Keep tracebacks on errors."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The transformer (configs/model/)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The tokens (configs/data/)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The optimizer and its schedule (configs/optim/)."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The loop (configs/trainer/)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The layout over the ranks (configs/parallel/)."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """The number formats (configs/precision/)."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Activation offload (configs/offload/)."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metric sinks (configs/logging/)."""
+
+
+def register_schema() -> None:
+    """Register the schema under the name `configs/config.yaml` lists first in its defaults."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="megalm_schema", node=MegalmConfig)
+
+
+def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
+    """Keys of `node` the schema lacks (Hydra's `+key=value` can append them past the schema)."""
+    unknown = []
+    for key in node:
+        if key not in schema:
+            unknown.append(f"{prefix}{key}")
+        elif OmegaConf.is_dict(node[key]) and OmegaConf.is_dict(schema[key]):
+            unknown += _unknown_keys(node[key], schema[key], f"{prefix}{key}.")
+    return unknown
+
+
+def to_dataclass(cfg: DictConfig | MegalmConfig) -> MegalmConfig:
+    """A plain `MegalmConfig` from a Hydra config; keys outside the schema are an error."""
+    if isinstance(cfg, MegalmConfig):
+        return cfg
+    schema = OmegaConf.structured(MegalmConfig)
+    unknown = _unknown_keys(cfg, schema)
+    if unknown:
+        raise ConfigError(f"unknown config key '{unknown[0]}'; check the spelling "
+                          "(megalm-train --cfg job lists all keys)")
+    try:
+        merged = OmegaConf.merge(schema, cfg)
+    except ValidationError as e:
+        raise ConfigError(schema_error_line(e)) from None
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+_NOT_A_CHOICE = re.compile(r"Invalid value '(?P<value>.*)', expected one of \[(?P<options>.*)\]")
+
+
+def schema_error_line(exc: BaseException) -> str:
+    """One line for OmegaConf's multi-line schema error: the key, the value and the fix. A value outside a
+    choice's Enum reads as the packages' own checks do: `key=value is not one of a|b|c; pick one of those`."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    head = lines[0] if lines else type(exc).__name__
+    full_key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
+    not_a_choice = _NOT_A_CHOICE.match(head)
+    if not_a_choice and full_key:
+        options = "|".join(o.strip() for o in not_a_choice["options"].split(","))
+        key = "precision" if full_key == "precision.name" else "data" if full_key == "data.name" else full_key
+        return f"{key}={not_a_choice['value']} is not one of {options}; pick one of those"
+    return f"{full_key}: {head}" if full_key else head
+
+
+def config_to_dict(cfg: MegalmConfig) -> dict[str, Any]:
+    """The config as plain values: choices as their names, ready for JSON and YAML."""
+    plain = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
+    return plain  # type: ignore[return-value]

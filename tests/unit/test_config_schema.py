@@ -1,0 +1,125 @@
+"""The schema documents and types every field: a docstring under each (as TorchTitan's job_config), an Enum for
+each fixed set of names that the owning package's list agrees with, and a value outside a choice fails at
+composition as one line naming the options."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from megalm import config
+from megalm.config import choices
+from megalm.config.choices import Choice
+from megalm.errors import ConfigError
+from tests.conftest import compose_config
+
+SCHEMA = Path(config.schema.__file__)
+
+
+def field_docstrings() -> dict[str, dict[str, str | None]]:
+    """{section class: {field: its docstring, or None}} read from the schema's source."""
+    found = {}
+    for node in ast.parse(SCHEMA.read_text()).body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        fields, body = {}, node.body
+        for i, stmt in enumerate(body):
+            if isinstance(stmt, ast.AnnAssign):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                doc = nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) else None
+                fields[stmt.target.id] = doc
+        found[node.name] = fields
+    return found
+
+
+def test_every_field_of_every_section_has_a_docstring():
+    docs = field_docstrings()
+    sections = [c for c in vars(config.schema).values() if dataclasses.is_dataclass(c) and isinstance(c, type)]
+    assert len(sections) >= 10
+    missing = [f"{section.__name__}.{f.name}" for section in sections for f in dataclasses.fields(section)
+               if not docs[section.__name__].get(f.name)]
+    assert not missing, f"fields without a docstring: {missing}"
+    assert all(section.__doc__ and "(" not in section.__doc__[:1] for section in sections)
+
+
+def test_the_docstring_check_sees_a_missing_one(tmp_path, monkeypatch):
+    seq_length_doc = '    """Tokens per sample (packed), or the longest document piece (data.varlen)."""\n'
+    source = SCHEMA.read_text().replace(seq_length_doc, "", 1)
+    assert source != SCHEMA.read_text()
+    fake = tmp_path / "schema.py"
+    fake.write_text(source)
+    monkeypatch.setattr(sys.modules[__name__], "SCHEMA", fake)
+    assert field_docstrings()["ModelConfig"]["seq_length"] is None
+
+
+def test_each_choice_is_an_enum_field_of_the_schema():
+    """Every Enum in choices types a schema field, and no string field holds what an Enum should."""
+    enums = {e for e in vars(choices).values() if isinstance(e, type) and issubclass(e, Choice) and e is not Choice}
+    typed = set()
+    for section in (c for c in vars(config.schema).values() if dataclasses.is_dataclass(c) and isinstance(c, type)):
+        hints = typing.get_type_hints(section)
+        for hint in hints.values():
+            typed |= {a for a in getattr(hint, "__args__", (hint,)) if a in enums}
+    assert typed == enums, enums - typed
+
+
+def test_the_packages_name_the_same_choices_as_the_schema():
+    from megalm.model.attention import BACKENDS
+    from megalm.offload.policy import POLICIES
+    from megalm.parallel.context.attention import COMMS
+    from megalm.parallel.pipeline.schedules import SCHEDULES, build_schedule
+    from megalm.precision.linear import FORWARD_SPECS, RECIPES
+
+    assert set(RECIPES) == set(choices.PrecisionRecipe.names()) - {"auto"}
+    assert set(choices.ForwardFormat.names()) <= set(FORWARD_SPECS)
+    assert choices.PipelineScheduleName.names() == SCHEDULES
+    for name in SCHEDULES:  # each name the schema accepts builds a schedule
+        assert build_schedule(name, 2, 4, vpp=2 if name == "interleaved" else 1)
+    assert choices.ContextComm.names() == COMMS
+    assert choices.OffloadPolicy.names() == POLICIES
+    assert choices.AttentionBackend.names() == BACKENDS
+
+
+def test_a_choice_reads_as_its_string():
+    schedule = choices.PipelineScheduleName["1f1b"]
+    assert schedule == "1f1b" and f"{schedule}" == "1f1b" and str(schedule) == "1f1b"
+    assert {"1f1b": 1}[schedule] == 1 and json.dumps(schedule) == '"1f1b"'
+    cfg = compose_config("parallel.pp_schedule=zb", "model.norm=layernorm")
+    assert cfg.parallel.pp_schedule is choices.PipelineScheduleName.zb and cfg.model.norm == "layernorm"
+    plain = config.config_to_dict(cfg)
+    assert type(plain["model"]["norm"]) is str and OmegaConf.to_yaml(plain).count("layernorm") == 1
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.schedule=exp", "optim.schedule=exp is not one of cosine|wsd|linear|constant; pick one of those"),
+    ("precision.name=fp4", "precision=fp4 is not one of auto|fp32|bf16|fp8|"),
+    ("parallel.pp_schedule=gpipe", "parallel.pp_schedule=gpipe is not one of 1f1b|interleaved|zb"),
+    ("parallel.grad_reduce_dtype=fp16", "parallel.grad_reduce_dtype=fp16 is not one of fp32|bf16"),
+    ("offload.policy=sometimes", "offload.policy=sometimes is not one of uniform|lifespan|auto"),
+    ("model.norm=batchnorm", "model.norm=batchnorm is not one of rmsnorm|layernorm"),
+])
+def test_a_value_outside_a_choice_fails_as_one_line(override, message):
+    """Through megalm-train's own pre-check (no run starts) and through a config built from a dict."""
+    result = subprocess.run([sys.executable, "-m", "megalm.train", override], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    key, value = override.split("=")
+    section, name = key.split(".")
+    with pytest.raises(ConfigError, match=message[:20]):
+        config.to_dataclass(OmegaConf.create({section: {name: value}}))
+
+
+def test_a_value_set_in_python_is_still_checked():
+    cfg = compose_config()
+    cfg.optim.schedule = "exp"
+    with pytest.raises(ConfigError, match="optim.schedule=exp is not one of"):
+        config.validate(cfg)
