@@ -40,3 +40,36 @@ def test_norms_and_biases_are_not_decayed():
     assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
     opt = build_optimizer(model, OptimConfig())
     assert opt.param_groups[0]["weight_decay"] == 0.1
+
+
+@pytest.mark.parametrize("extra", [[], ["parallel.zero1=true"]], ids=["plain", "zero1"])
+def test_grad_norm_launches_the_same_kernels_for_any_depth(tmp_path, extra):
+    """The norm is foreach over all gradients: doubling the layers adds no kernel, and it equals the norm of
+    torch's clip_grad_norm_ computed from the same gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megalm.training.trainer import Trainer
+    from tests.conftest import compose_config
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += not func.is_view  # kernels; a view (a slice of a ZeRO-1 shard) launches none
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for layers in (2, 4):
+        trainer = Trainer(compose_config(f"model.num_layers={layers}", *extra), tmp_path / f"{layers}")
+        trainer.forward_backward(0)
+        with CountOps() as count:
+            norm = trainer.grad_norm()
+        counts.append(count.ops)
+        grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+        if grads:  # without ZeRO-1 the gradients sit in p.grad
+            expected = torch.nn.utils.get_total_norm(grads) if hasattr(torch.nn.utils, "get_total_norm") else \
+                torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+            torch.testing.assert_close(norm, expected, rtol=1e-5, atol=0)
+    assert counts[0] == counts[1], counts

@@ -18,7 +18,7 @@ PACKAGE = ROOT / "megalm"
 # Lowest first. A module may import its own top-level package and any lower layer; siblings on one layer
 # (precision and parallel) may not import each other.
 LAYERS = [
-    {"megalm", "megalm.errors", "megalm.config", "megalm.compat"},
+    {"megalm", "megalm.errors", "megalm.config", "megalm.compat", "megalm.measure"},
     {"megalm.data"},
     {"megalm.model"},
     {"megalm.offload"},

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalm.parallel.collectives import group_rank, group_size, reduce_scatter_flat
+from megalm.parallel.norms import weighted_sq_norm
 from megalm.parallel.progress import Progress, note_collective
 
 # ---------------------------------------------------------------------------- layout
@@ -319,20 +320,13 @@ class GradReducer:
         norm²), every parameter's whole gradient otherwise. `weight(param)` scales each parameter's part
         (tensor parallelism passes each parameter's share, so TP-replicated parameters count once)."""
         device = self.params[0].device if self.params else None
-        total = torch.zeros((), dtype=torch.float32, device=device)
         if self.zero1:
-            for bucket, g in zip(self.buckets, self.grad_shards(), strict=True):
-                if weight is None:
-                    total += g.float().pow(2).sum()
-                    continue
-                for seg in bucket.segments:
-                    total += g[seg.shard_slice].float().pow(2).sum() * weight(seg.param)
-            return total
-        for p in self.params:
-            w = 1.0 if weight is None else weight(p)
-            if w and p.grad is not None:
-                total += p.grad.detach().float().pow(2).sum() * w
-        return total
+            pairs = [(g, 1.0) for g in self.grad_shards()] if weight is None else [
+                (g[seg.shard_slice], weight(seg.param))
+                for bucket, g in zip(self.buckets, self.grad_shards(), strict=True) for seg in bucket.segments]
+        else:
+            pairs = [(p.grad, 1.0 if weight is None else weight(p)) for p in self.params if p.grad is not None]
+        return weighted_sq_norm(pairs, device)
 
     @torch.no_grad()
     def scale_grads(self, coef: float | torch.Tensor) -> None:

@@ -34,7 +34,7 @@ weights (each layer's `shard_specs`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ from megalm.errors import ConfigError
 from megalm.model.loss import token_loss_sum
 from megalm.model.naming import canonical_named_parameters
 from megalm.model.shard import ShardSpec, shard_specs
+from megalm.parallel.norms import weighted_sq_norm
 from megalm.parallel.progress import Progress
 from megalm.parallel.tensor.comm import Group, split_to_sp, tp_world_size
 from megalm.parallel.tensor.layers import ColumnParallelLinear, ParallelNorm, RowParallelLinear, VocabParallelEmbedding
@@ -143,21 +144,13 @@ def tp_norm_share(spec: ShardSpec | None, tp: int) -> float:
     return 1.0 / spec.replicas if spec is not None else 1.0 / tp
 
 
-def grad_norm_squared(params: Iterable[tuple[torch.Tensor, float]], device: torch.device) -> torch.Tensor:
-    """sum(weight * ||grad||^2) over (parameter, weight) pairs with a gradient: an fp32 scalar on `device`."""
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for param, weight in params:
-        if weight and param.grad is not None:
-            total += param.grad.detach().float().pow(2).sum() * weight
-    return total
-
-
 def tp_grad_norm_squared(model: nn.Module, group: Group) -> torch.Tensor:
     """Squared L2 norm of the full (unsharded) model's gradient from this rank's shards, counting every
     element once; the same on every TP rank."""
     specs, tp = shard_specs(model), tp_world_size(group)
     weighted = [(p, tp_norm_share(specs.get(name), tp)) for name, p in canonical_named_parameters(model)]
-    total = grad_norm_squared(weighted, next(model.parameters()).device)
+    total = weighted_sq_norm(((p.grad, w) for p, w in weighted if p.grad is not None),
+                             next(model.parameters()).device)
     if tp > 1:
         dist.all_reduce(total, group=group)
     return total

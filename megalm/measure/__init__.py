@@ -1,0 +1,6 @@
+"""Independent measurements: what a step costs and what it holds, read from torch itself (live storages, the
+dispatched aten ops), never from a feature's own counters."""
+
+from megalm.measure.storage import LiveStorages
+
+__all__ = ["LiveStorages"]

@@ -1,0 +1,79 @@
+"""Live tensor storages, counted from the tensors themselves: the memory probe of every memory figure megalm
+reports on CPU and under fake tensors.
+
+A `TorchDispatchMode` sees each aten op's outputs; every storage it has not seen is counted by its bytes and
+uncounted by a `weakref.finalize` when torch frees it (a view keeps its storage alive, so views are never
+counted twice and a storage is freed only with its last view). Nothing here reads a megalm counter, so a
+feature's own bookkeeping (an offload store's "resident bytes", a planner's estimate) can be checked against it.
+It works on real CPU tensors, on `FakeTensorMode` tensors (which carry sizes but no data: the way to measure one
+rank of a 1,024-GPU layout on a laptop) and on CUDA, where `torch.cuda.max_memory_allocated` is the allocator's
+own answer to compare with (that one also counts the allocator's rounding and workspaces).
+
+Hand-written because torch's `torch.distributed._tools.mem_tracker` is private API that changes across the
+supported torch range, and counts by module rather than by the storages a test wants to see.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+@dataclass
+class _Live:
+    nbytes: int
+    device: str
+
+
+class LiveStorages(TorchDispatchMode):
+    """Bytes of the live storages created under it (and of those passed to `track`), per device type.
+
+    `with LiveStorages() as live: ...` then `live.bytes()`, `live.peak()`; `mark_peak()` restarts the peak at the
+    current level so that one phase (a forward, a backward) can be measured alone.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, _Live] = {}  # id of a storage object -> its bytes and device
+        self._now: dict[str, int] = {}
+        self._peak: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        out = func(*args, **(kwargs or {}))
+        self.track(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        return out
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count the storages of `tensors` (e.g. parameters made before the mode was entered) until freed."""
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            key = id(storage)
+            if key in self.live:
+                continue
+            device = tensor.device.type
+            self.live[key] = _Live(storage.nbytes(), device)
+            self._now[device] = self._now.get(device, 0) + storage.nbytes()
+            self._peak[device] = max(self._peak.get(device, 0), self._now[device])
+            weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self._now[entry.device] -= entry.nbytes
+
+    def bytes(self, device: str | None = None) -> int:
+        """Bytes live now, on `device` ("cpu", "cuda", "meta") or on all of them."""
+        return sum(n for d, n in self._now.items() if device in (None, d))
+
+    def peak(self, device: str | None = None) -> int:
+        """The most bytes live at once since the start or the last `mark_peak`, per device (summed if None)."""
+        return sum(n for d, n in self._peak.items() if device in (None, d))
+
+    def mark_peak(self) -> None:
+        """Restart the peak at the bytes live now."""
+        self._peak = dict(self._now)

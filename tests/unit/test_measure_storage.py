@@ -1,0 +1,65 @@
+"""The live-storage probe counts what torch holds: views share their storage, a freed tensor leaves the count, a
+kept reference stays in it, and fake tensors count as real ones of their size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from megalm.measure import LiveStorages
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_counts_storages_not_views_and_frees_with_the_last_view(fake):
+    mode = FakeTensorMode() if fake else torch.no_grad()
+    with mode, LiveStorages() as live:
+        a = torch.empty(1000, 250)  # 1,000,000 bytes
+        b = a * 2
+        view = b[:10]
+        assert live.bytes() == 2_000_000 and live.bytes("cpu") == 2_000_000 and live.bytes("cuda") == 0
+        del b
+        assert live.bytes() == 2_000_000, "a view keeps its storage alive"
+        del view
+        assert live.bytes() == 1_000_000
+        live.mark_peak()
+        c = torch.empty(2000, 250)
+        del c
+        assert live.peak() == 3_000_000 and live.bytes() == 1_000_000
+        del a
+        assert live.bytes() == 0
+
+
+def test_saved_activations_are_what_a_forward_leaves_live():
+    """x.sin() saves x (a leaf, not counted: made outside) and cos for backward, so the forward leaves the
+    product's saved input live; backward frees it and leaves the gradient."""
+    x = torch.randn(256, 256, requires_grad=True)
+    with LiveStorages() as live:
+        y = x.sin()
+        z = (y * y).sum()  # saves y twice: one storage
+        held = live.bytes()
+        assert held == 256 * 256 * 4 + 4, held  # y, and the 0-d loss
+        z.backward()
+        del y, z
+        assert live.bytes() == 256 * 256 * 4  # x.grad
+
+
+def test_a_leak_stays_counted():
+    kept = []
+    with LiveStorages() as live:
+        for _ in range(3):
+            t = torch.ones(1024)
+            kept.append(t[:1])  # a leak through a small view holds the whole storage
+        assert live.bytes() == 3 * 4096
+    assert live.bytes() == 3 * 4096
+    kept.clear()
+    assert live.bytes() == 4096, "t still holds the last one"
+    del t
+    assert live.bytes() == 0
+
+
+def test_tracks_tensors_made_before_it():
+    w = torch.nn.Linear(64, 64, bias=False)
+    with LiveStorages() as live:
+        live.track(w.parameters())
+        assert live.bytes() == 64 * 64 * 4
