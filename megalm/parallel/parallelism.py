@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from megalm.config import MegalmConfig, config_to_dict
 from megalm.data.batch import pad_to_multiple
@@ -135,16 +136,20 @@ class Parallelism:
         wrap for recomputation, then materialise and initialise: every rank draws its shards of the
         single-process initial weights (`init_weights` + the layers' shard specs)."""
         p, mesh = self.cfg.parallel, self.mesh
-        if p.pp > 1:
-            model = build_stage_chunks(self.cfg.model, mesh.pp_rank, p.pp, p.vpp,
-                                       list(p.layers_per_stage) if p.layers_per_stage else None)
-        else:
-            model = GPT(self.cfg.model, device="meta")
-        for chunk in model_chunks(model):
-            apply_tensor_parallel(chunk, mesh.tp_group, p.sequence_parallel, mesh.progress)
-            for converter in self.converters:
-                converter.convert(chunk)
-            apply_recompute(chunk, stage_mode(p.recompute, mesh.pp_rank, p.pp))
+        # The meta skeleton is built outside a FakeTensorMode the caller may run under (tools/bench/step_cost.py
+        # measures one step of any size that way): a parameter made under it is a fake tensor that to_empty
+        # cannot swap for its materialised self. Outside one, this is a no-op.
+        with unset_fake_temporarily():
+            if p.pp > 1:
+                model = build_stage_chunks(self.cfg.model, mesh.pp_rank, p.pp, p.vpp,
+                                           list(p.layers_per_stage) if p.layers_per_stage else None)
+            else:
+                model = GPT(self.cfg.model, device="meta")
+            for chunk in model_chunks(model):
+                apply_tensor_parallel(chunk, mesh.tp_group, p.sequence_parallel, mesh.progress)
+                for converter in self.converters:
+                    converter.convert(chunk)
+                apply_recompute(chunk, stage_mode(p.recompute, mesh.pp_rank, p.pp))
         model.to_empty(device=self.device)
         init_weights(model, self.cfg.seed)
         return model

@@ -1,0 +1,156 @@
+"""What a step costs on a GPU, read from the aten ops it dispatches: kernels, FLOPs, bytes and a roofline time.
+
+`OpCosts` is a `TorchDispatchMode`: every op that is not a view (a view launches no kernel) is one kernel, its
+FLOPs come from torch's own formulas (`torch.utils.flop_counter`), its bytes are those of its tensor inputs read
+and its outputs written, and its roofline time on a named GPU is max(FLOPs / peak, bytes / HBM bandwidth). Under
+`FakeTensorMode` this runs a step of any size on a CPU in seconds (no data is computed). Which kernels run is the
+dispatcher's choice on the device traced: a CPU trace decomposes some ops that CUDA runs fused (the caller says
+which device it traced), and an eager trace cannot see what `torch.compile` would fuse.
+
+Hand-written because torch's `runtime_estimator` reads the live GPU, and its `FlopCounterMode` counts FLOPs only.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """Dense peak throughput and memory bandwidth of one GPU (vendor datasheets; SXM parts)."""
+
+    name: str
+    bf16_tflops: float  # dense bf16/fp16 tensor cores
+    fp8_tflops: float  # dense fp8 tensor cores
+    tf32_tflops: float  # dense tf32 tensor cores (fp32 GEMMs with precision.tf32)
+    hbm_tbytes_per_s: float
+
+
+GPUS = {  # NVIDIA datasheets: H100 SXM5, H200 SXM, A100 SXM4 80GB, B200 (HGX B200, per GPU)
+    "h100": Gpu("H100 SXM5", 989.4, 1978.9, 494.7, 3.35),
+    "h200": Gpu("H200 SXM", 989.4, 1978.9, 494.7, 4.8),
+    "a100": Gpu("A100 SXM4 80GB", 312.0, 0.0, 156.0, 2.039),
+    "b200": Gpu("B200", 2250.0, 4500.0, 1100.0, 8.0),
+}
+
+CATEGORIES = ("gemm", "attention", "cast/copy", "elementwise/other", "loss", "optimizer", "communication")
+_GEMM = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm", "matmul", "linear"}
+_CAST_COPY = {"_to_copy", "copy_", "copy", "clone", "_copy_from", "_copy_from_and_resize", "contiguous", "cat",
+              "stack", "index_select", "gather", "scatter", "scatter_add_", "embedding", "embedding_dense_backward",
+              "fill_", "zero_", "zeros", "zeros_like", "empty", "empty_like", "empty_strided", "new_empty",
+              "new_zeros", "new_empty_strided", "full", "ones_like", "index_put_", "masked_fill_"}
+_NO_KERNEL_NAMESPACES = {"prim", "profiler"}  # tensor metadata queries (prim::device), profiler markers
+_NO_KERNEL = {"detach", "lift_fresh", "_local_scalar_dense", "_record_function_enter_new", "_record_function_exit"}
+_LOSS = ("nll_loss", "log_softmax", "_log_softmax", "cross_entropy", "logsumexp")
+
+
+def category(op: str) -> str:
+    """The cost category of an aten op name (without overload): gemm, attention, cast/copy, loss, optimizer,
+    communication, or elementwise/other."""
+    if op in _GEMM:
+        return "gemm"
+    if "attention" in op or "flash" in op or "_efficient_attention" in op or "cudnn_attention" in op:
+        return "attention"
+    if op.startswith(_LOSS):
+        return "loss"
+    if op.startswith(("_fused_adam", "_fused_sgd")) or op.startswith("_foreach_") and "norm" not in op:
+        return "optimizer"
+    if op in _CAST_COPY:
+        return "cast/copy"
+    return "elementwise/other"
+
+
+def _attention_flops(name: str, args: tuple) -> float | None:
+    """FLOPs of the SDPA kernels torch's flop counter has no formula for (the CPU flash kernel and its backward):
+    QK^T and PV, 2 * b * h * s_q * s_k * d each, forward; the backward's four GEMMs are twice that. Causal
+    masking is not subtracted, as torch's own SDPA formulas do not subtract it."""
+    if name == "_scaled_dot_product_flash_attention_for_cpu":
+        q, k = args[0], args[1]
+    elif name == "_scaled_dot_product_flash_attention_for_cpu_backward":
+        q, k = args[1], args[2]
+    else:
+        return None
+    b, h, s_q, d = q.shape
+    forward = 4.0 * b * h * s_q * k.shape[-2] * d
+    return forward if name.endswith("_cpu") else 2 * forward
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class CategoryCost:
+    kernels: int = 0
+    flops: float = 0.0
+    bytes: float = 0.0
+    ms: float = 0.0
+
+
+class OpCosts(TorchDispatchMode):
+    """Kernels, FLOPs, bytes and roofline milliseconds on `gpu` of every op dispatched under it, per category
+    and per op. `tf32`: fp32 GEMMs run on TF32 tensor cores (megalm's `precision.tf32`), else at 1/8 of that."""
+
+    def __init__(self, gpu: Gpu = GPUS["h100"], tf32: bool = True) -> None:
+        super().__init__()
+        self.gpu, self.tf32 = gpu, tf32
+        self.by_category: dict[str, CategoryCost] = defaultdict(CategoryCost)
+        self.by_op: dict[str, CategoryCost] = defaultdict(CategoryCost)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.is_view or func.namespace in _NO_KERNEL_NAMESPACES or func._overloadpacket.__name__ in _NO_KERNEL:
+            return out
+        name = func._overloadpacket.__name__
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        read = sum(_nbytes(t) for t in inputs)
+        written = sum(_nbytes(t) for t in outputs)
+        formula = flop_registry.get(func._overloadpacket)
+        flops = _attention_flops(name, args)
+        if flops is None:
+            flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+        self._add(name, flops, read + written, self._peak_flops(inputs))
+        return out
+
+    def _peak_flops(self, inputs: list[torch.Tensor]) -> float:
+        """The tensor-core peak of a GEMM's input dtype (FLOP/s)."""
+        dtypes = {t.dtype for t in inputs if t.is_floating_point()}
+        if dtypes & {torch.float8_e4m3fn, torch.float8_e5m2} and self.gpu.fp8_tflops:
+            return self.gpu.fp8_tflops * 1e12
+        if dtypes <= {torch.bfloat16, torch.float16} and dtypes:
+            return self.gpu.bf16_tflops * 1e12
+        return (self.gpu.tf32_tflops if self.tf32 else self.gpu.tf32_tflops / 8) * 1e12
+
+    def _add(self, name: str, flops: float, nbytes: float, peak: float) -> None:
+        ms = max(flops / peak, nbytes / (self.gpu.hbm_tbytes_per_s * 1e12)) * 1e3
+        for bucket in (self.by_category[category(name)], self.by_op[name]):
+            bucket.kernels += 1
+            bucket.flops += flops
+            bucket.bytes += nbytes
+            bucket.ms += ms
+
+    def total(self) -> CategoryCost:
+        out = CategoryCost()
+        for c in self.by_category.values():
+            out.kernels += c.kernels
+            out.flops += c.flops
+            out.bytes += c.bytes
+            out.ms += c.ms
+        return out
+
+    def summary(self) -> dict:
+        """{kernels, gbytes, tflop, roofline_ms, by_category: {name: {kernels, gbytes, tflop, ms}}}."""
+        total = self.total()
+        return {"kernels": total.kernels, "gbytes": total.bytes / 1e9, "tflop": total.flops / 1e12,
+                "roofline_ms": total.ms,
+                "by_category": {name: {"kernels": c.kernels, "gbytes": c.bytes / 1e9, "tflop": c.flops / 1e12,
+                                       "ms": c.ms}
+                                for name in CATEGORIES if (c := self.by_category.get(name)) is not None}}

@@ -1,0 +1,69 @@
+"""The op-cost trace counts kernels, FLOPs and bytes from the dispatched ops: a GEMM's 2mnk FLOPs and its operands'
+bytes, no kernel for a view, and the step-cost tool's GEMM FLOPs equal 6 x (linear weights) x tokens, the count
+every training-FLOPs estimate starts from (each weight: 2 FLOPs per token forward, 4 backward)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from megalm.measure.op_cost import GPUS, OpCosts, category
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_gemm_costs_2mnk_flops_and_its_operands_bytes():
+    a, b = torch.randn(64, 128), torch.randn(128, 32)
+    with OpCosts(GPUS["h100"]) as costs:
+        view = a.t()  # a view: no kernel
+        (a @ b).relu()
+    del view
+    gemm = costs.by_category["gemm"]
+    assert gemm.kernels == 1 and gemm.flops == 2 * 64 * 128 * 32
+    assert gemm.bytes == (64 * 128 + 128 * 32 + 64 * 32) * 4
+    assert costs.total().kernels == 2, dict(costs.by_op)
+    tf32_s = gemm.flops / (GPUS["h100"].tf32_tflops * 1e12)
+    hbm_s = gemm.bytes / (GPUS["h100"].hbm_tbytes_per_s * 1e12)
+    assert abs(gemm.ms - max(tf32_s, hbm_s) * 1e3) < 1e-12
+
+
+def test_a_bf16_gemm_meets_the_bf16_peak_and_fake_tensors_cost_the_same():
+    with FakeTensorMode():
+        a = torch.randn(4096, 4096, dtype=torch.bfloat16)
+        with OpCosts(GPUS["h200"]) as costs:
+            a @ a
+    gemm = costs.by_category["gemm"]
+    assert gemm.flops == 2 * 4096 ** 3
+    assert abs(gemm.ms - gemm.flops / (GPUS["h200"].bf16_tflops * 1e12) * 1e3) < 1e-9
+
+
+def test_categories():
+    assert category("mm") == "gemm" and category("_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert category("_to_copy") == "cast/copy" and category("_log_softmax_backward_data") == "loss"
+    assert category("_fused_adamw_") == "optimizer" and category("mul") == "elementwise/other"
+
+
+def test_the_step_cost_tool_counts_six_flops_per_weight_and_token():
+    result = subprocess.run([sys.executable, str(ROOT / "tools/bench/step_cost.py"), "model=tiny", "--json"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    rows = {r["system"]: r for r in report["systems"]}
+    assert set(rows) == {"megalm", "hf_llama"} and "torchtitan" in " ".join(report["notes"])
+    from megalm.config import resolve_model_defaults
+    from tests.conftest import compose_config
+
+    m = resolve_model_defaults(compose_config("model=tiny", tiny=False).model)
+    kv = m.hidden_size // m.num_heads * m.num_kv_heads
+    per_layer = m.hidden_size * (m.hidden_size * 2 + 2 * kv) + 3 * m.hidden_size * m.ffn_hidden_size
+    weights = m.num_layers * per_layer + m.hidden_size * m.padded_vocab_size  # blocks and the output head
+    for system, row in rows.items():
+        gemm_tflop = row["by_category"]["gemm"]["tflop"]
+        assert abs(gemm_tflop * 1e12 - 6 * weights * m.seq_length) < 1e-6 * gemm_tflop * 1e12, system
+        assert row["optimizer"]["kernels"] <= 8, "fused AdamW: a few kernels, not one per parameter"
+        assert set(row["by_category"]) >= {"gemm", "attention", "cast/copy", "elementwise/other", "loss"}

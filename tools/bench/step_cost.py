@@ -1,0 +1,159 @@
+"""What one training step of a model costs on a GPU, traced on a CPU: kernels, bytes moved, FLOPs and a roofline
+time per category, for megalm and for Hugging Face's LlamaForCausalLM of the same shape, side by side.
+
+    python tools/bench/step_cost.py model=1.3b model.seq_length=4096            # the table
+    python tools/bench/step_cost.py model=1.3b model.seq_length=4096 --json     # one JSON object
+    python tools/bench/step_cost.py model=tiny --gpu h200
+
+Each system runs under `FakeTensorMode` (sizes, no data: a 1.3B step traces in seconds) with a dispatch mode that
+records every aten op (megalm/measure/op_cost.py). One "step" is one micro-batch of `model.seq_length` tokens,
+forward and backward; the optimizer step (fused AdamW for both) is its own row. Systems:
+- `megalm`: megalm's `Trainer.forward_backward` at its default precision for the run (`precision=bf16` unless
+  overridden), eager.
+- `hf_llama`: transformers' LlamaForCausalLM with fp32 weights under bf16 autocast (what HF's Trainer does with
+  `bf16=True`), SDPA attention, its own shifted-label loss.
+- `torchtitan`: its llama3 model when it is importable (tools/compare_peers.txt pins it), else left out with a
+  line saying so.
+Not here yet: `megalm_compiled` (`trainer.compile` does not exist yet) and `megalm_autocast` (megalm's bf16 recipe
+*is* autocast over fp32 weights today, so it is the `megalm` row).
+
+The trace runs on fake CPU tensors, so the dispatcher picks CPU kernels: SDPA's CPU flash kernel stands in for
+CUDA's, and ops CUDA runs fused may appear decomposed (both systems alike). The roofline time of an op is
+max(FLOPs / the tensor-core peak of its dtype, bytes / HBM bandwidth) on `--gpu`; it ignores launch overhead and
+overlap, so it is a floor, useful for comparing systems, not a prediction of step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from megalm.measure.op_cost import CATEGORIES, GPUS, OpCosts  # noqa: E402
+from megalm.train import compose_config  # noqa: E402
+
+STEP_OVERRIDES = ["data=synthetic", "data.synthetic.num_docs=64", "trainer.global_batch_size=1",
+                  "trainer.micro_batch_size=1", "trainer.device=cpu", "trainer.hang_minutes=0",
+                  "trainer.init_hang_minutes=0", "logging.tensorboard=false", "precision=bf16"]
+
+
+def megalm_step(overrides: list[str], gpu: str) -> dict[str, Any]:
+    """megalm's forward+backward of one micro-batch and its optimizer step, traced."""
+    from megalm.training.trainer import Trainer
+
+    cfg = compose_config(STEP_OVERRIDES + overrides)
+    cfg.data.synthetic.fixed_doc_length = cfg.model.seq_length  # one document filling the micro-batch
+    with tempfile.TemporaryDirectory() as run_dir, FakeTensorMode(allow_non_fake_inputs=True):
+        trainer = Trainer(cfg, run_dir)
+        step, optimizer = OpCosts(GPUS[gpu], cfg.precision.tf32), OpCosts(GPUS[gpu], cfg.precision.tf32)
+        trainer.forward_backward(0)  # a first step, untraced: the optimizer's states and any cache are made once
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        with step:
+            trainer.forward_backward(1)
+        with optimizer:
+            trainer.optimizer.step()
+    return {"system": "megalm", "config": f"precision={trainer.cfg.precision.name}, eager", "model": trainer.cfg.model,
+            **step.summary(), "optimizer": optimizer.summary()}
+
+
+def hf_llama_step(model_cfg: Any, gpu: str) -> dict[str, Any]:
+    """transformers' LlamaForCausalLM of the same shape (and megalm's padded vocab): fp32 weights, bf16 autocast,
+    SDPA; one micro-batch."""
+    import transformers
+
+    from megalm.model.hf import LLAMA, hf_config
+
+    same = dataclasses.replace(model_cfg, vocab_size=model_cfg.padded_vocab_size)  # as compare.py runs it
+    config = transformers.LlamaConfig(**hf_config(same, LLAMA, "float32", None, None))
+    config._attn_implementation = "sdpa"
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = transformers.LlamaForCausalLM(config)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        ids = torch.zeros(1, model_cfg.seq_length, dtype=torch.long)
+        step, optimizer = OpCosts(GPUS[gpu]), OpCosts(GPUS[gpu])
+        for traced in (False, True):  # the first step untraced, as megalm's
+            with step if traced else contextlib.nullcontext():
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
+            with optimizer if traced else contextlib.nullcontext():
+                optim.step()
+            optim.zero_grad(set_to_none=True)
+    return {"system": "hf_llama", "config": f"transformers {transformers.__version__}, fp32 weights + bf16 "
+            "autocast, sdpa", **step.summary(), "optimizer": optimizer.summary()}
+
+
+def torchtitan_missing() -> str | None:
+    try:
+        import torchtitan  # noqa: F401
+    except ImportError:
+        return "torchtitan not installed (tools/compare_peers.txt pins it): its row is left out"
+    return "torchtitan's row is not traced yet: its model builder needs its job config"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """A markdown table: one line per system, then the optimizer steps."""
+    head = ("| system | kernels | GB moved | TFLOP | roofline ms | " +
+            " | ".join(f"{c} ms" for c in CATEGORIES[:5]) + " |")
+    lines = [head, "|" + " --- |" * (5 + 5)]
+    for r in rows:
+        cats = " | ".join(f"{r['by_category'].get(c, {}).get('ms', 0.0):.2f}" for c in CATEGORIES[:5])
+        lines.append(f"| {r['system']} | {r['kernels']} | {r['gbytes']:.1f} | {r['tflop']:.2f} | "
+                     f"{r['roofline_ms']:.2f} | {cats} |")
+    for r in rows:
+        o = r["optimizer"]
+        lines.append(f"| {r['system']} optimizer step | {o['kernels']} | {o['gbytes']:.1f} | {o['tflop']:.3f} | "
+                     f"{o['roofline_ms']:.2f} |" + " |" * 5)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="megalm-train overrides (model=1.3b model.seq_length=4096)")
+    p.add_argument("--gpu", choices=sorted(GPUS), default="h100")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--systems", default="megalm,hf_llama,torchtitan")
+    args = p.parse_args(argv)
+    logging.getLogger("megalm").setLevel(logging.WARNING)
+    systems = args.systems.split(",")
+    rows, notes = [], []
+    with contextlib.redirect_stdout(sys.stderr):  # the trainer's own lines do not mix with the table
+        ours = megalm_step(args.overrides, args.gpu)
+        if "megalm" in systems:
+            rows.append(ours)
+        if "hf_llama" in systems:
+            rows.append(hf_llama_step(ours["model"], args.gpu))
+        if "torchtitan" in systems and (why := torchtitan_missing()):
+            notes.append(why)
+    shape = ours["model"]
+    header = (f"{shape.name}: {shape.num_layers} layers, hidden {shape.hidden_size}, seq {shape.seq_length}; "
+              f"roofline on {GPUS[args.gpu].name}; traced on fake CPU tensors (torch {torch.__version__})")
+    for r in rows:
+        r.pop("model", None)
+    if args.json:
+        print(json.dumps({"shape": header, "gpu": args.gpu, "systems": rows, "notes": notes}, indent=1))
+    else:
+        print(header)
+        print(table(rows))
+        for note in notes:
+            print(f"note: {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
