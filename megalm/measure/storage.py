@@ -34,7 +34,8 @@ class LiveStorages(TorchDispatchMode):
     """Bytes of the live storages created under it (and of those passed to `track`), per device type.
 
     `with LiveStorages() as live: ...` then `live.bytes()`, `live.peak()`; `mark_peak()` restarts the peak at the
-    current level so that one phase (a forward, a backward) can be measured alone.
+    current level. `at_backward_start` is the bytes live when the first backward began (autograd's own graph-task id
+    tells it apart): the weights, and what the forward saved for the backward.
     """
 
     def __init__(self) -> None:
@@ -42,8 +43,11 @@ class LiveStorages(TorchDispatchMode):
         self.live: dict[int, _Live] = {}  # id of a storage object -> its bytes and device
         self._now: dict[str, int] = {}
         self._peak: dict[str, int] = {}
+        self.at_backward_start: int | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        if self.at_backward_start is None and torch._C._current_graph_task_id() != -1:
+            self.at_backward_start = self.bytes()  # before the backward's first output
         out = func(*args, **(kwargs or {}))
         self.track(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         return out
@@ -75,5 +79,5 @@ class LiveStorages(TorchDispatchMode):
         return sum(n for d, n in self._peak.items() if device in (None, d))
 
     def mark_peak(self) -> None:
-        """Restart the peak at the bytes live now."""
+        """Restart the peaks at the bytes live now."""
         self._peak = dict(self._now)

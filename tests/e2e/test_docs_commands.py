@@ -45,7 +45,8 @@ FLAGS = {"--steps": ["1"], "--warmup": ["0"], "--reps": ["1"], "--seq": ["64"], 
 TOOL_FLAGS = {"precision_convergence.py": ["--steps", "2"], "throughput.py": ["--steps", "1", "--warmup", "0"],
               "context_parallel.py": ["--steps", "1", "--warmup", "0", "--seq", "64"], "comm_volume.py": [],
               "offload.py": ["--steps", "1", "--warmup", "0"], "checkpoint_save.py": ["--reps", "1"],
-              "compare.py": ["--tiny", "--seqs", "64", "--precisions", "fp32", "--repeats", "1"], "step_cost.py": []}
+              "compare.py": ["--tiny", "--seqs", "64", "--precisions", "fp32", "--repeats", "1"], "step_cost.py": [],
+              "activation_memory.py": []}
 SET_UP = ("pip install", "pytest", "docker ", "tools/gpu_wheels.sh",
           "python tools/slurm_local/")  # the loopback Slurm cluster needs root and apt: tests/e2e/test_slurm.py runs it
 GPU_ONLY = ("tools/gpu_check.sh",)  # exits 2 without CUDA by design

@@ -63,3 +63,21 @@ def test_tracks_tensors_made_before_it():
     with LiveStorages() as live:
         live.track(w.parameters())
         assert live.bytes() == 64 * 64 * 4
+
+
+def test_activation_memory_tool_measures_what_full_recompute_keeps():
+    """With full recompute a layer keeps its input only: s·h fp32 elements, 4 bytes each in fp32; without it
+    a layer keeps far more. The tool's measurement (peaks of L and 2L layers) must find exactly that."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, str(root / "tools/bench/activation_memory.py"), "model=tiny",
+                             "precision=fp32", "--recompute", "full,none"], capture_output=True, text=True,
+                            timeout=300, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): float(line.split("|")[2]) for line in result.stdout.splitlines()
+            if line.startswith("| full") or line.startswith("| none")}
+    assert rows["full"] == 4.0, result.stdout
+    assert rows["none"] > 4 * rows["full"], result.stdout

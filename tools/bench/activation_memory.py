@@ -1,0 +1,87 @@
+"""Saved activation bytes per transformer layer, measured from live storages, against Korthikanti et al.'s formula.
+
+    python tools/bench/activation_memory.py model=1.3b model.seq_length=4096
+    python tools/bench/activation_memory.py model=1.3b model.seq_length=4096 --recompute none,selective,full
+
+One rank runs one training step (forward and backward of one micro-batch of `model.seq_length` tokens) under
+`FakeTensorMode`, with megalm.measure.LiveStorages counting every storage torch holds. The step is run twice, with L
+and 2L layers: the difference of the bytes live when the backward begins (autograd's graph-task id tells it apart),
+divided by L, is what one layer saved for its backward, measured, nothing read from megalm's own bookkeeping (a peak
+would not do: where the forward peaks moves with L, to the output head's logits or into the loss). It is printed in
+units of s·h bytes (s tokens, h hidden size) beside Reducing Activation Recomputation in Large Transformer Models
+(Korthikanti et al., 2022), Table 2, for one micro-batch (b = 1) and tensor parallel size t: 34 + 5·a·s/h without
+recompute (the 5·a·s/h term is the attention matrices, which flash attention never stores: megalm never does, so the
+formula column leaves it out), 34 with their selective recompute, 2 with full (the layer input, in bf16). megalm's
+`parallel.recompute=selective` keeps the GEMM, attention and collective outputs and recomputes the elementwise ops,
+which is not Korthikanti's selective (theirs recomputes the attention core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+from pathlib import Path
+
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from megalm.measure import LiveStorages  # noqa: E402
+from megalm.train import compose_config  # noqa: E402
+
+STEP_OVERRIDES = ["data=synthetic", "data.synthetic.num_docs=64", "trainer.global_batch_size=1",
+                  "trainer.micro_batch_size=1", "trainer.device=cpu", "trainer.hang_minutes=0",
+                  "trainer.init_hang_minutes=0", "logging.tensorboard=false", "precision=bf16"]
+FORMULA = {"none": 34.0, "selective": 34.0, "full": 2.0}  # Korthikanti Table 2, t = 1, b = 1, flash attention
+
+
+def peak_over_start(overrides: list[str]) -> tuple[int, object]:
+    """The bytes live when the backward of one step begins (what the forward saved for it, the logits' share, the
+    loss) over those live before the step (weights, optimizer), and the model config."""
+    from megalm.training.trainer import Trainer
+
+    cfg = compose_config(STEP_OVERRIDES + overrides)
+    cfg.data.synthetic.fixed_doc_length = cfg.model.seq_length
+    with tempfile.TemporaryDirectory() as run_dir, FakeTensorMode(allow_non_fake_inputs=True):
+        trainer = Trainer(cfg, run_dir)
+        with LiveStorages() as live:
+            live.track(trainer.model.parameters())
+            before = live.bytes()
+            trainer.forward_backward(0)
+            return live.at_backward_start - before, trainer.cfg.model
+
+
+def per_layer(overrides: list[str]) -> tuple[float, object]:
+    """Bytes one layer holds for its backward, from the difference of L and 2L layers."""
+    layers = compose_config(STEP_OVERRIDES + overrides).model.num_layers
+    small, model = peak_over_start(overrides + [f"model.num_layers={layers}"])
+    large, _ = peak_over_start(overrides + [f"model.num_layers={2 * layers}"])
+    return (large - small) / layers, model
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="megalm-train overrides (model=1.3b model.seq_length=4096)")
+    p.add_argument("--recompute", default="none,selective,full")
+    args = p.parse_args(argv)
+    rows = []
+    with contextlib.redirect_stdout(sys.stderr):
+        for mode in args.recompute.split(","):
+            held, model = per_layer(args.overrides + [f"parallel.recompute={mode}"])
+            rows.append((mode, held / (model.seq_length * model.hidden_size)))
+    print(f"{model.name}: hidden {model.hidden_size}, seq {model.seq_length}, tp 1, one micro-batch, "
+          "bytes per layer in units of s·h")
+    print("| recompute | measured | Korthikanti (flash) | measured / formula |")
+    print("| --- | --- | --- | --- |")
+    for mode, sh in rows:
+        print(f"| {mode} | {sh:.2f} | {FORMULA[mode]:.0f} | {sh / FORMULA[mode]:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
