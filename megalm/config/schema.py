@@ -205,6 +205,11 @@ class TrainerConfig:
     """Checkpoints are written by a background thread (DCP async_save) while training goes on."""
     hang_minutes: float = 30.0
     """No step, eval or save for this long: a hang report per rank, exit 124; 0: off."""
+    compile: bool = False
+    """torch.compile each transformer block (as TorchTitan does), after the attention backends are chosen; the
+    block's forward and backward are one graph each (tests/unit/test_compile_blocks.py counts the breaks)."""
+    compile_backend: str = "inductor"
+    """The torch.compile backend of trainer.compile: inductor (fused kernels), or aot_eager / eager to debug."""
     init_hang_minutes: float = 10.0
     """Joining the job (rendezvous, process groups, the model's build, the config check) longer than this: a hang
     report per rank, exit 124; 0: off."""

@@ -211,6 +211,9 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_width, cfg.hidden_size, bias=cfg.bias)
         self.dropout_p = cfg.attention_dropout
         self.backend = cfg.attention_backend
+        # (device type, dtype, dropout on) -> the backend chosen for it, filled by `choose_attention_backends` before
+        # the first step, so that the forward (which torch.compile traces) neither selects nor logs.
+        self.chosen: dict[tuple[str, torch.dtype, bool], str] = {}
 
     def forward(
         self,
@@ -229,9 +232,25 @@ class Attention(nn.Module):
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dropout_p = self.dropout_p if self.training else 0.0
-        backend = _resolve_backend(self.backend, q.device, q.dtype, dropout_p > 0.0)
+        backend = self.chosen.get((q.device.type, q.dtype, dropout_p > 0.0))
+        if backend is None:  # not chosen ahead (a model used outside the trainer): select here, eagerly
+            backend = _resolve_backend(self.backend, q.device, q.dtype, dropout_p > 0.0)
         if context is not None:
             out = context.attend(q, k, v, backend, dropout_p)
         else:
             out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, backend, dropout_p=dropout_p)
         return self.o_proj(out.reshape(total, -1))
+
+
+def choose_attention_backends(model: nn.Module, device: torch.device, dtype: torch.dtype) -> set[str]:
+    """Select (and log, once per choice) the attention backend of every `Attention` in `model` for q of `dtype` on
+    `device`, with attention dropout on and off, before the first forward: what torch.compile traces then holds
+    no selection and no logging. Returns the backends chosen."""
+    chosen = set()
+    for module in model.modules():
+        if isinstance(module, Attention):
+            for dropout in {False, module.dropout_p > 0.0}:
+                backend = _resolve_backend(module.backend, torch.device(device), dtype, dropout)
+                module.chosen[(torch.device(device).type, dtype, dropout)] = backend
+                chosen.add(backend)
+    return chosen

@@ -64,6 +64,13 @@ def uses_transformer_engine(name: str, backend: str, device: torch.device | None
     return backend == "te" and name in te.TE_RECIPES and on_gpu and transformer_engine_problem(name) is None
 
 
+def autocasts(precision: PrecisionConfig | str) -> bool:
+    """Whether forward passes run under bf16 autocast: bf16, and the low-precision recipes unless
+    `precision.autocast` is false."""
+    name = getattr(precision, "name", precision)
+    return name == "bf16" or (name != "fp32" and getattr(precision, "autocast", True))
+
+
 @contextlib.contextmanager
 def autocast(precision: PrecisionConfig | str, device: torch.device) -> Iterator[None]:
     """bf16 autocast around forward passes (fp32 master weights): for bf16, and for the low-precision
@@ -72,7 +79,7 @@ def autocast(precision: PrecisionConfig | str, device: torch.device) -> Iterator
     `with`. `precision` is a PrecisionConfig or a recipe name."""
     name = getattr(precision, "name", precision)
     with contextlib.ExitStack() as stack:
-        if name == "bf16" or (name != "fp32" and getattr(precision, "autocast", True)):
+        if autocasts(precision):
             stack.enter_context(torch.autocast(device_type=device.type, dtype=torch.bfloat16))
         if uses_transformer_engine(name, getattr(precision, "backend", "native"), device):
             stack.enter_context(te.te_autocast(name))
@@ -129,6 +136,11 @@ class Precision:
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return autocast(self.cfg, self.device)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype activations reach attention in: bf16 under autocast, else fp32."""
+        return torch.bfloat16 if autocasts(self.cfg) else torch.float32
 
     def before_forward(self, chunk: nn.Module, step: int, micro_batch: int) -> None:
         """Seed the random rounding of `chunk`'s layers by (step, micro-batch index in the step)."""

@@ -23,12 +23,13 @@ from megalm.config import MegalmConfig, config_to_dict, process_group_minutes
 from megalm.data.build import build_datasets
 from megalm.data.dataset import SampleDataset, TokenBudgetSteps
 from megalm.errors import CheckpointError
-from megalm.model import GPT, num_parameters
+from megalm.model import GPT, choose_attention_backends, num_parameters
 from megalm.parallel.dims import ParallelMesh, init_distributed
 from megalm.parallel.microbatch import StepShare
 from megalm.parallel.parallelism import Parallelism
 from megalm.precision import Precision
 from megalm.training import checkpoint as ckpt
+from megalm.training.compile import compile_blocks
 from megalm.training.device import select_device
 from megalm.training.flops import peak_flops, training_flops
 from megalm.training.guards import NonFiniteError, NonFiniteGuard, SpikeDetector, check_finite_state
@@ -93,6 +94,10 @@ class Trainer:
                                              "config on every rank")
             self.parallel = Parallelism(cfg, self.device, [self.precision], mesh)
         self.mesh, self.model = self.parallel.mesh, self.parallel.model
+        # chosen (and logged) once, before any forward: a compiled block's trace holds no selection
+        choose_attention_backends(self.model, self.device, self.precision.compute_dtype)
+        if cfg.trainer.compile:
+            compile_blocks(self.model, cfg.trainer.compile_backend)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.parallel.optimizer_factory)
         self.precision.watch_optimizer(self.optimizer)  # quantized weights: made once per optimizer step
         self.config_dict = config_to_dict(cfg)

@@ -1,0 +1,28 @@
+"""`trainer.compile`: torch.compile per transformer block, as TorchTitan compiles its `TransformerBlock`s.
+
+Per block, not the whole model: every block has the same code and shapes, so dynamo compiles one graph and reuses
+it for all (its cache is per code object), the pipeline stages and recomputation wrappers stay in eager Python
+around it, and a compile error names one block. `nn.Module.compile` compiles in place, so parameter names, the
+state dict and checkpoints are the same as without it. What must hold for the graphs to be whole: nothing in a
+block's forward logs or selects a backend (`megalm.model.choose_attention_backends` runs before), and nothing
+reads a tensor's value on the host (documents of equal length take the batched attention path).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from megalm.model import TransformerBlock
+
+log = logging.getLogger("megalm")
+
+
+def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
+    """torch.compile every `TransformerBlock` of `model` in place with `backend`; returns how many."""
+    blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
+    for block in blocks:
+        block.compile(backend=backend)
+    log.info("trainer.compile: %d transformer blocks compiled (backend %s)", len(blocks), backend)
+    return len(blocks)
