@@ -81,3 +81,42 @@ def test_activation_memory_tool_measures_what_full_recompute_keeps():
             if line.startswith("| full") or line.startswith("| none")}
     assert rows["full"] == 4.0, result.stdout
     assert rows["none"] > 4 * rows["full"], result.stdout
+
+
+def test_chunked_loss_matches_and_never_holds_the_fp32_logits():
+    """The chunked loss gives F.cross_entropy's loss and gradient (vocab padding and -100 labels included), and
+    what is live when the backward begins is the bf16 logits only, where F.cross_entropy on fp32 logits keeps a
+    [T, V] fp32 log-softmax; its peak is a fraction of F.cross_entropy's (measured, not counted)."""
+    import functools
+
+    import torch.nn.functional as F
+
+    from megalm.model.loss import token_loss_sum
+
+    torch.manual_seed(0)
+    tokens, vocab, real = 512, 1000, 900
+    labels = torch.randint(0, real, (tokens,))
+    labels[::7] = -100
+    mask = (torch.rand(tokens) > 0.1).float()
+    base = torch.randn(tokens, vocab).to(torch.bfloat16)
+
+    def run(loss_fn):
+        logits = base.clone().requires_grad_()
+        with LiveStorages() as live:
+            live.track([logits])
+            loss = loss_fn(logits)
+            loss.backward()
+        return loss, logits.grad, live.at_backward_start, live.peak()
+
+    plain = lambda x: (F.cross_entropy(x.float()[:, :real], labels, reduction="none") * mask).sum()
+    ref_loss, ref_grad, ref_held, ref_peak = run(plain)
+    bf16_logits, fp32_logits = tokens * vocab * 2, tokens * vocab * 4
+    assert ref_held >= bf16_logits + 0.9 * fp32_logits * real / vocab, "F.cross_entropy keeps a fp32 log-softmax"
+    for chunk in (None, 64, 100):  # one chunk, even chunks, a ragged last chunk
+        chunked = functools.partial(token_loss_sum, labels=labels, loss_mask=mask, vocab_size=real, chunk_tokens=chunk)
+        loss, grad, held, peak = run(chunked)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-4)
+        torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=1e-2, atol=1e-3)  # bf16 gradients
+        assert held - bf16_logits < fp32_logits / 100, (chunk, held)
+        if chunk is not None:
+            assert peak < ref_peak / 2, (chunk, peak, ref_peak)
