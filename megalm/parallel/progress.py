@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class Progress:
@@ -23,6 +25,8 @@ class Progress:
     since: dict[str, float] = field(default_factory=dict)  # when each field last changed (time.monotonic)
 
     def note(self, **fields: object) -> None:
+        if torch.compiler.is_compiling():  # inside a compiled block: no Python side effect can run in its graph;
+            return  # the notes made around the block (its micro-batch, the pipeline action) remain
         now = time.monotonic()
         for key, value in fields.items():
             setattr(self, key, value)

@@ -47,6 +47,9 @@ LAYOUTS = {
     "tp2_dp2": (4, ["parallel.tp=2", "parallel.dp=2"], True),
     "tp4_gqa_kv2": (4, ["parallel.tp=4"], True),
     "tp2_dp2_zero1": (4, ["parallel.tp=2", "parallel.dp=2", "parallel.zero1=true"], False),
+    # compiled blocks (AOT autograd's traced forward and backward, TP's collectives inside the graph)
+    "tp2_sp_compiled": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "trainer.compile=true",
+                            "trainer.compile_backend=aot_eager"], True),
 }
 
 
