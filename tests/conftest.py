@@ -3,8 +3,16 @@ without CUDA."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without CUDA the Triton kernel tests run under Triton's interpreter, which must be on before triton is first
+# imported: torch._dynamo imports it, and test modules import torch._dynamo (or megalm.measure) at collection,
+# before tests/unit/triton_env.py could set it. Harmless elsewhere here: on a CPU, torch.compile writes C++.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Test models are tiny: one intra-op thread is faster than two (less sync), and leaves the second
 # core of the CI machine to the multi-process tests.

@@ -1,7 +1,8 @@
 """The Triton interpreter for the Triton kernel tests, which run on CPU under it and on CUDA compiled.
 
 Without CUDA, TRITON_INTERPRET=1 must be set before triton is first imported (megalm imports it lazily, so
-importing megalm does not), and put back after the tests, or it would turn every other triton kernel of the
+importing megalm does not; torch._dynamo does): tests/conftest.py sets it at the start of a CPU-only session. Where
+a module sets it itself it is put back after its tests, or it would turn every other triton kernel of the
 process (torch.compile's) into interpreted ones. pytest imports every test module before it runs any, so a
 module that needs the interpreter sets it at import (`use_interpreter_without_cuda`) and again for its own
 tests (`interpreter_fixture`): another module may have put it back in between.
