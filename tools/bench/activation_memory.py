@@ -32,10 +32,8 @@ if str(ROOT) not in sys.path:
 
 from megalm.measure import LiveStorages  # noqa: E402
 from megalm.train import compose_config  # noqa: E402
+from tools.bench.step_cost import STEP_OVERRIDES  # noqa: E402  (the same one-micro-batch step)
 
-STEP_OVERRIDES = ["data=synthetic", "data.synthetic.num_docs=64", "trainer.global_batch_size=1",
-                  "trainer.micro_batch_size=1", "trainer.device=cpu", "trainer.hang_minutes=0",
-                  "trainer.init_hang_minutes=0", "logging.tensorboard=false", "precision=bf16"]
 FORMULA = {"none": 34.0, "selective": 34.0, "full": 2.0}  # Korthikanti Table 2, t = 1, b = 1, flash attention
 
 
