@@ -32,6 +32,7 @@ def compile_and_count(rank: int, world_size: int, overrides: list[str], tmp: str
 # ring would keep them out.
 BREAKS = {
     "cp2_ring": "P2P compilation disabled",
+    "hdp2_rings": "P2P compilation disabled",  # a 64-token document over a ring of both ranks
 }
 LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),
@@ -40,6 +41,9 @@ LAYOUTS = {
     "dp2": (2, ["parallel.dp=2"]),
     "cp2_ring": (2, ["parallel.cp=2"]),
     "cp2_a2a": (2, ["parallel.cp=2", "parallel.cp_comm=a2a"]),
+    # HDP: 32-token documents packed two per micro-batch (C = 64), no ring; then C = 16, every document a ring
+    "hdp2_packed": (2, ["parallel.dp=2", "parallel.hdp=true", "parallel.hdp_capacity=64"]),
+    "hdp2_rings": (2, ["parallel.dp=2", "parallel.hdp=true", "parallel.hdp_capacity=16"]),
 }
 
 
