@@ -57,6 +57,14 @@ CONSOLE_SCRIPTS = {"megalm-train": "megalm.train", "megalm-generate": "megalm.ge
 NAMES_IN_PROSE = {"torchrun -m megalm.train", "python -m megalm.train", "megalm-generate --debug"}
 
 
+def first_errors(stderr: str, lines: int = 40) -> str:
+    """The first error lines of a failed run and what follows them: under torchrun the failing rank's traceback
+    comes early, and the launcher's own report of the failure fills the tail."""
+    text = stderr.splitlines()
+    start = next((i for i, line in enumerate(text) if re.search(r"Traceback|error:|Error\b", line)), len(text))
+    return "\n".join(text[start:start + lines])
+
+
 def documented_commands(path: Path) -> list[str]:
     """The commands of one doc, in order: fenced blocks (continuations joined), then inline spans."""
     text = path.read_text()
@@ -217,7 +225,8 @@ def run_doc(doc: Path, tmp_path: Path) -> None:
         proc = subprocess.run(argv, cwd=tmp_path, env={**env, **extra}, capture_output=True, text=True, timeout=600)
         wandb_missing = "logging.wandb.enabled=true" in command and "pip install wandb" in proc.stderr
         assert proc.returncode == 0 or wandb_missing, \
-            f"{doc.name}: `{command}` failed on its {attempt} run as `{' '.join(argv)}`:\n{proc.stderr[-3000:]}"
+            f"{doc.name}: `{command}` failed on its {attempt} run as `{' '.join(argv)}`:\n{first_errors(proc.stderr)}" \
+            f"\n...\n{proc.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
