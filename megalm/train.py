@@ -106,9 +106,20 @@ def shared_run_dir(own_dir: Path, config) -> tuple[Path, int]:
 
     shared = [str(own_dir)]
     dist.broadcast_object_list(shared, src=0)
-    if shared[0] != str(own_dir) and not any(p.name not in (".hydra", "train.log") for p in own_dir.iterdir()):
-        shutil.rmtree(own_dir, ignore_errors=True)
+    if shared[0] != str(own_dir):
+        remove_unused_run_dir(own_dir)
     return Path(shared[0]), rank
+
+
+def remove_unused_run_dir(own_dir: Path) -> None:
+    """Remove the run dir Hydra made for this rank when it holds nothing but Hydra's own files. Ranks of one node
+    whose clocks gave them the same dir (not rank 0's) race to remove it: the one that finds it gone is done."""
+    try:
+        unused = all(p.name in (".hydra", "train.log") for p in own_dir.iterdir())
+    except FileNotFoundError:
+        return
+    if unused:
+        shutil.rmtree(own_dir, ignore_errors=True)
 
 
 def shutdown_distributed() -> None:

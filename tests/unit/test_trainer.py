@@ -154,3 +154,20 @@ def test_wandb_enabled_but_missing_is_a_config_error(tmp_path, monkeypatch):
 
 
 _find = importlib.util.find_spec
+
+
+def test_an_unused_run_dir_is_removed_once_and_a_used_one_kept(tmp_path):
+    """Under torchrun, ranks whose clocks gave them the same Hydra run dir (not rank 0's) each remove it: the
+    second finds it gone, which must not fail that rank (it did, as FileNotFoundError, on a loaded machine)."""
+    from megalm.train import remove_unused_run_dir
+
+    unused = tmp_path / "09-19-27"
+    (unused / ".hydra").mkdir(parents=True)
+    (unused / "train.log").write_text("")
+    remove_unused_run_dir(unused)  # one rank removes it ...
+    remove_unused_run_dir(unused)  # ... the other finds it gone
+    assert not unused.exists()
+    used = tmp_path / "09-19-28"
+    (used / "checkpoints").mkdir(parents=True)
+    remove_unused_run_dir(used)
+    assert (used / "checkpoints").is_dir(), "a run dir with anything of a run in it is kept"
