@@ -45,12 +45,9 @@ def _one_line(exc: BaseException) -> str:
     """Condense a Hydra/OmegaConf composition error into one line that names the key and the fix."""
     cause = exc.__cause__ or exc
     lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
-    full_key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
-    head = lines[0] if lines else type(cause).__name__
-    if ("not in struct" in head or "not in '" in head) and full_key:
-        return f"unknown config key '{full_key}'; check the spelling (megalm-train --cfg job lists all keys)"
-    if full_key:
+    if any(ln.startswith("full_key:") for ln in lines):  # a key or a value against the schema
         return schema_error_line(cause)
+    head = lines[0] if lines else type(cause).__name__
     if "Could not find" in head:
         options = []
         for ln in lines[1:]:

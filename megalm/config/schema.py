@@ -362,6 +362,11 @@ def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
     return unknown
 
 
+def unknown_key_line(key: str) -> str:
+    """The one line for a key the schema lacks."""
+    return f"unknown config key '{key}'; check the spelling (megalm-train --cfg job lists all keys)"
+
+
 def to_dataclass(cfg: DictConfig | MegalmConfig) -> MegalmConfig:
     """A plain `MegalmConfig` from a Hydra config; keys outside the schema are an error."""
     if isinstance(cfg, MegalmConfig):
@@ -369,8 +374,7 @@ def to_dataclass(cfg: DictConfig | MegalmConfig) -> MegalmConfig:
     schema = OmegaConf.structured(MegalmConfig)
     unknown = _unknown_keys(cfg, schema)
     if unknown:
-        raise ConfigError(f"unknown config key '{unknown[0]}'; check the spelling "
-                          "(megalm-train --cfg job lists all keys)")
+        raise ConfigError(unknown_key_line(unknown[0]))
     try:
         merged = OmegaConf.merge(schema, cfg)
     except ValidationError as e:
@@ -382,11 +386,14 @@ _NOT_A_CHOICE = re.compile(r"Invalid value '(?P<value>.*)', expected one of \[(?
 
 
 def schema_error_line(exc: BaseException) -> str:
-    """One line for OmegaConf's multi-line schema error: the key, the value and the fix. A value outside a
-    choice's Enum reads as the packages' own checks do: `key=value is not one of a|b|c; pick one of those`."""
+    """One line for OmegaConf's multi-line schema error: the key, the value and the fix. A key the schema lacks
+    names itself; a value outside a choice's Enum reads as the packages' own checks do: `key=value is not one of
+    a|b|c; pick one of those`."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     head = lines[0] if lines else type(exc).__name__
     full_key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
+    if ("not in struct" in head or "not in '" in head) and full_key:
+        return unknown_key_line(full_key)
     not_a_choice = _NOT_A_CHOICE.match(head)
     if not_a_choice and full_key:
         options = "|".join(o.strip() for o in not_a_choice["options"].split(","))

@@ -13,7 +13,7 @@ use, with no schedule, no streams, no pool and no choice of what to offload, whi
 
 from __future__ import annotations
 
-from megalm.config import MegalmConfig
+from megalm.config import MegalmConfig, choice
 from megalm.errors import ConfigError
 from megalm.offload.hooks import LayerOffload, PipelineOffload
 from megalm.offload.policy import POLICIES
@@ -28,8 +28,7 @@ def validate_offload(cfg: MegalmConfig) -> None:
     o, p = cfg.offload, cfg.parallel
     if not o.enabled:
         return
-    if o.policy not in POLICIES:
-        raise ConfigError(f"offload.policy={o.policy} is not one of {'|'.join(POLICIES)}; pick one of those")
+    choice(o.policy, "offload.policy", POLICIES)
     if not 0.0 < o.fraction <= 1.0:
         raise ConfigError(f"offload.fraction={o.fraction} must be in (0, 1]; it is the share of micro-batches "
                           "(pp>1) or transformer blocks (pp=1) offloaded")

@@ -22,7 +22,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from megalm.config import MegalmConfig, PrecisionConfig
+from megalm.config import MegalmConfig, PrecisionConfig, choice
+from megalm.config.choices import ForwardFormat, PrecisionBackend
 from megalm.errors import ConfigError
 from megalm.precision import fp8, te
 from megalm.precision.linear import (
@@ -153,13 +154,11 @@ def validate_precision(cfg: MegalmConfig) -> None:
     if p.name not in RECIPES:
         raise ConfigError(f"precision={p.name} is not one of {'|'.join(RECIPES)}; pick one of those")
     if p.forward is not None:
-        if p.forward not in ("bf16", "fp8"):
-            raise ConfigError(f"precision.forward={p.forward} is not one of bf16|fp8; pick one of those")
+        choice(p.forward, "precision.forward", ForwardFormat)
         if not p.name.startswith("mxfp4"):
             raise ConfigError(f"precision.forward={p.forward} applies to the mxfp4 recipes only; "
                               f"remove it for precision={p.name}")
-    if p.backend not in ("native", "te"):
-        raise ConfigError(f"precision.backend={p.backend} is not one of native|te; pick one of those")
+    choice(p.backend, "precision.backend", PrecisionBackend)
     if p.backend == "te" and p.name not in te.TE_RECIPES:
         raise ConfigError(f"precision.backend=te runs Transformer Engine's fp8 recipes (fp8, fp8_delayed); "
                           f"precision={p.name} needs precision.backend=native")

@@ -21,10 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-import tempfile
 from pathlib import Path
-
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -32,32 +29,26 @@ if str(ROOT) not in sys.path:
 
 from megalm.measure import LiveStorages  # noqa: E402
 from megalm.train import compose_config  # noqa: E402
-from tools.bench.step_cost import STEP_OVERRIDES  # noqa: E402  (the same one-micro-batch step)
+from tools.bench.step_cost import STEP_OVERRIDES, fake_trainer  # noqa: E402  (the same one-micro-batch step)
 
 FORMULA = {"none": 34.0, "selective": 34.0, "full": 2.0}  # Korthikanti Table 2, t = 1, b = 1, flash attention
 
 
-def peak_over_start(overrides: list[str]) -> tuple[int, object]:
+def held_at_backward_start(overrides: list[str]) -> tuple[int, object]:
     """The bytes live when the backward of one step begins (what the forward saved for it, the logits' share, the
     loss) over those live before the step (weights, optimizer), and the model config."""
-    from megalm.training.trainer import Trainer
-
-    cfg = compose_config(STEP_OVERRIDES + overrides)
-    cfg.data.synthetic.fixed_doc_length = cfg.model.seq_length
-    with tempfile.TemporaryDirectory() as run_dir, FakeTensorMode(allow_non_fake_inputs=True):
-        trainer = Trainer(cfg, run_dir)
-        with LiveStorages() as live:
-            live.track(trainer.model.parameters())
-            before = live.bytes()
-            trainer.forward_backward(0)
-            return live.at_backward_start - before, trainer.cfg.model
+    with fake_trainer(overrides) as trainer, LiveStorages() as live:
+        live.track(trainer.model.parameters())
+        before = live.bytes()
+        trainer.forward_backward(0)
+        return live.at_backward_start - before, trainer.cfg.model
 
 
 def per_layer(overrides: list[str]) -> tuple[float, object]:
     """Bytes one layer holds for its backward, from the difference of L and 2L layers."""
     layers = compose_config(STEP_OVERRIDES + overrides).model.num_layers
-    small, model = peak_over_start(overrides + [f"model.num_layers={layers}"])
-    large, _ = peak_over_start(overrides + [f"model.num_layers={2 * layers}"])
+    small, model = held_at_backward_start(overrides + [f"model.num_layers={layers}"])
+    large, _ = held_at_backward_start(overrides + [f"model.num_layers={2 * layers}"])
     return (large - small) / layers, model
 
 

@@ -32,6 +32,7 @@ import json
 import logging
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,15 +51,23 @@ STEP_OVERRIDES = ["data=synthetic", "data.synthetic.num_docs=64", "trainer.globa
                   "trainer.init_hang_minutes=0", "logging.tensorboard=false", "precision=bf16"]
 
 
-def megalm_step(overrides: list[str], gpu: str) -> dict[str, Any]:
-    """megalm's forward+backward of one micro-batch and its optimizer step, traced."""
+@contextlib.contextmanager
+def fake_trainer(overrides: list[str]) -> Iterator[Any]:
+    """megalm's Trainer for one micro-batch of one document of `model.seq_length` tokens, built and run under
+    `FakeTensorMode` (sizes, no data) in a scratch run dir."""
     from megalm.training.trainer import Trainer
 
     cfg = compose_config(STEP_OVERRIDES + overrides)
     cfg.data.synthetic.fixed_doc_length = cfg.model.seq_length  # one document filling the micro-batch
     with tempfile.TemporaryDirectory() as run_dir, FakeTensorMode(allow_non_fake_inputs=True):
-        trainer = Trainer(cfg, run_dir)
-        step, optimizer = OpCosts(GPUS[gpu], cfg.precision.tf32), OpCosts(GPUS[gpu], cfg.precision.tf32)
+        yield Trainer(cfg, run_dir)
+
+
+def megalm_step(overrides: list[str], gpu: str) -> dict[str, Any]:
+    """megalm's forward+backward of one micro-batch and its optimizer step, traced."""
+    with fake_trainer(overrides) as trainer:
+        tf32 = trainer.cfg.precision.tf32
+        step, optimizer = OpCosts(GPUS[gpu], tf32), OpCosts(GPUS[gpu], tf32)
         trainer.forward_backward(0)  # a first step, untraced: the optimizer's states and any cache are made once
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
