@@ -128,6 +128,7 @@ class PrecisionRecipe(Choice):
     auto = "auto"
     fp32 = "fp32"
     bf16 = "bf16"
+    bf16_autocast = "bf16_autocast"
     fp8 = "fp8"
     fp8_delayed = "fp8_delayed"
     fp8_rowwise = "fp8_rowwise"

@@ -250,7 +250,8 @@ class ParallelConfig:
     recompute: Any = "none"
     """none | full | selective, or a list with one mode per pipeline rank."""
     grad_reduce_dtype: GradReduceDtype | None = None
-    """The dtype gradients are summed in; None: the gradients' own dtype."""
+    """The dtype gradients are summed in; None: the gradients' own dtype. Under precision=bf16 the micro-batches'
+    gradients accumulate in the buckets too (Megatron's main_grad), in this dtype; None: fp32."""
     bucket_size_mb: float = 25.0
     """The data-parallel gradient bucket size."""
     timeout_minutes: float | None = None
@@ -262,8 +263,10 @@ class PrecisionConfig:
     """The number formats of the linears and of the rest of the model (configs/precision/)."""
 
     name: PrecisionRecipe = PrecisionRecipe.fp32
-    """The recipe. configs/config.yaml's default is auto (bf16 on CUDA sm80+, else fp32), replaced by that
-    recipe's section before validation (megalm/training/device.py); a MegalmConfig built in Python keeps fp32."""
+    """The recipe: fp32; bf16 (bf16 weights, fp32 main weights and gradient sums); bf16_autocast; the fp8/mx
+    recipes of the linear layers (megalm/precision). configs/config.yaml's default is auto (bf16 on CUDA sm80+,
+    else fp32), replaced by that recipe's section before validation (megalm/training/device.py); a MegalmConfig
+    built in Python keeps fp32."""
     forward: ForwardFormat | None = None
     """mxfp4 recipes: the forward GEMM in bf16 (None) or fp8."""
     skip: list[str] = field(default_factory=list)
@@ -271,7 +274,8 @@ class PrecisionConfig:
     backend: PrecisionBackend = PrecisionBackend.native
     """native (megalm's linears) | te (Transformer Engine's fp8 recipes, when it is installed)."""
     autocast: bool = True
-    """Recipes: bf16 autocast for the rest of the model (false: fp32 around the recipe)."""
+    """fp8/mx recipes: bf16 autocast for the rest of the model (false: fp32 around the recipe). Not read by bf16
+    (bf16 weights, no autocast) nor bf16_autocast (autocast over fp32 weights: what bf16 was before)."""
     tf32: bool = True
     """On CUDA, fp32 matmuls and convolutions use TF32 tensor cores (false: full fp32)."""
 

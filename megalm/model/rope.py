@@ -7,7 +7,10 @@ with w = (w_0..w_{D/2-1}, w_0..w_{D/2-1}). Then <rope(q, m), rope(k, n)> depends
 
 Positions come from explicit `position_ids` [T], which restart at 0 in every packed document, so
 a document gets the same rotations wherever it sits in the packed stream. Angles are computed in
-fp32 (bf16 positions above 256 are not exact) and the rotation is applied in fp32, then cast back.
+fp32 (bf16 positions above 256 are not exact), once per forward for all layers, with the sign of
+rotate_half folded into the sine table: rope(x) = x * cos + swap_halves(x) * (-sin, sin), one roll per
+call and no negation or concatenation. bf16 q/k multiply the fp32 tables directly (each product is exact
+in fp32, as if x were upcast first) and the result is cast back.
 """
 
 from __future__ import annotations
@@ -18,22 +21,19 @@ import torch
 def rope_cos_sin(
     position_ids: torch.Tensor, head_dim: int, theta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotation angles, each fp32 [T, D], for positions `position_ids` [T]."""
+    """The rotation tables for positions `position_ids` [T], each fp32 [T, D]: cos of the angles (repeated for the
+    two halves) and the signed sine (-sin, sin) that `apply_rope` takes."""
     inv_freq = 1.0 / theta ** (
         torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
     )
     angles = position_ids.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [T, D]
-    return angles.cos(), angles.sin()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] by cos/sin [T, D] (broadcast over heads); computed in fp32, returns x.dtype."""
-    xf = x.float()
+    """Rotate x [T, H, D] by the tables of `rope_cos_sin` [T, D] (broadcast over heads); products in fp32 (or
+    x's dtype if wider), returns x.dtype."""
     cos, sin = cos[:, None, :], sin[:, None, :]
-    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # (x2, x1): with the signed sine, rotate_half(x) * sin
+    return (x * cos + swapped * sin).to(x.dtype)

@@ -41,9 +41,9 @@ from megalm.offload import ActivationStore, LayerOffload, PipelineOffload
 from megalm.parallel.collectives import all_reduce_sum
 from megalm.parallel.context.attention import RingContext, validate_context
 from megalm.parallel.context.split import ContextShards
+from megalm.parallel.data_parallel.bucket_adamw import BucketAdamW
 from megalm.parallel.data_parallel.reducer import GradReducer
 from megalm.parallel.data_parallel.slices import DataParallelSlices, validate_data_parallel
-from megalm.parallel.data_parallel.zero1 import ZeroOneAdamW
 from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh, check_same_on_all_ranks, resolve_dims
 from megalm.parallel.hdp.split import HdpSplit, hdp_cost_model, validate_hdp
 from megalm.parallel.microbatch import LocalMicroBatch, Ring, StepShare
@@ -64,9 +64,12 @@ log = logging.getLogger("megalm")
 
 class ModelConverter(Protocol):
     """A transform applied to every model chunk from outside (TorchTitan's model converters): precision
-    recipes (megalm.precision.Precision). `token_multiple`: micro-batches are padded to a multiple of it."""
+    recipes (megalm.precision.Precision). `token_multiple`: micro-batches are padded to a multiple of it;
+    `working_dtype`: the dtype the weights train in, behind fp32 main weights the optimizer keeps (None: the
+    fp32 parameters are trained directly)."""
 
     token_multiple: int
+    working_dtype: torch.dtype | None
 
     def convert(self, chunk: nn.Module) -> None: ...
 
@@ -104,6 +107,9 @@ class Parallelism:
         self.mesh = mesh or build_mesh(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp), device)
         check_same_on_all_ranks(json.dumps(config_to_dict(cfg), sort_keys=True, default=str), self.mesh, device)
         self.model = self._build_model()
+        # bf16 working weights (the bf16 recipe): the optimizer keeps fp32 main weights and casts the model when it
+        # is built (BucketAdamW); the gradients accumulate over micro-batches in the reducer's fp32 buckets
+        self.working_dtype = next((c.working_dtype for c in self.converters if c.working_dtype), None)
         self.loss_fn = loss_fn_for(self.mesh.tp_group, self.cfg.model.vocab_size)
         if p.pp > 1:
             sp = p.tp if p.sequence_parallel else 1  # under SP a stage holds its 1/tp of the tokens
@@ -111,7 +117,7 @@ class Parallelism:
             self.runner: Runner = PipelineRuntime(
                 self.model, self.mesh, p.pp_schedule, self.loss_fn, self._forward_context, self._before_forward,
                 device, activation_shape=lambda mb: (mb.batch.num_tokens // sp, hidden),
-                activation_dtype=next(self.model.parameters()).dtype)
+                activation_dtype=self.working_dtype or next(self.model.parameters()).dtype)
         else:
             self.runner = LocalRunner(self.model, self.loss_fn, self._forward_context, self._before_forward, device,
                                       self.mesh.progress)
@@ -124,9 +130,11 @@ class Parallelism:
         tied = self.runner.tied_embedding()  # a pipeline's two copies: summed before the DP reduction
         self.reducer = GradReducer(list(self.model.parameters()), self.mesh.dp_cp_group, p.bucket_size_mb,
                                    reduce_dtype=reduce_dtype, zero1=p.zero1, presum=dict([tied]) if tied else None,
-                                   progress=self.mesh.progress)
-        # How to build this layout's optimizer (None: the trainer's own AdamW).
-        self.optimizer_factory = functools.partial(ZeroOneAdamW, reducer=self.reducer) if p.zero1 else None
+                                   progress=self.mesh.progress, accumulate=self.working_dtype is not None)
+        # How to build this layout's optimizer (None: the trainer's own AdamW): over the reducer's buckets for
+        # ZeRO-1's shards or for fp32 main weights
+        self.optimizer_factory = (functools.partial(BucketAdamW, reducer=self.reducer, working_dtype=self.working_dtype)
+                                  if p.zero1 or self.working_dtype else None)
         self._norm_weights = self._grad_norm_weights()
 
     # ------------------------------------------------------------------ building

@@ -1,9 +1,17 @@
 """Precision recipes, applied from outside the model (docs/architecture.md, "Precision from outside").
 
-- fp32: nothing; bf16: autocast around the forward, fp32 master weights and optimizer state.
-- fp8*, mxfp8, mxfp4*: bf16 autocast for everything (attention, norms, the skipped layers) and the
-  recipe's low-precision GEMMs in the linear layers (`precision/linear.py`, set as each linear
-  layer's `gemm_recipe` hook, on plain and tensor-parallel layers alike).
+- fp32: nothing.
+- bf16 (Megatron's mixed precision): the model's weights are bf16 working copies, so the residual stream and
+  every activation are bf16 and no linear casts its weight per micro-batch; norms and softmax compute in fp32
+  inside and return bf16; the optimizer keeps fp32 main weights and the gradients accumulate over micro-batches
+  in fp32 (the data-parallel buckets: megalm/parallel/data_parallel/bucket_adamw.py). The bf16 weights are
+  refreshed from the main ones once per optimizer step.
+- bf16_autocast (what `bf16` was before: kept to compare with): fp32 weights under torch.autocast, which casts
+  each weight to bf16 in every micro-batch's forward and keeps the fp32 residual stream.
+- fp8*, mxfp8, mxfp4*: bf16 autocast for everything (attention, norms, the skipped layers) over fp32 weights
+  (`precision.autocast=false`: fp32 around the recipe) and the recipe's low-precision GEMMs in the linear
+  layers (`precision/linear.py`, set as each linear layer's `gemm_recipe` hook, on plain and tensor-parallel
+  layers alike).
 - `precision.backend=te` with fp8 / fp8_delayed: Transformer Engine's Linear and fp8 recipes
   (`precision/te.py`) when TE is importable; otherwise the native path, and the log says so.
 
@@ -65,16 +73,26 @@ def uses_transformer_engine(name: str, backend: str, device: torch.device | None
     return backend == "te" and name in te.TE_RECIPES and on_gpu and transformer_engine_problem(name) is None
 
 
+# The recipes that change no linear layer: plain fp32, bf16 working weights, bf16 autocast over fp32 weights.
+WHOLE_MODEL = ("fp32", "bf16", "bf16_autocast")
+PRECISIONS = (*RECIPES, "bf16_autocast")  # every precision.name (RECIPES: the GEMM recipes of the linear layers)
+
+
 def autocasts(precision: PrecisionConfig | str) -> bool:
-    """Whether forward passes run under bf16 autocast: bf16, and the low-precision recipes unless
+    """Whether forward passes run under bf16 autocast: bf16_autocast, and the low-precision recipes unless
     `precision.autocast` is false."""
     name = getattr(precision, "name", precision)
-    return name == "bf16" or (name != "fp32" and getattr(precision, "autocast", True))
+    return name == "bf16_autocast" or (name not in WHOLE_MODEL and getattr(precision, "autocast", True))
+
+
+def working_dtype(precision: PrecisionConfig | str) -> torch.dtype | None:
+    """The dtype the model's weights train in behind fp32 main weights (bf16), or None: the fp32 weights train."""
+    return torch.bfloat16 if getattr(precision, "name", precision) == "bf16" else None
 
 
 @contextlib.contextmanager
 def autocast(precision: PrecisionConfig | str, device: torch.device) -> Iterator[None]:
-    """bf16 autocast around forward passes (fp32 master weights): for bf16, and for the low-precision
+    """bf16 autocast around forward passes (fp32 weights): for bf16_autocast, and for the low-precision
     recipes unless `precision.autocast` is false (then everything but the recipe's GEMMs runs in fp32);
     plus TE's fp8_autocast when the recipe runs on Transformer Engine. Nothing is entered before the
     `with`. `precision` is a PrecisionConfig or a recipe name."""
@@ -99,7 +117,9 @@ class Precision:
         fp8_on_gpu = device.type == "cuda" and (cfg.name.startswith("fp8") or cfg.forward == "fp8")
         self.token_multiple = (te.TE_TOKEN_MULTIPLE if self.on_te else fp8.SCALED_MM_TOKEN_MULTIPLE if fp8_on_gpu
                                else 1)
-        self.note = f"{cfg.name} (autocast only)" if cfg.name in ("fp32", "bf16") else cfg.name
+        self.working_dtype = working_dtype(cfg)
+        self.note = {"bf16": "bf16 (bf16 weights, fp32 main weights and gradient sums)",
+                     "bf16_autocast": "bf16_autocast (autocast over fp32 weights)"}.get(cfg.name, cfg.name)
         if device.type == "cuda":  # fp32 GEMMs on Ampere/Hopper: TF32 (10-bit mantissa) unless asked not to
             torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
             torch.backends.cudnn.allow_tf32 = cfg.tf32
@@ -116,7 +136,7 @@ class Precision:
         """Install the recipe on the linear layers of `chunk` (a GPT or a pipeline chunk)."""
         name, skip = self.cfg.name, list(self.cfg.skip)
         skipped = f", skipping {skip}" if skip else ""
-        if name in ("fp32", "bf16"):
+        if name in WHOLE_MODEL:
             return
         if self.on_te:
             count = te.apply_te(chunk, name, skip)
@@ -140,8 +160,8 @@ class Precision:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype activations reach attention in: bf16 under autocast, else fp32."""
-        return torch.bfloat16 if autocasts(self.cfg) else torch.float32
+        """The dtype activations reach attention in: bf16 with bf16 weights or under autocast, else fp32."""
+        return torch.bfloat16 if autocasts(self.cfg) or self.working_dtype else torch.float32
 
     def before_forward(self, chunk: nn.Module, step: int, micro_batch: int) -> None:
         """Seed the random rounding of `chunk`'s layers by (step, micro-batch index in the step)."""
@@ -151,8 +171,8 @@ class Precision:
 def validate_precision(cfg: MegalmConfig) -> None:
     """The rules of `cfg.precision`, alone and with the parallel layout, as one-line ConfigErrors."""
     p, parallel = cfg.precision, cfg.parallel
-    if p.name not in RECIPES:
-        raise ConfigError(f"precision={p.name} is not one of {'|'.join(RECIPES)}; pick one of those")
+    if p.name not in PRECISIONS:
+        raise ConfigError(f"precision={p.name} is not one of {'|'.join(PRECISIONS)}; pick one of those")
     if p.forward is not None:
         choice(p.forward, "precision.forward", ForwardFormat)
         if not p.name.startswith("mxfp4"):

@@ -13,6 +13,7 @@ beyond the step counter and a resumed run follows exactly the curve of one that 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -69,6 +70,13 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, factory: Callable[...,
         optim.implementation == "auto" and device.type in ("cuda", "cpu")
     )
     return torch.optim.AdamW(groups, **hyper, **({"fused": True} if use_fused else {"foreach": True}))
+
+
+def full_precision_weights(optimizer: Any) -> contextlib.AbstractContextManager:
+    """Inside, the model's parameters hold the fp32 weights training steps: what checkpoints save and loads write.
+    With bf16 working weights those are the optimizer's main weights (BucketAdamW swaps them in and, on exit,
+    takes them back and casts the working copies again); a plain AdamW's parameters are them already."""
+    return getattr(optimizer, "full_precision_weights", contextlib.nullcontext)()
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.parallel.data_parallel.reducer import GradReducer
-from megalm.parallel.data_parallel.zero1 import ZeroOneAdamW
+from megalm.parallel.data_parallel.bucket_adamw import BucketAdamW
 from megalm.training.optim import param_groups, set_lr
 
 from .launch import run_distributed
@@ -196,7 +196,7 @@ def _bytes_worker(rank: int, world: int) -> None:
     net = make_net(extras=False)
     n_params = sum(p.numel() for p in net.parameters())
     zero = GradReducer(net.parameters(), dist.group.WORLD, bucket_size_mb=BUCKET_MB, zero1=True)
-    opt = ZeroOneAdamW(param_groups(net, 0.1), zero, lr=1e-3)
+    opt = BucketAdamW(param_groups(net, 0.1), zero, lr=1e-3)
     padded = sum(math.ceil(sum(p.numel() for p in b.params) / world) * world for b in zero.buckets)
     assert padded > n_params, "the test model should need padding"
     dp_grads(net, zero, 0, rank, world)
@@ -222,10 +222,10 @@ def lr_of(step: int) -> float:
     return LR * (0.5 + 0.1 * step)  # changes every step: set_lr must reach the sharded update
 
 
-def zero_setup(world_group) -> tuple[Net, GradReducer, ZeroOneAdamW]:
+def zero_setup(world_group) -> tuple[Net, GradReducer, BucketAdamW]:
     net = make_net(extras=False)
     reducer = GradReducer(net.parameters(), world_group, bucket_size_mb=BUCKET_MB, zero1=True)
-    opt = ZeroOneAdamW(param_groups(net, WD), reducer, lr=LR, betas=BETAS, eps=EPS)
+    opt = BucketAdamW(param_groups(net, WD), reducer, lr=LR, betas=BETAS, eps=EPS)
     return net, reducer, opt
 
 
@@ -243,7 +243,7 @@ def reference_step(ref: Net, opt: torch.optim.Optimizer, step: int, world: int) 
     return norm
 
 
-def zero_step(net: Net, reducer: GradReducer, opt: ZeroOneAdamW, step: int, rank: int, world: int) -> float:
+def zero_step(net: Net, reducer: GradReducer, opt: BucketAdamW, step: int, rank: int, world: int) -> float:
     dp_grads(net, reducer, step, rank, world)
     norm = opt.clip_grad_norm_(MAX_NORM).item()
     set_lr(opt, lr_of(step))

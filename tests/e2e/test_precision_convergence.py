@@ -1,5 +1,8 @@
 """The low-precision recipes train as well as fp32 on the demo: the shorter run of the 300-step benchmark.
 
+bf16 (bf16 weights behind fp32 main weights) over 200 steps, against fp32, within the same 2%: measured −1.2%
+(bf16_autocast −1.9%; docs/benchmarks.md).
+
 100 steps of the default demo (tiny model, stdlib corpus, seed 0) per recipe, validation loss over
 20 batches at the end: fp8, mxfp8 and mxfp4 must end no more than 2% above fp32. Measured
 (docs/benchmarks.md): fp8 +0.3%, mxfp8 −6.4%, mxfp4 −4.1% (+1.0% under an earlier assignment of
@@ -31,12 +34,18 @@ def _bench():
     return module
 
 
-def _val_loss(recipe: str, root: Path) -> float:
+def _val_loss(recipe: str, root: Path, steps: int = STEPS) -> float:
     """One recipe's run, in a worker process of one thread (as the test process runs: tests/conftest.py)."""
     import torch
 
     torch.set_num_threads(1)
-    return _bench().train(recipe, STEPS, OVERRIDES, root)["val_loss"]
+    return _bench().train(recipe, steps, OVERRIDES, root)["val_loss"]
+
+
+def _within_2_percent(losses: dict[str, float]) -> None:
+    fp32 = losses.pop("fp32")
+    worse = {recipe: f"{loss:.4f} ({loss / fp32 - 1:+.2%})" for recipe, loss in losses.items() if loss > 1.02 * fp32}
+    assert not worse, f"recipes more than 2% above fp32's validation loss {fp32:.4f}: {worse}"
 
 
 @pytest.mark.slow
@@ -45,9 +54,13 @@ def test_fp8_mxfp8_mxfp4_end_within_2_percent_of_fp32(tmp_path):
     recipes = ("mxfp4", "mxfp8", "fp8", "fp32")  # the longest (emulated MX) first
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
         losses = dict(zip(recipes, pool.map(_val_loss, recipes, [tmp_path] * len(recipes)), strict=True))
-    fp32 = losses.pop("fp32")
-    worse = {}
-    for recipe, loss in losses.items():
-        if loss > 1.02 * fp32:
-            worse[recipe] = f"{loss:.4f} ({loss / fp32 - 1:+.2%})"
-    assert not worse, f"recipes more than 2% above fp32's validation loss {fp32:.4f}: {worse}"
+    _within_2_percent(losses)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_bf16_ends_within_2_percent_of_fp32_over_200_steps(tmp_path):
+    recipes = ("fp32", "bf16")
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        losses = dict(zip(recipes, pool.map(_val_loss, recipes, [tmp_path] * 2, [200] * 2), strict=True))
+    _within_2_percent(losses)

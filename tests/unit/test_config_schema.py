@@ -76,9 +76,10 @@ def test_the_packages_name_the_same_choices_as_the_schema():
     from megalm.offload.policy import POLICIES
     from megalm.parallel.context.attention import COMMS
     from megalm.parallel.pipeline.schedules import SCHEDULES, build_schedule
-    from megalm.precision.linear import FORWARD_SPECS, RECIPES
+    from megalm.precision import PRECISIONS
+    from megalm.precision.linear import FORWARD_SPECS
 
-    assert set(RECIPES) == set(choices.PrecisionRecipe.names()) - {"auto"}
+    assert set(PRECISIONS) == set(choices.PrecisionRecipe.names()) - {"auto"}
     assert set(choices.ForwardFormat.names()) <= set(FORWARD_SPECS)
     assert choices.PipelineScheduleName.names() == SCHEDULES
     for name in SCHEDULES:  # each name the schema accepts builds a schedule
@@ -100,7 +101,7 @@ def test_a_choice_reads_as_its_string():
 
 @pytest.mark.parametrize("override, message", [
     ("optim.schedule=exp", "optim.schedule=exp is not one of cosine|wsd|linear|constant; pick one of those"),
-    ("precision.name=fp4", "precision=fp4 is not one of auto|fp32|bf16|fp8|"),
+    ("precision.name=fp4", "precision=fp4 is not one of auto|fp32|bf16|bf16_autocast|fp8|"),
     ("parallel.pp_schedule=gpipe", "parallel.pp_schedule=gpipe is not one of 1f1b|interleaved|zb"),
     ("parallel.grad_reduce_dtype=fp16", "parallel.grad_reduce_dtype=fp16 is not one of fp32|bf16"),
     ("offload.policy=sometimes", "offload.policy=sometimes is not one of uniform|lifespan|auto"),

@@ -89,7 +89,7 @@ def test_loss_falls_and_metrics_are_written(tmp_path):
 
 
 def test_bf16_autocast_trains(tmp_path):
-    cfg = compose_config("precision=bf16", "trainer.max_steps=3")
+    cfg = compose_config("precision=bf16_autocast", "trainer.max_steps=3")
     trainer = Trainer(cfg, tmp_path)
     losses = [trainer.train_step(s).loss for s in range(3)]
     assert all(torch.isfinite(torch.tensor(losses)))

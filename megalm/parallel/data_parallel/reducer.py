@@ -1,4 +1,4 @@
-"""Data parallelism: bucketed, overlapped gradient reduction (the ZeRO-1 optimizer is in zero1.py).
+"""Data parallelism: bucketed, overlapped gradient reduction (the optimizer over its buckets is bucket_adamw.py).
 
 Every DP rank holds the whole model, runs its own slice of the global batch and ends the backward
 with a *partial* gradient. Because megalm's loss is `sum(token losses) / tokens in the global
@@ -23,12 +23,21 @@ gradient in a step (an unused branch, a rank whose data skipped a layer) never r
 bucket order, on every rank, which is what keeps the collectives of different ranks paired even
 when ranks disagree about which parameters were used.
 
+fp32 gradient accumulation ("main_grad", Megatron's accumulate_allreduce_grads_in_fp32)
+-------------------------------------------------------------------------------------
+With bf16 working weights (`precision=bf16`), accumulating micro-batch gradients in bf16 `p.grad` would round
+every partial sum. `accumulate=True` makes the bucket the accumulator: the hook adds each micro-batch's
+gradient into the parameter's view of its bucket and frees `p.grad`, every micro-batch, so the step's sum is
+formed in the bucket's dtype (fp32 unless `reduce_dtype` says otherwise, as Megatron accumulates and reduces in
+one buffer) and the summed gradients stay in the buckets (`grad_shards()`) for an optimizer that steps fp32
+main weights from them (bucket_adamw.py). Buckets are zeroed at `start_step`.
+
 Single process
 --------------
 `dp_group=None` (what `ParallelMesh` holds in a single process) or a group of size 1 means *no
 communication* — None here is not torch's "default group". The same classes then run unchanged:
-the all-reduce reducer leaves gradients untouched, and ZeRO-1 degenerates to one shard holding
-everything, i.e. plain AdamW.
+the all-reduce reducer leaves gradients untouched (or, accumulating, holds them in its buckets), and
+ZeRO-1 degenerates to one shard holding everything, i.e. plain AdamW.
 
 Deliberately left out (each is a contained change if profiling asks for it)
 --------------------------------------------------------------------------
@@ -85,7 +94,9 @@ class GradBucket:
     """Parameters whose gradients travel in one collective, laid out back to back in `buffer`.
 
     `buffer` has `padded_numel` elements in the reduce dtype; with ZeRO-1 the padding makes it
-    split into `world` equal shards, and `shard` receives this rank's summed slice.
+    split into `world` equal shards, and `shard` receives this rank's summed slice. `segments` are the
+    pieces of parameters in the part of the bucket this rank's optimizer steps: its shard under ZeRO-1,
+    the whole bucket when gradients accumulate in it without ZeRO-1, none otherwise.
     """
 
     index: int
@@ -97,7 +108,7 @@ class GradBucket:
     buffer: torch.Tensor
     shard: torch.Tensor | None = None  # ZeRO-1: reduce-scatter output, reduce dtype
     grad_shard: torch.Tensor | None = None  # ZeRO-1: this rank's summed gradient, grad dtype (after finish)
-    segments: list[ShardSegment] = field(default_factory=list)  # ZeRO-1: this rank's pieces of params
+    segments: list[ShardSegment] = field(default_factory=list)  # the pieces of params this rank owns
     pending: int = 0  # parameters whose gradient is not final yet in this step
     launched: bool = False
     work: dist.Work | None = None
@@ -108,11 +119,12 @@ class GradBucket:
 
 
 def _build_buckets(params: list[nn.Parameter], bucket_bytes: float, reduce_dtype: torch.dtype | None,
-                   zero1: bool, world: int, rank: int) -> list[GradBucket]:
+                   zero1: bool, world: int, rank: int, accumulate: bool = False) -> list[GradBucket]:
     """Split `params` (already in reverse registration order) into buckets of about `bucket_bytes`.
 
     A bucket is closed once it holds at least `bucket_bytes` (so a large parameter gets a bucket of
     its own) or when the dtype/device changes (one flat buffer has one dtype and one device).
+    Accumulating buckets are fp32 (or `reduce_dtype`) whatever the parameters' dtype.
     """
     groups: list[list[nn.Parameter]] = []
     current: list[nn.Parameter] = []
@@ -136,14 +148,16 @@ def _build_buckets(params: list[nn.Parameter], bucket_bytes: float, reduce_dtype
             offsets.append(numel)
             numel += p.numel()
         padded = math.ceil(numel / world) * world if zero1 else numel
-        dtype = reduce_dtype or group[0].dtype
+        grad_dtype = torch.float32 if accumulate else group[0].dtype
+        dtype = reduce_dtype or grad_dtype
         # zeros: the padding is never written again, so it stays zero and adds nothing.
         buffer = torch.zeros(padded, dtype=dtype, device=group[0].device)
-        bucket = GradBucket(index, group, offsets, numel, padded, group[0].dtype, buffer)
-        if zero1:
-            size = padded // world
-            bucket.shard = torch.zeros(size, dtype=dtype, device=buffer.device)
-            lo, hi = rank * size, (rank + 1) * size
+        bucket = GradBucket(index, group, offsets, numel, padded, grad_dtype, buffer)
+        if zero1 or accumulate:  # the range this rank's optimizer steps: its shard, or the whole bucket
+            size = padded // world if zero1 else padded
+            if zero1:
+                bucket.shard = torch.zeros(size, dtype=dtype, device=buffer.device)
+            lo, hi = (rank * size, (rank + 1) * size) if zero1 else (0, padded)
             for p, start in zip(group, offsets, strict=True):
                 a, b = max(start, lo), min(start + p.numel(), hi)
                 if a < b:
@@ -176,7 +190,10 @@ class GradReducer:
     Per step: `start_step(n)`, then n micro-batches of forward+backward, then `finish()`.
     - zero1=False: after `finish()` every rank's `p.grad` is the DP-summed gradient.
     - zero1=True: after `finish()` `p.grad` is None and each bucket's `grad_shard` holds the
-      summed gradient of this rank's shard; `ZeroOneAdamW` consumes it.
+      summed gradient of this rank's shard; `BucketAdamW` consumes it.
+    - accumulate=True: each micro-batch's gradient is added into the bucket (fp32) as it arrives; after
+      `finish()` `p.grad` is None and `grad_shards()` holds the summed gradients (the whole buckets, or
+      this rank's shards under ZeRO-1), for `BucketAdamW` with fp32 main weights.
 
     reduce_dtype (e.g. torch.bfloat16) is the dtype the buffers are communicated and summed in —
     half the traffic of fp32 at the cost of bf16 rounding of the sum; the result is cast back to
@@ -184,7 +201,7 @@ class GradReducer:
 
     `stats` counts what went over the wire: "<collective>_bytes" is the size of the full buffer
     each collective worked on (all-reduce: the buffer; reduce-scatter: its input; all-gather: its
-    output — the gather is counted here by ZeroOneAdamW), "collective_calls" the number of calls,
+    output — the gather is counted here by BucketAdamW), "collective_calls" the number of calls,
     "buckets_in_backward" / "buckets_in_finish" where buckets were launched (the first is the
     overlapped ones). `bytes_sent_per_rank()` turns the sizes into ring-algorithm traffic.
 
@@ -194,7 +211,8 @@ class GradReducer:
 
     def __init__(self, params: Iterable[nn.Parameter], dp_group: dist.ProcessGroup | None,
                  bucket_size_mb: float = 25.0, reduce_dtype: torch.dtype | None = None, zero1: bool = False,
-                 presum: dict[nn.Parameter, dist.ProcessGroup] | None = None, progress: Progress | None = None):
+                 presum: dict[nn.Parameter, dist.ProcessGroup] | None = None, progress: Progress | None = None,
+                 accumulate: bool = False):
         self.progress = progress  # the mesh's record of the collective entered (hang reports)
         unique: dict[int, nn.Parameter] = {}
         for p in params:
@@ -204,6 +222,8 @@ class GradReducer:
         self.dp_group = dp_group
         self.world, self.rank = group_size(dp_group), group_rank(dp_group)
         self.zero1 = zero1
+        self.accumulate = accumulate
+        self.flat_grads = zero1 or accumulate  # the summed gradients stay in the buckets, not in p.grad
         self.reduce_dtype = reduce_dtype
         # Parameters whose local gradient is first summed over another group (a pipeline's tied embedding: its
         # first- and last-stage copies), in finish(), before the DP reduction: under ZeRO-1 the DP reduction
@@ -213,7 +233,8 @@ class GradReducer:
         # Reverse registration order approximates the order in which backward finalises gradients; the
         # pre-summed parameters go last, so that waiting for finish() holds back no other bucket.
         order = [p for p in self.params[::-1] if id(p) not in presummed] + [p for p, _ in self.presum]
-        self.buckets = _build_buckets(order, bucket_size_mb * 2**20, reduce_dtype, zero1, self.world, self.rank)
+        self.buckets = _build_buckets(order, bucket_size_mb * 2**20, reduce_dtype, zero1, self.world, self.rank,
+                                      accumulate)
         self._where: dict[int, tuple[GradBucket, int]] = {}  # id(param) -> (bucket, offset)
         for bucket in self.buckets:
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
@@ -225,8 +246,8 @@ class GradReducer:
         self._next_launch = 0  # buckets are launched strictly in index order
         self._active = False
         self.step_finished = False  # True between finish() and the next start_step()
-        # Plain DP in one process has nothing to do; ZeRO-1 still needs its flat grad shard.
-        self.enabled = self.world > 1 or zero1 or bool(self.presum)
+        # Plain DP in one process has nothing to do; ZeRO-1 still needs its flat grad shard, accumulation its buckets.
+        self.enabled = self.world > 1 or self.flat_grads or bool(self.presum)
         self._handles = []
         if self.enabled:
             # The hooks hold the reducer weakly and are removed when it is collected. A strong
@@ -251,6 +272,8 @@ class GradReducer:
             bucket.pending = len(bucket.params)
             bucket.launched = False
             bucket.work = None
+        if self.accumulate and self.buckets:  # the sums start from zero (one launch for all buckets)
+            torch._foreach_zero_([bucket.buffer for bucket in self.buckets])
         self._next_launch = 0
         self._active = True
         self.step_finished = False
@@ -262,11 +285,14 @@ class GradReducer:
             raise RuntimeError("GradReducer.finish() without start_step()")
         if self.enabled:
             for p, group in self.presum:  # their local gradients, summed over their group first
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                if self.accumulate:  # already summed over the micro-batches in the bucket
+                    local = self._view(p)
+                else:
+                    local = p.grad = torch.zeros_like(p) if p.grad is None else p.grad
                 if group_size(group) > 1:
-                    dist.all_reduce(p.grad, group=group)
-                self._copy_in(p)
+                    dist.all_reduce(local, group=group)
+                if not self.accumulate:
+                    self._copy_in(p)
                 self._where[id(p)][0].pending -= 1
             presummed = {id(p) for p, _ in self.presum}
             for bucket in self.buckets:
@@ -275,7 +301,7 @@ class GradReducer:
                         # not final yet (unused in some micro-batch), or a rank with no micro-batch at all
                         # (HDP): its bucket still holds the last step's gradient, so zeros go in
                         stale = self._fires[id(p)] < self._num_micro_batches or self._num_micro_batches == 0
-                        if stale and id(p) not in presummed:
+                        if stale and id(p) not in presummed and not self.accumulate:  # accumulated: in place
                             self._copy_in(p)
                     bucket.pending = 0
             self._launch_ready(in_backward=False)
@@ -300,12 +326,13 @@ class GradReducer:
                            "collective_calls": 0, "buckets_in_backward": 0, "buckets_in_finish": 0})
 
     def grad_shards(self) -> list[torch.Tensor]:
-        """ZeRO-1: this rank's summed gradient shard of every bucket (valid after finish())."""
-        if not self.zero1:
-            raise RuntimeError("grad_shards() needs GradReducer(zero1=True)")
+        """The summed gradients this rank's optimizer steps, one flat tensor per bucket (valid after finish()):
+        its shard of every bucket under ZeRO-1, else (accumulating) the whole buckets."""
+        if not self.flat_grads:
+            raise RuntimeError("grad_shards() needs GradReducer(zero1=True) or GradReducer(accumulate=True)")
         if not self.step_finished:
             raise RuntimeError("the reducer has no finished step: call reducer.finish() before using grads")
-        return [b.grad_shard for b in self.buckets]
+        return [b.grad_shard if self.zero1 else b.buffer for b in self.buckets]
 
     @property
     def shard_group(self) -> dist.ProcessGroup | None:
@@ -317,10 +344,11 @@ class GradReducer:
     def local_grad_sq_norm(self, weight: Callable[[nn.Parameter], float] | None = None) -> torch.Tensor:
         """Sum of squares of the summed gradient elements this rank holds (fp32 scalar): its shard of every
         bucket under ZeRO-1 (shards partition the parameters: sum this over `shard_group` for the full
-        norm²), every parameter's whole gradient otherwise. `weight(param)` scales each parameter's part
-        (tensor parallelism passes each parameter's share, so TP-replicated parameters count once)."""
+        norm²), every parameter's whole gradient otherwise (in the buckets when they accumulate). `weight(param)`
+        scales each parameter's part (tensor parallelism passes each parameter's share, so TP-replicated parameters
+        count once)."""
         device = self.params[0].device if self.params else None
-        if self.zero1:
+        if self.flat_grads:
             pairs = [(g, 1.0) for g in self.grad_shards()] if weight is None else [
                 (g[seg.shard_slice], weight(seg.param))
                 for bucket, g in zip(self.buckets, self.grad_shards(), strict=True) for seg in bucket.segments]
@@ -331,7 +359,7 @@ class GradReducer:
     @torch.no_grad()
     def scale_grads(self, coef: float | torch.Tensor) -> None:
         """Multiply the summed gradients this rank holds by `coef` (the clip coefficient)."""
-        if self.zero1:
+        if self.flat_grads:
             for g in self.grad_shards():
                 g.mul_(coef)
         else:
@@ -349,6 +377,9 @@ class GradReducer:
             raise RuntimeError("a gradient arrived outside a GradReducer step: call reducer.start_step("
                                "num_micro_batches) before the first backward and finish() after the last")
         key = id(param)
+        if self.accumulate:  # this micro-batch's gradient joins the bucket's sum (fp32) and leaves p.grad
+            self._view(param).add_(param.grad.reshape(-1))
+            param.grad = None
         self._fires[key] += 1
         if self._fires[key] > self._num_micro_batches:
             raise RuntimeError(f"a parameter received {self._fires[key]} gradients in a step declared with "
@@ -358,15 +389,20 @@ class GradReducer:
         if any(p is param for p, _ in self.presum):
             return  # summed over its group in finish(), then copied in
         bucket, _ = self._where[key]
-        self._copy_in(param)
+        if not self.accumulate:
+            self._copy_in(param)
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_ready(in_backward=True)
 
+    def _view(self, param: nn.Parameter) -> torch.Tensor:
+        """`param`'s flat slice of its bucket."""
+        bucket, offset = self._where[id(param)]
+        return bucket.buffer[offset:offset + param.numel()]
+
     def _copy_in(self, param: nn.Parameter) -> None:
         """Move the final local gradient into the bucket (casting to the reduce dtype) and free it."""
-        bucket, offset = self._where[id(param)]
-        view = bucket.buffer[offset:offset + param.numel()]
+        view = self._view(param)
         if param.grad is None:
             view.zero_()
         else:
@@ -405,6 +441,8 @@ class GradReducer:
         if self.zero1:
             shard = bucket.shard
             bucket.grad_shard = shard if shard.dtype == bucket.grad_dtype else shard.to(bucket.grad_dtype)
+            return
+        if self.accumulate:  # the summed gradients stay in the bucket (grad_shards())
             return
         for p, offset in zip(bucket.params, bucket.offsets, strict=True):
             flat = bucket.buffer[offset:offset + p.numel()]

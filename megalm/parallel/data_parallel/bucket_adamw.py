@@ -1,4 +1,4 @@
-"""ZeRO-1: AdamW with its state sharded over the data-parallel group.
+"""AdamW over the reducer's flat gradient buckets: ZeRO-1's sharded state, and fp32 main weights for bf16 ones.
 
 Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
 (SC20): with plain DP every rank stores the full AdamW state (2 fp32 moments, 8 bytes/param) and
@@ -11,13 +11,26 @@ the memory saving is free in communication volume.
 
 The gradients come from `GradReducer(..., zero1=True)` (reducer.py), which reduce-scatters them into
 each rank's shard of every bucket.
+
+Mixed precision with main weights (Micikevicius et al. 2018, "Mixed Precision Training"; Megatron's
+Float16OptimizerWithFloat16Params and distributed optimizer): with `working_dtype=torch.bfloat16` the model's
+parameters become bf16 working copies that forward and backward use directly (no per-micro-batch casts under
+autocast), while this optimizer keeps the fp32 main weights, flat like its moments: the owned part of every
+bucket (the whole bucket without ZeRO-1, which needs a reducer that accumulates: `GradReducer(accumulate=True)`,
+the gradients summed in fp32 across micro-batches in the buckets; this rank's shard with ZeRO-1). AdamW steps
+the fp32 main weights from the fp32 gradients, and the bf16 copy is refreshed once per step: cast from the main
+weights, or under ZeRO-1 cast from each rank's shard and all-gathered in bf16 (half of the fp32 gather's bytes).
+Bytes per parameter: 2 (bf16 weight) + 4 (fp32 gradient bucket) + 12 (main weight and two moments), the last
+divided by the DP size under ZeRO-1 — Megatron's 18 and 6 + 12/d. Checkpoints hold the fp32 main weights
+(`full_precision_weights()`), so they resume exactly and load into fp32 runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -29,8 +42,9 @@ from megalm.parallel.collectives import all_gather_flat
 from megalm.parallel.data_parallel.reducer import GradReducer
 
 
-class ZeroOneAdamW:
-    """AdamW whose fp32 state is sharded over the DP group (ZeRO stage 1, Rajbhandari et al. 2020).
+class BucketAdamW:
+    """AdamW over the reducer's buckets: its fp32 state sharded over the DP group (ZeRO stage 1, Rajbhandari
+    et al. 2020) when the reducer shards, and fp32 main weights behind `working_dtype` parameters when given.
 
     torch's AdamW (its fused kernel on CPU and CUDA, foreach elsewhere: decoupled weight decay, then the
     Adam step) applied to this rank's flat segments of every bucket, one call per param group, followed by
@@ -42,19 +56,23 @@ class ZeroOneAdamW:
     `state_dict()` indexed in param-group order, so `training.checkpoint` saves and loads it by
     parameter name — under any DP size, and interchangeably with a plain torch AdamW.
 
-    Gradients come from the reducer (`GradReducer(..., zero1=True)`); norm and clipping act on the
-    shard: `local_grad_sq_norm()` (sum it over the DP group for the global norm²) and
+    Gradients come from the reducer's buckets; norm and clipping act on the part this rank steps:
+    `local_grad_sq_norm()` (sum it over `reducer.shard_group` for the global norm²) and
     `scale_grads(coef)`, or `clip_grad_norm_(max_norm)` for a DP-only layout.
 
-    Parameters are fp32 (megalm keeps fp32 weights and gets bf16/fp8 from autocast and precision
-    recipes), so the parameters themselves are the master weights: the shard is read from them at
-    every step, which also means a model loaded after this optimizer was built is picked up.
+    Parameters are fp32 when built. Without `working_dtype` they stay so and are themselves the main
+    weights: the shard is read from them at every step, which also means a model loaded after this
+    optimizer was built is picked up. With it, the fp32 values become this optimizer's main weights and the
+    parameters are cast to `working_dtype`; whatever loads or saves weights goes through
+    `full_precision_weights()`.
     """
 
     def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict], reducer: GradReducer, lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
-        if not reducer.zero1:
-            raise ValueError("ZeroOneAdamW needs a GradReducer built with zero1=True")
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 working_dtype: torch.dtype | None = None):
+        if not reducer.zero1 and not (working_dtype is not None and reducer.accumulate):
+            raise ValueError("BucketAdamW needs a GradReducer built with zero1=True, or, for working_dtype "
+                             "parameters, one built with accumulate=True")
         params = list(params)
         if params and not isinstance(params[0], dict):
             params = [{"params": params}]
@@ -74,10 +92,10 @@ class ZeroOneAdamW:
                 if id(p) in self._group_of:
                     raise ValueError("a parameter appears in more than one param group")
                 if p.dtype != torch.float32:
-                    raise ValueError(f"ZeroOneAdamW keeps parameters as fp32 master weights; got {p.dtype}")
+                    raise ValueError(f"BucketAdamW takes fp32 parameters (its main weights); got {p.dtype}")
                 self._group_of[id(p)] = group
         if set(self._group_of) != {id(p) for p in reducer.params}:
-            raise ValueError("ZeroOneAdamW's parameters must be exactly the reducer's trainable parameters")
+            raise ValueError("BucketAdamW's parameters must be exactly the reducer's trainable parameters")
 
         self.step_count = 0
         self._post_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()  # RemovableHandle's weakref
@@ -87,6 +105,11 @@ class ZeroOneAdamW:
         self.exp_avg = [torch.zeros(b.shard_numel, dtype=torch.float32, device=b.buffer.device)
                         for b in reducer.buckets]
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.exp_avg]
+        self.working_dtype = working_dtype
+        self.main: list[torch.Tensor] | None = None  # fp32 main weights, flat: the owned part of every bucket
+        if working_dtype is not None:
+            self.main = [torch.zeros_like(m) for m in self.exp_avg]
+            self._take_main_weights()
 
     # ------------------------------------------------------------------ gradients
 
@@ -108,7 +131,7 @@ class ZeroOneAdamW:
         """Global-norm clipping like torch.nn.utils.clip_grad_norm_, for a layout where DP is the only
         parallelism (with TP, combine local_grad_sq_norm over the TP group too). Collective."""
         sq = self.local_grad_sq_norm()
-        if self.world > 1:
+        if self.world > 1 and self.reducer.zero1:
             dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.dp_group)
         norm = sq.sqrt()
         if math.isfinite(max_norm):
@@ -132,41 +155,98 @@ class ZeroOneAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
-        """AdamW on this rank's shard, then all-gather the updated parameters (collective)."""
-        grads = self._grad_shards()
+        """AdamW on the part of every bucket this rank owns, then every parameter refreshed from it (ZeRO-1: an
+        all-gather, collective). A fixed number of foreach/fused launches per param group, not one per parameter."""
+        grads = [g if g.dtype == torch.float32 else g.float() for g in self._grad_shards()]
         self.step_count += 1
-        shards = [torch.empty(b.shard_numel, dtype=torch.float32, device=m.device)
-                  for b, m in zip(self.reducer.buckets, self.exp_avg, strict=True)]
+        shards = self.main or [torch.empty(b.shard_numel, dtype=torch.float32, device=m.device)
+                               for b, m in zip(self.reducer.buckets, self.exp_avg, strict=True)]
         per_group: dict[int, tuple[dict, list[list[torch.Tensor]]]] = {}  # id(group) -> (group, 4 tensor lists)
+        fresh: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # fp32 parameters -> the shard they step in
         for bucket, grad, m, v, shard in zip(self.reducer.buckets, grads, self.exp_avg, self.exp_avg_sq, shards,
                                              strict=True):
             for seg in bucket.segments:
                 group = self._group_of[id(seg.param)]
                 s = seg.shard_slice
-                shard[s].copy_(seg.param.detach().reshape(-1)[seg.param_slice])
+                if self.main is None:  # the fp32 parameters are the main weights
+                    fresh[0].append(shard[s])
+                    fresh[1].append(seg.param.detach().reshape(-1)[seg.param_slice])
                 lists = per_group.setdefault(id(group), (group, [[], [], [], []]))[1]
-                for out, tensor in zip(lists, (shard[s], grad[s].float(), m[s], v[s]), strict=True):
+                for out, tensor in zip(lists, (shard[s], grad[s], m[s], v[s]), strict=True):
                     out.append(tensor)
+        if fresh[0]:
+            torch._foreach_copy_(*fresh)
         for group, (params, grads_, exp_avgs, exp_avg_sqs) in per_group.values():
-            # torch's own AdamW kernels (fused, or foreach) on this rank's flat segments, one call per param group
-            steps = [torch.full((), float(self.step_count - 1), device=p.device) for p in params]
+            # torch's own AdamW kernels (fused, or foreach) on this rank's flat segments, one call per param group;
+            # the step counters (one per tensor, as torch's kernels take them) are views of one tensor
+            steps = list(torch.full((len(params),), float(self.step_count - 1), device=params[0].device).unbind())
             beta1, beta2 = group["betas"]
             adamw(params, grads_, exp_avgs, exp_avg_sqs, [], steps, fused=self.fused,
                   foreach=None if self.fused else True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-        gathers = [self._gather(shard, bucket.padded_numel) for bucket, shard in zip(self.reducer.buckets, shards,
-                                                                                      strict=True)]
-        for bucket, (full, work) in zip(self.reducer.buckets, gathers, strict=True):
-            if work is not None:
-                work.wait()
-            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
-                p.copy_(full[offset:offset + p.numel()].view_as(p))
+        self._refresh_params(shards)
         for hook in list(self._post_hooks.values()):
             hook(self, (), {})
 
+    def _refresh_params(self, shards: list[torch.Tensor]) -> None:
+        """Every parameter from the updated owned parts: all-gathered under ZeRO-1 (in the parameters' dtype:
+        bf16 working weights gather half the bytes), copied (cast) from the main weights otherwise."""
+        buckets = self.reducer.buckets
+        if not self.reducer.zero1:  # this rank owns whole buckets
+            torch._foreach_copy_([seg.param.view(-1) for b in buckets for seg in b.segments],
+                                 [shard[seg.shard_slice] for b, shard in zip(buckets, shards, strict=True)
+                                  for seg in b.segments])
+            return
+        dtype = self.working_dtype or torch.float32
+        gathers = [self._gather(shard.to(dtype), bucket.padded_numel) for bucket, shard in zip(buckets, shards,
+                                                                                              strict=True)]
+        params, pieces = [], []
+        for bucket, (full, work) in zip(buckets, gathers, strict=True):
+            if work is not None:
+                work.wait()
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                params.append(p.view(-1))
+                pieces.append(full[offset:offset + p.numel()])
+        torch._foreach_copy_(params, pieces)
+
+    # ------------------------------------------------------------------ main weights
+
+    @torch.no_grad()
+    def _take_main_weights(self) -> None:
+        """The main weights from the (fp32) parameters' owned parts, then the parameters become working copies."""
+        for bucket, main in zip(self.reducer.buckets, self.main, strict=True):
+            for seg in bucket.segments:
+                main[seg.shard_slice].copy_(seg.param.detach().reshape(-1)[seg.param_slice])
+        for p in self.reducer.params:
+            p.data = p.data.to(self.working_dtype)
+
+    @contextlib.contextmanager
+    def full_precision_weights(self) -> Iterator[None]:
+        """Inside, the parameters hold the fp32 main weights (gathered whole under ZeRO-1): what a checkpoint saves,
+        and what a load writes; on exit the main weights are taken from them and the working copies cast again.
+        Collective under ZeRO-1. Without a working dtype the parameters are the main weights: nothing to do."""
+        if self.main is None:
+            yield
+            return
+        with torch.no_grad():
+            for bucket, main in zip(self.reducer.buckets, self.main, strict=True):
+                if self.reducer.zero1:
+                    full, work = self._gather(main, bucket.padded_numel)
+                    if work is not None:
+                        work.wait()
+                else:
+                    full = main
+                for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                    p.data = full[offset:offset + p.numel()].view(p.shape).clone()
+        try:
+            yield
+        finally:
+            self._take_main_weights()
+
     def _gather(self, shard: torch.Tensor, padded_numel: int) -> tuple[torch.Tensor, dist.Work | None]:
-        """Start an all-gather of every rank's shard into one padded flat tensor."""
-        if self.world == 1:
+        """Start an all-gather of every rank's shard into one padded flat tensor (ZeRO-1; without it this rank's
+        part is the whole bucket already)."""
+        if self.world == 1 or not self.reducer.zero1:
             return shard, None
         full = torch.empty(padded_numel, dtype=shard.dtype, device=shard.device)
         self.reducer.stats["all_gather_bytes"] += full.numel() * full.element_size()
