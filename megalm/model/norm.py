@@ -2,8 +2,9 @@
 
 RMSNorm (Zhang & Sennrich 2019) rescales by the root mean square only: y = x / rms(x) * g, with
 rms(x) = sqrt(mean(x^2) + eps). LayerNorm (Ba et al. 2016) also subtracts the mean and adds a bias.
-Under bf16 autocast the residual stream may be low precision; the statistics are computed in fp32
-and the result is cast back to the input dtype, so small-variance features are not lost.
+With bf16 weights the residual stream is bf16: torch's norm kernels compute the statistics and the
+normalisation in fp32 (their opmath) and return the input's dtype, so small-variance features are not lost and
+no fp32 copy of the input or the weight is made around them (CUDA runs each as one fused kernel).
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
-        return y.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -41,9 +41,8 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.float()
-        y = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), bias, self.eps)
-        return y.to(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.layer_norm(x, (x.shape[-1],), self.weight.to(x.dtype), bias, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, bias={self.bias is not None}"

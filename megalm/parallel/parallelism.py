@@ -2,7 +2,8 @@
 
 `Parallelism` hides which layout runs. It
 1. builds and parallelizes the model: meta-device GPT (or this pipeline rank's chunks) -> tensor
-   parallelism -> model converters (precision recipes) -> recomputation -> materialize -> init by name;
+   parallelism -> model converters (precision recipes) -> recomputation -> materialize -> init by name
+   -> the working dtype (precision=bf16: bf16 copies, the fp32 values handed to the optimizer);
    a zero-bubble pipeline adds its weight-gradient split when its runtime is made;
 2. gives each step's samples to the ranks (`share_of_step`): a DP slice of the samples, each micro-batch
    sharded over the CP ring, or the step's HDP plan; then prepares every micro-batch (padding, device,
@@ -19,7 +20,6 @@ have no layout branches.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import math
@@ -107,9 +107,11 @@ class Parallelism:
         self.mesh = mesh or build_mesh(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp), device)
         check_same_on_all_ranks(json.dumps(config_to_dict(cfg), sort_keys=True, default=str), self.mesh, device)
         self.model = self._build_model()
-        # bf16 working weights (the bf16 recipe): the optimizer keeps fp32 main weights and casts the model when it
-        # is built (BucketAdamW); the gradients accumulate over micro-batches in the reducer's fp32 buckets
+        # bf16 working weights (the bf16 recipe): the model trains bf16 copies of its fp32 initial weights, which the
+        # optimizer takes as its fp32 main weights (BucketAdamW); the gradients accumulate over micro-batches in the
+        # reducer's fp32 buckets
         self.working_dtype = next((c.working_dtype for c in self.converters if c.working_dtype), None)
+        self._initial_weights = self._to_working_dtype()
         self.loss_fn = loss_fn_for(self.mesh.tp_group, self.cfg.model.vocab_size)
         if p.pp > 1:
             sp = p.tp if p.sequence_parallel else 1  # under SP a stage holds its 1/tp of the tokens
@@ -117,7 +119,7 @@ class Parallelism:
             self.runner: Runner = PipelineRuntime(
                 self.model, self.mesh, p.pp_schedule, self.loss_fn, self._forward_context, self._before_forward,
                 device, activation_shape=lambda mb: (mb.batch.num_tokens // sp, hidden),
-                activation_dtype=self.working_dtype or next(self.model.parameters()).dtype)
+                activation_dtype=next(self.model.parameters()).dtype)
         else:
             self.runner = LocalRunner(self.model, self.loss_fn, self._forward_context, self._before_forward, device,
                                       self.mesh.progress)
@@ -133,8 +135,7 @@ class Parallelism:
                                    progress=self.mesh.progress, accumulate=self.working_dtype is not None)
         # How to build this layout's optimizer (None: the trainer's own AdamW): over the reducer's buckets for
         # ZeRO-1's shards or for fp32 main weights
-        self.optimizer_factory = (functools.partial(BucketAdamW, reducer=self.reducer, working_dtype=self.working_dtype)
-                                  if p.zero1 or self.working_dtype else None)
+        self.optimizer_factory = self._bucket_adamw if p.zero1 or self.working_dtype else None
         self._norm_weights = self._grad_norm_weights()
 
     # ------------------------------------------------------------------ building
@@ -161,6 +162,20 @@ class Parallelism:
         model.to_empty(device=self.device)
         init_weights(model, self.cfg.seed)
         return model
+
+    def _to_working_dtype(self) -> dict[int, torch.Tensor] | None:
+        """Cast the parameters to the working dtype, if any; returns the fp32 values they were cast from."""
+        if self.working_dtype is None:
+            return None
+        initial = {}
+        for param in self.model.parameters():
+            initial[id(param)], param.data = param.data, param.data.to(self.working_dtype)
+        return initial
+
+    def _bucket_adamw(self, params: list[dict], **hyper) -> BucketAdamW:
+        """This layout's optimizer (ZeRO-1's, or fp32 main weights'); the initial fp32 weights go to it, once."""
+        initial, self._initial_weights = self._initial_weights, None
+        return BucketAdamW(params, self.reducer, working_dtype=self.working_dtype, initial_weights=initial, **hyper)
 
     def _attach_offload(self) -> ActivationStore:
         """Activation offload on this rank's runner: PipeOffload's actions in the pipeline schedule, or

@@ -98,7 +98,7 @@ class Trainer:
         choose_attention_backends(self.model, self.device, self.precision.compute_dtype)
         if cfg.trainer.compile:
             compile_blocks(self.model, cfg.trainer.compile_backend)
-        # precision=bf16: the layout's optimizer keeps the fp32 main weights and makes the model's weights bf16
+        # precision=bf16: the layout's optimizer keeps the fp32 main weights behind the model's bf16 ones
         self.optimizer = build_optimizer(self.model, cfg.optim, self.parallel.optimizer_factory)
         self.precision.watch_optimizer(self.optimizer)  # quantized weights: made once per optimizer step
         self.config_dict = config_to_dict(cfg)

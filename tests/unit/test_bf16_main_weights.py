@@ -162,3 +162,13 @@ def test_zero1_in_one_process_steps_like_whole_buckets(tmp_path):
     a, b = main_weights(plain), main_weights(zero1)
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_offload_keeps_the_bf16_weights_on_the_device(tmp_path):
+    """The offload store skips the parameters' storages: those of the bf16 working weights, which replaced the fp32
+    ones at build time (a linear saves its bf16 weight for the backward; moving it to the host is waste)."""
+    trainer = bf16_trainer(tmp_path, "offload.enabled=true", "offload.min_tensor_bytes=0")
+    store = trainer.parallel.offload_store
+    weights = [p for p in trainer.model.parameters() if p.ndim == 2]
+    assert not any(store._offloadable(p.detach()) for p in weights)
+    assert store._offloadable(torch.zeros(4, dtype=torch.bfloat16))

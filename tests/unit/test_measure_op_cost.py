@@ -54,7 +54,7 @@ def test_the_step_cost_tool_counts_six_flops_per_weight_and_token():
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout)
     rows = {r["system"]: r for r in report["systems"]}
-    assert set(rows) == {"megalm", "hf_llama"} and "torchtitan" in " ".join(report["notes"])
+    assert set(rows) == {"megalm", "megalm_autocast", "hf_llama"} and "torchtitan" in " ".join(report["notes"])
     from megalm.config import resolve_model_defaults
     from tests.conftest import compose_config
 

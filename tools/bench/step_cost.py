@@ -9,13 +9,14 @@ Each system runs under `FakeTensorMode` (sizes, no data: a 1.3B step traces in s
 records every aten op (megalm/measure/op_cost.py). One "step" is one micro-batch of `model.seq_length` tokens,
 forward and backward; the optimizer step (fused AdamW for both) is its own row. Systems:
 - `megalm`: megalm's `Trainer.forward_backward` at its default precision for the run (`precision=bf16` unless
-  overridden), eager.
+  overridden: bf16 working weights behind fp32 main weights), eager.
+- `megalm_autocast`: the same with `precision=bf16_autocast` (fp32 weights under bf16 autocast: megalm's bf16
+  before the fast-step work, and what HF's row runs), when the `megalm` row is bf16.
 - `hf_llama`: transformers' LlamaForCausalLM with fp32 weights under bf16 autocast (what HF's Trainer does with
   `bf16=True`), SDPA attention, its own shifted-label loss.
 - `torchtitan`: its llama3 model when it is importable (tools/compare_peers.txt pins it), else left out with a
   line saying so.
-Not here yet: `megalm_compiled` (`trainer.compile` does not exist yet) and `megalm_autocast` (megalm's bf16 recipe
-*is* autocast over fp32 weights today, so it is the `megalm` row).
+Not here yet: `megalm_compiled` (inductor's own metrics of a compiled block).
 
 The trace runs on fake CPU tensors, so the dispatcher picks CPU kernels: SDPA's CPU flash kernel stands in for
 CUDA's, and ops CUDA runs fused may appear decomposed (both systems alike). The roofline time of an op is
@@ -63,7 +64,7 @@ def fake_trainer(overrides: list[str]) -> Iterator[Any]:
         yield Trainer(cfg, run_dir)
 
 
-def megalm_step(overrides: list[str], gpu: str) -> dict[str, Any]:
+def megalm_step(overrides: list[str], gpu: str, system: str = "megalm") -> dict[str, Any]:
     """megalm's forward+backward of one micro-batch and its optimizer step, traced."""
     with fake_trainer(overrides) as trainer:
         tf32 = trainer.cfg.precision.tf32
@@ -75,7 +76,7 @@ def megalm_step(overrides: list[str], gpu: str) -> dict[str, Any]:
             trainer.forward_backward(1)
         with optimizer:
             trainer.optimizer.step()
-    return {"system": "megalm", "config": f"precision={trainer.cfg.precision.name}, eager", "model": trainer.cfg.model,
+    return {"system": system, "config": f"precision={trainer.cfg.precision.name}, eager", "model": trainer.cfg.model,
             **step.summary(), "optimizer": optimizer.summary()}
 
 
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="megalm-train overrides (model=1.3b model.seq_length=4096)")
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--systems", default="megalm,hf_llama,torchtitan")
+    p.add_argument("--systems", default="megalm,megalm_autocast,hf_llama,torchtitan")
     args = p.parse_args(argv)
     logging.getLogger("megalm").setLevel(logging.WARNING)
     systems = args.systems.split(",")
@@ -145,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         ours = megalm_step(args.overrides, args.gpu)
         if "megalm" in systems:
             rows.append(ours)
+        if "megalm_autocast" in systems and ours["config"].startswith("precision=bf16,"):
+            rows.append(megalm_step([*args.overrides, "precision=bf16_autocast"], args.gpu, "megalm_autocast"))
         if "hf_llama" in systems:
             rows.append(hf_llama_step(ours["model"], args.gpu))
         if "torchtitan" in systems and (why := torchtitan_missing()):

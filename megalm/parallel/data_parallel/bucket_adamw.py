@@ -60,16 +60,18 @@ class BucketAdamW:
     `local_grad_sq_norm()` (sum it over `reducer.shard_group` for the global norm²) and
     `scale_grads(coef)`, or `clip_grad_norm_(max_norm)` for a DP-only layout.
 
-    Parameters are fp32 when built. Without `working_dtype` they stay so and are themselves the main
-    weights: the shard is read from them at every step, which also means a model loaded after this
-    optimizer was built is picked up. With it, the fp32 values become this optimizer's main weights and the
-    parameters are cast to `working_dtype`; whatever loads or saves weights goes through
-    `full_precision_weights()`.
+    Without `working_dtype` the parameters are fp32 and are themselves the main weights: the shard is read
+    from them at every step, which also means a model loaded after this optimizer was built is picked up.
+    With it, the parameters are `working_dtype` copies and this optimizer keeps the fp32 main weights, taken
+    from `initial_weights` ({id(param): fp32 tensor}, the values the parameters were cast from: the fp32
+    initialisation, not its rounding) or else from the parameters; whatever loads or saves weights goes
+    through `full_precision_weights()`.
     """
 
     def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict], reducer: GradReducer, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 working_dtype: torch.dtype | None = None):
+                 working_dtype: torch.dtype | None = None,
+                 initial_weights: dict[int, torch.Tensor] | None = None):
         if not reducer.zero1 and not (working_dtype is not None and reducer.accumulate):
             raise ValueError("BucketAdamW needs a GradReducer built with zero1=True, or, for working_dtype "
                              "parameters, one built with accumulate=True")
@@ -91,8 +93,9 @@ class BucketAdamW:
             for p in group["params"]:
                 if id(p) in self._group_of:
                     raise ValueError("a parameter appears in more than one param group")
-                if p.dtype != torch.float32:
-                    raise ValueError(f"BucketAdamW takes fp32 parameters (its main weights); got {p.dtype}")
+                if p.dtype != (working_dtype or torch.float32):
+                    raise ValueError(f"BucketAdamW steps fp32 parameters, or working_dtype ones behind fp32 main "
+                                     f"weights; got {p.dtype} with working_dtype={working_dtype}")
                 self._group_of[id(p)] = group
         if set(self._group_of) != {id(p) for p in reducer.params}:
             raise ValueError("BucketAdamW's parameters must be exactly the reducer's trainable parameters")
@@ -109,7 +112,7 @@ class BucketAdamW:
         self.main: list[torch.Tensor] | None = None  # fp32 main weights, flat: the owned part of every bucket
         if working_dtype is not None:
             self.main = [torch.zeros_like(m) for m in self.exp_avg]
-            self._take_main_weights()
+            self._take_main_weights(initial_weights or {})
 
     # ------------------------------------------------------------------ gradients
 
@@ -212,11 +215,13 @@ class BucketAdamW:
     # ------------------------------------------------------------------ main weights
 
     @torch.no_grad()
-    def _take_main_weights(self) -> None:
-        """The main weights from the (fp32) parameters' owned parts, then the parameters become working copies."""
+    def _take_main_weights(self, values: dict[int, torch.Tensor]) -> None:
+        """The main weights from the owned parts of `values[id(param)]`, or of the parameters themselves where it has
+        none; then the parameters are (again) working copies."""
         for bucket, main in zip(self.reducer.buckets, self.main, strict=True):
             for seg in bucket.segments:
-                main[seg.shard_slice].copy_(seg.param.detach().reshape(-1)[seg.param_slice])
+                source = values.get(id(seg.param), seg.param).detach()
+                main[seg.shard_slice].copy_(source.reshape(-1)[seg.param_slice])
         for p in self.reducer.params:
             p.data = p.data.to(self.working_dtype)
 
@@ -241,7 +246,7 @@ class BucketAdamW:
         try:
             yield
         finally:
-            self._take_main_weights()
+            self._take_main_weights({})
 
     def _gather(self, shard: torch.Tensor, padded_numel: int) -> tuple[torch.Tensor, dist.Work | None]:
         """Start an all-gather of every rank's shard into one padded flat tensor (ZeRO-1; without it this rank's

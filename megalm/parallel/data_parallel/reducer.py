@@ -134,7 +134,7 @@ def _build_buckets(params: list[nn.Parameter], bucket_bytes: float, reduce_dtype
             groups.append(current)
             current, current_bytes = [], 0
         current.append(p)
-        current_bytes += p.numel() * (reduce_dtype or p.dtype).itemsize
+        current_bytes += p.numel() * (reduce_dtype or (torch.float32 if accumulate else p.dtype)).itemsize
         if current_bytes >= bucket_bytes:
             groups.append(current)
             current, current_bytes = [], 0
