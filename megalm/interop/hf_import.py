@@ -26,6 +26,7 @@ from megalm.config import DataConfig, MegalmConfig, config_to_dict
 from megalm.data.tokenizer import HFTokenizer
 from megalm.errors import MegalmError, one_line_errors
 from megalm.interop.files import atomic_output_dir, check_output_dir
+from megalm.model.fused import unfuse_tensors
 from megalm.model.hf import ARCHITECTURES, InteropError, read_hf_model, run_overrides
 from megalm.training.checkpoint import FORMAT_VERSION, save_tensors
 
@@ -71,7 +72,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False, t
                         "dtype": _source_dtype(hf), "bos_token_id": hf.get("bos_token_id"),
                         "eos_token_id": hf.get("eos_token_id")}}
     with atomic_output_dir(out, overwrite) as tmp:
-        save_tensors({f"model/{name}": t.contiguous() for name, t in weights.items()}, tmp)
+        # fused projections stored as their parts, as every megalm checkpoint stores them
+        save_tensors({f"model/{name}": t.contiguous() for name, t in unfuse_tensors(weights, cfg).items()}, tmp)
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
         if tokenizer_file is not None:

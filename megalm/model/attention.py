@@ -194,10 +194,11 @@ class AttentionContext(Protocol):
 class Attention(nn.Module):
     """Multi-head / grouped-query causal self-attention over packed documents.
 
-    The projections are `Linear` (nn.Linear with precision / weight-gradient hooks), and heads are
-    inferred from the projected width (`view(T, -1, head_dim)`), so tensor parallelism can swap in
-    column/row-parallel layers that hold only this rank's heads without touching this module. The core
-    op is `varlen_attention` over the local documents, or the micro-batch's `AttentionContext`.
+    q, k and v come out of one GEMM (`qkv_proj`, rows [q; k; v]: megalm/model/fused.py) and `o_proj` maps the
+    heads back; both are `Linear` (nn.Linear with precision / weight-gradient hooks). The heads are inferred from
+    the widths (q's from `o_proj`'s input, k's and v's from the rest of `qkv_proj`'s output), so tensor
+    parallelism can swap in column/row-parallel layers that hold only this rank's heads without touching this
+    module. The core op is `varlen_attention` over the local documents, or the micro-batch's `AttentionContext`.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -205,9 +206,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         q_width, kv_width = cfg.num_heads * self.head_dim, cfg.num_kv_heads * self.head_dim
-        self.q_proj = Linear(cfg.hidden_size, q_width, bias=cfg.bias)
-        self.k_proj = Linear(cfg.hidden_size, kv_width, bias=cfg.bias)
-        self.v_proj = Linear(cfg.hidden_size, kv_width, bias=cfg.bias)
+        self.qkv_proj = Linear(cfg.hidden_size, q_width + 2 * kv_width, bias=cfg.bias)
         self.o_proj = Linear(q_width, cfg.hidden_size, bias=cfg.bias)
         self.dropout_p = cfg.attention_dropout
         self.backend = cfg.attention_backend
@@ -225,9 +224,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; `rope` = (cos, sin) [T, head_dim] or None (no rotary)."""
         total = x.shape[0]
-        q = self.q_proj(x).view(total, -1, self.head_dim)
-        k = self.k_proj(x).view(total, -1, self.head_dim)
-        v = self.v_proj(x).view(total, -1, self.head_dim)
+        qkv = self.qkv_proj(x)
+        q_width = self.o_proj.weight.shape[-1]  # this rank's query heads x head_dim: o_proj's input
+        kv_width = (qkv.shape[-1] - q_width) // 2
+        q, k, v = (t.view(total, -1, self.head_dim) for t in qkv.split([q_width, kv_width, kv_width], dim=-1))
+        v = v.contiguous()  # attention saves v: as a view it would keep the whole [T, q + 2 kv] output alive
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

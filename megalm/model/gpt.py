@@ -33,6 +33,7 @@ from torch import nn
 from megalm.config import ModelConfig, resolve_model_defaults, validate_model
 from megalm.data.batch import PackedBatch
 from megalm.model.attention import Attention, AttentionContext
+from megalm.model.fused import part_rows, split_fused_name, unfused_names
 from megalm.model.linear import Linear
 from megalm.model.mlp import build_mlp
 from megalm.model.naming import canonical_named_parameters, model_chunks
@@ -116,11 +117,14 @@ class GPT(nn.Module):
             hidden = hidden + self.position_embedding(position_ids)
         return hidden
 
-    def rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """RoPE (cos, sin) fp32 [T, head_dim] shared by all layers; None without rotary embeddings."""
+    def rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """RoPE (cos, sin) [T, head_dim] shared by all layers, computed in fp32 and cast to `dtype` once (the
+        residual stream's: bf16 with bf16 weights, as Megatron and HF cast them to q's dtype; fp32 under autocast
+        and in fp32); None without rotary embeddings."""
         if self.cfg.position_embedding != "rope":
             return None
-        return rope_cos_sin(position_ids, self.head_dim, self.cfg.rope_theta)
+        cos, sin = rope_cos_sin(position_ids, self.head_dim, self.cfg.rope_theta)
+        return cos.to(dtype), sin.to(dtype)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> logits [T, padded_vocab_size] (final norm, then the output projection)."""
@@ -145,7 +149,7 @@ class GPT(nn.Module):
         place of `tokens`; one that is not the last returns its hidden states instead of logits.
         """
         hidden = self.embed(tokens, position_ids) if self.is_first_stage else tokens
-        rope = self.rotary(position_ids)
+        rope = self.rotary(position_ids, hidden.dtype)
         for layer in self.layers:
             hidden = layer(hidden, cu_seqlens, max_seqlen, rope, context)
         return self.head(hidden) if self.is_last_stage else hidden
@@ -174,8 +178,15 @@ def initial_value(
     every other weight (linear, embedding) N(0, std), with std = cfg.init_std and L = cfg.num_layers.
     The rows of the vocab padding are 0 and the real rows are drawn as if there were none, so the
     padding (which depends on tp) changes nothing in the model.
+    A fused projection (qkv_proj, gate_up_proj) is its parts drawn under their unfused names and
+    concatenated: the fused model starts from the unfused model's weights.
     """
     module_name, _, leaf = name.rpartition(".")
+    if (parts := unfused_names(name)) is not None:  # q/k/v, gate/up: each part as the unfused model drew it
+        _, module, _ = split_fused_name(name)
+        rows = part_rows(module, cfg)
+        return torch.cat([initial_value(part, (n, *shape[1:]), cfg, seed) for part, n in zip(parts, rows,
+                                                                                            strict=True)])
     if leaf == "bias":
         return torch.zeros(shape)
     if module_name.endswith("norm"):

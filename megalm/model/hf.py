@@ -9,16 +9,21 @@ models/gpt2/modeling_gpt2.py), which define what a key means:
     embedding.weight [:vocab]          model.embed_tokens.weight             transformer.wte.weight
     position_embedding.weight          -                                     transformer.wpe.weight
     layers.N.attention_norm.*          model.layers.N.input_layernorm.*      transformer.h.N.ln_1.*
-    layers.N.attention.{q,k,v}_proj.*  model.layers.N.self_attn.{q,k,v}_proj transformer.h.N.attn.c_attn.* (q|k|v, T)
+    layers.N.attention.qkv_proj.*     model.layers.N.self_attn.{q,k,v}_proj transformer.h.N.attn.c_attn.* (T)
+      (rows [q; k; v])
     layers.N.attention.o_proj.*        model.layers.N.self_attn.o_proj.*     transformer.h.N.attn.c_proj.* (T)
     layers.N.mlp_norm.*                model.layers.N.post_attention_layernorm transformer.h.N.ln_2.*
-    layers.N.mlp.gate_proj.weight      model.layers.N.mlp.gate_proj.weight   -
-    layers.N.mlp.up_proj.*             model.layers.N.mlp.up_proj.weight     transformer.h.N.mlp.c_fc.* (T)
+    layers.N.mlp.gate_up_proj.weight   model.layers.N.mlp.{gate,up}_proj.weight -
+      (rows [gate; up])
+    layers.N.mlp.up_proj.* (GELU)      -                                     transformer.h.N.mlp.c_fc.* (T)
     layers.N.mlp.down_proj.*           model.layers.N.mlp.down_proj.weight   transformer.h.N.mlp.c_proj.* (T)
     final_norm.*                       model.norm.weight                     transformer.ln_f.*
     output.weight [:vocab] (untied)    lm_head.weight                        - (tied to wte)
 
 (T): GPT-2's Conv1D stores weights as [in, out], the transpose of nn.Linear's [out, in].
+The fused projections (megalm/model/fused.py) are split into their parts before the per-tensor mapping and
+concatenated after it (`unfuse_tensors` / `fuse_tensors`), so the table's unfused names are what the mapping
+code reads (they are also how checkpoints store the parts).
 No permutation of q/k is needed for RoPE: megalm rotates the two halves of each head (megalm/model/rope.py,
 `rotate_half`), the convention HF Llama's `apply_rotary_pos_emb` uses for its own weight layout, with the same
 frequencies theta^(-2i/D). GPT-2's MLP activation is exported as "gelu_pytorch_tanh", which is
@@ -48,6 +53,7 @@ from safetensors.torch import load_file
 
 from megalm.config import ModelConfig, resolve_model_defaults, validate_model
 from megalm.errors import ConfigError, MegalmError
+from megalm.model.fused import fuse_tensors, unfuse_tensors
 from megalm.model.gpt import GPT, VOCAB_PARAMS, resize_vocab_rows
 
 LLAMA, GPT2 = "llama", "gpt2"
@@ -229,6 +235,7 @@ def _layer_of(name: str) -> tuple[int, str] | None:
 def megalm_to_hf(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
     """HF state dict (contiguous tensors) from megalm's full-model parameters; vocab rows cut to `vocab_size`,
     a tied head written once (as the embedding, which transformers ties `lm_head` to)."""
+    tensors = unfuse_tensors(tensors, cfg)
     out: dict[str, torch.Tensor] = {}
     for name, value in tensors.items():
         if name in VOCAB_PARAMS:
@@ -270,6 +277,8 @@ def hf_to_megalm(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: st
     `shapes` are the megalm model's parameter shapes (names = the parameters to fill). Refuses missing or
     unexpected tensors, shape mismatches and a head that contradicts tie_word_embeddings, each in one line.
     """
+    shapes = {n: tuple(t.shape) for n, t in unfuse_tensors({n: torch.empty(s, device="meta") for n, s in
+                                                            shapes.items()}, cfg).items()}
     keys = _strip_gpt2_prefix(tensors) if arch == GPT2 else {k: k for k in tensors}
     used: set[str] = set()
 
@@ -328,7 +337,7 @@ def hf_to_megalm(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: st
             expected = (cfg.vocab_size, *expected[1:])
         if tuple(value.shape) != expected:
             raise InteropError(f"{where}: {name} has shape {tuple(value.shape)}, config.json implies {expected}")
-    return out
+    return fuse_tensors(out, cfg)
 
 
 def run_overrides(cfg: ModelConfig) -> list[str]:

@@ -9,8 +9,9 @@ Positions come from explicit `position_ids` [T], which restart at 0 in every pac
 a document gets the same rotations wherever it sits in the packed stream. Angles are computed in
 fp32 (bf16 positions above 256 are not exact), once per forward for all layers, with the sign of
 rotate_half folded into the sine table: rope(x) = x * cos + swap_halves(x) * (-sin, sin), one roll per
-call and no negation or concatenation. bf16 q/k multiply the fp32 tables directly (each product is exact
-in fp32, as if x were upcast first) and the result is cast back.
+call and no negation or concatenation. The model casts the tables to its residual stream's dtype once per
+forward (bf16 with bf16 weights: every op of the rotation then runs in bf16, no fp32 copy of q or k); tables
+wider than x (fp32 under autocast) give fp32 products, cast back to x's dtype.
 """
 
 from __future__ import annotations

@@ -8,11 +8,18 @@ read the same small record, declared by the module that owns the parameter:
 
     module.shard_specs = {"weight": ShardSpec(...), "bias": ShardSpec(...)}
 
-A spec says: the full tensor of shape `full_shape` is cut along `dim` into `num_slices` equal
-contiguous slices; this rank holds slice `index`; `replicas` consecutive ranks hold each slice (>1 only
-for kv heads replicated when tensor parallelism exceeds the kv head count). A parameter without a spec
-is the full tensor (replicated on every rank that holds it). Specs live on modules, not as attributes of
-Parameter objects, so `to_empty` / `.to()` (which replace Parameters) cannot drop them.
+A `ShardSpec` says: the full tensor of shape `full_shape` is cut along `dim` into `num_slices` equal
+contiguous slices; this rank holds slice `index`; `replicas` consecutive ranks hold each slice (>1 for kv
+heads replicated when tensor parallelism exceeds the kv head count). A `FusedShardSpec` is the spec of a fused
+projection (megalm/model/fused.py): the full tensor is parts stacked along dim 0, each cut by its own ShardSpec,
+and a rank holds its slice of every part, concatenated. A parameter without a spec is the full tensor
+(replicated on every rank that holds it). Specs live on modules, not as attributes of Parameter objects, so
+`to_empty` / `.to()` (which replace Parameters) cannot drop them.
+
+What every reader asks of a spec: `full_shape`, `local_shape`, `shard(full)`, `unshard(pieces)`,
+`single_slice` (whether the local tensor is one contiguous slice held by one rank: checkpoints then write it
+as a DTensor shard, else gather it whole) and `norm_rows` (the share of the full model's squared gradient norm
+that each range of local rows carries: 1 / the ranks that hold it).
 """
 
 from __future__ import annotations
@@ -67,8 +74,70 @@ class ShardSpec:
             raise ValueError(f"expected {self.num_slices * self.replicas} pieces, got {len(pieces)}")
         return torch.cat(pieces[::self.replicas], dim=self.dim)
 
+    @property
+    def single_slice(self) -> bool:
+        return self.replicas == 1
 
-def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
+    @property
+    def norm_rows(self) -> tuple[tuple[int, int, float], ...]:
+        """(first local row, rows, weight): the whole local tensor, counted 1/replicas."""
+        return ((0, self.length, 1.0 / self.replicas),)
+
+
+@dataclass(frozen=True)
+class FusedShardSpec:
+    """A fused projection's shard: the full tensor is `parts` (each one's `full_shape`) stacked along dim 0, and a
+    rank holds `part.shard` of every part, concatenated in the same order."""
+
+    parts: tuple[ShardSpec, ...]
+
+    def __post_init__(self) -> None:
+        if any(part.dim != 0 or part.full_shape[1:] != self.parts[0].full_shape[1:] for part in self.parts):
+            raise ValueError(f"fused parts must be cut along dim 0 and agree in their other dims: {self.parts}")
+
+    @property
+    def dim(self) -> int:
+        return 0
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        return (sum(part.full_shape[0] for part in self.parts), *self.parts[0].full_shape[1:])
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return (sum(part.length for part in self.parts), *self.parts[0].full_shape[1:])
+
+    @property
+    def replicas(self) -> int:
+        """The most ranks holding any of this rank's rows."""
+        return max(part.replicas for part in self.parts)
+
+    @property
+    def single_slice(self) -> bool:
+        return False
+
+    @property
+    def norm_rows(self) -> tuple[tuple[int, int, float], ...]:
+        rows, start = [], 0
+        for part in self.parts:
+            rows.append((start, part.length, 1.0 / part.replicas))
+            start += part.length
+        return tuple(rows)
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of every part of the full tensor, concatenated (a copy)."""
+        if tuple(full.shape) != self.full_shape:
+            raise ValueError(f"expected the full tensor of shape {self.full_shape}, got {tuple(full.shape)}")
+        wholes = full.split([part.full_shape[0] for part in self.parts])
+        return torch.cat([part.shard(whole) for part, whole in zip(self.parts, wholes, strict=True)])
+
+    def unshard(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's local tensor, in rank order."""
+        per_rank = [piece.split([part.length for part in self.parts]) for piece in pieces]
+        return torch.cat([part.unshard([rank[i] for rank in per_rank]) for i, part in enumerate(self.parts)])
+
+
+def shard_specs(model: nn.Module) -> dict[str, ShardSpec | FusedShardSpec]:
     """{canonical parameter name: its ShardSpec} for every sharded parameter of `model` (a GPT or
     pipeline chunks); parameters not listed are full tensors."""
     specs = {}

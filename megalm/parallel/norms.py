@@ -12,6 +12,20 @@ from collections.abc import Iterable
 
 import torch
 
+# A parameter's share of the full model's squared gradient norm: one weight, or (start, end, weight) ranges of its
+# flattened elements where parts differ (a fused qkv projection under TP with kv rows replicated)
+NormShare = float | tuple[tuple[int, int, float], ...]
+
+
+def share_pairs(flat: torch.Tensor, first: int, share: NormShare) -> list[tuple[torch.Tensor, float]]:
+    """(tensor, weight) pairs for `flat`, the parameter's elements [first, first + len(flat)) (a whole flattened
+    gradient, or the piece of it in a ZeRO-1 shard), under `share`."""
+    if not isinstance(share, tuple):
+        return [(flat, share)]
+    last = first + flat.numel()
+    return [(flat[max(start, first) - first:min(end, last) - first], weight)
+            for start, end, weight in share if max(start, first) < min(end, last)]
+
 
 def weighted_sq_norm(pairs: Iterable[tuple[torch.Tensor, float]], device: torch.device | None) -> torch.Tensor:
     """sum(weight * ||t||^2) over (tensor, weight) pairs, as an fp32 scalar on `device`; pairs of weight 0 are

@@ -47,6 +47,7 @@ from megalm.parallel.data_parallel.slices import DataParallelSlices, validate_da
 from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh, check_same_on_all_ranks, resolve_dims
 from megalm.parallel.hdp.split import HdpSplit, hdp_cost_model, validate_hdp
 from megalm.parallel.microbatch import LocalMicroBatch, Ring, StepShare
+from megalm.parallel.norms import NormShare
 from megalm.parallel.pipeline.runtime import PipelineRuntime, tied_embedding_copy
 from megalm.parallel.pipeline.schedules import simulate_schedule
 from megalm.parallel.pipeline.stages import build_stage_chunks, validate_pipeline
@@ -218,12 +219,12 @@ class Parallelism:
                                    partial_last=self.cfg.trainer.tokens_per_step is not None, device=self.device)
         return ContextShards(split, Ring(tuple(mesh.cp_ranks), mesh.cp_rank)) if p.cp > 1 else split
 
-    def _grad_norm_weights(self) -> dict[int, float]:
+    def _grad_norm_weights(self) -> dict[int, NormShare]:
         """Each parameter's share of the full model's squared gradient norm: a TP shard counts whole, a
         TP-replicated parameter 1/tp, the tied embedding's last-stage copy 0 (the first stage counts it)."""
         specs, tp = shard_specs(self.model), self.mesh.dims.tp
         tied_copy = tied_embedding_copy(self.model) if self.cfg.parallel.pp > 1 else None
-        return {id(p): 0.0 if p is tied_copy else tp_norm_share(specs.get(name), tp)
+        return {id(p): 0.0 if p is tied_copy else tp_norm_share(specs.get(name), tp, p.shape)
                 for name, p in canonical_named_parameters(self.model)}
 
     # ------------------------------------------------------------------ around every forward
@@ -291,7 +292,7 @@ class Parallelism:
         values = all_reduce_sum(values, self.mesh.dp_cp_group, "step totals", progress)
         return all_reduce_sum(values, self.mesh.pp_group, "step totals", progress)
 
-    def _norm_weight(self, param: nn.Parameter) -> float:
+    def _norm_weight(self, param: nn.Parameter) -> NormShare:
         return self._norm_weights[id(param)]
 
     def grad_norm(self) -> torch.Tensor:

@@ -29,6 +29,7 @@ from megalm.model.hf import model_config_dict, read_hf_model
 from megalm.model.naming import canonical_named_parameters
 from megalm.model.shard import shard_specs
 from megalm.training.checkpoint import LoadedCheckpoint, check_model_config, load_saved_model
+from megalm.training.optim import full_precision_weights
 
 log = logging.getLogger("megalm")
 HF_PREFIX = "hf:"
@@ -67,9 +68,10 @@ def read_init_weights(spec: str) -> tuple[str, Path, dict[str, Any], dict[str, t
 
 
 @torch.no_grad()
-def load_init_weights(spec: str, model: nn.Module, run_model: dict[str, Any]) -> str:
+def load_init_weights(spec: str, model: nn.Module, run_model: dict[str, Any], optimizer: Any = None) -> str:
     """Copy the weights `spec` names into `model` (a GPT or this rank's pipeline chunks, any layout), checking
-    the source model's shape against `run_model` (the run's model config dict). Returns a log description."""
+    the source model's shape against `run_model` (the run's model config dict); with bf16 weights, into the
+    fp32 main weights `optimizer` keeps behind them. Returns a log description."""
     where, path, source, weights = read_init_weights(spec)
     check_model_config(source, run_model, path)
     differing = [f"{k}={source.get(k)} (this run: {run_model.get(k)})" for k in FUNCTION_KEYS
@@ -77,8 +79,14 @@ def load_init_weights(spec: str, model: nn.Module, run_model: dict[str, Any]) ->
     if differing:
         log.warning(f"model.init_from: the source differs in {', '.join(differing)}; its weights will compute "
                     "another function — set them to match unless that is intended")
+    with full_precision_weights(optimizer):
+        _copy_init_weights(spec, weights, model, run_model["vocab_size"])
+    return where
+
+
+def _copy_init_weights(spec: str, weights: dict[str, torch.Tensor], model: nn.Module, vocab: int) -> None:
+    """Every parameter of `model` from the full-model `weights`: this rank's shard of it."""
     specs = shard_specs(model)
-    vocab = run_model["vocab_size"]
     for name, param in canonical_named_parameters(model):
         if name not in weights:
             raise ConfigError(f"model.init_from={spec}: the source has no {name}; it is from another model")
@@ -90,4 +98,3 @@ def load_init_weights(spec: str, model: nn.Module, run_model: dict[str, Any]) ->
             raise ConfigError(f"model.init_from={spec}: {name} has shape {tuple(full.shape)}, this run's model "
                               f"{shard.full_shape if shard else tuple(param.shape)}; use the matching model config")
         param.copy_(shard.shard(full) if shard else full)
-    return where

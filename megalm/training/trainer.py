@@ -35,7 +35,7 @@ from megalm.training.flops import peak_flops, training_flops
 from megalm.training.guards import NonFiniteError, NonFiniteGuard, SpikeDetector, check_finite_state
 from megalm.training.init_from import load_init_weights
 from megalm.training.metrics import MetricsLogger, ThroughputWindow, peak_memory_gb
-from megalm.training.optim import build_optimizer, full_precision_weights, lr_at, set_lr
+from megalm.training.optim import build_optimizer, lr_at, set_lr
 from megalm.training.preemption import Preemption
 from megalm.training.validation import validate_run
 from megalm.training.watchdog import Watchdog, joining_watchdog
@@ -98,7 +98,6 @@ class Trainer:
         choose_attention_backends(self.model, self.device, self.precision.compute_dtype)
         if cfg.trainer.compile:
             compile_blocks(self.model, cfg.trainer.compile_backend)
-        # precision=bf16: the layout's optimizer keeps the fp32 main weights behind the model's bf16 ones
         self.optimizer = build_optimizer(self.model, cfg.optim, self.parallel.optimizer_factory)
         self.precision.watch_optimizer(self.optimizer)  # quantized weights: made once per optimizer step
         self.config_dict = config_to_dict(cfg)
@@ -132,8 +131,8 @@ class Trainer:
                                   "use trainer.resume=auto to continue it or choose a new hydra.run.dir")
         if resume == "never" or (path := ckpt.resumable_checkpoint(self.run_dir, resume)) is None:
             if self.cfg.model.init_from:  # weights from elsewhere, any layout (megalm/training/init_from.py)
-                with full_precision_weights(self.optimizer):
-                    where = load_init_weights(self.cfg.model.init_from, self.model, self.config_dict["model"])
+                where = load_init_weights(self.cfg.model.init_from, self.model, self.config_dict["model"],
+                                          self.optimizer)
                 log.info(f"model.init_from: weights from {where}")
             return
         meta = ckpt.read_checkpoint_meta(path)
@@ -141,10 +140,8 @@ class Trainer:
             log.info(f"model.init_from={self.cfg.model.init_from} not used: resuming from {path}")
         ckpt.check_model_config(meta.config.get("model", {}), self.config_dict["model"], path)
         ckpt.check_same_data_order(meta.state, self._data_order(), path)
-        with full_precision_weights(self.optimizer):  # checkpoints hold fp32 weights, whatever the recipe
-            ckpt.load_checkpoint(path, self.model, self.optimizer, self.mesh)
-        self.step = meta.state["step"]
-        self.consumed_tokens = meta.state["consumed_tokens"]
+        ckpt.load_checkpoint(path, self.model, self.optimizer, self.mesh)
+        self.step, self.consumed_tokens = meta.state["step"], meta.state["consumed_tokens"]
         if self.train_steps is not None:  # continue the step boundaries from the checkpoint's cursor
             self.train_steps = TokenBudgetSteps(self.data.train, self.cfg.trainer.tokens_per_step, self.step,
                                                 meta.state["next_sample"])
@@ -159,8 +156,7 @@ class Trainer:
                  **self._data_order()}
         if self.train_steps is not None:
             state["next_sample"] = self.train_steps.start(self.step)
-        with full_precision_weights(self.optimizer):  # the fp32 main weights under bf16 ones (async: staged on return)
-            return self.checkpointer.save(self.step, self.model, self.optimizer, state, self.config_dict)
+        return self.checkpointer.save(self.step, self.model, self.optimizer, state, self.config_dict)
 
     def finish_save(self) -> None:
         """Publish the save in flight, if any (`trainer.async_save`): every rank at the same point (before a

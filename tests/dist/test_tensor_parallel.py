@@ -18,8 +18,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.testing import assert_close
 
-from megalm.config import ModelConfig
+from megalm.config import ModelConfig, resolve_model_defaults
 from megalm.data.batch import PackedBatch, Sample, pack_samples, pad_to_multiple
+from megalm.model.fused import part_rows, split_fused_name, unfused_names
 from megalm.model.gpt import GPT, init_weights
 from megalm.parallel.dims import ParallelDims, build_mesh
 from megalm.model.loss import token_loss_sum
@@ -155,7 +156,11 @@ def _batch(vocab_size: int) -> PackedBatch:
 
 
 def _expected_shard(name: str, full: torch.Tensor, cfg: ModelConfig, rank: int, tp: int) -> torch.Tensor:
-    """This rank's slice of the full tensor `full` of parameter `name`, from the TP layout rules."""
+    """This rank's slice of the full tensor `full` of parameter `name`, from the TP layout rules; a fused
+    projection is this rank's slice of each of its parts (by the unfused parts' rules), concatenated."""
+    if (parts := unfused_names(name)) is not None:
+        pieces = full.split(part_rows(split_fused_name(name)[1], resolve_model_defaults(cfg)))
+        return torch.cat([_expected_shard(part, piece, cfg, rank, tp) for part, piece in zip(parts, pieces)])
     if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
         if tp <= cfg.num_kv_heads:
             return _chunk(full, rank, tp)
@@ -206,7 +211,7 @@ def _gpt_worker(rank: int, world: int, model_kwargs: dict, sequence_parallel: bo
         assert_close(param.detach(), _expected_shard(name, full.detach(), cfg, rank, world), rtol=0, atol=0,
                      msg=lambda m, name=name: f"{name} initial value: {m}")
         assert param.grad is not None, name
-        atol = max(1e-5 * full.grad.abs().max().item(), 1e-8)  # k_proj.bias has a ~0 (1e-10) true gradient
+        atol = max(1e-5 * full.grad.abs().max().item(), 1e-8)  # k's bias rows have a ~0 (1e-10) true gradient
         assert_close(param.grad, _expected_shard(name, full.grad, cfg, rank, world), rtol=1e-4, atol=atol,
                      msg=lambda m, name=name: f"{name} grad: {m}")
     # Gradient norm of the full model from the shards (sharded summed over TP, replicated once).

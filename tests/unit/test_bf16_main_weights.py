@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megalm.config import resolve_model_defaults
+from megalm.model.fused import fuse_tensors
 from megalm.model.naming import canonical_named_parameters
 from megalm.parallel.data_parallel.bucket_adamw import BucketAdamW
 from megalm.training.optim import full_precision_weights
@@ -123,6 +125,7 @@ def test_checkpoints_hold_fp32_main_weights_and_resume_exactly(tmp_path, extra):
     step2 = tmp_path / "straight" / "checkpoints" / "step_00000002"
     saved = {k.removeprefix("model/"): v for f in step2.glob("shard-*.safetensors")
              for k, v in load_file(str(f)).items() if k.startswith("model/")}
+    saved = fuse_tensors(saved, resolve_model_defaults(compose_config().model))  # stored as their parts
     # resume from step 2 in a fresh run dir: the same losses as the run that never stopped
     resumed_dir = tmp_path / "resumed"
     (resumed_dir / "checkpoints").mkdir(parents=True)

@@ -13,6 +13,7 @@ from megalm.config import ModelConfig
 from megalm.data.batch import packed_from_documents
 from megalm.errors import ConfigError
 from megalm.model import GPT, init_weights, num_parameters, select_attention_backend, varlen_attention
+from megalm.model.fused import part_rows
 from megalm.model.norm import LayerNorm, RMSNorm
 from megalm.model.rope import apply_rope, rope_cos_sin
 from megalm.model.shard import ShardSpec
@@ -199,7 +200,7 @@ def test_model_sdpa_matches_reference(num_kv_heads):
         logits.pow(2).mean().backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
         results.append((logits.detach(), grads))
-    assert model.layers[0].attention.k_proj.weight.shape == (num_kv_heads * 8, 32)
+    assert model.layers[0].attention.qkv_proj.weight.shape == (32 + 2 * num_kv_heads * 8, 32)
     torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
     for name, grad in results[0][1].items():
         torch.testing.assert_close(grad, results[1][1][name], atol=1e-5, rtol=1e-4, msg=name)
@@ -217,9 +218,8 @@ def test_forward_batch():
 def test_parameter_names_llama():
     cfg = tiny_config()
     model = GPT(cfg)
-    per_layer = ["attention_norm.weight", "attention.q_proj.weight", "attention.k_proj.weight",
-                 "attention.v_proj.weight", "attention.o_proj.weight", "mlp_norm.weight",
-                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+    per_layer = ["attention_norm.weight", "attention.qkv_proj.weight", "attention.o_proj.weight",
+                 "mlp_norm.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight"]
     expected = {"embedding.weight", "final_norm.weight", "output.weight"}
     expected |= {f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in per_layer}
     assert set(model.state_dict()) == expected
@@ -238,12 +238,12 @@ def test_gpt2_variant_and_tied_embeddings():
     assert "output.weight" not in names and model.output is None
     assert model.position_embedding.weight.shape == (cfg.seq_length, cfg.hidden_size)
     for i in range(cfg.num_layers):
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        for proj in ("qkv_proj", "o_proj"):
             assert f"layers.{i}.attention.{proj}.bias" in names
         for proj in ("up_proj", "down_proj"):
             assert f"layers.{i}.mlp.{proj}.bias" in names
         assert f"layers.{i}.attention_norm.bias" in names
-        assert f"layers.{i}.mlp.gate_proj.weight" not in names
+        assert f"layers.{i}.mlp.gate_up_proj.weight" not in names
     # The head reads the embedding table: zeroing a row zeroes that token's logit, and the
     # table gets gradient from the head even for tokens absent from the input.
     tokens, positions, cu, max_len = pack([torch.tensor([1, 2, 3, 4])])
@@ -270,8 +270,10 @@ def test_init_is_deterministic_and_seed_dependent():
         if name.endswith("weight") and "norm" not in name:
             assert not torch.equal(value, c.state_dict()[name]), name
     # parameters of the same shape get different values (each has its own generator)
-    q0, q1 = a.layers[0].attention.q_proj.weight, a.layers[1].attention.q_proj.weight
-    assert not torch.equal(q0, q1) and not torch.equal(q0, a.layers[0].attention.k_proj.weight)
+    q0, q1 = a.layers[0].attention.qkv_proj.weight, a.layers[1].attention.qkv_proj.weight
+    assert not torch.equal(q0, q1)
+    q, k, v = q0.split(part_rows("attention.qkv_proj", a.cfg))  # and the parts of a fused projection
+    assert not torch.equal(q, k) and not torch.equal(k, v)
 
 
 def test_init_on_meta_equals_init_on_cpu():
@@ -298,12 +300,12 @@ def test_init_independent_of_which_layers_exist():
     for local, global_ in ((0, 1), (1, 2)):
         for name, value in stage.layers[local].state_dict().items():
             torch.testing.assert_close(value, full.layers[global_].state_dict()[name], atol=0, rtol=0)
-    # a sharded parameter (first half of q_proj's rows) gets the matching slice of the full init
+    # a sharded parameter (first half of o_proj's rows) gets the matching slice of the full init
     shard = nn.Linear(32, 16, bias=False)
     shard.shard_specs = {"weight": ShardSpec(full_shape=(32, 32), dim=0, num_slices=2, index=0)}
-    stage.layers[0].attention.q_proj = shard
+    stage.layers[0].attention.o_proj = shard
     init_weights(stage, seed=5)
-    torch.testing.assert_close(shard.weight, full.layers[1].attention.q_proj.weight[:16], atol=0, rtol=0)
+    torch.testing.assert_close(shard.weight, full.layers[1].attention.o_proj.weight[:16], atol=0, rtol=0)
 
 
 def test_init_distribution():

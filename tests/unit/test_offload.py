@@ -334,8 +334,9 @@ def test_a_group_that_saves_nothing_worth_moving_is_no_error():
 
 @pytest.mark.parametrize("micro_batch", [1, 2, 8])
 def test_layer_offload_at_the_default_threshold_is_exact(tmp_path, micro_batch):
-    """offload.min_tensor_bytes at its default (64 KiB): with 1 or 2 sequences of the tiny model no saved tensor
-    reaches it, with 8 some do; every micro-batch size trains exactly as without offload."""
+    """offload.min_tensor_bytes at its default (64 KiB): with 1 sequence of the tiny model no saved tensor reaches
+    it, with 2 and 8 some do (the fused gate/up output first: 2 x 32 tokens x 384 x 4 bytes); every micro-batch size
+    trains exactly as without offload."""
     from megalm.training.trainer import Trainer
 
     overrides = ["model.num_layers=4", f"trainer.micro_batch_size={micro_batch}",
@@ -349,4 +350,4 @@ def test_layer_offload_at_the_default_threshold_is_exact(tmp_path, micro_batch):
         assert torch.equal(p, q), name
     store = offloaded.parallel.offload_store
     assert store.min_tensor_bytes == 65536 and store.offloaded_bytes == store.reloaded_bytes
-    assert (store.offloaded_bytes > 0) == (micro_batch == 8), store.offloaded_bytes
+    assert (store.offloaded_bytes > 0) == (micro_batch >= 2), store.offloaded_bytes

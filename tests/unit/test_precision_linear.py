@@ -368,11 +368,10 @@ def test_apply_precision_skip_and_overrides():
     states = apply_precision(model, "mxfp4", skip=("output", "layers.0.*", "layers.{last}.*"),
                              overrides={"layers.1.mlp.*": "mxfp8"})
     assert sorted(states) == sorted(f"layers.1.{m}" for m in (
-        "attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj",
-        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
-    assert model.layers[1].mlp.up_proj.gemm_recipe.recipe.name == "mxfp8"
-    assert model.layers[1].attention.q_proj.gemm_recipe.recipe.name == "mxfp4"
-    assert model.output.gemm_recipe is None and model.layers[0].mlp.up_proj.gemm_recipe is None
+        "attention.qkv_proj", "attention.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
+    assert model.layers[1].mlp.gate_up_proj.gemm_recipe.recipe.name == "mxfp8"
+    assert model.layers[1].attention.qkv_proj.gemm_recipe.recipe.name == "mxfp4"
+    assert model.output.gemm_recipe is None and model.layers[0].mlp.gate_up_proj.gemm_recipe is None
     set_precision_step(model, step=0)
     logits, grads = forward_backward(model)
     assert 0 < rel_err(logits, ref_logits) < 0.05
@@ -382,14 +381,14 @@ def test_apply_precision_skip_and_overrides():
             assert 0 < rel_err(g, ref_grads[name]) < 0.5, name
     twin = copy.deepcopy(model)  # the installed recipes follow the copy
     with torch.no_grad():
-        twin.layers[1].mlp.up_proj.weight.zero_()
+        twin.layers[1].mlp.gate_up_proj.weight.zero_()
     assert not torch.equal(forward_backward(twin)[0], forward_backward(model)[0])
     remove_precision(model)
     assert torch.equal(forward_backward(model)[0], ref_logits)
     # installing again replaces the previous recipe everywhere
     apply_precision(model, "bf16", skip=("output",))
-    assert model.layers[1].mlp.up_proj.gemm_recipe.recipe.name == "bf16"
-    assert model.layers[0].mlp.up_proj.gemm_recipe.recipe.name == "bf16"
+    assert model.layers[1].mlp.gate_up_proj.gemm_recipe.recipe.name == "bf16"
+    assert model.layers[0].mlp.gate_up_proj.gemm_recipe.recipe.name == "bf16"
 
 
 def test_apply_precision_is_reproducible_across_models():

@@ -171,7 +171,7 @@ def test_the_trainer_quantizes_each_weight_once_per_step(tmp_path, monkeypatch, 
 
     trainer = Trainer(compose_config("precision=fp8", "trainer.micro_batch_size=4", "trainer.global_batch_size=8",
                                      f"parallel.zero1={str(zero1).lower()}"), tmp_path)
-    weight = trainer.model.layers[0].mlp.up_proj.weight
+    weight = trainer.model.layers[0].mlp.gate_up_proj.weight
     calls = _count_weight_quantizations(monkeypatch, weight)
     for step in range(2):
         trainer.train_step(step)

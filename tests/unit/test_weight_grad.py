@@ -34,7 +34,7 @@ def test_split_backward_equals_plain_backward(autocast):
     plain, split = tiny_model(), tiny_model()
     store = WeightGradStore()
     rerouted = defer_weight_grads(split, store)
-    assert rerouted == 2 * 6  # q, k, v, o, up, down in each of 2 layers (the tied head is no Linear)
+    assert rerouted == 2 * 4  # qkv, o, up, down in each of 2 layers (the tied head is no Linear)
     fires: dict[str, int] = {}
     for name, p in split.named_parameters():
         p.register_post_accumulate_grad_hook(lambda _, name=name: fires.__setitem__(name, fires.get(name, 0) + 1))
@@ -91,7 +91,7 @@ def test_split_backward_composes_with_precision_recipes(recipe):
         apply_precision(model, recipe, seed=3)
         set_precision_step(model, step=2, micro_batch=1)
     store = WeightGradStore()
-    assert defer_weight_grads(split, store) == 2 * 6
+    assert defer_weight_grads(split, store) == 2 * 4
     assert all(m.gemm_recipe is not None and m.weight_grad_sink is store for m in linear_modules(split))
     args = batch(plain.cfg.vocab_size)
     with torch.autocast("cpu", dtype=torch.bfloat16):

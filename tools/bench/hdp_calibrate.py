@@ -5,8 +5,9 @@
         --out /tmp/hdp_cost_tiny.yaml --budget-s 30                     # the same code on CPU (CI)
 
 What it measures, on ONE real megalm transformer block of the model config's shape, built and run as the trainer
-runs it (meta-device GPT, the precision recipe's `convert`, `parallel.recompute`, `init_weights`; forward inside
-the recipe's forward context, bf16 autocast on CUDA unless `precision=` says otherwise; `model.attention_backend`,
+runs it (meta-device GPT, the precision recipe's `convert`, `parallel.recompute`, `init_weights`, the recipe's
+working dtype; forward inside the recipe's forward context; precision=bf16 (bf16 weights) on CUDA unless
+`precision=` says otherwise; `model.attention_backend`,
 `auto` by default):
 
 - a, b, c: forward + backward of the block on packed micro-batches of documents s_i, chosen so that Σs_i² and
@@ -222,12 +223,13 @@ class Bench:
         self.recompute = stage_mode(cfg.parallel.recompute, 0, cfg.parallel.pp)
         apply_recompute(model, self.recompute)
         # Materialise the block and the rest separately: the allocator tells each one's parameter bytes.
+        working = self.precision.working_dtype  # precision=bf16: bf16 weights, as the trainer's model holds them
         before = self._allocated()
-        model.layers.to_empty(device=device)
+        model.layers.to_empty(device=device).to(working or torch.float32)
         after_block = self._allocated()
         for name, child in model.named_children():
             if name != "layers":
-                child.to_empty(device=device)
+                child.to_empty(device=device).to(working or torch.float32)
         self.param_bytes = (after_block - before, self._allocated() - after_block)
         if any(p.is_meta for p in model.parameters()):
             raise RuntimeError("a parameter of the one-layer GPT stayed on the meta device")
@@ -251,16 +253,17 @@ class Bench:
             torch.cuda.synchronize(self.device)
 
     def block_inputs(self, lengths: Sequence[int]) -> dict:
-        """A packed micro-batch of documents `lengths` at the block's input: hidden states [T, h] (fp32, as the
-        embedding gives them), cu_seqlens, positions restarting per document, RoPE computed as GPT.forward does."""
+        """A packed micro-batch of documents `lengths` at the block's input: hidden states [T, h] (in the embedding's
+        dtype, as it gives them), cu_seqlens, positions restarting per document, RoPE computed as GPT.forward does."""
         total, hidden = sum(lengths), self.cfg.model.hidden_size
+        dtype = self.model.embedding.weight.dtype
         gen = torch.Generator(device=self.device).manual_seed(total)  # drawn on the device: no host copy of [T, h]
-        x = torch.randn(total, hidden, generator=gen, device=self.device).requires_grad_(True)
-        grad = torch.randn(total, hidden, generator=gen, device=self.device)
+        x = torch.randn(total, hidden, generator=gen, device=self.device).to(dtype).requires_grad_(True)
+        grad = torch.randn(total, hidden, generator=gen, device=self.device).to(dtype)
         cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=self.device)
         positions = torch.cat([torch.arange(s) for s in lengths]).to(self.device)
         with self.precision.forward_context():
-            rope = self.model.rotary(positions)
+            rope = self.model.rotary(positions, dtype)
         return {"x": x, "grad": grad, "cu": cu, "max_seqlen": max(lengths), "rope": rope}
 
     def block_forward(self, inp: dict) -> torch.Tensor:
@@ -320,7 +323,7 @@ class Bench:
         inp = self.block_inputs((tokens,))
         head = self.head_inputs(tokens)
         seen: list[torch.dtype] = []
-        hook = self.block.attention.q_proj.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+        hook = self.block.attention.qkv_proj.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
         self.block_call(inp)
         hook.remove()
         self.compute_dtype = seen[0]

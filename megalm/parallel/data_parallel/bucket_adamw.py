@@ -40,6 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from megalm.parallel.collectives import all_gather_flat
 from megalm.parallel.data_parallel.reducer import GradReducer
+from megalm.parallel.norms import NormShare
 
 
 class BucketAdamW:
@@ -119,7 +120,7 @@ class BucketAdamW:
     def _grad_shards(self) -> list[torch.Tensor]:
         return self.reducer.grad_shards()
 
-    def local_grad_sq_norm(self, weight: Callable[[nn.Parameter], float] | None = None) -> torch.Tensor:
+    def local_grad_sq_norm(self, weight: Callable[[nn.Parameter], NormShare] | None = None) -> torch.Tensor:
         """Sum of squares of the gradient elements this rank owns (the reducer's shards; fp32 scalar).
         Summed over the DP group it is the full gradient norm squared; `weight(param)` scales each
         parameter's part (see `GradReducer.local_grad_sq_norm`)."""

@@ -30,7 +30,8 @@ every partial sum. `accumulate=True` makes the bucket the accumulator: the hook 
 gradient into the parameter's view of its bucket and frees `p.grad`, every micro-batch, so the step's sum is
 formed in the bucket's dtype (fp32 unless `reduce_dtype` says otherwise, as Megatron accumulates and reduces in
 one buffer) and the summed gradients stay in the buckets (`grad_shards()`) for an optimizer that steps fp32
-main weights from them (bucket_adamw.py). Buckets are zeroed at `start_step`.
+main weights from them (bucket_adamw.py). A step's first gradient of a parameter is copied in (as AccumulateGrad
+takes the first one), so the buckets need no zeroing pass; one that gets none is zeroed in `finish()`.
 
 Single process
 --------------
@@ -61,7 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalm.parallel.collectives import group_rank, group_size, reduce_scatter_flat
-from megalm.parallel.norms import weighted_sq_norm
+from megalm.parallel.norms import NormShare, share_pairs, weighted_sq_norm
 from megalm.parallel.progress import Progress, note_collective
 
 # ---------------------------------------------------------------------------- layout
@@ -272,8 +273,6 @@ class GradReducer:
             bucket.pending = len(bucket.params)
             bucket.launched = False
             bucket.work = None
-        if self.accumulate and self.buckets:  # the sums start from zero (one launch for all buckets)
-            torch._foreach_zero_([bucket.buffer for bucket in self.buckets])
         self._next_launch = 0
         self._active = True
         self.step_finished = False
@@ -285,8 +284,10 @@ class GradReducer:
             raise RuntimeError("GradReducer.finish() without start_step()")
         if self.enabled:
             for p, group in self.presum:  # their local gradients, summed over their group first
-                if self.accumulate:  # already summed over the micro-batches in the bucket
+                if self.accumulate:  # already summed over the micro-batches in the bucket (zero if none came)
                     local = self._view(p)
+                    if self._fires[id(p)] == 0:
+                        local.zero_()
                 else:
                     local = p.grad = torch.zeros_like(p) if p.grad is None else p.grad
                 if group_size(group) > 1:
@@ -301,8 +302,12 @@ class GradReducer:
                         # not final yet (unused in some micro-batch), or a rank with no micro-batch at all
                         # (HDP): its bucket still holds the last step's gradient, so zeros go in
                         stale = self._fires[id(p)] < self._num_micro_batches or self._num_micro_batches == 0
-                        if stale and id(p) not in presummed and not self.accumulate:  # accumulated: in place
+                        if id(p) in presummed or not stale:
+                            continue
+                        if not self.accumulate:
                             self._copy_in(p)
+                        elif self._fires[id(p)] == 0:  # accumulating: the sum so far is in place, or none came
+                            self._view(p).zero_()
                     bucket.pending = 0
             self._launch_ready(in_backward=False)
             for bucket in self.buckets:
@@ -341,19 +346,20 @@ class GradReducer:
         return self.dp_group if self.zero1 else None
 
     @torch.no_grad()
-    def local_grad_sq_norm(self, weight: Callable[[nn.Parameter], float] | None = None) -> torch.Tensor:
+    def local_grad_sq_norm(self, weight: Callable[[nn.Parameter], NormShare] | None = None) -> torch.Tensor:
         """Sum of squares of the summed gradient elements this rank holds (fp32 scalar): its shard of every
         bucket under ZeRO-1 (shards partition the parameters: sum this over `shard_group` for the full
         norm²), every parameter's whole gradient otherwise (in the buckets when they accumulate). `weight(param)`
         scales each parameter's part (tensor parallelism passes each parameter's share, so TP-replicated parameters
-        count once)."""
+        count once; a share may differ between ranges of a parameter: megalm.parallel.norms.NormShare)."""
         device = self.params[0].device if self.params else None
         if self.flat_grads:
             pairs = [(g, 1.0) for g in self.grad_shards()] if weight is None else [
-                (g[seg.shard_slice], weight(seg.param))
-                for bucket, g in zip(self.buckets, self.grad_shards(), strict=True) for seg in bucket.segments]
+                pair for bucket, g in zip(self.buckets, self.grad_shards(), strict=True) for seg in bucket.segments
+                for pair in share_pairs(g[seg.shard_slice], seg.param_start, weight(seg.param))]
         else:
-            pairs = [(p.grad, 1.0 if weight is None else weight(p)) for p in self.params if p.grad is not None]
+            pairs = [pair for p in self.params if p.grad is not None
+                     for pair in share_pairs(p.grad.reshape(-1), 0, 1.0 if weight is None else weight(p))]
         return weighted_sq_norm(pairs, device)
 
     @torch.no_grad()
@@ -378,7 +384,11 @@ class GradReducer:
                                "num_micro_batches) before the first backward and finish() after the last")
         key = id(param)
         if self.accumulate:  # this micro-batch's gradient joins the bucket's sum (fp32) and leaves p.grad
-            self._view(param).add_(param.grad.reshape(-1))
+            view, grad = self._view(param), param.grad.reshape(-1)
+            if self._fires[key] == 0:  # the step's first one starts the sum: no zeroing pass over the buckets
+                view.copy_(grad)
+            else:
+                view.add_(grad)
             param.grad = None
         self._fires[key] += 1
         if self._fires[key] > self._num_micro_batches:

@@ -4,12 +4,13 @@ The model definition (megalm/model) holds `Linear` / nn.Embedding and no collect
 `apply_tensor_parallel` swaps them in place for the layers of megalm/parallel/tensor/layers.py:
 
     embedding                  VocabParallelEmbedding   (partial lookups summed: all-reduce / reduce-scatter)
-    q_proj, k_proj, v_proj     ColumnParallelLinear     (this rank's heads; attention infers heads from widths)
+    qkv_proj                   ColumnParallelLinear     (parts q, k, v: this rank's heads of each; attention
+                                                         infers heads from widths)
     o_proj                     RowParallelLinear        (all-reduce, or reduce-scatter under SP)
-    gate_proj, up_proj         ColumnParallelLinear
+    gate_up_proj (up_proj)     ColumnParallelLinear     (parts gate, up: this rank's units of each)
     down_proj                  RowParallelLinear
     attention_norm, mlp_norm,  ParallelNorm             (enter the TP region: copy_to_tp, or gather_from_sp
-    final_norm                                           under SP, once for q/k/v, gate/up or the head)
+    final_norm                                           under SP, once for qkv, gate_up or the head)
     output                     ColumnParallelLinear over the vocabulary -> logits [T, V/tp]
     (tied: the head is F.linear with the VocabParallelEmbedding shard, also [T, V/tp])
 
@@ -34,6 +35,7 @@ weights (each layer's `shard_specs`).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -42,10 +44,11 @@ from torch import nn
 
 from megalm.config import ModelConfig
 from megalm.errors import ConfigError
+from megalm.model.fused import part_rows
 from megalm.model.loss import token_loss_sum
 from megalm.model.naming import canonical_named_parameters
-from megalm.model.shard import ShardSpec, shard_specs
-from megalm.parallel.norms import weighted_sq_norm
+from megalm.model.shard import FusedShardSpec, ShardSpec, shard_specs
+from megalm.parallel.norms import NormShare, share_pairs, weighted_sq_norm
 from megalm.parallel.progress import Progress
 from megalm.parallel.tensor.comm import Group, split_to_sp, tp_world_size
 from megalm.parallel.tensor.layers import ColumnParallelLinear, ParallelNorm, RowParallelLinear, VocabParallelEmbedding
@@ -109,15 +112,15 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
     if sp and getattr(model, "position_embedding", None) is not None:
         model.position_embedding.register_forward_hook(functools.partial(_split_output_hook, group, progress))
 
+    qkv = part_rows("attention.qkv_proj", model.cfg)
     for layer in model.layers:
         attention, mlp = layer.attention, layer.mlp
-        attention.q_proj = column(attention.q_proj)
-        attention.k_proj = column(attention.k_proj, replicas=kv_replicas)
-        attention.v_proj = column(attention.v_proj, replicas=kv_replicas)
+        attention.qkv_proj = column(attention.qkv_proj, parts=qkv, replicas=(1, kv_replicas, kv_replicas))
         attention.o_proj = row(attention.o_proj)
-        for name in ("gate_proj", "up_proj"):
-            if isinstance(getattr(mlp, name, None), nn.Linear):
-                setattr(mlp, name, column(getattr(mlp, name)))
+        if isinstance(getattr(mlp, "gate_up_proj", None), nn.Linear):
+            mlp.gate_up_proj = column(mlp.gate_up_proj, parts=part_rows("mlp.gate_up_proj", model.cfg))
+        if isinstance(getattr(mlp, "up_proj", None), nn.Linear):
+            mlp.up_proj = column(mlp.up_proj)
         mlp.down_proj = row(mlp.down_proj)
         layer.attention_norm = norm(layer.attention_norm)
         layer.mlp_norm = norm(layer.mlp_norm)
@@ -137,20 +140,28 @@ def loss_fn_for(group: Group, vocab_size: int | None = None) -> LossFn:
     return functools.partial(vocab_parallel_token_loss_sum, group=group, vocab_size=vocab_size)
 
 
-def tp_norm_share(spec: ShardSpec | None, tp: int) -> float:
+def tp_norm_share(spec: ShardSpec | FusedShardSpec | None, tp: int, shape: torch.Size) -> NormShare:
     """The share of a parameter's local ||grad||^2 that belongs in the full model's squared norm once
-    the local sums are all-reduced over TP: 1 for a shard, 1/replicas for a shard several ranks hold
-    (replicated kv rows), 1/tp for a parameter every TP rank holds whole."""
-    return 1.0 / spec.replicas if spec is not None else 1.0 / tp
+    the local sums are all-reduced over TP: 1 for a shard, 1/replicas for rows several ranks hold
+    (replicated kv rows: a whole kv projection, or the k and v rows of a fused qkv one), 1/tp for a
+    parameter every TP rank holds whole. A float, or (first element, last element + 1, share) ranges
+    of the flattened local tensor where the rows differ."""
+    if spec is None:
+        return 1.0 / tp
+    rows = spec.norm_rows
+    if len({share for *_, share in rows}) == 1:
+        return rows[0][2]
+    row = math.prod(shape[1:])
+    return tuple((start * row, (start + count) * row, share) for start, count, share in rows)
 
 
 def tp_grad_norm_squared(model: nn.Module, group: Group) -> torch.Tensor:
     """Squared L2 norm of the full (unsharded) model's gradient from this rank's shards, counting every
     element once; the same on every TP rank."""
     specs, tp = shard_specs(model), tp_world_size(group)
-    weighted = [(p, tp_norm_share(specs.get(name), tp)) for name, p in canonical_named_parameters(model)]
-    total = weighted_sq_norm(((p.grad, w) for p, w in weighted if p.grad is not None),
-                             next(model.parameters()).device)
+    pairs = [pair for name, p in canonical_named_parameters(model) if p.grad is not None
+             for pair in share_pairs(p.grad.reshape(-1), 0, tp_norm_share(specs.get(name), tp, p.shape))]
+    total = weighted_sq_norm(pairs, next(model.parameters()).device)
     if tp > 1:
         dist.all_reduce(total, group=group)
     return total

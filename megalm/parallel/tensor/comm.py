@@ -175,27 +175,35 @@ def sync_grad_over_tp(param: torch.Tensor, group: Group, progress: Progress | No
 
 class _SumGradOverSharers(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, param: torch.Tensor, group: Group, start: int, full_rows: int) -> torch.Tensor:
-        ctx.group, ctx.start, ctx.full_rows = group, start, full_rows
+    def forward(ctx, param: torch.Tensor, group: Group, shared: tuple[tuple[int, int, int, int], ...]) -> torch.Tensor:
+        ctx.group, ctx.shared = group, shared
         return param.view_as(param)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        rows = grad.shape[0]
-        full = grad.new_zeros((ctx.full_rows, *grad.shape[1:]))
-        full[ctx.start:ctx.start + rows] = grad
+        # every shared piece's full rows, back to back in one buffer: one all-reduce for all of them
+        bases = [sum(full_rows for *_, full_rows in ctx.shared[:i]) for i in range(len(ctx.shared))]
+        full = grad.new_zeros((sum(full_rows for *_, full_rows in ctx.shared), *grad.shape[1:]))
+        for base, (local, rows, start, _) in zip(bases, ctx.shared, strict=True):
+            full[base + start:base + start + rows] = grad[local:local + rows]
         dist.all_reduce(full, group=ctx.group)
-        return full[ctx.start:ctx.start + rows].clone(), None, None, None
+        out = grad.clone()
+        for base, (local, rows, start, _) in zip(bases, ctx.shared, strict=True):
+            out[local:local + rows] = full[base + start:base + start + rows]
+        return out, None, None
 
 
-def sum_grad_over_sharers(param: torch.Tensor, group: Group, start: int, full_rows: int) -> torch.Tensor:
-    """Weight-side sync for rows [start, start + len(param)) of a `full_rows`-row weight that several
-    TP ranks hold identical copies of (kv heads when tp > num_kv_heads).
+def sum_grad_over_sharers(param: torch.Tensor, group: Group, shared: tuple[tuple[int, int, int, int], ...]
+                          ) -> torch.Tensor:
+    """Weight-side sync for local rows that several TP ranks hold identical copies of (kv heads when tp >
+    num_kv_heads). `shared`: (local start, rows, start in the full part, the full part's rows) per such piece
+    (one for a kv projection, two in a fused qkv projection: k and v).
 
     Each holder's gradient covers only its own query heads; the true gradient of those rows is the sum
-    over the holders. Backward scatters the local gradient into a zero buffer of the full shape,
-    all-reduces it over TP (ranks holding other rows add zeros there) and takes its rows back.
+    over the holders. Backward scatters each shared piece's local gradient into a zero buffer of the part's
+    full shape, all-reduces them over TP in one call (ranks holding other rows add zeros there) and takes
+    its rows back; the other rows' gradients pass unchanged.
     """
     if tp_world_size(group) == 1:
         return param
-    return _SumGradOverSharers.apply(param, group, start, full_rows)
+    return _SumGradOverSharers.apply(param, group, tuple(shared))

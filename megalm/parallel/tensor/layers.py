@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.model.linear import LinearHooks, linear
-from megalm.model.shard import ShardSpec
+from megalm.model.shard import FusedShardSpec, ShardSpec
 from megalm.parallel.progress import Progress
 from megalm.parallel.tensor.comm import (
     Group,
@@ -36,6 +36,14 @@ from megalm.parallel.tensor.comm import (
     tp_rank,
     tp_world_size,
 )
+
+
+def _spec(parts: tuple[int, ...], replicas: tuple[int, ...], tp: int, rank: int,
+          rest: tuple[int, ...]) -> ShardSpec | FusedShardSpec:
+    """This rank's slice of each part (of shape (rows, *rest)); one part is a plain ShardSpec."""
+    specs = tuple(ShardSpec((rows, *rest), 0, tp // copies, rank // copies, copies)
+                  for rows, copies in zip(parts, replicas, strict=True))
+    return specs[0] if len(specs) == 1 else FusedShardSpec(specs)
 
 
 def _take_params(source: nn.Module, layer: nn.Module) -> None:
@@ -58,6 +66,9 @@ class ColumnParallelLinear(LinearHooks, nn.Module):
     The output dimension is cut into tp / replicas contiguous slices; rank r holds slice
     r // replicas. `replicas` > 1 means several consecutive ranks hold the same slice (GQA kv heads
     with tp > num_kv_heads); their weight gradients are summed over those ranks in backward.
+    A fused projection gives `parts` (the output rows of each part, e.g. q, k, v) and one `replicas` per
+    part: each part is cut on its own and the rank holds its slice of every part, concatenated
+    (`FusedShardSpec`), so the forward splits the local output by width with no communication.
 
     The input must be the full [T, in] activation with a gradient that is summed over TP. By default
     the layer does that itself (copy_to_tp, or gather_from_sp under SP); `input_in_tp_region=True`
@@ -73,25 +84,38 @@ class ColumnParallelLinear(LinearHooks, nn.Module):
         group: Group = None,
         sequence_parallel: bool = False,
         input_in_tp_region: bool = False,
-        replicas: int = 1,
+        replicas: int | tuple[int, ...] = 1,
+        parts: tuple[int, ...] | None = None,
         progress: Progress | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         tp = tp_world_size(group)
-        if tp % replicas or out_features % (tp // replicas):
-            raise ValueError(f"ColumnParallelLinear: out_features={out_features} must split into tp/replicas="
-                             f"{tp}/{replicas} slices")
+        parts = parts or (out_features,)
+        replicas = (replicas,) * len(parts) if isinstance(replicas, int) else tuple(replicas)
+        if sum(parts) != out_features or len(replicas) != len(parts):
+            raise ValueError(f"ColumnParallelLinear: parts {parts} (replicas {replicas}) do not make "
+                             f"out_features={out_features}")
+        for rows, copies in zip(parts, replicas, strict=True):
+            if tp % copies or rows % (tp // copies):
+                raise ValueError(f"ColumnParallelLinear: {rows} output rows must split into tp/replicas="
+                                 f"{tp}/{copies} slices")
         self.in_features, self.out_features = in_features, out_features
         self.group, self.sequence_parallel, self.input_in_tp_region = group, sequence_parallel, input_in_tp_region
         self.progress = progress  # the mesh's record of the collective entered (hang reports)
         self.replicas = replicas
-        slices, index = tp // replicas, tp_rank(group) // replicas
-        self.shard_specs = {"weight": ShardSpec((out_features, in_features), 0, slices, index, replicas)}
+        rank = tp_rank(group)
+        self.shard_specs = {"weight": _spec(parts, replicas, tp, rank, (in_features,))}
         if bias:
-            self.shard_specs["bias"] = ShardSpec((out_features,), 0, slices, index, replicas)
-        self.local_out, self.start = self.shard_specs["weight"].length, self.shard_specs["weight"].start
+            self.shard_specs["bias"] = _spec(parts, replicas, tp, rank, ())
+        self.local_out = self.shard_specs["weight"].local_shape[0]
+        # the local rows that several ranks hold (their gradients summed over the holders): (local start,
+        # rows, start in the part, the part's rows)
+        pieces = self.shard_specs["weight"].parts if len(parts) > 1 else (self.shard_specs["weight"],)
+        offsets = [sum(piece.length for piece in pieces[:i]) for i in range(len(pieces))]
+        self.shared_rows = tuple((offset, piece.length, piece.start, piece.full_shape[0])
+                                 for offset, piece in zip(offsets, pieces, strict=True) if piece.replicas > 1)
         self.weight = nn.Parameter(torch.empty(self.local_out, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(self.local_out, device=device, dtype=dtype)) if bias else None
 
@@ -104,9 +128,9 @@ class ColumnParallelLinear(LinearHooks, nn.Module):
         return layer
 
     def _synced(self, param: torch.Tensor) -> torch.Tensor:
-        if self.replicas == 1:
+        if not self.shared_rows:
             return param
-        return sum_grad_over_sharers(param, self.group, self.start, self.out_features)
+        return sum_grad_over_sharers(param, self.group, self.shared_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_in_tp_region:
@@ -117,8 +141,8 @@ class ColumnParallelLinear(LinearHooks, nn.Module):
 
     def extra_repr(self) -> str:
         entry = "caller" if self.input_in_tp_region else "gather_from_sp" if self.sequence_parallel else "copy_to_tp"
-        return (f"in={self.in_features}, out={self.out_features} (local {self.local_out} from "
-                f"{self.start}), bias={self.bias is not None}, replicas={self.replicas}, input_entry={entry}")
+        return (f"in={self.in_features}, out={self.out_features} (local {self.local_out}), bias="
+                f"{self.bias is not None}, replicas={self.replicas}, input_entry={entry}")
 
 
 class RowParallelLinear(LinearHooks, nn.Module):

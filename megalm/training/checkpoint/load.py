@@ -19,15 +19,16 @@ from megalm.training.checkpoint.layout import resolve_checkpoint_path
 from megalm.training.checkpoint.tensors import (
     copy_model,
     dcp_load,
-    from_dcp,
+    like_targets,
     load_optimizer_tensors,
-    local_tensor,
+    local_from_targets,
     model_targets,
     optimizer_tensors,
     saved_vocab_rows,
-    target_tensor,
+    stored_names,
 )
 from megalm.training.checkpoint.verify import LoadedCheckpoint, read_checkpoint_meta
+from megalm.training.optim import full_precision_weights
 
 if TYPE_CHECKING:  # annotations only: checkpoints take the mesh they are given
     from megalm.parallel.dims import ParallelMesh
@@ -69,32 +70,9 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     hold them. Collective when `mesh` is distributed.
     """
     meta = read_checkpoint_meta(path)
-    saved_rows = saved_vocab_rows(meta.config)
-    targets = model_targets(model, mesh, saved_rows)
-    params, specs = dict(canonical_named_parameters(model)), shard_specs(model)
-    if optimizer is not None:
-        like, groups = optimizer_tensors(model, optimizer)
-        if not like:  # a fresh torch AdamW has no state yet: take one step's worth of shapes
-            like = {f"{n}::{k}": torch.zeros(() if k == "step" else p.shape, dtype=torch.float32, device=p.device)
-                    for n, p in params.items() for k in ("step", "exp_avg", "exp_avg_sq")}
-        for key, value in like.items():
-            param_name = key.split("::")[0]
-            shaped = value.shape == params[param_name].shape
-            targets[f"optim/{key}"] = (target_tensor(param_name, value, specs.get(param_name), mesh, saved_rows)
-                                       if shaped else value.clone())
-    dcp_load(targets, path)
-    copy_model(model, targets, path, saved_rows)
-    if optimizer is not None:
-        tensors = {}
-        for key, value in targets.items():
-            if key.startswith("optim/"):
-                name = key[len("optim/"):]
-                param_name = name.split("::")[0]
-                param = params[param_name]
-                shaped = value.shape[1:] == param.shape[1:] and value.dim() == param.dim() and value.dim() > 0
-                tensors[name] = (local_tensor(param_name, value, specs.get(param_name), param, saved_rows) if shaped
-                                 else from_dcp(value, specs.get(param_name)))
-        load_optimizer_tensors(model, optimizer, tensors, meta.state["optimizer_param_groups"])
+    with full_precision_weights(optimizer):  # checkpoints hold the fp32 weights, whatever the recipe
+        _load_tensors(path, meta, model, optimizer, mesh)
+
     rank = mesh.rank if mesh is not None else 0
     rng_file = path / f"rng-rank{rank:05d}.safetensors"
     if rng_file.is_file() and meta.state.get("world_size", 1) == (mesh.dims.world_size if mesh else 1):
@@ -104,3 +82,35 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         if cuda_states and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(cuda_states[: torch.cuda.device_count()])
     return meta
+
+
+def _load_tensors(path: Path, meta: LoadedCheckpoint, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                  mesh: ParallelMesh | None) -> None:
+    """The weights and optimizer state of `load_checkpoint`."""
+    saved_rows = saved_vocab_rows(meta.config)
+    targets = model_targets(model, mesh, saved_rows)
+    params, specs = dict(canonical_named_parameters(model)), shard_specs(model)
+    if optimizer is not None:
+        like, groups = optimizer_tensors(model, optimizer)
+        if not like:  # a fresh torch AdamW has no state yet: take one step's worth of shapes
+            like = {f"{n}::{k}": torch.zeros(() if k == "step" else p.shape, dtype=torch.float32, device=p.device)
+                    for n, p in params.items() for k in ("step", "exp_avg", "exp_avg_sq")}
+        for key, value in like.items():
+            param_name, _, field = key.partition("::")
+            if value.shape == params[param_name].shape:  # a moment, laid out like its parameter
+                targets.update(like_targets("optim/", param_name, value, specs.get(param_name), model, mesh,
+                                            saved_rows, f"::{field}"))
+            else:  # the step count, stored with every piece: the first one's is read
+                targets[f"optim/{stored_names(param_name)[0]}::{field}"] = value.clone()
+    dcp_load(targets, path)
+    copy_model(model, targets, path, saved_rows)
+    if optimizer is not None:
+        tensors = {}
+        for key, value in like.items():
+            param_name, _, field = key.partition("::")
+            if value.shape == params[param_name].shape:
+                tensors[key] = local_from_targets("optim/", param_name, value, specs.get(param_name), model,
+                                                  targets, saved_rows, f"::{field}")
+            else:
+                tensors[key] = targets[f"optim/{stored_names(param_name)[0]}::{field}"]
+        load_optimizer_tensors(model, optimizer, tensors, meta.state["optimizer_param_groups"])

@@ -34,7 +34,14 @@ from megalm.training.checkpoint.layout import (
     step_dirs,
     write_text_atomic,
 )
-from megalm.training.checkpoint.tensors import for_dcp, optimizer_tensors, save_tensors
+from megalm.training.checkpoint.tensors import (
+    for_dcp,
+    optimizer_tensors,
+    save_tensors,
+    stored_names,
+    stored_pieces,
+)
+from megalm.training.optim import full_precision_weights
 
 if TYPE_CHECKING:  # annotations only: checkpoints take the mesh they are given
     from megalm.parallel.dims import ParallelMesh
@@ -77,13 +84,18 @@ def _write(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Op
     _barrier(mesh)
 
     params, specs = dict(canonical_named_parameters(model)), shard_specs(model)
-    tensors = {f"model/{n}": for_dcp(p.detach(), specs.get(n), mesh) for n, p in params.items()}
-    opt_tensors, groups = optimizer_tensors(model, optimizer)
-    for key, value in opt_tensors.items():
-        param_name = key.split("::")[0]
-        shaped = value.shape == params[param_name].shape  # moments are laid out like their parameter; "step" is not
-        tensors[f"optim/{key}"] = for_dcp(value, specs.get(param_name), mesh) if shaped else value
-    written = write_tensors(tensors, tmp)
+    with full_precision_weights(optimizer):  # fp32 weights, whatever the recipe (async: staged before the exit)
+        tensors = {f"model/{stored}": for_dcp(piece, spec, mesh) for n, p in params.items()
+                   for stored, piece, spec in stored_pieces(n, p.detach(), specs.get(n), model)}
+        opt_tensors, groups = optimizer_tensors(model, optimizer)
+        for key, value in opt_tensors.items():
+            param_name, _, field = key.partition("::")
+            if value.shape == params[param_name].shape:  # a moment, laid out like its parameter
+                for stored, piece, spec in stored_pieces(param_name, value, specs.get(param_name), model):
+                    tensors[f"optim/{stored}::{field}"] = for_dcp(piece, spec, mesh)
+            else:  # the step count, with every stored piece
+                tensors.update({f"optim/{stored}::{field}": value.clone() for stored in stored_names(param_name)})
+        written = write_tensors(tensors, tmp)
     rng = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):

@@ -2,7 +2,10 @@
 
 Optimizer state is keyed by parameter *name* (`canonical_named_parameters`), not position, so that it loads into
 any layout. A tensor-parallel slice is handed to DCP as a DTensor over the TP mesh, so each rank writes its own
-and a load into another layout reshards. Vocab tables padded to another row count are resized on load.
+and a load into another layout reshards. Vocab tables padded to another row count are resized on load. A fused
+projection (qkv_proj, gate_up_proj: megalm/model/fused.py) is stored as its parts under their unfused names
+(`stored_pieces`): each part is one contiguous slice per rank, which DCP reshards alone, and the files keep the
+layout of checkpoints written before the fusion, which therefore load as they are.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from megalm import compat
 from megalm.errors import CheckpointError
+from megalm.model.fused import part_rows, split_fused_name, unfused_names
 from megalm.model.gpt import VOCAB_PARAMS, resize_vocab_rows
-from megalm.model.naming import canonical_named_parameters
-from megalm.model.shard import ShardSpec, shard_specs
+from megalm.model.naming import canonical_named_parameters, model_chunks
+from megalm.model.shard import FusedShardSpec, ShardSpec, shard_specs
 
 if TYPE_CHECKING:  # annotations only: checkpoints take the mesh they are given
     from megalm.parallel.dims import ParallelMesh
@@ -73,6 +77,24 @@ def load_optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, t
     optimizer.load_state_dict({"state": per_param, "param_groups": new_groups})
 
 
+def stored_pieces(name: str, local: torch.Tensor, spec: ShardSpec | FusedShardSpec | None,
+                  model: nn.Module) -> list[tuple[str, torch.Tensor, ShardSpec | None]]:
+    """(stored name, this rank's tensor of it, its spec) for a tensor laid out like parameter `name` of `model`:
+    itself, or a fused projection's parts under their unfused names (views of `local`'s rows)."""
+    parts = unfused_names(name)
+    if parts is None:
+        return [(name, local, spec)]
+    if isinstance(spec, FusedShardSpec):
+        return list(zip(parts, local.split([part.length for part in spec.parts]), spec.parts, strict=True))
+    rows = part_rows(split_fused_name(name)[1], model_chunks(model)[0].cfg)
+    return [(part, piece, None) for part, piece in zip(parts, local.split(rows), strict=True)]
+
+
+def stored_names(name: str) -> list[str]:
+    """The names parameter `name` is stored under (see `stored_pieces`)."""
+    return unfused_names(name) or [name]
+
+
 def for_dcp(local: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | None) -> torch.Tensor:
     """What DCP should see for a tensor laid out like a parameter with `spec`: a DTensor over the TP mesh
     for a slice one rank holds (each rank writes its own), the gathered full tensor for slices several
@@ -80,7 +102,7 @@ def for_dcp(local: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | No
     (DCP writes replicated tensors once)."""
     if spec is None or mesh is None or mesh.dims.tp == 1:
         return local
-    if spec.replicas > 1:
+    if not spec.single_slice:
         pieces = [torch.empty_like(local) for _ in range(mesh.dims.tp)]
         dist.all_gather(pieces, local.contiguous(), group=mesh.tp_group)
         return spec.unshard(pieces)
@@ -93,7 +115,7 @@ def for_dcp(local: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | No
 def _load_target(like: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | None) -> torch.Tensor:
     """An empty tensor for DCP to load into, laid out as `for_dcp` saved one like `like`: a DTensor slice,
     the full tensor of slices several ranks hold (no collective: only its shape matters), or a plain one."""
-    if spec is not None and mesh is not None and mesh.dims.tp > 1 and spec.replicas > 1:
+    if spec is not None and mesh is not None and mesh.dims.tp > 1 and not spec.single_slice:
         return torch.empty(spec.full_shape, dtype=like.dtype, device=like.device)
     return for_dcp(torch.empty_like(like), spec, mesh)
 
@@ -155,17 +177,35 @@ def local_tensor(name: str, loaded: torch.Tensor, spec: ShardSpec | None, like: 
     return from_dcp(loaded, spec)
 
 
+def like_targets(prefix: str, name: str, like: torch.Tensor, spec: ShardSpec | FusedShardSpec | None,
+                 model: nn.Module, mesh: ParallelMesh | None, saved_rows: int | None,
+                 suffix: str = "") -> dict[str, torch.Tensor]:
+    """DCP's targets for a tensor laid out like parameter `name` (`like`): one per stored piece,
+    keyed `{prefix}{stored name}{suffix}`."""
+    return {f"{prefix}{stored}{suffix}": target_tensor(stored, piece, piece_spec, mesh, saved_rows)
+            for stored, piece, piece_spec in stored_pieces(name, like, spec, model)}
+
+
+def local_from_targets(prefix: str, name: str, like: torch.Tensor, spec: ShardSpec | FusedShardSpec | None,
+                       model: nn.Module, targets: dict[str, torch.Tensor], saved_rows: int | None,
+                       suffix: str = "") -> torch.Tensor:
+    """This rank's tensor laid out like parameter `name` from what DCP filled into `like_targets`' targets."""
+    pieces = [local_tensor(stored, targets[f"{prefix}{stored}{suffix}"], piece_spec, piece, saved_rows)
+              for stored, piece, piece_spec in stored_pieces(name, like, spec, model)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
 def model_targets(model: nn.Module, mesh: ParallelMesh | None, saved_rows: int | None) -> dict[str, torch.Tensor]:
     specs = shard_specs(model)
-    return {f"model/{n}": target_tensor(n, p.detach(), specs.get(n), mesh, saved_rows)
-            for n, p in canonical_named_parameters(model)}
+    return {key: target for n, p in canonical_named_parameters(model)
+            for key, target in like_targets("model/", n, p.detach(), specs.get(n), model, mesh, saved_rows).items()}
 
 
 @torch.no_grad()
 def copy_model(model: nn.Module, targets: dict[str, torch.Tensor], path: Path, saved_rows: int | None) -> None:
     specs = shard_specs(model)
     for name, param in canonical_named_parameters(model):
-        value = local_tensor(name, targets[f"model/{name}"], specs.get(name), param, saved_rows)
+        value = local_from_targets("model/", name, param.detach(), specs.get(name), model, targets, saved_rows)
         if value.shape != param.shape:
             raise CheckpointError(f"checkpoint {path} has {name} of shape {tuple(value.shape)}, this model "
                                   f"{tuple(param.shape)}; use the matching model config")
