@@ -105,7 +105,8 @@ class Parallelism:
                  mesh: ParallelMesh | None = None):
         p = cfg.parallel
         self.cfg, self.device, self.converters = cfg, device, list(converters)
-        self.mesh = mesh or build_mesh(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp), device)
+        with unset_fake_temporarily():  # the mesh's own tensors are real under a caller's FakeTensorMode
+            self.mesh = mesh or build_mesh(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp), device)
         check_same_on_all_ranks(json.dumps(config_to_dict(cfg), sort_keys=True, default=str), self.mesh, device)
         self.model = self._build_model()
         # bf16 working weights (the bf16 recipe): the model trains bf16 copies of its fp32 initial weights, which the

@@ -46,7 +46,7 @@ TOOL_FLAGS = {"precision_convergence.py": ["--steps", "2"], "throughput.py": ["-
               "context_parallel.py": ["--steps", "1", "--warmup", "0", "--seq", "64"], "comm_volume.py": [],
               "offload.py": ["--steps", "1", "--warmup", "0"], "checkpoint_save.py": ["--reps", "1"],
               "compare.py": ["--tiny", "--seqs", "64", "--precisions", "fp32", "--repeats", "1"], "step_cost.py": [],
-              "activation_memory.py": []}
+              "activation_memory.py": ["model.num_heads=8"]}  # 8 heads: its tp8 command shards them
 SET_UP = ("pip install", "pytest", "docker ", "tools/gpu_wheels.sh",
           "python tools/slurm_local/")  # the loopback Slurm cluster needs root and apt: tests/e2e/test_slurm.py runs it
 GPU_ONLY = ("tools/gpu_check.sh",)  # exits 2 without CUDA by design
@@ -153,8 +153,8 @@ def runnable(command: str, tmp: Path) -> tuple[list[str], dict[str, str]] | None
     words = shrink(words, tmp)
     tool = next((name for name in TOOL_FLAGS if any(w.endswith(name) for w in words)), None)
     if tool is not None:  # a benchmark: one short repetition, a small model; it runs its own steps
-        words += TOOL_FLAGS[tool] + [f"{k}={v}" for k, v in TINY.items()
-                                     if k.startswith("model.") and k not in overrides_set(words)]
+        words += TOOL_FLAGS[tool]
+        words += [f"{k}={v}" for k, v in TINY.items() if k.startswith("model.") and k not in overrides_set(words)]
     elif ("megalm.train" in head + words or exe.startswith("scripts/")) and "--cfg" not in words:
         words += [f"{k}={v}" for k, v in TINY.items() if k not in overrides_set(words)]
     return head + words, env

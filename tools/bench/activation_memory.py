@@ -2,6 +2,8 @@
 
     python tools/bench/activation_memory.py model=1.3b model.seq_length=4096
     python tools/bench/activation_memory.py model=1.3b model.seq_length=4096 --recompute none,selective,full
+    python tools/bench/activation_memory.py model=1.3b model.seq_length=4096 parallel.tp=8 \
+        parallel.sequence_parallel=true
 
 One rank runs one training step (forward and backward of one micro-batch of `model.seq_length` tokens) under
 `FakeTensorMode`, with megalm.measure.LiveStorages counting every storage torch holds. The step is run twice, with L
@@ -14,6 +16,11 @@ recompute (the 5·a·s/h term is the attention matrices, which flash attention n
 formula column leaves it out), 34 with their selective recompute, 2 with full (the layer input, in bf16). megalm's
 `parallel.recompute=selective` keeps the GEMM, attention and collective outputs and recomputes the elementwise ops,
 which is not Korthikanti's selective (theirs recomputes the attention core).
+
+With `parallel.tp=N` (and `parallel.sequence_parallel=true`) the step is that of rank 0 of N: the process joins a
+fake process group of N ranks (torch's `fake` backend: collectives return at once, which fake tensors need no more
+of), builds its TP shard and measures what it keeps; the formula is then Korthikanti's for tensor parallelism,
+34/t with sequence parallelism and 10 + 24/t without (full recompute: 2/t and 2).
 """
 
 from __future__ import annotations
@@ -31,7 +38,24 @@ from megalm.measure import LiveStorages  # noqa: E402
 from megalm.train import compose_config  # noqa: E402
 from tools.bench.step_cost import STEP_OVERRIDES, fake_trainer  # noqa: E402  (the same one-micro-batch step)
 
-FORMULA = {"none": 34.0, "selective": 34.0, "full": 2.0}  # Korthikanti Table 2, t = 1, b = 1, flash attention
+
+def formula(mode: str, tp: int, sp: bool) -> float:
+    """Korthikanti et al. Table 2 (b = 1, flash attention: no 5as/h term), in s·h bytes per layer."""
+    if mode == "full":
+        return 2.0 / tp if sp else 2.0
+    return 34.0 / tp if sp else 10.0 + 24.0 / tp
+
+
+def join_fake_group(overrides: list[str]) -> tuple[int, bool]:
+    """(tp, sequence parallel) of the overrides; for tp > 1, this process becomes rank 0 of a fake group of tp."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    cfg = compose_config(STEP_OVERRIDES + overrides)
+    tp, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel
+    if tp > 1 and not dist.is_initialized():
+        dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+    return tp, sp
 
 
 def held_at_backward_start(overrides: list[str]) -> tuple[int, object]:
@@ -59,16 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recompute", default="none,selective,full")
     args = p.parse_args(argv)
     rows = []
+    tp, sp = join_fake_group(args.overrides)
     with contextlib.redirect_stdout(sys.stderr):
         for mode in args.recompute.split(","):
             held, model = per_layer(args.overrides + [f"parallel.recompute={mode}"])
             rows.append((mode, held / (model.seq_length * model.hidden_size)))
-    print(f"{model.name}: hidden {model.hidden_size}, seq {model.seq_length}, tp 1, one micro-batch, "
-          "bytes per layer in units of s·h")
+    print(f"{model.name}: hidden {model.hidden_size}, seq {model.seq_length}, tp {tp}{' + SP' if sp else ''}, one "
+          "micro-batch, bytes per layer of rank 0 in units of s·h")
     print("| recompute | measured | Korthikanti (flash) | measured / formula |")
     print("| --- | --- | --- | --- |")
     for mode, sh in rows:
-        print(f"| {mode} | {sh:.2f} | {FORMULA[mode]:.0f} | {sh / FORMULA[mode]:.2f} |")
+        expected = formula(mode, tp, sp)
+        print(f"| {mode} | {sh:.2f} | {expected:.4g} | {sh / expected:.2f} |")
     return 0
 
 
