@@ -222,9 +222,10 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         context: AttentionContext | None = None,
     ) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; `rope` = (cos, sin) [T, head_dim] or None (no rotary)."""
-        total = x.shape[0]
+        """x [T, hidden] -> [T, hidden]; `rope` = (cos, sin) [T, head_dim] or None (no rotary). (Under sequence
+        parallelism x and the result are this rank's [T/tp, hidden] tokens: the projections take care of it.)"""
         qkv = self.qkv_proj(x)
+        total = qkv.shape[0]
         q_width = self.o_proj.weight.shape[-1]  # this rank's query heads x head_dim: o_proj's input
         kv_width = (qkv.shape[-1] - q_width) // 2
         q, k, v = (t.view(total, -1, self.head_dim) for t in qkv.split([q_width, kv_width, kv_width], dim=-1))

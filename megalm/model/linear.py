@@ -12,6 +12,12 @@ Both are attributes of the layer (`LinearHooks`), read by one function, `linear`
 recipe's three GEMMs and hands wgrad to the sink instead of running it. So ZB + fp8/MX is simply
 both attributes set; neither replaces the other's `forward`. With neither set, `linear` is `F.linear`.
 
+A third argument serves sequence parallelism (megalm/parallel/tensor/layers.py): `input_gather`, a pair of
+conjugate collectives the caller passes (the model itself has none). The layer then takes this rank's shard of
+the tokens, gathers the whole input for its GEMMs, and keeps only the shard for the backward, gathering it again
+there (Megatron's sequence-parallel linear: 1/tp of the input held between forward and backward, for one more
+all-gather); the input gradient leaves through the conjugate reduce-scatter.
+
 `Linear` is the model's nn.Linear with these hooks; megalm's tensor-parallel layers inherit
 `LinearHooks` too and call `linear` on their local shard.
 """
@@ -45,6 +51,15 @@ class WeightGradSink(Protocol):
     """Takes a layer's weight gradient as a thunk to run later (ZB's W action)."""
 
     def stash(self, param: nn.Parameter, compute: Callable[[], torch.Tensor]) -> None: ...
+
+
+class InputGather(Protocol):
+    """The input's collectives of a sequence-parallel linear: `gather` shard -> whole (forward, and again in the
+    backward), `scatter` the whole input's gradient -> the shard's (summed over the ranks)."""
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def scatter(self, dx: torch.Tensor) -> torch.Tensor: ...
 
 
 class PlainGemms:
@@ -90,29 +105,33 @@ def _deferrable(weight: torch.Tensor) -> bool:
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: GemmRecipe, sink: WeightGradSink | None, param: list, out_dtype):
+    def forward(ctx, x, weight, bias, recipe: GemmRecipe, sink: WeightGradSink | None, param: list, out_dtype,
+                input_gather: InputGather | None):
         # With a sink, `weight` comes detached and the real parameter in the `param` list: autograd then
         # never reaches the parameter's AccumulateGrad in B (no gradient, no DP hook fires until W).
-        call = recipe.start(x)
-        x2 = x.reshape(-1, x.shape[-1])
+        whole = x if input_gather is None else input_gather.gather(x)
+        call = recipe.start(whole)
+        x2 = whole.reshape(-1, whole.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
             y = recipe.fprop(call, x2, weight)
             if bias is not None:
                 y = y + bias.to(y.dtype)
-        ctx.save_for_backward(x, weight)
-        ctx.recipe, ctx.call, ctx.sink, ctx.param = recipe, call, sink, param
+        ctx.save_for_backward(x, weight)  # the shard only, under sequence parallelism
+        ctx.recipe, ctx.call, ctx.sink, ctx.param, ctx.input_gather = recipe, call, sink, param, input_gather
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)
+        return y.reshape(*whole.shape[:-1], y.shape[-1]).to(out_dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        recipe, call = ctx.recipe, ctx.call
-        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        recipe, call, gather = ctx.recipe, ctx.call, ctx.input_gather
+        whole = x if gather is None else gather.gather(x)
+        x2, dy2 = whole.reshape(-1, whole.shape[-1]), dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         with torch.autocast(x.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
-                dx = recipe.dgrad(call, dy2, weight).reshape(x.shape).to(x.dtype)
+                dx = recipe.dgrad(call, dy2, weight).reshape(whole.shape).to(x.dtype)
+                dx = dx if gather is None else gather.scatter(dx)
             if ctx.sink is not None:
                 param = ctx.param[0]
                 ctx.sink.stash(param, lambda: recipe.wgrad(call, dy2, x2).to(param.dtype))
@@ -120,24 +139,27 @@ class _Linear(torch.autograd.Function):
                 dw = recipe.wgrad(call, dy2, x2).to(weight.dtype)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 db = dy2.float().sum(dim=0).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           recipe: GemmRecipe | None = None, sink: WeightGradSink | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) with its GEMMs from `recipe` and its weight gradient handed to `sink`.
+           recipe: GemmRecipe | None = None, sink: WeightGradSink | None = None,
+           input_gather: InputGather | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) with its GEMMs from `recipe` and its weight gradient handed to `sink`; with
+    `input_gather`, x is this rank's shard of the tokens and the GEMMs see them all (sequence parallelism).
 
     x [..., in], weight [out, in] -> [..., out] in the compute dtype (autocast's under autocast, as
-    F.linear). Without a recipe and without a (usable) sink this is F.linear itself.
+    F.linear). Without a recipe, a (usable) sink or a gather this is F.linear itself.
     """
     defer = sink is not None and _deferrable(weight)
-    if recipe is None and not defer:
+    if recipe is None and not defer and input_gather is None:
         return F.linear(x, weight, bias)
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     if defer:
-        return _Linear.apply(x, weight.detach(), bias, recipe or PLAIN_GEMMS, sink, [weight], out_dtype)
-    return _Linear.apply(x, weight, bias, recipe, None, [], out_dtype)
+        return _Linear.apply(x, weight.detach(), bias, recipe or PLAIN_GEMMS, sink, [weight], out_dtype,
+                             input_gather)
+    return _Linear.apply(x, weight, bias, recipe or PLAIN_GEMMS, None, [], out_dtype, input_gather)
 
 
 def linear_modules(model: nn.Module) -> list[nn.Module]:

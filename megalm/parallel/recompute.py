@@ -11,7 +11,8 @@ chosen per stage (`parallel.recompute=full` for all stages, or one mode per pipe
 - ``selective`` (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models"): keep the outputs of the matmuls and of attention (costly to recompute), recompute the cheap
   elementwise work between them (norms, RoPE, SwiGLU/GELU, residual adds, dropout masks from the saved
-  RNG state). Built on torch's selective activation checkpointing: the policy below decides per op.
+  RNG state) and tensor parallelism's collectives. Built on torch's selective activation checkpointing:
+  the policy below decides per op.
 - ``none``: save everything.
 
 Both run through `torch.utils.checkpoint` (non-reentrant), which restores the RNG state for the
@@ -48,10 +49,19 @@ SAVED_OPS.update(compat.present_aten_ops(
 SAVED_OP_NAMES = ("varlen_attn", "flash_attn", "fused_attn")
 
 
+# Tensor parallelism's collectives, run again in the recompute rather than kept. Every TP rank recomputes the same
+# ops in the same order, so they pair; a c10d collective writes its output in place, which torch's selective
+# checkpointing cannot cache (the cached output is seen as mutated); and SP's all-gathered [T, h] input is tp times
+# the shard it is gathered from (Megatron gathers it again too).
+RECOMPUTED_COLLECTIVES = ("allgather", "allreduce", "reduce_scatter")
+
+
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     name = str(op)
+    if "c10d" in name and any(part in name for part in RECOMPUTED_COLLECTIVES):
+        return CheckpointPolicy.PREFER_RECOMPUTE
     if op in SAVED_OPS or "c10d" in name or any(part in name for part in SAVED_OP_NAMES):
-        return CheckpointPolicy.MUST_SAVE  # never re-run a collective, nor an attention kernel
+        return CheckpointPolicy.MUST_SAVE  # a GEMM, an attention kernel, or another collective
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 

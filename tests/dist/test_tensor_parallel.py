@@ -20,10 +20,11 @@ from torch.testing import assert_close
 
 from megalm.config import ModelConfig, resolve_model_defaults
 from megalm.data.batch import PackedBatch, Sample, pack_samples, pad_to_multiple
+from megalm.measure import LiveStorages
 from megalm.model.fused import part_rows, split_fused_name, unfused_names
 from megalm.model.gpt import GPT, init_weights
-from megalm.parallel.dims import ParallelDims, build_mesh
 from megalm.model.loss import token_loss_sum
+from megalm.parallel.dims import ParallelDims, build_mesh
 from megalm.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -71,6 +72,13 @@ def _linear_worker(rank: int, world: int) -> None:
         assert_close(layer.weight.grad, _chunk(full.weight.grad, rank, world))
         assert_close(layer.bias.grad, _chunk(full.bias.grad, rank, world))
         assert_close(x_local.grad, _chunk(x.grad, rank, world) if sp else x.grad)  # summed over ranks
+        if sp:  # it keeps its input shard for the backward (gathering it again there), not the gathered input
+            with LiveStorages() as live:
+                live.track([*layer.parameters(), x_local])
+                before = live.bytes()
+                y = layer(x_local)
+                held = live.bytes() - before - y.untyped_storage().nbytes()
+            assert held == 0, f"the SP column-parallel layer holds {held} bytes besides its output"
 
         # Row-parallel: this rank's input columns in, the full output (or this rank's tokens) out.
         full = nn.Linear(12, 8)
@@ -160,7 +168,7 @@ def _expected_shard(name: str, full: torch.Tensor, cfg: ModelConfig, rank: int, 
     projection is this rank's slice of each of its parts (by the unfused parts' rules), concatenated."""
     if (parts := unfused_names(name)) is not None:
         pieces = full.split(part_rows(split_fused_name(name)[1], resolve_model_defaults(cfg)))
-        return torch.cat([_expected_shard(part, piece, cfg, rank, tp) for part, piece in zip(parts, pieces)])
+        return torch.cat([_expected_shard(part, piece, cfg, rank, tp) for part, piece in zip(parts, pieces, strict=True)])
     if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
         if tp <= cfg.num_kv_heads:
             return _chunk(full, rank, tp)

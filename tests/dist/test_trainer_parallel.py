@@ -44,6 +44,10 @@ LAYOUTS = {
     "dp2": (2, ["parallel.dp=2"], True),
     "dp4_zero1": (4, ["parallel.dp=4", "trainer.micro_batch_size=2", "parallel.zero1=true"], False),
     "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], True),
+    # selective recompute runs TP's collectives again instead of caching them (megalm/parallel/recompute.py)
+    "tp2_selective": (2, ["parallel.tp=2", "parallel.recompute=selective"], False),
+    "tp2_sp_selective": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.recompute=selective"],
+                         True),
     "tp2_dp2": (4, ["parallel.tp=2", "parallel.dp=2"], True),
     "tp4_gqa_kv2": (4, ["parallel.tp=4"], True),
     "tp2_dp2_zero1": (4, ["parallel.tp=2", "parallel.dp=2", "parallel.zero1=true"], False),

@@ -9,8 +9,12 @@ The model definition (megalm/model) holds `Linear` / nn.Embedding and no collect
     o_proj                     RowParallelLinear        (all-reduce, or reduce-scatter under SP)
     gate_up_proj (up_proj)     ColumnParallelLinear     (parts gate, up: this rank's units of each)
     down_proj                  RowParallelLinear
-    attention_norm, mlp_norm,  ParallelNorm             (enter the TP region: copy_to_tp, or gather_from_sp
-    final_norm                                           under SP, once for qkv, gate_up or the head)
+    attention_norm, mlp_norm   ParallelNorm             (on the [T/tp, h] shard under SP; the GEMM after it
+                                                         enters the TP region: copy_to_tp, or under SP a gather
+                                                         inside its GEMM function that keeps only the shard for
+                                                         the backward and gathers it again there)
+    final_norm                 ParallelNorm             (enters the TP region itself: copy_to_tp / gather_from_sp,
+                                                         for the output head, tied or not)
     output                     ColumnParallelLinear over the vocabulary -> logits [T, V/tp]
     (tied: the head is F.linear with the VocabParallelEmbedding shard, also [T, V/tp])
 
@@ -98,10 +102,11 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
     if isinstance(getattr(model, "embedding", None), VocabParallelEmbedding):
         raise RuntimeError("apply_tensor_parallel: the model is already tensor-parallel")
 
-    column = functools.partial(ColumnParallelLinear.from_linear, group=group, sequence_parallel=sp,
-                               input_in_tp_region=True, progress=progress)
+    # each block norm feeds one (fused) column-parallel GEMM, which enters the TP region itself (under SP it keeps
+    # the [T/tp, h] shard of its input for the backward); the final norm enters it for the head
+    column = functools.partial(ColumnParallelLinear.from_linear, group=group, sequence_parallel=sp, progress=progress)
     row = functools.partial(RowParallelLinear.from_linear, group=group, sequence_parallel=sp, progress=progress)
-    norm = functools.partial(ParallelNorm, group=group, sequence_parallel=sp, progress=progress)
+    norm = functools.partial(ParallelNorm, group=group, sequence_parallel=sp, progress=progress, enter_tp_region=False)
     # GQA with tp > num_kv_heads: rank r's query heads all read kv head r // (tp / num_kv_heads),
     # so tp / num_kv_heads consecutive ranks hold the same kv rows.
     kv_replicas = max(1, tp // model.cfg.num_kv_heads)
@@ -126,9 +131,9 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
         layer.mlp_norm = norm(layer.mlp_norm)
 
     if getattr(model, "final_norm", None) is not None:
-        model.final_norm = norm(model.final_norm)
+        model.final_norm = norm(model.final_norm, enter_tp_region=True)
     if getattr(model, "output", None) is not None:
-        model.output = column(model.output)
+        model.output = column(model.output, input_in_tp_region=True)
 
 
 def loss_fn_for(group: Group, vocab_size: int | None = None) -> LossFn:

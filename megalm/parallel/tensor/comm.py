@@ -154,6 +154,22 @@ def reduce_scatter_to_sp(x: torch.Tensor, group: Group, progress: Progress | Non
     return x if tp_world_size(group) == 1 else _ReduceScatterToSP.apply(x, group, progress)
 
 
+class SequenceGather:
+    """The input collectives of a column-parallel linear under SP (megalm.model.linear.InputGather): the layer
+    keeps its [T/tp, h] input shard for the backward and all-gathers it again there, where `gather_from_sp`
+    before the layer would have it keep the gathered [T, h] (Korthikanti et al. 2022, sec. 4.2.2: Megatron's
+    sequence-parallel linear)."""
+
+    def __init__(self, group: Group, progress: Progress | None = None) -> None:
+        self.group, self.progress = group, progress
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return _all_gather_dim0(x, self.group, self.progress)
+
+    def scatter(self, dx: torch.Tensor) -> torch.Tensor:
+        return _reduce_scatter_dim0(dx, self.group, self.progress)
+
+
 def split_to_sp(x: torch.Tensor, group: Group, progress: Progress | None = None) -> torch.Tensor:
     """A replicated [T, ...] tensor -> this rank's chunk [T/tp, ...] of dim 0 (no communication).
 

@@ -27,6 +27,7 @@ from megalm.model.shard import FusedShardSpec, ShardSpec
 from megalm.parallel.progress import Progress
 from megalm.parallel.tensor.comm import (
     Group,
+    SequenceGather,
     copy_to_tp,
     gather_from_sp,
     reduce_from_tp,
@@ -71,8 +72,9 @@ class ColumnParallelLinear(LinearHooks, nn.Module):
     (`FusedShardSpec`), so the forward splits the local output by width with no communication.
 
     The input must be the full [T, in] activation with a gradient that is summed over TP. By default
-    the layer does that itself (copy_to_tp, or gather_from_sp under SP); `input_in_tp_region=True`
-    says the caller already did, so that q, k and v (or gate and up) share one collective.
+    the layer does that itself: copy_to_tp, or under SP the gather of the [T/tp, in] shards inside its own
+    GEMM function (`SequenceGather`: the shard is what it keeps for the backward, gathered again there);
+    `input_in_tp_region=True` says the caller already did (the output head after the final norm).
     """
 
     def __init__(
@@ -133,14 +135,16 @@ class ColumnParallelLinear(LinearHooks, nn.Module):
         return sum_grad_over_sharers(param, self.group, self.shared_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_in_tp_region:
-            enter = gather_from_sp if self.sequence_parallel else copy_to_tp
-            x = enter(x, self.group, self.progress)
+        gather = None
+        if not self.input_in_tp_region and self.sequence_parallel and tp_world_size(self.group) > 1:
+            gather = SequenceGather(self.group, self.progress)
+        elif not self.input_in_tp_region:
+            x = copy_to_tp(x, self.group, self.progress)
         bias = None if self.bias is None else self._synced(self.bias)
-        return linear(x, self._synced(self.weight), bias, self.gemm_recipe, self.weight_grad_sink)
+        return linear(x, self._synced(self.weight), bias, self.gemm_recipe, self.weight_grad_sink, gather)
 
     def extra_repr(self) -> str:
-        entry = "caller" if self.input_in_tp_region else "gather_from_sp" if self.sequence_parallel else "copy_to_tp"
+        entry = "caller" if self.input_in_tp_region else "sp_gather" if self.sequence_parallel else "copy_to_tp"
         return (f"in={self.in_features}, out={self.out_features} (local {self.local_out}), bias="
                 f"{self.bias is not None}, replicas={self.replicas}, input_entry={entry}")
 
@@ -250,12 +254,13 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelNorm(nn.Module):
-    """A model norm whose output feeds column-parallel layers: it enters the TP region.
+    """A model norm whose output feeds column-parallel layers.
 
-    Without SP the norm runs on the replicated [T, h] stream and its output goes through copy_to_tp.
-    Under SP it runs on this rank's [T/tp, h] tokens (the point of SP: norms cost 1/tp), its output
-    is all-gathered to [T, h], and its weight/bias gradients, partial over tokens, are all-reduced
-    over TP in backward (sync_grad_over_tp).
+    Without SP the norm runs on the replicated [T, h] stream. Under SP it runs on this rank's [T/tp, h]
+    tokens (the point of SP: norms cost 1/tp) and its weight/bias gradients, partial over tokens, are
+    all-reduced over TP in backward (sync_grad_over_tp). With `enter_tp_region` its output enters the TP
+    region here (copy_to_tp, or all-gathered to [T, h] under SP), for a consumer that is not a
+    column-parallel layer (the tied output head); otherwise the column-parallel layer after it enters.
 
     The wrapped norm's parameters are registered here under their own names (`weight`, `bias`), so
     parameter names, state dicts and `init_weights` are unchanged; the wrapped module is kept
@@ -264,9 +269,10 @@ class ParallelNorm(nn.Module):
     """
 
     def __init__(self, norm: nn.Module, group: Group, sequence_parallel: bool,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, enter_tp_region: bool = True) -> None:
         super().__init__()
         self.group, self.sequence_parallel, self.progress = group, sequence_parallel, progress
+        self.enter_tp_region = enter_tp_region
         self._norm = (norm,)  # a tuple: not a registered submodule (its parameters are ours)
         for name, param in list(norm.named_parameters(recurse=False)):
             self.register_parameter(name, param)
@@ -276,8 +282,10 @@ class ParallelNorm(nn.Module):
         if self.sequence_parallel:
             params = {name: sync_grad_over_tp(p, self.group, self.progress) for name, p in params.items()}
         y = torch.func.functional_call(self._norm[0], params, (x,))
+        if not self.enter_tp_region:
+            return y
         enter = gather_from_sp if self.sequence_parallel else copy_to_tp
         return enter(y, self.group, self.progress)
 
     def extra_repr(self) -> str:
-        return f"{self._norm[0]!r}, sequence_parallel={self.sequence_parallel}"
+        return f"{self._norm[0]!r}, sequence_parallel={self.sequence_parallel}, enters={self.enter_tp_region}"
