@@ -175,3 +175,27 @@ def test_offload_keeps_the_bf16_weights_on_the_device(tmp_path):
     weights = [p for p in trainer.model.parameters() if p.ndim == 2]
     assert not any(store._offloadable(p.detach()) for p in weights)
     assert store._offloadable(torch.zeros(4, dtype=torch.bfloat16))
+
+
+def test_accumulating_buckets_hold_zeros_for_what_got_no_gradient():
+    """A parameter without a gradient in a step (an unused branch, or an HDP rank with no micro-batch) must read as
+    zero, not as the previous step's sum: the buckets are not zeroed between steps, a step's first gradient is
+    copied in."""
+    from megalm.parallel.data_parallel.reducer import GradReducer
+
+    used, unused = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))
+    reducer = GradReducer([used, unused], None, accumulate=True)
+    reducer.start_step(2)
+    for _ in range(2):
+        ((used * 2).sum() + (unused * 3).sum()).backward()
+    reducer.finish()
+    assert torch.equal(reducer._view(used), torch.full((3,), 4.0))
+    assert torch.equal(reducer._view(unused), torch.full((2,), 6.0))
+    reducer.start_step(1)
+    (used * 5).sum().backward()  # `unused` gets nothing this step
+    reducer.finish()
+    assert torch.equal(reducer._view(used), torch.full((3,), 5.0)), "the first gradient of a step is copied in"
+    assert torch.equal(reducer._view(unused), torch.zeros(2))
+    reducer.start_step(0)  # no micro-batch at all
+    reducer.finish()
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in reducer.grad_shards())
