@@ -34,7 +34,7 @@ LOSS_RTOL = 2e-4  # relative loss difference over the steps
 def summed_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     """This rank's summed fp32 gradients after a forward_backward, by parameter name (from the buckets)."""
     reducer = trainer.parallel.reducer
-    return {n: reducer._view(p).view_as(p).float() for n, p in canonical_named_parameters(trainer.model)}
+    return {n: reducer.summed_grad(p).float() for n, p in canonical_named_parameters(trainer.model)}
 
 
 def check_layout(rank: int, world_size: int, overrides: list[str], tmp: str) -> None:

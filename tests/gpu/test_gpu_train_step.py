@@ -65,10 +65,10 @@ def train_two_steps(run_dir: Path, device: str, precision: str) -> StepRun:
         trainer = Trainer(cfg, run_dir)
         grads: dict[str, torch.Tensor] = {}
 
-        def snapshot(optimizer, args, kwargs) -> None:
+        def snapshot(optimizer, args, kwargs) -> None:  # p.grad, or the fp32 bucket sums under precision=bf16
             if not grads:
-                grads.update({name: p.grad.detach().float().cpu().clone()
-                              for name, p in trainer.model.named_parameters() if p.grad is not None})
+                summed = {name: trainer.parallel.reducer.summed_grad(p) for name, p in trainer.model.named_parameters()}
+                grads.update({name: g.detach().float().cpu().clone() for name, g in summed.items() if g is not None})
 
         handle = trainer.optimizer.register_step_pre_hook(snapshot)
         counter = CountOps("_scaled_mm") if precision.startswith("fp8") else contextlib.nullcontext()

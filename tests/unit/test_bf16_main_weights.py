@@ -69,7 +69,7 @@ def test_micro_batch_gradients_are_summed_in_fp32(tmp_path):
         for g in grads:
             fp32_sum += g.reshape(-1)
             bf16_sum += g.reshape(-1)
-        summed = reducer._view(p)
+        summed = reducer.summed_grad(p).reshape(-1)
         assert summed.dtype == torch.float32
         assert torch.equal(summed, fp32_sum), name
         lost_in_bf16 += int(not torch.equal(summed, bf16_sum.float()))
@@ -83,8 +83,11 @@ def test_adamw_steps_the_fp32_main_weights_and_refreshes_the_bf16_copy(tmp_path)
     trainer.parallel.clip_grad_norm_(1e-3)  # a real clip: the coefficient reaches the gradients AdamW reads
     before = main_weights(trainer)
     params = dict(canonical_named_parameters(trainer.model))
-    grads = {n: trainer.parallel.reducer._view(p).view_as(p).clone() for n, p in params.items()}
+    grads = {n: trainer.parallel.reducer.summed_grad(p).clone() for n, p in params.items()}
+    seen = []
+    trainer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(main_weights(trainer)))
     trainer.optimizer.step()
+    assert len(seen) == 1 and all(torch.equal(seen[0][n], before[n]) for n in before), "pre-hook: before the step"
 
     ref = {n: t.clone().requires_grad_() for n, t in before.items()}
     for n, t in ref.items():
@@ -189,13 +192,13 @@ def test_accumulating_buckets_hold_zeros_for_what_got_no_gradient():
     for _ in range(2):
         ((used * 2).sum() + (unused * 3).sum()).backward()
     reducer.finish()
-    assert torch.equal(reducer._view(used), torch.full((3,), 4.0))
-    assert torch.equal(reducer._view(unused), torch.full((2,), 6.0))
+    assert torch.equal(reducer.summed_grad(used), torch.full((3,), 4.0))
+    assert torch.equal(reducer.summed_grad(unused), torch.full((2,), 6.0))
     reducer.start_step(1)
     (used * 5).sum().backward()  # `unused` gets nothing this step
     reducer.finish()
-    assert torch.equal(reducer._view(used), torch.full((3,), 5.0)), "the first gradient of a step is copied in"
-    assert torch.equal(reducer._view(unused), torch.zeros(2))
+    assert torch.equal(reducer.summed_grad(used), torch.full((3,), 5.0)), "the first gradient of a step is copied in"
+    assert torch.equal(reducer.summed_grad(unused), torch.zeros(2))
     reducer.start_step(0)  # no micro-batch at all
     reducer.finish()
     assert all(torch.equal(g, torch.zeros_like(g)) for g in reducer.grad_shards())

@@ -52,8 +52,8 @@ class BucketAdamW:
     an all-gather of the updated parameters. It looks like a torch optimizer where the trainer and
     checkpoint code need it to:
     `param_groups` (list of dicts with "params", "lr", "betas", "eps", "weight_decay", so
-    `optim.set_lr` works and per-group weight decay is respected), `zero_grad`, `register_step_post_hook`
-    (precision recipes count steps with it), and a torch-format
+    `optim.set_lr` works and per-group weight decay is respected), `zero_grad`, `register_step_pre_hook` and
+    `register_step_post_hook` (precision recipes count steps with it), and a torch-format
     `state_dict()` indexed in param-group order, so `training.checkpoint` saves and loads it by
     parameter name — under any DP size, and interchangeably with a plain torch AdamW.
 
@@ -102,7 +102,8 @@ class BucketAdamW:
             raise ValueError("BucketAdamW's parameters must be exactly the reducer's trainable parameters")
 
         self.step_count = 0
-        self._post_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()  # RemovableHandle's weakref
+        self._pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()  # RemovableHandle's weakref
+        self._post_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         # torch's fused AdamW kernel where the device has one (CPU and CUDA), its foreach kernels otherwise
         device = reducer.params[0].device if reducer.params else torch.device("cpu")
         self.fused = device.type in ("cpu", "cuda")
@@ -149,6 +150,12 @@ class BucketAdamW:
             for p in group["params"]:
                 p.grad = None
 
+    def register_step_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """`hook(optimizer, args, kwargs)` before every `step()`, as torch.optim.Optimizer's hook of that name."""
+        handle = RemovableHandle(self._pre_hooks)
+        self._pre_hooks[handle.id] = hook
+        return handle
+
     def register_step_post_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """`hook(optimizer, args, kwargs)` after every `step()`, as torch.optim.Optimizer's hook of that name."""
         handle = RemovableHandle(self._post_hooks)
@@ -161,6 +168,8 @@ class BucketAdamW:
     def step(self) -> None:
         """AdamW on the part of every bucket this rank owns, then every parameter refreshed from it (ZeRO-1: an
         all-gather, collective). A fixed number of foreach/fused launches per param group, not one per parameter."""
+        for hook in list(self._pre_hooks.values()):
+            hook(self, (), {})
         grads = [g if g.dtype == torch.float32 else g.float() for g in self._grad_shards()]
         self.step_count += 1
         shards = self.main or [torch.empty(b.shard_numel, dtype=torch.float32, device=m.device)

@@ -339,6 +339,13 @@ class GradReducer:
             raise RuntimeError("the reducer has no finished step: call reducer.finish() before using grads")
         return [b.grad_shard if self.zero1 else b.buffer for b in self.buckets]
 
+    def summed_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """`param`'s summed gradient, shaped like it (valid after finish()): its `.grad`, or its slice of the
+        buckets when they accumulate; None under ZeRO-1, where this rank holds a shard of the buckets only."""
+        if not self.accumulate:
+            return None if self.zero1 else param.grad
+        return None if self.zero1 else self._view(param).view(param.shape)
+
     @property
     def shard_group(self) -> dist.ProcessGroup | None:
         """The group whose ranks each hold one shard of the summed gradients (ZeRO-1's DP group); None
