@@ -254,22 +254,31 @@ def counting(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> Itera
     monkeypatch.setattr(owner, name, original)
 
 
+def _to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The parameters' data cast in place, as Parallelism casts them (`Module.to` would swap fake tensors)."""
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+
+
 @needs_cuda_build
-@pytest.mark.parametrize("recipe", ["bf16", "fp8", "fp8_delayed", "fp8_rowwise", "mxfp8", "mxfp4"])
+@pytest.mark.parametrize("recipe", ["bf16", "bf16_autocast", "fp8", "fp8_delayed", "fp8_rowwise", "mxfp8", "mxfp4"])
 def test_fake_cuda_model_forward_under_each_recipe(recipe, monkeypatch):
-    """The trainer's forward on a GPU: fp32 weights under the recipe's autocast, GQA, the backend auto picks, FP8
-    GEMMs on torch._scaled_mm (its fake kernel checks the operands' dtypes, layouts and 16-alignment)."""
+    """The trainer's forward on a GPU: bf16 weights (bf16), or fp32 weights under the recipe's autocast; GQA, the
+    backend auto picks, FP8 GEMMs on torch._scaled_mm (its fake kernel checks the operands' dtypes, layouts and
+    16-alignment)."""
     gemm_ops = ["scaled_mm"] if recipe.startswith("fp8") else ["mm_out_dtype"] if recipe == "mxfp8" else []
     needs_fake("views", auto_attention_op(), *gemm_ops)
     with fake_cuda():
         model = GPT(_model_config())
         precision = Precision(PrecisionConfig(name=recipe), seed=0, device=CUDA)
         precision.convert(model)
+        if precision.working_dtype is not None:  # as Parallelism casts the trainer's model
+            _to_dtype(model, precision.working_dtype)
         with counting(monkeypatch, torch, "_scaled_mm") as scaled_mm, precision.forward_context():
             precision.before_forward(model, step=0, micro_batch=0)
             logits = _forward(model)
         assert logits.shape == (64, model.cfg.padded_vocab_size) and logits.device == CUDA
-        assert logits.dtype == torch.bfloat16  # autocast ran: the attention was bf16, so the flash backend ran
+        assert logits.dtype == torch.bfloat16  # bf16 weights or autocast: the attention was bf16 (flash backend)
         uses_scaled_mm = recipe.startswith("fp8")
         assert (scaled_mm[0] > 0) == uses_scaled_mm, (recipe, scaled_mm[0])
 
@@ -349,6 +358,6 @@ def test_fake_cuda_one_rank_ring_micro_batch():
         model = GPT(_model_config())
         context = RingContext((0,), 0, layout.to(CUDA))
         assert context.layout.local_cu_seqlens.device == CUDA
-        with Precision(PrecisionConfig(name="bf16"), seed=0, device=CUDA).forward_context():
-            logits = _forward(model, docs=(20, 44), context=context)
+        _to_dtype(model, torch.bfloat16)  # precision=bf16's weights
+        logits = _forward(model, docs=(20, 44), context=context)
         assert logits.shape == (64, model.cfg.padded_vocab_size) and logits.dtype == torch.bfloat16
