@@ -108,8 +108,9 @@ def for_dcp(local: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | No
         return spec.unshard(pieces)
     full_shape = torch.Size(spec.full_shape)
     stride = torch.empty(full_shape, device="meta").stride()
-    return DTensor.from_local(local.contiguous(), mesh.mesh["tp"], [Shard(spec.dim)], shape=full_shape,
-                              stride=stride)
+    # a view (a fused projection's part) is copied: DCP's async staging cannot deep-copy a DTensor over a view
+    local = local.clone() if local._base is not None else local.contiguous()
+    return DTensor.from_local(local, mesh.mesh["tp"], [Shard(spec.dim)], shape=full_shape, stride=stride)
 
 
 def _load_target(like: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | None) -> torch.Tensor:
