@@ -79,6 +79,11 @@ class ShardSpec:
         return self.replicas == 1
 
     @property
+    def parts(self) -> tuple[ShardSpec, ...]:
+        """The spec of each part of the local tensor, in row order (a FusedShardSpec's reading): itself."""
+        return (self,)
+
+    @property
     def norm_rows(self) -> tuple[tuple[int, int, float], ...]:
         """(first local row, rows, weight): the whole local tensor, counted 1/replicas."""
         return ((0, self.length, 1.0 / self.replicas),)

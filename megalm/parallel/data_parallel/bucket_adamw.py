@@ -245,12 +245,7 @@ class BucketAdamW:
             return
         with torch.no_grad():
             for bucket, main in zip(self.reducer.buckets, self.main, strict=True):
-                if self.reducer.zero1:
-                    full, work = self._gather(main, bucket.padded_numel)
-                    if work is not None:
-                        work.wait()
-                else:
-                    full = main
+                full = self._gathered(main, bucket.padded_numel)
                 for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                     p.data = full[offset:offset + p.numel()].view(p.shape).clone()
         try:
@@ -267,6 +262,13 @@ class BucketAdamW:
         self.reducer.stats["all_gather_bytes"] += full.numel() * full.element_size()
         self.reducer.stats["collective_calls"] += 1
         return full, all_gather_flat(full, shard, group=self.dp_group, async_op=True)
+
+    def _gathered(self, shard: torch.Tensor, padded_numel: int) -> torch.Tensor:
+        """Every rank's shard in one padded flat tensor, waited for (the shard itself without ZeRO-1)."""
+        full, work = self._gather(shard, padded_numel)
+        if work is not None:
+            work.wait()
+        return full
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -289,13 +291,9 @@ class BucketAdamW:
         briefly holds the full state (memory-heavy, simple): the price of a checkpoint that loads
         under any DP size and into a plain torch AdamW.
         """
-        full_m, full_v = [], []
-        for bucket, m, v in zip(self.reducer.buckets, self.exp_avg, self.exp_avg_sq, strict=True):
-            for local, out in ((m, full_m), (v, full_v)):
-                full, work = self._gather(local, bucket.padded_numel)
-                if work is not None:
-                    work.wait()
-                out.append(full)
+        full_m = [self._gathered(m, b.padded_numel) for b, m in zip(self.reducer.buckets, self.exp_avg, strict=True)]
+        full_v = [self._gathered(v, b.padded_numel) for b, v in zip(self.reducer.buckets, self.exp_avg_sq,
+                                                                    strict=True)]
         state = {}
         if self.step_count > 0:
             for index, p in enumerate(self._ordered_params()):

@@ -342,9 +342,9 @@ class GradReducer:
     def summed_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         """`param`'s summed gradient, shaped like it (valid after finish()): its `.grad`, or its slice of the
         buckets when they accumulate; None under ZeRO-1, where this rank holds a shard of the buckets only."""
-        if not self.accumulate:
-            return None if self.zero1 else param.grad
-        return None if self.zero1 else self._view(param).view(param.shape)
+        if self.zero1:
+            return None
+        return self._view(param).view(param.shape) if self.accumulate else param.grad
 
     @property
     def shard_group(self) -> dist.ProcessGroup | None:

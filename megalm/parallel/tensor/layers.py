@@ -18,6 +18,8 @@ layer is its unsharded self.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -114,10 +116,13 @@ class ColumnParallelLinear(LinearHooks, nn.Module):
         self.local_out = self.shard_specs["weight"].local_shape[0]
         # the local rows that several ranks hold (their gradients summed over the holders): (local start,
         # rows, start in the part, the part's rows)
-        pieces = self.shard_specs["weight"].parts if len(parts) > 1 else (self.shard_specs["weight"],)
-        offsets = [sum(piece.length for piece in pieces[:i]) for i in range(len(pieces))]
+        pieces = self.shard_specs["weight"].parts
+        offsets = itertools.accumulate((piece.length for piece in pieces), initial=0)
         self.shared_rows = tuple((offset, piece.length, piece.start, piece.full_shape[0])
-                                 for offset, piece in zip(offsets, pieces, strict=True) if piece.replicas > 1)
+                                 for offset, piece in zip(offsets, pieces, strict=False) if piece.replicas > 1)
+        # under SP the input is this rank's tokens, gathered inside the GEMM's function (and again in its backward)
+        sp_entry = sequence_parallel and not input_in_tp_region and tp > 1
+        self.sequence_gather = SequenceGather(group, progress) if sp_entry else None
         self.weight = nn.Parameter(torch.empty(self.local_out, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(self.local_out, device=device, dtype=dtype)) if bias else None
 
@@ -135,13 +140,11 @@ class ColumnParallelLinear(LinearHooks, nn.Module):
         return sum_grad_over_sharers(param, self.group, self.shared_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gather = None
-        if not self.input_in_tp_region and self.sequence_parallel and tp_world_size(self.group) > 1:
-            gather = SequenceGather(self.group, self.progress)
-        elif not self.input_in_tp_region:
+        if not self.input_in_tp_region and self.sequence_gather is None:
             x = copy_to_tp(x, self.group, self.progress)
         bias = None if self.bias is None else self._synced(self.bias)
-        return linear(x, self._synced(self.weight), bias, self.gemm_recipe, self.weight_grad_sink, gather)
+        return linear(x, self._synced(self.weight), bias, self.gemm_recipe, self.weight_grad_sink,
+                      self.sequence_gather)
 
     def extra_repr(self) -> str:
         entry = "caller" if self.input_in_tp_region else "sp_gather" if self.sequence_parallel else "copy_to_tp"
