@@ -1,4 +1,5 @@
-"""GPU tier: the ring's per-block attention kernels (megalm/parallel/context/ring.py) against kernel="reference".
+"""GPU tier: the ring's per-block attention kernels (megalm/parallel/context/ring_kernels.py) against the
+reference kernel.
 
 `block_forward` gives one block's (out, lse), `block_backward` its (dq, dk, dv) from the final out and lse.
 Every kernel in `ring.KERNELS` when the tests run (torch_varlen; flash_attn where the package imports; any
@@ -23,14 +24,9 @@ import pytest
 import torch
 
 from megalm.model import attention
-from megalm.parallel.context import ring
-from megalm.parallel.context.ring import (
-    block_backward,
-    block_forward,
-    block_kernel,
-    ring_step_backward,
-    ring_step_forward,
-)
+from megalm.parallel.context import ring_kernels as ring
+from megalm.parallel.context.ring import ring_step_backward, ring_step_forward
+from megalm.parallel.context.ring_kernels import block_backward, block_forward, block_kernel
 from megalm.parallel.context.zigzag import shard_tensor, zigzag_plan
 from tests.gpu.conftest import TF32, capability, eps, rel_error
 

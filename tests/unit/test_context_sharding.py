@@ -13,14 +13,8 @@ import torch
 from megalm.data.batch import packed_from_documents
 from megalm.model.attention import reference_varlen_attention
 from megalm.parallel.context.attention import RingContext
-from megalm.parallel.context.ring import (
-    block_backward,
-    block_forward,
-    block_kernel,
-    ring_attention,
-    ring_step_backward,
-    ring_step_forward,
-)
+from megalm.parallel.context.ring import ring_attention, ring_step_backward, ring_step_forward
+from megalm.parallel.context.ring_kernels import block_backward, block_forward, block_kernel
 from megalm.parallel.context.ulysses import ulysses_attention
 from megalm.parallel.context.zigzag import (
     layout_from_local_cu_seqlens,
@@ -248,13 +242,13 @@ def test_ring_kernel_is_logged_and_the_reference_refuses_huge_blocks(caplog, mon
     block whose scores would not fit, naming the fix."""
     import logging
 
-    from megalm.parallel.context import ring
+    from megalm.parallel.context import ring_kernels
 
-    ring._log_kernel.cache_clear()
+    ring_kernels._log_kernel.cache_clear()
     with caplog.at_level(logging.INFO, logger="megalm"):
         assert block_kernel("auto", torch.device("cpu"), torch.float32) == "reference"
     assert "ring attention block kernel: reference on cpu float32 (sdpa returns no log-sum-exp" in caplog.text
-    monkeypatch.setattr(ring, "REFERENCE_LIMIT_BYTES", 1000)
+    monkeypatch.setattr(ring_kernels, "REFERENCE_LIMIT_BYTES", 1000)
     cu = _cu([24])
     q, k, v = _qkv(24, 2, 2)
     with pytest.raises(ValueError, match="O\\(T\\^2\\) reference kernel on a 24 x 24-token block"):

@@ -35,7 +35,7 @@ from megalm import compat
 from megalm.config import ModelConfig, PrecisionConfig
 from megalm.model import attention
 from megalm.model.gpt import GPT
-from megalm.parallel.context import ring
+from megalm.parallel.context import ring_kernels as ring
 from megalm.parallel.context.attention import RingContext
 from megalm.parallel.context.zigzag import layout_from_local_cu_seqlens
 from megalm.precision import Precision, fp8, linear

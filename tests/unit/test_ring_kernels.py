@@ -17,12 +17,8 @@ import pytest
 import torch
 
 from megalm import compat
-from megalm.parallel.context import ring
-from megalm.parallel.context.ring import (
-    block_backward,
-    block_forward,
-    block_kernel,
-)
+from megalm.parallel.context import ring_kernels as ring
+from megalm.parallel.context.ring_kernels import block_backward, block_forward, block_kernel
 from megalm.parallel.context.zigzag import shard_tensor, zigzag_plan
 from tests.unit.ring_sim import simulated_ring
 

@@ -21,7 +21,7 @@ from megalm.config import MegalmConfig, choice
 from megalm.config.choices import ContextComm
 from megalm.data.batch import PackedBatch
 from megalm.errors import ConfigError
-from megalm.parallel.context.ring import ring_attention
+from megalm.parallel.context.ring import ring_attend, ring_attention, ring_meta
 from megalm.parallel.context.ulysses import ulysses_attention
 from megalm.parallel.context.zigzag import ZigzagLayout, layout_from_local_cu_seqlens
 from megalm.parallel.microbatch import Ring
@@ -45,6 +45,9 @@ class RingContext:
     def __post_init__(self) -> None:
         if self.comm not in COMMS:
             raise ValueError(f"unknown context-parallel communication {self.comm!r}; use ring or a2a")
+        # made once here, outside any compiled block: the ring op reads it on the host (ring.py, "the ring as one op")
+        meta = ring_meta(self.layout, self.ranks, self.index, None, self.progress) if self.comm == "ring" else None
+        object.__setattr__(self, "meta", meta)
 
     @classmethod
     def for_shard(cls, batch: PackedBatch, ring: Ring, device: torch.device, comm: str = "ring",
@@ -60,8 +63,9 @@ class RingContext:
         if self.comm == "ring":
             if dropout_p > 0.0:
                 raise ValueError("ring attention has no attention dropout; set model.attention_dropout=0")
-            return ring_attention(q, k, v, self.layout, self.ranks, self.index, None, backend=backend, scale=scale,
-                                  progress=self.progress)
+            if len(self.ranks) == 1:
+                return ring_attention(q, k, v, self.layout, self.ranks, self.index, backend=backend, scale=scale)
+            return ring_attend(q, k, v, self.layout, self.meta, backend, scale)
         return ulysses_attention(q, k, v, self.layout, self.ranks, self.index, self.group, backend=backend,
                                  dropout_p=dropout_p, scale=scale)
 
