@@ -12,7 +12,9 @@ Hand-written because torch's `runtime_estimator` reads the live GPU, and its `Fl
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +104,13 @@ class OpCosts(TorchDispatchMode):
         self.gpu, self.tf32 = gpu, tf32
         self.by_category: dict[str, CategoryCost] = defaultdict(CategoryCost)
         self.by_op: dict[str, CategoryCost] = defaultdict(CategoryCost)
+        self._only: set[str] | None = None  # while set, only these ops are recorded (`recording_only`)
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let a compiled function run under this mode instead of falling back to eager (dynamo skips frames under
+        any other dispatch mode): its graphs count themselves in (megalm/measure/compiled_cost.py)."""
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
@@ -109,6 +118,8 @@ class OpCosts(TorchDispatchMode):
         if func.is_view or func.namespace in _NO_KERNEL_NAMESPACES or func._overloadpacket.__name__ in _NO_KERNEL:
             return out
         name = func._overloadpacket.__name__
+        if self._only is not None and name not in self._only:
+            return out
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         read = sum(_nbytes(t) for t in inputs)
@@ -129,9 +140,23 @@ class OpCosts(TorchDispatchMode):
             return self.gpu.bf16_tflops * 1e12
         return (self.gpu.tf32_tflops if self.tf32 else self.gpu.tf32_tflops / 8) * 1e12
 
-    def _add(self, name: str, flops: float, nbytes: float, peak: float) -> None:
+    @contextlib.contextmanager
+    def recording_only(self, names: set[str]) -> Iterator[None]:
+        """Record only the ops named in `names` in this block (a compiled graph replayed eagerly: its other ops ran
+        as the generated kernels `add_kernel` counted, megalm/measure/compiled_cost.py)."""
+        previous, self._only = self._only, names
+        try:
+            yield
+        finally:
+            self._only = previous
+
+    def add_kernel(self, name: str, flops: float, nbytes: float, category: str) -> None:
+        """One kernel that was not dispatched here (a compiler's generated one), at the bf16 tensor-core peak."""
+        self._add(name, flops, nbytes, self.gpu.bf16_tflops * 1e12, category)
+
+    def _add(self, name: str, flops: float, nbytes: float, peak: float, cat: str | None = None) -> None:
         ms = max(flops / peak, nbytes / (self.gpu.hbm_tbytes_per_s * 1e12)) * 1e3
-        for bucket in (self.by_category[category(name)], self.by_op[name]):
+        for bucket in (self.by_category[cat or category(name)], self.by_op[name]):
             bucket.kernels += 1
             bucket.flops += flops
             bucket.bytes += nbytes

@@ -11,6 +11,7 @@ reads a tensor's value on the host (documents of equal length take the batched a
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -20,8 +21,9 @@ from megalm.model import TransformerBlock
 log = logging.getLogger("megalm")
 
 
-def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
-    """torch.compile every `TransformerBlock` of `model` in place with `backend`; returns how many."""
+def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> int:
+    """torch.compile every `TransformerBlock` of `model` in place with `backend` (a name, or a backend callable
+    such as tools/bench/step_cost.py's); returns how many."""
     blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
     for block in blocks:  # its forward, not the module call: the module's hooks (layer offload's) stay eager
         block.forward = torch.compile(block.forward, backend=backend)

@@ -16,7 +16,10 @@ forward and backward; the optimizer step (fused AdamW for both) is its own row. 
   `bf16=True`), SDPA attention, its own shifted-label loss.
 - `torchtitan`: its llama3 model when it is importable (tools/compare_peers.txt pins it), else left out with a
   line saying so.
-Not here yet: `megalm_compiled` (inductor's own metrics of a compiled block).
+- `megalm_compiled`: the `megalm` row with `trainer.compile=true`: each block compiled by inductor, whose
+  scheduler gives the kernels it generates and their bytes (megalm/measure/compiled_cost.py); the GEMMs and
+  attention it calls as extern kernels are traced as in eager. On a CPU inductor generates C++ kernels in place
+  of the GPU's Triton ones, from the same fusion decisions.
 
 The trace runs on fake CPU tensors, so the dispatcher picks CPU kernels: SDPA's CPU flash kernel stands in for
 CUDA's, and ops CUDA runs fused may appear decomposed (both systems alike). The roofline time of an op is
@@ -44,8 +47,10 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from megalm.measure.compiled_cost import InductorCosts  # noqa: E402
 from megalm.measure.op_cost import CATEGORIES, GPUS, OpCosts  # noqa: E402
 from megalm.train import compose_config  # noqa: E402
+from megalm.training.compile import compile_blocks  # noqa: E402
 
 STEP_OVERRIDES = ["data=synthetic", "data.synthetic.num_docs=64", "trainer.global_batch_size=1",
                   "trainer.micro_batch_size=1", "trainer.device=cpu", "trainer.hang_minutes=0",
@@ -64,9 +69,13 @@ def fake_trainer(overrides: list[str]) -> Iterator[Any]:
         yield Trainer(cfg, run_dir)
 
 
-def megalm_step(overrides: list[str], gpu: str, system: str = "megalm") -> dict[str, Any]:
-    """megalm's forward+backward of one micro-batch and its optimizer step, traced."""
+def megalm_step(overrides: list[str], gpu: str, system: str = "megalm", compiled: bool = False) -> dict[str, Any]:
+    """megalm's forward+backward of one micro-batch and its optimizer step, traced; `compiled`: its blocks compiled
+    by inductor, their generated kernels counted from inductor's scheduler (megalm/measure/compiled_cost.py)."""
     with fake_trainer(overrides) as trainer:
+        inductor = InductorCosts()
+        if compiled:  # as trainer.compile=true does, with the backend that counts inductor's kernels
+            compile_blocks(trainer.model, inductor)
         tf32 = trainer.cfg.precision.tf32
         step, optimizer = OpCosts(GPUS[gpu], tf32), OpCosts(GPUS[gpu], tf32)
         trainer.forward_backward(0)  # a first step, untraced: the optimizer's states and any cache are made once
@@ -76,8 +85,14 @@ def megalm_step(overrides: list[str], gpu: str, system: str = "megalm") -> dict[
             trainer.forward_backward(1)
         with optimizer:
             trainer.optimizer.step()
-    return {"system": system, "config": f"precision={trainer.cfg.precision.name}, eager", "model": trainer.cfg.model,
-            **step.summary(), "optimizer": optimizer.summary()}
+    how = (f"compiled blocks: inductor, {len(inductor.graphs)} graphs, "
+           f"{sum(g['generated_kernels'] for g in inductor.graphs)} generated kernels (C++ on this CPU)"
+           if compiled else "eager")
+    row = {"system": system, "config": f"precision={trainer.cfg.precision.name}, {how}", "model": trainer.cfg.model,
+           **step.summary(), "optimizer": optimizer.summary()}
+    if compiled:
+        row["inductor_graphs"] = inductor.graphs
+    return row
 
 
 def hf_llama_step(model_cfg: Any, gpu: str) -> dict[str, Any]:
@@ -137,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="megalm-train overrides (model=1.3b model.seq_length=4096)")
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--systems", default="megalm,megalm_autocast,hf_llama,torchtitan")
+    p.add_argument("--systems", default="megalm,megalm_compiled,megalm_autocast,hf_llama,torchtitan")
     args = p.parse_args(argv)
     logging.getLogger("megalm").setLevel(logging.WARNING)
     systems = args.systems.split(",")
@@ -146,6 +161,14 @@ def main(argv: list[str] | None = None) -> int:
         ours = megalm_step(args.overrides, args.gpu)
         if "megalm" in systems:
             rows.append(ours)
+        if "megalm_compiled" in systems:
+            try:
+                rows.append(megalm_step(args.overrides, args.gpu, "megalm_compiled", compiled=True))
+            except Exception as error:  # dynamo before torch 2.11 asserts that the fake tensors are its own
+                if "doesn't match mode" not in str(error):
+                    raise
+                notes.append(f"megalm_compiled left out: torch {torch.__version__}'s dynamo cannot compile over the "
+                             "trace's fake tensors (torch 2.11 and later can)")
         if "megalm_autocast" in systems and ours["config"].startswith("precision=bf16,"):
             rows.append(megalm_step([*args.overrides, "precision=bf16_autocast"], args.gpu, "megalm_autocast"))
         if "hf_llama" in systems:
@@ -157,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
               f"roofline on {GPUS[args.gpu].name}; traced on fake CPU tensors (torch {torch.__version__})")
     for r in rows:
         r.pop("model", None)
+        for graph in r.get("inductor_graphs", ()):
+            if graph.get("extern_replayed") != sum(graph["extern"].values()):
+                notes.append(f"{r['system']}: a graph's extern kernels {graph['extern']} were replayed as "
+                             f"{graph.get('extern_replayed')} ops: its GEMM/attention rows may be off")
     if args.json:
         print(json.dumps({"shape": header, "gpu": args.gpu, "systems": rows, "notes": notes}, indent=1))
     else:

@@ -1,0 +1,106 @@
+"""What a compiled block costs, read from inductor itself: a `torch.compile` backend for cost traces.
+
+An eager trace (op_cost.py) cannot see what `torch.compile` fuses. `InductorCosts` is a backend that runs
+inductor's real lowering, fusion and code generation on each graph (forward and backward, as AOT autograd splits
+them) and keeps the kernels of inductor's scheduler: each generated kernel (a fused group of pointwise and
+reduction ops: one launch) with the bytes inductor counts for it (`get_read_write_buffers_sizes`, what its own
+`inductor_metrics` log reports), and the extern kernels it calls (GEMMs, attention, collectives, fallbacks).
+The generated code is never run: under `FakeTensorMode` there is no data to run it on. Instead the graph's aten
+ops run eagerly over the fake tensors, inside the caller's `OpCosts`, which records only the ops inductor calls as
+extern kernels (their FLOPs, from torch's formulas) and takes each generated kernel's bytes from inductor.
+
+On a CPU inductor generates C++ kernels where a GPU gets Triton ones; the fusion decisions are made by the same
+scheduler, so kernel counts and bytes stand in for the GPU's (the caller says which device it traced).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from megalm.measure.op_cost import OpCosts
+
+
+def _extern_name(node: Any) -> str:
+    """The aten name of an extern kernel: `extern_kernels.mm` -> mm, `torch.ops.aten._foo.default` -> _foo."""
+    kernel = getattr(node.node, "python_kernel_name", None) or type(node.node).__name__
+    parts = str(kernel).split(".")
+    return parts[-2] if parts[-1] in ("default", "Tensor", "out") and len(parts) > 1 else parts[-1]
+
+
+@contextlib.contextmanager
+def _inductor_metrics_logged() -> Iterator[None]:
+    """Turn on inductor's `inductor_metrics` artifact log (it makes inductor count each scheduler node's bytes into
+    `torch._inductor.metrics.nodes_num_elem`) without printing it."""
+    from torch._inductor import compile_fx
+
+    logger = compile_fx.inductor_metrics_log
+    level, propagate, handler = logger.level, logger.propagate, logging.NullHandler()
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        logger.propagate = propagate
+        logger.removeHandler(handler)
+
+
+class InductorCosts:
+    """A `torch.compile` backend: inductor's kernels per graph, counted into the `OpCosts` active when it runs.
+
+    `graphs` lists, per compiled graph, its generated kernel count, their bytes, its extern kernels by name and how
+    many of those its last eager replay dispatched (`extern_replayed`: their sum, unless an extern kernel is an op
+    the replay does not dispatch by that name).
+    """
+
+    def __init__(self) -> None:
+        self.graphs: list[dict[str, Any]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs, inner_compile=self._inner)
+
+    def _inner(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
+        from torch._inductor import metrics
+        from torch._inductor.compile_fx import compile_fx_inner
+        from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
+
+        first = len(metrics.nodes_num_elem)
+        with _inductor_metrics_logged(), torch._inductor.config.patch(fx_graph_cache=False):  # a cache hit skips
+            # the scheduler, and with it the kernels counted here
+            compile_fx_inner(gm, example_inputs, **kwargs)  # lowering, fusion, code generation; never run
+        generated, extern = [], Counter()
+        for node, _ in metrics.nodes_num_elem[first:]:
+            if isinstance(node, NopKernelSchedulerNode) or type(getattr(node, "node", None)).__name__ == "MultiOutput":
+                continue
+            if isinstance(node, ExternKernelSchedulerNode):
+                extern[_extern_name(node)] += 1
+            else:
+                generated.append(float(node.get_read_write_buffers_sizes()))
+        graph = {"generated_kernels": len(generated), "generated_bytes": sum(generated), "extern": dict(extern)}
+        self.graphs.append(graph)
+
+        def run(args: list) -> Any:
+            costs = next((m for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, OpCosts)), None)
+            if costs is None:
+                return gm(*args)
+            for nbytes in generated:
+                costs.add_kernel("inductor_generated", 0.0, nbytes, category="elementwise/other")
+            before = costs.total().kernels
+            with costs.recording_only(set(extern)):
+                out = gm(*args)
+            # the replay dispatches the extern kernels inductor calls; a count that differs is reported
+            graph["extern_replayed"] = costs.total().kernels - before
+            return out
+
+        run._boxed_call = True  # type: ignore[attr-defined]  # inductor's calling convention: one list of args
+        return run
