@@ -4,10 +4,11 @@ An eager trace (op_cost.py) cannot see what `torch.compile` fuses. `InductorCost
 inductor's real lowering, fusion and code generation on each graph (forward and backward, as AOT autograd splits
 them) and keeps the kernels of inductor's scheduler: each generated kernel (a fused group of pointwise and
 reduction ops: one launch) with the bytes inductor counts for it (`get_read_write_buffers_sizes`, what its own
-`inductor_metrics` log reports), and the extern kernels it calls (GEMMs, attention, collectives, fallbacks).
-The generated code is never run: under `FakeTensorMode` there is no data to run it on. Instead the graph's aten
-ops run eagerly over the fake tensors, inside the caller's `OpCosts`, which records only the ops inductor calls as
-extern kernels (their FLOPs, from torch's formulas) and takes each generated kernel's bytes from inductor.
+`inductor_metrics` log reports), and the extern kernels it calls. The generated code is never run: under
+`FakeTensorMode` there is no data to run it on. Instead the graph's aten ops run eagerly over the fake tensors,
+inside the caller's `OpCosts`, which records from them only the GEMMs, attention and collectives inductor calls
+as extern kernels (their FLOPs from torch's formulas); every other kernel, generated or a fallback to an aten op,
+is counted with the bytes inductor's scheduler gives it.
 
 On a CPU inductor generates C++ kernels where a GPU gets Triton ones; the fusion decisions are made by the same
 scheduler, so kernel counts and bytes stand in for the GPU's (the caller says which device it traced).
@@ -24,7 +25,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from megalm.measure.op_cost import OpCosts
+from megalm.measure.op_cost import OpCosts, category
+
+REPLAYED = ("gemm", "attention", "communication")  # extern kernels whose FLOPs and bytes the eager replay traces
 
 
 def _extern_name(node: Any) -> str:
@@ -56,9 +59,9 @@ def _inductor_metrics_logged() -> Iterator[None]:
 class InductorCosts:
     """A `torch.compile` backend: inductor's kernels per graph, counted into the `OpCosts` active when it runs.
 
-    `graphs` lists, per compiled graph, its generated kernel count, their bytes, its extern kernels by name and how
-    many of those its last eager replay dispatched (`extern_replayed`: their sum, unless an extern kernel is an op
-    the replay does not dispatch by that name).
+    `graphs` lists, per compiled graph, its generated kernel count and their bytes, its fallback kernels and its
+    GEMM/attention/collective extern kernels by name, and how many ops its last eager replay recorded
+    (`extern_replayed`: the extern kernels' sum, unless one is an op the replay does not dispatch by that name).
     """
 
     def __init__(self) -> None:
@@ -78,23 +81,31 @@ class InductorCosts:
         with _inductor_metrics_logged(), torch._inductor.config.patch(fx_graph_cache=False):  # a cache hit skips
             # the scheduler, and with it the kernels counted here
             compile_fx_inner(gm, example_inputs, **kwargs)  # lowering, fusion, code generation; never run
-        generated, extern = [], Counter()
+        generated, extern = [], Counter()  # generated: (name, category, bytes) of the kernels counted from here
         for node, _ in metrics.nodes_num_elem[first:]:
             if isinstance(node, NopKernelSchedulerNode) or type(getattr(node, "node", None)).__name__ == "MultiOutput":
                 continue
-            if isinstance(node, ExternKernelSchedulerNode):
-                extern[_extern_name(node)] += 1
-            else:
-                generated.append(float(node.get_read_write_buffers_sizes()))
-        graph = {"generated_kernels": len(generated), "generated_bytes": sum(generated), "extern": dict(extern)}
+            nbytes = float(node.get_read_write_buffers_sizes())
+            if not isinstance(node, ExternKernelSchedulerNode):
+                generated.append(("inductor_generated", "elementwise/other", nbytes))
+                continue
+            name = _extern_name(node)
+            if category(name) in REPLAYED:
+                extern[name] += 1
+            elif not getattr(getattr(node.node, "op_overload", None), "is_view", False):  # a fallback kernel
+                generated.append((name, category(name), nbytes))
+        graph = {"generated_kernels": sum(name == "inductor_generated" for name, _, _ in generated),
+                 "generated_bytes": sum(nbytes for name, _, nbytes in generated if name == "inductor_generated"),
+                 "fallback_kernels": dict(Counter(name for name, _, _ in generated if name != "inductor_generated")),
+                 "extern": dict(extern)}
         self.graphs.append(graph)
 
         def run(args: list) -> Any:
             costs = next((m for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, OpCosts)), None)
             if costs is None:
                 return gm(*args)
-            for nbytes in generated:
-                costs.add_kernel("inductor_generated", 0.0, nbytes, category="elementwise/other")
+            for name, cat, nbytes in generated:
+                costs.add_kernel(name, 0.0, nbytes, category=cat)
             before = costs.total().kernels
             with costs.recording_only(set(extern)):
                 out = gm(*args)

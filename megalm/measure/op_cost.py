@@ -42,6 +42,7 @@ GPUS = {  # NVIDIA datasheets: H100 SXM5, H200 SXM, A100 SXM4 80GB, B200 (HGX B2
 }
 
 CATEGORIES = ("gemm", "attention", "cast/copy", "elementwise/other", "loss", "optimizer", "communication")
+REPORTED = CATEGORIES[:5]  # in every summary, zero or not (a compiled loss is inductor's generated kernels)
 _GEMM = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm", "matmul", "linear"}
 _CAST_COPY = {"_to_copy", "copy_", "copy", "clone", "_copy_from", "_copy_from_and_resize", "contiguous", "cat",
               "stack", "index_select", "gather", "scatter", "scatter_add_", "embedding", "embedding_dense_backward",
@@ -178,4 +179,6 @@ class OpCosts(TorchDispatchMode):
                 "roofline_ms": total.ms,
                 "by_category": {name: {"kernels": c.kernels, "gbytes": c.bytes / 1e9, "tflop": c.flops / 1e12,
                                        "ms": c.ms}
-                                for name in CATEGORIES if (c := self.by_category.get(name)) is not None}}
+                                for name in CATEGORIES
+                                if (c := self.by_category.get(name, CategoryCost() if name in REPORTED else None))
+                                is not None}}

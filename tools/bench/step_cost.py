@@ -14,8 +14,9 @@ forward and backward; the optimizer step (fused AdamW for both) is its own row. 
   before the fast-step work, and what HF's row runs), when the `megalm` row is bf16.
 - `hf_llama`: transformers' LlamaForCausalLM with fp32 weights under bf16 autocast (what HF's Trainer does with
   `bf16=True`), SDPA attention, its own shifted-label loss.
-- `torchtitan`: its llama3 model when it is importable (tools/compare_peers.txt pins it), else left out with a
-  line saying so.
+- `torchtitan`, `torchtitan_compiled`: its llama3 Transformer as compare.py builds it (fp32 weights under bf16
+  autocast, its single-device mixed precision), eager and with its blocks and loss compiled, when the version
+  tools/compare_peers.txt pins is installed, else left out with a line saying so.
 - `megalm_compiled`: the `megalm` row with `trainer.compile=true`: each block compiled by inductor, whose
   scheduler gives the kernels it generates and their bytes (megalm/measure/compiled_cost.py); the GEMMs and
   attention it calls as extern kernels are traced as in eager. On a CPU inductor generates C++ kernels in place
@@ -122,12 +123,53 @@ def hf_llama_step(model_cfg: Any, gpu: str) -> dict[str, Any]:
             "autocast, sdpa", **step.summary(), "optimizer": optimizer.summary()}
 
 
+def torchtitan_step(model_cfg: Any, gpu: str, compiled: bool = False) -> dict[str, Any]:
+    """TorchTitan's llama3 Transformer of the same shape, as compare.py builds it and its trainer runs it on one
+    GPU: fp32 weights under bf16 autocast (its single-device mixed precision), its fp32 cross entropy summed and
+    divided by the tokens, fused AdamW. `compiled`: each TransformerBlock and the loss compiled, as its
+    `compile.enable` does, by the backend that counts inductor's kernels."""
+    from torchtitan.components.loss import build_cross_entropy_loss
+    from torchtitan.models.llama3 import Transformer
+
+    from tools.bench.compare import torchtitan_args, torchtitan_job
+
+    job = torchtitan_job("bf16", compile_model=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):  # built in place (to_empty cannot swap in fake tensors)
+        model = Transformer(torchtitan_args(model_cfg))
+        with torch.no_grad():
+            model.init_weights(buffer_device=torch.device("cpu"))
+        loss_fn = build_cross_entropy_loss(job)
+        inductor = InductorCosts()
+        if compiled:
+            for block in model.layers.values():
+                block.forward = torch.compile(block.forward, backend=inductor, fullgraph=True)
+            loss_fn = torch.compile(loss_fn, backend=inductor)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        ids = torch.zeros(1, model_cfg.seq_length + 1, dtype=torch.long)
+        step, optimizer = OpCosts(GPUS[gpu]), OpCosts(GPUS[gpu])
+        for traced in (False, True):  # the first step untraced, as megalm's
+            with step if traced else contextlib.nullcontext():
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = loss_fn(model(ids[:, :-1]), ids[:, 1:]) / model_cfg.seq_length
+                loss.backward()
+            with optimizer if traced else contextlib.nullcontext():
+                optim.step()
+            optim.zero_grad(set_to_none=True)
+    how = f"compiled blocks and loss: inductor, {len(inductor.graphs)} graphs" if compiled else "eager"
+    row = {"system": "torchtitan_compiled" if compiled else "torchtitan",
+           "config": f"torchtitan llama3, fp32 weights + bf16 autocast, sdpa, {how}", **step.summary(),
+           "optimizer": optimizer.summary()}
+    if compiled:
+        row["inductor_graphs"] = inductor.graphs
+    return row
+
+
 def torchtitan_missing() -> str | None:
-    try:
-        import torchtitan  # noqa: F401
-    except ImportError:
-        return "torchtitan not installed (tools/compare_peers.txt pins it): its row is left out"
-    return "torchtitan's row is not traced yet: its model builder needs its job config"
+    """Why TorchTitan's rows are left out (not installed, or not the version compare.py drives); None: traced."""
+    from tools.bench.compare import pin_problem
+
+    problem = pin_problem("torchtitan")
+    return f"{problem}: its rows are left out" if problem else None
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -152,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="megalm-train overrides (model=1.3b model.seq_length=4096)")
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--systems", default="megalm,megalm_compiled,megalm_autocast,hf_llama,torchtitan")
+    p.add_argument("--systems",
+                   default="megalm,megalm_compiled,megalm_autocast,hf_llama,torchtitan,torchtitan_compiled")
     args = p.parse_args(argv)
     logging.getLogger("megalm").setLevel(logging.WARNING)
     systems = args.systems.split(",")
@@ -173,8 +216,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(megalm_step([*args.overrides, "precision=bf16_autocast"], args.gpu, "megalm_autocast"))
         if "hf_llama" in systems:
             rows.append(hf_llama_step(ours["model"], args.gpu))
-        if "torchtitan" in systems and (why := torchtitan_missing()):
+        titan = [name for name in ("torchtitan", "torchtitan_compiled") if name in systems]
+        if titan and (why := torchtitan_missing()):
             notes.append(why)
+        elif titan:
+            rows += [torchtitan_step(ours["model"], args.gpu, compiled=name.endswith("compiled")) for name in titan]
     shape = ours["model"]
     header = (f"{shape.name}: {shape.num_layers} layers, hidden {shape.hidden_size}, seq {shape.seq_length}; "
               f"roofline on {GPUS[args.gpu].name}; traced on fake CPU tensors (torch {torch.__version__})")
