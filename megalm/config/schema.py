@@ -207,7 +207,8 @@ class TrainerConfig:
     """No step, eval or save for this long: a hang report per rank, exit 124; 0: off."""
     compile: bool = False
     """torch.compile each transformer block (as TorchTitan does), after the attention backends are chosen; the
-    block's forward and backward are one graph each (tests/unit/test_compile_blocks.py counts the breaks)."""
+    block's forward and backward are one graph each (tests/unit/test_compile_blocks.py counts the breaks). The CP
+    ring and the FP8/MX recipes' linears run inside the graph as opaque ops; those recipes refuse SP and ZB."""
     compile_backend: str = "inductor"
     """The torch.compile backend of trainer.compile: inductor (fused kernels), or aot_eager / eager to debug."""
     init_hang_minutes: float = 10.0

@@ -156,6 +156,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    compiled = getattr(recipe, "compiled_linear", None)  # a recipe whose Python state dynamo cannot trace
+    if compiled is not None and not defer and input_gather is None and torch.compiler.is_compiling():
+        return compiled(x, weight, bias, out_dtype)
     if defer:
         return _Linear.apply(x, weight.detach(), bias, recipe or PLAIN_GEMMS, sink, [weight], out_dtype,
                              input_gather)

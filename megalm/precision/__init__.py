@@ -186,6 +186,15 @@ def validate_precision(cfg: MegalmConfig) -> None:
         raise ConfigError("precision.backend=te does not combine with parallel.recompute yet (the recomputed "
                           "forward would run outside TE's fp8_autocast); use parallel.recompute=none or "
                           "precision.backend=native")
+    if cfg.trainer.compile and p.name not in ("fp32", "bf16", "bf16_autocast") and p.backend == "native":
+        # compiled blocks run a recipe's linears as one opaque op (compiled_linear.py), which has no input gather
+        # and hands no weight gradient to a zero-bubble W: those layers would break the graph instead
+        if parallel.sequence_parallel and parallel.tp > 1:
+            raise ConfigError(f"trainer.compile=true runs precision={p.name} without sequence parallelism only; set "
+                              "parallel.sequence_parallel=false or trainer.compile=false")
+        if parallel.pp > 1 and parallel.pp_schedule == "zb":
+            raise ConfigError(f"trainer.compile=true runs precision={p.name} without the zero-bubble schedule's "
+                              "deferred weight gradients; use another parallel.pp_schedule or trainer.compile=false")
     if p.backend == "te" and parallel.tp > 1:
         raise ConfigError(f"precision.backend=te swaps in TE's Linear, which megalm's tensor parallelism does not "
                           f"shard; use parallel.tp=1 or precision.backend=native (tp={parallel.tp})")

@@ -92,6 +92,10 @@ summation order, for the GEMMs whose K is not sharded, with round-to-nearest and
 Per-tensor FP8 scales are a shard's own amax, not the full tensor's, and SR noise is drawn for the
 shard's shape, so those are reproducible but not equal to tp=1.
 
+Compiled blocks (`trainer.compile`): dynamo cannot trace this module's per-call Python state (seed hashing,
+weight caches, amax histories), so inside a compiled block a layer runs as one opaque op pair that runs this
+same code each call (compiled_linear.py); the numbers are those of the eager path.
+
 `apply_precision(model, recipe, skip=...)` installs a recipe on the model's linear layers from outside:
 it sets each layer's `gemm_recipe` hook (megalm/model/linear.py) to a `RecipeGemms`, which the layer's
 GEMM function reads; tensor-parallel layers have the same hook, and a zero-bubble pipeline's
@@ -112,7 +116,8 @@ from torch import nn
 
 from megalm.model.linear import LinearHooks, linear, linear_modules
 from megalm.model.naming import canonical_named_modules, model_chunks
-from megalm.precision import fp8
+from megalm.precision import compiled_linear, fp8
+from megalm.precision.compiled_linear import CALL_SCALES
 from megalm.precision.gemm import (  # noqa: F401 (gemm, mm_bf16 ... are this module's API too)
     Fp8Operand,
     GemmSpec,
@@ -330,6 +335,26 @@ class RecipeGemms:
         self.recipe, self.state, self.seed = recipe, state, seed
         self.weight = weight  # the layer's weight parameter: what its cached FP8 copy is keyed on
         self.random = any(spec.random for spec in recipe.specs)
+        self.handle = compiled_linear.register(self)  # names this layer to the compiled path's ops
+
+    def compiled_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+        """The layer as one opaque op pair, what `linear` runs inside a compiled block (compiled_linear.py)."""
+        return compiled_linear.recipe_linear(self.handle, x, weight, bias, out_dtype)
+
+    def call_tensors(self, call: _Call, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`call` as tensors: seed (CPU int64 [has one, seed]), scales [len(CALL_SCALES)] fp32 on `device` and
+        which of them exist (CPU bool, read on the host without a device sync)."""
+        seed = torch.tensor([call.seed is not None, call.seed or 0], dtype=torch.int64)
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        scales = torch.stack([call.scales[k].reshape(()).float() if k in call.scales else zero for k in CALL_SCALES])
+        return seed, scales, torch.tensor([k in call.scales for k in CALL_SCALES])
+
+    def call_from(self, seed: torch.Tensor, scales: torch.Tensor, present: torch.Tensor) -> _Call:
+        """The `_Call` that `call_tensors` made tensors of."""
+        has_seed, value = seed.tolist()
+        return _Call(value if has_seed else None,
+                     {k: scales[i] for i, k in enumerate(CALL_SCALES) if present[i]})
 
     def start(self, x: torch.Tensor) -> _Call:
         seed = self.seed

@@ -1,0 +1,116 @@
+"""A precision recipe's linear layer as one opaque op pair, so that compiled blocks run FP8/MX without a break.
+
+A recipe's GEMMs keep Python state between calls (linear.py): a seed stream hashed per call, FP8 amax histories,
+a weight cache valid per optimizer step. dynamo cannot trace that (hashing, weak references, storage pointers),
+and whatever it traced would be frozen into the graph: the seed of the step it compiled. Inside a compiled block
+the layer therefore calls two custom ops, `megalm::recipe_linear` and its backward, which dynamo and inductor
+treat as extern calls and which run the recipe's eager code (the same `start`/`fprop`/`dgrad`/`wgrad`) each time.
+
+What the ops cannot take as arguments travels as tensors: the layer's recipe is named by a CPU int64 tensor
+(`register`: an index into a table of weak references, so the table never keeps a model alive), and the call's
+state that the backward needs (the seed its forward drew, the FP8 scales its forward computed) comes back from
+the forward op as tensors the autograd graph saves. Integers dynamo would specialise on never enter the graph:
+every layer's and every step's call share one compiled graph.
+
+Eager runs keep linear.py's autograd function; this path is taken only while compiling (megalm/model/linear.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, Protocol
+
+import torch
+
+# The keys a call's per-tensor FP8 scales can have (linear.py's `_Call.scales`), in the order the ops pass them.
+CALL_SCALES = tuple((tensor, fmt) for tensor in ("x", "w", "dy") for fmt in ("e4m3", "e5m2"))
+
+_LAYERS: dict[int, weakref.ref] = {}
+_KEYS = itertools.count()
+
+
+class CompiledRecipe(Protocol):
+    """What the ops need from a layer's recipe (linear.py's `RecipeGemms`)."""
+
+    def start(self, x: torch.Tensor) -> Any: ...
+
+    def fprop(self, call: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def dgrad(self, call: Any, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def wgrad(self, call: Any, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
+
+    def call_tensors(self, call: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def call_from(self, seed: torch.Tensor, scales: torch.Tensor, present: torch.Tensor) -> Any: ...
+
+
+def register(recipe: CompiledRecipe) -> torch.Tensor:
+    """The CPU tensor that names `recipe` to the ops, for as long as `recipe` lives."""
+    key = next(_KEYS)
+    _LAYERS[key] = weakref.ref(recipe, lambda _, key=key: _LAYERS.pop(key, None))
+    return torch.tensor(key, dtype=torch.int64)
+
+
+def _recipe(layer: torch.Tensor) -> CompiledRecipe:
+    return _LAYERS[int(layer)]()
+
+
+@torch.library.custom_op("megalm::recipe_linear", mutates_args=())
+def _forward(x: torch.Tensor, weight: torch.Tensor, layer: torch.Tensor, out_dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y [T, out] fp32, and the call's seed, scales and which scales exist) of x [T, in] and weight [out, in];
+    `out_dtype`, what the layer returns, is the dtype its backward's dy arrives in on the eager path."""
+    recipe = _recipe(layer)
+    with torch.autocast(x.device.type, enabled=False):
+        call = recipe.start(x)
+        y = recipe.fprop(call, x, weight).float()
+    return (y, *recipe.call_tensors(call, x.device))
+
+
+@_forward.register_fake
+def _(x, weight, layer, out_dtype):
+    return (x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32),
+            torch.empty(2, dtype=torch.int64), x.new_empty(len(CALL_SCALES), dtype=torch.float32),
+            torch.empty(len(CALL_SCALES), dtype=torch.bool))
+
+
+@torch.library.custom_op("megalm::recipe_linear_backward", mutates_args=())
+def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, layer: torch.Tensor, seed: torch.Tensor,
+              scales: torch.Tensor, present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx in x's dtype, dW in the weight's) with the call state the forward handed over."""
+    recipe = _recipe(layer)
+    call = recipe.call_from(seed, scales, present)
+    with torch.autocast(x.device.type, enabled=False):
+        return recipe.dgrad(call, dy, weight).to(x.dtype), recipe.wgrad(call, dy, x).to(weight.dtype)
+
+
+@_backward.register_fake
+def _(dy, x, weight, layer, seed, scales, present):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _save(ctx, inputs, output) -> None:
+    x, weight, layer, ctx.out_dtype = inputs
+    _, seed, scales, present = output
+    ctx.mark_non_differentiable(seed, scales, present)
+    ctx.save_for_backward(x, weight, layer, seed, scales, present)
+
+
+def _grads(ctx, dy, *_):
+    dx, dw = _backward(dy.to(ctx.out_dtype), *ctx.saved_tensors)  # as the eager path gets it: exact (dy is the
+    return dx, dw, None, None  # upcast of the out_dtype gradient `.to(out_dtype)` passes back)
+
+
+_forward.register_autograd(_grads, setup_context=_save)
+
+
+def recipe_linear(layer: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """linear.py's `linear` for the layer `layer` names, as one op: x [..., in] -> [..., out] in `out_dtype`,
+    the bias added in fp32 as the eager path adds it."""
+    y = _forward(x.reshape(-1, x.shape[-1]), weight, layer, out_dtype)[0]
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)
