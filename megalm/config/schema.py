@@ -234,6 +234,9 @@ class ParallelConfig:
     """Shard the norm/dropout activations over the tp ranks (Korthikanti et al.)."""
     zero1: bool = False
     """Shard the optimizer states over the data-parallel ranks (ZeRO stage 1)."""
+    overlap_param_gather: bool = True
+    """ZeRO-1: the all-gather of the updated parameters runs on while the next forward begins, each bucket waited
+    for before the first block that reads it (Megatron's overlap_param_gather); false: waited for in the step."""
     hdp: bool = False
     """ByteScale's hybrid data parallelism: the dp x cp ranks form one domain, re-planned every step."""
     hdp_capacity: int | None = None

@@ -41,7 +41,7 @@ from megalm.offload import ActivationStore, LayerOffload, PipelineOffload
 from megalm.parallel.collectives import all_reduce_sum
 from megalm.parallel.context.attention import RingContext, validate_context
 from megalm.parallel.context.split import ContextShards
-from megalm.parallel.data_parallel.bucket_adamw import BucketAdamW
+from megalm.parallel.data_parallel.bucket_adamw import BucketAdamW, forward_owners
 from megalm.parallel.data_parallel.reducer import GradReducer
 from megalm.parallel.data_parallel.slices import DataParallelSlices, validate_data_parallel
 from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh, check_same_on_all_ranks, resolve_dims
@@ -177,7 +177,12 @@ class Parallelism:
     def _bucket_adamw(self, params: list[dict], **hyper) -> BucketAdamW:
         """This layout's optimizer (ZeRO-1's, or fp32 main weights'); the initial fp32 weights go to it, once."""
         initial, self._initial_weights = self._initial_weights, None
-        return BucketAdamW(params, self.reducer, working_dtype=self.working_dtype, initial_weights=initial, **hyper)
+        optimizer = BucketAdamW(params, self.reducer, working_dtype=self.working_dtype, initial_weights=initial,
+                                **hyper)
+        if self.cfg.parallel.overlap_param_gather and optimizer.overlap_param_gather_with(forward_owners(self.model)):
+            log.info("ZeRO-1: the parameter all-gather of %d buckets overlaps the next forward (each waited for "
+                     "before the first block that reads it)", len(self.reducer.buckets))
+        return optimizer
 
     def _attach_offload(self) -> ActivationStore:
         """Activation offload on this rank's runner: PipeOffload's actions in the pipeline schedule, or

@@ -72,6 +72,12 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, factory: Callable[...,
     return torch.optim.AdamW(groups, **hyper, **({"fused": True} if use_fused else {"foreach": True}))
 
 
+def current_weights(optimizer: Any) -> None:
+    """Finish what the last optimizer step left in flight on the parameters (ZeRO-1's all-gather, when it overlaps
+    the next forward: `parallel.overlap_param_gather`), before reading them outside a forward."""
+    getattr(optimizer, "finish_param_gather", lambda: None)()
+
+
 def full_precision_weights(optimizer: Any) -> contextlib.AbstractContextManager:
     """Inside, the model's parameters hold the fp32 weights training steps: what checkpoints save and loads write.
     With bf16 working weights those are the optimizer's main weights (BucketAdamW swaps them in and, on exit,

@@ -35,7 +35,7 @@ from megalm.training.flops import peak_flops, training_flops
 from megalm.training.guards import NonFiniteError, NonFiniteGuard, SpikeDetector, check_finite_state
 from megalm.training.init_from import load_init_weights
 from megalm.training.metrics import MetricsLogger, ThroughputWindow, peak_memory_gb
-from megalm.training.optim import build_optimizer, lr_at, set_lr
+from megalm.training.optim import build_optimizer, current_weights, lr_at, set_lr
 from megalm.training.preemption import Preemption
 from megalm.training.validation import validate_run
 from megalm.training.watchdog import Watchdog, joining_watchdog
@@ -151,6 +151,7 @@ class Trainer:
     def save(self) -> Path:
         """A checkpoint of this step; refused (one line) when any weight or optimizer state is not finite."""
         self.finish_save()  # published before anything can fail
+        current_weights(self.optimizer)
         check_finite_state(self.model, self.optimizer, self.step, self.device, self.mesh.is_distributed)
         state = {"consumed_tokens": self.consumed_tokens, "tokenizer": getattr(self.data.tokenizer, "spec", None),
                  **self._data_order()}
@@ -272,6 +273,7 @@ class Trainer:
                         self.preemption.log_stop(self.step, last_saved)
                         break
                 self.finish_save()
+                current_weights(self.optimizer)  # the model the caller gets back holds the last step's weights
             except NonFiniteError:  # decided on all-reduced values: every rank is here, the publish is safe
                 self.finish_save()
                 raise

@@ -18,6 +18,7 @@ import torch
 
 from megalm.model.naming import canonical_named_parameters
 from megalm.parallel.dims import ParallelDims, ParallelMesh
+from megalm.training.optim import current_weights
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
 from tests.dist.equivalence import assert_resume_is_bit_exact, shard_of
@@ -79,8 +80,13 @@ def check_zero1_is_plain_dp(rank: int, world_size: int, tmp: str) -> None:
         assert a.loss == b.loss, f"rank {rank} step {step}: loss {b.loss} under ZeRO-1, {a.loss} without"
         # the norm's squares are summed per shard, then over the ranks: the last bits may differ (clip is not hit)
         assert abs(a.grad_norm - b.grad_norm) <= 1e-6 * a.grad_norm < a.grad_norm < 1.0, f"rank {rank} step {step}"
-    for (name, p), (_, q) in zip(canonical_named_parameters(plain.model), canonical_named_parameters(zero1.model),
-                                 strict=True):
+    pairs = list(zip(canonical_named_parameters(plain.model), canonical_named_parameters(zero1.model), strict=True))
+    # overlap_param_gather (the default): the last step's all-gather is still in flight, the parameters hold the
+    # weights before it; each forward above waited for its buckets (the equal losses), and so does this
+    assert zero1.optimizer.overlaps_param_gather
+    assert not all(torch.equal(p, q) for (_, p), (_, q) in pairs), f"rank {rank}: the gather was not left in flight"
+    current_weights(zero1.optimizer)
+    for (name, p), (_, q) in pairs:
         assert torch.equal(p, q), f"rank {rank} {name}"
     gathered = zero1.parallel.reducer.stats["all_gather_bytes"]
     numel = sum(b.padded_numel for b in zero1.parallel.reducer.buckets)

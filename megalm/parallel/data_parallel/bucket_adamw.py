@@ -38,6 +38,7 @@ from torch import nn
 from torch.optim.adamw import adamw
 from torch.utils.hooks import RemovableHandle
 
+from megalm.model import TransformerBlock
 from megalm.parallel.collectives import all_gather_flat
 from megalm.parallel.data_parallel.reducer import GradReducer
 from megalm.parallel.norms import NormShare
@@ -111,6 +112,10 @@ class BucketAdamW:
                         for b in reducer.buckets]
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.exp_avg]
         self.working_dtype = working_dtype
+        # ZeRO-1's parameter all-gathers left in flight after a step (`overlap_param_gather_with`): bucket index ->
+        # (the gathered flat tensor, its pending work)
+        self._pending: dict[int, tuple[torch.Tensor, dist.Work | None]] = {}
+        self.overlaps_param_gather = False
         self.main: list[torch.Tensor] | None = None  # fp32 main weights, flat: the owned part of every bucket
         if working_dtype is not None:
             self.main = [torch.zeros_like(m) for m in self.exp_avg]
@@ -170,6 +175,7 @@ class BucketAdamW:
         all-gather, collective). A fixed number of foreach/fused launches per param group, not one per parameter."""
         for hook in list(self._pre_hooks.values()):
             hook(self, (), {})
+        self.finish_param_gather()  # the parameters are read below (fp32: they are the main weights)
         grads = [g if g.dtype == torch.float32 else g.float() for g in self._grad_shards()]
         self.step_count += 1
         shards = self.main or [torch.empty(b.shard_numel, dtype=torch.float32, device=m.device)
@@ -211,16 +217,43 @@ class BucketAdamW:
                                   for seg in b.segments])
             return
         dtype = self.working_dtype or torch.float32
-        gathers = [self._gather(shard.to(dtype), bucket.padded_numel) for bucket, shard in zip(buckets, shards,
-                                                                                              strict=True)]
-        params, pieces = [], []
-        for bucket, (full, work) in zip(buckets, gathers, strict=True):
+        for i in reversed(range(len(buckets))):  # in forward order: the backward filled the buckets last layer first
+            self._pending[i] = self._gather(shards[i].to(dtype), buckets[i].padded_numel)
+        if not self.overlaps_param_gather:
+            self.finish_param_gather()
+
+    @torch.no_grad()
+    def finish_param_gather(self, buckets: Iterable[int] | None = None) -> None:
+        """Wait for the parameter all-gathers still in flight (all, or those of bucket indices `buckets`) and copy
+        them into the parameters. A no-op when none is: what anything that reads the parameters outside a forward
+        calls first (checkpoints, the trainer at the end of `fit`)."""
+        for i in list(self._pending) if buckets is None else buckets:
+            if i not in self._pending:
+                continue
+            full, work = self._pending.pop(i)
             if work is not None:
                 work.wait()
-            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
-                params.append(p.view(-1))
-                pieces.append(full[offset:offset + p.numel()])
-        torch._foreach_copy_(params, pieces)
+            bucket = self.reducer.buckets[i]
+            torch._foreach_copy_([p.view(-1) for p in bucket.params],
+                                 [full[offset:offset + p.numel()] for p, offset in zip(bucket.params, bucket.offsets,
+                                                                                        strict=True)])
+
+    def overlap_param_gather_with(self, modules: Iterable[nn.Module]) -> int:
+        """Leave ZeRO-1's parameter all-gathers in flight when `step()` returns, so that they run while the next
+        forward begins (Megatron's `overlap_param_gather`): each bucket is waited for in the forward pre-hook of
+        the first of `modules` (`forward_owners`) that holds one of its parameters. Returns how many modules got
+        a hook; 0 without ZeRO-1, where there is no all-gather."""
+        if not self.reducer.zero1 or self.world == 1:
+            return 0
+        bucket_of = {id(p): i for i, b in enumerate(self.reducer.buckets) for p in b.params}
+        hooked = 0
+        for module in modules:
+            needs = sorted({bucket_of[id(p)] for p in module.parameters() if id(p) in bucket_of})
+            if needs:
+                module.register_forward_pre_hook(lambda _module, _args, needs=needs: self.finish_param_gather(needs))
+                hooked += 1
+        self.overlaps_param_gather = True
+        return hooked
 
     # ------------------------------------------------------------------ main weights
 
@@ -240,6 +273,7 @@ class BucketAdamW:
         """Inside, the parameters hold the fp32 main weights (gathered whole under ZeRO-1): what a checkpoint saves,
         and what a load writes; on exit the main weights are taken from them and the working copies cast again.
         Collective under ZeRO-1. Without a working dtype the parameters are the main weights: nothing to do."""
+        self.finish_param_gather()
         if self.main is None:
             yield
             return
@@ -317,6 +351,7 @@ class BucketAdamW:
         torch AdamW keeps one step counter per parameter; this optimizer has one for all (every
         parameter steps every time), so the largest saved counter is used.
         """
+        self.finish_param_gather()  # a gather still in flight would overwrite weights loaded beside this state
         params = self._ordered_params()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
@@ -344,3 +379,12 @@ class BucketAdamW:
                     self.exp_avg_sq[bucket.index][seg.shard_slice] = \
                         per_param["exp_avg_sq"].reshape(-1)[seg.param_slice]
         self.step_count = max(steps)
+
+
+def forward_owners(model: nn.Module) -> list[nn.Module]:
+    """The modules whose forward pre-hooks stand before every read of the parameters in a forward: each
+    TransformerBlock (its hooks stay outside a compiled block's graph), and each other module holding parameters
+    itself (embedding, final norm, output head). What `BucketAdamW.overlap_param_gather_with` hooks."""
+    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    inside = {id(p) for block in blocks for p in block.parameters()}
+    return blocks + [m for m in model.modules() if any(id(p) not in inside for p in m.parameters(recurse=False))]
