@@ -7,7 +7,7 @@ the layer therefore calls two custom ops, `megalm::recipe_linear` and its backwa
 treat as extern calls and which run the recipe's eager code (the same `start`/`fprop`/`dgrad`/`wgrad`) each time.
 
 What the ops cannot take as arguments travels as tensors: the layer's recipe is named by a CPU int64 tensor
-(`register`: an index into a table of weak references, so the table never keeps a model alive), and the call's
+(`layer_handle`: an index into a table of weak references, so the table never keeps a model alive), and the call's
 state that the backward needs (the seed its forward drew, the FP8 scales its forward computed) comes back from
 the forward op as tensors the autograd graph saves. Integers dynamo would specialise on never enter the graph:
 every layer's and every step's call share one compiled graph.
@@ -46,7 +46,7 @@ class CompiledRecipe(Protocol):
     def call_from(self, seed: torch.Tensor, scales: torch.Tensor, present: torch.Tensor) -> Any: ...
 
 
-def register(recipe: CompiledRecipe) -> torch.Tensor:
+def layer_handle(recipe: CompiledRecipe) -> torch.Tensor:
     """The CPU tensor that names `recipe` to the ops, for as long as `recipe` lives."""
     key = next(_KEYS)
     _LAYERS[key] = weakref.ref(recipe, lambda _, key=key: _LAYERS.pop(key, None))

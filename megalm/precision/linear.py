@@ -335,7 +335,7 @@ class RecipeGemms:
         self.recipe, self.state, self.seed = recipe, state, seed
         self.weight = weight  # the layer's weight parameter: what its cached FP8 copy is keyed on
         self.random = any(spec.random for spec in recipe.specs)
-        self.handle = compiled_linear.register(self)  # names this layer to the compiled path's ops
+        self.handle = compiled_linear.layer_handle(self)  # names this layer to the compiled path's ops
 
     def compiled_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         out_dtype: torch.dtype) -> torch.Tensor:

@@ -46,7 +46,7 @@ class RingContext:
         if self.comm not in COMMS:
             raise ValueError(f"unknown context-parallel communication {self.comm!r}; use ring or a2a")
         # made once here, outside any compiled block: the ring op reads it on the host (ring.py, "the ring as one op")
-        meta = ring_meta(self.layout, self.ranks, self.index, None, self.progress) if self.comm == "ring" else None
+        meta = ring_meta(self.layout, self.ranks, self.index) if self.comm == "ring" else None
         object.__setattr__(self, "meta", meta)
 
     @classmethod
@@ -65,6 +65,8 @@ class RingContext:
                 raise ValueError("ring attention has no attention dropout; set model.attention_dropout=0")
             if len(self.ranks) == 1:
                 return ring_attention(q, k, v, self.layout, self.ranks, self.index, backend=backend, scale=scale)
+            if self.progress is not None:  # (a no-op inside a compiled block)
+                self.progress.note(collective=f"CP ring attention over ranks {list(self.ranks)}")
             return ring_attend(q, k, v, self.layout, self.meta, backend, scale)
         return ulysses_attention(q, k, v, self.layout, self.ranks, self.index, self.group, backend=backend,
                                  dropout_p=dropout_p, scale=scale)

@@ -100,13 +100,10 @@ def ring_step_backward(dout, q, k, v, out, lse, dq, dk, dv, layout: ZigzagLayout
 # ------------------------------------------------------------------------------------------------- ring
 
 
-def _post(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group, tag: int,
-          progress: Progress | None) -> list:
+def _post(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, tag: int) -> list:
     """Send `send` to global rank `nxt` and receive `recv` from `prv`, posted together (no deadlock)."""
-    ops = [dist.P2POp(dist.isend, send, nxt, group, tag), dist.P2POp(dist.irecv, recv, prv, group, tag)]
-    if progress is not None:
-        progress.note(collective=f"CP ring p2p: send to rank {nxt}, receive from rank {prv}")
-    return dist.batch_isend_irecv(ops)
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, tag=tag),
+                                   dist.P2POp(dist.irecv, recv, prv, tag=tag)])
 
 
 def _wait(works: list | None) -> None:
@@ -114,8 +111,8 @@ def _wait(works: list | None) -> None:
         work.wait()
 
 
-def _ring_forward(q, k, v, layout: ZigzagLayout, ranks: tuple[int, ...], r: int, group, kernel: str, scale: float,
-                  progress: Progress | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _ring_forward(q, k, v, layout: ZigzagLayout, ranks: tuple[int, ...], r: int, kernel: str, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [T, Hq, D] in q's dtype, lse [T, Hq] in the accumulation dtype) of rank r's queries over the ring."""
     n = len(ranks)
     nxt, prv = ranks[(r + 1) % n], ranks[(r - 1) % n]
@@ -127,15 +124,15 @@ def _ring_forward(q, k, v, layout: ZigzagLayout, ranks: tuple[int, ...], r: int,
         works, incoming = None, None
         if j < n - 1:  # post the next block's transfer first: it runs while this step computes
             incoming = torch.empty_like(kv)
-            works = _post(kv, incoming, nxt, prv, group, KV_TAG, progress)
+            works = _post(kv, incoming, nxt, prv, KV_TAG)
         ring_step_forward(q, kv[0], kv[1], out, lse, layout, r, (r - j) % n, scale, kernel)
         _wait(works)
         kv = incoming if incoming is not None else kv
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, layout: ZigzagLayout, ranks: tuple[int, ...], r: int, group, kernel: str,
-                   scale: float, progress: Progress | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _ring_backward(dout, q, k, v, out, lse, layout: ZigzagLayout, ranks: tuple[int, ...], r: int, kernel: str,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of rank r's shard: dQ stays here, dK/dV travel with their block and come home after N hops."""
     n = len(ranks)
     nxt, prv = ranks[(r + 1) % n], ranks[(r - 1) % n]
@@ -147,7 +144,7 @@ def _ring_backward(dout, q, k, v, out, lse, layout: ZigzagLayout, ranks: tuple[i
         kv_works, kv_in = None, None
         if j < n - 1:
             kv_in = torch.empty_like(kv)
-            kv_works = _post(kv, kv_in, nxt, prv, group, KV_TAG, progress)
+            kv_works = _post(kv, kv_in, nxt, prv, KV_TAG)
         grads = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this rank's share for the held block
         ring_step_backward(dout, q, kv[0], kv[1], out, lse, dq, grads[0], grads[1], layout, r, (r - j) % n, scale,
                            kernel)
@@ -155,7 +152,7 @@ def _ring_backward(dout, q, k, v, out, lse, layout: ZigzagLayout, ranks: tuple[i
         dkv = grads if dkv_in is None else grads.add_(dkv_in)
         if n > 1:  # pass it on with the block (it overlaps the next step); after N hops it is home
             dkv_in = torch.empty_like(dkv)
-            dkv_works = _post(dkv, dkv_in, nxt, prv, group, DKV_TAG, progress)
+            dkv_works = _post(dkv, dkv_in, nxt, prv, DKV_TAG)
         _wait(kv_works)
         kv = kv_in if kv_in is not None else kv
     if n > 1:
@@ -169,45 +166,30 @@ def _ring_backward(dout, q, k, v, out, lse, layout: ZigzagLayout, ranks: tuple[i
 # The ring runs as one opaque custom op, forward and backward, so that a compiled block traces through it without
 # a graph break (dynamo cannot trace batch_isend_irecv, and the kernel choice logs) and without a recompile per
 # micro-batch: everything that varies between micro-batches travels in tensors (the layout's index tensors and a
-# small host tensor `ring_meta`), never as Python ints that dynamo would specialise on. The ring's group and
-# progress record cannot be op arguments; they are entered once in `_COMMS` and named by their position there.
-
-_COMMS: list[tuple[dist.ProcessGroup | None, Progress | None]] = []
+# small host tensor `ring_meta`), never as Python ints that dynamo would specialise on. The ring runs on the
+# default group (its ranks are global ranks: any list forms a ring), and the hang record is noted before the op.
 
 
-def _comm_entry(group: dist.ProcessGroup | None, progress: Progress | None) -> int:
-    for i, (g, p) in enumerate(_COMMS):
-        if g is group and p is progress:
-            return i
-    _COMMS.append((group, progress))
-    return len(_COMMS) - 1
-
-
-def ring_meta(layout: ZigzagLayout, ranks: Sequence[int], rank_index: int, group: dist.ProcessGroup | None = None,
-              progress: Progress | None = None) -> torch.Tensor:
+def ring_meta(layout: ZigzagLayout, ranks: Sequence[int], rank_index: int) -> torch.Tensor:
     """The ring's host-side description for the op, made once per micro-batch: int64 [n, max_chunk, index,
-    comm entry, *ranks] on the CPU (read there without a device sync)."""
-    head = [layout.n, layout.max_chunk, rank_index, _comm_entry(group, progress)]
-    return torch.tensor(head + [int(rank) for rank in ranks], dtype=torch.int64)
+    *ranks] on the CPU (read there without a device sync)."""
+    return torch.tensor([layout.n, layout.max_chunk, rank_index, *(int(rank) for rank in ranks)], dtype=torch.int64)
 
 
 def _layout_tensors(layout: ZigzagLayout) -> list[torch.Tensor]:
     return [getattr(layout, f.name) for f in fields(layout) if f.name not in ("n", "max_chunk")]
 
 
-def _unpack(layout_tensors: list[torch.Tensor], meta: torch.Tensor):
-    n, max_chunk, index, comm, *ranks = meta.tolist()
-    layout = ZigzagLayout(n, *layout_tensors, max_chunk=max_chunk)
-    group, progress = _COMMS[comm]
-    return layout, tuple(ranks), index, group, progress
+def _unpack(layout_tensors: list[torch.Tensor], meta: torch.Tensor) -> tuple[ZigzagLayout, tuple[int, ...], int]:
+    n, max_chunk, index, *ranks = meta.tolist()
+    return ZigzagLayout(n, *layout_tensors, max_chunk=max_chunk), tuple(ranks), index
 
 
 @torch.library.custom_op("megalm::ring_attention", mutates_args=())
 def _ring_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: list[torch.Tensor], meta: torch.Tensor,
              backend: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    layout_, ranks, index, group, progress = _unpack(layout, meta)
-    return _ring_forward(q, k, v, layout_, ranks, index, group, block_kernel(backend, q.device, q.dtype), scale,
-                         progress)
+    layout_, ranks, index = _unpack(layout, meta)
+    return _ring_forward(q, k, v, layout_, ranks, index, block_kernel(backend, q.device, q.dtype), scale)
 
 
 @_ring_op.register_fake
@@ -219,9 +201,9 @@ def _(q, k, v, layout, meta, backend, scale):
 def _ring_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, layout: list[torch.Tensor], meta: torch.Tensor, backend: str,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    layout_, ranks, index, group, progress = _unpack(layout, meta)
-    return _ring_backward(dout, q, k, v, out, lse, layout_, ranks, index, group,
-                          block_kernel(backend, q.device, q.dtype), scale, progress)
+    layout_, ranks, index = _unpack(layout, meta)
+    return _ring_backward(dout, q, k, v, out, lse, layout_, ranks, index, block_kernel(backend, q.device, q.dtype),
+                          scale)
 
 
 @_ring_backward_op.register_fake
@@ -258,7 +240,6 @@ def ring_attention(
     plan: ZigzagPlan | ZigzagLayout,
     ranks: Sequence[int],
     rank_index: int,
-    group: dist.ProcessGroup | None = None,
     backend: str = "auto",
     scale: float | None = None,
     progress: Progress | None = None,
@@ -266,10 +247,9 @@ def ring_attention(
     """Causal attention of this rank's zigzag shard against the whole documents held by the ring.
 
     q [T_local, Hq, D], k/v [T_local, Hkv, D] (Hkv divides Hq) are the shards of `plan` held by
-    ring position `rank_index`; `ranks` are the ring's GLOBAL ranks in order (any N >= 1); `group`
-    (default WORLD) must contain all of them. Returns [T_local, Hq, D]. N == 1 is plain local
-    varlen attention with no communication. `backend` as model.attention_backend. `progress`: where the ring's
-    transfers are noted for the hang watchdog (the mesh's).
+    ring position `rank_index`; `ranks` are the ring's GLOBAL ranks in order (any N >= 1), passing K/V on the
+    default group. Returns [T_local, Hq, D]. N == 1 is plain local varlen attention with no communication.
+    `backend` as model.attention_backend. `progress`: where the ring is noted for the hang watchdog (the mesh's).
     """
     layout, ranks, n = as_layout(plan, q.device), tuple(int(rank) for rank in ranks), len(ranks)
     if n != layout.n or len(set(ranks)) != n:
@@ -287,4 +267,6 @@ def ring_attention(
     if n == 1:  # the local segments are the whole padded documents, in order
         local = select_attention_backend(backend, q.device, q.dtype)
         return varlen_attention(q, k, v, layout.local_cu_seqlens, layout.local_max_seqlen, local, scale=scale)
-    return ring_attend(q, k, v, layout, ring_meta(layout, ranks, rank_index, group, progress), backend, scale)
+    if progress is not None:
+        progress.note(collective=f"CP ring attention over ranks {list(ranks)}")
+    return ring_attend(q, k, v, layout, ring_meta(layout, ranks, rank_index), backend, scale)
