@@ -209,11 +209,16 @@ if wants bench; then
     tools/bench/mx_quantize_bandwidth.py --m 8192 --k 8192 --iters 10 --warmup 2
   bench "training throughput, 125m bf16" 120 tools/bench/throughput.py model=125m precision=bf16 \
     trainer.global_batch_size=8 trainer.micro_batch_size=8 --steps 10 --warmup 3
-  bench "training throughput, 1.3b bf16" 150 tools/bench/throughput.py model=1.3b precision=bf16 \
-    trainer.global_batch_size=4 trainer.micro_batch_size=4 --steps 6 --warmup 2
+  # issue 25's goal: 1.3B at seq 4096, bf16 eager and compiled (inductor per block), and fp8
+  bench "training throughput, 1.3b/4096 bf16" 150 tools/bench/throughput.py model=1.3b model.seq_length=4096 \
+    precision=bf16 trainer.global_batch_size=2 trainer.micro_batch_size=2 --steps 6 --warmup 2
+  bench "training throughput, 1.3b/4096 bf16 compiled" 240 tools/bench/throughput.py model=1.3b \
+    model.seq_length=4096 precision=bf16 trainer.compile=true trainer.global_batch_size=2 \
+    trainer.micro_batch_size=2 --steps 6 --warmup 3
   if ((DRY_RUN || capability >= 89)); then
-    bench "training throughput, 125m fp8 (torch._scaled_mm)" 120 tools/bench/throughput.py model=125m \
-      precision=fp8 trainer.global_batch_size=8 trainer.micro_batch_size=8 --steps 10 --warmup 3
+    bench "training throughput, 1.3b/4096 fp8 (torch._scaled_mm)" 150 tools/bench/throughput.py model=1.3b \
+      model.seq_length=4096 precision=fp8 trainer.global_batch_size=2 trainer.micro_batch_size=2 --steps 6 \
+      --warmup 2
   fi
   bench "precision recipes on the demo, 100 steps" 180 tools/bench/precision_convergence.py \
     --recipes fp32 bf16 fp8 mxfp4 --steps 100 trainer.eval_iters=4
