@@ -280,6 +280,10 @@ class PrecisionConfig:
     autocast: bool = True
     """fp8/mx recipes: bf16 autocast for the rest of the model (false: fp32 around the recipe). Not read by bf16
     (bf16 weights, no autocast) nor bf16_autocast (autocast over fp32 weights: what bf16 was before)."""
+    bf16_weights: bool = False
+    """fp8/mx recipes: bf16 working weights behind fp32 main weights, as precision=bf16 keeps them, so the
+    recipe's GEMMs quantize bf16 activations and weights (Transformer Engine's setting) and no autocast runs
+    (`precision.autocast` is then not read); false: fp32 weights, under autocast unless that is false."""
     tf32: bool = True
     """On CUDA, fp32 matmuls and convolutions use TF32 tensor cores (false: full fp32)."""
 

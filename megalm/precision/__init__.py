@@ -11,7 +11,9 @@
 - fp8*, mxfp8, mxfp4*: bf16 autocast for everything (attention, norms, the skipped layers) over fp32 weights
   (`precision.autocast=false`: fp32 around the recipe) and the recipe's low-precision GEMMs in the linear
   layers (`precision/linear.py`, set as each linear layer's `gemm_recipe` hook, on plain and tensor-parallel
-  layers alike).
+  layers alike). With `precision.bf16_weights=true` the weights are bf16 working copies as under `bf16`, with
+  no autocast: the recipe's GEMMs quantize bf16 activations and weights, and what they save for the backward
+  is bf16.
 - `precision.backend=te` with fp8 / fp8_delayed: Transformer Engine's Linear and fp8 recipes
   (`precision/te.py`) when TE is importable; otherwise the native path, and the log says so.
 
@@ -82,12 +84,16 @@ def autocasts(precision: PrecisionConfig | str) -> bool:
     """Whether forward passes run under bf16 autocast: bf16_autocast, and the low-precision recipes unless
     `precision.autocast` is false."""
     name = getattr(precision, "name", precision)
-    return name == "bf16_autocast" or (name not in WHOLE_MODEL and getattr(precision, "autocast", True))
+    return name == "bf16_autocast" or (name not in WHOLE_MODEL and getattr(precision, "autocast", True)
+                                       and working_dtype(precision) is None)
 
 
 def working_dtype(precision: PrecisionConfig | str) -> torch.dtype | None:
-    """The dtype the model's weights train in behind fp32 main weights (bf16), or None: the fp32 weights train."""
-    return torch.bfloat16 if getattr(precision, "name", precision) == "bf16" else None
+    """The dtype the model's weights train in behind fp32 main weights (bf16: precision=bf16, and the fp8/mx
+    recipes with `precision.bf16_weights`), or None: the fp32 weights train."""
+    name = getattr(precision, "name", precision)
+    recipe_on_bf16 = name not in WHOLE_MODEL and getattr(precision, "bf16_weights", False)
+    return torch.bfloat16 if name == "bf16" or recipe_on_bf16 else None
 
 
 @contextlib.contextmanager
@@ -195,6 +201,9 @@ def validate_precision(cfg: MegalmConfig) -> None:
         if parallel.pp > 1 and parallel.pp_schedule == "zb":
             raise ConfigError(f"trainer.compile=true runs precision={p.name} without the zero-bubble schedule's "
                               "deferred weight gradients; use another parallel.pp_schedule or trainer.compile=false")
+    if p.bf16_weights and (p.name in WHOLE_MODEL or p.backend == "te"):
+        raise ConfigError(f"precision.bf16_weights=true applies to the native fp8/mx recipes; remove it for "
+                          f"precision={p.name}" + (" with precision.backend=te" if p.backend == "te" else ""))
     if p.backend == "te" and parallel.tp > 1:
         raise ConfigError(f"precision.backend=te swaps in TE's Linear, which megalm's tensor parallelism does not "
                           f"shard; use parallel.tp=1 or precision.backend=native (tp={parallel.tp})")

@@ -39,7 +39,7 @@ def summed_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def check_layout(rank: int, world_size: int, overrides: list[str], tmp: str) -> None:
-    model = [o for o in overrides if o.startswith("model.")]
+    model = [o for o in overrides if o.startswith(("model.", "precision"))]  # the model and recipe of both runs
     one = Trainer(compose_config(*BF16, *model), f"{tmp}/one{rank}", mesh=ParallelMesh(ParallelDims()))
     par = Trainer(compose_config(*BF16, *overrides), f"{tmp}/par")
     one.forward_backward(0)
@@ -63,6 +63,8 @@ LAYOUTS = {
     "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "pp2_tied": (2, ["parallel.pp=2", "model.tie_embeddings=true"]),
     "cp2": (2, ["parallel.cp=2"]),
+    # an fp8 recipe on bf16 weights (precision.bf16_weights): its GEMMs quantize bf16, its gradients sum in fp32
+    "dp2_fp8_bf16_weights": (2, ["parallel.dp=2", "precision=fp8", "precision.bf16_weights=true"]),
 }
 
 

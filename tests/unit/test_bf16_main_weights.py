@@ -202,3 +202,31 @@ def test_accumulating_buckets_hold_zeros_for_what_got_no_gradient():
     reducer.start_step(0)  # no micro-batch at all
     reducer.finish()
     assert all(torch.equal(g, torch.zeros_like(g)) for g in reducer.grad_shards())
+
+
+def test_fp8_recipe_on_bf16_weights_quantizes_bf16(tmp_path, monkeypatch):
+    """precision.bf16_weights: an fp8/mx recipe trains bf16 working weights behind fp32 main weights, without
+    autocast, so every recipe GEMM gets bf16 activations and bf16 weights (under autocast over fp32 weights the
+    weights and the first activations reach it in fp32); a bad combination is one line."""
+    from megalm.errors import ConfigError
+    from megalm.precision import linear
+    from megalm.training.validation import validate_run
+
+    operands = set()
+    fprop = linear.RecipeGemms.fprop
+    monkeypatch.setattr(linear.RecipeGemms, "fprop",
+                        lambda self, call, x, w: operands.add((x.dtype, w.dtype)) or fprop(self, call, x, w))
+    for bf16_weights, expected in ((True, {(torch.bfloat16, torch.bfloat16)}), (False, None)):
+        operands.clear()
+        trainer = Trainer(compose_config("precision=fp8", f"precision.bf16_weights={bf16_weights}", *MICRO),
+                          tmp_path / str(bf16_weights))
+        assert torch.isfinite(torch.tensor([trainer.train_step(step).loss for step in range(3)])).all()
+        if expected:
+            assert operands == expected
+            assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
+            assert isinstance(trainer.optimizer, BucketAdamW) and trainer.optimizer.main is not None
+        else:
+            assert torch.float32 in {w for _, w in operands}
+    for bad in (["precision=bf16_autocast"], ["precision=fp8", "precision.backend=te"]):
+        with pytest.raises(ConfigError, match="precision.bf16_weights=true applies to the native fp8/mx recipes"):
+            validate_run(compose_config(*bad, "precision.bf16_weights=true"))
