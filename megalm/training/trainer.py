@@ -151,7 +151,6 @@ class Trainer:
     def save(self) -> Path:
         """A checkpoint of this step; refused (one line) when any weight or optimizer state is not finite."""
         self.finish_save()  # published before anything can fail
-        current_weights(self.optimizer)
         check_finite_state(self.model, self.optimizer, self.step, self.device, self.mesh.is_distributed)
         state = {"consumed_tokens": self.consumed_tokens, "tokenizer": getattr(self.data.tokenizer, "spec", None),
                  **self._data_order()}
@@ -160,8 +159,8 @@ class Trainer:
         return self.checkpointer.save(self.step, self.model, self.optimizer, state, self.config_dict)
 
     def finish_save(self) -> None:
-        """Publish the save in flight, if any (`trainer.async_save`): every rank at the same point (before a
-        save, at the end)."""
+        """Publish the save in flight, finish ZeRO-1's overlapped gather: every rank, before a save and at the end."""
+        current_weights(self.optimizer)
         self.checkpointer.finish()
 
     # ------------------------------------------------------------------ one step
@@ -273,7 +272,6 @@ class Trainer:
                         self.preemption.log_stop(self.step, last_saved)
                         break
                 self.finish_save()
-                current_weights(self.optimizer)  # the model the caller gets back holds the last step's weights
             except NonFiniteError:  # decided on all-reduced values: every rank is here, the publish is safe
                 self.finish_save()
                 raise
