@@ -39,6 +39,7 @@ from torch.optim.adamw import adamw
 from torch.utils.hooks import RemovableHandle
 
 from megalm.model import TransformerBlock
+from megalm.model.naming import model_chunks
 from megalm.parallel.collectives import all_gather_flat
 from megalm.parallel.data_parallel.reducer import GradReducer
 from megalm.parallel.norms import NormShare
@@ -238,20 +239,25 @@ class BucketAdamW:
                                  [full[offset:offset + p.numel()] for p, offset in zip(bucket.params, bucket.offsets,
                                                                                         strict=True)])
 
-    def overlap_param_gather_with(self, modules: Iterable[nn.Module]) -> int:
+    def overlap_param_gather_with(self, owners: Iterable[tuple[nn.Module, list[nn.Parameter]]]) -> int:
         """Leave ZeRO-1's parameter all-gathers in flight when `step()` returns, so that they run while the next
         forward begins (Megatron's `overlap_param_gather`): each bucket is waited for in the forward pre-hook of
-        the first of `modules` (`forward_owners`) that holds one of its parameters. Returns how many modules got
-        a hook; 0 without ZeRO-1, where there is no all-gather."""
+        the first module of `owners` ((module, the parameters its forward reads first): `forward_owners`) that
+        reads one of its parameters. Every bucket must be some owner's, or it would be read stale. Returns how
+        many modules got a hook; 0 without ZeRO-1, where there is no all-gather."""
         if not self.reducer.zero1 or self.world == 1:
             return 0
         bucket_of = {id(p): i for i, b in enumerate(self.reducer.buckets) for p in b.params}
-        hooked = 0
-        for module in modules:
-            needs = sorted({bucket_of[id(p)] for p in module.parameters() if id(p) in bucket_of})
+        hooked, covered = 0, set()
+        for module, params in owners:
+            needs = sorted({bucket_of[id(p)] for p in params if id(p) in bucket_of})
             if needs:
                 module.register_forward_pre_hook(lambda _module, _args, needs=needs: self.finish_param_gather(needs))
                 hooked += 1
+                covered.update(needs)
+        if covered != set(range(len(self.reducer.buckets))):
+            raise ValueError(f"buckets {sorted(set(range(len(self.reducer.buckets))) - covered)} hold no parameter "
+                             "of the modules given: their gathers would never be waited for in a forward")
         self.overlaps_param_gather = True
         return hooked
 
@@ -381,10 +387,15 @@ class BucketAdamW:
         self.step_count = max(steps)
 
 
-def forward_owners(model: nn.Module) -> list[nn.Module]:
-    """The modules whose forward pre-hooks stand before every read of the parameters in a forward: each
-    TransformerBlock (its hooks stay outside a compiled block's graph), and each other module holding parameters
-    itself (embedding, final norm, output head). What `BucketAdamW.overlap_param_gather_with` hooks."""
-    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
-    inside = {id(p) for block in blocks for p in block.parameters()}
-    return blocks + [m for m in model.modules() if any(id(p) not in inside for p in m.parameters(recurse=False))]
+def forward_owners(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Where a forward first reads each parameter, as (module, parameters) for `overlap_param_gather_with`: each
+    TransformerBlock its own (its hooks stay outside a compiled block's graph), and each model chunk's root all the
+    others (embedding, final norm, output head: a pipeline's last stage reads a tied embedding's weight in its head
+    without running the embedding's forward)."""
+    owners = []
+    for chunk in model_chunks(model):
+        blocks = [m for m in chunk.modules() if isinstance(m, TransformerBlock)]
+        inside = {id(p) for block in blocks for p in block.parameters()}
+        owners += [(chunk, [p for p in chunk.parameters() if id(p) not in inside])]
+        owners += [(block, list(block.parameters())) for block in blocks]
+    return owners
