@@ -107,3 +107,26 @@ def test_compiled_recipes_refuse_what_their_op_lacks(layout):
     with pytest.raises(ConfigError, match="trainer.compile=true runs precision=fp8 without") as error:
         validate_run(cfg, world_size=2)
     assert "\n" not in str(error.value)
+
+
+def test_rings_of_other_ranks_and_sizes_share_the_compiled_graph(monkeypatch):
+    """HDP gives each micro-batch its own ring: what varies (ranks, ring size, layout) reaches the ring op in
+    tensors, so five rings of 2 to 4 ranks compile at most twice (the second graph takes the ring's size as
+    dynamic), never once per ring. The op's communication is stubbed: only dynamo's view of the call counts."""
+    from megalm.parallel.context import ring
+    from megalm.parallel.context.attention import RingContext
+    from megalm.parallel.context.ring_kernels import accumulation_dtype
+    from megalm.parallel.context.zigzag import zigzag_layout
+    from megalm.parallel.progress import Progress
+
+    monkeypatch.setattr(ring, "_ring_forward", lambda q, k, v, *_: (
+        torch.zeros_like(q), torch.zeros(q.shape[:2], dtype=accumulation_dtype(q.dtype))))
+    torch._dynamo.reset()
+    counters.clear()
+    attend = torch.compile(lambda q, k, v, context: context.attend(q, k, v, "reference") * 2, backend="aot_eager")
+    for ranks in [(0, 1), (2, 3), (0, 1, 2), (0, 1, 2, 3), (1, 0)]:
+        layout = zigzag_layout([4, 4], len(ranks))
+        q, k, v = (torch.randn(layout.local_tokens, 2, 8) for _ in range(3))
+        attend(q, k, v, RingContext(ranks, 0, layout, progress=Progress()))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])

@@ -48,6 +48,9 @@ class RingContext:
         # made once here, outside any compiled block: the ring op reads it on the host (ring.py, "the ring as one op")
         meta = ring_meta(self.layout, self.ranks, self.index) if self.comm == "ring" else None
         object.__setattr__(self, "meta", meta)
+        # made here, not in attend: read inside a compiled block, the ranks would make dynamo guard on each of them
+        object.__setattr__(self, "note", f"CP ring attention over ranks {list(self.ranks)}")
+        object.__setattr__(self, "single_rank", len(self.ranks) == 1)
 
     @classmethod
     def for_shard(cls, batch: PackedBatch, ring: Ring, device: torch.device, comm: str = "ring",
@@ -63,10 +66,10 @@ class RingContext:
         if self.comm == "ring":
             if dropout_p > 0.0:
                 raise ValueError("ring attention has no attention dropout; set model.attention_dropout=0")
-            if len(self.ranks) == 1:
+            if self.single_rank:
                 return ring_attention(q, k, v, self.layout, self.ranks, self.index, backend=backend, scale=scale)
             if self.progress is not None:  # (a no-op inside a compiled block)
-                self.progress.note(collective=f"CP ring attention over ranks {list(self.ranks)}")
+                self.progress.note(collective=self.note)
             return ring_attend(q, k, v, self.layout, self.meta, backend, scale)
         return ulysses_attention(q, k, v, self.layout, self.ranks, self.index, self.group, backend=backend,
                                  dropout_p=dropout_p, scale=scale)
