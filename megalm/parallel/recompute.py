@@ -41,12 +41,13 @@ SAVED_OPS = {
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
 SAVED_OPS.update(compat.present_aten_ops(
-    ("_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")))
+    ("_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward", "_scaled_mm")))
 
 
 # Attention kernels registered as custom ops, saved by name: torch's varlen op, flash-attn's internals
-# (flash_attn::_flash_attn_varlen_forward ...) and Transformer Engine's.
-SAVED_OP_NAMES = ("varlen_attn", "flash_attn", "fused_attn")
+# (flash_attn::_flash_attn_varlen_forward ...) and Transformer Engine's; and an FP8/MX recipe's linear in a
+# compiled block (megalm::recipe_linear, a GEMM: megalm/precision/compiled_linear.py).
+SAVED_OP_NAMES = ("varlen_attn", "flash_attn", "fused_attn", "recipe_linear")
 
 
 # Tensor parallelism's collectives, run again in the recompute rather than kept. Every TP rank recomputes the same

@@ -19,12 +19,38 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-# The keys a call's per-tensor FP8 scales can have (linear.py's `_Call.scales`), in the order the ops pass them.
+
+@dataclass
+class Call:
+    """One forward call's state, shared by a layer's three GEMMs (linear.py): the call seed and the FP8 scales
+    computed."""
+
+    seed: int | None
+    scales: dict
+
+
+# The keys a call's per-tensor FP8 scales can have, in the order the ops pass them.
 CALL_SCALES = tuple((tensor, fmt) for tensor in ("x", "w", "dy") for fmt in ("e4m3", "e5m2"))
+
+
+def call_tensors(call: Call, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`call` as tensors: seed (CPU int64 [has one, seed]), scales [len(CALL_SCALES)] fp32 on `device` and which
+    of them exist (CPU bool, read on the host without a device sync)."""
+    seed = torch.tensor([call.seed is not None, call.seed or 0], dtype=torch.int64)
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    scales = torch.stack([call.scales[k].reshape(()).float() if k in call.scales else zero for k in CALL_SCALES])
+    return seed, scales, torch.tensor([k in call.scales for k in CALL_SCALES])
+
+
+def call_from(seed: torch.Tensor, scales: torch.Tensor, present: torch.Tensor) -> Call:
+    """The `Call` that `call_tensors` made tensors of."""
+    has_seed, value = seed.tolist()
+    return Call(value if has_seed else None, {k: scales[i] for i, k in enumerate(CALL_SCALES) if present[i]})
 
 _LAYERS: dict[int, weakref.ref] = {}
 _KEYS = itertools.count()
@@ -41,10 +67,6 @@ class CompiledRecipe(Protocol):
 
     def wgrad(self, call: Any, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
 
-    def call_tensors(self, call: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-    def call_from(self, seed: torch.Tensor, scales: torch.Tensor, present: torch.Tensor) -> Any: ...
-
 
 def layer_handle(recipe: CompiledRecipe) -> torch.Tensor:
     """The CPU tensor that names `recipe` to the ops, for as long as `recipe` lives."""
@@ -54,7 +76,12 @@ def layer_handle(recipe: CompiledRecipe) -> torch.Tensor:
 
 
 def _recipe(layer: torch.Tensor) -> CompiledRecipe:
-    return _LAYERS[int(layer)]()
+    ref = _LAYERS.get(int(layer))
+    recipe = ref() if ref is not None else None
+    if recipe is None:  # the compiled graph holds the handle, not the layer's recipe
+        raise RuntimeError(f"the precision recipe of compiled layer {int(layer)} was freed before its backward; keep "
+                           "the layer (its gemm_recipe) alive while its graph runs")
+    return recipe
 
 
 @torch.library.custom_op("megalm::recipe_linear", mutates_args=())
@@ -66,7 +93,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, layer: torch.Tensor, out_dty
     with torch.autocast(x.device.type, enabled=False):
         call = recipe.start(x)
         y = recipe.fprop(call, x, weight).float()
-    return (y, *recipe.call_tensors(call, x.device))
+    return (y, *call_tensors(call, x.device))
 
 
 @_forward.register_fake
@@ -81,7 +108,7 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, layer: to
               scales: torch.Tensor, present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx in x's dtype, dW in the weight's) with the call state the forward handed over."""
     recipe = _recipe(layer)
-    call = recipe.call_from(seed, scales, present)
+    call = call_from(seed, scales, present)
     with torch.autocast(x.device.type, enabled=False):
         return recipe.dgrad(call, dy, weight).to(x.dtype), recipe.wgrad(call, dy, x).to(weight.dtype)
 

@@ -117,7 +117,7 @@ from torch import nn
 from megalm.model.linear import LinearHooks, linear, linear_modules
 from megalm.model.naming import canonical_named_modules, model_chunks
 from megalm.precision import compiled_linear, fp8
-from megalm.precision.compiled_linear import CALL_SCALES
+from megalm.precision.compiled_linear import Call
 from megalm.precision.gemm import (  # noqa: F401 (gemm, mm_bf16 ... are this module's API too)
     Fp8Operand,
     GemmSpec,
@@ -313,14 +313,6 @@ def _fp8_tensor_scale(
 # ---------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Call:
-    """One forward call's state, shared by its three GEMMs: the call seed and the FP8 scales computed."""
-
-    seed: int | None
-    scales: dict
-
-
 class RecipeGemms:
     """A recipe's three GEMMs for one layer: the `gemm_recipe` hook of megalm.model.linear.
 
@@ -337,32 +329,25 @@ class RecipeGemms:
         self.random = any(spec.random for spec in recipe.specs)
         self.handle = compiled_linear.layer_handle(self)  # names this layer to the compiled path's ops
 
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "handle"}
+
+    def __setstate__(self, state: dict) -> None:  # a copy (deepcopy, pickle) is a layer of its own: its own handle
+        self.__dict__.update(state)
+        self.handle = compiled_linear.layer_handle(self)
+
     def compiled_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         out_dtype: torch.dtype) -> torch.Tensor:
         """The layer as one opaque op pair, what `linear` runs inside a compiled block (compiled_linear.py)."""
         return compiled_linear.recipe_linear(self.handle, x, weight, bias, out_dtype)
 
-    def call_tensors(self, call: _Call, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`call` as tensors: seed (CPU int64 [has one, seed]), scales [len(CALL_SCALES)] fp32 on `device` and
-        which of them exist (CPU bool, read on the host without a device sync)."""
-        seed = torch.tensor([call.seed is not None, call.seed or 0], dtype=torch.int64)
-        zero = torch.zeros((), dtype=torch.float32, device=device)
-        scales = torch.stack([call.scales[k].reshape(()).float() if k in call.scales else zero for k in CALL_SCALES])
-        return seed, scales, torch.tensor([k in call.scales for k in CALL_SCALES])
-
-    def call_from(self, seed: torch.Tensor, scales: torch.Tensor, present: torch.Tensor) -> _Call:
-        """The `_Call` that `call_tensors` made tensors of."""
-        has_seed, value = seed.tolist()
-        return _Call(value if has_seed else None,
-                     {k: scales[i] for i, k in enumerate(CALL_SCALES) if present[i]})
-
-    def start(self, x: torch.Tensor) -> _Call:
+    def start(self, x: torch.Tensor) -> Call:
         seed = self.seed
         if seed is None and self.random:
             seed = self.state.next_seed() if self.state is not None else int(torch.randint(2**62, ()).item())
-        return _Call(seed, {})
+        return Call(seed, {})
 
-    def _run(self, spec: GemmSpec, gemm_name: str, call: _Call, a: torch.Tensor, a_name: str, a_dim: int,
+    def _run(self, spec: GemmSpec, gemm_name: str, call: Call, a: torch.Tensor, a_name: str, a_dim: int,
              b: torch.Tensor, b_name: str, b_dim: int) -> torch.Tensor:
         a_scale = _fp8_tensor_scale(spec, a_name, a, spec.a_format, self.state, call.scales)
         b_fp8 = b_scale = None
@@ -385,13 +370,13 @@ class RecipeGemms:
             return p
         return w
 
-    def fprop(self, call: _Call, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def fprop(self, call: Call, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._run(self.recipe.fprop, "fprop", call, x, "x", 1, weight, "w", 1)
 
-    def dgrad(self, call: _Call, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def dgrad(self, call: Call, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._run(self.recipe.dgrad, "dgrad", call, dy, "dy", 1, weight, "w", 0)
 
-    def wgrad(self, call: _Call, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def wgrad(self, call: Call, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self._run(self.recipe.wgrad, "wgrad", call, dy, "dy", 0, x, "x", 0)
 
 

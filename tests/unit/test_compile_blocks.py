@@ -130,3 +130,22 @@ def test_rings_of_other_ranks_and_sizes_share_the_compiled_graph(monkeypatch):
         attend(q, k, v, RingContext(ranks, 0, layout, progress=Progress()))
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+
+def test_selective_recompute_keeps_the_compiled_recipe_gemms(tmp_path, monkeypatch):
+    """Selective recompute saves GEMM outputs; in a compiled block an FP8 recipe's linear is one opaque op, which it
+    must save as a GEMM too: each linear runs once per micro-batch, not again in the backward."""
+    from megalm.model.linear import linear_modules
+    from megalm.precision import linear
+
+    calls = []
+    start = linear.RecipeGemms.start
+    monkeypatch.setattr(linear.RecipeGemms, "start", lambda self, x: calls.append(1) or start(self, x))
+    trainer = compiled_trainer(tmp_path, "aot_eager", "precision=fp8", "parallel.recompute=selective",
+                               "trainer.global_batch_size=2", "trainer.micro_batch_size=1")
+    trainer.train_step(0)  # compiles
+    calls.clear()
+    trainer.train_step(1)
+    recipe_layers = [m for m in linear_modules(trainer.model) if m.gemm_recipe is not None]
+    assert len(calls) == 2 * len(recipe_layers), (len(calls), len(recipe_layers))
+    assert not counters["graph_break"], dict(counters["graph_break"])

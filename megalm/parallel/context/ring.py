@@ -158,7 +158,8 @@ def _ring_backward(dout, q, k, v, out, lse, layout: ZigzagLayout, ranks: tuple[i
     if n > 1:
         _wait(dkv_works)
         dkv = dkv_in
-    return dq.to(q.dtype), dkv[0].to(k.dtype).clone(), dkv[1].to(v.dtype).clone()
+    # outputs of one op must not alias each other: dK and dV are copies (of their dtype), not views of one tensor
+    return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
 
 
 # ------------------------------------------------------------------------------------- the ring as one op
@@ -213,6 +214,7 @@ def _(dout, q, k, v, out, lse, layout, meta, backend, scale):
 
 def _save_for_ring_backward(ctx, inputs, output) -> None:
     q, k, v, layout, meta, ctx.backend, ctx.scale = inputs
+    ctx.mark_non_differentiable(output[1])  # lse: the backward's input, not a result anyone differentiates
     ctx.save_for_backward(q, k, v, *output, meta, *layout)
 
 
