@@ -149,3 +149,16 @@ def test_selective_recompute_keeps_the_compiled_recipe_gemms(tmp_path, monkeypat
     recipe_layers = [m for m in linear_modules(trainer.model) if m.gemm_recipe is not None]
     assert len(calls) == 2 * len(recipe_layers), (len(calls), len(recipe_layers))
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+def test_the_whole_model_is_one_graph(tmp_path, precision):
+    """On documents of equal length the whole model's forward, embedding to logits, compiles to one graph
+    (fullgraph=True raises at the first break), and stays one over three steps."""
+    torch._dynamo.reset()
+    counters.clear()
+    trainer = Trainer(compose_config(*EQUAL_DOCS, f"precision={precision}"), tmp_path)
+    trainer.model.forward = torch.compile(trainer.model.forward, backend="eager", fullgraph=True)
+    for step in range(3):
+        trainer.train_step(step)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
