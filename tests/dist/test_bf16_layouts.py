@@ -99,6 +99,8 @@ def test_bf16_zero1_equals_plain_dp_bit_for_bit(tmp_path):
     run_distributed(check_zero1_is_plain_dp, 2, str(tmp_path), timeout=240)
 
 
+@pytest.mark.slow  # about 27 s: the default suite keeps the fp32 test_resume_under_tp_dp_zero1_is_bit_exact and
+# test_bf16_main_weights.py's one-process bf16 resume (sync and async)
 def test_bf16_resume_under_tp2_dp2_zero1_is_bit_exact(tmp_path):
     layout = [*BF16, "parallel.tp=2", "parallel.dp=2", "parallel.zero1=true", "trainer.max_steps=4"]
     assert_resume_is_bit_exact(tmp_path, 4, layout, stop_at=2, timeout=240)

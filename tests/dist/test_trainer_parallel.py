@@ -57,7 +57,13 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# about 27 s: the default suite keeps tp2_sp's compile without breaks (test_compile_layouts.py) and compiled training
+# against eager in one process and over the CP ring (test_compile_blocks.py, test_compile_layouts.py)
+SLOW_LAYOUTS = {"tp2_sp_compiled"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n
+                                  for n in LAYOUTS])
 def test_layout_matches_single_process(tmp_path, name):
     world, overrides, grads = LAYOUTS[name]
     run_distributed(check_layout, world, overrides, str(tmp_path), grads, timeout=240)
