@@ -30,6 +30,7 @@ def assert_torchrun_matches_single_process(tmp_path: Path, common: list[str], pa
         assert abs(x - y) <= 1e-5 * abs(y), (b, a)
 
 
+@pytest.mark.slow  # about 19 s: the default suite keeps the torchrun HDP run (4 ranks) and its shared run dir
 def test_torchrun_tp2_dp2_matches_single_process(tmp_path):
     common = [*TINY, "trainer.max_steps=4", "precision=fp32", "trainer.micro_batch_size=2"]
     assert_torchrun_matches_single_process(tmp_path, common, ["parallel.tp=2", "parallel.dp=2",
@@ -61,3 +62,5 @@ def test_torchrun_hdp_matches_single_process(tmp_path):
               "trainer.tokens_per_step=300"]
     assert_torchrun_matches_single_process(tmp_path, common, ["parallel.hdp=true", "parallel.dp=2", "parallel.cp=2",
                                                               "parallel.hdp_capacity=16"])
+    assert not any(p.name != "multi" and p.name != "single" for p in tmp_path.iterdir() if p.is_dir()), \
+        "all ranks must share rank 0's run dir"
