@@ -81,31 +81,30 @@ class InductorCosts:
         with _inductor_metrics_logged(), torch._inductor.config.patch(fx_graph_cache=False):  # a cache hit skips
             # the scheduler, and with it the kernels counted here
             compile_fx_inner(gm, example_inputs, **kwargs)  # lowering, fusion, code generation; never run
-        generated, extern = [], Counter()  # generated: (name, category, bytes) of the kernels counted from here
+        generated: list[float] = []  # bytes of each kernel inductor generates
+        fallbacks: list[tuple[str, str, float]] = []  # (aten op, category, bytes) of the other kernels it calls
+        extern = Counter()  # the GEMM/attention/collective kernels it calls, which the replay traces
         for node, _ in metrics.nodes_num_elem[first:]:
             if isinstance(node, NopKernelSchedulerNode) or type(getattr(node, "node", None)).__name__ == "MultiOutput":
                 continue
             nbytes = float(node.get_read_write_buffers_sizes())
             if not isinstance(node, ExternKernelSchedulerNode):
-                generated.append(("inductor_generated", "elementwise/other", nbytes))
-                continue
-            name = _extern_name(node)
-            if category(name) in REPLAYED:
+                generated.append(nbytes)
+            elif category(name := _extern_name(node)) in REPLAYED:
                 extern[name] += 1
-            elif not getattr(getattr(node.node, "op_overload", None), "is_view", False):  # a fallback kernel
-                generated.append((name, category(name), nbytes))
-        graph = {"generated_kernels": sum(name == "inductor_generated" for name, _, _ in generated),
-                 "generated_bytes": sum(nbytes for name, _, nbytes in generated if name == "inductor_generated"),
-                 "fallback_kernels": dict(Counter(name for name, _, _ in generated if name != "inductor_generated")),
-                 "extern": dict(extern)}
+            elif not getattr(getattr(node.node, "op_overload", None), "is_view", False):  # a view launches nothing
+                fallbacks.append((name, category(name), nbytes))
+        graph = {"generated_kernels": len(generated), "generated_bytes": sum(generated),
+                 "fallback_kernels": dict(Counter(name for name, _, _ in fallbacks)), "extern": dict(extern)}
         self.graphs.append(graph)
+        kernels = [("inductor_generated", "elementwise/other", nbytes) for nbytes in generated] + fallbacks
 
         def run(args: list) -> Any:
             costs = next((m for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, OpCosts)), None)
             if costs is None:
                 return gm(*args)
-            for name, cat, nbytes in generated:
-                costs.add_kernel(name, 0.0, nbytes, category=cat)
+            for name, cat, nbytes in kernels:
+                costs.add_kernel(name, nbytes, cat)
             before = costs.total().kernels
             with costs.recording_only(set(extern)):
                 out = gm(*args)

@@ -151,9 +151,9 @@ class OpCosts(TorchDispatchMode):
         finally:
             self._only = previous
 
-    def add_kernel(self, name: str, flops: float, nbytes: float, category: str) -> None:
-        """One kernel that was not dispatched here (a compiler's generated one), at the bf16 tensor-core peak."""
-        self._add(name, flops, nbytes, self.gpu.bf16_tflops * 1e12, category)
+    def add_kernel(self, name: str, nbytes: float, category: str) -> None:
+        """One memory-bound kernel that was not dispatched here (a compiler's generated one, or its fallback)."""
+        self._add(name, 0.0, nbytes, self.gpu.bf16_tflops * 1e12, category)
 
     def _add(self, name: str, flops: float, nbytes: float, peak: float, cat: str | None = None) -> None:
         ms = max(flops / peak, nbytes / (self.gpu.hbm_tbytes_per_s * 1e12)) * 1e3
@@ -179,6 +179,5 @@ class OpCosts(TorchDispatchMode):
                 "roofline_ms": total.ms,
                 "by_category": {name: {"kernels": c.kernels, "gbytes": c.bytes / 1e9, "tflop": c.flops / 1e12,
                                        "ms": c.ms}
-                                for name in CATEGORIES
-                                if (c := self.by_category.get(name, CategoryCost() if name in REPORTED else None))
-                                is not None}}
+                                for name in CATEGORIES if name in REPORTED or name in self.by_category
+                                for c in [self.by_category.get(name, CategoryCost())]}}

@@ -192,7 +192,7 @@ def validate_precision(cfg: MegalmConfig) -> None:
         raise ConfigError("precision.backend=te does not combine with parallel.recompute yet (the recomputed "
                           "forward would run outside TE's fp8_autocast); use parallel.recompute=none or "
                           "precision.backend=native")
-    if cfg.trainer.compile and p.name not in ("fp32", "bf16", "bf16_autocast") and p.backend == "native":
+    if cfg.trainer.compile and p.name not in WHOLE_MODEL and p.backend == "native":
         # compiled blocks run a recipe's linears as one opaque op (compiled_linear.py), which has no input gather
         # and hands no weight gradient to a zero-bubble W: those layers would break the graph instead
         if parallel.sequence_parallel and parallel.tp > 1:

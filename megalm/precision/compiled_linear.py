@@ -52,6 +52,7 @@ def call_from(seed: torch.Tensor, scales: torch.Tensor, present: torch.Tensor) -
     has_seed, value = seed.tolist()
     return Call(value if has_seed else None, {k: scales[i] for i, k in enumerate(CALL_SCALES) if present[i]})
 
+
 _LAYERS: dict[int, weakref.ref] = {}
 _KEYS = itertools.count()
 

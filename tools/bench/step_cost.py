@@ -50,6 +50,7 @@ if str(ROOT) not in sys.path:
 
 from megalm.measure.compiled_cost import InductorCosts  # noqa: E402
 from megalm.measure.op_cost import CATEGORIES, GPUS, OpCosts  # noqa: E402
+from megalm.precision import WHOLE_MODEL  # noqa: E402
 from megalm.train import compose_config  # noqa: E402
 from megalm.training.compile import compile_blocks  # noqa: E402
 
@@ -89,8 +90,9 @@ def megalm_step(overrides: list[str], gpu: str, system: str = "megalm", compiled
     how = (f"compiled blocks: inductor, {len(inductor.graphs)} graphs, "
            f"{sum(g['generated_kernels'] for g in inductor.graphs)} generated kernels (C++ on this CPU)"
            if compiled else "eager")
-    row = {"system": system, "config": f"precision={trainer.cfg.precision.name}, {how}", "model": trainer.cfg.model,
-           **step.summary(), "optimizer": optimizer.summary()}
+    precision = str(trainer.cfg.precision.name)
+    row = {"system": system, "config": f"precision={precision}, {how}", "precision": precision,
+           "model": trainer.cfg.model, **step.summary(), "optimizer": optimizer.summary()}
     if compiled:
         row["inductor_graphs"] = inductor.graphs
     return row
@@ -204,10 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         ours = megalm_step(args.overrides, args.gpu)
         if "megalm" in systems:
             rows.append(ours)
-        recipe = ours["config"].split(",")[0].removeprefix("precision=")
-        if "megalm_compiled" in systems and recipe not in ("fp32", "bf16", "bf16_autocast"):
-            notes.append(f"megalm_compiled left out for precision={recipe}: compiled blocks run its linears as "
-                         "opaque ops (megalm/precision/compiled_linear.py), whose GEMMs this trace cannot see")
+        if "megalm_compiled" in systems and ours["precision"] not in WHOLE_MODEL:
+            notes.append(f"megalm_compiled left out for precision={ours['precision']}: compiled blocks run its linears "
+                         "as opaque ops (megalm/precision/compiled_linear.py), whose GEMMs this trace cannot see")
         elif "megalm_compiled" in systems:
             try:
                 rows.append(megalm_step(args.overrides, args.gpu, "megalm_compiled", compiled=True))
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 notes.append(f"megalm_compiled left out: torch {torch.__version__}'s dynamo cannot compile over the "
                              "trace's fake tensors (torch 2.11 and later can)")
-        if "megalm_autocast" in systems and ours["config"].startswith("precision=bf16,"):
+        if "megalm_autocast" in systems and ours["precision"] == "bf16":
             rows.append(megalm_step([*args.overrides, "precision=bf16_autocast"], args.gpu, "megalm_autocast"))
         if "hf_llama" in systems:
             rows.append(hf_llama_step(ours["model"], args.gpu))

@@ -21,7 +21,7 @@ from megalm.config import MegalmConfig, choice
 from megalm.config.choices import ContextComm
 from megalm.data.batch import PackedBatch
 from megalm.errors import ConfigError
-from megalm.parallel.context.ring import ring_attend, ring_attention, ring_meta
+from megalm.parallel.context.ring import ring_attend, ring_attention, ring_meta, ring_note
 from megalm.parallel.context.ulysses import ulysses_attention
 from megalm.parallel.context.zigzag import ZigzagLayout, layout_from_local_cu_seqlens
 from megalm.parallel.microbatch import Ring
@@ -49,7 +49,7 @@ class RingContext:
         meta = ring_meta(self.layout, self.ranks, self.index) if self.comm == "ring" else None
         object.__setattr__(self, "meta", meta)
         # made here, not in attend: read inside a compiled block, the ranks would make dynamo guard on each of them
-        object.__setattr__(self, "note", f"CP ring attention over ranks {list(self.ranks)}")
+        object.__setattr__(self, "note", ring_note(self.ranks))
         object.__setattr__(self, "single_rank", len(self.ranks) == 1)
 
     @classmethod

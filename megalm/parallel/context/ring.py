@@ -172,9 +172,14 @@ def _ring_backward(dout, q, k, v, out, lse, layout: ZigzagLayout, ranks: tuple[i
 
 
 def ring_meta(layout: ZigzagLayout, ranks: Sequence[int], rank_index: int) -> torch.Tensor:
-    """The ring's host-side description for the op, made once per micro-batch: int64 [n, max_chunk, index,
-    *ranks] on the CPU (read there without a device sync)."""
-    return torch.tensor([layout.n, layout.max_chunk, rank_index, *(int(rank) for rank in ranks)], dtype=torch.int64)
+    """The ring's host-side description for the op, made once per micro-batch: int64 [max_chunk, index, *ranks]
+    on the CPU (read there without a device sync)."""
+    return torch.tensor([layout.max_chunk, rank_index, *(int(rank) for rank in ranks)], dtype=torch.int64)
+
+
+def ring_note(ranks: Sequence[int]) -> str:
+    """What the hang record says while this rank is in the ring's op."""
+    return f"CP ring attention over ranks {list(ranks)}"
 
 
 def _layout_tensors(layout: ZigzagLayout) -> list[torch.Tensor]:
@@ -182,8 +187,8 @@ def _layout_tensors(layout: ZigzagLayout) -> list[torch.Tensor]:
 
 
 def _unpack(layout_tensors: list[torch.Tensor], meta: torch.Tensor) -> tuple[ZigzagLayout, tuple[int, ...], int]:
-    n, max_chunk, index, *ranks = meta.tolist()
-    return ZigzagLayout(n, *layout_tensors, max_chunk=max_chunk), tuple(ranks), index
+    max_chunk, index, *ranks = meta.tolist()
+    return ZigzagLayout(len(ranks), *layout_tensors, max_chunk=max_chunk), tuple(ranks), index
 
 
 @torch.library.custom_op("megalm::ring_attention", mutates_args=())
@@ -270,5 +275,5 @@ def ring_attention(
         local = select_attention_backend(backend, q.device, q.dtype)
         return varlen_attention(q, k, v, layout.local_cu_seqlens, layout.local_max_seqlen, local, scale=scale)
     if progress is not None:
-        progress.note(collective=f"CP ring attention over ranks {list(ranks)}")
+        progress.note(collective=ring_note(ranks))
     return ring_attend(q, k, v, layout, ring_meta(layout, ranks, rank_index), backend, scale)

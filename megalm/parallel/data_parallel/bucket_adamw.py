@@ -255,9 +255,9 @@ class BucketAdamW:
                 module.register_forward_pre_hook(lambda _module, _args, needs=needs: self.finish_param_gather(needs))
                 hooked += 1
                 covered.update(needs)
-        if covered != set(range(len(self.reducer.buckets))):
-            raise ValueError(f"buckets {sorted(set(range(len(self.reducer.buckets))) - covered)} hold no parameter "
-                             "of the modules given: their gathers would never be waited for in a forward")
+        if missing := sorted(set(range(len(self.reducer.buckets))) - covered):
+            raise ValueError(f"buckets {missing} hold no parameter of the modules given: their gathers would never be "
+                             "waited for in a forward")
         self.overlaps_param_gather = True
         return hooked
 
