@@ -33,18 +33,20 @@ from torch import nn
 
 
 class GemmRecipe(Protocol):
-    """How a layer's three GEMMs compute (2-D operands, results in fp32 or the compute dtype).
+    """How a layer's three GEMMs compute (2-D operands). Each GEMM is asked for the dtype the layer needs (the
+    output's, the input gradient's, the weight gradient's) so that it can write it directly; a recipe may return
+    another dtype (the compute dtype), which the layer then casts.
 
     `start(x)` is called once per forward and returns the call's state (random seeds, cached scales),
     which the backward's GEMMs receive too, whenever they run."""
 
     def start(self, x: torch.Tensor) -> Any: ...
 
-    def fprop(self, call: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+    def fprop(self, call: Any, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor: ...
 
-    def dgrad(self, call: Any, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+    def dgrad(self, call: Any, dy: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor: ...
 
-    def wgrad(self, call: Any, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
+    def wgrad(self, call: Any, dy: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor: ...
 
 
 class WeightGradSink(Protocol):
@@ -70,13 +72,15 @@ class PlainGemms:
         device = x.device.type
         return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
-    def fprop(self, dtype: torch.dtype, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def fprop(self, dtype: torch.dtype, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
+              ) -> torch.Tensor:
         return F.linear(x.to(dtype), weight.to(dtype))
 
-    def dgrad(self, dtype: torch.dtype, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def dgrad(self, dtype: torch.dtype, dy: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
+              ) -> torch.Tensor:
         return dy.matmul(weight.to(dy.dtype))
 
-    def wgrad(self, dtype: torch.dtype, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def wgrad(self, dtype: torch.dtype, dy: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         return dy.t().matmul(x.to(dy.dtype))
 
 
@@ -113,7 +117,7 @@ class _Linear(torch.autograd.Function):
         call = recipe.start(whole)
         x2 = whole.reshape(-1, whole.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
-            y = recipe.fprop(call, x2, weight)
+            y = recipe.fprop(call, x2, weight, out_dtype if bias is None else torch.float32)  # bias added in fp32
             if bias is not None:
                 y = y + bias.to(y.dtype)
         ctx.save_for_backward(x, weight)  # the shard only, under sequence parallelism
@@ -130,13 +134,13 @@ class _Linear(torch.autograd.Function):
         dx = dw = db = None
         with torch.autocast(x.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
-                dx = recipe.dgrad(call, dy2, weight).reshape(whole.shape).to(x.dtype)
+                dx = recipe.dgrad(call, dy2, weight, x.dtype).reshape(whole.shape).to(x.dtype)
                 dx = dx if gather is None else gather.scatter(dx)
             if ctx.sink is not None:
                 param = ctx.param[0]
-                ctx.sink.stash(param, lambda: recipe.wgrad(call, dy2, x2).to(param.dtype))
+                ctx.sink.stash(param, lambda: recipe.wgrad(call, dy2, x2, param.dtype).to(param.dtype))
             elif ctx.needs_input_grad[1]:
-                dw = recipe.wgrad(call, dy2, x2).to(weight.dtype)
+                dw = recipe.wgrad(call, dy2, x2, weight.dtype).to(weight.dtype)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 db = dy2.float().sum(dim=0).to(ctx.bias_dtype)
         return dx, dw, db, None, None, None, None, None

@@ -62,11 +62,11 @@ class CompiledRecipe(Protocol):
 
     def start(self, x: torch.Tensor) -> Any: ...
 
-    def fprop(self, call: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+    def fprop(self, call: Any, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor: ...
 
-    def dgrad(self, call: Any, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+    def dgrad(self, call: Any, dy: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor: ...
 
-    def wgrad(self, call: Any, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
+    def wgrad(self, call: Any, dy: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor: ...
 
 
 def layer_handle(recipe: CompiledRecipe) -> torch.Tensor:
@@ -86,20 +86,20 @@ def _recipe(layer: torch.Tensor) -> CompiledRecipe:
 
 
 @torch.library.custom_op("megalm::recipe_linear", mutates_args=())
-def _forward(x: torch.Tensor, weight: torch.Tensor, layer: torch.Tensor, out_dtype: torch.dtype
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y [T, out] fp32, and the call's seed, scales and which scales exist) of x [T, in] and weight [out, in];
-    `out_dtype`, what the layer returns, is the dtype its backward's dy arrives in on the eager path."""
+def _forward(x: torch.Tensor, weight: torch.Tensor, layer: torch.Tensor, out_dtype: torch.dtype,
+             y_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y [T, out] in `y_dtype`, and the call's seed, scales and which scales exist) of x [T, in] and weight
+    [out, in]; `out_dtype`, what the layer returns, is the dtype its backward's dy arrives in on the eager path."""
     recipe = _recipe(layer)
     with torch.autocast(x.device.type, enabled=False):
         call = recipe.start(x)
-        y = recipe.fprop(call, x, weight).float()
+        y = recipe.fprop(call, x, weight, y_dtype).to(y_dtype)
     return (y, *call_tensors(call, x.device))
 
 
 @_forward.register_fake
-def _(x, weight, layer, out_dtype):
-    return (x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32),
+def _(x, weight, layer, out_dtype, y_dtype):
+    return (x.new_empty((x.shape[0], weight.shape[0]), dtype=y_dtype),
             torch.empty(2, dtype=torch.int64), x.new_empty(len(CALL_SCALES), dtype=torch.float32),
             torch.empty(len(CALL_SCALES), dtype=torch.bool))
 
@@ -111,7 +111,8 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, layer: to
     recipe = _recipe(layer)
     call = call_from(seed, scales, present)
     with torch.autocast(x.device.type, enabled=False):
-        return recipe.dgrad(call, dy, weight).to(x.dtype), recipe.wgrad(call, dy, x).to(weight.dtype)
+        return (recipe.dgrad(call, dy, weight, x.dtype).to(x.dtype),
+                recipe.wgrad(call, dy, x, weight.dtype).to(weight.dtype))
 
 
 @_backward.register_fake
@@ -120,7 +121,7 @@ def _(dy, x, weight, layer, seed, scales, present):
 
 
 def _save(ctx, inputs, output) -> None:
-    x, weight, layer, ctx.out_dtype = inputs
+    x, weight, layer, ctx.out_dtype, _ = inputs
     _, seed, scales, present = output
     ctx.mark_non_differentiable(seed, scales, present)
     ctx.save_for_backward(x, weight, layer, seed, scales, present)
@@ -128,7 +129,7 @@ def _save(ctx, inputs, output) -> None:
 
 def _grads(ctx, dy, *_):
     dx, dw = _backward(dy.to(ctx.out_dtype), *ctx.saved_tensors)  # as the eager path gets it: exact (dy is the
-    return dx, dw, None, None  # upcast of the out_dtype gradient `.to(out_dtype)` passes back)
+    return dx, dw, None, None, None  # upcast of the out_dtype gradient `.to(out_dtype)` passes back)
 
 
 _forward.register_autograd(_grads, setup_context=_save)
@@ -138,7 +139,8 @@ def recipe_linear(layer: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bi
                   out_dtype: torch.dtype) -> torch.Tensor:
     """linear.py's `linear` for the layer `layer` names, as one op: x [..., in] -> [..., out] in `out_dtype`,
     the bias added in fp32 as the eager path adds it."""
-    y = _forward(x.reshape(-1, x.shape[-1]), weight, layer, out_dtype)[0]
+    y_dtype = out_dtype if bias is None else torch.float32
+    y = _forward(x.reshape(-1, x.shape[-1]), weight, layer, out_dtype, y_dtype)[0]
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)

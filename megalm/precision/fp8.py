@@ -17,8 +17,11 @@ for gradients. Where amax comes from:
     rowwise  one scale per row of an operand along the GEMM's reduction dim K (DeepSeek-V3 style
              fine-grained scaling, coarser): outliers only hurt their own row.
 
-`quantize(x, dtype, scale)` casts (on CUDA in one fused kernel straight from bf16, never through an fp32
-copy), and `scaled_mm(qa, qb, ...)` multiplies the FP8 operands. On a CUDA GPU of compute capability 8.9+
+`quantize(x, dtype, scale)` casts (on CUDA in one compiled kernel straight from bf16, never through an fp32
+copy); `quantize_current` computes the amax, the scale and the cast in one compiled function, and
+`quantize_delayed` returns the amax the history needs from the cast's own pass (TE's cast + amax);
+`scaled_mm(qa, qb, ..., out_dtype)` multiplies the FP8 operands and writes the output dtype directly (bf16
+activations need no fp32 round trip). On a CUDA GPU of compute capability 8.9+
 (Ada, Hopper, Blackwell) with dimensions that are multiples of 16 it calls torch._scaled_mm; everywhere
 else it emulates: dequantize (exact) and an fp32 matmul. The two differ only in summation order; the FP8
 values are the same, since torch's cast to float8 rounds like the hardware's.
@@ -29,6 +32,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -60,18 +64,43 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> 
     return torch.where((amax > 0) & torch.isfinite(amax), scale, torch.ones_like(scale))
 
 
+def amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """max |x| in fp32: of the whole tensor (0-dim), or along `dim` (kept as size 1). One reduction reading x,
+    with no |x| copy in memory (`x.abs().amax()` writes one in eager); NaN propagates as in `amax`."""
+    x = x.detach()
+    if dim is None:
+        return torch.linalg.vector_norm(x, float("inf")).float()
+    return torch.linalg.vector_norm(x, float("inf"), dim=dim, keepdim=True).float()
+
+
 def tensor_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Current per-tensor scale of x (a 0-dim fp32 tensor)."""
-    return scale_from_amax(x.detach().abs().amax(), dtype)
+    return scale_from_amax(amax(x), dtype)
 
 
 def rowwise_scale(x: torch.Tensor, dtype: torch.dtype, dim: int = -1) -> torch.Tensor:
     """One scale per row of x along `dim` (the GEMM's K), with `dim` kept as size 1 for broadcasting."""
-    return scale_from_amax(x.detach().abs().amax(dim=dim, keepdim=True), dtype)
+    return scale_from_amax(amax(x, dim), dtype)
 
 
 def _quantize_math(x: torch.Tensor, scale: torch.Tensor, limit: float, dtype: torch.dtype) -> torch.Tensor:
     return (x.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+def _quantize_delayed_math(x: torch.Tensor, scale: torch.Tensor, limit: float, dtype: torch.dtype
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_math(x, scale, limit, dtype), amax(x)
+
+
+def _quantize_current_math(x: torch.Tensor, scale_shape: torch.Tensor, limit: float, dtype: torch.dtype
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Current scaling of a 2-D x: one amax (`scale_shape` has one element) or one per row along the dim where the
+    [M, 1] or [1, N] `scale_shape` has size 1 (a placeholder: only its shape is read)."""
+    if scale_shape.numel() == 1:
+        scale = scale_from_amax(amax(x), dtype)
+    else:
+        scale = scale_from_amax(amax(x, 1 if scale_shape.shape[-1] == 1 else 0), dtype)
+    return _quantize_math(x, scale, limit, dtype), scale
 
 
 def _scale_layout(scale: torch.Tensor) -> str:
@@ -81,43 +110,84 @@ def _scale_layout(scale: torch.Tensor) -> str:
     return "row" if scale.shape[-1] == 1 else "column"
 
 
-@functools.cache
-def _quantize_fused(x_dtype: torch.dtype, dtype: torch.dtype, layout: str) -> Callable[..., torch.Tensor]:
-    """`_quantize_math` compiled by torch.compile for one variant (x dtype, FP8 dtype, scale layout), with
-    dynamic shapes: one kernel that reads x in its own dtype (bf16 activations and gradients), multiplies and
-    clamps in fp32 registers and writes FP8, where eager PyTorch would write an fp32 copy of x first. It computes
-    the same values bit for bit (tests/unit/test_precision_weight_cache.py compiles it on CPU and compares).
+_MATH = {"cast": _quantize_math, "delayed": _quantize_delayed_math, "current": _quantize_current_math}
 
-    Each variant compiles a copy of `_quantize_math` with a code object of its own: dynamo counts a function's
-    graphs per code object and, past its recompile limit (8), fails a fullgraph compile. Up to 3 x 2 x 3 = 18
-    variants would pass it if they shared one; one graph per code object keeps every variant compiled without
-    raising that process-wide limit (tests/unit/test_compile_recompiles.py runs it over a training run's
-    shapes and bounds the count)."""
-    name = f"_quantize_{str(x_dtype).removeprefix('torch.')}_to_{str(dtype).removeprefix('torch.')}_{layout}"
-    code = _quantize_math.__code__.replace(co_name=name)
-    variant = types.FunctionType(code, _quantize_math.__globals__, name)
+
+@functools.cache
+def _quantize_fused(kind: str, x_dtype: torch.dtype, dtype: torch.dtype, layout: str) -> Callable[..., Any]:
+    """The math of `kind` (cast with a given scale; cast returning x's amax; amax, scale and cast) compiled by
+    torch.compile for one variant (x dtype, FP8 dtype, scale layout), with dynamic shapes: kernels that read x in
+    its own dtype (bf16 activations and gradients), compute in fp32 registers and write FP8, where eager PyTorch
+    would write an fp32 copy of x first (and `abs()` another). They compute the same values bit for bit
+    (tests/unit/test_precision_weight_cache.py compiles them on CPU and compares).
+
+    Each variant compiles a copy of its math with a code object of its own: dynamo counts a function's graphs per
+    code object and, past its recompile limit (8), fails a fullgraph compile. Up to (3 + 1 + 3) x 3 x 2 = 42
+    variants (layouts of cast, delayed and current x x dtypes x FP8 dtypes) would pass it if they shared one; one
+    graph per code object keeps every variant compiled without raising that process-wide limit
+    (tests/unit/test_compile_recompiles.py runs it over a training run's shapes and bounds the count)."""
+    math = _MATH[kind]
+    name = f"_quantize_{kind}_{str(x_dtype).removeprefix('torch.')}_to_{str(dtype).removeprefix('torch.')}_{layout}"
+    code = math.__code__.replace(co_name=name)
+    variant = types.FunctionType(code, math.__globals__, name)
     return torch.compile(variant, dynamic=True, fullgraph=True)
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
-    """x -> FP8 tensor of x * scale (in fp32), saturated to +-max, rounded to nearest even.
+def runs_fused(x: torch.Tensor) -> bool:
+    """Whether casts of x run as compiled kernels: CUDA tensors with data. Elsewhere (CPU, and fake tensors of the
+    fake-CUDA tier, which have no kernel to compile) the same math runs in eager PyTorch, the reference."""
+    return x.is_cuda and not compat.is_fake(x)
 
-    On CUDA one fused kernel straight from x's dtype (no fp32 copy of a bf16 x in memory); elsewhere eager
-    PyTorch, the reference. The fused kernel is compiled once per (x dtype, FP8 dtype, scale layout): x
-    contiguous and the scale as many dims as x (a 0-dim scale is viewed as [1, 1]) so that layouts do not
-    multiply its variants."""
-    if not x.is_cuda or compat.is_fake(x):  # fake tensors (the fake-CUDA tier): the values, no kernel to compile
-        return _quantize_math(x, scale, fp8_max(dtype), dtype)
-    return quantize_compiled(x, dtype, scale)
+
+def _as_scale_dims(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return scale.reshape([1] * x.dim()) if scale.dim() == 0 else scale
+
+
+def _run(kind: str, x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> Any:
+    """`kind`'s math on x: compiled where `runs_fused`, eager elsewhere. The compiled variant takes x contiguous
+    and detached (the cast has no gradient: dynamo guards on the type and requires_grad of its input and keeps a
+    parameter's shape static, so passing weights as Parameters would compile one graph per weight shape) and the
+    scale as many dims as x (a 0-dim scale is viewed as [1, 1]) so that layouts do not multiply its variants."""
+    if not runs_fused(x):
+        return _MATH[kind](x, scale, fp8_max(dtype), dtype)
+    return _call_fused(kind, x, dtype, scale)
+
+
+def _call_fused(kind: str, x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> Any:
+    scale = _as_scale_dims(x, scale)
+    fused = _quantize_fused(kind, x.dtype, dtype, _scale_layout(scale))
+    # no duck sizing: equal sizes met once (64 tokens of hidden 64) must not become a guard that recompiles later
+    with torch.fx.experimental._config.patch(use_duck_shape=False):
+        return fused(x.detach().contiguous(), scale.detach(), fp8_max(dtype), dtype)
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+    """x -> FP8 tensor of x * scale (in fp32), saturated to +-max, rounded to nearest even. On CUDA one compiled
+    kernel straight from x's dtype (no fp32 copy of a bf16 x in memory); elsewhere eager PyTorch, the reference."""
+    return _run("cast", x, dtype, scale)
+
+
+def quantize_delayed(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`quantize(x, dtype, scale)`, amax of x in fp32) from one compiled function on CUDA: delayed scaling casts
+    with the history's scale and pushes the amax that the cast's pass over x computed (Transformer Engine's
+    cast + amax), instead of reading x once more for it. Per-tensor scales only."""
+    return _run("delayed", x, dtype, scale)
+
+
+def quantize_current(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 x, its scale) under current scaling: one scale for the whole tensor (`dim` None, a 0-dim scale) or one
+    per row along `dim` of a 2-D x (kept as size 1). amax, scale and cast are one compiled function on CUDA (no
+    |x| copy, the scale's arithmetic folded in); the values are `quantize(x, dtype, tensor_scale(x, dtype))`'s."""
+    one = x.new_ones((), dtype=torch.float32)  # stands for the scale's shape (expanded: no memory)
+    shape = one if dim is None else one.expand([1 if d == dim % x.dim() else n for d, n in enumerate(x.shape)])
+    q, scale = _run("current", x, dtype, shape)
+    return q, scale.reshape(shape.shape)
 
 
 def quantize_compiled(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
-    """`quantize`'s CUDA path on any device: the compiled kernel, called as `quantize` calls it. x is detached
-    (the cast has no gradient): dynamo guards on the type and requires_grad of its input and keeps a parameter's
-    shape static, so passing weights as Parameters would compile one graph per weight shape."""
-    scale = scale.reshape([1] * x.dim()) if scale.dim() == 0 else scale
-    fused = _quantize_fused(x.dtype, dtype, _scale_layout(scale))
-    return fused(x.detach().contiguous(), scale.detach(), fp8_max(dtype), dtype)
+    """`quantize`'s CUDA path on any device (tests compare it with the eager cast)."""
+    return _call_fused("cast", x, dtype, scale)
 
 
 def quantize_dequantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
@@ -174,8 +244,7 @@ def gemm_path(device: torch.device) -> str:
 def _scaled_mm_available(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype,
                          rowwise: bool) -> bool:
     """Whether torch._scaled_mm can run a [M, K] @ b [K, N]: detected from the device, never assumed."""
-    capability = compat.cuda_capability(a.device)
-    if capability is None or capability < (8, 9) or not compat.scaled_mm_available():
+    if not scaled_mm_runs(a.device):
         return False
     if any(n % 16 for n in (*a.shape, b.shape[1])):
         return False
@@ -185,22 +254,36 @@ def _scaled_mm_available(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype,
 
 
 def _scaled_mm_cuda(qa: torch.Tensor, qb: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
-                    rowwise: bool) -> torch.Tensor:
-    """The hardware path: row-major qa [M, K] times column-major qb [K, N], each scaled back by its
-    inverse scale (0-dim per tensor; [M, 1] and [1, N] per row, which needs a bf16 output)."""
+                    rowwise: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """The hardware path: row-major qa [M, K] times column-major qb [K, N] (copied into that layout unless it is
+    already: a weight's cached copy is, `column_major`), each scaled back by its inverse scale (0-dim per tensor;
+    [M, 1] and [1, N] per row, which needs a bf16 output), written in `out_dtype` by the GEMM itself."""
     inv_a = a_scale.float().reciprocal().contiguous()
     inv_b = b_scale.float().reciprocal().contiguous()
-    out_dtype = torch.bfloat16 if rowwise else torch.float32
-    return torch._scaled_mm(qa.contiguous(), qb.t().contiguous().t(), scale_a=inv_a, scale_b=inv_b,
-                            out_dtype=out_dtype).float()
+    gemm_dtype = torch.bfloat16 if rowwise else out_dtype
+    out = torch._scaled_mm(qa.contiguous(), column_major(qb), scale_a=inv_a, scale_b=inv_b, out_dtype=gemm_dtype)
+    return out.to(out_dtype)
 
 
-def scaled_mm(qa: torch.Tensor, qb: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
-    """qa [M, K] @ qb [K, N] -> fp32 [M, N] for FP8 operands quantized with these scales (`quantize`):
+def column_major(q: torch.Tensor) -> torch.Tensor:
+    """q [K, N] with K contiguous, the layout torch._scaled_mm wants its second operand in (a view when it is)."""
+    return q.t().contiguous().t()
+
+
+def scaled_mm_runs(device: torch.device) -> bool:
+    """Whether FP8 GEMMs on `device` can take the hardware path (then a cached weight is kept in its layout)."""
+    capability = compat.cuda_capability(device)
+    return capability is not None and capability >= (8, 9) and compat.scaled_mm_available()
+
+
+def scaled_mm(qa: torch.Tensor, qb: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """qa [M, K] @ qb [K, N] -> [M, N] in `out_dtype` for FP8 operands quantized with these scales (`quantize`):
     0-dim tensors (per tensor), or a_scale [M, 1] and b_scale [1, N] (per row of a and per column of b,
-    i.e. one scale per K-vector). torch._scaled_mm where the device and shapes allow, else the emulation:
-    dequantize exactly and multiply in fp32 (the two differ only in summation order)."""
+    i.e. one scale per K-vector). torch._scaled_mm where the device and shapes allow, writing `out_dtype` (bf16
+    activations straight from the GEMM); else the emulation: dequantize exactly, multiply in fp32, round to
+    `out_dtype` (the two differ only in summation order)."""
     rowwise = a_scale.numel() > 1 or b_scale.numel() > 1
     if _scaled_mm_available(qa, qb, qa.dtype, qb.dtype, rowwise):
-        return _scaled_mm_cuda(qa, qb, a_scale, b_scale, rowwise)
-    return (qa.float() / a_scale) @ (qb.float() / b_scale)
+        return _scaled_mm_cuda(qa, qb, a_scale, b_scale, rowwise, out_dtype)
+    return ((qa.float() / a_scale) @ (qb.float() / b_scale)).to(out_dtype)

@@ -60,13 +60,13 @@ Fp8Operand = tuple[torch.Tensor, torch.Tensor]  # (FP8 tensor in the operand's o
 def fp8_operand(spec: GemmSpec, t: torch.Tensor, k_dim: int, fmt: str, scale: torch.Tensor | None = None
                 ) -> Fp8Operand:
     """t quantized to FP8 for a GEMM whose K is t's dim `k_dim`: per-row scales along K (spec.scaling
-    row), else the given per-tensor scale (None: t's current amax). Kept in t's layout: transposing an
-    FP8 tensor is a view, and the scale (0-dim, or size 1 along K) transposes with it."""
+    row), else the given per-tensor scale (None: t's current amax, computed with the cast). Kept in t's layout:
+    transposing an FP8 tensor is a view, and the scale (0-dim, or size 1 along K) transposes with it."""
     dtype = fp8.fp8_dtype(fmt)
     if spec.scaling == "row":
-        scale = fp8.rowwise_scale(t, dtype, dim=k_dim)
-    elif scale is None:
-        scale = fp8.tensor_scale(t, dtype)
+        return fp8.quantize_current(t, dtype, dim=k_dim)
+    if scale is None:
+        return fp8.quantize_current(t, dtype)
     return fp8.quantize(t, dtype, scale), scale
 
 
@@ -84,16 +84,18 @@ def mx_gemm_path(device: torch.device) -> str:
     return f"emulated in fp32 ({why})"
 
 
-def mm_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] @ b [K, N] for operands whose values are exact in bf16: a bf16 GEMM with fp32 accumulation
-    and fp32 output on CUDA; the same product as an fp32 matmul elsewhere (the reference)."""
+def mm_bf16(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """a [M, K] @ b [K, N] for operands whose values are exact in bf16, in `out_dtype`: on CUDA a bf16 GEMM with
+    fp32 accumulation writing it (bf16 directly, or fp32); elsewhere an fp32 matmul rounded to it (the reference)."""
+    if a.is_cuda and out_dtype == torch.bfloat16:
+        return torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16))
     if a.is_cuda and compat.mm_out_dtype_available():
-        return torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16), out_dtype=torch.float32)
-    return a.float() @ b.float()
+        return torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16), out_dtype=torch.float32).to(out_dtype)
+    return (a.float() @ b.float()).to(out_dtype)
 
 
 def _mx_gemm_triton(spec: GemmSpec, a: torch.Tensor, a_dim: int, b: torch.Tensor, b_dim: int,
-                    signs: torch.Tensor | None, seed: int) -> torch.Tensor:
+                    signs: torch.Tensor | None, seed: int, out_dtype: torch.dtype) -> torch.Tensor:
     """The fused MX GEMM: each operand, as [rows, K] (a transposed view where K is dim 0), goes through the
     Triton quantizer (RHT, E8M0 scale, rounding) to bf16 values q * 2^s (exact: the prescale of stochastic
     rounding is left in), then one bf16 GEMM; the two prescales are divided out of its output."""
@@ -104,8 +106,9 @@ def _mx_gemm_triton(spec: GemmSpec, a: torch.Tensor, a_dim: int, b: torch.Tensor
                            out_dtype=torch.bfloat16, divide_prescale=False)
         for t, k_dim, fmt, operand in ((a, a_dim, spec.a_format, "a"), (b, b_dim, spec.b_format, "b"))
     ]
-    out = mm_bf16(quantized[0], quantized[1].t())
-    return out if prescale == 1.0 else out * (1.0 / prescale**2)
+    if prescale == 1.0:
+        return mm_bf16(quantized[0], quantized[1].t(), out_dtype)
+    return (mm_bf16(quantized[0], quantized[1].t()) * (1.0 / prescale**2)).to(out_dtype)
 
 
 def gemm(
@@ -115,40 +118,43 @@ def gemm(
     b: torch.Tensor,
     b_dim: int,
     generator: torch.Generator | None = None,
-    a_scale: torch.Tensor | None = None,
-    b_scale: torch.Tensor | None = None,
     *,
     seed: int | None = None,
+    a_fp8: Fp8Operand | None = None,
     b_fp8: Fp8Operand | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """fp32 product of 2-D a and b contracted over their K dims: a's `a_dim` and b's `b_dim` (0 or 1).
+    """Product of 2-D a and b contracted over their K dims: a's `a_dim` and b's `b_dim` (0 or 1), in `out_dtype`
+    (on CUDA the GEMM writes it: bf16 activations need no fp32 copy; elsewhere the fp32 product rounded to it).
 
     Each operand is quantized along its K dim as `spec` says, with no transposed copies: blocks run
-    along whichever dim K is. a_scale / b_scale: per-tensor FP8 scales (None: computed here); b_fp8: b
-    already quantized (a weight's cached FP8 copy). MX: RHT signs from `generator`; on CUDA the fused
-    path draws its stochastic rounding from `seed` (Triton's Philox), the reference from `generator`.
+    along whichever dim K is. a_fp8 / b_fp8: an operand already quantized (the call's per-tensor scale shared by
+    two GEMMs, a weight's cached FP8 copy); else quantized here (current scaling). MX: RHT signs from
+    `generator`; on CUDA the fused path draws its stochastic rounding from `seed` (Triton's Philox), the
+    reference from `generator`.
     """
     as_a = (lambda t: t) if a_dim == 1 else (lambda t: t.t())  # -> [M, K]
     as_b = (lambda t: t) if b_dim == 0 else (lambda t: t.t())  # -> [K, N]
     if spec.kind == "fp32":
-        return as_a(a.float()) @ as_b(b.float())
+        return (as_a(a.float()) @ as_b(b.float())).to(out_dtype)
     if spec.kind == "bf16":
-        return mm_bf16(as_a(a.to(torch.bfloat16)), as_b(b.to(torch.bfloat16)))
+        return mm_bf16(as_a(a.to(torch.bfloat16)), as_b(b.to(torch.bfloat16)), out_dtype)
     if spec.kind == "fp8":
-        qa, sa = fp8_operand(spec, a, a_dim, spec.a_format, a_scale)
-        qb, sb = b_fp8 if b_fp8 is not None else fp8_operand(spec, b, b_dim, spec.b_format, b_scale)
-        return fp8.scaled_mm(as_a(qa), as_b(qb), as_a(sa) if sa.dim() else sa, as_b(sb) if sb.dim() else sb)
+        qa, sa = a_fp8 if a_fp8 is not None else fp8_operand(spec, a, a_dim, spec.a_format)
+        qb, sb = b_fp8 if b_fp8 is not None else fp8_operand(spec, b, b_dim, spec.b_format)
+        return fp8.scaled_mm(as_a(qa), as_b(qb), as_a(sa) if sa.dim() else sa, as_b(sb) if sb.dim() else sb,
+                             out_dtype)
     if spec.kind == "mx":
         signs = random_signs(spec.rht_block, generator, a.device) if spec.rht else None
         if mx_gemm_fused(a.device) and (spec.block_size, spec.rht_block) == (BLOCK_SIZE, RHT_BLOCK):
             if seed is None:  # a standalone call: one draw from the generator (a host sync; GEMMs of a layer pass it)
                 seed = int(torch.randint(2**62, (), generator=generator, device=generator.device).item()) \
                     if generator is not None else 0
-            return _mx_gemm_triton(spec, a, a_dim, b, b_dim, signs, seed)
+            return _mx_gemm_triton(spec, a, a_dim, b, b_dim, signs, seed, out_dtype)
         a, b = a.float(), b.float()  # the reference works in fp32
         if spec.rht:
             a, b = rht(a, signs, a_dim, spec.rht_block), rht(b, signs, b_dim, spec.rht_block)
         qa = mx_quantize_dequantize(a, spec.a_format, spec.block_size, a_dim, spec.rounding, spec.scaling, generator)
         qb = mx_quantize_dequantize(b, spec.b_format, spec.block_size, b_dim, spec.rounding, spec.scaling, generator)
-        return as_a(qa) @ as_b(qb)
+        return (as_a(qa) @ as_b(qb)).to(out_dtype)
     raise ValueError(f"unknown GEMM kind {spec.kind!r}; expected fp32, bf16, fp8 or mx")

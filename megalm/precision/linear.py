@@ -31,9 +31,12 @@ Recipes (`get_recipe(name)`; fprop / dgrad / wgrad):
 
 Where the GEMMs run (the log says which; Precision.note):
     CPU          the reference: round operands to the format, dequantize, fp32 matmul
-    CUDA, bf16   a bf16 GEMM with fp32 accumulation and output (`mm_bf16`)
-    CUDA, FP8    operands cast to FP8 in one fused kernel straight from bf16, then torch._scaled_mm on
-                 compute capability 8.9+ (see megalm.precision.fp8)
+    CUDA, bf16   a bf16 GEMM with fp32 accumulation, writing the dtype the layer needs (`mm_bf16`)
+    CUDA, FP8    operands cast to FP8 straight from bf16 by compiled kernels that fold in the amax (current
+                 scaling: amax, scale and cast in one function; delayed: the cast returns the amax for the
+                 history), then torch._scaled_mm on compute capability 8.9+ writing the output dtype the
+                 layer asks for: bf16 activations and input gradients, the weight's dtype for wgrad (see
+                 megalm.precision.fp8)
     CUDA, MX     the Triton quantizer (RHT, E8M0 scales, rounding in one pass; megalm.precision.kernels)
                  writes the dequantized operands in bf16, where MX values are exact (the 3/4 prescale of
                  stochastic rounding stays in them and is divided out of the output), and a bf16 GEMM
@@ -41,8 +44,21 @@ Where the GEMMs run (the log says which; Precision.note):
                  rounding with Philox draws instead of torch's generator (tests/unit/test_mx_gemm_fused.py)
 A weight's FP8 copy is made once per optimizer step and reused by every micro-batch (and by fprop and
 dgrad under per-tensor scales): `LinearState.quantized_weight`, once the trainer's optimizer is watched
-(`WeightsVersion.watch`, a hook on that optimizer alone). Bias and its gradient stay fp32. Under
-torch.autocast the output has the autocast dtype, as F.linear's.
+(`WeightsVersion.watch`, a hook on that optimizer alone). Where torch._scaled_mm runs, dgrad's copy is also
+cached column-major, the layout the GEMM takes, so no micro-batch transposes a weight. The backward saves the
+layer's input in its own dtype (bf16 under `precision.bf16_weights` or autocast). Bias and its gradient stay
+fp32 (a layer with a bias gets an fp32 GEMM output, adds the bias, then casts). Under torch.autocast the output
+has the autocast dtype, as F.linear's.
+
+Why megalm's own FP8 path and not torchao's float8 training (TorchTitan's converter: `Float8Linear`, tensorwise
+or rowwise, compile-friendly, float8 all-gather under FSDP2). megalm's recipes need what a module swap does not
+give: one GemmSpec per GEMM (E5M2 gradients, rowwise, MX with RHT and stochastic rounding), a seed stream per
+layer call that pipeline schedules and recomputation do not change, the delayed-scaling history, a weight copy
+reused by every micro-batch of a step (Float8Linear casts the weight in every forward unless FSDP2 precomputes
+it), and the zero-bubble schedule's deferred wgrad, all on the same linear layers TP and SP use. The casts are
+torch.compile kernels either way. What would tip it is speed: tools/bench/compare.py runs TorchTitan's fp8 (torchao
+tensorwise) beside megalm's fp8 at 1.3B in the same GPU run (tools/gpu_check.sh bench); if torchao is ahead
+there, its `Float8Linear` becomes the CUDA fp8 backend beside TE, as TE is now (megalm/precision/te.py).
 
 Measured error (tests/unit/test_precision_linear.py; CPU, torch 2.13): relative Frobenius error
 ||C - C_exact|| / ||C_exact|| of each GEMM against fp64, x [512, 256], W [256, 256], dy [512, 256];
@@ -276,39 +292,6 @@ class LinearState:
 
 
 # ---------------------------------------------------------------------------------------------------
-# One GEMM
-# ---------------------------------------------------------------------------------------------------
-
-
-def _fp8_tensor_scale(
-    spec: GemmSpec, tensor: str, t: torch.Tensor, fmt: str, state: LinearState | None, cache: dict
-) -> torch.Tensor | None:
-    """Per-tensor FP8 scale of `tensor` (x, w or dy), computed once per call and shared by the two
-    GEMMs that use it; delayed scaling reads the history, then pushes the current amax (once)."""
-    if spec.kind != "fp8" or spec.scaling == "row":
-        return None
-    key = (tensor, fmt)
-    if key not in cache:
-        dtype = fp8.fp8_dtype(fmt)
-        amax = t.detach().abs().amax().float()
-        if spec.scaling == "tensor":
-            cache[key] = fp8.scale_from_amax(amax, dtype)
-        elif spec.scaling == "delayed":
-            if state is None:
-                raise ValueError("delayed FP8 scaling needs a LinearState (the amax history lives there)")
-            cache[key] = state.amax[tensor].scale(amax, dtype)
-            # W's history moves once per weight update (optimizer step, training step, in-place write), not per
-            # call: so that the micro-batch count, the schedule and offload do not change it
-            token = (state.weights_version.steps, state.step, t._version) if tensor == "w" else None
-            if token is None or token != state.w_amax_token:
-                state.amax[tensor].update(amax)
-                state.w_amax_token = token if tensor == "w" else state.w_amax_token
-        else:
-            raise ValueError(f"unknown FP8 scaling {spec.scaling!r}; expected tensor, delayed or row")
-    return cache[key]
-
-
-# ---------------------------------------------------------------------------------------------------
 # The layer's GEMMs under a recipe
 # ---------------------------------------------------------------------------------------------------
 
@@ -318,8 +301,9 @@ class RecipeGemms:
 
     `start` fixes the call seed (from the layer's `LinearState`, or `seed`, or torch's generator) when
     any GEMM draws random numbers; fprop/dgrad/wgrad quantize their operands along K as the recipe's
-    GemmSpecs say and return fp32. The backward GEMMs run with the call's seed whenever they run (in B,
-    or later in a zero-bubble W), so deferring them changes no draw.
+    GemmSpecs say and return `out_dtype` (fp32 unless asked: the layer asks for the dtype it needs). The
+    backward GEMMs run with the call's seed whenever they run (in B, or later in a zero-bubble W), so deferring
+    them changes no draw.
     """
 
     def __init__(self, recipe: Recipe, state: LinearState | None = None, seed: int | None = None,
@@ -348,18 +332,59 @@ class RecipeGemms:
         return Call(seed, {})
 
     def _run(self, spec: GemmSpec, gemm_name: str, call: Call, a: torch.Tensor, a_name: str, a_dim: int,
-             b: torch.Tensor, b_name: str, b_dim: int) -> torch.Tensor:
-        a_scale = _fp8_tensor_scale(spec, a_name, a, spec.a_format, self.state, call.scales)
-        b_fp8 = b_scale = None
-        if spec.kind == "fp8" and b_name == "w" and self.state is not None:
-            fmt = spec.b_format
-            make = lambda: fp8_operand(spec, b, b_dim, fmt, _fp8_tensor_scale(spec, "w", b, fmt, self.state, {}))
-            b_fp8 = self.state.quantized_weight((fmt, b_dim if spec.scaling == "row" else None), self._owner(b), make)
-        else:
-            b_scale = _fp8_tensor_scale(spec, b_name, b, spec.b_format, self.state, call.scales)
+             b: torch.Tensor, b_name: str, b_dim: int, out_dtype: torch.dtype) -> torch.Tensor:
+        a_fp8 = b_fp8 = None
+        if spec.kind == "fp8":
+            a_fp8 = self._fp8(spec, call, a, a_name, a_dim, spec.a_format)
+            if b_name == "w" and self.state is not None:
+                b_fp8 = self._fp8_weight(spec, b, b_dim)
+            else:
+                b_fp8 = self._fp8(spec, call, b, b_name, b_dim, spec.b_format)
         generator = gemm_generator(call.seed, gemm_name, a.device) if spec.random else None
         seed = hash_seed(call.seed, gemm_name) if spec.random else None
-        return gemm(spec, a, a_dim, b, b_dim, generator, a_scale, b_scale, seed=seed, b_fp8=b_fp8)
+        return gemm(spec, a, a_dim, b, b_dim, generator, seed=seed, a_fp8=a_fp8, b_fp8=b_fp8, out_dtype=out_dtype)
+
+    def _fp8(self, spec: GemmSpec, call: Call, t: torch.Tensor, name: str, k_dim: int, fmt: str) -> Fp8Operand:
+        """Tensor `name` (x, w or dy) in FP8 for one GEMM of `call`: per-row scales along K; or the call's per-tensor
+        scale, which the first GEMM to quantize the tensor computes and the other one reuses (current: amax, scale
+        and cast in one compiled function; delayed: the history's scale, and the cast's own amax pushed to it)."""
+        dtype = fp8.fp8_dtype(fmt)
+        if spec.scaling == "row":
+            return fp8.quantize_current(t, dtype, dim=k_dim)
+        key = (name, fmt)
+        if key in call.scales:
+            return fp8.quantize(t, dtype, call.scales[key]), call.scales[key]
+        if spec.scaling == "tensor":
+            q, call.scales[key] = fp8.quantize_current(t, dtype)
+        elif spec.scaling == "delayed":
+            if self.state is None:
+                raise ValueError("delayed FP8 scaling needs a LinearState (the amax history lives there)")
+            history, state = self.state.amax[name], self.state
+            first = fp8.amax(t) if history.history is None else None  # an empty history scales by the current amax
+            call.scales[key] = history.scale(first, dtype)
+            q, amax = fp8.quantize_delayed(t, dtype, call.scales[key])
+            # W's history moves once per weight update (optimizer step, training step, in-place write), not per
+            # call: so that the micro-batch count, the schedule and offload do not change it
+            token = (state.weights_version.steps, state.step, t._version) if name == "w" else None
+            if token is None or token != state.w_amax_token:
+                history.update(amax)
+                state.w_amax_token = token if name == "w" else state.w_amax_token
+        else:
+            raise ValueError(f"unknown FP8 scaling {spec.scaling!r}; expected tensor, delayed or row")
+        return q, call.scales[key]
+
+    def _fp8_weight(self, spec: GemmSpec, w: torch.Tensor, k_dim: int) -> Fp8Operand:
+        """The weight's FP8 copy for a GEMM whose K is its dim `k_dim`, from the layer's cache (once per optimizer
+        step: `LinearState.quantized_weight`). Where torch._scaled_mm runs, dgrad's copy (K = out, dim 0) is kept
+        column-major as the GEMM takes it, so no micro-batch transposes the weight (Transformer Engine caches the
+        transpose likewise)."""
+        fmt, owner = spec.b_format, self._owner(w)
+        key = (fmt, k_dim if spec.scaling == "row" else None)
+        operand = self.state.quantized_weight(key, owner, lambda: self._fp8(spec, Call(None, {}), w, "w", k_dim, fmt))
+        if k_dim == 0 and fp8.scaled_mm_runs(w.device):
+            operand = self.state.quantized_weight((*key, "column-major"), owner,
+                                                  lambda: (fp8.column_major(operand[0]), operand[1]))
+        return operand
 
     def _owner(self, w: torch.Tensor) -> torch.Tensor:
         """The layer's parameter when `w` is it or an alias of it (the zero-bubble path passes weight.detach(),
@@ -370,14 +395,17 @@ class RecipeGemms:
             return p
         return w
 
-    def fprop(self, call: Call, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self._run(self.recipe.fprop, "fprop", call, x, "x", 1, weight, "w", 1)
+    def fprop(self, call: Call, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32
+              ) -> torch.Tensor:
+        return self._run(self.recipe.fprop, "fprop", call, x, "x", 1, weight, "w", 1, out_dtype)
 
-    def dgrad(self, call: Call, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self._run(self.recipe.dgrad, "dgrad", call, dy, "dy", 1, weight, "w", 0)
+    def dgrad(self, call: Call, dy: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32
+              ) -> torch.Tensor:
+        return self._run(self.recipe.dgrad, "dgrad", call, dy, "dy", 1, weight, "w", 0, out_dtype)
 
-    def wgrad(self, call: Call, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self._run(self.recipe.wgrad, "wgrad", call, dy, "dy", 0, x, "x", 0)
+    def wgrad(self, call: Call, dy: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype = torch.float32
+              ) -> torch.Tensor:
+        return self._run(self.recipe.wgrad, "wgrad", call, dy, "dy", 0, x, "x", 0, out_dtype)
 
 
 def low_precision_linear(

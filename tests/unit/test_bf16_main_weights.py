@@ -215,7 +215,8 @@ def test_fp8_recipe_on_bf16_weights_quantizes_bf16(tmp_path, monkeypatch):
     operands = set()
     fprop = linear.RecipeGemms.fprop
     monkeypatch.setattr(linear.RecipeGemms, "fprop",
-                        lambda self, call, x, w: operands.add((x.dtype, w.dtype)) or fprop(self, call, x, w))
+                        lambda self, call, x, w, *out: operands.add((x.dtype, w.dtype))
+                        or fprop(self, call, x, w, *out))
     for bf16_weights, expected in ((True, {(torch.bfloat16, torch.bfloat16)}), (False, None)):
         operands.clear()
         trainer = Trainer(compose_config("precision=fp8", f"precision.bf16_weights={bf16_weights}", *MICRO),

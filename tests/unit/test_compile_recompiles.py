@@ -1,13 +1,15 @@
 """No silent recompiles: every torch.compile in megalm, run over the shapes a training run produces.
 
 dynamo recompiles a function for each new guard failure and, past its recompile limit, silently runs it eager
-from then on. megalm compiles one function, FP8's fused cast (`fp8._quantize_fused`, CUDA only in training); it
-is compiled with dynamic shapes, so the token count of a micro-batch and the weights' shapes must not add graphs:
-only its variants do (x dtype x FP8 dtype x scale layout, at most 3 x 2 x 3 = 18), each compiled once, as a code
-object of its own, so that dynamo's recompile limit (8 graphs per code object) is never reached and never raised.
-Here the CPU runs the same compiled function (inductor's C++ backend) in place of the eager cast, through a tiny
-GPT's forward and backward under each FP8 recipe, over micro-batches of several token counts. It runs in a
-process of its own: inductor imports triton, after which the Triton interpreter of the MX kernel tests fails.
+from then on. megalm compiles FP8's fused casts (`fp8._quantize_fused`, CUDA only in training: the cast, the cast
+returning its amax, and amax + scale + cast); they are compiled with dynamic shapes, so the token count of a
+micro-batch and the weights' shapes must not add graphs: only their variants do (kind and scale layout x x dtype
+x FP8 dtype, at most 7 x 3 x 2 = 42), each compiled once, as a code object of its own, so that dynamo's
+recompile limit (8 graphs per code object) is never reached and never raised. Here the CPU runs the same compiled
+functions (inductor's C++ backend) in place of the eager casts, through a tiny GPT's forward and backward under
+each FP8 recipe, over micro-batches of several token counts, the first as many tokens as the hidden size (duck
+sizing would make that equality a guard and recompile on the next count). It runs in a process of its own:
+inductor imports triton, after which the Triton interpreter of the MX kernel tests fails.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-VARIANTS_BOUND = 18  # fp8._quantize_fused's docstring: x dtype (3) x FP8 dtype (2) x scale layout (3)
+VARIANTS_BOUND = 42  # fp8._quantize_fused's docstring: (3 + 1 + 3 kinds and layouts) x x dtype (3) x FP8 dtype (2)
 RECIPES = ("fp8", "fp8_delayed", "fp8_rowwise")
 TOKEN_COUNTS = ((64, 1), (96, 3), (128, 2), (48, 1), (112, 4))  # (tokens, documents) of successive micro-batches
 
@@ -47,7 +49,7 @@ def measure() -> dict:
     from megalm.precision import fp8
     from megalm.precision.linear import apply_precision
 
-    fp8.quantize = fp8.quantize_compiled  # the CUDA path, on CPU tensors
+    fp8.runs_fused = lambda x: True  # the CUDA path, on CPU tensors
     model = GPT(ModelConfig(num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=96,
                             vocab_size=128, seq_length=128))
     init_weights(model, 0)
@@ -58,10 +60,11 @@ def measure() -> dict:
             _step(model, tokens, docs)
             graphs.append(counters["stats"]["unique_graphs"])
     per_variant = {}  # graphs of each compiled variant (its own code object), from dynamo's cache
-    for x_dtype, dtype, layout in itertools.product((torch.float32, torch.bfloat16, torch.float16),
-                                                    (fp8.E4M3, fp8.E5M2), ("tensor", "row", "column")):
+    for kind, x_dtype, dtype, layout in itertools.product(("cast", "delayed", "current"),
+                                                          (torch.float32, torch.bfloat16, torch.float16),
+                                                          (fp8.E4M3, fp8.E5M2), ("tensor", "row", "column")):
         hits = fp8._quantize_fused.cache_info().hits
-        compiled = fp8._quantize_fused(x_dtype, dtype, layout)
+        compiled = fp8._quantize_fused(kind, x_dtype, dtype, layout)
         if fp8._quantize_fused.cache_info().hits > hits:  # a variant the run compiled
             code = compiled._torchdynamo_orig_callable.__code__
             per_variant[code.co_name] = len(_debug_get_cache_entry_list(code))

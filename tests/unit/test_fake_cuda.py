@@ -314,6 +314,50 @@ def test_fake_cuda_recipe_gemms_of_backward(recipe, monkeypatch):
 
 
 @needs_cuda_build
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_delayed"])
+def test_fake_cuda_fp8_writes_bf16_and_transposes_no_weight_per_micro_batch(recipe, monkeypatch):
+    """FP8 without waste, as the GPU would run it: torch._scaled_mm writes the bf16 the layer asks for (no fp32
+    output and cast), and dgrad's weight comes from the cache already column-major, so after the first micro-batch
+    of a step no FP8 copy of the weight is made (no quantize, no transpose: a clone of its size would be one)."""
+    needs_fake("views", "scaled_mm")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class WeightSizedCopies(TorchDispatchMode):
+        def __init__(self, numel: int):
+            super().__init__()
+            self.numel, self.copies = numel, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            fp8_dtype = isinstance(out, torch.Tensor) and out.dtype in (fp8.E4M3, fp8.E5M2)
+            fp8_sized = fp8_dtype and out.numel() == self.numel
+            aliases = func._schema.returns[0].alias_info is not None  # a view (t, transpose) costs nothing
+            if fp8_sized and not aliases:  # a new FP8 tensor of the weight's size
+                self.copies += 1
+            return out
+
+    out_dtypes = []
+    original = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: out_dtypes.append(k["out_dtype"]) or original(*a, **k))
+    with fake_cuda():
+        state = linear.LinearState("layer")
+        state.weights_version.watch(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))
+        weight = torch.nn.Parameter(torch.empty(96, 128, dtype=torch.bfloat16))
+        gemms = RecipeGemms(get_recipe(recipe), state, weight=weight)
+        copies = []
+        for _ in range(3):  # micro-batches of one step
+            x, dy = torch.empty(64, 128, dtype=torch.bfloat16), torch.empty(64, 96, dtype=torch.bfloat16)
+            with WeightSizedCopies(weight.numel()) as mode:
+                call = gemms.start(x)
+                y = gemms.fprop(call, x, weight, torch.bfloat16)
+                dx = gemms.dgrad(call, dy, weight, torch.bfloat16)
+            copies.append(mode.copies)
+            assert y.dtype == dx.dtype == torch.bfloat16
+    assert copies[0] > 0 and copies[1:] == [0, 0], copies
+    assert out_dtypes == [torch.bfloat16] * 6, out_dtypes
+
+
+@needs_cuda_build
 def test_fake_cuda_scaled_mm_rules_are_checked():
     """The tier can fail: torch._scaled_mm's fake kernel refuses what the GPU refuses (here a row-major second
     operand), and megalm's dispatch never sends it one (a 30-token GEMM is emulated, not sent)."""

@@ -28,13 +28,13 @@ def _layer(recipe: str) -> tuple[Linear, LinearState]:
 
 def _count_weight_quantizations(monkeypatch, weight: torch.Tensor) -> list[int]:
     calls = []
-    real = fp8.quantize
+    real = fp8._run  # every FP8 cast (quantize, quantize_current, quantize_delayed) goes through it
 
-    def counting(x, dtype, scale):
+    def counting(kind, x, dtype, scale):
         calls.extend([1] if x.data_ptr() == weight.data_ptr() else [])
-        return real(x, dtype, scale)
+        return real(kind, x, dtype, scale)
 
-    monkeypatch.setattr(fp8, "quantize", counting)
+    monkeypatch.setattr(fp8, "_run", counting)
     return calls
 
 
@@ -128,6 +128,34 @@ def test_fused_fp8_quantize_equals_the_eager_cast(dtype, fmt):
             want = fp8._quantize_math(t, scale, limit, fmt)
             got = fp8.quantize_compiled(t, fmt, scale)
             assert got.dtype == fmt and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_amax_and_cast_equal_the_eager_reference(monkeypatch, dtype):
+    """The compiled functions that fold the amax into the cast (current scaling: amax, scale and cast; delayed:
+    the cast returning x's amax) give the eager reference's FP8 bits, scales and amaxes; an x with a NaN keeps
+    propagating it to the amax (so a diverged run shows up in the history, as with `amax`)."""
+    torch.manual_seed(0)
+    x = (torch.randn(48, 80) * 30).to(dtype)
+    x[1, 2] = -1e6  # saturates under the delayed scale below
+    bits = lambda q: q.view(torch.uint8)
+    for fmt in (fp8.E4M3, fp8.E5M2):
+        eager = {"current": [fp8.quantize_current(x, fmt, dim) for dim in (None, 0, 1)],
+                 "delayed": fp8.quantize_delayed(x, fmt, torch.tensor(3.0))}
+        for dim, (q, scale) in zip((None, 0, 1), eager["current"], strict=True):
+            want = fp8.tensor_scale(x, fmt) if dim is None else fp8.rowwise_scale(x, fmt, dim)
+            assert torch.equal(scale, want) and torch.equal(bits(q), bits(fp8.quantize(x, fmt, want)))
+        monkeypatch.setattr(fp8, "runs_fused", lambda t: True)  # the CUDA path, on CPU tensors
+        for dim, (q, scale) in zip((None, 0, 1), eager["current"], strict=True):
+            got_q, got_scale = fp8.quantize_current(x, fmt, dim)
+            assert torch.equal(got_scale, scale) and torch.equal(bits(got_q), bits(q)), dim
+        got_q, got_amax = fp8.quantize_delayed(x, fmt, torch.tensor(3.0))
+        assert torch.equal(bits(got_q), bits(eager["delayed"][0]))
+        assert got_amax == eager["delayed"][1] == x.float().abs().max()
+        monkeypatch.undo()
+    nan = x.clone()
+    nan[5, 5] = float("nan")
+    assert fp8.amax(nan).isnan() and fp8.quantize_delayed(nan, fp8.E4M3, torch.tensor(1.0))[1].isnan()
 
 
 def test_a_weight_computed_per_call_is_never_served_a_stale_copy():
