@@ -1,7 +1,8 @@
 """Live tensor storages, counted from the tensors themselves: the memory probe of every memory figure megalm
 reports on CPU and under fake tensors.
 
-A `TorchDispatchMode` sees each aten op's outputs; every storage it has not seen is counted by its bytes and
+A `TorchDispatchMode` sees each aten op's outputs; every new storage (an output the op's schema does not declare
+an alias of an input: views, in-place and out= results are not new) is counted by its bytes and
 uncounted by a `weakref.finalize` when torch frees it (a view keeps its storage alive, so views are never
 counted twice and a storage is freed only with its last view). Nothing here reads a megalm counter, so a
 feature's own bookkeeping (an offload store's "resident bytes", a planner's estimate) can be checked against it.
@@ -15,8 +16,10 @@ supported torch range, and counts by module rather than by the storages a test w
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +31,17 @@ from torch.utils._pytree import tree_flatten
 class _Live:
     nbytes: int
     device: str
+
+
+def _new_outputs(func, out):  # noqa: ANN001, ANN202 - an OpOverload and what it returned
+    """The outputs of `func` that are new storages: not those its schema says alias an input (a view, an in-place or
+    out= result), which would make a storage made before the probe (a parameter, a reused pool buffer) look new."""
+    returns = func._schema.returns
+    if not any(r.alias_info is not None for r in returns):
+        return out
+    if len(returns) == 1:
+        return ()
+    return tuple(o for o, r in zip(out, returns, strict=True) if r.alias_info is None)
 
 
 class LiveStorages(TorchDispatchMode):
@@ -44,12 +58,13 @@ class LiveStorages(TorchDispatchMode):
         self._now: dict[str, int] = {}
         self._peak: dict[str, int] = {}
         self.at_backward_start: int | None = None
+        self._label: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         if self.at_backward_start is None and torch._C._current_graph_task_id() != -1:
             self.at_backward_start = self.bytes()  # before the backward's first output
         out = func(*args, **(kwargs or {}))
-        self.track(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        self.track(t for t in tree_flatten(_new_outputs(func, out))[0] if isinstance(t, torch.Tensor))
         return out
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -59,7 +74,7 @@ class LiveStorages(TorchDispatchMode):
             key = id(storage)
             if key in self.live:
                 continue
-            device = tensor.device.type
+            device = self._label or tensor.device.type
             self.live[key] = _Live(storage.nbytes(), device)
             self._now[device] = self._now.get(device, 0) + storage.nbytes()
             self._peak[device] = max(self._peak.get(device, 0), self._now[device])
@@ -81,3 +96,33 @@ class LiveStorages(TorchDispatchMode):
     def mark_peak(self) -> None:
         """Restart the peaks at the bytes live now."""
         self._peak = dict(self._now)
+
+    @contextlib.contextmanager
+    def labelled(self, label: str) -> Iterator[None]:
+        """Count the storages created inside under `label` instead of their device type: on a CPU, where the
+        "device" and the host are the same memory, an offload store's host buffers are counted as "host"."""
+        previous, self._label = self._label, label
+        try:
+            yield
+        finally:
+            self._label = previous
+
+    @contextlib.contextmanager
+    def labelling(self, owner: object, method: str, label: str) -> Iterator[None]:
+        """While inside, what `owner.method` allocates is counted under `label` (e.g. an offload pool's
+        `allocate`, "host"): the probe still counts the bytes itself, the label only says whose memory they are."""
+        original, own = getattr(owner, method), method in vars(owner)
+
+        @functools.wraps(original)
+        def wrapped(*args, **kwargs):
+            with self.labelled(label):
+                return original(*args, **kwargs)
+
+        setattr(owner, method, wrapped)
+        try:
+            yield
+        finally:
+            if own:
+                setattr(owner, method, original)
+            else:  # an instance's bound method: drop the wrapper, the class's method shows again
+                delattr(owner, method)

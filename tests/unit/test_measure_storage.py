@@ -65,6 +65,41 @@ def test_tracks_tensors_made_before_it():
         assert live.bytes() == 64 * 64 * 4
 
 
+def test_storages_made_before_it_are_not_new_when_an_op_aliases_them():
+    """A view, an in-place or an out= result of a storage made before the probe is that old storage, not a new one
+    (counting it would make a parameter or a reused offload pool buffer look allocated by the step)."""
+    weight, buffer = torch.randn(64, 64), torch.empty(4096, dtype=torch.uint8)
+    with torch.no_grad(), LiveStorages() as live:
+        weight.t()
+        weight[:8].mul_(2)
+        buffer[:1024].copy_(torch.zeros(1024, dtype=torch.uint8))
+        torch.mul(weight, 2, out=weight)
+        first, second = weight.split(32)
+        assert live.bytes() == 0 and live.peak() == 1024  # only the zeros made inside, now freed
+        fresh = weight * 3
+        assert live.bytes() == 64 * 64 * 4
+    del fresh
+
+
+def test_labelled_storages_count_under_their_label():
+    """What an owner's method allocates while `labelling` is on counts under its label (an offload pool's host
+    buffers on a CPU, where device and host are one memory); the method is the owner's own again afterwards."""
+
+    class Pool:
+        def allocate(self, n: int) -> torch.Tensor:
+            return torch.empty(n, dtype=torch.uint8)
+
+    pool = Pool()
+    with LiveStorages() as live:
+        with live.labelling(pool, "allocate", "host"):
+            host = pool.allocate(1000)
+            device = torch.empty(500, dtype=torch.uint8)
+        assert live.bytes("host") == 1000 and live.bytes("cpu") == 500
+        again = pool.allocate(10)
+        assert live.bytes("cpu") == 510 and "allocate" not in vars(pool)
+    del host, device, again
+
+
 def test_activation_memory_tool_measures_what_full_recompute_keeps():
     """With full recompute a layer keeps its input only: s·h fp32 elements, 4 bytes each in fp32; without it
     a layer keeps far more. The tool's measurement (peaks of L and 2L layers) must find exactly that."""
