@@ -44,7 +44,11 @@ class HostPool:
             return bucket.pop()
         self.allocated_bytes += size
         self.allocations += 1
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        return self.allocate(size)
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A new host buffer (the one place host memory is allocated: a memory probe labels what it returns)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
     def give(self, buffer: torch.Tensor, event: object | None = None) -> None:
         """Return `buffer`; with a CUDA `event`, only once the copy it marks has finished."""

@@ -5,7 +5,9 @@ A *group* is what is offloaded as one: a micro-batch's forward through a pipelin
 one transformer block's forward (layer-wise offload without a pipeline). While a group's forward runs
 inside `store.hooks(key)`, every tensor autograd saves for backward passes through `pack`:
 
-- parameters (and aliases of their storage), tensors on another device, and tensors smaller than
+- parameters (and aliases of their storage), inputs held for their gradient (leaves that require grad: a
+  pipeline stage's received activation), integer tensors (the batch's token ids and positions, held by the
+  micro-batch all step), tensors on another device, and tensors smaller than
   `min_tensor_bytes` are kept as they are (copying them saves nothing or costs more than it saves);
 - with `recompute_cheap`, the output of a cheap activation (SiLU, GELU: `CHEAP_OPS`) is not stored at all but
   recomputed from the op's input, which its own backward keeps anyway (PipeOffload's partial recompute);
@@ -14,8 +16,10 @@ inside `store.hooks(key)`, every tensor autograd saves for backward passes throu
 
 `offload(key)` copies the group's storages into one host buffer from the `HostPool` and drops the device
 references, so the caching allocator can reuse that memory; `reload(key)` copies them back into fresh device
-buffers (one per storage); a group is released (device buffers to their last users, host buffers to the pool)
-when autograd drops its last saved-tensor handle, i.e. as soon as its backward has run, or by `release(key)`.
+buffers (one per storage), only those of storages the backward can still unpack. Once a group's forward is over,
+each storage is let go as autograd drops its last saved-tensor handle on it (as autograd itself frees a saved
+tensor after its node's backward), and the group is released (host buffer to the pool) with its last handle, i.e.
+as soon as its backward has run, or by `release(key)`.
 On CUDA the copies run on two side streams (device-to-host, host-to-device), ordered by events: an offload
 starts after the compute that produced the activations (an event recorded on the compute stream), a reload
 after its offload's copy, and the first unpack of a reloaded group makes the compute stream wait for the
@@ -55,6 +59,8 @@ class _Storage:
     alias: torch.Tensor | None  # a saved tensor on it (shares its version counter) while on the device
     offset: int = 0  # in the group's host buffer
     version: int = 0  # the version counter when it was offloaded
+    live: int = 0  # saved-tensor handles on it that autograd still holds
+    on_host: bool = False  # its bytes are in the group's host buffer (offloaded, not reloaded yet)
 
 
 @dataclass
@@ -169,10 +175,11 @@ class ActivationStore:
                 group.storages.append(_Storage(storage.nbytes(), _bytes_of(storage, t.device), t.detach()))
                 self._add_resident(storage.nbytes())
                 self.group_bytes_seen[key] = group.nbytes
-            ref = _Ref(key, group, group.index[address], t._version, t.dtype, tuple(t.shape), t.stride(),
-                       t.storage_offset())
+            index = group.index[address]
+            ref = _Ref(key, group, index, t._version, t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
             group.live += 1
-            weakref.finalize(ref, self._handle_freed, key, group)
+            group.storages[index].live += 1
+            weakref.finalize(ref, self._handle_freed, key, group, index)
             return ref
 
         @contextlib.contextmanager
@@ -182,6 +189,9 @@ class ActivationStore:
                     yield
                 finally:
                     group.closed = True
+                    for saved in group.storages:  # saved, then dropped with its graph inside the forward
+                        if saved.live == 0:
+                            self._drop(group, saved)
                     if group.live == 0:  # nothing it saved is still needed
                         self.release(key)
                         self.released_empty.add(key)
@@ -189,9 +199,15 @@ class ActivationStore:
         return recording()
 
     def _offloadable(self, t: torch.Tensor) -> bool:
-        """Activations worth moving: on this device, not a parameter or buffer (or an alias of one), and on a
-        storage of at least `min_tensor_bytes` (a small view of a large storage moves the storage)."""
-        if isinstance(t, nn.Parameter) or t.device != self.device:
+        """Activations worth moving: on this device, not a parameter or buffer (or an alias of one), not an input
+        its owner holds for its gradient, and on a storage of at least `min_tensor_bytes` (a small view of a large
+        storage moves the storage). A leaf that requires grad (or a view of one) is such an input: the pipeline
+        runtime keeps each received activation until its backward to read its `.grad`, so moving its copy would
+        free nothing (a memory probe showed the store counting it as freed)."""
+        if isinstance(t, nn.Parameter) or t.device != self.device or not t.is_floating_point():
+            return False  # integer tensors are the batch's token ids and positions, which it holds all step
+        base = t if t._base is None else t._base
+        if base.is_leaf and base.requires_grad:
             return False
         storage = t.untyped_storage()
         if storage.nbytes() < self.min_tensor_bytes:
@@ -233,31 +249,33 @@ class ActivationStore:
     def offload(self, key: object) -> None:
         """Copy group `key`'s activations into one host buffer and let go of the device memory."""
         group = self._group(key)
-        if group is None or group.state != RESIDENT or not group.storages:
+        moving = [] if group is None or group.state != RESIDENT else [s for s in group.storages if s.device is not None]
+        if not moving:
             return
         total = 0
-        for s in group.storages:
+        for s in moving:
             s.offset, total = total, total + -(-s.nbytes // ALIGN) * ALIGN
-            s.version, s.alias = s.alias._version, None
+            s.version, s.alias, s.on_host = s.alias._version, None, True
         group.host = self.pool.take(total)
         if self.cuda:
             produced = torch.cuda.Event()
             produced.record(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.d2h):
                 self.d2h.wait_event(produced)
-                for s in group.storages:
+                for s in moving:
                     group.host[s.offset:s.offset + s.nbytes].copy_(s.device, non_blocking=True)
                     s.device.record_stream(self.d2h)  # the allocator may reuse it only after this copy
                     s.device = None
                 group.event = torch.cuda.Event()
                 group.event.record(self.d2h)
         else:
-            for s in group.storages:
+            for s in moving:
                 group.host[s.offset:s.offset + s.nbytes].copy_(s.device)
                 s.device = None
         group.state = OFFLOADED
-        self.resident_bytes -= group.nbytes
-        self.offloaded_bytes += group.nbytes
+        nbytes = sum(s.nbytes for s in moving)
+        self.resident_bytes -= nbytes
+        self.offloaded_bytes += nbytes
 
     def reload(self, key: object) -> None:
         """Copy group `key`'s activations back into device buffers, one per storage (so that a tensor kept
@@ -265,13 +283,14 @@ class ActivationStore:
         group = self._group(key)
         if group is None or group.state != OFFLOADED:
             return
-        for s in group.storages:  # allocated on the compute stream, which uses them
-            s.device = torch.empty(s.nbytes, dtype=torch.uint8, device=self.device)
+        coming = [s for s in group.storages if s.on_host and s.live > 0]  # what the backward can still unpack
+        for s in coming:  # allocated on the compute stream, which uses them
+            s.device, s.on_host = torch.empty(s.nbytes, dtype=torch.uint8, device=self.device), False
         if self.cuda:
             self.h2d.wait_stream(torch.cuda.current_stream(self.device))  # the allocations are in place
             self.h2d.wait_event(group.event)  # the offload's copy has filled the host buffer
             with torch.cuda.stream(self.h2d):
-                for s in group.storages:
+                for s in coming:
                     s.device.copy_(group.host[s.offset:s.offset + s.nbytes], non_blocking=True)
                     s.device.record_stream(self.h2d)
                 group.event = torch.cuda.Event()
@@ -279,13 +298,14 @@ class ActivationStore:
             self.pool.give(group.host, group.event)
             group.waited = False
         else:
-            for s in group.storages:
+            for s in coming:
                 s.device.copy_(group.host[s.offset:s.offset + s.nbytes])
             self.pool.give(group.host)
         group.host = None
         group.state = RELOADED
-        self._add_resident(group.nbytes)
-        self.reloaded_bytes += group.nbytes
+        nbytes = sum(s.nbytes for s in coming)
+        self._add_resident(nbytes)
+        self.reloaded_bytes += nbytes
 
     def _group(self, key: object) -> _Group | None:
         """Group `key`, or None when it was released empty at the end of its forward; an unknown key is an error."""
@@ -303,15 +323,27 @@ class ActivationStore:
             return
         if group.state == OFFLOADED:
             self.pool.give(group.host, group.event)
-        else:
-            self.resident_bytes -= group.nbytes
+        for saved in group.storages:  # (a handle freed later finds nothing left to drop)
+            self._drop(group, saved)
 
-    def _handle_freed(self, key: object, group: _Group) -> None:
-        """Autograd let go of one of the group's saved tensors (its backward node ran, or the graph died):
-        with the last one, once its forward is over, the group's activations are no longer needed."""
+    def _handle_freed(self, key: object, group: _Group, index: int) -> None:
+        """Autograd let go of one of the group's saved tensors (its backward node ran, or the graph died). Once the
+        group's forward is over, a storage with no handle left is let go at once, as autograd frees a saved tensor
+        after its node's backward (holding every storage to the end of the group's backward raised the device
+        peak above no offload's: the live-storage probe showed it); with the last handle the group is released."""
         group.live -= 1
+        saved = group.storages[index]
+        saved.live -= 1
+        if saved.live == 0 and group.closed:
+            self._drop(group, saved)
         if group.live == 0 and group.closed and self.groups.get(key) is group:
             self.release(key)
+
+    def _drop(self, group: _Group, saved: _Storage) -> None:
+        """Let go of a storage on the device that no saved tensor needs any more (its last user frees it)."""
+        if saved.device is not None:
+            saved.device, saved.alias = None, None
+            self.resident_bytes -= saved.nbytes
 
     def release_all(self) -> None:
         for key in list(self.groups):

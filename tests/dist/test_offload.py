@@ -1,10 +1,13 @@
 """PipeOffload in the pipeline schedule: bit-identical to no offload, and freeing what the schedule says.
 
 Each worker runs the pipelined trainer without and with `offload.enabled` (every policy, and with the cheap
-activations recomputed instead of stored), on the same seed and data in one process: losses and parameters after 3 optimizer steps must be identical to the
-bit (the copies are exact, and offload changes no computation). The store's measured peak of device-resident
+activations recomputed instead of stored), on the same seed and data in one process: losses and parameters after
+3 optimizer steps must be identical to the bit (the copies are exact, and offload changes no computation). The store's own peak of device-resident
 activation bytes in the last step must equal the theory: `resident_profile` of the schedule the runtime ran
-(its OFFLOAD / RELOAD actions), weighted by the bytes each micro-batch-chunk's forward saved.
+(its OFFLOAD / RELOAD actions), weighted by the bytes each micro-batch-chunk's forward saved. And the live-storage
+probe (independent of the store) must see it: the last step's device peak with offload is below the peak without
+it by at least the theory's saving, less the shortfall tests/unit/test_offload.py explains. The stage input a rank
+received stays resident (the runtime holds it for its gradient; the store does not move it).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from megalm.offload.policy import resident_profile
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
 from tests.dist.launch import run_distributed
+from tests.unit.test_offload import SHORTFALL, device_peak
 
 STEPS = 3
 COMMON = ["model.num_layers=4", "trainer.micro_batch_size=2", "offload.min_tensor_bytes=0"]
@@ -30,13 +34,17 @@ LAYOUTS = {
 
 def check_offload(rank: int, world_size: int, layout: list[str], tmp: str) -> None:
     plain = Trainer(compose_config(*COMMON, *layout), f"{tmp}/plain")
-    losses = [plain.train_step(step).loss for step in range(STEPS)]
+    losses = [plain.train_step(step).loss for step in range(STEPS - 1)]
+    plain_peak, last_loss = device_peak(plain, STEPS - 1)  # the last step measured by the probe
+    losses.append(last_loss)
     for policy, fraction, cheap in (("uniform", 0.5, False), ("lifespan", 0.5, False), ("auto", 1.0, False),
                                     ("uniform", 1.0, True)):
         run = Trainer(compose_config(*COMMON, *layout, "offload.enabled=true", f"offload.policy={policy}",
                                      f"offload.fraction={fraction}", f"offload.recompute_cheap={cheap}"),
                       f"{tmp}/{policy}{fraction}{cheap}")
-        assert [run.train_step(step).loss for step in range(STEPS)] == losses, policy
+        run_losses = [run.train_step(step).loss for step in range(STEPS - 1)]
+        peak, last_loss = device_peak(run, STEPS - 1)
+        assert [*run_losses, last_loss] == losses, policy
         for (name, p), (_, q) in zip(plain.model.named_parameters(), run.model.named_parameters(), strict=True):
             assert torch.equal(p, q), (policy, name)
         runtime, store = run.parallel.runner, run.parallel.offload_store
@@ -49,6 +57,10 @@ def check_offload(rank: int, world_size: int, layout: list[str], tmp: str) -> No
         weights = {key: store.group_bytes_seen[key] for key in store.group_bytes_seen}
         theory = max(resident_profile(sched, rank, weights))
         assert store.peak_resident_bytes == theory, (policy, store.peak_resident_bytes, theory)
+        saving = max(resident_profile(plain.parallel.runner.schedule(m), rank, weights)) - theory
+        assert plain_peak - peak >= (1 - SHORTFALL) * saving, (
+            f"{policy} rank {rank}: the probe measured {plain_peak - peak} bytes less at the device peak "
+            f"({plain_peak} -> {peak}), the theory says {saving}")
         assert store.offloaded_bytes == store.reloaded_bytes
         assert not store.groups and store.resident_bytes == 0  # every group released after its backward
 
