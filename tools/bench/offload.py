@@ -10,17 +10,19 @@ Arguments without dashes are Hydra overrides (data defaults to synthetic). Witho
 one process runs) the rows are layer-wise offload (`policy` "layers") at each fraction; with `--pp N`, N gloo
 processes on the CPU run one pipeline and the rows are the pipeline policies (uniform, lifespan, auto) at
 each fraction, with the peak of the rank that holds most; the baseline is the
-same step without offload (time, measured in turns with the others) and with nothing offloaded (a store
-measuring what stays resident).
+same step without offload (time measured in turns with the others, memory by the same probe).
 Then, from the schedules alone, the pipeline policies' peak in micro-batch-chunks per rank (p=4, m=8, the
 three schedules), which is what the pipeline tests check a real run against. The last line is one JSON
-object: {"rows": [{"policy", "fraction", "resident_bytes", "baseline_resident_bytes", "offloaded_bytes",
-"reloaded_bytes", "step_s", "baseline_step_s"}, ...], "pipeline": [...]}.
+object: {"rows": [{"policy", "fraction", "device_peak_bytes", "baseline_device_peak_bytes", "host_bytes",
+"allocator_peak_bytes", "baseline_allocator_peak_bytes", "offloaded_bytes", "reloaded_bytes", "step_s",
+"baseline_step_s"}, ...], "pipeline": [...]}. The memory columns are the live-storage probe's measurement of one
+counted step (`counted_step`), and on CUDA the allocator's peak beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -34,6 +36,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from throughput import compose_config, synchronize  # noqa: E402
 
 
+def counted_step(trainer, step: int) -> dict:
+    """One training step measured by the live-storage probe (megalm.measure.LiveStorages), not by the offload
+    store's counters: the peak bytes of the storages the step creates on the device (activations, logits, stage
+    inputs, gradients in flight, communication buffers; the weights, gradient buckets and optimizer states made
+    before it are not counted), and the host bytes of the offload pool (its buffers, made in earlier steps, plus
+    any it allocates now; on a CPU the pool's allocations are labelled host, the device being the same memory).
+    On CUDA the allocator's own peak above the step's start is reported beside it."""
+    import torch
+
+    from megalm.measure import LiveStorages
+
+    store, cuda = trainer.parallel.offload_store, trainer.device.type == "cuda"
+    synchronize(trainer.device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(trainer.device)
+        before = torch.cuda.memory_allocated(trainer.device)
+    with LiveStorages() as probe, contextlib.ExitStack() as stack:
+        if store is not None:
+            with probe.labelled("host"):
+                probe.track(buffer for buffers in store.pool.free.values() for buffer in buffers)
+            stack.enter_context(probe.labelling(store.pool, "allocate", "host"))
+        trainer.train_step(step)
+        synchronize(trainer.device)
+    allocator = torch.cuda.max_memory_allocated(trainer.device) - before if cuda else None
+    return {"device": probe.peak(trainer.device.type), "host": probe.peak("host"), "allocator": allocator}
+
+
 def measured_rows(overrides: list[str], variants: list[tuple[str, float]], steps: int, warmup: int) -> list[dict]:
     """Every (policy, fraction) variant and the baseline built side by side, their steps timed in turns
     (A B C A B C) so that the machine's drift hits all alike; then one counted step each. pp = 1 runs
@@ -41,8 +70,6 @@ def measured_rows(overrides: list[str], variants: list[tuple[str, float]], steps
     measures its own store and rank 0 reports the largest peak over the ranks (the one that limits)."""
     import torch.distributed as dist
 
-    from megalm.offload import ActivationStore, LayerOffload, PipelineOffload
-    from megalm.parallel.pipeline.schedules import simulate_schedule
     from megalm.training.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as run_dir:
@@ -62,34 +89,29 @@ def measured_rows(overrides: list[str], variants: list[tuple[str, float]], steps
                 synchronize(trainer.device)
                 if step >= warmup:
                     times[variant].append(time.perf_counter() - start)
-        plain = runs.pop(None)
-        # what stays resident without offload: a store that offloads nothing, for one step
-        store = ActivationStore(plain.device, [*plain.model.parameters(), *plain.model.buffers()],
-                                plain.cfg.offload.min_tensor_bytes)
-        if plain.cfg.parallel.pp > 1:
-            hooks = PipelineOffload(store, "uniform", 0.0, lambda schedule: simulate_schedule(schedule).timeline)
-        else:
-            hooks = LayerOffload(plain.model.layers, store, 0.0)
-        plain.parallel.runner.memory_hooks = hooks
-        plain.train_step(warmup + steps)
-        baseline_bytes, baseline_s = store.peak_resident_bytes, statistics.median(times[None])
+        for trainer in runs.values():  # the bytes copied in the counted step alone
+            if (store := trainer.parallel.offload_store) is not None:
+                store.offloaded_bytes = store.reloaded_bytes = store.sync_reloads = 0
+        counted = {variant: counted_step(trainer, warmup + steps) for variant, trainer in runs.items()}
+        baseline = counted.pop(None)
         rows = []
-        for (policy, fraction), run in runs.items():
-            store = run.parallel.offload_store
-            store.offloaded_bytes = store.reloaded_bytes = store.sync_reloads = 0
-            run.train_step(warmup + steps)  # one more step, counted alone
-            rows.append({"policy": policy, "fraction": fraction, "resident_bytes": store.peak_resident_bytes,
-                         "baseline_resident_bytes": baseline_bytes, "offloaded_bytes": store.offloaded_bytes,
-                         "reloaded_bytes": store.reloaded_bytes, "step_s": statistics.median(times[(policy, fraction)]),
-                         "baseline_step_s": baseline_s, "sync_reloads": store.sync_reloads})
+        for (policy, fraction), measured in counted.items():
+            store = runs[(policy, fraction)].parallel.offload_store
+            rows.append({"policy": policy, "fraction": fraction, "device_peak_bytes": measured["device"],
+                         "baseline_device_peak_bytes": baseline["device"], "host_bytes": measured["host"],
+                         "allocator_peak_bytes": measured["allocator"],
+                         "baseline_allocator_peak_bytes": baseline["allocator"],
+                         "offloaded_bytes": store.offloaded_bytes, "reloaded_bytes": store.reloaded_bytes,
+                         "step_s": statistics.median(times[(policy, fraction)]),
+                         "baseline_step_s": statistics.median(times[None]), "sync_reloads": store.sync_reloads})
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, rows)
         for i, row in enumerate(rows):
             per_rank = [r[i] for r in everyone]
-            row["resident_bytes_per_rank"] = [r["resident_bytes"] for r in per_rank]
-            row["baseline_resident_bytes_per_rank"] = [r["baseline_resident_bytes"] for r in per_rank]
-            for key in ("resident_bytes", "baseline_resident_bytes", "step_s", "baseline_step_s"):
+            row["device_peak_bytes_per_rank"] = [r["device_peak_bytes"] for r in per_rank]
+            row["baseline_device_peak_bytes_per_rank"] = [r["baseline_device_peak_bytes"] for r in per_rank]
+            for key in ("device_peak_bytes", "baseline_device_peak_bytes", "host_bytes", "step_s", "baseline_step_s"):
                 row[key] = max(r[key] for r in per_rank)
             for key in ("offloaded_bytes", "reloaded_bytes", "sync_reloads"):
                 row[key] = sum(r[key] for r in per_rank)
@@ -146,6 +168,17 @@ def pipeline_rows(fractions: list[float], p: int = 4, m: int = 8) -> list[dict]:
     return rows
 
 
+RESIDENT_NOTE = """\
+device MiB: the step's peak of live device storages, measured by the live-storage probe (its own count of the
+storages the step creates, not the offload store's counters), logits, stage inputs and gradients in flight
+included; the weights, gradient buckets and optimizer states, made before the step, are not in it. What stays
+on the device with offload, and why: the blocks not chosen (layer offload keeps the last ones: their backward
+comes first), a pipeline stage's received input (the runtime holds it to send its gradient back), the batch's
+integer tensors (token ids, positions: the micro-batch holds them all step), tensors under
+offload.min_tensor_bytes, the logits and the loss's buffers (after the last block), and the gradients of the
+backward in flight. host MiB: the offload pool's buffers (kept and reused across steps)."""
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 1.0])
@@ -160,17 +193,19 @@ def main(argv: list[str] | None = None) -> dict:
         rows = pipeline_measured_rows(overrides, args.pp, args.fractions, args.steps, args.warmup)
     else:
         rows = measured_rows(overrides, [("layers", f) for f in args.fractions], args.steps, args.warmup)
-    print(f"{'policy':>8} {'fraction':>8} {'resident MiB':>13} {'baseline MiB':>13} {'saved':>6} "
+    print(f"{'policy':>8} {'fraction':>8} {'device MiB':>11} {'baseline MiB':>13} {'saved':>6} {'host MiB':>9} "
           f"{'D2H MiB':>8} {'H2D MiB':>8} {'step s':>8} {'baseline s':>10} {'cost':>6}")
     for r in rows:
-        saved = 1 - r["resident_bytes"] / r["baseline_resident_bytes"]
+        saved = 1 - r["device_peak_bytes"] / r["baseline_device_peak_bytes"]
         cost = r["step_s"] / r["baseline_step_s"] - 1
-        print(f"{r['policy']:>8} {r['fraction']:>8g} {r['resident_bytes'] / 2**20:>13.2f} "
-              f"{r['baseline_resident_bytes'] / 2**20:>13.2f} {saved:>6.0%} {r['offloaded_bytes'] / 2**20:>8.2f} "
-              f"{r['reloaded_bytes'] / 2**20:>8.2f} {r['step_s']:>8.3f} {r['baseline_step_s']:>10.3f} {cost:>+6.0%}"
-              + (f"  per rank MiB {[round(b / 2**20, 2) for b in r['resident_bytes_per_rank']]} of "
-                 f"{[round(b / 2**20, 2) for b in r['baseline_resident_bytes_per_rank']]}"
-                 if "resident_bytes_per_rank" in r else ""))
+        print(f"{r['policy']:>8} {r['fraction']:>8g} {r['device_peak_bytes'] / 2**20:>11.2f} "
+              f"{r['baseline_device_peak_bytes'] / 2**20:>13.2f} {saved:>6.0%} {r['host_bytes'] / 2**20:>9.2f} "
+              f"{r['offloaded_bytes'] / 2**20:>8.2f} {r['reloaded_bytes'] / 2**20:>8.2f} {r['step_s']:>8.3f} "
+              f"{r['baseline_step_s']:>10.3f} {cost:>+6.0%}"
+              + (f"  per rank MiB {[round(b / 2**20, 2) for b in r['device_peak_bytes_per_rank']]} of "
+                 f"{[round(b / 2**20, 2) for b in r['baseline_device_peak_bytes_per_rank']]}"
+                 if "device_peak_bytes_per_rank" in r else ""))
+    print(RESIDENT_NOTE)
     pipeline = pipeline_rows(sorted({0.25, 0.375, 0.5, 1.0} | set(args.fractions)))
     print("\npipeline peaks (micro-batch-chunks per rank, p=4, m=8; from the schedules):")
     for r in pipeline:
