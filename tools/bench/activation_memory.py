@@ -15,7 +15,9 @@ units of s·h bytes (s tokens, h hidden size) beside Reducing Activation Recompu
 recompute (the 5·a·s/h term is the attention matrices, which flash attention never stores: megalm never does, so the
 formula column leaves it out), 34 with their selective recompute, 2 with full (the layer input, in bf16). megalm's
 `parallel.recompute=selective` keeps the GEMM, attention and collective outputs and recomputes the elementwise ops,
-which is not Korthikanti's selective (theirs recomputes the attention core).
+which is not Korthikanti's selective (theirs recomputes the attention core). Under an FP8/MX recipe the layers'
+cached FP8 weight copies are live at the backward's start too: they are weights, not activations, and get a column
+of their own.
 
 With `parallel.tp=N` (and `parallel.sequence_parallel=true`) the step is that of rank 0 of N: the process joins a
 fake process group of N ranks (torch's `fake` backend: collectives return at once, which fake tensors need no more
@@ -58,22 +60,41 @@ def join_fake_group(overrides: list[str]) -> tuple[int, bool]:
     return tp, sp
 
 
-def held_at_backward_start(overrides: list[str]) -> tuple[int, object]:
+def weight_copies_bytes(model: object) -> int:
+    """Bytes of the FP8 weight copies the precision recipes cache for the optimizer step (`LinearState.
+    quantized_weight`): weights in another format, made in the forward and live at the backward's start, but not
+    activations. Read from the caches to say which storages they are; the probe counted their bytes."""
+    from megalm.model.linear import linear_modules
+    from megalm.precision.linear import RecipeGemms
+
+    storages = {}
+    for module in linear_modules(model):
+        gemms = module.gemm_recipe
+        if isinstance(gemms, RecipeGemms) and gemms.state is not None:
+            for _, _, (quantized, _) in gemms.state.weights.values():
+                storages[id(quantized.untyped_storage())] = quantized.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def held_at_backward_start(overrides: list[str]) -> tuple[int, int, object]:
     """The bytes live when the backward of one step begins (what the forward saved for it, the logits' share, the
-    loss) over those live before the step (weights, optimizer), and the model config."""
+    loss) over those live before the step (weights, optimizer), less the FP8 weight copies, which it returns apart,
+    and the model config."""
     with fake_trainer(overrides) as trainer, LiveStorages() as live:
         live.track(trainer.model.parameters())
         before = live.bytes()
         trainer.forward_backward(0)
-        return live.at_backward_start - before, trainer.cfg.model
+        copies = weight_copies_bytes(trainer.model)
+        return live.at_backward_start - before - copies, copies, trainer.cfg.model
 
 
-def per_layer(overrides: list[str]) -> tuple[float, object]:
-    """Bytes one layer holds for its backward, from the difference of L and 2L layers."""
+def per_layer(overrides: list[str]) -> tuple[float, float, object]:
+    """Bytes one layer holds for its backward, and of its FP8 weight copies, from the difference of L and 2L
+    layers."""
     layers = compose_config(STEP_OVERRIDES + overrides).model.num_layers
-    small, model = held_at_backward_start(overrides + [f"model.num_layers={layers}"])
-    large, _ = held_at_backward_start(overrides + [f"model.num_layers={2 * layers}"])
-    return (large - small) / layers, model
+    small, small_copies, model = held_at_backward_start(overrides + [f"model.num_layers={layers}"])
+    large, large_copies, _ = held_at_backward_start(overrides + [f"model.num_layers={2 * layers}"])
+    return (large - small) / layers, (large_copies - small_copies) / layers, model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,15 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     tp, sp = join_fake_group(args.overrides)
     with contextlib.redirect_stdout(sys.stderr):
         for mode in args.recompute.split(","):
-            held, model = per_layer(args.overrides + [f"parallel.recompute={mode}"])
-            rows.append((mode, held / (model.seq_length * model.hidden_size)))
+            held, copies, model = per_layer(args.overrides + [f"parallel.recompute={mode}"])
+            unit = model.seq_length * model.hidden_size
+            rows.append((mode, held / unit, copies / unit))
     print(f"{model.name}: hidden {model.hidden_size}, seq {model.seq_length}, tp {tp}{' + SP' if sp else ''}, one "
           "micro-batch, bytes per layer of rank 0 in units of s·h")
-    print("| recompute | measured | Korthikanti (flash) | measured / formula |")
-    print("| --- | --- | --- | --- |")
-    for mode, sh in rows:
+    copies = any(c for _, _, c in rows)  # FP8 weight copies, reported apart from the activations
+    header = "| recompute | measured | Korthikanti (flash) | measured / formula |"
+    print(header + (" FP8 weight copies |" if copies else ""))
+    print("| --- | --- | --- | --- |" + (" --- |" if copies else ""))
+    for mode, sh, weights in rows:
         expected = formula(mode, tp, sp)
-        print(f"| {mode} | {sh:.2f} | {expected:.4g} | {sh / expected:.2f} |")
+        print(f"| {mode} | {sh:.2f} | {expected:.4g} | {sh / expected:.2f} |" + (f" {weights:.2f} |" if copies else ""))
     return 0
 
 
