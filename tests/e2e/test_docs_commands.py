@@ -53,7 +53,13 @@ GPU_ONLY = ("tools/gpu_check.sh",)  # exits 2 without CUDA by design
 # pyproject's console scripts, run as modules of this checkout
 CONSOLE_SCRIPTS = {"megalm-train": "megalm.train", "megalm-generate": "megalm.generate",
                    "megalm-preprocess": "megalm.data.preprocess", "megalm-plot": "megalm.plot",
-                   "megalm-export": "megalm.interop.export", "megalm-import": "megalm.interop.hf_import"}
+                   "megalm-export": "megalm.interop.export", "megalm-import": "megalm.interop.hf_import",
+                   "megalm-estimate": "megalm.estimate"}
+# megalm-estimate keeps the documented layout and shrinks the model to a shape that layout still shards (the
+# values replace the command's own: it runs one rank of the layout under fake tensors either way).
+ESTIMATE_SHAPE = {"model.num_layers": "8", "model.hidden_size": "64", "model.num_heads": "8",
+                  "model.num_kv_heads": "8", "model.ffn_hidden_size": "128", "model.seq_length": "64",
+                  "model.vocab_size": "512"}
 NAMES_IN_PROSE = {"torchrun -m megalm.train", "python -m megalm.train", "megalm-generate --debug"}
 
 
@@ -155,6 +161,9 @@ def runnable(command: str, tmp: Path) -> tuple[list[str], dict[str, str]] | None
     if tool is not None:  # a benchmark: one short repetition, a small model; it runs its own steps
         words += TOOL_FLAGS[tool]
         words += [f"{k}={v}" for k, v in TINY.items() if k.startswith("model.") and k not in overrides_set(words)]
+    elif exe == "megalm-estimate":
+        words = [w for w in words if w.split("=", 1)[0] not in ESTIMATE_SHAPE]
+        words += [f"{k}={v}" for k, v in ESTIMATE_SHAPE.items()]
     elif ("megalm.train" in head + words or exe.startswith("scripts/")) and "--cfg" not in words:
         words += [f"{k}={v}" for k, v in TINY.items() if k not in overrides_set(words)]
     return head + words, env

@@ -310,6 +310,11 @@ class BucketAdamW:
             work.wait()
         return full
 
+    def gather_buffers(self) -> list[torch.Tensor]:
+        """The ZeRO-1 all-gather outputs in flight: made by `step`, held until the next forward takes each bucket's
+        parameters from its buffer (`finish_param_gather`). Communication buffers, for memory accounting."""
+        return [full for full, _ in self._pending.values()]
+
     # ------------------------------------------------------------------ checkpoints
 
     @property

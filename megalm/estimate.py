@@ -1,0 +1,316 @@
+"""`megalm-estimate`: how much memory each rank of a layout takes, and how fast its step runs, before renting GPUs.
+
+    megalm-estimate model=8b model.seq_length=8192 parallel.tp=8 parallel.pp=4 parallel.sequence_parallel=true \
+        precision=bf16 --world 256 --gpu h100 --json
+
+For each distinct rank role of the layout (the first, a middle and the last pipeline stage) this process becomes that
+rank of a fake process group of the whole world (torch's `fake` backend: collectives return at once), builds the
+real trainer (model chunk, parallel layers, reducer, optimizer) under `FakeTensorMode` (sizes, no data), and runs
+a real training step of that rank: the pipeline schedule's micro-batches, forward and backward, gradient
+reduction, the optimizer step, with the offload hooks and recomputation the config asks for. Nothing is modelled
+by a formula: the bytes are those of the storages the step creates and frees, counted by the live-storage probe
+(megalm.measure.LiveStorages), the FLOPs and the roofline time of every op those of the step-cost trace
+(megalm.measure.op_cost), the collectives' bytes those the step hands to torch.distributed.
+
+Per rank it reports (bytes): parameters, gradients (the data-parallel gradient buckets), optimizer states (fp32
+main weights under bf16, Adam's moments), activations (the step's peak above the static bytes: saved activations,
+logits, gradients in flight, communication buffers), offloaded host bytes, a reserve for what fake tensors cannot
+see, and the peak total; the step's FLOPs. The reserve (`RESERVE`): the CUDA context and cuBLAS workspaces
+(~0.6 GiB on Hopper, measured by PyTorch users with `nvidia-smi` against `torch.cuda.memory_reserved`), NCCL's
+buffers (NCCL_BUFFSIZE 4 MiB x 2 directions x up to 32 channels per communicator in use, ~0.25 GiB each), and
+the caching allocator's fragmentation (10% of the peak, PyTorch's documented `expandable_segments` motivation).
+
+Step time: the rank's roofline time for compute (max(FLOPs / peak, bytes / HBM bandwidth) per op), stretched by the
+pipeline's bubble ((m + p - 1) / m micro-batch slots for 1F1B, (p - 1) / vpp bubble slots when interleaved), plus
+its collectives at the link's bandwidth: tensor- and context-parallel groups inside a node over NVLink, data- and
+pipeline-parallel traffic across nodes over InfiniBand (`LINKS`), none of it assumed hidden behind compute. MFU is
+6·N·T (plus attention) FLOPs of the global step over (world x peak x step time); tokens/s the global batch's
+tokens over the step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from megalm.measure import LiveStorages
+from megalm.measure.op_cost import GPUS, OpCosts
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Links:
+    """Per-GPU link bandwidths in bytes/s, one direction (vendor datasheets)."""
+
+    nvlink: float  # inside a node
+    network: float  # across nodes (InfiniBand / RoCE NIC per GPU)
+
+
+LINKS = {  # NVLink 4: 900 GB/s both ways (H100, H200); NVLink 3: 600 (A100); NVLink 5: 1.8 TB/s (B200). One
+    # 400 Gb/s NIC per GPU (ConnectX-7) on H100/H200/B200 clusters, 200 Gb/s (HDR) on A100 ones.
+    "h100": Links(450e9, 50e9),
+    "h200": Links(450e9, 50e9),
+    "a100": Links(300e9, 25e9),
+    "b200": Links(900e9, 50e9),
+}
+HBM_BYTES = {"h100": 80 * GIB, "h200": 141 * GIB, "a100": 80 * GIB, "b200": 180 * GIB}
+RESERVE_CONTEXT = int(0.6 * GIB)  # CUDA context + cuBLAS workspaces
+RESERVE_PER_COMMUNICATOR = int(0.25 * GIB)  # NCCL buffers
+FRAGMENTATION = 0.10  # of the peak
+
+
+@dataclass
+class RankEstimate:
+    role: str
+    rank: int
+    peak_bytes: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    comm_bytes: int  # buffers kept between steps for collectives (ZeRO-1's all-gather outputs)
+    host_bytes: int
+    reserve_bytes: int
+    flops: float
+    compute_s: float
+    comm_s: float
+    collective_bytes: dict[str, int]  # what the step's collectives carry, by mesh dimension
+
+
+class Collectives(TorchDispatchMode):
+    """Bytes each collective of the step hands to torch.distributed, by the group's mesh dimension."""
+
+    def __init__(self, groups: dict[str, str]) -> None:
+        super().__init__()
+        self.groups = groups  # process group name -> mesh dimension
+        self.bytes: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        import torch.distributed as dist
+
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d":  # the group arrives boxed (a ScriptObject): its name says which it is
+            flat = tree_flatten((args, kwargs or {}))[0]
+            tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+            names = [dist.ProcessGroup.unbox(a).group_name for a in flat if isinstance(a, torch.ScriptObject)
+                     and "ProcessGroup" in str(a._type())]
+            dim = next((self.groups[n] for n in names if n in self.groups), "other")
+            self.bytes[dim] += max((t.numel() * t.element_size() for t in tensors), default=0)
+        return out
+
+
+def roles(pp: int) -> list[tuple[str, int]]:
+    """(role, pipeline stage) of each distinct rank role: the first, a middle and the last stage."""
+    if pp == 1:
+        return [("only stage", 0)]
+    out = [("first stage", 0)]
+    if pp > 2:
+        out.append(("middle stage", pp // 2))
+    return out + [("last stage", pp - 1)]
+
+
+def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: str) -> RankEstimate:
+    """One rank of `stage` (tp, cp, dp coordinates 0) of a `world`-rank run, built and stepped under fake tensors."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megalm.parallel.dims import ParallelDims
+    from megalm.train import compose_config
+    from megalm.training.trainer import Trainer
+
+    cfg = compose_config(overrides)
+    p = cfg.parallel
+    dims = ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=world // (p.tp * p.pp * p.cp))
+    rank = dims.rank_of(pp=stage)
+    fake, live = FakeTensorMode(allow_non_fake_inputs=True), LiveStorages()
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        with tempfile.TemporaryDirectory() as run_dir:
+            with fake, live:
+                trainer = Trainer(cfg, run_dir)
+            params = _storage_bytes(trainer.model.parameters())
+            _step(trainer, 0, fake, live)  # the optimizer's states are made in its first step
+            static = live.bytes()
+            grads = _storage_bytes(_grad_buffers(trainer))
+            gather = getattr(trainer.optimizer, "gather_buffers", list)()
+            comm = _storage_bytes(gather)
+            del gather
+            live.mark_peak()
+            costs, comms = OpCosts(GPUS[gpu], cfg.precision.tf32), Collectives(_group_names(trainer))
+            _step(trainer, 1, fake, live, costs, comms)
+            peak = live.peak()
+    finally:
+        dist.destroy_process_group()
+    reserve = RESERVE_CONTEXT + int(FRAGMENTATION * peak)
+    reserve += RESERVE_PER_COMMUNICATOR * sum(1 for d in ("tp", "cp", "dp", "pp") if getattr(dims, d) > 1)
+    summary = costs.summary()
+    return RankEstimate(role, rank, peak + reserve, params, grads, static - params - grads - comm, peak - static,
+                        comm, live.peak("host"), reserve, summary["tflop"] * 1e12, summary["roofline_ms"] / 1e3,
+                        _comm_seconds(comms.bytes, LINKS[gpu]), dict(comms.bytes))
+
+
+def _step(trainer: Any, step: int, fake: Any, live: LiveStorages, *traces: TorchDispatchMode) -> None:
+    """One training step of this rank: the step's data plan on the host, outside fake mode (it reads the documents'
+    lengths), then forward, backward, gradient reduction and the optimizer step under fake tensors."""
+    share = trainer.parallel.share_of_step(trainer.data.train, trainer.step_sample_ids(step), step)
+    with fake, live, contextlib.ExitStack() as stack:
+        for trace in traces:
+            stack.enter_context(trace)
+        trainer.parallel.forward_backward(share)
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def _storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages of `tensors`."""
+    storages = {}
+    for t in tensors:
+        storages[id(t.untyped_storage())] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _grad_buffers(trainer: Any) -> list[torch.Tensor]:
+    """The data-parallel gradient buckets (and ZeRO-1's shards) the reducer keeps between steps."""
+    out = []
+    for bucket in trainer.parallel.reducer.buckets:
+        out += [t for t in (getattr(bucket, "buffer", None), getattr(bucket, "shard", None)) if t is not None]
+    return out
+
+
+def _group_names(trainer: Any) -> dict[str, str]:
+    """{process group name: its mesh dimension} of this rank's groups."""
+    mesh, names = trainer.parallel.mesh, {}
+    for dim in ("dp_cp", "tp", "cp", "dp", "pp", "embedding"):  # dp_cp is dp's own group when cp = 1
+        group = getattr(mesh, f"{dim}_group", None)
+        if group is not None:
+            names[group.group_name] = dim
+    return names
+
+
+def _comm_seconds(nbytes: dict[str, int], links: Links) -> float:
+    """Collectives at their link's bandwidth: tp and cp inside a node (NVLink), the rest across nodes. A ring
+    collective moves about 2 (n - 1) / n of its buffer through each rank's link (all-reduce); counted once."""
+    seconds = 0.0
+    for dim, n in nbytes.items():
+        seconds += 2 * n / (links.nvlink if dim in ("tp", "cp") else links.network)
+    return seconds
+
+
+# ------------------------------------------------------------------------------------------------ the whole layout
+
+BATCH_DEFAULTS = "trainer.micro_batch_size=1, trainer.global_batch_size=4 x pp x dp (4·pp micro-batches per pipeline)"
+
+
+def batch_overrides(overrides: list[str], world: int) -> list[str]:
+    """The estimator's batch when the command line sets none (megalm-train's defaults are for the tiny CPU model):
+    one sequence per micro-batch and 4·pp micro-batches per step, so the pipeline's bubble is (pp - 1) / (5·pp - 1)."""
+    from megalm.train import compose_config
+
+    keys = {o.split("=", 1)[0].lstrip("+") for o in overrides}
+    if {"trainer.micro_batch_size", "trainer.global_batch_size"} & keys:
+        return overrides
+    p = compose_config(overrides).parallel
+    dp = world // (p.tp * p.pp * p.cp)
+    return [*overrides, "trainer.micro_batch_size=1", f"trainer.global_batch_size={4 * p.pp * dp}"]
+
+
+def bubble_factor(pp: int, micro_batches: int, schedule: str, vpp: int) -> float:
+    """Step time over a rank's compute time: 1F1B (and ZB, counted as 1F1B) fills m + p - 1 micro-batch slots, an
+    interleaved schedule m + (p - 1) / vpp (Narayanan et al. 2021)."""
+    if pp == 1:
+        return 1.0
+    idle = (pp - 1) / vpp if schedule == "interleaved" else pp - 1
+    return (micro_batches + idle) / micro_batches
+
+
+def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
+    """Every rank role of the layout, and the step's time, MFU and tokens/s (see the module docstring)."""
+    from megalm.config.checks import resolve_model_defaults
+    from megalm.errors import ConfigError
+    from megalm.train import compose_config
+    from megalm.training.flops import training_flops
+
+    if gpu not in GPUS:
+        raise ConfigError(f"--gpu {gpu}: unknown GPU; expected one of {', '.join(sorted(GPUS))}")
+    cfg = compose_config(overrides)
+    p = cfg.parallel
+    per_replica = p.tp * p.pp * p.cp
+    if world < per_replica or world % per_replica:
+        raise ConfigError(f"--world {world} is not a multiple of tp x pp x cp = {per_replica}; change --world or the "
+                          "layout")
+    dp = world // per_replica
+    ranks = [estimate_rank(overrides, world, stage, role, gpu) for role, stage in roles(p.pp)]
+    micro_batches = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * dp)
+    factor = bubble_factor(p.pp, micro_batches, p.pp_schedule, p.vpp)
+    step_time = max(r.compute_s * factor + r.comm_s for r in ranks)
+    sequences = cfg.trainer.global_batch_size
+    tokens = sequences * cfg.model.seq_length
+    flops = training_flops(resolve_model_defaults(cfg.model, p.tp), [cfg.model.seq_length] * sequences)
+    mfu = flops / (world * GPUS[gpu].bf16_tflops * 1e12 * step_time)
+    fits = all(r.peak_bytes <= HBM_BYTES[gpu] for r in ranks)
+    return {"model": cfg.model.name, "world": world, "gpu": gpu, "hbm_bytes": HBM_BYTES[gpu], "fits": fits,
+            "layout": {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": dp, "vpp": p.vpp, "schedule": str(p.pp_schedule.value),
+                       "micro_batches": micro_batches, "sequence_parallel": p.sequence_parallel,
+                       "zero1": p.zero1, "recompute": str(p.recompute), "precision": str(cfg.precision.name)},
+            "ranks": [asdict(r) for r in ranks], "step_time_s": step_time, "bubble_factor": factor, "mfu": mfu,
+            "tokens_per_s": tokens / step_time, "global_flops": flops}
+
+
+def _table(result: dict[str, Any]) -> str:
+    gib = lambda b: f"{b / GIB:.2f}"  # noqa: E731
+    lines = [f"{result['model']} on {result['world']} x {GPUS[result['gpu']].name} "
+             f"({HBM_BYTES[result['gpu']] / GIB:.0f} GiB): {result['layout']}",
+             "| role | rank | params | grads | optimizer | activations | host | reserve | peak GiB | TFLOP | "
+             "compute s | comm s |", "| --- " * 12 + "|"]
+    for r in result["ranks"]:
+        lines.append(f"| {r['role']} | {r['rank']} | {gib(r['param_bytes'])} | {gib(r['grad_bytes'])} | "
+                     f"{gib(r['optimizer_bytes'])} | {gib(r['activation_bytes'])} | {gib(r['host_bytes'])} | "
+                     f"{gib(r['reserve_bytes'])} | {gib(r['peak_bytes'])} | {r['flops'] / 1e12:.1f} | "
+                     f"{r['compute_s']:.3f} | {r['comm_s']:.3f} |")
+    lines.append(f"step {result['step_time_s']:.3f} s (bubble x{result['bubble_factor']:.2f}), MFU "
+                 f"{result['mfu']:.1%}, {result['tokens_per_s']:,.0f} tokens/s; "
+                 + ("fits" if result["fits"] else "does NOT fit") + " in device memory")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """megalm-estimate OVERRIDES... --world N --gpu h100 [--json]."""
+    import logging
+
+    from megalm.errors import ConfigError
+
+    parser = argparse.ArgumentParser(prog="megalm-estimate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*", help="megalm-train's Hydra overrides (model=8b parallel.tp=8 ...)")
+    parser.add_argument("--world", type=int, required=True, help="number of GPUs of the run")
+    parser.add_argument("--gpu", default="h100", help=f"one of {', '.join(sorted(GPUS))}")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_intermixed_args(argv)  # overrides before and after the flags
+    logging.getLogger("megalm").setLevel(logging.WARNING)  # the trainers' start-up lines are not the answer
+    try:
+        overrides = batch_overrides(args.overrides, args.world)
+        with contextlib.redirect_stdout(sys.stderr):
+            result = estimate([*overrides, "trainer.device=cpu", "trainer.hang_minutes=0",
+                               "trainer.init_hang_minutes=0", "logging.tensorboard=false"], args.world, args.gpu)
+    except ConfigError as error:
+        print(f"megalm-estimate: {error}", file=sys.stderr)
+        return 2
+    if overrides is not args.overrides:
+        result["notes"] = [f"batch not given: {BATCH_DEFAULTS}"]
+    print(json.dumps(result, indent=1) if args.json else _table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""megalm-estimate: one rank of a layout, built and stepped under fake tensors, measured by the live-storage probe.
+
+The static bytes per parameter must be the closed forms of the mixed-precision recipes (Megatron's accounting, as in
+Korthikanti et al. and Megatron-LM's theoretical_memory_usage.py), N parameters on the rank, dp data-parallel ranks:
+
+    precision    parallel   params   grads            optimizer                  ZeRO-1 gather buffers
+    bf16         plain DP   2N       4N (fp32 sums)   12N (fp32 main, m, v)              -
+    bf16         ZeRO-1     2N       4N + 4N/dp       12N/dp                           2N (bf16)
+    fp32         plain DP   4N       4N               8N (m, v)                          -
+    fp32         ZeRO-1     4N       4N + 4N/dp       8N/dp                            4N (fp32)
+
+plus AdamW's step counters and scalars in the optimizer's bytes (under 128 bytes).
+
+(ZeRO-1's shard of the summed gradients is a buffer of its own, 4N/dp, and its all-gather lands in a buffer the
+next forward takes the parameters from: what megalm holds beyond Megatron's distributed optimizer, which reduces
+and gathers in place.) N is counted here from a model built from the same config, not read from the estimator.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megalm import estimate
+from megalm.config.checks import resolve_model_defaults
+from megalm.model.gpt import GPT
+from tests.conftest import TINY, compose_config
+
+SMALL = [o for o in TINY if not o.startswith("trainer.") or "batch_size" not in o]  # the estimator's batch
+
+
+def parameters(overrides: list[str]) -> int:
+    """Elements of the model the overrides build, on one rank (tp = pp = 1)."""
+    cfg = compose_config(*overrides)
+    with torch.device("meta"):
+        model = GPT(resolve_model_defaults(cfg.model))
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("precision, zero1, world", [("bf16", False, 2), ("bf16", True, 4), ("fp32", False, 2),
+                                                     ("fp32", True, 4)])
+def test_static_bytes_are_the_closed_form(precision, zero1, world):
+    overrides = [*SMALL, f"precision={precision}", f"parallel.zero1={str(zero1).lower()}", "trainer.device=cpu"]
+    n = parameters(overrides)
+    dp = world
+    assert n % dp == 0  # no ZeRO-1 padding at this shape: the closed forms are exact
+    result = estimate.estimate(estimate.batch_overrides(overrides, world), world, "h100")
+    (rank,) = result["ranks"]
+    weight = 2 if precision == "bf16" else 4
+    assert rank["param_bytes"] == weight * n
+    assert rank["grad_bytes"] == 4 * n + (4 * n // dp if zero1 else 0)
+    moments_and_main = (12 if precision == "bf16" else 8) * n // (dp if zero1 else 1)
+    scalars = rank["optimizer_bytes"] - moments_and_main  # AdamW's step counters and scalars
+    assert 0 < scalars < 128, (rank["optimizer_bytes"], moments_and_main)
+    assert rank["comm_bytes"] == (weight * n if zero1 else 0)
+    assert rank["activation_bytes"] > 0 and rank["flops"] > 0
+    assert result["layout"]["dp"] == dp
+
+
+def test_every_pipeline_role_and_the_step_time():
+    """pp4: the first, a middle and the last stage, at their global ranks; the first keeps the most activations
+    (1F1B: pp micro-batches in flight), the last has the output head's FLOPs; MFU and tokens/s from the step time."""
+    overrides = [*SMALL, "model.num_layers=8", "parallel.pp=4", "precision=bf16", "trainer.device=cpu"]
+    result = estimate.estimate(estimate.batch_overrides(overrides, 8), 8, "h100")
+    ranks = result["ranks"]
+    assert [(r["role"], r["rank"]) for r in ranks] == [("first stage", 0), ("middle stage", 4), ("last stage", 6)]
+    assert ranks[0]["activation_bytes"] > ranks[1]["activation_bytes"]
+    assert ranks[2]["flops"] > ranks[1]["flops"]
+    assert result["layout"]["micro_batches"] == 16 and result["bubble_factor"] == pytest.approx(19 / 16)
+    assert result["mfu"] == pytest.approx(result["global_flops"] / (8 * 989.4e12 * result["step_time_s"]))
+    assert all(r["peak_bytes"] > r["param_bytes"] + r["activation_bytes"] for r in ranks)
+
+
+def test_the_command_line(capsys):
+    assert estimate.main([*SMALL, "parallel.tp=2", "precision=bf16", "--world", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {"ranks", "step_time_s", "mfu", "tokens_per_s"} <= result.keys()
+    assert set(result["ranks"][0]) >= {"role", "peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes",
+                                       "activation_bytes", "comm_bytes", "host_bytes", "reserve_bytes", "flops"}
+    assert result["notes"] == [f"batch not given: {estimate.BATCH_DEFAULTS}"]
+    assert "tp" in result["ranks"][0]["collective_bytes"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["parallel.tp=2", "--world", "3"], "--world 3 is not a multiple of tp x pp x cp = 2"),
+    (["--world", "2", "--gpu", "v100"], "--gpu v100: unknown GPU"),
+])
+def test_bad_input_is_one_line(argv, message, capsys):
+    assert estimate.main([*SMALL, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
