@@ -141,16 +141,17 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
             with fake, live:
                 trainer = Trainer(cfg, run_dir)
             params = _storage_bytes(trainer.model.parameters())
-            _step(trainer, 0, fake, live)  # the optimizer's states are made in its first step
-            static = live.bytes()
+            run_step(trainer, 0, fake, live)  # the optimizer's states are made in its first step
+            device = trainer.device.type  # the offload pool's host buffers are counted apart, as "host"
+            static = live.bytes(device)
             grads = _storage_bytes(_grad_buffers(trainer))
             gather = getattr(trainer.optimizer, "gather_buffers", list)()
             comm = _storage_bytes(gather)
             del gather
             live.mark_peak()
             costs, comms = OpCosts(GPUS[gpu], cfg.precision.tf32), Collectives(_group_names(trainer))
-            _step(trainer, 1, fake, live, costs, comms)
-            peak = live.peak()
+            run_step(trainer, 1, fake, live, costs, comms)
+            peak = live.peak(device)
     finally:
         dist.destroy_process_group()
     reserve = RESERVE_CONTEXT + int(FRAGMENTATION * peak)
@@ -161,11 +162,16 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
                         _comm_seconds(comms.bytes, LINKS[gpu]), dict(comms.bytes))
 
 
-def _step(trainer: Any, step: int, fake: Any, live: LiveStorages, *traces: TorchDispatchMode) -> None:
+def run_step(trainer: Any, step: int, fake: Any, live: LiveStorages, *traces: TorchDispatchMode) -> None:
     """One training step of this rank: the step's data plan on the host, outside fake mode (it reads the documents'
-    lengths), then forward, backward, gradient reduction and the optimizer step under fake tensors."""
+    lengths), then forward, backward, gradient reduction and the optimizer step under `fake` (FakeTensorMode; a
+    null context runs it on real tensors, which is how tests/dist/test_estimate_measured.py measures a real run with
+    the same probe), with the probe `live` and the traces on."""
     share = trainer.parallel.share_of_step(trainer.data.train, trainer.step_sample_ids(step), step)
+    store = trainer.parallel.offload_store
     with fake, live, contextlib.ExitStack() as stack:
+        if store is not None:  # its pinned host buffers are host memory, not the device's
+            stack.enter_context(live.labelling(store.pool, "allocate", "host"))
         for trace in traces:
             stack.enter_context(trace)
         trainer.parallel.forward_backward(share)

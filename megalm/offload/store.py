@@ -66,7 +66,7 @@ class _Storage:
 @dataclass
 class _Group:
     storages: list[_Storage] = field(default_factory=list)
-    index: dict[int, int] = field(default_factory=dict)  # storage address -> position in `storages`
+    index: dict[int, int] = field(default_factory=dict)  # storage identity (`_identity`) -> position in `storages`
     host: torch.Tensor | None = None  # one pool buffer holding all storages while offloaded
     state: str = RESIDENT
     event: object | None = None  # CUDA event of the group's last copy
@@ -118,9 +118,20 @@ def with_index(device: torch.device) -> torch.device:
     return device
 
 
-def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    """A uint8 tensor over all of `storage` (to copy it whole, whatever views of it were saved)."""
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+def _identity(storage: torch.UntypedStorage) -> int:
+    """Which storage this is, while it lives: its StorageImpl's address. A data pointer would do on a device, but
+    fake tensors (megalm-estimate runs offload under them) have none: every one reads 0."""
+    return storage._cdata
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over all of t's storage (to copy it whole, whatever views of it were saved), made as a view of
+    t. (`torch.empty(0).set_(storage)` would do on a device, but under FakeTensorMode, where megalm-estimate runs
+    offload, it keeps the storage alive for good.)"""
+    nbytes, itemsize = t.untyped_storage().nbytes(), t.element_size()
+    if nbytes % itemsize:  # a storage of another dtype's bytes: only `set_` spans it
+        return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    return t.detach().as_strided((nbytes // itemsize,), (1,), 0).view(torch.uint8)
 
 
 class ActivationStore:
@@ -137,7 +148,7 @@ class ActivationStore:
         self.device = with_index(torch.device(device))
         self.cuda = self.device.type == "cuda"
         self.pool = pool or HostPool(pin=self.cuda)
-        self.param_storages = {p.untyped_storage().data_ptr() for p in params}  # parameters and buffers
+        self.param_storages = {_identity(p.untyped_storage()) for p in params}  # parameters and buffers
         self.min_tensor_bytes = min_tensor_bytes
         self.recompute_cheap = recompute_cheap
         self.recomputed = 0  # cheap outputs rebuilt instead of stored
@@ -169,10 +180,10 @@ class ActivationStore:
             if self.recompute_cheap and node is not None and type(node).__name__ in CHEAP_OPS and not t._is_view():
                 return _Recompute(node, t.dtype)
             storage = t.untyped_storage()
-            address = storage.data_ptr()
+            address = _identity(storage)
             if address not in group.index:
                 group.index[address] = len(group.storages)
-                group.storages.append(_Storage(storage.nbytes(), _bytes_of(storage, t.device), t.detach()))
+                group.storages.append(_Storage(storage.nbytes(), _bytes_of(t), t.detach()))
                 self._add_resident(storage.nbytes())
                 self.group_bytes_seen[key] = group.nbytes
             index = group.index[address]
@@ -212,7 +223,7 @@ class ActivationStore:
         storage = t.untyped_storage()
         if storage.nbytes() < self.min_tensor_bytes:
             return False
-        return storage.data_ptr() not in self.param_storages
+        return _identity(storage) not in self.param_storages
 
     def _unpack(self, ref: torch.Tensor | _Ref | _Recompute) -> torch.Tensor:
         if isinstance(ref, torch.Tensor):
@@ -240,9 +251,8 @@ class ActivationStore:
             group.unpacked = True
             if self.on_unpack is not None:
                 self.on_unpack(ref.key)
-        offset = saved.device.storage_offset() // ref.dtype.itemsize + ref.offset
-        return torch.empty(0, dtype=ref.dtype, device=self.device).set_(saved.device.untyped_storage(), offset,
-                                                                        ref.size, ref.stride)
+        elements = saved.device.view(ref.dtype)  # the storage's bytes as ref's dtype (a view: see `_bytes_of`)
+        return elements.as_strided(ref.size, ref.stride, elements.storage_offset() + ref.offset)
 
     # ------------------------------------------------------------------ moves
 

@@ -1,0 +1,62 @@
+"""megalm-estimate against real runs: the same rank's device peak, fake against real.
+
+Each layout runs for real on gloo processes of this machine (real tensors, real collectives), every rank measured
+by the live-storage probe exactly as the estimator measures its fake rank (`estimate.run_step`: a first step for the
+optimizer's states, then the peak of the second, the static bytes included). The estimator's per-rank peak
+without its reserve (`peak_bytes - reserve_bytes`) must equal the real rank's (issue 26 asks within 5% for pp1,
+tp2, pp2, cp2, HDP and offload; it is equal to the byte), for every rank role the estimator reports. Where they
+differed, fake mode was keeping storages alive: `Tensor.set_(storage)` under FakeTensorMode holds the storage for
+good, which made an offload run's estimate 49% high until the store stopped using it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from megalm import estimate
+from tests.conftest import TINY
+from tests.dist.launch import run_distributed
+
+SMALL = [o for o in TINY if "batch_size" not in o]
+COMMON = [*SMALL, "model.num_layers=4", "precision=bf16", "trainer.device=cpu", "trainer.micro_batch_size=1"]
+LAYOUTS = {  # overrides, world size
+    "dp2": (["trainer.global_batch_size=4"], 2),
+    "tp2_sp": (["parallel.tp=2", "parallel.sequence_parallel=true", "trainer.global_batch_size=2"], 2),
+    "pp2": (["parallel.pp=2", "trainer.global_batch_size=4"], 2),
+    "cp2": (["parallel.cp=2", "trainer.global_batch_size=2"], 2),
+    "hdp2": (["parallel.hdp=true", "data.varlen=true", "trainer.global_batch_size=4"], 2),
+    "offload": (["offload.enabled=true", "offload.min_tensor_bytes=0", "trainer.global_batch_size=4"], 2),
+}
+
+
+def measure(rank: int, world: int, overrides: list[str], out: str) -> None:
+    from megalm.measure import LiveStorages
+    from megalm.train import compose_config
+    from megalm.training.trainer import Trainer
+
+    live, real = LiveStorages(), contextlib.nullcontext()
+    with tempfile.TemporaryDirectory() as run_dir:
+        with live:
+            trainer = Trainer(compose_config(overrides), run_dir)
+        estimate.run_step(trainer, 0, real, live)
+        live.mark_peak()
+        estimate.run_step(trainer, 1, real, live)
+        Path(out, f"{rank}.json").write_text(json.dumps({"peak": live.peak(trainer.device.type)}))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_estimate_is_the_real_run(tmp_path, layout):
+    extra, world = LAYOUTS[layout]
+    overrides = [*COMMON, *extra]
+    run_distributed(measure, world, overrides, str(tmp_path), timeout=300)
+    result = estimate.estimate(overrides, world, "h100")
+    for rank in result["ranks"]:
+        real = json.loads((tmp_path / f"{rank['rank']}.json").read_text())["peak"]
+        fake = rank["peak_bytes"] - rank["reserve_bytes"]
+        assert fake == real, (
+            f"{layout} {rank['role']} (rank {rank['rank']}): estimated {fake} bytes, the real run {real}")
