@@ -47,6 +47,8 @@ TOOL_FLAGS = {"precision_convergence.py": ["--steps", "2"], "throughput.py": ["-
               "offload.py": ["--steps", "1", "--warmup", "0"], "checkpoint_save.py": ["--reps", "1"],
               "compare.py": ["--tiny", "--seqs", "64", "--precisions", "fp32", "--repeats", "1"], "step_cost.py": [],
               "activation_memory.py": ["model.num_heads=8"]}  # 8 heads: its tp8 command shards them
+# Benchmarks that set their own model shapes (a tiny model would not shard over their layouts): only these flags.
+OWN_SHAPE_FLAGS = {"estimate_vs_formula.py": ["--models", "8b", "--recompute", "full", "--num-layers", "8"]}
 SET_UP = ("pip install", "pytest", "docker ", "tools/gpu_wheels.sh",
           "python tools/slurm_local/")  # the loopback Slurm cluster needs root and apt: tests/e2e/test_slurm.py runs it
 GPU_ONLY = ("tools/gpu_check.sh",)  # exits 2 without CUDA by design
@@ -158,7 +160,10 @@ def runnable(command: str, tmp: Path) -> tuple[list[str], dict[str, str]] | None
         raise AssertionError(f"no rule to run the documented command: {command}")
     words = shrink(words, tmp)
     tool = next((name for name in TOOL_FLAGS if any(w.endswith(name) for w in words)), None)
-    if tool is not None:  # a benchmark: one short repetition, a small model; it runs its own steps
+    own_shape = next((name for name in OWN_SHAPE_FLAGS if any(w.endswith(name) for w in words)), None)
+    if own_shape is not None:
+        words += OWN_SHAPE_FLAGS[own_shape]
+    elif tool is not None:  # a benchmark: one short repetition, a small model; it runs its own steps
         words += TOOL_FLAGS[tool]
         words += [f"{k}={v}" for k, v in TINY.items() if k.startswith("model.") and k not in overrides_set(words)]
     elif exe == "megalm-estimate":

@@ -1,0 +1,84 @@
+"""megalm-estimate at Llama-3 8B and 70B against the closed forms: static bytes (exact) and activations (Korthikanti).
+
+    python tools/bench/estimate_vs_formula.py                       # 8B and 70B, recompute none/selective/full
+    python tools/bench/estimate_vs_formula.py --models 8b --recompute none
+
+For each model and recompute mode the estimator runs the first pipeline stage's rank of its layout (the stage that
+holds the most: pp micro-batches in flight under 1F1B), and the table sets its measured bytes beside:
+- parameters, gradients and optimizer states from the closed form of the mixed-precision recipe (2, 4 and 12 bytes
+  per parameter of the rank, no ZeRO-1), the rank's parameters counted from the shapes: the layers of the stage
+  sharded over tp (norms replicated), the embedding's rows over tp, Megatron's padded vocabulary;
+- activations: Korthikanti et al. (2022) per layer and micro-batch with sequence parallelism and flash attention,
+  34·s·h/t without recompute (their selective recompute removes only the attention matrices, which flash attention
+  never stores: 34 too) and 2·s·h/t with full recompute (the layer's input), times the layers of the stage and the pp
+  micro-batches in flight. megalm's `selective` recomputes the elementwise ops and keeps GEMM, attention and
+  collective outputs, which is not Korthikanti's selective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from megalm import estimate  # noqa: E402
+
+LAYOUTS = {  # model -> (overrides, world): TP within a node, PP across nodes, dp 8
+    "8b": (["model=8b", "parallel.tp=8", "parallel.pp=4", "parallel.sequence_parallel=true"], 256),
+    "70b": (["model=70b", "parallel.tp=8", "parallel.pp=8", "parallel.sequence_parallel=true"], 512),
+}
+GIB = 2**30
+
+
+def stage_parameters(cfg, tp: int, pp: int) -> int:
+    """Parameters on the first stage's rank, from the shapes (Llama: untied output, no biases)."""
+    m = cfg.model
+    head_dim = m.hidden_size // m.num_heads
+    h, f = m.hidden_size, m.ffn_hidden_size
+    q, kv = m.num_heads * head_dim, m.num_kv_heads * head_dim
+    sharded = h * q + 2 * h * kv + q * h + 3 * h * f  # qkv, o, gate/up, down
+    per_layer = sharded // tp + 2 * h  # two RMSNorm weights, replicated
+    multiple = m.make_vocab_size_divisible_by * tp
+    padded_vocab = -(-m.vocab_size // multiple) * multiple
+    return m.num_layers // pp * per_layer + padded_vocab * h // tp
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megalm.train import compose_config
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=list(LAYOUTS))
+    p.add_argument("--recompute", nargs="+", default=["none", "selective", "full"])
+    p.add_argument("--num-layers", type=int, help="fewer layers, for a quick run (the per-layer figures hold)")
+    args = p.parse_args(argv)
+    depth = [f"model.num_layers={args.num_layers}"] if args.num_layers else []
+    print("| model | recompute | params GiB | grads GiB | optimizer GiB | activations GiB | Korthikanti | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for model in args.models:
+        layout, world = LAYOUTS[model]
+        for mode in args.recompute:
+            overrides = estimate.batch_overrides([*layout, *depth, "precision=bf16", f"parallel.recompute={mode}"],
+                                                 world)
+            cfg = compose_config(overrides)
+            tp, pp = cfg.parallel.tp, cfg.parallel.pp
+            n = stage_parameters(cfg, tp, pp)
+            rank = estimate.estimate([*overrides, "trainer.device=cpu", "logging.tensorboard=false"], world,
+                                     "h100")["ranks"][0]
+            s, h = cfg.model.seq_length, cfg.model.hidden_size
+            per_layer = (2 if mode == "full" else 34) * s * h / tp
+            formula = per_layer * cfg.model.num_layers // pp * pp
+            closed = (2 * n, 4 * n, 12 * n)
+            measured = (rank["param_bytes"], rank["grad_bytes"], rank["optimizer_bytes"])
+            cells = [f"{m / GIB:.3f} ({'= closed form' if m == c else f'closed form {m - c:+,} bytes'})"
+                     for m, c in zip(measured, closed, strict=True)]  # the optimizer's: + AdamW's step counters
+            print(f"| {model} | {mode} | {' | '.join(cells)} | {rank['activation_bytes'] / GIB:.2f} | "
+                  f"{formula / GIB:.2f} | {rank['activation_bytes'] / formula:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
