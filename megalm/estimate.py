@@ -126,8 +126,8 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from megalm.config.compose import compose_config
     from megalm.parallel.dims import ParallelDims
-    from megalm.train import compose_config
     from megalm.training.trainer import Trainer
 
     cfg = compose_config(overrides)
@@ -222,7 +222,7 @@ BATCH_DEFAULTS = "trainer.micro_batch_size=1, trainer.global_batch_size=4 x pp x
 def batch_overrides(overrides: list[str], world: int) -> list[str]:
     """The estimator's batch when the command line sets none (megalm-train's defaults are for the tiny CPU model):
     one sequence per micro-batch and 4·pp micro-batches per step, so the pipeline's bubble is (pp - 1) / (5·pp - 1)."""
-    from megalm.train import compose_config
+    from megalm.config.compose import compose_config
 
     keys = {o.split("=", 1)[0].lstrip("+") for o in overrides}
     if {"trainer.micro_batch_size", "trainer.global_batch_size"} & keys:
@@ -244,8 +244,8 @@ def bubble_factor(pp: int, micro_batches: int, schedule: str, vpp: int) -> float
 def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
     """Every rank role of the layout, and the step's time, MFU and tokens/s (see the module docstring)."""
     from megalm.config.checks import resolve_model_defaults
+    from megalm.config.compose import compose_config
     from megalm.errors import ConfigError
-    from megalm.train import compose_config
     from megalm.training.flops import training_flops
 
     if gpu not in GPUS:

@@ -21,15 +21,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from megalm.config import (
-    MegalmConfig,
     process_group_minutes,
     register_schema,
-    schema_error_line,
     to_dataclass,
 )
+from megalm.config.compose import CONFIG_DIR, compose_config  # noqa: F401 (tools import them from here)
 from megalm.errors import ConfigError, MegalmError
 
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 log = logging.getLogger("megalm")
 
 
@@ -39,39 +37,6 @@ def fail(message: str) -> None:
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
     sys.exit(2)
-
-
-def _one_line(exc: BaseException) -> str:
-    """Condense a Hydra/OmegaConf composition error into one line that names the key and the fix."""
-    cause = exc.__cause__ or exc
-    lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
-    if any(ln.startswith("full_key:") for ln in lines):  # a key or a value against the schema
-        return schema_error_line(cause)
-    head = lines[0] if lines else type(cause).__name__
-    if "Could not find" in head:
-        options = []
-        for ln in lines[1:]:
-            if ln.startswith("Config search path"):
-                break
-            if not ln.startswith("Available options"):
-                options.append(ln)
-        return f"{head}; available: {', '.join(options)}" if options else head
-    return head
-
-
-def compose_config(overrides: list[str]) -> MegalmConfig:
-    """configs/config.yaml with `overrides`, checked against the schema, as a MegalmConfig; a bad key or value
-    is a one-line ConfigError (Hydra reports composition errors over several lines)."""
-    from hydra import compose, initialize_config_dir
-
-    register_schema()
-    try:
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-            return to_dataclass(compose(config_name="config", overrides=overrides))
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any composition failure is a user error here
-        raise ConfigError(_one_line(e)) from e
 
 
 def precheck_overrides(argv: list[str]) -> None:

@@ -24,7 +24,7 @@ LAYERS = [
     {"megalm.offload"},
     {"megalm.precision", "megalm.parallel"},
     {"megalm.training"},
-    {"megalm.train", "megalm.generate", "megalm.interop", "megalm.plot"},
+    {"megalm.train", "megalm.generate", "megalm.interop", "megalm.plot", "megalm.estimate"},
 ]
 
 
