@@ -271,7 +271,9 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
                        "micro_batches": micro_batches, "sequence_parallel": p.sequence_parallel,
                        "zero1": p.zero1, "recompute": str(p.recompute), "precision": str(cfg.precision.name)},
             "ranks": [asdict(r) for r in ranks], "step_time_s": step_time, "bubble_factor": factor, "mfu": mfu,
-            "tokens_per_s": tokens / step_time, "global_flops": flops}
+            "tokens_per_s": tokens / step_time, "global_flops": flops,
+            "notes": ["parallel.hdp: the rank measured is the first of each stage's domain, whose ring for the step's "
+                      "longest document may not be the largest"] if p.hdp else []}
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -313,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megalm-estimate: {error}", file=sys.stderr)
         return 2
     if overrides is not args.overrides:
-        result["notes"] = [f"batch not given: {BATCH_DEFAULTS}"]
-    print(json.dumps(result, indent=1) if args.json else _table(result))
+        result["notes"].append(f"batch not given: {BATCH_DEFAULTS}")
+    print(json.dumps(result, indent=1) if args.json else "\n".join([_table(result), *result["notes"]]))
     return 0
 
 

@@ -83,6 +83,13 @@ def test_the_command_line(capsys):
     assert "tp" in result["ranks"][0]["collective_bytes"]
 
 
+def test_an_hdp_layout_says_which_rank_it_measured():
+    overrides = [*SMALL, "parallel.hdp=true", "data.varlen=true", "precision=bf16", "trainer.device=cpu"]
+    result = estimate.estimate(estimate.batch_overrides(overrides, 2), 2, "h100")
+    assert [r["rank"] for r in result["ranks"]] == [0]
+    assert any("longest document" in note for note in result["notes"]), result["notes"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["parallel.tp=2", "--world", "3"], "--world 3 is not a multiple of tp x pp x cp = 2"),
     (["--world", "2", "--gpu", "v100"], "--gpu v100: unknown GPU"),
