@@ -21,7 +21,7 @@ buffers (NCCL_BUFFSIZE 4 MiB x 2 directions x up to 32 channels per communicator
 the caching allocator's fragmentation (10% of the peak, PyTorch's documented `expandable_segments` motivation).
 
 Step time: the rank's roofline time for compute (max(FLOPs / peak, bytes / HBM bandwidth) per op), stretched by the
-pipeline's bubble ((m + p - 1) / m micro-batch slots for 1F1B, (p - 1) / vpp bubble slots when interleaved), plus
+pipeline's bubble (the schedule the runtime runs, simulated: (m + p - 1) / m micro-batch slots for 1F1B), plus
 its collectives at the link's bandwidth: tensor- and context-parallel groups inside a node over NVLink, data- and
 pipeline-parallel traffic across nodes over InfiniBand (`LINKS`), none of it assumed hidden behind compute. MFU is
 6·N·T (plus attention) FLOPs of the global step over (world x peak x step time); tokens/s the global batch's
@@ -43,7 +43,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from megalm.measure import LiveStorages
+from megalm.measure import LiveStorages, storage_bytes
 from megalm.measure.op_cost import GPUS, OpCosts
 
 GIB = 2**30
@@ -140,13 +140,13 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
         with tempfile.TemporaryDirectory() as run_dir:
             with fake, live:
                 trainer = Trainer(cfg, run_dir)
-            params = _storage_bytes(trainer.model.parameters())
+            params = storage_bytes(trainer.model.parameters())
             run_step(trainer, 0, fake, live)  # the optimizer's states are made in its first step
             device = trainer.device.type  # the offload pool's host buffers are counted apart, as "host"
             static = live.bytes(device)
-            grads = _storage_bytes(_grad_buffers(trainer))
+            grads = storage_bytes(_grad_buffers(trainer))
             gather = getattr(trainer.optimizer, "gather_buffers", list)()
-            comm = _storage_bytes(gather)
+            comm = storage_bytes(gather)
             del gather
             live.mark_peak()
             costs, comms = OpCosts(GPUS[gpu], cfg.precision.tf32), Collectives(_group_names(trainer))
@@ -177,14 +177,6 @@ def run_step(trainer: Any, step: int, fake: Any, live: LiveStorages, *traces: To
         trainer.parallel.forward_backward(share)
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
-
-
-def _storage_bytes(tensors: Any) -> int:
-    """Bytes of the distinct storages of `tensors`."""
-    storages = {}
-    for t in tensors:
-        storages[id(t.untyped_storage())] = t.untyped_storage().nbytes()
-    return sum(storages.values())
 
 
 def _grad_buffers(trainer: Any) -> list[torch.Tensor]:
@@ -233,12 +225,15 @@ def batch_overrides(overrides: list[str], world: int) -> list[str]:
 
 
 def bubble_factor(pp: int, micro_batches: int, schedule: str, vpp: int) -> float:
-    """Step time over a rank's compute time: 1F1B (and ZB, counted as 1F1B) fills m + p - 1 micro-batch slots, an
-    interleaved schedule m + (p - 1) / vpp (Narayanan et al. 2021)."""
+    """Step time over a rank's compute time, from the schedule the runtime runs, simulated with a backward twice a
+    forward (megalm.parallel.pipeline.schedules): (m + p - 1) / m for 1F1B, less for interleaved and zero-bubble
+    schedules (Narayanan et al. 2021; Qi et al. 2023)."""
+    from megalm.parallel.pipeline.schedules import build_schedule, simulate_schedule
+
     if pp == 1:
         return 1.0
-    idle = (pp - 1) / vpp if schedule == "interleaved" else pp - 1
-    return (micro_batches + idle) / micro_batches
+    timeline = simulate_schedule(build_schedule(schedule, pp, micro_batches, vpp), f=1.0, b=1.0, w=1.0)
+    return timeline.makespan / max(timeline.busy)
 
 
 def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
@@ -259,7 +254,7 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
     dp = world // per_replica
     ranks = [estimate_rank(overrides, world, stage, role, gpu) for role, stage in roles(p.pp)]
     micro_batches = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * dp)
-    factor = bubble_factor(p.pp, micro_batches, p.pp_schedule, p.vpp)
+    factor = bubble_factor(p.pp, micro_batches, str(p.pp_schedule.value), p.vpp)
     step_time = max(r.compute_s * factor + r.comm_s for r in ranks)
     sequences = cfg.trainer.global_batch_size
     tokens = sequences * cfg.model.seq_length

@@ -44,6 +44,12 @@ def _new_outputs(func, out):  # noqa: ANN001, ANN202 - an OpOverload and what it
     return tuple(o for o, r in zip(out, returns, strict=True) if r.alias_info is None)
 
 
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages under `tensors` (views and tensors sharing a storage count it once)."""
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
 class LiveStorages(TorchDispatchMode):
     """Bytes of the live storages created under it (and of those passed to `track`), per device type.
 

@@ -348,15 +348,13 @@ class RecipeGemms:
         """Tensor `name` (x, w or dy) in FP8 for one GEMM of `call`: per-row scales along K; or the call's per-tensor
         scale, which the first GEMM to quantize the tensor computes and the other one reuses (current: amax, scale
         and cast in one compiled function; delayed: the history's scale, and the cast's own amax pushed to it)."""
-        dtype = fp8.fp8_dtype(fmt)
-        if spec.scaling == "row":
-            return fp8.quantize_current(t, dtype, dim=k_dim)
         key = (name, fmt)
-        if key in call.scales:
-            return fp8.quantize(t, dtype, call.scales[key]), call.scales[key]
+        if spec.scaling == "row" or key in call.scales:
+            return fp8_operand(spec, t, k_dim, fmt, call.scales.get(key))
         if spec.scaling == "tensor":
-            q, call.scales[key] = fp8.quantize_current(t, dtype)
+            q, call.scales[key] = fp8_operand(spec, t, k_dim, fmt)
         elif spec.scaling == "delayed":
+            dtype = fp8.fp8_dtype(fmt)
             if self.state is None:
                 raise ValueError("delayed FP8 scaling needs a LinearState (the amax history lives there)")
             history, state = self.state.amax[name], self.state

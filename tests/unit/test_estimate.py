@@ -73,6 +73,14 @@ def test_every_pipeline_role_and_the_step_time():
     assert all(r["peak_bytes"] > r["param_bytes"] + r["activation_bytes"] for r in ranks)
 
 
+def test_the_bubble_is_the_simulated_schedule_s():
+    """1F1B and interleaved as Narayanan et al. count them; zero-bubble schedules fill part of the bubble."""
+    assert estimate.bubble_factor(4, 16, "1f1b", 1) == pytest.approx((16 + 3) / 16)
+    assert estimate.bubble_factor(4, 16, "interleaved", 2) == pytest.approx((16 + 3 / 2) / 16)
+    assert 1 < estimate.bubble_factor(4, 16, "zb", 1) < estimate.bubble_factor(4, 16, "1f1b", 1)
+    assert estimate.bubble_factor(1, 16, "1f1b", 1) == 1
+
+
 def test_the_command_line(capsys):
     assert estimate.main([*SMALL, "parallel.tp=2", "precision=bf16", "--world", "4", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from megalm.measure import LiveStorages  # noqa: E402
+from megalm.measure import LiveStorages, storage_bytes  # noqa: E402
 from megalm.train import compose_config  # noqa: E402
 from tools.bench.step_cost import STEP_OVERRIDES, fake_trainer  # noqa: E402  (the same one-micro-batch step)
 
@@ -67,13 +67,9 @@ def weight_copies_bytes(model: object) -> int:
     from megalm.model.linear import linear_modules
     from megalm.precision.linear import RecipeGemms
 
-    storages = {}
-    for module in linear_modules(model):
-        gemms = module.gemm_recipe
-        if isinstance(gemms, RecipeGemms) and gemms.state is not None:
-            for _, _, (quantized, _) in gemms.state.weights.values():
-                storages[id(quantized.untyped_storage())] = quantized.untyped_storage().nbytes()
-    return sum(storages.values())
+    return storage_bytes(quantized for module in linear_modules(model)
+                         if isinstance(module.gemm_recipe, RecipeGemms) and module.gemm_recipe.state is not None
+                         for _, _, (quantized, _) in module.gemm_recipe.state.weights.values())
 
 
 def held_at_backward_start(overrides: list[str]) -> tuple[int, int, object]:
