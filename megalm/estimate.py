@@ -145,9 +145,7 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
             device = trainer.device.type  # the offload pool's host buffers are counted apart, as "host"
             static = live.bytes(device)
             grads = storage_bytes(_grad_buffers(trainer))
-            gather = getattr(trainer.optimizer, "gather_buffers", list)()
-            comm = storage_bytes(gather)
-            del gather
+            comm = storage_bytes(getattr(trainer.optimizer, "gather_buffers", list)())  # none held past this line
             live.mark_peak()
             costs, comms = OpCosts(GPUS[gpu], cfg.precision.tf32), Collectives(_group_names(trainer))
             run_step(trainer, 1, fake, live, costs, comms)
@@ -181,10 +179,7 @@ def run_step(trainer: Any, step: int, fake: Any, live: LiveStorages, *traces: To
 
 def _grad_buffers(trainer: Any) -> list[torch.Tensor]:
     """The data-parallel gradient buckets (and ZeRO-1's shards) the reducer keeps between steps."""
-    out = []
-    for bucket in trainer.parallel.reducer.buckets:
-        out += [t for t in (getattr(bucket, "buffer", None), getattr(bucket, "shard", None)) if t is not None]
-    return out
+    return [t for bucket in trainer.parallel.reducer.buckets for t in (bucket.buffer, bucket.shard) if t is not None]
 
 
 def _group_names(trainer: Any) -> dict[str, str]:
