@@ -86,6 +86,8 @@ class RankEstimate:
     compute_s: float
     comm_s: float
     collective_bytes: dict[str, int]  # what the step's collectives carry, by mesh dimension
+    tokens: int  # real tokens (loss positions) this rank ran in the measured step
+    domain: dict[str, list[int]] | None = None  # HDP: every domain rank's load of the step (`hdp_loads`)
 
 
 class Collectives(TorchDispatchMode):
@@ -120,8 +122,10 @@ def roles(pp: int) -> list[tuple[str, int]]:
     return out + [("last stage", pp - 1)]
 
 
-def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: str) -> RankEstimate:
-    """One rank of `stage` (tp, cp, dp coordinates 0) of a `world`-rank run, built and stepped under fake tensors."""
+def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: str, domain_index: int = 0,
+                  ) -> RankEstimate:
+    """One rank of `stage` of a `world`-rank run, built and stepped under fake tensors: tensor-parallel coordinate 0,
+    data/context coordinates those of `domain_index` (dp_rank·cp + cp_rank, the HDP domain's order)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -133,7 +137,7 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
     cfg = compose_config(overrides)
     p = cfg.parallel
     dims = ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=world // (p.tp * p.pp * p.cp))
-    rank = dims.rank_of(pp=stage)
+    rank = dims.rank_of(pp=stage, dp=domain_index // p.cp, cp=domain_index % p.cp)
     fake, live = FakeTensorMode(allow_non_fake_inputs=True), LiveStorages()
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
@@ -148,8 +152,9 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
             comm = storage_bytes(getattr(trainer.optimizer, "gather_buffers", list)())  # none held past this line
             live.mark_peak()
             costs, comms = OpCosts(GPUS[gpu], cfg.precision.tf32), Collectives(_group_names(trainer))
-            run_step(trainer, 1, fake, live, costs, comms)
+            tokens = run_step(trainer, 1, fake, live, costs, comms)
             peak = live.peak(device)
+            domain = hdp_loads(trainer, 1)
     finally:
         dist.destroy_process_group()
     reserve = RESERVE_CONTEXT + int(FRAGMENTATION * peak)
@@ -157,15 +162,16 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
     summary = costs.summary()
     return RankEstimate(role, rank, peak + reserve, params, grads, static - params - grads - comm, peak - static,
                         comm, live.peak("host"), reserve, summary["tflop"] * 1e12, summary["roofline_ms"] / 1e3,
-                        _comm_seconds(comms.bytes, LINKS[gpu]), dict(comms.bytes))
+                        _comm_seconds(comms.bytes, LINKS[gpu]), dict(comms.bytes), tokens, domain)
 
 
-def run_step(trainer: Any, step: int, fake: Any, live: LiveStorages, *traces: TorchDispatchMode) -> None:
+def run_step(trainer: Any, step: int, fake: Any, live: LiveStorages, *traces: TorchDispatchMode) -> int:
     """One training step of this rank: the step's data plan on the host, outside fake mode (it reads the documents'
     lengths), then forward, backward, gradient reduction and the optimizer step under `fake` (FakeTensorMode; a
     null context runs it on real tensors, which is how tests/dist/test_estimate_measured.py measures a real run with
-    the same probe), with the probe `live` and the traces on."""
+    the same probe), with the probe `live` and the traces on. Returns the real tokens the rank ran."""
     share = trainer.parallel.share_of_step(trainer.data.train, trainer.step_sample_ids(step), step)
+    tokens = _real_tokens(share.micro_batches)
     store = trainer.parallel.offload_store
     with fake, live, contextlib.ExitStack() as stack:
         if store is not None:  # its pinned host buffers are host memory, not the device's
@@ -175,6 +181,29 @@ def run_step(trainer: Any, step: int, fake: Any, live: LiveStorages, *traces: To
         trainer.parallel.forward_backward(share)
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
+    return tokens
+
+
+def _real_tokens(micro_batches: list[Any]) -> int:
+    """Positions with a loss (padding and pipeline fillers have none), read from the batches themselves."""
+    return sum(int(mb.batch.loss_mask.sum()) for mb in micro_batches)
+
+
+def hdp_loads(trainer: Any, step: int) -> dict[str, list[int]] | None:
+    """Under HDP, every domain rank's share of `step` as the trainer's split builds it on the host: the real tokens
+    each runs (`tokens`) and the largest ring it joins (`ring`, 1 when it runs only packed documents); plus the
+    step's document lengths (`lengths`), from which tools/hdp_sim.py's planner and simulator derive their loads."""
+    from megalm.parallel.hdp.split import HdpSplit
+
+    split, data = trainer.parallel.split, trainer.data.train
+    if not isinstance(split, HdpSplit):
+        return None
+    ids = trainer.step_sample_ids(step)
+    tokens = [_real_tokens(split.micro_batches(data, ids, h)[0]) for h in range(split.num_ranks)]
+    plan = split.last_plan
+    ring = [max((len(plan.micro_batches[k].ranks) for k in todo if plan.micro_batches[k].seqs), default=1)
+            for todo in plan.per_rank]
+    return {"tokens": tokens, "ring": ring, "lengths": [data.sample_length(k) - 1 for k in ids]}
 
 
 def _grad_buffers(trainer: Any) -> list[torch.Tensor]:
@@ -248,6 +277,14 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
                           "layout")
     dp = world // per_replica
     ranks = [estimate_rank(overrides, world, stage, role, gpu) for role, stage in roles(p.pp)]
+    hdp = ranks[0].domain
+    if hdp is not None:  # HDP: also the rank of the step's largest ring (the most tokens among equals), first stage
+        h = max(range(len(hdp["tokens"])), key=lambda i: (hdp["ring"][i], hdp["tokens"][i]))
+        if h == 0:
+            ranks[0].role += ", largest ring"
+        else:
+            ranks.insert(1, estimate_rank(overrides, world, 0, f"largest ring ({hdp['ring'][h]} ranks), "
+                                          f"{ranks[0].role}", gpu, h))
     micro_batches = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * dp)
     factor = bubble_factor(p.pp, micro_batches, str(p.pp_schedule.value), p.vpp)
     step_time = max(r.compute_s * factor + r.comm_s for r in ranks)
@@ -260,10 +297,11 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
             "layout": {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": dp, "vpp": p.vpp, "schedule": str(p.pp_schedule.value),
                        "micro_batches": micro_batches, "sequence_parallel": p.sequence_parallel,
                        "zero1": p.zero1, "recompute": str(p.recompute), "precision": str(cfg.precision.name)},
-            "ranks": [asdict(r) for r in ranks], "step_time_s": step_time, "bubble_factor": factor, "mfu": mfu,
-            "tokens_per_s": tokens / step_time, "global_flops": flops,
-            "notes": ["parallel.hdp: the rank measured is the first of each stage's domain, whose ring for the step's "
-                      "longest document may not be the largest"] if p.hdp else []}
+            "ranks": [{k: v for k, v in asdict(r).items() if k != "domain"} for r in ranks],
+            "step_time_s": step_time, "bubble_factor": factor, "mfu": mfu, "tokens_per_s": tokens / step_time,
+            "global_flops": flops, "notes": [],
+            **({"hdp": {"tokens_per_rank": hdp["tokens"], "largest_ring": hdp["ring"], "lengths": hdp["lengths"]}}
+               if hdp else {})}
 
 
 def _table(result: dict[str, Any]) -> str:

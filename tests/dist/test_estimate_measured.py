@@ -29,7 +29,8 @@ LAYOUTS = {  # overrides, world size
     "tp2_sp": (["parallel.tp=2", "parallel.sequence_parallel=true", "trainer.global_batch_size=2"], 2),
     "pp2": (["parallel.pp=2", "trainer.global_batch_size=4"], 2),
     "cp2": (["parallel.cp=2", "trainer.global_batch_size=2"], 2),
-    "hdp2": (["parallel.hdp=true", "data.varlen=true", "trainer.global_batch_size=4"], 2),
+    "hdp4_rings": (["parallel.hdp=true", "data.varlen=true", "parallel.hdp_capacity=11", "trainer.global_batch_size=8"],
+                   4),  # 32-token documents on rings of 3: rank 0 and the largest ring's busiest rank (1) are measured
     "offload": (["offload.enabled=true", "offload.min_tensor_bytes=0", "trainer.global_batch_size=4"], 2),
 }
 
@@ -45,8 +46,8 @@ def measure(rank: int, world: int, overrides: list[str], out: str) -> None:
             trainer = Trainer(compose_config(overrides), run_dir)
         estimate.run_step(trainer, 0, real, live)
         live.mark_peak()
-        estimate.run_step(trainer, 1, real, live)
-        Path(out, f"{rank}.json").write_text(json.dumps({"peak": live.peak(trainer.device.type)}))
+        tokens = estimate.run_step(trainer, 1, real, live)
+        Path(out, f"{rank}.json").write_text(json.dumps({"peak": live.peak(trainer.device.type), "tokens": tokens}))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -56,7 +57,10 @@ def test_the_estimate_is_the_real_run(tmp_path, layout):
     run_distributed(measure, world, overrides, str(tmp_path), timeout=300)
     result = estimate.estimate(overrides, world, "h100")
     for rank in result["ranks"]:
-        real = json.loads((tmp_path / f"{rank['rank']}.json").read_text())["peak"]
+        real = json.loads((tmp_path / f"{rank['rank']}.json").read_text())
         fake = rank["peak_bytes"] - rank["reserve_bytes"]
-        assert fake == real, (
-            f"{layout} {rank['role']} (rank {rank['rank']}): estimated {fake} bytes, the real run {real}")
+        assert fake == real["peak"], (
+            f"{layout} {rank['role']} (rank {rank['rank']}): estimated {fake} bytes, the real run {real['peak']}")
+        assert rank["tokens"] == real["tokens"], f"{layout} {rank['role']}: the step's tokens differ"
+    if "hdp" in layout:  # the largest ring's rank is a role of its own
+        assert [r["rank"] for r in result["ranks"]] == [0, 1], result["ranks"]

@@ -26,6 +26,8 @@ import torch
 from megalm import estimate
 from megalm.config.checks import resolve_model_defaults
 from megalm.model.gpt import GPT
+from megalm.parallel.hdp import plan_hdp, simulate
+from megalm.parallel.hdp.split import hdp_cost_model
 from tests.conftest import TINY, compose_config
 
 SMALL = [o for o in TINY if not o.startswith("trainer.") or "batch_size" not in o]  # the estimator's batch
@@ -91,11 +93,24 @@ def test_the_command_line(capsys):
     assert "tp" in result["ranks"][0]["collective_bytes"]
 
 
-def test_an_hdp_layout_says_which_rank_it_measured():
-    overrides = [*SMALL, "parallel.hdp=true", "data.varlen=true", "precision=bf16", "trainer.device=cpu"]
-    result = estimate.estimate(estimate.batch_overrides(overrides, 2), 2, "h100")
-    assert [r["rank"] for r in result["ranks"]] == [0]
-    assert any("longest document" in note for note in result["notes"]), result["notes"]
+def test_hdp_measures_the_largest_ring_and_its_loads_are_the_simulators():
+    """32-token documents on 4 ranks of 11 tokens: rings of 3. The estimator reads every domain rank's share of the
+    step from the trainer's own split (the batches it would run); tools/hdp_sim.py's planner and simulator, given
+    the same document lengths, must charge each rank the same tokens (a ring member its zigzag share)."""
+    overrides = [*SMALL, "parallel.hdp=true", "data.varlen=true", "parallel.hdp_capacity=11", "precision=bf16",
+                 "trainer.device=cpu", "trainer.micro_batch_size=1", "trainer.global_batch_size=8"]
+    result = estimate.estimate(overrides, 4, "h100")
+    hdp = result["hdp"]
+    cfg = compose_config(*overrides)
+    cfg.model = resolve_model_defaults(cfg.model)
+    plan = plan_hdp(hdp["lengths"], 4, 11, hdp_cost_model(cfg))
+    assert simulate(plan, hdp_cost_model(cfg)).tokens == hdp["tokens_per_rank"]
+    assert sum(hdp["tokens_per_rank"]) == sum(hdp["lengths"])
+    busiest = max(range(4), key=lambda h: (hdp["largest_ring"][h], hdp["tokens_per_rank"][h]))
+    assert busiest != 0 and max(hdp["largest_ring"]) == 3
+    assert [(r["rank"], r["tokens"]) for r in result["ranks"]] == [(0, hdp["tokens_per_rank"][0]),
+                                                                    (busiest, hdp["tokens_per_rank"][busiest])]
+    assert result["ranks"][1]["role"].startswith("largest ring (3 ranks)")
 
 
 @pytest.mark.parametrize("argv, message", [

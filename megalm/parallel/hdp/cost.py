@@ -33,10 +33,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml  # PyYAML comes with omegaconf
+
+from megalm.parallel.hdp.plan import tokens_per_rank
 
 GiB = 2**30
 
@@ -246,6 +248,7 @@ class SimResult:
     padding: int  # padded token positions computed
     timeline: list[list[tuple[float, float, int]]]  # per rank (start, end, micro-batch)
     durations: list[tuple[float, float]]  # per micro-batch (compute, exposed comm), per stage
+    tokens: list[int] = field(default_factory=list)  # per rank, real tokens run (plan.tokens_per_rank)
 
     @property
     def utilization(self) -> float:
@@ -279,7 +282,8 @@ def simulate(plan, cost: CostModel, pp: int = 1) -> SimResult:
             longest = max(longest, c + e)
         finish[r] += (pp - 1) * longest
     padding = sum(mb.padding for mb in plan.micro_batches)
-    return SimResult(max(finish, default=0.0), finish, compute, comm, cp_bytes, padding, timeline, durations)
+    return SimResult(max(finish, default=0.0), finish, compute, comm, cp_bytes, padding, timeline, durations,
+                     tokens_per_rank(plan))
 
 
 # ---------------------------------------------------------------------------------------------

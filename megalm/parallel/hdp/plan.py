@@ -34,6 +34,26 @@ class Plan:
         return len(self.per_rank)
 
 
+def zigzag_share(tokens: int, d: int, position: int) -> int:
+    """Tokens of a `tokens`-token document that ring member `position` of `d` holds under the zigzag split
+    (megalm/parallel/context/zigzag.py): chunks `position` and 2d-1-position of c = ceil(tokens / 2d)."""
+    c = -(-tokens // (2 * d))
+    return sum(max(0, min((k + 1) * c, tokens) - k * c) for k in (position, 2 * d - 1 - position))
+
+
+def tokens_per_rank(plan: Plan) -> list[int]:
+    """The real tokens each rank of `plan` runs in the step: its packed documents, and its zigzag share of each
+    ring's document (padding excluded)."""
+    load = [0] * plan.num_ranks
+    for mb in plan.micro_batches:
+        if len(mb.ranks) == 1:
+            load[mb.ranks[0]] += mb.tokens
+        elif mb.seqs:
+            for position, r in enumerate(mb.ranks):
+                load[r] += zigzag_share(mb.tokens, len(mb.ranks), position)
+    return load
+
+
 def local_micro_batch(rank: int, docs: list[int], lengths: Sequence[int]) -> MicroBatch:
     return MicroBatch((rank,), tuple(docs), sum(lengths[i] for i in docs), sum(lengths[i] ** 2 for i in docs))
 

@@ -100,14 +100,17 @@ class HdpSplit:
         self.last_plan = plan
         return plan
 
-    def micro_batches(self, dataset: VarlenDataset, ids: range) -> tuple[list[LocalMicroBatch], int]:
+    def micro_batches(self, dataset: VarlenDataset, ids: range, index: int | None = None,
+                      ) -> tuple[list[LocalMicroBatch], int]:
         """This rank's micro-batches of the global batch of samples `ids`, in plan order (on the host, the
         ring shards already cut), and the batch's loss-token count (one document per sample: every input
-        token carries a loss). A ring's document is counted by its first rank only."""
+        token carries a loss). A ring's document is counted by its first rank only. `index`: those of
+        another rank of the domain instead (megalm-estimate reads every rank's load)."""
         lengths = [dataset.sample_length(k) - 1 for k in ids]
         plan = self.plan(lengths)
+        index = self.index if index is None else index
         out = []
-        for k in plan.per_rank[self.index]:
+        for k in plan.per_rank[index]:
             mb = plan.micro_batches[k]
             offload = self.offload_fraction(mb.tokens, len(mb.ranks))  # a ring planned smaller: offloads r(s)
             if not mb.seqs:
@@ -119,7 +122,7 @@ class HdpSplit:
                                            offload_fraction=offload))
             else:
                 (i,) = mb.seqs
-                position = mb.ranks.index(self.index)
+                position = mb.ranks.index(index)
                 ring = Ring(tuple(self.domain[h] for h in mb.ranks), position)
                 shard = read_ring_shard(dataset, ids[i], len(mb.ranks), position)
                 counted = [lengths[i]] if position == 0 else []
