@@ -1,7 +1,5 @@
-"""`megalm-estimate`: how much memory each rank of a layout takes, and how fast its step runs, before renting GPUs.
-
-    megalm-estimate model=8b model.seq_length=8192 parallel.tp=8 parallel.pp=4 parallel.sequence_parallel=true \
-        precision=bf16 --world 256 --gpu h100 --json
+"""How much memory each rank of a layout takes, and how fast its step runs (`estimate`), one rank at a time
+(`estimate_rank`).
 
 For each distinct rank role of the layout (the first, a middle and the last pipeline stage) this process becomes that
 rank of a fake process group of the whole world (torch's `fake` backend: collectives return at once), builds the
@@ -22,18 +20,16 @@ the caching allocator's fragmentation (10% of the peak, PyTorch's documented `ex
 
 Step time: the rank's roofline time for compute (max(FLOPs / peak, bytes / HBM bandwidth) per op), stretched by the
 pipeline's bubble (the schedule the runtime runs, simulated: (m + p - 1) / m micro-batch slots for 1F1B), plus
-its collectives at the link's bandwidth: tensor- and context-parallel groups inside a node over NVLink, data- and
-pipeline-parallel traffic across nodes over InfiniBand (`LINKS`), none of it assumed hidden behind compute. MFU is
+its collectives at the link's bandwidth: tensor- and context-parallel groups inside a node of 8 GPUs (tp <= 8, tp x cp
+<= 8) over NVLink, the rest (data- and pipeline-parallel traffic, groups that span nodes) over InfiniBand (`LINKS`),
+none of it assumed hidden behind compute. MFU is
 6·N·T (plus attention) FLOPs of the global step over (world x peak x step time); tokens/s the global batch's
 tokens over the step time.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import sys
 import tempfile
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -64,6 +60,7 @@ LINKS = {  # NVLink 4: 900 GB/s both ways (H100, H200); NVLink 3: 600 (A100); NV
     "a100": Links(300e9, 25e9),
     "b200": Links(900e9, 50e9),
 }
+GPUS_PER_NODE = 8  # HGX/DGX nodes of every GPU in LINKS
 HBM_BYTES = {"h100": 80 * GIB, "h200": 141 * GIB, "a100": 80 * GIB, "b200": 180 * GIB}
 RESERVE_CONTEXT = int(0.6 * GIB)  # CUDA context + cuBLAS workspaces
 RESERVE_PER_COMMUNICATOR = int(0.25 * GIB)  # NCCL buffers
@@ -85,13 +82,16 @@ class RankEstimate:
     flops: float
     compute_s: float
     comm_s: float
-    collective_bytes: dict[str, int]  # what the step's collectives carry, by mesh dimension
+    collective_bytes: dict[str, int]  # what the step's collectives move through the rank's link, by mesh dimension
     tokens: int  # real tokens (loss positions) this rank ran in the measured step
+    optimizer_s: float  # of compute_s, the optimizer step's (once a step, whatever the micro-batches)
     domain: dict[str, list[int]] | None = None  # HDP: every domain rank's load of the step (`hdp_loads`)
 
 
 class Collectives(TorchDispatchMode):
-    """Bytes each collective of the step hands to torch.distributed, by the group's mesh dimension."""
+    """Bytes the step's collectives move through this rank's link, by the group's mesh dimension: a ring all-reduce
+    sends about twice its buffer (2 (n - 1) / n: a reduce-scatter, then an all-gather), an all-gather its output,
+    a reduce-scatter its input, a send or receive its tensor (the largest tensor of the call, counted once)."""
 
     def __init__(self, groups: dict[str, str]) -> None:
         super().__init__()
@@ -108,7 +108,8 @@ class Collectives(TorchDispatchMode):
             names = [dist.ProcessGroup.unbox(a).group_name for a in flat if isinstance(a, torch.ScriptObject)
                      and "ProcessGroup" in str(a._type())]
             dim = next((self.groups[n] for n in names if n in self.groups), "other")
-            self.bytes[dim] += max((t.numel() * t.element_size() for t in tensors), default=0)
+            largest = max((t.numel() * t.element_size() for t in tensors), default=0)
+            self.bytes[dim] += largest * (2 if func.__name__.startswith("allreduce") else 1)
         return out
 
 
@@ -157,12 +158,18 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
             domain = hdp_loads(trainer, 1)
     finally:
         dist.destroy_process_group()
-    reserve = RESERVE_CONTEXT + int(FRAGMENTATION * peak)
-    reserve += RESERVE_PER_COMMUNICATOR * sum(1 for d in ("tp", "cp", "dp", "pp") if getattr(dims, d) > 1)
+    reserve = reserve_bytes(peak, sum(1 for d in ("tp", "cp", "dp", "pp") if getattr(dims, d) > 1))
     summary = costs.summary()
     return RankEstimate(role, rank, peak + reserve, params, grads, static - params - grads - comm, peak - static,
                         comm, live.peak("host"), reserve, summary["tflop"] * 1e12, summary["roofline_ms"] / 1e3,
-                        _comm_seconds(comms.bytes, LINKS[gpu]), dict(comms.bytes), tokens, domain)
+                        _comm_seconds(comms.bytes, LINKS[gpu], inside_node(p.tp, p.cp)), dict(comms.bytes), tokens,
+                        summary["by_category"].get("optimizer", {}).get("ms", 0.0) / 1e3, domain)
+
+
+def reserve_bytes(peak: int, communicators: int) -> int:
+    """What fake tensors cannot see, for a device peak of `peak` bytes and `communicators` parallel dimensions in
+    use: the CUDA context, NCCL's buffers, the allocator's fragmentation (the module docstring's `RESERVE`)."""
+    return RESERVE_CONTEXT + int(FRAGMENTATION * peak) + RESERVE_PER_COMMUNICATOR * communicators
 
 
 def run_step(trainer: Any, step: int, fake: Any, live: LiveStorages, *traces: TorchDispatchMode) -> int:
@@ -221,18 +228,33 @@ def _group_names(trainer: Any) -> dict[str, str]:
     return names
 
 
-def _comm_seconds(nbytes: dict[str, int], links: Links) -> float:
-    """Collectives at their link's bandwidth: tp and cp inside a node (NVLink), the rest across nodes. A ring
-    collective moves about 2 (n - 1) / n of its buffer through each rank's link (all-reduce); counted once."""
-    seconds = 0.0
-    for dim, n in nbytes.items():
-        seconds += 2 * n / (links.nvlink if dim in ("tp", "cp") else links.network)
-    return seconds
+def inside_node(tp: int, cp: int) -> set[str]:
+    """The mesh dimensions whose groups lie inside one node of GPUS_PER_NODE GPUs (ranks are ordered tp fastest,
+    then cp): tp when tp <= 8, cp when tp x cp <= 8. Their collectives run over NVLink, the others over the NICs."""
+    return {dim for dim, span in (("tp", tp), ("cp", tp * cp)) if span <= GPUS_PER_NODE}
+
+
+def _comm_seconds(nbytes: dict[str, int], links: Links, inside: set[str]) -> float:
+    """Collectives' link bytes (`Collectives`) at their link's bandwidth: the dimensions `inside` a node over NVLink,
+    the rest across nodes."""
+    return sum(n / (links.nvlink if dim in inside else links.network) for dim, n in nbytes.items())
 
 
 # ------------------------------------------------------------------------------------------------ the whole layout
 
 BATCH_DEFAULTS = "trainer.micro_batch_size=1, trainer.global_batch_size=4 x pp x dp (4·pp micro-batches per pipeline)"
+
+
+AUTO_PRECISION = "precision not given: precision=auto is bf16 on every --gpu (compute capability 8.0 and newer)"
+
+
+def gpu_precision(overrides: list[str]) -> list[str]:
+    """`precision=auto` (the default) resolved as on the GPU rather than on this CPU (where it means fp32)."""
+    from megalm.config.compose import compose_config
+
+    if str(compose_config(overrides).precision.name) != "auto":
+        return overrides
+    return [*overrides, "precision=bf16"]
 
 
 def batch_overrides(overrides: list[str], world: int) -> list[str]:
@@ -302,51 +324,3 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
             "global_flops": flops, "notes": [],
             **({"hdp": {"tokens_per_rank": hdp["tokens"], "largest_ring": hdp["ring"], "lengths": hdp["lengths"]}}
                if hdp else {})}
-
-
-def _table(result: dict[str, Any]) -> str:
-    gib = lambda b: f"{b / GIB:.2f}"  # noqa: E731
-    lines = [f"{result['model']} on {result['world']} x {GPUS[result['gpu']].name} "
-             f"({HBM_BYTES[result['gpu']] / GIB:.0f} GiB): {result['layout']}",
-             "| role | rank | params | grads | optimizer | activations | host | reserve | peak GiB | TFLOP | "
-             "compute s | comm s |", "| --- " * 12 + "|"]
-    for r in result["ranks"]:
-        lines.append(f"| {r['role']} | {r['rank']} | {gib(r['param_bytes'])} | {gib(r['grad_bytes'])} | "
-                     f"{gib(r['optimizer_bytes'])} | {gib(r['activation_bytes'])} | {gib(r['host_bytes'])} | "
-                     f"{gib(r['reserve_bytes'])} | {gib(r['peak_bytes'])} | {r['flops'] / 1e12:.1f} | "
-                     f"{r['compute_s']:.3f} | {r['comm_s']:.3f} |")
-    lines.append(f"step {result['step_time_s']:.3f} s (bubble x{result['bubble_factor']:.2f}), MFU "
-                 f"{result['mfu']:.1%}, {result['tokens_per_s']:,.0f} tokens/s; "
-                 + ("fits" if result["fits"] else "does NOT fit") + " in device memory")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """megalm-estimate OVERRIDES... --world N --gpu h100 [--json]."""
-    import logging
-
-    from megalm.errors import ConfigError
-
-    parser = argparse.ArgumentParser(prog="megalm-estimate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("overrides", nargs="*", help="megalm-train's Hydra overrides (model=8b parallel.tp=8 ...)")
-    parser.add_argument("--world", type=int, required=True, help="number of GPUs of the run")
-    parser.add_argument("--gpu", default="h100", help=f"one of {', '.join(sorted(GPUS))}")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_intermixed_args(argv)  # overrides before and after the flags
-    logging.getLogger("megalm").setLevel(logging.WARNING)  # the trainers' start-up lines are not the answer
-    try:
-        overrides = batch_overrides(args.overrides, args.world)
-        with contextlib.redirect_stdout(sys.stderr):
-            result = estimate([*overrides, "trainer.device=cpu", "trainer.hang_minutes=0",
-                               "trainer.init_hang_minutes=0", "logging.tensorboard=false"], args.world, args.gpu)
-    except ConfigError as error:
-        print(f"megalm-estimate: {error}", file=sys.stderr)
-        return 2
-    if overrides is not args.overrides:
-        result["notes"].append(f"batch not given: {BATCH_DEFAULTS}")
-    print(json.dumps(result, indent=1) if args.json else "\n".join([_table(result), *result["notes"]]))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,106 @@
+"""`megalm-estimate`: how much memory each rank of a layout takes and how fast its step runs, before renting GPUs;
+with `--search`, which layouts fit and which runs fastest.
+
+    megalm-estimate model=8b model.seq_length=8192 parallel.tp=8 parallel.pp=4 parallel.sequence_parallel=true \
+        precision=bf16 --world 256 --gpu h100 --json
+    megalm-estimate model=70b model.seq_length=8192 trainer.global_batch_size=1024 --world 1024 --gpu h100 --search
+
+rank.py runs one rank of a layout under fake tensors and a fake process group (docs/estimate.md); search.py
+enumerates layouts, prices them by a closed form and confirms the best with rank.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from typing import Any
+
+from megalm.estimate.layout_search import search, search_table
+from megalm.estimate.rank import (
+    AUTO_PRECISION,
+    BATCH_DEFAULTS,
+    GIB,
+    HBM_BYTES,
+    RankEstimate,
+    batch_overrides,
+    bubble_factor,
+    estimate,
+    estimate_rank,
+    gpu_precision,
+    roles,
+    run_step,
+)
+from megalm.measure.op_cost import GPUS
+
+__all__ = ["BATCH_DEFAULTS", "RankEstimate", "batch_overrides", "bubble_factor", "estimate", "estimate_rank", "main",
+           "roles", "run_step", "search"]
+
+
+def _table(result: dict[str, Any]) -> str:
+    gib = lambda b: f"{b / GIB:.2f}"  # noqa: E731
+    lines = [f"{result['model']} on {result['world']} x {GPUS[result['gpu']].name} "
+             f"({HBM_BYTES[result['gpu']] / GIB:.0f} GiB): {result['layout']}",
+             "| role | rank | params | grads | optimizer | activations | host | reserve | peak GiB | TFLOP | "
+             "compute s | comm s |", "| --- " * 12 + "|"]
+    for r in result["ranks"]:
+        lines.append(f"| {r['role']} | {r['rank']} | {gib(r['param_bytes'])} | {gib(r['grad_bytes'])} | "
+                     f"{gib(r['optimizer_bytes'])} | {gib(r['activation_bytes'])} | {gib(r['host_bytes'])} | "
+                     f"{gib(r['reserve_bytes'])} | {gib(r['peak_bytes'])} | {r['flops'] / 1e12:.1f} | "
+                     f"{r['compute_s']:.3f} | {r['comm_s']:.3f} |")
+    lines.append(f"step {result['step_time_s']:.3f} s (bubble x{result['bubble_factor']:.2f}), MFU "
+                 f"{result['mfu']:.1%}, {result['tokens_per_s']:,.0f} tokens/s; "
+                 + ("fits" if result["fits"] else "does NOT fit") + " in device memory")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """megalm-estimate OVERRIDES... --world N --gpu h100 [--json]."""
+    import logging
+
+    from megalm.errors import ConfigError
+
+    parser = argparse.ArgumentParser(prog="megalm-estimate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*", help="megalm-train's Hydra overrides (model=8b parallel.tp=8 ...)")
+    parser.add_argument("--world", type=int, required=True, help="number of GPUs of the run")
+    parser.add_argument("--gpu", default="h100", help=f"one of {', '.join(sorted(GPUS))}")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--search", action="store_true", help="enumerate the layouts that fit, best tokens/s first "
+                        "(the overrides give the model, sequence length, batch and precision)")
+    parser.add_argument("--top", type=int, default=5, help="--search: how many layouts to confirm and print")
+    parser.add_argument("--gpu-memory", type=float, help="--search: GiB of device memory per GPU (default: --gpu's)")
+    args = parser.parse_intermixed_args(argv)  # overrides before and after the flags
+    logging.getLogger("megalm").setLevel(logging.WARNING)  # the trainers' start-up lines are not the answer
+    cpu_run = ["trainer.device=cpu", "trainer.hang_minutes=0", "trainer.init_hang_minutes=0",
+               "logging.tensorboard=false"]
+    try:
+        if args.gpu not in GPUS:
+            raise ConfigError(f"--gpu {args.gpu}: unknown GPU; expected one of {', '.join(sorted(GPUS))}")
+        given = gpu_precision(args.overrides)
+        with contextlib.redirect_stdout(sys.stderr):
+            if args.search:
+                memory = int(args.gpu_memory * GIB) if args.gpu_memory else None
+                result = search([*given, *cpu_run], args.world, args.gpu, args.top, memory_bytes=memory)
+                if not result["layouts"]:
+                    raise ConfigError(f"no layout of {result['candidates']} fits {args.world} GPUs of "
+                                      f"{result['hbm_bytes'] / GIB:.0f} GiB at this batch; add GPUs, shorten "
+                                      "model.seq_length or lower trainer.micro_batch_size")
+                text = search_table(result)
+            else:
+                overrides = batch_overrides(given, args.world)
+                result = estimate([*overrides, *cpu_run], args.world, args.gpu)
+                if overrides is not given:
+                    result["notes"].append(f"batch not given: {BATCH_DEFAULTS}")
+                text = _table(result)
+        if given is not args.overrides:
+            result["notes"].append(AUTO_PRECISION)
+    except ConfigError as error:
+        print(f"megalm-estimate: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1) if args.json else "\n".join([text, *result["notes"]]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

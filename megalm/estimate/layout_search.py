@@ -1,0 +1,318 @@
+"""`megalm-estimate --search`: the layouts of a model that fit a cluster, ranked by predicted tokens/s.
+
+    megalm-estimate model=70b model.seq_length=8192 trainer.global_batch_size=1024 --world 1024 --gpu h100 --search
+
+Two passes, because one fake-tensor step of a 70B rank takes a minute and a cluster has thousands of layouts:
+
+1. **Enumerate and price by a closed form.** Every layout of tp (a power of two up to a node, dividing the heads
+   and KV heads), pp (dividing the layers), vpp (interleaved, 2 chunks a stage), cp, dp = world / (tp·pp·cp)
+   (dividing the global batch), ZeRO-1, recompute (none, selective, full), activation offload and, with documents
+   of many lengths (`data.varlen=true`), HDP. Sequence parallelism is on with tp > 1. The closed form (`closed_form`)
+   prices each: static bytes per parameter of the rank (the recipes' 2 + 4 + 12, ZeRO-1's shards), Korthikanti et
+   al.'s activations per layer times the factor the estimator measures against them (docs/benchmarks.md), the
+   micro-batches in flight, the logits; a roofline step of 6·N·T FLOPs at the efficiency the estimator's trace
+   finds, the pipeline's bubble from the runtime's schedule simulator, and each dimension's collectives.
+2. **Confirm the best with the estimator.** In order of the closed form's tokens/s, among the layouts it says fit
+   (with a margin: it is a pruning rule, not the answer), the estimator runs the first and the last pipeline stage's
+   rank under fake tensors (megalm.estimate.rank). To take seconds rather than minutes, each rank runs twice at a
+   depth of one and two layers (vpp and 2·vpp) per stage and the figures are extrapolated to the model's depth:
+   every byte, FLOP and collective of a rank is a constant plus a per-layer term, exactly
+   (tests/unit/test_estimate_search.py holds the extrapolation to a full-depth run). It runs the micro-batches a
+   stage holds in flight (pp; 2·pp interleaved), which set the peak, and scales compute and the per-micro-batch
+   collectives to the step's micro-batches. Layouts the estimator finds too big, or the config's rules refuse,
+   drop out; the confirmed ones are ranked by the estimator's tokens/s.
+
+Not searched: tp beyond a node, cp with a2a, the ZB schedule, FSDP (megalm has none yet), precision (the command's).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from megalm.estimate.rank import (
+    GPUS_PER_NODE,
+    HBM_BYTES,
+    LINKS,
+    RankEstimate,
+    _comm_seconds,
+    bubble_factor,
+    estimate_rank,
+    gpu_precision,
+    inside_node,
+    reserve_bytes,
+    roles,
+)
+from megalm.measure.op_cost import GPUS
+
+# The estimator against Korthikanti et al. (34·s·h/t a layer with SP and flash attention): 1.6x without recompute
+# or with megalm's selective (8B and 70B, docs/benchmarks.md "The estimator against the closed forms"); full
+# recompute keeps the layer input (2·s·h/t) plus one layer's recomputed activations during its backward.
+ACTIVATION_FACTOR = 1.6
+# The estimator's roofline runs 8B's step at about half the bf16 peak (222 TFLOP in 0.436 s on an H100: the
+# memory-bound elementwise ops); the closed form takes the same share.
+ROOFLINE_EFFICIENCY = 0.5
+# Tensor parallelism with SP moves about 10 [s, h] tensors of the working dtype through a rank's link a layer and
+# micro-batch (the estimator's tp bytes at 70B, tp 8, pp 8: the forward's all-gathers and reduce-scatters, their
+# mirrors and the re-gathers in the backward), 13 when recompute runs the forward's again.
+TP_TRANSFERS = {"none": 10, "selective": 13, "full": 13}
+CLOSED_FORM_MARGIN = 1.1  # the closed form may be this much optimistic and still be confirmed (it is within 5% at 70B)
+SEARCH_NOTE = "global batch not given: trainer.global_batch_size = --world sequences of model.seq_length"
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    vpp: int
+    cp: int
+    dp: int
+    zero1: bool
+    recompute: str
+    offload: bool
+    hdp: bool
+
+    def overrides(self) -> list[str]:
+        """megalm-train's overrides for this layout."""
+        out = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.cp={self.cp}",
+               f"parallel.sequence_parallel={str(self.tp > 1).lower()}", f"parallel.zero1={str(self.zero1).lower()}",
+               f"parallel.recompute={self.recompute}"]
+        if self.vpp > 1:
+            out += [f"parallel.vpp={self.vpp}", "parallel.pp_schedule=interleaved"]
+        if self.offload:
+            out.append("offload.enabled=true")
+        if self.hdp:
+            out.append("parallel.hdp=true")
+        return out
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the closed form needs of the run: the model's shapes, the batch, the cluster."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    micro_batch: int
+    global_batch: int
+    world: int
+    bf16: bool  # bf16 working weights (2 bytes) and fp32 main weights, or fp32 weights
+    varlen: bool
+    offload_fraction: float
+    vocab_multiple: int  # model.make_vocab_size_divisible_by: the vocabulary is padded to it times tp
+
+    @property
+    def layer_params(self) -> int:
+        head = self.hidden // self.heads
+        return 2 * self.hidden * self.heads * head + 2 * self.hidden * self.kv_heads * head + 3 * self.hidden * self.ffn
+
+
+def layouts(shape: Shape) -> list[Layout]:
+    """Every layout the search prices (see the module docstring); the config's own checks run at confirmation."""
+    out = []
+    powers = [2**k for k in range(12) if 2**k <= shape.world]
+    for tp, pp, cp in itertools.product(powers, powers, powers):
+        per_replica = tp * pp * cp
+        if (tp > GPUS_PER_NODE or shape.heads % tp or shape.kv_heads % tp or shape.layers % pp
+                or shape.world % per_replica or shape.seq % (2 * cp * tp)):
+            continue
+        dp = shape.world // per_replica
+        if shape.global_batch % (dp * shape.micro_batch):
+            continue
+        micro_batches = shape.global_batch // (dp * shape.micro_batch)
+        vpps = [1] + ([2] if pp > 1 and shape.layers % (2 * pp) == 0 and micro_batches % pp == 0 else [])
+        for vpp, zero1, recompute, offload, hdp in itertools.product(
+                vpps, (False, True) if dp * cp > 1 else (False,), ("none", "selective", "full"), (False, True),
+                (False, True) if shape.varlen and dp * cp > 1 else (False,)):
+            if recompute == "selective" and (cp > 1 or hdp):  # the config's rules: rings are not replayed
+                continue
+            if hdp and vpp > 1:  # HDP gives pipelines different micro-batch counts (parallel/hdp/split.py)
+                continue
+            out.append(Layout(tp, pp, vpp, cp, dp, zero1, recompute, offload, hdp))
+    return out
+
+
+def stage_parameters(shape: Shape, layout: Layout) -> int:
+    """Parameters on a rank of the first (or last) stage: its layers sharded over tp, norms replicated, and the
+    embedding's (or output layer's) vocabulary rows over tp."""
+    multiple = shape.vocab_multiple * layout.tp
+    padded_vocab = -(-shape.vocab // multiple) * multiple
+    return shape.layers // layout.pp * (shape.layer_params // layout.tp + 2 * shape.hidden) + \
+        padded_vocab * shape.hidden // layout.tp
+
+
+def static_bytes_per_parameter(bf16: bool, zero1: bool, dp: int) -> float:
+    """Parameters, gradient buckets, optimizer states and ZeRO-1's gather buffers, per parameter of the rank (the
+    closed forms tests/unit/test_estimate.py holds the estimator to)."""
+    weight, main = (2, 12) if bf16 else (4, 8)
+    if zero1:
+        return weight + 4 + 4 / dp + main / dp + weight
+    return weight + 4 + main
+
+
+@functools.cache
+def _bubble(pp: int, micro_batches: int, vpp: int) -> float:
+    return bubble_factor(pp, micro_batches, "interleaved" if vpp > 1 else "1f1b", vpp)
+
+
+def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
+    """(peak bytes of the fullest rank with the estimator's reserve, tokens/s) of a layout, by the closed form."""
+    t, pp, cp, dp = layout.tp, layout.pp, layout.cp, layout.dp
+    n = stage_parameters(shape, layout)
+    static = static_bytes_per_parameter(shape.bf16, layout.zero1, dp * cp) * n
+    tokens = shape.seq * shape.micro_batch / cp  # a micro-batch's tokens on this rank
+    layer = 34 * tokens * shape.hidden / t * ACTIVATION_FACTOR
+    micro_batches = shape.global_batch // (dp * shape.micro_batch)
+    in_flight = min(pp, micro_batches) * (1 + (pp - 1) / (pp * layout.vpp) if layout.vpp > 1 else 1)
+    kept = 2 * tokens * shape.hidden / t if layout.recompute == "full" else layer
+    if layout.offload:
+        kept *= 1 - shape.offload_fraction
+    activations = shape.layers // pp * in_flight * kept + (layer if layout.recompute == "full" else 0)
+    logits = 6 * tokens * shape.vocab / t  # bf16 logits and their fp32 gradient, last stage
+    peak = static + activations + (logits if pp == 1 else 0)
+    peak = max(peak, static + logits)  # the last stage: logits, fewer micro-batches in flight
+    reserve = reserve_bytes(int(peak), sum(size > 1 for size in (t, pp, cp, dp)))
+    flops = 6 * shape.layers * shape.layer_params * shape.global_batch * shape.seq / shape.world
+    flops *= 4 / 3 if layout.recompute == "full" else 1
+    compute = flops / (GPUS[gpu].bf16_tflops * 1e12 * ROOFLINE_EFFICIENCY)
+    per_micro_batch = shape.layers // pp * tokens * shape.hidden * 2
+    collective = {
+        "tp": TP_TRANSFERS[layout.recompute] * per_micro_batch * micro_batches if t > 1 else 0,
+        "cp": 3 * shape.layers // pp * tokens * 2 * shape.hidden * shape.kv_heads // shape.heads * 2 * (cp - 1)
+        * micro_batches / t if cp > 1 else 0,
+        "pp": 4 * tokens * shape.hidden * 2 / t * micro_batches if pp > 1 else 0,
+        "dp": (4 + (2 if layout.zero1 else 0)) * n if dp * cp > 1 else 0}
+    step = compute * _bubble(pp, micro_batches, layout.vpp) + _comm_seconds(collective, LINKS[gpu],
+                                                                           inside_node(t, cp))
+    return int(peak + reserve), shape.global_batch * shape.seq / step
+
+
+# ------------------------------------------------------------------------------------------ the estimator, shallow
+
+EXTRAPOLATED = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "comm_bytes", "host_bytes",
+                "flops", "compute_s", "optimizer_s")
+PER_STEP_DIMS = ("dp", "dp_cp", "embedding")  # collectives once a step: gradients, tied embeddings
+
+
+def shallow_rank(base: list[str], layout: Layout, shape: Shape, stage: int, role: str, gpu: str) -> RankEstimate:
+    """The estimator's rank of `stage`, run at one and two units of vpp layers per stage, extrapolated to the model's
+    depth, with the micro-batches in flight that set the peak, scaled to the step's (see the module docstring)."""
+    unit = layout.vpp
+    micro_batches = shape.global_batch // (layout.dp * shape.micro_batch)
+    run_micro = micro_batches if layout.hdp else min(micro_batches, layout.pp * (2 if layout.vpp > 1 else 1))
+    batch = [f"trainer.micro_batch_size={shape.micro_batch}",
+             f"trainer.global_batch_size={run_micro * layout.dp * shape.micro_batch}"]
+    shallow, deep = (estimate_rank([*base, *layout.overrides(), *batch, f"model.num_layers={layout.pp * d}"],
+                                   shape.world, stage, role, gpu) for d in (unit, 2 * unit))
+    depth = (shape.layers // layout.pp - unit) / unit  # the model's depth, in units past the shallow run's
+
+    def grow(a: float, b: float) -> float:
+        return a + (b - a) * depth
+
+    values = {k: grow(getattr(shallow, k), getattr(deep, k)) for k in EXTRAPOLATED}
+    scale = micro_batches / run_micro
+    peak = int(grow(shallow.peak_bytes - shallow.reserve_bytes, deep.peak_bytes - deep.reserve_bytes))
+    collective = {dim: int(grow(shallow.collective_bytes.get(dim, 0), n) * (1 if dim in PER_STEP_DIMS else scale))
+                  for dim, n in deep.collective_bytes.items()}
+    reserve = reserve_bytes(peak, sum(size > 1 for size in (layout.tp, layout.pp, layout.cp, layout.dp)))
+    return replace(deep, **{k: int(v) for k, v in values.items() if k.endswith("_bytes")}, peak_bytes=peak + reserve,
+                   reserve_bytes=reserve, flops=values["flops"] * scale, optimizer_s=values["optimizer_s"],
+                   compute_s=(values["compute_s"] - values["optimizer_s"]) * scale + values["optimizer_s"],
+                   collective_bytes=collective, domain=None,
+                   comm_s=_comm_seconds(collective, LINKS[gpu], inside_node(layout.tp, layout.cp)))
+
+
+# ------------------------------------------------------------------------------------------------------ the search
+
+STRIPPED = ("parallel.", "offload.enabled", "trainer.micro_batch_size", "trainer.global_batch_size",
+            "model.num_layers")  # set per layout by the search
+
+
+def search_shape(overrides: list[str], world: int) -> tuple[Shape, list[str], list[str]]:
+    """The closed form's view of the run, the overrides every layout shares, and the notes on defaults taken."""
+    from megalm.config.checks import resolve_model_defaults
+    from megalm.config.compose import compose_config
+
+    cfg = compose_config(overrides)
+    m, t = resolve_model_defaults(cfg.model), cfg.trainer
+    keys = {o.split("=", 1)[0].lstrip("+") for o in overrides}
+    notes = [] if "trainer.global_batch_size" in keys else [SEARCH_NOTE]
+    micro = t.micro_batch_size if "trainer.micro_batch_size" in keys else 1
+    shape = Shape(m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size,
+                  m.vocab_size, m.seq_length, micro,
+                  t.global_batch_size if "trainer.global_batch_size" in keys else world, world,
+                  str(cfg.precision.name) != "fp32", bool(cfg.data.varlen), float(cfg.offload.fraction),
+                  int(m.make_vocab_size_divisible_by))
+    base = [o for o in overrides if not o.lstrip("+").startswith(STRIPPED)]
+    return shape, base, notes
+
+
+def search(overrides: list[str], world: int, gpu: str, top: int = 5, max_confirm: int = 8,
+           memory_bytes: int | None = None, budget_s: float = 90.0) -> dict[str, Any]:
+    """Layouts that fit `world` GPUs of `gpu` (of `memory_bytes` each, by default the GPU's), best predicted tokens/s
+    first (see the module docstring). The estimator confirms at most `max_confirm` layouts and starts none after
+    `budget_s` seconds."""
+    from megalm.errors import ConfigError
+    from megalm.training.flops import training_flops
+
+    start = time.perf_counter()
+    memory = memory_bytes or HBM_BYTES[gpu]
+    shape, base, notes = search_shape(gpu_precision(overrides), world)
+    candidates = layouts(shape)
+    priced = [(layout, *closed_form(shape, layout, gpu)) for layout in candidates]
+    hopeful = sorted((c for c in priced if c[1] <= memory * CLOSED_FORM_MARGIN), key=lambda c: -c[2])
+    model_flops = None
+    found, refused, tried = [], [], 0
+    for layout, closed_peak, closed_rate in hopeful:
+        if len(found) >= top or tried >= max_confirm or time.perf_counter() - start > budget_s:
+            break
+        tried += 1
+        stages = [(role, stage) for role, stage in roles(layout.pp) if role != "middle stage"]
+        try:
+            ranks = [shallow_rank(base, layout, shape, stage, role, gpu) for role, stage in stages]
+        except ConfigError as error:
+            refused.append(f"{' '.join(layout.overrides())}: {error}")
+            continue
+        micro_batches = shape.global_batch // (layout.dp * shape.micro_batch)
+        step = max(r.compute_s * _bubble(layout.pp, micro_batches, layout.vpp) + r.comm_s for r in ranks)
+        peak = max(r.peak_bytes for r in ranks)
+        if peak > memory:
+            continue
+        if model_flops is None:
+            from megalm.config.checks import resolve_model_defaults
+            from megalm.config.compose import compose_config
+
+            model = resolve_model_defaults(compose_config(base).model)
+            model_flops = training_flops(model, [shape.seq] * shape.global_batch)
+        found.append({"overrides": layout.overrides(), "layout": asdict(layout), "peak_bytes": peak,
+                      "tokens_per_s": shape.global_batch * shape.seq / step, "step_time_s": step,
+                      "mfu": model_flops / (world * GPUS[gpu].bf16_tflops * 1e12 * step),
+                      "closed_form": {"peak_bytes": closed_peak, "tokens_per_s": closed_rate},
+                      "ranks": [{"role": r.role, "rank": r.rank, "peak_bytes": r.peak_bytes} for r in ranks]})
+    found.sort(key=lambda f: -f["tokens_per_s"])
+    notes += [f"refused by the config's rules: {reason}" for reason in refused]
+    return {"world": world, "gpu": gpu, "hbm_bytes": memory, "global_batch": shape.global_batch,
+            "candidates": len(candidates), "fit_closed_form": len(hopeful), "confirmed": tried, "layouts": found,
+            "seconds": time.perf_counter() - start, "notes": notes}
+
+
+def search_table(result: dict[str, Any]) -> str:
+    """The search's answer as a Markdown table."""
+    gib = 2**30
+    lines = [f"{result['candidates']} layouts on {result['world']} x {GPUS[result['gpu']].name} "
+             f"({result['hbm_bytes'] / gib:.0f} GiB), global batch {result['global_batch']}: "
+             f"{result['fit_closed_form']} fit by the closed form, {result['confirmed']} run by the estimator, "
+             f"{result['seconds']:.0f} s",
+             "| # | layout | peak GiB | tokens/s | MFU | closed form: peak GiB, tokens/s |", "| --- " * 6 + "|"]
+    for i, f in enumerate(result["layouts"], 1):
+        c = f["closed_form"]
+        lines.append(f"| {i} | {' '.join(f['overrides'])} | {f['peak_bytes'] / gib:.1f} | {f['tokens_per_s']:,.0f} | "
+                     f"{f['mfu']:.1%} | {c['peak_bytes'] / gib:.1f}, {c['tokens_per_s']:,.0f} |")
+    return "\n".join(lines)
