@@ -53,9 +53,9 @@ def test_the_shallow_runs_extrapolate_to_the_full_depth_run(layout):
 
 @pytest.mark.slow  # about 45 s: two searches (fake-tensor runs of each confirmed layout) and a full estimate
 def test_search_returns_layouts_that_fit_best_first(capsys):
-    """A tiny model on 4 ranks with a memory limit at the smaller of two layouts' peaks: what is returned fits, is ordered by
-    the estimator's tokens/s, and the best layout run by the plain estimator (full depth) has the peak reported
-    (within 1%: other samples in flight)."""
+    """A tiny model on 4 ranks with a memory limit at the smaller of two layouts' peaks: what is returned fits, is
+    ordered by the estimator's tokens/s, and the best layout run by the plain estimator (full depth)
+    has the peak reported (within 1%: other samples in flight)."""
     overrides = [*SMALL, "trainer.micro_batch_size=1", "trainer.global_batch_size=16"]
     unlimited = layout_search.search(overrides, 4, "h100", top=2, max_confirm=2)
     assert len(unlimited["layouts"]) == 2, unlimited
