@@ -48,10 +48,11 @@ from megalm.estimate.rank import (
 )
 from megalm.measure.op_cost import GPUS
 
-# The estimator against Korthikanti et al. (34·s·h/t a layer with SP and flash attention): 1.6x without recompute
-# or with megalm's selective (8B and 70B, docs/benchmarks.md "The estimator against the closed forms"); full
-# recompute keeps the layer input (2·s·h/t) plus one layer's recomputed activations during its backward.
-ACTIVATION_FACTOR = 1.6
+# The estimator's first-stage peak against Korthikanti et al. (34·s·h/t a layer with SP and flash attention) at
+# Llama-3 8B and 70B (docs/benchmarks.md, "The estimator against the closed forms"): 1.25x without recompute (GQA
+# and SwiGLU's shapes, the backward's working set), 1.6x with megalm's selective; full recompute keeps the layer
+# input (2·s·h/t) plus one layer's recomputed activations during its backward.
+ACTIVATION_FACTOR = {"none": 1.25, "selective": 1.6, "full": 1.25}
 # The estimator's roofline runs 8B's step at about half the bf16 peak (222 TFLOP in 0.436 s on an H100: the
 # memory-bound elementwise ops); the closed form takes the same share.
 ROOFLINE_EFFICIENCY = 0.5
@@ -59,7 +60,7 @@ ROOFLINE_EFFICIENCY = 0.5
 # micro-batch (the estimator's tp bytes at 70B, tp 8, pp 8: the forward's all-gathers and reduce-scatters, their
 # mirrors and the re-gathers in the backward), 13 when recompute runs the forward's again.
 TP_TRANSFERS = {"none": 10, "selective": 13, "full": 13}
-CLOSED_FORM_MARGIN = 1.1  # the closed form may be this much optimistic and still be confirmed (it is within 5% at 70B)
+CLOSED_FORM_MARGIN = 1.1  # the closed form may be this optimistic and still be confirmed (0.96-1.27x at 70B)
 SEARCH_NOTE = "global batch not given: trainer.global_batch_size = --world sequences of model.seq_length"
 
 
@@ -168,7 +169,7 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
     n = stage_parameters(shape, layout)
     static = static_bytes_per_parameter(shape.bf16, layout.zero1, dp * cp) * n
     tokens = shape.seq * shape.micro_batch / cp  # a micro-batch's tokens on this rank
-    layer = 34 * tokens * shape.hidden / t * ACTIVATION_FACTOR
+    layer = 34 * tokens * shape.hidden / t * ACTIVATION_FACTOR[layout.recompute]
     micro_batches = shape.global_batch // (dp * shape.micro_batch)
     in_flight = min(pp, micro_batches) * (1 + (pp - 1) / (pp * layout.vpp) if layout.vpp > 1 else 1)
     kept = 2 * tokens * shape.hidden / t if layout.recompute == "full" else layer

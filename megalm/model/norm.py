@@ -5,6 +5,12 @@ rms(x) = sqrt(mean(x^2) + eps). LayerNorm (Ba et al. 2016) also subtracts the me
 With bf16 weights the residual stream is bf16: torch's norm kernels compute the statistics and the
 normalisation in fp32 (their opmath) and return the input's dtype, so small-variance features are not lost and
 no fp32 copy of the input or the weight is made around them (CUDA runs each as one fused kernel).
+
+Off CUDA, torch has no fused RMSNorm with a backward: `F.rms_norm` decomposes, and autograd keeps two fp32 [T, h]
+tensors of every norm (the upcast input and the normalised one: 8 bytes a token and feature, 16·s·h of a Llama
+layer's ~50). `RMSNormFunction` saves what CUDA's kernel saves, the input in its own dtype and one fp32 rstd a token,
+and writes the backward by hand (the gradient of y = x·rstd·g: dx = rstd·(gy − x̂·mean(gy·x̂)), dg = Σ dy·x̂).
+So CPU runs, and megalm-estimate's CPU trace of a GPU run, hold the activations a GPU holds.
 """
 
 from __future__ import annotations
@@ -16,6 +22,30 @@ from torch import nn
 from megalm.config import ModelConfig
 
 
+class RMSNormFunction(torch.autograd.Function):
+    """RMSNorm over the last dimension, saving the input and the fp32 rstd (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # noqa: ANN001 - ctx
+        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # noqa: ANN001
+        x, weight, rstd = ctx.saved_tensors
+        opmath = rstd.dtype  # fp32 for bf16/fp16/fp32 inputs, fp64 for fp64 (torch's kernels' opmath)
+        normalised = x.to(opmath) * rstd
+        dy = dy.to(opmath)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            gy = dy * weight.to(opmath)
+            dx = (rstd * (gy - normalised * (gy * normalised).mean(-1, keepdim=True))).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = (dy * normalised).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        return dx, dw, None
+
+
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, over the last dimension, computed in fp32."""
 
@@ -25,7 +55,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+        if x.is_cuda:  # torch's fused kernel, forward and backward
+            return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+        return RMSNormFunction.apply(x, self.weight.to(x.dtype), self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -159,6 +159,34 @@ def test_norms_match_formulas():
     assert rms(x.bfloat16()).dtype == torch.bfloat16
 
 
+def test_rms_norm_gradients_are_autograds_and_it_saves_what_cuda_saves():
+    """The hand-written backward against autograd through F.rms_norm (fp64: to rounding; bf16: equal), and what the
+    norm keeps for backward, counted by saved-tensor hooks: the bf16 input, the weight and a per-token fp32 rstd,
+    not F.rms_norm's two fp32 [T, h] copies on CPU."""
+    import torch.nn.functional as F
+
+    for dtype, tol in ((torch.float64, 1e-12), (torch.bfloat16, 0.0)):
+        norm = RMSNorm(32).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(32) + 0.5)
+        x = torch.randn(2, 7, 32, dtype=dtype, requires_grad=True)
+        dy = torch.randn(2, 7, 32, dtype=dtype)
+        got = torch.autograd.grad(norm(x), (x, norm.weight), dy)
+        want = torch.autograd.grad(F.rms_norm(x, (32,), norm.weight, norm.eps), (x, norm.weight), dy)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+    saved = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(64, 128, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        RMSNorm(128).to(torch.bfloat16)(x)
+    assert sum(saved.values()) == 64 * 128 * 2 + 128 * 2 + 64 * 4, saved
+
+
 # ---------------------------------------------------------------- the model
 
 

@@ -12,7 +12,8 @@ holds the most: pp micro-batches in flight under 1F1B), and the table sets its m
   34·s·h/t without recompute (their selective recompute removes only the attention matrices, which flash attention
   never stores: 34 too) and 2·s·h/t with full recompute (the layer's input), times the layers of the stage and the pp
   micro-batches in flight. megalm's `selective` recomputes the elementwise ops and keeps GEMM, attention and
-  collective outputs, which is not Korthikanti's selective.
+  collective outputs, which is not Korthikanti's selective. `offload`: no recompute with activation offload
+  (offload.enabled=true), against the formula times the share of micro-batches not offloaded (1 - fraction).
 """
 
 from __future__ import annotations
@@ -52,17 +53,20 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(LAYOUTS))
-    p.add_argument("--recompute", nargs="+", default=["none", "selective", "full"])
+    p.add_argument("--recompute", nargs="+", default=["none", "selective", "full", "offload"],
+                   help="recompute modes; 'offload': none, with activation offload (offload.enabled=true)")
     p.add_argument("--num-layers", type=int, help="fewer layers, for a quick run (the per-layer figures hold)")
     args = p.parse_args(argv)
     depth = [f"model.num_layers={args.num_layers}"] if args.num_layers else []
-    print("| model | recompute | params GiB | grads GiB | optimizer GiB | activations GiB | Korthikanti | ratio |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | recompute | params GiB | grads GiB | optimizer GiB | activations GiB | Korthikanti | ratio | "
+          "host GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for model in args.models:
         layout, world = LAYOUTS[model]
         for mode in args.recompute:
-            overrides = estimate.batch_overrides([*layout, *depth, "precision=bf16", f"parallel.recompute={mode}"],
-                                                 world)
+            recompute = ["parallel.recompute=none", "offload.enabled=true"] if mode == "offload" else \
+                [f"parallel.recompute={mode}"]
+            overrides = estimate.batch_overrides([*layout, *depth, "precision=bf16", *recompute], world)
             cfg = compose_config(overrides)
             tp, pp = cfg.parallel.tp, cfg.parallel.pp
             n = stage_parameters(cfg, tp, pp)
@@ -71,12 +75,15 @@ def main(argv: list[str] | None = None) -> int:
             s, h = cfg.model.seq_length, cfg.model.hidden_size
             per_layer = (2 if mode == "full" else 34) * s * h / tp
             formula = per_layer * cfg.model.num_layers // pp * pp
+            if mode == "offload":  # the offloaded share of the micro-batches in flight lives on the host
+                formula *= 1 - cfg.offload.fraction
             closed = (2 * n, 4 * n, 12 * n)
             measured = (rank["param_bytes"], rank["grad_bytes"], rank["optimizer_bytes"])
             cells = [f"{m / GIB:.3f} ({'= closed form' if m == c else f'closed form {m - c:+,} bytes'})"
                      for m, c in zip(measured, closed, strict=True)]  # the optimizer's: + AdamW's step counters
             print(f"| {model} | {mode} | {' | '.join(cells)} | {rank['activation_bytes'] / GIB:.2f} | "
-                  f"{formula / GIB:.2f} | {rank['activation_bytes'] / formula:.2f} |", flush=True)
+                  f"{formula / GIB:.2f} | {rank['activation_bytes'] / formula:.2f} | {rank['host_bytes'] / GIB:.2f} |",
+                  flush=True)
     return 0
 
 
