@@ -83,9 +83,11 @@ def main(argv: list[str] | None = None) -> int:
                 memory = int(args.gpu_memory * GIB) if args.gpu_memory else None
                 result = search([*given, *cpu_run], args.world, args.gpu, args.top, memory_bytes=memory)
                 if not result["layouts"]:
-                    raise ConfigError(f"no layout of {result['candidates']} fits {args.world} GPUs of "
-                                      f"{result['hbm_bytes'] / GIB:.0f} GiB at this batch; add GPUs, shorten "
-                                      "model.seq_length or lower trainer.micro_batch_size")
+                    raise ConfigError(
+                        f"none of the {result['confirmed']} layouts the estimator ran (of {result['fit_closed_form']}"
+                        f" the closed form fits, {result['candidates']} in all) fits {args.world} GPUs of "
+                        f"{result['hbm_bytes'] / GIB:.1f} GiB at this batch; add GPUs, shorten model.seq_length or "
+                        f"lower trainer.micro_batch_size ({len(result['notes'])} notes with --json)")
                 text = search_table(result)
             else:
                 overrides = batch_overrides(given, args.world)

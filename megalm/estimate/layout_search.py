@@ -108,6 +108,7 @@ class Shape:
     varlen: bool
     offload_fraction: float
     vocab_multiple: int  # model.make_vocab_size_divisible_by: the vocabulary is padded to it times tp
+    tied: bool  # model.tie_embeddings: one vocabulary matrix, else the embedding's and the output layer's
 
     @property
     def layer_params(self) -> int:
@@ -122,7 +123,7 @@ def layouts(shape: Shape) -> list[Layout]:
     for tp, pp, cp in itertools.product(powers, powers, powers):
         per_replica = tp * pp * cp
         if (tp > GPUS_PER_NODE or shape.heads % tp or shape.kv_heads % tp or shape.layers % pp
-                or shape.world % per_replica or shape.seq % (2 * cp * tp)):
+                or shape.world % per_replica or shape.seq % ((2 * cp if cp > 1 else 1) * tp)):
             continue
         dp = shape.world // per_replica
         if shape.global_batch % (dp * shape.micro_batch):
@@ -142,11 +143,12 @@ def layouts(shape: Shape) -> list[Layout]:
 
 def stage_parameters(shape: Shape, layout: Layout) -> int:
     """Parameters on a rank of the first (or last) stage: its layers sharded over tp, norms replicated, and the
-    embedding's (or output layer's) vocabulary rows over tp."""
+    embedding's (or output layer's) vocabulary rows over tp; both matrices on the one stage of pp = 1, untied."""
     multiple = shape.vocab_multiple * layout.tp
     padded_vocab = -(-shape.vocab // multiple) * multiple
+    vocab_matrices = 2 if layout.pp == 1 and not shape.tied else 1
     return shape.layers // layout.pp * (shape.layer_params // layout.tp + 2 * shape.hidden) + \
-        padded_vocab * shape.hidden // layout.tp
+        vocab_matrices * padded_vocab * shape.hidden // layout.tp
 
 
 def static_bytes_per_parameter(bf16: bool, zero1: bool, dp: int) -> float:
@@ -232,8 +234,10 @@ def shallow_rank(base: list[str], layout: Layout, shape: Shape, stage: int, role
 
 # ------------------------------------------------------------------------------------------------------ the search
 
-STRIPPED = ("parallel.", "offload.enabled", "trainer.micro_batch_size", "trainer.global_batch_size",
-            "model.num_layers")  # set per layout by the search
+STRIPPED = {"parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.dp", "parallel.pp_schedule",
+            "parallel.sequence_parallel", "parallel.zero1", "parallel.recompute", "parallel.hdp",
+            "parallel.layers_per_stage", "offload.enabled", "trainer.micro_batch_size", "trainer.global_batch_size",
+            "model.num_layers"}  # set per layout by the search; the command's other keys are kept
 
 
 def search_shape(overrides: list[str], world: int) -> tuple[Shape, list[str], list[str]]:
@@ -250,8 +254,8 @@ def search_shape(overrides: list[str], world: int) -> tuple[Shape, list[str], li
                   m.vocab_size, m.seq_length, micro,
                   t.global_batch_size if "trainer.global_batch_size" in keys else world, world,
                   str(cfg.precision.name) != "fp32", bool(cfg.data.varlen), float(cfg.offload.fraction),
-                  int(m.make_vocab_size_divisible_by))
-    base = [o for o in overrides if not o.lstrip("+").startswith(STRIPPED)]
+                  int(m.make_vocab_size_divisible_by), bool(m.tie_embeddings))
+    base = [o for o in overrides if o.split("=", 1)[0].lstrip("+") not in STRIPPED]
     return shape, base, notes
 
 
@@ -290,7 +294,7 @@ def search(overrides: list[str], world: int, gpu: str, top: int = 5, max_confirm
             from megalm.config.checks import resolve_model_defaults
             from megalm.config.compose import compose_config
 
-            model = resolve_model_defaults(compose_config(base).model)
+            model = resolve_model_defaults(compose_config(overrides).model)  # the command's depth
             model_flops = training_flops(model, [shape.seq] * shape.global_batch)
         found.append({"overrides": layout.overrides(), "layout": asdict(layout), "peak_bytes": peak,
                       "tokens_per_s": shape.global_batch * shape.seq / step, "step_time_s": step,

@@ -32,6 +32,7 @@ class RMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # rstd is saved as a constant: no double backward through it
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # noqa: ANN001
         x, weight, rstd = ctx.saved_tensors
         opmath = rstd.dtype  # fp32 for bf16/fp16/fp32 inputs, fp64 for fp64 (torch's kernels' opmath)

@@ -77,7 +77,7 @@ def test_search_says_when_nothing_fits(capsys):
     assert estimate.main([*SMALL, "trainer.micro_batch_size=1", "trainer.global_batch_size=16", "--world", "4",
                           "--search", "--gpu-memory", "0.1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "no layout" in err and "fits" in err and len(err.splitlines()) == 1, err
+    assert "none of the" in err and "fits" in err and len(err.splitlines()) == 1, err
 
 
 def test_the_closed_form_static_bytes_are_the_estimators():

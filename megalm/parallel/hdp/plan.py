@@ -43,7 +43,8 @@ def zigzag_share(tokens: int, d: int, position: int) -> int:
 
 def tokens_per_rank(plan: Plan) -> list[int]:
     """The real tokens each rank of `plan` runs in the step: its packed documents, and its zigzag share of each
-    ring's document (padding excluded)."""
+    ring's document (padding excluded). Exact for HDP's rings, one document each; a ring of several documents (the
+    static baseline's) is split here as one sequence of their summed tokens, where zigzag splits each document."""
     load = [0] * plan.num_ranks
     for mb in plan.micro_batches:
         if len(mb.ranks) == 1:
