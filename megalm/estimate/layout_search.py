@@ -40,6 +40,7 @@ from megalm.estimate.rank import (
     RankEstimate,
     _comm_seconds,
     bubble_factor,
+    check_gpu,
     estimate_rank,
     gpu_precision,
     inside_node,
@@ -47,6 +48,7 @@ from megalm.estimate.rank import (
     roles,
 )
 from megalm.measure.op_cost import GPUS
+from megalm.parallel.hdp.cost import ModelShape
 
 # The estimator's first-stage peak against Korthikanti et al. (34·s·h/t a layer with SP and flash attention) at
 # Llama-3 8B and 70B (docs/benchmarks.md, "The estimator against the closed forms"): 1.25x without recompute (GQA
@@ -92,14 +94,10 @@ class Layout:
 
 @dataclass(frozen=True)
 class Shape:
-    """What the closed form needs of the run: the model's shapes, the batch, the cluster."""
+    """What the closed form needs of the run: the model's shapes (the HDP cost model's `ModelShape`), the batch, the
+    cluster."""
 
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
+    model: ModelShape
     seq: int
     micro_batch: int
     global_batch: int
@@ -110,11 +108,6 @@ class Shape:
     vocab_multiple: int  # model.make_vocab_size_divisible_by: the vocabulary is padded to it times tp
     tied: bool  # model.tie_embeddings: one vocabulary matrix, else the embedding's and the output layer's
 
-    @property
-    def layer_params(self) -> int:
-        head = self.hidden // self.heads
-        return 2 * self.hidden * self.heads * head + 2 * self.hidden * self.kv_heads * head + 3 * self.hidden * self.ffn
-
 
 def layouts(shape: Shape) -> list[Layout]:
     """Every layout the search prices (see the module docstring); the config's own checks run at confirmation."""
@@ -122,14 +115,14 @@ def layouts(shape: Shape) -> list[Layout]:
     powers = [2**k for k in range(12) if 2**k <= shape.world]
     for tp, pp, cp in itertools.product(powers, powers, powers):
         per_replica = tp * pp * cp
-        if (tp > GPUS_PER_NODE or shape.heads % tp or shape.kv_heads % tp or shape.layers % pp
+        if (tp > GPUS_PER_NODE or shape.model.heads % tp or shape.model.kv_heads % tp or shape.model.layers % pp
                 or shape.world % per_replica or shape.seq % ((2 * cp if cp > 1 else 1) * tp)):
             continue
         dp = shape.world // per_replica
         if shape.global_batch % (dp * shape.micro_batch):
             continue
         micro_batches = shape.global_batch // (dp * shape.micro_batch)
-        vpps = [1] + ([2] if pp > 1 and shape.layers % (2 * pp) == 0 and micro_batches % pp == 0 else [])
+        vpps = [1] + ([2] if pp > 1 and shape.model.layers % (2 * pp) == 0 and micro_batches % pp == 0 else [])
         for vpp, zero1, recompute, offload, hdp in itertools.product(
                 vpps, (False, True) if dp * cp > 1 else (False,), ("none", "selective", "full"), (False, True),
                 (False, True) if shape.varlen and dp * cp > 1 else (False,)):
@@ -145,10 +138,10 @@ def stage_parameters(shape: Shape, layout: Layout) -> int:
     """Parameters on a rank of the first (or last) stage: its layers sharded over tp, norms replicated, and the
     embedding's (or output layer's) vocabulary rows over tp; both matrices on the one stage of pp = 1, untied."""
     multiple = shape.vocab_multiple * layout.tp
-    padded_vocab = -(-shape.vocab // multiple) * multiple
+    padded_vocab = -(-shape.model.vocab // multiple) * multiple
     vocab_matrices = 2 if layout.pp == 1 and not shape.tied else 1
-    return shape.layers // layout.pp * (shape.layer_params // layout.tp + 2 * shape.hidden) + \
-        vocab_matrices * padded_vocab * shape.hidden // layout.tp
+    return shape.model.layers // layout.pp * (shape.model.layer_params // layout.tp + 2 * shape.model.hidden) + \
+        vocab_matrices * padded_vocab * shape.model.hidden // layout.tp
 
 
 def static_bytes_per_parameter(bf16: bool, zero1: bool, dp: int) -> float:
@@ -167,30 +160,30 @@ def _bubble(pp: int, micro_batches: int, vpp: int) -> float:
 
 def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
     """(peak bytes of the fullest rank with the estimator's reserve, tokens/s) of a layout, by the closed form."""
-    t, pp, cp, dp = layout.tp, layout.pp, layout.cp, layout.dp
+    t, pp, cp, dp, m = layout.tp, layout.pp, layout.cp, layout.dp, shape.model
     n = stage_parameters(shape, layout)
     static = static_bytes_per_parameter(shape.bf16, layout.zero1, dp * cp) * n
     tokens = shape.seq * shape.micro_batch / cp  # a micro-batch's tokens on this rank
-    layer = 34 * tokens * shape.hidden / t * ACTIVATION_FACTOR[layout.recompute]
+    layer = 34 * tokens * m.hidden / t * ACTIVATION_FACTOR[layout.recompute]
     micro_batches = shape.global_batch // (dp * shape.micro_batch)
     in_flight = min(pp, micro_batches) * (1 + (pp - 1) / (pp * layout.vpp) if layout.vpp > 1 else 1)
-    kept = 2 * tokens * shape.hidden / t if layout.recompute == "full" else layer
+    kept = 2 * tokens * m.hidden / t if layout.recompute == "full" else layer
     if layout.offload:
         kept *= 1 - shape.offload_fraction
-    activations = shape.layers // pp * in_flight * kept + (layer if layout.recompute == "full" else 0)
-    logits = 6 * tokens * shape.vocab / t  # bf16 logits and their fp32 gradient, last stage
+    activations = m.layers // pp * in_flight * kept + (layer if layout.recompute == "full" else 0)
+    logits = 6 * tokens * m.vocab / t  # bf16 logits and their fp32 gradient, last stage
     peak = static + activations + (logits if pp == 1 else 0)
     peak = max(peak, static + logits)  # the last stage: logits, fewer micro-batches in flight
     reserve = reserve_bytes(int(peak), sum(size > 1 for size in (t, pp, cp, dp)))
-    flops = 6 * shape.layers * shape.layer_params * shape.global_batch * shape.seq / shape.world
+    flops = 6 * m.layers * m.layer_params * shape.global_batch * shape.seq / shape.world
     flops *= 4 / 3 if layout.recompute == "full" else 1
     compute = flops / (GPUS[gpu].bf16_tflops * 1e12 * ROOFLINE_EFFICIENCY)
-    per_micro_batch = shape.layers // pp * tokens * shape.hidden * 2
+    per_micro_batch = m.layers // pp * tokens * m.hidden * 2
     collective = {
         "tp": TP_TRANSFERS[layout.recompute] * per_micro_batch * micro_batches if t > 1 else 0,
-        "cp": 3 * shape.layers // pp * tokens * 2 * shape.hidden * shape.kv_heads // shape.heads * 2 * (cp - 1)
+        "cp": 3 * m.layers // pp * tokens * 2 * m.hidden * m.kv_heads // m.heads * 2 * (cp - 1)
         * micro_batches / t if cp > 1 else 0,
-        "pp": 4 * tokens * shape.hidden * 2 / t * micro_batches if pp > 1 else 0,
+        "pp": 4 * tokens * m.hidden * 2 / t * micro_batches if pp > 1 else 0,
         "dp": (4 + (2 if layout.zero1 else 0)) * n if dp * cp > 1 else 0}
     step = compute * _bubble(pp, micro_batches, layout.vpp) + _comm_seconds(collective, LINKS[gpu],
                                                                            inside_node(t, cp))
@@ -214,7 +207,7 @@ def shallow_rank(base: list[str], layout: Layout, shape: Shape, stage: int, role
              f"trainer.global_batch_size={run_micro * layout.dp * shape.micro_batch}"]
     shallow, deep = (estimate_rank([*base, *layout.overrides(), *batch, f"model.num_layers={layout.pp * d}"],
                                    shape.world, stage, role, gpu) for d in (unit, 2 * unit))
-    depth = (shape.layers // layout.pp - unit) / unit  # the model's depth, in units past the shallow run's
+    depth = (shape.model.layers // layout.pp - unit) / unit  # the model's depth, in units past the shallow run's
 
     def grow(a: float, b: float) -> float:
         return a + (b - a) * depth
@@ -250,8 +243,9 @@ def search_shape(overrides: list[str], world: int) -> tuple[Shape, list[str], li
     keys = {o.split("=", 1)[0].lstrip("+") for o in overrides}
     notes = [] if "trainer.global_batch_size" in keys else [SEARCH_NOTE]
     micro = t.micro_batch_size if "trainer.micro_batch_size" in keys else 1
-    shape = Shape(m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size,
-                  m.vocab_size, m.seq_length, micro,
+    model = ModelShape(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_heads, kv_heads=m.num_kv_heads,
+                       ffn=m.ffn_hidden_size, vocab=m.vocab_size)
+    shape = Shape(model, m.seq_length, micro,
                   t.global_batch_size if "trainer.global_batch_size" in keys else world, world,
                   str(cfg.precision.name) != "fp32", bool(cfg.data.varlen), float(cfg.offload.fraction),
                   int(m.make_vocab_size_divisible_by), bool(m.tie_embeddings))
@@ -267,6 +261,7 @@ def search(overrides: list[str], world: int, gpu: str, top: int = 5, max_confirm
     from megalm.errors import ConfigError
     from megalm.training.flops import training_flops
 
+    check_gpu(gpu)
     start = time.perf_counter()
     memory = memory_bytes or HBM_BYTES[gpu]
     shape, base, notes = search_shape(gpu_precision(overrides), world)

@@ -206,11 +206,12 @@ def hdp_loads(trainer: Any, step: int) -> dict[str, list[int]] | None:
     if not isinstance(split, HdpSplit):
         return None
     ids = trainer.step_sample_ids(step)
-    tokens = [_real_tokens(split.micro_batches(data, ids, h)[0]) for h in range(split.num_ranks)]
-    plan = split.last_plan
+    lengths = [data.sample_length(k) - 1 for k in ids]
+    plan = split.plan(lengths)  # planned once, each rank's batches built from it
+    tokens = [_real_tokens(split.micro_batches_of(plan, h, data, ids, lengths)) for h in range(split.num_ranks)]
     ring = [max((len(plan.micro_batches[k].ranks) for k in todo if plan.micro_batches[k].seqs), default=1)
             for todo in plan.per_rank]
-    return {"tokens": tokens, "ring": ring, "lengths": [data.sample_length(k) - 1 for k in ids]}
+    return {"tokens": tokens, "ring": ring, "lengths": lengths}
 
 
 def _grad_buffers(trainer: Any) -> list[torch.Tensor]:
@@ -282,6 +283,14 @@ def bubble_factor(pp: int, micro_batches: int, schedule: str, vpp: int) -> float
     return timeline.makespan / max(timeline.busy)
 
 
+def check_gpu(gpu: str) -> None:
+    """A ConfigError naming the GPUs the estimator knows, for any other `--gpu`."""
+    from megalm.errors import ConfigError
+
+    if gpu not in GPUS:
+        raise ConfigError(f"--gpu {gpu}: unknown GPU; expected one of {', '.join(sorted(GPUS))}")
+
+
 def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
     """Every rank role of the layout, and the step's time, MFU and tokens/s (see the module docstring)."""
     from megalm.config.checks import resolve_model_defaults
@@ -289,8 +298,7 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
     from megalm.errors import ConfigError
     from megalm.training.flops import training_flops
 
-    if gpu not in GPUS:
-        raise ConfigError(f"--gpu {gpu}: unknown GPU; expected one of {', '.join(sorted(GPUS))}")
+    check_gpu(gpu)
     cfg = compose_config(overrides)
     p = cfg.parallel
     per_replica = p.tp * p.pp * p.cp

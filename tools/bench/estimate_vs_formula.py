@@ -6,8 +6,9 @@
 For each model and recompute mode the estimator runs the first pipeline stage's rank of its layout (the stage that
 holds the most: pp micro-batches in flight under 1F1B), and the table sets its measured bytes beside:
 - parameters, gradients and optimizer states from the closed form of the mixed-precision recipe (2, 4 and 12 bytes
-  per parameter of the rank, no ZeRO-1), the rank's parameters counted from the shapes: the layers of the stage
-  sharded over tp (norms replicated), the embedding's rows over tp, Megatron's padded vocabulary;
+  per parameter of the rank, no ZeRO-1), the rank's parameters counted from the shapes by the search's closed form
+  (layout_search.stage_parameters): the layers of the stage sharded over tp (norms replicated), the embedding's
+  rows over tp, Megatron's padded vocabulary;
 - activations: Korthikanti et al. (2022) per layer and micro-batch with sequence parallelism and flash attention,
   34·s·h/t without recompute (their selective recompute removes only the attention matrices, which flash attention
   never stores: 34 too) and 2·s·h/t with full recompute (the layer's input), times the layers of the stage and the pp
@@ -27,25 +28,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from megalm import estimate  # noqa: E402
+from megalm.estimate import layout_search  # noqa: E402
+from megalm.estimate.layout_search import Layout  # noqa: E402
 
 LAYOUTS = {  # model -> (overrides, world): TP within a node, PP across nodes, dp 8
     "8b": (["model=8b", "parallel.tp=8", "parallel.pp=4", "parallel.sequence_parallel=true"], 256),
     "70b": (["model=70b", "parallel.tp=8", "parallel.pp=8", "parallel.sequence_parallel=true"], 512),
 }
 GIB = 2**30
-
-
-def stage_parameters(cfg, tp: int, pp: int) -> int:
-    """Parameters on the first stage's rank, from the shapes (Llama: untied output, no biases)."""
-    m = cfg.model
-    head_dim = m.hidden_size // m.num_heads
-    h, f = m.hidden_size, m.ffn_hidden_size
-    q, kv = m.num_heads * head_dim, m.num_kv_heads * head_dim
-    sharded = h * q + 2 * h * kv + q * h + 3 * h * f  # qkv, o, gate/up, down
-    per_layer = sharded // tp + 2 * h  # two RMSNorm weights, replicated
-    multiple = m.make_vocab_size_divisible_by * tp
-    padded_vocab = -(-m.vocab_size // multiple) * multiple
-    return m.num_layers // pp * per_layer + padded_vocab * h // tp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
             overrides = estimate.batch_overrides([*layout, *depth, "precision=bf16", *recompute], world)
             cfg = compose_config(overrides)
             tp, pp = cfg.parallel.tp, cfg.parallel.pp
-            n = stage_parameters(cfg, tp, pp)
+            shape = layout_search.search_shape(overrides, world)[0]
+            n = layout_search.stage_parameters(shape, Layout(tp, pp, 1, 1, world // (tp * pp), False, "none", False,
+                                                             False))
             rank = estimate.estimate([*overrides, "trainer.device=cpu", "logging.tensorboard=false"], world,
                                      "h100")["ranks"][0]
             s, h = cfg.model.seq_length, cfg.model.hidden_size

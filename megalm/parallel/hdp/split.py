@@ -100,15 +100,18 @@ class HdpSplit:
         self.last_plan = plan
         return plan
 
-    def micro_batches(self, dataset: VarlenDataset, ids: range, index: int | None = None,
-                      ) -> tuple[list[LocalMicroBatch], int]:
+    def micro_batches(self, dataset: VarlenDataset, ids: range) -> tuple[list[LocalMicroBatch], int]:
         """This rank's micro-batches of the global batch of samples `ids`, in plan order (on the host, the
         ring shards already cut), and the batch's loss-token count (one document per sample: every input
-        token carries a loss). A ring's document is counted by its first rank only. `index`: those of
-        another rank of the domain instead (megalm-estimate reads every rank's load)."""
+        token carries a loss). A ring's document is counted by its first rank only."""
         lengths = [dataset.sample_length(k) - 1 for k in ids]
         plan = self.plan(lengths)
-        index = self.index if index is None else index
+        return self.micro_batches_of(plan, self.index, dataset, ids, lengths), sum(lengths)
+
+    def micro_batches_of(self, plan: Plan, index: int, dataset: VarlenDataset, ids: range,
+                         lengths: list[int]) -> list[LocalMicroBatch]:
+        """Domain rank `index`'s micro-batches of `plan` over the samples `ids` of input `lengths`
+        (megalm-estimate reads every rank's, from one plan)."""
         out = []
         for k in plan.per_rank[index]:
             mb = plan.micro_batches[k]
@@ -128,7 +131,7 @@ class HdpSplit:
                 counted = [lengths[i]] if position == 0 else []
                 out.append(LocalMicroBatch(shard, k, ring=ring, counted_doc_lengths=counted,
                                            offload_fraction=offload))
-        return out, sum(lengths)
+        return out
 
     def offload_fraction(self, tokens: int, d: int) -> float:
         """The share of its activations a micro-batch of `tokens` on d ranks offloads: r(s) for a document
