@@ -102,11 +102,11 @@ class NonFinite(Choice):
     stop = "stop"
 
 
-class ContextComm(Choice):
-    """Context parallelism's exchange: ring attention, or Ulysses-style all-to-all."""
-
-    ring = "ring"
-    a2a = "a2a"
+# "a2a+p2p" is no identifier, so this one is built by the functional API too.
+ContextComm = Choice("ContextComm", [(v, v) for v in ("ring", "a2a", "a2a+p2p")], module=__name__,
+                     qualname="ContextComm")
+ContextComm.__doc__ = ("Context parallelism's exchange: ring attention, Ulysses all-to-all, or both (all-to-all inside "
+                       "a node, ring across nodes).")
 
 
 # A class body cannot spell a member named "1f1b", so this one is built by the functional API.

@@ -28,6 +28,7 @@ class Ring:
 
     ranks: tuple[int, ...]
     index: int
+    inner: int = 1  # > 1: hierarchical, all-to-all in groups of `inner` consecutive ranks (context/hierarchical.py)
 
 
 @dataclass

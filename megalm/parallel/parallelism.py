@@ -39,7 +39,7 @@ from megalm.model.naming import canonical_named_parameters, model_chunks
 from megalm.model.shard import shard_specs
 from megalm.offload import ActivationStore, LayerOffload, PipelineOffload
 from megalm.parallel.collectives import all_reduce_sum
-from megalm.parallel.context.attention import RingContext, validate_context
+from megalm.parallel.context.attention import RingContext, cp_a2a_size, validate_context
 from megalm.parallel.context.split import ContextShards
 from megalm.parallel.data_parallel.bucket_adamw import BucketAdamW, forward_owners
 from megalm.parallel.data_parallel.reducer import GradReducer
@@ -223,7 +223,8 @@ class Parallelism:
             return HdpSplit(mesh, p.hdp_capacity, hdp_cost_model(self.cfg), p.pp, p.pp_schedule, p.hdp_offload)
         split = DataParallelSlices(mesh, self.cfg.trainer.micro_batch_size,
                                    partial_last=self.cfg.trainer.tokens_per_step is not None, device=self.device)
-        return ContextShards(split, Ring(tuple(mesh.cp_ranks), mesh.cp_rank)) if p.cp > 1 else split
+        inner = cp_a2a_size(self.cfg) if p.cp_comm == "a2a+p2p" else 1
+        return ContextShards(split, Ring(tuple(mesh.cp_ranks), mesh.cp_rank, inner)) if p.cp > 1 else split
 
     def _grad_norm_weights(self) -> dict[int, NormShare]:
         """Each parameter's share of the full model's squared gradient norm: a TP shard counts whole, a

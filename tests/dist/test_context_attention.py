@@ -1,5 +1,6 @@
-"""Context-parallel attention on gloo: ring (N = 2, 3, 4, GQA, two concurrent rings on WORLD) and
-Ulysses forward and backward equal full attention of the unsharded documents.
+"""Context-parallel attention on gloo: ring (N = 2, 3, 4, GQA, two concurrent rings on WORLD), Ulysses and
+hierarchical CP (a2a+p2p: 4 ranks as 2 groups of 2, in two rank orders, and as one group of 4) forward and
+backward equal full attention of the unsharded documents.
 
 Every rank builds the same full q/k/v and output gradient from a seed, shards them with the zigzag
 plan, and compares its own shard of the output (real tokens) and of dq/dk/dv with the shard of the
@@ -23,11 +24,11 @@ from .launch import run_distributed
 
 TIMEOUT = 60  # seconds; a hang (an unmatched isend/irecv) fails the test instead of stalling CI
 TOL = {"atol": 1e-5, "rtol": 1e-5}
-CASES = [([24], 2, 2), ([13, 3, 1, 20, 7], 4, 2), ([2, 17], 4, 1)]  # (doc lengths, Hq, Hkv)
+CASES = [([24], 4, 4), ([13, 3, 1, 20, 7], 4, 2), ([2, 17], 4, 1)]  # (doc lengths, Hq, Hkv)
 
 
 def _check(attention, lengths: list[int], hq: int, hkv: int, plan_n: int, rank_index: int, seed: int,
-           what: str) -> None:
+           what: str, inner: int = 1) -> None:
     """attention(q, k, v, plan) on this rank's shards == the shards of full attention, values and grads."""
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     gen = torch.Generator().manual_seed(seed)
@@ -36,7 +37,7 @@ def _check(attention, lengths: list[int], hq: int, hkv: int, plan_n: int, rank_i
     want = reference_varlen_attention(q, k, v, cu)
     want_grads = torch.autograd.grad(want, (q, k, v), grad_out)
 
-    plan: ZigzagPlan = zigzag_plan(cu, plan_n)
+    plan: ZigzagPlan = zigzag_plan(cu, plan_n, inner)
     shard = lambda t: shard_tensor(t.detach(), plan, rank_index)
     local = [shard(t).requires_grad_() for t in (q, k, v)]
     out = attention(*local, plan)
@@ -61,7 +62,7 @@ def test_ring_attention_matches_full(world_size: int) -> None:
 
 def _four_ranks_worker(rank: int, world_size: int) -> None:
     """A ring of all 4 ranks; then ring [0, 2, 3] (size 3, non-contiguous, in that order) and ring [1]
-    at the same time, both on WORLD with no new group, each on its own sequence."""
+    at the same time, both on WORLD with no new group, each on its own sequence; then hierarchical rings."""
     _ring_worker(rank, world_size)
     rings = {0: [0, 2, 3], 1: [1], 2: [0, 2, 3], 3: [0, 2, 3]}
     sequences = {3: ([11, 2, 17], 4, 2), 1: ([9, 5], 2, 2)}  # keyed by ring size
@@ -69,6 +70,17 @@ def _four_ranks_worker(rank: int, world_size: int) -> None:
     lengths, hq, hkv = sequences[len(ranks)]
     ring = lambda q, k, v, plan: ring_attention(q, k, v, plan, ranks, ranks.index(rank), backend="reference")
     _check(ring, lengths, hq, hkv, len(ranks), ranks.index(rank), 7 + len(ranks), f"two rings, ring {ranks}")
+    # hierarchical: groups of consecutive ranks in the list exchange heads, a ring per head group across the groups
+    for ranks, inner in (([0, 1, 2, 3], 2), ([3, 1, 0, 2], 2), ([0, 1, 2, 3], 4)):
+        index = ranks.index(rank)
+
+        def attend(q, k, v, plan, ranks=ranks, index=index, inner=inner):
+            layout = layout_from_local_cu_seqlens(plan.local_cu_seqlens, 4, inner)
+            return RingContext(tuple(ranks), index, layout, "a2a+p2p").attend(q, k, v, "reference")
+
+        for seed, (lengths, hq, hkv) in enumerate(CASES[:2]):
+            if hkv % inner == 0:
+                _check(attend, lengths, hq, hkv, 4, index, seed, f"a2a+p2p {ranks}/{inner} {lengths} {hq}/{hkv}", inner)
 
 
 def test_ring_of_four_and_two_concurrent_rings_on_world() -> None:

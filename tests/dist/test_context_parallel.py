@@ -47,6 +47,8 @@ LAYOUTS = {
     "cp2_ring": (2, ["parallel.cp=2"]),
     "cp4_ring": (4, ["parallel.cp=4"]),
     "cp2_a2a": (2, ["parallel.cp=2", "parallel.cp_comm=a2a"]),
+    # hierarchical: two all-to-all groups of 2 ranks, a ring across them per head group
+    "cp4_a2a_p2p": (4, ["parallel.cp=4", "parallel.cp_comm=a2a+p2p", "parallel.cp_a2a_size=2"]),
     # documents as samples, many shorter than 2·cp tokens
     "cp2_ring_varlen": (2, ["parallel.cp=2", "data.varlen=true", "data.synthetic.mean_doc_length=12"]),
     # heads split over TP, the ring per head group, SP inside each CP shard (whose 2·c segments are

@@ -6,7 +6,8 @@ one (megalm/model/attention.py). The context holds everything the op needs, expl
 global ranks in order, this rank's position, the zigzag layout of the shard (computed once when the
 micro-batch is prepared) and the communication (`ring`: K/V passed around the rank list on the
 default group, so any list of ranks forms a ring; `a2a`: Ulysses over a fixed group of exactly those
-ranks). Interleaved micro-batches on different rings (pipelines, HDP, recomputation) each carry their
+ranks; `a2a+p2p`: all-to-all inside groups of consecutive ranks and a ring across them, hierarchical.py).
+Interleaved micro-batches on different rings (pipelines, HDP, recomputation) each carry their
 own, so nothing is looked up in module state.
 """
 
@@ -21,6 +22,7 @@ from megalm.config import MegalmConfig, choice
 from megalm.config.choices import ContextComm
 from megalm.data.batch import PackedBatch
 from megalm.errors import ConfigError
+from megalm.parallel.context.hierarchical import HierarchicalRing
 from megalm.parallel.context.ring import ring_attend, ring_attention, ring_meta, ring_note
 from megalm.parallel.context.ulysses import ulysses_attention
 from megalm.parallel.context.zigzag import ZigzagLayout, layout_from_local_cu_seqlens
@@ -44,10 +46,12 @@ class RingContext:
 
     def __post_init__(self) -> None:
         if self.comm not in COMMS:
-            raise ValueError(f"unknown context-parallel communication {self.comm!r}; use ring or a2a")
+            raise ValueError(f"unknown context-parallel communication {self.comm!r}; use one of {', '.join(COMMS)}")
         # made once here, outside any compiled block: the ring op reads it on the host (ring.py, "the ring as one op")
-        meta = ring_meta(self.layout, self.ranks, self.index) if self.comm == "ring" else None
+        hierarchical = HierarchicalRing.build(self.layout, self.ranks, self.index) if self.layout.inner > 1 else None
+        meta = ring_meta(self.layout, self.ranks, self.index) if self.comm != "a2a" and not hierarchical else None
         object.__setattr__(self, "meta", meta)
+        object.__setattr__(self, "hierarchical", hierarchical)
         # made here, not in attend: read inside a compiled block, the ranks would make dynamo guard on each of them
         object.__setattr__(self, "note", ring_note(self.ranks))
         object.__setattr__(self, "single_rank", len(self.ranks) == 1)
@@ -57,15 +61,19 @@ class RingContext:
                   group: dist.ProcessGroup | None = None, progress: Progress | None = None) -> RingContext:
         """The context of `batch` (on the host), this rank's zigzag shard over `ring` (`zigzag.shard_batch`,
         possibly padded with one more even segment), with its layout on `device`."""
-        layout = layout_from_local_cu_seqlens(batch.cu_seqlens, len(ring.ranks))
+        layout = layout_from_local_cu_seqlens(batch.cu_seqlens, len(ring.ranks), ring.inner)
         return cls(tuple(int(r) for r in ring.ranks), ring.index, layout.to(device), comm, group, progress)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, dropout_p: float = 0.0,
                scale: float | None = None) -> torch.Tensor:
         """Causal attention of this rank's shard q/k/v [T_local, H, D] against the ring's whole documents."""
-        if self.comm == "ring":
+        if self.comm != "a2a":
             if dropout_p > 0.0:
                 raise ValueError("ring attention has no attention dropout; set model.attention_dropout=0")
+            if self.hierarchical is not None:
+                if self.progress is not None:
+                    self.progress.note(collective=self.note)
+                return self.hierarchical.attend(q, k, v, backend, scale)
             if self.single_rank:
                 return ring_attention(q, k, v, self.layout, self.ranks, self.index, backend=backend, scale=scale)
             if self.progress is not None:  # (a no-op inside a compiled block)
@@ -80,10 +88,15 @@ def validate_context(cfg: MegalmConfig) -> None:
     same, megalm/parallel/hdp/split.py)."""
     p, m = cfg.parallel, cfg.model
     choice(p.cp_comm, "parallel.cp_comm", COMMS)
+    if p.cp_a2a_size is not None and p.cp_comm != "a2a+p2p":
+        raise ConfigError(f"parallel.cp_a2a_size={p.cp_a2a_size} sizes hierarchical CP's all-to-all groups; set "
+                          "parallel.cp_comm=a2a+p2p or remove it")
+    if p.cp_comm == "a2a+p2p":
+        cp_a2a_size(cfg)  # its checks
     if p.cp == 1 or p.hdp:
         return
-    if p.cp_comm == "ring" and m.attention_dropout > 0:
-        raise ConfigError(f"parallel.cp={p.cp} with parallel.cp_comm=ring has no attention dropout; set "
+    if p.cp_comm != "a2a" and m.attention_dropout > 0:
+        raise ConfigError(f"parallel.cp={p.cp} with parallel.cp_comm={p.cp_comm} has no attention dropout; set "
                           "model.attention_dropout=0 or parallel.cp_comm=a2a")
     if "selective" in recompute_modes(p.recompute, p.pp):  # its cache replays the collectives, not their receives
         raise ConfigError(f"parallel.recompute=selective does not combine with parallel.cp={p.cp} yet (the "
@@ -95,3 +108,24 @@ def validate_context(cfg: MegalmConfig) -> None:
             raise ConfigError(f"parallel.cp_comm=a2a splits each TP rank's {heads} query and {kv_heads} kv heads over "
                               f"parallel.cp={p.cp}, which must divide both; use parallel.cp_comm=ring or a cp that "
                               "divides them")
+
+
+def cp_a2a_size(cfg: MegalmConfig) -> int:
+    """Hierarchical CP's all-to-all group size u (`parallel.cp_comm=a2a+p2p`): `parallel.cp_a2a_size`, or the largest
+    u ≤ 8 // tp (one node's ranks) that divides cp (under HDP, the domain dp·cp) and each TP rank's query and kv
+    heads. Raises ConfigError when the set value does not fit."""
+    p, m = cfg.parallel, cfg.model
+    heads, kv_heads = m.num_heads // p.tp, max(1, m.num_kv_heads // p.tp)
+    ranks = p.dp * p.cp if p.hdp else p.cp
+    if p.cp_a2a_size is None:
+        return max(u for u in range(1, max(1, 8 // p.tp) + 1) if not ranks % u and not heads % u and not kv_heads % u)
+    u = p.cp_a2a_size
+    if u < 2:
+        raise ConfigError(f"parallel.cp_a2a_size={u} is the flat ring; use parallel.cp_comm=ring or a size >= 2")
+    if ranks % u:
+        what = "the HDP domain dp*cp" if p.hdp else "parallel.cp"
+        raise ConfigError(f"parallel.cp_a2a_size={u} must divide {what}={ranks}; pick a divisor")
+    if heads % u or kv_heads % u:
+        raise ConfigError(f"parallel.cp_a2a_size={u} splits each TP rank's {heads} query and {kv_heads} kv heads, "
+                          "which it must divide; pick a divisor or use parallel.cp_comm=ring")
+    return u

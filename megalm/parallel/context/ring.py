@@ -183,7 +183,7 @@ def ring_note(ranks: Sequence[int]) -> str:
 
 
 def _layout_tensors(layout: ZigzagLayout) -> list[torch.Tensor]:
-    return [getattr(layout, f.name) for f in fields(layout) if f.name not in ("n", "max_chunk")]
+    return [getattr(layout, f.name) for f in fields(layout) if f.name not in ("n", "max_chunk", "inner")]
 
 
 def _unpack(layout_tensors: list[torch.Tensor], meta: torch.Tensor) -> tuple[ZigzagLayout, tuple[int, ...], int]:

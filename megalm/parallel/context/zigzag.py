@@ -62,6 +62,7 @@ class ZigzagLayout:
     indices: torch.Tensor
     padded_cu_seqlens: torch.Tensor
     max_chunk: int
+    inner: int = 1  # hierarchical CP (hierarchical.py): ranks per all-to-all group; 1 is the flat zigzag
 
     @property
     def local_tokens(self) -> int:
@@ -87,11 +88,26 @@ class ZigzagLayout:
         return replace(self, **moved)
 
 
+def zigzag_chunks(n: int, index: int, inner: int = 1) -> tuple[int, int]:
+    """The two chunks (of 2n) rank `index` of a ring of n holds: i and 2n−1−i for the flat zigzag.
+
+    Hierarchical CP (`inner` = u > 1, hierarchical.py) sees the ring as r = n/u positions of u ranks; position j
+    holds the flat zigzag's chunks j and 2r−1−j of a 2r split, each cut in u sub-chunks, one per member: rank
+    index = j·u + i holds fine chunks j·u + i and (2r−1−j)·u + i. The front chunk is the flat one; only the order
+    of the back sub-chunks differs, so the causal front-before-back segment still holds."""
+    if inner < 1 or n % inner:
+        raise ValueError(f"a hierarchical ring of {n} ranks cannot have all-to-all groups of {inner}")
+    j, i = divmod(index, inner)
+    return index, (2 * (n // inner) - 1 - j) * inner + i
+
+
 def zigzag_layout(chunk_sizes: Sequence[int] | torch.Tensor, n: int,
-                  device: torch.device | str = "cpu") -> ZigzagLayout:
-    """The layout of documents of 2N·c_d padded tokens (c_d = `chunk_sizes`) over a ring of `n` ranks."""
+                  device: torch.device | str = "cpu", inner: int = 1) -> ZigzagLayout:
+    """The layout of documents of 2N·c_d padded tokens (c_d = `chunk_sizes`) over a ring of `n` ranks
+    (`inner` > 1: a hierarchical ring's chunk order, `zigzag_chunks`)."""
     if n < 1:
         raise ValueError(f"a context-parallel ring needs n >= 1 ranks, got {n}")
+    zigzag_chunks(n, 0, inner)  # checks that inner divides n
     chunks = torch.as_tensor(chunk_sizes, dtype=torch.int64).cpu()
     if chunks.dim() != 1 or (chunks < 0).any():
         raise ValueError(f"chunk sizes must be a 1-d tensor of non-negative ints, got {chunk_sizes}")
@@ -106,7 +122,8 @@ def zigzag_layout(chunk_sizes: Sequence[int] | torch.Tensor, n: int,
     is_back = j >= c
     offset = j - is_back * c
     rank = torch.arange(n)[:, None]
-    chunk_id = torch.where(is_back[None, :], 2 * n - 1 - rank, rank)  # [n, T_local]
+    back_chunk = (2 * (n // inner) - 1 - rank // inner) * inner + rank % inner  # 2n-1-rank when inner == 1
+    chunk_id = torch.where(is_back[None, :], back_chunk, rank)  # [n, T_local]
     indices = padded_cu[doc][None, :] + chunk_id * c[None, :] + offset[None, :]
     positions = torch.arange(local_tokens)
     to = functools.partial(torch.Tensor.to, device=device)
@@ -114,11 +131,11 @@ def zigzag_layout(chunk_sizes: Sequence[int] | torch.Tensor, n: int,
         n=n, chunk_sizes=to(chunks), local_cu_seqlens=to(local_cu.to(torch.int32)),
         half_cu_seqlens=to(half_cu.to(torch.int32)), front=to(positions[~is_back]), back=to(positions[is_back]),
         indices=to(indices), padded_cu_seqlens=to(padded_cu.to(torch.int32)),
-        max_chunk=int(chunks.max()) if len(chunks) else 0,
+        max_chunk=int(chunks.max()) if len(chunks) else 0, inner=inner,
     )
 
 
-def layout_from_local_cu_seqlens(cu_seqlens: torch.Tensor, n: int) -> ZigzagLayout:
+def layout_from_local_cu_seqlens(cu_seqlens: torch.Tensor, n: int, inner: int = 1) -> ZigzagLayout:
     """The layout of a rank's shard, recovered from its local `cu_seqlens` (segments of 2·c_d).
 
     Computed once per micro-batch when it is prepared (its `RingContext` keeps it), so no layer
@@ -128,7 +145,7 @@ def layout_from_local_cu_seqlens(cu_seqlens: torch.Tensor, n: int) -> ZigzagLayo
     if (lengths % 2).any():
         raise ValueError(f"local cu_seqlens {cu_seqlens.tolist()} are not zigzag segments (odd length); "
                          "shard the batch with megalm.parallel.context.zigzag.shard_batch")
-    return zigzag_layout(lengths // 2, n, cu_seqlens.device)
+    return zigzag_layout(lengths // 2, n, cu_seqlens.device, inner)
 
 
 @dataclass(frozen=True, eq=False)
@@ -181,11 +198,12 @@ def as_layout(plan: ZigzagPlan | ZigzagLayout, device: torch.device | str | None
     return layout if device is None or layout.front.device == torch.device(device) else layout.to(device)
 
 
-def zigzag_plan(cu_seqlens: torch.Tensor | Sequence[int], n: int) -> ZigzagPlan:
+def zigzag_plan(cu_seqlens: torch.Tensor | Sequence[int], n: int, inner: int = 1) -> ZigzagPlan:
     """Plan the zigzag sharding over `n` ranks of a packed micro-batch with document offsets `cu_seqlens`.
 
     Each document of L tokens is padded at its end to P = ceil(L / 2n)·2n (see the module docstring)
-    and cut into 2n chunks of P / 2n tokens; rank i holds chunks i and 2n-1-i of every document.
+    and cut into 2n chunks of P / 2n tokens; rank i holds chunks i and 2n-1-i of every document (with
+    `inner` > 1, a hierarchical ring's chunks: `zigzag_chunks`).
     """
     cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).cpu()
     if cu.dim() != 1 or len(cu) < 1 or int(cu[0]) != 0 or (cu[1:] < cu[:-1]).any():
@@ -195,7 +213,7 @@ def zigzag_plan(cu_seqlens: torch.Tensor | Sequence[int], n: int) -> ZigzagPlan:
     lengths = cu[1:] - cu[:-1]
     chunks = (lengths + 2 * n - 1) // (2 * n)
     device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu")
-    layout = zigzag_layout(chunks, n, device)
+    layout = zigzag_layout(chunks, n, device, inner)
     padded = 2 * n * chunks
     padded_cu = _cumsum(padded)
     total = int(padded_cu[-1])

@@ -11,8 +11,9 @@ from typing import NamedTuple
 
 class MicroBatch(NamedTuple):
     """One unit of work. len(ranks) == 1: documents packed on one rank; > 1: a ring over `ranks`
-    (in ring order); no documents: a barrier over `ranks`. `tokens` counts real tokens, `padding`
-    the extra positions computed (the static mesh pads), `sum_sq` is Σs² of the (padded) documents.
+    (in ring order; with `inner` = u > 1 the ring is r = d/u groups of u ranks of one node, all-to-all inside a
+    group: megalm/parallel/context/hierarchical.py); no documents: a barrier over `ranks`. `tokens` counts real
+    tokens, `padding` the extra positions computed (the static mesh pads), `sum_sq` is Σs² of the (padded) documents.
     A NamedTuple: immutable and cheap to build (a plan can hold tens of thousands)."""
 
     ranks: tuple[int, ...]
@@ -20,6 +21,7 @@ class MicroBatch(NamedTuple):
     tokens: int
     sum_sq: int
     padding: int = 0
+    inner: int = 1  # > 1: hierarchical CP, all-to-all in groups of `inner` consecutive ranks, a ring across
 
 
 @dataclass
@@ -34,11 +36,14 @@ class Plan:
         return len(self.per_rank)
 
 
-def zigzag_share(tokens: int, d: int, position: int) -> int:
+def zigzag_share(tokens: int, d: int, position: int, inner: int = 1) -> int:
     """Tokens of a `tokens`-token document that ring member `position` of `d` holds under the zigzag split
-    (megalm/parallel/context/zigzag.py): chunks `position` and 2d-1-position of c = ceil(tokens / 2d)."""
+    (megalm/parallel/context/zigzag.py): chunks `position` and 2d-1-position of c = ceil(tokens / 2d); in a
+    hierarchical ring of groups of `inner`, the back chunk is (2·d/inner − 1 − j)·inner + i for position j·inner + i
+    (`zigzag_chunks`)."""
     c = -(-tokens // (2 * d))
-    return sum(max(0, min((k + 1) * c, tokens) - k * c) for k in (position, 2 * d - 1 - position))
+    j, i = divmod(position, inner)
+    return sum(max(0, min((k + 1) * c, tokens) - k * c) for k in (position, (2 * d // inner - 1 - j) * inner + i))
 
 
 def tokens_per_rank(plan: Plan) -> list[int]:
@@ -51,7 +56,7 @@ def tokens_per_rank(plan: Plan) -> list[int]:
             load[mb.ranks[0]] += mb.tokens
         elif mb.seqs:
             for position, r in enumerate(mb.ranks):
-                load[r] += zigzag_share(mb.tokens, len(mb.ranks), position)
+                load[r] += zigzag_share(mb.tokens, len(mb.ranks), position, mb.inner)
     return load
 
 

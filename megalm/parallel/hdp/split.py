@@ -30,7 +30,7 @@ from megalm.config import MegalmConfig
 from megalm.data.batch import PackedBatch, Sample, pack_samples
 from megalm.data.dataset import VarlenDataset
 from megalm.errors import ConfigError, MegalmError
-from megalm.parallel.context.zigzag import shard_batch, zigzag_plan
+from megalm.parallel.context.zigzag import shard_batch, zigzag_chunks, zigzag_plan
 from megalm.parallel.dims import ParallelMesh
 from megalm.parallel.hdp.cost import CostModel, ModelShape, load_cost, offload_ratio, preset
 from megalm.parallel.hdp.pipelined import align_rings, check_pipelined
@@ -47,24 +47,25 @@ def filler_batch() -> PackedBatch:
                        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1, doc_lengths=[1])
 
 
-def read_ring_shard(dataset: VarlenDataset, k: int, n: int, index: int) -> PackedBatch:
+def read_ring_shard(dataset: VarlenDataset, k: int, n: int, index: int, inner: int = 1) -> PackedBatch:
     """Rank `index`'s zigzag shard over a ring of `n` of sample k, reading only its chunks' tokens.
 
     The sample's L inputs are padded to 2n chunks of c = ceil(L / 2n); the rank holds input positions
-    [index·c, (index+1)·c) and [(2n−1−index)·c, (2n−index)·c), so it reads those tokens and the next one
-    (the last label). Unread tokens stay 0 in a host buffer that `shard_batch` never gathers from.
+    [index·c, (index+1)·c) and [(2n−1−index)·c, (2n−index)·c) (a hierarchical ring, `inner` > 1: its own
+    back chunk, `zigzag_chunks`), so it reads those tokens and the next one (the last label). Unread tokens
+    stay 0 in a host buffer that `shard_batch` never gathers from.
     """
     length = dataset.sample_length(k)
     inputs = length - 1
     c = -(-inputs // (2 * n))
     tokens = np.zeros(length, dtype=np.int64)
-    for chunk in (index, 2 * n - 1 - index):
+    for chunk in zigzag_chunks(n, index, inner):
         start = min(chunk * c, inputs)
         stop = min((chunk + 1) * c, inputs) + 1  # + the label of the chunk's last input
         if stop - 1 > start:
             tokens[start:stop] = dataset.read(k, start, stop - start)
     full = pack_samples([Sample(tokens, (length,))])
-    return shard_batch(full, zigzag_plan(full.cu_seqlens, n), index)
+    return shard_batch(full, zigzag_plan(full.cu_seqlens, n, inner), index)
 
 
 class HdpSplit:
@@ -126,8 +127,8 @@ class HdpSplit:
             else:
                 (i,) = mb.seqs
                 position = mb.ranks.index(index)
-                ring = Ring(tuple(self.domain[h] for h in mb.ranks), position)
-                shard = read_ring_shard(dataset, ids[i], len(mb.ranks), position)
+                ring = Ring(tuple(self.domain[h] for h in mb.ranks), position, mb.inner)
+                shard = read_ring_shard(dataset, ids[i], len(mb.ranks), position, mb.inner)
                 counted = [lengths[i]] if position == 0 else []
                 out.append(LocalMicroBatch(shard, k, ring=ring, counted_doc_lengths=counted,
                                            offload_fraction=offload))
