@@ -27,7 +27,7 @@ from megalm.data.dataset import TokenBudgetSteps  # noqa: E402
 from megalm.errors import ConfigError  # noqa: E402
 from megalm.parallel.dims import ParallelDims, ParallelMesh  # noqa: E402
 from megalm.parallel.hdp import Plan, simulate  # noqa: E402
-from megalm.parallel.hdp.split import HdpSplit, hdp_cost_model  # noqa: E402
+from megalm.parallel.hdp.split import HdpSplit  # noqa: E402
 from megalm.train import CONFIG_DIR  # noqa: E402
 from megalm.training.validation import validate_run  # noqa: E402
 
@@ -78,8 +78,7 @@ def main(argv: list[str] | None = None) -> tuple[Plan, list[int]]:
     ids = (TokenBudgetSteps(data.train, t.tokens_per_step).ids(args.step) if t.tokens_per_step
            else range(args.step * t.global_batch_size, (args.step + 1) * t.global_batch_size))
     lengths = [data.train.sample_length(k) - 1 for k in ids]
-    runtime = HdpSplit(ParallelMesh(ParallelDims(cp=par.cp, dp=par.dp)), par.hdp_capacity, hdp_cost_model(cfg),
-                         par.pp, par.pp_schedule)
+    runtime = HdpSplit.for_config(cfg, ParallelMesh(ParallelDims(cp=par.cp, dp=par.dp)))
     plan = runtime.plan(lengths)
     sim = simulate(plan, runtime.cost, pp=par.pp)
     print(f"step {args.step}: {len(lengths)} documents, {sum(lengths)} tokens over {runtime.num_ranks} HDP ranks, "

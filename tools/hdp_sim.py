@@ -1,25 +1,30 @@
-"""Simulate one training step under three ways of spreading variable-length documents over ranks.
+"""Simulate one training step under the ways of spreading variable-length documents over ranks.
 
     python tools/hdp_sim.py                      # 256 ranks, 256K context, the long tail below, 7b
-    python tools/hdp_sim.py --ranks 1024 --context 2M --lengths longtail --model 7b
+    python tools/hdp_sim.py --ranks 1024 --context 2M --lengths longtail --model 7b --offload
     python tools/hdp_sim.py --ranks 1024 --context 128K --lengths tools/data/seqlen/prolong_lengths.json \
         --model 7b --global-tokens 33554432 --json --png-dir docs/hdp
+    python tools/hdp_sim.py --ablation --ranks 1024 --steps 2            # ByteScale's ablation, 16 settings
 
-Policies (megalm/parallel/hdp/planner.py and baselines.py): `static` (pack to the context length, fixed cp group), the
-`megatron_hybrid` rule (power-of-two CP groups, s²/d estimate, greedy rounds) and `hdp` (ByteScale:
-minimal rings, cost-balanced); with --offload also `hdp_offload` (+ ByteScale's selective offload: a
-document offloads r(s) of its activations and runs on ceil((1 - r(s)) s / C) ranks, cost.offload_ratio)
-and `hdp_offload_widen` (that, with rings longer than the mean load widened: balance), the rows of
-ByteScale's ablation (static mesh -> HDP -> + selective offload -> + balance). Each step draws a global
-batch of --global-tokens tokens (seeded), cuts documents longer than the context into context-length
-pieces, plans it with each policy and runs the plan through the same execution model and cost model
+Policies (megalm/parallel/hdp/planner.py and baselines.py): `static` (pack to the context length, fixed cp group,
+flat ring attention), the `megatron_hybrid` rule (power-of-two CP groups, s²/d estimate, greedy rounds) and `hdp`
+(ByteScale's HDP as megalm plans it: rings sized against the step's makespan, hierarchical across nodes,
+cost-balanced); with --offload also `hdp_offload` (+ ByteScale's selective offload: a document may offload up to
+r(s) of its activations and run on fewer ranks, cost.offload_ratio; the plan without offload competes). Each step
+draws a global batch of --global-tokens tokens (seeded), cuts documents longer than the context into
+context-length pieces, plans it with each policy and runs the plan through the same execution model and cost model
 (megalm/parallel/hdp/cost.py).
-Prints step time, utilisation, CP traffic, padding and speedups; with --json the last stdout line
-is one JSON object with the step seconds per policy and `plan_seconds` (HDP planner wall time);
+Prints step time, utilisation, CP traffic, padding and speedups, then the exposed CP communication per document-
+length bucket; with --json the last stdout line is one JSON object with the step seconds per policy and
+`plan_seconds` (HDP planner wall time);
 with --png-dir, one Gantt chart per policy (rows = ranks, at most 128 drawn; x = time up to that plan's step,
 or up to the slowest policy's with --shared-x, to compare widths)
 and `<prefix>balance.png`, the histogram of per-rank busy time under every policy (megalm.plot;
 needs matplotlib: pip install 'megalm[plots]').
+
+`--ablation` reproduces ByteScale's ablation (static -> + dynamic communication -> + selective offload -> + balance)
+and adds megalm's hierarchical CP, at 256K, 512K, 1M and 2M, for the long tail and the ProLong sample, 7B and 70B
+(`ABLATION`); --ranks, --steps, --global-tokens and --seed apply.
 
 `--lengths longtail`: a parametric long tail calibrated to ByteScale's published statistics for
 its pretraining mix (arXiv 2502.21231, §2, Fig. 4): 80% of sequences ≤ 4K; the 1% ≥ 128K hold
@@ -166,6 +171,18 @@ def draw_plan(path: str | Path, plan: Plan, sim: SimResult, t_max: float, title:
 # ---------------------------------------------------------------------------------------------
 
 
+# ByteScale's ablation, one cumulative step per row (plan_hdp's switches): flat rings of the fewest ranks, documents
+# dealt by tokens; + offload; + the makespan balance; + megalm's hierarchical CP. "static" is the baseline.
+ABLATION = {
+    "+dynamic comm": dict(balance=False, hierarchical=False),
+    "+selective offload": dict(balance=False, hierarchical=False, offload=True),
+    "+balance": dict(hierarchical=False, offload=True),
+    "+hierarchical CP": dict(offload=True),
+}
+PROLONG = Path(__file__).resolve().parent / "data" / "seqlen" / "prolong_lengths.json"
+BUCKETS = (("<= C", 0), ("C-64K", 64 * K), ("64K-256K", 256 * K), ("256K-1M", M), ("> 1M", 0))
+
+
 def run_step(lengths: list[int], args, cost: CostModel, capacity: int):
     """Plan and simulate one global batch with every policy. Returns {policy: (plan, sim)}, plan time."""
     out = {}
@@ -177,17 +194,71 @@ def run_step(lengths: list[int], args, cost: CostModel, capacity: int):
         "megatron_hybrid": plan_megatron_hybrid(lengths, args.ranks, capacity),
         "hdp": hdp,
     }
-    if args.widen:
-        plans["hdp_widen"] = plan_hdp(lengths, args.ranks, capacity, cost, pp=args.pp, widen=True)
-    if args.offload:  # ByteScale's ablation: + selective offload, then + balance (widened rings)
+    if args.offload:  # ByteScale's selective offload, the plan without it competing
         plans["hdp_offload"] = plan_hdp(lengths, args.ranks, capacity, cost, pp=args.pp, offload=True)
-        plans["hdp_offload_widen"] = plan_hdp(lengths, args.ranks, capacity, cost, pp=args.pp, widen=True,
-                                              offload=True)
     for name, plan in plans.items():
         if args.check:
             check_plan(plan, lengths, args.ranks, capacity, offload=cost if "offload" in name else None)
         out[name] = (plan, simulate(plan, cost, pp=args.pp))
     return out, plan_seconds
+
+
+def exposure_by_length(plan: Plan, sim: SimResult, lengths: list[int], capacity: int) -> dict[str, list[float]]:
+    """{bucket: [exposed CP communication, busy] rank-seconds} of the micro-batches whose longest document falls in
+    each length bucket (`BUCKETS`; C = capacity)."""
+    out: dict[str, list[float]] = {}
+    for k, mb in enumerate(plan.micro_batches):
+        if not mb.seqs:
+            continue
+        s = max(lengths[i] for i in mb.seqs)
+        name = next((n for n, top in BUCKETS if (s <= capacity if n == "<= C" else s <= top)), BUCKETS[-1][0])
+        c, e = sim.durations[k]
+        sums = out.setdefault(name, [0.0, 0.0])
+        sums[0] += e * len(mb.ranks)
+        sums[1] += (c + e) * len(mb.ranks)
+    return out
+
+
+def ablation(args) -> dict:
+    """The ablation table: per model, length distribution and context, each policy's mean step over --steps
+    batches and its speedup over the row before."""
+    results = {}
+    print(f"ByteScale's ablation on {args.ranks} ranks, {size_name(args.global_tokens)} tokens per step, "
+          f"{args.steps} step(s), seed {args.seed}; step seconds (speedup over the previous row)")
+    names = ("static", *ABLATION)
+    print(f"{'model':<5} {'lengths':<8} {'context':>7} " + " ".join(f"{n:>20}" for n in names)
+          + f" {'offload x':>9}")
+    for model in ("7b", "70b"):
+        cost = model_cost(model)
+        for dist in ("longtail", "prolong"):
+            source = "longtail" if dist == "longtail" else np.asarray(json.loads(PROLONG.read_text()), np.int64)
+            for context in (256 * K, 512 * K, M, 2 * M):
+                rng = np.random.default_rng(args.seed)
+                steps = {n: 0.0 for n in names}
+                for _ in range(args.steps):
+                    lengths = global_batch(source, context, args.global_tokens, rng)
+                    static = plan_static(lengths, args.ranks, cost.capacity, context, cost, balance=False)
+                    steps["static"] += simulate(static, cost).step_time
+                    for name, switches in ABLATION.items():
+                        plan = plan_hdp(lengths, args.ranks, cost.capacity, cost, **switches)
+                        steps[name] += simulate(plan, cost).step_time
+                steps = {n: t / args.steps for n, t in steps.items()}
+                cells = [f"{steps['static']:>20.2f}"]
+                for before, name in zip(names, names[1:], strict=False):
+                    cells.append(f"{steps[name]:>12.2f} ({steps[before] / steps[name]:>4.2f}x)")
+                gain = steps["+dynamic comm"] / steps["+selective offload"]
+                print(f"{model:<5} {dist:<8} {size_name(context):>7} " + " ".join(cells) + f" {gain:>9.2f}")
+                results[f"{model}/{dist}/{size_name(context)}"] = steps
+    print("rows are cumulative: the static mesh, packs dealt round-robin; flat rings of the fewest ranks, documents "
+          "dealt by tokens; + offload (competing with none); + the makespan balance by the cost model; + hierarchical "
+          "CP. offload x: the offload row over the one before")
+    return results
+
+
+def model_cost(model: str) -> CostModel:
+    """configs/hdp_cost/h100_<model>.yaml if it exists, else the first-principles preset."""
+    yaml_path = Path(__file__).resolve().parents[1] / "configs" / "hdp_cost" / f"h100_{model}.yaml"
+    return load_cost(str(yaml_path) if yaml_path.exists() else model)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -212,10 +283,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--png-prefix", default="")
     p.add_argument("--shared-x", action="store_true", help="draw every policy's Gantt chart on the slowest one's "
                    "time axis (default: each fitted to its own plan)")
-    p.add_argument("--widen", action="store_true", help="also plan 'hdp_widen': HDP with rings of documents "
-                   "longer than the mean load widened beyond ceil(s/C) (not ByteScale's rule)")
     p.add_argument("--offload", action="store_true", help="also plan 'hdp_offload' (ByteScale's selective offload: "
-                   "rings of ceil((1 - r(s)) s / C) ranks) and 'hdp_offload_widen' (that, balanced by widening)")
+                   "rings as small as ceil((1 - r(s)) s / C) ranks where that makes the step shorter)")
+    p.add_argument("--ablation", action="store_true", help="print ByteScale's ablation (static, + dynamic "
+                   "communication, + selective offload, + balance, + hierarchical CP) for 7B and 70B, two length "
+                   "distributions and four contexts; uses --ranks, --steps, --global-tokens, --seed")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.png_dir:
@@ -225,8 +297,9 @@ def main(argv: list[str] | None = None) -> dict:
             require_matplotlib()
         except PlotError as e:
             sys.exit(f"error: {e}")
-    policies = POLICIES + (("hdp_widen",) if args.widen else ()) + (
-        ("hdp_offload", "hdp_offload_widen") if args.offload else ())
+    if args.ablation:
+        return ablation(args)
+    policies = POLICIES + (("hdp_offload",) if args.offload else ())
 
     source = args.lengths or args.dist or "longtail"  # bare `python tools/hdp_sim.py`: 256 ranks, 256K, long tail
     if source != "longtail":
@@ -234,16 +307,15 @@ def main(argv: list[str] | None = None) -> dict:
             source = np.asarray(json.loads(Path(source).read_text()), dtype=np.int64)
         except (OSError, ValueError) as error:
             p.error(f"--lengths {source}: not a JSON list of document lengths ({error}); give a file or longtail")
-    yaml_path = Path(__file__).resolve().parents[1] / "configs" / "hdp_cost" / f"h100_{args.model}.yaml"
     try:
-        cost = load_cost(args.cost or (str(yaml_path) if yaml_path.exists() else args.model))
+        cost = load_cost(args.cost) if args.cost else model_cost(args.model)
     except ValueError as e:
         p.error(str(e))
     capacity = args.capacity or cost.capacity
 
     rng = np.random.default_rng(args.seed)
     totals = {k: {"step": 0.0, "compute": 0.0, "comm": 0.0, "bytes": 0.0, "pad": 0, "mbs": 0, "max_mbs": 0,
-                  "min_util": 1.0} for k in policies}
+                  "min_util": 1.0, "buckets": {}} for k in policies}
     plan_times, tokens, docs, last = [], 0, 0, None
     per_step: dict[str, list[float]] = {k: [] for k in policies}
     for _ in range(args.steps):
@@ -266,6 +338,10 @@ def main(argv: list[str] | None = None) -> dict:
             t["mbs"] += len([mb for mb in plan.micro_batches if mb.seqs])
             t["max_mbs"] = max(t["max_mbs"], max(len(x) for x in plan.per_rank))
             t["min_util"] = min(t["min_util"], min(sim.compute) / sim.step_time)
+            for bucket, (comm, busy) in exposure_by_length(plan, sim, lengths, capacity).items():
+                sums = t["buckets"].setdefault(bucket, [0.0, 0.0])
+                sums[0] += comm
+                sums[1] += busy
 
     hdp_step = totals["hdp"]["step"]
     result = {name: totals[name]["step"] / args.steps for name in policies}
@@ -284,6 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
             "padding_share": t["pad"] / (tokens + t["pad"]),
             "micro_batches_per_step": t["mbs"] / args.steps,
             "max_micro_batches_per_rank": t["max_mbs"],
+            "exposed_comm_by_length": {b: comm / busy for b, (comm, busy) in t["buckets"].items() if busy},
         }
     result.update(speedup_vs_static=details["static"]["hdp_speedup"],
                   speedup_vs_megatron_hybrid=details["megatron_hybrid"]["hdp_speedup"])
@@ -307,6 +384,11 @@ def main(argv: list[str] | None = None) -> dict:
               f"{d['micro_batches_per_step']:>7.0f} {d['max_micro_batches_per_rank']:>8}")
     print("util: compute / (ranks × step); min: the least-utilised rank; comm: exposed CP communication share; "
           "CP TB: ring traffic per step; pad: padded positions; mbs: micro-batches per step")
+    print(f"exposed CP communication / busy time, by the micro-batch's longest document (C = {capacity}):")
+    print(f"{'policy':<16} " + " ".join(f"{name:>9}" for name, _ in BUCKETS))
+    for name in policies:
+        shares = details[name]["exposed_comm_by_length"]
+        print(f"{name:<16} " + " ".join(f"{shares[b]:>9.1%}" if b in shares else f"{'-':>9}" for b, _ in BUCKETS))
     print(f"HDP planning: {result['plan_seconds'] * 1e3:.1f} ms per step (max {result['plan_seconds_max'] * 1e3:.1f})")
 
     if args.png_dir:

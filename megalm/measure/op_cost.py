@@ -69,19 +69,24 @@ def category(op: str) -> str:
     return "elementwise/other"
 
 
-def _attention_flops(name: str, args: tuple) -> float | None:
+def _attention_flops(name: str, args: tuple, kwargs: dict) -> float | None:
     """FLOPs of the SDPA kernels torch's flop counter has no formula for (the CPU flash kernel and its backward):
-    QK^T and PV, 2 * b * h * s_q * s_k * d each, forward; the backward's four GEMMs are twice that. Causal
-    masking is not subtracted, as torch's own SDPA formulas do not subtract it."""
+    QK^T and PV, 2 * b * h * s_q * s_k * d each, forward; the backward's four GEMMs are twice that. A causal call
+    computes half the square (flash kernels skip the masked blocks), so its FLOPs are halved; torch's own SDPA
+    formulas count the whole square, causal or not."""
     if name == "_scaled_dot_product_flash_attention_for_cpu":
-        q, k = args[0], args[1]
+        q, k, causal = args[0], args[1], _arg(args, kwargs, 4, "is_causal")
     elif name == "_scaled_dot_product_flash_attention_for_cpu_backward":
-        q, k = args[1], args[2]
+        q, k, causal = args[1], args[2], _arg(args, kwargs, 7, "is_causal")
     else:
         return None
     b, h, s_q, d = q.shape
-    forward = 4.0 * b * h * s_q * k.shape[-2] * d
+    forward = 4.0 * b * h * s_q * k.shape[-2] * d * (0.5 if causal else 1.0)
     return forward if name.endswith("_cpu") else 2 * forward
+
+
+def _arg(args: tuple, kwargs: dict, position: int, name: str):  # noqa: ANN202 - any argument
+    return args[position] if len(args) > position else kwargs.get(name, False)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -126,7 +131,7 @@ class OpCosts(TorchDispatchMode):
         read = sum(_nbytes(t) for t in inputs)
         written = sum(_nbytes(t) for t in outputs)
         formula = flop_registry.get(func._overloadpacket)
-        flops = _attention_flops(name, args)
+        flops = _attention_flops(name, args, kwargs)
         if flops is None:
             flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
         self._add(name, flops, read + written, self._peak_flops(inputs))

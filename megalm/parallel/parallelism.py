@@ -220,7 +220,7 @@ class Parallelism:
         """How this rank takes its share of a step: the HDP plan, or a DP slice (sharded over the CP ring)."""
         p, mesh = self.cfg.parallel, self.mesh
         if p.hdp:
-            return HdpSplit(mesh, p.hdp_capacity, hdp_cost_model(self.cfg), p.pp, p.pp_schedule, p.hdp_offload)
+            return HdpSplit.for_config(self.cfg, mesh)
         split = DataParallelSlices(mesh, self.cfg.trainer.micro_batch_size,
                                    partial_last=self.cfg.trainer.tokens_per_step is not None, device=self.device)
         inner = cp_a2a_size(self.cfg) if p.cp_comm == "a2a+p2p" else 1

@@ -134,3 +134,21 @@ def test_command_line_exit_code(tmp_path: Path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "unknown model 'nope'" in proc.stderr
+
+
+def test_the_7b_yaml_is_the_roofline_derivation_its_header_states(tmp_path: Path, capsys):
+    """configs/hdp_cost/h100_7b.yaml is what `--device roofline` writes (no GPU: the block's ops priced on the H100
+    roofline, memory from the traced storages): re-derived here, every number equal."""
+    header = [line for line in BASE.read_text().splitlines() if line.startswith("# Command:")]
+    assert header == ["# Command: python tools/bench/hdp_calibrate.py model=7b --device roofline --base "
+                      "configs/hdp_cost/h100_7b.yaml --out configs/hdp_cost/h100_7b.yaml"]
+    out = tmp_path / "h100_7b.yaml"
+    assert hdp_calibrate.main(["model=7b", "--device", "roofline", "--base", str(BASE), "--out", str(out)]) == 0
+    capsys.readouterr()
+    again, committed = yaml.safe_load(out.read_text()), yaml.safe_load(BASE.read_text())
+    for key, value in committed.items():
+        if key in ("source", "name"):
+            continue
+        assert again[key] == pytest.approx(value, rel=1e-3), key
+    # 7·h FLOPs per causal token pair (h = 4096) at half the H100 peak is 5.8e-11 s; the roofline adds memory traffic
+    assert 6e-11 < committed["a"] < 1.2e-10 and committed["capacity"] == 8192

@@ -51,8 +51,8 @@ def test_plans_with_offload_use_the_smaller_rings_and_pass_the_offload_aware_che
     C, ranks = 8192, 64
     lengths = [int(rng.lognormvariate(8, 1.6)) + 1 for _ in range(400)]
     lengths = [min(s, C * ranks // 2) for s in lengths]
-    plain = plan_hdp(lengths, ranks, C, COST)
-    offload = plan_hdp(lengths, ranks, C, COST, offload=True)
+    plain = plan_hdp(lengths, ranks, C, COST, balance=False)
+    offload = plan_hdp(lengths, ranks, C, COST, offload=True, balance=False, compete=False)
     check_plan(plain, lengths, ranks, C)
     check_plan(offload, lengths, ranks, C, offload=COST)
     assert offload.stats["offloading_rings"] > 0
@@ -60,21 +60,21 @@ def test_plans_with_offload_use_the_smaller_rings_and_pass_the_offload_aware_che
         check_plan(offload, lengths, ranks, C)
     ring_bytes = lambda plan: sum(COST.ring_bytes(mb.tokens, len(mb.ranks)) for mb in plan.micro_batches)
     assert ring_bytes(offload) < ring_bytes(plain)
-    for mb in offload.micro_batches:
+    for mb in offload.micro_batches:  # no ring wider than without offload, some narrower
         if len(mb.seqs) == 1 and mb.tokens > C:
-            assert len(mb.ranks) == offload_ring_size(mb.tokens, C, COST)
+            assert offload_ring_size(mb.tokens, C, COST) <= len(mb.ranks) <= ring_size(mb.tokens, C)
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_offload_with_widening_never_plans_a_slower_step_than_without_offload(seed):
-    """What the trainer plans under parallel.hdp_offload (HdpSplit passes widen): narrower offload rings where
-    they estimate faster, the plain plan where they would lengthen the step (a long-tail batch on 7B)."""
+def test_offload_never_plans_a_slower_step_than_without_offload(seed):
+    """What the trainer plans under parallel.hdp_offload: narrower offload rings where they estimate faster, the
+    plain plan where they would lengthen the step (a long-tail batch on 7B)."""
     rng = random.Random(seed)
     C, ranks = 8192, 64
     lengths = [min(int(rng.lognormvariate(8, 1.8)) + 1, C * ranks // 2) for _ in range(400)]
-    plain = plan_hdp(lengths, ranks, C, COST, widen=True)
-    chosen = plan_hdp(lengths, ranks, C, COST, widen=True, offload=True)
-    forced = plan_hdp(lengths, ranks, C, COST, offload=True)
+    plain = plan_hdp(lengths, ranks, C, COST)
+    chosen = plan_hdp(lengths, ranks, C, COST, offload=True)
+    forced = plan_hdp(lengths, ranks, C, COST, offload=True, compete=False)
     assert chosen.stats["estimated_step"] <= plain.stats["estimated_step"]
     assert chosen.stats["estimated_step"] <= forced.stats["estimated_step"]
     check_plan(chosen, lengths, ranks, C, offload=COST)

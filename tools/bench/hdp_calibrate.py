@@ -35,6 +35,7 @@ import time
 _PROCESS_START = time.monotonic()  # the budget counts from here (before the imports), so --budget-s bounds the run
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import copy  # noqa: E402
 import datetime  # noqa: E402
 import functools  # noqa: E402
@@ -54,18 +55,24 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megalm.estimate.layout_search import ROOFLINE_EFFICIENCY  # noqa: E402
+from megalm.estimate.rank import HBM_BYTES  # noqa: E402
+from megalm.measure.op_cost import GPUS, OpCosts  # noqa: E402
 from megalm.parallel.hdp.cost import CostModel, GiB  # noqa: E402
 
-KEYS = ("a", "b", "c", "layers", "head", "kv_bytes", "comm_passes", "bw_intra", "bw_inter", "latency", "overlap",
-        "ranks_per_node", "capacity", "act_bytes", "act_fixed", "host_bw", "name")
+KEYS = ("a", "b", "c", "layers", "head", "kv_bytes", "qo_bytes", "heads", "comm_passes", "bw_intra", "bw_inter",
+        "latency", "overlap", "ranks_per_node", "capacity", "act_bytes", "act_fixed", "host_bw", "source", "name")
+TEXT_KEYS = ("source", "name")
 TWO_GPU_KEYS = ("bw_intra", "bw_inter", "latency", "overlap", "ranks_per_node")  # need two GPUs or nodes
-INT_KEYS = ("layers", "ranks_per_node", "capacity", "kv_bytes")
+INT_KEYS = ("layers", "ranks_per_node", "capacity", "kv_bytes", "qo_bytes", "heads")
 DEFAULTS = {  # per device: (max tokens per micro-batch, shortest document, warmup calls, timed calls)
     "cuda": (16384, 256, 3, 10),
     "cpu": (1024, 64, 1, 3),
+    "roofline": (16384, 256, 0, 1),
 }
 HOST_COPY_BYTES = 256 * 2**20
 
@@ -207,36 +214,46 @@ class Bench:
     """One megalm transformer block plus the embedding and head (a one-layer GPT), built and run as the trainer
     builds and runs a model, and the measurements on it."""
 
-    def __init__(self, cfg, device: torch.device, warmup: int, repeats: int) -> None:
+    def __init__(self, cfg, device: torch.device, warmup: int, repeats: int, roofline: str | None = None) -> None:
         from megalm.model.gpt import GPT, init_weights
         from megalm.model.loss import token_loss_sum
         from megalm.parallel.recompute import apply_recompute, stage_mode
         from megalm.precision import Precision
 
         self.cfg, self.device, self.warmup, self.repeats = cfg, device, warmup, repeats
+        self.roofline = roofline  # a GPU name (megalm.measure.op_cost.GPUS): time = its roofline / efficiency
         self.is_cuda = device.type == "cuda"
         model_cfg = copy.deepcopy(cfg.model)
         model_cfg.num_layers = 1
         self.precision = Precision(cfg.precision, cfg.seed, device)
-        model = GPT(model_cfg, device="meta")
-        self.precision.convert(model)
-        self.recompute = stage_mode(cfg.parallel.recompute, 0, cfg.parallel.pp)
-        apply_recompute(model, self.recompute)
+        # The meta skeleton is built outside the FakeTensorMode `--device roofline` runs under (as the trainer does:
+        # a parameter made under it could not be swapped for its materialised self); outside one this is a no-op.
+        with unset_fake_temporarily():
+            model = GPT(model_cfg, device="meta")
+            self.precision.convert(model)
+            self.recompute = stage_mode(cfg.parallel.recompute, 0, cfg.parallel.pp)
+            apply_recompute(model, self.recompute)
         # Materialise the block and the rest separately: the allocator tells each one's parameter bytes.
         working = self.precision.working_dtype  # precision=bf16: bf16 weights, as the trainer's model holds them
+
+        def materialise(module: torch.nn.Module) -> None:
+            module.to_empty(device=device)
+            for param in module.parameters():  # param.data, not .to(): fake tensors cannot be swapped in
+                param.data = param.data.to(working or torch.float32)
+
         before = self._allocated()
-        model.layers.to_empty(device=device).to(working or torch.float32)
+        materialise(model.layers)
         after_block = self._allocated()
         for name, child in model.named_children():
             if name != "layers":
-                child.to_empty(device=device).to(working or torch.float32)
+                materialise(child)
         self.param_bytes = (after_block - before, self._allocated() - after_block)
         if any(p.is_meta for p in model.parameters()):
             raise RuntimeError("a parameter of the one-layer GPT stayed on the meta device")
         init_weights(model, cfg.seed)
         self.model, self.block = model, model.layers[0]
         self.loss_fn = functools.partial(token_loss_sum, vocab_size=cfg.model.vocab_size)
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.param_ptrs = {p.untyped_storage()._cdata for p in model.parameters()}  # storage ids (fake ones too)
         self.compute_dtype: torch.dtype | None = None  # of q, seen on the first forward
         self.grad_bytes = (0.0, 0.0)
 
@@ -260,7 +277,8 @@ class Bench:
         gen = torch.Generator(device=self.device).manual_seed(total)  # drawn on the device: no host copy of [T, h]
         x = torch.randn(total, hidden, generator=gen, device=self.device).to(dtype).requires_grad_(True)
         grad = torch.randn(total, hidden, generator=gen, device=self.device).to(dtype)
-        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=self.device)
+        with unset_fake_temporarily():  # real offsets under --device roofline: varlen attention reads them on the host
+            cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=self.device)
         positions = torch.cat([torch.arange(s) for s in lengths]).to(self.device)
         with self.precision.forward_context():
             rope = self.model.rotary(positions, dtype)
@@ -294,7 +312,14 @@ class Bench:
 
     def time_calls(self, call: Callable[[], None]) -> tuple[float, float]:
         """(median seconds, (max − min) / median) of `repeats` calls after `warmup` calls. CUDA: events around each
-        call from an idle device (so host launch gaps count, as they do in training); CPU: perf_counter."""
+        call from an idle device (so host launch gaps count, as they do in training); CPU: perf_counter; roofline:
+        one call's ops priced on the GPU (max(FLOPs / peak, bytes / HBM bandwidth) each, megalm/measure/op_cost.py)
+        and divided by megalm-estimate's ROOFLINE_EFFICIENCY, the step time the estimator reports."""
+        if self.roofline is not None:
+            costs = OpCosts(GPUS[self.roofline])
+            with costs:
+                call()
+            return costs.total().ms / 1e3 / ROOFLINE_EFFICIENCY, 0.0
         for _ in range(self.warmup):
             call()
         times = []
@@ -355,21 +380,21 @@ class Bench:
         plus the output's. Parameters (state) and the `inputs` (the previous layer's output, counted there) are left
         out, as the allocator's count above a baseline taken after they exist leaves them out."""
         storages: dict[int, int] = {}
-        skip = self.param_ptrs | {t.untyped_storage().data_ptr() for t in inputs.values() if torch.is_tensor(t)}
+        skip = self.param_ptrs | {t.untyped_storage()._cdata for t in inputs.values() if torch.is_tensor(t)}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             try:
                 st = t.untyped_storage()
             except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage: not counted
                 return t
-            if st.data_ptr() not in skip:
-                storages[st.data_ptr()] = st.nbytes()
+            if st._cdata not in skip:
+                storages[st._cdata] = st.nbytes()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = run()
         st = out.untyped_storage()
-        storages[st.data_ptr()] = st.nbytes()
+        storages[st._cdata] = st.nbytes()
         return out, sum(storages.values())
 
     def memory_point(self, tokens: int) -> dict[str, float]:
@@ -479,7 +504,7 @@ def load_base(path: Path) -> dict:
 
 
 def format_value(key: str, value) -> str:
-    if key == "name":
+    if key in TEXT_KEYS:
         return json.dumps(str(value))  # a JSON string is a YAML string
     value = float(value)
     if key in INT_KEYS and value.is_integer():
@@ -500,7 +525,7 @@ def write_yaml(path: Path, values: dict, notes: dict[str, str], header: list[str
         lines.append(f"{text:<{width}}  # {notes[key]}" if notes.get(key) else text)
     path.write_text("\n".join(lines) + "\n")
     loaded = CostModel.from_yaml(path)
-    bad = [k for k in KEYS if k != "name" and not isinstance(getattr(loaded, k), (int, float))]
+    bad = [k for k in KEYS if k not in TEXT_KEYS and not isinstance(getattr(loaded, k), (int, float))]
     if bad:
         raise RuntimeError(f"{path}: keys {bad} did not load as numbers")
 
@@ -521,7 +546,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--out", required=True, type=Path, help="the cost YAML to write")
     parser.add_argument("--budget-s", type=float, default=180.0,
                         help="seconds for the whole run, from process start (default 180)")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--device", choices=("cuda", "cpu", "roofline"), default="cuda",
+                        help="cuda: time on the GPU; cpu: the same code on the CPU (CI); roofline: no device, the "
+                        "block's ops traced under fake tensors and priced on --gpu (the estimator's step time)")
+    parser.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="--device roofline: the GPU priced")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="largest micro-batch in tokens (default 16384 on CUDA, 1024 on CPU)")
     parser.add_argument("--min-doc", type=int, default=None,
@@ -546,7 +574,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def measure(args: argparse.Namespace, cfg, device: torch.device, clock: Clock) -> dict:
     """All phases, each only if the budget leaves room for it; returns what was measured."""
-    bench = Bench(cfg, device, args.warmup, args.repeats)
+    bench = Bench(cfg, device, args.warmup, args.repeats, roofline=args.gpu if args.device == "roofline" else None)
     bench.first_calls(args.min_doc)
     found: dict = {"backend": bench.attention_backend(), "dtype": str(bench.compute_dtype).removeprefix("torch."),
                    "recompute": bench.recompute, "precision": cfg.precision.name, "points": [], "skipped": [],
@@ -639,14 +667,15 @@ def derive(found: dict, base: dict, cfg, device: torch.device, args: argparse.Na
     base_name = str(args.base)
     notes: dict[str, str] = {}
     measured: list[str] = []
+    verb = f"{args.gpu} roofline / {ROOFLINE_EFFICIENCY}" if args.device == "roofline" else "measured"
     points: list[Point] = found["points"]
     fit = None
     if len(points) >= 3:
         fit = fit_cost([p.sum_sq for p in points], [p.tokens for p in points], [p.seconds for p in points])
         values.update(a=fit.a, b=fit.b, c=fit.c)
-        notes["a"] = f"measured: s per token pair per layer (fit of {len(points)} points)"
-        notes["b"] = "measured: s per token per layer"
-        notes["c"] = "measured: s per micro-batch per layer"
+        notes["a"] = f"{verb}: s per token pair per layer (fit of {len(points)} points)"
+        notes["b"] = f"{verb}: s per token per layer"
+        notes["c"] = f"{verb}: s per micro-batch per layer"
         measured += ["a", "b", "c"]
     else:
         for k in "abc":
@@ -655,16 +684,20 @@ def derive(found: dict, base: dict, cfg, device: torch.device, args: argparse.Na
     elem = torch.empty((), dtype=bench.compute_dtype).element_size()
     values["layers"] = layers
     values["kv_bytes"] = 2 * model.num_kv_heads * head_dim * elem
+    values["qo_bytes"] = 2 * model.hidden_size * elem
+    values["heads"] = model.num_kv_heads
     notes["layers"] = f"from the model config ({model.name})"
     notes["kv_bytes"] = (f"from the model config: 2 * {model.num_kv_heads} kv heads * {head_dim} * {elem} B "
                          f"({found['dtype']})")
+    notes["qo_bytes"] = f"from the model config: q and the attention output, 2 * {model.hidden_size} * {elem} B"
+    notes["heads"] = "from the model config: kv heads (an all-to-all group must divide them)"
     notes["comm_passes"] = f"model constant (KV fwd; KV, dKV bwd): kept from {base_name}"
     for key in TWO_GPU_KEYS:
         notes[key] = f"not measured (one GPU): kept from {base_name}"
     if "head" in found:
         (slope, intercept), _, _ = found["head"]
         values["head"] = max(slope, 0.0)
-        notes["head"] = f"measured: s per token, embedding + LM head + loss ({intercept * 1e3:+.3f} ms per call)"
+        notes["head"] = f"{verb}: s per token, embedding + LM head + loss ({intercept * 1e3:+.3f} ms per call)"
         measured.append("head")
     else:
         notes["head"] = f"not measured (budget): kept from {base_name}"
@@ -679,8 +712,9 @@ def derive(found: dict, base: dict, cfg, device: torch.device, args: argparse.Na
         f = state + max(0.0, layers * m.saved[1] + max(m.head_peak[1], f_trans))
         values["act_bytes"], values["act_fixed"] = e, f
         measured += ["act_bytes", "act_fixed"]
-        notes["act_bytes"] = "measured: activation bytes per token, all layers + head (see header)"
-        notes["act_fixed"] = "measured: parameters + gradients of all layers + head, + the line's intercept"
+        probe = "memory probe of the traced block" if args.device == "roofline" else "measured"
+        notes["act_bytes"] = f"{probe}: activation bytes per token, all layers + head (see header)"
+        notes["act_fixed"] = f"{probe}: parameters + gradients of all layers + head, + the line's intercept"
         memory_text = [
             f"Memory ({m.how}), at two token counts, lines bytes = e*T + f:",
             f"  block kept for backward e={m.saved[0]:.1f} B/token (f={m.saved[1]:.4g} B); block backward peak "
@@ -695,8 +729,9 @@ def derive(found: dict, base: dict, cfg, device: torch.device, args: argparse.Na
             f"{f / GiB:.3f} GiB;",
             "    optimizer state not counted (ZeRO-1 over the HDP domain, as the base file assumes)",
         ]
-        if device.type == "cuda":
-            hbm = torch.cuda.get_device_properties(device).total_memory
+        if device.type == "cuda" or args.device == "roofline":
+            hbm = (HBM_BYTES[args.gpu] if args.device == "roofline"
+                   else torch.cuda.get_device_properties(device).total_memory)
             free = 0.9 * hbm - 4 * GiB - f
             if free >= e:
                 values["capacity"] = 2 ** int(math.log2(free / e))
@@ -718,27 +753,36 @@ def derive(found: dict, base: dict, cfg, device: torch.device, args: argparse.Na
         notes["host_bw"] = f"measured: pinned copies, slower direction (h2d {h2d / 1e9:.1f}, d2h {d2h / 1e9:.1f} GB/s)"
         measured.append("host_bw")
     else:
-        why = "CPU: no host-device link" if device.type == "cpu" else "budget"
+        why = {"cpu": "CPU: no host-device link", "roofline": "roofline: no device"}.get(args.device, "budget")
         notes["host_bw"] = f"not measured ({why}): kept from {base_name}"
     notes["name"] = "the --out file's name"
 
-    if device.type == "cuda":
+    if args.device == "roofline":
+        device_name = (f"none: the roofline of {GPUS[args.gpu].name} (megalm/measure/op_cost.py) / "
+                       f"{ROOFLINE_EFFICIENCY} (megalm-estimate's efficiency), traced on the CPU under FakeTensorMode")
+        versions = f"torch {torch.__version__}"
+    elif device.type == "cuda":
         device_name = torch.cuda.get_device_name(device)
         versions = f"torch {torch.__version__}, CUDA {torch.version.cuda}"
     else:
         device_name = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
         versions = f"torch {torch.__version__}"
     command = "python tools/bench/hdp_calibrate.py " + shlex.join(args.argv)
-    kept = [k for k in KEYS if k not in measured and k not in TWO_GPU_KEYS and k not in ("layers", "kv_bytes", "name")]
+    kept = [k for k in KEYS if k not in measured and k not in TWO_GPU_KEYS
+            and k not in ("layers", "kv_bytes", "qo_bytes", "heads", "source", "name")]
+    how = {"roofline": f"DERIVED WITHOUT A GPU from the {args.gpu} roofline and megalm's memory probe",
+           "cuda": "MEASURED on one GPU", "cpu": "MEASURED on the CPU"}[args.device]
+    values["source"] = f"tools/bench/hdp_calibrate.py --device {args.device}, {datetime.date.today()} (see the header)"
+    notes["source"] = "where these numbers come from (gpu_check's calibrate step replaces a roofline file)"
     header = [
         f"HDP cost model: {model.name} shape ({layers} layers, h={model.hidden_size}, {model.num_heads} heads, "
-        f"{model.num_kv_heads} kv heads, ffn={model.ffn_hidden_size}, vocab {model.vocab_size}), MEASURED on one "
-        "device by tools/bench/hdp_calibrate.py (read by megalm.parallel.hdp.cost.CostModel.from_yaml).",
+        f"{model.num_kv_heads} kv heads, ffn={model.ffn_hidden_size}, vocab {model.vocab_size}), {how} by "
+        "tools/bench/hdp_calibrate.py (read by megalm.parallel.hdp.cost.CostModel.from_yaml).",
         f"Device: {device_name}; {versions}; {datetime.date.today().isoformat()}.",
         f"Command: {command}",
         f"One block run as the trainer runs it: precision={found['precision']} (compute {found['dtype']}), attention "
         f"backend {found['backend']}, recompute={found['recompute']}.",
-        f"Measured: {', '.join(measured) or 'nothing'}. From the model config: layers, kv_bytes.",
+        f"Measured: {', '.join(measured) or 'nothing'}. From the model config: layers, kv_bytes, qo_bytes, heads.",
         f"{', '.join(TWO_GPU_KEYS)}: not measured (one GPU; they need two GPUs or nodes), kept from {base_name}.",
         f"Also kept from {base_name}: {', '.join(kept)} (see each key's note).",
         "",
@@ -778,18 +822,23 @@ def main(argv: list[str] | None = None) -> int:
         base = load_base(args.base)
         if args.device == "cuda" and not torch.cuda.is_available():
             raise BadInput("--device cuda but no CUDA device is visible (torch.cuda.is_available() is False); "
-                           "use --device cpu with a small model (model=tiny)")
-        cfg = compose_config(overrides, args.device)
+                           "use --device roofline (any model, no GPU) or --device cpu with a small model (model=tiny)")
+        if args.device == "roofline":  # priced as the GPU runs it: bf16 unless precision= says otherwise
+            precision = [] if any(o.startswith("precision=") for o in overrides) else ["precision=bf16"]
+            cfg = compose_config(precision + overrides, "cpu")
+        else:
+            cfg = compose_config(overrides, args.device)
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
-    device = torch.device(args.device)
+    device = torch.device("cpu" if args.device == "roofline" else args.device)
     clock = Clock(started, args.budget_s, reserve=min(3.0, 0.03 * args.budget_s))
     print(f"calibrating {cfg.model.name} on {args.device}: micro-batches up to {args.max_tokens} tokens, documents "
           f">= {args.min_doc}, budget {args.budget_s:g} s", flush=True)
-    found = measure(args, cfg, device, clock)
+    with FakeTensorMode(allow_non_fake_inputs=True) if args.device == "roofline" else contextlib.nullcontext():
+        found = measure(args, cfg, device, clock)
     values, notes, header, fit = derive(found, base, cfg, device, args, args.out)
     write_yaml(args.out, values, notes, header)
     n = len(found["points"])

@@ -12,7 +12,8 @@ from megalm.parallel.hdp.cost import CostModel, ring_size
 from megalm.parallel.hdp.plan import MicroBatch, Plan, packed_micro_batches
 
 
-def plan_static(lengths: Sequence[int], num_ranks: int, capacity: int, context: int, cost: CostModel) -> Plan:
+def plan_static(lengths: Sequence[int], num_ranks: int, capacity: int, context: int, cost: CostModel,
+                balance: bool = True) -> Plan:
     """Static mesh baseline (Megatron/TE CP with THD packing), in its best honest form.
 
     Assumptions: a fixed cp = the smallest divisor of D with cp·C ≥ context (so no rank idles) and
@@ -22,7 +23,8 @@ def plan_static(lengths: Sequence[int], num_ranks: int, capacity: int, context: 
     attention with document masking (attention work Σs², but every rank's whole KV chunk travels the
     ring); cp groups are contiguous rank blocks (inside a node when cp fits). In its favour: packed
     sequences go to dp groups by LPT on the true cost (different counts per group are fine with the
-    per-token loss), not round-robin.
+    per-token loss), not round-robin (`balance=False`: round-robin, as a data loader deals them: the ablation's
+    baseline, which has no time model until its balance step).
     """
     D, C = num_ranks, capacity
     need = ring_size(context, C)
@@ -57,9 +59,13 @@ def plan_static(lengths: Sequence[int], num_ranks: int, capacity: int, context: 
     groups = [(0.0, g) for g in range(D // cp)]
     micro_batches: list[MicroBatch] = []
     per_rank: list[list[int]] = [[] for _ in range(D)]
-    for k in sorted(range(len(packs)), key=times.__getitem__, reverse=True):
-        t, g = heapq.heappop(groups)
-        heapq.heappush(groups, (t + times[k], g))
+    order = sorted(range(len(packs)), key=times.__getitem__, reverse=True) if balance else range(len(packs))
+    for n, k in enumerate(order):
+        if balance:
+            t, g = heapq.heappop(groups)
+            heapq.heappush(groups, (t + times[k], g))
+        else:
+            g = n % (D // cp)
         seqs, tokens, sq, pad = packs[k]
         members = tuple(range(g * cp, (g + 1) * cp))
         for r in members:

@@ -22,6 +22,16 @@ bw is the NVLink bandwidth if the ring stays inside a node and the NIC's otherwi
 slow as its slowest edge). overlap < 1 says the overlap is partial (the two streams share SMs and
 memory bandwidth). Linear layers are not overlapped with the ring.
 
+Hierarchical CP (`inner` = u > 1, megalm/parallel/context/hierarchical.py): the d ranks are r = d/u groups of u
+ranks of one node. An all-to-all inside each group (q, k, v in and the output back, their gradients in the
+backward: 2·(qo_bytes + kv_bytes)·(s/d)·(u−1)/u bytes per rank per layer over NVLink) is not overlapped; then a
+ring over the r groups, each step moving s/r tokens for H/u heads (passes·(s/d)·kv_bytes per rank over the NIC)
+behind a·s²·u/d² of attention:
+
+    exposed = a2a + (r−1) · max(0, latency + 3·(s/d)·kv_bytes / bw_inter − overlap·a·s²·u/d²)
+
+so the NIC bytes fall by u and each step hides u times more. u = d (one group, r = 1) is plain Ulysses.
+
 Until calibrated with measurements on a GPU, the coefficients are derived from first principles,
 FLOPs / (peak × efficiency): `preset()` computes them from a model shape, configs/hdp_cost/*.yaml
 store them, and the scheduler and the simulator (tools/hdp_sim.py) read the same numbers.
@@ -63,26 +73,67 @@ class CostModel:
     act_bytes: float = 0.0  # e: activation bytes per token kept for the backward, per GPU, all layers
     act_fixed: float = 0.0  # f: model-state bytes per GPU (activation memory A(s) = e·s + f on top)
     host_bw: float = 0.0  # bytes/s per GPU to host memory (activation offload)
+    qo_bytes: float = 0.0  # bytes per token per layer of q and the attention output (2 · h · 2 in bf16): all-to-all
+    heads: int = 0  # kv heads per HDP rank: an all-to-all group size must divide them (0: no limit)
+    source: str = ""  # where the coefficients come from (first principles, the estimator, a GPU calibration)
     name: str = "custom"
 
-    def parts(self, tokens: float, sum_sq: float, d: int = 1, intra: bool = True) -> tuple[float, float]:
-        """(compute, exposed communication) seconds of one micro-batch on each of its d ranks."""
+    def parts(self, tokens: float, sum_sq: float, d: int = 1, intra: bool = True, inner: int = 1
+              ) -> tuple[float, float]:
+        """(compute, exposed communication) seconds of one micro-batch on each of its d ranks; `inner` > 1: a
+        hierarchical ring of d/inner groups (inner == d: Ulysses inside one node)."""
         compute = self.layers * ((self.a * sum_sq + self.b * tokens) / d + self.c) + self.head * tokens / d
         if d == 1:
             return compute, 0.0
+        if inner > 1:
+            groups = d // inner
+            a2a = 2 * (self.qo_bytes + self.kv_bytes) * tokens / d * (inner - 1) / inner / self.bw_intra
+            step_comm = self.latency + self.comm_passes * tokens / d * self.kv_bytes / self.bw_inter
+            step_attn = self.a * sum_sq * inner / (d * d)
+            ring = (groups - 1) * max(0.0, step_comm - self.overlap * step_attn)
+            return compute, self.layers * (a2a + ring)
         bw = self.bw_intra if intra else self.bw_inter
         step_comm = self.latency + self.comm_passes * tokens / d * self.kv_bytes / bw
         step_attn = self.a * sum_sq / (d * d)
         return compute, self.layers * (d - 1) * max(0.0, step_comm - self.overlap * step_attn)
 
-    def time(self, tokens: float, sum_sq: float, d: int = 1, intra: bool = True) -> float:
+    def time(self, tokens: float, sum_sq: float, d: int = 1, intra: bool = True, inner: int = 1) -> float:
         """Seconds one micro-batch (documents with Σs = tokens, Σs² = sum_sq) keeps each of its d ranks."""
-        compute, comm = self.parts(tokens, sum_sq, d, intra)
+        compute, comm = self.parts(tokens, sum_sq, d, intra, inner)
         return compute + comm
 
-    def ring_bytes(self, tokens: float, d: int) -> float:
-        """Bytes the d members of a ring send in total for one micro-batch (all layers, fwd + bwd)."""
-        return self.layers * self.comm_passes * (d - 1) * tokens * self.kv_bytes if d > 1 else 0.0
+    def ring_bytes(self, tokens: float, d: int, inner: int = 1) -> float:
+        """Bytes the d members of a ring send in total for one micro-batch (all layers, fwd + bwd): K/V round the
+        ring, plus a hierarchical ring's all-to-alls."""
+        if d <= 1:
+            return 0.0
+        groups = d // inner
+        a2a = 2 * (self.qo_bytes + self.kv_bytes) * tokens * (inner - 1) / inner
+        return self.layers * (self.comm_passes * (groups - 1) * tokens * self.kv_bytes + a2a)
+
+    @property
+    def group_size(self) -> int:
+        """u, the all-to-all group of a hierarchical ring that spans nodes: a node's ranks, when the kv heads split
+        over them (else 1: flat rings only)."""
+        u = self.ranks_per_node
+        return u if u > 1 and (self.heads == 0 or self.heads % u == 0) else 1
+
+    def cp_layout(self, tokens: float, sum_sq: float, d: int, hierarchical: bool = True) -> tuple[int, float]:
+        """(inner, seconds) of the fastest way to run a one-document micro-batch on d ranks placed as the planner
+        places them: inside one node (d ≤ ranks_per_node) a ring over NVLink or, if the kv heads split, Ulysses;
+        across nodes, whole nodes as groups of a hierarchical ring when d is a multiple of `group_size`, else a
+        flat ring at NIC speed (also when `hierarchical` is off)."""
+        n = self.ranks_per_node
+        if d <= n:
+            best = (1, self.time(tokens, sum_sq, d, True))
+            if d > 1 and hierarchical and (self.heads == 0 or self.heads % d == 0):
+                a2a = self.time(tokens, sum_sq, d, True, inner=d)
+                best = (d, a2a) if a2a < best[1] else best
+            return best
+        u = self.group_size
+        if hierarchical and u > 1 and d % u == 0:
+            return u, self.time(tokens, sum_sq, d, False, inner=u)
+        return 1, self.time(tokens, sum_sq, d, False)
 
     def intra(self, ranks: tuple[int, ...] | list[int]) -> bool:
         """True when all ranks sit in one node (ranks are numbered node by node)."""
@@ -223,6 +274,8 @@ def check_plan(plan, lengths: Sequence[int], num_ranks: int, capacity: int, offl
         ratio = offload_ratio(total, offload) if offload is not None and len(mb.seqs) == 1 else 0.0
         if not fits(total, d, capacity, ratio):
             raise ValueError(f"micro-batch {k}: {total} tokens over {d} ranks exceed capacity {capacity}")
+        if mb.inner < 1 or d % mb.inner:
+            raise ValueError(f"micro-batch {k}: all-to-all groups of {mb.inner} do not divide its {d} ranks")
     for i, n in enumerate(seen):
         if n != 1:
             raise ValueError(f"document {i} is assigned {n} times")
@@ -267,9 +320,9 @@ def simulate(plan, cost: CostModel, pp: int = 1) -> SimResult:
         if not mb.seqs:
             durations.append((0.0, 0.0))
             continue
-        comp, comm = cost.parts(mb.tokens + mb.padding, mb.sum_sq, d, d == 1 or cost.intra(mb.ranks))
+        comp, comm = cost.parts(mb.tokens + mb.padding, mb.sum_sq, d, d == 1 or cost.intra(mb.ranks), mb.inner)
         durations.append((comp / pp, comm / pp))
-        cp_bytes += cost.ring_bytes(mb.tokens + mb.padding, d)
+        cp_bytes += cost.ring_bytes(mb.tokens + mb.padding, d, mb.inner)
     clock, timeline = execute(plan, lambda k: durations[k][0] + durations[k][1])
     D = plan.num_ranks
     compute, comm, finish = [0.0] * D, [0.0] * D, clock[:]
@@ -395,6 +448,9 @@ def preset(
         act_bytes=e,
         act_fixed=f,
         host_bw=hw.host_bw,
+        qo_bytes=2 * shape.hidden * 2,
+        heads=max(1, shape.kv_heads // tp),
+        source=f"first principles: FLOPs / (peak x efficiency {eff_linear} linear, {eff_attn} attention)",
         name=f"h100_{label}" if hw == H100 else label,
     )
 

@@ -1,12 +1,16 @@
 """ByteScale hybrid data parallelism (HDP): which ranks run which documents, decided every step.
 
 ByteScale (Ge et al. 2025, arXiv 2502.21231) merges the DP and CP dimensions into one HDP domain of
-D = dp·cp ranks and re-plans the global batch each step. A document of s tokens needs
-d(s) = ceil(s / C) ranks, C the per-rank token capacity of one micro-batch (parallel.hdp_capacity):
+D = dp·cp ranks and re-plans the global batch each step. C is the tokens one rank holds in a micro-batch
+(parallel.hdp_capacity):
 
 - documents with s ≤ C are packed best-fit onto single ranks and run with no CP traffic;
-- longer ones get a ring of exactly d(s) ranks (any integer, not a power of two), run by CP ring
-  attention over that ordered list of global ranks (docs/architecture.md);
+- longer ones get a ring over an ordered list of global ranks (docs/architecture.md), of at least
+  ceil(s / C) ranks (fewer with selective offload), any integer, not a power of two; it is sized
+  against the step's makespan (ByteScale's balance scheduler; FlexSP and WLB-LLM state the same
+  objective): as small as memory allows unless that ring would outlast the step;
+- a ring inside a node runs flat over NVLink (or Ulysses); one that spans nodes takes whole nodes and
+  runs hierarchically, an all-to-all inside each node and a ring across them (cost.py);
 - the balance scheduler weighs work with the cost model (cost.py: a·s² + b·s + c per layer plus
   exposed ring traffic) so that ranks finish together: ranks run different numbers of micro-batches,
   which is exact because the loss is a sum over tokens divided by the step's token count;
@@ -29,7 +33,7 @@ import heapq
 import math
 from collections.abc import Sequence
 
-from megalm.parallel.hdp.cost import CostModel, offload_ring_size, ring_size
+from megalm.parallel.hdp.cost import CostModel, offload_ring_size, ring_size, simulate
 from megalm.parallel.hdp.plan import MicroBatch, Plan, packed_micro_batches
 
 
@@ -42,8 +46,12 @@ class _Planner:
     backfilling, Lifka 1995), which cannot delay anything already placed.
     """
 
-    def __init__(self, lengths: Sequence[int], num_ranks: int, capacity: int, cost: CostModel, pp: int):
+    def __init__(self, lengths: Sequence[int], num_ranks: int, capacity: int, cost: CostModel, pp: int,
+                 layout_cost: CostModel | None = None, hierarchical: bool = True):
         self.lengths, self.C, self.cost, self.pp = lengths, capacity, cost, pp
+        # `cost` weighs the placement; `layout_cost` (the true model) picks each ring's CP layout (flat, a2a,
+        # hierarchical). They differ only in the ablation's token-balanced planner.
+        self.layout_cost, self.hierarchical = layout_cost or cost, hierarchical
         self.load = [0.0] * num_ranks
         self.longest = [0.0] * num_ranks
         self.key = [0.0] * num_ranks
@@ -86,6 +94,57 @@ class _Planner:
                 return members
         return None
 
+    def ring_time(self, s: int, d: int, ranks: Sequence[int] | None) -> tuple[int, float]:
+        """(inner, seconds) of document s on d ranks: the layout the true cost model picks for where the ranks sit
+        (`ranks` None: inside one node if d fits in one); a ring of a few ranks that crosses nodes runs flat."""
+        per_node = self.cost.ranks_per_node
+        intra = d <= per_node if ranks is None else self.cost.intra(ranks)
+        if d <= per_node and not intra:
+            inner = 1
+        else:
+            inner = self.layout_cost.cp_layout(s, s * s, d, self.hierarchical)[0]
+            if d > per_node and inner > 1 and ranks is not None and not self.node_aligned(ranks, inner):
+                inner = 1
+        return inner, self.cost.time(s, s * s, d, intra, inner)
+
+    def node_aligned(self, ranks: Sequence[int], inner: int) -> bool:
+        n = self.cost.ranks_per_node
+        return inner == n and all(ranks[k] // n == ranks[k - k % n] // n for k in range(len(ranks)))
+
+    def place_node_rings(self, rings: list[int], inner: dict[int, int]) -> None:
+        """Hierarchical rings that span nodes, longest time first, each on the d/n whole nodes (n ranks per node)
+        that are free earliest: a node is one all-to-all group over NVLink, the ring runs across the nodes. They
+        go first, so every node's ranks are equally loaded while they are placed; the ranks of nodes that wait
+        for the others become holes for later work."""
+        n, loads = self.cost.ranks_per_node, self.load
+        nodes = [(self.key[k * n], k) for k in range(len(loads) // n)]
+        heapq.heapify(nodes)
+        for i in rings:
+            s, d = self.lengths[i], self.sizes[i]
+            picked = sorted(heapq.heappop(nodes)[1] for _ in range(d // n))
+            start = max(loads[k * n] for k in picked)
+            t = self.cost.time(s, s * s, d, False, inner[i])
+            ranks = [k * n + j for k in picked for j in range(n)]
+            for k in picked:
+                self.add_hole(loads[k * n], start, list(range(k * n, (k + 1) * n)))
+            self.record(i, ranks, start, t, inner[i])
+            for k in picked:
+                heapq.heappush(nodes, (self.key[k * n], k))
+        self.heap = [(k, r) for r, k in enumerate(self.key)]
+        heapq.heapify(self.heap)
+
+    def record(self, i: int, ranks: list[int], start: float, t: float, inner: int) -> None:
+        """Commit document i's ring on `ranks` over [start, start + t)."""
+        s = self.lengths[i]
+        idx = len(self.micro_batches)
+        self.micro_batches.append(MicroBatch(tuple(ranks), (i,), s, s * s, 0, inner))
+        for r in ranks:
+            self.items[r].append((start, idx))
+            self.load[r] = start + t
+            if t > self.longest[r]:
+                self.longest[r] = t
+            self.key[r] = self.load[r] + (self.pp - 1) * self.longest[r]
+
     def place_ring(self, i: int) -> None:
         """Preference: a hole inside one node; the tail of one node if that ends by the target step
         time (rings that leave a node expose their traffic); any hole; the earliest finish."""
@@ -107,7 +166,7 @@ class _Planner:
                         heapq.heappush(self.heap, (self.key[r], r))
         ranks, start, t = placed
         idx = len(self.micro_batches)
-        self.micro_batches.append(MicroBatch(tuple(ranks), (i,), s, s * s))
+        self.micro_batches.append(MicroBatch(tuple(ranks), (i,), s, s * s, 0, self.ring_time(s, d, ranks)[0]))
         for r in ranks:
             self.items[r].append((start, idx))
             if t > self.longest[r]:
@@ -137,7 +196,7 @@ class _Planner:
         options = []
         for cand in (sorted(node_pick), sorted(popped[:d])):
             start = max((self.load[r] for r in cand), default=0.0)
-            options.append((cand, start, self.cost.time(s, s * s, d, self.cost.intra(cand)) if cand else 0.0))
+            options.append((cand, start, self.ring_time(s, d, cand)[1] if cand else 0.0))
         return popped, options
 
     def take_tail(self, popped: list[int], ranks: list[int], start: float, t: float) -> tuple[list[int], float, float]:
@@ -159,7 +218,7 @@ class _Planner:
         """Earliest slot for a ring inside existing holes: d ranks idle over [x, x + t) before the
         ring they wait for (inside one node if `node_local`). None if no hole fits."""
         per_node = self.cost.ranks_per_node
-        t_min = self.cost.time(s, s * s, d, d <= per_node)
+        t_min = self.ring_time(s, d, None)[1]
         options = []
         for end, (count, blocks, starts) in self.holes.items():
             if count < d or end - starts[0] < t_min:
@@ -180,7 +239,7 @@ class _Planner:
             if ranks is None and node_local:
                 continue
             ranks = sorted(ranks or candidates[:d])
-            t = self.cost.time(s, s * s, d, self.cost.intra(ranks))
+            t = self.ring_time(s, d, ranks)[1]
             if x + t > end:
                 continue
             chosen = set(ranks)
@@ -247,108 +306,217 @@ class _Planner:
                     mbs.append(mb)
 
 
-def _widened(s: int, d: int, work: float, cost: CostModel, num_ranks: int, pp: int) -> int:
-    """Ring size k ≥ d minimising max(ring time, mean load once the ring's extra rank-time is added):
-    more ranks shorten the ring but add exposed traffic and overhead that every rank pays for. With
-    pp stages a ring's time is paid in full by its pipeline (t/pp running + (pp−1)·t/pp fill/drain)
-    while the mean load shrinks by pp."""
-    per_node = cost.ranks_per_node
-
-    def t(k: int) -> float:
-        return cost.time(s, s * s, k, k <= per_node)
-
-    base = work - d * t(d)
-    best, best_cost, k = d, max(t(d), work / (num_ranks * pp)), d
-    while k < num_ranks:
-        k = min(num_ranks, k + 1 if k < 2 * d else max(k + 1, int(k * 1.09)))  # every size up to 2d
-        tk = t(k)
-        step = max(tk, (base + k * tk) / (num_ranks * pp))
-        if step < best_cost:
-            best, best_cost = k, step
-    return best
-
-
 def plan_hdp(
-    lengths: Sequence[int], num_ranks: int, capacity: int, cost: CostModel, pp: int = 1, widen: bool = False,
-    offload: bool = False,
+    lengths: Sequence[int], num_ranks: int, capacity: int, cost: CostModel, pp: int = 1, offload: bool = False,
+    balance: bool = True, hierarchical: bool = True, compete: bool = True,
 ) -> Plan:
-    """ByteScale HDP plan: minimal rings for long documents, best-fit packing for short ones, balanced
-    by time so that ranks (pipelines, if pp > 1) finish together.
+    """ByteScale HDP plan of one step: per document its ring (size d, CP layout, offload ratio) and which ranks run
+    what, so that ranks (pipelines, if pp > 1) finish together at the shortest step the cost model sees.
 
-    1. Rings, longest time first (LPT for rigid parallel jobs): each goes into the earliest idle hole
-       it fits, else onto the d ranks that are free earliest (inside one node when that is faster).
-    2. Short documents, longest first: into idle holes, else to the rank with the least pipeline cost.
-    3. Per rank, best-fit packing into micro-batches of at most C tokens; every rank runs its work
-       in planned start order, which is one global order for rings, so plans cannot deadlock.
-    Deterministic (ties broken by index); O(n log n + Σd · log D + rings · holes).
+    1. Sizes against the makespan (`_ring_sizes`). A document of s tokens needs at least ceil(s / C) ranks, or
+       ceil((1 − r(s))·s / C) when it may offload up to r(s) of its activations (`offload`, ByteScale's selective
+       offload). The step can be no shorter than the mean load T; a ring as small as memory allows that would
+       take longer than T is widened to the fewest ranks that finish within T, and T is re-estimated with the
+       widened rings' extra traffic until it settles. Rings that span nodes take whole nodes, as hierarchical
+       rings (an all-to-all over NVLink inside each node, a ring across them: `hierarchical`).
+    2. Placement, longest time first: rings over whole nodes on the nodes free earliest; rings inside a node into
+       the earliest idle hole they fit, else onto the ranks free earliest (LPT for rigid parallel jobs).
+    3. Short documents, longest first: into idle holes, else to the rank with the least pipeline cost; per rank,
+       best-fit packing into micro-batches of at most C tokens. Every rank runs its work in planned start order,
+       one global order for rings, so plans cannot deadlock.
 
-    Rings have the minimal size ceil(s / C); with `offload` (ByteScale's selective offload) the smaller
-    ceil((1 − r(s))·s / C) of `cost.offload_ring_size`, the document offloading r(s) of its activations.
-    When one document's ring takes longer than the mean
-    load, that ring alone sets the step time; `widen=True` (not ByteScale's rule, off by default)
-    also plans with such rings widened (`_widened`) and keeps whichever plan has the shorter
-    estimated step; with `offload` too, the plan without offload competes as well.
+    With `offload` the plan without offload competes too and the faster estimate wins: offload is a choice, never
+    a loss (`compete=False`: the offload plan alone). `balance=False` is ByteScale's HDP before its balance
+    scheduler (the ablation's middle rows): minimal rings, documents dealt by tokens rather than time; with
+    `offload` a ring shrinks only as far as its time stays within the step the minimal rings bound.
+    `hierarchical=False` keeps every ring flat (ring attention over all its ranks, ByteScale's communication).
+    Deterministic (ties broken by index); the ring sizes are chosen among a few target durations by placing the
+    rings alone (`_best_sizes`), then everything is placed once.
     """
-    n, C = len(lengths), capacity
+    if offload and compete:
+        with_offload = _plan(lengths, num_ranks, capacity, cost, pp, True, balance, hierarchical)
+        without = _plan(lengths, num_ranks, capacity, cost, pp, False, balance, hierarchical)
+        return without if without.stats["estimated_step"] < with_offload.stats["estimated_step"] else with_offload
+    return _plan(lengths, num_ranks, capacity, cost, pp, offload, balance, hierarchical)
+
+
+class _Sizes:
+    """Ring sizes a document may take and their times (cost.cp_layout), cached per (document, size)."""
+
+    def __init__(self, lengths: Sequence[int], num_ranks: int, capacity: int, cost: CostModel, hierarchical: bool):
+        self.lengths, self.D, self.C, self.cost, self.hierarchical = lengths, num_ranks, capacity, cost, hierarchical
+        self.n = cost.ranks_per_node
+        self.u = cost.group_size if hierarchical else 1
+        self.cache: dict[tuple[int, int], tuple[int, float]] = {}
+
+    def minimal(self, s: int, offload: bool) -> int:
+        """The fewest ranks that hold s tokens (offloading up to r(s) with `offload`), as a placeable size."""
+        return self.fit(offload_ring_size(s, self.C, self.cost) if offload else ring_size(s, self.C))
+
+    def fit(self, d: int) -> int:
+        """d rounded up to a size the planner places: any d inside a node, whole nodes beyond (hierarchical)."""
+        if self.u > 1 and d > self.n:
+            whole = -(-d // self.u) * self.u
+            return whole if whole <= self.D else d
+        return d
+
+    def layout(self, i: int, d: int) -> tuple[int, float]:
+        key = (i, d)
+        if key not in self.cache:
+            s = self.lengths[i]
+            self.cache[key] = self.cost.cp_layout(s, s * s, d, self.hierarchical)
+        return self.cache[key]
+
+    def wider(self, d: int) -> list[int]:
+        """Placeable sizes above d up to the domain: every size up to twice d, then steps of ~9%."""
+        out, k = [], d
+        while k < self.D:
+            k = min(self.D, k + 1 if k < 2 * d else max(k + 1, int(k * 1.09)))
+            k = self.fit(k)
+            if k <= self.D and (not out or k > out[-1]):
+                out.append(k)
+        return out
+
+    def within(self, i: int, d: int, target: float) -> int:
+        """The smallest size ≥ d whose ring takes at most `target` seconds, else the fastest size. A linear scan:
+        a flat ring's time falls with its size, then rises once its exposed traffic dominates."""
+        best, best_time = d, self.layout(i, d)[1]
+        if best_time <= target:
+            return d
+        for k in self.wider(d):
+            t = self.layout(i, k)[1]
+            if t <= target:
+                return k
+            if t < best_time:
+                best, best_time = k, t
+        return best
+
+
+def _ring_sizes(sizer: _Sizes, longs: list[int], minimal: dict[int, int], local_work: float, num_ranks: int,
+                pp: int) -> tuple[dict[int, int], float]:
+    """Each long document's ring size for the step's makespan, and the step estimate T (see plan_hdp, 1.): the
+    smallest T whose rings, each the smallest within T, estimate a step of at most T (max(mean load, longest
+    ring)). Bisection: the estimate rises as T falls (rings widen and pay more traffic)."""
+
+    def sizes_for(target: float) -> dict[int, int]:
+        return {i: sizer.within(i, minimal[i], target) for i in longs}
+
+    def estimate(sizes: dict[int, int], longest: bool = True) -> float:
+        area = local_work + sum(sizes[i] * sizer.layout(i, sizes[i])[1] for i in longs)
+        ring = max((sizer.layout(i, sizes[i])[1] for i in longs), default=0.0) if longest else 0.0
+        return max(area / (num_ranks * pp), ring)
+
+    low = estimate(minimal, longest=False)  # the mean load with the smallest rings: no step is shorter
+    sizes = sizes_for(low)
+    high = estimate(sizes)
+    if high <= low * 1.001:
+        return sizes, max(low, high)
+    best = (high, sizes)
+    for _ in range(14):  # to ~0.01% of the bracket
+        mid = (low + high) / 2
+        trial = sizes_for(mid)
+        step = estimate(trial)
+        if step <= mid:
+            high, best = mid, (step, trial)
+        else:
+            low = mid
+        if high - low <= 1e-3 * high:
+            break
+    return best[1], best[0]
+
+
+def _plan(lengths, num_ranks, C, cost, pp, offload, balance, hierarchical) -> Plan:
+    n = len(lengths)
     order = sorted(range(n), key=lengths.__getitem__, reverse=True)
     if order and lengths[order[-1]] <= 0:
         raise ValueError("document lengths must be positive")
-    split = bisect.bisect_left([-lengths[i] for i in order], -C)  # order[:split] are longer than C
-    longs = order[:split]
-    need = (lambda s: offload_ring_size(s, C, cost)) if offload else (lambda s: ring_size(s, C))
-    if longs and need(lengths[longs[0]]) > num_ranks:
-        raise ValueError(f"a document of {lengths[longs[0]]} tokens needs more than {num_ranks} ranks of {C}")
-    per_node = cost.ranks_per_node
-    sizes, estimates = {}, {}
-    for i in longs:
-        s = lengths[i]
-        sizes[i] = d = need(s)
-        estimates[i] = cost.time(s, s * s, d, d <= per_node)
-    work = sum(t * sizes[i] for i, t in estimates.items())
+    sizer = _Sizes(lengths, num_ranks, C, cost, hierarchical)
+    if order and sizer.minimal(lengths[order[0]], offload) > num_ranks:
+        raise ValueError(f"a document of {lengths[order[0]]} tokens needs more than {num_ranks} ranks of {C}")
+    minimal: dict[int, int] = {}
+    for i in order[:bisect.bisect_left([-lengths[i] for i in order], -C)]:  # the documents longer than C
+        # with offload some fit on one rank, but take long there: they are sized (and widened) like rings
+        minimal[i] = sizer.minimal(lengths[i], offload)
+    longs = list(minimal)
+    locals_ = [i for i in order if i not in minimal]
     qa, qb, q0 = cost.layers * cost.a, cost.layers * cost.b + cost.head, cost.layers * cost.c
-    work += sum((qa * s + qb) * s + q0 for s in map(lengths.__getitem__, order[split:]))  # cost.time(s, s²)
-    plan = _place(lengths, num_ranks, C, cost, pp, order, split, sizes, estimates, work)
-    if widen:
-        sizes, estimates = dict(sizes), dict(estimates)
-        for i in longs:  # longest first; stop at the first ring that is not above the mean load
-            if estimates[i] <= work / (num_ranks * pp):
-                break
-            s, d = lengths[i], sizes[i]
-            sizes[i] = k = _widened(s, d, work, cost, num_ranks, pp)
-            estimates[i] = cost.time(s, s * s, k, k <= per_node)
-            work += k * estimates[i] - d * cost.time(s, s * s, d, d <= per_node)
-        wide = _place(lengths, num_ranks, C, cost, pp, order, split, sizes, estimates, work)
-        if wide.stats["widened_rings"] and wide.stats["estimated_step"] < plan.stats["estimated_step"]:
-            plan = wide
-        if offload:  # offload is a choice, not a rule: keep the rings without it where they estimate faster
-            plain = plan_hdp(lengths, num_ranks, capacity, cost, pp, widen=True)
-            if plain.stats["estimated_step"] < plan.stats["estimated_step"]:
-                plan = plain
-    return plan
-
-
-def _place(lengths, num_ranks, C, cost, pp, order, split, sizes, estimates, work) -> Plan:
-    """Run the `_Planner` with the given ring sizes; see plan_hdp."""
-    planner = _Planner(lengths, num_ranks, C, cost, pp)
-    planner.sizes = sizes
-    planner.target = max(work / num_ranks, max(estimates.values(), default=0.0))
-    longs = order[:split]
+    local_work = sum((qa * s + qb) * s + q0 for s in map(lengths.__getitem__, locals_))  # cost.time(s, s²)
+    place_cost = cost
+    if balance:
+        sizes, target = _ring_sizes(sizer, longs, minimal, local_work, num_ranks, pp)
+        sizes = _best_sizes(lengths, num_ranks, C, cost, pp, hierarchical, sizer, longs, minimal, sizes, target,
+                            local_work)
+    else:
+        sizes, target = minimal, 0.0
+        if offload:  # selective: shrink a ring only while it stays within the step the minimal rings bound
+            plain = {i: sizer.minimal(lengths[i], False) for i in longs}
+            bound = _ring_sizes(sizer, longs, plain, local_work, num_ranks, pp)[1] if longs else 0.0
+            sizes = {i: min(plain[i], sizer.within(i, minimal[i], bound)) for i in longs}
+        # deal documents by tokens, not time: a cost model whose only term is the linear one
+        place_cost = cost.replace(a=0.0, c=0.0, head=0.0, kv_bytes=0.0, qo_bytes=0.0, latency=0.0)
     gc_was_on = gc.isenabled()
     gc.disable()  # ~10^5 small acyclic objects: generational GC passes would cost ~20% of the time
     try:
-        for i in sorted(longs, key=estimates.__getitem__, reverse=True):
-            planner.place_ring(i)
-        planner.place_locals(order[split:])
+        planner = _place_rings(lengths, num_ranks, C, place_cost, cost, pp, hierarchical, sizer, longs, sizes,
+                               target)
+        planner.place_locals(locals_)
         per_rank = [[k for _, k in sorted(it)] if len(it) > 1 else [k for _, k in it] for it in planner.items]
     finally:
         if gc_was_on:
             gc.enable()
+    rings = [mb for mb in planner.micro_batches if len(mb.ranks) > 1]
     stats = {
-        "rings": len(longs),
-        "local_micro_batches": len(planner.micro_batches) - len(longs),
-        "largest_ring": max(sizes.values(), default=1),
-        "widened_rings": sum(sizes[i] > ring_size(lengths[i], C) for i in longs),
-        "offloading_rings": sum(sizes[i] < ring_size(lengths[i], C) for i in longs),
+        "rings": len(rings),
+        "local_micro_batches": len(planner.micro_batches) - len(rings),
+        "largest_ring": max((len(mb.ranks) for mb in rings), default=1),
+        "widened_rings": sum(len(mb.ranks) > ring_size(mb.tokens, C) for mb in rings),
+        "offloading_rings": sum(mb.tokens > len(mb.ranks) * C for mb in planner.micro_batches),
+        "hierarchical_rings": sum(mb.inner > 1 for mb in rings),
         "estimated_step": max(planner.key, default=0.0) / pp,
     }
-    return Plan("hdp", planner.micro_batches, per_rank, stats)
+    plan = Plan("hdp", planner.micro_batches, per_rank, stats)
+    if not balance:  # the placement ran on token counts: estimate the step in seconds
+        plan.stats["estimated_step"] = simulate(plan, cost, pp).step_time
+    return plan
+
+
+def _place_rings(lengths, num_ranks, C, place_cost, cost, pp, hierarchical, sizer, longs, sizes, target) -> _Planner:
+    """A `_Planner` with the rings placed (plan_hdp, 2.): whole-node rings first, then the others, longest first."""
+    planner = _Planner(lengths, num_ranks, C, place_cost, pp, cost, hierarchical)
+    planner.sizes = sizes
+    planner.target = target
+    inner = {i: sizer.layout(i, sizes[i])[0] for i in longs}
+    whole_nodes = [i for i in longs if sizes[i] > cost.ranks_per_node and inner[i] > 1]
+    by_time = lambda i: place_cost.time(lengths[i], lengths[i] ** 2, sizes[i], False, inner[i])
+    planner.place_node_rings(sorted(whole_nodes, key=by_time, reverse=True), inner)
+    spanning = set(whole_nodes)
+    for i in sorted((i for i in longs if i not in spanning), key=by_time, reverse=True):
+        planner.place_ring(i)
+    return planner
+
+
+# Ring durations tried, as fractions of the step estimate T: rings sized to end near T must all run at once, which
+# the domain may not hold; shorter rings stack. 0 keeps the smallest rings memory allows.
+DURATIONS = (1.0, 0.7, 0.5, 0.35, 0.0)
+
+
+def _best_sizes(lengths, num_ranks, C, cost, pp, hierarchical, sizer, longs, minimal, sizes, target, local_work):
+    """Among ring sizes aimed at several durations (`DURATIONS` × T), the ones whose rings, placed, leave the
+    shortest step: max(the latest ring end, (short documents' work + the rings' rank-time) / ranks), the short
+    documents filling holes and tails."""
+    if not longs:
+        return sizes
+    best, best_step = sizes, math.inf
+    for fraction in DURATIONS:
+        if fraction == 1.0:
+            trial = sizes
+        elif fraction == 0.0:
+            trial = minimal
+        else:
+            trial = {i: max(sizes[i], sizer.within(i, minimal[i], fraction * target)) for i in longs}
+        planner = _place_rings(lengths, num_ranks, C, cost, cost, pp, hierarchical, sizer, longs, trial, target)
+        area = local_work + sum(trial[i] * sizer.layout(i, trial[i])[1] for i in longs)
+        step = max(max(planner.key), area / (num_ranks * pp))
+        if step < best_step * 0.999:
+            best, best_step = trial, step
+    return best

@@ -23,6 +23,8 @@ HDP domain (`mesh.dp_cp_group`), so the update is the single-process update on t
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -30,6 +32,7 @@ from megalm.config import MegalmConfig
 from megalm.data.batch import PackedBatch, Sample, pack_samples
 from megalm.data.dataset import VarlenDataset
 from megalm.errors import ConfigError, MegalmError
+from megalm.parallel.context.attention import cp_a2a_size
 from megalm.parallel.context.zigzag import shard_batch, zigzag_chunks, zigzag_plan
 from megalm.parallel.dims import ParallelMesh
 from megalm.parallel.hdp.cost import CostModel, ModelShape, load_cost, offload_ratio, preset
@@ -77,20 +80,30 @@ class HdpSplit:
     """
 
     def __init__(self, mesh: ParallelMesh, capacity: int, cost: CostModel, pp: int = 1, schedule: str = "1f1b",
-                 offload: bool = False):
+                 offload: bool = False, hierarchical: bool = False):
         d = mesh.dims
         self.mesh, self.capacity, self.cost, self.pp, self.schedule = mesh, capacity, cost, pp, schedule
+        # cp_comm=a2a+p2p: rings that span nodes are hierarchical (cost.ranks_per_node HDP ranks a group), those
+        # inside one may be Ulysses; cp_comm=ring: every ring flat
+        self.hierarchical = hierarchical
         self.offload = offload  # ByteScale's selective offload: rings of d(s) = ceil((1 - r(s)) s / C) ranks
         self.domain = d.domain_ranks(mesh.tp_rank, mesh.pp_rank)
         self.num_ranks = len(self.domain)
         self.index = mesh.dp_rank * d.cp + mesh.cp_rank
         self.last_plan: Plan | None = None
 
+    @classmethod
+    def for_config(cls, cfg: MegalmConfig, mesh: ParallelMesh) -> HdpSplit:
+        """The split a run of `cfg` uses (the trainer's and tools/hdp_plan.py's)."""
+        p = cfg.parallel
+        return cls(mesh, p.hdp_capacity, hdp_cost_model(cfg), p.pp, p.pp_schedule, p.hdp_offload,
+                   hierarchical=p.cp_comm == "a2a+p2p")
+
     def plan(self, lengths: list[int]) -> Plan:
         """The step's plan over input lengths; with pp > 1, rings aligned and checked deadlock-free."""
-        # with selective offload the narrower rings are a choice: the plan without them competes (widen)
+        # with selective offload the narrower rings are a choice: the plan without them competes
         plan = plan_hdp(lengths, self.num_ranks, self.capacity, self.cost, pp=self.pp, offload=self.offload,
-                        widen=self.offload)
+                        hierarchical=self.hierarchical)
         if self.pp > 1:
             plan = align_rings(plan)
             try:
@@ -144,13 +157,21 @@ class HdpSplit:
 
 def hdp_cost_model(cfg: MegalmConfig) -> CostModel:
     """`parallel.hdp_cost`: a preset or YAML (cost.load_cost); unset, the first-principles model of this
-    model's shape on H100s, one HDP rank = one TP group (only the balance depends on it)."""
+    model's shape on H100s, one HDP rank = one TP group (only the balance depends on it). Under
+    `parallel.cp_comm=a2a+p2p` a node holds `parallel.cp_a2a_size` HDP ranks (the all-to-all groups), and the kv
+    heads are the model's."""
     if cfg.parallel.hdp_cost:
-        return load_cost(cfg.parallel.hdp_cost)
-    m = cfg.model
-    shape = ModelShape(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_heads, kv_heads=m.num_kv_heads,
-                       ffn=m.ffn_hidden_size, vocab=m.padded_vocab_size or m.vocab_size)
-    return preset(shape, tp=cfg.parallel.tp)
+        cost = load_cost(cfg.parallel.hdp_cost)
+    else:
+        m = cfg.model
+        shape = ModelShape(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_heads, kv_heads=m.num_kv_heads,
+                           ffn=m.ffn_hidden_size, vocab=m.padded_vocab_size or m.vocab_size)
+        cost = preset(shape, tp=cfg.parallel.tp)
+    if cfg.parallel.cp_comm == "a2a+p2p":
+        kv_heads = max(1, cfg.model.num_kv_heads // cfg.parallel.tp)
+        heads = math.gcd(kv_heads, cfg.model.num_heads // cfg.parallel.tp)
+        cost = cost.replace(ranks_per_node=cp_a2a_size(cfg), heads=heads)
+    return cost
 
 
 def validate_hdp(cfg: MegalmConfig) -> None:
@@ -185,8 +206,9 @@ def validate_hdp(cfg: MegalmConfig) -> None:
         except Exception as e:  # a missing file, bad YAML, missing or mistyped keys
             raise ConfigError(f"parallel.hdp_cost={p.hdp_cost} cannot be loaded ({type(e).__name__}: {e}); "
                               "give a preset (7b) or a YAML like configs/hdp_cost/h100_7b.yaml") from None
-    if p.cp_comm != "ring":
-        raise ConfigError("parallel.hdp=true forms rings of any size over rank lists; set parallel.cp_comm=ring")
+    if p.cp_comm == "a2a":
+        raise ConfigError("parallel.hdp=true forms rings of any size over rank lists, which Ulysses' fixed groups "
+                          "cannot; set parallel.cp_comm=ring or a2a+p2p (hierarchical rings)")
     if p.pp_schedule == "interleaved":
         raise ConfigError("parallel.hdp=true gives pipelines different micro-batch counts, which interleaved "
                           "pipelining cannot take; use parallel.pp_schedule=1f1b or zb")
