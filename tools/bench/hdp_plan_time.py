@@ -27,10 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from hdp_sim import global_batch, parse_size  # noqa: E402
+from hdp_sim import global_batch, model_cost, parse_size  # noqa: E402
 
 from megalm.parallel.hdp import plan_hdp  # noqa: E402
-from megalm.parallel.hdp.cost import load_cost  # noqa: E402
 
 SAMPLE = Path("tools/data/seqlen/prolong_lengths.json")
 
@@ -45,12 +44,14 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=11)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--budget-ms", type=float, default=100.0)
+    p.add_argument("--offload", action="store_true", help="plan with selective offload (two plans compete)")
+    p.add_argument("--flat", action="store_true", help="flat rings only (parallel.cp_comm=ring)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
 
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
-    cost = load_cost(args.model)
+    cost = model_cost(args.model)
     capacity = args.capacity or cost.capacity
     cases = [("longtail", "256K"), ("longtail", "2M")]
     if Path(args.lengths).exists():
@@ -62,7 +63,8 @@ def main() -> None:
         walls, cpus = [], []
         for _ in range(args.reps):
             w0, c0 = time.perf_counter(), time.process_time()
-            plan = plan_hdp(lengths, args.ranks, capacity, cost, pp=args.pp)
+            plan = plan_hdp(lengths, args.ranks, capacity, cost, pp=args.pp, offload=args.offload,
+                            hierarchical=not args.flat)
             walls.append(time.perf_counter() - w0)
             cpus.append(time.process_time() - c0)
         rows.append({
@@ -73,6 +75,7 @@ def main() -> None:
         })
     load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
     print(f"plan_hdp: {args.ranks} ranks, {args.global_tokens} tokens, capacity {capacity}, pp {args.pp}, "
+          f"{'offload, ' if args.offload else ''}{'flat rings, ' if args.flat else ''}"
           f"{args.reps} reps, Python {platform.python_version()}, {platform.machine()}{load}")
     print(f"{'lengths':<24} {'context':>7} {'docs':>6} {'rings':>6} {'mbs':>6} {'wall min':>9} {'wall med':>9} "
           f"{'cpu med':>8}")

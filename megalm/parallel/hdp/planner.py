@@ -52,6 +52,7 @@ class _Planner:
         # `cost` weighs the placement; `layout_cost` (the true model) picks each ring's CP layout (flat, a2a,
         # hierarchical). They differ only in the ablation's token-balanced planner.
         self.layout_cost, self.hierarchical = layout_cost or cost, hierarchical
+        self.times: dict[tuple[int, int, bool, bool], tuple[int, float]] = {}  # ring_time's, shared by trial plans
         self.load = [0.0] * num_ranks
         self.longest = [0.0] * num_ranks
         self.key = [0.0] * num_ranks
@@ -99,13 +100,17 @@ class _Planner:
         (`ranks` None: inside one node if d fits in one); a ring of a few ranks that crosses nodes runs flat."""
         per_node = self.cost.ranks_per_node
         intra = d <= per_node if ranks is None else self.cost.intra(ranks)
-        if d <= per_node and not intra:
-            inner = 1
-        else:
-            inner = self.layout_cost.cp_layout(s, s * s, d, self.hierarchical)[0]
-            if d > per_node and inner > 1 and ranks is not None and not self.node_aligned(ranks, inner):
+        aligned = d > per_node and ranks is not None and self.node_aligned(ranks, self.cost.group_size)
+        key = (s, d, intra, aligned)
+        if key not in self.times:
+            if d <= per_node and not intra:
                 inner = 1
-        return inner, self.cost.time(s, s * s, d, intra, inner)
+            else:
+                inner = self.layout_cost.cp_layout(s, s * s, d, self.hierarchical)[0]
+                if d > per_node and inner > 1 and ranks is not None and not aligned:
+                    inner = 1
+            self.times[key] = inner, self.cost.time(s, s * s, d, intra, inner)
+        return self.times[key]
 
     def node_aligned(self, ranks: Sequence[int], inner: int) -> bool:
         n = self.cost.ranks_per_node
@@ -114,38 +119,37 @@ class _Planner:
     def place_node_rings(self, rings: list[int], inner: dict[int, int]) -> None:
         """Hierarchical rings that span nodes, longest time first, each on the d/n whole nodes (n ranks per node)
         that are free earliest: a node is one all-to-all group over NVLink, the ring runs across the nodes. They
-        go first, so every node's ranks are equally loaded while they are placed; the ranks of nodes that wait
-        for the others become holes for later work."""
-        n, loads = self.cost.ranks_per_node, self.load
-        nodes = [(self.key[k * n], k) for k in range(len(loads) // n)]
+        go first, so every node's ranks are equally loaded while they are placed (kept per node, written to the
+        ranks once at the end); the ranks of nodes that wait for the others become holes for later work."""
+        n, pp = self.cost.ranks_per_node, self.pp
+        count = len(self.load) // n
+        load, longest = [self.load[k * n] for k in range(count)], [self.longest[k * n] for k in range(count)]
+        items: list[list[tuple[float, int]]] = [[] for _ in range(count)]
+        nodes = [(load[k] + (pp - 1) * longest[k], k) for k in range(count)]
         heapq.heapify(nodes)
         for i in rings:
             s, d = self.lengths[i], self.sizes[i]
             picked = sorted(heapq.heappop(nodes)[1] for _ in range(d // n))
-            start = max(loads[k * n] for k in picked)
+            start = max(load[k] for k in picked)
             t = self.cost.time(s, s * s, d, False, inner[i])
-            ranks = [k * n + j for k in picked for j in range(n)]
+            idx = len(self.micro_batches)
+            self.micro_batches.append(MicroBatch(tuple(r for k in picked for r in range(k * n, (k + 1) * n)), (i,),
+                                                 s, s * s, 0, inner[i]))
             for k in picked:
-                self.add_hole(loads[k * n], start, list(range(k * n, (k + 1) * n)))
-            self.record(i, ranks, start, t, inner[i])
-            for k in picked:
-                heapq.heappush(nodes, (self.key[k * n], k))
+                self.add_hole(load[k], start, list(range(k * n, (k + 1) * n)))
+                load[k], longest[k] = start + t, max(longest[k], t)
+                items[k].append((start, idx))
+                heapq.heappush(nodes, (load[k] + (pp - 1) * longest[k], k))
+        for k in range(count):
+            if items[k]:
+                for r in range(k * n, (k + 1) * n):
+                    self.load[r], self.longest[r] = load[k], longest[k]
+                    self.key[r] = load[k] + (pp - 1) * longest[k]
+                    self.items[r].extend(items[k])
         self.heap = [(k, r) for r, k in enumerate(self.key)]
         heapq.heapify(self.heap)
 
-    def record(self, i: int, ranks: list[int], start: float, t: float, inner: int) -> None:
-        """Commit document i's ring on `ranks` over [start, start + t)."""
-        s = self.lengths[i]
-        idx = len(self.micro_batches)
-        self.micro_batches.append(MicroBatch(tuple(ranks), (i,), s, s * s, 0, inner))
-        for r in ranks:
-            self.items[r].append((start, idx))
-            self.load[r] = start + t
-            if t > self.longest[r]:
-                self.longest[r] = t
-            self.key[r] = self.load[r] + (self.pp - 1) * self.longest[r]
-
-    def place_ring(self, i: int) -> None:
+    def place_ring(self, i: int) -> float:
         """Preference: a hole inside one node; the tail of one node if that ends by the target step
         time (rings that leave a node expose their traffic); any hole; the earliest finish."""
         s = self.lengths[i]
@@ -173,6 +177,7 @@ class _Planner:
                 self.longest[r] = t
             if self.key[r] != self.load[r] + (self.pp - 1) * self.longest[r]:
                 self.push(r)  # a new heap entry; the old one goes stale
+        return max(self.key[r] for r in ranks)  # the ring's members' pipeline cost once it is placed
 
     def tail_options(self, d: int, s: int) -> tuple[list[int], list[tuple[list[int], float, float]]]:
         """Pop the ranks that are free earliest. Options (ranks, start, time): the first d of them
@@ -181,7 +186,7 @@ class _Planner:
         popped: list[int] = []
         by_node: dict[int, list[int]] = {}
         node_pick: list[int] = []
-        limit = d if d > per_node else min(len(self.load), d + 8 * per_node)
+        limit = d if d > per_node else min(len(self.load), d + 2 * per_node)
         while len(popped) < limit and self.heap:
             r = self.pop()
             popped.append(r)
@@ -331,7 +336,7 @@ def plan_hdp(
     `offload` a ring shrinks only as far as its time stays within the step the minimal rings bound.
     `hierarchical=False` keeps every ring flat (ring attention over all its ranks, ByteScale's communication).
     Deterministic (ties broken by index); the ring sizes are chosen among a few target durations by placing the
-    rings alone (`_best_sizes`), then everything is placed once.
+    rings alone (`_best_rings`), then the short documents fill in around the best.
     """
     if offload and compete:
         with_offload = _plan(lengths, num_ranks, capacity, cost, pp, True, balance, hierarchical)
@@ -348,6 +353,9 @@ class _Sizes:
         self.n = cost.ranks_per_node
         self.u = cost.group_size if hierarchical else 1
         self.cache: dict[tuple[int, int], tuple[int, float]] = {}
+        self.wider_cache: dict[int, list[int]] = {}
+        self.placed_times: dict = {}  # _Planner.ring_time's cache, shared by the trial placements
+        self.curves: dict[tuple[int, int], tuple[list[int], list[float]]] = {}  # within's, per (document, d)
 
     def minimal(self, s: int, offload: bool) -> int:
         """The fewest ranks that hold s tokens (offloading up to r(s) with `offload`), as a placeable size."""
@@ -369,7 +377,9 @@ class _Sizes:
 
     def wider(self, d: int) -> list[int]:
         """Placeable sizes above d up to the domain: every size up to twice d, then steps of ~9%."""
-        out, k = [], d
+        if d in self.wider_cache:
+            return self.wider_cache[d]
+        out, k = self.wider_cache.setdefault(d, []), d
         while k < self.D:
             k = min(self.D, k + 1 if k < 2 * d else max(k + 1, int(k * 1.09)))
             k = self.fit(k)
@@ -378,18 +388,24 @@ class _Sizes:
         return out
 
     def within(self, i: int, d: int, target: float) -> int:
-        """The smallest size ≥ d whose ring takes at most `target` seconds, else the fastest size. A linear scan:
-        a flat ring's time falls with its size, then rises once its exposed traffic dominates."""
-        best, best_time = d, self.layout(i, d)[1]
-        if best_time <= target:
+        """The smallest size ≥ d whose ring takes at most `target` seconds, else the fastest size. A flat ring's time
+        falls with its size, then rises once its exposed traffic dominates, so sizes are scanned upward, and the
+        running minimum of the times seen so far is kept per (document, d): later calls bisect it, and scan on
+        only past it."""
+        if self.layout(i, d)[1] <= target:
             return d
-        for k in self.wider(d):
-            t = self.layout(i, k)[1]
-            if t <= target:
+        sizes, negated = self.curves.setdefault((i, d), ([d], [-self.layout(i, d)[1]]))  # -running min, ascending
+        at = bisect.bisect_left(negated, -target)
+        if at < len(sizes):
+            return sizes[at]
+        wider = self.wider(d)
+        while len(sizes) <= len(wider):
+            k = wider[len(sizes) - 1]
+            sizes.append(k)
+            negated.append(max(negated[-1], -self.layout(i, k)[1]))
+            if negated[-1] >= -target:
                 return k
-            if t < best_time:
-                best, best_time = k, t
-        return best
+        return sizes[negated.index(negated[-1])]  # none within: the fastest
 
 
 def _ring_sizes(sizer: _Sizes, longs: list[int], minimal: dict[int, int], local_work: float, num_ranks: int,
@@ -399,7 +415,10 @@ def _ring_sizes(sizer: _Sizes, longs: list[int], minimal: dict[int, int], local_
     ring)). Bisection: the estimate rises as T falls (rings widen and pay more traffic)."""
 
     def sizes_for(target: float) -> dict[int, int]:
-        return {i: sizer.within(i, minimal[i], target) for i in longs}
+        sizes = dict(minimal)
+        for i in wide:  # no other ring is ever widened: its smallest size ends within the lowest target
+            sizes[i] = sizer.within(i, minimal[i], target)
+        return sizes
 
     def estimate(sizes: dict[int, int], longest: bool = True) -> float:
         area = local_work + sum(sizes[i] * sizer.layout(i, sizes[i])[1] for i in longs)
@@ -407,6 +426,7 @@ def _ring_sizes(sizer: _Sizes, longs: list[int], minimal: dict[int, int], local_
         return max(area / (num_ranks * pp), ring)
 
     low = estimate(minimal, longest=False)  # the mean load with the smallest rings: no step is shorter
+    wide = [i for i in longs if sizer.layout(i, minimal[i])[1] > low]
     sizes = sizes_for(low)
     high = estimate(sizes)
     if high <= low * 1.001:
@@ -441,24 +461,23 @@ def _plan(lengths, num_ranks, C, cost, pp, offload, balance, hierarchical) -> Pl
     locals_ = [i for i in order if i not in minimal]
     qa, qb, q0 = cost.layers * cost.a, cost.layers * cost.b + cost.head, cost.layers * cost.c
     local_work = sum((qa * s + qb) * s + q0 for s in map(lengths.__getitem__, locals_))  # cost.time(s, s²)
-    place_cost = cost
-    if balance:
-        sizes, target = _ring_sizes(sizer, longs, minimal, local_work, num_ranks, pp)
-        sizes = _best_sizes(lengths, num_ranks, C, cost, pp, hierarchical, sizer, longs, minimal, sizes, target,
-                            local_work)
-    else:
-        sizes, target = minimal, 0.0
-        if offload:  # selective: shrink a ring only while it stays within the step the minimal rings bound
-            plain = {i: sizer.minimal(lengths[i], False) for i in longs}
-            bound = _ring_sizes(sizer, longs, plain, local_work, num_ranks, pp)[1] if longs else 0.0
-            sizes = {i: min(plain[i], sizer.within(i, minimal[i], bound)) for i in longs}
-        # deal documents by tokens, not time: a cost model whose only term is the linear one
-        place_cost = cost.replace(a=0.0, c=0.0, head=0.0, kv_bytes=0.0, qo_bytes=0.0, latency=0.0)
     gc_was_on = gc.isenabled()
     gc.disable()  # ~10^5 small acyclic objects: generational GC passes would cost ~20% of the time
     try:
-        planner = _place_rings(lengths, num_ranks, C, place_cost, cost, pp, hierarchical, sizer, longs, sizes,
-                               target)
+        if balance:
+            sizes, target = _ring_sizes(sizer, longs, minimal, local_work, num_ranks, pp)
+            planner = _best_rings(lengths, num_ranks, C, cost, pp, hierarchical, sizer, longs, minimal, sizes,
+                                  target, local_work)
+        else:
+            sizes = minimal
+            if offload:  # selective: shrink a ring only while it stays within the step the minimal rings bound
+                plain = {i: sizer.minimal(lengths[i], False) for i in longs}
+                bound = _ring_sizes(sizer, longs, plain, local_work, num_ranks, pp)[1] if longs else 0.0
+                sizes = {i: min(plain[i], sizer.within(i, minimal[i], bound)) for i in longs}
+            # deal documents by tokens, not time: a cost model whose only term is the linear one
+            place_cost = cost.replace(a=0.0, c=0.0, head=0.0, kv_bytes=0.0, qo_bytes=0.0, latency=0.0)
+            planner = _place_rings(lengths, num_ranks, C, place_cost, cost, pp, hierarchical, sizer, longs, sizes,
+                                   0.0)
         planner.place_locals(locals_)
         per_rank = [[k for _, k in sorted(it)] if len(it) > 1 else [k for _, k in it] for it in planner.items]
     finally:
@@ -480,33 +499,39 @@ def _plan(lengths, num_ranks, C, cost, pp, offload, balance, hierarchical) -> Pl
     return plan
 
 
-def _place_rings(lengths, num_ranks, C, place_cost, cost, pp, hierarchical, sizer, longs, sizes, target) -> _Planner:
-    """A `_Planner` with the rings placed (plan_hdp, 2.): whole-node rings first, then the others, longest first."""
+def _place_rings(lengths, num_ranks, C, place_cost, cost, pp, hierarchical, sizer, longs, sizes, target,
+                 bound: float = math.inf) -> _Planner | None:
+    """A `_Planner` with the rings placed (plan_hdp, 2.): whole-node rings first, then the others, longest first.
+    None as soon as some rank's pipeline cost passes `bound` (a trial that cannot beat the best one so far)."""
     planner = _Planner(lengths, num_ranks, C, place_cost, pp, cost, hierarchical)
+    planner.times = sizer.placed_times  # the same ring on the same kind of ranks costs the same in every trial
     planner.sizes = sizes
     planner.target = target
     inner = {i: sizer.layout(i, sizes[i])[0] for i in longs}
     whole_nodes = [i for i in longs if sizes[i] > cost.ranks_per_node and inner[i] > 1]
     by_time = lambda i: place_cost.time(lengths[i], lengths[i] ** 2, sizes[i], False, inner[i])
     planner.place_node_rings(sorted(whole_nodes, key=by_time, reverse=True), inner)
+    if planner.heap and max(planner.key) > bound:
+        return None
     spanning = set(whole_nodes)
     for i in sorted((i for i in longs if i not in spanning), key=by_time, reverse=True):
-        planner.place_ring(i)
+        if planner.place_ring(i) > bound:
+            return None
     return planner
 
 
 # Ring durations tried, as fractions of the step estimate T: rings sized to end near T must all run at once, which
 # the domain may not hold; shorter rings stack. 0 keeps the smallest rings memory allows.
-DURATIONS = (1.0, 0.7, 0.5, 0.35, 0.0)
+DURATIONS = (1.0, 0.5, 0.0)
 
 
-def _best_sizes(lengths, num_ranks, C, cost, pp, hierarchical, sizer, longs, minimal, sizes, target, local_work):
-    """Among ring sizes aimed at several durations (`DURATIONS` × T), the ones whose rings, placed, leave the
-    shortest step: max(the latest ring end, (short documents' work + the rings' rank-time) / ranks), the short
-    documents filling holes and tails."""
-    if not longs:
-        return sizes
-    best, best_step = sizes, math.inf
+def _best_rings(lengths, num_ranks, C, cost, pp, hierarchical, sizer, longs, minimal, sizes, target, local_work
+                ) -> _Planner:
+    """The planner with the rings placed, for the ring sizes (aimed at several durations, `DURATIONS` × T) that
+    leave the shortest step: max(the latest ring end, (short documents' work + the rings' rank-time) / ranks), the
+    short documents filling holes and tails."""
+    best, best_step = None, math.inf
+    tried: list[dict[int, int]] = []
     for fraction in DURATIONS:
         if fraction == 1.0:
             trial = sizes
@@ -514,9 +539,15 @@ def _best_sizes(lengths, num_ranks, C, cost, pp, hierarchical, sizer, longs, min
             trial = minimal
         else:
             trial = {i: max(sizes[i], sizer.within(i, minimal[i], fraction * target)) for i in longs}
-        planner = _place_rings(lengths, num_ranks, C, cost, cost, pp, hierarchical, sizer, longs, trial, target)
+        if trial in tried:  # short rings: several durations give the same sizes
+            continue
+        tried.append(trial)
+        planner = _place_rings(lengths, num_ranks, C, cost, cost, pp, hierarchical, sizer, longs, trial, target,
+                               best_step * 0.999)
+        if planner is None:
+            continue
         area = local_work + sum(trial[i] * sizer.layout(i, trial[i])[1] for i in longs)
         step = max(max(planner.key), area / (num_ranks * pp))
-        if step < best_step * 0.999:
-            best, best_step = trial, step
+        if best is None or step < best_step * 0.999:
+            best, best_step = planner, step
     return best
