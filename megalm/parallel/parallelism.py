@@ -299,6 +299,18 @@ class Parallelism:
         values = all_reduce_sum(values, self.mesh.dp_cp_group, "step totals", progress)
         return all_reduce_sum(values, self.mesh.pp_group, "step totals", progress)
 
+    def rank_loads(self, share: StepShare) -> torch.Tensor | None:
+        """Under HDP, the real tokens every rank of this rank's HDP domain ran in the step, in domain order (float64
+        [D] on the device; None without HDP). Counted from the batches each rank ran (their loss positions: every
+        input token of a document carries one; zigzag and SP padding and fillers carry none), not from the plan,
+        and summed over the domain: what metrics.jsonl reports next to the simulator's `SimResult.tokens`."""
+        if not self.cfg.parallel.hdp:
+            return None
+        loads = torch.zeros(self.split.num_ranks, dtype=torch.float64, device=self.device)
+        for mb in share.micro_batches:
+            loads[self.split.index] += mb.batch.loss_mask.sum()
+        return all_reduce_sum(loads, self.mesh.dp_cp_group, "HDP rank loads", self.mesh.progress)
+
     def _norm_weight(self, param: nn.Parameter) -> NormShare:
         return self._norm_weights[id(param)]
 

@@ -51,6 +51,7 @@ class StepResult:
     tokens: int  # input tokens processed in the step
     flops: float  # model training FLOPs of the step
     skipped: bool = False  # the loss or grad norm was not finite: no update (trainer.nonfinite=skip)
+    rank_tokens: list[int] | None = None  # HDP: the tokens each rank of the domain ran (Parallelism.rank_loads)
 
 
 @dataclass
@@ -194,16 +195,19 @@ class Trainer:
         local = torch.stack([loss.double(), fill(sum(counted)), fill(training_flops(self.cfg.model, counted))])
         totals = self.parallel.sum_over_batch(local)
         normaliser = torch.as_tensor(share.normaliser, dtype=torch.float64, device=self.device)
+        loads = self.parallel.rank_loads(share)
         # the step's one device-to-host sync: everything the log and the guard need, read together, before the update
-        loss_sum, tokens, flops, norm, n = torch.cat([totals, grad_norm.double().reshape(1), normaliser.reshape(1)]
-                                                     ).tolist()
+        loss_sum, tokens, flops, norm, n, *rank_tokens = torch.cat(
+            [totals, grad_norm.double().reshape(1), normaliser.reshape(1), *([] if loads is None else [loads])]
+        ).tolist()
         lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
         skipped = self.nonfinite.should_skip(step + 1, loss_sum / n, norm)
         if not skipped:
             set_lr(self.optimizer, lr)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss=loss_sum / n, grad_norm=norm, lr=lr, tokens=int(tokens), flops=flops, skipped=skipped)
+        return StepResult(loss=loss_sum / n, grad_norm=norm, lr=lr, tokens=int(tokens), flops=flops, skipped=skipped,
+                          rank_tokens=[int(x) for x in rank_tokens] if loads is not None else None)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -257,6 +261,8 @@ class Trainer:
                                   "peak_memory_gib": peak_memory_gb(self.device)}
                         if self.nonfinite.skipped_steps:
                             record["skipped_steps"] = len(self.nonfinite.skipped_steps)
+                        if result.rank_tokens is not None:
+                            record["hdp_rank_tokens"] = result.rank_tokens
                         if evaluate and val_loss is not None:
                             record["val_loss"] = val_loss
                         if logger is not None:

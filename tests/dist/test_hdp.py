@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 from megalm.parallel.dims import ParallelDims, ParallelMesh
+from megalm.parallel.hdp import plan_hdp, simulate
+from megalm.parallel.hdp.split import HdpSplit
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
 from tests.dist.equivalence import (
@@ -55,7 +57,26 @@ def check_hdp(rank: int, world_size: int, overrides: list[str], tmp: str, expect
             assert par.parallel.split.last_plan.stats["fillers"] > 0, "this pipelined layout should need a filler micro-batch"
         if "idle" in expect:
             assert min(counts) == 0, f"some rank should have nothing to do in step 0, got {counts}"
+        if "hierarchical" in expect:
+            rings = {(len(mb.ranks), mb.inner) for mb in par.parallel.split.last_plan.micro_batches if len(mb.ranks) > 1}
+            assert (4, 2) in rings, f"step 0 should hold a ring of 2 groups of 2 (sizes, groups): {rings}"
     assert_training_and_eval_match(ref, par, rank, STEPS, PARAM_ATOL)
+    if par.cfg.parallel.hdp:
+        check_rank_loads(par, STEPS)
+
+
+def check_rank_loads(trainer: Trainer, step: int) -> None:
+    """The tokens each HDP rank ran in a step (counted from its batches, summed over the domain: what
+    metrics.jsonl logs) are the simulator's for the same step: tools/hdp_sim.py's planner and simulate, on the
+    step's lengths, with the run's own cost model."""
+    result = trainer.train_step(step)
+    ids = trainer.step_sample_ids(step)
+    lengths = [trainer.data.train.sample_length(k) - 1 for k in ids]
+    split = HdpSplit.for_config(trainer.cfg, trainer.mesh)
+    sim = simulate(plan_hdp(lengths, split.num_ranks, split.capacity, split.cost, pp=split.pp,
+                            offload=split.offload, hierarchical=split.hierarchical), split.cost, pp=split.pp)
+    assert result.rank_tokens == sim.tokens, (result.rank_tokens, sim.tokens)
+    assert sum(sim.tokens) == sum(lengths)
 
 
 MIXED = ("mixed",)
@@ -77,6 +98,9 @@ LAYOUTS = {
                     "trainer.global_batch_size=8"], ("mixed", "fillers")),
     "pp2_dp4_zb_full_recompute": (8, ["parallel.pp=2", "parallel.dp=4", "model.num_layers=4",
                                       "parallel.pp_schedule=zb", "parallel.recompute=full"], MIXED),
+    # a2a+p2p: "nodes" of 2 HDP ranks; a document that needs 3 ranks gets 4 as a hierarchical ring of 2 x 2
+    "dp4_hierarchical": (4, ["parallel.dp=4", "parallel.cp_comm=a2a+p2p", "parallel.cp_a2a_size=2"],
+                         ("hierarchical",)),
 }
 
 

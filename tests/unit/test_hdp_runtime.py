@@ -3,6 +3,7 @@ the ring context a micro-batch carries, fillers, and the config rules."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -203,3 +204,9 @@ def test_one_process_hdp_with_a_token_budget_and_no_validation_split(make_config
     ids = trainer.step_sample_ids(0)
     assert result.tokens == sum(trainer.data.train.sample_length(k) - 1 for k in ids)
     assert trainer.parallel.split.last_plan.num_ranks == 1 and trainer.evaluate() is None
+    assert result.rank_tokens == [result.tokens]  # the one rank of the domain ran every token
+    trainer.cfg.trainer.max_steps = 2
+    trainer.fit()  # metrics.jsonl carries the per-rank loads (tests/dist/test_hdp.py: equal to the simulator's)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    loads = [r["hdp_rank_tokens"] for r in records if "step" in r]
+    assert loads and all(len(x) == 1 and x[0] > 0 for x in loads)
