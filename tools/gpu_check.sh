@@ -189,8 +189,10 @@ if wants calibrate; then
       model=tiny --device cpu --base configs/hdp_cost/h100_7b.yaml --out "$OUT_DIR/hdp_cost_dry_run.yaml" \
       --budget-s 60
   else
+    # written where the repository keeps it: `cp -r OUT/configs .` replaces the roofline-derived file (docs/hdp.md)
+    mkdir -p "$OUT_DIR/configs/hdp_cost"
     run "HDP cost-model calibration, 7b" 240 "$PYTHON" tools/bench/hdp_calibrate.py model=7b --device cuda \
-      --base configs/hdp_cost/h100_7b.yaml --out "$OUT_DIR/hdp_cost_${gpu_name}_7b.yaml" --budget-s 200
+      --base configs/hdp_cost/h100_7b.yaml --out "$OUT_DIR/configs/hdp_cost/${gpu_name}_7b.yaml" --budget-s 200
   fi
 fi
 
