@@ -33,7 +33,8 @@ from megalm.training.validation import validate_run  # noqa: E402
 
 
 def describe(plan: Plan, lengths: list[int]) -> list[str]:
-    """One line per HDP rank: its micro-batches in order, `[docs: tokens]` packed, `ring(d)@i` sharded."""
+    """One line per HDP rank: its micro-batches in order, `[docs: tokens]` packed, `ring(d)@i` sharded (`a2a/u ring`
+    for a hierarchical one: all-to-all groups of u ranks)."""
     lines = []
     for h, todo in enumerate(plan.per_rank):
         parts = []
@@ -44,7 +45,8 @@ def describe(plan: Plan, lengths: list[int]) -> list[str]:
             elif len(mb.ranks) == 1:
                 parts.append(f"[{len(mb.seqs)} docs: {mb.tokens} tok]")
             else:
-                parts.append(f"ring{mb.ranks}@{mb.ranks.index(h)} doc {mb.seqs[0]} ({lengths[mb.seqs[0]]} tok)")
+                kind = f"a2a/{mb.inner} ring" if mb.inner > 1 else "ring"
+                parts.append(f"{kind}{mb.ranks}@{mb.ranks.index(h)} doc {mb.seqs[0]} ({lengths[mb.seqs[0]]} tok)")
         lines.append(f"rank {h:>3}: " + " | ".join(parts))
     return lines
 
