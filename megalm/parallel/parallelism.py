@@ -336,8 +336,9 @@ class Parallelism:
         d, p = self.mesh.dims, self.cfg.parallel
         pipeline = f" ({p.pp_schedule}{f' vpp={p.vpp}' if p.vpp > 1 else ''})" if p.pp > 1 else ""
         if p.hdp:
+            groups = self.split.cost.ranks_per_node
             offload = (", selective offload" if p.hdp_offload else "") + (
-                f", hierarchical rings (a2a groups of {self.split.cost.ranks_per_node})" if p.cp_comm == "a2a+p2p" else "")
+                f", hierarchical rings (a2a groups of {groups})" if p.cp_comm == "a2a+p2p" else "")
             context = f" cp={p.cp} hdp (C={p.hdp_capacity} tokens, {self.split.cost.name} cost{offload})"
         else:
             context = f" cp={p.cp} ({p.cp_comm})" if p.cp > 1 else ""
