@@ -249,8 +249,8 @@ class ParallelConfig:
     """ring (ring attention, K/V passed round the CP ranks) | a2a (Ulysses all-to-all over heads) | a2a+p2p
     (hierarchical: all-to-all within groups of cp_a2a_size ranks, a ring across the groups)."""
     cp_a2a_size: int | None = None
-    """a2a+p2p: ranks per all-to-all group (those of one node); None: the largest divisor of cp that is at most
-    8 // tp and divides each TP rank's kv heads."""
+    """a2a+p2p: ranks per all-to-all group, those of one node (under HDP: the HDP ranks a node holds); it must divide
+    each TP rank's query and kv heads. None: static CP the largest divisor of cp up to 8 // tp; HDP 8 // tp."""
     pp_schedule: PipelineScheduleName = PipelineScheduleName["1f1b"]
     """1f1b | interleaved (needs vpp > 1) | zb (zero-bubble, split weight gradients)."""
     layers_per_stage: list[int] | None = None

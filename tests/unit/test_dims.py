@@ -42,6 +42,9 @@ def test_dp_defaults_to_what_is_left():
     (2, ["parallel.cp=2", "parallel.cp_comm=a2a", "model.num_kv_heads=1"], "cp_comm=a2a splits each TP rank's 4 "
      "query and 1 kv heads over parallel.cp=2"),
     (4, ["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm=a2a"], "use parallel.cp_comm=ring"),
+    (4, ["parallel.cp=4", "parallel.cp_comm=a2a+p2p", "model.num_kv_heads=1"], "a2a\\+p2p finds no all-to-all group"),
+    (4, ["parallel.cp=4", "parallel.cp_comm=a2a+p2p", "parallel.cp_a2a_size=3"], "cp_a2a_size=3 must divide"),
+    (2, ["parallel.cp=2", "parallel.cp_a2a_size=2"], "set parallel.cp_comm=a2a\\+p2p or remove it"),
     (2, ["parallel.cp=2", "model.attention_dropout=0.1"], "cp_comm=ring has no attention dropout"),
     (4, ["parallel.cp=2", "parallel.pp=2", "parallel.recompute=[full,selective]"], "recompute=selective does not "
      "combine with parallel.cp=2"),

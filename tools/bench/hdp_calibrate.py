@@ -690,7 +690,7 @@ def derive(found: dict, base: dict, cfg, device: torch.device, args: argparse.Na
     notes["kv_bytes"] = (f"from the model config: 2 * {model.num_kv_heads} kv heads * {head_dim} * {elem} B "
                          f"({found['dtype']})")
     notes["qo_bytes"] = f"from the model config: q and the attention output, 2 * {model.hidden_size} * {elem} B"
-    notes["heads"] = "from the model config: kv heads (an all-to-all group must divide them)"
+    notes["heads"] = "from the model config: kv heads of one rank (tp=1); an all-to-all group must divide them"
     notes["comm_passes"] = f"model constant (KV fwd; KV, dKV bwd): kept from {base_name}"
     for key in TWO_GPU_KEYS:
         notes[key] = f"not measured (one GPU): kept from {base_name}"
@@ -782,7 +782,8 @@ def derive(found: dict, base: dict, cfg, device: torch.device, args: argparse.Na
         f"Command: {command}",
         f"One block run as the trainer runs it: precision={found['precision']} (compute {found['dtype']}), attention "
         f"backend {found['backend']}, recompute={found['recompute']}.",
-        f"Measured: {', '.join(measured) or 'nothing'}. From the model config: layers, kv_bytes, qo_bytes, heads.",
+        f"{'Derived' if args.device == 'roofline' else 'Measured'}: {', '.join(measured) or 'nothing'}. From the model "
+        "config: layers, kv_bytes, qo_bytes, heads.",
         f"{', '.join(TWO_GPU_KEYS)}: not measured (one GPU; they need two GPUs or nodes), kept from {base_name}.",
         f"Also kept from {base_name}: {', '.join(kept)} (see each key's note).",
         "",
@@ -792,7 +793,8 @@ def derive(found: dict, base: dict, cfg, device: torch.device, args: argparse.Na
         header += [f"Fit: {len(points)} points (forward + backward of one block, median of {args.repeats} after "
                    f"{args.warmup} warmup), non-negative least squares on relative error; residuals rms "
                    f"{fit.rms:.1%}, max {max(abs(r) for r in fit.relative_residuals):.1%}:",
-                   f"  {'documents':>16} {'tokens':>7} {'sum_sq':>11} {'measured ms':>12} {'fit ms':>9} "
+                   f"  {'documents':>16} {'tokens':>7} {'sum_sq':>11} "
+                   f"{'roofline ms' if args.device == 'roofline' else 'measured ms':>12} {'fit ms':>9} "
                    f"{'residual':>8} {'spread':>7}"]
         for p, r in zip(points, fit.relative_residuals, strict=True):
             header.append(f"  {p.label():>16} {p.tokens:>7} {p.sum_sq:>11.4g} {p.seconds * 1e3:>12.3f} "

@@ -111,19 +111,30 @@ def validate_context(cfg: MegalmConfig) -> None:
 
 
 def cp_a2a_size(cfg: MegalmConfig) -> int:
-    """Hierarchical CP's all-to-all group size u (`parallel.cp_comm=a2a+p2p`): `parallel.cp_a2a_size`, or the largest
-    u ≤ 8 // tp (one node's ranks) that divides cp (under HDP, the domain dp·cp) and each TP rank's query and kv
-    heads. Raises ConfigError when the set value does not fit."""
+    """Hierarchical CP's all-to-all group size u (`parallel.cp_comm=a2a+p2p`): `parallel.cp_a2a_size`, else one
+    node's ranks. u must divide each TP rank's query and kv heads. Static CP: the group is u consecutive cp ranks;
+    unset, the largest u ≤ 8 // tp that divides cp and the heads. HDP: u is how many HDP ranks a node holds (the
+    planner's node: rings inside one run over NVLink, rings beyond take whole nodes as hierarchical rings); unset,
+    8 // tp, which must divide dp·cp. Raises ConfigError when no group of 2 or more fits."""
     p, m = cfg.parallel, cfg.model
     heads, kv_heads = m.num_heads // p.tp, max(1, m.num_kv_heads // p.tp)
+    node = max(1, 8 // p.tp)
     ranks = p.dp * p.cp if p.hdp else p.cp
+    what = "the HDP domain dp*cp" if p.hdp else "parallel.cp"
     if p.cp_a2a_size is None:
-        return max(u for u in range(1, max(1, 8 // p.tp) + 1) if not ranks % u and not heads % u and not kv_heads % u)
+        if p.hdp:
+            u = node if not ranks % node else 1
+        else:
+            u = max(k for k in range(1, node + 1) if not ranks % k and not heads % k and not kv_heads % k)
+        if u < 2 or heads % u or kv_heads % u:
+            raise ConfigError(f"parallel.cp_comm=a2a+p2p finds no all-to-all group for {what}={ranks} with {heads} "
+                              f"query and {kv_heads} kv heads per TP rank; set parallel.cp_a2a_size (the ranks of "
+                              "one node, dividing both) or use parallel.cp_comm=ring")
+        return u
     u = p.cp_a2a_size
     if u < 2:
         raise ConfigError(f"parallel.cp_a2a_size={u} is the flat ring; use parallel.cp_comm=ring or a size >= 2")
     if ranks % u:
-        what = "the HDP domain dp*cp" if p.hdp else "parallel.cp"
         raise ConfigError(f"parallel.cp_a2a_size={u} must divide {what}={ranks}; pick a divisor")
     if heads % u or kv_heads % u:
         raise ConfigError(f"parallel.cp_a2a_size={u} splits each TP rank's {heads} query and {kv_heads} kv heads, "

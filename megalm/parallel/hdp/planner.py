@@ -6,7 +6,8 @@ D = dp·cp ranks and re-plans the global batch each step. C is the tokens one ra
 
 - documents with s ≤ C are packed best-fit onto single ranks and run with no CP traffic;
 - longer ones get a ring over an ordered list of global ranks (docs/architecture.md), of at least
-  ceil(s / C) ranks (fewer with selective offload), any integer, not a power of two; it is sized
+  ceil(s / C) ranks (fewer with selective offload), not a power of two (inside a node any size, across
+  nodes whole nodes); it is sized
   against the step's makespan (ByteScale's balance scheduler; FlexSP and WLB-LLM state the same
   objective): as small as memory allows unless that ring would outlast the step;
 - a ring inside a node runs flat over NVLink (or Ulysses); one that spans nodes takes whole nodes and
@@ -52,15 +53,15 @@ class _Planner:
         # `cost` weighs the placement; `layout_cost` (the true model) picks each ring's CP layout (flat, a2a,
         # hierarchical). They differ only in the ablation's token-balanced planner.
         self.layout_cost, self.hierarchical = layout_cost or cost, hierarchical
-        self.times: dict[tuple[int, int, bool, bool], tuple[int, float]] = {}  # ring_time's, shared by trial plans
+        self.times: dict[tuple[int, int, bool], tuple[int, float]] = {}  # ring_time's, shared by trial plans
         self.load = [0.0] * num_ranks
         self.longest = [0.0] * num_ranks
         self.key = [0.0] * num_ranks
         self.heap = [(0.0, r) for r in range(num_ranks)]
         self.holes: dict[float, list] = {}  # end -> [rank count, {start: ranks}, sorted starts]
         self.min_hole = cost.time(1, 1)
-        self.target = 0.0  # estimated step time, set by plan_hdp
-        self.sizes: dict[int, int] = {}  # ring size per long document, set by plan_hdp
+        self.target = 0.0  # the estimated step in load units (× pp, as `key`), set by _place_rings
+        self.sizes: dict[int, int] = {}  # ring size per long document, set by _place_rings
         self.micro_batches: list[MicroBatch] = []
         self.items: list[list[tuple[float, int]]] = [[] for _ in range(num_ranks)]  # (start, mb)
 
@@ -97,24 +98,15 @@ class _Planner:
 
     def ring_time(self, s: int, d: int, ranks: Sequence[int] | None) -> tuple[int, float]:
         """(inner, seconds) of document s on d ranks: the layout the true cost model picks for where the ranks sit
-        (`ranks` None: inside one node if d fits in one); a ring of a few ranks that crosses nodes runs flat."""
+        (`ranks` None: inside one node if d fits in one). A ring placed here is not a whole-node ring (those are
+        `place_node_rings`'): beyond a node it runs flat, and one of a few ranks that crosses nodes too."""
         per_node = self.cost.ranks_per_node
         intra = d <= per_node if ranks is None else self.cost.intra(ranks)
-        aligned = d > per_node and ranks is not None and self.node_aligned(ranks, self.cost.group_size)
-        key = (s, d, intra, aligned)
+        key = (s, d, intra)
         if key not in self.times:
-            if d <= per_node and not intra:
-                inner = 1
-            else:
-                inner = self.layout_cost.cp_layout(s, s * s, d, self.hierarchical)[0]
-                if d > per_node and inner > 1 and ranks is not None and not aligned:
-                    inner = 1
+            inner = self.layout_cost.cp_layout(s, s * s, d, self.hierarchical)[0] if d <= per_node and intra else 1
             self.times[key] = inner, self.cost.time(s, s * s, d, intra, inner)
         return self.times[key]
-
-    def node_aligned(self, ranks: Sequence[int], inner: int) -> bool:
-        n = self.cost.ranks_per_node
-        return inner == n and all(ranks[k] // n == ranks[k - k % n] // n for k in range(len(ranks)))
 
     def place_node_rings(self, rings: list[int], inner: dict[int, int]) -> None:
         """Hierarchical rings that span nodes, longest time first, each on the d/n whole nodes (n ranks per node)
@@ -502,11 +494,12 @@ def _plan(lengths, num_ranks, C, cost, pp, offload, balance, hierarchical) -> Pl
 def _place_rings(lengths, num_ranks, C, place_cost, cost, pp, hierarchical, sizer, longs, sizes, target,
                  bound: float = math.inf) -> _Planner | None:
     """A `_Planner` with the rings placed (plan_hdp, 2.): whole-node rings first, then the others, longest first.
-    None as soon as some rank's pipeline cost passes `bound` (a trial that cannot beat the best one so far)."""
+    `target` is the step estimate in seconds. None as soon as some rank's pipeline cost (`key`, load units: the
+    step times pp) passes `bound` (a trial that cannot beat the best one so far)."""
     planner = _Planner(lengths, num_ranks, C, place_cost, pp, cost, hierarchical)
     planner.times = sizer.placed_times  # the same ring on the same kind of ranks costs the same in every trial
     planner.sizes = sizes
-    planner.target = target
+    planner.target = target * pp  # `key` counts a pipeline's whole work; the step is key / pp
     inner = {i: sizer.layout(i, sizes[i])[0] for i in longs}
     whole_nodes = [i for i in longs if sizes[i] > cost.ranks_per_node and inner[i] > 1]
     by_time = lambda i: place_cost.time(lengths[i], lengths[i] ** 2, sizes[i], False, inner[i])
@@ -543,11 +536,11 @@ def _best_rings(lengths, num_ranks, C, cost, pp, hierarchical, sizer, longs, min
             continue
         tried.append(trial)
         planner = _place_rings(lengths, num_ranks, C, cost, cost, pp, hierarchical, sizer, longs, trial, target,
-                               best_step * 0.999)
+                               best_step * 0.999 * pp)
         if planner is None:
             continue
         area = local_work + sum(trial[i] * sizer.layout(i, trial[i])[1] for i in longs)
-        step = max(max(planner.key), area / (num_ranks * pp))
+        step = max(max(planner.key) / pp, area / (num_ranks * pp))  # the step, in seconds
         if best is None or step < best_step * 0.999:
             best, best_step = planner, step
     return best
