@@ -256,7 +256,8 @@ def ablation(args) -> dict:
 
 
 def model_cost(model: str) -> CostModel:
-    """configs/hdp_cost/h100_<model>.yaml if it exists, else the first-principles preset."""
+    """The H100 cost YAML of `model` under configs/hdp_cost if it exists (h100_7b.yaml), else the first-principles
+    preset."""
     yaml_path = Path(__file__).resolve().parents[1] / "configs" / "hdp_cost" / f"h100_{model}.yaml"
     return load_cost(str(yaml_path) if yaml_path.exists() else model)
 

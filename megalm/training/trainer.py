@@ -51,7 +51,7 @@ class StepResult:
     tokens: int  # input tokens processed in the step
     flops: float  # model training FLOPs of the step
     skipped: bool = False  # the loss or grad norm was not finite: no update (trainer.nonfinite=skip)
-    rank_tokens: list[int] | None = None  # HDP: the tokens each rank of the domain ran (Parallelism.rank_loads)
+    rank_tokens: list[int] = field(default_factory=list)  # HDP: each domain rank's tokens (Parallelism.rank_loads)
 
 
 @dataclass
@@ -195,19 +195,17 @@ class Trainer:
         local = torch.stack([loss.double(), fill(sum(counted)), fill(training_flops(self.cfg.model, counted))])
         totals = self.parallel.sum_over_batch(local)
         normaliser = torch.as_tensor(share.normaliser, dtype=torch.float64, device=self.device)
-        loads = self.parallel.rank_loads(share)
+        loads = self.parallel.rank_loads(share)  # HDP: the tokens each rank of the domain ran; else empty
         # the step's one device-to-host sync: everything the log and the guard need, read together, before the update
-        loss_sum, tokens, flops, norm, n, *rank_tokens = torch.cat(
-            [totals, grad_norm.double().reshape(1), normaliser.reshape(1), *([] if loads is None else [loads])]
-        ).tolist()
+        loss_sum, tokens, flops, norm, n, *rank_tokens = torch.cat([totals, grad_norm.double().reshape(1),
+                                                                    normaliser.reshape(1), loads]).tolist()
         lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
         skipped = self.nonfinite.should_skip(step + 1, loss_sum / n, norm)
         if not skipped:
             set_lr(self.optimizer, lr)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss=loss_sum / n, grad_norm=norm, lr=lr, tokens=int(tokens), flops=flops, skipped=skipped,
-                          rank_tokens=[int(x) for x in rank_tokens] if loads is not None else None)
+        return StepResult(loss_sum / n, norm, lr, int(tokens), flops, skipped, [int(x) for x in rank_tokens])
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -258,11 +256,10 @@ class Trainer:
                     if self.step == 1 or self.step % t.log_interval == 0 or evaluate or self.step == stop_at:
                         record = {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
                                   "lr": result.lr, "tokens": self.consumed_tokens, **window.close(),
-                                  "peak_memory_gib": peak_memory_gb(self.device)}
+                                  "peak_memory_gib": peak_memory_gb(self.device),
+                                  **({"hdp_rank_tokens": result.rank_tokens} if result.rank_tokens else {})}
                         if self.nonfinite.skipped_steps:
                             record["skipped_steps"] = len(self.nonfinite.skipped_steps)
-                        if result.rank_tokens is not None:
-                            record["hdp_rank_tokens"] = result.rank_tokens
                         if evaluate and val_loss is not None:
                             record["val_loss"] = val_loss
                         if logger is not None:
@@ -284,21 +281,18 @@ class Trainer:
             finally:
                 if logger is not None:
                     logger.close()
-        summary = TrainSummary(steps=self.step, first_loss=first_loss, last_loss=last_loss, val_loss=val_loss,
-                               tokens=self.consumed_tokens, seconds=time.perf_counter() - start,
-                               checkpoint=last_saved, run_dir=self.run_dir, losses=losses, preempted=preempted)
+        summary = TrainSummary(self.step, first_loss, last_loss, val_loss, self.consumed_tokens,
+                               time.perf_counter() - start, last_saved, self.run_dir, losses, preempted)
         if main:
             self._log_summary(summary)
         return summary
 
     def _log_summary(self, s: TrainSummary) -> None:
         done = "finished" if s.steps >= self.cfg.trainer.max_steps else "stopped early"
-        parts = [f"{done} at step {s.steps}/{self.cfg.trainer.max_steps} in {s.seconds:.1f}s"]
-        if s.first_loss is not None:
-            parts.append(f"loss {s.first_loss:.3f} -> {s.last_loss:.3f}")
-        if s.val_loss is not None:
-            parts.append(f"val loss {s.val_loss:.3f}")
-        parts.append(f"peak memory {peak_memory_gb(self.device):.2f} GiB")
+        parts = [f"{done} at step {s.steps}/{self.cfg.trainer.max_steps} in {s.seconds:.1f}s",
+                 *([f"loss {s.first_loss:.3f} -> {s.last_loss:.3f}"] if s.first_loss is not None else []),
+                 *([f"val loss {s.val_loss:.3f}"] if s.val_loss is not None else []),
+                 f"peak memory {peak_memory_gb(self.device):.2f} GiB"]
         log.info(" | ".join(parts))
         if s.checkpoint is not None:
             log.info(f"checkpoint: {s.checkpoint}")
