@@ -180,7 +180,7 @@ ABLATION = {
     "+hierarchical CP": dict(offload=True),
 }
 PROLONG = Path(__file__).resolve().parent / "data" / "seqlen" / "prolong_lengths.json"
-BUCKETS = (("<= C", 0), ("C-64K", 64 * K), ("64K-256K", 256 * K), ("256K-1M", M), ("> 1M", 0))
+BUCKETS = ("<= C", "C-64K", "64K-256K", "256K-1M", "> 1M")  # of the longest document's length (exposure_by_length)
 
 
 def run_step(lengths: list[int], args, cost: CostModel, capacity: int):
@@ -206,12 +206,13 @@ def run_step(lengths: list[int], args, cost: CostModel, capacity: int):
 def exposure_by_length(plan: Plan, sim: SimResult, lengths: list[int], capacity: int) -> dict[str, list[float]]:
     """{bucket: [exposed CP communication, busy] rank-seconds} of the micro-batches whose longest document falls in
     each length bucket (`BUCKETS`; C = capacity)."""
+    tops = (capacity, 64 * K, 256 * K, M, math.inf)
     out: dict[str, list[float]] = {}
     for k, mb in enumerate(plan.micro_batches):
         if not mb.seqs:
             continue
         s = max(lengths[i] for i in mb.seqs)
-        name = next((n for n, top in BUCKETS if (s <= capacity if n == "<= C" else s <= top)), BUCKETS[-1][0])
+        name = next(n for n, top in zip(BUCKETS, tops, strict=True) if s <= top)
         c, e = sim.durations[k]
         sums = out.setdefault(name, [0.0, 0.0])
         sums[0] += e * len(mb.ranks)
@@ -226,12 +227,11 @@ def ablation(args) -> dict:
     print(f"ByteScale's ablation on {args.ranks} ranks, {size_name(args.global_tokens)} tokens per step, "
           f"{args.steps} step(s), seed {args.seed}; step seconds (speedup over the previous row)")
     names = ("static", *ABLATION)
-    print(f"{'model':<5} {'lengths':<8} {'context':>7} " + " ".join(f"{n:>20}" for n in names)
-          + f" {'offload x':>9}")
+    print(f"{'model':<5} {'lengths':<8} {'context':>7} " + " ".join(f"{n:>20}" for n in names))
+    sources = {"longtail": "longtail", "prolong": np.asarray(json.loads(PROLONG.read_text()), np.int64)}
     for model in ("7b", "70b"):
         cost = model_cost(model)
-        for dist in ("longtail", "prolong"):
-            source = "longtail" if dist == "longtail" else np.asarray(json.loads(PROLONG.read_text()), np.int64)
+        for dist, source in sources.items():
             for context in (256 * K, 512 * K, M, 2 * M):
                 rng = np.random.default_rng(args.seed)
                 steps = {n: 0.0 for n in names}
@@ -246,12 +246,11 @@ def ablation(args) -> dict:
                 cells = [f"{steps['static']:>20.2f}"]
                 for before, name in zip(names, names[1:], strict=False):
                     cells.append(f"{steps[name]:>12.2f} ({steps[before] / steps[name]:>4.2f}x)")
-                gain = steps["+dynamic comm"] / steps["+selective offload"]
-                print(f"{model:<5} {dist:<8} {size_name(context):>7} " + " ".join(cells) + f" {gain:>9.2f}")
+                print(f"{model:<5} {dist:<8} {size_name(context):>7} " + " ".join(cells))
                 results[f"{model}/{dist}/{size_name(context)}"] = steps
     print("rows are cumulative: the static mesh, packs dealt round-robin; flat rings of the fewest ranks, documents "
           "dealt by tokens; + offload (competing with none); + the makespan balance by the cost model; + hierarchical "
-          "CP. offload x: the offload row over the one before")
+          "CP")
     return results
 
 
@@ -386,10 +385,10 @@ def main(argv: list[str] | None = None) -> dict:
     print("util: compute / (ranks × step); min: the least-utilised rank; comm: exposed CP communication share; "
           "CP TB: ring traffic per step; pad: padded positions; mbs: micro-batches per step")
     print(f"exposed CP communication / busy time, by the micro-batch's longest document (C = {capacity}):")
-    print(f"{'policy':<16} " + " ".join(f"{name:>9}" for name, _ in BUCKETS))
+    print(f"{'policy':<16} " + " ".join(f"{name:>9}" for name in BUCKETS))
     for name in policies:
         shares = details[name]["exposed_comm_by_length"]
-        print(f"{name:<16} " + " ".join(f"{shares[b]:>9.1%}" if b in shares else f"{'-':>9}" for b, _ in BUCKETS))
+        print(f"{name:<16} " + " ".join(f"{shares[b]:>9.1%}" if b in shares else f"{'-':>9}" for b in BUCKETS))
     print(f"HDP planning: {result['plan_seconds'] * 1e3:.1f} ms per step (max {result['plan_seconds_max'] * 1e3:.1f})")
 
     if args.png_dir:

@@ -304,10 +304,9 @@ class Parallelism:
         [D] on the device; empty without HDP). Counted from the batches each rank ran (their loss positions: every
         input token of a document carries one; zigzag and SP padding and fillers carry none), not from the plan,
         and summed over the domain: what metrics.jsonl reports next to the simulator's `SimResult.tokens`."""
-        loads = torch.zeros(self.split.num_ranks if self.cfg.parallel.hdp else 0, dtype=torch.float64,
-                            device=self.device)
         if not self.cfg.parallel.hdp:
-            return loads
+            return torch.zeros(0, dtype=torch.float64, device=self.device)
+        loads = torch.zeros(self.split.num_ranks, dtype=torch.float64, device=self.device)
         for mb in share.micro_batches:
             loads[self.split.index] += mb.batch.loss_mask.sum()
         return all_reduce_sum(loads, self.mesh.dp_cp_group, "HDP rank loads", self.mesh.progress)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,35 +36,11 @@ from megalm.training.init_from import load_init_weights
 from megalm.training.metrics import MetricsLogger, ThroughputWindow, peak_memory_gb
 from megalm.training.optim import build_optimizer, current_weights, lr_at, set_lr
 from megalm.training.preemption import Preemption
+from megalm.training.results import StepResult, TrainSummary
 from megalm.training.validation import validate_run
 from megalm.training.watchdog import Watchdog, joining_watchdog
 
 log = logging.getLogger("megalm")
-
-
-@dataclass
-class StepResult:
-    loss: float
-    grad_norm: float
-    lr: float
-    tokens: int  # input tokens processed in the step
-    flops: float  # model training FLOPs of the step
-    skipped: bool = False  # the loss or grad norm was not finite: no update (trainer.nonfinite=skip)
-    rank_tokens: list[int] = field(default_factory=list)  # HDP: each domain rank's tokens (Parallelism.rank_loads)
-
-
-@dataclass
-class TrainSummary:
-    steps: int
-    first_loss: float | None
-    last_loss: float | None
-    val_loss: float | None
-    tokens: int
-    seconds: float
-    checkpoint: Path | None
-    run_dir: Path
-    losses: list[tuple[int, float]] = field(default_factory=list)
-    preempted: bool = False  # stopped by a preemption signal, with a checkpoint: exit REQUEUE_EXIT_CODE
 
 
 class Trainer:
@@ -205,7 +180,8 @@ class Trainer:
             set_lr(self.optimizer, lr)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum / n, norm, lr, int(tokens), flops, skipped, [int(x) for x in rank_tokens])
+        return StepResult(loss=loss_sum / n, grad_norm=norm, lr=lr, tokens=int(tokens), flops=flops, skipped=skipped,
+                          rank_tokens=[int(x) for x in rank_tokens])
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -281,18 +257,21 @@ class Trainer:
             finally:
                 if logger is not None:
                     logger.close()
-        summary = TrainSummary(self.step, first_loss, last_loss, val_loss, self.consumed_tokens,
-                               time.perf_counter() - start, last_saved, self.run_dir, losses, preempted)
+        summary = TrainSummary(steps=self.step, first_loss=first_loss, last_loss=last_loss, val_loss=val_loss,
+                               tokens=self.consumed_tokens, seconds=time.perf_counter() - start,
+                               checkpoint=last_saved, run_dir=self.run_dir, losses=losses, preempted=preempted)
         if main:
             self._log_summary(summary)
         return summary
 
     def _log_summary(self, s: TrainSummary) -> None:
         done = "finished" if s.steps >= self.cfg.trainer.max_steps else "stopped early"
-        parts = [f"{done} at step {s.steps}/{self.cfg.trainer.max_steps} in {s.seconds:.1f}s",
-                 *([f"loss {s.first_loss:.3f} -> {s.last_loss:.3f}"] if s.first_loss is not None else []),
-                 *([f"val loss {s.val_loss:.3f}"] if s.val_loss is not None else []),
-                 f"peak memory {peak_memory_gb(self.device):.2f} GiB"]
+        parts = [f"{done} at step {s.steps}/{self.cfg.trainer.max_steps} in {s.seconds:.1f}s"]
+        if s.first_loss is not None:
+            parts.append(f"loss {s.first_loss:.3f} -> {s.last_loss:.3f}")
+        if s.val_loss is not None:
+            parts.append(f"val loss {s.val_loss:.3f}")
+        parts.append(f"peak memory {peak_memory_gb(self.device):.2f} GiB")
         log.info(" | ".join(parts))
         if s.checkpoint is not None:
             log.info(f"checkpoint: {s.checkpoint}")

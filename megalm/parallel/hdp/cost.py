@@ -111,12 +111,16 @@ class CostModel:
         a2a = 2 * (self.qo_bytes + self.kv_bytes) * tokens * (inner - 1) / inner
         return self.layers * (self.comm_passes * (groups - 1) * tokens * self.kv_bytes + a2a)
 
+    def splits_heads(self, u: int) -> bool:
+        """Whether an all-to-all group of u ranks can split the kv heads (`heads` 0: no limit)."""
+        return self.heads == 0 or self.heads % u == 0
+
     @property
     def group_size(self) -> int:
         """u, the all-to-all group of a hierarchical ring that spans nodes: a node's ranks, when the kv heads split
         over them (else 1: flat rings only)."""
         u = self.ranks_per_node
-        return u if u > 1 and (self.heads == 0 or self.heads % u == 0) else 1
+        return u if u > 1 and self.splits_heads(u) else 1
 
     def cp_layout(self, tokens: float, sum_sq: float, d: int, hierarchical: bool = True) -> tuple[int, float]:
         """(inner, seconds) of the fastest way to run a one-document micro-batch on d ranks placed as the planner
@@ -126,7 +130,7 @@ class CostModel:
         n = self.ranks_per_node
         if d <= n:
             best = (1, self.time(tokens, sum_sq, d, True))
-            if d > 1 and hierarchical and (self.heads == 0 or self.heads % d == 0):
+            if d > 1 and hierarchical and self.splits_heads(d):
                 a2a = self.time(tokens, sum_sq, d, True, inner=d)
                 best = (d, a2a) if a2a < best[1] else best
             return best

@@ -48,20 +48,21 @@ class _Planner:
     """
 
     def __init__(self, lengths: Sequence[int], num_ranks: int, capacity: int, cost: CostModel, pp: int,
-                 layout_cost: CostModel | None = None, hierarchical: bool = True):
+                 layout_cost: CostModel, hierarchical: bool, sizes: dict[int, int], target: float,
+                 times: dict[tuple[int, int, bool], tuple[int, float]]):
         self.lengths, self.C, self.cost, self.pp = lengths, capacity, cost, pp
         # `cost` weighs the placement; `layout_cost` (the true model) picks each ring's CP layout (flat, a2a,
         # hierarchical). They differ only in the ablation's token-balanced planner.
-        self.layout_cost, self.hierarchical = layout_cost or cost, hierarchical
-        self.times: dict[tuple[int, int, bool], tuple[int, float]] = {}  # ring_time's, shared by trial plans
+        self.layout_cost, self.hierarchical = layout_cost, hierarchical
+        self.sizes = sizes  # ring size per long document
+        self.target = target  # the estimated step in load units (× pp, as `key`)
+        self.times = times  # ring_time's cache: the same ring on the same kind of ranks costs the same in every trial
         self.load = [0.0] * num_ranks
         self.longest = [0.0] * num_ranks
         self.key = [0.0] * num_ranks
         self.heap = [(0.0, r) for r in range(num_ranks)]
         self.holes: dict[float, list] = {}  # end -> [rank count, {start: ranks}, sorted starts]
         self.min_hole = cost.time(1, 1)
-        self.target = 0.0  # the estimated step in load units (× pp, as `key`), set by _place_rings
-        self.sizes: dict[int, int] = {}  # ring size per long document, set by _place_rings
         self.micro_batches: list[MicroBatch] = []
         self.items: list[list[tuple[float, int]]] = [[] for _ in range(num_ranks)]  # (start, mb)
 
@@ -312,10 +313,11 @@ def plan_hdp(
 
     1. Sizes against the makespan (`_ring_sizes`). A document of s tokens needs at least ceil(s / C) ranks, or
        ceil((1 − r(s))·s / C) when it may offload up to r(s) of its activations (`offload`, ByteScale's selective
-       offload). The step can be no shorter than the mean load T; a ring as small as memory allows that would
-       take longer than T is widened to the fewest ranks that finish within T, and T is re-estimated with the
-       widened rings' extra traffic until it settles. Rings that span nodes take whole nodes, as hierarchical
-       rings (an all-to-all over NVLink inside each node, a ring across them: `hierarchical`).
+       offload). The step can be no shorter than the mean load; a ring as small as memory allows that would
+       take longer than the step T is widened to the fewest ranks that finish within T, and T is the smallest
+       value at which every ring fits, their extra traffic counted (bisection). Rings that span nodes take whole
+       nodes, as hierarchical rings (an all-to-all over NVLink inside each node, a ring across them:
+       `hierarchical`).
     2. Placement, longest time first: rings over whole nodes on the nodes free earliest; rings inside a node into
        the earliest idle hole they fit, else onto the ranks free earliest (LPT for rigid parallel jobs).
     3. Short documents, longest first: into idle holes, else to the rank with the least pipeline cost; per rank,
@@ -346,7 +348,7 @@ class _Sizes:
         self.u = cost.group_size if hierarchical else 1
         self.cache: dict[tuple[int, int], tuple[int, float]] = {}
         self.wider_cache: dict[int, list[int]] = {}
-        self.placed_times: dict = {}  # _Planner.ring_time's cache, shared by the trial placements
+        self.placed_times: dict[tuple[int, int, bool], tuple[int, float]] = {}  # _Planner.ring_time's, all trials
         self.curves: dict[tuple[int, int], tuple[list[int], list[float]]] = {}  # within's, per (document, d)
 
     def minimal(self, s: int, offload: bool) -> int:
@@ -496,10 +498,9 @@ def _place_rings(lengths, num_ranks, C, place_cost, cost, pp, hierarchical, size
     """A `_Planner` with the rings placed (plan_hdp, 2.): whole-node rings first, then the others, longest first.
     `target` is the step estimate in seconds. None as soon as some rank's pipeline cost (`key`, load units: the
     step times pp) passes `bound` (a trial that cannot beat the best one so far)."""
-    planner = _Planner(lengths, num_ranks, C, place_cost, pp, cost, hierarchical)
-    planner.times = sizer.placed_times  # the same ring on the same kind of ranks costs the same in every trial
-    planner.sizes = sizes
-    planner.target = target * pp  # `key` counts a pipeline's whole work; the step is key / pp
+    # `key` counts a pipeline's whole work, so the target in its units is the step times pp
+    planner = _Planner(lengths, num_ranks, C, place_cost, pp, cost, hierarchical, sizes, target * pp,
+                       sizer.placed_times)
     inner = {i: sizer.layout(i, sizes[i])[0] for i in longs}
     whole_nodes = [i for i in longs if sizes[i] > cost.ranks_per_node and inner[i] > 1]
     by_time = lambda i: place_cost.time(lengths[i], lengths[i] ** 2, sizes[i], False, inner[i])
