@@ -234,6 +234,18 @@ class ParallelConfig:
     """Shard the norm/dropout activations over the tp ranks (Korthikanti et al.)."""
     zero1: bool = False
     """Shard the optimizer states over the data-parallel ranks (ZeRO stage 1)."""
+    fsdp: bool = False
+    """Shard weights, gradients and optimizer states over the data-parallel (x cp) ranks: ZeRO-3 through torch's
+    FSDP2 `fully_shard`, one unit per transformer block plus the root (megalm/parallel/fsdp)."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP: free each block's gathered parameters after its forward and gather them again for its backward; false
+    keeps them from forward to backward (one all-gather less per block, the gathered model held in between)."""
+    fsdp_shard_size: int | None = None
+    """FSDP: None shards over all dp x cp ranks; a divisor of dp x cp is HSDP: shard within groups of that many
+    consecutive ranks (a node's), replicate across the groups (gradients all-reduced between replicas)."""
+    fsdp_cpu_offload: bool = False
+    """FSDP: keep the sharded parameters, gradients and optimizer step on the host (FSDP2's CPUOffloadPolicy;
+    CUDA only)."""
     overlap_param_gather: bool = True
     """ZeRO-1: the all-gather of the updated parameters runs on while the next forward begins, each bucket waited
     for before the first block that reads it (Megatron's overlap_param_gather); false: waited for in the step."""

@@ -39,7 +39,7 @@ from megalm.model.mlp import build_mlp
 from megalm.model.naming import canonical_named_parameters, model_chunks
 from megalm.model.norm import build_norm
 from megalm.model.rope import rope_cos_sin
-from megalm.model.shard import shard_specs
+from megalm.model.shard import copy_full_value, shard_specs
 
 # Parameters that are embedding tables (excluded by num_parameters(exclude_embeddings=True)).
 EMBEDDING_PARAMS = ("embedding.weight", "position_embedding.weight")
@@ -234,7 +234,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
                                "call model.to_empty(device=...) first")
         spec = specs.get(name)
         full = initial_value(name, spec.full_shape if spec else tuple(param.shape), cfg, seed)
-        param.copy_(spec.shard(full) if spec else full)
+        copy_full_value(param, spec.shard(full) if spec else full)
 
 
 def num_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from megalm.model.naming import canonical_named_modules
 
@@ -150,3 +151,14 @@ def shard_specs(model: nn.Module) -> dict[str, ShardSpec | FusedShardSpec]:
         for leaf, spec in getattr(module, "shard_specs", {}).items():
             specs[f"{name}.{leaf}" if name else leaf] = spec
     return specs
+
+
+@torch.no_grad()
+def copy_full_value(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Write `value`, the whole of `param` as this rank sees it (its TP-local tensor), into `param`: in place, or
+    into its own chunk when `param` is a DTensor shard (FSDP shards dim 0 over its data-parallel ranks; the model
+    does not know which layout holds it, so every writer of full values goes through here)."""
+    if isinstance(param, DTensor):
+        value = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh, param.placements,
+                                  src_data_rank=None)  # every rank has `value`: its own chunk, no communication
+    param.copy_(value)

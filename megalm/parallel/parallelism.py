@@ -45,6 +45,7 @@ from megalm.parallel.data_parallel.bucket_adamw import BucketAdamW, forward_owne
 from megalm.parallel.data_parallel.reducer import GradReducer
 from megalm.parallel.data_parallel.slices import DataParallelSlices, validate_data_parallel
 from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh, check_same_on_all_ranks, resolve_dims
+from megalm.parallel.fsdp import FsdpGrads, apply_fsdp, fsdp_mesh, validate_fsdp
 from megalm.parallel.hdp.split import HdpSplit, hdp_cost_model, validate_hdp
 from megalm.parallel.microbatch import LocalMicroBatch, Ring, StepShare
 from megalm.parallel.norms import NormShare
@@ -90,6 +91,7 @@ def validate_parallel(cfg: MegalmConfig, world_size: int) -> ParallelDims:
     validate_context(cfg)
     validate_hdp(cfg)
     validate_data_parallel(cfg)
+    validate_fsdp(cfg)
     validate_pipeline(cfg)
     return dims
 
@@ -108,11 +110,13 @@ class Parallelism:
         with unset_fake_temporarily():  # the mesh's own tensors are real under a caller's FakeTensorMode
             self.mesh = mesh or build_mesh(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp), device)
         check_same_on_all_ranks(json.dumps(config_to_dict(cfg), sort_keys=True, default=str), self.mesh, device)
-        self.model = self._build_model()
         # bf16 working weights (the bf16 recipe): the model trains bf16 copies of its fp32 initial weights, which the
         # optimizer takes as its fp32 main weights (BucketAdamW); the gradients accumulate over micro-batches in the
-        # reducer's fp32 buckets
-        self.working_dtype = next((c.working_dtype for c in self.converters if c.working_dtype), None)
+        # reducer's fp32 buckets. Under FSDP its MixedPrecisionPolicy does that: the fp32 shards are the main weights.
+        recipe_dtype = next((c.working_dtype for c in self.converters if c.working_dtype), None)
+        self.fsdp_mesh = fsdp_mesh(self.mesh, p.fsdp_shard_size, device.type) if p.fsdp else None
+        self.model = self._build_model(recipe_dtype)
+        self.working_dtype = None if p.fsdp else recipe_dtype
         self._initial_weights = self._to_working_dtype()
         self.loss_fn = loss_fn_for(self.mesh.tp_group, self.cfg.model.vocab_size)
         if p.pp > 1:
@@ -121,7 +125,7 @@ class Parallelism:
             self.runner: Runner = PipelineRuntime(
                 self.model, self.mesh, p.pp_schedule, self.loss_fn, self._forward_context, self._before_forward,
                 device, activation_shape=lambda mb: (mb.batch.num_tokens // sp, hidden),
-                activation_dtype=next(self.model.parameters()).dtype)
+                activation_dtype=recipe_dtype or next(self.model.parameters()).dtype)
         else:
             self.runner = LocalRunner(self.model, self.loss_fn, self._forward_context, self._before_forward, device,
                                       self.mesh.progress)
@@ -132,9 +136,13 @@ class Parallelism:
         # Each CP (or HDP) rank holds the gradient of its tokens only: sum over DP x CP (ZeRO-1 shards over it).
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(p.grad_reduce_dtype or "")
         tied = self.runner.tied_embedding()  # a pipeline's two copies: summed before the DP reduction
-        self.reducer = GradReducer(list(self.model.parameters()), self.mesh.dp_cp_group, p.bucket_size_mb,
-                                   reduce_dtype=reduce_dtype, zero1=p.zero1, presum=dict([tied]) if tied else None,
-                                   progress=self.mesh.progress, accumulate=self.working_dtype is not None)
+        if p.fsdp:  # FSDP reduce-scatters into the sharded gradients itself
+            self.reducer: GradReducer | FsdpGrads = FsdpGrads(list(self.model.parameters()), self.fsdp_mesh,
+                                                              dict([tied]) if tied else None, self.mesh.progress)
+        else:
+            self.reducer = GradReducer(list(self.model.parameters()), self.mesh.dp_cp_group, p.bucket_size_mb,
+                                       reduce_dtype=reduce_dtype, zero1=p.zero1, presum=dict([tied]) if tied else None,
+                                       progress=self.mesh.progress, accumulate=self.working_dtype is not None)
         # How to build this layout's optimizer (None: the trainer's own AdamW): over the reducer's buckets for
         # ZeRO-1's shards or for fp32 main weights
         self.optimizer_factory = self._bucket_adamw if p.zero1 or self.working_dtype else None
@@ -142,10 +150,10 @@ class Parallelism:
 
     # ------------------------------------------------------------------ building
 
-    def _build_model(self) -> nn.Module:
+    def _build_model(self, recipe_dtype: torch.dtype | None) -> nn.Module:
         """Build on the meta device (only this pipeline rank's chunks), shard for TP, convert (precision),
-        wrap for recomputation, then materialise and initialise: every rank draws its shards of the
-        single-process initial weights (`init_weights` + the layers' shard specs)."""
+        wrap for recomputation, shard for FSDP, then materialise and initialise: every rank draws its shards of
+        the single-process initial weights (`init_weights` + the layers' shard specs, FSDP's chunk of them)."""
         p, mesh = self.cfg.parallel, self.mesh
         # The meta skeleton is built outside a FakeTensorMode the caller may run under (tools/bench/step_cost.py
         # measures one step of any size that way): a parameter made under it is a fake tensor that to_empty
@@ -161,6 +169,10 @@ class Parallelism:
                 for converter in self.converters:
                     converter.convert(chunk)
                 apply_recompute(chunk, stage_mode(p.recompute, mesh.pp_rank, p.pp))
+            if p.fsdp:
+                reduce = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(p.grad_reduce_dtype or "")
+                apply_fsdp(model, self.fsdp_mesh, p.fsdp_reshard_after_forward, recipe_dtype, reduce,
+                           p.fsdp_cpu_offload)
         model.to_empty(device=self.device)
         init_weights(model, self.cfg.seed)
         return model
@@ -343,6 +355,8 @@ class Parallelism:
         else:
             context = f" cp={p.cp} ({p.cp_comm})" if p.cp > 1 else ""
         flags = (" sp" if p.sequence_parallel else "") + (" zero1" if p.zero1 else "")
+        if p.fsdp:
+            flags += f" fsdp({'hsdp ' if p.fsdp_shard_size else ''}{'x'.join(map(str, self.fsdp_mesh.shape))})"
         o = self.cfg.offload
         if o.enabled:
             what = f"{o.policy} {o.fraction:g} of micro-batches" if p.pp > 1 else f"{o.fraction:g} of the blocks"

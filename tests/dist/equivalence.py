@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from megalm.model.gpt import VOCAB_PARAMS, resize_vocab_rows
 from megalm.model.naming import canonical_named_parameters, model_chunks
@@ -28,6 +29,17 @@ def shard_of(model: torch.nn.Module, name: str, full: torch.Tensor) -> torch.Ten
     return spec.shard(full) if spec is not None else full
 
 
+def held_and_expected(model: torch.nn.Module, name: str, held: torch.Tensor, full: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What this rank holds of `model`'s parameter (or gradient) `name` and the matching piece of the single-process
+    `full` tensor: the TP shard, and of it the FSDP chunk when `held` is a DTensor shard."""
+    expected = shard_of(model, name, full)
+    if isinstance(held, DTensor):
+        expected = distribute_tensor(expected, held.device_mesh, held.placements, src_data_rank=None).to_local()
+        held = held.to_local()
+    return held, expected
+
+
 def assert_grads_match(ref: Trainer, par: Trainer, rank: int, rtol: float = 1e-4, atol: float = 1e-6) -> None:
     """Every gradient `par` holds equals its shard of the single-process gradient."""
     current_weights(par.optimizer)  # ZeRO-1's overlapped all-gather is still in flight after a step
@@ -35,7 +47,8 @@ def assert_grads_match(ref: Trainer, par: Trainer, rank: int, rtol: float = 1e-4
     names = []
     for name, p in canonical_named_parameters(par.model):
         names.append(name)
-        torch.testing.assert_close(p.grad, shard_of(par.model, name, ref_params[name].grad), rtol=rtol, atol=atol,
+        torch.testing.assert_close(*held_and_expected(par.model, name, p.grad, ref_params[name].grad), rtol=rtol,
+                                   atol=atol,
                                    msg=lambda m, n=name: f"rank {rank} grad {n}: {m}")
     assert names, f"rank {rank} holds no parameters"
 
@@ -54,8 +67,8 @@ def assert_same_training(ref: Trainer, par: Trainer, rank: int, steps: int, para
     current_weights(par.optimizer)  # ZeRO-1's overlapped all-gather is still in flight after a step
     ref_params = dict(canonical_named_parameters(ref.model))
     for name, p in canonical_named_parameters(par.model):
-        torch.testing.assert_close(p.detach(), shard_of(par.model, name, ref_params[name].detach()), rtol=1e-4,
-                                   atol=param_atol,
+        torch.testing.assert_close(*held_and_expected(par.model, name, p.detach(), ref_params[name].detach()),
+                                   rtol=1e-4, atol=param_atol,
                                    msg=lambda m, n=name: f"rank {rank} param {n} after {steps} steps: {m}")
 
 

@@ -1,0 +1,78 @@
+"""The step's gradients under FSDP: the reducer's interface (megalm/parallel/data_parallel/reducer.py) over the
+sharded gradients FSDP2 leaves in `p.grad`, so the rest of megalm (the grad norm, clipping, the trainer) runs
+unchanged.
+
+FSDP reduce-scatters each unit's gradients as its backward ends, every micro-batch, and adds them into the sharded
+`p.grad` (a DTensor): after the last backward of a step each rank holds the step's summed gradient of its shard of
+every parameter. What is left is what FSDP cannot know: a pipeline's tied embedding has a copy on the first and
+the last stage whose sharded gradients are summed here (`finish`), as the DP reducer presums them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from megalm.parallel.norms import share_pairs, weighted_sq_norm
+from megalm.parallel.progress import Progress, note_collective
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of `t`: an FSDP shard's local tensor, or `t` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def shard_offset(param: DTensor) -> int:
+    """Where this rank's shard starts in the parameter's flattened (TP-local) elements: FSDP shards dim 0."""
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return offset[0] * math.prod(param.shape[1:])
+
+
+class FsdpGrads:
+    """`GradReducer`'s interface for the trainer and `Parallelism` when FSDP reduces the gradients.
+
+    `presum`: {tied parameter: group} whose gradients are summed over the group after the step's backward (the
+    tied embedding's first- and last-stage copies; both hold the same shard rows, their dp ranks match)."""
+
+    def __init__(self, params: list[nn.Parameter], mesh: DeviceMesh, presum: dict[nn.Parameter, dist.ProcessGroup]
+                 | None = None, progress: Progress | None = None):
+        self.params, self.presum, self.progress = params, dict(presum or {}), progress
+        self.world = mesh.size()
+        self.shard_group = mesh.get_group(mesh.ndim - 1)  # shards partition the parameters over this group
+        self.buckets: list = []  # FSDP owns the communication buffers (its units)
+
+    def start_step(self, num_micro_batches: int) -> None:
+        """Nothing to arm: FSDP's hooks reduce every micro-batch's gradients into the shards."""
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """After the step's last backward: sum the tied copies' sharded gradients over their stages."""
+        for param, group in self.presum.items():
+            if param.grad is not None:
+                note_collective(self.progress, "tied embedding all_reduce", dist.get_world_size(group))
+                dist.all_reduce(local_part(param.grad), group=group)
+
+    def local_grad_sq_norm(self, weight=None) -> torch.Tensor:
+        """Sum of squares of this rank's gradient shards (fp32 scalar; summed over `shard_group` it is the full
+        norm²), each element weighted by its parameter's share at its position (`weight(param)`)."""
+        pairs = [pair for p in self.params if p.grad is not None
+                 for pair in share_pairs(local_part(p.grad).reshape(-1), shard_offset(p) if isinstance(p, DTensor)
+                                         else 0, 1.0 if weight is None else weight(p))]
+        return weighted_sq_norm(pairs, self.params[0].device if self.params else None)
+
+    @torch.no_grad()
+    def scale_grads(self, coef: float | torch.Tensor) -> None:
+        """Multiply the gradient shards by `coef` (the clip coefficient)."""
+        grads = [local_part(p.grad) for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef)
+
+    def remove(self) -> None:
+        """Nothing to detach: FSDP's hooks stay with its units."""
+

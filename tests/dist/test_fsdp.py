@@ -1,0 +1,63 @@
+"""FSDP (ZeRO-3 through FSDP2's fully_shard) equals one process (fp32, same seed, same global batch), alone and
+composed with TP, PP and CP.
+
+Each worker runs the FSDP trainer and, in-process, the single-process trainer of the same model and data. Compared
+(tests/dist/equivalence.py): every gradient of the first step (this rank's FSDP shard against its chunk of the
+full gradient), the grad norm, 5 optimizer steps of losses (1e-5 relative), the parameters after them and the
+validation loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from torch.distributed.tensor import DTensor
+
+from megalm.model.naming import canonical_named_parameters
+from megalm.parallel.dims import ParallelDims, ParallelMesh
+from megalm.training.trainer import Trainer
+from tests.conftest import compose_config
+from tests.dist.equivalence import assert_first_step_matches, assert_training_and_eval_match
+from tests.dist.launch import run_distributed
+
+STEPS = 5
+COMMON = ["trainer.micro_batch_size=2"]
+
+
+def check_fsdp(rank: int, world_size: int, overrides: list[str], tmp: str, param_atol: float) -> None:
+    """`overrides` configure the FSDP run; the reference gets those that are not `parallel.*`."""
+    same_model_and_data = [o for o in overrides if not o.startswith("parallel.")]
+    ref = Trainer(compose_config(*same_model_and_data), f"{tmp}/ref{rank}", mesh=ParallelMesh(ParallelDims()))
+    par = Trainer(compose_config("parallel.fsdp=true", *overrides), f"{tmp}/par")
+    shards = par.parallel.fsdp_mesh.shape[-1]  # HSDP: (replicate, shard)
+    params = [p for _, p in canonical_named_parameters(par.model)]
+    assert shards > 1 and all(isinstance(p, DTensor) for p in params)
+    # every rank holds 1/shards of each parameter's rows (its chunk; a parameter with fewer rows than ranks: some
+    # ranks hold none)
+    held = sum(p.to_local().numel() for p in params)
+    assert held <= sum(p.numel() for p in params) // shards + sum(math.prod(p.shape[1:]) for p in params), held
+    assert_first_step_matches(ref, par, rank)
+    assert_training_and_eval_match(ref, par, rank, STEPS, param_atol)
+
+
+PARAM_ATOL = 1e-3  # as the other layouts that reorder sums (tests/dist/test_context_parallel.py)
+LAYOUTS = {
+    "dp2": (2, ["parallel.dp=2"]),
+    "dp4": (4, ["parallel.dp=4"]),
+    "dp4_keep_gathered": (4, ["parallel.dp=4", "parallel.fsdp_reshard_after_forward=false"]),
+    "dp2_keep_gathered": (2, ["parallel.dp=2", "parallel.fsdp_reshard_after_forward=false"]),
+    # one kv head: its rows are replicated over TP, so the grad norm weighs ranges of the fused qkv rows, which an
+    # FSDP shard must place by its offset
+    "tp2_dp2_sp": (4, ["parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true", "model.num_kv_heads=1"]),
+    # the tied embedding's first- and last-stage shards are summed after FSDP's reduce-scatter
+    "pp2_dp2_tied": (4, ["parallel.pp=2", "parallel.dp=2", "model.num_layers=4", "model.tie_embeddings=true"]),
+    "cp2_dp2": (4, ["parallel.cp=2", "parallel.dp=2"]),
+    "hsdp_dp4": (4, ["parallel.dp=4", "parallel.fsdp_shard_size=2"]),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_fsdp_matches_single_process(tmp_path, name):
+    world, parallel = LAYOUTS[name]
+    run_distributed(check_fsdp, world, COMMON + parallel, str(tmp_path), PARAM_ATOL, timeout=240)
