@@ -162,3 +162,14 @@ def copy_full_value(param: torch.Tensor, value: torch.Tensor) -> None:
         value = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh, param.placements,
                                   src_data_rank=None)  # every rank has `value`: its own chunk, no communication
     param.copy_(value)
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """The whole of `t` as this rank's layout sees it (its TP-local tensor): gathered from its FSDP shards when it is
+    a DTensor (collective over its data-parallel ranks), else `t` itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def empty_full_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised plain tensor of `t`'s whole (TP-local) shape, dtype and device (no collective)."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megalm.errors import MegalmError
+from megalm.parallel.fsdp import local_part
 
 log = logging.getLogger("megalm")
 
@@ -95,7 +96,7 @@ def check_finite_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 def all_finite(tensors: Iterable[torch.Tensor], device: torch.device, distributed: bool) -> bool:
     """Whether every tensor is finite on every rank (collective when `distributed`): the check before a save."""
     bad = torch.zeros((), device=device)
-    for t in tensors:
+    for t in map(local_part, tensors):  # an FSDP shard: this rank's elements (every rank checks its own)
         if t.is_floating_point():
             bad += (~torch.isfinite(t)).any().to(bad.device, bad.dtype)
     if distributed:

@@ -14,6 +14,7 @@ import copy
 import torch
 
 from megalm.config import MegalmConfig, validate
+from megalm.errors import ConfigError
 from megalm.offload import validate_offload
 from megalm.parallel.parallelism import validate_parallel
 from megalm.precision import validate_precision
@@ -34,4 +35,7 @@ def validate_run(cfg: MegalmConfig, world_size: int = 1, device: torch.device | 
     validate_parallel(cfg, world_size)
     validate_precision(cfg)
     validate_offload(cfg)
+    if cfg.parallel.fsdp_cpu_offload and device.type != "cuda":
+        raise ConfigError("parallel.fsdp_cpu_offload=true moves FSDP's shards from the GPU to the host; on "
+                          f"{device.type} they are there already: drop it")
     return cfg

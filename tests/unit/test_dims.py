@@ -1,6 +1,7 @@
 """Layout validation and rank coordinates (no processes needed)."""
 
 import pytest
+import torch
 
 from megalm.errors import ConfigError
 from megalm.parallel.dims import ParallelDims
@@ -60,6 +61,16 @@ def test_dp_defaults_to_what_is_left():
     (1, ["parallel.layers_per_stage=[2]"], "one pipeline stage"),
     (2, ["parallel.pp=2", "parallel.recompute=[full]"], "1 entries for parallel.pp=2"),
     (1, ["parallel.recompute=most"], "'most' is not one of none, full, selective"),
+    (1, ["parallel.fsdp=true"], "fsdp=true needs dp.cp > 1 ranks"),
+    (2, ["parallel.fsdp=true", "parallel.zero1=true"], "drop parallel.zero1"),
+    (2, ["parallel.fsdp=true", "parallel.hdp=true", "data.varlen=true"], "use parallel.zero1=true with HDP"),
+    (4, ["parallel.fsdp=true", "parallel.pp=2", "parallel.pp_schedule=zb"], "use 1f1b or interleaved"),
+    (2, ["parallel.fsdp=true", "precision=fp8"], "precision=fp8 with parallel.fsdp=true is not supported"),
+    (4, ["parallel.fsdp=true", "parallel.fsdp_shard_size=3", "trainer.micro_batch_size=2"],
+     "fsdp_shard_size=3 must divide dp.cp=4"),
+    (2, ["parallel.fsdp_shard_size=2"], "fsdp_shard_size=2 needs parallel.fsdp=true"),
+    (2, ["parallel.fsdp_reshard_after_forward=false"], "needs parallel.fsdp=true"),
+    (2, ["parallel.fsdp_cpu_offload=true"], "needs parallel.fsdp=true"),
 ])
 def test_bad_layouts_name_the_fix(world, overrides, message):
     with pytest.raises(ConfigError, match=message) as info:
@@ -91,3 +102,11 @@ def test_context_parallel_layouts_accepted():
     assert layout(4, "parallel.cp=2", "parallel.tp=2", "parallel.cp_comm=a2a", "model.num_heads=8",
                   "model.num_kv_heads=4").cp == 2
     assert layout(2, "parallel.cp=2", "parallel.cp_comm=a2a", "model.attention_dropout=0.1").cp == 2
+
+
+def test_fsdp_cpu_offload_needs_a_gpu():
+    from megalm.training.validation import validate_run
+
+    cfg = compose_config("parallel.fsdp=true", "parallel.fsdp_cpu_offload=true", "trainer.micro_batch_size=2")
+    with pytest.raises(ConfigError, match="on cpu they are there already: drop it"):
+        validate_run(cfg, 2, torch.device("cpu"))

@@ -24,7 +24,7 @@ from torch import nn
 
 from megalm import compat
 from megalm.model.naming import canonical_named_parameters
-from megalm.model.shard import shard_specs
+from megalm.model.shard import full_value, shard_specs
 from megalm.training.checkpoint.layout import (
     CHECKPOINTS,
     FORMAT_VERSION,
@@ -86,7 +86,7 @@ def _write(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Op
     params, specs = dict(canonical_named_parameters(model)), shard_specs(model)
     with full_precision_weights(optimizer):  # fp32 weights, whatever the recipe (async: staged before the exit)
         tensors = {f"model/{stored}": for_dcp(piece, spec, mesh) for n, p in params.items()
-                   for stored, piece, spec in stored_pieces(n, p.detach(), specs.get(n), model)}
+                   for stored, piece, spec in stored_pieces(n, full_value(p.detach()), specs.get(n), model)}
         opt_tensors, groups = optimizer_tensors(model, optimizer)
         for key, value in opt_tensors.items():
             param_name, _, field = key.partition("::")

@@ -19,14 +19,21 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from megalm import compat
 from megalm.errors import CheckpointError
 from megalm.model.fused import part_rows, split_fused_name, unfused_names
 from megalm.model.gpt import VOCAB_PARAMS, resize_vocab_rows
 from megalm.model.naming import canonical_named_parameters, model_chunks
-from megalm.model.shard import FusedShardSpec, ShardSpec, shard_specs
+from megalm.model.shard import (
+    FusedShardSpec,
+    ShardSpec,
+    copy_full_value,
+    empty_full_like,
+    full_value,
+    shard_specs,
+)
 
 if TYPE_CHECKING:  # annotations only: checkpoints take the mesh they are given
     from megalm.parallel.dims import ParallelMesh
@@ -43,7 +50,7 @@ def optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> tup
     tensors = {}
     for index, per_param in state["state"].items():
         for key, value in per_param.items():
-            tensors[f"{names[index]}::{key}"] = value.detach().contiguous()
+            tensors[f"{names[index]}::{key}"] = full_value(value.detach()).contiguous()
     groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
     for group, torch_group in zip(groups, optimizer.param_groups, strict=True):
         group["param_names"] = _group_names(model, torch_group)
@@ -58,13 +65,15 @@ def _group_names(model: nn.Module, group: dict) -> list[str]:
 def load_optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
                            groups: list[dict]) -> None:
     names = _param_names(model, optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     per_param: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         name, _, field = key.partition("::")
         if name not in names:
             raise CheckpointError(f"optimizer state has parameter {name!r} that this model lacks; "
                                   "the checkpoint is from another model")
-        per_param.setdefault(names.index(name), {})[field] = value
+        index = names.index(name)
+        per_param.setdefault(index, {})[field] = _laid_out_like(params[index], value)
     current = optimizer.state_dict()
     if len(groups) != len(current["param_groups"]):
         raise CheckpointError(f"checkpoint has {len(groups)} optimizer param groups, this run has "
@@ -75,6 +84,13 @@ def load_optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, t
         merged["params"] = cur["params"]
         new_groups.append(merged)
     optimizer.load_state_dict({"state": per_param, "param_groups": new_groups})
+
+
+def _laid_out_like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A moment of `param` (its whole TP-local value) as `param` holds it: its FSDP shard when `param` is one."""
+    if isinstance(param, DTensor) and value.shape == param.shape:
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    return value
 
 
 def stored_pieces(name: str, local: torch.Tensor, spec: ShardSpec | FusedShardSpec | None,
@@ -199,15 +215,17 @@ def local_from_targets(prefix: str, name: str, like: torch.Tensor, spec: ShardSp
 def model_targets(model: nn.Module, mesh: ParallelMesh | None, saved_rows: int | None) -> dict[str, torch.Tensor]:
     specs = shard_specs(model)
     return {key: target for n, p in canonical_named_parameters(model)
-            for key, target in like_targets("model/", n, p.detach(), specs.get(n), model, mesh, saved_rows).items()}
+            for key, target in like_targets("model/", n, empty_full_like(p), specs.get(n), model, mesh,
+                                            saved_rows).items()}
 
 
 @torch.no_grad()
 def copy_model(model: nn.Module, targets: dict[str, torch.Tensor], path: Path, saved_rows: int | None) -> None:
     specs = shard_specs(model)
     for name, param in canonical_named_parameters(model):
-        value = local_from_targets("model/", name, param.detach(), specs.get(name), model, targets, saved_rows)
+        value = local_from_targets("model/", name, empty_full_like(param), specs.get(name), model, targets,
+                                   saved_rows)
         if value.shape != param.shape:
             raise CheckpointError(f"checkpoint {path} has {name} of shape {tuple(value.shape)}, this model "
                                   f"{tuple(param.shape)}; use the matching model config")
-        param.copy_(value)
+        copy_full_value(param, value)
