@@ -21,7 +21,7 @@ from megalm.parallel.dims import ParallelDims, ParallelMesh
 from megalm.training.optim import current_weights
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
-from tests.dist.equivalence import assert_resume_is_bit_exact, shard_of
+from tests.dist.equivalence import assert_resume_is_bit_exact, held_and_expected, shard_of
 from tests.dist.launch import run_distributed
 
 STEPS = 4
@@ -33,7 +33,10 @@ LOSS_RTOL = 2e-4  # relative loss difference over the steps
 
 
 def summed_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """This rank's summed fp32 gradients after a forward_backward, by parameter name (from the buckets)."""
+    """This rank's summed fp32 gradients after a forward_backward, by parameter name (from the buckets; under FSDP
+    the sharded fp32 gradients themselves)."""
+    if trainer.cfg.parallel.fsdp:
+        return {n: p.grad for n, p in canonical_named_parameters(trainer.model)}
     reducer = trainer.parallel.reducer
     return {n: reducer.summed_grad(p).float() for n, p in canonical_named_parameters(trainer.model)}
 
@@ -47,7 +50,7 @@ def check_layout(rank: int, world_size: int, overrides: list[str], tmp: str) -> 
     full = summed_grads(one)
     worst = 0.0
     for name, grad in summed_grads(par).items():
-        expected = shard_of(par.model, name, full[name])
+        grad, expected = held_and_expected(par.model, name, grad, full[name])
         error = ((grad - expected).norm() / expected.norm().clamp_min(1e-12)).item()
         worst = max(worst, error)
         assert error <= GRAD_RTOL, f"rank {rank} {overrides} {name}: gradient off by {error:.3g} (relative)"
@@ -63,6 +66,8 @@ LAYOUTS = {
     "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "pp2_tied": (2, ["parallel.pp=2", "model.tie_embeddings=true"]),
     "cp2": (2, ["parallel.cp=2"]),
+    # FSDP's MixedPrecisionPolicy: fp32 shards gathered in bf16, bf16 gradients reduce-scattered into fp32 shards
+    "dp2_fsdp": (2, ["parallel.dp=2", "parallel.fsdp=true"]),
     # an fp8 recipe on bf16 weights (precision.bf16_weights): its GEMMs quantize bf16, its gradients sum in fp32
     "dp2_fp8_bf16_weights": (2, ["parallel.dp=2", "precision=fp8", "precision.bf16_weights=true"]),
 }

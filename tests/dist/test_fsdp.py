@@ -44,6 +44,9 @@ def check_fsdp(rank: int, world_size: int, overrides: list[str], tmp: str, param
     held = sum(p.to_local().numel() for p in params)
     assert held <= sum(p.numel() for p in params) // shards + sum(math.prod(p.shape[1:]) for p in params), held
     assert_first_step_matches(ref, par, rank)
+    if par.cfg.offload.enabled:  # activations only: FSDP's gathered weights are parameters the store leaves alone
+        ref_bytes, par_bytes = (t.parallel.offload_store.offloaded_bytes for t in (ref, par))
+        assert par_bytes > 0 and ref_bytes == par.mesh.dims.dp * par_bytes, (ref_bytes, par_bytes)
     assert_training_and_eval_match(ref, par, rank, STEPS, param_atol)
 
 
@@ -60,6 +63,8 @@ LAYOUTS = {
     "pp2_dp2_tied": (4, ["parallel.pp=2", "parallel.dp=2", "model.num_layers=4", "model.tie_embeddings=true"]),
     "cp2_dp2": (4, ["parallel.cp=2", "parallel.dp=2"]),
     "hsdp_dp4": (4, ["parallel.dp=4", "parallel.fsdp_shard_size=2"]),
+    "dp2_offload": (2, ["parallel.dp=2", "offload.enabled=true"]),
+    "dp2_selective": (2, ["parallel.dp=2", "parallel.recompute=selective"]),
 }
 
 
