@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -46,8 +47,13 @@ def _new_outputs(func, out):  # noqa: ANN001, ANN202 - an OpOverload and what it
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages under `tensors` (views and tensors sharing a storage count it once)."""
-    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in map(_own_elements, tensors)}
     return sum(storages.values())
+
+
+def _own_elements(t: torch.Tensor) -> torch.Tensor:
+    """What `t` stores on this rank: an FSDP shard's local tensor (a DTensor's own storage is its whole size)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class LiveStorages(TorchDispatchMode):
@@ -75,7 +81,7 @@ class LiveStorages(TorchDispatchMode):
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count the storages of `tensors` (e.g. parameters made before the mode was entered) until freed."""
-        for tensor in tensors:
+        for tensor in map(_own_elements, tensors):
             storage = tensor.untyped_storage()
             key = id(storage)
             if key in self.live:
@@ -85,6 +91,31 @@ class LiveStorages(TorchDispatchMode):
             self._now[device] = self._now.get(device, 0) + storage.nbytes()
             self._peak[device] = max(self._peak.get(device, 0), self._now[device])
             weakref.finalize(storage, self._free, key)
+
+    def __enter__(self):
+        # A storage resized in place (FSDP frees its gathered parameters with `resize_(0)` and re-allocates them
+        # the same way) goes through no dispatched op: the probe watches UntypedStorage.resize_ while it is on.
+        original = torch.UntypedStorage.resize_
+
+        def resize_(storage: torch.UntypedStorage, size: int):  # noqa: ANN202 - torch's method
+            out = original(storage, size)
+            self._resized(storage)
+            return out
+
+        self._resize_originals = [*getattr(self, "_resize_originals", []), original]
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):  # noqa: ANN002 - the context manager protocol
+        torch.UntypedStorage.resize_ = self._resize_originals.pop()
+        return super().__exit__(*exc)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        entry = self.live.get(id(storage))
+        if entry is not None:
+            delta, entry.nbytes = storage.nbytes() - entry.nbytes, storage.nbytes()
+            self._now[entry.device] += delta
+            self._peak[entry.device] = max(self._peak.get(entry.device, 0), self._now[entry.device])
 
     def _free(self, key: int) -> None:
         entry = self.live.pop(key, None)

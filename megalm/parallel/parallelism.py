@@ -2,7 +2,7 @@
 
 `Parallelism` hides which layout runs. It
 1. builds and parallelizes the model: meta-device GPT (or this pipeline rank's chunks) -> tensor
-   parallelism -> model converters (precision recipes) -> recomputation -> materialize -> init by name
+   parallelism -> model converters (precision recipes) -> recomputation -> FSDP -> materialize -> init by name
    -> the working dtype (precision=bf16: bf16 copies, the fp32 values handed to the optimizer);
    a zero-bubble pipeline adds its weight-gradient split when its runtime is made;
 2. gives each step's samples to the ranks (`share_of_step`): a DP slice of the samples, each micro-batch
@@ -96,6 +96,11 @@ def validate_parallel(cfg: MegalmConfig, world_size: int) -> ParallelDims:
     return dims
 
 
+def _reduce_dtype(p) -> torch.dtype | None:  # noqa: ANN001 - a ParallelConfig
+    """`parallel.grad_reduce_dtype` as a dtype (None: the gradients' own)."""
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}.get(p.grad_reduce_dtype or "")
+
+
 class Parallelism:
     """The layout of one rank: its model, how it takes its share of a step, how it runs it and reduces it.
 
@@ -134,14 +139,14 @@ class Parallelism:
         self.token_multiple = math.lcm(p.tp if p.sequence_parallel else 1,
                                        *(c.token_multiple for c in self.converters))
         # Each CP (or HDP) rank holds the gradient of its tokens only: sum over DP x CP (ZeRO-1 shards over it).
-        reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(p.grad_reduce_dtype or "")
         tied = self.runner.tied_embedding()  # a pipeline's two copies: summed before the DP reduction
+        presum = dict([tied]) if tied else None
         if p.fsdp:  # FSDP reduce-scatters into the sharded gradients itself
-            self.reducer: GradReducer | FsdpGrads = FsdpGrads(list(self.model.parameters()), self.fsdp_mesh,
-                                                              dict([tied]) if tied else None, self.mesh.progress)
+            self.reducer: GradReducer | FsdpGrads = FsdpGrads(list(self.model.parameters()), self.fsdp_mesh, presum,
+                                                              self.mesh.progress)
         else:
             self.reducer = GradReducer(list(self.model.parameters()), self.mesh.dp_cp_group, p.bucket_size_mb,
-                                       reduce_dtype=reduce_dtype, zero1=p.zero1, presum=dict([tied]) if tied else None,
+                                       reduce_dtype=_reduce_dtype(p), zero1=p.zero1, presum=presum,
                                        progress=self.mesh.progress, accumulate=self.working_dtype is not None)
         # How to build this layout's optimizer (None: the trainer's own AdamW): over the reducer's buckets for
         # ZeRO-1's shards or for fp32 main weights
@@ -170,8 +175,7 @@ class Parallelism:
                     converter.convert(chunk)
                 apply_recompute(chunk, stage_mode(p.recompute, mesh.pp_rank, p.pp))
             if p.fsdp:
-                reduce = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(p.grad_reduce_dtype or "")
-                apply_fsdp(model, self.fsdp_mesh, p.fsdp_reshard_after_forward, recipe_dtype, reduce,
+                apply_fsdp(model, self.fsdp_mesh, p.fsdp_reshard_after_forward, recipe_dtype, _reduce_dtype(p),
                            p.fsdp_cpu_offload)
         model.to_empty(device=self.device)
         init_weights(model, self.cfg.seed)

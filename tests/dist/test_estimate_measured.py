@@ -32,6 +32,8 @@ LAYOUTS = {  # overrides, world size
     "hdp4_rings": (["parallel.hdp=true", "data.varlen=true", "parallel.hdp_capacity=11", "trainer.global_batch_size=8"],
                    4),  # 32-token documents on rings of 3: rank 0 and the largest ring's busiest rank (1) are measured
     "offload": (["offload.enabled=true", "offload.min_tensor_bytes=0", "trainer.global_batch_size=4"], 2),
+    # FSDP frees and re-allocates its gathered parameters by resizing their storages, which the probe watches
+    "fsdp2": (["parallel.fsdp=true", "trainer.global_batch_size=4"], 2),
 }
 
 
