@@ -19,6 +19,7 @@ and gathers in place.) N is counted here from a model built from the same config
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -121,3 +122,21 @@ def test_bad_input_is_one_line(argv, message, capsys):
     assert estimate.main([*SMALL, *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_static_bytes_under_fsdp_are_the_closed_form(precision):
+    """FSDP keeps only fp32 shards (the main weights) and their two moments between steps: 12 bytes per element of
+    this rank's chunk of every parameter (ceil(rows / dp) rows: FSDP pads the chunks), whatever the recipe (a bf16
+    copy exists only while a unit computes); its gradient shards are freed by zero_grad."""
+    world = 4
+    overrides = [*SMALL, f"precision={precision}", "parallel.fsdp=true", "trainer.device=cpu"]
+    cfg = compose_config(*overrides)
+    with torch.device("meta"):
+        shapes = [p.shape for p in GPT(resolve_model_defaults(cfg.model)).parameters()]
+    chunk = sum(math.ceil(s[0] / world) * math.prod(s[1:]) for s in shapes)
+    (rank,) = estimate.estimate(estimate.batch_overrides(overrides, world), world, "h100")["ranks"]
+    assert rank["param_bytes"] == 4 * chunk
+    assert rank["grad_bytes"] == rank["comm_bytes"] == 0
+    scalars = rank["optimizer_bytes"] - 8 * chunk  # AdamW's step counters
+    assert 0 < scalars <= 8 * len(shapes), (rank["optimizer_bytes"], 8 * chunk)
