@@ -79,6 +79,8 @@ class ModelConverter(Protocol):
 
     def before_forward(self, chunk: nn.Module, step: int, micro_batch: int) -> None: ...
 
+    def watch_optimizer(self, optimizer: object) -> None: ...
+
 
 def validate_parallel(cfg: MegalmConfig, world_size: int) -> ParallelDims:
     """Every parallel rule, each parallelism checking its own (one-line ConfigErrors, the same on every
@@ -249,6 +251,18 @@ class Parallelism:
         tied_copy = tied_embedding_copy(self.model) if self.cfg.parallel.pp > 1 else None
         return {id(p): 0.0 if p is tied_copy else tp_norm_share(specs.get(name), tp, p.shape)
                 for name, p in canonical_named_parameters(self.model)}
+
+    def watch_optimizer(self, optimizer: object) -> None:
+        """Let the converters cache per optimizer step what depends on the weights only (a recipe's quantized
+        weights). Not under FSDP: a layer's weight exists only while its unit is gathered, and a cache kept for the
+        step would hold a whole low-precision model on every rank, so the recipes quantize after every gather."""
+        if self.cfg.parallel.fsdp:
+            if any(getattr(c, "quantizes_weights", False) for c in self.converters):
+                log.info("FSDP: the recipe quantizes each weight after every gather (no per-step cache of "
+                         "quantized weights, which would hold the whole model per rank)")
+            return
+        for converter in self.converters:
+            converter.watch_optimizer(optimizer)
 
     # ------------------------------------------------------------------ around every forward
 

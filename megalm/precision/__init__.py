@@ -165,6 +165,11 @@ class Precision:
         return autocast(self.cfg, self.device)
 
     @property
+    def quantizes_weights(self) -> bool:
+        """Whether the recipe makes low-precision copies of the linears' weights (the fp8/mx recipes)."""
+        return self.cfg.name not in WHOLE_MODEL
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype activations reach attention in: bf16 with bf16 weights or under autocast, else fp32."""
         return torch.bfloat16 if autocasts(self.cfg) or self.working_dtype else torch.float32

@@ -75,7 +75,7 @@ class Trainer:
         if cfg.trainer.compile:
             compile_blocks(self.model, cfg.trainer.compile_backend)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.parallel.optimizer_factory)
-        self.precision.watch_optimizer(self.optimizer)  # quantized weights: made once per optimizer step
+        self.parallel.watch_optimizer(self.optimizer)  # quantized weights: made once per optimizer step
         self.config_dict = config_to_dict(cfg)
         budget = cfg.trainer.tokens_per_step
         self.train_steps = TokenBudgetSteps(self.data.train, budget) if budget else None

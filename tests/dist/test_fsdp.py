@@ -13,6 +13,7 @@ import json
 import math
 
 import pytest
+import torch
 from torch.distributed.tensor import DTensor
 
 from megalm.model.naming import canonical_named_parameters
@@ -23,6 +24,7 @@ from tests.dist.equivalence import (
     assert_first_step_matches,
     assert_resume_is_bit_exact,
     assert_training_and_eval_match,
+    held_and_expected,
     train_and_record,
 )
 from tests.dist.launch import run_distributed
@@ -98,3 +100,28 @@ def test_fsdp_checkpoints_reshard_through_zero1_and_back(tmp_path):
     assert len(losses) == len(straight) == 6
     for step, (a, b) in enumerate(zip(losses, straight, strict=True)):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: resharded run {a} vs single process {b}"
+
+
+def check_recipe_under_fsdp(rank: int, world_size: int, overrides: list[str], tmp: str) -> None:
+    """FSDP dp2 against plain dp2 under one FP8/MX recipe: every rank quantizes the same gathered weights (after each
+    gather, no per-step cache) and its own activations, and two ranks' sums are the same either way, so the runs
+    agree to fp32 rounding: first-step gradients and the losses of a few steps."""
+    plain = Trainer(compose_config(*overrides, "parallel.dp=2"), f"{tmp}/plain")
+    fsdp = Trainer(compose_config(*overrides, "parallel.dp=2", "parallel.fsdp=true"), f"{tmp}/fsdp")
+    for t in (plain, fsdp):
+        t.forward_backward(0)
+    full = dict(canonical_named_parameters(plain.model))
+    for name, p in canonical_named_parameters(fsdp.model):
+        torch.testing.assert_close(*held_and_expected(fsdp.model, name, p.grad, full[name].grad), rtol=1e-5,
+                                   atol=1e-7, msg=lambda m, n=name: f"rank {rank} {overrides} grad {n}: {m}")
+    for t in (plain, fsdp):
+        t.optimizer.zero_grad(set_to_none=True)
+    a = [plain.train_step(s).loss for s in range(3)]
+    b = [fsdp.train_step(s).loss for s in range(3)]
+    assert all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(a, b, strict=True)), (overrides, a, b)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "fp8"])
+def test_fp8_and_mx_recipes_under_fsdp_match_plain_data_parallel(tmp_path, recipe):
+    run_distributed(check_recipe_under_fsdp, 2, [*COMMON, f"precision={recipe}", "precision.autocast=false"],
+                    str(tmp_path), timeout=240)

@@ -65,7 +65,7 @@ def test_dp_defaults_to_what_is_left():
     (2, ["parallel.fsdp=true", "parallel.zero1=true"], "drop parallel.zero1"),
     (2, ["parallel.fsdp=true", "parallel.hdp=true", "data.varlen=true"], "use parallel.zero1=true with HDP"),
     (4, ["parallel.fsdp=true", "parallel.pp=2", "parallel.pp_schedule=zb"], "use 1f1b or interleaved"),
-    (2, ["parallel.fsdp=true", "precision=fp8"], "precision=fp8 with parallel.fsdp=true is not supported"),
+    (2, ["parallel.fsdp=true", "precision=fp8", "precision.backend=te"], "use precision.backend=native"),
     (4, ["parallel.fsdp=true", "parallel.fsdp_shard_size=3", "trainer.micro_batch_size=2"],
      "fsdp_shard_size=3 must divide dp.cp=4"),
     (2, ["parallel.fsdp_shard_size=2"], "fsdp_shard_size=2 needs parallel.fsdp=true"),

@@ -15,7 +15,9 @@ Composition (docs/architecture.md, "Fully sharded data parallelism"):
 - Precision: FSDP's `MixedPrecisionPolicy` holds it. The sharded parameters are the fp32 main weights the optimizer
   steps; precision=bf16 gathers them in bf16 (the working weights exist only while a unit computes) and the
   gradients are reduce-scattered in fp32 into fp32 shards (`parallel.grad_reduce_dtype` picks bf16 instead). There
-  is no separate main_grad: the sharded fp32 gradient is it.
+  is no separate main_grad: the sharded fp32 gradient is it. FP8/MX recipes quantize each weight after its gather,
+  every use (Parallelism.watch_optimizer: no per-step cache, which would hold a whole FP8 model per rank); gathering
+  in FP8 would need a tensor subclass FSDP can all-gather (torchao's), which megalm's recipes are not.
 """
 
 from __future__ import annotations
@@ -59,10 +61,9 @@ def validate_fsdp(cfg: MegalmConfig) -> None:
     if p.pp > 1 and p.pp_schedule == "zb":
         raise ConfigError("parallel.pp_schedule=zb with parallel.fsdp=true is not supported: its deferred weight "
                           "gradients land after FSDP's reduce-scatter has run; use 1f1b or interleaved")
-    if cfg.precision.name not in ("fp32", "bf16", "bf16_autocast", "auto"):
-        raise ConfigError(f"precision={cfg.precision.name} with parallel.fsdp=true is not supported: the recipe keeps "
-                          "each layer's quantized weight for the whole step, a full low-precision model on every "
-                          "FSDP rank; use parallel.zero1=true, or precision=bf16")
+    if cfg.precision.backend == "te":
+        raise ConfigError("precision.backend=te with parallel.fsdp=true is not supported: Transformer Engine's layers "
+                          "keep their own FP8 weight copies; use precision.backend=native")
     if p.fsdp_shard_size is not None and (p.fsdp_shard_size < 1 or domain % p.fsdp_shard_size):
         raise ConfigError(f"parallel.fsdp_shard_size={p.fsdp_shard_size} must divide dp*cp={domain} (HSDP: shard "
                           "within groups of that many ranks, replicate across them); null shards over all of them")
