@@ -78,8 +78,9 @@ def test_fsdp_matches_single_process(tmp_path, name):
 
 def test_fsdp_resume_is_bit_exact(tmp_path):
     """An FSDP run stopped and resumed (its sharded weights and Adam moments gathered into the layout-free files,
-    then scattered back) repeats the straight run's losses exactly."""
-    layout = ["parallel.fsdp=true", "parallel.dp=2", "trainer.max_steps=4"]
+    then scattered back; saved in the background, every step) repeats the straight run's losses exactly."""
+    layout = ["parallel.fsdp=true", "parallel.dp=2", "trainer.max_steps=4", "trainer.async_save=true",
+              "trainer.save_interval=1"]
     assert_resume_is_bit_exact(tmp_path, 2, layout, stop_at=2, timeout=240)
 
 

@@ -1,10 +1,11 @@
-"""Every command in README.md and docs/ runs, twice, so the docs cannot rot and stay copy-paste safe (slow: a few
-minutes; CI runs it).
+"""Every command in README.md and docs/ runs (those that write files twice), so the docs cannot rot and stay
+copy-paste safe (slow: a few minutes; CI runs it).
 
 Commands are read from the fenced code blocks and from inline `code` that starts like a command. Each
 runs in a scratch directory, in document order (a resume follows its first run, generation follows
-training), and then the whole document's commands run a second time in the same directory, as a reader who
-pastes them again would (an output that refuses to be replaced, a run dir that refuses to continue, fail it).
+training), and then the document's commands that wrote files run a second time in the same directory, as a reader
+who pastes them again would (an output that refuses to be replaced, a run dir that refuses to continue, fail it; a
+command that only printed cannot meet its own output, and is not run again).
 Two docs run at a time (`doc_runs`), each in a directory of its own. With tiny overrides: a small model on the
 documented data (the demo corpus is built in the scratch directory in a second), 3 steps (stops and token budgets
 scaled down), benchmarks cut to one short repetition, outputs redirected away from docs/. Commands that need a GPU
@@ -215,13 +216,23 @@ def validate_only(command: str) -> None:
 _IN_PROCESS = threading.Lock()  # Hydra's compose (the validations below) keeps global state: one at a time
 
 
+def files_of(tmp_path: Path) -> dict[Path, int]:
+    """Every file under a doc's scratch directory, with its modification time (the tools' caches left out)."""
+    cache = tmp_path / "cache"
+    return {f: f.stat().st_mtime_ns for f in tmp_path.rglob("*") if f.is_file() and cache not in f.parents}
+
+
 def run_doc(doc: Path, tmp_path: Path) -> None:
-    """Every command of `doc`, in order, in `tmp_path`, and then all of them again; raises on the first failure."""
+    """Every command of `doc`, in order, in `tmp_path`, and then again those that wrote files (only a command that
+    wrote something can meet its own output when pasted again); raises on the first failure."""
     commands = [c for c in documented_commands(doc) if not is_pattern(c)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    writers: set[str] = set()
     for attempt, command in [(attempt, c) for attempt in ("first", "second") for c in commands]:
+        if attempt == "second" and command not in writers:
+            continue
         if command.startswith("MASTER_ADDR=") or "NNODES=" in command:
             with _IN_PROCESS:
                 validate_only(command)
@@ -237,7 +248,10 @@ def run_doc(doc: Path, tmp_path: Path) -> None:
         if spec is None:
             continue
         argv, extra = spec
+        before = files_of(tmp_path)
         proc = subprocess.run(argv, cwd=tmp_path, env={**env, **extra}, capture_output=True, text=True, timeout=600)
+        if files_of(tmp_path) != before:
+            writers.add(command)
         wandb_missing = "logging.wandb.enabled=true" in command and "pip install wandb" in proc.stderr
         assert proc.returncode == 0 or wandb_missing, \
             f"{doc.name}: `{command}` failed on its {attempt} run as `{' '.join(argv)}`:\n{first_errors(proc.stderr)}" \
