@@ -2,9 +2,12 @@
 
     run_distributed(fn, world_size, *args, timeout=120)
 
-spawns `world_size` processes (torch.multiprocessing, "spawn" start method), each of which joins a
-gloo group on 127.0.0.1 at a free port and calls `fn(rank, world_size, *args)`; the group is
-destroyed afterwards. `fn` and `args` must be picklable: define `fn` at module level in the test file.
+starts `world_size` processes (torch.multiprocessing, "forkserver" start method: each forks from one server
+process that imported torch and megalm once, a clean interpreter as a spawned one would be, without importing them
+again: a dist test takes 40% of the time it took spawned), each of which joins a gloo group on 127.0.0.1 at a free
+port and calls `fn(rank, world_size, *args)`; the group is destroyed afterwards. `fn` and `args` must be picklable:
+define `fn` at module level in the test file. The server keeps the environment it started with: a test that needs
+other environment variables in its workers sets them inside `fn`.
 
 Failures surface in the calling test:
   * an exception in a worker raises WorkerError in the parent with the traceback of every worker that
@@ -20,8 +23,8 @@ Workers use one intra-op thread: tests run several processes on few cores.
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import gc
+import multiprocessing
 import socket
 import tempfile
 import time
@@ -81,17 +84,16 @@ def _worker_errors(error_dir: str, world_size: int) -> list[tuple[float, int, st
     return sorted(errors)
 
 
-# Workers fork from one server process that has imported torch and megalm once (instead of each spawned worker
-# importing them again: most of a small test's time on 2 cores); the server only imports, so a fork of it starts
-# as clean as a spawned interpreter.
-multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "megalm.training.trainer",
-                                                                  "tests.dist.launch"])
+# What the fork server imports once (the module docstring): it only imports, so a fork of it starts as clean as a
+# spawned interpreter.
+PRELOAD = ["torch", "torch.distributed", "megalm.training.trainer", "tests.dist.launch"]
+multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
 
 
 def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, backend: str = "gloo"
 ) -> None:
-    """Call `fn(rank, world_size, *args)` on `world_size` spawned processes in one process group.
+    """Call `fn(rank, world_size, *args)` on `world_size` processes in one process group.
 
     Raises WorkerError (tracebacks of the failed workers, earliest first), torch's
     ProcessExitedException (a worker died without an exception), or TimeoutError after `timeout` s.
