@@ -47,10 +47,10 @@ TOOL_FLAGS = {"precision_convergence.py": ["--steps", "2"], "throughput.py": ["-
               "context_parallel.py": ["--steps", "1", "--warmup", "0", "--seq", "64"], "comm_volume.py": [],
               "offload.py": ["--steps", "1", "--warmup", "0"], "checkpoint_save.py": ["--reps", "1"],
               "compare.py": ["--tiny", "--seqs", "64", "--precisions", "fp32", "--repeats", "1"], "step_cost.py": [],
-              "activation_memory.py": ["model.num_heads=8"],  # 8 heads: its tp8 command shards them
-              "fsdp_memory.py": ["--dp", "2", "--models"]}  # tiny real runs at dp 2, no 8B/70B estimates
+              "activation_memory.py": ["model.num_heads=8"]}  # 8 heads: its tp8 command shards them
 # Benchmarks that set their own model shapes (a tiny model would not shard over their layouts): only these flags.
-OWN_SHAPE_FLAGS = {"estimate_vs_formula.py": ["--models", "8b", "--recompute", "full", "--num-layers", "8"]}
+OWN_SHAPE_FLAGS = {"estimate_vs_formula.py": ["--models", "8b", "--recompute", "full", "--num-layers", "8"],
+                   "fsdp_memory.py": ["--dp", "2", "--models"]}  # the tiny model's real runs at dp 2, no 8B/70B
 SET_UP = ("pip install", "pytest", "docker ", "tools/gpu_wheels.sh",
           "python tools/slurm_local/")  # the loopback Slurm cluster needs root and apt: tests/e2e/test_slurm.py runs it
 GPU_ONLY = ("tools/gpu_check.sh",)  # exits 2 without CUDA by design
