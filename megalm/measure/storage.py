@@ -52,7 +52,8 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def _own_elements(t: torch.Tensor) -> torch.Tensor:
-    """What `t` stores on this rank: an FSDP shard's local tensor (a DTensor's own storage is its whole size)."""
+    """What `t` stores on this rank: an FSDP shard's local tensor (a DTensor's own storage is its whole size). The
+    twin of megalm.model.shard.local_part, which this lowest layer may not import."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 

@@ -158,16 +158,26 @@ def copy_full_value(param: torch.Tensor, value: torch.Tensor) -> None:
     """Write `value`, the whole of `param` as this rank sees it (its TP-local tensor), into `param`: in place, or
     into its own chunk when `param` is a DTensor shard (FSDP shards dim 0 over its data-parallel ranks; the model
     does not know which layout holds it, so every writer of full values goes through here)."""
-    if isinstance(param, DTensor):
-        value = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh, param.placements,
-                                  src_data_rank=None)  # every rank has `value`: its own chunk, no communication
-    param.copy_(value)
+    param.copy_(laid_out_like(param, value.to(param.dtype)))
+
+
+def laid_out_like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value`, whole as this rank sees `param`, laid out as `param` is held: its own chunk as a DTensor when `param`
+    is an FSDP shard (every rank has `value`: no communication), else `value` itself."""
+    if isinstance(param, DTensor) and value.shape == param.shape:
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    return value
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:
     """The whole of `t` as this rank's layout sees it (its TP-local tensor): gathered from its FSDP shards when it is
     a DTensor (collective over its data-parallel ranks), else `t` itself."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of `t`: an FSDP shard's local tensor, or `t` itself (no collective)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def empty_full_like(t: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megalm.errors import MegalmError
-from megalm.parallel.fsdp import local_part
+from megalm.model.shard import local_part
 
 log = logging.getLogger("megalm")
 

@@ -14,6 +14,6 @@ grads.py   `FsdpGrads`: the step's gradients are FSDP's sharded ones; their norm
 """
 
 from megalm.parallel.fsdp.apply import apply_fsdp, fsdp_mesh, validate_fsdp
-from megalm.parallel.fsdp.grads import FsdpGrads, local_part
+from megalm.parallel.fsdp.grads import FsdpGrads
 
-__all__ = ["FsdpGrads", "apply_fsdp", "fsdp_mesh", "local_part", "validate_fsdp"]
+__all__ = ["FsdpGrads", "apply_fsdp", "fsdp_mesh", "validate_fsdp"]

@@ -19,13 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from megalm.model.shard import local_part
 from megalm.parallel.norms import share_pairs, weighted_sq_norm
 from megalm.parallel.progress import Progress, note_collective
-
-
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """This rank's elements of `t`: an FSDP shard's local tensor, or `t` itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def shard_offset(param: DTensor) -> int:
@@ -75,4 +71,3 @@ class FsdpGrads:
 
     def remove(self) -> None:
         """Nothing to detach: FSDP's hooks stay with its units."""
-

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from megalm import compat
 from megalm.errors import CheckpointError
@@ -32,6 +32,7 @@ from megalm.model.shard import (
     copy_full_value,
     empty_full_like,
     full_value,
+    laid_out_like,
     shard_specs,
 )
 
@@ -73,7 +74,7 @@ def load_optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, t
             raise CheckpointError(f"optimizer state has parameter {name!r} that this model lacks; "
                                   "the checkpoint is from another model")
         index = names.index(name)
-        per_param.setdefault(index, {})[field] = _laid_out_like(params[index], value)
+        per_param.setdefault(index, {})[field] = laid_out_like(params[index], value)  # a moment: as its parameter
     current = optimizer.state_dict()
     if len(groups) != len(current["param_groups"]):
         raise CheckpointError(f"checkpoint has {len(groups)} optimizer param groups, this run has "
@@ -84,13 +85,6 @@ def load_optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, t
         merged["params"] = cur["params"]
         new_groups.append(merged)
     optimizer.load_state_dict({"state": per_param, "param_groups": new_groups})
-
-
-def _laid_out_like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """A moment of `param` (its whole TP-local value) as `param` holds it: its FSDP shard when `param` is one."""
-    if isinstance(param, DTensor) and value.shape == param.shape:
-        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-    return value
 
 
 def stored_pieces(name: str, local: torch.Tensor, spec: ShardSpec | FusedShardSpec | None,
