@@ -21,6 +21,7 @@ from megalm.config.schema import (
     LoggingConfig,
     MegalmConfig,
     ModelConfig,
+    MoEConfig,
     OffloadConfig,
     OptimConfig,
     ParallelConfig,
@@ -35,7 +36,7 @@ from megalm.config.schema import (
 )
 
 __all__ = [
-    "Choice", "DataConfig", "LoggingConfig", "MegalmConfig", "ModelConfig", "OffloadConfig", "OptimConfig",
+    "Choice", "DataConfig", "LoggingConfig", "MegalmConfig", "ModelConfig", "MoEConfig", "OffloadConfig", "OptimConfig",
     "ParallelConfig", "PrecisionConfig", "SyntheticDataConfig", "TrainerConfig", "WandbConfig", "blend_pairs",
     "choice", "config_to_dict", "pad_vocab", "positive", "process_group_minutes", "register_schema",
     "resolve_model_defaults", "schema_error_line", "to_dataclass", "validate", "validate_model",

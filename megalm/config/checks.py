@@ -23,6 +23,7 @@ from megalm.config.choices import (
     OptimizerImplementation,
     OptimizerName,
     PositionEmbedding,
+    RouterScore,
     WandbMode,
 )
 from megalm.config.schema import MegalmConfig, ModelConfig
@@ -114,7 +115,44 @@ def resolve_model_defaults(model: ModelConfig, tp: int | None = None) -> ModelCo
             model.ffn_hidden_size = 4 * model.hidden_size
     if model.max_position_embeddings is None:
         model.max_position_embeddings = model.seq_length
+    moe = model.moe
+    if moe.num_experts:
+        if moe.expert_ffn_hidden_size is None:
+            moe.expert_ffn_hidden_size = model.ffn_hidden_size
+        if moe.shared_ffn_hidden_size is None and moe.num_shared_experts:
+            moe.shared_ffn_hidden_size = moe.num_shared_experts * moe.expert_ffn_hidden_size
     return model
+
+
+def validate_moe(model: ModelConfig) -> None:
+    """The rules of `model.moe` (after `resolve_model_defaults`)."""
+    moe = model.moe
+    if moe.num_experts < 0:
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts} must be >= 0 (0: a dense model)")
+    if not moe.num_experts:
+        return
+    choice(moe.router_score, "model.moe.router_score", RouterScore)
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(f"model.moe.top_k={moe.top_k} must be in [1, model.moe.num_experts={moe.num_experts}]")
+    for key in ("expert_ffn_hidden_size", "every_n_layers"):
+        positive(getattr(moe, key), f"model.moe.{key}")
+    if moe.num_shared_experts < 0 or moe.first_k_dense < 0:
+        raise ConfigError("model.moe.num_shared_experts and model.moe.first_k_dense must be >= 0")
+    if moe.num_shared_experts:
+        positive(moe.shared_ffn_hidden_size, "model.moe.shared_ffn_hidden_size")
+    if model.activation != "swiglu":
+        raise ConfigError(f"model.moe: experts are SwiGLU MLPs, model.activation={model.activation}; "
+                          "set model.activation=swiglu or model.moe.num_experts=0")
+    if moe.capacity_factor is not None and moe.capacity_factor <= 0:
+        raise ConfigError(f"model.moe.capacity_factor={moe.capacity_factor} must be > 0 (null: dropless)")
+    if moe.routed_scaling_factor <= 0:
+        raise ConfigError(f"model.moe.routed_scaling_factor={moe.routed_scaling_factor} must be > 0")
+    for key in ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
+        if getattr(moe, key) < 0:
+            raise ConfigError(f"model.moe.{key}={getattr(moe, key)} must be >= 0 (0 turns it off)")
+    if not any(moe.first_k_dense <= i and (i + 1) % moe.every_n_layers == 0 for i in range(model.num_layers)):
+        raise ConfigError(f"model.moe: no block has experts with first_k_dense={moe.first_k_dense} and "
+                          f"every_n_layers={moe.every_n_layers} over {model.num_layers} layers; lower them")
 
 
 def validate_model(model: ModelConfig) -> None:
@@ -144,6 +182,7 @@ def validate_model(model: ModelConfig) -> None:
     for key in ("dropout", "attention_dropout"):
         if not 0.0 <= getattr(model, key) < 1.0:
             raise ConfigError(f"model.{key}={getattr(model, key)} must be in [0, 1)")
+    validate_moe(model)
 
 
 def validate(cfg: MegalmConfig) -> MegalmConfig:

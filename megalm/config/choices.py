@@ -39,6 +39,13 @@ class Activation(Choice):
     gelu = "gelu"
 
 
+class RouterScore(Choice):
+    """How an MoE router turns logits into expert scores: softmax (Switch, Mixtral, Qwen3) or sigmoid (DeepSeek-V3)."""
+
+    softmax = "softmax"
+    sigmoid = "sigmoid"
+
+
 class PositionEmbedding(Choice):
     """Rotary embeddings (Llama) or a learned absolute table (GPT-2)."""
 

@@ -33,9 +33,48 @@ from megalm.config.choices import (
     PositionEmbedding,
     PrecisionBackend,
     PrecisionRecipe,
+    RouterScore,
     WandbMode,
 )
 from megalm.errors import ConfigError
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts feed-forward layers (megalm/model/moe.py); num_experts 0 is a dense model."""
+
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0: no MoE layers."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    expert_ffn_hidden_size: int | None = None
+    """Each expert's SwiGLU inner size; None: model.ffn_hidden_size."""
+    num_shared_experts: int = 0
+    """Experts every token goes through besides its routed ones (DeepSeek), run as one dense SwiGLU MLP."""
+    shared_ffn_hidden_size: int | None = None
+    """The shared MLP's inner size; None: num_shared_experts x expert_ffn_hidden_size."""
+    first_k_dense: int = 0
+    """The first k blocks keep a dense MLP (DeepSeek's first_k_dense_replace)."""
+    every_n_layers: int = 1
+    """Block i (past first_k_dense) has experts when (i + 1) % n == 0 (Qwen's decoder_sparse_step); 1: all."""
+    router_score: RouterScore = RouterScore.softmax
+    """softmax (Switch, Mixtral, Qwen3) | sigmoid (DeepSeek-V3) over the router's logits, in fp32."""
+    norm_topk_prob: bool = True
+    """Renormalise the k chosen scores to sum to 1 (Qwen3's norm_topk_prob; DeepSeek-V3 does for sigmoid)."""
+    routed_scaling_factor: float = 1.0
+    """Multiplies the routed experts' combine weights (DeepSeek-V3: 2.5)."""
+    capacity_factor: float | None = None
+    """None: dropless. Else an expert takes at most ceil(cf x T x top_k / num_experts) of a micro-batch's T tokens
+    (the whole micro-batch's, whatever the layout); later assignments in token order are dropped and counted."""
+    aux_loss_coeff: float = 0.0
+    """The switch-style load-balancing loss's coefficient (Fedus et al.; Qwen3's router_aux_loss_coef 0.001)."""
+    seq_aux_loss_coeff: float = 0.0
+    """The sequence-level balancing loss's coefficient (per document; DeepSeek-V3's alpha, 1e-4)."""
+    z_loss_coeff: float = 0.0
+    """The router z-loss's coefficient (ST-MoE: 1e-3)."""
+    bias_update_rate: float = 0.0
+    """Aux-loss-free balancing (DeepSeek-V3's gamma, 1e-3): after each step every expert's selection bias moves by
+    this toward uniform load; 0: off."""
 
 
 @dataclass
@@ -90,6 +129,8 @@ class ModelConfig:
     attention_backend: AttentionBackend = AttentionBackend.auto
     """auto | flash_attn | torch_varlen | sdpa | reference; auto picks the fastest one present
     (megalm/model/attention.py) and a slower pick than asked for is logged."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts layers (configs/model/moe_tiny.yaml); off by default."""
 
 
 @dataclass

@@ -36,6 +36,7 @@ from megalm.model.attention import Attention, AttentionContext
 from megalm.model.fused import part_rows, split_fused_name, unfused_names
 from megalm.model.linear import Linear
 from megalm.model.mlp import build_mlp
+from megalm.model.moe import MoE, is_moe_layer
 from megalm.model.naming import canonical_named_parameters, model_chunks
 from megalm.model.norm import build_norm
 from megalm.model.rope import rope_cos_sin
@@ -59,7 +60,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = build_norm(cfg)
         self.attention = Attention(cfg)
         self.mlp_norm = build_norm(cfg)
-        self.mlp = build_mlp(cfg)
+        self.mlp = MoE(cfg) if is_moe_layer(cfg, layer_id) else build_mlp(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(
@@ -71,7 +72,8 @@ class TransformerBlock(nn.Module):
         context: AttentionContext | None = None,
     ) -> torch.Tensor:
         x = x + self.dropout(self.attention(self.attention_norm(x), cu_seqlens, max_seqlen, rope, context))
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+        h = self.mlp_norm(x)
+        return x + self.dropout(self.mlp(h, cu_seqlens) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 class GPT(nn.Module):
@@ -235,6 +237,9 @@ def init_weights(model: nn.Module, seed: int) -> None:
         spec = specs.get(name)
         full = initial_value(name, spec.full_shape if spec else tuple(param.shape), cfg, seed)
         copy_full_value(param, spec.shard(full) if spec else full)
+    for module in model.modules():  # state that is not a parameter (MoE routers' balancing bias, load counts)
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
 
 
 def num_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:

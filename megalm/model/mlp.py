@@ -20,9 +20,9 @@ from megalm.model.linear import Linear
 
 
 class SwiGLUMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ffn_hidden_size: int | None = None) -> None:
         super().__init__()
-        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        h, f = cfg.hidden_size, ffn_hidden_size or cfg.ffn_hidden_size
         self.gate_up_proj = Linear(h, 2 * f, bias=cfg.bias)
         self.down_proj = Linear(f, h, bias=cfg.bias)
 

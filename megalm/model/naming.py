@@ -52,3 +52,16 @@ def canonical_named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]
     """(name, module) with the full model's names, as `canonical_named_parameters` (the chunks' own
     prefixes are dropped), for code that installs things on modules by name (precision recipes)."""
     return _canonical_named(model, lambda chunk: chunk.named_modules())
+
+
+def _persistent_buffers(chunk: nn.Module) -> Iterator[tuple[str, Any]]:
+    for module_name, module in chunk.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buffer
+
+
+def canonical_named_buffers(model: nn.Module) -> Iterator[tuple[str, Any]]:
+    """(name, buffer) of the persistent buffers, the model's state that is not trained (an MoE router's balancing
+    bias), with the full model's names as `canonical_named_parameters`. Every rank holding the module holds it whole."""
+    return _canonical_named(model, _persistent_buffers)

@@ -35,6 +35,7 @@ from megalm.data.batch import pad_to_multiple
 from megalm.data.dataset import SampleDataset
 from megalm.errors import ConfigError
 from megalm.model.gpt import GPT, init_weights
+from megalm.model.moe import set_aux_loss_scale
 from megalm.model.naming import canonical_named_parameters, model_chunks
 from megalm.model.shard import shard_specs
 from megalm.offload import ActivationStore, LayerOffload, PipelineOffload
@@ -308,6 +309,7 @@ class Parallelism:
         micro-batches and reduced over the ranks that split the batch; returns this rank's summed loss."""
         self.model.train()
         self.reducer.start_step(len(share.micro_batches))
+        set_aux_loss_scale(1.0 / torch.as_tensor(share.normaliser, dtype=torch.float32, device=self.device))
         loss = self.runner.run_micro_batches(share.micro_batches, share.normaliser, share.step)
         self.reducer.finish()
         return loss

@@ -41,7 +41,8 @@ SAVED_OPS = {
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
 SAVED_OPS.update(compat.present_aten_ops(
-    ("_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward", "_scaled_mm")))
+    ("_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward", "_scaled_mm",
+     "_grouped_mm")))  # _grouped_mm: the MoE experts' GEMMs
 
 
 # Attention kernels registered as custom ops, saved by name: torch's varlen op, flash-attn's internals

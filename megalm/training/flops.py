@@ -7,6 +7,7 @@ Forward FLOPs of one micro-batch of T tokens in documents of lengths s_1..s_N:
 
     dense   = 2 · T · P_matmul
     P_matmul = L · (h·h_q + 2·h·h_kv + h_q·h + m·h·f) + h·V          (m = 3 for SwiGLU, 2 for GELU)
+               (an MoE layer's m·h·f is E·h + 3·h·(k·f_expert + f_shared): router, active and shared experts)
     attn    = L · 2 · 2 · h_q · Σ_i s_i (s_i + 1) / 2
             = L · 2 · h_q · Σ_i s_i (s_i + 1)
 
@@ -22,6 +23,7 @@ from collections.abc import Iterable
 import torch
 
 from megalm.config import ModelConfig
+from megalm.model.moe import is_moe_layer
 
 # Dense peak FLOP/s by (device-name fragment, precision). bf16 = tensor-core bf16 with fp32 accumulate;
 # tf32 = tensor-core tf32; fp32 = plain fp32 FMA. Vendor datasheet numbers without sparsity.
@@ -41,13 +43,22 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 
 
 def matmul_params(model: ModelConfig) -> int:
-    """Parameters that take part in a GEMM per token (all linear layers and the output head)."""
+    """Parameters that take part in a GEMM per token (all linear layers and the output head). An MoE layer counts
+    its active ones: the router, top_k routed experts and the shared experts (the others see no token of it)."""
     head_dim = model.hidden_size // model.num_heads
     h, hq, hkv = model.hidden_size, model.num_heads * head_dim, model.num_kv_heads * head_dim
     mlp_mats = 3 if model.activation == "swiglu" else 2
-    per_layer = h * hq + 2 * h * hkv + hq * h + mlp_mats * h * model.ffn_hidden_size
+    attention = h * hq + 2 * h * hkv + hq * h
+    moe, total = model.moe, 0
+    for layer in range(model.num_layers):
+        if is_moe_layer(model, layer):
+            shared = moe.shared_ffn_hidden_size if moe.num_shared_experts else 0
+            mlp = moe.num_experts * h + 3 * h * (moe.top_k * moe.expert_ffn_hidden_size + shared)
+        else:
+            mlp = mlp_mats * h * model.ffn_hidden_size
+        total += attention + mlp
     head_rows = model.padded_vocab_size or model.vocab_size  # the head multiplies its padding rows too
-    return model.num_layers * per_layer + h * head_rows
+    return total + h * head_rows
 
 
 def forward_flops(model: ModelConfig, doc_lengths: Iterable[int]) -> float:

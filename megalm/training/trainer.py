@@ -30,6 +30,7 @@ from megalm.precision import Precision
 from megalm.training import checkpoint as ckpt
 from megalm.training.compile import compile_blocks
 from megalm.training.device import select_device
+from megalm.training.expert_load import ExpertLoad
 from megalm.training.flops import peak_flops, training_flops
 from megalm.training.guards import NonFiniteError, NonFiniteGuard, SpikeDetector, check_finite_state
 from megalm.training.init_from import load_init_weights
@@ -76,6 +77,7 @@ class Trainer:
             compile_blocks(self.model, cfg.trainer.compile_backend)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.parallel.optimizer_factory)
         self.parallel.watch_optimizer(self.optimizer)  # quantized weights: made once per optimizer step
+        self.expert_load = ExpertLoad(self.model, cfg.model)  # MoE: load, drops, balancing losses, bias updates
         self.config_dict = config_to_dict(cfg)
         budget = cfg.trainer.tokens_per_step
         self.train_steps = TokenBudgetSteps(self.data.train, budget) if budget else None
@@ -167,21 +169,25 @@ class Trainer:
         grad_norm = self.parallel.clip_grad_norm_(self.cfg.trainer.grad_clip)
         counted = share.counted_doc_lengths
         fill = lambda value: torch.full((), value, dtype=torch.float64, device=self.device)  # a kernel, no copy
-        local = torch.stack([loss.double(), fill(sum(counted)), fill(training_flops(self.cfg.model, counted))])
+        local = torch.cat([torch.stack([loss.double(), fill(sum(counted)),
+                                        fill(training_flops(self.cfg.model, counted))]),
+                           self.expert_load.take(self.device)])
         totals = self.parallel.sum_over_batch(local)
         normaliser = torch.as_tensor(share.normaliser, dtype=torch.float64, device=self.device)
         loads = self.parallel.rank_loads(share)  # HDP: the tokens each rank of the domain ran; else empty
         # the step's one device-to-host sync: everything the log and the guard need, read together, before the update
-        loss_sum, tokens, flops, norm, n, *rank_tokens = torch.cat([totals, grad_norm.double().reshape(1),
-                                                                    normaliser.reshape(1), loads]).tolist()
+        values = torch.cat([totals, grad_norm.double().reshape(1), normaliser.reshape(1), loads]).tolist()
+        (loss_sum, tokens, flops), moe = values[:3], values[3:len(totals)]
+        norm, n, *rank_tokens = values[len(totals):]
         lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
         skipped = self.nonfinite.should_skip(step + 1, loss_sum / n, norm)
         if not skipped:
             set_lr(self.optimizer, lr)
             self.optimizer.step()
+            self.expert_load.update_bias(totals[3:])
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss=loss_sum / n, grad_norm=norm, lr=lr, tokens=int(tokens), flops=flops, skipped=skipped,
-                          rank_tokens=[int(x) for x in rank_tokens])
+                          rank_tokens=[int(x) for x in rank_tokens], moe=self.expert_load.record(moe, n))
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -233,7 +239,8 @@ class Trainer:
                         record = {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
                                   "lr": result.lr, "tokens": self.consumed_tokens, **window.close(),
                                   "peak_memory_gib": peak_memory_gb(self.device),
-                                  **({"hdp_rank_tokens": result.rank_tokens} if result.rank_tokens else {})}
+                                  **({"hdp_rank_tokens": result.rank_tokens} if result.rank_tokens else {}),
+                                  **result.moe}
                         if self.nonfinite.skipped_steps:
                             record["skipped_steps"] = len(self.nonfinite.skipped_steps)
                         if evaluate and val_loss is not None:

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from megalm import compat
-from megalm.model.naming import canonical_named_parameters
+from megalm.model.naming import canonical_named_buffers, canonical_named_parameters
 from megalm.model.shard import full_value, shard_specs
 from megalm.training.checkpoint.layout import (
     CHECKPOINTS,
@@ -87,6 +87,7 @@ def _write(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Op
     with full_precision_weights(optimizer):  # fp32 weights, whatever the recipe (async: staged before the exit)
         tensors = {f"model/{stored}": for_dcp(piece, spec, mesh) for n, p in params.items()
                    for stored, piece, spec in stored_pieces(n, full_value(p.detach()), specs.get(n), model)}
+        tensors.update({f"model/{n}": b.detach().clone() for n, b in canonical_named_buffers(model)})
         opt_tensors, groups = optimizer_tensors(model, optimizer)
         for key, value in opt_tensors.items():
             param_name, _, field = key.partition("::")

@@ -25,7 +25,7 @@ from megalm import compat
 from megalm.errors import CheckpointError
 from megalm.model.fused import part_rows, split_fused_name, unfused_names
 from megalm.model.gpt import VOCAB_PARAMS, resize_vocab_rows
-from megalm.model.naming import canonical_named_parameters, model_chunks
+from megalm.model.naming import canonical_named_buffers, canonical_named_parameters, model_chunks
 from megalm.model.shard import (
     FusedShardSpec,
     ShardSpec,
@@ -208,9 +208,10 @@ def local_from_targets(prefix: str, name: str, like: torch.Tensor, spec: ShardSp
 
 def model_targets(model: nn.Module, mesh: ParallelMesh | None, saved_rows: int | None) -> dict[str, torch.Tensor]:
     specs = shard_specs(model)
-    return {key: target for n, p in canonical_named_parameters(model)
-            for key, target in like_targets("model/", n, empty_full_like(p), specs.get(n), model, mesh,
-                                            saved_rows).items()}
+    targets = {key: target for n, p in canonical_named_parameters(model)
+               for key, target in like_targets("model/", n, empty_full_like(p), specs.get(n), model, mesh,
+                                               saved_rows).items()}
+    return targets | {f"model/{n}": torch.empty_like(b) for n, b in canonical_named_buffers(model)}
 
 
 @torch.no_grad()
@@ -223,3 +224,5 @@ def copy_model(model: nn.Module, targets: dict[str, torch.Tensor], path: Path, s
             raise CheckpointError(f"checkpoint {path} has {name} of shape {tuple(value.shape)}, this model "
                                   f"{tuple(param.shape)}; use the matching model config")
         copy_full_value(param, value)
+    for name, buffer in canonical_named_buffers(model):  # replicated state that is not trained
+        buffer.copy_(targets[f"model/{name}"])

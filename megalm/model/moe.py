@@ -1,0 +1,293 @@
+"""Mixture-of-experts feed-forward layers: a token-choice top-k router over SwiGLU experts run as grouped GEMMs.
+
+    scores = softmax(x W_rᵀ)              (Switch, Mixtral, Qwen3-MoE)  or  sigmoid(x W_rᵀ)   (DeepSeek-V3)
+    chosen = top-k(scores + b)            b: the aux-loss-free balancing bias (0 unless it is on), selection only
+    w      = scores[chosen]               normalised to sum 1 over the k if `norm_topk_prob`, x routed_scaling_factor
+    y      = Σ_j w_j · expert_{chosen_j}(x) + shared_experts(x)
+
+The router runs in fp32 whatever the compute dtype. Tokens are sorted by expert (a stable sort: within an expert,
+token order, so the permutation is the same under every layout), the experts run as two grouped GEMMs over the
+sorted rows (`torch._grouped_mm`), and each token's k outputs are gathered back and summed with their weights.
+Dropless by default; with `capacity_factor` an expert takes at most ceil(cf · T · k / E) of a micro-batch's T
+tokens and the rest of its assignments are dropped in token order (their weight is lost, the residual carries the
+token), counted in the layer's stats.
+
+Balancing losses, each a sum over tokens (as the LM loss is, megalm/model/loss.py) so that the step divides it by
+the global batch's token count once and every split of the batch gives the same gradient:
+
+    switch   T · E · Σ_e f_e · P̄_e              f_e = tokens routed to e / (T·k), P̄_e = mean score of e
+                                                 (Fedus et al. 2021, eq. 4; Megatron's aux_loss)
+    seq      Σ_docs T_d · E · Σ_e f_de · P̄_de    the same per document (DeepSeek-V3 §2.1.2, eq. 17-20)
+    z        Σ_t logsumexp(logits_t)²           router z-loss (Zoph et al. 2022, ST-MoE eq. 5)
+
+(sigmoid scores are normalised over the experts for P̄, as DeepSeek-V3 does). They reach the gradient through
+`AuxLossScaler` (Megatron's MoEAuxLossAutoScaler): the layer's output carries the loss into the backward, where it
+gets the gradient the step's loss gets (1 / its token count, `set_aux_loss_scale`), so a pipeline stage that is not
+the last adds its layers' losses too. Aux-loss-free balancing (DeepSeek-V3 §2.1.2; Wang et al. 2024) moves the
+per-expert bias b outside the gradient after each step: b_e += rate · sign(mean load - load_e), from the step's
+counts over the whole batch (megalm/training/expert_load.py).
+
+Each expert's weights are stacked: `experts.gate_up_proj.weight` [E, 2f, h] (rows [gate; up], as mlp.gate_up_proj)
+and `experts.down_proj.weight` [E, h, f], so expert parallelism shards dim 0 from outside. `expert_loop` computes
+the same experts one at a time: the tests' oracle, and the path when `torch._grouped_mm` is missing (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalm.config import ModelConfig
+from megalm.model.mlp import SwiGLUMLP
+from megalm.model.naming import canonical_named_modules
+
+log = logging.getLogger(__name__)
+
+
+def is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
+    """Whether block `layer_id` has experts: past the first `first_k_dense` (DeepSeek), every `every_n_layers`-th
+    ((layer_id + 1) % n == 0, Qwen's decoder_sparse_step)."""
+    moe = cfg.moe
+    return moe.num_experts > 0 and layer_id >= moe.first_k_dense and (layer_id + 1) % moe.every_n_layers == 0
+
+
+def moe_layer_ids(cfg: ModelConfig) -> list[int]:
+    """The global ids of the blocks with experts, in order (a stats row each)."""
+    return [i for i in range(cfg.num_layers) if is_moe_layer(cfg, i)]
+
+
+# ------------------------------------------------------------------------------------------ grouped GEMMs
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: `torch._grouped_mm`'s backward rejects a gradient with
+    stride 0 (what `.sum()` hands back)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+_warned_loop = False
+
+
+def grouped_mm_available() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x [N, in] sorted by group, weight [G, out, in], counts [G] rows per group -> [N, out]: each group's rows times
+    its weightᵀ, as one grouped GEMM (in the autocast dtype under autocast, as F.linear)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+    if not grouped_mm_available():
+        global _warned_loop
+        if not _warned_loop:
+            log.warning(f"torch {torch.__version__} has no torch._grouped_mm: experts run one at a time (slower); "
+                        "torch >= 2.10 runs them as one grouped GEMM")
+            _warned_loop = True
+        return expert_loop(x, weight, counts)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
+
+
+def expert_loop(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`grouped_linear` one group at a time (the oracle; reads the counts on the host)."""
+    pieces = x.split(counts.tolist())
+    return torch.cat([piece @ w.t() for piece, w in zip(pieces, weight, strict=True)])
+
+
+class GroupedLinear(nn.Module):
+    """G linear maps without bias, weight [G, out, in]; forward(x sorted by group, rows per group)."""
+
+    def __init__(self, groups: int, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(groups, out_features, in_features))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return grouped_linear(x, self.weight, counts)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts: down(silu(gate) * up) of each expert's rows, two grouped GEMMs for all of them.
+    Expert parallelism keeps a slice of the experts (`num_local`) and says which (`first`)."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.gate_up_proj = GroupedLinear(num_experts, hidden, 2 * ffn)
+        self.down_proj = GroupedLinear(num_experts, ffn, hidden)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, counts).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, counts)
+
+
+# ------------------------------------------------------------------------------------------ the router
+
+
+@dataclass
+class Routing:
+    """One micro-batch's routing: `experts` [T, k] chosen ids, `weights` [T, k] fp32 combine weights (0 where
+    dropped), `kept` [T, k] bool, `counts` [E] assignments each expert kept (float), `aux` the weighted
+    balancing losses' token-sum (a scalar with gradient) and `stats` its detached parts for the logs."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    kept: torch.Tensor
+    counts: torch.Tensor
+    aux: torch.Tensor
+    stats: torch.Tensor
+
+
+class Router(nn.Module):
+    """Token-choice top-k gate: `weight` [E, h] (fp32 math), and `expert_bias` [E], the aux-loss-free bias (a
+    buffer, moved outside the gradient; it only changes which experts are chosen)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        moe = cfg.moe
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.score, self.norm_topk_prob, self.scaling = moe.router_score, moe.norm_topk_prob, moe.routed_scaling_factor
+        self.capacity_factor = moe.capacity_factor
+        self.coeffs = (moe.aux_loss_coeff, moe.seq_aux_loss_coeff, moe.z_loss_coeff)
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size))
+        self.register_buffer("expert_bias", torch.zeros(moe.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> Routing:
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        choice = scores.detach() + self.expert_bias  # the bias is 0 unless aux-loss-free balancing moved it
+        experts = choice.topk(self.top_k, dim=-1).indices  # [T, k]
+        weights = scores.gather(-1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights * self.scaling
+        kept = self._capacity_mask(experts)
+        weights = weights * kept
+        counts = torch.bincount(experts.reshape(-1), weights=kept.reshape(-1).float(), minlength=self.num_experts)
+        aux, stats = self._balancing_losses(logits, scores, experts, cu_seqlens)
+        return Routing(experts, weights, kept, counts, aux, stats)
+
+    def _capacity_mask(self, experts: torch.Tensor) -> torch.Tensor:
+        """True for the assignments that fit their expert's capacity (first come in token order); all without one."""
+        if self.capacity_factor is None:
+            return torch.ones_like(experts, dtype=torch.bool)
+        tokens = experts.shape[0]
+        capacity = math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+        one_hot = F.one_hot(experts.reshape(-1), self.num_experts)  # [T*k, E], assignments in token order
+        position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # this assignment's place in its expert's queue
+        return (position < capacity).reshape(experts.shape)
+
+    def _balancing_losses(self, logits: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor,
+                          cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The coefficient-weighted sum of the three balancing losses (token-sums, module docstring), and the
+        three unweighted, detached."""
+        switch_c, seq_c, z_c = self.coeffs
+        E, k, T = self.num_experts, self.top_k, logits.shape[0]
+        zero = logits.new_zeros(())
+        probs = scores if self.score == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
+        routed = F.one_hot(experts, E).sum(1).float()  # [T, E]: 1 where the token chose the expert (before drops)
+        switch = seq = z = zero
+        if switch_c:
+            switch = E / (k * max(T, 1)) * (routed.sum(0) * probs.sum(0)).sum()
+        if seq_c:
+            doc = torch.searchsorted(cu_seqlens[1:].to(torch.int64), torch.arange(T, device=logits.device),
+                                     right=True)
+            docs = cu_seqlens.numel() - 1
+            per_doc_routed = logits.new_zeros(docs, E).index_add_(0, doc, routed)
+            per_doc_probs = logits.new_zeros(docs, E).index_add(0, doc, probs)
+            doc_tokens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(logits.dtype).clamp(min=1).unsqueeze(-1)
+            seq = (E / k * per_doc_routed * per_doc_probs / doc_tokens).sum()
+        if z_c:
+            z = torch.logsumexp(logits, dim=-1).square().sum()
+        aux = switch_c * switch + seq_c * seq + z_c * z
+        return aux, torch.stack([switch, seq, z]).detach()
+
+
+# ------------------------------------------------------------------------------------------ the layer
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """forward(output, aux) = output; backward gives `aux` the gradient the step's loss sum gets (Megatron's
+    MoEAuxLossAutoScaler), so the balancing losses train the router wherever the layer runs (any pipeline stage)."""
+
+    scale: float | torch.Tensor = 1.0
+
+    @staticmethod
+    def forward(ctx, output, aux):
+        ctx.aux_shape = aux.shape
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scale = AuxLossScaler.scale
+        scale = torch.as_tensor(scale, dtype=torch.float32, device=grad.device).reshape(ctx.aux_shape)
+        return grad, scale
+
+
+def set_aux_loss_scale(scale: float | torch.Tensor) -> None:
+    """The factor the step applies to its summed loss (1 / the batch's loss tokens): the balancing losses get it
+    too. Runners set it before their backward passes; 1 (the default) adds them to the loss sum as they are."""
+    AuxLossScaler.scale = scale
+
+
+class MoE(nn.Module):
+    """The MoE feed-forward block (module docstring). `stats` accumulates, over a step's micro-batches and without a
+    host sync, the assignments each expert kept, the dropped ones and the three balancing losses' token-sums
+    (megalm/training/expert_load.py reads and clears it)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        moe = cfg.moe
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.router = Router(cfg)
+        self.experts = GroupedExperts(moe.num_experts, cfg.hidden_size, moe.expert_ffn_hidden_size)
+        self.shared_experts = None
+        if moe.num_shared_experts:
+            self.shared_experts = SwiGLUMLP(cfg, ffn_hidden_size=moe.shared_ffn_hidden_size)
+        self.register_buffer("stats", torch.zeros(moe.num_experts + 4, dtype=torch.float64), persistent=False)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        routing = self.router(x, cu_seqlens)
+        flat = routing.experts.reshape(-1)  # [T*k] assignments in token order
+        order = torch.argsort(flat, stable=True)  # by expert, then token order: layout-independent
+        # dropped assignments run too (weight 0): the rows per expert stay known without reading the drops on the host
+        y_sorted = self.experts(x[order // self.top_k], torch.bincount(flat, minlength=self.num_experts))
+        y = y_sorted.new_zeros(flat.numel(), shape[-1]).index_copy(0, order, y_sorted)  # back to assignment order
+        out = (y.view(-1, self.top_k, shape[-1]).float() * routing.weights.unsqueeze(-1)).sum(1).to(y.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside the backward: count once
+            self._record(routing)
+        return AuxLossScaler.apply(out, routing.aux).reshape(*shape[:-1], out.shape[-1])
+
+    def reset_buffers(self) -> None:
+        """Zero the stats and the router's bias (after `to_empty`: init_weights sets parameters only)."""
+        self.stats.zero_()
+        self.router.expert_bias.zero_()
+
+    @torch.no_grad()
+    def _record(self, routing: Routing) -> None:
+        dropped = (~routing.kept).sum()
+        self.stats[: self.num_experts] += routing.counts
+        self.stats[self.num_experts] += dropped
+        self.stats[self.num_experts + 1:] += routing.stats
+
+
+def moe_modules(model: nn.Module) -> dict[int, MoE]:
+    """This rank's MoE blocks by global layer id (`model` a GPT or a pipeline rank's chunks)."""
+    return {int(name.split(".")[1]): m for name, m in canonical_named_modules(model) if isinstance(m, MoE)}

@@ -1,0 +1,239 @@
+"""The mixture-of-experts layer against per-token oracles: grouped GEMMs, routing, drops, the balancing losses and
+their gradient, the aux-loss-free bias, stats under recomputation, and MoE training and checkpoints end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megalm.config import ModelConfig, MoEConfig
+from megalm.errors import ConfigError
+from megalm.model import GPT, init_weights
+from megalm.model.moe import MoE, expert_loop, grouped_linear, moe_modules, set_aux_loss_scale
+from megalm.training.expert_load import ExpertLoad
+from megalm.training.flops import matmul_params
+
+
+def moe_config(**moe) -> ModelConfig:
+    fields = dict(num_experts=4, top_k=2, expert_ffn_hidden_size=24) | moe
+    return ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48, vocab_size=64,
+                       seq_length=32, attention_backend="sdpa", moe=MoEConfig(**fields))
+
+
+def moe_layer(seed: int = 0, **moe) -> MoE:
+    model = GPT(moe_config(**moe))
+    init_weights(model, seed)
+    layer = model.layers[0].mlp
+    with torch.no_grad():  # a router that is not near-uniform, so that choices and drops differ across tokens
+        layer.router.weight.mul_(20)
+    return layer
+
+
+def oracle(layer: MoE, x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer computed token by token, assignment by assignment (no sort, no grouped GEMM); also the kept mask."""
+    r = layer.router
+    logits = x.double() @ r.weight.double().t()
+    scores = logits.softmax(-1) if r.score == "softmax" else logits.sigmoid()
+    chosen = (scores + r.expert_bias.double()).topk(r.top_k, dim=-1).indices
+    capacity = math.inf if r.capacity_factor is None else math.ceil(
+        r.capacity_factor * x.shape[0] * r.top_k / r.num_experts)
+    taken = [0] * r.num_experts
+    out, kept = torch.zeros_like(x, dtype=torch.float64), torch.zeros(chosen.shape, dtype=torch.bool)
+    gate_up, down = layer.experts.gate_up_proj.weight.double(), layer.experts.down_proj.weight.double()
+    for t in range(x.shape[0]):
+        weights = scores[t, chosen[t]]
+        if r.norm_topk_prob:
+            weights = weights / weights.sum()
+        for j, e in enumerate(chosen[t].tolist()):
+            if taken[e] >= capacity:
+                continue
+            taken[e] += 1
+            kept[t, j] = True
+            gate, up = (gate_up[e] @ x[t].double()).chunk(2)
+            out[t] += r.scaling * weights[j] * (down[e] @ (F.silu(gate) * up))
+    if layer.shared_experts is not None:
+        out += layer.shared_experts(x).double()
+    return out, kept
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemm_equals_the_expert_loop_forward_and_backward(dtype):
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.tensor([3, 0, 7, 2])  # an empty expert too
+    x = torch.randn(12, 16, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(4, 8, 16, generator=gen).to(dtype).requires_grad_()
+    dy = torch.randn(12, 8, generator=gen).to(dtype)
+    grads = []
+    for fn in (grouped_linear, expert_loop):
+        y = fn(x, w, counts)
+        grads.append((y, *torch.autograd.grad(y, (x, w), dy)))
+    tol = dict(atol=0, rtol=0) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+    # the stride-0 gradient `.sum()` hands back, which torch._grouped_mm's own backward rejects
+    grouped_linear(x, w, counts).sum().backward()
+
+
+@pytest.mark.parametrize("moe", [dict(), dict(router_score="sigmoid", routed_scaling_factor=2.5),
+                                 dict(norm_topk_prob=False), dict(capacity_factor=1.0), dict(capacity_factor=0.5),
+                                 dict(num_shared_experts=1, top_k=1)],
+                         ids=["softmax", "sigmoid", "unnormalised", "cf1", "cf0.5", "shared_top1"])
+def test_layer_equals_the_per_token_oracle(moe):
+    layer = moe_layer(**moe)
+    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(1))
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    want, kept = oracle(layer, x, cu)
+    torch.testing.assert_close(layer(x, cu).double(), want, atol=1e-5, rtol=1e-5)
+    E = layer.num_experts
+    assert layer.stats[E].item() == (~kept).sum().item()  # dropped assignments counted
+    assert layer.stats[:E].sum().item() == kept.sum().item()
+    if moe.get("capacity_factor") == 0.5:
+        assert (~kept).any()  # the case drops something
+
+
+def switch_loss(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    r = layer.router
+    probs = (x @ r.weight.t()).softmax(-1)
+    chosen = probs.topk(r.top_k, dim=-1).indices
+    f = F.one_hot(chosen, r.num_experts).sum(1).float().mean(0) / r.top_k
+    return x.shape[0] * r.num_experts * (f * probs.mean(0)).sum()
+
+
+def seq_loss(layer: MoE, x: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    return sum(switch_loss(layer, x[a:b]) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True))
+
+
+def z_loss(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(x @ layer.router.weight.t(), dim=-1).square().sum()
+
+
+@pytest.mark.parametrize("which", ["aux", "seq_aux", "z"])
+def test_balancing_loss_reaches_the_router_gradient_at_the_step_scale(which):
+    """d/dW of (output term + scale · coeff · loss) equals autograd's through the layer's scaler, for a scale the step
+    sets (1 / its loss tokens); the logged value is the oracle's."""
+    coeff = 0.3
+    layer = moe_layer(**{f"{which}_loss_coeff": coeff})
+    x = torch.randn(30, 32, generator=torch.Generator().manual_seed(2))
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    probe = torch.randn(30, 32, generator=torch.Generator().manual_seed(3))
+    scale = 1 / 7
+    set_aux_loss_scale(scale)
+    try:
+        got = torch.autograd.grad((layer(x, cu) * probe).sum(), layer.router.weight)[0]
+    finally:
+        set_aux_loss_scale(1.0)
+    loss = {"aux": lambda: switch_loss(layer, x), "seq_aux": lambda: seq_loss(layer, x, cu),
+            "z": lambda: z_loss(layer, x)}[which]
+    layer.router.coeffs = (0.0, 0.0, 0.0)
+    layer.stats.zero_()
+    plain = torch.autograd.grad((layer(x, cu) * probe).sum(), layer.router.weight)[0]
+    want = plain + scale * coeff * torch.autograd.grad(loss(), layer.router.weight)[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, plain)  # the loss moved the gradient
+    layer.router.coeffs = {"aux": (coeff, 0, 0), "seq_aux": (0, coeff, 0), "z": (0, 0, coeff)}[which]
+    layer.stats.zero_()
+    layer(x, cu)
+    index = {"aux": 0, "seq_aux": 1, "z": 2}[which]
+    assert layer.stats[layer.num_experts + 1 + index].item() == pytest.approx(loss().item(), rel=1e-5)
+
+
+def test_bias_update_moves_load_toward_uniform():
+    """Aux-loss-free balancing on a skewed router: max/mean load falls as the bias moves (no gradient involved)."""
+    model = GPT(moe_config(bias_update_rate=0.05, num_experts=8))
+    init_weights(model, 0)
+    layer = model.layers[0].mlp
+    x = torch.randn(256, 32, generator=torch.Generator().manual_seed(4))
+    x[:, 0] = 2.0
+    with torch.no_grad():
+        layer.router.weight.mul_(30)
+        layer.router.weight[:, 0] = 0.0
+        layer.router.weight[0, 0] = 2.0  # expert 0's logit is 4 higher for every token
+    load = ExpertLoad(model, model.cfg)
+    cu = torch.tensor([0, 256], dtype=torch.int32)
+
+    def step() -> float:
+        with torch.no_grad():
+            layer(x, cu)
+        totals = load.take(torch.device("cpu"))
+        load.update_bias(totals)
+        return load.record(totals.tolist(), 256)["moe_load"][0]
+
+    before = step()
+    after = [step() for _ in range(200)][-20:]  # the sign update oscillates around balance: its last 20 steps
+    assert before > 2.5 and max(after) < 0.6 * before, (before, after)
+    assert layer.router.expert_bias[0] < 0  # the favoured expert was pushed down
+
+
+def test_recomputation_counts_each_micro_batch_once_and_gives_the_same_gradients():
+    from megalm.parallel.recompute import apply_recompute
+
+    cfg = moe_config(aux_loss_coeff=0.1)
+    tokens = torch.randint(0, 64, (32,), generator=torch.Generator().manual_seed(5))
+    positions, cu = torch.arange(32) % 16, torch.tensor([0, 16, 32], dtype=torch.int32)
+    results = []
+    for mode in ("none", "full", "selective"):
+        model = GPT(cfg)
+        init_weights(model, 0)
+        if mode != "none":
+            apply_recompute(model, mode)
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # the whole block runs again
+            model(tokens, positions, cu, 16).float().square().mean().backward()
+        results.append(([p.grad.clone() for p in model.parameters() if p.grad is not None],
+                        [m.stats.clone() for m in moe_modules(model).values()]))
+    for grads, stats in results[1:]:
+        for a, b in zip(grads, results[0][0], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        for a, b in zip(stats, results[0][1], strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_flops_count_active_parameters():
+    dense = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48, vocab_size=64)
+    cfg = moe_config(num_experts=8, top_k=2, expert_ffn_hidden_size=24, num_shared_experts=1,
+                     shared_ffn_hidden_size=24, first_k_dense=1)
+    for c in (dense, cfg):
+        c.padded_vocab_size = 64
+    mlp_dense, per_expert = 3 * 32 * 48, 3 * 32 * 24
+    moe_mlp = 8 * 32 + 2 * per_expert + per_expert  # router, two routed experts, the shared one
+    assert matmul_params(cfg) - matmul_params(dense) == moe_mlp - mlp_dense  # layer 0 dense, layer 1 MoE
+
+
+def test_moe_config_errors_name_the_fix():
+    from megalm.config import resolve_model_defaults, validate_model
+
+    for moe, message in [(dict(top_k=5), "top_k"), (dict(capacity_factor=0.0), "capacity_factor"),
+                         (dict(aux_loss_coeff=-1.0), "aux_loss_coeff"), (dict(first_k_dense=2), "no block"),
+                         (dict(router_score="relu"), "router_score")]:
+        cfg = resolve_model_defaults(moe_config(**moe))
+        with pytest.raises(ConfigError, match=message):
+            validate_model(cfg)
+    cfg = resolve_model_defaults(moe_config())
+    cfg.activation = "gelu"
+    with pytest.raises(ConfigError, match="swiglu"):
+        validate_model(cfg)
+
+
+def test_moe_tiny_trains_logs_load_and_resumes_its_bias(tmp_path, make_config):
+    """A few steps of the MoE preset (shrunk) with every balancing method on: metrics.jsonl carries the load and the
+    losses, the checkpoint holds the moved bias and a resume continues exactly (tests/e2e/test_moe_training.py shows
+    the loss falling)."""
+    from megalm.training.trainer import Trainer
+
+    overrides = ["model=moe_tiny", "model.hidden_size=64", "model.moe.expert_ffn_hidden_size=32",
+                 "model.moe.seq_aux_loss_coeff=0.001", "model.moe.bias_update_rate=0.01", "trainer.max_steps=6",
+                 "trainer.save_interval=3", "optim.lr=3e-3"]
+    full = Trainer(make_config(*overrides), tmp_path / "full").fit()
+    records = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert {"moe_load", "moe_dropped", "moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss"} <= set(records[-1])
+    assert len(records[-1]["moe_load"]) == 2 and all(x >= 1 for x in records[-1]["moe_load"])
+    resumed_cfg = make_config(*overrides, "trainer.stop_at_step=3")
+    Trainer(resumed_cfg, tmp_path / "resumed").fit()
+    resumed = Trainer(make_config(*overrides), tmp_path / "resumed")
+    bias = [m.router.expert_bias.clone() for m in moe_modules(resumed.model).values()]
+    assert all(b.abs().sum() > 0 for b in bias)  # the step-3 bias came back from the checkpoint
+    again = resumed.fit()
+    assert again.losses[-3:] == full.losses[-3:]
