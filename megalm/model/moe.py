@@ -29,12 +29,11 @@ counts over the whole batch (megalm/training/expert_load.py).
 
 Each expert's weights are stacked: `experts.gate_up_proj.weight` [E, 2f, h] (rows [gate; up], as mlp.gate_up_proj)
 and `experts.down_proj.weight` [E, h, f], so expert parallelism shards dim 0 from outside. `expert_loop` computes
-the same experts one at a time: the tests' oracle, and the path when `torch._grouped_mm` is missing (logged).
+the same experts one at a time: the tests' oracle (`torch._grouped_mm` runs on CPU too, from torch 2.9, the floor).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 
@@ -45,8 +44,6 @@ from torch import nn
 from megalm.config import ModelConfig
 from megalm.model.mlp import SwiGLUMLP
 from megalm.model.naming import canonical_named_modules
-
-log = logging.getLogger(__name__)
 
 
 def is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
@@ -77,13 +74,6 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-_warned_loop = False
-
-
-def grouped_mm_available() -> bool:
-    return hasattr(torch, "_grouped_mm")
-
-
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x [N, in] sorted by group, weight [G, out, in], counts [G] rows per group -> [N, out]: each group's rows times
     its weightᵀ, as one grouped GEMM (in the autocast dtype under autocast, as F.linear)."""
@@ -91,19 +81,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) 
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         x, weight = x.to(dtype), weight.to(dtype)
-    if not grouped_mm_available():
-        global _warned_loop
-        if not _warned_loop:
-            log.warning(f"torch {torch.__version__} has no torch._grouped_mm: experts run one at a time (slower); "
-                        "torch >= 2.10 runs them as one grouped GEMM")
-            _warned_loop = True
-        return expert_loop(x, weight, counts)
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
 
 
 def expert_loop(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """`grouped_linear` one group at a time (the oracle; reads the counts on the host)."""
+    """`grouped_linear` one group at a time (the tests' oracle; reads the counts on the host)."""
     pieces = x.split(counts.tolist())
     return torch.cat([piece @ w.t() for piece, w in zip(pieces, weight, strict=True)])
 
