@@ -46,6 +46,7 @@ from megalm.parallel.data_parallel.bucket_adamw import BucketAdamW, forward_owne
 from megalm.parallel.data_parallel.reducer import GradReducer
 from megalm.parallel.data_parallel.slices import DataParallelSlices, validate_data_parallel
 from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh, check_same_on_all_ranks, resolve_dims
+from megalm.parallel.expert import validate_experts
 from megalm.parallel.fsdp import FsdpGrads, apply_fsdp, fsdp_mesh, validate_fsdp
 from megalm.parallel.hdp.split import HdpSplit, hdp_cost_model, validate_hdp
 from megalm.parallel.microbatch import LocalMicroBatch, Ring, StepShare
@@ -96,6 +97,7 @@ def validate_parallel(cfg: MegalmConfig, world_size: int) -> ParallelDims:
     validate_data_parallel(cfg)
     validate_fsdp(cfg)
     validate_pipeline(cfg)
+    validate_experts(cfg)
     return dims
 
 

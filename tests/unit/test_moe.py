@@ -237,3 +237,17 @@ def test_moe_tiny_trains_logs_load_and_resumes_its_bias(tmp_path, make_config):
     assert all(b.abs().sum() > 0 for b in bias)  # the step-3 bias came back from the checkpoint
     again = resumed.fit()
     assert again.losses[-3:] == full.losses[-3:]
+
+
+@pytest.mark.parametrize(("world", "overrides", "message"), [
+    (2, ["parallel.tp=2"], "parallel.tp>1"), (2, ["parallel.cp=2"], "parallel.cp>1"),
+    (2, ["parallel.fsdp=true"], "parallel.fsdp=true"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=zb", "trainer.micro_batch_size=2"], "pp_schedule=zb"),
+    (2, ["data.varlen=true", "parallel.hdp=true"], "parallel.hdp=true"),
+    (1, ["precision=mxfp8"], "grouped GEMMs")], ids=["tp", "cp", "fsdp", "zb", "hdp", "mxfp8"])
+def test_layouts_not_built_for_moe_are_refused_in_one_line(make_config, world, overrides, message):
+    from megalm.training.validation import validate_run
+
+    with pytest.raises(ConfigError, match=message) as error:
+        validate_run(make_config("model=moe_tiny", *overrides), world, torch.device("cpu"))
+    assert "\n" not in str(error.value)
