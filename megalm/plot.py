@@ -141,7 +141,27 @@ def plot_metrics(records: list[dict[str, Any]], run_name: str = "", log_loss: bo
         ax.grid(alpha=0.3)
         ax.legend()
         figures[name] = fig
+    loads = [(r["step"], r["moe_load"]) for r in records if isinstance(r.get("moe_load"), list)]
+    if loads:
+        figures["expert_load"] = plot_expert_load(loads, run_name)
     return figures
+
+
+def plot_expert_load(loads: list[tuple[int, list[float]]], run_name: str = "") -> Figure:
+    """Expert load over steps, one curve per MoE layer: the busiest expert's tokens over the mean (1 = uniform;
+    metrics.jsonl's `moe_load`, megalm/training/expert_load.py)."""
+    fig = new_figure(7.5, 4.2)
+    ax = fig.add_subplot()
+    steps = [s for s, _ in loads]
+    for i in range(len(loads[0][1])):
+        ax.plot(steps, [values[i] for _, values in loads], label=f"MoE layer {i + 1}")
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=0.8, label="uniform")
+    ax.set_xlabel("step")
+    ax.set_ylabel("max / mean tokens per expert")
+    ax.set_title(f"expert load — {run_name}" if run_name else "expert load")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,7 +408,8 @@ def plot_hdp_balance(results: dict[str, HdpSimResult], title: str = "", bins: in
 
 def _run_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="megalm-plot", description="Plot a run's metrics.jsonl: loss (train and "
-                                "valid), learning rate, gradient norm and tokens/s against step. "
+                                "valid), learning rate, gradient norm, tokens/s and an MoE model's expert load against "
+                                "step. "
                                 "`megalm-plot schedule -h` draws a pipeline schedule.")
     p.add_argument("run_dir", help="a run directory holding metrics.jsonl")
     p.add_argument("--out", default=None, help="where the PNGs go (default RUN_DIR/plots)")

@@ -84,6 +84,16 @@ def test_metrics_without_validation_or_per_gpu_rate_draw_fewer_curves():
     assert legend_texts(plot.plot_metrics(one_gpu)["throughput"].axes[0]) == ["all ranks"]
 
 
+def test_moe_runs_get_an_expert_load_figure_with_a_curve_per_layer():
+    rs = [{"step": s, "loss": 3.0, "moe_load": [3.0 / s, 2.0]} for s in range(1, 5)]
+    figs = plot.plot_metrics(rs)
+    assert set(figs) == {"loss", "expert_load"}
+    ax = figs["expert_load"].axes[0]
+    assert legend_texts(ax) == ["MoE layer 1", "MoE layer 2", "uniform"]
+    assert list(ax.get_lines()[0].get_ydata()) == [3.0, 1.5, 1.0, 0.75] and "per expert" in ax.get_ylabel()
+    assert "expert_load" not in plot.plot_metrics(records())
+
+
 def test_cli_writes_the_pngs(tmp_path, capsys):
     run = write_run(tmp_path / "run", records())
     assert plot.main([str(run), "--out", str(tmp_path / "out")]) == 0
