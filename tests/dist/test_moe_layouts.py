@@ -47,6 +47,8 @@ LAYOUTS = {
     "dp2": (2, ["model.moe.capacity_factor=1.0", "parallel.dp=2"]),
     "pp2": (2, ["model.moe.capacity_factor=null", "parallel.pp=2"]),
     "pp2_capacity": (2, ["model.moe.capacity_factor=1.0", "parallel.pp=2"]),
+    "pp2_offload": (2, ["model.moe.capacity_factor=null", "parallel.pp=2", "offload.enabled=true",
+                        "offload.min_tensor_bytes=0"]),
     "dp2_zero1_recompute": (2, ["model.moe.capacity_factor=null", "parallel.dp=2", "parallel.zero1=true",
                                 "parallel.recompute=full"]),
 }
