@@ -24,6 +24,7 @@ import shlex
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -47,7 +48,7 @@ TOOL_FLAGS = {"precision_convergence.py": ["--steps", "2"], "throughput.py": ["-
               "context_parallel.py": ["--steps", "1", "--warmup", "0", "--seq", "64"], "comm_volume.py": [],
               "offload.py": ["--steps", "1", "--warmup", "0"], "checkpoint_save.py": ["--reps", "1"],
               "compare.py": ["--tiny", "--seqs", "64", "--precisions", "fp32", "--repeats", "1"], "step_cost.py": [],
-              "activation_memory.py": ["model.num_heads=8"]}  # 8 heads: its tp8 command shards them
+              "activation_memory.py": ["model.num_heads=8"], "moe_balance.py": ["--steps", "2"]}  # 8 heads: its tp8 command shards them
 # Benchmarks that set their own model shapes (a tiny model would not shard over their layouts): only these flags.
 OWN_SHAPE_FLAGS = {"estimate_vs_formula.py": ["--models", "8b", "--recompute", "full", "--num-layers", "8"],
                    "fsdp_memory.py": ["--dp", "2", "--models"]}  # the tiny model's real runs at dp 2, no 8B/70B
@@ -64,6 +65,8 @@ CONSOLE_SCRIPTS = {"megalm-train": "megalm.train", "megalm-generate": "megalm.ge
 ESTIMATE_SHAPE = {"model.num_layers": "8", "model.hidden_size": "64", "model.num_heads": "8",
                   "model.num_kv_heads": "8", "model.ffn_hidden_size": "128", "model.seq_length": "64",
                   "model.vocab_size": "512"}
+# Where each command's wall time is appended, when set (.ci/run prints the slowest).
+TIMINGS = os.environ.get("MEGALM_DOCS_TIMINGS")
 NAMES_IN_PROSE = {"torchrun -m megalm.train", "python -m megalm.train", "megalm-generate --debug"}
 
 
@@ -248,8 +251,11 @@ def run_doc(doc: Path, tmp_path: Path) -> None:
         if spec is None:
             continue
         argv, extra = spec
-        before = files_of(tmp_path)
+        before, started = files_of(tmp_path), time.perf_counter()
         proc = subprocess.run(argv, cwd=tmp_path, env={**env, **extra}, capture_output=True, text=True, timeout=600)
+        if TIMINGS:  # CI prints the slowest commands from this file
+            with open(TIMINGS, "a") as f:
+                f.write(f"{time.perf_counter() - started:7.1f} s  {doc.name} ({attempt}): {command[:150]}\n")
         if files_of(tmp_path) != before:
             writers.add(command)
         wandb_missing = "logging.wandb.enabled=true" in command and "pip install wandb" in proc.stderr
