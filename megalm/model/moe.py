@@ -215,9 +215,10 @@ class AuxLossScaler(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        scale = AuxLossScaler.scale
-        scale = torch.as_tensor(scale, dtype=torch.float32, device=grad.device).reshape(ctx.aux_shape)
-        return grad, scale
+        scale = AuxLossScaler.scale  # a fill kernel for a Python number, no host-to-device copy
+        if isinstance(scale, torch.Tensor):
+            return grad, scale.to(torch.float32).reshape(ctx.aux_shape)
+        return grad, grad.new_full(ctx.aux_shape, scale, dtype=torch.float32)
 
 
 def set_aux_loss_scale(scale: float | torch.Tensor) -> None:

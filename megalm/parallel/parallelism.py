@@ -311,7 +311,8 @@ class Parallelism:
         micro-batches and reduced over the ranks that split the batch; returns this rank's summed loss."""
         self.model.train()
         self.reducer.start_step(len(share.micro_batches))
-        set_aux_loss_scale(1.0 / torch.as_tensor(share.normaliser, dtype=torch.float32, device=self.device))
+        n = share.normaliser  # the balancing losses' gradient gets the loss's 1 / n too
+        set_aux_loss_scale(1.0 / n if isinstance(n, int) else 1.0 / n.to(torch.float32))
         loss = self.runner.run_micro_batches(share.micro_batches, share.normaliser, share.step)
         self.reducer.finish()
         return loss

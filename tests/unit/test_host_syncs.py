@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import traceback
 
+import pytest
 import torch
 
 from megalm.training.trainer import Trainer
@@ -41,8 +42,12 @@ class SyncCounter(HostTensorGuard):
         return out
 
 
-def test_one_host_sync_per_training_step(tmp_path):
-    trainer = Trainer(compose_config("trainer.max_steps=3"), tmp_path)
+@pytest.mark.parametrize("model", [[], ["model=moe_tiny", "model.num_layers=2", "model.hidden_size=64",
+                                          "model.moe.seq_aux_loss_coeff=0.01", "model.moe.bias_update_rate=0.01",
+                                          "model.moe.capacity_factor=1.0"]], ids=["dense", "moe"])
+def test_one_host_sync_per_training_step(tmp_path, model):
+    """MoE adds none: its routing stays on the device, its load and losses are read with the step's totals."""
+    trainer = Trainer(compose_config("trainer.max_steps=3", *model), tmp_path)
     trainer.train_step(0)  # first-call work (caches, backend choice) is not per step
     with SyncCounter() as counter:
         result = trainer.train_step(1)
