@@ -48,7 +48,8 @@ TOOL_FLAGS = {"precision_convergence.py": ["--steps", "2"], "throughput.py": ["-
               "context_parallel.py": ["--steps", "1", "--warmup", "0", "--seq", "64"], "comm_volume.py": [],
               "offload.py": ["--steps", "1", "--warmup", "0"], "checkpoint_save.py": ["--reps", "1"],
               "compare.py": ["--tiny", "--seqs", "64", "--precisions", "fp32", "--repeats", "1"], "step_cost.py": [],
-              "activation_memory.py": ["model.num_heads=8"], "moe_balance.py": ["--steps", "2"]}  # 8 heads: its tp8 command shards them
+              "activation_memory.py": ["model.num_heads=8"],  # 8 heads: its tp8 command shards them
+              "moe_balance.py": ["--steps", "2"]}
 # Benchmarks that set their own model shapes (a tiny model would not shard over their layouts): only these flags.
 OWN_SHAPE_FLAGS = {"estimate_vs_formula.py": ["--models", "8b", "--recompute", "full", "--num-layers", "8"],
                    "fsdp_memory.py": ["--dp", "2", "--models"]}  # the tiny model's real runs at dp 2, no 8B/70B
