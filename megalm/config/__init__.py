@@ -30,6 +30,7 @@ from megalm.config.schema import (
     TrainerConfig,
     WandbConfig,
     config_to_dict,
+    model_config,
     register_schema,
     schema_error_line,
     to_dataclass,
@@ -38,6 +39,6 @@ from megalm.config.schema import (
 __all__ = [
     "Choice", "DataConfig", "LoggingConfig", "MegalmConfig", "ModelConfig", "MoEConfig", "OffloadConfig", "OptimConfig",
     "ParallelConfig", "PrecisionConfig", "SyntheticDataConfig", "TrainerConfig", "WandbConfig", "blend_pairs",
-    "choice", "config_to_dict", "pad_vocab", "positive", "process_group_minutes", "register_schema",
+    "choice", "config_to_dict", "model_config", "pad_vocab", "positive", "process_group_minutes", "register_schema",
     "resolve_model_defaults", "schema_error_line", "to_dataclass", "validate", "validate_model",
 ]

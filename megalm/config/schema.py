@@ -436,6 +436,17 @@ def unknown_key_line(key: str) -> str:
     return f"unknown config key '{key}'; check the spelling (megalm-train --cfg job lists all keys)"
 
 
+def model_config(values: dict[str, Any] | DictConfig | ModelConfig) -> ModelConfig:
+    """A `ModelConfig` from a saved run's `model` section (nested sections, such as `moe`, made dataclasses too; a
+    key the schema lacks, or a value outside a choice, is a one-line ConfigError)."""
+    if isinstance(values, ModelConfig):
+        return values
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), values))  # type: ignore
+    except (ValidationError, KeyError) as e:
+        raise ConfigError(f"model config: {schema_error_line(e) if isinstance(e, ValidationError) else e}") from None
+
+
 def to_dataclass(cfg: DictConfig | MegalmConfig) -> MegalmConfig:
     """A plain `MegalmConfig` from a Hydra config; keys outside the schema are an error."""
     if isinstance(cfg, MegalmConfig):

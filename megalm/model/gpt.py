@@ -27,10 +27,10 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
-from megalm.config import ModelConfig, resolve_model_defaults, validate_model
+from megalm.config import ModelConfig, model_config, resolve_model_defaults, validate_model
 from megalm.data.batch import PackedBatch
 from megalm.model.attention import Attention, AttentionContext
 from megalm.model.fused import part_rows, split_fused_name, unfused_names
@@ -87,9 +87,7 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: ModelConfig | DictConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
-        if not isinstance(cfg, ModelConfig):
-            cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), cfg))
-        cfg = resolve_model_defaults(copy.deepcopy(cfg))
+        cfg = resolve_model_defaults(copy.deepcopy(model_config(cfg)))
         validate_model(cfg)
         self.cfg = cfg
         self.head_dim = cfg.hidden_size // cfg.num_heads
@@ -237,7 +235,13 @@ def init_weights(model: nn.Module, seed: int) -> None:
         spec = specs.get(name)
         full = initial_value(name, spec.full_shape if spec else tuple(param.shape), cfg, seed)
         copy_full_value(param, spec.shard(full) if spec else full)
-    for module in model.modules():  # state that is not a parameter (MoE routers' balancing bias, load counts)
+    reset_buffers(model)
+
+
+def reset_buffers(model: nn.Module) -> None:
+    """Zero the model's state that is not a parameter (MoE routers' balancing bias, load counts): `to_empty` leaves
+    buffers uninitialized, and neither `init_weights`' draws nor a checkpoint's parameters cover the counts."""
+    for module in model.modules():
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
 

@@ -97,6 +97,9 @@ class InteropError(MegalmError):
 
 def architecture_of(cfg: ModelConfig) -> str:
     """"llama" or "gpt2": the HF architecture that computes exactly what `cfg`'s GPT computes; else InteropError."""
+    if cfg.moe.num_experts:
+        raise InteropError(f"model.moe.num_experts={cfg.moe.num_experts}: megalm's MoE models have no Hugging Face "
+                           "mapping yet; export a dense model")
     style = (cfg.norm, cfg.activation, cfg.position_embedding)
     if style == ("rmsnorm", "swiglu", "rope"):
         if cfg.bias:

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from megalm.config import ModelConfig, MoEConfig
 from megalm.errors import ConfigError
 from megalm.model import GPT, init_weights
+from megalm.model.hf import InteropError, architecture_of
 from megalm.model.moe import MoE, expert_loop, grouped_linear, moe_modules, set_aux_loss_scale
+from megalm.training.checkpoint import load_saved_model
 from megalm.training.expert_load import ExpertLoad
 from megalm.training.flops import matmul_params
 
@@ -237,6 +239,14 @@ def test_moe_tiny_trains_logs_load_and_resumes_its_bias(tmp_path, make_config):
     assert all(b.abs().sum() > 0 for b in bias)  # the step-3 bias came back from the checkpoint
     again = resumed.fit()
     assert again.losses[-3:] == full.losses[-3:]
+    # megalm-generate's loader builds the MoE model from the run's config and loads its bias with the weights
+    _, loaded = load_saved_model(tmp_path / "full")
+    trained = moe_modules(Trainer(make_config(*overrides, "trainer.resume=auto"), tmp_path / "full").model)
+    for layer, module in moe_modules(loaded).items():
+        torch.testing.assert_close(module.router.expert_bias, trained[layer].router.expert_bias, rtol=0, atol=0)
+        assert module.stats.abs().sum() == 0
+    with pytest.raises(InteropError, match="no Hugging Face mapping yet"):
+        architecture_of(loaded.cfg)
 
 
 @pytest.mark.parametrize(("world", "overrides", "message"), [

@@ -10,9 +10,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from megalm.config import ModelConfig, resolve_model_defaults
+from megalm.config import model_config, resolve_model_defaults
 from megalm.errors import CheckpointError
-from megalm.model.gpt import GPT
+from megalm.model.gpt import GPT, reset_buffers
 from megalm.model.naming import canonical_named_parameters
 from megalm.model.shard import shard_specs
 from megalm.training.checkpoint.layout import resolve_checkpoint_path
@@ -56,8 +56,9 @@ def load_saved_model(path: str | Path, device: str | torch.device = "cpu") -> tu
     megalm-export and model.init_from read. No initialization is drawn: every parameter is loaded."""
     ckpt = resolve_checkpoint_path(path)
     meta = read_checkpoint_meta(ckpt)
-    model = GPT(resolve_model_defaults(ModelConfig(**meta.config["model"])), device="meta")
+    model = GPT(resolve_model_defaults(model_config(meta.config["model"])), device="meta")
     model.to_empty(device=device)
+    reset_buffers(model)
     load_model_weights(ckpt, model)
     return meta, model
 
