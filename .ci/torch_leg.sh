@@ -25,7 +25,7 @@ if [ "${PEERS:-0}" = 1 ]; then
 fi
 t1=$SECONDS
 set +e
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider "${tests[@]}" 2>&1 | tee "$(dirname "$VENV")/pytest.log"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile "${tests[@]}" 2>&1 | tee "$(dirname "$VENV")/pytest.log"
 rc=${PIPESTATUS[0]}
 set -e
 summary=$(grep -E '^=*\s*[0-9]+ (passed|failed|errors?)' "$(dirname "$VENV")/pytest.log" | tail -1 | tr -d '=' | xargs \

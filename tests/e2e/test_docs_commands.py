@@ -3,9 +3,10 @@ copy-paste safe (slow: a few minutes; CI runs it).
 
 Commands are read from the fenced code blocks and from inline `code` that starts like a command. Each
 runs in a scratch directory, in document order (a resume follows its first run, generation follows
-training), and then the document's commands that wrote files run a second time in the same directory, as a reader
-who pastes them again would (an output that refuses to be replaced, a run dir that refuses to continue, fail it; a
-command that only printed cannot meet its own output, and is not run again).
+training), and then the document's commands that wrote files where they name (a run dir, an output file or prefix,
+a redirect, megalm-plot's plots) run a second time in the same directory, as a reader who pastes them again would
+(an output that refuses to be replaced, a run dir that refuses to continue, fail it; a command that only printed,
+or wrote into a new timestamped run dir, cannot meet its own output, and is not run again).
 Two docs run at a time (`doc_runs`), each in a directory of its own. With tiny overrides: a small model on the
 documented data (the demo corpus is built in the scratch directory in a second), 3 steps (stops and token budgets
 scaled down), benchmarks cut to one short repetition, outputs redirected away from docs/. Commands that need a GPU
@@ -66,6 +67,10 @@ CONSOLE_SCRIPTS = {"megalm-train": "megalm.train", "megalm-generate": "megalm.ge
 ESTIMATE_SHAPE = {"model.num_layers": "8", "model.hidden_size": "64", "model.num_heads": "8",
                   "model.num_kv_heads": "8", "model.ffn_hidden_size": "128", "model.seq_length": "64",
                   "model.vocab_size": "512"}
+# A command that names where it writes (a run dir, an output file or prefix, a redirect) can meet its own output when
+# pasted again; one that writes to a new timestamped run dir (hydra's default) or into a temporary dir cannot.
+NAMED_OUTPUT = re.compile(r"hydra\.run\.dir=|--out\b|--out-dir\b|--output-prefix\b|--png\b|--png-dir\b|>\s*\S|"
+                          r"^megalm-plot\b")
 # Where each command's wall time is appended, when set (.ci/run prints the slowest).
 TIMINGS = os.environ.get("MEGALM_DOCS_TIMINGS")
 NAMES_IN_PROSE = {"torchrun -m megalm.train", "python -m megalm.train", "megalm-generate --debug"}
@@ -227,8 +232,8 @@ def files_of(tmp_path: Path) -> dict[Path, int]:
 
 
 def run_doc(doc: Path, tmp_path: Path) -> None:
-    """Every command of `doc`, in order, in `tmp_path`, and then again those that wrote files (only a command that
-    wrote something can meet its own output when pasted again); raises on the first failure."""
+    """Every command of `doc`, in order, in `tmp_path`, and then again those that wrote files where they name
+    (only those can meet their own output when pasted again: `NAMED_OUTPUT`); raises on the first failure."""
     commands = [c for c in documented_commands(doc) if not is_pattern(c)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -257,7 +262,7 @@ def run_doc(doc: Path, tmp_path: Path) -> None:
         if TIMINGS:  # CI prints the slowest commands from this file
             with open(TIMINGS, "a") as f:
                 f.write(f"{time.perf_counter() - started:7.1f} s  {doc.name} ({attempt}): {command[:150]}\n")
-        if files_of(tmp_path) != before:
+        if files_of(tmp_path) != before and NAMED_OUTPUT.search(command):
             writers.add(command)
         wandb_missing = "logging.wandb.enabled=true" in command and "pip install wandb" in proc.stderr
         assert proc.returncode == 0 or wandb_missing, \
