@@ -5,11 +5,11 @@
 
 Each method trains `model=moe_tiny` on the stdlib demo corpus with the same seed and data (`megalm-train`
 in-process, run dirs under a temporary directory) with only that balancing on: `none` (no loss, no bias),
-`aux_loss_free` (DeepSeek-V3's bias, `model.moe.bias_update_rate=0.001`), `aux_loss` (the switch loss, 0.01),
-`seq_aux_loss` (0.01), `z_loss` (0.001). The load is metrics.jsonl's `moe_load` (max / mean tokens per expert of
-each MoE layer, measured from the routing each step: megalm/training/expert_load.py), averaged over the layers, at
-the first step and over the last tenth of the run. Prints a markdown table; arguments without dashes are Hydra
-overrides applied to every run.
+`aux_loss_free` (DeepSeek-V3's bias, `model.moe.bias_update_rate=0.01`: ten times its rate, for a run this short),
+`aux_loss` (the switch loss, 0.01), `seq_aux_loss` (0.01), `z_loss` (0.001). The load is metrics.jsonl's
+`moe_load` (max / mean tokens per expert of each MoE layer, counted from each step's routing:
+megalm/training/expert_load.py), averaged over the layers, at the first step and over the last tenth of the run.
+Prints a markdown table; arguments without dashes are Hydra overrides applied to every run.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from megalm.training.trainer import Trainer  # noqa: E402
 
 OFF = ["model.moe.aux_loss_coeff=0", "model.moe.seq_aux_loss_coeff=0", "model.moe.z_loss_coeff=0",
        "model.moe.bias_update_rate=0"]
-METHODS = {"none": [], "aux_loss_free": ["model.moe.bias_update_rate=0.001"],
+METHODS = {"none": [], "aux_loss_free": ["model.moe.bias_update_rate=0.01"],
            "aux_loss": ["model.moe.aux_loss_coeff=0.01"], "seq_aux_loss": ["model.moe.seq_aux_loss_coeff=0.01"],
            "z_loss": ["model.moe.z_loss_coeff=0.001"]}
 
