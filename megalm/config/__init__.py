@@ -8,6 +8,8 @@ This package imports no other megalm package but errors: everything imports it.
 from megalm.config.checks import (
     blend_pairs,
     choice,
+    is_moe_layer,
+    moe_layer_ids,
     pad_vocab,
     positive,
     process_group_minutes,
@@ -39,6 +41,7 @@ from megalm.config.schema import (
 __all__ = [
     "Choice", "DataConfig", "LoggingConfig", "MegalmConfig", "ModelConfig", "MoEConfig", "OffloadConfig", "OptimConfig",
     "ParallelConfig", "PrecisionConfig", "SyntheticDataConfig", "TrainerConfig", "WandbConfig", "blend_pairs",
-    "choice", "config_to_dict", "model_config", "pad_vocab", "positive", "process_group_minutes", "register_schema",
-    "resolve_model_defaults", "schema_error_line", "to_dataclass", "validate", "validate_model",
+    "choice", "config_to_dict", "is_moe_layer", "model_config", "moe_layer_ids", "pad_vocab", "positive",
+    "process_group_minutes", "register_schema", "resolve_model_defaults", "schema_error_line", "to_dataclass",
+    "validate", "validate_model",
 ]

@@ -124,6 +124,18 @@ def resolve_model_defaults(model: ModelConfig, tp: int | None = None) -> ModelCo
     return model
 
 
+def is_moe_layer(model: ModelConfig, layer_id: int) -> bool:
+    """Whether block `layer_id` has experts: past the first `moe.first_k_dense` (DeepSeek), every
+    `moe.every_n_layers`-th ((layer_id + 1) % n == 0, Qwen's decoder_sparse_step)."""
+    moe = model.moe
+    return moe.num_experts > 0 and layer_id >= moe.first_k_dense and (layer_id + 1) % moe.every_n_layers == 0
+
+
+def moe_layer_ids(model: ModelConfig) -> list[int]:
+    """The global ids of the blocks with experts, in order (the model builds them; the step logs a row each)."""
+    return [i for i in range(model.num_layers) if is_moe_layer(model, i)]
+
+
 def validate_moe(model: ModelConfig) -> None:
     """The rules of `model.moe` (after `resolve_model_defaults`)."""
     moe = model.moe
@@ -150,7 +162,7 @@ def validate_moe(model: ModelConfig) -> None:
     for key in ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
         if getattr(moe, key) < 0:
             raise ConfigError(f"model.moe.{key}={getattr(moe, key)} must be >= 0 (0 turns it off)")
-    if not any(moe.first_k_dense <= i and (i + 1) % moe.every_n_layers == 0 for i in range(model.num_layers)):
+    if not moe_layer_ids(model):
         raise ConfigError(f"model.moe: no block has experts with first_k_dense={moe.first_k_dense} and "
                           f"every_n_layers={moe.every_n_layers} over {model.num_layers} layers; lower them")
 

@@ -30,13 +30,13 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from megalm.config import ModelConfig, model_config, resolve_model_defaults, validate_model
+from megalm.config import ModelConfig, is_moe_layer, model_config, resolve_model_defaults, validate_model
 from megalm.data.batch import PackedBatch
 from megalm.model.attention import Attention, AttentionContext
 from megalm.model.fused import part_rows, split_fused_name, unfused_names
 from megalm.model.linear import Linear
 from megalm.model.mlp import build_mlp
-from megalm.model.moe import MoE, is_moe_layer
+from megalm.model.moe import MoE
 from megalm.model.naming import canonical_named_parameters, model_chunks
 from megalm.model.norm import build_norm
 from megalm.model.rope import rope_cos_sin

@@ -45,19 +45,6 @@ from megalm.config import ModelConfig
 from megalm.model.mlp import SwiGLUMLP
 from megalm.model.naming import canonical_named_modules
 
-
-def is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
-    """Whether block `layer_id` has experts: past the first `first_k_dense` (DeepSeek), every `every_n_layers`-th
-    ((layer_id + 1) % n == 0, Qwen's decoder_sparse_step)."""
-    moe = cfg.moe
-    return moe.num_experts > 0 and layer_id >= moe.first_k_dense and (layer_id + 1) % moe.every_n_layers == 0
-
-
-def moe_layer_ids(cfg: ModelConfig) -> list[int]:
-    """The global ids of the blocks with experts, in order (a stats row each)."""
-    return [i for i in range(cfg.num_layers) if is_moe_layer(cfg, i)]
-
-
 # ------------------------------------------------------------------------------------------ grouped GEMMs
 
 
@@ -179,10 +166,10 @@ class Router(nn.Module):
         three unweighted, detached."""
         switch_c, seq_c, z_c = self.coeffs
         E, k, T = self.num_experts, self.top_k, logits.shape[0]
-        zero = logits.new_zeros(())
-        probs = scores if self.score == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
-        routed = F.one_hot(experts, E).sum(1).float()  # [T, E]: 1 where the token chose the expert (before drops)
-        switch = seq = z = zero
+        switch = seq = z = logits.new_zeros(())
+        if switch_c or seq_c:  # both weigh each expert's routed tokens by its mean score (none of it when both are off)
+            probs = scores if self.score == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
+            routed = F.one_hot(experts, E).sum(1).float()  # [T, E]: 1 where the token chose the expert (before drops)
         if switch_c:
             switch = E / (k * max(T, 1)) * (routed.sum(0) * probs.sum(0)).sum()
         if seq_c:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalm.config import ModelConfig
-from megalm.model.moe import moe_layer_ids, moe_modules
+from megalm.config import ModelConfig, moe_layer_ids
+from megalm.model.moe import moe_modules
 
 LOSSES = ("moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss")
 COEFFS = ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff")

@@ -22,8 +22,7 @@ from collections.abc import Iterable
 
 import torch
 
-from megalm.config import ModelConfig
-from megalm.model.moe import is_moe_layer
+from megalm.config import ModelConfig, is_moe_layer
 
 # Dense peak FLOP/s by (device-name fragment, precision). bf16 = tensor-core bf16 with fp32 accumulate;
 # tf32 = tensor-core tf32; fp32 = plain fp32 FMA. Vendor datasheet numbers without sparsity.
