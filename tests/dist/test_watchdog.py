@@ -20,6 +20,9 @@ def _hanging_rank(rank: int, world_size: int, port: int, run_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     trainer = Trainer(compose_config("parallel.dp=2", "trainer.max_steps=6", "trainer.hang_minutes=0.05",
                                      "trainer.preempt_signals=[]"), run_dir)
+    # Rank 0 (waiting inside a collective) fires first: had rank 1 exited first, gloo would end rank 0's wait with
+    # "connection closed by peer" (exit 1) before rank 0's own watchdog fired. NCCL keeps waiting; gloo does not.
+    trainer.watchdog.timeout_s *= 1 if rank == 0 else 3
     forward_backward = trainer.forward_backward
 
     def stuck_on_rank_1(step: int):
