@@ -271,6 +271,9 @@ class ParallelConfig:
     """Context-parallel ranks: each sequence is split over them."""
     dp: int | None = None
     """Data-parallel replicas; None: world size / (tp * pp * cp)."""
+    ep: int = 1
+    """Expert-parallel ranks (MoE models): each holds num_experts / ep of every MoE layer's experts, and tokens travel
+    to their experts by all-to-all. Carved from the dp x cp ranks (consecutive ones); it must divide both."""
     sequence_parallel: bool = False
     """Shard the norm/dropout activations over the tp ranks (Korthikanti et al.)."""
     zero1: bool = False

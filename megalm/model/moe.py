@@ -28,7 +28,9 @@ per-expert bias b outside the gradient after each step: b_e += rate · sign(mean
 counts over the whole batch (megalm/training/expert_load.py).
 
 Each expert's weights are stacked: `experts.gate_up_proj.weight` [E, 2f, h] (rows [gate; up], as mlp.gate_up_proj)
-and `experts.down_proj.weight` [E, h, f], so expert parallelism shards dim 0 from outside. `expert_loop` computes
+and `experts.down_proj.weight` [E, h, f], so expert parallelism shards dim 0 from outside, and swaps the layer's
+`dispatcher` (how the assignments reach their experts and come back) for an all-to-all one
+(megalm/parallel/expert): the layer itself has no collective. `expert_loop` computes
 the same experts one at a time: the tests' oracle (`torch._grouped_mm` runs on CPU too, from torch 2.9, the floor).
 """
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +94,7 @@ class GroupedLinear(nn.Module):
 
 class GroupedExperts(nn.Module):
     """E SwiGLU experts: down(silu(gate) * up) of each expert's rows, two grouped GEMMs for all of them.
-    Expert parallelism keeps a slice of the experts (`num_local`) and says which (`first`)."""
+    Expert parallelism keeps a slice of the experts (dim 0 of both weights; their shard specs say which)."""
 
     def __init__(self, num_experts: int, hidden: int, ffn: int) -> None:
         super().__init__()
@@ -189,6 +192,26 @@ class Router(nn.Module):
 # ------------------------------------------------------------------------------------------ the layer
 
 
+class TokenDispatcher(Protocol):
+    """dispatcher(x [T, h], routing, experts) -> [T*k, h]: the output of each of the micro-batch's T*k assignments'
+    expert, in assignment (token) order; a dropped assignment's row is multiplied by its weight 0."""
+
+    def __call__(self, x: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor: ...
+
+
+class LocalDispatcher:
+    """Every expert on this rank: the assignments sorted by expert (stable: token order within one, the same under
+    every layout), one grouped GEMM pair, scattered back. Dropped assignments run too: the rows per expert stay
+    known without reading the drops on the host."""
+
+    def __call__(self, x: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor:
+        flat = routing.experts.reshape(-1)  # [T*k] assignments in token order
+        top_k = routing.experts.shape[-1]
+        order = torch.argsort(flat, stable=True)  # by expert, then token order: layout-independent
+        y_sorted = experts(x[order // top_k], torch.bincount(flat, minlength=routing.counts.numel()))
+        return y_sorted.new_zeros(flat.numel(), x.shape[-1]).index_copy(0, order, y_sorted)
+
+
 class AuxLossScaler(torch.autograd.Function):
     """forward(output, aux) = output; backward gives `aux` the gradient the step's loss sum gets (Megatron's
     MoEAuxLossAutoScaler), so the balancing losses train the router wherever the layer runs (any pipeline stage)."""
@@ -229,16 +252,14 @@ class MoE(nn.Module):
         if moe.num_shared_experts:
             self.shared_experts = SwiGLUMLP(cfg, ffn_hidden_size=moe.shared_ffn_hidden_size)
         self.register_buffer("stats", torch.zeros(moe.num_experts + 4, dtype=torch.float64), persistent=False)
+        # how tokens reach the experts: all on this rank; expert parallelism swaps in an all-to-all (megalm/parallel)
+        self.dispatcher: TokenDispatcher = LocalDispatcher()
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         routing = self.router(x, cu_seqlens)
-        flat = routing.experts.reshape(-1)  # [T*k] assignments in token order
-        order = torch.argsort(flat, stable=True)  # by expert, then token order: layout-independent
-        # dropped assignments run too (weight 0): the rows per expert stay known without reading the drops on the host
-        y_sorted = self.experts(x[order // self.top_k], torch.bincount(flat, minlength=self.num_experts))
-        y = y_sorted.new_zeros(flat.numel(), shape[-1]).index_copy(0, order, y_sorted)  # back to assignment order
+        y = self.dispatcher(x, routing, self.experts)  # [T*k, h]: each assignment's expert output, token order
         out = (y.view(-1, self.top_k, shape[-1]).float() * routing.weights.unsqueeze(-1)).sum(1).to(y.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

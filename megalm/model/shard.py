@@ -9,8 +9,9 @@ read the same small record, declared by the module that owns the parameter:
     module.shard_specs = {"weight": ShardSpec(...), "bias": ShardSpec(...)}
 
 A `ShardSpec` says: the full tensor of shape `full_shape` is cut along `dim` into `num_slices` equal
-contiguous slices; this rank holds slice `index`; `replicas` consecutive ranks hold each slice (>1 for kv
-heads replicated when tensor parallelism exceeds the kv head count). A `FusedShardSpec` is the spec of a fused
+contiguous slices over the ranks of the mesh dimension `group` ("tp", or "ep" for the experts of an MoE layer); this
+rank holds slice `index`; `replicas` consecutive ranks hold each slice (>1 for kv heads replicated when tensor
+parallelism exceeds the kv head count). A `FusedShardSpec` is the spec of a fused
 projection (megalm/model/fused.py): the full tensor is parts stacked along dim 0, each cut by its own ShardSpec,
 and a rank holds its slice of every part, concatenated. A parameter without a spec is the full tensor
 (replicated on every rank that holds it). Specs live on modules, not as attributes of Parameter objects, so
@@ -40,6 +41,7 @@ class ShardSpec:
     num_slices: int
     index: int
     replicas: int = 1
+    group: str = "tp"  # the mesh dimension the slices are spread over: "tp", or "ep" (expert parallelism)
 
     def __post_init__(self) -> None:
         if not 0 <= self.dim < len(self.full_shape):

@@ -38,6 +38,7 @@ class ParallelDims:
     pp: int = 1
     cp: int = 1
     dp: int = 1
+    ep: int = 1  # expert parallelism: consecutive ranks of each dp x cp domain (not a factor of the world size)
 
     @property
     def world_size(self) -> int:
@@ -59,6 +60,14 @@ class ParallelDims:
         """The dp x cp ranks at TP coordinate `tp` and pipeline stage `pp`, in (dp, cp) order: the ranks
         that split a global batch (gradients are summed over them; HDP plans over them)."""
         return [self.rank_of(tp=tp, cp=c, dp=d, pp=pp) for d in range(self.dp) for c in range(self.cp)]
+
+    def expert_groups(self, tp: int, pp: int) -> tuple[list[list[int]], list[list[int]]]:
+        """The expert-parallel groups of the domain at (tp, pp) (each `ep` consecutive domain ranks: together they
+        hold every expert once) and its expert-data-parallel groups (the ranks holding the same experts, one of
+        each EP group: expert gradients are summed over them)."""
+        domain = self.domain_ranks(tp, pp)
+        ep_groups = [domain[i:i + self.ep] for i in range(0, len(domain), self.ep)]
+        return ep_groups, [list(column) for column in zip(*ep_groups, strict=True)]
 
 
 def resolve_dims(p, world_size: int) -> ParallelDims:
@@ -100,11 +109,17 @@ class ParallelMesh:
     dp_cp_group: dist.ProcessGroup | None = None
     # First and last pipeline stage of this rank's tp/cp/dp coordinates (tied embedding gradients).
     embedding_group: dist.ProcessGroup | None = None
+    # Expert parallelism (`dims.ep` > 1): this rank's EP group (it holds expert slice `ep_rank` of ep), a 1-D device
+    # mesh over it (checkpoints write expert slices as DTensor shards on it), and the expert-data-parallel group.
+    ep_group: dist.ProcessGroup | None = None
+    ep_mesh: DeviceMesh | None = None
+    expert_dp_group: dist.ProcessGroup | None = None
     progress: Progress = field(default_factory=Progress, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         coords = self.dims.coordinates(self.rank)
         self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank = (coords[k] for k in ("tp", "cp", "dp", "pp"))
+        self.ep_rank = (self.dp_rank * self.dims.cp + self.cp_rank) % self.dims.ep  # place in its domain's EP group
 
     def peer(self, **coordinates: int) -> int:
         """The global rank that differs from this one only in the given coordinates (e.g. `peer(pp=0)`)."""
@@ -193,9 +208,23 @@ def build_mesh(dims: ParallelDims, device: torch.device) -> ParallelMesh:
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     dp_cp_group = group
+    ep_group = ep_mesh = expert_dp_group = None
+    if dims.ep > 1:
+        for pp_rank in range(dims.pp):
+            for tp_rank in range(dims.tp):
+                ep_groups, expert_dp_groups = dims.expert_groups(tp_rank, pp_rank)
+                for ranks in ep_groups:
+                    group = dist.new_group(ranks)
+                    if rank in ranks:
+                        ep_group = group
+                        ep_mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("ep",))
+                for ranks in expert_dp_groups:
+                    group = dist.new_group(ranks)
+                    if rank in ranks:
+                        expert_dp_group = group
     return ParallelMesh(dims, rank=rank, mesh=mesh, tp_group=mesh.get_group("tp"), dp_group=dp_group,
                         cp_group=mesh.get_group("cp"), pp_group=mesh.get_group("pp"), embedding_group=embedding_group,
-                        dp_cp_group=dp_cp_group)
+                        dp_cp_group=dp_cp_group, ep_group=ep_group, ep_mesh=ep_mesh, expert_dp_group=expert_dp_group)
 
 
 def check_same_on_all_ranks(text: str, mesh: ParallelMesh, device: torch.device, what: str = "config") -> None:

@@ -17,6 +17,13 @@ import torch
 NormShare = float | tuple[tuple[int, int, float], ...]
 
 
+def scaled_share(share: NormShare, factor: float) -> NormShare:
+    """`share` times `factor` (every range of it)."""
+    if not isinstance(share, tuple):
+        return share * factor
+    return tuple((start, end, weight * factor) for start, end, weight in share)
+
+
 def share_pairs(flat: torch.Tensor, first: int, share: NormShare) -> list[tuple[torch.Tensor, float]]:
     """(tensor, weight) pairs for `flat`, the parameter's elements [first, first + len(flat)) (a whole flattened
     gradient, or the piece of it in a ZeRO-1 shard), under `share`."""

@@ -46,11 +46,11 @@ from megalm.parallel.data_parallel.bucket_adamw import BucketAdamW, forward_owne
 from megalm.parallel.data_parallel.reducer import GradReducer
 from megalm.parallel.data_parallel.slices import DataParallelSlices, validate_data_parallel
 from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh, check_same_on_all_ranks, resolve_dims
-from megalm.parallel.expert import validate_experts
+from megalm.parallel.expert import apply_expert_parallel, expert_parameters, validate_experts
 from megalm.parallel.fsdp import FsdpGrads, apply_fsdp, fsdp_mesh, validate_fsdp
 from megalm.parallel.hdp.split import HdpSplit, hdp_cost_model, validate_hdp
 from megalm.parallel.microbatch import LocalMicroBatch, Ring, StepShare
-from megalm.parallel.norms import NormShare
+from megalm.parallel.norms import NormShare, scaled_share
 from megalm.parallel.pipeline.runtime import PipelineRuntime, tied_embedding_copy
 from megalm.parallel.pipeline.schedules import simulate_schedule
 from megalm.parallel.pipeline.stages import build_stage_chunks, validate_pipeline
@@ -118,7 +118,7 @@ class Parallelism:
         p = cfg.parallel
         self.cfg, self.device, self.converters = cfg, device, list(converters)
         with unset_fake_temporarily():  # the mesh's own tensors are real under a caller's FakeTensorMode
-            self.mesh = mesh or build_mesh(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp), device)
+            self.mesh = mesh or build_mesh(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp, ep=p.ep), device)
         check_same_on_all_ranks(json.dumps(config_to_dict(cfg), sort_keys=True, default=str), self.mesh, device)
         # bf16 working weights (the bf16 recipe): the model trains bf16 copies of its fp32 initial weights, which the
         # optimizer takes as its fp32 main weights (BucketAdamW); the gradients accumulate over micro-batches in the
@@ -150,9 +150,12 @@ class Parallelism:
             self.reducer: GradReducer | FsdpGrads = FsdpGrads(list(self.model.parameters()), self.fsdp_mesh, presum,
                                                               self.mesh.progress)
         else:
+            # expert-parallel slices: summed over the ranks that hold the same experts only
+            experts = {param: self.mesh.expert_dp_group for param in expert_parameters(self.model)}
             self.reducer = GradReducer(list(self.model.parameters()), self.mesh.dp_cp_group, p.bucket_size_mb,
                                        reduce_dtype=_reduce_dtype(p), zero1=p.zero1, presum=presum,
-                                       progress=self.mesh.progress, accumulate=self.working_dtype is not None)
+                                       progress=self.mesh.progress, accumulate=self.working_dtype is not None,
+                                       own_groups=experts)
         # How to build this layout's optimizer (None: the trainer's own AdamW): over the reducer's buckets for
         # ZeRO-1's shards or for fp32 main weights
         self.optimizer_factory = self._bucket_adamw if p.zero1 or self.working_dtype else None
@@ -176,6 +179,7 @@ class Parallelism:
                 model = GPT(self.cfg.model, device="meta")
             for chunk in model_chunks(model):
                 apply_tensor_parallel(chunk, mesh.tp_group, p.sequence_parallel, mesh.progress)
+                apply_expert_parallel(chunk, mesh)
                 for converter in self.converters:
                     converter.convert(chunk)
                 apply_recompute(chunk, stage_mode(p.recompute, mesh.pp_rank, p.pp))
@@ -249,11 +253,19 @@ class Parallelism:
 
     def _grad_norm_weights(self) -> dict[int, NormShare]:
         """Each parameter's share of the full model's squared gradient norm: a TP shard counts whole, a
-        TP-replicated parameter 1/tp, the tied embedding's last-stage copy 0 (the first stage counts it)."""
-        specs, tp = shard_specs(self.model), self.mesh.dims.tp
+        TP-replicated parameter 1/tp, the tied embedding's last-stage copy 0 (the first stage counts it).
+        Under expert parallelism the squares are summed over dp x cp (`_norm_groups`), so what several of those
+        ranks hold counts 1/their number: without ZeRO-1 an expert slice 1/(dp·cp/ep), any other parameter
+        1/(dp·cp); under ZeRO-1 each rank's shard is its own."""
+        specs, d = shard_specs(self.model), self.mesh.dims
         tied_copy = tied_embedding_copy(self.model) if self.cfg.parallel.pp > 1 else None
-        return {id(p): 0.0 if p is tied_copy else tp_norm_share(specs.get(name), tp, p.shape)
-                for name, p in canonical_named_parameters(self.model)}
+        shares = {id(p): 0.0 if p is tied_copy else tp_norm_share(specs.get(name), d.tp, p.shape)
+                  for name, p in canonical_named_parameters(self.model)}
+        if d.ep > 1 and not self.cfg.parallel.zero1:
+            domain, experts = d.dp * d.cp, {id(p) for p in expert_parameters(self.model)}
+            shares = {key: scaled_share(share, (d.ep if key in experts else 1) / domain)
+                      for key, share in shares.items()}
+        return shares
 
     def watch_optimizer(self, optimizer: object) -> None:
         """Let the converters cache per optimizer step what depends on the weights only (a recipe's quantized
@@ -353,7 +365,9 @@ class Parallelism:
         """L2 norm of the full model's gradient: squares summed over the reducer's shards (ZeRO-1), TP
         shards and pipeline stages, each element of the full model counted once."""
         sq = self.reducer.local_grad_sq_norm(weight=self._norm_weight)
-        for group in (self.reducer.shard_group, self.mesh.tp_group, self.mesh.pp_group):
+        # expert slices differ across an EP group: sum over all of dp x cp (`_grad_norm_weights` counts each once)
+        shards = self.mesh.dp_cp_group if self.mesh.dims.ep > 1 else self.reducer.shard_group
+        for group in (shards, self.mesh.tp_group, self.mesh.pp_group):
             sq = all_reduce_sum(sq, group, "grad norm", self.mesh.progress)
         return sq.sqrt()
 

@@ -14,9 +14,11 @@ import traceback
 import pytest
 import torch
 
+from megalm.config import moe_layer_ids
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
 from tests.dist.device_guard import HostTensorGuard
+from tests.dist.launch import run_distributed
 
 READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
          torch.Tensor.__bool__, torch.Tensor.__index__}
@@ -42,9 +44,11 @@ class SyncCounter(HostTensorGuard):
         return out
 
 
-@pytest.mark.parametrize("model", [[], ["model=moe_tiny", "model.num_layers=2", "model.hidden_size=64",
-                                          "model.moe.seq_aux_loss_coeff=0.01", "model.moe.bias_update_rate=0.01",
-                                          "model.moe.capacity_factor=1.0"]], ids=["dense", "moe"])
+MOE = ["model=moe_tiny", "model.num_layers=2", "model.hidden_size=64", "model.moe.seq_aux_loss_coeff=0.01",
+       "model.moe.bias_update_rate=0.01", "model.moe.capacity_factor=1.0"]
+
+
+@pytest.mark.parametrize("model", [[], MOE], ids=["dense", "moe"])
 def test_one_host_sync_per_training_step(tmp_path, model):
     """MoE adds none: its routing stays on the device, its load and losses are read with the step's totals."""
     trainer = Trainer(compose_config("trainer.max_steps=3", *model), tmp_path)
@@ -53,3 +57,20 @@ def test_one_host_sync_per_training_step(tmp_path, model):
         result = trainer.train_step(1)
     assert len(counter.syncs) == 1, counter.syncs
     assert "trainer.py" in counter.syncs[0] and result.tokens > 0
+
+
+def _count_expert_parallel_syncs(rank: int, world_size: int, tmp: str) -> None:
+    trainer = Trainer(compose_config("trainer.max_steps=3", "parallel.ep=2", *MOE), tmp)
+    trainer.train_step(0)
+    with SyncCounter() as counter:
+        trainer.train_step(1)
+    micro_batches = trainer.cfg.trainer.global_batch_size // (trainer.cfg.trainer.micro_batch_size * world_size)
+    per_layer = [s for s in counter.syncs if "expert/dispatch.py" in s]
+    assert len(per_layer) == len(moe_layer_ids(trainer.cfg.model)) * micro_batches > 0, counter.syncs
+    assert len(counter.syncs) == 1 + len(per_layer), counter.syncs
+
+
+def test_expert_parallelism_adds_one_host_sync_per_moe_layer_and_micro_batch(tmp_path):
+    """An all-to-all with variable splits needs them on the host (NCCL's as gloo's): each MoE layer reads its
+    exchanged counts once per micro-batch's forward, and nothing else; the backward reuses them."""
+    run_distributed(_count_expert_parallel_syncs, 2, str(tmp_path), timeout=120)

@@ -15,6 +15,7 @@ from megalm.errors import ConfigError
 from megalm.model import GPT, init_weights
 from megalm.model.hf import InteropError, architecture_of
 from megalm.model.moe import MoE, expert_loop, grouped_linear, moe_modules, set_aux_loss_scale
+from megalm.parallel.dims import ParallelDims, ParallelMesh
 from megalm.training.checkpoint import load_saved_model
 from megalm.training.expert_load import ExpertLoad
 from megalm.training.flops import matmul_params
@@ -254,10 +255,31 @@ def test_moe_tiny_trains_logs_load_and_resumes_its_bias(tmp_path, make_config):
     (2, ["parallel.fsdp=true"], "parallel.fsdp=true"),
     (2, ["parallel.pp=2", "parallel.pp_schedule=zb", "trainer.micro_batch_size=2"], "pp_schedule=zb"),
     (2, ["data.varlen=true", "parallel.hdp=true"], "parallel.hdp=true"),
-    (1, ["precision=mxfp8"], "grouped GEMMs")], ids=["tp", "cp", "fsdp", "zb", "hdp", "mxfp8"])
+    (1, ["precision=mxfp8"], "grouped GEMMs"),
+    (4, ["parallel.ep=3", "trainer.micro_batch_size=2"], "must divide model.moe.num_experts=8 and dp\\*cp=4"),
+    (2, ["parallel.ep=4"], "must divide model.moe.num_experts=8 and dp\\*cp=2"),
+    (2, ["parallel.ep=0"], "parallel.ep=0 must be >= 1"),
+    (2, ["model=tiny", "parallel.ep=2"], "needs a mixture-of-experts model")],
+    ids=["tp", "cp", "fsdp", "zb", "hdp", "mxfp8", "ep_not_experts", "ep_not_domain", "ep0", "ep_dense"])
 def test_layouts_not_built_for_moe_are_refused_in_one_line(make_config, world, overrides, message):
     from megalm.training.validation import validate_run
 
     with pytest.raises(ConfigError, match=message) as error:
         validate_run(make_config("model=moe_tiny", *overrides), world, torch.device("cpu"))
     assert "\n" not in str(error.value)
+
+
+def test_expert_groups_are_consecutive_domain_ranks_and_their_columns():
+    """EP groups: consecutive ranks of each dp x cp domain (at every tp and pp coordinate); expert-data-parallel
+    groups: the ranks holding the same experts, one from each EP group. Every domain rank is in exactly one of
+    each, and a rank's `ep_rank` is its place in its EP group."""
+    dims = ParallelDims(tp=2, pp=2, dp=4, cp=1, ep=2)
+    for tp in range(2):
+        for pp in range(2):
+            domain = dims.domain_ranks(tp, pp)
+            ep_groups, expert_dp = dims.expert_groups(tp, pp)
+            assert ep_groups == [domain[0:2], domain[2:4]]
+            assert expert_dp == [[domain[0], domain[2]], [domain[1], domain[3]]]
+            for group in ep_groups:
+                assert [ParallelMesh(dims, rank=r).ep_rank for r in group] == [0, 1]
+    assert ParallelDims(dp=2, cp=2, ep=4).expert_groups(0, 0) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])

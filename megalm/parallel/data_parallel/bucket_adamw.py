@@ -41,7 +41,7 @@ from torch.utils.hooks import RemovableHandle
 from megalm.model import TransformerBlock
 from megalm.model.naming import model_chunks
 from megalm.parallel.collectives import all_gather_flat
-from megalm.parallel.data_parallel.reducer import GradReducer
+from megalm.parallel.data_parallel.reducer import GradBucket, GradReducer
 from megalm.parallel.norms import NormShare
 
 
@@ -219,7 +219,7 @@ class BucketAdamW:
             return
         dtype = self.working_dtype or torch.float32
         for i in reversed(range(len(buckets))):  # in forward order: the backward filled the buckets last layer first
-            self._pending[i] = self._gather(shards[i].to(dtype), buckets[i].padded_numel)
+            self._pending[i] = self._gather(shards[i].to(dtype), buckets[i])
         if not self.overlaps_param_gather:
             self.finish_param_gather()
 
@@ -245,7 +245,7 @@ class BucketAdamW:
         the first module of `owners` ((module, the parameters its forward reads first): `forward_owners`) that
         reads one of its parameters. Every bucket must be some owner's, or it would be read stale. Returns how
         many modules got a hook; 0 without ZeRO-1, where there is no all-gather."""
-        if not self.reducer.zero1 or self.world == 1:
+        if not self.reducer.zero1 or all(b.world == 1 for b in self.reducer.buckets):
             return 0
         bucket_of = {id(p): i for i, b in enumerate(self.reducer.buckets) for p in b.params}
         hooked, covered = 0, set()
@@ -285,7 +285,7 @@ class BucketAdamW:
             return
         with torch.no_grad():
             for bucket, main in zip(self.reducer.buckets, self.main, strict=True):
-                full = self._gathered(main, bucket.padded_numel)
+                full = self._gathered(main, bucket)
                 for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                     p.data = full[offset:offset + p.numel()].view(p.shape).clone()
         try:
@@ -293,19 +293,19 @@ class BucketAdamW:
         finally:
             self._take_main_weights({})
 
-    def _gather(self, shard: torch.Tensor, padded_numel: int) -> tuple[torch.Tensor, dist.Work | None]:
-        """Start an all-gather of every rank's shard into one padded flat tensor (ZeRO-1; without it this rank's
-        part is the whole bucket already)."""
-        if self.world == 1 or not self.reducer.zero1:
+    def _gather(self, shard: torch.Tensor, bucket: GradBucket) -> tuple[torch.Tensor, dist.Work | None]:
+        """Start an all-gather of every rank's shard of `bucket` into one padded flat tensor, over the bucket's group
+        (ZeRO-1; without it this rank's part is the whole bucket already)."""
+        if bucket.world == 1 or not self.reducer.zero1:
             return shard, None
-        full = torch.empty(padded_numel, dtype=shard.dtype, device=shard.device)
+        full = torch.empty(bucket.padded_numel, dtype=shard.dtype, device=shard.device)
         self.reducer.stats["all_gather_bytes"] += full.numel() * full.element_size()
         self.reducer.stats["collective_calls"] += 1
-        return full, all_gather_flat(full, shard, group=self.dp_group, async_op=True)
+        return full, all_gather_flat(full, shard, group=bucket.group, async_op=True)
 
-    def _gathered(self, shard: torch.Tensor, padded_numel: int) -> torch.Tensor:
+    def _gathered(self, shard: torch.Tensor, bucket: GradBucket) -> torch.Tensor:
         """Every rank's shard in one padded flat tensor, waited for (the shard itself without ZeRO-1)."""
-        full, work = self._gather(shard, padded_numel)
+        full, work = self._gather(shard, bucket)
         if work is not None:
             work.wait()
         return full
@@ -336,9 +336,8 @@ class BucketAdamW:
         briefly holds the full state (memory-heavy, simple): the price of a checkpoint that loads
         under any DP size and into a plain torch AdamW.
         """
-        full_m = [self._gathered(m, b.padded_numel) for b, m in zip(self.reducer.buckets, self.exp_avg, strict=True)]
-        full_v = [self._gathered(v, b.padded_numel) for b, v in zip(self.reducer.buckets, self.exp_avg_sq,
-                                                                    strict=True)]
+        full_m = [self._gathered(m, b) for b, m in zip(self.reducer.buckets, self.exp_avg, strict=True)]
+        full_v = [self._gathered(v, b) for b, v in zip(self.reducer.buckets, self.exp_avg_sq, strict=True)]
         state = {}
         if self.step_count > 0:
             for index, p in enumerate(self._ordered_params()):

@@ -110,6 +110,9 @@ class GradBucket:
     shard: torch.Tensor | None = None  # ZeRO-1: reduce-scatter output, reduce dtype
     grad_shard: torch.Tensor | None = None  # ZeRO-1: this rank's summed gradient, grad dtype (after finish)
     segments: list[ShardSegment] = field(default_factory=list)  # the pieces of params this rank owns
+    group: dist.ProcessGroup | None = None  # the ranks it is summed over (and sharded over, ZeRO-1)
+    world: int = 1  # their number
+    rank: int = 0  # this rank's place among them (its ZeRO-1 shard)
     pending: int = 0  # parameters whose gradient is not final yet in this step
     launched: bool = False
     work: dist.Work | None = None
@@ -120,18 +123,21 @@ class GradBucket:
 
 
 def _build_buckets(params: list[nn.Parameter], bucket_bytes: float, reduce_dtype: torch.dtype | None,
-                   zero1: bool, world: int, rank: int, accumulate: bool = False) -> list[GradBucket]:
+                   zero1: bool, group_of: Callable[[nn.Parameter], dist.ProcessGroup | None],
+                   accumulate: bool = False) -> list[GradBucket]:
     """Split `params` (already in reverse registration order) into buckets of about `bucket_bytes`.
 
     A bucket is closed once it holds at least `bucket_bytes` (so a large parameter gets a bucket of
-    its own) or when the dtype/device changes (one flat buffer has one dtype and one device).
+    its own) or when the dtype/device or the group it is summed over (`group_of(param)`) changes (one flat
+    buffer has one dtype and one device, one collective one group).
     Accumulating buckets are fp32 (or `reduce_dtype`) whatever the parameters' dtype.
     """
     groups: list[list[nn.Parameter]] = []
     current: list[nn.Parameter] = []
     current_bytes = 0
     for p in params:
-        if current and (p.dtype != current[0].dtype or p.device != current[0].device):
+        if current and (p.dtype != current[0].dtype or p.device != current[0].device
+                        or group_of(p) is not group_of(current[0])):
             groups.append(current)
             current, current_bytes = [], 0
         current.append(p)
@@ -144,6 +150,8 @@ def _build_buckets(params: list[nn.Parameter], bucket_bytes: float, reduce_dtype
 
     buckets = []
     for index, group in enumerate(groups):
+        pg = group_of(group[0])
+        world, rank = group_size(pg), group_rank(pg)
         offsets, numel = [], 0
         for p in group:
             offsets.append(numel)
@@ -153,7 +161,7 @@ def _build_buckets(params: list[nn.Parameter], bucket_bytes: float, reduce_dtype
         dtype = reduce_dtype or grad_dtype
         # zeros: the padding is never written again, so it stays zero and adds nothing.
         buffer = torch.zeros(padded, dtype=dtype, device=group[0].device)
-        bucket = GradBucket(index, group, offsets, numel, padded, grad_dtype, buffer)
+        bucket = GradBucket(index, group, offsets, numel, padded, grad_dtype, buffer, group=pg, world=world, rank=rank)
         if zero1 or accumulate:  # the range this rank's optimizer steps: its shard, or the whole bucket
             size = padded // world if zero1 else padded
             if zero1:
@@ -213,7 +221,7 @@ class GradReducer:
     def __init__(self, params: Iterable[nn.Parameter], dp_group: dist.ProcessGroup | None,
                  bucket_size_mb: float = 25.0, reduce_dtype: torch.dtype | None = None, zero1: bool = False,
                  presum: dict[nn.Parameter, dist.ProcessGroup] | None = None, progress: Progress | None = None,
-                 accumulate: bool = False):
+                 accumulate: bool = False, own_groups: dict[nn.Parameter, dist.ProcessGroup] | None = None):
         self.progress = progress  # the mesh's record of the collective entered (hang reports)
         unique: dict[int, nn.Parameter] = {}
         for p in params:
@@ -234,8 +242,11 @@ class GradReducer:
         # Reverse registration order approximates the order in which backward finalises gradients; the
         # pre-summed parameters go last, so that waiting for finish() holds back no other bucket.
         order = [p for p in self.params[::-1] if id(p) not in presummed] + [p for p, _ in self.presum]
-        self.buckets = _build_buckets(order, bucket_size_mb * 2**20, reduce_dtype, zero1, self.world, self.rank,
-                                      accumulate)
+        # Parameters summed over a group of their own (expert-parallel slices: over the ranks holding the same
+        # experts) get buckets of their own; every other over `dp_group`
+        own = {id(p): g for p, g in (own_groups or {}).items()}
+        self.buckets = _build_buckets(order, bucket_size_mb * 2**20, reduce_dtype, zero1,
+                                      lambda p: own.get(id(p), dp_group), accumulate)
         self._where: dict[int, tuple[GradBucket, int]] = {}  # id(param) -> (bucket, offset)
         for bucket in self.buckets:
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
@@ -248,7 +259,7 @@ class GradReducer:
         self._active = False
         self.step_finished = False  # True between finish() and the next start_step()
         # Plain DP in one process has nothing to do; ZeRO-1 still needs its flat grad shard, accumulation its buckets.
-        self.enabled = self.world > 1 or self.flat_grads or bool(self.presum)
+        self.enabled = any(b.world > 1 for b in self.buckets) or self.flat_grads or bool(self.presum)
         self._handles = []
         if self.enabled:
             # The hooks hold the reducer weakly and are removed when it is collected. A strong
@@ -438,19 +449,19 @@ class GradReducer:
     def _launch(self, bucket: GradBucket) -> None:
         bucket.launched = True
         nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
-        if self.world == 1:  # ZeRO-1 in one process: the "shard" is the whole buffer
+        if bucket.world == 1:  # ZeRO-1 in one process: the "shard" is the whole buffer
             if self.zero1:
                 bucket.shard.copy_(bucket.buffer)
             return
         self.stats["collective_calls"] += 1
-        note_collective(self.progress, "DP reduce_scatter" if self.zero1 else "DP all_reduce", self.world)
+        note_collective(self.progress, "DP reduce_scatter" if self.zero1 else "DP all_reduce", bucket.world)
         if self.zero1:
             self.stats["reduce_scatter_bytes"] += nbytes
             bucket.work = reduce_scatter_flat(bucket.shard, bucket.buffer, op=dist.ReduceOp.SUM,
-                                          group=self.dp_group, async_op=True)
+                                              group=bucket.group, async_op=True)
         else:
             self.stats["all_reduce_bytes"] += nbytes
-            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.dp_group,
+            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=bucket.group,
                                           async_op=True)
 
     def _copy_out(self, bucket: GradBucket) -> None:

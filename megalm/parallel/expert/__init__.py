@@ -1,26 +1,77 @@
 """Mixture-of-experts models under megalm's layouts (megalm/model/moe.py holds the layer, free of collectives).
 
-What composes today, each proven against one process on gloo: data parallelism (ZeRO-1 too), pipeline stages (the
-balancing losses of a stage that is not the last reach the gradient through the layer's scaler; the load counts
-are summed over the stages with the loss), recomputation and activation offload. The layouts whose token split
-would change what one MoE layer sees of a micro-batch (TP, SP, CP, HDP), FSDP, and zero-bubble schedules are
-refused with one line until they are built and proven.
+Expert parallelism (`parallel.ep`, dispatch.py): every MoE layer's experts are split over `ep` consecutive ranks of
+each dp x cp domain (`ParallelDims.expert_groups`); rank i of an EP group holds experts [i·E/ep, (i+1)·E/ep) of
+every MoE layer, declared by a `ShardSpec` over the "ep" group on both expert weights, so `init_weights` draws the
+single-process experts and keeps its slice, and checkpoints write each slice once (a DTensor shard on the EP mesh)
+and reshard on load to any ep. The layer's dispatcher becomes an all-to-all. Gradients of the expert weights are
+summed over the expert-data-parallel group (the ranks holding the same experts: dp x cp / ep of them), every other
+gradient over dp x cp as without experts (megalm/parallel/data_parallel/reducer.py's per-bucket groups).
+
+What composes today, each proven against one process on gloo: data parallelism (ZeRO-1 too), expert parallelism
+over it, pipeline stages (the balancing losses of a stage that is not the last reach the gradient through the
+layer's scaler; the load counts are summed over the stages with the loss), recomputation and activation offload.
+The layouts whose token split would change what one MoE layer sees of a micro-batch (TP, SP, CP, HDP), FSDP, and
+zero-bubble schedules are refused with one line until they are built and proven.
 """
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
 from megalm.config import MegalmConfig
 from megalm.errors import ConfigError
+from megalm.model.moe import MoE
+from megalm.model.shard import ShardSpec
+from megalm.parallel.dims import ParallelMesh
+from megalm.parallel.expert.dispatch import AllToAllDispatcher
+
+__all__ = ["validate_experts", "apply_expert_parallel", "expert_parameters"]
 
 
 def validate_experts(cfg: MegalmConfig) -> None:
     """The layouts an MoE model (`model.moe.num_experts` > 0) may run under today (one-line errors)."""
-    if not cfg.model.moe.num_experts:
+    p, experts = cfg.parallel, cfg.model.moe.num_experts
+    if p.ep < 1:
+        raise ConfigError(f"parallel.ep={p.ep} must be >= 1")
+    if not experts:
+        if p.ep > 1:
+            raise ConfigError(f"parallel.ep={p.ep} needs a mixture-of-experts model (model.moe.num_experts > 0); "
+                              "set parallel.ep=1")
         return
-    p = cfg.parallel
+    domain = (p.dp or 1) * p.cp
+    if experts % p.ep or domain % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.num_experts={experts} and dp*cp={domain} "
+                          "(expert-parallel ranks are carved from the data-parallel ones); change parallel.ep")
     refused = {"parallel.tp>1": p.tp > 1, "parallel.cp>1": p.cp > 1, "parallel.hdp=true": p.hdp,
                "parallel.fsdp=true": p.fsdp, "parallel.pp_schedule=zb": p.pp > 1 and p.pp_schedule == "zb"}
     for setting, on in refused.items():
         if on:
             raise ConfigError(f"{setting} does not run mixture-of-experts models yet (model.moe.num_experts="
-                              f"{cfg.model.moe.num_experts}); use data or pipeline parallelism, or a dense model")
+                              f"{experts}); use data, expert or pipeline parallelism, or a dense model")
+
+
+def apply_expert_parallel(chunk: nn.Module, mesh: ParallelMesh) -> None:
+    """Keep this rank's slice of every MoE layer's experts (on the meta device, before materialisation) and give
+    the layer the all-to-all dispatcher. A no-op without expert parallelism."""
+    ep = mesh.dims.ep
+    if ep == 1:
+        return
+    for module in chunk.modules():
+        if not isinstance(module, MoE):
+            continue
+        for linear in (module.experts.gate_up_proj, module.experts.down_proj):
+            spec = ShardSpec(tuple(linear.weight.shape), 0, ep, mesh.ep_rank, group="ep")
+            linear.weight = nn.Parameter(torch.empty(spec.local_shape, dtype=linear.weight.dtype,
+                                                     device=linear.weight.device))
+            linear.shard_specs = {"weight": spec}
+        module.dispatcher = AllToAllDispatcher(mesh.ep_group, module.num_experts, mesh.progress)
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters held as expert-parallel slices (their gradients are summed over the expert-data-parallel
+    group only)."""
+    return [linear.weight for module in model.modules() if isinstance(module, MoE)
+            for linear in (module.experts.gate_up_proj, module.experts.down_proj)
+            if getattr(linear, "shard_specs", {}).get("weight") is not None]

@@ -151,7 +151,7 @@ def tp_norm_share(spec: ShardSpec | FusedShardSpec | None, tp: int, shape: torch
     (replicated kv rows: a whole kv projection, or the k and v rows of a fused qkv one), 1/tp for a
     parameter every TP rank holds whole. A float, or (first element, last element + 1, share) ranges
     of the flattened local tensor where the rows differ."""
-    if spec is None:
+    if spec is None or spec.group != "tp":  # whole on every TP rank (an expert slice is split over ep, not tp)
         return 1.0 / tp
     rows = spec.norm_rows
     if len({share for *_, share in rows}) == 1:

@@ -1,11 +1,11 @@
 """Weights and optimizer state in DCP's layout, and back.
 
 Optimizer state is keyed by parameter *name* (`canonical_named_parameters`), not position, so that it loads into
-any layout. A tensor-parallel slice is handed to DCP as a DTensor over the TP mesh, so each rank writes its own
-and a load into another layout reshards. Vocab tables padded to another row count are resized on load. A fused
-projection (qkv_proj, gate_up_proj: megalm/model/fused.py) is stored as its parts under their unfused names
-(`stored_pieces`): each part is one contiguous slice per rank, which DCP reshards alone, and the files keep the
-layout of checkpoints written before the fusion, which therefore load as they are.
+any layout. A tensor-parallel slice is handed to DCP as a DTensor over the TP mesh (an expert-parallel one over the
+EP mesh), so each rank writes its own and a load into another layout reshards. Vocab tables padded to another row
+count are resized on load. A fused projection (qkv_proj, gate_up_proj: megalm/model/fused.py) is stored as its parts
+under their unfused names (`stored_pieces`): each part is one contiguous slice per rank, which DCP reshards alone,
+and the files keep the layout of checkpoints written before the fusion, which therefore load as they are.
 """
 
 from __future__ import annotations
@@ -106,11 +106,11 @@ def stored_names(name: str) -> list[str]:
 
 
 def for_dcp(local: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | None) -> torch.Tensor:
-    """What DCP should see for a tensor laid out like a parameter with `spec`: a DTensor over the TP mesh
-    for a slice one rank holds (each rank writes its own), the gathered full tensor for slices several
-    ranks hold (kv rows replicated when tp > kv heads: small), the tensor itself when it is not sharded
-    (DCP writes replicated tensors once)."""
-    if spec is None or mesh is None or mesh.dims.tp == 1:
+    """What DCP should see for a tensor laid out like a parameter with `spec`: a DTensor over the TP mesh (the EP
+    mesh for an expert slice) for a slice one rank holds (each rank writes its own), the gathered full tensor for
+    slices several ranks hold (kv rows replicated when tp > kv heads: small), the tensor itself when it is not
+    sharded (DCP writes replicated tensors once)."""
+    if spec is None or mesh is None or (mesh.dims.ep if spec.group == "ep" else mesh.dims.tp) == 1:
         return local
     if not spec.single_slice:
         pieces = [torch.empty_like(local) for _ in range(mesh.dims.tp)]
@@ -120,7 +120,8 @@ def for_dcp(local: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | No
     stride = torch.empty(full_shape, device="meta").stride()
     # a view (a fused projection's part) is copied: DCP's async staging cannot deep-copy a DTensor over a view
     local = local.clone() if local._base is not None else local.contiguous()
-    return DTensor.from_local(local, mesh.mesh["tp"], [Shard(spec.dim)], shape=full_shape, stride=stride)
+    device_mesh = mesh.ep_mesh if spec.group == "ep" else mesh.mesh["tp"]
+    return DTensor.from_local(local, device_mesh, [Shard(spec.dim)], shape=full_shape, stride=stride)
 
 
 def _load_target(like: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | None) -> torch.Tensor:
