@@ -108,6 +108,10 @@ class FusedShardSpec:
         return 0
 
     @property
+    def group(self) -> str:
+        return "tp"
+
+    @property
     def full_shape(self) -> tuple[int, ...]:
         return (sum(part.full_shape[0] for part in self.parts), *self.parts[0].full_shape[1:])
 

@@ -54,6 +54,7 @@ def same_bias(ref: Trainer, par: Trainer) -> bool:
 
 
 DROPLESS, CAPACITY = ["model.moe.capacity_factor=null"], ["model.moe.capacity_factor=1.0"]
+SHARED = ["model.moe.num_shared_experts=1", "model.moe.shared_ffn_hidden_size=48"]  # TP splits them as an MLP
 BATCH16 = ["trainer.global_batch_size=16"]  # 4 data-parallel ranks of micro-batches of 4 samples
 LAYOUTS = {  # name: (ranks, the model and data of both runs, the layout)
     "dp2": (2, CAPACITY, ["parallel.dp=2"]),
@@ -67,6 +68,8 @@ LAYOUTS = {  # name: (ranks, the model and data of both runs, the layout)
     "ep2_dp4_capacity": (4, CAPACITY + BATCH16, ["parallel.ep=2"]),
     "ep2_zero1": (2, DROPLESS, ["parallel.ep=2", "parallel.zero1=true"]),
     "ep2_pp2": (4, DROPLESS, ["parallel.ep=2", "parallel.pp=2"]),
+    "tp2_shared": (2, CAPACITY + SHARED, ["parallel.tp=2"]),
+    "ep2_tp2": (4, DROPLESS + SHARED, ["parallel.ep=2", "parallel.tp=2"]),
 }
 
 

@@ -44,7 +44,11 @@ def validate_experts(cfg: MegalmConfig) -> None:
     if experts % p.ep or domain % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.num_experts={experts} and dp*cp={domain} "
                           "(expert-parallel ranks are carved from the data-parallel ones); change parallel.ep")
-    refused = {"parallel.tp>1": p.tp > 1, "parallel.cp>1": p.cp > 1, "parallel.hdp=true": p.hdp,
+    if p.hdp:
+        raise ConfigError("parallel.hdp=true does not run mixture-of-experts models: HDP ranks run different numbers "
+                          "of micro-batches, while an expert-parallel layer needs every rank in each all-to-all; "
+                          "use parallel.cp with data or expert parallelism")
+    refused = {"parallel.sequence_parallel=true": p.sequence_parallel, "parallel.cp>1": p.cp > 1,
                "parallel.fsdp=true": p.fsdp, "parallel.pp_schedule=zb": p.pp > 1 and p.pp_schedule == "zb"}
     for setting, on in refused.items():
         if on:

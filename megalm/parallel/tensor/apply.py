@@ -50,6 +50,7 @@ from megalm.config import ModelConfig
 from megalm.errors import ConfigError
 from megalm.model.fused import part_rows
 from megalm.model.loss import token_loss_sum
+from megalm.model.moe import MoE
 from megalm.model.naming import canonical_named_parameters
 from megalm.model.shard import FusedShardSpec, ShardSpec, shard_specs
 from megalm.parallel.norms import NormShare, share_pairs, weighted_sq_norm
@@ -122,11 +123,16 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
         attention, mlp = layer.attention, layer.mlp
         attention.qkv_proj = column(attention.qkv_proj, parts=qkv, replicas=(1, kv_replicas, kv_replicas))
         attention.o_proj = row(attention.o_proj)
-        if isinstance(getattr(mlp, "gate_up_proj", None), nn.Linear):
-            mlp.gate_up_proj = column(mlp.gate_up_proj, parts=part_rows("mlp.gate_up_proj", model.cfg))
-        if isinstance(getattr(mlp, "up_proj", None), nn.Linear):
-            mlp.up_proj = column(mlp.up_proj)
-        mlp.down_proj = row(mlp.down_proj)
+        # an MoE block's routed experts stay whole on every TP rank (each runs the layer on the same tokens: expert
+        # parallelism splits them, megalm/parallel/expert); its shared experts split as a dense MLP does
+        dense = mlp.shared_experts if isinstance(mlp, MoE) else mlp
+        if dense is not None:
+            if isinstance(getattr(dense, "gate_up_proj", None), nn.Linear):  # [gate; up], each ffn rows
+                ffn = dense.gate_up_proj.out_features // 2
+                dense.gate_up_proj = column(dense.gate_up_proj, parts=(ffn, ffn))
+            if isinstance(getattr(dense, "up_proj", None), nn.Linear):
+                dense.up_proj = column(dense.up_proj)
+            dense.down_proj = row(dense.down_proj)
         layer.attention_norm = norm(layer.attention_norm)
         layer.mlp_norm = norm(layer.mlp_norm)
 
