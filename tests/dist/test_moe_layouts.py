@@ -80,11 +80,11 @@ def test_moe_layout_matches_single_process(tmp_path, name):
 
 
 def test_expert_parallel_checkpoints_reshard(tmp_path):
-    """A run saved at ep4 resumes at ep2 (ZeRO-1), then at ep1 (dp2): the expert slices, their Adam moments and the
-    routers' bias load into any ep, and the continued losses equal one process's straight run."""
-    common = [*MOE, *DROPLESS, *BATCH16, "trainer.max_steps=6"]
+    """A run saved at ep4 resumes at ep2 x tp2 (ZeRO-1), then at ep1 (dp2): the expert slices, their Adam moments and
+    the routers' bias load into any ep, and the continued losses equal one process's straight run."""
+    common = [*MOE, *DROPLESS, *SHARED, "trainer.max_steps=6", "trainer.micro_batch_size=2"]
     segments = [(4, ["parallel.ep=4", "trainer.stop_at_step=2"]),
-                (2, ["parallel.ep=2", "parallel.zero1=true", "trainer.stop_at_step=4"]),
+                (4, ["parallel.ep=2", "parallel.tp=2", "parallel.zero1=true", "trainer.stop_at_step=4"]),
                 (2, ["parallel.dp=2"])]
     losses = []
     for index, (world, layout) in enumerate(segments):
