@@ -391,7 +391,8 @@ class Parallelism:
             context = f" cp={p.cp} hdp (C={p.hdp_capacity} tokens, {self.split.cost.name} cost{offload})"
         else:
             context = f" cp={p.cp} ({p.cp_comm})" if p.cp > 1 else ""
-        flags = (" sp" if p.sequence_parallel else "") + (" zero1" if p.zero1 else "")
+        flags = (f" ep={p.ep}" if p.ep > 1 else "") + (" sp" if p.sequence_parallel else "") + (
+            " zero1" if p.zero1 else "")
         if p.fsdp:
             flags += f" fsdp({'hsdp ' if p.fsdp_shard_size else ''}{'x'.join(map(str, self.fsdp_mesh.shape))})"
         o = self.cfg.offload

@@ -27,6 +27,7 @@ def check_moe_layout(rank: int, world_size: int, same: list[str], layout: list[s
     """`same`: the model and data of both runs; `layout`: the parallel run's."""
     ref = Trainer(compose_config(*MOE, *same), f"{tmp}/ref{rank}", mesh=ParallelMesh(ParallelDims()))
     par = Trainer(compose_config(*MOE, *same, *layout), f"{tmp}/par")
+    assert (f" ep={par.cfg.parallel.ep}" in par.parallel.describe()) == (par.cfg.parallel.ep > 1)
     ref.forward_backward(0)
     par.forward_backward(0)
     if not par.cfg.parallel.zero1:  # ZeRO-1 ranks keep their slice of the gradient only
