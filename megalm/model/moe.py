@@ -36,6 +36,7 @@ the same experts one at a time: the tests' oracle (`torch._grouped_mm` runs on C
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -112,15 +113,62 @@ class GroupedExperts(nn.Module):
 @dataclass
 class Routing:
     """One micro-batch's routing: `experts` [T, k] chosen ids, `weights` [T, k] fp32 combine weights (0 where
-    dropped), `kept` [T, k] bool, `counts` [E] assignments each expert kept (float), `aux` the weighted
-    balancing losses' token-sum (a scalar with gradient) and `stats` its detached parts for the logs."""
+    dropped), `kept` [T, k] bool (False for padding tokens too), `counts` [E] assignments each expert kept (float),
+    `dropped` the real tokens' assignments dropped (a scalar), `aux` the weighted balancing losses' token-sum (a
+    scalar with gradient) and `stats` its detached parts for the logs."""
 
     experts: torch.Tensor
     weights: torch.Tensor
     kept: torch.Tensor
     counts: torch.Tensor
+    dropped: torch.Tensor
     aux: torch.Tensor
     stats: torch.Tensor
+
+
+class TokenShard(Protocol):
+    """The micro-batch's tokens as this rank holds them, for what the router computes over the whole micro-batch
+    (capacity queues, the switch and sequence losses' routed counts). Without one the rank holds the whole
+    micro-batch (`WholeTokens`); context parallelism gives a shard of it (megalm/parallel/context/tokens.py).
+
+    `real` bool [T]: not padding. `local_index` int64 [T]: each local token's place in the whole micro-batch (its
+    token order, padding included), `whole_tokens` the whole's length. `gather(t)`: [T, ...] -> [whole_tokens, ...]
+    every rank's rows in the whole's order (detached values; a collective under CP). `local_docs` / `whole_docs`:
+    each token's document (the same numbering on every rank), `num_docs`."""
+
+    real: torch.Tensor | None
+    local_index: torch.Tensor
+    whole_tokens: int
+    num_docs: int
+    local_docs: torch.Tensor
+    whole_docs: torch.Tensor
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor: ...
+
+
+class WholeTokens:
+    """A rank holding the whole micro-batch, no padding: every `TokenShard` reading is the identity."""
+
+    real = None
+
+    def __init__(self, cu_seqlens: torch.Tensor, tokens: int) -> None:
+        self.cu_seqlens, self.whole_tokens, self.num_docs = cu_seqlens, tokens, cu_seqlens.numel() - 1
+
+    @functools.cached_property
+    def local_index(self) -> torch.Tensor:
+        return torch.arange(self.whole_tokens, device=self.cu_seqlens.device)
+
+    @functools.cached_property
+    def local_docs(self) -> torch.Tensor:
+        positions = torch.arange(self.whole_tokens, device=self.cu_seqlens.device)
+        return torch.searchsorted(self.cu_seqlens[1:].to(torch.int64), positions, right=True)
+
+    @property
+    def whole_docs(self) -> torch.Tensor:
+        return self.local_docs
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
 
 class Router(nn.Module):
@@ -137,7 +185,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size))
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> Routing:
+    def forward(self, x: torch.Tensor, tokens: TokenShard) -> Routing:
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
@@ -147,44 +195,66 @@ class Router(nn.Module):
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = weights * self.scaling
-        kept = self._capacity_mask(experts)
+        kept = self._capacity_mask(experts, tokens)
         weights = weights * kept
         counts = torch.bincount(experts.reshape(-1), weights=kept.reshape(-1).float(), minlength=self.num_experts)
-        aux, stats = self._balancing_losses(logits, scores, experts, cu_seqlens)
-        return Routing(experts, weights, kept, counts, aux, stats)
+        real = experts.numel() if tokens.real is None else tokens.real.sum() * self.top_k
+        aux, stats = self._balancing_losses(logits, scores, experts, tokens)
+        return Routing(experts, weights, kept, counts, real - counts.sum(), aux, stats)
 
-    def _capacity_mask(self, experts: torch.Tensor) -> torch.Tensor:
-        """True for the assignments that fit their expert's capacity (first come in token order); all without one."""
+    def _capacity_mask(self, experts: torch.Tensor, tokens: TokenShard) -> torch.Tensor:
+        """True for the assignments of real tokens that fit their expert's capacity: ceil(cf · T · k / E) of the
+        whole micro-batch's T real tokens, first come in its token order (the same queue under every layout)."""
+        real = tokens.real
         if self.capacity_factor is None:
-            return torch.ones_like(experts, dtype=torch.bool)
-        tokens = experts.shape[0]
-        capacity = math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
-        one_hot = F.one_hot(experts.reshape(-1), self.num_experts)  # [T*k, E], assignments in token order
+            return torch.ones_like(experts, dtype=torch.bool) if real is None else real.unsqueeze(-1).expand_as(
+                experts)
+        whole = tokens.gather(experts).reshape(-1)  # [T_whole * k] assignments in token order
+        one_hot = F.one_hot(whole, self.num_experts)
+        if real is None:
+            capacity = math.ceil(self.capacity_factor * tokens.whole_tokens * self.top_k / self.num_experts)
+            real_assignments = None
+        else:  # padding takes no place in a queue
+            real_assignments = tokens.gather(real).repeat_interleave(self.top_k)
+            one_hot = one_hot * real_assignments.unsqueeze(-1)
+            capacity = torch.ceil(self.capacity_factor * real_assignments.sum().double() / self.num_experts)
         position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # this assignment's place in its expert's queue
-        return (position < capacity).reshape(experts.shape)
+        kept = position < capacity
+        if real_assignments is not None:
+            kept = kept & real_assignments
+        return kept.view(-1, self.top_k)[tokens.local_index]
 
     def _balancing_losses(self, logits: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor,
-                          cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                          tokens: TokenShard) -> tuple[torch.Tensor, torch.Tensor]:
         """The coefficient-weighted sum of the three balancing losses (token-sums, module docstring), and the
-        three unweighted, detached."""
+        three unweighted, detached. Over a shard of the micro-batch (CP), each is this rank's part of the whole's:
+        the routed counts f are the whole's (gathered, constants), the scores P this rank's, and the parts sum to
+        the whole's loss, whose gradient each rank's scores get."""
         switch_c, seq_c, z_c = self.coeffs
-        E, k, T = self.num_experts, self.top_k, logits.shape[0]
+        E, k = self.num_experts, self.top_k
+        real = None if tokens.real is None else tokens.real.to(logits.dtype).unsqueeze(-1)
         switch = seq = z = logits.new_zeros(())
         if switch_c or seq_c:  # both weigh each expert's routed tokens by its mean score (none of it when both are off)
             probs = scores if self.score == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
-            routed = F.one_hot(experts, E).sum(1).float()  # [T, E]: 1 where the token chose the expert (before drops)
+            routed = F.one_hot(tokens.gather(experts), E).sum(1).to(logits.dtype)  # [T_whole, E]: chosen (pre-drop)
+            whole_real = None
+            if real is not None:
+                probs = probs * real
+                whole_real = tokens.gather(tokens.real).to(logits.dtype)
+                routed = routed * whole_real.unsqueeze(-1)
         if switch_c:
-            switch = E / (k * max(T, 1)) * (routed.sum(0) * probs.sum(0)).sum()
+            count = max(tokens.whole_tokens, 1) if whole_real is None else whole_real.sum().clamp(min=1)
+            switch = E / k * (routed.sum(0) * probs.sum(0)).sum() / count
         if seq_c:
-            doc = torch.searchsorted(cu_seqlens[1:].to(torch.int64), torch.arange(T, device=logits.device),
-                                     right=True)
-            docs = cu_seqlens.numel() - 1
-            per_doc_routed = logits.new_zeros(docs, E).index_add_(0, doc, routed)
-            per_doc_probs = logits.new_zeros(docs, E).index_add(0, doc, probs)
-            doc_tokens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(logits.dtype).clamp(min=1).unsqueeze(-1)
+            docs = tokens.num_docs
+            per_doc_routed = logits.new_zeros(docs, E).index_add_(0, tokens.whole_docs, routed)
+            per_doc_probs = logits.new_zeros(docs, E).index_add(0, tokens.local_docs, probs)
+            ones = logits.new_ones(routed.shape[0]) if whole_real is None else whole_real
+            doc_tokens = logits.new_zeros(docs).index_add_(0, tokens.whole_docs, ones).clamp(min=1).unsqueeze(-1)
             seq = (E / k * per_doc_routed * per_doc_probs / doc_tokens).sum()
         if z_c:
-            z = torch.logsumexp(logits, dim=-1).square().sum()
+            lse = torch.logsumexp(logits, dim=-1).square()
+            z = (lse if real is None else lse * real.squeeze(-1)).sum()
         aux = switch_c * switch + seq_c * seq + z_c * z
         return aux, torch.stack([switch, seq, z]).detach()
 
@@ -255,10 +325,11 @@ class MoE(nn.Module):
         # how tokens reach the experts: all on this rank; expert parallelism swaps in an all-to-all (megalm/parallel)
         self.dispatcher: TokenDispatcher = LocalDispatcher()
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, tokens: TokenShard | None = None) -> torch.Tensor:
+        """x [T, h]; `tokens`: how this rank's T tokens sit in the micro-batch (None: they are all of it)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        routing = self.router(x, cu_seqlens)
+        routing = self.router(x, tokens or WholeTokens(cu_seqlens, x.shape[0]))
         y = self.dispatcher(x, routing, self.experts)  # [T*k, h]: each assignment's expert output, token order
         out = (y.view(-1, self.top_k, shape[-1]).float() * routing.weights.unsqueeze(-1)).sum(1).to(y.dtype)
         if self.shared_experts is not None:
@@ -274,9 +345,8 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def _record(self, routing: Routing) -> None:
-        dropped = (~routing.kept).sum()
         self.stats[: self.num_experts] += routing.counts
-        self.stats[self.num_experts] += dropped
+        self.stats[self.num_experts] += routing.dropped
         self.stats[self.num_experts + 1:] += routing.stats
 
 
