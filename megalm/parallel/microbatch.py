@@ -39,6 +39,7 @@ class LocalMicroBatch:
     counted_doc_lengths: list[int] = field(default_factory=list)  # documents this rank counts in tokens/FLOPs
     attention: AttentionContext | None = None  # set when prepared: how attention runs over `ring`
     offload_fraction: float = 0.0  # share of its activations it must offload (HDP selective offload)
+    real_tokens: torch.Tensor | None = None  # a zigzag shard's tokens that are not padding (bool [T]); None: all
 
     def run(self, model: nn.Module, inputs: torch.Tensor | None = None) -> torch.Tensor:
         """`model` (a GPT or pipeline chunk) on this micro-batch: on its tokens, or on `inputs` (the hidden

@@ -306,12 +306,17 @@ class Parallelism:
         batch, ring = mb.batch, mb.ring
         if ring is not None and self.cfg.model.position_embedding == "learned":
             batch.position_ids = batch.position_ids.clamp(max=self.cfg.model.max_position_embeddings - 1)
-        batch = pad_to_multiple(batch, self.token_multiple, even=ring is not None)
+        padded = pad_to_multiple(batch, self.token_multiple, even=ring is not None)
         attention = None
         if ring is not None:
             a2a = self.cfg.parallel.cp_comm == "a2a"
-            attention = RingContext.for_shard(batch, ring, self.device, self.cfg.parallel.cp_comm,
-                                              self.mesh.cp_group if a2a else None, self.mesh.progress)
+            moe_over = None
+            if self.cfg.model.moe.num_experts and mb.real_tokens is not None:  # the routers' view of the shard
+                real = torch.cat([mb.real_tokens, mb.real_tokens.new_zeros(padded.num_tokens - batch.num_tokens)])
+                moe_over = (real, self.mesh.cp_group)
+            attention = RingContext.for_shard(padded, ring, self.device, self.cfg.parallel.cp_comm,
+                                              self.mesh.cp_group if a2a else None, self.mesh.progress, moe_over)
+        batch = padded
         counted = mb.counted_doc_lengths if self.mesh.is_last_stage else []
         if self.device.type == "cuda":  # pinned host memory: the copies overlap instead of syncing the stream
             return LocalMicroBatch(batch.pin_memory().to(self.device, non_blocking=True), mb.index, ring, counted,

@@ -56,6 +56,7 @@ def same_bias(ref: Trainer, par: Trainer) -> bool:
 
 DROPLESS, CAPACITY = ["model.moe.capacity_factor=null"], ["model.moe.capacity_factor=1.0"]
 SHARED = ["model.moe.num_shared_experts=1", "model.moe.shared_ffn_hidden_size=48"]  # TP splits them as an MLP
+VARLEN = ["data.varlen=true"]  # documents of every length: zigzag pads them, and the routers must not count it
 BATCH16 = ["trainer.global_batch_size=16"]  # 4 data-parallel ranks of micro-batches of 4 samples
 LAYOUTS = {  # name: (ranks, the model and data of both runs, the layout)
     "dp2": (2, CAPACITY, ["parallel.dp=2"]),
@@ -71,6 +72,9 @@ LAYOUTS = {  # name: (ranks, the model and data of both runs, the layout)
     "ep2_pp2": (4, DROPLESS, ["parallel.ep=2", "parallel.pp=2"]),
     "tp2_shared": (2, CAPACITY + SHARED, ["parallel.tp=2"]),
     "ep2_tp2": (4, DROPLESS + SHARED, ["parallel.ep=2", "parallel.tp=2"]),
+    "cp2_capacity": (2, CAPACITY + VARLEN, ["parallel.cp=2"]),
+    "ep2_cp2": (4, DROPLESS + VARLEN, ["parallel.ep=2", "parallel.cp=2"]),
+    "ep2_cp2_capacity_a2a": (4, CAPACITY + VARLEN, ["parallel.ep=2", "parallel.cp=2", "parallel.cp_comm=a2a"]),
 }
 
 

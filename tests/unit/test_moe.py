@@ -252,7 +252,6 @@ def test_moe_tiny_trains_logs_load_and_resumes_its_bias(tmp_path, make_config):
 
 @pytest.mark.parametrize(("world", "overrides", "message"), [
     (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], "sequence_parallel=true"),
-    (2, ["parallel.cp=2"], "parallel.cp>1"),
     (2, ["parallel.fsdp=true"], "parallel.fsdp=true"),
     (2, ["parallel.pp=2", "parallel.pp_schedule=zb", "trainer.micro_batch_size=2"], "pp_schedule=zb"),
     (2, ["data.varlen=true", "parallel.hdp=true"], "parallel.hdp=true"),
@@ -261,7 +260,7 @@ def test_moe_tiny_trains_logs_load_and_resumes_its_bias(tmp_path, make_config):
     (2, ["parallel.ep=4"], "must divide model.moe.num_experts=8 and dp\\*cp=2"),
     (2, ["parallel.ep=0"], "parallel.ep=0 must be >= 1"),
     (2, ["model=tiny", "parallel.ep=2"], "needs a mixture-of-experts model")],
-    ids=["sp", "cp", "fsdp", "zb", "hdp", "mxfp8", "ep_not_experts", "ep_not_domain", "ep0", "ep_dense"])
+    ids=["sp", "fsdp", "zb", "hdp", "mxfp8", "ep_not_experts", "ep_not_domain", "ep0", "ep_dense"])
 def test_layouts_not_built_for_moe_are_refused_in_one_line(make_config, world, overrides, message):
     from megalm.training.validation import validate_run
 

@@ -24,6 +24,7 @@ from megalm.data.batch import PackedBatch
 from megalm.errors import ConfigError
 from megalm.parallel.context.hierarchical import HierarchicalRing
 from megalm.parallel.context.ring import ring_attend, ring_attention, ring_meta, ring_note
+from megalm.parallel.context.tokens import RingTokens
 from megalm.parallel.context.ulysses import ulysses_attention
 from megalm.parallel.context.zigzag import ZigzagLayout, layout_from_local_cu_seqlens
 from megalm.parallel.microbatch import Ring
@@ -43,6 +44,7 @@ class RingContext:
     comm: str = "ring"
     group: dist.ProcessGroup | None = None  # a2a: the group of exactly `ranks`
     progress: Progress | None = None  # the mesh's record of the transfer entered (hang reports)
+    moe_tokens: RingTokens | None = None  # MoE models: the shard as the routers see it (tokens.py)
 
     def __post_init__(self) -> None:
         if self.comm not in COMMS:
@@ -58,11 +60,17 @@ class RingContext:
 
     @classmethod
     def for_shard(cls, batch: PackedBatch, ring: Ring, device: torch.device, comm: str = "ring",
-                  group: dist.ProcessGroup | None = None, progress: Progress | None = None) -> RingContext:
+                  group: dist.ProcessGroup | None = None, progress: Progress | None = None,
+                  moe_over: tuple[torch.Tensor, dist.ProcessGroup] | None = None) -> RingContext:
         """The context of `batch` (on the host), this rank's zigzag shard over `ring` (`zigzag.shard_batch`,
-        possibly padded with one more even segment), with its layout on `device`."""
-        layout = layout_from_local_cu_seqlens(batch.cu_seqlens, len(ring.ranks), ring.inner)
-        return cls(tuple(int(r) for r in ring.ranks), ring.index, layout.to(device), comm, group, progress)
+        possibly padded with one more even segment), with its layout on `device`. `moe_over`: (the shard's real
+        tokens, the ring's group) for an MoE model's routers (tokens.py)."""
+        layout = layout_from_local_cu_seqlens(batch.cu_seqlens, len(ring.ranks), ring.inner).to(device)
+        tokens = None
+        if moe_over is not None:
+            real, ring_group = moe_over
+            tokens = RingTokens(layout, ring.index, real.to(device), ring_group, progress)
+        return cls(tuple(int(r) for r in ring.ranks), ring.index, layout, comm, group, progress, tokens)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, dropout_p: float = 0.0,
                scale: float | None = None) -> torch.Tensor:

@@ -14,9 +14,10 @@ from megalm.parallel.microbatch import LocalMicroBatch, Ring
 def shard_over_ring(mb: LocalMicroBatch, ring: Ring) -> LocalMicroBatch:
     """This rank's zigzag shard of a whole micro-batch over `ring` (static context parallelism: every
     micro-batch runs on the rank's CP ring). The ring's first member counts the documents."""
-    batch = shard_batch(mb.batch, zigzag_plan(mb.batch.cu_seqlens, len(ring.ranks), ring.inner), ring.index)
+    plan = zigzag_plan(mb.batch.cu_seqlens, len(ring.ranks), ring.inner)
+    batch = shard_batch(mb.batch, plan, ring.index)
     counted = mb.counted_doc_lengths if ring.index == 0 else []
-    return LocalMicroBatch(batch, mb.index, ring, counted)
+    return LocalMicroBatch(batch, mb.index, ring, counted, real_tokens=plan.local_source(ring.index) >= 0)
 
 
 class ContextShards:

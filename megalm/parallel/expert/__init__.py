@@ -48,7 +48,7 @@ def validate_experts(cfg: MegalmConfig) -> None:
         raise ConfigError("parallel.hdp=true does not run mixture-of-experts models: HDP ranks run different numbers "
                           "of micro-batches, while an expert-parallel layer needs every rank in each all-to-all; "
                           "use parallel.cp with data or expert parallelism")
-    refused = {"parallel.sequence_parallel=true": p.sequence_parallel, "parallel.cp>1": p.cp > 1,
+    refused = {"parallel.sequence_parallel=true": p.sequence_parallel,
                "parallel.fsdp=true": p.fsdp, "parallel.pp_schedule=zb": p.pp > 1 and p.pp_schedule == "zb"}
     for setting, on in refused.items():
         if on:
