@@ -9,10 +9,12 @@ summed over the expert-data-parallel group (the ranks holding the same experts: 
 gradient over dp x cp as without experts (megalm/parallel/data_parallel/reducer.py's per-bucket groups).
 
 What composes today, each proven against one process on gloo: data parallelism (ZeRO-1 too), expert parallelism
-over it, pipeline stages (the balancing losses of a stage that is not the last reach the gradient through the
-layer's scaler; the load counts are summed over the stages with the loss), recomputation and activation offload.
-The layouts whose token split would change what one MoE layer sees of a micro-batch (TP, SP, CP, HDP), FSDP, and
-zero-bubble schedules are refused with one line until they are built and proven.
+over it, tensor parallelism (the routed experts whole on every TP rank, the shared ones split as an MLP), context
+parallelism (the routers see the whole micro-batch: megalm/parallel/context/tokens.py), pipeline stages (the
+balancing losses of a stage that is not the last reach the gradient through the layer's scaler; the load counts
+are summed over the stages with the loss), recomputation and activation offload. HDP is refused (its ranks run
+different numbers of micro-batches; every EP rank must join each all-to-all), and so are sequence parallelism,
+FSDP and zero-bubble schedules, with one line each, until they are built and proven.
 """
 
 from __future__ import annotations
