@@ -108,6 +108,8 @@ def resolve_model_defaults(model: ModelConfig, tp: int | None = None) -> ModelCo
         model.padded_vocab_size = pad_vocab(model.vocab_size, multiple)
     if model.num_kv_heads is None:
         model.num_kv_heads = model.num_heads
+    if model.head_dim is None and model.num_heads > 0 and model.hidden_size % model.num_heads == 0:
+        model.head_dim = model.hidden_size // model.num_heads
     if model.ffn_hidden_size is None:
         if model.activation == "swiglu":
             model.ffn_hidden_size = 64 * -(-int(8 * model.hidden_size / 3) // 64)
@@ -178,15 +180,17 @@ def validate_model(model: ModelConfig) -> None:
     choice(model.activation, "model.activation", Activation)
     choice(model.position_embedding, "model.position_embedding", PositionEmbedding)
     choice(model.attention_backend, "model.attention_backend", AttentionBackend)
-    if model.hidden_size % model.num_heads:
+    if model.head_dim is None and model.hidden_size % model.num_heads:
         raise ConfigError(f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads="
                           f"{model.num_heads}; change one so that hidden_size % num_heads == 0")
     if model.num_heads % model.num_kv_heads:
         raise ConfigError(f"model.num_heads={model.num_heads} is not divisible by model.num_kv_heads="
                           f"{model.num_kv_heads}; choose num_kv_heads among the divisors of num_heads")
-    head_dim = model.hidden_size // model.num_heads
+    head_dim = model.head_dim or model.hidden_size // model.num_heads
+    if head_dim < 1:
+        raise ConfigError(f"model.head_dim={model.head_dim} must be >= 1, or null for hidden_size / num_heads")
     if model.position_embedding == "rope" and head_dim % 2:
-        raise ConfigError(f"RoPE needs an even head dim, got hidden_size/num_heads={head_dim}; change num_heads")
+        raise ConfigError(f"RoPE needs an even head dim, got {head_dim}; change model.head_dim or num_heads")
     if model.seq_length > model.max_position_embeddings:
         raise ConfigError(f"model.seq_length={model.seq_length} exceeds the model's positions "
                           f"(model.max_position_embeddings={model.max_position_embeddings}); "

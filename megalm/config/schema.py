@@ -88,7 +88,11 @@ class ModelConfig:
     hidden_size: int = 256
     """The residual stream's width (h)."""
     num_heads: int = 4
-    """Query heads; the head dim is hidden_size / num_heads."""
+    """Query heads."""
+    head_dim: int | None = None
+    """Each head's width; None: hidden_size / num_heads. Qwen3 sets it apart (128 whatever hidden_size / heads)."""
+    qk_norm: bool = False
+    """An RMSNorm over each head of q and of k before RoPE (Qwen3; weights [head_dim] shared by the heads)."""
     num_kv_heads: int | None = None
     """Key/value heads: None equals num_heads (multi-head attention); fewer is grouped-query attention."""
     ffn_hidden_size: int | None = None

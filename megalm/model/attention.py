@@ -29,6 +29,7 @@ from megalm.config import ModelConfig
 from megalm.config.choices import AttentionBackend
 from megalm.errors import ConfigError
 from megalm.model.linear import Linear
+from megalm.model.norm import RMSNorm
 from megalm.model.rope import apply_rope
 
 logger = logging.getLogger(__name__)
@@ -203,11 +204,14 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_heads
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         q_width, kv_width = cfg.num_heads * self.head_dim, cfg.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, q_width + 2 * kv_width, bias=cfg.bias)
         self.o_proj = Linear(q_width, cfg.hidden_size, bias=cfg.bias)
+        # QK-norm (Qwen3): RMSNorm over each head of q and k, before RoPE; one [head_dim] weight each, every head's
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.dropout_p = cfg.attention_dropout
         self.backend = cfg.attention_backend
         # (device type, dtype, dropout on) -> the backend chosen for it, filled by `choose_attention_backends` before
@@ -230,6 +234,8 @@ class Attention(nn.Module):
         kv_width = (qkv.shape[-1] - q_width) // 2
         q, k, v = (t.view(total, -1, self.head_dim) for t in qkv.split([q_width, kv_width, kv_width], dim=-1))
         v = v.contiguous()  # attention saves v: as a view it would keep the whole [T, q + 2 kv] output alive
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -32,7 +32,7 @@ UNFUSED = {"attention.qkv_proj": ("attention.q_proj", "attention.k_proj", "atten
 def part_rows(module: str, cfg: ModelConfig) -> tuple[int, ...]:
     """The output rows of each part of fused `module` ("attention.qkv_proj" or "mlp.gate_up_proj")."""
     if module == "attention.qkv_proj":
-        head_dim = cfg.hidden_size // cfg.num_heads
+        head_dim = cfg.head_dim
         return cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim, cfg.num_kv_heads * head_dim
     if module == "mlp.gate_up_proj":
         return cfg.ffn_hidden_size, cfg.ffn_hidden_size

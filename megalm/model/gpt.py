@@ -92,7 +92,7 @@ class GPT(nn.Module):
         cfg = resolve_model_defaults(copy.deepcopy(model_config(cfg)))
         validate_model(cfg)
         self.cfg = cfg
-        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.head_dim = cfg.head_dim
         with torch.device(device) if device is not None else nullcontext():
             # Padded past the tokenizer's vocab (Megatron's make_vocab_size_divisible_by x tp): the loss and
             # generation mask the logits of ids >= vocab_size, so the padding rows never matter.

@@ -44,7 +44,7 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 def matmul_params(model: ModelConfig) -> int:
     """Parameters that take part in a GEMM per token (all linear layers and the output head). An MoE layer counts
     its active ones: the router, top_k routed experts and the shared experts (the others see no token of it)."""
-    head_dim = model.hidden_size // model.num_heads
+    head_dim = model.head_dim or model.hidden_size // model.num_heads
     h, hq, hkv = model.hidden_size, model.num_heads * head_dim, model.num_kv_heads * head_dim
     mlp_mats = 3 if model.activation == "swiglu" else 2
     attention = h * hq + 2 * h * hkv + hq * h
@@ -63,7 +63,7 @@ def matmul_params(model: ModelConfig) -> int:
 def forward_flops(model: ModelConfig, doc_lengths: Iterable[int]) -> float:
     lengths = list(doc_lengths)
     tokens = sum(lengths)
-    hq = model.num_heads * (model.hidden_size // model.num_heads)
+    hq = model.num_heads * (model.head_dim or model.hidden_size // model.num_heads)
     dense = 2.0 * tokens * matmul_params(model)
     attention = model.num_layers * 2.0 * hq * sum(s * (s + 1) for s in lengths)
     return dense + attention

@@ -247,6 +247,8 @@ def _gpt_worker(rank: int, world: int, model_kwargs: dict, sequence_parallel: bo
         pytest.param(4, dict(LLAMA, num_heads=4, num_kv_heads=2), False, False, id="llama-tp4-replicated-kv"),
         pytest.param(4, dict(LLAMA, num_heads=4, num_kv_heads=2), True, False, id="llama-tp4-sp-replicated-kv"),
         pytest.param(2, GPT2, True, False, id="gpt2-tp2-sp"),
+        # Qwen3's attention: heads wider than hidden / heads, QK-norm weights summed over the TP ranks' heads
+        pytest.param(2, dict(LLAMA, num_kv_heads=2, head_dim=24, qk_norm=True), True, False, id="qwen3-tp2-sp"),
     ],
 )
 def test_gpt_matches_single_process(world: int, model_kwargs: dict, sequence_parallel: bool, on_meta: bool) -> None:

@@ -70,6 +70,9 @@ def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
     if model.num_kv_heads % tp and tp % model.num_kv_heads:
         raise ConfigError(f"model.num_kv_heads={model.num_kv_heads} and parallel.tp={tp}: one must divide the "
                           "other (kv heads are split over tp, or replicated when tp > kv heads)")
+    if model.qk_norm and tp > model.num_kv_heads:
+        raise ConfigError(f"model.qk_norm=true with parallel.tp={tp} > model.num_kv_heads={model.num_kv_heads}: "
+                          "the replicated kv heads would count twice in k_norm's gradient; use tp <= num_kv_heads")
     if model.ffn_hidden_size % tp:
         raise ConfigError(f"model.ffn_hidden_size={model.ffn_hidden_size} is not divisible by parallel.tp={tp}; "
                           f"set it to a multiple of {tp}")
@@ -123,6 +126,11 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
         attention, mlp = layer.attention, layer.mlp
         attention.qkv_proj = column(attention.qkv_proj, parts=qkv, replicas=(1, kv_replicas, kv_replicas))
         attention.o_proj = row(attention.o_proj)
+        if attention.q_norm is not None:  # QK-norm: this rank's heads are a shard of all of them, as SP's tokens are
+            # of the sequence, so each weight's gradient is partial and is summed over TP in backward
+            attention.q_norm, attention.k_norm = (ParallelNorm(n, group, sequence_parallel=True, progress=progress,
+                                                               enter_tp_region=False)
+                                                  for n in (attention.q_norm, attention.k_norm))
         # an MoE block's routed experts stay whole on every TP rank (each runs the layer on the same tokens: expert
         # parallelism splits them, megalm/parallel/expert); its shared experts split as a dense MLP does
         dense = mlp.shared_experts if isinstance(mlp, MoE) else mlp
