@@ -20,6 +20,7 @@ import logging
 import shutil
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 
 from megalm.config import DataConfig, MegalmConfig, config_to_dict
@@ -27,7 +28,9 @@ from megalm.data.tokenizer import HFTokenizer
 from megalm.errors import MegalmError, one_line_errors
 from megalm.interop.files import atomic_output_dir, check_output_dir
 from megalm.model.fused import unfuse_tensors
+from megalm.model.gpt import GPT
 from megalm.model.hf import ARCHITECTURES, InteropError, read_hf_model, run_overrides
+from megalm.model.naming import canonical_named_buffers
 from megalm.training.checkpoint import FORMAT_VERSION, save_tensors
 
 log = logging.getLogger("megalm")
@@ -73,7 +76,11 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False, t
                         "eos_token_id": hf.get("eos_token_id")}}
     with atomic_output_dir(out, overwrite) as tmp:
         # fused projections stored as their parts, as every megalm checkpoint stores them
-        save_tensors({f"model/{name}": t.contiguous() for name, t in unfuse_tensors(weights, cfg).items()}, tmp)
+        tensors = {f"model/{name}": t.contiguous() for name, t in unfuse_tensors(weights, cfg).items()}
+        # the model's persistent buffers, which HF files do not hold: an MoE router's selection bias, zero
+        tensors.update({f"model/{name}": torch.zeros(b.shape, dtype=b.dtype)
+                        for name, b in canonical_named_buffers(GPT(cfg, device="meta"))})
+        save_tensors(tensors, tmp)
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
         if tokenizer_file is not None:

@@ -55,9 +55,23 @@ from megalm.config import ModelConfig, resolve_model_defaults, validate_model
 from megalm.errors import ConfigError, MegalmError
 from megalm.model.fused import fuse_tensors, unfuse_tensors
 from megalm.model.gpt import GPT, VOCAB_PARAMS, resize_vocab_rows
+from megalm.model.hf_moe import (
+    MIXTRAL,
+    MOE_SUFFIXES,
+    QWEN3,
+    QWEN3_MOE,
+    MoEMappingError,
+    moe_architecture,
+    moe_config_from_hf,
+    moe_hf_config,
+    moe_tensor_from_hf,
+    moe_tensors_to_hf,
+)
 
 LLAMA, GPT2 = "llama", "gpt2"
-ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel"}
+ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", QWEN3: "Qwen3ForCausalLM",
+                 QWEN3_MOE: "Qwen3MoeForCausalLM", MIXTRAL: "MixtralForCausalLM"}
+LLAMA_FAMILY = (LLAMA, QWEN3, QWEN3_MOE, MIXTRAL)  # Llama's names, plus QK-norm and/or MoE blocks (hf_moe.py)
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -76,6 +90,8 @@ _LLAMA_LAYER = {
     "mlp.gate_proj.weight": "mlp.gate_proj.weight",
     "mlp.up_proj.weight": "mlp.up_proj.weight",
     "mlp.down_proj.weight": "mlp.down_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
 _LLAMA_GLOBAL = {"embedding.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -96,16 +112,22 @@ class InteropError(MegalmError):
 
 
 def architecture_of(cfg: ModelConfig) -> str:
-    """"llama" or "gpt2": the HF architecture that computes exactly what `cfg`'s GPT computes; else InteropError."""
-    if cfg.moe.num_experts:
-        raise InteropError(f"model.moe.num_experts={cfg.moe.num_experts}: megalm's MoE models have no Hugging Face "
-                           "mapping yet; export a dense model")
+    """The HF architecture that computes exactly what `cfg`'s GPT computes (llama, qwen3, qwen3_moe, mixtral or
+    gpt2); else InteropError."""
     style = (cfg.norm, cfg.activation, cfg.position_embedding)
     if style == ("rmsnorm", "swiglu", "rope"):
         if cfg.bias:
             raise InteropError("model.bias=true with rmsnorm/swiglu/rope has no Hugging Face counterpart "
                                "(LlamaForCausalLM's norms have no bias); export supports bias=false only")
-        return LLAMA
+        if cfg.moe.num_experts:
+            try:
+                return moe_architecture(cfg)
+            except MoEMappingError as e:
+                raise InteropError(str(e)) from None
+        return QWEN3 if cfg.qk_norm else LLAMA
+    if cfg.moe.num_experts or cfg.qk_norm:
+        raise InteropError("MoE blocks and QK-norm map to Hugging Face with rmsnorm/swiglu/rope only (Qwen3, "
+                           "Qwen3-MoE, Mixtral); export a Llama-style model")
     if style == ("layernorm", "gelu", "learned"):
         problems = []
         if not cfg.bias:
@@ -134,16 +156,17 @@ def hf_config(cfg: ModelConfig, arch: str, dtype: str, bos_id: int | list[int] |
               "bos_token_id": in_vocab(bos_id), "eos_token_id": in_vocab(eos_id),
               "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std, "use_cache": True,
               "dtype": dtype, "torch_dtype": dtype}
-    if arch == LLAMA:
+    if arch in LLAMA_FAMILY:
+        extra = {} if arch == LLAMA else moe_hf_config(cfg, arch)
         return {**common, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
                 "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-                "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.hidden_size // cfg.num_heads,
+                "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
                 "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
                 "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
                 # transformers >= 5 reads rope_parameters; 4.x reads rope_theta/rope_scaling
                 "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
                 "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attention_dropout,
-                "pretraining_tp": 1}
+                "pretraining_tp": 1, **extra}
     return {**common, "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
             "n_inner": cfg.ffn_hidden_size, "n_positions": cfg.max_position_embeddings, "n_ctx":
             cfg.max_position_embeddings, "activation_function": "gelu_pytorch_tanh",
@@ -169,22 +192,23 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelC
     cannot compute. Defaults are transformers' LlamaConfig / GPT2Config defaults for keys the file omits."""
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise InteropError(f"{where}: model_type={model_type!r} is not supported; megalm imports llama and gpt2")
-    for key in ("sliding_window", "use_sliding_window"):
+        raise InteropError(f"{where}: model_type={model_type!r} is not supported; megalm imports "
+                           f"{', '.join(ARCHITECTURES)}")
+    # Qwen3 configs carry a sliding_window that only use_sliding_window turns on
+    windows = ("use_sliding_window",) if model_type in (QWEN3, QWEN3_MOE) else ("sliding_window", "use_sliding_window")
+    for key in windows:
         if hf.get(key):
             raise InteropError(f"{where}: {key}={hf[key]} is set; megalm attends over the whole document "
                                "(no sliding window)")
     kwargs: dict[str, Any]
-    if model_type == LLAMA:
+    moe = None
+    if model_type in LLAMA_FAMILY:
         bias = [k for k in ("attention_bias", "mlp_bias") if hf.get(k)]
         if bias:
             raise InteropError(f"{where}: {'/'.join(bias)}=true; megalm's Llama-style model has no biases")
         if hf.get("hidden_act", "silu") != "silu":
             raise InteropError(f"{where}: hidden_act={hf['hidden_act']}; megalm's SwiGLU uses silu")
         hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        if hf.get("head_dim") is not None and (hidden % heads or int(hf["head_dim"]) != hidden // heads):
-            raise InteropError(f"{where}: head_dim={hf['head_dim']} != hidden_size/num_attention_heads="
-                               f"{hidden}/{heads}; megalm derives head_dim from them")
         max_pos = int(hf.get("max_position_embeddings", 2048))
         kwargs = dict(norm="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
                       num_layers=int(hf["num_hidden_layers"]), hidden_size=hidden, num_heads=heads,
@@ -192,7 +216,14 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelC
                       ffn_hidden_size=int(hf["intermediate_size"]), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                       rope_theta=_rope_theta(hf, where), max_position_embeddings=max_pos,
                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                      attention_dropout=float(hf.get("attention_dropout", 0.0)))
+                      attention_dropout=float(hf.get("attention_dropout", 0.0)),
+                      head_dim=int(hf["head_dim"]) if hf.get("head_dim") is not None else None)
+        if model_type != LLAMA:
+            try:
+                extra, moe = moe_config_from_hf(hf, model_type)
+            except MoEMappingError as e:
+                raise InteropError(f"{where}: {e}") from None
+            kwargs.update(extra)
     else:
         act = hf.get("activation_function", "gelu_new")
         if act not in GPT2_TANH_GELUS:
@@ -214,6 +245,8 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelC
                       dropout=float(hf.get("resid_pdrop", 0.0)), attention_dropout=float(hf.get("attn_pdrop", 0.0)))
     cfg = ModelConfig(name=f"hf-{model_type}", vocab_size=int(hf["vocab_size"]), seq_length=min(max_pos, 2048),
                       init_std=float(hf.get("initializer_range", 0.02)), **kwargs)
+    if moe is not None:
+        cfg.moe = moe
     try:
         cfg = resolve_model_defaults(cfg)
         validate_model(cfg)
@@ -244,7 +277,10 @@ def megalm_to_hf(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: st
         if name in VOCAB_PARAMS:
             value = value[: cfg.vocab_size]
         layer = _layer_of(name)
-        if arch == LLAMA:
+        if arch in LLAMA_FAMILY:
+            if layer is not None and layer[1] in MOE_SUFFIXES:
+                out.update(moe_tensors_to_hf(arch, *layer, value))
+                continue
             key = _LLAMA_GLOBAL[name] if layer is None else f"model.layers.{layer[0]}.{_LLAMA_LAYER[layer[1]]}"
             out[key] = value
             continue
@@ -298,7 +334,10 @@ def hf_to_megalm(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: st
     out: dict[str, torch.Tensor] = {}
     for name in shapes:
         layer = _layer_of(name)
-        if arch == LLAMA:
+        if arch in LLAMA_FAMILY:
+            if layer is not None and layer[1] in MOE_SUFFIXES:
+                out[name] = moe_tensor_from_hf(arch, *layer, cfg.moe.num_experts, get)
+                continue
             key = _LLAMA_GLOBAL[name] if layer is None else f"model.layers.{layer[0]}.{_LLAMA_LAYER[layer[1]]}"
             out[name] = get(key)
             continue
@@ -347,10 +386,14 @@ def run_overrides(cfg: ModelConfig) -> list[str]:
     """The `model.*` overrides that make a run's model the shape of `cfg` (to start it from these weights)."""
     keys = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
             "max_position_embeddings", "seq_length", "norm", "norm_eps", "activation", "position_embedding",
-            "rope_theta", "tie_embeddings", "bias")
+            "rope_theta", "tie_embeddings", "bias", "head_dim", "qk_norm")
     values = {k: getattr(cfg, k) for k in keys}
     if cfg.position_embedding != "rope":
         values.pop("rope_theta")
+    if cfg.moe.num_experts:
+        values.update({f"moe.{k}": getattr(cfg.moe, k) for k in (
+            "num_experts", "top_k", "expert_ffn_hidden_size", "first_k_dense", "every_n_layers", "norm_topk_prob",
+            "aux_loss_coeff")})
     return [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
 
 

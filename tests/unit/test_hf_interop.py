@@ -21,7 +21,8 @@ from megalm.interop import hf_import as import_cli
 from megalm.interop.export import export_hf
 from megalm.interop.hf_import import import_hf
 from megalm.model import GPT, init_weights
-from megalm.training.checkpoint import read_checkpoint_meta, save_checkpoint
+from megalm.model.hf import ARCHITECTURES, InteropError, architecture_of
+from megalm.training.checkpoint import load_saved_model, read_checkpoint_meta, save_checkpoint
 from megalm.training.init_from import read_megalm_weights
 from tests.conftest import compose_config
 
@@ -32,6 +33,12 @@ STYLES = {
     "llama_tied": ["model.num_kv_heads=2", "model.tie_embeddings=true"],
     "gpt2": ["model.norm=layernorm", "model.activation=gelu", "model.position_embedding=learned",
              "model.tie_embeddings=true", "model.bias=true", "model.num_kv_heads=4"],
+    # Qwen3-MoE: QK-norm, a head_dim apart, a dense first block; Mixtral: experts in every block
+    "qwen3_moe": ["model=moe_tiny", "model.num_layers=3", "model.hidden_size=64", "model.qk_norm=true",
+                  "model.head_dim=24", "model.moe.first_k_dense=1", "model.moe.norm_topk_prob=true",
+                  "model.moe.expert_ffn_hidden_size=32"],
+    "mixtral": ["model=moe_tiny", "model.num_layers=2", "model.hidden_size=64", "model.moe.norm_topk_prob=true",
+                "model.moe.expert_ffn_hidden_size=32"],
 }
 
 
@@ -106,7 +113,7 @@ def test_export_matches_megalm_and_round_trips(tmp_path, style, hf_tokenizer):
     out = export_hf(run, tmp_path / "hf", max_shard_size=shard)
     assert (out / "model.safetensors.index.json").is_file() == (style == "llama")
     hf_model = load_hf(out)
-    assert type(hf_model).__name__ == ("GPT2LMHeadModel" if style == "gpt2" else "LlamaForCausalLM")
+    assert type(hf_model).__name__ == ARCHITECTURES[style.removesuffix("_tied")]
 
     ids = torch.randint(0, model.cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.no_grad():
@@ -222,7 +229,7 @@ BAD_IMPORTS = {
     "rope_scaling": (lambda d: _edit_config(d, rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
     "attention_bias": (lambda d: _edit_config(d, attention_bias=True), "attention_bias=true"),
     "sliding_window": (lambda d: _edit_config(d, sliding_window=16), "sliding_window"),
-    "head_dim": (lambda d: _edit_config(d, head_dim=8), "head_dim=8"),
+    "head_dim": (lambda d: _edit_config(d, head_dim=8), "config.json implies"),  # weights of another head_dim
     "model_type": (lambda d: _edit_config(d, model_type="mistral"), "model_type='mistral'"),
     "tie_mismatch": (lambda d: _edit_config(d, tie_word_embeddings=True), "lm_head.weight differs"),
     "missing_config": (lambda d: (d / "config.json").unlink(), "no config.json"),
@@ -289,6 +296,14 @@ def test_import_accepts_original_gpt2_key_names_and_gelu_new(tmp_path):
     assert_same_weights(read_megalm_weights(import_hf(hf_dir, tmp_path / "imported"))[2], model)
 
 
+QWEN3_STYLES = {
+    "qwen3": ("Qwen3", dict(head_dim=24)),
+    "qwen3_moe": ("Qwen3Moe", dict(head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   mlp_only_layers=[0], norm_topk_prob=True)),
+    "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+}
+
+
 def transformers_dir(path: Path, style: str) -> tuple[Path, object]:
     """A tiny random model saved by transformers itself (its own key names, dtype and config), norms perturbed."""
     torch.manual_seed(0)
@@ -297,6 +312,13 @@ def transformers_dir(path: Path, style: str) -> tuple[Path, object]:
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                           rope_theta=5000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
         model = transformers.LlamaForCausalLM(config)
+    elif style in QWEN3_STYLES:  # head_dim apart from hidden / heads; Qwen3-MoE: a dense first block
+        kind, kwargs = QWEN3_STYLES[style]
+        config = getattr(transformers, f"{kind}Config")(
+            vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1,
+            eos_token_id=2, **kwargs)
+        model = getattr(transformers, f"{kind}ForCausalLM")(config)
     else:
         config = transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                                          bos_token_id=0, eos_token_id=0)  # activation_function: gelu_new
@@ -308,19 +330,21 @@ def transformers_dir(path: Path, style: str) -> tuple[Path, object]:
     return path, model.eval()
 
 
-@pytest.mark.parametrize("style", ["llama", "gpt2"])
+@pytest.mark.parametrize("style", ["llama", "gpt2", *QWEN3_STYLES])
 def test_import_of_a_transformers_save_computes_its_logits_and_exports_back_exactly(tmp_path, style):
+    """transformers' own save (Qwen3-MoE and Mixtral: experts per expert on disk) -> megalm-import -> the loaded
+    model's logits equal transformers'; -> megalm-export -> the same tensors, which transformers loads."""
     hf_dir, hf_model = transformers_dir(tmp_path / "hf", style)
     imported = import_hf(hf_dir, tmp_path / "imported")
-    meta, cfg, weights = read_megalm_weights(imported)
-    model = GPT(cfg)
-    model.load_state_dict(weights)
+    _, model = load_saved_model(imported)  # as megalm-generate loads it (MoE: the routers' bias buffers too)
     model.eval()
+    assert type(hf_model).__name__ == ARCHITECTURES[style if style in QWEN3_STYLES else style]
+    assert bool(model.cfg.moe.num_experts) == (style in ("qwen3_moe", "mixtral"))
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         diff = (hf_model(torch.tensor([ids])).logits[0] - megalm_logits(model, ids)).abs().max().item()
     print(f"{style}: imported from transformers, max abs logit difference = {diff:.3g}")
-    assert diff <= 1e-4
+    assert diff <= 1e-5
 
     again = export_hf(imported, tmp_path / "again")
     original, exported = files_tensors(hf_dir), files_tensors(again)
@@ -329,7 +353,7 @@ def test_import_of_a_transformers_save_computes_its_logits_and_exports_back_exac
     for key, value in exported.items():
         assert torch.equal(value, original[key]), key
     config = json.loads((again / "config.json").read_text())
-    assert (config["bos_token_id"], config["eos_token_id"]) == ((1, 2) if style == "llama" else (0, 0))
+    assert (config["bos_token_id"], config["eos_token_id"]) == ((0, 0) if style == "gpt2" else (1, 2))
     load_hf(again)
 
 
@@ -341,3 +365,23 @@ def test_bf16_directory_round_trips_exactly_in_its_own_dtype(tmp_path):
     assert exported.keys() == original.keys()
     for key, value in exported.items():
         assert value.dtype == torch.bfloat16 and torch.equal(value, original[key]), key
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(mlp_only_layers=[1]), "mlp_only_layers=\\[1\\] are not the first blocks"),
+    (dict(use_sliding_window=True), "use_sliding_window=True is set"),
+    (dict(model_type="qwen2_moe"), "model_type='qwen2_moe' is not supported")])
+def test_import_refuses_moe_layouts_megalm_cannot_compute(tmp_path, change, message):
+    hf_dir, _ = transformers_dir(tmp_path / "hf", "qwen3_moe")
+    _edit_config(hf_dir, **change)
+    with pytest.raises(InteropError, match=message) as error:
+        import_hf(hf_dir, tmp_path / "out")
+    assert "\n" not in str(error.value) and not (tmp_path / "out").exists()
+
+
+def test_export_refuses_moe_models_without_an_hf_counterpart(tmp_path):
+    cfg = validate(compose_config(*STYLES["qwen3_moe"], "model.moe.num_shared_experts=1",
+                                  "model.moe.router_score=sigmoid")).model
+    with pytest.raises(InteropError, match="num_shared_experts=1.*|router_score=sigmoid") as error:
+        architecture_of(cfg)
+    assert "router_score=sigmoid" in str(error.value) and "num_shared_experts=1" in str(error.value)
