@@ -237,9 +237,13 @@ def search_shape(overrides: list[str], world: int) -> tuple[Shape, list[str], li
     """The closed form's view of the run, the overrides every layout shares, and the notes on defaults taken."""
     from megalm.config.checks import resolve_model_defaults
     from megalm.config.compose import compose_config
+    from megalm.errors import ConfigError
 
     cfg = compose_config(overrides)
     m, t = resolve_model_defaults(cfg.model), cfg.trainer
+    if m.moe.num_experts:
+        raise ConfigError("--search's closed form does not model mixture-of-experts layers yet; estimate an MoE "
+                          "layout by name (without --search)")
     keys = {o.split("=", 1)[0].lstrip("+") for o in overrides}
     notes = [] if "trainer.global_batch_size" in keys else [SEARCH_NOTE]
     micro = t.micro_batch_size if "trainer.micro_batch_size" in keys else 1

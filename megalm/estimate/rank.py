@@ -137,7 +137,7 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
 
     cfg = compose_config(overrides)
     p = cfg.parallel
-    dims = ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=world // (p.tp * p.pp * p.cp))
+    dims = ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=world // (p.tp * p.pp * p.cp), ep=p.ep)
     rank = dims.rank_of(pp=stage, dp=domain_index // p.cp, cp=domain_index % p.cp)
     fake, live = FakeTensorMode(allow_non_fake_inputs=True), LiveStorages()
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
@@ -324,7 +324,8 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
     mfu = flops / (world * GPUS[gpu].bf16_tflops * 1e12 * step_time)
     fits = all(r.peak_bytes <= HBM_BYTES[gpu] for r in ranks)
     return {"model": cfg.model.name, "world": world, "gpu": gpu, "hbm_bytes": HBM_BYTES[gpu], "fits": fits,
-            "layout": {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": dp, "vpp": p.vpp, "schedule": str(p.pp_schedule.value),
+            "layout": {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": dp, **({"ep": p.ep} if p.ep > 1 else {}),
+                       "vpp": p.vpp, "schedule": str(p.pp_schedule.value),
                        "micro_batches": micro_batches, "sequence_parallel": p.sequence_parallel,
                        "zero1": p.zero1, "recompute": str(p.recompute), "precision": str(cfg.precision.name)},
             "ranks": [{k: v for k, v in asdict(r).items() if k != "domain"} for r in ranks],

@@ -85,6 +85,19 @@ def _attention_flops(name: str, args: tuple, kwargs: dict) -> float | None:
     return forward if name.endswith("_cpu") else 2 * forward
 
 
+def _grouped_gemm_flops(name: str, args: tuple, out: torch.Tensor) -> float | None:
+    """FLOPs of a grouped GEMM (MoE experts; torch's flop counter has no formula): 2 · Σ_g m_g · k_g · n_g. With a
+    3-d operand the groups stack along the output's rows or columns, or along a batch dim, and k is the first
+    operand's last dim: 2 · out.numel() · k. Two 2-d operands are grouped along k (the weight gradient, one [m, n]
+    output per group): 2 · m · K · n."""
+    if name not in ("_grouped_mm", "_scaled_grouped_mm"):
+        return None
+    a, b = args[0], args[1]
+    if a.dim() == 2 and b.dim() == 2:
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2.0 * out.numel() * a.shape[-1]
+
+
 def _arg(args: tuple, kwargs: dict, position: int, name: str):  # noqa: ANN202 - any argument
     return args[position] if len(args) > position else kwargs.get(name, False)
 
@@ -132,6 +145,8 @@ class OpCosts(TorchDispatchMode):
         written = sum(_nbytes(t) for t in outputs)
         formula = flop_registry.get(func._overloadpacket)
         flops = _attention_flops(name, args, kwargs)
+        if flops is None:
+            flops = _grouped_gemm_flops(name, args, outputs[0]) if outputs else None
         if flops is None:
             flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
         self._add(name, flops, read + written, self._peak_flops(inputs))

@@ -82,6 +82,13 @@ def expert_loop(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> 
     return torch.cat([piece @ w.t() for piece, w in zip(pieces, weight, strict=True)])
 
 
+def per_expert(experts: torch.Tensor, values: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Sum of `values` per chosen expert id ([E], `values`' dtype): bincount with a shape known ahead (fake tensors,
+    as the estimator runs the step, cannot give bincount one)."""
+    flat = values.reshape(-1)
+    return flat.new_zeros(num_experts).scatter_add_(0, experts.reshape(-1), flat)
+
+
 class GroupedLinear(nn.Module):
     """G linear maps without bias, weight [G, out, in]; forward(x sorted by group, rows per group)."""
 
@@ -197,7 +204,7 @@ class Router(nn.Module):
         weights = weights * self.scaling
         kept = self._capacity_mask(experts, tokens)
         weights = weights * kept
-        counts = torch.bincount(experts.reshape(-1), weights=kept.reshape(-1).float(), minlength=self.num_experts)
+        counts = per_expert(experts, kept.float(), self.num_experts)
         real = experts.numel() if tokens.real is None else tokens.real.sum() * self.top_k
         aux, stats = self._balancing_losses(logits, scores, experts, tokens)
         return Routing(experts, weights, kept, counts, real - counts.sum(), aux, stats)
@@ -278,7 +285,7 @@ class LocalDispatcher:
         flat = routing.experts.reshape(-1)  # [T*k] assignments in token order
         top_k = routing.experts.shape[-1]
         order = torch.argsort(flat, stable=True)  # by expert, then token order: layout-independent
-        y_sorted = experts(x[order // top_k], torch.bincount(flat, minlength=routing.counts.numel()))
+        y_sorted = experts(x[order // top_k], per_expert(flat, torch.ones_like(flat), routing.counts.numel()))
         return y_sorted.new_zeros(flat.numel(), x.shape[-1]).index_copy(0, order, y_sorted)
 
 

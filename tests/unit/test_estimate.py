@@ -117,6 +117,7 @@ def test_hdp_measures_the_largest_ring_and_its_loads_are_the_simulators():
 @pytest.mark.parametrize("argv, message", [
     (["parallel.tp=2", "--world", "3"], "--world 3 is not a multiple of tp x pp x cp = 2"),
     (["--world", "2", "--gpu", "v100"], "--gpu v100: unknown GPU"),
+    (["model=moe_tiny", "--world", "2", "--search"], "does not model mixture-of-experts layers yet"),
 ])
 def test_bad_input_is_one_line(argv, message, capsys):
     assert estimate.main([*SMALL, *argv]) == 2
@@ -140,3 +141,25 @@ def test_static_bytes_under_fsdp_are_the_closed_form(precision):
     assert rank["grad_bytes"] == rank["comm_bytes"] == 0
     scalars = rank["optimizer_bytes"] - 8 * chunk  # AdamW's step counters
     assert 0 < scalars <= 8 * len(shapes), (rank["optimizer_bytes"], 8 * chunk)
+
+
+def test_moe_ranks_hold_their_expert_slice_and_count_k_experts_per_token():
+    """An MoE model's rank under expert parallelism holds 1/ep of the experts (bf16 recipe: 2 bytes of weights per
+    element); its FLOPs count each token's k experts, forward and backward: going from top-1 to top-2 adds
+    6 · tokens · (3 · h · f) per MoE layer, what the per-expert loop would cost."""
+    moe = [*SMALL, "model=moe_tiny", "model.num_layers=2", "model.hidden_size=64",
+           "model.moe.expert_ffn_hidden_size=32", "precision=bf16", "trainer.device=cpu"]
+    n = parameters(moe)
+    cfg = compose_config(*moe)
+    experts = cfg.model.num_layers * 3 * cfg.model.hidden_size * 32 * cfg.model.moe.num_experts
+    runs = {}
+    for ep, top_k in ((1, 2), (2, 2), (2, 1)):
+        overrides = [*moe, f"parallel.ep={ep}", f"model.moe.top_k={top_k}"]
+        runs[ep, top_k] = estimate.estimate(estimate.batch_overrides(overrides, 2), 2, "h100")
+    (one,), (two,), (top1,) = (runs[k]["ranks"] for k in ((1, 2), (2, 2), (2, 1)))
+    assert one["param_bytes"] == 2 * n and two["param_bytes"] == 2 * (n - experts // 2)
+    assert runs[2, 2]["layout"]["ep"] == 2 and "ep" not in runs[1, 2]["layout"]
+    batch = compose_config(*estimate.batch_overrides(moe, 2)).trainer.global_batch_size
+    per_rank_tokens = batch // 2 * cfg.model.seq_length
+    expert_gemm = 6 * per_rank_tokens * 3 * cfg.model.hidden_size * 32 * cfg.model.num_layers
+    assert two["flops"] - top1["flops"] == pytest.approx(expert_gemm, rel=1e-9)

@@ -83,3 +83,20 @@ def test_the_step_cost_tool_counts_six_flops_per_weight_and_token():
         for name in ("gemm", "attention"):  # the same kernels (inductor may fold the residual add into an addmm)
             for key in ("kernels", "tflop"):
                 assert compiled["by_category"][name][key] == eager["by_category"][name][key], (system, name, key)
+
+
+def test_grouped_gemms_forward_and_backward_cost_what_the_per_expert_loop_costs():
+    """MoE experts as grouped GEMMs (torch's flop counter has no formula for them): the forward and both backward
+    GEMMs (input gradient: [N, out] x [G, out, in]; weight gradient: [in, N] x [N, out] grouped along N) count the
+    FLOPs of the per-expert loop, 2 · rows · in · out each, whatever the split."""
+    from megalm.model.moe import expert_loop, grouped_linear
+
+    counts = torch.tensor([5, 0, 7, 4])
+    x = torch.randn(int(counts.sum()), 8, requires_grad=True)
+    weight = torch.randn(4, 12, 8, requires_grad=True)
+    costs = {}
+    for name, fn in (("grouped", grouped_linear), ("loop", expert_loop)):
+        with OpCosts() as cost:
+            fn(x, weight, counts).sum().backward()
+        costs[name] = cost.total().flops
+    assert costs["grouped"] == costs["loop"] == 3 * 2 * 16 * 8 * 12

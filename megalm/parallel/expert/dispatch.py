@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 
 from megalm.model.moe import GroupedExperts, Routing
 from megalm.parallel.progress import Progress, note_collective
@@ -70,9 +71,12 @@ class AllToAllDispatcher:
         recv_counts = torch.empty_like(send_counts)  # [ep * local]: from each source, for each of my experts
         note_collective(self.progress, "all_to_all (MoE counts)", ep)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        counts = torch.cat([send_counts, recv_counts]).tolist()  # the layer's one host read
-        send = [sum(counts[r * local:(r + 1) * local]) for r in range(ep)]
-        recv = [sum(counts[self.num_experts + r * local:self.num_experts + (r + 1) * local]) for r in range(ep)]
+        if isinstance(send_counts, FakeTensor):  # the estimator's step (sizes, no data): balanced splits assumed
+            send = recv = [flat.numel() // ep] * ep
+        else:
+            counts = torch.cat([send_counts, recv_counts]).tolist()  # the layer's one host read
+            send = [sum(counts[r * local:(r + 1) * local]) for r in range(ep)]
+            recv = [sum(counts[self.num_experts + r * local:self.num_experts + (r + 1) * local]) for r in range(ep)]
         sent = order[:sum(send)]
         rows = _AllToAll.apply(x[sent // top_k], recv, send, self.group, self.progress)
         # arrived by source, then expert: sort by expert (stable: by source, then the source's order)
