@@ -54,6 +54,8 @@ class HostTensorGuard(TorchFunctionMode):
         elif func in MOVES and (args[1:] or kwargs.get("device") is not None or func is torch.Tensor.cuda):
             for t in _tensors(out):
                 self.host.pop(id(t), None)
+        elif _megalm_op(func):  # megalm's custom ops read small host tensors as metadata (the CP ring's `ring_meta`,
+            pass  # read on the host by design) and compute their outputs on the device of their data
         else:
             sites = [s for t in _tensors((args, kwargs)) if (s := self.site(t))]
             target = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -67,6 +69,13 @@ class HostTensorGuard(TorchFunctionMode):
             if where is not None:
                 raise AssertionError(f"dist.{name} got a tensor made on the host at {where} (no device=): "
                                      "NCCL has no CPU backend")
+
+
+def _megalm_op(func) -> bool:
+    """Whether `func` is one of megalm's torch.library custom ops (namespace megalm::)."""
+    name = getattr(func, "_qualified_op_name", None) or getattr(func, "name", lambda: "")
+    name = name() if callable(name) else name
+    return isinstance(name, str) and name.startswith("megalm::")
 
 
 def _tensors(obj) -> Iterator[torch.Tensor]:

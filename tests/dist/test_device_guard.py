@@ -31,6 +31,11 @@ LAYOUTS = {
                              "parallel.pp_schedule=zb"]),
     "hdp_dp2_cp2": (4, [*HDP, "parallel.dp=2", "parallel.cp=2"]),
     "cp2_a2a_dp2": (4, ["parallel.cp=2", "parallel.cp_comm=a2a", "parallel.dp=2", "trainer.micro_batch_size=2"]),
+    # MoE: the counts' and the tokens' all-to-alls, the CP ring's gather of the routing, expert buckets, EP shards
+    "moe_ep2_cp2_zero1": (4, ["model=moe_tiny", "model.num_layers=2", "model.hidden_size=64",
+                              "model.moe.capacity_factor=1.0", "model.moe.bias_update_rate=0.01", "parallel.ep=2",
+                              "parallel.cp=2", "parallel.zero1=true", "data.varlen=true",
+                              "trainer.micro_batch_size=2"]),
 }
 
 
