@@ -70,6 +70,8 @@ LAYOUTS = {  # name: (ranks, the model and data of both runs, the layout)
     "ep2_dp4_capacity": (4, CAPACITY + BATCH16, ["parallel.ep=2"]),
     "ep2_zero1": (2, DROPLESS, ["parallel.ep=2", "parallel.zero1=true"]),
     "ep2_pp2": (4, DROPLESS, ["parallel.ep=2", "parallel.pp=2"]),
+    "ep2_pp2_interleaved": (4, DROPLESS + ["model.num_layers=4", "trainer.micro_batch_size=2"],
+                            ["parallel.ep=2", "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved"]),
     "tp2_shared": (2, CAPACITY + SHARED, ["parallel.tp=2"]),
     "ep2_tp2": (4, DROPLESS + SHARED, ["parallel.ep=2", "parallel.tp=2"]),
     "cp2_capacity": (2, CAPACITY + VARLEN, ["parallel.cp=2"]),

@@ -180,6 +180,8 @@ def runnable(command: str, tmp: Path) -> tuple[list[str], dict[str, str]] | None
     elif exe == "megalm-estimate":
         words = [w for w in words if w.split("=", 1)[0] not in ESTIMATE_SHAPE]
         words += [f"{k}={v}" for k, v in ESTIMATE_SHAPE.items()]
+        if "--search" in words and "--top" not in words:  # one layout confirmed, not five: the path is the same
+            words += ["--top", "1"]
     elif ("megalm.train" in head + words or exe.startswith("scripts/")) and "--cfg" not in words:
         words += [f"{k}={v}" for k, v in TINY.items() if k not in overrides_set(words)]
     return head + words, env
