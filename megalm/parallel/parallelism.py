@@ -160,6 +160,11 @@ class Parallelism:
         # ZeRO-1's shards or for fp32 main weights
         self.optimizer_factory = self._bucket_adamw if p.zero1 or self.working_dtype else None
         self._norm_weights = self._grad_norm_weights()
+        recipe = cfg.precision.name
+        if cfg.model.moe.num_experts and recipe not in ("bf16", "bf16_autocast", "fp32"):
+            experts = "bf16" if cfg.precision.autocast or cfg.precision.bf16_weights else "fp32"
+            log.info("precision=%s covers every linear but the MoE experts, whose grouped GEMMs run in %s (no %s "
+                     "grouped GEMM yet)", recipe, experts, recipe)
 
     # ------------------------------------------------------------------ building
 

@@ -35,9 +35,6 @@ def validate_run(cfg: MegalmConfig, world_size: int = 1, device: torch.device | 
     validate_parallel(cfg, world_size)
     validate_precision(cfg)
     validate_offload(cfg)
-    if cfg.model.moe.num_experts and cfg.precision.name not in ("bf16", "bf16_autocast", "fp32"):
-        raise ConfigError(f"precision={cfg.precision.name} does not cover the MoE experts' grouped GEMMs "
-                          "yet; use precision=bf16 (or fp32) with model.moe")
     if cfg.parallel.fsdp_cpu_offload and device.type != "cuda":
         raise ConfigError("parallel.fsdp_cpu_offload=true moves FSDP's shards from the GPU to the host; on "
                           f"{device.type} they are there already: drop it")

@@ -255,12 +255,11 @@ def test_moe_tiny_trains_logs_load_and_resumes_its_bias(tmp_path, make_config):
     (2, ["parallel.fsdp=true"], "parallel.fsdp=true"),
     (2, ["parallel.pp=2", "parallel.pp_schedule=zb", "trainer.micro_batch_size=2"], "pp_schedule=zb"),
     (2, ["data.varlen=true", "parallel.hdp=true"], "parallel.hdp=true"),
-    (1, ["precision=mxfp8"], "grouped GEMMs"),
     (4, ["parallel.ep=3", "trainer.micro_batch_size=2"], "must divide model.moe.num_experts=8 and dp\\*cp=4"),
     (2, ["parallel.ep=4"], "must divide model.moe.num_experts=8 and dp\\*cp=2"),
     (2, ["parallel.ep=0"], "parallel.ep=0 must be >= 1"),
     (2, ["model=tiny", "parallel.ep=2"], "needs a mixture-of-experts model")],
-    ids=["sp", "fsdp", "zb", "hdp", "mxfp8", "ep_not_experts", "ep_not_domain", "ep0", "ep_dense"])
+    ids=["sp", "fsdp", "zb", "hdp", "ep_not_experts", "ep_not_domain", "ep0", "ep_dense"])
 def test_layouts_not_built_for_moe_are_refused_in_one_line(make_config, world, overrides, message):
     from megalm.training.validation import validate_run
 
@@ -283,3 +282,29 @@ def test_expert_groups_are_consecutive_domain_ranks_and_their_columns():
             for group in ep_groups:
                 assert [ParallelMesh(dims, rank=r).ep_rank for r in group] == [0, 1]
     assert ParallelDims(dp=2, cp=2, ep=4).expert_groups(0, 0) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "mxfp4"])
+def test_low_precision_recipes_cover_the_dense_linears_and_leave_the_experts_in_bf16(make_config, tmp_path, recipe,
+                                                                                     caplog, monkeypatch):
+    """FP8/MX recipes convert every nn.Linear-based layer; the experts' grouped GEMMs have no FP8/MX kernel yet and
+    run in bf16 under the recipe's autocast (every forward grouped GEMM of the step), which the log says in one
+    line."""
+    from megalm.training.trainer import Trainer
+
+    seen, grouped_mm = [], torch._grouped_mm
+
+    def recording(a, b, *args, **kwargs):
+        seen.append((a.dtype, b.dtype))
+        return grouped_mm(a, b, *args, **kwargs)
+
+    with caplog.at_level("INFO", logger="megalm"):
+        trainer = Trainer(make_config("model=moe_tiny", "model.num_layers=2", "model.hidden_size=64",
+                                      f"precision={recipe}"), tmp_path)
+    monkeypatch.setattr(torch, "_grouped_mm", recording)
+    result = trainer.train_step(0)
+    assert math.isfinite(result.loss)
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}, set(seen)
+    lines = [r.getMessage() for r in caplog.records if "grouped GEMMs run in" in r.getMessage()]
+    assert lines == [f"precision={recipe} covers every linear but the MoE experts, whose grouped GEMMs run in bf16 "
+                     f"(no {recipe} grouped GEMM yet)"]

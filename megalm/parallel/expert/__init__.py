@@ -14,7 +14,8 @@ parallelism (the routers see the whole micro-batch: megalm/parallel/context/toke
 balancing losses of a stage that is not the last reach the gradient through the layer's scaler; the load counts
 are summed over the stages with the loss), recomputation and activation offload. HDP is refused (its ranks run
 different numbers of micro-batches; every EP rank must join each all-to-all), and so are sequence parallelism,
-FSDP and zero-bubble schedules, with one line each, until they are built and proven.
+FSDP and zero-bubble schedules, with one line each, until they are built and proven. The FP8/MX recipes leave the
+experts' grouped GEMMs in bf16 (megalm/parallel/parallelism.py logs it).
 """
 
 from __future__ import annotations
