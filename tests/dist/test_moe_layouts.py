@@ -60,12 +60,10 @@ VARLEN = ["data.varlen=true"]  # documents of every length: zigzag pads them, an
 BATCH16 = ["trainer.global_batch_size=16"]  # 4 data-parallel ranks of micro-batches of 4 samples
 LAYOUTS = {  # name: (ranks, the model and data of both runs, the layout)
     "dp2": (2, CAPACITY, ["parallel.dp=2"]),
-    "pp2": (2, DROPLESS, ["parallel.pp=2"]),
     "pp2_capacity": (2, CAPACITY, ["parallel.pp=2"]),
     "pp2_offload": (2, DROPLESS, ["parallel.pp=2", "offload.enabled=true", "offload.min_tensor_bytes=0"]),
     "dp2_zero1_recompute": (2, DROPLESS, ["parallel.dp=2", "parallel.zero1=true", "parallel.recompute=full"]),
     "ep2": (2, DROPLESS, ["parallel.ep=2"]),
-    "ep2_capacity": (2, CAPACITY, ["parallel.ep=2"]),
     "ep4": (4, DROPLESS + BATCH16, ["parallel.ep=4"]),
     "ep2_dp4_capacity": (4, CAPACITY + BATCH16, ["parallel.ep=2"]),
     "ep2_zero1": (2, DROPLESS, ["parallel.ep=2", "parallel.zero1=true"]),
@@ -74,9 +72,8 @@ LAYOUTS = {  # name: (ranks, the model and data of both runs, the layout)
                             ["parallel.ep=2", "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved"]),
     "tp2_shared": (2, CAPACITY + SHARED, ["parallel.tp=2"]),
     "ep2_tp2": (4, DROPLESS + SHARED, ["parallel.ep=2", "parallel.tp=2"]),
-    "cp2_capacity": (2, CAPACITY + VARLEN, ["parallel.cp=2"]),
+    "cp2_a2a_capacity": (2, CAPACITY + VARLEN, ["parallel.cp=2", "parallel.cp_comm=a2a"]),
     "ep2_cp2": (4, DROPLESS + VARLEN, ["parallel.ep=2", "parallel.cp=2"]),
-    "ep2_cp2_capacity_a2a": (4, CAPACITY + VARLEN, ["parallel.ep=2", "parallel.cp=2", "parallel.cp_comm=a2a"]),
 }
 
 

@@ -227,14 +227,14 @@ def validate_only(command: str) -> None:
 _IN_PROCESS = threading.Lock()  # Hydra's compose (the validations below) keeps global state: one at a time
 # A report-only command (an estimate, a benchmark, a simulation: it reads nothing another command wrote and writes
 # nothing another reads) documented in several docs runs once: the first doc to reach it runs it.
-REPORT_ONLY = re.compile(r"^(megalm-estimate |python tools/bench/|python tools/hdp_sim\.py )")
+REPORT_ONLY = ("megalm-estimate ", "python tools/bench/", "python tools/hdp_sim.py ")
 _REPORTS_RUN: set[str] = set()
 _REPORTS_LOCK = threading.Lock()
 
 
 def run_elsewhere(command: str) -> bool:
     """Whether a report-only `command` was already started by another doc (and claim it if not)."""
-    if not REPORT_ONLY.match(command) or NAMED_OUTPUT.search(command):
+    if not command.startswith(REPORT_ONLY) or NAMED_OUTPUT.search(command):
         return False
     with _REPORTS_LOCK:
         if command in _REPORTS_RUN:
