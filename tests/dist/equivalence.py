@@ -111,3 +111,22 @@ def assert_resume_is_bit_exact(tmp_path: Path, world_size: int, layout: list[str
     losses = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in runs}
     assert losses["first"] == losses["straight"][:stop_at]
     assert losses["resumed"] == losses["straight"][stop_at:], f"resumed {layout} run diverged from the straight one"
+
+
+def assert_resharded_run_continues(tmp_path: Path, common: list[str], segments: list[tuple[int, list[str]]],
+                                   timeout: float = 240) -> None:
+    """Train `common` in one run dir as `segments` ((ranks, layout) each, every one but the last stopping with
+    trainer.stop_at_step), each resuming the last one's checkpoint: together their losses are one process's
+    straight run's (1e-5 relative), so nothing of the weights or the optimizer state is lost between layouts."""
+    from tests.dist.launch import run_distributed
+
+    losses = []
+    for index, (world, layout) in enumerate(segments):
+        out = tmp_path / f"segment{index}.json"
+        run_distributed(train_and_record, world, [*common, *layout], str(tmp_path / "run"), str(out), timeout=timeout)
+        losses += json.loads(out.read_text())
+    cfg = compose_config(*common)
+    straight = [loss for _, loss in Trainer(cfg, tmp_path / "single").fit().losses]
+    assert len(losses) == len(straight) == cfg.trainer.max_steps
+    for step, (a, b) in enumerate(zip(losses, straight, strict=True)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: resharded run {a} vs single process {b}"

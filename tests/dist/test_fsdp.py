@@ -9,7 +9,6 @@ validation loss.
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -23,9 +22,9 @@ from tests.conftest import compose_config
 from tests.dist.equivalence import (
     assert_first_step_matches,
     assert_resume_is_bit_exact,
+    assert_resharded_run_continues,
     assert_training_and_eval_match,
     held_and_expected,
-    train_and_record,
 )
 from tests.dist.launch import run_distributed
 
@@ -92,15 +91,7 @@ def test_fsdp_checkpoints_reshard_through_zero1_and_back(tmp_path):
     segments = [(4, ["parallel.fsdp=true", "parallel.dp=4", "trainer.stop_at_step=2"]),
                 (4, ["parallel.tp=2", "parallel.dp=2", "parallel.zero1=true", "trainer.stop_at_step=4"]),
                 (2, ["parallel.fsdp=true", "parallel.dp=2"])]
-    losses = []
-    for index, (world, layout) in enumerate(segments):
-        out = tmp_path / f"segment{index}.json"
-        run_distributed(train_and_record, world, [*common, *layout], str(tmp_path / "run"), str(out), timeout=240)
-        losses += json.loads(out.read_text())
-    straight = [loss for _, loss in Trainer(compose_config(*common), tmp_path / "single").fit().losses]
-    assert len(losses) == len(straight) == 6
-    for step, (a, b) in enumerate(zip(losses, straight, strict=True)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: resharded run {a} vs single process {b}"
+    assert_resharded_run_continues(tmp_path, common, segments)
 
 
 def check_recipe_under_fsdp(rank: int, world_size: int, overrides: list[str], tmp: str) -> None:

@@ -5,7 +5,6 @@ assignments are dropped (the losses and the logged drops agree)."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from megalm.model.moe import moe_modules
 from megalm.parallel.dims import ParallelDims, ParallelMesh
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
-from tests.dist.equivalence import assert_grads_match, assert_same_training, train_and_record
+from tests.dist.equivalence import assert_grads_match, assert_resharded_run_continues, assert_same_training
 from tests.dist.launch import run_distributed
 
 MOE = ["model=moe_tiny", "model.num_layers=2", "model.hidden_size=64", "model.moe.expert_ffn_hidden_size=32",
@@ -90,12 +89,4 @@ def test_expert_parallel_checkpoints_reshard(tmp_path):
     segments = [(4, ["parallel.ep=4", "trainer.stop_at_step=2"]),
                 (4, ["parallel.ep=2", "parallel.tp=2", "parallel.zero1=true", "trainer.stop_at_step=4"]),
                 (2, ["parallel.dp=2"])]
-    losses = []
-    for index, (world, layout) in enumerate(segments):
-        out = tmp_path / f"segment{index}.json"
-        run_distributed(train_and_record, world, [*common, *layout], str(tmp_path / "run"), str(out), timeout=240)
-        losses += json.loads(out.read_text())
-    straight = [loss for _, loss in Trainer(compose_config(*common), tmp_path / "single").fit().losses]
-    assert len(losses) == len(straight) == 6
-    for step, (a, b) in enumerate(zip(losses, straight, strict=True)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: resharded run {a} vs single process {b}"
+    assert_resharded_run_continues(tmp_path, common, segments)
