@@ -140,7 +140,8 @@ class TokenShard(Protocol):
 
     `real` bool [T]: not padding. `local_index` int64 [T]: each local token's place in the whole micro-batch (its
     token order, padding included), `whole_tokens` the whole's length. `gather(t)`: [T, ...] -> [whole_tokens, ...]
-    every rank's rows in the whole's order (detached values; a collective under CP). `local_docs` / `whole_docs`:
+    every rank's rows in the whole's order (detached values of a numeric dtype, NCCL gathers no bool; a collective
+    under CP). `local_docs` / `whole_docs`:
     each token's document (the same numbering on every rank), `num_docs`."""
 
     real: torch.Tensor | None
@@ -202,27 +203,41 @@ class Router(nn.Module):
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = weights * self.scaling
-        kept = self._capacity_mask(experts, tokens)
+        # the whole micro-batch's choices (and real tokens), gathered once: for the capacity queues and the switch
+        # and sequence losses' counts (none of it when all are off, as by default)
+        whole = None
+        if self.capacity_factor is not None or self.coeffs[0] or self.coeffs[1]:
+            whole = self._whole_choices(experts, tokens)
+        kept = self._capacity_mask(experts, tokens, whole)
         weights = weights * kept
         counts = per_expert(experts, kept.float(), self.num_experts)
         real = experts.numel() if tokens.real is None else tokens.real.sum() * self.top_k
-        aux, stats = self._balancing_losses(logits, scores, experts, tokens)
+        aux, stats = self._balancing_losses(logits, scores, tokens, whole)
         return Routing(experts, weights, kept, counts, real - counts.sum(), aux, stats)
 
-    def _capacity_mask(self, experts: torch.Tensor, tokens: TokenShard) -> torch.Tensor:
+    def _whole_choices(self, experts: torch.Tensor, tokens: TokenShard) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The whole micro-batch's chosen experts [T_whole, k] and real tokens [T_whole] (None: all real), in its
+        token order: one gather (a collective under CP) of both."""
+        if tokens.real is None:
+            return tokens.gather(experts), None
+        both = tokens.gather(torch.cat([experts, tokens.real.unsqueeze(-1).to(experts.dtype)], dim=-1))
+        return both[:, :self.top_k], both[:, self.top_k].bool()
+
+    def _capacity_mask(self, experts: torch.Tensor, tokens: TokenShard,
+                       whole: tuple[torch.Tensor, torch.Tensor | None] | None) -> torch.Tensor:
         """True for the assignments of real tokens that fit their expert's capacity: ceil(cf · T · k / E) of the
         whole micro-batch's T real tokens, first come in its token order (the same queue under every layout)."""
         real = tokens.real
         if self.capacity_factor is None:
             return torch.ones_like(experts, dtype=torch.bool) if real is None else real.unsqueeze(-1).expand_as(
                 experts)
-        whole = tokens.gather(experts).reshape(-1)  # [T_whole * k] assignments in token order
-        one_hot = F.one_hot(whole, self.num_experts)
+        whole_experts, whole_real = whole
+        one_hot = F.one_hot(whole_experts.reshape(-1), self.num_experts)  # [T_whole * k], in token order
         if real is None:
             capacity = math.ceil(self.capacity_factor * tokens.whole_tokens * self.top_k / self.num_experts)
             real_assignments = None
         else:  # padding takes no place in a queue
-            real_assignments = tokens.gather(real).repeat_interleave(self.top_k)
+            real_assignments = whole_real.repeat_interleave(self.top_k)
             one_hot = one_hot * real_assignments.unsqueeze(-1)
             capacity = torch.ceil(self.capacity_factor * real_assignments.sum().double() / self.num_experts)
         position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # this assignment's place in its expert's queue
@@ -231,8 +246,9 @@ class Router(nn.Module):
             kept = kept & real_assignments
         return kept.view(-1, self.top_k)[tokens.local_index]
 
-    def _balancing_losses(self, logits: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor,
-                          tokens: TokenShard) -> tuple[torch.Tensor, torch.Tensor]:
+    def _balancing_losses(self, logits: torch.Tensor, scores: torch.Tensor, tokens: TokenShard,
+                          whole: tuple[torch.Tensor, torch.Tensor | None] | None,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """The coefficient-weighted sum of the three balancing losses (token-sums, module docstring), and the
         three unweighted, detached. Over a shard of the micro-batch (CP), each is this rank's part of the whole's:
         the routed counts f are the whole's (gathered, constants), the scores P this rank's, and the parts sum to
@@ -243,11 +259,11 @@ class Router(nn.Module):
         switch = seq = z = logits.new_zeros(())
         if switch_c or seq_c:  # both weigh each expert's routed tokens by its mean score (none of it when both are off)
             probs = scores if self.score == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
-            routed = F.one_hot(tokens.gather(experts), E).sum(1).to(logits.dtype)  # [T_whole, E]: chosen (pre-drop)
-            whole_real = None
+            whole_experts, whole_real = whole
+            routed = F.one_hot(whole_experts, E).sum(1).to(logits.dtype)  # [T_whole, E]: chosen (pre-drop)
             if real is not None:
                 probs = probs * real
-                whole_real = tokens.gather(tokens.real).to(logits.dtype)
+                whole_real = whole_real.to(logits.dtype)
                 routed = routed * whole_real.unsqueeze(-1)
         if switch_c:
             count = max(tokens.whole_tokens, 1) if whole_real is None else whole_real.sum().clamp(min=1)

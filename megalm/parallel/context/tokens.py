@@ -35,13 +35,13 @@ class RingTokens:
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's rows of `t` [T_local, ...] placed in the padded stream's order [T_whole, ...] (detached)."""
         n, local = self.layout.n, t.shape[0]
-        flat = t.detach().to(torch.int64 if t.dtype == torch.bool else t.dtype).reshape(-1)  # NCCL gathers no bool
+        flat = t.detach().reshape(-1)
         out = flat.new_empty(n * flat.numel())
         note_collective(self.progress, "all_gather (MoE routing over the CP ring)", n)
         all_gather_flat(out, flat.contiguous(), group=self.group)
         whole = out.new_empty(self.whole_tokens, *t.shape[1:])
         whole[self.layout.indices.reshape(-1)] = out.view(n * local, *t.shape[1:])
-        return whole.to(t.dtype)
+        return whole
 
     @functools.cached_property
     def local_docs(self) -> torch.Tensor:
