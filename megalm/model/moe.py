@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.config import ModelConfig
+from megalm.model.linear import WeightGradSink
 from megalm.model.mlp import SwiGLUMLP
 from megalm.model.naming import canonical_named_modules
 
@@ -65,14 +66,41 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+class _DeferredGroupedLinear(torch.autograd.Function):
+    """The grouped GEMM whose weight gradient goes to a zero-bubble pipeline's W action (`sink`, as a `Linear`'s
+    does: megalm/model/linear.py): the input gradient in B, dW = per group dyᵀ x later. `weight` comes detached and
+    the parameter in `param`, so that B never reaches its AccumulateGrad. Both GEMMs are the ones torch's own
+    backward of `torch._grouped_mm` runs, so the gradients equal the undeferred layer's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offsets, sink, param):
+        ctx.save_for_backward(x, weight, offsets)
+        ctx.sink, ctx.param = sink, param
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, offsets = ctx.saved_tensors
+        dy = dy.contiguous()  # `.sum()` hands back a gradient of stride 0
+        param = ctx.param[0]
+        ctx.sink.stash(param, lambda: torch._grouped_mm(x.t(), dy, offs=offsets).transpose(-2, -1).to(param.dtype))
+        return torch._grouped_mm(dy, weight, offs=offsets), None, None, None, None
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                   sink: WeightGradSink | None = None) -> torch.Tensor:
     """x [N, in] sorted by group, weight [G, out, in], counts [G] rows per group -> [N, out]: each group's rows times
-    its weightᵀ, as one grouped GEMM (in the autocast dtype under autocast, as F.linear)."""
+    its weightᵀ, as one grouped GEMM (in the autocast dtype under autocast, as F.linear). With a `sink` (a
+    zero-bubble pipeline) the weight's gradient is handed to it instead of computed in the backward."""
     device = x.device.type
+    defer = sink is not None and isinstance(weight, nn.Parameter) and weight.requires_grad and torch.is_grad_enabled()
+    param, weight = weight, weight.detach() if defer else weight
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         x, weight = x.to(dtype), weight.to(dtype)
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    if defer:
+        return _DeferredGroupedLinear.apply(x, weight, offsets, sink, [param])
     return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
 
 
@@ -90,14 +118,17 @@ def per_expert(experts: torch.Tensor, values: torch.Tensor, num_experts: int) ->
 
 
 class GroupedLinear(nn.Module):
-    """G linear maps without bias, weight [G, out, in]; forward(x sorted by group, rows per group)."""
+    """G linear maps without bias, weight [G, out, in]; forward(x sorted by group, rows per group).
+    `weight_grad_sink`: set from outside by a zero-bubble pipeline (megalm/parallel/pipeline/weight_grad.py)."""
+
+    weight_grad_sink: WeightGradSink | None = None
 
     def __init__(self, groups: int, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(groups, out_features, in_features))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return grouped_linear(x, self.weight, counts)
+        return grouped_linear(x, self.weight, counts, self.weight_grad_sink)
 
 
 class GroupedExperts(nn.Module):
@@ -155,12 +186,12 @@ class TokenShard(Protocol):
 
 
 class WholeTokens:
-    """A rank holding the whole micro-batch, no padding: every `TokenShard` reading is the identity."""
+    """A rank holding the whole micro-batch: every `TokenShard` reading is the identity. `real`: which tokens are
+    not padding (None: all are)."""
 
-    real = None
-
-    def __init__(self, cu_seqlens: torch.Tensor, tokens: int) -> None:
+    def __init__(self, cu_seqlens: torch.Tensor, tokens: int, real: torch.Tensor | None = None) -> None:
         self.cu_seqlens, self.whole_tokens, self.num_docs = cu_seqlens, tokens, cu_seqlens.numel() - 1
+        self.real = real
 
     @functools.cached_property
     def local_index(self) -> torch.Tensor:

@@ -69,6 +69,13 @@ class ParallelDims:
         ep_groups = [domain[i:i + self.ep] for i in range(0, len(domain), self.ep)]
         return ep_groups, [list(column) for column in zip(*ep_groups, strict=True)]
 
+    def expert_grad_groups(self, pp: int) -> list[list[int]]:
+        """Under sequence parallelism, the ranks of stage `pp` whose routed-expert gradients are summed together:
+        one group per expert slice, its expert-data-parallel ranks at every TP coordinate (each TP rank runs the
+        experts on its own tokens, as Megatron's experts do with expert tensor parallelism 1)."""
+        per_tp = [self.expert_groups(t, pp)[1] for t in range(self.tp)]
+        return [sorted(r for groups in per_tp for r in groups[slot]) for slot in range(self.ep)]
+
 
 def resolve_dims(p, world_size: int) -> ParallelDims:
     """Check the sizes in `cfg.parallel` (`p`) against the world size and fill `parallel.dp`.
@@ -110,7 +117,8 @@ class ParallelMesh:
     # First and last pipeline stage of this rank's tp/cp/dp coordinates (tied embedding gradients).
     embedding_group: dist.ProcessGroup | None = None
     # Expert parallelism (`dims.ep` > 1): this rank's EP group (it holds expert slice `ep_rank` of ep), a 1-D device
-    # mesh over it (checkpoints write expert slices as DTensor shards on it), and the expert-data-parallel group.
+    # mesh over it (checkpoints write expert slices as DTensor shards on it), and the expert-data-parallel group
+    # (under sequence parallelism it spans the TP ranks too, and exists with ep = 1: `expert_grad_groups`).
     ep_group: dist.ProcessGroup | None = None
     ep_mesh: DeviceMesh | None = None
     expert_dp_group: dist.ProcessGroup | None = None
@@ -184,8 +192,9 @@ def _attempt_store(world_size: int, timeout: datetime.timedelta | None) -> dist.
     return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
 
 
-def build_mesh(dims: ParallelDims, device: torch.device) -> ParallelMesh:
-    """Create the DeviceMesh and its named groups (all ranks must call this together)."""
+def build_mesh(dims: ParallelDims, device: torch.device, experts_over_tp: bool = False) -> ParallelMesh:
+    """Create the DeviceMesh and its named groups (all ranks must call this together). `experts_over_tp`: an MoE
+    model under sequence parallelism, whose routed-expert gradients are summed over TP too (`expert_grad_groups`)."""
     if dims.world_size == 1:
         return ParallelMesh(dims)
     if dist.get_world_size() != dims.world_size:
@@ -209,19 +218,24 @@ def build_mesh(dims: ParallelDims, device: torch.device) -> ParallelMesh:
                 if rank in ranks:
                     dp_cp_group = group
     ep_group = ep_mesh = expert_dp_group = None
-    if dims.ep > 1:
+    experts_over_tp = experts_over_tp and dims.tp > 1
+    if dims.ep > 1 or experts_over_tp:
         for pp_rank in range(dims.pp):
-            for tp_rank in range(dims.tp):
+            for tp_rank in range(dims.tp if dims.ep > 1 else 0):
                 ep_groups, expert_dp_groups = dims.expert_groups(tp_rank, pp_rank)
                 for ranks in ep_groups:
                     group = dist.new_group(ranks)
                     if rank in ranks:
                         ep_group = group
                         ep_mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("ep",))
-                for ranks in expert_dp_groups:
+                for ranks in [] if experts_over_tp else expert_dp_groups:
                     group = dist.new_group(ranks)
                     if rank in ranks:
                         expert_dp_group = group
+            for ranks in dims.expert_grad_groups(pp_rank) if experts_over_tp else []:
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    expert_dp_group = group
     return ParallelMesh(dims, rank=rank, mesh=mesh, tp_group=mesh.get_group("tp"), dp_group=dp_group,
                         cp_group=mesh.get_group("cp"), pp_group=mesh.get_group("pp"), embedding_group=embedding_group,
                         dp_cp_group=dp_cp_group, ep_group=ep_group, ep_mesh=ep_mesh, expert_dp_group=expert_dp_group)

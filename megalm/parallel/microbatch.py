@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from megalm.data.batch import PackedBatch
-from megalm.model.attention import AttentionContext
+from megalm.model.attention import AttentionContext, varlen_attention
+from megalm.model.moe import WholeTokens
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,22 @@ class LocalMicroBatch:
         b = self.batch
         return model(b.tokens if inputs is None else inputs, b.position_ids, b.cu_seqlens, b.max_seqlen,
                      self.attention)
+
+
+class PaddedContext:
+    """The `AttentionContext` of a micro-batch whose documents are whole on this rank but that the layout padded
+    (sequence parallelism's multiple of tp, FP8's of 16): attention runs as without a context, and an MoE router
+    is told which tokens are the padding (`moe_tokens`), so they take no place in a capacity queue, a balancing
+    loss or the load counts, as under context parallelism (megalm/parallel/context/tokens.py)."""
+
+    def __init__(self, batch: PackedBatch, real_tokens: int, device: torch.device) -> None:
+        self.cu_seqlens, self.max_seqlen = batch.cu_seqlens.to(device), batch.max_seqlen
+        real = torch.arange(batch.num_tokens, device=device) < real_tokens
+        self.moe_tokens = WholeTokens(self.cu_seqlens, batch.num_tokens, real)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, dropout_p: float = 0.0,
+               scale: float | None = None) -> torch.Tensor:
+        return varlen_attention(q, k, v, self.cu_seqlens, self.max_seqlen, backend, dropout_p=dropout_p, scale=scale)
 
 
 @dataclass

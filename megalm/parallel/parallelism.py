@@ -29,6 +29,7 @@ from typing import Protocol
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
 
 from megalm.config import MegalmConfig, config_to_dict
 from megalm.data.batch import pad_to_multiple
@@ -49,7 +50,7 @@ from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh, check_s
 from megalm.parallel.expert import apply_expert_parallel, expert_parameters, validate_experts
 from megalm.parallel.fsdp import FsdpGrads, apply_fsdp, fsdp_mesh, validate_fsdp
 from megalm.parallel.hdp.split import HdpSplit, hdp_cost_model, validate_hdp
-from megalm.parallel.microbatch import LocalMicroBatch, Ring, StepShare
+from megalm.parallel.microbatch import LocalMicroBatch, PaddedContext, Ring, StepShare
 from megalm.parallel.norms import NormShare, scaled_share
 from megalm.parallel.pipeline.runtime import PipelineRuntime, tied_embedding_copy
 from megalm.parallel.pipeline.schedules import simulate_schedule
@@ -118,7 +119,8 @@ class Parallelism:
         p = cfg.parallel
         self.cfg, self.device, self.converters = cfg, device, list(converters)
         with unset_fake_temporarily():  # the mesh's own tensors are real under a caller's FakeTensorMode
-            self.mesh = mesh or build_mesh(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp, ep=p.ep), device)
+            self.mesh = mesh or build_mesh(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp, ep=p.ep), device,
+                                           experts_over_tp=bool(cfg.model.moe.num_experts) and p.sequence_parallel)
         check_same_on_all_ranks(json.dumps(config_to_dict(cfg), sort_keys=True, default=str), self.mesh, device)
         # bf16 working weights (the bf16 recipe): the model trains bf16 copies of its fp32 initial weights, which the
         # optimizer takes as its fp32 main weights (BucketAdamW); the gradients accumulate over micro-batches in the
@@ -150,8 +152,10 @@ class Parallelism:
             self.reducer: GradReducer | FsdpGrads = FsdpGrads(list(self.model.parameters()), self.fsdp_mesh, presum,
                                                               self.mesh.progress)
         else:
-            # expert-parallel slices: summed over the ranks that hold the same experts only
-            experts = {param: self.mesh.expert_dp_group for param in expert_parameters(self.model)}
+            # routed experts: summed over the ranks that hold the same experts only (expert parallelism), and over
+            # TP too under sequence parallelism (each TP rank runs them on its own tokens)
+            experts = {} if self.mesh.expert_dp_group is None else {
+                param: self.mesh.expert_dp_group for param in expert_parameters(self.model)}
             self.reducer = GradReducer(list(self.model.parameters()), self.mesh.dp_cp_group, p.bucket_size_mb,
                                        reduce_dtype=_reduce_dtype(p), zero1=p.zero1, presum=presum,
                                        progress=self.mesh.progress, accumulate=self.working_dtype is not None,
@@ -189,8 +193,10 @@ class Parallelism:
                     converter.convert(chunk)
                 apply_recompute(chunk, stage_mode(p.recompute, mesh.pp_rank, p.pp))
             if p.fsdp:
+                experts = None if mesh.expert_dp_group is None else DeviceMesh.from_group(
+                    mesh.expert_dp_group, self.device.type, mesh_dim_names=("expert_dp",))
                 apply_fsdp(model, self.fsdp_mesh, p.fsdp_reshard_after_forward, recipe_dtype, _reduce_dtype(p),
-                           p.fsdp_cpu_offload)
+                           p.fsdp_cpu_offload, experts)
         model.to_empty(device=self.device)
         init_weights(model, self.cfg.seed)
         return model
@@ -261,12 +267,15 @@ class Parallelism:
         TP-replicated parameter 1/tp, the tied embedding's last-stage copy 0 (the first stage counts it).
         Under expert parallelism the squares are summed over dp x cp (`_norm_groups`), so what several of those
         ranks hold counts 1/their number: without ZeRO-1 an expert slice 1/(dp·cp/ep), any other parameter
-        1/(dp·cp); under ZeRO-1 each rank's shard is its own."""
+        1/(dp·cp); under ZeRO-1 and FSDP each rank's shard is its own, and when the experts' buckets span TP (sequence
+        parallelism) so is each TP rank's shard of them."""
         specs, d = shard_specs(self.model), self.mesh.dims
         tied_copy = tied_embedding_copy(self.model) if self.cfg.parallel.pp > 1 else None
         shares = {id(p): 0.0 if p is tied_copy else tp_norm_share(specs.get(name), d.tp, p.shape)
                   for name, p in canonical_named_parameters(self.model)}
-        if d.ep > 1 and not self.cfg.parallel.zero1:
+        if (self.cfg.parallel.zero1 or self.cfg.parallel.fsdp) and self.cfg.parallel.sequence_parallel and d.tp > 1:
+            shares |= {id(p): 1.0 for p in expert_parameters(self.model)}
+        if d.ep > 1 and not (self.cfg.parallel.zero1 or self.cfg.parallel.fsdp):
             domain, experts = d.dp * d.cp, {id(p) for p in expert_parameters(self.model)}
             shares = {key: scaled_share(share, (d.ep if key in experts else 1) / domain)
                       for key, share in shares.items()}
@@ -321,6 +330,8 @@ class Parallelism:
                 moe_over = (real, self.mesh.cp_group)
             attention = RingContext.for_shard(padded, ring, self.device, self.cfg.parallel.cp_comm,
                                               self.mesh.cp_group if a2a else None, self.mesh.progress, moe_over)
+        elif self.cfg.model.moe.num_experts and padded is not batch:  # the routers must not count the padding
+            attention = PaddedContext(padded, batch.num_tokens, self.device)
         batch = padded
         counted = mb.counted_doc_lengths if self.mesh.is_last_stage else []
         if self.device.type == "cuda":  # pinned host memory: the copies overlap instead of syncing the stream
@@ -355,6 +366,13 @@ class Parallelism:
         progress = self.mesh.progress
         values = all_reduce_sum(values, self.mesh.dp_cp_group, "step totals", progress)
         return all_reduce_sum(values, self.mesh.pp_group, "step totals", progress)
+
+    def sum_over_sequence_shards(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum what each TP rank counted over its own sequence chunk (under SP: an MoE layer's loads, drops and
+        balancing losses) over TP, before `sum_over_batch`; the identity otherwise."""
+        if not self.cfg.parallel.sequence_parallel or not values.numel():
+            return values
+        return all_reduce_sum(values, self.mesh.tp_group, "MoE counts over the sequence shards", self.mesh.progress)
 
     def rank_loads(self, share: StepShare) -> torch.Tensor:
         """Under HDP, the real tokens every rank of this rank's HDP domain ran in the step, in domain order (float64

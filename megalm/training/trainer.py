@@ -171,7 +171,7 @@ class Trainer:
         fill = lambda value: torch.full((), value, dtype=torch.float64, device=self.device)  # a kernel, no copy
         local = torch.cat([torch.stack([loss.double(), fill(sum(counted)),
                                         fill(training_flops(self.cfg.model, counted))]),
-                           self.expert_load.take(self.device)])
+                           self.parallel.sum_over_sequence_shards(self.expert_load.take(self.device))])
         totals = self.parallel.sum_over_batch(local)
         normaliser = torch.as_tensor(share.normaliser, dtype=torch.float64, device=self.device)
         loads = self.parallel.rank_loads(share)  # HDP: the tokens each rank of the domain ran; else empty

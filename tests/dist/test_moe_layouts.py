@@ -63,14 +63,21 @@ LAYOUTS = {  # name: (ranks, the model and data of both runs, the layout)
     "pp2_offload": (2, DROPLESS, ["parallel.pp=2", "offload.enabled=true", "offload.min_tensor_bytes=0"]),
     "dp2_zero1_recompute": (2, DROPLESS, ["parallel.dp=2", "parallel.zero1=true", "parallel.recompute=full"]),
     "ep2": (2, DROPLESS, ["parallel.ep=2"]),
+    "ep2_fsdp4": (4, DROPLESS + BATCH16, ["parallel.ep=2", "parallel.fsdp=true"]),  # experts: a unit over expert-DP
+    "tp2_sp_fsdp2": (4, CAPACITY + SHARED, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.fsdp=true"]),
     "ep4": (4, DROPLESS + BATCH16, ["parallel.ep=4"]),
     "ep2_dp4_capacity": (4, CAPACITY + BATCH16, ["parallel.ep=2"]),
     "ep2_zero1": (2, DROPLESS, ["parallel.ep=2", "parallel.zero1=true"]),
-    "ep2_pp2": (4, DROPLESS, ["parallel.ep=2", "parallel.pp=2"]),
+    # zero-bubble: the experts' grouped GEMMs defer their weight gradients to W
+    "ep2_pp2_zb": (4, DROPLESS + ["trainer.micro_batch_size=2"], ["parallel.ep=2", "parallel.pp=2",
+                                                                  "parallel.pp_schedule=zb"]),
     "ep2_pp2_interleaved": (4, DROPLESS + ["model.num_layers=4", "trainer.micro_batch_size=2"],
                             ["parallel.ep=2", "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved"]),
     "tp2_shared": (2, CAPACITY + SHARED, ["parallel.tp=2"]),
-    "ep2_tp2": (4, DROPLESS + SHARED, ["parallel.ep=2", "parallel.tp=2"]),
+    # sequence parallelism: each TP rank routes its own tokens; varlen micro-batches of odd lengths are padded
+    "tp2_sp_capacity": (2, CAPACITY + SHARED + VARLEN, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "ep2_tp2_sp_zero1": (4, DROPLESS + SHARED, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                                "parallel.zero1=true"]),
     "cp2_a2a_capacity": (2, CAPACITY + VARLEN, ["parallel.cp=2", "parallel.cp_comm=a2a"]),
     "ep2_cp2": (4, DROPLESS + VARLEN, ["parallel.ep=2", "parallel.cp=2"]),
 }
@@ -83,10 +90,12 @@ def test_moe_layout_matches_single_process(tmp_path, name):
 
 
 def test_expert_parallel_checkpoints_reshard(tmp_path):
-    """A run saved at ep4 resumes at ep2 x tp2 (ZeRO-1), then at ep1 (dp2): the expert slices, their Adam moments and
-    the routers' bias load into any ep, and the continued losses equal one process's straight run."""
+    """A run saved at ep4 resumes at ep2 x tp2 (ZeRO-1), then at ep2 under FSDP, then at ep1 (dp2, FSDP): the expert
+    slices, their Adam moments and the routers' bias load into any ep and any sharding, and the continued losses
+    equal one process's straight run."""
     common = [*MOE, *DROPLESS, *SHARED, "trainer.max_steps=6", "trainer.micro_batch_size=2"]
     segments = [(4, ["parallel.ep=4", "trainer.stop_at_step=2"]),
                 (4, ["parallel.ep=2", "parallel.tp=2", "parallel.zero1=true", "trainer.stop_at_step=4"]),
-                (2, ["parallel.dp=2"])]
+                (2, ["parallel.ep=2", "parallel.fsdp=true", "trainer.stop_at_step=5"]),
+                (2, ["parallel.dp=2", "parallel.fsdp=true"])]
     assert_resharded_run_continues(tmp_path, common, segments)

@@ -251,15 +251,14 @@ def test_moe_tiny_trains_logs_load_and_resumes_its_bias(tmp_path, make_config):
 
 
 @pytest.mark.parametrize(("world", "overrides", "message"), [
-    (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], "sequence_parallel=true"),
-    (2, ["parallel.fsdp=true"], "parallel.fsdp=true"),
-    (2, ["parallel.pp=2", "parallel.pp_schedule=zb", "trainer.micro_batch_size=2"], "pp_schedule=zb"),
+    (4, ["parallel.ep=2", "parallel.fsdp=true", "parallel.fsdp_shard_size=2", "trainer.micro_batch_size=2"],
+     "fsdp_shard_size=2 \\(HSDP\\) with parallel.ep=2 or sequence"),
     (2, ["data.varlen=true", "parallel.hdp=true"], "parallel.hdp=true"),
     (4, ["parallel.ep=3", "trainer.micro_batch_size=2"], "must divide model.moe.num_experts=8 and dp\\*cp=4"),
     (2, ["parallel.ep=4"], "must divide model.moe.num_experts=8 and dp\\*cp=2"),
     (2, ["parallel.ep=0"], "parallel.ep=0 must be >= 1"),
     (2, ["model=tiny", "parallel.ep=2"], "needs a mixture-of-experts model")],
-    ids=["sp", "fsdp", "zb", "hdp", "ep_not_experts", "ep_not_domain", "ep0", "ep_dense"])
+    ids=["hsdp_ep", "hdp", "ep_not_experts", "ep_not_domain", "ep0", "ep_dense"])
 def test_layouts_not_built_for_moe_are_refused_in_one_line(make_config, world, overrides, message):
     from megalm.training.validation import validate_run
 
@@ -282,6 +281,10 @@ def test_expert_groups_are_consecutive_domain_ranks_and_their_columns():
             for group in ep_groups:
                 assert [ParallelMesh(dims, rank=r).ep_rank for r in group] == [0, 1]
     assert ParallelDims(dp=2, cp=2, ep=4).expert_groups(0, 0) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
+    # under sequence parallelism each expert slice's gradient group spans the TP ranks: its expert-DP ranks at every
+    # TP coordinate (stage 1 of tp2 x dp4 is ranks 8..15, tp the fastest coordinate)
+    assert dims.expert_grad_groups(1) == [[8, 9, 12, 13], [10, 11, 14, 15]]
+    assert ParallelDims(tp=2, dp=2).expert_grad_groups(0) == [[0, 1, 2, 3]]  # ep = 1: the whole stage
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "mxfp4"])

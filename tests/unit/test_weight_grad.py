@@ -10,6 +10,7 @@ import torch
 
 from megalm.model import GPT, init_weights
 from megalm.model.linear import linear_modules
+from megalm.model.moe import GroupedLinear, MoE
 from megalm.parallel.pipeline.weight_grad import WeightGradStore, defer_weight_grads
 from megalm.precision.linear import apply_precision, set_precision_step
 from tests.conftest import compose_config
@@ -59,6 +60,34 @@ def test_split_backward_equals_plain_backward(autocast):
     for name, p in split.named_parameters():
         torch.testing.assert_close(p.grad, plain_grads[name].grad, **tol, msg=lambda m, n=name: f"{n}: {m}")
         assert fires[name] == 2, f"{name}: hook fired {fires.get(name)} times for 2 micro-batches"
+
+
+def test_split_backward_defers_the_experts_grouped_gemms():
+    """An MoE model's stacked expert weights wait for W too (the grouped GEMMs' deferred dW), and W gives exactly
+    the gradients of a plain backward; the router keeps its gradient in B."""
+    cfg = compose_config("model=moe_tiny", "model.num_layers=2", "model.hidden_size=64",
+                         "model.moe.expert_ffn_hidden_size=32", "model.moe.aux_loss_coeff=0.01").model
+    plain, split = GPT(cfg), GPT(cfg)
+    for model in (plain, split):
+        init_weights(model, 3)
+    store = WeightGradStore()
+    rerouted = defer_weight_grads(split, store)
+    experts = [m.weight for m in split.modules() if isinstance(m, GroupedLinear)]
+    assert rerouted == len(linear_modules(split)) + len(experts) and len(experts) == 2 * cfg.num_layers
+    args = batch(plain.cfg.vocab_size)
+    for model in (plain, split):
+        for mb in range(2):
+            out = model(*args)
+            with store.collect(("mb", mb)) if model is split else torch.enable_grad():
+                out.pow(2).mean().mul(mb + 1).backward()
+    assert all(w.grad is None for w in experts)
+    assert all(m.router.weight.grad is not None for m in split.modules() if isinstance(m, MoE))
+    for mb in range(2):
+        store.apply(("mb", mb))
+    plain_grads = dict(plain.named_parameters())
+    for name, p in split.named_parameters():
+        torch.testing.assert_close(p.grad, plain_grads[name].grad, rtol=1e-6, atol=1e-9,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_store_refuses_backward_without_key_and_double_collect():

@@ -9,12 +9,14 @@ summed over the expert-data-parallel group (the ranks holding the same experts: 
 gradient over dp x cp as without experts (megalm/parallel/data_parallel/reducer.py's per-bucket groups).
 
 What composes today, each proven against one process on gloo: data parallelism (ZeRO-1 too), expert parallelism
-over it, tensor parallelism (the routed experts whole on every TP rank, the shared ones split as an MLP), context
+over it, tensor parallelism (the routed experts whole on every TP rank, the shared ones split as an MLP; under
+sequence parallelism each TP rank routes its own tokens: megalm/parallel/tensor/tokens.py), context
 parallelism (the routers see the whole micro-batch: megalm/parallel/context/tokens.py), pipeline stages (the
 balancing losses of a stage that is not the last reach the gradient through the layer's scaler; the load counts
 are summed over the stages with the loss), recomputation and activation offload. HDP is refused (its ranks run
-different numbers of micro-batches; every EP rank must join each all-to-all), and so are sequence parallelism,
-FSDP and zero-bubble schedules, with one line each, until they are built and proven. The FP8/MX recipes leave the
+different numbers of micro-batches; every EP rank must join each all-to-all), and so is FSDP, each in one line,
+until it is built and proven. Under a zero-bubble schedule the experts' grouped GEMMs defer their weight gradients
+to the W action as every linear does (megalm/parallel/pipeline/weight_grad.py). The FP8/MX recipes leave the
 experts' grouped GEMMs in bf16 (megalm/parallel/parallelism.py logs it).
 """
 
@@ -51,12 +53,10 @@ def validate_experts(cfg: MegalmConfig) -> None:
         raise ConfigError("parallel.hdp=true does not run mixture-of-experts models: HDP ranks run different numbers "
                           "of micro-batches, while an expert-parallel layer needs every rank in each all-to-all; "
                           "use parallel.cp with data or expert parallelism")
-    refused = {"parallel.sequence_parallel=true": p.sequence_parallel,
-               "parallel.fsdp=true": p.fsdp, "parallel.pp_schedule=zb": p.pp > 1 and p.pp_schedule == "zb"}
-    for setting, on in refused.items():
-        if on:
-            raise ConfigError(f"{setting} does not run mixture-of-experts models yet (model.moe.num_experts="
-                              f"{experts}); use data, expert or pipeline parallelism, or a dense model")
+    if p.fsdp and (p.ep > 1 or p.sequence_parallel) and p.fsdp_shard_size is not None:
+        raise ConfigError(f"parallel.fsdp_shard_size={p.fsdp_shard_size} (HSDP) with parallel.ep={p.ep} or sequence "
+                          "parallelism is not supported for mixture-of-experts models: the routed experts shard over "
+                          "their own expert-data-parallel ranks; leave parallel.fsdp_shard_size=null")
 
 
 def apply_expert_parallel(chunk: nn.Module, mesh: ParallelMesh) -> None:
@@ -77,8 +77,7 @@ def apply_expert_parallel(chunk: nn.Module, mesh: ParallelMesh) -> None:
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters held as expert-parallel slices (their gradients are summed over the expert-data-parallel
-    group only)."""
+    """The routed experts' weights (expert-parallel slices under `parallel.ep`): their gradients are summed over
+    the expert-data-parallel group (`ParallelMesh.expert_dp_group`), not over dp x cp."""
     return [linear.weight for module in model.modules() if isinstance(module, MoE)
-            for linear in (module.experts.gate_up_proj, module.experts.down_proj)
-            if getattr(linear, "shard_specs", {}).get("weight") is not None]
+            for linear in (module.experts.gate_up_proj, module.experts.down_proj)]

@@ -12,6 +12,9 @@ Composition (docs/architecture.md, "Fully sharded data parallelism"):
   tokens, summed by the reduce-scatter as the all-reduce sums them without FSDP.
 - Pipeline parallelism: each stage's chunks are units of their own stage's data-parallel ranks; every rank of a
   stage runs the same schedule, so their collectives pair.
+- Expert parallelism: an MoE block's routed experts (this rank's slice) are a unit over the expert-data-parallel
+  ranks (the ranks holding the same experts; under sequence parallelism the TP ranks too), inside the block's unit
+  over dp x cp.
 - Precision: FSDP's `MixedPrecisionPolicy` holds it. The sharded parameters are the fp32 main weights the optimizer
   steps; precision=bf16 gathers them in bf16 (the working weights exist only while a unit computes) and the
   gradients are reduce-scattered in fp32 into fp32 shards (`parallel.grad_reduce_dtype` picks bf16 instead). There
@@ -32,6 +35,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from megalm.config import MegalmConfig
 from megalm.errors import ConfigError
+from megalm.model.moe import MoE
 from megalm.model.naming import model_chunks
 from megalm.parallel.dims import ParallelMesh
 
@@ -96,15 +100,25 @@ def fsdp_mesh(mesh: ParallelMesh, shard_size: int | None, device_type: str) -> D
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, param_dtype: torch.dtype | None,
-               reduce_dtype: torch.dtype | None, cpu_offload: bool) -> list[nn.Module]:
+               reduce_dtype: torch.dtype | None, cpu_offload: bool, expert_mesh: DeviceMesh | None = None
+               ) -> list[nn.Module]:
     """fully_shard every transformer block of every chunk, then the chunk (its root: embedding, final norm, head);
     on the meta device or materialised. Gradients are summed, not averaged (megalm's loss is already divided by
-    the step's tokens: docs/architecture.md). Returns the FSDP units."""
+    the step's tokens: docs/architecture.md). Returns the FSDP units.
+
+    `expert_mesh` (expert or sequence parallelism): the expert-data-parallel ranks, over which an MoE block's routed
+    experts (this rank's expert-parallel slice) are a unit of their own, as TorchTitan shards them: their gradients
+    are summed over the ranks that hold the same experts, not over dp x cp (under sequence parallelism the TP ranks
+    are among them: each ran the experts on its own tokens)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype or torch.float32)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     units = []
     for chunk in model_chunks(model):
         for block in chunk.layers:
+            if expert_mesh is not None and isinstance(block.mlp, MoE):
+                units.append(fully_shard(block.mlp.experts, mesh=expert_mesh,
+                                         reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                                         offload_policy=offload))
             units.append(fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
                                      offload_policy=offload))
         units.append(fully_shard(chunk, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,

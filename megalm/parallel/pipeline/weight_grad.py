@@ -16,7 +16,9 @@ hooks). The thunk runs the layer's own wgrad GEMM, so a precision recipe set on 
 (`gemm_recipe`, e.g. fp8 or MXFP4 with its seeds) computes dW at W exactly as it would have in B.
 
 What is deferred: the weight of every model `Linear` and of megalm's Column/RowParallelLinear whose
-weight is a leaf parameter. Biases, norms and embeddings (cheap, elementwise or gathers) keep their
+weight is a leaf parameter, and the stacked expert weights of an MoE layer's grouped GEMMs (`GroupedLinear`, whose
+deferred function runs the same two grouped GEMMs as torch's own backward). The router's small GEMM keeps its
+gradient in B. Biases, norms and embeddings (cheap, elementwise or gathers) keep their
 gradients in B; so do weights that reach the GEMM through another op (GQA kv weights replicated over
 TP ranks pass through an all-reduce in backward), which would otherwise need that collective at W.
 Layers that do not run through `linear` (Transformer Engine's) keep their weight gradients in B.
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from megalm.model.linear import linear_modules
+from megalm.model.moe import GroupedLinear
 
 log = logging.getLogger("megalm")
 
@@ -82,8 +85,9 @@ class WeightGradStore:
 
 
 def defer_weight_grads(model: nn.Module, store: WeightGradStore) -> int:
-    """Send the weight gradients of every linear layer of `model` to `store`; returns how many layers."""
-    layers = linear_modules(model)
+    """Send the weight gradients of every linear layer of `model` (an MoE layer's grouped expert GEMMs too) to
+    `store`; returns how many layers."""
+    layers = linear_modules(model) + [m for m in model.modules() if isinstance(m, GroupedLinear)]
     for module in layers:
         module.weight_grad_sink = store
     foreign = sum(type(m).__module__.startswith("transformer_engine") for m in model.modules())

@@ -17,6 +17,9 @@ The model definition (megalm/model) holds `Linear` / nn.Embedding and no collect
                                                          for the output head, tied or not)
     output                     ColumnParallelLinear over the vocabulary -> logits [T, V/tp]
     (tied: the head is F.linear with the VocabParallelEmbedding shard, also [T, V/tp])
+    MoE shared_experts         as gate_up_proj / down_proj above
+    MoE router, experts        whole on every rank; under SP each rank routes its [T/tp] tokens (tokens.py), the
+                               router as ReplicatedOnShard (gradient summed over TP)
 
 Under sequence parallelism the residual stream between the TP regions is this rank's [T/tp, h]
 chunk of tokens: the embedding reduce-scatters into it, a learned position embedding (GPT-2) is
@@ -56,8 +59,15 @@ from megalm.model.shard import FusedShardSpec, ShardSpec, shard_specs
 from megalm.parallel.norms import NormShare, share_pairs, weighted_sq_norm
 from megalm.parallel.progress import Progress
 from megalm.parallel.tensor.comm import Group, split_to_sp, tp_world_size
-from megalm.parallel.tensor.layers import ColumnParallelLinear, ParallelNorm, RowParallelLinear, VocabParallelEmbedding
+from megalm.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    ParallelNorm,
+    ReplicatedOnShard,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from megalm.parallel.tensor.loss import vocab_parallel_token_loss_sum
+from megalm.parallel.tensor.tokens import route_sequence_chunks
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -131,8 +141,12 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
             attention.q_norm, attention.k_norm = (ParallelNorm(n, group, sequence_parallel=True, progress=progress,
                                                                enter_tp_region=False)
                                                   for n in (attention.q_norm, attention.k_norm))
-        # an MoE block's routed experts stay whole on every TP rank (each runs the layer on the same tokens: expert
-        # parallelism splits them, megalm/parallel/expert); its shared experts split as a dense MLP does
+        # an MoE block's routed experts stay whole on every TP rank (expert parallelism splits them,
+        # megalm/parallel/expert); without SP each runs the layer on the same tokens, under SP on its own sequence
+        # chunk (tokens.py), so the router's gradient is summed over TP here and the experts' by the reducer (their
+        # expert-data-parallel group spans TP). Its shared experts split as a dense MLP does.
+        if isinstance(mlp, MoE) and sp:
+            mlp.router = ReplicatedOnShard(mlp.router, group, progress=progress)
         dense = mlp.shared_experts if isinstance(mlp, MoE) else mlp
         if dense is not None:
             if isinstance(getattr(dense, "gate_up_proj", None), nn.Linear):  # [gate; up], each ffn rows
@@ -144,6 +158,8 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
         layer.attention_norm = norm(layer.attention_norm)
         layer.mlp_norm = norm(layer.mlp_norm)
 
+    if sp:
+        route_sequence_chunks(model, group, progress)
     if getattr(model, "final_norm", None) is not None:
         model.final_norm = norm(model.final_norm, enter_tp_region=True)
     if getattr(model, "output", None) is not None:

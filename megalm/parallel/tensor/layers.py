@@ -256,39 +256,59 @@ class VocabParallelEmbedding(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class ParallelNorm(nn.Module):
+class ReplicatedOnShard(nn.Module):
+    """A module every TP rank holds whole, run on this rank's [T/tp, ...] tokens under SP (an MoE router): its
+    parameters' gradients, partial over the tokens, are all-reduced over TP in backward (sync_grad_over_tp).
+
+    The wrapped module's parameters and buffers are registered here under their own names (`weight`, a router's
+    `expert_bias`), so parameter names, state dicts and `init_weights` are unchanged; the wrapped module is kept
+    unregistered and run with `torch.func.functional_call`, which keeps its math the single source of truth.
+    """
+
+    def __init__(self, module: nn.Module, group: Group, sequence_parallel: bool = True,
+                 progress: Progress | None = None) -> None:
+        super().__init__()
+        self.group, self.sequence_parallel, self.progress = group, sequence_parallel, progress
+        self._module = (module,)  # a tuple: not a registered submodule (its parameters are ours)
+        for name, param in list(module.named_parameters(recurse=False)):
+            self.register_parameter(name, param)
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            self.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
+
+    def run_wrapped(self, *args: object) -> torch.Tensor:
+        state = dict(self.named_parameters(recurse=False))
+        if self.sequence_parallel:
+            state = {name: sync_grad_over_tp(p, self.group, self.progress) for name, p in state.items()}
+        return torch.func.functional_call(self._module[0], state | dict(self.named_buffers(recurse=False)), args)
+
+    def forward(self, *args: object) -> torch.Tensor:
+        return self.run_wrapped(*args)
+
+    def extra_repr(self) -> str:
+        return f"{self._module[0]!r}, sequence_parallel={self.sequence_parallel}"
+
+
+class ParallelNorm(ReplicatedOnShard):
     """A model norm whose output feeds column-parallel layers.
 
     Without SP the norm runs on the replicated [T, h] stream. Under SP it runs on this rank's [T/tp, h]
     tokens (the point of SP: norms cost 1/tp) and its weight/bias gradients, partial over tokens, are
-    all-reduced over TP in backward (sync_grad_over_tp). With `enter_tp_region` its output enters the TP
+    all-reduced over TP in backward (`ReplicatedOnShard`). With `enter_tp_region` its output enters the TP
     region here (copy_to_tp, or all-gathered to [T, h] under SP), for a consumer that is not a
     column-parallel layer (the tied output head); otherwise the column-parallel layer after it enters.
-
-    The wrapped norm's parameters are registered here under their own names (`weight`, `bias`), so
-    parameter names, state dicts and `init_weights` are unchanged; the wrapped module is kept
-    unregistered and run with `torch.func.functional_call`, which keeps its math (fp32 statistics)
-    the single source of truth.
     """
 
     def __init__(self, norm: nn.Module, group: Group, sequence_parallel: bool,
                  progress: Progress | None = None, enter_tp_region: bool = True) -> None:
-        super().__init__()
-        self.group, self.sequence_parallel, self.progress = group, sequence_parallel, progress
+        super().__init__(norm, group, sequence_parallel, progress)
         self.enter_tp_region = enter_tp_region
-        self._norm = (norm,)  # a tuple: not a registered submodule (its parameters are ours)
-        for name, param in list(norm.named_parameters(recurse=False)):
-            self.register_parameter(name, param)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        params = dict(self.named_parameters(recurse=False))
-        if self.sequence_parallel:
-            params = {name: sync_grad_over_tp(p, self.group, self.progress) for name, p in params.items()}
-        y = torch.func.functional_call(self._norm[0], params, (x,))
+        y = self.run_wrapped(x)
         if not self.enter_tp_region:
             return y
         enter = gather_from_sp if self.sequence_parallel else copy_to_tp
         return enter(y, self.group, self.progress)
 
     def extra_repr(self) -> str:
-        return f"{self._norm[0]!r}, sequence_parallel={self.sequence_parallel}, enters={self.enter_tp_region}"
+        return f"{super().extra_repr()}, enters={self.enter_tp_region}"
