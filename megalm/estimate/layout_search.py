@@ -22,7 +22,14 @@ Two passes, because one fake-tensor step of a 70B rank takes a minute and a clus
    collectives to the step's micro-batches. Layouts the estimator finds too big, or the config's rules refuse,
    drop out; the confirmed ones are ranked by the estimator's tokens/s.
 
-Not searched: tp beyond a node, cp with a2a, the ZB schedule, FSDP (megalm has none yet), precision (the command's).
+MoE models (`model.moe`): expert parallelism is searched too (every ep dividing dp·cp and the experts). The closed
+form counts the routed experts whole on a TP rank and split over ep, their gradients and ZeRO-1 states sharded over
+the expert-data-parallel ranks (times tp: sequence parallelism is on), the FLOPs of the active parameters, the
+activations of k copies of each token through the experts (`moe_activation_ratio`), and each MoE layer's two
+all-to-alls forward and backward. The shallow runs keep the leading dense blocks (`first_k_dense`) in the first
+chunk, so every layer past them is an MoE one; `every_n_layers` > 1 is refused.
+
+Not searched: tp beyond a node, cp with a2a, the ZB schedule, FSDP, precision (the command's).
 """
 
 from __future__ import annotations
@@ -77,12 +84,15 @@ class Layout:
     recompute: str
     offload: bool
     hdp: bool
+    ep: int = 1  # expert parallelism (MoE models)
 
     def overrides(self) -> list[str]:
         """megalm-train's overrides for this layout."""
         out = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.cp={self.cp}",
                f"parallel.sequence_parallel={str(self.tp > 1).lower()}", f"parallel.zero1={str(self.zero1).lower()}",
                f"parallel.recompute={self.recompute}"]
+        if self.ep > 1:
+            out.append(f"parallel.ep={self.ep}")
         if self.vpp > 1:
             out += [f"parallel.vpp={self.vpp}", "parallel.pp_schedule=interleaved"]
         if self.offload:
@@ -90,6 +100,24 @@ class Layout:
         if self.hdp:
             out.append("parallel.hdp=true")
         return out
+
+
+@dataclass(frozen=True)
+class Experts:
+    """An MoE model's experts, for the closed form: E routed experts of `ffn` units (top-k a token), shared experts
+    of `shared_ffn` units in all, in every layer from `first_dense` on."""
+
+    experts: int
+    top_k: int
+    ffn: int
+    shared_ffn: int
+    first_dense: int
+
+    def routed_params(self, hidden: int) -> int:
+        return self.experts * 3 * hidden * self.ffn
+
+    def active_mlp_params(self, hidden: int) -> int:  # router, k routed experts, shared experts
+        return self.experts * hidden + 3 * hidden * (self.top_k * self.ffn + self.shared_ffn)
 
 
 @dataclass(frozen=True)
@@ -107,6 +135,7 @@ class Shape:
     offload_fraction: float
     vocab_multiple: int  # model.make_vocab_size_divisible_by: the vocabulary is padded to it times tp
     tied: bool  # model.tie_embeddings: one vocabulary matrix, else the embedding's and the output layer's
+    experts: Experts | None = None  # MoE models
 
 
 def layouts(shape: Shape) -> list[Layout]:
@@ -123,25 +152,41 @@ def layouts(shape: Shape) -> list[Layout]:
             continue
         micro_batches = shape.global_batch // (dp * shape.micro_batch)
         vpps = [1] + ([2] if pp > 1 and shape.model.layers % (2 * pp) == 0 and micro_batches % pp == 0 else [])
-        for vpp, zero1, recompute, offload, hdp in itertools.product(
-                vpps, (False, True) if dp * cp > 1 else (False,), ("none", "selective", "full"), (False, True),
-                (False, True) if shape.varlen and dp * cp > 1 else (False,)):
+        experts = shape.experts
+        eps = [ep for ep in powers if (dp * cp) % ep == 0 and experts.experts % ep == 0] if experts else [1]
+        hdps = (False, True) if shape.varlen and dp * cp > 1 and experts is None else (False,)  # HDP refuses MoE
+        for vpp, zero1, recompute, offload, hdp, ep in itertools.product(
+                vpps, (False, True) if dp * cp > 1 else (False,), ("none", "selective", "full"), (False, True), hdps,
+                eps):
             if recompute == "selective" and (cp > 1 or hdp):  # the config's rules: rings are not replayed
                 continue
+            if experts is not None and experts.first_dense > shape.model.layers // (pp * vpp):
+                continue  # dense blocks past the first chunk: the shallow runs' extrapolation would not hold
             if hdp and vpp > 1:  # HDP gives pipelines different micro-batch counts (parallel/hdp/split.py)
                 continue
-            out.append(Layout(tp, pp, vpp, cp, dp, zero1, recompute, offload, hdp))
+            out.append(Layout(tp, pp, vpp, cp, dp, zero1, recompute, offload, hdp, ep))
     return out
 
 
-def stage_parameters(shape: Shape, layout: Layout) -> int:
-    """Parameters on a rank of the first (or last) stage: its layers sharded over tp, norms replicated, and the
-    embedding's (or output layer's) vocabulary rows over tp; both matrices on the one stage of pp = 1, untied."""
-    multiple = shape.vocab_multiple * layout.tp
-    padded_vocab = -(-shape.model.vocab // multiple) * multiple
+def stage_parameters(shape: Shape, layout: Layout) -> tuple[int, int]:
+    """Parameters on a rank of the first (or last) stage, the fuller of the two: its layers sharded over tp, norms
+    replicated, and the embedding's (or output layer's) vocabulary rows over tp; both matrices on the one stage of
+    pp = 1, untied. As (all of them, the routed experts' among them: an MoE layer's routed experts are whole on
+    every TP rank and split over ep; its router is replicated, its shared experts split over tp)."""
+    m, t, e = shape.model, layout.tp, shape.experts
+    multiple = shape.vocab_multiple * t
+    padded_vocab = -(-m.vocab // multiple) * multiple
     vocab_matrices = 2 if layout.pp == 1 and not shape.tied else 1
-    return shape.model.layers // layout.pp * (shape.model.layer_params // layout.tp + 2 * shape.model.hidden) + \
-        vocab_matrices * padded_vocab * shape.model.hidden // layout.tp
+    layers = m.layers // layout.pp
+    dense = m.layer_params // t + 2 * m.hidden
+    vocab = vocab_matrices * padded_vocab * m.hidden // t
+    if e is None:
+        return layers * dense + vocab, 0
+    attention = (m.layer_params - 3 * m.hidden * m.ffn) // t + 2 * m.hidden
+    routed = e.routed_params(m.hidden) // layout.ep
+    moe = attention + e.experts * m.hidden + 3 * m.hidden * e.shared_ffn // t + routed
+    stages = [(min(e.first_dense, layers), layers - min(e.first_dense, layers)), (0, layers)]  # first, last
+    return max((d * dense + n * moe + vocab, n * routed) for d, n in stages)
 
 
 def static_bytes_per_parameter(bf16: bool, zero1: bool, dp: int) -> float:
@@ -160,11 +205,14 @@ def _bubble(pp: int, micro_batches: int, vpp: int) -> float:
 
 def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
     """(peak bytes of the fullest rank with the estimator's reserve, tokens/s) of a layout, by the closed form."""
-    t, pp, cp, dp, m = layout.tp, layout.pp, layout.cp, layout.dp, shape.model
-    n = stage_parameters(shape, layout)
-    static = static_bytes_per_parameter(shape.bf16, layout.zero1, dp * cp) * n
+    t, pp, cp, dp, m, e = layout.tp, layout.pp, layout.cp, layout.dp, shape.model, shape.experts
+    n, routed = stage_parameters(shape, layout)
+    # the routed experts' gradients and ZeRO-1 states shard over their expert-data-parallel ranks, which span TP
+    # under sequence parallelism (on with tp > 1 here)
+    static = static_bytes_per_parameter(shape.bf16, layout.zero1, dp * cp) * (n - routed) + \
+        static_bytes_per_parameter(shape.bf16, layout.zero1, dp * cp // layout.ep * t) * routed
     tokens = shape.seq * shape.micro_batch / cp  # a micro-batch's tokens on this rank
-    layer = 34 * tokens * m.hidden / t * ACTIVATION_FACTOR[layout.recompute]
+    layer = 34 * tokens * m.hidden / t * ACTIVATION_FACTOR[layout.recompute] * moe_activation_ratio(shape)
     micro_batches = shape.global_batch // (dp * shape.micro_batch)
     in_flight = min(pp, micro_batches) * (1 + (pp - 1) / (pp * layout.vpp) if layout.vpp > 1 else 1)
     kept = 2 * tokens * m.hidden / t if layout.recompute == "full" else layer
@@ -175,32 +223,63 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
     peak = static + activations + (logits if pp == 1 else 0)
     peak = max(peak, static + logits)  # the last stage: logits, fewer micro-batches in flight
     reserve = reserve_bytes(int(peak), sum(size > 1 for size in (t, pp, cp, dp)))
-    flops = 6 * m.layers * m.layer_params * shape.global_batch * shape.seq / shape.world
+    active = m.layer_params if e is None else active_layer_params(shape)
+    flops = 6 * m.layers * active * shape.global_batch * shape.seq / shape.world
     flops *= 4 / 3 if layout.recompute == "full" else 1
     compute = flops / (GPUS[gpu].bf16_tflops * 1e12 * ROOFLINE_EFFICIENCY)
     per_micro_batch = m.layers // pp * tokens * m.hidden * 2
+    gradients = (4 + (2 if layout.zero1 else 0)) * (n - routed) if dp * cp > 1 else 0
     collective = {
         "tp": TP_TRANSFERS[layout.recompute] * per_micro_batch * micro_batches if t > 1 else 0,
         "cp": 3 * m.layers // pp * tokens * 2 * m.hidden * m.kv_heads // m.heads * 2 * (cp - 1)
         * micro_batches / t if cp > 1 else 0,
         "pp": 4 * tokens * m.hidden * 2 / t * micro_batches if pp > 1 else 0,
-        "dp": (4 + (2 if layout.zero1 else 0)) * n if dp * cp > 1 else 0}
+        "dp": gradients}
+    if e is not None:  # each MoE layer's two all-to-alls of k copies of the rank's tokens, forward and backward
+        moe_layers = m.layers // pp if pp > 1 else m.layers - e.first_dense  # the fuller of the first and last
+        replays = 3 if layout.recompute == "full" else 2
+        collective["ep"] = 2 * replays * moe_layers * e.top_k * tokens / t * m.hidden * 2 * (layout.ep - 1) \
+            / layout.ep * micro_batches
+        collective["expert_dp"] = (4 + (2 if layout.zero1 else 0)) * routed if dp * cp // layout.ep * t > 1 else 0
     step = compute * _bubble(pp, micro_batches, layout.vpp) + _comm_seconds(collective, LINKS[gpu],
-                                                                           inside_node(t, cp))
+                                                                           inside_node(t, cp, layout.ep))
     return int(peak + reserve), shape.global_batch * shape.seq / step
+
+
+def active_layer_params(shape: Shape) -> float:
+    """An MoE model's mean active parameters per layer: attention, and the dense MLP or the router with k routed
+    and the shared experts."""
+    m, e = shape.model, shape.experts
+    attention = m.layer_params - 3 * m.hidden * m.ffn
+    moe = m.layers - min(e.first_dense, m.layers)
+    return attention + (moe * e.active_mlp_params(m.hidden) + (m.layers - moe) * 3 * m.hidden * m.ffn) / m.layers
+
+
+def moe_activation_ratio(shape: Shape) -> float:
+    """An MoE layer's saved activations over a dense SwiGLU layer's, from Korthikanti et al.'s breakdown per token
+    (attention and norms 15·h bytes, the MLP's input, output and mask 3·h, its GEMM outputs and activation 6·ffn)
+    with the MoE MLP's k copies of each token's input and output (4·h each) and its experts' 6·ffn_expert: 1 for a
+    dense model."""
+    m, e = shape.model, shape.experts
+    if e is None:
+        return 1.0
+    dense = 18 * m.hidden + 6 * m.ffn
+    return (18 * m.hidden + e.top_k * (4 * m.hidden + 6 * e.ffn) + 6 * e.shared_ffn) / dense
 
 
 # ------------------------------------------------------------------------------------------ the estimator, shallow
 
 EXTRAPOLATED = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "comm_bytes", "host_bytes",
                 "flops", "compute_s", "optimizer_s")
-PER_STEP_DIMS = ("dp", "dp_cp", "embedding")  # collectives once a step: gradients, tied embeddings
+PER_STEP_DIMS = ("dp", "dp_cp", "embedding", "expert_dp")  # collectives once a step: gradients, tied embeddings
 
 
 def shallow_rank(base: list[str], layout: Layout, shape: Shape, stage: int, role: str, gpu: str) -> RankEstimate:
     """The estimator's rank of `stage`, run at one and two units of vpp layers per stage, extrapolated to the model's
     depth, with the micro-batches in flight that set the peak, scaled to the step's (see the module docstring)."""
-    unit = layout.vpp
+    # a unit of layers per stage holds an MoE model's leading dense blocks in its first chunk, so that every layer
+    # past the shallow run's is an MoE one
+    unit = layout.vpp * max(1, shape.experts.first_dense if shape.experts else 1)
     micro_batches = shape.global_batch // (layout.dp * shape.micro_batch)
     run_micro = micro_batches if layout.hdp else min(micro_batches, layout.pp * (2 if layout.vpp > 1 else 1))
     batch = [f"trainer.micro_batch_size={shape.micro_batch}",
@@ -222,15 +301,15 @@ def shallow_rank(base: list[str], layout: Layout, shape: Shape, stage: int, role
                    reserve_bytes=reserve, flops=values["flops"] * scale, optimizer_s=values["optimizer_s"],
                    compute_s=(values["compute_s"] - values["optimizer_s"]) * scale + values["optimizer_s"],
                    collective_bytes=collective, domain=None,
-                   comm_s=_comm_seconds(collective, LINKS[gpu], inside_node(layout.tp, layout.cp)))
+                   comm_s=_comm_seconds(collective, LINKS[gpu], inside_node(layout.tp, layout.cp, layout.ep)))
 
 
 # ------------------------------------------------------------------------------------------------------ the search
 
 STRIPPED = {"parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.dp", "parallel.pp_schedule",
             "parallel.sequence_parallel", "parallel.zero1", "parallel.recompute", "parallel.hdp",
-            "parallel.layers_per_stage", "offload.enabled", "trainer.micro_batch_size", "trainer.global_batch_size",
-            "model.num_layers"}  # set per layout by the search; the command's other keys are kept
+            "parallel.layers_per_stage", "parallel.ep", "offload.enabled", "trainer.micro_batch_size",
+            "trainer.global_batch_size", "model.num_layers"}  # set per layout by the search; the others are kept
 
 
 def search_shape(overrides: list[str], world: int) -> tuple[Shape, list[str], list[str]]:
@@ -241,9 +320,15 @@ def search_shape(overrides: list[str], world: int) -> tuple[Shape, list[str], li
 
     cfg = compose_config(overrides)
     m, t = resolve_model_defaults(cfg.model), cfg.trainer
+    experts = None
     if m.moe.num_experts:
-        raise ConfigError("--search's closed form does not model mixture-of-experts layers yet; estimate an MoE "
-                          "layout by name (without --search)")
+        moe = m.moe
+        if moe.every_n_layers > 1:
+            raise ConfigError(f"--search prices MoE models whose blocks from model.moe.first_k_dense on all have "
+                              f"experts; model.moe.every_n_layers={moe.every_n_layers}: estimate a layout by name "
+                              "(without --search)")
+        experts = Experts(moe.num_experts, moe.top_k, moe.expert_ffn_hidden_size,
+                          moe.shared_ffn_hidden_size if moe.num_shared_experts else 0, moe.first_k_dense)
     keys = {o.split("=", 1)[0].lstrip("+") for o in overrides}
     notes = [] if "trainer.global_batch_size" in keys else [SEARCH_NOTE]
     micro = t.micro_batch_size if "trainer.micro_batch_size" in keys else 1
@@ -252,7 +337,7 @@ def search_shape(overrides: list[str], world: int) -> tuple[Shape, list[str], li
     shape = Shape(model, m.seq_length, micro,
                   t.global_batch_size if "trainer.global_batch_size" in keys else world, world,
                   str(cfg.precision.name) != "fp32", bool(cfg.data.varlen), float(cfg.offload.fraction),
-                  int(m.make_vocab_size_divisible_by), bool(m.tie_embeddings))
+                  int(m.make_vocab_size_divisible_by), bool(m.tie_embeddings), experts)
     base = [o for o in overrides if o.split("=", 1)[0].lstrip("+") not in STRIPPED]
     return shape, base, notes
 

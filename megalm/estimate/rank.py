@@ -162,8 +162,8 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
     summary = costs.summary()
     return RankEstimate(role, rank, peak + reserve, params, grads, static - params - grads - comm, peak - static,
                         comm, live.peak("host"), reserve, summary["tflop"] * 1e12, summary["roofline_ms"] / 1e3,
-                        _comm_seconds(comms.bytes, LINKS[gpu], inside_node(p.tp, p.cp)), dict(comms.bytes), tokens,
-                        summary["by_category"].get("optimizer", {}).get("ms", 0.0) / 1e3, domain)
+                        _comm_seconds(comms.bytes, LINKS[gpu], inside_node(p.tp, p.cp, p.ep)), dict(comms.bytes),
+                        tokens, summary["by_category"].get("optimizer", {}).get("ms", 0.0) / 1e3, domain)
 
 
 def reserve_bytes(peak: int, communicators: int) -> int:
@@ -222,17 +222,18 @@ def _grad_buffers(trainer: Any) -> list[torch.Tensor]:
 def _group_names(trainer: Any) -> dict[str, str]:
     """{process group name: its mesh dimension} of this rank's groups."""
     mesh, names = trainer.parallel.mesh, {}
-    for dim in ("dp_cp", "tp", "cp", "dp", "pp", "embedding"):  # dp_cp is dp's own group when cp = 1
+    for dim in ("dp_cp", "tp", "cp", "dp", "pp", "embedding", "ep", "expert_dp"):  # dp_cp: dp's own when cp = 1
         group = getattr(mesh, f"{dim}_group", None)
         if group is not None:
             names[group.group_name] = dim
     return names
 
 
-def inside_node(tp: int, cp: int) -> set[str]:
+def inside_node(tp: int, cp: int, ep: int = 1) -> set[str]:
     """The mesh dimensions whose groups lie inside one node of GPUS_PER_NODE GPUs (ranks are ordered tp fastest,
-    then cp): tp when tp <= 8, cp when tp x cp <= 8. Their collectives run over NVLink, the others over the NICs."""
-    return {dim for dim, span in (("tp", tp), ("cp", tp * cp)) if span <= GPUS_PER_NODE}
+    then cp): tp when tp <= 8, cp when tp x cp <= 8, ep (consecutive dp x cp ranks) when tp x ep <= 8. Their
+    collectives run over NVLink, the others over the NICs."""
+    return {dim for dim, span in (("tp", tp), ("cp", tp * cp), ("ep", tp * ep)) if span <= GPUS_PER_NODE}
 
 
 def _comm_seconds(nbytes: dict[str, int], links: Links, inside: set[str]) -> float:

@@ -117,7 +117,7 @@ def test_hdp_measures_the_largest_ring_and_its_loads_are_the_simulators():
 @pytest.mark.parametrize("argv, message", [
     (["parallel.tp=2", "--world", "3"], "--world 3 is not a multiple of tp x pp x cp = 2"),
     (["--world", "2", "--gpu", "v100"], "--gpu v100: unknown GPU"),
-    (["model=moe_tiny", "--world", "2", "--search"], "does not model mixture-of-experts layers yet"),
+    (["model=moe_tiny", "model.moe.every_n_layers=2", "--world", "2", "--search"], "model.moe.every_n_layers=2"),
 ])
 def test_bad_input_is_one_line(argv, message, capsys):
     assert estimate.main([*SMALL, *argv]) == 2

@@ -10,24 +10,34 @@ import json
 import pytest
 
 from megalm import estimate
+from megalm.config.checks import resolve_model_defaults
+from megalm.config.compose import compose_config
 from megalm.estimate import layout_search
 from megalm.estimate.layout_search import Layout
+from megalm.training.flops import matmul_params
 from tests.conftest import TINY
 
 SMALL = [o for o in TINY if "batch_size" not in o] + ["model.num_layers=8", "precision=bf16", "trainer.device=cpu"]
 
 
-@pytest.mark.parametrize("layout", [
-    Layout(tp=2, pp=2, vpp=1, cp=1, dp=2, zero1=False, recompute="none", offload=False, hdp=False),
-    Layout(tp=1, pp=2, vpp=2, cp=1, dp=2, zero1=True, recompute="full", offload=False, hdp=False),
-    Layout(tp=1, pp=1, vpp=1, cp=2, dp=4, zero1=False, recompute="full", offload=True, hdp=False),
-], ids=["tp2_pp2", "pp2_vpp2_zero1_full", "cp2_offload_full"])
-def test_the_shallow_runs_extrapolate_to_the_full_depth_run(layout):
+# an MoE model whose first block is dense (DeepSeek's first_k_dense): the shallow runs keep it in the first chunk
+MOE = ["model=moe_tiny", "model.num_layers=8", "model.moe.first_k_dense=1", "model.moe.num_shared_experts=1",
+       "model.moe.shared_ffn_hidden_size=128", "precision=bf16", "trainer.device=cpu"]
+
+
+@pytest.mark.parametrize("layout, model", [
+    (Layout(tp=2, pp=2, vpp=1, cp=1, dp=2, zero1=False, recompute="none", offload=False, hdp=False), SMALL),
+    (Layout(tp=1, pp=2, vpp=2, cp=1, dp=2, zero1=True, recompute="full", offload=False, hdp=False), SMALL),
+    (Layout(tp=1, pp=1, vpp=1, cp=2, dp=4, zero1=False, recompute="full", offload=True, hdp=False), SMALL),
+    pytest.param(Layout(tp=2, pp=2, vpp=1, cp=1, dp=2, zero1=True, recompute="none", offload=False, hdp=False,
+                        ep=2), MOE, marks=pytest.mark.slow),  # about 80 s
+], ids=["tp2_pp2", "pp2_vpp2_zero1_full", "cp2_offload_full", "moe_ep2_tp2_pp2_zero1"])
+def test_the_shallow_runs_extrapolate_to_the_full_depth_run(layout, model):
     """Runs of one and two layers (per stage and chunk) and the stage's micro-batches in flight, extrapolated to 8
     layers and 4·pp micro-batches, against the estimator run at 8 layers and 4·pp micro-batches."""
     world = layout.tp * layout.pp * layout.cp * layout.dp
     micro_batches = 4 * layout.pp
-    overrides = [*SMALL, *layout.overrides(), "trainer.micro_batch_size=1",
+    overrides = [*model, *layout.overrides(), "trainer.micro_batch_size=1",
                  f"trainer.global_batch_size={micro_batches * layout.dp}",
                  "model.seq_length=256", "data.synthetic.num_docs=40",
                  "data.synthetic.mean_doc_length=40000"]  # few document boundaries
@@ -45,10 +55,13 @@ def test_the_shallow_runs_extrapolate_to_the_full_depth_run(layout):
             assert getattr(shallow, key) == pytest.approx(getattr(full, key), rel=0.05), (role, key)
         assert shallow.collective_bytes == pytest.approx(full.collective_bytes, rel=1e-6, abs=1), role
         # compute scales with the micro-batches but for the optimizer step, which runs once; the step's other
-        # once-a-step ops (grad norm, bucket zeroing) are scaled too: a few % of this tiny model's step at 256 tokens
-        # a micro-batch (15% at 32), well under 0.1% at 70B and 8K
-        assert shallow.compute_s == pytest.approx(full.compute_s, rel=0.05), role
-        assert shallow.optimizer_s == pytest.approx(full.optimizer_s, rel=1e-6), role
+        # once-a-step ops (grad norm, bucket zeroing; an MoE model's load counts too) are scaled too: a few % of this
+        # tiny model's step at 256 tokens a micro-batch (15% at 32; 8% for the MoE one), well under 0.1% at 70B
+        # and 8K
+        rel = 0.1 if model is MOE else 0.05
+        assert shallow.compute_s == pytest.approx(full.compute_s, rel=rel), role
+        # (an MoE model's expert buckets pad to their group's size at each depth: a few parts in a million)
+        assert shallow.optimizer_s == pytest.approx(full.optimizer_s, rel=1e-5 if model is MOE else 1e-6), role
 
 
 @pytest.mark.slow  # about 45 s: two searches (fake-tensor runs of each confirmed layout) and a full estimate
@@ -86,7 +99,32 @@ def test_the_closed_form_static_bytes_are_the_estimators():
     overrides = [*SMALL, *layout.overrides(), "trainer.micro_batch_size=1", "trainer.global_batch_size=8"]
     shape, _, _ = layout_search.search_shape(overrides, 8)
     rank = estimate.estimate_rank(overrides, 8, 0, "first stage", "h100")
-    n = layout_search.stage_parameters(shape, layout)
-    assert rank.param_bytes == 2 * n
+    n, routed = layout_search.stage_parameters(shape, layout)
+    assert rank.param_bytes == 2 * n and routed == 0
     static = rank.param_bytes + rank.grad_bytes + rank.optimizer_bytes + rank.comm_bytes
     assert static == pytest.approx(layout_search.static_bytes_per_parameter(True, True, 2) * n, abs=256)
+
+
+@pytest.mark.slow  # about 25 s: a fake-tensor step of a 16-rank layout
+def test_the_closed_form_prices_an_moe_model_by_its_experts():
+    """MoE: the parameters of the fuller stage (the last: no dense block), the routed experts among them split over
+    ep, against a run; ZeRO-1 shards the experts' states over the expert-data-parallel ranks (dp / ep, times tp
+    under sequence parallelism) and every other parameter's over dp; the FLOPs count active parameters only; every
+    ep dividing dp and the experts is priced."""
+    layout = Layout(tp=2, pp=2, vpp=1, cp=1, dp=4, zero1=True, recompute="none", offload=False, hdp=False, ep=2)
+    overrides = [*MOE, *layout.overrides(), "trainer.micro_batch_size=1", "trainer.global_batch_size=8"]
+    shape, _, _ = layout_search.search_shape(overrides, 16)
+    rank = estimate.estimate_rank(overrides, 16, 1, "last stage", "h100")
+    n, routed = layout_search.stage_parameters(shape, layout)
+    assert rank.param_bytes == 2 * (n + 256)  # and the final norm, which the closed form leaves out
+    assert routed == 4 * 8 // 2 * 3 * 256 * 128  # 4 layers of 8 experts over ep 2
+    static = rank.param_bytes + rank.grad_bytes + rank.optimizer_bytes + rank.comm_bytes
+    closed = layout_search.static_bytes_per_parameter(True, True, 4) * (n + 256 - routed) + \
+        layout_search.static_bytes_per_parameter(True, True, 4 // 2 * 2) * routed
+    assert static == pytest.approx(closed, abs=1024)
+    peak, _ = layout_search.closed_form(shape, layout, "h100")
+    assert peak > static
+    assert {lay.ep for lay in layout_search.layouts(shape) if lay.dp == 4 and lay.cp == 1} == {1, 2, 4}
+    model = resolve_model_defaults(compose_config(overrides).model)
+    head = model.hidden_size * model.padded_vocab_size
+    assert layout_search.active_layer_params(shape) * model.num_layers == matmul_params(model) - head
