@@ -96,8 +96,20 @@ def run_distributed(
     """Call `fn(rank, world_size, *args)` on `world_size` processes in one process group.
 
     Raises WorkerError (tracebacks of the failed workers, earliest first), torch's
-    ProcessExitedException (a worker died without an exception), or TimeoutError after `timeout` s.
+    ProcessExitedException (a worker died without an exception), or TimeoutError after `timeout` s. A rendezvous
+    port another process took between `free_port` and rank 0's listen (EADDRINUSE, before `fn` runs) is retried on
+    a new port, twice at most.
     """
+    for attempt in range(3):
+        try:
+            return _run_once(fn, world_size, args, backend, timeout)
+        except WorkerError as error:  # free_port's race: another process took the port before rank 0 listened
+            if "EADDRINUSE" not in str(error) or attempt == 2:
+                raise
+    return None
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: str, timeout: float) -> None:
     name = getattr(fn, "__name__", repr(fn))
     with tempfile.TemporaryDirectory(prefix="run_distributed_") as error_dir:
         context = mp.start_processes(

@@ -63,8 +63,9 @@ LAYOUTS = {  # name: (ranks, the model and data of both runs, the layout)
     "pp2_offload": (2, DROPLESS, ["parallel.pp=2", "offload.enabled=true", "offload.min_tensor_bytes=0"]),
     "dp2_zero1_recompute": (2, DROPLESS, ["parallel.dp=2", "parallel.zero1=true", "parallel.recompute=full"]),
     "ep2": (2, DROPLESS, ["parallel.ep=2"]),
-    "ep2_fsdp4": (4, DROPLESS + BATCH16, ["parallel.ep=2", "parallel.fsdp=true"]),  # experts: a unit over expert-DP
-    "tp2_sp_fsdp2": (4, CAPACITY + SHARED, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.fsdp=true"]),
+    # FSDP: the experts a unit over their expert-data-parallel ranks (here the TP pair, under SP), the rest over dp
+    "ep2_tp2_sp_fsdp": (4, CAPACITY + SHARED, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                               "parallel.fsdp=true"]),
     "ep4": (4, DROPLESS + BATCH16, ["parallel.ep=4"]),
     "ep2_dp4_capacity": (4, CAPACITY + BATCH16, ["parallel.ep=2"]),
     "ep2_zero1": (2, DROPLESS, ["parallel.ep=2", "parallel.zero1=true"]),
