@@ -65,7 +65,7 @@ def test_static_bytes_are_the_closed_form(precision, zero1, world):
 def test_every_pipeline_role_and_the_step_time():
     """pp4: the first, a middle and the last stage, at their global ranks; the first keeps the most activations
     (1F1B: pp micro-batches in flight), the last has the output head's FLOPs; MFU and tokens/s from the step time."""
-    overrides = [*SMALL, "model.num_layers=8", "parallel.pp=4", "precision=bf16", "trainer.device=cpu"]
+    overrides = [*SMALL, "model.num_layers=4", "parallel.pp=4", "precision=bf16", "trainer.device=cpu"]
     result = estimate.estimate(estimate.batch_overrides(overrides, 8), 8, "h100")
     ranks = result["ranks"]
     assert [(r["role"], r["rank"]) for r in ranks] == [("first stage", 0), ("middle stage", 4), ("last stage", 6)]

@@ -27,7 +27,8 @@ MOE = ["model=moe_tiny", "model.num_layers=8", "model.moe.first_k_dense=1", "mod
 
 @pytest.mark.parametrize("layout, model", [
     (Layout(tp=2, pp=2, vpp=1, cp=1, dp=2, zero1=False, recompute="none", offload=False, hdp=False), SMALL),
-    (Layout(tp=1, pp=2, vpp=2, cp=1, dp=2, zero1=True, recompute="full", offload=False, hdp=False), SMALL),
+    pytest.param(Layout(tp=1, pp=2, vpp=2, cp=1, dp=2, zero1=True, recompute="full", offload=False, hdp=False),
+                 SMALL, marks=pytest.mark.slow),  # about 35 s
     (Layout(tp=1, pp=1, vpp=1, cp=2, dp=4, zero1=False, recompute="full", offload=True, hdp=False), SMALL),
     pytest.param(Layout(tp=2, pp=2, vpp=1, cp=1, dp=2, zero1=True, recompute="none", offload=False, hdp=False,
                         ep=2), MOE, marks=pytest.mark.slow),  # about 80 s
