@@ -23,8 +23,8 @@ Two passes, because one fake-tensor step of a 70B rank takes a minute and a clus
    drop out; the confirmed ones are ranked by the estimator's tokens/s.
 
 MoE models (`model.moe`): expert parallelism is searched too (every ep dividing dp·cp and the experts). The closed
-form counts the routed experts whole on a TP rank and split over ep, their gradients and ZeRO-1 states sharded over
-the expert-data-parallel ranks (times tp: sequence parallelism is on), the FLOPs of the active parameters, the
+form counts the routed experts whole on a TP rank and split over ep, ZeRO-1's shards of their gradients and states
+over the expert-data-parallel ranks (times tp: sequence parallelism is on), the FLOPs of the active parameters, the
 activations of k copies of each token through the experts (`moe_activation_ratio`), and each MoE layer's two
 all-to-alls forward and backward. The shallow runs keep the leading dense blocks (`first_k_dense`) in the first
 chunk, so every layer past them is an MoE one; `every_n_layers` > 1 is refused.
@@ -185,7 +185,8 @@ def stage_parameters(shape: Shape, layout: Layout) -> tuple[int, int]:
     attention = (m.layer_params - 3 * m.hidden * m.ffn) // t + 2 * m.hidden
     routed = e.routed_params(m.hidden) // layout.ep
     moe = attention + e.experts * m.hidden + 3 * m.hidden * e.shared_ffn // t + routed
-    stages = [(min(e.first_dense, layers), layers - min(e.first_dense, layers)), (0, layers)]  # first, last
+    first = min(e.first_dense, layers)
+    stages = [(first, layers - first)] + ([(0, layers)] if layout.pp > 1 else [])  # first, last
     return max((d * dense + n * moe + vocab, n * routed) for d, n in stages)
 
 
@@ -277,9 +278,10 @@ PER_STEP_DIMS = ("dp", "dp_cp", "embedding", "expert_dp")  # collectives once a 
 def shallow_rank(base: list[str], layout: Layout, shape: Shape, stage: int, role: str, gpu: str) -> RankEstimate:
     """The estimator's rank of `stage`, run at one and two units of vpp layers per stage, extrapolated to the model's
     depth, with the micro-batches in flight that set the peak, scaled to the step's (see the module docstring)."""
-    # a unit of layers per stage holds an MoE model's leading dense blocks in its first chunk, so that every layer
-    # past the shallow run's is an MoE one
-    unit = layout.vpp * max(1, shape.experts.first_dense if shape.experts else 1)
+    # a unit of layers per stage holds an MoE model's leading dense blocks and one MoE block in its first chunk, so
+    # that every layer past the shallow run's is an MoE one (and the shallow model has experts)
+    dense = shape.experts.first_dense if shape.experts else 0
+    unit = layout.vpp * (dense + 1 if dense else 1)
     micro_batches = shape.global_batch // (layout.dp * shape.micro_batch)
     run_micro = micro_batches if layout.hdp else min(micro_batches, layout.pp * (2 if layout.vpp > 1 else 1))
     batch = [f"trainer.micro_batch_size={shape.micro_batch}",

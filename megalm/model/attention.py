@@ -186,6 +186,9 @@ class AttentionContext(Protocol):
     A micro-batch may carry one (context parallelism, HDP rings: megalm/parallel/context/attention.py);
     every attention layer then calls `attend` instead of `varlen_attention`. The context holds the ring's
     ranks and the shard layout, so the model stays free of collectives and nothing is looked up globally.
+    A context may also carry `moe_tokens`, how an MoE router sees the rank's tokens (megalm/model/moe.py's
+    `TokenShard`): a zigzag shard, or a padded micro-batch whose context attends locally
+    (megalm/parallel/microbatch.py's `PaddedContext`).
     """
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, dropout_p: float = 0.0,

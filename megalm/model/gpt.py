@@ -73,7 +73,7 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         x = x + self.dropout(self.attention(self.attention_norm(x), cu_seqlens, max_seqlen, rope, context))
         h = self.mlp_norm(x)
-        if isinstance(self.mlp, MoE):  # a context that shards the micro-batch says how (`moe_tokens`: CP)
+        if isinstance(self.mlp, MoE):  # a context may say how the routers see the tokens (`moe_tokens`: CP, padding)
             return x + self.dropout(self.mlp(h, cu_seqlens, getattr(context, "moe_tokens", None)))
         return x + self.dropout(self.mlp(h))
 

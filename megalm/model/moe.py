@@ -388,7 +388,9 @@ class MoE(nn.Module):
         out = (y.view(-1, self.top_k, shape[-1]).float() * routing.weights.unsqueeze(-1)).sum(1).to(y.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside the backward: count once
+        # a training forward, not a recomputation inside the backward (count once) nor an evaluation (whose loads
+        # would reach the next step's logs and bias update)
+        if self.training and torch._C._current_graph_task_id() == -1:
             self._record(routing)
         return AuxLossScaler.apply(out, routing.aux).reshape(*shape[:-1], out.shape[-1])
 

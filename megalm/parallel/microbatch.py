@@ -38,7 +38,7 @@ class LocalMicroBatch:
     index: int  # global index of the micro-batch in its step: seeds random rounding, the same on every layout
     ring: Ring | None = None  # None: the documents are whole on this rank; else `batch` is its zigzag shard
     counted_doc_lengths: list[int] = field(default_factory=list)  # documents this rank counts in tokens/FLOPs
-    attention: AttentionContext | None = None  # set when prepared: how attention runs over `ring`
+    attention: AttentionContext | None = None  # set when prepared: how attention runs over `ring` (or PaddedContext)
     offload_fraction: float = 0.0  # share of its activations it must offload (HDP selective offload)
     real_tokens: torch.Tensor | None = None  # a zigzag shard's tokens that are not padding (bool [T]); None: all
 

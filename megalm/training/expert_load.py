@@ -4,7 +4,8 @@ step with the loss (no sync of their own), and the aux-loss-free bias update the
 Each MoE block accumulates over its micro-batches the assignments each expert kept, the dropped ones and the
 unweighted token-sums of the three balancing losses (megalm/model/moe.py). `take` lays them out as one row per MoE
 layer of the whole model (zeros for the layers another pipeline stage holds), so that the step's sum over the batch
-(DP x CP, then the pipeline stages) gives every rank the whole batch's counts of every layer. From them:
+(over TP first under sequence parallelism, where each TP rank routed its own tokens; then DP x CP, then the pipeline
+stages) gives every rank the whole batch's counts of every layer. From them:
 
 - `update_bias` moves each expert's selection bias toward uniform load, b_e += rate · sign(mean_e load - load_e)
   (DeepSeek-V3 §2.1.2), on every rank alike, after an optimizer step that was not skipped;

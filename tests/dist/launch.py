@@ -44,6 +44,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+PORT_TAKEN = "rendezvous port taken before rank 0 listened"  # marks the only failure run_distributed retries
+
+
 class WorkerError(RuntimeError):
     """One or more workers raised; the message holds their tracebacks, earliest failure first."""
 
@@ -54,8 +57,13 @@ def _worker(
 ) -> None:
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+        try:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout))
+        except dist.DistNetworkError as error:
+            if "EADDRINUSE" in str(error):
+                raise RuntimeError(f"{PORT_TAKEN}: {error}") from error
+            raise
         fn(rank, world_size, *args)
     except BaseException:
         # Recorded before the group is torn down: peers only fail (connection closed) after that.
@@ -104,7 +112,7 @@ def run_distributed(
         try:
             return _run_once(fn, world_size, args, backend, timeout)
         except WorkerError as error:  # free_port's race: another process took the port before rank 0 listened
-            if "EADDRINUSE" not in str(error) or attempt == 2:
+            if PORT_TAKEN not in str(error) or attempt == 2:
                 raise
     return None
 

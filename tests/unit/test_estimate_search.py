@@ -32,7 +32,9 @@ MOE = ["model=moe_tiny", "model.num_layers=8", "model.moe.first_k_dense=1", "mod
     (Layout(tp=1, pp=1, vpp=1, cp=2, dp=4, zero1=False, recompute="full", offload=True, hdp=False), SMALL),
     pytest.param(Layout(tp=2, pp=2, vpp=1, cp=1, dp=2, zero1=True, recompute="none", offload=False, hdp=False,
                         ep=2), MOE, marks=pytest.mark.slow),  # about 80 s
-], ids=["tp2_pp2", "pp2_vpp2_zero1_full", "cp2_offload_full", "moe_ep2_tp2_pp2_zero1"])
+    pytest.param(Layout(tp=1, pp=1, vpp=1, cp=1, dp=2, zero1=False, recompute="none", offload=False, hdp=False,
+                        ep=2), MOE, marks=pytest.mark.slow),  # one stage: the dense block and an MoE one, shallow
+], ids=["tp2_pp2", "pp2_vpp2_zero1_full", "cp2_offload_full", "moe_ep2_tp2_pp2_zero1", "moe_ep2_pp1"])
 def test_the_shallow_runs_extrapolate_to_the_full_depth_run(layout, model):
     """Runs of one and two layers (per stage and chunk) and the stage's micro-batches in flight, extrapolated to 8
     layers and 4·pp micro-batches, against the estimator run at 8 layers and 4·pp micro-batches."""

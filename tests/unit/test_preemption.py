@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-import weakref
 from pathlib import Path
 
 import pytest
@@ -108,6 +107,9 @@ def test_a_signal_while_the_run_starts_up_stops_it_after_its_first_step(tmp_path
     its previous handler back."""
     import gc
 
+    # a trainer an earlier test left in a reference cycle gives its own previous handler back when the collector
+    # finds it: collect those first, or one collected below would change the handler this test compares against
+    gc.collect()
     before = signal.getsignal(signal.SIGUSR1)
     trainer = Trainer(compose_config(f"trainer.max_steps={STEPS}"), tmp_path)
     assert signal.getsignal(signal.SIGUSR1) is not before
@@ -117,13 +119,6 @@ def test_a_signal_while_the_run_starts_up_stops_it_after_its_first_step(tmp_path
     assert signal.getsignal(signal.SIGUSR1) == before
     unused = Trainer(compose_config(f"trainer.max_steps={STEPS}"), tmp_path / "unused")
     assert signal.getsignal(signal.SIGUSR1) is not before
-    preemption = weakref.ref(unused.preemption)
     del unused
-    for _ in range(50):  # under a loaded suite a thread of the run may hold a frame a little longer
-        gc.collect()
-        if preemption() is None:
-            break
-        time.sleep(0.1)
-    held = preemption()
-    assert held is None, [type(r).__name__ for r in gc.get_referrers(held)]
+    gc.collect()
     assert signal.getsignal(signal.SIGUSR1) == before

@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = compose_config(overrides)
             tp, pp = cfg.parallel.tp, cfg.parallel.pp
             shape = layout_search.search_shape(overrides, world)[0]
-            n = layout_search.stage_parameters(shape, Layout(tp, pp, 1, 1, world // (tp * pp), False, "none", False,
-                                                             False))
+            n, _ = layout_search.stage_parameters(shape, Layout(tp, pp, 1, 1, world // (tp * pp), False, "none",
+                                                                False, False))
             rank = estimate.estimate([*overrides, "trainer.device=cpu", "logging.tensorboard=false"], world,
                                      "h100")["ranks"][0]
             s, h = cfg.model.seq_length, cfg.model.hidden_size

@@ -5,8 +5,9 @@ each dp x cp domain (`ParallelDims.expert_groups`); rank i of an EP group holds 
 every MoE layer, declared by a `ShardSpec` over the "ep" group on both expert weights, so `init_weights` draws the
 single-process experts and keeps its slice, and checkpoints write each slice once (a DTensor shard on the EP mesh)
 and reshard on load to any ep. The layer's dispatcher becomes an all-to-all. Gradients of the expert weights are
-summed over the expert-data-parallel group (the ranks holding the same experts: dp x cp / ep of them), every other
-gradient over dp x cp as without experts (megalm/parallel/data_parallel/reducer.py's per-bucket groups).
+summed over the expert-data-parallel group (the ranks holding the same experts: dp x cp / ep of them, and under
+sequence parallelism their TP peers too), every other gradient over dp x cp as without experts
+(megalm/parallel/data_parallel/reducer.py's per-bucket groups; under FSDP the experts are a unit over that group).
 
 What composes today, each proven against one process on gloo: data parallelism (ZeRO-1 too), expert parallelism
 over it, tensor parallelism (the routed experts whole on every TP rank, the shared ones split as an MLP; under
@@ -14,9 +15,9 @@ sequence parallelism each TP rank routes its own tokens: megalm/parallel/tensor/
 parallelism (the routers see the whole micro-batch: megalm/parallel/context/tokens.py), pipeline stages (the
 balancing losses of a stage that is not the last reach the gradient through the layer's scaler; the load counts
 are summed over the stages with the loss), recomputation and activation offload. HDP is refused (its ranks run
-different numbers of micro-batches; every EP rank must join each all-to-all), and so is FSDP, each in one line,
-until it is built and proven. Under a zero-bubble schedule the experts' grouped GEMMs defer their weight gradients
-to the W action as every linear does (megalm/parallel/pipeline/weight_grad.py). The FP8/MX recipes leave the
+different numbers of micro-batches; every EP rank must join each all-to-all), and so is HSDP with ep > 1 or
+sequence parallelism, each in one line. Under a zero-bubble schedule the experts' grouped GEMMs defer their weight
+gradients to the W action as every linear does (megalm/parallel/pipeline/weight_grad.py). The FP8/MX recipes leave the
 experts' grouped GEMMs in bf16 (megalm/parallel/parallelism.py logs it).
 """
 

@@ -126,8 +126,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, 
     for unit in units:  # a plain SUM (no pre/post division, no PREMUL_SUM, which gloo lacks)
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
-    log.info("FSDP: %d units (one per block, one root per chunk) sharded over %s ranks%s; gathered in %s, gradients "
-             "reduce-scattered in %s; %s after forward%s", len(units), "x".join(map(str, mesh.shape)),
+    experts = "" if expert_mesh is None else f", MoE experts' own over {expert_mesh.size()} expert-data-parallel ranks"
+    log.info("FSDP: %d units (one per block, one root per chunk%s) sharded over %s ranks%s; gathered in %s, "
+             "gradients reduce-scattered in %s; %s after forward%s", len(units), experts,
+             "x".join(map(str, mesh.shape)),
              " (HSDP: replicate x shard)" if mesh.ndim == 2 else "", _name(param_dtype or torch.float32),
              _name(policy.reduce_dtype), "resharded" if reshard_after_forward else "kept gathered",
              "; parameters offloaded to the host between uses" if cpu_offload else "")

@@ -27,10 +27,21 @@ class SequenceChunkTokens:
 
     def __init__(self, inner: TokenShard, chunk: slice, group: Group, progress: Progress | None = None) -> None:
         self.inner, self.chunk, self.group, self.progress = inner, chunk, group, progress
-        self.whole_tokens, self.num_docs, self.whole_docs = inner.whole_tokens, inner.num_docs, inner.whole_docs
+        self.whole_tokens, self.num_docs = inner.whole_tokens, inner.num_docs
         self.real = None if inner.real is None else inner.real[chunk]
-        self.local_index = inner.local_index[chunk]
-        self.local_docs = inner.local_docs[chunk]
+
+    # built when the router reads them (a capacity or a balancing loss that counts routed tokens), not per layer
+    @functools.cached_property
+    def local_index(self) -> torch.Tensor:
+        return self.inner.local_index[self.chunk]
+
+    @functools.cached_property
+    def local_docs(self) -> torch.Tensor:
+        return self.inner.local_docs[self.chunk]
+
+    @property
+    def whole_docs(self) -> torch.Tensor:
+        return self.inner.whole_docs
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every TP rank's rows of `t` [T/tp, ...] in order ([T, ...], the inner view's local rows), then the inner
