@@ -182,7 +182,7 @@ def stage_parameters(shape: Shape, layout: Layout) -> tuple[int, int]:
     vocab = vocab_matrices * padded_vocab * m.hidden // t
     if e is None:
         return layers * dense + vocab, 0
-    attention = (m.layer_params - 3 * m.hidden * m.ffn) // t + 2 * m.hidden
+    attention = m.attention_params // t + 2 * m.hidden
     routed = e.routed_params(m.hidden) // layout.ep
     moe = attention + e.experts * m.hidden + 3 * m.hidden * e.shared_ffn // t + routed
     first = min(e.first_dense, layers)
@@ -229,19 +229,19 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
     flops *= 4 / 3 if layout.recompute == "full" else 1
     compute = flops / (GPUS[gpu].bf16_tflops * 1e12 * ROOFLINE_EFFICIENCY)
     per_micro_batch = m.layers // pp * tokens * m.hidden * 2
-    gradients = (4 + (2 if layout.zero1 else 0)) * (n - routed) if dp * cp > 1 else 0
+    per_parameter = 4 + (2 if layout.zero1 else 0)  # link bytes: the gradient's reduction (and ZeRO-1's gather)
     collective = {
         "tp": TP_TRANSFERS[layout.recompute] * per_micro_batch * micro_batches if t > 1 else 0,
         "cp": 3 * m.layers // pp * tokens * 2 * m.hidden * m.kv_heads // m.heads * 2 * (cp - 1)
         * micro_batches / t if cp > 1 else 0,
         "pp": 4 * tokens * m.hidden * 2 / t * micro_batches if pp > 1 else 0,
-        "dp": gradients}
+        "dp": per_parameter * (n - routed) if dp * cp > 1 else 0}
     if e is not None:  # each MoE layer's two all-to-alls of k copies of the rank's tokens, forward and backward
         moe_layers = m.layers // pp if pp > 1 else m.layers - e.first_dense  # the fuller of the first and last
         replays = 3 if layout.recompute == "full" else 2
         collective["ep"] = 2 * replays * moe_layers * e.top_k * tokens / t * m.hidden * 2 * (layout.ep - 1) \
             / layout.ep * micro_batches
-        collective["expert_dp"] = (4 + (2 if layout.zero1 else 0)) * routed if dp * cp // layout.ep * t > 1 else 0
+        collective["expert_dp"] = per_parameter * routed if dp * cp // layout.ep * t > 1 else 0
     step = compute * _bubble(pp, micro_batches, layout.vpp) + _comm_seconds(collective, LINKS[gpu],
                                                                            inside_node(t, cp, layout.ep))
     return int(peak + reserve), shape.global_batch * shape.seq / step
@@ -251,9 +251,9 @@ def active_layer_params(shape: Shape) -> float:
     """An MoE model's mean active parameters per layer: attention, and the dense MLP or the router with k routed
     and the shared experts."""
     m, e = shape.model, shape.experts
-    attention = m.layer_params - 3 * m.hidden * m.ffn
     moe = m.layers - min(e.first_dense, m.layers)
-    return attention + (moe * e.active_mlp_params(m.hidden) + (m.layers - moe) * 3 * m.hidden * m.ffn) / m.layers
+    dense_mlp = 3 * m.hidden * m.ffn
+    return m.attention_params + (moe * e.active_mlp_params(m.hidden) + (m.layers - moe) * dense_mlp) / m.layers
 
 
 def moe_activation_ratio(shape: Shape) -> float:
@@ -281,7 +281,7 @@ def shallow_rank(base: list[str], layout: Layout, shape: Shape, stage: int, role
     # a unit of layers per stage holds an MoE model's leading dense blocks and one MoE block in its first chunk, so
     # that every layer past the shallow run's is an MoE one (and the shallow model has experts)
     dense = shape.experts.first_dense if shape.experts else 0
-    unit = layout.vpp * (dense + 1 if dense else 1)
+    unit = layout.vpp * (dense + 1)
     micro_batches = shape.global_batch // (layout.dp * shape.micro_batch)
     run_micro = micro_batches if layout.hdp else min(micro_batches, layout.pp * (2 if layout.vpp > 1 else 1))
     batch = [f"trainer.micro_batch_size={shape.micro_batch}",

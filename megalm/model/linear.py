@@ -101,7 +101,7 @@ class Linear(LinearHooks, nn.Linear):
         return linear(x, self.weight, self.bias, self.gemm_recipe, self.weight_grad_sink)
 
 
-def _deferrable(weight: torch.Tensor) -> bool:
+def deferrable(weight: torch.Tensor) -> bool:
     """Only a leaf parameter's gradient can wait for W: a weight that reaches the GEMM through another op
     (kv rows shared over TP ranks pass an all-reduce in backward) keeps its gradient in B."""
     return isinstance(weight, nn.Parameter) and weight.requires_grad and torch.is_grad_enabled()
@@ -155,7 +155,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x [..., in], weight [out, in] -> [..., out] in the compute dtype (autocast's under autocast, as
     F.linear). Without a recipe, a (usable) sink or a gather this is F.linear itself.
     """
-    defer = sink is not None and _deferrable(weight)
+    defer = sink is not None and deferrable(weight)
     if recipe is None and not defer and input_gather is None:
         return F.linear(x, weight, bias)
     device = x.device.type

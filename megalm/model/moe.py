@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.config import ModelConfig
-from megalm.model.linear import WeightGradSink
+from megalm.model.linear import WeightGradSink, deferrable
 from megalm.model.mlp import SwiGLUMLP
 from megalm.model.naming import canonical_named_modules
 
@@ -93,7 +93,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     its weightᵀ, as one grouped GEMM (in the autocast dtype under autocast, as F.linear). With a `sink` (a
     zero-bubble pipeline) the weight's gradient is handed to it instead of computed in the backward."""
     device = x.device.type
-    defer = sink is not None and isinstance(weight, nn.Parameter) and weight.requires_grad and torch.is_grad_enabled()
+    defer = sink is not None and deferrable(weight)
     param, weight = weight, weight.detach() if defer else weight
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)

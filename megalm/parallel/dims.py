@@ -69,11 +69,14 @@ class ParallelDims:
         ep_groups = [domain[i:i + self.ep] for i in range(0, len(domain), self.ep)]
         return ep_groups, [list(column) for column in zip(*ep_groups, strict=True)]
 
-    def expert_grad_groups(self, pp: int) -> list[list[int]]:
-        """Under sequence parallelism, the ranks of stage `pp` whose routed-expert gradients are summed together:
-        one group per expert slice, its expert-data-parallel ranks at every TP coordinate (each TP rank runs the
-        experts on its own tokens, as Megatron's experts do with expert tensor parallelism 1)."""
+    def expert_dp_groups(self, pp: int, over_tp: bool = False) -> list[list[int]]:
+        """The expert-data-parallel groups of stage `pp` (the ranks whose routed-expert gradients are summed
+        together): `expert_groups`' at every TP coordinate, or with `over_tp` (sequence parallelism: each TP rank
+        runs the experts on its own tokens, as Megatron's experts do with expert tensor parallelism 1) one group per
+        expert slice over all the TP coordinates."""
         per_tp = [self.expert_groups(t, pp)[1] for t in range(self.tp)]
+        if not over_tp:
+            return [ranks for groups in per_tp for ranks in groups]
         return [sorted(r for groups in per_tp for r in groups[slot]) for slot in range(self.ep)]
 
 
@@ -118,7 +121,7 @@ class ParallelMesh:
     embedding_group: dist.ProcessGroup | None = None
     # Expert parallelism (`dims.ep` > 1): this rank's EP group (it holds expert slice `ep_rank` of ep), a 1-D device
     # mesh over it (checkpoints write expert slices as DTensor shards on it), and the expert-data-parallel group
-    # (under sequence parallelism it spans the TP ranks too, and exists with ep = 1: `expert_grad_groups`).
+    # (under sequence parallelism it spans the TP ranks too, and exists with ep = 1: `expert_dp_groups`).
     ep_group: dist.ProcessGroup | None = None
     ep_mesh: DeviceMesh | None = None
     expert_dp_group: dist.ProcessGroup | None = None
@@ -194,7 +197,7 @@ def _attempt_store(world_size: int, timeout: datetime.timedelta | None) -> dist.
 
 def build_mesh(dims: ParallelDims, device: torch.device, experts_over_tp: bool = False) -> ParallelMesh:
     """Create the DeviceMesh and its named groups (all ranks must call this together). `experts_over_tp`: an MoE
-    model under sequence parallelism, whose routed-expert gradients are summed over TP too (`expert_grad_groups`)."""
+    model under sequence parallelism, whose routed-expert gradients are summed over TP too (`expert_dp_groups`)."""
     if dims.world_size == 1:
         return ParallelMesh(dims)
     if dist.get_world_size() != dims.world_size:
@@ -222,17 +225,12 @@ def build_mesh(dims: ParallelDims, device: torch.device, experts_over_tp: bool =
     if dims.ep > 1 or experts_over_tp:
         for pp_rank in range(dims.pp):
             for tp_rank in range(dims.tp if dims.ep > 1 else 0):
-                ep_groups, expert_dp_groups = dims.expert_groups(tp_rank, pp_rank)
-                for ranks in ep_groups:
+                for ranks in dims.expert_groups(tp_rank, pp_rank)[0]:
                     group = dist.new_group(ranks)
                     if rank in ranks:
                         ep_group = group
                         ep_mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("ep",))
-                for ranks in [] if experts_over_tp else expert_dp_groups:
-                    group = dist.new_group(ranks)
-                    if rank in ranks:
-                        expert_dp_group = group
-            for ranks in dims.expert_grad_groups(pp_rank) if experts_over_tp else []:
+            for ranks in dims.expert_dp_groups(pp_rank, experts_over_tp):
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     expert_dp_group = group

@@ -114,7 +114,6 @@ def run_distributed(
         except WorkerError as error:  # free_port's race: another process took the port before rank 0 listened
             if PORT_TAKEN not in str(error) or attempt == 2:
                 raise
-    return None
 
 
 def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: str, timeout: float) -> None:

@@ -288,8 +288,9 @@ def test_expert_groups_are_consecutive_domain_ranks_and_their_columns():
     assert ParallelDims(dp=2, cp=2, ep=4).expert_groups(0, 0) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
     # under sequence parallelism each expert slice's gradient group spans the TP ranks: its expert-DP ranks at every
     # TP coordinate (stage 1 of tp2 x dp4 is ranks 8..15, tp the fastest coordinate)
-    assert dims.expert_grad_groups(1) == [[8, 9, 12, 13], [10, 11, 14, 15]]
-    assert ParallelDims(tp=2, dp=2).expert_grad_groups(0) == [[0, 1, 2, 3]]  # ep = 1: the whole stage
+    assert dims.expert_dp_groups(1, over_tp=True) == [[8, 9, 12, 13], [10, 11, 14, 15]]
+    assert dims.expert_dp_groups(1) == [[8, 12], [10, 14], [9, 13], [11, 15]]  # without SP: at each TP coordinate
+    assert ParallelDims(tp=2, dp=2).expert_dp_groups(0, over_tp=True) == [[0, 1, 2, 3]]  # ep = 1: the whole stage
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "mxfp4"])

@@ -361,8 +361,12 @@ class ModelShape:
         return self.hidden // self.heads * self.kv_heads
 
     @property
-    def layer_params(self) -> int:  # q, o: h²; k, v: h·h_kv; SwiGLU: 3·h·ffn
-        return 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_dim + 3 * self.hidden * self.ffn
+    def attention_params(self) -> int:  # q, o: h²; k, v: h·h_kv
+        return 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_dim
+
+    @property
+    def layer_params(self) -> int:  # attention and SwiGLU's 3·h·ffn
+        return self.attention_params + 3 * self.hidden * self.ffn
 
     @property
     def params(self) -> int:  # untied embedding and LM head

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from megalm.model.moe import MoE, TokenShard, WholeTokens
-from megalm.parallel.collectives import all_gather_flat, group_rank, group_size
-from megalm.parallel.progress import Progress, note_collective
-from megalm.parallel.tensor.comm import Group
+from megalm.parallel.collectives import group_rank, group_size
+from megalm.parallel.progress import Progress
+from megalm.parallel.tensor.comm import Group, gather_from_sp
 
 
 class SequenceChunkTokens:
@@ -44,21 +44,16 @@ class SequenceChunkTokens:
         return self.inner.whole_docs
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Every TP rank's rows of `t` [T/tp, ...] in order ([T, ...], the inner view's local rows), then the inner
-        view's gather (detached)."""
-        n = group_size(self.group)
-        flat = t.detach().reshape(-1).contiguous()
-        out = flat.new_empty(n * flat.numel())
-        note_collective(self.progress, "all_gather (MoE routing over the TP sequence shards)", n)
-        all_gather_flat(out, flat, group=self.group)
-        return self.inner.gather(out.view(n * t.shape[0], *t.shape[1:]))
+        """Every TP rank's rows of `t` [T/tp, ...] in order ([T, ...], the inner view's local rows: SP's own
+        all-gather), then the inner view's gather (detached)."""
+        return self.inner.gather(gather_from_sp(t.detach(), self.group, self.progress))
 
 
 def _route_sequence_chunk(group: Group, progress: Progress | None, module: nn.Module,
                           args: tuple) -> tuple:
     """Forward pre-hook of an MoE layer under SP: its `tokens` argument becomes this rank's chunk of them."""
     x, cu_seqlens, *rest = args
-    inner = rest[0] if rest and rest[0] is not None else None
+    inner = rest[0] if rest else None
     n, rank, local = group_size(group), group_rank(group), x.numel() // x.shape[-1]
     if inner is None:
         inner = WholeTokens(cu_seqlens, local * n)
