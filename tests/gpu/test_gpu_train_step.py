@@ -53,12 +53,14 @@ class StepRun:
     note: str  # the precision part of the trainer's start-up log line
     device: torch.device
     scaled_mm_calls: int  # FP8 GEMMs on the FP8 units in the two steps (counted for fp8 recipes only)
+    moe: list[dict]  # each step's MoE metrics (expert load, drops, balancing losses; empty for a dense model)
 
 
-def train_two_steps(run_dir: Path, device: str, precision: str) -> StepRun:
-    """Two training steps of the 125m model through Trainer on `device` in `precision`."""
+def train_two_steps(run_dir: Path, device: str, precision: str, overrides: list[str] = OVERRIDES) -> StepRun:
+    """Two training steps of the 125m model (or the model `overrides` make) through Trainer on `device` in
+    `precision`."""
     threads = torch.get_num_threads()
-    cfg = compose_config(*OVERRIDES, f"trainer.device={device}", f"precision={precision}", tiny=False)
+    cfg = compose_config(*overrides, f"trainer.device={device}", f"precision={precision}", tiny=False)
     if device == "cpu":
         cfg.trainer.num_threads = min(os.cpu_count() or 1, 16)  # the fp32 reference: use the machine's cores
     try:
@@ -78,7 +80,7 @@ def train_two_steps(run_dir: Path, device: str, precision: str) -> StepRun:
     finally:
         torch.set_num_threads(threads)
     return StepRun([r.loss for r in results], [r.grad_norm for r in results], grads, trainer.precision.note,
-                   next(trainer.model.parameters()).device, getattr(counter, "calls", 0))
+                   next(trainer.model.parameters()).device, getattr(counter, "calls", 0), [r.moe for r in results])
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +110,7 @@ def test_125m_step_on_cuda_matches_cpu_fp32(precision: str, cpu_fp32: StepRun, t
         assert "FP8 GEMMs torch._scaled_mm" in got.note, got.note
         assert got.scaled_mm_calls > 0, "precision=fp8 on an FP8 GPU ran no torch._scaled_mm"
     else:
-        assert got.note == "bf16 (autocast only)", got.note
+        assert got.note == "bf16 (bf16 weights, fp32 main weights and gradient sums)", got.note  # the default recipe
 
     # The same numbers as the fp32 CPU step, within what the precision explains.
     for step in range(2):
