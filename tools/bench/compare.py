@@ -30,9 +30,12 @@ AdamW, no activation recomputation. The peers' versions are pinned in one place,
 Each row names the kernels its system used (`kernels`: attention, GEMMs, compile, loss): the SDPA kernel is the
 one torch's dispatcher chooses for the run's own shapes and dtype (`torch._fused_sdp_choice`).
 
-Precisions: fp32 (one TF32 setting for all: megalm's `precision.tf32`); bf16 = bf16 autocast with fp32 weights
-and optimizer state for all three (megalm's bf16 recipe, and what TorchTitan does on one GPU); fp8 = megalm's
-`precision=fp8`, TorchTitan's Float8 converter, and no Megatron-Core run (its fp8 needs Transformer Engine).
+Precisions: fp32 (one TF32 setting for all: megalm's `precision.tf32`); bf16 = each system's bf16 step on one GPU:
+megalm's `precision=bf16` (bf16 weights in the model, fp32 main weights and gradient sums in the optimizer, the
+weights cast once per step), bf16 autocast over fp32 weights for TorchTitan (what it does on one GPU) and for
+Megatron-Core's model (its own recipe, bf16 parameters with fp32 main copies, lives in its DDP and optimizer
+wrappers, which a one-rank loop here does not build); fp8 = megalm's `precision=fp8`, TorchTitan's Float8 converter,
+and no Megatron-Core run (its fp8 needs Transformer Engine).
 
 Runs alternate by framework (A B C A B C for `--repeats 2`) inside each (shape, seq, precision) cell, each run
 building its model afresh after `torch._dynamo.reset()` (so each compiles as a fresh process would, from the
@@ -312,8 +315,8 @@ def megalm_kernels(trainer: Any, cfg: MegalmConfig, batch: int, device: torch.de
         kv_heads = m.num_kv_heads or m.num_heads
         attention += " (" + probe_sdpa(batch, m.num_heads, kv_heads, m.seq_length, m.hidden_size // m.num_heads,
                                        compute_dtype(name), device) + ")"
-    gemm = (gemm_kernels(device, name, "megalm's Linear (F.linear)") if name in ("fp32", "bf16")
-            else f"megalm {trainer.precision.note}")
+    gemm = (gemm_kernels(device, name, "megalm's Linear (F.linear)") if name == "fp32"
+            else f"megalm {trainer.precision.note}")  # bf16: its weights are bf16, no autocast
     fp8_cast = device.type == "cuda" and name.startswith("fp8")
     return {"attention": attention, "gemm": gemm,
             "compile": "eager" + ("; its FP8 casts are one torch.compile'd kernel" if fp8_cast else ""),
