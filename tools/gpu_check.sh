@@ -187,7 +187,7 @@ if wants calibrate; then
   if ((DRY_RUN)); then
     run "HDP cost-model calibration (dry run: tiny model on CPU)" 120 "$PYTHON" tools/bench/hdp_calibrate.py \
       model=tiny --device cpu --base configs/hdp_cost/h100_7b.yaml --out "$OUT_DIR/hdp_cost_dry_run.yaml" \
-      --budget-s 60
+      --budget-s 30
   else
     # written where the repository keeps it: `cp -r OUT/configs .` replaces the roofline-derived file (docs/hdp.md)
     mkdir -p "$OUT_DIR/configs/hdp_cost"

@@ -52,7 +52,7 @@ TOOL_FLAGS = {"precision_convergence.py": ["--steps", "2"], "throughput.py": ["-
               "activation_memory.py": ["model.num_heads=8"],  # 8 heads: its tp8 command shards them
               "moe_balance.py": ["--steps", "2"]}
 # Benchmarks that set their own model shapes (a tiny model would not shard over their layouts): only these flags.
-OWN_SHAPE_FLAGS = {"estimate_vs_formula.py": ["--models", "8b", "--recompute", "full", "--num-layers", "8"],
+OWN_SHAPE_FLAGS = {"estimate_vs_formula.py": ["--models", "8b", "--recompute", "full", "--num-layers", "4"],
                    "fsdp_memory.py": ["--dp", "2", "--models"]}  # the tiny model's real runs at dp 2, no 8B/70B
 SET_UP = ("pip install", "pytest", "docker ", "tools/gpu_wheels.sh",
           "python tools/slurm_local/")  # the loopback Slurm cluster needs root and apt: tests/e2e/test_slurm.py runs it
