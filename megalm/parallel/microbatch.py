@@ -57,6 +57,7 @@ class PaddedContext:
     loss or the load counts, as under context parallelism (megalm/parallel/context/tokens.py)."""
 
     def __init__(self, batch: PackedBatch, real_tokens: int, device: torch.device) -> None:
+        """`batch`: the padded micro-batch, already on `device` (its cu_seqlens are used as they are)."""
         self.cu_seqlens, self.max_seqlen = batch.cu_seqlens.to(device), batch.max_seqlen
         real = torch.arange(batch.num_tokens, device=device) < real_tokens
         self.moe_tokens = WholeTokens(self.cu_seqlens, batch.num_tokens, real)

@@ -330,14 +330,14 @@ class Parallelism:
                 moe_over = (real, self.mesh.cp_group)
             attention = RingContext.for_shard(padded, ring, self.device, self.cfg.parallel.cp_comm,
                                               self.mesh.cp_group if a2a else None, self.mesh.progress, moe_over)
-        elif self.cfg.model.moe.num_experts and padded is not batch:  # the routers must not count the padding
-            attention = PaddedContext(padded, batch.num_tokens, self.device)
-        batch = padded
         counted = mb.counted_doc_lengths if self.mesh.is_last_stage else []
         if self.device.type == "cuda":  # pinned host memory: the copies overlap instead of syncing the stream
-            return LocalMicroBatch(batch.pin_memory().to(self.device, non_blocking=True), mb.index, ring, counted,
-                                   attention, mb.offload_fraction)
-        return LocalMicroBatch(batch.to(self.device), mb.index, ring, counted, attention, mb.offload_fraction)
+            moved = padded.pin_memory().to(self.device, non_blocking=True)
+        else:
+            moved = padded.to(self.device)
+        if ring is None and self.cfg.model.moe.num_experts and padded is not batch:  # the routers must not count
+            attention = PaddedContext(moved, batch.num_tokens, self.device)  # the padding (its cu_seqlens moved)
+        return LocalMicroBatch(moved, mb.index, ring, counted, attention, mb.offload_fraction)
 
     def forward_backward(self, share: StepShare) -> torch.Tensor:
         """Gradients of sum(token losses) / (the step's loss tokens) accumulated over this rank's
