@@ -8,14 +8,15 @@
 GPU_RUN='The GPU run. Where pip reaches an index: tools/gpu_wheels.sh && tools/compare_wheels.sh (fills the
 git-ignored .wheels/ and .whl/). Copy the checkout with .wheels/ and .whl/ to the GPU machine (one H100 or H200,
 torch with CUDA, no network needed); from its root run
-    OUT=DIR tools/gpu_check.sh setup tests calibrate bench    (expected about 9 minutes on one H100)
+    OUT=DIR tools/gpu_check.sh setup bench calibrate tests    (its 9-minute budget; what is left is "not run")
 then, if time is left,
     OUT=DIR tools/gpu_check.sh compare                        (expected about 7 minutes)
 Each step stays under ten minutes. The report is DIR/gpu_check_report.md, the full output DIR/gpu_check.log.
-With the device tool: command "OUT=$OUT tools/gpu_check.sh setup tests calibrate bench", carry [".wheels", ".whl"].'
+With the device tool: command "OUT=$OUT tools/gpu_check.sh setup bench calibrate tests", carry [".wheels", ".whl"].'
 #
 # Usage: tools/gpu_check.sh [--dry-run] [--print-run] [STEP ...]
-#   STEP: setup tests calibrate bench compare (default: all five, in that order; setup always runs first)
+#   STEP: setup tests calibrate bench compare, run in the order given (default: all five, in this order); setup
+#         always runs first. The GPU run puts the open issues' numbers (bench, calibrate) before the tests.
 #   --dry-run: the whole script on a machine without a GPU (CI runs it): setup only reports, the tests are the GPU
 #              tier (skipped there) and the fake-CUDA tier, each benchmark is asked for --help, calibration and the
 #              comparison run their CPU sizes. Exit 0 when all of that works.
@@ -164,7 +165,7 @@ fi
 read -r capability gpus gpu_name < <("$PYTHON" tools/gpu_check_report.py device)
 
 # ------------------------------------------------------------------------------------------------------ tests
-if wants tests; then
+step_tests() {
   if ((DRY_RUN)); then  # on CPU: the GPU tier collects and skips; the fake-CUDA tier runs (or skips on a CPU torch)
     TESTS=(tests/gpu tests/unit/test_fake_cuda.py)
   else
@@ -180,10 +181,10 @@ if wants tests; then
       || [[ " ${failures[*]} " == *" tests "* ]] || failures+=("tests")
     report "" "$summary"
   fi
-fi
+}
 
 # -------------------------------------------------------------------------------------------------- calibrate
-if wants calibrate; then
+step_calibrate() {
   if ((DRY_RUN)); then
     run "HDP cost-model calibration (dry run: tiny model on CPU)" 120 "$PYTHON" tools/bench/hdp_calibrate.py \
       model=tiny --device cpu --base configs/hdp_cost/h100_7b.yaml --out "$OUT_DIR/hdp_cost_dry_run.yaml" \
@@ -194,7 +195,7 @@ if wants calibrate; then
     run "HDP cost-model calibration, 7b" 240 "$PYTHON" tools/bench/hdp_calibrate.py model=7b --device cuda \
       --base configs/hdp_cost/h100_7b.yaml --out "$OUT_DIR/configs/hdp_cost/${gpu_name}_7b.yaml" --budget-s 200
   fi
-fi
+}
 
 # ------------------------------------------------------------------------------------------------- benchmarks
 bench() {  # bench NAME LIMIT_S SCRIPT ARGS...: on the GPU as given; in a dry run the script's --help only
@@ -206,12 +207,8 @@ bench() {  # bench NAME LIMIT_S SCRIPT ARGS...: on the GPU as given; in a dry ru
     run "$name" "$limit" "$PYTHON" "$script" "$@"
   fi
 }
-if wants bench; then
-  bench "MX quantization bandwidth (Triton kernel vs PyTorch reference)" 120 \
-    tools/bench/mx_quantize_bandwidth.py --m 8192 --k 8192 --iters 10 --warmup 2
-  bench "training throughput, 125m bf16" 120 tools/bench/throughput.py model=125m precision=bf16 \
-    trainer.global_batch_size=8 trainer.micro_batch_size=8 --steps 10 --warmup 3
-  # issue 25's goal: 1.3B at seq 4096, bf16 eager and compiled (inductor per block), and fp8
+step_bench() {
+  # first, issue 25's goal: 1.3B at seq 4096, bf16 eager and compiled (inductor per block), and fp8
   bench "training throughput, 1.3b/4096 bf16" 150 tools/bench/throughput.py model=1.3b model.seq_length=4096 \
     precision=bf16 trainer.global_batch_size=2 trainer.micro_batch_size=2 --steps 6 --warmup 2
   bench "training throughput, 1.3b/4096 bf16 compiled" 240 tools/bench/throughput.py model=1.3b \
@@ -222,6 +219,10 @@ if wants bench; then
       model.seq_length=4096 precision=fp8 trainer.global_batch_size=2 trainer.micro_batch_size=2 --steps 6 \
       --warmup 2
   fi
+  bench "MX quantization bandwidth (Triton kernel vs PyTorch reference)" 120 \
+    tools/bench/mx_quantize_bandwidth.py --m 8192 --k 8192 --iters 10 --warmup 2
+  bench "training throughput, 125m bf16" 120 tools/bench/throughput.py model=125m precision=bf16 \
+    trainer.global_batch_size=8 trainer.micro_batch_size=8 --steps 10 --warmup 3
   bench "precision recipes on the demo, 100 steps" 180 tools/bench/precision_convergence.py \
     --recipes fp32 bf16 fp8 mxfp4 --steps 100 trainer.eval_iters=4
   # mixture of experts on one GPU (the grouped GEMMs' speed): moe_1b's 16 experts at 8 of its 24 layers (2.5B
@@ -234,10 +235,10 @@ if wants bench; then
   else
     report "" "### context parallelism: not run (one GPU: one GPU per CP rank)"
   fi
-fi
+}
 
 # ---------------------------------------------------------------------------------------------------- compare
-if wants compare; then
+step_compare() {
   peers_ok=1
   if ((!DRY_RUN)); then  # the peers go into a folder of their own, not into the image's site-packages
     if ls "$PEER_WHEELS"/*.whl >/dev/null 2>&1 && "$PYTHON" -m pip install -q --no-index --no-deps \
@@ -259,7 +260,17 @@ if wants compare; then
     run "megalm alone (no peers)" 300 "$PYTHON" tools/bench/compare.py --frameworks megalm \
       --json "$OUT_DIR/compare.json"
   fi
-fi
+}
+
+# ------------------------------------------------------------------------------ the steps, in the order asked
+for step in "${STEPS[@]}"; do
+  case "$step" in
+    tests) step_tests ;;
+    calibrate) step_calibrate ;;
+    bench) step_bench ;;
+    compare) step_compare ;;
+  esac
+done
 
 # ---------------------------------------------------------------------------------------------------- verdict
 total=$((SECONDS - start))

@@ -48,17 +48,22 @@ def _dry_run(tmp_path: Path, *args: str, budget: int = 540) -> subprocess.Comple
 def test_the_documented_gpu_run_is_the_one_the_script_prints() -> None:
     printed = subprocess.run(["bash", str(SCRIPTS[0]), "--print-run"], capture_output=True, text=True,
                              check=True).stdout.strip()
-    assert "OUT=DIR tools/gpu_check.sh setup tests calibrate bench" in printed
+    assert "OUT=DIR tools/gpu_check.sh setup bench calibrate tests" in printed
     docs = (ROOT / "docs" / "benchmarks.md").read_text()
     assert printed in docs, "docs/benchmarks.md must quote `tools/gpu_check.sh --print-run` verbatim"
 
 
 def test_a_spent_budget_means_not_run_never_failed(tmp_path: Path) -> None:
-    proc = _dry_run(tmp_path, "bench", budget=1)
+    """Also: the steps run in the order asked (the GPU run asks for the benchmarks before the tests), and the
+    benchmarks start with issue 25's rows."""
+    proc = _dry_run(tmp_path, "bench", "tests", budget=1)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = (tmp_path / "gpu_check_report.md").read_text()
-    assert report.count(": not run (the 1 s budget was spent") >= 5, report
+    assert report.count(": not run (the 1 s budget was spent") >= 6, report
     assert "failed (exit" not in report and "**FAIL**" not in report and "**PASS**" in report
+    sections = [line for line in report.splitlines() if line.startswith("### ") and line != "### setup"]
+    assert sections[0].startswith("### training throughput, 1.3b/4096 bf16"), sections
+    assert sections[-1].startswith("### tests"), sections
 
 
 def _kill_session(session: int) -> None:
