@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -146,7 +146,9 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
             with fake, live:
                 trainer = Trainer(cfg, run_dir)
             params = storage_bytes(trainer.model.parameters())
-            run_step(trainer, 0, fake, live)  # the optimizer's states are made in its first step
+            # the optimizer's states and the step's lasting buffers are made in a first step; pp micro-batches (an
+            # interleaved schedule's smallest count) make them all, and the step's peak is step 1's
+            run_step(trainer, 0, fake, live, first=cfg.parallel.pp)
             device = trainer.device.type  # the offload pool's host buffers are counted apart, as "host"
             static = live.bytes(device)
             grads = storage_bytes(_grad_buffers(trainer))
@@ -172,12 +174,16 @@ def reserve_bytes(peak: int, communicators: int) -> int:
     return RESERVE_CONTEXT + int(FRAGMENTATION * peak) + RESERVE_PER_COMMUNICATOR * communicators
 
 
-def run_step(trainer: Any, step: int, fake: Any, live: LiveStorages, *traces: TorchDispatchMode) -> int:
+def run_step(trainer: Any, step: int, fake: Any, live: LiveStorages, *traces: TorchDispatchMode,
+             first: int | None = None) -> int:
     """One training step of this rank: the step's data plan on the host, outside fake mode (it reads the documents'
     lengths), then forward, backward, gradient reduction and the optimizer step under `fake` (FakeTensorMode; a
     null context runs it on real tensors, which is how tests/dist/test_estimate_measured.py measures a real run with
-    the same probe), with the probe `live` and the traces on. Returns the real tokens the rank ran."""
+    the same probe), with the probe `live` and the traces on; `first`: only the step's first micro-batches (a
+    warm-up step, which makes the lasting state in a fraction of the time). Returns the real tokens the rank ran."""
     share = trainer.parallel.share_of_step(trainer.data.train, trainer.step_sample_ids(step), step)
+    if first is not None:
+        share = replace(share, micro_batches=share.micro_batches[:first])
     tokens = _real_tokens(share.micro_batches)
     store = trainer.parallel.offload_store
     with fake, live, contextlib.ExitStack() as stack:
