@@ -208,7 +208,7 @@ bench() {  # bench NAME LIMIT_S SCRIPT ARGS...: on the GPU as given; in a dry ru
   fi
 }
 step_bench() {
-  # first, issue 25's goal: 1.3B at seq 4096, bf16 eager and compiled (inductor per block), and fp8
+  # first, the fast step's goal: 1.3B at seq 4096, bf16 eager and compiled (inductor per block), and fp8
   bench "training throughput, 1.3b/4096 bf16" 150 tools/bench/throughput.py model=1.3b model.seq_length=4096 \
     precision=bf16 trainer.global_batch_size=2 trainer.micro_batch_size=2 --steps 6 --warmup 2
   bench "training throughput, 1.3b/4096 bf16 compiled" 240 tools/bench/throughput.py model=1.3b \

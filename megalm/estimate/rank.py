@@ -39,6 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from megalm import compat
 from megalm.measure import LiveStorages, storage_bytes
 from megalm.measure.op_cost import GPUS, OpCosts
 
@@ -141,8 +142,10 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
     rank = dims.rank_of(pp=stage, dp=domain_index // p.cp, cp=domain_index % p.cp)
     fake, live = FakeTensorMode(allow_non_fake_inputs=True), LiveStorages()
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    # FP8 GEMMs as the GPU runs them (torch._scaled_mm), where it has FP8 tensor cores, not the CPU's emulation
+    gpu_gemms = compat.fp8_gemms_traced() if GPUS[gpu].fp8_tflops else contextlib.nullcontext()
     try:
-        with tempfile.TemporaryDirectory() as run_dir:
+        with tempfile.TemporaryDirectory() as run_dir, gpu_gemms:
             with fake, live:
                 trainer = Trainer(cfg, run_dir)
             params = storage_bytes(trainer.model.parameters())
@@ -298,6 +301,18 @@ def check_gpu(gpu: str) -> None:
         raise ConfigError(f"--gpu {gpu}: unknown GPU; expected one of {', '.join(sorted(GPUS))}")
 
 
+def fp8_notes(precision: Any, gpu: str) -> list[str]:
+    """What the estimate of an FP8 recipe's step traces that the GPU runs otherwise (one line, none for others)."""
+    if not (str(precision.name).startswith("fp8") or precision.forward == "fp8"):
+        return []
+    if not GPUS[gpu].fp8_tflops:
+        return [f"precision={precision.name}: {gpu} has no FP8 tensor cores; priced as megalm runs it there, "
+                "dequantized to fp32 GEMMs"]
+    return [f"precision={precision.name}: FP8 GEMMs traced as the GPU's torch._scaled_mm, the casts to FP8 as the "
+            "eager ops of a fake-tensor step (one compiled kernel each on the GPU): the compute time is an upper "
+            "bound"]
+
+
 def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
     """Every rank role of the layout, and the step's time, MFU and tokens/s (see the module docstring)."""
     from megalm.config.checks import resolve_model_defaults
@@ -337,6 +352,6 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
                        "zero1": p.zero1, "recompute": str(p.recompute), "precision": str(cfg.precision.name)},
             "ranks": [{k: v for k, v in asdict(r).items() if k != "domain"} for r in ranks],
             "step_time_s": step_time, "bubble_factor": factor, "mfu": mfu, "tokens_per_s": tokens / step_time,
-            "global_flops": flops, "notes": [],
+            "global_flops": flops, "notes": fp8_notes(cfg.precision, gpu),
             **({"hdp": {"tokens_per_rank": hdp["tokens"], "largest_ring": hdp["ring"], "lengths": hdp["lengths"]}}
                if hdp else {})}

@@ -230,9 +230,18 @@ class AmaxHistory:
 SCALED_MM_TOKEN_MULTIPLE = 16  # torch._scaled_mm needs every GEMM dimension, the tokens too, divisible by 16
 
 
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """`device`'s CUDA compute capability; on the CPU under the estimator's trace of a GPU with FP8 GEMMs
+    (compat.fp8_gemms_traced) the smallest that has them."""
+    capability = compat.cuda_capability(device)
+    if capability is None and device.type == "cpu" and compat.tracing_fp8_gemms():
+        return (8, 9)
+    return capability
+
+
 def gemm_path(device: torch.device) -> str:
     """Where FP8 GEMMs run on `device`, for the log: torch._scaled_mm, or the fp32 emulation and why."""
-    capability = compat.cuda_capability(device)
+    capability = _capability(device)
     if capability is None:
         return f"emulated in fp32 (no FP8 GEMMs on {device.type})"
     if not compat.scaled_mm_available() or capability < (8, 9):
@@ -244,7 +253,7 @@ def gemm_path(device: torch.device) -> str:
 def _scaled_mm_available(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype,
                          rowwise: bool) -> bool:
     """Whether torch._scaled_mm can run a [M, K] @ b [K, N]: detected from the device, never assumed."""
-    if not scaled_mm_runs(a.device):
+    if not scaled_mm_runs(a.device) or (a.device.type == "cpu" and not compat.is_fake(a)):
         return False
     if any(n % 16 for n in (*a.shape, b.shape[1])):
         return False
@@ -272,7 +281,7 @@ def column_major(q: torch.Tensor) -> torch.Tensor:
 
 def scaled_mm_runs(device: torch.device) -> bool:
     """Whether FP8 GEMMs on `device` can take the hardware path (then a cached weight is kept in its layout)."""
-    capability = compat.cuda_capability(device)
+    capability = _capability(device)
     return capability is not None and capability >= (8, 9) and compat.scaled_mm_available()
 
 

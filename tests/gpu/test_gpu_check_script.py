@@ -55,7 +55,7 @@ def test_the_documented_gpu_run_is_the_one_the_script_prints() -> None:
 
 def test_a_spent_budget_means_not_run_never_failed(tmp_path: Path) -> None:
     """Also: the steps run in the order asked (the GPU run asks for the benchmarks before the tests), and the
-    benchmarks start with issue 25's rows."""
+    benchmarks start with the 1.3B fast-step rows."""
     proc = _dry_run(tmp_path, "bench", "tests", budget=1)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = (tmp_path / "gpu_check_report.md").read_text()

@@ -162,3 +162,28 @@ def test_moe_ranks_hold_their_expert_slice_and_count_k_experts_per_token():
     per_rank_tokens = batch // 2 * cfg.model.seq_length
     expert_gemm = 6 * per_rank_tokens * 3 * cfg.model.hidden_size * 32 * cfg.model.num_layers
     assert two["flops"] - top1["flops"] == pytest.approx(expert_gemm, rel=1e-9)
+
+
+def test_fp8_gemms_are_traced_as_the_gpu_runs_them(monkeypatch):
+    """On a GPU with FP8 tensor cores the estimator's step takes torch._scaled_mm (its fake kernel), priced at the FP8
+    peak, instead of the CPU's fp32 emulation (which made an H100's fp8 step look 2.5x slower than bf16); on an
+    A100, which has none, the emulation, as megalm runs there. The note says which."""
+    from megalm.estimate import rank as estimate_rank
+
+    traces: dict[str, estimate_rank.OpCosts] = {}
+
+    class Recorded(estimate_rank.OpCosts):
+        def __init__(self, gpu, tf32):
+            super().__init__(gpu, tf32)
+            traces[gpu.name] = self
+
+    monkeypatch.setattr(estimate_rank, "OpCosts", Recorded)
+    overrides = [*SMALL, "precision=fp8", "trainer.device=cpu", "trainer.micro_batch_size=2",
+                 "trainer.global_batch_size=2"]
+    notes = {gpu: estimate.estimate(overrides, 1, gpu)["notes"] for gpu in ("h100", "a100")}
+    h100, a100 = traces["H100 SXM5"].by_op, traces["A100 SXM4 80GB"].by_op
+    # the same GEMM work (the output head stays bf16 in both), the linear layers' part on the FP8 kernel
+    assert h100["_scaled_mm"].kernels > 0 and "_scaled_mm" not in a100
+    assert h100["_scaled_mm"].flops + h100["mm"].flops == a100["mm"].flops
+    assert any("torch._scaled_mm" in n for n in notes["h100"]), notes
+    assert any("no FP8 tensor cores" in n for n in notes["a100"]), notes
