@@ -80,26 +80,27 @@ def simulated_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
         _simulated_capability.reset(token)
 
 
-# fp8_gemms_traced's answer, in the caller's context
-_fp8_gemms_traced: contextvars.ContextVar[bool] = contextvars.ContextVar("megalm_fp8_gemms_traced", default=False)
+# fp8_traced_as_gpu's answer, in the caller's context
+_fp8_traced_as_gpu: contextvars.ContextVar[bool] = contextvars.ContextVar("megalm_fp8_as_gpu", default=False)
 
 
 @contextlib.contextmanager
-def fp8_gemms_traced() -> Iterator[None]:
-    """Inside, FP8 GEMMs on fake CPU tensors take torch._scaled_mm (its fake kernel: shapes and dtypes) as a GPU
-    with FP8 tensor cores would, not the CPU's fp32 emulation: megalm-estimate steps a GPU's rank on fake CPU
-    tensors (autograd's engine asks a CUDA device for its context) and must trace, hence price and hold, what the
-    GPU runs. Real tensors never take it (megalm/precision/fp8.py checks)."""
-    token = _fp8_gemms_traced.set(True)
+def fp8_traced_as_gpu() -> Iterator[None]:
+    """Inside, FP8 on fake CPU tensors is traced as a GPU with FP8 tensor cores runs it: the GEMMs take
+    torch._scaled_mm (its fake kernel: shapes and dtypes), not the CPU's fp32 emulation, and each cast counts as
+    the one compiled kernel the GPU runs (megalm.measure.op_cost.one_kernel). megalm-estimate steps a GPU's rank on
+    fake CPU tensors (autograd's engine asks a CUDA device for its context) and must trace, hence price and hold,
+    what the GPU runs. Real tensors never take it (megalm/precision/fp8.py checks)."""
+    token = _fp8_traced_as_gpu.set(True)
     try:
         yield
     finally:
-        _fp8_gemms_traced.reset(token)
+        _fp8_traced_as_gpu.reset(token)
 
 
-def tracing_fp8_gemms() -> bool:
-    """Whether `fp8_gemms_traced` is on."""
-    return _fp8_gemms_traced.get()
+def tracing_fp8_as_gpu() -> bool:
+    """Whether `fp8_traced_as_gpu` is on."""
+    return _fp8_traced_as_gpu.get()
 
 
 def is_fake(tensor: torch.Tensor) -> bool:

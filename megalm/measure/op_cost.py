@@ -13,8 +13,9 @@ Hand-written because torch's `runtime_estimator` reads the live GPU, and its `Fl
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,26 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# The OpCosts traces on, innermost last, and whether the ops dispatched now are inside `one_kernel`
+_TRACES: contextvars.ContextVar[tuple[OpCosts, ...]] = contextvars.ContextVar("megalm_op_costs", default=())
+_IN_ONE_KERNEL: contextvars.ContextVar[bool] = contextvars.ContextVar("megalm_in_one_kernel", default=False)
+
+
+@contextlib.contextmanager
+def one_kernel(name: str, category: str = "cast/copy") -> Iterator[Callable[[float], None]]:
+    """The ops inside count as one memory-bound kernel `name` of the bytes handed to the yielded `moved(nbytes)`:
+    a kernel the GPU runs fused (a compiled FP8 cast) traced here as its eager twin, whose intermediate copies the
+    GPU never writes. Nothing changes where no OpCosts trace is on."""
+    traces, moved = _TRACES.get(), []
+    token = _IN_ONE_KERNEL.set(True)
+    try:
+        yield moved.append
+    finally:
+        _IN_ONE_KERNEL.reset(token)
+    for trace in traces:
+        trace.add_kernel(name, sum(moved), category)
+
+
 @dataclass
 class CategoryCost:
     kernels: int = 0
@@ -131,10 +152,19 @@ class OpCosts(TorchDispatchMode):
         any other dispatch mode): its graphs count themselves in (megalm/measure/compiled_cost.py)."""
         return True
 
+    def __enter__(self) -> OpCosts:
+        self._token = _TRACES.set((*_TRACES.get(), self))
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        _TRACES.reset(self._token)
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.is_view or func.namespace in _NO_KERNEL_NAMESPACES or func._overloadpacket.__name__ in _NO_KERNEL:
+        if _IN_ONE_KERNEL.get() or func.is_view or func.namespace in _NO_KERNEL_NAMESPACES \
+                or func._overloadpacket.__name__ in _NO_KERNEL:
             return out
         name = func._overloadpacket.__name__
         if self._only is not None and name not in self._only:

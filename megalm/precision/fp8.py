@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from megalm import compat
+from megalm.measure import op_cost
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -149,8 +150,20 @@ def _run(kind: str, x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) ->
     parameter's shape static, so passing weights as Parameters would compile one graph per weight shape) and the
     scale as many dims as x (a 0-dim scale is viewed as [1, 1]) so that layouts do not multiply its variants."""
     if not runs_fused(x):
+        if x.device.type == "cpu" and compat.tracing_fp8_as_gpu() and compat.is_fake(x):
+            return _traced_as_fused(kind, x, dtype, scale)
         return _MATH[kind](x, scale, fp8_max(dtype), dtype)
     return _call_fused(kind, x, dtype, scale)
+
+
+def _traced_as_fused(kind: str, x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> Any:
+    """The eager math on the estimator's fake tensors, costed as the GPU's compiled kernel: x read once (twice for
+    current scaling: its amax is a reduction over all of x before the cast) and the FP8 tensor written."""
+    with op_cost.one_kernel(f"fp8_cast_{kind}") as moved:
+        out = _MATH[kind](x, scale, fp8_max(dtype), dtype)
+        q = out[0] if isinstance(out, tuple) else out
+        moved((2 if kind == "current" else 1) * x.numel() * x.element_size() + q.numel() * q.element_size())
+    return out
 
 
 def _call_fused(kind: str, x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> Any:
@@ -179,7 +192,7 @@ def quantize_current(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None
     """(FP8 x, its scale) under current scaling: one scale for the whole tensor (`dim` None, a 0-dim scale) or one
     per row along `dim` of a 2-D x (kept as size 1). amax, scale and cast are one compiled function on CUDA (no
     |x| copy, the scale's arithmetic folded in); the values are `quantize(x, dtype, tensor_scale(x, dtype))`'s."""
-    one = x.new_ones((), dtype=torch.float32)  # stands for the scale's shape (expanded: no memory)
+    one = torch.ones((), dtype=torch.float32, device=x.device)  # stands for the scale's shape (expanded: no memory)
     shape = one if dim is None else one.expand([1 if d == dim % x.dim() else n for d, n in enumerate(x.shape)])
     q, scale = _run("current", x, dtype, shape)
     return q, scale.reshape(shape.shape)
@@ -232,9 +245,9 @@ SCALED_MM_TOKEN_MULTIPLE = 16  # torch._scaled_mm needs every GEMM dimension, th
 
 def _capability(device: torch.device) -> tuple[int, int] | None:
     """`device`'s CUDA compute capability; on the CPU under the estimator's trace of a GPU with FP8 GEMMs
-    (compat.fp8_gemms_traced) the smallest that has them."""
+    (compat.fp8_traced_as_gpu) the smallest that has them."""
     capability = compat.cuda_capability(device)
-    if capability is None and device.type == "cpu" and compat.tracing_fp8_gemms():
+    if capability is None and device.type == "cpu" and compat.tracing_fp8_as_gpu():
         return (8, 9)
     return capability
 

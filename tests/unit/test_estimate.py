@@ -166,8 +166,9 @@ def test_moe_ranks_hold_their_expert_slice_and_count_k_experts_per_token():
 
 def test_fp8_gemms_are_traced_as_the_gpu_runs_them(monkeypatch):
     """On a GPU with FP8 tensor cores the estimator's step takes torch._scaled_mm (its fake kernel), priced at the FP8
-    peak, instead of the CPU's fp32 emulation (which made an H100's fp8 step look 2.5x slower than bf16); on an
-    A100, which has none, the emulation, as megalm runs there. The note says which."""
+    peak, instead of the CPU's fp32 emulation, and each cast to FP8 counts as the GPU's one compiled kernel, not its
+    eager twin's ops (the two made an H100's fp8 step of 1.3B look 2.5x slower than bf16); on an A100, which has
+    no FP8 tensor cores, the emulation, as megalm runs there. The note says which."""
     from megalm.estimate import rank as estimate_rank
 
     traces: dict[str, estimate_rank.OpCosts] = {}
@@ -185,5 +186,11 @@ def test_fp8_gemms_are_traced_as_the_gpu_runs_them(monkeypatch):
     # the same GEMM work (the output head stays bf16 in both), the linear layers' part on the FP8 kernel
     assert h100["_scaled_mm"].kernels > 0 and "_scaled_mm" not in a100
     assert h100["_scaled_mm"].flops + h100["mm"].flops == a100["mm"].flops
+    # a cast reads x (twice under current scaling, amax first) and writes FP8: one kernel, no clamp or amax of its own
+    casts = [op for op in h100 if op.startswith("fp8_cast_")]
+    assert casts and not any(op.startswith("fp8_cast_") for op in a100), sorted(h100)
+    # the eager twin's amax and saturation are inside those kernels (the gradient clip's clamp is not a cast's)
+    assert h100["linalg_vector_norm"].kernels == 0 < a100["linalg_vector_norm"].kernels
+    assert h100["clamp"].kernels < a100["clamp"].kernels
     assert any("torch._scaled_mm" in n for n in notes["h100"]), notes
     assert any("no FP8 tensor cores" in n for n in notes["a100"]), notes
