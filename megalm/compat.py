@@ -80,27 +80,29 @@ def simulated_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
         _simulated_capability.reset(token)
 
 
-# fp8_traced_as_gpu's answer, in the caller's context
-_fp8_traced_as_gpu: contextvars.ContextVar[bool] = contextvars.ContextVar("megalm_fp8_as_gpu", default=False)
+# fp8_traced_as_gpu's capability, in the caller's context (None: off)
+_fp8_traced_capability: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "megalm_fp8_traced_capability", default=None)
 
 
 @contextlib.contextmanager
-def fp8_traced_as_gpu() -> Iterator[None]:
-    """Inside, FP8 on fake CPU tensors is traced as a GPU with FP8 tensor cores runs it: the GEMMs take
-    torch._scaled_mm (its fake kernel: shapes and dtypes), not the CPU's fp32 emulation, and each cast counts as
-    the one compiled kernel the GPU runs (megalm.measure.op_cost.one_kernel). megalm-estimate steps a GPU's rank on
-    fake CPU tensors (autograd's engine asks a CUDA device for its context) and must trace, hence price and hold,
-    what the GPU runs. Real tensors never take it (megalm/precision/fp8.py checks)."""
-    token = _fp8_traced_as_gpu.set(True)
+def fp8_traced_as_gpu(capability: tuple[int, int]) -> Iterator[None]:
+    """Inside, FP8 recipes on fake CPU tensors are traced as a CUDA GPU of `capability` runs them: each cast to FP8
+    pads, and counts, as the GPU's one compiled kernel (megalm.measure.op_cost.one_kernel), and from 8.9 on the
+    GEMMs take torch._scaled_mm (its fake kernel: shapes and dtypes) instead of the CPU's fp32 emulation.
+    megalm-estimate steps a GPU's rank on fake CPU tensors (autograd's engine asks a CUDA device for its
+    context) and must trace, hence price and hold, what the GPU runs. Real tensors never take it
+    (megalm/precision/fp8.py checks)."""
+    token = _fp8_traced_capability.set(capability)
     try:
         yield
     finally:
-        _fp8_traced_as_gpu.reset(token)
+        _fp8_traced_capability.reset(token)
 
 
-def tracing_fp8_as_gpu() -> bool:
-    """Whether `fp8_traced_as_gpu` is on."""
-    return _fp8_traced_as_gpu.get()
+def fp8_traced_capability() -> tuple[int, int] | None:
+    """The GPU's capability while `fp8_traced_as_gpu` is on, else None."""
+    return _fp8_traced_capability.get()
 
 
 def is_fake(tensor: torch.Tensor) -> bool:

@@ -16,7 +16,8 @@ With the device tool: command "OUT=$OUT tools/gpu_check.sh setup bench calibrate
 #
 # Usage: tools/gpu_check.sh [--dry-run] [--print-run] [STEP ...]
 #   STEP: setup tests calibrate bench compare, run in the order given (default: all five, in this order); setup
-#         always runs first. The GPU run puts the open issues' numbers (bench, calibrate) before the tests.
+#         always runs first. The GPU run puts the numbers (bench: the fast step's; calibrate: HDP's cost model)
+#         before the tests.
 #   --dry-run: the whole script on a machine without a GPU (CI runs it): setup only reports, the tests are the GPU
 #              tier (skipped there) and the fake-CUDA tier, each benchmark is asked for --help, calibration and the
 #              comparison run their CPU sizes. Exit 0 when all of that works.
@@ -36,18 +37,18 @@ PEER_WHEELS=${PEER_WHEELS:-.whl}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
 DRY_RUN=0
 STEPS=()
+wants() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
     --print-run) echo "$GPU_RUN"; exit 0 ;;
     -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
-    setup|tests|calibrate|bench|compare) STEPS+=("$arg") ;;
+    setup|tests|calibrate|bench|compare) wants "$arg" || STEPS+=("$arg") ;;  # each step once
     *) echo "gpu_check: unknown argument '$arg'; steps are setup tests calibrate bench compare (or --dry-run)" >&2
        exit 2 ;;
   esac
 done
 ((${#STEPS[@]})) || STEPS=(setup tests calibrate bench compare)
-wants() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 # ------------------------------------------------------------------------------------------------ a CUDA GPU
 if ! "$PYTHON" -c 'import torch' >/dev/null 2>&1; then

@@ -49,6 +49,7 @@ from megalm.estimate.rank import (
     bubble_factor,
     check_gpu,
     estimate_rank,
+    fp8_notes,
     gpu_precision,
     inside_node,
     reserve_bytes,
@@ -349,6 +350,7 @@ def search(overrides: list[str], world: int, gpu: str, top: int = 5, max_confirm
     """Layouts that fit `world` GPUs of `gpu` (of `memory_bytes` each, by default the GPU's), best predicted tokens/s
     first (see the module docstring). The estimator confirms at most `max_confirm` layouts and starts none after
     `budget_s` seconds."""
+    from megalm.config.compose import compose_config
     from megalm.errors import ConfigError
     from megalm.training.flops import training_flops
 
@@ -356,6 +358,7 @@ def search(overrides: list[str], world: int, gpu: str, top: int = 5, max_confirm
     start = time.perf_counter()
     memory = memory_bytes or HBM_BYTES[gpu]
     shape, base, notes = search_shape(gpu_precision(overrides), world)
+    notes += fp8_notes(compose_config(gpu_precision(overrides)).precision, gpu)
     candidates = layouts(shape)
     priced = [(layout, *closed_form(shape, layout, gpu)) for layout in candidates]
     hopeful = sorted((c for c in priced if c[1] <= memory * CLOSED_FORM_MARGIN), key=lambda c: -c[2])

@@ -142,10 +142,8 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
     rank = dims.rank_of(pp=stage, dp=domain_index // p.cp, cp=domain_index % p.cp)
     fake, live = FakeTensorMode(allow_non_fake_inputs=True), LiveStorages()
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-    # FP8 as the GPU runs it (torch._scaled_mm, compiled casts), where it has FP8 tensor cores, not the CPU's emulation
-    gpu_fp8 = compat.fp8_traced_as_gpu() if GPUS[gpu].fp8_tflops else contextlib.nullcontext()
-    try:
-        with tempfile.TemporaryDirectory() as run_dir, gpu_fp8:
+    try:  # FP8 recipes as this GPU runs them (compiled casts; torch._scaled_mm from 8.9), not as the CPU emulates
+        with tempfile.TemporaryDirectory() as run_dir, compat.fp8_traced_as_gpu(GPUS[gpu].capability):
             with fake, live:
                 trainer = Trainer(cfg, run_dir)
             params = storage_bytes(trainer.model.parameters())
@@ -305,11 +303,10 @@ def fp8_notes(precision: Any, gpu: str) -> list[str]:
     """What the estimate of an FP8 recipe's step traces that the GPU runs otherwise (one line, none for others)."""
     if not (str(precision.name).startswith("fp8") or precision.forward == "fp8"):
         return []
-    if not GPUS[gpu].fp8_tflops:
-        return [f"precision={precision.name}: {gpu} has no FP8 tensor cores; priced as megalm runs it there, "
-                "dequantized to fp32 GEMMs"]
-    return [f"precision={precision.name}: FP8 GEMMs traced as the GPU's torch._scaled_mm and each cast to FP8 as the "
-            "GPU's one compiled kernel (priced by its bytes; the eager twin's fp32 temporaries count in the peak)"]
+    gemms = ("the GPU's torch._scaled_mm" if GPUS[gpu].fp8_tflops
+             else f"megalm runs them on {gpu}, which has no FP8 tensor cores: dequantized to fp32 GEMMs")
+    return [f"precision={precision.name}: FP8 GEMMs traced as {gemms}; each cast to FP8 as the GPU's one compiled "
+            "kernel (priced by its bytes; the eager twin's fp32 temporaries count in the peak)"]
 
 
 def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:

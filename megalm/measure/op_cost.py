@@ -1,6 +1,7 @@
 """What a step costs on a GPU, read from the aten ops it dispatches: kernels, FLOPs, bytes and a roofline time.
 
-`OpCosts` is a `TorchDispatchMode`: every op that is not a view (a view launches no kernel) is one kernel, its
+`OpCosts` is a `TorchDispatchMode`: every op that is not a view (a view launches no kernel) is one kernel (or part
+of one: `one_kernel` counts a region's ops as the single fused kernel the GPU runs for them), its
 FLOPs come from torch's own formulas (`torch.utils.flop_counter`), its bytes are those of its tensor inputs read
 and its outputs written, and its roofline time on a named GPU is max(FLOPs / peak, bytes / HBM bandwidth). Under
 `FakeTensorMode` this runs a step of any size on a CPU in seconds (no data is computed). Which kernels run is the
@@ -13,13 +14,12 @@ Hand-written because torch's `runtime_estimator` reads the live GPU, and its `Fl
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
@@ -33,13 +33,14 @@ class Gpu:
     fp8_tflops: float  # dense fp8 tensor cores
     tf32_tflops: float  # dense tf32 tensor cores (fp32 GEMMs with precision.tf32)
     hbm_tbytes_per_s: float
+    capability: tuple[int, int]  # CUDA compute capability: which kernels megalm picks on it (FP8 GEMMs from 8.9)
 
 
 GPUS = {  # NVIDIA datasheets: H100 SXM5, H200 SXM, A100 SXM4 80GB, B200 (HGX B200, per GPU)
-    "h100": Gpu("H100 SXM5", 989.4, 1978.9, 494.7, 3.35),
-    "h200": Gpu("H200 SXM", 989.4, 1978.9, 494.7, 4.8),
-    "a100": Gpu("A100 SXM4 80GB", 312.0, 0.0, 156.0, 2.039),
-    "b200": Gpu("B200", 2250.0, 4500.0, 1100.0, 8.0),
+    "h100": Gpu("H100 SXM5", 989.4, 1978.9, 494.7, 3.35, (9, 0)),
+    "h200": Gpu("H200 SXM", 989.4, 1978.9, 494.7, 4.8, (9, 0)),
+    "a100": Gpu("A100 SXM4 80GB", 312.0, 0.0, 156.0, 2.039, (8, 0)),
+    "b200": Gpu("B200", 2250.0, 4500.0, 1100.0, 8.0, (10, 0)),
 }
 
 CATEGORIES = ("gemm", "attention", "cast/copy", "elementwise/other", "loss", "optimizer", "communication")
@@ -107,22 +108,17 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-# The OpCosts traces on, innermost last, and whether the ops dispatched now are inside `one_kernel`
-_TRACES: contextvars.ContextVar[tuple[OpCosts, ...]] = contextvars.ContextVar("megalm_op_costs", default=())
-_IN_ONE_KERNEL: contextvars.ContextVar[bool] = contextvars.ContextVar("megalm_in_one_kernel", default=False)
-
-
 @contextlib.contextmanager
 def one_kernel(name: str, category: str = "cast/copy") -> Iterator[Callable[[float], None]]:
     """The ops inside count as one memory-bound kernel `name` of the bytes handed to the yielded `moved(nbytes)`:
     a kernel the GPU runs fused (a compiled FP8 cast) traced here as its eager twin, whose intermediate copies the
-    GPU never writes. Nothing changes where no OpCosts trace is on."""
-    traces, moved = _TRACES.get(), []
-    token = _IN_ONE_KERNEL.set(True)
-    try:
+    GPU never writes. Nothing changes where no OpCosts trace is on (the traces are the dispatch modes in force)."""
+    traces = [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, OpCosts)]
+    moved: list[float] = []
+    with contextlib.ExitStack() as stack:
+        for trace in traces:
+            stack.enter_context(trace.recording_only(set()))
         yield moved.append
-    finally:
-        _IN_ONE_KERNEL.reset(token)
     for trace in traces:
         trace.add_kernel(name, sum(moved), category)
 
@@ -152,19 +148,10 @@ class OpCosts(TorchDispatchMode):
         any other dispatch mode): its graphs count themselves in (megalm/measure/compiled_cost.py)."""
         return True
 
-    def __enter__(self) -> OpCosts:
-        self._token = _TRACES.set((*_TRACES.get(), self))
-        return super().__enter__()
-
-    def __exit__(self, *exc) -> None:
-        _TRACES.reset(self._token)
-        return super().__exit__(*exc)
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if _IN_ONE_KERNEL.get() or func.is_view or func.namespace in _NO_KERNEL_NAMESPACES \
-                or func._overloadpacket.__name__ in _NO_KERNEL:
+        if func.is_view or func.namespace in _NO_KERNEL_NAMESPACES or func._overloadpacket.__name__ in _NO_KERNEL:
             return out
         name = func._overloadpacket.__name__
         if self._only is not None and name not in self._only:

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from megalm import compat
 from megalm.config import MegalmConfig, PrecisionConfig, choice
 from megalm.config.choices import ForwardFormat, PrecisionBackend
 from megalm.errors import ConfigError
@@ -120,7 +121,8 @@ class Precision:
         self.weights_version = WeightsVersion()  # shared by the layers' states of every chunk it converts
         self.on_te = uses_transformer_engine(cfg.name, cfg.backend, device)
         # FP8 GEMMs on a GPU (TE's, or torch._scaled_mm) need the token count divisible by 16: pad micro-batches
-        fp8_on_gpu = device.type == "cuda" and (cfg.name.startswith("fp8") or cfg.forward == "fp8")
+        on_gpu = device.type == "cuda" or compat.fp8_traced_capability() is not None  # or the estimator's trace
+        fp8_on_gpu = on_gpu and (cfg.name.startswith("fp8") or cfg.forward == "fp8")
         self.token_multiple = (te.TE_TOKEN_MULTIPLE if self.on_te else fp8.SCALED_MM_TOKEN_MULTIPLE if fp8_on_gpu
                                else 1)
         self.working_dtype = working_dtype(cfg)

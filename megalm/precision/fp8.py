@@ -150,7 +150,7 @@ def _run(kind: str, x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) ->
     parameter's shape static, so passing weights as Parameters would compile one graph per weight shape) and the
     scale as many dims as x (a 0-dim scale is viewed as [1, 1]) so that layouts do not multiply its variants."""
     if not runs_fused(x):
-        if x.device.type == "cpu" and compat.tracing_fp8_as_gpu() and compat.is_fake(x):
+        if x.device.type == "cpu" and compat.fp8_traced_capability() and compat.is_fake(x):
             return _traced_as_fused(kind, x, dtype, scale)
         return _MATH[kind](x, scale, fp8_max(dtype), dtype)
     return _call_fused(kind, x, dtype, scale)
@@ -243,18 +243,18 @@ class AmaxHistory:
 SCALED_MM_TOKEN_MULTIPLE = 16  # torch._scaled_mm needs every GEMM dimension, the tokens too, divisible by 16
 
 
-def _capability(device: torch.device) -> tuple[int, int] | None:
-    """`device`'s CUDA compute capability; on the CPU under the estimator's trace of a GPU with FP8 GEMMs
-    (compat.fp8_traced_as_gpu) the smallest that has them."""
+def _fp8_capability(device: torch.device) -> tuple[int, int] | None:
+    """`device`'s CUDA compute capability; on the CPU under the estimator's trace of a GPU
+    (compat.fp8_traced_as_gpu), that GPU's."""
     capability = compat.cuda_capability(device)
-    if capability is None and device.type == "cpu" and compat.tracing_fp8_as_gpu():
-        return (8, 9)
+    if capability is None and device.type == "cpu":
+        return compat.fp8_traced_capability()
     return capability
 
 
 def gemm_path(device: torch.device) -> str:
     """Where FP8 GEMMs run on `device`, for the log: torch._scaled_mm, or the fp32 emulation and why."""
-    capability = _capability(device)
+    capability = _fp8_capability(device)
     if capability is None:
         return f"emulated in fp32 (no FP8 GEMMs on {device.type})"
     if not compat.scaled_mm_available() or capability < (8, 9):
@@ -294,7 +294,7 @@ def column_major(q: torch.Tensor) -> torch.Tensor:
 
 def scaled_mm_runs(device: torch.device) -> bool:
     """Whether FP8 GEMMs on `device` can take the hardware path (then a cached weight is kept in its layout)."""
-    capability = _capability(device)
+    capability = _fp8_capability(device)
     return capability is not None and capability >= (8, 9) and compat.scaled_mm_available()
 
 

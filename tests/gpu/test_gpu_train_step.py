@@ -41,8 +41,10 @@ OVERRIDES = ["model=125m", "model.seq_length=512", "data=synthetic", "data.synth
              "trainer.save_interval=0", "trainer.log_interval=1", "logging.tensorboard=false"]
 # precision: (loss relative, gradient-norm relative, smallest per-parameter gradient cosine)
 TOLERANCES = {
-    "bf16": (2e-2, 3e-2, 0.99),  # bf16 operands, fp32 accumulation: ~100x / ~10x the measured CPU bf16 error
-    "fp8": (2e-2, 5e-2, 0.90),  # FP8 operand noise on top (the cosine is FP8's own error, not a GPU mismatch)
+    "bf16": (2e-2, 3e-2, 0.99),  # bf16 operands, fp32 accumulation: ~500x / ~20x the measured CPU bf16 error
+    # FP8 operand noise on top: its own 2.0e-2 gradient-norm difference on the CPU, 3x that (the cosine is FP8's
+    # own error too, not a GPU mismatch)
+    "fp8": (2e-2, 6e-2, 0.90),
 }
 
 

@@ -166,9 +166,10 @@ def test_moe_ranks_hold_their_expert_slice_and_count_k_experts_per_token():
 
 def test_fp8_gemms_are_traced_as_the_gpu_runs_them(monkeypatch):
     """On a GPU with FP8 tensor cores the estimator's step takes torch._scaled_mm (its fake kernel), priced at the FP8
-    peak, instead of the CPU's fp32 emulation, and each cast to FP8 counts as the GPU's one compiled kernel, not its
-    eager twin's ops (the two made an H100's fp8 step of 1.3B look 2.5x slower than bf16); on an A100, which has
-    no FP8 tensor cores, the emulation, as megalm runs there. The note says which."""
+    peak, instead of the CPU's fp32 emulation, with micro-batches padded to 16 tokens as on the GPU (36-token
+    sequences here); on an A100, which has none, the emulated GEMMs megalm runs there. On both each cast to FP8
+    counts as the GPU's one compiled kernel, not its eager twin's ops (the two made an H100's fp8 step of 1.3B look
+    2.5x slower than bf16). The note says which."""
     from megalm.estimate import rank as estimate_rank
 
     traces: dict[str, estimate_rank.OpCosts] = {}
@@ -180,17 +181,15 @@ def test_fp8_gemms_are_traced_as_the_gpu_runs_them(monkeypatch):
 
     monkeypatch.setattr(estimate_rank, "OpCosts", Recorded)
     overrides = [*SMALL, "precision=fp8", "trainer.device=cpu", "trainer.micro_batch_size=2",
-                 "trainer.global_batch_size=2"]
+                 "trainer.global_batch_size=2", "model.seq_length=36"]
     notes = {gpu: estimate.estimate(overrides, 1, gpu)["notes"] for gpu in ("h100", "a100")}
     h100, a100 = traces["H100 SXM5"].by_op, traces["A100 SXM4 80GB"].by_op
     # the same GEMM work (the output head stays bf16 in both), the linear layers' part on the FP8 kernel
     assert h100["_scaled_mm"].kernels > 0 and "_scaled_mm" not in a100
     assert h100["_scaled_mm"].flops + h100["mm"].flops == a100["mm"].flops
-    # a cast reads x (twice under current scaling, amax first) and writes FP8: one kernel, no clamp or amax of its own
-    casts = [op for op in h100 if op.startswith("fp8_cast_")]
-    assert casts and not any(op.startswith("fp8_cast_") for op in a100), sorted(h100)
-    # the eager twin's amax and saturation are inside those kernels (the gradient clip's clamp is not a cast's)
-    assert h100["linalg_vector_norm"].kernels == 0 < a100["linalg_vector_norm"].kernels
-    assert h100["clamp"].kernels < a100["clamp"].kernels
+    # a cast reads x (twice under current scaling, amax first) and writes FP8: one kernel, on either GPU
+    for by_op in (h100, a100):
+        assert any(op.startswith("fp8_cast_") for op in by_op), sorted(by_op)
+        assert by_op["linalg_vector_norm"].kernels == 0, "a cast's amax was priced as an op of its own"
     assert any("torch._scaled_mm" in n for n in notes["h100"]), notes
     assert any("no FP8 tensor cores" in n for n in notes["a100"]), notes

@@ -315,8 +315,10 @@ def megalm_kernels(trainer: Any, cfg: MegalmConfig, batch: int, device: torch.de
         kv_heads = m.num_kv_heads or m.num_heads
         attention += " (" + probe_sdpa(batch, m.num_heads, kv_heads, m.seq_length, m.hidden_size // m.num_heads,
                                        compute_dtype(name), device) + ")"
+    where = "cuBLAS" if device.type == "cuda" else "CPU"
     gemm = (gemm_kernels(device, name, "megalm's Linear (F.linear)") if name == "fp32"
-            else f"megalm {trainer.precision.note}")  # bf16: its weights are bf16, no autocast
+            else f"megalm's Linear (F.linear): {where} {trainer.precision.note}" if name == "bf16"  # no autocast
+            else f"megalm {trainer.precision.note}")
     fp8_cast = device.type == "cuda" and name.startswith("fp8")
     return {"attention": attention, "gemm": gemm,
             "compile": "eager" + ("; its FP8 casts are one torch.compile'd kernel" if fp8_cast else ""),

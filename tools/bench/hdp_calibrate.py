@@ -725,7 +725,7 @@ def derive(found: dict, base: dict, cfg, device: torch.device, args: argparse.Na
             f" = {e:.4g} B/token (recompute={found['recompute']})",
             f"  act_fixed = layers*{m.layer_state / GiB:.4f} GiB + {m.other_state / GiB:.4f} GiB (parameters + "
             f"gradients as allocated) + {max(0.0, f - state) / GiB:.4f} GiB",
-            "    (the line's intercept: what a forward keeps at any length, whatever the sequence) = "
+            "    (the line's intercept: what a forward keeps whatever the sequence's length) = "
             f"{f / GiB:.3f} GiB;",
             "    optimizer state not counted (ZeRO-1 over the HDP domain, as the base file assumes)",
         ]

@@ -23,9 +23,10 @@ forward and backward; the optimizer step (fused AdamW for both) is its own row. 
   of the GPU's Triton ones, from the same fusion decisions.
 
 The trace runs on fake CPU tensors, so the dispatcher picks CPU kernels: SDPA's CPU flash kernel stands in for
-CUDA's, and ops CUDA runs fused may appear decomposed (both systems alike). The roofline time of an op is
-max(FLOPs / the tensor-core peak of its dtype, bytes / HBM bandwidth) on `--gpu`; it ignores launch overhead and
-overlap, so it is a floor, useful for comparing systems, not a prediction of step time.
+CUDA's, and ops CUDA runs fused may appear decomposed (both systems alike); megalm's FP8 recipes are traced as the
+GPU runs them (its compiled casts, `torch._scaled_mm` from sm89: `compat.fp8_traced_as_gpu`). The roofline time
+of an op is max(FLOPs / the tensor-core peak of its dtype, bytes / HBM bandwidth) on `--gpu`; it ignores launch
+overhead and overlap, so it is a floor, useful for comparing systems, not a prediction of step time.
 """
 
 from __future__ import annotations
@@ -60,21 +61,24 @@ STEP_OVERRIDES = ["data=synthetic", "data.synthetic.num_docs=64", "trainer.globa
 
 
 @contextlib.contextmanager
-def fake_trainer(overrides: list[str]) -> Iterator[Any]:
+def fake_trainer(overrides: list[str], gpu: str | None = None) -> Iterator[Any]:
     """megalm's Trainer for one micro-batch of one document of `model.seq_length` tokens, built and run under
-    `FakeTensorMode` (sizes, no data) in a scratch run dir."""
+    `FakeTensorMode` (sizes, no data) in a scratch run dir; with `gpu`, FP8 recipes as that GPU runs them
+    (compat.fp8_traced_as_gpu: compiled casts, torch._scaled_mm from sm89), else as the CPU emulates them."""
+    from megalm import compat
     from megalm.training.trainer import Trainer
 
     cfg = compose_config(STEP_OVERRIDES + overrides)
     cfg.data.synthetic.fixed_doc_length = cfg.model.seq_length  # one document filling the micro-batch
-    with tempfile.TemporaryDirectory() as run_dir, FakeTensorMode(allow_non_fake_inputs=True):
+    as_gpu = compat.fp8_traced_as_gpu(GPUS[gpu].capability) if gpu else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory() as run_dir, FakeTensorMode(allow_non_fake_inputs=True), as_gpu:
         yield Trainer(cfg, run_dir)
 
 
 def megalm_step(overrides: list[str], gpu: str, system: str = "megalm", compiled: bool = False) -> dict[str, Any]:
     """megalm's forward+backward of one micro-batch and its optimizer step, traced; `compiled`: its blocks compiled
     by inductor, their generated kernels counted from inductor's scheduler (megalm/measure/compiled_cost.py)."""
-    with fake_trainer(overrides) as trainer:
+    with fake_trainer(overrides, gpu) as trainer:
         inductor = InductorCosts()
         if compiled:  # as trainer.compile=true does, with the backend that counts inductor's kernels
             compile_blocks(trainer.model, inductor)
