@@ -37,7 +37,6 @@ from typing import Any
 import torch
 
 from megalm import compat
-from megalm.measure import op_cost
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -159,6 +158,8 @@ def _run(kind: str, x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) ->
 def _traced_as_fused(kind: str, x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> Any:
     """The eager math on the estimator's fake tensors, costed as the GPU's compiled kernel: x read once (twice for
     current scaling: its amax is a reduction over all of x before the cast) and the FP8 tensor written."""
+    from megalm.measure import op_cost  # only the estimator's trace needs it (torch's flop counter imports triton)
+
     with op_cost.one_kernel(f"fp8_cast_{kind}") as moved:
         out = _MATH[kind](x, scale, fp8_max(dtype), dtype)
         q = out[0] if isinstance(out, tuple) else out
