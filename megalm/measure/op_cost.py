@@ -158,7 +158,7 @@ class OpCosts(TorchDispatchMode):
             return out
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        read = sum(_nbytes(t) for t in inputs)
+        read = 0 if name.startswith("new_") else sum(_nbytes(t) for t in inputs)  # x.new_*: x's dtype only
         written = sum(_nbytes(t) for t in outputs)
         formula = flop_registry.get(func._overloadpacket)
         flops = _attention_flops(name, args, kwargs)

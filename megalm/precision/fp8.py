@@ -193,7 +193,7 @@ def quantize_current(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None
     """(FP8 x, its scale) under current scaling: one scale for the whole tensor (`dim` None, a 0-dim scale) or one
     per row along `dim` of a 2-D x (kept as size 1). amax, scale and cast are one compiled function on CUDA (no
     |x| copy, the scale's arithmetic folded in); the values are `quantize(x, dtype, tensor_scale(x, dtype))`'s."""
-    one = torch.ones((), dtype=torch.float32, device=x.device)  # stands for the scale's shape (expanded: no memory)
+    one = x.new_ones((), dtype=torch.float32)  # stands for the scale's shape (expanded: no memory)
     shape = one if dim is None else one.expand([1 if d == dim % x.dim() else n for d, n in enumerate(x.shape)])
     q, scale = _run("current", x, dtype, shape)
     return q, scale.reshape(shape.shape)
