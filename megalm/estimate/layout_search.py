@@ -315,8 +315,9 @@ STRIPPED = {"parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parall
             "trainer.global_batch_size", "model.num_layers"}  # set per layout by the search; the others are kept
 
 
-def search_shape(overrides: list[str], world: int) -> tuple[Shape, list[str], list[str]]:
-    """The closed form's view of the run, the overrides every layout shares, and the notes on defaults taken."""
+def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tuple[Shape, list[str], list[str]]:
+    """The closed form's view of the run, the overrides every layout shares, and the notes on defaults taken (and,
+    with `gpu`, on how its FP8 GEMMs are traced)."""
     from megalm.config.checks import resolve_model_defaults
     from megalm.config.compose import compose_config
     from megalm.errors import ConfigError
@@ -334,6 +335,7 @@ def search_shape(overrides: list[str], world: int) -> tuple[Shape, list[str], li
                           moe.shared_ffn_hidden_size if moe.num_shared_experts else 0, moe.first_k_dense)
     keys = {o.split("=", 1)[0].lstrip("+") for o in overrides}
     notes = [] if "trainer.global_batch_size" in keys else [SEARCH_NOTE]
+    notes += fp8_notes(cfg.precision, gpu) if gpu else []
     micro = t.micro_batch_size if "trainer.micro_batch_size" in keys else 1
     model = ModelShape(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_heads, kv_heads=m.num_kv_heads,
                        ffn=m.ffn_hidden_size, vocab=m.vocab_size)
@@ -350,15 +352,13 @@ def search(overrides: list[str], world: int, gpu: str, top: int = 5, max_confirm
     """Layouts that fit `world` GPUs of `gpu` (of `memory_bytes` each, by default the GPU's), best predicted tokens/s
     first (see the module docstring). The estimator confirms at most `max_confirm` layouts and starts none after
     `budget_s` seconds."""
-    from megalm.config.compose import compose_config
     from megalm.errors import ConfigError
     from megalm.training.flops import training_flops
 
     check_gpu(gpu)
     start = time.perf_counter()
     memory = memory_bytes or HBM_BYTES[gpu]
-    shape, base, notes = search_shape(gpu_precision(overrides), world)
-    notes += fp8_notes(compose_config(gpu_precision(overrides)).precision, gpu)
+    shape, base, notes = search_shape(gpu_precision(overrides), world, gpu)
     candidates = layouts(shape)
     priced = [(layout, *closed_form(shape, layout, gpu)) for layout in candidates]
     hopeful = sorted((c for c in priced if c[1] <= memory * CLOSED_FORM_MARGIN), key=lambda c: -c[2])

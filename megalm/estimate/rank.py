@@ -301,7 +301,9 @@ def check_gpu(gpu: str) -> None:
 
 def fp8_notes(precision: Any, gpu: str) -> list[str]:
     """What the estimate of an FP8 recipe's step traces that the GPU runs otherwise (one line, none for others)."""
-    if not (str(precision.name).startswith("fp8") or precision.forward == "fp8"):
+    from megalm.precision import has_fp8_gemms
+
+    if not has_fp8_gemms(precision):
         return []
     gemms = ("the GPU's torch._scaled_mm" if GPUS[gpu].fp8_tflops
              else f"megalm runs them on {gpu}, which has no FP8 tensor cores: dequantized to fp32 GEMMs")

@@ -89,6 +89,11 @@ def autocasts(precision: PrecisionConfig | str) -> bool:
                                        and working_dtype(precision) is None)
 
 
+def has_fp8_gemms(precision: PrecisionConfig) -> bool:
+    """Whether the recipe's linear layers multiply FP8 operands: the fp8 recipes, and MX ones with `forward=fp8`."""
+    return str(precision.name).startswith("fp8") or precision.forward == "fp8"
+
+
 def working_dtype(precision: PrecisionConfig | str) -> torch.dtype | None:
     """The dtype the model's weights train in behind fp32 main weights (bf16: precision=bf16, and the fp8/mx
     recipes with `precision.bf16_weights`), or None: the fp32 weights train."""
@@ -122,7 +127,7 @@ class Precision:
         self.on_te = uses_transformer_engine(cfg.name, cfg.backend, device)
         # FP8 GEMMs on a GPU (TE's, or torch._scaled_mm) need the token count divisible by 16: pad micro-batches
         on_gpu = device.type == "cuda" or compat.fp8_traced_capability() is not None  # or the estimator's trace
-        fp8_on_gpu = on_gpu and (cfg.name.startswith("fp8") or cfg.forward == "fp8")
+        fp8_on_gpu = on_gpu and has_fp8_gemms(cfg)
         self.token_multiple = (te.TE_TOKEN_MULTIPLE if self.on_te else fp8.SCALED_MM_TOKEN_MULTIPLE if fp8_on_gpu
                                else 1)
         self.working_dtype = working_dtype(cfg)
@@ -152,8 +157,7 @@ class Precision:
         else:
             states = apply_precision(chunk, get_recipe(name, forward=self.cfg.forward), skip=skip, seed=self.seed,
                                      weights_version=self.weights_version)
-            fp8_gemms = name.startswith("fp8") or self.cfg.forward == "fp8"
-            paths = [f"FP8 GEMMs {fp8.gemm_path(self.device)}"] * fp8_gemms
+            paths = [f"FP8 GEMMs {fp8.gemm_path(self.device)}"] * has_fp8_gemms(self.cfg)
             paths += [f"MX GEMMs {mx_gemm_path(self.device)}"] * name.startswith("mx")
             path = "; ".join(paths)
             self.note = f"{name} on {len(states)} linear layers (native: {path}{self.fallback})"
