@@ -285,13 +285,14 @@ def probe_sdpa(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, d
     return sdpa_kernel(q, kv, kv, is_causal=True, enable_gqa=heads != kv_heads)
 
 
-def gemm_kernels(device: torch.device, precision: str, layers: str) -> str:
-    """Where bf16 and fp32 GEMMs run: cuBLAS under autocast, or fp32 with the TF32 setting of this run."""
+def gemm_kernels(device: torch.device, precision: str, layers: str, bf16: str = "bf16 under autocast") -> str:
+    """Where bf16 and fp32 GEMMs run: cuBLAS in `bf16` (the system's recipe, autocast unless it says otherwise), or
+    fp32 with the TF32 setting of this run."""
     where = "cuBLAS" if device.type == "cuda" else "CPU"
     if precision == "fp32":
         tf32 = device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
         return f"{layers}: {where} fp32{' (TF32)' if tf32 else ''}"
-    return f"{layers}: {where} bf16 under autocast"
+    return f"{layers}: {where} {bf16}"
 
 
 # ---------------------------------------------------------------------------------------------- megalm
@@ -315,10 +316,8 @@ def megalm_kernels(trainer: Any, cfg: MegalmConfig, batch: int, device: torch.de
         kv_heads = m.num_kv_heads or m.num_heads
         attention += " (" + probe_sdpa(batch, m.num_heads, kv_heads, m.seq_length, m.hidden_size // m.num_heads,
                                        compute_dtype(name), device) + ")"
-    where = "cuBLAS" if device.type == "cuda" else "CPU"
-    gemm = (gemm_kernels(device, name, "megalm's Linear (F.linear)") if name == "fp32"
-            else f"megalm's Linear (F.linear): {where} {trainer.precision.note}" if name == "bf16"  # no autocast
-            else f"megalm {trainer.precision.note}")
+    gemm = (gemm_kernels(device, name, "megalm's Linear (F.linear)", bf16=trainer.precision.note)  # no autocast
+            if name in ("fp32", "bf16") else f"megalm {trainer.precision.note}")
     fp8_cast = device.type == "cuda" and name.startswith("fp8")
     return {"attention": attention, "gemm": gemm,
             "compile": "eager" + ("; its FP8 casts are one torch.compile'd kernel" if fp8_cast else ""),
