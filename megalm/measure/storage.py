@@ -45,9 +45,16 @@ def _new_outputs(func, out):  # noqa: ANN001, ANN202 - an OpOverload and what it
     return tuple(o for o, r in zip(out, returns, strict=True) if r.alias_info is None)
 
 
+def storage_identity(t: torch.Tensor | torch.UntypedStorage) -> int:
+    """Which storage `t` (a tensor or its storage) is, while it lives: its StorageImpl's address, the same for every
+    view and alias (detach()) of it. A data pointer would do on a device, but fake tensors have none: every one
+    reads 0 (and torch warns that reading it is a bug)."""
+    return (t if isinstance(t, torch.UntypedStorage) else t.untyped_storage())._cdata
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages under `tensors` (views and tensors sharing a storage count it once)."""
-    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in map(_own_elements, tensors)}
+    storages = {storage_identity(t): t.untyped_storage().nbytes() for t in map(_own_elements, tensors)}
     return sum(storages.values())
 
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from megalm.measure import storage_identity
 from megalm.offload.pool import HostPool
 
 RESIDENT, OFFLOADED, RELOADED = "resident", "offloaded", "reloaded"
@@ -66,7 +67,7 @@ class _Storage:
 @dataclass
 class _Group:
     storages: list[_Storage] = field(default_factory=list)
-    index: dict[int, int] = field(default_factory=dict)  # storage identity (`_identity`) -> position in `storages`
+    index: dict[int, int] = field(default_factory=dict)  # `storage_identity` -> position in `storages`
     host: torch.Tensor | None = None  # one pool buffer holding all storages while offloaded
     state: str = RESIDENT
     event: object | None = None  # CUDA event of the group's last copy
@@ -118,12 +119,6 @@ def with_index(device: torch.device) -> torch.device:
     return device
 
 
-def _identity(storage: torch.UntypedStorage) -> int:
-    """Which storage this is, while it lives: its StorageImpl's address. A data pointer would do on a device, but
-    fake tensors (megalm-estimate runs offload under them) have none: every one reads 0."""
-    return storage._cdata
-
-
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     """A uint8 tensor over all of t's storage (to copy it whole, whatever views of it were saved), made as a view of
     t. (`torch.empty(0).set_(storage)` would do on a device, but under FakeTensorMode, where megalm-estimate runs
@@ -148,7 +143,7 @@ class ActivationStore:
         self.device = with_index(torch.device(device))
         self.cuda = self.device.type == "cuda"
         self.pool = pool or HostPool(pin=self.cuda)
-        self.param_storages = {_identity(p.untyped_storage()) for p in params}  # parameters and buffers
+        self.param_storages = {storage_identity(p) for p in params}  # parameters and buffers
         self.min_tensor_bytes = min_tensor_bytes
         self.recompute_cheap = recompute_cheap
         self.recomputed = 0  # cheap outputs rebuilt instead of stored
@@ -180,7 +175,7 @@ class ActivationStore:
             if self.recompute_cheap and node is not None and type(node).__name__ in CHEAP_OPS and not t._is_view():
                 return _Recompute(node, t.dtype)
             storage = t.untyped_storage()
-            address = _identity(storage)
+            address = storage_identity(storage)
             if address not in group.index:
                 group.index[address] = len(group.storages)
                 group.storages.append(_Storage(storage.nbytes(), _bytes_of(t), t.detach()))
@@ -223,7 +218,7 @@ class ActivationStore:
         storage = t.untyped_storage()
         if storage.nbytes() < self.min_tensor_bytes:
             return False
-        return _identity(storage) not in self.param_storages
+        return storage_identity(storage) not in self.param_storages
 
     def _unpack(self, ref: torch.Tensor | _Ref | _Recompute) -> torch.Tensor:
         if isinstance(ref, torch.Tensor):

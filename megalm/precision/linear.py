@@ -130,6 +130,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalm.measure import storage_identity
 from megalm.model.linear import LinearHooks, linear, linear_modules
 from megalm.model.naming import canonical_named_modules, model_chunks
 from megalm.precision import compiled_linear, fp8
@@ -387,9 +388,10 @@ class RecipeGemms:
     def _owner(self, w: torch.Tensor) -> torch.Tensor:
         """The layer's parameter when `w` is it or an alias of it (the zero-bubble path passes weight.detach(),
         a new object per call sharing storage and version counter), so that the cache hits; else `w` itself
-        (a weight computed per call, e.g. kv rows gathered over TP ranks)."""
+        (a weight computed per call, e.g. kv rows gathered over TP ranks). Storages are told apart by identity, not
+        data pointer: under the estimator's fake tensors every data pointer is 0."""
         p = self.weight
-        if p is not None and w.shape == p.shape and w.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
+        if p is not None and w.shape == p.shape and storage_identity(w) == storage_identity(p):
             return p
         return w
 

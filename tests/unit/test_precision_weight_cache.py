@@ -189,6 +189,23 @@ def test_a_detached_alias_of_the_weight_hits_its_cache(monkeypatch):
     assert len(calls) == 1 and state.amax["w"].count == 1
 
 
+def test_the_owner_of_a_weight_is_told_by_storage_under_fake_tensors():
+    """megalm-estimate runs the GEMMs on fake tensors, whose data pointers all read 0: a weight of the parameter's
+    shape on another storage must still not be taken for the parameter (and served its FP8 copy), while a detached
+    alias is; and nothing reads a fake data pointer (torch warns that doing so is a bug)."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        weight = torch.nn.Parameter(torch.empty(32, 64))
+        gemms = RecipeGemms(get_recipe("fp8"), LinearState("layer"), weight=weight)
+        assert gemms._owner(weight.detach()) is weight
+        other = torch.empty(32, 64)
+        assert gemms._owner(other) is other
+
+
 @pytest.mark.parametrize("zero1", [False, True])
 def test_the_trainer_quantizes_each_weight_once_per_step(tmp_path, monkeypatch, zero1):
     """The trainer watches its own optimizer (torch's AdamW, or ZeRO-1's): over two steps of two micro-batches
