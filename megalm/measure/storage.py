@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -69,11 +69,13 @@ class LiveStorages(TorchDispatchMode):
 
     `with LiveStorages() as live: ...` then `live.bytes()`, `live.peak()`; `mark_peak()` restarts the peak at the
     current level. `at_backward_start` is the bytes live when the first backward began (autograd's own graph-task id
-    tells it apart): the weights, and what the forward saved for the backward.
+    tells it apart): the weights, and what the forward saved for the backward; `on_backward_start` is called then,
+    to read what else was live at that moment.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_backward_start: Callable[[], None] | None = None) -> None:
         super().__init__()
+        self.on_backward_start = on_backward_start
         self.live: dict[int, _Live] = {}  # id of a storage object -> its bytes and device
         self._now: dict[str, int] = {}
         self._peak: dict[str, int] = {}
@@ -83,6 +85,8 @@ class LiveStorages(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         if self.at_backward_start is None and torch._C._current_graph_task_id() != -1:
             self.at_backward_start = self.bytes()  # before the backward's first output
+            if self.on_backward_start is not None:
+                self.on_backward_start()
         out = func(*args, **(kwargs or {}))
         self.track(t for t in tree_flatten(_new_outputs(func, out))[0] if isinstance(t, torch.Tensor))
         return out

@@ -152,3 +152,20 @@ def test_the_7b_yaml_is_the_roofline_derivation_its_header_states(tmp_path: Path
         assert again[key] == pytest.approx(value, rel=1e-3), key
     # 7·h FLOPs per causal token pair (h = 4096) at half the H100 peak is 5.8e-11 s; the roofline adds memory traffic
     assert 6e-11 < committed["a"] < 1.2e-10 and committed["capacity"] == 8192
+
+
+def test_roofline_prices_fp8_as_the_gpu_runs_it(tmp_path: Path, capsys):
+    """`--device roofline precision=fp8` traces the block as the priced GPU runs it (torch._scaled_mm at the FP8 peak,
+    one kernel per cast), not as this CPU emulates it (dequantized fp32 GEMMs at the TF32 peak, the casts' eager
+    ops, which put b at 2.9x bf16's): its per-token coefficient b falls below bf16's (0.91x: the GEMMs halve, the
+    casts and the block's eager elementwise ops stay)."""
+    fit = {}
+    for precision in ("bf16", "fp8"):
+        out = tmp_path / f"{precision}.yaml"
+        argv = ["model=1.3b", "model.num_layers=1", f"precision={precision}", "precision.bf16_weights=true",
+                "--device", "roofline", "--max-tokens", "4096", "--min-doc", "512", "--base", str(BASE), "--out",
+                str(out)]
+        assert hdp_calibrate.main(argv[:3] + argv[4:] if precision == "bf16" else argv) == 0
+        fit[precision] = yaml.safe_load(out.read_text())
+    capsys.readouterr()
+    assert fit["fp8"]["b"] < fit["bf16"]["b"], (fit["fp8"]["b"], fit["bf16"]["b"])

@@ -118,6 +118,27 @@ def test_activation_memory_tool_measures_what_full_recompute_keeps():
     assert rows["none"] > 4 * rows["full"], result.stdout
 
 
+def test_activation_memory_tool_traces_fp8_as_the_gpu_runs_it():
+    """`--gpu h100` traces an FP8 recipe as that GPU runs it: torch._scaled_mm writes bf16, so selective recompute
+    keeps bf16 GEMM outputs and less than no recompute (the CPU's emulation saves fp32 ones: more); full recompute
+    keeps the bf16 layer input, 2 s·h; and the FP8 weight copies are those live when the backward begins, the same
+    in every mode (dgrad's column-major copies, made in the backward, are not subtracted from the activations)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, str(root / "tools/bench/activation_memory.py"), "model=tiny",
+                             "precision=fp8", "precision.bf16_weights=true", "--gpu", "h100"],
+                            capture_output=True, text=True, timeout=300, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {cells[0]: (float(cells[1]), float(cells[4])) for line in result.stdout.splitlines()
+            if line.startswith("| ") and (cells := [c.strip() for c in line.strip("|").split("|")])[0] in
+            ("none", "selective", "full")}
+    assert rows["full"][0] == 2.0 and rows["selective"][0] < rows["none"][0], result.stdout
+    assert rows["none"][1] == rows["selective"][1] == rows["full"][1] > 0, result.stdout
+
+
 def test_chunked_loss_matches_and_never_holds_the_fp32_logits():
     """The chunked loss gives F.cross_entropy's loss and gradient (vocab padding and -100 labels included), and
     what is live when the backward begins is the bf16 logits only, where F.cross_entropy on fp32 logits keeps a

@@ -17,7 +17,8 @@ formula column leaves it out), 34 with their selective recompute, 2 with full (t
 `parallel.recompute=selective` keeps the GEMM, attention and collective outputs and recomputes the elementwise ops,
 which is not Korthikanti's selective (theirs recomputes the attention core). Under an FP8/MX recipe the layers'
 cached FP8 weight copies are live at the backward's start too: they are weights, not activations, and get a column
-of their own.
+of their own. FP8 recipes run as this machine runs them (on a CPU, the emulation), or with `--gpu h100` as that GPU
+does (`compat.fp8_traced_as_gpu`: torch._scaled_mm's operands and its weight copies).
 
 With `parallel.tp=N` (and `parallel.sequence_parallel=true`) the step is that of rank 0 of N: the process joins a
 fake process group of N ranks (torch's `fake` backend: collectives return at once, which fake tensors need no more
@@ -37,6 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from megalm.measure import LiveStorages, storage_bytes  # noqa: E402
+from megalm.measure.op_cost import GPUS  # noqa: E402
 from megalm.train import compose_config  # noqa: E402
 from tools.bench.step_cost import STEP_OVERRIDES, fake_trainer  # noqa: E402  (the same one-micro-batch step)
 
@@ -62,8 +64,9 @@ def join_fake_group(overrides: list[str]) -> tuple[int, bool]:
 
 def weight_copies_bytes(model: object) -> int:
     """Bytes of the FP8 weight copies the precision recipes cache for the optimizer step (`LinearState.
-    quantized_weight`): weights in another format, made in the forward and live at the backward's start, but not
-    activations. Read from the caches to say which storages they are; the probe counted their bytes."""
+    quantized_weight`) there are now: weights in another format, made in the forward, but not activations. Read
+    at the backward's start (dgrad's column-major copies, where torch._scaled_mm runs, are made in the backward).
+    Read from the caches to say which storages they are; the probe counted their bytes."""
     from megalm.model.linear import linear_modules
     from megalm.precision.linear import RecipeGemms
 
@@ -72,24 +75,25 @@ def weight_copies_bytes(model: object) -> int:
                          for _, _, (quantized, _) in module.gemm_recipe.state.weights.values())
 
 
-def held_at_backward_start(overrides: list[str]) -> tuple[int, int, object]:
+def held_at_backward_start(overrides: list[str], gpu: str | None = None) -> tuple[int, int, object]:
     """The bytes live when the backward of one step begins (what the forward saved for it, the logits' share, the
     loss) over those live before the step (weights, optimizer), less the FP8 weight copies, which it returns apart,
-    and the model config."""
-    with fake_trainer(overrides) as trainer, LiveStorages() as live:
+    and the model config. With `gpu`, FP8 recipes as that GPU runs them."""
+    copies: list[int] = []  # read when the backward begins
+    with fake_trainer(overrides, gpu) as trainer, \
+            LiveStorages(lambda: copies.append(weight_copies_bytes(trainer.model))) as live:
         live.track(trainer.model.parameters())
         before = live.bytes()
         trainer.forward_backward(0)
-        copies = weight_copies_bytes(trainer.model)
-        return live.at_backward_start - before - copies, copies, trainer.cfg.model
+        return live.at_backward_start - before - copies[0], copies[0], trainer.cfg.model
 
 
-def per_layer(overrides: list[str]) -> tuple[float, float, object]:
+def per_layer(overrides: list[str], gpu: str | None = None) -> tuple[float, float, object]:
     """Bytes one layer holds for its backward, and of its FP8 weight copies, from the difference of L and 2L
     layers."""
     layers = compose_config(STEP_OVERRIDES + overrides).model.num_layers
-    small, small_copies, model = held_at_backward_start(overrides + [f"model.num_layers={layers}"])
-    large, large_copies, _ = held_at_backward_start(overrides + [f"model.num_layers={2 * layers}"])
+    small, small_copies, model = held_at_backward_start(overrides + [f"model.num_layers={layers}"], gpu)
+    large, large_copies, _ = held_at_backward_start(overrides + [f"model.num_layers={2 * layers}"], gpu)
     return (large - small) / layers, (large_copies - small_copies) / layers, model
 
 
@@ -98,12 +102,15 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="megalm-train overrides (model=1.3b model.seq_length=4096)")
     p.add_argument("--recompute", default="none,selective,full")
+    p.add_argument("--gpu", choices=sorted(GPUS), default=None,
+                   help="trace FP8 recipes as this GPU runs them (torch._scaled_mm from sm89, compiled casts); "
+                        "default: as this machine runs them (on a CPU, the emulation)")
     args = p.parse_args(argv)
     rows = []
     tp, sp = join_fake_group(args.overrides)
     with contextlib.redirect_stdout(sys.stderr):
         for mode in args.recompute.split(","):
-            held, copies, model = per_layer(args.overrides + [f"parallel.recompute={mode}"])
+            held, copies, model = per_layer(args.overrides + [f"parallel.recompute={mode}"], args.gpu)
             unit = model.seq_length * model.hidden_size
             rows.append((mode, held / unit, copies / unit))
     print(f"{model.name}: hidden {model.hidden_size}, seq {model.seq_length}, tp {tp}{' + SP' if sp else ''}, one "

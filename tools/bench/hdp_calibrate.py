@@ -59,8 +59,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megalm import compat  # noqa: E402
 from megalm.estimate.layout_search import ROOFLINE_EFFICIENCY  # noqa: E402
 from megalm.estimate.rank import HBM_BYTES  # noqa: E402
+from megalm.measure import storage_identity  # noqa: E402
 from megalm.measure.op_cost import GPUS, OpCosts  # noqa: E402
 from megalm.parallel.hdp.cost import CostModel, GiB  # noqa: E402
 
@@ -253,7 +255,7 @@ class Bench:
         init_weights(model, cfg.seed)
         self.model, self.block = model, model.layers[0]
         self.loss_fn = functools.partial(token_loss_sum, vocab_size=cfg.model.vocab_size)
-        self.param_ptrs = {p.untyped_storage()._cdata for p in model.parameters()}  # storage ids (fake ones too)
+        self.param_ptrs = {storage_identity(p) for p in model.parameters()}
         self.compute_dtype: torch.dtype | None = None  # of q, seen on the first forward
         self.grad_bytes = (0.0, 0.0)
 
@@ -380,21 +382,20 @@ class Bench:
         plus the output's. Parameters (state) and the `inputs` (the previous layer's output, counted there) are left
         out, as the allocator's count above a baseline taken after they exist leaves them out."""
         storages: dict[int, int] = {}
-        skip = self.param_ptrs | {t.untyped_storage()._cdata for t in inputs.values() if torch.is_tensor(t)}
+        skip = self.param_ptrs | {storage_identity(t) for t in inputs.values() if torch.is_tensor(t)}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             try:
                 st = t.untyped_storage()
             except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage: not counted
                 return t
-            if st._cdata not in skip:
-                storages[st._cdata] = st.nbytes()
+            if storage_identity(st) not in skip:
+                storages[storage_identity(st)] = st.nbytes()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = run()
-        st = out.untyped_storage()
-        storages[st._cdata] = st.nbytes()
+        storages[storage_identity(out)] = out.untyped_storage().nbytes()
         return out, sum(storages.values())
 
     def memory_point(self, tokens: int) -> dict[str, float]:
@@ -548,7 +549,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="seconds for the whole run, from process start (default 180)")
     parser.add_argument("--device", choices=("cuda", "cpu", "roofline"), default="cuda",
                         help="cuda: time on the GPU; cpu: the same code on the CPU (CI); roofline: no device, the "
-                        "block's ops traced under fake tensors and priced on --gpu (the estimator's step time)")
+                        "block's ops traced under fake tensors and priced on --gpu (the estimator's step time; "
+                        "FP8 recipes as that GPU runs them)")
     parser.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="--device roofline: the GPU priced")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="largest micro-batch in tokens (default 16384 on CUDA, 1024 on CPU)")
@@ -839,7 +841,11 @@ def main(argv: list[str] | None = None) -> int:
     clock = Clock(started, args.budget_s, reserve=min(3.0, 0.03 * args.budget_s))
     print(f"calibrating {cfg.model.name} on {args.device}: micro-batches up to {args.max_tokens} tokens, documents "
           f">= {args.min_doc}, budget {args.budget_s:g} s", flush=True)
-    with FakeTensorMode(allow_non_fake_inputs=True) if args.device == "roofline" else contextlib.nullcontext():
+    # --device roofline: sizes only, and an FP8 recipe's GEMMs and casts traced as the priced GPU runs them
+    roofline = [FakeTensorMode(allow_non_fake_inputs=True), compat.fp8_traced_as_gpu(GPUS[args.gpu].capability)]
+    with contextlib.ExitStack() as stack:
+        for context in roofline if args.device == "roofline" else []:
+            stack.enter_context(context)
         found = measure(args, cfg, device, clock)
     values, notes, header, fit = derive(found, base, cfg, device, args, args.out)
     write_yaml(args.out, values, notes, header)
