@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu", choices=sorted(GPUS), default=None,
                    help="trace FP8 recipes as this GPU runs them (torch._scaled_mm from sm89, compiled casts); "
                         "default: as this machine runs them (on a CPU, the emulation)")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides before and after the flags
     rows = []
     tp, sp = join_fake_group(args.overrides)
     with contextlib.redirect_stdout(sys.stderr):
