@@ -48,6 +48,7 @@ from megalm.estimate.rank import (
     _comm_seconds,
     bubble_factor,
     check_gpu,
+    compile_notes,
     estimate_rank,
     fp8_notes,
     gpu_precision,
@@ -335,7 +336,7 @@ def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tu
                           moe.shared_ffn_hidden_size if moe.num_shared_experts else 0, moe.first_k_dense)
     keys = {o.split("=", 1)[0].lstrip("+") for o in overrides}
     notes = [] if "trainer.global_batch_size" in keys else [SEARCH_NOTE]
-    notes += fp8_notes(cfg.precision, gpu) if gpu else []
+    notes += (fp8_notes(cfg.precision, gpu) if gpu else []) + compile_notes(cfg)
     micro = t.micro_batch_size if "trainer.micro_batch_size" in keys else 1
     model = ModelShape(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_heads, kv_heads=m.num_kv_heads,
                        ffn=m.ffn_hidden_size, vocab=m.vocab_size)

@@ -25,6 +25,12 @@ its collectives at the link's bandwidth: tensor- and context-parallel groups ins
 none of it assumed hidden behind compute. MFU is
 6·N·T (plus attention) FLOPs of the global step over (world x peak x step time); tokens/s the global batch's
 tokens over the step time.
+
+`trainer.compile=true` is priced as inductor compiles the blocks (`megalm.measure.compiled_cost.InductorCosts`: its
+generated kernels by the bytes its scheduler counts, the GEMMs and attention it calls as extern kernels), and the
+memory is what the compiled graphs keep for the backward. Under an FP8/MX recipe, whose linears compiled blocks run
+as opaque ops (under fake tensors only their shapes run, not the GEMMs inside), the blocks are priced eager, and
+the notes say so.
 """
 
 from __future__ import annotations
@@ -36,12 +42,15 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
+from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from megalm import compat
-from megalm.measure import LiveStorages, storage_bytes
+from megalm.measure import LiveStorages, is_higher_order, storage_bytes
+from megalm.measure.compiled_cost import InductorCosts
 from megalm.measure.op_cost import GPUS, OpCosts
+from megalm.precision import validate_precision
 
 GIB = 2**30
 
@@ -99,10 +108,19 @@ class Collectives(TorchDispatchMode):
         self.groups = groups  # process group name -> mesh dimension
         self.bytes: dict[str, int] = defaultdict(int)
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Compiled blocks run compiled under this trace too (OpCosts.ignore_compile_internals)."""
+        return True
+
+    supports_higher_order_operators = True  # run through (measure.storage.is_higher_order)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         import torch.distributed as dist
 
         out = func(*args, **(kwargs or {}))
+        if is_higher_order(func):
+            return out
         if func.namespace == "c10d":  # the group arrives boxed (a ScriptObject): its name says which it is
             flat = tree_flatten((args, kwargs or {}))[0]
             tensors = [t for t in flat if isinstance(t, torch.Tensor)]
@@ -137,6 +155,7 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
     from megalm.training.trainer import Trainer
 
     cfg = compose_config(overrides)
+    trace_compiled_blocks(cfg)
     p = cfg.parallel
     dims = ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=world // (p.tp * p.pp * p.cp), ep=p.ep)
     rank = dims.rank_of(pp=stage, dp=domain_index // p.cp, cp=domain_index % p.cp)
@@ -311,6 +330,43 @@ def fp8_notes(precision: Any, gpu: str) -> list[str]:
             "kernel (priced by its bytes; the eager twin's fp32 temporaries count in the peak)"]
 
 
+def prices_compiled_blocks(cfg: Any) -> bool:
+    """Whether the estimate traces `trainer.compile=true` compiled (module docstring): not under a recipe whose
+    linears compiled blocks run as opaque ops."""
+    from megalm.precision import WHOLE_MODEL
+
+    return cfg.trainer.compile and cfg.precision.name in WHOLE_MODEL
+
+
+def trace_compiled_blocks(cfg: Any) -> None:
+    """Set `cfg`'s `trainer.compile` up for a trainer traced under fake tensors (module docstring): inductor's
+    backend swapped for `InductorCosts` (inductor's own kernels cannot run on fake tensors), and compile off under
+    a recipe whose linears compiled blocks run as opaque ops, once the config has passed the checks
+    `trainer.compile=true` makes in training."""
+    if not cfg.trainer.compile:
+        return
+    validate_precision(cfg)
+    torch._dynamo.reset()  # each trace compiles afresh under its own fake mode (never past dynamo's recompile limit)
+    cfg.trainer.compile = prices_compiled_blocks(cfg)
+    if cfg.trainer.compile_backend == "inductor":
+        cfg.trainer.compile_backend = InductorCosts()
+
+
+def compile_notes(cfg: Any, graph_breaks: int = 0) -> list[str]:
+    """What the estimate of compiled blocks traces that the GPU runs otherwise (a line each, none otherwise);
+    `graph_breaks`: dynamo's count over the traced steps."""
+    if not cfg.trainer.compile:
+        return []
+    if not prices_compiled_blocks(cfg):
+        return [f"trainer.compile=true, precision={cfg.precision.name}: blocks priced eager (compiled blocks run its "
+                "linears as opaque ops, whose GEMMs a trace under fake tensors does not run)"]
+    if graph_breaks:  # the CPU's attention over unequal documents: one SDPA call per document, read on the host
+        return [f"trainer.compile=true: {graph_breaks} graph breaks in this CPU trace's blocks (on unequal documents a "
+                "CPU's attention runs per document; CUDA's varlen kernel compiles whole): what they cut out, a "
+                "recomputed block's whole region under selective or full recompute, is priced eager"]
+    return []
+
+
 def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
     """Every rank role of the layout, and the step's time, MFU and tokens/s (see the module docstring)."""
     from megalm.config.checks import resolve_model_defaults
@@ -326,6 +382,7 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
         raise ConfigError(f"--world {world} is not a multiple of tp x pp x cp = {per_replica}; change --world or the "
                           "layout")
     dp = world // per_replica
+    counters["graph_break"].clear()  # trainer.compile=true: dynamo counts its breaks over the traced steps
     ranks = [estimate_rank(overrides, world, stage, role, gpu) for role, stage in roles(p.pp)]
     hdp = ranks[0].domain
     if hdp is not None:  # HDP: also the rank of the step's largest ring (the most tokens among equals), first stage
@@ -347,9 +404,11 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
             "layout": {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": dp, **({"ep": p.ep} if p.ep > 1 else {}),
                        "vpp": p.vpp, "schedule": str(p.pp_schedule.value),
                        "micro_batches": micro_batches, "sequence_parallel": p.sequence_parallel,
-                       "zero1": p.zero1, "recompute": str(p.recompute), "precision": str(cfg.precision.name)},
+                       "zero1": p.zero1, "recompute": str(p.recompute), "precision": str(cfg.precision.name),
+                       **({"compile": True} if cfg.trainer.compile else {})},
             "ranks": [{k: v for k, v in asdict(r).items() if k != "domain"} for r in ranks],
             "step_time_s": step_time, "bubble_factor": factor, "mfu": mfu, "tokens_per_s": tokens / step_time,
-            "global_flops": flops, "notes": fp8_notes(cfg.precision, gpu),
+            "global_flops": flops,
+            "notes": fp8_notes(cfg.precision, gpu) + compile_notes(cfg, sum(counters["graph_break"].values())),
             **({"hdp": {"tokens_per_rank": hdp["tokens"], "largest_ring": hdp["ring"], "lengths": hdp["lengths"]}}
                if hdp else {})}

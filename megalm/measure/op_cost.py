@@ -23,6 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from megalm.measure.storage import is_higher_order
+
 
 @dataclass(frozen=True)
 class Gpu:
@@ -148,9 +150,13 @@ class OpCosts(TorchDispatchMode):
         any other dispatch mode): its graphs count themselves in (megalm/measure/compiled_cost.py)."""
         return True
 
+    supports_higher_order_operators = True  # run through uncounted (measure.storage.is_higher_order)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if is_higher_order(func):
+            return out
         if func.is_view or func.namespace in _NO_KERNEL_NAMESPACES or func._overloadpacket.__name__ in _NO_KERNEL:
             return out
         name = func._overloadpacket.__name__

@@ -52,6 +52,19 @@ def storage_identity(t: torch.Tensor | torch.UntypedStorage) -> int:
     return (t if isinstance(t, torch.UntypedStorage) else t.untyped_storage())._cdata
 
 
+def is_higher_order(func: object) -> bool:
+    """Whether a dispatched `func` is a higher-order operator (a compiled graph's wrapper of other ops, such as the
+    rng state saved for a region that recomputes) rather than one aten op. Modes that take them
+    (`supports_higher_order_operators`) run them through: the ops inside dispatch below the mode."""
+    return isinstance(func, torch._ops.HigherOrderOperator)
+
+
+def _unaliased_outputs(out: object, inputs: object) -> list[torch.Tensor]:
+    """The tensors of `out` on storages none of `inputs` has: what an op without a schema made."""
+    seen = {storage_identity(t) for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
+    return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and storage_identity(t) not in seen]
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages under `tensors` (views and tensors sharing a storage count it once)."""
     storages = {storage_identity(t): t.untyped_storage().nbytes() for t in map(_own_elements, tensors)}
@@ -82,13 +95,24 @@ class LiveStorages(TorchDispatchMode):
         self.at_backward_start: int | None = None
         self._label: str | None = None
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let a compiled function run compiled under this probe (dynamo skips frames under any other dispatch mode,
+        running them eager). Under fake tensors with `megalm.measure.compiled_cost.InductorCosts` as the backend
+        (megalm-estimate, tools/bench) the compiled graphs' ops are replayed, so the probe counts what they make;
+        inductor's own generated code allocates its buffers outside the dispatcher, where no probe sees them."""
+        return True
+
+    supports_higher_order_operators = True  # counted by their outputs (`is_higher_order`)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         if self.at_backward_start is None and torch._C._current_graph_task_id() != -1:
             self.at_backward_start = self.bytes()  # before the backward's first output
             if self.on_backward_start is not None:
                 self.on_backward_start()
         out = func(*args, **(kwargs or {}))
-        self.track(t for t in tree_flatten(_new_outputs(func, out))[0] if isinstance(t, torch.Tensor))
+        new = _unaliased_outputs(out, (args, kwargs)) if is_higher_order(func) else _new_outputs(func, out)
+        self.track(t for t in tree_flatten(new)[0] if isinstance(t, torch.Tensor))
         return out
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:

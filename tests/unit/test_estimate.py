@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -193,3 +194,37 @@ def test_fp8_gemms_are_traced_as_the_gpu_runs_them(monkeypatch):
         assert by_op["linalg_vector_norm"].kernels == 0, "a cast's amax was priced as an op of its own"
     assert any("torch._scaled_mm" in n for n in notes["h100"]), notes
     assert any("no FP8 tensor cores" in n for n in notes["a100"]), notes
+
+
+def test_compiled_blocks_are_priced_as_inductor_compiles_them(monkeypatch):
+    """`trainer.compile=true` is traced through inductor (megalm.measure.compiled_cost.InductorCosts): the same GEMM
+    FLOPs, fewer bytes and a shorter step than eager, its generated kernels in the trace (before, the estimate
+    priced it eager, silently: the probe's dispatch modes made dynamo skip the compiled frames). Where the CPU trace
+    breaks a block's graph (attention over unequal documents, one SDPA call per document) the notes count the breaks;
+    under an FP8 recipe, whose linears compiled blocks run as opaque ops, it is priced eager and the notes say so."""
+    from megalm.estimate import rank as estimate_rank
+
+    traces: list[estimate_rank.OpCosts] = []
+
+    class Recorded(estimate_rank.OpCosts):
+        def __init__(self, gpu, tf32):
+            super().__init__(gpu, tf32)
+            traces.append(self)
+
+    monkeypatch.setattr(estimate_rank, "OpCosts", Recorded)
+    base = [*SMALL, "trainer.device=cpu", "trainer.micro_batch_size=2", "trainer.global_batch_size=2"]
+    equal = ["data.synthetic.fixed_doc_length=32"]  # equal documents: the batched attention, no graph break
+    runs = {(precision, compiled): estimate.estimate([*base, *equal, f"precision={precision}",
+                                                      f"trainer.compile={compiled}"], 1, "h100")
+            for precision in ("bf16", "fp8") for compiled in ("false", "true")}
+    eager, compiled, fp8_eager, fp8_compiled = traces
+    assert "inductor_generated" in compiled.by_op and "inductor_generated" not in eager.by_op
+    assert compiled.by_category["gemm"].flops == eager.by_category["gemm"].flops  # inductor may fuse an add: addmm
+    assert compiled.total().bytes < 0.9 * eager.total().bytes
+    assert runs["bf16", "true"]["step_time_s"] < runs["bf16", "false"]["step_time_s"]
+    assert runs["bf16", "true"]["layout"]["compile"] and runs["bf16", "true"]["notes"] == []
+    assert "inductor_generated" not in fp8_compiled.by_op
+    assert fp8_compiled.by_category["gemm"].flops == fp8_eager.by_category["gemm"].flops
+    assert any("trainer.compile=true, precision=fp8: blocks priced eager" in n for n in runs["fp8", "true"]["notes"])
+    unequal = estimate.estimate([*base, "precision=bf16", "trainer.compile=true"], 1, "h100")["notes"]
+    assert any(re.match(r"trainer.compile=true: \d+ graph breaks", n) for n in unequal), unequal

@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from megalm.estimate.rank import trace_compiled_blocks  # noqa: E402
 from megalm.measure.compiled_cost import InductorCosts  # noqa: E402
 from megalm.measure.op_cost import CATEGORIES, GPUS, OpCosts  # noqa: E402
 from megalm.precision import WHOLE_MODEL  # noqa: E402
@@ -69,6 +70,7 @@ def fake_trainer(overrides: list[str], gpu: str | None = None) -> Iterator[Any]:
     from megalm.training.trainer import Trainer
 
     cfg = compose_config(STEP_OVERRIDES + overrides)
+    trace_compiled_blocks(cfg)  # trainer.compile=true: inductor's kernels counted, not run on fake tensors
     cfg.data.synthetic.fixed_doc_length = cfg.model.seq_length  # one document filling the micro-batch
     as_gpu = compat.fp8_traced_as_gpu(GPUS[gpu].capability) if gpu else contextlib.nullcontext()
     with tempfile.TemporaryDirectory() as run_dir, FakeTensorMode(allow_non_fake_inputs=True), as_gpu:
