@@ -42,7 +42,6 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
-from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -50,7 +49,6 @@ from megalm import compat
 from megalm.measure import LiveStorages, is_higher_order, storage_bytes
 from megalm.measure.compiled_cost import InductorCosts
 from megalm.measure.op_cost import GPUS, OpCosts
-from megalm.precision import validate_precision
 
 GIB = 2**30
 
@@ -342,13 +340,19 @@ def trace_compiled_blocks(cfg: Any) -> None:
     """Set `cfg`'s `trainer.compile` up for a trainer traced under fake tensors (module docstring): inductor's
     backend swapped for `InductorCosts` (inductor's own kernels cannot run on fake tensors), and compile off under
     a recipe whose linears compiled blocks run as opaque ops, once the config has passed the checks
-    `trainer.compile=true` makes in training."""
+    `trainer.compile=true` makes in training. Resets dynamo (torch._dynamo.reset: every compiled function of the
+    process is dropped), so that each traced rank compiles afresh under its own fake mode and no search of many
+    layouts reaches dynamo's recompile limit, past which it would run the blocks eager."""
+    from megalm.precision import validate_precision
+    from megalm.training.device import resolve_auto_precision
+
     if not cfg.trainer.compile:
         return
+    resolve_auto_precision(cfg, torch.device("cpu"))  # as the fake trainer, on the CPU, would
     validate_precision(cfg)
-    torch._dynamo.reset()  # each trace compiles afresh under its own fake mode (never past dynamo's recompile limit)
+    torch._dynamo.reset()
     cfg.trainer.compile = prices_compiled_blocks(cfg)
-    if cfg.trainer.compile_backend == "inductor":
+    if cfg.trainer.compile_backend == "inductor":  # an object in a str field: a traced trainer saves no config
         cfg.trainer.compile_backend = InductorCosts()
 
 
@@ -361,9 +365,9 @@ def compile_notes(cfg: Any, graph_breaks: int = 0) -> list[str]:
         return [f"trainer.compile=true, precision={cfg.precision.name}: blocks priced eager (compiled blocks run its "
                 "linears as opaque ops, whose GEMMs a trace under fake tensors does not run)"]
     if graph_breaks:  # the CPU's attention over unequal documents: one SDPA call per document, read on the host
-        return [f"trainer.compile=true: {graph_breaks} graph breaks in this CPU trace's blocks (on unequal documents a "
-                "CPU's attention runs per document; CUDA's varlen kernel compiles whole): what they cut out, a "
-                "recomputed block's whole region under selective or full recompute, is priced eager"]
+        return [f"trainer.compile=true: {graph_breaks} graph breaks in the blocks over this CPU trace's ranks (on "
+                "unequal documents a CPU's attention runs per document; CUDA's varlen kernel compiles whole): what "
+                "they cut out, a recomputed block's whole region under selective or full recompute, is priced eager"]
     return []
 
 
@@ -382,7 +386,9 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
         raise ConfigError(f"--world {world} is not a multiple of tp x pp x cp = {per_replica}; change --world or the "
                           "layout")
     dp = world // per_replica
-    counters["graph_break"].clear()  # trainer.compile=true: dynamo counts its breaks over the traced steps
+    from torch._dynamo.utils import counters  # trainer.compile=true: dynamo counts its breaks over the traced ranks
+
+    breaks_before = sum(counters["graph_break"].values())
     ranks = [estimate_rank(overrides, world, stage, role, gpu) for role, stage in roles(p.pp)]
     hdp = ranks[0].domain
     if hdp is not None:  # HDP: also the rank of the step's largest ring (the most tokens among equals), first stage
@@ -400,6 +406,7 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
     flops = training_flops(resolve_model_defaults(cfg.model, p.tp), [cfg.model.seq_length] * sequences)
     mfu = flops / (world * GPUS[gpu].bf16_tflops * 1e12 * step_time)
     fits = all(r.peak_bytes <= HBM_BYTES[gpu] for r in ranks)
+    graph_breaks = sum(counters["graph_break"].values()) - breaks_before
     return {"model": cfg.model.name, "world": world, "gpu": gpu, "hbm_bytes": HBM_BYTES[gpu], "fits": fits,
             "layout": {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": dp, **({"ep": p.ep} if p.ep > 1 else {}),
                        "vpp": p.vpp, "schedule": str(p.pp_schedule.value),
@@ -409,6 +416,6 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
             "ranks": [{k: v for k, v in asdict(r).items() if k != "domain"} for r in ranks],
             "step_time_s": step_time, "bubble_factor": factor, "mfu": mfu, "tokens_per_s": tokens / step_time,
             "global_flops": flops,
-            "notes": fp8_notes(cfg.precision, gpu) + compile_notes(cfg, sum(counters["graph_break"].values())),
+            "notes": fp8_notes(cfg.precision, gpu) + compile_notes(cfg, graph_breaks),
             **({"hdp": {"tokens_per_rank": hdp["tokens"], "largest_ring": hdp["ring"], "lengths": hdp["lengths"]}}
                if hdp else {})}

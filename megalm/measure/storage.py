@@ -8,7 +8,9 @@ counted twice and a storage is freed only with its last view). Nothing here read
 feature's own bookkeeping (an offload store's "resident bytes", a planner's estimate) can be checked against it.
 It works on real CPU tensors, on `FakeTensorMode` tensors (which carry sizes but no data: the way to measure one
 rank of a 1,024-GPU layout on a laptop) and on CUDA, where `torch.cuda.max_memory_allocated` is the allocator's
-own answer to compare with (that one also counts the allocator's rounding and workspaces).
+own answer to compare with (that one also counts the allocator's rounding and workspaces). Compiled functions run
+compiled under it: on fake tensors with megalm.measure.compiled_cost.InductorCosts as the backend their graphs' ops
+are replayed and counted; inductor's real generated code allocates outside the dispatcher, unseen.
 
 Hand-written because torch's `torch.distributed._tools.mem_tracker` is private API that changes across the
 supported torch range, and counts by module rather than by the storages a test wants to see.

@@ -842,10 +842,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"calibrating {cfg.model.name} on {args.device}: micro-batches up to {args.max_tokens} tokens, documents "
           f">= {args.min_doc}, budget {args.budget_s:g} s", flush=True)
     # --device roofline: sizes only, and an FP8 recipe's GEMMs and casts traced as the priced GPU runs them
-    roofline = [FakeTensorMode(allow_non_fake_inputs=True), compat.fp8_traced_as_gpu(GPUS[args.gpu].capability)]
     with contextlib.ExitStack() as stack:
-        for context in roofline if args.device == "roofline" else []:
-            stack.enter_context(context)
+        if args.device == "roofline":
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            stack.enter_context(compat.fp8_traced_as_gpu(GPUS[args.gpu].capability))
         found = measure(args, cfg, device, clock)
     values, notes, header, fit = derive(found, base, cfg, device, args, args.out)
     write_yaml(args.out, values, notes, header)
