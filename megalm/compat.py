@@ -215,6 +215,28 @@ def mm_out_dtype_available() -> bool:
     return False
 
 
+@functools.cache
+def compiles_over_fake_tensors() -> bool:
+    """Whether torch.compile (dynamo and AOT autograd) compiles a function, forward and backward, over the caller's
+    FakeTensorMode: megalm-estimate's trace of compiled blocks needs it. Before torch 2.11 AOT autograd asserts that
+    the fake tensors are its own. Probed once on a function of its own (no other code's compile cache is touched);
+    logged once when missing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def probe(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, w)
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            x, w = torch.empty(2, 4, requires_grad=True), torch.empty(4, 4, requires_grad=True)
+            torch.compile(probe, backend="aot_eager")(x, w).sum().backward()
+        return True
+    except Exception as error:  # noqa: BLE001 - torch's assertion, or any failure of the probe, means no
+        log.warning("this torch cannot compile over fake tensors (%s): megalm-estimate prices trainer.compile=true "
+                    "eager; torch 2.11 and later can", str(error).splitlines()[0][:120])
+        return False
+
+
 def scaled_mm_available() -> bool:
     """torch._scaled_mm (FP8 GEMMs) exists in this torch."""
     return hasattr(torch, "_scaled_mm")

@@ -330,10 +330,10 @@ def fp8_notes(precision: Any, gpu: str) -> list[str]:
 
 def prices_compiled_blocks(cfg: Any) -> bool:
     """Whether the estimate traces `trainer.compile=true` compiled (module docstring): not under a recipe whose
-    linears compiled blocks run as opaque ops."""
+    linears compiled blocks run as opaque ops, nor on a torch that cannot compile over fake tensors."""
     from megalm.precision import WHOLE_MODEL
 
-    return cfg.trainer.compile and cfg.precision.name in WHOLE_MODEL
+    return cfg.trainer.compile and cfg.precision.name in WHOLE_MODEL and compat.compiles_over_fake_tensors()
 
 
 def trace_compiled_blocks(cfg: Any) -> None:
@@ -361,6 +361,9 @@ def compile_notes(cfg: Any, graph_breaks: int = 0) -> list[str]:
     `graph_breaks`: dynamo's count over the traced steps."""
     if not cfg.trainer.compile:
         return []
+    if not compat.compiles_over_fake_tensors():
+        return [f"trainer.compile=true: blocks priced eager (torch {torch.__version__} cannot compile over the "
+                "trace's fake tensors; torch 2.11 and later can)"]
     if not prices_compiled_blocks(cfg):
         return [f"trainer.compile=true, precision={cfg.precision.name}: blocks priced eager (compiled blocks run its "
                 "linears as opaque ops, whose GEMMs a trace under fake tensors does not run)"]

@@ -25,7 +25,7 @@ import re
 import pytest
 import torch
 
-from megalm import estimate
+from megalm import compat, estimate
 from megalm.config.checks import resolve_model_defaults
 from megalm.model.gpt import GPT
 from megalm.parallel.hdp import plan_hdp, simulate
@@ -217,6 +217,10 @@ def test_compiled_blocks_are_priced_as_inductor_compiles_them(monkeypatch):
     runs = {compiled: estimate.estimate([*base, *equal, "precision=bf16", f"trainer.compile={compiled}"], 1, "h100")
             for compiled in ("false", "true")}
     eager, compiled = traces
+    if not compat.compiles_over_fake_tensors():  # torch < 2.11 (the floor's leg): eager, and the note says why
+        assert compiled.total().bytes == eager.total().bytes, "priced compiled on a torch that cannot"
+        assert any("cannot compile over the trace's fake tensors" in n for n in runs["true"]["notes"])
+        return
     assert "inductor_generated" in compiled.by_op and "inductor_generated" not in eager.by_op
     assert compiled.by_category["gemm"].flops == eager.by_category["gemm"].flops  # inductor may fuse an add: addmm
     assert compiled.total().bytes < 0.9 * eager.total().bytes

@@ -118,6 +118,7 @@ def test_activation_memory_tool_measures_what_full_recompute_keeps():
     assert rows["none"] > 4 * rows["full"], result.stdout
 
 
+@pytest.mark.slow  # about 21 s: two fake-tensor steps per mode (a tool's test, as the docs' commands)
 def test_activation_memory_tool_traces_fp8_as_the_gpu_runs_it():
     """`--gpu h100` traces an FP8 recipe as that GPU runs it: torch._scaled_mm writes bf16, so selective recompute
     keeps bf16 GEMM outputs and less than no recompute (the CPU's emulation saves fp32 ones: more); full recompute
@@ -139,6 +140,7 @@ def test_activation_memory_tool_traces_fp8_as_the_gpu_runs_it():
     assert rows["none"][1] == rows["selective"][1] == rows["full"][1] > 0, result.stdout
 
 
+@pytest.mark.slow  # about 33 s: two fake-tensor steps per mode (a tool's test, as the docs' commands)
 def test_activation_memory_tool_measures_compiled_blocks():
     """With trainer.compile=true the tool traces the blocks as inductor compiles them (megalm.estimate.rank.
     trace_compiled_blocks; before, inductor's own kernels ran on fake tensors and crashed). Under full recompute the
