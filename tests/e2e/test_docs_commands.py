@@ -48,8 +48,10 @@ FLAGS = {"--steps": ["1"], "--warmup": ["0"], "--reps": ["1"], "--seq": ["64"], 
 TOOL_FLAGS = {"precision_convergence.py": ["--steps", "2"], "throughput.py": ["--steps", "1", "--warmup", "0"],
               "context_parallel.py": ["--steps", "1", "--warmup", "0", "--seq", "64"], "comm_volume.py": [],
               "offload.py": ["--steps", "1", "--warmup", "0"], "checkpoint_save.py": ["--reps", "1"],
-              "compare.py": ["--tiny", "--seqs", "64", "--precisions", "fp32", "--repeats", "1"], "step_cost.py": [],
-              "activation_memory.py": ["model.num_heads=8"],  # 8 heads: its tp8 command shards them
+              "compare.py": ["--tiny", "--seqs", "64", "--precisions", "fp32", "--repeats", "1"],
+              "step_cost.py": ["--systems", "megalm"],  # every system: test_measure_op_cost.py runs the tool whole
+              "activation_memory.py": ["model.num_heads=8",  # 8 heads: its tp8 command shards them
+                                       "--recompute", "none"],  # each mode: tests/unit/test_measure_storage.py
               "moe_balance.py": ["--steps", "2"]}
 # Benchmarks that set their own model shapes (a tiny model would not shard over their layouts): only these flags.
 OWN_SHAPE_FLAGS = {"estimate_vs_formula.py": ["--models", "8b", "--recompute", "full", "--num-layers", "4"],

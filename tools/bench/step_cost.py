@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--systems",
                    default="megalm,megalm_compiled,megalm_autocast,hf_llama,torchtitan,torchtitan_compiled")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides before and after the flags
     logging.getLogger("megalm").setLevel(logging.WARNING)
     systems = args.systems.split(",")
     rows, notes = [], []
