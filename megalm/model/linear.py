@@ -49,6 +49,16 @@ class GemmRecipe(Protocol):
     def wgrad(self, call: Any, dy: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor: ...
 
 
+class PackedInputRecipe(GemmRecipe, Protocol):
+    """A recipe whose wgrad can read a form of the input other than x itself (an FP8 copy its fprop cast), which the
+    layer then saves for the backward instead of x. `pack_input(call)` returns it, or None to keep x;
+    `unpack_input(call, packed)` hands it back in the backward, and wgrad is then called with it."""
+
+    def pack_input(self, call: Any) -> torch.Tensor | None: ...
+
+    def unpack_input(self, call: Any, packed: torch.Tensor) -> None: ...
+
+
 class WeightGradSink(Protocol):
     """Takes a layer's weight gradient as a thunk to run later (ZB's W action)."""
 
@@ -120,8 +130,12 @@ class _Linear(torch.autograd.Function):
             y = recipe.fprop(call, x2, weight, out_dtype if bias is None else torch.float32)  # bias added in fp32
             if bias is not None:
                 y = y + bias.to(y.dtype)
-        ctx.save_for_backward(x, weight)  # the shard only, under sequence parallelism
+        pack = getattr(recipe, "pack_input", None)
+        packed = pack(call) if pack is not None else None
+        packed = packed if input_gather is None else None  # under SP the shard is smaller than a whole FP8 copy
+        ctx.save_for_backward(x if packed is None else packed, weight)  # the shard only, under SP
         ctx.recipe, ctx.call, ctx.sink, ctx.param, ctx.input_gather = recipe, call, sink, param, input_gather
+        ctx.packed, ctx.input_shape, ctx.input_dtype = packed is not None, whole.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y.reshape(*whole.shape[:-1], y.shape[-1]).to(out_dtype)
 
@@ -129,12 +143,17 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         recipe, call, gather = ctx.recipe, ctx.call, ctx.input_gather
-        whole = x if gather is None else gather.gather(x)
-        x2, dy2 = whole.reshape(-1, whole.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        if ctx.packed:  # the recipe's own form of the input (2-D), which its wgrad reads
+            recipe.unpack_input(call, x)
+            x2 = x
+        else:
+            whole = x if gather is None else gather.gather(x)
+            x2 = whole.reshape(-1, whole.shape[-1])
+        dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         with torch.autocast(x.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
-                dx = recipe.dgrad(call, dy2, weight, x.dtype).reshape(whole.shape).to(x.dtype)
+                dx = recipe.dgrad(call, dy2, weight, ctx.input_dtype).reshape(ctx.input_shape).to(ctx.input_dtype)
                 dx = dx if gather is None else gather.scatter(dx)
             if ctx.sink is not None:
                 param = ctx.param[0]

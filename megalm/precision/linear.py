@@ -10,7 +10,8 @@ reduction dimension K:
 Block scales (MX: one per 32 elements) and per-row FP8 scales must run along K, or the GEMM could not
 factor them out of its sums. So every GEMM quantizes its two operands itself, from the
 high-precision tensors it was given: W is quantized along `in` for fprop and along `out` for dgrad,
-dy along `out` for dgrad and along the tokens for wgrad. The backward saves x and W in high precision.
+dy along `out` for dgrad and along the tokens for wgrad. The backward saves x (or, under per-tensor FP8 scales,
+fprop's FP8 copy of it) and W in high precision.
 
 Recipes (`get_recipe(name)`; fprop / dgrad / wgrad):
 
@@ -45,8 +46,13 @@ Where the GEMMs run (the log says which; Precision.note):
 A weight's FP8 copy is made once per optimizer step and reused by every micro-batch (and by fprop and
 dgrad under per-tensor scales): `LinearState.quantized_weight`, once the trainer's optimizer is watched
 (`WeightsVersion.watch`, a hook on that optimizer alone). Where torch._scaled_mm runs, dgrad's copy is also
-cached column-major, the layout the GEMM takes, so no micro-batch transposes a weight. The backward saves the
-layer's input in its own dtype (bf16 under `precision.bf16_weights` or autocast). Bias and its gradient stay
+cached column-major, the layout the GEMM takes, so no micro-batch transposes a weight. An activation is cast to
+FP8 once per call under per-tensor scales, which do not depend on the GEMM's K: dgrad's FP8 dy is wgrad's, and
+fprop's FP8 x is kept for wgrad in place of x (1 byte per element, through autograd's saved tensors:
+`RecipeGemms.pack_input`; Transformer Engine keeps its FP8 input likewise). Under per-row scales and MX blocks
+each GEMM casts its own operands along its K, and the layer keeps its input in its own dtype (bf16 under
+`precision.bf16_weights` or autocast), as a sequence-parallel layer keeps its shard (smaller than a whole FP8
+copy from tp = 2 on; wgrad casts it again, gathered, with fprop's scale). Bias and its gradient stay
 fp32 (a layer with a bias gets an fp32 GEMM output, adds the bias, then casts). Under torch.autocast the output
 has the autocast dtype, as F.linear's.
 
@@ -324,7 +330,8 @@ class RecipeGemms:
     def compiled_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         out_dtype: torch.dtype) -> torch.Tensor:
         """The layer as one opaque op pair, what `linear` runs inside a compiled block (compiled_linear.py)."""
-        return compiled_linear.recipe_linear(self.handle, x, weight, bias, out_dtype)
+        return compiled_linear.recipe_linear(self.handle, x, weight, bias, out_dtype,
+                                             fp8.fp8_dtype(self.recipe.wgrad.b_format) if self.packs_input else None)
 
     def start(self, x: torch.Tensor) -> Call:
         seed = self.seed
@@ -347,11 +354,17 @@ class RecipeGemms:
 
     def _fp8(self, spec: GemmSpec, call: Call, t: torch.Tensor, name: str, k_dim: int, fmt: str) -> Fp8Operand:
         """Tensor `name` (x, w or dy) in FP8 for one GEMM of `call`: per-row scales along K; or the call's per-tensor
-        scale, which the first GEMM to quantize the tensor computes and the other one reuses (current: amax, scale
-        and cast in one compiled function; delayed: the history's scale, and the cast's own amax pushed to it)."""
+        scale, which the first GEMM to quantize the tensor computes (current: amax, scale and cast in one compiled
+        function; delayed: the history's scale, and the cast's own amax pushed to it), and whose FP8 copy of an
+        activation the other GEMM reads as it is: per-tensor scales do not depend on the K dim, so the same cast
+        serves both (dy: dgrad and wgrad; x: fprop and wgrad, through `pack_input`)."""
         key = (name, fmt)
-        if spec.scaling == "row" or key in call.scales:
-            return fp8_operand(spec, t, k_dim, fmt, call.scales.get(key))
+        if spec.scaling == "row":
+            return fp8_operand(spec, t, k_dim, fmt)
+        if key in call.operands:  # the same tensor under the same scale: the FP8 copy this call cast already
+            return call.operands[key]
+        if key in call.scales:
+            return self._keep(call, key, fp8_operand(spec, t, k_dim, fmt, call.scales[key]))
         if spec.scaling == "tensor":
             q, call.scales[key] = fp8_operand(spec, t, k_dim, fmt)
         elif spec.scaling == "delayed":
@@ -370,7 +383,15 @@ class RecipeGemms:
                 state.w_amax_token = token if name == "w" else state.w_amax_token
         else:
             raise ValueError(f"unknown FP8 scaling {spec.scaling!r}; expected tensor, delayed or row")
-        return q, call.scales[key]
+        return self._keep(call, key, (q, call.scales[key]))
+
+    @staticmethod
+    def _keep(call: Call, key: tuple[str, str], operand: Fp8Operand) -> Fp8Operand:
+        """Keep an activation's FP8 copy (x, dy) for the call's other GEMM that reads it; a weight's copy lives in the
+        layer's cache (or, uncached, is cast again: a call must not hold a weight's copy until its backward)."""
+        if key[0] != "w":
+            call.operands[key] = operand
+        return operand
 
     def _fp8_weight(self, spec: GemmSpec, w: torch.Tensor, k_dim: int) -> Fp8Operand:
         """The weight's FP8 copy for a GEMM whose K is its dim `k_dim`, from the layer's cache (once per optimizer
@@ -394,6 +415,27 @@ class RecipeGemms:
         if p is not None and w.shape == p.shape and storage_identity(w) == storage_identity(p):
             return p
         return w
+
+    @property
+    def packs_input(self) -> bool:
+        """Whether wgrad reads the FP8 copy of x that fprop casts (both per-tensor FP8 of one format): then the layer
+        keeps that copy for the backward instead of x (`pack_input`)."""
+        fprop, wgrad = self.recipe.fprop, self.recipe.wgrad
+        return (fprop.kind == wgrad.kind == "fp8" and "row" not in (fprop.scaling, wgrad.scaling)
+                and fprop.a_format == wgrad.b_format)
+
+    def pack_input(self, call: Call) -> torch.Tensor | None:
+        """What the layer's backward keeps of its input in place of x: fprop's FP8 copy where `packs_input`, 1 byte
+        per element and no cast of x in the backward (Transformer Engine keeps its FP8 input likewise); None: the
+        layer keeps x. The call lets go of its FP8 x either way, so that nothing but the saved tensors (which
+        offload and recomputation see) lives until the backward."""
+        kept = {key: call.operands.pop(key) for key in [key for key in call.operands if key[0] == "x"]}
+        return kept[("x", self.recipe.wgrad.b_format)][0] if self.packs_input else None
+
+    def unpack_input(self, call: Call, kept: torch.Tensor) -> None:
+        """Hand `pack_input`'s FP8 x back to the call, for wgrad."""
+        key = ("x", self.recipe.wgrad.b_format)
+        call.operands[key] = kept, call.scales[key]
 
     def fprop(self, call: Call, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32
               ) -> torch.Tensor:

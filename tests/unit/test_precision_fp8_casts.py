@@ -1,0 +1,138 @@
+"""Under per-tensor FP8 scales each activation of a linear layer is cast to FP8 once per call, and the backward keeps
+that FP8 x instead of x.
+
+A per-tensor scale does not depend on the GEMM's K dim, so dgrad's FP8 dy is wgrad's too, and fprop's FP8 x is
+wgrad's: casting them again reads 2 bytes and writes 1 per element for values already in memory. The layer's
+backward keeps the FP8 x (1 byte per element, through autograd's saved tensors, which offload and recomputation
+see) in place of x. Per-row scales run along K and differ per GEMM: there every GEMM casts its own operands, and
+x is kept. The casts are counted at `fp8._run` (every FP8 cast passes it) and what the backward keeps by autograd's
+saved-tensor hooks, on the eager path and on the compiled one (the recipe's op pair, compiled_linear.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megalm.model.linear import Linear, linear
+from megalm.precision import fp8
+from megalm.precision.linear import LinearState, RecipeGemms, get_recipe
+
+E4M3 = torch.float8_e4m3fn
+FP8 = {torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+def _layer(recipe: str) -> Linear:
+    torch.manual_seed(0)
+    layer = Linear(64, 32, bias=False)
+    state = LinearState("layer")
+    layer.gemm_recipe = RecipeGemms(get_recipe(recipe), state, weight=layer.weight)
+    state.weights_version.watch(torch.optim.SGD(layer.parameters(), lr=0.1))  # the weight's copy is cached
+    return layer
+
+
+def _activation_casts(monkeypatch, layer: Linear) -> list[tuple[str, tuple]]:
+    """(phase, shape) of every FP8 cast of an activation (the weight's cached copy left out)."""
+    casts: list[tuple[str, tuple]] = []
+    real = fp8._run
+
+    def counting(kind, x, dtype, scale):
+        if x.data_ptr() != layer.weight.data_ptr():
+            casts.append(("backward" if torch._C._current_autograd_node() is not None else "forward",
+                          tuple(x.shape)))
+        return real(kind, x, dtype, scale)
+
+    monkeypatch.setattr(fp8, "_run", counting)
+    return casts
+
+
+def _step(layer: Linear, forward=None) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
+    """One forward and backward of [16, 64] -> [16, 32]: (the tensors the backward kept, (y, dx, dW))."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 64, generator=gen).bfloat16().requires_grad_()
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = (forward or layer)(x)
+    y.backward(torch.randn(y.shape, generator=gen).bfloat16())
+    return saved, (y.detach(), x.grad, layer.weight.grad)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_delayed"])
+def test_each_activation_is_cast_once_and_the_backward_keeps_fp8_x(monkeypatch, recipe):
+    layer = _layer(recipe)
+    _step(layer)  # the weight's copies are made in this first step
+    casts = _activation_casts(monkeypatch, layer)
+    layer.weight.grad = None
+    saved, (y, dx, dw) = _step(layer)
+    assert casts == [("forward", (16, 64)), ("backward", (16, 32))], "x once (fprop), dy once (dgrad)"
+    inputs = [t for t in saved if t.shape == (16, 64)]
+    assert [t.dtype for t in inputs] == [E4M3], "the backward keeps fprop's FP8 x, not the bf16 x"
+
+    # the values are those of casting again: the same tensors under the same scales
+    monkeypatch.setattr(RecipeGemms, "pack_input", lambda self, call: call.operands.clear())
+    monkeypatch.setattr(RecipeGemms, "_keep", staticmethod(lambda call, key, operand: operand))
+    layer.weight.grad = None
+    saved_again, again = _step(layer)
+    assert [t.dtype for t in saved_again if t.shape == (16, 64)] == [torch.bfloat16]
+    for got, want in zip((y, dx, dw), again, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_per_row_scales_cast_per_gemm_and_keep_x(monkeypatch):
+    layer = _layer("fp8_rowwise")
+    _step(layer)
+    casts = _activation_casts(monkeypatch, layer)
+    saved, _ = _step(layer)
+    assert sorted(casts) == sorted([("forward", (16, 64)), ("backward", (16, 32)), ("backward", (16, 32)),
+                                    ("backward", (16, 64))]), "K differs per GEMM: each casts its own operands"
+    assert [t.dtype for t in saved if t.shape == (16, 64)] == [torch.bfloat16]
+
+
+class _IdentityGather:
+    """A sequence-parallel input gather over one rank (what the layer keeps is the shard)."""
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    def scatter(self, dx: torch.Tensor) -> torch.Tensor:
+        return dx
+
+
+def test_under_sequence_parallelism_the_shard_is_kept(monkeypatch):
+    """The bf16 shard (2/tp bytes per element of the whole input) is smaller than a whole FP8 copy from tp = 2 on:
+    the layer keeps it and gathers it again, and wgrad casts it with fprop's scale."""
+    layer = _layer("fp8")
+    gathered = lambda x: linear(x, layer.weight, None, layer.gemm_recipe, input_gather=_IdentityGather())
+    _step(layer, gathered)
+    casts = _activation_casts(monkeypatch, layer)
+    saved, _ = _step(layer, gathered)
+    assert casts == [("forward", (16, 64)), ("backward", (16, 32)), ("backward", (16, 64))]
+    assert [t.dtype for t in saved if t.shape == (16, 64)] == [torch.bfloat16]
+
+
+def test_the_compiled_op_pair_casts_once_and_keeps_fp8_x(monkeypatch):
+    """Inside a compiled block the layer is the recipe's op pair (compiled_linear.py): its forward op returns the
+    FP8 x, which the graph saves, and its backward op hands it to wgrad; the numbers are the eager path's."""
+    layer = _layer("fp8")
+    eager_saved, eager = _step(layer)
+    layer.weight.grad = None
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    _step(compiled)
+    layer.weight.grad = None
+    casts = _activation_casts(monkeypatch, layer)
+    unpacked: list[torch.dtype] = []
+    real_unpack = RecipeGemms.unpack_input
+    monkeypatch.setattr(RecipeGemms, "unpack_input",
+                        lambda self, call, packed: (unpacked.append(packed.dtype), real_unpack(self, call, packed)))
+    saved, got = _step(compiled)
+    assert [phase for phase, _ in casts] == ["forward", "backward"] and unpacked == [E4M3]
+    assert any(t.dtype == E4M3 and t.shape == (16, 64) for t in saved)
+    assert not any(t.dtype == torch.bfloat16 and t.shape == (16, 64) for t in saved)
+    for a, b in zip(got, eager, strict=True):
+        assert torch.equal(a, b)
