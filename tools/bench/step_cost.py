@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from megalm import compat  # noqa: E402
 from megalm.estimate.rank import trace_compiled_blocks  # noqa: E402
 from megalm.measure.compiled_cost import InductorCosts  # noqa: E402
 from megalm.measure.op_cost import CATEGORIES, GPUS, OpCosts  # noqa: E402
@@ -66,7 +67,6 @@ def fake_trainer(overrides: list[str], gpu: str | None = None) -> Iterator[Any]:
     """megalm's Trainer for one micro-batch of one document of `model.seq_length` tokens, built and run under
     `FakeTensorMode` (sizes, no data) in a scratch run dir; with `gpu`, FP8 recipes as that GPU runs them
     (compat.fp8_traced_as_gpu: compiled casts, torch._scaled_mm from sm89), else as the CPU emulates them."""
-    from megalm import compat
     from megalm.training.trainer import Trainer
 
     cfg = compose_config(STEP_OVERRIDES + overrides)
@@ -215,14 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         if "megalm_compiled" in systems and ours["precision"] not in WHOLE_MODEL:
             notes.append(f"megalm_compiled left out for precision={ours['precision']}: compiled blocks run its linears "
                          "as opaque ops (megalm/precision/compiled_linear.py), whose GEMMs this trace cannot see")
+        elif "megalm_compiled" in systems and not compat.compiles_over_fake_tensors():
+            notes.append(f"megalm_compiled left out: torch {torch.__version__}'s dynamo cannot compile over the "
+                         "trace's fake tensors (torch 2.11 and later can)")
         elif "megalm_compiled" in systems:
-            try:
-                rows.append(megalm_step(args.overrides, args.gpu, "megalm_compiled", compiled=True))
-            except Exception as error:  # dynamo before torch 2.11 asserts that the fake tensors are its own
-                if "doesn't match mode" not in str(error):
-                    raise
-                notes.append(f"megalm_compiled left out: torch {torch.__version__}'s dynamo cannot compile over the "
-                             "trace's fake tensors (torch 2.11 and later can)")
+            rows.append(megalm_step(args.overrides, args.gpu, "megalm_compiled", compiled=True))
         if "megalm_autocast" in systems and ours["precision"] == "bf16":
             rows.append(megalm_step([*args.overrides, "precision=bf16_autocast"], args.gpu, "megalm_autocast"))
         if "hf_llama" in systems:
