@@ -28,9 +28,10 @@ tokens over the step time.
 
 `trainer.compile=true` is priced as inductor compiles the blocks (`megalm.measure.compiled_cost.InductorCosts`: its
 generated kernels by the bytes its scheduler counts, the GEMMs and attention it calls as extern kernels), and the
-memory is what the compiled graphs keep for the backward. Under an FP8/MX recipe, whose linears compiled blocks run
-as opaque ops (under fake tensors only their shapes run, not the GEMMs inside), the blocks are priced eager, and
-the notes say so.
+memory is what the compiled graphs keep for the backward. Per-tensor FP8 (`precision=fp8`) casts in the graph and
+runs its GEMMs as opaque ops, priced by their FLOPs at the FP8 peak, with the weights' FP8 copies they make inside
+(megalm/measure/op_cost.py). Under the other FP8/MX recipes, whose linears compiled blocks run as opaque ops with
+their casts inside (under fake tensors only their shapes run), the blocks are priced eager, and the notes say so.
 """
 
 from __future__ import annotations
@@ -330,10 +331,12 @@ def fp8_notes(precision: Any, gpu: str) -> list[str]:
 
 def prices_compiled_blocks(cfg: Any) -> bool:
     """Whether the estimate traces `trainer.compile=true` compiled (module docstring): not under a recipe whose
-    linears compiled blocks run as opaque ops, nor on a torch that cannot compile over fake tensors."""
-    from megalm.precision import WHOLE_MODEL
+    linears compiled blocks run as opaque ops with their casts inside (per-tensor FP8's casts are in the graph, and
+    its GEMM ops are priced by their FLOPs: megalm/measure/op_cost.py), nor on a torch that cannot compile over fake
+    tensors."""
+    from megalm.precision import compiles_in_sight
 
-    return cfg.trainer.compile and cfg.precision.name in WHOLE_MODEL and compat.compiles_over_fake_tensors()
+    return cfg.trainer.compile and compiles_in_sight(cfg.precision) and compat.compiles_over_fake_tensors()
 
 
 def trace_compiled_blocks(cfg: Any) -> None:
@@ -366,7 +369,7 @@ def compile_notes(cfg: Any, graph_breaks: int = 0) -> list[str]:
                 "trace's fake tensors; torch 2.11 and later can)"]
     if not prices_compiled_blocks(cfg):
         return [f"trainer.compile=true, precision={cfg.precision.name}: blocks priced eager (compiled blocks run its "
-                "linears as opaque ops, whose GEMMs a trace under fake tensors does not run)"]
+                "linears as opaque ops with their casts inside, which a trace under fake tensors does not run)"]
     if graph_breaks:  # the CPU's attention over unequal documents: one SDPA call per document, read on the host
         return [f"trainer.compile=true: {graph_breaks} graph breaks in the blocks over this CPU trace's ranks (on "
                 "unequal documents a CPU's attention runs per document; CUDA's varlen kernel compiles whole): what "

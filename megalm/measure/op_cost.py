@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from megalm.measure.storage import is_higher_order
+from megalm.measure.storage import is_higher_order, storage_identity
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,10 @@ GPUS = {  # NVIDIA datasheets: H100 SXM5, H200 SXM, A100 SXM4 80GB, B200 (HGX B2
 
 CATEGORIES = ("gemm", "attention", "cast/copy", "elementwise/other", "loss", "optimizer", "communication")
 REPORTED = CATEGORIES[:5]  # in every summary, zero or not (a compiled loss is inductor's generated kernels)
-_GEMM = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm", "matmul", "linear"}
+# megalm's FP8/MX linears in compiled blocks are opaque ops (megalm/precision/compiled_linear.py), priced as GEMMs
+_RECIPE_GEMMS = {"recipe_linear": 2, "recipe_linear_backward": 4, "fp8_linear": 2, "fp8_linear_backward": 4}
+_GEMM = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm", "matmul", "linear",
+         *_RECIPE_GEMMS}
 _CAST_COPY = {"_to_copy", "copy_", "copy", "clone", "_copy_from", "_copy_from_and_resize", "contiguous", "cat",
               "stack", "index_select", "gather", "scatter", "scatter_add_", "embedding", "embedding_dense_backward",
               "fill_", "zero_", "zeros", "zeros_like", "empty", "empty_like", "empty_strided", "new_empty",
@@ -87,6 +90,14 @@ def _attention_flops(name: str, args: tuple, kwargs: dict) -> float | None:
     b, h, s_q, d = q.shape
     forward = 4.0 * b * h * s_q * k.shape[-2] * d * (0.5 if causal else 1.0)
     return forward if name.endswith("_cpu") else 2 * forward
+
+
+def _recipe_gemm_operands(name: str, args: tuple) -> list[torch.Tensor] | None:
+    """The matrices of one of megalm's compiled FP8/MX linear ops (megalm/precision/compiled_linear.py): [x, weight]
+    for a forward (x [T, in], FP8 under `fp8_linear`), [dy, x, weight] for a backward; None for any other op."""
+    if name not in _RECIPE_GEMMS:
+        return None
+    return [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 2]
 
 
 def _grouped_gemm_flops(name: str, args: tuple, out: torch.Tensor) -> float | None:
@@ -143,6 +154,7 @@ class OpCosts(TorchDispatchMode):
         self.by_category: dict[str, CategoryCost] = defaultdict(CategoryCost)
         self.by_op: dict[str, CategoryCost] = defaultdict(CategoryCost)
         self._only: set[str] | None = None  # while set, only these ops are recorded (`recording_only`)
+        self._fp8_weights: set[int] = set()  # the weights whose FP8 copies compiled FP8 linears made in this trace
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -172,8 +184,30 @@ class OpCosts(TorchDispatchMode):
             flops = _grouped_gemm_flops(name, args, outputs[0]) if outputs else None
         if flops is None:
             flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+        matrices = _recipe_gemm_operands(name, args)
+        if matrices is not None:  # GEMMs out of sight of torch's flop counter (their fake kernels compute nothing):
+            # 2·T·in·out forward, twice that backward, at the peak of their operands (FP8 where `fp8_linear` takes
+            # FP8 x and dy; `recipe_linear` casts inside, at its activations' dtype)
+            x, weight = matrices[-2:]
+            flops = float(_RECIPE_GEMMS[name] * x.shape[0] * x.shape[1] * weight.shape[0])
+            inputs = matrices
+            if name.startswith("fp8_linear"):  # its GEMMs read the layer's FP8 copy of the weight, 1 byte each
+                read -= _nbytes(weight) - weight.numel()
+                self._fp8_weight_copies(weight)
         self._add(name, flops, read + written, self._peak_flops(inputs))
         return out
+
+    def _fp8_weight_copies(self, weight: torch.Tensor) -> None:
+        """The FP8 copies `megalm::fp8_linear` makes of a weight inside, once per optimizer step (the layer's cache,
+        megalm/precision/linear.py), counted at the first use of the weight in this trace (one step): current
+        scaling's amax and cast (the weight read twice, 1 byte written), and where FP8 GEMMs run, dgrad's
+        column-major copy."""
+        if storage_identity(weight) in self._fp8_weights:
+            return
+        self._fp8_weights.add(storage_identity(weight))
+        self.add_kernel("fp8_weight_cast", 2 * _nbytes(weight) + weight.numel(), "cast/copy")
+        if self.gpu.fp8_tflops:
+            self.add_kernel("fp8_weight_column_major", 2 * weight.numel(), "cast/copy")
 
     def _peak_flops(self, inputs: list[torch.Tensor]) -> float:
         """The tensor-core peak of a GEMM's input dtype (FLOP/s)."""

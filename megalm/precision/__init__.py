@@ -89,6 +89,14 @@ def autocasts(precision: PrecisionConfig | str) -> bool:
                                        and working_dtype(precision) is None)
 
 
+def compiles_in_sight(precision: PrecisionConfig) -> bool:
+    """Whether every op of a compiled block under this precision is in the compiled graph but the GEMMs: no recipe
+    (fp32, bf16), or megalm's per-tensor current FP8, whose casts are ops of the graph (compiled_linear.py). Other
+    recipes run each linear, casts included, as one opaque op."""
+    return precision.name in WHOLE_MODEL or (
+        precision.backend == "native" and get_recipe(precision.name, forward=precision.forward).casts_in_graph)
+
+
 def has_fp8_gemms(precision: PrecisionConfig) -> bool:
     """Whether the recipe's linear layers multiply FP8 operands: the fp8 recipes, and MX ones with `forward=fp8`."""
     return str(precision.name).startswith("fp8") or precision.forward == "fp8"

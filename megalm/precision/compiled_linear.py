@@ -12,6 +12,13 @@ state that the backward needs (the seed its forward drew, the FP8 scales its for
 the forward op as tensors the autograd graph saves. Integers dynamo would specialise on never enter the graph:
 every layer's and every step's call share one compiled graph.
 
+Under per-tensor current FP8 scaling (`precision=fp8`) the casts leave the op: the layer is an autograd function
+whose forward casts x and whose backward casts dy as plain torch ops (fp8.quantize_current_in_graph), which the
+compiler sees and inductor fuses with whatever produced them (the norm before q/k/v, SwiGLU before the down
+projection, the previous op's gradient), as torchao's tensorwise float8 is compiled in TorchTitan; only the GEMMs
+(with the layer's cached FP8 weights) stay in the ops, `megalm::fp8_linear` and its backward. The values are the
+eager path's: the same casts, the same GEMMs.
+
 Eager runs keep linear.py's autograd function; this path is taken only while compiling (megalm/model/linear.py).
 """
 
@@ -23,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+from megalm.precision import fp8
 
 
 @dataclass
@@ -159,6 +168,82 @@ def recipe_linear(layer: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bi
     backward in place of x (`_forward`), None to keep x."""
     y_dtype = out_dtype if bias is None else torch.float32
     y = _forward(x.reshape(-1, x.shape[-1]), weight, layer, out_dtype, y_dtype, packed_dtype)[0]
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)
+
+
+# ------------------------------------------------------------------------- per-tensor FP8: the casts in the graph
+
+
+def _preset_call(**operands: tuple[torch.Tensor, torch.Tensor]) -> Call:
+    """A call whose activations come cast already: {tensor name: (FP8 tensor, its scale)}, keyed by their format."""
+    call = Call(None, {})
+    for name, (q, scale) in operands.items():
+        key = (name, fp8.fp8_format(q.dtype))
+        call.scales[key], call.operands[key] = scale, (q, scale)
+    return call
+
+
+@torch.library.custom_op("megalm::fp8_linear", mutates_args=())
+def _fp8_forward(qx: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, layer: torch.Tensor,
+                 y_dtype: torch.dtype) -> torch.Tensor:
+    """y [T, out] in `y_dtype` of FP8 x [T, in] (cast with `x_scale`) and the weight's cached FP8 copy."""
+    with torch.autocast(qx.device.type, enabled=False):
+        return _recipe(layer).fprop(_preset_call(x=(qx, x_scale)), qx, weight, y_dtype).to(y_dtype)
+
+
+@_fp8_forward.register_fake
+def _(qx, x_scale, weight, layer, y_dtype):
+    return qx.new_empty((qx.shape[0], weight.shape[0]), dtype=y_dtype)
+
+
+@torch.library.custom_op("megalm::fp8_linear_backward", mutates_args=())
+def _fp8_backward(qdy: torch.Tensor, qdy_columns: torch.Tensor, dy_scale: torch.Tensor, qx_columns: torch.Tensor,
+                  x_scale: torch.Tensor, weight: torch.Tensor, layer: torch.Tensor, x_dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx in `x_dtype`, dW in the weight's) of FP8 dy, row-major for dgrad and column-major for wgrad, and the FP8 x
+    the forward kept (column-major): each GEMM gets its operands in the layouts torch._scaled_mm takes."""
+    recipe = _recipe(layer)
+    with torch.autocast(qdy.device.type, enabled=False):
+        dx = recipe.dgrad(_preset_call(dy=(qdy, dy_scale)), qdy, weight, x_dtype).to(x_dtype)
+        wgrad = _preset_call(x=(qx_columns, x_scale), dy=(qdy_columns, dy_scale))
+        return dx, recipe.wgrad(wgrad, qdy_columns, qx_columns, weight.dtype).to(weight.dtype)
+
+
+@_fp8_backward.register_fake
+def _(qdy, qdy_columns, dy_scale, qx_columns, x_scale, weight, layer, x_dtype):
+    return qx_columns.new_empty(qx_columns.shape, dtype=x_dtype), weight.new_empty(weight.shape)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """x [T, in] -> y [T, out]: x cast in the graph, the GEMM in `megalm::fp8_linear`; the backward casts dy in the
+    graph and keeps the FP8 x, not x (1 byte per element). wgrad's operands (dy and x, contracted over the tokens)
+    are also written column-major in the graph, the layout torch._scaled_mm takes them in (with the cast that
+    makes them, where inductor fuses the two: Transformer Engine's cast-transpose), so no op transposes a copy."""
+
+    @staticmethod
+    def forward(ctx, x, weight, layer, y_dtype, dy_dtype, x_fp8, dy_fp8):  # noqa: ANN001, ANN205 - autograd's
+        qx, x_scale = fp8.quantize_current_in_graph(x, x_fp8)
+        ctx.save_for_backward(fp8.column_major(qx), x_scale, weight, layer)
+        ctx.x_dtype, ctx.dy_dtype, ctx.dy_fp8 = x.dtype, dy_dtype, dy_fp8
+        return _fp8_forward(qx, x_scale, weight, layer, y_dtype)
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001, ANN205
+        qx_columns, x_scale, weight, layer = ctx.saved_tensors
+        # dy as the eager path gets it: exact (the upcast of the out_dtype gradient `.to(out_dtype)` passes back)
+        qdy, dy_scale = fp8.quantize_current_in_graph(dy.to(ctx.dy_dtype), ctx.dy_fp8)
+        dx, dw = _fp8_backward(qdy, fp8.column_major(qdy), dy_scale, qx_columns, x_scale, weight, layer, ctx.x_dtype)
+        return dx, dw, None, None, None, None, None
+
+
+def fp8_linear(layer: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               out_dtype: torch.dtype, x_fp8: torch.dtype, dy_fp8: torch.dtype) -> torch.Tensor:
+    """`recipe_linear` for a recipe of per-tensor current scaling: x cast to `x_fp8` and dy to `dy_fp8` in the graph
+    (module docstring), the GEMMs in the ops."""
+    y_dtype = out_dtype if bias is None else torch.float32
+    y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, layer, y_dtype, out_dtype, x_fp8, dy_fp8)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)

@@ -52,6 +52,11 @@ def fp8_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+def fp8_format(dtype: torch.dtype) -> str:
+    """"e4m3" for torch.float8_e4m3fn, "e5m2" for torch.float8_e5m2 (`fp8_dtype`'s inverse)."""
+    return next(name for name, d in _DTYPES.items() if d == dtype)
+
+
 def fp8_max(dtype: torch.dtype) -> float:
     """Largest finite value: 448 (e4m3fn), 57344 (e5m2)."""
     return float(torch.finfo(dtype).max)
@@ -197,6 +202,14 @@ def quantize_current(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None
     shape = one if dim is None else one.expand([1 if d == dim % x.dim() else n for d, n in enumerate(x.shape)])
     q, scale = _run("current", x, dtype, shape)
     return q, scale.reshape(shape.shape)
+
+
+def quantize_current_in_graph(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_current(x, dtype)` (one per-tensor scale) as plain torch ops, for a graph being compiled: inductor
+    then fuses the amax and the cast with whatever produced x (a norm, SwiGLU, the previous op's gradient), as
+    torchao's tensorwise float8 is compiled. The same values as the eager cast, bit for bit."""
+    scale = scale_from_amax(amax(x), dtype)
+    return _quantize_math(x, scale, fp8_max(dtype), dtype), scale
 
 
 def quantize_compiled(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:

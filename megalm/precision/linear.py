@@ -116,7 +116,9 @@ shard's shape, so those are reproducible but not equal to tp=1.
 
 Compiled blocks (`trainer.compile`): dynamo cannot trace this module's per-call Python state (seed hashing,
 weight caches, amax histories), so inside a compiled block a layer runs as one opaque op pair that runs this
-same code each call (compiled_linear.py); the numbers are those of the eager path.
+same code each call (compiled_linear.py); the numbers are those of the eager path. Under per-tensor current FP8
+scaling (`Recipe.casts_in_graph`) only the GEMMs are in the ops: the casts of x and dy are ops of the compiled
+graph, which inductor fuses with their producers, and wgrad's operands are written column-major there.
 
 `apply_precision(model, recipe, skip=...)` installs a recipe on the model's linear layers from outside:
 it sets each layer's `gemm_recipe` hook (megalm/model/linear.py) to a `RecipeGemms`, which the layer's
@@ -174,6 +176,14 @@ class Recipe:
     @property
     def specs(self) -> tuple[GemmSpec, GemmSpec, GemmSpec]:
         return self.fprop, self.dgrad, self.wgrad
+
+    @property
+    def casts_in_graph(self) -> bool:
+        """Whether a compiled block casts a layer's activations in its graph (compiled_linear.fp8_linear): every
+        GEMM FP8 under per-tensor current scaling, x and dy each in one format (the amax, the scale and the cast are
+        then plain torch ops; delayed scaling's history and per-row scales stay in the recipe's op)."""
+        return (all(spec.kind == "fp8" and spec.scaling == "tensor" for spec in self.specs)
+                and self.fprop.a_format == self.wgrad.b_format and self.dgrad.a_format == self.wgrad.a_format)
 
 
 _FP32 = GemmSpec("fp32")
@@ -329,7 +339,12 @@ class RecipeGemms:
 
     def compiled_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         out_dtype: torch.dtype) -> torch.Tensor:
-        """The layer as one opaque op pair, what `linear` runs inside a compiled block (compiled_linear.py)."""
+        """The layer as one opaque op pair, what `linear` runs inside a compiled block (compiled_linear.py); under
+        per-tensor current FP8 scaling its casts stay outside the ops, in the compiled graph."""
+        if self.recipe.casts_in_graph:
+            return compiled_linear.fp8_linear(self.handle, x, weight, bias, out_dtype,
+                                              fp8.fp8_dtype(self.recipe.fprop.a_format),
+                                              fp8.fp8_dtype(self.recipe.dgrad.a_format))
         return compiled_linear.recipe_linear(self.handle, x, weight, bias, out_dtype,
                                              fp8.fp8_dtype(self.recipe.wgrad.b_format) if self.packs_input else None)
 

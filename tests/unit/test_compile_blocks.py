@@ -63,17 +63,19 @@ def test_a_break_is_seen(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("overrides", [[], ["offload.enabled=true", "offload.min_tensor_bytes=0"],
+                                       ["precision=fp8", *FP32_ACTIVATIONS],
                                        ["precision=fp8_delayed", *FP32_ACTIVATIONS],
                                        ["precision=mxfp4", *FP32_ACTIVATIONS]],
-                         ids=["plain", "offload", "fp8_delayed", "mxfp4"])
+                         ids=["plain", "offload", "fp8", "fp8_delayed", "mxfp4"])
 def test_compiled_training_matches_eager(tmp_path, overrides):
     """aot_eager traces forward and backward through AOT autograd (what inductor compiles) and runs the traced
     graphs: the same losses (1e-6) and weights as eager, in fp32. With layer offload, the compiled graph's saved
     activations still go through the offload store's hooks (they stay outside the compiled forward). Under the
-    FP8/MX recipes the linears are opaque ops running the eager recipe code (megalm/precision/compiled_linear.py):
-    the same seeds per call and step (mxfp4's stochastic rounding), the same amax histories (fp8_delayed), the
-    same FP8 scales from forward to backward; in practice the same numbers bit for bit. Their activations stay fp32
-    here (no autocast): in bf16, AOT's decompositions of the elementwise ops round differently from eager on
+    FP8/MX recipes the linears' GEMMs are opaque ops running the eager recipe code
+    (megalm/precision/compiled_linear.py): the same seeds per call and step (mxfp4's stochastic rounding), the same
+    amax histories (fp8_delayed), the same FP8 scales from forward to backward; fp8's casts are ops of the graph,
+    the same math as eager's; in practice the same numbers bit for bit. Their activations stay fp32 here (no
+    autocast): in bf16, AOT's decompositions of the elementwise ops round differently from eager on
     torch 2.9 (a 5e-5 loss difference from the first backward, with or without a recipe)."""
     eager = Trainer(compose_config(*EQUAL_DOCS, *overrides), tmp_path / "eager")
     compiled = compiled_trainer(tmp_path / "compiled", "aot_eager", *overrides)
@@ -139,8 +141,8 @@ def test_selective_recompute_keeps_the_compiled_recipe_gemms(tmp_path, monkeypat
     from megalm.precision import linear
 
     calls = []
-    start = linear.RecipeGemms.start
-    monkeypatch.setattr(linear.RecipeGemms, "start", lambda self, x: calls.append(1) or start(self, x))
+    fprop = linear.RecipeGemms.fprop
+    monkeypatch.setattr(linear.RecipeGemms, "fprop", lambda self, *args: calls.append(1) or fprop(self, *args))
     trainer = compiled_trainer(tmp_path, "aot_eager", "precision=fp8", "parallel.recompute=selective",
                                "trainer.global_batch_size=2", "trainer.micro_batch_size=1")
     trainer.train_step(0)  # compiles

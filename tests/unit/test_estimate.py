@@ -201,7 +201,8 @@ def test_compiled_blocks_are_priced_as_inductor_compiles_them(monkeypatch):
     FLOPs, fewer bytes and a shorter step than eager, its generated kernels in the trace (before, the estimate
     priced it eager, silently: the probe's dispatch modes made dynamo skip the compiled frames). Where the CPU trace
     breaks a block's graph (attention over unequal documents, one SDPA call per document) the notes count the breaks;
-    under an FP8 recipe, whose linears compiled blocks run as opaque ops, it is priced eager and the notes say so."""
+    under a recipe whose linears compiled blocks run as opaque ops with their casts inside (fp8_delayed) it is priced
+    eager and the notes say so; per-tensor FP8, whose casts are in the graph, is priced compiled."""
     from megalm.estimate import rank as estimate_rank
 
     traces: list[estimate_rank.OpCosts] = []
@@ -228,9 +229,22 @@ def test_compiled_blocks_are_priced_as_inductor_compiles_them(monkeypatch):
     assert runs["true"]["layout"]["compile"] and runs["true"]["notes"] == []
     unequal = estimate.estimate([*base, "precision=bf16", "trainer.compile=true"], 1, "h100")["notes"]
     assert any(re.match(r"trainer.compile=true: \d+ graph breaks", n) for n in unequal), unequal
-    fp8 = ["precision=fp8", "trainer.compile=true"]
-    assert any("trainer.compile=true, precision=fp8: blocks priced eager" in n
-               for n in estimate_rank.compile_notes(compose_config(*fp8)))
-    traced = compose_config(*fp8)
+    delayed = ["precision=fp8_delayed", "trainer.compile=true"]
+    assert any("trainer.compile=true, precision=fp8_delayed: blocks priced eager" in n
+               for n in estimate_rank.compile_notes(compose_config(*delayed)))
+    traced = compose_config(*delayed)
     estimate_rank.trace_compiled_blocks(traced)  # what the fake trainer is then built with: compile off, said so
     assert not traced.trainer.compile
+
+    # per-tensor FP8: its casts are in the compiled graph, its GEMMs opaque ops priced by their FLOPs at the FP8
+    # peak, and the weights' FP8 copies the ops make inside counted once per weight and step
+    traces.clear()
+    fp8 = {compiled: estimate.estimate([*base, *equal, "trainer.micro_batch_size=1", "precision=fp8",
+                                        f"trainer.compile={compiled}"], 1, "h100") for compiled in ("false", "true")}
+    eager, compiled = traces
+    assert fp8["true"]["notes"] == fp8["false"]["notes"], fp8["true"]["notes"]
+    assert compiled.by_category["gemm"].flops == eager.by_category["gemm"].flops
+    assert compiled.by_op["fp8_linear"].flops == eager.by_op["_scaled_mm"].flops / 3  # fprop of 3 GEMMs
+    assert compiled.by_op["fp8_weight_cast"].kernels == compiled.by_op["fp8_linear"].kernels // 2  # 2 micro-batches
+    assert compiled.total().bytes < 0.9 * eager.total().bytes
+    assert fp8["true"]["step_time_s"] < fp8["false"]["step_time_s"]

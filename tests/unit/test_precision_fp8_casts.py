@@ -116,23 +116,78 @@ def test_under_sequence_parallelism_the_shard_is_kept(monkeypatch):
 
 
 def test_the_compiled_op_pair_casts_once_and_keeps_fp8_x(monkeypatch):
-    """Inside a compiled block the layer is the recipe's op pair (compiled_linear.py): its forward op returns the
-    FP8 x, which the graph saves, and its backward op hands it to wgrad; the numbers are the eager path's."""
-    layer = _layer("fp8")
-    eager_saved, eager = _step(layer)
-    layer.weight.grad = None
+    """Inside a compiled block a delayed-scaling layer is the recipe's op pair (compiled_linear.py): its forward op
+    returns the FP8 x, which the graph saves, and its backward op hands it to wgrad; the numbers are the eager
+    path's (two equal layers, one eager and one compiled, each with its amax history)."""
+    eager_layer, layer = _layer("fp8_delayed"), _layer("fp8_delayed")
     torch._dynamo.reset()
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
-    _step(compiled)
-    layer.weight.grad = None
+    _step(eager_layer), _step(compiled)
+    eager_layer.weight.grad = layer.weight.grad = None
+    _, eager = _step(eager_layer)
     casts = _activation_casts(monkeypatch, layer)
     unpacked: list[torch.dtype] = []
     real_unpack = RecipeGemms.unpack_input
-    monkeypatch.setattr(RecipeGemms, "unpack_input",
-                        lambda self, call, packed: (unpacked.append(packed.dtype), real_unpack(self, call, packed)))
+    monkeypatch.setattr(RecipeGemms, "unpack_input", lambda self, call, packed: (
+        unpacked.append(packed.dtype), real_unpack(self, call, packed)))
     saved, got = _step(compiled)
     assert [phase for phase, _ in casts] == ["forward", "backward"] and unpacked == [E4M3]
     assert any(t.dtype == E4M3 and t.shape == (16, 64) for t in saved)
     assert not any(t.dtype == torch.bfloat16 and t.shape == (16, 64) for t in saved)
+    for a, b in zip(got, eager, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_compiled_per_tensor_fp8_casts_in_the_graph(monkeypatch):
+    """`precision=fp8` (per-tensor current scaling) in a compiled block: the amax, scale and cast of x (forward) and
+    of dy (backward) are ops of the compiled graphs, where inductor fuses them with their producers, and only the
+    GEMMs are opaque ops; no cast runs outside the graphs, the backward keeps the FP8 x, and the numbers are the eager
+    path's bit for bit."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    layer = _layer("fp8")
+    _, eager = _step(layer)
+    graphs: list[str] = []
+
+    def record(gm, _inputs):
+        graphs.append(str(gm.graph))
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)
+    casts = _activation_casts(monkeypatch, layer)
+    layer.weight.grad = None
+    saved, got = _step(compiled)
+    assert casts == [], "the activations' casts run in the graphs, not as eager calls"
+    forward, backward = graphs
+    ops = torch.ops.megalm
+    assert str(ops.fp8_linear.default) in forward and str(ops.fp8_linear_backward.default) in backward
+    assert "torch.float8_e4m3fn" in forward and "torch.float8_e5m2" in backward
+    assert "linalg_vector_norm" in forward and "linalg_vector_norm" in backward  # each cast's amax, in its graph
+    assert any(t.dtype == E4M3 and t.shape == (16, 64) for t in saved)
+    assert not any(t.dtype == torch.bfloat16 and t.shape == (16, 64) for t in saved)
+    for a, b in zip(got, eager, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_inductor_hands_wgrad_its_operands_column_major(monkeypatch):
+    """torch._scaled_mm takes wgrad's operands (dy and x, contracted over the tokens) column-major: the compiled
+    graph writes them so beside their casts, and inductor keeps those layouts into the op (no transposing copy in
+    it); the numbers are the eager path's bit for bit (inductor's cast is the eager math)."""
+    layer = _layer("fp8")
+    _, eager = _step(layer)
+    layouts = []
+    real_wgrad = RecipeGemms.wgrad
+
+    def wgrad(self, call, dy, x, out_dtype):
+        layouts.append((dy.t().is_contiguous(), x.t().is_contiguous()))
+        return real_wgrad(self, call, dy, x, out_dtype)
+
+    monkeypatch.setattr(RecipeGemms, "wgrad", wgrad)
+    torch._dynamo.reset()
+    layer.weight.grad = None
+    _, got = _step(torch.compile(layer, backend="inductor", fullgraph=True))
+    assert layouts == [(True, True)]
     for a, b in zip(got, eager, strict=True):
         assert torch.equal(a, b)

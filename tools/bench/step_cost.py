@@ -53,7 +53,7 @@ from megalm import compat  # noqa: E402
 from megalm.estimate.rank import trace_compiled_blocks  # noqa: E402
 from megalm.measure.compiled_cost import InductorCosts  # noqa: E402
 from megalm.measure.op_cost import CATEGORIES, GPUS, OpCosts  # noqa: E402
-from megalm.precision import WHOLE_MODEL  # noqa: E402
+from megalm.precision import compiles_in_sight  # noqa: E402
 from megalm.train import compose_config  # noqa: E402
 from megalm.training.compile import compile_blocks  # noqa: E402
 
@@ -98,7 +98,8 @@ def megalm_step(overrides: list[str], gpu: str, system: str = "megalm", compiled
            if compiled else "eager")
     precision = str(trainer.cfg.precision.name)
     row = {"system": system, "config": f"precision={precision}, {how}", "precision": precision,
-           "model": trainer.cfg.model, **step.summary(), "optimizer": optimizer.summary()}
+           "model": trainer.cfg.model, "precision_config": trainer.cfg.precision, **step.summary(),
+           "optimizer": optimizer.summary()}
     if compiled:
         row["inductor_graphs"] = inductor.graphs
     return row
@@ -212,9 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         ours = megalm_step(args.overrides, args.gpu)
         if "megalm" in systems:
             rows.append(ours)
-        if "megalm_compiled" in systems and ours["precision"] not in WHOLE_MODEL:
-            notes.append(f"megalm_compiled left out for precision={ours['precision']}: compiled blocks run its linears "
-                         "as opaque ops (megalm/precision/compiled_linear.py), whose GEMMs this trace cannot see")
+        if "megalm_compiled" in systems and not compiles_in_sight(ours["precision_config"]):
+            notes.append(f"megalm_compiled left out for precision={ours['precision']}: compiled blocks run its "
+                         "linears as opaque ops with their casts inside (megalm/precision/compiled_linear.py), which "
+                         "this trace cannot see")
         elif "megalm_compiled" in systems and not compat.compiles_over_fake_tensors():
             notes.append(f"megalm_compiled left out: torch {torch.__version__}'s dynamo cannot compile over the "
                          "trace's fake tensors (torch 2.11 and later can)")
@@ -234,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
               f"roofline on {GPUS[args.gpu].name}; traced on fake CPU tensors (torch {torch.__version__})")
     for r in rows:
         r.pop("model", None)
+        r.pop("precision_config", None)
         for graph in r.get("inductor_graphs", ()):
             if graph.get("extern_replayed") != sum(graph["extern"].values()):
                 notes.append(f"{r['system']}: a graph's extern kernels {graph['extern']} were replayed as "
