@@ -164,6 +164,7 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
         with tempfile.TemporaryDirectory() as run_dir, compat.fp8_traced_as_gpu(GPUS[gpu].capability):
             with fake, live:
                 trainer = Trainer(cfg, run_dir)
+                make_compiled_weight_copies(trainer)
             params = storage_bytes(trainer.model.parameters())
             # the optimizer's states and the step's lasting buffers are made in a first step; pp micro-batches (an
             # interleaved schedule's smallest count) make them all, and the step's peak is step 1's
@@ -185,6 +186,21 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
                         comm, live.peak("host"), reserve, summary["tflop"] * 1e12, summary["roofline_ms"] / 1e3,
                         _comm_seconds(comms.bytes, LINKS[gpu], inside_node(p.tp, p.cp, p.ep)), dict(comms.bytes),
                         tokens, summary["by_category"].get("optimizer", {}).get("ms", 0.0) / 1e3, domain)
+
+
+def make_compiled_weight_copies(trainer: Any) -> None:
+    """Compiled `fp8` blocks run their GEMMs as ops whose fake kernels compute nothing (compiled_linear.py), so the
+    FP8 weight copies the ops keep in their layers' caches on a GPU (about 2 bytes per weight: fprop's, and dgrad's
+    column-major one) are made here, under the trace, for its storage probe to count as the eager trace does."""
+    from megalm.model.linear import linear_modules
+    from megalm.precision.linear import RecipeGemms
+
+    if not trainer.cfg.trainer.compile:
+        return
+    for module in linear_modules(trainer.model):
+        gemms = module.gemm_recipe
+        if isinstance(gemms, RecipeGemms) and gemms.recipe.casts_in_graph:
+            gemms.make_weight_copies()
 
 
 def reserve_bytes(peak: int, communicators: int) -> int:
@@ -342,7 +358,8 @@ def prices_compiled_blocks(cfg: Any) -> bool:
 def trace_compiled_blocks(cfg: Any) -> None:
     """Set `cfg`'s `trainer.compile` up for a trainer traced under fake tensors (module docstring): inductor's
     backend swapped for `InductorCosts` (inductor's own kernels cannot run on fake tensors), and compile off under
-    a recipe whose linears compiled blocks run as opaque ops, once the config has passed the checks
+    a recipe whose linears compiled blocks run as opaque ops with their casts inside (`prices_compiled_blocks`),
+    once the config has passed the checks
     `trainer.compile=true` makes in training. Resets dynamo (torch._dynamo.reset: every compiled function of the
     process is dropped), so that each traced rank compiles afresh under its own fake mode and no search of many
     layouts reaches dynamo's recompile limit, past which it would run the blocks eager."""

@@ -52,11 +52,14 @@ class GemmRecipe(Protocol):
 class PackedInputRecipe(GemmRecipe, Protocol):
     """A recipe whose wgrad can read a form of the input other than x itself (an FP8 copy its fprop cast), which the
     layer then saves for the backward instead of x. `pack_input(call)` returns it, or None to keep x;
-    `unpack_input(call, packed)` hands it back in the backward, and wgrad is then called with it."""
+    `unpack_input(call, packed)` hands it back in the backward, and wgrad is then called with it; `finish(call)`
+    once the call's GEMMs have all run: what they shared in the call is let go."""
 
     def pack_input(self, call: Any) -> torch.Tensor | None: ...
 
     def unpack_input(self, call: Any, packed: torch.Tensor) -> None: ...
+
+    def finish(self, call: Any) -> None: ...
 
 
 class WeightGradSink(Protocol):
@@ -155,11 +158,20 @@ class _Linear(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 dx = recipe.dgrad(call, dy2, weight, ctx.input_dtype).reshape(ctx.input_shape).to(ctx.input_dtype)
                 dx = dx if gather is None else gather.scatter(dx)
+            finish = getattr(recipe, "finish", None) or (lambda call: None)
             if ctx.sink is not None:
                 param = ctx.param[0]
-                ctx.sink.stash(param, lambda: recipe.wgrad(call, dy2, x2, param.dtype).to(param.dtype))
-            elif ctx.needs_input_grad[1]:
-                dw = recipe.wgrad(call, dy2, x2, weight.dtype).to(weight.dtype)
+
+                def deferred_wgrad() -> torch.Tensor:
+                    dw = recipe.wgrad(call, dy2, x2, param.dtype).to(param.dtype)
+                    finish(call)
+                    return dw
+
+                ctx.sink.stash(param, deferred_wgrad)
+            else:
+                if ctx.needs_input_grad[1]:
+                    dw = recipe.wgrad(call, dy2, x2, weight.dtype).to(weight.dtype)
+                finish(call)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 db = dy2.float().sum(dim=0).to(ctx.bias_dtype)
         return dx, dw, db, None, None, None, None, None

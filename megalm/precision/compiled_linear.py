@@ -79,10 +79,6 @@ class CompiledRecipe(Protocol):
 
     def wgrad(self, call: Any, dy: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor: ...
 
-    def pack_input(self, call: Any) -> torch.Tensor | None: ...
-
-    def unpack_input(self, call: Any, packed: torch.Tensor) -> None: ...
-
 
 def layer_handle(recipe: CompiledRecipe) -> torch.Tensor:
     """The CPU tensor that names `recipe` to the ops, for as long as `recipe` lives."""
@@ -102,72 +98,60 @@ def _recipe(layer: torch.Tensor) -> CompiledRecipe:
 
 @torch.library.custom_op("megalm::recipe_linear", mutates_args=())
 def _forward(x: torch.Tensor, weight: torch.Tensor, layer: torch.Tensor, out_dtype: torch.dtype,
-             y_dtype: torch.dtype, packed_dtype: torch.dtype | None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y [T, out] in `y_dtype`, the call's seed, scales and which scales exist, and what the backward keeps in
-    place of x) of x [T, in] and weight [out, in]. `out_dtype`, what the layer returns, is the dtype its backward's
-    dy arrives in on the eager path; `packed_dtype`: the dtype of the recipe's packed input (its `pack_input`, an FP8
-    copy of x), known when the graph is traced; None: x itself is kept (an empty tensor stands in)."""
+             y_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y [T, out] in `y_dtype`, and the call's seed, scales and which scales exist) of x [T, in] and weight
+    [out, in]; `out_dtype`, what the layer returns, is the dtype its backward's dy arrives in on the eager path."""
     recipe = _recipe(layer)
     with torch.autocast(x.device.type, enabled=False):
         call = recipe.start(x)
         y = recipe.fprop(call, x, weight, y_dtype).to(y_dtype)
-    packed = recipe.pack_input(call)
-    return (y, *call_tensors(call, x.device), packed if packed is not None else x.new_empty(0))
+    return (y, *call_tensors(call, x.device))
 
 
 @_forward.register_fake
-def _(x, weight, layer, out_dtype, y_dtype, packed_dtype):
+def _(x, weight, layer, out_dtype, y_dtype):
     return (x.new_empty((x.shape[0], weight.shape[0]), dtype=y_dtype),
             torch.empty(2, dtype=torch.int64), x.new_empty(len(CALL_SCALES), dtype=torch.float32),
-            torch.empty(len(CALL_SCALES), dtype=torch.bool),
-            x.new_empty(x.shape, dtype=packed_dtype) if packed_dtype is not None else x.new_empty(0))
+            torch.empty(len(CALL_SCALES), dtype=torch.bool))
 
 
 @torch.library.custom_op("megalm::recipe_linear_backward", mutates_args=())
 def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, layer: torch.Tensor, seed: torch.Tensor,
-              scales: torch.Tensor, present: torch.Tensor, x_dtype: torch.dtype, packed: bool
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx in `x_dtype`, dW in the weight's) with the call state the forward handed over; `packed`: `x` is the
-    recipe's packed input, not x."""
+              scales: torch.Tensor, present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx in x's dtype, dW in the weight's) with the call state the forward handed over."""
     recipe = _recipe(layer)
     call = call_from(seed, scales, present)
-    if packed:
-        recipe.unpack_input(call, x)
     with torch.autocast(x.device.type, enabled=False):
-        return (recipe.dgrad(call, dy, weight, x_dtype).to(x_dtype),
+        return (recipe.dgrad(call, dy, weight, x.dtype).to(x.dtype),
                 recipe.wgrad(call, dy, x, weight.dtype).to(weight.dtype))
 
 
 @_backward.register_fake
-def _(dy, x, weight, layer, seed, scales, present, x_dtype, packed):
-    return x.new_empty(x.shape, dtype=x_dtype), weight.new_empty(weight.shape)
+def _(dy, x, weight, layer, seed, scales, present):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
 def _save(ctx, inputs, output) -> None:
-    x, weight, layer, ctx.out_dtype, _, packed_dtype = inputs
-    _, seed, scales, present, packed = output
-    ctx.mark_non_differentiable(seed, scales, present, packed)
-    ctx.x_dtype, ctx.packed = x.dtype, packed_dtype is not None
-    ctx.save_for_backward(packed if ctx.packed else x, weight, layer, seed, scales, present)
+    x, weight, layer, ctx.out_dtype, _ = inputs
+    _, seed, scales, present = output
+    ctx.mark_non_differentiable(seed, scales, present)
+    ctx.save_for_backward(x, weight, layer, seed, scales, present)
 
 
 def _grads(ctx, dy, *_):
-    dx, dw = _backward(dy.to(ctx.out_dtype), *ctx.saved_tensors, ctx.x_dtype, ctx.packed)  # as the eager path
-    return dx, dw, None, None, None, None  # gets it: exact (dy is the upcast of the out_dtype gradient that
-    # `.to(out_dtype)` passes back)
+    dx, dw = _backward(dy.to(ctx.out_dtype), *ctx.saved_tensors)  # as the eager path gets it: exact (dy is the
+    return dx, dw, None, None, None  # upcast of the out_dtype gradient `.to(out_dtype)` passes back)
 
 
 _forward.register_autograd(_grads, setup_context=_save)
 
 
 def recipe_linear(layer: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  out_dtype: torch.dtype, packed_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype) -> torch.Tensor:
     """linear.py's `linear` for the layer `layer` names, as one op: x [..., in] -> [..., out] in `out_dtype`,
-    the bias added in fp32 as the eager path adds it. `packed_dtype`: the dtype of what the recipe keeps for the
-    backward in place of x (`_forward`), None to keep x."""
+    the bias added in fp32 as the eager path adds it."""
     y_dtype = out_dtype if bias is None else torch.float32
-    y = _forward(x.reshape(-1, x.shape[-1]), weight, layer, out_dtype, y_dtype, packed_dtype)[0]
+    y = _forward(x.reshape(-1, x.shape[-1]), weight, layer, out_dtype, y_dtype)[0]
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)

@@ -10,8 +10,9 @@ reduction dimension K:
 Block scales (MX: one per 32 elements) and per-row FP8 scales must run along K, or the GEMM could not
 factor them out of its sums. So every GEMM quantizes its two operands itself, from the
 high-precision tensors it was given: W is quantized along `in` for fprop and along `out` for dgrad,
-dy along `out` for dgrad and along the tokens for wgrad. The backward saves x (or, under per-tensor FP8 scales,
-fprop's FP8 copy of it) and W in high precision.
+dy along `out` for dgrad and along the tokens for wgrad (per-tensor scales, which do not depend on K, let the
+GEMMs that read one tensor share its cast: below). The backward saves x (or, under per-tensor current FP8
+scaling, fprop's FP8 copy of it) and W.
 
 Recipes (`get_recipe(name)`; fprop / dgrad / wgrad):
 
@@ -48,9 +49,10 @@ dgrad under per-tensor scales): `LinearState.quantized_weight`, once the trainer
 (`WeightsVersion.watch`, a hook on that optimizer alone). Where torch._scaled_mm runs, dgrad's copy is also
 cached column-major, the layout the GEMM takes, so no micro-batch transposes a weight. An activation is cast to
 FP8 once per call under per-tensor scales, which do not depend on the GEMM's K: dgrad's FP8 dy is wgrad's, and
-fprop's FP8 x is kept for wgrad in place of x (1 byte per element, through autograd's saved tensors:
-`RecipeGemms.pack_input`; Transformer Engine keeps its FP8 input likewise). Under per-row scales and MX blocks
-each GEMM casts its own operands along its K, and the layer keeps its input in its own dtype (bf16 under
+fprop's FP8 x is kept for wgrad in place of x under current scaling (1 byte per element, through autograd's
+saved tensors: `RecipeGemms.pack_input`; Transformer Engine keeps its FP8 input likewise; delayed scaling keeps x,
+whose recomputed cast would follow the amax history). Under per-row scales and MX blocks each GEMM casts its own
+operands along its K, and the layer keeps its input in its own dtype (bf16 under
 `precision.bf16_weights` or autocast), as a sequence-parallel layer keeps its shard (smaller than a whole FP8
 copy from tp = 2 on; wgrad casts it again, gathered, with fprop's scale). Bias and its gradient stay
 fp32 (a layer with a bias gets an fp32 GEMM output, adds the bias, then casts). Under torch.autocast the output
@@ -324,11 +326,17 @@ class RecipeGemms:
     """
 
     def __init__(self, recipe: Recipe, state: LinearState | None = None, seed: int | None = None,
-                 weight: torch.Tensor | None = None):
+                 weight: torch.Tensor | None = None, module: nn.Module | None = None):
         self.recipe, self.state, self.seed = recipe, state, seed
-        self.weight = weight  # the layer's weight parameter: what its cached FP8 copy is keyed on
+        self._weight, self.module = weight, module  # the layer's weight parameter, or the layer that holds it
         self.random = any(spec.random for spec in recipe.specs)
         self.handle = compiled_linear.layer_handle(self)  # names this layer to the compiled path's ops
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        """The layer's weight parameter, what its cached FP8 copy is keyed on: read from the layer when one was given,
+        since materialising a model built on the meta device (`to_empty`) replaces its parameters."""
+        return self.module.weight if self.module is not None else self._weight
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "handle"}
@@ -345,8 +353,7 @@ class RecipeGemms:
             return compiled_linear.fp8_linear(self.handle, x, weight, bias, out_dtype,
                                               fp8.fp8_dtype(self.recipe.fprop.a_format),
                                               fp8.fp8_dtype(self.recipe.dgrad.a_format))
-        return compiled_linear.recipe_linear(self.handle, x, weight, bias, out_dtype,
-                                             fp8.fp8_dtype(self.recipe.wgrad.b_format) if self.packs_input else None)
+        return compiled_linear.recipe_linear(self.handle, x, weight, bias, out_dtype)
 
     def start(self, x: torch.Tensor) -> Call:
         seed = self.seed
@@ -421,6 +428,15 @@ class RecipeGemms:
                                                   lambda: (fp8.column_major(operand[0]), operand[1]))
         return operand
 
+    def make_weight_copies(self) -> None:
+        """Make the FP8 copies of the layer's weight that fprop and dgrad read (its cache: `_fp8_weight`) now. For a
+        trace whose GEMM ops do not run: megalm-estimate's compiled `fp8` blocks, whose ops' fake kernels compute
+        nothing, so the copies they hold on a GPU are made here, where the trace's storage probe counts them."""
+        with torch.no_grad():  # as inside the layer's autograd function: no graph holds the cast's temporaries
+            for spec, k_dim in ((self.recipe.fprop, 1), (self.recipe.dgrad, 0)):
+                if spec.kind == "fp8" and self.state is not None and self.weight is not None:
+                    self._fp8_weight(spec, self.weight, k_dim)
+
     def _owner(self, w: torch.Tensor) -> torch.Tensor:
         """The layer's parameter when `w` is it or an alias of it (the zero-bubble path passes weight.detach(),
         a new object per call sharing storage and version counter), so that the cache hits; else `w` itself
@@ -433,10 +449,12 @@ class RecipeGemms:
 
     @property
     def packs_input(self) -> bool:
-        """Whether wgrad reads the FP8 copy of x that fprop casts (both per-tensor FP8 of one format): then the layer
-        keeps that copy for the backward instead of x (`pack_input`)."""
+        """Whether wgrad reads the FP8 copy of x that fprop casts (both FP8 of one format under per-tensor current
+        scaling): then the layer keeps that copy for the backward instead of x (`pack_input`). Not under delayed
+        scaling: a recomputed forward (activation checkpointing) casts x again with the amax history as it is then,
+        and what it saves would not be the FP8 x of the scale the call's backward uses."""
         fprop, wgrad = self.recipe.fprop, self.recipe.wgrad
-        return (fprop.kind == wgrad.kind == "fp8" and "row" not in (fprop.scaling, wgrad.scaling)
+        return (fprop.kind == wgrad.kind == "fp8" and fprop.scaling == wgrad.scaling == "tensor"
                 and fprop.a_format == wgrad.b_format)
 
     def pack_input(self, call: Call) -> torch.Tensor | None:
@@ -451,6 +469,12 @@ class RecipeGemms:
         """Hand `pack_input`'s FP8 x back to the call, for wgrad."""
         key = ("x", self.recipe.wgrad.b_format)
         call.operands[key] = kept, call.scales[key]
+
+    def finish(self, call: Call) -> None:
+        """The call's backward is over (wgrad ran, or will not): let go of the FP8 activations its GEMMs shared, which
+        the autograd graph would otherwise keep alive for as long as it lives (into the next micro-batch's forward,
+        outside the saved tensors that offload sees)."""
+        call.operands.clear()
 
     def fprop(self, call: Call, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32
               ) -> torch.Tensor:
@@ -546,7 +570,7 @@ def apply_precision(
                             "megalm.model.linear.Linear (same parameters)")
         chosen = next((r for p, r in override_patterns if fnmatch.fnmatchcase(name, p)), recipe)
         state = LinearState(name, seed, weights_version=weights_version)
-        module.gemm_recipe = None if chosen.is_fp32 else RecipeGemms(chosen, state, weight=module.weight)
+        module.gemm_recipe = None if chosen.is_fp32 else RecipeGemms(chosen, state, module=module)
         states[name] = state
     return states
 

@@ -248,3 +248,5 @@ def test_compiled_blocks_are_priced_as_inductor_compiles_them(monkeypatch):
     assert compiled.by_op["fp8_weight_cast"].kernels == compiled.by_op["fp8_linear"].kernels // 2  # 2 micro-batches
     assert compiled.total().bytes < 0.9 * eager.total().bytes
     assert fp8["true"]["step_time_s"] < fp8["false"]["step_time_s"]
+    # the weights' FP8 copies are held as the eager trace holds them (fprop's and dgrad's column-major one)
+    assert fp8["true"]["ranks"][0]["optimizer_bytes"] == fp8["false"]["ranks"][0]["optimizer_bytes"]

@@ -222,3 +222,21 @@ def test_the_trainer_quantizes_each_weight_once_per_step(tmp_path, monkeypatch, 
         trainer.train_step(step)
         assert len(calls) == step + 1, calls
     assert trainer.precision.weights_version.steps == 2  # (ZeRO-1 writes weights in place: versions bump anyway)
+
+
+def test_a_layer_built_on_the_meta_device_keeps_its_cache_owner(monkeypatch):
+    """The trainer builds the model on the meta device, installs the recipe, then materialises it (`to_empty`, which
+    replaces every parameter): the recipe must key its cache on the parameter the layer holds now, so that the
+    zero-bubble path's detached alias still hits it (before, it held the meta parameter: one cast per call)."""
+    from megalm.precision.linear import apply_precision
+
+    layer = Linear(64, 32, bias=False, device="meta")
+    state = apply_precision(layer, "fp8")[""]
+    layer.to_empty(device="cpu")
+    torch.nn.init.normal_(layer.weight)
+    state.weights_version.watch(torch.optim.SGD(layer.parameters(), lr=0.1))
+    calls = _count_weight_quantizations(monkeypatch, layer.weight)
+    for _ in range(3):
+        x = torch.randn(16, 64, requires_grad=True)
+        linear(x, layer.weight.detach(), None, layer.gemm_recipe).sum().backward()
+    assert len(calls) == 1
