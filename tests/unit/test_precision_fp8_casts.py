@@ -242,3 +242,20 @@ def test_inductor_hands_wgrad_its_operands_column_major(monkeypatch):
     assert layouts == [(True, True)]
     for a, b in zip(got, eager, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective", "[none,full]"])
+def test_delayed_scaling_refuses_activation_recompute(recompute):
+    """A recomputed forward would cast with the amax history as it has moved since the forward, and push its amaxes
+    again (under `selective`, torch's checkpointing stopped at an op the recompute ran that the forward had not): a
+    one-line error names the ways out; one mode per pipeline rank counts when any of them recomputes."""
+    from megalm.errors import ConfigError
+    from megalm.precision import validate_precision
+    from tests.conftest import compose_config
+
+    layout = ["parallel.pp=2"] if recompute.startswith("[") else []
+    cfg = compose_config("precision=fp8_delayed", f"parallel.recompute={recompute}", *layout)
+    with pytest.raises(ConfigError, match="use precision=fp8 .current scaling. or parallel.recompute=none"):
+        validate_precision(cfg)
+    validate_precision(compose_config("precision=fp8_delayed", "parallel.recompute=[none,none]", "parallel.pp=2"))
+    validate_precision(compose_config("precision=fp8", f"parallel.recompute={recompute}", *layout))
