@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -146,15 +147,23 @@ def _grads(ctx, dy, *_):
 _forward.register_autograd(_grads, setup_context=_save)
 
 
+def _around_gemms(gemms: Callable[[torch.Tensor, torch.dtype], torch.Tensor], x: torch.Tensor,
+                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """What both compiled paths do around a layer's GEMMs, as the eager path does: x [..., in] as [T, in], the GEMM
+    output in `out_dtype` (fp32 when a bias follows, added in fp32), back to [..., out] in `out_dtype`.
+    `gemms(x2d, y_dtype)` runs the layer's forward GEMM."""
+    y_dtype = out_dtype if bias is None else torch.float32
+    y = gemms(x.reshape(-1, x.shape[-1]), y_dtype)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)
+
+
 def recipe_linear(layer: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   out_dtype: torch.dtype) -> torch.Tensor:
     """linear.py's `linear` for the layer `layer` names, as one op: x [..., in] -> [..., out] in `out_dtype`,
     the bias added in fp32 as the eager path adds it."""
-    y_dtype = out_dtype if bias is None else torch.float32
-    y = _forward(x.reshape(-1, x.shape[-1]), weight, layer, out_dtype, y_dtype)[0]
-    if bias is not None:
-        y = y + bias.to(y.dtype)
-    return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)
+    return _around_gemms(lambda x2, y_dtype: _forward(x2, weight, layer, out_dtype, y_dtype)[0], x, bias, out_dtype)
 
 
 # ------------------------------------------------------------------------- per-tensor FP8: the casts in the graph
@@ -226,8 +235,5 @@ def fp8_linear(layer: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
                out_dtype: torch.dtype, x_fp8: torch.dtype, dy_fp8: torch.dtype) -> torch.Tensor:
     """`recipe_linear` for a recipe of per-tensor current scaling: x cast to `x_fp8` and dy to `dy_fp8` in the graph
     (module docstring), the GEMMs in the ops."""
-    y_dtype = out_dtype if bias is None else torch.float32
-    y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, layer, y_dtype, out_dtype, x_fp8, dy_fp8)
-    if bias is not None:
-        y = y + bias.to(y.dtype)
-    return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)
+    return _around_gemms(lambda x2, y_dtype: _Fp8Linear.apply(x2, weight, layer, y_dtype, out_dtype, x_fp8, dy_fp8),
+                         x, bias, out_dtype)
