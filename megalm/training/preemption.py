@@ -12,6 +12,7 @@ the job on it, and the next launch resumes from that checkpoint with `trainer.re
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import weakref
@@ -40,10 +41,35 @@ def signal_numbers(names: list[str]) -> list[signal.Signals]:
     return found
 
 
-def _restore(previous: dict[signal.Signals, object]) -> None:
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
-    previous.clear()
+def _live(handler: object) -> object:
+    """`handler`, or, if it is the handler of a collected `Preemption`, the first live one it replaced."""
+    while getattr(handler, "owner", None) is not None and handler.owner() is None:
+        handler = handler.previous
+    return handler
+
+
+def _forward(handler: object, signum: int, frame: FrameType | None) -> None:
+    """Do what `handler` (the handler a collected `Preemption` replaced) would have done with the signal."""
+    handler = _live(handler)
+    if callable(handler):
+        handler(signum, frame)
+    elif handler == signal.SIG_DFL:  # the default action (terminate), as if the signal had never been caught
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def _restore(installed: dict[signal.Signals, Callable]) -> None:
+    """Give each signal back the handler ours replaced, if ours is still the one installed. Objects are collected
+    in any order (a Trainer built and never fitted keeps its handlers until then): restoring a handler that is no
+    longer ours would uninstall a live run's and put back one whose owner is gone, and the signal would be lost.
+    A handler left behind forwards to the one it replaced once its owner is collected."""
+    if threading.current_thread() is not threading.main_thread():  # the collector may run in any thread
+        return
+    for sig, ours in installed.items():
+        previous = _live(ours.previous)
+        if signal.getsignal(sig) is ours and previous is not None:
+            signal.signal(sig, previous)
+    installed.clear()
 
 
 class Preemption:
@@ -56,37 +82,40 @@ class Preemption:
         self.signals = signal_numbers(names)
         self.device, self.distributed = device, distributed
         self.received: signal.Signals | None = None
-        self._previous: dict[signal.Signals, object] = {}
+        self._installed: dict[signal.Signals, Callable] = {}
         self._install()
-        weakref.finalize(self, _restore, self._previous)
+        weakref.finalize(self, _restore, self._installed)
 
     @staticmethod
-    def _handler(ref: weakref.ref) -> Callable[[int, FrameType | None], None]:
-        """The signal handler: it only sets the flag, and holds this object weakly (so that collecting it restores
-        the previous handlers)."""
+    def _handler(ref: weakref.ref, previous: object) -> Callable[[int, FrameType | None], None]:
+        """The signal handler: it only sets the flag. It holds this object weakly (so that collecting it restores
+        the previous handlers), and once this object is gone it forwards to `previous`, the handler it replaced."""
         def handle(signum: int, frame: FrameType | None) -> None:
             owner = ref()
-            if owner is not None and owner.received is None:
+            if owner is None:
+                _forward(previous, signum, frame)
+            elif owner.received is None:
                 owner.received = signal.Signals(signum)
+        handle.owner, handle.previous = ref, previous
         return handle
 
     def _install(self) -> None:
-        if self._previous:
+        if self._installed:
             return
         if threading.current_thread() is not threading.main_thread():
             if self.signals:
                 log.warning("preemption signals are not caught: the trainer runs outside the main thread")
             return
-        handle = self._handler(weakref.ref(self))
         for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, handle)
+            self._installed[sig] = handle = self._handler(weakref.ref(self), signal.getsignal(sig))
+            signal.signal(sig, handle)
 
     def __enter__(self) -> Preemption:
         self._install()
         return self
 
     def __exit__(self, *exc) -> None:
-        _restore(self._previous)
+        _restore(self._installed)
 
     def log_stop(self, step: int, checkpoint: object) -> None:
         who = self.received.name if self.received is not None else "a signal to another rank"

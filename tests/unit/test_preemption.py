@@ -3,6 +3,7 @@ uninterrupted losses, and `megalm-train` exits with the requeue code. Several ra
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -12,9 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from megalm.errors import ConfigError
-from megalm.training.preemption import REQUEUE_EXIT_CODE, signal_numbers
+from megalm.training.preemption import REQUEUE_EXIT_CODE, Preemption, signal_numbers
 from megalm.training.trainer import Trainer
 from tests.conftest import TINY, compose_config
 
@@ -50,6 +52,26 @@ def test_signal_saves_stops_and_the_resumed_run_repeats_the_losses(tmp_path, sig
     rest = resumed.fit()
     assert not rest.preempted
     assert summary.losses + rest.losses == straight.losses
+
+
+def test_objects_collected_out_of_order_lose_no_signal():
+    """Trainers built and never fitted keep their handlers until they are collected, in any order: collecting one
+    must neither uninstall a live run's handler nor put back one whose owner is gone (the signal would be lost)."""
+    sig, received = signal.SIGUSR1, []
+    before = signal.signal(sig, lambda signum, frame: received.append(signum))
+    try:
+        first = Preemption(["SIGUSR1"], torch.device("cpu"), distributed=False)
+        second = Preemption(["SIGUSR1"], torch.device("cpu"), distributed=False)
+        del first
+        gc.collect()
+        os.kill(os.getpid(), sig)
+        assert second.received == sig and not received, "the live object's handler stays installed"
+        del second
+        gc.collect()
+        os.kill(os.getpid(), sig)
+        assert received == [sig], "with both gone, the handler from before either is back"
+    finally:
+        signal.signal(sig, before)
 
 
 def test_no_signal_no_preemption(tmp_path):
