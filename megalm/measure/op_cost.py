@@ -3,7 +3,8 @@
 `OpCosts` is a `TorchDispatchMode`: every op that is not a view (a view launches no kernel) is one kernel (or part
 of one: `one_kernel` counts a region's ops as the single fused kernel the GPU runs for them), its
 FLOPs come from torch's own formulas (`torch.utils.flop_counter`), its bytes are those of its tensor inputs read
-and its outputs written, and its roofline time on a named GPU is max(FLOPs / peak, bytes / HBM bandwidth). Under
+(not a destination it overwrites, nor anything a fill is given; an allocation is no kernel) and its outputs
+written, and its roofline time on a named GPU is max(FLOPs / peak, bytes / HBM bandwidth). Under
 `FakeTensorMode` this runs a step of any size on a CPU in seconds (no data is computed). Which kernels run is the
 dispatcher's choice on the device traced: a CPU trace decomposes some ops that CUDA runs fused (the caller says
 which device it traced), and an eager trace cannot see what `torch.compile` would fuse.
@@ -56,7 +57,14 @@ _CAST_COPY = {"_to_copy", "copy_", "copy", "clone", "_copy_from", "_copy_from_an
               "fill_", "zero_", "zeros", "zeros_like", "empty", "empty_like", "empty_strided", "new_empty",
               "new_zeros", "new_empty_strided", "full", "ones_like", "index_put_", "masked_fill_"}
 _NO_KERNEL_NAMESPACES = {"prim", "profiler"}  # tensor metadata queries (prim::device), profiler markers
-_NO_KERNEL = {"detach", "lift_fresh", "_local_scalar_dense", "_record_function_enter_new", "_record_function_exit"}
+_NO_KERNEL = {"detach", "lift_fresh", "_local_scalar_dense", "_record_function_enter_new", "_record_function_exit",
+              "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}  # allocations: no kernel runs
+# Ops that write their output without reading any tensor argument (a fill); and in-place ops whose destination (the
+# first argument) is overwritten, not read. Without these a copy into an fp32 gradient bucket was priced as reading
+# the bucket too, 4 of its 10 bytes per element.
+_WRITE_ONLY = {"zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "new_zeros", "new_ones", "new_full",
+               "fill_", "zero_"}
+_OVERWRITES_DESTINATION = {"copy_"}
 _LOSS = ("nll_loss", "log_softmax", "_log_softmax", "cross_entropy", "logsumexp")
 
 
@@ -117,6 +125,17 @@ def _arg(args: tuple, kwargs: dict, position: int, name: str):  # noqa: ANN202 -
     return args[position] if len(args) > position else kwargs.get(name, False)
 
 
+def _read_operands(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an op reads: its tensor arguments, less an `out=` tensor, the destination an op overwrites
+    (`copy_`), and everything for a fill or an `x.new_*` (which takes x's dtype and device only)."""
+    if name in _WRITE_ONLY or name.startswith("new_"):
+        return []
+    if name in _OVERWRITES_DESTINATION:
+        args = args[1:]
+    kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+    return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -174,9 +193,9 @@ class OpCosts(TorchDispatchMode):
         name = func._overloadpacket.__name__
         if self._only is not None and name not in self._only:
             return out
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        inputs = _read_operands(name, args, kwargs)
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        read = 0 if name.startswith("new_") else sum(_nbytes(t) for t in inputs)  # x.new_*: x's dtype only
+        read = sum(_nbytes(t) for t in inputs)
         written = sum(_nbytes(t) for t in outputs)
         formula = flop_registry.get(func._overloadpacket)
         flops = _attention_flops(name, args, kwargs)

@@ -73,6 +73,10 @@ def test_the_step_cost_tool_counts_six_flops_per_weight_and_token():
         assert abs(gemm_tflop * 1e12 - 6 * weights * m.seq_length) < 1e-6 * gemm_tflop * 1e12, system
         assert row["optimizer"]["kernels"] <= 8, "fused AdamW: a few kernels, not one per parameter"
         assert set(row["by_category"]) >= {"gemm", "attention", "cast/copy", "elementwise/other", "loss"}
+    # every system's attention is causal over one document, as each runs it on a GPU: the same FLOPs (HF's would
+    # double under fake tensors, where it cannot read its position ids and builds a mask: step_cost.py)
+    attention = {system: row["by_category"]["attention"]["tflop"] for system, row in rows.items()}
+    assert len(set(attention.values())) == 1, attention
     # compiled: inductor's generated kernels replace the blocks' elementwise ops (fewer kernels, fewer bytes); its
     # GEMMs, traced from the replay of the extern kernels inductor calls, still count 6 FLOPs per weight and token
     for system in [name for name in rows if name.endswith("_compiled")]:
@@ -100,3 +104,22 @@ def test_grouped_gemms_forward_and_backward_cost_what_the_per_expert_loop_costs(
             fn(x, weight, counts).sum().backward()
         costs[name] = cost.total().flops
     assert costs["grouped"] == costs["loop"] == 3 * 2 * 16 * 8 * 12
+
+
+def test_overwrites_fills_and_allocations_read_nothing_they_do_not_read():
+    """A copy into an fp32 gradient bucket reads its bf16 source and writes the bucket: 6 bytes per element, not 10.
+    A fill writes only; an allocation runs no kernel."""
+    bucket, grad = torch.empty(1000), torch.ones(1000, dtype=torch.bfloat16)
+    with OpCosts(GPUS["h100"]) as costs:
+        bucket.copy_(grad)
+        bucket.zero_()
+        torch.empty_like(bucket)
+        torch.zeros_like(grad)
+    assert costs.by_op["copy_"].bytes == 1000 * (2 + 4)
+    assert costs.by_op["zero_"].bytes == 1000 * 4
+    assert costs.by_op["zeros_like"].bytes == 1000 * 2
+    assert "empty_like" not in costs.by_op
+    out = torch.empty(8, 8)
+    with OpCosts(GPUS["h100"]) as costs:
+        torch.mm(torch.ones(8, 4), torch.ones(4, 8), out=out)
+    assert costs.by_op["mm"].bytes == 4 * (8 * 4 + 4 * 8 + 8 * 8), "an out= tensor is written, not read"

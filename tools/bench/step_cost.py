@@ -107,6 +107,23 @@ def megalm_step(overrides: list[str], gpu: str, system: str = "megalm", compiled
     return row
 
 
+@contextlib.contextmanager
+def _hf_sees_one_document() -> Iterator[None]:
+    """transformers' attention as it runs on real tensors: one document with no padding calls SDPA with
+    `is_causal=True` (flash attention skips the masked half). Under fake tensors it cannot read the position ids to
+    rule out packed documents, so it builds a [s, s] mask and SDPA computes the whole square, twice the FLOPs of its
+    GPU run; the trace's batch is one unpacked document, which is what reading them would find."""
+    from unittest import mock
+
+    import transformers.masking_utils as masking
+
+    if not hasattr(masking, "find_packed_sequence_indices"):  # an older transformers: nothing to tell it
+        yield
+        return
+    with mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None):
+        yield
+
+
 def hf_llama_step(model_cfg: Any, gpu: str) -> dict[str, Any]:
     """transformers' LlamaForCausalLM of the same shape (and megalm's padded vocab): fp32 weights, bf16 autocast,
     SDPA; one micro-batch."""
@@ -117,7 +134,7 @@ def hf_llama_step(model_cfg: Any, gpu: str) -> dict[str, Any]:
     same = dataclasses.replace(model_cfg, vocab_size=model_cfg.padded_vocab_size)  # as compare.py runs it
     config = transformers.LlamaConfig(**hf_config(same, LLAMA, "float32", None, None))
     config._attn_implementation = "sdpa"
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), _hf_sees_one_document():
         model = transformers.LlamaForCausalLM(config)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         ids = torch.zeros(1, model_cfg.seq_length, dtype=torch.long)
