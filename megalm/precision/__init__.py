@@ -211,12 +211,6 @@ def validate_precision(cfg: MegalmConfig) -> None:
         raise ConfigError("precision.backend=te does not combine with parallel.recompute yet (the recomputed "
                           "forward would run outside TE's fp8_autocast); use parallel.recompute=none or "
                           "precision.backend=native")
-    recomputes = any(mode != "none" for mode in ([parallel.recompute] if isinstance(parallel.recompute, str)
-                                                 else parallel.recompute))
-    if p.name == "fp8_delayed" and p.backend == "native" and recomputes:
-        raise ConfigError("precision=fp8_delayed does not combine with parallel.recompute yet (the recomputed forward "
-                          "would cast with the amax history as it has moved since the forward, and push its amaxes "
-                          "again); use precision=fp8 (current scaling) or parallel.recompute=none")
     if cfg.trainer.compile and p.name not in WHOLE_MODEL and p.backend == "native":
         # compiled blocks run a recipe's linears as one opaque op (compiled_linear.py), which has no input gather
         # and hands no weight gradient to a zero-bubble W: those layers would break the graph instead

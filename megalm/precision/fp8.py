@@ -11,9 +11,10 @@ E4M3 (max 448, 3 mantissa bits) for forward operands, E5M2 (max 57344, more rang
 for gradients. Where amax comes from:
 
     current  amax of this very tensor (one extra pass over it; what torchao's "tensorwise" does)
-    delayed  max of the amaxes of the last `history_len` uses (Transformer Engine's default): no pass
-             before the cast, but a tensor that grew since then is clipped. The current amax is
-             pushed to the history after use.
+    delayed  max of the amaxes of the last `history_len` steps (Transformer Engine's default recipe; the
+             history per step, as torchao's delayed scaling keeps it): no pass before the cast, but a
+             tensor that grew since then is clipped. The step's amaxes join the history when the next
+             step starts (`AmaxHistory`).
     rowwise  one scale per row of an operand along the GEMM's reduction dim K (DeepSeek-V3 style
              fine-grained scaling, coarser): outliers only hurt their own row.
 
@@ -223,30 +224,46 @@ def quantize_dequantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor
 
 
 class AmaxHistory:
-    """The amax history of one tensor for delayed scaling: a ring of the last `length` amaxes, on
-    the tensor's device (no host syncs). `scale` uses the max of the history, or the current amax
-    while the history is empty; call `update` with the current amax after use."""
+    """The amax history of one tensor for delayed scaling: a ring of the last `length` steps' amaxes, on the
+    tensor's device (no host syncs). `scale` uses the max of the history, or the current amax while the history is
+    empty (the first step); `update` takes the max of the step's amaxes, and `roll` pushes it when the next step
+    begins. So the scale is fixed within a step, as torchao's delayed scaling syncs its history once per iteration:
+    a recomputed forward (activation checkpointing) casts with the scale its forward used, and its amaxes, the same
+    again, leave the step's max as it was; the number of micro-batches and the order the schedule runs them in do
+    not change the history."""
 
     def __init__(self, length: int = 16) -> None:
         self.length = length
         self.history: torch.Tensor | None = None
         self.count = 0
+        self.pending: list[torch.Tensor] = []  # the step's amaxes, reduced and pushed by `roll`
 
     def scale(self, current_amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
         amax = current_amax if self.history is None else self.history.amax()
         return scale_from_amax(amax, dtype, margin)
 
     def update(self, amax: torch.Tensor) -> None:
+        """Keep a use's amax for the step. No op runs here: torch's selective checkpointing requires a recomputed
+        forward to dispatch the very ops its forward did, so the max is taken in `roll`, between steps."""
+        self.pending.append(amax.detach())
+
+    def roll(self) -> None:
+        """End the step: the max of its amaxes joins the history (nothing if the tensor was not used)."""
+        if not self.pending:
+            return
+        step_amax = torch.stack(self.pending).amax().float()
         if self.history is None:
-            self.history = torch.zeros(self.length, dtype=torch.float32, device=amax.device)
-        self.history[self.count % self.length] = amax.detach().float()
-        self.count += 1
+            self.history = torch.zeros(self.length, dtype=torch.float32, device=step_amax.device)
+        self.history[self.count % self.length] = step_amax
+        self.count, self.pending = self.count + 1, []
 
     def state_dict(self) -> dict:
-        return {"history": self.history, "count": self.count}
+        pending = torch.stack(self.pending).amax() if self.pending else None
+        return {"history": self.history, "count": self.count, "pending": pending}
 
     def load_state_dict(self, state: dict) -> None:
         self.history, self.count = state["history"], state["count"]
+        self.pending = [state["pending"]] if state.get("pending") is not None else []
 
 
 # ---------------------------------------------------------------------------------------------------

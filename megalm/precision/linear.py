@@ -19,7 +19,8 @@ Recipes (`get_recipe(name)`; fprop / dgrad / wgrad):
     fp32         F.linear, untouched (also what a layer gets when it is skipped)
     bf16         operands rounded to bf16, fp32 accumulation, in all three
     fp8          FP8 with per-tensor current scaling: E4M3 for x and W, E5M2 for dy
-    fp8_delayed  the same with delayed scaling (amax history of 16 uses, per layer and tensor)
+    fp8_delayed  the same with delayed scaling (amax history of 16 steps, per layer and tensor; the scale
+                 fixed within a step, so recomputation and the schedule change nothing: fp8.AmaxHistory)
     fp8_rowwise  the same with one scale per row along K (per token / feature / output channel)
     mxfp8        MXFP8 (E4M3 elements, block 32 along K, "ceil" scales: no clipping) in all three
     mxfp4        Tseng et al. 2025 ("Training LLMs with MXFP4", arXiv 2502.20586): fprop in bf16
@@ -49,10 +50,9 @@ dgrad under per-tensor scales): `LinearState.quantized_weight`, once the trainer
 (`WeightsVersion.watch`, a hook on that optimizer alone). Where torch._scaled_mm runs, dgrad's copy is also
 cached column-major, the layout the GEMM takes, so no micro-batch transposes a weight. An activation is cast to
 FP8 once per call under per-tensor scales, which do not depend on the GEMM's K: dgrad's FP8 dy is wgrad's, and
-fprop's FP8 x is kept for wgrad in place of x under current scaling (1 byte per element, through autograd's
-saved tensors: `RecipeGemms.pack_input`; Transformer Engine keeps its FP8 input likewise; delayed scaling keeps x,
-whose recomputed cast would follow the amax history). Under per-row scales and MX blocks each GEMM casts its own
-operands along its K, and the layer keeps its input in its own dtype (bf16 under
+fprop's FP8 x is kept for wgrad in place of x (1 byte per element, through autograd's saved tensors:
+`RecipeGemms.pack_input`; Transformer Engine keeps its FP8 input likewise). Under per-row scales and MX blocks
+each GEMM casts its own operands along its K, and the layer keeps its input in its own dtype (bf16 under
 `precision.bf16_weights` or autocast), as a sequence-parallel layer keeps its shard (smaller than a whole FP8
 copy from tp = 2 on; wgrad casts it again, gathered, with fprop's scale). Bias and its gradient stay
 fp32 (a layer with a bias gets an fp32 GEMM output, adds the bias, then casts). Under torch.autocast the output
@@ -276,7 +276,6 @@ class LinearState:
         self.step, self.micro_batch, self.calls = 0, 0, 0
         self.amax = {tensor: fp8.AmaxHistory(amax_history_len) for tensor in ("x", "w", "dy")}
         self.weights: dict[tuple, tuple[weakref.ref, tuple, Fp8Operand]] = {}
-        self.w_amax_token: tuple | None = None  # when W's amax was last pushed (delayed scaling)
 
     def quantized_weight(self, key: tuple, weight: torch.Tensor, make: Callable[[], Fp8Operand]) -> Fp8Operand:
         """The weight's FP8 copy `key` (format, K dim), made once per optimizer step: every micro-batch of a
@@ -295,6 +294,11 @@ class LinearState:
         return cached[2]
 
     def set_step(self, step: int, micro_batch: int = 0) -> None:
+        """Start the seed stream at (step, micro_batch); a new step also ends the last one's amax histories
+        (delayed scaling: `fp8.AmaxHistory.roll`)."""
+        if step != self.step:
+            for history in self.amax.values():
+                history.roll()
         self.step, self.micro_batch, self.calls = step, micro_batch, 0
 
     def next_seed(self) -> int:
@@ -393,16 +397,11 @@ class RecipeGemms:
             dtype = fp8.fp8_dtype(fmt)
             if self.state is None:
                 raise ValueError("delayed FP8 scaling needs a LinearState (the amax history lives there)")
-            history, state = self.state.amax[name], self.state
+            history = self.state.amax[name]
             first = fp8.amax(t) if history.history is None else None  # an empty history scales by the current amax
             call.scales[key] = history.scale(first, dtype)
             q, amax = fp8.quantize_delayed(t, dtype, call.scales[key])
-            # W's history moves once per weight update (optimizer step, training step, in-place write), not per
-            # call: so that the micro-batch count, the schedule and offload do not change it
-            token = (state.weights_version.steps, state.step, t._version) if name == "w" else None
-            if token is None or token != state.w_amax_token:
-                history.update(amax)
-                state.w_amax_token = token if name == "w" else state.w_amax_token
+            history.update(amax)  # the step's max: pushed when the next step starts (`LinearState.set_step`)
         else:
             raise ValueError(f"unknown FP8 scaling {spec.scaling!r}; expected tensor, delayed or row")
         return self._keep(call, key, (q, call.scales[key]))
@@ -449,13 +448,13 @@ class RecipeGemms:
 
     @property
     def packs_input(self) -> bool:
-        """Whether wgrad reads the FP8 copy of x that fprop casts (both FP8 of one format under per-tensor current
-        scaling): then the layer keeps that copy for the backward instead of x (`pack_input`). Not under delayed
-        scaling: a recomputed forward (activation checkpointing) casts x again with the amax history as it is then,
-        and what it saves would not be the FP8 x of the scale the call's backward uses."""
+        """Whether wgrad reads the FP8 copy of x that fprop casts (both FP8 of one format under per-tensor scales,
+        current or delayed): then the layer keeps that copy for the backward instead of x (`pack_input`). A
+        recomputed forward (activation checkpointing) casts the same x with the same scale (delayed scaling's is
+        fixed for the step: `fp8.AmaxHistory`), so what it keeps is the FP8 x the call's backward expects."""
         fprop, wgrad = self.recipe.fprop, self.recipe.wgrad
-        return (fprop.kind == wgrad.kind == "fp8" and fprop.scaling == wgrad.scaling == "tensor"
-                and fprop.a_format == wgrad.b_format)
+        return (fprop.kind == wgrad.kind == "fp8" and fprop.scaling == wgrad.scaling
+                and fprop.scaling in ("tensor", "delayed") and fprop.a_format == wgrad.b_format)
 
     def pack_input(self, call: Call) -> torch.Tensor | None:
         """What the layer's backward keeps of its input in place of x: fprop's FP8 copy where `packs_input`, 1 byte

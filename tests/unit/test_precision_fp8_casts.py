@@ -82,35 +82,46 @@ def test_each_activation_is_cast_once_and_the_backward_keeps_fp8_x(monkeypatch):
         assert torch.equal(got, want)
 
 
-def test_delayed_scaling_shares_dy_and_keeps_x(monkeypatch):
-    """Delayed scaling: dgrad's FP8 dy is wgrad's, but the layer keeps x and wgrad casts it with fprop's scale (a
-    recomputed forward would cast x with the amax history as it is by then: test_recomputation_changes_no_gradient)."""
+def test_delayed_scaling_casts_each_activation_once_too(monkeypatch):
+    """Delayed scaling's scale is fixed within a step (fp8.AmaxHistory), so it keeps fprop's FP8 x as current scaling
+    does: a recomputed forward would cast x with the same scale again (test_recomputation_changes_no_gradient)."""
     layer = _layer("fp8_delayed")
     _step(layer)
+    layer.gemm_recipe.state.set_step(1)  # the history holds step 0's amaxes from here on
     casts = _activation_casts(monkeypatch, layer)
     saved, _ = _step(layer)
-    assert casts == [("forward", (16, 64)), ("backward", (16, 32)), ("backward", (16, 64))]
-    assert [t.dtype for t in saved if t.shape == (16, 64)] == [torch.bfloat16]
+    assert casts == [("forward", (16, 64)), ("backward", (16, 32))]
+    assert [t.dtype for t in saved if t.shape == (16, 64)] == [E4M3]
 
 
+@pytest.mark.parametrize("recompute", ["full", "selective"])
 @pytest.mark.parametrize("recipe", ["fp8", "fp8_delayed"])
-def test_recomputation_changes_no_gradient(recipe):
-    """Under activation checkpointing the backward's saved tensors come from a recomputed forward; the gradients
-    equal those without it, also on a step whose input grew (delayed scaling's history has moved by then)."""
+def test_recomputation_changes_no_gradient(recipe, recompute):
+    """Under activation checkpointing (megalm's full and selective modes) the backward's saved tensors come from a
+    recomputed forward; the gradients equal those without it, step after step, also on a step whose input grew
+    (delayed scaling's history has moved by then)."""
     from torch.utils.checkpoint import checkpoint
 
+    from megalm.parallel.recompute import _selective_context
+
+    context = {"context_fn": _selective_context} if recompute == "selective" else {}
     plain, recomputed = _layer(recipe), _layer(recipe)
-    run = {id(plain): plain, id(recomputed): lambda x: checkpoint(recomputed, x, use_reentrant=False)}
-    for scale in (1.0, 8.0):
+    run = {id(plain): plain, id(recomputed): lambda x: checkpoint(recomputed, x, use_reentrant=False, **context)}
+    for step, scale in enumerate((1.0, 8.0, 8.0)):
         grads = []
         for layer in (plain, recomputed):
+            layer.gemm_recipe.state.set_step(step)
             layer.weight.grad = None
             x = (scale * torch.randn(16, 64, generator=torch.Generator().manual_seed(2))).bfloat16().requires_grad_()
             y = run[id(layer)](x)
             y.backward(torch.ones_like(y))
             grads.append((x.grad, layer.weight.grad))
         for a, b in zip(*grads, strict=True):
-            assert torch.equal(a, b), (recipe, scale)
+            assert torch.equal(a, b), (recipe, step)
+    if recipe == "fp8_delayed":  # steps 0 and 1 in the history, each once (a recompute's amax changed nothing)
+        histories = [layer.gemm_recipe.state.amax["x"] for layer in (plain, recomputed)]
+        assert [h.count for h in histories] == [2, 2]
+        assert torch.equal(histories[0].history, histories[1].history)
 
 
 def test_the_call_lets_go_of_its_fp8_activations_after_the_backward():
@@ -244,18 +255,21 @@ def test_inductor_hands_wgrad_its_operands_column_major(monkeypatch):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("recompute", ["full", "selective", "[none,full]"])
-def test_delayed_scaling_refuses_activation_recompute(recompute):
-    """A recomputed forward would cast with the amax history as it has moved since the forward, and push its amaxes
-    again (under `selective`, torch's checkpointing stopped at an op the recompute ran that the forward had not): a
-    one-line error names the ways out; one mode per pipeline rank counts when any of them recomputes."""
-    from megalm.errors import ConfigError
-    from megalm.precision import validate_precision
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_delayed_scaling_trains_as_without_recomputation(tmp_path, recompute):
+    """A training run under fp8_delayed with activation recomputation gives the losses and weights of the run
+    without, step for step (3 steps of 2 micro-batches: the amax history moves between steps, not within one)."""
+    from megalm.training.trainer import Trainer
     from tests.conftest import compose_config
 
-    layout = ["parallel.pp=2"] if recompute.startswith("[") else []
-    cfg = compose_config("precision=fp8_delayed", f"parallel.recompute={recompute}", *layout)
-    with pytest.raises(ConfigError, match="use precision=fp8 .current scaling. or parallel.recompute=none"):
-        validate_precision(cfg)
-    validate_precision(compose_config("precision=fp8_delayed", "parallel.recompute=[none,none]", "parallel.pp=2"))
-    validate_precision(compose_config("precision=fp8", f"parallel.recompute={recompute}", *layout))
+    runs = {}
+    for mode in ("none", recompute):
+        trainer = Trainer(compose_config("precision=fp8_delayed", f"parallel.recompute={mode}", "trainer.max_steps=3"),
+                          tmp_path / mode)
+        runs[mode] = (trainer.fit().losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+        states = [m.gemm_recipe.state for m in trainer.model.modules() if isinstance(m.__dict__.get("gemm_recipe"),
+                                                                                      RecipeGemms)]
+        assert states and all(s.amax["x"].count == 2 for s in states), "steps 0 and 1 are in the histories"
+    assert runs[recompute][0] == runs["none"][0]
+    for name, weight in runs["none"][1].items():
+        assert torch.equal(runs[recompute][1][name], weight), name

@@ -170,13 +170,18 @@ def test_fp8_delayed_scaling_uses_the_history_then_updates_it():
     x, w, dy = operands()
     state = LinearState("layer", amax_history_len=4)
     y1, _, _ = run("fp8_delayed", x, w, dy, state=state)
-    assert torch.equal(y1, run("fp8", x, w, dy)[0])  # empty history: the current amax
-    assert state.amax["x"].history[0] == x.abs().max() and state.amax["dy"].history[0] == dy.abs().max()
+    assert torch.equal(y1, run("fp8", x, w, dy)[0])  # empty history (the first step): the current amax
+    assert state.amax["x"].history is None, "a step's amaxes join the history when the next step starts"
+    y1_again, _, _ = run("fp8_delayed", 2 * x, w, dy, state=state)  # the same step: still the current amax
+    assert torch.equal(y1_again, run("fp8", 2 * x, w, dy)[0])
+    state.set_step(1)
+    assert state.amax["x"].history[0] == 2 * x.abs().max() and state.amax["dy"].history[0] == dy.abs().max()
     # a 4x larger input is scaled with the old amax, so it saturates at 448 where current scaling would not
     y2, dx2, _ = run("fp8_delayed", 4 * x, w, 2 * dy, state=state)
-    assert close(y2, fp8_qdq(4 * x, E4M3, x.abs().max()) @ fp8_qdq(w, E4M3, w.abs().max()).T)
+    assert close(y2, fp8_qdq(4 * x, E4M3, 2 * x.abs().max()) @ fp8_qdq(w, E4M3, w.abs().max()).T)
     assert close(dx2, fp8_qdq(2 * dy, E5M2, dy.abs().max()) @ fp8_qdq(w, E4M3, w.abs().max()))
     assert not close(y2, run("fp8", 4 * x, w, dy)[0])
+    state.set_step(2)
     assert state.amax["x"].count == 2 and state.amax["x"].history.amax() == 4 * x.abs().max()
 
 
@@ -188,8 +193,10 @@ def test_fp8_helpers():
     assert fp8.quantize_dequantize(torch.tensor([1.0, 3.0]), E4M3, torch.tensor(224.0)).tolist() == [1.0, 2.0]
     history = fp8.AmaxHistory(length=2)
     assert history.scale(torch.tensor(4.0), E4M3) == 112.0  # empty: the current amax
-    for value in (8.0, 1.0, 2.0):  # a ring of two: 8 drops out
+    for value in (8.0, 1.0, 2.0):  # a ring of two steps: 8 drops out
         history.update(torch.tensor(value))
+        history.update(torch.tensor(value / 2))  # a smaller amax in the same step leaves the step's max
+        history.roll()
     assert history.scale(torch.tensor(100.0), E4M3) == 224.0
     a, b = torch.randn(32, 48), torch.randn(48, 16)
     sa, sb = fp8.tensor_scale(a, E4M3), fp8.rowwise_scale(b, E4M3, dim=0)
