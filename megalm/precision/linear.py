@@ -133,7 +133,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -578,6 +578,43 @@ def remove_precision(model: nn.Module) -> None:
     """Undo `apply_precision`: every layer runs its GEMMs in the trainer's precision again."""
     for module in linear_modules(model):
         module.__dict__.pop("gemm_recipe", None)
+
+
+def _layer_states(model: nn.Module) -> Iterator[tuple[LinearState, torch.device]]:
+    for module in linear_modules(model):
+        gemms = module.gemm_recipe
+        if isinstance(gemms, RecipeGemms) and gemms.state is not None:
+            yield gemms.state, module.weight.device
+
+
+def amax_history_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's delayed-scaling amax histories, as tensors a checkpoint keeps beside the rank's RNG state:
+    {"amax/<layer>/<x|w|dy>/<count|history|pending>": tensor}; empty under any other recipe. A history belongs to
+    the layer's shard on this rank (its amaxes are the shard's), so it is restored for the same layout only."""
+    out = {}
+    for state, _ in _layer_states(model):
+        for tensor, history in state.amax.items():
+            saved = history.state_dict()
+            if saved["history"] is None and saved["pending"] is None:
+                continue
+            for field, value in saved.items():
+                if value is not None:
+                    out[f"amax/{state.name}/{tensor}/{field}"] = torch.as_tensor(value).detach().cpu().clone()
+    return out
+
+
+def load_amax_histories(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> int:
+    """Restore `amax_history_tensors`' histories (other keys ignored) onto each layer's device; returns how many."""
+    restored = 0
+    for state, device in _layer_states(model):
+        for tensor, history in state.amax.items():
+            key = f"amax/{state.name}/{tensor}/"
+            if key + "count" in tensors:
+                saved = {field: tensors.get(key + field) for field in ("history", "pending")}
+                history.load_state_dict({"count": int(tensors[key + "count"]),
+                                         **{f: None if t is None else t.to(device) for f, t in saved.items()}})
+                restored += 1
+    return restored
 
 
 def set_precision_step(model: nn.Module, step: int, micro_batch: int = 0) -> None:

@@ -273,3 +273,37 @@ def test_delayed_scaling_trains_as_without_recomputation(tmp_path, recompute):
     assert runs[recompute][0] == runs["none"][0]
     for name, weight in runs["none"][1].items():
         assert torch.equal(runs[recompute][1][name], weight), name
+
+
+@pytest.mark.parametrize("stop", [1, 2])
+def test_delayed_scaling_resumes_bit_exactly(tmp_path, stop):
+    """The amax histories are state a checkpoint keeps (this rank's, beside its RNG state): a run stopped after step
+    `stop` (1: the first step's amaxes still pending; 2: in the history) and resumed gives the uninterrupted losses."""
+    from megalm.training.trainer import Trainer
+    from tests.conftest import compose_config
+
+    common = ["precision=fp8_delayed", "trainer.max_steps=4", "trainer.save_interval=1"]
+    straight = Trainer(compose_config(*common), tmp_path / "straight").fit()
+    Trainer(compose_config(*common, f"trainer.stop_at_step={stop}"), tmp_path / "run").fit()
+    rest = Trainer(compose_config(*common, "trainer.resume=auto"), tmp_path / "run").fit()
+    assert rest.losses == straight.losses[stop:]
+
+
+def test_delayed_scaling_histories_restart_on_another_layout_with_a_log_line(tmp_path, caplog):
+    """A history holds a shard's amaxes: a checkpoint from another world size restores none, and says so."""
+    import json
+    import logging
+
+    from megalm.training.trainer import Trainer
+    from tests.conftest import compose_config
+
+    common = ["precision=fp8_delayed", "trainer.max_steps=3", "trainer.save_interval=2"]
+    Trainer(compose_config(*common, "trainer.stop_at_step=2"), tmp_path).fit()
+    state_file = tmp_path / "checkpoints" / "step_00000002" / "state.json"
+    state_file.write_text(json.dumps(json.loads(state_file.read_text()) | {"world_size": 2}))  # as if saved at dp2
+    with caplog.at_level(logging.INFO, logger="megalm"):
+        resumed = Trainer(compose_config(*common, "trainer.resume=auto"), tmp_path)
+    assert "amax histories start afresh (the checkpoint's 2 ranks" in caplog.text
+    histories = [m.gemm_recipe.state.amax["x"] for m in resumed.model.modules()
+                 if isinstance(m.__dict__.get("gemm_recipe"), RecipeGemms)]
+    assert histories and all(h.history is None and h.count == 0 for h in histories)

@@ -5,7 +5,8 @@ Layout of a run dir:
     checkpoints/
       step_00000100/
         shard-0000R-model-00001-of-00001.safetensors   # weights + optimizer state, per saving rank
-        rng-rank0000R.safetensors                       # every rank's torch CPU (and CUDA) generator
+        rng-rank0000R.safetensors                       # every rank's torch CPU (and CUDA) generator, and its
+                                                        # fp8_delayed amax histories (this layout only)
         state.json        # step, consumed tokens, seed, batch size, optimizer hyper-parameters
         config.yaml       # the resolved run config (megalm-generate rebuilds the model from it)
       latest              # text file naming the newest complete checkpoint

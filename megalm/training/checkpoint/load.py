@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ from megalm.errors import CheckpointError
 from megalm.model.gpt import GPT, reset_buffers
 from megalm.model.naming import canonical_named_parameters
 from megalm.model.shard import shard_specs
+from megalm.precision.linear import load_amax_histories
 from megalm.training.checkpoint.layout import resolve_checkpoint_path
 from megalm.training.checkpoint.tensors import (
     copy_model,
@@ -32,6 +34,8 @@ from megalm.training.optim import full_precision_weights
 
 if TYPE_CHECKING:  # annotations only: checkpoints take the mesh they are given
     from megalm.parallel.dims import ParallelMesh
+
+log = logging.getLogger("megalm")
 
 
 def load_safetensors(file: Path) -> dict[str, torch.Tensor]:
@@ -76,12 +80,17 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
     rank = mesh.rank if mesh is not None else 0
     rng_file = path / f"rng-rank{rank:05d}.safetensors"
-    if rng_file.is_file() and meta.state.get("world_size", 1) == (mesh.dims.world_size if mesh else 1):
+    saved_world, world = meta.state.get("world_size", 1), (mesh.dims.world_size if mesh else 1)
+    if rng_file.is_file() and saved_world == world:
         rng = load_safetensors(rng_file)
         torch.set_rng_state(rng["torch_cpu"])
         cuda_states = [rng[k] for k in sorted(rng) if k.startswith("torch_cuda_")]
         if cuda_states and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(cuda_states[: torch.cuda.device_count()])
+        load_amax_histories(model, rng)
+    elif rank == 0 and rng_file.is_file() and any(k.startswith("amax/") for k in load_safetensors(rng_file)):
+        log.info(f"precision=fp8_delayed: amax histories start afresh (the checkpoint's {saved_world} ranks hold "
+                 f"them per shard; this run has {world})")
     return meta
 
 

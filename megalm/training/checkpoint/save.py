@@ -25,6 +25,7 @@ from torch import nn
 from megalm import compat
 from megalm.model.naming import canonical_named_buffers, canonical_named_parameters
 from megalm.model.shard import full_value, shard_specs
+from megalm.precision.linear import amax_history_tensors
 from megalm.training.checkpoint.layout import (
     CHECKPOINTS,
     FORMAT_VERSION,
@@ -101,6 +102,7 @@ def _write(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Op
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             rng[f"torch_cuda_{i}"] = s
+    rng |= amax_history_tensors(model)  # fp8_delayed's per-rank histories: like the RNG, this layout's state
     rng_file = tmp / f"rng-rank{rank:05d}.safetensors"
     save_file(rng, str(rng_file))
     fsync_path(rng_file)
