@@ -247,6 +247,11 @@ class AmaxHistory:
         forward to dispatch the very ops its forward did, so the max is taken in `roll`, between steps."""
         self.pending.append(amax.detach())
 
+    def compact(self) -> None:
+        """The step's amaxes so far as one (their max), between micro-batches: the list stays short."""
+        if len(self.pending) > 1:
+            self.pending = [torch.stack(self.pending).amax()]
+
     def roll(self) -> None:
         """End the step: the max of its amaxes joins the history (nothing if the tensor was not used)."""
         if not self.pending:

@@ -287,7 +287,8 @@ class LinearState:
         is cached while no optimizer is watched (`WeightsVersion`)."""
         if not self.weights_version.watched:
             return make()
-        token = (self.weights_version.steps, weight._version)
+        # and while W's delayed-scaling history did not move (a copy an evaluation made before the step's roll)
+        token = (self.weights_version.steps, weight._version, self.amax["w"].count)
         cached = self.weights.get(key)
         if cached is None or cached[0]() is not weight or cached[1] != token:
             cached = self.weights[key] = (weakref.ref(weight), token, make())
@@ -296,9 +297,11 @@ class LinearState:
     def set_step(self, step: int, micro_batch: int = 0) -> None:
         """Start the seed stream at (step, micro_batch); a new step also ends the last one's amax histories
         (delayed scaling: `fp8.AmaxHistory.roll`)."""
-        if step != self.step:
-            for history in self.amax.values():
+        for history in self.amax.values():
+            if step != self.step:
                 history.roll()
+            else:
+                history.compact()
         self.step, self.micro_batch, self.calls = step, micro_batch, 0
 
     def next_seed(self) -> int:
@@ -401,7 +404,8 @@ class RecipeGemms:
             first = fp8.amax(t) if history.history is None else None  # an empty history scales by the current amax
             call.scales[key] = history.scale(first, dtype)
             q, amax = fp8.quantize_delayed(t, dtype, call.scales[key])
-            history.update(amax)  # the step's max: pushed when the next step starts (`LinearState.set_step`)
+            if self.training:  # the step's max, pushed when the next step starts (`LinearState.set_step`)
+                history.update(amax)
         else:
             raise ValueError(f"unknown FP8 scaling {spec.scaling!r}; expected tensor, delayed or row")
         return self._keep(call, key, (q, call.scales[key]))
@@ -445,6 +449,12 @@ class RecipeGemms:
         if p is not None and w.shape == p.shape and storage_identity(w) == storage_identity(p):
             return p
         return w
+
+    @property
+    def training(self) -> bool:
+        """Whether the layer trains (nn.Module.train()): an evaluation forward (the module in eval mode) leaves the
+        delayed-scaling histories as they are, so that evaluating does not change what training computes."""
+        return self.module is None or self.module.training
 
     @property
     def packs_input(self) -> bool:
@@ -587,10 +597,11 @@ def _layer_states(model: nn.Module) -> Iterator[tuple[LinearState, torch.device]
             yield gemms.state, module.weight.device
 
 
-def amax_history_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def amax_history_tensors(model: nn.Module, layout: str) -> dict[str, torch.Tensor]:
     """This rank's delayed-scaling amax histories, as tensors a checkpoint keeps beside the rank's RNG state:
-    {"amax/<layer>/<x|w|dy>/<count|history|pending>": tensor}; empty under any other recipe. A history belongs to
-    the layer's shard on this rank (its amaxes are the shard's), so it is restored for the same layout only."""
+    {"amax/<layout>/<layer>/<x|w|dy>/<count|history|pending>": tensor}; empty under any other recipe. A history
+    holds the amaxes of the layer's shard on this rank, so it is tagged with the parallel layout (`layout`) and
+    restored under the same one only."""
     out = {}
     for state, _ in _layer_states(model):
         for tensor, history in state.amax.items():
@@ -599,22 +610,26 @@ def amax_history_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
                 continue
             for field, value in saved.items():
                 if value is not None:
-                    out[f"amax/{state.name}/{tensor}/{field}"] = torch.as_tensor(value).detach().cpu().clone()
+                    out[f"amax/{layout}/{state.name}/{tensor}/{field}"] = torch.as_tensor(value).detach().cpu().clone()
     return out
 
 
-def load_amax_histories(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> int:
-    """Restore `amax_history_tensors`' histories (other keys ignored) onto each layer's device; returns how many."""
+def load_amax_histories(model: nn.Module, tensors: Mapping[str, torch.Tensor], layout: str,
+                        device: torch.device | None = None) -> tuple[int, set[str]]:
+    """Restore `amax_history_tensors`' histories saved under `layout` (other keys ignored) onto `device` (where the
+    layers compute; default: each layer's weight's). Returns (how many, the other layouts the tensors hold)."""
     restored = 0
-    for state, device in _layer_states(model):
+    for state, weight_device in _layer_states(model):
         for tensor, history in state.amax.items():
-            key = f"amax/{state.name}/{tensor}/"
+            key = f"amax/{layout}/{state.name}/{tensor}/"
             if key + "count" in tensors:
                 saved = {field: tensors.get(key + field) for field in ("history", "pending")}
                 history.load_state_dict({"count": int(tensors[key + "count"]),
-                                         **{f: None if t is None else t.to(device) for f, t in saved.items()}})
+                                         **{f: None if t is None else t.to(device or weight_device)
+                                            for f, t in saved.items()}})
                 restored += 1
-    return restored
+    others = {k.split("/")[1] for k in tensors if k.startswith("amax/")} - {layout}
+    return restored, others
 
 
 def set_precision_step(model: nn.Module, step: int, micro_batch: int = 0) -> None:

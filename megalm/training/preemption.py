@@ -41,15 +41,20 @@ def signal_numbers(names: list[str]) -> list[signal.Signals]:
     return found
 
 
+def _retired(handler: object) -> bool:
+    """Whether `handler` is a `Preemption`'s that no longer catches: its owner was collected, or left its `with`."""
+    return getattr(handler, "owner", None) is not None and (handler.owner() is None or handler.retired)
+
+
 def _live(handler: object) -> object:
-    """`handler`, or, if it is the handler of a collected `Preemption`, the first live one it replaced."""
-    while getattr(handler, "owner", None) is not None and handler.owner() is None:
+    """`handler`, or, if it is a retired `Preemption` handler, the first live one it replaced."""
+    while _retired(handler):
         handler = handler.previous
     return handler
 
 
 def _forward(handler: object, signum: int, frame: FrameType | None) -> None:
-    """Do what `handler` (the handler a collected `Preemption` replaced) would have done with the signal."""
+    """Do what `handler` (the handler a retired `Preemption` handler replaced) would have done with the signal."""
     handler = _live(handler)
     if callable(handler):
         handler(signum, frame)
@@ -62,7 +67,9 @@ def _restore(installed: dict[signal.Signals, Callable]) -> None:
     """Give each signal back the handler ours replaced, if ours is still the one installed. Objects are collected
     in any order (a Trainer built and never fitted keeps its handlers until then): restoring a handler that is no
     longer ours would uninstall a live run's and put back one whose owner is gone, and the signal would be lost.
-    A handler left behind forwards to the one it replaced once its owner is collected."""
+    A handler left behind retires (its owner left its `with` or was collected) and forwards to the one it replaced."""
+    for ours in installed.values():
+        ours.retired = True  # from now on it forwards to what it replaced, wherever it is left in a chain
     if threading.current_thread() is not threading.main_thread():  # the collector may run in any thread
         return
     for sig, ours in installed.items():
@@ -92,11 +99,11 @@ class Preemption:
         the previous handlers), and once this object is gone it forwards to `previous`, the handler it replaced."""
         def handle(signum: int, frame: FrameType | None) -> None:
             owner = ref()
-            if owner is None:
+            if owner is None or handle.retired:
                 _forward(previous, signum, frame)
             elif owner.received is None:
                 owner.received = signal.Signals(signum)
-        handle.owner, handle.previous = ref, previous
+        handle.owner, handle.previous, handle.retired = ref, previous, False
         return handle
 
     def _install(self) -> None:

@@ -118,7 +118,7 @@ class Trainer:
             log.info(f"model.init_from={self.cfg.model.init_from} not used: resuming from {path}")
         ckpt.check_model_config(meta.config.get("model", {}), self.config_dict["model"], path)
         ckpt.check_same_data_order(meta.state, self._data_order(), path)
-        ckpt.load_checkpoint(path, self.model, self.optimizer, self.mesh)
+        ckpt.load_checkpoint(path, self.model, self.optimizer, self.mesh, self.device)
         self.step, self.consumed_tokens = meta.state["step"], meta.state["consumed_tokens"]
         if self.train_steps is not None:  # continue the step boundaries from the checkpoint's cursor
             self.train_steps = TokenBudgetSteps(self.data.train, self.cfg.trainer.tokens_per_step, self.step,

@@ -278,32 +278,40 @@ def test_delayed_scaling_trains_as_without_recomputation(tmp_path, recompute):
 @pytest.mark.parametrize("stop", [1, 2])
 def test_delayed_scaling_resumes_bit_exactly(tmp_path, stop):
     """The amax histories are state a checkpoint keeps (this rank's, beside its RNG state): a run stopped after step
-    `stop` (1: the first step's amaxes still pending; 2: in the history) and resumed gives the uninterrupted losses."""
+    `stop` (1: the first step's amaxes still pending; 2: in the history) and resumed gives the uninterrupted losses.
+    Evaluating (every 2 steps here) changes nothing: an eval-mode forward records no amax, and a weight copy made
+    before the step's history moved is not served after it."""
     from megalm.training.trainer import Trainer
     from tests.conftest import compose_config
 
     common = ["precision=fp8_delayed", "trainer.max_steps=4", "trainer.save_interval=1"]
-    straight = Trainer(compose_config(*common), tmp_path / "straight").fit()
-    Trainer(compose_config(*common, f"trainer.stop_at_step={stop}"), tmp_path / "run").fit()
-    rest = Trainer(compose_config(*common, "trainer.resume=auto"), tmp_path / "run").fit()
+    evaluating = ["trainer.eval_interval=2", "trainer.eval_iters=1"]
+    unevaluated = Trainer(compose_config(*common), tmp_path / "unevaluated").fit()
+    straight = Trainer(compose_config(*common, *evaluating), tmp_path / "straight").fit()
+    assert straight.losses == unevaluated.losses
+    Trainer(compose_config(*common, *evaluating, f"trainer.stop_at_step={stop}"), tmp_path / "run").fit()
+    rest = Trainer(compose_config(*common, *evaluating, "trainer.resume=auto"), tmp_path / "run").fit()
     assert rest.losses == straight.losses[stop:]
 
 
 def test_delayed_scaling_histories_restart_on_another_layout_with_a_log_line(tmp_path, caplog):
-    """A history holds a shard's amaxes: a checkpoint from another world size restores none, and says so."""
-    import json
+    """A history holds a shard's amaxes: a checkpoint of another parallel layout restores none, and says so."""
     import logging
+
+    from safetensors.torch import load_file, save_file
 
     from megalm.training.trainer import Trainer
     from tests.conftest import compose_config
 
     common = ["precision=fp8_delayed", "trainer.max_steps=3", "trainer.save_interval=2"]
     Trainer(compose_config(*common, "trainer.stop_at_step=2"), tmp_path).fit()
-    state_file = tmp_path / "checkpoints" / "step_00000002" / "state.json"
-    state_file.write_text(json.dumps(json.loads(state_file.read_text()) | {"world_size": 2}))  # as if saved at dp2
+    rng_file = tmp_path / "checkpoints" / "step_00000002" / "rng-rank00000.safetensors"
+    tensors = load_file(str(rng_file))
+    assert any(k.startswith("amax/tp1-pp1-cp1-dp1-ep1/") for k in tensors)
+    save_file({k.replace("/tp1-pp1-", "/tp2-pp1-"): v for k, v in tensors.items()}, str(rng_file))  # as if tp2
     with caplog.at_level(logging.INFO, logger="megalm"):
         resumed = Trainer(compose_config(*common, "trainer.resume=auto"), tmp_path)
-    assert "amax histories start afresh (the checkpoint's 2 ranks" in caplog.text
+    assert "start afresh (the checkpoint holds them per shard of layout tp2-pp1-cp1-dp1-ep1" in caplog.text
     histories = [m.gemm_recipe.state.amax["x"] for m in resumed.model.modules()
                  if isinstance(m.__dict__.get("gemm_recipe"), RecipeGemms)]
     assert histories and all(h.history is None and h.count == 0 for h in histories)

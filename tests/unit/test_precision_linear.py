@@ -198,6 +198,10 @@ def test_fp8_helpers():
         history.update(torch.tensor(value / 2))  # a smaller amax in the same step leaves the step's max
         history.roll()
     assert history.scale(torch.tensor(100.0), E4M3) == 224.0
+    for value in (1.0, 5.0, 3.0):  # between micro-batches the step's amaxes are kept as their max
+        history.update(torch.tensor(value))
+    history.compact()
+    assert [t.item() for t in history.pending] == [5.0]
     a, b = torch.randn(32, 48), torch.randn(48, 16)
     sa, sb = fp8.tensor_scale(a, E4M3), fp8.rowwise_scale(b, E4M3, dim=0)
     assert sb.shape == (1, 16)

@@ -74,6 +74,24 @@ def test_objects_collected_out_of_order_lose_no_signal():
         signal.signal(sig, before)
 
 
+def test_a_run_that_ended_catches_no_more_signals():
+    """Two trainers built, both fitted and done: the handler from before is back, even though the first one's was
+    what the second replaced (put back, it would catch for a run that has ended)."""
+    sig, received = signal.SIGUSR1, []
+    before = signal.signal(sig, lambda signum, frame: received.append(signum))
+    try:
+        first = Preemption(["SIGUSR1"], torch.device("cpu"), distributed=False)
+        second = Preemption(["SIGUSR1"], torch.device("cpu"), distributed=False)
+        with first:
+            pass
+        with second:
+            pass
+        os.kill(os.getpid(), sig)
+        assert received == [sig] and first.received is None and second.received is None
+    finally:
+        signal.signal(sig, before)
+
+
 def test_no_signal_no_preemption(tmp_path):
     summary = Trainer(compose_config("trainer.max_steps=2", "trainer.preempt_signals=[]"), tmp_path).fit()
     assert not summary.preempted and summary.steps == 2

@@ -225,6 +225,7 @@ class Bench:
         self.cfg, self.device, self.warmup, self.repeats = cfg, device, warmup, repeats
         self.roofline = roofline  # a GPU name (megalm.measure.op_cost.GPUS): time = its roofline / efficiency
         self.is_cuda = device.type == "cuda"
+        self.forwards = 0  # block forwards run, each a step of its own (`block_forward`)
         model_cfg = copy.deepcopy(cfg.model)
         model_cfg.num_layers = 1
         self.precision = Precision(cfg.precision, cfg.seed, device)
@@ -287,7 +288,10 @@ class Bench:
         return {"x": x, "grad": grad, "cu": cu, "max_seqlen": max(lengths), "rope": rope}
 
     def block_forward(self, inp: dict) -> torch.Tensor:
-        self.precision.before_forward(self.model, 0, 0)
+        # each call a step of its own: under fp8_delayed the amax history moves (the first step alone casts with the
+        # current amax, a pass more than the delayed cast of every later step)
+        self.forwards += 1
+        self.precision.before_forward(self.model, self.forwards, 0)
         with self.precision.forward_context():
             return self.block(inp["x"], inp["cu"], inp["max_seqlen"], inp["rope"])
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megalm.errors import CheckpointError
+
+if TYPE_CHECKING:  # annotations only
+    from megalm.parallel.dims import ParallelMesh
 
 FORMAT_VERSION = 1
 
@@ -17,6 +21,14 @@ LATEST = "latest"
 
 
 FILES = ("state.json", "config.yaml")  # plus shard-*.safetensors and rng-rank*.safetensors
+
+
+def layout_tag(mesh: ParallelMesh | None) -> str:
+    """The parallel layout as a name ("tp2-pp1-cp1-dp4-ep1"), for per-rank state that holds only under it."""
+    if mesh is None:
+        return "tp1-pp1-cp1-dp1-ep1"
+    d = mesh.dims
+    return f"tp{d.tp}-pp{d.pp}-cp{d.cp}-dp{d.dp}-ep{d.ep}"
 
 
 def checkpoint_name(step: int) -> str:

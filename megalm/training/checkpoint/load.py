@@ -17,7 +17,7 @@ from megalm.model.gpt import GPT, reset_buffers
 from megalm.model.naming import canonical_named_parameters
 from megalm.model.shard import shard_specs
 from megalm.precision.linear import load_amax_histories
-from megalm.training.checkpoint.layout import resolve_checkpoint_path
+from megalm.training.checkpoint.layout import layout_tag, resolve_checkpoint_path
 from megalm.training.checkpoint.tensors import (
     copy_model,
     dcp_load,
@@ -68,8 +68,9 @@ def load_saved_model(path: str | Path, device: str | torch.device = "cpu") -> tu
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    mesh: ParallelMesh | None = None) -> LoadedCheckpoint:
-    """Load weights, optimizer and this rank's RNG state in place; return the checkpoint's metadata.
+                    mesh: ParallelMesh | None = None, device: torch.device | None = None) -> LoadedCheckpoint:
+    """Load weights, optimizer and this rank's RNG state (and fp8_delayed's amax histories, onto `device`, where the
+    layers compute) in place; return the checkpoint's metadata.
 
     The saved layout may differ from this run's: DCP reads each rank's pieces from whichever shards
     hold them. Collective when `mesh` is distributed.
@@ -80,17 +81,16 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
     rank = mesh.rank if mesh is not None else 0
     rng_file = path / f"rng-rank{rank:05d}.safetensors"
-    saved_world, world = meta.state.get("world_size", 1), (mesh.dims.world_size if mesh else 1)
-    if rng_file.is_file() and saved_world == world:
-        rng = load_safetensors(rng_file)
+    rng = load_safetensors(rng_file) if rng_file.is_file() else {}
+    if rng and meta.state.get("world_size", 1) == (mesh.dims.world_size if mesh else 1):
         torch.set_rng_state(rng["torch_cpu"])
         cuda_states = [rng[k] for k in sorted(rng) if k.startswith("torch_cuda_")]
         if cuda_states and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(cuda_states[: torch.cuda.device_count()])
-        load_amax_histories(model, rng)
-    elif rank == 0 and rng_file.is_file() and any(k.startswith("amax/") for k in load_safetensors(rng_file)):
-        log.info(f"precision=fp8_delayed: amax histories start afresh (the checkpoint's {saved_world} ranks hold "
-                 f"them per shard; this run has {world})")
+    _, others = load_amax_histories(model, rng, layout_tag(mesh), device)
+    if others and rank == 0:
+        log.info(f"precision=fp8_delayed: amax histories start afresh (the checkpoint holds them per shard of layout "
+                 f"{', '.join(sorted(others))}; this run is {layout_tag(mesh)})")
     return meta
 
 

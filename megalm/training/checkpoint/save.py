@@ -32,6 +32,7 @@ from megalm.training.checkpoint.layout import (
     LATEST,
     checkpoint_name,
     fsync_path,
+    layout_tag,
     step_dirs,
     write_text_atomic,
 )
@@ -102,7 +103,7 @@ def _write(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Op
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             rng[f"torch_cuda_{i}"] = s
-    rng |= amax_history_tensors(model)  # fp8_delayed's per-rank histories: like the RNG, this layout's state
+    rng |= amax_history_tensors(model, layout_tag(mesh))  # fp8_delayed's per-rank histories: this layout's state
     rng_file = tmp / f"rng-rank{rank:05d}.safetensors"
     save_file(rng, str(rng_file))
     fsync_path(rng_file)
