@@ -18,6 +18,7 @@ import contextlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
@@ -64,7 +65,12 @@ _NO_KERNEL = {"detach", "lift_fresh", "_local_scalar_dense", "_record_function_e
 # the bucket too, 4 of its 10 bytes per element.
 _WRITE_ONLY = {"zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "new_zeros", "new_ones", "new_full",
                "fill_", "zero_"}
-_OVERWRITES_DESTINATION = {"copy_"}
+_OVERWRITES_DESTINATION = {"copy_", "_foreach_copy_"}
+# In-place ops that return nothing write what their schema marks as written, except where it marks more than the
+# kernel writes: the fused optimizers' schemas mark the gradients too (unscaled in place only under a grad scaler).
+_WRITES = {"_fused_adamw_": ("self", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
+           "_fused_adam_": ("self", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
+           "_fused_sgd_": ("self", "momentum_buffer_list")}
 _LOSS = ("nll_loss", "log_softmax", "_log_softmax", "cross_entropy", "logsumexp")
 
 
@@ -125,15 +131,35 @@ def _arg(args: tuple, kwargs: dict, position: int, name: str):  # noqa: ANN202 -
     return args[position] if len(args) > position else kwargs.get(name, False)
 
 
-def _read_operands(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors an op reads: its tensor arguments, less an `out=` tensor, the destination an op overwrites
+def _arguments(func: Any, args: tuple, kwargs: dict) -> Iterator[tuple[Any, Any]]:
+    """(schema argument, value) of each argument the op was given."""
+    for i, argument in enumerate(func._schema.arguments):
+        if i < len(args):
+            yield argument, args[i]
+        elif argument.name in kwargs:
+            yield argument, kwargs[argument.name]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _read_operands(func: Any, name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an op reads: its tensor arguments, less its `out=` tensors, the destination an op overwrites
     (`copy_`), and everything for a fill or an `x.new_*` (which takes x's dtype and device only)."""
     if name in _WRITE_ONLY or name.startswith("new_"):
         return []
-    if name in _OVERWRITES_DESTINATION:
-        args = args[1:]
-    kwargs = {k: v for k, v in kwargs.items() if k != "out"}
-    return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    skipped = {"self"} if name in _OVERWRITES_DESTINATION else set()
+    return [t for argument, value in _arguments(func, args, kwargs)
+            if not argument.is_out and argument.name not in skipped for t in _tensors(value)]
+
+
+def _written_in_place(func: Any, name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """What an in-place op that returns nothing (`_foreach_*_`, the fused optimizers) writes."""
+    written = _WRITES.get(name)
+    return [t for argument, value in _arguments(func, args, kwargs)
+            if (argument.name in written if written is not None
+                else argument.alias_info is not None and argument.alias_info.is_write) for t in _tensors(value)]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -193,8 +219,8 @@ class OpCosts(TorchDispatchMode):
         name = func._overloadpacket.__name__
         if self._only is not None and name not in self._only:
             return out
-        inputs = _read_operands(name, args, kwargs)
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        inputs = _read_operands(func, name, args, kwargs)
+        outputs = _tensors(out) or _written_in_place(func, name, args, kwargs)
         read = sum(_nbytes(t) for t in inputs)
         written = sum(_nbytes(t) for t in outputs)
         formula = flop_registry.get(func._overloadpacket)

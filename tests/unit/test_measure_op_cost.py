@@ -123,3 +123,21 @@ def test_overwrites_fills_and_allocations_read_nothing_they_do_not_read():
     with OpCosts(GPUS["h100"]) as costs:
         torch.mm(torch.ones(8, 4), torch.ones(4, 8), out=out)
     assert costs.by_op["mm"].bytes == 4 * (8 * 4 + 4 * 8 + 8 * 8), "an out= tensor is written, not read"
+    with OpCosts(GPUS["h100"]) as costs:
+        torch.max(torch.ones(8, 4), 1, out=(torch.empty(8), torch.empty(8, dtype=torch.long)))
+    assert costs.by_op["max"].bytes == 8 * 4 * 4 + 8 * 4 + 8 * 8, "every out= tensor, whatever its name"
+
+
+def test_in_place_ops_that_return_nothing_write_what_they_update():
+    """Fused AdamW reads the weights, gradients and both moments and writes the weights and moments back: 28 bytes
+    per fp32 parameter (it returns nothing, so only its schema says what it writes). A foreach copy into bf16
+    working weights reads the fp32 source and writes the copy."""
+    params = [torch.nn.Parameter(torch.ones(1000))]
+    params[0].grad = torch.ones(1000)
+    optimizer = torch.optim.AdamW(params, lr=0.1, fused=True)
+    optimizer.step()  # the moments exist from here on
+    with OpCosts(GPUS["h100"]) as costs:
+        optimizer.step()
+        torch._foreach_copy_([torch.empty(1000, dtype=torch.bfloat16)], [params[0].detach()])
+    assert costs.by_op["_fused_adamw_"].bytes == 1000 * 4 * (4 + 3) + 4  # + the step count read
+    assert costs.by_op["_foreach_copy_"].bytes == 1000 * (4 + 2)
