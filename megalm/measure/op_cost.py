@@ -55,8 +55,7 @@ _GEMM = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_
          *_RECIPE_GEMMS}
 _CAST_COPY = {"_to_copy", "copy_", "copy", "clone", "_copy_from", "_copy_from_and_resize", "contiguous", "cat",
               "stack", "index_select", "gather", "scatter", "scatter_add_", "embedding", "embedding_dense_backward",
-              "fill_", "zero_", "zeros", "zeros_like", "empty", "empty_like", "empty_strided", "new_empty",
-              "new_zeros", "new_empty_strided", "full", "ones_like", "index_put_", "masked_fill_"}
+              "fill_", "zero_", "zeros", "zeros_like", "new_zeros", "full", "ones_like", "index_put_", "masked_fill_"}
 _NO_KERNEL_NAMESPACES = {"prim", "profiler"}  # tensor metadata queries (prim::device), profiler markers
 _NO_KERNEL = {"detach", "lift_fresh", "_local_scalar_dense", "_record_function_enter_new", "_record_function_exit",
               "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}  # allocations: no kernel runs

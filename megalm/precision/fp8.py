@@ -254,17 +254,18 @@ class AmaxHistory:
 
     def roll(self) -> None:
         """End the step: the max of its amaxes joins the history (nothing if the tensor was not used)."""
+        self.compact()
         if not self.pending:
             return
-        step_amax = torch.stack(self.pending).amax().float()
+        step_amax = self.pending[0].float()
         if self.history is None:
             self.history = torch.zeros(self.length, dtype=torch.float32, device=step_amax.device)
         self.history[self.count % self.length] = step_amax
         self.count, self.pending = self.count + 1, []
 
     def state_dict(self) -> dict:
-        pending = torch.stack(self.pending).amax() if self.pending else None
-        return {"history": self.history, "count": self.count, "pending": pending}
+        self.compact()
+        return {"history": self.history, "count": self.count, "pending": self.pending[0] if self.pending else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.history, self.count = state["history"], state["count"]

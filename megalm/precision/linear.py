@@ -591,6 +591,7 @@ def remove_precision(model: nn.Module) -> None:
 
 
 def _layer_states(model: nn.Module) -> Iterator[tuple[LinearState, torch.device]]:
+    """(state, weight's device) of every layer running a recipe with a `LinearState`."""
     for module in linear_modules(model):
         gemms = module.gemm_recipe
         if isinstance(gemms, RecipeGemms) and gemms.state is not None:
@@ -615,10 +616,9 @@ def amax_history_tensors(model: nn.Module, layout: str) -> dict[str, torch.Tenso
 
 
 def load_amax_histories(model: nn.Module, tensors: Mapping[str, torch.Tensor], layout: str,
-                        device: torch.device | None = None) -> tuple[int, set[str]]:
+                        device: torch.device | None = None) -> set[str]:
     """Restore `amax_history_tensors`' histories saved under `layout` (other keys ignored) onto `device` (where the
-    layers compute; default: each layer's weight's). Returns (how many, the other layouts the tensors hold)."""
-    restored = 0
+    layers compute; default: each layer's weight's). Returns the other layouts whose histories the tensors hold."""
     for state, weight_device in _layer_states(model):
         for tensor, history in state.amax.items():
             key = f"amax/{layout}/{state.name}/{tensor}/"
@@ -627,15 +627,11 @@ def load_amax_histories(model: nn.Module, tensors: Mapping[str, torch.Tensor], l
                 history.load_state_dict({"count": int(tensors[key + "count"]),
                                          **{f: None if t is None else t.to(device or weight_device)
                                             for f, t in saved.items()}})
-                restored += 1
-    others = {k.split("/")[1] for k in tensors if k.startswith("amax/")} - {layout}
-    return restored, others
+    return {k.split("/")[1] for k in tensors if k.startswith("amax/")} - {layout}
 
 
 def set_precision_step(model: nn.Module, step: int, micro_batch: int = 0) -> None:
     """Start the seed stream of every low-precision layer at (step, micro_batch); call it before each
     micro-batch's forward for draws that do not depend on the schedule."""
-    for module in linear_modules(model):
-        gemms = module.gemm_recipe
-        if isinstance(gemms, RecipeGemms) and gemms.state is not None:
-            gemms.state.set_step(step, micro_batch)
+    for state, _ in _layer_states(model):
+        state.set_step(step, micro_batch)

@@ -98,10 +98,9 @@ class Preemption:
         """The signal handler: it only sets the flag. It holds this object weakly (so that collecting it restores
         the previous handlers), and once this object is gone it forwards to `previous`, the handler it replaced."""
         def handle(signum: int, frame: FrameType | None) -> None:
-            owner = ref()
-            if owner is None or handle.retired:
+            if _retired(handle):
                 _forward(previous, signum, frame)
-            elif owner.received is None:
+            elif (owner := ref()).received is None:
                 owner.received = signal.Signals(signum)
         handle.owner, handle.previous, handle.retired = ref, previous, False
         return handle

@@ -87,7 +87,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         cuda_states = [rng[k] for k in sorted(rng) if k.startswith("torch_cuda_")]
         if cuda_states and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(cuda_states[: torch.cuda.device_count()])
-    _, others = load_amax_histories(model, rng, layout_tag(mesh), device)
+    others = load_amax_histories(model, rng, layout_tag(mesh), device)
     if others and rank == 0:
         log.info(f"precision=fp8_delayed: amax histories start afresh (the checkpoint holds them per shard of layout "
                  f"{', '.join(sorted(others))}; this run is {layout_tag(mesh)})")
