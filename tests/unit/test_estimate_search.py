@@ -67,7 +67,7 @@ def test_the_shallow_runs_extrapolate_to_the_full_depth_run(layout, model):
         assert shallow.optimizer_s == pytest.approx(full.optimizer_s, rel=1e-5 if model is MOE else 1e-6), role
 
 
-@pytest.mark.slow  # about 45 s: two searches (fake-tensor runs of each confirmed layout) and a full estimate
+@pytest.mark.slow  # about 2 min on 2 cores: two searches (fake-tensor runs of each confirmed layout), a full estimate
 def test_search_returns_layouts_that_fit_best_first(capsys):
     """A tiny model on 4 ranks with a memory limit at the smaller of two layouts' peaks: what is returned fits, is
     ordered by the estimator's tokens/s, and the best layout run by the plain estimator (full depth)
