@@ -7,13 +7,14 @@ training), and then the document's commands that wrote files where they name (a 
 a redirect, megalm-plot's plots) run a second time in the same directory, as a reader who pastes them again would
 (an output that refuses to be replaced, a run dir that refuses to continue, fail it; a command that only printed,
 or wrote into a new timestamped run dir, cannot meet its own output, and is not run again).
-Two docs run at a time (`doc_runs`), each in a directory of its own. With tiny overrides: a small model on the
-documented data (the demo corpus is built in the scratch directory in a second), 3 steps (stops and token budgets
-scaled down), benchmarks cut to one short repetition, outputs redirected away from docs/. Commands that need a GPU
-cluster are checked by config validation at their world size; the GPU tier's script (`tools/gpu_check.sh`), which
-refuses to run without CUDA, by bash parsing it (tests/gpu/test_gpu_check_script.py checks its refusal); the set-up
-commands (`pip install`, `pytest`, `docker`, `tools/gpu_wheels.sh`) are what CI itself runs, or cannot run without
-a Docker engine or a package index. A documented command this file cannot classify fails the test:
+Two docs run at a time (`doc_runs`), each in a directory of its own; the Python commands (but torchrun) fork from
+a process that imported torch once (tests/e2e/forked_python.py: 3-4 s of CPU less each). With tiny overrides: a small
+model on the documented data (the demo corpus is built in the scratch directory in a second), 3 steps (stops and
+token budgets scaled down), benchmarks cut to one short repetition, outputs redirected away from docs/. Commands that
+need a GPU cluster are checked by config validation at their world size; the GPU tier's script (`tools/gpu_check.sh`),
+which refuses to run without CUDA, by bash parsing it (tests/gpu/test_gpu_check_script.py checks its refusal); the
+set-up commands (`pip install`, `pytest`, `docker`, `tools/gpu_wheels.sh`) are what CI itself runs, or cannot run
+without a Docker engine or a package index. A documented command this file cannot classify fails the test:
 add a rule for it.
 """
 
@@ -30,6 +31,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.forked_python import ForkedPython, forkable
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -258,6 +261,12 @@ def run_doc(doc: Path, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    with ForkedPython(env) as python:  # forks the Python commands it can: no `import torch` of their own
+        run_commands(doc, commands, tmp_path, env, python)
+
+
+def run_commands(doc: Path, commands: list[str], tmp_path: Path, env: dict[str, str], python: ForkedPython) -> None:
+    """`run_doc`'s commands, first runs, then second ones."""
     writers: set[str] = set()
     for attempt, command in [(attempt, c) for attempt in ("first", "second") for c in commands]:
         if attempt == "second" and command not in writers:
@@ -278,7 +287,12 @@ def run_doc(doc: Path, tmp_path: Path) -> None:
             continue
         argv, extra = spec
         before, started = files_of(tmp_path), time.perf_counter()
-        proc = subprocess.run(argv, cwd=tmp_path, env={**env, **extra}, capture_output=True, text=True, timeout=600)
+        if (fork := forkable(argv)) is not None:
+            proc = python.run(*fork, cwd=tmp_path, env={**env, **extra}, timeout=600)
+            assert not proc.timed_out, f"{doc.name}: `{command}` ran past 600 s on its {attempt} run"
+        else:
+            proc = subprocess.run(argv, cwd=tmp_path, env={**env, **extra}, capture_output=True, text=True,
+                                  timeout=600)
         if TIMINGS:  # CI prints the slowest commands from this file
             with open(TIMINGS, "a") as f:
                 f.write(f"{time.perf_counter() - started:7.1f} s  {doc.name} ({attempt}): {command[:150]}\n")
