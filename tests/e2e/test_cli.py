@@ -22,8 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 300
 
 
-def run(cmd: list[str], cwd: Path, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+def run(cmd: list[str], cwd: Path, timeout: int = TIMEOUT, threads: int = 1) -> subprocess.CompletedProcess:
+    """`cmd` with `threads` OpenMP threads a process: 1 unless the test times a run on both cores, since a 2-thread run
+    beside another busy process (an xdist worker, a second rank) runs 2.6x slower (docs/benchmarks.md)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
