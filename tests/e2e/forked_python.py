@@ -88,61 +88,41 @@ class ForkedPython:
 # ------------------------------------------------------------------------------------------------------ the server
 
 
-def _exit_status(code: Any) -> int:
-    """SystemExit's code as the interpreter turns it into an exit status."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
-
-
 def _child(request: dict[str, Any]) -> None:
-    """Become the command: never returns."""
-    import atexit
+    """Become the command in a fresh `__main__` module. Whatever it raises, SystemExit included, propagates out of the
+    server's loop, so the interpreter exits this child as it exits a fresh one: the traceback printed, non-daemon
+    threads joined, atexit handlers run, module globals cleared and collected (closing the files left open)."""
     import runpy
-    import traceback
+    import types
 
-    status = 1
-    try:
-        os.setsid()
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(opened, fd)
-            os.close(opened)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
-        sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own streams, for its lifetime
-        sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
-        sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
-        target, args = request["target"], request["args"]
-        try:
-            if request["kind"] == "module":
-                sys.argv = ["-m", *args]  # runpy puts the module's file in argv[0], as `python -m` does
-                sys.path[0] = os.getcwd()
-                runpy.run_module(target, run_name="__main__", alter_sys=True)
-            else:
-                sys.argv = [target, *args]
-                sys.path[0] = os.path.dirname(os.path.abspath(target))
-                runpy.run_path(target, run_name="__main__")
-            status = 0
-        except SystemExit as stop:
-            status = _exit_status(stop.code)
-        except BaseException:  # noqa: BLE001 - printed, as the interpreter does, and the status says so
-            traceback.print_exc()
-            status = 1
-        threading._shutdown()  # what the interpreter does at exit: wait for non-daemon threads, then atexit
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):  # exiting anyway
-                stream.flush()
-        os._exit(status)
+    os.setsid()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own streams, for its lifetime
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+    main = sys.modules["__main__"] = types.ModuleType("__main__")  # not this server's namespace
+    target, args = request["target"], request["args"]
+    if request["kind"] == "module":
+        sys.argv = ["-m", *args]  # argv[0] becomes the module's file, as `python -m` sets it
+        sys.path[0] = os.getcwd()
+        runpy._run_module_as_main(target)  # what `python -m` itself calls
+    else:
+        path = os.path.realpath(target)
+        sys.argv = [target, *args]
+        sys.path[0] = os.path.dirname(path)
+        main.__file__, main.__cached__, main.__spec__ = target, None, None
+        code = compile(Path(path).read_bytes(), target, "exec")
+        exec(code, main.__dict__)  # noqa: S102 - running the script is the point
+    sys.exit(0)
 
 
 def _wait(pid: int, timeout: float) -> tuple[int, bool]:
@@ -167,7 +147,7 @@ def serve() -> None:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            _child(request)
+            _child(request)  # exits this child; never returns
         returncode, timed_out = _wait(pid, request["timeout"])
         with contextlib.suppress(ProcessLookupError):  # what the command left running in its session
             os.killpg(pid, 9)

@@ -1,5 +1,6 @@
 """tests/e2e/forked_python.py runs a command as a fresh interpreter would: the same argv, sys.path[0], working
-directory, environment, thread count, exit status and output, shutdown work done, and nothing imported but torch;
+directory, environment, thread count, exit status and output, a `__main__` of its own, shutdown work done (files left
+open closed), and nothing imported but torch;
 a command past its timeout is killed with what it started."""
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ PROBE = textwrap.dedent("""
     print("threads", torch.get_num_threads(), "name", __name__)
     print("imported", sorted(m for m in ("hydra", "omegaconf", "megalm", "transformers") if m in sys.modules))
     print("stdin", repr(sys.stdin.read()))
+    print("main", sys.modules["__main__"].__dict__ is globals(), sorted(k for k in globals() if k[0] != "_"))
+    LEFT_OPEN = open("left_open.txt", "w")  # closed by the interpreter's shutdown, not by the command
+    LEFT_OPEN.write("written")
+    def keeps_globals_alive():  # a function refers to its globals: a cycle only the interpreter's shutdown breaks
+        return LEFT_OPEN
     atexit.register(lambda: print("atexit ran"))
     threading.Thread(target=lambda: (time.sleep(0.2), print("thread joined"))).start()
     print("to stderr", file=sys.stderr)
@@ -50,8 +56,10 @@ def test_a_forked_command_runs_as_a_fresh_interpreter_does(python, tmp_path, kin
     argv = [sys.executable, *(["-m", "probe"] if kind == "module" else [str(tmp_path / "probe.py")]), "a", "--b=c"]
     env = {**env, "PROBE_VALUE": "set", "PROBE_EXIT": "3"}
     expected = fresh(argv, tmp_path, env)
+    (tmp_path / "left_open.txt").unlink()
     got = server.run(*forkable(argv), cwd=tmp_path, env=env, timeout=120)
     assert (got.returncode, got.stdout, got.stderr) == (expected.returncode, expected.stdout, expected.stderr)
+    assert (tmp_path / "left_open.txt").read_text() == "written"
     assert got.returncode == 3 and "thread joined\natexit ran" in got.stdout and "imported []" in got.stdout
 
 
