@@ -116,9 +116,21 @@ def is_fake(tensor: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------- attention
 
 
+# (varlen_attn, causal by window_size, takes scale, takes enable_gqa): read from this torch's signature once, in eager
+# code (attention backend selection calls varlen_attn_available() before any block is compiled). The traced path
+# reads this global, never the resolution: dynamo traces through functools.cache and would reach the log calls
+# below, a graph break per layer (the first GPU run found it, 2026-11-28).
+_varlen_form: tuple[Callable[..., torch.Tensor], bool, bool, bool] | None = None
+
+
 @functools.cache
-def _varlen_attn() -> Callable[..., torch.Tensor] | None:
-    """torch.nn.attention.varlen.varlen_attn in a form megalm can call causally, or None (logged once)."""
+def _resolve_varlen() -> tuple[Callable[..., torch.Tensor], bool, bool, bool] | None:
+    """torch.nn.attention.varlen.varlen_attn and the keywords this torch's form takes, or None (logged once).
+
+    torch 2.10's varlen_attn is (..., is_causal, return_aux): no scale, no window, GQA shapes as they are; 2.11's
+    takes scale and window_size=(-1, 0) for causal and no enable_gqa (its kernel reads kv head h // (Hq / Hkv)
+    itself); 2.12+ wants enable_gqa=True for GQA."""
+    global _varlen_form
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # torch < 2.10
@@ -126,43 +138,42 @@ def _varlen_attn() -> Callable[..., torch.Tensor] | None:
                       "document when their lengths differ); torch >= 2.10 has the varlen flash kernel")
         return None
     params = inspect.signature(varlen_attn).parameters
-    if "window_size" not in params and "is_causal" not in params:
+    window, scale, gqa = "window_size" in params, "scale" in params, "enable_gqa" in params
+    if not window and "is_causal" not in params:
         _log_fallback("this torch's varlen_attn takes neither window_size nor is_causal: attention_backend=auto "
                       "runs sdpa")
         return None
-    return varlen_attn
-
-
-def varlen_attn_available() -> bool:
-    """Whether torch.nn.attention.varlen.varlen_attn exists (torch >= 2.10) in a form megalm can call."""
-    return _varlen_attn() is not None
-
-
-@functools.cache
-def _varlen_keywords() -> tuple[bool, bool, bool]:
-    """(causal by window_size, takes scale, takes enable_gqa). torch 2.10's varlen_attn is (..., is_causal,
-    return_aux): no scale, no window, GQA shapes as they are; 2.11's takes scale and window_size=(-1, 0) for causal
-    and no enable_gqa (its kernel reads kv head h // (Hq / Hkv) itself); 2.12+ wants enable_gqa=True for GQA."""
-    params = inspect.signature(_varlen_attn()).parameters
-    window, scale, gqa = "window_size" in params, "scale" in params, "enable_gqa" in params
     if not window:
         _log_fallback("this torch's varlen_attn is causal by is_causal=True and takes no softmax scale (its "
                       "default, 1/sqrt(head_dim), is the only one it runs)")
     if not gqa:
         _log_fallback("this torch's varlen_attn has no enable_gqa keyword: grouped-query shapes are passed as they "
                       "are (its flash kernel reads kv head h // (Hq / Hkv) itself)")
-    return window, scale, gqa
+    _varlen_form = (varlen_attn, window, scale, gqa)
+    return _varlen_form
+
+
+def reset_varlen_resolution() -> None:
+    """Forget the resolved varlen_attn form (tests that stand in another torch's signature)."""
+    global _varlen_form
+    _varlen_form = None
+    _resolve_varlen.cache_clear()
+
+
+def varlen_attn_available() -> bool:
+    """Whether torch.nn.attention.varlen.varlen_attn exists (torch >= 2.10) in a form megalm can call."""
+    return _resolve_varlen() is not None
 
 
 def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                 scale: float | None = None) -> torch.Tensor:
     """Causal varlen flash attention (torch.nn.attention.varlen) of q [T, Hq, D] onto k/v [T, Hkv, D], with the
     keywords this torch's signature takes."""
-    fn = _varlen_attn()
-    if fn is None:
+    form = _varlen_form if _varlen_form is not None else _resolve_varlen()
+    if form is None:
         raise RuntimeError("torch.nn.attention.varlen.varlen_attn is missing from this torch or has an unknown form "
                            "(it needs >= 2.10); use model.attention_backend=auto")
-    window, takes_scale, takes_gqa = _varlen_keywords()
+    fn, window, takes_scale, takes_gqa = form
     kwargs: dict[str, Any] = {"window_size": (-1, 0)} if window else {"is_causal": True}
     if takes_scale:
         kwargs["scale"] = scale

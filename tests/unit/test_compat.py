@@ -32,13 +32,11 @@ def varlen_unknown(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k):
 @pytest.fixture
 def torch_varlen(monkeypatch):
     def use(fn):
-        compat._varlen_attn.cache_clear()
-        compat._varlen_keywords.cache_clear()
+        compat.reset_varlen_resolution()
         module = type("varlen", (), {"varlen_attn": staticmethod(fn)})
         monkeypatch.setitem(__import__("sys").modules, "torch.nn.attention.varlen", module)
     yield use
-    compat._varlen_attn.cache_clear()
-    compat._varlen_keywords.cache_clear()
+    compat.reset_varlen_resolution()
 
 
 def _call(heads: int = 8, kv_heads: int = 2, scale: float | None = None):
@@ -64,3 +62,19 @@ def test_an_unknown_form_is_not_used(torch_varlen):
     assert not compat.varlen_attn_available()
     with pytest.raises(RuntimeError, match="unknown form"):
         _call()
+
+
+def test_a_compiled_block_calls_it_without_a_graph_break(torch_varlen):
+    """The form is resolved (and its fallbacks logged) once in eager, as attention backend selection does; the
+    traced call reads the result. Resolving inside the trace logged there: one graph break per layer on a GPU."""
+    def varlen_2_11_math(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                         window_size=(-1, -1)):
+        return query * scale + value.sum()
+
+    torch_varlen(varlen_2_11_math)
+    assert compat.varlen_attn_available()
+    q, k = torch.randn(16, 8, 32), torch.randn(16, 2, 32)
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    explained = torch._dynamo.explain(lambda q, k: compat.varlen_attn(q, k, k, cu, 16, scale=0.5))(q, k)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch.testing.assert_close(compat.varlen_attn(q, k, k, cu, 16, scale=0.5), q * 0.5 + k.sum())
