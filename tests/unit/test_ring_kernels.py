@@ -170,6 +170,9 @@ class StandIn:
         width = math.ceil(b["max_seqlen_q"] / 32) * 32
         lse = torch.full((len(docs), heads, width), float("inf"), dtype=torch.float64)
         for d, (qs, nq, ks, nk) in enumerate(docs):
+            # the real kernel's causal mask fails there (tests/unit/test_ring_kernels.py, GPU tier, 2026-11-28)
+            assert b["custom_mask_type"] != BOTTOM_RIGHT or nk >= nq, \
+                "bottom-right causal on a document with fewer keys than queries: the kernel does not mask it"
             scores, probs = _doc_probs(b, qs, nq, ks, nk)
             doc_lse = torch.logsumexp(scores, -1)
             has_key = ~torch.isneginf(doc_lse)  # [H, nq]
@@ -198,16 +201,20 @@ class StandIn:
         assert lse.dtype == torch.float32 and lse.shape[:2] == (len(docs), heads)
         assert lse.shape[2] >= b["max_seqlen_q"] and lse.stride(2) == 1
         assert lse.stride(1) % 8 == 0 and lse.stride(0) % 8 == 0, "LSE is not correctly aligned"
-        dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v))
+        # what the kernel never writes (dq of a document without keys, dk/dv of one without queries) stays as
+        # allocated: garbage on the GPU, nan here
+        dq, dk, dv = (torch.full(t.shape, float("nan"), dtype=torch.float64) for t in (q, k, v))
         for d, (qs, nq, ks, nk) in enumerate(docs):
             _, probs = _doc_probs(b, qs, nq, ks, nk, lse[d, :, :nq])
             do, o = dout[0, qs:qs + nq].double(), out[0, qs:qs + nq].double()
             delta = (do * o).sum(-1).T  # [H, nq]
             dp = torch.einsum("qhd,khd->hqk", do, v[0, ks:ks + nk].double())
             ds = probs * (dp - delta[..., None])
-            dq[0, qs:qs + nq] = torch.einsum("hqk,khd->qhd", ds, k[0, ks:ks + nk].double()) * b["scale"]
-            dk[0, ks:ks + nk] = torch.einsum("hqk,qhd->khd", ds, q[0, qs:qs + nq].double()) * b["scale"]
-            dv[0, ks:ks + nk] = torch.einsum("hqk,qhd->khd", probs, do)
+            if nk:
+                dq[0, qs:qs + nq] = torch.einsum("hqk,khd->qhd", ds, k[0, ks:ks + nk].double()) * b["scale"]
+            if nq:
+                dk[0, ks:ks + nk] = torch.einsum("hqk,qhd->khd", ds, q[0, qs:qs + nq].double()) * b["scale"]
+                dv[0, ks:ks + nk] = torch.einsum("hqk,qhd->khd", probs, do)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), torch.empty(())
 
 
@@ -244,6 +251,7 @@ BLOCKS = {  # (query lengths, key lengths, causal) per document, as the zigzag s
     "full, Tq > Tk (front chunks)": ([8, 2, 6], [4, 1, 3], False),
     "full, Tq < Tk (back queries)": ([4, 1, 3], [8, 2, 6], False),
     "full, a document without keys": ([3, 4, 2], [0, 5, 2], False),
+    "full, a document without queries": ([0, 5, 2], [3, 4, 2], False),
 }
 
 
@@ -279,35 +287,44 @@ def test_torch_efficient_block_equals_reference(stand_in, name: str, hq: int, hk
 
 
 def _check_bottom_right(device="cpu", dtype=torch.float32, tol: float = 1e-5) -> None:
-    """torch_efficient causal on documents with more queries than keys, against the reference on the rows that
-    see keys (there the mask is square) and out 0, lse -inf, dq 0 on the rows that see none."""
-    lengths_q, lengths_k, hq, hkv = [5, 4, 2], [3, 4, 1], 4, 2
-    q, k, v = _qkv(sum(lengths_q), sum(lengths_k), hq, hkv, device=device, dtype=dtype)
+    """torch_efficient causal on documents with more keys than queries: the queries are the last n_q rows of a
+    square document (row i sees keys j <= i + n_k - n_q, bottom-right as in the flash kernels), checked against the
+    reference on the square documents at those rows. Fewer keys than queries is not asked of the kernel: its mask
+    fails there (`_efficient_rows`)."""
+    lengths_q, lengths_k, hq, hkv = [3, 4, 1], [5, 4, 2], 4, 2
+    square_q, k, v = _qkv(sum(lengths_k), sum(lengths_k), hq, hkv, device=device, dtype=dtype)
+    rows = torch.cat([torch.arange(start + nk - nq, start + nk) for start, nq, nk in
+                      zip(_cu(lengths_k)[:-1].tolist(), lengths_q, lengths_k, strict=True)]).to(device)
+    q = square_q[rows]
     block = (_cu(lengths_q, device), _cu(lengths_k, device), max(lengths_q), max(lengths_k), True, 0.5)
     out, lse, (dq, dk, dv) = _forward_backward(q, k, v, block, "torch_efficient")
-    # rows i >= n_q - n_k of each document: square causal attention onto its keys
-    tail = torch.cat([torch.arange(start + nq - nk, start + nq) for start, nq, nk in
-                      zip(_cu(lengths_q)[:-1].tolist(), lengths_q, lengths_k, strict=True)]).to(device)
     square = (_cu(lengths_k, device), _cu(lengths_k, device), max(lengths_k), max(lengths_k), True, 0.5)
-    q32, k32, v32 = q.float(), k.float(), v.float()
-    want_out, want_lse = block_forward(q32[tail], k32, v32, *square)
-    head = torch.ones(q.shape[0], dtype=torch.bool, device=device).index_fill_(0, tail, False)
-    torch.testing.assert_close(out[tail], want_out, atol=tol, rtol=tol)
-    torch.testing.assert_close(lse[tail], want_lse, atol=tol, rtol=tol)
-    assert bool((out[head] == 0).all()) and bool(torch.isneginf(lse[head]).all())
+    q32, k32, v32 = square_q.float(), k.float(), v.float()
+    want_out, want_lse = block_forward(q32, k32, v32, *square)
+    torch.testing.assert_close(out, want_out[rows], atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, want_lse[rows], atol=tol, rtol=tol)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)  # as drawn there
-    want = block_backward(dout.float()[tail], q32[tail], k32, v32, want_out, want_lse, *square)
-    torch.testing.assert_close(dq[tail].float(), want[0], atol=2 * tol, rtol=2 * tol)
-    assert bool((dq[head] == 0).all())
+    square_dout = torch.zeros_like(want_out).index_copy_(0, rows, dout.float())  # the other rows: no gradient
+    want = block_backward(square_dout, q32, k32, v32, want_out, want_lse, *square)
+    torch.testing.assert_close(dq.float(), want[0][rows], atol=2 * tol, rtol=2 * tol)
     torch.testing.assert_close(dk.float(), want[1], atol=2 * tol, rtol=2 * tol)
     torch.testing.assert_close(dv.float(), want[2], atol=2 * tol, rtol=2 * tol)
 
 
 def test_torch_efficient_causal_is_bottom_right_aligned_like_flash(stand_in) -> None:
-    """Causal on a document with more queries than keys reads as in the flash kernels (torch_varlen): the last
-    query sees every key, the first n_q - n_k see none (out 0, lse -inf, no gradient). The ring asks causal
-    only of square documents, where this is the reference's top-left mask."""
+    """Causal on a document with more keys than queries reads as in the flash kernels (torch_varlen): the last
+    query sees every key. The ring asks causal only of square documents, where this is the reference's top-left
+    mask."""
     _check_bottom_right()
+
+
+def test_the_stand_in_refuses_fewer_keys_than_queries_under_a_causal_mask(stand_in) -> None:
+    """What the first GPU run found: torch's kernel lets such rows see keys past the diagonal. The stand-in
+    refuses the case instead of computing what the kernel does not."""
+    lengths_q, lengths_k = [5, 4], [3, 4]
+    q, k, v = _qkv(sum(lengths_q), sum(lengths_k), 4, 2)
+    with pytest.raises(AssertionError, match="fewer keys than queries"):
+        block_forward(q, k, v, _cu(lengths_q), _cu(lengths_k), 5, 4, True, 0.5, kernel="torch_efficient")
 
 
 def test_simulated_ring_with_torch_efficient_equals_reference(stand_in) -> None:
@@ -354,6 +371,5 @@ def test_torch_efficient_on_gpu_equals_reference(name: str, hq: int, hkv: int, d
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_torch_efficient_on_gpu_is_bottom_right_aligned() -> None:
-    """The real kernels with custom_mask_type 2 on non-square documents, and what they write on rows that see
-    no key (the adapter makes them out 0, lse -inf)."""
+    """The real kernels with custom_mask_type 2 on documents with more keys than queries."""
     _check_bottom_right("cuda", torch.float32, 2e-4)

@@ -126,7 +126,11 @@ _LSE_ALIGN = 32  # the kernels keep each document's log-sum-exp row padded to a 
 def _efficient_rows(cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int,
                     causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(document, position, has a key) of each query row. Causal is bottom-right aligned, as in the flash kernels
-    (custom_mask_type 2): row i of a document with n_q queries and n_k keys sees keys j <= i + n_k - n_q."""
+    (custom_mask_type 2): row i of a document with n_q queries and n_k keys sees keys j <= i + n_k - n_q.
+
+    Only for n_k >= n_q: on a document with fewer keys than queries torch's kernel (2.11, H200, 2026-11-28) let
+    rows see keys past that diagonal, as if its negative offset skipped the per-element mask. The ring asks
+    causal only of documents with as many queries as keys (block_forward)."""
     doc, pos = _doc_and_pos(cu_q, tq)
     n_q, n_k = (cu_q[1:] - cu_q[:-1]).long()[doc], (cu_k[1:] - cu_k[:-1]).long()[doc]
     return doc, pos, (pos + n_k - n_q >= 0) if causal else (n_k > 0)
@@ -165,7 +169,7 @@ def _efficient_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     if min(q.shape[0], k.shape[0], max_q, max_k) == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     group = hq // hkv
-    doc, pos, _ = _efficient_rows(cu_q, cu_k, q.shape[0], causal)
+    doc, pos, has_key = _efficient_rows(cu_q, cu_k, q.shape[0], causal)
     width = -(-max_q // _LSE_ALIGN) * _LSE_ALIGN
     lse_docs = torch.full((len(cu_q) - 1, hq, width), float("inf"), dtype=torch.float32, device=q.device)
     lse_docs[doc, :, pos] = finite_lse(lse.float())
@@ -176,8 +180,13 @@ def _efficient_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         out=out.to(q.dtype).contiguous().unsqueeze(0), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
         max_seqlen_k=max_k, logsumexp=lse_docs, dropout_p=0.0, philox_seed=unused, philox_offset=unused,
         custom_mask_type=2 if causal else 0, bias_requires_grad=False, scale=scale)
+    # The kernel writes no gradient for a document it has nothing to loop over: dq of a document without keys,
+    # dk/dv of one without queries stay as allocated (garbage on the first GPU run, 2026-11-28). They are 0.
+    doc_k, _ = _doc_and_pos(cu_k, k.shape[0])
+    has_query = (cu_q[1:] - cu_q[:-1] > 0)[doc_k][:, None, None]
     fold = lambda t: t[0] if group == 1 else t[0].unflatten(1, (hkv, group)).sum(2, dtype=torch.float32)
-    return dq[0], fold(dk), fold(dv)
+    return (dq[0].masked_fill(~has_key[:, None, None], 0.0), fold(dk).masked_fill(~has_query, 0.0),
+            fold(dv).masked_fill(~has_query, 0.0))
 
 
 def block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, kernel="reference"):
