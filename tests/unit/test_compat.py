@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from megalm import compat
 
@@ -75,6 +76,8 @@ def test_a_compiled_block_calls_it_without_a_graph_break(torch_varlen):
     assert compat.varlen_attn_available()
     q, k = torch.randn(16, 8, 32), torch.randn(16, 2, 32)
     cu = torch.tensor([0, 16], dtype=torch.int32)
-    explained = torch._dynamo.explain(lambda q, k: compat.varlen_attn(q, k, k, cu, 16, scale=0.5))(q, k)
-    assert explained.graph_break_count == 0, explained.break_reasons
-    torch.testing.assert_close(compat.varlen_attn(q, k, k, cu, 16, scale=0.5), q * 0.5 + k.sum())
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda q, k: compat.varlen_attn(q, k, k, cu, 16, scale=0.5), backend="eager")
+    torch.testing.assert_close(compiled(q, k), q * 0.5 + k.sum())
+    assert not counters["graph_break"], dict(counters["graph_break"])  # (dynamo.explain does not count this one)
