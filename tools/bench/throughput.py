@@ -7,6 +7,11 @@
 Arguments without dashes are Hydra overrides of configs/config.yaml (data defaults to synthetic).
 It times `Trainer.train_step` (forward, backward, clip, AdamW) after `--warmup` steps, reports the
 median step and writes nothing but a temporary run dir (deleted afterwards).
+
+`--profile N` then runs N more steps under torch.profiler and prints where their time went
+(megalm/measure/kernel_profile.py): on a GPU how long it was busy at all against the wall time (the rest is
+waiting on the host), the time per kind of kernel and the kernels that took most; `--profile-trace PATH` also
+writes the Chrome trace. The profiled steps are not in the timed figures (the profiler slows the host).
 """
 
 from __future__ import annotations
@@ -46,15 +51,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="then profile N more steps and print where their time went")
+    parser.add_argument("--profile-trace", type=Path, metavar="PATH",
+                        help="with --profile, also write the profiler's Chrome trace here (.json)")
     argv = sys.argv[1:] if argv is None else argv
     # Hydra overrides (key=value) may follow a list flag (--seq 1024 2048 model=125m): set them aside first.
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
     args = parser.parse_args([a for a in argv if a not in overrides])
+    if args.profile < 0 or (args.profile_trace and not args.profile):
+        parser.error("--profile takes a number of steps >= 1; --profile-trace needs --profile")
     from megalm.training.metrics import peak_memory_gb
     from megalm.training.trainer import Trainer
 
     cfg = compose_config(overrides)
-    cfg.trainer.max_steps = args.warmup + args.steps
+    cfg.trainer.max_steps = args.warmup + args.steps + args.profile
+    profile = None
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(cfg, run_dir)
         device = trainer.device
@@ -68,6 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
                 times.append(time.perf_counter() - start)
                 tokens.append(result.tokens)
                 flops.append(result.flops)
+        if args.profile:
+            profile = _profile(trainer, args.warmup + args.steps, args.profile, args.profile_trace)
     step_s = statistics.median(times)
     tok_per_step = statistics.median(tokens)
     report = {
@@ -87,9 +101,34 @@ def main(argv: list[str] | None = None) -> dict:
           f"{report['tflops_per_sec']:.2f} TFLOP/s"
           + (f", MFU {100 * report['mfu']:.1f}%" if report["mfu"] else ", MFU n/a (no peak for this device)")
           + f", peak memory {report['peak_memory_gib']:.2f} GiB")
+    if profile is not None:
+        from megalm.measure.kernel_profile import format_profile
+
+        print(format_profile(profile))
+        report["profile"] = profile.as_dict()
     if args.json:
         print(json.dumps(report))
     return report
+
+
+def _profile(trainer, first_step: int, steps: int, trace: Path | None):
+    """`steps` training steps under torch.profiler (CPU ops, and CUDA kernels on a GPU), summed per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megalm.measure.kernel_profile import summarize
+
+    device = trainer.device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        synchronize(device)
+        start = time.perf_counter()
+        for step in range(first_step, first_step + steps):
+            trainer.train_step(step)
+        synchronize(device)
+        wall = time.perf_counter() - start
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    return summarize(prof.events(), steps, wall)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,124 @@
+"""Where a step's time went, read from torch.profiler: on a GPU its kernels (how long the GPU was busy at all, the
+time per kind of kernel, the kernels that took most); on a CPU the aten ops' own time.
+
+Why this exists beside the step-cost trace (op_cost.py): the trace prices each kernel by a roofline and cannot see
+the host that launches them. On the first GPU run (H200, 2026-11-28) FP8 ran at 0.67x bf16's tokens/s where the
+trace predicted 1.08x. A profile separates the two explanations: a GPU that waits on the host (busy time well
+below the step's wall time) or kernels slower than their roofline. torch.profiler records; this module only sums
+its events, so the figures are torch's and CUPTI's, not megalm's bookkeeping.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from megalm.measure.op_cost import category as aten_category
+
+# Substrings of CUDA kernel names, checked in this order (the first that matches names the kind).
+_KERNEL_KINDS = (
+    ("communication", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("optimizer", ("adam", "multi_tensor_apply", "foreach")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "scaled_mm", "sm90_", "sm80_", "splitk")),
+    ("compiled (triton)", ("triton_",)),
+    ("copy/cast", ("memcpy", "memset", "copy", "cat_", "catarray", "index", "gather", "scatter", "fill")),
+    ("reduction", ("reduce", "norm", "softmax")),
+    ("elementwise", ("elementwise", "unrolled", "vectorized")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a CUDA kernel from its name: gemm, attention, compiled (triton), copy/cast, reduction,
+    elementwise, optimizer, communication, or other."""
+    lowered = name.lower()
+    for kind, needles in _KERNEL_KINDS:
+        if any(needle in lowered for needle in needles):
+            return kind
+    return "other"
+
+
+@dataclass
+class StepProfile:
+    """Per-step figures of `steps` profiled steps (every time in ms per step)."""
+
+    steps: int
+    wall_ms: float  # a timer around the profiled steps, synchronized, over `steps`
+    device: str  # "cuda": kernels; "cpu": aten ops' self time
+    busy_ms: float  # cuda: the union of kernel intervals (the GPU doing anything); cpu: the ops' self time
+    kernel_ms: float  # cuda: the sum of kernel durations (> busy_ms when kernels overlap); cpu: = busy_ms
+    kernels: float  # kernel launches (cpu: aten op calls) per step
+    by_kind: dict[str, float] = field(default_factory=dict)
+    top: list[tuple[str, float, float]] = field(default_factory=list)  # (name, calls per step, ms per step)
+
+    @property
+    def idle_share(self) -> float | None:
+        """The share of the wall time the GPU ran nothing (waiting on the host, or on a sync); None on a CPU."""
+        return max(0.0, 1 - self.busy_ms / self.wall_ms) if self.device == "cuda" and self.wall_ms > 0 else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"idle_share": self.idle_share}
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals (µs)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+def summarize(events: Iterable[Any], steps: int, wall_s: float, top: int = 15) -> StepProfile:
+    """Sum torch.profiler's `events` (prof.events(): FunctionEvents) of `steps` steps that took `wall_s` in all.
+
+    Where CUDA kernels were recorded they are what is counted (each event's own interval); else the aten ops'
+    self CPU time (what the CPU spent in each op, its children excluded, so nothing is counted twice)."""
+    events = list(events)
+    kernels = [e for e in events if getattr(e.device_type, "name", str(e.device_type)) == "CUDA"]
+    per: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # name -> [calls, µs]
+    if kernels:
+        device = "cuda"
+        for e in kernels:
+            per[e.name][0] += 1
+            per[e.name][1] += e.time_range.end - e.time_range.start
+        busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in kernels])
+        kind_of = kernel_kind
+    else:
+        device = "cpu"
+        for e in events:
+            if e.name.startswith("aten::"):
+                per[e.name][0] += 1
+                per[e.name][1] += e.self_cpu_time_total
+        busy_us = sum(us for _, us in per.values())
+        kind_of = lambda name: aten_category(name.removeprefix("aten::"))  # noqa: E731
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, (_, us) in per.items():
+        by_kind[kind_of(name)] += us / 1e3 / steps
+    ranked = sorted(per.items(), key=lambda item: -item[1][1])[:top]
+    return StepProfile(
+        steps=steps, wall_ms=wall_s * 1e3 / steps, device=device, busy_ms=busy_us / 1e3 / steps,
+        kernel_ms=sum(us for _, us in per.values()) / 1e3 / steps,
+        kernels=sum(calls for calls, _ in per.values()) / steps,
+        by_kind=dict(sorted(by_kind.items(), key=lambda item: -item[1])),
+        top=[(name, calls / steps, us / 1e3 / steps) for name, (calls, us) in ranked])
+
+
+def format_profile(profile: StepProfile, name_width: int = 90) -> str:
+    """The profile as a few lines of text: the step's wall, busy and idle time, the time per kind, the top kernels."""
+    what = "kernels" if profile.device == "cuda" else "aten ops (self CPU time)"
+    lines = [f"profile of {profile.steps} step(s), per step: wall {profile.wall_ms:.1f} ms, {what} "
+             f"{profile.kernel_ms:.1f} ms in {profile.kernels:.0f} calls"]
+    if profile.idle_share is not None:
+        lines[0] += (f", GPU busy {profile.busy_ms:.1f} ms (idle {100 * profile.idle_share:.1f}% of the wall: "
+                     "waiting on the host or a sync)")
+    lines.append("by kind: " + ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in profile.by_kind.items()))
+    lines.append(f"{'ms/step':>9} {'calls':>7}  name")
+    for name, calls, ms in profile.top:
+        short = name if len(name) <= name_width else name[:name_width - 3] + "..."
+        lines.append(f"{ms:9.2f} {calls:7.1f}  {short}")
+    return "\n".join(lines)

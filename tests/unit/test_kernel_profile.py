@@ -1,0 +1,92 @@
+"""megalm.measure.kernel_profile sums torch.profiler's events per step: on a GPU the kernels' busy time (their
+intervals' union) against the wall time, on a CPU the aten ops' self time; tools/bench/throughput.py --profile
+prints it."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from megalm.measure.kernel_profile import format_profile, kernel_kind, summarize
+
+ROOT = Path(__file__).resolve().parents[2]
+# Wide enough that the ops, not Python, fill most of the step: an op's time counted with its children's (a linear
+# and its mm) would then pass the wall time (1.34x measured, against 0.83x for the self time).
+TINY = ["model.num_layers=2", "model.hidden_size=256", "model.num_heads=4", "model.num_kv_heads=2",
+        "model.ffn_hidden_size=512", "model.seq_length=256", "trainer.global_batch_size=2",
+        "trainer.micro_batch_size=1"]
+
+
+@pytest.mark.parametrize(("name", "kind"), [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off", "gemm"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", "gemm"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>, true>(Flash_fwd_params)",
+     "attention"),
+    ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80", "attention"),
+    ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", "compiled (triton)"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "elementwise"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::NormOps<float>>>", "reduction"),
+    ("Memcpy DtoD (Device -> Device)", "copy/cast"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+    ("some_new_kernel", "other"),
+])
+def test_kernel_names_are_sorted_by_kind(name: str, kind: str) -> None:
+    assert kernel_kind(name) == kind
+
+
+def _kernel(name: str, start: float, end: float) -> SimpleNamespace:
+    return SimpleNamespace(name=name, device_type=SimpleNamespace(name="CUDA"),
+                           time_range=SimpleNamespace(start=start, end=end), self_cpu_time_total=0.0)
+
+
+def test_busy_time_is_the_union_of_kernel_intervals() -> None:
+    """Two streams overlapping: the GPU is busy for the union (µs), kernels sum to more; per step over 2 steps."""
+    host_op = SimpleNamespace(name="aten::mm", device_type=SimpleNamespace(name="CPU"),
+                              time_range=SimpleNamespace(start=0, end=5000), self_cpu_time_total=5000.0)
+    events = [host_op, _kernel("gemm_a", 0, 1000), _kernel("gemm_a", 500, 1500), _kernel("copy_b", 3000, 3500),
+              _kernel("gemm_a", 3200, 3300)]
+    profile = summarize(events, steps=2, wall_s=0.008)
+    assert profile.device == "cuda"
+    assert profile.busy_ms == pytest.approx((1500 + 500) / 1e3 / 2)  # [0, 1500) and [3000, 3500)
+    assert profile.kernel_ms == pytest.approx((1000 + 1000 + 500 + 100) / 1e3 / 2)
+    assert profile.kernels == 2 and profile.wall_ms == pytest.approx(4.0)
+    assert profile.idle_share == pytest.approx(1 - 1.0 / 4.0)
+    assert profile.by_kind == pytest.approx({"gemm": 1.05, "copy/cast": 0.25})
+    assert profile.top[0] == ("gemm_a", 1.5, pytest.approx(1.05))
+    assert "idle 75.0% of the wall" in format_profile(profile)
+
+
+def _throughput():
+    spec = importlib.util.spec_from_file_location("throughput_bench", ROOT / "tools/bench/throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_throughput_profiles_the_cpu_step(capsys) -> None:
+    """On a CPU: the aten ops' self time, which cannot exceed the wall time, per step (the op counts of one step
+    and of the mean of two agree: training steps of the same shapes dispatch the same ops)."""
+    bench = _throughput()
+    one = bench.main(["--steps", "1", "--warmup", "1", "--profile", "1", *TINY])["profile"]
+    two = bench.main(["--steps", "1", "--warmup", "1", "--profile", "2", *TINY])["profile"]
+    for profile in (one, two):
+        assert profile["device"] == "cpu" and profile["idle_share"] is None
+        assert 0 < profile["busy_ms"] <= 1.05 * profile["wall_ms"]
+        assert profile["by_kind"]["gemm"] > 0
+        assert any(name in ("aten::mm", "aten::addmm") for name, _, _ in profile["top"])
+    calls = lambda profile: {name: n for name, n, _ in profile["top"]}  # noqa: E731
+    mm = "aten::mm"
+    assert calls(one)[mm] == calls(two)[mm]
+    assert "aten ops (self CPU time)" in capsys.readouterr().out
+
+
+def test_profile_arguments_are_checked() -> None:
+    bench = _throughput()
+    with pytest.raises(SystemExit):
+        bench.main(["--profile-trace", "t.json", *TINY])
