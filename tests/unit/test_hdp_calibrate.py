@@ -80,7 +80,9 @@ def run_tool(tmp_path: Path, *extra: str, out: str = "cost.yaml") -> tuple[int, 
 
 
 def test_cpu_run_writes_a_loadable_cost_model(tmp_path: Path, capsys):
-    code, path = run_tool(tmp_path, "--budget-s", "60", "--max-tokens", "512", "--repeats", "2")
+    # the head is timed at max-tokens / 4, / 2 and whole: 256 to 1,024 tokens, 5 repeats each, so that its slope
+    # stands out of a loaded machine's noise (at 128-512 tokens and 2 repeats it once fit 0 beside another worker)
+    code, path = run_tool(tmp_path, "--budget-s", "60", "--max-tokens", "1024", "--repeats", "5")
     assert code == 0
     cost, base = CostModel.from_yaml(path), CostModel.from_yaml(BASE)
     for key in ("a", "b", "c", "head", "act_bytes", "act_fixed"):  # measured
