@@ -31,6 +31,8 @@ GLOBAL_STATEMENTS = {
     ("megalm/data/preprocess.py", "_worker_tokenizer"): "a Pool worker's initializer: one per worker process",
     ("megalm/precision/kernels/mx_triton.py", "triton"): "the lazy import of an optional package",
     ("megalm/precision/kernels/mx_triton.py", "tl"): "the lazy import of an optional package",
+    ("megalm/compat.py", "_varlen_form"): "a cache of the installed torch's varlen_attn form, like functools.cache's, "
+                                          "that a compiled block reads without tracing its resolution (and logs)",
 }
 # Module-level tables a function may write into, each with its reason: handles that name Python objects to custom
 # ops, which take tensors and not objects; weak references, removed with their object, that change no behaviour.
