@@ -4,6 +4,7 @@ without CUDA."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,9 +52,23 @@ def make_config():
     return compose_config
 
 
+def long_cases() -> set[str]:
+    """The node ids of tests/long_cases.txt: default-suite cases run with the long tests, for the default run's
+    time budget (the file says which and why)."""
+    text = (Path(__file__).parent / "long_cases.txt").read_text()
+    lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
+    return {line for line in lines if line}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` skip themselves where no CUDA device is visible, so `pytest -m gpu` on a CPU machine
-    reports skips, not failures (the default run deselects them: pyproject.toml's addopts)."""
+    """The cases of tests/long_cases.txt get the `slow` marker. Tests marked `gpu` skip themselves where no CUDA
+    device is visible, so `pytest -m gpu` on a CPU machine reports skips, not failures (the default run deselects
+    them: pyproject.toml's addopts)."""
+    long = long_cases()
+    for item in items:
+        if item.nodeid in long:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="gpu test: no CUDA device visible (torch.cuda.is_available() is False)")

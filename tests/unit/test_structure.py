@@ -315,3 +315,20 @@ def test_architecture_doc_shows_the_protocols_as_they_are():
             assert classes, f"{implementer} (documented as a {name}) is not a megalm class"
             methods = [m for m in own if callable(getattr(cls, m, None))]
             assert all(callable(getattr(classes[0], m, None)) for m in methods), (implementer, methods)
+
+
+def test_long_cases_name_default_tests_that_the_torch_legs_do_not_run():
+    """tests/long_cases.txt moves default-suite cases to the long run: each names a test function (and a
+    parametrization id) that exists, marked slow by nothing else, and none is one the torch legs run (they run
+    without the long tests, so it would silently leave them)."""
+    from tests.conftest import long_cases
+
+    legs = [line.strip() for line in (ROOT / ".ci" / "torch_leg_tests.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    for case in sorted(long_cases()):
+        path, name = case.split("::")
+        function, _, param = name.partition("[")
+        source = (ROOT / path).read_text()
+        assert re.search(rf"^def {function}\(", source, re.M), f"{case}: no test {function} in {path}"
+        assert not param or f'"{param[:-1]}"' in source or f"'{param[:-1]}'" in source, f"{case}: no id {param}"
+        assert not {path, f"{path}::{function}", case} & set(legs), f"{case} is in .ci/torch_leg_tests.txt"
