@@ -4,11 +4,13 @@ run. The peers' pinned builds: tests/unit/test_compare_peers.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -129,3 +131,33 @@ def test_skip_reasons_printed_one_line_each(report):
             line = next(line for line in stdout.splitlines() if line.startswith(r["framework"]) and
                         f" {r['seq']} " in line)
             assert line.endswith(f"skipped: {r['reason']}") and "\n" not in r["reason"]
+
+
+def test_the_compiled_megalm_row_compiles_and_runs_on_cuda_only(monkeypatch):
+    """megalm_compiled is megalm's own run with trainer.compile=true (the setting beside TorchTitan's compiled
+    blocks), and on a CPU a skip that says why; its kernels entry says what compiled."""
+    import importlib.util
+
+    import torch
+
+    from tests.conftest import compose_config
+
+    monkeypatch.syspath_prepend(str(ROOT / "tools" / "bench"))  # compare.py imports throughput.py beside it
+    spec = importlib.util.spec_from_file_location("compare_bench", ROOT / "tools/bench/compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, compare)  # dataclasses look their module up there
+    spec.loader.exec_module(compare)
+    cfg = compose_config()
+    assert not cfg.trainer.compile
+    with pytest.raises(compare.Skip, match="on CUDA only"):
+        compare.run_megalm_compiled(cfg, [], torch.device("cpu"), 0, 1)
+    seen = []
+    monkeypatch.setattr(compare, "run_megalm", lambda cfg, *args: seen.append(cfg.trainer.compile))
+    compare.run_megalm_compiled(cfg, [], torch.device("cuda"), 0, 1)
+    assert seen == [True] and compare.RUNNERS["megalm_compiled"] is compare.run_megalm_compiled
+    kernels = compare.megalm_kernels(SimpleNamespace(precision=SimpleNamespace(note="")), cfg, 1, torch.device("cpu"))
+    assert kernels["compile"].startswith("eager")
+    compiled = compare.megalm_kernels(SimpleNamespace(precision=SimpleNamespace(note="")),
+                                      dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, compile=True)),
+                                      1, torch.device("cpu"))
+    assert compiled["compile"].startswith("torch.compile per transformer block")
