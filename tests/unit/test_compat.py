@@ -5,6 +5,8 @@ torch actually installed, the fake-CUDA tier calls the real one (tests/unit/test
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -81,3 +83,24 @@ def test_a_compiled_block_calls_it_without_a_graph_break(torch_varlen):
     compiled = torch.compile(lambda q, k: compat.varlen_attn(q, k, k, cu, 16, scale=0.5), backend="eager")
     torch.testing.assert_close(compiled(q, k), q * 0.5 + k.sum())
     assert not counters["graph_break"], dict(counters["graph_break"])  # (dynamo.explain does not count this one)
+
+
+def test_a_compiled_block_selects_its_cuda_backend_without_a_graph_break(torch_varlen):
+    """Context-parallel attention selects its backend inside the compiled block (ulysses.py, hierarchical.py, the
+    one-rank ring): on a CUDA device in bf16 that reads flash-attn's import, the device's capability and this
+    torch's varlen form, and logs. Dynamo takes the selection's result as a constant instead of tracing it."""
+    from megalm.model.attention import select_attention_backend
+
+    torch_varlen(varlen_2_11)  # a form that logs a fallback when resolved
+    cuda = torch.device("cuda")
+
+    def block(x):
+        return x * (2 if select_attention_backend("auto", cuda, torch.bfloat16) == "torch_varlen" else 3)
+
+    with compat.simulated_cuda((9, 0)):
+        torch._dynamo.reset()
+        counters.clear()
+        out = torch.compile(block, backend="eager")(torch.ones(2))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    want = 3 if importlib.util.find_spec("flash_attn") else 2  # flash-attn installed: auto picks it
+    assert out.tolist() == [want, want]
