@@ -53,13 +53,23 @@ class StepProfile:
     by_kind: dict[str, float] = field(default_factory=dict)
     top: list[tuple[str, float, float]] = field(default_factory=list)  # (name, calls per step, ms per step)
 
+    unprofiled_ms: float | None = None  # the same step timed without the profiler (its host cost is not in it)
+
     @property
     def idle_share(self) -> float | None:
-        """The share of the wall time the GPU ran nothing (waiting on the host, or on a sync); None on a CPU."""
+        """The share of the wall time the GPU ran nothing (waiting on the host, or on a sync); None on a CPU. The
+        profiler slows the host, which this share includes; `unprofiled_idle_share` sets the same busy time
+        against the step timed without it."""
         return max(0.0, 1 - self.busy_ms / self.wall_ms) if self.device == "cuda" and self.wall_ms > 0 else None
 
+    @property
+    def unprofiled_idle_share(self) -> float | None:
+        if self.device != "cuda" or not self.unprofiled_ms:
+            return None
+        return max(0.0, 1 - self.busy_ms / self.unprofiled_ms)
+
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"idle_share": self.idle_share}
+        return asdict(self) | {"idle_share": self.idle_share, "unprofiled_idle_share": self.unprofiled_idle_share}
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
@@ -79,7 +89,10 @@ def summarize(events: Iterable[Any], steps: int, wall_s: float, top: int = 15) -
     Where CUDA kernels were recorded they are what is counted (each event's own interval); else the aten ops'
     self CPU time (what the CPU spent in each op, its children excluded, so nothing is counted twice)."""
     events = list(events)
-    kernels = [e for e in events if getattr(e.device_type, "name", str(e.device_type)) == "CUDA"]
+    # GPU-side user annotations (record_function spans such as `Optimizer.step#AdamW.step`) sit on the device's
+    # timeline too, spanning kernels and the gaps between them: not kernels (torch's own tables leave them out)
+    kernels = [e for e in events if getattr(e.device_type, "name", str(e.device_type)) == "CUDA"
+               and not getattr(e, "is_user_annotation", False)]
     per: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # name -> [calls, µs]
     if kernels:
         device = "cuda"
@@ -116,6 +129,9 @@ def format_profile(profile: StepProfile, name_width: int = 90) -> str:
     if profile.idle_share is not None:
         lines[0] += (f", GPU busy {profile.busy_ms:.1f} ms (idle {100 * profile.idle_share:.1f}% of the wall: "
                      "waiting on the host or a sync)")
+    if profile.unprofiled_idle_share is not None:
+        lines[0] += (f"; against the unprofiled step ({profile.unprofiled_ms:.1f} ms) idle "
+                     f"{100 * profile.unprofiled_idle_share:.1f}%")
     lines.append("by kind: " + ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in profile.by_kind.items()))
     lines.append(f"{'ms/step':>9} {'calls':>7}  name")
     for name, calls, ms in profile.top:

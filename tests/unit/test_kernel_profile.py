@@ -39,8 +39,8 @@ def test_kernel_names_are_sorted_by_kind(name: str, kind: str) -> None:
     assert kernel_kind(name) == kind
 
 
-def _kernel(name: str, start: float, end: float) -> SimpleNamespace:
-    return SimpleNamespace(name=name, device_type=SimpleNamespace(name="CUDA"),
+def _kernel(name: str, start: float, end: float, annotation: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(name=name, device_type=SimpleNamespace(name="CUDA"), is_user_annotation=annotation,
                            time_range=SimpleNamespace(start=start, end=end), self_cpu_time_total=0.0)
 
 
@@ -48,8 +48,9 @@ def test_busy_time_is_the_union_of_kernel_intervals() -> None:
     """Two streams overlapping: the GPU is busy for the union (µs), kernels sum to more; per step over 2 steps."""
     host_op = SimpleNamespace(name="aten::mm", device_type=SimpleNamespace(name="CPU"),
                               time_range=SimpleNamespace(start=0, end=5000), self_cpu_time_total=5000.0)
+    optimizer_span = _kernel("Optimizer.step#AdamW.step", 0, 3500, annotation=True)  # a span, not a kernel
     events = [host_op, _kernel("gemm_a", 0, 1000), _kernel("gemm_a", 500, 1500), _kernel("copy_b", 3000, 3500),
-              _kernel("gemm_a", 3200, 3300)]
+              _kernel("gemm_a", 3200, 3300), optimizer_span]
     profile = summarize(events, steps=2, wall_s=0.008)
     assert profile.device == "cuda"
     assert profile.busy_ms == pytest.approx((1500 + 500) / 1e3 / 2)  # [0, 1500) and [3000, 3500)
@@ -59,6 +60,9 @@ def test_busy_time_is_the_union_of_kernel_intervals() -> None:
     assert profile.by_kind == pytest.approx({"gemm": 1.05, "copy/cast": 0.25})
     assert profile.top[0] == ("gemm_a", 1.5, pytest.approx(1.05))
     assert "idle 75.0% of the wall" in format_profile(profile)
+    profile.unprofiled_ms = 2.5  # the step timed without the profiler's host cost
+    assert profile.unprofiled_idle_share == pytest.approx(0.6)
+    assert "against the unprofiled step (2.5 ms) idle 60.0%" in format_profile(profile)
 
 
 def _throughput():
