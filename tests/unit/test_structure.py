@@ -319,8 +319,8 @@ def test_architecture_doc_shows_the_protocols_as_they_are():
 
 def test_long_cases_name_default_tests_that_the_torch_legs_do_not_run():
     """tests/long_cases.txt moves default-suite cases to the long run: each names a test function (and a
-    parametrization id) that exists, marked slow by nothing else, and none is one the torch legs run (they run
-    without the long tests, so it would silently leave them)."""
+    parametrization id) that exists, and none is one the torch legs run (they run without the long tests, so it
+    would silently leave them)."""
     from tests.conftest import long_cases
 
     legs = [line.strip() for line in (ROOT / ".ci" / "torch_leg_tests.txt").read_text().splitlines()
