@@ -180,8 +180,9 @@ def _efficient_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         out=out.to(q.dtype).contiguous().unsqueeze(0), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
         max_seqlen_k=max_k, logsumexp=lse_docs, dropout_p=0.0, philox_seed=unused, philox_offset=unused,
         custom_mask_type=2 if causal else 0, bias_requires_grad=False, scale=scale)
-    # The kernel writes no gradient for a document it has nothing to loop over: dq of a document without keys,
-    # dk/dv of one without queries stay as allocated (garbage on the first GPU run, 2026-11-28). They are 0.
+    # The kernel writes no gradient for a document it has nothing to loop over: dq of a document without keys
+    # stayed as allocated (garbage on the first GPU run, H200, 2026-11-28). dk/dv of a document without queries
+    # are zeroed likewise, defensively (no GPU test has reached that case yet). Both are 0.
     doc_k, _ = _doc_and_pos(cu_k, k.shape[0])
     has_query = (cu_q[1:] - cu_q[:-1] > 0)[doc_k][:, None, None]
     fold = lambda t: t[0] if group == 1 else t[0].unflatten(1, (hkv, group)).sum(2, dtype=torch.float32)
