@@ -113,6 +113,14 @@ def is_fake(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, FakeTensor)
 
 
+def constant_to_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch.compiler.assume_constant_result` without importing torch._dynamo (and Triton) when megalm is imported:
+    the same mark dynamo reads (tests/unit/test_compat.py checks it against torch's own decorator). Dynamo then calls
+    `fn` at trace time and keeps its result as a constant instead of tracing into it."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
 # ---------------------------------------------------------------------------------------------- attention
 
 

@@ -53,7 +53,7 @@ def _flash_capable(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype in _FAST_DTYPES and capability is not None and capability >= (8, 0)
 
 
-@torch.compiler.assume_constant_result
+@compat.constant_to_dynamo  # called inside compiled blocks (context parallelism): a constant, not traced
 def select_attention_backend(
     requested: str, device: torch.device | str, dtype: torch.dtype, *, dropout: bool = False
 ) -> str:

@@ -104,3 +104,15 @@ def test_a_compiled_block_selects_its_cuda_backend_without_a_graph_break(torch_v
     assert not counters["graph_break"], dict(counters["graph_break"])
     want = 3 if importlib.util.find_spec("flash_attn") else 2  # flash-attn installed: auto picks it
     assert out.tolist() == [want, want]
+
+
+def test_the_constant_mark_is_torchs_own():
+    """compat.constant_to_dynamo sets what torch.compiler.assume_constant_result sets (no torch._dynamo import)."""
+    def mine():
+        return 1
+
+    def theirs():
+        return 1
+
+    marked = torch.compiler.assume_constant_result(theirs)
+    assert {k: v for k, v in vars(marked).items()} == vars(compat.constant_to_dynamo(mine))
