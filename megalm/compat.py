@@ -124,33 +124,35 @@ def constant_to_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
 # ---------------------------------------------------------------------------------------------- attention
 
 
-# (varlen_attn, causal by window_size, takes scale, takes enable_gqa): read from this torch's signature once, in eager
-# code (attention backend selection calls varlen_attn_available() before any block is compiled). The traced path
-# reads this global, never the resolution: dynamo traces through functools.cache and would reach the log calls
-# below, a graph break per layer (the first GPU run found it, 2026-11-28).
-_varlen_form: tuple[Callable[..., torch.Tensor], bool, bool, bool] | None = None
+# (varlen_attn, causal by window_size, takes scale, takes enable_gqa), read from this torch's signature once, in eager
+# code (attention backend selection calls varlen_attn_available() before any block is compiled); () where there is
+# no usable varlen_attn; None until read. A compiled block's call reaches only `_resolve_varlen`'s first return,
+# never the log calls below, which would break its graph (the first GPU run found that, 2026-11-28).
+_varlen_form: tuple[Callable[..., torch.Tensor], bool, bool, bool] | tuple[()] | None = None
 
 
-@functools.cache
-def _resolve_varlen() -> tuple[Callable[..., torch.Tensor], bool, bool, bool] | None:
-    """torch.nn.attention.varlen.varlen_attn and the keywords this torch's form takes, or None (logged once).
+def _resolve_varlen() -> tuple[Callable[..., torch.Tensor], bool, bool, bool] | tuple[()]:
+    """torch.nn.attention.varlen.varlen_attn and the keywords this torch's form takes, or () (logged once).
 
     torch 2.10's varlen_attn is (..., is_causal, return_aux): no scale, no window, GQA shapes as they are; 2.11's
     takes scale and window_size=(-1, 0) for causal and no enable_gqa (its kernel reads kv head h // (Hq / Hkv)
     itself); 2.12+ wants enable_gqa=True for GQA."""
     global _varlen_form
+    if _varlen_form is not None:
+        return _varlen_form
+    _varlen_form = ()
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # torch < 2.10
         _log_fallback("this torch has no torch.nn.attention.varlen: attention_backend=auto runs sdpa (one call per "
                       "document when their lengths differ); torch >= 2.10 has the varlen flash kernel")
-        return None
+        return _varlen_form
     params = inspect.signature(varlen_attn).parameters
     window, scale, gqa = "window_size" in params, "scale" in params, "enable_gqa" in params
     if not window and "is_causal" not in params:
         _log_fallback("this torch's varlen_attn takes neither window_size nor is_causal: attention_backend=auto "
                       "runs sdpa")
-        return None
+        return _varlen_form
     if not window:
         _log_fallback("this torch's varlen_attn is causal by is_causal=True and takes no softmax scale (its "
                       "default, 1/sqrt(head_dim), is the only one it runs)")
@@ -165,20 +167,19 @@ def reset_varlen_resolution() -> None:
     """Forget the resolved varlen_attn form (tests that stand in another torch's signature)."""
     global _varlen_form
     _varlen_form = None
-    _resolve_varlen.cache_clear()
 
 
 def varlen_attn_available() -> bool:
     """Whether torch.nn.attention.varlen.varlen_attn exists (torch >= 2.10) in a form megalm can call."""
-    return _resolve_varlen() is not None
+    return bool(_resolve_varlen())
 
 
 def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                 scale: float | None = None) -> torch.Tensor:
     """Causal varlen flash attention (torch.nn.attention.varlen) of q [T, Hq, D] onto k/v [T, Hkv, D], with the
     keywords this torch's signature takes."""
-    form = _varlen_form if _varlen_form is not None else _resolve_varlen()
-    if form is None:
+    form = _resolve_varlen()
+    if not form:
         raise RuntimeError("torch.nn.attention.varlen.varlen_attn is missing from this torch or has an unknown form "
                            "(it needs >= 2.10); use model.attention_backend=auto")
     fn, window, takes_scale, takes_gqa = form
