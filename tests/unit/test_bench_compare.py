@@ -136,17 +136,11 @@ def test_skip_reasons_printed_one_line_each(report):
 def test_the_compiled_megalm_row_compiles_and_runs_on_cuda_only(monkeypatch):
     """megalm_compiled is megalm's own run with trainer.compile=true (the setting beside TorchTitan's compiled
     blocks), and on a CPU a skip that says why; its kernels entry says what compiled."""
-    import importlib.util
-
     import torch
 
     from tests.conftest import compose_config
+    from tests.unit.test_compare_peers import compare
 
-    monkeypatch.syspath_prepend(str(ROOT / "tools" / "bench"))  # compare.py imports throughput.py beside it
-    spec = importlib.util.spec_from_file_location("compare_bench", ROOT / "tools/bench/compare.py")
-    compare = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, compare)  # dataclasses look their module up there
-    spec.loader.exec_module(compare)
     cfg = compose_config()
     assert not cfg.trainer.compile
     with pytest.raises(compare.Skip, match="on CUDA only"):
@@ -155,9 +149,8 @@ def test_the_compiled_megalm_row_compiles_and_runs_on_cuda_only(monkeypatch):
     monkeypatch.setattr(compare, "run_megalm", lambda cfg, *args: seen.append(cfg.trainer.compile))
     compare.run_megalm_compiled(cfg, [], torch.device("cuda"), 0, 1)
     assert seen == [True] and compare.RUNNERS["megalm_compiled"] is compare.run_megalm_compiled
-    kernels = compare.megalm_kernels(SimpleNamespace(precision=SimpleNamespace(note="")), cfg, 1, torch.device("cpu"))
-    assert kernels["compile"].startswith("eager")
-    compiled = compare.megalm_kernels(SimpleNamespace(precision=SimpleNamespace(note="")),
-                                      dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, compile=True)),
-                                      1, torch.device("cpu"))
-    assert compiled["compile"].startswith("torch.compile per transformer block")
+    trainer, cpu = SimpleNamespace(precision=SimpleNamespace(note="")), torch.device("cpu")
+    assert compare.megalm_kernels(trainer, cfg, 1, cpu)["compile"].startswith("eager")
+    compiled = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, compile=True))
+    compile_entry = compare.megalm_kernels(trainer, compiled, 1, cpu)["compile"]
+    assert compile_entry.startswith("torch.compile per transformer block")
