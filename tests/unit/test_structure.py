@@ -332,3 +332,15 @@ def test_long_cases_name_default_tests_that_the_torch_legs_do_not_run():
         assert re.search(rf"^def {function}\(", source, re.M), f"{case}: no test {function} in {path}"
         assert not param or f'"{param[:-1]}"' in source or f"'{param[:-1]}'" in source, f"{case}: no id {param}"
         assert not {path, f"{path}::{function}", case} & set(legs), f"{case} is in .ci/torch_leg_tests.txt"
+
+
+def test_no_pipefail_script_pipes_into_a_reader_that_quits_early():
+    """Under `set -o pipefail` a writer killed by SIGPIPE is the pipeline's failure (exit 141): `head` or `sed Nq`
+    quits after N lines, and whether the writer was still writing is a race. CI once failed that way after every
+    test had passed. Read to the end instead (`sed -n '1,Np'`)."""
+    scripts = [ROOT / ".ci" / "run", *ROOT.glob(".ci/*.sh"), *ROOT.glob("tools/**/*.sh"), *ROOT.glob("scripts/**/*.sh")]
+    offenders = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+                 for path in scripts if "pipefail" in path.read_text()
+                 for n, line in enumerate(path.read_text().splitlines(), 1)
+                 if re.search(r"\|\s*(head\b|sed\s+(-n\s+)?'?\d+q)", line) and not line.lstrip().startswith("#")]
+    assert not offenders, "a pipe into a reader that quits early, under pipefail:\n" + "\n".join(offenders)
