@@ -49,8 +49,12 @@ FLAGS = {"--steps": ["1"], "--warmup": ["0"], "--reps": ["1"], "--seq": ["64"], 
          "--global-tokens": ["4M"]}
 # Benchmarks that train: flags appended (argparse keeps the last value) so that they run one short repetition.
 TOOL_FLAGS = {"precision_convergence.py": ["--steps", "2"], "throughput.py": ["--steps", "1", "--warmup", "0"],
-              "context_parallel.py": ["--steps", "1", "--warmup", "0", "--seq", "64"], "comm_volume.py": [],
-              "offload.py": ["--steps", "1", "--warmup", "0"], "checkpoint_save.py": ["--reps", "1"],
+              # cp 1 and 2 (--nproc 2): four gloo ranks on two cores cost most of its time, and
+              # tests/dist/test_context_parallel.py checks cp 4 against one process
+              "context_parallel.py": ["--steps", "1", "--warmup", "0", "--seq", "64", "--nproc", "2"],
+              "comm_volume.py": [],
+              "offload.py": ["--steps", "1", "--warmup", "0", "--fractions", "0.5"],  # each policy once
+              "checkpoint_save.py": ["--reps", "1"],
               "compare.py": ["--tiny", "--seqs", "64", "--precisions", "fp32", "--repeats", "1"],
               "step_cost.py": ["--systems", "megalm"],  # every system: test_measure_op_cost.py runs the tool whole
               "activation_memory.py": ["model.num_heads=8",  # 8 heads: its tp8 command shards them
@@ -68,8 +72,9 @@ CONSOLE_SCRIPTS = {"megalm-train": "megalm.train", "megalm-generate": "megalm.ge
                    "megalm-export": "megalm.interop.export", "megalm-import": "megalm.interop.hf_import",
                    "megalm-estimate": "megalm.estimate"}
 # megalm-estimate keeps the documented layout and shrinks the model to a shape that layout still shards (the
-# values replace the command's own: it runs one rank of the layout under fake tensors either way).
-ESTIMATE_SHAPE = {"model.num_layers": "8", "model.hidden_size": "64", "model.num_heads": "8",
+# values replace the command's own: it runs one rank of the layout under fake tensors either way). Layers: as many
+# as the pipeline has stages (`estimate_layers`), 8 for a search, which chooses among pipelines up to that depth.
+ESTIMATE_SHAPE = {"model.hidden_size": "64", "model.num_heads": "8",
                   "model.num_kv_heads": "8", "model.ffn_hidden_size": "128", "model.seq_length": "64",
                   "model.vocab_size": "512"}
 # A command that names where it writes (a run dir, an output file or prefix, a redirect) can meet its own output when
@@ -102,6 +107,15 @@ def documented_commands(path: Path) -> list[str]:
     found += [span for span in re.findall(r"`([^`\n]+)`", prose)
               if re.match(r"(megalm-\w+ |python (tools|-m megalm)|torchrun )", span)]
     return list(dict.fromkeys(found))
+
+
+def estimate_layers(words: list[str]) -> str:
+    """The fewest layers the documented layout shards (one per pipeline stage and virtual stage, at least 2), or 8
+    for a search: the estimator's time grows with the layers it traces (a compiled 1.3B command: 16 s at 8, 10 at 2)."""
+    if "--search" in words:
+        return "8"
+    value = {w.split("=", 1)[0]: w.split("=", 1)[1] for w in words if "=" in w and not w.startswith("-")}
+    return str(max(2, int(value.get("parallel.pp", 1)) * int(value.get("parallel.vpp", 1))))
 
 
 def is_pattern(command: str) -> bool:
@@ -183,8 +197,9 @@ def runnable(command: str, tmp: Path) -> tuple[list[str], dict[str, str]] | None
         words += TOOL_FLAGS[tool]
         words += [f"{k}={v}" for k, v in TINY.items() if k.startswith("model.") and k not in overrides_set(words)]
     elif exe == "megalm-estimate":
-        words = [w for w in words if w.split("=", 1)[0] not in ESTIMATE_SHAPE]
-        words += [f"{k}={v}" for k, v in ESTIMATE_SHAPE.items()]
+        layers = estimate_layers(words)
+        words = [w for w in words if w.split("=", 1)[0] not in {*ESTIMATE_SHAPE, "model.num_layers"}]
+        words += [f"{k}={v}" for k, v in ESTIMATE_SHAPE.items()] + [f"model.num_layers={layers}"]
         if "--search" in words and "--top" not in words:  # one layout confirmed, not five: the path is the same
             words += ["--top", "1"]
     elif ("megalm.train" in head + words or exe.startswith("scripts/")) and "--cfg" not in words:
