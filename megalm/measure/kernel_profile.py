@@ -4,7 +4,8 @@ time per kind of kernel, the kernels that took most); on a CPU the aten ops' own
 Why this exists beside the step-cost trace (op_cost.py): the trace prices each kernel by a roofline and cannot see
 the host that launches them. On the first GPU run (H200, 2026-11-28) FP8 ran at 0.67x bf16's tokens/s where the
 trace predicted 1.08x. A profile separates the two explanations: a GPU that waits on the host (busy time well
-below the step's wall time) or kernels slower than their roofline. torch.profiler records; this module only sums
+below the step's wall time; the host syncs per step say whether the host also waits on the GPU, draining the queue
+of launches it had run ahead with) or kernels slower than their roofline. torch.profiler records; this module only sums
 its events, so the figures are torch's and CUPTI's, not megalm's bookkeeping.
 """
 
@@ -54,6 +55,10 @@ class StepProfile:
     top: list[tuple[str, float, float]] = field(default_factory=list)  # (name, calls per step, ms per step)
 
     unprofiled_ms: float | None = None  # the same step timed without the profiler (its host cost is not in it)
+    # cuda: calls per step that make the host wait for the GPU (cudaStreamSynchronize and kin: an `.item()`, a
+    # `.tolist()`, a pageable copy to the host), and the device-to-host copies; each sync drains the launch queue
+    host_syncs: float = 0.0
+    device_to_host: float = 0.0
 
     @property
     def idle_share(self) -> float | None:
@@ -70,6 +75,9 @@ class StepProfile:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"idle_share": self.idle_share, "unprofiled_idle_share": self.unprofiled_idle_share}
+
+
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
@@ -113,7 +121,10 @@ def summarize(events: Iterable[Any], steps: int, wall_s: float, top: int = 15) -
     for name, (_, us) in per.items():
         by_kind[kind_of(name)] += us / 1e3 / steps
     ranked = sorted(per.items(), key=lambda item: -item[1][1])[:top]
+    syncs = sum(1 for e in events if e.name in _SYNC_CALLS)  # CUDA runtime calls, recorded on the host's timeline
+    device_to_host = sum(1 for e in kernels if "DtoH" in e.name)
     return StepProfile(
+        host_syncs=syncs / steps, device_to_host=device_to_host / steps,
         steps=steps, wall_ms=wall_s * 1e3 / steps, device=device, busy_ms=busy_us / 1e3 / steps,
         kernel_ms=sum(us for _, us in per.values()) / 1e3 / steps,
         kernels=sum(calls for calls, _ in per.values()) / steps,
@@ -132,6 +143,9 @@ def format_profile(profile: StepProfile, name_width: int = 90) -> str:
     if profile.unprofiled_idle_share is not None:
         lines[0] += (f"; against the unprofiled step ({profile.unprofiled_ms:.1f} ms) idle "
                      f"{100 * profile.unprofiled_idle_share:.1f}%")
+    if profile.device == "cuda":
+        lines.append(f"host syncs {profile.host_syncs:.1f} per step (cudaStreamSynchronize and kin: the host waits "
+                     f"for the GPU to drain), device-to-host copies {profile.device_to_host:.1f}")
     lines.append("by kind: " + ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in profile.by_kind.items()))
     lines.append(f"{'ms/step':>9} {'calls':>7}  name")
     for name, calls, ms in profile.top:

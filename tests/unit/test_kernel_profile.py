@@ -60,9 +60,27 @@ def test_busy_time_is_the_union_of_kernel_intervals() -> None:
     assert profile.by_kind == pytest.approx({"gemm": 1.05, "copy/cast": 0.25})
     assert profile.top[0] == ("gemm_a", 1.5, pytest.approx(1.05))
     assert "idle 75.0% of the wall" in format_profile(profile)
+    assert profile.host_syncs == 0 and profile.device_to_host == 0
     profile.unprofiled_ms = 2.5  # the step timed without the profiler's host cost
     assert profile.unprofiled_idle_share == pytest.approx(0.6)
     assert "against the unprofiled step (2.5 ms) idle 60.0%" in format_profile(profile)
+
+
+def test_host_syncs_and_copies_to_the_host_are_counted_per_step() -> None:
+    """An `.item()` on a GPU tensor as the profiler records it: a copy kernel to the host and the runtime call that
+    waits for it (host side); launches and a device-to-device copy are neither."""
+    def runtime(name: str) -> SimpleNamespace:
+        return SimpleNamespace(name=name, device_type=SimpleNamespace(name="CPU"),
+                               time_range=SimpleNamespace(start=0, end=1), self_cpu_time_total=1.0)
+
+    events = [_kernel("gemm_a", 0, 100), runtime("cudaLaunchKernel"), runtime("cudaMemcpyAsync"),
+              _kernel("Memcpy DtoH (Device -> Pageable)", 100, 101), runtime("cudaStreamSynchronize"),
+              _kernel("Memcpy DtoD (Device -> Device)", 101, 102), runtime("cudaDeviceSynchronize"),
+              _kernel("Memcpy DtoH (Device -> Pinned)", 102, 103), runtime("cudaStreamSynchronize")]
+    profile = summarize(events, steps=2, wall_s=0.001)
+    assert profile.host_syncs == 1.5 and profile.device_to_host == 1.0
+    assert "host syncs 1.5 per step" in format_profile(profile)
+    assert "device-to-host copies 1.0" in format_profile(profile)
 
 
 def _throughput():
