@@ -7,6 +7,12 @@ without its reserve (`peak_bytes - reserve_bytes`) must equal the real rank's (w
 bar for pp1, tp2, pp2, cp2, HDP and offload; it is equal to the byte), for every rank role the estimator reports. Where they
 differed, fake mode was keeping storages alive: `Tensor.set_(storage)` under FakeTensorMode holds the storage for
 good, which made an offload run's estimate 49% high until the store stopped using it.
+
+A real run can read high by one collective's buffer: gloo's worker thread holds the tensors of a collective until
+it lets go of its work, which can come after the main thread's next allocation (tp2_sp read 2,048 bytes high, one
+sequence-parallel shard, in 1 of 10 runs on a loaded machine). A late free only raises a peak, so a real run that
+reads above the estimate is run again, up to twice, and each rank's smallest peak is the one compared; one that
+reads below it fails at once.
 """
 
 from __future__ import annotations
@@ -56,13 +62,22 @@ def measure(rank: int, world: int, overrides: list[str], out: str) -> None:
 def test_the_estimate_is_the_real_run(tmp_path, layout):
     extra, world = LAYOUTS[layout]
     overrides = [*COMMON, *extra]
-    run_distributed(measure, world, overrides, str(tmp_path), timeout=300)
     result = estimate.estimate(overrides, world, "h100")
+    fake = {rank["rank"]: rank["peak_bytes"] - rank["reserve_bytes"] for rank in result["ranks"]}
+    real: dict[int, dict] = {}
+    for attempt in range(3):  # the module docstring: a real peak can only read high, by a late free
+        (tmp_path / str(attempt)).mkdir()
+        run_distributed(measure, world, overrides, str(tmp_path / str(attempt)), timeout=300)
+        for r in fake:
+            run = json.loads((tmp_path / str(attempt) / f"{r}.json").read_text())
+            real[r] = run if r not in real or run["peak"] < real[r]["peak"] else real[r]
+        if all(real[r]["peak"] <= fake[r] for r in fake):
+            break
     for rank in result["ranks"]:
-        real = json.loads((tmp_path / f"{rank['rank']}.json").read_text())
-        fake = rank["peak_bytes"] - rank["reserve_bytes"]
-        assert fake == real["peak"], (
-            f"{layout} {rank['role']} (rank {rank['rank']}): estimated {fake} bytes, the real run {real['peak']}")
-        assert rank["tokens"] == real["tokens"], f"{layout} {rank['role']}: the step's tokens differ"
+        got = real[rank["rank"]]
+        assert fake[rank["rank"]] == got["peak"], (
+            f"{layout} {rank['role']} (rank {rank['rank']}): estimated {fake[rank['rank']]} bytes, the real run "
+            f"{got['peak']} (the smallest of {attempt + 1})")
+        assert rank["tokens"] == got["tokens"], f"{layout} {rank['role']}: the step's tokens differ"
     if "hdp" in layout:  # the largest ring's rank is a role of its own
         assert [r["rank"] for r in result["ranks"]] == [0, 1], result["ranks"]
