@@ -77,7 +77,9 @@ class StepProfile:
         return asdict(self) | {"idle_share": self.idle_share, "unprofiled_idle_share": self.unprofiled_idle_share}
 
 
-_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+# CUDA runtime calls that wait for the GPU (an `.item()` records cudaMemcpyAsync then cudaStreamSynchronize)
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+STEP_SPAN = "megalm.train_step"  # a record_function span around each profiled step: syncs are counted inside it
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
@@ -121,7 +123,11 @@ def summarize(events: Iterable[Any], steps: int, wall_s: float, top: int = 15) -
     for name, (_, us) in per.items():
         by_kind[kind_of(name)] += us / 1e3 / steps
     ranked = sorted(per.items(), key=lambda item: -item[1][1])[:top]
-    syncs = sum(1 for e in events if e.name in _SYNC_CALLS)  # CUDA runtime calls, recorded on the host's timeline
+    # CUDA runtime calls, on the host's timeline; inside the steps' spans where there are any (the harness that times
+    # the steps synchronizes too, outside them)
+    spans = [(e.time_range.start, e.time_range.end) for e in events if e.name == STEP_SPAN]
+    syncs = sum(1 for e in events if e.name in _SYNC_CALLS
+                and (not spans or any(start <= e.time_range.start < end for start, end in spans)))
     device_to_host = sum(1 for e in kernels if "DtoH" in e.name)
     return StepProfile(
         host_syncs=syncs / steps, device_to_host=device_to_host / steps,

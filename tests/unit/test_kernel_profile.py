@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megalm.measure.kernel_profile import format_profile, kernel_kind, summarize
+from megalm.measure.kernel_profile import STEP_SPAN, format_profile, kernel_kind, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 # Wide enough that the ops, not Python, fill most of the step: an op's time counted with its children's (a linear
@@ -69,9 +69,9 @@ def test_busy_time_is_the_union_of_kernel_intervals() -> None:
 def test_host_syncs_and_copies_to_the_host_are_counted_per_step() -> None:
     """An `.item()` on a GPU tensor as the profiler records it: a copy kernel to the host and the runtime call that
     waits for it (host side); launches and a device-to-device copy are neither."""
-    def runtime(name: str) -> SimpleNamespace:
+    def runtime(name: str, at: float = 0) -> SimpleNamespace:
         return SimpleNamespace(name=name, device_type=SimpleNamespace(name="CPU"),
-                               time_range=SimpleNamespace(start=0, end=1), self_cpu_time_total=1.0)
+                               time_range=SimpleNamespace(start=at, end=at + 1), self_cpu_time_total=1.0)
 
     events = [_kernel("gemm_a", 0, 100), runtime("cudaLaunchKernel"), runtime("cudaMemcpyAsync"),
               _kernel("Memcpy DtoH (Device -> Pageable)", 100, 101), runtime("cudaStreamSynchronize"),
@@ -79,6 +79,11 @@ def test_host_syncs_and_copies_to_the_host_are_counted_per_step() -> None:
               _kernel("Memcpy DtoH (Device -> Pinned)", 102, 103), runtime("cudaStreamSynchronize")]
     profile = summarize(events, steps=2, wall_s=0.001)
     assert profile.host_syncs == 1.5 and profile.device_to_host == 1.0
+    # with the steps' spans recorded, a sync outside them (the harness timing the steps) is not the step's
+    step_span = SimpleNamespace(name=STEP_SPAN, device_type=SimpleNamespace(name="CPU"),
+                                time_range=SimpleNamespace(start=0, end=50), self_cpu_time_total=0.0)
+    profile = summarize([*events, step_span, runtime("cudaDeviceSynchronize", at=60)], steps=2, wall_s=0.001)
+    assert profile.host_syncs == 1.5
     assert "host syncs 1.5 per step" in format_profile(profile)
     assert "device-to-host copies 1.0" in format_profile(profile)
 
