@@ -22,7 +22,7 @@ VENV=$DIR/venv
 download() {
   local t0=$SECONDS
   mkdir -p "$DIR/wheels"
-  python -m pip download -q --dest "$DIR/wheels" "torch==$VERSION"
+  python -m pip download -q --only-binary=:all: --dest "$DIR/wheels" "torch==$VERSION"
   echo "torch leg $VERSION: downloaded $(du -sh "$DIR/wheels" | cut -f1) in $((SECONDS - t0)) s"
 }
 
@@ -37,12 +37,13 @@ install() {
   else
     "$VENV/bin/python" -m pip install -q "torch==$VERSION"
   fi
-  "$VENV/bin/python" -m pip install -q -e ".[dev]"
+  "$VENV/bin/python" -m pip install -q -e ".[dev]" -c <(echo "torch==$VERSION")  # keep this torch
   if [ "${PEERS:-0}" = 1 ]; then
-    "$VENV/bin/python" -m pip install -q -r tools/compare_peers.txt -c <(echo "torch==$VERSION")  # keep this torch
+    "$VENV/bin/python" -m pip install -q -r tools/compare_peers.txt -c <(echo "torch==$VERSION")
   fi
   local installed
   installed=$("$VENV/bin/python" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')
+  [[ "$installed" == "${VERSION%\*}"* ]] || { echo "torch leg $VERSION: the venv has torch $installed"; exit 1; }
   echo "torch leg $VERSION ($installed): install $((SECONDS - t0)) s" | tee "$DIR/installed"
 }
 

@@ -58,6 +58,7 @@ def measure(rank: int, world: int, overrides: list[str], out: str) -> None:
         Path(out, f"{rank}.json").write_text(json.dumps({"peak": live.peak(trainer.device.type), "tokens": tokens}))
 
 
+@pytest.mark.timeout(900)  # up to three real runs (the module docstring)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_estimate_is_the_real_run(tmp_path, layout):
     extra, world = LAYOUTS[layout]
