@@ -79,7 +79,7 @@ class StepProfile:
 
 # CUDA runtime calls that wait for the GPU (an `.item()` records cudaMemcpyAsync then cudaStreamSynchronize)
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
-STEP_SPAN = "megalm.train_step"  # a record_function span around each profiled step: syncs are counted inside it
+STEP_SPAN = "profiled_train_step"  # a record_function span around each profiled step: syncs are counted inside it
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
