@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megalm.errors import ConfigError
-from megalm.training.preemption import REQUEUE_EXIT_CODE, Preemption, signal_numbers
+from megalm.training.preemption import REQUEUE_EXIT_CODE, Preemption, _live, signal_numbers
 from megalm.training.trainer import Trainer
 from tests.conftest import TINY, compose_config
 
@@ -35,11 +35,36 @@ def signal_during_step(trainer: Trainer, step: int, sig: signal.Signals) -> None
     trainer.train_step = wrapped
 
 
+def live_handler(sig: signal.Signals) -> object:
+    """The handler a run gives `sig` back when it ends: the installed one, or, if that is a retired run's (collected
+    in another thread, where signal handlers cannot be set), the live one it forwards to."""
+    return _live(signal.getsignal(sig))
+
+
+def test_a_run_collected_in_another_thread_leaves_a_handler_the_next_run_passes_over():
+    """A Preemption collected outside the main thread cannot uninstall its handler: it retires, forwarding to the
+    one it replaced, and the next run gives the signal back that live handler, not the retired one. (An earlier
+    test's trainer collected by a thread once made the tests here compare against the retired one.)"""
+    import threading
+
+    gc.collect()
+    original = signal.getsignal(signal.SIGUSR1)
+    holder = [Preemption(["SIGUSR1"], torch.device("cpu"), distributed=False)]
+    collector = threading.Thread(target=lambda: (holder.clear(), gc.collect()))
+    collector.start()
+    collector.join()
+    left = signal.getsignal(signal.SIGUSR1)
+    assert left is not original and left.retired and live_handler(signal.SIGUSR1) == original
+    with Preemption(["SIGUSR1"], torch.device("cpu"), distributed=False):
+        pass
+    assert signal.getsignal(signal.SIGUSR1) == original
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_signal_saves_stops_and_the_resumed_run_repeats_the_losses(tmp_path, sig):
     straight = Trainer(compose_config(f"trainer.max_steps={STEPS}"), tmp_path / "straight").fit()
 
-    before = signal.getsignal(sig)
+    before = live_handler(sig)
     first = Trainer(compose_config(f"trainer.max_steps={STEPS}"), tmp_path / "run")
     signal_during_step(first, 2, sig)
     summary = first.fit()
@@ -150,7 +175,7 @@ def test_a_signal_while_the_run_starts_up_stops_it_after_its_first_step(tmp_path
     # a trainer an earlier test left in a reference cycle gives its own previous handler back when the collector
     # finds it: collect those first, or one collected below would change the handler this test compares against
     gc.collect()
-    before = signal.getsignal(signal.SIGUSR1)
+    before = live_handler(signal.SIGUSR1)
     trainer = Trainer(compose_config(f"trainer.max_steps={STEPS}"), tmp_path)
     assert signal.getsignal(signal.SIGUSR1) is not before
     os.kill(os.getpid(), signal.SIGUSR1)
