@@ -4,39 +4,24 @@
 # tier included). PEERS=1 also installs tools/compare_peers.txt and runs the peers of tools/bench/compare.py at their
 # pins. Exit code 5 (no tests) is a failure.
 #     bash .ci/torch_leg.sh 2.11.0                 install into a temporary venv, then test (by hand)
-#     bash .ci/torch_leg.sh download 2.11.0 DIR    only download torch and its dependencies' wheels into DIR/wheels
-#                                                  (.ci/run does this in the background while the long tests run: a
-#                                                  cold download of torch is minutes of waiting on the network)
-#     bash .ci/torch_leg.sh install 2.11.0 DIR     only install, into DIR/venv, from DIR/wheels where `download` left
-#                                                  them (then deleted), else from the index
+#     bash .ci/torch_leg.sh install 2.11.0 DIR     only install, into DIR/venv (.ci/run does this in the background,
+#                                                  while the long tests run: a cold download of torch is minutes of
+#                                                  waiting on the network, not of CPU)
 #     bash .ci/torch_leg.sh test 2.11.0 DIR        only test, in DIR/venv as `install` left it
 # Prints the install time, the pass count and the test time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  download|install|test) PHASE=$1; VERSION=$2; DIR=$3 ;;
+  install|test) PHASE=$1; VERSION=$2; DIR=$3 ;;
   *) PHASE=both; VERSION=$1; DIR=$(mktemp -d); trap 'rm -rf "$DIR"' EXIT ;;
 esac
 VENV=$DIR/venv
-
-download() {
-  local t0=$SECONDS
-  mkdir -p "$DIR/wheels"
-  python -m pip download -q --only-binary=:all: --dest "$DIR/wheels" "torch==$VERSION"
-  echo "torch leg $VERSION: downloaded $(du -sh "$DIR/wheels" | cut -f1) in $((SECONDS - t0)) s"
-}
 
 install() {
   local t0=$SECONDS
   mkdir -p "$DIR"
   python -m venv "$VENV"
-  if compgen -G "$DIR/wheels/torch-*.whl" > /dev/null; then
-    # the files `download` resolved for this interpreter, torch and its dependencies (anything else from the index)
-    "$VENV/bin/python" -m pip install -q "$DIR"/wheels/*.whl
-    rm -rf "$DIR/wheels"
-  else
-    "$VENV/bin/python" -m pip install -q "torch==$VERSION"
-  fi
+  "$VENV/bin/python" -m pip install -q "torch==$VERSION"
   "$VENV/bin/python" -m pip install -q -e ".[dev]" -c <(echo "torch==$VERSION")  # keep this torch
   if [ "${PEERS:-0}" = 1 ]; then
     "$VENV/bin/python" -m pip install -q -r tools/compare_peers.txt -c <(echo "torch==$VERSION")
@@ -65,7 +50,6 @@ run_tests() {
 }
 
 case $PHASE in
-  download) download ;;
   install) install ;;
   test) run_tests ;;
   both) install && run_tests ;;
