@@ -141,3 +141,40 @@ def test_in_place_ops_that_return_nothing_write_what_they_update():
         torch._foreach_copy_([torch.empty(1000, dtype=torch.bfloat16)], [params[0].detach()])
     assert costs.by_op["_fused_adamw_"].bytes == 1000 * 4 * (4 + 3) + 4  # + the step count read
     assert costs.by_op["_foreach_copy_"].bytes == 1000 * (4 + 2)
+
+
+def test_a_wrapper_subclass_is_priced_by_the_kernels_its_dispatch_runs():
+    """An op on a tensor subclass that wraps others (torchao's FP8 training tensor, DTensor) is whatever kernels its
+    `__torch_dispatch__` runs on the inner tensors, not one op priced at the wrapper's nominal dtype: torchao's
+    Float8Linear multiplies through `torch._scaled_mm` inside such an `mm`. torch's TwoTensor runs each op twice."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a = TwoTensor(torch.randn(8, 16), torch.randn(8, 16))
+    with OpCosts(GPUS["h100"]) as costs:
+        a @ torch.randn(16, 4)
+    assert costs.by_op["mm"].kernels == 2 and costs.by_op["mm"].flops == 2 * (2 * 8 * 16 * 4), dict(costs.by_op)
+
+
+def test_torchtitan_fp8_is_traced_with_the_gemms_its_gpu_runs():
+    """TorchTitan's fp8 rows (its Float8 converter: torchao's Float8Linear) multiply in FP8 as megalm's do: the same
+    GEMM FLOPs at the FP8 peak (compute-bound shapes, the output head bf16 in both), eager and compiled; and megalm's
+    compiled FP8 graphs replay exactly the extern kernels inductor calls. Runs where tools/compare_peers.txt's
+    TorchTitan is installed (the CI leg of the GPU image's torch)."""
+    import pytest
+
+    from tools.bench.compare import pin_problem
+
+    if problem := pin_problem("torchtitan"):
+        pytest.skip(problem)
+    result = subprocess.run([sys.executable, str(ROOT / "tools/bench/step_cost.py"), "--gpu", "h100", "--json",
+                             "model=1.3b", "model.num_layers=1", "model.seq_length=2048", "model.vocab_size=1024",
+                             "precision=fp8", "precision.bf16_weights=true"],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    rows = {r["system"]: r["by_category"]["gemm"] for r in report["systems"]}
+    assert set(rows) == {"megalm", "megalm_compiled", "torchtitan", "torchtitan_compiled"}, report["notes"]
+    assert [n for n in report["notes"] if not n.startswith("hf_llama left out")] == [], report["notes"]
+    for system, gemm in rows.items():
+        assert gemm["tflop"] == rows["megalm"]["tflop"], system
+        assert abs(gemm["ms"] - rows["megalm"]["ms"]) < 1e-3 * rows["megalm"]["ms"], (system, gemm, rows["megalm"])

@@ -13,10 +13,13 @@ forward and backward; the optimizer step (fused AdamW for both) is its own row. 
 - `megalm_autocast`: the same with `precision=bf16_autocast` (fp32 weights under bf16 autocast: megalm's bf16
   before the fast-step work, and what HF's row runs), when the `megalm` row is bf16.
 - `hf_llama`: transformers' LlamaForCausalLM with fp32 weights under bf16 autocast (what HF's Trainer does with
-  `bf16=True`), SDPA attention, its own shifted-label loss.
+  `bf16=True`), SDPA attention, its own shifted-label loss; for bf16 runs only (left out with a line otherwise).
 - `torchtitan`, `torchtitan_compiled`: its llama3 Transformer as compare.py builds it (fp32 weights under bf16
   autocast, its single-device mixed precision), eager and with its blocks and loss compiled, when the version
-  tools/compare_peers.txt pins is installed, else left out with a line saying so.
+  tools/compare_peers.txt pins is installed, else left out with a line saying so. Under `precision=fp8` its linears
+  are converted by its Float8 converter (torchao's Float8Linear, tensorwise scaling, the output head left in bf16),
+  as compare.py runs TorchTitan's fp8, and traced as that GPU runs them (the converter's sm89 check answered for
+  `--gpu`); torchao's FP8 tensor subclass is priced by the kernels its dispatch runs (`torch._scaled_mm`, the casts).
 - `megalm_compiled`: the `megalm` row with `trainer.compile=true`: each block compiled by inductor, whose
   scheduler gives the kernels it generates and their bytes (megalm/measure/compiled_cost.py); the GEMMs and
   attention it calls as extern kernels are traced as in eager. On a CPU inductor generates C++ kernels in place
@@ -151,21 +154,44 @@ def hf_llama_step(model_cfg: Any, gpu: str) -> dict[str, Any]:
             "autocast, sdpa", **step.summary(), "optimizer": optimizer.summary()}
 
 
-def torchtitan_step(model_cfg: Any, gpu: str, compiled: bool = False) -> dict[str, Any]:
+@contextlib.contextmanager
+def _titan_sees_gpu(capability: tuple[int, int]) -> Iterator[None]:
+    """TorchTitan's Float8 converter as it converts on a GPU of `capability`: it refuses below sm89 by asking CUDA,
+    which the CPU trace has not (megalm's recipes are traced as the GPU runs them likewise:
+    `compat.fp8_traced_as_gpu`). torchao's Float8Linear then calls `torch._scaled_mm` on the fake tensors."""
+    from unittest import mock
+
+    import torchtitan.components.quantization.float8 as titan_float8
+
+    with mock.patch.object(titan_float8, "has_cuda_capability", lambda major, minor: capability >= (major, minor)):
+        yield
+
+
+TITAN_PRECISIONS = {"bf16": "fp32 weights + bf16 autocast",
+                    "fp8": "its Float8 converter (torchao Float8Linear, tensorwise scaling, output head bf16) "
+                           "under bf16 autocast"}
+
+
+def torchtitan_step(model_cfg: Any, gpu: str, compiled: bool = False, precision: str = "bf16") -> dict[str, Any]:
     """TorchTitan's llama3 Transformer of the same shape, as compare.py builds it and its trainer runs it on one
     GPU: fp32 weights under bf16 autocast (its single-device mixed precision), its fp32 cross entropy summed and
-    divided by the tokens, fused AdamW. `compiled`: each TransformerBlock and the loss compiled, as its
+    divided by the tokens, fused AdamW; `precision="fp8"`: its linears swapped by its Float8 converter (torchao's
+    Float8Linear, what compare.py runs for fp8). `compiled`: each TransformerBlock and the loss compiled, as its
     `compile.enable` does, by the backend that counts inductor's kernels."""
     from torchtitan.components.loss import build_cross_entropy_loss
+    from torchtitan.distributed import ParallelDims
     from torchtitan.models.llama3 import Transformer
+    from torchtitan.protocols.model_converter import build_model_converters
 
     from tools.bench.compare import torchtitan_args, torchtitan_job
 
-    job = torchtitan_job("bf16", compile_model=False)
-    with FakeTensorMode(allow_non_fake_inputs=True):  # built in place (to_empty cannot swap in fake tensors)
-        model = Transformer(torchtitan_args(model_cfg))
+    job = torchtitan_job(precision, compile_model=False)
+    one_gpu = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    with FakeTensorMode(allow_non_fake_inputs=True), _titan_sees_gpu(GPUS[gpu].capability):
+        model = Transformer(torchtitan_args(model_cfg))  # built in place (to_empty cannot swap in fake tensors)
         with torch.no_grad():
             model.init_weights(buffer_device=torch.device("cpu"))
+        build_model_converters(job, one_gpu).convert(model)  # nothing to convert in bf16
         loss_fn = build_cross_entropy_loss(job)
         inductor = InductorCosts()
         if compiled:
@@ -185,7 +211,7 @@ def torchtitan_step(model_cfg: Any, gpu: str, compiled: bool = False) -> dict[st
             optim.zero_grad(set_to_none=True)
     how = f"compiled blocks and loss: inductor, {len(inductor.graphs)} graphs" if compiled else "eager"
     row = {"system": "torchtitan_compiled" if compiled else "torchtitan",
-           "config": f"torchtitan llama3, fp32 weights + bf16 autocast, sdpa, {how}", **step.summary(),
+           "config": f"torchtitan llama3, {TITAN_PRECISIONS[precision]}, sdpa, {how}", **step.summary(),
            "optimizer": optimizer.summary()}
     if compiled:
         row["inductor_graphs"] = inductor.graphs
@@ -243,13 +269,20 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(megalm_step(args.overrides, args.gpu, "megalm_compiled", compiled=True))
         if "megalm_autocast" in systems and ours["precision"] == "bf16":
             rows.append(megalm_step([*args.overrides, "precision=bf16_autocast"], args.gpu, "megalm_autocast"))
-        if "hf_llama" in systems:
+        if "hf_llama" in systems and ours["precision"] in ("bf16", "bf16_autocast"):
             rows.append(hf_llama_step(ours["model"], args.gpu))
+        elif "hf_llama" in systems:
+            notes.append(f"hf_llama left out for precision={ours['precision']}: its row is bf16 autocast only")
         titan = [name for name in ("torchtitan", "torchtitan_compiled") if name in systems]
+        titan_precision = "bf16" if ours["precision"] == "bf16_autocast" else ours["precision"]
         if titan and (why := torchtitan_missing()):
             notes.append(why)
+        elif titan and titan_precision not in TITAN_PRECISIONS:
+            notes.append(f"torchtitan left out for precision={ours['precision']}: its rows are "
+                         f"{' and '.join(TITAN_PRECISIONS)} only")
         elif titan:
-            rows += [torchtitan_step(ours["model"], args.gpu, compiled=name.endswith("compiled")) for name in titan]
+            rows += [torchtitan_step(ours["model"], args.gpu, name.endswith("compiled"), titan_precision)
+                     for name in titan]
     shape = ours["model"]
     header = (f"{shape.name}: {shape.num_layers} layers, hidden {shape.hidden_size}, seq {shape.seq_length}; "
               f"roofline on {GPUS[args.gpu].name}; traced on fake CPU tensors (torch {torch.__version__})")
