@@ -208,8 +208,10 @@ def quantize_current(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None
 def quantize_current_in_graph(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_current(x, dtype)` (one per-tensor scale) as plain torch ops, for a graph being compiled: inductor
     then fuses the amax and the cast with whatever produced x (a norm, SwiGLU, the previous op's gradient), as
-    torchao's tensorwise float8 is compiled. The same values as the eager cast, bit for bit."""
-    scale = scale_from_amax(amax(x), dtype)
+    torchao's tensorwise float8 is compiled. The amax is taken per row, then over the rows: a row reduction is what
+    inductor fuses into a norm's or SwiGLU's kernel (a whole-tensor one it splits and leaves as a pass of its own over
+    x), and a max is exact in any order. The same values as the eager cast, bit for bit."""
+    scale = scale_from_amax(amax(x, -1).amax(), dtype)
     return _quantize_math(x, scale, fp8_max(dtype), dtype), scale
 
 
