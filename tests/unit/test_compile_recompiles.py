@@ -87,7 +87,8 @@ def test_fp8_fused_cast_compiles_its_variants_only():
     per_variant = result["per_variant"]
     print(f"graphs per variant: {per_variant}")
     assert sum(per_variant.values()) == graphs[-1], (per_variant, graphs[-1])
-    assert max(per_variant.values()) < result["limit"], f"a variant near dynamo's recompile limit: {per_variant}"
+    # one graph each: no size met in one call (64 tokens of hidden 64) is specialised and compiled again in the next
+    assert set(per_variant.values()) == {1}, f"a variant compiled more than once: {per_variant}"
     assert result["limit"] == 8, "dynamo's default recompile limit: nothing raised it"
     assert not result["stats"].get("recompile_limit_hit"), result["stats"]
 
