@@ -1,0 +1,122 @@
+"""Host time of a training step: what Python and the dispatcher cost per step, apart from the kernels.
+
+    python tools/bench/host_overhead.py model=1.3b --precisions bf16 fp8 --cuda-paths
+
+A GPU runs a step no faster than the host can launch it. This times the real `Trainer.train_step` of a model with
+the overrides' layer count but a width of 64 and 128 tokens (model.* overrides after the flags change the shape),
+on the CPU, where every kernel is then tiny: the step's time is nearly all host work (Python, autograd, the
+dispatcher), the part a GPU's faster kernels cannot hide. It prints the median over `--steps` per precision and each
+one's ratio to the first.
+
+`--cuda-paths` runs the FP8 recipes' CUDA code on the CPU: casts as the compiled functions CUDA calls
+(`fp8._quantize_fused`) and GEMMs through `torch._scaled_mm`, instead of the CPU's eager emulation. The CPU's
+`torch._scaled_mm` kernel is slow at any size (a library call with set-up), so its time is measured apart
+(`in _scaled_mm`) and left out of `host ms`: on a GPU that call is one launch. Not a GPU measurement: how these
+figures compare with a GPU's host depends on the two CPUs; the ratios between precisions are what carries over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tools.bench.throughput import compose_config  # noqa: E402
+
+NARROW = ["model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=4", "model.ffn_hidden_size=128",
+          "model.vocab_size=256", "model.seq_length=128", "trainer.global_batch_size=1", "trainer.micro_batch_size=1",
+          "trainer.device=cpu"]
+
+
+@contextlib.contextmanager
+def cuda_paths(gemm_seconds: list[float]) -> Iterator[None]:
+    """The FP8 recipes' CUDA code on CPU tensors (module docstring); the time inside torch._scaled_mm is appended to
+    `gemm_seconds`."""
+    from megalm import compat
+    from megalm.precision import fp8
+
+    scaled_mm = torch._scaled_mm
+
+    def timed_scaled_mm(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - torch's signature
+        start = time.perf_counter()
+        out = scaled_mm(*args, **kwargs)
+        gemm_seconds.append(time.perf_counter() - start)
+        return out
+
+    def cpu_scaled_mm_available(a, b, a_dtype, b_dtype, rowwise):  # noqa: ANN001, ANN202 - fp8's own signature
+        return not any(n % 16 for n in (*a.shape, b.shape[1])) and not (a_dtype == b_dtype == fp8.E5M2) and (
+            not rowwise or a_dtype == b_dtype == fp8.E4M3)
+
+    with compat.fp8_traced_as_gpu((9, 0)), mock.patch.object(fp8, "runs_fused", lambda x: not compat.is_fake(x)), \
+            mock.patch.object(fp8, "_scaled_mm_available", cpu_scaled_mm_available), \
+            mock.patch.object(torch, "_scaled_mm", timed_scaled_mm):
+        yield
+
+
+def measure(overrides: list[str], steps: int, warmup: int, on_cuda_paths: bool) -> dict:
+    """Median host ms per step (and ms inside torch._scaled_mm, left out of it) of one precision."""
+    from megalm.training.trainer import Trainer
+
+    cfg = compose_config(NARROW + overrides)
+    cfg.trainer.max_steps = warmup + steps
+    gemm: list[float] = []
+    times, in_gemm = [], []
+    with tempfile.TemporaryDirectory() as run_dir, cuda_paths(gemm) if on_cuda_paths else contextlib.nullcontext():
+        trainer = Trainer(cfg, run_dir)
+        for step in range(warmup + steps):
+            gemm.clear()
+            start = time.perf_counter()
+            trainer.train_step(step)
+            elapsed = time.perf_counter() - start
+            if step >= warmup:
+                times.append(elapsed - sum(gemm))
+                in_gemm.append(sum(gemm))
+    return {"layers": cfg.model.num_layers, "host_ms": 1e3 * statistics.median(times),
+            "scaled_mm_ms": 1e3 * statistics.median(in_gemm)}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--precisions", nargs="+", default=["bf16", "fp8"], help="recipes to time, in turn")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per precision")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compiles, caches)")
+    parser.add_argument("--cuda-paths", action="store_true", help="run the FP8 recipes' CUDA code on the CPU")
+    parser.add_argument("--json", action="store_true", help="print the rows as one JSON list last")
+    argv = sys.argv[1:] if argv is None else argv
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    args = parser.parse_args([a for a in argv if a not in overrides])
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps takes 1 or more, --warmup 0 or more")
+    torch.set_num_threads(1)  # one thread, as a training process's host loop runs
+    rows = []
+    for precision in args.precisions:
+        row = {"precision": precision, **measure([f"precision={precision}", *overrides], args.steps, args.warmup,
+                                                 args.cuda_paths)}
+        rows.append(row)
+    print(f"host time per step, {rows[0]['layers']} layers at width 64, 128 tokens, one micro-batch"
+          + (" (FP8 on its CUDA code paths)" if args.cuda_paths else "") + ":")
+    print("| precision | host ms | per layer ms | vs first | in _scaled_mm ms (left out) |")
+    print("| --- | --- | --- | --- | --- |")
+    for row in rows:
+        print(f"| {row['precision']} | {row['host_ms']:.1f} | {row['host_ms'] / row['layers']:.2f} | "
+              f"{row['host_ms'] / rows[0]['host_ms']:.2f}x | {row['scaled_mm_ms']:.1f} |")
+    if args.json:
+        print(json.dumps(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
