@@ -21,7 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    is_traceable_wrapper_subclass_type,
+)
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
@@ -188,15 +192,6 @@ class CategoryCost:
     ms: float = 0.0
 
 
-def _is_wrapper_subclass(t: object) -> bool:
-    """A tensor subclass that wraps other tensors and dispatches its ops to theirs (torchao's Float8TrainingTensor,
-    DTensor), not the trace's FakeTensor: one op on it is whatever kernels its `__torch_dispatch__` runs."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    return isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and is_traceable_wrapper_subclass(t)
-
-
 class OpCosts(TorchDispatchMode):
     """Kernels, FLOPs, bytes and roofline milliseconds on `gpu` of every op dispatched under it, per category
     and per op. `tf32`: fp32 GEMMs run on TF32 tensor cores (megalm's `precision.tf32`), else at 1/8 of that."""
@@ -219,11 +214,14 @@ class OpCosts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
-        if any(_is_wrapper_subclass(t) for t in tree_flatten((args, kwargs))[0]):
-            return NotImplemented  # the subclass's own ops (torchao's FP8 tensor: a cast, `_scaled_mm`) come back here
-        out = func(*args, **kwargs)
         if is_higher_order(func):
-            return out
+            return func(*args, **kwargs)
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            # a tensor subclass wrapping others (torchao's FP8 training tensor, FSDP's DTensor parameters) is priced by
+            # the ops its own dispatch runs on them, which come back here (a cast, `torch._scaled_mm`, a local shard's
+            # update), not as one op at the wrapper's dtype and global size
+            return NotImplemented
+        out = func(*args, **kwargs)
         if func.is_view or func.namespace in _NO_KERNEL_NAMESPACES or func._overloadpacket.__name__ in _NO_KERNEL:
             return out
         name = func._overloadpacket.__name__

@@ -178,7 +178,7 @@ def _call_fused(kind: str, x: torch.Tensor, dtype: torch.dtype, scale: torch.Ten
     fused = _quantize_fused(kind, x.dtype, dtype, _scale_layout(scale))
     args = (x.detach().contiguous(), scale.detach(), fp8_max(dtype), dtype)
     # no duck sizing: equal sizes met once (64 tokens of hidden 64) must not become a guard that recompiles later.
-    # Set by hand, not with `config.patch`, which builds a class per call: a quarter of the call's host time
+    # Set by hand, not with `config.patch`, which builds a class per call: a third of the call's host time
     symbolic = torch.fx.experimental._config
     if not symbolic.use_duck_shape:
         return fused(*args)
@@ -315,6 +315,13 @@ def _scaled_mm_available(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype,
     """Whether torch._scaled_mm can run a [M, K] @ b [K, N]: detected from the device, never assumed."""
     if not scaled_mm_runs(a.device) or (a.device.type == "cpu" and not compat.is_fake(a)):
         return False
+    return scaled_mm_takes(a, b, a_dtype, b_dtype, rowwise)
+
+
+def scaled_mm_takes(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype,
+                    rowwise: bool) -> bool:
+    """Whether torch._scaled_mm has a kernel for these operands, whatever the device: every dimension a multiple of
+    16, not E5M2 x E5M2, and per-row scales for E4M3 x E4M3 only."""
     if any(n % 16 for n in (*a.shape, b.shape[1])):
         return False
     if a_dtype == E5M2 and b_dtype == E5M2:  # no e5m2 x e5m2 kernel

@@ -64,9 +64,10 @@ give: one GemmSpec per GEMM (E5M2 gradients, rowwise, MX with RHT and stochastic
 layer call that pipeline schedules and recomputation do not change, the delayed-scaling history, a weight copy
 reused by every micro-batch of a step (Float8Linear casts the weight in every forward unless FSDP2 precomputes
 it), and the zero-bubble schedule's deferred wgrad, all on the same linear layers TP and SP use. The casts are
-torch.compile kernels either way. What would tip it is speed, and the step-cost trace favours megalm's: compiled
-against compiled, 0.82x TorchTitan's fp8 roofline time at 1.3B and 0.89x at 8B (tools/bench/step_cost.py under
-precision=fp8 traces both; docs/benchmarks.md), largely because Float8Linear casts the weight in every forward.
+torch.compile kernels either way. What would tip it is speed, and the step-cost trace favours megalm's: compiled,
+each against its own bf16, megalm's fp8 gains 1.10x at 1.3B and 1.27x at 8B where TorchTitan's gains 0.99x and 1.18x
+(tools/bench/step_cost.py under precision=fp8 traces both; docs/benchmarks.md); Float8Linear casts the weight from
+fp32 in every forward, where megalm casts it once per optimizer step.
 tools/bench/compare.py runs TorchTitan's fp8 beside megalm's in the same GPU run (tools/gpu_check.sh bench); if
 torchao is ahead there, its `Float8Linear` becomes the CUDA fp8 backend beside TE, as TE is now
 (megalm/precision/te.py).

@@ -144,6 +144,19 @@ def test_static_bytes_under_fsdp_are_the_closed_form(precision):
     assert 0 < scalars <= 8 * len(shapes), (rank["optimizer_bytes"], 8 * chunk)
 
 
+
+def test_the_optimizer_under_fsdp_updates_this_rank_s_shard_only():
+    """FSDP's parameters are DTensors: the trace prices fused AdamW by the local shard its dispatch updates, not the
+    global size the wrapper reports. In fp32 (no bf16 copy to refresh) the optimizer step of a dp-4 FSDP rank costs
+    1/4 of a plain data-parallel rank's, which updates every parameter (it had cost as much, before the trace let the
+    DTensor dispatch to its shard)."""
+    world, steps = 4, {}
+    for name, extra in (("fsdp", ["parallel.fsdp=true"]), ("ddp", [])):
+        overrides = [*SMALL, "precision=fp32", "trainer.device=cpu", *extra]
+        (rank,) = estimate.estimate(estimate.batch_overrides(overrides, world), world, "h100")["ranks"]
+        steps[name] = rank["optimizer_s"]
+    assert abs(steps["fsdp"] * world - steps["ddp"]) < 0.05 * steps["ddp"], steps
+
 def test_moe_ranks_hold_their_expert_slice_and_count_k_experts_per_token():
     """An MoE model's rank under expert parallelism holds 1/ep of the experts (bf16 recipe: 2 bytes of weights per
     element); its FLOPs count each token's k experts, forward and backward: going from top-1 to top-2 adds

@@ -280,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         elif titan and titan_precision not in TITAN_PRECISIONS:
             notes.append(f"torchtitan left out for precision={ours['precision']}: its rows are "
                          f"{' and '.join(TITAN_PRECISIONS)} only")
+        elif titan and titan_precision == "fp8" and GPUS[args.gpu].capability < (8, 9):
+            notes.append(f"torchtitan left out for precision=fp8 on --gpu {args.gpu}: its Float8 converter needs "
+                         "compute capability 8.9+")
         elif titan:
             rows += [torchtitan_step(ours["model"], args.gpu, name.endswith("compiled"), titan_precision)
                      for name in titan]
