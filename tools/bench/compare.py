@@ -580,20 +580,27 @@ def torchtitan_args(model: ModelConfig) -> Any:
         max_seq_len=model.seq_length, attn_type="sdpa", attn_mask_type="causal")
 
 
+def convert_torchtitan(titan: torch.nn.Module, job: Any) -> None:
+    """Apply `job`'s model converters (fp8: its Float8 linear converter; none in bf16) as TorchTitan's trainer does on
+    one GPU."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.model_converter import build_model_converters
+
+    one_gpu = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    build_model_converters(job, one_gpu).convert(titan)
+
+
 def build_torchtitan(model: ModelConfig, device: torch.device, seed: int, job: Any) -> torch.nn.Module:
     """TorchTitan's llama3 Transformer as its trainer makes it on one GPU: built on meta, converted (fp8),
     materialised and initialised on `device`, then each TransformerBlock compiled; on meta, only built."""
-    from torchtitan.distributed import ParallelDims
     from torchtitan.models.llama3 import Transformer
     from torchtitan.models.llama3.infra.parallelize import apply_compile
-    from torchtitan.protocols.model_converter import build_model_converters
 
     args = torchtitan_args(model)
     torch.manual_seed(seed)
     with torch.device("meta"):
         titan = Transformer(args)
-    one_gpu = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    build_model_converters(job, one_gpu).convert(titan)
+    convert_torchtitan(titan, job)
     if device.type == "meta":
         return titan
     titan.to_empty(device=device)

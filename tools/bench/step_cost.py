@@ -179,19 +179,16 @@ def torchtitan_step(model_cfg: Any, gpu: str, compiled: bool = False, precision:
     Float8Linear, what compare.py runs for fp8). `compiled`: each TransformerBlock and the loss compiled, as its
     `compile.enable` does, by the backend that counts inductor's kernels."""
     from torchtitan.components.loss import build_cross_entropy_loss
-    from torchtitan.distributed import ParallelDims
     from torchtitan.models.llama3 import Transformer
-    from torchtitan.protocols.model_converter import build_model_converters
 
-    from tools.bench.compare import torchtitan_args, torchtitan_job
+    from tools.bench.compare import convert_torchtitan, torchtitan_args, torchtitan_job
 
     job = torchtitan_job(precision, compile_model=False)
-    one_gpu = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     with FakeTensorMode(allow_non_fake_inputs=True), _titan_sees_gpu(GPUS[gpu].capability):
         model = Transformer(torchtitan_args(model_cfg))  # built in place (to_empty cannot swap in fake tensors)
         with torch.no_grad():
             model.init_weights(buffer_device=torch.device("cpu"))
-        build_model_converters(job, one_gpu).convert(model)  # nothing to convert in bf16
+        convert_torchtitan(model, job)
         loss_fn = build_cross_entropy_loss(job)
         inductor = InductorCosts()
         if compiled:
