@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import gc
 import multiprocessing
+import os
 import socket
 import tempfile
 import time
@@ -66,9 +67,12 @@ def _worker(
             raise
         fn(rank, world_size, *args)
     except BaseException:
-        # Recorded before the group is torn down: peers only fail (connection closed) after that.
-        with open(f"{error_dir}/{rank}", "w") as f:
+        # Recorded before the group is torn down: peers only fail (connection closed) after that. Written to a
+        # temporary name and renamed: the parent kills the other ranks once one fails, and a rank killed mid-write
+        # must leave no file rather than an empty one.
+        with open(f"{error_dir}/.{rank}", "w") as f:
             f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        os.replace(f"{error_dir}/.{rank}", f"{error_dir}/{rank}")
         raise
     finally:
         # Objects in reference cycles (torch optimizers make some) can keep the process group alive
