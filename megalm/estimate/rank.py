@@ -29,9 +29,11 @@ tokens over the step time.
 `trainer.compile=true` is priced as inductor compiles the blocks (`megalm.measure.compiled_cost.InductorCosts`: its
 generated kernels by the bytes its scheduler counts, the GEMMs and attention it calls as extern kernels), and the
 memory is what the compiled graphs keep for the backward. Per-tensor FP8 (`precision=fp8`) casts in the graph and
-runs its GEMMs as opaque ops, priced by their FLOPs at the FP8 peak, with the weights' FP8 copies they make inside
-(megalm/measure/op_cost.py). Under the other FP8/MX recipes, whose linears compiled blocks run as opaque ops with
-their casts inside (under fake tensors only their shapes run), the blocks are priced eager, and the notes say so.
+runs its GEMMs as `torch._scaled_mm` ops of the graph where the GPU has FP8 GEMMs (sm89 on), from the weights' FP8
+copies made before each block runs, once per step; below sm89 as opaque ops priced by their FLOPs, with the copies
+they make inside (megalm/measure/op_cost.py). Under the other FP8/MX recipes, whose linears compiled blocks run as
+opaque ops with their casts inside (under fake tensors only their shapes run), the blocks are priced eager, and the
+notes say so.
 """
 
 from __future__ import annotations
@@ -189,7 +191,8 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
 
 
 def make_compiled_weight_copies(trainer: Any) -> None:
-    """Compiled `fp8` blocks run their GEMMs as ops whose fake kernels compute nothing (compiled_linear.py), so the
+    """Compiled `fp8` blocks below sm89 run their GEMMs as ops whose fake kernels compute nothing (compiled_linear.py;
+    from sm89 the copies are made before each block runs, as on the GPU, and this finds them made), so the
     FP8 weight copies the ops keep in their layers' caches on a GPU (about 2 bytes per weight: fprop's, and dgrad's
     column-major one) are made here, under the trace, for its storage probe to count as the eager trace does."""
     from megalm.model.linear import linear_modules

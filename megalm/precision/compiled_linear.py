@@ -17,16 +17,20 @@ whose forward casts x and whose backward casts dy as plain torch ops (fp8.quanti
 compiler sees and inductor fuses with whatever produced them (the norm before q/k/v, SwiGLU before the down
 projection, the previous op's gradient), as torchao's tensorwise float8 is compiled in TorchTitan; only the GEMMs
 (with the layer's cached FP8 weights) stay in the ops, `megalm::fp8_linear` and its backward. The values are the
-eager path's: the same casts, the same GEMMs.
+eager path's: the same casts, the same GEMMs. Where torch._scaled_mm runs (CUDA from sm89, shapes of multiples of
+16), the GEMMs leave the ops too (`fp8_graph_linear`): the graph calls torch._scaled_mm on the weight's FP8 copies,
+which the compiled block's caller makes or finds in the layer's cache before the block runs (`graph_weights`,
+megalm/training/compile.py), and the layer runs no Python per call, as torchao's float8 compiles in TorchTitan.
 
 Eager runs keep linear.py's autograd function; this path is taken only while compiling (megalm/model/linear.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -237,3 +241,74 @@ def fp8_linear(layer: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
     (module docstring), the GEMMs in the ops."""
     return _around_gemms(lambda x2, y_dtype: _Fp8Linear.apply(x2, weight, layer, y_dtype, out_dtype, x_fp8, dy_fp8),
                          x, bias, out_dtype)
+
+
+# ----------------------------------------------------- per-tensor FP8 where torch._scaled_mm runs: all in the graph
+
+
+def _scaled_mm(qa: torch.Tensor, qb: torch.Tensor, a_inverse: torch.Tensor, b_inverse: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8.scaled_mm's hardware path as a graph op: row-major qa [M, K] @ column-major qb [K, N], each scaled back by
+    the inverse of its per-tensor scale, `out_dtype` written by the GEMM (fp8._scaled_mm_cuda's call, for operands
+    already in its layouts)."""
+    return torch._scaled_mm(qa, qb, scale_a=a_inverse, scale_b=b_inverse, out_dtype=out_dtype)
+
+
+def inverse(scale: torch.Tensor) -> torch.Tensor:
+    """What torch._scaled_mm multiplies an operand by: 1 / its scale, in fp32 (fp8._scaled_mm_cuda's)."""
+    return scale.float().reciprocal()
+
+
+class _Fp8GraphLinear(torch.autograd.Function):
+    """`_Fp8Linear` with its GEMMs as torch._scaled_mm ops of the graph too: the weight's FP8 copies (row-major for
+    fprop, column-major for dgrad) and the inverse of their per-tensor scale come in as tensors, made before the
+    compiled block runs (`graph_weights`), so nothing in the layer runs Python per call (the op pair cost ~0.2 ms of
+    host time a layer and micro-batch: tools/bench/host_overhead.py). Each activation's inverse scale is taken once,
+    beside its amax, and the backward keeps x's. `weight` is passed for its gradient only."""
+
+    @staticmethod
+    def forward(ctx, x, weight, w_rows, w_columns, w_inverse, y_dtype, dy_dtype, x_fp8, dy_fp8):  # noqa: ANN001, ANN205
+        qx, x_scale = fp8.quantize_current_in_graph(x, x_fp8)
+        x_inverse = inverse(x_scale)
+        ctx.save_for_backward(fp8.column_major(qx), x_inverse, w_columns, w_inverse)
+        ctx.x_dtype, ctx.w_dtype, ctx.dy_dtype, ctx.dy_fp8 = x.dtype, weight.dtype, dy_dtype, dy_fp8
+        return _scaled_mm(qx, w_rows.t(), x_inverse, w_inverse, y_dtype)
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001, ANN205
+        qx_columns, x_inverse, w_columns, w_inverse = ctx.saved_tensors
+        qdy, dy_scale = fp8.quantize_current_in_graph(dy.to(ctx.dy_dtype), ctx.dy_fp8)
+        dy_inverse = inverse(dy_scale)
+        dx = _scaled_mm(qdy, w_columns, dy_inverse, w_inverse, ctx.x_dtype)
+        dw = _scaled_mm(fp8.column_major(qdy).t(), qx_columns, dy_inverse, x_inverse, ctx.w_dtype)
+        return dx, dw, None, None, None, None, None, None, None
+
+
+def fp8_graph_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                     weight_copies: tuple[torch.Tensor, torch.Tensor, torch.Tensor], x_fp8: torch.dtype,
+                     dy_fp8: torch.dtype) -> torch.Tensor:
+    """`fp8_linear` with the GEMMs in the graph as well, from the weight's FP8 copies `weight_copies` (row-major,
+    column-major, the inverse of their scale: `RecipeGemms.graph_weights`). The tokens must be a multiple of 16
+    (torch._scaled_mm's)."""
+    rows, columns, w_inverse = weight_copies
+    return _around_gemms(lambda x2, y_dtype: _Fp8GraphLinear.apply(x2, weight, rows, columns, w_inverse, y_dtype,
+                                                                   out_dtype, x_fp8, dy_fp8), x, bias, out_dtype)
+
+
+@contextlib.contextmanager
+def graph_weights(linears: list[torch.nn.Module]) -> Iterator[None]:
+    """Around a compiled block's forward, in eager: each of its linear layers whose recipe reads FP8 weight copies in
+    the graph makes or finds them first (`RecipeGemms.prepare_graph_weights`: the layer's cache, once per optimizer
+    step), and lets go of them after, so that no later graph (another compile of the layer) reads copies it did not
+    check. Entered after the block's forward pre-hooks: a weight ZeRO-1 gathers in flight has arrived."""
+    prepared = []
+    for module in linears:
+        gemms = module.__dict__.get("gemm_recipe")
+        if getattr(gemms, "prepare_graph_weights", None) is not None:
+            gemms.prepare_graph_weights()
+            prepared.append(gemms)
+    try:
+        yield
+    finally:
+        for gemms in prepared:
+            gemms.graph_weights = None

@@ -65,7 +65,7 @@ layer call that pipeline schedules and recomputation do not change, the delayed-
 reused by every micro-batch of a step (Float8Linear casts the weight in every forward unless FSDP2 precomputes
 it), and the zero-bubble schedule's deferred wgrad, all on the same linear layers TP and SP use. The casts are
 torch.compile kernels either way. What would tip it is speed, and the step-cost trace favours megalm's: compiled,
-each against its own bf16, megalm's fp8 gains 1.10x at 1.3B and 1.27x at 8B where TorchTitan's gains 0.99x and 1.18x
+each against its own bf16, megalm's fp8 gains 1.12x at 1.3B and 1.30x at 8B where TorchTitan's gains 0.99x and 1.18x
 (tools/bench/step_cost.py under precision=fp8 traces both; docs/benchmarks.md); Float8Linear casts the weight from
 fp32 in every forward, where megalm casts it once per optimizer step.
 tools/bench/compare.py runs TorchTitan's fp8 beside megalm's in the same GPU run (tools/gpu_check.sh bench); if
@@ -124,7 +124,8 @@ Compiled blocks (`trainer.compile`): dynamo cannot trace this module's per-call 
 weight caches, amax histories), so inside a compiled block a layer runs as one opaque op pair that runs this
 same code each call (compiled_linear.py); the numbers are those of the eager path. Under per-tensor current FP8
 scaling (`Recipe.casts_in_graph`) only the GEMMs are in the ops: the casts of x and dy are ops of the compiled
-graph, which inductor fuses with their producers, and wgrad's operands are written column-major there.
+graph, which inductor fuses with their producers, and wgrad's operands are written column-major there; where
+torch._scaled_mm runs the GEMMs are graph ops too, on the weight's cached FP8 copies (`prepare_graph_weights`).
 
 `apply_precision(model, recipe, skip=...)` installs a recipe on the model's linear layers from outside:
 it sets each layer's `gemm_recipe` hook (megalm/model/linear.py) to a `RecipeGemms`, which the layer's
@@ -342,6 +343,7 @@ class RecipeGemms:
         self._weight, self.module = weight, module  # the layer's weight parameter, or the layer that holds it
         self.random = any(spec.random for spec in recipe.specs)
         self.handle = compiled_linear.layer_handle(self)  # names this layer to the compiled path's ops
+        self.graph_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # prepare_graph_weights
 
     @property
     def weight(self) -> torch.Tensor | None:
@@ -350,21 +352,49 @@ class RecipeGemms:
         return self.module.weight if self.module is not None else self._weight
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "handle"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("handle", "graph_weights")}
 
     def __setstate__(self, state: dict) -> None:  # a copy (deepcopy, pickle) is a layer of its own: its own handle
         self.__dict__.update(state)
-        self.handle = compiled_linear.layer_handle(self)
+        self.handle, self.graph_weights = compiled_linear.layer_handle(self), None
 
     def compiled_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         out_dtype: torch.dtype) -> torch.Tensor:
         """The layer as one opaque op pair, what `linear` runs inside a compiled block (compiled_linear.py); under
-        per-tensor current FP8 scaling its casts stay outside the ops, in the compiled graph."""
+        per-tensor current FP8 scaling its casts stay outside the ops, in the compiled graph, and where the block's
+        caller made the weight's FP8 copies (`prepare_graph_weights`) and the tokens are a multiple of 16, so do the
+        GEMMs."""
         if self.recipe.casts_in_graph:
-            return compiled_linear.fp8_linear(self.handle, x, weight, bias, out_dtype,
-                                              fp8.fp8_dtype(self.recipe.fprop.a_format),
-                                              fp8.fp8_dtype(self.recipe.dgrad.a_format))
+            formats = fp8.fp8_dtype(self.recipe.fprop.a_format), fp8.fp8_dtype(self.recipe.dgrad.a_format)
+            tokens = x.numel() // x.shape[-1]
+            if self.graph_weights is not None and tokens % fp8.SCALED_MM_TOKEN_MULTIPLE == 0:
+                return compiled_linear.fp8_graph_linear(x, weight, bias, out_dtype, self.graph_weights, *formats)
+            return compiled_linear.fp8_linear(self.handle, x, weight, bias, out_dtype, *formats)
         return compiled_linear.recipe_linear(self.handle, x, weight, bias, out_dtype)
+
+    def prepare_graph_weights(self) -> None:
+        """Make (or find in the layer's cache) the weight's FP8 copies that a compiled block's graph reads, before the
+        block runs: `graph_weights` = (row-major for fprop, column-major for dgrad, the inverse of their per-tensor
+        scale), the
+        copies `_fp8_weight` serves the eager path. Only under per-tensor current scaling where torch._scaled_mm
+        takes the weight (then the layer's GEMMs are ops of the graph: compiled_linear.fp8_graph_linear); else None,
+        and the compiled layer runs its GEMMs in the op pair, which read the cache themselves."""
+        self.graph_weights = None
+        w, fprop, dgrad = self.weight, self.recipe.fprop, self.recipe.dgrad
+        if not self.recipe.casts_in_graph or self.state is None or w is None or not fp8.scaled_mm_runs(w.device):
+            return
+        if not fp8.scaled_mm_takes(w, w.t(), fp8.fp8_dtype(fprop.a_format), fp8.fp8_dtype(fprop.b_format), False):
+            return  # a dimension not a multiple of 16: the eager path emulates these GEMMs, and so does the op pair
+        with torch.no_grad():
+            rows, scale = self._fp8_weight(fprop, w, 1)
+            columns, _ = self._fp8_weight(dgrad, w, 0)
+        # Fresh aliases marked static: a weight's shape is never a symbol to dynamo, as a parameter's is not. The copies
+        # themselves carry dynamic dims that the cast's dynamic-shape function propagated to its output (and dynamo's
+        # profile of earlier runs could add some); then attention's head count would be symbolic and SDPA would
+        # break the graph on it.
+        rows, columns = rows.detach(), columns.detach()
+        torch._dynamo.mark_static(rows), torch._dynamo.mark_static(columns)
+        self.graph_weights = rows, columns, compiled_linear.inverse(scale)
 
     def start(self, x: torch.Tensor) -> Call:
         seed = self.seed

@@ -10,6 +10,7 @@ reads a tensor's value on the host (documents of equal length take the batched a
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -17,6 +18,8 @@ import torch
 from torch import nn
 
 from megalm.model import TransformerBlock
+from megalm.model.linear import linear_modules
+from megalm.precision.compiled_linear import graph_weights
 
 log = logging.getLogger("megalm")
 
@@ -26,6 +29,14 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> in
     such as tools/bench/step_cost.py's); returns how many."""
     blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
     for block in blocks:  # its forward, not the module call: the module's hooks (layer offload's) stay eager
-        block.forward = torch.compile(block.forward, backend=backend)
+        block.forward = functools.partial(_run_compiled, torch.compile(block.forward, backend=backend),
+                                          linear_modules(block))
     log.info("trainer.compile: %d transformer blocks compiled (backend %s)", len(blocks), backend)
     return len(blocks)
+
+
+def _run_compiled(compiled: Callable, linears: list[nn.Module], *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    """A compiled block's call: first, in eager and after the block's pre-hooks, what its graph reads that dynamo
+    cannot make (an FP8 recipe's weight copies, once per optimizer step: compiled_linear.graph_weights)."""
+    with graph_weights(linears):
+        return compiled(*args, **kwargs)

@@ -164,3 +164,69 @@ def test_the_whole_model_is_one_graph(tmp_path, precision):
     for step in range(3):
         trainer.train_step(step)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+@pytest.fixture
+def scaled_mm_on_cpu(monkeypatch):
+    """FP8 on CPU tensors as a GPU from sm89 runs it: GEMMs through torch._scaled_mm (the CPU's kernel), the eager
+    path's and the compiled blocks' graph GEMMs (compiled_linear.fp8_graph_linear), and the eager casts as the
+    compiled functions CUDA calls (whose outputs carry dynamo's dynamic-dim marks)."""
+    from megalm import compat
+    from megalm.precision import fp8
+
+    monkeypatch.setattr(fp8, "_scaled_mm_available", fp8.scaled_mm_takes)
+    monkeypatch.setattr(fp8, "runs_fused", lambda x: True)
+    with compat.fp8_traced_as_gpu((9, 0)):
+        yield
+
+
+def _recording_backend(graphs: list[str]):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def record(gm, _inputs):
+        graphs.append(str(gm.graph))
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=record, bw_compiler=record)
+
+
+def test_where_scaled_mm_runs_fp8_trains_compiled_as_eager_with_its_gemms_in_the_graph(tmp_path, scaled_mm_on_cpu):
+    """Where torch._scaled_mm takes a layer's GEMMs, a compiled block runs them as ops of its graph, from the weight
+    FP8 copies made before the block runs (once per optimizer step), and no op pair: the forward graph has a
+    `_scaled_mm` per recipe layer, the backward two, and neither calls the recipe's ops. Trained 3 steps (the weights
+    change after each, so a stale copy would show from the second loss on): the same losses and weights as eager."""
+    from megalm.model.linear import linear_modules
+    from megalm.training.compile import compile_blocks
+
+    overrides = [*EQUAL_DOCS, "precision=fp8", *FP32_ACTIVATIONS]
+    eager = Trainer(compose_config(*overrides), tmp_path / "eager")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = Trainer(compose_config(*overrides), tmp_path / "compiled")
+    graphs: list[str] = []
+    compile_blocks(compiled.model, _recording_backend(graphs))
+    for step in range(3):
+        a, b = eager.train_step(step), compiled.train_step(step)
+        assert a.loss == pytest.approx(b.loss, rel=1e-6, abs=1e-7), step
+    for (name, p), (_, q) in zip(eager.model.named_parameters(), compiled.model.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    per_block = sum(m.gemm_recipe is not None for m in linear_modules(compiled.model.layers[1]))
+    forward, backward = graphs  # one graph each, shared by every block
+    assert forward.count("aten._scaled_mm.default") == per_block > 0, forward
+    assert backward.count("aten._scaled_mm.default") == 2 * per_block, backward
+    assert "megalm" not in forward + backward
+    assert all(getattr(m.gemm_recipe, "graph_weights", None) is None for m in linear_modules(compiled.model)), \
+        "the copies are the graph's inputs for one call only"
+
+
+def test_fp8_gemms_in_the_graph_compile_once_without_breaks(tmp_path, scaled_mm_on_cpu):
+    """The weight copies are graph inputs, not parameters: their shapes must stay static to dynamo (else attention's
+    head count turns symbolic and SDPA breaks the graph), and a new copy each optimizer step must not recompile."""
+    trainer = compiled_trainer(tmp_path, "eager", "precision=fp8")
+    for step in range(20):
+        trainer.train_step(step)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["frames"]["total"] <= 2, dict(counters["frames"])
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])

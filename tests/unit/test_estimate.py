@@ -249,17 +249,27 @@ def test_compiled_blocks_are_priced_as_inductor_compiles_them(monkeypatch):
     estimate_rank.trace_compiled_blocks(traced)  # what the fake trainer is then built with: compile off, said so
     assert not traced.trainer.compile
 
-    # per-tensor FP8: its casts are in the compiled graph, its GEMMs opaque ops priced by their FLOPs at the FP8
-    # peak, and the weights' FP8 copies the ops make inside counted once per weight and step
+    # per-tensor FP8 on an H100: its casts and its GEMMs (torch._scaled_mm) are ops of the compiled graph, from the
+    # weights' FP8 copies made before each block runs, once per weight and step (2 micro-batches here)
     traces.clear()
-    fp8 = {compiled: estimate.estimate([*base, *equal, "trainer.micro_batch_size=1", "precision=fp8",
-                                        f"trainer.compile={compiled}"], 1, "h100") for compiled in ("false", "true")}
+    fp8_run = [*base, *equal, "trainer.micro_batch_size=1", "precision=fp8"]
+    fp8 = {compiled: estimate.estimate([*fp8_run, f"trainer.compile={compiled}"], 1, "h100")
+           for compiled in ("false", "true")}
     eager, compiled = traces
     assert fp8["true"]["notes"] == fp8["false"]["notes"], fp8["true"]["notes"]
-    assert compiled.by_category["gemm"].flops == eager.by_category["gemm"].flops
-    assert compiled.by_op["fp8_linear"].flops == eager.by_op["_scaled_mm"].flops / 3  # fprop of 3 GEMMs
-    assert compiled.by_op["fp8_weight_cast"].kernels == compiled.by_op["fp8_linear"].kernels // 2  # 2 micro-batches
+    assert compiled.by_op["_scaled_mm"].flops == eager.by_op["_scaled_mm"].flops
+    assert compiled.by_op["_scaled_mm"].bytes == eager.by_op["_scaled_mm"].bytes
+    assert "fp8_linear" not in compiled.by_op
+    assert compiled.by_op["fp8_cast_current"].kernels == compiled.by_op["_scaled_mm"].kernels // (3 * 2)
     assert compiled.total().bytes < 0.9 * eager.total().bytes
     assert fp8["true"]["step_time_s"] < fp8["false"]["step_time_s"]
     # the weights' FP8 copies are held as the eager trace holds them (fprop's and dgrad's column-major one)
     assert fp8["true"]["ranks"][0]["optimizer_bytes"] == fp8["false"]["ranks"][0]["optimizer_bytes"]
+    # below sm89 (no FP8 GEMMs) the compiled linears are the op pair, priced by their FLOPs, and the weights' FP8
+    # copies the ops make inside counted once per weight and step
+    traces.clear()
+    for compiled in ("false", "true"):
+        estimate.estimate([*fp8_run, f"trainer.compile={compiled}"], 1, "a100")
+    eager, compiled = traces
+    assert compiled.by_category["gemm"].flops == eager.by_category["gemm"].flops
+    assert compiled.by_op["fp8_weight_cast"].kernels == compiled.by_op["fp8_linear"].kernels // 2

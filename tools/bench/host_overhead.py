@@ -9,11 +9,13 @@ dispatcher), the part a GPU's faster kernels cannot hide. It prints the median o
 one's ratio to the first.
 
 `--cuda-paths` runs the FP8 recipes' CUDA code on the CPU: casts as the compiled functions CUDA calls
-(`fp8._quantize_fused`) and GEMMs through `torch._scaled_mm`, instead of the CPU's eager emulation. The CPU's
-`torch._scaled_mm` kernel is slow at any size (a library call with set-up), so its time is measured apart
-(`in _scaled_mm`) and left out of `host ms`: on a GPU that call is one launch, whose host cost is then left out too,
-so FP8's figure is a floor. Not a GPU measurement: how these
-figures compare with a GPU's host depends on the two CPUs; the ratios between precisions are what carries over.
+(`fp8._quantize_fused`) and GEMMs through `torch._scaled_mm` (in compiled blocks, as ops of the graph), instead of the
+CPU's eager emulation. The CPU's `torch._scaled_mm` kernel is slow at any size (a library call with set-up): while
+the tool runs, that kernel and its `.out` form (what a compiled graph calls) are replaced by a timed fp32 emulation
+whose time is reported apart (`in _scaled_mm`) and left out of `host ms`; the call's dispatch (about a GPU launch's
+host cost) stays in. The CPU's attention kernels are not tiny at this size (flash attention's backward, about 1 ms a
+call): their time stays in both precisions' figures. Not a GPU measurement: how these figures compare with a GPU's
+host depends on the two CPUs; the ratios between precisions are what carries over.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
@@ -45,22 +48,34 @@ NARROW = ["model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=4", "
 @contextlib.contextmanager
 def cuda_paths(gemm_seconds: list[float]) -> Iterator[None]:
     """The FP8 recipes' CUDA code on CPU tensors (module docstring); the time inside torch._scaled_mm is appended to
-    `gemm_seconds`."""
+    `gemm_seconds`. The op's CPU kernels (`_scaled_mm` and the `.out` form a compiled graph calls) are replaced, while
+    inside, by a timed fp32 emulation, so that eager calls and compiled graphs' calls are both timed."""
     from megalm import compat
     from megalm.precision import fp8
 
-    scaled_mm = torch._scaled_mm
-
-    def timed_scaled_mm(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - torch's signature
+    def emulated(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,  # noqa: ANN001, ANN202
+                 use_fast_accum=False):  # noqa: ANN001 - aten::_scaled_mm's schema
         start = time.perf_counter()
-        out = scaled_mm(*args, **kwargs)
+        out = (a.float() * scale_a.float()) @ (b.float() * scale_b.float())
+        out = (out if bias is None else out + bias.float()).to(out_dtype or a.dtype)
         gemm_seconds.append(time.perf_counter() - start)
         return out
 
-    with compat.fp8_traced_as_gpu((9, 0)), mock.patch.object(fp8, "runs_fused", lambda x: not compat.is_fake(x)), \
-            mock.patch.object(fp8, "_scaled_mm_available", fp8.scaled_mm_takes), \
-            mock.patch.object(torch, "_scaled_mm", timed_scaled_mm):
-        yield
+    def emulated_out(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,  # noqa: ANN001, ANN202
+                     use_fast_accum=False, *, out):  # noqa: ANN001
+        return out.copy_(emulated(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum))
+
+    library = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Oo]verrid")  # replacing the CPU kernels is the point
+        library.impl("_scaled_mm", emulated, "CPU")
+        library.impl("_scaled_mm.out", emulated_out, "CPU")
+    try:
+        with compat.fp8_traced_as_gpu((9, 0)), mock.patch.object(fp8, "runs_fused", lambda x: not compat.is_fake(x)), \
+                mock.patch.object(fp8, "_scaled_mm_available", fp8.scaled_mm_takes):
+            yield
+    finally:
+        library._destroy()
 
 
 def measure(overrides: list[str], steps: int, warmup: int, on_cuda_paths: bool) -> dict:
