@@ -253,7 +253,8 @@ class TrainerConfig:
     compile: bool = False
     """torch.compile each transformer block (as TorchTitan does), after the attention backends are chosen; the
     block's forward and backward are one graph each (tests/unit/test_compile_blocks.py counts the breaks). The CP
-    ring and the FP8/MX recipes' linears run inside the graph as opaque ops; those recipes refuse SP and ZB."""
+    ring and the FP8/MX recipes' linears run inside the graph as opaque ops (fp8's casts as graph ops, and its
+    GEMMs too where torch._scaled_mm runs); those recipes refuse SP and ZB."""
     compile_backend: str = "inductor"
     """The torch.compile backend of trainer.compile: inductor (fused kernels), or aot_eager / eager to debug."""
     init_hang_minutes: float = 10.0

@@ -192,7 +192,7 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
 
 def make_compiled_weight_copies(trainer: Any) -> None:
     """Compiled `fp8` blocks below sm89 run their GEMMs as ops whose fake kernels compute nothing (compiled_linear.py;
-    from sm89 the copies are made before each block runs, as on the GPU, and this finds them made), so the
+    from sm89 the copies are made before each block runs, as on the GPU, where this makes them first), so the
     FP8 weight copies the ops keep in their layers' caches on a GPU (about 2 bytes per weight: fprop's, and dgrad's
     column-major one) are made here, under the trace, for its storage probe to count as the eager trace does."""
     from megalm.model.linear import linear_modules

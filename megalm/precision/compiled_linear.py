@@ -19,7 +19,7 @@ projection, the previous op's gradient), as torchao's tensorwise float8 is compi
 (with the layer's cached FP8 weights) stay in the ops, `megalm::fp8_linear` and its backward. The values are the
 eager path's: the same casts, the same GEMMs. Where torch._scaled_mm runs (CUDA from sm89, shapes of multiples of
 16), the GEMMs leave the ops too (`fp8_graph_linear`): the graph calls torch._scaled_mm on the weight's FP8 copies,
-which the compiled block's caller makes or finds in the layer's cache before the block runs (`graph_weights`,
+which the compiled block's caller makes or finds in the layer's cache before the block runs (`prepared_weights`,
 megalm/training/compile.py), and the layer runs no Python per call, as torchao's float8 compiles in TorchTitan.
 
 Eager runs keep linear.py's autograd function; this path is taken only while compiling (megalm/model/linear.py).
@@ -246,41 +246,30 @@ def fp8_linear(layer: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
 # ----------------------------------------------------- per-tensor FP8 where torch._scaled_mm runs: all in the graph
 
 
-def _scaled_mm(qa: torch.Tensor, qb: torch.Tensor, a_inverse: torch.Tensor, b_inverse: torch.Tensor,
-               out_dtype: torch.dtype) -> torch.Tensor:
-    """fp8.scaled_mm's hardware path as a graph op: row-major qa [M, K] @ column-major qb [K, N], each scaled back by
-    the inverse of its per-tensor scale, `out_dtype` written by the GEMM (fp8._scaled_mm_cuda's call, for operands
-    already in its layouts)."""
-    return torch._scaled_mm(qa, qb, scale_a=a_inverse, scale_b=b_inverse, out_dtype=out_dtype)
-
-
-def inverse(scale: torch.Tensor) -> torch.Tensor:
-    """What torch._scaled_mm multiplies an operand by: 1 / its scale, in fp32 (fp8._scaled_mm_cuda's)."""
-    return scale.float().reciprocal()
-
-
 class _Fp8GraphLinear(torch.autograd.Function):
     """`_Fp8Linear` with its GEMMs as torch._scaled_mm ops of the graph too: the weight's FP8 copies (row-major for
     fprop, column-major for dgrad) and the inverse of their per-tensor scale come in as tensors, made before the
-    compiled block runs (`graph_weights`), so nothing in the layer runs Python per call (the op pair cost ~0.2 ms of
-    host time a layer and micro-batch: tools/bench/host_overhead.py). Each activation's inverse scale is taken once,
-    beside its amax, and the backward keeps x's. `weight` is passed for its gradient only."""
+    compiled block runs (`prepared_weights`), so the GEMMs run no Python of the layer's (the op pair's ran ~0.3 ms of
+    it a layer and micro-batch: docs/benchmarks.md). Each activation's inverse scale is taken once, beside its amax,
+    and the backward keeps x's. `weight` is passed for its gradient only. The GEMMs are fp8._scaled_mm_cuda's calls
+    for operands already in its layouts: row-major first, column-major second."""
 
     @staticmethod
     def forward(ctx, x, weight, w_rows, w_columns, w_inverse, y_dtype, dy_dtype, x_fp8, dy_fp8):  # noqa: ANN001, ANN205
         qx, x_scale = fp8.quantize_current_in_graph(x, x_fp8)
-        x_inverse = inverse(x_scale)
+        x_inverse = fp8.inverse_scale(x_scale)
         ctx.save_for_backward(fp8.column_major(qx), x_inverse, w_columns, w_inverse)
         ctx.x_dtype, ctx.w_dtype, ctx.dy_dtype, ctx.dy_fp8 = x.dtype, weight.dtype, dy_dtype, dy_fp8
-        return _scaled_mm(qx, w_rows.t(), x_inverse, w_inverse, y_dtype)
+        return torch._scaled_mm(qx, w_rows.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=y_dtype)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, ANN205
         qx_columns, x_inverse, w_columns, w_inverse = ctx.saved_tensors
         qdy, dy_scale = fp8.quantize_current_in_graph(dy.to(ctx.dy_dtype), ctx.dy_fp8)
-        dy_inverse = inverse(dy_scale)
-        dx = _scaled_mm(qdy, w_columns, dy_inverse, w_inverse, ctx.x_dtype)
-        dw = _scaled_mm(fp8.column_major(qdy).t(), qx_columns, dy_inverse, x_inverse, ctx.w_dtype)
+        dy_inverse = fp8.inverse_scale(dy_scale)
+        dx = torch._scaled_mm(qdy, w_columns, scale_a=dy_inverse, scale_b=w_inverse, out_dtype=ctx.x_dtype)
+        dw = torch._scaled_mm(fp8.column_major(qdy).t(), qx_columns, scale_a=dy_inverse, scale_b=x_inverse,
+                              out_dtype=ctx.w_dtype)
         return dx, dw, None, None, None, None, None, None, None
 
 
@@ -296,17 +285,17 @@ def fp8_graph_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 @contextlib.contextmanager
-def graph_weights(linears: list[torch.nn.Module]) -> Iterator[None]:
+def prepared_weights(linears: list[torch.nn.Module]) -> Iterator[None]:
     """Around a compiled block's forward, in eager: each of its linear layers whose recipe reads FP8 weight copies in
     the graph makes or finds them first (`RecipeGemms.prepare_graph_weights`: the layer's cache, once per optimizer
     step), and lets go of them after, so that no later graph (another compile of the layer) reads copies it did not
     check. Entered after the block's forward pre-hooks: a weight ZeRO-1 gathers in flight has arrived."""
     prepared = []
     for module in linears:
-        gemms = module.__dict__.get("gemm_recipe")
-        if getattr(gemms, "prepare_graph_weights", None) is not None:
-            gemms.prepare_graph_weights()
-            prepared.append(gemms)
+        prepare = getattr(getattr(module, "gemm_recipe", None), "prepare_graph_weights", None)
+        if prepare is not None:
+            prepare()
+            prepared.append(module.gemm_recipe)
     try:
         yield
     finally:

@@ -334,11 +334,15 @@ def _scaled_mm_cuda(qa: torch.Tensor, qb: torch.Tensor, a_scale: torch.Tensor, b
     """The hardware path: row-major qa [M, K] times column-major qb [K, N] (copied into that layout unless it is
     already: a weight's cached copy is, `column_major`), each scaled back by its inverse scale (0-dim per tensor;
     [M, 1] and [1, N] per row, which needs a bf16 output), written in `out_dtype` by the GEMM itself."""
-    inv_a = a_scale.float().reciprocal().contiguous()
-    inv_b = b_scale.float().reciprocal().contiguous()
+    inv_a, inv_b = inverse_scale(a_scale).contiguous(), inverse_scale(b_scale).contiguous()
     gemm_dtype = torch.bfloat16 if rowwise else out_dtype
     out = torch._scaled_mm(qa.contiguous(), column_major(qb), scale_a=inv_a, scale_b=inv_b, out_dtype=gemm_dtype)
     return out.to(out_dtype)
+
+
+def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
+    """What torch._scaled_mm multiplies an FP8 operand by to scale it back: 1 / its scale, in fp32."""
+    return scale.float().reciprocal()
 
 
 def column_major(q: torch.Tensor) -> torch.Tensor:

@@ -344,6 +344,7 @@ class RecipeGemms:
         self.random = any(spec.random for spec in recipe.specs)
         self.handle = compiled_linear.layer_handle(self)  # names this layer to the compiled path's ops
         self.graph_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # prepare_graph_weights
+        self._graph_copies: tuple | None = None  # (the cached copies graph_weights was made from, graph_weights)
 
     @property
     def weight(self) -> torch.Tensor | None:
@@ -352,11 +353,11 @@ class RecipeGemms:
         return self.module.weight if self.module is not None else self._weight
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("handle", "graph_weights")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("handle", "graph_weights", "_graph_copies")}
 
     def __setstate__(self, state: dict) -> None:  # a copy (deepcopy, pickle) is a layer of its own: its own handle
         self.__dict__.update(state)
-        self.handle, self.graph_weights = compiled_linear.layer_handle(self), None
+        self.handle, self.graph_weights, self._graph_copies = compiled_linear.layer_handle(self), None, None
 
     def compiled_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         out_dtype: torch.dtype) -> torch.Tensor:
@@ -366,8 +367,8 @@ class RecipeGemms:
         GEMMs."""
         if self.recipe.casts_in_graph:
             formats = fp8.fp8_dtype(self.recipe.fprop.a_format), fp8.fp8_dtype(self.recipe.dgrad.a_format)
-            tokens = x.numel() // x.shape[-1]
-            if self.graph_weights is not None and tokens % fp8.SCALED_MM_TOKEN_MULTIPLE == 0:
+            copies, tokens = self.graph_weights, x.numel() // x.shape[-1]
+            if copies is not None and copies[0].shape == weight.shape and tokens % fp8.SCALED_MM_TOKEN_MULTIPLE == 0:
                 return compiled_linear.fp8_graph_linear(x, weight, bias, out_dtype, self.graph_weights, *formats)
             return compiled_linear.fp8_linear(self.handle, x, weight, bias, out_dtype, *formats)
         return compiled_linear.recipe_linear(self.handle, x, weight, bias, out_dtype)
@@ -375,26 +376,25 @@ class RecipeGemms:
     def prepare_graph_weights(self) -> None:
         """Make (or find in the layer's cache) the weight's FP8 copies that a compiled block's graph reads, before the
         block runs: `graph_weights` = (row-major for fprop, column-major for dgrad, the inverse of their per-tensor
-        scale), the
-        copies `_fp8_weight` serves the eager path. Only under per-tensor current scaling where torch._scaled_mm
-        takes the weight (then the layer's GEMMs are ops of the graph: compiled_linear.fp8_graph_linear); else None,
-        and the compiled layer runs its GEMMs in the op pair, which read the cache themselves."""
+        scale), the copies `_fp8_weight` serves the eager path, as parameters that do not require grad: weights to
+        dynamo (static shapes) and to activation offload (left in place), not activations. Only under per-tensor
+        current scaling where torch._scaled_mm takes the weight, and while the copies are cached for the optimizer
+        step (not under FSDP, whose recipes cast after every gather: a graph would hold each copy from forward to
+        backward); else None, and the compiled layer's GEMMs run in the op pair."""
         self.graph_weights = None
         w, fprop, dgrad = self.weight, self.recipe.fprop, self.recipe.dgrad
-        if not self.recipe.casts_in_graph or self.state is None or w is None or not fp8.scaled_mm_runs(w.device):
+        if (not self.recipe.casts_in_graph or self.state is None or w is None or fprop.b_format != dgrad.b_format
+                or not self.state.weights_version.watched or not fp8.scaled_mm_runs(w.device)):
             return
         if not fp8.scaled_mm_takes(w, w.t(), fp8.fp8_dtype(fprop.a_format), fp8.fp8_dtype(fprop.b_format), False):
             return  # a dimension not a multiple of 16: the eager path emulates these GEMMs, and so does the op pair
         with torch.no_grad():
             rows, scale = self._fp8_weight(fprop, w, 1)
             columns, _ = self._fp8_weight(dgrad, w, 0)
-        # Fresh aliases marked static: a weight's shape is never a symbol to dynamo, as a parameter's is not. The copies
-        # themselves carry dynamic dims that the cast's dynamic-shape function propagated to its output (and dynamo's
-        # profile of earlier runs could add some); then attention's head count would be symbolic and SDPA would
-        # break the graph on it.
-        rows, columns = rows.detach(), columns.detach()
-        torch._dynamo.mark_static(rows), torch._dynamo.mark_static(columns)
-        self.graph_weights = rows, columns, compiled_linear.inverse(scale)
+            if self._graph_copies is None or self._graph_copies[0] is not rows or self._graph_copies[1] is not columns:
+                as_weight = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731 - a fresh object: no marks
+                self._graph_copies = rows, columns, (as_weight(rows), as_weight(columns), fp8.inverse_scale(scale))
+        self.graph_weights = self._graph_copies[2]
 
     def start(self, x: torch.Tensor) -> Call:
         seed = self.seed

@@ -19,7 +19,7 @@ from torch import nn
 
 from megalm.model import TransformerBlock
 from megalm.model.linear import linear_modules
-from megalm.precision.compiled_linear import graph_weights
+from megalm.precision.compiled_linear import prepared_weights
 
 log = logging.getLogger("megalm")
 
@@ -37,6 +37,6 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> in
 
 def _run_compiled(compiled: Callable, linears: list[nn.Module], *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
     """A compiled block's call: first, in eager and after the block's pre-hooks, what its graph reads that dynamo
-    cannot make (an FP8 recipe's weight copies, once per optimizer step: compiled_linear.graph_weights)."""
-    with graph_weights(linears):
+    cannot make (an FP8 recipe's weight copies, once per optimizer step: compiled_linear.prepared_weights)."""
+    with prepared_weights(linears):
         return compiled(*args, **kwargs)

@@ -191,15 +191,21 @@ def _recording_backend(graphs: list[str]):
     return aot_autograd(fw_compiler=record, bw_compiler=record)
 
 
-def test_where_scaled_mm_runs_fp8_trains_compiled_as_eager_with_its_gemms_in_the_graph(tmp_path, scaled_mm_on_cpu):
+@pytest.mark.parametrize("layout", [[], ["offload.enabled=true", "offload.min_tensor_bytes=0"],
+                                    ["parallel.recompute=selective"]], ids=["plain", "offload", "recompute"])
+def test_where_scaled_mm_runs_fp8_trains_compiled_as_eager_with_its_gemms_in_the_graph(tmp_path, scaled_mm_on_cpu,
+                                                                                     layout):
     """Where torch._scaled_mm takes a layer's GEMMs, a compiled block runs them as ops of its graph, from the weight
     FP8 copies made before the block runs (once per optimizer step), and no op pair: the forward graph has a
     `_scaled_mm` per recipe layer, the backward two, and neither calls the recipe's ops. Trained 3 steps (the weights
-    change after each, so a stale copy would show from the second loss on): the same losses and weights as eager."""
+    change after each, so a stale copy would show from the second loss on): the same losses and weights as eager.
+    With layer offload the weight copies the graph keeps for its backward stay in place, as weights do: the compiled
+    blocks offload what the eager ones do, give or take the scales of the calls (4 bytes each, which the eager path
+    keeps in the call's state, not in autograd's saved tensors; the copies would be 1 byte a weight)."""
     from megalm.model.linear import linear_modules
     from megalm.training.compile import compile_blocks
 
-    overrides = [*EQUAL_DOCS, "precision=fp8", *FP32_ACTIVATIONS]
+    overrides = [*EQUAL_DOCS, "precision=fp8", *FP32_ACTIVATIONS, *layout]
     eager = Trainer(compose_config(*overrides), tmp_path / "eager")
     torch._dynamo.reset()
     counters.clear()
@@ -219,6 +225,29 @@ def test_where_scaled_mm_runs_fp8_trains_compiled_as_eager_with_its_gemms_in_the
     assert "megalm" not in forward + backward
     assert all(getattr(m.gemm_recipe, "graph_weights", None) is None for m in linear_modules(compiled.model)), \
         "the copies are the graph's inputs for one call only"
+    if "offload.enabled=true" in layout:
+        eager_bytes, compiled_bytes = eager.parallel.offload_store.offloaded_bytes, \
+            compiled.parallel.offload_store.offloaded_bytes
+        assert eager_bytes > 0 and abs(compiled_bytes - eager_bytes) < 1024, (compiled_bytes, eager_bytes)
+
+
+def test_without_a_per_step_weight_cache_the_graph_holds_no_fp8_weights(scaled_mm_on_cpu):
+    """Under FSDP no optimizer is watched (a layer's weight exists only while its unit is gathered) and the recipe
+    casts it after every gather: a graph that took the copies as inputs would keep each one from its forward to its
+    backward, a whole FP8 model per rank. The layer's GEMMs then stay in the op pair, which casts in the backward."""
+    from megalm.model.linear import Linear
+    from megalm.precision.linear import LinearState, RecipeGemms, get_recipe
+
+    layer = Linear(64, 32, bias=False)
+    state = LinearState("layer")
+    layer.gemm_recipe = gemms = RecipeGemms(get_recipe("fp8"), state, module=layer)
+    gemms.prepare_graph_weights()
+    assert gemms.graph_weights is None
+    state.weights_version.watch(torch.optim.SGD(layer.parameters(), lr=0.1))
+    gemms.prepare_graph_weights()
+    rows, columns, inverse = gemms.graph_weights
+    assert rows.shape == columns.shape == layer.weight.shape and columns.t().is_contiguous()
+    assert isinstance(rows, torch.nn.Parameter) and not rows.requires_grad  # a weight to dynamo and to offload
 
 
 def test_fp8_gemms_in_the_graph_compile_once_without_breaks(tmp_path, scaled_mm_on_cpu):
