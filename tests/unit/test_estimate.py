@@ -263,8 +263,10 @@ def test_compiled_blocks_are_priced_as_inductor_compiles_them(monkeypatch):
     assert compiled.by_op["fp8_cast_current"].kernels == compiled.by_op["_scaled_mm"].kernels // (3 * 2)
     assert compiled.total().bytes < 0.9 * eager.total().bytes
     assert fp8["true"]["step_time_s"] < fp8["false"]["step_time_s"]
-    # the weights' FP8 copies are held as the eager trace holds them (fprop's and dgrad's column-major one)
-    assert fp8["true"]["ranks"][0]["optimizer_bytes"] == fp8["false"]["ranks"][0]["optimizer_bytes"]
+    # the weights' FP8 copies are held as the eager trace holds them (fprop's and dgrad's column-major one; the
+    # compiled layers keep their scale's inverse beside them too, 4 bytes each, which torch 2.11's trace counts)
+    held = fp8["true"]["ranks"][0]["optimizer_bytes"], fp8["false"]["ranks"][0]["optimizer_bytes"]
+    assert 0 <= held[0] - held[1] <= 4 * compiled.by_op["fp8_cast_current"].kernels, held
     # below sm89 (no FP8 GEMMs) the compiled linears are the op pair, priced by their FLOPs, and the weights' FP8
     # copies the ops make inside counted once per weight and step
     traces.clear()
