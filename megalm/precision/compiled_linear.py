@@ -20,7 +20,8 @@ projection, the previous op's gradient), as torchao's tensorwise float8 is compi
 eager path's: the same casts, the same GEMMs. Where torch._scaled_mm runs (CUDA from sm89, shapes of multiples of
 16), the GEMMs leave the ops too (`fp8_graph_linear`): the graph calls torch._scaled_mm on the weight's FP8 copies,
 which the compiled block's caller makes or finds in the layer's cache before the block runs (`prepared_weights`,
-megalm/training/compile.py), and the layer runs no Python per call, as torchao's float8 compiles in TorchTitan.
+megalm/training/compile.py), so the GEMMs run none of the layer's Python (a cache check per layer before each block
+stays), as torchao's float8 compiles in TorchTitan.
 
 Eager runs keep linear.py's autograd function; this path is taken only while compiling (megalm/model/linear.py).
 """
