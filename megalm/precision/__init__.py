@@ -37,14 +37,8 @@ from megalm.config import MegalmConfig, PrecisionConfig, choice
 from megalm.config.choices import ForwardFormat, PrecisionBackend
 from megalm.errors import ConfigError
 from megalm.precision import fp8, te
-from megalm.precision.linear import (
-    RECIPES,
-    WeightsVersion,
-    apply_precision,
-    get_recipe,
-    mx_gemm_path,
-    set_precision_step,
-)
+from megalm.precision.install import apply_precision, set_precision_step
+from megalm.precision.linear import RECIPES, WeightsVersion, get_recipe, mx_gemm_path
 
 log = logging.getLogger("megalm")
 

@@ -100,7 +100,7 @@ seeded by (call seed, GEMM name), `gemm_generator`. Each forward call fixes its 
 backward's GEMMs use it, so the draws do not depend on the order in which layers run backward
 (pipeline schedules reorder them). The call seed comes from the layer's `LinearState`: a hash of (base seed,
 layer name, step, micro-batch, call index within the micro-batch). A trainer calls
-`set_precision_step(model, step, micro_batch)` before each micro-batch's forward; then every run of
+`set_precision_step(model, step, micro_batch)` (install.py) before each micro-batch's forward; then every run of
 the same seed draws the same numbers whatever the pipeline schedule. Put the data-parallel rank into
 `micro_batch` (e.g. the global micro-batch index) so that replicas draw independent noise. Activation
 recomputation re-runs forwards (advancing the call index), but the backward GEMMs use the seed their
@@ -127,18 +127,17 @@ scaling (`Recipe.casts_in_graph`) only the GEMMs are in the ops: the casts of x 
 graph, which inductor fuses with their producers, and wgrad's operands are written column-major there; where
 torch._scaled_mm runs the GEMMs are graph ops too, on the weight's cached FP8 copies (`prepare_graph_weights`).
 
-`apply_precision(model, recipe, skip=...)` installs a recipe on the model's linear layers from outside:
-it sets each layer's `gemm_recipe` hook (megalm/model/linear.py) to a `RecipeGemms`, which the layer's
-GEMM function reads; tensor-parallel layers have the same hook, and a zero-bubble pipeline's
+`apply_precision(model, recipe, skip=...)` (megalm/precision/install.py) installs a recipe on the model's linear
+layers from outside: it sets each layer's `gemm_recipe` hook (megalm/model/linear.py) to a `RecipeGemms`, which the
+layer's GEMM function reads; tensor-parallel layers have the same hook, and a zero-bubble pipeline's
 weight-gradient sink composes with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -146,8 +145,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.measure import storage_identity
-from megalm.model.linear import LinearHooks, linear, linear_modules
-from megalm.model.naming import canonical_named_modules, model_chunks
+from megalm.model.linear import linear
 from megalm.precision import compiled_linear, fp8
 from megalm.precision.compiled_linear import Call
 from megalm.precision.gemm import (  # noqa: F401 (gemm, mm_bf16 ... are this module's API too)
@@ -551,121 +549,3 @@ def low_precision_linear(
     if recipe.is_fp32:
         return F.linear(x, weight, bias)
     return linear(x, weight, bias, RecipeGemms(recipe, state, seed))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Installing recipes on a model
-# ---------------------------------------------------------------------------------------------------
-
-
-def _expand(patterns: Iterable[str], last: int | None) -> list[str]:
-    """`{last}` (or `{L-1}`) in a pattern is the index of the model's last layer."""
-    out = []
-    for pattern in patterns:
-        if "{last}" in pattern or "{L-1}" in pattern:
-            if last is None:
-                raise ValueError(f"pattern {pattern!r} needs a model with cfg.num_layers")
-            pattern = pattern.replace("{last}", str(last)).replace("{L-1}", str(last))
-        out.append(pattern)
-    return out
-
-
-def apply_precision(
-    model: nn.Module,
-    recipe: str | Recipe,
-    skip: Iterable[str] | Callable[[str, nn.Module], bool] = (),
-    overrides: Mapping[str, str | Recipe] | None = None,
-    seed: int = 0,
-    weights_version: WeightsVersion | None = None,
-) -> dict[str, LinearState]:
-    """Run the linear layers of `model` in `recipe`; returns {layer name: its LinearState}.
-
-    Every layer that runs its GEMMs through megalm.model.linear (the model's `Linear`, megalm's
-    Column/RowParallelLinear) gets a `RecipeGemms` as its `gemm_recipe` hook; its `forward` is left
-    alone, so a zero-bubble weight-gradient sink on the same layer composes with it. Names are
-    canonical (`layers.{layer_id}...`, see megalm.model.naming). `skip`: fnmatch patterns (or a
-    predicate on (name, module)) of layers left untouched, e.g. ("output", "layers.0.*",
-    "layers.{last}.*") keeps the head and the first and last blocks in the trainer's precision.
-    `overrides`: {pattern: recipe}, first match wins, for layers that take another recipe. The
-    embedding and a tied output head (F.linear on the embedding) are not linear layers: untouched.
-    A plain torch nn.Linear has no hook and is refused. A previous `apply_precision` is undone first.
-    `weights_version`: shared by every layer's state; `weights_version.watch(optimizer)` lets them cache a
-    quantized weight for the optimizer step (see `LinearState.quantized_weight`).
-    """
-    remove_precision(model)
-    recipe, weights_version = get_recipe(recipe), weights_version or WeightsVersion()
-    cfg = getattr(model_chunks(model)[0], "cfg", None)
-    last = getattr(cfg, "num_layers", None)
-    last = None if last is None else last - 1
-    if callable(skip):
-        skipped = skip
-    else:
-        skip_patterns = _expand(skip, last)
-        skipped = lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in skip_patterns)
-    override_patterns = [(p, get_recipe(r)) for p, r in (overrides or {}).items()]
-    override_patterns = [(_expand([p], last)[0], r) for p, r in override_patterns]
-    states = {}
-    for name, module in canonical_named_modules(model):
-        if not isinstance(module, (nn.Linear, LinearHooks)) or skipped(name, module):
-            continue
-        if not isinstance(module, LinearHooks):
-            raise TypeError(f"{name} is a plain torch nn.Linear, which has no precision hook; build it as "
-                            "megalm.model.linear.Linear (same parameters)")
-        chosen = next((r for p, r in override_patterns if fnmatch.fnmatchcase(name, p)), recipe)
-        state = LinearState(name, seed, weights_version=weights_version)
-        module.gemm_recipe = None if chosen.is_fp32 else RecipeGemms(chosen, state, module=module)
-        states[name] = state
-    return states
-
-
-def remove_precision(model: nn.Module) -> None:
-    """Undo `apply_precision`: every layer runs its GEMMs in the trainer's precision again."""
-    for module in linear_modules(model):
-        module.__dict__.pop("gemm_recipe", None)
-
-
-def _layer_states(model: nn.Module) -> Iterator[tuple[LinearState, torch.device]]:
-    """(state, weight's device) of every layer running a recipe with a `LinearState`."""
-    for module in linear_modules(model):
-        gemms = module.gemm_recipe
-        if isinstance(gemms, RecipeGemms) and gemms.state is not None:
-            yield gemms.state, module.weight.device
-
-
-def amax_history_tensors(model: nn.Module, layout: str) -> dict[str, torch.Tensor]:
-    """This rank's delayed-scaling amax histories, as tensors a checkpoint keeps beside the rank's RNG state:
-    {"amax/<layout>/<layer>/<x|w|dy>/<count|history|pending>": tensor}; empty under any other recipe. A history
-    holds the amaxes of the layer's shard on this rank, so it is tagged with the parallel layout (`layout`) and
-    restored under the same one only."""
-    out = {}
-    for state, _ in _layer_states(model):
-        for tensor, history in state.amax.items():
-            saved = history.state_dict()
-            if saved["history"] is None and saved["pending"] is None:
-                continue
-            for field, value in saved.items():
-                if value is not None:
-                    out[f"amax/{layout}/{state.name}/{tensor}/{field}"] = torch.as_tensor(value).detach().cpu().clone()
-    return out
-
-
-def load_amax_histories(model: nn.Module, tensors: Mapping[str, torch.Tensor], layout: str,
-                        device: torch.device | None = None) -> set[str]:
-    """Restore `amax_history_tensors`' histories saved under `layout` (other keys ignored) onto `device` (where the
-    layers compute; default: each layer's weight's). Returns the other layouts whose histories the tensors hold."""
-    for state, weight_device in _layer_states(model):
-        for tensor, history in state.amax.items():
-            key = f"amax/{layout}/{state.name}/{tensor}/"
-            if key + "count" in tensors:
-                saved = {field: tensors.get(key + field) for field in ("history", "pending")}
-                history.load_state_dict({"count": int(tensors[key + "count"]),
-                                         **{f: None if t is None else t.to(device or weight_device)
-                                            for f, t in saved.items()}})
-    return {k.split("/")[1] for k in tensors if k.startswith("amax/")} - {layout}
-
-
-def set_precision_step(model: nn.Module, step: int, micro_batch: int = 0) -> None:
-    """Start the seed stream of every low-precision layer at (step, micro_batch); call it before each
-    micro-batch's forward for draws that do not depend on the schedule."""
-    for state, _ in _layer_states(model):
-        state.set_step(step, micro_batch)

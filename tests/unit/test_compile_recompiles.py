@@ -47,7 +47,7 @@ def measure() -> dict:
     from megalm.config import ModelConfig
     from megalm.model.gpt import GPT, init_weights
     from megalm.precision import fp8
-    from megalm.precision.linear import apply_precision
+    from megalm.precision.install import apply_precision
 
     fp8.runs_fused = lambda x: True  # the CUDA path, on CPU tensors
     model = GPT(ModelConfig(num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=96,

@@ -21,16 +21,8 @@ from megalm.config import ModelConfig
 from megalm.model import GPT, init_weights
 from megalm.precision import fp8
 from megalm.precision.hadamard import random_signs, rht
-from megalm.precision.linear import (
-    RECIPES,
-    LinearState,
-    apply_precision,
-    gemm_generator,
-    get_recipe,
-    low_precision_linear,
-    remove_precision,
-    set_precision_step,
-)
+from megalm.precision.install import apply_precision, remove_precision, set_precision_step
+from megalm.precision.linear import RECIPES, LinearState, gemm_generator, get_recipe, low_precision_linear
 from megalm.precision.mx import mx_quantize_dequantize
 
 T, IN, OUT = 512, 256, 256

@@ -234,7 +234,7 @@ def test_a_layer_built_on_the_meta_device_keeps_its_cache_owner(monkeypatch):
     """The trainer builds the model on the meta device, installs the recipe, then materialises it (`to_empty`, which
     replaces every parameter): the recipe must key its cache on the parameter the layer holds now, so that the
     zero-bubble path's detached alias still hits it (before, it held the meta parameter: one cast per call)."""
-    from megalm.precision.linear import apply_precision
+    from megalm.precision.install import apply_precision
 
     layer = Linear(64, 32, bias=False, device="meta")
     state = apply_precision(layer, "fp8")[""]

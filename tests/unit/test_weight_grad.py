@@ -12,7 +12,7 @@ from megalm.model import GPT, init_weights
 from megalm.model.linear import linear_modules
 from megalm.model.moe import GroupedLinear, MoE
 from megalm.parallel.pipeline.weight_grad import WeightGradStore, defer_weight_grads
-from megalm.precision.linear import apply_precision, set_precision_step
+from megalm.precision.install import apply_precision, set_precision_step
 from tests.conftest import compose_config
 
 

@@ -16,7 +16,7 @@ from megalm.errors import CheckpointError
 from megalm.model.gpt import GPT, reset_buffers
 from megalm.model.naming import canonical_named_parameters
 from megalm.model.shard import shard_specs
-from megalm.precision.linear import load_amax_histories
+from megalm.precision.install import load_amax_histories
 from megalm.training.checkpoint.layout import layout_tag, resolve_checkpoint_path
 from megalm.training.checkpoint.tensors import (
     copy_model,

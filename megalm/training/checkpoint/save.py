@@ -25,7 +25,7 @@ from torch import nn
 from megalm import compat
 from megalm.model.naming import canonical_named_buffers, canonical_named_parameters
 from megalm.model.shard import full_value, shard_specs
-from megalm.precision.linear import amax_history_tensors
+from megalm.precision.install import amax_history_tensors
 from megalm.training.checkpoint.layout import (
     CHECKPOINTS,
     FORMAT_VERSION,
