@@ -167,21 +167,18 @@ def test_the_whole_model_is_one_graph(tmp_path, precision):
 
 
 @pytest.fixture
-def scaled_mm_on_cpu(monkeypatch):
+def scaled_mm_on_cpu():
     """FP8 on CPU tensors as a GPU from sm89 runs it: GEMMs through torch._scaled_mm (the CPU's kernel), the eager
     path's and the compiled blocks' graph GEMMs (compiled_linear.fp8_graph_linear), and the eager casts as the
     compiled functions CUDA calls (whose outputs carry dynamo's dynamic-dim marks)."""
-    from megalm import compat
-    from megalm.precision import fp8
+    from tools.bench.host_overhead import fp8_cuda_code_on_cpu
 
     one, q = torch.ones(()), torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
     try:
         torch._scaled_mm(q, q.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     except (AttributeError, NotImplementedError, RuntimeError) as error:
         pytest.skip(f"torch {torch.__version__} has no CPU kernel for torch._scaled_mm: {str(error).splitlines()[0]}")
-    monkeypatch.setattr(fp8, "_scaled_mm_available", fp8.scaled_mm_takes)
-    monkeypatch.setattr(fp8, "runs_fused", lambda x: True)
-    with compat.fp8_traced_as_gpu((9, 0)):
+    with fp8_cuda_code_on_cpu():
         yield
 
 

@@ -46,13 +46,22 @@ NARROW = ["model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=4", "
 
 
 @contextlib.contextmanager
+def fp8_cuda_code_on_cpu() -> Iterator[None]:
+    """FP8 recipes on real CPU tensors as a GPU from sm89 runs them: casts through the compiled functions CUDA calls,
+    GEMMs through torch._scaled_mm (in the CPU's kernel), in eager layers and compiled blocks alike."""
+    from megalm import compat
+    from megalm.precision import fp8
+
+    with compat.fp8_traced_as_gpu((9, 0)), mock.patch.object(fp8, "runs_fused", lambda x: not compat.is_fake(x)), \
+            mock.patch.object(fp8, "_scaled_mm_available", fp8.scaled_mm_takes):
+        yield
+
+
+@contextlib.contextmanager
 def cuda_paths(gemm_seconds: list[float]) -> Iterator[None]:
     """The FP8 recipes' CUDA code on CPU tensors (module docstring); the time inside torch._scaled_mm is appended to
     `gemm_seconds`. The op's CPU kernels (`_scaled_mm` and the `.out` form a compiled graph calls) are replaced, while
     inside, by a timed fp32 emulation, so that eager calls and compiled graphs' calls are both timed."""
-    from megalm import compat
-    from megalm.precision import fp8
-
     def emulated(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,  # noqa: ANN001, ANN202
                  use_fast_accum=False):  # noqa: ANN001 - aten::_scaled_mm's schema
         start = time.perf_counter()
@@ -71,8 +80,7 @@ def cuda_paths(gemm_seconds: list[float]) -> Iterator[None]:
         library.impl("_scaled_mm", emulated, "CPU")
         library.impl("_scaled_mm.out", emulated_out, "CPU")
     try:
-        with compat.fp8_traced_as_gpu((9, 0)), mock.patch.object(fp8, "runs_fused", lambda x: not compat.is_fake(x)), \
-                mock.patch.object(fp8, "_scaled_mm_available", fp8.scaled_mm_takes):
+        with fp8_cuda_code_on_cpu():
             yield
     finally:
         library._destroy()
