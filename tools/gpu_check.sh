@@ -154,6 +154,17 @@ if [ -n "$missing" ]; then
     fi
   fi
 fi
+# torchao (precision.backend=torchao) is optional: installed from $WHEELS/ when the image lacks it and its wheel is there
+if ! "$PYTHON" -c "import torchao" >/dev/null 2>&1; then
+  if ((DRY_RUN)); then
+    report "" "dry run: would install torchao from $WHEELS/ if its wheel is there"
+  elif ls "$WHEELS"/torchao-*.whl >/dev/null 2>&1 && "$PYTHON" -m pip install -q --no-index --no-deps \
+      "$WHEELS"/torchao-*.whl >>"$LOG" 2>&1; then
+    report "" "torchao installed from $WHEELS/ (precision.backend=torchao)"
+  else
+    report "" "torchao not installed (no wheel in $WHEELS/: tools/gpu_wheels.sh adds it); its GPU test skips"
+  fi
+fi
 if ((DRY_RUN)); then
   report "" "dry run: megalm from $ROOT through PYTHONPATH"
 elif "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$LOG" 2>&1; then

@@ -154,10 +154,11 @@ class ForwardFormat(Choice):
 
 
 class PrecisionBackend(Choice):
-    """megalm's own low-precision linears, or Transformer Engine's fp8 recipes."""
+    """megalm's own low-precision linears, Transformer Engine's fp8 recipes, or torchao's float8 training."""
 
     native = "native"
     te = "te"
+    torchao = "torchao"
 
 
 class OffloadPolicy(Choice):

@@ -341,7 +341,8 @@ class PrecisionConfig:
     skip: list[str] = field(default_factory=list)
     """fnmatch patterns of linear layers kept in bf16."""
     backend: PrecisionBackend = PrecisionBackend.native
-    """native (megalm's linears) | te (Transformer Engine's fp8 recipes, when it is installed)."""
+    """native (megalm's linears) | te (Transformer Engine's fp8 recipes, when it is installed) | torchao (torchao's
+    Float8Linear, TorchTitan's fp8, for precision=fp8, when it is installed)."""
     autocast: bool = True
     """fp8/mx recipes: bf16 autocast for the rest of the model (false: fp32 around the recipe). Not read by bf16
     (bf16 weights, no autocast) nor bf16_autocast (autocast over fp32 weights: what bf16 was before)."""

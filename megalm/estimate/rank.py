@@ -342,6 +342,9 @@ def fp8_notes(precision: Any, gpu: str) -> list[str]:
 
     if not has_fp8_gemms(precision):
         return []
+    if getattr(precision, "backend", "native") == "torchao":  # torchao's Float8Linear, traced as it runs
+        return [f"precision={precision.name} on torchao's Float8Linear: its casts and GEMMs traced as its eager ops "
+                "(compiled blocks: as inductor fuses them), dequantized where the GPU has no FP8 tensor cores"]
     gemms = ("the GPU's torch._scaled_mm" if GPUS[gpu].fp8_tflops
              else f"megalm runs them on {gpu}, which has no FP8 tensor cores: dequantized to fp32 GEMMs")
     return [f"precision={precision.name}: FP8 GEMMs traced as {gemms}; each cast to FP8 as the GPU's one compiled "

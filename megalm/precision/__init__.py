@@ -16,6 +16,8 @@
   is bf16.
 - `precision.backend=te` with fp8 / fp8_delayed: Transformer Engine's Linear and fp8 recipes
   (`precision/te.py`) when TE is importable; otherwise the native path, and the log says so.
+- `precision.backend=torchao` with fp8: torchao's Float8Linear (TorchTitan's fp8, `precision/torchao_fp8.py`) when
+  torchao is importable; otherwise the native path, and the log says so.
 
 `Precision` is the model converter the parallelism applies to every model chunk (after tensor
 parallelism, before the pipeline's weight-gradient split and recomputation) and whose forward context
@@ -36,7 +38,7 @@ from megalm import compat
 from megalm.config import MegalmConfig, PrecisionConfig, choice
 from megalm.config.choices import ForwardFormat, PrecisionBackend
 from megalm.errors import ConfigError
-from megalm.precision import fp8, te
+from megalm.precision import fp8, te, torchao_fp8
 from megalm.precision.install import apply_precision, set_precision_step
 from megalm.precision.linear import RECIPES, WeightsVersion, get_recipe, mx_gemm_path
 
@@ -85,9 +87,9 @@ def autocasts(precision: PrecisionConfig | str) -> bool:
 
 def compiles_in_sight(precision: PrecisionConfig) -> bool:
     """Whether every op of a compiled block under this precision is in the compiled graph but the GEMMs: no recipe
-    (fp32, bf16), or megalm's per-tensor current FP8, whose casts are ops of the graph (compiled_linear.py). Other
-    recipes run each linear, casts included, as one opaque op."""
-    return precision.name in WHOLE_MODEL or (
+    (fp32, bf16), megalm's per-tensor current FP8, whose casts are ops of the graph (compiled_linear.py), or
+    torchao's Float8Linear (casts and GEMMs alike). Other recipes run each linear, casts included, as one opaque op."""
+    return precision.name in WHOLE_MODEL or precision.backend == "torchao" or (
         precision.backend == "native" and get_recipe(precision.name, forward=precision.forward).casts_in_graph)
 
 
@@ -140,12 +142,16 @@ class Precision:
             torch.backends.cudnn.allow_tf32 = cfg.tf32
             log.info("fp32 matmuls on %s: %s (precision.tf32=%s)", device, "TF32" if cfg.tf32 else "full fp32",
                      str(cfg.tf32).lower())
+        self.on_torchao = cfg.backend == "torchao" and torchao_fp8.torchao_problem() is None
+        self.fallback = ""
         if cfg.backend == "te" and not self.on_te:
             why = transformer_engine_problem(cfg.name) or "no CUDA device"
             log.warning("precision.backend=te but %s; running the native %s path", why, cfg.name)
             self.fallback = f", {why}"
-        else:
-            self.fallback = ""
+        if cfg.backend == "torchao" and not self.on_torchao:
+            why = torchao_fp8.torchao_problem()
+            log.warning("precision.backend=torchao but %s; running the native %s path", why, cfg.name)
+            self.fallback = f", {why}"
 
     def convert(self, chunk: nn.Module) -> None:
         """Install the recipe on the linear layers of `chunk` (a GPT or a pipeline chunk)."""
@@ -156,6 +162,16 @@ class Precision:
         if self.on_te:
             count = te.apply_te(chunk, name, skip)
             self.note = f"{name} on {count} linear layers (transformer_engine {type(te.te_recipe(name)).__name__})"
+        elif self.on_torchao:
+            emulate = not fp8.scaled_mm_runs(self.device)
+            count, left = torchao_fp8.apply_torchao(chunk, skip, emulate=emulate)
+            how = "FP8 GEMMs emulated: no torch._scaled_mm here" if emulate else "torch._scaled_mm"
+            self.note = f"{name} on {count} linear layers (torchao Float8Linear, tensorwise; {how})"
+            if left:
+                log.warning("precision.backend=torchao: %d linear layers stay in the trainer's precision (a dimension "
+                            "is not a multiple of 16, which torch._scaled_mm needs; precision.backend=native "
+                            "emulates those GEMMs in FP8)", left)
+                self.note += f", {left} layers left unconverted (a dimension not a multiple of 16)"
         else:
             states = apply_precision(chunk, get_recipe(name, forward=self.cfg.forward), skip=skip, seed=self.seed,
                                      weights_version=self.weights_version)
@@ -198,6 +214,8 @@ def validate_precision(cfg: MegalmConfig) -> None:
             raise ConfigError(f"precision.forward={p.forward} applies to the mxfp4 recipes only; "
                               f"remove it for precision={p.name}")
     choice(p.backend, "precision.backend", PrecisionBackend)
+    if p.backend == "torchao":
+        _validate_torchao(cfg)
     if p.backend == "te" and p.name not in te.TE_RECIPES:
         raise ConfigError(f"precision.backend=te runs Transformer Engine's fp8 recipes (fp8, fp8_delayed); "
                           f"precision={p.name} needs precision.backend=native")
@@ -220,3 +238,18 @@ def validate_precision(cfg: MegalmConfig) -> None:
     if p.backend == "te" and parallel.tp > 1:
         raise ConfigError(f"precision.backend=te swaps in TE's Linear, which megalm's tensor parallelism does not "
                           f"shard; use parallel.tp=1 or precision.backend=native (tp={parallel.tp})")
+
+
+def _validate_torchao(cfg: MegalmConfig) -> None:
+    p, parallel = cfg.precision, cfg.parallel
+    if p.name not in torchao_fp8.TORCHAO_RECIPES:
+        raise ConfigError(f"precision.backend=torchao runs precision=fp8 (torchao's tensorwise float8); "
+                          f"precision={p.name} needs precision.backend=native")
+    if parallel.tp > 1:
+        raise ConfigError(f"precision.backend=torchao swaps in torchao's Float8Linear, which megalm's tensor "
+                          f"parallelism does not shard; use parallel.tp=1 or precision.backend=native "
+                          f"(tp={parallel.tp})")
+    if parallel.pp > 1 and parallel.pp_schedule == "zb":
+        raise ConfigError("precision.backend=torchao with parallel.pp_schedule=zb: torchao's layers compute their "
+                          "weight gradients in B, not in the schedule's W; use another parallel.pp_schedule or "
+                          "precision.backend=native")

@@ -20,6 +20,21 @@ from megalm.model.naming import canonical_named_modules, model_chunks
 from megalm.precision.linear import LinearState, Recipe, RecipeGemms, WeightsVersion, get_recipe
 
 
+def _last_layer(model: nn.Module) -> int | None:
+    num_layers = getattr(getattr(model_chunks(model)[0], "cfg", None), "num_layers", None)
+    return None if num_layers is None else num_layers - 1
+
+
+def skip_predicate(model: nn.Module, skip: Iterable[str] | Callable[[str, nn.Module], bool]
+                   ) -> Callable[[str, nn.Module], bool]:
+    """`skip` (fnmatch patterns on canonical layer names, `{last}` the model's last layer; or a predicate on
+    (name, module)) as a predicate: whether a layer stays out of the recipe."""
+    if callable(skip):
+        return skip
+    patterns = _expand(skip, _last_layer(model))
+    return lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
 def _expand(patterns: Iterable[str], last: int | None) -> list[str]:
     """`{last}` (or `{L-1}`) in a pattern is the index of the model's last layer."""
     out = []
@@ -56,14 +71,8 @@ def apply_precision(
     """
     remove_precision(model)
     recipe, weights_version = get_recipe(recipe), weights_version or WeightsVersion()
-    cfg = getattr(model_chunks(model)[0], "cfg", None)
-    last = getattr(cfg, "num_layers", None)
-    last = None if last is None else last - 1
-    if callable(skip):
-        skipped = skip
-    else:
-        skip_patterns = _expand(skip, last)
-        skipped = lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in skip_patterns)
+    last = _last_layer(model)
+    skipped = skip_predicate(model, skip)
     override_patterns = [(p, get_recipe(r)) for p, r in (overrides or {}).items()]
     override_patterns = [(_expand([p], last)[0], r) for p, r in override_patterns]
     states = {}

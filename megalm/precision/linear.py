@@ -58,19 +58,18 @@ copy from tp = 2 on; wgrad casts it again, gathered, with fprop's scale). Bias a
 fp32 (a layer with a bias gets an fp32 GEMM output, adds the bias, then casts). Under torch.autocast the output
 has the autocast dtype, as F.linear's.
 
-Why megalm's own FP8 path and not torchao's float8 training (TorchTitan's converter: `Float8Linear`, tensorwise
-or rowwise, compile-friendly, float8 all-gather under FSDP2). megalm's recipes need what a module swap does not
-give: one GemmSpec per GEMM (E5M2 gradients, rowwise, MX with RHT and stochastic rounding), a seed stream per
-layer call that pipeline schedules and recomputation do not change, the delayed-scaling history, a weight copy
-reused by every micro-batch of a step (Float8Linear casts the weight in every forward unless FSDP2 precomputes
-it), and the zero-bubble schedule's deferred wgrad, all on the same linear layers TP and SP use. The casts are
-torch.compile kernels either way. What would tip it is speed, and the step-cost trace favours megalm's: compiled,
-each against its own bf16, megalm's fp8 gains 1.12x at 1.3B and 1.30x at 8B where TorchTitan's gains 0.99x and 1.18x
-(tools/bench/step_cost.py under precision=fp8 traces both; docs/benchmarks.md); Float8Linear casts the weight from
-fp32 in every forward, where megalm casts it once per optimizer step.
-tools/bench/compare.py runs TorchTitan's fp8 beside megalm's in the same GPU run (tools/gpu_check.sh bench); if
-torchao is ahead there, its `Float8Linear` becomes the CUDA fp8 backend beside TE, as TE is now
-(megalm/precision/te.py).
+Why megalm's own FP8 path beside torchao's float8 training (TorchTitan's converter: `Float8Linear`, tensorwise
+or rowwise, compile-friendly, float8 all-gather under FSDP2), which runs as `precision.backend=torchao`
+(precision/torchao_fp8.py). megalm's recipes need what a module swap does not give: one GemmSpec per GEMM (E5M2
+gradients, rowwise, MX with RHT and stochastic rounding), a seed stream per layer call that pipeline schedules and
+recomputation do not change, the delayed-scaling history, a weight copy reused by every micro-batch of a step
+(Float8Linear casts the weight in every forward unless FSDP2 precomputes it), and the zero-bubble schedule's
+deferred wgrad, all on the same linear layers TP and SP use. For plain fp8 the two compute the same thing (tests
+hold them to 1e-6 in fp32); which is faster decides which is the default there. The step-cost trace favours
+megalm's: compiled, each against its own bf16, megalm's fp8 gains 1.12x at 1.3B and 1.30x at 8B where TorchTitan's
+gains 0.99x and 1.18x (tools/bench/step_cost.py under precision=fp8 traces both; docs/benchmarks.md).
+tools/bench/compare.py runs both backends in megalm's own step (`megalm_compiled` and `megalm_torchao`) beside
+TorchTitan in the same GPU run (tools/gpu_check.sh compare).
 
 Measured error (tests/unit/test_precision_linear.py; CPU, torch 2.13): relative Frobenius error
 ||C - C_exact|| / ||C_exact|| of each GEMM against fp64, x [512, 256], W [256, 256], dy [512, 256];

@@ -45,7 +45,9 @@ TOLERANCES = {
     # FP8 operand noise on top: its own 2.0e-2 gradient-norm difference on the CPU, 3x that (the cosine is FP8's
     # own error too, not a GPU mismatch)
     "fp8": (2e-2, 6e-2, 0.90),
+    "fp8_torchao": (2e-2, 6e-2, 0.90),  # the same recipe through torchao's Float8Linear (precision.backend=torchao)
 }
+BACKENDS = {"fp8_torchao": ("fp8", ["precision.backend=torchao"])}  # a case that is a recipe on another backend
 
 
 @dataclass
@@ -63,7 +65,8 @@ def train_two_steps(run_dir: Path, device: str, precision: str, overrides: list[
     """Two training steps of the 125m model (or the model `overrides` make) through Trainer on `device` in
     `precision`."""
     threads = torch.get_num_threads()
-    cfg = compose_config(*overrides, f"trainer.device={device}", f"precision={precision}", tiny=False)
+    precision, backend = BACKENDS.get(precision, (precision, []))
+    cfg = compose_config(*overrides, f"trainer.device={device}", f"precision={precision}", *backend, tiny=False)
     if device == "cpu":
         cfg.trainer.num_threads = min(os.cpu_count() or 1, 16)  # the fp32 reference: use the machine's cores
     try:
@@ -92,10 +95,14 @@ def cpu_fp32(tmp_path_factory) -> StepRun:
     return train_two_steps(tmp_path_factory.mktemp("cpu_fp32"), "cpu", "fp32")
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "fp8_torchao"])
 def test_125m_step_on_cuda_matches_cpu_fp32(precision: str, cpu_fp32: StepRun, tmp_path, caplog) -> None:
-    if precision == "fp8" and capability() < (8, 9):
+    from megalm.precision.torchao_fp8 import torchao_problem
+
+    if precision.startswith("fp8") and capability() < (8, 9):
         pytest.skip(f"FP8 GEMMs need compute capability 8.9+, this GPU has {capability()}")
+    if precision == "fp8_torchao" and torchao_problem() is not None:
+        pytest.skip(torchao_problem())
     attention._resolve_backend.cache_clear()  # the backend is logged once per (device, dtype)
     with caplog.at_level(logging.INFO, logger="megalm"):
         got = train_two_steps(tmp_path, "cuda", precision)
@@ -109,9 +116,11 @@ def test_125m_step_on_cuda_matches_cpu_fp32(precision: str, cpu_fp32: StepRun, t
     if capability() >= (8, 0):
         assert {b for b, _ in backends} <= {"flash_attn", "torch_varlen"}, f"attention fell back: {backends}"
     assert re.search(r"fp32 matmuls on cuda\S*: TF32 \(precision\.tf32=true\)", caplog.text)
-    if precision == "fp8":
-        assert "FP8 GEMMs torch._scaled_mm" in got.note, got.note
-        assert got.scaled_mm_calls > 0, "precision=fp8 on an FP8 GPU ran no torch._scaled_mm"
+    if precision.startswith("fp8"):
+        path = "torchao Float8Linear, tensorwise; torch._scaled_mm" if precision == "fp8_torchao" else \
+            "FP8 GEMMs torch._scaled_mm"
+        assert path in got.note, got.note
+        assert got.scaled_mm_calls > 0, f"precision={precision} on an FP8 GPU ran no torch._scaled_mm"
     else:
         assert got.note == "bf16 (bf16 weights, fp32 main weights and gradient sums)", got.note  # the default recipe
 

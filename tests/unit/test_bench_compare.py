@@ -154,3 +154,23 @@ def test_the_compiled_megalm_row_compiles_and_runs_on_cuda_only(monkeypatch):
     compiled = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, compile=True))
     compile_entry = compare.megalm_kernels(trainer, compiled, 1, cpu)["compile"]
     assert compile_entry.startswith("torch.compile per transformer block")
+
+
+def test_the_torchao_megalm_row_runs_fp8_cells_on_torchao_compiled_on_cuda(monkeypatch):
+    """megalm_torchao is megalm's own run with precision.backend=torchao (TorchTitan's FP8 linears in megalm's step),
+    compiled per block on CUDA as TorchTitan's are; in a bf16 cell a skip that says it would be the megalm row."""
+    import torch
+
+    from tests.conftest import compose_config
+    from tests.unit.test_compare_peers import compare
+
+    with pytest.raises(compare.Skip, match="this is the megalm row"):
+        compare.run_megalm_torchao(compose_config("precision=bf16"), [], torch.device("cuda"), 0, 1)
+    monkeypatch.setattr("megalm.precision.torchao_fp8.torchao_problem", lambda: None)
+    seen = []
+    monkeypatch.setattr(compare, "run_megalm", lambda cfg, *args: seen.append((cfg.precision.backend,
+                                                                                cfg.trainer.compile)))
+    for device in ("cuda", "cpu"):
+        compare.run_megalm_torchao(compose_config("precision=fp8"), [], torch.device(device), 0, 1)
+    assert seen == [("torchao", True), ("torchao", False)]
+    assert compare.RUNNERS["megalm_torchao"] is compare.run_megalm_torchao

@@ -13,10 +13,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_cuda_paths_send_fp8_gemms_through_scaled_mm():
+    """fp8 on both backends (`fp8+torchao`: precision.backend=torchao, when torchao is importable)."""
+    from megalm.precision.torchao_fp8 import torchao_problem
+
+    precisions = ["bf16", "fp8"] + ["fp8+torchao"] * (torchao_problem() is None)
     proc = subprocess.run([sys.executable, str(ROOT / "tools/bench/host_overhead.py"), "model=tiny",
-                           "model.num_layers=2", "--precisions", "bf16", "fp8", "--cuda-paths", "--steps", "2",
+                           "model.num_layers=2", "--precisions", *precisions, "--cuda-paths", "--steps", "2",
                            "--warmup", "1", "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {row["precision"]: row for row in json.loads(proc.stdout.strip().splitlines()[-1])}
-    assert rows["bf16"]["scaled_mm_ms"] == 0.0 and rows["fp8"]["scaled_mm_ms"] > 0.0, rows
+    assert rows.keys() == set(precisions), rows
+    assert rows["bf16"]["scaled_mm_ms"] == 0.0 and all(rows[p]["scaled_mm_ms"] > 0.0 for p in precisions[1:]), rows
     assert all(row["layers"] == 2 and row["host_ms"] > 0 for row in rows.values()), rows

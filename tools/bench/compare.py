@@ -18,6 +18,9 @@ AdamW, no activation recomputation. The peers' versions are pinned in one place,
 - megalm_compiled, labelled "megalm (trainer.compile=true)": the same with each transformer block compiled by
   inductor, the setting to set beside TorchTitan's compiled blocks; CUDA only (skipped on a CPU, saying so). The
   first GPU run (H200, 2026-11-28) measured megalm eager only, and compiled blocks 1.15x faster in throughput.py.
+- megalm_torchao, labelled "megalm (precision.backend=torchao)": fp8 cells only, megalm's step with torchao's
+  Float8Linear as its FP8 linears (the ones TorchTitan's fp8 runs; megalm/precision/torchao_fp8.py), compiled per
+  block on CUDA as TorchTitan's are (eager elsewhere): beside megalm_compiled, the two FP8 backends in one trainer.
 - megatron, labelled "megatron (custom spec: SDPA core attention)": Megatron-Core's `GPTModel` on
   `get_gpt_layer_local_spec` with its `core_attention` swapped for `SDPACoreAttention` below (torch SDPA,
   `is_causal=True`, which picks the flash or cuDNN kernel on an H100), since the GPU image has neither
@@ -53,7 +56,9 @@ it has no fp8); steps from megalm's FLOPs at ~400 TFLOP/s effective (15.9 TFLOP 
 0.04 s and 0.37 s) -> 13 steps x (10 x 0.04 + 10 x 0.37 s) = 54 s, doubled for slower peers: ~110 s; model,
 optimizer and data builds ~4 s (125m) / 6 s (1.3b) a run: ~100 s; compiles: TorchTitan's blocks and loss ~45 s
 cold in each of its 4 cells plus ~10 s warm for the repeat: ~220 s, Megatron's fusions ~40 s, megalm's FP8 cast
-~20 s; start-up ~30 s. Total ~520 s (~9 minutes). Each further (shape, seq) adds ~2 to 3 minutes.
+~20 s; start-up ~30 s. Total ~520 s (~9 minutes). Each further (shape, seq) adds ~2 to 3 minutes. Measured on one
+H200 (2026-11-28): 189 s, before megalm_compiled and megalm_torchao joined the grid (12 more runs, each compiling
+its blocks: ~420 s estimated with them).
 """
 
 from __future__ import annotations
@@ -91,9 +96,10 @@ from throughput import compose_config, synchronize  # noqa: E402
 from megalm.config import MegalmConfig, ModelConfig  # noqa: E402
 from megalm.training.flops import peak_flops, training_flops  # noqa: E402
 
-FRAMEWORKS = ("megalm", "megalm_compiled", "megatron", "torchtitan")
+FRAMEWORKS = ("megalm", "megalm_compiled", "megalm_torchao", "megatron", "torchtitan")
 # What each row is called: Megatron-Core runs a spec of ours, which the label must say.
 LABELS = {"megalm": "megalm", "megalm_compiled": "megalm (trainer.compile=true)",
+          "megalm_torchao": "megalm (precision.backend=torchao)",
           "megatron": "megatron (custom spec: SDPA core attention)", "torchtitan": "torchtitan (llama3)"}
 PEERS_FILE = Path(__file__).resolve().parents[1] / "compare_peers.txt"
 # --tiny: a shape every framework builds on a CPU in a second (the model=tiny config, shrunk further).
@@ -321,7 +327,7 @@ def megalm_kernels(trainer: Any, cfg: MegalmConfig, batch: int, device: torch.de
                                        compute_dtype(name), device) + ")"
     gemm = (gemm_kernels(device, name, "megalm's Linear (F.linear)", bf16=trainer.precision.note)  # no autocast
             if name in ("fp32", "bf16") else f"megalm {trainer.precision.note}")
-    fp8_cast = device.type == "cuda" and name.startswith("fp8")
+    fp8_cast = device.type == "cuda" and name.startswith("fp8") and cfg.precision.backend == "native"
     compiled = "torch.compile per transformer block (inductor), the rest eager"
     eager = "eager" + ("; its FP8 casts are one torch.compile'd kernel" if fp8_cast else "")
     return {"attention": attention, "gemm": gemm, "compile": compiled if cfg.trainer.compile else eager,
@@ -350,6 +356,21 @@ def run_megalm_compiled(cfg: MegalmConfig, batches: list[torch.Tensor], device: 
     if device.type != "cuda":
         raise Skip("megalm's compiled blocks are compared on CUDA only")
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, compile=True))
+    return run_megalm(cfg, batches, device, warmup, steps)
+
+
+def run_megalm_torchao(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.device, warmup: int,
+                       steps: int) -> Run:
+    """megalm with `precision.backend=torchao` in the fp8 cells: torchao's Float8Linear in megalm's step, compiled
+    per block on CUDA as TorchTitan compiles it (eager on a CPU, where inductor would build C++ kernels)."""
+    from megalm.precision.torchao_fp8 import torchao_problem
+
+    if not cfg.precision.name.startswith("fp8"):
+        raise Skip(f"torchao's float8 replaces fp8's linears only: in {cfg.precision.name} this is the megalm row")
+    if torchao_problem() is not None:
+        raise Skip(torchao_problem())
+    cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, backend="torchao"),
+                              trainer=dataclasses.replace(cfg.trainer, compile=device.type == "cuda"))
     return run_megalm(cfg, batches, device, warmup, steps)
 
 
@@ -661,6 +682,7 @@ def run_torchtitan(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch
 
 
 RUNNERS: dict[str, Callable[..., Run]] = {"megalm": run_megalm, "megalm_compiled": run_megalm_compiled,
+                                          "megalm_torchao": run_megalm_torchao,
                                           "megatron": run_megatron, "torchtitan": run_torchtitan}
 
 

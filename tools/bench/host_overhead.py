@@ -1,12 +1,15 @@
 """Host time of a training step: what Python and the dispatcher cost per step, apart from the kernels.
 
     python tools/bench/host_overhead.py model=1.3b --precisions bf16 fp8 --cuda-paths
+    python tools/bench/host_overhead.py model=1.3b --precisions bf16 fp8 fp8+torchao --cuda-paths
 
 A GPU runs a step no faster than the host can launch it. This times the real `Trainer.train_step` of a model with
 the overrides' layer count but a width of 64 and 128 tokens (model.* overrides after the flags change the shape),
 on the CPU, where every kernel is then tiny: the step's time is nearly all host work (Python, autograd, the
 dispatcher), the part a GPU's faster kernels cannot hide. It prints the median over `--steps` per precision and each
-one's ratio to the first.
+one's ratio to the first. Each sequence is one synthetic document: a GPU's varlen attention is one kernel call
+whatever the documents, where the CPU's loops over them in Python, and under `trainer.compile=true` breaks the
+block's graph there (since 2026-11-29; before, the rows below that date read the default data's documents).
 
 `--cuda-paths` runs the FP8 recipes' CUDA code on the CPU: casts as the compiled functions CUDA calls
 (`fp8._quantize_fused`) and GEMMs through `torch._scaled_mm` (in compiled blocks, as ops of the graph), instead of the
@@ -90,8 +93,9 @@ def measure(overrides: list[str], steps: int, warmup: int, on_cuda_paths: bool) 
     """Median host ms per step (and ms inside torch._scaled_mm, left out of it) of one precision."""
     from megalm.training.trainer import Trainer
 
-    cfg = compose_config(NARROW + overrides)
+    cfg = compose_config(NARROW + ["data=synthetic", "data.varlen=true"] + overrides)
     cfg.trainer.max_steps = warmup + steps
+    cfg.data.synthetic.fixed_doc_length = cfg.model.seq_length + 1  # one document per sequence (docstring)
     gemm: list[float] = []
     times, in_gemm = [], []
     with tempfile.TemporaryDirectory() as run_dir, cuda_paths(gemm) if on_cuda_paths else contextlib.nullcontext():
@@ -111,7 +115,8 @@ def measure(overrides: list[str], steps: int, warmup: int, on_cuda_paths: bool) 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--precisions", nargs="+", default=["bf16", "fp8"], help="recipes to time, in turn")
+    parser.add_argument("--precisions", nargs="+", default=["bf16", "fp8"],
+                        help="recipes to time, in turn; RECIPE+BACKEND sets precision.backend (fp8+torchao)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per precision")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compiles, caches)")
     parser.add_argument("--cuda-paths", action="store_true", help="run the FP8 recipes' CUDA code on the CPU")
@@ -124,8 +129,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.set_num_threads(1)  # one thread, as a training process's host loop runs
     rows = []
     for precision in args.precisions:
-        row = {"precision": precision, **measure([f"precision={precision}", *overrides], args.steps, args.warmup,
-                                                 args.cuda_paths)}
+        name, _, backend = precision.partition("+")
+        recipe = [f"precision={name}"] + ([f"precision.backend={backend}"] if backend else [])
+        row = {"precision": precision, **measure([*recipe, *overrides], args.steps, args.warmup, args.cuda_paths)}
         rows.append(row)
     print(f"host time per step, {rows[0]['layers']} layers at width {rows[0]['hidden']}, {rows[0]['tokens']} tokens, "
           "one micro-batch"

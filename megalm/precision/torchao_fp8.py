@@ -1,0 +1,69 @@
+"""torchao's float8 training on megalm's linear layers (`precision=fp8 precision.backend=torchao`).
+
+Why a third fp8 path: torchao's `Float8Linear` is TorchTitan's fp8 (its `quantize.linear.float8` converter), written
+for torch.compile: under compiled blocks its casts, amaxes and `torch._scaled_mm` calls are ops of the graph. On the
+first GPU run (docs/benchmarks.md) TorchTitan's compiled fp8 ran 1.16x its bf16 where megalm's eager fp8 ran 0.83x
+its own. With this backend the same trainer, model, data and step run either implementation, so one GPU run
+compares the backends and nothing else (`megalm_torchao` in tools/bench/compare.py), and the faster one can be
+kept. megalm's native path (precision/linear.py) stays the default: it also runs the recipes torchao has no form
+for (delayed scaling, MX, the zero-bubble schedule's deferred weight gradients, tensor and sequence parallelism).
+
+How, from outside the model (docs/architecture.md): `convert_to_float8_training` swaps every selected model
+`Linear` (an nn.Linear) for a `Float8Linear` holding the same weight and bias Parameters, so names,
+initialisation, checkpoints and the optimizer see no change. The recipe is torchao's tensorwise dynamic scaling,
+which is megalm's `fp8`: E4M3 input and weight, E5M2 output gradient, one scale per tensor from its current amax.
+On a CPU both emulate the FP8 GEMMs, and a layer's output and both gradients agree to about 1e-7 (fp32) between
+them (tests/unit/test_precision_torchao.py). What differs: `Float8Linear` casts the weight in every forward (the
+native path once per optimizer step) and keeps the input and weight in their own dtype for the backward (the
+native path keeps the input's FP8 copy); its forward GEMM accumulates fast, as TorchTitan runs it.
+
+Where `torch._scaled_mm` does not run (a CPU, a GPU below compute capability 8.9) torchao emulates
+(`Float8LinearConfig(emulate=True)`: the casts round as on a GPU, the GEMMs run in the inputs' dtype), as the native
+path does there; the start-up log says which.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+from megalm.model.linear import Linear
+from megalm.model.naming import canonical_named_modules
+from megalm.precision.install import skip_predicate
+
+TORCHAO_RECIPES = ("fp8",)
+SCALED_MM_MULTIPLE = 16  # torch._scaled_mm's rule for every GEMM dimension
+TORCHAO_MIN_VERSION = (0, 17)  # the release tools/compare_peers.txt pins for TorchTitan; converts and trains there
+
+
+@functools.cache
+def torchao_problem() -> str | None:
+    """Why torchao's float8 training cannot run here (with the fix), or None. Cached: asked once per model chunk."""
+    try:
+        import torchao
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: F401
+    except Exception as e:  # ImportError, or a build that does not load on this torch
+        return f"torchao is not importable ({type(e).__name__}: {e}); pip install 'torchao>=0.17'"
+    found = tuple(int(part) for part in str(getattr(torchao, "__version__", "0.0")).split(".")[:2] if part.isdigit())
+    if found < TORCHAO_MIN_VERSION:
+        floor = ".".join(map(str, TORCHAO_MIN_VERSION))
+        return f"torchao {torchao.__version__} is older than {floor}; pip install 'torchao>={floor}'"
+    return None
+
+
+def apply_torchao(model: nn.Module, skip: list[str] | tuple[str, ...] = (), emulate: bool = False) -> tuple[int, int]:
+    """Swap the model `Linear` layers of `model` not matched by `skip` (as `apply_precision` reads it) for torchao
+    `Float8Linear` layers with tensorwise scaling and the same Parameters. `emulate`: FP8 casts with GEMMs in the
+    inputs' dtype (no torch._scaled_mm). Returns (layers swapped, layers left as they are because torch._scaled_mm
+    takes no dimension that is not a multiple of 16: megalm's native path emulates those, torchao's would fail)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    skipped = skip_predicate(model, skip)
+    layers = [module for name, module in canonical_named_modules(model)
+              if type(module) is Linear and not skipped(name, module)]
+    chosen = {id(module) for module in layers
+              if emulate or (module.in_features % SCALED_MM_MULTIPLE == 0 == module.out_features % SCALED_MM_MULTIPLE)}
+    convert_to_float8_training(model, module_filter_fn=lambda module, _fqn: id(module) in chosen,
+                               config=Float8LinearConfig(emulate=emulate))
+    return len(chosen), len(layers) - len(chosen)
