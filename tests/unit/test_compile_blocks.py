@@ -196,21 +196,15 @@ def _recording_backend(graphs: dict[str, list[str]]):
     return aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
 
 
-@pytest.mark.parametrize("layout", [[], ["offload.enabled=true", "offload.min_tensor_bytes=0"],
-                                    ["parallel.recompute=selective"]], ids=["plain", "offload", "recompute"])
-def test_where_scaled_mm_runs_fp8_trains_compiled_as_eager_with_its_gemms_in_the_graph(tmp_path, scaled_mm_on_cpu,
-                                                                                     layout):
-    """Where torch._scaled_mm takes a layer's GEMMs, a compiled block runs them as ops of its graph, from the weight
-    FP8 copies made before the block runs (once per optimizer step), and no op pair: the forward graph has a
-    `_scaled_mm` per recipe layer, the backward two, and neither calls the recipe's ops. Trained 3 steps (the weights
-    change after each, so a stale copy would show from the second loss on): the same losses and weights as eager.
-    With layer offload the weight copies the graph keeps for its backward stay in place, as weights do: the compiled
-    blocks offload what the eager ones do, give or take the scales of the calls (4 bytes each, which the eager path
-    keeps in the call's state, not in autograd's saved tensors; the copies would be 1 byte a weight)."""
-    from megalm.model.linear import linear_modules
+def train_compiled_against_eager(tmp_path, overrides: list[str], fp8_layers_per_block
+                                 ) -> tuple[Trainer, Trainer, dict[str, list[str]]]:
+    """3 steps of `overrides` in eager and with blocks compiled by a recording aot_eager: the same losses (1e-6) and
+    weights; no break; one graph each (shared by every block; on torch 2.9 recompute's inner function is a frame of
+    its own, and the graphs of both hold the block's GEMMs), every graph with GEMMs holding a `_scaled_mm` per FP8
+    layer of the block (`fp8_layers_per_block(model)`) in its forward and two in its backward. Returns both trainers
+    and the graphs' text."""
     from megalm.training.compile import compile_blocks
 
-    overrides = [*EQUAL_DOCS, "precision=fp8", *FP32_ACTIVATIONS, *layout]
     eager = Trainer(compose_config(*overrides), tmp_path / "eager")
     torch._dynamo.reset()
     counters.clear()
@@ -226,12 +220,29 @@ def test_where_scaled_mm_runs_fp8_trains_compiled_as_eager_with_its_gemms_in_the
         # 20,480-24,576 weights by up to 2.3e-4 in 3 steps (2.11 and 2.13: all within 1e-5)
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-3, msg=lambda m, name=name: f"{name}: {m}")
     assert not counters["graph_break"], dict(counters["graph_break"])
-    per_block = sum(m.gemm_recipe is not None for m in linear_modules(compiled.model.layers[1]))
-    # one graph each, shared by every block (on torch 2.9 recompute's inner function is a frame of its own, and the
-    # graphs of both hold the block's GEMMs): every graph with GEMMs has the block's
+    per_block = fp8_layers_per_block(compiled.model)
     assert len(graphs["forward"]) == len(graphs["backward"]) <= 2, graphs
     gemms = {kind: {graph.count("aten._scaled_mm.default") for graph in graphs[kind]} - {0} for kind in graphs}
     assert per_block > 0 and gemms == {"forward": {per_block}, "backward": {2 * per_block}}, gemms
+    return eager, compiled, graphs
+
+
+@pytest.mark.parametrize("layout", [[], ["offload.enabled=true", "offload.min_tensor_bytes=0"],
+                                    ["parallel.recompute=selective"]], ids=["plain", "offload", "recompute"])
+def test_where_scaled_mm_runs_fp8_trains_compiled_as_eager_with_its_gemms_in_the_graph(tmp_path, scaled_mm_on_cpu,
+                                                                                     layout):
+    """Where torch._scaled_mm takes a layer's GEMMs, a compiled block runs them as ops of its graph, from the weight
+    FP8 copies made before the block runs (once per optimizer step), and no op pair: the forward graph has a
+    `_scaled_mm` per recipe layer, the backward two, and neither calls the recipe's ops. Trained 3 steps (the weights
+    change after each, so a stale copy would show from the second loss on): the same losses and weights as eager.
+    With layer offload the weight copies the graph keeps for its backward stay in place, as weights do: the compiled
+    blocks offload what the eager ones do, give or take the scales of the calls (4 bytes each, which the eager path
+    keeps in the call's state, not in autograd's saved tensors; the copies would be 1 byte a weight)."""
+    from megalm.model.linear import linear_modules
+
+    recipe_layers = lambda model: sum(m.gemm_recipe is not None for m in linear_modules(model.layers[1]))  # noqa: E731
+    overrides = [*EQUAL_DOCS, "precision=fp8", *FP32_ACTIVATIONS, *layout]
+    eager, compiled, graphs = train_compiled_against_eager(tmp_path, overrides, recipe_layers)
     assert "megalm" not in "".join(graphs["forward"] + graphs["backward"])
     assert all(getattr(m.gemm_recipe, "graph_weights", None) is None for m in linear_modules(compiled.model)), \
         "the copies are the graph's inputs for one call only"

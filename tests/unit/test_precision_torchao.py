@@ -25,7 +25,7 @@ from megalm.precision.linear import get_recipe
 from megalm.training.trainer import Trainer
 from megalm.training.validation import validate_run
 from tests.conftest import compose_config
-from tests.unit.test_compile_blocks import EQUAL_DOCS, _recording_backend, scaled_mm_on_cpu  # noqa: F401
+from tests.unit.test_compile_blocks import EQUAL_DOCS, scaled_mm_on_cpu, train_compiled_against_eager  # noqa: F401
 
 pytestmark = pytest.mark.skipif(torchao_fp8.torchao_problem() is not None,
                                 reason=f"{torchao_fp8.torchao_problem()}")
@@ -139,24 +139,8 @@ def test_compiled_blocks_run_torchao_casts_and_gemms_in_their_graphs(tmp_path, s
                                                                       layout):
     """As TorchTitan compiles Float8Linear: one `_scaled_mm` per layer in a block's forward graph, two in its
     backward, no break, and the losses and weights of the eager run."""
-    from megalm.training.compile import compile_blocks
-
-    overrides = [*EQUAL_DOCS, *TORCHAO, *FP32_AROUND, *layout]
-    eager = Trainer(compose_config(*overrides), tmp_path / "eager")
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = Trainer(compose_config(*overrides), tmp_path / "compiled")
-    graphs: dict[str, list[str]] = {}
-    compile_blocks(compiled.model, _recording_backend(graphs))
-    for step in range(3):
-        a, b = eager.train_step(step), compiled.train_step(step)
-        assert b.loss == pytest.approx(a.loss, rel=1e-6, abs=1e-7), step
-    for (name, p), (_, q) in zip(eager.model.named_parameters(), compiled.model.named_parameters(), strict=True):
-        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-3, msg=lambda m, name=name: f"{name}: {m}")
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    per_block = sum(type(m).__name__ == "Float8Linear" for m in compiled.model.layers[1].modules())
-    gemms = {kind: {graph.count("aten._scaled_mm.default") for graph in graphs[kind]} - {0} for kind in graphs}
-    assert per_block > 0 and gemms == {"forward": {per_block}, "backward": {2 * per_block}}, gemms
+    float8_layers = lambda model: sum(type(m).__name__ == "Float8Linear" for m in model.layers[1].modules())  # noqa: E731
+    train_compiled_against_eager(tmp_path, [*EQUAL_DOCS, *TORCHAO, *FP32_AROUND, *layout], float8_layers)
 
 
 @pytest.mark.parametrize("gpu_like", [False, True], ids=["emulated", "scaled_mm"])
