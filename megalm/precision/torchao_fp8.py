@@ -43,8 +43,12 @@ def torchao_problem() -> str | None:
     try:
         import torchao
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: F401
-    except Exception as e:  # ImportError, or a build that does not load on this torch
-        return f"torchao is not importable ({type(e).__name__}: {e}); pip install 'torchao>=0.17'"
+    except Exception as e:  # ImportError, or a release that does not load on this torch
+        import torch
+
+        return (f"torchao is not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); pip "
+                f"install a torchao release that loads on torch {torch.__version__.split('+')[0]} ('torchao>=0.17'; "
+                "0.17 loads on torch 2.9, 2.11 and 2.13, 0.18 not on 2.9)")
     found = tuple(int(part) for part in str(getattr(torchao, "__version__", "0.0")).split(".")[:2] if part.isdigit())
     if found < TORCHAO_MIN_VERSION:
         floor = ".".join(map(str, TORCHAO_MIN_VERSION))
