@@ -73,6 +73,7 @@ ROOFLINE_EFFICIENCY = 0.5
 TP_TRANSFERS = {"none": 10, "selective": 13, "full": 13}
 CLOSED_FORM_MARGIN = 1.1  # the closed form may be this optimistic and still be confirmed (0.96-1.27x at 70B)
 SEARCH_NOTE = "global batch not given: trainer.global_batch_size = --world sequences of model.seq_length"
+REFUSALS_SHOWN = 5  # refused layouts named in the notes; the rest counted
 
 
 @dataclass(frozen=True)
@@ -368,13 +369,13 @@ def search(overrides: list[str], world: int, gpu: str, top: int = 5, max_confirm
     for layout, closed_peak, closed_rate in hopeful:
         if len(found) >= top or tried >= max_confirm or time.perf_counter() - start > budget_s:
             break
-        tried += 1
         stages = [(role, stage) for role, stage in roles(layout.pp) if role != "middle stage"]
         try:
             ranks = [shallow_rank(base, layout, shape, stage, role, gpu) for role, stage in stages]
-        except ConfigError as error:
+        except ConfigError as error:  # the config's rules refuse it before any trace: not one of the tries
             refused.append(f"{' '.join(layout.overrides())}: {error}")
             continue
+        tried += 1
         micro_batches = shape.global_batch // (layout.dp * shape.micro_batch)
         step = max(r.compute_s * _bubble(layout.pp, micro_batches, layout.vpp) + r.comm_s for r in ranks)
         peak = max(r.peak_bytes for r in ranks)
@@ -392,7 +393,9 @@ def search(overrides: list[str], world: int, gpu: str, top: int = 5, max_confirm
                       "closed_form": {"peak_bytes": closed_peak, "tokens_per_s": closed_rate},
                       "ranks": [{"role": r.role, "rank": r.rank, "peak_bytes": r.peak_bytes} for r in ranks]})
     found.sort(key=lambda f: -f["tokens_per_s"])
-    notes += [f"refused by the config's rules: {reason}" for reason in refused]
+    notes += [f"refused by the config's rules: {reason}" for reason in refused[:REFUSALS_SHOWN]]
+    if len(refused) > REFUSALS_SHOWN:
+        notes.append(f"... and {len(refused) - REFUSALS_SHOWN} more layouts the config's rules refused")
     return {"world": world, "gpu": gpu, "hbm_bytes": memory, "global_batch": shape.global_batch,
             "candidates": len(candidates), "fit_closed_form": len(hopeful), "confirmed": tried, "layouts": found,
             "seconds": time.perf_counter() - start, "notes": notes}

@@ -65,11 +65,12 @@ gradients, rowwise, MX with RHT and stochastic rounding), a seed stream per laye
 recomputation do not change, the delayed-scaling history, a weight copy reused by every micro-batch of a step
 (Float8Linear casts the weight in every forward unless FSDP2 precomputes it), and the zero-bubble schedule's
 deferred wgrad, all on the same linear layers TP and SP use. For plain fp8 the two compute the same thing (tests
-hold them to 1e-6 in fp32); which is faster decides which is the default there. The step-cost trace favours
-megalm's: compiled, each against its own bf16, megalm's fp8 gains 1.12x at 1.3B and 1.30x at 8B where TorchTitan's
-gains 0.99x and 1.18x (tools/bench/step_cost.py under precision=fp8 traces both; docs/benchmarks.md).
-tools/bench/compare.py runs both backends in megalm's own step (`megalm_compiled` and `megalm_torchao`) beside
-TorchTitan in the same GPU run (tools/gpu_check.sh compare).
+hold them to 1e-6 in fp32); which is faster decides which is the default there. The step-cost trace does not
+decide it: in megalm's own step the two compiled backends are within 2.4% of each other (47.79 and 48.95 ms at 1.3B,
+megalm's ahead), and what puts megalm's fp8 at 1.12x its bf16 where TorchTitan's is at 0.99x is mostly the step
+around the linears (tools/bench/step_cost.py; docs/benchmarks.md). tools/bench/compare.py runs both backends in
+megalm's own step (`megalm_compiled` and `megalm_torchao`) beside TorchTitan in the same GPU run
+(tools/gpu_check.sh compare).
 
 Measured error (tests/unit/test_precision_linear.py; CPU, torch 2.13): relative Frobenius error
 ||C - C_exact|| / ||C_exact|| of each GEMM against fp64, x [512, 256], W [256, 256], dy [512, 256];

@@ -15,7 +15,9 @@ which is megalm's `fp8`: E4M3 input and weight, E5M2 output gradient, one scale 
 On a CPU both emulate the FP8 GEMMs, and a layer's output and both gradients agree to about 1e-7 (fp32) between
 them (tests/unit/test_precision_torchao.py). What differs: `Float8Linear` casts the weight in every forward (the
 native path once per optimizer step) and keeps the input and weight in their own dtype for the backward (the
-native path keeps the input's FP8 copy); its forward GEMM accumulates fast, as TorchTitan runs it.
+native path keeps the input's FP8 copy), casting both again in the backward; its forward GEMM accumulates fast, as
+TorchTitan runs it. Under FSDP (torch's `fully_shard`) the weights are gathered in their own dtype and cast after
+the gather, as the native path casts them: torchao's float8 all-gather (`enable_fsdp_float8_all_gather`) stays off.
 
 Where `torch._scaled_mm` does not run (a CPU, a GPU below compute capability 8.9) torchao emulates
 (`Float8LinearConfig(emulate=True)`: the casts round as on a GPU, the GEMMs run in the inputs' dtype), as the native

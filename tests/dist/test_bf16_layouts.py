@@ -46,6 +46,8 @@ def check_layout(rank: int, world_size: int, overrides: list[str], tmp: str) -> 
     model = [o for o in overrides if o.startswith(("model.", "precision"))]  # the model and recipe of both runs
     one = Trainer(compose_config(*BF16, *model), f"{tmp}/one{rank}", mesh=ParallelMesh(ParallelDims()))
     par = Trainer(compose_config(*BF16, *overrides), f"{tmp}/par")
+    if "precision.backend=torchao" in overrides:  # the layout runs torchao's layers, not a fallback to the native path
+        assert "torchao Float8Linear" in par.precision.note and "torchao Float8Linear" in one.precision.note
     one.forward_backward(0)
     par.forward_backward(0)
     full = summed_grads(one)
@@ -72,9 +74,10 @@ LAYOUTS = {
     "dp2_fsdp": (2, ["parallel.dp=2", "parallel.fsdp=true"]),
     # an fp8 recipe on bf16 weights (precision.bf16_weights): its GEMMs quantize bf16, its gradients sum in fp32
     "dp2_fp8_bf16_weights": (2, ["parallel.dp=2", "precision=fp8", "precision.bf16_weights=true"]),
-    # torchao's Float8Linear (precision.backend=torchao) on bf16 weights, over DP and in a pipeline
+    # torchao's Float8Linear (precision.backend=torchao) on bf16 weights, over DP, in a pipeline and under FSDP
     "dp2_fp8_torchao": (2, ["parallel.dp=2", *TORCHAO_BF16]),
     "pp2_fp8_torchao": (2, ["parallel.pp=2", *TORCHAO_BF16]),
+    "dp2_fsdp_fp8_torchao": (2, ["parallel.dp=2", "parallel.fsdp=true", *TORCHAO_BF16]),
 }
 
 

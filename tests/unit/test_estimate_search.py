@@ -131,3 +131,29 @@ def test_the_closed_form_prices_an_moe_model_by_its_experts():
     model = resolve_model_defaults(compose_config(overrides).model)
     head = model.hidden_size * model.padded_vocab_size
     assert layout_search.active_layer_params(shape) * model.num_layers == matmul_params(model) - head
+
+
+def test_layouts_the_rules_refuse_are_not_counted_as_confirmations(monkeypatch):
+    """Under a backend that runs tp = 1 only (precision.backend=torchao, te), the closed form's best layouts may all be
+    refused: each is named (the first five) or counted in the notes, and the `max_confirm` tries go to layouts the
+    rules admit. The estimator's runs are stubbed: what is checked is which layouts reach them."""
+    from types import SimpleNamespace
+
+    from megalm.errors import ConfigError
+
+    refused, reached = set(), []
+
+    def shallow_rank(base, layout, shape, stage, role, gpu):
+        if layout in refused or len(refused) < 7:  # the closed form's 7 best (the stages of one layout agree)
+            refused.add(layout)
+            raise ConfigError(f"{layout} refused")
+        reached.append(layout)
+        return SimpleNamespace(compute_s=1.0, comm_s=0.0, peak_bytes=1, role=role, rank=0)
+
+    monkeypatch.setattr(layout_search, "shallow_rank", shallow_rank)
+    result = layout_search.search([*SMALL, "trainer.micro_batch_size=1", "trainer.global_batch_size=16"], 4, "h100",
+                                  top=8, max_confirm=2)
+    refusals = [n for n in result["notes"] if n.startswith(("refused by the config's rules", "... and"))]
+    assert result["confirmed"] == 2 and refusals, result
+    assert len({*reached}) == 2 and not refused & {*reached}
+    assert len(refusals) == layout_search.REFUSALS_SHOWN + 1 and refusals[-1].startswith("... and 2 more"), refusals

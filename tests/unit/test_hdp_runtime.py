@@ -210,3 +210,18 @@ def test_one_process_hdp_with_a_token_budget_and_no_validation_split(make_config
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     loads = [r["hdp_rank_tokens"] for r in records if "step" in r]
     assert loads and all(len(x) == 1 and x[0] > 0 for x in loads)
+
+
+def test_the_trainers_cost_model_holds_the_runs_capacity_whatever_the_presets_memory_says():
+    """Unset `parallel.hdp_cost`, the trainer balances with the first-principles preset of its model's shape. That
+    preset's H100 memory model finds no room for 70B's state at tp = 1 (110 GiB a GPU), which once raised a
+    ValueError from any such run (and crashed `megalm-estimate --search` on its HDP candidates); the capacity the
+    run holds is `parallel.hdp_capacity`, and the model takes it."""
+    from megalm.parallel.hdp.split import hdp_cost_model
+    from tests.conftest import compose_config
+
+    cfg = validate_run(compose_config("model=70b", "parallel.hdp=true", "parallel.hdp_capacity=2048", "data=synthetic",
+                                      "data.varlen=true", "model.seq_length=4096", "trainer.global_batch_size=8",
+                                      "trainer.micro_batch_size=1", tiny=False), world_size=8)
+    assert cfg.model.num_layers == 80 and cfg.parallel.tp == 1
+    assert hdp_cost_model(cfg).capacity == 2048

@@ -81,7 +81,7 @@ def test_a_torchao_layer_computes_megalm_fp8_through_scaled_mm(scaled_mm_on_cpu)
         torch._scaled_mm = original
     assert max(errors) < 1e-6, errors
     # both backends' three GEMMs, and in the backward E5M2 gradients (dgrad and wgrad, whichever operand they are)
-    assert len(calls) == 6 and calls.count(torch.float8_e5m2) >= 2, calls
+    assert len(calls) == 6 and calls.count(torch.float8_e5m2) == 4, calls
 
 
 @pytest.mark.parametrize("layout", [[], ["offload.enabled=true", "offload.min_tensor_bytes=0"],
@@ -117,8 +117,7 @@ def test_torchao_trains_as_native_fp8_keeping_the_parameters(tmp_path, layout):
     (["precision=mxfp4"], "precision.backend=native"),
     (["parallel.tp=2"], "parallel.tp=1"),
     (["parallel.pp=2", "parallel.pp_schedule=zb", "model.num_layers=4"], "parallel.pp_schedule"),
-    (["parallel.dp=2", "parallel.fsdp=true"], "precision.backend=native"),
-], ids=["fp8_delayed", "mxfp4", "tp2", "zero_bubble", "fsdp"])
+], ids=["fp8_delayed", "mxfp4", "tp2", "zero_bubble"])
 def test_what_torchao_cannot_run_is_refused_naming_the_fix(overrides, fix):
     cfg = compose_config("precision=fp8", "precision.backend=torchao", *overrides)
     with pytest.raises(ConfigError, match=fix.replace(".", r"\.")):

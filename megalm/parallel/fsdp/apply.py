@@ -68,9 +68,6 @@ def validate_fsdp(cfg: MegalmConfig) -> None:
     if cfg.precision.backend == "te":
         raise ConfigError("precision.backend=te with parallel.fsdp=true is not supported: Transformer Engine's layers "
                           "keep their own FP8 weight copies; use precision.backend=native")
-    if cfg.precision.backend == "torchao":
-        raise ConfigError("precision.backend=torchao with parallel.fsdp=true is not supported: torchao's float8 "
-                          "all-gather is for torch's FSDP2, not megalm's FSDP; use precision.backend=native")
     if p.fsdp_shard_size is not None and (p.fsdp_shard_size < 1 or domain % p.fsdp_shard_size):
         raise ConfigError(f"parallel.fsdp_shard_size={p.fsdp_shard_size} must divide dp*cp={domain} (HSDP: shard "
                           "within groups of that many ranks, replicate across them); null shards over all of them")

@@ -426,9 +426,11 @@ def preset(
     eff_linear: float = 0.55,
     eff_attn: float = 0.45,
     c: float = 1.0e-4,
+    capacity: int | None = None,
 ) -> CostModel:
     """Cost model for a named shape ("1b", "7b", "13b", "70b") or any `ModelShape`, from
-    FLOPs / (peak × efficiency).
+    FLOPs / (peak × efficiency). `capacity`: the tokens a rank holds, when the run sets it (the trainer's
+    `parallel.hdp_capacity`); by default what `memory_capacity` gives on `hw`.
 
     One HDP rank is a TP group of `tp` GPUs: it has tp× the FLOPs (at 90% TP efficiency for tp > 1),
     tp NICs, and gpus_per_node / tp ranks share a node.
@@ -452,7 +454,7 @@ def preset(
         bw_intra=hw.bw_intra * tp,
         bw_inter=hw.bw_inter * tp,
         ranks_per_node=max(1, hw.gpus_per_node // tp),
-        capacity=memory_capacity(shape, tp, hw),
+        capacity=memory_capacity(shape, tp, hw) if capacity is None else capacity,
         act_bytes=e,
         act_fixed=f,
         host_bw=hw.host_bw,
