@@ -215,8 +215,9 @@ def test_one_process_hdp_with_a_token_budget_and_no_validation_split(make_config
 def test_the_trainers_cost_model_holds_the_runs_capacity_whatever_the_presets_memory_says():
     """Unset `parallel.hdp_cost`, the trainer balances with the first-principles preset of its model's shape. That
     preset's H100 memory model finds no room for 70B's state at tp = 1 (110 GiB a GPU), which once raised a
-    ValueError from any such run (and crashed `megalm-estimate --search` on its HDP candidates); the capacity the
-    run holds is `parallel.hdp_capacity`, and the model takes it."""
+    ValueError from any such run, and from a pipeline with offload, whose copy-to-compute ratio reads the same model
+    (it crashed `megalm-estimate --search` on such candidates); the capacity the run holds is
+    `parallel.hdp_capacity` (without HDP, a micro-batch's tokens), and the model takes it."""
     from megalm.parallel.hdp.split import hdp_cost_model
     from tests.conftest import compose_config
 
@@ -225,3 +226,8 @@ def test_the_trainers_cost_model_holds_the_runs_capacity_whatever_the_presets_me
                                       "trainer.micro_batch_size=1", tiny=False), world_size=8)
     assert cfg.model.num_layers == 80 and cfg.parallel.tp == 1
     assert hdp_cost_model(cfg).capacity == 2048
+    # without HDP (PipeOffload's copy-to-compute ratio reads the model's times): what a micro-batch holds
+    cfg = validate_run(compose_config("model=70b", "parallel.pp=2", "offload.enabled=true", "model.seq_length=4096",
+                                      "trainer.global_batch_size=8", "trainer.micro_batch_size=2", tiny=False),
+                       world_size=2)
+    assert hdp_cost_model(cfg).capacity == 8192

@@ -166,9 +166,11 @@ def hdp_cost_model(cfg: MegalmConfig) -> CostModel:
         m = cfg.model
         shape = ModelShape(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_heads, kv_heads=m.num_kv_heads,
                            ffn=m.ffn_hidden_size, vocab=m.padded_vocab_size or m.vocab_size)
-        # the run's own capacity (validate_hdp fills it): the preset's H100 memory model may find no room at this tp
-        # for a model the run's memory holds, and the balance is all the trainer takes from this model
-        cost = preset(shape, tp=cfg.parallel.tp, capacity=cfg.parallel.hdp_capacity)
+        # the run's own capacity (validate_hdp fills it under HDP; outside it, for PipeOffload's copy ratio, what a
+        # micro-batch holds): the preset's H100 memory model may find no room at this tp for a model the run's
+        # memory holds, and the times are all the trainer takes from this model
+        capacity = cfg.parallel.hdp_capacity or cfg.model.seq_length * cfg.trainer.micro_batch_size
+        cost = preset(shape, tp=cfg.parallel.tp, capacity=capacity)
     if cfg.parallel.cp_comm == "a2a+p2p":
         kv_heads = max(1, cfg.model.num_kv_heads // cfg.parallel.tp)
         heads = math.gcd(kv_heads, cfg.model.num_heads // cfg.parallel.tp)
