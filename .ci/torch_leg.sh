@@ -2,8 +2,7 @@
 # One extra torch leg of .ci/run: a venv with torch==VERSION (the PyPI wheel: a CUDA build, which runs on CPU and
 # makes fake CUDA tensors), megalm and its dev extra, then the unit subset of .ci/torch_leg_tests.txt (the fake-CUDA
 # tier included). PEERS=1 also installs tools/compare_peers.txt and runs the peers of tools/bench/compare.py at their
-# pins. FLOOR_EXTRAS=1 installs the optional dependencies whose releases follow torch's (torchao) at their floors.
-# Exit code 5 (no tests) is a failure.
+# pins. Exit code 5 (no tests) is a failure.
 #     bash .ci/torch_leg.sh 2.11.0                 install into a temporary venv, then test (by hand)
 #     bash .ci/torch_leg.sh install 2.11.0 DIR     only install, into DIR/venv (.ci/run does this in the background,
 #                                                  while the long tests run: a cold download of torch is minutes of
@@ -23,11 +22,7 @@ install() {
   mkdir -p "$DIR"
   python -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q "torch==$VERSION"
-  local constraints="torch==$VERSION"  # keep this torch
-  if [ "${FLOOR_EXTRAS:-0}" = 1 ]; then  # the floor leg: torchao at the floor pyproject.toml states (0.18 does not load on torch 2.9)
-    constraints+=$'\n'"torchao==$(sed -n 's/.*"torchao>=\([0-9.]*\)".*/\1/p' pyproject.toml).*"
-  fi
-  "$VENV/bin/python" -m pip install -q -e ".[dev]" -c <(echo "$constraints")
+  "$VENV/bin/python" -m pip install -q -e ".[dev]" -c <(echo "torch==$VERSION")  # keep this torch
   if [ "${PEERS:-0}" = 1 ]; then
     "$VENV/bin/python" -m pip install -q -r tools/compare_peers.txt -c <(echo "torch==$VERSION")
   fi

@@ -37,20 +37,26 @@ from megalm.precision.install import skip_predicate
 TORCHAO_RECIPES = ("fp8",)
 SCALED_MM_MULTIPLE = 16  # torch._scaled_mm's rule for every GEMM dimension
 TORCHAO_MIN_VERSION = (0, 17)  # the release tools/compare_peers.txt pins for TorchTitan; converts and trains there
+# torchao 0.17 loads its extensions from torch 2.11 on and 0.18 does not import on torch 2.9; there, 0.17's import
+# (without its extensions) makes a later inductor-compiled megalm FP8 op pair crash the process (a segfault, on the
+# CPU, in tests/unit/test_precision_fp8_casts.py run after it), so torchao is not even imported on an older torch
+TORCH_MIN_VERSION = (2, 11)
 
 
 @functools.cache
 def torchao_problem() -> str | None:
     """Why torchao's float8 training cannot run here (with the fix), or None. Cached: asked once per model chunk."""
+    import torch
+
+    torch_version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if torch_version < TORCH_MIN_VERSION:
+        return (f"precision.backend=torchao needs torch >= {'.'.join(map(str, TORCH_MIN_VERSION))} (torchao's own "
+                f"floor; found {torch.__version__}); upgrade torch or use precision.backend=native")
     try:
         import torchao
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: F401
-    except Exception as e:  # ImportError, or a release that does not load on this torch
-        import torch
-
-        return (f"torchao is not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); pip "
-                f"install a torchao release that loads on torch {torch.__version__.split('+')[0]} ('torchao>=0.17'; "
-                "0.17 loads on torch 2.9, 2.11 and 2.13, 0.18 not on 2.9)")
+    except Exception as e:  # ImportError, or a build that does not load on this torch
+        return f"torchao is not importable ({type(e).__name__}: {e}); pip install 'torchao>=0.17'"
     found = tuple(int(part) for part in str(getattr(torchao, "__version__", "0.0")).split(".")[:2] if part.isdigit())
     if found < TORCHAO_MIN_VERSION:
         floor = ".".join(map(str, TORCHAO_MIN_VERSION))
