@@ -24,6 +24,16 @@ def compiled_trainer(tmp_path, backend: str, *overrides: str) -> Trainer:
     return Trainer(cfg, tmp_path)
 
 
+def assert_compiles_once(trainer: Trainer, steps: int = 20) -> None:
+    """`steps` training steps of a trainer from `compiled_trainer` with no graph break, and the block's code, shared
+    by all blocks, compiled once and never again (recompute's inner function is a frame of its own on torch 2.9: at
+    most 2)."""
+    for step in range(steps):
+        trainer.train_step(step)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["frames"]["total"] <= 2, dict(counters["frames"])
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
 FP32_ACTIVATIONS = ["precision.autocast=false"]
 RECIPES = ["fp8", "fp8_delayed", "fp8_rowwise", "mxfp8", "mxfp4"]  # the FP8/MX recipes' linears: one op pair each
 
@@ -35,14 +45,7 @@ RECIPES = ["fp8", "fp8_delayed", "fp8_rowwise", "mxfp8", "mxfp4"]  # the FP8/MX 
 ], ids=["fp32", "recompute_full", "recompute_selective", "bf16", "offload", "offload_recompute", *RECIPES,
         "mxfp4_recompute"])
 def test_blocks_compile_to_one_graph_without_breaks(tmp_path, overrides):
-    trainer = compiled_trainer(tmp_path, "eager", *overrides)
-    for step in range(20):
-        trainer.train_step(step)
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    # the block's code, shared by all blocks, compiled once and never again over 20 steps (recompute's inner
-    # function is a frame of its own on torch 2.9: at most 2)
-    assert counters["frames"]["total"] <= 2, dict(counters["frames"])
-    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    assert_compiles_once(compiled_trainer(tmp_path, "eager", *overrides))
 
 
 def test_a_break_is_seen(tmp_path, monkeypatch):
@@ -274,9 +277,4 @@ def test_without_a_per_step_weight_cache_the_graph_holds_no_fp8_weights(scaled_m
 def test_fp8_gemms_in_the_graph_compile_once_without_breaks(tmp_path, scaled_mm_on_cpu):
     """The weight copies are graph inputs, not parameters: their shapes must stay static to dynamo (else attention's
     head count turns symbolic and SDPA breaks the graph), and a new copy each optimizer step must not recompile."""
-    trainer = compiled_trainer(tmp_path, "eager", "precision=fp8")
-    for step in range(20):
-        trainer.train_step(step)
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["frames"]["total"] <= 2, dict(counters["frames"])
-    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    assert_compiles_once(compiled_trainer(tmp_path, "eager", "precision=fp8"))

@@ -14,7 +14,6 @@ import logging
 import pytest
 import torch
 from torch import nn
-from torch._dynamo.utils import counters
 
 from megalm.errors import ConfigError
 from megalm.model.linear import Linear
@@ -145,16 +144,11 @@ def test_compiled_blocks_run_torchao_casts_and_gemms_in_their_graphs(tmp_path, s
 @pytest.mark.parametrize("gpu_like", [False, True], ids=["emulated", "scaled_mm"])
 def test_torchao_blocks_compile_once_without_breaks(tmp_path, request, gpu_like):
     """`trainer.compile=true` over 20 steps: one graph per block's code, never recompiled, no break."""
-    from tests.unit.test_compile_blocks import compiled_trainer
+    from tests.unit.test_compile_blocks import assert_compiles_once, compiled_trainer
 
     if gpu_like:
         request.getfixturevalue("scaled_mm_on_cpu")
-    trainer = compiled_trainer(tmp_path, "eager", *TORCHAO)
-    for step in range(20):
-        trainer.train_step(step)
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["frames"]["total"] <= 2, dict(counters["frames"])
-    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    assert_compiles_once(compiled_trainer(tmp_path, "eager", *TORCHAO))
 
 
 def test_layers_scaled_mm_cannot_take_stay_unconverted_and_the_log_says_so(tmp_path, scaled_mm_on_cpu,  # noqa: F811
