@@ -32,10 +32,15 @@ log = logging.getLogger("megalm")
 TORCH_FLOOR = (2, 9)
 
 
+def major_minor(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as torch's "2.11.0+cu130" or torchao's "0.17.0"."""
+    major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
+    return major, minor
+
+
 def check_torch_version(version: str) -> None:
     """Refuse a torch older than the floor pyproject.toml states, with the fix."""
-    major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
-    if (major, minor) < TORCH_FLOOR:
+    if major_minor(version) < TORCH_FLOOR:
         raise ImportError(f"megalm needs torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]} (its checkpoints use "
                           f"torch.distributed.checkpoint's Hugging Face storage), found {version}; "
                           f"pip install 'torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}'")

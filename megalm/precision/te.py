@@ -21,7 +21,6 @@ native. megalm's tensor-parallel layers are not TE modules, so the TE path takes
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import logging
 import re
 
@@ -30,6 +29,7 @@ from torch import nn
 
 from megalm.model.linear import Linear
 from megalm.model.naming import canonical_named_modules
+from megalm.precision.install import skip_predicate
 
 log = logging.getLogger("megalm")
 
@@ -71,15 +71,15 @@ def te_autocast(name: str) -> contextlib.AbstractContextManager:
 
 
 def apply_te(model: nn.Module, name: str, skip: list[str] | tuple[str, ...] = ()) -> int:
-    """Swap the model `Linear` layers of `model` not matched by `skip` (fnmatch on canonical names,
-    as `apply_precision`) for TE Linear layers with the same parameters. Returns how many."""
+    """Swap the model `Linear` layers of `model` not matched by `skip` (as `apply_precision` reads it: fnmatch on
+    canonical names, `{last}` the last layer) for TE Linear layers with the same parameters. Returns how many."""
     import transformer_engine.pytorch as te
 
     te_recipe(name)  # fail early on a recipe TE does not run
     parents = {id(child): (parent, attr) for parent in model.modules() for attr, child in parent.named_children()}
-    swapped = 0
+    skipped, swapped = skip_predicate(model, skip), 0
     for canonical, module in list(canonical_named_modules(model)):
-        if not isinstance(module, Linear) or any(fnmatch.fnmatchcase(canonical, p) for p in skip):
+        if not isinstance(module, Linear) or skipped(canonical, module):
             continue
         weight = module.weight
         layer = te.Linear(module.in_features, module.out_features, bias=module.bias is not None,

@@ -30,12 +30,13 @@ import functools
 
 from torch import nn
 
+from megalm import compat
 from megalm.model.linear import Linear
 from megalm.model.naming import canonical_named_modules
+from megalm.precision import fp8
 from megalm.precision.install import skip_predicate
 
 TORCHAO_RECIPES = ("fp8",)
-SCALED_MM_MULTIPLE = 16  # torch._scaled_mm's rule for every GEMM dimension
 TORCHAO_MIN_VERSION = (0, 17)  # the release tools/compare_peers.txt pins for TorchTitan; converts and trains there
 # torchao 0.17 loads its extensions from torch 2.11 on and 0.18 does not import on torch 2.9; there, 0.17's import
 # (without its extensions) makes a later inductor-compiled megalm FP8 op pair crash the process (a segfault, on the
@@ -48,8 +49,7 @@ def torchao_problem() -> str | None:
     """Why torchao's float8 training cannot run here (with the fix), or None. Cached: asked once per model chunk."""
     import torch
 
-    torch_version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-    if torch_version < TORCH_MIN_VERSION:
+    if compat.major_minor(torch.__version__) < TORCH_MIN_VERSION:
         return (f"precision.backend=torchao needs torch >= {'.'.join(map(str, TORCH_MIN_VERSION))} (torchao's own "
                 f"floor; found {torch.__version__}); upgrade torch or use precision.backend=native")
     try:
@@ -57,8 +57,7 @@ def torchao_problem() -> str | None:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: F401
     except Exception as e:  # ImportError, or a build that does not load on this torch
         return f"torchao is not importable ({type(e).__name__}: {e}); pip install 'torchao>=0.17'"
-    found = tuple(int(part) for part in str(getattr(torchao, "__version__", "0.0")).split(".")[:2] if part.isdigit())
-    if found < TORCHAO_MIN_VERSION:
+    if compat.major_minor(str(getattr(torchao, "__version__", "0.0"))) < TORCHAO_MIN_VERSION:
         floor = ".".join(map(str, TORCHAO_MIN_VERSION))
         return f"torchao {torchao.__version__} is older than {floor}; pip install 'torchao>={floor}'"
     return None
@@ -74,8 +73,8 @@ def apply_torchao(model: nn.Module, skip: list[str] | tuple[str, ...] = (), emul
     skipped = skip_predicate(model, skip)
     layers = [module for name, module in canonical_named_modules(model)
               if type(module) is Linear and not skipped(name, module)]
-    chosen = {id(module) for module in layers
-              if emulate or (module.in_features % SCALED_MM_MULTIPLE == 0 == module.out_features % SCALED_MM_MULTIPLE)}
+    multiple = fp8.SCALED_MM_TOKEN_MULTIPLE  # torch._scaled_mm's rule, for every GEMM dimension
+    chosen = {id(m) for m in layers if emulate or (m.in_features % multiple == 0 and m.out_features % multiple == 0)}
     convert_to_float8_training(model, module_filter_fn=lambda module, _fqn: id(module) in chosen,
                                config=Float8LinearConfig(emulate=emulate))
     return len(chosen), len(layers) - len(chosen)

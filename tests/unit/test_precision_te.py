@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from megalm.errors import ConfigError
+from megalm.model.linear import Linear
 from megalm.parallel.dims import ParallelDims, ParallelMesh
 from megalm.precision import transformer_engine_available, transformer_engine_problem
 from megalm.precision.te import version_problem
@@ -98,6 +99,16 @@ def test_te_backend_swaps_linears_and_runs_every_forward_under_its_recipe(fake_t
     assert all(type(r).__name__ == te_class and r.kwargs["fp8_format"] == "HYBRID" for r in fake_te["recipes"])
     if recipe == "fp8_delayed":
         assert fake_te["recipes"][0].kwargs["amax_history_len"] == 16
+
+
+def test_te_backend_reads_skip_as_the_native_path_does(fake_te, make_config, tmp_path):
+    """`precision.skip` means the same layers under TE: `{last}` is the model's last block (it had matched nothing)."""
+    te = one_process(make_config, tmp_path, "te", "precision=fp8", "precision.backend=te",
+                     "precision.skip=[output,'layers.{last}.*']")
+    kept = {name for name, m in te.model.named_modules() if type(m) is Linear}
+    last = te.cfg.model.num_layers - 1
+    assert kept and kept == {"output"} | {n for n in kept if n.startswith(f"layers.{last}.")}, kept
+    assert any(n.startswith(f"layers.{last}.") for n in kept)
 
 
 def test_te_backend_without_te_runs_the_native_path_and_says_so(make_config, tmp_path, caplog):
