@@ -23,6 +23,15 @@ install() {
   python -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q "torch==$VERSION"
   "$VENV/bin/python" -m pip install -q -e ".[dev]" -c <(echo "torch==$VERSION")  # keep this torch
+  # torchao declares no torch floor, so pip takes its newest release on any torch; 0.18 fails to import below torch
+  # 2.11, and transformers imports whatever torchao is installed (CI's floor leg: every HF interop test failed, then a
+  # worker segfaulted and the run passed CI's time limit). Below the torch that megalm's torchao backend
+  # needs (torchao_fp8.TORCH_MIN_VERSION), the leg has no torchao, as the README tells such users.
+  if "$VENV/bin/python" -c 'import sys, torch; from megalm import compat; from megalm.precision import torchao_fp8
+sys.exit(compat.major_minor(torch.__version__) >= torchao_fp8.TORCH_MIN_VERSION)'; then
+    "$VENV/bin/python" -m pip uninstall -q -y torchao
+    echo "torch leg $VERSION: torchao uninstalled (below its torch floor; transformers would import it)"
+  fi
   if [ "${PEERS:-0}" = 1 ]; then
     "$VENV/bin/python" -m pip install -q -r tools/compare_peers.txt -c <(echo "torch==$VERSION")
   fi
