@@ -60,6 +60,15 @@ def long_cases() -> set[str]:
     return {line for line in lines if line}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, a crashed worker fails the run at once, naming its test (`--max-worker-restart 0` unless
+    given): a replaced worker under `--dist loadfile` can hang the run for good (xdist's scheduler; a CI floor leg
+    once waited so until CI's time limit). Here rather than in addopts, which would not parse where xdist is not
+    installed (the GPU machine). Runs before xdist's own configure (trylast), which reads the option."""
+    if getattr(config.option, "maxworkerrestart", "") is None:
+        config.option.maxworkerrestart = "0"
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The cases of tests/long_cases.txt get the `slow` marker. Tests marked `gpu` skip themselves where no CUDA
