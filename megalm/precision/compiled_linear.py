@@ -20,8 +20,8 @@ projection, the previous op's gradient), as torchao's tensorwise float8 is compi
 eager path's: the same casts, the same GEMMs. Where torch._scaled_mm runs (CUDA from sm89, shapes of multiples of
 16), the GEMMs leave the ops too (`fp8_graph_linear`): the graph calls torch._scaled_mm on the weight's FP8 copies,
 which the compiled block's caller makes or finds in the layer's cache before the block runs (`prepared_weights`,
-megalm/training/compile.py), so the GEMMs run none of the layer's Python (a cache check per layer before each block
-stays), as torchao's float8 compiles in TorchTitan.
+megalm/training/compile.py: all of a block's weights in one cast call once per optimizer step, then a token compare
+per layer and block call), so the GEMMs run none of the layer's Python, as torchao's float8 compiles in TorchTitan.
 
 Eager runs keep linear.py's autograd function; this path is taken only while compiling (megalm/model/linear.py).
 """
@@ -290,13 +290,21 @@ def prepared_weights(linears: list[torch.nn.Module]) -> Iterator[None]:
     """Around a compiled block's forward, in eager: each of its linear layers whose recipe reads FP8 weight copies in
     the graph makes or finds them first (`RecipeGemms.prepare_graph_weights`: the layer's cache, once per optimizer
     step), and lets go of them after, so that no later graph (another compile of the layer) reads copies it did not
-    check. Entered after the block's forward pre-hooks: a weight ZeRO-1 gathers in flight has arrived."""
-    prepared = []
-    for module in linears:
-        prepare = getattr(getattr(module, "gemm_recipe", None), "prepare_graph_weights", None)
-        if prepare is not None:
-            prepare()
-            prepared.append(module.gemm_recipe)
+    check. The copies a block's layers still need are cast together, one call per FP8 format
+    (`fp8.quantize_weights`). Entered after the block's forward pre-hooks: a weight ZeRO-1 gathers in flight has
+    arrived."""
+    prepared = [gemms for module in linears
+                if hasattr(gemms := getattr(module, "gemm_recipe", None), "prepare_graph_weights")]
+    wanted = [gemms for gemms in prepared if gemms.graph_weights_wanted()]
+    made: dict[int, fp8.WeightCopies] = {}
+    for fmt, group in itertools.groupby(sorted(wanted, key=lambda g: g.recipe.fprop.b_format),
+                                        key=lambda g: g.recipe.fprop.b_format):
+        group = list(group)
+        with torch.no_grad():
+            copies = fp8.quantize_weights([gemms.weight for gemms in group], fp8.fp8_dtype(fmt))
+        made.update({id(gemms): made_copies for gemms, made_copies in zip(group, copies, strict=True)})
+    for gemms in prepared:
+        gemms.prepare_graph_weights(made.get(id(gemms)))
     try:
         yield
     finally:

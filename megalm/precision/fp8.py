@@ -213,6 +213,51 @@ def quantize_current(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None
     return q, scale.reshape(shape.shape)
 
 
+WeightCopies = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # `quantize_weights`'s, per weight
+
+
+def _quantize_weights_math(xs: list[torch.Tensor], limit: float, dtype: torch.dtype
+                           ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    out = []
+    for x in xs:
+        scale = scale_from_amax(amax(x), dtype)
+        q = _quantize_math(x, scale, limit, dtype)
+        out.append((q, column_major(q), scale))
+    return out
+
+
+@functools.cache
+def _quantize_weights_fused(shapes: tuple[tuple[int, ...], ...], x_dtype: torch.dtype, dtype: torch.dtype
+                            ) -> Callable[..., Any]:
+    """`_quantize_weights_math` compiled for one list of weight shapes (static: a block's weights are the same in
+    every block, so a model compiles one or two of these), with a code object of its own per list, as
+    `_quantize_fused`'s variants have: the lists never count against one function's recompile limit."""
+    name = f"_quantize_weights_{len(shapes)}_{str(x_dtype).removeprefix('torch.')}_to_" \
+           f"{str(dtype).removeprefix('torch.')}_{abs(hash(shapes)):x}"
+    code = _quantize_weights_math.__code__.replace(co_name=name)
+    variant = types.FunctionType(code, _quantize_weights_math.__globals__, name)
+    return torch.compile(variant, dynamic=False, fullgraph=True)
+
+
+def quantize_weights(weights: list[torch.Tensor], dtype: torch.dtype) -> list[WeightCopies]:
+    """Each weight's FP8 copy under current per-tensor scaling in both layouts torch._scaled_mm reads it in:
+    (row-major q, column-major q, scale, 1 / scale), the values of `quantize_current(w, dtype)`, `column_major` of
+    it and `inverse_scale`. Where casts run fused (`runs_fused`), one compiled call for the whole list: a compiled
+    block's weights are cast once per optimizer step before the block runs, and cast weight by weight, each cast and
+    each transposed copy is a host round trip of its own (a compiled call's guards and wrappers cost about 40 us of
+    host time, and a step at 1.3B has 96 weights), where the kernels take microseconds. Elsewhere `quantize_current`
+    weight by weight (the eager reference; on the estimator's fake tensors, costed as the GPU's cast kernels)."""
+    detached = [w.detach() for w in weights]
+    if not weights or not runs_fused(weights[0]):
+        return [(q, column_major(q), scale, inverse_scale(scale))
+                for q, scale in (quantize_current(w, dtype) for w in detached)]
+    fused = _quantize_weights_fused(tuple(tuple(w.shape) for w in detached), detached[0].dtype, dtype)
+    copies = fused([w.contiguous() for w in detached], fp8_max(dtype), dtype)
+    # the inverses in eager, one foreach call: `inverse_scale`'s division to the last bit (a compiled one may not be)
+    inverses = torch._foreach_reciprocal([scale for _, _, scale in copies])
+    return [(*made, inverse) for made, inverse in zip(copies, inverses, strict=True)]
+
+
 def quantize_current_in_graph(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_current(x, dtype)` (one per-tensor scale) as plain torch ops, for a graph being compiled: inductor
     then fuses the amax and the cast with whatever produced x (a norm, SwiGLU, the previous op's gradient), as

@@ -343,6 +343,8 @@ class RecipeGemms:
         self.handle = compiled_linear.layer_handle(self)  # names this layer to the compiled path's ops
         self.graph_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # prepare_graph_weights
         self._graph_copies: tuple | None = None  # (the cached copies graph_weights was made from, graph_weights)
+        self._graph_token: tuple | None = None  # what _graph_copies are valid for (`_weight_token`)
+        self._graph_eligible: tuple | None = None  # (the weight, whether the graph can read its copies)
 
     @property
     def weight(self) -> torch.Tensor | None:
@@ -351,11 +353,13 @@ class RecipeGemms:
         return self.module.weight if self.module is not None else self._weight
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("handle", "graph_weights", "_graph_copies")}
+        return {k: v for k, v in self.__dict__.items()
+                if k not in ("handle", "graph_weights", "_graph_copies", "_graph_token", "_graph_eligible")}
 
     def __setstate__(self, state: dict) -> None:  # a copy (deepcopy, pickle) is a layer of its own: its own handle
         self.__dict__.update(state)
         self.handle, self.graph_weights, self._graph_copies = compiled_linear.layer_handle(self), None, None
+        self._graph_token = self._graph_eligible = None
 
     def compiled_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         out_dtype: torch.dtype) -> torch.Tensor:
@@ -371,28 +375,65 @@ class RecipeGemms:
             return compiled_linear.fp8_linear(self.handle, x, weight, bias, out_dtype, *formats)
         return compiled_linear.recipe_linear(self.handle, x, weight, bias, out_dtype)
 
-    def prepare_graph_weights(self) -> None:
+    def graph_weights_wanted(self) -> bool | None:
+        """Whether a compiled block's graph reads this layer's FP8 weight copies (`prepare_graph_weights`) and they are
+        yet to be made this optimizer step (True), are made already (False), or are not read at all (None): only under
+        per-tensor current scaling where torch._scaled_mm takes the weight, and while the copies are cached for the
+        optimizer step (not under FSDP, whose recipes cast after every gather: a graph would hold each copy from
+        forward to backward). Asked before every block call: what does not change while the weight is the same
+        tensor (the recipe, its device and shape) is decided once per weight."""
+        w = self.weight
+        if self._graph_token is not None and self._graph_token == self._weight_token(w):
+            return False
+        if w is None or self.state is None or not self.state.weights_version.watched:
+            return None
+        if self._graph_eligible is None or self._graph_eligible[0]() is not w:
+            self._graph_eligible = weakref.ref(w), self._takes_graph_weights(w)
+        return True if self._graph_eligible[1] else None
+
+    def _takes_graph_weights(self, w: torch.Tensor) -> bool:
+        fprop, dgrad = self.recipe.fprop, self.recipe.dgrad
+        if not self.recipe.casts_in_graph or fprop.b_format != dgrad.b_format or not fp8.scaled_mm_runs(w.device):
+            return False
+        # a dimension not a multiple of 16: the eager path emulates these GEMMs, and so does the op pair
+        return fp8.scaled_mm_takes(w, w.t(), fp8.fp8_dtype(fprop.a_format), fp8.fp8_dtype(fprop.b_format), False)
+
+    def prepare_graph_weights(self, made: fp8.WeightCopies | None = None) -> None:
         """Make (or find in the layer's cache) the weight's FP8 copies that a compiled block's graph reads, before the
         block runs: `graph_weights` = (row-major for fprop, column-major for dgrad, the inverse of their per-tensor
         scale), the copies `_fp8_weight` serves the eager path, as parameters that do not require grad: weights to
-        dynamo (static shapes) and to activation offload (left in place), not activations. Only under per-tensor
-        current scaling where torch._scaled_mm takes the weight, and while the copies are cached for the optimizer
-        step (not under FSDP, whose recipes cast after every gather: a graph would hold each copy from forward to
-        backward); else None, and the compiled layer's GEMMs run in the op pair."""
-        self.graph_weights = None
-        w, fprop, dgrad = self.weight, self.recipe.fprop, self.recipe.dgrad
-        if (not self.recipe.casts_in_graph or self.state is None or w is None or fprop.b_format != dgrad.b_format
-                or not self.state.weights_version.watched or not fp8.scaled_mm_runs(w.device)):
+        dynamo (static shapes) and to activation offload (left in place), not activations. `made`: the copies as
+        `fp8.quantize_weights` made them with the block's other weights (row-major, column-major, scale, inverse)
+        for a layer whose `graph_weights_wanted` was True, which the layer's cache then holds. None where the graph
+        reads no copies (`graph_weights_wanted`): the compiled layer's GEMMs then run in the op pair. A second call in
+        the same optimizer step finds the copies of the first."""
+        wanted = True if made is not None else self.graph_weights_wanted()
+        if wanted is None:
+            self.graph_weights = None
             return
-        if not fp8.scaled_mm_takes(w, w.t(), fp8.fp8_dtype(fprop.a_format), fp8.fp8_dtype(fprop.b_format), False):
-            return  # a dimension not a multiple of 16: the eager path emulates these GEMMs, and so does the op pair
-        with torch.no_grad():
-            rows, scale = self._fp8_weight(fprop, w, 1)
-            columns, _ = self._fp8_weight(dgrad, w, 0)
-            if self._graph_copies is None or self._graph_copies[0] is not rows or self._graph_copies[1] is not columns:
-                as_weight = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731 - a fresh object: no marks
-                self._graph_copies = rows, columns, (as_weight(rows), as_weight(columns), fp8.inverse_scale(scale))
+        if wanted:
+            w, fprop, dgrad = self.weight, self.recipe.fprop, self.recipe.dgrad
+            if made is None:
+                with torch.no_grad():
+                    (rows, scale), (columns, _) = self._fp8_weight(fprop, w, 1), self._fp8_weight(dgrad, w, 0)
+                    inverse = fp8.inverse_scale(scale)
+            else:  # through the layer's cache: the eager path (the op pair) reads the same copies this step, and
+                # copies it made already this step (an eager pass, the estimator's `make_weight_copies`) are kept
+                owner, key = self._owner(w), (fprop.b_format, None)  # `_fp8_weight`'s keys under per-tensor scales
+                rows, scale = self.state.quantized_weight(key, owner, lambda: (made[0], made[2]))
+                columns, _ = self.state.quantized_weight((*key, "column-major"), owner, lambda: (made[1], made[2]))
+                inverse = made[3] if rows is made[0] else fp8.inverse_scale(scale)
+            as_weight = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731 - a fresh object: no marks
+            self._graph_copies = rows, columns, (as_weight(rows), as_weight(columns), inverse)
+            self._graph_token = self._weight_token(w)
         self.graph_weights = self._graph_copies[2]
+
+    def _weight_token(self, w: torch.Tensor | None) -> tuple | None:
+        """What the layer's cached weight copies are valid for (`LinearState.quantized_weight`'s token), with the
+        weight's identity (a weak reference: one to a freed weight equals none other): equal tokens, the same copies."""
+        if w is None or self.state is None:
+            return None
+        return weakref.ref(w), self.state.weights_version.steps, w._version, self.state.amax["w"].count
 
     def start(self, x: torch.Tensor) -> Call:
         seed = self.seed

@@ -6,6 +6,7 @@ for unequal ones reads `cu_seqlens` on the host and stays eager (a graph break b
 from __future__ import annotations
 
 import logging
+from unittest import mock
 
 import pytest
 import torch
@@ -272,6 +273,38 @@ def test_without_a_per_step_weight_cache_the_graph_holds_no_fp8_weights(scaled_m
     rows, columns, inverse = gemms.graph_weights
     assert rows.shape == columns.shape == layer.weight.shape and columns.t().is_contiguous()
     assert isinstance(rows, torch.nn.Parameter) and not rows.requires_grad  # a weight to dynamo and to offload
+
+
+def test_a_blocks_fp8_weight_copies_are_cast_in_one_call_once_per_optimizer_step(tmp_path, scaled_mm_on_cpu):
+    """Before a compiled block runs, the FP8 copies its layers' GEMMs read are made in one call for the block
+    (`fp8.quantize_weights`; a call per weight cost the host about 40 us each, 96 a step at 1.3B), once per optimizer
+    step: the step's second micro-batch finds them. The call's copies are the per-weight cast's, bit for bit, and
+    column-major as torch._scaled_mm takes them."""
+    from megalm.model.linear import linear_modules
+    from megalm.precision import fp8
+
+    calls: list[int] = []
+
+    def checked(weights, dtype):
+        copies = original(weights, dtype)
+        for w, (rows, columns, scale, inverse) in zip(weights, copies, strict=True):
+            q, reference_scale = fp8.quantize_current(w.detach(), dtype)
+            assert torch.equal(rows.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale, reference_scale)
+            assert torch.equal(inverse, fp8.inverse_scale(reference_scale))
+            assert torch.equal(columns.view(torch.uint8), q.view(torch.uint8)) and columns.t().is_contiguous()
+        calls.append(len(weights))
+        return copies
+
+    original = fp8.quantize_weights
+    trainer = compiled_trainer(tmp_path, "eager", "precision=fp8", "trainer.global_batch_size=4",
+                               "trainer.micro_batch_size=2")
+    blocks = len(trainer.model.layers)
+    per_block = sum(m.gemm_recipe is not None for m in linear_modules(trainer.model.layers[0]))
+    with mock.patch.object(fp8, "quantize_weights", checked):
+        for step in range(3):
+            trainer.train_step(step)
+            assert calls == [per_block] * blocks, (step, calls)  # two micro-batches, one cast of each block's weights
+            calls.clear()
 
 
 def test_fp8_gemms_in_the_graph_compile_once_without_breaks(tmp_path, scaled_mm_on_cpu):
