@@ -311,3 +311,22 @@ def test_fp8_gemms_in_the_graph_compile_once_without_breaks(tmp_path, scaled_mm_
     """The weight copies are graph inputs, not parameters: their shapes must stay static to dynamo (else attention's
     head count turns symbolic and SDPA breaks the graph), and a new copy each optimizer step must not recompile."""
     assert_compiles_once(compiled_trainer(tmp_path, "eager", "precision=fp8"))
+
+
+def test_a_torch_known_to_crash_compiled_fp8_casts_on_the_cpu_is_named_in_a_warning(monkeypatch, caplog):
+    """torch 2.9's inductor CPU kernels of FP8 casts segfault now and then (warn_of_known_crashes): one warning
+    there, none on a torch without the crash, another backend or the GPU."""
+    from megalm.training.compile import warn_of_known_crashes
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for version, device, precision, backend, warned in [("2.9.1+cpu", cpu, "fp8", "inductor", True),
+                                                        ("2.9.1+cpu", cpu, "fp8_delayed", "inductor", True),
+                                                        ("2.11.0", cpu, "fp8", "inductor", False),
+                                                        ("2.9.1+cpu", cuda, "fp8", "inductor", False),
+                                                        ("2.9.1+cpu", cpu, "fp8", "aot_eager", False),
+                                                        ("2.9.1+cpu", cpu, "bf16", "inductor", False)]:
+        monkeypatch.setattr(torch, "__version__", version)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megalm"):
+            warn_of_known_crashes(device, precision, backend)
+        assert ("segfault" in caplog.text) == warned, (version, device, precision, backend)

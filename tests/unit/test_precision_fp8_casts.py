@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 
+from megalm import compat
 from megalm.model.linear import Linear, linear
 from megalm.precision import fp8
 from megalm.precision.linear import LinearState, RecipeGemms, get_recipe
@@ -238,6 +239,10 @@ def test_compiled_per_tensor_fp8_casts_in_the_graph(monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(compat.major_minor(torch.__version__) < (2, 10),
+                    reason=f"torch {torch.__version__}'s inductor CPU kernel of this backward segfaults in about a "
+                           "quarter of runs (11 of 40; none on 2.11 or 2.13): megalm.training.compile."
+                           "warn_of_known_crashes")
 def test_inductor_hands_wgrad_its_operands_column_major(monkeypatch):
     """torch._scaled_mm takes wgrad's operands (dy and x, contracted over the tokens) column-major: the compiled
     graph writes them so beside their casts, and inductor keeps those layouts into the op (no transposing copy in
