@@ -303,8 +303,10 @@ def prepared_weights(linears: list[torch.nn.Module]) -> Iterator[None]:
         with torch.no_grad():
             copies = fp8.quantize_weights([gemms.weight for gemms in group], fp8.fp8_dtype(fmt))
         made.update({id(gemms): made_copies for gemms, made_copies in zip(group, copies, strict=True)})
+        del copies
     for gemms in prepared:
         gemms.prepare_graph_weights(made.get(id(gemms)))
+    del made  # copies a layer found already made this step (an eager pass) must not live through the block
     try:
         yield
     finally:

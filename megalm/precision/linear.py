@@ -383,8 +383,8 @@ class RecipeGemms:
         forward to backward). Asked before every block call: what does not change while the weight is the same
         tensor (the recipe, its device and shape) is decided once per weight."""
         w = self.weight
-        if self._graph_token is not None and self._graph_token == self._weight_token(w):
-            return False
+        if self._graph_token is not None and self._graph_token[0]() is w and self._graph_token == self._weight_token(w):
+            return False  # the weight by identity first: two live weak references compare their tensors with ==
         if w is None or self.state is None or not self.state.weights_version.watched:
             return None
         if self._graph_eligible is None or self._graph_eligible[0]() is not w:
@@ -430,7 +430,8 @@ class RecipeGemms:
 
     def _weight_token(self, w: torch.Tensor | None) -> tuple | None:
         """What the layer's cached weight copies are valid for (`LinearState.quantized_weight`'s token), with the
-        weight's identity (a weak reference: one to a freed weight equals none other): equal tokens, the same copies."""
+        weight (a weak reference: compare its referent by identity first, as `graph_weights_wanted` does; two live
+        references to different tensors compare the tensors)."""
         if w is None or self.state is None:
             return None
         return weakref.ref(w), self.state.weights_version.steps, w._version, self.state.amax["w"].count
