@@ -296,6 +296,8 @@ def prepared_weights(linears: list[torch.nn.Module]) -> Iterator[None]:
     prepared = [gemms for module in linears
                 if hasattr(gemms := getattr(module, "gemm_recipe", None), "prepare_graph_weights")]
     wanted = [gemms for gemms in prepared if gemms.graph_weights_wanted()]
+    for gemms in wanted:
+        gemms.drop_weight_copies()
     made: dict[int, fp8.WeightCopies] = {}
     for fmt, group in itertools.groupby(sorted(wanted, key=lambda g: g.recipe.fprop.b_format),
                                         key=lambda g: g.recipe.fprop.b_format):
@@ -306,7 +308,7 @@ def prepared_weights(linears: list[torch.nn.Module]) -> Iterator[None]:
         del copies
     for gemms in prepared:
         gemms.prepare_graph_weights(made.get(id(gemms)))
-    del made  # copies a layer found already made this step (an eager pass) must not live through the block
+    del made
     try:
         yield
     finally:

@@ -391,6 +391,15 @@ class RecipeGemms:
             self._graph_eligible = weakref.ref(w), self._takes_graph_weights(w)
         return True if self._graph_eligible[1] else None
 
+    def drop_weight_copies(self) -> None:
+        """Let go of the weight's FP8 copies of an earlier optimizer step, the graph's and the layer cache's
+        (per-tensor keys), before new ones are made: a block's new copies then never sit beside its old ones."""
+        self._graph_copies = self._graph_token = None
+        if self.state is not None:
+            key = (self.recipe.fprop.b_format, None)
+            self.state.weights.pop(key, None)
+            self.state.weights.pop((*key, "column-major"), None)
+
     def _takes_graph_weights(self, w: torch.Tensor) -> bool:
         fprop, dgrad = self.recipe.fprop, self.recipe.dgrad
         if not self.recipe.casts_in_graph or fprop.b_format != dgrad.b_format or not fp8.scaled_mm_runs(w.device):

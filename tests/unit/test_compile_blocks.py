@@ -330,6 +330,38 @@ def test_a_replaced_weight_gets_copies_of_its_own(scaled_mm_on_cpu):
     assert rows is not first[0] and torch.equal(rows.view(torch.uint8), expected.view(torch.uint8))
 
 
+def test_a_layers_old_fp8_copies_are_freed_before_its_new_ones_are_cast(scaled_mm_on_cpu):
+    """After an optimizer step, a block's old FP8 weight copies (the graph's and the layer cache's) are gone by the
+    time its new ones are cast: the two never sit side by side (a whole block's worth at once, 1.7 GB at 70B)."""
+    import weakref
+
+    from megalm.model.linear import Linear
+    from megalm.precision import fp8
+    from megalm.precision.compiled_linear import prepared_weights
+    from megalm.precision.linear import LinearState, RecipeGemms, get_recipe
+
+    layer = Linear(64, 32, bias=False)
+    state = LinearState("layer")
+    layer.gemm_recipe = gemms = RecipeGemms(get_recipe("fp8"), state, module=layer)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    state.weights_version.watch(optimizer)
+    with prepared_weights([layer]):
+        old = [weakref.ref(t) for t in (*gemms._graph_copies[:2], *gemms.graph_weights[:2])]
+    assert all(ref() is not None for ref in old)
+    layer.weight.grad = torch.ones_like(layer.weight)
+    optimizer.step()
+    alive_at_cast = []
+    original = fp8.quantize_weights
+
+    def checked(weights, dtype):
+        alive_at_cast.append(sum(ref() is not None for ref in old))
+        return original(weights, dtype)
+
+    with mock.patch.object(fp8, "quantize_weights", checked), prepared_weights([layer]):
+        pass
+    assert alive_at_cast == [0]
+
+
 def test_fp8_gemms_in_the_graph_compile_once_without_breaks(tmp_path, scaled_mm_on_cpu):
     """The weight copies are graph inputs, not parameters: their shapes must stay static to dynamo (else attention's
     head count turns symbolic and SDPA breaks the graph), and a new copy each optimizer step must not recompile."""
