@@ -290,12 +290,16 @@ class LinearState:
         is cached while no optimizer is watched (`WeightsVersion`)."""
         if not self.weights_version.watched:
             return make()
-        # and while W's delayed-scaling history did not move (a copy an evaluation made before the step's roll)
-        token = (self.weights_version.steps, weight._version, self.amax["w"].count)
+        token = self.weight_token(weight)
         cached = self.weights.get(key)
         if cached is None or cached[0]() is not weight or cached[1] != token:
             cached = self.weights[key] = (weakref.ref(weight), token, make())
         return cached[2]
+
+    def weight_token(self, weight: torch.Tensor) -> tuple[int, int, int]:
+        """What a weight's cached copies are valid for: the watched optimizer's steps, the weight's version counter,
+        and W's delayed-scaling history count (a copy an evaluation made before the step's roll)."""
+        return self.weights_version.steps, weight._version, self.amax["w"].count
 
     def set_step(self, step: int, micro_batch: int = 0) -> None:
         """Start the seed stream at (step, micro_batch); a new step also ends the last one's amax histories
@@ -342,7 +346,7 @@ class RecipeGemms:
         self.random = any(spec.random for spec in recipe.specs)
         self.handle = compiled_linear.layer_handle(self)  # names this layer to the compiled path's ops
         self.graph_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # prepare_graph_weights
-        self._graph_copies: tuple | None = None  # (the cached copies graph_weights was made from, graph_weights)
+        self._graph_copies: tuple | None = None  # what graph_weights is set to while `_graph_token` holds
         self._graph_token: tuple | None = None  # what _graph_copies are valid for (`_weight_token`)
         self._graph_eligible: tuple | None = None  # (the weight, whether the graph can read its copies)
 
@@ -396,9 +400,14 @@ class RecipeGemms:
         (per-tensor keys), before new ones are made: a block's new copies then never sit beside its old ones."""
         self._graph_copies = self._graph_token = None
         if self.state is not None:
-            key = (self.recipe.fprop.b_format, None)
-            self.state.weights.pop(key, None)
-            self.state.weights.pop((*key, "column-major"), None)
+            for key in self._tensor_scale_keys():
+                self.state.weights.pop(key, None)
+
+    def _tensor_scale_keys(self) -> tuple[tuple, tuple]:
+        """The layer cache's keys of the weight's per-tensor-scaled copies: row-major and column-major
+        (`_fp8_weight`'s)."""
+        key = (self.recipe.fprop.b_format, None)
+        return key, (*key, "column-major")
 
     def _takes_graph_weights(self, w: torch.Tensor) -> bool:
         fprop, dgrad = self.recipe.fprop, self.recipe.dgrad
@@ -428,14 +437,14 @@ class RecipeGemms:
                     inverse = fp8.inverse_scale(scale)
             else:  # through the layer's cache: the eager path (the op pair) reads the same copies this step, and
                 # copies it made already this step (an eager pass, the estimator's `make_weight_copies`) are kept
-                owner, key = self._owner(w), (fprop.b_format, None)  # `_fp8_weight`'s keys under per-tensor scales
+                owner, (key, column_key) = self._owner(w), self._tensor_scale_keys()
                 rows, scale = self.state.quantized_weight(key, owner, lambda: (made[0], made[2]))
-                columns, _ = self.state.quantized_weight((*key, "column-major"), owner, lambda: (made[1], made[2]))
+                columns, _ = self.state.quantized_weight(column_key, owner, lambda: (made[1], made[2]))
                 inverse = made[3] if rows is made[0] else fp8.inverse_scale(scale)
             as_weight = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731 - a fresh object: no marks
-            self._graph_copies = rows, columns, (as_weight(rows), as_weight(columns), inverse)
+            self._graph_copies = as_weight(rows), as_weight(columns), inverse
             self._graph_token = self._weight_token(w)
-        self.graph_weights = self._graph_copies[2]
+        self.graph_weights = self._graph_copies
 
     def _weight_token(self, w: torch.Tensor | None) -> tuple | None:
         """What the layer's cached weight copies are valid for (`LinearState.quantized_weight`'s token), with the
@@ -443,7 +452,7 @@ class RecipeGemms:
         references to different tensors compare the tensors)."""
         if w is None or self.state is None:
             return None
-        return weakref.ref(w), self.state.weights_version.steps, w._version, self.state.amax["w"].count
+        return weakref.ref(w), *self.state.weight_token(w)
 
     def start(self, x: torch.Tensor) -> Call:
         seed = self.seed

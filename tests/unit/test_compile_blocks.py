@@ -346,7 +346,9 @@ def test_a_layers_old_fp8_copies_are_freed_before_its_new_ones_are_cast(scaled_m
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
     state.weights_version.watch(optimizer)
     with prepared_weights([layer]):
-        old = [weakref.ref(t) for t in (*gemms._graph_copies[:2], *gemms.graph_weights[:2])]
+        cached = [state.weights[key][2][0] for key in gemms._tensor_scale_keys()]  # what the layer's cache holds
+        old = [weakref.ref(t) for t in (*cached, *gemms.graph_weights[:2])]
+        del cached
     assert all(ref() is not None for ref in old)
     layer.weight.grad = torch.ones_like(layer.weight)
     optimizer.step()
