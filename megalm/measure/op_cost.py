@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import (
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from megalm.measure.storage import is_higher_order, storage_identity
+from megalm.measure.storage import in_sharding_propagation, is_higher_order, storage_identity
 
 
 @dataclass(frozen=True)
@@ -222,7 +222,8 @@ class OpCosts(TorchDispatchMode):
             # update), not as one op at the wrapper's dtype and global size
             return NotImplemented
         out = func(*args, **kwargs)
-        if func.is_view or func.namespace in _NO_KERNEL_NAMESPACES or func._overloadpacket.__name__ in _NO_KERNEL:
+        if (func.is_view or func.namespace in _NO_KERNEL_NAMESPACES or func._overloadpacket.__name__ in _NO_KERNEL
+                or in_sharding_propagation()):
             return out
         name = func._overloadpacket.__name__
         if self._only is not None and name not in self._only:

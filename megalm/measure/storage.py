@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -59,6 +60,27 @@ def is_higher_order(func: object) -> bool:
     rng state saved for a region that recomputes) rather than one aten op. Modes that take them
     (`supports_higher_order_operators`) run them through: the ops inside dispatch below the mode."""
     return isinstance(func, torch._ops.HigherOrderOperator)
+
+
+# torch.distributed.tensor's ShardingPropagator method (torch 2.9 to 2.13) that reruns a DTensor op on fake tensors
+_META_PROPAGATION = "_propagate_tensor_meta_non_cached"
+
+
+def in_sharding_propagation(frames: int = 24) -> bool:
+    """Whether the op being dispatched runs for DTensor's sharding propagation, which learns an op's output metadata
+    by running it once more on fresh fake tensors of the global shape (on a cache miss; every time while tracing,
+    and in torch 2.11's dispatch slow path). No kernel runs for it on a GPU and its tensors die at once, so the probes
+    pass it through uncounted: counted, torch 2.11 priced an FSDP rank's optimizer step at its shard plus the whole
+    model, and the global-size copies doubled its activation peak. Read from the caller's frames (`frames` of them,
+    the dispatch's own included), since the propagation announces itself nowhere else."""
+    frame = sys._getframe(1)
+    for _ in range(frames):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == _META_PROPAGATION:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _unaliased_outputs(out: object, inputs: object) -> list[torch.Tensor]:
@@ -113,6 +135,8 @@ class LiveStorages(TorchDispatchMode):
             if self.on_backward_start is not None:
                 self.on_backward_start()
         out = func(*args, **(kwargs or {}))
+        if in_sharding_propagation():
+            return out
         new = _unaliased_outputs(out, (args, kwargs)) if is_higher_order(func) else _new_outputs(func, out)
         self.track(t for t in tree_flatten(new)[0] if isinstance(t, torch.Tensor))
         return out

@@ -155,6 +155,34 @@ def test_a_wrapper_subclass_is_priced_by_the_kernels_its_dispatch_runs():
     assert costs.by_op["mm"].kernels == 2 and costs.by_op["mm"].flops == 2 * (2 * 8 * 16 * 4), dict(costs.by_op)
 
 
+def test_a_dtensor_op_costs_and_holds_its_shard_only():
+    """DTensor's sharding propagation reruns an op on fresh fake tensors of the global shape to learn its output's
+    metadata (at a cache miss; on torch 2.11 at every op of its slow path): no kernel, nothing held. The probes pass
+    it through, so an FSDP rank is priced and its memory counted by its shard (on torch 2.11 its optimizer step had
+    cost its shard plus the whole model, and the estimator's activation peak doubled)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megalm.measure import LiveStorages
+
+    world, rows, cols = 4, 37, 11  # a shape no other test propagates: the propagation cache misses
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        with FakeTensorMode():
+            x = DTensor.from_local(torch.empty(rows, cols), mesh, [Shard(0)], run_check=False)
+            with LiveStorages() as live, OpCosts(GPUS["h100"]) as costs:
+                y = x * 2
+            assert y.shape == (world * rows, cols)
+    finally:
+        dist.destroy_process_group()
+    shard = rows * cols * 4
+    assert costs.by_op["mul"].kernels == 1 and costs.by_op["mul"].bytes == 2 * shard, dict(costs.by_op)
+    assert live.peak("cpu") == shard, live.peak("cpu")
+
+
 def test_torchtitan_fp8_is_traced_with_the_gemms_its_gpu_runs():
     """TorchTitan's fp8 rows (its Float8 converter: torchao's Float8Linear) multiply in FP8 as megalm's do: the same
     GEMM FLOPs at the FP8 peak (compute-bound shapes, the output head bf16 in both), eager and compiled; and megalm's
