@@ -12,8 +12,9 @@ What it cannot reach, and where that is tested instead:
 - values: nothing is computed. The GPU tier (tests/gpu, tools/gpu_check.sh) compares results.
 - backward through autograd: the engine asks the fake device for a CUDA context. Backward kernels that megalm
   calls directly are called directly here (the ring's block backward, the dgrad/wgrad GEMMs of the recipes).
-- Triton launches and torch.compile (both need a driver): the MX quantizer is a custom op with a fake
-  implementation (megalm::mx_quantize), and fp8.quantize runs its eager twin on fake tensors.
+- Triton launches and inductor (both need a driver): the MX quantizer is a custom op with a fake implementation
+  (megalm::mx_quantize), and fp8.quantize runs its eager twin on fake tensors. Dynamo's tracing needs none: compiled
+  blocks are traced here (graph breaks, recompiles, torch's varlen kernel in the graph) with a recording backend.
 - CUDA streams, events and pinned host memory (activation offload's copies), and NCCL: tests/gpu; the offload
   logic itself runs on CPU in tests/unit/test_offload.py.
 - sdpa over documents of unequal lengths reads cu_seqlens on the host (one call per document): it needs values.
@@ -26,7 +27,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from collections.abc import Iterator
+import random
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -405,3 +407,64 @@ def test_fake_cuda_one_rank_ring_micro_batch():
         _to_dtype(model, torch.bfloat16)  # precision=bf16's weights
         logits = _forward(model, docs=(20, 44), context=context)
         assert logits.shape == (64, model.cfg.padded_vocab_size) and logits.dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------------------------------------ compiled blocks
+
+
+def _packed_layouts(count: int, seed: int = 0) -> list[tuple[int, ...]]:
+    """Documents per micro-batch as a trainer packs them: equal lengths first (one document, several), then unequal
+    cuts of 64, 96 or 128 tokens (HDP's micro-batches vary in tokens too)."""
+    rng = random.Random(seed)
+    layouts = [(64,), (32, 32), (16,) * 4, (8,) * 8]
+    while len(layouts) < count:
+        tokens = rng.choice([64, 96, 128])
+        cuts = sorted(rng.sample(range(1, tokens), rng.randint(1, 6)))
+        layouts.append(tuple(b - a for a, b in zip([0, *cuts], [*cuts, tokens], strict=True)))
+    return layouts
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("recipe", ["bf16", "bf16_autocast", "fp8", "fp8_delayed", "fp8_rowwise", "mxfp8", "mxfp4"])
+def test_fake_cuda_compiled_blocks_take_the_varlen_kernel_without_breaks_or_recompiles(recipe):
+    """trainer.compile=true on a GPU, as far as a machine without one reaches: dynamo traces each block's forward on
+    fake CUDA tensors, with torch's varlen flash kernel (cu_seqlens a tensor, never read on the host) in the graph.
+    Over 20 micro-batches of equal and unequal documents and varying token counts: no graph break, and the blocks'
+    one code object compiles at most three times (the first graph, then the document count and the token count
+    made dynamic). The recipes' GEMMs are megalm's ops in the graph (fake tensors make no FP8 weight copies for the
+    graph's own torch._scaled_mm: tests/unit/test_compile_blocks.py runs that path). Inductor's Triton kernels need a
+    driver: the GPU tier compiles them (tests/gpu)."""
+    from torch._dynamo.utils import counters
+
+    from megalm.model.attention import choose_attention_backends
+    from megalm.training.compile import compile_blocks
+
+    needs_fake("views", "varlen_attn")
+    if not compat.varlen_attn_available():
+        pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen: the CUDA path runs SDPA per document")
+    targets: set[str] = set()
+
+    def recording(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        for graph in (module.graph for module in gm.modules() if isinstance(module, torch.fx.GraphModule)):
+            targets.update(str(node.target) for node in graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    with fake_cuda():
+        model = GPT(_model_config(seq_length=128))
+        precision = Precision(PrecisionConfig(name=recipe), seed=0, device=CUDA)
+        precision.convert(model)
+        if precision.working_dtype is not None:
+            _to_dtype(model, precision.working_dtype)
+        assert choose_attention_backends(model, CUDA, torch.bfloat16) == {"torch_varlen"}  # as the trainer does
+        compile_blocks(model, backend=recording)
+        torch._dynamo.reset()
+        counters.clear()
+        with precision.forward_context():
+            for step, docs in enumerate(_packed_layouts(20)):
+                precision.before_forward(model, step=step, micro_batch=0)
+                assert _forward(model, sum(docs), docs).shape[0] == sum(docs)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["frames"]["total"] <= 3, dict(counters["frames"])
+    assert any("varlen" in target for target in targets), sorted(targets)
+    recipe_ops = {t for t in targets if t.startswith(("megalm.recipe_linear", "megalm.fp8_linear"))}
+    assert bool(recipe_ops) == (recipe not in ("bf16", "bf16_autocast")), sorted(targets)  # the GEMMs in the graph
