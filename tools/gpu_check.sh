@@ -8,16 +8,19 @@
 GPU_RUN='The GPU run. Where pip reaches an index: tools/gpu_wheels.sh && tools/compare_wheels.sh (fills the
 git-ignored .wheels/ and .whl/). Copy the checkout with .wheels/ and .whl/ to the GPU machine (one H100 or H200,
 torch with CUDA, no network needed); from its root run
-    OUT=DIR tools/gpu_check.sh setup bench calibrate tests    (its 9-minute budget; what is left is "not run")
-then, if time is left,
-    OUT=DIR tools/gpu_check.sh compare                        (expected about 7 minutes)
-Each step stays under ten minutes. The report is DIR/gpu_check_report.md, the full output DIR/gpu_check.log.
-With the device tool: command "OUT=$OUT tools/gpu_check.sh setup bench calibrate tests", carry [".wheels", ".whl"].'
+    OUT=DIR tools/gpu_check.sh setup throughput tests calibrate    (about 7 minutes; its 9-minute budget)
+    OUT=DIR tools/gpu_check.sh setup compare                       (about 4 minutes)
+and, if time is left,
+    OUT=DIR tools/gpu_check.sh setup bench                         (the other benchmarks, about 4 minutes)
+Each call stays under ten minutes; what its budget leaves out is "not run". The report is DIR/gpu_check_report.md,
+the full output DIR/gpu_check.log. With the device tool: the first command as "OUT=$OUT tools/gpu_check.sh setup
+throughput tests calibrate", carry [".wheels", ".whl"]; the first two fit a 15-minute device budget.'
 #
 # Usage: tools/gpu_check.sh [--dry-run] [--print-run] [STEP ...]
-#   STEP: setup tests calibrate bench compare, run in the order given (default: all five, in this order); setup
-#         always runs first. The GPU run puts the numbers (bench: the fast step's; calibrate: HDP's cost model)
-#         before the tests.
+#   STEP: setup throughput tests calibrate bench compare, run in the order given (default: setup tests calibrate
+#         bench compare); setup always runs first. throughput: the fast step's rows (1.3B at seq 4096, bf16 and fp8,
+#         eager and compiled, profiled), which bench starts with unless throughput is asked for too. The GPU run
+#         puts the fast step's numbers before the tests.
 #   --dry-run: the whole script on a machine without a GPU (CI runs it): setup only reports, the tests are the GPU
 #              tier (skipped there) and the fake-CUDA tier, each benchmark is asked for --help, calibration and the
 #              comparison run their CPU sizes. Exit 0 when all of that works.
@@ -43,8 +46,9 @@ for arg in "$@"; do
     --dry-run) DRY_RUN=1 ;;
     --print-run) echo "$GPU_RUN"; exit 0 ;;
     -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
-    setup|tests|calibrate|bench|compare) wants "$arg" || STEPS+=("$arg") ;;  # each step once
-    *) echo "gpu_check: unknown argument '$arg'; steps are setup tests calibrate bench compare (or --dry-run)" >&2
+    setup|throughput|tests|calibrate|bench|compare) wants "$arg" || STEPS+=("$arg") ;;  # each step once
+    *) echo "gpu_check: unknown argument '$arg'; steps are setup throughput tests calibrate bench compare (or" \
+            "--dry-run)" >&2
        exit 2 ;;
   esac
 done
@@ -219,9 +223,9 @@ bench() {  # bench NAME LIMIT_S SCRIPT ARGS...: on the GPU as given; in a dry ru
     run "$name" "$limit" "$PYTHON" "$script" "$@"
   fi
 }
-step_bench() {
-  # first, the fast step's goal: 1.3B at seq 4096, bf16 and fp8, eager and compiled (inductor per block); each then
-  # profiles 2 steps (--profile: GPU busy against wall time, time per kind of kernel, the top kernels)
+step_throughput() {
+  # the fast step's goal: 1.3B at seq 4096, bf16 and fp8, eager and compiled (inductor per block); each then
+  # profiles 2 steps (--profile: GPU busy against wall time, time per kind of kernel, the top kernels, host syncs)
   bench "training throughput, 1.3b/4096 bf16" 150 tools/bench/throughput.py model=1.3b model.seq_length=4096 \
     precision=bf16 trainer.global_batch_size=2 trainer.micro_batch_size=2 --steps 6 --warmup 2 --profile 2
   bench "training throughput, 1.3b/4096 bf16 compiled" 240 tools/bench/throughput.py model=1.3b \
@@ -236,6 +240,9 @@ step_bench() {
       model.seq_length=4096 precision=fp8 trainer.compile=true trainer.global_batch_size=2 \
       trainer.micro_batch_size=2 --steps 6 --warmup 3 --profile 2
   fi
+}
+step_bench() {
+  wants throughput || step_throughput  # the fast step's rows first, unless their own step runs them
   bench "MX quantization bandwidth (Triton kernel vs PyTorch reference)" 120 \
     tools/bench/mx_quantize_bandwidth.py --m 8192 --k 8192 --iters 10 --warmup 2
   bench "training throughput, 125m bf16" 120 tools/bench/throughput.py model=125m precision=bf16 \
@@ -282,6 +289,7 @@ step_compare() {
 # ------------------------------------------------------------------------------ the steps, in the order asked
 for step in "${STEPS[@]}"; do
   case "$step" in
+    throughput) step_throughput ;;
     tests) step_tests ;;
     calibrate) step_calibrate ;;
     bench) step_bench ;;

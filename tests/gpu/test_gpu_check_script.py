@@ -48,7 +48,7 @@ def _dry_run(tmp_path: Path, *args: str, budget: int = 540) -> subprocess.Comple
 def test_the_documented_gpu_run_is_the_one_the_script_prints() -> None:
     printed = subprocess.run(["bash", str(SCRIPTS[0]), "--print-run"], capture_output=True, text=True,
                              check=True).stdout.strip()
-    assert "OUT=DIR tools/gpu_check.sh setup bench calibrate tests" in printed
+    assert "OUT=DIR tools/gpu_check.sh setup throughput tests calibrate" in printed
     docs = (ROOT / "docs" / "benchmarks.md").read_text()
     assert printed in docs, "docs/benchmarks.md must quote `tools/gpu_check.sh --print-run` verbatim"
 
@@ -64,6 +64,19 @@ def test_a_spent_budget_means_not_run_never_failed(tmp_path: Path) -> None:
     sections = [line for line in report.splitlines() if line.startswith("### ") and line != "### setup"]
     assert sections[0].startswith("### training throughput, 1.3b/4096 bf16"), sections
     assert sections[-1].startswith("### tests"), sections
+
+
+def test_the_fast_step_rows_run_once_whichever_steps_ask_for_them(tmp_path: Path) -> None:
+    """`throughput` runs the 1.3B rows alone (the GPU run's first call); `bench` starts with them unless `throughput`
+    is asked for too."""
+    rows = ("1.3b/4096 bf16 (", "1.3b/4096 bf16 compiled", "1.3b/4096 fp8 (", "1.3b/4096 fp8 compiled")
+    for steps, others in ((["throughput"], False), (["throughput", "bench"], True), (["bench"], True)):
+        out = tmp_path / "_".join(steps)
+        out.mkdir()
+        assert _dry_run(out, *steps, budget=1).returncode == 0
+        sections = [line for line in (out / "gpu_check_report.md").read_text().splitlines() if line.startswith("### ")]
+        assert [sum(row in line for line in sections) for row in rows] == [1, 1, 1, 1], (steps, sections)
+        assert any("125m" in line for line in sections) == others, (steps, sections)
 
 
 def _kill_session(session: int) -> None:
