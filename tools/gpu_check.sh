@@ -8,13 +8,13 @@
 GPU_RUN='The GPU run. Where pip reaches an index: tools/gpu_wheels.sh && tools/compare_wheels.sh (fills the
 git-ignored .wheels/ and .whl/). Copy the checkout with .wheels/ and .whl/ to the GPU machine (one H100 or H200,
 torch with CUDA, no network needed); from its root run
-    OUT=DIR tools/gpu_check.sh setup throughput tests calibrate    (about 7 minutes; its 9-minute budget)
-    OUT=DIR tools/gpu_check.sh setup compare                       (about 4 minutes)
+    OUT=DIR tools/gpu_check.sh setup throughput tests     (about 8 minutes; its 9-minute budget)
+    OUT=DIR tools/gpu_check.sh setup compare              (1.3B at seq 4096 against the peers, about 5 minutes)
 and, if time is left,
-    OUT=DIR tools/gpu_check.sh setup bench                         (the other benchmarks, about 4 minutes)
+    OUT=DIR tools/gpu_check.sh setup calibrate bench      (HDP cost model, the other benchmarks: 2026-11-28 has them)
 Each call stays under ten minutes; what its budget leaves out is "not run". The report is DIR/gpu_check_report.md,
 the full output DIR/gpu_check.log. With the device tool: the first command as "OUT=$OUT tools/gpu_check.sh setup
-throughput tests calibrate", carry [".wheels", ".whl"]; the first two fit a 15-minute device budget.'
+throughput tests", carry [".wheels", ".whl"]; the first two fit a 15-minute device budget.'
 #
 # Usage: tools/gpu_check.sh [--dry-run] [--print-run] [STEP ...]
 #   STEP: setup throughput tests calibrate bench compare, run in the order given (default: setup tests calibrate
@@ -279,9 +279,11 @@ step_compare() {
       tools/bench/compare.py --tiny --precisions fp32 --steps 1 --warmup 0 --repeats 1 --frameworks megalm \
       --json "$OUT_DIR/compare_dry_run.json"
   elif ((peers_ok)); then
-    run "megalm vs Megatron-Core vs TorchTitan" 540 "$PYTHON" tools/bench/compare.py --json "$OUT_DIR/compare.json"
+    # the fast step's shape (1.3B, seq 4096): the 125m cells of the default grid were measured on 2026-11-28
+    run "megalm vs Megatron-Core vs TorchTitan, 1.3b/4096" 540 "$PYTHON" tools/bench/compare.py --shapes 1.3b \
+      --json "$OUT_DIR/compare.json"
   else
-    run "megalm alone (no peers)" 300 "$PYTHON" tools/bench/compare.py --frameworks megalm \
+    run "megalm alone (no peers), 1.3b/4096" 300 "$PYTHON" tools/bench/compare.py --shapes 1.3b --frameworks megalm \
       --json "$OUT_DIR/compare.json"
   fi
 }

@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from megalm.measure.kernel_profile import STEP_SPAN, format_profile, kernel_kind, summarize
 
@@ -117,3 +118,25 @@ def test_profile_arguments_are_checked() -> None:
     bench = _throughput()
     with pytest.raises(SystemExit):
         bench.main(["--profile-trace", "t.json", *TINY])
+
+
+def test_throughput_counts_the_compiled_blocks_graph_breaks(monkeypatch, capsys) -> None:
+    """With trainer.compile=true the row says whether the blocks were whole graphs, from dynamo's own counters: none
+    broken on the tiny model; a block that breaks (a graph break put into its forward) is counted and named."""
+    from megalm.model.gpt import TransformerBlock
+
+    bench = _throughput()
+    compiled = ["trainer.compile=true", "trainer.compile_backend=eager"]
+    whole = bench.main(["--steps", "2", "--warmup", "1", *TINY, *compiled])["compile"]
+    assert whole["graph_breaks"] == 0 and whole["frames"] >= 1, whole
+    assert "compiled blocks: 0 graph breaks" in capsys.readouterr().out
+    forward = TransformerBlock.forward
+
+    def broken(self, *args, **kwargs):
+        torch._dynamo.graph_break()
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(TransformerBlock, "forward", broken)
+    torch._dynamo.reset()
+    cut = bench.main(["--steps", "2", "--warmup", "1", *TINY, *compiled])["compile"]
+    assert cut["graph_breaks"] > 0 and cut["break_reasons"], cut

@@ -12,6 +12,9 @@ median step and writes nothing but a temporary run dir (deleted afterwards).
 (megalm/measure/kernel_profile.py): on a GPU how long it was busy at all against the wall time (the rest is
 waiting on the host), the time per kind of kernel and the kernels that took most; `--profile-trace PATH` also
 writes the Chrome trace. The profiled steps are not in the timed figures (the profiler slows the host).
+
+With `trainer.compile=true` it also reports dynamo's own counts over all the steps it ran: graph breaks and
+compiled frames (the first graph and every recompile), so a GPU row says whether its blocks were whole graphs.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = compose_config(overrides)
     cfg.trainer.max_steps = args.warmup + args.steps + (args.profile + 1 if args.profile else 0)
     profile = None
+    compiled = compile_counts() if cfg.trainer.compile else None
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(cfg, run_dir)
         device = trainer.device
@@ -96,11 +100,17 @@ def main(argv: list[str] | None = None) -> dict:
         "mfu": statistics.median(flops) / step_s / trainer.peak if trainer.peak else None,
         "peak_memory_gib": peak_memory_gb(device),
     }
+    if compiled is not None:
+        report["compile"] = compiled()
     print(f"{report['model']} {report['precision']} on {report['device']}: {report['params_m']:.1f}M params, "
           f"{tok_per_step:.0f} tokens/step, {step_s * 1e3:.1f} ms/step, {report['tokens_per_sec']:,.0f} tokens/s, "
           f"{report['tflops_per_sec']:.2f} TFLOP/s"
           + (f", MFU {100 * report['mfu']:.1f}%" if report["mfu"] else ", MFU n/a (no peak for this device)")
           + f", peak memory {report['peak_memory_gib']:.2f} GiB")
+    if compiled is not None:
+        counts = report["compile"]
+        print(f"compiled blocks: {counts['graph_breaks']} graph breaks, {counts['frames']} compiled frames"
+              + "".join(f"\n  break: {reason}" for reason in counts["break_reasons"]))
     if profile is not None:
         from megalm.measure.kernel_profile import format_profile
 
@@ -110,6 +120,20 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         print(json.dumps(report))
     return report
+
+
+def compile_counts():
+    """Start counting dynamo's graph breaks and compiled frames (its own counters, cleared here); returns what
+    reads them: {"graph_breaks", "frames", "break_reasons" (the first line of each distinct reason)}."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+
+    def read() -> dict:
+        reasons = counters["graph_break"]
+        return {"graph_breaks": sum(reasons.values()), "frames": counters["frames"]["ok"],
+                "break_reasons": sorted({reason.splitlines()[0][:160] for reason in reasons})}
+    return read
 
 
 def _profile(trainer, first_step: int, steps: int, trace: Path | None):
