@@ -17,10 +17,9 @@ the full output DIR/gpu_check.log. With the device tool: the first command as "O
 throughput tests", carry [".wheels", ".whl"]; the first two fit a 15-minute device budget.'
 #
 # Usage: tools/gpu_check.sh [--dry-run] [--print-run] [STEP ...]
-#   STEP: setup throughput tests calibrate bench compare, run in the order given (default: setup tests calibrate
-#         bench compare); setup always runs first. throughput: the fast step's rows (1.3B at seq 4096, bf16 and fp8,
-#         eager and compiled, profiled), which bench starts with unless throughput is asked for too. The GPU run
-#         puts the fast step's numbers before the tests.
+#   STEP: setup throughput tests calibrate bench compare, run in the order given (default: all six, in this order);
+#         setup always runs first. throughput: the fast step's rows (1.3B at seq 4096, bf16 and fp8, eager and
+#         compiled, profiled); bench: the other benchmarks. The GPU run puts the fast step's numbers before the tests.
 #   --dry-run: the whole script on a machine without a GPU (CI runs it): setup only reports, the tests are the GPU
 #              tier (skipped there) and the fake-CUDA tier, each benchmark is asked for --help, calibration and the
 #              comparison run their CPU sizes. Exit 0 when all of that works.
@@ -52,7 +51,7 @@ for arg in "$@"; do
        exit 2 ;;
   esac
 done
-((${#STEPS[@]})) || STEPS=(setup tests calibrate bench compare)
+((${#STEPS[@]})) || STEPS=(setup throughput tests calibrate bench compare)
 
 # ------------------------------------------------------------------------------------------------ a CUDA GPU
 if ! "$PYTHON" -c 'import torch' >/dev/null 2>&1; then
@@ -242,7 +241,6 @@ step_throughput() {
   fi
 }
 step_bench() {
-  wants throughput || step_throughput  # the fast step's rows first, unless their own step runs them
   bench "MX quantization bandwidth (Triton kernel vs PyTorch reference)" 120 \
     tools/bench/mx_quantize_bandwidth.py --m 8192 --k 8192 --iters 10 --warmup 2
   bench "training throughput, 125m bf16" 120 tools/bench/throughput.py model=125m precision=bf16 \

@@ -1,6 +1,7 @@
 """What a step costs on a GPU, read from the aten ops it dispatches: kernels, FLOPs, bytes and a roofline time.
 
-`OpCosts` is a `TorchDispatchMode`: every op that is not a view (a view launches no kernel) is one kernel (or part
+`OpCosts` is a `TorchDispatchMode`: every op that is not a view (a view launches no kernel) nor a rerun of DTensor's
+sharding propagation (`megalm.measure.storage.in_sharding_propagation`) is one kernel (or part
 of one: `one_kernel` counts a region's ops as the single fused kernel the GPU runs for them), its
 FLOPs come from torch's own formulas (`torch.utils.flop_counter`), its bytes are those of its tensor inputs read
 (not a destination it overwrites, nor anything a fill is given; an allocation is no kernel) and its outputs

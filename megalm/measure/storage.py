@@ -4,8 +4,9 @@ reports on CPU and under fake tensors.
 A `TorchDispatchMode` sees each aten op's outputs; every new storage (an output the op's schema does not declare
 an alias of an input: views, in-place and out= results are not new) is counted by its bytes and
 uncounted by a `weakref.finalize` when torch frees it (a view keeps its storage alive, so views are never
-counted twice and a storage is freed only with its last view). Nothing here reads a megalm counter, so a
-feature's own bookkeeping (an offload store's "resident bytes", a planner's estimate) can be checked against it.
+counted twice and a storage is freed only with its last view); what DTensor's sharding propagation makes (its
+reruns of an op at the global shape, `in_sharding_propagation`) is not counted. Nothing here reads a megalm counter,
+so a feature's own bookkeeping (an offload store's "resident bytes", a planner's estimate) can be checked against it.
 It works on real CPU tensors, on `FakeTensorMode` tensors (which carry sizes but no data: the way to measure one
 rank of a 1,024-GPU layout on a laptop) and on CUDA, where `torch.cuda.max_memory_allocated` is the allocator's
 own answer to compare with (that one also counts the allocator's rounding and workspaces). Compiled functions run
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -62,22 +64,29 @@ def is_higher_order(func: object) -> bool:
     return isinstance(func, torch._ops.HigherOrderOperator)
 
 
-# torch.distributed.tensor's ShardingPropagator method (torch 2.9 to 2.13) that reruns a DTensor op on fake tensors
+# Where torch.distributed.tensor reruns a DTensor op for its sharding propagation (torch 2.9 to 2.13): on fake tensors
+# of the global shape for the output's metadata (ShardingPropagator's method), and, for an op without a sharding rule
+# of its own, its decomposition on meta tensors once per candidate placement, over a mesh of its own (the module of
+# DecompShardingStrategy, from 2.11)
 _META_PROPAGATION = "_propagate_tensor_meta_non_cached"
+_DECOMPOSITION_PROPAGATION = os.path.join("torch", "distributed", "tensor", "_decompositions.py")
 
 
-def in_sharding_propagation(frames: int = 24) -> bool:
-    """Whether the op being dispatched runs for DTensor's sharding propagation, which learns an op's output metadata
-    by running it once more on fresh fake tensors of the global shape (on a cache miss; every time while tracing,
-    and in torch 2.11's dispatch slow path). No kernel runs for it on a GPU and its tensors die at once, so the probes
-    pass it through uncounted: counted, torch 2.11 priced an FSDP rank's optimizer step at its shard plus the whole
-    model, and the global-size copies doubled its activation peak. Read from the caller's frames (`frames` of them,
-    the dispatch's own included), since the propagation announces itself nowhere else."""
+def in_sharding_propagation(frames: int = 40) -> bool:
+    """Whether the op being dispatched runs for DTensor's sharding propagation (`_META_PROPAGATION` and kin), which
+    reruns an op on tensors of the global shape to learn its output's metadata (on a cache miss; every time while
+    tracing, and in torch 2.11's dispatch slow path) or, for an op without a sharding rule, its placements. No
+    kernel runs for it on a GPU and its tensors die at once, so the probes pass it through uncounted: counted, torch
+    2.11 priced an FSDP rank's optimizer step at its shard plus the whole model, and the global-size copies doubled
+    its activation peak. Read from the caller's frames (`frames` of them, the dispatch's own included: each dispatch
+    mode between the propagation and the probe adds 2 to 4; the estimator's deepest case is 13), since the
+    propagation announces itself nowhere else."""
     frame = sys._getframe(1)
     for _ in range(frames):
         if frame is None:
             return False
-        if frame.f_code.co_name == _META_PROPAGATION:
+        code = frame.f_code
+        if code.co_name == _META_PROPAGATION or code.co_filename.endswith(_DECOMPOSITION_PROPAGATION):
             return True
         frame = frame.f_back
     return False

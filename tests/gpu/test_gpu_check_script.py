@@ -56,7 +56,7 @@ def test_the_documented_gpu_run_is_the_one_the_script_prints() -> None:
 def test_a_spent_budget_means_not_run_never_failed(tmp_path: Path) -> None:
     """Also: the steps run in the order asked (the GPU run asks for the benchmarks before the tests), and the
     benchmarks start with the 1.3B fast-step rows."""
-    proc = _dry_run(tmp_path, "bench", "tests", budget=1)
+    proc = _dry_run(tmp_path, "throughput", "bench", "tests", budget=1)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = (tmp_path / "gpu_check_report.md").read_text()
     assert report.count(": not run (the 1 s budget was spent") >= 6, report
@@ -66,17 +66,17 @@ def test_a_spent_budget_means_not_run_never_failed(tmp_path: Path) -> None:
     assert sections[-1].startswith("### tests"), sections
 
 
-def test_the_fast_step_rows_run_once_whichever_steps_ask_for_them(tmp_path: Path) -> None:
-    """`throughput` runs the 1.3B rows alone (the GPU run's first call); `bench` starts with them unless `throughput`
-    is asked for too."""
+def test_the_fast_step_rows_are_the_throughput_step_s_alone(tmp_path: Path) -> None:
+    """`throughput` runs the 1.3B rows (the GPU run's first call), `bench` the other benchmarks (a later call's):
+    neither repeats the other's."""
     rows = ("1.3b/4096 bf16 (", "1.3b/4096 bf16 compiled", "1.3b/4096 fp8 (", "1.3b/4096 fp8 compiled")
-    for steps, others in ((["throughput"], False), (["throughput", "bench"], True), (["bench"], True)):
-        out = tmp_path / "_".join(steps)
-        out.mkdir()
-        assert _dry_run(out, *steps, budget=1).returncode == 0
-        sections = [line for line in (out / "gpu_check_report.md").read_text().splitlines() if line.startswith("### ")]
-        assert [sum(row in line for line in sections) for row in rows] == [1, 1, 1, 1], (steps, sections)
-        assert any("125m" in line for line in sections) == others, (steps, sections)
+    for step, fast in (("throughput", True), ("bench", False)):
+        (tmp_path / step).mkdir()
+        assert _dry_run(tmp_path / step, step, budget=1).returncode == 0
+        sections = [line for line in (tmp_path / step / "gpu_check_report.md").read_text().splitlines()
+                    if line.startswith("### ")]
+        assert [sum(row in line for line in sections) for row in rows] == [int(fast)] * 4, (step, sections)
+        assert any("125m" in line for line in sections) != fast, (step, sections)
 
 
 def _kill_session(session: int) -> None:

@@ -426,7 +426,7 @@ def _packed_layouts(count: int, seed: int = 0) -> list[tuple[int, ...]]:
 
 @needs_cuda_build
 @pytest.mark.parametrize("recipe", ["bf16", "bf16_autocast", "fp8", "fp8_delayed", "fp8_rowwise", "mxfp8", "mxfp4"])
-def test_fake_cuda_compiled_blocks_take_the_varlen_kernel_without_breaks_or_recompiles(recipe):
+def test_fake_cuda_compiled_blocks_take_the_varlen_kernel_in_whole_graphs_compiled_at_most_three_times(recipe):
     """trainer.compile=true on a GPU, as far as a machine without one reaches: dynamo traces each block's forward on
     fake CUDA tensors, with torch's varlen flash kernel (cu_seqlens a tensor, never read on the host) in the graph.
     Over 20 micro-batches of equal and unequal documents and varying token counts: no graph break, and the blocks'

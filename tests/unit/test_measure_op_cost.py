@@ -5,6 +5,7 @@ included (their GEMMs are inductor's extern kernels, replayed)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -157,9 +158,10 @@ def test_a_wrapper_subclass_is_priced_by_the_kernels_its_dispatch_runs():
 
 def test_a_dtensor_op_costs_and_holds_its_shard_only():
     """DTensor's sharding propagation reruns an op on fresh fake tensors of the global shape to learn its output's
-    metadata (at a cache miss; on torch 2.11 at every op of its slow path): no kernel, nothing held. The probes pass
-    it through, so an FSDP rank is priced and its memory counted by its shard (on torch 2.11 its optimizer step had
-    cost its shard plus the whole model, and the estimator's activation peak doubled)."""
+    metadata (at a cache miss; on torch 2.11 at every op of its slow path), and places an op without a sharding rule
+    by running its decomposition on meta tensors: no kernel, nothing held. The probes pass it through, so an FSDP
+    rank is priced and its memory counted by its shard (on torch 2.11 its optimizer step had cost its shard plus the
+    whole model, and the estimator's activation peak doubled)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -176,11 +178,16 @@ def test_a_dtensor_op_costs_and_holds_its_shard_only():
             with LiveStorages() as live, OpCosts(GPUS["h100"]) as costs:
                 y = x * 2
             assert y.shape == (world * rows, cols)
+            unruled = OpCosts(GPUS["h100"])
+            if importlib.util.find_spec("torch.distributed.tensor._decompositions"):  # from torch 2.11 (2.9 refuses)
+                with unruled:  # an op without a sharding rule of its own: placed through its decomposition
+                    torch.nn.functional.hardswish(x)
     finally:
         dist.destroy_process_group()
     shard = rows * cols * 4
     assert costs.by_op["mul"].kernels == 1 and costs.by_op["mul"].bytes == 2 * shard, dict(costs.by_op)
     assert live.peak("cpu") == shard, live.peak("cpu")
+    assert unruled.total().bytes <= 2 * shard, dict(unruled.by_op)  # one elementwise pass over the shard at most
 
 
 def test_torchtitan_fp8_is_traced_with_the_gemms_its_gpu_runs():
