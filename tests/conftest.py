@@ -52,6 +52,22 @@ def make_config():
     return compose_config
 
 
+@pytest.fixture
+def scaled_mm_on_cpu():
+    """FP8 on CPU tensors as a GPU from sm89 runs it: GEMMs through torch._scaled_mm (the CPU's kernel), the eager
+    path's and the compiled blocks' graph GEMMs (compiled_linear.fp8_graph_linear), and the eager casts as the
+    compiled functions CUDA calls (whose outputs carry dynamo's dynamic-dim marks)."""
+    from tools.bench.host_overhead import fp8_cuda_code_on_cpu
+
+    one, q = torch.ones(()), torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(q, q.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    except (AttributeError, NotImplementedError, RuntimeError) as error:
+        pytest.skip(f"torch {torch.__version__} has no CPU kernel for torch._scaled_mm: {str(error).splitlines()[0]}")
+    with fp8_cuda_code_on_cpu():
+        yield
+
+
 def long_cases() -> set[str]:
     """The node ids of tests/long_cases.txt: default-suite cases run with the long tests, for the default run's
     time budget (the file says which and why)."""

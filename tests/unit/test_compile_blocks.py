@@ -170,22 +170,6 @@ def test_the_whole_model_is_one_graph(tmp_path, precision):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
-@pytest.fixture
-def scaled_mm_on_cpu():
-    """FP8 on CPU tensors as a GPU from sm89 runs it: GEMMs through torch._scaled_mm (the CPU's kernel), the eager
-    path's and the compiled blocks' graph GEMMs (compiled_linear.fp8_graph_linear), and the eager casts as the
-    compiled functions CUDA calls (whose outputs carry dynamo's dynamic-dim marks)."""
-    from tools.bench.host_overhead import fp8_cuda_code_on_cpu
-
-    one, q = torch.ones(()), torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
-    try:
-        torch._scaled_mm(q, q.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    except (AttributeError, NotImplementedError, RuntimeError) as error:
-        pytest.skip(f"torch {torch.__version__} has no CPU kernel for torch._scaled_mm: {str(error).splitlines()[0]}")
-    with fp8_cuda_code_on_cpu():
-        yield
-
-
 def _recording_backend(graphs: dict[str, list[str]]):
     """aot_eager that keeps the text of every forward and backward graph it compiles in `graphs`."""
     from functorch.compile import make_boxed_func

@@ -61,22 +61,14 @@ def test_one_host_sync_per_training_step(tmp_path, model):
     assert "trainer.py" in counter.syncs[0] and result.tokens > 0
 
 
-def test_fp8_on_its_cuda_code_adds_no_host_sync(tmp_path):
+def test_fp8_on_its_cuda_code_adds_no_host_sync(tmp_path, scaled_mm_on_cpu):
     """FP8 as a GPU from sm89 runs it (compiled casts, torch._scaled_mm, weight copies cached per optimizer step; on
     CPU tensors, as tools/bench/host_overhead.py does): still the step's one sync. A sync per linear would drain
     the GPU's queue of launches at every layer (the first GPU run measured FP8 at 0.67x bf16's tokens/s)."""
-    from tools.bench.host_overhead import fp8_cuda_code_on_cpu
-
-    one, q = torch.ones(()), torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
-    try:
-        torch._scaled_mm(q, q.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    except (AttributeError, NotImplementedError, RuntimeError) as error:
-        pytest.skip(f"torch {torch.__version__} has no CPU kernel for torch._scaled_mm: {str(error).splitlines()[0]}")
-    with fp8_cuda_code_on_cpu():
-        trainer = Trainer(compose_config("trainer.max_steps=3", "precision=fp8"), tmp_path)
-        trainer.train_step(0)
-        with SyncCounter() as counter:
-            trainer.train_step(1)
+    trainer = Trainer(compose_config("trainer.max_steps=3", "precision=fp8"), tmp_path)
+    trainer.train_step(0)
+    with SyncCounter() as counter:
+        trainer.train_step(1)
     assert len(counter.syncs) == 1, counter.syncs
     assert "trainer.py" in counter.syncs[0]
 

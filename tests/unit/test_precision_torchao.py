@@ -24,7 +24,7 @@ from megalm.precision.linear import get_recipe
 from megalm.training.trainer import Trainer
 from megalm.training.validation import validate_run
 from tests.conftest import compose_config
-from tests.unit.test_compile_blocks import EQUAL_DOCS, scaled_mm_on_cpu, train_compiled_against_eager  # noqa: F401
+from tests.unit.test_compile_blocks import EQUAL_DOCS, train_compiled_against_eager
 
 pytestmark = pytest.mark.skipif(torchao_fp8.torchao_problem() is not None,
                                 reason=f"{torchao_fp8.torchao_problem()}")
@@ -64,7 +64,7 @@ def test_a_torchao_layer_computes_megalm_fp8_emulated():
     assert max(_compare_layers(ours, theirs)) < 1e-6
 
 
-def test_a_torchao_layer_computes_megalm_fp8_through_scaled_mm(scaled_mm_on_cpu):  # noqa: F811
+def test_a_torchao_layer_computes_megalm_fp8_through_scaled_mm(scaled_mm_on_cpu):
     ours, theirs = _layer_pair(emulate=False)
     calls = []
     original = torch._scaled_mm
@@ -133,7 +133,7 @@ def test_without_torchao_the_native_path_runs_and_says_so(tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize("layout", [[], ["parallel.recompute=selective"]], ids=["plain", "recompute"])
-def test_compiled_blocks_run_torchao_casts_and_gemms_in_their_graphs(tmp_path, scaled_mm_on_cpu,  # noqa: F811
+def test_compiled_blocks_run_torchao_casts_and_gemms_in_their_graphs(tmp_path, scaled_mm_on_cpu,
                                                                       layout):
     """As TorchTitan compiles Float8Linear: one `_scaled_mm` per layer in a block's forward graph, two in its
     backward, no break, and the losses and weights of the eager run."""
