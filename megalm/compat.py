@@ -274,17 +274,19 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-@functools.cache
-def fake_collectives() -> None:
-    """Fake kernels for c10d's collectives, which megalm-estimate's fake process group runs on fake tensors. torch
-    registers them itself from 2.11 (torch.distributed._meta_registrations); before, its own memory tracker's module
-    torch.distributed._tools.fake_collectives registers the same kernels when imported (without it torch 2.9 failed
-    on FSDP's all-gather: "UnsupportedOperatorException: c10d._allgather_base_")."""
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """Make this process rank `rank` of a fake process group of `world_size` (torch's FakeStore: collectives return at
+    once, nothing is sent), which megalm-estimate and the activation-memory tool run on fake tensors. Its collectives
+    need fake kernels: torch registers them itself from 2.11 (torch.distributed._meta_registrations); before, its own
+    memory tracker's module torch.distributed._tools.fake_collectives registers the same kernels when imported
+    (without it torch 2.9 failed on FSDP's all-gather: "UnsupportedOperatorException: c10d._allgather_base_")."""
     import importlib.util
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if importlib.util.find_spec("torch.distributed._meta_registrations") is None:
         import torch.distributed._tools.fake_collectives  # noqa: F401 - registers the kernels
-
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
 
 # ----------------------------------------------------------------------------------------------- checkpoints
 

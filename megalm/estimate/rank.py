@@ -149,7 +149,6 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
     data/context coordinates those of `domain_index` (dp_rank·cp + cp_rank, the HDP domain's order)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from megalm.config.compose import compose_config
     from megalm.parallel.dims import ParallelDims
@@ -161,8 +160,7 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
     dims = ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=world // (p.tp * p.pp * p.cp), ep=p.ep)
     rank = dims.rank_of(pp=stage, dp=domain_index // p.cp, cp=domain_index % p.cp)
     fake, live = FakeTensorMode(allow_non_fake_inputs=True), LiveStorages()
-    compat.fake_collectives()
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    compat.init_fake_process_group(rank, world)
     try:  # FP8 recipes as this GPU runs them (compiled casts; torch._scaled_mm from 8.9), not as the CPU emulates
         with tempfile.TemporaryDirectory() as run_dir, compat.fp8_traced_as_gpu(GPUS[gpu].capability):
             with fake, live:

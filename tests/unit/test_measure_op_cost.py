@@ -165,12 +165,12 @@ def test_a_dtensor_op_costs_and_holds_its_shard_only():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from megalm import compat
     from megalm.measure import LiveStorages
 
     world, rows, cols = 4, 37, 11  # a shape no other test propagates: the propagation cache misses
-    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    compat.init_fake_process_group(0, world)
     try:
         mesh = init_device_mesh("cpu", (world,))
         with FakeTensorMode():

@@ -53,15 +53,13 @@ def formula(mode: str, tp: int, sp: bool) -> float:
 def join_fake_group(overrides: list[str]) -> tuple[int, bool]:
     """(tp, sequence parallel) of the overrides; for tp > 1, this process becomes rank 0 of a fake group of tp."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from megalm import compat
 
     cfg = compose_config(STEP_OVERRIDES + overrides)
     tp, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel
     if tp > 1 and not dist.is_initialized():
-        compat.fake_collectives()  # torch 2.9 has no fake kernels of its own for c10d's collectives
-        dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+        compat.init_fake_process_group(0, tp)
     return tp, sp
 
 
