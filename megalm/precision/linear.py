@@ -386,9 +386,9 @@ class RecipeGemms:
         optimizer step (not under FSDP, whose recipes cast after every gather: a graph would hold each copy from
         forward to backward). Asked before every block call: what does not change while the weight is the same
         tensor (the recipe, its device and shape) is decided once per weight."""
-        w = self.weight
-        if self._graph_token is not None and self._graph_token[0]() is w and self._graph_token == self._weight_token(w):
-            return False  # the weight by identity first: two live weak references compare their tensors with ==
+        w, token = self.weight, self._graph_token
+        if token is not None and w is not None and token[0]() is w and token[1:] == self.state.weight_token(w):
+            return False  # the weight by identity, then the rest (weak references to live tensors compare them)
         if w is None or self.state is None or not self.state.weights_version.watched:
             return None
         if self._graph_eligible is None or self._graph_eligible[0]() is not w:
@@ -447,9 +447,8 @@ class RecipeGemms:
         self.graph_weights = self._graph_copies
 
     def _weight_token(self, w: torch.Tensor | None) -> tuple | None:
-        """What the layer's cached weight copies are valid for (`LinearState.quantized_weight`'s token), with the
-        weight (a weak reference: compare its referent by identity first, as `graph_weights_wanted` does; two live
-        references to different tensors compare the tensors)."""
+        """What the layer's cached weight copies are valid for (`LinearState.quantized_weight`'s token), after the
+        weight (a weak reference: `graph_weights_wanted` compares its referent by identity, the rest by value)."""
         if w is None or self.state is None:
             return None
         return weakref.ref(w), *self.state.weight_token(w)

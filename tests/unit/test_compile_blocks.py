@@ -301,13 +301,15 @@ def test_a_replaced_weight_gets_copies_of_its_own(scaled_mm_on_cpu):
     from megalm.precision.linear import LinearState, RecipeGemms, get_recipe
 
     layer = Linear(64, 32, bias=False)
+    layer.weight = torch.nn.Parameter(torch.randn(32, 64))  # fresh, as its replacement: equal version counters
     state = LinearState("layer")
     layer.gemm_recipe = gemms = RecipeGemms(get_recipe("fp8"), state, module=layer)
     state.weights_version.watch(torch.optim.SGD(layer.parameters(), lr=0.1))
     with prepared_weights([layer]):
         first = gemms.graph_weights
-    old = layer.weight  # noqa: F841 - alive, as an optimizer would keep it
+    old = layer.weight  # alive, as an optimizer would keep it
     layer.weight = torch.nn.Parameter(torch.randn(32, 64))
+    assert state.weight_token(old) == state.weight_token(layer.weight)  # only the weight's identity tells them apart
     with prepared_weights([layer]):
         rows = gemms.graph_weights[0]
     expected, _ = fp8.quantize_current(layer.weight.detach(), fp8.E4M3)
