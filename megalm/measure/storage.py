@@ -144,10 +144,10 @@ class LiveStorages(TorchDispatchMode):
             if self.on_backward_start is not None:
                 self.on_backward_start()
         out = func(*args, **(kwargs or {}))
-        if in_sharding_propagation():
-            return out
         new = _unaliased_outputs(out, (args, kwargs)) if is_higher_order(func) else _new_outputs(func, out)
-        self.track(t for t in tree_flatten(new)[0] if isinstance(t, torch.Tensor))
+        tensors = [t for t in tree_flatten(new)[0] if isinstance(t, torch.Tensor)]
+        if tensors and not in_sharding_propagation():  # frames read only where there is something to count
+            self.track(tensors)
         return out
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
