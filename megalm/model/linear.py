@@ -3,8 +3,8 @@
 A linear layer y = x Wᵀ + b runs three GEMMs: fprop (y), dgrad (dx = dy W) and wgrad (dW = dyᵀ x).
 Two features change them, and must compose:
 
-- a precision recipe (megalm/precision/linear.py) changes how each GEMM rounds its operands
-  (`gemm_recipe`: an object with `start`, `fprop`, `dgrad` and `wgrad`);
+- a precision recipe (megalm/precision/recipes.py, run by megalm/precision/linear.py) changes how each GEMM
+  rounds its operands (`gemm_recipe`: an object with `start`, `fprop`, `dgrad` and `wgrad`);
 - a zero-bubble pipeline (megalm/parallel/pipeline/weight_grad.py) changes *when* wgrad runs: dx in
   the B action, dW later in W (`weight_grad_sink`: an object with `stash(param, compute_dw)`).
 

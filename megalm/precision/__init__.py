@@ -39,8 +39,10 @@ from megalm.config import MegalmConfig, PrecisionConfig, choice
 from megalm.config.choices import ForwardFormat, PrecisionBackend
 from megalm.errors import ConfigError
 from megalm.precision import fp8, te, torchao_fp8
+from megalm.precision.gemm import mx_gemm_path
 from megalm.precision.install import apply_precision, set_precision_step
-from megalm.precision.linear import RECIPES, WeightsVersion, get_recipe, mx_gemm_path
+from megalm.precision.layer_state import WeightsVersion
+from megalm.precision.recipes import RECIPES, get_recipe
 
 log = logging.getLogger("megalm")
 

@@ -3,7 +3,7 @@ trainer and checkpoints reach through the model: the seed stream's (step, micro-
 histories.
 
 `apply_precision(model, recipe, skip=...)` sets each linear layer's `gemm_recipe` hook (megalm/model/linear.py) to a
-`RecipeGemms` (megalm/precision/linear.py, which says what the recipes compute), which the layer's GEMM function reads;
+`RecipeGemms` (megalm/precision/linear.py; what the recipes compute: recipes.py), which the layer's GEMM function reads;
 tensor-parallel layers have the same hook, and a zero-bubble pipeline's weight-gradient sink composes with it.
 """
 
@@ -17,7 +17,9 @@ from torch import nn
 
 from megalm.model.linear import LinearHooks, linear_modules
 from megalm.model.naming import canonical_named_modules, model_chunks
-from megalm.precision.linear import LinearState, Recipe, RecipeGemms, WeightsVersion, get_recipe
+from megalm.precision.layer_state import LinearState, WeightsVersion
+from megalm.precision.linear import RecipeGemms
+from megalm.precision.recipes import Recipe, get_recipe
 
 
 def _last_layer(model: nn.Module) -> int | None:

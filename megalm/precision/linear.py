@@ -1,36 +1,6 @@
-"""Low-precision linear layers: a recipe says how each of a layer's three GEMMs rounds its operands.
-
-A linear layer y = x W^T + b (x [T, in], W [out, in]) runs three GEMMs, each with its own
-reduction dimension K:
-
-    fprop  y  = x W^T     K = in    x along its dim 1, W along its dim 1
-    dgrad  dx = dy W      K = out   dy along its dim 1, W along its dim 0
-    wgrad  dW = dy^T x    K = T     dy along its dim 0, x along its dim 0
-
-Block scales (MX: one per 32 elements) and per-row FP8 scales must run along K, or the GEMM could not
-factor them out of its sums. So every GEMM quantizes its two operands itself, from the
-high-precision tensors it was given: W is quantized along `in` for fprop and along `out` for dgrad,
-dy along `out` for dgrad and along the tokens for wgrad (per-tensor scales, which do not depend on K, let the
-GEMMs that read one tensor share its cast: below). The backward saves x (or, under per-tensor current FP8
-scaling, fprop's FP8 copy of it) and W.
-
-Recipes (`get_recipe(name)`; fprop / dgrad / wgrad):
-
-    fp32         F.linear, untouched (also what a layer gets when it is skipped)
-    bf16         operands rounded to bf16, fp32 accumulation, in all three
-    fp8          FP8 with per-tensor current scaling: E4M3 for x and W, E5M2 for dy
-    fp8_delayed  the same with delayed scaling (amax history of 16 steps, per layer and tensor; the scale
-                 fixed within a step, so recomputation and the schedule change nothing: fp8.AmaxHistory)
-    fp8_rowwise  the same with one scale per row along K (per token / feature / output channel)
-    mxfp8        MXFP8 (E4M3 elements, block 32 along K, "ceil" scales: no clipping) in all three
-    mxfp4        Tseng et al. 2025 ("Training LLMs with MXFP4", arXiv 2502.20586): fprop in bf16
-                 (or FP8: `get_recipe("mxfp4", forward="fp8")`), dgrad and wgrad in MXFP4 (E2M1,
-                 block 32 along K, spec "floor" scales) after a random Hadamard transform of size 64
-                 along K, with stochastic rounding (x3/4 so it never clips; see megalm.precision.mx).
-                 Unbiased gradient estimates: E[dx] = dy W and E[dW] = dy^T x.
-    mxfp4_rtn    ablation: MXFP4 backward, round to nearest, no RHT (biased)
-    mxfp4_sr     ablation: stochastic rounding only
-    mxfp4_rht    ablation: RHT only, round to nearest
+"""Low-precision linear layers: a recipe's three GEMMs for one layer (`RecipeGemms`, the layer's `gemm_recipe`
+hook) and `low_precision_linear`, F.linear under a recipe. What each recipe computes, and its measured error:
+megalm/precision/recipes.py; the per-layer seed stream, amax histories and weight cache: layer_state.py.
 
 Where the GEMMs run (the log says which; Precision.note):
     CPU          the reference: round operands to the format, dequantize, fp32 matmul
@@ -72,41 +42,6 @@ around the linears (tools/bench/step_cost.py; docs/benchmarks.md). tools/bench/c
 megalm's own step (`megalm_compiled` and `megalm_torchao`) beside TorchTitan in the same GPU run
 (tools/gpu_check.sh compare).
 
-Measured error (tests/unit/test_precision_linear.py; CPU, torch 2.13): relative Frobenius error
-||C - C_exact|| / ||C_exact|| of each GEMM against fp64, x [512, 256], W [256, 256], dy [512, 256];
-Gaussian: N(0, 1) entries; heavy: Student-t with 3 degrees of freedom; random recipes: mean of 8 seeds
-(the spread between seeds is < 0.01). The tests assert bands around these values.
-
-    recipe        Gaussian: y    dx      dW     | heavy: dx    dW
-    bf16                0.0024  0.0023  0.0023  |      0.0023  0.0023
-    fp8                 0.038   0.059   0.059   |      0.058   0.058
-    fp8_delayed         0.038   0.059   0.059   |      0.058   0.058   (one call: = current scaling)
-    fp8_rowwise         0.037   0.058   0.059   |      0.052   0.054
-    mxfp8               0.038   0.038   0.038   |      0.038   0.037
-    mxfp4_rtn           0.0024  0.161   0.161   |      0.202   0.202
-    mxfp4_rht           0.0024  0.162   0.162   |      0.161   0.161
-    mxfp4_sr            0.0024  0.240   0.238   |      0.309   0.309
-    mxfp4               0.0024  0.239   0.239   |      0.231   0.232
-
-(y of the mxfp4 family is the bf16 forward.) Round-to-nearest has the smallest error per draw, but
-the same error in every draw: it is a bias. Stochastic rounding has ~1.5x the error per draw with zero
-mean, so it averages out over steps and micro-batches: the mean of 48 draws of dW (x [128, 64],
-W [96, 64]) has relative error 0.035 against 0.240 for one draw, i.e. 1/sqrt(48) of it, while
-mxfp4_rtn stays at 0.164. Heavy tails put outliers in blocks, which inflates their scale and SR's
-variance (0.24 -> 0.31); the RHT spreads them over 64 elements and brings it back to 0.23.
-
-Randomness and reproducibility. A GEMM that draws (RHT signs, SR noise) uses its own torch.Generator
-seeded by (call seed, GEMM name), `gemm_generator`. Each forward call fixes its call seed and the
-backward's GEMMs use it, so the draws do not depend on the order in which layers run backward
-(pipeline schedules reorder them). The call seed comes from the layer's `LinearState`: a hash of (base seed,
-layer name, step, micro-batch, call index within the micro-batch). A trainer calls
-`set_precision_step(model, step, micro_batch)` (install.py) before each micro-batch's forward; then every run of
-the same seed draws the same numbers whatever the pipeline schedule. Put the data-parallel rank into
-`micro_batch` (e.g. the global micro-batch index) so that replicas draw independent noise. Activation
-recomputation re-runs forwards (advancing the call index), but the backward GEMMs use the seed their
-original forward fixed, so recomputation changes no draw. Without a state and without `seed=`, a call
-draws its seed from torch's default generator (reproducible under torch.manual_seed).
-
 Tensor parallelism. A TP shard quantizes its own K-slice. TP ranks of one layer share its name, so
 they draw the same seeds; RHT signs are drawn first (block_size of them, the same for every block),
 so they do not depend on the shard's shape either. A tp>1 run equals the tp=1 run, up to fp32
@@ -135,10 +70,7 @@ weight-gradient sink composes with it.
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -148,185 +80,9 @@ from megalm.measure import storage_identity
 from megalm.model.linear import linear
 from megalm.precision import compiled_linear, fp8
 from megalm.precision.compiled_linear import Call
-from megalm.precision.gemm import (  # noqa: F401 (gemm, mm_bf16 ... are this module's API too)
-    Fp8Operand,
-    GemmSpec,
-    fp8_operand,
-    gemm,
-    hash_seed,
-    mm_bf16,
-    mx_gemm_fused,
-    mx_gemm_path,
-)
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """A precision recipe: one GemmSpec per GEMM of a linear layer."""
-
-    name: str
-    fprop: GemmSpec
-    dgrad: GemmSpec
-    wgrad: GemmSpec
-
-    @property
-    def forward(self) -> str:
-        """The forward GEMM's kind (fp32 | bf16 | fp8 | mx)."""
-        return self.fprop.kind
-
-    @property
-    def is_fp32(self) -> bool:
-        return all(spec.kind == "fp32" for spec in self.specs)
-
-    @property
-    def specs(self) -> tuple[GemmSpec, GemmSpec, GemmSpec]:
-        return self.fprop, self.dgrad, self.wgrad
-
-    @property
-    def casts_in_graph(self) -> bool:
-        """Whether a compiled block casts a layer's activations in its graph (compiled_linear.fp8_linear): every
-        GEMM FP8 under per-tensor current scaling, x and dy each in one format (the amax, the scale and the cast are
-        then plain torch ops; delayed scaling's history and per-row scales stay in the recipe's op)."""
-        return (all(spec.kind == "fp8" and spec.scaling == "tensor" for spec in self.specs)
-                and self.fprop.a_format == self.wgrad.b_format and self.dgrad.a_format == self.wgrad.a_format)
-
-
-_FP32 = GemmSpec("fp32")
-_BF16 = GemmSpec("bf16")
-_FP8_FWD = GemmSpec("fp8", "e4m3", "e4m3")  # x, W
-_FP8_BWD = GemmSpec("fp8", "e5m2", "e4m3")  # dgrad: dy, W; wgrad: dy, x
-_MXFP8 = GemmSpec("mx", "e4m3", "e4m3", "ceil")
-
-
-def _fp8(name: str, scaling: str) -> Recipe:
-    fwd, bwd = (dataclasses.replace(s, scaling=scaling) for s in (_FP8_FWD, _FP8_BWD))
-    return Recipe(name, fwd, bwd, bwd)
-
-
-def _mxfp4(name: str, stochastic: bool, hadamard: bool) -> Recipe:
-    bwd = GemmSpec("mx", "e2m1", "e2m1", "floor", "stochastic" if stochastic else "nearest", hadamard)
-    return Recipe(name, _BF16, bwd, bwd)
-
-
-RECIPES: dict[str, Recipe] = {
-    "fp32": Recipe("fp32", _FP32, _FP32, _FP32),
-    "bf16": Recipe("bf16", _BF16, _BF16, _BF16),
-    "fp8": _fp8("fp8", "tensor"),
-    "fp8_delayed": _fp8("fp8_delayed", "delayed"),
-    "fp8_rowwise": _fp8("fp8_rowwise", "row"),
-    "mxfp8": Recipe("mxfp8", _MXFP8, _MXFP8, _MXFP8),
-    "mxfp4": _mxfp4("mxfp4", stochastic=True, hadamard=True),
-    "mxfp4_rtn": _mxfp4("mxfp4_rtn", stochastic=False, hadamard=False),
-    "mxfp4_sr": _mxfp4("mxfp4_sr", stochastic=True, hadamard=False),
-    "mxfp4_rht": _mxfp4("mxfp4_rht", stochastic=False, hadamard=True),
-}
-FORWARD_SPECS = {"fp32": _FP32, "bf16": _BF16, "fp8": _FP8_FWD, "mxfp8": _MXFP8}
-
-
-def get_recipe(recipe: str | Recipe, forward: str | None = None) -> Recipe:
-    """The recipe named `recipe` (see RECIPES); `forward` (fp32 | bf16 | fp8 | mxfp8) replaces its fprop."""
-    if isinstance(recipe, str):
-        if recipe not in RECIPES:
-            raise ValueError(f"unknown precision recipe {recipe!r}; expected one of {sorted(RECIPES)}")
-        recipe = RECIPES[recipe]
-    if forward is not None:
-        if forward not in FORWARD_SPECS:
-            raise ValueError(f"unknown forward precision {forward!r}; expected one of {sorted(FORWARD_SPECS)}")
-        recipe = dataclasses.replace(recipe, name=f"{recipe.name}+{forward}_fwd", fprop=FORWARD_SPECS[forward])
-    return recipe
-
-
-# ---------------------------------------------------------------------------------------------------
-# Per-layer state: seeds and FP8 amax histories
-# ---------------------------------------------------------------------------------------------------
-
-
-def gemm_generator(seed: int, gemm: str, device: torch.device | str) -> torch.Generator:
-    """The generator GEMM `gemm` of the call with seed `seed` draws its RHT signs and SR noise from."""
-    return torch.Generator(device=device).manual_seed(hash_seed(seed, gemm))
-
-
-class WeightsVersion:
-    """How many times the optimizer that updates a model's weights has stepped: cached quantized weights are valid
-    within one version. Counted by a post-step hook registered on that optimizer only (`watch`), never on all of
-    torch. Until an optimizer is watched nothing is cached (fused AdamW updates weights in place without bumping
-    their version counters, so an unwatched cache could serve a stale weight): every call quantizes afresh."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self.watched = False
-
-    def watch(self, optimizer: object) -> None:
-        """Count `optimizer`'s steps (a torch optimizer, or ZeRO-1's, which has the same hook)."""
-        optimizer.register_step_post_hook(self._count)  # type: ignore[attr-defined]
-        self.watched = True
-
-    def _count(self, *_: object) -> None:
-        self.steps += 1
-
-
-class LinearState:
-    """What a layer's recipe remembers between calls: its seed stream and FP8 amax histories.
-
-    Call seed = hash(seed, name, step, micro_batch, calls): `set_step` at the start of each
-    micro-batch makes the draws independent of anything but those (see the module docstring).
-    """
-
-    def __init__(self, name: str = "", seed: int = 0, amax_history_len: int = 16,
-                 weights_version: WeightsVersion | None = None) -> None:
-        self.name, self.seed = name, seed
-        self.weights_version = weights_version or WeightsVersion()
-        self.step, self.micro_batch, self.calls = 0, 0, 0
-        self.amax = {tensor: fp8.AmaxHistory(amax_history_len) for tensor in ("x", "w", "dy")}
-        self.weights: dict[tuple, tuple[weakref.ref, tuple, Fp8Operand]] = {}
-
-    def quantized_weight(self, key: tuple, weight: torch.Tensor, make: Callable[[], Fp8Operand]) -> Fp8Operand:
-        """The weight's FP8 copy `key` (format, K dim), made once per optimizer step: every micro-batch of a
-        step, and fprop and dgrad under per-tensor scales, reuse it (Transformer Engine's FP8 weight cache).
-        Valid for the same tensor object (a weakref: a weight computed afresh per call, e.g. a detached
-        alias or kv rows gathered over TP ranks, is never served another call's copy, even at a reused
-        address) while the watched optimizer did not step (fused AdamW updates in place without bumping version
-        counters) and its version counter is unchanged (any other in-place write, ZeRO-1's copy-back). Nothing
-        is cached while no optimizer is watched (`WeightsVersion`)."""
-        if not self.weights_version.watched:
-            return make()
-        token = self.weight_token(weight)
-        cached = self.weights.get(key)
-        if cached is None or cached[0]() is not weight or cached[1] != token:
-            cached = self.weights[key] = (weakref.ref(weight), token, make())
-        return cached[2]
-
-    def weight_token(self, weight: torch.Tensor) -> tuple[int, int, int]:
-        """What a weight's cached copies are valid for: the watched optimizer's steps, the weight's version counter,
-        and W's delayed-scaling history count (a copy an evaluation made before the step's roll)."""
-        return self.weights_version.steps, weight._version, self.amax["w"].count
-
-    def set_step(self, step: int, micro_batch: int = 0) -> None:
-        """Start the seed stream at (step, micro_batch); a new step also ends the last one's amax histories
-        (delayed scaling: `fp8.AmaxHistory.roll`)."""
-        for history in self.amax.values():
-            if step != self.step:
-                history.roll()
-            else:
-                history.compact()
-        self.step, self.micro_batch, self.calls = step, micro_batch, 0
-
-    def next_seed(self) -> int:
-        seed = hash_seed(self.seed, self.name, self.step, self.micro_batch, self.calls)
-        self.calls += 1
-        return seed
-
-    def state_dict(self) -> dict:
-        return {"amax": {k: v.state_dict() for k, v in self.amax.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        for k, v in state["amax"].items():
-            self.amax[k].load_state_dict(v)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The layer's GEMMs under a recipe
-# ---------------------------------------------------------------------------------------------------
+from megalm.precision.gemm import Fp8Operand, GemmSpec, fp8_operand, gemm, hash_seed
+from megalm.precision.layer_state import LinearState, gemm_generator
+from megalm.precision.recipes import Recipe, get_recipe
 
 
 class RecipeGemms:

@@ -245,7 +245,9 @@ def test_without_a_per_step_weight_cache_the_graph_holds_no_fp8_weights(scaled_m
     casts it after every gather: a graph that took the copies as inputs would keep each one from its forward to its
     backward, a whole FP8 model per rank. The layer's GEMMs then stay in the op pair, which casts in the backward."""
     from megalm.model.linear import Linear
-    from megalm.precision.linear import LinearState, RecipeGemms, get_recipe
+    from megalm.precision.layer_state import LinearState
+    from megalm.precision.linear import RecipeGemms
+    from megalm.precision.recipes import get_recipe
 
     layer = Linear(64, 32, bias=False)
     state = LinearState("layer")
@@ -298,7 +300,9 @@ def test_a_replaced_weight_gets_copies_of_its_own(scaled_mm_on_cpu):
     from megalm.model.linear import Linear
     from megalm.precision import fp8
     from megalm.precision.compiled_linear import prepared_weights
-    from megalm.precision.linear import LinearState, RecipeGemms, get_recipe
+    from megalm.precision.layer_state import LinearState
+    from megalm.precision.linear import RecipeGemms
+    from megalm.precision.recipes import get_recipe
 
     layer = Linear(64, 32, bias=False)
     layer.weight = torch.nn.Parameter(torch.randn(32, 64))  # fresh, as its replacement: equal version counters
@@ -324,7 +328,9 @@ def test_a_layers_old_fp8_copies_are_freed_before_its_new_ones_are_cast(scaled_m
     from megalm.model.linear import Linear
     from megalm.precision import fp8
     from megalm.precision.compiled_linear import prepared_weights
-    from megalm.precision.linear import LinearState, RecipeGemms, get_recipe
+    from megalm.precision.layer_state import LinearState
+    from megalm.precision.linear import RecipeGemms
+    from megalm.precision.recipes import get_recipe
 
     layer = Linear(64, 32, bias=False)
     state = LinearState("layer")

@@ -77,7 +77,7 @@ def test_the_packages_name_the_same_choices_as_the_schema():
     from megalm.parallel.context.attention import COMMS
     from megalm.parallel.pipeline.schedules import SCHEDULES, build_schedule
     from megalm.precision import PRECISIONS
-    from megalm.precision.linear import FORWARD_SPECS
+    from megalm.precision.recipes import FORWARD_SPECS
 
     assert set(PRECISIONS) == set(choices.PrecisionRecipe.names()) - {"auto"}
     assert set(choices.ForwardFormat.names()) <= set(FORWARD_SPECS)

@@ -42,8 +42,9 @@ from megalm.parallel.context.attention import RingContext
 from megalm.parallel.context.zigzag import layout_from_local_cu_seqlens
 from megalm.precision import Precision, fp8, linear
 from megalm.precision.kernels import mx_triton
-from megalm.precision.linear import RecipeGemms, get_recipe
+from megalm.precision.linear import RecipeGemms
 from megalm.precision.mx import mx_quantize
+from megalm.precision.recipes import get_recipe
 
 needs_cuda_build = pytest.mark.skipif(
     torch.version.cuda is None,

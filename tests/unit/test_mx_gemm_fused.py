@@ -25,8 +25,11 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
 from megalm.precision import gemm as precision_gemm  # noqa: E402
+from megalm.precision.gemm import gemm  # noqa: E402
 from megalm.precision.kernels import mx_triton  # noqa: E402
-from megalm.precision.linear import gemm, gemm_generator, get_recipe, low_precision_linear  # noqa: E402
+from megalm.precision.layer_state import gemm_generator  # noqa: E402
+from megalm.precision.linear import low_precision_linear  # noqa: E402
+from megalm.precision.recipes import get_recipe  # noqa: E402
 
 DEVICE = "cpu" if mx_triton._interpret() else "cuda"
 if not mx_triton.triton_available(DEVICE):
@@ -125,7 +128,7 @@ def test_the_log_names_the_mx_path():
     from megalm.config import PrecisionConfig
     from megalm.model.linear import Linear
     from megalm.precision import Precision
-    from megalm.precision.linear import mx_gemm_path
+    from megalm.precision.gemm import mx_gemm_path
 
     cpu = Precision(PrecisionConfig(name="mxfp4"), seed=0, device=torch.device("cpu"))
     cpu.convert(torch.nn.Sequential(Linear(8, 8)))

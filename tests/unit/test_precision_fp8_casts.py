@@ -19,7 +19,9 @@ import torch
 from megalm import compat
 from megalm.model.linear import Linear, linear
 from megalm.precision import fp8
-from megalm.precision.linear import LinearState, RecipeGemms, get_recipe
+from megalm.precision.layer_state import LinearState
+from megalm.precision.linear import RecipeGemms
+from megalm.precision.recipes import get_recipe
 
 E4M3 = torch.float8_e4m3fn
 FP8 = {torch.float8_e4m3fn, torch.float8_e5m2}

@@ -1,4 +1,4 @@
-"""Precision recipes for linear layers (megalm.precision.linear).
+"""Precision recipes for linear layers (megalm.precision.recipes, run by megalm.precision.linear).
 
 Three kinds of checks: (1) each GEMM quantizes the right operands along the right (K) dimension,
 compared with a reference assembled from the separately tested quantizers; (2) the error of each
@@ -22,8 +22,10 @@ from megalm.model import GPT, init_weights
 from megalm.precision import fp8
 from megalm.precision.hadamard import random_signs, rht
 from megalm.precision.install import apply_precision, remove_precision, set_precision_step
-from megalm.precision.linear import RECIPES, LinearState, gemm_generator, get_recipe, low_precision_linear
+from megalm.precision.layer_state import LinearState, gemm_generator
+from megalm.precision.linear import low_precision_linear
 from megalm.precision.mx import mx_quantize_dequantize
+from megalm.precision.recipes import RECIPES, get_recipe
 
 T, IN, OUT = 512, 256, 256
 

@@ -20,7 +20,7 @@ from megalm.model.linear import Linear
 from megalm.model.naming import canonical_named_parameters
 from megalm.precision import torchao_fp8
 from megalm.precision.install import apply_precision
-from megalm.precision.linear import get_recipe
+from megalm.precision.recipes import get_recipe
 from megalm.training.trainer import Trainer
 from megalm.training.validation import validate_run
 from tests.conftest import compose_config

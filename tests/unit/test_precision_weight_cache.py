@@ -15,7 +15,9 @@ import torch
 
 from megalm.model.linear import Linear, linear
 from megalm.precision import fp8
-from megalm.precision.linear import LinearState, RecipeGemms, get_recipe, low_precision_linear
+from megalm.precision.layer_state import LinearState
+from megalm.precision.linear import RecipeGemms, low_precision_linear
+from megalm.precision.recipes import get_recipe
 
 
 def _layer(recipe: str) -> tuple[Linear, LinearState]:
