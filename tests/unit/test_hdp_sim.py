@@ -153,3 +153,27 @@ def test_ablation_every_step_is_at_least_as_fast_as_the_one_before(capsys):
     tail = results["7b/longtail/2M"]
     assert tail["+dynamic comm"] >= 1.15 * tail["+selective offload"]
     assert "+hierarchical CP" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("source,context", [("longtail", "2M"), ("longtail", "256K"), ("prolong", "128K")])
+def test_ring_sizes_that_cannot_beat_the_best_so_far_are_not_placed(monkeypatch, source, context):
+    """The planner places the rings alone for a few ring durations (planner.DURATIONS) and keeps the sizes that
+    promise the shortest step. A trial whose longest ring or mean load already exceeds the best step so far is
+    skipped without placing it: the same plan as the whole search's, for fewer placements (the simulator's
+    steps of 32M tokens on 12,288 ranks that tools/bench/hdp_plan_time.py plans)."""
+    from megalm.parallel.hdp import plan_hdp, planner
+
+    cost = hdp_sim.model_cost("7b")
+    if source == "prolong":  # its 128K step: the trial that wins is not the first
+        source = np.asarray(json.loads((ROOT / "tools" / "data" / "seqlen" / "prolong_lengths.json").read_text()))
+    lengths = hdp_sim.global_batch(source, hdp_sim.parse_size(context), 1 << 25, np.random.default_rng(0))
+    placements = []
+    place_rings = planner._place_rings
+    monkeypatch.setattr(planner, "_place_rings", lambda *a, **k: placements.append(1) or place_rings(*a, **k))
+    pruned = plan_hdp(lengths, 12288, cost.capacity, cost)
+    pruned_placements = len(placements)
+    placements.clear()
+    monkeypatch.setattr(planner, "_step_lower_bound", lambda *a: 0.0)
+    whole = plan_hdp(lengths, 12288, cost.capacity, cost)
+    assert (pruned.micro_batches, pruned.per_rank, pruned.stats) == (whole.micro_batches, whole.per_rank, whole.stats)
+    assert pruned_placements < len(placements), (pruned_placements, len(placements))

@@ -415,6 +415,12 @@ def _place_rings(lengths, num_ranks, C, place_cost, cost, pp, hierarchical, size
     return planner
 
 
+def _step_lower_bound(sizer: RingSizes, longs: list[int], sizes: dict[int, int], area: float, pipelines: int) -> float:
+    """No step with these ring sizes is shorter than its longest ring (a ring member's pipeline cost is at least pp
+    times the ring's time) or its mean load (`area`, all the work in rank-seconds, over `pipelines` = ranks × pp)."""
+    return max(max((sizer.layout(i, sizes[i])[1] for i in longs), default=0.0), area / pipelines)
+
+
 # Ring durations tried, as fractions of the step estimate T: rings sized to end near T must all run at once, which
 # the domain may not hold; shorter rings stack. 0 keeps the smallest rings memory allows.
 DURATIONS = (1.0, 0.5, 0.0)
@@ -437,11 +443,13 @@ def _best_rings(lengths, num_ranks, C, cost, pp, hierarchical, sizer, longs, min
         if trial in tried:  # short rings: several durations give the same sizes
             continue
         tried.append(trial)
+        area = local_work + sum(trial[i] * sizer.layout(i, trial[i])[1] for i in longs)
+        if _step_lower_bound(sizer, longs, trial, area, num_ranks * pp) > best_step * 0.999:
+            continue  # this trial cannot win: skipped without placing its rings
         planner = _place_rings(lengths, num_ranks, C, cost, cost, pp, hierarchical, sizer, longs, trial, target,
                                best_step * 0.999 * pp)
         if planner is None:
             continue
-        area = local_work + sum(trial[i] * sizer.layout(i, trial[i])[1] for i in longs)
         step = max(max(planner.key) / pp, area / (num_ranks * pp))  # the step, in seconds
         if best is None or step < best_step * 0.999:
             best, best_step = planner, step
