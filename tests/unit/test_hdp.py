@@ -323,3 +323,24 @@ def test_hierarchical_rings_beat_flat_ones_across_nodes():
     plans = {h: plan_hdp(lengths, 256, 8192, COST, hierarchical=h) for h in (False, True)}
     assert plans[True].stats["hierarchical_rings"] > 0 and plans[False].stats["hierarchical_rings"] == 0
     assert simulate(plans[True], COST).step_time < 0.8 * simulate(plans[False], COST).step_time
+
+
+@pytest.mark.parametrize("nic_faster", [False, True], ids=["nvlink_faster", "nic_faster"])
+def test_a_ring_is_never_faster_than_the_bound_that_skips_ring_size_trials(nic_faster):
+    """The planner skips a trial of ring sizes whose longest ring alone outlasts the best step so far
+    (`RingSizes.fastest`). That bound must not exceed the time of any placement the planner may give the ring: a ring
+    that fits in a node runs inside one or, failing that, across nodes. Also where a cost model makes the NIC the
+    faster link (no real cluster, but a YAML may say so), where the cross-node ring is the faster one."""
+    from megalm.parallel.hdp.planner import _Planner
+    from megalm.parallel.hdp.sizing import RingSizes
+
+    cost = COST.replace(bw_intra=COST.bw_inter, bw_inter=COST.bw_intra) if nic_faster else COST
+    n, lengths = cost.ranks_per_node, [40000, 120000, 300000]
+    sizer = RingSizes(lengths, 4 * n, 8192, cost, hierarchical=True)
+    for i, s in enumerate(lengths):
+        for d in range(2, n + 1):
+            planner = _Planner(lengths, 4 * n, 8192, cost, 1, cost, True, {i: d}, 0.0, {})
+            inside, across = list(range(d)), list(range(n - 1, n - 1 + d))
+            times = [planner.ring_time(s, d, ranks)[1] for ranks in (inside, across)]
+            assert sizer.fastest(i, d) <= min(times) * (1 + 1e-12), (s, d, sizer.fastest(i, d), times)
+    assert nic_faster or all(sizer.fastest(i, d) == sizer.layout(i, d)[1] for i in range(3) for d in range(2, n + 1))

@@ -155,8 +155,11 @@ def test_ablation_every_step_is_at_least_as_fast_as_the_one_before(capsys):
     assert "+hierarchical CP" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("source,context", [("longtail", "2M"), ("longtail", "256K"), ("prolong", "128K")])
-def test_ring_sizes_that_cannot_beat_the_best_so_far_are_not_placed(monkeypatch, source, context):
+@pytest.mark.parametrize("source,context,options", [
+    ("longtail", "2M", {}), ("longtail", "256K", {}), ("prolong", "128K", {}), ("longtail", "256K", {"pp": 2}),
+    ("prolong", "128K", {"hierarchical": False}),
+], ids=["longtail_2M", "longtail_256K", "prolong_128K", "longtail_256K_pp2", "prolong_128K_flat"])
+def test_ring_sizes_that_cannot_beat_the_best_so_far_are_not_placed(monkeypatch, source, context, options):
     """The planner places the rings alone for a few ring durations (planner.DURATIONS) and keeps the sizes that
     promise the shortest step. A trial whose longest ring or mean load already exceeds the best step so far is
     skipped without placing it: the same plan as the whole search's, for fewer placements (the simulator's
@@ -170,10 +173,10 @@ def test_ring_sizes_that_cannot_beat_the_best_so_far_are_not_placed(monkeypatch,
     placements = []
     place_rings = planner._place_rings
     monkeypatch.setattr(planner, "_place_rings", lambda *a, **k: placements.append(1) or place_rings(*a, **k))
-    pruned = plan_hdp(lengths, 12288, cost.capacity, cost)
+    pruned = plan_hdp(lengths, 12288, cost.capacity, cost, **options)
     pruned_placements = len(placements)
     placements.clear()
     monkeypatch.setattr(planner, "_step_lower_bound", lambda *a: 0.0)
-    whole = plan_hdp(lengths, 12288, cost.capacity, cost)
+    whole = plan_hdp(lengths, 12288, cost.capacity, cost, **options)
     assert (pruned.micro_batches, pruned.per_rank, pruned.stats) == (whole.micro_batches, whole.per_rank, whole.stats)
     assert pruned_placements < len(placements), (pruned_placements, len(placements))

@@ -417,8 +417,9 @@ def _place_rings(lengths, num_ranks, C, place_cost, cost, pp, hierarchical, size
 
 def _step_lower_bound(sizer: RingSizes, longs: list[int], sizes: dict[int, int], area: float, pipelines: int) -> float:
     """No step with these ring sizes is shorter than its longest ring (a ring member's pipeline cost is at least pp
-    times the ring's time) or its mean load (`area`, all the work in rank-seconds, over `pipelines` = ranks × pp)."""
-    return max(max((sizer.layout(i, sizes[i])[1] for i in longs), default=0.0), area / pipelines)
+    times the ring's time, wherever it is placed: `RingSizes.fastest`) or its mean load (`area`, all the work in
+    rank-seconds, over `pipelines` = ranks × pp)."""
+    return max(max((sizer.fastest(i, sizes[i]) for i in longs), default=0.0), area / pipelines)
 
 
 # Ring durations tried, as fractions of the step estimate T: rings sized to end near T must all run at once, which

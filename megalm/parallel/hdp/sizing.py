@@ -42,6 +42,16 @@ class RingSizes:
             self.cache[key] = self.cost.cp_layout(s, s * s, d, self.hierarchical)
         return self.cache[key]
 
+    def fastest(self, i: int, d: int) -> float:
+        """The shortest time document i's ring of d ranks can take wherever the planner places it: its layout's
+        (`layout`), or, for a ring that fits in a node but lands across nodes (the planner's fallback when no node
+        has d ranks free in time), a flat ring at NIC speed where a cost model makes the NIC the faster link."""
+        t = self.layout(i, d)[1]
+        if d <= self.n and self.cost.bw_inter > self.cost.bw_intra:
+            s = self.lengths[i]
+            t = min(t, self.cost.time(s, s * s, d, False))
+        return t
+
     def wider(self, d: int) -> list[int]:
         """Placeable sizes above d up to the domain: every size up to twice d, then steps of ~9%."""
         if d in self.wider_cache:
