@@ -254,7 +254,7 @@ class OpCosts(TorchDispatchMode):
 
     def _fp8_weight_copies(self, weight: torch.Tensor) -> None:
         """The FP8 copies `megalm::fp8_linear` makes of a weight inside, once per optimizer step (the layer's cache,
-        megalm/precision/linear.py), counted at the first use of the weight in this trace (one step): current
+        megalm/precision/layer_state.py), counted at the first use of the weight in this trace (one step): current
         scaling's amax and cast (the weight read twice, 1 byte written), and where FP8 GEMMs run, dgrad's
         column-major copy."""
         if storage_identity(weight) in self._fp8_weights:

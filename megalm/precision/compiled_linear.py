@@ -1,6 +1,6 @@
 """A precision recipe's linear layer as one opaque op pair, so that compiled blocks run FP8/MX without a break.
 
-A recipe's GEMMs keep Python state between calls (linear.py): a seed stream hashed per call, FP8 amax histories,
+A recipe's GEMMs keep Python state between calls (layer_state.py): a seed stream hashed per call, FP8 amax histories,
 a weight cache valid per optimizer step. dynamo cannot trace that (hashing, weak references, storage pointers),
 and whatever it traced would be frozen into the graph: the seed of the step it compiled. Inside a compiled block
 the layer therefore calls two custom ops, `megalm::recipe_linear` and its backward, which dynamo and inductor

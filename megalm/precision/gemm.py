@@ -1,6 +1,6 @@
-"""One GEMM of a low-precision linear layer: operands quantized along the GEMM's K as a `GemmSpec` says,
-then multiplied, on the fastest path the device has (megalm/precision/linear.py composes three of them
-into a layer under a recipe; its docstring has the formats, the measured errors and the paths):
+"""One GEMM of a low-precision linear layer: operands quantized along the GEMM's K as a `GemmSpec` says, then
+multiplied, on the fastest path the device has (megalm/precision/linear.py composes three of them into a layer
+under a recipe and says which path runs where; recipes.py has the formats and the measured errors):
 
     fp32 / bf16  an fp32 matmul of the (bf16-rounded) operands; on CUDA, bf16 a bf16 GEMM with fp32 output
     fp8          `fp8.quantize` (one fused cast on CUDA) and `fp8.scaled_mm` (torch._scaled_mm on 8.9+)

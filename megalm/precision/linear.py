@@ -55,10 +55,10 @@ summation order, for the GEMMs whose K is not sharded, with round-to-nearest and
 Per-tensor FP8 scales are a shard's own amax, not the full tensor's, and SR noise is drawn for the
 shard's shape, so those are reproducible but not equal to tp=1.
 
-Compiled blocks (`trainer.compile`): dynamo cannot trace this module's per-call Python state (seed hashing,
-weight caches, amax histories), so inside a compiled block a layer runs as one opaque op pair that runs this
-same code each call (compiled_linear.py); the numbers are those of the eager path. Under per-tensor current FP8
-scaling (`Recipe.casts_in_graph`) only the GEMMs are in the ops: the casts of x and dy are ops of the compiled
+Compiled blocks (`trainer.compile`): dynamo cannot trace a layer's per-call Python state (seed hashing, weight
+caches, amax histories: layer_state.py), so inside a compiled block a layer runs as one opaque op pair that runs
+this same code each call (compiled_linear.py); the numbers are those of the eager path. Under per-tensor current
+FP8 scaling (`Recipe.casts_in_graph`) only the GEMMs are in the ops: the casts of x and dy are ops of the compiled
 graph, which inductor fuses with their producers, and wgrad's operands are written column-major there; where
 torch._scaled_mm runs the GEMMs are graph ops too, on the weight's cached FP8 copies (`prepare_graph_weights`).
 

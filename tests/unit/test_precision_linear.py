@@ -2,7 +2,7 @@
 
 Three kinds of checks: (1) each GEMM quantizes the right operands along the right (K) dimension,
 compared with a reference assembled from the separately tested quantizers; (2) the error of each
-recipe against an fp64 reference stays inside the documented band (the table in linear.py's
+recipe against an fp64 reference stays inside the documented band (the table in recipes.py's
 docstring), with a lower bound too, so a recipe that silently did not quantize fails; (3) the
 statistics that make the MXFP4 recipe work: stochastic rounding makes dW unbiased (averaging draws
 helps, unlike round-to-nearest), and the RHT reduces SR's error on heavy-tailed operands.
@@ -211,7 +211,7 @@ def test_fp8_delayed_needs_a_state():
 
 
 # ---------------------------------------------------------------------------------------------------
-# (2) error bands: relative Frobenius error per GEMM vs fp64 (the table in linear.py)
+# (2) error bands: relative Frobenius error per GEMM vs fp64 (the table in recipes.py)
 # ---------------------------------------------------------------------------------------------------
 
 # recipe: ((lo, hi) for y, dx, dW) on Gaussian operands; measured values sit inside with a margin.

@@ -1,7 +1,7 @@
 """ByteScale hybrid data parallelism: plan.py (a plan as data), planner.py (HDP's: which ranks run which documents,
-every step), baselines.py (the static mesh and Megatron-LM's hybrid CP, for comparison), cost.py (the cost model
-and the plan execution model), pipelined.py (plans safe to run as pipelines), split.py (this rank's micro-batches
-of a step's plan, in the trainer).
+every step; sizing.py its ring sizes), baselines.py (the static mesh and Megatron-LM's hybrid CP, for comparison),
+cost.py (the cost model and the plan execution model), pipelined.py (plans safe to run as pipelines), split.py
+(this rank's micro-batches of a step's plan, in the trainer).
 
 The names below are pure Python (no torch, no numpy), for the planner and tools/hdp_sim.py; import
 `megalm.parallel.hdp.split` for the trainer side.
