@@ -69,9 +69,13 @@ class RingSizes:
         falls with its size, then rises once its exposed traffic dominates, so sizes are scanned upward, and the
         running minimum of the times seen so far is kept per (document, d): later calls bisect it, and scan on
         only past it."""
-        if self.layout(i, d)[1] <= target:
+        t = self.layout(i, d)[1]
+        if t <= target:
             return d
-        sizes, negated = self.curves.setdefault((i, d), ([d], [-self.layout(i, d)[1]]))  # -running min, ascending
+        curve = self.curves.get((i, d))
+        if curve is None:  # (sizes, -running min of their times), ascending
+            curve = self.curves[(i, d)] = ([d], [-t])
+        sizes, negated = curve
         at = bisect.bisect_left(negated, -target)
         if at < len(sizes):
             return sizes[at]
