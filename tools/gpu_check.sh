@@ -223,6 +223,9 @@ bench() {  # bench NAME LIMIT_S SCRIPT ARGS...: on the GPU as given; in a dry ru
   fi
 }
 step_throughput() {
+  # attention first (seconds): cuDNN's kernel (auto's pick on Hopper for equal documents) against torch's flash one
+  bench "attention kernels, 1.3b/4096, one document per sequence" 90 tools/bench/attention_kernels.py model=1.3b \
+    model.seq_length=4096 --seqs 4
   # the fast step's goal: 1.3B at seq 4096, bf16 and fp8, eager and compiled (inductor per block); each then
   # profiles 2 steps (--profile: GPU busy against wall time, time per kind of kernel, the top kernels, host syncs)
   bench "training throughput, 1.3b/4096 bf16" 150 tools/bench/throughput.py model=1.3b model.seq_length=4096 \

@@ -59,6 +59,7 @@ class AttentionBackend(Choice):
     auto = "auto"
     flash_attn = "flash_attn"
     torch_varlen = "torch_varlen"
+    cudnn = "cudnn"
     sdpa = "sdpa"
     reference = "reference"
 

@@ -131,8 +131,8 @@ class ModelConfig:
     init_std: float = 0.02
     """The standard deviation of the normal init of the weights."""
     attention_backend: AttentionBackend = AttentionBackend.auto
-    """auto | flash_attn | torch_varlen | sdpa | reference; auto picks the fastest one present
-    (megalm/model/attention.py) and a slower pick than asked for is logged."""
+    """auto | flash_attn | torch_varlen | cudnn | sdpa | reference; auto picks the fastest one present
+    (megalm/model/attention.py: cudnn on Hopper) and a slower pick than asked for is logged."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts layers (configs/model/moe_tiny.yaml); off by default."""
 

@@ -9,6 +9,11 @@ h // (Hq / Hkv), the convention flash-attn and torch SDPA share.
 Backends compute the same function and differ only in speed and where they run:
   flash_attn    flash-attn's varlen kernel (CUDA, fp16/bf16, sm80+)
   torch_varlen  torch.nn.attention.varlen.varlen_attn (CUDA, fp16/bf16, sm80+; no dropout)
+  cudnn         torch SDPA with cuDNN's kernel first, one batched call, for micro-batches whose documents all have
+                one length; the others run torch_varlen (torch <= 2.11 keeps cuDNN off for ragged batches). On
+                Hopper (sm90) cuDNN's attention is 1.7-2.3x faster than torch's flash kernel in training shapes and
+                slower on other GPUs (Hugging Face's six-GPU comparison, transformers PR 48163), so auto picks it
+                on sm90 only; TorchTitan's SDPA also runs cuDNN first.
   sdpa          torch SDPA: one batched call when all documents have the same length, else one per
                 document. Runs anywhere; the CPU path.
   reference     explicit fp32 math with a [T, T] mask; the oracle for tests (O(T^2) memory).
@@ -16,6 +21,7 @@ Backends compute the same function and differ only in speed and where they run:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Protocol
@@ -53,23 +59,42 @@ def _flash_capable(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype in _FAST_DTYPES and capability is not None and capability >= (8, 0)
 
 
+def _hopper(device: torch.device) -> bool:
+    """An sm90 device (H100, H200): where cuDNN's attention beats flash (module docstring)."""
+    capability = compat.cuda_capability(device)
+    return capability is not None and capability[0] == 9
+
+
 @compat.constant_to_dynamo  # called inside compiled blocks (context parallelism): a constant, not traced
 def select_attention_backend(
     requested: str, device: torch.device | str, dtype: torch.dtype, *, dropout: bool = False
 ) -> str:
     """The backend to run for q of this device/dtype; "auto" picks the fastest that can run.
 
-    auto: flash_attn if importable on CUDA in fp16/bf16, else torch_varlen there, else sdpa.
-    `dropout=True` (attention dropout active) rules out torch_varlen, which has no dropout.
-    An explicit backend that cannot run raises ConfigError naming the fix.
+    auto: flash_attn if importable on CUDA in fp16/bf16, else cudnn on sm90, else torch_varlen there, else sdpa.
+    `dropout=True` (attention dropout active) rules out torch_varlen and cudnn (whose unequal micro-batches run
+    torch_varlen), which have no dropout. An explicit backend that cannot run raises ConfigError naming the fix.
     """
     device = torch.device(device)
     fast = _flash_capable(device, dtype)
     can_flash = fast and _flash_attn_importable()
     can_varlen = fast and compat.varlen_attn_available() and not dropout
+    can_cudnn = can_varlen and compat.cudnn_attention_enabled()
     where = f"(got {device.type} {str(dtype).removeprefix('torch.')})"
     if requested == "auto":
-        return "flash_attn" if can_flash else "torch_varlen" if can_varlen else "sdpa"
+        if can_flash:
+            return "flash_attn"
+        return "cudnn" if can_cudnn and _hopper(device) else "torch_varlen" if can_varlen else "sdpa"
+    if requested == "cudnn" and not can_cudnn:
+        if dropout and fast:
+            raise ConfigError("model.attention_backend=cudnn runs torch_varlen on micro-batches of unequal documents, "
+                              "which has no attention dropout; set model.attention_dropout=0 or use "
+                              "model.attention_backend=auto")
+        if can_varlen:
+            raise ConfigError("model.attention_backend=cudnn needs torch SDPA's cuDNN kernel, switched off by "
+                              "torch.backends.cuda.enable_cudnn_sdp(False); use model.attention_backend=auto")
+        raise ConfigError("model.attention_backend=cudnn needs a CUDA device (sm80+) in fp16/bf16 and "
+                          f"torch.nn.attention.varlen (torch >= 2.10) {where}; use model.attention_backend=auto")
     if requested == "flash_attn" and not can_flash:
         raise ConfigError("model.attention_backend=flash_attn needs the flash-attn package and a CUDA device "
                           f"(sm80+) in fp16/bf16 {where}; use model.attention_backend=auto")
@@ -121,6 +146,23 @@ def reference_varlen_attention(
     return (probs @ vf).transpose(0, 1).to(q.dtype)
 
 
+def _equal_documents(q: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> bool:
+    """Every document is max_seqlen long (none is longer), read from shapes alone: no device sync."""
+    return (cu_seqlens.numel() - 1) * max_seqlen == q.shape[0]
+
+
+def _batched_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                  dropout_p: float, scale: float | None, cudnn_first: bool = False) -> torch.Tensor:
+    """Documents all max_seqlen long: one torch SDPA call on [B, H, S, D] views of the packed [T, H, D] tensors."""
+    total, num_heads, head_dim = q.shape
+    num_docs = cu_seqlens.numel() - 1
+    to_bhsd = lambda t: t.reshape(num_docs, max_seqlen, t.shape[1], head_dim).transpose(1, 2)
+    with compat.cudnn_attention_first() if cudnn_first else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), dropout_p=dropout_p, is_causal=True,
+                                             scale=scale, enable_gqa=num_heads != k.shape[1])
+    return out.transpose(1, 2).reshape(total, num_heads, head_dim)
+
+
 def _sdpa_varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -130,16 +172,10 @@ def _sdpa_varlen_attention(
     dropout_p: float,
     scale: float | None,
 ) -> torch.Tensor:
-    total, num_heads, head_dim = q.shape
-    num_docs = cu_seqlens.numel() - 1
-    gqa = num_heads != k.shape[1]
+    if _equal_documents(q, cu_seqlens, max_seqlen):
+        return _batched_sdpa(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale)
     sdpa = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout_p, is_causal=True, scale=scale,
-                             enable_gqa=gqa)
-    if num_docs * max_seqlen == total:
-        # Every document is max_seqlen long (no document is longer): one batched [B, H, S, D] call.
-        to_bhsd = lambda t: t.reshape(num_docs, max_seqlen, t.shape[1], head_dim).transpose(1, 2)
-        out = sdpa(to_bhsd(q), to_bhsd(k), to_bhsd(v))
-        return out.transpose(1, 2).reshape(total, num_heads, head_dim)
+                             enable_gqa=q.shape[1] != k.shape[1])
     bounds = cu_seqlens.tolist()  # host copy: a device sync on CUDA, acceptable on this fallback path
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
@@ -162,7 +198,7 @@ def varlen_attention(
     """Causal attention within each packed document: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
     `cu_seqlens` int32 [N + 1] are document offsets (cu_seqlens[-1] == T), `max_seqlen` the longest
-    document; `backend` one of flash_attn | torch_varlen | sdpa | reference (not "auto").
+    document; `backend` one of flash_attn | torch_varlen | cudnn | sdpa | reference (not "auto").
     """
     if backend == "flash_attn":
         from flash_attn import flash_attn_varlen_func
@@ -170,9 +206,11 @@ def varlen_attention(
         cu = cu_seqlens.to(torch.int32)
         return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p,
                                       softmax_scale=scale, causal=True)
-    if backend == "torch_varlen":
+    if backend == "cudnn" and _equal_documents(q, cu_seqlens, max_seqlen):
+        return _batched_sdpa(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, cudnn_first=True)
+    if backend in ("torch_varlen", "cudnn"):
         if dropout_p > 0.0:
-            raise ValueError("the torch_varlen attention backend has no dropout")
+            raise ValueError(f"the {backend} attention backend has no dropout")
         return compat.varlen_attn(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, scale=scale)
     if backend == "sdpa":
         return _sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale)
@@ -265,4 +303,31 @@ def choose_attention_backends(model: nn.Module, device: torch.device, dtype: tor
                 backend = _resolve_backend(module.backend, torch.device(device), dtype, dropout)
                 module.chosen[(torch.device(device).type, dtype, dropout)] = backend
                 chosen.add(backend)
+                if backend == "cudnn":
+                    _log_equal_documents_kernel(torch.device(device), dtype, module.num_heads, module.num_kv_heads,
+                                                module.head_dim)
     return chosen
+
+
+def _equal_documents_kernel(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str:
+    """The kernel torch SDPA picks, cuDNN first, for causal attention of this shape on `device` (empty tensors)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "not probed (no CUDA device in this process)"
+    q = torch.empty(1, heads, 256, head_dim, dtype=dtype, device=device)
+    kv = torch.empty(1, kv_heads, 256, head_dim, dtype=dtype, device=device)
+    return compat.sdpa_kernel_choice(q, kv, kv, enable_gqa=heads != kv_heads, cudnn_first=True)
+
+
+@functools.cache
+def _log_equal_documents_kernel(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+                                head_dim: int) -> str:
+    """Log (once per shape) which kernel torch SDPA runs for the cudnn backend's micro-batches of equal documents,
+    asked of the dispatcher on empty tensors of this device: a warning where it is not cuDNN's (a head size or
+    dtype cuDNN does not take), so the kernel that runs is never a silent fallback. Not asked on a simulated GPU."""
+    kernel = _equal_documents_kernel(device, dtype, heads, kv_heads, head_dim)
+    slower = kernel != "cuDNN" and not kernel.startswith("not probed")
+    logger.log(logging.WARNING if slower else logging.INFO,
+               "attention backend cudnn: documents of equal lengths run torch SDPA's %s kernel (%d query heads, %d kv "
+               "heads, head_dim %d, %s%s); unequal ones torch_varlen", kernel, heads, kv_heads, head_dim,
+               str(dtype).removeprefix("torch."), ": not cuDNN's, which does not take this shape" if slower else "")
+    return kernel

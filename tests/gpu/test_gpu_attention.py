@@ -2,9 +2,11 @@
 
 One packed varlen batch: six documents of 1 to 300 tokens in one 513-token stream, grouped-query attention
 (12 query heads over 4 kv heads), head dims 64 (the 125m model's) and 128. Each backend that runs on CUDA
-(flash_attn when the package imports, torch_varlen, sdpa) gets bf16 q/k/v and a bf16 output gradient; the
+(flash_attn when the package imports, torch_varlen, cudnn, sdpa) gets bf16 q/k/v and a bf16 output gradient; the
 oracle is `reference` (explicit masked softmax in fp32) on the CPU, from the same bf16 values. Forward
-output and the three input gradients are compared by relative Frobenius error.
+output and the three input gradients are compared by relative Frobenius error. The ragged batch takes cudnn's
+varlen route; a batch of equal documents takes its batched SDPA call, whose kernel on Hopper must be cuDNN's (the
+profiler's kernel names say which ran).
 """
 
 from __future__ import annotations
@@ -38,16 +40,16 @@ def _runnable(backend: str) -> str | None:
     return None
 
 
-def _batch(head_dim: int, seed: int):
+def _batch(head_dim: int, seed: int, lengths: list[int] = LENGTHS):
     """bf16 q [T, Hq, D], k/v [T, Hkv, D], output gradient [T, Hq, D] on CUDA; cu_seqlens int32; max length."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    total = sum(LENGTHS)
+    total = sum(lengths)
     q = torch.randn(total, HEADS, head_dim, device="cuda", generator=g).bfloat16()
     k = torch.randn(total, KV_HEADS, head_dim, device="cuda", generator=g).bfloat16()
     v = torch.randn(total, KV_HEADS, head_dim, device="cuda", generator=g).bfloat16()
     dout = torch.randn(total, HEADS, head_dim, device="cuda", generator=g).bfloat16()
-    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    return q, k, v, dout, cu, max(LENGTHS)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    return q, k, v, dout, cu, max(lengths)
 
 
 def _forward_backward(backend: str, q, k, v, dout, cu, max_len: int, dtype: torch.dtype, device: str):
@@ -58,15 +60,9 @@ def _forward_backward(backend: str, q, k, v, dout, cu, max_len: int, dtype: torc
     return (out, *(t.grad for t in leaves))
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen", "sdpa"])
-def test_cuda_backend_matches_reference_on_packed_gqa_batch(backend: str, head_dim: int):
-    why = _runnable(backend)
-    if why is not None:
-        pytest.skip(f"{backend} cannot run here: {why}")
-    q, k, v, dout, cu, max_len = _batch(head_dim, seed=head_dim)
-    got = _forward_backward(backend, q, k, v, dout, cu, max_len, torch.bfloat16, "cuda")
-    want = _forward_backward("reference", q, k, v, dout, cu, max_len, torch.float32, "cpu")
+def _assert_matches_reference(backend: str, batch) -> None:
+    got = _forward_backward(backend, *batch, torch.bfloat16, "cuda")
+    want = _forward_backward("reference", *batch, torch.float32, "cpu")
     assert got[0].dtype == torch.bfloat16 and got[0].device.type == "cuda"
     for name, g, w, tol in zip(("out", "dq", "dk", "dv"), got, want, (OUT_TOL, GRAD_TOL, GRAD_TOL, GRAD_TOL),
                                strict=True):
@@ -74,9 +70,37 @@ def test_cuda_backend_matches_reference_on_packed_gqa_batch(backend: str, head_d
         assert err < tol, f"{backend} {name}: relative error {err:.2e} >= {tol:.0e} against the fp32 reference"
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen", "cudnn", "sdpa"])
+def test_cuda_backend_matches_reference_on_packed_gqa_batch(backend: str, head_dim: int):
+    why = _runnable(backend)
+    if why is not None:
+        pytest.skip(f"{backend} cannot run here: {why}")
+    _assert_matches_reference(backend, _batch(head_dim, seed=head_dim))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("backend", ["cudnn", "sdpa"])
+def test_equal_documents_run_one_batched_call_that_matches_reference(backend: str, head_dim: int):
+    """Four documents of 256 tokens: the batched SDPA call, forward and backward. With cudnn on Hopper the kernels
+    that ran must include cuDNN's (its forward and backward kernels' names carry "cudnn"), else the backend would be
+    a slower path than its name says."""
+    why = _runnable(backend)
+    if why is not None:
+        pytest.skip(f"{backend} cannot run here: {why}")
+    batch = _batch(head_dim, seed=head_dim + 1, lengths=[256] * 4)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _forward_backward(backend, *batch, torch.bfloat16, "cuda")
+        torch.cuda.synchronize()
+    kernels = [event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    if backend == "cudnn" and capability()[0] == 9:
+        assert any("cudnn" in name.lower() for name in kernels), sorted(set(kernels))[:20]
+    _assert_matches_reference(backend, batch)
+
+
 def test_auto_picks_a_flash_kernel_on_cuda_and_says_so(caplog):
-    """No silent fallback: on sm80+ in bf16, auto resolves to flash_attn or torch_varlen (not the per-document
-    sdpa loop), and the log names it; fp32 on CUDA goes to sdpa (flash kernels are fp16/bf16 only)."""
+    """No silent fallback: on sm80+ in bf16, auto resolves to flash_attn, cudnn (on Hopper) or torch_varlen (not the
+    per-document sdpa loop), and the log names it; fp32 on CUDA goes to sdpa (flash kernels are fp16/bf16 only)."""
     if capability() < (8, 0):
         pytest.skip(f"flash kernels need sm80+, this GPU is sm{''.join(map(str, capability()))}")
     cuda = torch.device("cuda", torch.cuda.current_device())
@@ -84,8 +108,10 @@ def test_auto_picks_a_flash_kernel_on_cuda_and_says_so(caplog):
     with caplog.at_level(logging.INFO, logger="megalm"):
         backend = attention._resolve_backend("auto", cuda, torch.bfloat16, False)
         fp32_backend = attention._resolve_backend("auto", cuda, torch.float32, False)
-    assert backend in ("flash_attn", "torch_varlen")
+    assert backend in ("flash_attn", "cudnn", "torch_varlen")
     assert fp32_backend == "sdpa"
+    if capability()[0] == 9 and not attention._flash_attn_importable():
+        assert backend == "cudnn", "on Hopper auto must prefer cuDNN's attention to the flash kernel"
     assert f"attention backend: {backend} (model.attention_backend=auto, {cuda}, bfloat16)" in caplog.text
     if attention._flash_attn_importable():
         assert backend == "flash_attn", "flash-attn imports, so auto must prefer it"

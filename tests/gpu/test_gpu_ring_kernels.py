@@ -189,7 +189,8 @@ def test_ring_block_kernel_on_cuda_is_a_flash_kernel_and_logged(caplog) -> None:
         bf16_kernel = block_kernel("auto", cuda, torch.bfloat16)
         fp32_kernel = block_kernel("auto", cuda, torch.float32)
     assert bf16_kernel in ("flash_attn", "torch_varlen")
-    assert f"ring attention block kernel: {bf16_kernel} on cuda bfloat16" in caplog.messages
+    # (on Hopper auto resolves to cudnn, whose ring blocks run torch_varlen: the line then says why)
+    assert any(m.startswith(f"ring attention block kernel: {bf16_kernel} on cuda bfloat16") for m in caplog.messages)
     assert fp32_kernel == ("torch_efficient" if "torch_efficient" in ring.KERNELS else "reference")
     assert any(m.startswith(f"ring attention block kernel: {fp32_kernel} on cuda float32 (sdpa returns no log-sum-exp")
                for m in caplog.messages), caplog.messages

@@ -95,7 +95,7 @@ def test_a_compiled_block_selects_its_cuda_backend_without_a_graph_break(torch_v
     cuda = torch.device("cuda")
 
     def block(x):
-        return x * (2 if select_attention_backend("auto", cuda, torch.bfloat16) == "torch_varlen" else 3)
+        return x * (2 if select_attention_backend("auto", cuda, torch.bfloat16) == "cudnn" else 3)  # sm90: cudnn
 
     with compat.simulated_cuda((9, 0)):
         torch._dynamo.reset()

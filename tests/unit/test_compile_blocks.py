@@ -138,6 +138,56 @@ def test_rings_of_other_ranks_and_sizes_share_the_compiled_graph(monkeypatch):
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
 
 
+def test_the_cudnn_backend_compiles_each_of_its_two_kernels_once_dynamic(monkeypatch):
+    """Backend cudnn (auto on Hopper) branches on the shapes: equal documents take a batched SDPA call, unequal ones
+    torch's varlen kernel (a stand-in op here: the real one is CUDA's). Over the fake-CUDA tier's 20 micro-batches
+    (equal documents first, then unequal ones of several token counts) the block compiles three times, as with
+    torch_varlen alone: the first graph, then the document count and the token count made dynamic. Equal documents
+    after that add one graph, the dynamic one of the other branch, and no more: four at most, and no break."""
+    import itertools
+    import random
+
+    from megalm import compat
+    from megalm.config import ModelConfig
+    from megalm.model import GPT, Attention
+    from megalm.training.compile import compile_blocks
+
+    varlen_calls = []  # counted where the op runs, not where dynamo traces (a traced append would be guarded on)
+
+    @torch.library.custom_op("megalm_test::varlen_stand_in", mutates_args=())
+    def stand_in_op(q: torch.Tensor) -> torch.Tensor:
+        varlen_calls.append(1)
+        return q * 2
+
+    stand_in_op.register_fake(lambda q: torch.empty_like(q))
+    stand_in_op.register_autograd(lambda ctx, grad: grad * 2)
+    monkeypatch.setattr(compat, "varlen_attn", lambda q, k, v, cu_seqlens, max_seqlen, scale=None: stand_in_op(q))
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=128, seq_length=128))
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.chosen[("cpu", torch.float32, False)] = "cudnn"
+    compile_blocks(model, backend="eager")
+    rng = random.Random(0)
+    layouts = [(64,), (32, 32), (16,) * 4, (8,) * 8]
+    while len(layouts) < 20:
+        tokens = rng.choice([64, 96, 128])
+        cuts = sorted(rng.sample(range(1, tokens), rng.randint(1, 6)))
+        layouts.append(tuple(b - a for a, b in zip([0, *cuts], [*cuts, tokens], strict=True)))
+    torch._dynamo.reset()
+    counters.clear()
+    frames = []
+    for docs in [*layouts, (48, 48), (32,) * 4, (16,) * 8, (64,)]:  # then equal documents again
+        cu = torch.tensor([0, *itertools.accumulate(docs)], dtype=torch.int32)
+        ids = torch.randint(0, 128, (sum(docs),))
+        pos = torch.cat([torch.arange(n) for n in docs])
+        model(ids, pos, cu, max(docs)).sum().backward()
+        frames.append(counters["frames"]["total"])
+    assert len(varlen_calls) == 2 * 16  # each layer of the 16 unequal micro-batches, and only those
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert frames[19] == 3 and frames[-1] == 4, frames
+
+
 def test_selective_recompute_keeps_the_compiled_recipe_gemms(tmp_path, monkeypatch):
     """Selective recompute saves GEMM outputs; in a compiled block an FP8 recipe's linear is one opaque op, which it
     must save as a GEMM too: each linear runs once per micro-batch, not again in the backward."""

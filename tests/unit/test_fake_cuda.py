@@ -51,6 +51,10 @@ needs_cuda_build = pytest.mark.skipif(
     reason=f"fake CUDA tensors need a torch built with CUDA (the PyPI wheels); torch {torch.__version__} is CPU-only")
 CUDA = torch.device("cuda", 0)
 SM90 = (9, 0)
+# The tier's device: an sm89 GPU (L40S) has FP8 GEMMs and flash kernels, and attention `auto` runs torch_varlen on
+# it. On sm90 `auto` runs cudnn, whose batched SDPA call with cuDNN first asks the driver which kernel can run,
+# even on fake tensors: traced where this torch's fake mode can (`fake_mode_misses("sdpa_cudnn_first")`).
+SM89 = (8, 9)
 
 
 def _clear_selection_caches() -> None:
@@ -58,7 +62,7 @@ def _clear_selection_caches() -> None:
 
 
 @contextlib.contextmanager
-def fake_cuda(capability: tuple[int, int] = SM90, host_tensors: bool = False) -> Iterator[None]:
+def fake_cuda(capability: tuple[int, int] = SM89, host_tensors: bool = False) -> Iterator[None]:
     """Fake tensors on cuda:0 by default, kernel selection seeing `capability`, and autocast allowed on cuda (it
     asks the driver whether CUDA and bf16 are there: the simulated device has both). `host_tensors`: real CPU
     tensors may enter (a batch prepared on the host and moved to the device)."""
@@ -114,17 +118,22 @@ def fake_mode_misses(op: str) -> str | None:
         x[:4].t().contiguous().t()
         torch.repeat_interleave(torch.arange(2), torch.tensor([1, 3]), output_size=4)
 
+    def sdpa():
+        torch.nn.functional.scaled_dot_product_attention(*[torch.empty(1, 2, 16, 32, dtype=bf16)] * 3, is_causal=True)
+
+    def sdpa_cudnn_first():
+        with compat.cudnn_attention_first():
+            sdpa()
+
     probes = {
-        "views": views,
-        "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
-            *[torch.empty(1, 2, 16, 32, dtype=bf16)] * 3, is_causal=True),
+        "views": views, "sdpa": sdpa, "sdpa_cudnn_first": sdpa_cudnn_first,
         "varlen_attn": varlen,
         "mm_out_dtype": lambda: torch.mm(torch.empty(16, 32, dtype=bf16), torch.empty(32, 16, dtype=bf16),
                                          out_dtype=torch.float32),
         "flash_varlen": flash, "efficient_varlen": efficient, "scaled_mm": scaled_mm,
     }
     try:
-        with fake_cuda():
+        with fake_cuda(SM90):
             probes[op]()
     except Exception as error:
         return f"torch {torch.__version__}'s fake mode cannot run {op}: {type(error).__name__}: {str(error)[:120]}"
@@ -161,14 +170,20 @@ def _model_config(**overrides) -> ModelConfig:
 def test_fake_cuda_auto_picks_the_fastest_backend_the_device_has():
     """What `auto` picks on a simulated GPU: no torch.cuda.is_available() needed, none touched."""
     _clear_selection_caches()
-    fast = "flash_attn" if attention._flash_attn_importable() else \
-        "torch_varlen" if compat.varlen_attn_available() else "sdpa"
-    with compat.simulated_cuda(SM90):
-        assert attention.select_attention_backend("auto", CUDA, torch.bfloat16) == fast
-        assert attention.select_attention_backend("auto", CUDA, torch.float32) == "sdpa"
-        assert ring.block_kernel("auto", CUDA, torch.float32) == "torch_efficient"
-        assert fp8.gemm_path(CUDA).startswith("torch._scaled_mm")
-        assert mx_triton.triton_available(CUDA) == mx_triton._triton_importable()
+    varlen = compat.varlen_attn_available()
+    flash = attention._flash_attn_importable()
+    for capability, fast in ((SM90, "cudnn"), (SM89, "torch_varlen")):  # cuDNN's attention wins on Hopper only
+        fast = "flash_attn" if flash else fast if varlen else "sdpa"
+        with compat.simulated_cuda(capability):
+            assert attention.select_attention_backend("auto", CUDA, torch.bfloat16) == fast
+            assert attention.select_attention_backend("auto", CUDA, torch.bfloat16, dropout=True) == (
+                "flash_attn" if flash else "sdpa")
+            assert attention.select_attention_backend("auto", CUDA, torch.float32) == "sdpa"
+            assert ring.block_kernel("auto", CUDA, torch.float32) == "torch_efficient"
+            assert ring.block_kernel("auto", CUDA, torch.bfloat16) == (
+                "flash_attn" if flash else "torch_varlen" if varlen else "torch_efficient")
+            assert fp8.gemm_path(CUDA).startswith("torch._scaled_mm")
+            assert mx_triton.triton_available(CUDA) == mx_triton._triton_importable()
     with compat.simulated_cuda((7, 5)):  # Turing: no flash kernels, no FP8 GEMMs
         assert attention.select_attention_backend("auto", CUDA, torch.bfloat16) == "sdpa"
         assert fp8.gemm_path(CUDA).startswith("emulated")
@@ -426,14 +441,18 @@ def _packed_layouts(count: int, seed: int = 0) -> list[tuple[int, ...]]:
 
 
 @needs_cuda_build
-@pytest.mark.parametrize("recipe", ["bf16", "bf16_autocast", "fp8", "fp8_delayed", "fp8_rowwise", "mxfp8", "mxfp4"])
-def test_fake_cuda_compiled_blocks_take_the_varlen_kernel_in_whole_graphs_compiled_at_most_three_times(recipe):
+@pytest.mark.parametrize(("recipe", "capability"), [
+    *((recipe, SM89) for recipe in ["bf16", "bf16_autocast", "fp8", "fp8_delayed", "fp8_rowwise", "mxfp8", "mxfp4"]),
+    ("bf16", SM90), ("fp8", SM90)])
+def test_fake_cuda_compiled_blocks_take_the_varlen_kernel_in_whole_graphs_compiled_at_most_three_times(recipe,
+                                                                                                      capability):
     """trainer.compile=true on a GPU, as far as a machine without one reaches: dynamo traces each block's forward on
     fake CUDA tensors, with torch's varlen flash kernel (cu_seqlens a tensor, never read on the host) in the graph.
     Over 20 micro-batches of equal and unequal documents and varying token counts: no graph break, and the blocks'
     one code object compiles at most three times (the first graph, then the document count and the token count
-    made dynamic). The recipes' GEMMs are megalm's ops in the graph (fake tensors make no FP8 weight copies for the
-    graph's own torch._scaled_mm: tests/unit/test_compile_blocks.py runs that path). Inductor's Triton kernels need a
+    made dynamic). On sm90 (auto: cudnn) the graph also holds the batched SDPA call of equal documents. The recipes'
+    GEMMs are megalm's ops in the graph (fake tensors make no FP8 weight copies for the graph's own torch._scaled_mm:
+    tests/unit/test_compile_blocks.py runs that path). Inductor's Triton kernels need a
     driver: the GPU tier compiles them (tests/gpu)."""
     from torch._dynamo.utils import counters
 
@@ -450,13 +469,17 @@ def test_fake_cuda_compiled_blocks_take_the_varlen_kernel_in_whole_graphs_compil
             targets.update(str(node.target) for node in graph.nodes if node.op == "call_function")
         return gm.forward
 
-    with fake_cuda():
+    hopper = capability == SM90
+    if hopper:
+        needs_fake("sdpa_cudnn_first")
+    with fake_cuda(capability):
         model = GPT(_model_config(seq_length=128))
         precision = Precision(PrecisionConfig(name=recipe), seed=0, device=CUDA)
         precision.convert(model)
         if precision.working_dtype is not None:
             _to_dtype(model, precision.working_dtype)
-        assert choose_attention_backends(model, CUDA, torch.bfloat16) == {"torch_varlen"}  # as the trainer does
+        want = "cudnn" if hopper else "torch_varlen"
+        assert choose_attention_backends(model, CUDA, torch.bfloat16) == {want}  # as the trainer does
         compile_blocks(model, backend=recording)
         torch._dynamo.reset()
         counters.clear()
@@ -467,6 +490,7 @@ def test_fake_cuda_compiled_blocks_take_the_varlen_kernel_in_whole_graphs_compil
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["frames"]["total"] <= 3, dict(counters["frames"])
     assert any("varlen" in target for target in targets), sorted(targets)
+    assert any("scaled_dot_product" in target for target in targets) == hopper, sorted(targets)
     ops = torch.ops.megalm
     recipe_ops = targets & {str(op) for op in (ops.recipe_linear.default, ops.fp8_linear.default)}
     assert bool(recipe_ops) == (recipe not in ("bf16", "bf16_autocast")), sorted(targets)  # the GEMMs in the graph

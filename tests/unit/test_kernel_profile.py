@@ -28,6 +28,7 @@ TINY = ["model.num_layers=2", "model.hidden_size=256", "model.num_heads=4", "mod
     ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>, true>(Flash_fwd_params)",
      "attention"),
     ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0", "attention"),  # not sm90_'s gemm
     ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", "compiled (triton)"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "elementwise"),
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::NormOps<float>>>", "reduction"),

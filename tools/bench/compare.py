@@ -93,6 +93,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from throughput import compose_config, synchronize  # noqa: E402
 
+from megalm import compat  # noqa: E402
 from megalm.config import MegalmConfig, ModelConfig  # noqa: E402
 from megalm.training.flops import peak_flops, training_flops  # noqa: E402
 
@@ -270,28 +271,13 @@ def require(module: str, package: str) -> None:
         raise Skip(f"{package} {'not installed' if absent else 'not importable'} ({type(e).__name__}: {e})") from None
 
 
-# The kernels behind torch SDPA, by the number `torch._fused_sdp_choice` answers (torch.nn.attention.SDPBackend).
-SDPA_KERNELS = {-1: "no kernel", 0: "math", 1: "flash", 2: "memory-efficient", 3: "cuDNN", 4: "overrideable"}
-
-
-def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                is_causal: bool = True, enable_gqa: bool = False) -> str:
-    """Which kernel torch SDPA runs for these inputs: the dispatcher's own choice (it depends on the device,
-    dtype, head size, mask and GQA, and on any `sdpa_kernel` priority in force), so a row can say it."""
-    try:
-        choice = torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, is_causal, enable_gqa=enable_gqa)
-    except (RuntimeError, TypeError) as e:  # an older torch, or inputs no kernel takes
-        return f"unknown ({type(e).__name__})"
-    name = SDPA_KERNELS.get(int(choice), str(choice))
-    return f"{name} on CPU" if q.device.type == "cpu" else name
-
-
 def probe_sdpa(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, dtype: torch.dtype,
-               device: torch.device) -> str:
-    """`sdpa_kernel` for causal attention of this shape, on empty [b, h, s, d] tensors."""
+               device: torch.device, cudnn_first: bool = False) -> str:
+    """The kernel torch SDPA runs for causal attention of this shape (`compat.sdpa_kernel_choice`), on empty
+    [b, h, s, d] tensors."""
     q = torch.empty(batch, heads, seq, head_dim, dtype=dtype, device=device)
     kv = torch.empty(batch, kv_heads, seq, head_dim, dtype=dtype, device=device)
-    return sdpa_kernel(q, kv, kv, is_causal=True, enable_gqa=heads != kv_heads)
+    return compat.sdpa_kernel_choice(q, kv, kv, is_causal=True, enable_gqa=heads != kv_heads, cudnn_first=cudnn_first)
 
 
 def gemm_kernels(device: torch.device, precision: str, layers: str, bf16: str = "bf16 under autocast") -> str:
@@ -309,6 +295,7 @@ def gemm_kernels(device: torch.device, precision: str, layers: str, bf16: str = 
 MEGALM_ATTENTION = {
     "flash_attn": "flash-attn's varlen kernel (flash_attn_varlen_func)",
     "torch_varlen": "torch.nn.attention.varlen.varlen_attn (flash varlen kernel)",
+    "cudnn": "torch SDPA with cuDNN first, one batched is_causal call (documents of equal lengths)",
     "sdpa": "torch SDPA, one batched is_causal call",
     "reference": "explicit fp32 attention with a [T, T] mask",
 }
@@ -321,10 +308,10 @@ def megalm_kernels(trainer: Any, cfg: MegalmConfig, batch: int, device: torch.de
     backend = select_attention_backend(m.attention_backend, device, compute_dtype(name),
                                        dropout=m.attention_dropout > 0)
     attention = f"{backend}: {MEGALM_ATTENTION.get(backend, backend)}"
-    if backend == "sdpa":
+    if backend in ("sdpa", "cudnn"):
         kv_heads = m.num_kv_heads or m.num_heads
         attention += " (" + probe_sdpa(batch, m.num_heads, kv_heads, m.seq_length, m.hidden_size // m.num_heads,
-                                       compute_dtype(name), device) + ")"
+                                       compute_dtype(name), device, cudnn_first=backend == "cudnn") + ")"
     gemm = (gemm_kernels(device, name, "megalm's Linear (F.linear)", bf16=trainer.precision.note)  # no autocast
             if name in ("fp32", "bf16") else f"megalm {trainer.precision.note}")
     fp8_cast = device.type == "cuda" and name.startswith("fp8") and cfg.precision.backend == "native"
@@ -432,7 +419,7 @@ class SDPACoreAttention(torch.nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
         gqa = k.shape[1] != heads
         if self.kernel is None:
-            self.kernel = sdpa_kernel(q, k, v, mask, causal, gqa)
+            self.kernel = compat.sdpa_kernel_choice(q, k, v, mask, is_causal=causal, enable_gqa=gqa)
         dropout = self.dropout_p if self.training else 0.0
         fork = contextlib.nullcontext()
         if dropout > 0.0 and not self.config.sequence_parallel:  # as DotProductAttention: per-TP-rank dropout

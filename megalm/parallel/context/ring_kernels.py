@@ -38,14 +38,17 @@ def _efficient_capable(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def block_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The per-block kernel for a model attention backend (auto|flash_attn|torch_varlen|sdpa|reference).
+    """The per-block kernel for a model attention backend (auto|flash_attn|torch_varlen|cudnn|sdpa|reference).
 
-    The flash kernel the backend resolves to; where it resolves to sdpa (no log-sum-exp) torch's
+    The flash kernel the backend resolves to (cudnn's: torch_varlen, as for its unequal micro-batches: a ring block
+    is not a batch of equal documents); where it resolves to sdpa (no log-sum-exp) torch's
     memory-efficient kernels on CUDA, and the O(T^2) reference only where those do not run either, or when
     asked for. Logged once per (device, dtype): the ring has no silent fallback to the reference.
     """
     resolved = select_attention_backend(backend, device, dtype)
-    if resolved in KERNELS:
+    if resolved == "cudnn":
+        kernel = "torch_varlen"
+    elif resolved in KERNELS:
         kernel = resolved
     else:  # sdpa returns no log-sum-exp
         kernel = "torch_efficient" if _efficient_capable(device, dtype) else "reference"
@@ -58,6 +61,8 @@ def _log_kernel(kernel: str, device: str, dtype: str, resolved: str) -> None:
     level = logging.INFO
     if kernel == resolved:
         why = ""
+    elif resolved == "cudnn":
+        why = " (the varlen flash kernel cudnn runs on documents of unequal lengths)"
     elif kernel == "torch_efficient":
         why = f" ({resolved} returns no log-sum-exp; flash kernels need fp16/bf16 on sm80+)"
     elif device == "cuda":
