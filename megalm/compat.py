@@ -203,44 +203,20 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
 SDPA_KERNELS = {-1: "no kernel", 0: "math", 1: "flash", 2: "memory-efficient", 3: "cuDNN", 4: "overrideable"}
 
 
-@constant_to_dynamo  # read in eager; under compile once, at trace time (a flag's query would break the graph)
-def _enabled_sdpa_kernels_cudnn_first() -> list:
-    """torch SDPA's kernels cuDNN's first, then flash, memory-efficient and math (TorchTitan's order; torch's own puts
-    flash first), keeping only those enabled where this is called: `sdpa_kernel` enables every kernel it lists, and
-    must not turn back on what the user or an enclosing `sdpa_kernel` (a deterministic test's math) turned off."""
-    from torch.nn.attention import SDPBackend
-
-    flags = torch.backends.cuda
-    order = [(SDPBackend.CUDNN_ATTENTION, flags.cudnn_sdp_enabled),
-             (SDPBackend.FLASH_ATTENTION, flags.flash_sdp_enabled),
-             (SDPBackend.EFFICIENT_ATTENTION, flags.mem_efficient_sdp_enabled),
-             (SDPBackend.MATH, flags.math_sdp_enabled)]
-    return [kernel for kernel, enabled in order if enabled()]
-
-
-def cudnn_attention_first() -> contextlib.AbstractContextManager:
-    """torch SDPA's kernel priority with cuDNN's attention first, among the kernels enabled. Dynamo traces the
-    context (no graph break)."""
-    from torch.nn.attention import sdpa_kernel
-
-    return sdpa_kernel(_enabled_sdpa_kernels_cudnn_first(), set_priority=True)
-
-
 def cudnn_attention_enabled() -> bool:
     """Whether torch SDPA may run cuDNN's attention kernel (`torch.backends.cuda.enable_cudnn_sdp`, on by default)."""
     return torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def sdpa_kernel_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None, *,
-                       is_causal: bool = True, enable_gqa: bool = False, cudnn_first: bool = False) -> str:
+                       is_causal: bool = True, enable_gqa: bool = False) -> str:
     """Which kernel torch SDPA runs for [b, h, s, d] inputs like these: the dispatcher's own choice (it depends on the
-    device, dtype, head size, mask and GQA, and on the priority: `cudnn_first`, or any `sdpa_kernel` in force), so a
-    log line or a benchmark row can say what ran rather than what was hoped for."""
-    with cudnn_attention_first() if cudnn_first else contextlib.nullcontext():
-        try:
-            choice = torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, is_causal, enable_gqa=enable_gqa)
-        except (RuntimeError, TypeError) as e:  # an older torch, or inputs no kernel takes
-            return f"unknown ({type(e).__name__})"
+    device, dtype, head size, mask, GQA and grad, on torch's priority order and any `sdpa_kernel` in force), so a log
+    line or a benchmark row can say what ran rather than what was hoped for."""
+    try:
+        choice = torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, is_causal, enable_gqa=enable_gqa)
+    except (RuntimeError, TypeError) as e:  # an older torch, or inputs no kernel takes
+        return f"unknown ({type(e).__name__})"
     name = SDPA_KERNELS.get(int(choice), str(choice))
     return f"{name} on CPU" if q.device.type == "cpu" else name
 

@@ -9,11 +9,12 @@ h // (Hq / Hkv), the convention flash-attn and torch SDPA share.
 Backends compute the same function and differ only in speed and where they run:
   flash_attn    flash-attn's varlen kernel (CUDA, fp16/bf16, sm80+)
   torch_varlen  torch.nn.attention.varlen.varlen_attn (CUDA, fp16/bf16, sm80+; no dropout)
-  cudnn         torch SDPA with cuDNN's kernel first, one batched call, for micro-batches whose documents all have
-                one length; the others run torch_varlen (torch <= 2.11 keeps cuDNN off for ragged batches). On
-                Hopper (sm90) cuDNN's attention is 1.7-2.3x faster than torch's flash kernel in training shapes and
-                slower on other GPUs (Hugging Face's six-GPU comparison, transformers PR 48163), so auto picks it
-                on sm90 only; TorchTitan's SDPA also runs cuDNN first.
+  cudnn         (CUDA, fp16/bf16, sm80+; no dropout) a micro-batch whose documents all have one length is one
+                batched torch SDPA call, where torch runs cuDNN's attention kernel on Hopper and Blackwell with
+                cuDNN > 9.15 (its own rule; flash elsewhere); the others run torch_varlen (whose cuDNN path torch
+                keeps off). Hugging Face measured cuDNN's kernel 1.7-2.3x torch's flash kernel on H100 in training
+                shapes and slower on other GPUs (transformers PR 48163), and TorchTitan runs SDPA cuDNN first, so
+                auto picks it on sm90; tools/bench/attention_kernels.py measures both on the GPU at hand.
   sdpa          torch SDPA: one batched call when all documents have the same length, else one per
                 document. Runs anywhere; the CPU path.
   reference     explicit fp32 math with a [T, T] mask; the oracle for tests (O(T^2) memory).
@@ -21,7 +22,6 @@ Backends compute the same function and differ only in speed and where they run:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 from typing import Protocol
@@ -60,7 +60,7 @@ def _flash_capable(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _hopper(device: torch.device) -> bool:
-    """An sm90 device (H100, H200): where cuDNN's attention beats flash (module docstring)."""
+    """An sm90 device (H100, H200): where cuDNN's attention is reported to beat flash (module docstring)."""
     capability = compat.cuda_capability(device)
     return capability is not None and capability[0] == 9
 
@@ -71,9 +71,10 @@ def select_attention_backend(
 ) -> str:
     """The backend to run for q of this device/dtype; "auto" picks the fastest that can run.
 
-    auto: flash_attn if importable on CUDA in fp16/bf16, else cudnn on sm90, else torch_varlen there, else sdpa.
-    `dropout=True` (attention dropout active) rules out torch_varlen and cudnn (whose unequal micro-batches run
-    torch_varlen), which have no dropout. An explicit backend that cannot run raises ConfigError naming the fix.
+    auto on CUDA in fp16/bf16: cudnn on sm90 (its unequal micro-batches run the same flash kernel as flash_attn's),
+    else flash_attn if importable, else torch_varlen; else sdpa. `dropout=True` (attention dropout active) rules out
+    torch_varlen and cudnn, which have no dropout. An explicit backend that cannot run raises ConfigError naming the
+    fix.
     """
     device = torch.device(device)
     fast = _flash_capable(device, dtype)
@@ -82,9 +83,9 @@ def select_attention_backend(
     can_cudnn = can_varlen and compat.cudnn_attention_enabled()
     where = f"(got {device.type} {str(dtype).removeprefix('torch.')})"
     if requested == "auto":
-        if can_flash:
-            return "flash_attn"
-        return "cudnn" if can_cudnn and _hopper(device) else "torch_varlen" if can_varlen else "sdpa"
+        if can_cudnn and _hopper(device):
+            return "cudnn"
+        return "flash_attn" if can_flash else "torch_varlen" if can_varlen else "sdpa"
     if requested == "cudnn" and not can_cudnn:
         if dropout and fast:
             raise ConfigError("model.attention_backend=cudnn runs torch_varlen on micro-batches of unequal documents, "
@@ -147,19 +148,20 @@ def reference_varlen_attention(
 
 
 def _equal_documents(q: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> bool:
-    """Every document is max_seqlen long (none is longer), read from shapes alone: no device sync."""
+    """Every document is max_seqlen long, read from shapes alone (no device sync). N documents of lengths l_i with
+    sum T (cu_seqlens[-1] == T) and max_seqlen = max l_i give N * max_seqlen >= T, equal only when every l_i is
+    max_seqlen; every caller passes the exact longest document (a larger one only makes this False)."""
     return (cu_seqlens.numel() - 1) * max_seqlen == q.shape[0]
 
 
 def _batched_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                  dropout_p: float, scale: float | None, cudnn_first: bool = False) -> torch.Tensor:
+                  dropout_p: float, scale: float | None) -> torch.Tensor:
     """Documents all max_seqlen long: one torch SDPA call on [B, H, S, D] views of the packed [T, H, D] tensors."""
     total, num_heads, head_dim = q.shape
     num_docs = cu_seqlens.numel() - 1
     to_bhsd = lambda t: t.reshape(num_docs, max_seqlen, t.shape[1], head_dim).transpose(1, 2)
-    with compat.cudnn_attention_first() if cudnn_first else contextlib.nullcontext():
-        out = F.scaled_dot_product_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), dropout_p=dropout_p, is_causal=True,
-                                             scale=scale, enable_gqa=num_heads != k.shape[1])
+    out = F.scaled_dot_product_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), dropout_p=dropout_p, is_causal=True,
+                                         scale=scale, enable_gqa=num_heads != k.shape[1])
     return out.transpose(1, 2).reshape(total, num_heads, head_dim)
 
 
@@ -206,11 +208,11 @@ def varlen_attention(
         cu = cu_seqlens.to(torch.int32)
         return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p,
                                       softmax_scale=scale, causal=True)
-    if backend == "cudnn" and _equal_documents(q, cu_seqlens, max_seqlen):
-        return _batched_sdpa(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, cudnn_first=True)
     if backend in ("torch_varlen", "cudnn"):
         if dropout_p > 0.0:
             raise ValueError(f"the {backend} attention backend has no dropout")
+        if backend == "cudnn" and _equal_documents(q, cu_seqlens, max_seqlen):
+            return _batched_sdpa(q, k, v, cu_seqlens, max_seqlen, 0.0, scale)
         return compat.varlen_attn(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, scale=scale)
     if backend == "sdpa":
         return _sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale)
@@ -310,24 +312,27 @@ def choose_attention_backends(model: nn.Module, device: torch.device, dtype: tor
 
 
 def _equal_documents_kernel(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str:
-    """The kernel torch SDPA picks, cuDNN first, for causal attention of this shape on `device` (empty tensors)."""
+    """The kernel torch SDPA picks for causal attention of this shape on `device`, in training (inputs that need
+    grad: some kernels take a head size forward only), asked on empty tensors."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return "not probed (no CUDA device in this process)"
-    q = torch.empty(1, heads, 256, head_dim, dtype=dtype, device=device)
-    kv = torch.empty(1, kv_heads, 256, head_dim, dtype=dtype, device=device)
-    return compat.sdpa_kernel_choice(q, kv, kv, enable_gqa=heads != kv_heads, cudnn_first=True)
+    q = torch.empty(1, heads, 256, head_dim, dtype=dtype, device=device, requires_grad=True)
+    kv = torch.empty(1, kv_heads, 256, head_dim, dtype=dtype, device=device, requires_grad=True)
+    return compat.sdpa_kernel_choice(q, kv, kv, enable_gqa=heads != kv_heads)
 
 
 @functools.cache
 def _log_equal_documents_kernel(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
                                 head_dim: int) -> str:
     """Log (once per shape) which kernel torch SDPA runs for the cudnn backend's micro-batches of equal documents,
-    asked of the dispatcher on empty tensors of this device: a warning where it is not cuDNN's (a head size or
-    dtype cuDNN does not take), so the kernel that runs is never a silent fallback. Not asked on a simulated GPU."""
+    asked of the dispatcher on empty tensors of this device: a warning where it is not cuDNN's (torch keeps cuDNN's
+    kernel off an older cuDNN, a GPU it does not prefer it on, a head size or dtype it does not take, deterministic
+    mode, or a user's `torch.backends.cuda` switch), so the kernel that runs is never a silent fallback. Without a
+    CUDA device in the process (a simulated GPU) nothing is asked."""
     kernel = _equal_documents_kernel(device, dtype, heads, kv_heads, head_dim)
-    slower = kernel != "cuDNN" and not kernel.startswith("not probed")
-    logger.log(logging.WARNING if slower else logging.INFO,
+    other = kernel != "cuDNN" and not kernel.startswith("not probed")
+    logger.log(logging.WARNING if other else logging.INFO,
                "attention backend cudnn: documents of equal lengths run torch SDPA's %s kernel (%d query heads, %d kv "
                "heads, head_dim %d, %s%s); unequal ones torch_varlen", kernel, heads, kv_heads, head_dim,
-               str(dtype).removeprefix("torch."), ": not cuDNN's, which does not take this shape" if slower else "")
+               str(dtype).removeprefix("torch."), ": not cuDNN's, torch did not choose it here" if other else "")
     return kernel

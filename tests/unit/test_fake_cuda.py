@@ -3,7 +3,7 @@
 Under torch's FakeTensorMode a tensor has a shape, a dtype and a device but no data; with a torch built with
 CUDA (the PyPI wheels) fake tensors can claim to live on `cuda:0`, and every op checks what it would check on a
 GPU (its fake or meta kernel): signatures and keywords, shapes, dtypes, devices, the layout and alignment rules of
-torch._scaled_mm. `megalm.compat.simulated_cuda` makes megalm's kernel selection see an sm90 device, while
+torch._scaled_mm. `megalm.compat.simulated_cuda` makes megalm's kernel selection see a GPU (sm89 or sm90), while
 `torch.cuda.is_available()` stays False (fake tensors reach for the driver when it says True). So an API that
 differs on the GPU image's torch, or a CUDA-only call with a wrong signature, fails here, on CPU CI, instead of in
 the first minute of a GPU session. `pytest -k fake_cuda` selects this tier; `.ci/run` runs it on every torch leg.
@@ -51,9 +51,8 @@ needs_cuda_build = pytest.mark.skipif(
     reason=f"fake CUDA tensors need a torch built with CUDA (the PyPI wheels); torch {torch.__version__} is CPU-only")
 CUDA = torch.device("cuda", 0)
 SM90 = (9, 0)
-# The tier's device: an sm89 GPU (L40S) has FP8 GEMMs and flash kernels, and attention `auto` runs torch_varlen on
-# it. On sm90 `auto` runs cudnn, whose batched SDPA call with cuDNN first asks the driver which kernel can run,
-# even on fake tensors: traced where this torch's fake mode can (`fake_mode_misses("sdpa_cudnn_first")`).
+# The tier's default device: an sm89 GPU (L40S) has FP8 GEMMs and flash kernels, and attention `auto` runs
+# torch_varlen on it; sm90 (auto: cudnn) where a test asks for it.
 SM89 = (8, 9)
 
 
@@ -121,12 +120,8 @@ def fake_mode_misses(op: str) -> str | None:
     def sdpa():
         torch.nn.functional.scaled_dot_product_attention(*[torch.empty(1, 2, 16, 32, dtype=bf16)] * 3, is_causal=True)
 
-    def sdpa_cudnn_first():
-        with compat.cudnn_attention_first():
-            sdpa()
-
     probes = {
-        "views": views, "sdpa": sdpa, "sdpa_cudnn_first": sdpa_cudnn_first,
+        "views": views, "sdpa": sdpa,
         "varlen_attn": varlen,
         "mm_out_dtype": lambda: torch.mm(torch.empty(16, 32, dtype=bf16), torch.empty(32, 16, dtype=bf16),
                                          out_dtype=torch.float32),
@@ -172,8 +167,9 @@ def test_fake_cuda_auto_picks_the_fastest_backend_the_device_has():
     _clear_selection_caches()
     varlen = compat.varlen_attn_available()
     flash = attention._flash_attn_importable()
-    for capability, fast in ((SM90, "cudnn"), (SM89, "torch_varlen")):  # cuDNN's attention wins on Hopper only
-        fast = "flash_attn" if flash else fast if varlen else "sdpa"
+    fallback = "flash_attn" if flash else "sdpa"
+    hopper_pick, other_pick = ("cudnn", "flash_attn" if flash else "torch_varlen") if varlen else (fallback, fallback)
+    for capability, fast in ((SM90, hopper_pick), (SM89, other_pick)):  # auto picks cuDNN's attention on Hopper only
         with compat.simulated_cuda(capability):
             assert attention.select_attention_backend("auto", CUDA, torch.bfloat16) == fast
             assert attention.select_attention_backend("auto", CUDA, torch.bfloat16, dropout=True) == (
@@ -471,7 +467,7 @@ def test_fake_cuda_compiled_blocks_take_the_varlen_kernel_in_whole_graphs_compil
 
     hopper = capability == SM90
     if hopper:
-        needs_fake("sdpa_cudnn_first")
+        needs_fake("sdpa")
     with fake_cuda(capability):
         model = GPT(_model_config(seq_length=128))
         precision = Precision(PrecisionConfig(name=recipe), seed=0, device=CUDA)

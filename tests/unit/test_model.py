@@ -122,49 +122,33 @@ def test_select_backend_on_cpu():
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
-def test_cudnn_backend_runs_equal_documents_in_one_sdpa_call_with_cudnn_first(heads, monkeypatch):
-    """Backend cudnn: documents of one length are one batched SDPA call made while cuDNN's kernel heads torch's
-    priority (on a CPU the dispatcher still runs its own flash kernel: the values are the reference's); documents of
-    unequal lengths go to torch's varlen kernel, never SDPA."""
-    from torch.nn.attention import SDPBackend
-
+def test_cudnn_backend_runs_equal_documents_in_one_sdpa_call(heads, monkeypatch):
+    """Backend cudnn: documents of one length are one batched SDPA call (where torch picks cuDNN's kernel on a GPU; on
+    a CPU its own: the values are the reference's); documents of unequal lengths go to torch's varlen kernel, never
+    SDPA; dropout is refused on both routes (the varlen kernel has none)."""
     hq, hkv = heads
-    priorities, varlen_calls = [], []
+    sdpa_calls, varlen_calls = [], []
     sdpa = F.scaled_dot_product_attention
-
-    def recorded_sdpa(*args, **kwargs):
-        flags = torch.backends.cuda
-        enabled = {int(SDPBackend.CUDNN_ATTENTION): flags.cudnn_sdp_enabled(), int(SDPBackend.MATH):
-                   flags.math_sdp_enabled(), int(SDPBackend.FLASH_ATTENTION): flags.flash_sdp_enabled(),
-                   int(SDPBackend.EFFICIENT_ATTENTION): flags.mem_efficient_sdp_enabled()}
-        priorities.append(next(kernel for kernel in torch._C._get_sdp_priority_order() if enabled.get(kernel)))
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded_sdpa)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: sdpa_calls.append(a[0].shape) or
+                        sdpa(*a, **kw))
     monkeypatch.setattr(compat, "varlen_attn", lambda q, k, v, cu, max_len, scale=None: varlen_calls.append(
         (cu.dtype, max_len)) or q.clone())
-    lengths = [6, 6, 6]
-    cu, total = cu_from(lengths), sum(lengths)
-    q, k, v = random_qkv(total, hq, hkv, 8)
+    cu = cu_from([6, 6, 6])
+    q, k, v = random_qkv(18, hq, hkv, 8)
     out = varlen_attention(q, k, v, cu, 6, "cudnn")
-    assert priorities == [int(SDPBackend.CUDNN_ATTENTION)] and not varlen_calls
+    assert sdpa_calls == [(3, hq, 6, 8)] and not varlen_calls
     torch.testing.assert_close(out, varlen_attention(q, k, v, cu, 6, "reference"), atol=1e-5, rtol=1e-5)
-    assert torch._C._get_sdp_priority_order()[0] != int(SDPBackend.CUDNN_ATTENTION)  # restored after the call
 
-    priorities.clear()
+    sdpa_calls.clear()
     varlen_attention(q, k, v, cu_from([5, 1, 12]), 12, "cudnn")
-    assert varlen_calls == [(torch.int32, 12)] and not priorities
-
-    from torch.nn.attention import sdpa_kernel  # a kernel switched off around the call stays off inside it
-
-    with sdpa_kernel([SDPBackend.MATH]):
-        varlen_attention(q, k, v, cu, 6, "cudnn")
-        assert torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
-    assert priorities == [int(SDPBackend.MATH)]
+    assert varlen_calls == [(torch.int32, 12)] and not sdpa_calls
+    for lengths in ([6, 6, 6], [5, 1, 12]):
+        with pytest.raises(ValueError, match="cudnn attention backend has no dropout"):
+            varlen_attention(q, k, v, cu_from(lengths), max(lengths), "cudnn", dropout_p=0.1)
 
 
 def test_cudnn_backend_compiles_without_a_graph_break():
-    """The priority context is traced by dynamo: a compiled block's equal documents keep one graph."""
+    """A compiled block's equal documents keep one graph through the cudnn backend's batched call."""
     from torch._dynamo.utils import counters
 
     cu = cu_from([8, 8])
@@ -179,17 +163,15 @@ def test_cudnn_backend_compiles_without_a_graph_break():
 
 
 def test_auto_runs_cudnn_on_hopper_only_and_says_which_kernel(monkeypatch, caplog):
-    """auto picks cudnn on sm90 (where cuDNN's attention beats flash) and torch_varlen on other sm80+ GPUs; without
-    cuDNN's SDPA (switched off by the user) Hopper runs torch_varlen, and an explicit cudnn is refused. The kernel
-    equal documents run is logged once per shape, as a warning when it is not cuDNN's."""
+    """auto picks cudnn on sm90 (where cuDNN's attention is reported faster than flash) and torch_varlen on other sm80+
+    GPUs; without cuDNN's SDPA (switched off by the user) Hopper runs torch_varlen, and an explicit cudnn is refused.
+    The kernel equal documents run is logged once per shape, as a warning when it is not cuDNN's."""
     import logging
 
     from megalm.model import attention
 
     if not compat.varlen_attn_available():
         pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen: auto runs sdpa on a GPU")
-    if attention._flash_attn_importable():
-        pytest.skip("flash-attn is installed: auto prefers it")
     cuda = torch.device("cuda")
     with compat.simulated_cuda((9, 0)):
         assert select_attention_backend("auto", cuda, torch.bfloat16) == "cudnn"
@@ -199,7 +181,8 @@ def test_auto_runs_cudnn_on_hopper_only_and_says_which_kernel(monkeypatch, caplo
         with pytest.raises(ConfigError, match="enable_cudnn_sdp.*attention_backend=auto"):
             select_attention_backend("cudnn", cuda, torch.bfloat16)
     with compat.simulated_cuda((8, 0)):
-        assert select_attention_backend("auto", cuda, torch.bfloat16) == "torch_varlen"
+        assert select_attention_backend("auto", cuda, torch.bfloat16) == (
+            "flash_attn" if attention._flash_attn_importable() else "torch_varlen")
 
     attention._log_equal_documents_kernel.cache_clear()
     with caplog.at_level(logging.INFO, logger="megalm"):
@@ -208,7 +191,7 @@ def test_auto_runs_cudnn_on_hopper_only_and_says_which_kernel(monkeypatch, caplo
         attention._log_equal_documents_kernel(cuda, torch.bfloat16, 16, 4, 256)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == ["attention backend cudnn: documents of equal lengths run torch SDPA's flash kernel (16 query "
-                        "heads, 4 kv heads, head_dim 256, bfloat16: not cuDNN's, which does not take this shape); "
+                        "heads, 4 kv heads, head_dim 256, bfloat16: not cuDNN's, torch did not choose it here); "
                         "unequal ones torch_varlen"]
     attention._log_equal_documents_kernel.cache_clear()
 

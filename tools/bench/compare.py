@@ -272,12 +272,12 @@ def require(module: str, package: str) -> None:
 
 
 def probe_sdpa(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, dtype: torch.dtype,
-               device: torch.device, cudnn_first: bool = False) -> str:
+               device: torch.device) -> str:
     """The kernel torch SDPA runs for causal attention of this shape (`compat.sdpa_kernel_choice`), on empty
     [b, h, s, d] tensors."""
     q = torch.empty(batch, heads, seq, head_dim, dtype=dtype, device=device)
     kv = torch.empty(batch, kv_heads, seq, head_dim, dtype=dtype, device=device)
-    return compat.sdpa_kernel_choice(q, kv, kv, is_causal=True, enable_gqa=heads != kv_heads, cudnn_first=cudnn_first)
+    return compat.sdpa_kernel_choice(q, kv, kv, is_causal=True, enable_gqa=heads != kv_heads)
 
 
 def gemm_kernels(device: torch.device, precision: str, layers: str, bf16: str = "bf16 under autocast") -> str:
@@ -295,7 +295,7 @@ def gemm_kernels(device: torch.device, precision: str, layers: str, bf16: str = 
 MEGALM_ATTENTION = {
     "flash_attn": "flash-attn's varlen kernel (flash_attn_varlen_func)",
     "torch_varlen": "torch.nn.attention.varlen.varlen_attn (flash varlen kernel)",
-    "cudnn": "torch SDPA with cuDNN first, one batched is_causal call (documents of equal lengths)",
+    "cudnn": "torch SDPA, one batched is_causal call (documents of equal lengths; unequal ones: torch_varlen)",
     "sdpa": "torch SDPA, one batched is_causal call",
     "reference": "explicit fp32 attention with a [T, T] mask",
 }
@@ -311,7 +311,7 @@ def megalm_kernels(trainer: Any, cfg: MegalmConfig, batch: int, device: torch.de
     if backend in ("sdpa", "cudnn"):
         kv_heads = m.num_kv_heads or m.num_heads
         attention += " (" + probe_sdpa(batch, m.num_heads, kv_heads, m.seq_length, m.hidden_size // m.num_heads,
-                                       compute_dtype(name), device, cudnn_first=backend == "cudnn") + ")"
+                                       compute_dtype(name), device) + ")"
     gemm = (gemm_kernels(device, name, "megalm's Linear (F.linear)", bf16=trainer.precision.note)  # no autocast
             if name in ("fp32", "bf16") else f"megalm {trainer.precision.note}")
     fp8_cast = device.type == "cuda" and name.startswith("fp8") and cfg.precision.backend == "native"
