@@ -236,12 +236,14 @@ def test_norms_match_formulas():
 
 
 def test_rms_norm_gradients_are_autograds_and_it_saves_what_cuda_saves():
-    """The hand-written backward against autograd through F.rms_norm (fp64: to rounding; bf16: equal), and what the
-    norm keeps for backward, counted by saved-tensor hooks: the bf16 input, the weight and a per-token fp32 rstd,
-    not F.rms_norm's two fp32 [T, h] copies on CPU."""
+    """The hand-written backward against autograd through F.rms_norm (fp64: to rounding; bf16: within one rounding,
+    2^-7 relative: the two round in different orders, and about one draw in 60 differs in one element by one ulp),
+    and what the norm keeps for backward, counted by saved-tensor hooks: the bf16 input, the weight and a per-token
+    fp32 rstd, not F.rms_norm's two fp32 [T, h] copies on CPU."""
     import torch.nn.functional as F
 
-    for dtype, tol in ((torch.float64, 1e-12), (torch.bfloat16, 0.0)):
+    torch.manual_seed(5)  # reproducible draws
+    for dtype, tol in ((torch.float64, 1e-12), (torch.bfloat16, 2.0**-7)):
         norm = RMSNorm(32).to(dtype)
         with torch.no_grad():
             norm.weight.copy_(torch.rand(32) + 0.5)
@@ -250,7 +252,7 @@ def test_rms_norm_gradients_are_autograds_and_it_saves_what_cuda_saves():
         got = torch.autograd.grad(norm(x), (x, norm.weight), dy)
         want = torch.autograd.grad(F.rms_norm(x, (32,), norm.weight, norm.eps), (x, norm.weight), dy)
         for g, w in zip(got, want, strict=True):
-            torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+            torch.testing.assert_close(g, w, atol=0.0 if dtype == torch.bfloat16 else tol, rtol=tol)
     saved = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
