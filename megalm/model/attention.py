@@ -111,6 +111,16 @@ def select_attention_backend(
     return requested
 
 
+def one_kernel_backend(requested: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """`requested`, but where it is auto and resolves to cudnn on this device, torch_varlen: one kernel for documents
+    of every length (cudnn runs equal ones with another). For measurements that must time one kernel throughout: the
+    HDP calibration (its design points are mostly equal documents, HDP trains packed ragged ones and ring blocks), and
+    context parallelism (cp 1 runs a whole document, the rings blocks of it)."""
+    if requested == "auto" and select_attention_backend(requested, device, dtype) == "cudnn":
+        return "torch_varlen"
+    return requested
+
+
 @functools.cache
 def _resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, dropout: bool) -> str:
     """`select_attention_backend`, cached per (device, dtype, dropout) and logged once for each."""

@@ -175,12 +175,16 @@ def test_auto_runs_cudnn_on_hopper_only_and_says_which_kernel(monkeypatch, caplo
     cuda = torch.device("cuda")
     with compat.simulated_cuda((9, 0)):
         assert select_attention_backend("auto", cuda, torch.bfloat16) == "cudnn"
+        # the benchmarks that time one kernel for every document (HDP calibration, context parallelism)
+        assert attention.one_kernel_backend("auto", cuda, torch.bfloat16) == "torch_varlen"
+        assert attention.one_kernel_backend("cudnn", cuda, torch.bfloat16) == "cudnn"  # asked for: kept
         assert select_attention_backend("auto", cuda, torch.bfloat16, dropout=True) == "sdpa"
         monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)
         assert select_attention_backend("auto", cuda, torch.bfloat16) == "torch_varlen"
         with pytest.raises(ConfigError, match="enable_cudnn_sdp.*attention_backend=auto"):
             select_attention_backend("cudnn", cuda, torch.bfloat16)
     with compat.simulated_cuda((8, 0)):
+        assert attention.one_kernel_backend("auto", cuda, torch.bfloat16) == "auto"
         assert select_attention_backend("auto", cuda, torch.bfloat16) == (
             "flash_attn" if attention._flash_attn_importable() else "torch_varlen")
 

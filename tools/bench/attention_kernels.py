@@ -9,9 +9,9 @@ head_dim, seq_length), one layer's attention. Each backend that can run here in 
 fp32 on a CPU) runs `megalm.model.varlen_attention` as the model calls it, on packed [T, H, D] q/k/v of `--seqs`
 sequences: by default one document per sequence (all of one length: the cudnn backend's one batched SDPA call, as
 compare.py's rows and `data.synthetic.fixed_doc_length` runs train), with `--ragged` each sequence cut into documents
-of unequal lengths (cudnn then runs torch_varlen, the same kernel). Why: torch's SDPA runs flash first, and on Hopper
-cuDNN's attention is reported 1.7-2.3x faster (megalm/model/attention.py); this measures it on the GPU at hand
-before `auto` is trusted with it.
+of unequal lengths (cudnn then runs torch_varlen, the same kernel). Why: on Hopper torch's SDPA runs cuDNN's kernel,
+reported up to 1.7-2.3x faster than the flash kernel torch's varlen function runs (megalm/model/attention.py), and
+`auto` picks cudnn there on that report; this measures it on the GPU at hand.
 
 Times are the median of `--iters` after `--warmup`, by CUDA events on a GPU (perf_counter on a CPU), of forward and
 backward together; TFLOP/s counts the causal (query, key) pairs of each document as megalm/training/flops.py does

@@ -14,7 +14,8 @@ sample is one full causal sequence), with one step everywhere: forward, backward
 AdamW, no activation recomputation. The peers' versions are pinned in one place, tools/compare_peers.txt.
 
 - megalm: its own `Trainer.train_step` (as tools/bench/throughput.py times it; `data.varlen=true`), eager, its
-  attention backend `auto` (torch's varlen flash kernel on CUDA in bf16; SDPA elsewhere).
+  attention backend `auto` (on Hopper `cudnn`: these equal documents are one batched SDPA call, cuDNN's kernel
+  where torch picks it; on other GPUs torch's varlen flash kernel in bf16; SDPA on a CPU).
 - megalm_compiled, labelled "megalm (trainer.compile=true)": the same with each transformer block compiled by
   inductor, the setting to set beside TorchTitan's compiled blocks; CUDA only (skipped on a CPU, saying so). The
   first GPU run (H200, 2026-11-28) measured megalm eager only, and compiled blocks 1.15x faster in throughput.py.

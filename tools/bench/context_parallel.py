@@ -89,6 +89,7 @@ def _worker(rank: int, world: int, port: int, seq: int, overrides: list[str], st
     from hydra import compose, initialize_config_dir
 
     from megalm.config import register_schema, to_dataclass
+    from megalm.model.attention import one_kernel_backend
     from megalm.train import CONFIG_DIR
     from megalm.training.trainer import Trainer, select_device
 
@@ -101,6 +102,8 @@ def _worker(rank: int, world: int, port: int, seq: int, overrides: list[str], st
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = to_dataclass(compose(config_name="config", overrides=base + overrides))
     device = select_device(cfg.trainer.device)
+    # cp 1 attends whole documents, cp >= 2 blocks of them: one kernel for all (auto's cudnn would run cp 1 on another)
+    cfg.model.attention_backend = one_kernel_backend(cfg.model.attention_backend, device, torch.bfloat16)
     if device.type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", rank % torch.cuda.device_count())

@@ -64,6 +64,7 @@ from megalm.estimate.layout_search import ROOFLINE_EFFICIENCY  # noqa: E402
 from megalm.estimate.rank import HBM_BYTES  # noqa: E402
 from megalm.measure import storage_identity  # noqa: E402
 from megalm.measure.op_cost import GPUS, OpCosts  # noqa: E402
+from megalm.model.attention import one_kernel_backend  # noqa: E402
 from megalm.parallel.hdp.cost import CostModel, GiB  # noqa: E402
 
 KEYS = ("a", "b", "c", "layers", "head", "kv_bytes", "qo_bytes", "heads", "comm_passes", "bw_intra", "bw_inter",
@@ -842,6 +843,11 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     device = torch.device("cpu" if args.device == "roofline" else args.device)
+    backend = one_kernel_backend(cfg.model.attention_backend, device, torch.bfloat16)
+    if backend != cfg.model.attention_backend:
+        print(f"model.attention_backend={backend}: auto would run cudnn here, whose documents of equal lengths (most "
+              "design points) take another kernel than HDP's packed micro-batches and ring blocks", flush=True)
+        cfg.model.attention_backend = backend
     clock = Clock(started, args.budget_s, reserve=min(3.0, 0.03 * args.budget_s))
     print(f"calibrating {cfg.model.name} on {args.device}: micro-batches up to {args.max_tokens} tokens, documents "
           f">= {args.min_doc}, budget {args.budget_s:g} s", flush=True)
