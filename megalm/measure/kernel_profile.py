@@ -21,7 +21,8 @@ from megalm.measure.op_cost import category as aten_category
 # Substrings of CUDA kernel names, checked in this order (the first that matches names the kind).
 _KERNEL_KINDS = (
     ("communication", ("nccl",)),
-    ("attention", ("flash", "fmha", "attention", "attn", "_sdpa_")),  # cuDNN's: cudnn_generated_..._sdpa_sm90_...
+    # cuDNN's: cudnn_generated_fort_native_sdpa_sm90_... and its backward's helpers (megalm runs cuDNN for nothing else)
+    ("attention", ("flash", "fmha", "attention", "attn", "_sdpa_", "cudnn")),
     ("optimizer", ("adam", "multi_tensor_apply", "foreach")),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "scaled_mm", "sm90_", "sm80_", "splitk")),
     ("compiled (triton)", ("triton_",)),
