@@ -274,10 +274,10 @@ def require(module: str, package: str) -> None:
 
 def probe_sdpa(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, dtype: torch.dtype,
                device: torch.device) -> str:
-    """The kernel torch SDPA runs for causal attention of this shape (`compat.sdpa_kernel_choice`), on empty
-    [b, h, s, d] tensors."""
-    q = torch.empty(batch, heads, seq, head_dim, dtype=dtype, device=device)
-    kv = torch.empty(batch, kv_heads, seq, head_dim, dtype=dtype, device=device)
+    """The kernel torch SDPA runs for causal attention of this shape in training (`compat.sdpa_kernel_choice`), on
+    empty [b, h, s, d] tensors that need grad (some kernels take a head size forward only)."""
+    q = torch.empty(batch, heads, seq, head_dim, dtype=dtype, device=device, requires_grad=True)
+    kv = torch.empty(batch, kv_heads, seq, head_dim, dtype=dtype, device=device, requires_grad=True)
     return compat.sdpa_kernel_choice(q, kv, kv, is_causal=True, enable_gqa=heads != kv_heads)
 
 
