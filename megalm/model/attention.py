@@ -71,10 +71,10 @@ def select_attention_backend(
 ) -> str:
     """The backend to run for q of this device/dtype; "auto" picks the fastest that can run.
 
-    auto on CUDA in fp16/bf16: cudnn on sm90 (its unequal micro-batches run the same flash kernel as flash_attn's),
-    else flash_attn if importable, else torch_varlen; else sdpa. `dropout=True` (attention dropout active) rules out
-    torch_varlen and cudnn, which have no dropout. An explicit backend that cannot run raises ConfigError naming the
-    fix.
+    auto on CUDA in fp16/bf16: cudnn on sm90 (its unequal micro-batches and ring blocks run torch's own
+    FlashAttention-2 kernel, not the flash-attn package's), else flash_attn if importable, else torch_varlen; else
+    sdpa. `dropout=True` (attention dropout active) rules out torch_varlen and cudnn, which have no dropout. An
+    explicit backend that cannot run raises ConfigError naming the fix.
     """
     device = torch.device(device)
     fast = _flash_capable(device, dtype)
@@ -111,12 +111,13 @@ def select_attention_backend(
     return requested
 
 
-def one_kernel_backend(requested: str, device: torch.device | str, dtype: torch.dtype) -> str:
-    """`requested`, but where it is auto and resolves to cudnn on this device, torch_varlen: one kernel for documents
-    of every length (cudnn runs equal ones with another). For measurements that must time one kernel throughout: the
-    HDP calibration (its design points are mostly equal documents, HDP trains packed ragged ones and ring blocks), and
-    context parallelism (cp 1 runs a whole document, the rings blocks of it)."""
-    if requested == "auto" and select_attention_backend(requested, device, dtype) == "cudnn":
+def one_kernel_backend(requested: str, device: torch.device | str, dtype: torch.dtype, *, dropout: bool = False
+                       ) -> str:
+    """`requested`, but where it is auto and resolves to cudnn for q of this device, dtype and dropout, torch_varlen:
+    one kernel for documents of every length (cudnn runs equal ones with another). For measurements that must time
+    one kernel throughout: the HDP calibration (its design points are mostly equal documents, HDP trains packed
+    ragged ones and ring blocks), and context parallelism (cp 1 runs a whole document, the ring blocks of it)."""
+    if requested == "auto" and select_attention_backend(requested, device, dtype, dropout=dropout) == "cudnn":
         return "torch_varlen"
     return requested
 

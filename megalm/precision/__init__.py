@@ -108,6 +108,11 @@ def working_dtype(precision: PrecisionConfig | str) -> torch.dtype | None:
     return torch.bfloat16 if name == "bf16" or recipe_on_bf16 else None
 
 
+def compute_dtype(precision: PrecisionConfig | str) -> torch.dtype:
+    """The dtype activations reach attention in: bf16 with bf16 weights or under autocast, else fp32."""
+    return torch.bfloat16 if autocasts(precision) or working_dtype(precision) else torch.float32
+
+
 @contextlib.contextmanager
 def autocast(precision: PrecisionConfig | str, device: torch.device) -> Iterator[None]:
     """bf16 autocast around forward passes (fp32 weights): for bf16_autocast, and for the low-precision
@@ -197,8 +202,8 @@ class Precision:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype activations reach attention in: bf16 with bf16 weights or under autocast, else fp32."""
-        return torch.bfloat16 if autocasts(self.cfg) or self.working_dtype else torch.float32
+        """The dtype activations reach attention in (`compute_dtype`)."""
+        return compute_dtype(self.cfg)
 
     def before_forward(self, chunk: nn.Module, step: int, micro_batch: int) -> None:
         """Seed the random rounding of `chunk`'s layers by (step, micro-batch index in the step)."""

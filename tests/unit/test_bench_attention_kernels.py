@@ -38,6 +38,13 @@ def test_its_flops_are_the_mfu_formulas_attention_term():
                                                                          rel=1e-12)
 
 
+def test_a_model_config_without_kv_heads_is_multi_head():
+    """gpt2's configs leave num_kv_heads (and head_dim) to be derived: as many kv heads as query heads."""
+    rows = bench.main(["model=gpt2_tiny", "model.seq_length=32", "--backends", "sdpa", "--iters", "1", "--warmup", "0",
+                       "--device", "cpu"])
+    assert [row["backend"] for row in rows] == ["sdpa"]
+
+
 def test_on_a_cpu_it_times_what_runs_and_names_what_cannot(capsys):
     rows = bench.main(["model=tiny", "model.seq_length=64", "--backends", "sdpa,reference,cudnn,torch_varlen",
                        "--iters", "2", "--warmup", "0", "--device", "cpu", "--ragged"])

@@ -163,8 +163,9 @@ def test_cudnn_backend_compiles_without_a_graph_break():
 
 
 def test_auto_runs_cudnn_on_hopper_only_and_says_which_kernel(monkeypatch, caplog):
-    """auto picks cudnn on sm90 (where cuDNN's attention is reported faster than flash) and torch_varlen on other sm80+
-    GPUs; without cuDNN's SDPA (switched off by the user) Hopper runs torch_varlen, and an explicit cudnn is refused.
+    """auto picks cudnn on sm90 (where cuDNN's attention is reported faster than flash), and flash-attn or
+    torch_varlen on other sm80+ GPUs, and on Hopper without cuDNN's SDPA (switched off by the user), where an
+    explicit cudnn is refused.
     The kernel equal documents run is logged once per shape, as a warning when it is not cuDNN's."""
     import logging
 
@@ -173,20 +174,24 @@ def test_auto_runs_cudnn_on_hopper_only_and_says_which_kernel(monkeypatch, caplo
     if not compat.varlen_attn_available():
         pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen: auto runs sdpa on a GPU")
     cuda = torch.device("cuda")
+    flash = attention._flash_attn_importable()  # the package, where installed: auto's pick off Hopper
     with compat.simulated_cuda((9, 0)):
         assert select_attention_backend("auto", cuda, torch.bfloat16) == "cudnn"
         # the benchmarks that time one kernel for every document (HDP calibration, context parallelism)
         assert attention.one_kernel_backend("auto", cuda, torch.bfloat16) == "torch_varlen"
         assert attention.one_kernel_backend("cudnn", cuda, torch.bfloat16) == "cudnn"  # asked for: kept
-        assert select_attention_backend("auto", cuda, torch.bfloat16, dropout=True) == "sdpa"
+        # where auto would not run cudnn (fp32, attention dropout) it stays auto, free to pick what runs there
+        assert attention.one_kernel_backend("auto", cuda, torch.float32) == "auto"
+        assert attention.one_kernel_backend("auto", cuda, torch.bfloat16, dropout=True) == "auto"
+        with_dropout = select_attention_backend("auto", cuda, torch.bfloat16, dropout=True)
+        assert with_dropout == ("flash_attn" if flash else "sdpa")
         monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)
-        assert select_attention_backend("auto", cuda, torch.bfloat16) == "torch_varlen"
+        assert select_attention_backend("auto", cuda, torch.bfloat16) == ("flash_attn" if flash else "torch_varlen")
         with pytest.raises(ConfigError, match="enable_cudnn_sdp.*attention_backend=auto"):
             select_attention_backend("cudnn", cuda, torch.bfloat16)
     with compat.simulated_cuda((8, 0)):
         assert attention.one_kernel_backend("auto", cuda, torch.bfloat16) == "auto"
-        assert select_attention_backend("auto", cuda, torch.bfloat16) == (
-            "flash_attn" if attention._flash_attn_importable() else "torch_varlen")
+        assert select_attention_backend("auto", cuda, torch.bfloat16) == ("flash_attn" if flash else "torch_varlen")
 
     attention._log_equal_documents_kernel.cache_clear()
     with caplog.at_level(logging.INFO, logger="megalm"):

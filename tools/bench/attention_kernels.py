@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megalm.config import ModelConfig  # noqa: E402
+from megalm.config.checks import resolve_model_defaults  # noqa: E402
 from megalm.errors import ConfigError  # noqa: E402
 from megalm.model.attention import select_attention_backend, varlen_attention  # noqa: E402
 from tools.bench.throughput import compose_config  # noqa: E402
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
     args = parser.parse_args([a for a in argv if a not in overrides])
-    model = compose_config(overrides).model
+    model = resolve_model_defaults(compose_config(overrides).model)  # kv heads and head_dim where the config omits them
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     leaves, dout, cu, max_len, lengths = packed_operands(model, args.seqs, args.ragged, dtype, device)

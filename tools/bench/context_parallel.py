@@ -90,6 +90,7 @@ def _worker(rank: int, world: int, port: int, seq: int, overrides: list[str], st
 
     from megalm.config import register_schema, to_dataclass
     from megalm.model.attention import one_kernel_backend
+    from megalm.precision import compute_dtype
     from megalm.train import CONFIG_DIR
     from megalm.training.trainer import Trainer, select_device
 
@@ -103,7 +104,8 @@ def _worker(rank: int, world: int, port: int, seq: int, overrides: list[str], st
         cfg = to_dataclass(compose(config_name="config", overrides=base + overrides))
     device = select_device(cfg.trainer.device)
     # cp 1 attends whole documents, cp >= 2 blocks of them: one kernel for all (auto's cudnn would run cp 1 on another)
-    cfg.model.attention_backend = one_kernel_backend(cfg.model.attention_backend, device, torch.bfloat16)
+    cfg.model.attention_backend = one_kernel_backend(cfg.model.attention_backend, device, compute_dtype(cfg.precision),
+                                                     dropout=cfg.model.attention_dropout > 0)
     if device.type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", rank % torch.cuda.device_count())

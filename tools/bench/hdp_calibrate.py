@@ -66,6 +66,7 @@ from megalm.measure import storage_identity  # noqa: E402
 from megalm.measure.op_cost import GPUS, OpCosts  # noqa: E402
 from megalm.model.attention import one_kernel_backend  # noqa: E402
 from megalm.parallel.hdp.cost import CostModel, GiB  # noqa: E402
+from megalm.precision import compute_dtype  # noqa: E402
 
 KEYS = ("a", "b", "c", "layers", "head", "kv_bytes", "qo_bytes", "heads", "comm_passes", "bw_intra", "bw_inter",
         "latency", "overlap", "ranks_per_node", "capacity", "act_bytes", "act_fixed", "host_bw", "source", "name")
@@ -843,7 +844,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     device = torch.device("cpu" if args.device == "roofline" else args.device)
-    backend = one_kernel_backend(cfg.model.attention_backend, device, torch.bfloat16)
+    backend = one_kernel_backend(cfg.model.attention_backend, device, compute_dtype(cfg.precision),
+                                 dropout=cfg.model.attention_dropout > 0)
     if backend != cfg.model.attention_backend:
         print(f"model.attention_backend={backend}: auto would run cudnn here, whose documents of equal lengths (most "
               "design points) take another kernel than HDP's packed micro-batches and ring blocks", flush=True)
