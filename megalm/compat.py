@@ -203,11 +203,6 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
 SDPA_KERNELS = {-1: "no kernel", 0: "math", 1: "flash", 2: "memory-efficient", 3: "cuDNN", 4: "overrideable"}
 
 
-def cudnn_attention_enabled() -> bool:
-    """Whether torch SDPA may run cuDNN's attention kernel (`torch.backends.cuda.enable_cudnn_sdp`, on by default)."""
-    return torch.backends.cuda.cudnn_sdp_enabled()
-
-
 def sdpa_kernel_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None, *,
                        is_causal: bool = True, enable_gqa: bool = False) -> str:
     """Which kernel torch SDPA runs for [b, h, s, d] inputs like these: the dispatcher's own choice (it depends on the

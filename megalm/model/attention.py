@@ -80,7 +80,7 @@ def select_attention_backend(
     fast = _flash_capable(device, dtype)
     can_flash = fast and _flash_attn_importable()
     can_varlen = fast and compat.varlen_attn_available() and not dropout
-    can_cudnn = can_varlen and compat.cudnn_attention_enabled()
+    can_cudnn = can_varlen and torch.backends.cuda.cudnn_sdp_enabled()  # not switched off by the user
     where = f"(got {device.type} {str(dtype).removeprefix('torch.')})"
     if requested == "auto":
         if can_cudnn and _hopper(device):

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megalm.config import ModelConfig  # noqa: E402
 from megalm.config.checks import resolve_model_defaults  # noqa: E402
 from megalm.errors import ConfigError  # noqa: E402
+from megalm.measure.kernel_profile import summarize  # noqa: E402
 from megalm.model.attention import select_attention_backend, varlen_attention  # noqa: E402
 from tools.bench.throughput import compose_config  # noqa: E402
 
@@ -87,7 +88,8 @@ def time_ms(step, device: torch.device, warmup: int, iters: int) -> float:
 
 
 def kernels_that_ran(step, device: torch.device) -> list[str]:
-    """The distinct CUDA kernels one call of `step` launched, longest first (empty on a CPU)."""
+    """The distinct CUDA kernels one call of `step` launched, longest first (empty on a CPU), as throughput.py's
+    profile sums them (megalm/measure/kernel_profile.py)."""
     if device.type != "cuda":
         return []
     from torch.profiler import ProfilerActivity, profile
@@ -95,11 +97,7 @@ def kernels_that_ran(step, device: torch.device) -> list[str]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize(device)
-    spent: dict[str, float] = {}
-    for event in prof.events():
-        if getattr(event.device_type, "name", "") == "CUDA" and not getattr(event, "is_user_annotation", False):
-            spent[event.name] = spent.get(event.name, 0.0) + event.time_range.elapsed_us()
-    return sorted(spent, key=spent.get, reverse=True)
+    return [name for name, _, _ in summarize(prof.events(), steps=1, wall_s=0.0).top]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
