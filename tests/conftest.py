@@ -4,6 +4,7 @@ without CUDA."""
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,18 @@ def compose_config(*overrides: str, tiny: bool = True):
     from megalm.train import compose_config as compose_run_config
 
     return compose_run_config((TINY if tiny else []) + list(overrides))
+
+
+def packed_layouts(count: int, seed: int = 0) -> list[tuple[int, ...]]:
+    """Documents per micro-batch as a trainer packs them, for the compile tests' recompile counts: equal lengths first
+    (one document, several), then unequal cuts of 64, 96 or 128 tokens (HDP's micro-batches vary in tokens too)."""
+    rng = random.Random(seed)
+    layouts = [(64,), (32, 32), (16,) * 4, (8,) * 8]
+    while len(layouts) < count:
+        tokens = rng.choice([64, 96, 128])
+        cuts = sorted(rng.sample(range(1, tokens), rng.randint(1, 6)))
+        layouts.append(tuple(b - a for a, b in zip([0, *cuts], [*cuts, tokens], strict=True)))
+    return layouts
 
 
 @pytest.fixture

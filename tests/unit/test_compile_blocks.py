@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from megalm.training.trainer import Trainer
-from tests.conftest import compose_config
+from tests.conftest import compose_config, packed_layouts
 
 EQUAL_DOCS = ["data=synthetic", "data.varlen=true", "data.synthetic.fixed_doc_length=33", "model.seq_length=32"]
 
@@ -145,7 +145,6 @@ def test_the_cudnn_backend_compiles_each_of_its_two_kernels_once_dynamic(monkeyp
     torch_varlen alone: the first graph, then the document count and the token count made dynamic. Equal documents
     after that add one graph, the dynamic one of the other branch, and no more: four at most, and no break."""
     import itertools
-    import random
 
     from megalm import compat
     from megalm.config import ModelConfig
@@ -168,16 +167,10 @@ def test_the_cudnn_backend_compiles_each_of_its_two_kernels_once_dynamic(monkeyp
         if isinstance(module, Attention):
             module.chosen[("cpu", torch.float32, False)] = "cudnn"
     compile_blocks(model, backend="eager")
-    rng = random.Random(0)
-    layouts = [(64,), (32, 32), (16,) * 4, (8,) * 8]
-    while len(layouts) < 20:
-        tokens = rng.choice([64, 96, 128])
-        cuts = sorted(rng.sample(range(1, tokens), rng.randint(1, 6)))
-        layouts.append(tuple(b - a for a, b in zip([0, *cuts], [*cuts, tokens], strict=True)))
     torch._dynamo.reset()
     counters.clear()
     frames = []
-    for docs in [*layouts, (48, 48), (32,) * 4, (16,) * 8, (64,)]:  # then equal documents again
+    for docs in [*packed_layouts(20), (48, 48), (32,) * 4, (16,) * 8, (64,)]:  # then equal documents again
         cu = torch.tensor([0, *itertools.accumulate(docs)], dtype=torch.int32)
         ids = torch.randint(0, 128, (sum(docs),))
         pos = torch.cat([torch.arange(n) for n in docs])

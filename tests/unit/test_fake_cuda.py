@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import random
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -45,6 +44,7 @@ from megalm.precision.kernels import mx_triton
 from megalm.precision.linear import RecipeGemms
 from megalm.precision.mx import mx_quantize
 from megalm.precision.recipes import get_recipe
+from tests.conftest import packed_layouts
 
 needs_cuda_build = pytest.mark.skipif(
     torch.version.cuda is None,
@@ -424,18 +424,6 @@ def test_fake_cuda_one_rank_ring_micro_batch():
 # ------------------------------------------------------------------------------------------------ compiled blocks
 
 
-def _packed_layouts(count: int, seed: int = 0) -> list[tuple[int, ...]]:
-    """Documents per micro-batch as a trainer packs them: equal lengths first (one document, several), then unequal
-    cuts of 64, 96 or 128 tokens (HDP's micro-batches vary in tokens too)."""
-    rng = random.Random(seed)
-    layouts = [(64,), (32, 32), (16,) * 4, (8,) * 8]
-    while len(layouts) < count:
-        tokens = rng.choice([64, 96, 128])
-        cuts = sorted(rng.sample(range(1, tokens), rng.randint(1, 6)))
-        layouts.append(tuple(b - a for a, b in zip([0, *cuts], [*cuts, tokens], strict=True)))
-    return layouts
-
-
 @needs_cuda_build
 @pytest.mark.parametrize(("recipe", "capability"), [
     *((recipe, SM89) for recipe in ["bf16", "bf16_autocast", "fp8", "fp8_delayed", "fp8_rowwise", "mxfp8", "mxfp4"]),
@@ -480,7 +468,7 @@ def test_fake_cuda_compiled_blocks_take_the_varlen_kernel_in_whole_graphs_compil
         torch._dynamo.reset()
         counters.clear()
         with precision.forward_context():
-            for step, docs in enumerate(_packed_layouts(20)):
+            for step, docs in enumerate(packed_layouts(20)):
                 precision.before_forward(model, step=step, micro_batch=0)
                 assert _forward(model, sum(docs), docs).shape[0] == sum(docs)
     assert not counters["graph_break"], dict(counters["graph_break"])
