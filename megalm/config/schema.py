@@ -367,7 +367,7 @@ class OffloadConfig:
     min_tensor_bytes: int = 65536
     """Saved tensors smaller than this stay on the device."""
     recompute_cheap: bool = False
-    """Recompute SiLU/GELU outputs from their inputs instead of storing them."""
+    """Recompute GELU outputs from their inputs instead of storing them (SwiGLU's SiLU output is never stored)."""
 
 
 @dataclass

@@ -47,7 +47,7 @@ from torch import nn
 
 from megalm.config import ModelConfig
 from megalm.model.linear import WeightGradSink, deferrable
-from megalm.model.mlp import SwiGLUMLP
+from megalm.model.mlp import SwiGLUMLP, swiglu
 from megalm.model.naming import canonical_named_modules
 
 # ------------------------------------------------------------------------------------------ grouped GEMMs
@@ -141,8 +141,7 @@ class GroupedExperts(nn.Module):
         self.down_proj = GroupedLinear(num_experts, ffn, hidden)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, counts).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, counts)
+        return self.down_proj(swiglu(self.gate_up_proj(x, counts)), counts)
 
 
 # ------------------------------------------------------------------------------------------ the router

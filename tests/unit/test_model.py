@@ -274,6 +274,44 @@ def test_rms_norm_gradients_are_autograds_and_it_saves_what_cuda_saves():
     assert sum(saved.values()) == 64 * 128 * 2 + 128 * 2 + 64 * 4, saved
 
 
+def test_swiglu_is_autograds_bit_for_bit_and_keeps_its_input_alone():
+    """megalm.model.mlp.swiglu against silu(gate) * up through autograd: the same values and gradients bit for bit
+    (fp32 and bf16; eager, and compiled, where its backward takes the cat route), and what it keeps for backward,
+    counted by saved-tensor hooks by storage: [gate, up] alone, where autograd's composition also keeps silu(gate)."""
+    from megalm.model.mlp import swiglu
+
+    def reference(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    torch.manual_seed(0)
+    compiled = torch.compile(lambda t: swiglu(t * 1.0), backend="aot_eager", fullgraph=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, 9, 2 * 24, dtype=dtype, requires_grad=True)
+        dy = torch.randn(2, 9, 24, dtype=dtype)
+        want = reference(x)
+        (want_grad,) = torch.autograd.grad(want, x, dy)
+        for fn in (swiglu, compiled):
+            got = fn(x)
+            (got_grad,) = torch.autograd.grad(got, x, dy)
+            assert torch.equal(got, want) and torch.equal(got_grad, want_grad), (dtype, fn)
+
+    def saved_bytes(fn) -> int:  # noqa: ANN001 - either function
+        saved = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randn(64, 2 * 48, dtype=torch.bfloat16, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(x * 1.0)  # a non-leaf input, as a GEMM's output is
+        return sum(saved.values())
+
+    assert saved_bytes(swiglu) == 64 * 2 * 48 * 2
+    assert saved_bytes(reference) == 64 * 2 * 48 * 2 + 64 * 48 * 2
+
+
 # ---------------------------------------------------------------- the model
 
 
