@@ -12,6 +12,13 @@ rotate_half folded into the sine table: rope(x) = x * cos + swap_halves(x) * (-s
 call and no negation or concatenation. The model casts the tables to its residual stream's dtype once per
 forward (bf16 with bf16 weights: every op of the rotation then runs in bf16, no fp32 copy of q or k); tables
 wider than x (fp32 under autocast) give fp32 products, cast back to x's dtype.
+
+`apply_rope` is one autograd function: the rotation is linear in x, so its gradient is the transposed rotation,
+dx = dy * cos + swap_halves(dy * sin) (swapping halves is its own inverse), and it keeps nothing for the backward
+but the tables. Each direction is three kernels (a roll, a multiply, and an `addcmul` that multiplies and adds in
+one pass) where autograd through the composed ops ran four forward and four backward (the two products, their sum,
+the roll, and the sum of the two gradient paths): two passes over q and k fewer each way, which are the eager
+step's (compiled blocks fuse them anyway).
 """
 
 from __future__ import annotations
@@ -32,9 +39,31 @@ def rope_cos_sin(
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + swap_halves(x) * sin (the signed sine: the rotation), in the wider of the dtypes, as x's dtype."""
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # (x2, x1): with the signed sine, rotate_half(x) * sin
+    return torch.addcmul(x * cos, swapped, sin).to(x.dtype)
+
+
+class RotaryFunction(torch.autograd.Function):
+    """`apply_rope` with its gradient written out (module docstring): it keeps the tables only."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - ctx
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN001 - ctx
+        cos, sin = ctx.saved_tensors
+        # dx = dy * cos + swap_halves(dy * sin): the roll of a product is the product of the rolls, and rolling the
+        # signed sine by half its width negates it, so this is _rotate(dy, cos, -roll(sin)) without the table op
+        half = dy.shape[-1] // 2
+        return torch.addcmul(dy * cos, dy.roll(half, dims=-1), sin.roll(half, dims=-1)).to(dy.dtype), None, None
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, H, D] by the tables of `rope_cos_sin` [T, D] (broadcast over heads); products in fp32 (or
     x's dtype if wider), returns x.dtype."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # (x2, x1): with the signed sine, rotate_half(x) * sin
-    return (x * cos + swapped * sin).to(x.dtype)
+    return RotaryFunction.apply(x, cos[:, None, :], sin[:, None, :])

@@ -230,6 +230,53 @@ def test_rope_matches_complex_rotation():
     torch.testing.assert_close(cos[0], cos[3])
 
 
+def test_rope_gradient_is_autograds_in_three_passes_each_way_keeping_only_the_tables():
+    """apply_rope's written-out backward against autograd through the composed rotation (fp64: to rounding; bf16:
+    one rounding, since addcmul rounds once where the composition rounded twice); each direction runs three
+    kernels over [T, H, D] (roll, multiply, addcmul: the composition ran four), counted by a dispatch mode; and it
+    keeps for the backward nothing but the two tables (saved-tensor hooks)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def composed(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c, s = cos[:, None, :], sin[:, None, :]
+        return (x * c + x.roll(x.shape[-1] // 2, dims=-1) * s).to(x.dtype)
+
+    class WholeSizedOps(TorchDispatchMode):
+        def __init__(self, numel: int) -> None:
+            super().__init__()
+            self.numel, self.ops = numel, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view and isinstance(out, torch.Tensor) and out.numel() == self.numel:
+                self.ops.append(func._overloadpacket.__name__)
+            return out
+
+    torch.manual_seed(0)
+    positions = torch.tensor([0, 1, 2, 3, 0, 1, 9])
+    for dtype, tol in ((torch.float64, 1e-12), (torch.bfloat16, 2.0**-7)):
+        cos, sin = (t.to(dtype) for t in rope_cos_sin(positions, 16, 10000.0))
+        x = torch.randn(7, 3, 16, dtype=dtype, requires_grad=True)
+        dy = torch.randn(7, 3, 16, dtype=dtype)
+        got, want = apply_rope(x, cos, sin), composed(x, cos, sin)
+        (got_grad,), (want_grad,) = torch.autograd.grad(got, x, dy), torch.autograd.grad(want, x, dy)
+        for g, w in ((got, want), (got_grad, want_grad)):
+            torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+    counts = {}
+    for name, fn in (("apply_rope", apply_rope), ("composed", composed)):
+        forward, backward = WholeSizedOps(x.numel()), WholeSizedOps(x.numel())
+        with forward:
+            y = fn(x, cos, sin)
+        with backward:
+            torch.autograd.grad(y, x, dy)
+        counts[name] = (len(forward.ops), len(backward.ops))
+    assert counts == {"apply_rope": (3, 3), "composed": (4, 4)}, counts
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        apply_rope(x * 1.0, cos, sin)
+    assert saved == [cos.numel(), sin.numel()], saved
+
+
 def test_norms_match_formulas():
     x = torch.randn(6, 16)
     rms = RMSNorm(16, eps=1e-5)
