@@ -57,10 +57,10 @@ class RotaryFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN001 - ctx
         cos, sin = ctx.saved_tensors
-        # dx = dy * cos + swap_halves(dy * sin): the roll of a product is the product of the rolls, and rolling the
-        # signed sine by half its width negates it, so this is _rotate(dy, cos, -roll(sin)) without the table op
-        half = dy.shape[-1] // 2
-        return torch.addcmul(dy * cos, dy.roll(half, dims=-1), sin.roll(half, dims=-1)).to(dy.dtype), None, None
+        # dx = dy * cos + swap_halves(dy * sin) = dy * cos + swap_halves(dy) * swap_halves(sin), and swapping the
+        # halves of the signed sine (-sin, sin) negates it: dy * cos - swap_halves(dy) * sin, no op on the table
+        swapped = dy.roll(dy.shape[-1] // 2, dims=-1)
+        return torch.addcmul(dy * cos, swapped, sin, value=-1).to(dy.dtype), None, None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -323,8 +323,9 @@ def test_rms_norm_gradients_are_autograds_and_it_saves_what_cuda_saves():
 
 def test_swiglu_is_autograds_bit_for_bit_and_keeps_its_input_alone():
     """megalm.model.mlp.swiglu against silu(gate) * up through autograd: the same values and gradients bit for bit
-    (fp32 and bf16; eager, and compiled, where its backward takes the cat route), and what it keeps for backward,
-    counted by saved-tensor hooks by storage: [gate, up] alone, where autograd's composition also keeps silu(gate)."""
+    in eager (fp32 and bf16), and compiled, where its backward takes the cat route, within one rounding (torch 2.9's
+    AOT autograd decomposes silu's backward: one ulp off in fp32); and what it keeps for backward, counted by
+    saved-tensor hooks by storage: [gate, up] alone, where autograd's composition also keeps silu(gate)."""
     from megalm.model.mlp import swiglu
 
     def reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -333,15 +334,16 @@ def test_swiglu_is_autograds_bit_for_bit_and_keeps_its_input_alone():
 
     torch.manual_seed(0)
     compiled = torch.compile(lambda t: swiglu(t * 1.0), backend="aot_eager", fullgraph=True)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, rounding in ((torch.float32, 2.0**-23), (torch.bfloat16, 2.0**-7)):
         x = torch.randn(2, 9, 2 * 24, dtype=dtype, requires_grad=True)
         dy = torch.randn(2, 9, 24, dtype=dtype)
         want = reference(x)
         (want_grad,) = torch.autograd.grad(want, x, dy)
-        for fn in (swiglu, compiled):
+        for fn, tol in ((swiglu, 0.0), (compiled, rounding)):
             got = fn(x)
             (got_grad,) = torch.autograd.grad(got, x, dy)
-            assert torch.equal(got, want) and torch.equal(got_grad, want_grad), (dtype, fn)
+            torch.testing.assert_close(got, want, atol=0.0, rtol=0.0)
+            torch.testing.assert_close(got_grad, want_grad, atol=tol * want_grad.abs().max().item(), rtol=tol)
 
     def saved_bytes(fn) -> int:  # noqa: ANN001 - either function
         saved = {}
