@@ -9,8 +9,8 @@ GELU:   down_proj(gelu_tanh(up_proj(x))), the tanh approximation GPT-2 was train
 silu(gate) in the backward (one elementwise kernel), as Megatron's fused swiglu does. Composed from torch ops,
 autograd would also keep silu(gate) for the product's backward: one [T, ffn] tensor more per layer (2f/h·s·h bytes
 in bf16, 5.4·s·h at 1.3B: 14% of a layer's activations), and the backward would concatenate the two halves'
-gradients (a copy of [T, 2·ffn]), where `swiglu` writes them into one tensor. Its values and gradients are
-autograd's bit for bit (the same ops in the same order; tests/unit/test_model.py).
+gradients (a copy of [T, 2·ffn]), where `swiglu` writes them into one tensor. In eager its values and gradients
+are autograd's bit for bit (the same ops in the same order; tests/unit/test_model.py).
 
 The projections are `Linear` (nn.Linear with precision / weight-gradient hooks), so tensor parallelism
 can swap them for column-parallel (gate_up, up) and row-parallel (down) layers from outside.

@@ -9,9 +9,9 @@ inside `store.hooks(key)`, every tensor autograd saves for backward passes throu
   pipeline stage's received activation), integer tensors (the batch's token ids and positions, held by the
   micro-batch all step), tensors on another device, and tensors smaller than
   `min_tensor_bytes` are kept as they are (copying them saves nothing or costs more than it saves);
-- with `recompute_cheap`, the output of a cheap activation (GELU: `CHEAP_OPS`; SwiGLU saves no SiLU output at
-  all, megalm/model/mlp.py) is not stored at all but
-  recomputed from the op's input, which its own backward keeps anyway (PipeOffload's partial recompute);
+- with `recompute_cheap`, the output of a cheap activation (GELU: `CHEAP_OPS`) is not stored at all but
+  recomputed from the op's input, which its own backward keeps anyway (PipeOffload's partial recompute); SwiGLU
+  keeps no SiLU output to begin with (megalm/model/mlp.py);
 - every other tensor is recorded by its *storage*: a view of a storage the group already holds (a
   transpose, a slice, a reshape) adds nothing and is rebuilt from it, by (offset, size, stride), on unpack.
 
