@@ -10,7 +10,8 @@ silu(gate) in the backward (one elementwise kernel), as Megatron's fused swiglu 
 autograd would also keep silu(gate) for the product's backward: one [T, ffn] tensor more per layer (2f/h·s·h bytes
 in bf16, 5.4·s·h at 1.3B: 14% of a layer's activations), and the backward would concatenate the two halves'
 gradients (a copy of [T, 2·ffn]), where `swiglu` writes them into one tensor. In eager its values and gradients
-are autograd's bit for bit (the same ops in the same order; tests/unit/test_model.py).
+are autograd's bit for bit (the same ops in the same order; tests/unit/test_model.py). No double backward
+(`once_differentiable`, as RMSNorm's function).
 
 The projections are `Linear` (nn.Linear with precision / weight-gradient hooks), so tensor parallelism
 can swap them for column-parallel (gate_up, up) and row-parallel (down) layers from outside.
@@ -42,7 +43,7 @@ class SwiGLUFunction(torch.autograd.Function):
         gate, up = gate_up.chunk(2, dim=-1)
         if torch.compiler.is_compiling():  # dynamo takes no `out=` view; inductor fuses the cat into its producers
             return torch.cat([torch.ops.aten.silu_backward(dy * up, gate), dy * F.silu(gate)], dim=-1)
-        grad = torch.empty_like(gate_up)
+        grad = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)  # contiguous, as cat's
         grad_gate, grad_up = grad.chunk(2, dim=-1)
         torch.mul(dy, F.silu(gate), out=grad_up)
         torch.ops.aten.silu_backward.grad_input(dy * up, gate, grad_input=grad_gate)

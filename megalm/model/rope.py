@@ -15,10 +15,13 @@ wider than x (fp32 under autocast) give fp32 products, cast back to x's dtype.
 
 `apply_rope` is one autograd function: the rotation is linear in x, so its gradient is the transposed rotation,
 dx = dy * cos + swap_halves(dy * sin) (swapping halves is its own inverse), and it keeps nothing for the backward
-but the tables. Each direction is three kernels (a roll, a multiply, and an `addcmul` that multiplies and adds in
-one pass) where autograd through the composed ops ran four forward and four backward (the two products, their sum,
-the roll, and the sum of the two gradient paths): two passes over q and k fewer each way, which are the eager
-step's (compiled blocks fuse them anyway).
+but the tables. With tables of x's dtype (bf16 weights, fp32 runs) each direction is three kernels (a roll, a
+multiply, and an `addcmul` that multiplies and adds in one pass) where autograd through the composed ops ran four
+forward and four backward (the two products, their sum, the roll, and the sum of the two gradient paths): two
+passes over q and k fewer each way, which are the eager step's (compiled blocks fuse them anyway); fp32 tables on
+bf16 x (autocast) add the cast back each way. addcmul rounds once where the composition rounded twice: in bf16 the
+rotation differs from the composed one's by at most one rounding. No double backward (`once_differentiable`, as
+RMSNorm's function), and the tables take no gradient.
 """
 
 from __future__ import annotations
@@ -39,10 +42,16 @@ def rope_cos_sin(
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`, cast only where it differs: torch 2.11's AOT autograd mis-traces a backward that returns the
+    no-op `.to` of a tensor of that dtype (a wrong gradient under torch.compile; tests/unit/test_model.py)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + swap_halves(x) * sin (the signed sine: the rotation), in the wider of the dtypes, as x's dtype."""
     swapped = x.roll(x.shape[-1] // 2, dims=-1)  # (x2, x1): with the signed sine, rotate_half(x) * sin
-    return torch.addcmul(x * cos, swapped, sin).to(x.dtype)
+    return _as(torch.addcmul(x * cos, swapped, sin), x.dtype)
 
 
 class RotaryFunction(torch.autograd.Function):
@@ -60,10 +69,10 @@ class RotaryFunction(torch.autograd.Function):
         # dx = dy * cos + swap_halves(dy * sin) = dy * cos + swap_halves(dy) * swap_halves(sin), and swapping the
         # halves of the signed sine (-sin, sin) negates it: dy * cos - swap_halves(dy) * sin, no op on the table
         swapped = dy.roll(dy.shape[-1] // 2, dims=-1)
-        return torch.addcmul(dy * cos, swapped, sin, value=-1).to(dy.dtype), None, None
+        return _as(torch.addcmul(dy * cos, swapped, sin, value=-1), dy.dtype), None, None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] by the tables of `rope_cos_sin` [T, D] (broadcast over heads); products in fp32 (or
-    x's dtype if wider), returns x.dtype."""
+    """Rotate x [T, H, D] by the tables of `rope_cos_sin` [T, D] (broadcast over heads); products in the wider of
+    x's and the tables' dtypes, returns x.dtype."""
     return RotaryFunction.apply(x, cos[:, None, :], sin[:, None, :])

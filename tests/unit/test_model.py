@@ -232,7 +232,8 @@ def test_rope_matches_complex_rotation():
 
 def test_rope_gradient_is_autograds_in_three_passes_each_way_keeping_only_the_tables():
     """apply_rope's written-out backward against autograd through the composed rotation (fp64: to rounding; bf16:
-    one rounding, since addcmul rounds once where the composition rounded twice); each direction runs three
+    one rounding, since addcmul rounds once where the composition rounded twice), eager and compiled (torch 2.11's
+    AOT autograd once mis-traced its backward: megalm.model.rope._as); each direction runs three
     kernels over [T, H, D] (roll, multiply, addcmul: the composition ran four), counted by a dispatch mode; and it
     keeps for the backward nothing but the two tables (saved-tensor hooks)."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -258,9 +259,11 @@ def test_rope_gradient_is_autograds_in_three_passes_each_way_keeping_only_the_ta
         cos, sin = (t.to(dtype) for t in rope_cos_sin(positions, 16, 10000.0))
         x = torch.randn(7, 3, 16, dtype=dtype, requires_grad=True)
         dy = torch.randn(7, 3, 16, dtype=dtype)
-        got, want = apply_rope(x, cos, sin), composed(x, cos, sin)
+        compiled = torch.compile(lambda t, c=cos, s=sin: apply_rope(t * 1.0, c, s), backend="aot_eager", fullgraph=True)
+        got, want, traced = apply_rope(x, cos, sin), composed(x, cos, sin), compiled(x)
         (got_grad,), (want_grad,) = torch.autograd.grad(got, x, dy), torch.autograd.grad(want, x, dy)
-        for g, w in ((got, want), (got_grad, want_grad)):
+        (traced_grad,) = torch.autograd.grad(traced, x, dy)
+        for g, w in ((got, want), (got_grad, want_grad), (traced, want), (traced_grad, want_grad)):
             torch.testing.assert_close(g, w, atol=tol, rtol=tol)
     counts = {}
     for name, fn in (("apply_rope", apply_rope), ("composed", composed)):
