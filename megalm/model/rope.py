@@ -48,10 +48,11 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + swap_halves(x) * sin (the signed sine: the rotation), in the wider of the dtypes, as x's dtype."""
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
+    """x * cos + sign * swap_halves(x) * sin, in the wider of the dtypes, as x's dtype: with the signed sine, the
+    rotation (sign 1) or its transpose (sign -1, `RotaryFunction.backward`)."""
     swapped = x.roll(x.shape[-1] // 2, dims=-1)  # (x2, x1): with the signed sine, rotate_half(x) * sin
-    return _as(torch.addcmul(x * cos, swapped, sin), x.dtype)
+    return _as(torch.addcmul(x * cos, swapped, sin, value=sign), x.dtype)
 
 
 class RotaryFunction(torch.autograd.Function):
@@ -68,8 +69,7 @@ class RotaryFunction(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         # dx = dy * cos + swap_halves(dy * sin) = dy * cos + swap_halves(dy) * swap_halves(sin), and swapping the
         # halves of the signed sine (-sin, sin) negates it: dy * cos - swap_halves(dy) * sin, no op on the table
-        swapped = dy.roll(dy.shape[-1] // 2, dims=-1)
-        return _as(torch.addcmul(dy * cos, swapped, sin, value=-1), dy.dtype), None, None
+        return _rotate(dy, cos, sin, sign=-1.0), None, None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
