@@ -215,6 +215,16 @@ def test_model_with_unrunnable_backend_raises():
 # ---------------------------------------------------------------- rope and norms
 
 
+def bytes_kept_for_backward(fn, x: torch.Tensor) -> int:  # noqa: ANN001 - any callable
+    """The bytes of the distinct storages autograd saves for the backward of fn(x), caught by saved-tensor hooks."""
+    from megalm.measure.storage import storage_bytes
+
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fn(x)
+    return storage_bytes(saved)
+
+
 def test_rope_matches_complex_rotation():
     dim, theta = 8, 10000.0
     x = torch.randn(5, 3, dim, dtype=torch.float64)
@@ -312,16 +322,8 @@ def test_rms_norm_gradients_are_autograds_and_it_saves_what_cuda_saves():
         want = torch.autograd.grad(F.rms_norm(x, (32,), norm.weight, norm.eps), (x, norm.weight), dy)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, atol=0.0 if dtype == torch.bfloat16 else tol, rtol=tol)
-    saved = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     x = torch.randn(64, 128, dtype=torch.bfloat16, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        RMSNorm(128).to(torch.bfloat16)(x)
-    assert sum(saved.values()) == 64 * 128 * 2 + 128 * 2 + 64 * 4, saved
+    assert bytes_kept_for_backward(RMSNorm(128).to(torch.bfloat16), x) == 64 * 128 * 2 + 128 * 2 + 64 * 4
 
 
 def test_swiglu_is_autograds_bit_for_bit_and_keeps_its_input_alone():
@@ -348,20 +350,10 @@ def test_swiglu_is_autograds_bit_for_bit_and_keeps_its_input_alone():
             torch.testing.assert_close(got, want, atol=0.0, rtol=0.0)
             torch.testing.assert_close(got_grad, want_grad, atol=tol * want_grad.abs().max().item(), rtol=tol)
 
-    def saved_bytes(fn) -> int:  # noqa: ANN001 - either function
-        saved = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        x = torch.randn(64, 2 * 48, dtype=torch.bfloat16, requires_grad=True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fn(x * 1.0)  # a non-leaf input, as a GEMM's output is
-        return sum(saved.values())
-
-    assert saved_bytes(swiglu) == 64 * 2 * 48 * 2
-    assert saved_bytes(reference) == 64 * 2 * 48 * 2 + 64 * 48 * 2
+    x = torch.randn(64, 2 * 48, dtype=torch.bfloat16, requires_grad=True)
+    # a non-leaf input, as a GEMM's output is
+    assert bytes_kept_for_backward(lambda t: swiglu(t * 1.0), x) == 64 * 2 * 48 * 2
+    assert bytes_kept_for_backward(lambda t: reference(t * 1.0), x) == 64 * 2 * 48 * 2 + 64 * 48 * 2
 
 
 # ---------------------------------------------------------------- the model
