@@ -1,13 +1,16 @@
 """PipeOffload in the pipeline schedule: bit-identical to no offload, and freeing what the schedule says.
 
 Each worker runs the pipelined trainer without and with `offload.enabled` (every policy, and with the cheap
-activations recomputed instead of stored), on the same seed and data in one process: losses and parameters after
-3 optimizer steps must be identical to the bit (the copies are exact, and offload changes no computation). The store's own peak of device-resident
-activation bytes in the last step must equal the theory: `resident_profile` of the schedule the runtime ran
-(its OFFLOAD / RELOAD actions), weighted by the bytes each micro-batch-chunk's forward saved. And the live-storage
-probe (independent of the store) must see it: the last step's device peak with offload is below the peak without
-it by at least the theory's saving, less the shortfall tests/unit/test_offload.py explains. The stage input a rank
-received stays resident (the runtime holds it for its gradient; the store does not move it).
+activations recomputed instead of stored), on the same seed and data in one process: losses and parameters after 3
+optimizer steps must be identical to the bit (the copies are exact, and offload changes no computation). The store's
+own peak of device-resident activation bytes in the last step must equal the theory: `resident_profile` of the
+schedule the runtime ran (its OFFLOAD / RELOAD actions), weighted by the bytes each micro-batch-chunk's forward
+saved. And the live-storage probe (independent of the store) must see it: the last step's device peak with offload
+is below the peak without it by at least the theory's saving, less `PIPELINE_SHORTFALL`. The stage input a rank
+received stays resident (the runtime holds it for its gradient; the store does not move it). On pp 2 without virtual
+chunks (1F1B, ZB) at most two micro-batches are in flight and the theory's saving at the peak is 0 (the one not
+running backward comes back before its B): there the probe checks that offload does not raise the peak; interleaved
+pp 2 x vpp 2 saves 0.59 MB of 1.41 MB on rank 0.
 """
 
 from __future__ import annotations
@@ -20,6 +23,15 @@ from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
 from tests.dist.launch import run_distributed
 from tests.unit.test_offload import SHORTFALL, device_peak
+
+# Beyond the layer-wise SHORTFALL's reasons: the probe's peak falls inside a B, which has already let go of part of
+# its group (autograd frees a saved tensor after its node's backward) while its gradients in flight are live, and with
+# offload it can fall in another B than without, one that had freed less of its group by then. Interleaved pp 2 x
+# vpp 2, rank 0, uniform 0.5 (2026-11-29): at the offloaded run's peak the store held 766,464 bytes, 49,152 below its
+# profile's 815,616, with the same backward-made bytes live as at the peak without offload; the probe measures
+# 560,128 of the theory's 592,896 (0.945; 0.957 before SwiGLU kept less per block, so the same gradients in flight
+# weigh more). A store that leaks its device buffers measures about none of it (tests/unit/test_offload.py).
+PIPELINE_SHORTFALL = SHORTFALL + 0.03
 
 STEPS = 3
 COMMON = ["model.num_layers=4", "trainer.micro_batch_size=2", "offload.min_tensor_bytes=0"]
@@ -58,7 +70,7 @@ def check_offload(rank: int, world_size: int, layout: list[str], tmp: str) -> No
         theory = max(resident_profile(sched, rank, weights))
         assert store.peak_resident_bytes == theory, (policy, store.peak_resident_bytes, theory)
         saving = max(resident_profile(plain.parallel.runner.schedule(m), rank, weights)) - theory
-        assert plain_peak - peak >= (1 - SHORTFALL) * saving, (
+        assert plain_peak - peak >= (1 - PIPELINE_SHORTFALL) * saving, (
             f"{policy} rank {rank}: the probe measured {plain_peak - peak} bytes less at the device peak "
             f"({plain_peak} -> {peak}), the theory says {saving}")
         assert store.offloaded_bytes == store.reloaded_bytes
