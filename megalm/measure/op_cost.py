@@ -71,7 +71,8 @@ _WRITE_ONLY = {"zeros", "zeros_like", "ones", "ones_like", "full", "full_like", 
                "fill_", "zero_"}
 _OVERWRITES_DESTINATION = {"copy_", "_foreach_copy_"}
 # In-place ops that return nothing write what their schema marks as written, except where it marks more than the
-# kernel writes: the fused optimizers' schemas mark the gradients too (unscaled in place only under a grad scaler).
+# kernel writes: the fused optimizers' schemas mark the gradients too (unscaled in place only with a `grad_scale`:
+# a grad scaler's, or megalm's clip coefficient, megalm/parallel/parallelism.py).
 _WRITES = {"_fused_adamw_": ("self", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
            "_fused_adam_": ("self", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
            "_fused_sgd_": ("self", "momentum_buffer_list")}
@@ -161,7 +162,10 @@ def _read_operands(func: Any, name: str, args: tuple, kwargs: dict) -> list[torc
 def _written_in_place(func: Any, name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """What an in-place op that returns nothing (`_foreach_*_`, the fused optimizers) writes."""
     written = _WRITES.get(name)
-    return [t for argument, value in _arguments(func, args, kwargs)
+    arguments = list(_arguments(func, args, kwargs))
+    if written is not None and any(a.name == "grad_scale" and v is not None for a, v in arguments):
+        written = (*written, "grads")  # divided by the scale and stored back
+    return [t for argument, value in arguments
             if (argument.name in written if written is not None
                 else argument.alias_info is not None and argument.alias_info.is_write) for t in _tensors(value)]
 

@@ -167,7 +167,8 @@ class Trainer:
         """One optimizer step on global batch `step` (0-based). Loss, tokens and FLOPs are global. A step whose loss
         or grad norm is not finite skips its update (`trainer.nonfinite`, megalm/training/guards.py)."""
         loss, share = self.forward_backward(step)
-        grad_norm = self.parallel.clip_grad_norm_(self.cfg.trainer.grad_clip)
+        # the clip's scale goes into a fused AdamW's step (`optimizer.grad_scale`), or onto the gradients
+        grad_norm = self.parallel.clip_grad_norm_(self.cfg.trainer.grad_clip, self.optimizer)
         counted = share.counted_doc_lengths
         fill = lambda value: torch.full((), value, dtype=torch.float64, device=self.device)  # a kernel, no copy
         local = torch.cat([torch.stack([loss.double(), fill(sum(counted)),
@@ -187,6 +188,7 @@ class Trainer:
             self.optimizer.step()
             self.expert_load.update_bias(totals[3:])
         self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.grad_scale = None  # spent by the step, or dropped with it
         return StepResult(loss=loss_sum / n, grad_norm=norm, lr=lr, tokens=int(tokens), flops=flops, skipped=skipped,
                           rank_tokens=[int(x) for x in rank_tokens], moe=self.expert_load.record(moe, n))
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megalm.config import OptimConfig
-from megalm.training.optim import build_optimizer, lr_at, param_groups
+from megalm.training.optim import build_optimizer, full_precision_weights, lr_at, param_groups
 
 
 def test_warmup_is_linear_then_cosine_reaches_min_lr():
@@ -73,3 +73,46 @@ def test_grad_norm_launches_the_same_kernels_for_any_depth(tmp_path, extra):
                 torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
             torch.testing.assert_close(norm, expected, rtol=1e-5, atol=0)
     assert counts[0] == counts[1], counts
+
+
+def _first_moments(optimizer) -> torch.Tensor:
+    """AdamW's exp_avg over every parameter, flat: BucketAdamW's buckets, or torch's per-parameter state."""
+    if hasattr(optimizer, "exp_avg"):
+        return torch.cat(optimizer.exp_avg)
+    return torch.cat([optimizer.state[p]["exp_avg"].reshape(-1) for group in optimizer.param_groups
+                      for p in group["params"] if p in optimizer.state])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"], ids=["bucket_adamw", "torch_fused_adamw"])
+def test_the_clip_folded_into_fused_adamw_saves_a_read_of_the_gradients(tmp_path, precision):
+    """`clip_grad_norm_(max_norm, optimizer)` leaves the scale to fused AdamW's step (`grad_scale`, which the kernel
+    divides each gradient by as it reads it) instead of a pass that multiplies the gradients first: the first moments
+    and the weights after the step are those of clipping first (within a rounding: the kernel divides by 1/coef where
+    the pass multiplied by coef), and the clip and the step together move 4 bytes a gradient element less (the pass read
+    and wrote the fp32 gradients; the kernel writes them once more), counted by the op-cost trace. A clip to 1e-3
+    scales every gradient: an unclipped step's moments differ from these by orders of magnitude."""
+    from megalm.measure.op_cost import GPUS, OpCosts
+    from megalm.training.trainer import Trainer
+    from tests.conftest import compose_config
+
+    results = {}
+    for folded in (False, True):
+        trainer = Trainer(compose_config(f"precision={precision}"), tmp_path / f"{precision}{folded}")
+        assert (type(trainer.optimizer).__name__ == "BucketAdamW") == (precision == "bf16")
+        trainer.forward_backward(0)
+        grads = trainer.parallel.reducer.grad_shards() if precision == "bf16" else \
+            [p.grad for p in trainer.model.parameters() if p.grad is not None]
+        grad_bytes = sum(g.numel() * g.element_size() for g in grads)
+        with OpCosts(GPUS["h100"]) as costs:
+            norm = trainer.parallel.clip_grad_norm_(1e-3, trainer.optimizer if folded else None)
+            trainer.optimizer.step()
+        assert (getattr(trainer.optimizer, "grad_scale", None) is not None) == folded
+        trainer.optimizer.grad_scale = None
+        assert norm > 1e-2  # the clip scales by less than 1/10
+        with full_precision_weights(trainer.optimizer):  # bf16: the fp32 main weights (a bf16 copy may round apart)
+            weights = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
+        results[folded] = (costs.total().bytes, _first_moments(trainer.optimizer), weights, grad_bytes)
+    (plain_bytes, plain_m, plain_w, grad_bytes), (folded_bytes, folded_m, folded_w, _) = results[False], results[True]
+    torch.testing.assert_close(folded_m, plain_m, rtol=1e-5, atol=0)
+    torch.testing.assert_close(folded_w, plain_w, rtol=1e-6, atol=1e-8)  # near 0: eps weighs on tiny gradients
+    assert abs((plain_bytes - folded_bytes) - grad_bytes) <= 64, (plain_bytes, folded_bytes, grad_bytes)

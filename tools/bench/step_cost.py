@@ -7,7 +7,8 @@ time per category, for megalm and for Hugging Face's LlamaForCausalLM of the sam
 
 Each system runs under `FakeTensorMode` (sizes, no data: a 1.3B step traces in seconds) with a dispatch mode that
 records every aten op (megalm/measure/op_cost.py). One "step" is one micro-batch of `model.seq_length` tokens,
-forward and backward; the optimizer step (fused AdamW for both) is its own row. Systems:
+forward and backward; the optimizer step is its own row: the gradient clipping at norm 1.0 each system runs in
+training (megalm's `trainer.grad_clip`, HF Trainer's `max_grad_norm`, TorchTitan's `max_norm`) and fused AdamW. Systems:
 - `megalm`: megalm's `Trainer.forward_backward` at its default precision for the run (`precision=bf16` unless
   overridden: bf16 working weights behind fp32 main weights), eager.
 - `megalm_autocast`: the same with `precision=bf16_autocast` (fp32 weights under bf16 autocast: megalm's bf16
@@ -96,8 +97,10 @@ def megalm_step(overrides: list[str], gpu: str, system: str = "megalm", compiled
         trainer.optimizer.zero_grad(set_to_none=True)
         with step:
             trainer.forward_backward(1)
-        with optimizer:
+        with optimizer:  # as train_step: the clip's scale goes into the fused AdamW step
+            trainer.parallel.clip_grad_norm_(trainer.cfg.trainer.grad_clip, trainer.optimizer)
             trainer.optimizer.step()
+        trainer.optimizer.grad_scale = None
     how = (f"compiled blocks: inductor, {len(inductor.graphs)} graphs, "
            f"{sum(g['generated_kernels'] for g in inductor.graphs)} generated kernels (C++ on this CPU)"
            if compiled else "eager")
@@ -148,6 +151,7 @@ def hf_llama_step(model_cfg: Any, gpu: str) -> dict[str, Any]:
                     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
                 loss.backward()
             with optimizer if traced else contextlib.nullcontext():
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # HF Trainer's max_grad_norm
                 optim.step()
             optim.zero_grad(set_to_none=True)
     return {"system": "hf_llama", "config": f"transformers {transformers.__version__}, fp32 weights + bf16 "
@@ -179,6 +183,7 @@ def torchtitan_step(model_cfg: Any, gpu: str, compiled: bool = False, precision:
     Float8Linear, what compare.py runs for fp8). `compiled`: each TransformerBlock and the loss compiled, as its
     `compile.enable` does, by the backend that counts inductor's kernels."""
     from torchtitan.components.loss import build_cross_entropy_loss
+    from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.models.llama3 import Transformer
 
     from tools.bench.compare import convert_torchtitan, torchtitan_args, torchtitan_job
@@ -204,6 +209,7 @@ def torchtitan_step(model_cfg: Any, gpu: str, compiled: bool = False, precision:
                     loss = loss_fn(model(ids[:, :-1]), ids[:, 1:]) / model_cfg.seq_length
                 loss.backward()
             with optimizer if traced else contextlib.nullcontext():
+                clip_grad_norm_(model.parameters(), 1.0, foreach=True)  # its trainer's call, at its max_norm
                 optim.step()
             optim.zero_grad(set_to_none=True)
     how = f"compiled blocks and loss: inductor, {len(inductor.graphs)} graphs" if compiled else "eager"
