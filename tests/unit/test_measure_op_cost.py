@@ -72,7 +72,9 @@ def test_the_step_cost_tool_counts_six_flops_per_weight_and_token():
     for system, row in rows.items():
         gemm_tflop = row["by_category"]["gemm"]["tflop"]
         assert abs(gemm_tflop * 1e12 - 6 * weights * m.seq_length) < 1e-6 * gemm_tflop * 1e12, system
-        assert row["optimizer"]["kernels"] <= 8, "fused AdamW: a few kernels, not one per parameter"
+        # the clip's foreach norm and its scale, fused AdamW per param group, megalm's bf16 refresh: a few kernels,
+        # not one per parameter (a per-parameter norm alone would add 27, the tiny model's parameter tensors)
+        assert row["optimizer"]["kernels"] <= 20, (system, row["optimizer"]["kernels"])
         assert set(row["by_category"]) >= {"gemm", "attention", "cast/copy", "elementwise/other", "loss"}
     # every system's attention is causal over one document, as each runs it on a GPU: the same FLOPs (HF's would
     # double under fake tensors, where it cannot read its position ids and builds a mask: step_cost.py)

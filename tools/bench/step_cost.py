@@ -151,7 +151,8 @@ def hf_llama_step(model_cfg: Any, gpu: str) -> dict[str, Any]:
                     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
                 loss.backward()
             with optimizer if traced else contextlib.nullcontext():
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # HF Trainer's max_grad_norm
+                # HF Trainer's max_grad_norm, foreach as on a GPU (torch would take fake tensors per parameter)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
                 optim.step()
             optim.zero_grad(set_to_none=True)
     return {"system": "hf_llama", "config": f"transformers {transformers.__version__}, fp32 weights + bf16 "
