@@ -231,7 +231,8 @@ class TrainerConfig:
     stop_at_step: int | None = None
     """Stop (and save) early, as a preemption would; the schedules keep max_steps."""
     grad_clip: float = 1.0
-    """The global grad-norm clip; 0: no clipping."""
+    """The global grad-norm clip; 0: no clipping. With fused AdamW (the default on CPU and CUDA, FSDP aside) the
+    clip's scale is applied inside the AdamW kernel (its `grad_scale`) instead of by a pass over the gradients."""
     device: Device = Device.auto
     """auto (CUDA when visible, else CPU) | cpu | cuda."""
     num_threads: int | None = None
