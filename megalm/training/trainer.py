@@ -169,26 +169,28 @@ class Trainer:
         loss, share = self.forward_backward(step)
         # the clip's scale goes into a fused AdamW's step (`optimizer.grad_scale`), or onto the gradients
         grad_norm = self.parallel.clip_grad_norm_(self.cfg.trainer.grad_clip, self.optimizer)
-        counted = share.counted_doc_lengths
-        fill = lambda value: torch.full((), value, dtype=torch.float64, device=self.device)  # a kernel, no copy
-        local = torch.cat([torch.stack([loss.double(), fill(sum(counted)),
-                                        fill(training_flops(self.cfg.model, counted))]),
-                           self.parallel.sum_over_sequence_shards(self.expert_load.take(self.device))])
-        totals = self.parallel.sum_over_batch(local)
-        normaliser = torch.as_tensor(share.normaliser, dtype=torch.float64, device=self.device)
-        loads = self.parallel.rank_loads(share)  # HDP: the tokens each rank of the domain ran; else empty
-        # the step's one device-to-host sync: everything the log and the guard need, read together, before the update
-        values = torch.cat([totals, grad_norm.double().reshape(1), normaliser.reshape(1), loads]).tolist()
-        (loss_sum, tokens, flops), moe = values[:3], values[3:len(totals)]
-        norm, n, *rank_tokens = values[len(totals):]
-        lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
-        skipped = self.nonfinite.should_skip(step + 1, loss_sum / n, norm)
-        if not skipped:
-            set_lr(self.optimizer, lr)
-            self.optimizer.step()
-            self.expert_load.update_bias(totals[3:])
-        self.optimizer.zero_grad(set_to_none=True)
-        self.optimizer.grad_scale = None  # spent by the step, or dropped with it
+        try:
+            counted = share.counted_doc_lengths
+            fill = lambda value: torch.full((), value, dtype=torch.float64, device=self.device)  # a kernel, no copy
+            local = torch.cat([torch.stack([loss.double(), fill(sum(counted)),
+                                            fill(training_flops(self.cfg.model, counted))]),
+                               self.parallel.sum_over_sequence_shards(self.expert_load.take(self.device))])
+            totals = self.parallel.sum_over_batch(local)
+            normaliser = torch.as_tensor(share.normaliser, dtype=torch.float64, device=self.device)
+            loads = self.parallel.rank_loads(share)  # HDP: the tokens each rank of the domain ran; else empty
+            # the step's one device-to-host sync: all the log and the guard need, read together, before the update
+            values = torch.cat([totals, grad_norm.double().reshape(1), normaliser.reshape(1), loads]).tolist()
+            (loss_sum, tokens, flops), moe = values[:3], values[3:len(totals)]
+            norm, n, *rank_tokens = values[len(totals):]
+            lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
+            skipped = self.nonfinite.should_skip(step + 1, loss_sum / n, norm)
+            if not skipped:
+                set_lr(self.optimizer, lr)
+                self.optimizer.step()
+                self.expert_load.update_bias(totals[3:])
+            self.optimizer.zero_grad(set_to_none=True)
+        finally:  # spent by the step, or dropped with it (also when the guard raises)
+            self.optimizer.grad_scale = None
         return StepResult(loss=loss_sum / n, grad_norm=norm, lr=lr, tokens=int(tokens), flops=flops, skipped=skipped,
                           rank_tokens=[int(x) for x in rank_tokens], moe=self.expert_load.record(moe, n))
 
