@@ -1,14 +1,14 @@
 """How much memory each rank of a layout takes, and how fast its step runs (`estimate`), one rank at a time
 (`estimate_rank`).
 
-For each distinct rank role of the layout (the first, a middle and the last pipeline stage) this process becomes that
-rank of a fake process group of the whole world (torch's `fake` backend: collectives return at once), builds the
-real trainer (model chunk, parallel layers, reducer, optimizer) under `FakeTensorMode` (sizes, no data), and runs
-a real training step of that rank: the pipeline schedule's micro-batches, forward and backward, gradient
-reduction, the optimizer step, with the offload hooks and recomputation the config asks for. Nothing is modelled
-by a formula: the bytes are those of the storages the step creates and frees, counted by the live-storage probe
-(megalm.measure.LiveStorages), the FLOPs and the roofline time of every op those of the step-cost trace
-(megalm.measure.op_cost), the collectives' bytes those the step hands to torch.distributed.
+For each distinct rank role of the layout (the first, a middle and the last pipeline stage) this process becomes
+that rank of a fake process group of the whole world (torch's `fake` backend: collectives return at once), builds
+the real trainer (model chunk, parallel layers, reducer, optimizer) under `FakeTensorMode` (sizes, no data), and
+runs a real training step of that rank: the pipeline schedule's micro-batches, forward and backward, gradient
+reduction, the gradient norm and clip, the optimizer step, with the offload hooks and recomputation the config asks
+for. Nothing is modelled by a formula: the bytes are those of the storages the step creates and frees, counted by
+the live-storage probe (megalm.measure.LiveStorages), the FLOPs and the roofline time of every op those of the
+step-cost trace (megalm.measure.op_cost), the collectives' bytes those the step hands to torch.distributed.
 
 Per rank it reports (bytes): parameters, gradients (the data-parallel gradient buckets), optimizer states (fp32
 main weights under bf16, Adam's moments), activations (the step's peak above the static bytes: saved activations,
@@ -214,10 +214,11 @@ def reserve_bytes(peak: int, communicators: int) -> int:
 def run_step(trainer: Any, step: int, fake: Any, live: LiveStorages, *traces: TorchDispatchMode,
              first: int | None = None) -> int:
     """One training step of this rank: the step's data plan on the host, outside fake mode (it reads the documents'
-    lengths), then forward, backward, gradient reduction and the optimizer step under `fake` (FakeTensorMode; a
-    null context runs it on real tensors, which is how tests/dist/test_estimate_measured.py measures a real run with
-    the same probe), with the probe `live` and the traces on; `first`: only the step's first micro-batches (a
-    warm-up step, which makes the lasting state in a fraction of the time). Returns the real tokens the rank ran."""
+    lengths), then forward, backward, gradient reduction, clipping and the optimizer step under `fake`
+    (FakeTensorMode; a null context runs it on real tensors, which is how tests/dist/test_estimate_measured.py
+    measures a real run with the same probe), with the probe `live` and the traces on; `first`: only the step's first
+    micro-batches (a warm-up step, which makes the lasting state in a fraction of the time). Returns the real tokens
+    the rank ran."""
     share = trainer.parallel.share_of_step(trainer.data.train, trainer.step_sample_ids(step), step)
     if first is not None:
         share = replace(share, micro_batches=share.micro_batches[:first])
@@ -229,8 +230,11 @@ def run_step(trainer: Any, step: int, fake: Any, live: LiveStorages, *traces: To
         for trace in traces:
             stack.enter_context(trace)
         trainer.parallel.forward_backward(share)
+        # as Trainer.train_step: the gradient norm, the clip (folded into a fused AdamW's step), the step
+        trainer.parallel.clip_grad_norm_(trainer.cfg.trainer.grad_clip, trainer.optimizer)
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.optimizer.grad_scale = None
     return tokens
 
 
