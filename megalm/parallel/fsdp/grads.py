@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, Shard
 
 from megalm.model.shard import local_part
 from megalm.parallel.norms import share_pairs, weighted_sq_norm
@@ -25,9 +24,19 @@ from megalm.parallel.progress import Progress, note_collective
 
 
 def shard_offset(param: DTensor) -> int:
-    """Where this rank's shard starts in the parameter's flattened (TP-local) elements: FSDP shards dim 0."""
-    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return offset[0] * math.prod(param.shape[1:])
+    """Where this rank's shard starts in the parameter's flattened (TP-local) elements. FSDP shards dim 0 as
+    `torch.chunk` does (chunks of ceil(rows / n), the last ones short or empty), over each mesh dimension that shards
+    it, left to right (HSDP replicates over the first). Read from the mesh coordinates alone: torch 2.11's
+    `compute_local_shape_and_global_offset` runs tensor ops, which fake tensors (megalm-estimate) cannot read."""
+    start, rows = 0, param.shape[0]
+    for mesh_dim, placement in enumerate(param.placements):
+        if isinstance(placement, Shard):
+            if placement.dim != 0:
+                raise ValueError(f"FSDP gradients sharded on dim {placement.dim}: megalm's FSDP shards dim 0")
+            chunk = -(-rows // param.device_mesh.size(mesh_dim))
+            first = min(param.device_mesh.get_local_rank(mesh_dim) * chunk, rows)
+            start, rows = start + first, min(chunk, rows - first)
+    return start * math.prod(param.shape[1:])
 
 
 class FsdpGrads:
