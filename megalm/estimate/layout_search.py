@@ -301,8 +301,13 @@ def shallow_rank(base: list[str], layout: Layout, shape: Shape, stage: int, role
     values = {k: grow(getattr(shallow, k), getattr(deep, k)) for k in EXTRAPOLATED}
     scale = micro_batches / run_micro
     peak = int(grow(shallow.peak_bytes - shallow.reserve_bytes, deep.peak_bytes - deep.reserve_bytes))
-    collective = {dim: int(grow(shallow.collective_bytes.get(dim, 0), n) * (1 if dim in PER_STEP_DIMS else scale))
-                  for dim, n in deep.collective_bytes.items()}
+    def per_micro_batch(r: RankEstimate, dim: str) -> int:  # the clip's and the optimizer step's run once a step
+        return r.collective_bytes.get(dim, 0) - r.step_collective_bytes.get(dim, 0)
+
+    collective = {dim: int(grow(per_micro_batch(shallow, dim), per_micro_batch(deep, dim))
+                           * (1 if dim in PER_STEP_DIMS else scale)
+                           + grow(shallow.step_collective_bytes.get(dim, 0), deep.step_collective_bytes.get(dim, 0)))
+                  for dim in deep.collective_bytes}
     reserve = reserve_bytes(peak, sum(size > 1 for size in (layout.tp, layout.pp, layout.cp, layout.dp)))
     return replace(deep, **{k: int(v) for k, v in values.items() if k.endswith("_bytes")}, peak_bytes=peak + reserve,
                    reserve_bytes=reserve, flops=values["flops"] * scale, optimizer_s=values["optimizer_s"],

@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 from collections import defaultdict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -95,8 +95,10 @@ class RankEstimate:
     comm_s: float
     collective_bytes: dict[str, int]  # what the step's collectives move through the rank's link, by mesh dimension
     tokens: int  # real tokens (loss positions) this rank ran in the measured step
-    optimizer_s: float  # of compute_s, the optimizer step's (once a step, whatever the micro-batches)
+    optimizer_s: float  # of compute_s, the gradient norm, clip and optimizer step's (once a step, whatever the
+    # micro-batches)
     domain: dict[str, list[int]] | None = None  # HDP: every domain rank's load of the step (`hdp_loads`)
+    step_collective_bytes: dict[str, int] = field(default_factory=dict)  # of collective_bytes, the clip's and step's
 
 
 class Collectives(TorchDispatchMode):
@@ -108,6 +110,8 @@ class Collectives(TorchDispatchMode):
         super().__init__()
         self.groups = groups  # process group name -> mesh dimension
         self.bytes: dict[str, int] = defaultdict(int)
+        self.step_bytes: dict[str, int] = defaultdict(int)  # of `bytes`, those moved while `once_a_step` is set
+        self.once_a_step = False
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -129,8 +133,31 @@ class Collectives(TorchDispatchMode):
                      and "ProcessGroup" in str(a._type())]
             dim = next((self.groups[n] for n in names if n in self.groups), "other")
             largest = max((t.numel() * t.element_size() for t in tensors), default=0)
-            self.bytes[dim] += largest * (2 if func.__name__.startswith("allreduce") else 1)
+            moved = largest * (2 if func.__name__.startswith("allreduce") else 1)
+            self.bytes[dim] += moved
+            if self.once_a_step:
+                self.step_bytes[dim] += moved
         return out
+
+
+class OnceAStep:
+    """Around the part of a step that runs once whatever the micro-batches (the gradient norm, the clip, the optimizer
+    step): the roofline milliseconds `costs` priced in it (`ms`), and `comms` counts its collectives apart."""
+
+    def __init__(self, costs: OpCosts | None = None, comms: Collectives | None = None) -> None:
+        self.costs, self.comms, self.ms = costs, comms, 0.0
+
+    def __enter__(self) -> OnceAStep:
+        self._before = self.costs.total().ms if self.costs is not None else 0.0
+        if self.comms is not None:
+            self.comms.once_a_step = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.comms is not None:
+            self.comms.once_a_step = False
+        if self.costs is not None:
+            self.ms += self.costs.total().ms - self._before
 
 
 def roles(pp: int) -> list[tuple[str, int]]:
@@ -176,7 +203,8 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
             comm = storage_bytes(getattr(trainer.optimizer, "gather_buffers", list)())  # none held past this line
             live.mark_peak()
             costs, comms = OpCosts(GPUS[gpu], cfg.precision.tf32), Collectives(_group_names(trainer))
-            tokens = run_step(trainer, 1, fake, live, costs, comms)
+            once = OnceAStep(costs, comms)
+            tokens = run_step(trainer, 1, fake, live, costs, comms, once=once)
             peak = live.peak(device)
             domain = hdp_loads(trainer, 1)
     finally:
@@ -186,7 +214,7 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
     return RankEstimate(role, rank, peak + reserve, params, grads, static - params - grads - comm, peak - static,
                         comm, live.peak("host"), reserve, summary["tflop"] * 1e12, summary["roofline_ms"] / 1e3,
                         _comm_seconds(comms.bytes, LINKS[gpu], inside_node(p.tp, p.cp, p.ep)), dict(comms.bytes),
-                        tokens, summary["by_category"].get("optimizer", {}).get("ms", 0.0) / 1e3, domain)
+                        tokens, once.ms / 1e3, domain, dict(comms.step_bytes))
 
 
 def make_compiled_weight_copies(trainer: Any) -> None:
@@ -212,7 +240,7 @@ def reserve_bytes(peak: int, communicators: int) -> int:
 
 
 def run_step(trainer: Any, step: int, fake: Any, live: LiveStorages, *traces: TorchDispatchMode,
-             first: int | None = None) -> int:
+             first: int | None = None, once: OnceAStep | None = None) -> int:
     """One training step of this rank: the step's data plan on the host, outside fake mode (it reads the documents'
     lengths), then forward, backward, gradient reduction, clipping and the optimizer step under `fake`
     (FakeTensorMode; a null context runs it on real tensors, which is how tests/dist/test_estimate_measured.py
@@ -230,9 +258,11 @@ def run_step(trainer: Any, step: int, fake: Any, live: LiveStorages, *traces: To
         for trace in traces:
             stack.enter_context(trace)
         trainer.parallel.forward_backward(share)
-        # as Trainer.train_step: the gradient norm, the clip (folded into a fused AdamW's step), the step
-        trainer.parallel.clip_grad_norm_(trainer.cfg.trainer.grad_clip, trainer.optimizer)
-        trainer.optimizer.step()
+        # as Trainer.train_step: the gradient norm, the clip (folded into a fused AdamW's step), the step; `once`
+        # prices them apart (they run once a step, whatever the micro-batches)
+        with once or contextlib.nullcontext():
+            trainer.parallel.clip_grad_norm_(trainer.cfg.trainer.grad_clip, trainer.optimizer)
+            trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer.optimizer.grad_scale = None
     return tokens
