@@ -70,6 +70,8 @@ def check_offload(rank: int, world_size: int, layout: list[str], tmp: str) -> No
         theory = max(resident_profile(sched, rank, weights))
         assert store.peak_resident_bytes == theory, (policy, store.peak_resident_bytes, theory)
         saving = max(resident_profile(plain.parallel.runner.schedule(m), rank, weights)) - theory
+        if "parallel.vpp=2" in layout and rank == 0:  # the layout whose peak offload can lower (docstring)
+            assert saving > 0, (policy, saving)
         assert plain_peak - peak >= (1 - PIPELINE_SHORTFALL) * saving, (
             f"{policy} rank {rank}: the probe measured {plain_peak - peak} bytes less at the device peak "
             f"({plain_peak} -> {peak}), the theory says {saving}")
