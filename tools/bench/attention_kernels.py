@@ -26,7 +26,6 @@ import json
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from megalm.errors import ConfigError  # noqa: E402
 from megalm.measure.kernel_profile import summarize  # noqa: E402
 from megalm.model.attention import select_attention_backend, varlen_attention  # noqa: E402
 from tools.bench.throughput import compose_config  # noqa: E402
+from tools.bench.timing import time_calls  # noqa: E402
 
 BACKENDS = ("torch_varlen", "cudnn", "flash_attn", "sdpa")
 
@@ -69,22 +69,7 @@ def attention_tflop(model: ModelConfig, lengths: list[int]) -> float:
 
 
 def time_ms(step, device: torch.device, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
+    return statistics.median(time_calls(step, device, warmup, iters))
 
 
 def kernels_that_ran(step, device: torch.device) -> list[str]:

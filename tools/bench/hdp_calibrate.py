@@ -67,6 +67,7 @@ from megalm.measure.op_cost import GPUS, OpCosts  # noqa: E402
 from megalm.model.attention import one_kernel_backend  # noqa: E402
 from megalm.parallel.hdp.cost import CostModel, GiB  # noqa: E402
 from megalm.precision import compute_dtype  # noqa: E402
+from tools.bench.timing import time_calls  # noqa: E402
 
 KEYS = ("a", "b", "c", "layers", "head", "kv_bytes", "qo_bytes", "heads", "comm_passes", "bw_intra", "bw_inter",
         "latency", "overlap", "ranks_per_node", "capacity", "act_bytes", "act_fixed", "host_bw", "source", "name")
@@ -328,22 +329,7 @@ class Bench:
             with costs:
                 call()
             return costs.total().ms / 1e3 / ROOFLINE_EFFICIENCY, 0.0
-        for _ in range(self.warmup):
-            call()
-        times = []
-        for _ in range(self.repeats):
-            self._sync()
-            if self.is_cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                call()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - t0)
+        times = [ms / 1e3 for ms in time_calls(call, self.device, self.warmup, self.repeats)]
         median = statistics.median(times)
         return median, (max(times) - min(times)) / median
 

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megalm.precision.hadamard import random_signs, rht  # noqa: E402
 from megalm.precision.mx import mx_quantize, mx_quantize_dequantize  # noqa: E402
+from tools.bench.timing import time_calls  # noqa: E402
 
 # HBM bandwidth in GB/s by device-name substring, most specific first
 PEAK_GBPS = [("H100 PCIe", 2000.0), ("H100 NVL", 3900.0), ("H100", 3350.0), ("H200", 4800.0), ("GH200", 4000.0),
@@ -52,18 +53,7 @@ def peak_gbps(name: str) -> float | None:
 
 
 def time_ms(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(time_calls(fn, torch.device("cuda", torch.cuda.current_device()), warmup, iters))
 
 
 def nbytes(out) -> int:
