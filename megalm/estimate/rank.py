@@ -144,20 +144,17 @@ class OnceAStep:
     """Around the part of a step that runs once whatever the micro-batches (the gradient norm, the clip, the optimizer
     step): the roofline milliseconds `costs` priced in it (`ms`), and `comms` counts its collectives apart."""
 
-    def __init__(self, costs: OpCosts | None = None, comms: Collectives | None = None) -> None:
+    def __init__(self, costs: OpCosts, comms: Collectives) -> None:
         self.costs, self.comms, self.ms = costs, comms, 0.0
 
     def __enter__(self) -> OnceAStep:
-        self._before = self.costs.total().ms if self.costs is not None else 0.0
-        if self.comms is not None:
-            self.comms.once_a_step = True
+        self._before = self.costs.total().ms
+        self.comms.once_a_step = True
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.comms is not None:
-            self.comms.once_a_step = False
-        if self.costs is not None:
-            self.ms += self.costs.total().ms - self._before
+        self.comms.once_a_step = False
+        self.ms += self.costs.total().ms - self._before
 
 
 def roles(pp: int) -> list[tuple[str, int]]:

@@ -181,8 +181,6 @@ class BucketAdamW:
             hook(self, (), {})
         self.finish_param_gather()  # the parameters are read below (fp32: they are the main weights)
         grads = [g if g.dtype == torch.float32 else g.float() for g in self._grad_shards()]
-        if self.grad_scale is not None and not self.fused:  # only the fused kernel takes it
-            torch._foreach_div_(grads, self.grad_scale)
         self.step_count += 1
         shards = self.main or [torch.empty(b.shard_numel, dtype=torch.float32, device=m.device)
                                for b, m in zip(self.reducer.buckets, self.exp_avg, strict=True)]
@@ -207,7 +205,7 @@ class BucketAdamW:
             steps = list(torch.full((len(params),), float(self.step_count - 1), device=params[0].device).unbind())
             beta1, beta2 = group["betas"]
             adamw(params, grads_, exp_avgs, exp_avg_sqs, [], steps, fused=self.fused,
-                  foreach=None if self.fused else True, grad_scale=self.grad_scale if self.fused else None,
+                  foreach=None if self.fused else True, grad_scale=self.grad_scale,  # the foreach path refuses one
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                   eps=group["eps"], maximize=False)
         self._refresh_params(shards)
