@@ -104,7 +104,10 @@ class RankEstimate:
 class Collectives(TorchDispatchMode):
     """Bytes the step's collectives move through this rank's link, by the group's mesh dimension: a ring all-reduce
     sends about twice its buffer (2 (n - 1) / n: a reduce-scatter, then an all-gather), an all-gather its output,
-    a reduce-scatter its input, a send or receive its tensor (the largest tensor of the call, counted once)."""
+    a reduce-scatter its input, a send or receive its tensor (the largest tensor of the call, counted once).
+    Eager code dispatches `c10d` ops (the group a boxed ScriptObject); compiled blocks the functional collectives
+    dynamo traces them into (`_c10d_functional`, the group by its name, the result returned; their `wait_tensor`
+    moves nothing)."""
 
     def __init__(self, groups: dict[str, str]) -> None:
         super().__init__()
@@ -126,14 +129,18 @@ class Collectives(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if is_higher_order(func):
             return out
-        if func.namespace == "c10d":  # the group arrives boxed (a ScriptObject): its name says which it is
-            flat = tree_flatten((args, kwargs or {}))[0]
+        functional = func.namespace == "_c10d_functional" and not func.__name__.startswith("wait_tensor")
+        if func.namespace == "c10d" or functional:
+            flat = tree_flatten((args, kwargs or {}, out))[0]
             tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-            names = [dist.ProcessGroup.unbox(a).group_name for a in flat if isinstance(a, torch.ScriptObject)
-                     and "ProcessGroup" in str(a._type())]
+            if functional:  # the group by its name, a string argument
+                names = [a for a in flat if isinstance(a, str)]
+            else:  # the group arrives boxed (a ScriptObject): its name says which it is
+                names = [dist.ProcessGroup.unbox(a).group_name for a in flat if isinstance(a, torch.ScriptObject)
+                         and "ProcessGroup" in str(a._type())]
             dim = next((self.groups[n] for n in names if n in self.groups), "other")
             largest = max((t.numel() * t.element_size() for t in tensors), default=0)
-            moved = largest * (2 if func.__name__.startswith("allreduce") else 1)
+            moved = largest * (2 if func.__name__.startswith(("allreduce", "all_reduce")) else 1)
             self.bytes[dim] += moved
             if self.once_a_step:
                 self.step_bytes[dim] += moved
@@ -415,6 +422,13 @@ def trace_compiled_blocks(cfg: Any) -> None:
 def compile_notes(cfg: Any, graph_breaks: int = 0) -> list[str]:
     """What the estimate of compiled blocks traces that the GPU runs otherwise (a line each, none otherwise);
     `graph_breaks`: dynamo's count over the traced steps."""
+    from megalm.training.compile import auto_compile
+
+    if cfg.trainer.compile is None:  # auto: priced eager, as the trace's CPU trainer resolves it
+        if not auto_compile(cfg, torch.device("cuda"))[0]:
+            return []
+        return ["trainer.compile=auto: blocks priced eager, where a CUDA run of this config compiles them (auto -> "
+                "true); trainer.compile=true prices them compiled"]
     if not cfg.trainer.compile:
         return []
     if not compat.compiles_over_fake_tensors():

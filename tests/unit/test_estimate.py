@@ -91,8 +91,13 @@ def test_the_command_line(capsys):
     assert {"ranks", "step_time_s", "mfu", "tokens_per_s"} <= result.keys()
     assert set(result["ranks"][0]) >= {"role", "peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes",
                                        "activation_bytes", "comm_bytes", "host_bytes", "reserve_bytes", "flops"}
-    assert result["notes"] == [f"batch not given: {estimate.BATCH_DEFAULTS}"]
+    auto, batch = result["notes"]  # trainer.compile left at auto: priced eager, where CUDA would compile (tp2)
+    assert auto.startswith("trainer.compile=auto: blocks priced eager, where a CUDA run") and "\n" not in auto
+    assert batch == f"batch not given: {estimate.BATCH_DEFAULTS}"
     assert "tp" in result["ranks"][0]["collective_bytes"]
+    sp = [*SMALL, "parallel.tp=2", "parallel.sequence_parallel=true", "precision=bf16", "--world", "2", "--json"]
+    assert estimate.main(sp) == 0  # under SP auto stays eager on CUDA too: nothing to say
+    assert not any(n.startswith("trainer.compile") for n in json.loads(capsys.readouterr().out)["notes"])
 
 
 def test_hdp_measures_the_largest_ring_and_its_loads_are_the_simulators():
@@ -208,6 +213,28 @@ def test_fp8_gemms_are_traced_as_the_gpu_runs_them(monkeypatch):
         assert by_op["linalg_vector_norm"].kernels == 0, "a cast's amax was priced as an op of its own"
     assert any("torch._scaled_mm" in n for n in notes["h100"]), notes
     assert any("no FP8 tensor cores" in n for n in notes["a100"]), notes
+
+
+def test_the_collectives_of_compiled_blocks_are_counted():
+    """Compiled blocks dispatch the functional collectives dynamo turns torch.distributed's calls into
+    (`_c10d_functional`), which the estimate's `Collectives` counts as it counts eager's `c10d` ops: before, a
+    compiled tp2+SP step moved no byte over TP. What the compiled graph moves and keeps differs from eager by the
+    backward's re-gathers of the column-parallel inputs (q/k/v's and gate/up's): the joint graph's common-
+    subexpression elimination merges each with its forward gather, whose [T, h] output the backward then keeps
+    (hence `trainer.compile=auto` stays eager under SP: megalm/training/compile.py)."""
+    if not compat.compiles_over_fake_tensors():
+        pytest.skip(f"torch {torch.__version__} cannot compile over the trace's fake tensors (2.11 and later can)")
+    base = [*SMALL, "trainer.device=cpu", "trainer.micro_batch_size=2", "trainer.global_batch_size=2",
+            "data.synthetic.fixed_doc_length=32", "precision=bf16", "parallel.tp=2", "parallel.sequence_parallel=true"]
+    eager, compiled = (estimate.estimate([*base, f"trainer.compile={c}"], 2, "h100")["ranks"][0]
+                       for c in ("false", "true"))
+    model = resolve_model_defaults(compose_config(*base).model)
+    tokens, bf16 = 2 * model.seq_length, 2
+    gathered = tokens * model.hidden_size * bf16  # one all-gathered [T, h] input
+    merged = 2 * model.num_layers  # the re-gathers CSE merges: q/k/v's and gate/up's, per layer
+    assert compiled["collective_bytes"]["tp"] == eager["collective_bytes"]["tp"] - merged * gathered
+    shard = gathered // 2
+    assert compiled["activation_bytes"] == eager["activation_bytes"] + merged * (gathered - shard)  # at the peak
 
 
 def test_compiled_blocks_are_priced_as_inductor_compiles_them(monkeypatch):
