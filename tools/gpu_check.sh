@@ -229,14 +229,15 @@ step_throughput() {
   # the fast step's goal: 1.3B at seq 4096, bf16 and fp8, eager and compiled (inductor per block); each then
   # profiles 2 steps (--profile: GPU busy against wall time, time per kind of kernel, the top kernels, host syncs)
   bench "training throughput, 1.3b/4096 bf16" 150 tools/bench/throughput.py model=1.3b model.seq_length=4096 \
-    precision=bf16 trainer.global_batch_size=2 trainer.micro_batch_size=2 --steps 6 --warmup 2 --profile 2
+    precision=bf16 trainer.compile=false trainer.global_batch_size=2 trainer.micro_batch_size=2 --steps 6 \
+    --warmup 2 --profile 2
   bench "training throughput, 1.3b/4096 bf16 compiled" 240 tools/bench/throughput.py model=1.3b \
     model.seq_length=4096 precision=bf16 trainer.compile=true trainer.global_batch_size=2 \
     trainer.micro_batch_size=2 --steps 6 --warmup 3 --profile 2
   if ((DRY_RUN || capability >= 89)); then
     bench "training throughput, 1.3b/4096 fp8 (torch._scaled_mm)" 150 tools/bench/throughput.py model=1.3b \
-      model.seq_length=4096 precision=fp8 trainer.global_batch_size=2 trainer.micro_batch_size=2 --steps 6 \
-      --warmup 2 --profile 2
+      model.seq_length=4096 precision=fp8 trainer.compile=false trainer.global_batch_size=2 trainer.micro_batch_size=2 \
+      --steps 6 --warmup 2 --profile 2
     # compiled: its casts in the block's graph (fused by inductor), its GEMMs in the recipe's ops
     bench "training throughput, 1.3b/4096 fp8 compiled" 240 tools/bench/throughput.py model=1.3b \
       model.seq_length=4096 precision=fp8 trainer.compile=true trainer.global_batch_size=2 \

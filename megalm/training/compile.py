@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,6 +35,39 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> in
                                           linear_modules(block))
     log.info("trainer.compile: %d transformer blocks compiled (backend %s)", len(blocks), backend)
     return len(blocks)
+
+
+def auto_compile(cfg: Any, device: torch.device) -> tuple[bool, str]:
+    """What `trainer.compile=auto` (None) means for `cfg` (its precision resolved) on `device`, and why: compiled on
+    CUDA, where the GPU rows measured it faster (docs/benchmarks.md, 2026-11-29: 1.16x in bf16 and 1.58x in fp8 at
+    1.3B on one H200), except where compiled blocks are known to lose or to be refused; eager elsewhere."""
+    from megalm.precision import WHOLE_MODEL
+
+    parallel, precision = cfg.parallel, cfg.precision
+    if device.type != "cuda":
+        return False, f"eager on {device.type}: compiled blocks are measured faster on CUDA only"
+    if cfg.model.moe.num_experts:
+        return False, ("eager: the MoE layer breaks a compiled block's graph (its routing and grouped GEMMs); "
+                       "trainer.compile=true compiles the pieces between the breaks")
+    if parallel.sequence_parallel and parallel.tp > 1:
+        return False, ("eager: under sequence parallelism a compiled block keeps each column-parallel GEMM's "
+                       "all-gathered input for its backward, which eager gathers again (more activation memory); "
+                       "trainer.compile=true compiles anyway")
+    if precision.backend == "te":
+        return False, "eager: Transformer Engine's modules (precision.backend=te) are not compiled by megalm"
+    if precision.name not in WHOLE_MODEL and parallel.pp > 1 and parallel.pp_schedule == "zb":
+        return False, f"eager: compiled blocks run precision={precision.name} without ZB's deferred weight gradients"
+    return True, "compiled on CUDA (trainer.compile=false for eager)"
+
+
+def resolve_auto_compile(cfg: Any, device: torch.device) -> bool | None:
+    """Replace `trainer.compile=auto` (None) in `cfg` by `auto_compile`'s answer for `device`, logged in one line;
+    returns it, or None when `cfg` says true or false itself (then nothing changes)."""
+    if cfg.trainer.compile is not None:
+        return None
+    cfg.trainer.compile, why = auto_compile(cfg, device)
+    log.info("trainer.compile: auto -> %s (%s)", str(cfg.trainer.compile).lower(), why)
+    return cfg.trainer.compile
 
 
 def warn_of_known_crashes(device: torch.device, precision: str, backend: str | Callable) -> None:

@@ -18,6 +18,7 @@ from megalm.errors import ConfigError
 from megalm.offload import validate_offload
 from megalm.parallel.parallelism import validate_parallel
 from megalm.precision import validate_precision
+from megalm.training.compile import resolve_auto_compile
 from megalm.training.device import resolve_auto_precision
 
 
@@ -26,11 +27,12 @@ def validate_run(cfg: MegalmConfig, world_size: int = 1, device: torch.device | 
     (model sizes, `parallel.dp`, `parallel.hdp_capacity`) and `precision=auto` resolved against the run's
     `device` (default, for tools that only check a config: the GPU here if `trainer.device` allows one, else the
     CPU), so no rule sees "auto". The config passed in is left as it was (the package validators below fill
-    the copy)."""
+    the copy); `trainer.compile=auto` likewise, after the precision (megalm/training/compile.py)."""
     cfg = copy.deepcopy(cfg)
     if device is None:
         device = torch.device("cuda" if cfg.trainer.device != "cpu" and torch.cuda.is_available() else "cpu")
     resolve_auto_precision(cfg, device)
+    resolve_auto_compile(cfg, device)  # after the precision: what compiles depends on the recipe
     validate(cfg)
     validate_parallel(cfg, world_size)
     validate_precision(cfg)

@@ -66,7 +66,9 @@ def train_two_steps(run_dir: Path, device: str, precision: str, overrides: list[
     `precision`."""
     threads = torch.get_num_threads()
     precision, backend = BACKENDS.get(precision, (precision, []))
-    cfg = compose_config(*overrides, f"trainer.device={device}", f"precision={precision}", *backend, tiny=False)
+    # eager on both devices (trainer.compile=auto would compile on CUDA): test_gpu_compile.py compares compiled runs
+    cfg = compose_config(*overrides, f"trainer.device={device}", f"precision={precision}", *backend,
+                         "trainer.compile=false", tiny=False)
     if device == "cpu":
         cfg.trainer.num_threads = min(os.cpu_count() or 1, 16)  # the fp32 reference: use the machine's cores
     try:

@@ -422,3 +422,44 @@ def test_a_torch_known_to_crash_compiled_fp8_casts_on_the_cpu_is_named_in_a_warn
         with caplog.at_level(logging.WARNING, logger="megalm"):
             warn_of_known_crashes(device, precision, backend)
         assert ("segfault" in caplog.text) == warned, (version, device, precision, backend)
+
+
+@pytest.mark.parametrize("overrides, device, expected, why", [
+    ([], "cuda", True, "compiled on CUDA"),
+    ([], "cpu", False, "eager on cpu"),
+    (["parallel.tp=2"], "cuda", True, "compiled on CUDA"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true"], "cuda", False, "under sequence parallelism"),
+    (["model=moe_tiny"], "cuda", False, "the MoE layer breaks"),
+    (["precision.backend=te", "precision=fp8"], "cuda", False, "Transformer Engine"),
+    (["precision=fp8", "parallel.pp=2", "parallel.pp_schedule=zb"], "cuda", False, "without ZB's deferred"),
+    (["parallel.pp=2", "parallel.pp_schedule=zb"], "cuda", True, "compiled on CUDA"),
+    (["parallel.dp=2", "parallel.fsdp=true"], "cuda", True, "compiled on CUDA"),
+], ids=["cuda", "cpu", "tp", "sp", "moe", "te", "fp8_zb", "bf16_zb", "fsdp"])
+def test_compile_auto_compiles_on_cuda_where_compiled_blocks_were_measured_faster(overrides, device, expected, why,
+                                                                                  caplog):
+    """`trainer.compile` defaults to auto (None): compiled on CUDA (the GPU rows of docs/benchmarks.md: 1.16x bf16,
+    1.58x fp8 at 1.3B), eager on a CPU and where compiled blocks lose (SP keeps the gathered inputs; MoE's layer
+    breaks the graph) or are refused (a recipe under ZB); one log line says which and why. true/false stay."""
+    from megalm.training.compile import resolve_auto_compile
+
+    precision = [] if any(o.startswith("precision=") for o in overrides) else ["precision=bf16"]
+    cfg = compose_config(*precision, *overrides)
+    assert cfg.trainer.compile is None, "the default is auto"
+    with caplog.at_level(logging.INFO, logger="megalm"):
+        assert resolve_auto_compile(cfg, torch.device(device)) is expected
+    assert cfg.trainer.compile is expected
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("trainer.compile: auto ->")]
+    assert len(lines) == 1 and why in lines[0] and "\n" not in lines[0], lines
+    for explicit in (True, False):
+        cfg.trainer.compile = explicit
+        assert resolve_auto_compile(cfg, torch.device(device)) is None and cfg.trainer.compile is explicit
+
+
+def test_a_default_run_on_the_cpu_stays_eager(tmp_path):
+    """The CPU trainer resolves auto to eager before the blocks would be compiled: no block's forward is wrapped."""
+    from megalm.model import TransformerBlock
+
+    trainer = Trainer(compose_config(*EQUAL_DOCS), tmp_path)
+    assert trainer.cfg.trainer.compile is False
+    blocks = [m for m in trainer.model.modules() if isinstance(m, TransformerBlock)]
+    assert blocks and all("forward" not in vars(block) for block in blocks)

@@ -13,12 +13,13 @@ counts agree) on the same synthetic tokens (megalm's synthetic documents, each e
 sample is one full causal sequence), with one step everywhere: forward, backward, grad-norm clip at 1.0, fused
 AdamW, no activation recomputation. The peers' versions are pinned in one place, tools/compare_peers.txt.
 
-- megalm: its own `Trainer.train_step` (as tools/bench/throughput.py times it; `data.varlen=true`), eager, its
+- megalm: its own `Trainer.train_step` (as tools/bench/throughput.py times it; `data.varlen=true`), eager
+  (`trainer.compile=false`, where the default, auto, compiles on CUDA), its
   attention backend `auto` (on Hopper `cudnn`: these equal documents are one batched SDPA call, cuDNN's kernel
   where torch picks it; on other GPUs torch's varlen flash kernel in bf16; SDPA on a CPU).
 - megalm_compiled, labelled "megalm (trainer.compile=true)": the same with each transformer block compiled by
-  inductor, the setting to set beside TorchTitan's compiled blocks; CUDA only (skipped on a CPU, saying so). The
-  first GPU run (H200, 2026-11-28) measured megalm eager only, and compiled blocks 1.15x faster in throughput.py.
+  inductor, the setting to set beside TorchTitan's compiled blocks (and megalm's default on CUDA); CUDA only
+  (skipped on a CPU, saying so). On one H200 (2026-11-29) 1.16x the eager row in bf16, 1.58x in fp8.
 - megalm_torchao, labelled "megalm (precision.backend=torchao)": fp8 cells only, megalm's step with torchao's
   Float8Linear as its FP8 linears (the ones TorchTitan's fp8 runs; megalm/precision/torchao_fp8.py), compiled per
   block on CUDA as TorchTitan's are (eager elsewhere): beside megalm_compiled, the two FP8 backends in one trainer.
@@ -326,7 +327,9 @@ def run_megalm(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.dev
                steps: int) -> Run:
     from megalm.training.trainer import Trainer
 
-    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_steps=warmup + steps))
+    # the megalm row is eager (trainer.compile=auto would compile it on CUDA); megalm_compiled sets true
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_steps=warmup + steps,
+                                                               compile=bool(cfg.trainer.compile)))
     tokens = []
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(cfg, run_dir)

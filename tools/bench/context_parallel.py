@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
     args = parser.parse_args([a for a in argv if a not in overrides])
     cps = args.cp or [2**i for i in range(args.nproc.bit_length()) if 2**i <= args.nproc]
-    overrides = [f"parallel.cp_comm={args.comm}", *overrides]
+    # eager unless asked (trainer.compile=true): a few steps per length would time compiles, not the ring
+    overrides = [f"parallel.cp_comm={args.comm}", "trainer.compile=false", *overrides]
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
           f"overrides: {' '.join(overrides)}")
     print("| seq | cp | tokens per rank | step time s | tokens/s | saved activations MiB per rank "

@@ -37,7 +37,8 @@ def compose_config(overrides: list[str]):
 
 def train(recipe: str, steps: int, overrides: list[str], root: Path) -> dict:
     cfg = compose_config([f"precision={recipe}", f"trainer.max_steps={steps}", f"trainer.eval_interval={steps}",
-                          "trainer.save_interval=0", "logging.tensorboard=false", *overrides])
+                          "trainer.save_interval=0", "logging.tensorboard=false",
+                          "trainer.compile=false", *overrides])  # eager unless asked: recipes, not compiles
     start = time.perf_counter()
     summary = Trainer(cfg, root / recipe).fit()
     return {"recipe": recipe, "val_loss": summary.val_loss, "train_loss": summary.last_loss,

@@ -13,8 +13,9 @@ median step and writes nothing but a temporary run dir (deleted afterwards).
 waiting on the host), the time per kind of kernel and the kernels that took most; `--profile-trace PATH` also
 writes the Chrome trace. The profiled steps are not in the timed figures (the profiler slows the host).
 
-With `trainer.compile=true` it also reports dynamo's own counts over all the steps it ran: graph breaks and
-compiled frames (the first graph and every recompile), so a GPU row says whether its blocks were whole graphs.
+Where the blocks compile (`trainer.compile=true`, or auto on CUDA) it also reports dynamo's own counts over all the
+steps it ran: graph breaks and compiled frames (the first graph and every recompile), so a GPU row says whether its
+blocks were whole graphs.
 """
 
 from __future__ import annotations
@@ -70,9 +71,10 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = compose_config(overrides)
     cfg.trainer.max_steps = args.warmup + args.steps + (args.profile + 1 if args.profile else 0)
     profile = None
-    compiled = compile_counts() if cfg.trainer.compile else None
+    compiled = compile_counts() if cfg.trainer.compile is not False else None  # true, or auto (None)
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(cfg, run_dir)
+        compiled = compiled if trainer.cfg.trainer.compile else None  # auto resolved: eager here
         device = trainer.device
         times, tokens, flops = [], [], []
         for step in range(args.warmup + args.steps):
