@@ -88,11 +88,13 @@ class LRSchedule(Choice):
 
 
 class OptimizerImplementation(Choice):
-    """torch's AdamW kernel: fused (one kernel per step), foreach, or auto."""
+    """torch's AdamW kernel: fused (one kernel per step), foreach, or auto; or triton: megalm's one-pass kernel over
+    fp32 main weights that writes the working copies too (megalm/parallel/data_parallel/adamw_kernel.py)."""
 
     auto = "auto"
     fused = "fused"
     foreach = "foreach"
+    triton = "triton"
 
 
 class Device(Choice):

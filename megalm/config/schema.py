@@ -201,7 +201,9 @@ class OptimConfig:
     wsd_decay_fraction: float = 0.2
     """wsd: the last fraction of trainer.max_steps decays linearly to min_lr."""
     implementation: OptimizerImplementation = OptimizerImplementation.auto
-    """auto | fused (one kernel per step) | foreach: torch's AdamW kernel."""
+    """auto | fused (one kernel per step) | foreach: torch's AdamW kernel; triton: megalm's one pass over the fp32
+    main weights that also writes the bf16 working copies (bf16 working weights or ZeRO-1; CUDA, or a CPU under
+    TRITON_INTERPRET=1, else torch's with a warning; opt-in until a GPU measures it: tools/bench/adamw_kernels.py)."""
 
 
 @dataclass

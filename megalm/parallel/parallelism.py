@@ -170,6 +170,10 @@ class Parallelism:
         # How to build this layout's optimizer (None: the trainer's own AdamW): over the reducer's buckets for
         # ZeRO-1's shards or for fp32 main weights
         self.optimizer_factory = self._bucket_adamw if p.zero1 or self.working_dtype else None
+        if cfg.optim.implementation == "triton" and self.optimizer_factory is None:
+            raise ConfigError("optim.implementation=triton steps fp32 main weights behind bf16 working weights, or "
+                              "ZeRO-1 shards (BucketAdamW); use precision=bf16 or parallel.zero1=true, or "
+                              "optim.implementation=auto" + (" (FSDP steps its own shards)" if p.fsdp else ""))
         self._norm_weights = self._grad_norm_weights()
         recipe = cfg.precision.name
         if cfg.model.moe.num_experts and recipe not in ("bf16", "bf16_autocast", "fp32"):
@@ -220,8 +224,9 @@ class Parallelism:
     def _bucket_adamw(self, params: list[dict], **hyper) -> BucketAdamW:
         """This layout's optimizer (ZeRO-1's, or fp32 main weights'); the initial fp32 weights go to it, once."""
         initial, self._initial_weights = self._initial_weights, None
+        kernel = "triton" if self.cfg.optim.implementation == "triton" else "torch"
         optimizer = BucketAdamW(params, self.reducer, working_dtype=self.working_dtype, initial_weights=initial,
-                                **hyper)
+                                kernel=kernel, **hyper)
         if self.cfg.parallel.overlap_param_gather and optimizer.overlap_param_gather_with(forward_owners(self.model)):
             log.info("ZeRO-1: the parameter all-gather of %d buckets overlaps the next forward (each waited for "
                      "before the first block that reads it)", len(self.reducer.buckets))

@@ -28,6 +28,7 @@ divided by the DP size under ZeRO-1 — Megatron's 18 and 6 + 12/d. Checkpoints 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -41,8 +42,11 @@ from torch.utils.hooks import RemovableHandle
 from megalm.model import TransformerBlock
 from megalm.model.naming import model_chunks
 from megalm.parallel.collectives import all_gather_flat
+from megalm.parallel.data_parallel import adamw_kernel
 from megalm.parallel.data_parallel.reducer import GradBucket, GradReducer
 from megalm.parallel.norms import NormShare
+
+log = logging.getLogger("megalm")
 
 
 class BucketAdamW:
@@ -74,7 +78,7 @@ class BucketAdamW:
     def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict], reducer: GradReducer, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  working_dtype: torch.dtype | None = None,
-                 initial_weights: dict[int, torch.Tensor] | None = None):
+                 initial_weights: dict[int, torch.Tensor] | None = None, kernel: str = "torch"):
         if not reducer.zero1 and not (working_dtype is not None and reducer.accumulate):
             raise ValueError("BucketAdamW needs a GradReducer built with zero1=True, or, for working_dtype "
                              "parameters, one built with accumulate=True")
@@ -112,6 +116,12 @@ class BucketAdamW:
         # torch's fused AdamW kernel where the device has one (CPU and CUDA), its foreach kernels otherwise
         device = reducer.params[0].device if reducer.params else torch.device("cpu")
         self.fused = device.type in ("cpu", "cuda")
+        # optim.implementation=triton: megalm's one-pass kernel (adamw_kernel.py), which writes the working copies too
+        self.kernel = kernel
+        if kernel == "triton" and not adamw_kernel.runnable(device):
+            log.warning("optim.implementation=triton: the Triton AdamW kernel cannot run on %s (it needs CUDA, or "
+                        "TRITON_INTERPRET=1 on a CPU); torch's AdamW steps instead", device.type)
+            self.kernel = "torch"
         self.exp_avg = [torch.zeros(b.shard_numel, dtype=torch.float32, device=b.buffer.device)
                         for b in reducer.buckets]
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.exp_avg]
@@ -199,6 +209,9 @@ class BucketAdamW:
                     out.append(tensor)
         if fresh[0]:
             torch._foreach_copy_(*fresh)
+        if self.kernel == "triton":
+            self._kernel_step(grads, shards)
+            return self._after_step()
         for group, (params, grads_, exp_avgs, exp_avg_sqs) in per_group.values():
             # torch's own AdamW kernels (fused, or foreach) on this rank's flat segments, one call per param group;
             # the step counters (one per tensor, as torch's kernels take them) are views of one tensor
@@ -209,8 +222,28 @@ class BucketAdamW:
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                   eps=group["eps"], maximize=False)
         self._refresh_params(shards)
+        self._after_step()
+
+    def _after_step(self) -> None:
         for hook in list(self._post_hooks.values()):
             hook(self, (), {})
+
+    def _kernel_step(self, grads: list[torch.Tensor], shards: list[torch.Tensor]) -> None:
+        """`optim.implementation=triton`: adamw_kernel's one pass per segment. Where this rank owns whole buckets
+        the pass writes the parameter (the working copy, or the fp32 weight itself) as it goes; under ZeRO-1 the
+        all-gather refreshes them, as after torch's kernel."""
+        whole = not self.reducer.zero1
+        for bucket, grad, m, v, shard in zip(self.reducer.buckets, grads, self.exp_avg, self.exp_avg_sq, shards,
+                                             strict=True):
+            for seg in bucket.segments:
+                group, s = self._group_of[id(seg.param)], seg.shard_slice
+                work = seg.param.detach().reshape(-1)[seg.param_slice] if whole else None
+                beta1, beta2 = group["betas"]
+                adamw_kernel.adamw_step_(shard[s], grad[s], m[s], v[s], work, lr=group["lr"], beta1=beta1,
+                                         beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                                         step=self.step_count, grad_scale=self.grad_scale)
+        if not whole:
+            self._refresh_params(shards)
 
     def _refresh_params(self, shards: list[torch.Tensor]) -> None:
         """Every parameter from the updated owned parts: all-gathered under ZeRO-1 (in the parameters' dtype:

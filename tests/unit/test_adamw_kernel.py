@@ -1,0 +1,108 @@
+"""`optim.implementation=triton`: megalm's one-pass AdamW kernel (megalm/parallel/data_parallel/adamw_kernel.py)
+steps as torch's fused AdamW does, writes the working copies torch's path casts in a second kernel, and trains as
+torch's does. On a CPU it runs under the Triton interpreter (tests/unit/triton_env.py); on CUDA compiled."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import pytest
+import torch
+
+from tests.unit.triton_env import interpreter_fixture, restore_env, use_interpreter_without_cuda
+
+use_interpreter_without_cuda()  # before triton is imported anywhere in this process
+
+if importlib.util.find_spec("triton") is None:
+    restore_env()
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+from torch.optim.adamw import adamw  # noqa: E402
+
+from megalm.errors import ConfigError  # noqa: E402
+from megalm.parallel.data_parallel import adamw_kernel  # noqa: E402
+from megalm.training.trainer import Trainer  # noqa: E402
+from tests.conftest import compose_config  # noqa: E402
+
+DEVICE = "cpu" if adamw_kernel._interpret() else "cuda"
+if not adamw_kernel.runnable(torch.device(DEVICE)):
+    restore_env()
+    pytest.skip(f"triton cannot run on {DEVICE}", allow_module_level=True)
+
+_triton_interpret = interpreter_fixture(DEVICE)
+HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+
+
+@pytest.mark.parametrize("weight_decay, scaled", [(0.1, True), (0.0, False)], ids=["decay_clip", "plain"])
+def test_the_kernel_steps_as_torch_s_fused_adamw(weight_decay, scaled):
+    """Three steps of 10,007 elements (two programs and a ragged end) against torch's fused AdamW (the step
+    counter torch increments first, as BucketAdamW hands it): the weights and moments within a few fp32 roundings
+    (FMA contraction and the lerp's form differ), the bf16 working copy exactly the main weights rounded to
+    nearest even, the gradients untouched (torch's kernel writes the unscaled ones back)."""
+    gen = torch.Generator().manual_seed(0)
+    n = 10_007
+    start = [torch.randn(n, generator=gen), torch.randn(n, generator=gen), 0.1 * torch.randn(n, generator=gen),
+             0.01 * torch.rand(n, generator=gen)]
+    ours = [t.clone().to(DEVICE) for t in start]
+    torch_s = [t.clone().to(DEVICE) for t in start]
+    work = torch.empty(n, dtype=torch.bfloat16, device=DEVICE)
+    scale = torch.tensor(2.5, device=DEVICE) if scaled else None
+    for step in (1, 2, 3):
+        adamw(*[[t] for t in torch_s], [], [torch.tensor(float(step - 1), device=DEVICE)], fused=True,
+              grad_scale=None if scale is None else scale.clone(), amsgrad=False, weight_decay=weight_decay,
+              maximize=False, **HYPER)
+        torch_s[1].copy_(start[1])
+        adamw_kernel.adamw_step_(*ours, work, weight_decay=weight_decay, step=step, grad_scale=scale, **HYPER)
+    for name, got, want in zip(("weights", "gradients", "first moments", "second moments"), ours, torch_s,
+                               strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+    assert torch.equal(ours[1], start[1].to(DEVICE)), "the gradients were written"
+    assert torch.equal(work, ours[0].to(torch.bfloat16)), "the working copy is not the rounded main weights"
+
+
+def test_bad_tensors_are_refused():
+    x = torch.zeros(8, device=DEVICE)
+    with pytest.raises(ValueError, match="1-D contiguous tensors of one length"):
+        adamw_kernel.adamw_step_(x, x[:4], x, x, None, weight_decay=0.0, step=1, **HYPER)
+    with pytest.raises(TypeError, match="fp32 main weights"):
+        adamw_kernel.adamw_step_(x, x.half(), x, x, None, weight_decay=0.0, step=1, **HYPER)
+
+
+TRAIN = ["data=synthetic", "trainer.device=cpu"]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the trainer comparison runs on the CPU (the GPU tier trains on CUDA)")
+@pytest.mark.parametrize("layout", [["precision=bf16"], ["precision=fp32", "parallel.zero1=true"]],
+                         ids=["bf16_main_weights", "zero1"])
+def test_training_with_the_kernel_matches_torch_s(tmp_path, layout):
+    """Four steps of the tiny model, clipped (the scale folded into the step), the kernel against torch's fused
+    AdamW: the same losses and weights. bf16: the kernel writes the working copies itself; ZeRO-1 (one rank): the
+    all-gather refreshes them."""
+    runs = {impl: Trainer(compose_config(*TRAIN, *layout, f"optim.implementation={impl}", "trainer.grad_clip=0.1"),
+                          tmp_path / impl) for impl in ("auto", "triton")}
+    assert runs["triton"].optimizer.kernel == "triton" and runs["auto"].optimizer.kernel == "torch"
+    for step in range(4):
+        a, b = (runs[impl].train_step(step).loss for impl in ("auto", "triton"))
+        assert a == pytest.approx(b, rel=1e-5), step
+    for (name, p), (_, q) in zip(runs["auto"].model.named_parameters(), runs["triton"].model.named_parameters(),
+                                 strict=True):  # within one bf16 rounding: the main weights differ in the last bits
+        torch.testing.assert_close(q.float(), p.float(), rtol=2**-7, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    optimizers = {impl: runs[impl].optimizer for impl in runs}
+    for state in ("main", "exp_avg", "exp_avg_sq"):
+        got, want = (torch.cat(getattr(optimizers[impl], state) or [torch.zeros(0)]) for impl in ("triton", "auto"))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7, msg=lambda m, state=state: f"{state}: {m}")
+
+
+def test_without_main_weights_or_zero1_it_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="optim.implementation=triton steps fp32 main weights") as error:
+        Trainer(compose_config(*TRAIN, "precision=fp32", "optim.implementation=triton"), tmp_path)
+    assert "\n" not in str(error.value)
+
+
+def test_where_triton_cannot_run_torch_s_adamw_steps_and_says_so(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(adamw_kernel, "runnable", lambda device: False)
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        trainer = Trainer(compose_config(*TRAIN, "precision=bf16", "optim.implementation=triton"), tmp_path)
+    assert trainer.optimizer.kernel == "torch"
+    assert any("the Triton AdamW kernel cannot run on cpu" in r.getMessage() for r in caplog.records)
