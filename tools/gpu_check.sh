@@ -226,9 +226,6 @@ step_throughput() {
   # attention first (seconds): cuDNN's kernel (auto's pick on Hopper for equal documents) against torch's flash one
   bench "attention kernels, 1.3b/4096, one document per sequence" 90 tools/bench/attention_kernels.py model=1.3b \
     model.seq_length=4096 --seqs 4
-  # the optimizer step (24 of the compiled bf16 step's 173 ms on 2026-11-29): torch's fused AdamW + the bf16 copy
-  # against megalm's one-pass Triton kernel (optim.implementation=triton), over the 1.3B model's parameters
-  bench "AdamW kernels, 1.3b parameters" 60 tools/bench/adamw_kernels.py model=1.3b --iters 10 --warmup 3
   # the fast step's goal: 1.3B at seq 4096, bf16 and fp8, eager and compiled (inductor per block); each then
   # profiles 2 steps (--profile: GPU busy against wall time, time per kind of kernel, the top kernels, host syncs)
   bench "training throughput, 1.3b/4096 bf16" 150 tools/bench/throughput.py model=1.3b model.seq_length=4096 \
@@ -246,6 +243,9 @@ step_throughput() {
       model.seq_length=4096 precision=fp8 trainer.compile=true trainer.global_batch_size=2 \
       trainer.micro_batch_size=2 --steps 6 --warmup 3 --profile 2
   fi
+  # the optimizer step (24 of the compiled bf16 step's 173 ms on 2026-11-29): torch's fused AdamW + the bf16 copy
+  # against megalm's one-pass Triton kernel (optim.implementation=triton), over the 1.3B model's parameters
+  bench "AdamW kernels, 1.3b parameters" 60 tools/bench/adamw_kernels.py model=1.3b --iters 10 --warmup 3
 }
 step_bench() {
   bench "MX quantization bandwidth (Triton kernel vs PyTorch reference)" 120 \
