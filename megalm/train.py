@@ -96,6 +96,7 @@ def shutdown_distributed() -> None:
 
 def run(cfg: DictConfig) -> float | None:
     """Train with a composed config; returns the last logged loss (what a Hydra sweeper minimises)."""
+    from megalm.training.compile import resolve_auto_compile
     from megalm.training.device import resolve_auto_precision, select_device
     from megalm.training.preemption import REQUEUE_EXIT_CODE
     from megalm.training.trainer import Trainer
@@ -109,8 +110,11 @@ def run(cfg: DictConfig) -> float | None:
             run_dir, rank = shared_run_dir(own_dir, config)
         if rank != 0:  # one voice: rank 0 logs, the others only warn
             log.setLevel(logging.WARNING)
-        # precision=auto becomes the recipe of this device before anything is written: config.yaml names it
-        if resolve_auto_precision(cfg, select_device(config.trainer.device)) is not None:
+        # precision=auto becomes the recipe of this device, and trainer.compile=null (auto) true or false, before
+        # anything is written: config.yaml names them
+        device = select_device(config.trainer.device)
+        resolved = resolve_auto_precision(cfg, device) is not None
+        if resolve_auto_compile(cfg, device) is not None or resolved:
             config = to_dataclass(cfg)
         if rank == 0:
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))

@@ -185,7 +185,7 @@ step_tests() {
     TESTS=(tests/gpu tests/unit/test_fake_cuda.py)
   else
     TESTS=(tests/gpu tests/unit/test_fake_cuda.py tests/unit/test_mx_gemm_fused.py tests/unit/test_mx_triton.py
-           tests/unit/test_ring_kernels.py)
+           tests/unit/test_ring_kernels.py tests/unit/test_adamw_kernel.py)
   fi
   # `-m "gpu or not slow"`: the gpu tests, and the unit files' tests, which carry no marker
   # --timeout 90: a hung test fails alone and the others are still counted (addopts' 600 s exceeds the step)
@@ -250,8 +250,8 @@ step_throughput() {
 step_bench() {
   bench "MX quantization bandwidth (Triton kernel vs PyTorch reference)" 120 \
     tools/bench/mx_quantize_bandwidth.py --m 8192 --k 8192 --iters 10 --warmup 2
-  bench "training throughput, 125m bf16" 120 tools/bench/throughput.py model=125m precision=bf16 \
-    trainer.global_batch_size=8 trainer.micro_batch_size=8 --steps 10 --warmup 3
+  bench "training throughput, 125m bf16 (the default: compiled on CUDA)" 120 tools/bench/throughput.py model=125m \
+    precision=bf16 trainer.global_batch_size=8 trainer.micro_batch_size=8 --steps 10 --warmup 3
   bench "precision recipes on the demo, 100 steps" 180 tools/bench/precision_convergence.py \
     --recipes fp32 bf16 fp8 mxfp4 --steps 100 trainer.eval_iters=4
   # mixture of experts on one GPU (the grouped GEMMs' speed): moe_1b's 16 experts at 8 of its 24 layers (2.5B

@@ -425,10 +425,10 @@ def compile_notes(cfg: Any, graph_breaks: int = 0) -> list[str]:
     from megalm.training.compile import auto_compile
 
     if cfg.trainer.compile is None:  # auto: priced eager, as the trace's CPU trainer resolves it
-        if not auto_compile(cfg, torch.device("cuda"))[0]:
+        if not auto_compile(cfg, torch.device("cuda"))[0]:  # the trace runs on the CPU; the estimate is of a GPU
             return []
-        return ["trainer.compile=auto: blocks priced eager, where a CUDA run of this config compiles them (auto -> "
-                "true); trainer.compile=true prices them compiled"]
+        return ["trainer.compile left at null (auto): blocks priced eager, where a CUDA run of this config compiles "
+                "them; trainer.compile=true prices them compiled"]
     if not cfg.trainer.compile:
         return []
     if not compat.compiles_over_fake_tensors():

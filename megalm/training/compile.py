@@ -11,6 +11,7 @@ reads a tensor's value on the host (documents of equal length take the batched a
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -38,14 +39,15 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> in
 
 
 def auto_compile(cfg: Any, device: torch.device) -> tuple[bool, str]:
-    """What `trainer.compile=auto` (None) means for `cfg` (its precision resolved) on `device`, and why: compiled on
-    CUDA, where the GPU rows measured it faster (docs/benchmarks.md, 2026-11-29: 1.16x in bf16 and 1.58x in fp8 at
-    1.3B on one H200), except where compiled blocks are known to lose or to be refused; eager elsewhere."""
-    from megalm.precision import WHOLE_MODEL
-
+    """What `trainer.compile=null` (auto, the default) means for `cfg` (its precision resolved) on `device`, and
+    why: compiled on CUDA, where the GPU rows measured it faster (docs/benchmarks.md, 2026-11-29: 1.16x in bf16 and
+    1.58x in fp8 at 1.3B on one H200), except where inductor cannot or compiled blocks are known to lose; eager
+    elsewhere."""
     parallel, precision = cfg.parallel, cfg.precision
     if device.type != "cuda":
         return False, f"eager on {device.type}: compiled blocks are measured faster on CUDA only"
+    if problem := inductor_cannot_compile(device):
+        return False, f"eager: {problem}"
     if cfg.model.moe.num_experts:
         return False, ("eager: the MoE layer breaks a compiled block's graph (its routing and grouped GEMMs); "
                        "trainer.compile=true compiles the pieces between the breaks")
@@ -55,18 +57,30 @@ def auto_compile(cfg: Any, device: torch.device) -> tuple[bool, str]:
                        "trainer.compile=true compiles anyway")
     if precision.backend == "te":
         return False, "eager: Transformer Engine's modules (precision.backend=te) are not compiled by megalm"
-    if precision.name not in WHOLE_MODEL and parallel.pp > 1 and parallel.pp_schedule == "zb":
-        return False, f"eager: compiled blocks run precision={precision.name} without ZB's deferred weight gradients"
+    if parallel.pp > 1 and parallel.pp_schedule == "zb":
+        return False, ("eager: the zero-bubble schedule's deferred weight gradients (a side effect in each linear's "
+                       "backward) break a compiled block's graph at every linear")
     return True, "compiled on CUDA (trainer.compile=false for eager)"
 
 
+def inductor_cannot_compile(device: torch.device) -> str | None:
+    """Why inductor cannot generate kernels for CUDA `device` (None: it can): triton missing, or a GPU below sm70."""
+    if importlib.util.find_spec("triton") is None:
+        return "inductor's CUDA kernels need triton, which is not installed"
+    capability = compat.cuda_capability(device)
+    if capability is not None and capability < (7, 0):
+        return f"inductor's Triton kernels need compute capability 7.0+ (this GPU: {capability})"
+    return None
+
+
 def resolve_auto_compile(cfg: Any, device: torch.device) -> bool | None:
-    """Replace `trainer.compile=auto` (None) in `cfg` by `auto_compile`'s answer for `device`, logged in one line;
-    returns it, or None when `cfg` says true or false itself (then nothing changes)."""
+    """Replace `trainer.compile=null` (auto, the default) in `cfg` (a MegalmConfig or a composed Hydra config) by
+    `auto_compile`'s answer for `device`, logged in one line; returns it, or None when `cfg` says true or false
+    itself (then nothing changes)."""
     if cfg.trainer.compile is not None:
         return None
     cfg.trainer.compile, why = auto_compile(cfg, device)
-    log.info("trainer.compile: auto -> %s (%s)", str(cfg.trainer.compile).lower(), why)
+    log.info("trainer.compile: null (auto) -> %s (%s)", str(cfg.trainer.compile).lower(), why)
     return cfg.trainer.compile
 
 

@@ -27,7 +27,7 @@ def validate_run(cfg: MegalmConfig, world_size: int = 1, device: torch.device | 
     (model sizes, `parallel.dp`, `parallel.hdp_capacity`) and `precision=auto` resolved against the run's
     `device` (default, for tools that only check a config: the GPU here if `trainer.device` allows one, else the
     CPU), so no rule sees "auto". The config passed in is left as it was (the package validators below fill
-    the copy); `trainer.compile=auto` likewise, after the precision (megalm/training/compile.py)."""
+    the copy); `trainer.compile=null` (auto) likewise, after the precision (megalm/training/compile.py)."""
     cfg = copy.deepcopy(cfg)
     if device is None:
         device = torch.device("cuda" if cfg.trainer.device != "cpu" and torch.cuda.is_available() else "cpu")

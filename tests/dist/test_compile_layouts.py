@@ -55,7 +55,7 @@ def test_blocks_compile_without_breaks(tmp_path, name):
 def compiled_and_eager_losses(rank: int, world_size: int, overrides: list[str], tmp: str, out: str) -> None:
     torch._dynamo.reset()
     plain = [o for o in EQUAL_DOCS if not o.startswith("trainer.compile")]
-    eager = Trainer(compose_config(*plain, *overrides), f"{tmp}/eager")
+    eager = Trainer(compose_config(*plain, *overrides, "trainer.compile=false"), f"{tmp}/eager")
     compiled = Trainer(compose_config(*plain, "trainer.compile=true", "trainer.compile_backend=aot_eager",
                                       *overrides), f"{tmp}/compiled")
     losses = [(eager.train_step(step).loss, compiled.train_step(step).loss) for step in range(3)]
@@ -71,7 +71,7 @@ def test_compiled_layout_trains_as_eager(tmp_path, name):
     ring (fp32). Both run the same op (checked against one process in test_context_parallel); this checks what the
     traced graph hands it and keeps for its backward: a scale off by 0.1% in the traced call only moves a weight by
     5e-4. fsdp2: FSDP2's gathers and reduce-scatters stay in its eager hooks around each compiled block (what
-    `trainer.compile=auto` compiles on CUDA)."""
+    `trainer.compile=null`, auto, compiles on CUDA)."""
     world, overrides = LAYOUTS[name]
     run_distributed(compiled_and_eager_losses, world, overrides, str(tmp_path), str(tmp_path / "ring"), timeout=300)
     for rank in range(world):

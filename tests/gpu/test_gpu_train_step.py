@@ -66,7 +66,8 @@ def train_two_steps(run_dir: Path, device: str, precision: str, overrides: list[
     `precision`."""
     threads = torch.get_num_threads()
     precision, backend = BACKENDS.get(precision, (precision, []))
-    # eager on both devices (trainer.compile=auto would compile on CUDA): test_gpu_compile.py compares compiled runs
+    # eager on both devices (trainer.compile's default, null, compiles on CUDA): test_gpu_compile.py compares
+    # compiled runs
     cfg = compose_config(*overrides, f"trainer.device={device}", f"precision={precision}", *backend,
                          "trainer.compile=false", tiny=False)
     if device == "cpu":

@@ -67,6 +67,8 @@ def test_bad_tensors_are_refused():
         adamw_kernel.adamw_step_(x, x[:4], x, x, None, weight_decay=0.0, step=1, **HYPER)
     with pytest.raises(TypeError, match="fp32 main weights"):
         adamw_kernel.adamw_step_(x, x.half(), x, x, None, weight_decay=0.0, step=1, **HYPER)
+    with pytest.raises(TypeError, match="their bf16 copy"):
+        adamw_kernel.adamw_step_(x, x, x, x, x.clone(), weight_decay=0.0, step=1, **HYPER)
 
 
 TRAIN = ["data=synthetic", "trainer.device=cpu"]

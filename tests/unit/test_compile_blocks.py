@@ -81,7 +81,7 @@ def test_compiled_training_matches_eager(tmp_path, overrides):
     the same math as eager's; in practice the same numbers bit for bit. Their activations stay fp32 here (no
     autocast): in bf16, AOT's decompositions of the elementwise ops round differently from eager on
     torch 2.9 (a 5e-5 loss difference from the first backward, with or without a recipe)."""
-    eager = Trainer(compose_config(*EQUAL_DOCS, *overrides), tmp_path / "eager")
+    eager = Trainer(compose_config(*EQUAL_DOCS, *overrides, "trainer.compile=false"), tmp_path / "eager")
     compiled = compiled_trainer(tmp_path / "compiled", "aot_eager", *overrides)
     # FP8/MX: 3 steps. Rounding to 8 bits can turn a last-bit difference of AOT's fp32 decompositions into one
     # quantization step: on torch 2.9, fp8_delayed's weights part by 5e-4 at the 4th step (2.13: never)
@@ -431,24 +431,30 @@ def test_a_torch_known_to_crash_compiled_fp8_casts_on_the_cpu_is_named_in_a_warn
     (["parallel.tp=2", "parallel.sequence_parallel=true"], "cuda", False, "under sequence parallelism"),
     (["model=moe_tiny"], "cuda", False, "the MoE layer breaks"),
     (["precision.backend=te", "precision=fp8"], "cuda", False, "Transformer Engine"),
-    (["precision=fp8", "parallel.pp=2", "parallel.pp_schedule=zb"], "cuda", False, "without ZB's deferred"),
-    (["parallel.pp=2", "parallel.pp_schedule=zb"], "cuda", True, "compiled on CUDA"),
+    (["parallel.pp=2", "parallel.pp_schedule=zb"], "cuda", False, "zero-bubble schedule's deferred"),
+    (["parallel.pp=2", "parallel.pp_schedule=1f1b"], "cuda", True, "compiled on CUDA"),
     (["parallel.dp=2", "parallel.fsdp=true"], "cuda", True, "compiled on CUDA"),
-], ids=["cuda", "cpu", "tp", "sp", "moe", "te", "fp8_zb", "bf16_zb", "fsdp"])
+    ([], "no_triton", False, "need triton"),
+], ids=["cuda", "cpu", "tp", "sp", "moe", "te", "zb", "1f1b", "fsdp", "no_triton"])
 def test_compile_auto_compiles_on_cuda_where_compiled_blocks_were_measured_faster(overrides, device, expected, why,
-                                                                                  caplog):
-    """`trainer.compile` defaults to auto (None): compiled on CUDA (the GPU rows of docs/benchmarks.md: 1.16x bf16,
-    1.58x fp8 at 1.3B), eager on a CPU and where compiled blocks lose (SP keeps the gathered inputs; MoE's layer
-    breaks the graph) or are refused (a recipe under ZB); one log line says which and why. true/false stay."""
-    from megalm.training.compile import resolve_auto_compile
+                                                                                  caplog, monkeypatch):
+    """`trainer.compile` defaults to null, auto: compiled on CUDA (the GPU rows of docs/benchmarks.md: 1.16x bf16,
+    1.58x fp8 at 1.3B), eager on a CPU, where inductor cannot compile (no triton), and where compiled blocks lose
+    (SP keeps the gathered inputs; MoE's layer and ZB's deferred weight gradients break the graph); one log line
+    says which and why. true/false stay."""
+    from megalm.training import compile as compile_module
 
+    problem = "inductor's CUDA kernels need triton, which is not installed" if device == "no_triton" else None
+    monkeypatch.setattr(compile_module, "inductor_cannot_compile", lambda device: problem)
+    device = "cuda" if device == "no_triton" else device
+    resolve_auto_compile = compile_module.resolve_auto_compile
     precision = [] if any(o.startswith("precision=") for o in overrides) else ["precision=bf16"]
     cfg = compose_config(*precision, *overrides)
     assert cfg.trainer.compile is None, "the default is auto"
     with caplog.at_level(logging.INFO, logger="megalm"):
         assert resolve_auto_compile(cfg, torch.device(device)) is expected
     assert cfg.trainer.compile is expected
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("trainer.compile: auto ->")]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("trainer.compile: null (auto) ->")]
     assert len(lines) == 1 and why in lines[0] and "\n" not in lines[0], lines
     for explicit in (True, False):
         cfg.trainer.compile = explicit
@@ -459,7 +465,7 @@ def test_a_default_run_on_the_cpu_stays_eager(tmp_path):
     """The CPU trainer resolves auto to eager before the blocks would be compiled: no block's forward is wrapped."""
     from megalm.model import TransformerBlock
 
-    trainer = Trainer(compose_config(*EQUAL_DOCS), tmp_path)
+    trainer = Trainer(compose_config(*EQUAL_DOCS, "trainer.device=cpu"), tmp_path)
     assert trainer.cfg.trainer.compile is False
     blocks = [m for m in trainer.model.modules() if isinstance(m, TransformerBlock)]
     assert blocks and all("forward" not in vars(block) for block in blocks)

@@ -92,7 +92,7 @@ def test_the_command_line(capsys):
     assert set(result["ranks"][0]) >= {"role", "peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes",
                                        "activation_bytes", "comm_bytes", "host_bytes", "reserve_bytes", "flops"}
     auto, batch = result["notes"]  # trainer.compile left at auto: priced eager, where CUDA would compile (tp2)
-    assert auto.startswith("trainer.compile=auto: blocks priced eager, where a CUDA run") and "\n" not in auto
+    assert auto.startswith("trainer.compile left at null (auto): blocks priced eager") and "\n" not in auto
     assert batch == f"batch not given: {estimate.BATCH_DEFAULTS}"
     assert "tp" in result["ranks"][0]["collective_bytes"]
     sp = [*SMALL, "parallel.tp=2", "parallel.sequence_parallel=true", "precision=bf16", "--world", "2", "--json"]
@@ -221,7 +221,7 @@ def test_the_collectives_of_compiled_blocks_are_counted():
     compiled tp2+SP step moved no byte over TP. What the compiled graph moves and keeps differs from eager by the
     backward's re-gathers of the column-parallel inputs (q/k/v's and gate/up's): the joint graph's common-
     subexpression elimination merges each with its forward gather, whose [T, h] output the backward then keeps
-    (hence `trainer.compile=auto` stays eager under SP: megalm/training/compile.py)."""
+    (hence `trainer.compile=null` (auto) stays eager under SP: megalm/training/compile.py)."""
     if not compat.compiles_over_fake_tensors():
         pytest.skip(f"torch {torch.__version__} cannot compile over the trace's fake tensors (2.11 and later can)")
     base = [*SMALL, "trainer.device=cpu", "trainer.micro_batch_size=2", "trainer.global_batch_size=2",

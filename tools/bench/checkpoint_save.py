@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     root = Path(tempfile.mkdtemp(prefix="megalm-save-bench-"))
     try:
-        trainer = Trainer(compose_config(["trainer.keep_last=1", *overrides]), root / "run")
+        trainer = Trainer(compose_config(["trainer.keep_last=1", "trainer.compile=false", *overrides]), root / "run")
         trainer.train_step(0)
         results: dict = {mode: {"blocked_s": [], "complete_s": []} for mode in ("sync", "async")}
         size = 0

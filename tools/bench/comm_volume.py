@@ -107,7 +107,7 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) ->
                             timeout=datetime.timedelta(seconds=600))
     register_schema()
     base = ["data=synthetic", "trainer.eval_interval=0", "trainer.save_interval=0", "logging.tensorboard=false",
-            "trainer.max_steps=2"]
+            "trainer.max_steps=2", "trainer.compile=false"]  # eager: each step's collectives through dist.*
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = to_dataclass(compose(config_name="config", overrides=base + overrides))
     with tempfile.TemporaryDirectory() as run_dir:

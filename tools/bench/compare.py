@@ -327,7 +327,7 @@ def run_megalm(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.dev
                steps: int) -> Run:
     from megalm.training.trainer import Trainer
 
-    # the megalm row is eager (trainer.compile=auto would compile it on CUDA); megalm_compiled sets true
+    # the megalm row is eager (trainer.compile's default, null, would compile it on CUDA); megalm_compiled sets true
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_steps=warmup + steps,
                                                                compile=bool(cfg.trainer.compile)))
     tokens = []

@@ -77,7 +77,7 @@ def measured_rows(overrides: list[str], variants: list[tuple[str, float]], steps
         for variant in [None, *variants]:
             extra = [] if variant is None else ["offload.enabled=true", f"offload.fraction={variant[1]}"] + (
                 [] if variant[0] == "layers" else [f"offload.policy={variant[0]}"])
-            cfg = compose_config([*overrides, *extra])
+            cfg = compose_config(["trainer.compile=false", *overrides, *extra])  # eager unless asked: offload's bytes
             cfg.trainer.max_steps = warmup + steps + 1
             runs[variant] = Trainer(cfg, f"{run_dir}/{variant}")
         times: dict = {variant: [] for variant in runs}

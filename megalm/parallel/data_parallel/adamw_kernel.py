@@ -8,7 +8,7 @@ when the clip's scale is folded in (torch's kernel stores the unscaled gradient:
 weight again and writes 2 bytes: 38 bytes. One pass that keeps the weight in registers moves 30. Megatron gets
 that pass from Apex's or Transformer Engine's multi-tensor Adam with master weights; neither installs here, and
 torch's kernel has no working-copy output. On one H200 (2026-11-29, tools/bench/throughput.py --profile) torch's
-kernel moved 2.4 TB/s, half the HBM peak, and the step's optimizer took 24 ms of a 173 ms compiled 1.3B step.
+kernel moved 2.4 TB/s, half the HBM peak: of the compiled 1.3B step's 176 ms of kernels, the optimizer's were 24.
 Whether this kernel is faster is for `tools/bench/adamw_kernels.py` on a GPU to say; until then it is opt-in.
 
 The update is torch's AdamW (Loshchilov & Hutter 2019, decoupled weight decay), in torch's order: the gradient
@@ -73,12 +73,10 @@ def _kernel(interpret: bool):  # noqa: ANN202 - a triton.JITFunction
         tl.store(main_ptr + offsets, w, mask=mask)
         tl.store(m_ptr + offsets, m, mask=mask)
         tl.store(v_ptr + offsets, v, mask=mask)
-        if WORK == 1:  # bf16, as int16 bits: round to nearest even by hand (cvt.rn.bf16.f32), NaN kept a NaN
+        if WORK:  # bf16, as int16 bits: round to nearest even by hand (cvt.rn.bf16.f32), NaN kept a NaN
             bits = w.to(tl.uint32, bitcast=True)
             bits = tl.where(w != w, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
             tl.store(work_ptr + offsets, bits.to(tl.int16), mask=mask)
-        if WORK == 2:  # an fp32 working copy
-            tl.store(work_ptr + offsets, w, mask=mask)
 
     return adamw_kernel
 
@@ -86,21 +84,19 @@ def _kernel(interpret: bool):  # noqa: ANN202 - a triton.JITFunction
 def adamw_step_(main: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 work: torch.Tensor | None, *, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, step: int, grad_scale: torch.Tensor | None = None) -> None:
-    """One AdamW step (module docstring) of the flat fp32 `main` weights in place, and of their working copy
-    `work` (bf16 or fp32, same numel; None: none); `step` counts from 1. Every tensor 1-D and contiguous."""
+    """One AdamW step (module docstring) of the flat fp32 `main` weights in place, and of their bf16 working copy
+    `work` (same numel; None: none); `step` counts from 1. Every tensor 1-D and contiguous."""
     tensors = (main, grad, exp_avg, exp_avg_sq) + (() if work is None else (work,))
     if any(t.dim() != 1 or not t.is_contiguous() or t.numel() != main.numel() for t in tensors):
         raise ValueError("adamw_step_ takes 1-D contiguous tensors of one length")
-    if any(t.dtype != torch.float32 for t in tensors[:4]) or (work is not None and
-                                                              work.dtype not in (torch.bfloat16, torch.float32)):
-        raise TypeError("adamw_step_ steps fp32 main weights, gradients and moments into a bf16 or fp32 copy")
+    if any(t.dtype != torch.float32 for t in tensors[:4]) or (work is not None and work.dtype != torch.bfloat16):
+        raise TypeError("adamw_step_ steps fp32 main weights, gradients and moments, and their bf16 copy")
     n = main.numel()
     if n == 0:
         return
     bias1, bias2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
     scale = grad_scale if grad_scale is not None else main  # any pointer: not read without HAS_SCALE
-    out = main if work is None else (work.view(torch.int16) if work.dtype == torch.bfloat16 else work)
-    kind = 0 if work is None else (1 if work.dtype == torch.bfloat16 else 2)
+    out = main if work is None else work.view(torch.int16)  # main: any pointer, not written without WORK
     _kernel(_interpret())[(math.ceil(n / BLOCK),)](
         main, grad, exp_avg, exp_avg_sq, out, scale, n, beta1, beta2, eps, 1.0 - lr * weight_decay, lr / bias1,
-        math.sqrt(bias2), HAS_SCALE=grad_scale is not None, WORK=kind, BLOCK=BLOCK, num_warps=8)
+        math.sqrt(bias2), HAS_SCALE=grad_scale is not None, WORK=work is not None, BLOCK=BLOCK, num_warps=8)

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.optim.adamw import adamw
 from torch.utils.hooks import RemovableHandle
 
@@ -118,7 +119,11 @@ class BucketAdamW:
         self.fused = device.type in ("cpu", "cuda")
         # optim.implementation=triton: megalm's one-pass kernel (adamw_kernel.py), which writes the working copies too
         self.kernel = kernel
-        if kernel == "triton" and not adamw_kernel.runnable(device):
+        if kernel == "triton" and (reducer.params and is_fake(reducer.params[0])):  # a cost trace (megalm-estimate)
+            log.warning("optim.implementation=triton: the Triton AdamW kernel cannot run on fake tensors; this trace "
+                        "steps torch's AdamW")
+            self.kernel = "torch"
+        elif kernel == "triton" and not adamw_kernel.runnable(device):
             log.warning("optim.implementation=triton: the Triton AdamW kernel cannot run on %s (it needs CUDA, or "
                         "TRITON_INTERPRET=1 on a CPU); torch's AdamW steps instead", device.type)
             self.kernel = "torch"
@@ -230,9 +235,9 @@ class BucketAdamW:
 
     def _kernel_step(self, grads: list[torch.Tensor], shards: list[torch.Tensor]) -> None:
         """`optim.implementation=triton`: adamw_kernel's one pass per segment. Where this rank owns whole buckets
-        the pass writes the parameter (the working copy, or the fp32 weight itself) as it goes; under ZeRO-1 the
-        all-gather refreshes them, as after torch's kernel."""
-        whole = not self.reducer.zero1
+        (bf16 working weights without ZeRO-1) the pass writes each working copy as it goes; under ZeRO-1 the
+        all-gather refreshes the parameters, as after torch's kernel."""
+        whole = not self.reducer.zero1  # then there are main weights: BucketAdamW's constructor asks for them
         for bucket, grad, m, v, shard in zip(self.reducer.buckets, grads, self.exp_avg, self.exp_avg_sq, shards,
                                              strict=True):
             for seg in bucket.segments:
