@@ -31,6 +31,9 @@ GLOBAL_STATEMENTS = {
     ("megalm/data/preprocess.py", "_worker_tokenizer"): "a Pool worker's initializer: one per worker process",
     ("megalm/precision/kernels/mx_triton.py", "triton"): "the lazy import of an optional package",
     ("megalm/precision/kernels/mx_triton.py", "tl"): "the lazy import of an optional package",
+    ("megalm/parallel/data_parallel/adamw_kernel.py", "tl"): "the lazy import of an optional package (the jitted "
+                                                             "kernel refers to it as a global: the interpreter "
+                                                             "does not see closures)",
     ("megalm/compat.py", "_varlen_form"): "a cache of the installed torch's varlen_attn form, like functools.cache's, "
                                           "that a compiled block reads without tracing its resolution (and logs)",
 }
