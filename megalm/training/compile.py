@@ -51,10 +51,6 @@ def auto_compile(cfg: Any, device: torch.device) -> tuple[bool, str]:
     if cfg.model.moe.num_experts:
         return False, ("eager: the MoE layer breaks a compiled block's graph (its routing and grouped GEMMs); "
                        "trainer.compile=true compiles the pieces between the breaks")
-    if parallel.sequence_parallel and parallel.tp > 1:
-        return False, ("eager: under sequence parallelism a compiled block keeps each column-parallel GEMM's "
-                       "all-gathered input for its backward, which eager gathers again (more activation memory); "
-                       "trainer.compile=true compiles anyway")
     if precision.backend == "te":
         return False, "eager: Transformer Engine's modules (precision.backend=te) are not compiled by megalm"
     if parallel.pp > 1 and parallel.pp_schedule == "zb":
@@ -96,8 +92,42 @@ def warn_of_known_crashes(device: torch.device, precision: str, backend: str | C
                     precision, torch.__version__)
 
 
+def regather_in_backward(graph: torch.fx.Graph) -> None:
+    """Inductor's joint-graph pass (`joint_custom_pre_pass`) that keeps sequence parallelism's memory saving in a
+    compiled block. The all-gathers of a shard that the backward gathers again (megalm.model.linear's SP GEMMs) are
+    marked for recomputation, with the forward's gather of the same shard, which the joint graph would merge with
+    them (common-subexpression elimination). So the backward gathers the [T/tp, h] shard again, as eager SP does
+    (Korthikanti et al. 2022), instead of keeping the gathered [T, h]: the partitioner recomputes no collective
+    unless it is so marked, and keeps its output instead. tests/unit/test_estimate.py measures the bytes, and
+    tests/dist/test_compile_layouts.py trains with it as eager does."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    functional = torch.ops._c10d_functional
+    gather, wait = functional.all_gather_into_tensor.default, functional.wait_tensor.default
+    backward: set[torch.fx.Node] = set()  # the nodes a tangent reaches: the backward's
+    for node in graph.nodes:
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
+                arg in backward for arg in node.all_input_nodes):
+            backward.add(node)
+    copy = torch.ops.aten.copy.default  # the gather's output buffer filled (functionalized `out.copy_(...)`)
+
+    def read_in_backward(node: torch.fx.Node) -> bool:  # the node, or a view or copy of it, read by a backward node
+        return any(user in backward or ((getattr(user.target, "is_view", False) or user.target is copy)
+                                        and read_in_backward(user)) for user in node.users)
+
+    gathers = [node for node in graph.nodes if node.target is gather and node not in backward]
+    regathered = {node.args[0] for node in gathers if any(read_in_backward(w) for w in node.users if w.target is wait)}
+    for node in gathers:  # the backward's re-gather, and the forward's gather of the same shard it may be merged with
+        if node.args[0] in regathered:
+            for marked in (node, *(w for w in node.users if w.target is wait)):
+                marked.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+
 def _run_compiled(compiled: Callable, linears: list[nn.Module], *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
     """A compiled block's call: first, in eager and after the block's pre-hooks, what its graph reads that dynamo
-    cannot make (an FP8 recipe's weight copies, once per optimizer step: compiled_linear.prepared_weights)."""
-    with prepared_weights(linears):
+    cannot make (an FP8 recipe's weight copies, once per optimizer step: compiled_linear.prepared_weights); and
+    under it, where inductor compiles the block, SP's re-gathers kept in the backward (`regather_in_backward`)."""
+    from torch._inductor import config as inductor  # imported with torch.compile's first call; read when it compiles
+
+    with prepared_weights(linears), inductor.patch(joint_custom_pre_pass=regather_in_backward):
         return compiled(*args, **kwargs)

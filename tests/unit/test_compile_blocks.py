@@ -428,7 +428,7 @@ def test_a_torch_known_to_crash_compiled_fp8_casts_on_the_cpu_is_named_in_a_warn
     ([], "cuda", True, "compiled on CUDA"),
     ([], "cpu", False, "eager on cpu"),
     (["parallel.tp=2"], "cuda", True, "compiled on CUDA"),
-    (["parallel.tp=2", "parallel.sequence_parallel=true"], "cuda", False, "under sequence parallelism"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true"], "cuda", True, "compiled on CUDA"),
     (["model=moe_tiny"], "cuda", False, "the MoE layer breaks"),
     (["precision.backend=te", "precision=fp8"], "cuda", False, "Transformer Engine"),
     (["parallel.pp=2", "parallel.pp_schedule=zb"], "cuda", False, "zero-bubble schedule's deferred"),
@@ -440,8 +440,8 @@ def test_compile_auto_compiles_on_cuda_where_compiled_blocks_were_measured_faste
                                                                                   caplog, monkeypatch):
     """`trainer.compile` defaults to null, auto: compiled on CUDA (the GPU rows of docs/benchmarks.md: 1.16x bf16,
     1.58x fp8 at 1.3B), eager on a CPU, where inductor cannot compile (no triton), and where compiled blocks lose
-    (SP keeps the gathered inputs; MoE's layer and ZB's deferred weight gradients break the graph); one log line
-    says which and why. true/false stay."""
+    (MoE's layer and ZB's deferred weight gradients break the graph); one log line says which and why. SP compiles:
+    its gathers are re-gathered in the backward (regather_in_backward). true/false stay."""
     from megalm.training import compile as compile_module
 
     problem = "inductor's CUDA kernels need triton, which is not installed" if device == "no_triton" else None
