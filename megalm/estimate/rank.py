@@ -407,6 +407,7 @@ def trace_compiled_blocks(cfg: Any) -> None:
     process is dropped), so that each traced rank compiles afresh under its own fake mode and no search of many
     layouts reaches dynamo's recompile limit, past which it would run the blocks eager."""
     from megalm.precision import validate_precision
+    from megalm.training.compile import inductor_options
     from megalm.training.device import resolve_auto_precision
 
     if not cfg.trainer.compile:
@@ -416,7 +417,7 @@ def trace_compiled_blocks(cfg: Any) -> None:
     torch._dynamo.reset()
     cfg.trainer.compile = prices_compiled_blocks(cfg)
     if cfg.trainer.compile_backend == "inductor":  # an object in a str field: a traced trainer saves no config
-        cfg.trainer.compile_backend = InductorCosts()
+        cfg.trainer.compile_backend = InductorCosts(inductor_options())  # megalm's blocks' inductor config
 
 
 def compile_notes(cfg: Any, graph_breaks: int = 0) -> list[str]:

@@ -62,15 +62,18 @@ class InductorCosts:
     `graphs` lists, per compiled graph, its generated kernel count and their bytes, its fallback kernels and its
     GEMM/attention/collective extern kernels by name, and how many ops its last eager replay recorded
     (`extern_replayed`: the extern kernels' sum, unless one is an op the replay does not dispatch by that name).
+    `options`: inductor config to compile with, as `torch.compile(options=...)` gives it (megalm's blocks:
+    megalm.training.compile.inductor_options).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.graphs: list[dict[str, Any]] = []
+        self.options = options
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs, inner_compile=self._inner)
+        return compile_fx(gm, example_inputs, inner_compile=self._inner, config_patches=self.options)
 
     def _inner(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
         from torch._inductor import metrics

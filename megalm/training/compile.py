@@ -31,9 +31,12 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> in
     """torch.compile every `TransformerBlock` of `model` in place with `backend` (a name, or a backend callable
     such as tools/bench/step_cost.py's); returns how many."""
     blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
+    # inductor by name gets SP's re-gathers as a compile option; a backend callable calling inductor (the cost
+    # traces' InductorCosts) passes `inductor_options()` to compile_fx itself
+    options = inductor_options() if backend == "inductor" else None
     for block in blocks:  # its forward, not the module call: the module's hooks (layer offload's) stay eager
-        block.forward = functools.partial(_run_compiled, torch.compile(block.forward, backend=backend),
-                                          linear_modules(block))
+        block.forward = functools.partial(_run_compiled, torch.compile(block.forward, backend=backend,
+                                                                       options=options), linear_modules(block))
     log.info("trainer.compile: %d transformer blocks compiled (backend %s)", len(blocks), backend)
     return len(blocks)
 
@@ -48,6 +51,10 @@ def auto_compile(cfg: Any, device: torch.device) -> tuple[bool, str]:
         return False, f"eager on {device.type}: compiled blocks are measured faster on CUDA only"
     if problem := inductor_cannot_compile(device):
         return False, f"eager: {problem}"
+    if parallel.sequence_parallel and parallel.tp > 1:
+        return False, ("eager: compiled sequence-parallel blocks are checked against eager on torch 2.13 and 2.9 only; "
+                       "on torch 2.11 inductor's trained differently (tests/dist/test_compile_layouts.py); "
+                       "trainer.compile=true compiles anyway")
     if cfg.model.moe.num_experts:
         return False, ("eager: the MoE layer breaks a compiled block's graph (its routing and grouped GEMMs); "
                        "trainer.compile=true compiles the pieces between the breaks")
@@ -80,11 +87,16 @@ def resolve_auto_compile(cfg: Any, device: torch.device) -> bool | None:
     return cfg.trainer.compile
 
 
-def warn_of_known_crashes(device: torch.device, precision: str, backend: str | Callable) -> None:
+def warn_of_known_crashes(device: torch.device, precision: str, backend: str | Callable,
+                          sequence_parallel: bool = False) -> None:
     """One warning where this torch is known to crash the compiled blocks: on torch 2.9, inductor's CPU kernels of
     `fp8`'s casts (per-tensor current scaling, the one recipe whose casts are ops of the block's graph) segfaulted in
     about a quarter of the runs of one of megalm's tests (tests/unit/test_precision_fp8_casts.py, a compiled layer's
     backward: 11 of 40 runs; none on 2.11 or 2.13). On a GPU inductor writes Triton kernels instead."""
+    if sequence_parallel and backend == "inductor" and compat.major_minor(torch.__version__) == (2, 11):
+        log.warning("trainer.compile=true under sequence parallelism on torch %s: inductor's compiled blocks trained "
+                    "differently from eager in megalm's test (tests/dist/test_compile_layouts.py, 2 ranks, from the "
+                    "second step on); use torch 2.13 or trainer.compile=false", torch.__version__)
     if (device.type == "cpu" and backend == "inductor" and precision == "fp8"
             and compat.major_minor(torch.__version__) < (2, 10)):
         log.warning("trainer.compile=true with precision=%s on the CPU: torch %s's inductor CPU kernels for FP8 casts "
@@ -94,40 +106,60 @@ def warn_of_known_crashes(device: torch.device, precision: str, backend: str | C
 
 def regather_in_backward(graph: torch.fx.Graph) -> None:
     """Inductor's joint-graph pass (`joint_custom_pre_pass`) that keeps sequence parallelism's memory saving in a
-    compiled block. The all-gathers of a shard that the backward gathers again (megalm.model.linear's SP GEMMs) are
-    marked for recomputation, with the forward's gather of the same shard, which the joint graph would merge with
-    them (common-subexpression elimination). So the backward gathers the [T/tp, h] shard again, as eager SP does
-    (Korthikanti et al. 2022), instead of keeping the gathered [T, h]: the partitioner recomputes no collective
-    unless it is so marked, and keeps its output instead. tests/unit/test_estimate.py measures the bytes, and
-    tests/dist/test_compile_layouts.py trains with it as eager does."""
+    compiled block. A shard the joint graph all-gathers more than once outside the backward is one that the backward
+    gathers again (megalm.model.linear's SP GEMMs gather their input in the forward and again for the weight
+    gradient); those gathers are marked for recomputation, so the backward gathers the [T/tp, h] shard again, as
+    eager SP does (Korthikanti et al. 2022), instead of keeping the gathered [T, h]. Unmarked, the partitioner
+    recomputes no collective: it merges the two gathers (common-subexpression elimination, after this pass) and
+    keeps the output. tests/unit/test_estimate.py measures the bytes, tests/dist/test_compile_layouts.py trains
+    with it as eager does."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     functional = torch.ops._c10d_functional
     gather, wait = functional.all_gather_into_tensor.default, functional.wait_tensor.default
-    backward: set[torch.fx.Node] = set()  # the nodes a tangent reaches: the backward's
+    backward: set[torch.fx.Node] = set()  # the nodes a tangent reaches: the backward's own
     for node in graph.nodes:
         if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
                 arg in backward for arg in node.all_input_nodes):
             backward.add(node)
-    copy = torch.ops.aten.copy.default  # the gather's output buffer filled (functionalized `out.copy_(...)`)
-
-    def read_in_backward(node: torch.fx.Node) -> bool:  # the node, or a view or copy of it, read by a backward node
-        return any(user in backward or ((getattr(user.target, "is_view", False) or user.target is copy)
-                                        and read_in_backward(user)) for user in node.users)
-
-    gathers = [node for node in graph.nodes if node.target is gather and node not in backward]
-    regathered = {node.args[0] for node in gathers if any(read_in_backward(w) for w in node.users if w.target is wait)}
-    for node in gathers:  # the backward's re-gather, and the forward's gather of the same shard it may be merged with
-        if node.args[0] in regathered:
-            for marked in (node, *(w for w in node.users if w.target is wait)):
+    by_shard: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        if node.target is gather and node not in backward:
+            by_shard.setdefault(node.args[0], []).append(node)
+    for gathers in by_shard.values():
+        if len(gathers) < 2:
+            continue
+        for node in gathers:
+            for marked in (node, *(user for user in node.users if user.target is wait)):
                 marked.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                # a recompute region's id, which torch 2.9's partitioner reads from every marked node: one of its
+                # own, above any selective-checkpoint region's, so no neighbouring region's rule applies to it
+                marked.meta.setdefault("ac_graph_id", 1 << 30)
+
+
+@functools.cache
+def _regather_pass() -> Any:
+    """`regather_in_backward` as inductor's `CustomGraphPass`: its uuid (this file's hash) keeps the FX graph and
+    AOT autograd caches on (a plain function would bypass them), and changes when the pass does."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    class RegatherInBackward(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            regather_in_backward(graph)
+
+        def uuid(self) -> bytes:
+            return get_hash_for_files((__file__,))
+
+    return RegatherInBackward()
+
+
+def inductor_options() -> dict[str, Any]:
+    """The inductor config megalm compiles blocks with: SP's re-gathers kept in the backward."""
+    return {"joint_custom_pre_pass": _regather_pass()}
 
 
 def _run_compiled(compiled: Callable, linears: list[nn.Module], *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
     """A compiled block's call: first, in eager and after the block's pre-hooks, what its graph reads that dynamo
-    cannot make (an FP8 recipe's weight copies, once per optimizer step: compiled_linear.prepared_weights); and
-    under it, where inductor compiles the block, SP's re-gathers kept in the backward (`regather_in_backward`)."""
-    from torch._inductor import config as inductor  # imported with torch.compile's first call; read when it compiles
-
-    with prepared_weights(linears), inductor.patch(joint_custom_pre_pass=regather_in_backward):
+    cannot make (an FP8 recipe's weight copies, once per optimizer step: compiled_linear.prepared_weights)."""
+    with prepared_weights(linears):
         return compiled(*args, **kwargs)

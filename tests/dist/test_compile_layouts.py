@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from megalm import compat
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
 from tests.dist.launch import run_distributed
@@ -82,6 +83,9 @@ def test_compiled_layout_trains_as_eager(tmp_path, name):
         assert result["weight_diff"] < 1e-5, (rank, result)
 
 
+@pytest.mark.xfail(compat.major_minor(torch.__version__) == (2, 11), strict=True,
+                   reason="torch 2.11's inductor trains compiled SP blocks differently from eager (the losses part at "
+                          "the second step, with or without regather_in_backward): megalm warns, and auto stays eager")
 def test_inductor_under_sequence_parallelism_trains_as_eager(tmp_path):
     """Under SP, inductor's partitioner re-gathers each column-parallel input in the backward (megalm.training.
     compile.regather_in_backward marks those all-gathers for recomputation) instead of keeping the gathered [T, h]:

@@ -61,7 +61,7 @@ from megalm.measure.compiled_cost import InductorCosts  # noqa: E402
 from megalm.measure.op_cost import CATEGORIES, GPUS, OpCosts  # noqa: E402
 from megalm.precision import compiles_in_sight  # noqa: E402
 from megalm.train import compose_config  # noqa: E402
-from megalm.training.compile import compile_blocks  # noqa: E402
+from megalm.training.compile import compile_blocks, inductor_options  # noqa: E402
 
 STEP_OVERRIDES = ["data=synthetic", "data.synthetic.num_docs=64", "trainer.global_batch_size=1",
                   "trainer.micro_batch_size=1", "trainer.device=cpu", "trainer.hang_minutes=0",
@@ -87,7 +87,7 @@ def megalm_step(overrides: list[str], gpu: str, system: str = "megalm", compiled
     """megalm's forward+backward of one micro-batch and its optimizer step, traced; `compiled`: its blocks compiled
     by inductor, their generated kernels counted from inductor's scheduler (megalm/measure/compiled_cost.py)."""
     with fake_trainer(overrides, gpu) as trainer:
-        inductor = InductorCosts()
+        inductor = InductorCosts(inductor_options())
         if compiled:  # as trainer.compile=true does, with the backend that counts inductor's kernels
             compile_blocks(trainer.model, inductor)
         tf32 = trainer.cfg.precision.tf32
