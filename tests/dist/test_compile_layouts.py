@@ -86,11 +86,13 @@ def test_compiled_layout_trains_as_eager(tmp_path, name):
 @pytest.mark.xfail(compat.major_minor(torch.__version__) == (2, 11), strict=True,
                    reason="torch 2.11's inductor trains compiled SP blocks differently from eager (the losses part at "
                           "the second step, with or without regather_in_backward): megalm warns, and auto stays eager")
-def test_inductor_under_sequence_parallelism_trains_as_eager(tmp_path):
+def test_inductor_under_sequence_parallelism_trains_as_eager(tmp_path, monkeypatch):
     """Under SP, inductor's partitioner re-gathers each column-parallel input in the backward (megalm.training.
     compile.regather_in_backward marks those all-gathers for recomputation) instead of keeping the gathered [T, h]:
     the same losses and weights as eager SP, so the backward's collectives are the eager ones, in the same order
     on every rank. (The bytes it keeps: tests/unit/test_estimate.py.)"""
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # each rank builds its kernels in-process: 13 s on 2
+    # cores, where inductor's pool of compile workers per rank would crowd the suite's other files
     run_distributed(compiled_and_eager_losses, 2, ["parallel.tp=2", "parallel.sequence_parallel=true"],
                     str(tmp_path), str(tmp_path / "sp"), "inductor", timeout=900)
     for rank in range(2):
