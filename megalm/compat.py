@@ -17,9 +17,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import importlib
 import inspect
 import logging
 import math
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -59,6 +61,32 @@ def _log_fallback(message: str) -> None:
 # simulated_cuda's answer, in the caller's context (a ContextVar: set and reset by the context manager only)
 _simulated_capability: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
     "megalm_simulated_cuda_capability", default=None)
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run under its interpreter (TRITON_INTERPRET=1: CPU tensors, Python speed)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@functools.cache
+def triton_importable() -> bool:
+    try:
+        importlib.import_module("triton")
+        importlib.import_module("triton.language")
+    except Exception:  # ImportError, or a triton build that does not load on this machine
+        return False
+    return True
+
+
+def triton_runs_on(device: torch.device | str | None = None) -> bool:
+    """Whether megalm's Triton kernels (the MX quantizer, the AdamW step) can run on `device`: a CUDA device with
+    triton importable, or CPU tensors under the Triton interpreter. None means the current CUDA device."""
+    device = torch.device("cuda" if device is None else device)
+    if device.type == "cuda":
+        return cuda_capability(device) is not None and triton_importable()
+    if device.type == "cpu":
+        return triton_interpreted() and triton_importable()
+    return False
 
 
 def cuda_capability(device: torch.device | str | None = None) -> tuple[int, int] | None:

@@ -22,28 +22,17 @@ the interpreter's own casts truncate). Same results as torch's kernel up to the 
 from __future__ import annotations
 
 import functools
-import importlib
 import math
-import os
 
 import torch
+
+from megalm import compat
 
 BLOCK = 4096  # elements per program: 16 KiB of each fp32 stream
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-def runnable(device: torch.device) -> bool:
-    """Whether the kernel runs on `device`: CUDA with triton importable, or a CPU under TRITON_INTERPRET=1."""
-    if device.type not in ("cuda", "cpu") or (device.type == "cpu" and not _interpret()):
-        return False
-    try:
-        importlib.import_module("triton.language")
-    except Exception:  # ImportError, or a triton build that does not load on this machine
-        return False
-    return True
+_interpret = compat.triton_interpreted
+runnable = compat.triton_runs_on  # CUDA with triton importable, or a CPU under TRITON_INTERPRET=1
 
 
 @functools.cache

@@ -199,8 +199,12 @@ class BucketAdamW:
         self.step_count += 1
         shards = self.main or [torch.empty(b.shard_numel, dtype=torch.float32, device=m.device)
                                for b, m in zip(self.reducer.buckets, self.exp_avg, strict=True)]
-        per_group: dict[int, tuple[dict, list[list[torch.Tensor]]]] = {}  # id(group) -> (group, 4 tensor lists)
+        # id(group) -> (group, [main weights, gradients, moments, second moments, working copies the step writes])
+        per_group: dict[int, tuple[dict, list[list]]] = {}
         fresh: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # fp32 parameters -> the shard they step in
+        # the Triton kernel writes the working copies where this rank owns whole buckets (then there are main weights:
+        # the constructor asks for them); under ZeRO-1 the all-gather refreshes the parameters, as after torch's
+        writes_copies = self.kernel == "triton" and not self.reducer.zero1
         for bucket, grad, m, v, shard in zip(self.reducer.buckets, grads, self.exp_avg, self.exp_avg_sq, shards,
                                              strict=True):
             for seg in bucket.segments:
@@ -209,46 +213,31 @@ class BucketAdamW:
                 if self.main is None:  # the fp32 parameters are the main weights
                     fresh[0].append(shard[s])
                     fresh[1].append(seg.param.detach().reshape(-1)[seg.param_slice])
-                lists = per_group.setdefault(id(group), (group, [[], [], [], []]))[1]
-                for out, tensor in zip(lists, (shard[s], grad[s], m[s], v[s]), strict=True):
+                work = seg.param.detach().reshape(-1)[seg.param_slice] if writes_copies else None
+                lists = per_group.setdefault(id(group), (group, [[], [], [], [], []]))[1]
+                for out, tensor in zip(lists, (shard[s], grad[s], m[s], v[s], work), strict=True):
                     out.append(tensor)
         if fresh[0]:
             torch._foreach_copy_(*fresh)
-        if self.kernel == "triton":
-            self._kernel_step(grads, shards)
-            return self._after_step()
-        for group, (params, grads_, exp_avgs, exp_avg_sqs) in per_group.values():
+        for group, (params, grads_, exp_avgs, exp_avg_sqs, works) in per_group.values():
+            beta1, beta2 = group["betas"]
+            if self.kernel == "triton":  # optim.implementation=triton: adamw_kernel's one pass per segment
+                for tensors in zip(params, grads_, exp_avgs, exp_avg_sqs, works, strict=True):
+                    adamw_kernel.adamw_step_(*tensors, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                                             weight_decay=group["weight_decay"], step=self.step_count,
+                                             grad_scale=self.grad_scale)
+                continue
             # torch's own AdamW kernels (fused, or foreach) on this rank's flat segments, one call per param group;
             # the step counters (one per tensor, as torch's kernels take them) are views of one tensor
             steps = list(torch.full((len(params),), float(self.step_count - 1), device=params[0].device).unbind())
-            beta1, beta2 = group["betas"]
             adamw(params, grads_, exp_avgs, exp_avg_sqs, [], steps, fused=self.fused,
                   foreach=None if self.fused else True, grad_scale=self.grad_scale,  # the foreach path refuses one
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                   eps=group["eps"], maximize=False)
-        self._refresh_params(shards)
-        self._after_step()
-
-    def _after_step(self) -> None:
+        if not writes_copies:
+            self._refresh_params(shards)
         for hook in list(self._post_hooks.values()):
             hook(self, (), {})
-
-    def _kernel_step(self, grads: list[torch.Tensor], shards: list[torch.Tensor]) -> None:
-        """`optim.implementation=triton`: adamw_kernel's one pass per segment. Where this rank owns whole buckets
-        (bf16 working weights without ZeRO-1) the pass writes each working copy as it goes; under ZeRO-1 the
-        all-gather refreshes the parameters, as after torch's kernel."""
-        whole = not self.reducer.zero1  # then there are main weights: BucketAdamW's constructor asks for them
-        for bucket, grad, m, v, shard in zip(self.reducer.buckets, grads, self.exp_avg, self.exp_avg_sq, shards,
-                                             strict=True):
-            for seg in bucket.segments:
-                group, s = self._group_of[id(seg.param)], seg.shard_slice
-                work = seg.param.detach().reshape(-1)[seg.param_slice] if whole else None
-                beta1, beta2 = group["betas"]
-                adamw_kernel.adamw_step_(shard[s], grad[s], m[s], v[s], work, lr=group["lr"], beta1=beta1,
-                                         beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                                         step=self.step_count, grad_scale=self.grad_scale)
-        if not whole:
-            self._refresh_params(shards)
 
     def _refresh_params(self, shards: list[torch.Tensor]) -> None:
         """Every parameter from the updated owned parts: all-gathered under ZeRO-1 (in the parameters' dtype:

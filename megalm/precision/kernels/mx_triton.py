@@ -59,8 +59,6 @@ TRITON_INTERPRET=1 must be set before that first call to run the kernel on CPU t
 from __future__ import annotations
 
 import functools
-import importlib
-import os
 
 import torch
 
@@ -72,29 +70,9 @@ RHT_BLOCK = 64  # Hadamard block: two MX blocks; also the width of one kernel ti
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        importlib.import_module("triton")
-        importlib.import_module("triton.language")
-    except Exception:  # ImportError, or a triton build that does not load on this machine
-        return False
-    return True
-
-
-def triton_available(device: torch.device | str | None = None) -> bool:
-    """Whether `mx_quantize_triton` can run on `device`: a CUDA device with triton importable, or CPU
-    tensors under the Triton interpreter (TRITON_INTERPRET=1). None means the current CUDA device."""
-    device = torch.device("cuda" if device is None else device)
-    if device.type == "cuda":
-        return compat.cuda_capability(device) is not None and _triton_importable()
-    if device.type == "cpu":
-        return _interpret() and _triton_importable()
-    return False
+_interpret = compat.triton_interpreted
+_triton_importable = compat.triton_importable
+triton_available = compat.triton_runs_on  # where `mx_quantize_triton` can run
 
 
 # ---------------------------------------------------------------------------------------------------
