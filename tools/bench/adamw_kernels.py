@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megalm.config.checks import resolve_model_defaults  # noqa: E402
 from megalm.model.gpt import GPT  # noqa: E402
 from megalm.parallel.data_parallel import adamw_kernel  # noqa: E402
+from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
 from tools.bench.throughput import compose_config  # noqa: E402
 from tools.bench.timing import time_calls  # noqa: E402
 
@@ -50,9 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--iters", type=int, default=10, help="timed steps (the median is reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles the kernel)")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
-    argv = sys.argv[1:] if argv is None else argv
-    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
-    args = parser.parse_args([a for a in argv if a not in overrides])
+    args, overrides = parse_flags_and_overrides(parser, argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = segments(overrides)
     n = sum(sizes)

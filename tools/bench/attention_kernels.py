@@ -37,6 +37,7 @@ from megalm.config.checks import resolve_model_defaults  # noqa: E402
 from megalm.errors import ConfigError  # noqa: E402
 from megalm.measure.kernel_profile import summarize  # noqa: E402
 from megalm.model.attention import select_attention_backend, varlen_attention  # noqa: E402
+from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
 from tools.bench.throughput import compose_config  # noqa: E402
 from tools.bench.timing import time_calls  # noqa: E402
 
@@ -94,9 +95,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", action="store_true", help="print one JSON list last")
-    argv = sys.argv[1:] if argv is None else argv
-    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
-    args = parser.parse_args([a for a in argv if a not in overrides])
+    args, overrides = parse_flags_and_overrides(parser, argv)
     model = resolve_model_defaults(compose_config(overrides).model)  # kv heads and head_dim where the config omits them
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -98,6 +98,7 @@ from throughput import compose_config, synchronize  # noqa: E402
 from megalm import compat  # noqa: E402
 from megalm.config import MegalmConfig, ModelConfig  # noqa: E402
 from megalm.training.flops import peak_flops, training_flops  # noqa: E402
+from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
 
 FRAMEWORKS = ("megalm", "megalm_compiled", "megalm_torchao", "megatron", "torchtitan")
 # What each row is called: Megatron-Core runs a spec of ours, which the label must say.
@@ -793,9 +794,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: from flops.py)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--verbose", action="store_true", help="print the traceback of a run that fails")
-    # Hydra overrides (key=value, for megalm and the shape) may follow any flag: set them aside first.
-    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
-    args = parser.parse_args([a for a in argv if a not in overrides])
+    args, overrides = parse_flags_and_overrides(parser, argv)
     unknown = set(args.frameworks) - set(FRAMEWORKS)
     if unknown:
         parser.error(f"unknown frameworks {sorted(unknown)}: pick from {','.join(FRAMEWORKS)}")

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
 
 
 def _rss_kib(key: str) -> int:
@@ -159,10 +160,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
-    argv = sys.argv[1:] if argv is None else argv
-    # Hydra overrides (key=value) may follow a list flag (--seq 1024 2048 model=125m): set them aside first.
-    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
-    args = parser.parse_args([a for a in argv if a not in overrides])
+    args, overrides = parse_flags_and_overrides(parser, argv)
     cps = args.cp or [2**i for i in range(args.nproc.bit_length()) if 2**i <= args.nproc]
     # eager unless asked (trainer.compile=true): a few steps per length would time compiles, not the ring
     overrides = [f"parallel.cp_comm={args.comm}", "trainer.compile=false", *overrides]

@@ -58,7 +58,6 @@ import yaml  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from megalm import compat  # noqa: E402
 from megalm.estimate.layout_search import ROOFLINE_EFFICIENCY  # noqa: E402
 from megalm.estimate.rank import HBM_BYTES  # noqa: E402
@@ -67,6 +66,7 @@ from megalm.measure.op_cost import GPUS, OpCosts  # noqa: E402
 from megalm.model.attention import one_kernel_backend  # noqa: E402
 from megalm.parallel.hdp.cost import CostModel, GiB  # noqa: E402
 from megalm.precision import compute_dtype  # noqa: E402
+from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
 from tools.bench.timing import time_calls  # noqa: E402
 
 KEYS = ("a", "b", "c", "layers", "head", "kv_bytes", "qo_bytes", "heads", "comm_passes", "bw_intra", "bw_inter",
@@ -550,8 +550,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="shortest document in tokens (default 256 on CUDA, 64 on CPU)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per point (default 10 CUDA, 3 CPU)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls per point (default 3 CUDA, 1 CPU)")
-    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
-    args = parser.parse_args([a for a in argv if a not in overrides])
+    args, overrides = parse_flags_and_overrides(parser, argv)
     max_tokens, min_doc, warmup, repeats = DEFAULTS[args.device]
     args.max_tokens = args.max_tokens or max_tokens
     args.min_doc = args.min_doc or min_doc

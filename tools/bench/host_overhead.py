@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
 from tools.bench.throughput import compose_config  # noqa: E402
 
 NARROW = ["model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=4", "model.ffn_hidden_size=128",
@@ -121,9 +122,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compiles, caches)")
     parser.add_argument("--cuda-paths", action="store_true", help="run the FP8 recipes' CUDA code on the CPU")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list last")
-    argv = sys.argv[1:] if argv is None else argv
-    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
-    args = parser.parse_args([a for a in argv if a not in overrides])
+    args, overrides = parse_flags_and_overrides(parser, argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps takes 1 or more, --warmup 0 or more")
     torch.set_num_threads(1)  # one thread, as a training process's host loop runs

@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from megalm.config import register_schema, to_dataclass  # noqa: E402
 from megalm.train import CONFIG_DIR  # noqa: E402
 from megalm.training.trainer import Trainer  # noqa: E402
+from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
 
 OFF = ["model.moe.aux_loss_coeff=0", "model.moe.seq_aux_loss_coeff=0", "model.moe.z_loss_coeff=0",
        "model.moe.bias_update_rate=0"]
@@ -59,9 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="+", default=["none", "aux_loss_free", "aux_loss"], choices=list(METHODS))
     parser.add_argument("--steps", type=int, default=200)
-    argv = sys.argv[1:] if argv is None else argv
-    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
-    args = parser.parse_args([a for a in argv if a not in overrides])
+    args, overrides = parse_flags_and_overrides(parser, argv)
     with tempfile.TemporaryDirectory(prefix="megalm-moe-balance-") as tmp:
         rows = [train(m, args.steps, overrides, Path(tmp)) for m in args.methods]
     print(f"| balancing | max/mean load, step 1 | max/mean load, last {max(1, args.steps // 10)} steps | "

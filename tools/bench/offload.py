@@ -32,8 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from throughput import compose_config, synchronize  # noqa: E402
+
+from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
 
 
 def counted_step(trainer, step: int) -> dict:
@@ -186,9 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "pipeline, every offload policy (on a GPU machine with one device, use pp = 1)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    argv = sys.argv[1:] if argv is None else argv
-    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
-    args = parser.parse_args([a for a in argv if a not in overrides])
+    args, overrides = parse_flags_and_overrides(parser, argv)
     if args.pp > 1:
         rows = pipeline_measured_rows(overrides, args.pp, args.fractions, args.steps, args.warmup)
     else:

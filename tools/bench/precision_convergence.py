@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from megalm.config import register_schema, to_dataclass  # noqa: E402
 from megalm.train import CONFIG_DIR  # noqa: E402
 from megalm.training.trainer import Trainer  # noqa: E402
+from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
 
 DEFAULT_RECIPES = ["fp32", "fp8", "mxfp8", "mxfp4", "mxfp4_rtn"]
 
@@ -50,10 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recipes", nargs="+", default=DEFAULT_RECIPES)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--json", action="store_true")
-    argv = sys.argv[1:] if argv is None else argv
-    # Hydra overrides (key=value) may follow a list flag (--seq 1024 2048 model=125m): set them aside first.
-    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
-    args = parser.parse_args([a for a in argv if a not in overrides])
+    args, overrides = parse_flags_and_overrides(parser, argv)
     with tempfile.TemporaryDirectory(prefix="megalm-precision-") as tmp:
         rows = [train(r, args.steps, overrides, Path(tmp)) for r in args.recipes]
     base = rows[0]["val_loss"]

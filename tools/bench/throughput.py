@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from megalm.config import register_schema, to_dataclass  # noqa: E402
 from megalm.train import CONFIG_DIR  # noqa: E402
+from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
 
 
 def compose_config(overrides: list[str]):
@@ -59,10 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="then profile N more steps and print where their time went")
     parser.add_argument("--profile-trace", type=Path, metavar="PATH",
                         help="with --profile, also write the profiler's Chrome trace here (.json)")
-    argv = sys.argv[1:] if argv is None else argv
-    # Hydra overrides (key=value) may follow a list flag (--seq 1024 2048 model=125m): set them aside first.
-    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
-    args = parser.parse_args([a for a in argv if a not in overrides])
+    args, overrides = parse_flags_and_overrides(parser, argv)
     if args.profile < 0 or (args.profile_trace and not args.profile):
         parser.error("--profile takes a number of steps >= 1; --profile-trace needs --profile")
     from megalm.training.metrics import peak_memory_gb
