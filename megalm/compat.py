@@ -341,3 +341,19 @@ def hf_storage_writer(path: str) -> Any:
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     return HuggingFaceStorageWriter(path, save_distributed=True)
+
+
+# ------------------------------------------------------------------------------------------------ autograd
+
+
+def as_function_output(out: torch.Tensor) -> torch.Tensor:
+    """What an autograd.Function's forward that runs a collective returns: a view of its result (free), never an
+    intermediate tensor itself.
+
+    torch 2.11's dynamo traces such a forward (its collective's `wait_tensor` and `copy_` write in place) with every
+    intermediate tensor as an extra output of the traced function. Where the result is one of them (the collective's
+    buffer, or a `.to()` that changed nothing), autograd hands its gradient to that alias and the result's own is
+    zero: compiled TP, SP and Ulysses blocks trained wrongly on 2.11 (tests/dist/test_compile_layouts.py compares
+    every layout's compiled blocks with eager). A view is a tensor of its own, so the gradient reaches it; torch 2.9
+    and 2.13 train the same either way."""
+    return out.view_as(out)

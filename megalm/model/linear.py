@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalm.compat import as_function_output
+
 
 class GemmRecipe(Protocol):
     """How a layer's three GEMMs compute (2-D operands). Each GEMM is asked for the dtype the layer needs (the
@@ -140,7 +142,7 @@ class _Linear(torch.autograd.Function):
         ctx.recipe, ctx.call, ctx.sink, ctx.param, ctx.input_gather = recipe, call, sink, param, input_gather
         ctx.packed, ctx.input_shape, ctx.input_dtype = packed is not None, whole.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return y.reshape(*whole.shape[:-1], y.shape[-1]).to(out_dtype)
+        return as_function_output(y.reshape(*whole.shape[:-1], y.shape[-1]).to(out_dtype))  # SP: a gather ran
 
     @staticmethod
     def backward(ctx, dy):

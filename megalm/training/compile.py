@@ -51,10 +51,6 @@ def auto_compile(cfg: Any, device: torch.device) -> tuple[bool, str]:
         return False, f"eager on {device.type}: compiled blocks are measured faster on CUDA only"
     if problem := inductor_cannot_compile(device):
         return False, f"eager: {problem}"
-    if parallel.sequence_parallel and parallel.tp > 1:
-        return False, ("eager: compiled sequence-parallel blocks are checked against eager on torch 2.13 and 2.9 only; "
-                       "on torch 2.11 inductor's trained differently (tests/dist/test_compile_layouts.py); "
-                       "trainer.compile=true compiles anyway")
     if cfg.model.moe.num_experts:
         return False, ("eager: the MoE layer breaks a compiled block's graph (its routing and grouped GEMMs); "
                        "trainer.compile=true compiles the pieces between the breaks")
@@ -87,16 +83,11 @@ def resolve_auto_compile(cfg: Any, device: torch.device) -> bool | None:
     return cfg.trainer.compile
 
 
-def warn_of_known_crashes(device: torch.device, precision: str, backend: str | Callable,
-                          sequence_parallel: bool = False) -> None:
+def warn_of_known_crashes(device: torch.device, precision: str, backend: str | Callable) -> None:
     """One warning where this torch is known to crash the compiled blocks: on torch 2.9, inductor's CPU kernels of
     `fp8`'s casts (per-tensor current scaling, the one recipe whose casts are ops of the block's graph) segfaulted in
     about a quarter of the runs of one of megalm's tests (tests/unit/test_precision_fp8_casts.py, a compiled layer's
     backward: 11 of 40 runs; none on 2.11 or 2.13). On a GPU inductor writes Triton kernels instead."""
-    if sequence_parallel and backend == "inductor" and compat.major_minor(torch.__version__) == (2, 11):
-        log.warning("trainer.compile=true under sequence parallelism on torch %s: inductor's compiled blocks trained "
-                    "differently from eager in megalm's test (tests/dist/test_compile_layouts.py, 2 ranks, from the "
-                    "second step on); use torch 2.13 or trainer.compile=false", torch.__version__)
     if (device.type == "cpu" and backend == "inductor" and precision == "fp8"
             and compat.major_minor(torch.__version__) < (2, 10)):
         log.warning("trainer.compile=true with precision=%s on the CPU: torch %s's inductor CPU kernels for FP8 casts "

@@ -74,8 +74,7 @@ class Trainer:
         # chosen (and logged) once, before any forward: a compiled block's trace holds no selection
         choose_attention_backends(self.model, self.device, self.precision.compute_dtype)
         if cfg.trainer.compile:
-            warn_of_known_crashes(self.device, cfg.precision.name, cfg.trainer.compile_backend,
-                                  cfg.parallel.sequence_parallel and cfg.parallel.tp > 1)
+            warn_of_known_crashes(self.device, cfg.precision.name, cfg.trainer.compile_backend)
             compile_blocks(self.model, cfg.trainer.compile_backend)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.parallel.optimizer_factory)
         self.parallel.watch_optimizer(self.optimizer)  # quantized weights: made once per optimizer step

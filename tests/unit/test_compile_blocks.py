@@ -428,7 +428,7 @@ def test_a_torch_known_to_crash_compiled_fp8_casts_on_the_cpu_is_named_in_a_warn
     ([], "cuda", True, "compiled on CUDA"),
     ([], "cpu", False, "eager on cpu"),
     (["parallel.tp=2"], "cuda", True, "compiled on CUDA"),
-    (["parallel.tp=2", "parallel.sequence_parallel=true"], "cuda", False, "on torch 2.11 inductor's trained"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true"], "cuda", True, "compiled on CUDA"),
     (["model=moe_tiny"], "cuda", False, "the MoE layer breaks"),
     (["precision.backend=te", "precision=fp8"], "cuda", False, "Transformer Engine"),
     (["parallel.pp=2", "parallel.pp_schedule=zb"], "cuda", False, "zero-bubble schedule's deferred"),
@@ -440,8 +440,8 @@ def test_compile_auto_compiles_on_cuda_where_compiled_blocks_were_measured_faste
                                                                                   caplog, monkeypatch):
     """`trainer.compile` defaults to null, auto: compiled on CUDA (the GPU rows of docs/benchmarks.md: 1.16x bf16,
     1.58x fp8 at 1.3B), eager on a CPU, where inductor cannot compile (no triton), and where compiled blocks lose
-    (MoE's layer and ZB's deferred weight gradients break the graph) or are not checked on every torch (SP: torch
-    2.11's inductor trains it differently); one log line says which and why. true/false stay."""
+    (MoE's layer and ZB's deferred weight gradients break the graph); one log line says which and why. true/false
+    stay."""
     from megalm.training import compile as compile_module
 
     problem = "inductor's CUDA kernels need triton, which is not installed" if device == "no_triton" else None
@@ -470,17 +470,3 @@ def test_a_default_run_on_the_cpu_stays_eager(tmp_path):
     blocks = [m for m in trainer.model.modules() if isinstance(m, TransformerBlock)]
     assert blocks and all("forward" not in vars(block) for block in blocks)
 
-
-def test_compiled_sequence_parallelism_on_torch_2_11_is_named_in_a_warning(monkeypatch, caplog):
-    """torch 2.11's inductor trains compiled SP blocks differently from eager (tests/dist/test_compile_layouts.py,
-    an xfail there): `trainer.compile=true` with SP on 2.11 says so, on any device; not on 2.13, without SP, or
-    under another backend."""
-    from megalm.training.compile import warn_of_known_crashes
-
-    for version, sp, backend, warned in [("2.11.0+cu130", True, "inductor", True), ("2.13.0", True, "inductor", False),
-                                         ("2.11.0", False, "inductor", False), ("2.11.0", True, "aot_eager", False)]:
-        monkeypatch.setattr(torch, "__version__", version)
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="megalm"):
-            warn_of_known_crashes(torch.device("cuda"), "bf16", backend, sequence_parallel=sp)
-        assert ("trained differently from eager" in caplog.text) == warned, (version, sp, backend)

@@ -215,10 +215,6 @@ def test_fp8_gemms_are_traced_as_the_gpu_runs_them(monkeypatch):
     assert any("no FP8 tensor cores" in n for n in notes["a100"]), notes
 
 
-@pytest.mark.xfail(compat.major_minor(torch.__version__) == (2, 11), strict=True,
-                   reason="torch 2.11's compiled SP graph moves other TP bytes than eager's (150,280 against 199,432 "
-                          "at this size), with or without regather_in_backward; its training differs too "
-                          "(tests/dist/test_compile_layouts.py)")
 def test_the_collectives_of_compiled_blocks_are_counted_and_sp_regathers_in_the_backward():
     """Compiled blocks dispatch the functional collectives dynamo turns torch.distributed's calls into
     (`_c10d_functional`), which the estimate's `Collectives` counts as it counts eager's `c10d` ops: before, a

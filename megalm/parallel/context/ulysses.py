@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from megalm.compat import as_function_output
 from megalm.model.attention import select_attention_backend, varlen_attention
 from megalm.parallel.context.zigzag import ZigzagLayout, ZigzagPlan, as_layout
 
@@ -35,7 +36,7 @@ class _AllToAll(torch.autograd.Function):
         x = x.contiguous()
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x, group=group)
-        return out
+        return as_function_output(out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
+from megalm.compat import as_function_output
 from megalm.model.moe import GroupedExperts, Routing
 from megalm.parallel.progress import Progress, note_collective
 
@@ -35,7 +36,7 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup,
                 progress: Progress | None) -> torch.Tensor:
         ctx.splits, ctx.group, ctx.progress = (out_splits, in_splits), group, progress
-        return _all_to_all(x, out_splits, in_splits, group, progress)
+        return as_function_output(_all_to_all(x, out_splits, in_splits, group, progress))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -43,6 +43,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megalm.compat import as_function_output
 from megalm.parallel.collectives import all_gather_flat, group_rank, group_size, reduce_scatter_flat
 from megalm.parallel.progress import Progress, note_collective
 
@@ -107,7 +108,7 @@ def _conjugate(name: str, forward: Callable, backward: Callable) -> type[torch.a
 
     def fwd(ctx, x: torch.Tensor, group: Group, progress: Progress | None) -> torch.Tensor:
         ctx.group, ctx.progress = group, progress
-        return forward(x, group, progress)
+        return as_function_output(forward(x, group, progress))
 
     def bwd(ctx, grad: torch.Tensor):
         return backward(grad, ctx.group, ctx.progress), None, None
