@@ -5,12 +5,12 @@ assignments are dropped (the losses and the logged drops agree)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from megalm.model.moe import moe_modules
 from megalm.parallel.dims import ParallelDims, ParallelMesh
+from megalm.parallel.expert.dispatch import AllToAllDispatcher
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
 from tests.dist.equivalence import assert_grads_match, assert_resharded_run_continues, assert_same_training
@@ -100,3 +100,24 @@ def test_expert_parallel_checkpoints_reshard(tmp_path):
                 (2, ["parallel.ep=2", "parallel.fsdp=true", "trainer.stop_at_step=5"]),
                 (2, ["parallel.dp=2", "parallel.fsdp=true"])]
     assert_resharded_run_continues(tmp_path, common, segments)
+
+
+def compiled_expert_parallel(rank: int, world_size: int, tmp: str) -> None:
+    """ep2 with `trainer.compile=true` (AOT autograd; the MoE layer's graph breaks split each block) against ep2
+    eager: the same losses and weights. The dispatcher's all-to-all is an autograd function with a collective in its
+    forward, which torch 2.11's dynamo traced into zero gradients before megalm.compat.as_function_output."""
+    torch._dynamo.reset()
+    runs = [Trainer(compose_config(*MOE, *DROPLESS, "parallel.ep=2", "precision=bf16", "trainer.compile=" + compiled,
+                                   "trainer.compile_backend=aot_eager"), f"{tmp}/{compiled}")
+            for compiled in ("false", "true")]
+    for trainer in runs:
+        assert all(isinstance(m.dispatcher, AllToAllDispatcher) for m in moe_modules(trainer.model).values())
+    for step in range(3):
+        eager, compiled = (trainer.train_step(step).loss for trainer in runs)
+        assert compiled == pytest.approx(eager, rel=1e-6), (rank, step)
+    for p, q in zip(runs[0].model.parameters(), runs[1].model.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-5)
+
+
+def test_compiled_expert_parallelism_trains_as_eager(tmp_path):
+    run_distributed(compiled_expert_parallel, 2, str(tmp_path), timeout=300)

@@ -95,8 +95,8 @@ def test_the_command_line(capsys):
     assert auto.startswith("trainer.compile left at null (auto): blocks priced eager") and "\n" not in auto
     assert batch == f"batch not given: {estimate.BATCH_DEFAULTS}"
     assert "tp" in result["ranks"][0]["collective_bytes"]
-    sp = [*SMALL, "parallel.tp=2", "parallel.sequence_parallel=true", "precision=bf16", "--world", "2", "--json"]
-    assert estimate.main(sp) == 0  # under SP auto stays eager on CUDA too: nothing to say
+    zb = [*SMALL, "parallel.pp=2", "parallel.pp_schedule=zb", "precision=bf16", "--world", "2", "--json"]
+    assert estimate.main(zb) == 0  # under the ZB schedule auto stays eager on CUDA too: nothing to say
     assert not any(n.startswith("trainer.compile") for n in json.loads(capsys.readouterr().out)["notes"])
 
 
