@@ -11,10 +11,14 @@ its events, so the figures are torch's and CUPTI's, not megalm's bookkeeping.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from megalm.measure.op_cost import category as aten_category
 
@@ -137,6 +141,35 @@ def summarize(events: Iterable[Any], steps: int, wall_s: float, top: int = 15) -
         kernels=sum(calls for calls, _ in per.values()) / steps,
         by_kind=dict(sorted(by_kind.items(), key=lambda item: -item[1])),
         top=[(name, calls / steps, us / 1e3 / steps) for name, (calls, us) in ranked])
+
+
+def profile_steps(step: Callable[[int], object], first_step: int, steps: int, device: torch.device,
+                  trace: Path | None = None) -> StepProfile:
+    """`steps` calls of `step(i)` (one training step each, any framework's) under torch.profiler (CPU ops, and CUDA
+    kernels on a GPU), summed per step, after one call the profiler records and discards (its own set-up is not in
+    the figures); `trace` also gets the Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof:
+        step(first_step)
+        prof.step()
+        synchronize()
+        start = time.perf_counter()
+        for i in range(first_step + 1, first_step + 1 + steps):
+            with record_function(STEP_SPAN):  # the host syncs are counted inside it, not this loop's own
+                step(i)
+            if i < first_step + steps:
+                prof.step()
+        synchronize()
+        wall = time.perf_counter() - start
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    return summarize(prof.events(), steps, wall)
 
 
 def format_profile(profile: StepProfile, name_width: int = 90) -> str:

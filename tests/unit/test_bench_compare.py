@@ -30,7 +30,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
     command = [sys.executable, str(ROOT / "tools/bench/compare.py"), "--tiny", "--precisions", "fp32",
                "--seqs", ",".join(map(str, SEQS)), "--steps", "1", "--warmup", "0", "--repeats", str(REPEATS),
                "--tokens-per-step", "128", "--peak-tflops", str(PEAK_TFLOPS), "--frameworks", ",".join(FRAMEWORKS),
-               "--json", str(out)]
+               "--profile", "1", "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -61,6 +61,21 @@ def test_megalm_runs_and_megatron_core_runs_on_cpu(report):
     if any(r["framework"] == "megatron" for r in rows) and report[0]["versions"]["megatron-core"]:
         megatron = [r for r in rows if r["framework"] == "megatron"]
         assert all(r["status"] == "ok" for r in megatron), [r["reason"] for r in megatron]
+
+
+@pytest.mark.timeout(120)
+def test_every_row_that_ran_says_where_its_time_went(report):
+    """--profile: one more step of each row's last repeat under torch.profiler, summed into the same kinds for every
+    framework (on a CPU the aten ops' self time), so that rows compare kind by kind (on a GPU: what TorchTitan's
+    step spends less on than megalm's)."""
+    ran = [r for r in report[0]["rows"] if r["status"] == "ok"]
+    assert ran
+    for r in ran:
+        profile = r["profile"]
+        assert profile["steps"] == 1 and profile["device"] == "cpu", (r["framework"], profile)
+        assert profile["by_kind"]["gemm"] > 0 and 0 < profile["busy_ms"] <= 1.05 * profile["wall_ms"], profile
+        assert profile["unprofiled_ms"] > 0  # the timed steps of the same repeat, without the profiler
+    assert "profile (aten op ms per step" in report[1]
 
 
 @pytest.mark.timeout(120)

@@ -37,6 +37,10 @@ AdamW, no activation recomputation. The peers' versions are pinned in one place,
 
 Each row names the kernels its system used (`kernels`: attention, GEMMs, compile, loss): the SDPA kernel is the
 one torch's dispatcher chooses for the run's own shapes and dtype (`torch._fused_sdp_choice`).
+`--profile N` then runs N more steps of each row's last repeat under torch.profiler, untimed, and sums their kernels
+(on a CPU their aten ops) into the kinds of megalm/measure/kernel_profile.py, the same for every framework: the
+row's `profile` (ms per step by kind, GPU busy time against the unprofiled step) says kind by kind where one
+system's step spends more than another's.
 
 Precisions: fp32 (one TF32 setting for all: megalm's `precision.tf32`); bf16 = each system's bf16 step on one GPU:
 megalm's `precision=bf16` (bf16 weights in the model, fp32 main weights and gradient sums in the optimizer, the
@@ -97,6 +101,7 @@ from throughput import compose_config, synchronize  # noqa: E402
 
 from megalm import compat  # noqa: E402
 from megalm.config import MegalmConfig, ModelConfig  # noqa: E402
+from megalm.measure.kernel_profile import StepProfile, profile_steps  # noqa: E402
 from megalm.training.flops import peak_flops, training_flops  # noqa: E402
 from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
 
@@ -134,6 +139,7 @@ class Run:
     peak_memory_gib: float
     params_m: float
     kernels: dict[str, str] = field(default_factory=dict)
+    profile: StepProfile | None = None  # --profile: where the time of a few more steps went
 
 
 @dataclass
@@ -156,6 +162,7 @@ class Row:
     params_m: float | None = None
     kernels: dict[str, str] = field(default_factory=dict)  # attention, gemm, compile, loss
     model: dict = field(default_factory=dict)
+    profile: dict | None = None  # --profile: StepProfile.as_dict() of the last repeat (kernel ms per kind)
 
 
 # ---------------------------------------------------------------------------------------------- pinned peers
@@ -255,6 +262,18 @@ def time_steps(step: Callable[[int], None], warmup: int, steps: int, device: tor
     return times
 
 
+def measure(step: Callable[[int], None], warmup: int, steps: int, device: torch.device,
+            profile: int = 0) -> tuple[list[float], StepProfile | None]:
+    """`time_steps`, then (`profile` > 0) that many more steps under torch.profiler, untimed: the same kernel
+    kinds for every framework (megalm.measure.kernel_profile), so two rows' milliseconds compare kind by kind."""
+    times = time_steps(step, warmup, steps, device)
+    if not profile:
+        return times, None
+    result = profile_steps(step, warmup + steps, profile, device)
+    result.unprofiled_ms = 1e3 * statistics.median(times)
+    return times, result
+
+
 def params_m(model: torch.nn.Module) -> float:
     return sum(p.numel() for p in model.parameters()) / 1e6
 
@@ -325,7 +344,7 @@ def megalm_kernels(trainer: Any, cfg: MegalmConfig, batch: int, device: torch.de
 
 
 def run_megalm(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.device, warmup: int,
-               steps: int) -> Run:
+               steps: int, profile: int = 0) -> Run:
     from megalm.training.trainer import Trainer
 
     # the megalm row is eager (trainer.compile's default, null, would compile it on CUDA); megalm_compiled sets true
@@ -336,23 +355,23 @@ def run_megalm(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.dev
         trainer = Trainer(cfg, run_dir)
         if trainer.device.type != device.type:
             raise Skip(f"megalm chose {trainer.device}, the others {device}")
-        times = time_steps(lambda i: tokens.append(trainer.train_step(i).tokens), warmup, steps, device)
+        times, profiled = measure(lambda i: tokens.append(trainer.train_step(i).tokens), warmup, steps, device, profile)
         kernels = megalm_kernels(trainer, cfg, batches[0].shape[0], device)
-        return Run(times, tokens[-1], peak_memory(device), params_m(trainer.model), kernels)
+        return Run(times, tokens[-1], peak_memory(device), params_m(trainer.model), kernels, profiled)
 
 
 def run_megalm_compiled(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.device, warmup: int,
-                        steps: int) -> Run:
+                        steps: int, profile: int = 0) -> Run:
     """megalm with `trainer.compile=true`, beside TorchTitan's compiled blocks: on CUDA only, where inductor
     generates the Triton kernels a GPU run gets (on a CPU its C++ kernels would time something else)."""
     if device.type != "cuda":
         raise Skip("megalm's compiled blocks are compared on CUDA only")
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, compile=True))
-    return run_megalm(cfg, batches, device, warmup, steps)
+    return run_megalm(cfg, batches, device, warmup, steps, profile)
 
 
 def run_megalm_torchao(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.device, warmup: int,
-                       steps: int) -> Run:
+                       steps: int, profile: int = 0) -> Run:
     """megalm with `precision.backend=torchao` in the fp8 cells: torchao's Float8Linear in megalm's step, compiled
     per block on CUDA as TorchTitan compiles it (eager on a CPU, where inductor would build C++ kernels)."""
     from megalm.precision.torchao_fp8 import torchao_problem
@@ -363,7 +382,7 @@ def run_megalm_torchao(cfg: MegalmConfig, batches: list[torch.Tensor], device: t
         raise Skip(torchao_problem())
     cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, backend="torchao"),
                               trainer=dataclasses.replace(cfg.trainer, compile=device.type == "cuda"))
-    return run_megalm(cfg, batches, device, warmup, steps)
+    return run_megalm(cfg, batches, device, warmup, steps, profile)
 
 
 # ---------------------------------------------------------------------------------------------- Megatron-Core
@@ -511,7 +530,7 @@ def megatron_on_cpu(device: torch.device) -> Iterator[None]:
 
 
 def run_megatron(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.device, warmup: int,
-                 steps: int) -> Run:
+                 steps: int, profile: int = 0) -> Run:
     if cfg.precision.name != "fp32" and cfg.precision.name != "bf16":
         raise Skip(f"{cfg.precision.name} needs Transformer Engine in Megatron-Core (the local spec has none)")
     require("megatron.core", "megatron-core")
@@ -519,11 +538,11 @@ def run_megatron(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.d
         raise Skip("bf16 on CPU: Megatron-Core's linear autograd functions carry CUDA autocast only "
                    "(custom_fwd/custom_bwd with device_type='cuda')")
     with megatron_on_cpu(device):
-        return megatron_steps(cfg, batches, device, warmup, steps)
+        return megatron_steps(cfg, batches, device, warmup, steps, profile)
 
 
 def megatron_steps(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.device, warmup: int,
-                   steps: int) -> Run:
+                   steps: int, profile: int = 0) -> Run:
     model = build_megatron(cfg.model, device, cfg.seed)
     optimizer = adamw(model, cfg, device)
     seq = batches[0].shape[1] - 1
@@ -538,7 +557,7 @@ def megatron_steps(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    times = time_steps(step, warmup, steps, device)
+    times, profiled = measure(step, warmup, steps, device, profile)
     chosen = next((m.kernel for m in model.modules() if isinstance(m, SDPACoreAttention)), None)
     fused = model.config.cross_entropy_loss_fusion
     kernels = {
@@ -548,7 +567,7 @@ def megatron_steps(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch
                     if fused else "eager (Megatron's jit fusions off: on CUDA only)"),
         "loss": f"Megatron's {'fused ' if fused else ''}vocab-parallel cross entropy (fp32), mean",
     }
-    return Run(times, batches[0][:, :-1].numel(), peak_memory(device), params_m(model), kernels)
+    return Run(times, batches[0][:, :-1].numel(), peak_memory(device), params_m(model), kernels, profiled)
 
 
 # ---------------------------------------------------------------------------------------------- TorchTitan
@@ -625,7 +644,7 @@ def build_torchtitan(model: ModelConfig, device: torch.device, seed: int, job: A
 
 
 def run_torchtitan(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.device, warmup: int,
-                   steps: int) -> Run:
+                   steps: int, profile: int = 0) -> Run:
     name = cfg.precision.name
     if name not in ("fp32", "bf16", "fp8"):
         raise Skip(f"no {name} recipe wired for TorchTitan here (fp32, bf16, fp8)")
@@ -656,7 +675,7 @@ def run_torchtitan(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    times = time_steps(step, warmup, steps, device)
+    times, profiled = measure(step, warmup, steps, device, profile)
     m = cfg.model
     with sdpa_priority(ScaledDotProductAttentionWrapper().sdpa_backends, set_priority=True):
         chosen = probe_sdpa(batches[0].shape[0], m.num_heads, m.num_kv_heads or m.num_heads, m.seq_length,
@@ -670,7 +689,7 @@ def run_torchtitan(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch
                     else "eager (per-block compile on CUDA only: inductor would build C++ kernels here)"),
         "loss": "TorchTitan's fp32 cross entropy (sum / tokens)" + (", compiled" if compiled else ""),
     }
-    return Run(times, batches[0][:, :-1].numel(), peak_memory(device), params_m(model), kernels)
+    return Run(times, batches[0][:, :-1].numel(), peak_memory(device), params_m(model), kernels, profiled)
 
 
 RUNNERS: dict[str, Callable[..., Run]] = {"megalm": run_megalm, "megalm_compiled": run_megalm_compiled,
@@ -720,6 +739,7 @@ def summarise(row: Row, runs: list[Run], cfg: MegalmConfig, batch: int, seq: int
     row.peak_memory_gib = max(run.peak_memory_gib for run in runs)
     row.params_m = runs[0].params_m
     row.kernels = runs[-1].kernels
+    row.profile = runs[-1].profile.as_dict() if runs[-1].profile is not None else None
 
 
 def run_cell(cell: Cell, args: argparse.Namespace, overrides: list[str], device: torch.device,
@@ -738,7 +758,8 @@ def run_cell(cell: Cell, args: argparse.Namespace, overrides: list[str], device:
                 continue
             with fresh_device(device, cfg):
                 try:
-                    runs[fw].append(RUNNERS[fw](cfg, batches, device, args.warmup, args.steps))
+                    profile = args.profile if repeat == args.repeats - 1 else 0  # once per row
+                    runs[fw].append(RUNNERS[fw](cfg, batches, device, args.warmup, args.steps, profile))
                 except Exception as e:  # noqa: BLE001 - a peer that cannot run is a result, said in one line
                     row.status, row.reason = "skipped", one_line(e)
                     if args.verbose and not isinstance(e, Skip):
@@ -774,6 +795,12 @@ def print_rows(rows: list[Row], width: int) -> None:
               f"{fmt(r.tflops_per_sec, '.2f'):>8} {mfu:>6} {fmt(r.peak_memory_gib, '.2f'):>8}  {status}")
         for key, what in r.kernels.items():
             print(f"    {key}: {what}")
+        if r.profile is not None:
+            print(f"    profile ({'kernel' if r.profile['device'] == 'cuda' else 'aten op'} ms per step, "
+                  f"{r.profile['kernels']:.0f} calls): " + ", ".join(f"{kind} {ms:.1f}" for kind, ms in
+                                                                r.profile["by_kind"].items())
+                  + (f"; busy {r.profile['busy_ms']:.1f} of {r.profile['unprofiled_ms']:.1f} ms unprofiled"
+                     if r.profile["device"] == "cuda" else ""))
     sys.stdout.flush()
 
 
@@ -794,7 +821,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: from flops.py)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--verbose", action="store_true", help="print the traceback of a run that fails")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after each row's last repeat, N more steps under torch.profiler: kernel ms per kind")
     args, overrides = parse_flags_and_overrides(parser, argv)
+    if args.profile < 0:
+        parser.error("--profile takes a number of steps >= 0")
     unknown = set(args.frameworks) - set(FRAMEWORKS)
     if unknown:
         parser.error(f"unknown frameworks {sorted(unknown)}: pick from {','.join(FRAMEWORKS)}")
@@ -822,7 +853,7 @@ def main(argv: list[str] | None = None) -> dict:
         "settings": {"shapes": args.shapes, "seqs": args.seqs, "precisions": args.precisions,
                      "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                      "tokens_per_step": args.tokens_per_step, "overrides": overrides,
-                     "peak_tflops": args.peak_tflops},
+                     "peak_tflops": args.peak_tflops, "profile": args.profile},
         "complete": False,
         "run_order": order,
         "rows": [],

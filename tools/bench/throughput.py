@@ -84,7 +84,10 @@ def main(argv: list[str] | None = None) -> dict:
                 tokens.append(result.tokens)
                 flops.append(result.flops)
         if args.profile:
-            profile = _profile(trainer, args.warmup + args.steps, args.profile, args.profile_trace)
+            from megalm.measure.kernel_profile import profile_steps
+
+            profile = profile_steps(trainer.train_step, args.warmup + args.steps, args.profile, device,
+                                    args.profile_trace)
     step_s = statistics.median(times)
     tok_per_step = statistics.median(tokens)
     report = {
@@ -139,32 +142,6 @@ def compile_counts():
                 "failed_frames": frames["total"] - frames["ok"],
                 "break_reasons": sorted({reason.splitlines()[0][:160] for reason in reasons})}
     return read
-
-
-def _profile(trainer, first_step: int, steps: int, trace: Path | None):
-    """`steps` training steps under torch.profiler (CPU ops, and CUDA kernels on a GPU), summed per step, after
-    one step the profiler records and discards (its own set-up is not in the figures)."""
-    from torch.profiler import ProfilerActivity, profile, record_function, schedule
-
-    from megalm.measure.kernel_profile import STEP_SPAN, summarize
-
-    device = trainer.device
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof:
-        trainer.train_step(first_step)
-        prof.step()
-        synchronize(device)
-        start = time.perf_counter()
-        for step in range(first_step + 1, first_step + 1 + steps):
-            with record_function(STEP_SPAN):  # the host syncs are counted inside it, not this loop's own
-                trainer.train_step(step)
-            if step < first_step + steps:
-                prof.step()
-        synchronize(device)
-        wall = time.perf_counter() - start
-    if trace is not None:
-        prof.export_chrome_trace(str(trace))
-    return summarize(prof.events(), steps, wall)
 
 
 if __name__ == "__main__":
