@@ -112,7 +112,7 @@ def compiled_expert_parallel(rank: int, world_size: int, tmp: str) -> None:
             for compiled in ("false", "true")]
     for trainer in runs:
         assert all(isinstance(m.dispatcher, AllToAllDispatcher) for m in moe_modules(trainer.model).values())
-    for step in range(3):
+    for step in range(2):  # the second step's loss is the first's gradients at work
         eager, compiled = (trainer.train_step(step).loss for trainer in runs)
         assert compiled == pytest.approx(eager, rel=1e-6), (rank, step)
     for p, q in zip(runs[0].model.parameters(), runs[1].model.parameters(), strict=True):
