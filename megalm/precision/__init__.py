@@ -239,6 +239,11 @@ def validate_precision(cfg: MegalmConfig) -> None:
         if parallel.pp > 1 and parallel.pp_schedule == "zb":
             raise ConfigError(f"trainer.compile=true runs precision={p.name} without the zero-bubble schedule's "
                               "deferred weight gradients; use another parallel.pp_schedule or trainer.compile=false")
+    if cfg.trainer.compile and cfg.model.moe.num_experts and p.name == "fp32":
+        # torch._grouped_mm, the experts' GEMM, runs fp32 in eager on a CPU, but its meta kernel (what a compiled
+        # graph is traced with) takes bf16 only: the first compiled step would fail deep in dynamo
+        raise ConfigError("trainer.compile=true with an MoE model needs precision=bf16 (the experts' "
+                          "torch._grouped_mm traces bf16 only); set precision=bf16 or trainer.compile=false")
     if p.bf16_weights and (p.name in WHOLE_MODEL or p.backend == "te"):
         raise ConfigError(f"precision.bf16_weights=true applies to the native fp8/mx recipes; remove it for "
                           f"precision={p.name}" + (" with precision.backend=te" if p.backend == "te" else ""))
