@@ -104,19 +104,24 @@ def test_expert_parallel_checkpoints_reshard(tmp_path):
 
 def compiled_expert_parallel(rank: int, world_size: int, tmp: str) -> None:
     """ep2 with `trainer.compile=true` (AOT autograd; the MoE layer's graph breaks split each block) against ep2
-    eager: the same losses and weights. The dispatcher's all-to-all is an autograd function with a collective in its
-    forward, which torch 2.11's dynamo traced into zero gradients before megalm.compat.as_function_output."""
+    eager, one step in bf16 (the experts' grouped GEMM traces bf16 only): the same loss, and the same update. The
+    dispatcher's all-to-all is an autograd function with a collective in its forward, which torch 2.11's dynamo
+    traced into zero gradients before megalm.compat.as_function_output: AdamW's first step moves each weight by
+    lr * sign(gradient), so 34-40% of the experts' weights moved otherwise. bf16 rounding may flip the sign of a
+    near-zero gradient: torch 2.9's AOT autograd rounds a little differently from eager (at most 0.12% of a weight's
+    elements, measured); 2.11 and 2.13 move none otherwise."""
     torch._dynamo.reset()
     runs = [Trainer(compose_config(*MOE, *DROPLESS, "parallel.ep=2", "precision=bf16", "trainer.compile=" + compiled,
                                    "trainer.compile_backend=aot_eager"), f"{tmp}/{compiled}")
             for compiled in ("false", "true")]
     for trainer in runs:
         assert all(isinstance(m.dispatcher, AllToAllDispatcher) for m in moe_modules(trainer.model).values())
-    for step in range(2):  # the second step's loss is the first's gradients at work
-        eager, compiled = (trainer.train_step(step).loss for trainer in runs)
-        assert compiled == pytest.approx(eager, rel=1e-6), (rank, step)
-    for p, q in zip(runs[0].model.parameters(), runs[1].model.parameters(), strict=True):
-        torch.testing.assert_close(q, p, rtol=0, atol=1e-5)
+    eager, compiled = (trainer.train_step(0).loss for trainer in runs)
+    assert compiled == pytest.approx(eager, rel=1e-6), (rank, compiled, eager)
+    lr = runs[0].cfg.optim.lr
+    for (name, p), q in zip(runs[0].model.named_parameters(), runs[1].model.parameters(), strict=True):
+        moved_otherwise = ((p.float() - q.float()).abs() > lr / 2).float().mean().item()
+        assert moved_otherwise <= 0.01, (rank, name, moved_otherwise)
 
 
 def test_compiled_expert_parallelism_trains_as_eager(tmp_path):
