@@ -347,13 +347,14 @@ def hf_storage_writer(path: str) -> Any:
 
 
 def as_function_output(out: torch.Tensor) -> torch.Tensor:
-    """What an autograd.Function's forward that runs a collective returns: a view of its result (free), never an
-    intermediate tensor itself.
+    """What an autograd.Function's forward returns when it could be an alias of a tensor its traced forward made or
+    mutated: a view of it (free), never that tensor itself.
 
-    torch 2.11's dynamo traces such a forward (its collective's `wait_tensor` and `copy_` write in place) with every
-    intermediate tensor as an extra output of the traced function. Where the result is one of them (the collective's
-    buffer, or a `.to()` that changed nothing), autograd hands its gradient to that alias and the result's own is
-    zero: compiled TP, SP and Ulysses blocks trained wrongly on 2.11 (tests/dist/test_compile_layouts.py compares
-    every layout's compiled blocks with eager). A view is a tensor of its own, so the gradient reaches it; torch 2.9
-    and 2.13 train the same either way."""
+    torch 2.11's dynamo traces some forwards (those that run a collective, whose `wait_tensor` and `copy_` write in
+    place; those that build their result in place, or return a `.to()` or `.contiguous()` that changed nothing) with
+    intermediate tensors as extra outputs of the traced function. Where the result is one of them, autograd hands
+    its gradient to that alias and the result's own is zero: compiled TP, SP, Ulysses and EP blocks trained wrongly
+    on 2.11 (tests/dist/test_compile_layouts.py and test_moe_layouts.py compare them with eager), and the chunked
+    loss, compiled, would have. A view is a tensor of its own, so the gradient reaches it; torch 2.9 and 2.13 train
+    the same either way."""
     return out.view_as(out)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from megalm.compat import as_function_output
+
 CHUNK_BYTES = 256 * 2**20  # the fp32 logits of one chunk: a quarter GB whatever the vocab
 
 
@@ -45,7 +47,7 @@ class _ChunkedTokenLossSum(torch.autograd.Function):
             loss += ((torch.logsumexp(x, dim=-1) - target) * weight[part]).sum()
         ctx.save_for_backward(logits, labels, weight)
         ctx.vocab_size, ctx.chunk = vocab_size, chunk
-        return loss
+        return as_function_output(loss)  # built in place (+=): a compiled loss on torch 2.11 would lose its gradient
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -95,6 +95,21 @@ def compiles_in_sight(precision: PrecisionConfig) -> bool:
         precision.backend == "native" and get_recipe(precision.name, forward=precision.forward).casts_in_graph)
 
 
+def compiled_recipe_conflict(cfg: MegalmConfig) -> tuple[str, str] | None:
+    """Why `cfg`'s recipe cannot run in compiled blocks under its layout, and the layout's fix (None: it can). A
+    compiled block runs a native FP8/MX recipe's linears as one opaque op (compiled_linear.py), which has no input
+    gather and hands no weight gradient to a zero-bubble W: those layers would break the graph instead."""
+    p, parallel = cfg.precision, cfg.parallel
+    if p.name in WHOLE_MODEL or p.backend != "native":
+        return None
+    if parallel.sequence_parallel and parallel.tp > 1:
+        return "without sequence parallelism only", "set parallel.sequence_parallel=false"
+    if parallel.pp > 1 and parallel.pp_schedule == "zb":
+        return ("without the zero-bubble schedule's deferred weight gradients",
+                "use another parallel.pp_schedule")
+    return None
+
+
 def has_fp8_gemms(precision: PrecisionConfig) -> bool:
     """Whether the recipe's linear layers multiply FP8 operands: the fp8 recipes, and MX ones with `forward=fp8`."""
     return str(precision.name).startswith("fp8") or precision.forward == "fp8"
@@ -230,15 +245,9 @@ def validate_precision(cfg: MegalmConfig) -> None:
         raise ConfigError("precision.backend=te does not combine with parallel.recompute yet (the recomputed "
                           "forward would run outside TE's fp8_autocast); use parallel.recompute=none or "
                           "precision.backend=native")
-    if cfg.trainer.compile and p.name not in WHOLE_MODEL and p.backend == "native":
-        # compiled blocks run a recipe's linears as one opaque op (compiled_linear.py), which has no input gather
-        # and hands no weight gradient to a zero-bubble W: those layers would break the graph instead
-        if parallel.sequence_parallel and parallel.tp > 1:
-            raise ConfigError(f"trainer.compile=true runs precision={p.name} without sequence parallelism only; set "
-                              "parallel.sequence_parallel=false or trainer.compile=false")
-        if parallel.pp > 1 and parallel.pp_schedule == "zb":
-            raise ConfigError(f"trainer.compile=true runs precision={p.name} without the zero-bubble schedule's "
-                              "deferred weight gradients; use another parallel.pp_schedule or trainer.compile=false")
+    if cfg.trainer.compile and (conflict := compiled_recipe_conflict(cfg)):
+        raise ConfigError(f"trainer.compile=true runs precision={p.name} {conflict[0]}; {conflict[1]} or "
+                          "trainer.compile=false")
     if cfg.trainer.compile and cfg.model.moe.num_experts and p.name == "fp32":
         # torch._grouped_mm, the experts' GEMM, runs fp32 in eager on a CPU, but its meta kernel (what a compiled
         # graph is traced with) takes bf16 only: the first compiled step would fail deep in dynamo

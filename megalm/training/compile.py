@@ -22,6 +22,7 @@ from torch import nn
 from megalm import compat
 from megalm.model import TransformerBlock
 from megalm.model.linear import linear_modules
+from megalm.precision import compiled_recipe_conflict
 from megalm.precision.compiled_linear import prepared_weights
 
 log = logging.getLogger("megalm")
@@ -51,6 +52,8 @@ def auto_compile(cfg: Any, device: torch.device) -> tuple[bool, str]:
         return False, f"eager on {device.type}: compiled blocks are measured faster on CUDA only"
     if problem := inductor_cannot_compile(device):
         return False, f"eager: {problem}"
+    if conflict := compiled_recipe_conflict(cfg):
+        return False, f"eager: compiled blocks run precision={precision.name} {conflict[0]}"
     if cfg.model.moe.num_experts:
         return False, ("eager: the MoE layer breaks a compiled block's graph (its routing and grouped GEMMs); "
                        "trainer.compile=true compiles the pieces between the breaks")

@@ -429,13 +429,15 @@ def test_a_torch_known_to_crash_compiled_fp8_casts_on_the_cpu_is_named_in_a_warn
     ([], "cpu", False, "eager on cpu"),
     (["parallel.tp=2"], "cuda", True, "compiled on CUDA"),
     (["parallel.tp=2", "parallel.sequence_parallel=true"], "cuda", True, "compiled on CUDA"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "precision=fp8"], "cuda", False,
+     "precision=fp8 without sequence parallelism only"),
     (["model=moe_tiny"], "cuda", False, "the MoE layer breaks"),
     (["precision.backend=te", "precision=fp8"], "cuda", False, "Transformer Engine"),
     (["parallel.pp=2", "parallel.pp_schedule=zb"], "cuda", False, "zero-bubble schedule's deferred"),
     (["parallel.pp=2", "parallel.pp_schedule=1f1b"], "cuda", True, "compiled on CUDA"),
     (["parallel.dp=2", "parallel.fsdp=true"], "cuda", True, "compiled on CUDA"),
     ([], "no_triton", False, "need triton"),
-], ids=["cuda", "cpu", "tp", "sp", "moe", "te", "zb", "1f1b", "fsdp", "no_triton"])
+], ids=["cuda", "cpu", "tp", "sp", "sp_fp8", "moe", "te", "zb", "1f1b", "fsdp", "no_triton"])
 def test_compile_auto_compiles_on_cuda_where_compiled_blocks_were_measured_faster(overrides, device, expected, why,
                                                                                   caplog, monkeypatch):
     """`trainer.compile` defaults to null, auto: compiled on CUDA (the GPU rows of docs/benchmarks.md: 1.16x bf16,
@@ -470,3 +472,44 @@ def test_a_default_run_on_the_cpu_stays_eager(tmp_path):
     blocks = [m for m in trainer.model.modules() if isinstance(m, TransformerBlock)]
     assert blocks and all("forward" not in vars(block) for block in blocks)
 
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.tp=2", "parallel.sequence_parallel=true"], "without sequence parallelism only; set "
+                                                           "parallel.sequence_parallel=false or trainer.compile=false"),
+    (["parallel.pp=2", "parallel.pp_schedule=zb"], "without the zero-bubble schedule's deferred weight gradients; "
+                                                   "use another parallel.pp_schedule or trainer.compile=false")],
+    ids=["sp", "zb"])
+def test_compiled_fp8_and_mx_linears_refuse_sp_and_zb_in_one_line(overrides, message):
+    """A compiled block runs a native FP8/MX recipe's linears as one opaque op, with no SP input gather and no ZB
+    deferred weight gradient: `trainer.compile=true` says so in one line; bf16 compiles in both layouts."""
+    from megalm.errors import ConfigError
+    from megalm.training.validation import validate_run
+
+    for precision in ("fp8", "mxfp8"):
+        with pytest.raises(ConfigError, match=f"runs precision={precision} {message}") as error:
+            validate_run(compose_config(f"precision={precision}", "trainer.compile=true", *overrides), 2,
+                         torch.device("cpu"))
+        assert "\n" not in str(error.value)
+    validate_run(compose_config("precision=bf16", "trainer.compile=true", *overrides), 2, torch.device("cpu"))
+
+
+def test_the_chunked_loss_compiles_with_its_gradient():
+    """megalm's chunked cross entropy (megalm.model.loss) under torch.compile (AOT autograd): the same loss and logits
+    gradient as eager. It builds its sum in place, which torch 2.11's dynamo traced into a zero gradient until the
+    function returned a view (megalm.compat.as_function_output; 0.0 against 93.6 at this size, by a review)."""
+    from megalm.model.loss import token_loss_sum
+
+    torch.manual_seed(0)
+    logits, labels = torch.randn(24, 40), torch.randint(0, 37, (24,))
+    mask = torch.ones(24)
+    results = []
+    for fn in (token_loss_sum, torch.compile(token_loss_sum, backend="aot_eager", fullgraph=True)):
+        x = logits.clone().requires_grad_()
+        loss = fn(x, labels, mask, 37, 10)  # padded vocab, three chunks
+        loss.backward()
+        results.append((loss.detach(), x.grad))
+    (eager, eager_grad), (compiled, compiled_grad) = results
+    torch.testing.assert_close(compiled, eager)
+    assert eager_grad.abs().sum() > 0
+    torch.testing.assert_close(compiled_grad, eager_grad)
