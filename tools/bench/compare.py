@@ -348,7 +348,8 @@ def run_megalm(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.dev
     from megalm.training.trainer import Trainer
 
     # the megalm row is eager (trainer.compile's default, null, would compile it on CUDA); megalm_compiled sets true
-    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_steps=warmup + steps,
+    max_steps = warmup + steps + (profile + 1 if profile else 0)  # the profiled steps too, as throughput.py
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_steps=max_steps,
                                                                compile=bool(cfg.trainer.compile)))
     tokens = []
     with tempfile.TemporaryDirectory() as run_dir:
