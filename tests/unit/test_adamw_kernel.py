@@ -20,12 +20,13 @@ if importlib.util.find_spec("triton") is None:
 
 from torch.optim.adamw import adamw  # noqa: E402
 
+from megalm import compat  # noqa: E402
 from megalm.errors import ConfigError  # noqa: E402
 from megalm.parallel.data_parallel import adamw_kernel  # noqa: E402
 from megalm.training.trainer import Trainer  # noqa: E402
 from tests.conftest import compose_config  # noqa: E402
 
-DEVICE = "cpu" if adamw_kernel._interpret() else "cuda"
+DEVICE = "cpu" if compat.triton_interpreted() else "cuda"
 if not adamw_kernel.runnable(torch.device(DEVICE)):
     restore_env()
     pytest.skip(f"triton cannot run on {DEVICE}", allow_module_level=True)

@@ -179,7 +179,7 @@ def test_fake_cuda_auto_picks_the_fastest_backend_the_device_has():
             ring_kernel = {"cudnn": "torch_varlen", "sdpa": "torch_efficient"}.get(fast, fast)  # cudnn's blocks: flash
             assert ring.block_kernel("auto", CUDA, torch.bfloat16) == ring_kernel
             assert fp8.gemm_path(CUDA).startswith("torch._scaled_mm")
-            assert mx_triton.triton_available(CUDA) == mx_triton._triton_importable()
+            assert mx_triton.triton_available(CUDA) == compat.triton_importable()
     with compat.simulated_cuda((7, 5)):  # Turing: no flash kernels, no FP8 GEMMs
         assert attention.select_attention_backend("auto", CUDA, torch.bfloat16) == "sdpa"
         assert fp8.gemm_path(CUDA).startswith("emulated")
@@ -302,7 +302,7 @@ def test_fake_cuda_model_forward_under_each_recipe(recipe, monkeypatch):
 def test_fake_cuda_recipe_gemms_of_backward(recipe, monkeypatch):
     """dgrad and wgrad (the backward GEMMs, in E5M2 for FP8 and MX with stochastic rounding / RHT for MXFP4),
     called as the layer's backward calls them: FP8 through torch._scaled_mm, MX through the Triton quantizer op."""
-    if recipe.startswith("mx") and not mx_triton._triton_importable():
+    if recipe.startswith("mx") and not compat.triton_importable():
         pytest.skip("triton is not installed: MX GEMMs run the PyTorch reference")
     needs_fake("views", "scaled_mm" if recipe.startswith("fp8") else "mm_out_dtype")
     # A CUDA torch.Generator (RHT signs, the reference's SR draws) needs a driver: draw them on the CPU here.
@@ -391,7 +391,7 @@ def test_fake_cuda_scaled_mm_rules_are_checked():
 @pytest.mark.parametrize("rht", [False, True])
 def test_fake_cuda_mx_quantizer_op_shapes_match_the_reference(packed, rht):
     """megalm::mx_quantize's fake implementation returns what the kernel writes: the reference's shapes."""
-    if not mx_triton._triton_importable():
+    if not compat.triton_importable():
         pytest.skip("triton is not installed")
     x_cpu = torch.randn(40, 100)
     want = mx_quantize(x_cpu if not rht else torch.nn.functional.pad(x_cpu, (0, 28)), "e2m1", dim=-1)

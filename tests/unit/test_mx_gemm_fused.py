@@ -24,6 +24,7 @@ if importlib.util.find_spec("triton") is None:
     restore_env()
     pytest.skip("triton is not installed", allow_module_level=True)
 
+from megalm import compat  # noqa: E402
 from megalm.precision import gemm as precision_gemm  # noqa: E402
 from megalm.precision.gemm import gemm  # noqa: E402
 from megalm.precision.kernels import mx_triton  # noqa: E402
@@ -31,7 +32,7 @@ from megalm.precision.layer_state import gemm_generator  # noqa: E402
 from megalm.precision.linear import low_precision_linear  # noqa: E402
 from megalm.precision.recipes import get_recipe  # noqa: E402
 
-DEVICE = "cpu" if mx_triton._interpret() else "cuda"
+DEVICE = "cpu" if compat.triton_interpreted() else "cuda"
 if not mx_triton.triton_available(DEVICE):
     restore_env()
     pytest.skip(f"triton cannot run on {DEVICE}", allow_module_level=True)

@@ -32,6 +32,7 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 pytest.importorskip("triton")
 
+from megalm import compat  # noqa: E402
 from megalm.precision.hadamard import random_signs, rht  # noqa: E402
 from megalm.precision.kernels import mx_triton  # noqa: E402
 from megalm.precision.kernels.mx_triton import (  # noqa: E402
@@ -47,7 +48,7 @@ from megalm.precision.mx import (  # noqa: E402
     mx_quantize_dequantize,
 )
 
-DEVICE = "cpu" if mx_triton._interpret() else "cuda"
+DEVICE = "cpu" if compat.triton_interpreted() else "cuda"
 if not triton_available(DEVICE):
     _reason = f"triton cannot run on {DEVICE} (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')})"
     restore_env()
@@ -327,7 +328,7 @@ def test_stochastic_rounding_is_unbiased(fmt):
 
 
 def test_detection_on_cpu():
-    assert triton_available("cpu") == mx_triton._interpret()
+    assert triton_available("cpu") == compat.triton_interpreted()
     for fmt in ("e4m3", "e2m1"):
         assert native_mx_scaled_mm_available("cpu", fmt) is False
     assert native_mx_scaled_mm_available(torch.device("meta")) is False

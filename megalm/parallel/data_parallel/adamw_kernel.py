@@ -31,7 +31,6 @@ from megalm import compat
 BLOCK = 4096  # elements per program: 16 KiB of each fp32 stream
 
 
-_interpret = compat.triton_interpreted
 runnable = compat.triton_runs_on  # CUDA with triton importable, or a CPU under TRITON_INTERPRET=1
 
 
@@ -86,6 +85,6 @@ def adamw_step_(main: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     bias1, bias2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
     scale = grad_scale if grad_scale is not None else main  # any pointer: not read without HAS_SCALE
     out = main if work is None else work.view(torch.int16)  # main: any pointer, not written without WORK
-    _kernel(_interpret())[(math.ceil(n / BLOCK),)](
+    _kernel(compat.triton_interpreted())[(math.ceil(n / BLOCK),)](
         main, grad, exp_avg, exp_avg_sq, out, scale, n, beta1, beta2, eps, 1.0 - lr * weight_decay, lr / bias1,
         math.sqrt(bias2), HAS_SCALE=grad_scale is not None, WORK=work is not None, BLOCK=BLOCK, num_warps=8)

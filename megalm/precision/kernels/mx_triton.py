@@ -70,8 +70,6 @@ RHT_BLOCK = 64  # Hadamard block: two MX blocks; also the width of one kernel ti
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-_interpret = compat.triton_interpreted
-_triton_importable = compat.triton_importable
 triton_available = compat.triton_runs_on  # where `mx_quantize_triton` can run
 
 
@@ -367,7 +365,7 @@ def _mx_quantize_op(x2: torch.Tensor, signs: torch.Tensor, fmt: str, rounding: s
     n_blocks = _cdiv(k_out, BLOCK_SIZE)
     if m and n_blocks:
         grid = (_cdiv(m, block_m), _cdiv(k_out, RHT_BLOCK))
-        interpret = _interpret()
+        interpret = compat.triton_interpreted()
         in_bf16, out_bf16 = x2.dtype == torch.bfloat16, out_dtype == torch.bfloat16 and not packed
         _kernel(interpret)[grid](
             x2.view(torch.int16) if in_bf16 else x2, signs, out.view(torch.int16) if out_bf16 else out, codes, scales,
