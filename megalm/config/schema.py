@@ -255,7 +255,8 @@ class TrainerConfig:
     """No step, eval or save for this long: a hang report per rank, exit 124; 0: off."""
     compile: bool | None = None
     """torch.compile each transformer block (as TorchTitan does), after the attention backends are chosen; the
-    block's forward and backward are one graph each (tests/unit/test_compile_blocks.py counts the breaks). The CP
+    block's forward and backward are one graph each (tests/unit/test_compile_blocks.py counts the breaks). The
+    loss's chunk kernels are compiled too (with parallel.tp=1: megalm/model/loss.py), as TorchTitan's loss is. The CP
     ring and the FP8/MX recipes' linears run inside the graph as opaque ops (fp8's casts as graph ops, and its
     GEMMs too where torch._scaled_mm runs); those recipes refuse SP and ZB. None (auto, the default): compiled on
     CUDA, where a GPU row measured it faster (1.16x bf16, 1.58x fp8 at 1.3B on an H200: docs/benchmarks.md), eager

@@ -10,10 +10,20 @@ The cross entropy runs over chunks of tokens, forward and backward (as fused-cro
 Liger's do): the fp32 logits, their softmax and its gradient exist for one chunk at a time, never as [T, V] fp32
 tensors of the whole micro-batch (824 MB each for 4,096 tokens at a 50k vocab) held from the forward to the
 backward. The backward writes each chunk's gradient into one [T, V] buffer in the logits' dtype; what the loss
-keeps for the backward is the logits as the head produced them (bf16 under autocast).
+keeps for the backward is the logits as the head produced them (bf16 under autocast) and each token's
+log-sum-exp (4 bytes a token), so the backward's softmax is exp(logit - lse), with no max or sum to recompute.
+
+A chunk's arithmetic is two functions, `chunk_loss` and `chunk_logits_grad`. `TokenLoss.compile` (what
+`trainer.compile` does, as TorchTitan's `compile.components = ["loss"]`) compiles `chunk_loss` and
+`fused_chunk_logits_grad` (the gradient written as one expression that inductor fuses): a kernel or two each that
+read the bf16 logits and write the bf16 gradient, where eager kernels write and re-read an fp32 copy of each chunk
+several times (about 8 bytes an element for the forward and backward, against about 60: docs/benchmarks.md).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -26,51 +36,107 @@ def _chunks(total: int, chunk: int) -> list[slice]:
     return [slice(start, min(start + chunk, total)) for start in range(0, total, chunk)]
 
 
-def _fp32_logits(logits: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
-    """One chunk's logits in fp32, the vocab padding (columns >= vocab_size) at -inf: no probability mass."""
-    x = logits.float()
-    if vocab_size is not None and vocab_size < x.shape[-1]:
-        x[:, vocab_size:] = float("-inf")
-    return x
+def chunk_loss(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, vocab_size: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's sum_t weight_t * (lse_t - logit_t[label_t]) in fp32, and each token's lse_t = logsumexp(logits_t)
+    over the real vocab (columns >= vocab_size are padding: no probability mass)."""
+    x = logits[:, :vocab_size].float()
+    lse = torch.logsumexp(x, dim=-1)
+    target = x.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return ((lse - target) * weight).sum(), lse
+
+
+def chunk_logits_grad(out: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                      scale: torch.Tensor, vocab_size: int) -> None:
+    """Write one chunk's d loss / d logits into `out`: scale_t * (softmax_v - [v == label_t]), 0 on the padding.
+
+    The bulk is scale_t * exp(logit - lse_t), rounded once into out's dtype; the label's entry is then overwritten
+    by scale_t * (p_t - 1) computed in fp32 from the gathered label logit (subtracting 1 after rounding p_t to bf16
+    would lose the gradient of a confident prediction)."""
+    p = logits[:, :vocab_size] - lse.unsqueeze(-1)  # fp32 (type promotion): the cast is this kernel's read
+    p.exp_().mul_(scale.unsqueeze(-1))
+    out[:, :vocab_size].copy_(p)
+    out[:, vocab_size:].zero_()
+    target = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float()
+    out.scatter_(-1, labels.unsqueeze(-1), ((target - lse).exp() - 1).mul_(scale).unsqueeze(-1).to(out.dtype))
+
+
+def fused_chunk_logits_grad(out: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                            scale: torch.Tensor, vocab_size: int) -> None:
+    """`chunk_logits_grad` as one pointwise expression, for torch.compile: inductor makes it one kernel that reads the
+    logits and writes `out` (the eager form's in-place ops and scatter would make it write and re-read fp32 copies);
+    the same roundings. Eager, its selects over [n, V] would cost twice the eager form's bytes."""
+    cols = torch.arange(logits.shape[-1], device=logits.device)
+    p = (logits - lse.unsqueeze(-1)).exp()
+    p = torch.where(cols == labels.unsqueeze(-1), p - 1, p) * scale.unsqueeze(-1)
+    out.copy_(torch.where(cols < vocab_size, p, 0))
+
+
+class ChunkKernels(NamedTuple):
+    """The two functions a chunk runs: `chunk_loss`'s signature and `chunk_logits_grad`'s (eager or compiled)."""
+
+    loss: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    logits_grad: Callable[..., None]
+
+
+EAGER_KERNELS = ChunkKernels(chunk_loss, chunk_logits_grad)
 
 
 class _ChunkedTokenLossSum(torch.autograd.Function):
     """sum_t weight_t * (logsumexp(logits_t) - logits_t[label_t]), over chunks of tokens."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, vocab_size: int | None,
-                chunk: int) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, vocab_size: int,
+                chunk: int, kernels: ChunkKernels) -> torch.Tensor:
         loss = torch.zeros((), dtype=torch.float32, device=logits.device)
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         for part in _chunks(logits.shape[0], chunk):
-            x = _fp32_logits(logits[part], vocab_size)
-            target = x.gather(-1, labels[part].unsqueeze(-1)).squeeze(-1)
-            loss += ((torch.logsumexp(x, dim=-1) - target) * weight[part]).sum()
-        ctx.save_for_backward(logits, labels, weight)
-        ctx.vocab_size, ctx.chunk = vocab_size, chunk
+            part_loss, lse[part] = kernels.loss(logits[part], labels[part], weight[part], vocab_size)
+            loss += part_loss
+        ctx.save_for_backward(logits, labels, weight, lse)
+        ctx.vocab_size, ctx.chunk, ctx.kernels = vocab_size, chunk, kernels
         return as_function_output(loss)  # built in place (+=): a compiled loss on torch 2.11 would lose its gradient
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        logits, labels, weight = ctx.saved_tensors
+        logits, labels, weight, lse = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
         scale = weight * grad
         for part in _chunks(logits.shape[0], ctx.chunk):
-            # d loss_t / d logit_v = weight_t * (softmax_v - [v == label_t])
-            softmax = torch.softmax(_fp32_logits(logits[part], ctx.vocab_size), dim=-1)
-            softmax.scatter_add_(-1, labels[part].unsqueeze(-1), -torch.ones_like(softmax[:, :1]))
-            grad_logits[part] = softmax.mul_(scale[part].unsqueeze(-1))
-        return grad_logits, None, None, None, None
+            ctx.kernels.logits_grad(grad_logits[part], logits[part], labels[part], lse[part], scale[part],
+                                    ctx.vocab_size)
+        return grad_logits, None, None, None, None, None
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
-                   vocab_size: int | None = None, chunk_tokens: int | None = None) -> torch.Tensor:
+                   vocab_size: int | None = None, chunk_tokens: int | None = None,
+                   kernels: ChunkKernels = EAGER_KERNELS) -> torch.Tensor:
     """Sum of next-token cross entropy over the positions where `loss_mask` is 1, in fp32.
 
     `vocab_size`: the real vocab when `logits` has padding columns past it (they get no probability
     mass, and so no gradient). `chunk_tokens`: tokens per chunk; None: as many as fit CHUNK_BYTES in fp32.
-    Labels equal to -100 are ignored, as by F.cross_entropy.
+    Labels equal to -100 are ignored, as by F.cross_entropy. `kernels`: what runs each chunk (`TokenLoss.compile`).
     """
     chunk = chunk_tokens or max(1, CHUNK_BYTES // (4 * logits.shape[-1]))
     ignored = labels == -100
     weight = loss_mask.float().masked_fill(ignored, 0.0)
-    return _ChunkedTokenLossSum.apply(logits, labels.masked_fill(ignored, 0), weight, vocab_size, chunk)
+    vocab = logits.shape[-1] if vocab_size is None else min(vocab_size, logits.shape[-1])
+    return _ChunkedTokenLossSum.apply(logits, labels.masked_fill(ignored, 0), weight, vocab, chunk, kernels)
+
+
+class TokenLoss:
+    """loss(logits, labels, loss_mask) -> `token_loss_sum` of full-vocab logits [T, V]: the loss a model with one
+    tensor-parallel rank trains with. `compile(backend)` compiles its chunk kernels (trainer.compile)."""
+
+    def __init__(self, vocab_size: int | None = None, chunk_tokens: int | None = None) -> None:
+        self.vocab_size, self.chunk_tokens = vocab_size, chunk_tokens
+        self.kernels = EAGER_KERNELS
+
+    def compile(self, backend: str | Callable = "inductor") -> None:
+        """torch.compile the chunk kernels with `backend`. Chunks have one shape but the last: at most two graphs
+        each (the second with a dynamic token count)."""
+        self.kernels = ChunkKernels(torch.compile(chunk_loss, backend=backend),
+                                    torch.compile(fused_chunk_logits_grad, backend=backend))
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(logits, labels, loss_mask, self.vocab_size, self.chunk_tokens, self.kernels)

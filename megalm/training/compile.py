@@ -1,4 +1,5 @@
-"""`trainer.compile`: torch.compile per transformer block, as TorchTitan compiles its `TransformerBlock`s.
+"""`trainer.compile`: torch.compile per transformer block, as TorchTitan compiles its `TransformerBlock`s, and the
+loss's chunk kernels (megalm.model.loss), as TorchTitan compiles its loss.
 
 Per block, not the whole model: every block has the same code and shapes, so dynamo compiles one graph and reuses
 it for all (its cache is per code object), the pipeline stages and recomputation wrappers stay in eager Python
@@ -22,6 +23,7 @@ from torch import nn
 from megalm import compat
 from megalm.model import TransformerBlock
 from megalm.model.linear import linear_modules
+from megalm.model.loss import TokenLoss
 from megalm.precision import compiled_recipe_conflict
 from megalm.precision.compiled_linear import prepared_weights
 
@@ -40,6 +42,18 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> in
                                                                        options=options), linear_modules(block))
     log.info("trainer.compile: %d transformer blocks compiled (backend %s)", len(blocks), backend)
     return len(blocks)
+
+
+def compile_loss(loss_fn: Callable, backend: str | Callable = "inductor") -> bool:
+    """torch.compile the chunk kernels of the loss the runners call (megalm.model.loss.TokenLoss), fused by inductor
+    so that no fp32 copy of the logits is written; returns whether it did. The vocab-parallel loss (parallel.tp > 1,
+    collectives in its forward) stays eager, and a line says so."""
+    if not isinstance(loss_fn, TokenLoss):
+        log.info("trainer.compile: the vocab-parallel loss (parallel.tp > 1) stays eager")
+        return False
+    loss_fn.compile(backend)
+    log.info("trainer.compile: the loss's chunk kernels compiled (backend %s)", backend)
+    return True
 
 
 def auto_compile(cfg: Any, device: torch.device) -> tuple[bool, str]:

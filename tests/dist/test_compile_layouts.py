@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 from megalm import compat
 from megalm.training.trainer import Trainer
-from tests.conftest import compose_config
+from tests.conftest import compose_config, loss_kernel_graphs
 from tests.dist.launch import run_distributed
 
 EQUAL_DOCS = ["data=synthetic", "data.varlen=true", "data.synthetic.fixed_doc_length=33", "model.seq_length=32",
@@ -36,7 +36,7 @@ LAYOUTS = {
 def compiled_and_eager_losses(rank: int, world_size: int, overrides: list[str], tmp: str, out: str,
                               backend: str = "aot_eager") -> None:
     """3 steps of eager and of compiled blocks from the same seed: their losses, the largest weight difference, and
-    dynamo's counts over the compiled run (its graph breaks, frames and graphs)."""
+    dynamo's counts over the compiled run (its graph breaks, the blocks' frames and graphs, the loss's graphs)."""
     torch._dynamo.reset()
     counters.clear()
     plain = [o for o in EQUAL_DOCS if not o.startswith("trainer.compile")]
@@ -48,8 +48,10 @@ def compiled_and_eager_losses(rank: int, world_size: int, overrides: list[str], 
     weights = [(local(p) - local(q)).abs().max().item()
                for p, q in zip(eager.model.parameters(), compiled.model.parameters(), strict=True)]
     reasons = sorted({" ".join(reason.split())[:600] for reason in counters["graph_break"]})
-    torch.save({"losses": losses, "weight_diff": max(weights), "breaks": reasons,
-                "frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"]}, f"{out}.{rank}")
+    loss = loss_kernel_graphs()  # the loss's chunk kernels: compiled where one TP rank computes the whole loss
+    torch.save({"losses": losses, "weight_diff": max(weights), "breaks": reasons, "loss_graphs": loss,
+                "frames": counters["frames"]["total"] - loss, "graphs": counters["stats"]["unique_graphs"] - loss},
+               f"{out}.{rank}")
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -67,6 +69,9 @@ def test_blocks_compile_without_breaks_and_train_as_eager(tmp_path, name):
             # torch 2.9's dynamo compiled Ulysses' blocks as 23 frames a rank (RoPE and the head exchange on their
             # own, recompiled for q's and k's head counts), with no break counted; 2.11 and 2.13: one graph
             assert result["frames"] <= 2 and result["graphs"] <= 2, (name, rank, result)
+        # the whole-vocab loss, compiled where it runs: not under TP (vocab-parallel, eager), not on pp2's first stage
+        computes_loss = not name.startswith("tp2") and not (name == "pp2" and rank == 0)
+        assert (2 <= result["loss_graphs"] <= 4) if computes_loss else result["loss_graphs"] == 0, (name, rank, result)
         for step, (a, b) in enumerate(result["losses"]):
             assert a == pytest.approx(b, rel=1e-6, abs=1e-7), (name, rank, step, result)
         assert result["weight_diff"] < 1e-5, (name, rank, result)

@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from megalm.training.trainer import Trainer
-from tests.conftest import compose_config, packed_layouts
+from tests.conftest import compose_config, loss_kernel_graphs, packed_layouts
 
 EQUAL_DOCS = ["data=synthetic", "data.varlen=true", "data.synthetic.fixed_doc_length=33", "model.seq_length=32"]
 
@@ -28,12 +28,14 @@ def compiled_trainer(tmp_path, backend: str, *overrides: str) -> Trainer:
 def assert_compiles_once(trainer: Trainer, steps: int = 20) -> None:
     """`steps` training steps of a trainer from `compiled_trainer` with no graph break, and the block's code, shared
     by all blocks, compiled once and never again (recompute's inner function is a frame of its own on torch 2.9: at
-    most 2)."""
+    most 2). The loss's two chunk kernels are compiled too, each once (one chunk of a micro-batch's tokens)."""
     for step in range(steps):
         trainer.train_step(step)
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["frames"]["total"] <= 2, dict(counters["frames"])
-    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    loss = loss_kernel_graphs()
+    assert loss == 2, loss
+    assert counters["frames"]["total"] - loss <= 2, dict(counters["frames"])
+    assert counters["stats"]["unique_graphs"] - loss <= 2, dict(counters["stats"])
 
 FP32_ACTIVATIONS = ["precision.autocast=false"]
 RECIPES = ["fp8", "fp8_delayed", "fp8_rowwise", "mxfp8", "mxfp4"]  # the FP8/MX recipes' linears: one op pair each
@@ -513,3 +515,73 @@ def test_the_chunked_loss_compiles_with_its_gradient():
     torch.testing.assert_close(compiled, eager)
     assert eager_grad.abs().sum() > 0
     torch.testing.assert_close(compiled_grad, eager_grad)
+
+
+def _loss_case(dtype: torch.dtype, tokens: int = 300, vocab: int = 512, real: int = 500):
+    """Logits with a padded vocab, ignored (-100) and masked labels: what a trainer's micro-batch gives the loss."""
+    torch.manual_seed(0)
+    labels = torch.randint(0, real, (tokens,))
+    labels[::7] = -100
+    mask = (torch.rand(tokens) > 0.1).float()
+    return (torch.randn(tokens, vocab) * 4).to(dtype), labels, mask, real
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_loss_kernels_give_the_eager_loss_and_gradient(dtype):
+    """trainer.compile compiles the loss's chunk kernels (megalm.model.loss.TokenLoss.compile), the gradient as one
+    fused expression: by inductor, the loss and logits gradient of eager and of F.cross_entropy, with the padding
+    columns getting none, over even chunks and a ragged last one (at most two graphs a kernel: the second dynamic)."""
+    import torch.nn.functional as F
+
+    from megalm.model.loss import TokenLoss
+
+    base, labels, mask, real = _loss_case(dtype)
+    reference = base.float().clone().requires_grad_()
+    ref_loss = (F.cross_entropy(reference[:, :real], labels, reduction="none") * mask).sum()
+    ref_loss.backward()
+    results = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        loss_fn = TokenLoss(real, chunk_tokens=128)  # 128, 128, 44 tokens
+        if compiled:
+            loss_fn.compile("inductor")
+        for _ in range(2):  # the second call reuses the graphs
+            logits = base.clone().requires_grad_()
+            loss = loss_fn(logits, labels, mask)
+            loss.backward()
+        results[compiled] = (loss.detach(), logits.grad)
+        if compiled:
+            assert loss_kernel_graphs() == 4
+    (eager_loss, eager_grad), (loss, grad) = results[False], results[True]
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-6, atol=0)
+    assert grad.dtype == dtype and not grad[:, real:].any()
+    # one rounding of each fp32 value into the logits' dtype, as eager does (inductor's exp may differ by an ulp)
+    torch.testing.assert_close(grad, eager_grad, **({"rtol": 1e-5, "atol": 1e-7} if dtype == torch.float32 else {}))
+    tolerance = {"rtol": 1e-5, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-4}
+    torch.testing.assert_close(grad.float(), reference.grad, **tolerance)
+
+
+def test_compiled_loss_moves_a_fraction_of_the_eager_bytes():
+    """What the compiled chunk kernels move, by inductor's own count of each generated kernel (megalm.measure.
+    compiled_cost), against the eager kernels' traced bytes: the bf16 logits read twice in the forward (max, then
+    the sum of exponentials: 4 bytes an element) and once in the backward, the bf16 gradient written once (inductor
+    counts a buffer the kernel writes in place as read too: 6 bytes), where eager kernels write and re-read fp32
+    copies. (The eager form of the gradient compiled instead, its scatter and in-place ops, moves 16.)"""
+    from megalm.measure.compiled_cost import InductorCosts
+    from megalm.measure.op_cost import GPUS, OpCosts
+    from megalm.model.loss import TokenLoss
+
+    base, labels, mask, real = _loss_case(torch.bfloat16, tokens=1024, vocab=4096, real=4000)
+    moved = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        loss_fn = TokenLoss(real, chunk_tokens=256)
+        if compiled:
+            loss_fn.compile(InductorCosts())
+            loss_fn(base.clone().requires_grad_(), labels, mask).backward()  # compiles outside the trace
+        logits = base.clone().requires_grad_()
+        with OpCosts(GPUS["h100"]) as costs:
+            loss_fn(logits, labels, mask).backward()
+        moved[compiled] = costs.total().bytes / base.numel()
+    assert moved[True] < 10.5 and moved[False] > 4 * moved[True], moved

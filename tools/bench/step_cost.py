@@ -61,7 +61,7 @@ from megalm.measure.compiled_cost import InductorCosts  # noqa: E402
 from megalm.measure.op_cost import CATEGORIES, GPUS, OpCosts  # noqa: E402
 from megalm.precision import compiles_in_sight  # noqa: E402
 from megalm.train import compose_config  # noqa: E402
-from megalm.training.compile import compile_blocks, inductor_options  # noqa: E402
+from megalm.training.compile import compile_blocks, compile_loss, inductor_options  # noqa: E402
 
 STEP_OVERRIDES = ["data=synthetic", "data.synthetic.num_docs=64", "trainer.global_batch_size=1",
                   "trainer.micro_batch_size=1", "trainer.device=cpu", "trainer.hang_minutes=0",
@@ -90,6 +90,7 @@ def megalm_step(overrides: list[str], gpu: str, system: str = "megalm", compiled
         inductor = InductorCosts(inductor_options())
         if compiled:  # as trainer.compile=true does, with the backend that counts inductor's kernels
             compile_blocks(trainer.model, inductor)
+            compile_loss(trainer.parallel.loss_fn, inductor)
         tf32 = trainer.cfg.precision.tf32
         step, optimizer = OpCosts(GPUS[gpu], tf32), OpCosts(GPUS[gpu], tf32)
         trainer.forward_backward(0)  # a first step, untraced: the optimizer's states and any cache are made once
@@ -101,7 +102,7 @@ def megalm_step(overrides: list[str], gpu: str, system: str = "megalm", compiled
             trainer.parallel.clip_grad_norm_(trainer.cfg.trainer.grad_clip, trainer.optimizer)
             trainer.optimizer.step()
         trainer.optimizer.grad_scale = None
-    how = (f"compiled blocks: inductor, {len(inductor.graphs)} graphs, "
+    how = (f"compiled blocks and loss: inductor, {len(inductor.graphs)} graphs, "
            f"{sum(g['generated_kernels'] for g in inductor.graphs)} generated kernels (C++ on this CPU)"
            if compiled else "eager")
     precision = str(trainer.cfg.precision.name)

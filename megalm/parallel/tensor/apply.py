@@ -52,7 +52,7 @@ from torch import nn
 from megalm.config import ModelConfig
 from megalm.errors import ConfigError
 from megalm.model.fused import part_rows
-from megalm.model.loss import token_loss_sum
+from megalm.model.loss import TokenLoss
 from megalm.model.moe import MoE
 from megalm.model.naming import canonical_named_parameters
 from megalm.model.shard import FusedShardSpec, ShardSpec, shard_specs
@@ -167,11 +167,11 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
 
 
 def loss_fn_for(group: Group, vocab_size: int | None = None) -> LossFn:
-    """loss(logits, labels, loss_mask) -> summed fp32 token loss: `token_loss_sum` on full logits with
-    one TP rank, else the vocab-parallel loss on [T, V/tp] logits (same value on every TP rank). Logits of
-    ids >= `vocab_size` (the vocab padding) are masked."""
+    """loss(logits, labels, loss_mask) -> summed fp32 token loss: `TokenLoss` on full logits with one TP rank (its
+    chunk kernels are what trainer.compile compiles), else the vocab-parallel loss on [T, V/tp] logits (same value
+    on every TP rank). Logits of ids >= `vocab_size` (the vocab padding) are masked."""
     if tp_world_size(group) == 1:
-        return functools.partial(token_loss_sum, vocab_size=vocab_size)
+        return TokenLoss(vocab_size)
     return functools.partial(vocab_parallel_token_loss_sum, group=group, vocab_size=vocab_size)
 
 
