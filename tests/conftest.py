@@ -66,9 +66,9 @@ def loss_kernel_graphs() -> int:
     process-wide frame and graph counts, which then count the blocks'."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from megalm.model.loss import chunk_loss, fused_chunk_logits_grad
+    from megalm.model.loss import chunk_loss, fused_chunk_logits_grad_
 
-    return sum(len(_debug_get_cache_entry_list(fn.__code__)) for fn in (chunk_loss, fused_chunk_logits_grad))
+    return sum(len(_debug_get_cache_entry_list(fn.__code__)) for fn in (chunk_loss, fused_chunk_logits_grad_))
 
 
 @pytest.fixture

@@ -9,13 +9,15 @@ of different lengths) rely on.
 The cross entropy runs over chunks of tokens, forward and backward (as fused-cross-entropy kernels such as
 Liger's do): the fp32 logits, their softmax and its gradient exist for one chunk at a time, never as [T, V] fp32
 tensors of the whole micro-batch (824 MB each for 4,096 tokens at a 50k vocab) held from the forward to the
-backward. The backward writes each chunk's gradient into one [T, V] buffer in the logits' dtype; what the loss
-keeps for the backward is the logits as the head produced them (bf16 under autocast) and each token's
-log-sum-exp (4 bytes a token), so the backward's softmax is exp(logit - lse), with no max or sum to recompute.
+backward. What the loss keeps for the backward is the logits as the head produced them (bf16 under autocast) and
+each token's log-sum-exp (4 bytes a token), so the backward's softmax is exp(logit - lse), with no max or sum to
+recompute. In training (`TokenLoss`) the backward writes each chunk's gradient over its logits, which the runners
+read no more (as Liger's fused cross entropy does), so the step's peak, the start of the backward, holds one [T, V]
+tensor, not two (412 MB less for 4,096 tokens at a 50k vocab in bf16).
 
-A chunk's arithmetic is two functions, `chunk_loss` and `chunk_logits_grad`. `TokenLoss.compile` (what
+A chunk's arithmetic is two functions, `chunk_loss` and `chunk_logits_grad_`. `TokenLoss.compile` (what
 `trainer.compile` does, as TorchTitan's `compile.components = ["loss"]`) compiles `chunk_loss` and
-`fused_chunk_logits_grad` (the gradient written as one expression that inductor fuses): a kernel or two each that
+`fused_chunk_logits_grad_` (the gradient written as one expression that inductor fuses): a kernel or two each that
 read the bf16 logits and write the bf16 gradient, where eager kernels write and re-read an fp32 copy of each chunk
 several times (about 8 bytes an element for the forward and backward, against about 60: docs/benchmarks.md).
 """
@@ -46,40 +48,43 @@ def chunk_loss(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
     return ((lse - target) * weight).sum(), lse
 
 
-def chunk_logits_grad(out: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
-                      scale: torch.Tensor, vocab_size: int) -> None:
-    """Write one chunk's d loss / d logits into `out`: scale_t * (softmax_v - [v == label_t]), 0 on the padding.
+def chunk_logits_grad_(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
+                       vocab_size: int, out: torch.Tensor | None = None) -> None:
+    """Write one chunk's d loss / d logits into `out` (None: over the logits themselves): scale_t * (softmax_v -
+    [v == label_t]), 0 on the padding.
 
-    The bulk is scale_t * exp(logit - lse_t), rounded once into out's dtype; the label's entry is then overwritten
-    by scale_t * (p_t - 1) computed in fp32 from the gathered label logit (subtracting 1 after rounding p_t to bf16
-    would lose the gradient of a confident prediction)."""
+    The bulk is scale_t * exp(logit - lse_t), rounded once into the logits' dtype; the label's entry is then
+    overwritten by scale_t * (p_t - 1) computed in fp32 from the label logit gathered first (subtracting 1 after
+    rounding p_t to bf16 would lose the gradient of a confident prediction)."""
+    out = logits if out is None else out
+    target = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float()
     p = logits[:, :vocab_size] - lse.unsqueeze(-1)  # fp32 (type promotion): the cast is this kernel's read
     p.exp_().mul_(scale.unsqueeze(-1))
     out[:, :vocab_size].copy_(p)
     out[:, vocab_size:].zero_()
-    target = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float()
     out.scatter_(-1, labels.unsqueeze(-1), ((target - lse).exp() - 1).mul_(scale).unsqueeze(-1).to(out.dtype))
 
 
-def fused_chunk_logits_grad(out: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
-                            scale: torch.Tensor, vocab_size: int) -> None:
-    """`chunk_logits_grad` as one pointwise expression, for torch.compile: inductor makes it one kernel that reads the
-    logits and writes `out` (the eager form's in-place ops and scatter would make it write and re-read fp32 copies);
-    the same roundings. Eager, its selects over [n, V] would cost twice the eager form's bytes."""
+def fused_chunk_logits_grad_(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
+                             vocab_size: int, out: torch.Tensor | None = None) -> None:
+    """`chunk_logits_grad_` as one pointwise expression, for torch.compile: inductor makes it one kernel that reads
+    each logit and writes its gradient (in its place where `out` is None); the eager form's in-place ops and scatter
+    would make it write and re-read fp32 copies. The same roundings. Eager, its selects over [n, V] would cost twice
+    the eager form's bytes."""
     cols = torch.arange(logits.shape[-1], device=logits.device)
     p = (logits - lse.unsqueeze(-1)).exp()
     p = torch.where(cols == labels.unsqueeze(-1), p - 1, p) * scale.unsqueeze(-1)
-    out.copy_(torch.where(cols < vocab_size, p, 0))
+    (logits if out is None else out).copy_(torch.where(cols < vocab_size, p, 0))
 
 
 class ChunkKernels(NamedTuple):
-    """The two functions a chunk runs: `chunk_loss`'s signature and `chunk_logits_grad`'s (eager or compiled)."""
+    """The two functions a chunk runs: `chunk_loss`'s signature and `chunk_logits_grad_`'s (eager or compiled)."""
 
     loss: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     logits_grad: Callable[..., None]
 
 
-EAGER_KERNELS = ChunkKernels(chunk_loss, chunk_logits_grad)
+EAGER_KERNELS = ChunkKernels(chunk_loss, chunk_logits_grad_)
 
 
 class _ChunkedTokenLossSum(torch.autograd.Function):
@@ -87,46 +92,51 @@ class _ChunkedTokenLossSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, vocab_size: int,
-                chunk: int, kernels: ChunkKernels) -> torch.Tensor:
+                chunk: int, kernels: ChunkKernels, overwrite_logits: bool) -> torch.Tensor:
         loss = torch.zeros((), dtype=torch.float32, device=logits.device)
         lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         for part in _chunks(logits.shape[0], chunk):
             part_loss, lse[part] = kernels.loss(logits[part], labels[part], weight[part], vocab_size)
             loss += part_loss
         ctx.save_for_backward(logits, labels, weight, lse)
-        ctx.vocab_size, ctx.chunk, ctx.kernels = vocab_size, chunk, kernels
+        ctx.vocab_size, ctx.chunk, ctx.kernels, ctx.overwrite_logits = vocab_size, chunk, kernels, overwrite_logits
         return as_function_output(loss)  # built in place (+=): a compiled loss on torch 2.11 would lose its gradient
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, labels, weight, lse = ctx.saved_tensors
-        grad_logits = torch.empty_like(logits)
+        grad_logits = logits if ctx.overwrite_logits else torch.empty_like(logits)
         scale = weight * grad
         for part in _chunks(logits.shape[0], ctx.chunk):
-            ctx.kernels.logits_grad(grad_logits[part], logits[part], labels[part], lse[part], scale[part],
-                                    ctx.vocab_size)
-        return grad_logits, None, None, None, None, None
+            ctx.kernels.logits_grad(logits[part], labels[part], lse[part], scale[part], ctx.vocab_size,
+                                    None if ctx.overwrite_logits else grad_logits[part])
+        return grad_logits, None, None, None, None, None, None
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
                    vocab_size: int | None = None, chunk_tokens: int | None = None,
-                   kernels: ChunkKernels = EAGER_KERNELS) -> torch.Tensor:
+                   kernels: ChunkKernels = EAGER_KERNELS, overwrite_logits: bool = False) -> torch.Tensor:
     """Sum of next-token cross entropy over the positions where `loss_mask` is 1, in fp32.
 
     `vocab_size`: the real vocab when `logits` has padding columns past it (they get no probability
     mass, and so no gradient). `chunk_tokens`: tokens per chunk; None: as many as fit CHUNK_BYTES in fp32.
     Labels equal to -100 are ignored, as by F.cross_entropy. `kernels`: what runs each chunk (`TokenLoss.compile`).
+    `overwrite_logits`: the backward writes the gradient over the logits (for a caller that reads them no more: a
+    [T, V] tensor less at the backward's start), else into a tensor of its own.
     """
     chunk = chunk_tokens or max(1, CHUNK_BYTES // (4 * logits.shape[-1]))
     ignored = labels == -100
     weight = loss_mask.float().masked_fill(ignored, 0.0)
     vocab = logits.shape[-1] if vocab_size is None else min(vocab_size, logits.shape[-1])
-    return _ChunkedTokenLossSum.apply(logits, labels.masked_fill(ignored, 0), weight, vocab, chunk, kernels)
+    return _ChunkedTokenLossSum.apply(logits, labels.masked_fill(ignored, 0), weight, vocab, chunk, kernels,
+                                      overwrite_logits)
 
 
 class TokenLoss:
     """loss(logits, labels, loss_mask) -> `token_loss_sum` of full-vocab logits [T, V]: the loss a model with one
-    tensor-parallel rank trains with. `compile(backend)` compiles its chunk kernels (trainer.compile)."""
+    tensor-parallel rank trains with. The runners read the logits no more once the loss has them, so its backward
+    writes their gradient over them (`overwrite_logits`). `compile(backend)` compiles its chunk kernels
+    (trainer.compile)."""
 
     def __init__(self, vocab_size: int | None = None, chunk_tokens: int | None = None) -> None:
         self.vocab_size, self.chunk_tokens = vocab_size, chunk_tokens
@@ -136,7 +146,8 @@ class TokenLoss:
         """torch.compile the chunk kernels with `backend`. Chunks have one shape but the last: at most two graphs
         each (the second with a dynamic token count)."""
         self.kernels = ChunkKernels(torch.compile(chunk_loss, backend=backend),
-                                    torch.compile(fused_chunk_logits_grad, backend=backend))
+                                    torch.compile(fused_chunk_logits_grad_, backend=backend))
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(logits, labels, loss_mask, self.vocab_size, self.chunk_tokens, self.kernels)
+        return token_loss_sum(logits, labels, loss_mask, self.vocab_size, self.chunk_tokens, self.kernels,
+                              overwrite_logits=True)

@@ -565,9 +565,9 @@ def test_compiled_loss_kernels_give_the_eager_loss_and_gradient(dtype):
 def test_compiled_loss_moves_a_fraction_of_the_eager_bytes():
     """What the compiled chunk kernels move, by inductor's own count of each generated kernel (megalm.measure.
     compiled_cost), against the eager kernels' traced bytes: the bf16 logits read twice in the forward (max, then
-    the sum of exponentials: 4 bytes an element) and once in the backward, the bf16 gradient written once (inductor
-    counts a buffer the kernel writes in place as read too: 6 bytes), where eager kernels write and re-read fp32
-    copies. (The eager form of the gradient compiled instead, its scatter and in-place ops, moves 16.)"""
+    the sum of exponentials: 4 bytes an element) and once in the backward, which writes the bf16 gradient over them
+    (4 bytes), where eager kernels write and re-read fp32 copies. (The eager form of the gradient compiled instead,
+    its scatter and in-place ops, moves 6 more.)"""
     from megalm.measure.compiled_cost import InductorCosts
     from megalm.measure.op_cost import GPUS, OpCosts
     from megalm.model.loss import TokenLoss
@@ -581,7 +581,7 @@ def test_compiled_loss_moves_a_fraction_of_the_eager_bytes():
             loss_fn.compile(InductorCosts())
             loss_fn(base.clone().requires_grad_(), labels, mask).backward()  # compiles outside the trace
         logits = base.clone().requires_grad_()
-        with OpCosts(GPUS["h100"]) as costs:
-            loss_fn(logits, labels, mask).backward()
+        with OpCosts(GPUS["h100"]) as costs:  # the gradient as the head's backward takes it: no leaf's copy
+            torch.autograd.grad(loss_fn(logits, labels, mask), logits)
         moved[compiled] = costs.total().bytes / base.numel()
-    assert moved[True] < 10.5 and moved[False] > 4 * moved[True], moved
+    assert moved[True] < 8.5 and moved[False] > 5 * moved[True], moved

@@ -196,3 +196,30 @@ def test_chunked_loss_matches_and_never_holds_the_fp32_logits():
         assert held - bf16_logits < fp32_logits / 100, (chunk, held)
         if chunk is not None:
             assert peak < ref_peak / 2, (chunk, peak, ref_peak)
+
+
+def test_the_training_loss_writes_the_gradient_over_the_logits():
+    """TokenLoss (what the runners call) writes the logits' gradient over them, which nothing reads after the loss:
+    from the backward's start to its end one [T, V] tensor is live where a gradient of its own makes two (live
+    storages, measured); the head's gradients are token_loss_sum's."""
+    import functools
+
+    from megalm.model.loss import TokenLoss, token_loss_sum
+
+    torch.manual_seed(0)
+    tokens, vocab, real, hidden = 512, 1000, 900, 16
+    labels, mask = torch.randint(0, real, (tokens,)), torch.ones(tokens)
+    h0, w0 = torch.randn(tokens, hidden).to(torch.bfloat16), torch.randn(hidden, vocab).to(torch.bfloat16)
+
+    def run(loss_fn):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with LiveStorages() as live:
+            live.track([h, w])
+            loss_fn(h @ w, labels, mask).backward()  # a head: the logits are an intermediate, as in training
+        return h.grad, w.grad, live.peak() - live.at_backward_start
+
+    own_h, own_w, own_rise = run(functools.partial(token_loss_sum, vocab_size=real))
+    h_grad, w_grad, rise = run(TokenLoss(real))
+    assert torch.equal(h_grad, own_h) and torch.equal(w_grad, own_w)
+    logits_bytes = tokens * vocab * 2
+    assert own_rise >= logits_bytes and rise < own_rise - 0.9 * logits_bytes, (rise, own_rise, logits_bytes)
