@@ -10,16 +10,18 @@ The cross entropy runs over chunks of tokens, forward and backward (as fused-cro
 Liger's do): the fp32 logits, their softmax and its gradient exist for one chunk at a time, never as [T, V] fp32
 tensors of the whole micro-batch (824 MB each for 4,096 tokens at a 50k vocab) held from the forward to the
 backward. What the loss keeps for the backward is the logits as the head produced them (bf16 under autocast) and
-each token's log-sum-exp (4 bytes a token), so the backward's softmax is exp(logit - lse), with no max or sum to
-recompute. In training (`TokenLoss`) the backward writes each chunk's gradient over its logits, which the runners
-read no more (as Liger's fused cross entropy does), so the step's peak, the start of the backward, holds one [T, V]
-tensor, not two (412 MB less for 4,096 tokens at a 50k vocab in bf16).
+each token's log-sum-exp, as its max and the log of its sum of exponentials (8 bytes a token), so the backward's
+softmax is exp(logit - lse), with no max or sum to recompute. In training (`TokenLoss`) the backward writes each
+chunk's gradient over its logits, which the runners read no more (as Liger's fused cross entropy does), so the
+step's peak, the start of the backward, holds one [T, V] tensor, not two (412 MB less for 4,096 tokens at a 50k
+vocab in bf16).
 
 A chunk's arithmetic is two functions, `chunk_loss` and `chunk_logits_grad_`. `TokenLoss.compile` (what
 `trainer.compile` does, as TorchTitan's `compile.components = ["loss"]`) compiles `chunk_loss` and
 `fused_chunk_logits_grad_` (the gradient written as one expression that inductor fuses): a kernel or two each that
-read the bf16 logits and write the bf16 gradient, where eager kernels write and re-read an fp32 copy of each chunk
-several times (about 8 bytes an element for the forward and backward, against about 60: docs/benchmarks.md).
+read the bf16 logits and write the bf16 gradient in their place, where eager kernels write and re-read an fp32 copy
+of each chunk several times (8 bytes an element for the forward and backward by inductor's count, against 47:
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -39,41 +41,46 @@ def _chunks(total: int, chunk: int) -> list[slice]:
 
 
 def chunk_loss(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, vocab_size: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's sum_t weight_t * (lse_t - logit_t[label_t]) in fp32, and each token's lse_t = logsumexp(logits_t)
-    over the real vocab (columns >= vocab_size are padding: no probability mass)."""
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's sum_t weight_t * (lse_t - logit_t[label_t]) in fp32, and each token's lse_t = m_t + log s_t kept in
+    two parts: the row's max m_t and log s_t = log sum_v exp(logit_v - m_t), over the real vocab (columns >=
+    vocab_size are padding: no probability mass). Apart, they give the backward's label entry p_t - 1 =
+    expm1((logit_t - m_t) - log s_t) without cancelling logit_t against a rounded lse_t, whose last bit (2e-6 at
+    lse ~ 20) is 10% of a confident prediction's gradient (F.cross_entropy's log_softmax subtracts the max first
+    too)."""
     x = logits[:, :vocab_size].float()
-    lse = torch.logsumexp(x, dim=-1)
+    m = x.amax(dim=-1)
+    log_s = (x - m.unsqueeze(-1)).exp_().sum(dim=-1).log_()
     target = x.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return ((lse - target) * weight).sum(), lse
+    return (((m - target) + log_s) * weight).sum(), m, log_s
 
 
-def chunk_logits_grad_(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
-                       vocab_size: int, out: torch.Tensor | None = None) -> None:
+def chunk_logits_grad_(logits: torch.Tensor, labels: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor,
+                       scale: torch.Tensor, vocab_size: int, out: torch.Tensor | None = None) -> None:
     """Write one chunk's d loss / d logits into `out` (None: over the logits themselves): scale_t * (softmax_v -
     [v == label_t]), 0 on the padding.
 
     The bulk is scale_t * exp(logit - lse_t), rounded once into the logits' dtype; the label's entry is then
-    overwritten by scale_t * (p_t - 1) computed in fp32 from the label logit gathered first (subtracting 1 after
-    rounding p_t to bf16 would lose the gradient of a confident prediction)."""
+    overwritten by scale_t * expm1((logit_t - m_t) - log s_t), from the label logit gathered first, in fp32
+    (`chunk_loss`: subtracting 1 from a rounded p_t would lose the gradient of a confident prediction)."""
     out = logits if out is None else out
-    target = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float()
-    p = logits[:, :vocab_size] - lse.unsqueeze(-1)  # fp32 (type promotion): the cast is this kernel's read
+    d_target = (logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float() - m) - log_s
+    p = logits[:, :vocab_size] - (m + log_s).unsqueeze(-1)  # fp32 (type promotion): the cast is this kernel's read
     p.exp_().mul_(scale.unsqueeze(-1))
     out[:, :vocab_size].copy_(p)
     out[:, vocab_size:].zero_()
-    out.scatter_(-1, labels.unsqueeze(-1), ((target - lse).exp() - 1).mul_(scale).unsqueeze(-1).to(out.dtype))
+    out.scatter_(-1, labels.unsqueeze(-1), torch.expm1(d_target).mul_(scale).unsqueeze(-1).to(out.dtype))
 
 
-def fused_chunk_logits_grad_(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
-                             vocab_size: int, out: torch.Tensor | None = None) -> None:
+def fused_chunk_logits_grad_(logits: torch.Tensor, labels: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor,
+                             scale: torch.Tensor, vocab_size: int, out: torch.Tensor | None = None) -> None:
     """`chunk_logits_grad_` as one pointwise expression, for torch.compile: inductor makes it one kernel that reads
     each logit and writes its gradient (in its place where `out` is None); the eager form's in-place ops and scatter
     would make it write and re-read fp32 copies. The same roundings. Eager, its selects over [n, V] would cost twice
     the eager form's bytes."""
     cols = torch.arange(logits.shape[-1], device=logits.device)
-    p = (logits - lse.unsqueeze(-1)).exp()
-    p = torch.where(cols == labels.unsqueeze(-1), p - 1, p) * scale.unsqueeze(-1)
+    d = (logits - m.unsqueeze(-1)) - log_s.unsqueeze(-1)
+    p = torch.where(cols == labels.unsqueeze(-1), torch.expm1(d), torch.exp(d)) * scale.unsqueeze(-1)
     (logits if out is None else out).copy_(torch.where(cols < vocab_size, p, 0))
 
 
@@ -94,21 +101,21 @@ class _ChunkedTokenLossSum(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, vocab_size: int,
                 chunk: int, kernels: ChunkKernels, overwrite_logits: bool) -> torch.Tensor:
         loss = torch.zeros((), dtype=torch.float32, device=logits.device)
-        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        m, log_s = torch.empty((2, logits.shape[0]), dtype=torch.float32, device=logits.device)
         for part in _chunks(logits.shape[0], chunk):
-            part_loss, lse[part] = kernels.loss(logits[part], labels[part], weight[part], vocab_size)
+            part_loss, m[part], log_s[part] = kernels.loss(logits[part], labels[part], weight[part], vocab_size)
             loss += part_loss
-        ctx.save_for_backward(logits, labels, weight, lse)
+        ctx.save_for_backward(logits, labels, weight, m, log_s)
         ctx.vocab_size, ctx.chunk, ctx.kernels, ctx.overwrite_logits = vocab_size, chunk, kernels, overwrite_logits
         return as_function_output(loss)  # built in place (+=): a compiled loss on torch 2.11 would lose its gradient
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        logits, labels, weight, lse = ctx.saved_tensors
+        logits, labels, weight, m, log_s = ctx.saved_tensors
         grad_logits = logits if ctx.overwrite_logits else torch.empty_like(logits)
         scale = weight * grad
         for part in _chunks(logits.shape[0], ctx.chunk):
-            ctx.kernels.logits_grad(logits[part], labels[part], lse[part], scale[part], ctx.vocab_size,
+            ctx.kernels.logits_grad(logits[part], labels[part], m[part], log_s[part], scale[part], ctx.vocab_size,
                                     None if ctx.overwrite_logits else grad_logits[part])
         return grad_logits, None, None, None, None, None, None
 
@@ -135,16 +142,19 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.
 class TokenLoss:
     """loss(logits, labels, loss_mask) -> `token_loss_sum` of full-vocab logits [T, V]: the loss a model with one
     tensor-parallel rank trains with. The runners read the logits no more once the loss has them, so its backward
-    writes their gradient over them (`overwrite_logits`). `compile(backend)` compiles its chunk kernels
-    (trainer.compile)."""
+    writes their gradient over them (`overwrite_logits`): the logits passed in hold the gradient after the backward,
+    and a second backward through them (retain_graph) or any op that saved them raises autograd's in-place error.
+    `compile(backend)` compiles its chunk kernels (trainer.compile)."""
 
     def __init__(self, vocab_size: int | None = None, chunk_tokens: int | None = None) -> None:
         self.vocab_size, self.chunk_tokens = vocab_size, chunk_tokens
         self.kernels = EAGER_KERNELS
 
     def compile(self, backend: str | Callable = "inductor") -> None:
-        """torch.compile the chunk kernels with `backend`. Chunks have one shape but the last: at most two graphs
-        each (the second with a dynamic token count)."""
+        """torch.compile the chunk kernels with `backend`. Chunks have one shape but the last: at most four graphs
+        each, the chunk's, a dynamic token count's (from the first ragged chunk on), and two of a one-token chunk
+        (dynamo specialises sizes and offsets of 0 and 1: a one-token micro-batch, and a last chunk of one token; HDP's
+        filler micro-batches are one token)."""
         self.kernels = ChunkKernels(torch.compile(chunk_loss, backend=backend),
                                     torch.compile(fused_chunk_logits_grad_, backend=backend))
 

@@ -9,7 +9,8 @@ recompile limit (8 graphs per code object) is never reached and never raised. He
 functions (inductor's C++ backend) in place of the eager casts, through a tiny GPT's forward and backward under
 each FP8 recipe, over micro-batches of several token counts, the first as many tokens as the hidden size (duck
 sizing would make that equality a guard and recompile on the next count). It runs in a process of its own:
-inductor imports triton, after which the Triton interpreter of the MX kernel tests fails.
+inductor imports triton, after which the Triton interpreter of the MX kernel tests fails. (The loss's chunk kernels,
+which trainer.compile compiles, are counted in tests/unit/test_compile_blocks.py.)
 """
 
 from __future__ import annotations
