@@ -60,15 +60,15 @@ def packed_layouts(count: int, seed: int = 0) -> list[tuple[int, ...]]:
     return layouts
 
 
-def loss_kernel_graphs() -> int:
-    """Dynamo's compiled graphs of the loss's two chunk kernels (trainer.compile compiles them beside the blocks:
-    megalm.model.loss), from its cache entries per code object; the compile tests subtract them from dynamo's
-    process-wide frame and graph counts, which then count the blocks'."""
+def loss_kernel_graphs() -> dict[str, int]:
+    """Dynamo's compiled graphs of each of the loss's two chunk kernels (trainer.compile compiles them beside the
+    blocks: megalm.model.loss), from its cache entries per code object; the compile tests subtract their sum from
+    dynamo's process-wide frame and graph counts, which then count the blocks'."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from megalm.model.loss import chunk_loss, fused_chunk_logits_grad_
 
-    return sum(len(_debug_get_cache_entry_list(fn.__code__)) for fn in (chunk_loss, fused_chunk_logits_grad_))
+    return {fn.__name__: len(_debug_get_cache_entry_list(fn.__code__)) for fn in (chunk_loss, fused_chunk_logits_grad_)}
 
 
 @pytest.fixture

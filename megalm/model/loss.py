@@ -20,7 +20,7 @@ A chunk's arithmetic is two functions, `chunk_loss` and `chunk_logits_grad_`. `T
 `trainer.compile` does, as TorchTitan's `compile.components = ["loss"]`) compiles `chunk_loss` and
 `fused_chunk_logits_grad_` (the gradient written as one expression that inductor fuses): a kernel or two each that
 read the bf16 logits and write the bf16 gradient in their place, where eager kernels write and re-read an fp32 copy
-of each chunk several times (8 bytes an element for the forward and backward by inductor's count, against 47:
+of each chunk several times (8 bytes an element for the forward and backward by inductor's count, against 67:
 docs/benchmarks.md).
 """
 
@@ -76,8 +76,9 @@ def fused_chunk_logits_grad_(logits: torch.Tensor, labels: torch.Tensor, m: torc
                              scale: torch.Tensor, vocab_size: int, out: torch.Tensor | None = None) -> None:
     """`chunk_logits_grad_` as one pointwise expression, for torch.compile: inductor makes it one kernel that reads
     each logit and writes its gradient (in its place where `out` is None); the eager form's in-place ops and scatter
-    would make it write and re-read fp32 copies. The same roundings. Eager, its selects over [n, V] would cost twice
-    the eager form's bytes."""
+    would make it write and re-read fp32 copies. The same arithmetic up to fp32 roundings (the bulk subtracts m and
+    log s one after the other, where the eager form subtracts their sum). Eager, its selects over [n, V] would cost
+    twice the eager form's bytes."""
     cols = torch.arange(logits.shape[-1], device=logits.device)
     d = (logits - m.unsqueeze(-1)) - log_s.unsqueeze(-1)
     p = torch.where(cols == labels.unsqueeze(-1), torch.expm1(d), torch.exp(d)) * scale.unsqueeze(-1)
@@ -87,7 +88,7 @@ def fused_chunk_logits_grad_(logits: torch.Tensor, labels: torch.Tensor, m: torc
 class ChunkKernels(NamedTuple):
     """The two functions a chunk runs: `chunk_loss`'s signature and `chunk_logits_grad_`'s (eager or compiled)."""
 
-    loss: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     logits_grad: Callable[..., None]
 
 

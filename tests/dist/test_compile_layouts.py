@@ -48,7 +48,7 @@ def compiled_and_eager_losses(rank: int, world_size: int, overrides: list[str], 
     weights = [(local(p) - local(q)).abs().max().item()
                for p, q in zip(eager.model.parameters(), compiled.model.parameters(), strict=True)]
     reasons = sorted({" ".join(reason.split())[:600] for reason in counters["graph_break"]})
-    loss = loss_kernel_graphs()  # the loss's chunk kernels: compiled where one TP rank computes the whole loss
+    loss = sum(loss_kernel_graphs().values())  # the loss's chunk kernels: compiled where one TP rank computes the whole loss
     torch.save({"losses": losses, "weight_diff": max(weights), "breaks": reasons, "loss_graphs": loss,
                 "frames": counters["frames"]["total"] - loss, "graphs": counters["stats"]["unique_graphs"] - loss},
                f"{out}.{rank}")
