@@ -66,9 +66,10 @@ def loss_kernel_graphs() -> dict[str, int]:
     dynamo's process-wide frame and graph counts, which then count the blocks'."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from megalm.model.loss import chunk_loss, fused_chunk_logits_grad_
+    from megalm.model.loss import chunk_statistics, fused_chunk_logits_grad_
 
-    return {fn.__name__: len(_debug_get_cache_entry_list(fn.__code__)) for fn in (chunk_loss, fused_chunk_logits_grad_)}
+    return {fn.__name__: len(_debug_get_cache_entry_list(fn.__code__)) for fn in (chunk_statistics,
+                                                                                   fused_chunk_logits_grad_)}
 
 
 @pytest.fixture

@@ -16,12 +16,17 @@ chunk's gradient over its logits, which the runners read no more (as Liger's fus
 step's peak, the start of the backward, holds one [T, V] tensor, not two (412 MB less for 4,096 tokens at a 50k
 vocab in bf16).
 
-A chunk's arithmetic is two functions, `chunk_loss` and `chunk_logits_grad_`. `TokenLoss.compile` (what
-`trainer.compile` does, as TorchTitan's `compile.components = ["loss"]`) compiles `chunk_loss` and
+A chunk's arithmetic is two functions, `chunk_statistics` and `chunk_logits_grad_`. `TokenLoss.compile` (what
+`trainer.compile` does, as TorchTitan's `compile.components = ["loss"]`) compiles `chunk_statistics` and
 `fused_chunk_logits_grad_` (the gradient written as one expression that inductor fuses): a kernel or two each that
 read the bf16 logits and write the bf16 gradient in their place, where eager kernels write and re-read an fp32 copy
 of each chunk several times (8 bytes an element for the forward and backward by inductor's count, against 67:
 docs/benchmarks.md).
+
+The chunks compute per-token statistics (max, log-sum of exponentials, the label's logit) and the loss is summed
+from them, so that logits holding a slice of the vocabulary's columns take the same path: `combine` turns the
+slice's statistics into the whole vocabulary's before the sum (megalm.parallel.tensor.loss all-reduces them over
+TP ranks; this module has no collectives), and the backward's softmax needs nothing more.
 """
 
 from __future__ import annotations
@@ -40,36 +45,42 @@ def _chunks(total: int, chunk: int) -> list[slice]:
     return [slice(start, min(start + chunk, total)) for start in range(0, total, chunk)]
 
 
-def chunk_loss(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, vocab_size: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk's sum_t weight_t * (lse_t - logit_t[label_t]) in fp32, and each token's lse_t = m_t + log s_t kept in
-    two parts: the row's max m_t and log s_t = log sum_v exp(logit_v - m_t), over the real vocab (columns >=
-    vocab_size are padding: no probability mass). Apart, they give the backward's label entry p_t - 1 =
-    expm1((logit_t - m_t) - log s_t) without cancelling logit_t against a rounded lse_t, whose last bit (2e-6 at
-    lse ~ 20) is 10% of a confident prediction's gradient (F.cross_entropy's log_softmax subtracts the max first
-    too)."""
+def chunk_statistics(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's per-token statistics in fp32 over its first `vocab_size` columns (later ones are padding: no
+    probability mass): the row's max m_t, log s_t = log sum_v exp(logit_v - m_t), and the label's logit (0 where
+    labels_t is -1: the label is in another rank's columns, under the vocab-parallel loss).
+
+    The loss is lse_t - logit_t[label_t] with lse_t = m_t + log s_t, kept in two parts: apart, they give the
+    backward's label entry p_t - 1 = expm1((logit_t - m_t) - log s_t) without cancelling logit_t against a rounded
+    lse_t, whose last bit (2e-6 at lse ~ 20) is 10% of a confident prediction's gradient (F.cross_entropy's
+    log_softmax subtracts the max first too)."""
     x = logits[:, :vocab_size].float()
     m = x.amax(dim=-1)
     log_s = (x - m.unsqueeze(-1)).exp_().sum(dim=-1).log_()
-    target = x.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return (((m - target) + log_s) * weight).sum(), m, log_s
+    on_rank = labels >= 0
+    target = x.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return m, log_s, torch.where(on_rank, target, 0.0)
 
 
 def chunk_logits_grad_(logits: torch.Tensor, labels: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor,
                        scale: torch.Tensor, vocab_size: int, out: torch.Tensor | None = None) -> None:
     """Write one chunk's d loss / d logits into `out` (None: over the logits themselves): scale_t * (softmax_v -
-    [v == label_t]), 0 on the padding.
+    [v == label_t]), 0 on the padding; a label of -1 (another rank's column) has no entry here.
 
     The bulk is scale_t * exp(logit - lse_t), rounded once into the logits' dtype; the label's entry is then
     overwritten by scale_t * expm1((logit_t - m_t) - log s_t), from the label logit gathered first, in fp32
-    (`chunk_loss`: subtracting 1 from a rounded p_t would lose the gradient of a confident prediction)."""
+    (`chunk_statistics`: subtracting 1 from a rounded p_t would lose the gradient of a confident prediction). Rows
+    whose label is elsewhere rewrite their column 0 with its bulk value."""
     out = logits if out is None else out
-    d_target = (logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float() - m) - log_s
+    on_rank, column = labels >= 0, labels.clamp(min=0).unsqueeze(-1)
+    d_target = (logits.gather(-1, column).squeeze(-1).float() - m) - log_s
     p = logits[:, :vocab_size] - (m + log_s).unsqueeze(-1)  # fp32 (type promotion): the cast is this kernel's read
     p.exp_().mul_(scale.unsqueeze(-1))
     out[:, :vocab_size].copy_(p)
     out[:, vocab_size:].zero_()
-    out.scatter_(-1, labels.unsqueeze(-1), torch.expm1(d_target).mul_(scale).unsqueeze(-1).to(out.dtype))
+    label_entry = torch.where(on_rank, torch.expm1(d_target), torch.exp(d_target)).mul_(scale)
+    out.scatter_(-1, column, label_entry.unsqueeze(-1).to(out.dtype))
 
 
 def fused_chunk_logits_grad_(logits: torch.Tensor, labels: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor,
@@ -86,44 +97,59 @@ def fused_chunk_logits_grad_(logits: torch.Tensor, labels: torch.Tensor, m: torc
 
 
 class ChunkKernels(NamedTuple):
-    """The two functions a chunk runs: `chunk_loss`'s signature and `chunk_logits_grad_`'s (eager or compiled)."""
+    """The two functions a chunk runs: `chunk_statistics`'s signature and `chunk_logits_grad_`'s (eager or
+    compiled)."""
 
-    loss: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    statistics: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     logits_grad: Callable[..., None]
 
 
-EAGER_KERNELS = ChunkKernels(chunk_loss, chunk_logits_grad_)
+EAGER_KERNELS = ChunkKernels(chunk_statistics, chunk_logits_grad_)
+
+Statistics = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _whole_vocab(m: torch.Tensor, log_s: torch.Tensor, target: torch.Tensor) -> Statistics:
+    return m, log_s, target
 
 
 class _ChunkedTokenLossSum(torch.autograd.Function):
-    """sum_t weight_t * (logsumexp(logits_t) - logits_t[label_t]), over chunks of tokens."""
+    """sum_t weight_t * (logsumexp(logits_t) - logits_t[label_t]), over chunks of tokens. `combine` turns the
+    statistics of this tensor's columns into the whole vocabulary's (the identity for full logits; the
+    vocab-parallel loss reduces them over TP ranks, megalm.parallel.tensor.loss); the backward needs none."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, vocab_size: int,
-                chunk: int, kernels: ChunkKernels, overwrite_logits: bool) -> torch.Tensor:
-        loss = torch.zeros((), dtype=torch.float32, device=logits.device)
-        m, log_s = torch.empty((2, logits.shape[0]), dtype=torch.float32, device=logits.device)
-        for part in _chunks(logits.shape[0], chunk):
-            part_loss, m[part], log_s[part] = kernels.loss(logits[part], labels[part], weight[part], vocab_size)
-            loss += part_loss
+                chunk: int, kernels: ChunkKernels, overwrite_logits: bool, combine: Callable[..., Statistics]
+                ) -> torch.Tensor:
+        m, log_s, target = torch.zeros((3, logits.shape[0]), dtype=torch.float32, device=logits.device)
+        if vocab_size == 0:  # a vocab-parallel shard of padding only: no mass here
+            m.fill_(float("-inf")), log_s.fill_(float("-inf"))
+        else:
+            for part in _chunks(logits.shape[0], chunk):
+                m[part], log_s[part], target[part] = kernels.statistics(logits[part], labels[part], vocab_size)
+        m, log_s, target = combine(m, log_s, target)
         ctx.save_for_backward(logits, labels, weight, m, log_s)
         ctx.vocab_size, ctx.chunk, ctx.kernels, ctx.overwrite_logits = vocab_size, chunk, kernels, overwrite_logits
-        return as_function_output(loss)  # built in place (+=): a compiled loss on torch 2.11 would lose its gradient
+        return as_function_output((((m - target) + log_s) * weight).sum())  # a view: see as_function_output
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, labels, weight, m, log_s = ctx.saved_tensors
         grad_logits = logits if ctx.overwrite_logits else torch.empty_like(logits)
+        if ctx.vocab_size == 0:
+            return grad_logits.zero_(), None, None, None, None, None, None, None
         scale = weight * grad
         for part in _chunks(logits.shape[0], ctx.chunk):
             ctx.kernels.logits_grad(logits[part], labels[part], m[part], log_s[part], scale[part], ctx.vocab_size,
                                     None if ctx.overwrite_logits else grad_logits[part])
-        return grad_logits, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None, None
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
                    vocab_size: int | None = None, chunk_tokens: int | None = None,
-                   kernels: ChunkKernels = EAGER_KERNELS, overwrite_logits: bool = False) -> torch.Tensor:
+                   kernels: ChunkKernels = EAGER_KERNELS, overwrite_logits: bool = False,
+                   first_column: int = 0, combine: Callable[..., Statistics] = _whole_vocab) -> torch.Tensor:
     """Sum of next-token cross entropy over the positions where `loss_mask` is 1, in fp32.
 
     `vocab_size`: the real vocab when `logits` has padding columns past it (they get no probability
@@ -131,13 +157,18 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.
     Labels equal to -100 are ignored, as by F.cross_entropy. `kernels`: what runs each chunk (`TokenLoss.compile`).
     `overwrite_logits`: the backward writes the gradient over the logits (for a caller that reads them no more: a
     [T, V] tensor less at the backward's start), else into a tensor of its own.
+    `first_column`, `combine`: for logits that are a slice of the vocabulary's columns starting at id
+    `first_column`: `combine(m, log_s, target)` returns the whole vocabulary's per-token statistics from the
+    slice's (`chunk_statistics`; the vocab-parallel loss reduces them over its ranks).
     """
-    chunk = chunk_tokens or max(1, CHUNK_BYTES // (4 * logits.shape[-1]))
+    width = logits.shape[-1]
+    chunk = chunk_tokens or max(1, CHUNK_BYTES // (4 * width))
     ignored = labels == -100
     weight = loss_mask.float().masked_fill(ignored, 0.0)
-    vocab = logits.shape[-1] if vocab_size is None else min(vocab_size, logits.shape[-1])
-    return _ChunkedTokenLossSum.apply(logits, labels.masked_fill(ignored, 0), weight, vocab, chunk, kernels,
-                                      overwrite_logits)
+    vocab = width if vocab_size is None else min(max(vocab_size - first_column, 0), width)
+    columns = labels.masked_fill(ignored, 0) - first_column
+    columns = columns.masked_fill((columns < 0) | (columns >= width), -1)  # -1: the label is another slice's
+    return _ChunkedTokenLossSum.apply(logits, columns, weight, vocab, chunk, kernels, overwrite_logits, combine)
 
 
 class TokenLoss:
@@ -156,7 +187,7 @@ class TokenLoss:
         each, the chunk's, a dynamic token count's (from the first ragged chunk on), and two of a one-token chunk
         (dynamo specialises sizes and offsets of 0 and 1: a one-token micro-batch, and a last chunk of one token; HDP's
         filler micro-batches are one token)."""
-        self.kernels = ChunkKernels(torch.compile(chunk_loss, backend=backend),
+        self.kernels = ChunkKernels(torch.compile(chunk_statistics, backend=backend),
                                     torch.compile(fused_chunk_logits_grad_, backend=backend))
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -44,16 +44,12 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> in
     return len(blocks)
 
 
-def compile_loss(loss_fn: Callable, backend: str | Callable = "inductor") -> bool:
-    """torch.compile the chunk kernels of the loss the runners call (megalm.model.loss.TokenLoss), fused by inductor
-    so that no fp32 copy of the logits is written; returns whether it did. The vocab-parallel loss (parallel.tp > 1,
-    collectives in its forward) stays eager, and a line says so."""
-    if not isinstance(loss_fn, TokenLoss):
-        log.info("trainer.compile: the vocab-parallel loss (parallel.tp > 1) stays eager")
-        return False
+def compile_loss(loss_fn: TokenLoss, backend: str | Callable = "inductor") -> None:
+    """torch.compile the chunk kernels of the loss the runners call (megalm.model.loss.TokenLoss, or its
+    vocab-parallel form under TP, whose collectives run between the kernels), fused by inductor so that no fp32 copy
+    of the logits is written."""
     loss_fn.compile(backend)
     log.info("trainer.compile: the loss's chunk kernels compiled (backend %s)", backend)
-    return True
 
 
 def auto_compile(cfg: Any, device: torch.device) -> tuple[bool, str]:

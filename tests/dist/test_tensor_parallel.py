@@ -151,6 +151,64 @@ def _embedding_and_loss_worker(rank: int, world: int) -> None:
     assert_close(vocab_parallel_token_loss_sum(logits, labels, mask, None), ref, rtol=1e-6, atol=0)
 
 
+def _vocab_parallel_loss_worker(rank: int, world: int) -> None:
+    """The trainer's vocab-parallel loss against the whole-vocab loss of one process: padded vocabularies (rank 1's
+    shard of padding only at real = 7), ragged chunks, ignored and masked labels, confident labels; eager and
+    compiled chunk kernels (aot_eager runs the fused gradient expression). Its gradient is written over the
+    shard, and the backward starts with the bf16 shard live and no fp32 copy of it (live storages, measured)."""
+    from megalm.measure import LiveStorages
+    from megalm.parallel.tensor import VocabParallelTokenLoss
+
+    group, tokens, vocab = dist.group.WORLD, 37, 16
+    for real in (16, 11, 7):
+        for backend in (None, "aot_eager"):
+            torch.manual_seed(real)
+            logits = 3 * torch.randn(tokens, vocab)
+            labels = torch.randint(0, real, (tokens,))
+            confident = torch.arange(0, tokens, 5)
+            logits[confident, labels[::5]] = 14.0  # p ~ 1 - 1e-3..1e-5: the label's gradient from expm1
+            labels[3] = -100
+            mask = torch.ones(tokens)
+            mask[[0, 7]] = 0.0
+            full = logits.clone().requires_grad_()
+            ref = token_loss_sum(full, labels, mask, vocab_size=real)
+            ref.backward()
+            loss_fn = VocabParallelTokenLoss(group, real, chunk_tokens=8)  # 8, 8, 8, 8, 5 tokens
+            if backend:
+                loss_fn.compile(backend)
+            shard = _chunk(logits, rank, world, dim=1).clone().requires_grad_()
+            logits_view = shard * 1  # a non-leaf, as the head's output: the loss writes its gradient over it
+            loss = loss_fn(logits_view, labels, mask)
+            loss.backward()
+            assert_close(loss, ref, rtol=1e-6, atol=0)
+            expected = _chunk(full.grad, rank, world, dim=1)
+            # s = sum exp(logit - m) rounds to 2^-24 in every form (and differently over TP ranks): 1 - p to ~2 ulps
+            ulps = 2.5e-7
+            assert_close(shard.grad, expected, rtol=1e-5, atol=ulps)
+            assert torch.equal(logits_view.detach(), shard.grad), "the gradient is written over the shard"
+            width = vocab // world
+            here = [(row, label - rank * width) for row, label in zip(confident.tolist(), labels[::5].tolist())
+                    if 0 <= label - rank * width < width and mask[row] > 0]
+            for row, column in here:  # 1 - p from a logit cancelled against a rounded lse ~ 14 errs by up to 5e-7
+                got, want = shard.grad[row, column].item(), expected[row, column].item()
+                assert want < -4 * ulps and abs(got - want) <= ulps, (real, backend, row, got, want)
+
+    # Memory: bf16 logits of 2,048 tokens x 1,024 columns a rank (and the leaf they are made from); at the backward's
+    # start they and [T] vectors are live, no fp32 softmax of the shard (Megatron's form keeps one)
+    tokens, vocab = 2048, 2048
+    shard = torch.randn(tokens, vocab // world).to(torch.bfloat16).requires_grad_()
+    labels, mask = torch.randint(0, vocab, (tokens,)), torch.ones(tokens)
+    with LiveStorages() as live:
+        live.track([shard])
+        VocabParallelTokenLoss(group, vocab)(shard * 1, labels, mask).backward()
+    bf16_shard, fp32_shard = shard.numel() * 2, shard.numel() * 4
+    assert live.at_backward_start - 2 * bf16_shard < fp32_shard / 50, (live.at_backward_start, bf16_shard)
+
+
+def test_vocab_parallel_token_loss_chunks_compiles_and_writes_over_its_shard() -> None:
+    run_distributed(_vocab_parallel_loss_worker, 2, timeout=300)
+
+
 def test_column_and_row_parallel_linear() -> None:
     run_distributed(_linear_worker, 2)
 

@@ -157,3 +157,19 @@ def test_layouts_the_rules_refuse_are_not_counted_as_confirmations(monkeypatch):
     assert result["confirmed"] == 2 and refusals, result
     assert len({*reached}) == 2 and not refused & {*reached}
     assert len(refusals) == layout_search.REFUSALS_SHOWN + 1 and refusals[-1].startswith("... and 2 more"), refusals
+
+
+def test_the_closed_form_prices_the_last_stage_s_logits_as_the_estimator():
+    """The last stage's logits, by the vocabulary's share of the peak: what a larger vocabulary adds to the closed
+    form's peak (the head's parameters and the loss's bytes: bf16 logits whose gradient the loss writes over them,
+    and its fp32 chunks) is what it adds to the estimator's run, under TP's vocab-parallel loss (10 bytes an element
+    of the rank's [T, V/tp] at this size, where the whole shard is one chunk; 6 before the loss was chunked)."""
+    layout = Layout(tp=2, pp=2, vpp=1, cp=1, dp=1, zero1=False, recompute="none", offload=False, hdp=False)
+    closed, estimated = [], []
+    for vocab in (4096, 8192):
+        overrides = [*SMALL, *layout.overrides(), "trainer.micro_batch_size=1", "trainer.global_batch_size=8",
+                     "model.seq_length=256", f"model.vocab_size={vocab}"]
+        shape, _, _ = layout_search.search_shape(overrides, 4)
+        closed.append(layout_search.closed_form(shape, layout, "h100")[0])
+        estimated.append(estimate.estimate_rank(overrides, 4, 1, "last stage", "h100").peak_bytes)
+    assert closed[1] - closed[0] == pytest.approx(estimated[1] - estimated[0], rel=0.01), (closed, estimated)

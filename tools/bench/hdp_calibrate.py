@@ -221,7 +221,7 @@ class Bench:
 
     def __init__(self, cfg, device: torch.device, warmup: int, repeats: int, roofline: str | None = None) -> None:
         from megalm.model.gpt import GPT, init_weights
-        from megalm.model.loss import token_loss_sum
+        from megalm.model.loss import TokenLoss
         from megalm.parallel.recompute import apply_recompute, stage_mode
         from megalm.precision import Precision
 
@@ -258,7 +258,7 @@ class Bench:
             raise RuntimeError("a parameter of the one-layer GPT stayed on the meta device")
         init_weights(model, cfg.seed)
         self.model, self.block = model, model.layers[0]
-        self.loss_fn = functools.partial(token_loss_sum, vocab_size=cfg.model.vocab_size)
+        self.loss_fn = TokenLoss(cfg.model.vocab_size)  # the trainer's: the gradient written over the logits
         self.param_ptrs = {storage_identity(p) for p in model.parameters()}
         self.compute_dtype: torch.dtype | None = None  # of q, seen on the first forward
         self.grad_bytes = (0.0, 0.0)

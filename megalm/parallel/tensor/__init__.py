@@ -18,10 +18,11 @@ from megalm.parallel.tensor.comm import (
     sync_grad_over_tp,
 )
 from megalm.parallel.tensor.layers import ColumnParallelLinear, ParallelNorm, RowParallelLinear, VocabParallelEmbedding
-from megalm.parallel.tensor.loss import vocab_parallel_token_loss_sum
+from megalm.parallel.tensor.loss import VocabParallelTokenLoss, vocab_parallel_token_loss_sum
 
 __all__ = [
-    "ColumnParallelLinear", "ParallelNorm", "RowParallelLinear", "VocabParallelEmbedding", "apply_tensor_parallel",
+    "ColumnParallelLinear", "ParallelNorm", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelTokenLoss",
+    "apply_tensor_parallel",
     "check_tensor_parallel", "copy_to_tp", "gather_from_sp", "loss_fn_for", "reduce_from_tp", "reduce_scatter_to_sp",
     "split_to_sp", "sum_grad_over_sharers", "sync_grad_over_tp", "tp_grad_norm_squared", "tp_norm_share",
     "vocab_parallel_token_loss_sum",

@@ -66,7 +66,7 @@ from megalm.parallel.tensor.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from megalm.parallel.tensor.loss import vocab_parallel_token_loss_sum
+from megalm.parallel.tensor.loss import VocabParallelTokenLoss
 from megalm.parallel.tensor.tokens import route_sequence_chunks
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -167,12 +167,12 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
 
 
 def loss_fn_for(group: Group, vocab_size: int | None = None) -> LossFn:
-    """loss(logits, labels, loss_mask) -> summed fp32 token loss: `TokenLoss` on full logits with one TP rank (its
-    chunk kernels are what trainer.compile compiles), else the vocab-parallel loss on [T, V/tp] logits (same value
-    on every TP rank). Logits of ids >= `vocab_size` (the vocab padding) are masked."""
+    """loss(logits, labels, loss_mask) -> summed fp32 token loss: `TokenLoss` on full logits with one TP rank, else
+    the vocab-parallel loss on [T, V/tp] logits (same value on every TP rank); trainer.compile compiles the chunk
+    kernels of either. Logits of ids >= `vocab_size` (the vocab padding) are masked."""
     if tp_world_size(group) == 1:
         return TokenLoss(vocab_size)
-    return functools.partial(vocab_parallel_token_loss_sum, group=group, vocab_size=vocab_size)
+    return VocabParallelTokenLoss(group, vocab_size)
 
 
 def tp_norm_share(spec: ShardSpec | FusedShardSpec | None, tp: int, shape: torch.Size) -> NormShare:

@@ -5,6 +5,12 @@ logits for V/tp classes. Gathering [T, V] logits would cost T·V floats per rank
 max, sum of exponentials and the target logit are reduced over TP (Megatron-LM's vocab-parallel CE).
 Like `megalm.model.loss.token_loss_sum`, it returns a *sum* over tokens (docs/architecture.md: the loss
 is normalised once, by the step's global token count).
+
+It is `token_loss_sum` on the rank's columns, with the per-token statistics of its chunks (max m, log s = log sum
+exp(logit - m), the label's logit) combined over TP before the loss is summed: two all-reduces of [T] vectors a
+micro-batch, whatever the chunking. So the shard's logits are never copied whole to fp32 (Megatron's form keeps
+a [T, V/tp] fp32 softmax from the forward to the backward), the backward needs no communication and writes the
+gradient over the shard's logits, and `trainer.compile` compiles the same chunk kernels as with one TP rank.
 """
 
 from __future__ import annotations
@@ -12,62 +18,51 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megalm.model.loss import Statistics, TokenLoss, token_loss_sum
 from megalm.parallel.tensor.comm import Group, tp_rank, tp_world_size
 
 
-class _VocabParallelTokenLossSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, group: Group,
-                vocab_size: int | None):
-        local_vocab = logits.shape[-1]
-        start = tp_rank(group) * local_vocab
-        x = logits.float()
-        if vocab_size is not None and start + local_vocab > vocab_size:
-            # Vocab padding: exp(-inf) = 0, so those ids get no probability mass and no gradient. A rank
-            # whose slice is all padding has a local max of -inf; the all-reduced max is a real logit.
-            padding = torch.arange(start, start + local_vocab, device=x.device) >= vocab_size
-            x = x.masked_fill(padding, float("-inf"))
-        # log-sum-exp over the full vocabulary: the global max keeps exp() in range.
-        row_max = x.max(dim=-1).values
-        if tp_world_size(group) > 1:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        exp = (x - row_max.unsqueeze(-1)).exp()
-        local_target = labels - start
-        in_shard = (local_target >= 0) & (local_target < local_vocab)
-        local_target = local_target.masked_fill(~in_shard, 0)
-        target_logit = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) - row_max
-        target_logit = target_logit.masked_fill(~in_shard, 0.0)
-        # One all-reduce for both sums: [sum exp, target logit] per token.
-        sums = torch.stack([exp.sum(dim=-1), target_logit])
-        if tp_world_size(group) > 1:
-            dist.all_reduce(sums, group=group)
-        sum_exp, target_logit = sums[0], sums[1]
-        losses = sum_exp.log() - target_logit
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, in_shard, weight)
-        ctx.logits_dtype = logits.dtype
-        return (losses * weight).sum()
+def combine_over_tp(group: Group):
+    """The whole vocabulary's (m, log s, label logit) per token from each rank's over its columns: the max of the
+    maxes, log sum_r exp(log s_r + m_r - m), and the one label logit (the other ranks hold 0). A rank of padding
+    only has m_r = log s_r = -inf, and adds 0."""
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        softmax, local_target, in_shard, weight = ctx.saved_tensors
-        # d loss_t / d logit_v = softmax_v - [v == label_t], scaled by the token's weight.
-        grad_logits = softmax.scatter_add(-1, local_target.unsqueeze(-1), -in_shard.to(softmax.dtype).unsqueeze(-1))
-        grad_logits.mul_((weight * grad).unsqueeze(-1))
-        return grad_logits.to(ctx.logits_dtype), None, None, None, None
+    def combine(m: torch.Tensor, log_s: torch.Tensor, target: torch.Tensor) -> Statistics:
+        if tp_world_size(group) == 1:
+            return m, log_s, target
+        whole_m = m.clone()
+        dist.all_reduce(whole_m, op=dist.ReduceOp.MAX, group=group)
+        sums = torch.stack([(log_s + (m - whole_m)).exp_(), target])  # one all-reduce for both sums
+        dist.all_reduce(sums, group=group)
+        return whole_m, sums[0].log(), sums[1]
+
+    return combine
 
 
 def vocab_parallel_token_loss_sum(
     logits_shard: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, group: Group,
-    vocab_size: int | None = None,
+    vocab_size: int | None = None, chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """`token_loss_sum` on vocab-sharded logits [T, V/tp] without ever forming [T, V] (Megatron).
 
-    The max, the sum of exponentials and the target logit are each reduced over TP (the target
-    lives on one rank; the others add 0), in fp32. Every TP rank returns the same scalar, and the
-    backward needs no communication: each rank's logit gradient is softmax - onehot on its own
-    vocabulary slice. Labels equal to -100 are ignored, as by F.cross_entropy. `vocab_size`: the real
-    vocab when the shards hold padding columns past it (masked).
+    Every TP rank returns the same scalar; each rank's logit gradient is softmax - onehot on its own vocabulary
+    slice (into a tensor of its own here; `VocabParallelTokenLoss`, the trainer's, writes it over the shard).
+    Labels equal to -100 are ignored, as by F.cross_entropy. `vocab_size`: the real vocab when the shards hold
+    padding columns past it (masked).
     """
-    ignored = labels == -100
-    weight = loss_mask.float().masked_fill(ignored, 0.0)
-    return _VocabParallelTokenLossSum.apply(logits_shard, labels.masked_fill(ignored, 0), weight, group, vocab_size)
+    return token_loss_sum(logits_shard, labels, loss_mask, vocab_size, chunk_tokens,
+                          first_column=tp_rank(group) * logits_shard.shape[-1], combine=combine_over_tp(group))
+
+
+class VocabParallelTokenLoss(TokenLoss):
+    """`TokenLoss` (the gradient written over the logits, chunk kernels `compile`d by trainer.compile) on this TP
+    rank's vocabulary shard of the logits, [T, V/tp]."""
+
+    def __init__(self, group: Group, vocab_size: int | None = None, chunk_tokens: int | None = None) -> None:
+        super().__init__(vocab_size, chunk_tokens)
+        self.group, self.combine = group, combine_over_tp(group)
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(logits, labels, loss_mask, self.vocab_size, self.chunk_tokens, self.kernels,
+                              overwrite_logits=True, first_column=tp_rank(self.group) * logits.shape[-1],
+                              combine=self.combine)
