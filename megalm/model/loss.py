@@ -49,7 +49,7 @@ def chunk_statistics(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk's per-token statistics in fp32 over its first `vocab_size` columns (later ones are padding: no
     probability mass): the row's max m_t, log s_t = log sum_v exp(logit_v - m_t), and the label's logit (0 where
-    labels_t is -1: the label is in another rank's columns, under the vocab-parallel loss).
+    labels_t is -1: the label is in another rank's columns, under the vocab-parallel loss; -inf in the padding).
 
     The loss is lse_t - logit_t[label_t] with lse_t = m_t + log s_t, kept in two parts: apart, they give the
     backward's label entry p_t - 1 = expm1((logit_t - m_t) - log s_t) without cancelling logit_t against a rounded
@@ -58,9 +58,10 @@ def chunk_statistics(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int
     x = logits[:, :vocab_size].float()
     m = x.amax(dim=-1)
     log_s = (x - m.unsqueeze(-1)).exp_().sum(dim=-1).log_()
-    on_rank = labels >= 0
-    target = x.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return m, log_s, torch.where(on_rank, target, 0.0)
+    target = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1).float()
+    # a label in the padding (bad data) has no probability: an infinite loss on every rank, which the trainer's
+    # non-finite check catches (an index error on one TP rank would leave the others waiting in the all-reduce)
+    return m, log_s, torch.where(labels < 0, 0.0, torch.where(labels < vocab_size, target, float("-inf")))
 
 
 def chunk_logits_grad_(logits: torch.Tensor, labels: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor,
@@ -71,7 +72,8 @@ def chunk_logits_grad_(logits: torch.Tensor, labels: torch.Tensor, m: torch.Tens
     The bulk is scale_t * exp(logit - lse_t), rounded once into the logits' dtype; the label's entry is then
     overwritten by scale_t * expm1((logit_t - m_t) - log s_t), from the label logit gathered first, in fp32
     (`chunk_statistics`: subtracting 1 from a rounded p_t would lose the gradient of a confident prediction). Rows
-    whose label is elsewhere rewrite their column 0 with its bulk value."""
+    whose label is elsewhere rewrite their column 0 with its bulk value, up to one fp32 rounding (column 0 is never
+    padding: a shard of padding only runs no kernel)."""
     out = logits if out is None else out
     on_rank, column = labels >= 0, labels.clamp(min=0).unsqueeze(-1)
     d_target = (logits.gather(-1, column).squeeze(-1).float() - m) - log_s
@@ -109,7 +111,8 @@ EAGER_KERNELS = ChunkKernels(chunk_statistics, chunk_logits_grad_)
 Statistics = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _whole_vocab(m: torch.Tensor, log_s: torch.Tensor, target: torch.Tensor) -> Statistics:
+def whole_vocab(m: torch.Tensor, log_s: torch.Tensor, target: torch.Tensor) -> Statistics:
+    """The `combine` of logits that hold every column: their statistics are the whole vocabulary's."""
     return m, log_s, target
 
 
@@ -123,8 +126,8 @@ class _ChunkedTokenLossSum(torch.autograd.Function):
                 chunk: int, kernels: ChunkKernels, overwrite_logits: bool, combine: Callable[..., Statistics]
                 ) -> torch.Tensor:
         m, log_s, target = torch.zeros((3, logits.shape[0]), dtype=torch.float32, device=logits.device)
-        if vocab_size == 0:  # a vocab-parallel shard of padding only: no mass here
-            m.fill_(float("-inf")), log_s.fill_(float("-inf"))
+        if vocab_size == 0:  # a vocab-parallel shard of padding only: no mass here, and no label (`chunk_statistics`)
+            m.fill_(float("-inf")), log_s.fill_(float("-inf")), target.masked_fill_(labels >= 0, float("-inf"))
         else:
             for part in _chunks(logits.shape[0], chunk):
                 m[part], log_s[part], target[part] = kernels.statistics(logits[part], labels[part], vocab_size)
@@ -149,7 +152,7 @@ class _ChunkedTokenLossSum(torch.autograd.Function):
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
                    vocab_size: int | None = None, chunk_tokens: int | None = None,
                    kernels: ChunkKernels = EAGER_KERNELS, overwrite_logits: bool = False,
-                   first_column: int = 0, combine: Callable[..., Statistics] = _whole_vocab) -> torch.Tensor:
+                   first_column: int = 0, combine: Callable[..., Statistics] = whole_vocab) -> torch.Tensor:
     """Sum of next-token cross entropy over the positions where `loss_mask` is 1, in fp32.
 
     `vocab_size`: the real vocab when `logits` has padding columns past it (they get no probability
@@ -167,7 +170,8 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.
     weight = loss_mask.float().masked_fill(ignored, 0.0)
     vocab = width if vocab_size is None else min(max(vocab_size - first_column, 0), width)
     columns = labels.masked_fill(ignored, 0) - first_column
-    columns = columns.masked_fill((columns < 0) | (columns >= width), -1)  # -1: the label is another slice's
+    if combine is not whole_vocab:  # -1: the label is another slice's (with every column, a bad label raises)
+        columns = columns.masked_fill((columns < 0) | (columns >= width), -1)
     return _ChunkedTokenLossSum.apply(logits, columns, weight, vocab, chunk, kernels, overwrite_logits, combine)
 
 

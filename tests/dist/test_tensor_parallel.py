@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 from torch.testing import assert_close
 
 from megalm.config import ModelConfig, resolve_model_defaults
@@ -147,8 +148,9 @@ def _embedding_and_loss_worker(rank: int, world: int) -> None:
     loss.backward()
     assert_close(loss, ref, rtol=1e-6, atol=0)
     assert_close(shard.grad, _chunk(logits.grad, rank, world, dim=1), rtol=1e-5, atol=1e-7)
-    # And the same function in one process (group None) is token_loss_sum.
-    assert_close(vocab_parallel_token_loss_sum(logits, labels, mask, None), ref, rtol=1e-6, atol=0)
+    # And the same function in one process (group None) is F.cross_entropy's sum.
+    plain = (F.cross_entropy(logits.detach(), labels, reduction="none") * mask).sum()
+    assert_close(vocab_parallel_token_loss_sum(logits.detach(), labels, mask, None), plain, rtol=1e-6, atol=0)
 
 
 def _vocab_parallel_loss_worker(rank: int, world: int) -> None:
@@ -170,8 +172,8 @@ def _vocab_parallel_loss_worker(rank: int, world: int) -> None:
             labels[3] = -100
             mask = torch.ones(tokens)
             mask[[0, 7]] = 0.0
-            full = logits.clone().requires_grad_()
-            ref = token_loss_sum(full, labels, mask, vocab_size=real)
+            full = logits.double().requires_grad_()  # the reference: F.cross_entropy in fp64 over the real vocab
+            ref = (F.cross_entropy(full[:, :real], labels, reduction="none") * mask.double()).sum()
             ref.backward()
             loss_fn = VocabParallelTokenLoss(group, real, chunk_tokens=8)  # 8, 8, 8, 8, 5 tokens
             if backend:
@@ -180,18 +182,28 @@ def _vocab_parallel_loss_worker(rank: int, world: int) -> None:
             logits_view = shard * 1  # a non-leaf, as the head's output: the loss writes its gradient over it
             loss = loss_fn(logits_view, labels, mask)
             loss.backward()
-            assert_close(loss, ref, rtol=1e-6, atol=0)
-            expected = _chunk(full.grad, rank, world, dim=1)
-            # s = sum exp(logit - m) rounds to 2^-24 in every form (and differently over TP ranks): 1 - p to ~2 ulps
+            assert_close(loss.double(), ref, rtol=1e-6, atol=0)
+            expected = _chunk(full.grad, rank, world, dim=1).float()
+            # s = sum exp(logit - m) rounds to 2^-24 in fp32 (and differently over TP ranks): 1 - p to ~2 ulps
             ulps = 2.5e-7
             assert_close(shard.grad, expected, rtol=1e-5, atol=ulps)
             assert torch.equal(logits_view.detach(), shard.grad), "the gradient is written over the shard"
             width = vocab // world
-            here = [(row, label - rank * width) for row, label in zip(confident.tolist(), labels[::5].tolist())
+            pairs = zip(confident.tolist(), labels[::5].tolist(), strict=True)
+            here = [(row, label - rank * width) for row, label in pairs
                     if 0 <= label - rank * width < width and mask[row] > 0]
             for row, column in here:  # 1 - p from a logit cancelled against a rounded lse ~ 14 errs by up to 5e-7
                 got, want = shard.grad[row, column].item(), expected[row, column].item()
                 assert want < -4 * ulps and abs(got - want) <= ulps, (real, backend, row, got, want)
+
+    # A label in the vocab padding (bad data): an infinite loss on every rank (the trainer's non-finite check stops
+    # or skips the step), not an index error on the rank holding that column while the others wait in all-reduce
+    for real, bad in ((7, 9), (11, 12)):  # rank 1's columns 8-15: all padding; 11-15 padding
+        labels = torch.randint(0, real, (tokens,))
+        labels[5] = bad
+        shard = _chunk(logits, rank, world, dim=1).clone()
+        loss = VocabParallelTokenLoss(group, real)(shard, labels, torch.ones(tokens))
+        assert loss.item() == float("inf"), (real, loss)
 
     # Memory: bf16 logits of 2,048 tokens x 1,024 columns a rank (and the leaf they are made from); at the backward's
     # start they and [T] vectors are live, no fp32 softmax of the shard (Megatron's form keeps one)

@@ -7,29 +7,31 @@ Like `megalm.model.loss.token_loss_sum`, it returns a *sum* over tokens (docs/ar
 is normalised once, by the step's global token count).
 
 It is `token_loss_sum` on the rank's columns, with the per-token statistics of its chunks (max m, log s = log sum
-exp(logit - m), the label's logit) combined over TP before the loss is summed: two all-reduces of [T] vectors a
-micro-batch, whatever the chunking. So the shard's logits are never copied whole to fp32 (Megatron's form keeps
+exp(logit - m), the label's logit) combined over TP before the loss is summed: two all-reduces a micro-batch (of
+[T] and [2, T]), whatever the chunking. So the shard's logits are never copied whole to fp32 (Megatron's form keeps
 a [T, V/tp] fp32 softmax from the forward to the backward), the backward needs no communication and writes the
 gradient over the shard's logits, and `trainer.compile` compiles the same chunk kernels as with one TP rank.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
-from megalm.model.loss import Statistics, TokenLoss, token_loss_sum
+from megalm.model.loss import Statistics, TokenLoss, token_loss_sum, whole_vocab
 from megalm.parallel.tensor.comm import Group, tp_rank, tp_world_size
 
 
-def combine_over_tp(group: Group):
+def combine_over_tp(group: Group) -> Callable[..., Statistics]:
     """The whole vocabulary's (m, log s, label logit) per token from each rank's over its columns: the max of the
     maxes, log sum_r exp(log s_r + m_r - m), and the one label logit (the other ranks hold 0). A rank of padding
     only has m_r = log s_r = -inf, and adds 0."""
+    if tp_world_size(group) == 1:
+        return whole_vocab
 
     def combine(m: torch.Tensor, log_s: torch.Tensor, target: torch.Tensor) -> Statistics:
-        if tp_world_size(group) == 1:
-            return m, log_s, target
         whole_m = m.clone()
         dist.all_reduce(whole_m, op=dist.ReduceOp.MAX, group=group)
         sums = torch.stack([(log_s + (m - whole_m)).exp_(), target])  # one all-reduce for both sums
