@@ -22,7 +22,7 @@ from megalm.precision.torchao_fp8 import torchao_problem
 from megalm.training.optim import current_weights
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
-from tests.dist.equivalence import assert_resume_is_bit_exact, held_and_expected, shard_of
+from tests.dist.equivalence import assert_resume_is_bit_exact, held_and_expected
 from tests.dist.launch import run_distributed
 
 STEPS = 4

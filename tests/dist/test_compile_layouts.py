@@ -69,7 +69,8 @@ def test_blocks_compile_without_breaks_and_train_as_eager(tmp_path, name):
             # torch 2.9's dynamo compiled Ulysses' blocks as 23 frames a rank (RoPE and the head exchange on their
             # own, recompiled for q's and k's head counts), with no break counted; 2.11 and 2.13: one graph
             assert result["frames"] <= 2 and result["graphs"] <= 2, (name, rank, result)
-        # the loss's kernels, compiled where it runs (under TP on each rank's vocabulary shard), not on pp2's first stage
+        # the loss's kernels, compiled where it runs (under TP on each rank's vocabulary shard), not on pp2's first
+        # stage
         computes_loss = not (name == "pp2" and rank == 0)
         assert (2 <= result["loss_graphs"] <= 4) if computes_loss else result["loss_graphs"] == 0, (name, rank, result)
         for step, (a, b) in enumerate(result["losses"]):

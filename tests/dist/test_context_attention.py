@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from megalm.model.attention import reference_varlen_attention
 from megalm.parallel.context.attention import RingContext
-from megalm.parallel.context.zigzag import ZigzagPlan, layout_from_local_cu_seqlens, shard_tensor, zigzag_plan
 from megalm.parallel.context.ring import ring_attention
 from megalm.parallel.context.ulysses import ulysses_attention
+from megalm.parallel.context.zigzag import ZigzagPlan, layout_from_local_cu_seqlens, shard_tensor, zigzag_plan
 
 from .launch import run_distributed
 

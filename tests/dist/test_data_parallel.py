@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megalm.parallel.data_parallel.reducer import GradReducer
 from megalm.parallel.data_parallel.bucket_adamw import BucketAdamW
+from megalm.parallel.data_parallel.reducer import GradReducer
 from megalm.training.optim import param_groups, set_lr
 
 from .launch import run_distributed

@@ -26,7 +26,8 @@ HDP = ["parallel.hdp=true", "parallel.hdp_capacity=16", "data.varlen=true", "mod
        "data.synthetic.mean_doc_length=30", "trainer.global_batch_size=12"]
 LAYOUTS = {
     "tp4_kv_replicated": (4, ["parallel.tp=4"]),
-    "tp2_dp2_zero1_sp": (4, ["parallel.tp=2", "parallel.dp=2", "parallel.zero1=true", "parallel.sequence_parallel=true"]),
+    "tp2_dp2_zero1_sp": (4, ["parallel.tp=2", "parallel.dp=2", "parallel.zero1=true",
+                             "parallel.sequence_parallel=true"]),
     "pp2_zb_gpt2_tied": (2, ["model=gpt2_tiny", "model.num_layers=4", "trainer.micro_batch_size=2", "parallel.pp=2",
                              "parallel.pp_schedule=zb"]),
     "hdp_dp2_cp2": (4, [*HDP, "parallel.dp=2", "parallel.cp=2"]),

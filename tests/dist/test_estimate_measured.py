@@ -3,8 +3,8 @@
 Each layout runs for real on gloo processes of this machine (real tensors, real collectives), every rank measured
 by the live-storage probe exactly as the estimator measures its fake rank (`estimate.run_step`: a first step for the
 optimizer's states, then the peak of the second, the static bytes included). The estimator's per-rank peak
-without its reserve (`peak_bytes - reserve_bytes`) must equal the real rank's (within 5% would be the
-bar for pp1, tp2, pp2, cp2, HDP and offload; it is equal to the byte), for every rank role the estimator reports. Where they
+without its reserve (`peak_bytes - reserve_bytes`) must equal the real rank's (within 5% would be the bar for pp1,
+tp2, pp2, cp2, HDP and offload; it is equal to the byte), for every rank role the estimator reports. Where they
 differed, fake mode was keeping storages alive: `Tensor.set_(storage)` under FakeTensorMode holds the storage for
 good, which made an offload run's estimate 49% high until the store stopped using it.
 

@@ -21,8 +21,8 @@ from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
 from tests.dist.equivalence import (
     assert_first_step_matches,
-    assert_resume_is_bit_exact,
     assert_resharded_run_continues,
+    assert_resume_is_bit_exact,
     assert_training_and_eval_match,
     held_and_expected,
 )

@@ -10,6 +10,7 @@ must agree within 1e-5 relative; the first step's gradients, the grad norm, the 
 from __future__ import annotations
 
 import pytest
+
 from megalm.parallel.dims import ParallelDims, ParallelMesh
 from megalm.parallel.hdp import plan_hdp, simulate
 from megalm.parallel.hdp.split import HdpSplit
@@ -54,11 +55,13 @@ def check_hdp(rank: int, world_size: int, overrides: list[str], tmp: str, expect
             assert {1, 2, 3} <= sizes, f"step 0 should mix packed documents and rings of 2 and 3 ranks, got {sizes}"
             assert len(set(counts)) > 1, f"ranks should run different numbers of micro-batches, got {counts}"
         if "fillers" in expect:
-            assert par.parallel.split.last_plan.stats["fillers"] > 0, "this pipelined layout should need a filler micro-batch"
+            assert par.parallel.split.last_plan.stats["fillers"] > 0, \
+                "this pipelined layout should need a filler micro-batch"
         if "idle" in expect:
             assert min(counts) == 0, f"some rank should have nothing to do in step 0, got {counts}"
         if "hierarchical" in expect:
-            rings = {(len(mb.ranks), mb.inner) for mb in par.parallel.split.last_plan.micro_batches if len(mb.ranks) > 1}
+            rings = {(len(mb.ranks), mb.inner) for mb in par.parallel.split.last_plan.micro_batches
+                     if len(mb.ranks) > 1}
             assert (4, 2) in rings, f"step 0 should hold a ring of 2 groups of 2 (sizes, groups): {rings}"
     assert_training_and_eval_match(ref, par, rank, STEPS, PARAM_ATOL)
     if par.cfg.parallel.hdp:

@@ -14,8 +14,8 @@ import torch
 from megalm.model.linear import linear_modules
 from megalm.model.naming import canonical_named_modules, canonical_named_parameters
 from megalm.parallel.dims import ParallelDims, ParallelMesh
-from megalm.parallel.pipeline.runtime import PipelineRuntime
 from megalm.parallel.pipeline.actions import Schedule
+from megalm.parallel.pipeline.runtime import PipelineRuntime
 from megalm.parallel.pipeline.schedules import peak_in_flight
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config

@@ -18,7 +18,6 @@ from tests.dist.equivalence import (
     assert_grads_match,
     assert_resume_is_bit_exact,
     assert_same_training,
-    train_and_record,
 )
 from tests.dist.launch import run_distributed
 
@@ -70,7 +69,8 @@ def test_layout_matches_single_process(tmp_path, name):
 
 
 # A vocab of 301: one process unpadded (301 rows) against tp2 (padded to 384) and tp4 (512),
-# make_vocab_size_divisible_by 64 (tiny's). The padded rows' logits are masked, so every layout trains the unpadded model.
+# make_vocab_size_divisible_by 64 (tiny's). The padded rows' logits are masked, so every layout trains the unpadded
+# model.
 UNPADDED_301 = ["model.vocab_size=301", "model.make_vocab_size_divisible_by=1"]
 
 
