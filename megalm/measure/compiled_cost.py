@@ -12,6 +12,13 @@ is counted with the bytes inductor's scheduler gives it.
 
 On a CPU inductor generates C++ kernels where a GPU gets Triton ones; the fusion decisions are made by the same
 scheduler, so kernel counts and bytes stand in for the GPU's (the caller says which device it traced).
+
+Memory (under megalm.measure.LiveStorages): the replay makes every value of the graph, where the generated kernels
+write only their buffers. A graph of generated kernels only (no GEMM, attention or collective: the loss's chunk
+kernels) is replayed uncounted; its outputs count, and the buffers inductor allocates between its kernels (the ones
+neither fused away, nor the graph's outputs, nor written over an input) count as live at once, an upper bound.
+A graph with extern kernels is counted op by op as the replay makes it: its GEMMs' outputs are buffers on the GPU
+too, and the sum of its buffers would overstate a peak that liveness sets.
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils._pytree import tree_flatten
 
 from megalm.measure.op_cost import OpCosts, category
+from megalm.measure.storage import LiveStorages
 
 REPLAYED = ("gemm", "attention", "communication")  # extern kernels whose FLOPs and bytes the eager replay traces
 
@@ -56,6 +65,36 @@ def _inductor_metrics_logged() -> Iterator[None]:
         logger.removeHandler(handler)
 
 
+@contextlib.contextmanager
+def _intermediate_buffers_recorded(record: list[int]) -> Iterator[None]:
+    """While inside, each graph inductor schedules appends to `record` the bytes of the buffers its kernels write
+    that are not the graph's outputs: a value fused into a kernel is no buffer (`removed_buffers`), and a result
+    written over an input has a mutation layout, which allocates nothing. Read where inductor counts its kernels'
+    bytes (`GraphLowering.count_bytes`, under the inductor_metrics log), while the graph's sizes are known."""
+    from torch._inductor import ir
+    from torch._inductor.graph import GraphLowering
+
+    original = GraphLowering.count_bytes
+
+    def count_bytes(graph: Any) -> Any:
+        skipped = set(graph.get_output_names()) | set(graph.removed_buffers)
+        total = 0
+        for node in graph.scheduler.nodes:
+            for buf in node.get_outputs():
+                layout = getattr(buf.node, "layout", None)
+                if buf.get_name() not in skipped and isinstance(layout, ir.FixedLayout):
+                    size = graph.sizevars.optimization_hint(layout.storage_size(), fallback=0)
+                    total += size * layout.dtype.itemsize
+        record.append(total)
+        return original(graph)
+
+    GraphLowering.count_bytes = count_bytes
+    try:
+        yield
+    finally:
+        GraphLowering.count_bytes = original
+
+
 class InductorCosts:
     """A `torch.compile` backend: inductor's kernels per graph, counted into the `OpCosts` active when it runs.
 
@@ -80,9 +119,10 @@ class InductorCosts:
         from torch._inductor.compile_fx import compile_fx_inner
         from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
 
-        first = len(metrics.nodes_num_elem)
-        with _inductor_metrics_logged(), torch._inductor.config.patch(fx_graph_cache=False):  # a cache hit skips
-            # the scheduler, and with it the kernels counted here
+        first, intermediate = len(metrics.nodes_num_elem), []
+        with _inductor_metrics_logged(), torch._inductor.config.patch(fx_graph_cache=False), \
+                _intermediate_buffers_recorded(intermediate):  # a cache hit would skip the scheduler, and with it
+            # the kernels counted here
             compile_fx_inner(gm, example_inputs, **kwargs)  # lowering, fusion, code generation; never run
         generated: list[float] = []  # bytes of each kernel inductor generates
         fallbacks: list[tuple[str, str, float]] = []  # (aten op, category, bytes) of the other kernels it calls
@@ -98,12 +138,27 @@ class InductorCosts:
             elif not getattr(getattr(node.node, "op_overload", None), "is_view", False):  # a view launches nothing
                 fallbacks.append((name, category(name), nbytes))
         graph = {"generated_kernels": len(generated), "generated_bytes": sum(generated),
-                 "fallback_kernels": dict(Counter(name for name, _, _ in fallbacks)), "extern": dict(extern)}
+                 "fallback_kernels": dict(Counter(name for name, _, _ in fallbacks)), "extern": dict(extern),
+                 "intermediate_bytes": sum(intermediate)}
+        by_buffers = not extern  # generated kernels only: its memory is its buffers (the module docstring)
         self.graphs.append(graph)
         kernels = [("inductor_generated", "elementwise/other", nbytes) for nbytes in generated] + fallbacks
 
         def run(args: list) -> Any:
-            costs = next((m for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, OpCosts)), None)
+            modes = _get_current_dispatch_mode_stack()
+            costs = next((m for m in reversed(modes) if isinstance(m, OpCosts)), None)
+            probe = next((m for m in reversed(modes) if isinstance(m, LiveStorages)), None) if by_buffers else None
+            if probe is not None:
+                with probe.uncounted():
+                    out = _counted_run(costs, args)
+                tensors = [t for t in tree_flatten((out, args))[0] if isinstance(t, torch.Tensor)]
+                probe.track(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+                if tensors:
+                    probe.note_transient(graph["intermediate_bytes"], tensors[0].device.type)
+                return out
+            return _counted_run(costs, args)
+
+        def _counted_run(costs: OpCosts | None, args: list) -> Any:
             if costs is None:
                 return gm(*args)
             for name, cat, nbytes in kernels:

@@ -127,6 +127,7 @@ class LiveStorages(TorchDispatchMode):
         self._peak: dict[str, int] = {}
         self.at_backward_start: int | None = None
         self._label: str | None = None
+        self._uncounted = False
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -146,7 +147,8 @@ class LiveStorages(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         new = _unaliased_outputs(out, (args, kwargs)) if is_higher_order(func) else _new_outputs(func, out)
         tensors = [t for t in tree_flatten(new)[0] if isinstance(t, torch.Tensor)]
-        if tensors and not in_sharding_propagation():  # frames read only where there is something to count
+        if tensors and not self._uncounted and not in_sharding_propagation():  # frames read only where there is
+            # something to count
             self.track(tensors)
         return out
 
@@ -204,6 +206,21 @@ class LiveStorages(TorchDispatchMode):
     def mark_peak(self) -> None:
         """Restart the peaks at the bytes live now."""
         self._peak = dict(self._now)
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Storages created inside are not counted (their bytes are given by `note_transient` instead): an eager
+        replay of a compiled graph makes the values its fused kernels never write (megalm.measure.compiled_cost)."""
+        previous, self._uncounted = self._uncounted, True
+        try:
+            yield
+        finally:
+            self._uncounted = previous
+
+    def note_transient(self, nbytes: int, device: str) -> None:
+        """Raise the peak to the bytes live now plus `nbytes` that were live for a while before now."""
+        device = self._label or device
+        self._peak[device] = max(self._peak.get(device, 0), self._now.get(device, 0) + nbytes)
 
     @contextlib.contextmanager
     def labelled(self, label: str) -> Iterator[None]:

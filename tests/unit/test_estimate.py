@@ -215,7 +215,7 @@ def test_fp8_gemms_are_traced_as_the_gpu_runs_them(monkeypatch):
     assert any("no FP8 tensor cores" in n for n in notes["a100"]), notes
 
 
-def test_the_collectives_of_compiled_blocks_are_counted_and_sp_regathers_in_the_backward(monkeypatch):
+def test_the_collectives_of_compiled_blocks_are_counted_and_sp_regathers_in_the_backward():
     """Compiled blocks dispatch the functional collectives dynamo turns torch.distributed's calls into
     (`_c10d_functional`), which the estimate's `Collectives` counts as it counts eager's `c10d` ops: before, a
     compiled tp2+SP step moved no byte over TP. And the compiled block re-gathers the column-parallel inputs
@@ -223,20 +223,33 @@ def test_the_collectives_of_compiled_blocks_are_counted_and_sp_regathers_in_the_
     (megalm.training.compile.regather_in_backward): the same TP bytes as eager, and no more activation memory.
     Without that pass the partitioner keeps the gathered input (it recomputes no collective unmarked, and the
     joint graph merges the backward's re-gather with the forward's gather): one all-gather fewer per GEMM group,
-    and 2 x [T, h] x (1 - 1/tp) more bytes per layer. The blocks alone: the loss's kernels stay eager in both runs
-    (compiled, the trace replays their fused expression op by op, with fp32 temporaries the GPU's one kernel never
-    writes: megalm.measure.compiled_cost)."""
-    from megalm.model.loss import TokenLoss
-
+    and 2 x [T, h] x (1 - 1/tp) more bytes per layer."""
     if not compat.compiles_over_fake_tensors():
         pytest.skip(f"torch {torch.__version__} cannot compile over the trace's fake tensors (2.11 and later can)")
-    monkeypatch.setattr(TokenLoss, "compile", lambda self, backend="inductor": None)
     base = [*SMALL, "trainer.device=cpu", "trainer.micro_batch_size=2", "trainer.global_batch_size=2",
             "data.synthetic.fixed_doc_length=32", "precision=bf16", "parallel.tp=2", "parallel.sequence_parallel=true"]
     eager, compiled = (estimate.estimate([*base, f"trainer.compile={c}"], 2, "h100")["ranks"][0]
                        for c in ("false", "true"))
     assert compiled["collective_bytes"]["tp"] == eager["collective_bytes"]["tp"]
     assert compiled["activation_bytes"] <= eager["activation_bytes"]
+
+
+def test_a_compiled_loss_is_priced_by_the_buffers_inductor_writes(monkeypatch):
+    """The loss's chunk kernels compiled, the blocks eager: the estimate counts the buffers inductor's kernels write
+    (the gradient over the logits, per-token statistics), not the values an op-by-op replay of their fused
+    expressions makes (megalm.measure.compiled_cost), so the step holds at least one fp32 [T, V] less than with the
+    eager loss, whose chunks keep fp32 copies of their logits. Replayed op by op, it held 21% more than eager."""
+    import megalm.training.trainer as trainer_module
+
+    if not compat.compiles_over_fake_tensors():
+        pytest.skip(f"torch {torch.__version__} cannot compile over the trace's fake tensors (2.11 and later can)")
+    monkeypatch.setattr(trainer_module, "compile_blocks", lambda *args, **kwargs: 0)
+    base = [*SMALL, "trainer.device=cpu", "trainer.micro_batch_size=2", "trainer.global_batch_size=2",
+            "data.synthetic.fixed_doc_length=32", "precision=bf16"]
+    eager, compiled = (estimate.estimate([*base, f"trainer.compile={c}"], 1, "h100")["ranks"][0]
+                       for c in ("false", "true"))
+    vocab = resolve_model_defaults(compose_config(*base).model).padded_vocab_size
+    assert compiled["activation_bytes"] < eager["activation_bytes"] - 4 * eager["tokens"] * vocab, (compiled, eager)
 
 
 def test_compiled_blocks_are_priced_as_inductor_compiles_them(monkeypatch):
