@@ -31,6 +31,7 @@ TP ranks; this module has no collectives), and the backward's softmax needs noth
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -38,7 +39,24 @@ import torch
 
 from megalm.compat import as_function_output
 
+log = logging.getLogger("megalm")
+
 CHUNK_BYTES = 256 * 2**20  # the fp32 logits of one chunk: a quarter GB whatever the vocab
+ALIGNMENT = 16  # bytes: where inductor's GPU kernels assume their inputs start (else it copies them in and out)
+
+
+def chunk_tokens_for(width: int, chunk_tokens: int | None = None) -> int:
+    """Tokens per chunk of [T, width] logits: `chunk_tokens`, or as many as fit CHUNK_BYTES in fp32."""
+    return chunk_tokens or max(1, CHUNK_BYTES // (4 * width))
+
+
+def misaligned_chunks(logits: torch.Tensor, chunk_tokens: int | None = None) -> int:
+    """How many of the loss's chunks of `logits` start off an ALIGNMENT-byte boundary: on a GPU, a compiled kernel
+    copies such a chunk in and out (inductor's `copy_misaligned_inputs`), as it does when the columns' bytes are
+    not a multiple of 16 (a padded vocab of 8·k columns in bf16 is one)."""
+    width, size = logits.shape[-1], logits.element_size()
+    starts = _chunks(logits.shape[0], chunk_tokens_for(width, chunk_tokens))
+    return sum((logits.storage_offset() + part.start * width) * size % ALIGNMENT != 0 for part in starts)
 
 
 def _chunks(total: int, chunk: int) -> list[slice]:
@@ -165,7 +183,7 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.
     slice's (`chunk_statistics`; the vocab-parallel loss reduces them over its ranks).
     """
     width = logits.shape[-1]
-    chunk = chunk_tokens or max(1, CHUNK_BYTES // (4 * width))
+    chunk = chunk_tokens_for(width, chunk_tokens)
     ignored = labels == -100
     weight = loss_mask.float().masked_fill(ignored, 0.0)
     vocab = width if vocab_size is None else min(max(vocab_size - first_column, 0), width)
@@ -185,6 +203,7 @@ class TokenLoss:
     def __init__(self, vocab_size: int | None = None, chunk_tokens: int | None = None) -> None:
         self.vocab_size, self.chunk_tokens = vocab_size, chunk_tokens
         self.kernels = EAGER_KERNELS
+        self._alignment_checked = False
 
     def compile(self, backend: str | Callable = "inductor") -> None:
         """torch.compile the chunk kernels with `backend`. Chunks have one shape but the last: at most four graphs
@@ -194,6 +213,19 @@ class TokenLoss:
         self.kernels = ChunkKernels(torch.compile(chunk_statistics, backend=backend),
                                     torch.compile(fused_chunk_logits_grad_, backend=backend))
 
+    def check_alignment(self, logits: torch.Tensor) -> None:
+        """Once, compiled on a GPU: one log line if the chunks of these logits are copied in and out of the compiled
+        kernels (`misaligned_chunks`): a slower path than asked for."""
+        if self._alignment_checked or self.kernels is EAGER_KERNELS or logits.device.type == "cpu":
+            return
+        self._alignment_checked = True
+        if misaligned := misaligned_chunks(logits, self.chunk_tokens):
+            log.warning("trainer.compile: %d of the loss's chunks of logits %d columns wide start off a %d-byte "
+                        "boundary, so inductor copies each in and out of its kernels; pad the vocabulary to a "
+                        "multiple of 8 columns a rank (model.make_vocab_size_divisible_by, default 128)", misaligned,
+                        logits.shape[-1], ALIGNMENT)
+
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        self.check_alignment(logits)
         return token_loss_sum(logits, labels, loss_mask, self.vocab_size, self.chunk_tokens, self.kernels,
                               overwrite_logits=True)

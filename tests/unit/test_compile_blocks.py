@@ -635,3 +635,44 @@ def test_compiled_loss_moves_a_fraction_of_the_eager_bytes():
             torch.autograd.grad(loss_fn(logits, labels, mask), logits)
         moved[compiled] = costs.total().bytes / base.numel()
     assert moved[True] < 8.5 and moved[False] > 5 * moved[True], moved
+
+
+def test_a_misaligned_chunk_of_the_compiled_loss_is_said(caplog, monkeypatch):
+    """On a GPU inductor copies an input that starts off a 16-byte boundary in and out of its kernel: a chunk of bf16
+    logits whose width is not a multiple of 8 columns does, after the first. `misaligned_chunks` counts them (the
+    storage offset included), and a compiled TokenLoss says so once, in one line naming the fix; aligned, or eager,
+    or on a CPU (where inductor's C++ kernels need no alignment), it says nothing."""
+    from megalm.model import loss as loss_module
+    from megalm.model.loss import TokenLoss, misaligned_chunks
+
+    assert misaligned_chunks(torch.zeros(10, 1000, dtype=torch.bfloat16), chunk_tokens=3) == 0  # 2,000 bytes a row
+    assert misaligned_chunks(torch.zeros(10, 1001, dtype=torch.bfloat16), chunk_tokens=3) == 3  # rows 3, 6, 9
+    assert misaligned_chunks(torch.zeros(10, 1001, dtype=torch.bfloat16), chunk_tokens=5) == 1  # row 5
+    assert misaligned_chunks(torch.zeros(10, 1001, dtype=torch.bfloat16), chunk_tokens=8) == 0  # 8 rows: 16,016 B
+    assert misaligned_chunks(torch.zeros(10, 1001), chunk_tokens=4) == 0  # fp32: 4 rows are 16,016 bytes
+    assert misaligned_chunks(torch.zeros(11, 1001, dtype=torch.bfloat16)[1:], chunk_tokens=8) == 2  # offset 2,002
+    assert misaligned_chunks(torch.zeros(10, 1001, dtype=torch.bfloat16)) == 0  # one chunk: it starts the storage
+
+    class OnAGpu(torch.Tensor):  # what the check reads of a CUDA tensor: its device type
+        @property
+        def device(self):
+            return torch.device("cuda")
+
+    def said(loss_fn, logits) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="megalm"):
+            loss_fn.check_alignment(logits)
+        return [r.getMessage() for r in caplog.records if "boundary" in r.getMessage()]
+
+    monkeypatch.setattr(loss_module, "CHUNK_BYTES", 3 * 4 * 1001)  # three tokens a chunk
+    odd = torch.zeros(10, 1001, dtype=torch.bfloat16)
+    compiled = TokenLoss(1001)
+    compiled.kernels = loss_module.ChunkKernels(loss_module.chunk_statistics, loss_module.fused_chunk_logits_grad_)
+    assert said(compiled, odd) == []  # on a CPU
+    lines = said(compiled, odd.as_subclass(OnAGpu))
+    assert len(lines) == 1 and "3 of the loss's chunks" in lines[0] and "make_vocab_size_divisible_by" in lines[0]
+    assert said(compiled, odd.as_subclass(OnAGpu)) == []  # once
+    assert said(TokenLoss(1001), odd.as_subclass(OnAGpu)) == []  # eager kernels: no inductor copies
+    aligned = TokenLoss(1000)
+    aligned.kernels = compiled.kernels
+    assert said(aligned, torch.zeros(10, 1000, dtype=torch.bfloat16).as_subclass(OnAGpu)) == []

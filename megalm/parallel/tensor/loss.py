@@ -65,6 +65,7 @@ class VocabParallelTokenLoss(TokenLoss):
         self.group, self.combine = group, combine_over_tp(group)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        self.check_alignment(logits)
         return token_loss_sum(logits, labels, loss_mask, self.vocab_size, self.chunk_tokens, self.kernels,
                               overwrite_logits=True, first_column=tp_rank(self.group) * logits.shape[-1],
                               combine=self.combine)
