@@ -78,12 +78,14 @@ def _intermediate_buffers_recorded(record: list[int]) -> Iterator[None]:
 
     def count_bytes(graph: Any) -> Any:
         skipped = set(graph.get_output_names()) | set(graph.removed_buffers)
+        # a size's value where it is symbolic: `optimization_hint` from torch 2.11 (2.13 has no `size_hint`)
+        hint = getattr(graph.sizevars, "optimization_hint", None) or graph.sizevars.size_hint
         total = 0
         for node in graph.scheduler.nodes:
             for buf in node.get_outputs():
                 layout = getattr(buf.node, "layout", None)
                 if buf.get_name() not in skipped and isinstance(layout, ir.FixedLayout):
-                    size = graph.sizevars.optimization_hint(layout.storage_size(), fallback=0)
+                    size = hint(layout.storage_size(), fallback=0)
                     total += size * layout.dtype.itemsize
         record.append(total)
         return original(graph)
