@@ -153,10 +153,10 @@ class InductorCosts:
             if probe is not None:
                 with probe.uncounted():
                     out = _counted_run(costs, args)
-                tensors = [t for t in tree_flatten((out, args))[0] if isinstance(t, torch.Tensor)]
-                probe.track(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
-                if tensors:
-                    probe.note_transient(graph["intermediate_bytes"], tensors[0].device.type)
+                outputs, inputs = ([t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)] for x in (out, args))
+                probe.track(outputs)
+                if outputs or inputs:
+                    probe.note_transient(graph["intermediate_bytes"], (outputs or inputs)[0].device.type)
                 return out
             return _counted_run(costs, args)
 

@@ -198,12 +198,20 @@ class TokenLoss:
     tensor-parallel rank trains with. The runners read the logits no more once the loss has them, so its backward
     writes their gradient over them (`overwrite_logits`): the logits passed in hold the gradient after the backward,
     and a second backward through them (retain_graph) or any op that saved them raises autograd's in-place error.
-    `compile(backend)` compiles its chunk kernels (trainer.compile)."""
+    `compile(backend)` compiles its chunk kernels (trainer.compile). For logits that are a slice of the vocabulary's
+    columns, a subclass gives the slice's `first_column` and the `combine` of its statistics
+    (megalm.parallel.tensor.loss.VocabParallelTokenLoss)."""
+
+    combine: Callable[..., Statistics] = staticmethod(whole_vocab)
 
     def __init__(self, vocab_size: int | None = None, chunk_tokens: int | None = None) -> None:
         self.vocab_size, self.chunk_tokens = vocab_size, chunk_tokens
         self.kernels = EAGER_KERNELS
         self._alignment_checked = False
+
+    def first_column(self, logits: torch.Tensor) -> int:
+        """The vocabulary id of the logits' first column: 0, they hold every column."""
+        return 0
 
     def compile(self, backend: str | Callable = "inductor") -> None:
         """torch.compile the chunk kernels with `backend`. Chunks have one shape but the last: at most four graphs
@@ -228,4 +236,4 @@ class TokenLoss:
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
         self.check_alignment(logits)
         return token_loss_sum(logits, labels, loss_mask, self.vocab_size, self.chunk_tokens, self.kernels,
-                              overwrite_logits=True)
+                              overwrite_logits=True, first_column=self.first_column(logits), combine=self.combine)

@@ -53,7 +53,12 @@ def vocab_parallel_token_loss_sum(
     padding columns past it (masked).
     """
     return token_loss_sum(logits_shard, labels, loss_mask, vocab_size, chunk_tokens,
-                          first_column=tp_rank(group) * logits_shard.shape[-1], combine=combine_over_tp(group))
+                          first_column=first_column_of(logits_shard, group), combine=combine_over_tp(group))
+
+
+def first_column_of(logits_shard: torch.Tensor, group: Group) -> int:
+    """The vocabulary id of this TP rank's first column: the head's rows are split in rank order."""
+    return tp_rank(group) * logits_shard.shape[-1]
 
 
 class VocabParallelTokenLoss(TokenLoss):
@@ -64,8 +69,5 @@ class VocabParallelTokenLoss(TokenLoss):
         super().__init__(vocab_size, chunk_tokens)
         self.group, self.combine = group, combine_over_tp(group)
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-        self.check_alignment(logits)
-        return token_loss_sum(logits, labels, loss_mask, self.vocab_size, self.chunk_tokens, self.kernels,
-                              overwrite_logits=True, first_column=tp_rank(self.group) * logits.shape[-1],
-                              combine=self.combine)
+    def first_column(self, logits: torch.Tensor) -> int:
+        return first_column_of(logits, self.group)
