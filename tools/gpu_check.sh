@@ -255,9 +255,14 @@ step_bench() {
   bench "precision recipes on the demo, 100 steps" 180 tools/bench/precision_convergence.py \
     --recipes fp32 bf16 fp8 mxfp4 --steps 100 trainer.eval_iters=4
   # mixture of experts on one GPU (the grouped GEMMs' speed): moe_1b's 16 experts at 8 of its 24 layers (2.5B
-  # parameters, 0.5B active: its 18 bytes per parameter fit one H100)
+  # parameters, 0.5B active: its 18 bytes per parameter fit one H100); eager (auto's choice for MoE until this row
+  # says otherwise), then compiled: its blocks are whole graphs since 2026-11-30
   bench "training throughput, moe_1b (8 layers)/2048 bf16" 150 tools/bench/throughput.py model=moe_1b \
-    model.num_layers=8 precision=bf16 trainer.global_batch_size=4 trainer.micro_batch_size=4 --steps 6 --warmup 2
+    model.num_layers=8 precision=bf16 trainer.compile=false trainer.global_batch_size=4 trainer.micro_batch_size=4 \
+    --steps 6 --warmup 2
+  bench "training throughput, moe_1b (8 layers)/2048 bf16 compiled" 240 tools/bench/throughput.py model=moe_1b \
+    model.num_layers=8 precision=bf16 trainer.compile=true trainer.global_batch_size=4 trainer.micro_batch_size=4 \
+    --steps 6 --warmup 3
   if ((DRY_RUN || gpus > 1)); then  # one GPU per CP rank: on one GPU there is nothing to compare
     bench "context parallelism, cp up to $((gpus < 4 ? gpus : 4))" 150 tools/bench/context_parallel.py \
       --nproc "$((gpus < 4 ? gpus : 4))" --seq 4096 8192 --steps 3 --warmup 1 model=125m precision=bf16

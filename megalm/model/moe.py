@@ -36,8 +36,8 @@ the same experts one at a time: the tests' oracle (`torch._grouped_mm` runs on C
 
 from __future__ import annotations
 
-import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -184,22 +184,39 @@ class TokenShard(Protocol):
     def gather(self, t: torch.Tensor) -> torch.Tensor: ...
 
 
+def computed_once(view: object, name: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`view.<name>`, computed by `compute` on the first read (a `TokenShard`'s tensors are built only when the router
+    reads them: a capacity or a balancing loss that counts routed tokens, not per layer). Not
+    `functools.cached_property`: on Python 3.11 it takes an `RLock`, which breaks a compiled block's graph."""
+    value = getattr(view, name)
+    if value is None:
+        value = compute()
+        setattr(view, name, value)
+    return value
+
+
 class WholeTokens:
     """A rank holding the whole micro-batch: every `TokenShard` reading is the identity. `real`: which tokens are
     not padding (None: all are)."""
+
+    _local_index: torch.Tensor | None = None
+    _local_docs: torch.Tensor | None = None
 
     def __init__(self, cu_seqlens: torch.Tensor, tokens: int, real: torch.Tensor | None = None) -> None:
         self.cu_seqlens, self.whole_tokens, self.num_docs = cu_seqlens, tokens, cu_seqlens.numel() - 1
         self.real = real
 
-    @functools.cached_property
+    @property
     def local_index(self) -> torch.Tensor:
-        return torch.arange(self.whole_tokens, device=self.cu_seqlens.device)
+        return computed_once(self, "_local_index",
+                             lambda: torch.arange(self.whole_tokens, device=self.cu_seqlens.device))
 
-    @functools.cached_property
+    @property
     def local_docs(self) -> torch.Tensor:
-        positions = torch.arange(self.whole_tokens, device=self.cu_seqlens.device)
-        return torch.searchsorted(self.cu_seqlens[1:].to(torch.int64), positions, right=True)
+        def docs() -> torch.Tensor:
+            positions = torch.arange(self.whole_tokens, device=self.cu_seqlens.device)
+            return torch.searchsorted(self.cu_seqlens[1:].to(torch.int64), positions, right=True)
+        return computed_once(self, "_local_docs", docs)
 
     @property
     def whole_docs(self) -> torch.Tensor:
@@ -303,7 +320,10 @@ class Router(nn.Module):
             per_doc_routed = logits.new_zeros(docs, E).index_add_(0, tokens.whole_docs, routed)
             per_doc_probs = logits.new_zeros(docs, E).index_add(0, tokens.local_docs, probs)
             ones = logits.new_ones(routed.shape[0]) if whole_real is None else whole_real
-            doc_tokens = logits.new_zeros(docs).index_add_(0, tokens.whole_docs, ones).clamp(min=1).unsqueeze(-1)
+            # one slot more than the documents: inductor's C++ kernels cannot scatter-add into a tensor of one element
+            # (torch 2.9 to 2.13: a micro-batch of one document, compiled on a CPU)
+            doc_tokens = logits.new_zeros(docs + 1).index_add_(0, tokens.whole_docs, ones)[:docs]
+            doc_tokens = doc_tokens.clamp(min=1).unsqueeze(-1)
             seq = (E / k * per_doc_routed * per_doc_probs / doc_tokens).sum()
         if z_c:
             lse = torch.logsumexp(logits, dim=-1).square()
@@ -336,28 +356,52 @@ class LocalDispatcher:
 
 
 class AuxLossScaler(torch.autograd.Function):
-    """forward(output, aux) = output; backward gives `aux` the gradient the step's loss sum gets (Megatron's
-    MoEAuxLossAutoScaler), so the balancing losses train the router wherever the layer runs (any pipeline stage)."""
-
-    scale: float | torch.Tensor = 1.0
+    """forward(output, aux, scale) = output; backward gives `aux` the gradient the step's loss sum gets, `scale`
+    (Megatron's MoEAuxLossAutoScaler), so the balancing losses train the router wherever the layer runs (any pipeline
+    stage). The scale is an input of the forward, not read in the backward: a compiled block traces its backward
+    ahead, and takes the step's scale tensor as a graph input (a Python number would be baked in)."""
 
     @staticmethod
-    def forward(ctx, output, aux):
+    def forward(ctx, output, aux, scale):
         ctx.aux_shape = aux.shape
+        if isinstance(scale, torch.Tensor):
+            ctx.save_for_backward(scale)
+        else:
+            ctx.scale = scale
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad):
-        scale = AuxLossScaler.scale  # a fill kernel for a Python number, no host-to-device copy
-        if isinstance(scale, torch.Tensor):
-            return grad, scale.to(torch.float32).reshape(ctx.aux_shape)
-        return grad, grad.new_full(ctx.aux_shape, scale, dtype=torch.float32)
+        saved = ctx.saved_tensors  # unpacked once (recomputation's checkpoint refuses a second unpack)
+        if saved:
+            return grad, saved[0].to(torch.float32).reshape(ctx.aux_shape), None
+        # a fill kernel for a Python number, no host-to-device copy
+        return grad, grad.new_full(ctx.aux_shape, ctx.scale, dtype=torch.float32), None
 
 
 def set_aux_loss_scale(scale: float | torch.Tensor) -> None:
     """The factor the step applies to its summed loss (1 / the batch's loss tokens): the balancing losses get it
-    too. Runners set it before their backward passes; 1 (the default) adds them to the loss sum as they are."""
-    AuxLossScaler.scale = scale
+    too. Runners set it before their forward passes (a tensor on the model's device, so that compiled blocks take
+    it as an input); 1 (the default) adds them to the loss sum as they are."""
+    global _aux_loss_scale
+    _aux_loss_scale = scale
+
+
+_aux_loss_scale: float | torch.Tensor = 1.0
+
+
+@torch.library.custom_op("megalm::moe_record_routing", mutates_args=("stats",))
+def record_routing(stats: torch.Tensor, routed: torch.Tensor) -> None:
+    """stats += routed, in a training forward only: not in a recomputation inside the backward (counted once).
+    An op of its own so that a compiled block neither breaks its graph on the check (dynamo cannot trace
+    `_current_graph_task_id`) nor bakes in the answer of its trace: the op asks at run time."""
+    if torch._C._current_graph_task_id() == -1:
+        stats += routed.to(stats.dtype)
+
+
+@record_routing.register_fake
+def _(stats: torch.Tensor, routed: torch.Tensor) -> None:
+    return None
 
 
 class MoE(nn.Module):
@@ -387,22 +431,16 @@ class MoE(nn.Module):
         out = (y.view(-1, self.top_k, shape[-1]).float() * routing.weights.unsqueeze(-1)).sum(1).to(y.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        # a training forward, not a recomputation inside the backward (count once) nor an evaluation (whose loads
-        # would reach the next step's logs and bias update)
-        if self.training and torch._C._current_graph_task_id() == -1:
-            self._record(routing)
-        return AuxLossScaler.apply(out, routing.aux).reshape(*shape[:-1], out.shape[-1])
+        # a training forward, not an evaluation (whose loads would reach the next step's logs and bias update); the
+        # op skips a recomputation inside the backward
+        if self.training:
+            record_routing(self.stats, torch.cat([routing.counts, routing.dropped.reshape(1), routing.stats]).detach())
+        return AuxLossScaler.apply(out, routing.aux, _aux_loss_scale).reshape(*shape[:-1], out.shape[-1])
 
     def reset_buffers(self) -> None:
         """Zero the stats and the router's bias (after `to_empty`: init_weights sets parameters only)."""
         self.stats.zero_()
         self.router.expert_bias.zero_()
-
-    @torch.no_grad()
-    def _record(self, routing: Routing) -> None:
-        self.stats[: self.num_experts] += routing.counts
-        self.stats[self.num_experts] += routing.dropped
-        self.stats[self.num_experts + 1:] += routing.stats
 
 
 def moe_modules(model: nn.Module) -> dict[int, MoE]:

@@ -21,9 +21,11 @@ import torch
 from torch import nn
 
 from megalm import compat
+from megalm.errors import ConfigError
 from megalm.model import TransformerBlock
 from megalm.model.linear import linear_modules
 from megalm.model.loss import TokenLoss
+from megalm.parallel.recompute import recompute_modes
 from megalm.precision import compiled_recipe_conflict
 from megalm.precision.compiled_linear import prepared_weights
 
@@ -65,14 +67,27 @@ def auto_compile(cfg: Any, device: torch.device) -> tuple[bool, str]:
     if conflict := compiled_recipe_conflict(cfg):
         return False, f"eager: compiled blocks run precision={precision.name} {conflict[0]}"
     if cfg.model.moe.num_experts:
-        return False, ("eager: the MoE layer breaks a compiled block's graph (its routing and grouped GEMMs); "
-                       "trainer.compile=true compiles the pieces between the breaks")
+        return False, ("eager: compiled MoE blocks are not yet measured on a GPU; trainer.compile=true compiles them "
+                       "whole (under expert parallelism, split at each all-to-all's host read of its sizes)")
     if precision.backend == "te":
         return False, "eager: Transformer Engine's modules (precision.backend=te) are not compiled by megalm"
     if parallel.pp > 1 and parallel.pp_schedule == "zb":
         return False, ("eager: the zero-bubble schedule's deferred weight gradients (a side effect in each linear's "
                        "backward) break a compiled block's graph at every linear")
     return True, "compiled on CUDA (trainer.compile=false for eager)"
+
+
+def validate_compile(cfg: Any) -> None:
+    """What a compiled run refuses, in one line: an MoE model under recomputation compiled by dynamo's `eager`
+    backend. That backend runs the block's checkpoint with the module's buffers as its inputs, and the router's
+    load counts (a buffer, megalm/model/moe.py) change after the checkpoint saved them, which its recomputation
+    rejects; AOT autograd (`aot_eager`, `inductor`) moves the update out of the checkpointed region."""
+    if not (cfg.trainer.compile and cfg.trainer.compile_backend == "eager" and cfg.model.moe.num_experts):
+        return
+    if any(mode != "none" for mode in recompute_modes(cfg.parallel.recompute, cfg.parallel.pp)):
+        raise ConfigError("trainer.compile_backend=eager cannot recompute an MoE model's compiled blocks (its load "
+                          "counts change inside the checkpoint); use trainer.compile_backend=aot_eager or inductor, "
+                          "or parallel.recompute=none")
 
 
 def inductor_cannot_compile(device: torch.device) -> str | None:

@@ -18,7 +18,7 @@ from megalm.errors import ConfigError
 from megalm.offload import validate_offload
 from megalm.parallel.parallelism import validate_parallel
 from megalm.precision import validate_precision
-from megalm.training.compile import resolve_auto_compile
+from megalm.training.compile import resolve_auto_compile, validate_compile
 from megalm.training.device import resolve_auto_precision
 
 
@@ -37,6 +37,7 @@ def validate_run(cfg: MegalmConfig, world_size: int = 1, device: torch.device | 
     validate_parallel(cfg, world_size)
     validate_precision(cfg)
     validate_offload(cfg)
+    validate_compile(cfg)
     if cfg.parallel.fsdp_cpu_offload and device.type != "cuda":
         raise ConfigError("parallel.fsdp_cpu_offload=true moves FSDP's shards from the GPU to the host; on "
                           f"{device.type} they are there already: drop it")

@@ -41,14 +41,20 @@ def _losses(trainer: Trainer, steps: int) -> list[float]:
     return [trainer.train_step(step).loss for step in range(steps)]
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+MOE = ["model=moe_tiny", "model.moe.capacity_factor=1.25", "model.moe.seq_aux_loss_coeff=0.01"]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "moe_bf16"])
 def test_compiled_blocks_on_cuda_take_unequal_documents_without_breaks(tmp_path, precision):
+    """moe_bf16: an MoE model's blocks (the router, its capacity queues and per-document loss, the grouped GEMMs)
+    through inductor on CUDA; the CPU tiers trace them (tests/unit/test_compile_blocks.py, test_fake_cuda.py)."""
     if precision == "fp8" and capability() < (8, 9):
         pytest.skip(f"FP8 GEMMs need compute capability 8.9+, this GPU has {capability()}")
     attention._resolve_backend.cache_clear()
     torch._dynamo.reset()
     counters.clear()
-    overrides = [*UNEQUAL_DOCS, f"precision={precision}"]
+    moe = precision.startswith("moe_")
+    overrides = [*UNEQUAL_DOCS, *(MOE if moe else []), f"precision={precision.removeprefix('moe_')}"]
     compiled = Trainer(compose_config(*overrides, "trainer.compile=true"), tmp_path / "compiled")
     compiled_losses = _losses(compiled, STEPS)
     assert not counters["graph_break"], dict(counters["graph_break"])

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from megalm import compat
-from megalm.config import ModelConfig, PrecisionConfig
+from megalm.config import ModelConfig, MoEConfig, PrecisionConfig
 from megalm.model import attention
 from megalm.model.gpt import GPT
 from megalm.parallel.context import ring_kernels as ring
@@ -425,11 +425,14 @@ def test_fake_cuda_one_rank_ring_micro_batch():
 
 
 @needs_cuda_build
-@pytest.mark.parametrize(("recipe", "capability"), [
-    *((recipe, SM89) for recipe in ["bf16", "bf16_autocast", "fp8", "fp8_delayed", "fp8_rowwise", "mxfp8", "mxfp4"]),
-    ("bf16", SM90), ("fp8", SM90)])
+@pytest.mark.parametrize(("recipe", "capability", "experts"), [
+    *((recipe, SM89, 0) for recipe in ["bf16", "bf16_autocast", "fp8", "fp8_delayed", "fp8_rowwise", "mxfp8",
+                                       "mxfp4"]),
+    ("bf16", SM90, 0), ("fp8", SM90, 0), ("bf16", SM90, 8)],
+    ids=lambda value: f"moe{value}" if isinstance(value, int) else str(value))
 def test_fake_cuda_compiled_blocks_take_the_varlen_kernel_in_whole_graphs_compiled_at_most_three_times(recipe,
-                                                                                                      capability):
+                                                                                                      capability,
+                                                                                                      experts):
     """trainer.compile=true on a GPU, as far as a machine without one reaches: dynamo traces each block's forward on
     fake CUDA tensors, with torch's varlen flash kernel (cu_seqlens a tensor, never read on the host) in the graph.
     Over 20 micro-batches of equal and unequal documents and varying token counts: no graph break, and the blocks'
@@ -437,7 +440,8 @@ def test_fake_cuda_compiled_blocks_take_the_varlen_kernel_in_whole_graphs_compil
     made dynamic). On sm90 (auto: cudnn) the graph also holds the batched SDPA call of equal documents. The recipes'
     GEMMs are megalm's ops in the graph (fake tensors make no FP8 weight copies for the graph's own torch._scaled_mm:
     tests/unit/test_compile_blocks.py runs that path). Inductor's Triton kernels need a
-    driver: the GPU tier compiles them (tests/gpu)."""
+    driver: the GPU tier compiles them (tests/gpu). An MoE model (8 experts, top 2, a capacity, the switch,
+    sequence and z losses) likewise: its router, grouped GEMMs and per-document counts in the same graph."""
     from torch._dynamo.utils import counters
 
     from megalm.model.attention import choose_attention_backends
@@ -457,7 +461,11 @@ def test_fake_cuda_compiled_blocks_take_the_varlen_kernel_in_whole_graphs_compil
     if hopper:
         needs_fake("sdpa")
     with fake_cuda(capability):
-        model = GPT(_model_config(seq_length=128))
+        cfg = _model_config(seq_length=128)
+        if experts:
+            cfg.moe = MoEConfig(num_experts=experts, top_k=2, expert_ffn_hidden_size=64, capacity_factor=1.25,
+                                aux_loss_coeff=0.01, seq_aux_loss_coeff=0.01, z_loss_coeff=0.001)
+        model = GPT(cfg)
         precision = Precision(PrecisionConfig(name=recipe), seed=0, device=CUDA)
         precision.convert(model)
         if precision.working_dtype is not None:
@@ -478,3 +486,4 @@ def test_fake_cuda_compiled_blocks_take_the_varlen_kernel_in_whole_graphs_compil
     ops = torch.ops.megalm
     recipe_ops = targets & {str(op) for op in (ops.recipe_linear.default, ops.fp8_linear.default)}
     assert bool(recipe_ops) == (recipe not in ("bf16", "bf16_autocast")), sorted(targets)  # the GEMMs in the graph
+    assert any("_grouped_mm" in target for target in targets) == bool(experts), sorted(targets)

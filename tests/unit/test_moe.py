@@ -319,3 +319,4 @@ def test_low_precision_recipes_cover_the_dense_linears_and_leave_the_experts_in_
     lines = [r.getMessage() for r in caplog.records if "grouped GEMMs run in" in r.getMessage()]
     assert lines == [f"precision={recipe} covers every linear but the MoE experts, whose grouped GEMMs run in bf16 "
                      f"(no {recipe} grouped GEMM yet)"]
+

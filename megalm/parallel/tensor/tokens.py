@@ -15,7 +15,7 @@ import functools
 import torch
 from torch import nn
 
-from megalm.model.moe import MoE, TokenShard, WholeTokens
+from megalm.model.moe import MoE, TokenShard, WholeTokens, computed_once
 from megalm.parallel.collectives import group_rank, group_size
 from megalm.parallel.progress import Progress
 from megalm.parallel.tensor.comm import Group, gather_from_sp
@@ -25,19 +25,21 @@ class SequenceChunkTokens:
     """`TokenShard` of this TP rank's `chunk` of `inner`'s local tokens (split in equal contiguous chunks over
     `group`, in rank order)."""
 
+    _local_index: torch.Tensor | None = None
+    _local_docs: torch.Tensor | None = None
+
     def __init__(self, inner: TokenShard, chunk: slice, group: Group, progress: Progress | None = None) -> None:
         self.inner, self.chunk, self.group, self.progress = inner, chunk, group, progress
         self.whole_tokens, self.num_docs = inner.whole_tokens, inner.num_docs
         self.real = None if inner.real is None else inner.real[chunk]
 
-    # built when the router reads them (a capacity or a balancing loss that counts routed tokens), not per layer
-    @functools.cached_property
+    @property
     def local_index(self) -> torch.Tensor:
-        return self.inner.local_index[self.chunk]
+        return computed_once(self, "_local_index", lambda: self.inner.local_index[self.chunk])
 
-    @functools.cached_property
+    @property
     def local_docs(self) -> torch.Tensor:
-        return self.inner.local_docs[self.chunk]
+        return computed_once(self, "_local_docs", lambda: self.inner.local_docs[self.chunk])
 
     @property
     def whole_docs(self) -> torch.Tensor:
