@@ -14,11 +14,12 @@ On a CPU inductor generates C++ kernels where a GPU gets Triton ones; the fusion
 scheduler, so kernel counts and bytes stand in for the GPU's (the caller says which device it traced).
 
 Memory (under megalm.measure.LiveStorages): the replay makes every value of the graph, where the generated kernels
-write only their buffers. A graph of generated kernels only (no GEMM, attention or collective: the loss's chunk
-kernels) is replayed uncounted; its outputs count, and the buffers inductor allocates between its kernels (the ones
-neither fused away, nor the graph's outputs, nor written over an input) count as live at once, an upper bound.
-A graph with extern kernels is counted op by op as the replay makes it: its GEMMs' outputs are buffers on the GPU
-too, and the sum of its buffers would overstate a peak that liveness sets.
+write only their buffers. So the replay is uncounted; the graph's outputs count from its end (the activations a
+forward saves, the gradients a backward returns), and while it runs the peak of the buffers inductor allocates
+(the generated kernels' and the extern ones': neither fused away nor written over an input), each live from the
+kernel that writes it to the last that reads it, in inductor's order, on top of what was live before. The inputs
+stay live throughout, as the replay holds them: inductor's code frees a backward's saved activations as it goes,
+so a compiled backward's peak is an upper bound.
 """
 
 from __future__ import annotations
@@ -66,28 +67,34 @@ def _inductor_metrics_logged() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _intermediate_buffers_recorded(record: list[int]) -> Iterator[None]:
-    """While inside, each graph inductor schedules appends to `record` the bytes of the buffers its kernels write
-    that are not the graph's outputs: a value fused into a kernel is no buffer (`removed_buffers`), and a result
-    written over an input has a mutation layout, which allocates nothing. Read where inductor counts its kernels'
-    bytes (`GraphLowering.count_bytes`, under the inductor_metrics log), while the graph's sizes are known."""
+def _buffer_peaks_recorded(record: list[int]) -> Iterator[None]:
+    """While inside, each graph inductor schedules appends to `record` the peak bytes of the buffers its kernels
+    allocate, live from the kernel that writes one to the last that reads it (inductor's own `last_usage`, where its
+    generated code frees them); the graph's outputs stay live to its end, its inputs are the caller's. A value fused
+    into a kernel is no buffer (`removed_buffers`), and a result written over an input has a mutation layout, which
+    allocates nothing. Read where inductor counts its kernels' bytes (`GraphLowering.count_bytes`, under the
+    inductor_metrics log), while the graph's sizes are known."""
     from torch._inductor import ir
     from torch._inductor.graph import GraphLowering
 
     original = GraphLowering.count_bytes
 
     def count_bytes(graph: Any) -> Any:
-        skipped = set(graph.get_output_names()) | set(graph.removed_buffers)
+        removed = set(graph.removed_buffers)
         # a size's value where it is symbolic: `optimization_hint` from torch 2.11 (2.13 has no `size_hint`)
         hint = getattr(graph.sizevars, "optimization_hint", None) or graph.sizevars.size_hint
-        total = 0
-        for node in graph.scheduler.nodes:
+        sizes: dict[str, int] = {}
+        live = peak = 0
+        for node in graph.scheduler.nodes:  # in execution order
             for buf in node.get_outputs():
                 layout = getattr(buf.node, "layout", None)
-                if buf.get_name() not in skipped and isinstance(layout, ir.FixedLayout):
-                    size = hint(layout.storage_size(), fallback=0)
-                    total += size * layout.dtype.itemsize
-        record.append(total)
+                if buf.get_name() not in removed and isinstance(layout, ir.FixedLayout):
+                    sizes[buf.get_name()] = hint(layout.storage_size(), fallback=0) * layout.dtype.itemsize
+                    live += sizes[buf.get_name()]
+            peak = max(peak, live)
+            for name in node.last_usage:
+                live -= sizes.pop(name, 0)
+        record.append(peak)
         return original(graph)
 
     GraphLowering.count_bytes = count_bytes
@@ -121,10 +128,10 @@ class InductorCosts:
         from torch._inductor.compile_fx import compile_fx_inner
         from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
 
-        first, intermediate = len(metrics.nodes_num_elem), []
+        first, peaks = len(metrics.nodes_num_elem), []
         with _inductor_metrics_logged(), torch._inductor.config.patch(fx_graph_cache=False), \
-                _intermediate_buffers_recorded(intermediate):  # a cache hit would skip the scheduler, and with it
-            # the kernels counted here
+                _buffer_peaks_recorded(peaks):  # a cache hit would skip the scheduler, and with it the kernels
+            # counted here
             compile_fx_inner(gm, example_inputs, **kwargs)  # lowering, fusion, code generation; never run
         generated: list[float] = []  # bytes of each kernel inductor generates
         fallbacks: list[tuple[str, str, float]] = []  # (aten op, category, bytes) of the other kernels it calls
@@ -141,22 +148,21 @@ class InductorCosts:
                 fallbacks.append((name, category(name), nbytes))
         graph = {"generated_kernels": len(generated), "generated_bytes": sum(generated),
                  "fallback_kernels": dict(Counter(name for name, _, _ in fallbacks)), "extern": dict(extern),
-                 "intermediate_bytes": sum(intermediate)}
-        by_buffers = not extern  # generated kernels only: its memory is its buffers (the module docstring)
+                 "peak_buffer_bytes": sum(peaks)}
         self.graphs.append(graph)
         kernels = [("inductor_generated", "elementwise/other", nbytes) for nbytes in generated] + fallbacks
 
         def run(args: list) -> Any:
             modes = _get_current_dispatch_mode_stack()
             costs = next((m for m in reversed(modes) if isinstance(m, OpCosts)), None)
-            probe = next((m for m in reversed(modes) if isinstance(m, LiveStorages)), None) if by_buffers else None
-            if probe is not None:
+            probe = next((m for m in reversed(modes) if isinstance(m, LiveStorages)), None)
+            if probe is not None:  # inductor's buffers, not the replay's values (the module docstring)
                 with probe.uncounted():
                     out = _counted_run(costs, args)
                 outputs, inputs = ([t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)] for x in (out, args))
-                probe.track(outputs)
                 if outputs or inputs:
-                    probe.note_transient(graph["intermediate_bytes"], (outputs or inputs)[0].device.type)
+                    probe.note_transient(graph["peak_buffer_bytes"], (outputs or inputs)[0].device.type)
+                probe.track(outputs)
                 return out
             return _counted_run(costs, args)
 

@@ -252,6 +252,21 @@ def test_a_compiled_loss_is_priced_by_the_buffers_inductor_writes(monkeypatch):
     assert compiled["activation_bytes"] < eager["activation_bytes"] - 4 * eager["tokens"] * vocab, (compiled, eager)
 
 
+def test_compiled_blocks_hold_no_more_than_eager_ones():
+    """Blocks and loss compiled: the estimate counts the buffers inductor allocates, each live from the kernel that
+    writes it to the last that reads it, not the values an op-by-op replay of the fused expressions makes
+    (megalm.measure.compiled_cost). Fused kernels and AOT's partitioner (which recomputes cheap ops in the backward)
+    keep no value eager does not, so the compiled step holds less. Replayed op by op it held 6% more than eager here
+    (523,296 bytes against 492,884; 0.28 GiB more at 1.3B/4096, where the GPU measured the same peak for both)."""
+    if not compat.compiles_over_fake_tensors():
+        pytest.skip(f"torch {torch.__version__} cannot compile over the trace's fake tensors (2.11 and later can)")
+    base = [*SMALL, "trainer.device=cpu", "trainer.micro_batch_size=2", "trainer.global_batch_size=2",
+            "data.synthetic.fixed_doc_length=32", "precision=bf16"]
+    eager, compiled = (estimate.estimate([*base, f"trainer.compile={c}"], 1, "h100")["ranks"][0]
+                       for c in ("false", "true"))
+    assert compiled["activation_bytes"] < eager["activation_bytes"], (compiled, eager)
+
+
 def test_compiled_blocks_are_priced_as_inductor_compiles_them(monkeypatch):
     """`trainer.compile=true` is traced through inductor (megalm.measure.compiled_cost.InductorCosts): the same GEMM
     FLOPs, fewer bytes and a shorter step than eager, its generated kernels in the trace (before, the estimate
