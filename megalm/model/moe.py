@@ -37,7 +37,6 @@ the same experts one at a time: the tests' oracle (`torch._grouped_mm` runs on C
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -184,39 +183,25 @@ class TokenShard(Protocol):
     def gather(self, t: torch.Tensor) -> torch.Tensor: ...
 
 
-def computed_once(view: object, name: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """`view.<name>`, computed by `compute` on the first read (a `TokenShard`'s tensors are built only when the router
-    reads them: a capacity or a balancing loss that counts routed tokens, not per layer). Not
-    `functools.cached_property`: on Python 3.11 it takes an `RLock`, which breaks a compiled block's graph."""
-    value = getattr(view, name)
-    if value is None:
-        value = compute()
-        setattr(view, name, value)
-    return value
-
-
 class WholeTokens:
     """A rank holding the whole micro-batch: every `TokenShard` reading is the identity. `real`: which tokens are
     not padding (None: all are)."""
-
-    _local_index: torch.Tensor | None = None
-    _local_docs: torch.Tensor | None = None
 
     def __init__(self, cu_seqlens: torch.Tensor, tokens: int, real: torch.Tensor | None = None) -> None:
         self.cu_seqlens, self.whole_tokens, self.num_docs = cu_seqlens, tokens, cu_seqlens.numel() - 1
         self.real = real
 
+    # computed where the router reads them (a capacity or a balancing loss that counts routed tokens), each time:
+    # cached on a view that all layers share, they would be one compiled block's input and another's output (two
+    # graphs, and a graph break under recomputation); a compiled graph computes each once anyway
     @property
     def local_index(self) -> torch.Tensor:
-        return computed_once(self, "_local_index",
-                             lambda: torch.arange(self.whole_tokens, device=self.cu_seqlens.device))
+        return torch.arange(self.whole_tokens, device=self.cu_seqlens.device)
 
     @property
     def local_docs(self) -> torch.Tensor:
-        def docs() -> torch.Tensor:
-            positions = torch.arange(self.whole_tokens, device=self.cu_seqlens.device)
-            return torch.searchsorted(self.cu_seqlens[1:].to(torch.int64), positions, right=True)
-        return computed_once(self, "_local_docs", docs)
+        positions = torch.arange(self.whole_tokens, device=self.cu_seqlens.device)
+        return torch.searchsorted(self.cu_seqlens[1:].to(torch.int64), positions, right=True)
 
     @property
     def whole_docs(self) -> torch.Tensor:
@@ -358,36 +343,33 @@ class LocalDispatcher:
 class AuxLossScaler(torch.autograd.Function):
     """forward(output, aux, scale) = output; backward gives `aux` the gradient the step's loss sum gets, `scale`
     (Megatron's MoEAuxLossAutoScaler), so the balancing losses train the router wherever the layer runs (any pipeline
-    stage). The scale is an input of the forward, not read in the backward: a compiled block traces its backward
-    ahead, and takes the step's scale tensor as a graph input (a Python number would be baked in)."""
+    stage). The scale is a tensor input of the forward (the layer's `aux_loss_scale` buffer), not a number read in the
+    backward: a compiled block traces its backward ahead, and takes the buffer's value at run time."""
 
     @staticmethod
     def forward(ctx, output, aux, scale):
         ctx.aux_shape = aux.shape
-        if isinstance(scale, torch.Tensor):
-            ctx.save_for_backward(scale)
-        else:
-            ctx.scale = scale
+        ctx.save_for_backward(scale)
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad):
-        saved = ctx.saved_tensors  # unpacked once (recomputation's checkpoint refuses a second unpack)
-        if saved:
-            return grad, saved[0].to(torch.float32).reshape(ctx.aux_shape), None
-        # a fill kernel for a Python number, no host-to-device copy
-        return grad, grad.new_full(ctx.aux_shape, ctx.scale, dtype=torch.float32), None
+        (scale,) = ctx.saved_tensors
+        return grad, scale.to(torch.float32).reshape(ctx.aux_shape), None
 
 
-def set_aux_loss_scale(scale: float | torch.Tensor) -> None:
-    """The factor the step applies to its summed loss (1 / the batch's loss tokens): the balancing losses get it
-    too. Runners set it before their forward passes (a tensor on the model's device, so that compiled blocks take
-    it as an input); 1 (the default) adds them to the loss sum as they are."""
-    global _aux_loss_scale
-    _aux_loss_scale = scale
-
-
-_aux_loss_scale: float | torch.Tensor = 1.0
+@torch.no_grad()
+def set_aux_loss_scale(model: nn.Module, scale: float | torch.Tensor) -> None:
+    """Give every MoE layer of `model` the factor the step applies to its summed loss (1 / the batch's loss tokens):
+    the balancing losses get it too. Runners set it before their forward passes; 1 (each layer's start) adds them to
+    the loss sum as they are. In place, on the layers' device: a fill kernel for a number, no host-to-device copy, and
+    the same buffer every step, so that compiled blocks take its value without recompiling."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            if isinstance(scale, torch.Tensor):
+                module.aux_loss_scale.copy_(scale)
+            else:
+                module.aux_loss_scale.fill_(scale)
 
 
 @torch.library.custom_op("megalm::moe_record_routing", mutates_args=("stats",))
@@ -419,6 +401,7 @@ class MoE(nn.Module):
         if moe.num_shared_experts:
             self.shared_experts = SwiGLUMLP(cfg, ffn_hidden_size=moe.shared_ffn_hidden_size)
         self.register_buffer("stats", torch.zeros(moe.num_experts + 4, dtype=torch.float64), persistent=False)
+        self.register_buffer("aux_loss_scale", torch.ones((), dtype=torch.float32), persistent=False)  # set per step
         # how tokens reach the experts: all on this rank; expert parallelism swaps in an all-to-all (megalm/parallel)
         self.dispatcher: TokenDispatcher = LocalDispatcher()
 
@@ -435,12 +418,14 @@ class MoE(nn.Module):
         # op skips a recomputation inside the backward
         if self.training:
             record_routing(self.stats, torch.cat([routing.counts, routing.dropped.reshape(1), routing.stats]).detach())
-        return AuxLossScaler.apply(out, routing.aux, _aux_loss_scale).reshape(*shape[:-1], out.shape[-1])
+        return AuxLossScaler.apply(out, routing.aux, self.aux_loss_scale).reshape(*shape[:-1], out.shape[-1])
 
     def reset_buffers(self) -> None:
-        """Zero the stats and the router's bias (after `to_empty`: init_weights sets parameters only)."""
+        """Zero the stats and the router's bias, and the loss scale to 1 (after `to_empty`: init_weights sets
+        parameters only)."""
         self.stats.zero_()
         self.router.expert_bias.zero_()
+        self.aux_loss_scale.fill_(1.0)
 
 
 def moe_modules(model: nn.Module) -> dict[int, MoE]:

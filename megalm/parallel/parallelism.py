@@ -356,10 +356,8 @@ class Parallelism:
         micro-batches and reduced over the ranks that split the batch; returns this rank's summed loss."""
         self.model.train()
         self.reducer.start_step(len(share.micro_batches))
-        n = share.normaliser  # the balancing losses' gradient gets the loss's 1 / n too (a tensor on the device: a
-        # compiled block's input; a fill kernel, no host-to-device copy)
-        set_aux_loss_scale(torch.full((), 1.0 / n, device=self.device) if isinstance(n, int)
-                           else 1.0 / n.to(torch.float32))
+        n = share.normaliser  # the balancing losses' gradient gets the loss's 1 / n too
+        set_aux_loss_scale(self.model, 1.0 / n if isinstance(n, int) else 1.0 / n.to(torch.float32))
         loss = self.runner.run_micro_batches(share.micro_batches, share.normaliser, share.step)
         self.reducer.finish()
         return loss

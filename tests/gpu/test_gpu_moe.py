@@ -81,7 +81,7 @@ def test_bf16_moe_layer_makes_no_host_sync():
     layer = model.layers[0].mlp.to("cuda").train()
     for p in layer.parameters():  # bf16 weights, as precision=bf16 keeps them; the fp32/fp64 buffers stay
         p.data = p.data.to(torch.bfloat16)
-    set_aux_loss_scale(1.0)  # a Python number: an earlier test's trainer may have left a tensor
+    set_aux_loss_scale(layer, 1.0)  # each layer's own scale (what a trainer's step sets)
     x = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     cu_seqlens = torch.tensor([0, 300, 1024], dtype=torch.int32, device="cuda")
     dy = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)

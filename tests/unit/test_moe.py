@@ -124,11 +124,11 @@ def test_balancing_loss_reaches_the_router_gradient_at_the_step_scale(which):
     cu = torch.tensor([0, 10, 30], dtype=torch.int32)
     probe = torch.randn(30, 32, generator=torch.Generator().manual_seed(3))
     scale = 1 / 7
-    set_aux_loss_scale(scale)
+    set_aux_loss_scale(layer, scale)
     try:
         got = torch.autograd.grad((layer(x, cu) * probe).sum(), layer.router.weight)[0]
     finally:
-        set_aux_loss_scale(1.0)
+        set_aux_loss_scale(layer, 1.0)
     loss = {"aux": lambda: switch_loss(layer, x), "seq_aux": lambda: seq_loss(layer, x, cu),
             "z": lambda: z_loss(layer, x)}[which]
     layer.router.coeffs = (0.0, 0.0, 0.0)
@@ -319,4 +319,3 @@ def test_low_precision_recipes_cover_the_dense_linears_and_leave_the_experts_in_
     lines = [r.getMessage() for r in caplog.records if "grouped GEMMs run in" in r.getMessage()]
     assert lines == [f"precision={recipe} covers every linear but the MoE experts, whose grouped GEMMs run in bf16 "
                      f"(no {recipe} grouped GEMM yet)"]
-

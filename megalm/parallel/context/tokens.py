@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalm.model.moe import computed_once
 from megalm.parallel.collectives import all_gather_flat
 from megalm.parallel.context.zigzag import ZigzagLayout
 from megalm.parallel.progress import Progress, note_collective
@@ -23,9 +22,6 @@ from megalm.parallel.progress import Progress, note_collective
 class RingTokens:
     """`TokenShard` of this rank's zigzag shard (`layout`, position `index` of its ring, `real` its tokens that are
     not padding) over the ring's `group`."""
-
-    _local_docs: torch.Tensor | None = None
-    _whole_docs: torch.Tensor | None = None
 
     def __init__(self, layout: ZigzagLayout, index: int, real: torch.Tensor, group: dist.ProcessGroup,
                  progress: Progress | None = None) -> None:
@@ -45,15 +41,13 @@ class RingTokens:
         whole[self.layout.indices.reshape(-1)] = out.view(n * local, *t.shape[1:])
         return whole
 
-    @property
+    @property  # computed where read, each time (megalm/model/moe.py, WholeTokens)
     def local_docs(self) -> torch.Tensor:
-        return computed_once(self, "_local_docs",
-                             lambda: self._docs(2 * self.layout.chunk_sizes, self.layout.local_tokens))
+        return self._docs(2 * self.layout.chunk_sizes, self.layout.local_tokens)
 
     @property
     def whole_docs(self) -> torch.Tensor:
-        return computed_once(self, "_whole_docs",
-                             lambda: self._docs(2 * self.layout.n * self.layout.chunk_sizes, self.whole_tokens))
+        return self._docs(2 * self.layout.n * self.layout.chunk_sizes, self.whole_tokens)
 
     def _docs(self, lengths: torch.Tensor, total: int) -> torch.Tensor:
         """Each token's document, for documents of `lengths` tokens (`total` of them: no host read)."""

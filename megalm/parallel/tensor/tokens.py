@@ -15,7 +15,7 @@ import functools
 import torch
 from torch import nn
 
-from megalm.model.moe import MoE, TokenShard, WholeTokens, computed_once
+from megalm.model.moe import MoE, TokenShard, WholeTokens
 from megalm.parallel.collectives import group_rank, group_size
 from megalm.parallel.progress import Progress
 from megalm.parallel.tensor.comm import Group, gather_from_sp
@@ -25,9 +25,6 @@ class SequenceChunkTokens:
     """`TokenShard` of this TP rank's `chunk` of `inner`'s local tokens (split in equal contiguous chunks over
     `group`, in rank order)."""
 
-    _local_index: torch.Tensor | None = None
-    _local_docs: torch.Tensor | None = None
-
     def __init__(self, inner: TokenShard, chunk: slice, group: Group, progress: Progress | None = None) -> None:
         self.inner, self.chunk, self.group, self.progress = inner, chunk, group, progress
         self.whole_tokens, self.num_docs = inner.whole_tokens, inner.num_docs
@@ -35,11 +32,11 @@ class SequenceChunkTokens:
 
     @property
     def local_index(self) -> torch.Tensor:
-        return computed_once(self, "_local_index", lambda: self.inner.local_index[self.chunk])
+        return self.inner.local_index[self.chunk]
 
     @property
     def local_docs(self) -> torch.Tensor:
-        return computed_once(self, "_local_docs", lambda: self.inner.local_docs[self.chunk])
+        return self.inner.local_docs[self.chunk]
 
     @property
     def whole_docs(self) -> torch.Tensor:
