@@ -260,9 +260,10 @@ class TrainerConfig:
     ring and the FP8/MX recipes' linears run inside the graph as opaque ops (fp8's casts as graph ops, and its
     GEMMs too where torch._scaled_mm runs); those recipes refuse SP and ZB. None (auto, the default): compiled on
     CUDA, where a GPU row measured it faster (1.16x bf16, 1.58x fp8 at 1.3B on an H200: docs/benchmarks.md), eager
-    on a CPU, where inductor cannot, where compiled blocks are known to lose (ZB, TE) and where no GPU row has
-    measured them yet (MoE, whose blocks compile whole too, except at expert parallelism's all-to-all:
-    megalm/training/compile.py `auto_compile`); one log line says which and why. true / false: always / never."""
+    on a CPU, where inductor cannot, with TE, and where no GPU row has measured them yet (MoE, whose blocks compile
+    whole too, except at expert parallelism's all-to-all; ZB, whose deferred linears run as opaque ops in a whole
+    graph: megalm/training/compile.py `auto_compile`); one log line says which and why. true / false: always /
+    never."""
     compile_backend: str = "inductor"
     """The torch.compile backend of trainer.compile: inductor (fused kernels), or aot_eager / eager to debug (eager
     cannot recompute an MoE model's blocks: refused in one line)."""

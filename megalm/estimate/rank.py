@@ -417,7 +417,8 @@ def trace_compiled_blocks(cfg: Any) -> None:
     torch._dynamo.reset()
     cfg.trainer.compile = prices_compiled_blocks(cfg)
     if cfg.trainer.compile_backend == "inductor":  # an object in a str field: a traced trainer saves no config
-        cfg.trainer.compile_backend = InductorCosts(inductor_options())  # megalm's blocks' inductor config
+        zero_bubble = cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "zb"  # megalm's blocks' inductor config
+        cfg.trainer.compile_backend = InductorCosts(inductor_options(keeps_inputs=zero_bubble))
 
 
 def compile_notes(cfg: Any, graph_breaks: int = 0) -> list[str]:

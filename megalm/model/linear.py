@@ -10,7 +10,9 @@ Two features change them, and must compose:
 
 Both are attributes of the layer (`LinearHooks`), read by one function, `linear`, which runs the
 recipe's three GEMMs and hands wgrad to the sink instead of running it. So ZB + fp8/MX is simply
-both attributes set; neither replaces the other's `forward`. With neither set, `linear` is `F.linear`.
+both attributes set; neither replaces the other's `forward`. With neither set, `linear` is `F.linear`. Inside a
+compiled block a deferred layer runs its GEMMs as opaque ops instead (megalm/model/deferred_wgrad.py), since dynamo
+cannot trace the sink's closure.
 
 A third argument serves sequence parallelism (megalm/parallel/tensor/layers.py): `input_gather`, a pair of
 conjugate collectives the caller passes (the model itself has none). The layer then takes this rank's shard of
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.compat import as_function_output
+from megalm.model.deferred_wgrad import deferred_linear
 
 
 class GemmRecipe(Protocol):
@@ -189,6 +192,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     F.linear). Without a recipe, a (usable) sink or a gather this is F.linear itself.
     """
     defer = sink is not None and deferrable(weight)
+    in_graph = defer and torch.compiler.is_compiling()  # inside a compiled block
+    if in_graph and not x.requires_grad:  # the op below would have no dx to give, and be dropped with its closure:
+        defer = in_graph = False  # this layer's weight gradient stays in B
     if recipe is None and not defer and input_gather is None:
         return F.linear(x, weight, bias)
     device = x.device.type
@@ -196,6 +202,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     compiled = getattr(recipe, "compiled_linear", None)  # a recipe whose Python state dynamo cannot trace
     if compiled is not None and not defer and input_gather is None and torch.compiler.is_compiling():
         return compiled(x, weight, bias, out_dtype)
+    if in_graph and recipe is None and hasattr(sink, "handle"):  # the sink's closure as an op (deferred_wgrad.py)
+        return deferred_linear(x, weight, bias, sink, input_gather, out_dtype, PLAIN_GEMMS.start(x))
     if defer:
         return _Linear.apply(x, weight.detach(), bias, recipe or PLAIN_GEMMS, sink, [weight], out_dtype,
                              input_gather)

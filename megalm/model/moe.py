@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.config import ModelConfig
+from megalm.model.deferred_wgrad import deferred_grouped_linear
 from megalm.model.linear import WeightGradSink, deferrable
 from megalm.model.mlp import SwiGLUMLP, swiglu
 from megalm.model.naming import canonical_named_modules
@@ -92,12 +93,16 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     its weightᵀ, as one grouped GEMM (in the autocast dtype under autocast, as F.linear). With a `sink` (a
     zero-bubble pipeline) the weight's gradient is handed to it instead of computed in the backward."""
     device = x.device.type
-    defer = sink is not None and deferrable(weight)
+    in_graph = torch.compiler.is_compiling()  # a compiled block: the ops (deferred_wgrad.py), or dW in B where x
+    defer = sink is not None and deferrable(weight) and (x.requires_grad or not in_graph)  # needs no gradient
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    if defer and in_graph and hasattr(sink, "handle"):  # the weight is read by the ops, not by the graph
+        x = x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
+        return deferred_grouped_linear(x, weight, offsets, sink)
     param, weight = weight, weight.detach() if defer else weight
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         x, weight = x.to(dtype), weight.to(dtype)
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     if defer:
         return _DeferredGroupedLinear.apply(x, weight, offsets, sink, [param])
     return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))

@@ -7,7 +7,7 @@ the layer therefore calls two custom ops, `megalm::recipe_linear` and its backwa
 treat as extern calls and which run the recipe's eager code (the same `start`/`fprop`/`dgrad`/`wgrad`) each time.
 
 What the ops cannot take as arguments travels as tensors: the layer's recipe is named by a CPU int64 tensor
-(`layer_handle`: an index into a table of weak references, so the table never keeps a model alive), and the call's
+(`layer_handle`, megalm/model/handles.py), and the call's
 state that the backward needs (the seed its forward drew, the FP8 scales its forward computed) comes back from
 the forward op as tensors the autograd graph saves. Integers dynamo would specialise on never enter the graph:
 every layer's and every step's call share one compiled graph.
@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from megalm.model.handles import handle_of, object_of
 from megalm.precision import fp8
 
 
@@ -70,10 +70,6 @@ def call_from(seed: torch.Tensor, scales: torch.Tensor, present: torch.Tensor) -
     return Call(value if has_seed else None, {k: scales[i] for i, k in enumerate(CALL_SCALES) if present[i]})
 
 
-_LAYERS: dict[int, weakref.ref] = {}
-_KEYS = itertools.count()
-
-
 class CompiledRecipe(Protocol):
     """What the ops need from a layer's recipe (linear.py's `RecipeGemms`)."""
 
@@ -88,18 +84,11 @@ class CompiledRecipe(Protocol):
 
 def layer_handle(recipe: CompiledRecipe) -> torch.Tensor:
     """The CPU tensor that names `recipe` to the ops, for as long as `recipe` lives."""
-    key = next(_KEYS)
-    _LAYERS[key] = weakref.ref(recipe, lambda _, key=key: _LAYERS.pop(key, None))
-    return torch.tensor(key, dtype=torch.int64)
+    return handle_of(recipe)
 
 
 def _recipe(layer: torch.Tensor) -> CompiledRecipe:
-    ref = _LAYERS.get(int(layer))
-    recipe = ref() if ref is not None else None
-    if recipe is None:  # the compiled graph holds the handle, not the layer's recipe
-        raise RuntimeError(f"the precision recipe of compiled layer {int(layer)} was freed before its backward; keep "
-                           "the layer (its gemm_recipe) alive while its graph runs")
-    return recipe
+    return object_of(layer, "precision recipe")
 
 
 @torch.library.custom_op("megalm::recipe_linear", mutates_args=())

@@ -23,6 +23,7 @@ from torch import nn
 from megalm import compat
 from megalm.errors import ConfigError
 from megalm.model import TransformerBlock
+from megalm.model.deferred_wgrad import LayerSink
 from megalm.model.linear import linear_modules
 from megalm.model.loss import TokenLoss
 from megalm.parallel.recompute import recompute_modes
@@ -38,8 +39,8 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> in
     blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
     # inductor by name gets SP's re-gathers as a compile option; a backend callable calling inductor (the cost
     # traces' InductorCosts) passes `inductor_options()` to compile_fx itself
-    options = inductor_options() if backend == "inductor" else None
     for block in blocks:  # its forward, not the module call: the module's hooks (layer offload's) stay eager
+        options = inductor_options(keeps_inputs=defers_weight_grads(block)) if backend == "inductor" else None
         block.forward = functools.partial(_run_compiled, torch.compile(block.forward, backend=backend,
                                                                        options=options), linear_modules(block))
     log.info("trainer.compile: %d transformer blocks compiled (backend %s)", len(blocks), backend)
@@ -72,8 +73,9 @@ def auto_compile(cfg: Any, device: torch.device) -> tuple[bool, str]:
     if precision.backend == "te":
         return False, "eager: Transformer Engine's modules (precision.backend=te) are not compiled by megalm"
     if parallel.pp > 1 and parallel.pp_schedule == "zb":
-        return False, ("eager: the zero-bubble schedule's deferred weight gradients (a side effect in each linear's "
-                       "backward) break a compiled block's graph at every linear")
+        return False, ("eager: compiled zero-bubble blocks (each deferred linear's GEMMs in opaque ops, inductor "
+                       "without in-place kernels) are not yet measured on a GPU, and one GPU runs no pipeline; "
+                       "trainer.compile=true compiles them whole")
     return True, "compiled on CUDA (trainer.compile=false for eager)"
 
 
@@ -172,9 +174,20 @@ def _regather_pass() -> Any:
     return RegatherInBackward()
 
 
-def inductor_options() -> dict[str, Any]:
-    """The inductor config megalm compiles blocks with: SP's re-gathers kept in the backward."""
-    return {"joint_custom_pre_pass": _regather_pass()}
+def inductor_options(keeps_inputs: bool = False) -> dict[str, Any]:
+    """The inductor config megalm compiles blocks with: SP's re-gathers kept in the backward. `keeps_inputs`: the
+    block's backward hands tensors of its graph to a zero-bubble W action (megalm/model/deferred_wgrad.py), which
+    reads them after the graph ends, so inductor neither reuses a buffer's memory for a later value nor writes a
+    kernel's output over its input (which it did: tests/dist/test_compile_layouts.py)."""
+    options: dict[str, Any] = {"joint_custom_pre_pass": _regather_pass()}
+    if keeps_inputs:
+        options |= {"allow_buffer_reuse": False, "inplace_buffers": False}
+    return options
+
+
+def defers_weight_grads(block: nn.Module) -> bool:
+    """Whether `block` hands weight gradients to a zero-bubble pipeline's W action."""
+    return any(isinstance(getattr(m, "weight_grad_sink", None), LayerSink) for m in block.modules())
 
 
 def _run_compiled(compiled: Callable, linears: list[nn.Module], *args, **kwargs):  # noqa: ANN002, ANN003, ANN202

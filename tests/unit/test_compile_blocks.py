@@ -494,7 +494,7 @@ def test_a_torch_known_to_crash_compiled_fp8_casts_on_the_cpu_is_named_in_a_warn
      "precision=fp8 without sequence parallelism only"),
     (["model=moe_tiny"], "cuda", False, "compiled MoE blocks are not yet measured"),
     (["precision.backend=te", "precision=fp8"], "cuda", False, "Transformer Engine"),
-    (["parallel.pp=2", "parallel.pp_schedule=zb"], "cuda", False, "zero-bubble schedule's deferred"),
+    (["parallel.pp=2", "parallel.pp_schedule=zb"], "cuda", False, "compiled zero-bubble blocks"),
     (["parallel.pp=2", "parallel.pp_schedule=1f1b"], "cuda", True, "compiled on CUDA"),
     (["parallel.dp=2", "parallel.fsdp=true"], "cuda", True, "compiled on CUDA"),
     ([], "no_triton", False, "need triton"),

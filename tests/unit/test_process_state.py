@@ -40,7 +40,8 @@ GLOBAL_STATEMENTS = {
 # Module-level tables a function may write into, each with its reason: handles that name Python objects to custom
 # ops, which take tensors and not objects; weak references, removed with their object, that change no behaviour.
 HANDLE_TABLES = {
-    ("megalm/precision/compiled_linear.py", "_LAYERS"): "a recipe's layer, named to its opaque op by a CPU tensor",
+    ("megalm/model/handles.py", "_OBJECTS"): "a layer's recipe or weight-gradient sink, named to an opaque op by a "
+                                             "CPU tensor",
 }
 MUTATING_METHODS = {"append", "extend", "insert", "pop", "popitem", "clear", "update", "add", "discard", "remove",
                     "setdefault", "note", "register", "__setitem__"}

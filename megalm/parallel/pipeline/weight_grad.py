@@ -22,6 +22,10 @@ gradient in B. Biases, norms and embeddings (cheap, elementwise or gathers) keep
 gradients in B; so do weights that reach the GEMM through another op (GQA kv weights replicated over
 TP ranks pass through an all-reduce in backward), which would otherwise need that collective at W.
 Layers that do not run through `linear` (Transformer Engine's) keep their weight gradients in B.
+
+Each layer gets a sink of its own (`LayerSink`, megalm/model/deferred_wgrad.py) that passes its stashes on to the
+store: inside a compiled block (`trainer.compile=true`) the closure cannot be traced, and the layer's GEMMs run as
+opaque ops that name their sink by a tensor and hand it the same closure when they run.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections.abc import Callable, Hashable
 import torch
 from torch import nn
 
+from megalm.model.deferred_wgrad import LayerSink
 from megalm.model.linear import linear_modules
 from megalm.model.moe import GroupedLinear
 
@@ -88,8 +93,8 @@ def defer_weight_grads(model: nn.Module, store: WeightGradStore) -> int:
     """Send the weight gradients of every linear layer of `model` (an MoE layer's grouped expert GEMMs too) to
     `store`; returns how many layers."""
     layers = linear_modules(model) + [m for m in model.modules() if isinstance(m, GroupedLinear)]
-    for module in layers:
-        module.weight_grad_sink = store
+    for module in layers:  # each layer's own sink, which a compiled block's op can name (deferred_wgrad.py)
+        module.weight_grad_sink = LayerSink(store, module)
     foreign = sum(type(m).__module__.startswith("transformer_engine") for m in model.modules())
     if foreign:
         log.warning("zero-bubble schedule: %d Transformer Engine linear layers keep their weight gradients in B "

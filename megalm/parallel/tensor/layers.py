@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalm.model.deferred_wgrad import LayerSink
 from megalm.model.linear import LinearHooks, linear
 from megalm.model.shard import FusedShardSpec, ShardSpec
 from megalm.parallel.progress import Progress
@@ -60,7 +61,10 @@ def _take_params(source: nn.Module, layer: nn.Module) -> None:
             setattr(layer, name, nn.Parameter(local.clone(), requires_grad=value.requires_grad))
     for hook in ("gemm_recipe", "weight_grad_sink"):
         if hook in source.__dict__:
-            setattr(layer, hook, source.__dict__[hook])
+            value = source.__dict__[hook]
+            if isinstance(value, LayerSink):  # its op reads the parameter from its layer: this one
+                value = LayerSink(value.sink, layer)
+            setattr(layer, hook, value)
 
 
 class ColumnParallelLinear(LinearHooks, nn.Module):
