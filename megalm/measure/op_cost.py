@@ -207,6 +207,8 @@ class OpCosts(TorchDispatchMode):
         self.by_category: dict[str, CategoryCost] = defaultdict(CategoryCost)
         self.by_op: dict[str, CategoryCost] = defaultdict(CategoryCost)
         self._only: set[str] | None = None  # while set, only these ops are recorded (`recording_only`)
+        self._counted_as: str | None = None  # while set, memory-bound ops count under it (`call_counted_as`)
+        self._backward_as: dict[Any, str] = {}  # autograd node -> the category of the ops its backward runs
         self._fp8_weights: set[int] = set()  # the weights whose FP8 copies compiled FP8 linears made in this trace
 
     @classmethod
@@ -287,13 +289,45 @@ class OpCosts(TorchDispatchMode):
         finally:
             self._only = previous
 
+    def call_counted_as(self, category: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` with its memory-bound kernels (elementwise, casts, a compiled graph's generated
+        ones) counted under `category`, and so are those of the backward of every autograd node it made (from its
+        output's back to its tensor arguments'): the loss, from the logits to the scalar, whichever ops compute it
+        (torch's `nll_loss` in one system, chunks of `exp` and `sum` in another). GEMMs and collectives keep their
+        own categories."""
+        previous, self._counted_as = self._counted_as, category
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            self._counted_as = previous
+        inputs = {t.grad_fn for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        stack = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        while stack:
+            node = stack.pop()
+            if node is None or node in inputs or node in self._backward_as or not node.next_functions:
+                continue  # a leaf's AccumulateGrad has no next functions
+            self._backward_as[node] = category
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        return out
+
+    def _counted_category(self, cat: str) -> str:
+        """`cat`, or the category a `call_counted_as` region gives a memory-bound kernel: while `fn` runs, or while
+        the backward of a node it made runs."""
+        if cat not in ("elementwise/other", "cast/copy", "loss"):
+            return cat
+        if self._counted_as is not None:
+            return self._counted_as
+        if self._backward_as:
+            return self._backward_as.get(torch._C._current_autograd_node(), cat)
+        return cat
+
     def add_kernel(self, name: str, nbytes: float, category: str) -> None:
         """One memory-bound kernel that was not dispatched here (a compiler's generated one, or its fallback)."""
         self._add(name, 0.0, nbytes, self.gpu.bf16_tflops * 1e12, category)
 
     def _add(self, name: str, flops: float, nbytes: float, peak: float, cat: str | None = None) -> None:
         ms = max(flops / peak, nbytes / (self.gpu.hbm_tbytes_per_s * 1e12)) * 1e3
-        for bucket in (self.by_category[cat or category(name)], self.by_op[name]):
+        for bucket in (self.by_category[self._counted_category(cat or category(name))], self.by_op[name]):
             bucket.kernels += 1
             bucket.flops += flops
             bucket.bytes += nbytes

@@ -76,6 +76,10 @@ def test_the_step_cost_tool_counts_six_flops_per_weight_and_token():
         # not one per parameter (a per-parameter norm alone would add 27, the tiny model's parameter tensors)
         assert row["optimizer"]["kernels"] <= 20, (system, row["optimizer"]["kernels"])
         assert set(row["by_category"]) >= {"gemm", "attention", "cast/copy", "elementwise/other", "loss"}
+        # the loss, from the logits to the scalar, forward and backward, whatever ops compute it (megalm's chunks are
+        # generic ops, counted as elementwise/other by name): at least the bf16 logits read once
+        loss_bytes = row["by_category"]["loss"]["gbytes"] * 1e9
+        assert loss_bytes >= m.seq_length * m.padded_vocab_size * 2, (system, row["by_category"]["loss"])
     # every system's attention is causal over one document, as each runs it on a GPU: the same FLOPs (HF's would
     # double under fake tensors, where it cannot read its position ids and builds a mask: step_cost.py)
     attention = {system: row["by_category"]["attention"]["tflop"] for system, row in rows.items()}
@@ -90,6 +94,29 @@ def test_the_step_cost_tool_counts_six_flops_per_weight_and_token():
         for name in ("gemm", "attention"):  # the same kernels (inductor may fold the residual add into an addmm)
             for key in ("kernels", "tflop"):
                 assert compiled["by_category"][name][key] == eager["by_category"][name][key], (system, name, key)
+
+
+def test_a_counted_call_and_its_backward_count_under_its_category():
+    """`OpCosts.call_counted_as`: the memory-bound ops the call runs, and those of the backward of the autograd nodes
+    it made, move to its category; the GEMM before it, the op after it and their backward keep theirs, and the
+    totals do not change."""
+    def step(costs: OpCosts, counted: bool) -> None:
+        w = torch.randn(8, 8, dtype=torch.bfloat16, requires_grad=True)
+        y = torch.randn(4, 8, dtype=torch.bfloat16) @ w
+        loss = (lambda t: t.float().exp().sum())  # a cast, an exp and a sum; ToCopy's and Exp's backward
+        total = costs.call_counted_as("loss", loss, y) if counted else loss(y)
+        (total * 2).backward()  # a multiply after it, and its backward, outside
+
+    costs = {}
+    for counted in (False, True):
+        with OpCosts() as costs[counted]:
+            step(costs[counted], counted)
+    plain, counted = (costs[k].by_category for k in (False, True))
+    assert counted["loss"].kernels == 5 and plain["loss"].kernels == 0, counted
+    assert counted["gemm"].kernels == plain["gemm"].kernels > 0
+    moved = sum(plain[n].kernels - counted[n].kernels for n in ("elementwise/other", "cast/copy"))
+    assert moved == 5 and costs[True].total().kernels == costs[False].total().kernels
+    assert counted["elementwise/other"].kernels >= 2  # the multiply after the loss, forward and backward
 
 
 def test_the_step_cost_tool_traces_compiled_moe_blocks():
