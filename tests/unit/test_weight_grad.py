@@ -133,3 +133,48 @@ def test_split_backward_composes_with_precision_recipes(recipe):
     plain_grads = dict(plain.named_parameters())
     for name, p in split.named_parameters():
         torch.testing.assert_close(p.grad, plain_grads[name].grad, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def compiled_split_matches_eager(device: str, backend: str, tol: dict) -> None:
+    """Compiled blocks (`compile_blocks`) of a model whose linears defer to a store: no graph break, no linear weight
+    gradient and no post-accumulate-grad hook of one in B (a parameter that were an input of the block's graph would
+    have its hooks called there, with no gradient), and at W the gradients of the same model in eager. Two
+    micro-batches of two equal documents; `tests/gpu/test_gpu_compile.py` runs it through inductor on CUDA."""
+    from torch._dynamo.utils import counters
+
+    from megalm.model import choose_attention_backends
+    from megalm.training.compile import compile_blocks
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, compiled = tiny_model().to(device), tiny_model().to(device)
+    stores = {id(eager): WeightGradStore(), id(compiled): WeightGradStore()}
+    for model in (eager, compiled):
+        defer_weight_grads(model, stores[id(model)])
+    choose_attention_backends(compiled, torch.device(device), torch.float32)  # as the trainer does, before compiling
+    compile_blocks(compiled, backend)
+    fires: dict[str, int] = {}
+    for name, p in compiled.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, name=name: fires.__setitem__(name, fires.get(name, 0) + 1))
+    tokens, _, _, _ = batch(eager.cfg.vocab_size)
+    args = (tokens[:48].to(device), torch.arange(24, device=device).repeat(2),
+            torch.tensor([0, 24, 48], dtype=torch.int32, device=device), 24)
+    linears = {f"{n}.weight" for n, m in compiled.named_modules() if m in linear_modules(compiled)}
+    for model in (eager, compiled):
+        for mb in range(2):
+            with stores[id(model)].collect(mb):
+                model(*args).float().pow(2).mean().mul(mb + 1).backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert not linears & set(fires), f"hooks called in B: {sorted(linears & set(fires))}"
+    assert all(compiled.get_parameter(name).grad is None for name in linears)
+    for model in (eager, compiled):
+        for mb in range(2):
+            stores[id(model)].apply(mb)
+    assert all(fires[name] == 2 for name in linears), fires
+    eager_grads = dict(eager.named_parameters())
+    for name, p in compiled.named_parameters():
+        torch.testing.assert_close(p.grad, eager_grads[name].grad, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_compiled_blocks_defer_their_weight_gradients_as_eager_ones():
+    compiled_split_matches_eager("cpu", "aot_eager", {"rtol": 1e-6, "atol": 1e-7})
