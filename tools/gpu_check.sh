@@ -263,6 +263,10 @@ step_bench() {
   bench "training throughput, moe_1b (8 layers)/2048 bf16 compiled" 240 tools/bench/throughput.py model=moe_1b \
     model.num_layers=8 precision=bf16 trainer.compile=true trainer.global_batch_size=4 trainer.micro_batch_size=4 \
     --steps 6 --warmup 3
+  # the zero-bubble schedule's blocks, eager and compiled (auto keeps ZB eager until this row says otherwise: one GPU
+  # runs no pipeline, so the tool times a micro-batch's forward, B and W by hand), beside compiled 1F1B blocks
+  bench "zero-bubble blocks, 1.3b (8 layers)/4096 bf16" 300 tools/bench/zero_bubble_blocks.py model=1.3b \
+    model.seq_length=4096 model.num_layers=8 --seqs 2 --iters 5 --warmup 2
   if ((DRY_RUN || gpus > 1)); then  # one GPU per CP rank: on one GPU there is nothing to compare
     bench "context parallelism, cp up to $((gpus < 4 ? gpus : 4))" 150 tools/bench/context_parallel.py \
       --nproc "$((gpus < 4 ? gpus : 4))" --seq 4096 8192 --steps 3 --warmup 1 model=125m precision=bf16

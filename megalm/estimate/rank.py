@@ -395,7 +395,14 @@ def prices_compiled_blocks(cfg: Any) -> bool:
     tensors."""
     from megalm.precision import compiles_in_sight
 
-    return cfg.trainer.compile and compiles_in_sight(cfg.precision) and compat.compiles_over_fake_tensors()
+    return (cfg.trainer.compile and compiles_in_sight(cfg.precision) and compat.compiles_over_fake_tensors()
+            and not zero_bubble(cfg))
+
+
+def zero_bubble(cfg: Any) -> bool:
+    """Whether `cfg` runs the zero-bubble schedule, whose compiled blocks run their linears' GEMMs as opaque ops
+    (megalm/model/deferred_wgrad.py) that a trace under fake tensors does not run: priced eager, said in the notes."""
+    return cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "zb"
 
 
 def trace_compiled_blocks(cfg: Any) -> None:
@@ -417,8 +424,7 @@ def trace_compiled_blocks(cfg: Any) -> None:
     torch._dynamo.reset()
     cfg.trainer.compile = prices_compiled_blocks(cfg)
     if cfg.trainer.compile_backend == "inductor":  # an object in a str field: a traced trainer saves no config
-        zero_bubble = cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "zb"  # megalm's blocks' inductor config
-        cfg.trainer.compile_backend = InductorCosts(inductor_options(keeps_inputs=zero_bubble))
+        cfg.trainer.compile_backend = InductorCosts(inductor_options())  # megalm's blocks' inductor config
 
 
 def compile_notes(cfg: Any, graph_breaks: int = 0) -> list[str]:
@@ -436,6 +442,10 @@ def compile_notes(cfg: Any, graph_breaks: int = 0) -> list[str]:
     if not compat.compiles_over_fake_tensors():
         return [f"trainer.compile=true: blocks priced eager (torch {torch.__version__} cannot compile over the "
                 "trace's fake tensors; torch 2.11 and later can)"]
+    if zero_bubble(cfg):
+        return ["trainer.compile=true, parallel.pp_schedule=zb: blocks priced eager (compiled zero-bubble blocks run "
+                "their linears' GEMMs as opaque ops that hand dW to the W action, which a trace under fake tensors "
+                "does not run)"]
     if not prices_compiled_blocks(cfg):
         return [f"trainer.compile=true, precision={cfg.precision.name}: blocks priced eager (compiled blocks run its "
                 "linears as opaque ops with their casts inside, which a trace under fake tensors does not run)"]

@@ -189,6 +189,13 @@ def one_kernel(name: str, category: str = "cast/copy") -> Iterator[Callable[[flo
         trace.add_kernel(name, sum(moved), category)
 
 
+def _next_sequence_nr() -> int:
+    """The sequence number autograd gives the next node it makes on this thread (nodes are numbered in the order they
+    are made): that of a view made now, which no trace counts as a kernel."""
+    with torch.enable_grad():
+        return torch.empty(0, requires_grad=True).view(-1).grad_fn._sequence_nr() + 1
+
+
 @dataclass
 class CategoryCost:
     kernels: int = 0
@@ -210,6 +217,10 @@ class OpCosts(TorchDispatchMode):
         self._counted_as: str | None = None  # while set, memory-bound ops count under it (`call_counted_as`)
         self._backward_as: dict[Any, str] = {}  # autograd node -> the category of the ops its backward runs
         self._fp8_weights: set[int] = set()  # the weights whose FP8 copies compiled FP8 linears made in this trace
+
+    def __exit__(self, *exc: object) -> None:
+        self._backward_as.clear()  # the nodes `call_counted_as` named, and through their edges the step's graph
+        super().__exit__(*exc)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -295,17 +306,17 @@ class OpCosts(TorchDispatchMode):
         output's back to its tensor arguments'): the loss, from the logits to the scalar, whichever ops compute it
         (torch's `nll_loss` in one system, chunks of `exp` and `sum` in another). GEMMs and collectives keep their
         own categories."""
+        first = _next_sequence_nr()
         previous, self._counted_as = self._counted_as, category
         try:
             out = fn(*args, **kwargs)
         finally:
             self._counted_as = previous
-        inputs = {t.grad_fn for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         stack = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         while stack:
             node = stack.pop()
-            if node is None or node in inputs or node in self._backward_as or not node.next_functions:
-                continue  # a leaf's AccumulateGrad has no next functions
+            if node is None or node in self._backward_as or not node.next_functions or node._sequence_nr() < first:
+                continue  # made before the call (its inputs' history), or a leaf's AccumulateGrad (no next functions)
             self._backward_as[node] = category
             stack.extend(next_node for next_node, _ in node.next_functions)
         return out

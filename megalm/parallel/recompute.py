@@ -46,10 +46,11 @@ SAVED_OPS.update(compat.present_aten_ops(
 
 
 # Attention kernels registered as custom ops, saved by name: torch's varlen op, flash-attn's internals
-# (flash_attn::_flash_attn_varlen_forward ...) and Transformer Engine's; and an FP8/MX recipe's linear in a
-# compiled block (megalm::recipe_linear, and megalm::fp8_linear whose FP8 casts are in the graph: GEMMs,
-# megalm/precision/compiled_linear.py).
-SAVED_OP_NAMES = ("varlen_attn", "flash_attn", "fused_attn", "recipe_linear", "fp8_linear")
+# (flash_attn::_flash_attn_varlen_forward ...) and Transformer Engine's; and the GEMMs of a linear in a compiled
+# block that run as ops: an FP8/MX recipe's (megalm::recipe_linear, and megalm::fp8_linear whose FP8 casts are in
+# the graph: megalm/precision/compiled_linear.py), a zero-bubble layer's (megalm::deferred_fprop:
+# megalm/model/deferred_wgrad.py).
+SAVED_OP_NAMES = ("varlen_attn", "flash_attn", "fused_attn", "recipe_linear", "fp8_linear", "deferred_fprop")
 
 
 # Tensor parallelism's collectives, run again in the recompute rather than kept. Every TP rank recomputes the same

@@ -35,7 +35,8 @@ log = logging.getLogger("megalm")
 
 def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> int:
     """torch.compile every `TransformerBlock` of `model` in place with `backend` (a name, or a backend callable
-    such as tools/bench/step_cost.py's); returns how many."""
+    such as tools/bench/step_cost.py's); returns how many. A zero-bubble pipeline defers its linears' weight gradients
+    first (the pipeline runtime, built with the model): the options of the blocks that then defer are chosen here."""
     blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
     # inductor by name gets SP's re-gathers as a compile option; a backend callable calling inductor (the cost
     # traces' InductorCosts) passes `inductor_options()` to compile_fx itself
@@ -177,8 +178,9 @@ def _regather_pass() -> Any:
 def inductor_options(keeps_inputs: bool = False) -> dict[str, Any]:
     """The inductor config megalm compiles blocks with: SP's re-gathers kept in the backward. `keeps_inputs`: the
     block's backward hands tensors of its graph to a zero-bubble W action (megalm/model/deferred_wgrad.py), which
-    reads them after the graph ends, so inductor neither reuses a buffer's memory for a later value nor writes a
-    kernel's output over its input (which it did: tests/dist/test_compile_layouts.py)."""
+    reads them after the graph ends, so inductor's scheduler neither reuses a buffer's memory for a later value nor
+    writes a kernel's output over its input (which it did: tests/dist/test_compile_layouts.py). Its post-grad pass
+    that makes a scatter or index_put in place is not governed by these options; a block's linears have none."""
     options: dict[str, Any] = {"joint_custom_pre_pass": _regather_pass()}
     if keeps_inputs:
         options |= {"allow_buffer_reuse": False, "inplace_buffers": False}

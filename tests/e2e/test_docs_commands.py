@@ -62,7 +62,8 @@ TOOL_FLAGS = {"precision_convergence.py": ["--steps", "2"], "throughput.py": ["-
               "moe_balance.py": ["--steps", "2"],
               "host_overhead.py": ["--steps", "1", "--warmup", "1"],
               "attention_kernels.py": ["--iters", "1", "--warmup", "0"],
-              "adamw_kernels.py": ["--iters", "1", "--warmup", "0"]}
+              "adamw_kernels.py": ["--iters", "1", "--warmup", "0"],
+              "zero_bubble_blocks.py": ["--iters", "1", "--warmup", "0", "--rows", "zb_eager,zb_compiled"]}
 # Benchmarks that set their own model shapes (a tiny model would not shard over their layouts): only these flags.
 OWN_SHAPE_FLAGS = {"estimate_vs_formula.py": ["--models", "8b", "--recompute", "full", "--num-layers", "4"],
                    "fsdp_memory.py": ["--dp", "2", "--models"]}  # the tiny model's real runs at dp 2, no 8B/70B

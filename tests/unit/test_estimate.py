@@ -306,6 +306,14 @@ def test_compiled_blocks_are_priced_as_inductor_compiles_them(monkeypatch):
     traced = compose_config(*delayed)
     estimate_rank.trace_compiled_blocks(traced)  # what the fake trainer is then built with: compile off, said so
     assert not traced.trainer.compile
+    # the zero-bubble schedule's compiled linears are ops whose fake kernels compute nothing (no GEMM FLOPs, no dy
+    # and x kept for W): priced eager, said so
+    zb = ["parallel.pp=2", "parallel.pp_schedule=zb", "trainer.compile=true"]
+    assert any("parallel.pp_schedule=zb: blocks priced eager" in n
+               for n in estimate_rank.compile_notes(compose_config(*zb)))
+    traced = compose_config(*zb)
+    estimate_rank.trace_compiled_blocks(traced)
+    assert not traced.trainer.compile
 
     # per-tensor FP8 on an H100: its casts and its GEMMs (torch._scaled_mm) are ops of the compiled graph, from the
     # weights' FP8 copies made before each block runs, once per weight and step (2 micro-batches here)

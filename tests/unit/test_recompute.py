@@ -111,3 +111,20 @@ def test_selective_keeps_attention_custom_ops():
             out.backward()
         reruns[mode] = sum(n for op, n in counter.ops.items() if "fake_flash_attn" in str(op))
     assert reruns == {"selective": 0, "full": 1}
+
+
+def test_selective_keeps_the_gemms_compiled_linears_run_as_ops():
+    """A compiled block runs some linears' GEMMs as custom ops (an FP8/MX recipe's, a zero-bubble layer's): selective
+    recomputation saves their outputs, as it saves a plain GEMM's, rather than running the GEMM again in the backward
+    (megalm::deferred_fprop was recomputed until it was named: a third read of each weight per micro-batch)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    import megalm.model.deferred_wgrad  # noqa: F401 - registers megalm::deferred_fprop
+    import megalm.precision.compiled_linear  # noqa: F401 - registers megalm::recipe_linear, megalm::fp8_linear
+    from megalm.parallel.recompute import _selective_policy
+
+    ops = torch.ops.megalm
+    for op in (ops.deferred_fprop.default, ops.recipe_linear.default, ops.fp8_linear.default,
+               torch.ops.aten.mm.default):
+        assert _selective_policy(None, op) is CheckpointPolicy.MUST_SAVE, op
+    assert _selective_policy(None, torch.ops.aten.mul.Tensor) is CheckpointPolicy.PREFER_RECOMPUTE
