@@ -16,6 +16,7 @@ from megalm.config.checks import (
     resolve_model_defaults,
     validate,
     validate_model,
+    zero_bubble,
 )
 from megalm.config.choices import Choice
 from megalm.config.schema import (
@@ -43,5 +44,5 @@ __all__ = [
     "ParallelConfig", "PrecisionConfig", "SyntheticDataConfig", "TrainerConfig", "WandbConfig", "blend_pairs",
     "choice", "config_to_dict", "is_moe_layer", "model_config", "moe_layer_ids", "pad_vocab", "positive",
     "process_group_minutes", "register_schema", "resolve_model_defaults", "schema_error_line", "to_dataclass",
-    "validate", "validate_model",
+    "validate", "validate_model", "zero_bubble",
 ]

@@ -26,7 +26,7 @@ from megalm.config.choices import (
     RouterScore,
     WandbMode,
 )
-from megalm.config.schema import MegalmConfig, ModelConfig
+from megalm.config.schema import MegalmConfig, ModelConfig, ParallelConfig
 from megalm.errors import ConfigError
 
 
@@ -267,6 +267,13 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
         raise ConfigError(f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
     choice(cfg.logging.wandb.mode, "logging.wandb.mode", WandbMode)
     return cfg
+
+
+def zero_bubble(parallel: ParallelConfig) -> bool:
+    """Whether `parallel` runs the zero-bubble schedule, whose weight gradients wait for its W actions
+    (megalm/parallel/pipeline/weight_grad.py): what FSDP, torchao's layers and compiled FP8/MX linears refuse, and what
+    compiled blocks run through ops of their own. One stage has no pipeline to schedule."""
+    return parallel.pp > 1 and parallel.pp_schedule == "zb"
 
 
 def process_group_minutes(cfg: MegalmConfig) -> float | None:

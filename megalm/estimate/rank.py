@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from megalm import compat
+from megalm.config import zero_bubble
 from megalm.measure import LiveStorages, is_higher_order, storage_bytes
 from megalm.measure.compiled_cost import InductorCosts
 from megalm.measure.op_cost import GPUS, OpCosts
@@ -396,13 +397,7 @@ def prices_compiled_blocks(cfg: Any) -> bool:
     from megalm.precision import compiles_in_sight
 
     return (cfg.trainer.compile and compiles_in_sight(cfg.precision) and compat.compiles_over_fake_tensors()
-            and not zero_bubble(cfg))
-
-
-def zero_bubble(cfg: Any) -> bool:
-    """Whether `cfg` runs the zero-bubble schedule, whose compiled blocks run their linears' GEMMs as opaque ops
-    (megalm/model/deferred_wgrad.py) that a trace under fake tensors does not run: priced eager, said in the notes."""
-    return cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "zb"
+            and not zero_bubble(cfg.parallel))  # its compiled linears' ops: `compile_notes`
 
 
 def trace_compiled_blocks(cfg: Any) -> None:
@@ -442,7 +437,7 @@ def compile_notes(cfg: Any, graph_breaks: int = 0) -> list[str]:
     if not compat.compiles_over_fake_tensors():
         return [f"trainer.compile=true: blocks priced eager (torch {torch.__version__} cannot compile over the "
                 "trace's fake tensors; torch 2.11 and later can)"]
-    if zero_bubble(cfg):
+    if zero_bubble(cfg.parallel):
         return ["trainer.compile=true, parallel.pp_schedule=zb: blocks priced eager (compiled zero-bubble blocks run "
                 "their linears' GEMMs as opaque ops that hand dW to the W action, which a trace under fake tensors "
                 "does not run)"]

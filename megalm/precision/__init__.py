@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from megalm import compat
-from megalm.config import MegalmConfig, PrecisionConfig, choice
+from megalm.config import MegalmConfig, PrecisionConfig, choice, zero_bubble
 from megalm.config.choices import ForwardFormat, PrecisionBackend
 from megalm.errors import ConfigError
 from megalm.precision import fp8, te, torchao_fp8
@@ -104,7 +104,7 @@ def compiled_recipe_conflict(cfg: MegalmConfig) -> tuple[str, str] | None:
         return None
     if parallel.sequence_parallel and parallel.tp > 1:
         return "without sequence parallelism only", "set parallel.sequence_parallel=false"
-    if parallel.pp > 1 and parallel.pp_schedule == "zb":
+    if zero_bubble(parallel):
         return ("without the zero-bubble schedule's deferred weight gradients",
                 "use another parallel.pp_schedule")
     return None
@@ -270,7 +270,7 @@ def _validate_torchao(cfg: MegalmConfig) -> None:
         raise ConfigError(f"precision.backend=torchao swaps in torchao's Float8Linear, which megalm's tensor "
                           f"parallelism does not shard; use parallel.tp=1 or precision.backend=native "
                           f"(tp={parallel.tp})")
-    if parallel.pp > 1 and parallel.pp_schedule == "zb":
+    if zero_bubble(parallel):
         raise ConfigError("precision.backend=torchao with parallel.pp_schedule=zb: torchao's layers compute their "
                           "weight gradients in B, not in the schedule's W; use another parallel.pp_schedule or "
                           "precision.backend=native")

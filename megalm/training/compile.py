@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from megalm import compat
+from megalm.config import zero_bubble
 from megalm.errors import ConfigError
 from megalm.model import TransformerBlock
 from megalm.model.deferred_wgrad import LayerSink
@@ -73,7 +74,7 @@ def auto_compile(cfg: Any, device: torch.device) -> tuple[bool, str]:
                        "whole (under expert parallelism, split at each all-to-all's host read of its sizes)")
     if precision.backend == "te":
         return False, "eager: Transformer Engine's modules (precision.backend=te) are not compiled by megalm"
-    if parallel.pp > 1 and parallel.pp_schedule == "zb":
+    if zero_bubble(parallel):
         return False, ("eager: compiled zero-bubble blocks (each deferred linear's GEMMs in opaque ops, inductor "
                        "without in-place kernels) are not yet measured on a GPU, and one GPU runs no pipeline; "
                        "trainer.compile=true compiles them whole")

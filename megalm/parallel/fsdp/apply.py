@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from megalm.config import MegalmConfig
+from megalm.config import MegalmConfig, zero_bubble
 from megalm.errors import ConfigError
 from megalm.model.moe import MoE
 from megalm.model.naming import model_chunks
@@ -62,7 +62,7 @@ def validate_fsdp(cfg: MegalmConfig) -> None:
         raise ConfigError("parallel.hdp=true with parallel.fsdp=true is not supported: HDP ranks run different "
                           "numbers of micro-batches, while every rank of an FSDP group must join each block's "
                           "all-gather; use parallel.zero1=true with HDP")
-    if p.pp > 1 and p.pp_schedule == "zb":
+    if zero_bubble(p):
         raise ConfigError("parallel.pp_schedule=zb with parallel.fsdp=true is not supported: its deferred weight "
                           "gradients land after FSDP's reduce-scatter has run; use 1f1b or interleaved")
     if cfg.precision.backend == "te":
