@@ -119,10 +119,13 @@ class Linear(LinearHooks, nn.Linear):
         return linear(x, self.weight, self.bias, self.gemm_recipe, self.weight_grad_sink)
 
 
-def deferrable(weight: torch.Tensor) -> bool:
+def deferrable(weight: torch.Tensor, x: torch.Tensor) -> bool:
     """Only a leaf parameter's gradient can wait for W: a weight that reaches the GEMM through another op
-    (kv rows shared over TP ranks pass an all-reduce in backward) keeps its gradient in B."""
-    return isinstance(weight, nn.Parameter) and weight.requires_grad and torch.is_grad_enabled()
+    (kv rows shared over TP ranks pass an all-reduce in backward) keeps its gradient in B. So does the weight of a
+    layer inside a compiled block whose input `x` needs no gradient: the op that defers it there also gives dx
+    (megalm/model/deferred_wgrad.py), and with dx unused it would be dropped, its deferral with it."""
+    return (isinstance(weight, nn.Parameter) and weight.requires_grad and torch.is_grad_enabled()
+            and (x.requires_grad or not torch.compiler.is_compiling()))
 
 
 class _Linear(torch.autograd.Function):
@@ -191,10 +194,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x [..., in], weight [out, in] -> [..., out] in the compute dtype (autocast's under autocast, as
     F.linear). Without a recipe, a (usable) sink or a gather this is F.linear itself.
     """
-    defer = sink is not None and deferrable(weight)
-    in_graph = defer and torch.compiler.is_compiling()  # inside a compiled block
-    if in_graph and not x.requires_grad:  # the op below would have no dx to give, and be dropped with its closure:
-        defer = in_graph = False  # this layer's weight gradient stays in B
+    defer = sink is not None and deferrable(weight, x)
     if recipe is None and not defer and input_gather is None:
         return F.linear(x, weight, bias)
     device = x.device.type
@@ -202,7 +202,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     compiled = getattr(recipe, "compiled_linear", None)  # a recipe whose Python state dynamo cannot trace
     if compiled is not None and not defer and input_gather is None and torch.compiler.is_compiling():
         return compiled(x, weight, bias, out_dtype)
-    if in_graph and recipe is None and hasattr(sink, "handle"):  # the sink's closure as an op (deferred_wgrad.py)
+    # inside a compiled block, the sink's closure as an op the graph holds (deferred_wgrad.py)
+    if defer and recipe is None and torch.compiler.is_compiling() and hasattr(sink, "handle"):
         return deferred_linear(x, weight, bias, sink, input_gather, out_dtype, PLAIN_GEMMS.start(x))
     if defer:
         return _Linear.apply(x, weight.detach(), bias, recipe or PLAIN_GEMMS, sink, [weight], out_dtype,

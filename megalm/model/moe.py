@@ -93,16 +93,14 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     its weightᵀ, as one grouped GEMM (in the autocast dtype under autocast, as F.linear). With a `sink` (a
     zero-bubble pipeline) the weight's gradient is handed to it instead of computed in the backward."""
     device = x.device.type
-    in_graph = torch.compiler.is_compiling()  # a compiled block: the ops (deferred_wgrad.py), or dW in B where x
-    defer = sink is not None and deferrable(weight) and (x.requires_grad or not in_graph)  # needs no gradient
+    defer = sink is not None and deferrable(weight, x)
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    x = x if dtype is None else x.to(dtype)
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    if defer and in_graph and hasattr(sink, "handle"):  # the weight is read by the ops, not by the graph
-        x = x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
+    if defer and torch.compiler.is_compiling() and hasattr(sink, "handle"):  # the ops read the weight, not the graph
         return deferred_grouped_linear(x, weight, offsets, sink)
     param, weight = weight, weight.detach() if defer else weight
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        x, weight = x.to(dtype), weight.to(dtype)
+    weight = weight if dtype is None else weight.to(dtype)
     if defer:
         return _DeferredGroupedLinear.apply(x, weight, offsets, sink, [param])
     return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
@@ -205,8 +203,7 @@ class WholeTokens:
 
     @property
     def local_docs(self) -> torch.Tensor:
-        positions = torch.arange(self.whole_tokens, device=self.cu_seqlens.device)
-        return torch.searchsorted(self.cu_seqlens[1:].to(torch.int64), positions, right=True)
+        return torch.searchsorted(self.cu_seqlens[1:].to(torch.int64), self.local_index, right=True)
 
     @property
     def whole_docs(self) -> torch.Tensor:
