@@ -226,9 +226,9 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
     if layout.offload:
         kept *= 1 - shape.offload_fraction
     activations = m.layers // pp * in_flight * kept + (layer if layout.recompute == "full" else 0)
-    # the last stage's bf16 logits (the loss writes their gradient over them) and two fp32 chunks of the loss's
-    # forward (megalm.model.loss)
-    logits = 2 * tokens * m.vocab / t + min(2 * CHUNK_BYTES, 8 * tokens * m.vocab / t)
+    # the last stage's bf16 logits (the loss writes their gradient over them) and the one fp32 chunk the loss holds
+    # at a time (megalm.model.loss)
+    logits = 2 * tokens * m.vocab / t + min(CHUNK_BYTES, 4 * tokens * m.vocab / t)
     peak = static + activations + (logits if pp == 1 else 0)
     peak = max(peak, static + logits)  # the last stage: logits, fewer micro-batches in flight
     reserve = reserve_bytes(int(peak), sum(size > 1 for size in (t, pp, cp, dp)))

@@ -693,6 +693,9 @@ def test_compiled_loss_moves_a_fraction_of_the_eager_bytes():
             torch.autograd.grad(loss_fn(logits, labels, mask), logits)
         moved[compiled] = costs.total().bytes / base.numel()
     assert moved[True] < 8.5 and moved[False] > 5 * moved[True], moved
+    # eager: the max of the bf16 logits as they are, and the gradient scaled into them as it is rounded, not through
+    # fp32 copies written and re-read (64.8 bytes an element before, 47.2 since)
+    assert moved[False] < 50, moved
 
 
 def test_a_misaligned_chunk_of_the_compiled_loss_is_said(caplog, monkeypatch):
