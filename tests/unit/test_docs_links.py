@@ -1,0 +1,62 @@
+"""Every relative link in README.md and docs/*.md reaches a file of the repository, and every `#anchor` a heading of
+the page it names (GitHub's slugs: lower case, punctuation dropped, spaces to hyphens, a repeated heading's slug
+numbered -1, -2, ...). A renamed heading or a moved file breaks the links to it silently otherwise; the docs'
+commands are run by tests/e2e/test_docs_commands.py."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _prose(text: str) -> str:
+    """The page without its fenced code blocks (a `# comment` there is no heading, a `](x)` no link)."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives the headings of `page`."""
+    seen: Counter[str] = Counter()
+    out = set()
+    for heading in re.findall(r"^#{1,6} (.*)$", _prose(page.read_text()), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        out.add(slug if not seen[slug] else f"{slug}-{seen[slug]}")
+        seen[slug] += 1
+    return out
+
+
+def _name(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+
+
+def broken_links(page: Path) -> list[str]:
+    broken = []
+    for target in LINK.findall(_prose(page.read_text())):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        if not linked.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+            broken.append(f"{target}: no heading with that anchor in {_name(linked)}")
+    return broken
+
+
+def test_every_relative_link_of_the_docs_resolves():
+    broken = {_name(page): b for page in PAGES if (b := broken_links(page))}
+    assert not broken, broken
+
+
+def test_a_renamed_heading_and_a_missing_file_are_caught(tmp_path: Path):
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n## Its part\n\n## Its part\n\n"
+                    "See [the part](#its-part-1) and [the other](#its-other).\n"
+                    "```bash\n# not a heading\n[nor](a-link.md)\n```\n[a file](missing.md), [the web](https://x.org)\n")
+    assert anchors(page) == {"title", "its-part", "its-part-1"}
+    assert broken_links(page) == ["#its-other: no heading with that anchor in page.md", "missing.md: no such file"]
