@@ -11,7 +11,8 @@ torch with CUDA, no network needed); from its root run
     OUT=DIR tools/gpu_check.sh setup throughput tests     (about 8 minutes; its 9-minute budget)
     OUT=DIR tools/gpu_check.sh setup compare              (1.3B at seq 4096 against the peers, about 5 minutes)
 and, if time is left,
-    OUT=DIR tools/gpu_check.sh setup calibrate bench      (HDP cost model, the other benchmarks: 2026-11-28 has them)
+    OUT=DIR tools/gpu_check.sh setup bench calibrate      (first the rows that decide the MoE and zero-bubble
+                                                           compile defaults, then the other benchmarks, the HDP model)
 Each call stays under ten minutes; what its budget leaves out is "not run". The report is DIR/gpu_check_report.md,
 the full output DIR/gpu_check.log. With the device tool: the first command as "OUT=$OUT tools/gpu_check.sh setup
 throughput tests", carry [".wheels", ".whl"]; the first two fit a 15-minute device budget.'
@@ -248,25 +249,28 @@ step_throughput() {
   bench "AdamW kernels, 1.3b parameters" 60 tools/bench/adamw_kernels.py model=1.3b --iters 10 --warmup 3
 }
 step_bench() {
-  bench "MX quantization bandwidth (Triton kernel vs PyTorch reference)" 120 \
-    tools/bench/mx_quantize_bandwidth.py --m 8192 --k 8192 --iters 10 --warmup 2
-  bench "training throughput, 125m bf16 (the default: compiled on CUDA)" 120 tools/bench/throughput.py model=125m \
-    precision=bf16 trainer.global_batch_size=8 trainer.micro_batch_size=8 --steps 10 --warmup 3
-  bench "precision recipes on the demo, 100 steps" 180 tools/bench/precision_convergence.py \
-    --recipes fp32 bf16 fp8 mxfp4 --steps 100 trainer.eval_iters=4
-  # mixture of experts on one GPU (the grouped GEMMs' speed): moe_1b's 16 experts at 8 of its 24 layers (2.5B
-  # parameters, 0.5B active: its 18 bytes per parameter fit one H100); eager (auto's choice for MoE until this row
-  # says otherwise), then compiled: its blocks are whole graphs since 2026-11-30
+  # first the rows that decide a default (trainer.compile's auto keeps MoE and zero-bubble blocks eager until they
+  # are measured): the step's caps add up to more than one invocation's budget, and what comes last is cut.
+  # Mixture of experts on one GPU (the grouped GEMMs' speed): moe_1b's 16 experts at 8 of its 24 layers (2.5B
+  # parameters, 0.5B active: its 18 bytes per parameter fit one H100); eager, then compiled: its blocks are whole
+  # graphs since 2026-11-30
   bench "training throughput, moe_1b (8 layers)/2048 bf16" 150 tools/bench/throughput.py model=moe_1b \
     model.num_layers=8 precision=bf16 trainer.compile=false trainer.global_batch_size=4 trainer.micro_batch_size=4 \
     --steps 6 --warmup 2
   bench "training throughput, moe_1b (8 layers)/2048 bf16 compiled" 240 tools/bench/throughput.py model=moe_1b \
     model.num_layers=8 precision=bf16 trainer.compile=true trainer.global_batch_size=4 trainer.micro_batch_size=4 \
     --steps 6 --warmup 3
-  # the zero-bubble schedule's blocks, eager and compiled (auto keeps ZB eager until this row says otherwise: one GPU
-  # runs no pipeline, so the tool times a micro-batch's forward, B and W by hand), beside compiled 1F1B blocks
+  # the zero-bubble schedule's blocks, eager and compiled (one GPU runs no pipeline, so the tool times a
+  # micro-batch's forward, B and W by hand), beside compiled 1F1B blocks
   bench "zero-bubble blocks, 1.3b (8 layers)/4096 bf16" 300 tools/bench/zero_bubble_blocks.py model=1.3b \
     model.seq_length=4096 model.num_layers=8 --seqs 2 --iters 5 --warmup 2
+  # then the benchmarks measured on 2026-11-28
+  bench "MX quantization bandwidth (Triton kernel vs PyTorch reference)" 120 \
+    tools/bench/mx_quantize_bandwidth.py --m 8192 --k 8192 --iters 10 --warmup 2
+  bench "training throughput, 125m bf16 (the default: compiled on CUDA)" 120 tools/bench/throughput.py model=125m \
+    precision=bf16 trainer.global_batch_size=8 trainer.micro_batch_size=8 --steps 10 --warmup 3
+  bench "precision recipes on the demo, 100 steps" 180 tools/bench/precision_convergence.py \
+    --recipes fp32 bf16 fp8 mxfp4 --steps 100 trainer.eval_iters=4
   if ((DRY_RUN || gpus > 1)); then  # one GPU per CP rank: on one GPU there is nothing to compare
     bench "context parallelism, cp up to $((gpus < 4 ? gpus : 4))" 150 tools/bench/context_parallel.py \
       --nproc "$((gpus < 4 ? gpus : 4))" --seq 4096 8192 --steps 3 --warmup 1 model=125m precision=bf16
