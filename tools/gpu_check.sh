@@ -11,8 +11,9 @@ torch with CUDA, no network needed); from its root run
     OUT=DIR tools/gpu_check.sh setup throughput tests     (about 8 minutes; its 9-minute budget)
     OUT=DIR tools/gpu_check.sh setup compare              (1.3B at seq 4096 against the peers, about 5 minutes)
 and, if time is left,
-    OUT=DIR tools/gpu_check.sh setup bench calibrate      (first the rows that decide the MoE and zero-bubble
-                                                           compile defaults, then the other benchmarks, the HDP model)
+    OUT=DIR tools/gpu_check.sh setup bench                (first the rows that decide the MoE and zero-bubble
+                                                           compile defaults, then the other benchmarks)
+    OUT=DIR tools/gpu_check.sh setup calibrate            (the HDP cost model on this GPU: 2026-11-28 has it)
 Each call stays under ten minutes; what its budget leaves out is "not run". The report is DIR/gpu_check_report.md,
 the full output DIR/gpu_check.log. With the device tool: the first command as "OUT=$OUT tools/gpu_check.sh setup
 throughput tests", carry [".wheels", ".whl"]; the first two fit a 15-minute device budget.'

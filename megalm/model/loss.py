@@ -75,7 +75,8 @@ def chunk_statistics(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int
     log_softmax subtracts the max first too)."""
     x = logits[:, :vocab_size]
     m = x.amax(dim=-1).float()  # the max of the logits as they are: exact, and a read of 2 bytes, not an fp32 copy's
-    log_s = (x - m.unsqueeze(-1)).exp_().sum(dim=-1).log_()  # fp32 (type promotion): the cast is this kernel's read
+    # fp32 (type promotion): on a GPU the cast is this kernel's read (the CPU's upcasts x into a temporary first)
+    log_s = (x - m.unsqueeze(-1)).exp_().sum(dim=-1).log_()
     target = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1).float()
     # a label in the padding (bad data) has no probability: an infinite loss on every rank, which the trainer's
     # non-finite check catches (an index error on one TP rank would leave the others waiting in the all-reduce)
@@ -98,7 +99,8 @@ def chunk_logits_grad_(logits: torch.Tensor, labels: torch.Tensor, m: torch.Tens
     p = logits[:, :vocab_size] - (m + log_s).unsqueeze(-1)  # fp32 (type promotion): the cast is this kernel's read
     if torch.compiler.is_compiling():  # dynamo takes no `out=` slice; a compiled graph fuses the two anyway
         out[:, :vocab_size].copy_(p.exp_().mul_(scale.unsqueeze(-1)))
-    else:  # in fp32, rounded once as it is written: no fp32 product written and read again
+    else:  # in fp32, rounded once as it is written: no fp32 product written and read again (a GPU's kernel; the
+        # CPU's stages its bf16 output through a temporary, with the same values)
         torch.mul(p.exp_(), scale.unsqueeze(-1), out=out[:, :vocab_size])
     out[:, vocab_size:].zero_()
     label_entry = torch.where(on_rank, torch.expm1(d_target), torch.exp(d_target)).mul_(scale)

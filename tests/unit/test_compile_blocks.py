@@ -672,9 +672,9 @@ def test_the_compiled_loss_kernels_compile_at_most_four_times_each():
 
 def test_compiled_loss_moves_a_fraction_of_the_eager_bytes():
     """What the compiled chunk kernels move, by inductor's own count of each generated kernel (megalm.measure.
-    compiled_cost), against the eager kernels' traced bytes: the bf16 logits read twice in the forward (max, then
-    the sum of exponentials: 4 bytes an element) and once in the backward, which writes the bf16 gradient over them
-    (4 bytes), where eager kernels write and re-read fp32 copies. (The eager form of the gradient compiled instead,
+    compiled_cost), against the eager kernels' traced bytes: the forward reads the bf16 logits for their max and the
+    sum of exponentials, the backward once more as it writes the bf16 gradient over them (6.0 bytes an element
+    measured), where eager kernels write and re-read fp32 copies. (The eager form of the gradient compiled instead,
     its scatter and in-place ops, moves 6 more.)"""
     from megalm.measure.compiled_cost import InductorCosts
     from megalm.measure.op_cost import GPUS, OpCosts

@@ -249,14 +249,14 @@ def test_a_compiled_loss_is_priced_by_the_buffers_inductor_writes(monkeypatch):
             "data.synthetic.fixed_doc_length=32", "precision=bf16"]
     eager, compiled = (estimate.estimate([*base, f"trainer.compile={c}"], 1, "h100")["ranks"][0]
                        for c in ("false", "true"))
-    assert compiled["activation_bytes"] < eager["activation_bytes"], (compiled, eager)
+    assert compiled["activation_bytes"] < 0.95 * eager["activation_bytes"], (compiled, eager)
 
 
 def test_compiled_blocks_hold_no_more_than_eager_ones():
     """Blocks and loss compiled: the estimate counts the buffers inductor allocates, each live from the kernel that
     writes it to the last that reads it, not the values an op-by-op replay of the fused expressions makes
     (megalm.measure.compiled_cost). Fused kernels and AOT's partitioner (which recomputes cheap ops in the backward)
-    keep no value eager does not, so the compiled step holds less here (408,864 bytes against 412,260). Replayed op
+    keep no value eager does not, so the compiled step holds no more (here 408,864 bytes against 412,260). Replayed op
     by op it held 523,296, 6% more than eager's 492,884 then (before the eager loss's chunks stopped writing a second
     fp32 copy of their logits). At 1.3B/4096 the estimate has compiled 0.06 GiB above eager, where the GPU measured
     the same peak for both: inductor's backward frees saved activations as it goes, which the estimate holds to the
@@ -267,7 +267,7 @@ def test_compiled_blocks_hold_no_more_than_eager_ones():
             "data.synthetic.fixed_doc_length=32", "precision=bf16"]
     eager, compiled = (estimate.estimate([*base, f"trainer.compile={c}"], 1, "h100")["ranks"][0]
                        for c in ("false", "true"))
-    assert compiled["activation_bytes"] < eager["activation_bytes"], (compiled, eager)
+    assert compiled["activation_bytes"] <= eager["activation_bytes"], (compiled, eager)
 
 
 def test_compiled_blocks_are_priced_as_inductor_compiles_them(monkeypatch):

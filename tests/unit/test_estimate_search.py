@@ -162,8 +162,9 @@ def test_layouts_the_rules_refuse_are_not_counted_as_confirmations(monkeypatch):
 def test_the_closed_form_prices_the_last_stage_s_logits_as_the_estimator():
     """The last stage's logits, by the vocabulary's share of the peak: what a larger vocabulary adds to the closed
     form's peak (the head's parameters and the loss's bytes: bf16 logits whose gradient the loss writes over them,
-    and its fp32 chunks) is what it adds to the estimator's run, under TP's vocab-parallel loss (10 bytes an element
-    of the rank's [T, V/tp] at this size, where the whole shard is one chunk; 6 before the loss was chunked)."""
+    and the fp32 chunk it holds at a time) is what it adds to the estimator's run, under TP's vocab-parallel loss (6
+    bytes an element of the rank's [T, V/tp] at this size, where the whole shard is one chunk; 10 while its chunks
+    wrote a second fp32 copy, and 6 before the loss was chunked)."""
     layout = Layout(tp=2, pp=2, vpp=1, cp=1, dp=1, zero1=False, recompute="none", offload=False, hdp=False)
     closed, estimated = [], []
     for vocab in (4096, 8192):

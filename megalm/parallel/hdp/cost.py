@@ -404,8 +404,8 @@ def memory_model(shape: ModelShape, tp: int = 1) -> tuple[float, float]:
     f: bf16 weights + bf16 gradients, 4 bytes/param / tp; the fp32 master copy and Adam moments
     (12 bytes/param) are ZeRO-1 sharded over the large HDP domain (≈ 0). e: selective recomputation
     with flash attention (Korthikanti et al. 2022, eq. 2 without the 5·a·s/h term): 34·h bytes per
-    layer per token / tp, plus the bf16 logits (the loss writes their gradient over them, and its fp32 chunks are
-    a fixed quarter GB or two, inside `memory_capacity`'s workspace: megalm.model.loss).
+    layer per token / tp, plus the bf16 logits (the loss writes their gradient over them, and the fp32 chunk it
+    holds at a time is a fixed quarter GB, inside `memory_capacity`'s workspace: megalm.model.loss).
     """
     return (shape.layers * 34 * shape.hidden + 2 * shape.vocab) / tp, 4 * shape.params / tp
 
