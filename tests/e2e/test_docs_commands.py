@@ -32,10 +32,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.docs_pages import DOCS, ROOT, prose
 from tests.e2e.forked_python import ForkedPython, forkable
 
-ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 STARTS = r"(megalm-\w+|python |torchrun |NPROC=|MASTER_ADDR=|(scripts|tools)/\S+\.sh\b|pytest|pip |docker |sbatch )"
 
 # Appended to every training run unless the command sets the key itself (later overrides win).
@@ -107,8 +106,7 @@ def documented_commands(path: Path) -> list[str]:
             line = line.split("  #")[0].strip()
             if re.match(STARTS, line):
                 found.append(line)
-    prose = re.sub(r"```.*?```", "", text, flags=re.S)
-    found += [span for span in re.findall(r"`([^`\n]+)`", prose)
+    found += [span for span in re.findall(r"`([^`\n]+)`", prose(text))
               if re.match(r"(megalm-\w+ |python (tools|-m megalm)|torchrun )", span)]
     return list(dict.fromkeys(found))
 

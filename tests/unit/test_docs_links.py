@@ -9,21 +9,16 @@ import re
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+from tests.docs_pages import DOCS, ROOT, prose
+
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-
-
-def _prose(text: str) -> str:
-    """The page without its fenced code blocks (a `# comment` there is no heading, a `](x)` no link)."""
-    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
 
 
 def anchors(page: Path) -> set[str]:
     """The anchors GitHub gives the headings of `page`."""
     seen: Counter[str] = Counter()
     out = set()
-    for heading in re.findall(r"^#{1,6} (.*)$", _prose(page.read_text()), re.M):
+    for heading in re.findall(r"^#{1,6} (.*)$", prose(page.read_text()), re.M):
         slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
         out.add(slug if not seen[slug] else f"{slug}-{seen[slug]}")
         seen[slug] += 1
@@ -36,7 +31,7 @@ def _name(path: Path) -> str:
 
 def broken_links(page: Path) -> list[str]:
     broken = []
-    for target in LINK.findall(_prose(page.read_text())):
+    for target in LINK.findall(prose(page.read_text())):
         if re.match(r"[a-z]+:", target):  # https:, mailto:
             continue
         path, _, anchor = target.partition("#")
@@ -49,7 +44,7 @@ def broken_links(page: Path) -> list[str]:
 
 
 def test_every_relative_link_of_the_docs_resolves():
-    broken = {_name(page): b for page in PAGES if (b := broken_links(page))}
+    broken = {_name(page): b for page in DOCS if (b := broken_links(page))}
     assert not broken, broken
 
 
