@@ -44,7 +44,7 @@ def export_hf(source: str | Path, out: str | Path, *, overwrite: bool = False, d
     `dtype` "auto": an imported model's original dtype (so export(import(x)) writes x's tensors), else float32.
     """
     out = Path(out).expanduser().absolute()
-    check_output_dir(out, overwrite)  # before any work: refuse fast
+    check_output_dir(out, overwrite, source)  # before any work: refuse fast
     if dtype not in ("auto", *DTYPES):
         raise InteropError(f"--dtype={dtype} is not one of auto|{'|'.join(DTYPES)}")
     max_bytes = parse_size(max_shard_size)
@@ -66,7 +66,7 @@ def export_hf(source: str | Path, out: str | Path, *, overwrite: bool = False, d
     bos, eos = (origin.get("bos_token_id"), origin.get("eos_token_id")) if origin.get("format") == "hf" else (eod, eod)
 
     tensors = {k: v.to(DTYPES[dtype]) for k, v in megalm_to_hf(weights, cfg, arch).items()}
-    with atomic_output_dir(out, overwrite) as tmp:
+    with atomic_output_dir(out, overwrite, source) as tmp:
         files = write_safetensors(tmp, tensors, max_bytes)
         config = hf_config(cfg, arch, dtype, bos, eos)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

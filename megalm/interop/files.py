@@ -34,8 +34,14 @@ def parse_size(text: str) -> int:
     return int(float(match[1]) * unit)
 
 
-def check_output_dir(out: Path, overwrite: bool) -> None:
-    """Refuse an output path that is a file, or a non-empty directory without `overwrite`."""
+def check_output_dir(out: Path, overwrite: bool, source: Path | str | None = None) -> None:
+    """Refuse an output path that is a file, a non-empty directory without `overwrite`, or the `source` being read
+    (or a directory that holds it), which `--overwrite` would replace with its own output."""
+    if source is not None:
+        source, target = Path(source).expanduser().resolve(), Path(out).expanduser().resolve()
+        if source == target or target in source.parents:
+            raise InteropError(f"--out {out} is the input {source}" + (" or holds it" if source != target else "")
+                               + "; writing there would delete it: choose another --out")
     if out.exists() and not out.is_dir():
         raise InteropError(f"--out {out} is a file; pass a directory path")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
@@ -44,11 +50,12 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
 
 
 @contextmanager
-def atomic_output_dir(out: Path, overwrite: bool) -> Iterator[Path]:
+def atomic_output_dir(out: Path, overwrite: bool, source: Path | str | None = None) -> Iterator[Path]:
     """Yield an empty temporary directory next to `out`; on success it replaces `out` in one rename (the old
-    one is removed afterwards), on error it is deleted and `out` is untouched."""
+    one is removed afterwards), on error it is deleted and `out` is untouched. `source`: the input, which `out`
+    must neither be nor hold (`check_output_dir`)."""
     out = Path(out).absolute()
-    check_output_dir(out, overwrite)
+    check_output_dir(out, overwrite, source)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -64,8 +64,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False, t
     """Write the megalm checkpoint dir of HF model dir `hf_dir` to `out`; returns `out`. `tokenizer`: None (the
     directory's tokenizer.json, if any), "byte", "none" or the path of a tokenizer.json."""
     out = Path(out).expanduser().absolute()
-    check_output_dir(out, overwrite)
     hf_dir = Path(hf_dir).expanduser().absolute()
+    check_output_dir(out, overwrite, hf_dir)
     arch, cfg, weights, hf = read_hf_model(hf_dir)
     tokenizer_file, spec = _tokenizer(hf_dir, out, tokenizer)
     config = config_to_dict(MegalmConfig(model=cfg, data=DataConfig(tokenizer=spec or "byte")))
@@ -74,7 +74,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False, t
              "source": {"format": "hf", "path": str(hf_dir), "architecture": ARCHITECTURES[arch],
                         "dtype": _source_dtype(hf), "bos_token_id": hf.get("bos_token_id"),
                         "eos_token_id": hf.get("eos_token_id")}}
-    with atomic_output_dir(out, overwrite) as tmp:
+    with atomic_output_dir(out, overwrite, hf_dir) as tmp:
         # fused projections stored as their parts, as every megalm checkpoint stores them
         tensors = {f"model/{name}": t.contiguous() for name, t in unfuse_tensors(weights, cfg).items()}
         # the model's persistent buffers, which HF files do not hold: an MoE router's selection bias, zero

@@ -283,6 +283,29 @@ def test_export_refuses_bad_inputs_in_one_line(tmp_path, capsys):
     assert (out / "model.safetensors").is_file() and not (out / "keep.txt").exists()
 
 
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def test_export_and_import_refuse_an_out_that_is_or_holds_their_input(tmp_path, capsys):
+    """`--overwrite` replaces --out whole: pointed at the input, or a directory above it, it would delete the very
+    model being converted. Both tools refuse in one line and leave the input as it was."""
+    run, _ = make_run(tmp_path / "runs" / "src", "llama")
+    hf_dir = export_hf(run, tmp_path / "hf")
+    step = next((run / "checkpoints").glob("step_*"))
+    cases = [(export_cli, [str(run), "--out", str(run)], run, "is the input"),
+             (export_cli, [str(step), "--out", str(run)], run, "or holds it"),
+             (export_cli, [str(run), "--out", str(tmp_path / "runs")], run, "or holds it"),
+             (import_cli, [str(hf_dir), "--out", str(hf_dir)], hf_dir, "is the input")]
+    for cli, argv, source, message in cases:
+        before = _tree(source)
+        with pytest.raises(SystemExit) as e:
+            cli.main([*argv, "--overwrite"])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code != 0 and "\n" not in err and message in err and "choose another --out" in err, err
+        assert _tree(source) == before, f"{argv}: the input changed"
+
+
 def test_import_accepts_original_gpt2_key_names_and_gelu_new(tmp_path):
     """The original GPT-2 files store GPT2Model keys (no "transformer." prefix), the causal-mask buffers and
     activation_function=gelu_new; they import to the same weights."""
