@@ -198,6 +198,8 @@ def validate_model(model: ModelConfig) -> None:
     for key in ("dropout", "attention_dropout"):
         if not 0.0 <= getattr(model, key) < 1.0:
             raise ConfigError(f"model.{key}={getattr(model, key)} must be in [0, 1)")
+    for key in ("norm_eps", "rope_theta", "init_std"):  # a zero or negative one trains NaNs, or fails inside torch
+        positive(getattr(model, key), f"model.{key}")
     validate_moe(model)
 
 
@@ -215,6 +217,9 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
             raise ConfigError(f"trainer.{key}={getattr(t, key)} must be >= 0 (0 turns it off)")
     if t.stop_at_step is not None and not 0 < t.stop_at_step <= t.max_steps:
         raise ConfigError(f"trainer.stop_at_step={t.stop_at_step} must be in [1, trainer.max_steps={t.max_steps}]")
+    if not str(t.resume or "").strip():
+        raise ConfigError("trainer.resume is empty; set it to auto (the default), never, or the path of a checkpoint "
+                          "or run dir")
     choice(t.device, "trainer.device", Device)
     choice(t.nonfinite, "trainer.nonfinite", NonFinite)
     positive(t.max_consecutive_skips, "trainer.max_consecutive_skips")
@@ -229,6 +234,12 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
             raise ConfigError(f"parallel.timeout_minutes={timeout} must exceed trainer.{key}={minutes}, so that the "
                               f"watchdog reports a hang before a collective times out; raise it, or lower "
                               f"trainer.{key} (0 turns the watchdog off)")
+    if t.grad_clip < 0:
+        raise ConfigError(f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
+    if t.num_threads is not None and t.num_threads < 1:
+        raise ConfigError(f"trainer.num_threads={t.num_threads} must be >= 1, or null for torch's default")
+    if isinstance(t.compile_backend, str):  # (the estimator puts a backend object here)
+        choice(t.compile_backend, "trainer.compile_backend", ("inductor", "aot_eager", "eager"))
     if t.spike_zscore < 0:
         raise ConfigError(f"trainer.spike_zscore={t.spike_zscore} must be >= 0 (0 turns spike reports off)")
     if t.tokens_per_step is not None:
@@ -248,6 +259,14 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
         raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
     if not 0.0 < o.wsd_decay_fraction <= 1.0:
         raise ConfigError(f"optim.wsd_decay_fraction={o.wsd_decay_fraction} must be in (0, 1]")
+    if o.decay_steps is not None:
+        positive(o.decay_steps, "optim.decay_steps")  # (null: to trainer.max_steps)
+    for key in ("beta1", "beta2"):
+        if not 0.0 <= getattr(o, key) < 1.0:
+            raise ConfigError(f"optim.{key}={getattr(o, key)} must be in [0, 1)")
+    positive(o.eps, "optim.eps")
+    if o.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay={o.weight_decay} must be >= 0")
 
     d = cfg.data
     choice(d.name, "data", DataSource)
@@ -263,6 +282,9 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
     elif d.name == "indexed" and not d.path:
         raise ConfigError("data=indexed needs data.path=PREFIX (the prefix of PREFIX.bin/PREFIX.idx "
                           "written by megalm-preprocess), or data.blend=[W1,PREFIX1,W2,PREFIX2,...]")
+    positive(d.synthetic.num_docs, "data.synthetic.num_docs")
+    positive(d.synthetic.mean_doc_length, "data.synthetic.mean_doc_length")
+    positive(d.synthetic.fixed_doc_length, "data.synthetic.fixed_doc_length")  # (null: log-normal lengths)
     if not 0.0 <= d.valid_fraction < 1.0:
         raise ConfigError(f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
     choice(cfg.logging.wandb.mode, "logging.wandb.mode", WandbMode)

@@ -124,3 +124,34 @@ def test_a_value_set_in_python_is_still_checked():
     cfg.optim.schedule = "exp"
     with pytest.raises(ConfigError, match="optim.schedule=exp is not one of"):
         config.validate(cfg)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.beta1=1.5", "optim.beta1=1.5 must be in [0, 1)"),
+    ("optim.beta2=-0.1", "optim.beta2=-0.1 must be in [0, 1)"),
+    ("optim.eps=-1", "optim.eps=-1.0 must be > 0"),
+    ("optim.weight_decay=-5", "optim.weight_decay=-5.0 must be >= 0"),
+    ("optim.decay_steps=-3", "optim.decay_steps=-3 must be > 0"),
+    ("trainer.grad_clip=-1", "trainer.grad_clip=-1.0 must be >= 0 (0 turns clipping off)"),
+    ("trainer.num_threads=0", "trainer.num_threads=0 must be >= 1, or null"),
+    ("trainer.compile_backend=bogus", "trainer.compile_backend=bogus is not one of inductor|aot_eager|eager"),
+    ("trainer.resume=", "trainer.resume is empty"),
+    ("model.norm_eps=-1", "model.norm_eps=-1.0 must be > 0"),
+    ("model.rope_theta=0", "model.rope_theta=0.0 must be > 0"),
+    ("model.init_std=-1", "model.init_std=-1.0 must be > 0"),
+    ("data.synthetic.num_docs=0", "data.synthetic.num_docs=0 must be > 0"),
+    ("data.synthetic.mean_doc_length=0", "data.synthetic.mean_doc_length=0 must be > 0"),
+    ("data.synthetic.fixed_doc_length=-3", "data.synthetic.fixed_doc_length=-3 must be > 0"),
+])
+def test_a_value_outside_its_range_fails_as_one_line(override, message):
+    """Values the schema's types admit but training cannot use: each was a traceback from inside torch, or a run
+    that trained NaNs (or a learning rate 100x the one set) and exited 0."""
+    with pytest.raises(ConfigError) as e:
+        config.validate(compose_config(override))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_range_rules_pass_every_shipped_config():
+    """The defaults, and every model preset, validate: the rules above refuse only what a user set wrong."""
+    for name in sorted(p.stem for p in (Path(config.__file__).parents[2] / "configs" / "model").glob("*.yaml")):
+        config.validate(compose_config(f"model={name}"))
