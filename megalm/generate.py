@@ -48,14 +48,44 @@ def sample(model: GPT, prompt: list[int], max_new_tokens: int, temperature: floa
     return ids[len(prompt):]
 
 
-def load_for_generation(path: str, device: str = "cpu") -> tuple[GPT, object]:
-    """Model (weights loaded) and tokenizer of a checkpoint dir or run dir."""
+def load_for_generation(path: str, device: str = "cpu", tokenizer: str | None = None) -> tuple[GPT, object]:
+    """Model (weights loaded) and tokenizer of a checkpoint dir or run dir; `tokenizer` (a tokenizer.json or "byte")
+    in place of the one the checkpoint names. A tokenizer of another vocabulary than the model's is refused: it
+    would decode the ids into other text."""
     meta, model = load_saved_model(path, device)
     model.eval()
-    spec = meta.state.get("tokenizer")
+    spec = tokenizer or meta.state.get("tokenizer")
     if spec is None:
-        raise MegalmError(f"checkpoint {meta.path} was trained without a tokenizer (synthetic data); nothing to decode")
-    return model, build_tokenizer(spec)
+        raise MegalmError(f"checkpoint {meta.path} was trained without a tokenizer (synthetic data); nothing to decode "
+                          "(--tokenizer PATH decodes with one)")
+    try:
+        built = build_tokenizer(spec)
+    except MegalmError as e:
+        raise MegalmError(f"{e}; or pass megalm-generate --tokenizer PATH" if tokenizer is None else str(e)) from None
+    trained = meta.state.get("tokenizer_vocab_size")  # (checkpoints since 2026-11-30; else only the model's bound)
+    if built.vocab_size > model.cfg.vocab_size or trained not in (None, built.vocab_size):
+        raise MegalmError(f"tokenizer {spec} has {built.vocab_size} tokens, the run's had "
+                          f"{trained or f'at most {model.cfg.vocab_size}'}: it is not the one {meta.path} was trained "
+                          "with; pass that one with --tokenizer PATH")
+    return model, built
+
+
+def _check_sampling_args(args: argparse.Namespace) -> None:
+    """One line for each flag out of its range, before anything loads."""
+    for flag, value, low, what in (("--max-new-tokens", args.max_new_tokens, 1, ""),
+                                   ("--num-samples", args.num_samples, 1, ""),
+                                   ("--top-k", args.top_k, 0, " (0: no top-k filtering)"),
+                                   ("--temperature", args.temperature, 0, " (0: greedy)")):
+        if value < low:
+            raise MegalmError(f"{flag} {value} must be >= {low}{what}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise MegalmError(f"--device {args.device} is not a device; use cpu or cuda (cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise MegalmError(f"--device {args.device}, but no CUDA device is visible; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise MegalmError(f"--device {args.device}: megalm-generate runs on cpu or cuda")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,12 +98,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-samples", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a tokenizer.json (or 'byte') to decode with; default: the one the checkpoint names")
     parser.add_argument("--debug", action="store_true", help="keep tracebacks")
     args = parser.parse_args(argv)
     with one_line_errors(args.debug):
-        if args.max_new_tokens < 1:
-            raise MegalmError("--max-new-tokens must be >= 1")
-        model, tokenizer = load_for_generation(args.checkpoint, args.device)
+        _check_sampling_args(args)
+        model, tokenizer = load_for_generation(args.checkpoint, args.device, args.tokenizer)
         prompt = tokenizer.encode(args.prompt) or [tokenizer.eod_id]
         generator = torch.Generator().manual_seed(args.seed)
         for i in range(args.num_samples):

@@ -49,10 +49,34 @@ def precheck_overrides(argv: list[str]) -> None:
         return
     try:
         compose_config(overrides)
+        for override in overrides:  # before Hydra makes the run dir and its train.log there
+            key, _, value = override.partition("=")
+            if key.lstrip("+") == "hydra.run.dir" and Path(value).expanduser().exists():
+                if not Path(value).expanduser().is_dir():
+                    raise ConfigError(f"hydra.run.dir={value} is a file; choose a directory (new, or a run's to "
+                                      "continue)")
+                check_run_dir(Path(value).expanduser())
     except ConfigError as e:
         if "debug=true" in overrides:
             raise
         fail(str(e))
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse a run dir that holds another program's config.yaml or metrics.jsonl: a run would overwrite the one
+    and append to the other. A megalm run's config.yaml is a mapping with model and trainer sections."""
+    config, metrics = run_dir / "config.yaml", run_dir / "metrics.jsonl"
+    if config.exists():
+        try:
+            saved = OmegaConf.to_container(OmegaConf.load(config))
+        except Exception:  # any unreadable YAML: not a run's
+            saved = None
+        if not (isinstance(saved, dict) and {"model", "trainer"} <= saved.keys()):
+            raise ConfigError(f"{config} is not a megalm run's config.yaml, and a run would overwrite it; choose a "
+                              "new or empty hydra.run.dir")
+    elif metrics.exists():
+        raise ConfigError(f"{metrics} exists without the config.yaml of the run that wrote it, and a run would add "
+                          "to it; choose a new or empty hydra.run.dir")
 
 
 def shared_run_dir(own_dir: Path, config) -> tuple[Path, int]:
@@ -110,15 +134,16 @@ def run(cfg: DictConfig) -> float | None:
             run_dir, rank = shared_run_dir(own_dir, config)
         if rank != 0:  # one voice: rank 0 logs, the others only warn
             log.setLevel(logging.WARNING)
+        check_run_dir(run_dir)
         # precision=auto becomes the recipe of this device, and trainer.compile=null (auto) true or false, before
         # anything is written: config.yaml names them
         device = select_device(config.trainer.device)
         resolved = resolve_auto_precision(cfg, device) is not None
         if resolve_auto_compile(cfg, device) is not None or resolved:
             config = to_dataclass(cfg)
-        if rank == 0:
+        trainer = Trainer(config, run_dir)  # validates the config and the checkpoint it resumes from
+        if rank == 0:  # only now: a run refused above leaves the run dir's config.yaml as it was
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        trainer = Trainer(config, run_dir)
         summary = trainer.fit()
         del trainer
         shutdown_distributed()

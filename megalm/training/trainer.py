@@ -116,12 +116,23 @@ class Trainer:
                 log.info(f"model.init_from: weights from {where}")
             return
         meta = ckpt.read_checkpoint_meta(path)
+        step = meta.state["step"]
+        if step > self.cfg.trainer.max_steps:
+            raise CheckpointError(f"checkpoint {path} is at step {step}, past trainer.max_steps="
+                                  f"{self.cfg.trainer.max_steps}; raise trainer.max_steps to continue it")
+        # trainer.resume=PATH of an earlier step than the run dir's own (auto takes its latest intact one): the run's
+        # saves would replace the complete checkpoints after it
+        later = [p.name for p in ckpt.step_dirs(self.run_dir / ckpt.CHECKPOINTS)
+                 if p.name > ckpt.checkpoint_name(step) and ckpt.is_complete(p)] if resume != "auto" else []
+        if later:
+            raise CheckpointError(f"run dir {self.run_dir} has checkpoints after step {step} ({later[-1]}), which "
+                                  "this run would overwrite; resume into a new hydra.run.dir or move them away")
         if self.cfg.model.init_from:
             log.info(f"model.init_from={self.cfg.model.init_from} not used: resuming from {path}")
         ckpt.check_model_config(meta.config.get("model", {}), self.config_dict["model"], path)
         ckpt.check_same_data_order(meta.state, self._data_order(), path)
         ckpt.load_checkpoint(path, self.model, self.optimizer, self.mesh, self.device)
-        self.step, self.consumed_tokens = meta.state["step"], meta.state["consumed_tokens"]
+        self.step, self.consumed_tokens = step, meta.state["consumed_tokens"]
         if self.train_steps is not None:  # continue the step boundaries from the checkpoint's cursor
             self.train_steps = TokenBudgetSteps(self.data.train, self.cfg.trainer.tokens_per_step, self.step,
                                                 meta.state["next_sample"])
@@ -132,8 +143,9 @@ class Trainer:
         """A checkpoint of this step; refused (one line) when any weight or optimizer state is not finite."""
         self.finish_save()  # published before anything can fail
         check_finite_state(self.model, self.optimizer, self.step, self.device, self.mesh.is_distributed)
-        state = {"consumed_tokens": self.consumed_tokens, "tokenizer": getattr(self.data.tokenizer, "spec", None),
-                 **self._data_order()}
+        tokenizer = self.data.tokenizer
+        state = {"consumed_tokens": self.consumed_tokens, "tokenizer": getattr(tokenizer, "spec", None),
+                 "tokenizer_vocab_size": getattr(tokenizer, "vocab_size", None), **self._data_order()}
         if self.train_steps is not None:
             state["next_sample"] = self.train_steps.start(self.step)
         return self.checkpointer.save(self.step, self.model, self.optimizer, state, self.config_dict)

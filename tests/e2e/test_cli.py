@@ -79,11 +79,47 @@ def test_train_writes_config_metrics_and_checkpoints(trained_run):
 
 def test_checkpoint_of_another_model_is_refused_and_kept(trained_run):
     shard = next((trained_run / "checkpoints" / "step_00000004").glob("shard-*.safetensors"))
-    before = shard.read_bytes()
+    before, config = shard.read_bytes(), (trained_run / "config.yaml").read_bytes()
     proc = train(["hydra.run.dir=run", "trainer.max_steps=6", "model.hidden_size=128"], trained_run.parent)
     assert_one_line_error(proc, "another model", "hidden_size=64")
     assert shard.read_bytes() == before
     assert (trained_run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    assert (trained_run / "config.yaml").read_bytes() == config, "a refused run rewrote the run's config.yaml"
+
+
+def test_resuming_an_earlier_checkpoint_into_the_run_dir_keeps_the_later_ones(trained_run, tmp_path):
+    """trainer.resume=PATH of step 2 into the run dir that has step 4: the run's saves would replace step 4. And a
+    checkpoint past trainer.max_steps, or a resume path that does not exist, is one line naming the fix."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    later = run_dir / "checkpoints" / "step_00000004"
+    before = {f.name: f.read_bytes() for f in later.iterdir()}
+    earlier = run_dir / "checkpoints" / "step_00000002"
+    proc = train([f"hydra.run.dir={run_dir}", "trainer.max_steps=4", "trainer.save_interval=2",
+                  f"trainer.resume={earlier}"], tmp_path)
+    assert_one_line_error(proc, "has checkpoints after step 2 (step_00000004)", "new hydra.run.dir")
+    assert {f.name: f.read_bytes() for f in later.iterdir()} == before
+    assert_one_line_error(train([f"hydra.run.dir={run_dir}", "trainer.max_steps=2"], tmp_path),
+                          "is at step 4, past trainer.max_steps=2", "raise trainer.max_steps")
+    assert_one_line_error(train(["hydra.run.dir=new", "trainer.resume=autp"], tmp_path),
+                          "trainer.resume=autp: no such path", "auto, never")
+
+
+def test_a_run_dir_holding_other_files_is_refused_and_kept(tmp_path):
+    """A run writes config.yaml and appends to metrics.jsonl: a directory whose files of those names are not a
+    megalm run's is refused before either is touched; so is a run dir that is a file."""
+    cases = {"mine": {"config.yaml": "notes: mine\n", "metrics.jsonl": "my line\n"},
+             "metrics_only": {"metrics.jsonl": "my line\n"}}
+    for name, files in cases.items():
+        (tmp_path / name).mkdir()
+        for file, text in files.items():
+            (tmp_path / name / file).write_text(text)
+        fragment = "not a megalm run's config.yaml" if "config.yaml" in files else "without the config.yaml"
+        assert_one_line_error(train([f"hydra.run.dir={name}"], tmp_path), fragment, "new or empty hydra.run.dir")
+        assert {f.name: f.read_text() for f in (tmp_path / name).iterdir() if f.is_file()} == files
+    (tmp_path / "notes.txt").write_text("mine")
+    assert_one_line_error(train(["hydra.run.dir=notes.txt"], tmp_path), "hydra.run.dir=notes.txt is a file")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.parametrize("args, fragments", [
@@ -128,6 +164,36 @@ def test_generate_from_the_run(trained_run):
     assert proc.stdout.startswith("def ")
     bad = run(["megalm-generate", str(trained_run / "missing")], trained_run)
     assert_one_line_error(bad, "does not exist")
+
+
+@pytest.mark.parametrize("flags, fragments", [
+    (["--top-k", "-3"], ["--top-k -3 must be >= 0"]),
+    (["--temperature", "-1"], ["--temperature -1.0 must be >= 0 (0: greedy)"]),
+    (["--num-samples", "0"], ["--num-samples 0 must be >= 1"]),
+    (["--device", "banana"], ["--device banana is not a device"]),
+    (["--tokenizer", "tests/data/hf_tokenizer_missing.json"], ["not found"]),
+])
+def test_generate_refuses_bad_flags_in_one_line(trained_run, flags, fragments):
+    proc = run(["megalm-generate", str(trained_run), "--max-new-tokens", "2", "--device", "cpu", *flags], ROOT)
+    assert_one_line_error(proc, *fragments)
+
+
+def test_generate_refuses_a_tokenizer_the_run_did_not_train_with(trained_run, tmp_path):
+    """The run trained on bytes (257 tokens, recorded in its checkpoint): a BPE tokenizer of 270, which the model's
+    320 rows would admit, would decode its ids into other text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["def f(x): return x + 1\n" * 4] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    proc = run(["megalm-generate", str(trained_run), "--max-new-tokens", "2", "--device", "cpu", "--tokenizer",
+                str(tmp_path / "tokenizer.json")], tmp_path)
+    assert_one_line_error(proc, "tokens, the run's had 257", "--tokenizer PATH")
+    byte = run(["megalm-generate", str(trained_run), "--max-new-tokens", "2", "--device", "cpu", "--tokenizer",
+                "byte", "--prompt", "def "], tmp_path)
+    assert byte.returncode == 0 and byte.stdout.startswith("def "), byte.stderr
 
 
 def test_console_script_and_multirun(tmp_path):

@@ -34,6 +34,8 @@ DAMAGE = {  # (file in step_00000004, how, what the message says)
     "foreign shard": ("shard-*.safetensors", not_safetensors, "not a safetensors file"),
     "truncated rng": ("rng-rank00000.safetensors", truncate, "truncated"),
     "broken state": ("state.json", garbage_json, "JSONDecodeError"),
+    "state not a mapping": ("state.json", lambda f: f.write_text("[1, 2]"), "a JSON list, not a checkpoint's state"),
+    "config not a run's": ("config.yaml", lambda f: f.write_text("junk\n"), "no model section"),
 }
 
 
@@ -87,9 +89,26 @@ def test_the_cli_says_one_line_and_exits_2(trained, tmp_path):
                                                                                      "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: checkpoint file {file} is damaged (not a safetensors file); resume from another "
-                      "checkpoint with trainer.resume=PATH"], proc.stderr[-2000:]
+    assert errors == [f"error: checkpoint file {file} is damaged (not a safetensors file); use another checkpoint "
+                      "(trainer.resume=PATH to train from one)"], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("case", ["truncated shard", "state not a mapping", "config not a run's"])
+def test_generate_and_export_name_the_damaged_file_in_one_line(trained, tmp_path, case, capsys):
+    """megalm-generate and megalm-export read a checkpoint's headers before torch.distributed.checkpoint reads its
+    tensors: a damaged file is one line naming it, not DCP's traceback (or a KeyError)."""
+    from megalm.generate import main as generate
+    from megalm.interop.export import main as export
+
+    run, file = damaged_copy(trained, tmp_path, case)
+    step = str(run / "checkpoints" / "step_00000004")
+    for cli, argv in ((generate, [step, "--max-new-tokens", "1", "--device", "cpu"]),
+                      (export, [step, "--format", "hf", "--out", str(tmp_path / "hf")])):
+        with pytest.raises(SystemExit) as e:
+            cli(argv)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code != 0 and "\n" not in err and f"checkpoint file {file} is damaged" in err, err
 
 
 def test_the_save_after_a_fall_back_survives_pruning(trained, tmp_path):

@@ -29,7 +29,7 @@ from megalm.training.checkpoint.tensors import (
     saved_vocab_rows,
     stored_names,
 )
-from megalm.training.checkpoint.verify import LoadedCheckpoint, read_checkpoint_meta
+from megalm.training.checkpoint.verify import LoadedCheckpoint, read_checkpoint_meta, verify_checkpoint
 from megalm.training.optim import full_precision_weights
 
 if TYPE_CHECKING:  # annotations only: checkpoints take the mesh they are given
@@ -59,7 +59,7 @@ def load_saved_model(path: str | Path, device: str | torch.device = "cpu") -> tu
     wrote it (DCP reshards), built from its config.yaml (its saved padded vocab kept): what megalm-generate,
     megalm-export and model.init_from read. No initialization is drawn: every parameter is loaded."""
     ckpt = resolve_checkpoint_path(path)
-    meta = read_checkpoint_meta(ckpt)
+    meta = verify_checkpoint(ckpt)  # a damaged file is one line naming it, before DCP reads any of it
     model = GPT(resolve_model_defaults(model_config(meta.config["model"])), device="meta")
     model.to_empty(device=device)
     reset_buffers(model)

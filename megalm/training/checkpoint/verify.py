@@ -32,8 +32,8 @@ class LoadedCheckpoint:
 
 
 def _damaged(file: Path, why: str) -> CheckpointError:
-    return CheckpointError(f"checkpoint file {file} is damaged ({why}); resume from another checkpoint with "
-                           "trainer.resume=PATH")
+    return CheckpointError(f"checkpoint file {file} is damaged ({why}); use another checkpoint (trainer.resume=PATH "
+                           "to train from one)")
 
 
 def _check_safetensors(file: Path) -> None:
@@ -65,8 +65,12 @@ def _read_text_file(file: Path, parse: Any) -> Any:
 def read_checkpoint_meta(path: Path) -> LoadedCheckpoint:
     """state.json and config.yaml of a checkpoint; a one-line error naming the file when one cannot be read."""
     state = _read_text_file(path / "state.json", json.loads)
+    if not isinstance(state, dict):
+        raise _damaged(path / "state.json", f"a JSON {type(state).__name__}, not a checkpoint's state")
     config = _read_text_file(path / "config.yaml",
                              lambda text: OmegaConf.to_container(OmegaConf.create(text), resolve=True))
+    if not (isinstance(config, dict) and isinstance(config.get("model"), dict)):
+        raise _damaged(path / "config.yaml", "no model section: not a run's config")
     if state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format version {state.get('format_version')}, "
                               f"this megalm reads {FORMAT_VERSION}")
@@ -88,6 +92,9 @@ def resumable_checkpoint(run_dir: Path, resume: str) -> Path | None:
     error naming its damaged file. "auto": the run dir's `latest`, or, when its files are damaged, the newest older
     complete checkpoint that is intact (a warning names what was skipped); None when the run dir has none."""
     if resume != "auto":
+        if not Path(resume).expanduser().exists():
+            raise CheckpointError(f"trainer.resume={resume}: no such path; set trainer.resume=auto, never, or the "
+                                  "path of a checkpoint or run dir")
         path = resolve_checkpoint_path(resume)
         if verify_checkpoint(path).state.get("weights_only"):
             raise CheckpointError(f"checkpoint {path} holds weights only (megalm-import); start from it with "
