@@ -44,9 +44,8 @@ def precheck_overrides(argv: list[str]) -> None:
     starts the run. Sweeps (-m) and Hydra's own flags are left to Hydra."""
     if any(a in ("-m", "--multirun") for a in argv):
         return
-    overrides = [a for a in argv if not a.startswith("-")]
-    if any(a.startswith("-") for a in argv):  # --help, --cfg, --info ...: Hydra handles these itself
-        return
+    # Hydra's own flags (--cfg job, --help, --info ...) are Hydra's; the overrides beside them are key=value
+    overrides = [a for a in argv if not a.startswith("-") and "=" in a]
     try:
         compose_config(overrides)
         for override in overrides:  # before Hydra makes the run dir and its train.log there

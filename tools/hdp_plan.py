@@ -21,15 +21,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megalm.config import register_schema, to_dataclass  # noqa: E402
+from megalm.config.compose import compose_config  # noqa: E402
 from megalm.data.build import build_datasets  # noqa: E402
 from megalm.data.dataset import TokenBudgetSteps  # noqa: E402
 from megalm.errors import ConfigError  # noqa: E402
 from megalm.parallel.dims import ParallelDims, ParallelMesh  # noqa: E402
 from megalm.parallel.hdp import Plan, simulate  # noqa: E402
 from megalm.parallel.hdp.split import HdpSplit  # noqa: E402
-from megalm.train import CONFIG_DIR  # noqa: E402
 from megalm.training.validation import validate_run  # noqa: E402
+from tools.bench.cli import run_main  # noqa: E402
 
 
 def describe(plan: Plan, lengths: list[int]) -> list[str]:
@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> tuple[Plan, list[int]]:
     p.add_argument("--png", default=None, help="write the plan's Gantt chart here")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the run")
     args = p.parse_args(argv)
+    if args.step < 0:
+        p.error(f"--step {args.step} must be >= 0 (steps count from 0)")
     if args.png:
         from megalm.plot import PlotError, require_matplotlib
 
@@ -66,11 +68,7 @@ def main(argv: list[str] | None = None) -> tuple[Plan, list[int]]:
         except PlotError as e:
             sys.exit(f"error: {e}")
 
-    from hydra import compose, initialize_config_dir
-
-    register_schema()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = to_dataclass(compose(config_name="config", overrides=args.overrides))
+    cfg = compose_config(args.overrides)
     par = cfg.parallel
     if par.dp is None or not par.hdp:
         raise ConfigError("set parallel.hdp=true and parallel.dp (and parallel.cp): the HDP domain is dp*cp ranks")
@@ -100,4 +98,4 @@ def main(argv: list[str] | None = None) -> tuple[Plan, list[int]]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -75,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     cpu_run = ["trainer.device=cpu", "trainer.hang_minutes=0", "trainer.init_hang_minutes=0",
                "logging.tensorboard=false"]
     try:
+        if args.world < 1:
+            raise ConfigError(f"--world {args.world} must be >= 1 (the number of GPUs of the run)")
+        if args.top < 1:
+            raise ConfigError(f"--top {args.top} must be >= 1")
+        if args.gpu_memory is not None and args.gpu_memory <= 0:
+            raise ConfigError(f"--gpu-memory {args.gpu_memory} must be > 0 GiB (or left out for --gpu's)")
         given = gpu_precision(args.overrides)
         with contextlib.redirect_stdout(sys.stderr):
             if args.search:
@@ -96,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if given is not args.overrides:
             result["notes"].append(AUTO_PRECISION)
     except ConfigError as error:
-        print(f"megalm-estimate: {error}", file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr)  # megalm-train's form
         return 2
     print(json.dumps(result, indent=1) if args.json else "\n".join([text, *result["notes"]]))
     return 0

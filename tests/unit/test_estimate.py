@@ -124,11 +124,14 @@ def test_hdp_measures_the_largest_ring_and_its_loads_are_the_simulators():
     (["parallel.tp=2", "--world", "3"], "--world 3 is not a multiple of tp x pp x cp = 2"),
     (["--world", "2", "--gpu", "v100"], "--gpu v100: unknown GPU"),
     (["model=moe_tiny", "model.moe.every_n_layers=2", "--world", "2", "--search"], "model.moe.every_n_layers=2"),
+    (["--world", "0"], "--world 0 must be >= 1"),
+    (["--world", "2", "--search", "--top", "0"], "--top 0 must be >= 1"),
+    (["--world", "2", "--search", "--gpu-memory", "-5"], "--gpu-memory -5.0 must be > 0 GiB"),
 ])
 def test_bad_input_is_one_line(argv, message, capsys):
     assert estimate.main([*SMALL, *argv]) == 2
     err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1, err
+    assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])

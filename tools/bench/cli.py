@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 
 def parse_flags_and_overrides(parser: argparse.ArgumentParser,
@@ -13,3 +14,12 @@ def parse_flags_and_overrides(parser: argparse.ArgumentParser,
     argv = sys.argv[1:] if argv is None else argv
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
     return parser.parse_args([a for a in argv if a not in overrides]), overrides
+
+
+def run_main(main: Callable[[], object]) -> None:
+    """A tool's `main` as megalm-train runs: a user error (a bad override or flag value, a MegalmError) prints one
+    `error:` line and exits 2, not a traceback."""
+    from megalm.errors import one_line_errors
+
+    with one_line_errors():
+        main()

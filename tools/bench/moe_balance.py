@@ -22,24 +22,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from megalm.config import register_schema, to_dataclass  # noqa: E402
-from megalm.train import CONFIG_DIR  # noqa: E402
+from megalm.config.compose import compose_config  # noqa: E402
 from megalm.training.trainer import Trainer  # noqa: E402
-from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
+from tools.bench.cli import parse_flags_and_overrides, run_main  # noqa: E402
 
 OFF = ["model.moe.aux_loss_coeff=0", "model.moe.seq_aux_loss_coeff=0", "model.moe.z_loss_coeff=0",
        "model.moe.bias_update_rate=0"]
 METHODS = {"none": [], "aux_loss_free": ["model.moe.bias_update_rate=0.01"],
            "aux_loss": ["model.moe.aux_loss_coeff=0.01"], "seq_aux_loss": ["model.moe.seq_aux_loss_coeff=0.01"],
            "z_loss": ["model.moe.z_loss_coeff=0.001"]}
-
-
-def compose_config(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    register_schema()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return to_dataclass(compose(config_name="config", overrides=overrides))
 
 
 def train(method: str, steps: int, overrides: list[str], root: Path) -> dict:
@@ -71,4 +62,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

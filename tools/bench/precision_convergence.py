@@ -19,20 +19,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from megalm.config import register_schema, to_dataclass  # noqa: E402
-from megalm.train import CONFIG_DIR  # noqa: E402
+from megalm.config.compose import compose_config  # noqa: E402
 from megalm.training.trainer import Trainer  # noqa: E402
-from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
+from tools.bench.cli import parse_flags_and_overrides, run_main  # noqa: E402
 
 DEFAULT_RECIPES = ["fp32", "fp8", "mxfp8", "mxfp4", "mxfp4_rtn"]
-
-
-def compose_config(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    register_schema()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return to_dataclass(compose(config_name="config", overrides=overrides))
 
 
 def train(recipe: str, steps: int, overrides: list[str], root: Path) -> dict:
@@ -65,4 +56,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

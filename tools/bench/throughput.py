@@ -31,18 +31,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from megalm.config import register_schema, to_dataclass  # noqa: E402
-from megalm.train import CONFIG_DIR  # noqa: E402
-from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
+from megalm.config.compose import compose_config as compose_megalm_config  # noqa: E402
+from tools.bench.cli import parse_flags_and_overrides, run_main  # noqa: E402
 
 
 def compose_config(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    register_schema()
+    """megalm's config with `overrides` over synthetic data; a bad override is a one-line ConfigError."""
     base = ["data=synthetic", "trainer.eval_interval=0", "trainer.save_interval=0", "logging.tensorboard=false"]
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return to_dataclass(compose(config_name="config", overrides=base + overrides))
+    return compose_megalm_config(base + overrides)
 
 
 def synchronize(device: torch.device) -> None:
@@ -60,6 +56,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile-trace", type=Path, metavar="PATH",
                         help="with --profile, also write the profiler's Chrome trace here (.json)")
     args, overrides = parse_flags_and_overrides(parser, argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0")
     if args.profile < 0 or (args.profile_trace and not args.profile):
         parser.error("--profile takes a number of steps >= 1; --profile-trace needs --profile")
     from megalm.training.metrics import peak_memory_gb
@@ -145,4 +143,4 @@ def compile_counts():
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -1,0 +1,30 @@
+"""The tools a user meets beside megalm-train answer a bad override or flag as megalm-train does: one `error:` line
+and exit code 2, not Hydra's or argparse's traceback, and no run starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["tools/bench/throughput.py", "--steps", "1", "model.hiden=3"], "unknown config key 'model.hiden'"),
+    (["tools/hdp_plan.py", "--step", "1", "model.hiden=4"], "unknown config key 'model.hiden'"),
+    (["tools/hdp_plan.py", "--step", "1", "parallel.hdp=true"], "set parallel.hdp=true and parallel.dp"),
+    (["tools/bench/moe_balance.py", "--steps", "1", "model.hiden=2"], "unknown config key 'model.hiden'"),
+    (["-m", "megalm.train", "--cfg", "job", "model.hiden=3"], "unknown config key 'model.hiden'"),
+])
+def test_a_bad_override_is_one_line(argv, fragment, tmp_path):
+    proc = subprocess.run([sys.executable, *[str(ROOT / a) if a.endswith(".py") else a for a in argv]],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    assert fragment in lines[0] and "Traceback" not in proc.stderr
+    assert not list(tmp_path.iterdir()), "a refused command wrote nothing"
