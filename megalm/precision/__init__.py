@@ -225,6 +225,26 @@ class Precision:
         set_precision_step(chunk, step, micro_batch)
 
 
+def _check_skip_patterns(cfg: MegalmConfig) -> None:
+    """Refuse a `precision.skip` pattern that names no layer of the model: a typo would leave the layer it meant in
+    the recipe without a word. `output` always names the head (a tied one is the embedding, which no recipe
+    touches). Built on the meta device: the names, not the weights."""
+    import fnmatch
+
+    from megalm.model import GPT
+    from megalm.model.naming import canonical_named_modules
+    from megalm.precision.install import expand_layer_patterns
+
+    skip = [str(pattern) for pattern in cfg.precision.skip]
+    if all(pattern == "output" for pattern in skip):
+        return
+    names = {name for name, _ in canonical_named_modules(GPT(cfg.model, device="meta"))} | {"output"}
+    for pattern, expanded in zip(skip, expand_layer_patterns(skip, cfg.model.num_layers - 1), strict=True):
+        if not any(fnmatch.fnmatchcase(name, expanded) for name in names):
+            raise ConfigError(f"precision.skip pattern {pattern!r} names no layer of this model (layers are named "
+                              "like output, layers.0.attention.qkv_proj, layers.{last}.mlp.*); fix or remove it")
+
+
 def validate_precision(cfg: MegalmConfig) -> None:
     """The rules of `cfg.precision`, alone and with the parallel layout, as one-line ConfigErrors."""
     p, parallel = cfg.precision, cfg.parallel
@@ -253,6 +273,8 @@ def validate_precision(cfg: MegalmConfig) -> None:
         # graph is traced with) takes bf16 only: the first compiled step would fail deep in dynamo
         raise ConfigError("trainer.compile=true with an MoE model needs precision=bf16 (the experts' "
                           "torch._grouped_mm traces bf16 only); set precision=bf16 or trainer.compile=false")
+    if p.name not in WHOLE_MODEL:
+        _check_skip_patterns(cfg)
     if p.bf16_weights and (p.name in WHOLE_MODEL or p.backend == "te"):
         raise ConfigError(f"precision.bf16_weights=true applies to the native fp8/mx recipes; remove it for "
                           f"precision={p.name}" + (" with precision.backend=te" if p.backend == "te" else ""))

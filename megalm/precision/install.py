@@ -33,11 +33,11 @@ def skip_predicate(model: nn.Module, skip: Iterable[str] | Callable[[str, nn.Mod
     (name, module)) as a predicate: whether a layer stays out of the recipe."""
     if callable(skip):
         return skip
-    patterns = _expand(skip, _last_layer(model))
+    patterns = expand_layer_patterns(skip, _last_layer(model))
     return lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def _expand(patterns: Iterable[str], last: int | None) -> list[str]:
+def expand_layer_patterns(patterns: Iterable[str], last: int | None) -> list[str]:
     """`{last}` (or `{L-1}`) in a pattern is the index of the model's last layer."""
     out = []
     for pattern in patterns:
@@ -76,7 +76,7 @@ def apply_precision(
     last = _last_layer(model)
     skipped = skip_predicate(model, skip)
     override_patterns = [(p, get_recipe(r)) for p, r in (overrides or {}).items()]
-    override_patterns = [(_expand([p], last)[0], r) for p, r in override_patterns]
+    override_patterns = [(expand_layer_patterns([p], last)[0], r) for p, r in override_patterns]
     states = {}
     for name, module in canonical_named_modules(model):
         if not isinstance(module, (nn.Linear, LinearHooks)) or skipped(name, module):

@@ -155,3 +155,13 @@ def test_the_range_rules_pass_every_shipped_config():
     """The defaults, and every model preset, validate: the rules above refuse only what a user set wrong."""
     for name in sorted(p.stem for p in (Path(config.__file__).parents[2] / "configs" / "model").glob("*.yaml")):
         config.validate(compose_config(f"model={name}"))
+
+
+def test_a_precision_skip_pattern_that_names_no_layer_fails_as_one_line():
+    """A typo in precision.skip (`outptu`) had quantized the head it meant to keep, without a word."""
+    from megalm.training.validation import validate_run
+
+    with pytest.raises(ConfigError, match=r"^precision.skip pattern 'outptu' names no layer of this model"):
+        validate_run(compose_config("precision=fp8", "precision.skip=[outptu]"))
+    validate_run(compose_config("precision=fp8", 'precision.skip=["output","layers.{last}.*","layers.0.mlp.*"]'))
+    validate_run(compose_config("precision=fp8", "model=gpt2_tiny"))  # a tied head is still `output`, the default
