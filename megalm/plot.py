@@ -418,6 +418,8 @@ def _run_main(argv: list[str]) -> int:
     records = load_metrics(args.run_dir)
     require_matplotlib()
     out = Path(args.out) if args.out else Path(args.run_dir) / "plots"
+    if out.exists() and not out.is_dir():
+        raise PlotError(f"--out {out} is a file; pass a directory for the PNGs")
     run_name = "/".join(Path(args.run_dir).resolve().parts[-2:])  # hydra's runs are DATE/TIME
     for name, fig in plot_metrics(records, run_name, log_loss=args.log_loss).items():
         print(f"wrote {save_figure(fig, out / f'{name}.png')}")
@@ -439,6 +441,8 @@ def _schedule_main(argv: list[str]) -> int:
     p.add_argument("--out", required=True, help="the PNG to write")
     args = p.parse_args(argv)
     vpp = args.vpp if args.vpp is not None else (2 if args.schedule == "interleaved" else 1)
+    if not 0.0 <= args.offload <= 1.0:
+        raise PlotError(f"--offload {args.offload:g} is a fraction of the micro-batch-chunks: pass one in [0, 1]")
     require_matplotlib()
     try:
         sched = build_plotted_schedule(args.schedule, args.pp, args.microbatches, vpp, args.offload,

@@ -115,6 +115,10 @@ def test_cli_one_line_errors(tmp_path, capsys):
     assert "line 3 is not valid JSON" in one_line_error(capsys, lambda: plot.main([str(tmp_path / "bad")]))
     write_run(tmp_path / "nostep", records(1), extra='{"loss": 1.0}\n')
     assert "line 2 is not a metrics record" in one_line_error(capsys, lambda: plot.main([str(tmp_path / "nostep")]))
+    (tmp_path / "notes.txt").write_text("mine")
+    good = write_run(tmp_path / "good", records())
+    err = one_line_error(capsys, lambda: plot.main([str(good), "--out", str(tmp_path / "notes.txt")]))
+    assert "is a file" in err and (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def test_missing_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
@@ -192,6 +196,8 @@ def test_schedule_cli(tmp_path, capsys):
     err = one_line_error(capsys, lambda: plot.main(["schedule", "--schedule", "interleaved", "--pp", "4",
                                                     "--microbatches", "6", "--out", str(tmp_path / "x.png")]))
     assert "multiple of the number of pipeline stages" in err
+    err = one_line_error(capsys, lambda: plot.main(["schedule", "--offload", "2", "--out", str(tmp_path / "y.png")]))
+    assert "--offload 2 is a fraction" in err and not (tmp_path / "y.png").exists()
 
 
 # ---------------------------------------------------------------------------------------------
