@@ -84,9 +84,16 @@ class IndexedDataset:
         self.prefix = prefix = os.fspath(prefix)
         idx_path, bin_path = f"{prefix}.idx", f"{prefix}.bin"
         for path in (idx_path, bin_path):
-            if not os.path.isfile(path):
-                raise DataError(f"data.path={prefix}: {path} not found; build it with "
-                                f"megalm-preprocess --input ... --output-prefix {prefix}")
+            if os.path.isfile(path):
+                continue
+            if prefix.endswith((".bin", ".idx")) and os.path.isfile(prefix):
+                raise DataError(f"data.path={prefix} names a file; it is the prefix of PREFIX.bin/PREFIX.idx: write "
+                                f"data.path={prefix[:-4]}")
+            if os.path.exists(path):
+                raise DataError(f"data.path={prefix}: {path} is not a file; point data.path at the prefix "
+                                "megalm-preprocess wrote")
+            raise DataError(f"data.path={prefix}: {path} not found; build it with "
+                            f"megalm-preprocess --input ... --output-prefix {prefix}")
         with open(idx_path, "rb") as f:
             head = f.read(16)
         from megalm.data import megatron_format  # imports this module: not at the top

@@ -60,6 +60,8 @@ def export_hf(source: str | Path, out: str | Path, *, overwrite: bool = False, d
         try:
             tok = build_tokenizer(spec)
         except MegalmError as e:
+            if tokenizer is not None:  # the user's own --tokenizer
+                raise InteropError(f"--tokenizer {tokenizer}: {e}") from None
             raise InteropError(f"the run's tokenizer cannot be loaded ({e}); pass --tokenizer PATH/tokenizer.json "
                                "or --tokenizer none") from None
     eod = tok.eod_id if tok is not None else None

@@ -47,6 +47,9 @@ def validate_init_from(spec: str | None) -> None:
     path = Path(spec[len(HF_PREFIX):] if spec.startswith(HF_PREFIX) else spec).expanduser()
     if not path.exists():
         raise ConfigError(f"model.init_from={spec}: {path} does not exist; use hf:DIR or a megalm checkpoint path")
+    if not spec.startswith(HF_PREFIX) and (path / "config.json").is_file() and not (path / "config.yaml").exists():
+        raise ConfigError(f"model.init_from={spec} is a Hugging Face model dir (config.json); write "
+                          f"model.init_from=hf:{spec}")
 
 
 def read_megalm_weights(path: str | Path) -> tuple[LoadedCheckpoint, ModelConfig, dict[str, torch.Tensor]]:

@@ -213,6 +213,16 @@ def test_missing_dataset_files_raise(tmp_path, how, missing):
         IndexedDataset(prefix)
 
 
+def test_a_dataset_path_with_its_suffix_says_to_drop_it(tmp_path):
+    prefix = write_dataset(tmp_path / "ds", [[1, 2], [3]], 257, 256, "byte")
+    with pytest.raises(DataError, match=rf"names a file; .* write data.path={prefix}$"):
+        IndexedDataset(f"{prefix}.bin")
+    Path(f"{prefix}.idx").unlink()
+    Path(f"{prefix}.idx").mkdir()
+    with pytest.raises(DataError, match=r"\.idx is not a file"):
+        IndexedDataset(prefix)
+
+
 # -------------------------------------------------------------------------------------- preprocess
 
 

@@ -212,6 +212,8 @@ def test_init_from_refuses_another_shape_and_resume_refuses_an_import(tmp_path):
     imported = import_hf(export_hf(run, tmp_path / "hf"), tmp_path / "imported")
     with pytest.raises(MegalmError, match="weights only .* model.init_from="):  # no optimizer state to resume
         Trainer(compose_config(*STYLES["llama"], f"trainer.resume={imported}"), tmp_path / "resumed")
+    with pytest.raises(MegalmError, match=r"is a Hugging Face model dir \(config.json\); write model.init_from=hf:"):
+        Trainer(compose_config(*STYLES["llama"], f"model.init_from={tmp_path / 'hf'}"), tmp_path / "no_prefix")
 
 
 def _hf_dir(tmp_path: Path, style: str = "llama") -> Path:
