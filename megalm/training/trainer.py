@@ -117,16 +117,7 @@ class Trainer:
             return
         meta = ckpt.read_checkpoint_meta(path)
         step = meta.state["step"]
-        if step > self.cfg.trainer.max_steps:
-            raise CheckpointError(f"checkpoint {path} is at step {step}, past trainer.max_steps="
-                                  f"{self.cfg.trainer.max_steps}; raise trainer.max_steps to continue it")
-        # trainer.resume=PATH of an earlier step than the run dir's own (auto takes its latest intact one): the run's
-        # saves would replace the complete checkpoints after it
-        later = [p.name for p in ckpt.step_dirs(self.run_dir / ckpt.CHECKPOINTS)
-                 if p.name > ckpt.checkpoint_name(step) and ckpt.is_complete(p)] if resume != "auto" else []
-        if later:
-            raise CheckpointError(f"run dir {self.run_dir} has checkpoints after step {step} ({later[-1]}), which "
-                                  "this run would overwrite; resume into a new hydra.run.dir or move them away")
+        ckpt.check_resume_target(path, step, self.cfg.trainer.max_steps, self.run_dir, explicit=resume != "auto")
         if self.cfg.model.init_from:
             log.info(f"model.init_from={self.cfg.model.init_from} not used: resuming from {path}")
         ckpt.check_model_config(meta.config.get("model", {}), self.config_dict["model"], path)

@@ -171,7 +171,7 @@ def test_generate_from_the_run(trained_run):
     (["--temperature", "-1"], ["--temperature -1.0 must be >= 0 (0: greedy)"]),
     (["--num-samples", "0"], ["--num-samples 0 must be >= 1"]),
     (["--device", "banana"], ["--device banana is not a device"]),
-    (["--tokenizer", "tests/data/hf_tokenizer_missing.json"], ["not found"]),
+    (["--tokenizer", "no_such_dir/tokenizer.json"], ["not found"]),
 ])
 def test_generate_refuses_bad_flags_in_one_line(trained_run, flags, fragments):
     proc = run(["megalm-generate", str(trained_run), "--max-new-tokens", "2", "--device", "cpu", *flags], ROOT)

@@ -55,3 +55,33 @@ def test_a_renamed_heading_and_a_missing_file_are_caught(tmp_path: Path):
                     "```bash\n# not a heading\n[nor](a-link.md)\n```\n[a file](missing.md), [the web](https://x.org)\n")
     assert anchors(page) == {"title", "its-part", "its-part-1"}
     assert broken_links(page) == ["#its-other: no heading with that anchor in page.md", "missing.md: no such file"]
+
+
+def _presets_after(text: str, lead: str) -> set[str]:
+    """The backticked names in the sentence or table cell that starts with `lead`."""
+    start = text.index(lead)
+    end = min(i for i in (text.find(". ", start), text.find(" | ", start + len(lead) + 1)) if i > 0)
+    return set(re.findall(r"`([\w.]+)`", text[start:end]))
+
+
+def test_the_model_presets_the_docs_list_are_configs_model():
+    """README's list of model presets and the guide's `model` row name exactly the files of configs/model/: a new
+    preset, or one removed, shows up here (both lists had fallen behind)."""
+    presets = {p.stem for p in (ROOT / "configs" / "model").glob("*.yaml")}
+    readme = (ROOT / "README.md").read_text()
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    assert _presets_after(readme, "Model presets (`configs/model/`):") - {"configs"} == presets
+    row = next(line for line in guide.splitlines() if line.startswith("| `model` |"))
+    assert set(re.findall(r"`([\w.]+)`", row.split(" | ")[1])) == presets
+
+
+def test_the_readme_layout_names_every_package_and_page():
+    """README's Layout block names each megalm sub-package and each page of docs/ (it had lost config/, estimate/,
+    measure/ and two pages)."""
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    packages = {p.name for p in (ROOT / "megalm").iterdir() if (p / "__init__.py").is_file()}
+    packages |= {p.name for p in (ROOT / "megalm" / "parallel").iterdir() if (p / "__init__.py").is_file()}
+    missing = sorted(name for name in packages if f"{name}/" not in layout)
+    missing += sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name not in layout)
+    assert not missing, f"README's Layout does not name: {missing}"

@@ -42,7 +42,6 @@ from megalm.training.checkpoint.layout import (
     is_complete,
     latest_checkpoint,
     resolve_checkpoint_path,
-    step_dirs,
 )
 from megalm.training.checkpoint.load import load_checkpoint, load_model_weights, load_saved_model
 from megalm.training.checkpoint.save import Checkpointer, PendingCheckpoint, save_checkpoint
@@ -55,6 +54,7 @@ from megalm.training.checkpoint.tensors import (
 from megalm.training.checkpoint.verify import (
     LoadedCheckpoint,
     check_model_config,
+    check_resume_target,
     check_same_data_order,
     read_checkpoint_meta,
     resumable_checkpoint,
@@ -63,8 +63,8 @@ from megalm.training.checkpoint.verify import (
 
 __all__ = [
     "CHECKPOINTS", "FILES", "FORMAT_VERSION", "LATEST", "Checkpointer", "LoadedCheckpoint", "PendingCheckpoint",
-    "check_model_config", "check_same_data_order", "checkpoint_name", "fsync_path", "is_complete",
-    "latest_checkpoint", "load_checkpoint", "load_model_weights", "load_optimizer_tensors", "load_saved_model",
-    "optimizer_tensors", "read_checkpoint_meta", "resolve_checkpoint_path", "resumable_checkpoint",
-    "save_checkpoint", "save_tensors", "saved_vocab_rows", "step_dirs", "verify_checkpoint",
+    "check_model_config", "check_resume_target", "check_same_data_order", "checkpoint_name", "fsync_path",
+    "is_complete", "latest_checkpoint", "load_checkpoint", "load_model_weights", "load_optimizer_tensors",
+    "load_saved_model", "optimizer_tensors", "read_checkpoint_meta", "resolve_checkpoint_path",
+    "resumable_checkpoint", "save_checkpoint", "save_tensors", "saved_vocab_rows", "verify_checkpoint",
 ]

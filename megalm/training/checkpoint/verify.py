@@ -14,7 +14,9 @@ from omegaconf import OmegaConf
 
 from megalm.errors import CheckpointError
 from megalm.training.checkpoint.layout import (
+    CHECKPOINTS,
     FORMAT_VERSION,
+    checkpoint_name,
     is_complete,
     latest_checkpoint,
     resolve_checkpoint_path,
@@ -112,6 +114,20 @@ def resumable_checkpoint(run_dir: Path, resume: str) -> Path | None:
             log.warning(f"{e}; trainer.resume=auto falls back to the previous complete checkpoint")
     raise CheckpointError(f"every checkpoint in {latest.parent} is damaged (see the warnings above); move them "
                           "away to start over, or resume from a copy with trainer.resume=PATH")
+
+
+def check_resume_target(path: Path, step: int, max_steps: int, run_dir: Path, explicit: bool) -> None:
+    """Refuse to resume checkpoint `path` (at `step`) when the run would end before it starts, or, for an explicit
+    trainer.resume=PATH (auto takes the run dir's latest intact one), when `run_dir` holds complete checkpoints
+    after `step`: the run's saves would replace them."""
+    if step > max_steps:
+        raise CheckpointError(f"checkpoint {path} is at step {step}, past trainer.max_steps={max_steps}; raise "
+                              "trainer.max_steps to continue it")
+    later = [p.name for p in step_dirs(Path(run_dir) / CHECKPOINTS)
+             if p.name > checkpoint_name(step) and is_complete(p)] if explicit else []
+    if later:
+        raise CheckpointError(f"run dir {run_dir} has checkpoints after step {step} ({later[-1]}), which this run "
+                              "would overwrite; resume into a new hydra.run.dir or move them away")
 
 
 def check_model_config(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
