@@ -42,13 +42,15 @@ def fail(message: str) -> None:
 def precheck_overrides(argv: list[str]) -> None:
     """Compose once with the command-line overrides so bad keys/values fail as a single line before Hydra
     starts the run. Sweeps (-m) and Hydra's own flags are left to Hydra."""
-    if any(a in ("-m", "--multirun") for a in argv):
-        return
+    config_location = ("-cd", "-cp", "-cn", "--config-dir", "--config-path", "--config-name")
+    if any(a in ("-m", "--multirun") or a.split("=")[0] in config_location for a in argv):
+        return  # a sweep, or another config tree than megalm's configs/: Hydra's to check
     # Hydra's own flags (--cfg job, --help, --info ...) are Hydra's; the overrides beside them are key=value
     overrides = [a for a in argv if not a.startswith("-") and "=" in a]
+    runs = not any(a.startswith("-") for a in argv)  # --cfg job, --help ... only print
     try:
         compose_config(overrides)
-        for override in overrides:  # before Hydra makes the run dir and its train.log there
+        for override in overrides if runs else []:  # before Hydra makes the run dir and its train.log there
             key, _, value = override.partition("=")
             if key.lstrip("+") == "hydra.run.dir" and Path(value).expanduser().exists():
                 if not Path(value).expanduser().is_dir():
@@ -119,6 +121,7 @@ def shutdown_distributed() -> None:
 
 def run(cfg: DictConfig) -> float | None:
     """Train with a composed config; returns the last logged loss (what a Hydra sweeper minimises)."""
+    from megalm.training.checkpoint import write_text_atomic
     from megalm.training.compile import resolve_auto_compile
     from megalm.training.device import resolve_auto_precision, select_device
     from megalm.training.preemption import REQUEUE_EXIT_CODE
@@ -142,7 +145,7 @@ def run(cfg: DictConfig) -> float | None:
             config = to_dataclass(cfg)
         trainer = Trainer(config, run_dir)  # validates the config and the checkpoint it resumes from
         if rank == 0:  # only now: a run refused above leaves the run dir's config.yaml as it was
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         summary = trainer.fit()
         del trainer
         shutdown_distributed()

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> tuple[Plan, list[int]]:
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the run")
     args = p.parse_args(argv)
     if args.step < 0:
-        p.error(f"--step {args.step} must be >= 0 (steps count from 0)")
+        raise ConfigError(f"--step {args.step} must be >= 0 (steps count from 0)")
     if args.png:
         from megalm.plot import PlotError, require_matplotlib
 

@@ -226,23 +226,25 @@ class Precision:
 
 
 def _check_skip_patterns(cfg: MegalmConfig) -> None:
-    """Refuse a `precision.skip` pattern that names no layer of the model: a typo would leave the layer it meant in
-    the recipe without a word. `output` always names the head (a tied one is the embedding, which no recipe
-    touches). Built on the meta device: the names, not the weights."""
+    """Refuse a `precision.skip` pattern that names no linear layer of the model: a typo (or a module that is not a
+    linear layer, which no recipe touches) would skip nothing without a word. `output` always names the head (a
+    tied one is the embedding, which no recipe touches). Built on the meta device: the names, not the weights."""
     import fnmatch
 
     from megalm.model import GPT
+    from megalm.model.linear import LinearHooks
     from megalm.model.naming import canonical_named_modules
     from megalm.precision.install import expand_layer_patterns
 
     skip = [str(pattern) for pattern in cfg.precision.skip]
     if all(pattern == "output" for pattern in skip):
         return
-    names = {name for name, _ in canonical_named_modules(GPT(cfg.model, device="meta"))} | {"output"}
+    names = {name for name, module in canonical_named_modules(GPT(cfg.model, device="meta"))
+             if isinstance(module, (nn.Linear, LinearHooks))} | {"output"}  # what apply_precision can skip
     for pattern, expanded in zip(skip, expand_layer_patterns(skip, cfg.model.num_layers - 1), strict=True):
         if not any(fnmatch.fnmatchcase(name, expanded) for name in names):
-            raise ConfigError(f"precision.skip pattern {pattern!r} names no layer of this model (layers are named "
-                              "like output, layers.0.attention.qkv_proj, layers.{last}.mlp.*); fix or remove it")
+            raise ConfigError(f"precision.skip pattern {pattern!r} names no linear layer of this model (they are "
+                              "named like output, layers.0.attention.qkv_proj, layers.{last}.mlp.*); fix or remove it")
 
 
 def validate_precision(cfg: MegalmConfig) -> None:

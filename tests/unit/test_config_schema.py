@@ -152,16 +152,23 @@ def test_a_value_outside_its_range_fails_as_one_line(override, message):
 
 
 def test_the_range_rules_pass_every_shipped_config():
-    """The defaults, and every model preset, validate: the rules above refuse only what a user set wrong."""
+    """The defaults, and every model preset as shipped (no tiny overrides), pass the whole run's validation, FP8's
+    skip patterns included: the rules above refuse only what a user set wrong."""
+    from megalm.training.validation import validate_run
+
     for name in sorted(p.stem for p in (Path(config.__file__).parents[2] / "configs" / "model").glob("*.yaml")):
-        config.validate(compose_config(f"model={name}"))
+        validate_run(compose_config(f"model={name}", tiny=False))
+        validate_run(compose_config(f"model={name}", "precision=fp8", 'precision.skip=["output","layers.{last}.*"]',
+                                    tiny=False))
 
 
 def test_a_precision_skip_pattern_that_names_no_layer_fails_as_one_line():
     """A typo in precision.skip (`outptu`) had quantized the head it meant to keep, without a word."""
     from megalm.training.validation import validate_run
 
-    with pytest.raises(ConfigError, match=r"^precision.skip pattern 'outptu' names no layer of this model"):
-        validate_run(compose_config("precision=fp8", "precision.skip=[outptu]"))
+    for pattern in ("outptu", "layers.0.attention", "embedding"):  # a typo; modules that are no linear layer
+        with pytest.raises(ConfigError, match=rf"^precision.skip pattern '{pattern}' names no linear layer"):
+            validate_run(compose_config("precision=fp8", f"precision.skip=[{pattern}]"))
     validate_run(compose_config("precision=fp8", 'precision.skip=["output","layers.{last}.*","layers.0.mlp.*"]'))
-    validate_run(compose_config("precision=fp8", "model=gpt2_tiny"))  # a tied head is still `output`, the default
+    # a tied head is still `output`: with another pattern beside it, the check builds the model and names it
+    validate_run(compose_config("precision=fp8", "model=gpt2_tiny", 'precision.skip=["output","layers.0.*"]'))

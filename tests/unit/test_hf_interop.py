@@ -298,6 +298,8 @@ def test_export_and_import_refuse_an_out_that_is_or_holds_their_input(tmp_path, 
     cases = [(export_cli, [str(run), "--out", str(run)], run, "is the input"),
              (export_cli, [str(step), "--out", str(run)], run, "or holds it"),
              (export_cli, [str(run), "--out", str(tmp_path / "runs")], run, "or holds it"),
+             # a dir of runs reads its newest run's latest checkpoint, which --out holds
+             (export_cli, [str(tmp_path / "runs"), "--out", str(run)], run, "or holds it"),
              (import_cli, [str(hf_dir), "--out", str(hf_dir)], hf_dir, "is the input")]
     for cli, argv, source, message in cases:
         before = _tree(source)

@@ -70,6 +70,29 @@ def test_resume_refuses_other_model_and_changed_data_order(tmp_path):
         Trainer(compose_config("trainer.max_steps=4", "trainer.resume=never"), tmp_path)
 
 
+def test_a_run_started_from_another_s_checkpoint_continues_its_own_when_requeued(tmp_path, caplog):
+    """trainer.resume=PATH starts a run from another run's checkpoint; the same command again (a Slurm requeue, a
+    torchrun restart) continues the run dir's own checkpoints rather than going back to PATH, or refusing them, as
+    TorchTitan reads its initial_load_path only while the run has none. A PATH inside the run dir that is older
+    than its checkpoints (a rollback) is refused: the run's saves would replace them."""
+    import logging
+
+    common = ["trainer.max_steps=6", "trainer.save_interval=2"]
+    Trainer(compose_config(*common, "trainer.stop_at_step=2"), tmp_path / "source").fit()
+    start = tmp_path / "source" / "checkpoints" / "step_00000002"
+    run = tmp_path / "run"
+    first = Trainer(compose_config(*common, "trainer.stop_at_step=4", f"trainer.resume={start}"), run)
+    assert first.step == 2 and first.resumed_from == start
+    first.fit()
+    with caplog.at_level(logging.INFO, logger="megalm"):
+        requeued = Trainer(compose_config(*common, f"trainer.resume={start}"), run)
+    assert requeued.step == 4 and requeued.resumed_from.name == "step_00000004"
+    assert any("not used" in r.message and "step_00000004" in r.message for r in caplog.records)
+    requeued.fit()  # to step 6
+    with pytest.raises(CheckpointError, match="after step 4 .step_00000006.*trainer.resume=auto"):
+        Trainer(compose_config(*common, f"trainer.resume={run / 'checkpoints' / 'step_00000004'}"), run)
+
+
 def test_loss_falls_and_metrics_are_written(tmp_path):
     cfg = compose_config("trainer.max_steps=40", "optim.lr=1e-2", "data.synthetic.fixed_doc_length=33",
                          "trainer.eval_interval=20", "trainer.log_interval=10")

@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megalm.config.compose import compose_config as compose_megalm_config  # noqa: E402
+from megalm.errors import ConfigError  # noqa: E402
 from tools.bench.cli import parse_flags_and_overrides, run_main  # noqa: E402
 
 
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="with --profile, also write the profiler's Chrome trace here (.json)")
     args, overrides = parse_flags_and_overrides(parser, argv)
     if args.steps < 1 or args.warmup < 0:
-        parser.error(f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0")
+        raise ConfigError(f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0")
     if args.profile < 0 or (args.profile_trace and not args.profile):
         parser.error("--profile takes a number of steps >= 1; --profile-trace needs --profile")
     from megalm.training.metrics import peak_memory_gb

@@ -42,6 +42,7 @@ from megalm.training.checkpoint.layout import (
     is_complete,
     latest_checkpoint,
     resolve_checkpoint_path,
+    write_text_atomic,
 )
 from megalm.training.checkpoint.load import load_checkpoint, load_model_weights, load_saved_model
 from megalm.training.checkpoint.save import Checkpointer, PendingCheckpoint, save_checkpoint
@@ -67,4 +68,5 @@ __all__ = [
     "is_complete", "latest_checkpoint", "load_checkpoint", "load_model_weights", "load_optimizer_tensors",
     "load_saved_model", "optimizer_tensors", "read_checkpoint_meta", "resolve_checkpoint_path",
     "resumable_checkpoint", "save_checkpoint", "save_tensors", "saved_vocab_rows", "verify_checkpoint",
+    "write_text_atomic",
 ]

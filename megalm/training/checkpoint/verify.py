@@ -98,6 +98,13 @@ def resumable_checkpoint(run_dir: Path, resume: str) -> Path | None:
             raise CheckpointError(f"trainer.resume={resume}: no such path; set trainer.resume=auto, never, or the "
                                   "path of a checkpoint or run dir")
         path = resolve_checkpoint_path(resume)
+        own = latest_checkpoint(run_dir)
+        if own is not None and Path(run_dir).resolve() not in path.resolve().parents:
+            # a requeued or restarted job: PATH started it, its own checkpoints continue it (TorchTitan's
+            # initial_load_path, read only while the run has none)
+            log.info(f"trainer.resume={resume} not used: run dir {run_dir} has checkpoints of its own ({own.name}); "
+                     "continuing them as trainer.resume=auto does")
+            return resumable_checkpoint(run_dir, "auto")
         if verify_checkpoint(path).state.get("weights_only"):
             raise CheckpointError(f"checkpoint {path} holds weights only (megalm-import); start from it with "
                                   f"model.init_from={path} instead of trainer.resume")
@@ -127,7 +134,8 @@ def check_resume_target(path: Path, step: int, max_steps: int, run_dir: Path, ex
              if p.name > checkpoint_name(step) and is_complete(p)] if explicit else []
     if later:
         raise CheckpointError(f"run dir {run_dir} has checkpoints after step {step} ({later[-1]}), which this run "
-                              "would overwrite; resume into a new hydra.run.dir or move them away")
+                              "would overwrite; continue the latest with trainer.resume=auto, or resume step "
+                              f"{step} into a new hydra.run.dir")
 
 
 def check_model_config(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
