@@ -30,6 +30,8 @@ import torch.distributed.distributed_c10d as distributed_c10d
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from megalm.config.compose import compose_config  # noqa: E402
+from tools.bench.cli import run_main  # noqa: E402
 
 FULL_BUFFER_IN_OUTPUT = ("all_gather_into_tensor", "all_gather_single")  # (output, input): output is full
 FULL_BUFFER_IN_INPUT = ("reduce_scatter_tensor", "reduce_scatter_single")  # (output, input): input is full
@@ -133,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     args, overrides = parser.parse_known_args(argv)
+    compose_config(overrides)  # a bad override is one line here, not a traceback from each spawned rank
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -150,4 +153,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -37,7 +37,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
+from megalm.config.compose import compose_config  # noqa: E402
+from tools.bench.cli import parse_flags_and_overrides, run_main  # noqa: E402
 
 
 def _rss_kib(key: str) -> int:
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     args, overrides = parse_flags_and_overrides(parser, argv)
+    compose_config(overrides)  # a bad override is one line here, not a traceback from each spawned rank
     cps = args.cp or [2**i for i in range(args.nproc.bit_length()) if 2**i <= args.nproc]
     # eager unless asked (trainer.compile=true): a few steps per length would time compiles, not the ring
     overrides = [f"parallel.cp_comm={args.comm}", "trainer.compile=false", *overrides]
@@ -187,4 +189,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
