@@ -74,10 +74,10 @@ def check_run_dir(run_dir: Path) -> None:
             saved = None
         if not (isinstance(saved, dict) and {"model", "trainer"} <= saved.keys()):
             raise ConfigError(f"{config} is not a megalm run's config.yaml, and a run would overwrite it; choose a "
-                              "new or empty hydra.run.dir")
+                              "new or empty run dir (hydra.run.dir; hydra.sweep.dir under -m)")
     elif metrics.exists():
         raise ConfigError(f"{metrics} exists without the config.yaml of the run that wrote it, and a run would add "
-                          "to it; choose a new or empty hydra.run.dir")
+                          "to it; choose a new or empty run dir (hydra.run.dir; hydra.sweep.dir under -m)")
 
 
 def shared_run_dir(own_dir: Path, config) -> tuple[Path, int]:

@@ -115,8 +115,15 @@ def test_a_run_dir_holding_other_files_is_refused_and_kept(tmp_path):
         for file, text in files.items():
             (tmp_path / name / file).write_text(text)
         fragment = "not a megalm run's config.yaml" if "config.yaml" in files else "without the config.yaml"
-        assert_one_line_error(train([f"hydra.run.dir={name}"], tmp_path), fragment, "new or empty hydra.run.dir")
+        assert_one_line_error(train([f"hydra.run.dir={name}"], tmp_path), fragment, "new or empty run dir")
         assert {f.name: f.read_text() for f in (tmp_path / name).iterdir() if f.is_file()} == files
+    # a run dir not on the command line (a sweep's job dir) is checked in the run, after Hydra made it
+    (tmp_path / "sweep" / "0").mkdir(parents=True)
+    (tmp_path / "sweep" / "0" / "config.yaml").write_text("notes: mine\n")
+    proc = run([sys.executable, "-m", "megalm.train", "-m", *TINY, "hydra.sweep.dir=sweep"], tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "not a megalm run's config.yaml" in proc.stderr and "hydra.sweep.dir under -m" in proc.stderr
+    assert (tmp_path / "sweep" / "0" / "config.yaml").read_text() == "notes: mine\n"
     (tmp_path / "notes.txt").write_text("mine")
     assert_one_line_error(train(["hydra.run.dir=notes.txt"], tmp_path), "hydra.run.dir=notes.txt is a file")
     assert (tmp_path / "notes.txt").read_text() == "mine"
