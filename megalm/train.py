@@ -52,11 +52,12 @@ def precheck_overrides(argv: list[str]) -> None:
         compose_config(overrides)
         for override in overrides if runs else []:  # before Hydra makes the run dir and its train.log there
             key, _, value = override.partition("=")
-            if key.lstrip("+") == "hydra.run.dir" and Path(value).expanduser().exists():
-                if not Path(value).expanduser().is_dir():
+            run_dir = Path(value).expanduser()
+            if key.lstrip("+") == "hydra.run.dir" and run_dir.exists():
+                if not run_dir.is_dir():
                     raise ConfigError(f"hydra.run.dir={value} is a file; choose a directory (new, or a run's to "
                                       "continue)")
-                check_run_dir(Path(value).expanduser())
+                check_run_dir(run_dir)
     except ConfigError as e:
         if "debug=true" in overrides:
             raise

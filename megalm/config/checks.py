@@ -91,6 +91,18 @@ def positive(value: int | float | None, key: str) -> None:
         raise ConfigError(f"{key}={value} must be > 0")
 
 
+def non_negative(value: int | float, key: str, zero_means: str = "") -> None:
+    """A one-line ConfigError unless `value` >= 0; `zero_means` says what 0 does ("turns it off")."""
+    if value < 0:
+        raise ConfigError(f"{key}={value} must be >= 0" + (f" (0 {zero_means})" if zero_means else ""))
+
+
+def fraction(value: float, key: str) -> None:
+    """A one-line ConfigError unless `value` is in [0, 1)."""
+    if not 0.0 <= value < 1.0:
+        raise ConfigError(f"{key}={value} must be in [0, 1)")
+
+
 def pad_vocab(vocab_size: int, multiple: int) -> int:
     """`vocab_size` rounded up to a multiple of `multiple` (Megatron-LM's padded vocab)."""
     return -(-vocab_size // multiple) * multiple
@@ -196,8 +208,7 @@ def validate_model(model: ModelConfig) -> None:
                           f"(model.max_position_embeddings={model.max_position_embeddings}); "
                           "lower seq_length or raise max_position_embeddings")
     for key in ("dropout", "attention_dropout"):
-        if not 0.0 <= getattr(model, key) < 1.0:
-            raise ConfigError(f"model.{key}={getattr(model, key)} must be in [0, 1)")
+        fraction(getattr(model, key), f"model.{key}")
     for key in ("norm_eps", "rope_theta", "init_std"):  # a zero or negative one trains NaNs, or fails inside torch
         positive(getattr(model, key), f"model.{key}")
     validate_moe(model)
@@ -213,8 +224,7 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
     for key in ("max_steps", "global_batch_size", "micro_batch_size", "log_interval", "eval_iters", "keep_last"):
         positive(getattr(t, key), f"trainer.{key}")
     for key in ("eval_interval", "save_interval"):
-        if getattr(t, key) < 0:
-            raise ConfigError(f"trainer.{key}={getattr(t, key)} must be >= 0 (0 turns it off)")
+        non_negative(getattr(t, key), f"trainer.{key}", "turns it off")
     if t.stop_at_step is not None and not 0 < t.stop_at_step <= t.max_steps:
         raise ConfigError(f"trainer.stop_at_step={t.stop_at_step} must be in [1, trainer.max_steps={t.max_steps}]")
     if not str(t.resume or "").strip():
@@ -234,14 +244,12 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
             raise ConfigError(f"parallel.timeout_minutes={timeout} must exceed trainer.{key}={minutes}, so that the "
                               f"watchdog reports a hang before a collective times out; raise it, or lower "
                               f"trainer.{key} (0 turns the watchdog off)")
-    if t.grad_clip < 0:
-        raise ConfigError(f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
+    non_negative(t.grad_clip, "trainer.grad_clip", "turns clipping off")
     if t.num_threads is not None and t.num_threads < 1:
         raise ConfigError(f"trainer.num_threads={t.num_threads} must be >= 1, or null for torch's default")
     if isinstance(t.compile_backend, str):  # (the estimator puts a backend object here)
         choice(t.compile_backend, "trainer.compile_backend", ("inductor", "aot_eager", "eager"))
-    if t.spike_zscore < 0:
-        raise ConfigError(f"trainer.spike_zscore={t.spike_zscore} must be >= 0 (0 turns spike reports off)")
+    non_negative(t.spike_zscore, "trainer.spike_zscore", "turns spike reports off")
     if t.tokens_per_step is not None:
         positive(t.tokens_per_step, "trainer.tokens_per_step")
         if not cfg.data.varlen:
@@ -255,18 +263,15 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
     positive(o.lr, "optim.lr")
     if o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}]")
-    if o.warmup_steps < 0:
-        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    non_negative(o.warmup_steps, "optim.warmup_steps")
     if not 0.0 < o.wsd_decay_fraction <= 1.0:
         raise ConfigError(f"optim.wsd_decay_fraction={o.wsd_decay_fraction} must be in (0, 1]")
     if o.decay_steps is not None:
         positive(o.decay_steps, "optim.decay_steps")  # (null: to trainer.max_steps)
     for key in ("beta1", "beta2"):
-        if not 0.0 <= getattr(o, key) < 1.0:
-            raise ConfigError(f"optim.{key}={getattr(o, key)} must be in [0, 1)")
+        fraction(getattr(o, key), f"optim.{key}")
     positive(o.eps, "optim.eps")
-    if o.weight_decay < 0:
-        raise ConfigError(f"optim.weight_decay={o.weight_decay} must be >= 0")
+    non_negative(o.weight_decay, "optim.weight_decay")
 
     d = cfg.data
     choice(d.name, "data", DataSource)
@@ -285,8 +290,7 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
     positive(d.synthetic.num_docs, "data.synthetic.num_docs")
     positive(d.synthetic.mean_doc_length, "data.synthetic.mean_doc_length")
     positive(d.synthetic.fixed_doc_length, "data.synthetic.fixed_doc_length")  # (null: log-normal lengths)
-    if not 0.0 <= d.valid_fraction < 1.0:
-        raise ConfigError(f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
+    fraction(d.valid_fraction, "data.valid_fraction")
     choice(cfg.logging.wandb.mode, "logging.wandb.mode", WandbMode)
     return cfg
 

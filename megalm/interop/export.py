@@ -49,7 +49,6 @@ def export_hf(source: str | Path, out: str | Path, *, overwrite: bool = False, d
         raise InteropError(f"--dtype={dtype} is not one of auto|{'|'.join(DTYPES)}")
     max_bytes = parse_size(max_shard_size)
     meta, cfg, weights = read_megalm_weights(source)
-    check_output_dir(out, overwrite, meta.path)  # the checkpoint read, where `source` was a run dir or dir of runs
     origin = meta.state.get("source") or {}  # an imported model (megalm-import) keeps its dtype and token ids
     if dtype == "auto":
         dtype = origin.get("dtype") if origin.get("dtype") in DTYPES else "float32"
@@ -69,6 +68,7 @@ def export_hf(source: str | Path, out: str | Path, *, overwrite: bool = False, d
     bos, eos = (origin.get("bos_token_id"), origin.get("eos_token_id")) if origin.get("format") == "hf" else (eod, eod)
 
     tensors = {k: v.to(DTYPES[dtype]) for k, v in megalm_to_hf(weights, cfg, arch).items()}
+    # checked against the checkpoint read too, where `source` was a run dir or a dir of runs, before anything is written
     with atomic_output_dir(out, overwrite, meta.path) as tmp:
         files = write_safetensors(tmp, tensors, max_bytes)
         config = hf_config(cfg, arch, dtype, bos, eos)
