@@ -125,7 +125,8 @@ def fp8_traced_as_gpu(capability: tuple[int, int]) -> Iterator[None]:
     GEMMs take torch._scaled_mm (its fake kernel: shapes and dtypes) instead of the CPU's fp32 emulation.
     megalm-estimate steps a GPU's rank on fake CPU tensors (autograd's engine asks a CUDA device for its
     context) and must trace, hence price and hold, what the GPU runs. Real tensors never take it
-    (megalm/precision/fp8.py checks)."""
+    (megalm/precision/fp8.py checks). Gradient accumulation fusion's GEMM follows it too
+    (megalm/parallel/data_parallel/fused_wgrad.py): CUDA's fp32-accumulating bf16 GEMM, not the CPU's emulation."""
     token = _fp8_traced_capability.set(capability)
     try:
         yield

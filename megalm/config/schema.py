@@ -333,6 +333,10 @@ class ParallelConfig:
     gradients accumulate in the buckets too (Megatron's main_grad), in this dtype; None: fp32."""
     bucket_size_mb: float = 25.0
     """The data-parallel gradient bucket size."""
+    gradient_accumulation_fusion: bool = False
+    """Under precision=bf16: each linear layer's weight-gradient GEMM adds into its fp32 main gradient in the buckets
+    itself (Megatron's gradient_accumulation_fusion; on CUDA torch's bf16 GEMM with an fp32 accumulator, no apex), so
+    no bf16 weight gradient is written and copied in (megalm/parallel/data_parallel/fused_wgrad.py)."""
     timeout_minutes: float | None = None
     """The collective timeout; None: trainer.hang_minutes + 5 (torch's default if that is 0)."""
 

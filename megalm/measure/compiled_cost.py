@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
-from megalm.measure.op_cost import OpCosts, category
+from megalm.measure.op_cost import OpCosts, category, is_traced_through
 from megalm.measure.storage import LiveStorages
 
 REPLAYED = ("gemm", "attention", "communication")  # extern kernels whose FLOPs and bytes the eager replay traces
@@ -45,6 +45,12 @@ def _extern_name(node: Any) -> str:
     kernel = getattr(node.node, "python_kernel_name", None) or type(node.node).__name__
     parts = str(kernel).split(".")
     return parts[-2] if parts[-1] in ("default", "Tensor", "out") and len(parts) > 1 else parts[-1]
+
+
+def traced_through(node: Any) -> bool:
+    """Whether an extern kernel is a custom op whose Python body the replay prices op by op (op_cost.trace_through)."""
+    op = getattr(node.node, "op_overload", None)
+    return op is not None and is_traced_through(op)
 
 
 @contextlib.contextmanager
@@ -142,7 +148,7 @@ class InductorCosts:
             nbytes = float(node.get_read_write_buffers_sizes())
             if not isinstance(node, ExternKernelSchedulerNode):
                 generated.append(nbytes)
-            elif category(name := _extern_name(node)) in REPLAYED:
+            elif category(name := _extern_name(node)) in REPLAYED or traced_through(node):
                 extern[name] += 1
             elif not getattr(getattr(node.node, "op_overload", None), "is_view", False):  # a view launches nothing
                 fallbacks.append((name, category(name), nbytes))

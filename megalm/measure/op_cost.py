@@ -155,6 +155,8 @@ def _read_operands(func: Any, name: str, args: tuple, kwargs: dict) -> list[torc
     if name in _WRITE_ONLY or name.startswith("new_"):
         return []
     skipped = {"self"} if name in _OVERWRITES_DESTINATION else set()
+    if name in ("addmm", "baddbmm") and _arg(args, kwargs, 99, "beta") == 0:  # beta = 0: C is not read
+        skipped.add("self")
     return [t for argument, value in _arguments(func, args, kwargs)
             if not argument.is_out and argument.name not in skipped for t in _tensors(value)]
 
@@ -168,6 +170,26 @@ def _written_in_place(func: Any, name: str, args: tuple, kwargs: dict) -> list[t
     return [t for argument, value in arguments
             if (argument.name in written if written is not None
                 else argument.alias_info is not None and argument.alias_info.is_write) for t in _tensors(value)]
+
+
+_EAGER_BODIES: dict[str, Callable[..., Any]] = {}
+
+
+def trace_through(op: str, body: Callable[..., Any]) -> None:
+    """Have cost traces run the custom op `op` ("namespace::name") as `body`, its Python implementation, op by op
+    (megalm's opaque ops inside compiled blocks: megalm/model/deferred_wgrad.py). On fake tensors the op itself would
+    run its fake kernel, which makes its output's shape only: no GEMM to price, and no side effect (a weight gradient
+    handed to a zero-bubble W action, or added into its main gradient)."""
+    _EAGER_BODIES[op] = body
+
+
+def is_traced_through(func: Any) -> bool:
+    """Whether the op overload `func` is one `trace_through` named."""
+    return _op_key(func) in _EAGER_BODIES
+
+
+def _op_key(func: Any) -> str:
+    return f"{func.namespace}::{func._overloadpacket.__name__}"
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -239,6 +261,19 @@ class OpCosts(TorchDispatchMode):
             # the ops its own dispatch runs on them, which come back here (a cast, `torch._scaled_mm`, a local shard's
             # update), not as one op at the wrapper's dtype and global size
             return NotImplemented
+        body = _EAGER_BODIES.get(_op_key(func))
+        if body is not None:  # `trace_through`: its own ops are priced, all of them (a compiled graph's replay too)
+            previous, self._only = self._only, None
+            try:
+                with self:
+                    return body(*args, **kwargs)
+            finally:
+                self._only = previous
+        if func._overloadpacket.__name__ in ("linear", "matmul"):  # composite ops a traced body calls: their GEMMs
+            with self:
+                decomposed = func.decompose(*args, **kwargs)
+            if decomposed is not NotImplemented:
+                return decomposed
         out = func(*args, **kwargs)
         if (func.is_view or func.namespace in _NO_KERNEL_NAMESPACES or func._overloadpacket.__name__ in _NO_KERNEL
                 or in_sharding_propagation()):
@@ -255,7 +290,9 @@ class OpCosts(TorchDispatchMode):
         if flops is None:
             flops = _grouped_gemm_flops(name, args, outputs[0]) if outputs else None
         if flops is None:
-            flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+            # (the `out_dtype` overloads of mm/addmm pass a dtype where torch's formula takes its output shape)
+            shapes = [a for a in args if not isinstance(a, torch.dtype)]
+            flops = float(formula(*shapes, **kwargs, out_val=out)) if formula is not None else 0.0
         matrices = _recipe_gemm_operands(name, args)
         if matrices is not None:  # GEMMs out of sight of torch's flop counter (their fake kernels compute nothing):
             # 2·T·in·out forward, twice that backward, at the peak of their operands (FP8 where `fp8_linear` takes

@@ -13,6 +13,9 @@ The closure keeps dy and x past the graph's end. A graph that reused their memor
 buffer reuse and in-place kernels) would change them under it: blocks holding such layers are compiled without
 either (megalm/training/compile.py's `inductor_options`).
 
+A sink that accumulates (gradient accumulation fusion, megalm/parallel/data_parallel/fused_wgrad.py) gets dy and x
+while the op runs, and its GEMM runs then: nothing outlives the graph.
+
 The GEMMs are the eager layer's: `dy W` and `dyᵀ x` in dy's dtype (PLAIN_GEMMS), or the two grouped GEMMs of
 torch's own `torch._grouped_mm` backward for an MoE layer's experts, so compiled and eager ZB give equal gradients.
 """
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.compat import as_function_output
+from megalm.measure.op_cost import trace_through
 from megalm.model.handles import handle_of, object_of
 
 
@@ -39,8 +43,18 @@ class LayerSink:
         self.sink, self.module = sink, module
         self.handle = handle_of(self)
 
+    @property
+    def accumulates(self) -> bool:
+        """Whether the store takes the GEMM's operands now (`accumulate`: gradient accumulation fusion,
+        megalm/parallel/data_parallel/fused_wgrad.py) rather than a closure for later (`stash`: zero bubble)."""
+        return getattr(self.sink, "accumulates", False)
+
     def stash(self, param: nn.Parameter, compute: Callable[[], torch.Tensor]) -> None:
         self.sink.stash(param, compute)
+
+    def accumulate(self, param: nn.Parameter, dy: torch.Tensor, x: torch.Tensor) -> None:
+        """dWᵀ's operands dy [T, out] and x [T, in] (x in dy's dtype), for the store to multiply now."""
+        self.sink.accumulate(param, dy, x)
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "handle"}
@@ -56,8 +70,7 @@ def _weight(layer: torch.Tensor, dtype: torch.dtype) -> tuple[LayerSink, torch.T
     return sink, sink.module.weight.detach().to(dtype)
 
 
-@torch.library.custom_op("megalm::deferred_fprop", mutates_args=())
-def _fprop(x: torch.Tensor, offsets: torch.Tensor | None, layer: torch.Tensor, out_features: int) -> torch.Tensor:
+def _fprop_body(x: torch.Tensor, offsets: torch.Tensor | None, layer: torch.Tensor, out_features: int) -> torch.Tensor:
     """y = x Wᵀ in x's dtype of the layer `layer` names (x [T, in], weight [out, in]), or its grouped GEMM (weight
     [G, out, in], `offsets` the groups' ends)."""
     _, weight = _weight(layer, x.dtype)
@@ -67,24 +80,34 @@ def _fprop(x: torch.Tensor, offsets: torch.Tensor | None, layer: torch.Tensor, o
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
 
 
+_fprop = torch.library.custom_op("megalm::deferred_fprop", _fprop_body, mutates_args=())
+trace_through("megalm::deferred_fprop", _fprop_body)
+
+
 @_fprop.register_fake
 def _(x, offsets, layer, out_features):
     return x.new_empty((x.shape[0], out_features))
 
 
-@torch.library.custom_op("megalm::deferred_dgrad", mutates_args=())
-def _dgrad_and_defer(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor | None, layer: torch.Tensor
+def _dgrad_and_defer_body(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor | None, layer: torch.Tensor
                      ) -> torch.Tensor:
     """dx = dy W in dy's dtype; dW's GEMM (dyᵀ x) goes to the sink `layer` names, for the W action."""
     sink, weight = _weight(layer, dy.dtype)
     param = sink.module.weight
     with torch.autocast(dy.device.type, enabled=False):
         if offsets is None:
-            sink.stash(param, lambda: dy.t().matmul(x.to(dy.dtype)).to(param.dtype))
+            if sink.accumulates:
+                sink.accumulate(param, dy, x.to(dy.dtype))
+            else:
+                sink.stash(param, lambda: dy.t().matmul(x.to(dy.dtype)).to(param.dtype))
             return dy.matmul(weight)
         dy = dy.contiguous()  # `.sum()` hands back a gradient of stride 0, which `torch._grouped_mm` rejects
         sink.stash(param, lambda: torch._grouped_mm(x.t(), dy, offs=offsets).transpose(-2, -1).to(param.dtype))
         return torch._grouped_mm(dy, weight, offs=offsets)
+
+
+_dgrad_and_defer = torch.library.custom_op("megalm::deferred_dgrad", _dgrad_and_defer_body, mutates_args=())
+trace_through("megalm::deferred_dgrad", _dgrad_and_defer_body)  # a cost trace prices its GEMMs and runs its sink
 
 
 @_dgrad_and_defer.register_fake

@@ -6,7 +6,9 @@ Two features change them, and must compose:
 - a precision recipe (megalm/precision/recipes.py, run by megalm/precision/linear.py) changes how each GEMM
   rounds its operands (`gemm_recipe`: an object with `start`, `fprop`, `dgrad` and `wgrad`);
 - a zero-bubble pipeline (megalm/parallel/pipeline/weight_grad.py) changes *when* wgrad runs: dx in
-  the B action, dW later in W (`weight_grad_sink`: an object with `stash(param, compute_dw)`).
+  the B action, dW later in W (`weight_grad_sink`: an object with `stash(param, compute_dw)`); gradient
+  accumulation fusion (megalm/parallel/data_parallel/fused_wgrad.py) changes *where* it writes: into the fp32 main
+  gradient, through a sink that `accumulates`.
 
 Both are attributes of the layer (`LinearHooks`), read by one function, `linear`, which runs the
 recipe's three GEMMs and hands wgrad to the sink instead of running it. So ZB + fp8/MX is simply
@@ -68,9 +70,15 @@ class PackedInputRecipe(GemmRecipe, Protocol):
 
 
 class WeightGradSink(Protocol):
-    """Takes a layer's weight gradient as a thunk to run later (ZB's W action)."""
+    """Takes a layer's weight gradient as a thunk to run later (ZB's W action); one that `accumulates` takes the
+    plain GEMM's operands instead and multiplies them into the parameter's main gradient now (gradient accumulation
+    fusion, megalm/parallel/data_parallel/fused_wgrad.py)."""
+
+    accumulates: bool
 
     def stash(self, param: nn.Parameter, compute: Callable[[], torch.Tensor]) -> None: ...
+
+    def accumulate(self, param: nn.Parameter, dy: torch.Tensor, x: torch.Tensor) -> None: ...
 
 
 class InputGather(Protocol):
@@ -167,7 +175,9 @@ class _Linear(torch.autograd.Function):
                 dx = recipe.dgrad(call, dy2, weight, ctx.input_dtype).reshape(ctx.input_shape).to(ctx.input_dtype)
                 dx = dx if gather is None else gather.scatter(dx)
             finish = getattr(recipe, "finish", None) or (lambda call: None)
-            if ctx.sink is not None:
+            if ctx.sink is not None and recipe is PLAIN_GEMMS and getattr(ctx.sink, "accumulates", False):
+                ctx.sink.accumulate(ctx.param[0], dy2, x2.to(dy2.dtype))  # the GEMM into the main gradient, now
+            elif ctx.sink is not None:
                 param = ctx.param[0]
 
                 def deferred_wgrad() -> torch.Tensor:

@@ -44,6 +44,7 @@ from megalm.parallel.collectives import all_reduce_sum
 from megalm.parallel.context.attention import RingContext, cp_a2a_size, validate_context
 from megalm.parallel.context.split import ContextShards
 from megalm.parallel.data_parallel.bucket_adamw import BucketAdamW, forward_owners
+from megalm.parallel.data_parallel.fused_wgrad import fuse_weight_grads
 from megalm.parallel.data_parallel.reducer import GradReducer
 from megalm.parallel.data_parallel.slices import DataParallelSlices, validate_data_parallel
 from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh, check_same_on_all_ranks, resolve_dims
@@ -167,6 +168,8 @@ class Parallelism:
                                        reduce_dtype=_reduce_dtype(p), zero1=p.zero1, presum=presum,
                                        progress=self.mesh.progress, accumulate=self.working_dtype is not None,
                                        own_groups=experts)
+        if p.gradient_accumulation_fusion:  # validated: bf16 working weights, not FSDP, so the reducer accumulates
+            fuse_weight_grads(self.model, self.reducer, device)
         # How to build this layout's optimizer (None: the trainer's own AdamW): over the reducer's buckets for
         # ZeRO-1's shards or for fp32 main weights
         self.optimizer_factory = self._bucket_adamw if p.zero1 or self.working_dtype else None

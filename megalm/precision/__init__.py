@@ -277,6 +277,10 @@ def validate_precision(cfg: MegalmConfig) -> None:
                           "torch._grouped_mm traces bf16 only); set precision=bf16 or trainer.compile=false")
     if p.name not in WHOLE_MODEL:
         _check_skip_patterns(cfg)
+    if parallel.gradient_accumulation_fusion and working_dtype(p) is None:
+        raise ConfigError(f"parallel.gradient_accumulation_fusion adds weight gradients into fp32 main gradients "
+                          f"behind bf16 weights, which precision={p.name} does not keep: use precision=bf16 (or "
+                          "precision.bf16_weights=true), or drop it")
     if p.bf16_weights and (p.name in WHOLE_MODEL or p.backend == "te"):
         raise ConfigError(f"precision.bf16_weights=true applies to the native fp8/mx recipes; remove it for "
                           f"precision={p.name}" + (" with precision.backend=te" if p.backend == "te" else ""))

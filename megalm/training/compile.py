@@ -189,8 +189,10 @@ def inductor_options(keeps_inputs: bool = False) -> dict[str, Any]:
 
 
 def defers_weight_grads(block: nn.Module) -> bool:
-    """Whether `block` hands weight gradients to a zero-bubble pipeline's W action."""
-    return any(isinstance(getattr(m, "weight_grad_sink", None), LayerSink) for m in block.modules())
+    """Whether `block` hands weight gradients to a zero-bubble pipeline's W action (a sink that `accumulates`, gradient
+    accumulation fusion's, multiplies them while its op runs: nothing outlives the graph)."""
+    return any(isinstance(sink, LayerSink) and not sink.accumulates
+               for sink in (getattr(m, "weight_grad_sink", None) for m in block.modules()))
 
 
 def _run_compiled(compiled: Callable, linears: list[nn.Module], *args, **kwargs):  # noqa: ANN002, ANN003, ANN202

@@ -78,6 +78,12 @@ LAYOUTS = {
     "dp2_fp8_torchao": (2, ["parallel.dp=2", *TORCHAO_BF16]),
     "pp2_fp8_torchao": (2, ["parallel.pp=2", *TORCHAO_BF16]),
     "dp2_fsdp_fp8_torchao": (2, ["parallel.dp=2", "parallel.fsdp=true", *TORCHAO_BF16]),
+    # gradient accumulation fusion: the GEMMs add into the buckets, whose reductions start in the backward (a bucket
+    # per few parameters); and in TP's layers, SP's gathered input included (ZeRO-1: the test below)
+    "dp2_fused_wgrad": (2, ["parallel.dp=2", "parallel.gradient_accumulation_fusion=true",
+                            "parallel.bucket_size_mb=0.02"]),
+    "tp2_sp_fused_wgrad": (2, ["parallel.tp=2", "parallel.sequence_parallel=true",
+                               "parallel.gradient_accumulation_fusion=true"]),
 }
 
 
@@ -89,9 +95,9 @@ def test_bf16_layout_trains_like_one_process(tmp_path, name):
     run_distributed(check_layout, world, overrides, str(tmp_path), timeout=240)
 
 
-def check_zero1_is_plain_dp(rank: int, world_size: int, tmp: str) -> None:
-    plain = Trainer(compose_config(*BF16, "parallel.dp=2"), f"{tmp}/plain")
-    zero1 = Trainer(compose_config(*BF16, "parallel.dp=2", "parallel.zero1=true"), f"{tmp}/zero1")
+def check_zero1_is_plain_dp(rank: int, world_size: int, tmp: str, extra: list[str]) -> None:
+    plain = Trainer(compose_config(*BF16, "parallel.dp=2", *extra), f"{tmp}/plain")
+    zero1 = Trainer(compose_config(*BF16, "parallel.dp=2", "parallel.zero1=true", *extra), f"{tmp}/zero1")
     for step in range(STEPS):
         a, b = plain.train_step(step), zero1.train_step(step)
         assert a.loss == b.loss, f"rank {rank} step {step}: loss {b.loss} under ZeRO-1, {a.loss} without"
@@ -110,8 +116,9 @@ def check_zero1_is_plain_dp(rank: int, world_size: int, tmp: str) -> None:
     assert gathered == STEPS * numel * 2, "ZeRO-1 gathers the bf16 working weights, 2 bytes each"
 
 
-def test_bf16_zero1_equals_plain_dp_bit_for_bit(tmp_path):
-    run_distributed(check_zero1_is_plain_dp, 2, str(tmp_path), timeout=240)
+@pytest.mark.parametrize("extra", [[], ["parallel.gradient_accumulation_fusion=true"]], ids=["plain", "fused_wgrad"])
+def test_bf16_zero1_equals_plain_dp_bit_for_bit(tmp_path, extra):
+    run_distributed(check_zero1_is_plain_dp, 2, str(tmp_path), extra, timeout=240)
 
 
 @pytest.mark.slow  # about 27 s: the default suite keeps the fp32 test_resume_under_tp_dp_zero1_is_bit_exact and

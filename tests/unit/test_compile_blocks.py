@@ -46,10 +46,11 @@ RECIPES = ["fp8", "fp8_delayed", "fp8_rowwise", "mxfp8", "mxfp4"]  # the FP8/MX 
 
 @pytest.mark.parametrize("overrides", [
     [], ["parallel.recompute=full"], ["parallel.recompute=selective"], ["precision=bf16"],
+    ["precision=bf16", "parallel.gradient_accumulation_fusion=true"],
     ["offload.enabled=true"], ["offload.enabled=true", "offload.min_tensor_bytes=0", "parallel.recompute=full"],
     *[[f"precision={recipe}"] for recipe in RECIPES], ["precision=mxfp4", "parallel.recompute=full"],
-], ids=["fp32", "recompute_full", "recompute_selective", "bf16", "offload", "offload_recompute", *RECIPES,
-        "mxfp4_recompute"])
+], ids=["fp32", "recompute_full", "recompute_selective", "bf16", "bf16_fused_wgrad", "offload", "offload_recompute",
+        *RECIPES, "mxfp4_recompute"])
 def test_blocks_compile_to_one_graph_without_breaks(tmp_path, overrides):
     assert_compiles_once(compiled_trainer(tmp_path, "eager", *overrides))
 

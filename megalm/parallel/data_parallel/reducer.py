@@ -393,21 +393,39 @@ class GradReducer:
         """Detach the hooks (the model can then run backward without a reducer)."""
         _remove_handles(self._handles)
 
+    def main_grad(self, param: nn.Parameter) -> tuple[torch.Tensor, bool]:
+        """`param`'s fp32 sum of this step's gradients so far, shaped like it (its slice of the bucket), and whether
+        it is still empty (the slice then holds the last step's sum: overwrite it, do not add). For a GEMM that adds
+        its weight gradient in place (gradient accumulation fusion, fused_wgrad.py), which then calls
+        `added_to_main_grad`. Needs `accumulate=True`."""
+        if not self.accumulate:
+            raise RuntimeError("main_grad() needs GradReducer(accumulate=True): the buckets hold no sum otherwise")
+        self._require_step()
+        return self._view(param).view(param.shape), self._fires[id(param)] == 0
+
+    def added_to_main_grad(self, param: nn.Parameter) -> None:
+        """This micro-batch's gradient of `param` was added into `main_grad(param)` in place (no `p.grad`): counted
+        as the post-accumulate-grad hook counts one, launching the bucket's reduction once it is final."""
+        self._arrived(param)
+
     # ------------------------------------------------------------------ internals
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         """Post-accumulate-grad hook: runs after each backward adds into `param.grad`."""
-        if not self._active:
-            raise RuntimeError("a gradient arrived outside a GradReducer step: call reducer.start_step("
-                               "num_micro_batches) before the first backward and finish() after the last")
-        key = id(param)
+        self._require_step()
         if self.accumulate:  # this micro-batch's gradient joins the bucket's sum (fp32) and leaves p.grad
             view, grad = self._view(param), param.grad.reshape(-1)
-            if self._fires[key] == 0:  # the step's first one starts the sum: no zeroing pass over the buckets
+            if self._fires[id(param)] == 0:  # the step's first one starts the sum: no zeroing pass over the buckets
                 view.copy_(grad)
             else:
                 view.add_(grad)
             param.grad = None
+        self._arrived(param)
+
+    def _arrived(self, param: nn.Parameter) -> None:
+        """One more micro-batch's gradient of `param` is in (in `p.grad`, or already in its bucket when accumulating);
+        the last one makes it final, and its bucket's collective starts once the bucket is complete."""
+        key = id(param)
         self._fires[key] += 1
         if self._fires[key] > self._num_micro_batches:
             raise RuntimeError(f"a parameter received {self._fires[key]} gradients in a step declared with "
@@ -422,6 +440,11 @@ class GradReducer:
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_ready(in_backward=True)
+
+    def _require_step(self) -> None:
+        if not self._active:
+            raise RuntimeError("a gradient arrived outside a GradReducer step: call reducer.start_step("
+                               "num_micro_batches) before the first backward and finish() after the last")
 
     def _view(self, param: nn.Parameter) -> torch.Tensor:
         """`param`'s flat slice of its bucket."""

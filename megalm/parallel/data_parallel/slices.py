@@ -55,6 +55,9 @@ def validate_data_parallel(cfg: MegalmConfig) -> None:
     if p.grad_reduce_dtype is not None:
         choice(p.grad_reduce_dtype, "parallel.grad_reduce_dtype", ("fp32", "bf16"))
     positive(p.bucket_size_mb, "parallel.bucket_size_mb")
+    if p.gradient_accumulation_fusion and p.fsdp:
+        raise ConfigError("parallel.gradient_accumulation_fusion adds into the data-parallel buckets, which FSDP "
+                          "replaces with its own sharded gradients: drop one of the two")
     if not p.hdp and t.tokens_per_step is None and t.global_batch_size % (t.micro_batch_size * p.dp):
         raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
                           f"micro_batch_size*dp={t.micro_batch_size}*{p.dp}; change one of them")
