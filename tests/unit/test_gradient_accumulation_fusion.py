@@ -150,3 +150,14 @@ def test_compiled_blocks_add_the_same_gradients_in_their_op(tmp_path):
         error = ((grads[1][name] - grads[0][name]).norm() / grads[0][name].norm()).item()
         assert error < 1e-2, (name, error)
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_a_torch_whose_cuda_gemm_cannot_accumulate_in_fp32_is_said_and_left_unfused(tmp_path, monkeypatch, caplog):
+    from megalm.parallel.data_parallel import fused_wgrad
+
+    trainer = Trainer(compose_config(*MICRO), tmp_path)
+    monkeypatch.setattr(fused_wgrad, "cuda_gemm_problem", lambda device: "torch X's addmm takes no fp32 accumulator")
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        assert fused_wgrad.fuse_weight_grads(trainer.model, trainer.parallel.reducer, torch.device("cuda")) == 0
+    assert "takes no fp32 accumulator" in caplog.text and "accumulate unfused" in caplog.text
+    assert all(m.weight_grad_sink is None for m in linear_modules(trainer.model))

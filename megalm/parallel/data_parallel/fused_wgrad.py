@@ -10,9 +10,10 @@ micro-batch, so the buckets need no zeroing pass), and writes it in fp32: 4 byte
 dW, no copy kernel, and every micro-batch's dW summed as the GEMM's fp32 accumulator left it.
 
 On CUDA that is one cuBLAS GEMM through torch's `out_dtype` overload of addmm (bf16 operands, fp32 accumulator and
-output; CUDA only, torch >= 2.8), so neither apex nor TE is needed. A CPU has no such kernel: there the GEMM runs
-in fp32 on upcast operands (bf16 products are exact in fp32, so it sums what the CUDA GEMM sums), slower than the
-unfused path and said so in one log line; it is what the CPU tests compare.
+output), so neither apex nor TE is needed; its fp32 accumulator came with pytorch/pytorch#167931 (November 2025),
+and a torch without it is probed, said and left unfused. A CPU has no such kernel: there the GEMM runs in fp32 on
+upcast operands (bf16 products are exact in fp32, so it sums what the CUDA GEMM sums), slower than the unfused path
+and said so in one log line; it is what the CPU tests compare.
 
 How it reaches the GEMM: as a zero-bubble pipeline's W action does (megalm/parallel/pipeline/weight_grad.py),
 through the linear layer's `weight_grad_sink` hook (megalm/model/linear.py). The layer's weight is detached in the
@@ -30,6 +31,7 @@ norms.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 
@@ -82,9 +84,27 @@ class MainGradAccumulator:
                            "keeps autograd's gradient (fuse_weight_grads leaves it out)")
 
 
+@functools.cache
+def cuda_gemm_problem(device: torch.device) -> str | None:
+    """Why this torch's CUDA addmm cannot add bf16 operands into an fp32 tensor in place, or None: its `out_dtype`
+    overload took `self` in the operands' dtype only until pytorch/pytorch#167931 (November 2025). Probed once."""
+    c = torch.zeros(16, 16, device=device)
+    a = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
+    try:
+        torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+    except (RuntimeError, TypeError) as error:
+        return f"torch {torch.__version__}'s addmm takes no fp32 accumulator beside bf16 operands ({error})"
+    return None if torch.equal(c, torch.full_like(c, 16.0)) else f"torch {torch.__version__}'s addmm summed wrong"
+
+
 def fuse_weight_grads(model: nn.Module, reducer: GradReducer, device: torch.device) -> int:
     """Make every linear layer of `model` that can (module docstring) add its weight gradient into `reducer`'s
-    fp32 buckets in its GEMM; returns how many, and says in one line what stays unfused and why."""
+    fp32 buckets in its GEMM; returns how many, and says in one line what stays unfused and why. Where this torch's
+    CUDA GEMM cannot, none is fused, and the line says so."""
+    if device.type == "cuda" and (problem := cuda_gemm_problem(device)) is not None:
+        log.warning("parallel.gradient_accumulation_fusion: %s; the weight gradients accumulate unfused (a newer "
+                    "torch fuses them)", problem)
+        return 0
     store = MainGradAccumulator(reducer)
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     fused, kept = 0, {"a precision recipe": 0, "a zero-bubble W action": 0, "a weight shared with another layer": 0}
