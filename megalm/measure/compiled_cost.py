@@ -142,18 +142,22 @@ class InductorCosts:
         generated: list[float] = []  # bytes of each kernel inductor generates
         fallbacks: list[tuple[str, str, float]] = []  # (aten op, category, bytes) of the other kernels it calls
         extern = Counter()  # the GEMM/attention/collective kernels it calls, which the replay traces
+        bodies = Counter()  # the custom ops whose Python bodies the replay runs op by op
         for node, _ in metrics.nodes_num_elem[first:]:
             if isinstance(node, NopKernelSchedulerNode) or type(getattr(node, "node", None)).__name__ == "MultiOutput":
                 continue
             nbytes = float(node.get_read_write_buffers_sizes())
             if not isinstance(node, ExternKernelSchedulerNode):
                 generated.append(nbytes)
-            elif category(name := _extern_name(node)) in REPLAYED or traced_through(node):
+            elif traced_through(node):  # its own ops are replayed and priced (op_cost.trace_through)
+                bodies[_extern_name(node)] += 1
+            elif category(name := _extern_name(node)) in REPLAYED:
                 extern[name] += 1
             elif not getattr(getattr(node.node, "op_overload", None), "is_view", False):  # a view launches nothing
                 fallbacks.append((name, category(name), nbytes))
         graph = {"generated_kernels": len(generated), "generated_bytes": sum(generated),
                  "fallback_kernels": dict(Counter(name for name, _, _ in fallbacks)), "extern": dict(extern),
+                 "traced_through": dict(bodies),
                  "peak_buffer_bytes": sum(peaks)}
         self.graphs.append(graph)
         kernels = [("inductor_generated", "elementwise/other", nbytes) for nbytes in generated] + fallbacks

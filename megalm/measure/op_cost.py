@@ -82,7 +82,7 @@ _LOSS = ("nll_loss", "log_softmax", "_log_softmax", "cross_entropy", "logsumexp"
 def category(op: str) -> str:
     """The cost category of an aten op name (without overload): gemm, attention, cast/copy, loss, optimizer,
     communication, or elementwise/other."""
-    if op in _GEMM:
+    if op in _GEMM or op.endswith("_") and op[:-1] in _GEMM:  # in place too (addmm_)
         return "gemm"
     if "attention" in op or "flash" in op or "_efficient_attention" in op or "cudnn_attention" in op:
         return "attention"
@@ -285,7 +285,9 @@ class OpCosts(TorchDispatchMode):
         outputs = _tensors(out) or _written_in_place(func, name, args, kwargs)
         read = sum(_nbytes(t) for t in inputs)
         written = sum(_nbytes(t) for t in outputs)
-        formula = flop_registry.get(func._overloadpacket)
+        # an in-place GEMM (addmm_, a fused weight gradient's CPU form) has its out-of-place twin's formula
+        formula = flop_registry.get(func._overloadpacket) or flop_registry.get(
+            getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") and name[:-1] in _GEMM else None)
         flops = _attention_flops(name, args, kwargs)
         if flops is None:
             flops = _grouped_gemm_flops(name, args, outputs[0]) if outputs else None

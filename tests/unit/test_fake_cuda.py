@@ -125,6 +125,8 @@ def fake_mode_misses(op: str) -> str | None:
         "varlen_attn": varlen,
         "mm_out_dtype": lambda: torch.mm(torch.empty(16, 32, dtype=bf16), torch.empty(32, 16, dtype=bf16),
                                          out_dtype=torch.float32),
+        "addmm_fp32_accumulator": lambda: torch.addmm(c := torch.empty(16, 16), torch.empty(16, 32, dtype=bf16),
+                                                      torch.empty(32, 16, dtype=bf16), out_dtype=torch.float32, out=c),
         "flash_varlen": flash, "efficient_varlen": efficient, "scaled_mm": scaled_mm,
     }
     try:
@@ -487,3 +489,34 @@ def test_fake_cuda_compiled_blocks_take_the_varlen_kernel_in_whole_graphs_compil
     recipe_ops = targets & {str(op) for op in (ops.recipe_linear.default, ops.fp8_linear.default)}
     assert bool(recipe_ops) == (recipe not in ("bf16", "bf16_autocast")), sorted(targets)  # the GEMMs in the graph
     assert any("_grouped_mm" in target for target in targets) == bool(experts), sorted(targets)
+
+
+@contextlib.contextmanager
+def recording_ops(calls: list[str]) -> Iterator[None]:
+    """Appends to `calls` each op that is not a view (`aten.addmm.dtype_out`) dispatched inside."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if not func.is_view:
+                calls.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Recording():
+        yield
+
+
+@needs_cuda_build
+def test_fake_cuda_fused_weight_gradient_is_one_gemm_into_the_fp32_sum():
+    """Gradient accumulation fusion on a GPU (megalm/parallel/data_parallel/fused_wgrad.py): bf16 dy and x, the fp32
+    main gradient both accumulator and output of one addmm, whatever the first micro-batch's beta; no upcast copy."""
+    from megalm.parallel.data_parallel.fused_wgrad import wgrad_into
+
+    needs_fake("addmm_fp32_accumulator")
+    calls: list[str] = []
+    with fake_cuda(SM90), recording_ops(calls):
+        dy, x = torch.empty(64, 48, dtype=torch.bfloat16), torch.empty(64, 32, dtype=torch.bfloat16)
+        main_grad = torch.empty(48, 32)
+        for first in (True, False):
+            wgrad_into(main_grad, dy, x, first)
+    assert calls == ["aten.addmm.dtype_out"] * 2, calls

@@ -96,6 +96,41 @@ def test_the_step_cost_tool_counts_six_flops_per_weight_and_token():
                 assert compiled["by_category"][name][key] == eager["by_category"][name][key], (system, name, key)
 
 
+def test_gradient_accumulation_fusion_saves_four_bytes_per_weight_in_the_trace():
+    """The step as a GPU runs it (--gpu): fused, each weight-gradient GEMM writes its fp32 sum where it wrote a bf16
+    gradient that a copy then read and wrote into the bucket: 2 + 2 + 4 bytes become 4, per linear weight, and the
+    copies are gone; the same FLOPs (6 per weight and token). Compiled too: the layers' ops are priced op by op."""
+    from megalm.parallel.data_parallel.fused_wgrad import fake_tensors_accumulate
+
+    if not fake_tensors_accumulate():
+        return  # this torch's fake tensors cannot run the GEMM: the trace prices the CPU's emulation, and says so
+    rows = {}
+    for fused in (False, True):
+        result = subprocess.run([sys.executable, str(ROOT / "tools/bench/step_cost.py"), "--gpu", "h100", "--json",
+                                 "--systems", "megalm,megalm_compiled", "model=tiny",
+                                 f"parallel.gradient_accumulation_fusion={str(fused).lower()}"],
+                                capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert result.returncode == 0, result.stderr[-2000:]
+        report = json.loads(result.stdout)
+        rows[fused] = {r["system"]: r for r in report["systems"]}
+    from megalm.config import resolve_model_defaults
+    from tests.conftest import compose_config
+
+    m = resolve_model_defaults(compose_config("model=tiny", tiny=False).model)
+    kv = m.hidden_size // m.num_heads * m.num_kv_heads
+    weights = m.num_layers * (m.hidden_size * (m.hidden_size * 2 + 2 * kv) + 3 * m.hidden_size * m.ffn_hidden_size)
+    weights += m.hidden_size * m.padded_vocab_size  # the output head
+    for system in rows[False]:
+        plain, fused = rows[False][system], rows[True][system]
+        assert fused["tflop"] == plain["tflop"], system
+        saved = (plain["gbytes"] - fused["gbytes"]) * 1e9
+        copies = (plain["by_category"]["cast/copy"]["gbytes"] - fused["by_category"]["cast/copy"]["gbytes"]) * 1e9
+        assert copies >= 6 * weights * (1 - 1e-6), (system, copies, weights)
+        if system == "megalm":  # compiled, inductor's kernels around the layers' ops change too (a few more)
+            assert abs(saved - 4 * weights) <= 1e-6 * saved, (system, saved, weights)
+        assert saved > 0 and fused["roofline_ms"] < plain["roofline_ms"], system
+
+
 def test_a_counted_call_and_its_backward_count_under_its_category():
     """`OpCosts.call_counted_as`: the memory-bound ops the call runs, and those of the backward of the autograd nodes
     it made, move to its category; the GEMM before it, the op after it and their backward keep theirs, and the

@@ -59,6 +59,7 @@ from megalm import compat  # noqa: E402
 from megalm.estimate.rank import trace_compiled_blocks  # noqa: E402
 from megalm.measure.compiled_cost import InductorCosts  # noqa: E402
 from megalm.measure.op_cost import CATEGORIES, GPUS, OpCosts  # noqa: E402
+from megalm.parallel.data_parallel.fused_wgrad import fake_tensors_accumulate  # noqa: E402
 from megalm.precision import compiles_in_sight  # noqa: E402
 from megalm.train import compose_config  # noqa: E402
 from megalm.training.compile import compile_blocks, compile_loss, inductor_options  # noqa: E402
@@ -107,7 +108,8 @@ def megalm_step(overrides: list[str], gpu: str, system: str = "megalm", compiled
            if compiled else "eager")
     precision = str(trainer.cfg.precision.name)
     row = {"system": system, "config": f"precision={precision}, {how}", "precision": precision,
-           "model": trainer.cfg.model, "precision_config": trainer.cfg.precision, **step.summary(),
+           "model": trainer.cfg.model, "precision_config": trainer.cfg.precision,
+           "parallel_config": trainer.cfg.parallel, **step.summary(),
            "optimizer": optimizer.summary()}
     if compiled:
         row["inductor_graphs"] = inductor.graphs
@@ -311,12 +313,16 @@ def main(argv: list[str] | None = None) -> int:
         elif titan:
             rows += [torchtitan_step(ours["model"], args.gpu, name.endswith("compiled"), titan_precision)
                      for name in titan]
+    if ours["parallel_config"].gradient_accumulation_fusion and not fake_tensors_accumulate():
+        notes.append(f"parallel.gradient_accumulation_fusion: torch {torch.__version__}'s fake tensors cannot run "
+                     "CUDA's fp32-accumulating GEMM; its weight gradients are priced as the CPU's fp32 emulation")
     shape = ours["model"]
     header = (f"{shape.name}: {shape.num_layers} layers, hidden {shape.hidden_size}, seq {shape.seq_length}; "
               f"roofline on {GPUS[args.gpu].name}; traced on fake CPU tensors (torch {torch.__version__})")
     for r in rows:
         r.pop("model", None)
         r.pop("precision_config", None)
+        r.pop("parallel_config", None)
         for graph in r.get("inductor_graphs", ()):
             if graph.get("extern_replayed") != sum(graph["extern"].values()):
                 notes.append(f"{r['system']}: a graph's extern kernels {graph['extern']} were replayed as "

@@ -48,9 +48,29 @@ log = logging.getLogger("megalm")
 
 def gemm_accumulates(dy: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether one GEMM can read and write `out`'s dtype from `dy`'s operands: the same dtype, CUDA's `out_dtype`
-    overload, or a cost trace of a CUDA GPU on fake tensors (compat.fp8_traced_as_gpu)."""
+    overload, or a cost trace of a CUDA GPU on fake tensors (compat.fp8_traced_as_gpu) where this torch's fake
+    tensors run that overload (else the trace prices the CPU's emulation)."""
     return (dy.dtype == out.dtype or dy.is_cuda
-            or (compat.fp8_traced_capability() is not None and compat.is_fake(dy)))
+            or (compat.fp8_traced_capability() is not None and compat.is_fake(dy) and fake_tensors_accumulate()))
+
+
+@functools.cache
+def fake_tensors_accumulate() -> bool:
+    """Whether fake tensors run addmm's `out_dtype` overload: torch 2.11's route it to plain addmm's decomposition,
+    which takes the dtype for beta and fails."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")  # which logs the failure it raises
+    disabled, fake_log.disabled = fake_log.disabled, True
+    try:
+        with unset_fake_temporarily(), FakeTensorMode():
+            c, a = torch.empty(4, 4), torch.empty(4, 4, dtype=torch.bfloat16)
+            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+    except (RuntimeError, TypeError):
+        return False
+    finally:
+        fake_log.disabled = disabled
+    return True
 
 
 def wgrad_into(out: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, first: bool) -> None:
