@@ -248,6 +248,11 @@ step_throughput() {
   # the optimizer step (24 of the compiled bf16 step's 173 ms on 2026-11-29): torch's fused AdamW + the bf16 copy
   # against megalm's one-pass Triton kernel (optim.implementation=triton), over the 1.3B model's parameters
   bench "AdamW kernels, 1.3b parameters" 60 tools/bench/adamw_kernels.py model=1.3b --iters 10 --warmup 3
+  # gradient accumulation fusion (opt-in until this row): the compiled bf16 row with each weight-gradient GEMM adding
+  # into its fp32 bucket, beside the row above (its copies into the buckets were 1.78 ms of the H200 roofline)
+  bench "training throughput, 1.3b/4096 bf16 compiled, fused weight gradients" 240 tools/bench/throughput.py \
+    model=1.3b model.seq_length=4096 precision=bf16 trainer.compile=true parallel.gradient_accumulation_fusion=true \
+    trainer.global_batch_size=2 trainer.micro_batch_size=2 --steps 6 --warmup 3 --profile 2
 }
 step_bench() {
   # first the rows that decide a default (trainer.compile's auto keeps MoE and zero-bubble blocks eager until they

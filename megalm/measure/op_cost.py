@@ -62,7 +62,8 @@ _CAST_COPY = {"_to_copy", "copy_", "copy", "clone", "_copy_from", "_copy_from_an
               "stack", "index_select", "gather", "scatter", "scatter_add_", "embedding", "embedding_dense_backward",
               "fill_", "zero_", "zeros", "zeros_like", "new_zeros", "full", "ones_like", "index_put_", "masked_fill_"}
 _NO_KERNEL_NAMESPACES = {"prim", "profiler"}  # tensor metadata queries (prim::device), profiler markers
-_NO_KERNEL = {"detach", "lift_fresh", "_local_scalar_dense", "_record_function_enter_new", "_record_function_exit",
+_NO_KERNEL = {"detach", "lift_fresh", "_local_scalar_dense", "item",  # a host read (of a CPU handle: no sync)
+              "_record_function_enter_new", "_record_function_exit",
               "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}  # allocations: no kernel runs
 # Ops that write their output without reading any tensor argument (a fill); and in-place ops whose destination (the
 # first argument) is overwritten, not read. Without these a copy into an fp32 gradient bucket was priced as reading
@@ -155,7 +156,7 @@ def _read_operands(func: Any, name: str, args: tuple, kwargs: dict) -> list[torc
     if name in _WRITE_ONLY or name.startswith("new_"):
         return []
     skipped = {"self"} if name in _OVERWRITES_DESTINATION else set()
-    if name in ("addmm", "baddbmm") and _arg(args, kwargs, 99, "beta") == 0:  # beta = 0: C is not read
+    if name in ("addmm", "baddbmm") and kwargs.get("beta", 1) == 0:  # beta = 0 (a keyword): C is not read
         skipped.add("self")
     return [t for argument, value in _arguments(func, args, kwargs)
             if not argument.is_out and argument.name not in skipped for t in _tensors(value)]
