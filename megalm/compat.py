@@ -139,6 +139,15 @@ def fp8_traced_capability() -> tuple[int, int] | None:
     return _fp8_traced_capability.get()
 
 
+def custom_op_body(qualname: str) -> Callable[..., Any] | None:
+    """The Python function the `torch.library.custom_op` named `qualname` ("namespace::name") runs, or None (torch
+    keeps it in a private table, `torch._library.custom_ops.OPDEFS`, torch 2.4 on)."""
+    from torch._library import custom_ops
+
+    opdef = getattr(custom_ops, "OPDEFS", {}).get(qualname)
+    return getattr(opdef, "_init_fn", None)
+
+
 def is_fake(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is a FakeTensor (shapes and dtypes, no data): code that compiles or launches kernels
     runs its eager twin on it instead (inductor and Triton need a real device)."""

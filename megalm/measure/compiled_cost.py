@@ -48,7 +48,7 @@ def _extern_name(node: Any) -> str:
 
 
 def traced_through(node: Any) -> bool:
-    """Whether an extern kernel is a custom op whose Python body the replay prices op by op (op_cost.trace_through)."""
+    """Whether an extern kernel is a custom op whose Python body the replay prices op by op (op_cost.TRACED_THROUGH)."""
     op = getattr(node.node, "op_overload", None)
     return op is not None and is_traced_through(op)
 
@@ -149,7 +149,7 @@ class InductorCosts:
             nbytes = float(node.get_read_write_buffers_sizes())
             if not isinstance(node, ExternKernelSchedulerNode):
                 generated.append(nbytes)
-            elif traced_through(node):  # its own ops are replayed and priced (op_cost.trace_through)
+            elif traced_through(node):  # its own ops are replayed and priced (op_cost.TRACED_THROUGH)
                 bodies[_extern_name(node)] += 1
             elif category(name := _extern_name(node)) in REPLAYED:
                 extern[name] += 1

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import (
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from megalm import compat
 from megalm.measure.storage import in_sharding_propagation, is_higher_order, storage_identity
 
 
@@ -61,6 +62,7 @@ _GEMM = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_
 _CAST_COPY = {"_to_copy", "copy_", "copy", "clone", "_copy_from", "_copy_from_and_resize", "contiguous", "cat",
               "stack", "index_select", "gather", "scatter", "scatter_add_", "embedding", "embedding_dense_backward",
               "fill_", "zero_", "zeros", "zeros_like", "new_zeros", "full", "ones_like", "index_put_", "masked_fill_"}
+_ACCUMULATING_GEMMS = {"addmm", "addmm_", "baddbmm", "baddbmm_"}  # C + A B: the peak is A's and B's (an fp32 C)
 _NO_KERNEL_NAMESPACES = {"prim", "profiler"}  # tensor metadata queries (prim::device), profiler markers
 _NO_KERNEL = {"detach", "lift_fresh", "_local_scalar_dense", "item",  # a host read (of a CPU handle: no sync)
               "_record_function_enter_new", "_record_function_exit",
@@ -156,7 +158,7 @@ def _read_operands(func: Any, name: str, args: tuple, kwargs: dict) -> list[torc
     if name in _WRITE_ONLY or name.startswith("new_"):
         return []
     skipped = {"self"} if name in _OVERWRITES_DESTINATION else set()
-    if name in ("addmm", "baddbmm") and kwargs.get("beta", 1) == 0:  # beta = 0 (a keyword): C is not read
+    if name in ("addmm", "addmm_", "baddbmm", "baddbmm_") and kwargs.get("beta", 1) == 0:  # beta = 0: C is not read
         skipped.add("self")
     return [t for argument, value in _arguments(func, args, kwargs)
             if not argument.is_out and argument.name not in skipped for t in _tensors(value)]
@@ -173,20 +175,15 @@ def _written_in_place(func: Any, name: str, args: tuple, kwargs: dict) -> list[t
                 else argument.alias_info is not None and argument.alias_info.is_write) for t in _tensors(value)]
 
 
-_EAGER_BODIES: dict[str, Callable[..., Any]] = {}
-
-
-def trace_through(op: str, body: Callable[..., Any]) -> None:
-    """Have cost traces run the custom op `op` ("namespace::name") as `body`, its Python implementation, op by op
-    (megalm's opaque ops inside compiled blocks: megalm/model/deferred_wgrad.py). On fake tensors the op itself would
-    run its fake kernel, which makes its output's shape only: no GEMM to price, and no side effect (a weight gradient
-    handed to a zero-bubble W action, or added into its main gradient)."""
-    _EAGER_BODIES[op] = body
+# megalm's opaque ops inside compiled blocks (megalm/model/deferred_wgrad.py) whose Python bodies cost traces run op
+# by op: on fake tensors the op would run its fake kernel, which makes its output's shape only: no GEMM to price, and no
+# side effect (a weight gradient handed to a zero-bubble W action, or added into its main gradient)
+TRACED_THROUGH = frozenset({"megalm::deferred_fprop", "megalm::deferred_dgrad"})
 
 
 def is_traced_through(func: Any) -> bool:
-    """Whether the op overload `func` is one `trace_through` named."""
-    return _op_key(func) in _EAGER_BODIES
+    """Whether the op overload `func` is one of TRACED_THROUGH."""
+    return _op_key(func) in TRACED_THROUGH
 
 
 def _op_key(func: Any) -> str:
@@ -240,10 +237,23 @@ class OpCosts(TorchDispatchMode):
         self._counted_as: str | None = None  # while set, memory-bound ops count under it (`call_counted_as`)
         self._backward_as: dict[Any, str] = {}  # autograd node -> the category of the ops its backward runs
         self._fp8_weights: set[int] = set()  # the weights whose FP8 copies compiled FP8 linears made in this trace
+        self._depth = 0  # how many `_reentered` blocks are open
 
     def __exit__(self, *exc: object) -> None:
-        self._backward_as.clear()  # the nodes `call_counted_as` named, and through their edges the step's graph
+        if not self._depth:  # the outermost exit, not `_reentered`'s
+            self._backward_as.clear()  # the nodes `call_counted_as` named, and through their edges the step's graph
         super().__exit__(*exc)
+
+    @contextlib.contextmanager
+    def _reentered(self) -> Iterator[None]:
+        """This mode active again inside its own `__torch_dispatch__` (where torch pops it), to price the ops a
+        traced-through op's body runs; leaving it keeps the trace's state."""
+        self._depth += 1
+        try:
+            with self:
+                yield
+        finally:
+            self._depth -= 1
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -262,16 +272,16 @@ class OpCosts(TorchDispatchMode):
             # the ops its own dispatch runs on them, which come back here (a cast, `torch._scaled_mm`, a local shard's
             # update), not as one op at the wrapper's dtype and global size
             return NotImplemented
-        body = _EAGER_BODIES.get(_op_key(func))
-        if body is not None:  # `trace_through`: its own ops are priced, all of them (a compiled graph's replay too)
+        body = compat.custom_op_body(_op_key(func)) if is_traced_through(func) else None
+        if body is not None:  # its own ops are priced, all of them (a compiled graph's replay too)
             previous, self._only = self._only, None
             try:
-                with self:
+                with self._reentered():
                     return body(*args, **kwargs)
             finally:
                 self._only = previous
         if func._overloadpacket.__name__ in ("linear", "matmul"):  # composite ops a traced body calls: their GEMMs
-            with self:
+            with self._reentered():
                 decomposed = func.decompose(*args, **kwargs)
             if decomposed is not NotImplemented:
                 return decomposed
@@ -306,7 +316,8 @@ class OpCosts(TorchDispatchMode):
             if name.startswith("fp8_linear"):  # its GEMMs read the layer's FP8 copy of the weight, 1 byte each
                 read -= _nbytes(weight) - weight.numel()
                 self._fp8_weight_copies(weight)
-        self._add(name, flops, read + written, self._peak_flops(inputs))
+        gemm_operands = [a for a in args[1:3] if isinstance(a, torch.Tensor)] if name in _ACCUMULATING_GEMMS else inputs
+        self._add(name, flops, read + written, self._peak_flops(gemm_operands))  # the multiplied operands' peak
         return out
 
     def _fp8_weight_copies(self, weight: torch.Tensor) -> None:

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.compat import as_function_output
-from megalm.measure.op_cost import trace_through
 from megalm.model.handles import handle_of, object_of
 
 
@@ -70,7 +69,8 @@ def _weight(layer: torch.Tensor, dtype: torch.dtype) -> tuple[LayerSink, torch.T
     return sink, sink.module.weight.detach().to(dtype)
 
 
-def _fprop_body(x: torch.Tensor, offsets: torch.Tensor | None, layer: torch.Tensor, out_features: int) -> torch.Tensor:
+@torch.library.custom_op("megalm::deferred_fprop", mutates_args=())
+def _fprop(x: torch.Tensor, offsets: torch.Tensor | None, layer: torch.Tensor, out_features: int) -> torch.Tensor:
     """y = x Wᵀ in x's dtype of the layer `layer` names (x [T, in], weight [out, in]), or its grouped GEMM (weight
     [G, out, in], `offsets` the groups' ends)."""
     _, weight = _weight(layer, x.dtype)
@@ -80,16 +80,13 @@ def _fprop_body(x: torch.Tensor, offsets: torch.Tensor | None, layer: torch.Tens
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
 
 
-_fprop = torch.library.custom_op("megalm::deferred_fprop", _fprop_body, mutates_args=())
-trace_through("megalm::deferred_fprop", _fprop_body)
-
-
 @_fprop.register_fake
 def _(x, offsets, layer, out_features):
     return x.new_empty((x.shape[0], out_features))
 
 
-def _dgrad_and_defer_body(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor | None, layer: torch.Tensor
+@torch.library.custom_op("megalm::deferred_dgrad", mutates_args=())
+def _dgrad_and_defer(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor | None, layer: torch.Tensor
                      ) -> torch.Tensor:
     """dx = dy W in dy's dtype; dW's GEMM (dyᵀ x) goes to the sink `layer` names, for the W action."""
     sink, weight = _weight(layer, dy.dtype)
@@ -104,10 +101,6 @@ def _dgrad_and_defer_body(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tens
         dy = dy.contiguous()  # `.sum()` hands back a gradient of stride 0, which `torch._grouped_mm` rejects
         sink.stash(param, lambda: torch._grouped_mm(x.t(), dy, offs=offsets).transpose(-2, -1).to(param.dtype))
         return torch._grouped_mm(dy, weight, offs=offsets)
-
-
-_dgrad_and_defer = torch.library.custom_op("megalm::deferred_dgrad", _dgrad_and_defer_body, mutates_args=())
-trace_through("megalm::deferred_dgrad", _dgrad_and_defer_body)  # a cost trace prices its GEMMs and runs its sink
 
 
 @_dgrad_and_defer.register_fake

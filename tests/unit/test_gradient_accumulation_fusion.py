@@ -4,7 +4,7 @@ Checked against an independent computation: each fused layer's input x and outpu
 them over (a forward hook and a tensor hook), multiplied and summed over the micro-batches in fp64. The fused sums
 match it to fp32's rounding; the unfused ones are a bf16 rounding off (each micro-batch's dW is written in bf16),
 which is what the check can tell apart. The CUDA kernel (torch's `out_dtype` addmm) is checked by the GPU tier
-(tests/gpu/test_gpu_train_step.py); here the CPU's fp32 emulation runs, and cost traces price the CUDA path.
+(tests/gpu/test_gpu_fused_wgrad.py); here the CPU's fp32 emulation runs, and cost traces price the CUDA path.
 """
 
 from __future__ import annotations
@@ -133,17 +133,26 @@ def test_the_gemm_overwrites_then_adds(dtype):
     torch.testing.assert_close(out.double(), 2 * expected, rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_blocks_add_the_same_gradients_in_their_op(tmp_path):
+def test_compiled_blocks_add_the_same_gradients_in_their_op(tmp_path, monkeypatch):
     """Inside a compiled block the layer's custom op runs the fused GEMM (megalm/model/deferred_wgrad.py): AOT autograd
-    traces forward and backward, and the first step's summed gradients are the eager fused run's, to bf16's rounding
-    of AOT's elementwise decompositions (a GEMM left out, or run twice, is off by O(1)); no graph break."""
+    traces forward and backward; step 1, after a whole step 0, adds once per layer and micro-batch (a block left
+    unfused adds none), and its summed gradients are the eager fused run's, to bf16's rounding of AOT's elementwise
+    decompositions (a GEMM run twice is off by O(1)); no graph break."""
+    from megalm.parallel.data_parallel.reducer import GradReducer
+
+    arrivals = []
+    added = GradReducer.added_to_main_grad
+    monkeypatch.setattr(GradReducer, "added_to_main_grad", lambda self, p: (arrivals.append(p), added(self, p)))
     eager = Trainer(compose_config(*MICRO, *FUSED, *EQUAL_DOCS, "trainer.compile=false"), tmp_path / "eager")
     torch._dynamo.reset()
     counters.clear()
     compiled = Trainer(compose_config(*MICRO, *FUSED, *EQUAL_DOCS, "trainer.compile=true",
                                       "trainer.compile_backend=aot_eager"), tmp_path / "compiled")
     for trainer in (eager, compiled):
-        trainer.forward_backward(0)
+        trainer.train_step(0)
+        arrivals.clear()
+        _, share = trainer.forward_backward(1)
+        assert len(arrivals) == len(fused_layers(trainer)) * len(share.micro_batches), len(arrivals)
     grads = [{n: t.parallel.reducer.summed_grad(p).double() for n, p in canonical_named_parameters(t.model)}
              for t in (eager, compiled)]
     for name in fused_layers(eager):

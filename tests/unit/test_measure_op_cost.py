@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -103,16 +104,21 @@ def test_gradient_accumulation_fusion_saves_four_bytes_per_weight_in_the_trace()
     from megalm.parallel.data_parallel.fused_wgrad import fake_tensors_accumulate
 
     if not fake_tensors_accumulate():
-        return  # this torch's fake tensors cannot run the GEMM: the trace prices the CPU's emulation, and says so
-    rows = {}
-    for fused in (False, True):
+        pytest.skip(f"torch {torch.__version__}'s fake tensors cannot run the fused GEMM (the trace prices the CPU's "
+                    "emulation, and says so)")
+
+    def trace(fused: bool, *overrides: str) -> dict:
         result = subprocess.run([sys.executable, str(ROOT / "tools/bench/step_cost.py"), "--gpu", "h100", "--json",
-                                 "--systems", "megalm,megalm_compiled", "model=tiny",
+                                 "--systems", "megalm,megalm_compiled", "model=tiny", *overrides,
                                  f"parallel.gradient_accumulation_fusion={str(fused).lower()}"],
                                 capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert result.returncode == 0, result.stderr[-2000:]
-        report = json.loads(result.stdout)
-        rows[fused] = {r["system"]: r for r in report["systems"]}
+        return {r["system"]: r for r in json.loads(result.stdout)["systems"]}
+
+    rows = {fused: trace(fused) for fused in (False, True)}
+    # two micro-batches: the second GEMM reads the fp32 sum it adds to (at the bf16 operands' peak: the test below)
+    two = [trace(fused, "trainer.global_batch_size=2")["megalm"] for fused in (False, True)]
+    assert two[1]["gbytes"] < two[0]["gbytes"] and two[1]["roofline_ms"] < two[0]["roofline_ms"], two
     from megalm.config import resolve_model_defaults
     from tests.conftest import compose_config
 
@@ -129,6 +135,24 @@ def test_gradient_accumulation_fusion_saves_four_bytes_per_weight_in_the_trace()
         if system == "megalm":  # compiled, inductor's kernels around the layers' ops change too (a few more)
             assert abs(saved - 4 * weights) <= 1e-6 * saved, (system, saved, weights)
         assert saved > 0 and fused["roofline_ms"] < plain["roofline_ms"], system
+
+
+def test_a_gemm_accumulating_into_fp32_runs_at_its_bf16_operands_peak():
+    """C + A B with bf16 A and B and an fp32 C (a fused weight gradient after a step's first micro-batch): the tensor
+    cores multiply bf16, so the bf16 peak, not TF32's; with beta = 0, C is not read."""
+    gpu = GPUS["h100"]
+    with FakeTensorMode():
+        a, b = torch.empty(8192, 8192, dtype=torch.bfloat16), torch.empty(8192, 8192, dtype=torch.bfloat16)
+        c = torch.empty(8192, 8192)
+        costs = {}
+        for beta in (0.0, 1.0):
+            with OpCosts(gpu) as costs[beta]:
+                torch.addmm(c, a, b, beta=beta, out_dtype=torch.float32, out=c)
+    flops = 2 * 8192**3
+    for beta, cost in costs.items():
+        gemm = cost.by_category["gemm"]
+        assert gemm.flops == flops and gemm.ms == pytest.approx(flops / (gpu.bf16_tflops * 1e12) * 1e3), beta
+        assert gemm.bytes == 2 * a.numel() * 2 + c.numel() * 4 * (2 if beta else 1), beta
 
 
 def test_a_counted_call_and_its_backward_count_under_its_category():

@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         elif "megalm_compiled" in systems:
             rows.append(megalm_step(args.overrides, args.gpu, "megalm_compiled", compiled=True))
         if "megalm_autocast" in systems and ours["precision"] == "bf16":
-            rows.append(megalm_step([*args.overrides, "precision=bf16_autocast"], args.gpu, "megalm_autocast"))
+            rows.append(megalm_step([*args.overrides, "precision=bf16_autocast",  # fp32 weights: no main gradients
+                                     "parallel.gradient_accumulation_fusion=false"], args.gpu, "megalm_autocast"))
         if "hf_llama" in systems and ours["precision"] in ("bf16", "bf16_autocast"):
             rows.append(hf_llama_step(ours["model"], args.gpu))
         elif "hf_llama" in systems:

@@ -127,7 +127,8 @@ def fuse_weight_grads(model: nn.Module, reducer: GradReducer, device: torch.devi
         return 0
     store = MainGradAccumulator(reducer)
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    fused, kept = 0, {"a precision recipe": 0, "a zero-bubble W action": 0, "a weight shared with another layer": 0}
+    fused, kept = 0, {"a precision recipe": 0, "a zero-bubble W action": 0, "a weight shared with another layer": 0,
+                      "rows shared over tensor-parallel ranks": 0}
     for module in linear_modules(model):
         if module.gemm_recipe is not None:
             kept["a precision recipe"] += 1
@@ -135,11 +136,13 @@ def fuse_weight_grads(model: nn.Module, reducer: GradReducer, device: torch.devi
             kept["a zero-bubble W action"] += 1
         elif uses[id(module.weight)] > 1:  # its other use's gradient comes through autograd: one arrival, not two
             kept["a weight shared with another layer"] += 1
+        elif getattr(module, "shared_rows", ()):  # TP's kv rows held by several ranks: summed over them by autograd
+            kept["rows shared over tensor-parallel ranks"] += 1
         elif module.weight.requires_grad:
             module.weight_grad_sink = LayerSink(store, module)
             fused += 1
     left = ", ".join(f"{n} with {why}" for why, n in kept.items() if n)
-    log.info("parallel.gradient_accumulation_fusion: %d linear layers add their weight gradients into the fp32 "
+    log.info("parallel.gradient_accumulation_fusion: %d linear layers add their weight gradients into the gradient "
              "buckets in the GEMM%s%s", fused, f"; unfused: {left}" if left else "",
              "" if device.type == "cuda" else
              f" (on {device.type} emulated by an fp32 GEMM of upcast operands, slower than unfused: CUDA's bf16 "

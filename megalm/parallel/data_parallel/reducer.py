@@ -394,10 +394,10 @@ class GradReducer:
         _remove_handles(self._handles)
 
     def main_grad(self, param: nn.Parameter) -> tuple[torch.Tensor, bool]:
-        """`param`'s fp32 sum of this step's gradients so far, shaped like it (its slice of the bucket), and whether
-        it is still empty (the slice then holds the last step's sum: overwrite it, do not add). For a GEMM that adds
-        its weight gradient in place (gradient accumulation fusion, fused_wgrad.py), which then calls
-        `added_to_main_grad`. Needs `accumulate=True`."""
+        """`param`'s sum of this step's gradients so far (fp32, or `reduce_dtype`), shaped like it (its slice of the
+        bucket), and whether it is still empty (the slice then holds the last step's sum: overwrite it, do not add).
+        For a GEMM that adds its weight gradient in place (gradient accumulation fusion, fused_wgrad.py), which then
+        calls `added_to_main_grad`. Needs `accumulate=True`."""
         if not self.accumulate:
             raise RuntimeError("main_grad() needs GradReducer(accumulate=True): the buckets hold no sum otherwise")
         self._require_step()
