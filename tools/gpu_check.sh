@@ -250,7 +250,7 @@ step_throughput() {
   bench "AdamW kernels, 1.3b parameters" 60 tools/bench/adamw_kernels.py model=1.3b --iters 10 --warmup 3
   # gradient accumulation fusion (opt-in until this row): the compiled bf16 row with each weight-gradient GEMM adding
   # into its fp32 bucket, beside the compiled row above (traced: 2.0 of a micro-batch's 50.9 ms on the H100 roofline)
-  bench "training throughput, 1.3b/4096 bf16 compiled, fused weight gradients" 240 tools/bench/throughput.py \
+  bench "training throughput, 1.3b/4096 bf16 with fused weight gradients (compiled)" 240 tools/bench/throughput.py \
     model=1.3b model.seq_length=4096 precision=bf16 trainer.compile=true parallel.gradient_accumulation_fusion=true \
     trainer.global_batch_size=2 trainer.micro_batch_size=2 --steps 6 --warmup 3 --profile 2
 }

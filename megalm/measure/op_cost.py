@@ -182,8 +182,8 @@ TRACED_THROUGH = frozenset({"megalm::deferred_fprop", "megalm::deferred_dgrad"})
 
 
 def is_traced_through(func: Any) -> bool:
-    """Whether the op overload `func` is one of TRACED_THROUGH."""
-    return _op_key(func) in TRACED_THROUGH
+    """Whether the op overload `func` is one of TRACED_THROUGH (a higher-order op, say an rng wrapper, is none)."""
+    return isinstance(func, torch._ops.OpOverload) and _op_key(func) in TRACED_THROUGH
 
 
 def _op_key(func: Any) -> str:
