@@ -11,8 +11,9 @@ torch with CUDA, no network needed); from its root run
     OUT=DIR tools/gpu_check.sh setup throughput tests     (about 8 minutes; its 9-minute budget)
     OUT=DIR tools/gpu_check.sh setup compare              (1.3B at seq 4096 against the peers, about 5 minutes)
 and, if time is left,
-    OUT=DIR tools/gpu_check.sh setup bench                (first the rows that decide the MoE and zero-bubble
-                                                           compile defaults, then the other benchmarks)
+    OUT=DIR tools/gpu_check.sh setup bench                (first the rows that decide a default: fused weight
+                                                           gradients, the MoE and zero-bubble compile defaults;
+                                                           then the other benchmarks)
     OUT=DIR tools/gpu_check.sh setup calibrate            (the HDP cost model on this GPU: 2026-11-28 has it)
 Each call stays under ten minutes; what its budget leaves out is "not run". The report is DIR/gpu_check_report.md,
 the full output DIR/gpu_check.log. With the device tool: the first command as "OUT=$OUT tools/gpu_check.sh setup
@@ -248,15 +249,15 @@ step_throughput() {
   # the optimizer step (24 of the compiled bf16 step's 173 ms on 2026-11-29): torch's fused AdamW + the bf16 copy
   # against megalm's one-pass Triton kernel (optim.implementation=triton), over the 1.3B model's parameters
   bench "AdamW kernels, 1.3b parameters" 60 tools/bench/adamw_kernels.py model=1.3b --iters 10 --warmup 3
-  # gradient accumulation fusion (opt-in until this row): the compiled bf16 row with each weight-gradient GEMM adding
-  # into its fp32 bucket, beside the compiled row above (traced: 2.0 of a micro-batch's 50.9 ms on the H100 roofline)
-  bench "training throughput, 1.3b/4096 bf16 with fused weight gradients (compiled)" 240 tools/bench/throughput.py \
-    model=1.3b model.seq_length=4096 precision=bf16 trainer.compile=true parallel.gradient_accumulation_fusion=true \
-    trainer.global_batch_size=2 trainer.micro_batch_size=2 --steps 6 --warmup 3 --profile 2
 }
 step_bench() {
   # first the rows that decide a default (trainer.compile's auto keeps MoE and zero-bubble blocks eager until they
   # are measured): the step's caps add up to more than one invocation's budget, and what comes last is cut.
+  # Gradient accumulation fusion (opt-in until this row): the throughput step's compiled bf16 row with each
+  # weight-gradient GEMM adding into its fp32 bucket (traced: 2.0 of a micro-batch's 50.9 ms on the H100 roofline).
+  bench "training throughput, 1.3b/4096 bf16 with fused weight gradients (compiled)" 240 tools/bench/throughput.py \
+    model=1.3b model.seq_length=4096 precision=bf16 trainer.compile=true parallel.gradient_accumulation_fusion=true \
+    trainer.global_batch_size=2 trainer.micro_batch_size=2 --steps 6 --warmup 3 --profile 2
   # Mixture of experts on one GPU (the grouped GEMMs' speed): moe_1b's 16 experts at 8 of its 24 layers (2.5B
   # parameters, 0.5B active: its 18 bytes per parameter fit one H100); eager, then compiled: its blocks are whole
   # graphs since 2026-11-30
