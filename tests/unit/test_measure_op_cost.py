@@ -98,27 +98,23 @@ def test_the_step_cost_tool_counts_six_flops_per_weight_and_token():
 
 
 def test_gradient_accumulation_fusion_saves_four_bytes_per_weight_in_the_trace():
-    """The step as a GPU runs it (--gpu): fused, each weight-gradient GEMM writes its fp32 sum where it wrote a bf16
-    gradient that a copy then read and wrote into the bucket: 2 + 2 + 4 bytes become 4, per linear weight, and the
-    copies are gone; the same FLOPs (6 per weight and token). Compiled too: the layers' ops are priced op by op."""
+    """The step as a GPU runs it (--gpu), two micro-batches: fused, each weight-gradient GEMM writes its fp32 sum (4
+    bytes; the second reads and writes it, 8) where it wrote a bf16 gradient that the hook read and copied in (2 + 2 +
+    4) or added in (2 + 2 + 4 + 4): 4 bytes a linear weight less per micro-batch, and the copies are gone; the same
+    FLOPs (6 per weight and token). Compiled too: the layers' ops are priced op by op."""
     from megalm.parallel.data_parallel.fused_wgrad import fake_tensors_accumulate
 
     if not fake_tensors_accumulate():
         pytest.skip(f"torch {torch.__version__}'s fake tensors cannot run the fused GEMM (the trace prices the CPU's "
                     "emulation, and says so)")
-
-    def trace(fused: bool, *overrides: str) -> dict:
+    rows = {}
+    for fused in (False, True):
         result = subprocess.run([sys.executable, str(ROOT / "tools/bench/step_cost.py"), "--gpu", "h100", "--json",
-                                 "--systems", "megalm,megalm_compiled", "model=tiny", *overrides,
+                                 "--systems", "megalm,megalm_compiled", "model=tiny", "trainer.global_batch_size=2",
                                  f"parallel.gradient_accumulation_fusion={str(fused).lower()}"],
                                 capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert result.returncode == 0, result.stderr[-2000:]
-        return {r["system"]: r for r in json.loads(result.stdout)["systems"]}
-
-    rows = {fused: trace(fused) for fused in (False, True)}
-    # two micro-batches: the second GEMM reads the fp32 sum it adds to (at the bf16 operands' peak: the test below)
-    two = [trace(fused, "trainer.global_batch_size=2")["megalm"] for fused in (False, True)]
-    assert two[1]["gbytes"] < two[0]["gbytes"] and two[1]["roofline_ms"] < two[0]["roofline_ms"], two
+        rows[fused] = {r["system"]: r for r in json.loads(result.stdout)["systems"]}
     from megalm.config import resolve_model_defaults
     from tests.conftest import compose_config
 
@@ -133,7 +129,7 @@ def test_gradient_accumulation_fusion_saves_four_bytes_per_weight_in_the_trace()
         copies = (plain["by_category"]["cast/copy"]["gbytes"] - fused["by_category"]["cast/copy"]["gbytes"]) * 1e9
         assert copies >= 6 * weights * (1 - 1e-6), (system, copies, weights)
         if system == "megalm":  # compiled, inductor's kernels around the layers' ops change too (a few more)
-            assert abs(saved - 4 * weights) <= 1e-6 * saved, (system, saved, weights)
+            assert abs(saved - 2 * 4 * weights) <= 1e-6 * saved, (system, saved, weights)
         assert saved > 0 and fused["roofline_ms"] < plain["roofline_ms"], system
 
 
