@@ -93,6 +93,17 @@ def test_a_fused_run_trains_as_the_unfused_one_and_reduces_its_buckets_in_the_ba
     assert losses[0] == pytest.approx(losses[1], rel=1e-3)
 
 
+def test_bf16_buckets_take_the_gemm_in_their_own_dtype(tmp_path):
+    """parallel.grad_reduce_dtype=bf16: the buckets, and so the sums the GEMM adds into, are bf16, each sum rounded as
+    unfused; step 1, after a whole step 0, still ignores step 0's sums (Adam's updates barely move if a gradient
+    doubles: the fp64 sums of the operands are the check)."""
+    trainer = Trainer(compose_config(*MICRO, "parallel.grad_reduce_dtype=bf16", *FUSED), tmp_path)
+    assert {b.buffer.dtype for b in trainer.parallel.reducer.buckets} == {torch.bfloat16}
+    trainer.train_step(0)
+    errors = errors_against_fp64(trainer, 1)
+    assert max(errors.values()) < 2e-2, errors  # bf16 sums of 4 micro-batches; a stale sum added is O(1)
+
+
 def test_fusion_is_said_with_what_it_leaves_out(tmp_path, caplog):
     def said(*overrides: str) -> tuple[Trainer, str]:
         caplog.clear()
