@@ -158,7 +158,7 @@ def _read_operands(func: Any, name: str, args: tuple, kwargs: dict) -> list[torc
     if name in _WRITE_ONLY or name.startswith("new_"):
         return []
     skipped = {"self"} if name in _OVERWRITES_DESTINATION else set()
-    if name in ("addmm", "addmm_", "baddbmm", "baddbmm_") and kwargs.get("beta", 1) == 0:  # beta = 0: C is not read
+    if name in _ACCUMULATING_GEMMS and kwargs.get("beta", 1) == 0:  # beta = 0: C is not read
         skipped.add("self")
     return [t for argument, value in _arguments(func, args, kwargs)
             if not argument.is_out and argument.name not in skipped for t in _tensors(value)]

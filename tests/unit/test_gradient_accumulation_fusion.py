@@ -176,7 +176,7 @@ def test_a_torch_whose_cuda_gemm_cannot_accumulate_in_fp32_is_said_and_left_unfu
     from megalm.parallel.data_parallel import fused_wgrad
 
     trainer = Trainer(compose_config(*MICRO), tmp_path)
-    monkeypatch.setattr(fused_wgrad, "cuda_gemm_problem", lambda device: "torch X's addmm takes no fp32 accumulator")
+    monkeypatch.setattr(fused_wgrad, "accumulator_problem", lambda device: "torch X's addmm takes no fp32 accumulator")
     with caplog.at_level(logging.WARNING, logger="megalm"):
         assert fused_wgrad.fuse_weight_grads(trainer.model, trainer.parallel.reducer, torch.device("cuda")) == 0
     assert "takes no fp32 accumulator" in caplog.text and "accumulate unfused" in caplog.text

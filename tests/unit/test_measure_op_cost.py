@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -51,6 +52,17 @@ def test_categories():
     assert category("_fused_adamw_") == "optimizer" and category("mul") == "elementwise/other"
 
 
+def tiny_linear_weights() -> tuple[Any, int]:
+    """The tiny model's resolved config and its linear layers' weight count (blocks and the output head)."""
+    from megalm.config import resolve_model_defaults
+    from tests.conftest import compose_config
+
+    m = resolve_model_defaults(compose_config("model=tiny", tiny=False).model)
+    kv = m.hidden_size // m.num_heads * m.num_kv_heads
+    per_layer = m.hidden_size * (m.hidden_size * 2 + 2 * kv) + 3 * m.hidden_size * m.ffn_hidden_size
+    return m, m.num_layers * per_layer + m.hidden_size * m.padded_vocab_size
+
+
 def test_the_step_cost_tool_counts_six_flops_per_weight_and_token():
     result = subprocess.run([sys.executable, str(ROOT / "tools/bench/step_cost.py"), "model=tiny", "--json"],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -63,13 +75,7 @@ def test_the_step_cost_tool_counts_six_flops_per_weight_and_token():
     assert set(rows) == expected | ({"torchtitan", "torchtitan_compiled"} if titan else set()), report["notes"]
     expected_notes = ("torchtitan",) if compiles else ("torchtitan", "megalm_compiled left out")
     assert [note for note in report["notes"] if not note.startswith(expected_notes)] == [], report["notes"]
-    from megalm.config import resolve_model_defaults
-    from tests.conftest import compose_config
-
-    m = resolve_model_defaults(compose_config("model=tiny", tiny=False).model)
-    kv = m.hidden_size // m.num_heads * m.num_kv_heads
-    per_layer = m.hidden_size * (m.hidden_size * 2 + 2 * kv) + 3 * m.hidden_size * m.ffn_hidden_size
-    weights = m.num_layers * per_layer + m.hidden_size * m.padded_vocab_size  # blocks and the output head
+    m, weights = tiny_linear_weights()
     for system, row in rows.items():
         gemm_tflop = row["by_category"]["gemm"]["tflop"]
         assert abs(gemm_tflop * 1e12 - 6 * weights * m.seq_length) < 1e-6 * gemm_tflop * 1e12, system
@@ -102,9 +108,9 @@ def test_gradient_accumulation_fusion_saves_four_bytes_per_weight_in_the_trace()
     bytes; the second reads and writes it, 8) where it wrote a bf16 gradient that the hook read and copied in (2 + 2 +
     4) or added in (2 + 2 + 4 + 4): 4 bytes a linear weight less per micro-batch, and the copies are gone; the same
     FLOPs (6 per weight and token). Compiled too: the layers' ops are priced op by op."""
-    from megalm.parallel.data_parallel.fused_wgrad import fake_tensors_accumulate
+    from megalm.parallel.data_parallel.fused_wgrad import accumulator_problem
 
-    if not fake_tensors_accumulate():
+    if accumulator_problem("cpu", fake=True):
         pytest.skip(f"torch {torch.__version__}'s fake tensors cannot run the fused GEMM (the trace prices the CPU's "
                     "emulation, and says so)")
     rows = {}
@@ -115,13 +121,7 @@ def test_gradient_accumulation_fusion_saves_four_bytes_per_weight_in_the_trace()
                                 capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert result.returncode == 0, result.stderr[-2000:]
         rows[fused] = {r["system"]: r for r in json.loads(result.stdout)["systems"]}
-    from megalm.config import resolve_model_defaults
-    from tests.conftest import compose_config
-
-    m = resolve_model_defaults(compose_config("model=tiny", tiny=False).model)
-    kv = m.hidden_size // m.num_heads * m.num_kv_heads
-    weights = m.num_layers * (m.hidden_size * (m.hidden_size * 2 + 2 * kv) + 3 * m.hidden_size * m.ffn_hidden_size)
-    weights += m.hidden_size * m.padded_vocab_size  # the output head
+    _, weights = tiny_linear_weights()
     for system in rows[False]:
         plain, fused = rows[False][system], rows[True][system]
         assert fused["tflop"] == plain["tflop"], system
@@ -136,9 +136,9 @@ def test_gradient_accumulation_fusion_saves_four_bytes_per_weight_in_the_trace()
 def test_a_gemm_accumulating_into_fp32_runs_at_its_bf16_operands_peak():
     """C + A B with bf16 A and B and an fp32 C (a fused weight gradient after a step's first micro-batch): the tensor
     cores multiply bf16, so the bf16 peak, not TF32's; with beta = 0, C is not read."""
-    from megalm.parallel.data_parallel.fused_wgrad import fake_tensors_accumulate
+    from megalm.parallel.data_parallel.fused_wgrad import accumulator_problem
 
-    if not fake_tensors_accumulate():
+    if accumulator_problem("cpu", fake=True):
         pytest.skip(f"torch {torch.__version__}'s fake tensors cannot run addmm's out_dtype overload")
     gpu = GPUS["h100"]
     with FakeTensorMode():

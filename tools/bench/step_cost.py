@@ -59,7 +59,7 @@ from megalm import compat  # noqa: E402
 from megalm.estimate.rank import trace_compiled_blocks  # noqa: E402
 from megalm.measure.compiled_cost import InductorCosts  # noqa: E402
 from megalm.measure.op_cost import CATEGORIES, GPUS, OpCosts  # noqa: E402
-from megalm.parallel.data_parallel.fused_wgrad import fake_tensors_accumulate  # noqa: E402
+from megalm.parallel.data_parallel.fused_wgrad import accumulator_problem  # noqa: E402
 from megalm.precision import compiles_in_sight  # noqa: E402
 from megalm.train import compose_config  # noqa: E402
 from megalm.training.compile import compile_blocks, compile_loss, inductor_options  # noqa: E402
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         elif titan:
             rows += [torchtitan_step(ours["model"], args.gpu, name.endswith("compiled"), titan_precision)
                      for name in titan]
-    if ours["parallel_config"].gradient_accumulation_fusion and not fake_tensors_accumulate():
+    if ours["parallel_config"].gradient_accumulation_fusion and accumulator_problem("cpu", fake=True):
         notes.append(f"parallel.gradient_accumulation_fusion: torch {torch.__version__}'s fake tensors cannot run "
                      "CUDA's fp32-accumulating GEMM; its weight gradients are priced as the CPU's fp32 emulation")
     shape = ours["model"]

@@ -31,6 +31,7 @@ norms.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections import Counter
@@ -51,26 +52,35 @@ def gemm_accumulates(dy: torch.Tensor, out: torch.Tensor) -> bool:
     overload, or a cost trace of a CUDA GPU on fake tensors (compat.fp8_traced_as_gpu) where this torch's fake
     tensors run that overload (else the trace prices the CPU's emulation)."""
     return (dy.dtype == out.dtype or dy.is_cuda
-            or (compat.fp8_traced_capability() is not None and compat.is_fake(dy) and fake_tensors_accumulate()))
+            or (compat.fp8_traced_capability() is not None and compat.is_fake(dy)
+                and accumulator_problem("cpu", fake=True) is None))
 
 
 @functools.cache
-def fake_tensors_accumulate() -> bool:
-    """Whether fake tensors run addmm's `out_dtype` overload: torch 2.11's route it to plain addmm's decomposition,
-    which takes the dtype for beta and fails."""
+def accumulator_problem(device: str, fake: bool = False) -> str | None:
+    """Why this torch's addmm cannot add bf16 operands into an fp32 tensor in place on `device` (`fake`: on fake
+    tensors, as cost traces run it), or None. Probed once. CUDA's `out_dtype` overload took `self` in the operands'
+    dtype only until pytorch/pytorch#167931 (November 2025); torch 2.11's fake tensors route the overload to plain
+    addmm's decomposition, which takes the dtype for beta and fails."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")  # which logs the failure it raises
-    disabled, fake_log.disabled = fake_log.disabled, True
+    disabled, fake_log.disabled = fake_log.disabled, fake_log.disabled or fake
     try:
-        with unset_fake_temporarily(), FakeTensorMode():
-            c, a = torch.empty(4, 4), torch.empty(4, 4, dtype=torch.bfloat16)
+        with contextlib.ExitStack() as stack:
+            if fake:
+                stack.enter_context(unset_fake_temporarily())
+                stack.enter_context(FakeTensorMode())
+            c = torch.zeros(16, 16, device=device)
+            a = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
             torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
-    except (RuntimeError, TypeError):
-        return False
+            if not fake and not torch.equal(c, torch.full_like(c, 16.0)):
+                return f"torch {torch.__version__}'s addmm summed wrong"
+    except (RuntimeError, TypeError) as error:
+        return f"torch {torch.__version__}'s addmm takes no fp32 accumulator beside bf16 operands ({error})"
     finally:
         fake_log.disabled = disabled
-    return True
+    return None
 
 
 def wgrad_into(out: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, first: bool) -> None:
@@ -96,7 +106,7 @@ class MainGradAccumulator:
 
     def accumulate(self, param: nn.Parameter, dy: torch.Tensor, x: torch.Tensor) -> None:
         main_grad, first = self.reducer.main_grad(param)
-        wgrad_into(main_grad, dy, x.to(dy.dtype), first)
+        wgrad_into(main_grad, dy, x, first)
         self.reducer.added_to_main_grad(param)
 
     def stash(self, param: nn.Parameter, compute: object) -> None:
@@ -104,24 +114,11 @@ class MainGradAccumulator:
                            "keeps autograd's gradient (fuse_weight_grads leaves it out)")
 
 
-@functools.cache
-def cuda_gemm_problem(device: torch.device) -> str | None:
-    """Why this torch's CUDA addmm cannot add bf16 operands into an fp32 tensor in place, or None: its `out_dtype`
-    overload took `self` in the operands' dtype only until pytorch/pytorch#167931 (November 2025). Probed once."""
-    c = torch.zeros(16, 16, device=device)
-    a = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
-    try:
-        torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
-    except (RuntimeError, TypeError) as error:
-        return f"torch {torch.__version__}'s addmm takes no fp32 accumulator beside bf16 operands ({error})"
-    return None if torch.equal(c, torch.full_like(c, 16.0)) else f"torch {torch.__version__}'s addmm summed wrong"
-
-
 def fuse_weight_grads(model: nn.Module, reducer: GradReducer, device: torch.device) -> int:
     """Make every linear layer of `model` that can (module docstring) add its weight gradient into `reducer`'s
     fp32 buckets in its GEMM; returns how many, and says in one line what stays unfused and why. Where this torch's
     CUDA GEMM cannot, none is fused, and the line says so."""
-    if device.type == "cuda" and (problem := cuda_gemm_problem(device)) is not None:
+    if device.type == "cuda" and (problem := accumulator_problem(str(device))) is not None:
         log.warning("parallel.gradient_accumulation_fusion: %s; the weight gradients accumulate unfused (a newer "
                     "torch fuses them)", problem)
         return 0
