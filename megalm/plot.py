@@ -5,7 +5,8 @@ HDP plans and their simulated timelines), and a picture is the quickest way to s
 pipeline bubble or an idle rank. matplotlib is an optional extra (`pip install 'megalm[plots]'`): it
 is imported only inside the functions that draw, so training and the simulators run without it, and a
 missing install is one line (`PlotError`). Figures are built on the Agg canvas directly (no display,
-no pyplot state to leak between figures).
+no pyplot state to leak between figures). A chart replaces only a chart megalm drew (its PNG says so): a
+re-run refreshes its own charts, and any other file at an output path is left as it was, with a one-line error.
 
     megalm-plot RUN_DIR [--out DIR]      loss (train, valid), lr, grad norm, tokens/s against step
     megalm-plot schedule --pp 4 --microbatches 8 --schedule 1f1b --out 1f1b.png
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +34,7 @@ if TYPE_CHECKING:  # only for annotations: importing this module must not need m
     from megalm.parallel.pipeline.actions import Action, Schedule
 
 INSTALL_HINT = "plotting needs matplotlib; pip install 'megalm[plots]'"
+WRITER = "megalm-plot"  # the PNG text chunk `Software` of every chart written here starts with it
 DPI = 110
 
 
@@ -59,11 +62,43 @@ def new_figure(width: float, height: float) -> Figure:
     return fig
 
 
+def written_here(path: str | Path) -> bool:
+    """Whether `path` is a PNG that megalm's plots wrote (their `Software` text chunk says so): the one kind of
+    file a new chart may replace, as a re-run refreshes its own charts."""
+    from PIL import Image, UnidentifiedImageError  # matplotlib's own dependency
+
+    try:
+        with Image.open(path) as image:
+            return image.format == "PNG" and str(image.info.get("Software", "")).startswith(WRITER)
+    except (OSError, UnidentifiedImageError):
+        return False
+
+
+def check_replaceable(*paths: str | Path) -> None:
+    """PlotError (one line) if any of `paths` exists and is not a chart megalm wrote: nothing of the user's is
+    overwritten. Callers check every chart they will write before writing the first."""
+    for path in map(Path, paths):
+        if path.is_dir() or (path.exists() and not written_here(path)):
+            raise PlotError(f"{path} exists and is not a chart megalm drew; nothing was written: move it or "
+                            "pick another output path")
+
+
 def save_figure(fig: Figure, path: str | Path) -> Path:
-    """Write `fig` as a PNG (parent directories created); returns the path."""
+    """Write `fig` as a PNG (parent directories created), atomically (a temporary file renamed over the path), and
+    marked as megalm's in its `Software` text chunk; refuses (`check_replaceable`) to replace another file.
+    Returns the path."""
+    import matplotlib
+
     path = Path(path)
+    check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        fig.savefig(partial, dpi=DPI, format="png",
+                    metadata={"Software": f"{WRITER} (matplotlib {matplotlib.__version__})"})
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
     return path
 
 
@@ -421,7 +456,9 @@ def _run_main(argv: list[str]) -> int:
     if out.exists() and not out.is_dir():
         raise PlotError(f"--out {out} is a file; pass a directory for the PNGs")
     run_name = "/".join(Path(args.run_dir).resolve().parts[-2:])  # hydra's runs are DATE/TIME
-    for name, fig in plot_metrics(records, run_name, log_loss=args.log_loss).items():
+    figures = plot_metrics(records, run_name, log_loss=args.log_loss)
+    check_replaceable(*(out / f"{name}.png" for name in figures))  # all or none written
+    for name, fig in figures.items():
         print(f"wrote {save_figure(fig, out / f'{name}.png')}")
     return 0
 
@@ -444,6 +481,7 @@ def _schedule_main(argv: list[str]) -> int:
     if not 0.0 <= args.offload <= 1.0:
         raise PlotError(f"--offload {args.offload:g} is a fraction of the micro-batch-chunks: pass one in [0, 1]")
     require_matplotlib()
+    check_replaceable(args.out)
     try:
         sched = build_plotted_schedule(args.schedule, args.pp, args.microbatches, vpp, args.offload,
                                        args.offload_policy)

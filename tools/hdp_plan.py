@@ -61,10 +61,11 @@ def main(argv: list[str] | None = None) -> tuple[Plan, list[int]]:
     if args.step < 0:
         raise ConfigError(f"--step {args.step} must be >= 0 (steps count from 0)")
     if args.png:
-        from megalm.plot import PlotError, require_matplotlib
+        from megalm.plot import PlotError, check_replaceable, require_matplotlib
 
         try:
             require_matplotlib()
+            check_replaceable(args.png)
         except PlotError as e:
             sys.exit(f"error: {e}")
 

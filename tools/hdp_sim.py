@@ -290,16 +290,17 @@ def main(argv: list[str] | None = None) -> dict:
                    "distributions and four contexts; uses --ranks, --steps, --global-tokens, --seed")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    if args.png_dir:
-        from megalm.plot import PlotError, require_matplotlib
+    policies = POLICIES + (("hdp_offload",) if args.offload else ())
+    if args.png_dir and not args.ablation:
+        from megalm.plot import PlotError, check_replaceable, require_matplotlib
 
         try:
             require_matplotlib()
+            check_replaceable(*(Path(args.png_dir) / f"{args.png_prefix}{name}.png" for name in (*policies, "balance")))
         except PlotError as e:
             sys.exit(f"error: {e}")
     if args.ablation:
         return ablation(args)
-    policies = POLICIES + (("hdp_offload",) if args.offload else ())
 
     source = args.lengths or args.dist or "longtail"  # bare `python tools/hdp_sim.py`: 256 ranks, 256K, long tail
     if source != "longtail":

@@ -121,6 +121,57 @@ def test_cli_one_line_errors(tmp_path, capsys):
     assert "is a file" in err and (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_charts_replace_only_charts_megalm_drew(tmp_path, capsys):
+    """A re-run refreshes its own PNGs; any other file at an output path stays as it was, and then nothing of the
+    run is written (all or none), with a one-line error; writes leave no partial file behind."""
+    run = write_run(tmp_path / "run", records())
+    out = tmp_path / "out"
+    assert plot.main([str(run), "--out", str(out)]) == 0
+    first = {f.name: f.stat().st_mtime_ns for f in out.iterdir()}
+    assert all(plot.written_here(out / name) for name in first)
+    assert plot.main([str(run), "--out", str(out)]) == 0  # its own charts: replaced
+    assert sorted(f.name for f in out.iterdir()) == sorted(first)  # no partial files left
+    capsys.readouterr()
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "lr.png").write_bytes(PNG + b"a user's chart")
+    (mine / "grad_norm.png").write_text("not even a PNG")
+    err = one_line_error(capsys, lambda: plot.main([str(run), "--out", str(mine)]))
+    assert "lr.png exists and is not a chart megalm drew" in err
+    assert sorted(f.name for f in mine.iterdir()) == ["grad_norm.png", "lr.png"]  # loss.png not written either
+    assert (mine / "lr.png").read_bytes() == PNG + b"a user's chart"
+    assert (mine / "grad_norm.png").read_text() == "not even a PNG"
+
+    from matplotlib.figure import Figure
+
+    Figure().savefig(mine / "loss.png")  # a matplotlib PNG, not megalm's
+    assert not plot.written_here(mine / "loss.png")
+    schedule = ["schedule", "--pp", "2", "--microbatches", "2", "--out"]
+    err = one_line_error(capsys, lambda: plot.main([*schedule, str(mine / "loss.png")]))
+    assert "loss.png exists and is not a chart megalm drew" in err
+    assert plot.main([*schedule, str(out / "loss.png")]) == 0  # a chart megalm drew: replaced
+
+
+def test_hdp_tools_refuse_to_replace_a_users_file_before_planning(tmp_path, capsys):
+    hdp_sim = _load_tool("hdp_sim")
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text("[100, 200]")
+    (tmp_path / "hdp.png").write_text("mine")
+    with pytest.raises(SystemExit, match="^error: .*hdp.png exists and is not a chart megalm drew"):
+        hdp_sim.main(["--ranks", "4", "--context", "8K", "--lengths", str(lengths), "--png-dir", str(tmp_path)])
+    assert sorted(f.name for f in tmp_path.glob("*.png")) == ["hdp.png"] and "static" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="^error: .*hdp.png exists and is not a chart megalm drew"):
+        _load_tool("hdp_plan").main(["--png", str(tmp_path / "hdp.png"), "parallel.hdp=true"])
+    assert (tmp_path / "hdp.png").read_text() == "mine"
+
+
+def test_committed_charts_are_marked_as_megalms():
+    """The docs' PNGs are redrawn by their documented commands, which replace only charts megalm drew."""
+    charts = sorted((ROOT / "docs").rglob("*.png"))
+    assert charts and [c for c in charts if not plot.written_here(c)] == []
+
+
 def test_missing_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
     run = write_run(tmp_path / "run", records(2))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
