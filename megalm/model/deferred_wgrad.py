@@ -14,7 +14,8 @@ buffer reuse and in-place kernels) would change them under it: blocks holding su
 either (megalm/training/compile.py's `inductor_options`).
 
 A sink that accumulates (gradient accumulation fusion, megalm/parallel/data_parallel/fused_wgrad.py) gets dy and x
-while the op runs, and its GEMM runs then: nothing outlives the graph.
+while the op runs, and its GEMM runs then: nothing outlives the graph, unless the sink defers them to a zero-bubble
+W action (fused there too), which keeps them as the closure would.
 
 The GEMMs are the eager layer's: `dy W` and `dyᵀ x` in dy's dtype (PLAIN_GEMMS), or the two grouped GEMMs of
 torch's own `torch._grouped_mm` backward for an MoE layer's experts, so compiled and eager ZB give equal gradients.
@@ -41,12 +42,21 @@ class LayerSink:
     def __init__(self, sink: Any, module: nn.Module) -> None:
         self.sink, self.module = sink, module
         self.handle = handle_of(self)
+        self.fused = False  # a zero-bubble layer whose W action adds into the main gradient (gradient accumulation
+        # fusion): it hands the store the GEMM's operands, for later, not a closure
 
     @property
     def accumulates(self) -> bool:
-        """Whether the store takes the GEMM's operands now (`accumulate`: gradient accumulation fusion,
-        megalm/parallel/data_parallel/fused_wgrad.py) rather than a closure for later (`stash`: zero bubble)."""
-        return getattr(self.sink, "accumulates", False)
+        """Whether the store takes the plain GEMM's operands (`accumulate`: gradient accumulation fusion,
+        megalm/parallel/data_parallel/fused_wgrad.py, now or at a zero-bubble W action) rather than a closure
+        (`stash`)."""
+        return self.fused or getattr(self.sink, "accumulates", False)
+
+    @property
+    def defers(self) -> bool:
+        """Whether what the layer hands over runs after its backward (a zero-bubble W action): its dy and x must
+        outlive a compiled block's graph."""
+        return not getattr(self.sink, "accumulates", False)
 
     def stash(self, param: nn.Parameter, compute: Callable[[], torch.Tensor]) -> None:
         self.sink.stash(param, compute)

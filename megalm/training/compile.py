@@ -189,9 +189,9 @@ def inductor_options(keeps_inputs: bool = False) -> dict[str, Any]:
 
 
 def defers_weight_grads(block: nn.Module) -> bool:
-    """Whether `block` hands weight gradients to a zero-bubble pipeline's W action (a sink that `accumulates`, gradient
-    accumulation fusion's, multiplies them while its op runs: nothing outlives the graph)."""
-    return any(isinstance(sink, LayerSink) and not sink.accumulates
+    """Whether `block` hands weight gradients to a zero-bubble pipeline's W action (gradient accumulation fusion's
+    sink multiplies them while its op runs, nothing outlives the graph; at a W action, fused or not, they do)."""
+    return any(isinstance(sink, LayerSink) and sink.defers
                for sink in (getattr(m, "weight_grad_sink", None) for m in block.modules()))
 
 

@@ -143,3 +143,32 @@ def test_overlapped_gather_waits_for_every_bucket_under_pp2_tied(tmp_path):
     the last stage's head reads the tied embedding's weight without running the embedding's forward (its chunk's
     pre-hook waits for it), with one bucket per parameter."""
     run_distributed(check_overlap_is_waiting, 4, str(tmp_path), timeout=300)
+
+
+def check_zero_bubble_fusion(rank: int, world_size: int, tmp: str) -> None:
+    from megalm.parallel.data_parallel.reducer import GradReducer
+    from tests.unit.test_gradient_accumulation_fusion import FUSED, MICRO, errors_against_fp64, fused_layers
+
+    zb = [*MICRO, "parallel.pp=2", "parallel.pp_schedule=zb"]
+    arrivals = []
+    added = GradReducer.added_to_main_grad
+    GradReducer.added_to_main_grad = lambda self, p: (arrivals.append(p), added(self, p))  # a process of its own
+    fused = Trainer(compose_config(*zb, *FUSED), f"{tmp}/fused")
+    fused.train_step(0)
+    arrivals.clear()
+    errors = errors_against_fp64(fused, 1)
+    assert max(errors.values()) < 1e-5, (rank, errors)
+    # every linear weight of the stage added by its W action's GEMM, once per micro-batch, none through autograd
+    assert len(arrivals) == len(fused_layers(fused)) * 4, (rank, len(arrivals))
+    assert all(p.grad is None for p in fused.model.parameters())
+    unfused = Trainer(compose_config(*zb), f"{tmp}/unfused")
+    unfused.train_step(0)
+    rounded = errors_against_fp64(unfused, 1)
+    assert min(rounded.values()) > 1e-4, (rank, rounded)  # bf16 weight gradients: what the check tells apart
+
+
+def test_zero_bubble_w_actions_add_into_the_fp32_buckets(tmp_path):
+    """Gradient accumulation fusion under the zero-bubble schedule: each deferred layer's W action runs its GEMM
+    into the main gradient, so the stage's sums are the unrounded fp64 sums of dyᵀ x over the 4 micro-batches (its
+    own operands, from hooks), where unfused W actions sum bf16 gradients."""
+    run_distributed(check_zero_bubble_fusion, 2, str(tmp_path), timeout=240)

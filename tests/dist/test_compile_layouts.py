@@ -51,17 +51,22 @@ LAYOUTS = {
                           "parallel.sequence_parallel=true"]),
     "moe_pp2_zb_recompute": (2, [*MOE, "parallel.pp=2", "parallel.pp_schedule=zb", "trainer.micro_batch_size=2",
                                  "parallel.recompute=full"]),
+    # gradient accumulation fusion at the W actions: the op hands the W action dy and x, which outlive the graph
+    "pp2_zb_fused_wgrad": (2, ["precision=bf16", "parallel.pp=2", "parallel.pp_schedule=zb",
+                               "trainer.micro_batch_size=2", "parallel.gradient_accumulation_fusion=true"]),
 }
 
 
 def count_deferred(trainer: Trainer) -> list[int]:
-    """A one-item list counting the weight gradients `trainer`'s zero-bubble store is handed (none without one)."""
-    count, store = [0], getattr(trainer.parallel.runner, "store", None)
+    """[all, fused]: how many weight gradients `trainer`'s zero-bubble store is handed (none without one), and how
+    many of them as a fused layer's GEMM operands (gradient accumulation fusion) rather than a closure."""
+    count, store = [0, 0], getattr(trainer.parallel.runner, "store", None)
     if store is not None:
         stash = store.stash
 
         def counted(param, compute):  # noqa: ANN001, ANN202
             count[0] += 1
+            count[1] += isinstance(compute, tuple)
             stash(param, compute)
 
         store.stash = counted
@@ -87,7 +92,7 @@ def compiled_and_eager_losses(rank: int, world_size: int, overrides: list[str], 
     loss = sum(loss_kernel_graphs().values())  # the loss's chunk kernels: compiled where the loss runs
     mesh = compiled.mesh
     torch.save({"losses": losses, "weight_diff": max(weights), "breaks": reasons, "loss_graphs": loss,
-                "deferred": [count[0] for count in deferred], "last_stage": mesh.pp_rank == mesh.dims.pp - 1,
+                "deferred": [list(count) for count in deferred], "last_stage": mesh.pp_rank == mesh.dims.pp - 1,
                 "frames": counters["frames"]["total"] - loss, "graphs": counters["stats"]["unique_graphs"] - loss},
                f"{out}.{rank}")
 
@@ -114,8 +119,11 @@ def test_blocks_compile_without_breaks_and_train_as_eager(tmp_path, name):
         computes_loss = result["last_stage"]
         assert (2 <= result["loss_graphs"] <= 4) if computes_loss else result["loss_graphs"] == 0, (name, rank, result)
         # the zero-bubble schedule's W actions got as many weight gradients from the compiled blocks as from eager's
-        eager_deferred, compiled_deferred = result["deferred"]
-        assert compiled_deferred == eager_deferred and (eager_deferred > 0) == ("zb" in name), (name, rank, result)
+        # (fused: as the GEMMs' operands, every one of them)
+        (eager_deferred, eager_fused), compiled = result["deferred"]
+        assert compiled == [eager_deferred, eager_fused], (name, rank, result)
+        assert (eager_deferred > 0) == ("zb" in name), (name, rank, result)
+        assert eager_fused == (eager_deferred if "fused_wgrad" in name else 0), (name, rank, result)
         for step, (a, b) in enumerate(result["losses"]):
             assert a == pytest.approx(b, rel=1e-6, abs=1e-7), (name, rank, step, result)
         assert result["weight_diff"] < 1e-5, (name, rank, result)

@@ -23,10 +23,12 @@ then `added_to_main_grad(param)`, which counts the arrival as the reducer's hook
 reduction when it completes). Inside a compiled block the same call runs from the layer's custom op
 (megalm/model/deferred_wgrad.py), in eager, so the graph stays whole.
 
+Under a zero-bubble schedule the layer's sink is the pipeline's (weight_grad.py): it keeps dy and x, and the W action
+runs the same GEMM into the main gradient.
+
 Left out, keeping autograd's gradient and the reducer's hook: layers with a precision recipe (their wgrad is the
 recipe's own GEMM), weights another layer shares, weights that reach the GEMM through another op (TP's replicated kv
-rows), layers whose weight gradient a zero-bubble schedule already defers, MoE's grouped expert GEMMs, embeddings and
-norms.
+rows), MoE's grouped expert GEMMs, embeddings and norms.
 """
 
 from __future__ import annotations
@@ -105,8 +107,14 @@ class MainGradAccumulator:
         self.reducer = reducer
 
     def accumulate(self, param: nn.Parameter, dy: torch.Tensor, x: torch.Tensor) -> None:
+        self.accumulate_all(param, [(dy, x)])
+
+    def accumulate_all(self, param: nn.Parameter, operands: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One micro-batch's weight gradient of `param`, Σ dyᵀ x over `operands`, added into its main gradient: one
+        arrival for the reducer."""
         main_grad, first = self.reducer.main_grad(param)
-        wgrad_into(main_grad, dy, x, first)
+        for n, (dy, x) in enumerate(operands):
+            wgrad_into(main_grad, dy, x, first and n == 0)
         self.reducer.added_to_main_grad(param)
 
     def stash(self, param: nn.Parameter, compute: object) -> None:
@@ -124,24 +132,32 @@ def fuse_weight_grads(model: nn.Module, reducer: GradReducer, device: torch.devi
         return 0
     store = MainGradAccumulator(reducer)
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    fused, kept = 0, {"a precision recipe": 0, "a zero-bubble W action": 0, "a weight shared with another layer": 0,
-                      "rows shared over tensor-parallel ranks": 0}
+    fused, at_w = 0, 0
+    kept = {"a precision recipe": 0, "a weight shared with another layer": 0,
+            "rows shared over tensor-parallel ranks": 0, "a weight-gradient sink of another kind": 0}
     for module in linear_modules(model):
+        sink = module.weight_grad_sink
         if module.gemm_recipe is not None:
             kept["a precision recipe"] += 1
-        elif module.weight_grad_sink is not None:
-            kept["a zero-bubble W action"] += 1
         elif uses[id(module.weight)] > 1:  # its other use's gradient comes through autograd: one arrival, not two
             kept["a weight shared with another layer"] += 1
         elif getattr(module, "shared_rows", ()):  # TP's kv rows held by several ranks: summed over them by autograd
             kept["rows shared over tensor-parallel ranks"] += 1
-        elif module.weight.requires_grad:
+        elif not module.weight.requires_grad:
+            continue
+        elif sink is None:
             module.weight_grad_sink = LayerSink(store, module)
             fused += 1
+        elif isinstance(sink, LayerSink) and hasattr(sink.sink, "accumulator"):  # a zero-bubble store: fused at W
+            sink.sink.accumulator, sink.fused = store, True
+            at_w += 1
+        else:
+            kept["a weight-gradient sink of another kind"] += 1
     left = ", ".join(f"{n} with {why}" for why, n in kept.items() if n)
+    w = f" ({at_w} of them at the zero-bubble schedule's W actions)" if at_w else ""
     log.info("parallel.gradient_accumulation_fusion: %d linear layers add their weight gradients into the gradient "
-             "buckets in the GEMM%s%s", fused, f"; unfused: {left}" if left else "",
+             "buckets in the GEMM%s%s%s", fused + at_w, w, f"; unfused: {left}" if left else "",
              "" if device.type == "cuda" else
              f" (on {device.type} emulated by an fp32 GEMM of upcast operands, slower than unfused: CUDA's bf16 "
              "GEMM with an fp32 accumulator has no CPU kernel)")
-    return fused
+    return fused + at_w

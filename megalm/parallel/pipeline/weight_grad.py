@@ -23,6 +23,10 @@ gradients in B; so do weights that reach the GEMM through another op (GQA kv wei
 TP ranks pass through an all-reduce in backward), which would otherwise need that collective at W.
 Layers that do not run through `linear` (Transformer Engine's) keep their weight gradients in B.
 
+With gradient accumulation fusion (`parallel.gradient_accumulation_fusion`) a plain layer's sink is `fused`: it
+hands the store dy and x instead of a closure, and the W action runs the GEMM into the parameter's fp32 main gradient
+in the DP bucket (megalm/parallel/data_parallel/fused_wgrad.py), with no bf16 dW and no copy into the bucket.
+
 Each layer gets a sink of its own (`LayerSink`, megalm/model/deferred_wgrad.py) that passes its stashes on to the
 store: inside a compiled block (`trainer.compile=true`) the closure cannot be traced, and the layer's GEMMs run as
 opaque ops that name their sink by a tensor and hand it the same closure when they run.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,9 +51,14 @@ log = logging.getLogger("megalm")
 class WeightGradStore:
     """Pending weight-gradient GEMMs, grouped by the key of the backward that produced them."""
 
+    accumulates = False  # a layer's sink hands closures (`stash`), unless the layer is fused (`LayerSink.fused`)
+
     def __init__(self) -> None:
-        self.pending: dict[Hashable, list[tuple[nn.Parameter, Callable[[], torch.Tensor]]]] = {}
+        self.pending: dict[Hashable, list[tuple[nn.Parameter, Callable[[], torch.Tensor] | tuple]]] = {}
         self.key: Hashable | None = None
+        # gradient accumulation fusion (megalm/parallel/data_parallel/fused_wgrad.py): its store, which the W action
+        # hands the fused layers' operands to (`accumulate(param, dy, x)`: the GEMM into the main gradient)
+        self.accumulator: Any = None
 
     def collect(self, key: Hashable) -> WeightGradStore:
         """Context manager: stashes made inside go under `key` (one micro-batch of one chunk)."""
@@ -71,18 +81,34 @@ class WeightGradStore:
                                "the runtime must open a key for every B")
         self.pending[self.key].append((param, compute))
 
+    def accumulate(self, param: nn.Parameter, dy: torch.Tensor, x: torch.Tensor) -> None:
+        """Keep a fused layer's GEMM operands (dW = dyᵀ x) for the W of the current key, which adds them into the main
+        gradient (`accumulator`)."""
+        if self.accumulator is None:
+            raise RuntimeError("a fused layer's weight gradient reached a zero-bubble store with no accumulator; "
+                               "fuse_weight_grads sets it")
+        self.stash(param, (dy, x))  # type: ignore[arg-type]
+
     def apply(self, key: Hashable) -> None:
-        """Compute and accumulate the weight gradients stashed under `key` (the W action)."""
+        """Compute and accumulate the weight gradients stashed under `key` (the W action): fused layers' GEMMs into
+        their main gradients, the others' through autograd, as a backward would."""
         stashes = self.pending.pop(key)
         if not stashes:
             return
         grads: dict[int, torch.Tensor] = {}
         params: dict[int, nn.Parameter] = {}
+        fused: dict[int, tuple[nn.Parameter, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         for param, compute in stashes:
+            if isinstance(compute, tuple):  # a fused layer's (dy, x)
+                fused.setdefault(id(param), (param, []))[1].append(compute)
+                continue
             dw = compute()
             grads[id(param)] = grads[id(param)] + dw if id(param) in grads else dw
             params[id(param)] = param
-        torch.autograd.backward([params[k] for k in grads], [grads[k] for k in grads])
+        for param, operands in fused.values():  # each parameter's sum, one arrival, as autograd's below
+            self.accumulator.accumulate_all(param, operands)
+        if grads:
+            torch.autograd.backward([params[k] for k in grads], [grads[k] for k in grads])
 
     def clear(self) -> None:
         self.pending.clear()
