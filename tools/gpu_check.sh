@@ -258,6 +258,14 @@ step_bench() {
   bench "training throughput, 1.3b/4096 bf16 with fused weight gradients (compiled)" 240 tools/bench/throughput.py \
     model=1.3b model.seq_length=4096 precision=bf16 trainer.compile=true parallel.gradient_accumulation_fusion=true \
     trainer.global_batch_size=2 trainer.micro_batch_size=2 --steps 6 --warmup 3 --profile 2
+  # megalm's fastest single-GPU step as pretraining runs it: every opt-in speed option (fused weight gradients, the
+  # one-pass Triton AdamW) and 4 micro-batches of 2 sequences a step, so that the optimizer step (24 of the 173 ms
+  # of one micro-batch's step on 2026-11-29) is shared as gradient accumulation shares it: the MFU the fast step's
+  # 55% goal is about
+  bench "training throughput, 1.3b/4096 bf16 with every speed option, 4 micro-batches a step (compiled)" 240 \
+    tools/bench/throughput.py model=1.3b model.seq_length=4096 precision=bf16 trainer.compile=true \
+    parallel.gradient_accumulation_fusion=true optim.implementation=triton trainer.global_batch_size=8 \
+    trainer.micro_batch_size=2 --steps 4 --warmup 2 --profile 1
   # Mixture of experts on one GPU (the grouped GEMMs' speed): moe_1b's 16 experts at 8 of its 24 layers (2.5B
   # parameters, 0.5B active: its 18 bytes per parameter fit one H100); eager, then compiled: its blocks are whole
   # graphs since 2026-11-30
