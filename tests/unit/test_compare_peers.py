@@ -35,6 +35,7 @@ def load_compare() -> ModuleType:
 
 
 compare = load_compare()
+from tools.bench import compare_megatron, compare_run, compare_torchtitan  # noqa: E402 - after compare's sys.path
 
 # (model config, Hydra overrides): the shapes compare.py runs by default, GQA at full size, and --tiny.
 SHAPES = [("125m", []), ("1.3b", []), ("125m", ["model.num_kv_heads=4"]), ("tiny", [])]
@@ -52,14 +53,14 @@ def shape_id(shape: tuple[str, list[str]]) -> str:
 
 def pinned(package: str, module: str) -> ModuleType:
     """`module` of `package`, or a skip that says why: not installed, or another version than the pin."""
-    problem = compare.pin_problem(package)
+    problem = compare_run.pin_problem(package)
     if problem:
         pytest.skip(problem)
     return importlib.import_module(module)  # installed at the pin: failing to import is a failure
 
 
 def test_pins_are_exact_and_the_only_place_versions_are_set(tmp_path):
-    pins = compare.peer_pins()
+    pins = compare_run.peer_pins()
     assert {"megatron-core", "torchtitan", "torchao"} <= set(pins)
     script = (ROOT / "tools" / "compare_wheels.sh").read_text()
     assert "-r tools/compare_peers.txt" in script
@@ -67,7 +68,7 @@ def test_pins_are_exact_and_the_only_place_versions_are_set(tmp_path):
     ranged = tmp_path / "peers.txt"
     ranged.write_text("# fine\nmegatron-core==0.16.1\ntorchtitan>=0.2\n")
     with pytest.raises(ValueError, match="torchtitan>=0.2"):
-        compare.peer_pins(ranged)
+        compare_run.peer_pins(ranged)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def megatron_group() -> Iterator[None]:
     from megatron.core import parallel_state
 
     made = not dist.is_initialized()
-    compare.megatron_process_group(CPU)
+    compare_megatron.megatron_process_group(CPU)
     yield
     if made:
         parallel_state.destroy_model_parallel()
@@ -89,9 +90,9 @@ def megatron_group() -> Iterator[None]:
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_megatron_gpt_on_the_sdpa_spec_has_megalms_parameter_count(shape, megatron_group):
     model = shape_config(*shape)
-    with compare.megatron_on_cpu(META):
-        gpt = compare.build_megatron(model, META, seed=0)
-    cores = [m for m in gpt.modules() if isinstance(m, compare.SDPACoreAttention)]
+    with compare_megatron.megatron_on_cpu(META):
+        gpt = compare_megatron.build_megatron(model, META, seed=0)
+    cores = [m for m in gpt.modules() if isinstance(m, compare_megatron.SDPACoreAttention)]
     assert len(cores) == model.num_layers  # every layer's core attention is SDPA, none DotProductAttention
     assert sum(p.numel() for p in gpt.parameters()) == num_parameters(GPT(model, device="meta"))
 
@@ -101,7 +102,8 @@ def test_megatron_gpt_on_the_sdpa_spec_has_megalms_parameter_count(shape, megatr
 def test_torchtitan_llama3_has_megalms_parameter_count(shape):
     pinned("torchtitan", "torchtitan.models.llama3")
     model = shape_config(*shape)
-    titan = compare.build_torchtitan(model, META, 0, compare.torchtitan_job("bf16", compile_model=False))
+    job = compare_torchtitan.torchtitan_job("bf16", compile_model=False)
+    titan = compare_torchtitan.build_torchtitan(model, META, 0, job)
     assert titan.layers["0"].feed_forward.w1.weight.shape == (model.ffn_hidden_size, model.hidden_size)
     assert titan.layers["0"].attention.wk.weight.shape[0] == model.num_kv_heads * model.hidden_size // model.num_heads
     assert sum(p.numel() for p in titan.parameters()) == num_parameters(GPT(model, device="meta"))
@@ -122,11 +124,11 @@ def test_sdpa_core_attention_matches_megatrons_dot_product_attention(heads, grou
                                num_query_groups=groups, attention_dropout=0.0, hidden_dropout=0.0,
                                masked_softmax_fusion=False, use_cpu_initialization=True)
     no_fork = mock.Mock(fork=mock.MagicMock())  # DotProductAttention forks the CUDA RNG around its dropout (0 here)
-    with compare.megatron_on_cpu(CPU), \
+    with compare_megatron.megatron_on_cpu(CPU), \
             mock.patch("megatron.core.tensor_parallel.get_cuda_rng_tracker", lambda *a, **k: no_fork):
         reference = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                         attention_type="self")
-        ours = compare.SDPACoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+        ours = compare_megatron.SDPACoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                          attention_type="self")
         generator = torch.Generator().manual_seed(0)
         q = torch.randn(s, b, heads, head_dim, generator=generator)
@@ -160,7 +162,7 @@ def test_sdpa_core_attention_refuses_what_it_cannot_run(megatron_group):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
-    core = compare.SDPACoreAttention(config, 1, AttnMaskType.padding, "self")
+    core = compare_megatron.SDPACoreAttention(config, 1, AttnMaskType.padding, "self")
     q = torch.randn(4, 1, 2, 8)
     with pytest.raises(ValueError, match="needs an attention_mask"):
         core(q, q, q, None)

@@ -303,7 +303,7 @@ def test_torchtitan_fp8_is_traced_with_the_gemms_its_gpu_runs():
     TorchTitan is installed (the CI leg of the GPU image's torch)."""
     import pytest
 
-    from tools.bench.compare import pin_problem
+    from tools.bench.compare_run import pin_problem
 
     if problem := pin_problem("torchtitan") or pin_problem("torchao"):
         pytest.skip(problem)

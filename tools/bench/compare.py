@@ -24,16 +24,21 @@ AdamW, no activation recomputation. The peers' versions are pinned in one place,
   Float8Linear as its FP8 linears (the ones TorchTitan's fp8 runs; megalm/precision/torchao_fp8.py), compiled per
   block on CUDA as TorchTitan's are (eager elsewhere): beside megalm_compiled, the two FP8 backends in one trainer.
 - megatron, labelled "megatron (custom spec: SDPA core attention)": Megatron-Core's `GPTModel` on
-  `get_gpt_layer_local_spec` with its `core_attention` swapped for `SDPACoreAttention` below (torch SDPA,
-  `is_causal=True`, which picks the flash or cuDNN kernel on an H100), since the GPU image has neither
-  Transformer Engine nor flash-attn and the local spec's own `DotProductAttention` materialises fp32 s x s
-  scores. On CUDA with Megatron's own fusions that need neither (compiled by its `jit_fuser`, torch.compile):
-  SwiGLU, bias-dropout-add and the native fused cross entropy. One rank (TP = PP = 1), torch RMSNorm.
+  `get_gpt_layer_local_spec` with its `core_attention` swapped for `SDPACoreAttention` (in
+  tools/bench/compare_megatron.py: torch SDPA, `is_causal=True`, which picks the flash or cuDNN kernel on an
+  H100), since the GPU image has neither Transformer Engine nor flash-attn and the local spec's own
+  `DotProductAttention` materialises fp32 s x s scores. On CUDA with Megatron's own fusions that need neither
+  (compiled by its `jit_fuser`, torch.compile): SwiGLU, bias-dropout-add and the native fused cross entropy. One
+  rank (TP = PP = 1), torch RMSNorm.
 - torchtitan: TorchTitan's llama3 `Transformer` (the release in tools/compare_peers.txt: the newest that imports
   on torch 2.11) with its args at the shape: its default `sdpa` attention (cuDNN > flash priority, causal), and
   on CUDA its per-`TransformerBlock` torch.compile plus its compiled loss (`compile.enable`, components model and
   loss); for fp8 its `quantize.linear.float8` converter (torchao Float8Linear, tensorwise scaling), the output
   head kept in bf16 as megalm does. On a CPU it runs eager (inductor would build C++ kernels for minutes).
+
+The megalm rows are run here; each peer's build and run is a module of its own beside this file
+(tools/bench/compare_megatron.py, tools/bench/compare_torchtitan.py), and what every runner shares (`Run`, `Skip`,
+the pins, the timing) is tools/bench/compare_run.py.
 
 Each row names the kernels its system used (`kernels`: attention, GEMMs, compile, loss): the SDPA kernel is the
 one torch's dispatcher chooses for the run's own shapes and dtype (`torch._fused_sdp_choice`).
@@ -73,44 +78,50 @@ import argparse
 import contextlib
 import dataclasses
 import gc
-import importlib
 import json
 import math
 import os
-import re
-import socket
 import statistics
 import sys
 import tempfile
-import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from throughput import compose_config, synchronize  # noqa: E402
+from throughput import compose_config  # noqa: E402
 
-from megalm import compat  # noqa: E402
-from megalm.config import MegalmConfig, ModelConfig  # noqa: E402
-from megalm.measure.kernel_profile import StepProfile, profile_steps  # noqa: E402
+from megalm.config import MegalmConfig  # noqa: E402
 from megalm.training.flops import peak_flops, training_flops  # noqa: E402
 from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
+
+# The peers' runners and what every runner shares live beside this file (module docstring).
+from tools.bench.compare_megatron import run_megatron  # noqa: E402
+from tools.bench.compare_run import (  # noqa: E402
+    Run,
+    Skip,
+    compute_dtype,
+    gemm_kernels,
+    measure,
+    params_m,
+    peak_memory,
+    peer_pins,
+    probe_sdpa,
+    version,
+)
+from tools.bench.compare_torchtitan import run_torchtitan  # noqa: E402
 
 FRAMEWORKS = ("megalm", "megalm_compiled", "megalm_torchao", "megatron", "torchtitan")
 # What each row is called: Megatron-Core runs a spec of ours, which the label must say.
 LABELS = {"megalm": "megalm", "megalm_compiled": "megalm (trainer.compile=true)",
           "megalm_torchao": "megalm (precision.backend=torchao)",
           "megatron": "megatron (custom spec: SDPA core attention)", "torchtitan": "torchtitan (llama3)"}
-PEERS_FILE = Path(__file__).resolve().parents[1] / "compare_peers.txt"
 # --tiny: a shape every framework builds on a CPU in a second (the model=tiny config, shrunk further).
 TINY_SHAPE = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
               "model.ffn_hidden_size=128"]
@@ -119,27 +130,11 @@ MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_h
                 "tie_embeddings", "seq_length")
 
 
-class Skip(Exception):
-    """A framework cannot run this cell here; the message says exactly why."""
-
-
 @dataclass
 class Cell:
     shape: str
     seq: int
     precision: str
-
-
-@dataclass
-class Run:
-    """One build + warm-up + timed steps of one framework in one cell, and the kernels it ran."""
-
-    step_seconds: list[float]
-    tokens_per_step: int
-    peak_memory_gib: float
-    params_m: float
-    kernels: dict[str, str] = field(default_factory=dict)
-    profile: StepProfile | None = None  # --profile: where the time of a few more steps went
 
 
 @dataclass
@@ -165,47 +160,6 @@ class Row:
     profile: dict | None = None  # --profile: StepProfile.as_dict() of the last repeat (kernel ms per kind)
 
 
-# ---------------------------------------------------------------------------------------------- pinned peers
-
-
-def normalise(name: str) -> str:
-    """A distribution name as pip compares them (PEP 503): lower case, runs of -_. as one dash."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def peer_pins(path: Path = PEERS_FILE) -> dict[str, str]:
-    """{name: version} of tools/compare_peers.txt, the one place the peers' versions are pinned; any line that
-    is not an exact `name==version` is an error, so that the file cannot drift into ranges."""
-    pins = {}
-    for raw in path.read_text().splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        match = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9.+!-]+)", line)
-        if not match:
-            raise ValueError(f"{path}: {raw.strip()!r} is not an exact name==version pin")
-        pins[normalise(match[1])] = match[2]
-    return pins
-
-
-def version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def pin_problem(package: str) -> str | None:
-    """Why `package` is not here at its pinned version (not installed, or another version); None when it is."""
-    pinned = peer_pins()[normalise(package)]
-    have = version(package)
-    if have is None:
-        return f"{package} not installed (tools/compare_peers.txt pins {pinned})"
-    if have != pinned:
-        return f"{package} {have} installed, but tools/compare_peers.txt pins {pinned} (the API this harness drives)"
-    return None
-
-
 # ---------------------------------------------------------------------------------------------- shared set-up
 
 
@@ -227,89 +181,6 @@ def synthetic_batches(cfg: MegalmConfig, steps: int, batch: int, device: torch.d
         rows = [torch.from_numpy(train[k].tokens) for k in range(step * batch, (step + 1) * batch)]
         out.append(torch.stack(rows).to(device))
     return out
-
-
-def compute_dtype(precision: str) -> torch.dtype:
-    """The dtype activations (and so attention) run in: bf16 for every recipe but fp32."""
-    return torch.float32 if precision == "fp32" else torch.bfloat16
-
-
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast for every recipe but fp32 (fp8 keeps the non-fp8 parts in bf16, as megalm does)."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
-
-
-def adamw(model: torch.nn.Module, cfg: MegalmConfig, device: torch.device) -> torch.optim.Optimizer:
-    """megalm's optimizer for the peers: AdamW with its hyper-parameters, the fused kernel (as megalm's auto,
-    and TorchTitan's default implementation)."""
-    o = cfg.optim
-    return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
-                             fused=device.type in ("cuda", "cpu"))
-
-
-def time_steps(step: Callable[[int], None], warmup: int, steps: int, device: torch.device) -> list[float]:
-    """Seconds of each timed step (after `warmup` untimed ones), each bracketed by a device synchronize."""
-    times = []
-    for i in range(warmup + steps):
-        synchronize(device)
-        start = time.perf_counter()
-        step(i)
-        synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
-
-
-def measure(step: Callable[[int], None], warmup: int, steps: int, device: torch.device,
-            profile: int = 0) -> tuple[list[float], StepProfile | None]:
-    """`time_steps`, then (`profile` > 0) that many more steps under torch.profiler, untimed: the same kernel
-    kinds for every framework (megalm.measure.kernel_profile), so two rows' milliseconds compare kind by kind."""
-    times = time_steps(step, warmup, steps, device)
-    if not profile:
-        return times, None
-    result = profile_steps(step, warmup + steps, profile, device)
-    result.unprofiled_ms = 1e3 * statistics.median(times)
-    return times, result
-
-
-def params_m(model: torch.nn.Module) -> float:
-    return sum(p.numel() for p in model.parameters()) / 1e6
-
-
-def peak_memory(device: torch.device) -> float:
-    from megalm.training.metrics import peak_memory_gb
-
-    return peak_memory_gb(device)
-
-
-def require(module: str, package: str) -> None:
-    """Import `module` or skip: "not installed" when the package is absent, "not importable" when it breaks."""
-    try:
-        importlib.import_module(module)
-    except ImportError as e:
-        absent = isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == module.split(".")[0]
-        raise Skip(f"{package} {'not installed' if absent else 'not importable'} ({type(e).__name__}: {e})") from None
-
-
-def probe_sdpa(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, dtype: torch.dtype,
-               device: torch.device) -> str:
-    """The kernel torch SDPA runs for causal attention of this shape in training (`compat.sdpa_kernel_choice`), on
-    empty [b, h, s, d] tensors that need grad (some kernels take a head size forward only)."""
-    q = torch.empty(batch, heads, seq, head_dim, dtype=dtype, device=device, requires_grad=True)
-    kv = torch.empty(batch, kv_heads, seq, head_dim, dtype=dtype, device=device, requires_grad=True)
-    return compat.sdpa_kernel_choice(q, kv, kv, is_causal=True, enable_gqa=heads != kv_heads)
-
-
-def gemm_kernels(device: torch.device, precision: str, layers: str, bf16: str = "bf16 under autocast") -> str:
-    """Where bf16 and fp32 GEMMs run: cuBLAS in `bf16` (the system's recipe, autocast unless it says otherwise), or
-    fp32 with the TF32 setting of this run."""
-    where = "cuBLAS" if device.type == "cuda" else "CPU"
-    if precision == "fp32":
-        tf32 = device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
-        return f"{layers}: {where} fp32{' (TF32)' if tf32 else ''}"
-    return f"{layers}: {where} {bf16}"
 
 
 # ---------------------------------------------------------------------------------------------- megalm
@@ -384,313 +255,6 @@ def run_megalm_torchao(cfg: MegalmConfig, batches: list[torch.Tensor], device: t
     cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, backend="torchao"),
                               trainer=dataclasses.replace(cfg.trainer, compile=device.type == "cuda"))
     return run_megalm(cfg, batches, device, warmup, steps, profile)
-
-
-# ---------------------------------------------------------------------------------------------- Megatron-Core
-
-
-class SDPACoreAttention(torch.nn.Module):
-    """Megatron-Core's `core_attention` slot filled by torch SDPA (`F.scaled_dot_product_attention`).
-
-    Why: without Transformer Engine or flash-attn, the local spec's `DotProductAttention` computes fp32 s x s
-    scores with baddbmm and an unfused softmax: a strawman at 4K+ tokens. SDPA runs the flash or cuDNN kernel
-    on an H100. The constructor and `forward` take exactly what Megatron-Core 0.16's SelfAttention passes its
-    core attention (the arguments of DotProductAttention): query [sq, b, np, hn], key and value
-    [sk, b, ng, hn] (ng query groups: GQA via SDPA's `enable_gqa`, query head i reading group i // (np / ng),
-    Megatron's repeat_interleave convention), a boolean `attention_mask` that is True where attention is
-    masked out (or None), and returns [sq, b, np * hn]. With no mask, a causal mask type runs `is_causal=True`
-    (no s x s mask is built at all). What DotProductAttention also refuses here (packed sequences,
-    attention bias, context parallelism) or what SDPA has no form for (windows, softmax offsets) raises.
-    `kernel` records the SDPA kernel the dispatcher chose on the first call.
-    """
-
-    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection: Any = None) -> None:
-        super().__init__()
-        if config.context_parallel_size != 1:
-            raise NotImplementedError("SDPACoreAttention: context parallelism needs TEDotProductAttention")
-        if config.window_size is not None or config.softmax_type != "vanilla":
-            raise NotImplementedError("SDPACoreAttention: no sliding windows or softmax offsets in torch SDPA")
-        self.config = config
-        self.layer_number = max(1, layer_number)
-        self.attn_mask_type = attn_mask_type
-        self.attention_type = attention_type
-        # None: 1 / sqrt(hn), SDPA's default and DotProductAttention's. apply_query_key_layer_scaling divides the
-        # scale by the layer number and multiplies the scores back before an fp32 softmax: the same function.
-        self.softmax_scale = softmax_scale
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.kernel: str | None = None
-
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
-                attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
-        if packed_seq_params is not None:
-            raise NotImplementedError("SDPACoreAttention: packed sequences (THD) need TEDotProductAttention")
-        if attention_bias is not None:
-            raise NotImplementedError("SDPACoreAttention: no attention bias")
-        mask_type = getattr(attn_mask_type if attn_mask_type is not None else self.attn_mask_type, "name", None)
-        sq, b, heads, head_dim = query.shape
-        if attention_mask is not None:  # Megatron's mask is True where hidden; SDPA's boolean mask, where attended
-            mask, causal = ~attention_mask, False
-        elif mask_type == "causal":
-            if key.shape[0] != sq:
-                raise NotImplementedError("SDPACoreAttention: causal attention needs as many keys as queries")
-            mask, causal = None, True
-        elif mask_type == "no_mask":
-            mask, causal = None, False
-        else:
-            raise ValueError(f"SDPACoreAttention: mask type {mask_type} needs an attention_mask")
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
-        gqa = k.shape[1] != heads
-        if self.kernel is None:
-            self.kernel = compat.sdpa_kernel_choice(q, k, v, mask, is_causal=causal, enable_gqa=gqa)
-        dropout = self.dropout_p if self.training else 0.0
-        fork = contextlib.nullcontext()
-        if dropout > 0.0 and not self.config.sequence_parallel:  # as DotProductAttention: per-TP-rank dropout
-            from megatron.core import tensor_parallel
-
-            fork = tensor_parallel.get_cuda_rng_tracker().fork()
-        with fork:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-                                                 scale=self.softmax_scale, enable_gqa=gqa)
-        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)  # [b, h, s, d] -> [s, b, h * d]
-
-
-def megatron_sdpa_spec(normalization: str) -> Any:
-    """Megatron-Core's local (non-TE) GPT layer spec with `SDPACoreAttention` as its core attention."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    spec = get_gpt_layer_local_spec(normalization=normalization)  # a fresh spec each call: ours to change
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    return spec
-
-
-def megatron_process_group(device: torch.device) -> None:
-    """A one-rank process group and Megatron's model-parallel state (TP = PP = 1), made once per process."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        with socket.socket() as s:  # a free port for the one-rank rendezvous
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-
-
-def build_megatron(model: ModelConfig, device: torch.device, seed: int, fused: bool | None = None) -> torch.nn.Module:
-    """Megatron-Core's GPTModel on the SDPA spec, in the shape of `model`; on the meta device, uninitialised.
-
-    `fused` (default: on CUDA) turns on the fusions Megatron-LM trains with that need neither Transformer
-    Engine nor Apex, each a function compiled by Megatron's `jit_fuser` (torch.compile): SwiGLU,
-    bias-dropout-add, and the native fused vocab-parallel cross entropy. RoPE fusion needs TE: off."""
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    megatron_process_group(device)
-    on_cuda, on_meta = device.type == "cuda", device.type == "meta"
-    fused = on_cuda if fused is None else fused
-    torch.manual_seed(seed)
-    if on_cuda:
-        torch.cuda.set_device(device)
-        model_parallel_cuda_manual_seed(seed)  # Megatron's RNG tracker: GPU init and its dropout forks use it
-    swiglu = model.activation == "swiglu"
-    config = TransformerConfig(
-        num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_heads,
-        num_query_groups=model.num_kv_heads, ffn_hidden_size=model.ffn_hidden_size,
-        normalization="RMSNorm" if model.norm == "rmsnorm" else "LayerNorm", layernorm_epsilon=model.norm_eps,
-        gated_linear_unit=swiglu, activation_func=F.silu if swiglu else F.gelu, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0,
-        bias_activation_fusion=fused and swiglu, bias_dropout_fusion=fused, cross_entropy_loss_fusion=fused,
-        cross_entropy_fusion_impl="native",
-        # Transformer Engine's or Apex's kernels, which this image lacks (the softmax one is unused under SDPA).
-        masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        params_dtype=torch.float32, use_cpu_initialization=not on_cuda, perform_initialization=not on_meta)
-    with torch.device("meta") if on_meta else contextlib.nullcontext():
-        gpt = GPTModel(config=config, transformer_layer_spec=megatron_sdpa_spec(config.normalization),
-                       vocab_size=model.padded_vocab_size or model.vocab_size,
-                       max_sequence_length=model.seq_length, position_embedding_type=model.position_embedding,
-                       rotary_base=int(model.rope_theta), share_embeddings_and_output_weights=model.tie_embeddings)
-    return gpt if on_meta else gpt.to(device)
-
-
-@contextlib.contextmanager
-def megatron_on_cpu(device: torch.device) -> Iterator[None]:
-    """CPU (and meta) only: Megatron-Core puts RoPE's frequencies on `torch.cuda.current_device()`; answering
-    "cpu" lets the same model code run without a GPU. On CUDA nothing is changed."""
-    if device.type == "cuda":
-        yield
-        return
-    with mock.patch("torch.cuda.current_device", lambda: "cpu"):
-        yield
-
-
-def run_megatron(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.device, warmup: int,
-                 steps: int, profile: int = 0) -> Run:
-    if cfg.precision.name != "fp32" and cfg.precision.name != "bf16":
-        raise Skip(f"{cfg.precision.name} needs Transformer Engine in Megatron-Core (the local spec has none)")
-    require("megatron.core", "megatron-core")
-    if cfg.precision.name == "bf16" and device.type != "cuda":
-        raise Skip("bf16 on CPU: Megatron-Core's linear autograd functions carry CUDA autocast only "
-                   "(custom_fwd/custom_bwd with device_type='cuda')")
-    with megatron_on_cpu(device):
-        return megatron_steps(cfg, batches, device, warmup, steps, profile)
-
-
-def megatron_steps(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.device, warmup: int,
-                   steps: int, profile: int = 0) -> Run:
-    model = build_megatron(cfg.model, device, cfg.seed)
-    optimizer = adamw(model, cfg, device)
-    seq = batches[0].shape[1] - 1
-    positions = torch.arange(seq, device=device).expand(batches[0].shape[0], -1)
-
-    def step(i: int) -> None:
-        tokens = batches[i % len(batches)]
-        with autocast(device, cfg.precision.name):  # no mask: SDPACoreAttention runs is_causal
-            loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean()  # per-token losses [b, s]
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    times, profiled = measure(step, warmup, steps, device, profile)
-    chosen = next((m.kernel for m in model.modules() if isinstance(m, SDPACoreAttention)), None)
-    fused = model.config.cross_entropy_loss_fusion
-    kernels = {
-        "attention": f"torch SDPA is_causal ({chosen or 'not run'}) as core_attention in the local spec",
-        "gemm": gemm_kernels(device, cfg.precision.name, "Megatron's Column/RowParallelLinear (TP=1)"),
-        "compile": ("eager; Megatron's jit_fuser (torch.compile) fusions: SwiGLU, bias-dropout-add, cross entropy"
-                    if fused else "eager (Megatron's jit fusions off: on CUDA only)"),
-        "loss": f"Megatron's {'fused ' if fused else ''}vocab-parallel cross entropy (fp32), mean",
-    }
-    return Run(times, batches[0][:, :-1].numel(), peak_memory(device), params_m(model), kernels, profiled)
-
-
-# ---------------------------------------------------------------------------------------------- TorchTitan
-
-
-def torchtitan_job(precision: str, compile_model: bool, emulate_fp8: bool = False) -> Any:
-    """TorchTitan's JobConfig for one GPU, as its llama3 recipe sets it where it matters for a step: per-block
-    compile of the model and the loss (`compile.enable`), bf16 AMP (its single-device mixed precision), for
-    fp8 its Float8 linear converter with the output head left out. No activation checkpointing: megalm and
-    Megatron-Core recompute nothing either, and every default shape fits without."""
-    from torchtitan.config import JobConfig
-
-    job = JobConfig()
-    job.compile.enable = compile_model
-    job.compile.components = ["model", "loss"]
-    job.activation_checkpoint.mode = "none"
-    job.training.mixed_precision_param = "bfloat16"
-    if precision == "fp8":
-        job.model.converters = ["quantize.linear.float8"]
-        job.quantize.linear.float8.filter_fqns = ["output"]
-        job.quantize.linear.float8.emulate = emulate_fp8  # CPU checks only: TorchTitan's emulation is eager-only
-    return job
-
-
-def torchtitan_args(model: ModelConfig) -> Any:
-    """llama3's TransformerModelArgs at the shape of `model`. Its FeedForward sizes the hidden layer from
-    4 * dim (2/3 of it, times ffn_dim_multiplier, rounded up to multiple_of), so multiple_of = ffn and a
-    multiplier just under ffn / base give exactly ffn; RoPE scaling factor 1 is plain RoPE, as megalm's."""
-    from torchtitan.models.llama3 import TransformerModelArgs
-    from torchtitan.models.llama3.model.args import RoPEScalingArgs
-
-    if model.activation != "swiglu" or model.norm != "rmsnorm" or model.position_embedding != "rope":
-        raise Skip("TorchTitan's llama3 is SwiGLU + RMSNorm + RoPE only")
-    if model.tie_embeddings or model.bias:
-        raise Skip("TorchTitan's llama3 has an untied output head and no biases")
-    ffn = model.ffn_hidden_size
-    base = int(2 * 4 * model.hidden_size / 3)
-    return TransformerModelArgs(
-        dim=model.hidden_size, n_layers=model.num_layers, n_heads=model.num_heads, n_kv_heads=model.num_kv_heads,
-        vocab_size=model.padded_vocab_size or model.vocab_size, multiple_of=ffn, ffn_dim_multiplier=ffn / base,
-        norm_eps=model.norm_eps, rope_theta=model.rope_theta, rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0),
-        max_seq_len=model.seq_length, attn_type="sdpa", attn_mask_type="causal")
-
-
-def convert_torchtitan(titan: torch.nn.Module, job: Any) -> None:
-    """Apply `job`'s model converters (fp8: its Float8 linear converter; none in bf16) as TorchTitan's trainer does on
-    one GPU."""
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.protocols.model_converter import build_model_converters
-
-    one_gpu = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    build_model_converters(job, one_gpu).convert(titan)
-
-
-def build_torchtitan(model: ModelConfig, device: torch.device, seed: int, job: Any) -> torch.nn.Module:
-    """TorchTitan's llama3 Transformer as its trainer makes it on one GPU: built on meta, converted (fp8),
-    materialised and initialised on `device`, then each TransformerBlock compiled; on meta, only built."""
-    from torchtitan.models.llama3 import Transformer
-    from torchtitan.models.llama3.infra.parallelize import apply_compile
-
-    args = torchtitan_args(model)
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        titan = Transformer(args)
-    convert_torchtitan(titan, job)
-    if device.type == "meta":
-        return titan
-    titan.to_empty(device=device)
-    with torch.no_grad():
-        titan.init_weights(buffer_device=device)
-    if job.compile.enable and "model" in job.compile.components:
-        apply_compile(titan, job.compile)
-    return titan
-
-
-def run_torchtitan(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.device, warmup: int,
-                   steps: int, profile: int = 0) -> Run:
-    name = cfg.precision.name
-    if name not in ("fp32", "bf16", "fp8"):
-        raise Skip(f"no {name} recipe wired for TorchTitan here (fp32, bf16, fp8)")
-    problem = pin_problem("torchtitan")
-    if problem:
-        raise Skip(problem)
-    require("torchtitan.models.llama3", "torchtitan")
-    if name == "fp8":
-        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-            raise Skip("fp8: TorchTitan's Float8 converter needs a CUDA device of compute capability 8.9+")
-        require("torchao.float8", "torchao")
-    from torch.nn.attention import sdpa_kernel as sdpa_priority
-    from torchtitan.components.loss import build_cross_entropy_loss
-    from torchtitan.models.attention import ScaledDotProductAttentionWrapper
-
-    job = torchtitan_job(name, compile_model=device.type == "cuda")
-    model = build_torchtitan(cfg.model, device, cfg.seed, job)
-    loss_fn = build_cross_entropy_loss(job)  # fp32 cross entropy, summed; compiled with the model
-    optimizer = adamw(model, cfg, device)
-    labels_per_step = batches[0][:, 1:].numel()
-
-    def step(i: int) -> None:
-        tokens = batches[i % len(batches)]
-        with autocast(device, name):  # TorchTitan's single-device AMP wraps the loss too
-            loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:]) / labels_per_step  # its sum / tokens
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    times, profiled = measure(step, warmup, steps, device, profile)
-    m = cfg.model
-    with sdpa_priority(ScaledDotProductAttentionWrapper().sdpa_backends, set_priority=True):
-        chosen = probe_sdpa(batches[0].shape[0], m.num_heads, m.num_kv_heads or m.num_heads, m.seq_length,
-                            m.hidden_size // m.num_heads, compute_dtype(name), device)
-    compiled = job.compile.enable
-    kernels = {
-        "attention": f"torch SDPA is_causal ({chosen}): llama3's default sdpa, priority cuDNN > flash > math",
-        "gemm": ("torchao Float8Linear (tensorwise scaling): torch._scaled_mm; output head bf16" if name == "fp8"
-                 else gemm_kernels(device, name, "nn.Linear")),
-        "compile": ("torch.compile per TransformerBlock (fullgraph, inductor) and of the loss" if compiled
-                    else "eager (per-block compile on CUDA only: inductor would build C++ kernels here)"),
-        "loss": "TorchTitan's fp32 cross entropy (sum / tokens)" + (", compiled" if compiled else ""),
-    }
-    return Run(times, batches[0][:, :-1].numel(), peak_memory(device), params_m(model), kernels, profiled)
 
 
 RUNNERS: dict[str, Callable[..., Run]] = {"megalm": run_megalm, "megalm_compiled": run_megalm_compiled,

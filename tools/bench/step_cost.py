@@ -210,7 +210,7 @@ def torchtitan_step(model_cfg: Any, gpu: str, compiled: bool = False, precision:
     from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.models.llama3 import Transformer
 
-    from tools.bench.compare import convert_torchtitan, torchtitan_args, torchtitan_job
+    from tools.bench.compare_torchtitan import convert_torchtitan, torchtitan_args, torchtitan_job
 
     job = torchtitan_job(precision, compile_model=False)
     with FakeTensorMode(allow_non_fake_inputs=True), _titan_sees_gpu(GPUS[gpu].capability):
@@ -247,7 +247,7 @@ def torchtitan_step(model_cfg: Any, gpu: str, compiled: bool = False, precision:
 
 def torchtitan_missing() -> str | None:
     """Why TorchTitan's rows are left out (not installed, or not the version compare.py drives); None: traced."""
-    from tools.bench.compare import pin_problem
+    from tools.bench.compare_run import pin_problem
 
     problem = pin_problem("torchtitan")
     return f"{problem}: its rows are left out" if problem else None
