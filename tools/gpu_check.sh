@@ -312,6 +312,12 @@ step_compare() {
       tools/bench/compare.py --tiny --precisions fp32 --steps 1 --warmup 0 --repeats 1 --frameworks megalm \
       --profile 1 --json "$OUT_DIR/compare_dry_run.json"
   elif ((peers_ok)); then
+    # first the 55% goal's cell: bf16 as pretraining steps it, 4 micro-batches of 16,384 tokens in every framework
+    # (the optimizer step shared by them), megalm with its opt-in speed options; one repeat
+    run "megalm vs Megatron-Core vs TorchTitan, 1.3b/4096 bf16, 4 micro-batches a step" 240 "$PYTHON" \
+      tools/bench/compare.py --shapes 1.3b --precisions bf16 --tokens-per-step 65536 --micro-batches 4 --repeats 1 \
+      --frameworks megalm_compiled,torchtitan,megatron parallel.gradient_accumulation_fusion=true \
+      optim.implementation=triton --json "$OUT_DIR/compare_accumulated.json"
     # the fast step's shape (1.3B, seq 4096): the 125m cells of the default grid were measured on 2026-11-28; each
     # row's kernel ms per kind (--profile 2) say what TorchTitan's step spends less on than megalm's
     run "megalm vs Megatron-Core vs TorchTitan, 1.3b/4096" 540 "$PYTHON" tools/bench/compare.py --shapes 1.3b \

@@ -189,3 +189,32 @@ def test_the_torchao_megalm_row_runs_fp8_cells_on_torchao_compiled_on_cuda(monke
         compare.run_megalm_torchao(compose_config("precision=fp8"), [], torch.device(device), 0, 1)
     assert seen == [("torchao", True), ("torchao", False)]
     assert compare.RUNNERS["megalm_torchao"] is compare.run_megalm_torchao
+
+
+@pytest.mark.timeout(240)
+def test_micro_batches_accumulate_to_the_same_training_in_every_framework(capsys):
+    """`--micro-batches 2`: each framework's step is two forwards and backwards of half the sequences and one
+    optimizer step, which trains as one micro-batch of all of them does (fp32: the same losses step by step, to
+    summation order), and its FLOPs and tokens are the whole step's. A peer that divided no loss by the micro-batch
+    count, or zeroed its gradients between them, would report or train other losses."""
+    from tests.unit.test_compare_peers import compare
+
+    base = ["--tiny", "--precisions", "fp32", "--seqs", "64", "--steps", "3", "--warmup", "0", "--repeats", "1",
+            "--tokens-per-step", "256", "--peak-tflops", str(PEAK_TFLOPS), "--frameworks", ",".join(FRAMEWORKS)]
+    whole, split = (compare.main([*base, "--micro-batches", str(n)]) for n in (1, 2))
+    assert split["settings"]["micro_batches"] == 2
+    ran = 0
+    for one, two in zip(whole["rows"], split["rows"], strict=True):
+        assert one["framework"] == two["framework"] and one["status"] == two["status"]
+        if one["status"] != "ok":
+            continue
+        ran += 1
+        assert (one["batch"], one["micro_batches"], two["batch"], two["micro_batches"]) == (4, 1, 2, 2)
+        assert one["tokens_per_step"] == two["tokens_per_step"] == 256
+        # one FLOP count for the step, whatever its split
+        assert one["tflops_per_sec"] * one["step_seconds"] == pytest.approx(two["tflops_per_sec"] * two["step_seconds"])
+        assert len(one["losses"]) == len(two["losses"]) == 3
+        assert two["losses"] == pytest.approx(one["losses"], rel=1e-5), one["framework"]
+        assert one["losses"][2] != pytest.approx(one["losses"][0], rel=1e-5)  # it trains: the check can tell
+    assert ran >= 2  # megalm and Megatron-Core run on a CPU (TorchTitan where its pin is installed)
+    capsys.readouterr()

@@ -47,6 +47,10 @@ one torch's dispatcher chooses for the run's own shapes and dtype (`torch._fused
 row's `profile` (ms per step by kind, GPU busy time against the unprofiled step) says kind by kind where one
 system's step spends more than another's.
 
+`--micro-batches N` splits each step's `--tokens-per-step` into N micro-batches in every framework (gradient
+accumulation: N forwards and backwards, one clip and optimizer step), so that the optimizer step is shared as
+pretraining shares it; each row keeps its step's losses (`losses`), which equal one micro-batch's run in fp32.
+
 Precisions: fp32 (one TF32 setting for all: megalm's `precision.tf32`); bf16 = each system's bf16 step on one GPU:
 megalm's `precision=bf16` (bf16 weights in the model, fp32 main weights and gradient sums in the optimizer, the
 weights cast once per step), bf16 autocast over fp32 weights for TorchTitan (what it does on one GPU) and for
@@ -146,7 +150,8 @@ class Row:
     label: str = ""
     status: str = "ok"  # ok | skipped
     reason: str | None = None
-    batch: int = 0
+    batch: int = 0  # sequences a micro-batch
+    micro_batches: int = 1  # a step's (gradient accumulation)
     tokens_per_step: int = 0
     step_seconds: float | None = None
     tokens_per_sec: float | None = None
@@ -158,28 +163,33 @@ class Row:
     kernels: dict[str, str] = field(default_factory=dict)  # attention, gemm, compile, loss
     model: dict = field(default_factory=dict)
     profile: dict | None = None  # --profile: StepProfile.as_dict() of the last repeat (kernel ms per kind)
+    losses: list[float] = field(default_factory=list)  # the first repeat's, step by step (warm-up included)
 
 
 # ---------------------------------------------------------------------------------------------- shared set-up
 
 
-def cell_config(cell: Cell, batch: int, overrides: list[str], tiny: bool) -> MegalmConfig:
-    """megalm's config of a cell: the shape every framework builds and the data every framework reads."""
+def cell_config(cell: Cell, batch: int, overrides: list[str], tiny: bool, micro_batches: int = 1) -> MegalmConfig:
+    """megalm's config of a cell: the shape every framework builds and the data every framework reads; a step is
+    `micro_batches` micro-batches of `batch` sequences (gradient accumulation)."""
     shape = ["model=tiny", *TINY_SHAPE] if tiny else [f"model={cell.shape}"]
     return compose_config([*shape, f"precision={cell.precision}", "data.varlen=true", *overrides,
                            f"model.seq_length={cell.seq}", f"data.synthetic.fixed_doc_length={cell.seq + 1}",
-                           f"trainer.micro_batch_size={batch}", f"trainer.global_batch_size={batch}"])
+                           f"trainer.micro_batch_size={batch}", f"trainer.global_batch_size={batch * micro_batches}"])
 
 
-def synthetic_batches(cfg: MegalmConfig, steps: int, batch: int, device: torch.device) -> list[torch.Tensor]:
-    """[batch, seq + 1] token tensors of steps 0..steps-1: the very samples megalm's trainer reads."""
+def synthetic_batches(cfg: MegalmConfig, steps: int, batch: int, device: torch.device,
+                      micro_batches: int = 1) -> list[torch.Tensor]:
+    """[micro_batches, batch, seq + 1] token tensors of steps 0..steps-1: the very samples megalm's trainer reads,
+    split into micro-batches in its order."""
     from megalm.data.build import build_datasets
 
     train = build_datasets(cfg).train
     out = []
+    per_step = batch * micro_batches
     for step in range(steps):
-        rows = [torch.from_numpy(train[k].tokens) for k in range(step * batch, (step + 1) * batch)]
-        out.append(torch.stack(rows).to(device))
+        rows = [torch.from_numpy(train[k].tokens) for k in range(step * per_step, (step + 1) * per_step)]
+        out.append(torch.stack(rows).reshape(micro_batches, batch, -1).to(device))
     return out
 
 
@@ -222,14 +232,15 @@ def run_megalm(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.dev
     max_steps = warmup + steps + (profile + 1 if profile else 0)  # the profiled steps too, as throughput.py
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_steps=max_steps,
                                                                compile=bool(cfg.trainer.compile)))
-    tokens = []
+    results = []
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(cfg, run_dir)
         if trainer.device.type != device.type:
             raise Skip(f"megalm chose {trainer.device}, the others {device}")
-        times, profiled = measure(lambda i: tokens.append(trainer.train_step(i).tokens), warmup, steps, device, profile)
-        kernels = megalm_kernels(trainer, cfg, batches[0].shape[0], device)
-        return Run(times, tokens[-1], peak_memory(device), params_m(trainer.model), kernels, profiled)
+        times, profiled = measure(lambda i: results.append(trainer.train_step(i)), warmup, steps, device, profile)
+        kernels = megalm_kernels(trainer, cfg, batches[0].shape[1], device)
+        return Run(times, results[-1].tokens, peak_memory(device), params_m(trainer.model), kernels, profiled,
+                   [r.loss for r in results])
 
 
 def run_megalm_compiled(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.device, warmup: int,
@@ -291,31 +302,33 @@ def fresh_device(device: torch.device, cfg: MegalmConfig) -> Iterator[None]:
             torch.cuda.empty_cache()
 
 
-def summarise(row: Row, runs: list[Run], cfg: MegalmConfig, batch: int, seq: int, peak: float | None) -> None:
+def summarise(row: Row, runs: list[Run], cfg: MegalmConfig, sequences: int, seq: int, peak: float | None) -> None:
     """Tokens/s over the median step of all repeats; TFLOP/s and MFU from megalm's formula, the same for all."""
     step_s = statistics.median(t for run in runs for t in run.step_seconds)
     row.tokens_per_step = runs[0].tokens_per_step
     row.step_seconds = step_s
     row.tokens_per_sec = row.tokens_per_step / step_s
     row.tokens_per_sec_per_repeat = [run.tokens_per_step / statistics.median(run.step_seconds) for run in runs]
-    flops = training_flops(cfg.model, [seq] * batch)
+    flops = training_flops(cfg.model, [seq] * sequences)  # a step's sequences
     row.tflops_per_sec = flops / step_s / 1e12
     row.mfu = flops / step_s / peak if peak else None
     row.peak_memory_gib = max(run.peak_memory_gib for run in runs)
     row.params_m = runs[0].params_m
     row.kernels = runs[-1].kernels
     row.profile = runs[-1].profile.as_dict() if runs[-1].profile is not None else None
+    row.losses = runs[0].losses
 
 
 def run_cell(cell: Cell, args: argparse.Namespace, overrides: list[str], device: torch.device,
              order: list[dict]) -> list[Row]:
-    batch = max(1, args.tokens_per_step // cell.seq)
-    cfg = cell_config(cell, batch, overrides, args.tiny)
+    n = args.micro_batches
+    batch = max(1, args.tokens_per_step // cell.seq // n)
+    cfg = cell_config(cell, batch, overrides, args.tiny, n)
     model = {k: getattr(cfg.model, k) for k in MODEL_FIELDS}
-    rows = {fw: Row(fw, cell.shape, cell.seq, cell.precision, label=LABELS[fw], batch=batch, model=model)
-            for fw in args.frameworks}
+    rows = {fw: Row(fw, cell.shape, cell.seq, cell.precision, label=LABELS[fw], batch=batch, micro_batches=n,
+                    model=model) for fw in args.frameworks}
     runs: dict[str, list[Run]] = {fw: [] for fw in args.frameworks}
-    batches = synthetic_batches(cfg, min(args.warmup + args.steps, 4), batch, device)
+    batches = synthetic_batches(cfg, min(args.warmup + args.steps, 4), batch, device, n)
     for repeat in range(args.repeats):
         for fw in args.frameworks:  # A B C, A B C: drift reaches every framework alike
             row = rows[fw]
@@ -334,7 +347,7 @@ def run_cell(cell: Cell, args: argparse.Namespace, overrides: list[str], device:
     peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(device, cell.precision)
     for fw, row in rows.items():
         if row.status == "ok":
-            summarise(row, runs[fw], cfg, batch, cell.seq, peak)
+            summarise(row, runs[fw], cfg, batch * n, cell.seq, peak)
     return list(rows.values())
 
 
@@ -381,7 +394,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, per run")
     parser.add_argument("--repeats", type=int, default=2, help="runs per framework, alternated A B C A B C")
     parser.add_argument("--tokens-per-step", type=int, default=None,
-                        help="tokens per step: batch = this // seq (default 16384; 256 with --tiny)")
+                        help="tokens per step: batch = this // seq // micro-batches (default 16384; 256 with --tiny)")
+    parser.add_argument("--micro-batches", type=int, default=1,
+                        help="micro-batches a step (gradient accumulation in every framework): the optimizer "
+                             "step shared by them, as in pretraining")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide shape for CPU checks")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: from flops.py)")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -391,6 +407,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args, overrides = parse_flags_and_overrides(parser, argv)
     if args.profile < 0:
         parser.error("--profile takes a number of steps >= 0")
+    if args.micro_batches < 1:
+        parser.error("--micro-batches takes a number >= 1")
     unknown = set(args.frameworks) - set(FRAMEWORKS)
     if unknown:
         parser.error(f"unknown frameworks {sorted(unknown)}: pick from {','.join(FRAMEWORKS)}")
@@ -417,7 +435,8 @@ def main(argv: list[str] | None = None) -> dict:
         "pins": peer_pins(),
         "settings": {"shapes": args.shapes, "seqs": args.seqs, "precisions": args.precisions,
                      "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-                     "tokens_per_step": args.tokens_per_step, "overrides": overrides,
+                     "tokens_per_step": args.tokens_per_step, "micro_batches": args.micro_batches,
+                     "overrides": overrides,
                      "peak_tflops": args.peak_tflops, "profile": args.profile},
         "complete": False,
         "run_order": order,

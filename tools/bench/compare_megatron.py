@@ -18,7 +18,18 @@ import torch.nn.functional as F
 
 from megalm import compat
 from megalm.config import MegalmConfig, ModelConfig
-from tools.bench.compare_run import Run, Skip, adamw, autocast, gemm_kernels, measure, params_m, peak_memory, require
+from tools.bench.compare_run import (
+    Run,
+    Skip,
+    accumulated_backward,
+    adamw,
+    autocast,
+    gemm_kernels,
+    measure,
+    params_m,
+    peak_memory,
+    require,
+)
 
 
 class SDPACoreAttention(torch.nn.Module):
@@ -178,14 +189,16 @@ def megatron_steps(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch
                    steps: int, profile: int = 0) -> Run:
     model = build_megatron(cfg.model, device, cfg.seed)
     optimizer = adamw(model, cfg, device)
-    seq = batches[0].shape[1] - 1
-    positions = torch.arange(seq, device=device).expand(batches[0].shape[0], -1)
+    _, batch, seq = batches[0].shape  # [micro-batches, batch, seq + 1]
+    positions = torch.arange(seq - 1, device=device).expand(batch, -1)
+    losses = []
+
+    def micro_batch_loss(tokens: torch.Tensor) -> torch.Tensor:
+        with autocast(device, cfg.precision.name):  # no mask: SDPACoreAttention runs is_causal
+            return model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean()  # per-token losses [b, s]
 
     def step(i: int) -> None:
-        tokens = batches[i % len(batches)]
-        with autocast(device, cfg.precision.name):  # no mask: SDPACoreAttention runs is_causal
-            loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean()  # per-token losses [b, s]
-        loss.backward()
+        losses.append(accumulated_backward(batches[i % len(batches)], micro_batch_loss))
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -200,4 +213,5 @@ def megatron_steps(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch
                     if fused else "eager (Megatron's jit fusions off: on CUDA only)"),
         "loss": f"Megatron's {'fused ' if fused else ''}vocab-parallel cross entropy (fp32), mean",
     }
-    return Run(times, batches[0][:, :-1].numel(), peak_memory(device), params_m(model), kernels, profiled)
+    return Run(times, batches[0][..., :-1].numel(), peak_memory(device), params_m(model), kernels, profiled,
+               [float(loss) for loss in losses])

@@ -40,6 +40,7 @@ class Run:
     params_m: float
     kernels: dict[str, str] = field(default_factory=dict)
     profile: StepProfile | None = None  # --profile: where the time of a few more steps went
+    losses: list[float] = field(default_factory=list)  # each step's loss (mean over its tokens), warm-up included
 
 
 # ---------------------------------------------------------------------------------------------- pinned peers
@@ -129,6 +130,19 @@ def measure(step: Callable[[int], None], warmup: int, steps: int, device: torch.
     result = profile_steps(step, warmup + steps, profile, device)
     result.unprofiled_ms = 1e3 * statistics.median(times)
     return times, result
+
+
+def accumulated_backward(step_tokens: torch.Tensor, loss_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Gradient accumulation as a peer's training loop does it: `step_tokens` [micro-batches, batch, seq + 1], one
+    forward and backward per micro-batch of `loss_of(tokens)` (its mean loss per token) over the micro-batch count,
+    so that the summed gradients are those of the step's mean loss (every micro-batch holds as many tokens). Returns
+    that loss, detached (read after the timed steps: no host sync here)."""
+    total = torch.zeros((), device=step_tokens.device)
+    for tokens in step_tokens:
+        loss = loss_of(tokens) / len(step_tokens)
+        loss.backward()
+        total += loss.detach().float()
+    return total
 
 
 def params_m(model: torch.nn.Module) -> float:

@@ -15,6 +15,7 @@ from megalm.config import MegalmConfig, ModelConfig
 from tools.bench.compare_run import (
     Run,
     Skip,
+    accumulated_backward,
     adamw,
     autocast,
     compute_dtype,
@@ -119,13 +120,15 @@ def run_torchtitan(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch
     model = build_torchtitan(cfg.model, device, cfg.seed, job)
     loss_fn = build_cross_entropy_loss(job)  # fp32 cross entropy, summed; compiled with the model
     optimizer = adamw(model, cfg, device)
-    labels_per_step = batches[0][:, 1:].numel()
+    labels_per_micro_batch = batches[0][0, :, 1:].numel()  # batches: [micro-batches, batch, seq + 1] a step
+    losses = []
+
+    def micro_batch_loss(tokens: torch.Tensor) -> torch.Tensor:
+        with autocast(device, name):  # TorchTitan's single-device AMP wraps the loss too
+            return loss_fn(model(tokens[:, :-1]), tokens[:, 1:]) / labels_per_micro_batch  # its sum / tokens
 
     def step(i: int) -> None:
-        tokens = batches[i % len(batches)]
-        with autocast(device, name):  # TorchTitan's single-device AMP wraps the loss too
-            loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:]) / labels_per_step  # its sum / tokens
-        loss.backward()
+        losses.append(accumulated_backward(batches[i % len(batches)], micro_batch_loss))
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -133,7 +136,7 @@ def run_torchtitan(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch
     times, profiled = measure(step, warmup, steps, device, profile)
     m = cfg.model
     with sdpa_priority(ScaledDotProductAttentionWrapper().sdpa_backends, set_priority=True):
-        chosen = probe_sdpa(batches[0].shape[0], m.num_heads, m.num_kv_heads or m.num_heads, m.seq_length,
+        chosen = probe_sdpa(batches[0].shape[1], m.num_heads, m.num_kv_heads or m.num_heads, m.seq_length,
                             m.hidden_size // m.num_heads, compute_dtype(name), device)
     compiled = job.compile.enable
     kernels = {
@@ -144,4 +147,5 @@ def run_torchtitan(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch
                     else "eager (per-block compile on CUDA only: inductor would build C++ kernels here)"),
         "loss": "TorchTitan's fp32 cross entropy (sum / tokens)" + (", compiled" if compiled else ""),
     }
-    return Run(times, batches[0][:, :-1].numel(), peak_memory(device), params_m(model), kernels, profiled)
+    return Run(times, batches[0][..., :-1].numel(), peak_memory(device), params_m(model), kernels, profiled,
+               [float(loss) for loss in losses])
