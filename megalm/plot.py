@@ -70,7 +70,7 @@ def written_here(path: str | Path) -> bool:
     try:
         with Image.open(path) as image:
             return image.format == "PNG" and str(image.info.get("Software", "")).startswith(WRITER)
-    except (OSError, UnidentifiedImageError):
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError):  # not ours either way
         return False
 
 
@@ -91,12 +91,20 @@ def save_figure(fig: Figure, path: str | Path) -> Path:
 
     path = Path(path)
     check_replaceable(path)
+    ours = path.exists()  # a chart megalm drew (checked): replaced; else the path is taken only if still free
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         fig.savefig(partial, dpi=DPI, format="png",
                     metadata={"Software": f"{WRITER} (matplotlib {matplotlib.__version__})"})
-        os.replace(partial, path)
+        if ours:
+            os.replace(partial, path)
+        else:
+            try:
+                os.link(partial, path)  # fails if a file appeared there since the check
+            except FileExistsError:
+                raise PlotError(f"{path} appeared while the chart was drawn; nothing was written: move it or "
+                                "pick another output path") from None
     finally:
         partial.unlink(missing_ok=True)
     return path
@@ -447,7 +455,8 @@ def _run_main(argv: list[str]) -> int:
                                 "step. "
                                 "`megalm-plot schedule -h` draws a pipeline schedule.")
     p.add_argument("run_dir", help="a run directory holding metrics.jsonl")
-    p.add_argument("--out", default=None, help="where the PNGs go (default RUN_DIR/plots)")
+    p.add_argument("--out", default=None, help="where the PNGs go (default RUN_DIR/plots); only charts "
+                   "megalm drew are replaced there")
     p.add_argument("--log-loss", action="store_true", help="the loss on a log y-axis")
     args = p.parse_args(argv)
     records = load_metrics(args.run_dir)
@@ -475,7 +484,7 @@ def _schedule_main(argv: list[str]) -> int:
     p.add_argument("--vpp", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
     p.add_argument("--offload", type=float, default=0.0, help="fraction of micro-batch-chunks to offload")
     p.add_argument("--offload-policy", choices=[x for x in POLICIES if x != "auto"], default="lifespan")
-    p.add_argument("--out", required=True, help="the PNG to write")
+    p.add_argument("--out", required=True, help="the PNG to write (it replaces only a chart megalm drew)")
     args = p.parse_args(argv)
     vpp = args.vpp if args.vpp is not None else (2 if args.schedule == "interleaved" else 1)
     if not 0.0 <= args.offload <= 1.0:

@@ -11,6 +11,8 @@ torch with CUDA, no network needed); from its root run
     OUT=DIR tools/gpu_check.sh setup throughput tests     (about 8 minutes; its 9-minute budget)
     OUT=DIR tools/gpu_check.sh setup compare              (1.3B at seq 4096 against the peers, about 5 minutes)
 and, if time is left,
+    OUT=DIR tools/gpu_check.sh setup compare_accumulated  (the same at 4 micro-batches a step, megalm with its
+                                                           opt-in speed options: the cell of the 55% goal, ~5 min)
     OUT=DIR tools/gpu_check.sh setup bench                (first the rows that decide a default: fused weight
                                                            gradients, the MoE and zero-bubble compile defaults;
                                                            then the other benchmarks)
@@ -20,9 +22,11 @@ the full output DIR/gpu_check.log. With the device tool: the first command as "O
 throughput tests", carry [".wheels", ".whl"]; the first two fit a 15-minute device budget.'
 #
 # Usage: tools/gpu_check.sh [--dry-run] [--print-run] [STEP ...]
-#   STEP: setup throughput tests calibrate bench compare, run in the order given (default: all six, in this order);
-#         setup always runs first. throughput: the fast step's rows (1.3B at seq 4096, bf16 and fp8, eager and
-#         compiled, profiled); bench: the other benchmarks. The GPU run puts the fast step's numbers before the tests.
+#   STEP: setup throughput tests calibrate bench compare compare_accumulated, run in the order given (default: all
+#         seven, in this order); setup always runs first. throughput: the fast step's rows (1.3B at seq 4096, bf16 and
+#         fp8, eager and compiled, profiled); bench: the other benchmarks; compare: megalm against its peers;
+#         compare_accumulated: the same at 4 micro-batches a step. The GPU run puts the fast step's numbers before the
+#         tests.
 #   --dry-run: the whole script on a machine without a GPU (CI runs it): setup only reports, the tests are the GPU
 #              tier (skipped there) and the fake-CUDA tier, each benchmark is asked for --help, calibration and the
 #              comparison run their CPU sizes. Exit 0 when all of that works.
@@ -48,13 +52,13 @@ for arg in "$@"; do
     --dry-run) DRY_RUN=1 ;;
     --print-run) echo "$GPU_RUN"; exit 0 ;;
     -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
-    setup|throughput|tests|calibrate|bench|compare) wants "$arg" || STEPS+=("$arg") ;;  # each step once
-    *) echo "gpu_check: unknown argument '$arg'; steps are setup throughput tests calibrate bench compare (or" \
-            "--dry-run)" >&2
+    setup|throughput|tests|calibrate|bench|compare|compare_accumulated) wants "$arg" || STEPS+=("$arg") ;;  # once
+    *) echo "gpu_check: unknown argument '$arg'; steps are setup throughput tests calibrate bench compare" \
+            "compare_accumulated (or --dry-run)" >&2
        exit 2 ;;
   esac
 done
-((${#STEPS[@]})) || STEPS=(setup throughput tests calibrate bench compare)
+((${#STEPS[@]})) || STEPS=(setup throughput tests calibrate bench compare compare_accumulated)
 
 # ------------------------------------------------------------------------------------------------ a CUDA GPU
 if ! "$PYTHON" -c 'import torch' >/dev/null 2>&1; then
@@ -295,7 +299,9 @@ step_bench() {
 }
 
 # ---------------------------------------------------------------------------------------------------- compare
-step_compare() {
+peers_ok=
+install_peers() {  # once, for either compare step
+  [ -n "$peers_ok" ] && return
   peers_ok=1
   if ((!DRY_RUN)); then  # the peers go into a folder of their own, not into the image's site-packages
     if ls "$PEER_WHEELS"/*.whl >/dev/null 2>&1 && "$PYTHON" -m pip install -q --no-index --no-deps \
@@ -307,17 +313,14 @@ step_compare() {
         "(tools/gpu_check.sh --print-run); megalm alone is measured"
     fi
   fi
+}
+step_compare() {
+  install_peers
   if ((DRY_RUN)); then
     run "megalm vs Megatron-Core vs TorchTitan (dry run: tiny, CPU, megalm only)" 120 "$PYTHON" \
       tools/bench/compare.py --tiny --precisions fp32 --steps 1 --warmup 0 --repeats 1 --frameworks megalm \
       --profile 1 --json "$OUT_DIR/compare_dry_run.json"
   elif ((peers_ok)); then
-    # first the 55% goal's cell: bf16 as pretraining steps it, 4 micro-batches of 16,384 tokens in every framework
-    # (the optimizer step shared by them), megalm with its opt-in speed options; one repeat
-    run "megalm vs Megatron-Core vs TorchTitan, 1.3b/4096 bf16, 4 micro-batches a step" 240 "$PYTHON" \
-      tools/bench/compare.py --shapes 1.3b --precisions bf16 --tokens-per-step 65536 --micro-batches 4 --repeats 1 \
-      --frameworks megalm_compiled,torchtitan,megatron parallel.gradient_accumulation_fusion=true \
-      optim.implementation=triton --json "$OUT_DIR/compare_accumulated.json"
     # the fast step's shape (1.3B, seq 4096): the 125m cells of the default grid were measured on 2026-11-28; each
     # row's kernel ms per kind (--profile 2) say what TorchTitan's step spends less on than megalm's
     run "megalm vs Megatron-Core vs TorchTitan, 1.3b/4096" 540 "$PYTHON" tools/bench/compare.py --shapes 1.3b \
@@ -325,6 +328,25 @@ step_compare() {
   else
     run "megalm alone (no peers), 1.3b/4096" 300 "$PYTHON" tools/bench/compare.py --shapes 1.3b --frameworks megalm \
       --profile 2 --json "$OUT_DIR/compare.json"
+  fi
+}
+# The 55% goal's cell as pretraining steps it: bf16, 4 micro-batches of 16,384 tokens a step in every framework (the
+# optimizer step shared by them), megalm compiled with its opt-in speed options (fused weight gradients, the Triton
+# AdamW); one repeat, profiled.
+step_compare_accumulated() {
+  install_peers
+  local accumulated=(--tokens-per-step 65536 --micro-batches 4 --repeats 1 --profile 1
+                     parallel.gradient_accumulation_fusion=true optim.implementation=triton)
+  if ((DRY_RUN)); then
+    run "megalm vs its peers, 4 micro-batches a step (dry run: tiny, CPU, megalm only)" 120 "$PYTHON" \
+      tools/bench/compare.py --tiny --precisions bf16 --seqs 64 --steps 1 --warmup 0 --frameworks megalm \
+      "${accumulated[@]}" --tokens-per-step 1024 --json "$OUT_DIR/compare_accumulated_dry_run.json"
+  else
+    local peers=",torchtitan,megatron"
+    ((peers_ok)) || peers=""
+    run "megalm vs Megatron-Core vs TorchTitan, 1.3b/4096 bf16, 4 micro-batches a step" 420 "$PYTHON" \
+      tools/bench/compare.py --shapes 1.3b --precisions bf16 --frameworks "megalm_compiled$peers" \
+      "${accumulated[@]}" --json "$OUT_DIR/compare_accumulated.json"
   fi
 }
 
@@ -336,6 +358,7 @@ for step in "${STEPS[@]}"; do
     calibrate) step_calibrate ;;
     bench) step_bench ;;
     compare) step_compare ;;
+    compare_accumulated) step_compare_accumulated ;;
   esac
 done
 

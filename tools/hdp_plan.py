@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> tuple[Plan, list[int]]:
     """Plan and print (and draw) one step; returns the plan and the documents' input lengths."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--step", type=int, default=0, help="training step (0-based)")
-    p.add_argument("--png", default=None, help="write the plan's Gantt chart here")
+    p.add_argument("--png", default=None, help="write the plan's Gantt chart here (replacing only a chart megalm drew)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the run")
     args = p.parse_args(argv)
     if args.step < 0:

@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=1, help="simulate this many global batches; means are reported")
     p.add_argument("--check", action="store_true", help="also run check_plan on every plan")
     p.add_argument("--png-dir", default=None, help="write <dir>/<prefix><policy>.png Gantt charts "
-                   "and <dir>/<prefix>balance.png (needs matplotlib)")
+                   "and <dir>/<prefix>balance.png (needs matplotlib; replaces only charts megalm drew)")
     p.add_argument("--png-prefix", default="")
     p.add_argument("--shared-x", action="store_true", help="draw every policy's Gantt chart on the slowest one's "
                    "time axis (default: each fitted to its own plan)")
@@ -291,7 +291,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     policies = POLICIES + (("hdp_offload",) if args.offload else ())
-    if args.png_dir and not args.ablation:
+    if args.png_dir and args.ablation:
+        p.error("--ablation prints a table and draws nothing: drop --png-dir")
+    if args.png_dir:
         from megalm.plot import PlotError, check_replaceable, require_matplotlib
 
         try:

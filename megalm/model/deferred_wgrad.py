@@ -62,7 +62,8 @@ class LayerSink:
         self.sink.stash(param, compute)
 
     def accumulate(self, param: nn.Parameter, dy: torch.Tensor, x: torch.Tensor) -> None:
-        """dWᵀ's operands dy [T, out] and x [T, in] (x in dy's dtype), for the store to multiply now."""
+        """dWᵀ's operands dy [T, out] and x [T, in] (x in dy's dtype), for the store to multiply into the main
+        gradient: now, or at the zero-bubble W action (a `fused` sink)."""
         self.sink.accumulate(param, dy, x)
 
     def __getstate__(self) -> dict:

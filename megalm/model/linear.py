@@ -71,8 +71,8 @@ class PackedInputRecipe(GemmRecipe, Protocol):
 
 class WeightGradSink(Protocol):
     """Takes a layer's weight gradient as a thunk to run later (ZB's W action); one that `accumulates` takes the
-    plain GEMM's operands instead and multiplies them into the parameter's main gradient now (gradient accumulation
-    fusion, megalm/parallel/data_parallel/fused_wgrad.py)."""
+    plain GEMM's operands instead and multiplies them into the parameter's main gradient, now or at the W action
+    (gradient accumulation fusion, megalm/parallel/data_parallel/fused_wgrad.py)."""
 
     accumulates: bool
 
@@ -176,7 +176,7 @@ class _Linear(torch.autograd.Function):
                 dx = dx if gather is None else gather.scatter(dx)
             finish = getattr(recipe, "finish", None) or (lambda call: None)
             if ctx.sink is not None and recipe is PLAIN_GEMMS and getattr(ctx.sink, "accumulates", False):
-                ctx.sink.accumulate(ctx.param[0], dy2, x2.to(dy2.dtype))  # the GEMM into the main gradient, now
+                ctx.sink.accumulate(ctx.param[0], dy2, x2.to(dy2.dtype))  # into the main gradient (now, or at W)
             elif ctx.sink is not None:
                 param = ctx.param[0]
 

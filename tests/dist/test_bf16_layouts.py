@@ -147,20 +147,28 @@ def test_overlapped_gather_waits_for_every_bucket_under_pp2_tied(tmp_path):
 
 def check_zero_bubble_fusion(rank: int, world_size: int, tmp: str) -> None:
     from megalm.parallel.data_parallel.reducer import GradReducer
+    from megalm.training.compile import defers_weight_grads
     from tests.unit.test_gradient_accumulation_fusion import FUSED, MICRO, errors_against_fp64, fused_layers
 
     zb = [*MICRO, "parallel.pp=2", "parallel.pp_schedule=zb"]
-    arrivals = []
-    added = GradReducer.added_to_main_grad
-    GradReducer.added_to_main_grad = lambda self, p: (arrivals.append(p), added(self, p))  # a process of its own
+    arrivals, hooked = [], []
+    added, on_grad_ready = GradReducer.added_to_main_grad, GradReducer._on_grad_ready
+    # (a process of its own: the patches go with it)
+    GradReducer.added_to_main_grad = lambda self, p: (arrivals.append(p), added(self, p))
+    GradReducer._on_grad_ready = lambda self, p: (hooked.append(p), on_grad_ready(self, p))
     fused = Trainer(compose_config(*zb, *FUSED), f"{tmp}/fused")
     fused.train_step(0)
     arrivals.clear()
+    hooked.clear()
     errors = errors_against_fp64(fused, 1)
     assert max(errors.values()) < 1e-5, (rank, errors)
     # every linear weight of the stage added by its W action's GEMM, once per micro-batch, none through autograd
-    assert len(arrivals) == len(fused_layers(fused)) * 4, (rank, len(arrivals))
-    assert all(p.grad is None for p in fused.model.parameters())
+    weights = {id(m.weight) for m in fused_layers(fused).values()}
+    assert len(arrivals) == len(weights) * 4 and {id(p) for p in arrivals} == weights, (rank, len(arrivals))
+    assert hooked and not weights & {id(p) for p in hooked}, rank  # norms and embeddings: autograd's, hooked
+    # their dy and x outlive the backward's graph until the W action: compiled, such blocks get no buffer reuse
+    blocks = [block for chunk in fused.parallel.runner.chunks for block in chunk.layers]
+    assert blocks and all(defers_weight_grads(block) for block in blocks), rank
     unfused = Trainer(compose_config(*zb), f"{tmp}/unfused")
     unfused.train_step(0)
     rounded = errors_against_fp64(unfused, 1)

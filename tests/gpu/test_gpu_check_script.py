@@ -8,6 +8,7 @@ mid-way leaves its lines in the report; and `--dry-run` runs the whole script on
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -108,3 +109,5 @@ def test_the_whole_script_dry_runs_on_cpu(tmp_path: Path) -> None:
         assert section in report, (section, report)
     assert "failed (exit" not in report and "**FAIL**" not in report, report  # ("0 failed" is the tests' count)
     assert (tmp_path / "hdp_cost_dry_run.yaml").exists() and (tmp_path / "compare_dry_run.json").exists()
+    accumulated = json.loads((tmp_path / "compare_accumulated_dry_run.json").read_text())
+    assert [(r["framework"], r["status"], r["micro_batches"]) for r in accumulated["rows"]] == [("megalm", "ok", 4)]

@@ -192,29 +192,67 @@ def test_the_torchao_megalm_row_runs_fp8_cells_on_torchao_compiled_on_cuda(monke
 
 
 @pytest.mark.timeout(240)
-def test_micro_batches_accumulate_to_the_same_training_in_every_framework(capsys):
+def test_micro_batches_accumulate_to_the_same_training_in_every_framework(tmp_path):
     """`--micro-batches 2`: each framework's step is two forwards and backwards of half the sequences and one
-    optimizer step, which trains as one micro-batch of all of them does (fp32: the same losses step by step, to
-    summation order), and its FLOPs and tokens are the whole step's. A peer that divided no loss by the micro-batch
-    count, or zeroed its gradients between them, would report or train other losses."""
-    from tests.unit.test_compare_peers import compare
-
-    base = ["--tiny", "--precisions", "fp32", "--seqs", "64", "--steps", "3", "--warmup", "0", "--repeats", "1",
-            "--tokens-per-step", "256", "--peak-tflops", str(PEAK_TFLOPS), "--frameworks", ",".join(FRAMEWORKS)]
-    whole, split = (compare.main([*base, "--micro-batches", str(n)]) for n in (1, 2))
+    optimizer step, which trains as one micro-batch of all of them does (fp32: the same losses and pre-clip gradient
+    norms step by step, to summation order), and its FLOPs and tokens are the whole step's. A peer that divided no
+    loss by the micro-batch count (its gradient norm doubles), or zeroed its gradients between them, would differ."""
+    pytest.importorskip("megatron.core")  # the peer whose loop runs on a CPU
+    base = [sys.executable, str(ROOT / "tools/bench/compare.py"), "--tiny", "--precisions", "fp32", "--seqs", "64",
+            "--steps", "3", "--warmup", "0", "--repeats", "1", "--tokens-per-step", "256", "--peak-tflops",
+            str(PEAK_TFLOPS), "--frameworks", ",".join(FRAMEWORKS)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    reports = []
+    for n in (1, 2):
+        out = tmp_path / f"compare{n}.json"
+        proc = subprocess.run([*base, "--micro-batches", str(n), "--json", str(out)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports.append(json.loads(out.read_text()))
+    whole, split = reports
     assert split["settings"]["micro_batches"] == 2
-    ran = 0
+    ran = []
     for one, two in zip(whole["rows"], split["rows"], strict=True):
         assert one["framework"] == two["framework"] and one["status"] == two["status"]
         if one["status"] != "ok":
             continue
-        ran += 1
+        ran.append(one["framework"])
         assert (one["batch"], one["micro_batches"], two["batch"], two["micro_batches"]) == (4, 1, 2, 2)
         assert one["tokens_per_step"] == two["tokens_per_step"] == 256
         # one FLOP count for the step, whatever its split
         assert one["tflops_per_sec"] * one["step_seconds"] == pytest.approx(two["tflops_per_sec"] * two["step_seconds"])
-        assert len(one["losses"]) == len(two["losses"]) == 3
+        assert len(one["losses"]) == len(two["losses"]) == len(two["grad_norms"]) == 3
         assert two["losses"] == pytest.approx(one["losses"], rel=1e-5), one["framework"]
+        assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4), one["framework"]
         assert one["losses"][2] != pytest.approx(one["losses"][0], rel=1e-5)  # it trains: the check can tell
-    assert ran >= 2  # megalm and Megatron-Core run on a CPU (TorchTitan where its pin is installed)
-    capsys.readouterr()
+    assert {"megalm", "megatron"} <= set(ran), ran  # TorchTitan too where its pin is installed
+
+
+def test_a_step_that_is_no_whole_number_of_micro_batches_is_refused(capsys):
+    from tests.unit.test_compare_peers import compare
+
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--seqs", "8192", "--micro-batches", "4"])  # 16,384 tokens: 2 sequences, not 4
+    assert "pass a multiple of 32768" in capsys.readouterr().err
+
+
+def test_a_megalm_row_that_raises_fails_the_run_where_a_peer_is_skipped(monkeypatch, tmp_path):
+    """A megalm row that raises (not a skip) is "failed" and the exit status is 1, whichever megalm row it is; a peer
+    that raises is "skipped" with the error's first line, as a peer that cannot run is a result."""
+    from tests.unit.test_compare_peers import compare
+
+    def boom(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("broken\nsecond line")
+
+    monkeypatch.setitem(compare.RUNNERS, "megalm_torchao", boom)
+    monkeypatch.setitem(compare.RUNNERS, "megatron", boom)
+    args, overrides = compare.parse_args(["--tiny", "--precisions", "fp8", "--seqs", "32", "--repeats", "1",
+                                          "--frameworks", "megalm_torchao,megatron"])
+    rows = {r.framework: r for r in compare.run_cell(compare.Cell("tiny", 32, "fp8"), args, overrides,
+                                                     compare.torch.device("cpu"), [])}
+    assert (rows["megalm_torchao"].status, rows["megalm_torchao"].reason) == ("failed", "RuntimeError: broken")
+    assert (rows["megatron"].status, rows["megatron"].reason) == ("skipped", "RuntimeError: broken")
+    report = {"rows": [dataclasses.asdict(r) for r in rows.values()]}
+    assert compare.exit_status(report) == 1
+    report["rows"][0].update(status="skipped")  # e.g. megalm_torchao where torchao cannot run: a result
+    assert compare.exit_status(report) == 0

@@ -153,6 +153,23 @@ def test_charts_replace_only_charts_megalm_drew(tmp_path, capsys):
     assert plot.main([*schedule, str(out / "loss.png")]) == 0  # a chart megalm drew: replaced
 
 
+def test_a_file_that_appears_while_the_chart_is_drawn_is_kept(tmp_path, monkeypatch):
+    """The check comes before the drawing; a file written at the path in between is not replaced either."""
+    from matplotlib.figure import Figure
+
+    target = tmp_path / "loss.png"
+    draw = Figure.savefig
+
+    def savefig_while_the_user_writes(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        target.write_text("written meanwhile")
+        return draw(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig_while_the_user_writes)
+    with pytest.raises(plot.PlotError, match="appeared while the chart was drawn"):
+        plot.save_figure(plot.new_figure(1, 1), target)
+    assert target.read_text() == "written meanwhile" and [f.name for f in tmp_path.iterdir()] == ["loss.png"]
+
+
 def test_hdp_tools_refuse_to_replace_a_users_file_before_planning(tmp_path, capsys):
     hdp_sim = _load_tool("hdp_sim")
     lengths = tmp_path / "lengths.json"
@@ -164,6 +181,9 @@ def test_hdp_tools_refuse_to_replace_a_users_file_before_planning(tmp_path, caps
     with pytest.raises(SystemExit, match="^error: .*hdp.png exists and is not a chart megalm drew"):
         _load_tool("hdp_plan").main(["--png", str(tmp_path / "hdp.png"), "parallel.hdp=true"])
     assert (tmp_path / "hdp.png").read_text() == "mine"
+    with pytest.raises(SystemExit):  # the ablation draws nothing: a --png-dir beside it is a mistake, said
+        hdp_sim.main(["--ablation", "--png-dir", str(tmp_path)])
+    assert "--ablation prints a table and draws nothing" in capsys.readouterr().err
 
 
 def test_committed_charts_are_marked_as_megalms():

@@ -148,7 +148,7 @@ class Row:
     seq: int
     precision: str
     label: str = ""
-    status: str = "ok"  # ok | skipped
+    status: str = "ok"  # ok | skipped (cannot run here: why) | failed (a megalm row that raised)
     reason: str | None = None
     batch: int = 0  # sequences a micro-batch
     micro_batches: int = 1  # a step's (gradient accumulation)
@@ -164,6 +164,7 @@ class Row:
     model: dict = field(default_factory=dict)
     profile: dict | None = None  # --profile: StepProfile.as_dict() of the last repeat (kernel ms per kind)
     losses: list[float] = field(default_factory=list)  # the first repeat's, step by step (warm-up included)
+    grad_norms: list[float] = field(default_factory=list)  # the same steps' gradient norms, before the clip
 
 
 # ---------------------------------------------------------------------------------------------- shared set-up
@@ -240,7 +241,7 @@ def run_megalm(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.dev
         times, profiled = measure(lambda i: results.append(trainer.train_step(i)), warmup, steps, device, profile)
         kernels = megalm_kernels(trainer, cfg, batches[0].shape[1], device)
         return Run(times, results[-1].tokens, peak_memory(device), params_m(trainer.model), kernels, profiled,
-                   [r.loss for r in results])
+                   [r.loss for r in results], [r.grad_norm for r in results])
 
 
 def run_megalm_compiled(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch.device, warmup: int,
@@ -316,7 +317,7 @@ def summarise(row: Row, runs: list[Run], cfg: MegalmConfig, sequences: int, seq:
     row.params_m = runs[0].params_m
     row.kernels = runs[-1].kernels
     row.profile = runs[-1].profile.as_dict() if runs[-1].profile is not None else None
-    row.losses = runs[0].losses
+    row.losses, row.grad_norms = runs[0].losses, runs[0].grad_norms
 
 
 def run_cell(cell: Cell, args: argparse.Namespace, overrides: list[str], device: torch.device,
@@ -339,7 +340,9 @@ def run_cell(cell: Cell, args: argparse.Namespace, overrides: list[str], device:
                     profile = args.profile if repeat == args.repeats - 1 else 0  # once per row
                     runs[fw].append(RUNNERS[fw](cfg, batches, device, args.warmup, args.steps, profile))
                 except Exception as e:  # noqa: BLE001 - a peer that cannot run is a result, said in one line
-                    row.status, row.reason = "skipped", one_line(e)
+                    # megalm's own rows raising is megalm's failure (the exit status says so), not a skip
+                    failed = fw.startswith("megalm") and not isinstance(e, Skip)
+                    row.status, row.reason = "failed" if failed else "skipped", one_line(e)
                     if args.verbose and not isinstance(e, Skip):
                         traceback.print_exc()
             order.append({"framework": fw, "shape": cell.shape, "seq": cell.seq, "precision": cell.precision,
@@ -368,7 +371,7 @@ def print_rows(rows: list[Row], width: int) -> None:
     """One line a row (a skip's reason on it), and under each row that ran, the kernels it used."""
     for r in rows:
         mfu = fmt(None if r.mfu is None else 100 * r.mfu, ".1f") + ("%" if r.mfu is not None else "")
-        status = "ok" if r.status == "ok" else f"skipped: {r.reason}"
+        status = "ok" if r.status == "ok" else f"{r.status}: {r.reason}"
         print(f"{r.label:<{width}} {r.shape:<6} {r.seq:>6} {r.precision:<5} {fmt(r.tokens_per_sec, ',.0f'):>12} "
               f"{fmt(r.tflops_per_sec, '.2f'):>8} {mfu:>6} {fmt(r.peak_memory_gib, '.2f'):>8}  {status}")
         for key, what in r.kernels.items():
@@ -416,6 +419,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         args.shapes = ["tiny"]
     if args.tokens_per_step is None:
         args.tokens_per_step = 256 if args.tiny else 16384
+    for seq in args.seqs if args.micro_batches > 1 else []:
+        if args.tokens_per_step % (seq * args.micro_batches):
+            parser.error(f"--tokens-per-step {args.tokens_per_step} is not {args.micro_batches} micro-batches of "
+                         f"whole sequences of {seq}: pass a multiple of {seq * args.micro_batches}")
     return args, overrides
 
 
@@ -458,7 +465,12 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+def exit_status(report: dict) -> int:
+    """1 when a megalm row raised (status "failed") or the eager megalm row did not run, else 0: a peer that cannot
+    run, and megalm's compiled rows on a CPU, are results."""
+    rows = report["rows"]
+    return int(any(r["status"] == "failed" or (r["framework"] == "megalm" and r["status"] != "ok") for r in rows))
+
+
 if __name__ == "__main__":
-    result = main()
-    megalm_rows = [r for r in result["rows"] if r["framework"] == "megalm"]  # the compiled row may skip (CPU)
-    sys.exit(1 if any(r["status"] != "ok" for r in megalm_rows) else 0)
+    sys.exit(exit_status(main()))

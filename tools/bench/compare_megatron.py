@@ -191,7 +191,7 @@ def megatron_steps(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch
     optimizer = adamw(model, cfg, device)
     _, batch, seq = batches[0].shape  # [micro-batches, batch, seq + 1]
     positions = torch.arange(seq - 1, device=device).expand(batch, -1)
-    losses = []
+    losses, norms = [], []
 
     def micro_batch_loss(tokens: torch.Tensor) -> torch.Tensor:
         with autocast(device, cfg.precision.name):  # no mask: SDPACoreAttention runs is_causal
@@ -199,7 +199,7 @@ def megatron_steps(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch
 
     def step(i: int) -> None:
         losses.append(accumulated_backward(batches[i % len(batches)], micro_batch_loss))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip).detach())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -214,4 +214,4 @@ def megatron_steps(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch
         "loss": f"Megatron's {'fused ' if fused else ''}vocab-parallel cross entropy (fp32), mean",
     }
     return Run(times, batches[0][..., :-1].numel(), peak_memory(device), params_m(model), kernels, profiled,
-               [float(loss) for loss in losses])
+               [float(loss) for loss in losses], [float(norm) for norm in norms])

@@ -41,6 +41,7 @@ class Run:
     kernels: dict[str, str] = field(default_factory=dict)
     profile: StepProfile | None = None  # --profile: where the time of a few more steps went
     losses: list[float] = field(default_factory=list)  # each step's loss (mean over its tokens), warm-up included
+    grad_norms: list[float] = field(default_factory=list)  # each step's gradient norm before its clip
 
 
 # ---------------------------------------------------------------------------------------------- pinned peers
