@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from megalm import compat
 from megalm.config import MegalmConfig, ModelConfig
 from tools.bench.compare_run import (
+    PeerStep,
     Run,
     Skip,
-    accumulated_backward,
     adamw,
     autocast,
     gemm_kernels,
@@ -191,18 +191,12 @@ def megatron_steps(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch
     optimizer = adamw(model, cfg, device)
     _, batch, seq = batches[0].shape  # [micro-batches, batch, seq + 1]
     positions = torch.arange(seq - 1, device=device).expand(batch, -1)
-    losses, norms = [], []
 
     def micro_batch_loss(tokens: torch.Tensor) -> torch.Tensor:
         with autocast(device, cfg.precision.name):  # no mask: SDPACoreAttention runs is_causal
             return model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean()  # per-token losses [b, s]
 
-    def step(i: int) -> None:
-        losses.append(accumulated_backward(batches[i % len(batches)], micro_batch_loss))
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip).detach())
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    step = PeerStep(model, optimizer, cfg.trainer.grad_clip, batches, micro_batch_loss)
     times, profiled = measure(step, warmup, steps, device, profile)
     chosen = next((m.kernel for m in model.modules() if isinstance(m, SDPACoreAttention)), None)
     fused = model.config.cross_entropy_loss_fusion
@@ -214,4 +208,4 @@ def megatron_steps(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch
         "loss": f"Megatron's {'fused ' if fused else ''}vocab-parallel cross entropy (fp32), mean",
     }
     return Run(times, batches[0][..., :-1].numel(), peak_memory(device), params_m(model), kernels, profiled,
-               [float(loss) for loss in losses], [float(norm) for norm in norms])
+               step.losses(), step.norms())

@@ -146,6 +146,31 @@ def accumulated_backward(step_tokens: torch.Tensor, loss_of: Callable[[torch.Ten
     return total
 
 
+class PeerStep:
+    """A peer's training step as its own loop runs it: the micro-batches' forwards and backwards
+    (`accumulated_backward` of `loss_of`), the clip at `grad_clip`, the optimizer step, the gradients zeroed. Each
+    step's loss and pre-clip gradient norm are kept as tensors, read after the timed steps (`losses`, `norms`)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
+                 batches: list[torch.Tensor], loss_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.model, self.optimizer, self.grad_clip = model, optimizer, grad_clip
+        self.batches, self.loss_of = batches, loss_of
+        self._losses: list[torch.Tensor] = []
+        self._norms: list[torch.Tensor] = []
+
+    def __call__(self, i: int) -> None:
+        self._losses.append(accumulated_backward(self.batches[i % len(self.batches)], self.loss_of))
+        self._norms.append(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip).detach())
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def losses(self) -> list[float]:
+        return [float(loss) for loss in self._losses]
+
+    def norms(self) -> list[float]:
+        return [float(norm) for norm in self._norms]
+
+
 def params_m(model: torch.nn.Module) -> float:
     return sum(p.numel() for p in model.parameters()) / 1e6
 

@@ -13,9 +13,9 @@ import torch
 
 from megalm.config import MegalmConfig, ModelConfig
 from tools.bench.compare_run import (
+    PeerStep,
     Run,
     Skip,
-    accumulated_backward,
     adamw,
     autocast,
     compute_dtype,
@@ -121,18 +121,12 @@ def run_torchtitan(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch
     loss_fn = build_cross_entropy_loss(job)  # fp32 cross entropy, summed; compiled with the model
     optimizer = adamw(model, cfg, device)
     labels_per_micro_batch = batches[0][0, :, 1:].numel()  # batches: [micro-batches, batch, seq + 1] a step
-    losses, norms = [], []
 
     def micro_batch_loss(tokens: torch.Tensor) -> torch.Tensor:
         with autocast(device, name):  # TorchTitan's single-device AMP wraps the loss too
             return loss_fn(model(tokens[:, :-1]), tokens[:, 1:]) / labels_per_micro_batch  # its sum / tokens
 
-    def step(i: int) -> None:
-        losses.append(accumulated_backward(batches[i % len(batches)], micro_batch_loss))
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip).detach())
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    step = PeerStep(model, optimizer, cfg.trainer.grad_clip, batches, micro_batch_loss)
     times, profiled = measure(step, warmup, steps, device, profile)
     m = cfg.model
     with sdpa_priority(ScaledDotProductAttentionWrapper().sdpa_backends, set_priority=True):
@@ -148,4 +142,4 @@ def run_torchtitan(cfg: MegalmConfig, batches: list[torch.Tensor], device: torch
         "loss": "TorchTitan's fp32 cross entropy (sum / tokens)" + (", compiled" if compiled else ""),
     }
     return Run(times, batches[0][..., :-1].numel(), peak_memory(device), params_m(model), kernels, profiled,
-               [float(loss) for loss in losses], [float(norm) for norm in norms])
+               step.losses(), step.norms())
