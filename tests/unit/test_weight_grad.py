@@ -178,3 +178,26 @@ def compiled_split_matches_eager(device: str, backend: str, tol: dict) -> None:
 
 def test_compiled_blocks_defer_their_weight_gradients_as_eager_ones():
     compiled_split_matches_eager("cpu", "aot_eager", {"rtol": 1e-6, "atol": 1e-7})
+
+
+def test_the_w_action_holds_one_weight_gradient_at_a_time():
+    """Each parameter's dW goes into it (autograd, the DP hooks) as soon as its last stash under the key is computed,
+    so the W action's peak is about one dW, not every deferred dW of the chunk at once (at 1.3B with pp 2, 1.1 GiB on
+    the last stage: docs/benchmarks.md). Measured by the live-storage probe, not by the store."""
+    from megalm.measure.storage import LiveStorages
+
+    model = tiny_model()
+    store = WeightGradStore()
+    defer_weight_grads(model, store)
+    for mb in range(2):
+        with store.collect(mb):
+            model(*batch(model.cfg.vocab_size)).float().pow(2).mean().backward()
+    store.apply(0)  # the gradients exist: the second W action adds into them, and its dW are freed after
+    weights = [m.weight for m in linear_modules(model)]
+    grads = [w.grad.clone() for w in weights]
+    with LiveStorages() as live:
+        store.apply(1)
+    every = sum(w.numel() * w.element_size() for w in weights)
+    largest = max(w.numel() * w.element_size() for w in weights)
+    assert all(not torch.equal(w.grad, g) for w, g in zip(weights, grads, strict=True))  # every one was added to
+    assert live.bytes() == 0 and live.peak() <= 2 * largest < every / 2, (live.peak(), largest, every)

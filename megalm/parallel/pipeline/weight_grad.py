@@ -9,10 +9,11 @@ How: `defer_weight_grads(model, store)` sets every linear layer's `weight_grad_s
 (megalm/model/linear.py) to `store`. The layer's GEMM then gets its weight *detached* (so autograd
 never reaches the weight's AccumulateGrad during B: no gradient, no post-accumulate-grad hook, no DP
 bucket counted) and, in backward, hands the store a thunk that computes dW, under the key the runtime
-opened for the B being run (`store.collect(key)`). The W action calls `store.apply(key)`: every thunk,
-then one `torch.autograd.backward` on the parameters themselves, so the gradients land through
-AccumulateGrad exactly as in a normal backward (accumulation over micro-batches, the DP reducer's
-hooks). The thunk runs the layer's own wgrad GEMM, so a precision recipe set on the same layer
+opened for the B being run (`store.collect(key)`). The W action calls `store.apply(key)`: each thunk, and
+for each parameter, once its dW is computed, `torch.autograd.backward` on the parameter itself, so the gradients land
+through AccumulateGrad exactly as in a normal backward (accumulation over micro-batches, the DP reducer's hooks),
+one dW alive at a time (until 2026-12-01 one backward took them all: a stage's weights in bf16 at once).
+The thunk runs the layer's own wgrad GEMM, so a precision recipe set on the same layer
 (`gemm_recipe`, e.g. fp8 or MXFP4 with its seeds) computes dW at W exactly as it would have in B.
 
 What is deferred: the weight of every model `Linear` and of megalm's Column/RowParallelLinear whose
@@ -35,6 +36,7 @@ opaque ops that name their sink by a tensor and hand it the same closure when th
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -91,24 +93,27 @@ class WeightGradStore:
 
     def apply(self, key: Hashable) -> None:
         """Compute and accumulate the weight gradients stashed under `key` (the W action): fused layers' GEMMs into
-        their main gradients, the others' through autograd, as a backward would."""
+        their main gradients, the others' through autograd (AccumulateGrad and its hooks, as a backward would).
+        Each parameter's gradient goes in once its last stash under the key is computed, one arrival per parameter:
+        one dW is alive at a time, not every deferred dW of the chunk (a stage's whole weights in bf16)."""
         stashes = self.pending.pop(key)
-        if not stashes:
-            return
-        grads: dict[int, torch.Tensor] = {}
-        params: dict[int, nn.Parameter] = {}
-        fused: dict[int, tuple[nn.Parameter, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        left = Counter(id(param) for param, _ in stashes)  # a weight used twice in the chunk is stashed twice
+        sums: dict[int, torch.Tensor] = {}
+        operands: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for param, compute in stashes:
+            k = id(param)
             if isinstance(compute, tuple):  # a fused layer's (dy, x)
-                fused.setdefault(id(param), (param, []))[1].append(compute)
+                operands.setdefault(k, []).append(compute)
+            else:
+                dw = compute()
+                sums[k] = sums[k] + dw if k in sums else dw
+            left[k] -= 1
+            if left[k]:
                 continue
-            dw = compute()
-            grads[id(param)] = grads[id(param)] + dw if id(param) in grads else dw
-            params[id(param)] = param
-        for param, operands in fused.values():  # each parameter's sum, one arrival, as autograd's below
-            self.accumulator.accumulate_all(param, operands)
-        if grads:
-            torch.autograd.backward([params[k] for k in grads], [grads[k] for k in grads])
+            if k in operands:
+                self.accumulator.accumulate_all(param, operands.pop(k))
+            if k in sums:
+                torch.autograd.backward([param], [sums.pop(k)])
 
     def clear(self) -> None:
         self.pending.clear()
