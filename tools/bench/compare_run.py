@@ -133,23 +133,12 @@ def measure(step: Callable[[int], None], warmup: int, steps: int, device: torch.
     return times, result
 
 
-def accumulated_backward(step_tokens: torch.Tensor, loss_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Gradient accumulation as a peer's training loop does it: `step_tokens` [micro-batches, batch, seq + 1], one
-    forward and backward per micro-batch of `loss_of(tokens)` (its mean loss per token) over the micro-batch count,
-    so that the summed gradients are those of the step's mean loss (every micro-batch holds as many tokens). Returns
-    that loss, detached (read after the timed steps: no host sync here)."""
-    total = torch.zeros((), device=step_tokens.device)
-    for tokens in step_tokens:
-        loss = loss_of(tokens) / len(step_tokens)
-        loss.backward()
-        total += loss.detach().float()
-    return total
-
-
 class PeerStep:
-    """A peer's training step as its own loop runs it: the micro-batches' forwards and backwards
-    (`accumulated_backward` of `loss_of`), the clip at `grad_clip`, the optimizer step, the gradients zeroed. Each
-    step's loss and pre-clip gradient norm are kept as tensors, read after the timed steps (`losses`, `norms`)."""
+    """A peer's training step as its own loop runs it: per micro-batch of the step's tokens [micro-batches, batch,
+    seq + 1], a forward and a backward of `loss_of(tokens)` (its mean loss per token) over the micro-batch count, so
+    that the summed gradients are those of the step's mean loss (every micro-batch holds as many tokens); then the
+    clip at `grad_clip`, the optimizer step, the gradients zeroed. Each step's loss and pre-clip gradient norm are
+    kept as tensors, read after the timed steps (`losses`, `norms`: no host sync in a step)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
                  batches: list[torch.Tensor], loss_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -159,7 +148,13 @@ class PeerStep:
         self._norms: list[torch.Tensor] = []
 
     def __call__(self, i: int) -> None:
-        self._losses.append(accumulated_backward(self.batches[i % len(self.batches)], self.loss_of))
+        step_tokens = self.batches[i % len(self.batches)]
+        total = torch.zeros((), device=step_tokens.device)
+        for tokens in step_tokens:
+            loss = self.loss_of(tokens) / len(step_tokens)
+            loss.backward()
+            total += loss.detach().float()
+        self._losses.append(total)
         self._norms.append(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip).detach())
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
