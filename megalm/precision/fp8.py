@@ -31,6 +31,7 @@ values are the same, since torch's cast to float8 rounds like the hardware's.
 from __future__ import annotations
 
 import functools
+import math
 import types
 from collections.abc import Callable
 from typing import Any
@@ -64,10 +65,20 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
-    """scale = max / amax / 2^margin (fp32); 1 where amax is 0 or not finite (nothing to fit)."""
+    """scale = max / amax / 2^margin (fp32); 1 where amax is 0 or not finite (nothing to fit). Five kernels in eager
+    (an amax is never negative, so `amax < inf` is its isfinite, which runs four): delayed scaling takes a scale per
+    history and step."""
     amax = amax.float()
-    scale = fp8_max(dtype) / amax / 2.0**margin
-    return torch.where((amax > 0) & torch.isfinite(amax), scale, torch.ones_like(scale))
+    scale = fp8_max(dtype) / amax
+    if margin:
+        scale = scale / 2.0**margin
+    return torch.where((amax > 0) & (amax < math.inf), scale, 1.0)
+
+
+def scales_from_histories(histories: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """`scale_from_amax(h.amax(), dtype)` of each amax history h (fp8.AmaxHistory's, all of one length), in one
+    batch of kernels: a compiled block's delayed-scaling layers take theirs together before it runs."""
+    return list(scale_from_amax(torch.stack(histories).amax(dim=1), dtype).unbind())
 
 
 def amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -258,14 +269,21 @@ def quantize_weights(weights: list[torch.Tensor], dtype: torch.dtype) -> list[We
     return [(*made, inverse) for made, inverse in zip(copies, inverses, strict=True)]
 
 
-def quantize_current_in_graph(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_current(x, dtype)` (one per-tensor scale) as plain torch ops, for a graph being compiled: inductor
-    then fuses the amax and the cast with whatever produced x (a norm, SwiGLU, the previous op's gradient), as
-    torchao's tensorwise float8 is compiled. The amax is taken per row, then over the rows: a row reduction is what
-    inductor fuses into a norm's or SwiGLU's kernel (a whole-tensor one it splits and leaves as a pass of its own over
-    x), and a max is exact in any order. The same values as the eager cast, bit for bit."""
-    scale = scale_from_amax(amax(x, -1).amax(), dtype)
-    return _quantize_math(x, scale, fp8_max(dtype), dtype), scale
+def quantize_in_graph(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(FP8 x, its per-tensor scale, x's amax) as plain torch ops, for a graph being compiled. `scale` None: current
+    scaling, `quantize_current(x, dtype)`'s values; inductor then fuses the amax and the cast with whatever produced x
+    (a norm, SwiGLU, the previous op's gradient), as torchao's tensorwise float8 is compiled, but the cast must wait
+    for the amax of the whole tensor: a second pass over x. A `scale` given (delayed scaling: the amax history's,
+    known before the producer runs) makes the cast a pointwise op of x that inductor fuses into the producer's kernel
+    beside the amax the history needs, `quantize_delayed(x, dtype, scale)`'s values in one pass (Transformer
+    Engine's fused cast + amax). The amax is taken per row, then over the rows: a row reduction is what inductor
+    fuses into a norm's or SwiGLU's kernel (a whole-tensor one it splits and leaves as a pass of its own over x), and
+    a max is exact in any order. The same values as the eager casts, bit for bit."""
+    x_amax = amax(x, -1).amax()
+    if scale is None:
+        scale = scale_from_amax(x_amax, dtype)
+    return _quantize_math(x, scale, fp8_max(dtype), dtype), scale, x_amax
 
 
 def quantize_compiled(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
