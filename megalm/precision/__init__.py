@@ -89,8 +89,9 @@ def autocasts(precision: PrecisionConfig | str) -> bool:
 
 def compiles_in_sight(precision: PrecisionConfig) -> bool:
     """Whether every op of a compiled block under this precision is in the compiled graph but the GEMMs: no recipe
-    (fp32, bf16), megalm's per-tensor current FP8, whose casts are ops of the graph (compiled_linear.py), or
-    torchao's Float8Linear (casts and GEMMs alike). Other recipes run each linear, casts included, as one opaque op."""
+    (fp32, bf16), megalm's per-tensor FP8 (current or delayed), whose casts are ops of the graph
+    (compiled_linear.py), or torchao's Float8Linear (casts and GEMMs alike). Other recipes run each linear, casts
+    included, as one opaque op."""
     return precision.name in WHOLE_MODEL or precision.backend == "torchao" or (
         precision.backend == "native" and get_recipe(precision.name, forward=precision.forward).casts_in_graph)
 

@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from megalm import compat
 from megalm.model.handles import handle_of, object_of
 from megalm.precision import fp8
 
@@ -203,34 +205,71 @@ def _(qdy, qdy_columns, dy_scale, qx_columns, x_scale, weight, layer, x_dtype):
     return qx_columns.new_empty(qx_columns.shape, dtype=x_dtype), weight.new_empty(weight.shape)
 
 
+class GraphScales(NamedTuple):
+    """What a compiled block's graph reads of a delayed-scaling layer's amax histories (fp8.AmaxHistory), made in
+    eager before the block runs (`prepare_graph_scales`): x's and dy's scales from their histories (None
+    while a history is empty: the step's current amax scales, as the eager path's first step does) and `sink`, a
+    leaf tensor [2] whose gradient is the call's amaxes of x and dy. The backward hands them back that way, as a
+    gradient, so that no graph mutates a tensor: what AOT autograd's backward graphs do not take alike in every torch
+    this project supports. A hook on the leaf pushes them to the histories."""
+
+    x_scale: torch.Tensor | None
+    dy_scale: torch.Tensor | None
+    sink: torch.Tensor
+
+
+def _cast_x(ctx, x: torch.Tensor, x_fp8: torch.dtype, x_given: torch.Tensor | None,  # noqa: ANN001 - autograd's
+            sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The forward's cast of x in the graph (fp8.quantize_in_graph) with the history's scale `x_given` (None: the
+    current amax's): (FP8 x, its scale, its amax where a history takes it: a `sink` is given)."""
+    qx, x_scale, x_amax = fp8.quantize_in_graph(x, x_fp8, x_given)
+    ctx.delayed = sink is not None
+    return qx, x_scale, x_amax if ctx.delayed else None
+
+
+def _cast_dy(ctx, dy: torch.Tensor, dy_given: torch.Tensor | None  # noqa: ANN001
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The backward's cast of dy in the graph, as the eager path gets it: exact (the upcast of the out_dtype gradient
+    `.to(out_dtype)` passes back); (FP8 dy, its scale, its amax where a history takes it)."""
+    qdy, dy_scale, dy_amax = fp8.quantize_in_graph(dy.to(ctx.dy_dtype), ctx.dy_fp8, dy_given)
+    return qdy, dy_scale, dy_amax if ctx.delayed else None
+
+
+def _amaxes(x_amax: torch.Tensor | None, dy_amax: torch.Tensor | None) -> torch.Tensor | None:
+    """The sink's gradient: the call's amaxes of x and dy (`GraphScales`); None under current scaling."""
+    return None if x_amax is None else torch.stack([x_amax, dy_amax])
+
+
 class _Fp8Linear(torch.autograd.Function):
     """x [T, in] -> y [T, out]: x cast in the graph, the GEMM in `megalm::fp8_linear`; the backward casts dy in the
     graph and keeps the FP8 x, not x (1 byte per element). wgrad's operands (dy and x, contracted over the tokens)
     are also written column-major in the graph, the layout torch._scaled_mm takes them in (with the cast that
-    makes them, where inductor fuses the two: Transformer Engine's cast-transpose), so no op transposes a copy."""
+    makes them, where inductor fuses the two: Transformer Engine's cast-transpose), so no op transposes a copy.
+    `scales`: a delayed-scaling layer's (`GraphScales`), None under current scaling."""
 
     @staticmethod
-    def forward(ctx, x, weight, layer, y_dtype, dy_dtype, x_fp8, dy_fp8):  # noqa: ANN001, ANN205 - autograd's
-        qx, x_scale = fp8.quantize_current_in_graph(x, x_fp8)
-        ctx.save_for_backward(fp8.column_major(qx), x_scale, weight, layer)
+    def forward(ctx, x, weight, layer, y_dtype, dy_dtype, x_fp8, dy_fp8, x_given, dy_given, sink):  # noqa: ANN001, ANN205
         ctx.x_dtype, ctx.dy_dtype, ctx.dy_fp8 = x.dtype, dy_dtype, dy_fp8
+        qx, x_scale, x_amax = _cast_x(ctx, x, x_fp8, x_given, sink)
+        ctx.save_for_backward(fp8.column_major(qx), x_scale, weight, layer, x_amax, dy_given)
         return _fp8_forward(qx, x_scale, weight, layer, y_dtype)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, ANN205
-        qx_columns, x_scale, weight, layer = ctx.saved_tensors
-        # dy as the eager path gets it: exact (the upcast of the out_dtype gradient `.to(out_dtype)` passes back)
-        qdy, dy_scale = fp8.quantize_current_in_graph(dy.to(ctx.dy_dtype), ctx.dy_fp8)
+        qx_columns, x_scale, weight, layer, x_amax, dy_given = ctx.saved_tensors
+        qdy, dy_scale, dy_amax = _cast_dy(ctx, dy, dy_given)
         dx, dw = _fp8_backward(qdy, fp8.column_major(qdy), dy_scale, qx_columns, x_scale, weight, layer, ctx.x_dtype)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, _amaxes(x_amax, dy_amax)
 
 
 def fp8_linear(layer: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               out_dtype: torch.dtype, x_fp8: torch.dtype, dy_fp8: torch.dtype) -> torch.Tensor:
-    """`recipe_linear` for a recipe of per-tensor current scaling: x cast to `x_fp8` and dy to `dy_fp8` in the graph
-    (module docstring), the GEMMs in the ops."""
-    return _around_gemms(lambda x2, y_dtype: _Fp8Linear.apply(x2, weight, layer, y_dtype, out_dtype, x_fp8, dy_fp8),
-                         x, bias, out_dtype)
+               out_dtype: torch.dtype, x_fp8: torch.dtype, dy_fp8: torch.dtype,
+               scales: GraphScales | None = None) -> torch.Tensor:
+    """`recipe_linear` for a recipe of per-tensor scaling, current (`scales` None) or delayed (`GraphScales`): x cast
+    to `x_fp8` and dy to `dy_fp8` in the graph (module docstring), the GEMMs in the ops."""
+    given = (None, None, None) if scales is None else scales
+    return _around_gemms(lambda x2, y_dtype: _Fp8Linear.apply(x2, weight, layer, y_dtype, out_dtype, x_fp8, dy_fp8,
+                                                              *given), x, bias, out_dtype)
 
 
 # ----------------------------------------------------- per-tensor FP8 where torch._scaled_mm runs: all in the graph
@@ -245,33 +284,36 @@ class _Fp8GraphLinear(torch.autograd.Function):
     for operands already in its layouts: row-major first, column-major second."""
 
     @staticmethod
-    def forward(ctx, x, weight, w_rows, w_columns, w_inverse, y_dtype, dy_dtype, x_fp8, dy_fp8):  # noqa: ANN001, ANN205
-        qx, x_scale = fp8.quantize_current_in_graph(x, x_fp8)
-        x_inverse = fp8.inverse_scale(x_scale)
-        ctx.save_for_backward(fp8.column_major(qx), x_inverse, w_columns, w_inverse)
+    def forward(ctx, x, weight, w_rows, w_columns, w_inverse, y_dtype, dy_dtype, x_fp8, dy_fp8,  # noqa: ANN001, ANN205
+                x_given, dy_given, sink):
         ctx.x_dtype, ctx.w_dtype, ctx.dy_dtype, ctx.dy_fp8 = x.dtype, weight.dtype, dy_dtype, dy_fp8
+        qx, x_scale, x_amax = _cast_x(ctx, x, x_fp8, x_given, sink)
+        x_inverse = fp8.inverse_scale(x_scale)
+        ctx.save_for_backward(fp8.column_major(qx), x_inverse, w_columns, w_inverse, x_amax, dy_given)
         return torch._scaled_mm(qx, w_rows.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=y_dtype)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, ANN205
-        qx_columns, x_inverse, w_columns, w_inverse = ctx.saved_tensors
-        qdy, dy_scale = fp8.quantize_current_in_graph(dy.to(ctx.dy_dtype), ctx.dy_fp8)
+        qx_columns, x_inverse, w_columns, w_inverse, x_amax, dy_given = ctx.saved_tensors
+        qdy, dy_scale, dy_amax = _cast_dy(ctx, dy, dy_given)
         dy_inverse = fp8.inverse_scale(dy_scale)
         dx = torch._scaled_mm(qdy, w_columns, scale_a=dy_inverse, scale_b=w_inverse, out_dtype=ctx.x_dtype)
         dw = torch._scaled_mm(fp8.column_major(qdy).t(), qx_columns, scale_a=dy_inverse, scale_b=x_inverse,
                               out_dtype=ctx.w_dtype)
-        return dx, dw, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None, _amaxes(x_amax, dy_amax)
 
 
 def fp8_graph_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                      weight_copies: tuple[torch.Tensor, torch.Tensor, torch.Tensor], x_fp8: torch.dtype,
-                     dy_fp8: torch.dtype) -> torch.Tensor:
+                     dy_fp8: torch.dtype, scales: GraphScales | None = None) -> torch.Tensor:
     """`fp8_linear` with the GEMMs in the graph as well, from the weight's FP8 copies `weight_copies` (row-major,
     column-major, the inverse of their scale: `RecipeGemms.graph_weights`). The tokens must be a multiple of 16
     (torch._scaled_mm's)."""
     rows, columns, w_inverse = weight_copies
+    given = (None, None, None) if scales is None else scales
     return _around_gemms(lambda x2, y_dtype: _Fp8GraphLinear.apply(x2, weight, rows, columns, w_inverse, y_dtype,
-                                                                   out_dtype, x_fp8, dy_fp8), x, bias, out_dtype)
+                                                                   out_dtype, x_fp8, dy_fp8, *given),
+                         x, bias, out_dtype)
 
 
 @contextlib.contextmanager
@@ -279,16 +321,18 @@ def prepared_weights(linears: list[torch.nn.Module]) -> Iterator[None]:
     """Around a compiled block's forward, in eager: each of its linear layers whose recipe reads FP8 weight copies in
     the graph makes or finds them first (`RecipeGemms.prepare_graph_weights`: the layer's cache, once per optimizer
     step), and lets go of them after, so that no later graph (another compile of the layer) reads copies it did not
-    check. The copies a block's layers still need are cast together, one call per FP8 format
-    (`fp8.quantize_weights`). Entered after the block's forward pre-hooks: a weight ZeRO-1 gathers in flight has
-    arrived."""
+    check. The copies a block's layers still need under current scaling are cast together, one call per FP8 format
+    (`fp8.quantize_weights`). Delayed-scaling layers also take their activations' scales from their histories
+    (`prepare_graph_scales`). Entered after the block's forward pre-hooks: a weight ZeRO-1 gathers in
+    flight has arrived."""
     prepared = [gemms for module in linears
                 if hasattr(gemms := getattr(module, "gemm_recipe", None), "prepare_graph_weights")]
     wanted = [gemms for gemms in prepared if gemms.graph_weights_wanted()]
     for gemms in wanted:
         gemms.drop_weight_copies()
     made: dict[int, fp8.WeightCopies] = {}
-    for fmt, group in itertools.groupby(sorted(wanted, key=lambda g: g.recipe.fprop.b_format),
+    current = [gemms for gemms in wanted if not gemms.recipe.delayed]  # delayed scaling's cast in their layer
+    for fmt, group in itertools.groupby(sorted(current, key=lambda g: g.recipe.fprop.b_format),
                                         key=lambda g: g.recipe.fprop.b_format):
         group = list(group)
         with torch.no_grad():
@@ -297,9 +341,72 @@ def prepared_weights(linears: list[torch.nn.Module]) -> Iterator[None]:
         del copies
     for gemms in prepared:
         gemms.prepare_graph_weights(made.get(id(gemms)))
+    prepare_graph_scales(prepared)
     del made
     try:
         yield
     finally:
         for gemms in prepared:
-            gemms.graph_weights = None
+            gemms.graph_weights = gemms.graph_scales = None
+
+
+def prepare_graph_scales(layers: list) -> None:
+    """Before a compiled block runs, in eager: each delayed-scaling layer's `graph_scales` (`GraphScales`) for the
+    graph to cast x and dy with (None for other recipes' layers), each scale from its history as the eager path takes
+    it (None while the history is empty: the graph then scales by the current amax, as the eager path's first step
+    does). Made again only when a history changed (a step's `roll`, a checkpoint's load), the block's together
+    (`fp8.scales_from_histories`: a few kernels a block and step, not a few a history), with the leaf tensor whose
+    gradient brings each call's amaxes back to its histories (`_amax_sink`). `layers`: linear.py's `RecipeGemms`."""
+    delayed = []
+    for gemms in layers:
+        takes = gemms.recipe.casts_in_graph and gemms.recipe.delayed and gemms.state is not None
+        gemms.graph_scales = None
+        if takes and gemms.weight is not None:
+            delayed.append(gemms)
+    stale = [gemms for gemms in delayed if _scales_stale(gemms)]
+    new: dict[int, dict[str, torch.Tensor]] = {id(gemms): {} for gemms in stale}
+    for name, spec in (("x", "fprop"), ("dy", "dgrad")):
+        filled = [gemms for gemms in stale if gemms.state.amax[name].history is not None]
+        for fmt, group in itertools.groupby(sorted(filled, key=lambda g: getattr(g.recipe, spec).a_format),
+                                            key=lambda g: getattr(g.recipe, spec).a_format):
+            group = list(group)
+            with torch.no_grad():
+                scales = fp8.scales_from_histories([g.state.amax[name].history for g in group], fp8.fp8_dtype(fmt))
+            for gemms, scale in zip(group, scales, strict=True):
+                new[id(gemms)][name] = scale
+    for gemms in stale:
+        histories = gemms.state.amax["x"], gemms.state.amax["dy"]
+        gemms._graph_scales_made = (tuple((h.history, getattr(h.history, "_version", None)) for h in histories),
+                                    (new[id(gemms)].get("x"), new[id(gemms)].get("dy")))
+    for gemms in delayed:
+        w, sink = gemms.weight, gemms._graph_sink
+        if sink is None or sink.device != w.device or compat.is_fake(sink) != compat.is_fake(w):
+            sink = gemms._graph_sink = _amax_sink(gemms, w.device)
+        gemms.graph_scales = GraphScales(*gemms._graph_scales_made[1], sink)
+
+
+def _scales_stale(gemms: Any) -> bool:
+    """Whether a layer's graph scales were made from other histories than its own now (their tensors, by identity,
+    and their in-place version: a step's `roll` writes into the history)."""
+    made, histories = gemms._graph_scales_made, (gemms.state.amax["x"], gemms.state.amax["dy"])
+    return made is None or any(h.history is not t or (t is not None and t._version != v)
+                               for h, (t, v) in zip(histories, made[0], strict=True))
+
+
+def _amax_sink(gemms: Any, device: torch.device) -> torch.Tensor:
+    """A delayed-scaling layer's `GraphScales.sink`: a leaf [2] whose gradient a compiled call's backward sets to its
+    amaxes of x and dy; a hook hands them to the layer's histories as the eager path's `_fp8` does (while the layer
+    trains) and clears the gradient. A layer called twice in one backward would hand the sum of its calls' amaxes
+    (autograd adds the gradients before the hook runs): a larger amax, a smaller scale, never an overflow."""
+    sink = torch.zeros(2, dtype=torch.float32, device=device, requires_grad=True)
+    layer = weakref.ref(gemms)
+
+    def arrived(t: torch.Tensor) -> None:
+        gemms, amaxes = layer(), t.grad
+        t.grad = None
+        if gemms is not None and gemms.state is not None and gemms.training and amaxes is not None:
+            gemms.state.amax["x"].update(amaxes[0])
+            gemms.state.amax["dy"].update(amaxes[1])
+
+    sink.register_post_accumulate_grad_hook(arrived)
+    return sink

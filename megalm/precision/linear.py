@@ -57,10 +57,13 @@ shard's shape, so those are reproducible but not equal to tp=1.
 
 Compiled blocks (`trainer.compile`): dynamo cannot trace a layer's per-call Python state (seed hashing, weight
 caches, amax histories: layer_state.py), so inside a compiled block a layer runs as one opaque op pair that runs
-this same code each call (compiled_linear.py); the numbers are those of the eager path. Under per-tensor current
-FP8 scaling (`Recipe.casts_in_graph`) only the GEMMs are in the ops: the casts of x and dy are ops of the compiled
-graph, which inductor fuses with their producers, and wgrad's operands are written column-major there; where
-torch._scaled_mm runs the GEMMs are graph ops too, on the weight's cached FP8 copies (`prepare_graph_weights`).
+this same code each call (compiled_linear.py); the numbers are those of the eager path. Under per-tensor FP8
+scaling, current or delayed (`Recipe.casts_in_graph`), only the GEMMs are in the ops: the casts of x and dy are ops
+of the compiled graph, which inductor fuses with their producers, and wgrad's operands are written column-major
+there; where torch._scaled_mm runs the GEMMs are graph ops too, on the weight's cached FP8 copies
+(`prepare_graph_weights`). Delayed scaling's scales come into the graph as tensors made from the histories before
+the block runs, and its amaxes leave it as a gradient (compiled_linear.prepare_graph_scales): the graph casts in one
+pass, fused into the producer, where current scaling's cast waits for a whole-tensor amax.
 
 `apply_precision(model, recipe, skip=...)` (megalm/precision/install.py) installs a recipe on the model's linear
 layers from outside: it sets each layer's `gemm_recipe` hook (megalm/model/linear.py) to a `RecipeGemms`, which the
@@ -105,6 +108,9 @@ class RecipeGemms:
         self._graph_copies: tuple | None = None  # what graph_weights is set to while `_graph_token` holds
         self._graph_token: tuple | None = None  # what _graph_copies are valid for (`_weight_token`)
         self._graph_eligible: tuple | None = None  # (the weight, whether the graph can read its copies)
+        self.graph_scales: compiled_linear.GraphScales | None = None  # compiled_linear.prepare_graph_scales
+        self._graph_scales_made: tuple | None = None  # (the histories they were made from, x's and dy's scales)
+        self._graph_sink: torch.Tensor | None = None  # GraphScales.sink
 
     @property
     def weight(self) -> torch.Tensor | None:
@@ -114,25 +120,28 @@ class RecipeGemms:
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items()
-                if k not in ("handle", "graph_weights", "_graph_copies", "_graph_token", "_graph_eligible")}
+                if k not in ("handle", "graph_weights", "_graph_copies", "_graph_token", "_graph_eligible",
+                             "graph_scales", "_graph_scales_made", "_graph_sink")}
 
     def __setstate__(self, state: dict) -> None:  # a copy (deepcopy, pickle) is a layer of its own: its own handle
         self.__dict__.update(state)
         self.handle, self.graph_weights, self._graph_copies = compiled_linear.layer_handle(self), None, None
         self._graph_token = self._graph_eligible = None
+        self.graph_scales = self._graph_scales_made = self._graph_sink = None
 
     def compiled_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         out_dtype: torch.dtype) -> torch.Tensor:
         """The layer as one opaque op pair, what `linear` runs inside a compiled block (compiled_linear.py); under
-        per-tensor current FP8 scaling its casts stay outside the ops, in the compiled graph, and where the block's
-        caller made the weight's FP8 copies (`prepare_graph_weights`) and the tokens are a multiple of 16, so do the
-        GEMMs."""
-        if self.recipe.casts_in_graph:
+        per-tensor FP8 scaling its casts stay outside the ops, in the compiled graph (delayed scaling's where the
+        block's caller took its scales: compiled_linear.prepare_graph_scales), and where the block's caller made the
+        weight's FP8 copies (`prepare_graph_weights`) and the tokens are a multiple of 16, so do the GEMMs."""
+        scales = self.graph_scales
+        if self.recipe.casts_in_graph and (scales is not None or not self.recipe.delayed):
             formats = fp8.fp8_dtype(self.recipe.fprop.a_format), fp8.fp8_dtype(self.recipe.dgrad.a_format)
             copies, tokens = self.graph_weights, x.numel() // x.shape[-1]
             if copies is not None and copies[0].shape == weight.shape and tokens % fp8.SCALED_MM_TOKEN_MULTIPLE == 0:
-                return compiled_linear.fp8_graph_linear(x, weight, bias, out_dtype, copies, *formats)
-            return compiled_linear.fp8_linear(self.handle, x, weight, bias, out_dtype, *formats)
+                return compiled_linear.fp8_graph_linear(x, weight, bias, out_dtype, copies, *formats, scales)
+            return compiled_linear.fp8_linear(self.handle, x, weight, bias, out_dtype, *formats, scales)
         return compiled_linear.recipe_linear(self.handle, x, weight, bias, out_dtype)
 
     def graph_weights_wanted(self) -> bool | None:

@@ -90,10 +90,17 @@ class Recipe:
     @property
     def casts_in_graph(self) -> bool:
         """Whether a compiled block casts a layer's activations in its graph (compiled_linear.fp8_linear): every
-        GEMM FP8 under per-tensor current scaling, x and dy each in one format (the amax, the scale and the cast are
-        then plain torch ops; delayed scaling's history and per-row scales stay in the recipe's op)."""
-        return (all(spec.kind == "fp8" and spec.scaling == "tensor" for spec in self.specs)
+        GEMM FP8 under per-tensor scaling, current or delayed, x and dy each in one format (the amax, the scale and the
+        cast are then plain torch ops, delayed scaling's scales graph inputs; per-row scales stay in the recipe's
+        op)."""
+        return (self.fprop.scaling in ("tensor", "delayed")
+                and all(spec.kind == "fp8" and spec.scaling == self.fprop.scaling for spec in self.specs)
                 and self.fprop.a_format == self.wgrad.b_format and self.dgrad.a_format == self.wgrad.a_format)
+
+    @property
+    def delayed(self) -> bool:
+        """Whether the recipe's forward scales FP8 by an amax history (fp8.AmaxHistory)."""
+        return self.fprop.kind == "fp8" and self.fprop.scaling == "delayed"
 
 
 _FP32 = GemmSpec("fp32")

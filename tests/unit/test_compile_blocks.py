@@ -14,6 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from megalm import compat
+from megalm.model.linear import linear_modules
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config, loss_kernel_graphs, packed_layouts
 
@@ -157,6 +158,17 @@ def test_compiled_training_matches_eager(tmp_path, overrides):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     assert not counters["graph_break"]
     assert eager.model.state_dict().keys() == compiled.model.state_dict().keys(), "checkpoints keep their names"
+    if "precision=fp8_delayed" in overrides:  # cast in the graphs with the histories' scales, the amaxes handed
+        # back through each layer's sink: the histories are eager's
+        pairs = [(m.gemm_recipe, n.gemm_recipe) for m, n in zip(linear_modules(eager.model),
+                                                                linear_modules(compiled.model), strict=True)
+                 if getattr(m, "gemm_recipe", None) is not None]
+        assert pairs and all(ours._graph_sink is not None for _, ours in pairs), "the casts in the graph"
+        for theirs, ours in pairs:
+            for name in ("x", "w", "dy"):
+                assert ours.state.amax[name].count == theirs.state.amax[name].count == steps - 1
+                torch.testing.assert_close(ours.state.amax[name].history, theirs.state.amax[name].history,
+                                           rtol=1e-6, atol=0)
     if "offload.enabled=true" in overrides:  # the compiled blocks' activations went to the host and back, as the
         # eager ones did; AOT's partitioner saves fewer of them (it recomputes cheap ops in the backward), so fewer
         # bytes move
@@ -343,6 +355,24 @@ def test_where_scaled_mm_runs_fp8_trains_compiled_as_eager_with_its_gemms_in_the
         eager_bytes, compiled_bytes = eager.parallel.offload_store.offloaded_bytes, \
             compiled.parallel.offload_store.offloaded_bytes
         assert eager_bytes > 0 and abs(compiled_bytes - eager_bytes) < 1024, (compiled_bytes, eager_bytes)
+
+
+@pytest.mark.parametrize("layout", [[], ["parallel.recompute=selective"]], ids=["plain", "recompute"])
+def test_where_scaled_mm_runs_delayed_scaling_trains_compiled_as_eager(tmp_path, scaled_mm_on_cpu, layout):
+    """fp8_delayed where torch._scaled_mm runs: the GEMMs and the casts with the histories' scales in the graph, the
+    weights' copies made before the block runs from the weight's history (one per optimizer step), the amaxes back
+    through each layer's sink; 3 steps of the same losses, weights and histories as eager."""
+    from megalm.model.linear import linear_modules
+
+    recipe_layers = lambda model: sum(m.gemm_recipe is not None for m in linear_modules(model.layers[1]))  # noqa: E731
+    overrides = [*EQUAL_DOCS, "precision=fp8_delayed", *FP32_ACTIVATIONS, *layout]
+    eager, compiled, graphs = train_compiled_against_eager(tmp_path, overrides, recipe_layers)
+    assert "megalm" not in "".join(graphs["forward"] + graphs["backward"])
+    for m, n in zip(linear_modules(eager.model), linear_modules(compiled.model), strict=True):
+        if m.gemm_recipe is not None:
+            for name in ("x", "w", "dy"):
+                theirs, ours = m.gemm_recipe.state.amax[name], n.gemm_recipe.state.amax[name]
+                assert ours.count == theirs.count > 0 and torch.equal(ours.history, theirs.history), name
 
 
 def test_without_a_per_step_weight_cache_the_graph_holds_no_fp8_weights(scaled_mm_on_cpu):

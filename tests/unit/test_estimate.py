@@ -278,8 +278,9 @@ def test_compiled_blocks_are_priced_as_inductor_compiles_them(monkeypatch):
     FLOPs, fewer bytes and a shorter step than eager, its generated kernels in the trace (before, the estimate
     priced it eager, silently: the probe's dispatch modes made dynamo skip the compiled frames). Where the CPU trace
     breaks a block's graph (attention over unequal documents, one SDPA call per document) the notes count the breaks;
-    under a recipe whose linears compiled blocks run as opaque ops with their casts inside (fp8_delayed) it is priced
-    eager and the notes say so; per-tensor FP8, whose casts are in the graph, is priced compiled."""
+    under a recipe whose linears compiled blocks run as opaque ops with their casts inside (fp8_rowwise) it is priced
+    eager and the notes say so; per-tensor FP8 (current or delayed), whose casts are in the graph, is priced
+    compiled."""
     from megalm.estimate import rank as estimate_rank
 
     traces: list[estimate_rank.OpCosts] = []
@@ -306,10 +307,12 @@ def test_compiled_blocks_are_priced_as_inductor_compiles_them(monkeypatch):
     assert runs["true"]["layout"]["compile"] and runs["true"]["notes"] == []
     unequal = estimate.estimate([*base, "precision=bf16", "trainer.compile=true"], 1, "h100")["notes"]
     assert any(re.match(r"trainer.compile=true: \d+ graph breaks", n) for n in unequal), unequal
-    delayed = ["precision=fp8_delayed", "trainer.compile=true"]
-    assert any("trainer.compile=true, precision=fp8_delayed: blocks priced eager" in n
-               for n in estimate_rank.compile_notes(compose_config(*delayed)))
-    traced = compose_config(*delayed)
+    assert not any("priced eager" in n for n in estimate_rank.compile_notes(
+        compose_config("precision=fp8_delayed", "trainer.compile=true")))
+    rowwise = ["precision=fp8_rowwise", "trainer.compile=true"]
+    assert any("trainer.compile=true, precision=fp8_rowwise: blocks priced eager" in n
+               for n in estimate_rank.compile_notes(compose_config(*rowwise)))
+    traced = compose_config(*rowwise)
     estimate_rank.trace_compiled_blocks(traced)  # what the fake trainer is then built with: compile off, said so
     assert not traced.trainer.compile
     # the zero-bubble schedule's compiled linears are ops whose fake kernels compute nothing (no GEMM FLOPs, no dy

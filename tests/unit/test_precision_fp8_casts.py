@@ -188,21 +188,65 @@ def test_under_sequence_parallelism_the_shard_is_kept(monkeypatch):
     assert [t.dtype for t in saved if t.shape == (16, 64)] == [torch.bfloat16]
 
 
-def test_the_compiled_op_pair_of_delayed_scaling_casts_as_eager(monkeypatch):
-    """Inside a compiled block a delayed-scaling layer is the recipe's op pair (compiled_linear.py), whose backward
-    op casts dy once for dgrad and wgrad and x again with fprop's scale, as eager does; the numbers are the eager
-    path's (two equal layers, one eager and one compiled, each with its amax history)."""
+def _recording_backend(graphs: list[str]):
+    """aot_eager that keeps each compiled graph's text (forward, then backward)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def record(gm, _inputs):
+        graphs.append(str(gm.graph))
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=record, bw_compiler=record)
+
+
+def test_compiled_delayed_scaling_casts_in_the_graph_as_eager(monkeypatch):
+    """`precision=fp8_delayed` in a compiled block (the trainer's: `prepared_weights` around it): x and dy are cast in
+    the graphs with the scales the block's caller took from the histories (graph inputs: the cast is one pass, fused
+    into its producer by inductor), and their amaxes come back to the histories as the gradient of the layer's sink.
+    Step after step (the first scaled by the current amax, the next ones by the history, the input growing 8x) the
+    outputs, gradients and histories are the eager layer's bit for bit, no cast runs outside the graphs, and the
+    graph compiled for the first step is compiled once more, for the history's scales, and never again."""
+    from megalm.precision.compiled_linear import prepared_weights
+
     eager_layer, layer = _layer("fp8_delayed"), _layer("fp8_delayed")
+    graphs: list[str] = []
     torch._dynamo.reset()
-    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
-    _step(eager_layer), _step(compiled)
-    eager_layer.weight.grad = layer.weight.grad = None
-    _, eager = _step(eager_layer)
+    compiled = torch.compile(layer, backend=_recording_backend(graphs), fullgraph=True)
     casts = _activation_casts(monkeypatch, layer)
-    _, got = _step(compiled)
-    assert [phase for phase, _ in casts] == ["forward", "backward", "backward"]
-    for a, b in zip(got, eager, strict=True):
-        assert torch.equal(a, b)
+    by_layer: dict[int, list] = {id(eager_layer): [], id(layer): []}
+
+    def run_compiled(x):
+        with prepared_weights([layer]):
+            return compiled(x)
+
+    for step, scale in enumerate((1.0, 1.0, 8.0, 8.0)):
+        outputs = []
+        for one, forward in ((eager_layer, eager_layer), (layer, run_compiled)):
+            one.gemm_recipe.state.set_step(step)
+            one.weight.grad = None
+            outputs.append(_step(one, lambda x, f=forward, s=scale: f(x * s))[1])
+            by_layer[id(one)].extend(casts), casts.clear()
+        want, got = outputs
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), step
+        for name in ("x", "dy", "w"):
+            ours, theirs = layer.gemm_recipe.state.amax[name], eager_layer.gemm_recipe.state.amax[name]
+            ours.compact(), theirs.compact()
+            assert ours.count == theirs.count == step, name
+            assert len(ours.pending) == len(theirs.pending) == 1 and torch.equal(ours.pending[0], theirs.pending[0])
+            assert step == 0 or torch.equal(ours.history, theirs.history), name
+    activations = [shape for _, shape in by_layer[id(eager_layer)] if shape != tuple(layer.weight.shape)]
+    assert activations == [(16, 64), (16, 32)] * 4, "the eager layer's casts of x and dy, counted"
+    assert by_layer[id(layer)] == [], "the activations' casts run in the graphs, not as eager calls"
+    assert len(graphs) == 4, "a forward and a backward graph for the first step's current amax, one pair after"
+    forward, backward = graphs[2:]
+    assert "torch.float8_e4m3fn" in forward and "torch.float8_e5m2" in backward
+    for graph in (forward, backward):  # the cast scales by a graph input: no scale computed from the amax
+        assert "aten.reciprocal" not in graph and "aten.div" not in graph, graph
+        assert "aten.amax.default" in graph, "the amax the history takes, beside the cast"
+    assert "aten.stack" in backward, "the call's amaxes, the sink's gradient"
+    assert layer.gemm_recipe.graph_scales is None, "let go of after the block"
 
 
 def test_compiled_per_tensor_fp8_casts_in_the_graph(monkeypatch):
