@@ -68,7 +68,8 @@ def test_a_spent_budget_means_not_run_never_failed(tmp_path: Path) -> None:
     assert sections[1].startswith("### training throughput, 1.3b/4096 bf16"), sections
     assert sections[-1].startswith("### tests"), sections
     rows = ("attention kernels", "1.3b/4096 bf16 (", "1.3b/4096 bf16 compiled", "1.3b/4096 fp8 (",
-            "1.3b/4096 fp8 compiled", "AdamW kernels", "bf16 with fused weight gradients", "every speed option", "125m")
+            "1.3b/4096 fp8 compiled", "1.3b/4096 fp8_delayed compiled", "AdamW kernels",
+            "bf16 with fused weight gradients", "every speed option", "125m")
     assert [sum(row in line for line in sections) for row in rows] == [1] * len(rows), sections
 
 

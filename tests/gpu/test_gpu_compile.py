@@ -44,11 +44,13 @@ def _losses(trainer: Trainer, steps: int) -> list[float]:
 MOE = ["model=moe_tiny", "model.moe.capacity_factor=1.25", "model.moe.seq_aux_loss_coeff=0.01"]
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8", "moe_bf16"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "fp8_delayed", "moe_bf16"])
 def test_compiled_blocks_on_cuda_take_unequal_documents_without_breaks(tmp_path, precision):
     """moe_bf16: an MoE model's blocks (the router, its capacity queues and per-document loss, the grouped GEMMs)
-    through inductor on CUDA; the CPU tiers trace them (tests/unit/test_compile_blocks.py, test_fake_cuda.py)."""
-    if precision == "fp8" and capability() < (8, 9):
+    through inductor on CUDA; the CPU tiers trace them (tests/unit/test_compile_blocks.py, test_fake_cuda.py).
+    fp8_delayed: its casts with the histories' scales in inductor's kernels, a graph more for its first step (the
+    current amax scales it, as eager's first step)."""
+    if precision.startswith("fp8") and capability() < (8, 9):
         pytest.skip(f"FP8 GEMMs need compute capability 8.9+, this GPU has {capability()}")
     attention._resolve_backend.cache_clear()
     torch._dynamo.reset()
@@ -62,7 +64,7 @@ def test_compiled_blocks_on_cuda_take_unequal_documents_without_breaks(tmp_path,
     # auto's cudnn (Hopper) runs a micro-batch that happens to be one whole document (or several of one length) on
     # its other route: one graph more, the issue's bound of 2 recompiles (tests/unit/test_compile_blocks.py)
     chosen = {b for m in compiled.model.modules() if isinstance(m, attention.Attention) for b in m.chosen.values()}
-    bound = 3 if "cudnn" in chosen else 2
+    bound = (3 if "cudnn" in chosen else 2) + (precision == "fp8_delayed")
     assert 1 <= graphs <= bound, f"{graphs} graphs of the block over {STEPS} steps of unequal documents"
 
     eager = Trainer(compose_config(*overrides, "trainer.compile=false"), tmp_path / "eager")  # auto would compile

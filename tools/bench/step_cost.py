@@ -24,9 +24,9 @@ training (megalm's `trainer.grad_clip`, HF Trainer's `max_grad_norm`, TorchTitan
 - `megalm_compiled`: the `megalm` row with `trainer.compile=true`: each block compiled by inductor, whose
   scheduler gives the kernels it generates and their bytes (megalm/measure/compiled_cost.py); the GEMMs and
   attention it calls as extern kernels are traced as in eager. On a CPU inductor generates C++ kernels in place
-  of the GPU's Triton ones, from the same fusion decisions. Under `precision=fp8` the casts are in the block's graph
-  and the GEMMs are megalm's ops, priced by their FLOPs (megalm/measure/op_cost.py); the other FP8/MX recipes run
-  each linear, casts included, as one opaque op, and the row is left out with a line saying so.
+  of the GPU's Triton ones, from the same fusion decisions. Under `precision=fp8` and `fp8_delayed` the casts are in
+  the block's graph and the GEMMs are megalm's ops, priced by their FLOPs (megalm/measure/op_cost.py); the other
+  FP8/MX recipes run each linear, casts included, as one opaque op, and the row is left out with a line saying so.
 
 The trace runs on fake CPU tensors, so the dispatcher picks CPU kernels: SDPA's CPU flash kernel stands in for
 CUDA's, and ops CUDA runs fused may appear decomposed (both systems alike); megalm's FP8 recipes are traced as the
