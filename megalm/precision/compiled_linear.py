@@ -12,9 +12,9 @@ state that the backward needs (the seed its forward drew, the FP8 scales its for
 the forward op as tensors the autograd graph saves. Integers dynamo would specialise on never enter the graph:
 every layer's and every step's call share one compiled graph.
 
-Under per-tensor current FP8 scaling (`precision=fp8`) the casts leave the op: the layer is an autograd function
-whose forward casts x and whose backward casts dy as plain torch ops (fp8.quantize_current_in_graph), which the
-compiler sees and inductor fuses with whatever produced them (the norm before q/k/v, SwiGLU before the down
+Under per-tensor FP8 scaling (`precision=fp8`, current; `fp8_delayed`) the casts leave the op: the layer is an
+autograd function whose forward casts x and whose backward casts dy as plain torch ops (fp8.quantize_in_graph), which
+the compiler sees and inductor fuses with whatever produced them (the norm before q/k/v, SwiGLU before the down
 projection, the previous op's gradient), as torchao's tensorwise float8 is compiled in TorchTitan; only the GEMMs
 (with the layer's cached FP8 weights) stay in the ops, `megalm::fp8_linear` and its backward. The values are the
 eager path's: the same casts, the same GEMMs. Where torch._scaled_mm runs (CUDA from sm89, shapes of multiples of
@@ -22,6 +22,9 @@ eager path's: the same casts, the same GEMMs. Where torch._scaled_mm runs (CUDA 
 which the compiled block's caller makes or finds in the layer's cache before the block runs (`prepared_weights`,
 megalm/training/compile.py: all of a block's weights in one cast call once per optimizer step, then a token compare
 per layer and block call), so the GEMMs run none of the layer's Python, as torchao's float8 compiles in TorchTitan.
+Delayed scaling's scales come from the layers' amax histories before the block runs, and the amaxes go back to
+them as a gradient (`GraphScales`): with its scale known beforehand a cast is one pass over its input, fused into
+the kernel that produces it, where current scaling's must wait for the whole tensor's amax.
 
 Eager runs keep linear.py's autograd function; this path is taken only while compiling (megalm/model/linear.py).
 """
@@ -211,7 +214,10 @@ class GraphScales(NamedTuple):
     while a history is empty: the step's current amax scales, as the eager path's first step does) and `sink`, a
     leaf tensor [2] whose gradient is the call's amaxes of x and dy. The backward hands them back that way, as a
     gradient, so that no graph mutates a tensor: what AOT autograd's backward graphs do not take alike in every torch
-    this project supports. A hook on the leaf pushes them to the histories."""
+    this project supports. A hook on the leaf pushes them to the histories. So x's amax reaches its history with the
+    backward, where the eager path pushes it in the forward: the same histories for every forward followed by its
+    backward (the trainer's, recomputation's), none from a training-mode forward without one, or from a backward
+    that leaves the sink out (`autograd.grad` of chosen inputs)."""
 
     x_scale: torch.Tensor | None
     dy_scale: torch.Tensor | None

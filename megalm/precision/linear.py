@@ -147,9 +147,9 @@ class RecipeGemms:
     def graph_weights_wanted(self) -> bool | None:
         """Whether a compiled block's graph reads this layer's FP8 weight copies (`prepare_graph_weights`) and they are
         yet to be made this optimizer step (True), are made already (False), or are not read at all (None): only under
-        per-tensor current scaling where torch._scaled_mm takes the weight, and while the copies are cached for the
-        optimizer step (not under FSDP, whose recipes cast after every gather: a graph would hold each copy from
-        forward to backward). Asked before every block call: what does not change while the weight is the same
+        per-tensor scaling (current or delayed) where torch._scaled_mm takes the weight, and while the copies are
+        cached for the optimizer step (not under FSDP, whose recipes cast after every gather: a graph would hold each
+        copy from forward to backward). Asked before every block call: what does not change while the weight is the same
         tensor (the recipe, its device and shape) is decided once per weight."""
         w, token = self.weight, self._graph_token
         if token is not None and w is not None and token[0]() is w and token[1:] == self.state.weight_token(w):

@@ -504,7 +504,8 @@ def test_a_torch_known_to_crash_compiled_fp8_casts_on_the_cpu_is_named_in_a_warn
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for version, device, precision, backend, warned in [("2.9.1+cpu", cpu, "fp8", "inductor", True),
-                                                        ("2.9.1+cpu", cpu, "fp8_delayed", "inductor", False),
+                                                        ("2.9.1+cpu", cpu, "fp8_delayed", "inductor", True),
+                                                        ("2.9.1+cpu", cpu, "fp8_rowwise", "inductor", False),
                                                         ("2.11.0", cpu, "fp8", "inductor", False),
                                                         ("2.9.1+cpu", cuda, "fp8", "inductor", False),
                                                         ("2.9.1+cpu", cpu, "fp8", "aot_eager", False),
