@@ -327,22 +327,34 @@ def prepared_weights(linears: list[torch.nn.Module]) -> Iterator[None]:
     """Around a compiled block's forward, in eager: each of its linear layers whose recipe reads FP8 weight copies in
     the graph makes or finds them first (`RecipeGemms.prepare_graph_weights`: the layer's cache, once per optimizer
     step), and lets go of them after, so that no later graph (another compile of the layer) reads copies it did not
-    check. The copies a block's layers still need under current scaling are cast together, one call per FP8 format
-    (`fp8.quantize_weights`). Delayed-scaling layers also take their activations' scales from their histories
-    (`prepare_graph_scales`). Entered after the block's forward pre-hooks: a weight ZeRO-1 gathers in
-    flight has arrived."""
+    check. The copies a block's layers still need are cast together, one call per FP8 format and scaling
+    (`fp8.quantize_weights`, `fp8.quantize_weights_delayed`). Delayed-scaling layers also take their activations'
+    scales from their histories (`prepare_graph_scales`). Entered after the block's forward pre-hooks: a weight
+    ZeRO-1 gathers in flight has arrived."""
     prepared = [gemms for module in linears
                 if hasattr(gemms := getattr(module, "gemm_recipe", None), "prepare_graph_weights")]
     wanted = [gemms for gemms in prepared if gemms.graph_weights_wanted()]
     for gemms in wanted:
         gemms.drop_weight_copies()
     made: dict[int, fp8.WeightCopies] = {}
-    current = [gemms for gemms in wanted if not gemms.recipe.delayed]  # delayed scaling's cast in their layer
-    for fmt, group in itertools.groupby(sorted(current, key=lambda g: g.recipe.fprop.b_format),
-                                        key=lambda g: g.recipe.fprop.b_format):
-        group = list(group)
+    kind = lambda g: (g.recipe.delayed, g.recipe.fprop.b_format)  # noqa: E731
+    for (delayed, fmt), group in itertools.groupby(sorted(wanted, key=kind), key=kind):
+        # delayed scaling: each weight cast with its history's scale, its amax pushed to it, as the layer's `_fp8`
+        # does; a history still empty (the first step: the current amax scales) casts in the layer
+        group = [g for g in group if not delayed or g.state.amax["w"].history is not None]
+        if not group:
+            continue
+        dtype, weights = fp8.fp8_dtype(fmt), [gemms.weight for gemms in group]
         with torch.no_grad():
-            copies = fp8.quantize_weights([gemms.weight for gemms in group], fp8.fp8_dtype(fmt))
+            if delayed:
+                histories = [gemms.state.amax["w"] for gemms in group]
+                scales = fp8.scales_from_histories([history.history for history in histories], dtype)
+                copies, amaxes = fp8.quantize_weights_delayed(weights, dtype, scales)
+                for gemms, history, w_amax in zip(group, histories, amaxes, strict=True):
+                    if gemms.training:
+                        history.update(w_amax)
+            else:
+                copies = fp8.quantize_weights(weights, dtype)
         made.update({id(gemms): made_copies for gemms, made_copies in zip(group, copies, strict=True)})
         del copies
     for gemms in prepared:

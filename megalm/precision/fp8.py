@@ -237,16 +237,30 @@ def _quantize_weights_math(xs: list[torch.Tensor], limit: float, dtype: torch.dt
     return out
 
 
+def _quantize_weights_delayed_math(xs: list[torch.Tensor], scales: list[torch.Tensor], limit: float,
+                                   dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    out = []
+    for x, scale in zip(xs, scales):  # noqa: B905 - one scale per weight, by construction
+        q = _quantize_math(x, scale, limit, dtype)
+        out.append((q, column_major(q), amax(x)))
+    return out
+
+
+_WEIGHTS_MATH = {"current": _quantize_weights_math, "delayed": _quantize_weights_delayed_math}
+
+
 @functools.cache
-def _quantize_weights_fused(shapes: tuple[tuple[int, ...], ...], x_dtype: torch.dtype, dtype: torch.dtype
-                            ) -> Callable[..., Any]:
-    """`_quantize_weights_math` compiled for one list of weight shapes (static: a block's weights are the same in
-    every block, so a model compiles one or two of these), with a code object of its own per list, as
-    `_quantize_fused`'s variants have: the lists never count against one function's recompile limit."""
-    name = f"_quantize_weights_{len(shapes)}_{str(x_dtype).removeprefix('torch.')}_to_" \
+def _quantize_weights_fused(shapes: tuple[tuple[int, ...], ...], x_dtype: torch.dtype, dtype: torch.dtype,
+                            kind: str = "current") -> Callable[..., Any]:
+    """`_quantize_weights_math` (current scaling) or `_quantize_weights_delayed_math` (`kind`) compiled for one list
+    of weight shapes (static: a block's weights are the same in every block, so a model compiles one or two of
+    these), with a code object of its own per list, as `_quantize_fused`'s variants have: the lists never count
+    against one function's recompile limit."""
+    math = _WEIGHTS_MATH[kind]
+    name = f"_quantize_weights_{kind}_{len(shapes)}_{str(x_dtype).removeprefix('torch.')}_to_" \
            f"{str(dtype).removeprefix('torch.')}_{abs(hash(shapes)):x}"
-    code = _quantize_weights_math.__code__.replace(co_name=name)
-    variant = types.FunctionType(code, _quantize_weights_math.__globals__, name)
+    code = math.__code__.replace(co_name=name)
+    variant = types.FunctionType(code, math.__globals__, name)
     return torch.compile(variant, dynamic=False, fullgraph=True)
 
 
@@ -267,6 +281,25 @@ def quantize_weights(weights: list[torch.Tensor], dtype: torch.dtype) -> list[We
     # the inverses in eager, one foreach call: `inverse_scale`'s division to the last bit (a compiled one may not be)
     inverses = torch._foreach_reciprocal([scale for _, _, scale in copies])
     return [(*made, inverse) for made, inverse in zip(copies, inverses, strict=True)]
+
+
+def quantize_weights_delayed(weights: list[torch.Tensor], dtype: torch.dtype, scales: list[torch.Tensor]
+                             ) -> tuple[list[WeightCopies], list[torch.Tensor]]:
+    """`quantize_weights` under delayed scaling: each weight cast with its history's scale, and each weight's amax for
+    its history, (copies, amaxes): the values of `quantize_delayed(w, dtype, scale)`, `column_major` and
+    `inverse_scale`; where casts run fused, one compiled call for the whole list (a compiled block's weights, once
+    per optimizer step), as `quantize_weights` for the same reason."""
+    detached = [w.detach() for w in weights]
+    if not weights or not runs_fused(weights[0]):
+        made = [(*quantize_delayed(w, dtype, scale), scale) for w, scale in zip(detached, scales, strict=True)]
+        return ([(q, column_major(q), scale, inverse_scale(scale)) for q, _, scale in made],
+                [w_amax for _, w_amax, _ in made])
+    fused = _quantize_weights_fused(tuple(tuple(w.shape) for w in detached), detached[0].dtype, dtype, "delayed")
+    copies = fused([w.contiguous() for w in detached], [scale.detach() for scale in scales], fp8_max(dtype), dtype)
+    inverses = torch._foreach_reciprocal(list(scales))
+    return ([(q, columns, scale, inverse) for (q, columns, _), scale, inverse in zip(copies, scales, inverses,
+                                                                                      strict=True)],
+            [w_amax for _, _, w_amax in copies])
 
 
 def quantize_in_graph(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None

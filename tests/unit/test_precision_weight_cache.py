@@ -165,6 +165,36 @@ def test_fused_amax_and_cast_equal_the_eager_reference(monkeypatch, dtype):
     assert fp8.amax(nan).isnan() and fp8.quantize_delayed(nan, fp8.E4M3, torch.tensor(1.0))[1].isnan()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_blocks_weights_cast_in_one_call_equal_the_per_weight_casts(monkeypatch, dtype):
+    """`fp8.quantize_weights` (current scaling) and `fp8.quantize_weights_delayed` (each weight with its history's
+    scale, and its amax for the history): one compiled call for a block's weights on the CUDA path gives the
+    per-weight eager casts' FP8 bits in both layouts, scales, inverses and amaxes."""
+    torch.manual_seed(0)
+    weights = [(torch.randn(shape) * 3).to(dtype) for shape in ((96, 64), (64, 32), (96, 64))]
+    weights[1][0, 0] = 1e4  # saturates under its delayed scale
+    scales = [torch.tensor(s) for s in (20.0, 11.0, 0.5)]
+    bits = lambda q: q.view(torch.uint8)  # noqa: E731
+    for fmt in (fp8.E4M3, fp8.E5M2):
+        made = {"eager": (fp8.quantize_weights(weights, fmt), fp8.quantize_weights_delayed(weights, fmt, scales))}
+        monkeypatch.setattr(fp8, "runs_fused", lambda t: True)  # the CUDA path, on CPU tensors
+        made["fused"] = fp8.quantize_weights(weights, fmt), fp8.quantize_weights_delayed(weights, fmt, scales)
+        monkeypatch.undo()
+        (current, (delayed, amaxes)), (got_current, (got_delayed, got_amaxes)) = made["eager"], made["fused"]
+        for ours, theirs in zip(got_delayed + got_current, delayed + current, strict=True):
+            assert torch.equal(bits(ours[0]), bits(theirs[0])) and torch.equal(bits(ours[1]), bits(theirs[1]))
+            assert ours[1].t().is_contiguous() and all(torch.equal(a, b)
+                                                       for a, b in zip(ours[2:], theirs[2:], strict=True))
+        for w, scale, (q, _, got_scale, inverse), w_amax in zip(weights, scales, got_delayed, got_amaxes, strict=True):
+            want_q, want_amax = fp8.quantize_delayed(w, fmt, scale)
+            assert torch.equal(bits(q), bits(want_q)) and torch.equal(w_amax, want_amax) and got_scale is scale
+            assert torch.equal(inverse, fp8.inverse_scale(scale))
+        assert all(torch.equal(a, b) for a, b in zip(amaxes, got_amaxes, strict=True))
+        for w, (q, _, scale, _) in zip(weights, got_current, strict=True):
+            want_q, want_scale = fp8.quantize_current(w, fmt)
+            assert torch.equal(bits(q), bits(want_q)) and torch.equal(scale, want_scale)
+
+
 def test_a_weight_computed_per_call_is_never_served_a_stale_copy():
     """A weight tensor made afresh for each call (kv rows gathered over TP ranks, a detached alias) may land
     at a freed weight's address with the same version (0): the cache must not take it for that weight."""
