@@ -244,7 +244,11 @@ def test_compiled_delayed_scaling_casts_in_the_graph_as_eager(monkeypatch):
     assert "torch.float8_e4m3fn" in forward and "torch.float8_e5m2" in backward
     for graph in (forward, backward):  # the cast scales by a graph input: no scale computed from the amax
         assert "aten.reciprocal" not in graph and "aten.div" not in graph, graph
-        assert "aten.amax.default" in graph, "the amax the history takes, beside the cast"
+    # the amaxes the histories take, beside the casts. torch 2.9's default partitioner (aot_eager's) moves x's to the
+    # backward, keeping bf16 x for it beside the FP8 x; its min-cut partitioner (inductor's) keeps it in the forward
+    # and saves the amax, as every partitioner of 2.11 and 2.13 does
+    assert "aten.amax.default" in backward
+    assert "aten.amax.default" in forward or compat.major_minor(torch.__version__) < (2, 10), forward
     assert "aten.stack" in backward, "the call's amaxes, the sink's gradient"
     assert layer.gemm_recipe.graph_scales is None, "let go of after the block"
 
