@@ -256,11 +256,11 @@ def _quantize_weights_fused(shapes: tuple[tuple[int, ...], ...], x_dtype: torch.
     of weight shapes (static: a block's weights are the same in every block, so a model compiles one or two of
     these), with a code object of its own per list, as `_quantize_fused`'s variants have: the lists never count
     against one function's recompile limit."""
-    math = _WEIGHTS_MATH[kind]
+    cast = _WEIGHTS_MATH[kind]
     name = f"_quantize_weights_{kind}_{len(shapes)}_{str(x_dtype).removeprefix('torch.')}_to_" \
            f"{str(dtype).removeprefix('torch.')}_{abs(hash(shapes)):x}"
-    code = math.__code__.replace(co_name=name)
-    variant = types.FunctionType(code, math.__globals__, name)
+    code = cast.__code__.replace(co_name=name)
+    variant = types.FunctionType(code, cast.__globals__, name)
     return torch.compile(variant, dynamic=False, fullgraph=True)
 
 
@@ -291,9 +291,10 @@ def quantize_weights_delayed(weights: list[torch.Tensor], dtype: torch.dtype, sc
     per optimizer step), as `quantize_weights` for the same reason."""
     detached = [w.detach() for w in weights]
     if not weights or not runs_fused(weights[0]):
-        made = [(*quantize_delayed(w, dtype, scale), scale) for w, scale in zip(detached, scales, strict=True)]
-        return ([(q, column_major(q), scale, inverse_scale(scale)) for q, _, scale in made],
-                [w_amax for _, w_amax, _ in made])
+        casts = [quantize_delayed(w, dtype, scale) for w, scale in zip(detached, scales, strict=True)]
+        copies = [(q, column_major(q), scale, inverse_scale(scale))
+                  for (q, _), scale in zip(casts, scales, strict=True)]
+        return copies, [w_amax for _, w_amax in casts]
     fused = _quantize_weights_fused(tuple(tuple(w.shape) for w in detached), detached[0].dtype, dtype, "delayed")
     copies = fused([w.contiguous() for w in detached], [scale.detach() for scale in scales], fp8_max(dtype), dtype)
     inverses = torch._foreach_reciprocal(list(scales))
