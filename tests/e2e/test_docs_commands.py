@@ -7,15 +7,15 @@ training), and then the document's commands that wrote files where they name (a 
 a redirect, megalm-plot's plots) run a second time in the same directory, as a reader who pastes them again would
 (an output that refuses to be replaced, a run dir that refuses to continue, fail it; a command that only printed,
 or wrote into a new timestamped run dir, cannot meet its own output, and is not run again).
-Two docs run at a time (`doc_runs`), each in a directory of its own; the Python commands (but torchrun) fork from
-a process that imported torch once (tests/e2e/forked_python.py: 3-4 s of CPU less each). With tiny overrides: a small
-model on the documented data (the demo corpus is built in the scratch directory in a second), 3 steps (stops and
-token budgets scaled down), benchmarks cut to one short repetition, outputs redirected away from docs/. Commands that
-need a GPU cluster are checked by config validation at their world size; the GPU tier's script (`tools/gpu_check.sh`),
-which refuses to run without CUDA, by bash parsing it (tests/gpu/test_gpu_check_script.py checks its refusal); the
-set-up commands (`pip install`, `pytest`, `docker`, `tools/gpu_wheels.sh`) are what CI itself runs, or cannot run
-without a Docker engine or a package index. A documented command this file cannot classify fails the test:
-add a rule for it.
+Two docs run at a time (`doc_runs`; one under pytest-xdist), each in a directory of its own; the Python commands (but
+torchrun) fork from a process that imported torch once (tests/e2e/forked_python.py: 3-4 s of CPU less each). With
+tiny overrides: a small model on the documented data (the demo corpus is built in the scratch directory in a second),
+3 steps (stops and token budgets scaled down), benchmarks cut to one short repetition, outputs redirected away from
+docs/. Commands that need a GPU cluster are checked by config validation at their world size; the GPU tier's script
+(`tools/gpu_check.sh`), which refuses to run without CUDA, by bash parsing it (tests/gpu/test_gpu_check_script.py
+checks its refusal); the set-up commands (`pip install`, `pytest`, `docker`, `tools/gpu_wheels.sh`) are what CI
+itself runs, or cannot run without a Docker engine or a package index. A documented command this file cannot classify
+fails the test: add a rule for it.
 """
 
 from __future__ import annotations
@@ -62,7 +62,9 @@ TOOL_FLAGS = {"precision_convergence.py": ["--steps", "2"], "throughput.py": ["-
               "host_overhead.py": ["--steps", "1", "--warmup", "1"],
               "attention_kernels.py": ["--iters", "1", "--warmup", "0"],
               "adamw_kernels.py": ["--iters", "1", "--warmup", "0"],
-              "zero_bubble_blocks.py": ["--iters", "1", "--warmup", "0", "--rows", "zb_eager,zb_compiled"]}
+              # its documented 4,096-token, 8-layer shape compiled took 216 s of CI's long tests (2026-12-01)
+              "zero_bubble_blocks.py": ["--iters", "1", "--warmup", "0", "--rows", "zb_eager,zb_compiled",
+                                        "model.seq_length=64", "model.num_layers=2"]}
 # Benchmarks that set their own model shapes (a tiny model would not shard over their layouts): only these flags.
 OWN_SHAPE_FLAGS = {"estimate_vs_formula.py": ["--models", "8b", "--recompute", "full", "--num-layers", "4"],
                    "fsdp_memory.py": ["--dp", "2", "--models"]}  # the tiny model's real runs at dp 2, no 8B/70B
@@ -197,6 +199,8 @@ def runnable(command: str, tmp: Path) -> tuple[list[str], dict[str, str]] | None
         words += OWN_SHAPE_FLAGS[own_shape]
     elif tool is not None:  # a benchmark: one short repetition, a small model; it runs its own steps
         words += TOOL_FLAGS[tool]
+        if tool == "offload.py" and "--pp" in words:  # its pp 4, four gloo ranks on two cores: 37 s (2026-12-01)
+            words += ["--pp", "2"]
         words += [f"{k}={v}" for k, v in TINY.items() if k.startswith("model.") and k not in overrides_set(words)]
     elif exe == "megalm-estimate":
         layers = estimate_layers(words)
@@ -325,11 +329,14 @@ def run_commands(doc: Path, commands: list[str], tmp_path: Path, env: dict[str, 
 def doc_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[Path, Future]:
     """Every selected doc's run, started at once on two worker threads: most commands are one single-threaded
     process, so two docs at a time keep both cores of a CI machine busy. Each doc has its own directory and
-    cache; the longest docs start first."""
+    cache; the longest docs start first. Under pytest-xdist (`.ci/run` runs the long tests on two workers) another
+    worker keeps the second core busy: one doc at a time, in the tests' order, so that no test waits on another
+    doc's run and the demo's two threads never share the cores with three processes (its 900 s limit)."""
     selected = [item.callspec.params["doc"] for item in request.session.items
                 if getattr(item, "originalname", "") == "test_documented_commands_run"]
-    order = sorted(selected, key=lambda doc: -len(documented_commands(doc)))
-    pool = ThreadPoolExecutor(2, thread_name_prefix="docs")
+    beside_a_worker = "PYTEST_XDIST_WORKER" in os.environ
+    order = selected if beside_a_worker else sorted(selected, key=lambda doc: -len(documented_commands(doc)))
+    pool = ThreadPoolExecutor(1 if beside_a_worker else 2, thread_name_prefix="docs")
     runs = {doc: pool.submit(run_doc, doc, tmp_path_factory.mktemp(doc.stem)) for doc in order}
     yield runs
     pool.shutdown(wait=True, cancel_futures=True)
