@@ -6,15 +6,23 @@ hold slices of the layers) and each rank's TP shard against the matching slice o
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from megalm.model.gpt import VOCAB_PARAMS, resize_vocab_rows
 from megalm.model.naming import canonical_named_parameters, model_chunks
 from megalm.model.shard import shard_specs
+from megalm.parallel.dims import ParallelDims, ParallelMesh
 from megalm.training.optim import current_weights
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
@@ -40,17 +48,20 @@ def held_and_expected(model: torch.nn.Module, name: str, held: torch.Tensor, ful
     return held, expected
 
 
+def _assert_held_match(par: Trainer, rank: int, what: str, held: dict[str, torch.Tensor],
+                       full: dict[str, torch.Tensor], rtol: float, atol: float) -> None:
+    """Every tensor `par` holds (by full-model name) equals its piece of the single-process `full` one."""
+    assert held, f"rank {rank} holds no parameters"
+    for name, tensor in held.items():
+        torch.testing.assert_close(*held_and_expected(par.model, name, tensor, full[name]), rtol=rtol, atol=atol,
+                                   msg=lambda m, n=name: f"rank {rank} {what} {n}: {m}")
+
+
 def assert_grads_match(ref: Trainer, par: Trainer, rank: int, rtol: float = 1e-4, atol: float = 1e-6) -> None:
     """Every gradient `par` holds equals its shard of the single-process gradient."""
     current_weights(par.optimizer)  # ZeRO-1's overlapped all-gather is still in flight after a step
-    ref_params = dict(canonical_named_parameters(ref.model))
-    names = []
-    for name, p in canonical_named_parameters(par.model):
-        names.append(name)
-        torch.testing.assert_close(*held_and_expected(par.model, name, p.grad, ref_params[name].grad), rtol=rtol,
-                                   atol=atol,
-                                   msg=lambda m, n=name: f"rank {rank} grad {n}: {m}")
-    assert names, f"rank {rank} holds no parameters"
+    _assert_held_match(par, rank, "grad", {n: p.grad for n, p in canonical_named_parameters(par.model)},
+                       {n: p.grad for n, p in canonical_named_parameters(ref.model)}, rtol, atol)
 
 
 def assert_same_training(ref: Trainer, par: Trainer, rank: int, steps: int, param_atol: float = 2e-5) -> None:
@@ -61,15 +72,19 @@ def assert_same_training(ref: Trainer, par: Trainer, rank: int, steps: int, para
     looser `param_atol`; the losses and the first step's gradients are the strict checks.
     """
     ref_losses = [ref.train_step(s).loss for s in range(steps)]
+    _assert_same_steps(par, rank, steps, ref_losses, dict(canonical_named_parameters(ref.model)), param_atol)
+
+
+def _assert_same_steps(par: Trainer, rank: int, steps: int, ref_losses: list[float],
+                       ref_params: dict[str, torch.Tensor], param_atol: float) -> None:
+    """`par`'s `steps` optimizer steps against the one process's losses and the parameters after them."""
     par_losses = [par.train_step(s).loss for s in range(steps)]
     for step, (a, b) in enumerate(zip(par_losses, ref_losses, strict=True)):
         assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: loss {a} vs single-process {b}"
     current_weights(par.optimizer)  # ZeRO-1's overlapped all-gather is still in flight after a step
-    ref_params = dict(canonical_named_parameters(ref.model))
-    for name, p in canonical_named_parameters(par.model):
-        torch.testing.assert_close(*held_and_expected(par.model, name, p.detach(), ref_params[name].detach()),
-                                   rtol=1e-4, atol=param_atol,
-                                   msg=lambda m, n=name: f"rank {rank} param {n} after {steps} steps: {m}")
+    _assert_held_match(par, rank, f"param after {steps} steps",
+                       {n: p.detach() for n, p in canonical_named_parameters(par.model)},
+                       {n: p.detach() for n, p in ref_params.items()}, rtol=1e-4, atol=param_atol)
 
 
 def assert_first_step_matches(ref: Trainer, par: Trainer, rank: int) -> None:
@@ -82,12 +97,83 @@ def assert_first_step_matches(ref: Trainer, par: Trainer, rank: int) -> None:
     torch.testing.assert_close(par.grad_norm(), ref.grad_norm(), rtol=1e-5, atol=0)
 
 
-def assert_training_and_eval_match(ref: Trainer, par: Trainer, rank: int, steps: int, param_atol: float) -> None:
-    """After `assert_first_step_matches`: `steps` optimizer steps from scratch, then the validation loss."""
-    for t in (ref, par):
-        t.optimizer.zero_grad(set_to_none=True)
-    assert_same_training(ref, par, rank, steps, param_atol=param_atol)
-    assert abs(par.evaluate() - ref.evaluate()) <= 1e-5 * ref.evaluate()
+@dataclass
+class Reference:
+    """The single-process run a layout is compared with, recorded once: the first step's gradients (by full-model
+    name) and grad norm, the offload store's bytes after it, then from zeroed gradients `steps` optimizer steps'
+    losses, the parameters after them and the validation loss."""
+
+    grads: dict[str, torch.Tensor]
+    grad_norm: torch.Tensor
+    offloaded_bytes: int
+    losses: list[float]
+    params: dict[str, torch.Tensor]
+    eval_loss: float
+
+    @classmethod
+    def record(cls, overrides: list[str], run_dir: str | Path, steps: int) -> Reference:
+        ref = Trainer(compose_config(*overrides), run_dir, mesh=ParallelMesh(ParallelDims()))
+        ref.forward_backward(0)
+        grads = {name: p.grad.detach().clone() for name, p in canonical_named_parameters(ref.model)}
+        grad_norm = ref.grad_norm().detach().clone()
+        store = ref.parallel.offload_store
+        offloaded = store.offloaded_bytes if store is not None else 0
+        ref.optimizer.zero_grad(set_to_none=True)
+        losses = [ref.train_step(s).loss for s in range(steps)]
+        params = {name: p.detach().clone() for name, p in canonical_named_parameters(ref.model)}
+        return cls(grads, grad_norm, offloaded, losses, params, ref.evaluate())
+
+    def save(self, path: Path) -> None:
+        tensors = {**{f"grad/{n}": t for n, t in self.grads.items()},
+                   **{f"param/{n}": t for n, t in self.params.items()}, "grad_norm": self.grad_norm}
+        meta = {"losses": json.dumps(self.losses), "eval_loss": repr(self.eval_loss),
+                "offloaded_bytes": str(self.offloaded_bytes)}
+        partial = path.with_suffix(".partial")
+        save_file({n: t.contiguous() for n, t in tensors.items()}, partial, metadata=meta)
+        partial.replace(path)  # atomic: another test reading the cache sees a whole file or none
+
+    @classmethod
+    def load(cls, path: Path) -> Reference:
+        tensors = load_file(path)
+        with safe_open(path, "pt") as f:
+            meta = f.metadata()
+        pick = lambda prefix: {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)}  # noqa: E731
+        return cls(pick("grad/"), tensors["grad_norm"], int(meta["offloaded_bytes"]), json.loads(meta["losses"]),
+                   pick("param/"), float(meta["eval_loss"]))
+
+
+def single_process_reference(rank: int, overrides: list[str], tmp: str, steps: int) -> Reference:
+    """The one-process run of `overrides` (`Reference`), made once and read by every rank: before, each rank of a
+    4-rank test trained its own copy beside the layout, and every case of a file trained the same one again (the same
+    model and data under each layout). Rank 0 records it into a cache beside the test's directory (the pytest worker's
+    base temp dir: one per xdist worker and session), keyed by the overrides and steps; the others wait at a barrier
+    and read it. The one process is deterministic, so a cached run is the run."""
+    key = hashlib.sha256(json.dumps([list(overrides), steps]).encode()).hexdigest()[:16]
+    cache = Path(tmp).parent / "single_process_references"
+    path = cache / f"{key}.safetensors"
+    if rank == 0 and not path.exists():
+        cache.mkdir(exist_ok=True)
+        Reference.record(overrides, cache / f"{key}.run{os.getpid()}", steps).save(path)
+    dist.barrier()
+    return Reference.load(path)
+
+
+def assert_layout_matches(reference: Reference, par: Trainer, rank: int, steps: int, param_atol: float,
+                          check_first_step: Callable[[], None] | None = None, grads: bool = True) -> None:
+    """`par` against the recorded one-process run: step 0's gradients (not under ZeRO-1, which keeps shards, nor
+    with `grads` false) and grad norm, then `check_first_step` (the layout's own checks of its first step), then from
+    zeroed gradients `steps` optimizer steps (`_assert_same_steps`) and the validation loss."""
+    par.forward_backward(0)
+    if grads and not par.cfg.parallel.zero1:  # ZeRO-1 keeps only gradient shards; its steps are compared later
+        current_weights(par.optimizer)
+        _assert_held_match(par, rank, "grad", {n: p.grad for n, p in canonical_named_parameters(par.model)},
+                           reference.grads, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(par.grad_norm(), reference.grad_norm, rtol=1e-5, atol=0)
+    if check_first_step is not None:
+        check_first_step()
+    par.optimizer.zero_grad(set_to_none=True)
+    _assert_same_steps(par, rank, steps, reference.losses, reference.params, param_atol)
+    assert abs(par.evaluate() - reference.eval_loss) <= 1e-5 * reference.eval_loss
 
 
 def train_and_record(rank: int, world_size: int, overrides: list[str], run_dir: str, out: str) -> None:

@@ -1,20 +1,20 @@
 """Context parallelism equals one process (fp32, same seed, same global batch), alone and composed.
 
-Each worker runs the CP trainer and, in-process, the single-process trainer of the same model and
-data (an explicit one-rank mesh). Compared: the gradients of the first step (every parameter by its
-full-model name, against its TP shard of the full gradient), the grad norm, 5 optimizer steps of
-losses (1e-5 relative), the parameters after them and the validation loss.
+Each worker runs the CP trainer, compared with the single-process run of the same model and data (recorded once per file
+by rank 0: single_process_reference in tests/dist/equivalence.py). Compared: the gradients
+of the first step (every parameter by its full-model name, against its TP shard of the full gradient), the grad norm, 5
+optimizer steps of losses (1e-5 relative), the parameters after them and the validation loss.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from megalm.data.build import build_datasets
 from megalm.data.dataset import global_batch, micro_batches
-from megalm.parallel.dims import ParallelDims, ParallelMesh
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
-from tests.dist.equivalence import assert_first_step_matches, assert_training_and_eval_match
+from tests.dist.equivalence import assert_layout_matches, single_process_reference
 from tests.dist.launch import run_distributed
 
 STEPS = 5
@@ -24,17 +24,17 @@ COMMON = ["trainer.micro_batch_size=2"]
 def check_context(rank: int, world_size: int, overrides: list[str], tmp: str, param_atol: float) -> None:
     """`overrides` configure the parallel run; the reference gets those that are not `parallel.*`."""
     same_model_and_data = [o for o in overrides if not o.startswith("parallel.")]
-    ref = Trainer(compose_config(*same_model_and_data), f"{tmp}/ref{rank}", mesh=ParallelMesh(ParallelDims()))
+    reference = single_process_reference(rank, same_model_and_data, tmp, STEPS)
     par = Trainer(compose_config(*overrides), f"{tmp}/par")
     cp = par.mesh.dims.cp
     assert cp > 1 and par.parallel.reducer.world == cp * par.mesh.dims.dp
 
     if par.cfg.data.varlen:  # the case the padding rule is for: documents that do not fill 2·cp chunks
-        samples = global_batch(ref.data.train, 0, ref.cfg.trainer.global_batch_size)
+        samples = global_batch(build_datasets(compose_config(*same_model_and_data)).train, 0,
+                               par.cfg.trainer.global_batch_size)
         lengths = [n for mb in micro_batches(samples, par.cfg.trainer.micro_batch_size) for n in mb.doc_lengths]
         assert min(lengths) < 2 * cp and any(n % (2 * cp) for n in lengths), lengths
-    assert_first_step_matches(ref, par, rank)
-    assert_training_and_eval_match(ref, par, rank, STEPS, param_atol)
+    assert_layout_matches(reference, par, rank, STEPS, param_atol)
 
 
 # The ring merges attention blocks by log-sum-exp, so gradients differ from one process by fp32

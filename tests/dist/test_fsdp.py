@@ -1,10 +1,10 @@
 """FSDP (ZeRO-3 through FSDP2's fully_shard) equals one process (fp32, same seed, same global batch), alone and
 composed with TP, PP and CP.
 
-Each worker runs the FSDP trainer and, in-process, the single-process trainer of the same model and data. Compared
-(tests/dist/equivalence.py): every gradient of the first step (this rank's FSDP shard against its chunk of the
-full gradient), the grad norm, 5 optimizer steps of losses (1e-5 relative), the parameters after them and the
-validation loss.
+Each worker runs the FSDP trainer, compared with the single-process run of the same model and data (recorded once per
+file by rank 0: single_process_reference in tests/dist/equivalence.py). Compared (tests/dist/equivalence.py): every
+gradient of the first step (this rank's FSDP shard against its chunk of the full gradient), the grad norm, 5 optimizer
+steps of losses (1e-5 relative), the parameters after them and the validation loss.
 """
 
 from __future__ import annotations
@@ -16,15 +16,14 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from megalm.model.naming import canonical_named_parameters
-from megalm.parallel.dims import ParallelDims, ParallelMesh
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
 from tests.dist.equivalence import (
-    assert_first_step_matches,
+    assert_layout_matches,
     assert_resharded_run_continues,
     assert_resume_is_bit_exact,
-    assert_training_and_eval_match,
     held_and_expected,
+    single_process_reference,
 )
 from tests.dist.launch import run_distributed
 
@@ -35,7 +34,7 @@ COMMON = ["trainer.micro_batch_size=2"]
 def check_fsdp(rank: int, world_size: int, overrides: list[str], tmp: str, param_atol: float) -> None:
     """`overrides` configure the FSDP run; the reference gets those that are not `parallel.*`."""
     same_model_and_data = [o for o in overrides if not o.startswith("parallel.")]
-    ref = Trainer(compose_config(*same_model_and_data), f"{tmp}/ref{rank}", mesh=ParallelMesh(ParallelDims()))
+    reference = single_process_reference(rank, same_model_and_data, tmp, STEPS)
     par = Trainer(compose_config("parallel.fsdp=true", *overrides), f"{tmp}/par")
     shards = par.parallel.fsdp_mesh.shape[-1]  # HSDP: (replicate, shard)
     params = [p for _, p in canonical_named_parameters(par.model)]
@@ -44,11 +43,15 @@ def check_fsdp(rank: int, world_size: int, overrides: list[str], tmp: str, param
     # ranks hold none)
     held = sum(p.to_local().numel() for p in params)
     assert held <= sum(p.numel() for p in params) // shards + sum(math.prod(p.shape[1:]) for p in params), held
-    assert_first_step_matches(ref, par, rank)
-    if par.cfg.offload.enabled:  # activations only: FSDP's gathered weights are parameters the store leaves alone
-        ref_bytes, par_bytes = (t.parallel.offload_store.offloaded_bytes for t in (ref, par))
-        assert par_bytes > 0 and ref_bytes == par.mesh.dims.dp * par_bytes, (ref_bytes, par_bytes)
-    assert_training_and_eval_match(ref, par, rank, STEPS, param_atol)
+
+    def offloaded_as_one_process() -> None:
+        """Activations only: FSDP's gathered weights are parameters the store leaves alone."""
+        if par.cfg.offload.enabled:
+            par_bytes = par.parallel.offload_store.offloaded_bytes
+            assert par_bytes > 0 and reference.offloaded_bytes == par.mesh.dims.dp * par_bytes, \
+                (reference.offloaded_bytes, par_bytes)
+
+    assert_layout_matches(reference, par, rank, STEPS, param_atol, offloaded_as_one_process)
 
 
 PARAM_ATOL = 1e-3  # as the other layouts that reorder sums (tests/dist/test_context_parallel.py)

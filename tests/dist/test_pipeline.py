@@ -1,9 +1,9 @@
 """Pipeline parallelism equals one process (fp32, same seed, same global batch), for every schedule.
 
-Each worker runs the pipelined trainer and, in-process, the single-process trainer of the same
-config (an explicit one-rank mesh). Compared: the gradients of the first step (every parameter a
-stage holds, by its full-model name, against the matching TP shard of the full gradient), the loss
-of 5 optimizer steps (1e-5 relative) and the parameters after them.
+Each worker runs the pipelined trainer, compared with the single-process run of the same config (recorded once per file
+by rank 0: single_process_reference in tests/dist/equivalence.py). Compared: the gradients
+of the first step (every parameter a stage holds, by its full-model name, against the matching TP shard of the full
+gradient), the loss of 5 optimizer steps (1e-5 relative) and the parameters after them.
 """
 
 from __future__ import annotations
@@ -13,16 +13,15 @@ import torch
 
 from megalm.model.linear import linear_modules
 from megalm.model.naming import canonical_named_modules, canonical_named_parameters
-from megalm.parallel.dims import ParallelDims, ParallelMesh
 from megalm.parallel.pipeline.actions import Schedule
 from megalm.parallel.pipeline.runtime import PipelineRuntime
 from megalm.parallel.pipeline.schedules import peak_in_flight
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
 from tests.dist.equivalence import (
-    assert_first_step_matches,
+    assert_layout_matches,
     assert_resume_is_bit_exact,
-    assert_training_and_eval_match,
+    single_process_reference,
 )
 from tests.dist.launch import run_distributed
 
@@ -35,18 +34,19 @@ COMMON = ["model.num_layers=4", "trainer.micro_batch_size=2"]
 def check_pipeline(rank: int, world_size: int, overrides: list[str], tmp: str) -> None:
     """`overrides` configure the parallel run; the reference gets those that are not `parallel.*`."""
     same_model_and_data = [o for o in overrides if not o.startswith("parallel.")]
-    ref = Trainer(compose_config(*same_model_and_data), f"{tmp}/ref{rank}", mesh=ParallelMesh(ParallelDims()))
+    reference = single_process_reference(rank, same_model_and_data, tmp, STEPS)
     par = Trainer(compose_config(*overrides), f"{tmp}/par")
     pipeline = par.parallel.runner
     assert isinstance(pipeline, PipelineRuntime)
 
-    assert_first_step_matches(ref, par, rank)
-    # the runtime held exactly as many micro-batch activations as the schedule's accounting says
-    samples = par.cfg.trainer.global_batch_size
-    sched = pipeline.schedule(samples // par.cfg.trainer.micro_batch_size // par.mesh.dims.dp)
-    assert pipeline.peak_in_flight == peak_in_flight(sched)[par.mesh.pp_rank]
+    def peak_as_accounted() -> None:
+        """The runtime held exactly as many micro-batch activations as the schedule's accounting says."""
+        samples = par.cfg.trainer.global_batch_size
+        sched = pipeline.schedule(samples // par.cfg.trainer.micro_batch_size // par.mesh.dims.dp)
+        assert pipeline.peak_in_flight == peak_in_flight(sched)[par.mesh.pp_rank]
+
     # summation order: see assert_same_training
-    assert_training_and_eval_match(ref, par, rank, STEPS, param_atol=1e-3)
+    assert_layout_matches(reference, par, rank, STEPS, 1e-3, peak_as_accounted)
 
 
 LAYOUTS = {

@@ -1,9 +1,9 @@
 """The distributed trainer equals the single-process trainer (fp32, same seed, same global batch).
 
-Every layout runs 5 optimizer steps on CPU/gloo. Each worker also builds the single-process
-trainer in-process (an explicit one-rank mesh), so its reference is computed from the same
-config; the comparison covers per-step losses, the gradients of the first step (each rank's
-shard against the matching slice of the full gradient) and the parameters after 5 steps.
+Every layout runs 5 optimizer steps on CPU/gloo against the single-process run of the same config (recorded once by
+rank 0: single_process_reference in tests/dist/equivalence.py); the comparison covers per-step losses, the gradients of
+the first step (each rank's shard against the matching slice of the full gradient) and the grad norm, the parameters
+after 5 steps and the validation loss. The vocab-padding cases build their one-process trainer in-process.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
 from tests.dist.equivalence import (
     assert_grads_match,
+    assert_layout_matches,
     assert_resume_is_bit_exact,
     assert_same_training,
+    single_process_reference,
 )
 from tests.dist.launch import run_distributed
 
@@ -25,17 +27,9 @@ STEPS = 5
 
 
 def check_layout(rank: int, world_size: int, overrides: list[str], tmp: str, compare_grads: bool) -> None:
-    cfg = compose_config(*overrides)
-    ref = Trainer(compose_config(), f"{tmp}/ref{rank}", mesh=ParallelMesh(ParallelDims()))
-    par = Trainer(cfg, f"{tmp}/par")
-
-    if compare_grads:
-        ref.forward_backward(0)
-        par.forward_backward(0)
-        assert_grads_match(ref, par, rank)
-        for t in (ref, par):
-            t.optimizer.zero_grad(set_to_none=True)
-    assert_same_training(ref, par, rank, STEPS)
+    reference = single_process_reference(rank, [], tmp, STEPS)  # every layout trains the default config
+    par = Trainer(compose_config(*overrides), f"{tmp}/par")
+    assert_layout_matches(reference, par, rank, STEPS, 2e-5, grads=compare_grads)
 
 
 LAYOUTS = {
