@@ -59,9 +59,15 @@ def _assert_held_match(par: Trainer, rank: int, what: str, held: dict[str, torch
 
 def assert_grads_match(ref: Trainer, par: Trainer, rank: int, rtol: float = 1e-4, atol: float = 1e-6) -> None:
     """Every gradient `par` holds equals its shard of the single-process gradient."""
+    _assert_grads_are(par, rank, {n: p.grad for n, p in canonical_named_parameters(ref.model)}, rtol, atol)
+
+
+def _assert_grads_are(par: Trainer, rank: int, full: dict[str, torch.Tensor], rtol: float = 1e-4,
+                      atol: float = 1e-6) -> None:
+    """Every gradient `par` holds equals its shard of `full`, the single-process gradients by full-model name."""
     current_weights(par.optimizer)  # ZeRO-1's overlapped all-gather is still in flight after a step
-    _assert_held_match(par, rank, "grad", {n: p.grad for n, p in canonical_named_parameters(par.model)},
-                       {n: p.grad for n, p in canonical_named_parameters(ref.model)}, rtol, atol)
+    _assert_held_match(par, rank, "grad", {n: p.grad for n, p in canonical_named_parameters(par.model)}, full, rtol,
+                       atol)
 
 
 def assert_same_training(ref: Trainer, par: Trainer, rank: int, steps: int, param_atol: float = 2e-5) -> None:
@@ -165,9 +171,7 @@ def assert_layout_matches(reference: Reference, par: Trainer, rank: int, steps: 
     zeroed gradients `steps` optimizer steps (`_assert_same_steps`) and the validation loss."""
     par.forward_backward(0)
     if grads and not par.cfg.parallel.zero1:  # ZeRO-1 keeps only gradient shards; its steps are compared later
-        current_weights(par.optimizer)
-        _assert_held_match(par, rank, "grad", {n: p.grad for n, p in canonical_named_parameters(par.model)},
-                           reference.grads, rtol=1e-4, atol=1e-6)
+        _assert_grads_are(par, rank, reference.grads)
     torch.testing.assert_close(par.grad_norm(), reference.grad_norm, rtol=1e-5, atol=0)
     if check_first_step is not None:
         check_first_step()

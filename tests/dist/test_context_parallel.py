@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 
-from megalm.data.build import build_datasets
 from megalm.data.dataset import global_batch, micro_batches
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
@@ -30,8 +29,8 @@ def check_context(rank: int, world_size: int, overrides: list[str], tmp: str, pa
     assert cp > 1 and par.parallel.reducer.world == cp * par.mesh.dims.dp
 
     if par.cfg.data.varlen:  # the case the padding rule is for: documents that do not fill 2·cp chunks
-        samples = global_batch(build_datasets(compose_config(*same_model_and_data)).train, 0,
-                               par.cfg.trainer.global_batch_size)
+        # the whole global batch: build_datasets reads no parallel.* key, so the layout's data is the one process's
+        samples = global_batch(par.data.train, 0, par.cfg.trainer.global_batch_size)
         lengths = [n for mb in micro_batches(samples, par.cfg.trainer.micro_batch_size) for n in mb.doc_lengths]
         assert min(lengths) < 2 * cp and any(n % (2 * cp) for n in lengths), lengths
     assert_layout_matches(reference, par, rank, STEPS, param_atol)
