@@ -3,11 +3,12 @@ imported torch once, instead of as fresh interpreters.
 
 Why: `import torch` costs 3-4 s of CPU on a CI core, and tests/e2e/test_docs_commands.py runs about 170 such
 commands; forking from a process that imported it already skips that and nothing else. Only torch is imported ahead
-(a fresh interpreter's state after its own `import torch`, which every command makes), so a command that forgets an
-import of its own still fails as it would when pasted. Each child gets the command's working directory, environment,
-argv and sys.path[0] as `python` would set them, stdin from /dev/null, its stdout and stderr in files, a session of
-its own (a timeout kills the command and whatever it started), and on exit what the interpreter does at shutdown
-(joins non-daemon threads, runs atexit handlers) before its exit status is reported.
+(a fresh interpreter's state after its own `import torch`, which every command makes), with `torch._dynamo`, which
+torch imports itself on first use (every optimizer's constructor and meta-device init do: 1.1 s of CPU), so a command
+that forgets an import of its own still fails as it would when pasted. Each child gets the command's working
+directory, environment, argv and sys.path[0] as `python` would set them, stdin from /dev/null, its stdout and stderr
+in files, a session of its own (a timeout kills the command and whatever it started), and on exit what the
+interpreter does at shutdown (joins non-daemon threads, runs atexit handlers) before its exit status is reported.
 The server is POSIX-only (os.fork) and single-threaded: one command at a time per server.
 """
 
@@ -142,6 +143,7 @@ def _wait(pid: int, timeout: float) -> tuple[int, bool]:
 def serve() -> None:
     """Read one JSON request a line from stdin, fork the command, answer its status a line on stdout."""
     import torch  # noqa: F401 - the point of the server
+    import torch._dynamo  # noqa: F401 - torch loads it lazily in every optimizer's constructor: 1.1 s more a command
 
     for line in sys.stdin:
         request = json.loads(line)
