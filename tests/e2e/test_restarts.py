@@ -133,11 +133,13 @@ def test_a_rank_killed_mid_save_leaves_latest_on_the_previous_checkpoint(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_kill_and_restart_ten_times_in_a_row(tmp_path):
+def test_kill_and_restart_three_times_in_a_row(tmp_path):
     """A restarted group used to hang in init_process_group (or be refused) about one time in four: it read the gloo
-    addresses its dead predecessor left in torchrun's store. Ten kill-and-restart cycles in a row, each resuming
-    within 60 s, so a one-in-four hang cannot pass (0.75^10 < 6%)."""
-    for cycle in range(10):
+    addresses its dead predecessor left in torchrun's store. Three kill-and-restart cycles in a row, each resuming
+    within 60 s. Ten cycles (0.75^10 < 6% for a one-in-four hang to pass) took 162 s of CI's long tests: the cause is
+    now checked without chance by tests/unit/test_dims.py (a restarted attempt reads none of its predecessor's keys),
+    and these cycles check that real restarts still resume."""
+    for cycle in range(3):
         run_dir = tmp_path / f"cycle{cycle}"
         log_file = (tmp_path / f"cycle{cycle}.log").open("w")
         proc = subprocess.Popen([*TORCHRUN, "--max-restarts", "1", "-m", "megalm.train", *COMMON,

@@ -110,3 +110,32 @@ def test_fsdp_cpu_offload_needs_a_gpu():
     cfg = compose_config("parallel.fsdp=true", "parallel.fsdp_cpu_offload=true", "trainer.micro_batch_size=2")
     with pytest.raises(ConfigError, match="on cpu they are there already: drop it"):
         validate_run(cfg, 2, torch.device("cpu"))
+
+
+def test_a_restarted_attempt_reads_none_of_its_predecessors_keys(monkeypatch):
+    """Under torchrun every restart attempt shares the agent's store; a restarted group that read the gloo addresses
+    its dead predecessor wrote hung about one time in four (tests/e2e/test_restarts.py kills and restarts a real run).
+    Each attempt's keys live under a prefix of its own restart count."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megalm.parallel import dims
+    from tests.dist.launch import free_port
+
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
+    timeout = datetime.timedelta(seconds=10)
+    assert dims._attempt_store(2, timeout) is None  # not under torchrun's agent: env:// as it is
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    dead = dims._attempt_store(2, timeout)
+    dead.set("rank_0", "the address of a process that is gone")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restarted = dims._attempt_store(2, timeout)
+    assert not restarted.check(["rank_0"]) and dead.check(["rank_0"])
+    restarted.set("rank_0", "alive")
+    assert restarted.get("rank_0") == b"alive" and dead.get("rank_0") != b"alive"
+    del agent
