@@ -220,11 +220,15 @@ step_calibrate() {
 }
 
 # ------------------------------------------------------------------------------------------------- benchmarks
+declare -A HELPED=()  # dry run: the scripts whose --help ran ok (a second row of the same script only says so)
 bench() {  # bench NAME LIMIT_S SCRIPT ARGS...: on the GPU as given; in a dry run the script's --help only
   local name=$1 limit=$2 script=$3
   shift 3
-  if ((DRY_RUN)); then
+  if ((DRY_RUN)) && [ -n "${HELPED[$script]:-}" ]; then
+    report "" "### $name (dry run: $script's imports and arguments were checked above)"
+  elif ((DRY_RUN)); then
     run "$name (dry run: imports and arguments)" 60 "$PYTHON" "$script" --help
+    if [ "$last_status" = ok ]; then HELPED[$script]=1; fi
   else
     run "$name" "$limit" "$PYTHON" "$script" "$@"
   fi
