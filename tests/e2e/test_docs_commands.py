@@ -123,8 +123,9 @@ def estimate_layers(words: list[str]) -> str:
 
 
 def is_pattern(command: str) -> bool:
-    """A usage pattern (placeholders), not a command to run."""
-    return command in NAMES_IN_PROSE or bool(re.search(r"<[^>]*>|\[--|\bN\b|\bR\b|FILE\.json", command))
+    """A usage pattern (placeholders, or an ellipsis for the arguments), not a command to run."""
+    return command in NAMES_IN_PROSE or bool(re.search(r"<[^>]*>|\[--|\bN\b|\bR\b|FILE\.json|(^| )\.\.\.( |$)",
+                                                       command))
 
 
 def overrides_set(words: list[str]) -> set[str]:
