@@ -8,6 +8,8 @@ import ast
 import importlib.util
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -332,6 +334,22 @@ def test_long_cases_name_default_tests_that_the_torch_legs_do_not_run():
         assert re.search(rf"^def {function}\(", source, re.M), f"{case}: no test {function} in {path}"
         assert not param or f'"{param[:-1]}"' in source or f"'{param[:-1]}'" in source, f"{case}: no id {param}"
         assert not {path, f"{path}::{function}", case} & set(legs), f"{case} is in .ci/torch_leg_tests.txt"
+
+
+def test_the_long_tests_left_to_the_hand_name_long_tests():
+    """.ci/long_tests_by_hand.txt (the long tests CI's run leaves out, for its hour) names, line by line, a node id or a
+    prefix of one that selects at least one long test: a renamed test would otherwise run nowhere but by hand."""
+    text = (ROOT / ".ci" / "long_tests_by_hand.txt").read_text()
+    entries = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    assert entries
+    files = sorted({entry.split("::")[0] for entry in entries})
+    assert all((ROOT / f).is_file() for f in files), [f for f in files if not (ROOT / f).is_file()]
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "slow",
+                                "-p", "no:cacheprovider", *files], cwd=ROOT, capture_output=True, text=True,
+                               timeout=300).stdout.splitlines()
+    for entry in entries:
+        assert any(node == entry or node.startswith((entry + "::", entry + "[")) for node in collected), \
+            f"{entry} selects no long test"
 
 
 def test_no_pipefail_script_pipes_into_a_reader_that_quits_early():
