@@ -31,7 +31,7 @@ Each expert's weights are stacked: `experts.gate_up_proj.weight` [E, 2f, h] (row
 and `experts.down_proj.weight` [E, h, f], so expert parallelism shards dim 0 from outside, and swaps the layer's
 `dispatcher` (how the assignments reach their experts and come back) for an all-to-all one
 (megalm/parallel/expert): the layer itself has no collective. `expert_loop` computes
-the same experts one at a time: the tests' oracle (`torch._grouped_mm` runs on CPU too, from torch 2.9, the floor).
+the same experts one at a time: the tests' oracle (`torch._grouped_mm` runs on CPU too, from torch 2.9 on).
 """
 
 from __future__ import annotations
