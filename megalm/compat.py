@@ -30,8 +30,9 @@ import torch.distributed as dist
 
 log = logging.getLogger("megalm")
 
-# HuggingFaceStorageWriter(save_distributed=...) (checkpoints) first appears in torch 2.9: the floor.
-TORCH_FLOOR = (2, 9)
+# The GPU image's torch, the oldest megalm runs its tests and GPU runs on (2.9 had HuggingFaceStorageWriter's
+# save_distributed, which checkpoints need, and CI tested it until 2026-12-01).
+TORCH_FLOOR = (2, 11)
 
 
 def major_minor(version: str) -> tuple[int, int]:
@@ -43,9 +44,8 @@ def major_minor(version: str) -> tuple[int, int]:
 def check_torch_version(version: str) -> None:
     """Refuse a torch older than the floor pyproject.toml states, with the fix."""
     if major_minor(version) < TORCH_FLOOR:
-        raise ImportError(f"megalm needs torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]} (its checkpoints use "
-                          f"torch.distributed.checkpoint's Hugging Face storage), found {version}; "
-                          f"pip install 'torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}'")
+        raise ImportError(f"megalm needs torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]} (the oldest it is tested on), "
+                          f"found {version}; pip install 'torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}'")
 
 
 check_torch_version(torch.__version__)

@@ -2,14 +2,12 @@
 imported torch once, instead of as fresh interpreters.
 
 Why: `import torch` costs 3-4 s of CPU on a CI core, and tests/e2e/test_docs_commands.py runs about 170 such
-commands; forking from a process that imported it already skips that and nothing else. Imported ahead: torch (a
-fresh interpreter's state after its own `import torch`, which every command makes), `torch._dynamo`, which torch
-imports itself on first use (every optimizer's constructor and meta-device init do: 1.1 s of CPU), and the modules
-nearly every command imports (megalm's trainer and estimator, Hydra's compose: 1.1 s more a command). No megalm module
-reads the environment or changes torch's settings when imported, and a command that forgets an import of its own
-still fails as it would when pasted (a name is bound in the module that imports it). Each child gets the command's
-working directory, environment, argv and sys.path[0] as `python` would set them, stdin from /dev/null, its stdout and
-stderr in files, a session of its own (a timeout kills the command and whatever it started), and on exit what the
+commands; forking from a process that imported it already skips that and nothing else. Only torch is imported ahead
+(a fresh interpreter's state after its own `import torch`, which every command makes), with `torch._dynamo`, which
+torch imports itself on first use (every optimizer's constructor and meta-device init do: 1.1 s of CPU), so a command
+that forgets an import of its own still fails as it would when pasted. Each child gets the command's working
+directory, environment, argv and sys.path[0] as `python` would set them, stdin from /dev/null, its stdout and stderr
+in files, a session of its own (a timeout kills the command and whatever it started), and on exit what the
 interpreter does at shutdown (joins non-daemon threads, runs atexit handlers) before its exit status is reported.
 The server is POSIX-only (os.fork) and single-threaded: one command at a time per server.
 """
@@ -144,13 +142,8 @@ def _wait(pid: int, timeout: float) -> tuple[int, bool]:
 
 def serve() -> None:
     """Read one JSON request a line from stdin, fork the command, answer its status a line on stdout."""
-    import hydra.compose  # noqa: F401 - every training run and estimate composes its config
     import torch  # noqa: F401 - the point of the server
     import torch._dynamo  # noqa: F401 - torch loads it lazily in every optimizer's constructor: 1.1 s more a command
-
-    import megalm.estimate  # noqa: F401 - the estimator, the benchmarks' traces
-    import megalm.training.trainer  # noqa: F401 - megalm-train and every tool that builds a Trainer (not the modules
-    # run as `-m`: runpy warns of a target already imported)
 
     for line in sys.stdin:
         request = json.loads(line)

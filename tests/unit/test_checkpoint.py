@@ -156,6 +156,6 @@ def test_torch_floor_is_checked_and_matches_pyproject():
     assert floor == compat.TORCH_FLOOR
     assert "save_distributed" in inspect.signature(HuggingFaceStorageWriter.__init__).parameters
     compat.check_torch_version(torch.__version__)
-    compat.check_torch_version("2.9.0a0+nv25.09")
-    with pytest.raises(ImportError, match=r"torch>=2\.9.*found 2\.8\.0"):
-        compat.check_torch_version("2.8.0")
+    compat.check_torch_version("2.11.0a0+nv26.04")
+    with pytest.raises(ImportError, match=r"torch>=2\.11.*found 2\.10\.0"):
+        compat.check_torch_version("2.10.0")
