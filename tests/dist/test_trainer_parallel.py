@@ -49,7 +49,7 @@ LAYOUTS = {
 
 # Compiled TP/SP blocks are not a case here: tp2_sp compiled trains as tp2_sp eager (test_compile_layouts.py, fp32,
 # losses to 1e-6) and tp2_sp eager as one process (above), which says what a compiled tp2_sp case against one process
-# said (53 s of the long tests; 223 s beside the others in CI).
+# said (53 s of the long tests alone; 223 s run as .ci/run runs them, beside the others).
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(tmp_path, name):
     world, overrides, grads = LAYOUTS[name]

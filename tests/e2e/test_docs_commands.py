@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -251,6 +252,18 @@ def validate_only(command: str) -> None:
     validate_run(compose_config(*overrides, tiny=False), world_size=8 * nodes)
 
 
+def checked_without_running(command: str) -> Callable[[str], None] | None:
+    """How a command this machine cannot run is checked instead (a multi-node or Slurm launch: its config validated
+    at its world size; the GPU script: bash parses it); None for a command that runs."""
+    if command.startswith("MASTER_ADDR=") or "NNODES=" in command:
+        return validate_only
+    if command.startswith("sbatch "):
+        return validate_sbatch
+    if command.startswith(GPU_ONLY):
+        return parse_only
+    return None
+
+
 _IN_PROCESS = threading.Lock()  # Hydra's compose (the validations below) keeps global state: one at a time
 # A report-only command (an estimate, a benchmark, a simulation: it reads nothing another command wrote and writes
 # nothing another reads) documented in several docs runs once: the first doc to reach it runs it.
@@ -293,16 +306,9 @@ def run_commands(doc: Path, commands: list[str], tmp_path: Path, env: dict[str, 
     for attempt, command in [(attempt, c) for attempt in ("first", "second") for c in commands]:
         if attempt == "second" and command not in writers:
             continue
-        if command.startswith("MASTER_ADDR=") or "NNODES=" in command:
-            with _IN_PROCESS:
-                validate_only(command)
-            continue
-        if command.startswith("sbatch "):
-            with _IN_PROCESS:
-                validate_sbatch(command)
-            continue
-        if command.startswith(GPU_ONLY):
-            parse_only(command)
+        if (check := checked_without_running(command)) is not None:
+            with _IN_PROCESS:  # the validations compose configs (bash parsing the GPU script is brief)
+                check(command)
             continue
         spec = runnable(command, tmp_path)
         if spec is None or (attempt == "first" and run_elsewhere(command)):

@@ -12,7 +12,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 
 from tests.docs_pages import DOCS
-from tests.e2e.test_docs_commands import GPU_ONLY, documented_commands, is_pattern, runnable
+from tests.e2e.test_docs_commands import checked_without_running, documented_commands, is_pattern, runnable
 
 HYDRA_VALUED_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-name", "-cn", "--config-path", "-cp",
                       "--config-dir", "-cd", "--info", "-i"}
@@ -34,9 +34,8 @@ def test_every_documented_command_has_a_rule_and_parses(doc: Path, tmp_path: Pat
     for command in documented_commands(doc):
         if is_pattern(command):
             continue
-        validated_elsewhere = command.startswith(("MASTER_ADDR=", "sbatch ", *GPU_ONLY)) or "NNODES=" in command
-        spec = None if validated_elsewhere else runnable(command, tmp_path)
-        if spec is None:  # validated in process by the long test, or a set-up command
+        spec = None if checked_without_running(command) else runnable(command, tmp_path)
+        if spec is None:  # checked without running by the long test, or a set-up command
             continue
         overrides = training_overrides(spec[0])
         try:
