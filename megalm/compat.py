@@ -1,7 +1,7 @@
 """Every torch API megalm calls that is newer than its floor or changed inside the supported range, probed once.
 
-megalm supports torch >= 2.9 (pyproject.toml states it; `.ci/run` tests the floor, the GPU image's 2.11 and the
-newest release). What differs across that range goes through this module, so the version-dependent surface is in
+megalm supports torch >= 2.11 (pyproject.toml states it; `.ci/run` tests the floor, which is the GPU image's torch,
+and the newest release). What differs across that range goes through this module, so the version-dependent surface is in
 one place: each probe is a signature or capability check computed once (functools.cache), never a version number
 compared, and a probe that picks a fallback says so in one log line naming it.
 

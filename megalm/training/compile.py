@@ -115,19 +115,6 @@ def resolve_auto_compile(cfg: Any, device: torch.device) -> bool | None:
     return cfg.trainer.compile
 
 
-def warn_of_known_crashes(device: torch.device, precision: str, backend: str | Callable) -> None:
-    """One warning where this torch is known to crash the compiled blocks: on torch 2.9, inductor's CPU kernels of
-    `fp8`'s casts (per-tensor current scaling, whose casts are ops of the block's graph, as `fp8_delayed`'s are since
-    2026-12-01) segfaulted in about a quarter of the runs of one of megalm's tests
-    (tests/unit/test_precision_fp8_casts.py, a compiled layer's backward: 11 of 40 runs; none on 2.11 or 2.13). On a
-    GPU inductor writes Triton kernels instead."""
-    if (device.type == "cpu" and backend == "inductor" and precision in ("fp8", "fp8_delayed")
-            and compat.major_minor(torch.__version__) < (2, 10)):
-        log.warning("trainer.compile=true with precision=%s on the CPU: torch %s's inductor CPU kernels for FP8 casts "
-                    "can crash the process (segfault); use torch >= 2.10 or trainer.compile_backend=aot_eager",
-                    precision, torch.__version__)
-
-
 def regather_in_backward(graph: torch.fx.Graph) -> None:
     """Inductor's joint-graph pass (`joint_custom_pre_pass`) that keeps sequence parallelism's memory saving in a
     compiled block. A shard the joint graph all-gathers more than once outside the backward is one that the backward

@@ -28,7 +28,7 @@ from megalm.parallel.microbatch import StepShare
 from megalm.parallel.parallelism import Parallelism
 from megalm.precision import Precision
 from megalm.training import checkpoint as ckpt
-from megalm.training.compile import compile_blocks, compile_loss, warn_of_known_crashes
+from megalm.training.compile import compile_blocks, compile_loss
 from megalm.training.device import select_device
 from megalm.training.expert_load import ExpertLoad
 from megalm.training.flops import peak_flops, training_flops
@@ -74,7 +74,6 @@ class Trainer:
         # chosen (and logged) once, before any forward: a compiled block's trace holds no selection
         choose_attention_backends(self.model, self.device, self.precision.compute_dtype)
         if cfg.trainer.compile:
-            warn_of_known_crashes(self.device, cfg.precision.name, cfg.trainer.compile_backend)
             compile_blocks(self.model, cfg.trainer.compile_backend)
             compile_loss(self.parallel.loss_fn, cfg.trainer.compile_backend)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.parallel.optimizer_factory)

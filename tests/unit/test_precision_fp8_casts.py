@@ -16,7 +16,6 @@ import re
 import pytest
 import torch
 
-from megalm import compat
 from megalm.model.linear import Linear, linear
 from megalm.precision import fp8
 from megalm.precision.layer_state import LinearState
@@ -244,11 +243,10 @@ def test_compiled_delayed_scaling_casts_in_the_graph_as_eager(monkeypatch):
     assert "torch.float8_e4m3fn" in forward and "torch.float8_e5m2" in backward
     for graph in (forward, backward):  # the cast scales by a graph input: no scale computed from the amax
         assert "aten.reciprocal" not in graph and "aten.div" not in graph, graph
-    # the amaxes the histories take, beside the casts. torch 2.9's default partitioner (aot_eager's) moves x's to the
-    # backward, keeping bf16 x for it beside the FP8 x; its min-cut partitioner (inductor's) keeps it in the forward
-    # and saves the amax, as every partitioner of 2.11 and 2.13 does
+    # the amaxes the histories take, beside the casts: x's in the forward (its amax saved, not bf16 x), dy's in the
+    # backward
     assert "aten.amax.default" in backward
-    assert "aten.amax.default" in forward or compat.major_minor(torch.__version__) < (2, 10), forward
+    assert "aten.amax.default" in forward, forward
     assert "aten.stack" in backward, "the call's amaxes, the sink's gradient"
     assert layer.gemm_recipe.graph_scales is None, "let go of after the block"
 
@@ -289,10 +287,6 @@ def test_compiled_per_tensor_fp8_casts_in_the_graph(monkeypatch):
         assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(compat.major_minor(torch.__version__) < (2, 10),
-                    reason=f"torch {torch.__version__}'s inductor CPU kernel of this backward segfaults in about a "
-                           "quarter of runs (11 of 40; none on 2.11 or 2.13): megalm.training.compile."
-                           "warn_of_known_crashes")
 def test_inductor_hands_wgrad_its_operands_column_major(monkeypatch):
     """torch._scaled_mm takes wgrad's operands (dy and x, contracted over the tokens) column-major: the compiled
     graph writes them so beside their casts, and inductor keeps those layouts into the op (no transposing copy in
