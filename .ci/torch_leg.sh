@@ -21,21 +21,12 @@ install() {
   local t0=$SECONDS
   mkdir -p "$DIR"
   python -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q "torch==$VERSION"
-  "$VENV/bin/python" -m pip install -q -e ".[dev]" -c <(echo "torch==$VERSION")  # keep this torch
+  # --no-compile: pip's bytecode compilation of every installed module (14,711 files, about half of the install's
+  # CPU); the leg's tests compile what they import, once
+  "$VENV/bin/python" -m pip install -q --no-compile "torch==$VERSION"
+  "$VENV/bin/python" -m pip install -q --no-compile -e ".[dev]" -c <(echo "torch==$VERSION")  # keep this torch
   if [ "${PEERS:-0}" = 1 ]; then
-    "$VENV/bin/python" -m pip install -q -r tools/compare_peers.txt -c <(echo "torch==$VERSION")
-  fi
-  # torchao declares no torch floor, so pip takes its newest release on any torch; 0.18 fails to import on torch 2.9,
-  # and transformers imports whatever torchao is installed (CI's floor leg: every HF interop test failed). Below the
-  # torch that megalm's torchao backend needs (torchao_fp8.TORCH_MIN_VERSION), the leg has no torchao, as the README
-  # tells such users. A failing check fails the install (set -e), rather than keeping torchao by default.
-  local below_floor
-  below_floor=$("$VENV/bin/python" -c 'import torch; from megalm import compat; from megalm.precision import torchao_fp8
-print(compat.major_minor(torch.__version__) < torchao_fp8.TORCH_MIN_VERSION)')
-  if [ "$below_floor" = True ]; then
-    "$VENV/bin/python" -m pip uninstall -q -y torchao
-    echo "torch leg $VERSION: torchao uninstalled (below its torch floor; transformers would import it)"
+    "$VENV/bin/python" -m pip install -q --no-compile -r tools/compare_peers.txt -c <(echo "torch==$VERSION")
   fi
   local installed
   installed=$("$VENV/bin/python" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')

@@ -305,7 +305,9 @@ def test_compiled_blocks_are_priced_as_inductor_compiles_them(monkeypatch):
     assert compiled.total().bytes < 0.9 * eager.total().bytes
     assert runs["true"]["step_time_s"] < runs["false"]["step_time_s"]
     assert runs["true"]["layout"]["compile"] and runs["true"]["notes"] == []
-    unequal = estimate.estimate([*base, "precision=bf16", "trainer.compile=true"], 1, "h100")["notes"]
+    # the breaks come per document, not per layer: one layer shows them
+    one_layer = [o for o in base if not o.startswith("model.num_layers=")] + ["model.num_layers=1"]
+    unequal = estimate.estimate([*one_layer, "precision=bf16", "trainer.compile=true"], 1, "h100")["notes"]
     assert any(re.match(r"trainer.compile=true: \d+ graph breaks", n) for n in unequal), unequal
     assert not any("priced eager" in n for n in estimate_rank.compile_notes(
         compose_config("precision=fp8_delayed", "trainer.compile=true")))
