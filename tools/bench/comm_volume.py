@@ -19,7 +19,6 @@ import datetime
 import gc
 import json
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -27,11 +26,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as distributed_c10d
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megalm.config.compose import compose_config  # noqa: E402
 from tools.bench.cli import run_main  # noqa: E402
+from tools.bench.ranks import free_port, run_cpu_ranks  # noqa: E402
 
 FULL_BUFFER_IN_OUTPUT = ("all_gather_into_tensor", "all_gather_single")  # (output, input): output is full
 FULL_BUFFER_IN_INPUT = ("reduce_scatter_tensor", "reduce_scatter_single")  # (output, input): input is full
@@ -136,12 +135,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     args, overrides = parser.parse_known_args(argv)
     compose_config(overrides)  # a bad override is one line here, not a traceback from each spawned rank
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "stats.json")
-        mp.start_processes(_worker, args=(args.nproc, port, overrides, out), nprocs=args.nproc, start_method="spawn")
+        run_cpu_ranks(_worker, args.nproc, args.nproc, free_port(), overrides, out)
         report = json.loads(Path(out).read_text())
     print(f"one step, layout {' '.join(overrides) or '(default)'} on {args.nproc} ranks; per rank, rank 0 shown")
     print(f"{'collective[group]':<32}{'calls':>8}{'payload MB':>14}{'ring wire MB':>14}")

@@ -25,7 +25,6 @@ import gc
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -34,11 +33,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megalm.config.compose import compose_config  # noqa: E402
 from tools.bench.cli import parse_flags_and_overrides, run_main  # noqa: E402
+from tools.bench.ranks import free_port, run_cpu_ranks  # noqa: E402
 
 
 def _rss_kib(key: str) -> int:
@@ -142,13 +141,9 @@ def _worker(rank: int, world: int, port: int, seq: int, overrides: list[str], st
 
 
 def run(cp: int, seq: int, overrides: list[str], steps: int, warmup: int) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.start_processes(_worker, args=(cp, port, seq, overrides, steps, warmup, out), nprocs=cp,
-                           start_method="spawn")
+        run_cpu_ranks(_worker, cp, cp, free_port(), seq, overrides, steps, warmup, out)
         return json.loads(Path(out).read_text())
 
 

@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -39,11 +38,11 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from megalm.config.compose import compose_config  # noqa: E402
 from megalm.estimate import rank as estimate  # noqa: E402
 from megalm.measure import LiveStorages  # noqa: E402
+from tools.bench.ranks import free_port, run_cpu_ranks  # noqa: E402
 
 LAYOUTS = {"plain DP": [], "ZeRO-1": ["parallel.zero1=true"], "FSDP": ["parallel.fsdp=true"]}
 COMMON = ["precision=bf16", "trainer.device=cpu", "trainer.micro_batch_size=1", "model.seq_length=64"]
@@ -83,13 +82,10 @@ def _measure(rank: int, world: int, port: int, overrides: list[str], out: str) -
 
 def measured_tiny(layout: str, dp: int) -> tuple[int, list[torch.Size]]:
     """Rank 0's static bytes in a real `dp`-rank gloo run of the tiny model, and its parameter shapes."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     overrides = ["model=tiny", *COMMON, f"parallel.dp={dp}", f"trainer.global_batch_size={dp}", *LAYOUTS[layout]]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
-        mp.start_processes(_measure, args=(dp, port, overrides, out), nprocs=dp, start_method="forkserver")
+        run_cpu_ranks(_measure, dp, dp, free_port(), overrides, out)
         result = json.loads(Path(out).read_text())
     return result["static"], [torch.Size(s) for s in result["shapes"]]
 

@@ -135,18 +135,13 @@ def _pipeline_worker(rank: int, world: int, port: int, overrides: list[str], var
 def pipeline_measured_rows(overrides: list[str], pp: int, fractions: list[float], steps: int, warmup: int
                            ) -> list[dict]:
     """pp gloo processes on this machine (CPU), one pipeline: every policy at every fraction."""
-    import socket
+    from tools.bench.ranks import free_port, run_cpu_ranks
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     variants = [(policy, f) for policy in ("uniform", "lifespan", "auto") for f in fractions]
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/rows.json"
-        mp.spawn(_pipeline_worker, args=(pp, port, [*overrides, f"parallel.pp={pp}", "trainer.device=cpu"], variants,
-                                         steps, warmup, out), nprocs=pp)
+        run_cpu_ranks(_pipeline_worker, pp, pp, free_port(), [*overrides, f"parallel.pp={pp}", "trainer.device=cpu"],
+                      variants, steps, warmup, out)
         return json.loads(Path(out).read_text())
 
 
