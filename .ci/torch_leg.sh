@@ -21,12 +21,13 @@ install() {
   local t0=$SECONDS
   mkdir -p "$DIR"
   python -m venv "$VENV"
-  # --no-compile: pip's bytecode compilation of every installed module (14,711 files, about half of the install's
-  # CPU); the leg's tests compile what they import, once
-  "$VENV/bin/python" -m pip install -q --no-compile "torch==$VERSION"
-  "$VENV/bin/python" -m pip install -q --no-compile -e ".[dev]" -c <(echo "torch==$VERSION")  # keep this torch
+  # pip's bytecode compilation (about half of the install's CPU) stays: with PYTHONDONTWRITEBYTECODE=1, as on these
+  # machines, an import writes no .pyc, and every process of the leg would compile torch again (17 s of CPU an
+  # `import torch` without them, 7 s with, 2026-12-01)
+  "$VENV/bin/python" -m pip install -q "torch==$VERSION"
+  "$VENV/bin/python" -m pip install -q -e ".[dev]" -c <(echo "torch==$VERSION")  # keep this torch
   if [ "${PEERS:-0}" = 1 ]; then
-    "$VENV/bin/python" -m pip install -q --no-compile -r tools/compare_peers.txt -c <(echo "torch==$VERSION")
+    "$VENV/bin/python" -m pip install -q -r tools/compare_peers.txt -c <(echo "torch==$VERSION")
   fi
   local installed
   installed=$("$VENV/bin/python" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')
