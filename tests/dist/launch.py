@@ -26,7 +26,6 @@ import datetime
 import gc
 import multiprocessing
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -37,13 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (the OS picks it; a small race is possible)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
+from tools.bench.ranks import free_port  # the benchmarks' ranks take their port the same way
 
 PORT_TAKEN = "rendezvous port taken before rank 0 listened"  # marks the only failure run_distributed retries
 
