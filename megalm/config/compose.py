@@ -1,8 +1,17 @@
 """configs/ composed with Hydra into a checked `MegalmConfig`: what `megalm-train` runs, and what every tool and the
-estimator compose the same way (megalm.train re-exports it)."""
+estimator compose the same way (megalm.train re-exports it).
+
+A composition costs 0.3-0.6 s of CPU (Hydra merges the structured schema: OmegaConf deep copies), and a process
+often composes the same overrides again (the estimator per candidate layout, the tests' ranks and fixtures: 174 of
+the default suite's 650 compositions in its two pytest workers were repeats, 2026-12-02), so each process keeps the
+configs it composed, keyed by the overrides and the state of configs/' files, and hands out deep copies (0.2 ms).
+"""
 
 from __future__ import annotations
 
+import copy
+import os
+from functools import lru_cache
 from pathlib import Path
 
 from megalm.config.schema import MegalmConfig, register_schema, schema_error_line, to_dataclass
@@ -30,14 +39,30 @@ def _one_line(exc: BaseException) -> str:
 
 
 def compose_config(overrides: list[str]) -> MegalmConfig:
-    """configs/config.yaml with `overrides`, checked against the schema, as a MegalmConfig; a bad key or value
-    is a one-line ConfigError (Hydra reports composition errors over several lines)."""
+    """configs/config.yaml with `overrides`, checked against the schema, as a MegalmConfig of the caller's own; a
+    bad key or value is a one-line ConfigError (Hydra reports composition errors over several lines)."""
+    return copy.deepcopy(_composed(tuple(overrides), CONFIG_DIR, _files_state(CONFIG_DIR)))
+
+
+def _files_state(config_dir: str) -> tuple[tuple[str, int, int], ...]:
+    """(path, mtime, size) of every file under `config_dir`: a config edited while a process runs composes anew."""
+    state = []
+    for root, _, files in os.walk(config_dir):
+        for name in files:
+            info = os.stat(os.path.join(root, name))
+            state.append((os.path.join(root, name), info.st_mtime_ns, info.st_size))
+    return tuple(sorted(state))
+
+
+@lru_cache(maxsize=128)
+def _composed(overrides: tuple[str, ...], config_dir: str, files_state: tuple) -> MegalmConfig:
+    """The composition itself, once per key (a refused one raises each time: lru_cache keeps no exception)."""
     from hydra import compose, initialize_config_dir
 
     register_schema()
     try:
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-            return to_dataclass(compose(config_name="config", overrides=overrides))
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+            return to_dataclass(compose(config_name="config", overrides=list(overrides)))
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - any composition failure is a user error here

@@ -296,7 +296,7 @@ def test_compiled_blocks_are_priced_as_inductor_compiles_them(monkeypatch):
     runs = {compiled: estimate.estimate([*base, *equal, "precision=bf16", f"trainer.compile={compiled}"], 1, "h100")
             for compiled in ("false", "true")}
     eager, compiled = traces
-    if not compat.compiles_over_fake_tensors():  # torch < 2.11 (the floor's leg): eager, and the note says why
+    if not compat.compiles_over_fake_tensors():  # a torch before 2.11: eager, and the note says why
         assert compiled.total().bytes == eager.total().bytes, "priced compiled on a torch that cannot"
         assert any("cannot compile over the trace's fake tensors" in n for n in runs["true"]["notes"])
         return
