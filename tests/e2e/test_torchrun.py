@@ -55,7 +55,6 @@ def test_bad_layout_fails_on_every_rank_without_hanging(tmp_path, args, message)
     assert "megalm/" not in proc.stderr, "no traceback from megalm's code (torchrun adds its own report)"
 
 
-@pytest.mark.slow  # 48 s of the default run (four fresh ranks); there: HDP's in-process ranks (tests/dist/test_hdp.py)
 def test_torchrun_hdp_matches_single_process(tmp_path):
     """HDP from the command line: dp2 x cp2 as one domain of 4, rings of up to 3 ranks, a token budget."""
     common = [*TINY, "trainer.max_steps=4", "precision=fp32", "data.varlen=true", "model.seq_length=48",

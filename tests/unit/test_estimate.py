@@ -273,7 +273,7 @@ def test_compiled_blocks_hold_no_more_than_eager_ones():
     assert compiled["activation_bytes"] <= eager["activation_bytes"], (compiled, eager)
 
 
-@pytest.mark.slow  # 97 s of the default run (seven estimates through inductor); there: compiled blocks' memory
+@pytest.mark.slow  # 97 s of the default run (seven estimates through inductor), which keeps compiled blocks' memory
 # and collectives, and the GPU's FP8 GEMMs in the trace (the three tests before this one)
 def test_compiled_blocks_are_priced_as_inductor_compiles_them(monkeypatch):
     """`trainer.compile=true` is traced through inductor (megalm.measure.compiled_cost.InductorCosts): the same GEMM

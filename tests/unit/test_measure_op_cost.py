@@ -177,7 +177,7 @@ def test_a_counted_call_and_its_backward_count_under_its_category():
     assert counted["elementwise/other"].kernels >= 2  # the multiply after the loss, forward and backward
 
 
-@pytest.mark.slow  # 48 s of the default run (inductor over fake tensors); there: the dense model's compiled row
+@pytest.mark.slow  # 48 s of the default run (inductor over fake tensors), which keeps the dense model's compiled row
 # (test_the_step_cost_tool_counts_six_flops_per_weight_and_token) and the MoE blocks' compiled layouts
 def test_the_step_cost_tool_traces_compiled_moe_blocks():
     """An MoE model's compiled blocks through inductor over fake tensors: fewer kernels and bytes than eager, the

@@ -79,21 +79,21 @@ def imports_of(module: str, type_only_too: bool = False) -> list[tuple[str, int]
 
 
 @functools.cache
-def graph() -> dict[str, list[tuple[str, int]]]:
+def import_graph() -> dict[str, list[tuple[str, int]]]:
     """Every megalm module's imports: parsed when a test first asks (1.5 s), not by every pytest worker that collects
     this file."""
     return {module: imports_of(module) for module in MODULES}
 
 
 def test_every_megalm_import_resolves_to_a_module():
-    missing = [f"{m}:{line} imports {target}" for m, edges in graph().items() for target, line in edges
+    missing = [f"{m}:{line} imports {target}" for m, edges in import_graph().items() for target, line in edges
                if target not in MODULES]
     assert not missing, missing
 
 
 def test_no_upward_import_between_layers():
     bad = []
-    for module, edges in graph().items():
+    for module, edges in import_graph().items():
         for target, line in edges:
             if target not in MODULES or unit_of(target) == unit_of(module):
                 continue
@@ -134,7 +134,7 @@ def find_cycle(graph: dict[str, list[tuple[str, int]]]) -> list[str] | None:
 
 
 def test_no_import_cycle():
-    cycle = find_cycle(graph())
+    cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
@@ -148,7 +148,7 @@ def test_no_import_cycle_through_type_only_imports():
 def test_the_trainer_does_not_know_the_layout():
     """The trainer talks to the Parallelism object only (plus the mesh type and the step's share)."""
     allowed = {"megalm.parallel.parallelism", "megalm.parallel.dims", "megalm.parallel.microbatch"}
-    used = {t for t, _ in graph()["megalm.training.trainer"] if t.startswith("megalm.parallel")}
+    used = {t for t, _ in import_graph()["megalm.training.trainer"] if t.startswith("megalm.parallel")}
     assert used <= allowed, f"the trainer imports parallel internals: {sorted(used - allowed)}"
     source = MODULES["megalm.training.trainer"].read_text()
     for word in ("hdp", "pipeline", "zero1", "sequence_parallel", "cp_rank", "pp_rank"):
@@ -158,7 +158,7 @@ def test_the_trainer_does_not_know_the_layout():
 
 def test_parallel_subpackages_do_not_import_the_composition():
     """Each parallelism is readable alone: only the composition (parallelism.py) imports it, not the reverse."""
-    bad = [f"{m} imports {t}" for m, edges in graph().items() for t, _ in edges
+    bad = [f"{m} imports {t}" for m, edges in import_graph().items() for t, _ in edges
            if m.startswith("megalm.parallel.") and m != "megalm.parallel.parallelism"
            and t == "megalm.parallel.parallelism"]
     assert not bad, bad
@@ -246,8 +246,8 @@ def test_the_extra_torch_legs_cover_every_module_that_goes_through_compat():
         frontier = _test_imports(path)
         for _ in range(3):
             reached |= frontier
-            frontier = {target for module in frontier for target, _ in graph().get(module, [])} - reached
-    users = {module for module, edges in graph().items() if any(t == "megalm.compat" for t, _ in edges)}
+            frontier = {target for module in frontier for target, _ in import_graph().get(module, [])} - reached
+    users = {module for module, edges in import_graph().items() if any(t == "megalm.compat" for t, _ in edges)}
     assert users, "nothing imports megalm.compat?"
     assert users <= reached, f"not reached by .ci/torch_leg_tests.txt: {sorted(users - reached)}"
 
