@@ -40,8 +40,10 @@ def fail(message: str) -> None:
 
 
 def precheck_overrides(argv: list[str]) -> None:
-    """Compose once with the command-line overrides so bad keys/values fail as a single line before Hydra
-    starts the run. Sweeps (-m) and Hydra's own flags are left to Hydra."""
+    """Compose once with the command-line overrides, and check a run's config against every rule at its world size,
+    so that bad keys, values and layouts fail as a single line before Hydra starts the run (a refused run left its
+    empty run dir behind, and took the trainer's imports and two more compositions to say so). Sweeps (-m) and
+    Hydra's own flags are left to Hydra."""
     config_location = ("-cd", "-cp", "-cn", "--config-dir", "--config-path", "--config-name")
     if any(a in ("-m", "--multirun") or a.split("=")[0] in config_location for a in argv):
         return  # a sweep, or another config tree than megalm's configs/: Hydra's to check
@@ -49,7 +51,11 @@ def precheck_overrides(argv: list[str]) -> None:
     overrides = [a for a in argv if not a.startswith("-") and "=" in a]
     runs = not any(a.startswith("-") for a in argv)  # --cfg job, --help ... only print
     try:
-        compose_config(overrides)
+        config = compose_config(overrides)
+        if runs:  # every rule at this process's world size, before Hydra makes a run dir a refused run would leave
+            from megalm.training.validation import validate_run  # torch's import: the run makes it next anyway
+
+            validate_run(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         for override in overrides if runs else []:  # before Hydra makes the run dir and its train.log there
             key, _, value = override.partition("=")
             run_dir = Path(value).expanduser()

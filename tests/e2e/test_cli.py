@@ -159,7 +159,12 @@ def test_a_run_dir_holding_other_files_is_refused_and_kept(tmp_path):
     (["data=indexed", "data.path=/nonexistent/corpus"], ["/nonexistent/corpus"]),
 ])
 def test_bad_input_is_one_line_error(tmp_path, args, fragments):
+    """A config refused by its rules is refused before Hydra starts the run: no run dir is left behind
+    (outputs/DATE/TIME with Hydra's files). A corpus is read when the run starts (a config checked on a laptop may
+    name a cluster's path)."""
     assert_one_line_error(train(args, tmp_path), *fragments)
+    if "data.path=/nonexistent/corpus" not in args:
+        assert not (tmp_path / "outputs").exists(), sorted(str(p) for p in (tmp_path / "outputs").rglob("*"))
 
 
 def test_debug_keeps_the_traceback(tmp_path):
