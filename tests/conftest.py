@@ -93,6 +93,18 @@ def scaled_mm_on_cpu():
         yield
 
 
+# (node id, whether it is a long test) of every test this session collected, `-m` deselection or not: what a test of
+# the suite's own layout reads (the `collected_tests` fixture) instead of collecting again in a process of its own
+COLLECTED: set[tuple[str, bool]] = set()
+
+
+@pytest.fixture
+def collected_tests() -> set[tuple[str, bool]]:
+    """(node id, long test or not) of every test this session collected (a fixture: the module pytest loaded as
+    conftest, whose hook filled it, may not be the one an import of tests.conftest gives)."""
+    return COLLECTED
+
+
 def long_cases() -> set[str]:
     """The node ids of tests/long_cases.txt: default-suite cases run with the long tests, for the default run's
     time budget (the file says which and why)."""
@@ -119,6 +131,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.nodeid in long:
             item.add_marker(pytest.mark.slow)
+    COLLECTED.update((item.nodeid, item.get_closest_marker("slow") is not None) for item in items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="gpu test: no CUDA device visible (torch.cuda.is_available() is False)")
