@@ -14,6 +14,7 @@ The server is POSIX-only (os.fork) and single-threaded: one command at a time pe
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -84,6 +85,26 @@ class ForkedPython:
             status = json.loads(reply)
             return Finished(status["returncode"], out.read_text(errors="replace"), err.read_text(errors="replace"),
                             status["timed_out"])
+
+
+_shared: ForkedPython | None = None
+
+
+def run_one_thread(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """`cmd` as subprocess.run(capture_output=True, text=True) gives it, forked from this process's server where
+    `forkable` (the server started at the first call, with its `env`: OMP_NUM_THREADS=1 is read at torch's import), a
+    fresh process otherwise; a command past `timeout` raises subprocess.TimeoutExpired."""
+    global _shared
+    if (fork := forkable(cmd)) is None:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert env.get("OMP_NUM_THREADS") == "1", "forked commands share the server's one thread (set OMP_NUM_THREADS=1)"
+    if _shared is None:
+        _shared = ForkedPython(env)
+        atexit.register(_shared.__exit__)
+    done = _shared.run(*fork, cwd=cwd, env=env, timeout=timeout)
+    if done.timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, done.stdout, done.stderr)
+    return subprocess.CompletedProcess(cmd, done.returncode, done.stdout, done.stderr)
 
 
 # ------------------------------------------------------------------------------------------------------ the server

@@ -6,7 +6,6 @@ and leave what the user had untouched.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
@@ -18,13 +17,10 @@ import pytest
 import torch
 
 from tests.conftest import TINY
-from tests.e2e.forked_python import ForkedPython, forkable
+from tests.e2e.forked_python import run_one_thread
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 300
-
-
-_forked: ForkedPython | None = None
 
 
 def run(cmd: list[str], cwd: Path, timeout: int = TIMEOUT, threads: int = 1) -> subprocess.CompletedProcess:
@@ -32,17 +28,10 @@ def run(cmd: list[str], cwd: Path, timeout: int = TIMEOUT, threads: int = 1) -> 
     beside another busy process (an xdist worker, a second rank) runs 2.6x slower (docs/benchmarks.md).
     One-thread `python -m ...` and `python SCRIPT.py` commands fork from a server that imported torch once
     (tests/e2e/forked_python.py: 4-5 s of CPU less a command); the others start fresh."""
-    global _forked
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
-    if threads != 1 or (fork := forkable(cmd)) is None:
+    if threads != 1:
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    if _forked is None:
-        _forked = ForkedPython(env)  # OMP_NUM_THREADS=1 at the server's import of torch, as in a fresh command
-        atexit.register(_forked.__exit__)
-    done = _forked.run(*fork, cwd=cwd, env=env, timeout=timeout)
-    if done.timed_out:
-        raise subprocess.TimeoutExpired(cmd, timeout, done.stdout, done.stderr)
-    return subprocess.CompletedProcess(cmd, done.returncode, done.stdout, done.stderr)
+    return run_one_thread(cmd, cwd, env, timeout)
 
 
 def train(args: list[str], cwd: Path, tiny: bool = True) -> subprocess.CompletedProcess:

@@ -4,11 +4,12 @@ and exit code 2, not Hydra's or argparse's traceback, and no run starts."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.forked_python import run_one_thread
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
     (["tools/hdp_plan.py", "--step", "-1"], "--step -1 must be >= 0"),
 ])
 def test_a_bad_override_is_one_line(argv, fragment, tmp_path):
-    proc = subprocess.run([sys.executable, *[str(ROOT / a) if a.endswith(".py") else a for a in argv]],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    # forked from a server that imported torch (tests/e2e/forked_python.py): 3 s of CPU less a case
+    proc = run_one_thread([sys.executable, *[str(ROOT / a) if a.endswith(".py") else a for a in argv]], tmp_path,
+                          {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, timeout=300)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
     assert fragment in lines[0] and "Traceback" not in proc.stderr
