@@ -10,20 +10,22 @@ enough for the small models one samples from on a workstation.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 import torch
 
-from megalm.data.tokenizer import build_tokenizer
 from megalm.errors import MegalmError, one_line_errors
-from megalm.model import GPT
-from megalm.model.gpt import real_logits
-from megalm.training.checkpoint import load_saved_model
+
+if TYPE_CHECKING:
+    from megalm.model import GPT
 
 
 @torch.no_grad()
 def sample(model: GPT, prompt: list[int], max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
            eod_id: int | None = None, generator: torch.Generator | None = None) -> list[int]:
     """Autoregressive sampling; the context is cropped to the model's positions; stops at eod."""
+    from megalm.model.gpt import real_logits
+
     device = next(model.parameters()).device
     max_positions = model.cfg.max_position_embeddings
     ids = list(prompt)
@@ -52,6 +54,10 @@ def load_for_generation(path: str, device: str = "cpu", tokenizer: str | None = 
     """Model (weights loaded) and tokenizer of a checkpoint dir or run dir; `tokenizer` (a tokenizer.json or "byte")
     in place of the one the checkpoint names. A tokenizer of another vocabulary than the model's is refused: it
     would decode the ids into other text."""
+    # the model and checkpoint stack (2-3 s of imports) only now: a bad flag is answered before it
+    from megalm.data.tokenizer import build_tokenizer
+    from megalm.training.checkpoint import load_saved_model
+
     meta, model = load_saved_model(path, device)
     model.eval()
     spec = tokenizer or meta.state.get("tokenizer")
