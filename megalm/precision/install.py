@@ -17,7 +17,7 @@ from torch import nn
 
 from megalm.model.linear import LinearHooks, linear_modules
 from megalm.model.naming import canonical_named_modules, model_chunks
-from megalm.precision.layer_state import LinearState, WeightsVersion
+from megalm.precision.layer_state import LinearState, WeightsVersion, set_steps
 from megalm.precision.linear import RecipeGemms
 from megalm.precision.recipes import Recipe, get_recipe
 
@@ -140,5 +140,4 @@ def load_amax_histories(model: nn.Module, tensors: Mapping[str, torch.Tensor], l
 def set_precision_step(model: nn.Module, step: int, micro_batch: int = 0) -> None:
     """Start the seed stream of every low-precision layer at (step, micro_batch); call it before each
     micro-batch's forward for draws that do not depend on the schedule."""
-    for state, _ in _layer_states(model):
-        state.set_step(step, micro_batch)
+    set_steps((state for state, _ in _layer_states(model)), step, micro_batch)

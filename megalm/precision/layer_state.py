@@ -17,7 +17,7 @@ draws its seed from torch's default generator (reproducible under torch.manual_s
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -88,12 +88,7 @@ class LinearState:
     def set_step(self, step: int, micro_batch: int = 0) -> None:
         """Start the seed stream at (step, micro_batch); a new step also ends the last one's amax histories
         (delayed scaling: `fp8.AmaxHistory.roll`)."""
-        for history in self.amax.values():
-            if step != self.step:
-                history.roll()
-            else:
-                history.compact()
-        self.step, self.micro_batch, self.calls = step, micro_batch, 0
+        set_steps([self], step, micro_batch)
 
     def next_seed(self) -> int:
         seed = hash_seed(self.seed, self.name, self.step, self.micro_batch, self.calls)
@@ -106,3 +101,13 @@ class LinearState:
     def load_state_dict(self, state: dict) -> None:
         for k, v in state["amax"].items():
             self.amax[k].load_state_dict(v)
+
+
+def set_steps(states: Iterable[LinearState], step: int, micro_batch: int = 0) -> None:
+    """`LinearState.set_step` of many layers, their amax histories rolled (a new step) or compacted together in a
+    few batched kernels (`fp8.roll_histories`), not a few per history."""
+    states = list(states)
+    fp8.roll_histories([h for state in states if state.step != step for h in state.amax.values()])
+    fp8.compact_histories([h for state in states if state.step == step for h in state.amax.values()])
+    for state in states:
+        state.step, state.micro_batch, state.calls = step, micro_batch, 0

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
     (["-m", "megalm.train", "--cfg", "job", "model.hiden=3"], "unknown config key 'model.hiden'"),
     (["tools/bench/throughput.py", "--steps", "0"], "--steps 0 must be >= 1"),
     (["tools/hdp_plan.py", "--step", "-1"], "--step -1 must be >= 0"),
+    (["tools/bench/amax_histories.py", "--reps", "0"], "--reps 0 must be >= 1"),
 ])
 def test_a_bad_override_is_one_line(argv, fragment, tmp_path):
     # forked from a server that imported torch (tests/e2e/forked_python.py): 3 s of CPU less a case

@@ -18,7 +18,7 @@ import torch
 
 from megalm.model.linear import Linear, linear
 from megalm.precision import fp8
-from megalm.precision.layer_state import LinearState
+from megalm.precision.layer_state import LinearState, set_steps
 from megalm.precision.linear import RecipeGemms
 from megalm.precision.recipes import get_recipe
 
@@ -369,3 +369,54 @@ def test_delayed_scaling_histories_restart_on_another_layout_with_a_log_line(tmp
     histories = [m.gemm_recipe.state.amax["x"] for m in resumed.model.modules()
                  if isinstance(m.__dict__.get("gemm_recipe"), RecipeGemms)]
     assert histories and all(h.history is None and h.count == 0 for h in histories)
+
+
+class _OpCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops dispatched inside, views left out (they launch nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if not func.is_view:
+            self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("micro_batches", [2, 3])
+def test_delayed_histories_end_a_micro_batch_and_a_step_in_kernels_that_do_not_grow_with_the_layers(micro_batches):
+    """Between micro-batches every layer's x, w and dy histories are compacted, and at a new step rolled, together:
+    the same few ops for 4 layers as for 40 (each history took two of its own), with the values the one-history
+    `AmaxHistory.compact` and `roll` give. A recompute's second amax (three for x) is a group of its own."""
+    def states(layers: int, seed: int) -> list[LinearState]:
+        g = torch.Generator().manual_seed(seed)
+        made = [LinearState(f"layer{i}", amax_history_len=4) for i in range(layers)]
+        for state in made:
+            for name, history in state.amax.items():
+                uses = micro_batches + (name == "x")  # x: a recomputed forward's cast too
+                history.history = torch.zeros(4)  # after the first step (which allocates each ring once)
+                history.pending = [torch.rand((), generator=g) * 10 for _ in range(uses)]
+        return made
+
+    counted = {}
+    for layers in (4, 40):
+        batched, one_by_one = states(layers, seed=layers), states(layers, seed=layers)
+        with _OpCount() as compact:
+            set_steps(batched, 0, micro_batch=1)
+        with _OpCount() as roll:
+            set_steps(batched, 1)
+        for state in one_by_one:
+            for history in state.amax.values():  # the reference: one history at a time
+                history.pending = [torch.stack(history.pending).amax()]
+                history.history[0] = history.pending.pop()
+                history.count = 1
+        for mine, reference in zip(batched, one_by_one, strict=True):
+            assert (mine.step, mine.micro_batch, mine.calls) == (1, 0, 0)
+            for name in ("x", "w", "dy"):
+                assert torch.equal(mine.amax[name].history, reference.amax[name].history), (layers, name)
+                assert mine.amax[name].count == 1 and mine.amax[name].pending == []
+        counted[layers] = (sorted(compact.ops), sorted(roll.ops))
+    assert counted[4] == counted[40], counted
+    compact_ops, roll_ops = counted[4]
+    assert len(compact_ops) <= 4 and len(roll_ops) <= 2, counted[4]
