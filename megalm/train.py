@@ -3,8 +3,8 @@
 Every run writes its resolved config, `metrics.jsonl` and checkpoints into its Hydra run dir
 (`hydra.run.dir=...` chooses it). User errors print as one line and exit with code 2; `debug=true`
 keeps the traceback. A run stopped by a preemption signal exits with 75 after its checkpoint. torch and the
-trainer (3 s of imports) are imported only when a run starts, so `--help`, `--cfg job` and config errors answer
-at once.
+trainer (3 s of imports) are imported only when a run starts, so `--help`, `--cfg job` and a bad key or value answer
+at once (a rule of the layout or the recipe after torch's import, still before Hydra makes the run dir).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from megalm.config import (
+    MegalmConfig,
     process_group_minutes,
     register_schema,
     to_dataclass,
@@ -53,9 +54,7 @@ def precheck_overrides(argv: list[str]) -> None:
     try:
         config = compose_config(overrides)
         if runs:  # every rule at this process's world size, before Hydra makes a run dir a refused run would leave
-            from megalm.training.validation import validate_run  # torch's import: the run makes it next anyway
-
-            validate_run(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+            check_run(config)
         for override in overrides if runs else []:  # before Hydra makes the run dir and its train.log there
             key, _, value = override.partition("=")
             run_dir = Path(value).expanduser()
@@ -68,6 +67,20 @@ def precheck_overrides(argv: list[str]) -> None:
         if "debug=true" in overrides:
             raise
         fail(str(e))
+
+
+def check_run(config: MegalmConfig) -> None:
+    """Every rule of the run's config, at this process's world size and on its device (under torchrun its
+    LOCAL_RANK's GPU, which the run binds once it joins the group): what the trainer checks again when it starts."""
+    import torch  # the run imports it next anyway
+
+    from megalm.training.device import select_device
+    from megalm.training.validation import validate_run
+
+    device = select_device(config.trainer.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    validate_run(config, world_size=int(os.environ.get("WORLD_SIZE", "1")), device=device)
 
 
 def check_run_dir(run_dir: Path) -> None:

@@ -380,8 +380,8 @@ def compact_histories(histories: Iterable[AmaxHistory]) -> None:
         if len(history.pending) > 1:
             first = history.pending[0]
             groups.setdefault((len(history.pending), first.device, first.dtype), []).append(history)
-    for (k, _, _), group in groups.items():
-        maxes = torch.stack([a for history in group for a in history.pending]).view(len(group), k).amax(dim=1)
+    for group in groups.values():
+        maxes = torch.stack([a for history in group for a in history.pending]).reshape(len(group), -1).amax(dim=1)
         for history, step_max in zip(group, maxes.unbind(), strict=True):
             history.pending = [step_max]
 

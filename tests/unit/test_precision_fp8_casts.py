@@ -420,3 +420,53 @@ def test_delayed_histories_end_a_micro_batch_and_a_step_in_kernels_that_do_not_g
     assert counted[4] == counted[40], counted
     compact_ops, roll_ops = counted[4]
     assert len(compact_ops) <= 4 and len(roll_ops) <= 2, counted[4]
+
+
+def test_batched_histories_end_steps_as_one_history_at_a_time_does():
+    """`set_steps` against the per-history code it replaced (written out here): a ring not allocated yet, one that
+    wraps past its length, one whose counts differ from the others' (as a checkpoint restores them), an unused
+    tensor (no amax: its count stays), one amax or three (a recompute), on a step's start and between micro-batches."""
+    def old_compact(h: fp8.AmaxHistory) -> None:
+        if len(h.pending) > 1:
+            h.pending = [torch.stack(h.pending).amax()]
+
+    def old_roll(h: fp8.AmaxHistory) -> None:
+        old_compact(h)
+        if not h.pending:
+            return
+        if h.history is None:
+            h.history = torch.zeros(h.length)
+        h.history[h.count % h.length] = h.pending[0].float()
+        h.count, h.pending = h.count + 1, []
+
+    def layers(seed: int) -> list[LinearState]:
+        g = torch.Generator().manual_seed(seed)
+        made = []
+        for i, (count, uses) in enumerate([(0, 1), (3, 3), (5, 2), (7, 0), (2, 1), (0, 3)]):
+            state = LinearState(f"layer{i}", amax_history_len=3)
+            for name, history in state.amax.items():
+                if count:  # restored: a ring of its own count (7 wraps twice past its length of 3)
+                    history.history, history.count = torch.rand(3, generator=g), count + len(name)
+                history.pending = [torch.rand((), generator=g) for _ in range(uses)]
+            made.append(state)
+        return made
+
+    batched, reference = layers(0), layers(0)
+    for step, micro_batch in [(0, 1), (1, 0), (1, 1), (2, 0)]:
+        set_steps(batched, step, micro_batch)
+        for state in reference:
+            for history in state.amax.values():
+                (old_roll if step != state.step else old_compact)(history)
+            state.step = step
+        for mine, old in zip(batched, reference, strict=True):
+            for name in ("x", "w", "dy"):
+                a, b = mine.amax[name], old.amax[name]
+                assert a.count == b.count and len(a.pending) == len(b.pending), (step, mine.name, name)
+                assert (a.history is None) == (b.history is None), (step, mine.name, name)
+                assert a.history is None or torch.equal(a.history, b.history), (step, mine.name, name)
+                assert all(torch.equal(p, q) for p, q in zip(a.pending, b.pending, strict=True))
+        for states in (batched, reference):  # the next micro-batch's amaxes, the same in both
+            g = torch.Generator().manual_seed(step)
+            for state in states:
+                for history in state.amax.values():
+                    history.pending += [torch.rand((), generator=g) for _ in range(2)]

@@ -349,15 +349,18 @@ def test_the_long_tests_left_to_the_hand_name_long_tests(collected_tests):
     assert entries
     files = sorted({entry.split("::")[0] for entry in entries})
     assert all((ROOT / f).is_file() for f in files), [f for f in files if not (ROOT / f).is_file()]
-    # this session's own collection where it read those files (the default run's does: 25 s of a pytest of its own)
-    collected = [node for node, slow in collected_tests if slow]
-    if not all(any(node.startswith(f + "::") for node, _ in collected_tests) for f in files):
+    def selects(entry: str, nodes: list[str]) -> bool:
+        return any(node == entry or node.startswith((entry + "::", entry + "[")) for node in nodes)
+
+    # this session's own collection first (the default run's reads every file: a pytest of its own took 25 s); what it
+    # did not select (a run of a few node ids, `--lf`) is collected apart
+    unmatched = [e for e in entries if not selects(e, [node for node, slow in collected_tests if slow])]
+    if unmatched:
         collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "slow",
-                                    "-p", "no:cacheprovider", *files], cwd=ROOT, capture_output=True, text=True,
-                                   timeout=300).stdout.splitlines()
-    for entry in entries:
-        assert any(node == entry or node.startswith((entry + "::", entry + "[")) for node in collected), \
-            f"{entry} selects no long test"
+                                    "-p", "no:cacheprovider", *sorted({e.split("::")[0] for e in unmatched})],
+                                   cwd=ROOT, capture_output=True, text=True, timeout=300).stdout.splitlines()
+        for entry in unmatched:
+            assert selects(entry, collected), f"{entry} selects no long test"
 
 
 def test_no_pipefail_script_pipes_into_a_reader_that_quits_early():

@@ -43,15 +43,16 @@ def measure(overrides: list[str], reps: int) -> dict:
         trainer.train_step(0)  # every history used once
         histories = [h for state, _ in _layer_states(trainer.model) for h in state.amax.values()]
         set_precision_step(trainer.model, 1)  # the first step's rings allocated: what every later step finds
+        device = next(trainer.model.parameters()).device  # where the layers' amaxes are
         compact, roll = [], []
         for step in range(2, 2 + reps):
             for history in histories:
-                history.pending = [torch.rand(()), torch.rand(())]
+                history.pending = [torch.rand((), device=device) for _ in range(2)]
             start = time.perf_counter()
             set_precision_step(trainer.model, step - 1, micro_batch=1)
             compact.append(time.perf_counter() - start)
             for history in histories:
-                history.pending.append(torch.rand(()))
+                history.pending.append(torch.rand((), device=device))
             start = time.perf_counter()
             set_precision_step(trainer.model, step)
             roll.append(time.perf_counter() - start)
