@@ -105,6 +105,20 @@ def collected_tests() -> set[tuple[str, bool]]:
     return COLLECTED
 
 
+class LaunchedOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops dispatched inside, by name, views left out (they launch no kernel): what a test counts to show
+    that a batched path's kernels do not grow with the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if not func.is_view:
+            self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
 def long_cases() -> set[str]:
     """The node ids of tests/long_cases.txt: default-suite cases run with the long tests, for the default run's
     time budget (the file says which and why)."""

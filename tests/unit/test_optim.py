@@ -46,27 +46,16 @@ def test_norms_and_biases_are_not_decayed():
 def test_grad_norm_launches_the_same_kernels_for_any_depth(tmp_path, extra):
     """The norm is foreach over all gradients: doubling the layers adds no kernel, and it equals the norm of
     torch's clip_grad_norm_ computed from the same gradients."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from megalm.training.trainer import Trainer
-    from tests.conftest import compose_config
-
-    class CountOps(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops += not func.is_view  # kernels; a view (a slice of a ZeRO-1 shard) launches none
-            return func(*args, **(kwargs or {}))
+    from tests.conftest import LaunchedOps, compose_config
 
     counts = []
     for layers in (2, 4):
         trainer = Trainer(compose_config(f"model.num_layers={layers}", *extra), tmp_path / f"{layers}")
         trainer.forward_backward(0)
-        with CountOps() as count:
+        with LaunchedOps() as launched:  # a view (a slice of a ZeRO-1 shard) launches no kernel
             norm = trainer.grad_norm()
-        counts.append(count.ops)
+        counts.append(len(launched.ops))
         grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
         if grads:  # without ZeRO-1 the gradients sit in p.grad
             expected = torch.nn.utils.get_total_norm(grads) if hasattr(torch.nn.utils, "get_total_norm") else \

@@ -21,6 +21,7 @@ from megalm.precision import fp8
 from megalm.precision.layer_state import LinearState, set_steps
 from megalm.precision.linear import RecipeGemms
 from megalm.precision.recipes import get_recipe
+from tests.conftest import LaunchedOps
 
 E4M3 = torch.float8_e4m3fn
 FP8 = {torch.float8_e4m3fn, torch.float8_e5m2}
@@ -371,19 +372,6 @@ def test_delayed_scaling_histories_restart_on_another_layout_with_a_log_line(tmp
     assert histories and all(h.history is None and h.count == 0 for h in histories)
 
 
-class _OpCount(torch.utils._python_dispatch.TorchDispatchMode):
-    """The aten ops dispatched inside, views left out (they launch nothing)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if not func.is_view:
-            self.ops.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("micro_batches", [2, 3])
 def test_delayed_histories_end_a_micro_batch_and_a_step_in_kernels_that_do_not_grow_with_the_layers(micro_batches):
     """Between micro-batches every layer's x, w and dy histories are compacted, and at a new step rolled, together:
@@ -402,9 +390,9 @@ def test_delayed_histories_end_a_micro_batch_and_a_step_in_kernels_that_do_not_g
     counted = {}
     for layers in (4, 40):
         batched, one_by_one = states(layers, seed=layers), states(layers, seed=layers)
-        with _OpCount() as compact:
+        with LaunchedOps() as compact:
             set_steps(batched, 0, micro_batch=1)
-        with _OpCount() as roll:
+        with LaunchedOps() as roll:
             set_steps(batched, 1)
         for state in one_by_one:
             for history in state.amax.values():  # the reference: one history at a time
