@@ -43,12 +43,12 @@ def _table(result: dict[str, Any]) -> str:
     lines = [f"{result['model']} on {result['world']} x {GPUS[result['gpu']].name} "
              f"({HBM_BYTES[result['gpu']] / GIB:.0f} GiB): {result['layout']}",
              "| role | rank | params | grads | optimizer | activations | host | reserve | peak GiB | TFLOP | "
-             "compute s | comm s |", "| --- " * 12 + "|"]
+             "compute s | comm s | hidden comm s |", "| --- " * 13 + "|"]
     for r in result["ranks"]:
         lines.append(f"| {r['role']} | {r['rank']} | {gib(r['param_bytes'])} | {gib(r['grad_bytes'])} | "
                      f"{gib(r['optimizer_bytes'])} | {gib(r['activation_bytes'])} | {gib(r['host_bytes'])} | "
                      f"{gib(r['reserve_bytes'])} | {gib(r['peak_bytes'])} | {r['flops'] / 1e12:.1f} | "
-                     f"{r['compute_s']:.3f} | {r['comm_s']:.3f} |")
+                     f"{r['compute_s']:.3f} | {r['comm_s']:.3f} | {r['hidden_comm_s']:.3f} |")
     lines.append(f"step {result['step_time_s']:.3f} s (bubble x{result['bubble_factor']:.2f}), MFU "
                  f"{result['mfu']:.1%}, {result['tokens_per_s']:,.0f} tokens/s; "
                  + ("fits" if result["fits"] else "does NOT fit") + " in device memory")

@@ -279,7 +279,7 @@ def moe_activation_ratio(shape: Shape) -> float:
 # ------------------------------------------------------------------------------------------ the estimator, shallow
 
 EXTRAPOLATED = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "comm_bytes", "host_bytes",
-                "flops", "compute_s", "optimizer_s")
+                "flops", "compute_s", "optimizer_s", "hidden_comm_s")
 PER_STEP_DIMS = ("dp", "dp_cp", "embedding", "expert_dp")  # collectives once a step: gradients, tied embeddings
 
 
@@ -315,8 +315,9 @@ def shallow_rank(base: list[str], layout: Layout, shape: Shape, stage: int, role
     return replace(deep, **{k: int(v) for k, v in values.items() if k.endswith("_bytes")}, peak_bytes=peak + reserve,
                    reserve_bytes=reserve, flops=values["flops"] * scale, optimizer_s=values["optimizer_s"],
                    compute_s=(values["compute_s"] - values["optimizer_s"]) * scale + values["optimizer_s"],
-                   collective_bytes=collective, domain=None,
-                   comm_s=_comm_seconds(collective, LINKS[gpu], inside_node(layout.tp, layout.cp, layout.ep)))
+                   collective_bytes=collective, domain=None, hidden_comm_s=values["hidden_comm_s"] * scale,
+                   comm_s=_comm_seconds(collective, LINKS[gpu], inside_node(layout.tp, layout.cp, layout.ep))
+                   - values["hidden_comm_s"] * scale)
 
 
 # ------------------------------------------------------------------------------------------------------ the search

@@ -21,8 +21,10 @@ the caching allocator's fragmentation (10% of the peak, PyTorch's documented `ex
 Step time: the rank's roofline time for compute (max(FLOPs / peak, bytes / HBM bandwidth) per op), stretched by the
 pipeline's bubble (the schedule the runtime runs, simulated: (m + p - 1) / m micro-batch slots for 1F1B), plus
 its collectives at the link's bandwidth: tensor- and context-parallel groups inside a node of 8 GPUs (tp <= 8, tp x cp
-<= 8) over NVLink, the rest (data- and pipeline-parallel traffic, groups that span nodes) over InfiniBand (`LINKS`),
-none of it assumed hidden behind compute. MFU is
+<= 8) over NVLink, the rest (data- and pipeline-parallel traffic, groups that span nodes) over InfiniBand (`LINKS`).
+A collective the step leaves in flight (tensor parallelism's backward collectives, megalm.parallel.tensor.comm.
+Pending) is hidden behind the roofline time of the ops the rank runs before it waits for it, up to its own time
+(`hidden_comm_s`); every other collective is counted as not hidden. MFU is
 6·N·T (plus attention) FLOPs of the global step over (world x peak x step time); tokens/s the global batch's
 tokens over the step time.
 
@@ -100,6 +102,7 @@ class RankEstimate:
     # micro-batches)
     domain: dict[str, list[int]] | None = None  # HDP: every domain rank's load of the step (`hdp_loads`)
     step_collective_bytes: dict[str, int] = field(default_factory=dict)  # of collective_bytes, the clip's and step's
+    hidden_comm_s: float = 0.0  # the collectives' time hidden behind compute (in flight), already out of comm_s
 
 
 class Collectives(TorchDispatchMode):
@@ -116,6 +119,7 @@ class Collectives(TorchDispatchMode):
         self.bytes: dict[str, int] = defaultdict(int)
         self.step_bytes: dict[str, int] = defaultdict(int)  # of `bytes`, those moved while `once_a_step` is set
         self.once_a_step = False
+        self.last: tuple[str, int] = ("other", 0)  # the latest collective's (mesh dimension, link bytes)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -143,6 +147,7 @@ class Collectives(TorchDispatchMode):
             largest = max((t.numel() * t.element_size() for t in tensors), default=0)
             moved = largest * (2 if func.__name__.startswith(("allreduce", "all_reduce")) else 1)
             self.bytes[dim] += moved
+            self.last = (dim, moved)
             if self.once_a_step:
                 self.step_bytes[dim] += moved
         return out
@@ -163,6 +168,43 @@ class OnceAStep:
     def __exit__(self, *exc: object) -> None:
         self.comms.once_a_step = False
         self.ms += self.costs.total().ms - self._before
+
+
+class InFlight:
+    """While inside, the collectives the step leaves in flight (`Pending` with a work handle: tensor parallelism's
+    backward collectives, megalm/parallel/tensor/comm.py) are priced as hidden behind the compute the rank runs
+    until it waits for each: `hidden_s` sums min(the collective's time on its link, the roofline time `costs` priced
+    between its start and its wait). The NCCL stream runs them beside the GEMMs; that they share the GPU's memory
+    bandwidth with them is not priced."""
+
+    def __init__(self, costs: OpCosts, comms: Collectives, links: Links, inside: set[str]) -> None:
+        self.costs, self.comms, self.links, self.inside = costs, comms, links, inside
+        self.hidden_s = 0.0
+
+    def __enter__(self) -> InFlight:
+        from megalm.parallel.tensor.comm import Pending
+
+        self._pending, tracker = Pending, self
+        self._init, self._wait = Pending.__init__, Pending.wait
+
+        def init(pending: Pending, out: torch.Tensor, work: Any = None) -> None:
+            tracker._init(pending, out, work)
+            if work is not None:  # the collective just dispatched, and the compute priced so far
+                pending._priced = (tracker.comms.last, tracker.costs.total().ms)
+
+        def wait(pending: Pending) -> torch.Tensor:
+            started = getattr(pending, "_priced", None)
+            if started is not None and pending.work is not None:
+                (dim, moved), ms = started
+                beside_s = (tracker.costs.total().ms - ms) / 1e3
+                tracker.hidden_s += min(_comm_seconds({dim: moved}, tracker.links, tracker.inside), beside_s)
+            return tracker._wait(pending)
+
+        Pending.__init__, Pending.wait = init, wait
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pending.__init__, self._pending.wait = self._init, self._wait
 
 
 def roles(pp: int) -> list[tuple[str, int]]:
@@ -209,7 +251,9 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
             live.mark_peak()
             costs, comms = OpCosts(GPUS[gpu], cfg.precision.tf32), Collectives(_group_names(trainer))
             once = OnceAStep(costs, comms)
-            tokens = run_step(trainer, 1, fake, live, costs, comms, once=once)
+            links, inside = LINKS[gpu], inside_node(p.tp, p.cp, p.ep)
+            with InFlight(costs, comms, links, inside) as in_flight:
+                tokens = run_step(trainer, 1, fake, live, costs, comms, once=once)
             peak = live.peak(device)
             domain = hdp_loads(trainer, 1)
     finally:
@@ -218,8 +262,8 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
     summary = costs.summary()
     return RankEstimate(role, rank, peak + reserve, params, grads, static - params - grads - comm, peak - static,
                         comm, live.peak("host"), reserve, summary["tflop"] * 1e12, summary["roofline_ms"] / 1e3,
-                        _comm_seconds(comms.bytes, LINKS[gpu], inside_node(p.tp, p.cp, p.ep)), dict(comms.bytes),
-                        tokens, once.ms / 1e3, domain, dict(comms.step_bytes))
+                        _comm_seconds(comms.bytes, links, inside) - in_flight.hidden_s, dict(comms.bytes),
+                        tokens, once.ms / 1e3, domain, dict(comms.step_bytes), in_flight.hidden_s)
 
 
 def make_compiled_weight_copies(trainer: Any) -> None:

@@ -127,35 +127,35 @@ class _DeferredLinear(torch.autograd.Function):
     reducer's count of arrivals with them)."""
 
     @staticmethod
-    def forward(ctx, x, bias, layer, input_gather, out_dtype, dtype, out_features):  # noqa: ANN001, ANN205
-        whole = x if input_gather is None else input_gather.gather(x)
+    def forward(ctx, x, bias, layer, input_comm, out_dtype, dtype, out_features):  # noqa: ANN001, ANN205
+        whole = x if input_comm is None else input_comm.gather(x)
         with torch.autocast(x.device.type, enabled=False):
             y = _fprop(whole.reshape(-1, whole.shape[-1]).to(dtype), None, layer, out_features)
             if bias is not None:
                 y = y + bias.to(y.dtype)
         ctx.save_for_backward(x, layer)
-        ctx.input_gather, ctx.input_shape, ctx.input_dtype = input_gather, whole.shape, x.dtype
+        ctx.input_comm, ctx.input_shape, ctx.input_dtype = input_comm, whole.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return as_function_output(y.reshape(*whole.shape[:-1], y.shape[-1]).to(out_dtype))
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, ANN205
         x, layer = ctx.saved_tensors
-        gather = ctx.input_gather
-        whole = x if gather is None else gather.gather(x)
+        comm = ctx.input_comm
+        whole = x if comm is None else comm.gather(x)
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = _dgrad_and_defer(dy2, whole.reshape(-1, whole.shape[-1]), None, layer)
         dx = dx.reshape(ctx.input_shape).to(ctx.input_dtype)
-        dx = dx if gather is None else gather.scatter(dx)
+        dx = dx if comm is None else comm.start_scatter(dx).wait()  # a compiled graph schedules it
         db = None if ctx.bias_dtype is None else dy2.float().sum(dim=0).to(ctx.bias_dtype)
         return dx, db, None, None, None, None, None
 
 
 def deferred_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sink: LayerSink,
-                    input_gather: Any, out_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+                    input_comm: Any, out_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
     """linear.py's `linear` with its weight gradient deferred to `sink`, inside a compiled block: x [..., in] ->
     [..., out] in `out_dtype`, the GEMMs in `dtype` (`weight`, the layer's, gives the shape only)."""
-    return _DeferredLinear.apply(x, bias, sink.handle, input_gather, out_dtype, dtype, weight.shape[0])
+    return _DeferredLinear.apply(x, bias, sink.handle, input_comm, out_dtype, dtype, weight.shape[0])
 
 
 class _DeferredGroupedLinear(torch.autograd.Function):

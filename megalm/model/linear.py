@@ -16,11 +16,15 @@ both attributes set; neither replaces the other's `forward`. With neither set, `
 compiled block a deferred layer runs its GEMMs as opaque ops instead (megalm/model/deferred_wgrad.py), since dynamo
 cannot trace the sink's closure.
 
-A third argument serves sequence parallelism (megalm/parallel/tensor/layers.py): `input_gather`, a pair of
-conjugate collectives the caller passes (the model itself has none). The layer then takes this rank's shard of
-the tokens, gathers the whole input for its GEMMs, and keeps only the shard for the backward, gathering it again
-there (Megatron's sequence-parallel linear: 1/tp of the input held between forward and backward, for one more
-all-gather); the input gradient leaves through the conjugate reduce-scatter.
+A third argument serves tensor parallelism (megalm/parallel/tensor/layers.py): `input_comm`, the input's
+collectives, which the caller passes (the model itself has none). Under sequence parallelism the layer takes this
+rank's shard of the tokens, gathers the whole input for its GEMMs, and keeps only the shard for the backward,
+gathering it again there (Megatron's sequence-parallel linear: 1/tp of the input held between forward and backward,
+for one more all-gather); the input gradient leaves through the conjugate reduce-scatter. Under plain TP the input
+is whole and its gradient is all-reduced. In the eager backward these collectives run in flight beside the GEMMs,
+as Megatron's `LinearWithGradAccumulationAndAsyncCommunication` runs them: the re-gather beside dgrad's GEMM, the
+input gradient's reduction beside wgrad's (which needs the gathered input, and whose result no collective waits
+for).
 
 `Linear` is the model's nn.Linear with these hooks; megalm's tensor-parallel layers inherit
 `LinearHooks` too and call `linear` on their local shard.
@@ -81,13 +85,25 @@ class WeightGradSink(Protocol):
     def accumulate(self, param: nn.Parameter, dy: torch.Tensor, x: torch.Tensor) -> None: ...
 
 
-class InputGather(Protocol):
-    """The input's collectives of a sequence-parallel linear: `gather` shard -> whole (forward, and again in the
-    backward), `scatter` the whole input's gradient -> the shard's (summed over the ranks)."""
+class Pending(Protocol):
+    """A collective in flight: `wait()` gives its result."""
+
+    def wait(self) -> torch.Tensor: ...
+
+
+class InputCollectives(Protocol):
+    """The input's collectives of a tensor-parallel linear: `gather` the layer's input -> the whole input its GEMMs
+    see (forward; `start_gather` again in the backward, unless the recipe keeps its own form of the whole input),
+    `start_scatter` the whole input's gradient -> the input's (summed over the ranks; it may reuse the tensor it is
+    given). `shards_input`: whether the input is a shard of the tokens (SP), so that the layer keeps the shard."""
+
+    shards_input: bool
 
     def gather(self, x: torch.Tensor) -> torch.Tensor: ...
 
-    def scatter(self, dx: torch.Tensor) -> torch.Tensor: ...
+    def start_gather(self, x: torch.Tensor) -> Pending: ...
+
+    def start_scatter(self, dx: torch.Tensor) -> Pending: ...
 
 
 class PlainGemms:
@@ -139,10 +155,10 @@ def deferrable(weight: torch.Tensor, x: torch.Tensor) -> bool:
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: GemmRecipe, sink: WeightGradSink | None, param: list, out_dtype,
-                input_gather: InputGather | None):
+                comm: InputCollectives | None):
         # With a sink, `weight` comes detached and the real parameter in the `param` list: autograd then
         # never reaches the parameter's AccumulateGrad in B (no gradient, no DP hook fires until W).
-        whole = x if input_gather is None else input_gather.gather(x)
+        whole = x if comm is None else comm.gather(x)
         call = recipe.start(whole)
         x2 = whole.reshape(-1, whole.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
@@ -151,9 +167,10 @@ class _Linear(torch.autograd.Function):
                 y = y + bias.to(y.dtype)
         pack = getattr(recipe, "pack_input", None)
         packed = pack(call) if pack is not None else None
-        packed = packed if input_gather is None else None  # under SP the shard is smaller than a whole FP8 copy
+        sharded = comm is not None and comm.shards_input
+        packed = None if sharded else packed  # under SP the shard is smaller than a whole FP8 copy
         ctx.save_for_backward(x if packed is None else packed, weight)  # the shard only, under SP
-        ctx.recipe, ctx.call, ctx.sink, ctx.param, ctx.input_gather = recipe, call, sink, param, input_gather
+        ctx.recipe, ctx.call, ctx.sink, ctx.param, ctx.comm = recipe, call, sink, param, comm
         ctx.packed, ctx.input_shape, ctx.input_dtype = packed is not None, whole.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return as_function_output(y.reshape(*whole.shape[:-1], y.shape[-1]).to(out_dtype))  # SP: a gather ran
@@ -161,19 +178,18 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        recipe, call, gather = ctx.recipe, ctx.call, ctx.input_gather
-        if ctx.packed:  # the recipe's own form of the input (2-D), which its wgrad reads
+        recipe, call, comm = ctx.recipe, ctx.call, ctx.comm
+        if ctx.packed:  # the recipe's own form of the whole input (2-D), which its wgrad reads
             recipe.unpack_input(call, x)
-            x2 = x
-        else:
-            whole = x if gather is None else gather.gather(x)
-            x2 = whole.reshape(-1, whole.shape[-1])
+        gathering = None if ctx.packed or comm is None else comm.start_gather(x)  # in flight beside dgrad
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = dw = db = None
+        dx = dw = db = reducing = None
         with torch.autocast(x.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 dx = recipe.dgrad(call, dy2, weight, ctx.input_dtype).reshape(ctx.input_shape).to(ctx.input_dtype)
-                dx = dx if gather is None else gather.scatter(dx)
+                reducing = None if comm is None else comm.start_scatter(dx)  # in flight beside wgrad
+            whole = x if gathering is None else gathering.wait()
+            x2 = whole if ctx.packed else whole.reshape(-1, whole.shape[-1])
             finish = getattr(recipe, "finish", None) or (lambda call: None)
             if ctx.sink is not None and recipe is PLAIN_GEMMS and getattr(ctx.sink, "accumulates", False):
                 ctx.sink.accumulate(ctx.param[0], dy2, x2.to(dy2.dtype))  # into the main gradient (now, or at W)
@@ -192,33 +208,35 @@ class _Linear(torch.autograd.Function):
                 finish(call)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 db = dy2.float().sum(dim=0).to(ctx.bias_dtype)
+        dx = dx if reducing is None else reducing.wait()
         return dx, dw, db, None, None, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            recipe: GemmRecipe | None = None, sink: WeightGradSink | None = None,
-           input_gather: InputGather | None = None) -> torch.Tensor:
+           input_comm: InputCollectives | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) with its GEMMs from `recipe` and its weight gradient handed to `sink`; with
-    `input_gather`, x is this rank's shard of the tokens and the GEMMs see them all (sequence parallelism).
+    `input_comm`, x's collectives under tensor parallelism (under SP x is this rank's shard of the tokens and the
+    GEMMs see them all).
 
     x [..., in], weight [out, in] -> [..., out] in the compute dtype (autocast's under autocast, as
-    F.linear). Without a recipe, a (usable) sink or a gather this is F.linear itself.
+    F.linear). Without a recipe, a (usable) sink or input collectives this is F.linear itself.
     """
     defer = sink is not None and deferrable(weight, x)
-    if recipe is None and not defer and input_gather is None:
+    if recipe is None and not defer and input_comm is None:
         return F.linear(x, weight, bias)
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     compiled = getattr(recipe, "compiled_linear", None)  # a recipe whose Python state dynamo cannot trace
-    if compiled is not None and not defer and input_gather is None and torch.compiler.is_compiling():
+    if compiled is not None and not defer and input_comm is None and torch.compiler.is_compiling():
         return compiled(x, weight, bias, out_dtype)
     # inside a compiled block, the sink's closure as an op the graph holds (deferred_wgrad.py)
     if defer and recipe is None and torch.compiler.is_compiling() and hasattr(sink, "handle"):
-        return deferred_linear(x, weight, bias, sink, input_gather, out_dtype, PLAIN_GEMMS.start(x))
+        return deferred_linear(x, weight, bias, sink, input_comm, out_dtype, PLAIN_GEMMS.start(x))
     if defer:
         return _Linear.apply(x, weight.detach(), bias, recipe or PLAIN_GEMMS, sink, [weight], out_dtype,
-                             input_gather)
-    return _Linear.apply(x, weight, bias, recipe or PLAIN_GEMMS, None, [], out_dtype, input_gather)
+                             input_comm)
+    return _Linear.apply(x, weight, bias, recipe or PLAIN_GEMMS, None, [], out_dtype, input_comm)
 
 
 def linear_modules(model: nn.Module) -> list[nn.Module]:

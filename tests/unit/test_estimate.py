@@ -27,6 +27,7 @@ import torch
 
 from megalm import compat, estimate
 from megalm.config.checks import resolve_model_defaults
+from megalm.estimate.rank import LINKS
 from megalm.model.gpt import GPT
 from megalm.parallel.hdp import plan_hdp, simulate
 from megalm.parallel.hdp.split import hdp_cost_model
@@ -354,3 +355,25 @@ def test_compiled_blocks_are_priced_as_inductor_compiles_them(monkeypatch):
     eager, compiled = traces
     assert compiled.by_category["gemm"].flops == eager.by_category["gemm"].flops
     assert compiled.by_op["fp8_weight_cast"].kernels == compiled.by_op["fp8_linear"].kernels // 2
+
+
+def test_tensor_parallel_collectives_left_in_flight_are_hidden_behind_compute(monkeypatch):
+    """TP's backward collectives run in flight beside the GEMMs (megalm/parallel/tensor/comm.py): the estimator
+    hides each behind the roofline time of the ops run until its wait, up to its own time. Per block the backward
+    leaves four of TP's ten collectives of [T, h] in flight (each column-parallel layer's re-gather and
+    reduce-scatter), so at most 4/10 of their time hides; left synchronous (as before 2026-12-02) none does, with
+    the same bytes moved."""
+    from megalm.parallel.tensor import comm
+
+    overrides = estimate.batch_overrides([*SMALL, "parallel.tp=2", "parallel.sequence_parallel=true",
+                                          "precision=bf16", "trainer.device=cpu", "trainer.compile=false"], 2)
+    in_flight = estimate.estimate(overrides, 2, "h100")
+    monkeypatch.setattr(comm, "_in_flight", lambda: False)
+    synchronous = estimate.estimate(overrides, 2, "h100")
+    (a,), (b,) = in_flight["ranks"], synchronous["ranks"]
+    assert a["collective_bytes"] == b["collective_bytes"] and a["compute_s"] == b["compute_s"]
+    assert b["hidden_comm_s"] == 0
+    assert a["comm_s"] + a["hidden_comm_s"] == pytest.approx(b["comm_s"], rel=1e-9)
+    tp_s = a["collective_bytes"]["tp"] / LINKS["h100"].nvlink
+    assert 0 < a["hidden_comm_s"] <= 0.4 * tp_s
+    assert in_flight["step_time_s"] == pytest.approx(synchronous["step_time_s"] - a["hidden_comm_s"], rel=1e-9)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megalm.model.linear import Linear, linear
+from megalm.parallel.tensor.comm import Pending, SequenceGather
 from megalm.precision import fp8
 from megalm.precision.layer_state import LinearState, set_steps
 from megalm.precision.linear import RecipeGemms
@@ -166,21 +167,27 @@ def test_per_row_scales_cast_per_gemm_and_keep_x(monkeypatch):
     assert [t.dtype for t in saved if t.shape == (16, 64)] == [torch.bfloat16]
 
 
-class _IdentityGather:
+class _IdentityGather(SequenceGather):
     """A sequence-parallel input gather over one rank (what the layer keeps is the shard)."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         return x.clone()
 
-    def scatter(self, dx: torch.Tensor) -> torch.Tensor:
-        return dx
+    def start_gather(self, x: torch.Tensor) -> Pending:
+        return Pending(x.clone())
+
+    def start_scatter(self, dx: torch.Tensor) -> Pending:
+        return Pending(dx)
 
 
 def test_under_sequence_parallelism_the_shard_is_kept(monkeypatch):
     """The bf16 shard (2/tp bytes per element of the whole input) is smaller than a whole FP8 copy from tp = 2 on:
     the layer keeps it and gathers it again, and wgrad casts it with fprop's scale."""
     layer = _layer("fp8")
-    gathered = lambda x: linear(x, layer.weight, None, layer.gemm_recipe, input_gather=_IdentityGather())
+    gathered = lambda x: linear(x, layer.weight, None, layer.gemm_recipe, input_comm=_IdentityGather())
     _step(layer, gathered)
     casts = _activation_casts(monkeypatch, layer)
     saved, _ = _step(layer, gathered)

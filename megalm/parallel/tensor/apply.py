@@ -10,9 +10,11 @@ The model definition (megalm/model) holds `Linear` / nn.Embedding and no collect
     gate_up_proj (up_proj)     ColumnParallelLinear     (parts gate, up: this rank's units of each)
     down_proj                  RowParallelLinear
     attention_norm, mlp_norm   ParallelNorm             (on the [T/tp, h] shard under SP; the GEMM after it
-                                                         enters the TP region: copy_to_tp, or under SP a gather
-                                                         inside its GEMM function that keeps only the shard for
-                                                         the backward and gathers it again there)
+                                                         enters the TP region inside its GEMM function: its
+                                                         input's gradient all-reduced, or under SP a gather that
+                                                         keeps only the shard for the backward and gathers it
+                                                         again there; in the eager backward both in flight
+                                                         beside the GEMMs)
     final_norm                 ParallelNorm             (enters the TP region itself: copy_to_tp / gather_from_sp,
                                                          for the output head, tied or not)
     output                     ColumnParallelLinear over the vocabulary -> logits [T, V/tp]

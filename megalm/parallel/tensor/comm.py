@@ -60,19 +60,60 @@ tp_world_size = group_size  # ranks of the TP group; 1 for None (a single proces
 tp_rank = group_rank  # this process's rank inside the TP group; 0 for None
 
 
-def _all_reduce(x: torch.Tensor, group: Group, progress: Progress | None) -> torch.Tensor:
-    out = x.contiguous().clone()
+class Pending:
+    """A collective in flight (Megatron's async tensor-parallel communication): `wait()` returns its result once the
+    collective is done (on NCCL: once the compute stream waits for it, with no host sync). `work` None: it ran
+    synchronously (inside a compiled graph, where dynamo traces the collective as a functional one and inductor
+    schedules it)."""
+
+    def __init__(self, out: torch.Tensor, work: dist.Work | None = None) -> None:
+        self.out, self.work = out, work
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.out
+
+
+def _in_flight() -> bool:
+    """Whether a collective may be left in flight: eager only (dynamo traces a synchronous collective)."""
+    return not torch.compiler.is_compiling()
+
+
+def start_all_reduce(x: torch.Tensor, group: Group, progress: Progress | None, *, in_place: bool = False,
+                     in_flight: bool = True) -> Pending:
+    """Sum `x` over `group`; `in_place` sums into `x` itself (the caller owns it), else into a copy."""
+    out = x.contiguous() if in_place else x.contiguous().clone()
     note_collective(progress, "TP all_reduce", tp_world_size(group))
-    dist.all_reduce(out, group=group)
-    return out
+    return Pending(out, dist.all_reduce(out, group=group, async_op=in_flight and _in_flight()))
 
 
-def _all_gather_dim0(x: torch.Tensor, group: Group, progress: Progress | None) -> torch.Tensor:
+def start_all_gather_dim0(x: torch.Tensor, group: Group, progress: Progress | None, *,
+                          in_flight: bool = True) -> Pending:
+    """[T/tp, ...] shards -> [T, ...], rank order along dim 0."""
     x = x.contiguous()
     out = x.new_empty((x.shape[0] * tp_world_size(group), *x.shape[1:]))
     note_collective(progress, "TP all_gather", tp_world_size(group))
-    all_gather_flat(out, x, group=group)
-    return out
+    return Pending(out, all_gather_flat(out, x, group=group, async_op=in_flight and _in_flight()))
+
+
+def start_reduce_scatter_dim0(x: torch.Tensor, group: Group, progress: Progress | None, *,
+                              in_flight: bool = True) -> Pending:
+    """[T, ...] partial sums -> this rank's summed [T/tp, ...] chunk."""
+    size = _sp_shards(x, group)
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    note_collective(progress, "TP reduce_scatter", size)
+    return Pending(out, reduce_scatter_flat(out, x, group=group, async_op=in_flight and _in_flight()))
+
+
+def _all_reduce(x: torch.Tensor, group: Group, progress: Progress | None) -> torch.Tensor:
+    return start_all_reduce(x, group, progress, in_flight=False).out
+
+
+def _all_gather_dim0(x: torch.Tensor, group: Group, progress: Progress | None) -> torch.Tensor:
+    return start_all_gather_dim0(x, group, progress, in_flight=False).out
 
 
 def _sp_shards(x: torch.Tensor, group: Group) -> int:
@@ -85,12 +126,7 @@ def _sp_shards(x: torch.Tensor, group: Group) -> int:
 
 
 def _reduce_scatter_dim0(x: torch.Tensor, group: Group, progress: Progress | None) -> torch.Tensor:
-    size = _sp_shards(x, group)
-    x = x.contiguous()
-    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    note_collective(progress, "TP reduce_scatter", size)
-    reduce_scatter_flat(out, x, group=group)
-    return out
+    return start_reduce_scatter_dim0(x, group, progress, in_flight=False).out
 
 
 def _own_chunk_dim0(x: torch.Tensor, group: Group, progress: Progress | None) -> torch.Tensor:
@@ -156,10 +192,13 @@ def reduce_scatter_to_sp(x: torch.Tensor, group: Group, progress: Progress | Non
 
 
 class SequenceGather:
-    """The input collectives of a column-parallel linear under SP (megalm.model.linear.InputGather): the layer
+    """The input collectives of a column-parallel linear under SP (megalm.model.linear.InputCollectives): the layer
     keeps its [T/tp, h] input shard for the backward and all-gathers it again there, where `gather_from_sp`
     before the layer would have it keep the gathered [T, h] (Korthikanti et al. 2022, sec. 4.2.2: Megatron's
-    sequence-parallel linear)."""
+    sequence-parallel linear). In the backward both run in flight: the re-gather beside dgrad's GEMM, the input
+    gradient's reduce-scatter beside wgrad's."""
+
+    shards_input = True  # the layer's input is a shard of the tokens its GEMMs see
 
     def __init__(self, group: Group, progress: Progress | None = None) -> None:
         self.group, self.progress = group, progress
@@ -167,8 +206,32 @@ class SequenceGather:
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         return _all_gather_dim0(x, self.group, self.progress)
 
-    def scatter(self, dx: torch.Tensor) -> torch.Tensor:
-        return _reduce_scatter_dim0(dx, self.group, self.progress)
+    def start_gather(self, x: torch.Tensor) -> Pending:
+        return start_all_gather_dim0(x, self.group, self.progress)
+
+    def start_scatter(self, dx: torch.Tensor) -> Pending:
+        return start_reduce_scatter_dim0(dx, self.group, self.progress)
+
+
+class InputGradAllReduce:
+    """The input collectives of a column-parallel linear under plain TP (megalm.model.linear.InputCollectives): the
+    input is whole on every rank (nothing to gather), and its gradient, a partial sum on each (its own output
+    columns), is all-reduced in the layer's backward, in flight beside wgrad's GEMM: what `copy_to_tp` before the
+    layer does after the layer's whole backward (Megatron's async tensor-parallel all-reduce)."""
+
+    shards_input = False
+
+    def __init__(self, group: Group, progress: Progress | None = None) -> None:
+        self.group, self.progress = group, progress
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def start_gather(self, x: torch.Tensor) -> Pending:
+        return Pending(x)
+
+    def start_scatter(self, dx: torch.Tensor) -> Pending:
+        return start_all_reduce(dx, self.group, self.progress, in_place=True)  # dx is the layer's own
 
 
 def split_to_sp(x: torch.Tensor, group: Group, progress: Progress | None = None) -> torch.Tensor:

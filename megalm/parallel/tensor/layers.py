@@ -30,6 +30,7 @@ from megalm.model.shard import FusedShardSpec, ShardSpec
 from megalm.parallel.progress import Progress
 from megalm.parallel.tensor.comm import (
     Group,
+    InputGradAllReduce,
     SequenceGather,
     copy_to_tp,
     gather_from_sp,
@@ -78,9 +79,12 @@ class ColumnParallelLinear(LinearHooks, nn.Module):
     (`FusedShardSpec`), so the forward splits the local output by width with no communication.
 
     The input must be the full [T, in] activation with a gradient that is summed over TP. By default
-    the layer does that itself: copy_to_tp, or under SP the gather of the [T/tp, in] shards inside its own
-    GEMM function (`SequenceGather`: the shard is what it keeps for the backward, gathered again there);
-    `input_in_tp_region=True` says the caller already did (the output head after the final norm).
+    the layer does that itself, inside its own GEMM function: the all-reduce of the input's gradient
+    (`InputGradAllReduce`, in flight beside the weight gradient's GEMM), or under SP the gather of the [T/tp, in]
+    shards (`SequenceGather`: the shard is what it keeps for the backward, gathered again there beside the input
+    gradient's GEMM); inside a compiled block, where inductor schedules the collectives, the plain TP's all-reduce
+    is `copy_to_tp`'s. `input_in_tp_region=True` says the caller already did (the output head after the final
+    norm).
     """
 
     def __init__(
@@ -124,9 +128,11 @@ class ColumnParallelLinear(LinearHooks, nn.Module):
         offsets = itertools.accumulate((piece.length for piece in pieces), initial=0)
         self.shared_rows = tuple((offset, piece.length, piece.start, piece.full_shape[0])
                                  for offset, piece in zip(offsets, pieces, strict=False) if piece.replicas > 1)
-        # under SP the input is this rank's tokens, gathered inside the GEMM's function (and again in its backward)
-        sp_entry = sequence_parallel and not input_in_tp_region and tp > 1
-        self.sequence_gather = SequenceGather(group, progress) if sp_entry else None
+        # the input's collectives, run by the GEMM's function: under SP this rank's tokens are gathered (and again
+        # in the backward); under plain TP the input's gradient is all-reduced
+        entry = not input_in_tp_region and tp > 1
+        self.input_comm = (None if not entry else SequenceGather(group, progress) if sequence_parallel else
+                           InputGradAllReduce(group, progress))
         self.weight = nn.Parameter(torch.empty(self.local_out, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(self.local_out, device=device, dtype=dtype)) if bias else None
 
@@ -144,14 +150,14 @@ class ColumnParallelLinear(LinearHooks, nn.Module):
         return sum_grad_over_sharers(param, self.group, self.shared_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_in_tp_region and self.sequence_gather is None:
-            x = copy_to_tp(x, self.group, self.progress)
+        comm = self.input_comm
+        if isinstance(comm, InputGradAllReduce) and torch.compiler.is_compiling():
+            x, comm = copy_to_tp(x, self.group, self.progress), None  # the graph's all-reduce, as the block's others
         bias = None if self.bias is None else self._synced(self.bias)
-        return linear(x, self._synced(self.weight), bias, self.gemm_recipe, self.weight_grad_sink,
-                      self.sequence_gather)
+        return linear(x, self._synced(self.weight), bias, self.gemm_recipe, self.weight_grad_sink, comm)
 
     def extra_repr(self) -> str:
-        entry = "caller" if self.input_in_tp_region else "sp_gather" if self.sequence_parallel else "copy_to_tp"
+        entry = "caller" if self.input_in_tp_region else "sp_gather" if self.sequence_parallel else "grad_all_reduce"
         return (f"in={self.in_features}, out={self.out_features} (local {self.local_out}), bias="
                 f"{self.bias is not None}, replicas={self.replicas}, input_entry={entry}")
 
