@@ -81,12 +81,23 @@ def _in_flight() -> bool:
     return not torch.compiler.is_compiling()
 
 
+def _launch(collective: Callable[..., dist.Work | None], *tensors: torch.Tensor, group: Group,
+            in_flight: bool) -> dist.Work | None:
+    """Call `collective(*tensors, group=group)`: left in flight (its work handle returned) where `in_flight` asks and
+    `_in_flight` allows, else synchronously, with no `async_op` argument (what dynamo's collective remapping hands
+    back for one differs by torch release: torch 2.11 returns the output tensor)."""
+    if in_flight and _in_flight():
+        return collective(*tensors, group=group, async_op=True)
+    collective(*tensors, group=group)
+    return None
+
+
 def start_all_reduce(x: torch.Tensor, group: Group, progress: Progress | None, *, in_place: bool = False,
                      in_flight: bool = True) -> Pending:
     """Sum `x` over `group`; `in_place` sums into `x` itself (the caller owns it), else into a copy."""
     out = x.contiguous() if in_place else x.contiguous().clone()
     note_collective(progress, "TP all_reduce", tp_world_size(group))
-    return Pending(out, dist.all_reduce(out, group=group, async_op=in_flight and _in_flight()))
+    return Pending(out, _launch(dist.all_reduce, out, group=group, in_flight=in_flight))
 
 
 def start_all_gather_dim0(x: torch.Tensor, group: Group, progress: Progress | None, *,
@@ -95,7 +106,7 @@ def start_all_gather_dim0(x: torch.Tensor, group: Group, progress: Progress | No
     x = x.contiguous()
     out = x.new_empty((x.shape[0] * tp_world_size(group), *x.shape[1:]))
     note_collective(progress, "TP all_gather", tp_world_size(group))
-    return Pending(out, all_gather_flat(out, x, group=group, async_op=in_flight and _in_flight()))
+    return Pending(out, _launch(all_gather_flat, out, x, group=group, in_flight=in_flight))
 
 
 def start_reduce_scatter_dim0(x: torch.Tensor, group: Group, progress: Progress | None, *,
@@ -105,7 +116,7 @@ def start_reduce_scatter_dim0(x: torch.Tensor, group: Group, progress: Progress 
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
     note_collective(progress, "TP reduce_scatter", size)
-    return Pending(out, reduce_scatter_flat(out, x, group=group, async_op=in_flight and _in_flight()))
+    return Pending(out, _launch(reduce_scatter_flat, out, x, group=group, in_flight=in_flight))
 
 
 def _all_reduce(x: torch.Tensor, group: Group, progress: Progress | None) -> torch.Tensor:
