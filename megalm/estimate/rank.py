@@ -22,9 +22,9 @@ Step time: the rank's roofline time for compute (max(FLOPs / peak, bytes / HBM b
 pipeline's bubble (the schedule the runtime runs, simulated: (m + p - 1) / m micro-batch slots for 1F1B), plus
 its collectives at the link's bandwidth: tensor- and context-parallel groups inside a node of 8 GPUs (tp <= 8, tp x cp
 <= 8) over NVLink, the rest (data- and pipeline-parallel traffic, groups that span nodes) over InfiniBand (`LINKS`).
-A collective the step leaves in flight (tensor parallelism's backward collectives, megalm.parallel.tensor.comm.
-Pending) is hidden behind the roofline time of the ops the rank runs before it waits for it, up to its own time
-(`hidden_comm_s`); every other collective is counted as not hidden. MFU is
+A collective the step leaves in flight (tensor parallelism's backward collectives in eager blocks:
+megalm.parallel.tensor.comm.Pending) is hidden behind the roofline time of the ops the rank runs before it waits
+for it, up to its own time (`hidden_comm_s`); every other collective is counted as not hidden. MFU is
 6·N·T (plus attention) FLOPs of the global step over (world x peak x step time); tokens/s the global batch's
 tokens over the step time.
 
@@ -474,8 +474,10 @@ def compile_notes(cfg: Any, graph_breaks: int = 0) -> list[str]:
     if cfg.trainer.compile is None:  # auto: priced eager, as the trace's CPU trainer resolves it
         if not auto_compile(cfg, torch.device("cuda"))[0]:  # the trace runs on the CPU; the estimate is of a GPU
             return []
+        tp = ("; the TP collectives it hides behind the GEMMs are eager's, which compiled blocks run synchronously"
+              if cfg.parallel.tp > 1 else "")
         return ["trainer.compile left at null (auto): blocks priced eager, where a CUDA run of this config compiles "
-                "them; trainer.compile=true prices them compiled"]
+                f"them; trainer.compile=true prices them compiled{tp}"]
     if not cfg.trainer.compile:
         return []
     if not compat.compiles_over_fake_tensors():

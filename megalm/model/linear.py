@@ -23,8 +23,8 @@ gathering it again there (Megatron's sequence-parallel linear: 1/tp of the input
 for one more all-gather); the input gradient leaves through the conjugate reduce-scatter. Under plain TP the input
 is whole and its gradient is all-reduced. In the eager backward these collectives run in flight beside the GEMMs,
 as Megatron's `LinearWithGradAccumulationAndAsyncCommunication` runs them: the re-gather beside dgrad's GEMM, the
-input gradient's reduction beside wgrad's (which needs the gathered input, and whose result no collective waits
-for).
+input gradient's reduction beside wgrad's. Compiled blocks run them synchronously (inductor does not reorder them
+by default).
 
 `Linear` is the model's nn.Linear with these hooks; megalm's tensor-parallel layers inherit
 `LinearHooks` too and call `linear` on their local shard.
@@ -85,7 +85,7 @@ class WeightGradSink(Protocol):
     def accumulate(self, param: nn.Parameter, dy: torch.Tensor, x: torch.Tensor) -> None: ...
 
 
-class Pending(Protocol):
+class PendingCollective(Protocol):
     """A collective in flight: `wait()` gives its result."""
 
     def wait(self) -> torch.Tensor: ...
@@ -101,9 +101,9 @@ class InputCollectives(Protocol):
 
     def gather(self, x: torch.Tensor) -> torch.Tensor: ...
 
-    def start_gather(self, x: torch.Tensor) -> Pending: ...
+    def start_gather(self, x: torch.Tensor) -> PendingCollective: ...
 
-    def start_scatter(self, dx: torch.Tensor) -> Pending: ...
+    def start_scatter(self, dx: torch.Tensor) -> PendingCollective: ...
 
 
 class PlainGemms:
@@ -162,7 +162,8 @@ class _Linear(torch.autograd.Function):
         call = recipe.start(whole)
         x2 = whole.reshape(-1, whole.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
-            y = recipe.fprop(call, x2, weight, out_dtype if bias is None else torch.float32)  # bias added in fp32
+            # with a bias, asked for in fp32 (the FP8/MX recipes' GEMMs give it; PLAIN_GEMMS gives the compute dtype)
+            y = recipe.fprop(call, x2, weight, out_dtype if bias is None else torch.float32)
             if bias is not None:
                 y = y + bias.to(y.dtype)
         pack = getattr(recipe, "pack_input", None)

@@ -49,12 +49,26 @@ def _recorded(collective, name: str, events: list[str]):  # noqa: ANN001, ANN202
     return call
 
 
-def _backward_order(rank: int, world_size: int, sequence_parallel: bool, out: str) -> None:
+class _Deferred:
+    """A zero-bubble weight-gradient sink: wgrad's GEMM leaves the backward, to run later (the W action)."""
+
+    accumulates = False
+
+    def __init__(self) -> None:
+        self.stashed: list = []
+
+    def stash(self, param: torch.nn.Parameter, compute) -> None:  # noqa: ANN001 - any callable
+        self.stashed.append((param, compute))
+
+
+def _backward_order(rank: int, world_size: int, sequence_parallel: bool, deferred: bool, out: str) -> None:
     torch.manual_seed(0)
     full = torch.nn.Linear(16, 32, bias=False)
     tokens = torch.randn(8, 16)
     grad = torch.randn(8, 32)
     layer = ColumnParallelLinear.from_linear(full, dist.group.WORLD, sequence_parallel=sequence_parallel)
+    if deferred:
+        layer.weight_grad_sink = _Deferred()
     shard = tokens.chunk(world_size)[rank] if sequence_parallel else tokens
     x = shard.clone().requires_grad_()
     events: list[str] = []
@@ -66,6 +80,10 @@ def _backward_order(rank: int, world_size: int, sequence_parallel: bool, out: st
     events.clear()
     with _Gemms(events):
         y.backward(grad.chunk(world_size, dim=1)[rank])
+        if deferred:  # the W action, after the backward: its GEMM reads the gathered input the backward waited for
+            events.append("W")
+            ((param, compute),) = layer.weight_grad_sink.stashed
+            param.grad = compute()
     # the unsharded layer's gradients: this rank's rows of dW, and dx (this rank's tokens under SP)
     reference = tokens.clone().requires_grad_()
     full(reference).backward(grad)
@@ -75,15 +93,18 @@ def _backward_order(rank: int, world_size: int, sequence_parallel: bool, out: st
     torch.save({"forward": forward, "backward": events}, f"{out}.{rank}")
 
 
-@pytest.mark.parametrize("sequence_parallel, backward", [
-    (True, ["start all_gather in flight", "gemm", "start reduce_scatter in flight", "wait all_gather", "gemm",
-            "wait reduce_scatter"]),
-    (False, ["gemm", "start all_reduce in flight", "gemm", "wait all_reduce"]),
-], ids=["sp", "plain_tp"])
-def test_column_parallel_backward_collectives_run_beside_its_gemms(tmp_path, sequence_parallel, backward):
+@pytest.mark.parametrize("sequence_parallel, deferred, backward", [
+    (True, False, ["start all_gather in flight", "gemm", "start reduce_scatter in flight", "wait all_gather", "gemm",
+                   "wait reduce_scatter"]),
+    (False, False, ["gemm", "start all_reduce in flight", "gemm", "wait all_reduce"]),
+    # zero bubble: wgrad's GEMM waits for the W action; the gathered input it reads is complete before the B ends
+    (True, True, ["start all_gather in flight", "gemm", "start reduce_scatter in flight", "wait all_gather",
+                  "wait reduce_scatter", "W", "gemm"]),
+], ids=["sp", "plain_tp", "sp_zero_bubble"])
+def test_column_parallel_backward_collectives_run_beside_its_gemms(tmp_path, sequence_parallel, deferred, backward):
     """dgrad's GEMM runs while the re-gather is in flight, wgrad's while the input gradient's reduction is; the
     forward's gather stays synchronous (its GEMM needs it at once)."""
-    run_distributed(_backward_order, 2, sequence_parallel, str(tmp_path / "events"), timeout=120)
+    run_distributed(_backward_order, 2, sequence_parallel, deferred, str(tmp_path / "events"), timeout=120)
     for rank in range(2):
         events = torch.load(tmp_path / f"events.{rank}")
         assert events["forward"] == (["start all_gather"] if sequence_parallel else []), (rank, events)

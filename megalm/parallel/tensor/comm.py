@@ -52,7 +52,7 @@ Group = dist.ProcessGroup | None
 
 
 # ---------------------------------------------------------------------------------------------------
-# Group helpers and the raw collectives (fresh output tensors; inputs are never modified)
+# Group helpers and the raw collectives (fresh output tensors; inputs are left alone, but by an in-place all-reduce)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -94,7 +94,8 @@ def _launch(collective: Callable[..., dist.Work | None], *tensors: torch.Tensor,
 
 def start_all_reduce(x: torch.Tensor, group: Group, progress: Progress | None, *, in_place: bool = False,
                      in_flight: bool = True) -> Pending:
-    """Sum `x` over `group`; `in_place` sums into `x` itself (the caller owns it), else into a copy."""
+    """Sum `x` over `group` into what `wait()` returns: with `in_place`, `x` itself where it is contiguous (the
+    caller hands it over), else a copy."""
     out = x.contiguous() if in_place else x.contiguous().clone()
     note_collective(progress, "TP all_reduce", tp_world_size(group))
     return Pending(out, _launch(dist.all_reduce, out, group=group, in_flight=in_flight))

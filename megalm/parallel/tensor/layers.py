@@ -82,9 +82,9 @@ class ColumnParallelLinear(LinearHooks, nn.Module):
     the layer does that itself, inside its own GEMM function: the all-reduce of the input's gradient
     (`InputGradAllReduce`, in flight beside the weight gradient's GEMM), or under SP the gather of the [T/tp, in]
     shards (`SequenceGather`: the shard is what it keeps for the backward, gathered again there beside the input
-    gradient's GEMM); inside a compiled block, where inductor schedules the collectives, the plain TP's all-reduce
-    is `copy_to_tp`'s. `input_in_tp_region=True` says the caller already did (the output head after the final
-    norm).
+    gradient's GEMM); inside a compiled block the collectives are synchronous (the graph's, which inductor does
+    not reorder by default) and the plain TP's all-reduce is `copy_to_tp`'s. `input_in_tp_region=True` says the
+    caller already did (the output head after the final norm).
     """
 
     def __init__(
@@ -157,7 +157,7 @@ class ColumnParallelLinear(LinearHooks, nn.Module):
         return linear(x, self._synced(self.weight), bias, self.gemm_recipe, self.weight_grad_sink, comm)
 
     def extra_repr(self) -> str:
-        entry = "caller" if self.input_in_tp_region else "sp_gather" if self.sequence_parallel else "grad_all_reduce"
+        entry = "caller" if self.input_in_tp_region else type(self.input_comm).__name__ if self.input_comm else "none"
         return (f"in={self.in_features}, out={self.out_features} (local {self.local_out}), bias="
                 f"{self.bias is not None}, replicas={self.replicas}, input_entry={entry}")
 
