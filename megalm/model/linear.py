@@ -162,10 +162,12 @@ class _Linear(torch.autograd.Function):
         call = recipe.start(whole)
         x2 = whole.reshape(-1, whole.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
-            # with a bias, asked for in fp32 (the FP8/MX recipes' GEMMs give it; PLAIN_GEMMS gives the compute dtype)
-            y = recipe.fprop(call, x2, weight, out_dtype if bias is None else torch.float32)
-            if bias is not None:
-                y = y + bias.to(y.dtype)
+            if bias is not None and recipe is PLAIN_GEMMS:  # F.linear's GEMM with its bias, as one process runs it
+                y = F.linear(x2.to(call), weight.to(call), bias.to(call))
+            else:  # a recipe's GEMM asked for fp32 where a bias is added to it
+                y = recipe.fprop(call, x2, weight, out_dtype if bias is None else torch.float32)
+                if bias is not None:
+                    y = y + bias.to(y.dtype)
         pack = getattr(recipe, "pack_input", None)
         packed = pack(call) if pack is not None else None
         sharded = comm is not None and comm.shards_input

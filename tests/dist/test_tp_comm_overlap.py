@@ -2,7 +2,8 @@
 a column-parallel layer's eager backward starts the input's re-gather (SP) before dgrad's GEMM and waits for it
 only before wgrad's, and starts the input gradient's reduction (SP's reduce-scatter, plain TP's all-reduce) before
 wgrad's GEMM and waits for it after. Recorded on 2 gloo ranks: every collective's start (and whether it was left in
-flight) and wait, and every GEMM, in the order they ran; the gradients against the unsharded layer's."""
+flight) and wait, and every GEMM, in the order they ran; the gradients against the unsharded layer's. And the layer's
+own GEMM function, which plain TP now runs too, adds a bias as F.linear does."""
 
 from __future__ import annotations
 
@@ -109,3 +110,31 @@ def test_column_parallel_backward_collectives_run_beside_its_gemms(tmp_path, seq
         events = torch.load(tmp_path / f"events.{rank}")
         assert events["forward"] == (["start all_gather"] if sequence_parallel else []), (rank, events)
         assert events["backward"] == backward, (rank, events)
+
+
+class _OneRank:
+    """Plain TP's input collectives over one rank: nothing to gather or sum."""
+
+    shards_input = False
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def start_gather(self, x: torch.Tensor) -> tp_comm.Pending:
+        return tp_comm.Pending(x)
+
+    def start_scatter(self, dx: torch.Tensor) -> tp_comm.Pending:
+        return tp_comm.Pending(dx)
+
+
+def test_a_biased_layer_adds_its_bias_as_f_linear_does():
+    """Under plain TP a column-parallel layer runs its GEMM in its own function (for the all-reduce in flight); with a
+    bias it runs F.linear's GEMM, bias included, so that a biased bf16 layer computes what one process's F.linear
+    does (a separate add rounds twice)."""
+    from megalm.model.linear import linear
+
+    torch.manual_seed(0)
+    x, weight, bias = (torch.randn(*shape).to(torch.bfloat16) for shape in ((64, 48), (32, 48), (32,)))
+    x.requires_grad_()
+    y = linear(x, weight, bias, input_comm=_OneRank())
+    assert torch.equal(y, torch.nn.functional.linear(x, weight, bias))
