@@ -40,19 +40,16 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from megalm.estimate.collectives import GPUS_PER_NODE, LINKS, comm_seconds, inside_node
 from megalm.estimate.rank import (
-    GPUS_PER_NODE,
     HBM_BYTES,
-    LINKS,
     RankEstimate,
-    _comm_seconds,
     bubble_factor,
     check_gpu,
     compile_notes,
     estimate_rank,
     fp8_notes,
     gpu_precision,
-    inside_node,
     reserve_bytes,
     roles,
 )
@@ -250,7 +247,7 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
         collective["ep"] = 2 * replays * moe_layers * e.top_k * tokens / t * m.hidden * 2 * (layout.ep - 1) \
             / layout.ep * micro_batches
         collective["expert_dp"] = per_parameter * routed if dp * cp // layout.ep * t > 1 else 0
-    step = compute * _bubble(pp, micro_batches, layout.vpp) + _comm_seconds(collective, LINKS[gpu],
+    step = compute * _bubble(pp, micro_batches, layout.vpp) + comm_seconds(collective, LINKS[gpu],
                                                                            inside_node(t, cp, layout.ep))
     return int(peak + reserve), shape.global_batch * shape.seq / step
 
@@ -316,7 +313,7 @@ def shallow_rank(base: list[str], layout: Layout, shape: Shape, stage: int, role
                    reserve_bytes=reserve, flops=values["flops"] * scale, optimizer_s=values["optimizer_s"],
                    compute_s=(values["compute_s"] - values["optimizer_s"]) * scale + values["optimizer_s"],
                    collective_bytes=collective, domain=None, hidden_comm_s=values["hidden_comm_s"] * scale,
-                   comm_s=_comm_seconds(collective, LINKS[gpu], inside_node(layout.tp, layout.cp, layout.ep))
+                   comm_s=comm_seconds(collective, LINKS[gpu], inside_node(layout.tp, layout.cp, layout.ep))
                    - values["hidden_comm_s"] * scale)
 
 

@@ -27,7 +27,7 @@ import torch
 
 from megalm import compat, estimate
 from megalm.config.checks import resolve_model_defaults
-from megalm.estimate.rank import LINKS
+from megalm.estimate.collectives import LINKS
 from megalm.model.gpt import GPT
 from megalm.parallel.hdp import plan_hdp, simulate
 from megalm.parallel.hdp.split import hdp_cost_model

@@ -1,0 +1,135 @@
+"""What a rank's collectives cost in megalm-estimate's step (megalm/estimate/rank.py): the bytes each moves through
+the rank's link (`Collectives`, a dispatch mode over the step), the links' bandwidths (`LINKS`: NVLink inside a node
+of `GPUS_PER_NODE` GPUs, a NIC across nodes), the seconds those bytes take (`comm_seconds`), and the share hidden
+behind compute by the collectives the step leaves in flight (`InFlight`: tensor parallelism's backward collectives in
+eager blocks, megalm/parallel/tensor/comm.py). Apart from rank.py, which builds and steps the rank, so that each reads
+alone; the layout search's closed form prices its collectives with the same links."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from megalm.measure import is_higher_order
+from megalm.measure.op_cost import OpCosts
+
+
+@dataclass(frozen=True)
+class Links:
+    """Per-GPU link bandwidths in bytes/s, one direction (vendor datasheets)."""
+
+    nvlink: float  # inside a node
+    network: float  # across nodes (InfiniBand / RoCE NIC per GPU)
+
+
+LINKS = {  # NVLink 4: 900 GB/s both ways (H100, H200); NVLink 3: 600 (A100); NVLink 5: 1.8 TB/s (B200). One
+    # 400 Gb/s NIC per GPU (ConnectX-7) on H100/H200/B200 clusters, 200 Gb/s (HDR) on A100 ones.
+    "h100": Links(450e9, 50e9),
+    "h200": Links(450e9, 50e9),
+    "a100": Links(300e9, 25e9),
+    "b200": Links(900e9, 50e9),
+}
+GPUS_PER_NODE = 8  # HGX/DGX nodes of every GPU in LINKS
+
+
+def inside_node(tp: int, cp: int, ep: int = 1) -> set[str]:
+    """The mesh dimensions whose groups lie inside one node of GPUS_PER_NODE GPUs (ranks are ordered tp fastest,
+    then cp): tp when tp <= 8, cp when tp x cp <= 8, ep (consecutive dp x cp ranks) when tp x ep <= 8. Their
+    collectives run over NVLink, the others over the NICs."""
+    return {dim for dim, span in (("tp", tp), ("cp", tp * cp), ("ep", tp * ep)) if span <= GPUS_PER_NODE}
+
+
+def comm_seconds(nbytes: dict[str, int], links: Links, inside: set[str]) -> float:
+    """Collectives' link bytes (`Collectives`) at their link's bandwidth: the dimensions `inside` a node over NVLink,
+    the rest across nodes."""
+    return sum(n / (links.nvlink if dim in inside else links.network) for dim, n in nbytes.items())
+
+
+class Collectives(TorchDispatchMode):
+    """Bytes the step's collectives move through this rank's link, by the group's mesh dimension: a ring all-reduce
+    sends about twice its buffer (2 (n - 1) / n: a reduce-scatter, then an all-gather), an all-gather its output,
+    a reduce-scatter its input, a send or receive its tensor (the largest tensor of the call, counted once).
+    Eager code dispatches `c10d` ops (the group a boxed ScriptObject); compiled blocks the functional collectives
+    dynamo traces them into (`_c10d_functional`, the group by its name, the result returned; their `wait_tensor`
+    moves nothing)."""
+
+    def __init__(self, groups: dict[str, str]) -> None:
+        super().__init__()
+        self.groups = groups  # process group name -> mesh dimension
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.step_bytes: dict[str, int] = defaultdict(int)  # of `bytes`, those moved while `once_a_step` is set
+        self.once_a_step = False
+        self.last: tuple[str, int] = ("other", 0)  # the latest collective's (mesh dimension, link bytes)
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Compiled blocks run compiled under this trace too (OpCosts.ignore_compile_internals)."""
+        return True
+
+    supports_higher_order_operators = True  # run through (measure.storage.is_higher_order)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        import torch.distributed as dist
+
+        out = func(*args, **(kwargs or {}))
+        if is_higher_order(func):
+            return out
+        functional = func.namespace == "_c10d_functional" and not func.__name__.startswith("wait_tensor")
+        if func.namespace == "c10d" or functional:
+            flat = tree_flatten((args, kwargs or {}, out))[0]
+            tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+            if functional:  # the group by its name, a string argument
+                names = [a for a in flat if isinstance(a, str)]
+            else:  # the group arrives boxed (a ScriptObject): its name says which it is
+                names = [dist.ProcessGroup.unbox(a).group_name for a in flat if isinstance(a, torch.ScriptObject)
+                         and "ProcessGroup" in str(a._type())]
+            dim = next((self.groups[n] for n in names if n in self.groups), "other")
+            largest = max((t.numel() * t.element_size() for t in tensors), default=0)
+            moved = largest * (2 if func.__name__.startswith(("allreduce", "all_reduce")) else 1)
+            self.bytes[dim] += moved
+            self.last = (dim, moved)
+            if self.once_a_step:
+                self.step_bytes[dim] += moved
+        return out
+
+
+class InFlight:
+    """While inside, the collectives the step leaves in flight (`Pending` with a work handle: tensor parallelism's
+    backward collectives, megalm/parallel/tensor/comm.py) are priced as hidden behind the compute the rank runs
+    until it waits for each: `hidden_s` sums min(the collective's time on its link, the roofline time `costs` priced
+    between its start and its wait). The NCCL stream runs them beside the GEMMs; that they share the GPU's memory
+    bandwidth with them is not priced."""
+
+    def __init__(self, costs: OpCosts, comms: Collectives, links: Links, inside: set[str]) -> None:
+        self.costs, self.comms, self.links, self.inside = costs, comms, links, inside
+        self.hidden_s = 0.0
+
+    def __enter__(self) -> InFlight:
+        from megalm.parallel.tensor.comm import Pending
+
+        self._pending, tracker = Pending, self
+        self._init, self._wait = Pending.__init__, Pending.wait
+
+        def init(pending: Pending, out: torch.Tensor, work: Any = None) -> None:
+            tracker._init(pending, out, work)
+            if work is not None:  # the collective just dispatched, and the compute priced so far
+                pending._priced = (tracker.comms.last, tracker.costs.total().ms)
+
+        def wait(pending: Pending) -> torch.Tensor:
+            started = getattr(pending, "_priced", None)
+            if started is not None and pending.work is not None:
+                (dim, moved), ms = started
+                beside_s = (tracker.costs.total().ms - ms) / 1e3
+                tracker.hidden_s += min(comm_seconds({dim: moved}, tracker.links, tracker.inside), beside_s)
+            return tracker._wait(pending)
+
+        Pending.__init__, Pending.wait = init, wait
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pending.__init__, self._pending.wait = self._init, self._wait
