@@ -309,12 +309,12 @@ def shallow_rank(base: list[str], layout: Layout, shape: Shape, stage: int, role
                            + grow(shallow.step_collective_bytes.get(dim, 0), deep.step_collective_bytes.get(dim, 0)))
                   for dim in deep.collective_bytes}
     reserve = reserve_bytes(peak, sum(size > 1 for size in (layout.tp, layout.pp, layout.cp, layout.dp)))
+    hidden = values["hidden_comm_s"] * scale  # TP's collectives in flight: per micro-batch, as compute
     return replace(deep, **{k: int(v) for k, v in values.items() if k.endswith("_bytes")}, peak_bytes=peak + reserve,
                    reserve_bytes=reserve, flops=values["flops"] * scale, optimizer_s=values["optimizer_s"],
                    compute_s=(values["compute_s"] - values["optimizer_s"]) * scale + values["optimizer_s"],
-                   collective_bytes=collective, domain=None, hidden_comm_s=values["hidden_comm_s"] * scale,
-                   comm_s=comm_seconds(collective, LINKS[gpu], inside_node(layout.tp, layout.cp, layout.ep))
-                   - values["hidden_comm_s"] * scale)
+                   collective_bytes=collective, domain=None, hidden_comm_s=hidden,
+                   comm_s=comm_seconds(collective, LINKS[gpu], inside_node(layout.tp, layout.cp, layout.ep)) - hidden)
 
 
 # ------------------------------------------------------------------------------------------------------ the search

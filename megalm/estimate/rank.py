@@ -359,10 +359,10 @@ def compile_notes(cfg: Any, graph_breaks: int = 0) -> list[str]:
     if cfg.trainer.compile is None:  # auto: priced eager, as the trace's CPU trainer resolves it
         if not auto_compile(cfg, torch.device("cuda"))[0]:  # the trace runs on the CPU; the estimate is of a GPU
             return []
-        tp = ("; the TP collectives it hides behind the GEMMs are eager's, which compiled blocks run synchronously"
-              if cfg.parallel.tp > 1 else "")
+        hidden = ("; the TP collectives it hides behind the GEMMs are eager's, which compiled blocks run "
+                  "synchronously" if cfg.parallel.tp > 1 else "")
         return ["trainer.compile left at null (auto): blocks priced eager, where a CUDA run of this config compiles "
-                f"them; trainer.compile=true prices them compiled{tp}"]
+                f"them; trainer.compile=true prices them compiled{hidden}"]
     if not cfg.trainer.compile:
         return []
     if not compat.compiles_over_fake_tensors():

@@ -63,8 +63,8 @@ tp_rank = group_rank  # this process's rank inside the TP group; 0 for None
 class Pending:
     """A collective in flight (Megatron's async tensor-parallel communication): `wait()` returns its result once the
     collective is done (on NCCL: once the compute stream waits for it, with no host sync). `work` None: it ran
-    synchronously (inside a compiled graph, where dynamo traces the collective as a functional one and inductor
-    schedules it)."""
+    synchronously (asked so, as the forward's gather is, or inside a compiled graph, where dynamo traces the
+    collective as a functional one)."""
 
     def __init__(self, out: torch.Tensor, work: dist.Work | None = None) -> None:
         self.out, self.work = out, work
