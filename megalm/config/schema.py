@@ -292,6 +292,11 @@ class ParallelConfig:
     to their experts by all-to-all. Carved from the dp x cp ranks (consecutive ones); it must divide both."""
     sequence_parallel: bool = False
     """Shard the norm/dropout activations over the tp ranks (Korthikanti et al.)."""
+    async_tp: bool = False
+    """Under sequence parallelism, in compiled blocks: each TP all-gather and reduce-scatter runs micro-pipelined
+    with the GEMM it feeds or drains (TorchTitan's async TP: inductor's _micro_pipeline_tp pass over CUDA symmetric
+    memory; megalm/parallel/tensor/async_tp.py). Needs trainer.compile with the inductor backend; NCCL only (on
+    another backend one log line says it is off)."""
     zero1: bool = False
     """Shard the optimizer states over the data-parallel ranks (ZeRO stage 1)."""
     fsdp: bool = False

@@ -64,6 +64,7 @@ from megalm.parallel.tensor.apply import (
     loss_fn_for,
     tp_norm_share,
 )
+from megalm.parallel.tensor.async_tp import async_tp_inductor_config
 
 log = logging.getLogger("megalm")
 
@@ -94,6 +95,9 @@ def validate_parallel(cfg: MegalmConfig, world_size: int) -> ParallelDims:
     check_tensor_parallel(cfg.model, p.tp)
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp>1; set parallel.tp or turn it off")
+    if p.async_tp and not p.sequence_parallel:
+        raise ConfigError("parallel.async_tp=true pipelines sequence parallelism's all-gathers and reduce-scatters "
+                          "with their GEMMs; set parallel.sequence_parallel=true (and parallel.tp>1) or turn it off")
     validate_context(cfg)
     validate_hdp(cfg)
     validate_data_parallel(cfg)
@@ -139,6 +143,8 @@ class Parallelism:
         self.working_dtype = None if p.fsdp else recipe_dtype
         self._initial_weights = self._to_working_dtype()
         self.loss_fn = loss_fn_for(self.mesh.tp_group, self.cfg.model.vocab_size)
+        # what this layout asks of inductor when the blocks compile (megalm/training/compile.py)
+        self.inductor_config = async_tp_inductor_config(self.mesh.tp_group) if p.async_tp else {}
         if p.pp > 1:
             sp = p.tp if p.sequence_parallel else 1  # under SP a stage holds its 1/tp of the tokens
             hidden = self.cfg.model.hidden_size

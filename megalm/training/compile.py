@@ -34,15 +34,18 @@ from megalm.precision.compiled_linear import prepared_weights
 log = logging.getLogger("megalm")
 
 
-def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> int:
+def compile_blocks(model: nn.Module, backend: str | Callable = "inductor",
+                   layout_options: dict[str, Any] | None = None) -> int:
     """torch.compile every `TransformerBlock` of `model` in place with `backend` (a name, or a backend callable
     such as tools/bench/step_cost.py's); returns how many. A zero-bubble pipeline defers its linears' weight gradients
-    first (the pipeline runtime, built with the model): the options of the blocks that then defer are chosen here."""
+    first (the pipeline runtime, built with the model): the options of the blocks that then defer are chosen here.
+    `layout_options`: inductor options the parallel layout asks for (`Parallelism.inductor_config`: async TP's)."""
     blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
     # inductor by name gets SP's re-gathers as a compile option; a backend callable calling inductor (the cost
     # traces' InductorCosts) passes `inductor_options()` to compile_fx itself
     for block in blocks:  # its forward, not the module call: the module's hooks (layer offload's) stay eager
-        options = inductor_options(keeps_inputs=defers_weight_grads(block)) if backend == "inductor" else None
+        options = (inductor_options(keeps_inputs=defers_weight_grads(block)) | (layout_options or {})
+                   if backend == "inductor" else None)
         block.forward = functools.partial(_run_compiled, torch.compile(block.forward, backend=backend,
                                                                        options=options), linear_modules(block))
     log.info("trainer.compile: %d transformer blocks compiled (backend %s)", len(blocks), backend)
@@ -82,10 +85,16 @@ def auto_compile(cfg: Any, device: torch.device) -> tuple[bool, str]:
 
 
 def validate_compile(cfg: Any) -> None:
-    """What a compiled run refuses, in one line: an MoE model under recomputation compiled by dynamo's `eager`
-    backend. That backend runs the block's checkpoint with the module's buffers as its inputs, and the router's
-    load counts (a buffer, megalm/model/moe.py) change after the checkpoint saved them, which its recomputation
-    rejects; AOT autograd (`aot_eager`, `inductor`) moves the update out of the checkpointed region."""
+    """What a compiled run refuses, in one line: async TP without inductor's compiled blocks (auto compile
+    resolved to eager included), and an MoE model under recomputation compiled by dynamo's `eager` backend. That
+    backend runs the block's checkpoint with the module's buffers as its inputs, and the router's load counts (a
+    buffer, megalm/model/moe.py) change after the checkpoint saved them, which its recomputation rejects; AOT
+    autograd (`aot_eager`, `inductor`) moves the update out of the checkpointed region."""
+    if cfg.parallel.async_tp and not (cfg.trainer.compile and cfg.trainer.compile_backend == "inductor"):
+        why = ("trainer.compile=false" if not cfg.trainer.compile
+               else f"trainer.compile_backend={cfg.trainer.compile_backend}")
+        raise ConfigError(f"parallel.async_tp=true is a pass of inductor's over compiled blocks, which {why} does not "
+                          "run; set trainer.compile=true with trainer.compile_backend=inductor, or turn it off")
     if not (cfg.trainer.compile and cfg.trainer.compile_backend == "eager" and cfg.model.moe.num_experts):
         return
     if any(mode != "none" for mode in recompute_modes(cfg.parallel.recompute, cfg.parallel.pp)):

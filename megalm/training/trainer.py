@@ -74,7 +74,7 @@ class Trainer:
         # chosen (and logged) once, before any forward: a compiled block's trace holds no selection
         choose_attention_backends(self.model, self.device, self.precision.compute_dtype)
         if cfg.trainer.compile:
-            compile_blocks(self.model, cfg.trainer.compile_backend)
+            compile_blocks(self.model, cfg.trainer.compile_backend, self.parallel.inductor_config)
             compile_loss(self.parallel.loss_fn, cfg.trainer.compile_backend)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.parallel.optimizer_factory)
         self.parallel.watch_optimizer(self.optimizer)  # quantized weights: made once per optimizer step

@@ -123,6 +123,22 @@ def test_the_eager_backend_refuses_to_recompute_moe_blocks():
         validate_run(compose_config("trainer.compile=true", *MOE, *fine))
 
 
+def test_async_tp_refuses_blocks_inductor_does_not_compile():
+    """Async TP is a pass of inductor's: refused in one line where the blocks run eager (trainer.compile=false, or
+    null resolved to eager, as on this CPU) or compile with another backend; accepted with inductor."""
+    from megalm.errors import ConfigError
+    from megalm.training.validation import validate_run
+
+    sp = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.async_tp=true"]
+    aot = "trainer.compile_backend=aot_eager"
+    for bad, why in ((["trainer.compile=false"], "trainer.compile=false"), ([], "trainer.compile=false"),
+                     (["trainer.compile=true", aot], aot)):
+        with pytest.raises(ConfigError, match=f"which {why} does not run; set trainer.compile=true") as error:
+            validate_run(compose_config(*sp, *bad), world_size=2, device=torch.device("cpu"))
+        assert "\n" not in str(error.value)
+    assert validate_run(compose_config(*sp, "trainer.compile=true"), world_size=2).parallel.async_tp
+
+
 @pytest.mark.parametrize("overrides", [[], ["offload.enabled=true", "offload.min_tensor_bytes=0"],
                                        ["precision=fp8", *FP32_ACTIVATIONS],
                                        ["precision=fp8_delayed", *FP32_ACTIVATIONS],

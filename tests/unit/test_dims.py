@@ -39,6 +39,7 @@ def test_dp_defaults_to_what_is_left():
          "model.ffn_hidden_size=63"], "ffn_hidden_size=63 is not divisible"),
     (8, ["parallel.tp=8"], "model.num_heads=4 is not divisible by parallel.tp=8"),
     (1, ["parallel.sequence_parallel=true"], "needs parallel.tp>1"),
+    (2, ["parallel.tp=2", "parallel.async_tp=true"], "set parallel.sequence_parallel=true"),
     (4, ["trainer.global_batch_size=8", "trainer.micro_batch_size=4"], "not divisible by micro_batch_size.dp=4.4"),
     (2, ["parallel.cp=2", "parallel.cp_comm=a2a", "model.num_kv_heads=1"], "cp_comm=a2a splits each TP rank's 4 "
      "query and 1 kv heads over parallel.cp=2"),
