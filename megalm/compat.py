@@ -141,7 +141,14 @@ def fp8_traced_capability() -> tuple[int, int] | None:
 
 def custom_op_body(qualname: str) -> Callable[..., Any] | None:
     """The Python function the `torch.library.custom_op` named `qualname` ("namespace::name") runs, or None (torch
-    keeps it in a private table, `torch._library.custom_ops.OPDEFS`, torch 2.4 on)."""
+    keeps it in a private table, `torch._library.custom_ops.OPDEFS`, torch 2.4 on). For torch's fused collective
+    GEMMs of symmetric memory (`symm_mem::fused_all_gather_matmul`, `fused_matmul_reduce_scatter`: async TP's), the
+    unfused fallback torch runs them as on meta tensors: the collective, then the GEMM."""
+    namespace, _, name = qualname.partition("::")
+    if namespace == "symm_mem":
+        from torch.distributed import _symmetric_memory
+
+        return getattr(_symmetric_memory, f"_{name}_fallback", None)
     from torch._library import custom_ops
 
     opdef = getattr(custom_ops, "OPDEFS", {}).get(qualname)

@@ -8,6 +8,7 @@ alone; the layout search's closed form prices its collectives with the same link
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,8 @@ LINKS = {  # NVLink 4: 900 GB/s both ways (H100, H200); NVLink 3: 600 (A100); NV
     "b200": Links(900e9, 50e9),
 }
 GPUS_PER_NODE = 8  # HGX/DGX nodes of every GPU in LINKS
+# async TP's fused collective GEMMs (megalm/parallel/tensor/async_tp.py)
+FUSED = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
 
 
 def inside_node(tp: int, cp: int, ep: int = 1) -> set[str]:
@@ -65,6 +68,32 @@ class Collectives(TorchDispatchMode):
         self.step_bytes: dict[str, int] = defaultdict(int)  # of `bytes`, those moved while `once_a_step` is set
         self.once_a_step = False
         self.last: tuple[str, int] = ("other", 0)  # the latest collective's (mesh dimension, link bytes)
+        # async TP's fused collective GEMMs: (mesh dimension, link bytes, ranks, GEMM seconds by `gemm_clock`)
+        self.pipelined: list[tuple[str, int, int, float]] = []
+        self.gemm_clock: Callable[[], float] = lambda: 0.0  # the GEMM roofline seconds priced so far (InFlight's)
+
+    def _count(self, dim: str, moved: int) -> None:
+        self.bytes[dim] += moved
+        self.last = (dim, moved)
+        if self.once_a_step:
+            self.step_bytes[dim] += moved
+
+    def _fused_collective_gemm(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Async TP's `symm_mem` op: its all-gather moves the shard times the group's ranks, its reduce-scatter the
+        GEMM's whole output; the GEMM inside is priced by the trace below this mode (OpCosts runs the op's body)."""
+        from torch.distributed import distributed_c10d as c10d
+
+        name = func._overloadpacket.__name__
+        group = args[3] if name == "fused_all_gather_matmul" else args[4]
+        ranks = c10d._resolve_process_group(group).size()
+        gemm_before = self.gemm_clock()
+        out = func(*args, **kwargs)
+        tensor = args[0] if name == "fused_all_gather_matmul" else out
+        dim = self.groups.get(group, "other")
+        moved = tensor.numel() * tensor.element_size() * ranks
+        self._count(dim, moved)
+        self.pipelined.append((dim, moved, ranks, self.gemm_clock() - gemm_before))
+        return out
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -76,6 +105,8 @@ class Collectives(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         import torch.distributed as dist
 
+        if not is_higher_order(func) and func.namespace == "symm_mem" and func._overloadpacket.__name__ in FUSED:
+            return self._fused_collective_gemm(func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         if is_higher_order(func):
             return out
@@ -90,11 +121,7 @@ class Collectives(TorchDispatchMode):
                          and "ProcessGroup" in str(a._type())]
             dim = next((self.groups[n] for n in names if n in self.groups), "other")
             largest = max((t.numel() * t.element_size() for t in tensors), default=0)
-            moved = largest * (2 if func.__name__.startswith(("allreduce", "all_reduce")) else 1)
-            self.bytes[dim] += moved
-            self.last = (dim, moved)
-            if self.once_a_step:
-                self.step_bytes[dim] += moved
+            self._count(dim, largest * (2 if func.__name__.startswith(("allreduce", "all_reduce")) else 1))
         return out
 
 
@@ -103,7 +130,11 @@ class InFlight:
     backward collectives, megalm/parallel/tensor/comm.py) are priced as hidden behind the compute the rank runs
     until it waits for each: `hidden_s` sums min(the collective's time on its link, the roofline time `costs` priced
     between its start and its wait). The NCCL stream runs them beside the GEMMs; that they share the GPU's memory
-    bandwidth with them is not priced."""
+    bandwidth with them is not priced.
+
+    Async TP's fused collective GEMMs (`Collectives.pipelined`) split the GEMM into one chunk per rank and move a
+    chunk while the GEMM multiplies the one before it: all but one chunk's transfer (or GEMM, whichever is shorter)
+    hides, min(collective time, GEMM time) x (ranks - 1) / ranks, added to `hidden_s` on leaving."""
 
     def __init__(self, costs: OpCosts, comms: Collectives, links: Links, inside: set[str]) -> None:
         self.costs, self.comms, self.links, self.inside = costs, comms, links, inside
@@ -111,6 +142,9 @@ class InFlight:
 
     def __enter__(self) -> InFlight:
         from megalm.parallel.tensor.comm import Pending
+
+        gemm = self.costs.by_category
+        self.comms.gemm_clock = lambda: gemm["gemm"].ms / 1e3 if "gemm" in gemm else 0.0
 
         self._pending, tracker = Pending, self
         self._init, self._wait = Pending.__init__, Pending.wait
@@ -133,3 +167,5 @@ class InFlight:
 
     def __exit__(self, *exc: object) -> None:
         self._pending.__init__, self._pending.wait = self._init, self._wait
+        for dim, moved, ranks, gemm_s in self.comms.pipelined:
+            self.hidden_s += min(comm_seconds({dim: moved}, self.links, self.inside), gemm_s) * (ranks - 1) / ranks

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -134,10 +135,13 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
     fake, live = FakeTensorMode(allow_non_fake_inputs=True), LiveStorages()
     compat.init_fake_process_group(rank, world)
     try:  # FP8 recipes as this GPU runs them (compiled casts; torch._scaled_mm from 8.9), not as the CPU emulates
-        with tempfile.TemporaryDirectory() as run_dir, compat.fp8_traced_as_gpu(GPUS[gpu].capability):
+        with tempfile.TemporaryDirectory() as run_dir, compat.fp8_traced_as_gpu(GPUS[gpu].capability), \
+                async_tp_traced_as_gpu():
             with fake, live:
                 trainer = Trainer(cfg, run_dir)
                 make_compiled_weight_copies(trainer)
+            if isinstance(backend := trainer.cfg.trainer.compile_backend, InductorCosts):  # the layout's own passes
+                backend.options = {**(backend.options or {}), **trainer.parallel.inductor_config}  # (async TP's)
             params = storage_bytes(trainer.model.parameters())
             # the optimizer's states and the step's lasting buffers are made in a first step; pp micro-batches (an
             # interleaved schedule's smallest count) make them all, and the step's peak is step 1's
@@ -162,6 +166,26 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
                         comm, live.peak("host"), reserve, summary["tflop"] * 1e12, summary["roofline_ms"] / 1e3,
                         comm_seconds(comms.bytes, links, inside) - in_flight.hidden_s, dict(comms.bytes),
                         tokens, once.ms / 1e3, domain, dict(comms.step_bytes), in_flight.hidden_s)
+
+
+@contextlib.contextmanager
+def async_tp_traced_as_gpu() -> Iterator[None]:
+    """While inside, torch says NCCL is built in, as a GPU build does: inductor's async TP pass
+    (megalm/parallel/tensor/async_tp.py) fuses nothing where it is not, which a CPU wheel's trace would price. The
+    pass's warning for a graph without TP collectives is muted: the loss's chunk kernels, compiled by the trace's
+    one backend (`InductorCosts`), get the blocks' options too."""
+    import logging
+
+    import torch.distributed as dist
+
+    built_in, warnings = dist.is_nccl_available, logging.getLogger("torch._inductor.fx_passes.micro_pipeline_tp")
+    level, dist.is_nccl_available = warnings.level, lambda: True
+    warnings.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        dist.is_nccl_available = built_in
+        warnings.setLevel(level)
 
 
 def make_compiled_weight_copies(trainer: Any) -> None:

@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
-from megalm.measure.op_cost import OpCosts, category, is_traced_through
+from megalm.measure.op_cost import OpCosts, category, is_traced_through, launches_no_kernel
 from megalm.measure.storage import LiveStorages
 
 REPLAYED = ("gemm", "attention", "communication")  # extern kernels whose FLOPs and bytes the eager replay traces
@@ -153,7 +153,8 @@ class InductorCosts:
                 bodies[_extern_name(node)] += 1
             elif category(name := _extern_name(node)) in REPLAYED:
                 extern[name] += 1
-            elif not getattr(getattr(node.node, "op_overload", None), "is_view", False):  # a view launches nothing
+            elif not (getattr(getattr(node.node, "op_overload", None), "is_view", False)  # a view launches nothing,
+                      or launches_no_kernel(name)):  # nor a collective's wait
                 fallbacks.append((name, category(name), nbytes))
         graph = {"generated_kernels": len(generated), "generated_bytes": sum(generated),
                  "fallback_kernels": dict(Counter(name for name, _, _ in fallbacks)), "extern": dict(extern),

@@ -65,6 +65,7 @@ _CAST_COPY = {"_to_copy", "copy_", "copy", "clone", "_copy_from", "_copy_from_an
 _ACCUMULATING_GEMMS = {"addmm", "addmm_", "baddbmm", "baddbmm_"}  # C + A B: the peak is A's and B's (an fp32 C)
 _NO_KERNEL_NAMESPACES = {"prim", "profiler"}  # tensor metadata queries (prim::device), profiler markers
 _NO_KERNEL = {"detach", "lift_fresh", "_local_scalar_dense", "item",  # a host read (of a CPU handle: no sync)
+              "wait_tensor",  # a functional collective's wait: the stream waits on the collective, no kernel runs
               "_record_function_enter_new", "_record_function_exit",
               "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}  # allocations: no kernel runs
 # Ops that write their output without reading any tensor argument (a fill); and in-place ops whose destination (the
@@ -178,7 +179,15 @@ def _written_in_place(func: Any, name: str, args: tuple, kwargs: dict) -> list[t
 # megalm's opaque ops inside compiled blocks (megalm/model/deferred_wgrad.py) whose Python bodies cost traces run op
 # by op: on fake tensors the op would run its fake kernel, which makes its output's shape only: no GEMM to price, and no
 # side effect (a weight gradient handed to a zero-bubble W action, or added into its main gradient)
-TRACED_THROUGH = frozenset({"megalm::deferred_fprop", "megalm::deferred_dgrad"})
+TRACED_THROUGH = frozenset({"megalm::deferred_fprop", "megalm::deferred_dgrad",
+                            # async TP's (megalm/parallel/tensor/async_tp.py): the collective and the GEMM inside
+                            "symm_mem::fused_all_gather_matmul", "symm_mem::fused_matmul_reduce_scatter"})
+
+
+def launches_no_kernel(op: str) -> bool:
+    """Whether the aten op named `op` (no overload) runs no kernel: an allocation, a host read, a collective's
+    wait."""
+    return op in _NO_KERNEL
 
 
 def is_traced_through(func: Any) -> bool:

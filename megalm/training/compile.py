@@ -90,7 +90,8 @@ def validate_compile(cfg: Any) -> None:
     backend runs the block's checkpoint with the module's buffers as its inputs, and the router's load counts (a
     buffer, megalm/model/moe.py) change after the checkpoint saved them, which its recomputation rejects; AOT
     autograd (`aot_eager`, `inductor`) moves the update out of the checkpointed region."""
-    if cfg.parallel.async_tp and not (cfg.trainer.compile and cfg.trainer.compile_backend == "inductor"):
+    backend = cfg.trainer.compile_backend  # a callable: a cost trace's backend that runs inductor (InductorCosts)
+    if cfg.parallel.async_tp and not (cfg.trainer.compile and (backend == "inductor" or callable(backend))):
         why = ("trainer.compile=false" if not cfg.trainer.compile
                else f"trainer.compile_backend={cfg.trainer.compile_backend}")
         raise ConfigError(f"parallel.async_tp=true is a pass of inductor's over compiled blocks, which {why} does not "
