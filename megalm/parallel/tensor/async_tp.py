@@ -24,6 +24,7 @@ with NCCL only: on another backend megalm says so in one log line and compiles t
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import Any
 
@@ -38,6 +39,10 @@ def async_tp_problem(group: dist.ProcessGroup) -> str | None:
     if backend not in ("nccl", "fake"):  # fake: torch's, which megalm-estimate's ranks join in NCCL's place
         return (f"the TP group's backend is {backend}; torch's fused all-gather/reduce-scatter GEMMs run on CUDA "
                 "symmetric memory with NCCL only")
+    local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun's ranks on this node
+    if backend == "nccl" and local is not None and group.size() > int(local):
+        return (f"the TP group's {group.size()} ranks span nodes (LOCAL_WORLD_SIZE={local}); symmetric memory "
+                "joins the GPUs of one node")
     try:
         from torch.distributed import _symmetric_memory  # noqa: F401
     except ImportError as e:  # a torch built without symmetric memory
@@ -55,9 +60,12 @@ def enable_symmetric_memory(group: dist.ProcessGroup) -> None:
         _symmetric_memory.enable_symm_mem_for_group(group.group_name)
 
 
-def async_tp_inductor_config(group: dist.ProcessGroup) -> dict[str, Any]:
+def async_tp_inductor_config(group: dist.ProcessGroup | None) -> dict[str, Any]:
     """The inductor options that make the compiled blocks' TP collectives micro-pipelined on `group`, its symmetric
-    memory enabled; {} with one log line where they cannot run (`async_tp_problem`)."""
+    memory enabled; {} with one log line where they cannot run (`async_tp_problem`), and for a one-rank reference
+    mesh (no TP group, nothing to fuse)."""
+    if group is None:
+        return {}
     if problem := async_tp_problem(group):
         log.warning("parallel.async_tp: %s; the compiled blocks keep TP's collectives apart from their GEMMs", problem)
         return {}
