@@ -145,27 +145,46 @@ class InFlight:
 
         gemm = self.costs.by_category
         self.comms.gemm_clock = lambda: gemm["gemm"].ms / 1e3 if "gemm" in gemm else 0.0
-
-        self._pending, tracker = Pending, self
-        self._init, self._wait = Pending.__init__, Pending.wait
-
-        def init(pending: Pending, out: torch.Tensor, work: Any = None) -> None:
-            tracker._init(pending, out, work)
-            if work is not None:  # the collective just dispatched, and the compute priced so far
-                pending._priced = (tracker.comms.last, tracker.costs.total().ms)
-
-        def wait(pending: Pending) -> torch.Tensor:
-            started = getattr(pending, "_priced", None)
-            if started is not None and pending.work is not None:
-                (dim, moved), ms = started
-                beside_s = (tracker.costs.total().ms - ms) / 1e3
-                tracker.hidden_s += min(comm_seconds({dim: moved}, tracker.links, tracker.inside), beside_s)
-            return tracker._wait(pending)
-
-        Pending.__init__, Pending.wait = init, wait
+        _PATCHED["init"], _PATCHED["wait"] = Pending.__init__, Pending.wait
+        _ACTIVE.append(self)
+        Pending.__init__, Pending.wait = _observed_init, _observed_wait
         return self
 
+    def started(self, pending: Any) -> None:
+        """`pending` was just dispatched in flight: note the collective and the compute priced so far."""
+        pending._priced = (self.comms.last, self.costs.total().ms)
+
+    def waited(self, pending: Any) -> None:
+        """`pending` is waited for: the compute priced since its start hides its time, up to that time."""
+        if (started := getattr(pending, "_priced", None)) is not None:
+            (dim, moved), ms = started
+            beside_s = (self.costs.total().ms - ms) / 1e3
+            self.hidden_s += min(comm_seconds({dim: moved}, self.links, self.inside), beside_s)
+
     def __exit__(self, *exc: object) -> None:
-        self._pending.__init__, self._pending.wait = self._init, self._wait
+        from megalm.parallel.tensor.comm import Pending
+
+        Pending.__init__, Pending.wait = _PATCHED["init"], _PATCHED["wait"]
+        _ACTIVE.remove(self)
         for dim, moved, ranks, gemm_s in self.comms.pipelined:
             self.hidden_s += min(comm_seconds({dim: moved}, self.links, self.inside), gemm_s) * (ranks - 1) / ranks
+
+
+# InFlight's patches of Pending, module-level functions reading module globals: a compiled block creates and waits
+# for its Pendings synchronously (work None) while dynamo traces it, inside autograd.Functions, where dynamo must
+# wrap every closure cell of a function it calls; a closure holding the InFlight broke the graph at every TP
+# collective of a compiled block's trace (found 2026-12-02). Globals are read only on the in-flight path.
+_PATCHED: dict[str, Any] = {}
+_ACTIVE: list[InFlight] = []
+
+
+def _observed_init(pending: Any, out: torch.Tensor, work: Any = None) -> None:
+    _PATCHED["init"](pending, out, work)
+    if work is not None:
+        _ACTIVE[-1].started(pending)
+
+
+def _observed_wait(pending: Any) -> torch.Tensor:
+    if pending.work is not None:
+        _ACTIVE[-1].waited(pending)
+    return _PATCHED["wait"](pending)
