@@ -387,11 +387,14 @@ def test_async_tp_hides_its_fused_collectives_behind_their_gemms():
     FLOPs as without; without, nothing hides (compiled blocks leave nothing in flight)."""
     if not compat.compiles_over_fake_tensors():
         pytest.skip(f"torch {torch.__version__} cannot compile over the trace's fake tensors (2.11 and later can)")
-    base = [*SMALL, "trainer.device=cpu", "trainer.micro_batch_size=2", "trainer.global_batch_size=2",
-            "data.synthetic.fixed_doc_length=32", "precision=bf16", "parallel.tp=2", "parallel.sequence_parallel=true",
-            "trainer.compile=true"]
+    base = [*SMALL, "trainer.device=cpu", "trainer.micro_batch_size=1", "trainer.global_batch_size=2",
+            "data.varlen=true", "data.synthetic.fixed_doc_length=33", "precision=bf16", "parallel.tp=2",
+            "parallel.sequence_parallel=true", "trainer.compile=true"]
     fused, plain = (estimate.estimate([*base, f"parallel.async_tp={flag}"], 2, "h100")
                     for flag in ("true", "false"))
+    # whole graphs (documents of equal length): until 2026-12-02 the in-flight pricing's patches broke them at
+    # every TP collective of the second micro-batch on, and eager ran what they cut out
+    assert not [n for n in fused["notes"] + plain["notes"] if "graph breaks" in n], (fused["notes"], plain["notes"])
     (a,), (b,) = fused["ranks"], plain["ranks"]
     assert a["collective_bytes"] == b["collective_bytes"] and a["flops"] == b["flops"]
     assert b["hidden_comm_s"] == 0
@@ -401,3 +404,21 @@ def test_async_tp_hides_its_fused_collectives_behind_their_gemms():
     # the fused ops' bodies against inductor's kernels around the unfused collectives: a few copies apart
     assert a["compute_s"] == pytest.approx(b["compute_s"], rel=0.05)
     assert fused["step_time_s"] < plain["step_time_s"]
+
+
+def test_pricing_collectives_in_flight_breaks_no_compiled_graph():
+    """The estimator's in-flight pricing (`InFlight`) patches TP's `Pending`; a compiled block's trace runs through the
+    patches, inside autograd.Functions, whose every closure cell dynamo must wrap. A closure over the InFlight object
+    broke the graph at every TP collective once dynamo resumed after the CPU's per-document attention (unequal
+    documents: a host read, the one break a CPU trace has by design), and eager ran the rest. Every break is that
+    host read."""
+    if not compat.compiles_over_fake_tensors():
+        pytest.skip(f"torch {torch.__version__} cannot compile over the trace's fake tensors (2.11 and later can)")
+    from torch._dynamo.utils import counters
+
+    counters["graph_break"].clear()
+    estimate.estimate([*SMALL, "trainer.device=cpu", "trainer.micro_batch_size=1", "trainer.global_batch_size=2",
+                       "precision=bf16", "parallel.tp=2", "parallel.sequence_parallel=true", "trainer.compile=true"],
+                      2, "h100")
+    reasons = list(counters["graph_break"])
+    assert reasons and all("_local_scalar_dense" in reason for reason in reasons), reasons
