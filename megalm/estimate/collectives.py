@@ -59,7 +59,8 @@ class Collectives(TorchDispatchMode):
     a reduce-scatter its input, a send or receive its tensor (the largest tensor of the call, counted once).
     Eager code dispatches `c10d` ops (the group a boxed ScriptObject); compiled blocks the functional collectives
     dynamo traces them into (`_c10d_functional`, the group by its name, the result returned; their `wait_tensor`
-    moves nothing)."""
+    moves nothing), and under async TP torch's fused collective GEMMs (`symm_mem`, `FUSED`), whose collective is
+    counted here and whose GEMM the `OpCosts` below this mode prices (`pipelined` keeps both for `InFlight`)."""
 
     def __init__(self, groups: dict[str, str]) -> None:
         super().__init__()
@@ -145,9 +146,10 @@ class InFlight:
 
         gemm = self.costs.by_category
         self.comms.gemm_clock = lambda: gemm["gemm"].ms / 1e3 if "gemm" in gemm else 0.0
-        _PATCHED["init"], _PATCHED["wait"] = Pending.__init__, Pending.wait
+        if not _ACTIVE:  # the outermost: patch (an inner one prices into the innermost, `_ACTIVE[-1]`)
+            _ORIGINALS["init"], _ORIGINALS["wait"] = Pending.__init__, Pending.wait
+            Pending.__init__, Pending.wait = _observed_init, _observed_wait
         _ACTIVE.append(self)
-        Pending.__init__, Pending.wait = _observed_init, _observed_wait
         return self
 
     def started(self, pending: Any) -> None:
@@ -164,8 +166,9 @@ class InFlight:
     def __exit__(self, *exc: object) -> None:
         from megalm.parallel.tensor.comm import Pending
 
-        Pending.__init__, Pending.wait = _PATCHED["init"], _PATCHED["wait"]
         _ACTIVE.remove(self)
+        if not _ACTIVE:
+            Pending.__init__, Pending.wait = _ORIGINALS["init"], _ORIGINALS["wait"]
         for dim, moved, ranks, gemm_s in self.comms.pipelined:
             self.hidden_s += min(comm_seconds({dim: moved}, self.links, self.inside), gemm_s) * (ranks - 1) / ranks
 
@@ -173,13 +176,14 @@ class InFlight:
 # InFlight's patches of Pending, module-level functions reading module globals: a compiled block creates and waits
 # for its Pendings synchronously (work None) while dynamo traces it, inside autograd.Functions, where dynamo must
 # wrap every closure cell of a function it calls; a closure holding the InFlight broke the graph at every TP
-# collective of a compiled block's trace (found 2026-12-02). Globals are read only on the in-flight path.
-_PATCHED: dict[str, Any] = {}
+# collective of a compiled block's trace (found 2026-12-02). The unpatched methods (`_ORIGINALS`, plain functions)
+# are read on every call; the InFlight objects (`_ACTIVE`) on the in-flight path only, which dynamo never takes.
+_ORIGINALS: dict[str, Any] = {}
 _ACTIVE: list[InFlight] = []
 
 
 def _observed_init(pending: Any, out: torch.Tensor, work: Any = None) -> None:
-    _PATCHED["init"](pending, out, work)
+    _ORIGINALS["init"](pending, out, work)
     if work is not None:
         _ACTIVE[-1].started(pending)
 
@@ -187,4 +191,4 @@ def _observed_init(pending: Any, out: torch.Tensor, work: Any = None) -> None:
 def _observed_wait(pending: Any) -> torch.Tensor:
     if pending.work is not None:
         _ACTIVE[-1].waited(pending)
-    return _PATCHED["wait"](pending)
+    return _ORIGINALS["wait"](pending)

@@ -291,7 +291,8 @@ def shallow_rank(base: list[str], layout: Layout, shape: Shape, stage: int, role
     run_micro = micro_batches if layout.hdp else min(micro_batches, layout.pp * (2 if layout.vpp > 1 else 1))
     batch = [f"trainer.micro_batch_size={shape.micro_batch}",
              f"trainer.global_batch_size={run_micro * layout.dp * shape.micro_batch}"]
-    shallow, deep = (estimate_rank([*base, *layout.overrides(), *batch, f"model.num_layers={layout.pp * d}"],
+    no_tp = [] if layout.tp > 1 else ["parallel.async_tp=false"]  # a command's async TP: nothing to fuse at tp 1
+    shallow, deep = (estimate_rank([*base, *layout.overrides(), *no_tp, *batch, f"model.num_layers={layout.pp * d}"],
                                    shape.world, stage, role, gpu) for d in (unit, 2 * unit))
     depth = (shape.model.layers // layout.pp - unit) / unit  # the model's depth, in units past the shallow run's
 

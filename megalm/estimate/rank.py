@@ -24,7 +24,9 @@ its collectives at the link's bandwidth: tensor- and context-parallel groups ins
 <= 8) over NVLink, the rest (data- and pipeline-parallel traffic, groups that span nodes) over InfiniBand (`LINKS`).
 A collective the step leaves in flight (tensor parallelism's backward collectives in eager blocks:
 megalm.parallel.tensor.comm.Pending) is hidden behind the roofline time of the ops the rank runs before it waits
-for it, up to its own time (`hidden_comm_s`); every other collective is counted as not hidden. MFU is
+for it, up to its own time (`hidden_comm_s`); so is (n - 1)/n of the shorter of the transfer and the GEMM of each
+collective GEMM async TP fuses in compiled blocks (`parallel.async_tp`, over n TP ranks); every other collective is
+counted as not hidden. MFU is
 6·N·T (plus attention) FLOPs of the global step over (world x peak x step time); tokens/s the global batch's
 tokens over the step time.
 
@@ -51,7 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megalm import compat
 from megalm.config import zero_bubble
-from megalm.estimate.collectives import LINKS, Collectives, InFlight, comm_seconds, inside_node
+from megalm.estimate.collectives import GPUS_PER_NODE, LINKS, Collectives, InFlight, comm_seconds, inside_node
 from megalm.measure import LiveStorages, storage_bytes
 from megalm.measure.compiled_cost import InductorCosts
 from megalm.measure.op_cost import GPUS, OpCosts
@@ -135,8 +137,8 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
     fake, live = FakeTensorMode(allow_non_fake_inputs=True), LiveStorages()
     compat.init_fake_process_group(rank, world)
     try:  # FP8 recipes as this GPU runs them (compiled casts; torch._scaled_mm from 8.9), not as the CPU emulates
-        with tempfile.TemporaryDirectory() as run_dir, compat.fp8_traced_as_gpu(GPUS[gpu].capability), \
-                async_tp_traced_as_gpu():
+        with (tempfile.TemporaryDirectory() as run_dir, compat.fp8_traced_as_gpu(GPUS[gpu].capability),
+              async_tp_traced_as_gpu() if p.async_tp else contextlib.nullcontext()):
             with fake, live:
                 trainer = Trainer(cfg, run_dir)
                 make_compiled_weight_copies(trainer)
@@ -178,14 +180,15 @@ def async_tp_traced_as_gpu() -> Iterator[None]:
 
     import torch.distributed as dist
 
-    built_in, warnings = dist.is_nccl_available, logging.getLogger("torch._inductor.fx_passes.micro_pipeline_tp")
-    level, dist.is_nccl_available = warnings.level, lambda: True
-    warnings.setLevel(logging.ERROR)
+    built_in, pass_log = dist.is_nccl_available, logging.getLogger("torch._inductor.fx_passes.micro_pipeline_tp")
+    level = pass_log.level
+    dist.is_nccl_available = lambda: True
+    pass_log.setLevel(logging.ERROR)
     try:
         yield
     finally:
         dist.is_nccl_available = built_in
-        warnings.setLevel(level)
+        pass_log.setLevel(level)
 
 
 def make_compiled_weight_copies(trainer: Any) -> None:
@@ -365,19 +368,39 @@ def trace_compiled_blocks(cfg: Any) -> None:
     from megalm.training.compile import inductor_options
     from megalm.training.device import resolve_auto_precision
 
-    if not cfg.trainer.compile:
-        return
-    resolve_auto_precision(cfg, torch.device("cpu"))  # as the fake trainer, on the CPU, would
-    validate_precision(cfg)
-    torch._dynamo.reset()
-    cfg.trainer.compile = prices_compiled_blocks(cfg)
-    if cfg.trainer.compile_backend == "inductor":  # an object in a str field: a traced trainer saves no config
-        cfg.trainer.compile_backend = InductorCosts(inductor_options())  # megalm's blocks' inductor config
+    if cfg.trainer.compile:
+        resolve_auto_precision(cfg, torch.device("cpu"))  # as the fake trainer, on the CPU, would
+        validate_precision(cfg)
+        torch._dynamo.reset()
+        cfg.trainer.compile = prices_compiled_blocks(cfg)
+        if cfg.trainer.compile_backend == "inductor":  # an object in a str field: a traced trainer saves no config
+            cfg.trainer.compile_backend = InductorCosts(inductor_options())  # megalm's blocks' inductor config
+    if async_tp_unpriced(cfg):  # priced without it, as `compile_notes` says
+        cfg.parallel.async_tp = False
+
+
+def async_tp_unpriced(cfg: Any) -> str | None:
+    """Why `parallel.async_tp=true` is left out of the trace (None: priced, or not asked for): blocks priced eager
+    (`trainer.compile` null, or false after `trace_compiled_blocks`), or a TP group wider than a node, which a run
+    refuses (megalm/parallel/tensor/async_tp.py)."""
+    if not cfg.parallel.async_tp:
+        return None
+    if cfg.parallel.tp > GPUS_PER_NODE:
+        return f"parallel.tp={cfg.parallel.tp} spans nodes, where a run turns it off (symmetric memory joins one node)"
+    if not cfg.trainer.compile or not prices_compiled_blocks(cfg):
+        return "it fuses compiled blocks' collectives, and the blocks are priced eager"
+    return None
 
 
 def compile_notes(cfg: Any, graph_breaks: int = 0) -> list[str]:
     """What the estimate of compiled blocks traces that the GPU runs otherwise (a line each, none otherwise);
     `graph_breaks`: dynamo's count over the traced steps."""
+    unpriced = async_tp_unpriced(cfg)
+    return [*([f"parallel.async_tp=true: not priced ({unpriced})"] if unpriced else []),
+            *_compiled_block_notes(cfg, graph_breaks)]
+
+
+def _compiled_block_notes(cfg: Any, graph_breaks: int) -> list[str]:
     from megalm.training.compile import auto_compile
 
     if cfg.trainer.compile is None:  # auto: priced eager, as the trace's CPU trainer resolves it

@@ -154,7 +154,7 @@ class InductorCosts:
             elif category(name := _extern_name(node)) in REPLAYED:
                 extern[name] += 1
             elif not (getattr(getattr(node.node, "op_overload", None), "is_view", False)  # a view launches nothing,
-                      or launches_no_kernel(name)):  # nor a collective's wait
+                      or launches_no_kernel(name)):  # nor an allocation, a host read or a collective's wait
                 fallbacks.append((name, category(name), nbytes))
         graph = {"generated_kernels": len(generated), "generated_bytes": sum(generated),
                  "fallback_kernels": dict(Counter(name for name, _, _ in fallbacks)), "extern": dict(extern),

@@ -185,8 +185,8 @@ TRACED_THROUGH = frozenset({"megalm::deferred_fprop", "megalm::deferred_dgrad",
 
 
 def launches_no_kernel(op: str) -> bool:
-    """Whether the aten op named `op` (no overload) runs no kernel: an allocation, a host read, a collective's
-    wait."""
+    """Whether the op named `op` (its packet's name, no namespace or overload) runs no kernel: an allocation, a host
+    read, a functional collective's wait."""
     return op in _NO_KERNEL
 
 

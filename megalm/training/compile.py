@@ -39,7 +39,8 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor",
     """torch.compile every `TransformerBlock` of `model` in place with `backend` (a name, or a backend callable
     such as tools/bench/step_cost.py's); returns how many. A zero-bubble pipeline defers its linears' weight gradients
     first (the pipeline runtime, built with the model): the options of the blocks that then defer are chosen here.
-    `layout_options`: inductor options the parallel layout asks for (`Parallelism.inductor_config`: async TP's)."""
+    `layout_options`: inductor options the parallel layout asks for (`Parallelism.inductor_config`: async TP's), for
+    inductor by name; a backend callable takes its options itself (megalm-estimate merges them into its own)."""
     blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
     # inductor by name gets SP's re-gathers as a compile option; a backend callable calling inductor (the cost
     # traces' InductorCosts) passes `inductor_options()` to compile_fx itself
@@ -92,7 +93,7 @@ def validate_compile(cfg: Any) -> None:
     autograd (`aot_eager`, `inductor`) moves the update out of the checkpointed region."""
     backend = cfg.trainer.compile_backend  # a callable: a cost trace's backend that runs inductor (InductorCosts)
     if cfg.parallel.async_tp and not (cfg.trainer.compile and (backend == "inductor" or callable(backend))):
-        why = ("trainer.compile=false" if not cfg.trainer.compile
+        why = ("trainer.compile=false (as set, or as null resolves for this run)" if not cfg.trainer.compile
                else f"trainer.compile_backend={cfg.trainer.compile_backend}")
         raise ConfigError(f"parallel.async_tp=true is a pass of inductor's over compiled blocks, which {why} does not "
                           "run; set trainer.compile=true with trainer.compile_backend=inductor, or turn it off")

@@ -422,3 +422,20 @@ def test_pricing_collectives_in_flight_breaks_no_compiled_graph():
                       2, "h100")
     reasons = list(counters["graph_break"])
     assert reasons and all("_local_scalar_dense" in reason for reason in reasons), reasons
+
+
+@pytest.mark.parametrize("overrides, why", [
+    (["parallel.tp=2"], "the blocks are priced eager"),  # trainer.compile null: priced eager, as the CPU resolves it
+    (["parallel.tp=16", "model.num_heads=16", "model.num_kv_heads=16", "trainer.compile=true"], "spans nodes"),
+])
+def test_async_tp_left_out_of_the_trace_says_why(overrides, why):
+    """Where the trace cannot price async TP as the GPU run does, it leaves it out and says so, rather than refusing
+    a config training takes (null compile on CUDA) or hiding network time a run would not (TP over nodes)."""
+    world = 16 if "parallel.tp=16" in overrides else 2
+    result = estimate.estimate([*SMALL, "trainer.device=cpu", "trainer.micro_batch_size=1",
+                                "trainer.global_batch_size=1", "precision=bf16", "parallel.sequence_parallel=true",
+                                "parallel.async_tp=true", *overrides], world, "h100")
+    assert [n for n in result["notes"] if n.startswith("parallel.async_tp=true: not priced") and why in n], \
+        result["notes"]
+    if "trainer.compile=true" in overrides:  # compiled without the fused ops: nothing in flight, nothing hidden
+        assert result["ranks"][0]["hidden_comm_s"] == 0

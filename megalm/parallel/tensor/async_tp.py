@@ -39,10 +39,10 @@ def async_tp_problem(group: dist.ProcessGroup) -> str | None:
     if backend not in ("nccl", "fake"):  # fake: torch's, which megalm-estimate's ranks join in NCCL's place
         return (f"the TP group's backend is {backend}; torch's fused all-gather/reduce-scatter GEMMs run on CUDA "
                 "symmetric memory with NCCL only")
-    local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun's ranks on this node
-    if backend == "nccl" and local is not None and group.size() > int(local):
-        return (f"the TP group's {group.size()} ranks span nodes (LOCAL_WORLD_SIZE={local}); symmetric memory "
-                "joins the GPUs of one node")
+    local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun's ranks on this node; TP's are consecutive ranks
+    if backend == "nccl" and local is not None and int(local) % group.size():
+        return (f"the TP group's {group.size()} ranks span nodes (LOCAL_WORLD_SIZE={local} is no multiple of them); "
+                "symmetric memory joins the GPUs of one node")
     try:
         from torch.distributed import _symmetric_memory  # noqa: F401
     except ImportError as e:  # a torch built without symmetric memory
