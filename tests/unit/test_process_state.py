@@ -42,6 +42,10 @@ GLOBAL_STATEMENTS = {
 HANDLE_TABLES = {
     ("megalm/model/handles.py", "_OBJECTS"): "a layer's recipe or weight-gradient sink, named to an opaque op by a "
                                              "CPU tensor",
+    ("megalm/estimate/collectives.py", "_ACTIVE"): "the in-flight pricing a megalm-estimate step runs inside (entered "
+                                                   "and left by `with`), which its patches of TP's Pending read: "
+                                                   "module-level functions, since dynamo cannot trace a closure over "
+                                                   "the pricing object",
 }
 MUTATING_METHODS = {"append", "extend", "insert", "pop", "popitem", "clear", "update", "add", "discard", "remove",
                     "setdefault", "note", "register", "__setitem__"}
