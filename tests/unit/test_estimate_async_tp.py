@@ -40,6 +40,7 @@ def test_async_tp_hides_its_fused_collectives_behind_their_gemms():
     assert fused["step_time_s"] < plain["step_time_s"]
 
 
+@pytest.mark.slow  # 33 s of compiling on 2 cores
 def test_pricing_collectives_in_flight_breaks_no_compiled_graph():
     """The estimator's in-flight pricing (`InFlight`) patches TP's `Pending`; a compiled block's trace runs through the
     patches, inside autograd.Functions, whose every closure cell dynamo must wrap. A closure over the InFlight object
@@ -60,7 +61,7 @@ def test_pricing_collectives_in_flight_breaks_no_compiled_graph():
 
 @pytest.mark.parametrize("overrides, why", [
     (["parallel.tp=2"], "the blocks are priced eager"),  # trainer.compile null: priced eager, as the CPU resolves it
-    (["parallel.tp=16", "model.num_heads=16", "model.num_kv_heads=16", "trainer.compile=true"], "spans nodes"),
+    (["parallel.tp=16", "model.num_heads=16", "model.num_kv_heads=16"], "spans nodes"),  # said first, whatever else
 ])
 def test_async_tp_left_out_of_the_trace_says_why(overrides, why):
     """Where the trace cannot price async TP as the GPU run does, it leaves it out and says so, rather than refusing
@@ -71,5 +72,3 @@ def test_async_tp_left_out_of_the_trace_says_why(overrides, why):
                                 "parallel.async_tp=true", *overrides], world, "h100")
     assert [n for n in result["notes"] if n.startswith("parallel.async_tp=true: not priced") and why in n], \
         result["notes"]
-    if "trainer.compile=true" in overrides:  # compiled without the fused ops: nothing in flight, nothing hidden
-        assert result["ranks"][0]["hidden_comm_s"] == 0
