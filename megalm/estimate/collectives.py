@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from megalm.measure import is_higher_order
-from megalm.measure.op_cost import OpCosts
+from megalm.measure.op_cost import FUSED_COLLECTIVE_GEMMS, OpCosts
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,6 @@ LINKS = {  # NVLink 4: 900 GB/s both ways (H100, H200); NVLink 3: 600 (A100); NV
     "b200": Links(900e9, 50e9),
 }
 GPUS_PER_NODE = 8  # HGX/DGX nodes of every GPU in LINKS
-# async TP's fused collective GEMMs (megalm/parallel/tensor/async_tp.py)
-FUSED = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
 
 
 def inside_node(tp: int, cp: int, ep: int = 1) -> set[str]:
@@ -59,8 +57,9 @@ class Collectives(TorchDispatchMode):
     a reduce-scatter its input, a send or receive its tensor (the largest tensor of the call, counted once).
     Eager code dispatches `c10d` ops (the group a boxed ScriptObject); compiled blocks the functional collectives
     dynamo traces them into (`_c10d_functional`, the group by its name, the result returned; their `wait_tensor`
-    moves nothing), and under async TP torch's fused collective GEMMs (`symm_mem`, `FUSED`), whose collective is
-    counted here and whose GEMM the `OpCosts` below this mode prices (`pipelined` keeps both for `InFlight`)."""
+    moves nothing), and under async TP torch's fused collective GEMMs (`symm_mem`, op_cost's
+    `FUSED_COLLECTIVE_GEMMS`), whose collective is counted here and whose GEMM the `OpCosts` below this mode prices
+    (`pipelined` keeps both for `InFlight`)."""
 
     def __init__(self, groups: dict[str, str]) -> None:
         super().__init__()
@@ -106,7 +105,8 @@ class Collectives(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         import torch.distributed as dist
 
-        if not is_higher_order(func) and func.namespace == "symm_mem" and func._overloadpacket.__name__ in FUSED:
+        if (not is_higher_order(func) and func.namespace == "symm_mem"
+                and func._overloadpacket.__name__ in FUSED_COLLECTIVE_GEMMS):
             return self._fused_collective_gemm(func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         if is_higher_order(func):

@@ -179,9 +179,11 @@ def _written_in_place(func: Any, name: str, args: tuple, kwargs: dict) -> list[t
 # megalm's opaque ops inside compiled blocks (megalm/model/deferred_wgrad.py) whose Python bodies cost traces run op
 # by op: on fake tensors the op would run its fake kernel, which makes its output's shape only: no GEMM to price, and no
 # side effect (a weight gradient handed to a zero-bubble W action, or added into its main gradient)
+# torch's fused collective GEMMs of symmetric memory, which async TP's pass puts in compiled blocks
+# (megalm/parallel/tensor/async_tp.py): the collective and the GEMM inside
+FUSED_COLLECTIVE_GEMMS = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
 TRACED_THROUGH = frozenset({"megalm::deferred_fprop", "megalm::deferred_dgrad",
-                            # async TP's (megalm/parallel/tensor/async_tp.py): the collective and the GEMM inside
-                            "symm_mem::fused_all_gather_matmul", "symm_mem::fused_matmul_reduce_scatter"})
+                            *(f"symm_mem::{name}" for name in FUSED_COLLECTIVE_GEMMS)})
 
 
 def launches_no_kernel(op: str) -> bool:

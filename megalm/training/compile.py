@@ -94,10 +94,10 @@ def validate_compile(cfg: Any) -> None:
     backend = cfg.trainer.compile_backend  # a callable: a cost trace's backend that runs inductor (InductorCosts)
     if cfg.parallel.async_tp and not (cfg.trainer.compile and (backend == "inductor" or callable(backend))):
         why = ("trainer.compile=false (as set, or as null resolves for this run)" if not cfg.trainer.compile
-               else f"trainer.compile_backend={cfg.trainer.compile_backend}")
+               else f"trainer.compile_backend={backend}")
         raise ConfigError(f"parallel.async_tp=true is a pass of inductor's over compiled blocks, which {why} does not "
                           "run; set trainer.compile=true with trainer.compile_backend=inductor, or turn it off")
-    if not (cfg.trainer.compile and cfg.trainer.compile_backend == "eager" and cfg.model.moe.num_experts):
+    if not (cfg.trainer.compile and backend == "eager" and cfg.model.moe.num_experts):
         return
     if any(mode != "none" for mode in recompute_modes(cfg.parallel.recompute, cfg.parallel.pp)):
         raise ConfigError("trainer.compile_backend=eager cannot recompute an MoE model's compiled blocks (its load "
