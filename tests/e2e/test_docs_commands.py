@@ -20,6 +20,7 @@ fails the test: add a rule for it.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -266,21 +267,40 @@ def checked_without_running(command: str) -> Callable[[str], None] | None:
 
 _IN_PROCESS = threading.Lock()  # Hydra's compose (the validations below) keeps global state: one at a time
 # A report-only command (an estimate, a benchmark, a simulation: it reads nothing another command wrote and writes
-# nothing another reads) documented in several docs runs once: the first doc to reach it runs it.
+# nothing another reads) runs where it first appears, in DOCS' order; a later one that differs from an earlier one in
+# its Hydra overrides only, as run here (the same tool with the same flags: a variant, e.g. step_cost.py at another
+# precision, or the same command in another doc) is not run in CI's run: the tool's own path has run once, and
+# tests/unit/test_docs_commands_parse.py composes the variant's overrides into a config megalm's schema accepts.
+# `test_documented_variants_run` (a long test run by hand, .ci/long_tests_by_hand.txt) runs them: on 2026-12-02 CI's
+# docs commands spent 1,050 of their 3,300 s (two at a time, beside the other long tests) on 35 such variants.
 REPORT_ONLY = ("megalm-estimate ", "python tools/bench/", "python tools/hdp_sim.py ")
-_REPORTS_RUN: set[str] = set()
-_REPORTS_LOCK = threading.Lock()
 
 
-def run_elsewhere(command: str) -> bool:
-    """Whether a report-only `command` was already started by another doc (and claim it if not)."""
-    if not command.startswith(REPORT_ONLY) or NAMED_OUTPUT.search(command):
-        return False
-    with _REPORTS_LOCK:
-        if command in _REPORTS_RUN:
-            return True
-        _REPORTS_RUN.add(command)
-        return False
+def hydra_overrides(words: list[str]) -> list[str]:
+    return [w for w in words if "=" in w and not w.startswith("-")]
+
+
+def report_shape(command: str) -> tuple[str, ...] | None:
+    """A report-only command's tool and flags as run (its Hydra overrides left out); None for other commands."""
+    if not command.startswith(REPORT_ONLY) or NAMED_OUTPUT.search(command) or is_pattern(command):
+        return None
+    spec = runnable(command, Path("/scratch"))
+    return None if spec is None else tuple(w for w in spec[0][1:] if w not in hydra_overrides(spec[0]))
+
+
+@functools.cache
+def variants() -> dict[str, list[str]]:
+    """{doc name: its report-only commands whose shape an earlier command (in DOCS' order) runs}."""
+    seen: set[tuple[str, ...]] = set()
+    found: dict[str, list[str]] = {}
+    for doc in DOCS:
+        for command in documented_commands(doc):
+            if (shape := report_shape(command)) is None:
+                continue
+            if shape in seen:
+                found.setdefault(doc.name, []).append(command)
+            seen.add(shape)
+    return found
 
 
 def files_of(tmp_path: Path) -> dict[Path, int]:
@@ -289,18 +309,22 @@ def files_of(tmp_path: Path) -> dict[Path, int]:
     return {f: f.stat().st_mtime_ns for f in tmp_path.rglob("*") if f.is_file() and cache not in f.parents}
 
 
-def run_doc(doc: Path, tmp_path: Path) -> None:
-    """Every command of `doc`, in order, in `tmp_path`, and then again those that wrote files where they name
-    (only those can meet their own output when pasted again: `NAMED_OUTPUT`); raises on the first failure."""
+def run_doc(doc: Path, tmp_path: Path, only_variants: bool = False) -> None:
+    """Every command of `doc`, in order, in `tmp_path` (its variants composed, not run), and then again those that
+    wrote files where they name (only those can meet their own output when pasted again: `NAMED_OUTPUT`); raises on
+    the first failure. `only_variants`: run the doc's variants only."""
     commands = [c for c in documented_commands(doc) if not is_pattern(c)]
+    if only_variants:
+        commands = variants().get(doc.name, [])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "XDG_CACHE_HOME": str(tmp_path / "cache")}
     with ForkedPython(env) as python:  # forks the Python commands it can: no `import torch` of their own
-        run_commands(doc, commands, tmp_path, env, python)
+        run_commands(doc, commands, tmp_path, env, python, run_variants=only_variants)
 
 
-def run_commands(doc: Path, commands: list[str], tmp_path: Path, env: dict[str, str], python: ForkedPython) -> None:
+def run_commands(doc: Path, commands: list[str], tmp_path: Path, env: dict[str, str], python: ForkedPython,
+                 run_variants: bool) -> None:
     """`run_doc`'s commands, first runs, then second ones."""
     writers: set[str] = set()
     for attempt, command in [(attempt, c) for attempt in ("first", "second") for c in commands]:
@@ -310,8 +334,10 @@ def run_commands(doc: Path, commands: list[str], tmp_path: Path, env: dict[str, 
             with _IN_PROCESS:  # the validations compose configs (bash parsing the GPU script is brief)
                 check(command)
             continue
+        if command in variants().get(doc.name, ()) and not run_variants:
+            continue
         spec = runnable(command, tmp_path)
-        if spec is None or (attempt == "first" and run_elsewhere(command)):
+        if spec is None:
             continue
         argv, extra = spec
         before, started = files_of(tmp_path), time.perf_counter()
@@ -354,3 +380,11 @@ def doc_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_documented_commands_run(doc: Path, doc_runs: dict[Path, Future]):
     doc_runs[doc].result()  # re-raises the doc's failure
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("doc", [doc for doc in DOCS if doc.name in variants()], ids=lambda p: p.name)
+def test_documented_variants_run(doc: Path, tmp_path: Path):
+    """The report-only commands `test_documented_commands_run` composes but does not run (`variants`), run."""
+    run_doc(doc, tmp_path, only_variants=True)

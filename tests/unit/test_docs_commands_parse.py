@@ -1,18 +1,30 @@
 """The documented commands, checked in seconds for what the long test (tests/e2e/test_docs_commands.py, which runs
 them all) would otherwise find only after minutes: each one is classified (a rule runs it, or it is a pattern), and
 every training run's overrides parse in Hydra's grammar (an ellipsis or a stray word is no override: CI's stop 64
-failed on `python -m megalm.train ...` in prose, 40 minutes into its long tests)."""
+failed on `python -m megalm.train ...` in prose, 40 minutes into its long tests); and the report-only variants, which
+CI's run of the long test does not run (`variants`: an earlier command ran the same tool with the same flags), compose
+into a config megalm's schema accepts."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 
+from tests.conftest import compose_config
 from tests.docs_pages import DOCS
-from tests.e2e.test_docs_commands import checked_without_running, documented_commands, is_pattern, runnable
+from tests.e2e.test_docs_commands import (
+    checked_without_running,
+    documented_commands,
+    hydra_overrides,
+    is_pattern,
+    report_shape,
+    runnable,
+    variants,
+)
 
 HYDRA_VALUED_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-name", "-cn", "--config-path", "-cp",
                       "--config-dir", "-cd", "--info", "-i"}
@@ -47,3 +59,21 @@ def test_every_documented_command_has_a_rule_and_parses(doc: Path, tmp_path: Pat
 def test_the_check_fails_on_an_ellipsis():
     with pytest.raises(OverrideParseException):
         OverridesParser.create().parse_overrides(training_overrides(["python", "-m", "megalm.train", "..."]))
+
+
+@pytest.mark.parametrize("doc", [doc for doc in DOCS if doc.name in variants()], ids=lambda p: p.name)
+def test_the_variants_ci_does_not_run_compose(doc: Path):
+    for command in variants()[doc.name]:
+        compose_config(*hydra_overrides(shlex.split(command)), tiny=False)  # a bad key or value: ConfigError
+
+
+def test_a_variant_is_an_earlier_report_s_tool_and_flags_with_other_overrides():
+    shapes = {}
+    for doc in DOCS:
+        for command in documented_commands(doc):
+            if (shape := report_shape(command)) is not None:
+                shapes.setdefault(shape, []).append((doc.name, command))
+    later = {(doc, command) for doc, commands in variants().items() for command in commands}
+    assert later == {run for runs in shapes.values() for run in runs[1:]}
+    assert any("step_cost.py" in c and "precision=fp8_delayed" in c for _, c in later), \
+        "a step-cost run at another precision is a variant of the first step-cost run"
