@@ -43,7 +43,8 @@ def test_torchrun_tp2_dp2_matches_single_process(tmp_path):
     (["parallel.tp=3"], "world size 2 is not divisible by tp*pp*cp = 3"),
     (["parallel.tp=2", "model.num_heads=2", "model.num_kv_heads=1", "model.hidden_size=64",
       "model.ffn_hidden_size=63"], "model.ffn_hidden_size=63 is not divisible by parallel.tp=2"),
-])  # the layout's other refusal, dp != world / (tp*pp*cp), is raised beside the first (tests/unit/test_dims.py)
+], ids=["world_not_divisible", "ffn_not_divisible"])
+# the layout's other refusal, dp != world / (tp*pp*cp), is raised beside the first (tests/unit/test_dims.py)
 def test_bad_layout_fails_on_every_rank_without_hanging(tmp_path, args, message):
     # torchrun stops the other workers once one has failed: a 2 s monitor interval gives the slower rank (on a
     # loaded machine) the time to print its own line first.
