@@ -310,7 +310,7 @@ def files_of(tmp_path: Path) -> dict[Path, int]:
 
 
 def run_doc(doc: Path, tmp_path: Path, only_variants: bool = False) -> None:
-    """Every command of `doc`, in order, in `tmp_path` (its variants composed, not run), and then again those that
+    """Every command of `doc` but its variants (`variants`), in order, in `tmp_path`, and then again those that
     wrote files where they name (only those can meet their own output when pasted again: `NAMED_OUTPUT`); raises on
     the first failure. `only_variants`: run the doc's variants only."""
     commands = [c for c in documented_commands(doc) if not is_pattern(c)]
@@ -386,5 +386,5 @@ def test_documented_commands_run(doc: Path, doc_runs: dict[Path, Future]):
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("doc", [doc for doc in DOCS if doc.name in variants()], ids=lambda p: p.name)
 def test_documented_variants_run(doc: Path, tmp_path: Path):
-    """The report-only commands `test_documented_commands_run` composes but does not run (`variants`), run."""
+    """The report-only commands `test_documented_commands_run` leaves out (`variants`), run."""
     run_doc(doc, tmp_path, only_variants=True)
