@@ -1,5 +1,6 @@
 """Every command in README.md and docs/ runs (those that write files twice), so the docs cannot rot and stay
-copy-paste safe (slow: a few minutes; CI runs it).
+copy-paste safe (slow: a few minutes; CI runs it, but the report-only variants of `variants`, which
+`test_documented_variants_run` runs by hand).
 
 Commands are read from the fenced code blocks and from inline `code` that starts like a command. Each
 runs in a scratch directory, in document order (a resume follows its first run, generation follows
