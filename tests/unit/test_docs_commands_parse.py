@@ -77,3 +77,10 @@ def test_a_variant_is_an_earlier_report_s_tool_and_flags_with_other_overrides():
     assert later == {run for runs in shapes.values() for run in runs[1:]}
     assert any("step_cost.py" in c and "precision=fp8_delayed" in c for _, c in later), \
         "a step-cost run at another precision is a variant of the first step-cost run"
+    assert any(doc == "layouts.md" and "parallel.cp=4" in c for doc, c in later), "another layout of one estimate"
+    first_256 = next(c for c in documented_commands(DOCS[[d.name for d in DOCS].index("benchmarks.md")])
+                     if c.startswith("megalm-estimate") and "--world 256" in c)
+    assert ("benchmarks.md", first_256) not in later, "the first estimate of its shape runs in CI"
+    sims = [report_shape(f"python tools/hdp_sim.py --ranks 1024 --context {c} --lengths longtail --model 7b")
+            for c in ("256K", "512K")]
+    assert sims[0] != sims[1], "a flag's value is part of the shape"
