@@ -131,8 +131,13 @@ def is_pattern(command: str) -> bool:
                                                        command))
 
 
+def hydra_overrides(words: list[str]) -> list[str]:
+    """The words Hydra reads as overrides (key=value, not a flag)."""
+    return [w for w in words if "=" in w and not w.startswith("-")]
+
+
 def overrides_set(words: list[str]) -> set[str]:
-    return {w.split("=", 1)[0] for w in words if "=" in w and not w.startswith("-")}
+    return {w.split("=", 1)[0] for w in hydra_overrides(words)}
 
 
 def shrink(words: list[str], tmp: Path) -> list[str]:
@@ -277,16 +282,15 @@ _IN_PROCESS = threading.Lock()  # Hydra's compose (the validations below) keeps 
 REPORT_ONLY = ("megalm-estimate ", "python tools/bench/", "python tools/hdp_sim.py ")
 
 
-def hydra_overrides(words: list[str]) -> list[str]:
-    return [w for w in words if "=" in w and not w.startswith("-")]
-
-
 def report_shape(command: str) -> tuple[str, ...] | None:
     """A report-only command's tool and flags as run (its Hydra overrides left out); None for other commands."""
     if not command.startswith(REPORT_ONLY) or NAMED_OUTPUT.search(command) or is_pattern(command):
         return None
     spec = runnable(command, Path("/scratch"))
-    return None if spec is None else tuple(w for w in spec[0][1:] if w not in hydra_overrides(spec[0]))
+    if spec is None:
+        return None
+    overrides = set(hydra_overrides(spec[0]))
+    return tuple(w for w in spec[0][1:] if w not in overrides)
 
 
 @functools.cache
@@ -314,18 +318,17 @@ def run_doc(doc: Path, tmp_path: Path, only_variants: bool = False) -> None:
     """Every command of `doc` but its variants (`variants`), in order, in `tmp_path`, and then again those that
     wrote files where they name (only those can meet their own output when pasted again: `NAMED_OUTPUT`); raises on
     the first failure. `only_variants`: run the doc's variants only."""
-    commands = [c for c in documented_commands(doc) if not is_pattern(c)]
-    if only_variants:
-        commands = variants().get(doc.name, [])
+    left_out = variants().get(doc.name, [])
+    commands = left_out if only_variants else [c for c in documented_commands(doc)
+                                               if not is_pattern(c) and c not in left_out]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "XDG_CACHE_HOME": str(tmp_path / "cache")}
     with ForkedPython(env) as python:  # forks the Python commands it can: no `import torch` of their own
-        run_commands(doc, commands, tmp_path, env, python, run_variants=only_variants)
+        run_commands(doc, commands, tmp_path, env, python)
 
 
-def run_commands(doc: Path, commands: list[str], tmp_path: Path, env: dict[str, str], python: ForkedPython,
-                 run_variants: bool) -> None:
+def run_commands(doc: Path, commands: list[str], tmp_path: Path, env: dict[str, str], python: ForkedPython) -> None:
     """`run_doc`'s commands, first runs, then second ones."""
     writers: set[str] = set()
     for attempt, command in [(attempt, c) for attempt in ("first", "second") for c in commands]:
@@ -334,8 +337,6 @@ def run_commands(doc: Path, commands: list[str], tmp_path: Path, env: dict[str, 
         if (check := checked_without_running(command)) is not None:
             with _IN_PROCESS:  # the validations compose configs (bash parsing the GPU script is brief)
                 check(command)
-            continue
-        if command in variants().get(doc.name, ()) and not run_variants:
             continue
         spec = runnable(command, tmp_path)
         if spec is None:
