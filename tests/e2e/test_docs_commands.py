@@ -1,5 +1,5 @@
 """Every command in README.md and docs/ runs (those that write files twice), so the docs cannot rot and stay
-copy-paste safe (slow: a few minutes; CI runs it, but the report-only variants of `variants`, which
+copy-paste safe (slow: a few minutes; CI runs it, but the variants of `variants`, which
 `test_documented_variants_run` runs by hand).
 
 Commands are read from the fenced code blocks and from inline `code` that starts like a command. Each
@@ -272,19 +272,24 @@ def checked_without_running(command: str) -> Callable[[str], None] | None:
 
 
 _IN_PROCESS = threading.Lock()  # Hydra's compose (the validations below) keeps global state: one at a time
-# A report-only command (an estimate, a benchmark, a simulation: it reads nothing another command wrote and writes
-# nothing another reads) runs where it first appears, in DOCS' order; a later one that differs from an earlier one in
-# its Hydra overrides only, as run here (the same tool with the same flags: a variant, e.g. step_cost.py at another
-# precision, or the same command in another doc) is not run in CI's run: the tool's own path has run once, and
-# tests/unit/test_docs_commands_parse.py composes the variant's overrides into a config megalm's schema accepts.
-# `test_documented_variants_run` (a long test run by hand, .ci/long_tests_by_hand.txt) runs them: on 2026-12-02 CI's
-# docs commands spent 1,050 of their 3,300 s (two at a time, beside the other long tests) on 35 such variants.
-REPORT_ONLY = ("megalm-estimate ", "python tools/bench/", "python tools/hdp_sim.py ")
+# A command whose output no later command reads (an estimate, a benchmark, a simulation; a training run under
+# torchrun into a run directory of its own time stamp, which no later command can name) runs where it first appears, in
+# DOCS' order; a later one that differs from an earlier one in its Hydra overrides only, as run here (the same tool with
+# the same flags: a variant, e.g. step_cost.py at another precision, the same command in another doc, another layout on
+# torchrun's four ranks) is not run in CI's run: the tool's own path has run once, and
+# tests/unit/test_docs_commands_parse.py composes the variant's overrides into a config megalm's schema accepts (a
+# torchrun variant's validated at its world size, as its ranks would first do; tests/dist runs each layout against one
+# process). `test_documented_variants_run` (a long test run by hand, .ci/long_tests_by_hand.txt) runs them: on
+# 2026-12-02 CI's docs commands spent 1,050 of their 3,300 s (two at a time, beside the other long tests) on 35
+# report-only variants; in a later run that day (2,039 s in all) the README's and hdp.md's four-rank torchrun layouts
+# after the first took 222 s.
+VARIANT_TOOLS = ("megalm-estimate ", "python tools/bench/", "python tools/hdp_sim.py ", "torchrun ")
 
 
-def report_shape(command: str) -> tuple[str, ...] | None:
-    """A report-only command's tool and flags as run (its Hydra overrides left out); None for other commands."""
-    if not command.startswith(REPORT_ONLY) or NAMED_OUTPUT.search(command) or is_pattern(command):
+def variant_shape(command: str) -> tuple[str, ...] | None:
+    """The tool and flags as run (Hydra overrides left out) of a command whose output no later command reads; None
+    for other commands."""
+    if not command.startswith(VARIANT_TOOLS) or NAMED_OUTPUT.search(command) or is_pattern(command):
         return None
     spec = runnable(command, Path("/scratch"))
     if spec is None:
@@ -295,12 +300,12 @@ def report_shape(command: str) -> tuple[str, ...] | None:
 
 @functools.cache
 def variants() -> dict[str, list[str]]:
-    """{doc name: its report-only commands whose shape an earlier command (in DOCS' order) runs}."""
+    """{doc name: its commands whose shape (`variant_shape`) an earlier command (in DOCS' order) runs}."""
     seen: set[tuple[str, ...]] = set()
     found: dict[str, list[str]] = {}
     for doc in DOCS:
         for command in documented_commands(doc):
-            if (shape := report_shape(command)) is None:
+            if (shape := variant_shape(command)) is None:
                 continue
             if shape in seen:
                 found.setdefault(doc.name, []).append(command)
@@ -388,5 +393,5 @@ def test_documented_commands_run(doc: Path, doc_runs: dict[Path, Future]):
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("doc", [doc for doc in DOCS if doc.name in variants()], ids=lambda p: p.name)
 def test_documented_variants_run(doc: Path, tmp_path: Path):
-    """The report-only commands `test_documented_commands_run` leaves out (`variants`), run."""
+    """The commands `test_documented_commands_run` leaves out (`variants`), run."""
     run_doc(doc, tmp_path, only_variants=True)

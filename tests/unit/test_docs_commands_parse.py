@@ -1,9 +1,9 @@
 """The documented commands, checked in seconds for what the long test (tests/e2e/test_docs_commands.py, which runs
 them all) would otherwise find only after minutes: each one is classified (a rule runs it, or it is a pattern), and
 every training run's overrides parse in Hydra's grammar (an ellipsis or a stray word is no override: CI's stop 64
-failed on `python -m megalm.train ...` in prose, 40 minutes into its long tests); and the report-only variants, which
+failed on `python -m megalm.train ...` in prose, 40 minutes into its long tests); and the variants, which
 CI's run of the long test does not run (`variants`: an earlier command ran the same tool with the same flags), compose
-into a config megalm's schema accepts."""
+into a config megalm's schema accepts, and a torchrun variant's layout passes validation at its world size."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from tests.e2e.test_docs_commands import (
     documented_commands,
     hydra_overrides,
     is_pattern,
-    report_shape,
     runnable,
+    variant_shape,
     variants,
 )
 
@@ -63,15 +63,20 @@ def test_the_check_fails_on_an_ellipsis():
 
 @pytest.mark.parametrize("doc", [doc for doc in DOCS if doc.name in variants()], ids=lambda p: p.name)
 def test_the_variants_ci_does_not_run_compose(doc: Path):
+    from megalm.training.validation import validate_run
+
     for command in variants()[doc.name]:
-        compose_config(*hydra_overrides(shlex.split(command)), tiny=False)  # a bad key or value: ConfigError
+        words = shlex.split(command)
+        cfg = compose_config(*hydra_overrides(words), tiny=False)  # a bad key or value: ConfigError
+        if words[0] == "torchrun":  # the layout at its world size, as each rank checks it first (ConfigError)
+            validate_run(cfg, world_size=int(words[words.index("--nproc-per-node") + 1]))
 
 
-def test_a_variant_is_an_earlier_report_s_tool_and_flags_with_other_overrides():
+def test_a_variant_is_an_earlier_command_s_tool_and_flags_with_other_overrides():
     shapes = {}
     for doc in DOCS:
         for command in documented_commands(doc):
-            if (shape := report_shape(command)) is not None:
+            if (shape := variant_shape(command)) is not None:
                 shapes.setdefault(shape, []).append((doc.name, command))
     later = {(doc, command) for doc, commands in variants().items() for command in commands}
     assert later == {run for runs in shapes.values() for run in runs[1:]}
@@ -81,6 +86,12 @@ def test_a_variant_is_an_earlier_report_s_tool_and_flags_with_other_overrides():
     first_256 = next(c for c in documented_commands(ROOT / "docs" / "benchmarks.md")
                      if c.startswith("megalm-estimate") and "--world 256" in c)
     assert ("benchmarks.md", first_256) not in later, "the first estimate of its shape runs in CI"
-    sims = [report_shape(f"python tools/hdp_sim.py --ranks 1024 --context {c} --lengths longtail --model 7b")
+    sims = [variant_shape(f"python tools/hdp_sim.py --ranks 1024 --context {c} --lengths longtail --model 7b")
             for c in ("256K", "512K")]
     assert sims[0] != sims[1], "a flag's value is part of the shape"
+    readme_torchruns = [c for c in documented_commands(ROOT / "README.md")
+                        if c.startswith("torchrun --standalone --nproc-per-node 4 ")]
+    assert ("README.md", readme_torchruns[0]) not in later, "the first four-rank training run runs in CI"
+    assert {("README.md", c) for c in readme_torchruns[1:]} <= later, "other layouts on the same ranks are variants"
+    named = next(c for c in documented_commands(ROOT / "docs" / "interop.md") if c.startswith("torchrun "))
+    assert variant_shape(named) is None, "a run into a named directory, which a later command reads, is no variant"
