@@ -61,6 +61,15 @@ def test_the_check_fails_on_an_ellipsis():
         OverridesParser.create().parse_overrides(training_overrides(["python", "-m", "megalm.train", "..."]))
 
 
+def nproc_per_node(words: list[str]) -> int:
+    """torchrun's `--nproc-per-node N` (or `=N`, or its underscored spelling); 1, torchrun's default, without it."""
+    for i, word in enumerate(words):
+        flag, _, value = word.partition("=")
+        if flag in ("--nproc-per-node", "--nproc_per_node"):
+            return int(value or words[i + 1])
+    return 1
+
+
 @pytest.mark.parametrize("doc", [doc for doc in DOCS if doc.name in variants()], ids=lambda p: p.name)
 def test_the_variants_ci_does_not_run_compose(doc: Path):
     from megalm.training.validation import validate_run
@@ -69,7 +78,7 @@ def test_the_variants_ci_does_not_run_compose(doc: Path):
         words = shlex.split(command)
         cfg = compose_config(*hydra_overrides(words), tiny=False)  # a bad key or value: ConfigError
         if words[0] == "torchrun":  # the layout at its world size, as each rank checks it first (ConfigError)
-            validate_run(cfg, world_size=int(words[words.index("--nproc-per-node") + 1]))
+            validate_run(cfg, world_size=nproc_per_node(words))
 
 
 def test_a_variant_is_an_earlier_command_s_tool_and_flags_with_other_overrides():
@@ -95,3 +104,5 @@ def test_a_variant_is_an_earlier_command_s_tool_and_flags_with_other_overrides()
     assert {("README.md", c) for c in readme_torchruns[1:]} <= later, "other layouts on the same ranks are variants"
     named = next(c for c in documented_commands(ROOT / "docs" / "interop.md") if c.startswith("torchrun "))
     assert variant_shape(named) is None, "a run into a named directory, which a later command reads, is no variant"
+    assert [nproc_per_node(shlex.split(f"torchrun {flags} -m megalm.train")) for flags in
+            ("--standalone --nproc-per-node 4", "--nproc_per_node=2", "--standalone")] == [4, 2, 1]
