@@ -24,7 +24,7 @@ throughput tests", carry [".wheels", ".whl"]; the first two fit a 15-minute devi
 # Usage: tools/gpu_check.sh [--dry-run] [--print-run] [STEP ...]
 #   STEP: setup throughput tests calibrate bench compare compare_accumulated, run in the order given (default: all
 #         seven, in this order); setup always runs first. throughput: the fast step's rows (1.3B at seq 4096, bf16 and
-#         fp8, eager and compiled, profiled); bench: the other benchmarks; compare: megalm against its peers;
+#         fp8, eager and compiled, profiled) and the kernels behind them (attention, FP8 GEMMs, AdamW); bench: the other benchmarks; compare: megalm against its peers;
 #         compare_accumulated: the same at 4 micro-batches a step. The GPU run puts the fast step's numbers before the
 #         tests.
 #   --dry-run: the whole script on a machine without a GPU (CI runs it): setup only reports, the tests are the GPU
@@ -257,6 +257,11 @@ step_throughput() {
     bench "training throughput, 1.3b/4096 fp8 compiled" 240 tools/bench/throughput.py model=1.3b \
       model.seq_length=4096 precision=fp8 trainer.compile=true trainer.global_batch_size=2 \
       trainer.micro_batch_size=2 --steps 6 --warmup 3 --profile 2
+    # the block's GEMMs alone (seconds): bf16 against FP8, with and without fast accumulation (the fp8 recipes'
+    # forward GEMM accumulates fast since 2026-12-03; the rows of 2026-11-29 did not): FP8's GEMMs ran at 44% of
+    # their peak in the fp8 rows of 2026-11-29
+    bench "FP8 GEMMs against bf16, a 1.3b block at 8,192 tokens" 60 tools/bench/fp8_gemms.py model=1.3b \
+      model.seq_length=4096 trainer.micro_batch_size=2
   fi
   # the optimizer step (24 of the compiled bf16 step's 173 ms on 2026-11-29): torch's fused AdamW + the bf16 copy
   # against megalm's one-pass Triton kernel (optim.implementation=triton), over the 1.3B model's parameters

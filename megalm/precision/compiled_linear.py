@@ -287,16 +287,18 @@ class _Fp8GraphLinear(torch.autograd.Function):
     compiled block runs (`prepared_weights`), so the GEMMs run no Python of the layer's (the op pair's ran ~0.3 ms of
     it a layer and micro-batch: docs/benchmarks.md). Each activation's inverse scale is taken once, beside its amax,
     and the backward keeps x's. `weight` is passed for its gradient only. The GEMMs are fp8._scaled_mm_cuda's calls
-    for operands already in its layouts: row-major first, column-major second."""
+    for operands already in its layouts: row-major first, column-major second; the forward's with the recipe's
+    `fast_accum` (a constant of the graph)."""
 
     @staticmethod
     def forward(ctx, x, weight, w_rows, w_columns, w_inverse, y_dtype, dy_dtype, x_fp8, dy_fp8,  # noqa: ANN001, ANN205
-                x_given, dy_given, sink):
+                x_given, dy_given, sink, fast_accum):
         ctx.x_dtype, ctx.w_dtype, ctx.dy_dtype, ctx.dy_fp8 = x.dtype, weight.dtype, dy_dtype, dy_fp8
         qx, x_scale, x_amax = _cast_x(ctx, x, x_fp8, x_given, sink)
         x_inverse = fp8.inverse_scale(x_scale)
         ctx.save_for_backward(fp8.column_major(qx), x_inverse, w_columns, w_inverse, x_amax, dy_given)
-        return torch._scaled_mm(qx, w_rows.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=y_dtype)
+        return torch._scaled_mm(qx, w_rows.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=y_dtype,
+                                use_fast_accum=fast_accum)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, ANN205
@@ -306,19 +308,20 @@ class _Fp8GraphLinear(torch.autograd.Function):
         dx = torch._scaled_mm(qdy, w_columns, scale_a=dy_inverse, scale_b=w_inverse, out_dtype=ctx.x_dtype)
         dw = torch._scaled_mm(fp8.column_major(qdy).t(), qx_columns, scale_a=dy_inverse, scale_b=x_inverse,
                               out_dtype=ctx.w_dtype)
-        return dx, dw, None, None, None, None, None, None, None, None, None, _amaxes(x_amax, dy_amax)
+        return dx, dw, None, None, None, None, None, None, None, None, None, _amaxes(x_amax, dy_amax), None
 
 
 def fp8_graph_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                      weight_copies: tuple[torch.Tensor, torch.Tensor, torch.Tensor], x_fp8: torch.dtype,
-                     dy_fp8: torch.dtype, scales: GraphScales | None = None) -> torch.Tensor:
+                     dy_fp8: torch.dtype, scales: GraphScales | None = None, *, fast_accum: bool = False
+                     ) -> torch.Tensor:
     """`fp8_linear` with the GEMMs in the graph as well, from the weight's FP8 copies `weight_copies` (row-major,
     column-major, the inverse of their scale: `RecipeGemms.graph_weights`). The tokens must be a multiple of 16
-    (torch._scaled_mm's)."""
+    (torch._scaled_mm's). `fast_accum`: the forward GEMM's fast accumulation (the recipe's fprop.fast_accum)."""
     rows, columns, w_inverse = weight_copies
     given = (None, None, None) if scales is None else scales
     return _around_gemms(lambda x2, y_dtype: _Fp8GraphLinear.apply(x2, weight, rows, columns, w_inverse, y_dtype,
-                                                                   out_dtype, x_fp8, dy_fp8, *given),
+                                                                   out_dtype, x_fp8, dy_fp8, *given, fast_accum),
                          x, bias, out_dtype)
 
 

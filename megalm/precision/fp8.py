@@ -26,6 +26,11 @@ activations need no fp32 round trip). On a CUDA GPU of compute capability 8.9+
 (Ada, Hopper, Blackwell) with dimensions that are multiples of 16 it calls torch._scaled_mm; everywhere
 else it emulates: dequantize (exact) and an fp32 matmul. The two differ only in summation order; the FP8
 values are the same, since torch's cast to float8 rounds like the hardware's.
+
+`fast_accum`: Hopper's FP8 tensor cores accumulate in reduced precision, and cuBLAS by default promotes the partial
+sums to fp32 every few K-blocks (TE's "split accumulator"), which costs GEMM throughput; with fast accumulation it
+does not. Transformer Engine's recipes and torchao's float8 (TorchTitan's) use it for the forward GEMM only, the
+gradients' GEMMs promoting, and so do megalm's fp8 recipes (recipes.py). The emulation accumulates in fp32 either way.
 """
 
 from __future__ import annotations
@@ -452,13 +457,14 @@ def scaled_mm_takes(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dt
 
 
 def _scaled_mm_cuda(qa: torch.Tensor, qb: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
-                    rowwise: bool, out_dtype: torch.dtype) -> torch.Tensor:
+                    rowwise: bool, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """The hardware path: row-major qa [M, K] times column-major qb [K, N] (copied into that layout unless it is
     already: a weight's cached copy is, `column_major`), each scaled back by its inverse scale (0-dim per tensor;
     [M, 1] and [1, N] per row, which needs a bf16 output), written in `out_dtype` by the GEMM itself."""
     inv_a, inv_b = inverse_scale(a_scale).contiguous(), inverse_scale(b_scale).contiguous()
     gemm_dtype = torch.bfloat16 if rowwise else out_dtype
-    out = torch._scaled_mm(qa.contiguous(), column_major(qb), scale_a=inv_a, scale_b=inv_b, out_dtype=gemm_dtype)
+    out = torch._scaled_mm(qa.contiguous(), column_major(qb), scale_a=inv_a, scale_b=inv_b, out_dtype=gemm_dtype,
+                           use_fast_accum=fast_accum)
     return out.to(out_dtype)
 
 
@@ -479,13 +485,14 @@ def scaled_mm_runs(device: torch.device) -> bool:
 
 
 def scaled_mm(qa: torch.Tensor, qb: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
-              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+              out_dtype: torch.dtype = torch.float32, fast_accum: bool = False) -> torch.Tensor:
     """qa [M, K] @ qb [K, N] -> [M, N] in `out_dtype` for FP8 operands quantized with these scales (`quantize`):
     0-dim tensors (per tensor), or a_scale [M, 1] and b_scale [1, N] (per row of a and per column of b,
     i.e. one scale per K-vector). torch._scaled_mm where the device and shapes allow, writing `out_dtype` (bf16
     activations straight from the GEMM); else the emulation: dequantize exactly, multiply in fp32, round to
-    `out_dtype` (the two differ only in summation order)."""
+    `out_dtype` (the two differ only in summation order). `fast_accum`: the hardware's fast accumulation (module
+    docstring), for a forward GEMM."""
     rowwise = a_scale.numel() > 1 or b_scale.numel() > 1
     if _scaled_mm_available(qa, qb, qa.dtype, qb.dtype, rowwise):
-        return _scaled_mm_cuda(qa, qb, a_scale, b_scale, rowwise, out_dtype)
+        return _scaled_mm_cuda(qa, qb, a_scale, b_scale, rowwise, out_dtype, fast_accum)
     return ((qa.float() / a_scale) @ (qb.float() / b_scale)).to(out_dtype)

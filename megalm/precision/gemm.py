@@ -32,6 +32,8 @@ class GemmSpec:
     kind: fp32 | bf16 | fp8 | mx. a_format / b_format: e4m3 | e5m2 for fp8, an MX element format for mx.
     scaling: fp8: tensor | delayed | row; mx: floor | ceil. rounding (mx): nearest | stochastic.
     rht (mx): random Hadamard transform of rht_block along K before quantizing.
+    fast_accum (fp8): torch._scaled_mm's fast accumulation, no fp32 promotion of the partial sums (fp8.py; a forward
+    GEMM's, as in TE and torchao).
     """
 
     kind: str = "fp32"
@@ -42,6 +44,7 @@ class GemmSpec:
     rht: bool = False
     block_size: int = 32
     rht_block: int = 64
+    fast_accum: bool = False
 
     @property
     def random(self) -> bool:
@@ -143,7 +146,7 @@ def gemm(
         qa, sa = a_fp8 if a_fp8 is not None else fp8_operand(spec, a, a_dim, spec.a_format)
         qb, sb = b_fp8 if b_fp8 is not None else fp8_operand(spec, b, b_dim, spec.b_format)
         return fp8.scaled_mm(as_a(qa), as_b(qb), as_a(sa) if sa.dim() else sa, as_b(sb) if sb.dim() else sb,
-                             out_dtype)
+                             out_dtype, spec.fast_accum)
     if spec.kind == "mx":
         signs = random_signs(spec.rht_block, generator, a.device) if spec.rht else None
         if mx_gemm_fused(a.device) and (spec.block_size, spec.rht_block) == (BLOCK_SIZE, RHT_BLOCK):

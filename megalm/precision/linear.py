@@ -140,7 +140,8 @@ class RecipeGemms:
             formats = fp8.fp8_dtype(self.recipe.fprop.a_format), fp8.fp8_dtype(self.recipe.dgrad.a_format)
             copies, tokens = self.graph_weights, x.numel() // x.shape[-1]
             if copies is not None and copies[0].shape == weight.shape and tokens % fp8.SCALED_MM_TOKEN_MULTIPLE == 0:
-                return compiled_linear.fp8_graph_linear(x, weight, bias, out_dtype, copies, *formats, scales)
+                return compiled_linear.fp8_graph_linear(x, weight, bias, out_dtype, copies, *formats, scales,
+                                                        fast_accum=self.recipe.fprop.fast_accum)
             return compiled_linear.fp8_linear(self.handle, x, weight, bias, out_dtype, *formats, scales)
         return compiled_linear.recipe_linear(self.handle, x, weight, bias, out_dtype)
 

@@ -19,7 +19,9 @@ Recipes (`get_recipe(name)`; fprop / dgrad / wgrad):
 
     fp32         F.linear, untouched (also what a layer gets when it is skipped)
     bf16         operands rounded to bf16, fp32 accumulation, in all three
-    fp8          FP8 with per-tensor current scaling: E4M3 for x and W, E5M2 for dy
+    fp8          FP8 with per-tensor current scaling: E4M3 for x and W, E5M2 for dy; on torch._scaled_mm the
+                 forward GEMM accumulates fast (no fp32 promotion: fp8.py), as TE's and torchao's do, the
+                 gradients' GEMMs promoting
     fp8_delayed  the same with delayed scaling (amax history of 16 steps, per layer and tensor; the scale
                  fixed within a step, so recomputation and the schedule change nothing: fp8.AmaxHistory)
     fp8_rowwise  the same with one scale per row along K (per token / feature / output channel)
@@ -105,7 +107,7 @@ class Recipe:
 
 _FP32 = GemmSpec("fp32")
 _BF16 = GemmSpec("bf16")
-_FP8_FWD = GemmSpec("fp8", "e4m3", "e4m3")  # x, W
+_FP8_FWD = GemmSpec("fp8", "e4m3", "e4m3", fast_accum=True)  # x, W; fast accumulation as TE's and torchao's fprop
 _FP8_BWD = GemmSpec("fp8", "e5m2", "e4m3")  # dgrad: dy, W; wgrad: dy, x
 _MXFP8 = GemmSpec("mx", "e4m3", "e4m3", "ceil")
 

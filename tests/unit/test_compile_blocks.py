@@ -317,8 +317,8 @@ def train_compiled_against_eager(tmp_path, overrides: list[str], fp8_layers_per_
     """3 steps of `overrides` in eager and with blocks compiled by a recording aot_eager: the same losses (1e-6) and
     weights; no break; one graph each (shared by every block; on torch 2.9 recompute's inner function is a frame of
     its own, and the graphs of both hold the block's GEMMs: at most `graphs`), every graph with GEMMs holding a
-    `_scaled_mm` per FP8 layer of the block (`fp8_layers_per_block(model)`) in its forward and two in its backward.
-    Returns both trainers and the graphs' text."""
+    `_scaled_mm` per FP8 layer of the block (`fp8_layers_per_block(model)`) in its forward, with fast accumulation,
+    and two in its backward, without. Returns both trainers and the graphs' text."""
     from megalm.training.compile import compile_blocks
 
     eager = Trainer(compose_config(*overrides), tmp_path / "eager")
@@ -340,6 +340,10 @@ def train_compiled_against_eager(tmp_path, overrides: list[str], fp8_layers_per_
     assert len(recorded["forward"]) == len(recorded["backward"]) <= graphs, recorded
     gemms = {kind: {graph.count("aten._scaled_mm.default") for graph in recorded[kind]} - {0} for kind in recorded}
     assert per_block > 0 and gemms == {"forward": {per_block}, "backward": {2 * per_block}}, gemms
+    # the forward GEMMs accumulate fast, the gradients' promote (fp8.py: TE's and torchao's setting)
+    fast_gemm = re.compile(r"aten\._scaled_mm\.default\]\(args = \([^)]*, True\)")  # its last argument, use_fast_accum
+    fast = {kind: {len(fast_gemm.findall(graph)) for graph in recorded[kind]} - {0} for kind in recorded}
+    assert fast == {"forward": {per_block}, "backward": set()}, fast
     return eager, compiled, recorded
 
 

@@ -334,7 +334,8 @@ def test_fake_cuda_recipe_gemms_of_backward(recipe, monkeypatch):
 def test_fake_cuda_fp8_writes_bf16_and_transposes_no_weight_per_micro_batch(recipe, monkeypatch):
     """FP8 without waste, as the GPU would run it: torch._scaled_mm writes the bf16 the layer asks for (no fp32
     output and cast), and dgrad's weight comes from the cache already column-major, so after the first micro-batch
-    of a step no FP8 copy of the weight is made (no quantize, no transpose: a clone of its size would be one)."""
+    of a step no FP8 copy of the weight is made (no quantize, no transpose: a clone of its size would be one); fprop
+    with fast accumulation, dgrad without."""
     needs_fake("views", "scaled_mm")
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -352,9 +353,10 @@ def test_fake_cuda_fp8_writes_bf16_and_transposes_no_weight_per_micro_batch(reci
                 self.copies += 1
             return out
 
-    out_dtypes = []
+    out_dtypes, fast_accum = [], []
     original = torch._scaled_mm
-    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: out_dtypes.append(k["out_dtype"]) or original(*a, **k))
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: out_dtypes.append(k["out_dtype"])
+                        or fast_accum.append(k.get("use_fast_accum", False)) or original(*a, **k))
     with fake_cuda():
         state = linear.LinearState("layer")
         state.weights_version.watch(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))
@@ -371,6 +373,7 @@ def test_fake_cuda_fp8_writes_bf16_and_transposes_no_weight_per_micro_batch(reci
             assert y.dtype == dx.dtype == torch.bfloat16
     assert copies[0] > 0 and copies[1:] == [0, 0], copies
     assert out_dtypes == [torch.bfloat16] * 6, out_dtypes
+    assert fast_accum == [True, False] * 3, "fprop accumulates fast, dgrad promotes (fp8.py)"
 
 
 @needs_cuda_build

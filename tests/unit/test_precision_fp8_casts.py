@@ -88,6 +88,34 @@ def test_each_activation_is_cast_once_and_the_backward_keeps_fp8_x(monkeypatch):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize(("recipe", "on_scaled_mm"), [
+    ("fp8", ["fprop", "dgrad", "wgrad"]), ("fp8_delayed", ["fprop", "dgrad", "wgrad"]),
+    ("fp8_rowwise", ["fprop"]),  # per-row E5M2 dy has no torch._scaled_mm kernel: dgrad and wgrad are emulated
+])
+def test_on_scaled_mm_the_forward_gemm_accumulates_fast_and_the_gradients_promote(recipe, on_scaled_mm,
+                                                                                 scaled_mm_on_cpu, monkeypatch):
+    """As Transformer Engine's fp8 recipes and torchao's float8 (TorchTitan's) run them: fprop with the tensor cores'
+    fast accumulation, dgrad and wgrad promoting their partial sums to fp32 (fp8.py), in eager."""
+    if recipe == "fp8_rowwise":
+        q = torch.zeros(16, 16, dtype=E4M3)
+        try:
+            torch._scaled_mm(q, q.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+        except RuntimeError as error:
+            pytest.skip(f"torch {torch.__version__}'s CPU torch._scaled_mm has no per-row scales: {error}"[:200])
+    calls: list[tuple[str, bool]] = []
+    real = torch._scaled_mm
+
+    def recording(*args, **kwargs):
+        phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
+        calls.append((phase, kwargs.get("use_fast_accum", False)))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    _step(_layer(recipe))
+    phases = {"fprop": ("forward", True), "dgrad": ("backward", False), "wgrad": ("backward", False)}
+    assert sorted(calls) == sorted(phases[gemm] for gemm in on_scaled_mm), calls
+
+
 def test_delayed_scaling_casts_each_activation_once_too(monkeypatch):
     """Delayed scaling's scale is fixed within a step (fp8.AmaxHistory), so it keeps fprop's FP8 x as current scaling
     does: a recomputed forward would cast x with the same scale again (test_recomputation_changes_no_gradient)."""
