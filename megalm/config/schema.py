@@ -364,12 +364,14 @@ class PrecisionConfig:
     """native (megalm's linears) | te (Transformer Engine's fp8 recipes, when it is installed) | torchao (torchao's
     Float8Linear, TorchTitan's fp8, for precision=fp8, when it is installed)."""
     autocast: bool = True
-    """fp8/mx recipes: bf16 autocast for the rest of the model (false: fp32 around the recipe). Not read by bf16
-    (bf16 weights, no autocast) nor bf16_autocast (autocast over fp32 weights: what bf16 was before)."""
-    bf16_weights: bool = False
+    """fp8/mx recipes on fp32 weights (`bf16_weights` false): bf16 autocast for the rest of the model (false: fp32
+    around the recipe, and fp32 weights where `bf16_weights` is auto). Not read by bf16 (bf16 weights, no autocast)
+    nor bf16_autocast (autocast over fp32 weights: what bf16 was before)."""
+    bf16_weights: bool | None = None
     """fp8/mx recipes: bf16 working weights behind fp32 main weights, as precision=bf16 keeps them, so the
-    recipe's GEMMs quantize bf16 activations and weights (Transformer Engine's setting) and no autocast runs
-    (`precision.autocast` is then not read); false: fp32 weights, under autocast unless that is false."""
+    recipe's GEMMs quantize bf16 activations and weights (Transformer Engine's and Megatron's setting) and no
+    autocast runs; false: fp32 weights, under autocast unless `autocast` is false (the recipes' default before
+    2026-12-03); None (auto, the default): true on the native backend unless `autocast` is false."""
     tf32: bool = True
     """On CUDA, fp32 matmuls and convolutions use TF32 tensor cores (false: full fp32)."""
 

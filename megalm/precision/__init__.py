@@ -8,12 +8,13 @@
   refreshed from the main ones once per optimizer step.
 - bf16_autocast (what `bf16` was before: kept to compare with): fp32 weights under torch.autocast, which casts
   each weight to bf16 in every micro-batch's forward and keeps the fp32 residual stream.
-- fp8*, mxfp8, mxfp4*: bf16 autocast for everything (attention, norms, the skipped layers) over fp32 weights
-  (`precision.autocast=false`: fp32 around the recipe) and the recipe's low-precision GEMMs in the linear
-  layers (`precision/linear.py`, set as each linear layer's `gemm_recipe` hook, on plain and tensor-parallel
-  layers alike). With `precision.bf16_weights=true` the weights are bf16 working copies as under `bf16`, with
-  no autocast: the recipe's GEMMs quantize bf16 activations and weights, and what they save for the backward
-  is bf16.
+- fp8*, mxfp8, mxfp4*: the recipe's low-precision GEMMs in the linear layers (`precision/linear.py`, set as each
+  linear layer's `gemm_recipe` hook, on plain and tensor-parallel layers alike) on bf16 working weights as under
+  `bf16` (Transformer Engine's and Megatron's setting; `precision.bf16_weights`, auto: on for the native backend
+  unless `precision.autocast=false`): no autocast, the recipe's GEMMs quantize bf16 activations and weights, and
+  what they save for the backward is bf16 (or FP8). `precision.bf16_weights=false`: fp32 weights under bf16
+  autocast (the recipes' setting before 2026-12-03, whose fp32 residual stream gave the q/k/v and gate/up GEMMs
+  fp32 inputs to quantize); with `precision.autocast=false` too, fp32 around the recipe.
 - `precision.backend=te` with fp8 / fp8_delayed: Transformer Engine's Linear and fp8 recipes
   (`precision/te.py`) when TE is importable; otherwise the native path, and the log says so.
 - `precision.backend=torchao` with fp8: torchao's Float8Linear (TorchTitan's fp8, `precision/torchao_fp8.py`) when
@@ -116,12 +117,24 @@ def has_fp8_gemms(precision: PrecisionConfig) -> bool:
     return str(precision.name).startswith("fp8") or precision.forward == "fp8"
 
 
+def recipe_on_bf16_weights(precision: PrecisionConfig | str) -> bool:
+    """Whether a low-precision recipe (fp8/mx) trains bf16 working weights behind fp32 main weights:
+    `precision.bf16_weights` where it is set, else (None, auto) on the native backend unless `precision.autocast`
+    is false (which asks for fp32 around the recipe). Never for fp32, bf16 and bf16_autocast."""
+    name = getattr(precision, "name", precision)
+    if name in WHOLE_MODEL:
+        return False
+    chosen = getattr(precision, "bf16_weights", None)
+    if chosen is not None:
+        return bool(chosen)
+    return getattr(precision, "backend", "native") == "native" and getattr(precision, "autocast", True)
+
+
 def working_dtype(precision: PrecisionConfig | str) -> torch.dtype | None:
     """The dtype the model's weights train in behind fp32 main weights (bf16: precision=bf16, and the fp8/mx
-    recipes with `precision.bf16_weights`), or None: the fp32 weights train."""
+    recipes on bf16 weights: `recipe_on_bf16_weights`), or None: the fp32 weights train."""
     name = getattr(precision, "name", precision)
-    recipe_on_bf16 = name not in WHOLE_MODEL and getattr(precision, "bf16_weights", False)
-    return torch.bfloat16 if name == "bf16" or recipe_on_bf16 else None
+    return torch.bfloat16 if name == "bf16" or recipe_on_bf16_weights(precision) else None
 
 
 def compute_dtype(precision: PrecisionConfig | str) -> torch.dtype:

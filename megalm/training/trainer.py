@@ -121,6 +121,7 @@ class Trainer:
             log.info(f"model.init_from={self.cfg.model.init_from} not used: resuming from {path}")
         ckpt.check_model_config(meta.config.get("model", {}), self.config_dict["model"], path)
         ckpt.check_same_data_order(meta.state, self._data_order(), path)
+        ckpt.note_precision_change(meta.config.get("precision", {}), self.config_dict["precision"], path)
         ckpt.load_checkpoint(path, self.model, self.optimizer, self.mesh, self.device)
         self.step, self.consumed_tokens = step, meta.state["consumed_tokens"]
         if self.train_steps is not None:  # continue the step boundaries from the checkpoint's cursor

@@ -42,7 +42,7 @@ def summed_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: reducer.summed_grad(p).float() for n, p in canonical_named_parameters(trainer.model)}
 
 
-def check_layout(rank: int, world_size: int, overrides: list[str], tmp: str) -> None:
+def check_layout(rank: int, world_size: int, overrides: list[str], tmp: str, loss_rtol: float = LOSS_RTOL) -> None:
     model = [o for o in overrides if o.startswith(("model.", "precision"))]  # the model and recipe of both runs
     one = Trainer(compose_config(*BF16, *model), f"{tmp}/one{rank}", mesh=ParallelMesh(ParallelDims()))
     par = Trainer(compose_config(*BF16, *overrides), f"{tmp}/par")
@@ -61,7 +61,7 @@ def check_layout(rank: int, world_size: int, overrides: list[str], tmp: str) -> 
     b = [par.train_step(s).loss for s in range(STEPS)]
     diffs = [abs(x - y) / abs(y) for x, y in zip(b, a, strict=True)]
     print(f"rank {rank} {overrides}: worst grad error {worst:.3g}, loss diffs {[f'{d:.2g}' for d in diffs]}")
-    assert max(diffs) <= LOSS_RTOL, f"rank {rank} {overrides}: losses {b} vs one process {a}"
+    assert max(diffs) <= loss_rtol, f"rank {rank} {overrides}: losses {b} vs one process {a}"
 
 
 TORCHAO_BF16 = ["precision=fp8", "precision.bf16_weights=true", "precision.backend=torchao"]
@@ -72,8 +72,10 @@ LAYOUTS = {
     "cp2": (2, ["parallel.cp=2"]),
     # FSDP's MixedPrecisionPolicy: fp32 shards gathered in bf16, bf16 gradients reduce-scattered into fp32 shards
     "dp2_fsdp": (2, ["parallel.dp=2", "parallel.fsdp=true"]),
-    # an fp8 recipe on bf16 weights (precision.bf16_weights): its GEMMs quantize bf16, its gradients sum in fp32
-    "dp2_fp8_bf16_weights": (2, ["parallel.dp=2", "precision=fp8", "precision.bf16_weights=true"]),
+    # an fp8 recipe on bf16 weights (precision.bf16_weights, auto: the default): its GEMMs quantize bf16, its
+    # gradients sum in fp32; under FSDP each quantizes the weight gathered in bf16
+    "dp2_fp8": (2, ["parallel.dp=2", "precision=fp8"]),
+    "dp2_fsdp_fp8": (2, ["parallel.dp=2", "parallel.fsdp=true", "precision=fp8"]),  # (LOSS_RTOL_FP8_FSDP)
     # torchao's Float8Linear (precision.backend=torchao) on bf16 weights, over DP, in a pipeline and under FSDP
     "dp2_fp8_torchao": (2, ["parallel.dp=2", *TORCHAO_BF16]),
     "pp2_fp8_torchao": (2, ["parallel.pp=2", *TORCHAO_BF16]),
@@ -87,12 +89,20 @@ LAYOUTS = {
 }
 
 
+# FSDP steps torch's AdamW on its fp32 shards where one process steps BucketAdamW on its buckets: the first step's
+# gradients are equal (to the bit here), but the clip's norm sums in another order, so the main weights part in their
+# last fp32 bits, which a bf16 rounding sometimes flips (dp2_fsdp: 6.3e-5 by step 4) and an FP8 rounding of the
+# weight, one E4M3 step being 6-12%, amplifies: 2.0e-4 by step 4 (2026-12-03)
+LOSS_RTOL_FP8_FSDP = 1e-3
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_bf16_layout_trains_like_one_process(tmp_path, name):
     world, overrides = LAYOUTS[name]
     if "precision.backend=torchao" in overrides and torchao_problem() is not None:
         pytest.skip(torchao_problem())
-    run_distributed(check_layout, world, overrides, str(tmp_path), timeout=240)
+    loss_rtol = LOSS_RTOL_FP8_FSDP if name == "dp2_fsdp_fp8" else LOSS_RTOL
+    run_distributed(check_layout, world, overrides, str(tmp_path), loss_rtol, timeout=240)
 
 
 def check_zero1_is_plain_dp(rank: int, world_size: int, tmp: str, extra: list[str]) -> None:

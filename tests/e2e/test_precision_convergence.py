@@ -5,10 +5,12 @@ bf16 (bf16 weights behind fp32 main weights) over 200 steps, against fp32, withi
 
 100 steps of the default demo (tiny model, stdlib corpus, seed 0) per recipe, validation loss over
 20 batches at the end: fp8, mxfp8 and mxfp4 must end no more than 2% above fp32. Measured
-(docs/benchmarks.md): fp8 +0.3%, mxfp8 −6.4%, mxfp4 −4.1% (+1.0% under an earlier assignment of
-rounding seeds). About 20 minutes on 2 cores (the recipes are emulated), and the bf16 pair more than 10: benchmarks'
-bars, run by hand (`pytest -m bench`), outside CI's budget. The runs go to two worker processes of one thread each,
-as each would run alone, so that both cores work (each run is deterministic, whichever process runs it).
+(docs/benchmarks.md) on bf16 working weights, the recipes' default since 2026-12-03: fp8 −8.2%, mxfp8 −6.5%, mxfp4
+−5.9%; on fp32 weights under autocast before: fp8 +0.3%, mxfp8 −6.4%, mxfp4 −4.1% (+1.0% under an earlier
+assignment of rounding seeds). About 20 minutes on 2 cores (the recipes are emulated; 741 s on 2026-12-03), and the
+bf16 pair more than 10: benchmarks' bars, run by hand (`pytest -m bench`), outside CI's budget. The runs go to two
+worker processes of one thread each, as each would run alone, so that both cores work (each run is deterministic,
+whichever process runs it).
 """
 
 from __future__ import annotations

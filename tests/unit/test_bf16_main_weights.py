@@ -205,11 +205,12 @@ def test_accumulating_buckets_hold_zeros_for_what_got_no_gradient():
 
 
 def test_fp8_recipe_on_bf16_weights_quantizes_bf16(tmp_path, monkeypatch):
-    """precision.bf16_weights: an fp8/mx recipe trains bf16 working weights behind fp32 main weights, without
-    autocast, so every recipe GEMM gets bf16 activations and bf16 weights (under autocast over fp32 weights the
-    weights and the first activations reach it in fp32); a bad combination is one line."""
+    """precision.bf16_weights (auto by default: on for the native backend unless precision.autocast=false): an fp8/mx
+    recipe trains bf16 working weights behind fp32 main weights, without autocast, so every recipe GEMM gets bf16
+    activations and bf16 weights (under autocast over fp32 weights, bf16_weights=false, the weights and the first
+    activations reach it in fp32: the fp32 residual stream); a bad combination is one line."""
     from megalm.errors import ConfigError
-    from megalm.precision import linear
+    from megalm.precision import linear, working_dtype
     from megalm.training.validation import validate_run
 
     operands = set()
@@ -217,17 +218,43 @@ def test_fp8_recipe_on_bf16_weights_quantizes_bf16(tmp_path, monkeypatch):
     monkeypatch.setattr(linear.RecipeGemms, "fprop",
                         lambda self, call, x, w, *out: operands.add((x.dtype, w.dtype))
                         or fprop(self, call, x, w, *out))
-    for bf16_weights, expected in ((True, {(torch.bfloat16, torch.bfloat16)}), (False, None)):
+    bf16, fp32 = torch.bfloat16, torch.float32
+    cases = [(["precision=fp8"], {(bf16, bf16)}),  # the defaults
+             (["precision=mxfp4"], {(bf16, bf16)}),
+             (["precision=fp8", "precision.bf16_weights=true"], {(bf16, bf16)}),
+             (["precision=fp8", "precision.bf16_weights=false"], {(fp32, fp32), (bf16, fp32)}),
+             (["precision=fp8", "precision.autocast=false"], {(fp32, fp32)})]
+    for i, (overrides, expected) in enumerate(cases):
         operands.clear()
-        trainer = Trainer(compose_config("precision=fp8", f"precision.bf16_weights={bf16_weights}", *MICRO),
-                          tmp_path / str(bf16_weights))
+        trainer = Trainer(compose_config(*overrides, *MICRO), tmp_path / str(i))
         assert torch.isfinite(torch.tensor([trainer.train_step(step).loss for step in range(3)])).all()
-        if expected:
-            assert operands == expected
-            assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
-            assert isinstance(trainer.optimizer, BucketAdamW) and trainer.optimizer.main is not None
-        else:
-            assert torch.float32 in {w for _, w in operands}
+        assert operands == expected, overrides
+        on_bf16 = expected == {(bf16, bf16)}
+        assert {p.dtype for p in trainer.model.parameters()} == {bf16 if on_bf16 else fp32}, overrides
+        assert (isinstance(trainer.optimizer, BucketAdamW) and trainer.optimizer.main is not None) == on_bf16
+    for backend in ("te", "torchao"):  # their layers take fp32 weights: auto keeps them
+        assert working_dtype(compose_config("precision=fp8", f"precision.backend={backend}").precision) is None
     for bad in (["precision=bf16_autocast"], ["precision=fp8", "precision.backend=te"]):
         with pytest.raises(ConfigError, match="precision.bf16_weights=true applies to the native fp8/mx recipes"):
             validate_run(compose_config(*bad, "precision.bf16_weights=true"))
+
+
+def test_a_checkpoint_of_another_precision_resumes_with_one_line_naming_what_changed(tmp_path, caplog):
+    """An fp8 run of fp32 weights (precision.bf16_weights=false, the recipes' setting before it became auto) resumed
+    with the defaults loads, and one warning line names the key to set back; resumed as it was trained, no line."""
+    import shutil
+
+    run = [*MICRO, "trainer.max_steps=2", "trainer.save_interval=1"]
+    Trainer(compose_config("precision=fp8", "precision.bf16_weights=false", *run), tmp_path / "old").fit()
+    step1 = tmp_path / "old" / "checkpoints" / "step_00000001"
+    for name, overrides, line in (("default", [], "precision.bf16_weights=False (this run: True)"),
+                                  ("same", ["precision.bf16_weights=false"], None)):
+        (tmp_path / name / "checkpoints").mkdir(parents=True)
+        shutil.copytree(step1, tmp_path / name / "checkpoints" / step1.name)
+        (tmp_path / name / "checkpoints" / "latest").write_text(step1.name + "\n")
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="megalm"):
+            trainer = Trainer(compose_config("precision=fp8", *overrides, *run, "trainer.resume=auto"), tmp_path / name)
+        assert trainer.step == 1
+        said = [r.getMessage() for r in caplog.records if "was trained with precision." in r.getMessage()]
+        assert said == ([] if line is None else [said[0]]) and (line is None or line in said[0]), said

@@ -122,7 +122,7 @@ def test_fusion_is_said_with_what_it_leaves_out(tmp_path, caplog):
 
 @pytest.mark.parametrize("overrides, fix", [
     (["precision=fp32"], "use precision=bf16"),
-    (["precision=fp8"], "precision.bf16_weights=true"),
+    (["precision=fp8", "precision.bf16_weights=false"], "precision.bf16_weights=true"),
     (["precision=bf16", "parallel.dp=2", "parallel.fsdp=true"], "FSDP replaces"),
 ])
 def test_fusion_without_fp32_main_gradients_is_refused_in_one_line(overrides, fix):

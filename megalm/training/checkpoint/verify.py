@@ -1,6 +1,7 @@
 """Reading a checkpoint's metadata and checking its files before a resume: a damaged file, another model or a
 changed data order is a one-line error naming the file or the setting, and `trainer.resume=auto` falls back to
-the newest intact checkpoint."""
+the newest intact checkpoint. Another precision loads (checkpoints hold fp32 weights, whatever the recipe), with
+one warning line naming what changed."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from megalm.errors import CheckpointError
+from megalm.precision import recipe_on_bf16_weights
 from megalm.training.checkpoint.layout import (
     CHECKPOINTS,
     FORMAT_VERSION,
@@ -154,3 +157,19 @@ def check_same_data_order(saved: dict[str, Any], current: dict[str, Any], path: 
         if saved.get(key) != value:
             raise CheckpointError(f"checkpoint {path} was trained with {key}={saved.get(key)}, this run has {value}; "
                                   "resuming would change the data order — set it back or start a new hydra.run.dir")
+
+
+def note_precision_change(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    """One warning line when this run's precision section differs from the checkpoint's, the working weights'
+    dtype compared as resolved (`precision.bf16_weights` auto; a checkpoint from before the key trained fp32
+    weights): it loads, but trains on as it did only with those keys set back."""
+    def resolved(section: dict[str, Any], before_the_key: bool) -> dict[str, Any]:
+        unset = False if before_the_key else None  # before the key, the recipes trained fp32 weights
+        as_set = SimpleNamespace(**{**section, "bf16_weights": section.get("bf16_weights", unset)})
+        return {**section, "bf16_weights": recipe_on_bf16_weights(as_set)}
+
+    was, now = resolved(saved, before_the_key="bf16_weights" not in saved), resolved(current, before_the_key=False)
+    diffs = [f"precision.{k}={was.get(k)} (this run: {now.get(k)})" for k in now if was.get(k) != now.get(k)]
+    if saved and diffs:
+        log.warning(f"checkpoint {path} was trained with {', '.join(diffs)}; it loads (its weights are fp32), and "
+                    "trains on as it did with those keys set back")
