@@ -186,7 +186,7 @@ class Parallelism:
         self._norm_weights = self._grad_norm_weights()
         recipe = cfg.precision.name
         if cfg.model.moe.num_experts and recipe not in ("bf16", "bf16_autocast", "fp32"):
-            experts = "bf16" if cfg.precision.autocast or self.working_dtype else "fp32"
+            experts = "bf16" if cfg.precision.autocast or recipe_dtype else "fp32"
             log.info("precision=%s covers every linear but the MoE experts, whose grouped GEMMs run in %s (no %s "
                      "grouped GEMM yet)", recipe, experts, recipe)
 

@@ -120,9 +120,10 @@ def has_fp8_gemms(precision: PrecisionConfig) -> bool:
 def recipe_on_bf16_weights(precision: PrecisionConfig | str) -> bool:
     """Whether a low-precision recipe (fp8/mx) trains bf16 working weights behind fp32 main weights:
     `precision.bf16_weights` where it is set, else (None, auto) on the native backend unless `precision.autocast`
-    is false (which asks for fp32 around the recipe). Never for fp32, bf16 and bf16_autocast."""
+    is false (which asks for fp32 around the recipe). Never for fp32, bf16, bf16_autocast and an unresolved auto. A
+    bare recipe name stands for its defaults: true for "fp8"."""
     name = getattr(precision, "name", precision)
-    if name in WHOLE_MODEL:
+    if name in WHOLE_MODEL or name == "auto":
         return False
     chosen = getattr(precision, "bf16_weights", None)
     if chosen is not None:
@@ -132,7 +133,8 @@ def recipe_on_bf16_weights(precision: PrecisionConfig | str) -> bool:
 
 def working_dtype(precision: PrecisionConfig | str) -> torch.dtype | None:
     """The dtype the model's weights train in behind fp32 main weights (bf16: precision=bf16, and the fp8/mx
-    recipes on bf16 weights: `recipe_on_bf16_weights`), or None: the fp32 weights train."""
+    recipes on bf16 weights: `recipe_on_bf16_weights`), or None: the fp32 weights train. A bare recipe name stands
+    for its defaults."""
     name = getattr(precision, "name", precision)
     return torch.bfloat16 if name == "bf16" or recipe_on_bf16_weights(precision) else None
 
@@ -214,7 +216,8 @@ class Precision:
             paths = [f"FP8 GEMMs {fp8.gemm_path(self.device)}"] * has_fp8_gemms(self.cfg)
             paths += [f"MX GEMMs {mx_gemm_path(self.device)}"] * name.startswith("mx")
             path = "; ".join(paths)
-            self.note = f"{name} on {len(states)} linear layers (native: {path}{self.fallback})"
+            weights = "bf16 working weights" if working_dtype(self.cfg) else "fp32 weights"
+            self.note = f"{name} on {len(states)} linear layers (native: {path}{self.fallback}), on {weights}"
         self.note += skipped
 
     def watch_optimizer(self, optimizer: object) -> None:

@@ -6,16 +6,21 @@ same fp32 inputs and output gradient. Per-tensor current scaling (recipe fp8) an
 K (fp8_rowwise); every dimension a multiple of 16, as torch._scaled_mm needs. Both sides quantize
 identically (the same fp32 amax and scale arithmetic, the same round-to-nearest-even cast: on CUDA one
 torch.compile'd kernel, bit for bit the eager cast the CPU runs), so they differ only in how the products
-are summed, and in the bf16 output torch._scaled_mm gives with row scales.
+are summed, and in the bf16 output torch._scaled_mm gives with row scales. That comparison runs the recipe with
+every GEMM promoting its partial sums to fp32; the recipe itself accumulates fprop fast (fp8.py, as TE and torchao
+do), which is checked against it: y within fast accumulation's error, the backward's GEMMs bit for bit.
 Skipped below compute capability 8.9: without FP8 units the GPU runs the same emulation.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from megalm.precision.linear import low_precision_linear
+from megalm.precision.recipes import Recipe, get_recipe
 from tests.gpu.conftest import CountOps, capability, rel_error
 
 pytestmark = pytest.mark.gpu
@@ -26,6 +31,16 @@ pytestmark = pytest.mark.gpu
 TOL = 1e-3
 # fp8_rowwise fprop: torch._scaled_mm with row scales returns bf16 (8 significant bits, ~2e-3 per element).
 ROWWISE_FPROP_TOL = 5e-3
+# fprop with fast accumulation against the same GEMM promoting: Hopper's FP8 tensor cores keep about 14 bits of
+# their sums (DeepSeek-V3, section 3.3.2: up to ~2% off in an element at K = 4096 without promotion); over a whole
+# output (rel_error's norm) far less. A wrong scale or operand is off by ~1.
+FAST_ACCUM_TOL = 1e-2
+
+
+def promoting(recipe: str) -> Recipe:
+    """`recipe` with its forward GEMM promoting its sums to fp32 too: what the emulation computes, up to order."""
+    spec = get_recipe(recipe)
+    return dataclasses.replace(spec, fprop=dataclasses.replace(spec.fprop, fast_accum=False))
 
 
 def _run(recipe: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, dy: torch.Tensor, device: str):
@@ -51,7 +66,7 @@ def test_fp8_linear_on_cuda_matches_cpu_emulation(recipe: str, shape: tuple[int,
     w = torch.randn(d_out, d_in, generator=g) * d_in**-0.5
     b = torch.randn(d_out, generator=g)
     dy = torch.randn(tokens, d_out, generator=g) * 1e-3  # gradients are small: the E5M2 scale must cope
-    got, fwd_calls, all_calls = _run(recipe, x, w, b, dy, "cuda")
+    got, fwd_calls, all_calls = _run(promoting(recipe), x, w, b, dy, "cuda")
     want, cpu_calls, _ = _run(recipe, x, w, b, dy, "cpu")
     assert cpu_calls == 0, "the CPU must emulate"
     # No silent fallback: the forward GEMM (E4M3 x E4M3, every dimension a multiple of 16) runs on the FP8 units.
@@ -62,3 +77,8 @@ def test_fp8_linear_on_cuda_matches_cpu_emulation(recipe: str, shape: tuple[int,
         tol = ROWWISE_FPROP_TOL if (recipe, name) == ("fp8_rowwise", "y") else TOL
         err = rel_error(gt, wt)
         assert err < tol, f"{recipe} {name}: relative error {err:.2e} >= {tol:.0e} against the CPU emulation"
+    fast, _, _ = _run(recipe, x, w, b, dy, "cuda")  # the recipe as it trains: fprop accumulating fast
+    err = rel_error(fast[0], got[0])
+    assert err < FAST_ACCUM_TOL, f"{recipe} y with fast accumulation: relative error {err:.2e} against promoting"
+    for name, ft, pt in zip(("dx", "dw", "db"), fast[1:], got[1:], strict=True):
+        assert torch.equal(ft, pt), f"{recipe} {name}: the backward's GEMMs promote in both runs, yet differ"

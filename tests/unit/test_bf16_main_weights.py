@@ -232,6 +232,8 @@ def test_fp8_recipe_on_bf16_weights_quantizes_bf16(tmp_path, monkeypatch):
         on_bf16 = expected == {(bf16, bf16)}
         assert {p.dtype for p in trainer.model.parameters()} == {bf16 if on_bf16 else fp32}, overrides
         assert (isinstance(trainer.optimizer, BucketAdamW) and trainer.optimizer.main is not None) == on_bf16
+        weights = "on bf16 working weights," if on_bf16 else "on fp32 weights,"
+        assert weights in trainer.precision.note, trainer.precision.note  # the start-up line says which
     for backend in ("te", "torchao"):  # their layers take fp32 weights: auto keeps them
         assert working_dtype(compose_config("precision=fp8", f"precision.backend={backend}").precision) is None
     for bad in (["precision=bf16_autocast"], ["precision=fp8", "precision.backend=te"]):
@@ -258,3 +260,20 @@ def test_a_checkpoint_of_another_precision_resumes_with_one_line_naming_what_cha
         assert trainer.step == 1
         said = [r.getMessage() for r in caplog.records if "was trained with precision." in r.getMessage()]
         assert said == ([] if line is None else [said[0]]) and (line is None or line in said[0]), said
+
+
+def test_keys_a_checkpoint_predates_are_not_named_as_changes(caplog):
+    """A precision section saved before keys were added names only what changed: bf16_weights, which such an fp8
+    checkpoint trained as false (fp32 weights), not the keys it lacks."""
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from megalm.config.schema import PrecisionConfig
+    from megalm.training.checkpoint import note_precision_change
+
+    current = {**asdict(PrecisionConfig()), "name": "fp8"}
+    with caplog.at_level("WARNING", logger="megalm"):
+        note_precision_change({"name": "fp8", "skip": ["output"]}, {**current, "skip": ["output"]}, Path("ckpt"))
+        note_precision_change({"name": "bf16", "skip": []}, {**current, "name": "bf16", "skip": []}, Path("ckpt"))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "was trained with precision.bf16_weights=False (this run: True);" in said[0], said

@@ -169,7 +169,9 @@ def note_precision_change(saved: dict[str, Any], current: dict[str, Any], path: 
         return {**section, "bf16_weights": recipe_on_bf16_weights(as_set)}
 
     was, now = resolved(saved, before_the_key="bf16_weights" not in saved), resolved(current, before_the_key=False)
-    diffs = [f"precision.{k}={was.get(k)} (this run: {now.get(k)})" for k in now if was.get(k) != now.get(k)]
+    # a key the checkpoint's section lacks was added to megalm after it: only bf16_weights has a rule for that
+    diffs = [f"precision.{k}={was.get(k)} (this run: {now.get(k)})" for k in now
+             if (k in saved or k == "bf16_weights") and was.get(k) != now.get(k)]
     if saved and diffs:
         log.warning(f"checkpoint {path} was trained with {', '.join(diffs)}; it loads (its weights are fp32), and "
                     "trains on as it did with those keys set back")
