@@ -39,6 +39,8 @@ from tests.docs_pages import DOCS, ROOT, prose
 from tests.e2e.forked_python import ForkedPython, forkable
 
 STARTS = r"(megalm-\w+|python |torchrun |NPROC=|MASTER_ADDR=|(scripts|tools)/\S+\.sh\b|pytest|pip |docker |sbatch )"
+# How an inline span in prose that is a command begins (within one line: a span over a line break is none)
+INLINE_COMMAND = r"(megalm-\w+ |python (tools|-m megalm)|torchrun )"
 
 # Appended to every training run unless the command sets the key itself (later overrides win).
 TINY = {"model.num_layers": "4", "model.hidden_size": "64", "model.num_heads": "4", "model.num_kv_heads": "2",
@@ -112,8 +114,7 @@ def documented_commands(path: Path) -> list[str]:
             line = line.split("  #")[0].strip()
             if re.match(STARTS, line):
                 found.append(line)
-    found += [span for span in re.findall(r"`([^`\n]+)`", prose(text))
-              if re.match(r"(megalm-\w+ |python (tools|-m megalm)|torchrun )", span)]
+    found += [span for span in re.findall(r"`([^`\n]+)`", prose(text)) if re.match(INLINE_COMMAND, span)]
     return list(dict.fromkeys(found))
 
 

@@ -7,6 +7,7 @@ into a config megalm's schema accepts, and a torchrun variant's layout passes va
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 
@@ -15,8 +16,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 
 from tests.conftest import compose_config
-from tests.docs_pages import DOCS, ROOT
+from tests.docs_pages import DOCS, ROOT, prose
 from tests.e2e.test_docs_commands import (
+    INLINE_COMMAND,
     checked_without_running,
     documented_commands,
     hydra_overrides,
@@ -54,6 +56,20 @@ def test_every_documented_command_has_a_rule_and_parses(doc: Path, tmp_path: Pat
             parser.parse_overrides(overrides)
         except Exception as err:  # hydra's OverrideParseException and the lexer's own
             pytest.fail(f"{doc.name}: `{command}`: its overrides do not parse ({type(err).__name__}): {err}")
+
+
+def split_commands(text: str) -> list[str]:
+    """Inline spans of prose that begin as a command but run over a line break: `documented_commands` reads spans
+    within a line, so such a command would never run (a usage pattern, `is_pattern`, runs in none)."""
+    spans = re.findall(r"`([^`]+)`", prose(text))  # backticks paired in order, as markdown pairs them
+    return [span for span in spans if "\n" in span and re.match(INLINE_COMMAND, span)
+            and not is_pattern(" ".join(span.split()))]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_no_documented_command_is_split_over_two_lines(doc: Path):
+    assert not split_commands(doc.read_text()), f"{doc.name}: put these commands on one line (or in a fenced block)"
+    assert split_commands("a `python tools/bench/x.py model=1.3b\n  seed=1` b")  # the check can fail
 
 
 def test_the_check_fails_on_an_ellipsis():
