@@ -24,9 +24,9 @@ throughput tests", carry [".wheels", ".whl"]; the first two fit a 15-minute devi
 # Usage: tools/gpu_check.sh [--dry-run] [--print-run] [STEP ...]
 #   STEP: setup throughput tests calibrate bench compare compare_accumulated, run in the order given (default: all
 #         seven, in this order); setup always runs first. throughput: the fast step's rows (1.3B at seq 4096, bf16 and
-#         fp8, eager and compiled, profiled) and the kernels behind them (attention, FP8 GEMMs, AdamW); bench: the other benchmarks; compare: megalm against its peers;
-#         compare_accumulated: the same at 4 micro-batches a step. The GPU run puts the fast step's numbers before the
-#         tests.
+#         fp8, eager and compiled, profiled) and the kernels behind them (attention, FP8 GEMMs, AdamW); bench: the
+#         other benchmarks; compare: megalm against its peers; compare_accumulated: the same at 4 micro-batches a
+#         step. The GPU run puts the fast step's numbers before the tests.
 #   --dry-run: the whole script on a machine without a GPU (CI runs it): setup only reports, the tests are the GPU
 #              tier (skipped there) and the fake-CUDA tier, each benchmark is asked for --help, calibration and the
 #              comparison run their CPU sizes. Exit 0 when all of that works.

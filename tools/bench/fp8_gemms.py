@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megalm.config.checks import resolve_model_defaults  # noqa: E402
 from megalm.model.gpt import GPT  # noqa: E402
 from megalm.model.linear import Linear  # noqa: E402
-from megalm.training.flops import PEAK_FLOPS  # noqa: E402
+from megalm.precision.fp8 import column_major  # noqa: E402
+from megalm.training.flops import peak_flops  # noqa: E402
 from tools.bench.cli import parse_flags_and_overrides, run_main  # noqa: E402
 from tools.bench.throughput import compose_config  # noqa: E402
 from tools.bench.timing import time_calls  # noqa: E402
@@ -55,10 +56,6 @@ def block_linears(overrides: list[str]) -> tuple[list[tuple[str, int, int]], int
         model = GPT(model_cfg)
     linears = [(name, *m.weight.shape) for name, m in model.layers[0].named_modules() if isinstance(m, Linear)]
     return linears, model_cfg.num_layers, model_cfg.seq_length * cfg.trainer.micro_batch_size
-
-
-def column_major(t: torch.Tensor) -> torch.Tensor:
-    return t.t().contiguous().t()
 
 
 def operands(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> dict[str, dict[str, tuple]]:
@@ -83,10 +80,7 @@ def scaled_mm_runs(device: torch.device) -> str | None:
 
 def peak(device: torch.device, kind: str) -> float | None:
     """Dense peak FLOP/s of this GPU for bf16 or fp8 (twice bf16 on Hopper), None on a CPU or unknown GPU."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    bf16 = next((table["bf16"] for fragment, table in PEAK_FLOPS.items() if fragment in name), None)
+    bf16 = peak_flops(device, "bf16")
     return None if bf16 is None else bf16 * (2 if kind == "fp8" else 1)
 
 
