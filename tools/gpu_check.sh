@@ -241,6 +241,11 @@ step_throughput() {
   # attention first (seconds): cuDNN's kernel (auto's pick on Hopper for equal documents) against torch's flash one
   bench "attention kernels, 1.3b/4096, one document per sequence" 90 tools/bench/attention_kernels.py model=1.3b \
     model.seq_length=4096 --seqs 4
+  # unequal documents, as packed pretraining data and throughput.py's rows have them (a new layout each of the 26
+  # calls, as each micro-batch is): torch's flash varlen kernel (35 of the compiled bf16 step's 176 ms on 2026-11-29)
+  # against cuDNN's on the same packed documents (cudnn_ragged), which torch's varlen function keeps switched off
+  bench "attention kernels, 1.3b/4096, unequal documents" 90 tools/bench/attention_kernels.py model=1.3b \
+    model.seq_length=4096 --seqs 2 --ragged --layouts 26
   # the fast step's goal: 1.3B at seq 4096, bf16 and fp8, eager and compiled (inductor per block); each then
   # profiles 2 steps (--profile: GPU busy against wall time, time per kind of kernel, the top kernels, host syncs)
   bench "training throughput, 1.3b/4096 bf16" 150 tools/bench/throughput.py model=1.3b model.seq_length=4096 \

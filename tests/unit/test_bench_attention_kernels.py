@@ -53,3 +53,54 @@ def test_on_a_cpu_it_times_what_runs_and_names_what_cannot(capsys):
     out = capsys.readouterr().out
     assert "cudnn         skipped: model.attention_backend=cudnn needs a CUDA device" in out
     assert "torch_varlen  skipped" in out
+
+
+def test_the_cudnn_ragged_row_is_skipped_where_cudnn_cannot_run(capsys):
+    rows = bench.main(["model=tiny", "model.seq_length=64", "--backends", "sdpa,cudnn_ragged", "--iters", "1",
+                       "--warmup", "0", "--device", "cpu", "--ragged"])
+    assert [row["backend"] for row in rows] == ["sdpa"]
+    assert "cudnn_ragged  skipped: as cudnn would be: model.attention_backend=cudnn needs a CUDA device" in (
+        capsys.readouterr().out)
+
+
+def test_each_row_reports_its_distance_from_the_first(monkeypatch):
+    """reference against sdpa agree to fp32 rounding; a kernel off by 1% in its output is seen."""
+    rows = bench.main(["model=tiny", "model.seq_length=64", "--backends", "sdpa,reference", "--iters", "1",
+                       "--warmup", "0", "--device", "cpu", "--ragged"])
+    assert rows[0]["error"] == 0.0 and 0.0 < rows[1]["error"] < 1e-5
+    real = bench.run_backend
+    monkeypatch.setattr(bench, "run_backend", lambda backend, *args: real(backend, *args) * (
+        1.01 if backend == "reference" else 1.0))
+    rows = bench.main(["model=tiny", "model.seq_length=64", "--backends", "sdpa,reference", "--iters", "1",
+                       "--warmup", "0", "--device", "cpu", "--ragged"])
+    assert rows[1]["error"] == pytest.approx(0.01, rel=1e-3)
+
+
+def test_the_layouts_are_cycled_one_a_call(monkeypatch):
+    """--layouts 3: the timed calls go through three document layouts of one token count, in turn."""
+    model = _model()
+    layouts = [bench.document_lengths(model, 2, True, seed) for seed in range(3)]
+    assert len({tuple(lengths) for lengths in layouts}) == 3 and {sum(lengths) for lengths in layouts} == {192}
+    seen = []
+    real = bench.run_backend
+    monkeypatch.setattr(bench, "run_backend", lambda backend, q, k, v, cu, max_len: seen.append(cu.tolist()) or real(
+        backend, q, k, v, cu, max_len))
+    bench.main(["model=tiny", "model.seq_length=64", "--backends", "sdpa", "--iters", "4", "--warmup", "2",
+                "--device", "cpu", "--ragged", "--layouts", "3"])
+    first, timed = seen[0], seen[1:]  # the values' call on the first layout, then warmup and timed calls in turn
+    assert len(timed) == 6 and timed[:3] != [timed[0]] * 3 and timed[3:] == timed[:3] and first == timed[0]
+
+
+def test_a_backend_that_fails_leaves_the_other_rows(monkeypatch, capsys):
+    real = bench.run_backend
+
+    def failing(backend, *args):
+        if backend == "reference":
+            raise RuntimeError("cuDNN Frontend error: no execution plan\nmore")
+        return real(backend, *args)
+
+    monkeypatch.setattr(bench, "run_backend", failing)
+    rows = bench.main(["model=tiny", "model.seq_length=64", "--backends", "reference,sdpa", "--iters", "1",
+                       "--warmup", "0", "--device", "cpu"])
+    assert [row["backend"] for row in rows] == ["sdpa"] and rows[0]["error"] == 0.0
+    assert "reference     failed: cuDNN Frontend error: no execution plan\n" in capsys.readouterr().out

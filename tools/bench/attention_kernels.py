@@ -13,15 +13,26 @@ of unequal lengths (cudnn then runs torch_varlen, the same kernel). Why: on Hopp
 reported up to 1.7-2.3x faster than the flash kernel torch's varlen function runs (megalm/model/attention.py), and
 `auto` picks cudnn there on that report; this measures it on the GPU at hand.
 
+`cudnn_ragged` is this tool's own row, not a model backend: cuDNN's kernel on the packed documents themselves
+(`torch.ops.aten._cudnn_attention_forward` given the cu_seqlens, the ragged-offset form torch's nested tensors use,
+and its autograd backward), which torch's varlen function keeps switched off. If it is correct and as fast on unequal
+documents as on equal ones, packed pretraining data could have cuDNN's kernel too; this row is how to find out.
+`--layouts N` cycles every backend through N document layouts of the same token count, one a call, as training's
+micro-batches do: a kernel that plans per layout (cuDNN builds a graph per document count and longest document)
+shows that cost in its time.
+
 Times are the median of `--iters` after `--warmup`, by CUDA events on a GPU (perf_counter on a CPU), of forward and
 backward together; TFLOP/s counts the causal (query, key) pairs of each document as megalm/training/flops.py does
-(x3 for forward and backward). The kernels that ran are named from torch.profiler on a GPU: what ran, not what was
-hoped for. Ratios against the first backend listed, measured in one run.
+(x3 for forward and backward), averaged over the layouts. The kernels that ran are named from torch.profiler on a
+GPU: what ran, not what was hoped for. Each row's `error` is the relative Frobenius distance of its output and
+q/k/v gradients from the first backend's on the first layout, so that a fast row that computes something else is
+seen. Ratios against the first backend listed, measured in one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -41,7 +52,24 @@ from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
 from tools.bench.throughput import compose_config  # noqa: E402
 from tools.bench.timing import time_calls  # noqa: E402
 
-BACKENDS = ("torch_varlen", "cudnn", "flash_attn", "sdpa")
+BACKENDS = ("torch_varlen", "cudnn", "cudnn_ragged", "flash_attn", "sdpa")
+
+
+def document_lengths(model: ModelConfig, seqs: int, ragged: bool, seed: int = 0) -> list[int]:
+    """The documents of `seqs` sequences of model.seq_length tokens: one each, or with `ragged` each cut in four at
+    random points (`seed`)."""
+    rng = random.Random(seed)
+    lengths: list[int] = []
+    for _ in range(seqs):
+        cuts = sorted(rng.sample(range(1, model.seq_length), 3)) if ragged else []
+        lengths += [b - a for a, b in zip([0, *cuts], [*cuts, model.seq_length], strict=True)]
+    return lengths
+
+
+def layout(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, int, list[int]]:
+    """cu_seqlens int32, the longest document and the lengths themselves."""
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return cu, max(lengths), lengths
 
 
 def packed_operands(model: ModelConfig, seqs: int, ragged: bool, dtype: torch.dtype, device: torch.device,
@@ -49,18 +77,34 @@ def packed_operands(model: ModelConfig, seqs: int, ragged: bool, dtype: torch.dt
     """q [T, Hq, D], k/v [T, Hkv, D] (leaves), an output gradient, cu_seqlens int32, the longest document, and the
     documents' lengths, for `seqs` sequences of model.seq_length tokens."""
     head_dim = model.head_dim or model.hidden_size // model.num_heads
-    rng = random.Random(seed)
-    lengths: list[int] = []
-    for _ in range(seqs):
-        cuts = sorted(rng.sample(range(1, model.seq_length), 3)) if ragged else []
-        lengths += [b - a for a, b in zip([0, *cuts], [*cuts, model.seq_length], strict=True)]
+    lengths = document_lengths(model, seqs, ragged, seed)
     total = sum(lengths)
     g = torch.Generator(device="cpu").manual_seed(seed)
     make = lambda heads: torch.randn(total, heads, head_dim, generator=g).to(device, dtype)  # noqa: E731
     q, k, v = make(model.num_heads), make(model.num_kv_heads), make(model.num_kv_heads)
     dout = make(model.num_heads)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    return [t.requires_grad_() for t in (q, k, v)], dout, cu, max(lengths), lengths
+    return [t.requires_grad_() for t in (q, k, v)], dout, *layout(lengths, device)
+
+
+def cudnn_ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                           max_seqlen: int) -> torch.Tensor:
+    """Causal attention within each packed document by cuDNN's kernel with ragged offsets: torch's private op as its
+    nested tensors call it (q [T, Hq, D], k/v [T, Hkv, D]), differentiable through torch's own backward formula."""
+    return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                                   True, 0.0, True, False)[0]
+
+
+def run_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_seqlen: int) -> torch.Tensor:
+    if backend == "cudnn_ragged":
+        return cudnn_ragged_attention(q, k, v, cu_seqlens, max_seqlen)
+    return varlen_attention(q, k, v, cu_seqlens, max_seqlen, backend)
+
+
+def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """The largest relative Frobenius distance ||got - want|| / ||want|| over pairs of tensors, in fp32."""
+    return max(((g.float() - w.float()).norm() / w.float().norm().clamp_min(1e-30)).item()
+               for g, w in zip(got, want, strict=True))
 
 
 def attention_tflop(model: ModelConfig, lengths: list[int]) -> float:
@@ -90,6 +134,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, default=2, help="sequences of model.seq_length tokens (default 2)")
     parser.add_argument("--ragged", action="store_true", help="cut each sequence into documents of unequal lengths")
+    parser.add_argument("--layouts", type=int, default=1,
+                        help="document layouts (with --ragged: random cuts) cycled through, one a call (default 1)")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated (default: %(default)s)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
@@ -99,32 +145,53 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model = resolve_model_defaults(compose_config(overrides).model)  # kv heads and head_dim where the config omits them
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    leaves, dout, cu, max_len, lengths = packed_operands(model, args.seqs, args.ragged, dtype, device)
-    tflop = attention_tflop(model, lengths)
+    if args.layouts < 1:
+        raise SystemExit(f"--layouts {args.layouts}: give 1 or more")
+    leaves, dout, *first = packed_operands(model, args.seqs, args.ragged, dtype, device)
+    layouts = [tuple(first)] + [layout(document_lengths(model, args.seqs, args.ragged, seed), device)
+                                for seed in range(1, args.layouts)]
+    tflop = statistics.fmean(attention_tflop(model, lengths) for _, _, lengths in layouts)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"{model.name}: {len(lengths)} documents in {args.seqs} x {model.seq_length} tokens "
-          f"({'unequal' if args.ragged else 'equal'} lengths), {model.num_heads} query / {model.num_kv_heads} kv "
-          f"heads, {str(dtype).removeprefix('torch.')} on {where}")
-    rows = []
+    documents = statistics.fmean(len(lengths) for _, _, lengths in layouts)
+    print(f"{model.name}: {documents:g} documents in {args.seqs} x {model.seq_length} tokens "
+          f"({'unequal' if args.ragged else 'equal'} lengths, {args.layouts} layout(s) cycled), {model.num_heads} "
+          f"query / {model.num_kv_heads} kv heads, {str(dtype).removeprefix('torch.')} on {where}")
+    rows, first_values = [], None
     for backend in args.backends.split(","):
-        try:
-            select_attention_backend(backend, device, dtype)
+        try:  # cudnn_ragged can run where the cudnn backend can
+            select_attention_backend("cudnn" if backend == "cudnn_ragged" else backend, device, dtype)
         except ConfigError as e:
-            print(f"  {backend:<13} skipped: {e}")
+            print(f"  {backend:<13} skipped: {'as cudnn would be: ' if backend == 'cudnn_ragged' else ''}{e}")
             continue
+        calls = itertools.count()
 
-        def step(backend=backend):
+        def step(backend=backend, calls=calls):
             for t in leaves:
                 t.grad = None
-            varlen_attention(*leaves, cu, max_len, backend).backward(dout)
+            cu, max_len, _ = layouts[next(calls) % len(layouts)]
+            out = run_backend(backend, *leaves, cu, max_len)
+            out.backward(dout)
+            return out
 
-        ms = time_ms(step, device, args.warmup, args.iters)
-        kernels = kernels_that_ran(step, device)
-        rows.append({"backend": backend, "ms": ms, "tflops_per_sec": tflop / (ms / 1e3), "kernels": kernels[:4]})
+        try:
+            for t in leaves:  # the values on the first layout, before any timing
+                t.grad = None
+            out = run_backend(backend, *leaves, *layouts[0][:2])
+            out.backward(dout)
+            values = [out.detach(), *(t.grad.detach().clone() for t in leaves)]
+            ms = time_ms(step, device, args.warmup, args.iters)
+            kernels = kernels_that_ran(step, device)
+        except RuntimeError as e:  # a kernel that refuses this shape (cudnn_ragged's private op): the other rows stand
+            print(f"  {backend:<13} failed: {str(e).strip().splitlines()[0][:200]}")
+            continue
+        first_values = first_values or values
+        error = relative_error(values, first_values)
+        rows.append({"backend": backend, "ms": ms, "tflops_per_sec": tflop / (ms / 1e3), "error": error,
+                     "kernels": kernels[:4]})
         ratio = rows[0]["ms"] / ms
         print(f"  {backend:<13} {ms:9.3f} ms forward+backward  {tflop / (ms / 1e3):7.1f} TFLOP/s  "
-              f"{ratio:.2f}x of {rows[0]['backend']}" + (f"  kernels: {'; '.join(k[:70] for k in kernels[:3])}"
-                                                         if kernels else ""))
+              f"{ratio:.2f}x of {rows[0]['backend']}  error {error:.1e}"
+              + (f"  kernels: {'; '.join(k[:70] for k in kernels[:3])}" if kernels else ""))
     if args.json:
         print(json.dumps(rows))
     return rows
