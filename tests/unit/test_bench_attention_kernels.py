@@ -51,15 +51,15 @@ def test_on_a_cpu_it_times_what_runs_and_names_what_cannot(capsys):
     assert [row["backend"] for row in rows] == ["sdpa", "reference"]
     assert all(row["ms"] > 0 and row["tflops_per_sec"] > 0 and row["kernels"] == [] for row in rows)
     out = capsys.readouterr().out
-    assert "cudnn         skipped: model.attention_backend=cudnn needs a CUDA device" in out
-    assert "torch_varlen  skipped" in out
+    assert "cudnn                 skipped: model.attention_backend=cudnn needs a CUDA device" in out
+    assert "torch_varlen          skipped" in out
 
 
 def test_the_cudnn_ragged_row_is_skipped_where_cudnn_cannot_run(capsys):
     rows = bench.main(["model=tiny", "model.seq_length=64", "--backends", "sdpa,cudnn_ragged", "--iters", "1",
                        "--warmup", "0", "--device", "cpu", "--ragged"])
     assert [row["backend"] for row in rows] == ["sdpa"]
-    assert "cudnn_ragged  skipped: as cudnn would be: model.attention_backend=cudnn needs a CUDA device" in (
+    assert "cudnn_ragged          skipped: as cudnn would be: model.attention_backend=cudnn needs a CUDA device" in (
         capsys.readouterr().out)
 
 
@@ -103,4 +103,15 @@ def test_a_backend_that_fails_leaves_the_other_rows(monkeypatch, capsys):
     rows = bench.main(["model=tiny", "model.seq_length=64", "--backends", "reference,sdpa", "--iters", "1",
                        "--warmup", "0", "--device", "cpu"])
     assert [row["backend"] for row in rows] == ["sdpa"] and rows[0]["error"] == 0.0
-    assert "reference     failed: cuDNN Frontend error: no execution plan\n" in capsys.readouterr().out
+    assert "reference             failed: cuDNN Frontend error: no execution plan\n" in capsys.readouterr().out
+
+
+def test_bucketing_keeps_the_documents_and_bounds_the_longest():
+    """cudnn_ragged_bucketed's shapes: empty documents pad the count to a multiple of 8 and the bound is a power of
+    two at least the longest document; the non-empty documents are the same."""
+    for lengths in ([5, 7, 18], [4] * 8, [1], [3000, 1096, 2000, 2096, 100, 92, 3900, 4]):
+        cu, max_len, _ = bench.layout(lengths, torch.device("cpu"))
+        padded, bound = bench.bucketed(cu, max_len)
+        sizes = padded.diff().tolist()
+        assert len(sizes) % bench.DOCUMENT_BUCKET == 0 and [n for n in sizes if n] == lengths
+        assert bound >= max(lengths) and bound & (bound - 1) == 0 and bound < 2 * max(lengths)

@@ -19,7 +19,9 @@ and its autograd backward), which torch's varlen function keeps switched off. If
 documents as on equal ones, packed pretraining data could have cuDNN's kernel too; this row is how to find out.
 `--layouts N` cycles every backend through N document layouts of the same token count, one a call, as training's
 micro-batches do: a kernel that plans per layout (cuDNN builds a graph per document count and longest document)
-shows that cost in its time.
+shows that cost in its time. `cudnn_ragged_bucketed` is the same call with fewer distinct shapes (the document count
+padded with empty documents to a multiple of 8, the longest length rounded up to a power of two): whether empty
+documents are computed right (its error) and whether bucketing pays for the graphs (its time).
 
 Times are the median of `--iters` after `--warmup`, by CUDA events on a GPU (perf_counter on a CPU), of forward and
 backward together; TFLOP/s counts the causal (query, key) pairs of each document as megalm/training/flops.py does
@@ -52,7 +54,9 @@ from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
 from tools.bench.throughput import compose_config  # noqa: E402
 from tools.bench.timing import time_calls  # noqa: E402
 
-BACKENDS = ("torch_varlen", "cudnn", "cudnn_ragged", "flash_attn", "sdpa")
+BACKENDS = ("torch_varlen", "cudnn", "cudnn_ragged", "cudnn_ragged_bucketed", "flash_attn", "sdpa")
+RAGGED = ("cudnn_ragged", "cudnn_ragged_bucketed")  # this tool's own rows, not model backends
+DOCUMENT_BUCKET = 8  # cudnn_ragged_bucketed pads the document count to a multiple of this
 
 
 def document_lengths(model: ModelConfig, seqs: int, ragged: bool, seed: int = 0) -> list[int]:
@@ -94,10 +98,20 @@ def cudnn_ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                                                    True, 0.0, True, False)[0]
 
 
+def bucketed(cu_seqlens: torch.Tensor, max_seqlen: int) -> tuple[torch.Tensor, int]:
+    """The same documents described with fewer distinct shapes: the count padded with empty documents to a multiple of
+    DOCUMENT_BUCKET, the longest length rounded up to a power of two (a bound, not a length)."""
+    documents = cu_seqlens.numel() - 1
+    pad = -documents % DOCUMENT_BUCKET
+    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(pad)]), 1 << (max_seqlen - 1).bit_length()
+
+
 def run_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                 max_seqlen: int) -> torch.Tensor:
     if backend == "cudnn_ragged":
         return cudnn_ragged_attention(q, k, v, cu_seqlens, max_seqlen)
+    if backend == "cudnn_ragged_bucketed":
+        return cudnn_ragged_attention(q, k, v, *bucketed(cu_seqlens, max_seqlen))
     return varlen_attention(q, k, v, cu_seqlens, max_seqlen, backend)
 
 
@@ -159,9 +173,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows, first_values = [], None
     for backend in args.backends.split(","):
         try:  # cudnn_ragged can run where the cudnn backend can
-            select_attention_backend("cudnn" if backend == "cudnn_ragged" else backend, device, dtype)
+            select_attention_backend("cudnn" if backend in RAGGED else backend, device, dtype)
         except ConfigError as e:
-            print(f"  {backend:<13} skipped: {'as cudnn would be: ' if backend == 'cudnn_ragged' else ''}{e}")
+            print(f"  {backend:<21} skipped: {'as cudnn would be: ' if backend in RAGGED else ''}{e}")
             continue
         calls = itertools.count()
 
@@ -182,14 +196,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             ms = time_ms(step, device, args.warmup, args.iters)
             kernels = kernels_that_ran(step, device)
         except RuntimeError as e:  # a kernel that refuses this shape (cudnn_ragged's private op): the other rows stand
-            print(f"  {backend:<13} failed: {str(e).strip().splitlines()[0][:200]}")
+            print(f"  {backend:<21} failed: {str(e).strip().splitlines()[0][:200]}")
             continue
         first_values = first_values or values
         error = relative_error(values, first_values)
         rows.append({"backend": backend, "ms": ms, "tflops_per_sec": tflop / (ms / 1e3), "error": error,
                      "kernels": kernels[:4]})
         ratio = rows[0]["ms"] / ms
-        print(f"  {backend:<13} {ms:9.3f} ms forward+backward  {tflop / (ms / 1e3):7.1f} TFLOP/s  "
+        print(f"  {backend:<21} {ms:9.3f} ms forward+backward  {tflop / (ms / 1e3):7.1f} TFLOP/s  "
               f"{ratio:.2f}x of {rows[0]['backend']}  error {error:.1e}"
               + (f"  kernels: {'; '.join(k[:70] for k in kernels[:3])}" if kernels else ""))
     if args.json:
