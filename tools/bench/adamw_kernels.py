@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megalm.config.checks import resolve_model_defaults  # noqa: E402
 from megalm.model.gpt import GPT  # noqa: E402
 from megalm.parallel.data_parallel import adamw_kernel  # noqa: E402
-from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
+from tools.bench.cli import add_timing_flags, parse_flags_and_overrides  # noqa: E402
 from tools.bench.throughput import compose_config  # noqa: E402
 from tools.bench.timing import time_calls  # noqa: E402
 
@@ -48,9 +48,7 @@ def segments(overrides: list[str]) -> list[int]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=10, help="timed steps (the median is reported)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles the kernel)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    add_timing_flags(parser, "steps", iters=10, warmup=3, warmup_note=" (compiles the kernel)")
     args, overrides = parse_flags_and_overrides(parser, argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = segments(overrides)

@@ -50,7 +50,7 @@ from megalm.config.checks import resolve_model_defaults  # noqa: E402
 from megalm.errors import ConfigError  # noqa: E402
 from megalm.measure.kernel_profile import summarize  # noqa: E402
 from megalm.model.attention import select_attention_backend, varlen_attention  # noqa: E402
-from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
+from tools.bench.cli import add_timing_flags, parse_flags_and_overrides  # noqa: E402
 from tools.bench.throughput import compose_config  # noqa: E402
 from tools.bench.timing import time_calls  # noqa: E402
 
@@ -151,10 +151,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--layouts", type=int, default=1,
                         help="document layouts (with --ragged: random cuts) cycled through, one a call (default 1)")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated (default: %(default)s)")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--json", action="store_true", help="print one JSON list last")
+    add_timing_flags(parser, "calls of each backend (forward and backward)", iters=20, warmup=5)
     args, overrides = parse_flags_and_overrides(parser, argv)
     model = resolve_model_defaults(compose_config(overrides).model)  # kv heads and head_dim where the config omits them
     device = torch.device(args.device)

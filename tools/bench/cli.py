@@ -16,6 +16,14 @@ def parse_flags_and_overrides(parser: argparse.ArgumentParser,
     return parser.parse_args([a for a in argv if a not in overrides]), overrides
 
 
+def add_timing_flags(parser: argparse.ArgumentParser, what: str, iters: int, warmup: int,
+                     warmup_note: str = "") -> None:
+    """--iters, --warmup and --json, as the kernel benchmarks take them: `what` names one timed call."""
+    parser.add_argument("--iters", type=int, default=iters, help=f"timed {what} (the median is reported)")
+    parser.add_argument("--warmup", type=int, default=warmup, help=f"untimed {what} first{warmup_note}")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON last")
+
+
 def run_main(main: Callable[[], object]) -> None:
     """A tool's `main` as megalm-train runs: a user error (a bad override or flag value, a MegalmError) prints one
     `error:` line and exits 2, not a traceback."""

@@ -38,7 +38,7 @@ from megalm.model.gpt import GPT  # noqa: E402
 from megalm.model.linear import Linear  # noqa: E402
 from megalm.precision.fp8 import column_major  # noqa: E402
 from megalm.training.flops import peak_flops  # noqa: E402
-from tools.bench.cli import parse_flags_and_overrides, run_main  # noqa: E402
+from tools.bench.cli import add_timing_flags, parse_flags_and_overrides, run_main  # noqa: E402
 from tools.bench.throughput import compose_config  # noqa: E402
 from tools.bench.timing import time_calls  # noqa: E402
 
@@ -86,9 +86,7 @@ def peak(device: torch.device, kind: str) -> float | None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=20, help="timed calls of each GEMM (the median is reported)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed calls first")
-    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    add_timing_flags(parser, "calls of each GEMM", iters=20, warmup=5)
     args, overrides = parse_flags_and_overrides(parser, argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     linears, layers, tokens = block_linears(overrides)
