@@ -83,6 +83,17 @@ def test_a_torchao_layer_computes_megalm_fp8_through_scaled_mm(scaled_mm_on_cpu)
     assert len(calls) == 6 and calls.count(torch.float8_e5m2) == 4, calls
 
 
+def _assert_adamw_close(got: torch.Tensor, want: torch.Tensor, flip_bound: float, name: str) -> None:
+    """Weights after a few AdamW steps from the same start, whose gradients agree but for the order of fp32 sums:
+    equal to 1e-4 but in a few elements (at most 1 in 1,000), and those within `flip_bound`. AdamW divides m by
+    sqrt(v), so a gradient near zero moves its weight by about lr whatever its size, and one whose last bits flip
+    its sign moves it 2 lr the other way (2026-12-03: one embedding element of 20,480, 3.3e-4 apart on one CPU machine,
+    under 1e-4 on another). A backend that computes something else misses the 1e-4 in most elements."""
+    off = (got - want).abs() > 1e-4 + 1e-4 * want.abs()
+    assert off.float().mean().item() <= 1e-3, f"{name}: {int(off.sum())} of {off.numel()} elements differ"
+    assert (got - want).abs().max().item() <= flip_bound, f"{name}: {(got - want).abs().max().item():.3g} apart"
+
+
 @pytest.mark.parametrize("layout", [[], ["offload.enabled=true", "offload.min_tensor_bytes=0"],
                                     ["parallel.recompute=full"]], ids=["plain", "offload", "recompute"])
 def test_torchao_trains_as_native_fp8_keeping_the_parameters(tmp_path, layout):
@@ -95,13 +106,14 @@ def test_torchao_trains_as_native_fp8_keeping_the_parameters(tmp_path, layout):
     swapped = [m for m in ours.model.modules() if type(m).__name__ == "Float8Linear"]
     assert len(swapped) == 8 and type(ours.model.output) is Linear, "every linear but the skipped head"
     torch.testing.assert_close(ours.model.state_dict(), native.model.state_dict(), rtol=0, atol=0)
+    lrs = []
     for step in range(3):
         a, b = native.train_step(step), ours.train_step(step)
         assert b.loss == pytest.approx(a.loss, rel=1e-6), step
+        lrs.append(a.lr)
     theirs = dict(canonical_named_parameters(ours.model))
     for name, p in canonical_named_parameters(native.model):
-        # AdamW divides by sqrt(v): a near-zero gradient's last bits move a weight by up to lr (3e-3) in a step
-        torch.testing.assert_close(theirs[name], p, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+        _assert_adamw_close(theirs[name], p, flip_bound=2 * sum(lrs), name=name)
     if layout and layout[0] == "offload.enabled=true":  # torchao keeps what F.linear keeps (the input, and the
         # weight as a view of the parameter, which stays in place): the bytes of a run without a recipe, to the byte
         plain = Trainer(compose_config("precision=fp32", *layout), tmp_path / "fp32")
