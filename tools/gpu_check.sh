@@ -242,8 +242,8 @@ step_throughput() {
   bench "attention kernels, 1.3b/4096, one document per sequence" 90 tools/bench/attention_kernels.py model=1.3b \
     model.seq_length=4096 --seqs 4
   # unequal documents, as packed pretraining data and throughput.py's rows have them (a new layout each of the 26
-  # calls, as each micro-batch is): torch's flash varlen kernel (35 of the compiled bf16 step's 176 ms on 2026-11-29)
-  # against cuDNN's on the same packed documents (cudnn_ragged), which torch's varlen function keeps switched off
+  # calls, as each micro-batch is): torch's flash varlen kernel, 35 of the compiled bf16 step's 176 ms on 2026-11-29
+  # (cuDNN's kernel on the same packed documents, which torch's varlen function keeps off: last in this step)
   bench "attention kernels, 1.3b/4096, unequal documents" 90 tools/bench/attention_kernels.py model=1.3b \
     model.seq_length=4096 --seqs 2 --ragged --layouts 26
   # the fast step's goal: 1.3B at seq 4096, bf16 and fp8, eager and compiled (inductor per block); each then
@@ -271,6 +271,15 @@ step_throughput() {
   # the optimizer step (24 of the compiled bf16 step's 173 ms on 2026-11-29): torch's fused AdamW + the bf16 copy
   # against megalm's one-pass Triton kernel (optim.implementation=triton), over the 1.3B model's parameters
   bench "AdamW kernels, 1.3b parameters" 60 tools/bench/adamw_kernels.py model=1.3b --iters 10 --warmup 3
+  # last, each in a process of its own (torch 2.11's backward of this op may fault, which ends only its process):
+  # cuDNN's kernel on the packed unequal documents, forward alone, then forward and backward, then bucketed shapes
+  bench "attention kernels, unequal documents, cuDNN ragged (forward)" 60 tools/bench/attention_kernels.py \
+    model=1.3b model.seq_length=4096 --seqs 2 --ragged --layouts 26 --backends torch_varlen,cudnn_ragged \
+    --forward-only
+  bench "attention kernels, unequal documents, cuDNN ragged" 60 tools/bench/attention_kernels.py model=1.3b \
+    model.seq_length=4096 --seqs 2 --ragged --layouts 26 --backends torch_varlen,cudnn_ragged
+  bench "attention kernels, unequal documents, cuDNN ragged bucketed" 60 tools/bench/attention_kernels.py \
+    model=1.3b model.seq_length=4096 --seqs 2 --ragged --layouts 26 --backends torch_varlen,cudnn_ragged_bucketed
 }
 step_bench() {
   # first the rows that decide a default (trainer.compile's auto keeps MoE and zero-bubble blocks eager until they

@@ -115,3 +115,15 @@ def test_bucketing_keeps_the_documents_and_bounds_the_longest():
         sizes = padded.diff().tolist()
         assert len(sizes) % bench.DOCUMENT_BUCKET == 0 and [n for n in sizes if n] == lengths
         assert bound >= max(lengths) and bound & (bound - 1) == 0 and bound < 2 * max(lengths)
+
+
+def test_forward_only_times_the_forward_and_counts_its_third_of_the_flops(monkeypatch):
+    """--forward-only: no backward runs (the call would fail if it did) and TFLOP/s counts the forward's FLOPs."""
+    monkeypatch.setattr(torch.Tensor, "backward", lambda *a, **k: pytest.fail("a backward ran"))
+    rows = bench.main(["model=tiny", "model.seq_length=64", "--backends", "sdpa,reference", "--iters", "1",
+                       "--warmup", "0", "--device", "cpu", "--ragged", "--forward-only"])
+    assert [row["backend"] for row in rows] == ["sdpa", "reference"] and 0.0 < rows[1]["error"] < 1e-5
+    model = bench.resolve_model_defaults(bench.compose_config(["model=tiny", "model.seq_length=64"]).model)
+    tflop = bench.attention_tflop(model, bench.document_lengths(model, 2, True)) / 3
+    for row in rows:
+        assert row["tflops_per_sec"] == pytest.approx(tflop / (row["ms"] / 1e3), rel=1e-9)

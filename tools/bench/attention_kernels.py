@@ -13,15 +13,19 @@ of unequal lengths (cudnn then runs torch_varlen, the same kernel). Why: on Hopp
 reported up to 1.7-2.3x faster than the flash kernel torch's varlen function runs (megalm/model/attention.py), and
 `auto` picks cudnn there on that report; this measures it on the GPU at hand.
 
-`cudnn_ragged` is this tool's own row, not a model backend: cuDNN's kernel on the packed documents themselves
-(`torch.ops.aten._cudnn_attention_forward` given the cu_seqlens, the ragged-offset form torch's nested tensors use,
-and its autograd backward), which torch's varlen function keeps switched off. If it is correct and as fast on unequal
+`cudnn_ragged` is this tool's own row, not a model backend, run only when named in `--backends`: cuDNN's kernel
+on the packed documents themselves (`torch.ops.aten._cudnn_attention_forward` given the cu_seqlens, the
+ragged-offset form torch's nested tensors use, and its autograd backward), which torch's varlen function keeps
+switched off. If it is correct and as fast on unequal
 documents as on equal ones, packed pretraining data could have cuDNN's kernel too; this row is how to find out.
 `--layouts N` cycles every backend through N document layouts of the same token count, one a call, as training's
 micro-batches do: a kernel that plans per layout (cuDNN builds a graph per document count and longest document)
 shows that cost in its time. `cudnn_ragged_bucketed` is the same call with fewer distinct shapes (the document count
 padded with empty documents to a multiple of 8, the longest length rounded up to a power of two): whether empty
-documents are computed right (its error) and whether bucketing pays for the graphs (its time).
+documents are computed right (its error) and whether bucketing pays for the graphs (its time). In torch 2.11's
+source the op's backward sizes a buffer by the head size where it means the longest document (fixed later, in
+pytorch/pytorch#186142), which can fault and leave the CUDA context unusable: run these rows in a process of their own,
+and `--forward-only` times the forward alone.
 
 Times are the median of `--iters` after `--warmup`, by CUDA events on a GPU (perf_counter on a CPU), of forward and
 backward together; TFLOP/s counts the causal (query, key) pairs of each document as megalm/training/flops.py does
@@ -54,8 +58,10 @@ from tools.bench.cli import add_timing_flags, parse_flags_and_overrides  # noqa:
 from tools.bench.throughput import compose_config  # noqa: E402
 from tools.bench.timing import time_calls  # noqa: E402
 
-BACKENDS = ("torch_varlen", "cudnn", "cudnn_ragged", "cudnn_ragged_bucketed", "flash_attn", "sdpa")
-RAGGED = ("cudnn_ragged", "cudnn_ragged_bucketed")  # this tool's own rows, not model backends
+BACKENDS = ("torch_varlen", "cudnn", "flash_attn", "sdpa")  # the default rows: the model's backends
+# this tool's own rows, asked for by name (--backends) and best in a process of their own: a kernel that writes out of
+# bounds leaves the CUDA context unusable for every row after it
+RAGGED = ("cudnn_ragged", "cudnn_ragged_bucketed")
 DOCUMENT_BUCKET = 8  # cudnn_ragged_bucketed pads the document count to a multiple of this
 
 
@@ -150,7 +156,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--ragged", action="store_true", help="cut each sequence into documents of unequal lengths")
     parser.add_argument("--layouts", type=int, default=1,
                         help="document layouts (with --ragged: random cuts) cycled through, one a call (default 1)")
-    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated (default: %(default)s)")
+    parser.add_argument("--backends", default=",".join(BACKENDS),
+                        help=f"comma-separated (default: %(default)s; also {', '.join(RAGGED)})")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="time the forward alone (values: the output only)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_timing_flags(parser, "calls of each backend (forward and backward)", iters=20, warmup=5)
     args, overrides = parse_flags_and_overrides(parser, argv)
@@ -162,7 +171,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     leaves, dout, *first = packed_operands(model, args.seqs, args.ragged, dtype, device)
     layouts = [tuple(first)] + [layout(document_lengths(model, args.seqs, args.ragged, seed), device)
                                 for seed in range(1, args.layouts)]
-    tflop = statistics.fmean(attention_tflop(model, lengths) for _, _, lengths in layouts)
+    passes = 1 / 3 if args.forward_only else 1  # the forward is a third of attention_tflop's forward and backward
+    tflop = statistics.fmean(attention_tflop(model, lengths) for _, _, lengths in layouts) * passes
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     documents = statistics.fmean(len(lengths) for _, _, lengths in layouts)
     print(f"{model.name}: {documents:g} documents in {args.seqs} x {model.seq_length} tokens "
@@ -181,6 +191,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for t in leaves:
                 t.grad = None
             cu, max_len, _ = layouts[next(calls) % len(layouts)]
+            if args.forward_only:
+                with torch.no_grad():
+                    return run_backend(backend, *leaves, cu, max_len)
             out = run_backend(backend, *leaves, cu, max_len)
             out.backward(dout)
             return out
@@ -188,9 +201,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         try:
             for t in leaves:  # the values on the first layout, before any timing
                 t.grad = None
-            out = run_backend(backend, *leaves, *layouts[0][:2])
-            out.backward(dout)
-            values = [out.detach(), *(t.grad.detach().clone() for t in leaves)]
+            if args.forward_only:
+                with torch.no_grad():
+                    values = [run_backend(backend, *leaves, *layouts[0][:2])]
+            else:
+                out = run_backend(backend, *leaves, *layouts[0][:2])
+                out.backward(dout)
+                values = [out.detach(), *(t.grad.detach().clone() for t in leaves)]
             ms = time_ms(step, device, args.warmup, args.iters)
             kernels = kernels_that_ran(step, device)
         except RuntimeError as e:  # a kernel that refuses this shape (cudnn_ragged's private op): the other rows stand
@@ -201,7 +218,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows.append({"backend": backend, "ms": ms, "tflops_per_sec": tflop / (ms / 1e3), "error": error,
                      "kernels": kernels[:4]})
         ratio = rows[0]["ms"] / ms
-        print(f"  {backend:<21} {ms:9.3f} ms forward+backward  {tflop / (ms / 1e3):7.1f} TFLOP/s  "
+        timed = "forward" if args.forward_only else "forward+backward"
+        print(f"  {backend:<21} {ms:9.3f} ms {timed}  {tflop / (ms / 1e3):7.1f} TFLOP/s  "
               f"{ratio:.2f}x of {rows[0]['backend']}  error {error:.1e}"
               + (f"  kernels: {'; '.join(k[:70] for k in kernels[:3])}" if kernels else ""))
     if args.json:
