@@ -68,3 +68,15 @@ def test_it_times_every_setting_or_says_why_fp8_cannot_run(monkeypatch, capsys):
     report = bench.main([*MODEL, *flags])
     assert set(report["summary"]) == {"bf16"} and report["fp8_skipped"] == "no kernel"
     assert "FP8 skipped: torch._scaled_mm does not run here (no kernel)" in capsys.readouterr().out
+
+
+def test_a_timed_call_launches_its_gemms_back_to_back_and_shares_its_time(monkeypatch):
+    """--back-to-back 4: each timed call runs the GEMM 4 times, and a GEMM's time is the call's over 4."""
+    monkeypatch.setattr(bench, "scaled_mm_runs", lambda device: "no kernel")  # bf16 alone: torch.mm counted
+    launched = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: launched.append(1) or real_mm(a, b))
+    monkeypatch.setattr(bench, "time_calls", lambda call, device, warmup, iters: [call(), 8.0][1:] * iters)
+    report = bench.main([*MODEL, "--iters", "1", "--warmup", "0", "--back-to-back", "4"])
+    assert len(launched) == 4 * len(report["rows"]) * len(bench.GEMMS)
+    assert all(row[gemm]["bf16"]["ms"] == 2.0 for row in report["rows"] for gemm in bench.GEMMS)
