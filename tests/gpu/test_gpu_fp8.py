@@ -82,3 +82,31 @@ def test_fp8_linear_on_cuda_matches_cpu_emulation(recipe: str, shape: tuple[int,
     assert err < FAST_ACCUM_TOL, f"{recipe} y with fast accumulation: relative error {err:.2e} against promoting"
     for name, ft, pt in zip(("dx", "dw", "db"), fast[1:], got[1:], strict=True):
         assert torch.equal(ft, pt), f"{recipe} {name}: the backward's GEMMs promote in both runs, yet differ"
+
+
+# bf16 inputs and outputs (the fp8 recipes' default since 2026-12-03: bf16 working weights): both sides quantize the
+# same bf16 values and round their fp32 sums to bf16 (2^-9 relative an element), which a sum in another order moves
+# across a rounding boundary here and there; a wrong scale or operand is off by ~1.
+BF16_TOL = 1e-2
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_rowwise"])
+def test_fp8_linear_on_bf16_working_weights_matches_cpu_emulation(recipe: str, no_tf32) -> None:
+    """As the recipe trains by default: bf16 x, W and dy, fprop accumulating fast, against the CPU's emulation of the
+    same bf16 operands."""
+    if capability() < (8, 9):
+        pytest.skip(f"FP8 GEMMs need compute capability 8.9+, this GPU has {capability()}")
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(256, 1024, generator=g)
+    x[:, 7] *= 30.0
+    w = torch.randn(512, 1024, generator=g) * 1024**-0.5
+    b = torch.randn(512, generator=g)
+    dy = torch.randn(256, 512, generator=g) * 1e-3
+    x, w, b, dy = (t.to(torch.bfloat16) for t in (x, w, b, dy))
+    got, fwd_calls, _ = _run(recipe, x, w, b, dy, "cuda")
+    want, cpu_calls, _ = _run(recipe, x, w, b, dy, "cpu")
+    assert cpu_calls == 0 and fwd_calls >= 1, (cpu_calls, fwd_calls)
+    for name, gt, wt in zip(("y", "dx", "dw", "db"), got, want, strict=True):
+        assert gt.dtype == torch.bfloat16, f"{recipe} {name}: {gt.dtype}, not the working weights' bf16"
+        err = rel_error(gt, wt)
+        assert err < BF16_TOL, f"{recipe} {name}: relative error {err:.2e} >= {BF16_TOL:.0e} against the CPU emulation"
