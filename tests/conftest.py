@@ -79,17 +79,19 @@ def make_config():
 
 @pytest.fixture
 def scaled_mm_on_cpu():
-    """FP8 on CPU tensors as a GPU from sm89 runs it: GEMMs through torch._scaled_mm (the CPU's kernel), the eager
-    path's and the compiled blocks' graph GEMMs (compiled_linear.fp8_graph_linear), and the eager casts as the
-    compiled functions CUDA calls (whose outputs carry dynamo's dynamic-dim marks)."""
-    from tools.bench.host_overhead import fp8_cuda_code_on_cpu
+    """FP8 on CPU tensors as a GPU from sm89 runs it: GEMMs through torch._scaled_mm, the eager path's and the
+    compiled blocks' graph GEMMs (compiled_linear.fp8_graph_linear), and the eager casts as the compiled functions
+    CUDA calls (whose outputs carry dynamo's dynamic-dim marks). Each _scaled_mm call is checked by the op's meta
+    kernel, which holds it to CUDA's rules (layouts, multiples of 16) where the CPU's kernel does not, and computed by
+    an fp32 emulation in place of the CPU's kernel, which is slow at any size (host_overhead.scaled_mm_emulated)."""
+    from tools.bench.host_overhead import fp8_cuda_code_on_cpu, scaled_mm_emulated
 
     one, q = torch.ones(()), torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
     try:
         torch._scaled_mm(q, q.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     except (AttributeError, NotImplementedError, RuntimeError) as error:
         pytest.skip(f"torch {torch.__version__} has no CPU kernel for torch._scaled_mm: {str(error).splitlines()[0]}")
-    with fp8_cuda_code_on_cpu():
+    with scaled_mm_emulated(), fp8_cuda_code_on_cpu():
         yield
 
 

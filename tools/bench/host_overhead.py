@@ -62,16 +62,21 @@ def fp8_cuda_code_on_cpu() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def cuda_paths(gemm_seconds: list[float]) -> Iterator[None]:
-    """The FP8 recipes' CUDA code on CPU tensors (module docstring); the time inside torch._scaled_mm is appended to
-    `gemm_seconds`. The op's CPU kernels (`_scaled_mm` and the `.out` form a compiled graph calls) are replaced, while
-    inside, by a timed fp32 emulation, so that eager calls and compiled graphs' calls are both timed."""
+def scaled_mm_emulated(gemm_seconds: list[float] | None = None) -> Iterator[None]:
+    """While inside, torch._scaled_mm's CPU kernels (the op, and the `.out` form a compiled graph calls) are an fp32
+    emulation, after the op's meta kernel has checked the call: the CPU's kernel takes tens of milliseconds a call at
+    any size (46 of a 48 s test's seconds, 2026-12-03), and it takes what CUDA's refuses (a row-major second operand,
+    dimensions not multiples of 16), where the meta kernel checks them as CUDA does. Each call's time, check and
+    emulation, is appended to `gemm_seconds` when given."""
     def emulated(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,  # noqa: ANN001, ANN202
                  use_fast_accum=False):  # noqa: ANN001 - aten::_scaled_mm's schema
         start = time.perf_counter()
+        on_meta = [None if t is None else t.to("meta") for t in (a, b, scale_a, scale_b, bias, scale_result)]
+        torch.ops.aten._scaled_mm(*on_meta, out_dtype, use_fast_accum)  # CUDA's rules, or its error
         out = (a.float() * scale_a.float()) @ (b.float() * scale_b.float())
         out = (out if bias is None else out + bias.float()).to(out_dtype or a.dtype)
-        gemm_seconds.append(time.perf_counter() - start)
+        if gemm_seconds is not None:
+            gemm_seconds.append(time.perf_counter() - start)
         return out
 
     def emulated_out(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,  # noqa: ANN001, ANN202
@@ -84,10 +89,18 @@ def cuda_paths(gemm_seconds: list[float]) -> Iterator[None]:
         library.impl("_scaled_mm", emulated, "CPU")
         library.impl("_scaled_mm.out", emulated_out, "CPU")
     try:
-        with fp8_cuda_code_on_cpu():
-            yield
+        yield
     finally:
         library._destroy()
+
+
+@contextlib.contextmanager
+def cuda_paths(gemm_seconds: list[float]) -> Iterator[None]:
+    """The FP8 recipes' CUDA code on CPU tensors (module docstring), torch._scaled_mm emulated (`scaled_mm_emulated`)
+    with the time inside it appended to `gemm_seconds`, so that eager calls and compiled graphs' calls are both
+    timed."""
+    with scaled_mm_emulated(gemm_seconds), fp8_cuda_code_on_cpu():
+        yield
 
 
 def measure(overrides: list[str], steps: int, warmup: int, on_cuda_paths: bool) -> dict:
