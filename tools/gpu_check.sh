@@ -304,6 +304,12 @@ step_bench() {
     bench "training throughput, 1.3b/4096 fp8_delayed compiled" 240 tools/bench/throughput.py model=1.3b \
       model.seq_length=4096 precision=fp8_delayed trainer.compile=true trainer.global_batch_size=2 \
       trainer.micro_batch_size=2 --steps 6 --warmup 3 --profile 2
+    # Triton's kernels of a 1.3B block, bf16 against fp8_delayed: the CPU's trace has the FP8 backward re-reading the
+    # fused projections' gradients for each cast (a concatenation no cast fuses into: ~13 GB a step, 2026-12-03),
+    # which Triton's scheduler may decide otherwise (docs/benchmarks.md, "Delayed scaling's casts")
+    bench "inductor's kernels, a 1.3b block at 4,096 tokens, bf16 and fp8_delayed" 180 \
+      tools/bench/inductor_kernels.py model=1.3b model.seq_length=4096 model.num_layers=2 \
+      trainer.global_batch_size=1 trainer.micro_batch_size=1 --precisions bf16 fp8_delayed --top 8
   fi
   # Mixture of experts on one GPU (the grouped GEMMs' speed): moe_1b's 16 experts at 8 of its 24 layers (2.5B
   # parameters, 0.5B active: its 18 bytes per parameter fit one H100); eager, then compiled: its blocks are whole

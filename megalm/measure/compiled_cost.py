@@ -194,3 +194,58 @@ class InductorCosts:
 
         run._boxed_call = True  # type: ignore[attr-defined]  # inductor's calling convention: one list of args
         return run
+
+
+def _buffer_shape(graph: Any, name: str) -> str:
+    """`dtype[sizes]` of a buffer or graph input of the graph being lowered ("?" where this torch hides it)."""
+    buf = graph.name_to_buffer.get(name) or graph.graph_inputs.get(name)
+    try:
+        hint = getattr(graph.sizevars, "optimization_hint", None) or graph.sizevars.size_hint
+        return f"{str(buf.get_dtype()).removeprefix('torch.')}{[int(hint(s, fallback=0)) for s in buf.get_size()]}"
+    except (AttributeError, TypeError, ValueError, NotImplementedError):  # a multi-output op's result, a symbol
+        return "?"
+
+
+def _kernel_of(graph: Any, node: Any) -> dict[str, Any] | None:
+    """One scheduler node as `inductor_kernels_recorded` lists it; None for one that launches nothing."""
+    from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
+
+    if isinstance(node, NopKernelSchedulerNode) or type(getattr(node, "node", None)).__name__ == "MultiOutput":
+        return None
+    ops = sorted({str(origin.target).removeprefix("aten.").removesuffix(".default")
+                  for part in node.get_nodes() for origin in (getattr(part.node, "origins", None) or ())
+                  if origin.op == "call_function"})
+    return {"kernel": f"extern {_extern_name(node)}" if isinstance(node, ExternKernelSchedulerNode) else "generated",
+            "bytes": int(node.get_read_write_buffers_sizes()),
+            "reads": sorted({f"{dep.name}: {_buffer_shape(graph, dep.name)}" for dep in node.read_writes.reads}),
+            "writes": sorted({f"{dep.name}: {_buffer_shape(graph, dep.name)}" for dep in node.read_writes.writes}),
+            "ops": ops}
+
+
+@contextlib.contextmanager
+def inductor_kernels_recorded(graphs: list[dict[str, Any]]) -> Iterator[None]:
+    """While inside, each graph inductor compiles, on any device, appends to `graphs` {"backward": bool, "kernels":
+    [...]}: its kernels in inductor's order, each with `kernel` ("generated", or "extern <aten op>"), `bytes` (what
+    inductor's scheduler counts it to read and write: `get_read_write_buffers_sizes`, the count step_cost.py sums),
+    the buffers it `reads` and `writes` ("name: dtype[sizes]") and the aten `ops` fused into it. On a GPU these are
+    Triton's kernels, the fusion decisions this CPU's trace can only stand in for (tools/bench/inductor_kernels.py).
+    Inductor's caches are off inside (a hit skips the scheduler); its compiled code runs as usual."""
+    from torch._inductor.graph import GraphLowering
+
+    original = GraphLowering.count_bytes
+
+    def count_bytes(graph: Any) -> Any:
+        kernels = [kernel for node in graph.scheduler.nodes if (kernel := _kernel_of(graph, node)) is not None]
+        graphs.append({"backward": bool(getattr(graph, "is_backward", False)), "kernels": kernels})
+        return original(graph)
+
+    caches = {"fx_graph_cache": False}
+    autograd_cache = hasattr(torch._functorch.config, "enable_autograd_cache")
+    GraphLowering.count_bytes = count_bytes
+    try:
+        with _inductor_metrics_logged(), torch._inductor.config.patch(caches), \
+                (torch._functorch.config.patch(enable_autograd_cache=False) if autograd_cache
+                 else contextlib.nullcontext()):
+            yield
+    finally:
+        GraphLowering.count_bytes = original
