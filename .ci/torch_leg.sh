@@ -25,10 +25,14 @@ install() {
   # machines, an import writes no .pyc, and every process of the leg would compile torch again (17 s of CPU an
   # `import torch` without them, 7 s with, 2026-12-01)
   "$VENV/bin/python" -m pip install -q "torch==$VERSION"
-  "$VENV/bin/python" -m pip install -q -e ".[dev]" -c <(echo "torch==$VERSION")  # keep this torch
-  if [ "${PEERS:-0}" = 1 ]; then
-    "$VENV/bin/python" -m pip install -q -r tools/compare_peers.txt -c <(echo "torch==$VERSION")
-  fi
+  # megalm and the peers in one resolve: installed one after the other, the peers' pins could downgrade what megalm's
+  # extras had brought (2026-12-03: datasets 4.7's huggingface-hub<2 took hub back to 1.33 under transformers 5.25,
+  # which needs >=2.4, and transformers failed at import); together pip picks versions that agree (transformers 5.24)
+  local peers=()
+  if [ "${PEERS:-0}" = 1 ]; then peers=(-r tools/compare_peers.txt); fi
+  "$VENV/bin/python" -m pip install -q -e ".[dev]" "${peers[@]}" -c <(echo "torch==$VERSION")  # keep this torch
+  # a venv whose requirements disagree fails here, in one line, not as import errors across the tests
+  "$VENV/bin/python" -m pip check >/dev/null || { "$VENV/bin/python" -m pip check; echo "torch leg $VERSION: broken requirements (above)"; exit 1; }
   local installed
   installed=$("$VENV/bin/python" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')
   [[ "$installed" == "${VERSION%\*}"* ]] || { echo "torch leg $VERSION: the venv has torch $installed"; exit 1; }
