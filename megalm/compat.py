@@ -375,3 +375,23 @@ def as_function_output(out: torch.Tensor) -> torch.Tensor:
     loss, compiled, would have. A view is a tensor of its own, so the gradient reaches it; torch 2.9 and 2.13 train
     the same either way."""
     return out.view_as(out)
+
+
+# ------------------------------------------------------------------------------------------------ inductor
+
+# inductor's `inductor_force_stride_order` prim, or None: resolved by `load_inductor_layout_prim` when blocks are
+# compiled (megalm/training/compile.py), in eager code, so that a traced block only reads this name.
+inductor_force_strides: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None
+
+
+def load_inductor_layout_prim() -> None:
+    """Register and keep inductor's `prims.inductor_force_stride_order` (a private op of torch._inductor, present
+    since torch 2.1; its eager form copies only where the strides differ). Without it a graph's FP8 column-major
+    copies are made as before, by a transposed loop inductor's C++ scheduler does not fuse with the cast (logged)."""
+    global inductor_force_strides
+    try:
+        importlib.import_module("torch._inductor.inductor_prims")
+        inductor_force_strides = torch.ops.prims.inductor_force_stride_order
+    except (ImportError, AttributeError) as error:
+        _log_fallback(f"no inductor_force_stride_order in torch {torch.__version__} ({error}): compiled FP8 "
+                      "graphs write column-major copies in a pass of their own")

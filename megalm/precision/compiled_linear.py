@@ -246,6 +246,18 @@ def _amaxes(x_amax: torch.Tensor | None, dy_amax: torch.Tensor | None) -> torch.
     return None if x_amax is None else torch.stack([x_amax, dy_amax])
 
 
+def graph_column_major(q: torch.Tensor) -> torch.Tensor:
+    """`fp8.column_major(q)` in a graph being compiled, its layout fixed where the copy is made
+    (`compat.inductor_force_strides`): inductor then writes it in the loop of the cast that makes q, beside the
+    row-major copy and the amax (one pass over the bf16 input, Transformer Engine's cast-transpose), where a copy
+    handed to torch._scaled_mm transposed (`.t()`, as wgrad's first operand) was lowered as a loop over the
+    transposed shape, which inductor's C++ scheduler never fuses with the cast: two more passes over the input
+    (tools/bench/inductor_kernels.py; docs/benchmarks.md, "Where the compiled FP8 backward's bytes go")."""
+    columns = fp8.column_major(q)
+    force = compat.inductor_force_strides
+    return columns if force is None else force(columns, [1, q.shape[0]])
+
+
 class _Fp8Linear(torch.autograd.Function):
     """x [T, in] -> y [T, out]: x cast in the graph, the GEMM in `megalm::fp8_linear`; the backward casts dy in the
     graph and keeps the FP8 x, not x (1 byte per element). wgrad's operands (dy and x, contracted over the tokens)
@@ -257,14 +269,14 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, layer, y_dtype, dy_dtype, x_fp8, dy_fp8, x_given, dy_given, sink):  # noqa: ANN001, ANN205
         ctx.x_dtype, ctx.dy_dtype, ctx.dy_fp8 = x.dtype, dy_dtype, dy_fp8
         qx, x_scale, x_amax = _cast_x(ctx, x, x_fp8, x_given, sink)
-        ctx.save_for_backward(fp8.column_major(qx), x_scale, weight, layer, x_amax, dy_given)
+        ctx.save_for_backward(graph_column_major(qx), x_scale, weight, layer, x_amax, dy_given)
         return _fp8_forward(qx, x_scale, weight, layer, y_dtype)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, ANN205
         qx_columns, x_scale, weight, layer, x_amax, dy_given = ctx.saved_tensors
         qdy, dy_scale, dy_amax = _cast_dy(ctx, dy, dy_given)
-        dx, dw = _fp8_backward(qdy, fp8.column_major(qdy), dy_scale, qx_columns, x_scale, weight, layer, ctx.x_dtype)
+        dx, dw = _fp8_backward(qdy, graph_column_major(qdy), dy_scale, qx_columns, x_scale, weight, layer, ctx.x_dtype)
         return dx, dw, None, None, None, None, None, None, None, _amaxes(x_amax, dy_amax)
 
 
@@ -296,7 +308,7 @@ class _Fp8GraphLinear(torch.autograd.Function):
         ctx.x_dtype, ctx.w_dtype, ctx.dy_dtype, ctx.dy_fp8 = x.dtype, weight.dtype, dy_dtype, dy_fp8
         qx, x_scale, x_amax = _cast_x(ctx, x, x_fp8, x_given, sink)
         x_inverse = fp8.inverse_scale(x_scale)
-        ctx.save_for_backward(fp8.column_major(qx), x_inverse, w_columns, w_inverse, x_amax, dy_given)
+        ctx.save_for_backward(graph_column_major(qx), x_inverse, w_columns, w_inverse, x_amax, dy_given)
         return torch._scaled_mm(qx, w_rows.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=y_dtype,
                                 use_fast_accum=fast_accum)
 
@@ -306,7 +318,7 @@ class _Fp8GraphLinear(torch.autograd.Function):
         qdy, dy_scale, dy_amax = _cast_dy(ctx, dy, dy_given)
         dy_inverse = fp8.inverse_scale(dy_scale)
         dx = torch._scaled_mm(qdy, w_columns, scale_a=dy_inverse, scale_b=w_inverse, out_dtype=ctx.x_dtype)
-        dw = torch._scaled_mm(fp8.column_major(qdy).t(), qx_columns, scale_a=dy_inverse, scale_b=x_inverse,
+        dw = torch._scaled_mm(graph_column_major(qdy).t(), qx_columns, scale_a=dy_inverse, scale_b=x_inverse,
                               out_dtype=ctx.w_dtype)
         return dx, dw, None, None, None, None, None, None, None, None, None, _amaxes(x_amax, dy_amax), None
 

@@ -42,6 +42,7 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor",
     `layout_options`: inductor options the parallel layout asks for (`Parallelism.inductor_config`: async TP's), for
     inductor by name; a backend callable takes its options itself (megalm-estimate merges them into its own)."""
     blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
+    compat.load_inductor_layout_prim()  # what compiled FP8 graphs read (compiled_linear.graph_column_major)
     # inductor by name gets SP's re-gathers as a compile option; a backend callable calling inductor (the cost
     # traces' InductorCosts) passes `inductor_options()` to compile_fx itself
     for block in blocks:  # its forward, not the module call: the module's hooks (layer offload's) stay eager

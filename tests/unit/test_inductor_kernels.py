@@ -54,3 +54,23 @@ def test_the_tool_lists_each_recipes_block_graphs_and_where_fp8_casts_run(capsys
     assert delayed < first
     out = capsys.readouterr().out
     assert "| fp8_delayed | " in out and "generated kernels that move most" in out
+
+
+def test_compiled_fp8_backward_casts_each_gradient_once_into_both_layouts(scaled_mm_on_cpu):
+    """fp8_delayed's graphs as a GPU from sm89 compiles them (the GEMMs as torch._scaled_mm in the graph): in the
+    backward graph of the history's scales, each gradient dy is cast to e5m2 by one kernel that writes both its
+    row-major copy (dgrad's) and its column-major copy (wgrad's), where a column-major copy made by a loop over the
+    transposed shape was a pass of its own over dy (compiled_linear.graph_column_major); and the fused projections'
+    gradients have their per-row amax (the history's) in that kernel too."""
+    (fp8,) = inductor_kernels.main(["--precisions", "fp8_delayed", "--steps", "2", "--top", "1"])
+    backward = [g for g in fp8["graphs"] if g["backward"] and any(k["kernel"].startswith("extern")
+                                                                   for k in g["kernels"])][-1]
+    casts = [k for k in backward["kernels"] if k["kernel"] == "generated"
+             and any(": float8_e5m2[" in w for w in k["writes"])]
+    assert casts, backward["kernels"]
+    for kernel in casts:
+        copies = [w.split(": ")[1] for w in kernel["writes"] if ": float8_e5m2[" in w]
+        assert len(copies) == 2 and copies[0] == copies[1], kernel  # [T, N] twice: row- and column-major strides
+    widest = max(casts, key=lambda k: k["bytes"])  # [gate, up]'s gradient: a concatenation, no norm reads it
+    tokens = widest["writes"][0].split("[")[1].split(",")[0]
+    assert any(w.endswith(f"[{tokens}, 1]") for w in widest["writes"]), widest  # the amax, per row

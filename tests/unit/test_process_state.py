@@ -36,6 +36,8 @@ GLOBAL_STATEMENTS = {
                                                              "does not see closures)",
     ("megalm/compat.py", "_varlen_form"): "a cache of the installed torch's varlen_attn form, like functools.cache's, "
                                           "that a compiled block reads without tracing its resolution (and logs)",
+    ("megalm/compat.py", "inductor_force_strides"): "inductor's layout prim, loaded once when blocks are compiled (a "
+                                                    "lazy import of torch._inductor) and read by their graphs",
 }
 # Module-level tables a function may write into, each with its reason: handles that name Python objects to custom
 # ops, which take tensors and not objects; weak references, removed with their object, that change no behaviour.
