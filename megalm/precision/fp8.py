@@ -474,12 +474,8 @@ def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
 
 
 def column_major(q: torch.Tensor) -> torch.Tensor:
-    """q [K, N] with K contiguous, the layout torch._scaled_mm wants its second operand in (q itself when it is): a
-    copy into a [K, N] buffer of column-major strides, whose loop runs over [K, N] as the cast that makes q does (a
-    compiled graph fixes the layout there: compiled_linear.graph_column_major)."""
-    if q.t().is_contiguous():
-        return q
-    return torch.empty_strided(q.shape, (1, q.shape[0]), dtype=q.dtype, device=q.device).copy_(q)
+    """q [K, N] with K contiguous, the layout torch._scaled_mm wants its second operand in (a view when it is)."""
+    return q.t().contiguous().t()
 
 
 def scaled_mm_runs(device: torch.device) -> bool:
