@@ -127,6 +127,60 @@ def resolve_auto_compile(cfg: Any, device: torch.device) -> bool | None:
     return cfg.trainer.compile
 
 
+REGATHER_REGION = 1 << 30  # the recompute region id `regather_in_backward` gives the gathers it marks
+
+
+def _backward_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes of a joint graph that a tangent reaches: the backward's own."""
+    backward: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
+                arg in backward for arg in node.all_input_nodes):
+            backward.add(node)
+    return backward
+
+
+def recompute_custom_functions(graph: torch.fx.Graph) -> int:
+    """Inductor's joint-graph pass that keeps full recomputation's memory saving in a compiled block on torch 2.11.
+
+    There (pytorch#177396, fixed in 2.12) dynamo tags the ops of a full checkpoint region for recomputation before
+    it inlines the custom autograd.Functions inside it, so the ops of megalm's RMSNormFunction, RotaryFunction and
+    SwiGLUFunction reach the joint graph untagged and the partitioner saves their outputs: 14.6 s·h bytes a layer
+    where the layer input alone is 2 s·h (model=tiny, bf16, measured by tools/bench/activation_memory.py). Each
+    untagged forward op whose output a full region's op reads is given that region's tag, walking back from the
+    region's ops (the autograd.Functions' intermediates reach it through their outputs). Selective regions are tagged
+    per op by their dispatch mode, custom functions included, and left as they are; ops that write their inputs
+    (the MoE router's count updates, after the region) are never tagged. Returns how many ops it tagged: none where
+    torch tags them itself."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    recompute, saves = CheckpointPolicy.PREFER_RECOMPUTE, (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+    backward = _backward_nodes(graph)
+    selective = {node.meta.get("ac_graph_id") for node in graph.nodes if node.meta.get("recompute") in saves}
+    skip = selective | {REGATHER_REGION}
+    tagged = 0
+    for node in reversed(graph.nodes):
+        if node.op != "call_function" or node in backward or "recompute" in node.meta or _writes_inputs(node):
+            continue
+        region = next((user.meta.get("ac_graph_id") for user in node.users if user not in backward
+                       and user.meta.get("recompute") == recompute and user.meta.get("ac_graph_id") not in skip), None)
+        if region is not None:
+            node.meta["recompute"], node.meta["ac_graph_id"] = recompute, region
+            tagged += 1
+    return tagged
+
+
+def _writes_inputs(node: torch.fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+
+
+def block_joint_pass(graph: torch.fx.Graph) -> None:
+    """The joint-graph passes megalm's compiled blocks run (`inductor_options`): full recompute's tags completed,
+    then SP's re-gathers marked."""
+    recompute_custom_functions(graph)
+    regather_in_backward(graph)
+
+
 def regather_in_backward(graph: torch.fx.Graph) -> None:
     """Inductor's joint-graph pass (`joint_custom_pre_pass`) that keeps sequence parallelism's memory saving in a
     compiled block. A shard the joint graph all-gathers more than once outside the backward is one that the backward
@@ -140,11 +194,7 @@ def regather_in_backward(graph: torch.fx.Graph) -> None:
 
     functional = torch.ops._c10d_functional
     gather, wait = functional.all_gather_into_tensor.default, functional.wait_tensor.default
-    backward: set[torch.fx.Node] = set()  # the nodes a tangent reaches: the backward's own
-    for node in graph.nodes:
-        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
-                arg in backward for arg in node.all_input_nodes):
-            backward.add(node)
+    backward = _backward_nodes(graph)
     by_shard: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for node in graph.nodes:
         if node.target is gather and node not in backward:
@@ -157,32 +207,33 @@ def regather_in_backward(graph: torch.fx.Graph) -> None:
                 marked.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                 # a recompute region's id, which torch 2.9's partitioner reads from every marked node: one of its
                 # own, above any selective-checkpoint region's, so no neighbouring region's rule applies to it
-                marked.meta.setdefault("ac_graph_id", 1 << 30)
+                marked.meta.setdefault("ac_graph_id", REGATHER_REGION)
 
 
 @functools.cache
-def _regather_pass() -> Any:
-    """`regather_in_backward` as inductor's `CustomGraphPass`: its uuid (this file's hash) keeps the FX graph and
+def _block_joint_pass() -> Any:
+    """`block_joint_pass` as inductor's `CustomGraphPass`: its uuid (this file's hash) keeps the FX graph and
     AOT autograd caches on (a plain function would bypass them), and changes when the pass does."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-    class RegatherInBackward(CustomGraphPass):
+    class BlockJointPass(CustomGraphPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
-            regather_in_backward(graph)
+            block_joint_pass(graph)
 
         def uuid(self) -> bytes:
             return get_hash_for_files((__file__,))
 
-    return RegatherInBackward()
+    return BlockJointPass()
 
 
 def inductor_options(keeps_inputs: bool = False) -> dict[str, Any]:
-    """The inductor config megalm compiles blocks with: SP's re-gathers kept in the backward. `keeps_inputs`: the
+    """The inductor config megalm compiles blocks with: its joint-graph passes (`block_joint_pass`: full recompute
+    on torch 2.11, SP's re-gathers kept in the backward). `keeps_inputs`: the
     block's backward hands tensors of its graph to a zero-bubble W action (megalm/model/deferred_wgrad.py), which
     reads them after the graph ends, so inductor's scheduler neither reuses a buffer's memory for a later value nor
     writes a kernel's output over its input (which it did: tests/dist/test_compile_layouts.py). Its post-grad pass
     that makes a scatter or index_put in place is not governed by these options; a block's linears have none."""
-    options: dict[str, Any] = {"joint_custom_pre_pass": _regather_pass()}
+    options: dict[str, Any] = {"joint_custom_pre_pass": _block_joint_pass()}
     if keeps_inputs:
         options |= {"allow_buffer_reuse": False, "inplace_buffers": False}
     return options

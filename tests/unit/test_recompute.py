@@ -128,3 +128,62 @@ def test_selective_keeps_the_gemms_compiled_linears_run_as_ops():
                torch.ops.aten.mm.default):
         assert _selective_policy(None, op) is CheckpointPolicy.MUST_SAVE, op
     assert _selective_policy(None, torch.ops.aten.mul.Tensor) is CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize("strip", [False, True], ids=["as_traced", "tags_of_custom_functions_lost"])
+def test_full_recompute_of_a_compiled_block_keeps_its_input_alone(strip):
+    """Under full recompute a compiled block saves its input, its weights and buffers, and the RNG state, nothing
+    else, and trains as eager. The block's partition runs megalm's joint-graph passes first, as inductor does
+    (compile.inductor_options). `tags_of_custom_functions_lost`: every forward op but the GEMMs and attention loses
+    its checkpoint tag first, as torch 2.11 leaves the ops of the custom autograd.Functions in a full region
+    (RMSNorm, RoPE, SwiGLU: pytorch#177396); `compile.recompute_custom_functions` must tag them again, or the
+    partitioner saves their outputs (on torch 2.11 it did, in the first case too: 7x the layer input)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from megalm.model import choose_attention_backends
+    from megalm.training.compile import block_joint_pass, compile_blocks
+
+    kept = {aten.mm.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+    def partition(joint, inputs, **kwargs):
+        if strip:
+            for node in joint.graph.nodes:
+                if node.target not in kept:
+                    node.meta.pop("recompute", None)
+                    node.meta.pop("ac_graph_id", None)
+        block_joint_pass(joint.graph)
+        return min_cut_rematerialization_partition(joint, inputs, **kwargs)
+
+    eager = GPT(compose_config("model.dropout=0.1", "model.hidden_size=64", "model.num_layers=1").model)
+    init_weights(eager, 0)
+    compiled = copy.deepcopy(eager)
+    for model in (eager, compiled):
+        apply_recompute(model, "full")
+    torch._dynamo.reset()
+    choose_attention_backends(compiled, torch.device("cpu"), torch.float32)  # before compile, as the trainer does
+    compile_blocks(compiled, aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: gm,
+                                          partition_fn=partition))
+    block, saved, inputs = compiled.layers[0], [], []
+    forward = block.forward
+
+    def recorded(*args, **kwargs):
+        inputs.extend(t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            return forward(*args, **kwargs)
+
+    block.forward = recorded
+    tokens = torch.randint(0, eager.cfg.vocab_size, (96,), generator=torch.Generator().manual_seed(0))
+    positions, cu = torch.arange(96), torch.tensor([0, 96], dtype=torch.int32)
+    losses = []
+    for model in (eager, compiled):
+        torch.manual_seed(7)  # dropout masks
+        losses.append(model(tokens, positions, cu, 96).float().pow(2).mean())
+        losses[-1].backward()
+    kept = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *block.buffers(), *inputs)}
+    activations = [t for t in saved if t.untyped_storage().data_ptr() not in kept and t.is_floating_point()]
+    assert not activations, [(tuple(t.shape), t.dtype) for t in activations]
+    assert any(t.untyped_storage().data_ptr() == inputs[0].untyped_storage().data_ptr() for t in saved)
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=0)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
