@@ -228,11 +228,11 @@ def _block_joint_pass() -> Any:
 
 def inductor_options(keeps_inputs: bool = False) -> dict[str, Any]:
     """The inductor config megalm compiles blocks with: its joint-graph passes (`block_joint_pass`: full recompute
-    on torch 2.11, SP's re-gathers kept in the backward). `keeps_inputs`: the
-    block's backward hands tensors of its graph to a zero-bubble W action (megalm/model/deferred_wgrad.py), which
-    reads them after the graph ends, so inductor's scheduler neither reuses a buffer's memory for a later value nor
-    writes a kernel's output over its input (which it did: tests/dist/test_compile_layouts.py). Its post-grad pass
-    that makes a scatter or index_put in place is not governed by these options; a block's linears have none."""
+    on torch 2.11, SP's re-gathers kept in the backward). `keeps_inputs`: the block's backward hands tensors of its
+    graph to a zero-bubble W action (megalm/model/deferred_wgrad.py), which reads them after the graph ends, so
+    inductor's scheduler neither reuses a buffer's memory for a later value nor writes a kernel's output over its
+    input (which it did: tests/dist/test_compile_layouts.py). Its post-grad pass that makes a scatter or index_put in
+    place is not governed by these options; a block's linears have none."""
     options: dict[str, Any] = {"joint_custom_pre_pass": _block_joint_pass()}
     if keeps_inputs:
         options |= {"allow_buffer_reuse": False, "inplace_buffers": False}
