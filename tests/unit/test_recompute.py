@@ -132,24 +132,25 @@ def test_selective_keeps_the_gemms_compiled_linears_run_as_ops():
 
 @pytest.mark.parametrize("strip", [False, True], ids=["as_traced", "tags_of_custom_functions_lost"])
 def test_full_recompute_of_a_compiled_block_keeps_its_input_alone(strip):
-    """Under full recompute a compiled block saves its input, its weights and buffers, and the RNG state, nothing
-    else, and trains as eager. The block's partition runs megalm's joint-graph passes first, as inductor does
-    (compile.inductor_options). `tags_of_custom_functions_lost`: every forward op but the GEMMs and attention loses
-    its checkpoint tag first, as torch 2.11 leaves the ops of the custom autograd.Functions in a full region
-    (RMSNorm, RoPE, SwiGLU: pytorch#177396); `compile.recompute_custom_functions` must tag them again, or the
-    partitioner saves their outputs (on torch 2.11 it did, in the first case too: 7x the layer input)."""
+    """Under full recompute a compiled block saves its inputs (the layer input, RoPE's tables, the documents'
+    offsets), its weights and buffers and the RNG state, no tensor it computes; and it trains as eager. The block's
+    partition runs megalm's joint-graph passes first, as inductor does (compile.inductor_options).
+    `tags_of_custom_functions_lost`: every forward op but the GEMMs and attention loses its checkpoint tag first, as
+    torch 2.11 leaves the ops of the custom autograd.Functions in a full region (RMSNorm, RoPE, SwiGLU:
+    pytorch#177396); `compile.recompute_custom_functions` must tag them again, or the partitioner saves their outputs
+    (on torch 2.11 it did, in the first case too: 7x the layer input)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     from megalm.model import choose_attention_backends
     from megalm.training.compile import block_joint_pass, compile_blocks
 
-    kept = {aten.mm.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
+    still_tagged = {aten.mm.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
 
     def partition(joint, inputs, **kwargs):
         if strip:
             for node in joint.graph.nodes:
-                if node.target not in kept:
+                if node.target not in still_tagged:
                     node.meta.pop("recompute", None)
                     node.meta.pop("ac_graph_id", None)
         block_joint_pass(joint.graph)
