@@ -266,8 +266,9 @@ class TrainerConfig:
     graph: megalm/training/compile.py `auto_compile`); one log line says which and why. true / false: always /
     never."""
     compile_backend: str = "inductor"
-    """The torch.compile backend of trainer.compile: inductor (fused kernels), or aot_eager / eager to debug (eager
-    cannot recompute an MoE model's blocks: refused in one line)."""
+    """The torch.compile backend of trainer.compile: inductor (fused kernels), or aot_eager / eager to debug. megalm's
+    aot_eager runs the joint-graph passes inductor runs (SP's re-gathers, full recompute on torch 2.11), so it saves
+    what inductor's blocks save; eager cannot recompute an MoE model's blocks (refused in one line)."""
     init_hang_minutes: float = 10.0
     """Joining the job (rendezvous, process groups, the model's build, the config check) longer than this: a hang
     report per rank, exit 124; 0: off."""

@@ -42,6 +42,9 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor",
     `layout_options`: inductor options the parallel layout asks for (`Parallelism.inductor_config`: async TP's), for
     inductor by name; a backend callable takes its options itself (megalm-estimate merges them into its own)."""
     blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
+    name = backend if isinstance(backend, str) else type(backend).__name__
+    if backend == "aot_eager":  # dynamo's, plus the joint-graph passes inductor runs: what the blocks save is the same
+        backend, name = aot_eager_with_block_passes(), "aot_eager, with megalm's joint-graph passes"
     compat.load_inductor_layout_prim()  # what compiled FP8 graphs read (compiled_linear.graph_column_major)
     # inductor by name gets SP's re-gathers as a compile option; a backend callable calling inductor (the cost
     # traces' InductorCosts) passes `inductor_options()` to compile_fx itself
@@ -50,7 +53,7 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor",
                    if backend == "inductor" else None)
         block.forward = functools.partial(_run_compiled, torch.compile(block.forward, backend=backend,
                                                                        options=options), linear_modules(block))
-    log.info("trainer.compile: %d transformer blocks compiled (backend %s)", len(blocks), backend)
+    log.info("trainer.compile: %d transformer blocks compiled (backend %s)", len(blocks), name)
     return len(blocks)
 
 
@@ -224,6 +227,23 @@ def _block_joint_pass() -> Any:
             return get_hash_for_files((__file__,))
 
     return BlockJointPass()
+
+
+def aot_eager_with_block_passes() -> Callable:
+    """dynamo's `aot_eager` debug backend (AOT autograd, the min-cut partition inductor uses, the graphs run op by op,
+    no code generated) with `block_joint_pass` run on the joint graph before the partition, where inductor runs it.
+    Without it the debug backend saved what inductor's blocks do not: on torch 2.11 the custom functions' outputs
+    under full recompute (6.5x the layer input, a tiny block), under SP the gathered [T, h] inputs."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def partition(joint: torch.fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+        block_joint_pass(joint.graph)
+        return min_cut_rematerialization_partition(joint, inputs, **kwargs)
+
+    return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition,
+                        keep_inference_input_mutations=True)
 
 
 def inductor_options(keeps_inputs: bool = False) -> dict[str, Any]:

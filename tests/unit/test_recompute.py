@@ -131,31 +131,30 @@ def test_selective_keeps_the_gemms_compiled_linears_run_as_ops():
 
 
 @pytest.mark.parametrize("strip", [False, True], ids=["as_traced", "tags_of_custom_functions_lost"])
-def test_full_recompute_of_a_compiled_block_keeps_its_input_alone(strip):
+def test_full_recompute_of_a_compiled_block_keeps_its_input_alone(strip, monkeypatch):
     """Under full recompute a compiled block saves its inputs (the layer input, RoPE's tables, the documents'
-    offsets), its weights and buffers and the RNG state, no tensor it computes; and it trains as eager. The block's
-    partition runs megalm's joint-graph passes first, as inductor does (compile.inductor_options).
-    `tags_of_custom_functions_lost`: every forward op but the GEMMs and attention loses its checkpoint tag first, as
-    torch 2.11 leaves the ops of the custom autograd.Functions in a full region (RMSNorm, RoPE, SwiGLU:
-    pytorch#177396); `compile.recompute_custom_functions` must tag them again, or the partitioner saves their outputs
-    (on torch 2.11 it did, in the first case too: 7x the layer input)."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
+    offsets), its weights and buffers and the RNG state, no tensor it computes; and it trains as eager. Compiled by
+    `trainer.compile_backend=aot_eager`, which runs megalm's joint-graph passes before its partition, as inductor
+    does (compile.aot_eager_with_block_passes; dynamo's own aot_eager runs none). `tags_of_custom_functions_lost`:
+    every forward op but the GEMMs and attention loses its checkpoint tag first, as torch 2.11 leaves the ops of the
+    custom autograd.Functions in a full region (RMSNorm, RoPE, SwiGLU: pytorch#177396);
+    `compile.recompute_custom_functions` must tag them again, or the partitioner saves their outputs (on torch 2.11
+    it did, in the first case too: 7x the layer input)."""
     from megalm.model import choose_attention_backends
-    from megalm.training.compile import block_joint_pass, compile_blocks
+    from megalm.training import compile as compile_module
 
     still_tagged = {aten.mm.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
+    joint_pass, joint_graphs = compile_module.block_joint_pass, []
 
-    def partition(joint, inputs, **kwargs):
-        if strip:
-            for node in joint.graph.nodes:
-                if node.target not in still_tagged:
-                    node.meta.pop("recompute", None)
-                    node.meta.pop("ac_graph_id", None)
-        block_joint_pass(joint.graph)
-        return min_cut_rematerialization_partition(joint, inputs, **kwargs)
+    def recorded_pass(graph):  # stripped first in the second case
+        joint_graphs.append(graph)
+        for node in graph.nodes if strip else ():
+            if node.target not in still_tagged:
+                node.meta.pop("recompute", None)
+                node.meta.pop("ac_graph_id", None)
+        joint_pass(graph)
 
+    monkeypatch.setattr(compile_module, "block_joint_pass", recorded_pass)
     eager = GPT(compose_config("model.dropout=0.1", "model.hidden_size=64", "model.num_layers=1").model)
     init_weights(eager, 0)
     compiled = copy.deepcopy(eager)
@@ -163,8 +162,7 @@ def test_full_recompute_of_a_compiled_block_keeps_its_input_alone(strip):
         apply_recompute(model, "full")
     torch._dynamo.reset()
     choose_attention_backends(compiled, torch.device("cpu"), torch.float32)  # before compile, as the trainer does
-    compile_blocks(compiled, aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: gm,
-                                          partition_fn=partition))
+    compile_module.compile_blocks(compiled, "aot_eager")
     block, saved, inputs = compiled.layers[0], [], []
     forward = block.forward
 
@@ -183,6 +181,7 @@ def test_full_recompute_of_a_compiled_block_keeps_its_input_alone(strip):
         losses[-1].backward()
     kept = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *block.buffers(), *inputs)}
     activations = [t for t in saved if t.untyped_storage().data_ptr() not in kept and t.is_floating_point()]
+    assert joint_graphs, "the block's joint graph never went through megalm's passes"
     assert not activations, [(tuple(t.shape), t.dtype) for t in activations]
     assert any(t.untyped_storage().data_ptr() == inputs[0].untyped_storage().data_ptr() for t in saved)
     torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=0)
