@@ -185,6 +185,7 @@ fi
 
 # The device's facts, read once: compute capability, GPU count, a short name (h100, h200, a100, b200, ...)
 read -r capability gpus gpu_name < <("$PYTHON" tools/gpu_check_report.py device)
+case "$gpu_name" in a100|h100|h200|b200) ROOFLINE_GPU=$gpu_name ;; *) ROOFLINE_GPU=h100 ;; esac  # step_cost.py's --gpu
 
 # ------------------------------------------------------------------------------------------------------ tests
 step_tests() {
@@ -284,6 +285,10 @@ step_throughput() {
 step_bench() {
   # first the rows that decide a default (trainer.compile's auto keeps MoE and zero-bubble blocks eager until they
   # are measured): the step's caps add up to more than one invocation's budget, and what comes last is cut.
+  # seconds, no training: the step-cost trace's roofline against torch's own (RuntimeEstimator), which reads this
+  # GPU's peak and bandwidth (tests/gpu/test_gpu_roofline.py asserts the two agree where their conventions do)
+  bench "step-cost roofline against torch's, 1.3b/4096 eager" 90 tools/bench/step_cost.py --systems megalm \
+    --torch-estimator --gpu "$ROOFLINE_GPU" model=1.3b model.seq_length=4096
   # Gradient accumulation fusion (opt-in until this row): the throughput step's compiled bf16 row with each
   # weight-gradient GEMM adding into its fp32 bucket (traced: 2.0 of a micro-batch's 50.9 ms on the H100 roofline).
   bench "training throughput, 1.3b/4096 bf16 with fused weight gradients (compiled)" 240 tools/bench/throughput.py \

@@ -10,7 +10,8 @@ written, and its roofline time on a named GPU is max(FLOPs / peak, bytes / HBM b
 dispatcher's choice on the device traced: a CPU trace decomposes some ops that CUDA runs fused (the caller says
 which device it traced), and an eager trace cannot see what `torch.compile` would fuse.
 
-Hand-written because torch's `runtime_estimator` reads the live GPU, and its `FlopCounterMode` counts FLOPs only.
+Hand-written because torch's `runtime_estimator` reads the live GPU, and its `FlopCounterMode` counts FLOPs only. On a
+GPU the two rooflines are compared op by op (measure/torch_roofline.py, run by the GPU tier).
 """
 
 from __future__ import annotations
@@ -163,6 +164,12 @@ def _read_operands(func: Any, name: str, args: tuple, kwargs: dict) -> list[torc
         skipped.add("self")
     return [t for argument, value in _arguments(func, args, kwargs)
             if not argument.is_out and argument.name not in skipped for t in _tensors(value)]
+
+
+def reads_every_argument(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether OpCosts prices op `func` as reading every tensor it is given (not: a fill, a destination it
+    overwrites, an `out=` tensor, the accumulator of a GEMM with beta = 0)."""
+    return len(_read_operands(func, func._overloadpacket.__name__, args, kwargs)) == len(_tensors((args, kwargs)))
 
 
 def _written_in_place(func: Any, name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:

@@ -28,6 +28,10 @@ training (megalm's `trainer.grad_clip`, HF Trainer's `max_grad_norm`, TorchTitan
   the block's graph and the GEMMs are megalm's ops, priced by their FLOPs (megalm/measure/op_cost.py); the other
   FP8/MX recipes run each linear, casts included, as one opaque op, and the row is left out with a line saying so.
 
+`--torch-estimator` traces the megalm row's micro-batch once more, priced by torch's own roofline (its
+RuntimeEstimator, which reads the live GPU; on a CPU it is given `--gpu`'s datasheet) beside megalm's, op by op
+(megalm/measure/torch_roofline.py).
+
 The trace runs on fake CPU tensors, so the dispatcher picks CPU kernels: SDPA's CPU flash kernel stands in for
 CUDA's, and ops CUDA runs fused may appear decomposed (both systems alike); megalm's FP8 recipes are traced as the
 GPU runs them (its compiled casts, `torch._scaled_mm` from sm89: `compat.fp8_traced_as_gpu`). The roofline time
@@ -59,6 +63,7 @@ from megalm import compat  # noqa: E402
 from megalm.estimate.rank import trace_compiled_blocks  # noqa: E402
 from megalm.measure.compiled_cost import InductorCosts  # noqa: E402
 from megalm.measure.op_cost import CATEGORIES, GPUS, OpCosts  # noqa: E402
+from megalm.measure.torch_roofline import REASONS, compared_with_torch  # noqa: E402
 from megalm.parallel.data_parallel.fused_wgrad import accumulator_problem  # noqa: E402
 from megalm.precision import compiles_in_sight  # noqa: E402
 from megalm.train import compose_config  # noqa: E402
@@ -84,9 +89,12 @@ def fake_trainer(overrides: list[str], gpu: str | None = None) -> Iterator[Any]:
         yield Trainer(cfg, run_dir)
 
 
-def megalm_step(overrides: list[str], gpu: str, system: str = "megalm", compiled: bool = False) -> dict[str, Any]:
+def megalm_step(overrides: list[str], gpu: str, system: str = "megalm", compiled: bool = False,
+                against_torch: str | None = None) -> dict[str, Any]:
     """megalm's forward+backward of one micro-batch and its optimizer step, traced; `compiled`: its blocks compiled
-    by inductor, their generated kernels counted from inductor's scheduler (megalm/measure/compiled_cost.py)."""
+    by inductor, their generated kernels counted from inductor's scheduler (megalm/measure/compiled_cost.py);
+    `against_torch`: one more micro-batch priced by torch's roofline beside megalm's (measure/torch_roofline.py),
+    torch's estimator reading the live GPU ("live") or the datasheet of the GPU named."""
     with fake_trainer(overrides, gpu) as trainer:
         inductor = InductorCosts(inductor_options())
         if compiled:  # as trainer.compile=true does, with the backend that counts inductor's kernels
@@ -103,6 +111,10 @@ def megalm_step(overrides: list[str], gpu: str, system: str = "megalm", compiled
             trainer.parallel.clip_grad_norm_(trainer.cfg.trainer.grad_clip, trainer.optimizer)
             trainer.optimizer.step()
         trainer.optimizer.grad_scale = None
+        if against_torch:
+            given = None if against_torch == "live" else GPUS[against_torch]
+            with compared_with_torch(tf32, given) as against:
+                trainer.forward_backward(2)
     how = (f"compiled blocks and loss: inductor, {len(inductor.graphs)} graphs, "
            f"{sum(g['generated_kernels'] for g in inductor.graphs)} generated kernels (C++ on this CPU)"
            if compiled else "eager")
@@ -113,7 +125,24 @@ def megalm_step(overrides: list[str], gpu: str, system: str = "megalm", compiled
            "optimizer": optimizer.summary()}
     if compiled:
         row["inductor_graphs"] = inductor.graphs
+    if against_torch:
+        row["torch_estimator"] = against.summary()
     return row
+
+
+def torch_estimator_lines(summary: dict[str, Any]) -> list[str]:
+    """The comparison with torch's roofline (`--torch-estimator`), for the table's reader."""
+    rates = summary["torch_rates"]
+    lines = [f"torch's roofline (RuntimeEstimator, operator-level-cost-model; its device numbers: "
+             f"{summary['source']}), the megalm row's micro-batch again: {summary['torch_ms']:.2f} ms; "
+             f"megalm's at torch's rates ({rates['bf16_tflops']:.4g} bf16 TFLOP/s as its compute time implies, "
+             f"{rates['hbm_tbytes_per_s']:.3g} TB/s): {summary['megalm_ms_at_torch_rates']:.2f} ms",
+             "| ops | calls | megalm ms | torch ms | why they differ |", "| --- | --- | --- | --- | --- |"]
+    for reason, row in summary["by_reason"].items():
+        lines.append(f"| {reason} | {row['calls']} | {row['megalm_ms']:.3f} | {row['torch_ms']:.3f} | "
+                     f"{REASONS.get(reason, 'none: the two must agree')} |")
+    lines.append("ops of the same conventions whose times differ: " + ("; ".join(summary["unexplained"]) or "none"))
+    return lines
 
 
 @contextlib.contextmanager
@@ -277,12 +306,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--systems",
                    default="megalm,megalm_compiled,megalm_autocast,hf_llama,torchtitan,torchtitan_compiled")
+    p.add_argument("--torch-estimator", action="store_true",
+                   help="on a CUDA machine, also price the megalm row's micro-batch with torch's roofline "
+                        "(RuntimeEstimator), op by op beside megalm's: it reads the live GPU")
     args = p.parse_intermixed_args(argv)  # overrides before and after the flags
     logging.getLogger("megalm").setLevel(logging.WARNING)
     systems = args.systems.split(",")
     rows, notes = [], []
+    against_torch = None  # torch's estimator reads the live GPU, or on a CPU the datasheet of --gpu
+    if args.torch_estimator:
+        against_torch = "live" if torch.cuda.is_available() else args.gpu
+    if against_torch not in (None, "live"):
+        notes.append(f"--torch-estimator: no CUDA device here, so torch's RuntimeEstimator was given {args.gpu}'s "
+                     "datasheet numbers: what the two rooflines count is compared, not this GPU's rates")
     with contextlib.redirect_stdout(sys.stderr):  # the trainer's own lines do not mix with the table
-        ours = megalm_step(args.overrides, args.gpu)
+        ours = megalm_step(args.overrides, args.gpu, against_torch=against_torch)
         if "megalm" in systems:
             rows.append(ours)
         if "megalm_compiled" in systems and not compiles_in_sight(ours["precision_config"]):
@@ -333,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(header)
         print(table(rows))
+        if "torch_estimator" in ours:
+            print("\n".join(torch_estimator_lines(ours["torch_estimator"])))
         for note in notes:
             print(f"note: {note}")
     return 0
