@@ -12,13 +12,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalm.measure.torch_roofline import compared_with_torch, datasheet
+from megalm.measure.torch_roofline import compared_with_torch, datasheet, torch_rates
 from tools.bench import step_cost
 
 pytestmark = pytest.mark.gpu
 
 
 def test_torch_prices_a_step_as_megalm_does_on_this_gpu():
+    try:  # torch reads the peak from inductor's table by device name, else Triton asks nvidia-smi for the clock
+        torch_rates()
+    except (RuntimeError, AssertionError, ImportError, OSError, ValueError) as error:
+        pytest.skip(f"torch's estimator cannot read this GPU's numbers: {error!r}")
     with step_cost.fake_trainer(["model=125m", "model.seq_length=512"], "h100") as trainer:
         trainer.forward_backward(0)
         with compared_with_torch(trainer.cfg.precision.tf32) as comparison:
