@@ -359,6 +359,11 @@ class OpCosts(TorchDispatchMode):
             return self.gpu.bf16_tflops * 1e12
         return (self.gpu.tf32_tflops if self.tf32 else self.gpu.tf32_tflops / 8) * 1e12
 
+    @property
+    def recording_every_op(self) -> bool:
+        """False inside `recording_only` (a compiled graph's replay, `one_kernel`'s fused region)."""
+        return self._only is None
+
     @contextlib.contextmanager
     def recording_only(self, names: set[str]) -> Iterator[None]:
         """Record only the ops named in `names` in this block (a compiled graph replayed eagerly: its other ops ran
@@ -405,13 +410,15 @@ class OpCosts(TorchDispatchMode):
         """One memory-bound kernel that was not dispatched here (a compiler's generated one, or its fallback)."""
         self._add(name, 0.0, nbytes, self.gpu.bf16_tflops * 1e12, category)
 
-    def _add(self, name: str, flops: float, nbytes: float, peak: float, cat: str | None = None) -> None:
+    def _add(self, name: str, flops: float, nbytes: float, peak: float, cat: str | None = None) -> float:
+        """Count one kernel; returns its roofline milliseconds."""
         ms = max(flops / peak, nbytes / (self.gpu.hbm_tbytes_per_s * 1e12)) * 1e3
         for bucket in (self.by_category[self._counted_category(cat or category(name))], self.by_op[name]):
             bucket.kernels += 1
             bucket.flops += flops
             bucket.bytes += nbytes
             bucket.ms += ms
+        return ms
 
     def total(self) -> CategoryCost:
         out = CategoryCost()

@@ -9,17 +9,21 @@ call by call. Both are written independently (which tensors an op reads, which o
 op where they agree is counted right by both or wrong by both in the same way.
 
 Their conventions differ, and each call is sorted into the reason its times may differ (`REASONS`), or none:
-- The rates. torch's compute time is not FLOPs / peak: in torch 2.13 it is MACs / (0.75 · peak), and torch 2.11 reads
-  its TFLOP/s as PFLOP/s (`peak * 1e15`), which makes every op memory-bound there. So OpCosts prices the step at the
-  rates torch's own functions give (`torch_rates`, probed with one GEMM and one copy), and what is left is what each
-  counts.
-- What each counts: see `REASONS`. Everything else must agree to rounding (`Comparison.unexplained`).
+- The rates. torch's compute time is MACs / (0.75 · peak), and its peak comes in two units: inductor's datasheet
+  table gives TFLOP/s (found only by exact device name, which a real H100, "NVIDIA H100 80GB HBM3", or an H200 does
+  not match), Triton's formula from nvidia-smi's SM clock gives peta-MAC/s. torch 2.11 multiplies it by 1e15, 2.13
+  by 1e12, each right for one of the two: on a real H100 or H200, 2.11 prices a bf16 GEMM at 75% of the clock's peak
+  and 2.13 at a thousandth of that; given a datasheet number (`torch_given`), 2.13 at 1.5 times it and 2.11 at 1,500
+  times. So OpCosts prices the step at the rates torch's own functions give (`torch_rates`, probed with one GEMM and
+  one copy), and what is left is what each counts.
+- What each counts: see `REASONS`. Everything else must agree to rounding (`Comparison.unexplained`), each call
+  priced on its own.
 
 The GPU tier runs it (tests/gpu/test_gpu_roofline.py), and `tools/bench/step_cost.py --torch-estimator` prints it.
 A CPU gives torch's estimator the datasheet numbers of a named GPU instead (`torch_given`): that checks what the two
 count, not the live GPU's rates (tests/unit/test_torch_roofline.py).
 Eager steps only: a compiled block's generated kernels are inductor's (measure/compiled_cost.py), which torch's
-estimator does not see.
+estimator does not see; the FP8 casts an eager step counts as their compiled kernel are the row `fused`.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ REASONS = {
     "broadcast": "an input with a stride-0 dimension, which torch counts once and megalm at its full size",
     "output dtype": "a GEMM whose output dtype is not its operands': torch takes the peak of its output's dtype, "
                     "megalm of its operands'",
+    "fused": "megalm counts these as the one kernel the GPU fuses them into (a compiled FP8 cast, its row "
+             "`fused kernel`); torch prices each op",
 }
 
 
@@ -102,6 +108,8 @@ class Comparison:
         """{reason or "same conventions": {calls, megalm_ms, torch_ms}}."""
         out: dict[str, dict[str, float]] = {}
         for (_, reason), p in self.pairs.items():
+            if not p.calls:  # the fused kernels' row of a step without any
+                continue
             row = out.setdefault(reason or "same conventions", {"calls": 0, "megalm_ms": 0.0, "torch_ms": 0.0})
             row["calls"] += p.calls
             row["megalm_ms"] += p.megalm_ms
@@ -142,47 +150,83 @@ def _reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object,
 @contextlib.contextmanager
 def torch_given(gpu: Gpu) -> Iterator[None]:
     """While inside, torch's estimator reads `gpu`'s datasheet numbers where it reads the live GPU's (its peak by
-    dtype, its DRAM bandwidth), and is told CUDA is there (its one check): how a CPU runs the comparison, which then
-    checks what the two count, not the live GPU's rates."""
+    dtype, its DRAM bandwidth): how a CPU runs the comparison, which then checks what the two count, not the live
+    GPU's rates. (`compared_with_torch` also answers the estimator's one CUDA check, call by call.)"""
     import torch.utils._runtime_estimation as estimation
 
-    saved = estimation.get_device_tflops, estimation.get_gpu_dram_gbps, torch.cuda.is_available
+    saved = estimation.get_device_tflops, estimation.get_gpu_dram_gbps
     estimation.get_device_tflops = lambda dtype: gpu.bf16_tflops if dtype in (torch.bfloat16, torch.float16) else (
         gpu.tf32_tflops)
     estimation.get_gpu_dram_gbps = lambda: gpu.hbm_tbytes_per_s * 1000
+    try:
+        yield
+    finally:
+        estimation.get_device_tflops, estimation.get_gpu_dram_gbps = saved
+
+
+@contextlib.contextmanager
+def _cuda_said_available() -> Iterator[None]:
+    """`torch.cuda.is_available()` true while inside: RuntimeEstimator's roofline checks it before each op, on a CPU
+    given a datasheet."""
+    available = torch.cuda.is_available
     torch.cuda.is_available = lambda: True
     try:
         yield
     finally:
-        estimation.get_device_tflops, estimation.get_gpu_dram_gbps, torch.cuda.is_available = saved
+        torch.cuda.is_available = available
+
+
+class _CallCosts(OpCosts):
+    """OpCosts that also keeps what the op of the estimator's current call adds (`call_ms`, `call_flops`), so that a
+    call's megalm time is its own and not a difference of running totals (which loses the small ops of a large step
+    to rounding), and what is added between calls (a fused kernel's `add_kernel`) apart."""
+
+    def __init__(self, gpu: Gpu, between: OpPair) -> None:
+        super().__init__(gpu, tf32=True)  # the probed fp32 rate is already torch's for its matmul precision
+        self.in_call, self.call_ms, self.call_flops, self.between = False, 0.0, 0.0, between
+
+    def _add(self, name: str, flops: float, nbytes: float, peak: float, cat: str | None = None) -> float:
+        ms = super()._add(name, flops, nbytes, peak, cat)
+        if self.in_call:
+            self.call_ms += ms
+            self.call_flops += flops
+        else:
+            self.between.calls += 1
+            self.between.megalm_ms += ms
+        return ms
 
 
 @contextlib.contextmanager
-def compared_with_torch(tf32: bool = True, given: Gpu | None = None) -> Iterator[Comparison]:
+def compared_with_torch(given: Gpu | None = None) -> Iterator[Comparison]:
     """Inside (under a FakeTensorMode), every op is priced by torch's RuntimeEstimator and by OpCosts at
     `torch_rates()`; the yielded Comparison holds both, op by op, once the block ends. torch's estimator reads the
     live GPU, or `given`'s numbers (`torch_given`: a CPU). Its own printout goes nowhere (a --json run prints one
     object)."""
     with torch_given(given) if given is not None else contextlib.nullcontext():
-        yield from _compared(tf32, f"{given.name}'s datasheet, given" if given else
-                             f"the live GPU ({torch.cuda.get_device_name()})")
+        yield from _compared(given)
 
 
-def _compared(tf32: bool, source: str) -> Iterator[Comparison]:
+def _compared(given: Gpu | None) -> Iterator[Comparison]:
     from torch.distributed._tools.runtime_estimator import RuntimeEstimator
 
+    source = f"{given.name}'s datasheet, given" if given else f"the live GPU ({torch.cuda.get_device_name()})"
     comparison = Comparison(torch_rates(), source)
-    costs, estimator = OpCosts(comparison.rates, tf32), RuntimeEstimator()
+    costs = _CallCosts(comparison.rates, comparison.pairs[("fused kernel", "fused")])
+    estimator = RuntimeEstimator()
 
     def estimate(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None) -> tuple[object, float]:
         kwargs = kwargs or {}
-        before = costs.total()
-        out, torch_ms = RuntimeEstimator._roofline_estimate(func, args, kwargs)  # runs the op, under OpCosts
-        after = costs.total()
-        pair = comparison.pairs[(func._overloadpacket.__name__,
-                                 _reason(func, args, kwargs, out, after.flops - before.flops))]
+        fused = not costs.recording_every_op  # inside `op_cost.one_kernel`: counted as its one kernel after it
+        costs.in_call, costs.call_ms, costs.call_flops = True, 0.0, 0.0
+        try:
+            with _cuda_said_available() if given is not None else contextlib.nullcontext():
+                out, torch_ms = RuntimeEstimator._roofline_estimate(func, args, kwargs)  # runs the op, under OpCosts
+        finally:
+            costs.in_call = False
+        reason = "fused" if fused else _reason(func, args, kwargs, out, costs.call_flops)
+        pair = comparison.pairs[(func._overloadpacket.__name__, reason)]
         pair.calls += 1
-        pair.megalm_ms += after.ms - before.ms
+        pair.megalm_ms += costs.call_ms
         pair.torch_ms += torch_ms
         return out, torch_ms
 
@@ -194,9 +238,13 @@ def _compared(tf32: bool, source: str) -> Iterator[Comparison]:
 
 
 def datasheet(device_name: str) -> Gpu | None:
-    """megalm's datasheet `Gpu` for a CUDA device name (`torch.cuda.get_device_name()`), or None: the SXM parts
-    only (a PCIe or NVL card of the same name has other clocks and bandwidth)."""
+    """megalm's datasheet `Gpu` for a CUDA device name (`torch.cuda.get_device_name()`), or None: by its model
+    ("NVIDIA H100 80GB HBM3" is h100), SXM parts of the memory in `GPUS` only (a PCIe, NVL or 40 GB card, a GH200,
+    have other clocks or bandwidth)."""
+    import re
+
     name = device_name.upper()
-    if "PCIE" in name or "NVL" in name:
+    model = re.search(r"(?<![A-Z])[A-Z]\d{3}\b", name)
+    if model is None or any(other in name for other in ("PCIE", "NVL", "40GB")):
         return None
-    return next((gpu for key, gpu in GPUS.items() if key.upper() in name), None)
+    return GPUS.get(model.group(0).lower())

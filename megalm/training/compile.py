@@ -42,7 +42,7 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor",
     `layout_options`: inductor options the parallel layout asks for (`Parallelism.inductor_config`: async TP's), for
     inductor by name; a backend callable takes its options itself (megalm-estimate merges them into its own)."""
     blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
-    name = backend if isinstance(backend, str) else type(backend).__name__
+    name = backend if isinstance(backend, str) else getattr(backend, "__name__", type(backend).__name__)
     if backend == "aot_eager":  # dynamo's, plus the joint-graph passes inductor runs: what the blocks save is the same
         backend, name = aot_eager_with_block_passes(), "aot_eager, with megalm's joint-graph passes"
     compat.load_inductor_layout_prim()  # what compiled FP8 graphs read (compiled_linear.graph_column_major)

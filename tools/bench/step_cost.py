@@ -113,7 +113,7 @@ def megalm_step(overrides: list[str], gpu: str, system: str = "megalm", compiled
         trainer.optimizer.grad_scale = None
         if against_torch:
             given = None if against_torch == "live" else GPUS[against_torch]
-            with compared_with_torch(tf32, given) as against:
+            with compared_with_torch(given) as against:
                 trainer.forward_backward(2)
     how = (f"compiled blocks and loss: inductor, {len(inductor.graphs)} graphs, "
            f"{sum(g['generated_kernels'] for g in inductor.graphs)} generated kernels (C++ on this CPU)"
