@@ -199,6 +199,11 @@ def launches_no_kernel(op: str) -> bool:
     return op in _NO_KERNEL
 
 
+def dispatches_no_kernel(func: Any) -> bool:
+    """Whether op overload `func` runs no kernel: a view, a metadata query, a profiler marker, `launches_no_kernel`."""
+    return func.is_view or func.namespace in _NO_KERNEL_NAMESPACES or launches_no_kernel(func._overloadpacket.__name__)
+
+
 def is_traced_through(func: Any) -> bool:
     """Whether the op overload `func` is one of TRACED_THROUGH (a higher-order op, say an rng wrapper, is none)."""
     return isinstance(func, torch._ops.OpOverload) and _op_key(func) in TRACED_THROUGH
@@ -304,8 +309,7 @@ class OpCosts(TorchDispatchMode):
             if decomposed is not NotImplemented:
                 return decomposed
         out = func(*args, **kwargs)
-        if (func.is_view or func.namespace in _NO_KERNEL_NAMESPACES or func._overloadpacket.__name__ in _NO_KERNEL
-                or in_sharding_propagation()):
+        if dispatches_no_kernel(func) or in_sharding_propagation():
             return out
         name = func._overloadpacket.__name__
         if self._only is not None and name not in self._only:

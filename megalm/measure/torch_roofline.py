@@ -38,7 +38,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from megalm.measure.op_cost import GPUS, Gpu, OpCosts, category, launches_no_kernel, reads_every_argument
+from megalm.measure.op_cost import GPUS, Gpu, OpCosts, category, dispatches_no_kernel, reads_every_argument
 
 REASONS = {
     "no kernel": "launches no kernel (a view missing from torch's list, a metadata query, an allocation); torch prices "
@@ -128,7 +128,7 @@ def _reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object,
     from torch.utils._runtime_estimation import _IGNORE_OPS
 
     name = func._overloadpacket.__name__
-    if func.is_view or func.namespace in ("prim", "profiler") or launches_no_kernel(name):
+    if dispatches_no_kernel(func):
         return "no kernel"
     if func._overloadpacket in _IGNORE_OPS:
         return "created"

@@ -307,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems",
                    default="megalm,megalm_compiled,megalm_autocast,hf_llama,torchtitan,torchtitan_compiled")
     p.add_argument("--torch-estimator", action="store_true",
-                   help="on a CUDA machine, also price the megalm row's micro-batch with torch's roofline "
-                        "(RuntimeEstimator), op by op beside megalm's: it reads the live GPU")
+                   help="also price the megalm row's micro-batch with torch's roofline (RuntimeEstimator), op by "
+                        "op beside megalm's: it reads the live GPU, or without CUDA the datasheet of --gpu")
     args = p.parse_intermixed_args(argv)  # overrides before and after the flags
     logging.getLogger("megalm").setLevel(logging.WARNING)
     systems = args.systems.split(",")
