@@ -363,7 +363,7 @@ def prepared_weights(linears: list[torch.nn.Module]) -> Iterator[None]:
         with torch.no_grad():
             if delayed:
                 histories = [gemms.state.amax["w"] for gemms in group]
-                scales = fp8.scales_from_histories([history.history for history in histories], dtype)
+                scales = [history.scale(None, dtype) for history in histories]  # the step's, made once for all
                 copies, amaxes = fp8.quantize_weights_delayed(weights, dtype, scales)
                 for gemms, history, w_amax in zip(group, histories, amaxes, strict=True):
                     if gemms.training:
@@ -387,9 +387,10 @@ def prepare_graph_scales(layers: list) -> None:
     """Before a compiled block runs, in eager: each delayed-scaling layer's `graph_scales` (`GraphScales`) for the
     graph to cast x and dy with (None for other recipes' layers), each scale from its history as the eager path takes
     it (None while the history is empty: the graph then scales by the current amax, as the eager path's first step
-    does). Made again only when a history changed (a step's `roll`, a checkpoint's load), the block's together
-    (`fp8.scales_from_histories`: a few kernels a block and step, not a few a history), with the leaf tensor whose
-    gradient brings each call's amaxes back to its histories (`_amax_sink`). `layers`: linear.py's `RecipeGemms`."""
+    does). Taken again only when a history changed (a step's `roll`, a checkpoint's load), from the scales made once
+    a step for every history rolled with it (`fp8.AmaxHistory.scale`: a few kernels a step for the whole model), with
+    the leaf tensor whose gradient brings each call's amaxes back to its histories (`_amax_sink`). `layers`:
+    linear.py's `RecipeGemms`."""
     delayed = []
     for gemms in layers:
         takes = gemms.recipe.casts_in_graph and gemms.recipe.delayed and gemms.state is not None
@@ -398,15 +399,12 @@ def prepare_graph_scales(layers: list) -> None:
             delayed.append(gemms)
     stale = [gemms for gemms in delayed if _scales_stale(gemms)]
     new: dict[int, dict[str, torch.Tensor]] = {id(gemms): {} for gemms in stale}
-    for name, spec in (("x", "fprop"), ("dy", "dgrad")):
-        filled = [gemms for gemms in stale if gemms.state.amax[name].history is not None]
-        for fmt, group in itertools.groupby(sorted(filled, key=lambda g: getattr(g.recipe, spec).a_format),
-                                            key=lambda g: getattr(g.recipe, spec).a_format):
-            group = list(group)
-            with torch.no_grad():
-                scales = fp8.scales_from_histories([g.state.amax[name].history for g in group], fp8.fp8_dtype(fmt))
-            for gemms, scale in zip(group, scales, strict=True):
-                new[id(gemms)][name] = scale
+    with torch.no_grad():
+        for gemms in stale:
+            for name, spec in (("x", gemms.recipe.fprop), ("dy", gemms.recipe.dgrad)):
+                history = gemms.state.amax[name]
+                if history.history is not None:
+                    new[id(gemms)][name] = history.scale(None, fp8.fp8_dtype(spec.a_format))
     for gemms in stale:
         histories = gemms.state.amax["x"], gemms.state.amax["dy"]
         gemms._graph_scales_made = (tuple((h.history, getattr(h.history, "_version", None)) for h in histories),

@@ -81,9 +81,13 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> 
 
 
 def scales_from_histories(histories: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """`scale_from_amax(h.amax(), dtype)` of each amax history h (fp8.AmaxHistory's, all of one length), in one
-    batch of kernels: a compiled block's delayed-scaling layers take theirs together before it runs."""
-    return list(scale_from_amax(torch.stack(histories).amax(dim=1), dtype).unbind())
+    """`scale_from_amax(h.amax(), dtype)` of each amax history h (fp8.AmaxHistory's, all of one length and device),
+    in one batch of kernels: the histories a step's `roll_histories` rolled take theirs together (`_StepScales`).
+    Each scale is a view 16 bytes from the last (row k of an [n, 4] result), so that every one is as aligned as a
+    tensor of its own: inductor compiles a graph for the alignment of the inputs it first saw, and copies an input
+    that arrives less aligned in every call."""
+    maxes = torch.stack(histories).amax(dim=1, keepdim=True)
+    return list(scale_from_amax(maxes.expand(-1, 4), dtype)[:, 0].unbind())
 
 
 def amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -349,10 +353,16 @@ class AmaxHistory:
         self.history: torch.Tensor | None = None
         self.count = 0
         self.pending: list[torch.Tensor] = []  # the step's amaxes, reduced and pushed by `roll`
+        self.rolled_with: _StepScales | None = None  # the histories of its last roll, whose scales are made together
 
-    def scale(self, current_amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
-        amax = current_amax if self.history is None else self.history.amax()
-        return scale_from_amax(amax, dtype, margin)
+    def scale(self, current_amax: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """The scale to cast with in `dtype`: from the history's max, or from `current_amax` while the history is
+        empty. A step's scales are made once, for every history its `roll_histories` rolled (`_StepScales`)."""
+        if self.history is None:
+            return scale_from_amax(current_amax, dtype)
+        if self.rolled_with is None:
+            self.rolled_with = _StepScales([self])
+        return self.rolled_with.scale(self, dtype)
 
     def update(self, amax: torch.Tensor) -> None:
         """Keep a use's amax for the step. No op runs here: torch's selective checkpointing requires a recomputed
@@ -374,6 +384,7 @@ class AmaxHistory:
     def load_state_dict(self, state: dict) -> None:
         self.history, self.count = state["history"], state["count"]
         self.pending = [state["pending"]] if state.get("pending") is not None else []
+        self.rolled_with = None
 
 
 def compact_histories(histories: Iterable[AmaxHistory]) -> None:
@@ -393,20 +404,52 @@ def compact_histories(histories: Iterable[AmaxHistory]) -> None:
 
 def roll_histories(histories: Iterable[AmaxHistory]) -> None:
     """`AmaxHistory.roll` of many histories: compacted together (`compact_histories`), then each step's max written
-    into its history's ring by one `_foreach_copy_` a device (one multi-tensor kernel on CUDA)."""
+    into its history's ring by one `_foreach_copy_` a device (one multi-tensor kernel on CUDA; the first step's rings
+    zeroed by one `_foreach_zero_`, not a kernel each)."""
     histories = list(histories)
     compact_histories(histories)
     rolling = [history for history in histories if history.pending]
     groups: dict[torch.device, list[AmaxHistory]] = {}
     for history in rolling:
-        step_amax = history.pending[0]
-        if history.history is None:  # the first step's: allocated once
-            history.history = torch.zeros(history.length, dtype=torch.float32, device=step_amax.device)
-        groups.setdefault(step_amax.device, []).append(history)
-    for group in groups.values():
+        groups.setdefault(history.pending[0].device, []).append(history)
+    for device, group in groups.items():
+        new = [h for h in group if h.history is None]  # the first step's: allocated once
+        for history in new:
+            history.history = torch.empty(history.length, dtype=torch.float32, device=device)
+        if new:
+            torch._foreach_zero_([history.history for history in new])
         torch._foreach_copy_([h.history[h.count % h.length] for h in group], [h.pending[0].float() for h in group])
     for history in rolling:
         history.count, history.pending = history.count + 1, []
+    together: dict[tuple[torch.device, int], list[AmaxHistory]] = {}
+    for history in rolling:
+        together.setdefault((history.history.device, history.length), []).append(history)
+    for group in together.values():
+        step_scales = _StepScales(group)
+        for history in group:
+            history.rolled_with = step_scales
+
+
+class _StepScales:
+    """The histories one `roll_histories` rolled (one device and length), whose scales for a format are made for all
+    of them at once, the first time one is asked for (`scales_from_histories`: 7 kernels), and kept for the step: a
+    history changes only when the next step rolls it. Without this, every layer took its scales in kernels of its own
+    once a step (a compiled block's together: 21 a block), and an eager layer in every call (6 a history)."""
+
+    def __init__(self, histories: list[AmaxHistory]) -> None:
+        self.histories = histories
+        self.made: dict[torch.dtype, dict[int, tuple[torch.Tensor, int, torch.Tensor]]] = {}
+
+    def scale(self, history: AmaxHistory, dtype: torch.dtype) -> torch.Tensor:
+        made = self.made.get(dtype, {}).get(id(history))
+        if made is None or made[0] is not history.history or made[1] != history.history._version:
+            # made afresh where a history changed since (written in place, or replaced) other than by a roll
+            alike = [h for h in self.histories if h.rolled_with is self and h.history is not None
+                     and h.history.shape == history.history.shape and h.history.device == history.history.device]
+            scales = scales_from_histories([h.history for h in alike], dtype)
+            self.made[dtype] = {id(h): (h.history, h.history._version, s) for h, s in zip(alike, scales, strict=True)}
+            made = self.made[dtype][id(history)]
+        return made[2]
 
 
 # ---------------------------------------------------------------------------------------------------
