@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import math
 import types
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -346,7 +347,8 @@ class AmaxHistory:
     begins. So the scale is fixed within a step, as torchao's delayed scaling syncs its history once per iteration:
     a recomputed forward (activation checkpointing) casts with the scale its forward used, and its amaxes, the same
     again, leave the step's max as it was; the number of micro-batches and the order the schedule runs them in do
-    not change the history."""
+    not change the history. The ring is written by torch ops (which count its version) or replaced, never through
+    `.data` or NumPy: `scale` keeps a step's scales until the ring's version says it changed."""
 
     def __init__(self, length: int = 16) -> None:
         self.length = length
@@ -421,9 +423,9 @@ def roll_histories(histories: Iterable[AmaxHistory]) -> None:
         torch._foreach_copy_([h.history[h.count % h.length] for h in group], [h.pending[0].float() for h in group])
     for history in rolling:
         history.count, history.pending = history.count + 1, []
-    together: dict[tuple[torch.device, int], list[AmaxHistory]] = {}
-    for history in rolling:
-        together.setdefault((history.history.device, history.length), []).append(history)
+    together: dict[tuple[torch.device, torch.Size], list[AmaxHistory]] = {}
+    for history in rolling:  # by ring: a checkpoint may have restored one of another length than `length`
+        together.setdefault((history.history.device, history.history.shape), []).append(history)
     for group in together.values():
         step_scales = _StepScales(group)
         for history in group:
@@ -431,23 +433,26 @@ def roll_histories(histories: Iterable[AmaxHistory]) -> None:
 
 
 class _StepScales:
-    """The histories one `roll_histories` rolled (one device and length), whose scales for a format are made for all
-    of them at once, the first time one is asked for (`scales_from_histories`: 7 kernels), and kept for the step: a
-    history changes only when the next step rolls it. Without this, every layer took its scales in kernels of its own
-    once a step (a compiled block's together: 21 a block), and an eager layer in every call (6 a history)."""
+    """The histories one `roll_histories` rolled (one device and ring shape), whose scales for a format are made for
+    all of them at once, the first time one is asked for (`scales_from_histories`: 9 small ops), and kept for the
+    step: a ring changes only when the next step rolls it. Each scale is kept with its ring and the ring's version
+    counter, so one written since in place or replaced is scaled by what it holds. Held by weak reference: a history
+    dropped is not kept alive by those rolled with it."""
 
     def __init__(self, histories: list[AmaxHistory]) -> None:
-        self.histories = histories
+        self.histories = [weakref.ref(history) for history in histories]
         self.made: dict[torch.dtype, dict[int, tuple[torch.Tensor, int, torch.Tensor]]] = {}
 
     def scale(self, history: AmaxHistory, dtype: torch.dtype) -> torch.Tensor:
         made = self.made.get(dtype, {}).get(id(history))
         if made is None or made[0] is not history.history or made[1] != history.history._version:
-            # made afresh where a history changed since (written in place, or replaced) other than by a roll
-            alike = [h for h in self.histories if h.rolled_with is self and h.history is not None
-                     and h.history.shape == history.history.shape and h.history.device == history.history.device]
+            ring = history.history
+            alike = [history] + [h for ref in self.histories if (h := ref()) is not None and h is not history
+                                 and h.rolled_with is self and h.history is not None
+                                 and h.history.shape == ring.shape and h.history.device == ring.device]
             scales = scales_from_histories([h.history for h in alike], dtype)
-            self.made[dtype] = {id(h): (h.history, h.history._version, s) for h, s in zip(alike, scales, strict=True)}
+            self.made.setdefault(dtype, {}).update(
+                {id(h): (h.history, h.history._version, s) for h, s in zip(alike, scales, strict=True)})
             made = self.made[dtype][id(history)]
         return made[2]
 

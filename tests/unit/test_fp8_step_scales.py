@@ -59,17 +59,23 @@ def test_a_steps_scales_are_made_once_for_every_history_rolled_together():
     assert len(counted[4][1]) <= 2 * 9, counted[4]  # two formats: stack, amax and the scale's arithmetic each
 
 
-@pytest.mark.parametrize("change", ["written in place", "replaced", "loaded", "rolled"])
+@pytest.mark.parametrize("change", ["written in place", "replaced", "replaced at the same version", "loaded",
+                                    "rolled"])
 def test_a_history_changed_since_its_scale_was_made_is_scaled_by_what_it_holds(change):
-    """Its scale is made again from its contents, whatever changed it: a write in place, another tensor, a
-    checkpoint's load or the next step's roll; the other layers' scales stay right."""
+    """Its scale is made again from its contents, whatever changed it: a write in place, another tensor (even one
+    whose version counter reads the same), a checkpoint's load or the next step's roll; the other layers' scales
+    stay right."""
     states = rolled_states(3, seed=0)
     before = asked(states)
     history = states[1].amax["x"]
     if change == "written in place":
         history.history[2] = 1000.0
-    elif change == "replaced":
-        history.history = torch.full((4,), 500.0)
+    elif change.startswith("replaced"):
+        ring = torch.full((4,), 500.0)
+        while change.endswith("version") and ring._version < history.history._version:
+            ring.add_(0.0)
+        assert change == "replaced" or ring._version == history.history._version
+        history.history = ring
     elif change == "loaded":
         history.load_state_dict({"history": torch.full((4,), 250.0), "count": 9, "pending": None})
     else:
@@ -81,3 +87,20 @@ def test_a_history_changed_since_its_scale_was_made_is_scaled_by_what_it_holds(c
         expected = fp8.scale_from_amax(state.amax[name].history.amax(), FORMATS[name])
         assert torch.equal(after.pop(0), expected), (state.name, name)
     assert not torch.equal(history.scale(None, fp8.E4M3), before[3])
+
+
+def test_a_ring_of_another_length_is_scaled_once_a_step_in_a_group_of_its_own():
+    """A checkpoint may restore a ring of another length than the layer's (`amax_history_len` changed): the next roll
+    groups it apart, and asking for every scale again within the step launches nothing."""
+    states = rolled_states(3, seed=1)
+    states[0].amax["dy"].load_state_dict({"history": torch.rand(6) * 10, "count": 6, "pending": None})
+    for state in states:
+        for history in state.amax.values():
+            history.pending = [torch.tensor(3.0)]
+    set_steps(states, 3)
+    scales = asked(states)
+    with LaunchedOps() as again:
+        asked(states)
+    assert again.ops == []
+    for scale, (state, name) in zip(scales, [(s, n) for s in states for n in FORMATS], strict=True):
+        assert torch.equal(scale, fp8.scale_from_amax(state.amax[name].history.amax(), FORMATS[name]))
