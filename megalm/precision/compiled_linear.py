@@ -209,7 +209,7 @@ def _(qdy, qdy_columns, dy_scale, qx_columns, x_scale, weight, layer, x_dtype):
 
 
 class GraphScales(NamedTuple):
-    """What a compiled block's graph reads of a delayed-scaling layer's amax histories (fp8.AmaxHistory), made in
+    """What a compiled block's graph reads of a delayed-scaling layer's amax histories (`AmaxHistory`), made in
     eager before the block runs (`prepare_graph_scales`): x's and dy's scales from their histories (None
     while a history is empty: the step's current amax scales, as the eager path's first step does) and `sink`, a
     leaf tensor [2] whose gradient is the call's amaxes of x and dy. The backward hands them back that way, as a
@@ -388,7 +388,7 @@ def prepare_graph_scales(layers: list) -> None:
     graph to cast x and dy with (None for other recipes' layers), each scale from its history as the eager path takes
     it (None while the history is empty: the graph then scales by the current amax, as the eager path's first step
     does). Taken again only when a history changed (a step's `roll`, a checkpoint's load), from the scales made once
-    a step for every history rolled with it (`fp8.AmaxHistory.scale`: a few kernels a step for the whole model), with
+    a step for every history rolled with it (`AmaxHistory.scale`: a few kernels a step for the whole model), with
     the leaf tensor whose gradient brings each call's amaxes back to its histories (`_amax_sink`). `layers`:
     linear.py's `RecipeGemms`."""
     delayed = []

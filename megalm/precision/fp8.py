@@ -38,8 +38,7 @@ from __future__ import annotations
 import functools
 import math
 import types
-import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,16 +78,6 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> 
     if margin:
         scale = scale / 2.0**margin
     return torch.where((amax > 0) & (amax < math.inf), scale, 1.0)
-
-
-def scales_from_histories(histories: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """`scale_from_amax(h.amax(), dtype)` of each amax history h (fp8.AmaxHistory's, all of one length and device),
-    in one batch of kernels: the histories a step's `roll_histories` rolled take theirs together (`_StepScales`).
-    Each scale is a view 16 bytes from the last (row k of an [n, 4] result), so that every one is as aligned as a
-    tensor of its own: inductor compiles a graph for the alignment of the inputs it first saw, and copies an input
-    that arrives less aligned in every call."""
-    maxes = torch.stack(histories).amax(dim=1, keepdim=True)
-    return list(scale_from_amax(maxes.expand(-1, 4), dtype)[:, 0].unbind())
 
 
 def amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -338,123 +327,6 @@ def quantize_compiled(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) 
 def quantize_dequantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
     """fp32 x rounded through FP8 with this scale: quantize(x) / scale."""
     return quantize(x, dtype, scale).float() / scale
-
-
-class AmaxHistory:
-    """The amax history of one tensor for delayed scaling: a ring of the last `length` steps' amaxes, on the
-    tensor's device (no host syncs). `scale` uses the max of the history, or the current amax while the history is
-    empty (the first step); `update` takes the max of the step's amaxes, and `roll` pushes it when the next step
-    begins. So the scale is fixed within a step, as torchao's delayed scaling syncs its history once per iteration:
-    a recomputed forward (activation checkpointing) casts with the scale its forward used, and its amaxes, the same
-    again, leave the step's max as it was; the number of micro-batches and the order the schedule runs them in do
-    not change the history. The ring is written by torch ops (which count its version) or replaced, never through
-    `.data` or NumPy: `scale` keeps a step's scales until the ring's version says it changed."""
-
-    def __init__(self, length: int = 16) -> None:
-        self.length = length
-        self.history: torch.Tensor | None = None
-        self.count = 0
-        self.pending: list[torch.Tensor] = []  # the step's amaxes, reduced and pushed by `roll`
-        self.rolled_with: _StepScales | None = None  # the histories of its last roll, whose scales are made together
-
-    def scale(self, current_amax: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """The scale to cast with in `dtype`: from the history's max, or from `current_amax` while the history is
-        empty. A step's scales are made once, for every history its `roll_histories` rolled (`_StepScales`)."""
-        if self.history is None:
-            return scale_from_amax(current_amax, dtype)
-        if self.rolled_with is None:
-            self.rolled_with = _StepScales([self])
-        return self.rolled_with.scale(self, dtype)
-
-    def update(self, amax: torch.Tensor) -> None:
-        """Keep a use's amax for the step. No op runs here: torch's selective checkpointing requires a recomputed
-        forward to dispatch the very ops its forward did, so the max is taken in `roll`, between steps."""
-        self.pending.append(amax.detach())
-
-    def compact(self) -> None:
-        """The step's amaxes so far as one (their max), between micro-batches: the list stays short."""
-        compact_histories([self])
-
-    def roll(self) -> None:
-        """End the step: the max of its amaxes joins the history (nothing if the tensor was not used)."""
-        roll_histories([self])
-
-    def state_dict(self) -> dict:
-        self.compact()
-        return {"history": self.history, "count": self.count, "pending": self.pending[0] if self.pending else None}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.history, self.count = state["history"], state["count"]
-        self.pending = [state["pending"]] if state.get("pending") is not None else []
-        self.rolled_with = None
-
-
-def compact_histories(histories: Iterable[AmaxHistory]) -> None:
-    """`AmaxHistory.compact` of many histories in two kernels a group: those holding k > 1 amaxes (of one device and
-    dtype) stacked into one [n, k] tensor and reduced along k, where each history took two kernels of its own (three
-    histories a layer after every micro-batch: a few thousand launches a step at 1.3B with 8 micro-batches)."""
-    groups: dict[tuple, list[AmaxHistory]] = {}
-    for history in histories:
-        if len(history.pending) > 1:
-            first = history.pending[0]
-            groups.setdefault((len(history.pending), first.device, first.dtype), []).append(history)
-    for group in groups.values():
-        maxes = torch.stack([a for history in group for a in history.pending]).reshape(len(group), -1).amax(dim=1)
-        for history, step_max in zip(group, maxes.unbind(), strict=True):
-            history.pending = [step_max]
-
-
-def roll_histories(histories: Iterable[AmaxHistory]) -> None:
-    """`AmaxHistory.roll` of many histories: compacted together (`compact_histories`), then each step's max written
-    into its history's ring by one `_foreach_copy_` a device (one multi-tensor kernel on CUDA; the first step's rings
-    zeroed by one `_foreach_zero_`, not a kernel each)."""
-    histories = list(histories)
-    compact_histories(histories)
-    rolling = [history for history in histories if history.pending]
-    groups: dict[torch.device, list[AmaxHistory]] = {}
-    for history in rolling:
-        groups.setdefault(history.pending[0].device, []).append(history)
-    for device, group in groups.items():
-        new = [h for h in group if h.history is None]  # the first step's: allocated once
-        for history in new:
-            history.history = torch.empty(history.length, dtype=torch.float32, device=device)
-        if new:
-            torch._foreach_zero_([history.history for history in new])
-        torch._foreach_copy_([h.history[h.count % h.length] for h in group], [h.pending[0].float() for h in group])
-    for history in rolling:
-        history.count, history.pending = history.count + 1, []
-    together: dict[tuple[torch.device, torch.Size], list[AmaxHistory]] = {}
-    for history in rolling:  # by ring: a checkpoint may have restored one of another length than `length`
-        together.setdefault((history.history.device, history.history.shape), []).append(history)
-    for group in together.values():
-        step_scales = _StepScales(group)
-        for history in group:
-            history.rolled_with = step_scales
-
-
-class _StepScales:
-    """The histories one `roll_histories` rolled (one device and ring shape), whose scales for a format are made for
-    all of them at once, the first time one is asked for (`scales_from_histories`: 9 small ops), and kept for the
-    step: a ring changes only when the next step rolls it. Each scale is kept with its ring and the ring's version
-    counter, so one written since in place or replaced is scaled by what it holds. Held by weak reference: a history
-    dropped is not kept alive by those rolled with it."""
-
-    def __init__(self, histories: list[AmaxHistory]) -> None:
-        self.histories = [weakref.ref(history) for history in histories]
-        self.made: dict[torch.dtype, dict[int, tuple[torch.Tensor, int, torch.Tensor]]] = {}
-
-    def scale(self, history: AmaxHistory, dtype: torch.dtype) -> torch.Tensor:
-        made = self.made.get(dtype, {}).get(id(history))
-        if made is None or made[0] is not history.history or made[1] != history.history._version:
-            ring = history.history
-            alike = [history] + [h for ref in self.histories if (h := ref()) is not None and h is not history
-                                 and h.rolled_with is self and h.history is not None
-                                 and h.history.shape == ring.shape and h.history.device == ring.device]
-            scales = scales_from_histories([h.history for h in alike], dtype)
-            self.made.setdefault(dtype, {}).update(
-                {id(h): (h.history, h.history._version, s) for h, s in zip(alike, scales, strict=True)})
-            made = self.made[dtype][id(history)]
-        return made[2]
 
 
 # ---------------------------------------------------------------------------------------------------

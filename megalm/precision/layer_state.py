@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from megalm.precision import fp8
+from megalm.precision.amax_history import AmaxHistory, compact_histories, roll_histories
 from megalm.precision.gemm import Fp8Operand, hash_seed
 
 
@@ -61,7 +61,7 @@ class LinearState:
         self.name, self.seed = name, seed
         self.weights_version = weights_version or WeightsVersion()
         self.step, self.micro_batch, self.calls = 0, 0, 0
-        self.amax = {tensor: fp8.AmaxHistory(amax_history_len) for tensor in ("x", "w", "dy")}
+        self.amax = {tensor: AmaxHistory(amax_history_len) for tensor in ("x", "w", "dy")}
         self.weights: dict[tuple, tuple[weakref.ref, tuple, Fp8Operand]] = {}
 
     def quantized_weight(self, key: tuple, weight: torch.Tensor, make: Callable[[], Fp8Operand]) -> Fp8Operand:
@@ -87,7 +87,7 @@ class LinearState:
 
     def set_step(self, step: int, micro_batch: int = 0) -> None:
         """Start the seed stream at (step, micro_batch); a new step also ends the last one's amax histories
-        (delayed scaling: `fp8.AmaxHistory.roll`)."""
+        (delayed scaling: `AmaxHistory.roll`)."""
         set_steps([self], step, micro_batch)
 
     def next_seed(self) -> int:
@@ -105,9 +105,9 @@ class LinearState:
 
 def set_steps(states: Iterable[LinearState], step: int, micro_batch: int = 0) -> None:
     """`LinearState.set_step` of many layers, their amax histories rolled (a new step) or compacted together in a
-    few batched kernels (`fp8.roll_histories`), not a few per history."""
+    few batched kernels (`amax_history.roll_histories`), not a few per history."""
     states = list(states)
-    fp8.roll_histories([h for state in states if state.step != step for h in state.amax.values()])
-    fp8.compact_histories([h for state in states if state.step == step for h in state.amax.values()])
+    roll_histories([h for state in states if state.step != step for h in state.amax.values()])
+    compact_histories([h for state in states if state.step == step for h in state.amax.values()])
     for state in states:
         state.step, state.micro_batch, state.calls = step, micro_batch, 0

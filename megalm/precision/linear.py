@@ -318,7 +318,7 @@ class RecipeGemms:
         """Whether wgrad reads the FP8 copy of x that fprop casts (both FP8 of one format under per-tensor scales,
         current or delayed): then the layer keeps that copy for the backward instead of x (`pack_input`). A
         recomputed forward (activation checkpointing) casts the same x with the same scale (delayed scaling's is
-        fixed for the step: `fp8.AmaxHistory`), so what it keeps is the FP8 x the call's backward expects."""
+        fixed for the step: `amax_history.AmaxHistory`), so what it keeps is the FP8 x the call's backward expects."""
         fprop, wgrad = self.recipe.fprop, self.recipe.wgrad
         return (fprop.kind == wgrad.kind == "fp8" and fprop.scaling == wgrad.scaling
                 and fprop.scaling in ("tensor", "delayed") and fprop.a_format == wgrad.b_format)

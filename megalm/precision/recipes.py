@@ -23,7 +23,7 @@ Recipes (`get_recipe(name)`; fprop / dgrad / wgrad):
                  forward GEMM accumulates fast (no fp32 promotion: fp8.py), as TE's and torchao's do, the
                  gradients' GEMMs promoting
     fp8_delayed  the same with delayed scaling (amax history of 16 steps, per layer and tensor; the scale
-                 fixed within a step, so recomputation and the schedule change nothing: fp8.AmaxHistory)
+                 fixed within a step, so recomputation and the schedule change nothing: amax_history.AmaxHistory)
     fp8_rowwise  the same with one scale per row along K (per token / feature / output channel)
     mxfp8        MXFP8 (E4M3 elements, block 32 along K, "ceil" scales: no clipping) in all three
     mxfp4        Tseng et al. 2025 ("Training LLMs with MXFP4", arXiv 2502.20586): fprop in bf16
@@ -101,7 +101,7 @@ class Recipe:
 
     @property
     def delayed(self) -> bool:
-        """Whether the recipe's forward scales FP8 by an amax history (fp8.AmaxHistory)."""
+        """Whether the recipe's forward scales FP8 by an amax history (amax_history.AmaxHistory)."""
         return self.fprop.kind == "fp8" and self.fprop.scaling == "delayed"
 
 

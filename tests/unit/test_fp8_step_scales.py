@@ -1,4 +1,4 @@
-"""Delayed scaling's scales, made once a step for every amax history rolled together (`fp8.AmaxHistory.scale`).
+"""Delayed scaling's scales, made once a step for every amax history rolled together (`amax_history.AmaxHistory.scale`).
 
 A step's scales do not change until the next step's roll, so they are made for the whole model in a few kernels the
 first time one is asked for, where each layer took its own (and an eager layer's every call took six a history)."""

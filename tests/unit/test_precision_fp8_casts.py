@@ -19,6 +19,7 @@ import torch
 from megalm.model.linear import Linear, linear
 from megalm.parallel.tensor.comm import Pending, SequenceGather
 from megalm.precision import fp8
+from megalm.precision.amax_history import AmaxHistory
 from megalm.precision.layer_state import LinearState, set_steps
 from megalm.precision.linear import RecipeGemms
 from megalm.precision.recipes import get_recipe
@@ -117,7 +118,7 @@ def test_on_scaled_mm_the_forward_gemm_accumulates_fast_and_the_gradients_promot
 
 
 def test_delayed_scaling_casts_each_activation_once_too(monkeypatch):
-    """Delayed scaling's scale is fixed within a step (fp8.AmaxHistory), so it keeps fprop's FP8 x as current scaling
+    """Delayed scaling's scale is fixed within a step (`AmaxHistory`), so it keeps fprop's FP8 x as current scaling
     does: a recomputed forward would cast x with the same scale again (test_recomputation_changes_no_gradient)."""
     layer = _layer("fp8_delayed")
     _step(layer)
@@ -449,11 +450,11 @@ def test_batched_histories_end_steps_as_one_history_at_a_time_does():
     """`set_steps` against the per-history code it replaced (written out here): a ring not allocated yet, one that
     wraps past its length, one whose counts differ from the others' (as a checkpoint restores them), an unused
     tensor (no amax: its count stays), one amax or three (a recompute), on a step's start and between micro-batches."""
-    def old_compact(h: fp8.AmaxHistory) -> None:
+    def old_compact(h: AmaxHistory) -> None:
         if len(h.pending) > 1:
             h.pending = [torch.stack(h.pending).amax()]
 
-    def old_roll(h: fp8.AmaxHistory) -> None:
+    def old_roll(h: AmaxHistory) -> None:
         old_compact(h)
         if not h.pending:
             return

@@ -20,6 +20,7 @@ from torch import nn
 from megalm.config import ModelConfig
 from megalm.model import GPT, init_weights
 from megalm.precision import fp8
+from megalm.precision.amax_history import AmaxHistory
 from megalm.precision.hadamard import random_signs, rht
 from megalm.precision.install import apply_precision, remove_precision, set_precision_step
 from megalm.precision.layer_state import LinearState, gemm_generator
@@ -185,7 +186,7 @@ def test_fp8_helpers():
     assert torch.equal(fp8.scale_from_amax(amax, E4M3), torch.tensor([224.0, 1.0, 1.0]))
     # saturating cast: beyond 448 after scaling stays 448
     assert fp8.quantize_dequantize(torch.tensor([1.0, 3.0]), E4M3, torch.tensor(224.0)).tolist() == [1.0, 2.0]
-    history = fp8.AmaxHistory(length=2)
+    history = AmaxHistory(length=2)
     assert history.scale(torch.tensor(4.0), E4M3) == 112.0  # empty: the current amax
     for value in (8.0, 1.0, 2.0):  # a ring of two steps: 8 drops out
         history.update(torch.tensor(value))

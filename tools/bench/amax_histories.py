@@ -2,13 +2,14 @@
 
     python tools/bench/amax_histories.py model=1.3b --reps 200
 
-Under `precision=fp8_delayed` every FP8 linear keeps three amax histories (x, w, dy: `megalm.precision.fp8.
-AmaxHistory`). Before each micro-batch the trainer calls `set_precision_step`, which compacts the amaxes each history
-collected in the micro-batches so far (their max), and at a new step pushes that max into the history's ring. This
-times that call with a timer around it, on the model of the overrides (its layer count, at the width 64 of
-`host_overhead.py`), every history holding two amaxes (a second micro-batch's) before the compaction and one more
-before the roll: the median over `--reps` of each. What it costs a GPU step is the host time times the micro-batches
-a step, plus the launches of the small kernels it makes (`tests/unit/test_precision_fp8_casts.py` counts those).
+Under `precision=fp8_delayed` every FP8 linear keeps three amax histories (x, w, dy:
+`megalm.precision.amax_history.AmaxHistory`). Before each micro-batch the trainer calls `set_precision_step`, which
+compacts the amaxes each history collected in the micro-batches so far (their max), and at a new step pushes that
+max into the history's ring. This times that call with a timer around it, on the model of the overrides (its layer
+count, at the width 64 of `host_overhead.py`), every history holding two amaxes (a second micro-batch's) before the
+compaction and one more before the roll: the median over `--reps` of each. What it costs a GPU step is the host time
+times the micro-batches a step, plus the launches of the small kernels it makes
+(`tests/unit/test_precision_fp8_casts.py` counts those).
 """
 
 from __future__ import annotations
