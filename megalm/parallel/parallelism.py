@@ -86,6 +86,8 @@ class ModelConverter(Protocol):
 
     def watch_optimizer(self, optimizer: object) -> None: ...
 
+    def watch_sharded_optimizer(self, optimizer: object, chunks: list[nn.Module]) -> None: ...
+
 
 def validate_parallel(cfg: MegalmConfig, world_size: int) -> ParallelDims:
     """Every parallel rule, each parallelism checking its own (one-line ConfigErrors, the same on every
@@ -310,6 +312,8 @@ class Parallelism:
             if any(getattr(c, "quantizes_weights", False) for c in self.converters):
                 log.info("FSDP: the recipe quantizes each weight after every gather (no per-step cache of "
                          "quantized weights, which would hold the whole model per rank)")
+            for converter in self.converters:
+                converter.watch_sharded_optimizer(optimizer, list(model_chunks(self.model)))
             return
         for converter in self.converters:
             converter.watch_optimizer(optimizer)

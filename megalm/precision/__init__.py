@@ -188,8 +188,10 @@ class Precision:
             self.fallback = f", {why}"
         if cfg.backend == "torchao" and not self.on_torchao:
             why = torchao_fp8.torchao_problem()
-            log.warning("precision.backend=torchao but %s; running the native %s path", why, cfg.name)
+            gather = " (its weights gathered, then cast: precision.fp8_all_gather needs torchao)" * cfg.fp8_all_gather
+            log.warning("precision.backend=torchao but %s; running the native %s path%s", why, cfg.name, gather)
             self.fallback = f", {why}"
+        self.fp8_all_gather = cfg.fp8_all_gather and self.on_torchao
 
     def convert(self, chunk: nn.Module) -> None:
         """Install the recipe on the linear layers of `chunk` (a GPT or a pipeline chunk)."""
@@ -202,9 +204,11 @@ class Precision:
             self.note = f"{name} on {count} linear layers (transformer_engine {type(te.te_recipe(name)).__name__})"
         elif self.on_torchao:
             emulate = not fp8.scaled_mm_runs(self.device)
-            count, left = torchao_fp8.apply_torchao(chunk, skip, emulate=emulate)
+            count, left = torchao_fp8.apply_torchao(chunk, skip, emulate=emulate,
+                                                    fsdp_fp8_all_gather=self.fp8_all_gather)
             how = "FP8 GEMMs emulated: no torch._scaled_mm here" if emulate else "torch._scaled_mm"
-            self.note = f"{name} on {count} linear layers (torchao Float8Linear, tensorwise; {how})"
+            gather = "; FSDP gathers their weights in FP8" if self.fp8_all_gather else ""
+            self.note = f"{name} on {count} linear layers (torchao Float8Linear, tensorwise; {how}{gather})"
             if left:
                 log.warning("precision.backend=torchao: %d linear layers stay in the trainer's precision (a dimension "
                             "is not a multiple of 16, which torch._scaled_mm needs; precision.backend=native "
@@ -223,6 +227,15 @@ class Precision:
     def watch_optimizer(self, optimizer: object) -> None:
         """Count `optimizer`'s steps (a hook on it alone), so that each layer quantizes its weight once per step."""
         self.weights_version.watch(optimizer)
+
+    def watch_sharded_optimizer(self, optimizer: object, chunks: list[nn.Module]) -> None:
+        """Under FSDP, with torchao's FP8 all-gather: after each of `optimizer`'s steps, the new weights' scales for
+        the next gathers, all at once (`torchao_fp8.precompute_weight_scales`). Until the first step (a checkpoint
+        may load the weights after this is called) each gather takes its weight's scale with an all-reduce of its
+        own, as torchao does without a precomputed one."""
+        if self.fp8_all_gather:
+            optimizer.register_step_post_hook(  # type: ignore[attr-defined]
+                lambda *_: torchao_fp8.precompute_weight_scales(chunks))
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return autocast(self.cfg, self.device)
@@ -277,6 +290,9 @@ def validate_precision(cfg: MegalmConfig) -> None:
     choice(p.backend, "precision.backend", PrecisionBackend)
     if p.backend == "torchao":
         _validate_torchao(cfg)
+    if p.fp8_all_gather and (p.backend != "torchao" or not parallel.fsdp):
+        raise ConfigError("precision.fp8_all_gather=true gathers torchao's FP8 weights under FSDP; set "
+                          "precision=fp8 precision.backend=torchao parallel.fsdp=true, or drop it")
     if p.backend == "te" and p.name not in te.TE_RECIPES:
         raise ConfigError(f"precision.backend=te runs Transformer Engine's fp8 recipes (fp8, fp8_delayed); "
                           f"precision={p.name} needs precision.backend=native")

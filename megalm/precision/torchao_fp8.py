@@ -17,7 +17,9 @@ them (tests/unit/test_precision_torchao.py). What differs: `Float8Linear` casts 
 native path once per optimizer step) and keeps the input and weight in their own dtype for the backward (the
 native path keeps the input's FP8 copy), casting both again in the backward; its forward GEMM accumulates fast, as
 TorchTitan runs it. Under FSDP (torch's `fully_shard`) the weights are gathered in their own dtype and cast after
-the gather, as the native path casts them: torchao's float8 all-gather (`enable_fsdp_float8_all_gather`) stays off.
+the gather, as the native path casts them; with `precision.fp8_all_gather=true`, torchao's float8 all-gather
+(`enable_fsdp_float8_all_gather`): each weight is cast from its fp32 shard and gathered in FP8, half of bf16's bytes,
+with the whole weight's scale, precomputed for all weights after each optimizer step (`precompute_weight_scales`).
 
 Where `torch._scaled_mm` does not run (a CPU, a GPU below compute capability 8.9) torchao emulates
 (`Float8LinearConfig(emulate=True)`: the casts round as on a GPU, the GEMMs run in the inputs' dtype), as the native
@@ -63,11 +65,14 @@ def torchao_problem() -> str | None:
     return None
 
 
-def apply_torchao(model: nn.Module, skip: list[str] | tuple[str, ...] = (), emulate: bool = False) -> tuple[int, int]:
+def apply_torchao(model: nn.Module, skip: list[str] | tuple[str, ...] = (), emulate: bool = False,
+                  fsdp_fp8_all_gather: bool = False) -> tuple[int, int]:
     """Swap the model `Linear` layers of `model` not matched by `skip` (as `apply_precision` reads it) for torchao
     `Float8Linear` layers with tensorwise scaling and the same Parameters. `emulate`: FP8 casts with GEMMs in the
-    inputs' dtype (no torch._scaled_mm). Returns (layers swapped, layers left as they are because torch._scaled_mm
-    takes no dimension that is not a multiple of 16: megalm's native path emulates those, torchao's would fail)."""
+    inputs' dtype (no torch._scaled_mm). `fsdp_fp8_all_gather`: their weights become torchao's FSDP2 extension
+    (`WeightWithDynamicFloat8CastTensor`), which FSDP gathers in FP8 (`precision.fp8_all_gather`). Returns (layers
+    swapped, layers left as they are because torch._scaled_mm takes no dimension that is not a multiple of 16:
+    megalm's native path emulates those, torchao's would fail)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     skipped = skip_predicate(model, skip)
@@ -76,5 +81,16 @@ def apply_torchao(model: nn.Module, skip: list[str] | tuple[str, ...] = (), emul
     multiple = fp8.SCALED_MM_TOKEN_MULTIPLE  # torch._scaled_mm's rule, for every GEMM dimension
     chosen = {id(m) for m in layers if emulate or (m.in_features % multiple == 0 and m.out_features % multiple == 0)}
     convert_to_float8_training(model, module_filter_fn=lambda module, _fqn: id(module) in chosen,
-                               config=Float8LinearConfig(emulate=emulate))
+                               config=Float8LinearConfig(emulate=emulate,
+                                                         enable_fsdp_float8_all_gather=fsdp_fp8_all_gather))
     return len(chosen), len(layers) - len(chosen)
+
+
+def precompute_weight_scales(chunks: list[nn.Module]) -> None:
+    """The scales the next FP8 all-gathers cast with, of every converted weight of each chunk (FSDP-sharded), from
+    one all-reduce of their shards' amaxes a chunk (torchao's `precompute_float8_dynamic_scale_for_fsdp`, which
+    TorchTitan calls after each optimizer step); without it each gather all-reduces its own weight's amax."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    for chunk in chunks:
+        precompute_float8_dynamic_scale_for_fsdp(chunk)

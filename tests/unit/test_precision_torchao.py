@@ -18,7 +18,7 @@ from torch import nn
 from megalm.errors import ConfigError
 from megalm.model.linear import Linear
 from megalm.model.naming import canonical_named_parameters
-from megalm.precision import torchao_fp8
+from megalm.precision import Precision, torchao_fp8
 from megalm.precision.install import apply_precision
 from megalm.precision.recipes import get_recipe
 from megalm.training.trainer import Trainer
@@ -135,11 +135,29 @@ def test_what_torchao_cannot_run_is_refused_naming_the_fix(overrides, fix):
         validate_run(cfg, world_size=2 if any("=2" in o for o in overrides) else 1)
 
 
+@pytest.mark.parametrize("overrides, fix", [
+    (["precision=fp8", "precision.backend=torchao", "parallel.dp=2"], "parallel.fsdp=true"),
+    (["precision=fp8", "parallel.dp=2", "parallel.fsdp=true"], "precision.backend=torchao"),
+    (["precision=bf16", "parallel.dp=2", "parallel.fsdp=true"], "precision=fp8"),
+], ids=["without_fsdp", "native", "bf16"])
+def test_fp8_all_gather_outside_torchao_under_fsdp_is_refused_naming_the_fix(overrides, fix):
+    cfg = compose_config(*overrides, "precision.fp8_all_gather=true")
+    with pytest.raises(ConfigError, match=fix.replace(".", r"\.")):
+        validate_run(cfg, world_size=2)
+
+
 def test_without_torchao_the_native_path_runs_and_says_so(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(torchao_fp8, "torchao_problem", lambda: "torchao is not importable (here, on purpose)")
     with caplog.at_level(logging.WARNING, logger="megalm"):
         trainer = Trainer(compose_config(*TORCHAO), tmp_path)
     assert "precision.backend=torchao but torchao is not importable" in caplog.text
+    assert "precision.fp8_all_gather" not in caplog.text  # not asked for: not mentioned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        asked = Precision(compose_config(*TORCHAO, "precision.fp8_all_gather=true").precision, 0, torch.device("cpu"))
+    assert not asked.fp8_all_gather
+    [line] = [r.getMessage() for r in caplog.records if "torchao is not importable" in r.getMessage()]
+    assert "precision.fp8_all_gather needs torchao" in line  # the slower path, said in the same line
     assert not [m for m in trainer.model.modules() if type(m).__name__ == "Float8Linear"]
     assert all(m.gemm_recipe is not None for m in trainer.model.layers[0].modules() if type(m) is Linear)
 

@@ -20,7 +20,8 @@ Composition (docs/architecture.md, "Fully sharded data parallelism"):
   gradients are reduce-scattered in fp32 into fp32 shards (`parallel.grad_reduce_dtype` picks bf16 instead). There
   is no separate main_grad: the sharded fp32 gradient is it. FP8/MX recipes quantize each weight after its gather,
   every use (Parallelism.watch_optimizer: no per-step cache, which would hold a whole FP8 model per rank); gathering
-  in FP8 would need a tensor subclass FSDP can all-gather (torchao's), which megalm's recipes are not.
+  in FP8 needs a tensor subclass FSDP can all-gather, which megalm's recipes are not and torchao's weights are
+  (`precision.fp8_all_gather`, precision/torchao_fp8.py).
 """
 
 from __future__ import annotations
