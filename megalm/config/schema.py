@@ -367,8 +367,9 @@ class PrecisionConfig:
     fp8_all_gather: bool = False
     """precision.backend=torchao under FSDP (parallel.fsdp=true): FSDP gathers each converted linear's weight in FP8
     (1 byte an element, where bf16 gathers 2), cast from its fp32 shard with the whole weight's scale, which each
-    optimizer step precomputes for all of them in one all-reduce (TorchTitan's enable_fsdp_float8_all_gather and
-    precompute_float8_dynamic_scale_for_fsdp; Megatron's --fp8-param-gather). False: gathered, then cast."""
+    optimizer step precomputes for all of a model chunk's weights in one all-reduce (TorchTitan's
+    enable_fsdp_float8_all_gather and precompute_float8_dynamic_scale_for_fsdp; Megatron's --fp8-param-gather). A
+    weight whose rows do not divide over FSDP's shards is gathered, then cast (one log line). False: all are."""
     autocast: bool = True
     """fp8/mx recipes on fp32 weights (`bf16_weights` false): bf16 autocast for the rest of the model (false: fp32
     around the recipe, and fp32 weights where `bf16_weights` is auto). Not read by bf16 (bf16 weights, no autocast)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 
@@ -100,14 +100,20 @@ def _unaliased_outputs(out: object, inputs: object) -> list[torch.Tensor]:
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages under `tensors` (views and tensors sharing a storage count it once)."""
-    storages = {storage_identity(t): t.untyped_storage().nbytes() for t in map(_own_elements, tensors)}
+    storages = {storage_identity(s): s.untyped_storage().nbytes() for t in tensors for s in _own_elements(t)}
     return sum(storages.values())
 
 
-def _own_elements(t: torch.Tensor) -> torch.Tensor:
-    """What `t` stores on this rank: an FSDP shard's local tensor (a DTensor's own storage is its whole size). The
-    twin of megalm.model.shard.local_part, which this lowest layer may not import."""
-    return t.to_local() if isinstance(t, DTensor) else t
+def _own_elements(t: torch.Tensor) -> list[torch.Tensor]:
+    """What `t` stores on this rank: an FSDP shard's local tensor (a DTensor's own storage is its whole size), and
+    a wrapper subclass's inner tensors (torchao's FP8-gathered weight wraps its shard; the wrapper's own storage is a
+    placeholder, whose address a later one may reuse). The twin of megalm.model.shard.local_part, which this lowest
+    layer may not import."""
+    t = t.to_local() if isinstance(t, DTensor) else t
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [inner for name in names for inner in _own_elements(getattr(t, name))]
+    return [t]
 
 
 class LiveStorages(TorchDispatchMode):
@@ -154,7 +160,7 @@ class LiveStorages(TorchDispatchMode):
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count the storages of `tensors` (e.g. parameters made before the mode was entered) until freed."""
-        for tensor in map(_own_elements, tensors):
+        for tensor in (inner for t in tensors for inner in _own_elements(t)):
             storage = tensor.untyped_storage()
             key = id(storage)
             if key in self.live:

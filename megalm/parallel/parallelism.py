@@ -49,7 +49,7 @@ from megalm.parallel.data_parallel.reducer import GradReducer
 from megalm.parallel.data_parallel.slices import DataParallelSlices, validate_data_parallel
 from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh, check_same_on_all_ranks, resolve_dims
 from megalm.parallel.expert import apply_expert_parallel, expert_parameters, validate_experts
-from megalm.parallel.fsdp import FsdpGrads, apply_fsdp, fsdp_mesh, validate_fsdp
+from megalm.parallel.fsdp import FsdpGrads, apply_fsdp, fsdp_mesh, fsdp_shard_count, validate_fsdp
 from megalm.parallel.hdp.split import HdpSplit, hdp_cost_model, validate_hdp
 from megalm.parallel.microbatch import LocalMicroBatch, PaddedContext, Ring, StepShare
 from megalm.parallel.norms import NormShare, scaled_share
@@ -78,7 +78,7 @@ class ModelConverter(Protocol):
     token_multiple: int
     working_dtype: torch.dtype | None
 
-    def convert(self, chunk: nn.Module) -> None: ...
+    def convert(self, chunk: nn.Module, fsdp_shards: int = 1) -> None: ...
 
     def forward_context(self) -> contextlib.AbstractContextManager: ...
 
@@ -212,7 +212,7 @@ class Parallelism:
                 apply_tensor_parallel(chunk, mesh.tp_group, p.sequence_parallel, mesh.progress)
                 apply_expert_parallel(chunk, mesh)
                 for converter in self.converters:
-                    converter.convert(chunk)
+                    converter.convert(chunk, fsdp_shard_count(p))
                 apply_recompute(chunk, stage_mode(p.recompute, mesh.pp_rank, p.pp))
             if p.fsdp:
                 experts = None if mesh.expert_dp_group is None else DeviceMesh.from_group(

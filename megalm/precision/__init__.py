@@ -193,8 +193,10 @@ class Precision:
             self.fallback = f", {why}"
         self.fp8_all_gather = cfg.fp8_all_gather and self.on_torchao
 
-    def convert(self, chunk: nn.Module) -> None:
-        """Install the recipe on the linear layers of `chunk` (a GPT or a pipeline chunk)."""
+    def convert(self, chunk: nn.Module, fsdp_shards: int = 1) -> None:
+        """Install the recipe on the linear layers of `chunk` (a GPT or a pipeline chunk). `fsdp_shards`: the ranks
+        FSDP will shard each weight's rows over (1: none), where `precision.fp8_all_gather` gathers a weight in FP8
+        if its rows divide over them."""
         name, skip = self.cfg.name, list(self.cfg.skip)
         skipped = f", skipping {skip}" if skip else ""
         if name in WHOLE_MODEL:
@@ -204,11 +206,15 @@ class Precision:
             self.note = f"{name} on {count} linear layers (transformer_engine {type(te.te_recipe(name)).__name__})"
         elif self.on_torchao:
             emulate = not fp8.scaled_mm_runs(self.device)
-            count, left = torchao_fp8.apply_torchao(chunk, skip, emulate=emulate,
-                                                    fsdp_fp8_all_gather=self.fp8_all_gather)
+            count, left, uneven = torchao_fp8.apply_torchao(
+                chunk, skip, emulate=emulate, fp8_gather_shards=fsdp_shards if self.fp8_all_gather else None)
             how = "FP8 GEMMs emulated: no torch._scaled_mm here" if emulate else "torch._scaled_mm"
-            gather = "; FSDP gathers their weights in FP8" if self.fp8_all_gather else ""
+            gather = f"; FSDP gathers {count - len(uneven)} of their weights in FP8" if self.fp8_all_gather else ""
             self.note = f"{name} on {count} linear layers (torchao Float8Linear, tensorwise; {how}{gather})"
+            if uneven:
+                log.warning("precision.fp8_all_gather: %d linear layers (%s, ...) are gathered in their own dtype, "
+                            "then cast: their rows do not divide over FSDP's %d shards, which torchao's FP8 gather "
+                            "needs", len(uneven), uneven[0], fsdp_shards)
             if left:
                 log.warning("precision.backend=torchao: %d linear layers stay in the trainer's precision (a dimension "
                             "is not a multiple of 16, which torch._scaled_mm needs; precision.backend=native "
@@ -230,9 +236,9 @@ class Precision:
 
     def watch_sharded_optimizer(self, optimizer: object, chunks: list[nn.Module]) -> None:
         """Under FSDP, with torchao's FP8 all-gather: after each of `optimizer`'s steps, the new weights' scales for
-        the next gathers, all at once (`torchao_fp8.precompute_weight_scales`). Until the first step (a checkpoint
-        may load the weights after this is called) each gather takes its weight's scale with an all-reduce of its
-        own, as torchao does without a precomputed one."""
+        the next gathers, a chunk's in one all-reduce (`torchao_fp8.precompute_weight_scales`). Until the first step
+        (a checkpoint may load the weights after this is called) each gather takes its weight's scale with an
+        all-reduce of its own, as torchao does without a precomputed one."""
         if self.fp8_all_gather:
             optimizer.register_step_post_hook(  # type: ignore[attr-defined]
                 lambda *_: torchao_fp8.precompute_weight_scales(chunks))
@@ -293,6 +299,9 @@ def validate_precision(cfg: MegalmConfig) -> None:
     if p.fp8_all_gather and (p.backend != "torchao" or not parallel.fsdp):
         raise ConfigError("precision.fp8_all_gather=true gathers torchao's FP8 weights under FSDP; set "
                           "precision=fp8 precision.backend=torchao parallel.fsdp=true, or drop it")
+    if p.fp8_all_gather and parallel.fsdp_cpu_offload:
+        raise ConfigError("precision.fp8_all_gather=true with parallel.fsdp_cpu_offload=true is not supported: the "
+                          "weights' FP8 scales would be reduced from host memory over the GPUs' groups; drop one")
     if p.backend == "te" and p.name not in te.TE_RECIPES:
         raise ConfigError(f"precision.backend=te runs Transformer Engine's fp8 recipes (fp8, fp8_delayed); "
                           f"precision={p.name} needs precision.backend=native")

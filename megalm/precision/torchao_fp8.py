@@ -66,24 +66,31 @@ def torchao_problem() -> str | None:
 
 
 def apply_torchao(model: nn.Module, skip: list[str] | tuple[str, ...] = (), emulate: bool = False,
-                  fsdp_fp8_all_gather: bool = False) -> tuple[int, int]:
+                  fp8_gather_shards: int | None = None) -> tuple[int, int, list[str]]:
     """Swap the model `Linear` layers of `model` not matched by `skip` (as `apply_precision` reads it) for torchao
     `Float8Linear` layers with tensorwise scaling and the same Parameters. `emulate`: FP8 casts with GEMMs in the
-    inputs' dtype (no torch._scaled_mm). `fsdp_fp8_all_gather`: their weights become torchao's FSDP2 extension
-    (`WeightWithDynamicFloat8CastTensor`), which FSDP gathers in FP8 (`precision.fp8_all_gather`). Returns (layers
-    swapped, layers left as they are because torch._scaled_mm takes no dimension that is not a multiple of 16:
-    megalm's native path emulates those, torchao's would fail)."""
+    inputs' dtype (no torch._scaled_mm). `fp8_gather_shards` (`precision.fp8_all_gather`: the ranks FSDP shards each
+    weight's rows over): the weights become torchao's FSDP2 extension (`WeightWithDynamicFloat8CastTensor`), which
+    FSDP gathers in FP8, where their rows divide evenly over those ranks; torchao casts a shard without FSDP's
+    padding, so an uneven one would send fewer bytes than its peers. Returns (layers swapped, layers left as they
+    are because torch._scaled_mm takes no dimension that is not a multiple of 16: megalm's native path emulates
+    those, torchao's would fail, the names of swapped layers gathered in their own dtype for uneven rows)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     skipped = skip_predicate(model, skip)
-    layers = [module for name, module in canonical_named_modules(model)
+    layers = [(name, module) for name, module in canonical_named_modules(model)
               if type(module) is Linear and not skipped(name, module)]
     multiple = fp8.SCALED_MM_TOKEN_MULTIPLE  # torch._scaled_mm's rule, for every GEMM dimension
-    chosen = {id(m) for m in layers if emulate or (m.in_features % multiple == 0 and m.out_features % multiple == 0)}
-    convert_to_float8_training(model, module_filter_fn=lambda module, _fqn: id(module) in chosen,
-                               config=Float8LinearConfig(emulate=emulate,
-                                                         enable_fsdp_float8_all_gather=fsdp_fp8_all_gather))
-    return len(chosen), len(layers) - len(chosen)
+    chosen = [(name, m) for name, m in layers
+              if emulate or (m.in_features % multiple == 0 and m.out_features % multiple == 0)]
+    gathered = {id(m) for _, m in chosen if fp8_gather_shards and m.out_features % fp8_gather_shards == 0}
+    uneven = [name for name, m in chosen if fp8_gather_shards and id(m) not in gathered]
+    for in_fp8 in (True, False):
+        ids = {id(m) for _, m in chosen if (id(m) in gathered) == in_fp8}
+        if ids:
+            convert_to_float8_training(model, module_filter_fn=lambda module, _fqn, ids=ids: id(module) in ids,
+                                       config=Float8LinearConfig(emulate=emulate, enable_fsdp_float8_all_gather=in_fp8))
+    return len(chosen), len(layers) - len(chosen), uneven
 
 
 def precompute_weight_scales(chunks: list[nn.Module]) -> None:

@@ -13,7 +13,7 @@ apply.py   the FSDP mesh (FSDP or HSDP), fully_shard per block and root, the pre
 grads.py   `FsdpGrads`: the step's gradients are FSDP's sharded ones; their norm, clipping and the tied embedding
 """
 
-from megalm.parallel.fsdp.apply import apply_fsdp, fsdp_mesh, validate_fsdp
+from megalm.parallel.fsdp.apply import apply_fsdp, fsdp_mesh, fsdp_shard_count, validate_fsdp
 from megalm.parallel.fsdp.grads import FsdpGrads
 
-__all__ = ["FsdpGrads", "apply_fsdp", "fsdp_mesh", "validate_fsdp"]
+__all__ = ["FsdpGrads", "apply_fsdp", "fsdp_mesh", "fsdp_shard_count", "validate_fsdp"]

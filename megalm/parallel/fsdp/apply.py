@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from megalm.config import MegalmConfig, zero_bubble
+from megalm.config import MegalmConfig, ParallelConfig, zero_bubble
 from megalm.errors import ConfigError
 from megalm.model.moe import MoE
 from megalm.model.naming import model_chunks
@@ -72,6 +72,11 @@ def validate_fsdp(cfg: MegalmConfig) -> None:
     if p.fsdp_shard_size is not None and (p.fsdp_shard_size < 1 or domain % p.fsdp_shard_size):
         raise ConfigError(f"parallel.fsdp_shard_size={p.fsdp_shard_size} must divide dp*cp={domain} (HSDP: shard "
                           "within groups of that many ranks, replicate across them); null shards over all of them")
+
+
+def fsdp_shard_count(p: ParallelConfig) -> int:
+    """The ranks FSDP shards each parameter's rows over: dp*cp, or `fsdp_shard_size` under HSDP; 1 without FSDP."""
+    return (p.fsdp_shard_size or (p.dp or 1) * p.cp) if p.fsdp else 1
 
 
 def fsdp_mesh(mesh: ParallelMesh, shard_size: int | None, device_type: str) -> DeviceMesh:
