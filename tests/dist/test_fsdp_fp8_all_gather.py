@@ -51,9 +51,10 @@ def fp8_weights(trainer: Trainer) -> list[torch.Tensor]:
             if type(p.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"]
 
 
-def check_fp8_gather(rank: int, world_size: int, tmp: str, weights_dtype: str) -> None:
+def check_fp8_gather(rank: int, world_size: int, tmp: str, weights_dtype: str, pp: int) -> None:
     overrides, plain_bytes_each, loss_rtol = WEIGHTS[weights_dtype]
-    layout = [f"parallel.dp={world_size}", f"trainer.global_batch_size={4 * world_size}"]
+    dp = world_size // pp
+    layout = [f"parallel.dp={dp}", f"parallel.pp={pp}", f"trainer.global_batch_size={4 * dp}"]
     runs = {}
     for name, extra in (("plain", []), ("fp8", ["precision.fp8_all_gather=true"])):
         trainer = Trainer(compose_config(*TORCHAO_FSDP, *layout, *overrides, *extra), f"{tmp}/{name}")
@@ -72,11 +73,11 @@ def check_fp8_gather(rank: int, world_size: int, tmp: str, weights_dtype: str) -
     # torchao casts a shard without FSDP's padding: a weight whose rows do not divide over the ranks stays plain
     # (dp 3 here: qkv's 128 rows and the 64 of o and down; gate/up's 384 divide)
     converted = [m for m in fp8[0].model.modules() if type(m).__name__ == "Float8Linear"]
-    even = [m for m in converted if m.out_features % world_size == 0]
-    assert len(weights) == len(even) and (world_size == 2) == (len(even) == len(converted)), (rank, len(weights))
+    even = [m for m in converted if m.out_features % dp == 0]
+    assert len(weights) == len(even) and (dp == 2) == (len(even) == len(converted)), (rank, len(weights))
     # every block is gathered twice a micro-batch (its forward, and again for its backward: reshard_after_forward)
     t = fp8[0].cfg.trainer
-    micro_batches = t.global_batch_size // (t.micro_batch_size * world_size)
+    micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
     fewer = 2 * micro_batches * (plain_bytes_each - 1) * sum(w.to_local().numel() for w in weights)
     for step, ((_, plain_bytes, plain_reduces), (_, fp8_bytes, fp8_reduces)) in enumerate(zip(plain[1], fp8[1],
                                                                                             strict=True)):
@@ -99,10 +100,11 @@ def _needs_torchao() -> None:
         pytest.skip(torchao_problem())
 
 
-@pytest.mark.parametrize("weights_dtype, world", [("fp32", 2), ("bf16", 2), ("fp32", 3)],
-                         ids=["fp32", "bf16", "fp32_dp3_uneven"])
-def test_fp8_all_gather_trains_as_the_plain_gather_moving_a_byte_an_element(tmp_path, weights_dtype, world):
-    run_distributed(check_fp8_gather, world, str(tmp_path), weights_dtype, timeout=240)
+@pytest.mark.parametrize("weights_dtype, dp, pp", [("fp32", 2, 1), ("bf16", 2, 1), ("fp32", 3, 1), ("fp32", 2, 2)],
+                         ids=["fp32", "bf16", "fp32_dp3_uneven", "fp32_pp2_dp2"])
+def test_fp8_all_gather_trains_as_the_plain_gather_moving_a_byte_an_element(tmp_path, weights_dtype, dp, pp):
+    """pp 2: each stage's chunk precomputes its own weights' scales over its stage's data-parallel ranks."""
+    run_distributed(check_fp8_gather, dp * pp, str(tmp_path), weights_dtype, pp, timeout=240)
 
 
 def test_fp8_all_gather_resumes_bit_exactly(tmp_path):
