@@ -1,0 +1,105 @@
+"""A run's training curves (loss, learning rate, gradient norm, tokens/s) and an MoE model's expert load, from its
+metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from megalm.plot.figures import PlotError, new_figure
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+def load_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of RUN_DIR/metrics.jsonl; PlotError (naming the line) if the dir, the file or a line is bad."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise PlotError(f"run dir {run_dir} does not exist (or is not a directory)")
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise PlotError(f"{path} not found: is {run_dir} a megalm run dir (megalm-train writes it)?")
+    records = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PlotError(f"{path} line {n} is not valid JSON ({e.msg}); truncated by a crash? "
+                            "delete or fix that line") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), (int, float)):
+            raise PlotError(f"{path} line {n} is not a metrics record (a JSON object with a numeric 'step')")
+        records.append(record)
+    if not records:
+        raise PlotError(f"{path} is empty: the run logged no step yet")
+    return records
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    pairs = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+# name: (keys, labels, y label, title)
+CURVES = {
+    "loss": (("loss", "val_loss"), ("train loss", "valid loss"), "cross-entropy loss (nats/token)", "loss"),
+    "lr": (("lr",), ("learning rate",), "learning rate", "learning rate"),
+    "grad_norm": (("grad_norm",), ("gradient norm",), "gradient norm (global L2, before clipping)",
+                  "gradient norm"),
+    "throughput": (("tokens_per_sec", "tokens_per_sec_per_gpu"), ("all ranks", "per GPU"), "tokens/s",
+                   "throughput"),
+}
+
+
+def plot_metrics(records: list[dict[str, Any]], run_name: str = "", log_loss: bool = False) -> dict[str, Figure]:
+    """One figure per curve in CURVES whose key a record has: {name: Figure}, x = optimizer step; `log_loss`: the
+    loss on a log y-axis (late training's small gains stay visible)."""
+    figures = {}
+    for name, (keys, labels, ylabel, title) in CURVES.items():
+        present = [(k, lab) for k, lab in zip(keys, labels, strict=True) if _series(records, k)[0]]
+        if name == "throughput" and _series(records, "tokens_per_sec") == _series(records, "tokens_per_sec_per_gpu"):
+            present = present[:1]  # one GPU: the per-GPU rate is the same curve
+        if not present:
+            continue
+        fig = new_figure(7.5, 4.2)
+        ax = fig.add_subplot()
+        for k, lab in present:
+            steps, values = _series(records, k)
+            few = len(steps) <= 30
+            ax.plot(steps, values, label=lab, marker="o" if few or k == "val_loss" else None, markersize=3)
+        if name == "throughput" and "tokens_per_sec_per_gpu" in dict(present):
+            ax.set_ylabel("tokens/s (all ranks, and per GPU)")
+        else:
+            ax.set_ylabel(ylabel)
+        if name == "lr":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        if name == "loss" and log_loss:
+            ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_title(f"{title} — {run_name}" if run_name else title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        figures[name] = fig
+    loads = [(r["step"], r["moe_load"]) for r in records if isinstance(r.get("moe_load"), list)]
+    if loads:
+        figures["expert_load"] = plot_expert_load(loads, run_name)
+    return figures
+
+
+def plot_expert_load(loads: list[tuple[int, list[float]]], run_name: str = "") -> Figure:
+    """Expert load over steps, one curve per MoE layer: the busiest expert's tokens over the mean (1 = uniform;
+    metrics.jsonl's `moe_load`, megalm/training/expert_load.py)."""
+    fig = new_figure(7.5, 4.2)
+    ax = fig.add_subplot()
+    steps = [s for s, _ in loads]
+    for i in range(len(loads[0][1])):
+        ax.plot(steps, [values[i] for _, values in loads], label=f"MoE layer {i + 1}")
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=0.8, label="uniform")
+    ax.set_xlabel("step")
+    ax.set_ylabel("max / mean tokens per expert")
+    ax.set_title(f"expert load — {run_name}" if run_name else "expert load")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig
