@@ -387,41 +387,23 @@ def prepare_graph_scales(layers: list) -> None:
     """Before a compiled block runs, in eager: each delayed-scaling layer's `graph_scales` (`GraphScales`) for the
     graph to cast x and dy with (None for other recipes' layers), each scale from its history as the eager path takes
     it (None while the history is empty: the graph then scales by the current amax, as the eager path's first step
-    does). Taken again only when a history changed (a step's `roll`, a checkpoint's load), from the scales made once
-    a step for every history rolled with it (`AmaxHistory.scale`: a few kernels a step for the whole model), with
-    the leaf tensor whose gradient brings each call's amaxes back to its histories (`_amax_sink`). `layers`:
-    linear.py's `RecipeGemms`."""
-    delayed = []
+    does): the scales made once a step for every history rolled with it (`AmaxHistory.scale`: a few kernels a step
+    for the whole model, and made again where a history changed), with the leaf tensor whose gradient brings each
+    call's amaxes back to its histories (`_amax_sink`). `layers`: linear.py's `RecipeGemms`."""
     for gemms in layers:
-        takes = gemms.recipe.casts_in_graph and gemms.recipe.delayed and gemms.state is not None
         gemms.graph_scales = None
-        if takes and gemms.weight is not None:
-            delayed.append(gemms)
-    stale = [gemms for gemms in delayed if _scales_stale(gemms)]
-    new: dict[int, dict[str, torch.Tensor]] = {id(gemms): {} for gemms in stale}
-    with torch.no_grad():
-        for gemms in stale:
+        w = gemms.weight
+        if not (gemms.recipe.casts_in_graph and gemms.recipe.delayed and gemms.state is not None and w is not None):
+            continue
+        scales = []
+        with torch.no_grad():
             for name, spec in (("x", gemms.recipe.fprop), ("dy", gemms.recipe.dgrad)):
                 history = gemms.state.amax[name]
-                if history.history is not None:
-                    new[id(gemms)][name] = history.scale(None, fp8.fp8_dtype(spec.a_format))
-    for gemms in stale:
-        histories = gemms.state.amax["x"], gemms.state.amax["dy"]
-        gemms._graph_scales_made = (tuple((h.history, getattr(h.history, "_version", None)) for h in histories),
-                                    (new[id(gemms)].get("x"), new[id(gemms)].get("dy")))
-    for gemms in delayed:
-        w, sink = gemms.weight, gemms._graph_sink
+                scales.append(None if history.history is None else history.scale(None, fp8.fp8_dtype(spec.a_format)))
+        sink = gemms._graph_sink
         if sink is None or sink.device != w.device or compat.is_fake(sink) != compat.is_fake(w):
             sink = gemms._graph_sink = _amax_sink(gemms, w.device)
-        gemms.graph_scales = GraphScales(*gemms._graph_scales_made[1], sink)
-
-
-def _scales_stale(gemms: Any) -> bool:
-    """Whether a layer's graph scales were made from other histories than its own now (their tensors, by identity,
-    and their in-place version: a step's `roll` writes into the history)."""
-    made, histories = gemms._graph_scales_made, (gemms.state.amax["x"], gemms.state.amax["dy"])
-    return made is None or any(h.history is not t or (t is not None and t._version != v)
-                               for h, (t, v) in zip(histories, made[0], strict=True))
+        gemms.graph_scales = GraphScales(*scales, sink)
 
 
 def _amax_sink(gemms: Any, device: torch.device) -> torch.Tensor:

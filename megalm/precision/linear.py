@@ -109,7 +109,6 @@ class RecipeGemms:
         self._graph_token: tuple | None = None  # what _graph_copies are valid for (`_weight_token`)
         self._graph_eligible: tuple | None = None  # (the weight, whether the graph can read its copies)
         self.graph_scales: compiled_linear.GraphScales | None = None  # compiled_linear.prepare_graph_scales
-        self._graph_scales_made: tuple | None = None  # (the histories they were made from, x's and dy's scales)
         self._graph_sink: torch.Tensor | None = None  # GraphScales.sink
 
     @property
@@ -121,13 +120,13 @@ class RecipeGemms:
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items()
                 if k not in ("handle", "graph_weights", "_graph_copies", "_graph_token", "_graph_eligible",
-                             "graph_scales", "_graph_scales_made", "_graph_sink")}
+                             "graph_scales", "_graph_sink")}
 
     def __setstate__(self, state: dict) -> None:  # a copy (deepcopy, pickle) is a layer of its own: its own handle
         self.__dict__.update(state)
         self.handle, self.graph_weights, self._graph_copies = compiled_linear.layer_handle(self), None, None
         self._graph_token = self._graph_eligible = None
-        self.graph_scales = self._graph_scales_made = self._graph_sink = None
+        self.graph_scales = self._graph_sink = None
 
     def compiled_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         out_dtype: torch.dtype) -> torch.Tensor:
