@@ -14,7 +14,7 @@ for gradients. Where amax comes from:
     delayed  max of the amaxes of the last `history_len` steps (Transformer Engine's default recipe; the
              history per step, as torchao's delayed scaling keeps it): no pass before the cast, but a
              tensor that grew since then is clipped. The step's amaxes join the history when the next
-             step starts (`AmaxHistory`).
+             step starts (`amax_history.AmaxHistory`).
     rowwise  one scale per row of an operand along the GEMM's reduction dim K (DeepSeek-V3 style
              fine-grained scaling, coarser): outliers only hurt their own row.
 
