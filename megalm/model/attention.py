@@ -187,6 +187,16 @@ def _sdpa_varlen_attention(
 ) -> torch.Tensor:
     if _equal_documents(q, cu_seqlens, max_seqlen):
         return _batched_sdpa(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale)
+    return _per_document_sdpa(q, k, v, cu_seqlens, dropout_p, scale)
+
+
+@torch.compiler.disable
+def _per_document_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                       dropout_p: float, scale: float | None) -> torch.Tensor:
+    """Documents of unequal lengths without a varlen kernel (a CPU): one SDPA call per document. Eager under
+    torch.compile: the loop runs over the documents' offsets read to the host as Python ints, on which a traced loop
+    would be specialised and compiled again for almost every micro-batch (to dynamo's recompile limit, then eager
+    with a warning); left out of the graph, the block breaks once here and its graphs compile for the token count."""
     sdpa = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout_p, is_causal=True, scale=scale,
                              enable_gqa=q.shape[1] != k.shape[1])
     bounds = cu_seqlens.tolist()  # host copy: a device sync on CUDA, acceptable on this fallback path

@@ -1,7 +1,8 @@
 """`trainer.compile=true`: each transformer block is one graph, forward and backward, with no graph break and no
 recompile per step, for the single-process layouts whose blocks hold no Python that dynamo cannot trace; and a
 compiled run trains exactly as the eager one (fp32). Documents of equal length: the CPU's per-document SDPA loop
-for unequal ones reads `cu_seqlens` on the host and stays eager (a graph break by design)."""
+for unequal ones reads `cu_seqlens` on the host and stays eager (`torch.compiler.disable`: one graph break by design,
+and no graph compiled per document count)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,41 @@ def test_a_break_is_seen(tmp_path, monkeypatch):
     trainer = compiled_trainer(tmp_path, "eager")
     trainer.train_step(0)
     assert counters["graph_break"]
+
+
+def test_unequal_documents_on_a_cpu_leave_the_per_document_loop_eager_and_train_as_eager(tmp_path):
+    """On a CPU, documents of unequal lengths run one SDPA call per document (no varlen kernel). That loop stays out
+    of the graph: its only break is the call into it, and no frame resumes inside it, where dynamo had compiled the
+    loop unrolled on the documents' offsets, read as Python ints (15 recompiles in 20 steps, then its recompile limit
+    under inductor). The compiled steps (aot_eager, fp32) give eager's losses."""
+    from megalm.model.attention import _per_document_sdpa
+    from megalm.model.gpt import TransformerBlock
+
+    overrides = ["data=synthetic", "data.varlen=true"]
+    eager = Trainer(compose_config(*overrides, "trainer.compile=false"), tmp_path / "eager")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = Trainer(compose_config("trainer.compile=true", "trainer.compile_backend=aot_eager", *overrides),
+                       tmp_path / "compiled")
+    layouts = set()
+    forward = TransformerBlock.forward
+
+    def counting_forward(self, x, cu_seqlens, *args, **kwargs):  # the eager model's blocks (the compiled ones hold
+        layouts.add(tuple(cu_seqlens.tolist()))  # their compiled forward as an attribute of their own)
+        return forward(self, x, cu_seqlens, *args, **kwargs)
+
+    for step in range(20):
+        with mock.patch.object(TransformerBlock, "forward", counting_forward):
+            expected = eager.train_step(step).loss
+        assert compiled.train_step(step).loss == pytest.approx(expected, rel=1e-6, abs=1e-7), step
+    unequal = {offsets for offsets in layouts
+               if len({b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True)}) > 1}
+    assert len(unequal) > 8, layouts  # more layouts of unequal documents than dynamo's recompile limit
+    breaks = dict(counters["graph_break"])
+    assert breaks and all(_per_document_sdpa.__name__ in reason for reason in breaks), breaks
+    frames = {code.co_name for code in torch._dynamo.utils.guard_failures}
+    assert not any("sdpa" in name and name.startswith("torch_dynamo_resume") for name in frames), frames
+    assert not counters["stats"].get("recompile_limit_hit"), dict(counters["stats"])
 
 
 MOE = ["model=moe_tiny", "precision=bf16", "model.moe.capacity_factor=1.25", "model.moe.seq_aux_loss_coeff=0.01"]
