@@ -65,7 +65,9 @@ def install_counters(counters: Counters) -> None:
     """Wrap the torch.distributed collectives. Call it before megalm is imported: modules that bind
     a collective at import time (`x = dist.all_gather_into_tensor`) then bind the wrapper."""
     for name in COUNTED:
-        original = getattr(dist, name)
+        original = getattr(dist, name, None)
+        if original is None:  # a collective this torch lacks (all_gather_single, reduce_scatter_single: 2.13 on)
+            continue
 
         def counted(*args, _name=name, _original=original, **kwargs):
             if not counters.on:
