@@ -223,7 +223,7 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
     t = cfg.trainer
     for key in ("max_steps", "global_batch_size", "micro_batch_size", "log_interval", "eval_iters", "keep_last"):
         positive(getattr(t, key), f"trainer.{key}")
-    for key in ("eval_interval", "save_interval"):
+    for key in ("eval_interval", "save_interval", "gc_interval"):
         non_negative(getattr(t, key), f"trainer.{key}", "turns it off")
     if t.stop_at_step is not None and not 0 < t.stop_at_step <= t.max_steps:
         raise ConfigError(f"trainer.stop_at_step={t.stop_at_step} must be in [1, trainer.max_steps={t.max_steps}]")

@@ -37,6 +37,7 @@ from megalm.training.init_from import load_init_weights
 from megalm.training.metrics import MetricsLogger, ThroughputWindow, peak_memory_gb
 from megalm.training.optim import build_optimizer, current_weights, lr_at, set_lr
 from megalm.training.preemption import Preemption
+from megalm.training.python_gc import StepBoundaryGC
 from megalm.training.results import StepResult, TrainSummary
 from megalm.training.validation import validate_run
 from megalm.training.watchdog import Watchdog, joining_watchdog
@@ -230,12 +231,14 @@ class Trainer:
         start = time.perf_counter()
         window = ThroughputWindow(self.mesh.dims.world_size, self.peak)
         preempted = False
-        with self.preemption, self.watchdog:  # signals caught and hangs watched only while training
+        collector = StepBoundaryGC(t.gc_interval)  # Python's GC between steps only, while training
+        with self.preemption, self.watchdog, collector:  # signals caught and hangs watched only while training
             try:
                 while self.step < stop_at:
                     self.watchdog.beat(self.step + 1)
                     result = self.train_step(self.step)
                     self.step += 1
+                    collector.after_step(self.step)
                     self.consumed_tokens += result.tokens
                     window.add(result.tokens, result.flops)
                     losses.append((self.step, result.loss))
@@ -243,6 +246,7 @@ class Trainer:
                     evaluate = t.eval_interval > 0 and self.step % t.eval_interval == 0
                     if evaluate:
                         val_loss = self.evaluate()
+                        collector.full()
                         self.watchdog.beat(self.step + 1)
                     if self.step == 1 or self.step % t.log_interval == 0 or evaluate or self.step == stop_at:
                         record = {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
@@ -261,6 +265,7 @@ class Trainer:
                     saved = (t.save_interval and self.step % t.save_interval == 0) or self.step == stop_at
                     if saved:
                         last_saved = self.save()
+                        collector.full()
                         self.watchdog.beat(self.step + 1)
                     if self.step < stop_at and self.preemption.requested():
                         last_saved, preempted = last_saved if saved else self.save(), True

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
     (["tools/hdp_plan.py", "--step", "1", "parallel.hdp=true"], "set parallel.hdp=true and parallel.dp"),
     (["tools/bench/moe_balance.py", "--steps", "1", "model.hiden=2"], "unknown config key 'model.hiden'"),
     (["tools/bench/comm_volume.py", "--nproc", "2", "model.hiden=2"], "unknown config key 'model.hiden'"),
+    (["tools/bench/python_gc.py", "--steps", "1", "model.hiden=2"], "unknown config key 'model.hiden'"),
     (["tools/bench/context_parallel.py", "--nproc", "2", "model.hiden=2"], "unknown config key 'model.hiden'"),
     (["-m", "megalm.train", "--cfg", "job", "model.hiden=3"], "unknown config key 'model.hiden'"),
     (["tools/bench/throughput.py", "--steps", "0"], "--steps 0 must be >= 1"),

@@ -17,12 +17,17 @@ from tests.unit.test_structure import MODULES, PACKAGE, ROOT
 PROCESS_SETTINGS = re.compile(r"^(torch\.backends\.|torch\._dynamo\.config|torch\._inductor\.config)")
 SETTING_CALLS = {"torch.set_num_threads", "torch.set_default_dtype", "torch.set_default_device",
                  "torch.use_deterministic_algorithms", "torch.set_float32_matmul_precision",
-                 "warnings.filterwarnings", "warnings.simplefilter", "signal.signal", "torch._dynamo.reset"}
+                 "warnings.filterwarnings", "warnings.simplefilter", "signal.signal", "torch._dynamo.reset",
+                 "gc.disable", "gc.set_threshold", "gc.freeze"}
 GLOBAL_TORCH_HOOK = re.compile(r"^register_(module|optimizer_step)_\w*hook$")  # torch's hooks on every module/optimizer
 APPLIED_AT_START = {  # (file, function): where the trainer applies process-wide settings from its config
     ("megalm/training/trainer.py", "Trainer.__init__"): "trainer.num_threads",
     ("megalm/precision/__init__.py", "Precision.__init__"): "precision.tf32 on a GPU",
     ("megalm/training/preemption.py", "*"): "trainer.preempt_signals: handlers installed and restored by fit()",
+    ("megalm/training/python_gc.py", "StepBoundaryGC.__enter__"): "trainer.gc_interval: Python's automatic "
+                                                                  "collector off while fit() trains, on again after",
+    ("megalm/parallel/hdp/planner.py", "_plan"): "the automatic collector off while one plan is searched, restored "
+                                                 "in its `finally`",
     ("megalm/estimate/rank.py", "trace_compiled_blocks"): "megalm-estimate's trainer.compile=true: dynamo reset so "
                                                            "that each traced rank compiles afresh (docstring)",
 }
