@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.profile < 0 or (args.profile_trace and not args.profile):
         parser.error("--profile takes a number of steps >= 1; --profile-trace needs --profile")
     from megalm.training.metrics import peak_memory_gb
+    from megalm.training.python_gc import StepBoundaryGC
     from megalm.training.trainer import Trainer
 
     cfg = compose_config(overrides)
@@ -73,15 +74,19 @@ def main(argv: list[str] | None = None) -> dict:
         compiled = compiled if trainer.cfg.trainer.compile else None  # auto resolved: eager here
         device = trainer.device
         times, tokens, flops = [], [], []
-        for step in range(args.warmup + args.steps):
-            synchronize(device)
-            start = time.perf_counter()
-            result = trainer.train_step(step)
-            synchronize(device)
-            if step >= args.warmup:
-                times.append(time.perf_counter() - start)
-                tokens.append(result.tokens)
-                flops.append(result.flops)
+        # Python's collector as fit() runs it (trainer.gc_interval): off inside the steps, the young generations
+        # collected every gc_interval steps between them (untimed here: well under a millisecond)
+        with StepBoundaryGC(cfg.trainer.gc_interval) as collector:
+            for step in range(args.warmup + args.steps):
+                synchronize(device)
+                start = time.perf_counter()
+                result = trainer.train_step(step)
+                synchronize(device)
+                if step >= args.warmup:
+                    times.append(time.perf_counter() - start)
+                    tokens.append(result.tokens)
+                    flops.append(result.flops)
+                collector.after_step(step + 1)
         if args.profile:
             from megalm.measure.kernel_profile import profile_steps
 
