@@ -269,11 +269,12 @@ class TrainerConfig:
     """The torch.compile backend of trainer.compile: inductor (fused kernels), or aot_eager / eager to debug. megalm's
     aot_eager runs the joint-graph passes inductor runs (SP's re-gathers, full recompute on torch 2.11), so it saves
     what inductor's blocks save; eager cannot recompute an MoE model's blocks (refused in one line)."""
-    gc_interval: int = 50
+    gc_interval: int = 1
     """Python's garbage collector runs between steps only while training: its young generations every this many
-    steps, a full collection after each evaluation and checkpoint (TorchTitan's training.gc_freq, Megatron's
-    --manual-gc: a full collection inside a step pauses that rank 0.1-0.2 s, and the others wait for it at the next
-    collective); 0: Python's automatic collection (megalm/training/python_gc.py)."""
+    steps, a full collection after each evaluation and checkpoint (TorchTitan's training.gc_freq, 50 there;
+    Megatron's --manual-gc: a full collection inside a step pauses that rank 0.1-0.2 s, and the others wait for it
+    at the next collective). 1 frees what the compiler leaves after compiling within a step or two, as Python's own
+    collector would; 0: Python's automatic collection (megalm/training/python_gc.py)."""
     init_hang_minutes: float = 10.0
     """Joining the job (rendezvous, process groups, the model's build, the config check) longer than this: a hang
     report per rank, exit 124; 0: off."""

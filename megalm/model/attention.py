@@ -34,6 +34,7 @@ from megalm import compat
 from megalm.config import ModelConfig
 from megalm.config.choices import AttentionBackend
 from megalm.errors import ConfigError
+from megalm.model.document_sdpa import batched_sdpa, equal_documents, per_document_sdpa
 from megalm.model.linear import Linear
 from megalm.model.norm import RMSNorm
 from megalm.model.rope import apply_rope
@@ -158,24 +159,6 @@ def reference_varlen_attention(
     return (probs @ vf).transpose(0, 1).to(q.dtype)
 
 
-def _equal_documents(q: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> bool:
-    """Every document is max_seqlen long, read from shapes alone (no device sync). N documents of lengths l_i with
-    sum T (cu_seqlens[-1] == T) and max_seqlen = max l_i give N * max_seqlen >= T, equal only when every l_i is
-    max_seqlen; every caller passes the exact longest document (a larger one only makes this False)."""
-    return (cu_seqlens.numel() - 1) * max_seqlen == q.shape[0]
-
-
-def _batched_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                  dropout_p: float, scale: float | None) -> torch.Tensor:
-    """Documents all max_seqlen long: one torch SDPA call on [B, H, S, D] views of the packed [T, H, D] tensors."""
-    total, num_heads, head_dim = q.shape
-    num_docs = cu_seqlens.numel() - 1
-    to_bhsd = lambda t: t.reshape(num_docs, max_seqlen, t.shape[1], head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), dropout_p=dropout_p, is_causal=True,
-                                         scale=scale, enable_gqa=num_heads != k.shape[1])
-    return out.transpose(1, 2).reshape(total, num_heads, head_dim)
-
-
 def _sdpa_varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -185,27 +168,13 @@ def _sdpa_varlen_attention(
     dropout_p: float,
     scale: float | None,
 ) -> torch.Tensor:
-    if _equal_documents(q, cu_seqlens, max_seqlen):
-        return _batched_sdpa(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale)
-    return _per_document_sdpa(q, k, v, cu_seqlens, dropout_p, scale)
-
-
-@torch.compiler.disable
-def _per_document_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                       dropout_p: float, scale: float | None) -> torch.Tensor:
-    """Documents of unequal lengths without a varlen kernel (a CPU): one SDPA call per document. Eager under
-    torch.compile: the loop runs over the documents' offsets read to the host as Python ints, on which a traced loop
-    would be specialised and compiled again for almost every micro-batch (to dynamo's recompile limit, then eager
-    with a warning); left out of the graph, the block breaks once here and its graphs compile for the token count."""
-    sdpa = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout_p, is_causal=True, scale=scale,
-                             enable_gqa=q.shape[1] != k.shape[1])
-    bounds = cu_seqlens.tolist()  # host copy: a device sync on CUDA, acceptable on this fallback path
-    outs = []
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        if end > start:  # [1, H, S, D] views of this document
-            q_doc, k_doc, v_doc = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            outs.append(sdpa(q_doc, k_doc, v_doc).squeeze(0).transpose(0, 1))
-    return torch.cat(outs, dim=0)
+    if equal_documents(q, cu_seqlens, max_seqlen):
+        return batched_sdpa(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale)
+    if torch.compiler.is_compiling():  # the loop left out of the graph (imported here: it imports torch._dynamo)
+        from megalm.model.eager_attention import per_document_sdpa_outside_graphs as loop
+    else:
+        loop = per_document_sdpa
+    return loop(q, k, v, cu_seqlens, dropout_p, scale)
 
 
 def varlen_attention(
@@ -232,8 +201,8 @@ def varlen_attention(
     if backend in ("torch_varlen", "cudnn"):
         if dropout_p > 0.0:
             raise ValueError(f"the {backend} attention backend has no dropout")
-        if backend == "cudnn" and _equal_documents(q, cu_seqlens, max_seqlen):
-            return _batched_sdpa(q, k, v, cu_seqlens, max_seqlen, 0.0, scale)
+        if backend == "cudnn" and equal_documents(q, cu_seqlens, max_seqlen):
+            return batched_sdpa(q, k, v, cu_seqlens, max_seqlen, 0.0, scale)
         return compat.varlen_attn(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, scale=scale)
     if backend == "sdpa":
         return _sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale)

@@ -124,7 +124,10 @@ def compiled_expert_parallel(rank: int, world_size: int, tmp: str) -> None:
     eager, compiled = (trainer.train_step(0).loss for trainer in runs)
     assert compiled == pytest.approx(eager, rel=1e-6), (rank, compiled, eager)
     breaks = list(counters["graph_break"])
-    assert breaks and all("_local_scalar_dense" in reason for reason in breaks), (rank, breaks)
+    from megalm.model.document_sdpa import per_document_sdpa  # eager on unequal documents (torch.compiler.disable)
+
+    host_reads = ("_local_scalar_dense", per_document_sdpa.__name__)
+    assert breaks and all(any(read in reason for read in host_reads) for reason in breaks), (rank, breaks)
     lr = runs[0].cfg.optim.lr
     for (name, p), q in zip(runs[0].model.named_parameters(), runs[1].model.parameters(), strict=True):
         moved_otherwise = ((p.float() - q.float()).abs() > lr / 2).float().mean().item()

@@ -80,7 +80,7 @@ def test_unequal_documents_on_a_cpu_leave_the_per_document_loop_eager_and_train_
     of the graph: its only break is the call into it, and no frame resumes inside it, where dynamo had compiled the
     loop unrolled on the documents' offsets, read as Python ints (15 recompiles in 20 steps, then its recompile limit
     under inductor). The compiled steps (aot_eager, fp32) give eager's losses."""
-    from megalm.model.attention import _per_document_sdpa
+    from megalm.model.document_sdpa import per_document_sdpa
     from megalm.model.gpt import TransformerBlock
 
     overrides = ["data=synthetic", "data.varlen=true"]
@@ -104,7 +104,7 @@ def test_unequal_documents_on_a_cpu_leave_the_per_document_loop_eager_and_train_
                if len({b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True)}) > 1}
     assert len(unequal) > 8, layouts  # more layouts of unequal documents than dynamo's recompile limit
     breaks = dict(counters["graph_break"])
-    assert breaks and all(_per_document_sdpa.__name__ in reason for reason in breaks), breaks
+    assert breaks and all(per_document_sdpa.__name__ in reason for reason in breaks), breaks
     frames = {code.co_name for code in torch._dynamo.utils.guard_failures}
     assert not any("sdpa" in name and name.startswith("torch_dynamo_resume") for name in frames), frames
     assert not counters["stats"].get("recompile_limit_hit"), dict(counters["stats"])

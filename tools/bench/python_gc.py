@@ -3,15 +3,15 @@
     python tools/bench/python_gc.py model=1.3b --steps 100
     python tools/bench/python_gc.py model=1.3b --steps 100 trainer.compile=true
 
-Runs `Trainer.fit` twice on the same config, with `trainer.gc_interval=0` (Python's automatic collection) and with
-the config's own interval (default 50), and reports for each: the collections that ran inside a step, by generation,
-and the time they paused it, timed by `gc.callbacks` around each collection (not by megalm's own bookkeeping), and
-the collections between steps. Then, on the trained process, how many objects the collector tracks and what a full
-collection takes (median of 5). The model keeps the overrides' layer count at a width of 64 and 128 tokens (as
-tools/bench/host_overhead.py): the objects Python tracks and allocates per step follow the layers and modules, not
-the width. Under `trainer.compile=true` each run compiles afresh (dynamo reset), so its first steps hold the
-compilation and what it allocates, as a run's first steps do. A CPU's figures, not a GPU host's: the pause of a full
-collection scales with the objects tracked on either.
+Runs `Trainer.fit` on the same config with `trainer.gc_interval` 0 (Python's automatic collection), 1 (megalm's
+default), 50 (TorchTitan's) and the config's own, and reports for each: the collections that ran inside a step, by
+generation, and the time they paused it, timed by `gc.callbacks` around each collection (not by megalm's own
+bookkeeping), and the collections between steps. Then, on the trained process, how many objects the collector tracks
+and what a full collection takes (median of 5). The model keeps the overrides' layer count at a width of 64 and 128
+tokens (as tools/bench/host_overhead.py): the objects Python tracks and allocates per step follow the layers and
+modules, not the width. Under `trainer.compile=true` each run compiles afresh (dynamo reset), so its first steps
+hold the compilation and what it allocates, as a run's first steps do. A CPU's figures, not a GPU host's: the pause
+of a full collection scales with the objects tracked on either.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         raise ConfigError(f"--steps {args.steps} must be >= 1")
     configured = compose_config(NARROW + overrides).trainer.gc_interval
-    rows = [run(overrides, args.steps, interval) for interval in dict.fromkeys([0, configured or 50])]
+    rows = [run(overrides, args.steps, interval) for interval in dict.fromkeys([0, 1, 50, configured])]
     print(f"{args.steps} steps of {' '.join(overrides) or 'the default config'} (width 64, 128 tokens); a full "
           f"collection of the trained process's {rows[0]['tracked_objects']:,} tracked objects takes "
           f"{rows[0]['full_collection_ms']:.1f} ms")
