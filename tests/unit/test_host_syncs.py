@@ -34,7 +34,7 @@ class SyncCounter(HostTensorGuard):
         if torch.compiler.is_compiling():  # dynamo tracing a compiled function (FP8's casts): it cannot sync inside
             return func(*args, **kwargs)
         caller = next((f for f in reversed(traceback.extract_stack()[:-1]) if "/megalm/" in f.filename), None)
-        counted = caller is not None and not caller.filename.endswith("model/attention.py")
+        counted = caller is not None and not caller.filename.endswith(("model/attention.py", "model/document_sdpa.py"))
         if counted and func in READS and isinstance(args[0], torch.Tensor) and self.site(args[0]) is None:
             self.syncs.append(f"{func.__name__} at {caller.filename}:{caller.lineno}")
         if counted and func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None \
