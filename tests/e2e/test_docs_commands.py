@@ -65,6 +65,7 @@ TOOL_FLAGS = {"precision_convergence.py": ["--steps", "2"], "throughput.py": ["-
                                        "--recompute", "none"],  # each mode: tests/unit/test_measure_storage.py
               "moe_balance.py": ["--steps", "2"],
               "host_overhead.py": ["--steps", "1", "--warmup", "1"],
+              "python_gc.py": ["--steps", "2"],
               "attention_kernels.py": ["--iters", "1", "--warmup", "0"],
               "adamw_kernels.py": ["--iters", "1", "--warmup", "0"],
               "fp8_gemms.py": ["--iters", "1", "--warmup", "0"],
