@@ -16,36 +16,20 @@ from megalm.errors import ConfigError
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
 from tests.dist.launch import run_distributed
+from tools.bench.python_gc import timed_collections
 
 
 @contextlib.contextmanager
-def collections_seen(trainer: Trainer, threshold: int) -> Iterator[list[tuple[int, bool, bool]]]:
-    """(generation, inside a step, automatic: the collector on) of every collection while the block runs; the
-    automatic collector's first threshold lowered to `threshold` allocations, so that it would collect inside every
-    step of the tiny model."""
-    seen: list[tuple[int, bool, bool]] = []
-    inside = [False]
-    train_step = trainer.train_step
-
-    def timed_step(step: int):
-        inside[0] = True
-        try:
-            return train_step(step)
-        finally:
-            inside[0] = False
-
-    def record(phase: str, info: dict) -> None:
-        if phase == "start":
-            seen.append((info["generation"], inside[0], gc.isenabled()))
-
+def collections_seen(trainer: Trainer, threshold: int) -> Iterator[list[tuple[int, bool, bool, float]]]:
+    """(generation, inside a step, automatic: the collector on, seconds) of every collection while the block runs
+    (tools/bench/python_gc.py's record); the automatic collector's first threshold lowered to `threshold`
+    allocations, so that it would collect inside every step of the tiny model."""
     thresholds = gc.get_threshold()
-    trainer.train_step = timed_step
     gc.set_threshold(threshold, *thresholds[1:])
-    gc.callbacks.append(record)
     try:
-        yield seen
+        with timed_collections(trainer) as seen:
+            yield seen
     finally:
-        gc.callbacks.remove(record)
         gc.set_threshold(*thresholds)
 
 
@@ -59,12 +43,12 @@ def test_the_collector_runs_between_steps_only(tmp_path, interval):
     trainer = Trainer(cfg, tmp_path)
     with collections_seen(trainer, threshold=50) as seen:
         trainer.fit()
-    inside = [generation for generation, in_step, _ in seen if in_step]
+    inside = [generation for generation, in_step, _, _ in seen if in_step]
     if interval == 0:
         assert inside, "the control: the automatic collector collects inside the steps at this threshold"
         return
     assert not inside, seen
-    run = [i for i, (_, _, automatic) in enumerate(seen) if not automatic]  # fit's own collections, and between
+    run = [i for i, (_, _, automatic, _) in enumerate(seen) if not automatic]  # fit's own collections, and between
     expected = [2]  # fit's own, in order: at the start; after each interval-th step; after the evaluation (step
     for step in range(1, 8):  # 5) and the last step's save
         expected += [1] * (step % interval == 0) + [2] * (step in (5, 7))

@@ -39,10 +39,10 @@ from tools.bench.throughput import compose_config  # noqa: E402
 
 
 @contextlib.contextmanager
-def timed_collections(trainer) -> Iterator[list[tuple[int, bool, float]]]:  # noqa: ANN001
-    """(generation, inside a step, seconds) of each collection while inside."""
-    seen: list[tuple[int, bool, float]] = []
-    inside, started = [False], [0.0]
+def timed_collections(trainer) -> Iterator[list[tuple[int, bool, bool, float]]]:  # noqa: ANN001
+    """(generation, inside a step, automatic: the collector on, seconds) of each collection while inside."""
+    seen: list[tuple[int, bool, bool, float]] = []
+    inside, started = [False], [0.0, True]
     train_step = trainer.train_step
 
     def flagged_step(step: int):  # noqa: ANN202
@@ -54,9 +54,9 @@ def timed_collections(trainer) -> Iterator[list[tuple[int, bool, float]]]:  # no
 
     def record(phase: str, info: dict) -> None:
         if phase == "start":
-            started[0] = time.perf_counter()
+            started[:] = [time.perf_counter(), gc.isenabled()]
         else:
-            seen.append((info["generation"], inside[0], time.perf_counter() - started[0]))
+            seen.append((info["generation"], inside[0], started[1], time.perf_counter() - started[0]))
 
     trainer.train_step = flagged_step
     gc.callbacks.append(record)
@@ -93,7 +93,7 @@ def run(overrides: list[str], steps: int, interval: int) -> dict:
             seconds = time.perf_counter() - start
         row = {"gc_interval": interval, "steps": steps, "ms_per_step": 1e3 * seconds / steps}
         for where, in_step in (("in_steps", True), ("between_steps", False)):
-            mine = [(g, s) for g, i, s in seen if i == in_step]
+            mine = [(g, s) for g, i, _, s in seen if i == in_step]
             row[where] = {"by_generation": {g: sum(1 for h, _ in mine if h == g) for g in (0, 1, 2)},
                           "ms": 1e3 * sum(s for _, s in mine), "longest_ms": 1e3 * max((s for _, s in mine), default=0)}
         gc.collect()
