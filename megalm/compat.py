@@ -22,6 +22,7 @@ import inspect
 import logging
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -161,6 +162,13 @@ def is_fake(tensor: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(tensor, FakeTensor)
+
+
+def dynamo_frames_compiled() -> int:
+    """How many frames dynamo has compiled in this process (its own counter, which torch's tests read too); 0 where
+    torch._dynamo was never imported, without importing it (then nothing was compiled)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else int(utils.counters["frames"]["total"])
 
 
 def constant_to_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -271,10 +271,10 @@ class TrainerConfig:
     what inductor's blocks save; eager cannot recompute an MoE model's blocks (refused in one line)."""
     gc_interval: int = 1
     """Python's garbage collector runs between steps only while training: its young generations every this many
-    steps, a full collection after each evaluation and checkpoint (TorchTitan's training.gc_freq, 50 there;
-    Megatron's --manual-gc: a full collection inside a step pauses that rank 0.1-0.2 s, and the others wait for it
-    at the next collective). 1 frees what the compiler leaves after compiling within a step or two, as Python's own
-    collector would; 0: Python's automatic collection (megalm/training/python_gc.py)."""
+    steps, a full collection after each evaluation or checkpoint and after a compile (TorchTitan's training.gc_freq,
+    50 there; Megatron's --manual-gc: a full collection inside a step pauses that rank 0.1-0.2 s, and the others
+    wait for it at the next collective). 1 frees at each step's end the cycles torch 2.11's compiled blocks leave
+    every step, as Python's own collector would; 0: Python's automatic collection (megalm/training/python_gc.py)."""
     init_hang_minutes: float = 10.0
     """Joining the job (rendezvous, process groups, the model's build, the config check) longer than this: a hang
     report per rank, exit 124; 0: off."""

@@ -246,7 +246,6 @@ class Trainer:
                     evaluate = t.eval_interval > 0 and self.step % t.eval_interval == 0
                     if evaluate:
                         val_loss = self.evaluate()
-                        collector.full()
                         self.watchdog.beat(self.step + 1)
                     if self.step == 1 or self.step % t.log_interval == 0 or evaluate or self.step == stop_at:
                         record = {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
@@ -265,8 +264,9 @@ class Trainer:
                     saved = (t.save_interval and self.step % t.save_interval == 0) or self.step == stop_at
                     if saved:
                         last_saved = self.save()
-                        collector.full()
                         self.watchdog.beat(self.step + 1)
+                    if evaluate or saved:  # one full collection at this boundary, where every rank waited anyway
+                        collector.full()
                     if self.step < stop_at and self.preemption.requested():
                         last_saved, preempted = last_saved if saved else self.save(), True
                         self.preemption.log_stop(self.step, last_saved)

@@ -66,7 +66,7 @@ def install_counters(counters: Counters) -> None:
     a collective at import time (`x = dist.all_gather_into_tensor`) then bind the wrapper."""
     for name in COUNTED:
         original = getattr(dist, name, None)
-        if original is None:  # a collective this torch lacks (all_gather_single, reduce_scatter_single: 2.13 on)
+        if original is None:  # a collective this torch lacks (all_gather_single, reduce_scatter_single: not in 2.11)
             continue
 
         def counted(*args, _name=name, _original=original, **kwargs):

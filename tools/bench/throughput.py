@@ -74,8 +74,9 @@ def main(argv: list[str] | None = None) -> dict:
         compiled = compiled if trainer.cfg.trainer.compile else None  # auto resolved: eager here
         device = trainer.device
         times, tokens, flops = [], [], []
-        # Python's collector as fit() runs it (trainer.gc_interval): off inside the steps, the young generations
-        # collected every gc_interval steps between them (untimed here: well under a millisecond)
+        # Python's collector as fit() runs it (trainer.gc_interval): off inside the steps, collected between them
+        # (untimed here: a young collection is well under a millisecond; the full ones after the first compiles
+        # fall in the warm-up steps)
         with StepBoundaryGC(cfg.trainer.gc_interval) as collector:
             for step in range(args.warmup + args.steps):
                 synchronize(device)
@@ -87,11 +88,11 @@ def main(argv: list[str] | None = None) -> dict:
                     tokens.append(result.tokens)
                     flops.append(result.flops)
                 collector.after_step(step + 1)
-        if args.profile:
-            from megalm.measure.kernel_profile import profile_steps
+            if args.profile:  # profiled as the timed steps ran
+                from megalm.measure.kernel_profile import profile_steps
 
-            profile = profile_steps(trainer.train_step, args.warmup + args.steps, args.profile, device,
-                                    args.profile_trace)
+                profile = profile_steps(trainer.train_step, args.warmup + args.steps, args.profile, device,
+                                        args.profile_trace)
     step_s = statistics.median(times)
     tok_per_step = statistics.median(tokens)
     report = {
