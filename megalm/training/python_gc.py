@@ -10,7 +10,7 @@ pauses holds every other one at the next collective, at a random step on a rando
 So while `Trainer.fit` trains, the automatic collector is off (`trainer.gc_interval` > 0), and it is run at step
 boundaries instead: generations 0 and 1 every `gc_interval` steps (what the steps since allocated: 0.3 ms a step on
 the CPU machine), a full collection when training starts and after each evaluation or checkpoint, where every rank
-waits anyway. A megalm step leaves no reference cycle holding a tensor or an autograd node
+waits anyway. A megalm step or evaluation leaves no reference cycle holding a tensor or an autograd node
 (tests/unit/test_python_gc.py checks it across recipes and layouts): what a young collection finds in steady
 training is small Python objects (torch's pytree helpers under recompute). Two kinds of garbage hold more:
 - what dynamo and AOT autograd held while compiling (fake tensors, functional wrappers of a few real activations):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -93,17 +93,16 @@ def drain() -> None:
             return
 
 
-def cyclic_tensors(trainer: Trainer, first_step: int, steps: int) -> list[str]:
-    """The tensors and autograd nodes (which hold saved tensors in C++) that `steps` training steps left reachable
-    from reference cycles only: what the automatic collector would have freed and a collection every gc_interval
-    steps keeps alive until then."""
+def cyclic_tensors(work: Callable[[], object]) -> list[str]:
+    """The tensors and autograd nodes (which hold saved tensors in C++) that `work` (training steps, an evaluation)
+    left reachable from reference cycles only: what the automatic collector would have freed and a collection every
+    gc_interval steps keeps alive until then."""
     drain()
     enabled = gc.isenabled()
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
-        for step in range(first_step, first_step + steps):
-            trainer.train_step(step)
+        work()
         gc.collect()
         proxies = (weakref.ProxyType, weakref.CallableProxyType)  # a dead referent's proxy cannot be asked its type
         live = [o for o in gc.garbage if not isinstance(o, proxies)]
@@ -136,7 +135,9 @@ def _no_cycles(rank: int, world_size: int, tmp: str, overrides: list[str]) -> No
     trainer = Trainer(compose_config(*overrides), f"{tmp}/{rank}")
     for step in range(3):  # the first steps make what lasts (state, compiled graphs); what compiling held is
         trainer.train_step(step)  # drained before the measured steps (python_gc.py's docstring)
-    assert cyclic_tensors(trainer, first_step=3, steps=3) == [], rank
+    assert cyclic_tensors(lambda: [trainer.train_step(step) for step in range(3, 6)]) == [], rank
+    assert cyclic_tensors(trainer.evaluate) == [], rank  # a checkpoint's save leaves cycles, of no tensor: fit runs
+    # a full collection after it
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -165,7 +166,7 @@ def test_a_cycle_holding_a_tensor_or_a_graph_is_found(tmp_path):
         return result
 
     trainer.train_step = leaking_step
-    found = cyclic_tensors(trainer, first_step=0, steps=1)
+    found = cyclic_tensors(lambda: trainer.train_step(0))
     assert "Tensor(3, 5)" in found and "MulBackward0" in found, found
 
 
