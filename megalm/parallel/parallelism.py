@@ -235,9 +235,8 @@ class Parallelism:
     def _bucket_adamw(self, params: list[dict], **hyper) -> BucketAdamW:
         """This layout's optimizer (ZeRO-1's, or fp32 main weights'); the initial fp32 weights go to it, once."""
         initial, self._initial_weights = self._initial_weights, None
-        kernel = "triton" if self.cfg.optim.implementation == "triton" else "torch"
         optimizer = BucketAdamW(params, self.reducer, working_dtype=self.working_dtype, initial_weights=initial,
-                                kernel=kernel, **hyper)
+                                kernel=str(self.cfg.optim.implementation), **hyper)
         if self.cfg.parallel.overlap_param_gather and optimizer.overlap_param_gather_with(forward_owners(self.model)):
             log.info("ZeRO-1: the parameter all-gather of %d buckets overlaps the next forward (each waited for "
                      "before the first block that reads it)", len(self.reducer.buckets))

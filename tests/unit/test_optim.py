@@ -105,3 +105,25 @@ def test_the_clip_folded_into_fused_adamw_saves_a_read_of_the_gradients(tmp_path
     torch.testing.assert_close(folded_m, plain_m, rtol=1e-5, atol=0)
     torch.testing.assert_close(folded_w, plain_w, rtol=1e-6, atol=1e-8)  # near 0: eps weighs on tiny gradients
     assert abs((plain_bytes - folded_bytes) - grad_bytes) <= 64, (plain_bytes, folded_bytes, grad_bytes)
+
+
+@pytest.mark.parametrize("layout", [["precision=bf16"], ["precision=fp32", "parallel.zero1=true"]],
+                         ids=["bf16_main_weights", "zero1"])
+def test_optim_implementation_chooses_bucket_adamw_s_kernel(tmp_path, layout):
+    """`optim.implementation` reaches BucketAdamW (bf16 main weights, ZeRO-1) as it reaches torch's AdamW: foreach
+    steps torch's foreach kernels (the clip then scales the gradients, which foreach takes no scale for), fused and
+    auto (on a CPU) its fused kernel; every one gives the update of the others, within a rounding. Until 2026-12-04
+    the setting was dropped on the way and BucketAdamW stepped fused whatever was asked, without a word."""
+    from megalm.training.trainer import Trainer
+    from tests.conftest import compose_config
+
+    moments = {}
+    for implementation, fused in (("auto", True), ("fused", True), ("foreach", False)):
+        trainer = Trainer(compose_config(*layout, f"optim.implementation={implementation}", "trainer.grad_clip=1e-3"),
+                          tmp_path / implementation)
+        assert type(trainer.optimizer).__name__ == "BucketAdamW"
+        assert trainer.optimizer.fused is fused, implementation
+        trainer.train_step(0)
+        moments[implementation] = _first_moments(trainer.optimizer)
+    for implementation in ("fused", "foreach"):
+        torch.testing.assert_close(moments[implementation], moments["auto"], rtol=1e-5, atol=1e-9)

@@ -79,7 +79,7 @@ class BucketAdamW:
     def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict], reducer: GradReducer, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  working_dtype: torch.dtype | None = None,
-                 initial_weights: dict[int, torch.Tensor] | None = None, kernel: str = "torch"):
+                 initial_weights: dict[int, torch.Tensor] | None = None, kernel: str = "auto"):
         if not reducer.zero1 and not (working_dtype is not None and reducer.accumulate):
             raise ValueError("BucketAdamW needs a GradReducer built with zero1=True, or, for working_dtype "
                              "parameters, one built with accumulate=True")
@@ -114,11 +114,14 @@ class BucketAdamW:
         self.grad_scale: torch.Tensor | None = None
         self._pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()  # RemovableHandle's weakref
         self._post_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
-        # torch's fused AdamW kernel where the device has one (CPU and CUDA), its foreach kernels otherwise
+        # `kernel` is optim.implementation: torch's fused AdamW kernel ("fused"; "auto" where the device has one: CPU
+        # and CUDA), its foreach kernels ("foreach"; "auto" elsewhere), or megalm's one-pass Triton kernel ("triton":
+        # adamw_kernel.py, which writes the working copies too)
+        if kernel not in ("auto", "fused", "foreach", "triton"):
+            raise ValueError(f"BucketAdamW kernel {kernel!r}: auto, fused, foreach or triton")
         device = reducer.params[0].device if reducer.params else torch.device("cpu")
-        self.fused = device.type in ("cpu", "cuda")
-        # optim.implementation=triton: megalm's one-pass kernel (adamw_kernel.py), which writes the working copies too
-        self.kernel = kernel
+        self.fused = kernel == "fused" or (kernel != "foreach" and device.type in ("cpu", "cuda"))
+        self.kernel = "triton" if kernel == "triton" else "torch"
         if kernel == "triton" and (reducer.params and is_fake(reducer.params[0])):  # a cost trace (megalm-estimate)
             log.warning("optim.implementation=triton: the Triton AdamW kernel cannot run on fake tensors; this trace "
                         "steps torch's AdamW")
