@@ -441,3 +441,33 @@ def test_a_leaking_store_fails_the_probe(tmp_path, monkeypatch):
     with pytest.raises(AssertionError, match="the probe measured"):
         check_layer_offload_frees_the_theory(tmp_path, ["model.num_layers=4", "offload.min_tensor_bytes=0"], 0.5)
     assert kept
+
+
+@pytest.mark.parametrize("extra", [[], ["parallel.zero1=true"], ["parallel.gradient_accumulation_fusion=true"]],
+                         ids=["bf16", "bf16_zero1", "bf16_fused_wgrad"])
+def test_a_checkpoint_leaves_the_parameters_storages_and_offload_knows_them(tmp_path, extra):
+    """A save (and a load) swaps the fp32 main weights into the parameters and the working copies back; the working
+    copies go back into the storages they had, which the activation store was built with, so that a weight saved for
+    the backward (a detached alias, as fused weight gradients save it) is still no activation to offload. Until
+    2026-12-04 each exit cast new tensors: after the first save the store counted every saved weight as an
+    activation, copying it to the host and back in every micro-batch (an audit found it)."""
+    from megalm.measure.storage import storage_identity
+    from megalm.training import checkpoint as ckpt
+    from megalm.training.trainer import Trainer
+    from tests.conftest import compose_config
+
+    trainer = Trainer(compose_config("precision=bf16", "offload.enabled=true", "offload.min_tensor_bytes=0",
+                                     *extra), tmp_path)
+    store = trainer.parallel.offload_store
+    params = list(trainer.model.parameters())
+    before = [storage_identity(p) for p in params]
+    trainer.train_step(0)
+    path = trainer.save()
+    trainer.finish_save()
+    values = [p.detach().clone() for p in params]
+    ckpt.load_checkpoint(path, trainer.model, trainer.optimizer, trainer.mesh, trainer.device)
+    assert [storage_identity(p) for p in params] == before
+    assert all(torch.equal(p, v) for p, v in zip(params, values, strict=True))  # the working copies' values kept
+    assert not any(store._offloadable(p.detach()) for p in params)
+    trainer.train_step(1)  # trains on: the weights it steps are the ones the model reads
+    assert [storage_identity(p) for p in params] == before

@@ -298,15 +298,21 @@ class BucketAdamW:
     # ------------------------------------------------------------------ main weights
 
     @torch.no_grad()
-    def _take_main_weights(self, values: dict[int, torch.Tensor]) -> None:
+    def _take_main_weights(self, values: dict[int, torch.Tensor], working: list[torch.Tensor] | None = None) -> None:
         """The main weights from the owned parts of `values[id(param)]`, or of the parameters themselves where it has
-        none; then the parameters are (again) working copies."""
+        none; then the parameters are (again) working copies: cast into `working` (the reducer's parameters' own
+        working tensors, which they hold again) or, without it, into new tensors."""
         for bucket, main in zip(self.reducer.buckets, self.main, strict=True):
             for seg in bucket.segments:
                 source = values.get(id(seg.param), seg.param).detach()
                 main[seg.shard_slice].copy_(source.reshape(-1)[seg.param_slice])
-        for p in self.reducer.params:
-            p.data = p.data.to(self.working_dtype)
+        if working is None:
+            for p in self.reducer.params:
+                p.data = p.data.to(self.working_dtype)
+            return
+        torch._foreach_copy_(working, [p.data for p in self.reducer.params])  # cast: rounded as `.to` rounds
+        for p, tensor in zip(self.reducer.params, working, strict=True):
+            p.data = tensor
 
     @contextlib.contextmanager
     def full_precision_weights(self) -> Iterator[None]:
@@ -317,6 +323,9 @@ class BucketAdamW:
         if self.main is None:
             yield
             return
+        # each parameter's working tensor, which it holds again on exit: its storage stays the parameter's, as what
+        # keeps storages of parameters knows them (activation offload tells weights from activations by storage)
+        working = [p.data for p in self.reducer.params]
         with torch.no_grad():
             for bucket, main in zip(self.reducer.buckets, self.main, strict=True):
                 full = self._gathered(main, bucket)
@@ -325,7 +334,7 @@ class BucketAdamW:
         try:
             yield
         finally:
-            self._take_main_weights({})
+            self._take_main_weights({}, working)
 
     def _gather(self, shard: torch.Tensor, bucket: GradBucket) -> tuple[torch.Tensor, dist.Work | None]:
         """Start an all-gather of every rank's shard of `bucket` into one padded flat tensor, over the bucket's group
