@@ -195,9 +195,12 @@ def _attempt_store(world_size: int, timeout: datetime.timedelta | None) -> dist.
     return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
 
 
-def build_mesh(dims: ParallelDims, device: torch.device, experts_over_tp: bool = False) -> ParallelMesh:
+def build_mesh(dims: ParallelDims, device: torch.device, experts_over_tp: bool = False,
+               rings_over_dp: bool = False) -> ParallelMesh:
     """Create the DeviceMesh and its named groups (all ranks must call this together). `experts_over_tp`: an MoE
-    model under sequence parallelism, whose routed-expert gradients are summed over TP too (`expert_dp_groups`)."""
+    model under sequence parallelism, whose routed-expert gradients are summed over TP too (`expert_dp_groups`).
+    `rings_over_dp`: attention rings form over the dp ranks (HDP), so the gradients' group must not be the
+    default group the rings' sends run on (below)."""
     if dims.world_size == 1:
         return ParallelMesh(dims)
     if dist.get_world_size() != dims.world_size:
@@ -220,6 +223,14 @@ def build_mesh(dims: ParallelDims, device: torch.device, experts_over_tp: bool =
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     dp_cp_group = group
+    if rings_over_dp and dims.cp == 1 and dist.get_world_size(dp_cp_group) == dims.world_size:
+        # dp spans every rank, and torch's mesh hands back the default group, on which the rings' batched sends run
+        # (context/ring.py, by global rank). NCCL runs one communicator's work in the order each rank issues it, and
+        # HDP's ranks run different numbers of micro-batches: a rank whose last micro-batch is a ring launches bucket
+        # reductions in its backward between ring sends that another member, with micro-batches still to come,
+        # issues before its reductions. On one communicator each would wait for the other. gloo, which sends at
+        # once, would not show it. So the gradients' reductions get a communicator of their own.
+        dp_cp_group = dist.new_group(list(range(dims.world_size)))
     ep_group = ep_mesh = expert_dp_group = None
     experts_over_tp = experts_over_tp and dims.tp > 1
     if dims.ep > 1 or experts_over_tp:

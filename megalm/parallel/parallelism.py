@@ -134,7 +134,8 @@ class Parallelism:
         self.cfg, self.device, self.converters = cfg, device, list(converters)
         with unset_fake_temporarily():  # the mesh's own tensors are real under a caller's FakeTensorMode
             self.mesh = mesh or build_mesh(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp, ep=p.ep), device,
-                                           experts_over_tp=bool(cfg.model.moe.num_experts) and p.sequence_parallel)
+                                           experts_over_tp=bool(cfg.model.moe.num_experts) and p.sequence_parallel,
+                                           rings_over_dp=p.hdp)
         check_same_on_all_ranks(json.dumps(config_to_dict(cfg), sort_keys=True, default=str), self.mesh, device)
         # bf16 working weights (the bf16 recipe): the model trains bf16 copies of its fp32 initial weights, which the
         # optimizer takes as its fp32 main weights (BucketAdamW); the gradients accumulate over micro-batches in the

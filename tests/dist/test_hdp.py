@@ -119,3 +119,60 @@ def test_hdp_resume_is_bit_exact(tmp_path):
     """Stopped at step 3 and resumed (token budget: the checkpoint carries the sample cursor)."""
     layout = [*HDP, "parallel.dp=4", "trainer.tokens_per_step=400", "trainer.max_steps=5"]
     assert_resume_is_bit_exact(tmp_path, 4, layout, stop_at=3)
+
+
+def record_communicator_order(rank: int, world_size: int, overrides: list[str], out: str) -> None:
+    """Each rank's ring sends (batched p2p) and gradient-bucket reductions of 3 HDP steps, in the order it issues
+    them, each with its group's name (a communicator on NCCL) and, for a send, the peers: written to out/rank.json."""
+    import json
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from megalm.parallel.data_parallel.reducer import GradReducer
+
+    trainer = Trainer(compose_config(*overrides), f"{out}/run{rank}")
+    default = dist.distributed_c10d._get_default_group()
+    events: list[list] = []
+    launch, send = GradReducer._launch, dist.batch_isend_irecv
+
+    def launched(self: GradReducer, bucket) -> object:  # noqa: ANN001 - the reducer's bucket
+        if bucket.world > 1:
+            events.append(["reduce", (bucket.group or default).group_name, bucket.index])
+        return launch(self, bucket)
+
+    def sent(ops: list) -> object:
+        events.append(["p2p", (ops[0].group or default).group_name, sorted({op.peer for op in ops})])
+        return send(ops)
+
+    with mock.patch.object(GradReducer, "_launch", launched), mock.patch.object(dist, "batch_isend_irecv", sent):
+        for step in range(3):
+            trainer.train_step(step)
+    with open(f"{out}/{rank}.json", "w") as f:
+        json.dump(events, f)
+
+
+def test_hdp_ranks_issue_each_communicator_s_work_in_one_order(tmp_path):
+    """NCCL's rule, checked on gloo: one communicator runs its work in the order each rank issues it, so two ranks
+    must issue what they share on it (the reductions of its group, their sends to each other) in the same order.
+    Under HDP ranks run different numbers of micro-batches, and a rank's last one launches its gradient buckets'
+    reductions during its backward, while ring members with micro-batches to come still send. With dp over every
+    rank, torch's mesh handed back the default group for the gradients, the group the rings send on: the orders
+    differed (a hang on GPUs, where gloo goes on), until the gradients got a communicator of their own (2026-12-04,
+    found by an audit). Small buckets (8 for the tiny model) launch reductions between the ring's sends."""
+    import json
+
+    run_distributed(record_communicator_order, 4, [*HDP, "parallel.dp=4", "parallel.bucket_size_mb=0.02"],
+                    str(tmp_path), timeout=300)
+    events = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(4)]
+    assert any(e[0] == "p2p" for e in events[0]) and any(e[0] == "reduce" for e in events[0])
+
+    def shared(rank: int, other: int, group: str) -> list:
+        return [e[0] for e in events[rank] if e[1] == group and (e[0] == "reduce" or other in e[2])]
+
+    groups = {e[1] for rank_events in events for e in rank_events}
+    for group in groups:
+        for a in range(4):
+            for b in range(a + 1, 4):
+                assert shared(a, b, group) == shared(b, a, group), (
+                    f"ranks {a} and {b} issue their work on group {group} in different orders")
