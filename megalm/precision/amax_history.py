@@ -23,8 +23,9 @@ def scales_from_histories(histories: list[torch.Tensor], dtype: torch.dtype) -> 
     in one batch of kernels: the histories a step's `roll_histories` rolled take theirs together (`_StepScales`).
     Each scale is a view 16 bytes from the last (row k of an [n, 4] result), so that every one is as aligned as a
     tensor of its own: inductor compiles a graph for the alignment of the inputs it first saw, and copies an input
-    that arrives less aligned in every call."""
-    maxes = torch.stack(histories).amax(dim=1, keepdim=True)
+    that arrives less aligned in every call. A non-finite amax in a ring (a step that overflowed, which the trainer's
+    non-finite guard skipped) counts as 0: kept, it would make the history's scale NaN, or 1, for `length` steps."""
+    maxes = torch.stack(histories).nan_to_num(nan=0.0, posinf=0.0).amax(dim=1, keepdim=True)
     return list(scale_from_amax(maxes.expand(-1, 4), dtype)[:, 0].unbind())
 
 
@@ -122,7 +123,7 @@ def roll_histories(histories: Iterable[AmaxHistory]) -> None:
 
 class _StepScales:
     """The histories one `roll_histories` rolled (one device and ring shape), whose scales for a format are made for
-    all of them at once, the first time one is asked for (`scales_from_histories`: 9 small ops), and kept for the
+    all of them at once, the first time one is asked for (`scales_from_histories`: 10 small ops), and kept for the
     step: a ring changes only when the next step rolls it. Each scale is kept with its ring and the ring's version
     counter, so one written since in place or replaced is scaled by what it holds. Held by weak reference: a history
     dropped is not kept alive by those rolled with it."""

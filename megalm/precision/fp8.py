@@ -70,14 +70,14 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
-    """scale = max / amax / 2^margin (fp32); 1 where amax is 0 or not finite (nothing to fit). Five kernels in eager
-    (an amax is never negative, so `amax < inf` is its isfinite, which runs four): delayed scaling takes a scale per
-    history and step."""
-    amax = amax.float()
-    scale = fp8_max(dtype) / amax
-    if margin:
-        scale = scale / 2.0**margin
-    return torch.where((amax > 0) & (amax < math.inf), scale, 1.0)
+    """scale = max / amax / 2^margin (fp32), at most fp32's largest (an amax below ~1e-36 would give inf, and 0 * inf
+    NaN, as Transformer Engine clamps it); 1 where amax is 0 (nothing to fit); NaN where amax is inf or NaN, so that
+    the cast, the GEMM and the loss are NaN, for the trainer's non-finite guard to see (saturating an inf to 448 hid
+    an overflow: torchao's float8 and the MX recipes propagate it too). Five kernels in eager: delayed scaling takes a
+    scale per history and step."""
+    amax = amax.float().nan_to_num(nan=math.nan, posinf=math.nan)  # an amax is never negative: inf is its only inf
+    scale = (fp8_max(dtype) / 2.0**margin / amax).clamp(max=torch.finfo(torch.float32).max)
+    return torch.where(amax == 0, 1.0, scale)
 
 
 def amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -100,7 +100,9 @@ def rowwise_scale(x: torch.Tensor, dtype: torch.dtype, dim: int = -1) -> torch.T
 
 
 def _quantize_math(x: torch.Tensor, scale: torch.Tensor, limit: float, dtype: torch.dtype) -> torch.Tensor:
-    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+    """Saturating to +-limit what the scale takes past it (delayed scaling's scale is an earlier step's), but an
+    inf of x, which becomes NaN: an overflow upstream stays visible (`scale_from_amax`)."""
+    return torch.where(x.isinf(), math.nan, (x.float() * scale).clamp(-limit, limit)).to(dtype)
 
 
 def _quantize_delayed_math(x: torch.Tensor, scale: torch.Tensor, limit: float, dtype: torch.dtype

@@ -56,7 +56,7 @@ def test_a_steps_scales_are_made_once_for_every_history_rolled_together():
         kernels = sorted(op for op in first_roll.ops if op != "aten.empty")  # an allocation launches no kernel
         counted[layers] = (kernels, sorted(made.ops))
     assert counted[4] == counted[40], counted
-    assert len(counted[4][1]) <= 2 * 9, counted[4]  # two formats: stack, amax and the scale's arithmetic each
+    assert len(counted[4][1]) <= 2 * 10, counted[4]  # two formats: stack, non-finite amaxes out, amax, the scale each
 
 
 @pytest.mark.parametrize("change", ["written in place", "replaced", "replaced at the same version", "loaded",

@@ -182,8 +182,9 @@ def test_fp8_delayed_scaling_uses_the_history_then_updates_it():
 
 def test_fp8_helpers():
     assert fp8.fp8_max(E4M3) == 448.0 and fp8.fp8_max(E5M2) == 57344.0
-    amax = torch.tensor([2.0, 0.0, float("inf")])
-    assert torch.equal(fp8.scale_from_amax(amax, E4M3), torch.tensor([224.0, 1.0, 1.0]))
+    amax = torch.tensor([2.0, 0.0, float("inf"), float("nan"), 1e-37])
+    torch.testing.assert_close(fp8.scale_from_amax(amax, E4M3), torch.tensor(
+        [224.0, 1.0, float("nan"), float("nan"), torch.finfo(torch.float32).max]), rtol=0, atol=0, equal_nan=True)
     # saturating cast: beyond 448 after scaling stays 448
     assert fp8.quantize_dequantize(torch.tensor([1.0, 3.0]), E4M3, torch.tensor(224.0)).tolist() == [1.0, 2.0]
     history = AmaxHistory(length=2)
@@ -513,3 +514,54 @@ def test_which_fp8_gemms_run_on_scaled_mm(a_dtype, b_dtype, rowwise, shape, on_h
         assert fp8._scaled_mm_available(a, b, a_dtype, b_dtype, rowwise) == on_hardware
     with compat.simulated_cuda((8, 0)):  # A100: no FP8 GEMMs
         assert not fp8._scaled_mm_available(a, b, a_dtype, b_dtype, rowwise)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_delayed", "fp8_rowwise"])
+def test_an_inf_in_an_fp8_layer_s_input_is_not_saturated_into_a_finite_output(recipe):
+    """An overflow upstream (an inf in x) reaches the output as NaN, as it does under bf16, torchao's float8 and the
+    MX recipes, so that the loss is not finite and the trainer's non-finite guard sees the step. Until 2026-12-04 an
+    inf amax gave scale 1 and the cast saturated the inf to 448: a finite loss of 1e7 trained on (an audit found
+    it). The other rows of the output stay finite where the scale is per row."""
+    torch.manual_seed(0)
+    x, w = torch.randn(32, 64), torch.randn(48, 64)
+    x[3, 5] = float("inf")
+    y = low_precision_linear(x, w, None, recipe, LinearState("l"))
+    assert not torch.isfinite(y).all()
+    if recipe == "fp8_rowwise":
+        assert torch.isfinite(y[torch.arange(32) != 3]).all()
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_rowwise"])
+def test_a_tiny_amax_scales_to_fp32_s_largest_and_keeps_zeros_zero(recipe):
+    """An amax below ~1e-36 made the scale inf, and each exact zero 0 * inf = NaN (an audit found it): the scale is
+    now fp32's largest, as Transformer Engine clamps it, and the product is the fp32 one's (about 1e-37 here)."""
+    torch.manual_seed(0)
+    w = torch.randn(32, 32)
+    x = torch.zeros(16, 32)
+    x[0, 0] = 1e-37
+    y = low_precision_linear(x, w, None, recipe, LinearState("l"))
+    assert torch.isfinite(y).all()
+    assert (y[1:] == 0).all() and y[0].abs().max() <= 4e-37
+
+
+def test_a_step_that_overflowed_leaves_delayed_scaling_s_history_scaling_the_next_steps():
+    """A step whose dy held a NaN (one the trainer's non-finite guard skips) pushes a NaN amax into dy's history;
+    the next steps' scale comes from the history's finite entries, so dy (1e-6 here: a loss over many tokens) is
+    cast as before. Until 2026-12-04 the NaN made the scale 1 for the history's 16 steps, which flushed every dy
+    below E5M2's 2^-16 to zero: dx was 0, without a word (an audit found it)."""
+    torch.manual_seed(0)
+    state = LinearState("l")
+    w = torch.randn(64, 64)
+    for index in range(1, 8):
+        state.set_step(index)
+        x = torch.randn(32, 64, requires_grad=True)
+        y = low_precision_linear(x, w, None, "fp8_delayed", state)
+        dy = 1e-6 * torch.randn_like(y)
+        if index == 4:
+            dy[0, 0] = float("nan")
+        (dx,) = torch.autograd.grad(y, x, dy)
+        if index != 4:
+            exact = dy @ w
+            assert (dx - exact).norm() / exact.norm() < 0.2, index
+    state.set_step(8)
+    assert state.amax["dy"].history.isnan().any()  # the step's amax is kept: the scale leaves it out
