@@ -7,6 +7,7 @@ Each rule is a one-line `ConfigError` that names the fix. The packages check the
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from typing import Any
 
@@ -28,6 +29,8 @@ from megalm.config.choices import (
 )
 from megalm.config.schema import MegalmConfig, ModelConfig, ParallelConfig
 from megalm.errors import ConfigError
+
+SPIKE_MIN_HISTORY = 10  # losses the spike detector (megalm/training/guards.py) needs before it judges one
 
 
 def blend_pairs(blend: Any) -> list[tuple[float, str]]:
@@ -86,15 +89,17 @@ def choice(value: str, key: str, options: tuple[str, ...] | type[Enum]) -> None:
 
 
 def positive(value: int | float | None, key: str) -> None:
-    """A one-line ConfigError unless `value` is None or > 0."""
-    if value is not None and value <= 0:
-        raise ConfigError(f"{key}={value} must be > 0")
+    """A one-line ConfigError unless `value` is None or a finite number > 0 (NaN compares false with everything:
+    `value <= 0` let it through, and `trainer.grad_clip=nan` turned clipping off)."""
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{key}={value} must be a finite number > 0")
 
 
 def non_negative(value: int | float, key: str, zero_means: str = "") -> None:
-    """A one-line ConfigError unless `value` >= 0; `zero_means` says what 0 does ("turns it off")."""
-    if value < 0:
-        raise ConfigError(f"{key}={value} must be >= 0" + (f" (0 {zero_means})" if zero_means else ""))
+    """A one-line ConfigError unless `value` is a finite number >= 0; `zero_means` says what 0 does ("turns it
+    off")."""
+    if not (value >= 0 and math.isfinite(value)):
+        raise ConfigError(f"{key}={value} must be a finite number >= 0" + (f" (0 {zero_means})" if zero_means else ""))
 
 
 def fraction(value: float, key: str) -> None:
@@ -198,7 +203,7 @@ def validate_model(model: ModelConfig) -> None:
     if model.num_heads % model.num_kv_heads:
         raise ConfigError(f"model.num_heads={model.num_heads} is not divisible by model.num_kv_heads="
                           f"{model.num_kv_heads}; choose num_kv_heads among the divisors of num_heads")
-    head_dim = model.head_dim or model.hidden_size // model.num_heads
+    head_dim = model.head_dim if model.head_dim is not None else model.hidden_size // model.num_heads
     if head_dim < 1:
         raise ConfigError(f"model.head_dim={model.head_dim} must be >= 1, or null for hidden_size / num_heads")
     if model.position_embedding == "rope" and head_dim % 2:
@@ -234,12 +239,15 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
     choice(t.nonfinite, "trainer.nonfinite", NonFinite)
     positive(t.max_consecutive_skips, "trainer.max_consecutive_skips")
     positive(t.spike_window, "trainer.spike_window")
+    if t.spike_zscore > 0 and t.spike_window < SPIKE_MIN_HISTORY:  # a window shorter would never report one
+        raise ConfigError(f"trainer.spike_window={t.spike_window} must be >= {SPIKE_MIN_HISTORY}: a loss is judged "
+                          f"against at least {SPIKE_MIN_HISTORY} steps' losses (trainer.spike_zscore=0 turns spike "
+                          "reports off)")
     positive(cfg.parallel.timeout_minutes, "parallel.timeout_minutes")
     timeout = cfg.parallel.timeout_minutes
     for key in ("hang_minutes", "init_hang_minutes"):  # the two watchdogs: steps, and joining the job
         minutes = getattr(t, key)
-        if minutes < 0:
-            raise ConfigError(f"trainer.{key}={minutes} must be >= 0 (0 turns the watchdog off)")
+        non_negative(minutes, f"trainer.{key}", "turns the watchdog off")
         if timeout is not None and 0 < minutes >= timeout:
             raise ConfigError(f"parallel.timeout_minutes={timeout} must exceed trainer.{key}={minutes}, so that the "
                               f"watchdog reports a hang before a collective times out; raise it, or lower "
@@ -261,7 +269,7 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
     choice(o.schedule, "optim.schedule", LRSchedule)
     choice(o.implementation, "optim.implementation", OptimizerImplementation)
     positive(o.lr, "optim.lr")
-    if o.min_lr < 0 or o.min_lr > o.lr:
+    if not 0 <= o.min_lr <= o.lr:  # NaN fails it too
         raise ConfigError(f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}]")
     non_negative(o.warmup_steps, "optim.warmup_steps")
     if not 0.0 < o.wsd_decay_fraction <= 1.0:

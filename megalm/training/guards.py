@@ -20,6 +20,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from megalm.config.checks import SPIKE_MIN_HISTORY
 from megalm.errors import MegalmError
 from megalm.model.shard import local_part
 
@@ -60,7 +61,7 @@ class NonFiniteGuard:
 class SpikeDetector:
     """Flags a loss more than `zscore` standard deviations above the mean of the last `window` finite losses."""
 
-    def __init__(self, window: int, zscore: float, min_history: int = 10) -> None:
+    def __init__(self, window: int, zscore: float, min_history: int = SPIKE_MIN_HISTORY) -> None:
         self.zscore, self.min_history = zscore, min_history
         self.history: deque[float] = deque(maxlen=max(window, 1))
 

@@ -26,7 +26,7 @@ from megalm.config import ModelConfig
 from megalm.errors import ConfigError
 from megalm.model.gpt import VOCAB_PARAMS, resize_vocab_rows
 from megalm.model.hf import model_config_dict, read_hf_model
-from megalm.model.naming import canonical_named_parameters
+from megalm.model.naming import canonical_named_buffers, canonical_named_parameters
 from megalm.model.shard import shard_specs
 from megalm.training.checkpoint import LoadedCheckpoint, check_model_config, load_saved_model
 from megalm.training.optim import full_precision_weights
@@ -52,11 +52,15 @@ def validate_init_from(spec: str | None) -> None:
                           f"model.init_from=hf:{spec}")
 
 
-def read_megalm_weights(path: str | Path) -> tuple[LoadedCheckpoint, ModelConfig, dict[str, torch.Tensor]]:
+def read_megalm_weights(path: str | Path, buffers: bool = False
+                        ) -> tuple[LoadedCheckpoint, ModelConfig, dict[str, torch.Tensor]]:
     """The full model's weights of a megalm checkpoint (or run dir: its `latest`) on CPU, whatever layout wrote
-    it (TP/PP/ZeRO-1: DCP reshards into one process), with the model config from its config.yaml."""
+    it (TP/PP/ZeRO-1: DCP reshards into one process), with the model config from its config.yaml; with `buffers`,
+    its persistent buffers too (an MoE router's learned selection bias, which the model computes with)."""
     meta, model = load_saved_model(path)
-    return meta, model.cfg, {name: p.detach() for name, p in canonical_named_parameters(model)}
+    tensors = {name: p.detach() for name, p in canonical_named_parameters(model)}
+    return meta, model.cfg, tensors | ({name: b.detach() for name, b in canonical_named_buffers(model)}
+                                       if buffers else {})
 
 
 def read_init_weights(spec: str) -> tuple[str, Path, dict[str, Any], dict[str, torch.Tensor]]:
@@ -66,7 +70,7 @@ def read_init_weights(spec: str) -> tuple[str, Path, dict[str, Any], dict[str, t
         hf_dir = Path(spec[len(HF_PREFIX):]).expanduser().absolute()
         arch, cfg, weights, _ = read_hf_model(hf_dir)
         return f"Hugging Face {arch} dir {hf_dir}", hf_dir, model_config_dict(cfg), weights
-    meta, cfg, weights = read_megalm_weights(spec)
+    meta, cfg, weights = read_megalm_weights(spec, buffers=True)
     return f"checkpoint {meta.path} (step {meta.state.get('step')})", meta.path, model_config_dict(cfg), weights
 
 
@@ -88,7 +92,14 @@ def load_init_weights(spec: str, model: nn.Module, run_model: dict[str, Any], op
 
 
 def _copy_init_weights(spec: str, weights: dict[str, torch.Tensor], model: nn.Module, vocab: int) -> None:
-    """Every parameter of `model` from the full-model `weights`: this rank's shard of it."""
+    """Every parameter of `model` from the full-model `weights`: this rank's shard of it; and each persistent buffer
+    `weights` holds (a megalm checkpoint's; a Hugging Face model has none: they keep their initial values)."""
+    for name, buffer in canonical_named_buffers(model):  # every rank holding the module holds it whole
+        if name in weights:
+            if weights[name].shape != buffer.shape:
+                raise ConfigError(f"model.init_from={spec}: {name} has shape {tuple(weights[name].shape)}, this "
+                                  f"run's model {tuple(buffer.shape)}; use the matching model config")
+            buffer.copy_(weights[name])
     specs = shard_specs(model)
     for name, param in canonical_named_parameters(model):
         if name not in weights:

@@ -99,9 +99,12 @@ class Trainer:
 
     def _data_order(self) -> dict:
         """What fixes the samples of every step: a resumed run must have the same."""
-        t = self.cfg.trainer
-        return {"seed": self.cfg.seed, "global_batch_size": t.global_batch_size, "varlen": self.cfg.data.varlen,
-                "tokens_per_step": t.tokens_per_step, "blend": self.data.blend}  # blend: [[weight, prefix], ...]
+        t, d = self.cfg.trainer, self.cfg.data
+        synthetic = config_to_dict(d.synthetic) if str(d.name) == "synthetic" else None
+        return {"seed": self.cfg.seed, "global_batch_size": t.global_batch_size, "varlen": d.varlen,
+                "tokens_per_step": t.tokens_per_step, "blend": self.data.blend,  # blend: [[weight, prefix], ...]
+                "data": str(d.name), "seq_length": self.cfg.model.seq_length, "split_seed": d.split_seed,
+                "valid_fraction": d.valid_fraction, "synthetic": synthetic}
 
     def _maybe_resume(self) -> None:
         """Continue from a checkpoint (`trainer.resume`); a fresh run starts from `model.init_from` when set."""
@@ -117,7 +120,9 @@ class Trainer:
             return
         meta = ckpt.read_checkpoint_meta(path)
         step = meta.state["step"]
-        ckpt.check_resume_target(path, step, self.cfg.trainer.max_steps, self.run_dir, explicit=resume != "auto")
+        # PATH as named, not the run dir's own checkpoints a requeued job continues instead (`resumable_checkpoint`)
+        explicit = resume != "auto" and path.resolve() == ckpt.resolve_checkpoint_path(resume).resolve()
+        ckpt.check_resume_target(path, step, self.cfg.trainer.max_steps, self.run_dir, explicit=explicit)
         if self.cfg.model.init_from:
             log.info(f"model.init_from={self.cfg.model.init_from} not used: resuming from {path}")
         ckpt.check_model_config(meta.config.get("model", {}), self.config_dict["model"], path)

@@ -129,19 +129,29 @@ def test_a_value_set_in_python_is_still_checked():
 @pytest.mark.parametrize("override, message", [
     ("optim.beta1=1.5", "optim.beta1=1.5 must be in [0, 1)"),
     ("optim.beta2=-0.1", "optim.beta2=-0.1 must be in [0, 1)"),
-    ("optim.eps=-1", "optim.eps=-1.0 must be > 0"),
-    ("optim.weight_decay=-5", "optim.weight_decay=-5.0 must be >= 0"),
-    ("optim.decay_steps=-3", "optim.decay_steps=-3 must be > 0"),
-    ("trainer.grad_clip=-1", "trainer.grad_clip=-1.0 must be >= 0 (0 turns clipping off)"),
+    ("optim.eps=-1", "optim.eps=-1.0 must be a finite number > 0"),
+    ("optim.weight_decay=-5", "optim.weight_decay=-5.0 must be a finite number >= 0"),
+    ("optim.decay_steps=-3", "optim.decay_steps=-3 must be a finite number > 0"),
+    ("trainer.grad_clip=-1", "trainer.grad_clip=-1.0 must be a finite number >= 0 (0 turns clipping off)"),
+    # NaN compares false with everything: until 2026-12-04 these passed (an audit found it); grad_clip=nan turned
+    # clipping off, lr=nan failed inside torch, an inf lr or init_std trained inf
+    ("optim.lr=nan", "optim.lr=nan must be a finite number > 0"),
+    ("optim.lr=inf", "optim.lr=inf must be a finite number > 0"),
+    ("optim.min_lr=nan", "optim.min_lr=nan must be in [0, optim.lr="),
+    ("trainer.grad_clip=nan", "trainer.grad_clip=nan must be a finite number >= 0"),
+    ("trainer.hang_minutes=nan", "trainer.hang_minutes=nan must be a finite number >= 0"),
+    ("model.init_std=inf", "model.init_std=inf must be a finite number > 0"),
+    ("model.head_dim=0", "model.head_dim=0 must be >= 1"),  # 0 read as unset, then a traceback in the model
+    ("trainer.spike_window=5", "trainer.spike_window=5 must be >= 10"),  # spike reports silently off
     ("trainer.num_threads=0", "trainer.num_threads=0 must be >= 1, or null"),
     ("trainer.compile_backend=bogus", "trainer.compile_backend=bogus is not one of inductor|aot_eager|eager"),
     ("trainer.resume=", "trainer.resume is empty"),
-    ("model.norm_eps=-1", "model.norm_eps=-1.0 must be > 0"),
-    ("model.rope_theta=0", "model.rope_theta=0.0 must be > 0"),
-    ("model.init_std=-1", "model.init_std=-1.0 must be > 0"),
-    ("data.synthetic.num_docs=0", "data.synthetic.num_docs=0 must be > 0"),
-    ("data.synthetic.mean_doc_length=0", "data.synthetic.mean_doc_length=0 must be > 0"),
-    ("data.synthetic.fixed_doc_length=-3", "data.synthetic.fixed_doc_length=-3 must be > 0"),
+    ("model.norm_eps=-1", "model.norm_eps=-1.0 must be a finite number > 0"),
+    ("model.rope_theta=0", "model.rope_theta=0.0 must be a finite number > 0"),
+    ("model.init_std=-1", "model.init_std=-1.0 must be a finite number > 0"),
+    ("data.synthetic.num_docs=0", "data.synthetic.num_docs=0 must be a finite number > 0"),
+    ("data.synthetic.mean_doc_length=0", "data.synthetic.mean_doc_length=0 must be a finite number > 0"),
+    ("data.synthetic.fixed_doc_length=-3", "data.synthetic.fixed_doc_length=-3 must be a finite number > 0"),
 ])
 def test_a_value_outside_its_range_fails_as_one_line(override, message):
     """Values the schema's types admit but training cannot use: each was a traceback from inside torch, or a run

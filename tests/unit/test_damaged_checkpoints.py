@@ -120,3 +120,33 @@ def test_the_save_after_a_fall_back_survives_pruning(trained, tmp_path):
     names = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
     assert names == ["step_00000003", "step_00000004"]
     assert Trainer(compose_config(*RUN, "trainer.keep_last=1"), run).step == 3
+
+
+def test_a_damaged_checkpoint_saved_again_is_kept_for_inspection(trained, tmp_path, caplog):
+    """Falling back from a damaged step 4 to step 2 and training to step 4 again saves step 4 anew; the damaged one
+    it replaces is moved aside, named in a warning, not deleted (until 2026-12-04 the save removed it, an audit
+    found). Pruning leaves it alone."""
+    run, file = damaged_copy(trained, tmp_path, "truncated shard")
+    damaged = file.read_bytes()
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        Trainer(compose_config(*RUN, "trainer.keep_last=1"), run).fit()
+    kept = list((run / "checkpoints").glob("replaced-step_00000004-*"))
+    assert len(kept) == 1 and (kept[0] / file.name).read_bytes() == damaged
+    assert any(str(kept[0]) in r.getMessage() for r in caplog.records)
+    assert Trainer(compose_config(*RUN), run).step == 4  # the new step 4 is intact and resumed
+
+
+def test_a_requeued_job_with_its_resume_path_continues_past_its_own_damaged_checkpoint(tmp_path):
+    """A job started with trainer.resume=PATH (another run's checkpoint) and requeued with the same command goes on
+    from its own checkpoints, as trainer.resume=auto does, falling back past a damaged latest one. Until 2026-12-04
+    it was refused as an explicit resume of an earlier step over the run's later checkpoints (an audit found it)."""
+    run = ["trainer.max_steps=8", "trainer.save_interval=2", "trainer.keep_last=10"]
+    Trainer(compose_config(*run, "trainer.stop_at_step=2"), tmp_path / "source").fit()
+    start = f"trainer.resume={tmp_path / 'source' / 'checkpoints' / 'step_00000002'}"
+    Trainer(compose_config(*run, "trainer.stop_at_step=6", start), tmp_path / "run").fit()
+    truncate(next((tmp_path / "run" / "checkpoints" / "step_00000006").glob("shard-*.safetensors")))
+    assert Trainer(compose_config(*run, start), tmp_path / "run").resumed_from.name == "step_00000004"
+    # naming an earlier checkpoint of the run itself is still refused: its later checkpoints would be replaced
+    with pytest.raises(CheckpointError, match="which this run would overwrite"):
+        Trainer(compose_config(*run, f"trainer.resume={tmp_path / 'run' / 'checkpoints' / 'step_00000004'}"),
+                tmp_path / "run")

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import shutil
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -47,6 +49,8 @@ from megalm.training.optim import full_precision_weights
 
 if TYPE_CHECKING:  # annotations only: checkpoints take the mesh they are given
     from megalm.parallel.dims import ParallelMesh
+
+log = logging.getLogger("megalm")
 
 
 @dataclass
@@ -135,10 +139,11 @@ def _publish(root: Path, name: str, full_state: dict, config: dict[str, Any], ke
         for f in tmp.iterdir():
             fsync_path(f)
         fsync_path(tmp)
-        if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old copy
-            old = root / f".old-{name}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
+        if final.exists():  # a step saved before, which a resume went back past (its files were damaged): kept
+            kept = root / f"replaced-{name}-{time.strftime('%Y%m%dT%H%M%S')}"
+            os.rename(final, kept)
+            log.warning(f"checkpoint {final} is saved again by this run; the one it replaces is kept as {kept} "
+                        "for inspection (delete it when done)")
         os.rename(tmp, final)
         fsync_path(root)
         write_text_atomic(root / LATEST, name + "\n")
@@ -148,7 +153,9 @@ def _publish(root: Path, name: str, full_state: dict, config: dict[str, Any], ke
 
 def _prune(root: Path, keep_last: int, published: str) -> None:
     """Drop crash debris and all but the newest `keep_last` checkpoints up to `published` (the one `latest` now
-    names). Newer step dirs are left alone: they are those a resume skipped as damaged (kept for inspection)."""
+    names). Newer step dirs are left alone: they are those a resume skipped as damaged (kept for inspection, and
+    moved to `replaced-...` when the run saves their step again). `.old-*` is the debris of saves before
+    2026-12-04."""
     for stale in [*root.glob(".tmp-*"), *root.glob(".old-*")]:  # debris of saves that crashed
         shutil.rmtree(stale, ignore_errors=True)
     for old in [p for p in step_dirs(root) if p.name <= published][:-keep_last]:

@@ -10,6 +10,7 @@ and the files keep the layout of checkpoints written before the fusion, which th
 
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,9 @@ from megalm.model.shard import (
 
 if TYPE_CHECKING:  # annotations only: checkpoints take the mesh they are given
     from megalm.parallel.dims import ParallelMesh
+
+log = logging.getLogger("megalm")
+
 
 def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """Parameter names in the order `optimizer.state_dict()` numbers them."""
@@ -79,12 +83,24 @@ def load_optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, t
     if len(groups) != len(current["param_groups"]):
         raise CheckpointError(f"checkpoint has {len(groups)} optimizer param groups, this run has "
                               f"{len(current['param_groups'])}; the checkpoint is from another setup")
-    new_groups = []
-    for saved, cur in zip(groups, current["param_groups"], strict=True):
-        merged = {k: v for k, v in saved.items() if k != "param_names"}
-        merged["params"] = cur["params"]
-        new_groups.append(merged)
+    # The groups' settings are this run's (optim.*: betas, eps, weight decay, the kernel; lr follows the schedule),
+    # not the checkpoint's, which `load_state_dict` would otherwise restore: lowering beta2 on a resume to tame a
+    # divergence must take effect. A change is said in one line.
+    changed = sorted({f"{k}={_plain(saved[k])} (this run: {_plain(cur[k])})"
+                      for saved, cur in zip(groups, current["param_groups"], strict=True)
+                      for k in HYPERPARAMETERS if k in saved and k in cur and _plain(saved[k]) != _plain(cur[k])})
+    if changed:
+        log.warning(f"optimizer settings differ from the checkpoint's: {', '.join(changed)}; this run's are used")
+    new_groups = [{**{k: v for k, v in saved.items() if k != "param_names"}, **cur}
+                  for saved, cur in zip(groups, current["param_groups"], strict=True)]
     optimizer.load_state_dict({"state": per_param, "param_groups": new_groups})
+
+
+HYPERPARAMETERS = ("betas", "eps", "weight_decay")  # what a resume may change (`load_optimizer_tensors`)
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple | list) else value
 
 
 def stored_pieces(name: str, local: torch.Tensor, spec: ShardSpec | FusedShardSpec | None,

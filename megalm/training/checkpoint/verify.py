@@ -141,20 +141,45 @@ def check_resume_target(path: Path, step: int, max_steps: int, run_dir: Path, ex
                               f"{step} into a new hydra.run.dir")
 
 
+SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size", "norm",
+              "activation", "position_embedding", "tie_embeddings", "bias", "max_position_embeddings")
+# keys added to the model config after checkpoints were written: a checkpoint without one had the default
+LATER_SHAPE_KEYS = {"qk_norm": False}
+MOE_SHAPE_KEYS = {"num_experts": 0, "expert_ffn_hidden_size": None, "num_shared_experts": 0,
+                  "shared_ffn_hidden_size": None, "first_k_dense": 0, "every_n_layers": 1}
+
+
+def model_structure(model: dict[str, Any]) -> dict[str, Any]:
+    """What fixes a model's tensors, from its config section (a checkpoint's or this run's): head_dim as resolved
+    (None: hidden_size / num_heads), the MoE layers' keys where the model has experts."""
+    out = {k: model.get(k) for k in SHAPE_KEYS} | {k: model.get(k, d) for k, d in LATER_SHAPE_KEYS.items()}
+    heads = model.get("num_heads")
+    out["head_dim"] = model.get("head_dim") or (model.get("hidden_size") // heads if heads else None)
+    moe = model.get("moe") or {}
+    if moe.get("num_experts", 0):
+        out |= {f"moe.{k}": moe.get(k, d) for k, d in MOE_SHAPE_KEYS.items()}
+    else:
+        out["moe.num_experts"] = 0
+    return out
+
+
 def check_model_config(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
-    """Refuse a checkpoint written by a model of another shape, naming the differing keys."""
-    shape_keys = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
-                  "norm", "activation", "position_embedding", "tie_embeddings", "bias", "max_position_embeddings")
-    diffs = [f"{k}={saved.get(k)} (this run: {current.get(k)})" for k in shape_keys if saved.get(k) != current.get(k)]
+    """Refuse a checkpoint written by a model of another shape, naming the differing keys (DCP reads what this
+    model asks for: a tensor of the checkpoint it has no place for, a qk-norm weight or a shared expert, would be
+    left out without a word)."""
+    was, now = model_structure(saved), model_structure(current)
+    diffs = [f"{k}={was.get(k)} (this run: {now.get(k)})" for k in dict.fromkeys([*was, *now])
+             if was.get(k) != now.get(k)]
     if diffs:
         raise CheckpointError(f"checkpoint {path} is from another model: {', '.join(diffs)}; use the matching "
                               "model=... overrides or a new hydra.run.dir")
 
 
 def check_same_data_order(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
-    """Refuse to resume with settings that would change which samples later steps see (seed, batch size, ...)."""
+    """Refuse to resume with settings that would change which samples later steps see (seed, batch size, ...). A key
+    the checkpoint lacks was added to megalm after it was written: not compared."""
     for key, value in current.items():
-        if saved.get(key) != value:
+        if key in saved and saved[key] != value:
             raise CheckpointError(f"checkpoint {path} was trained with {key}={saved.get(key)}, this run has {value}; "
                                   "resuming would change the data order — set it back or start a new hydra.run.dir")
 

@@ -1,0 +1,92 @@
+"""What a resume or a `model.init_from` start checks and carries over, beyond weights and moments: a checkpoint of
+another model structure is refused (qk-norm, head size, MoE layers: DCP reads only what the model asks for, so a
+tensor with no place in it would be dropped without a word), settings that change later steps' samples are refused,
+the optimizer's settings are this run's (said in one line where they differ), and an MoE router's learned selection
+bias comes along with the weights. Each case was found by an audit on 2026-12-04, where it resumed or started
+silently."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from megalm.errors import CheckpointError, ConfigError
+from megalm.training.trainer import Trainer
+from tests.conftest import compose_config
+
+RUN = ["trainer.max_steps=4", "trainer.save_interval=2"]
+MOE = ["model.moe.num_experts=4", "model.moe.expert_ffn_hidden_size=32"]
+
+
+def stopped_at_2(run_dir, *overrides: str) -> None:
+    Trainer(compose_config(*RUN, "trainer.stop_at_step=2", *overrides), run_dir).fit()
+
+
+@pytest.mark.parametrize("saved, resumed, named", [
+    (["model.qk_norm=true"], ["model.qk_norm=false"], "qk_norm=True (this run: False)"),
+    (["model.head_dim=32"], [], "head_dim=32 (this run: 16)"),
+    ([*MOE, "model.moe.num_shared_experts=1"], [*MOE, "model.moe.num_shared_experts=0"],
+     "moe.num_shared_experts=1 (this run: 0)"),
+    (MOE, [], "moe.num_experts=4 (this run: 0)"),
+], ids=["qk_norm", "head_dim", "shared_experts", "experts"])
+def test_a_checkpoint_of_another_structure_is_refused(tmp_path, saved, resumed, named):
+    stopped_at_2(tmp_path, *saved)
+    with pytest.raises(CheckpointError, match="is from another model") as error:
+        Trainer(compose_config(*RUN, *resumed), tmp_path)
+    assert named in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_same_structure_spelled_otherwise_resumes(tmp_path):
+    """head_dim left unset or set to hidden_size / num_heads is one structure."""
+    stopped_at_2(tmp_path)
+    assert Trainer(compose_config(*RUN, "model.head_dim=16"), tmp_path).step == 2
+
+
+@pytest.mark.parametrize("overrides", [["data.split_seed=7"], ["data.valid_fraction=0.2"],
+                                       ["model.seq_length=24", "model.max_position_embeddings=32"],
+                                       ["data.synthetic.num_docs=300"]], ids=lambda o: o[0])
+def test_settings_that_change_later_samples_are_refused(tmp_path, overrides):
+    stopped_at_2(tmp_path, "model.max_position_embeddings=32")
+    with pytest.raises(CheckpointError, match="resuming would change the data order"):
+        Trainer(compose_config(*RUN, *overrides), tmp_path)
+
+
+def test_the_optimizer_s_settings_are_this_run_s_and_a_change_is_said(tmp_path, caplog):
+    """Lowering beta2 (a usual answer to a divergence) takes effect on resume, with one warning; the moments are the
+    checkpoint's. Until 2026-12-04 the checkpoint's param groups were restored whole, over the config."""
+    stopped_at_2(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        trainer = Trainer(compose_config(*RUN, "optim.beta2=0.99", "optim.eps=1e-6"), tmp_path)
+    for group in trainer.optimizer.param_groups:
+        assert tuple(group["betas"]) == (0.9, 0.99) and group["eps"] == 1e-6
+    said = [r.getMessage() for r in caplog.records if "optimizer settings differ" in r.getMessage()]
+    assert len(said) == 1 and "betas=[0.9, 0.95] (this run: [0.9, 0.99])" in said[0], said
+    assert any(s for s in trainer.optimizer.state.values())  # the moments came from the checkpoint
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        Trainer(compose_config(*RUN), tmp_path)
+    assert not [r for r in caplog.records if "optimizer settings differ" in r.getMessage()]
+
+
+def test_init_from_carries_the_routers_learned_selection_bias(tmp_path):
+    """An MoE router's selection bias (a persistent buffer, learned by the bias updates) routes tokens as much as
+    its weights do: a start from a checkpoint takes it too, where it had started from zeros."""
+    balanced = [*MOE, "model.moe.bias_update_rate=0.05"]
+    source = Trainer(compose_config("trainer.max_steps=3", *balanced), tmp_path / "source")
+    source.fit()
+    bias = [layer.mlp.router.expert_bias for layer in source.model.layers]
+    assert any(b.abs().sum() > 0 for b in bias)
+    started = Trainer(compose_config("trainer.max_steps=3", *balanced, f"model.init_from={tmp_path / 'source'}"),
+                      tmp_path / "started")
+    for layer, expected in zip(started.model.layers, bias, strict=True):
+        assert torch.equal(layer.mlp.router.expert_bias, expected)
+
+
+def test_init_from_refuses_a_bias_of_another_shape(tmp_path):
+    Trainer(compose_config("trainer.max_steps=1", *MOE), tmp_path / "source").fit()
+    other = ["model.moe.num_experts=8", "model.moe.expert_ffn_hidden_size=32"]
+    with pytest.raises((CheckpointError, ConfigError), match="another model|shape"):
+        Trainer(compose_config("trainer.max_steps=1", *other, f"model.init_from={tmp_path / 'source'}"),
+                tmp_path / "started")
