@@ -230,6 +230,10 @@ class Trainer:
                      f"layers | {self.precision.note} on {self.device} | {self.parallel.describe()} | data "
                      f"{self.cfg.data.name} ({'varlen' if self.cfg.data.varlen else 'packed'}) | run dir "
                      f"{self.run_dir}")
+            if t.eval_interval > 0 and self.data.valid is None:
+                log.warning(f"trainer.eval_interval={t.eval_interval}: there is no validation split "
+                            f"(data.valid_fraction={self.cfg.data.valid_fraction}), so nothing is evaluated; raise "
+                            "data.valid_fraction, or set trainer.eval_interval=0")
         first_loss = last_loss = val_loss = None
         losses: list[tuple[int, float]] = []
         last_saved: Path | None = None

@@ -194,3 +194,15 @@ def test_an_unused_run_dir_is_removed_once_and_a_used_one_kept(tmp_path):
     (used / "checkpoints").mkdir(parents=True)
     remove_unused_run_dir(used)
     assert (used / "checkpoints").is_dir(), "a run dir with anything of a run in it is kept"
+
+
+def test_evaluation_without_a_validation_split_is_said(tmp_path, caplog):
+    """data.valid_fraction=0 leaves no validation split: trainer.eval_interval then evaluates nothing, said in one
+    line at the start (until 2026-12-04 it was skipped without a word, an audit found)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        summary = Trainer(compose_config("trainer.max_steps=2", "trainer.eval_interval=1", "data.valid_fraction=0"),
+                          tmp_path).fit()
+    said = [r.getMessage() for r in caplog.records if "there is no validation split" in r.getMessage()]
+    assert len(said) == 1 and summary.val_loss is None, said
