@@ -412,3 +412,22 @@ def test_export_refuses_moe_models_without_an_hf_counterpart(tmp_path):
     with pytest.raises(InteropError, match="num_shared_experts=1.*|router_score=sigmoid") as error:
         architecture_of(cfg)
     assert "router_score=sigmoid" in str(error.value) and "num_shared_experts=1" in str(error.value)
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt2", *QWEN3_STYLES])
+def test_the_command_import_prints_starts_training_from_the_import(tmp_path, style, caplog):
+    """megalm-import ends with the megalm-train command that continues pretraining from its output; its overrides
+    give the imported model's structure, which `model.init_from` checks key by key (qk-norm, head size and MoE
+    layers since 2026-12-04): the command builds and starts from the weights, whatever the architecture."""
+    from megalm.training.trainer import Trainer
+
+    hf_dir, _ = transformers_dir(tmp_path / "hf", style)
+    with caplog.at_level(logging.INFO, logger="megalm"):
+        import_hf(hf_dir, tmp_path / "imported")
+    line = next(r.getMessage() for r in caplog.records if "continue pretraining from it" in r.getMessage())
+    overrides = line.split("megalm-train ", 1)[1].split()
+    trainer = Trainer(compose_config(*overrides, "model.seq_length=32", "trainer.max_steps=1"), tmp_path / "run")
+    weights = read_megalm_weights(tmp_path / "imported")[2]
+    for name, p in trainer.model.named_parameters():
+        if name not in ("embedding.weight", "output.weight"):
+            assert torch.equal(p.detach(), weights[name]), name
