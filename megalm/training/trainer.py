@@ -97,15 +97,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ resume
 
-    def _data_order(self) -> dict:
-        """What fixes the samples of every step: a resumed run must have the same."""
-        t, d = self.cfg.trainer, self.cfg.data
-        synthetic = config_to_dict(d.synthetic) if str(d.name) == "synthetic" else None
-        return {"seed": self.cfg.seed, "global_batch_size": t.global_batch_size, "varlen": d.varlen,
-                "tokens_per_step": t.tokens_per_step, "blend": self.data.blend,  # blend: [[weight, prefix], ...]
-                "data": str(d.name), "seq_length": self.cfg.model.seq_length, "split_seed": d.split_seed,
-                "valid_fraction": d.valid_fraction, "synthetic": synthetic}
-
     def _maybe_resume(self) -> None:
         """Continue from a checkpoint (`trainer.resume`); a fresh run starts from `model.init_from` when set."""
         resume = self.cfg.trainer.resume
@@ -126,7 +117,7 @@ class Trainer:
         if self.cfg.model.init_from:
             log.info(f"model.init_from={self.cfg.model.init_from} not used: resuming from {path}")
         ckpt.check_model_config(meta.config.get("model", {}), self.config_dict["model"], path)
-        ckpt.check_same_data_order(meta.state, self._data_order(), path)
+        ckpt.check_same_data_order(meta.state, ckpt.data_order(self.cfg, self.data.blend), path)
         ckpt.note_precision_change(meta.config.get("precision", {}), self.config_dict["precision"], path)
         ckpt.load_checkpoint(path, self.model, self.optimizer, self.mesh, self.device)
         self.step, self.consumed_tokens = step, meta.state["consumed_tokens"]
@@ -142,7 +133,8 @@ class Trainer:
         check_finite_state(self.model, self.optimizer, self.step, self.device, self.mesh.is_distributed)
         tokenizer = self.data.tokenizer
         state = {"consumed_tokens": self.consumed_tokens, "tokenizer": getattr(tokenizer, "spec", None),
-                 "tokenizer_vocab_size": getattr(tokenizer, "vocab_size", None), **self._data_order()}
+                 "tokenizer_vocab_size": getattr(tokenizer, "vocab_size", None),
+                 **ckpt.data_order(self.cfg, self.data.blend)}
         if self.train_steps is not None:
             state["next_sample"] = self.train_steps.start(self.step)
         return self.checkpointer.save(self.step, self.model, self.optimizer, state, self.config_dict)
@@ -231,9 +223,8 @@ class Trainer:
                      f"{self.cfg.data.name} ({'varlen' if self.cfg.data.varlen else 'packed'}) | run dir "
                      f"{self.run_dir}")
             if t.eval_interval > 0 and self.data.valid is None:
-                log.warning(f"trainer.eval_interval={t.eval_interval}: there is no validation split "
-                            f"(data.valid_fraction={self.cfg.data.valid_fraction}), so nothing is evaluated; raise "
-                            "data.valid_fraction, or set trainer.eval_interval=0")
+                log.warning(f"trainer.eval_interval={t.eval_interval}: there is no validation split (data.valid_"
+                            f"fraction={self.cfg.data.valid_fraction}); raise it, or set trainer.eval_interval=0")
         first_loss = last_loss = val_loss = None
         losses: list[tuple[int, float]] = []
         last_saved: Path | None = None

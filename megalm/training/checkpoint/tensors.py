@@ -83,15 +83,16 @@ def load_optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, t
     if len(groups) != len(current["param_groups"]):
         raise CheckpointError(f"checkpoint has {len(groups)} optimizer param groups, this run has "
                               f"{len(current['param_groups'])}; the checkpoint is from another setup")
-    # The groups' settings are this run's (optim.*: betas, eps, weight decay, the kernel; lr follows the schedule),
-    # not the checkpoint's, which `load_state_dict` would otherwise restore: lowering beta2 on a resume to tame a
-    # divergence must take effect. A change is said in one line.
+    # The groups' settings are this run's (optim.*: betas, eps, weight decay, the kernel), not the checkpoint's, which
+    # `load_state_dict` would otherwise restore: lowering beta2 on a resume to tame a divergence must take effect. A
+    # change is said in one line. The learning rate is the checkpoint's (the schedule sets it before each step).
     changed = sorted({f"{k}={_plain(saved[k])} (this run: {_plain(cur[k])})"
                       for saved, cur in zip(groups, current["param_groups"], strict=True)
                       for k in HYPERPARAMETERS if k in saved and k in cur and _plain(saved[k]) != _plain(cur[k])})
     if changed:
         log.warning(f"optimizer settings differ from the checkpoint's: {', '.join(changed)}; this run's are used")
-    new_groups = [{**{k: v for k, v in saved.items() if k != "param_names"}, **cur}
+    new_groups = [{**{k: v for k, v in saved.items() if k != "param_names"},
+                   **{k: v for k, v in cur.items() if k != "lr" or "lr" not in saved}}
                   for saved, cur in zip(groups, current["param_groups"], strict=True)]
     optimizer.load_state_dict({"state": per_param, "param_groups": new_groups})
 

@@ -175,6 +175,17 @@ def check_model_config(saved: dict[str, Any], current: dict[str, Any], path: Pat
                               "model=... overrides or a new hydra.run.dir")
 
 
+def data_order(cfg: Any, blend: Any) -> dict[str, Any]:
+    """What fixes the samples of every step (of a MegalmConfig, and the data's resolved `blend`: [[weight, prefix],
+    ...]): a resumed run must have the same (`check_same_data_order`)."""
+    t, d = cfg.trainer, cfg.data
+    synthetic = dict(OmegaConf.to_container(OmegaConf.structured(d.synthetic))) if str(d.name) == "synthetic" else None
+    return {"seed": cfg.seed, "global_batch_size": t.global_batch_size, "varlen": d.varlen,
+            "tokens_per_step": t.tokens_per_step, "blend": blend, "data": str(d.name),
+            "seq_length": cfg.model.seq_length, "split_seed": d.split_seed, "valid_fraction": d.valid_fraction,
+            "synthetic": synthetic}
+
+
 def check_same_data_order(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
     """Refuse to resume with settings that would change which samples later steps see (seed, batch size, ...). A key
     the checkpoint lacks was added to megalm after it was written: not compared."""
