@@ -90,14 +90,14 @@ def choice(value: str, key: str, options: tuple[str, ...] | type[Enum]) -> None:
 
 def positive(value: int | float | None, key: str) -> None:
     """A one-line ConfigError unless `value` is None or a finite number > 0 (NaN compares false with everything:
-    `value <= 0` let it through, and `trainer.grad_clip=nan` turned clipping off)."""
+    `value <= 0` let `optim.lr=nan` through, to fail inside torch)."""
     if value is not None and not (value > 0 and math.isfinite(value)):
         raise ConfigError(f"{key}={value} must be a finite number > 0")
 
 
 def non_negative(value: int | float, key: str, zero_means: str = "") -> None:
-    """A one-line ConfigError unless `value` is a finite number >= 0; `zero_means` says what 0 does ("turns it
-    off")."""
+    """A one-line ConfigError unless `value` is a finite number >= 0 (`trainer.grad_clip=nan` passed `value < 0`
+    and turned clipping off); `zero_means` says what 0 does ("turns it off")."""
     if not (value >= 0 and math.isfinite(value)):
         raise ConfigError(f"{key}={value} must be a finite number >= 0" + (f" (0 {zero_means})" if zero_means else ""))
 

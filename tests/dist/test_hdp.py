@@ -168,7 +168,8 @@ def test_hdp_ranks_issue_each_communicator_s_work_in_one_order(tmp_path):
     assert any(e[0] == "p2p" for e in events[0]) and any(e[0] == "reduce" for e in events[0])
 
     def shared(rank: int, other: int, group: str) -> list:
-        return [e[0] for e in events[rank] if e[1] == group and (e[0] == "reduce" or other in e[2])]
+        return [e[0] if e[0] == "p2p" else (e[0], e[2]) for e in events[rank]
+                if e[1] == group and (e[0] == "reduce" or other in e[2])]
 
     groups = {e[1] for rank_events in events for e in rank_events}
     for group in groups:

@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from megalm.errors import CheckpointError, ConfigError
+from megalm.errors import CheckpointError
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
 
@@ -82,11 +82,3 @@ def test_init_from_carries_the_routers_learned_selection_bias(tmp_path):
                       tmp_path / "started")
     for layer, expected in zip(started.model.layers, bias, strict=True):
         assert torch.equal(layer.mlp.router.expert_bias, expected)
-
-
-def test_init_from_refuses_a_bias_of_another_shape(tmp_path):
-    Trainer(compose_config("trainer.max_steps=1", *MOE), tmp_path / "source").fit()
-    other = ["model.moe.num_experts=8", "model.moe.expert_ffn_hidden_size=32"]
-    with pytest.raises((CheckpointError, ConfigError), match="another model|shape"):
-        Trainer(compose_config("trainer.max_steps=1", *other, f"model.init_from={tmp_path / 'source'}"),
-                tmp_path / "started")

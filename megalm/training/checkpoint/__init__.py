@@ -66,7 +66,7 @@ from megalm.training.checkpoint.verify import (
 
 __all__ = [
     "CHECKPOINTS", "FILES", "FORMAT_VERSION", "LATEST", "Checkpointer", "LoadedCheckpoint", "PendingCheckpoint",
-    "check_model_config", "check_resume_target", "check_same_data_order", "data_order", "checkpoint_name", "fsync_path",
+    "check_model_config", "check_resume_target", "check_same_data_order", "checkpoint_name", "data_order", "fsync_path",
     "is_complete", "latest_checkpoint", "load_checkpoint", "load_model_weights", "load_optimizer_tensors",
     "note_precision_change",
     "load_saved_model", "optimizer_tensors", "read_checkpoint_meta", "resolve_checkpoint_path",

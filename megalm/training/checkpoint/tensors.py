@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # annotations only: checkpoints take the mesh they are given
     from megalm.parallel.dims import ParallelMesh
 
 log = logging.getLogger("megalm")
+HYPERPARAMETERS = ("betas", "eps", "weight_decay")  # what a resume may change (`load_optimizer_tensors`)
 
 
 def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -97,10 +98,9 @@ def load_optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, t
     optimizer.load_state_dict({"state": per_param, "param_groups": new_groups})
 
 
-HYPERPARAMETERS = ("betas", "eps", "weight_decay")  # what a resume may change (`load_optimizer_tensors`)
-
 
 def _plain(value: Any) -> Any:
+    """A setting as JSON keeps it (a checkpoint's betas are a list, the optimizer's a tuple)."""
     return list(value) if isinstance(value, tuple | list) else value
 
 
