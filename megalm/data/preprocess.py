@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import logging
 import os
 import sys
 import time
@@ -32,6 +33,8 @@ from megalm.data.indexed import DatasetExistsError, IndexedDatasetWriter, datase
 from megalm.data.megatron_format import SIDECAR_SUFFIX, MegatronDatasetWriter
 from megalm.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 from megalm.errors import DataError, MegalmError
+
+log = logging.getLogger(__name__)
 
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonlines", ".ndjson")
 _BATCH_DOCS = 512  # documents per tokenization batch
@@ -184,6 +187,12 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str, tokenize
     if not inputs:
         raise DataError("no input given; pass --input PATH [PATH ...]")
     files = list_input_files(inputs, glob)
+    outputs = {Path(f"{output_prefix}{suffix}").resolve() for suffix in (".bin", ".idx", SIDECAR_SUFFIX)}
+    if named := [str(p) for p in map(Path, inputs) if p.is_file() and p.resolve() in outputs]:
+        raise DataError(f"--input {named[0]} is this run's own output; choose another --output-prefix")
+    if own := [p for p in files if p.resolve() in outputs]:  # an earlier run's output inside an input directory
+        log.warning(f"skipping {', '.join(map(str, own))}: the output of an earlier run with this --output-prefix")
+        files = [p for p in files if p.resolve() not in outputs]
     if not files:
         raise DataError(f"no files matching --glob {glob!r} under {', '.join(map(str, inputs))}; "
                         "check --input and --glob")

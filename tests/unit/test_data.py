@@ -286,6 +286,24 @@ def test_preprocess_directory_sorted_and_glob(tmp_path):
         assert Path(f"{tmp_path}/all{ext}").read_bytes() == Path(f"{tmp_path}/again{ext}").read_bytes()
 
 
+@pytest.mark.parametrize("output_format", ["megalm", "megatron"])
+def test_preprocess_again_into_its_input_directory_skips_its_own_output(tmp_path, output_format):
+    """An output prefix inside an --input directory, run again with --overwrite: the first run's .bin/.idx (and
+    Megatron's sidecar) are not read back as documents (until 2026-12-04 they were tokenized as text, an audit
+    found); an --input that names one of them is refused in one line."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.txt").write_text("hello world")
+    prefix = str(root / "ds")
+    for _ in range(2):
+        stats = preprocess([root], prefix, "byte", overwrite=True, show_progress=False, output_format=output_format)
+    assert stats.num_files == 1 and stats.num_docs == 1
+    with pytest.raises(DataError, match="is this run's own output") as error:
+        preprocess([root / "ds.bin"], prefix, "byte", overwrite=True, show_progress=False,
+                   output_format=output_format)
+    assert "\n" not in str(error.value)
+
+
 def test_preprocess_hf_tokenizer_and_uint32(tmp_path):
     words = [f"w{i}" for i in range(70000)]  # ids 1..70000, eod 70001
     tok = HFTokenizer(str(make_hf_tokenizer(tmp_path / "big.json", words)))
