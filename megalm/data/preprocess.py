@@ -192,7 +192,7 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str, tokenize
         raise DataError(f"--input {named[0]} is this run's own output; choose another --output-prefix")
     if own := [p for p in files if p.resolve() in outputs]:  # an earlier run's output inside an input directory
         log.warning(f"skipping {', '.join(map(str, own))}: the output of an earlier run with this --output-prefix")
-        files = [p for p in files if p.resolve() not in outputs]
+        files = [p for p in files if p not in own]
     if not files:
         raise DataError(f"no files matching --glob {glob!r} under {', '.join(map(str, inputs))}; "
                         "check --input and --glob")

@@ -92,9 +92,12 @@ def load_optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, t
                       for k in HYPERPARAMETERS if k in saved and k in cur and _plain(saved[k]) != _plain(cur[k])})
     if changed:
         log.warning(f"optimizer settings differ from the checkpoint's: {', '.join(changed)}; this run's are used")
-    new_groups = [{**{k: v for k, v in saved.items() if k != "param_names"},
-                   **{k: v for k, v in cur.items() if k != "lr" or "lr" not in saved}}
-                  for saved, cur in zip(groups, current["param_groups"], strict=True)]
+    new_groups = []
+    for saved, cur in zip(groups, current["param_groups"], strict=True):
+        merged = {**{k: v for k, v in saved.items() if k != "param_names"}, **cur}
+        if "lr" in saved:
+            merged["lr"] = saved["lr"]
+        new_groups.append(merged)
     optimizer.load_state_dict({"state": per_param, "param_groups": new_groups})
 
 

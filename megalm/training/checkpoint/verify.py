@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from megalm.config import config_to_dict
 from megalm.errors import CheckpointError
 from megalm.precision import recipe_on_bf16_weights
 from megalm.training.checkpoint.layout import (
@@ -179,7 +180,7 @@ def data_order(cfg: Any, blend: Any) -> dict[str, Any]:
     """What fixes the samples of every step (of a MegalmConfig, and the data's resolved `blend`: [[weight, prefix],
     ...]): a resumed run must have the same (`check_same_data_order`)."""
     t, d = cfg.trainer, cfg.data
-    synthetic = dict(OmegaConf.to_container(OmegaConf.structured(d.synthetic))) if str(d.name) == "synthetic" else None
+    synthetic = config_to_dict(d.synthetic) if str(d.name) == "synthetic" else None
     return {"seed": cfg.seed, "global_batch_size": t.global_batch_size, "varlen": d.varlen,
             "tokens_per_step": t.tokens_per_step, "blend": blend, "data": str(d.name),
             "seq_length": cfg.model.seq_length, "split_seed": d.split_seed, "valid_fraction": d.valid_fraction,
