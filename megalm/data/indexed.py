@@ -115,6 +115,12 @@ class IndexedDataset:
         # get() returns this dtype: the stored one, or int64 if a virtual eod would not fit in it
         fits = np.can_cast(np.min_scalar_type(self._eod_id), self.dtype)
         self._out_dtype = self.dtype if self._add_eod is None or fits else np.dtype(np.int64)
+        # Every read is checked against the vocab (a max over the slice, microseconds) unless the dtype cannot
+        # hold an id outside it: an out-of-range id would otherwise reach the embedding, where a GPU reports
+        # only "device-side assert triggered" (a Megatron file's vocab is the sidecar's or the tokenizer's
+        # claim, probed on its first tokens only; a damaged megalm file was checked when written, not since).
+        info = np.iinfo(self.dtype)
+        self._ids_checked = info.min < 0 or info.max >= self._vocab_size
 
     def _open_megalm(self, prefix: str, idx_path: str, bin_path: str) -> None:
         def corrupt(why: str) -> DataError:
@@ -212,11 +218,17 @@ class IndexedDataset:
         if offset < 0 or length < 0 or offset + length > n:
             raise IndexError(f"slice [{offset}, {offset + length}) outside document {i} of {n} tokens")
         if offset + length <= stored or length == 0:
-            return np.asarray(self._tokens[start + offset:start + offset + length]).astype(self._out_dtype,
-                                                                                          copy=False)
-        out = np.empty(length, dtype=self._out_dtype)  # the slice ends with the virtual eod
-        out[:-1] = self._tokens[start + offset:end]
-        out[-1] = self._eod_id
+            out = np.asarray(self._tokens[start + offset:start + offset + length]).astype(self._out_dtype,
+                                                                                         copy=False)
+        else:
+            out = np.empty(length, dtype=self._out_dtype)  # the slice ends with the virtual eod
+            out[:-1] = self._tokens[start + offset:end]
+            out[-1] = self._eod_id
+        if self._ids_checked and out.size and (int(out.max()) >= self._vocab_size or int(out.min()) < 0):
+            bad = int(out.min()) if int(out.min()) < 0 else int(out.max())
+            raise DataError(f"document {i} of {self.prefix} holds token id {bad}, outside its vocab [0, "
+                            f"{self._vocab_size}): the data is damaged or was made with another tokenizer; re-run "
+                            f"megalm-preprocess --input ... --output-prefix {self.prefix} --overwrite")
         return out
 
     def __repr__(self) -> str:

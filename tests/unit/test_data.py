@@ -205,6 +205,20 @@ def test_corrupt_dataset_raises(tmp_path, how):
     assert "\n" not in str(e.value)
 
 
+def test_a_damaged_token_is_refused_when_read(tmp_path):
+    """A megalm file's ids were checked when written; a token damaged since then (vocab 257 in uint16) is
+    caught when read, before it can reach the embedding."""
+    prefix = write_dataset(tmp_path / "ds", [[1, 2], [3], [4, 5, 6]], 257, 256, "byte")
+    tokens = np.memmap(f"{prefix}.bin", dtype=np.uint16, mode="r+")
+    tokens[6] = 4000  # document 2 (4, 5, 6, eod)'s second token, after 1, 2, eod, 3, eod
+    tokens.flush()
+    del tokens
+    ds = IndexedDataset(prefix)
+    assert ds.get(2, 0, 1).tolist() == [4]
+    with pytest.raises(DataError, match=r"^document 2 of .* holds token id 4000, outside its vocab \[0, 257\)"):
+        ds.get(2, 1, 2)
+
+
 @pytest.mark.parametrize("how, missing", [("missing_idx", ".idx"), ("missing_bin", ".bin")])
 def test_missing_dataset_files_raise(tmp_path, how, missing):
     prefix = write_dataset(tmp_path / "ds", [[1, 2], [3], [4, 5, 6]], 257, 256, "byte")

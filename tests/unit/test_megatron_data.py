@@ -451,3 +451,17 @@ def test_train_a_few_steps_on_a_megatron_prefix(tmp_path):
     summary = Trainer(cfg, tmp_path / "run").fit()
     assert np.isfinite(summary.last_loss)
     assert os.path.isdir(tmp_path / "run")
+
+
+def test_an_id_outside_the_vocab_past_the_probe_is_refused_when_read(tmp_path, monkeypatch):
+    """The open probes the first tokens only; every read checks its slice, so an id a GPU embedding would turn
+    into "device-side assert triggered" stops the run with a line naming the document instead."""
+    from megalm.data import megatron_format
+
+    monkeypatch.setattr(megatron_format, "_VOCAB_PROBE", 4)
+    prefix = spec_write(tmp_path / "m", [[[1, 2, 3, 4]], [[5, 300, 6]]])  # 300 is past the byte vocab (257)
+    ds = IndexedDataset(prefix, tokenizer="byte")
+    assert ds.get(0).tolist() == [1, 2, 3, 4, 256] and ds.get(1, 0, 1).tolist() == [5]
+    with pytest.raises(DataError) as e:
+        ds.get(1)
+    assert_one_line(e, "document 1", "token id 300", "[0, 257)", "megalm-preprocess")
