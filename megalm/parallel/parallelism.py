@@ -101,6 +101,10 @@ def validate_parallel(cfg: MegalmConfig, world_size: int) -> ParallelDims:
         raise ConfigError("parallel.async_tp=true pipelines sequence parallelism's all-gathers and reduce-scatters "
                           "with their GEMMs; set parallel.sequence_parallel=true (and parallel.tp>1) or turn it off")
     validate_context(cfg)
+    for key, value, default, size in (("pp_schedule", p.pp_schedule, "1f1b", "pp"),
+                                      ("cp_comm", p.cp_comm, "ring", "cp" if not p.hdp else None)):
+        if value != default and size is not None and getattr(p, size) == 1:  # a choice nothing will read
+            log.warning(f"parallel.{key}={value} has no effect with parallel.{size}=1")
     validate_hdp(cfg)
     validate_data_parallel(cfg)
     validate_fsdp(cfg)

@@ -86,6 +86,20 @@ def test_pipeline_layouts_accepted():
     assert layout(2, "parallel.pp=2", "parallel.pp_schedule=zb", "parallel.recompute=[full,none]").pp == 2
 
 
+@pytest.mark.parametrize("overrides, said", [
+    (("parallel.pp_schedule=zb",), "parallel.pp_schedule=zb has no effect with parallel.pp=1"),
+    (("parallel.cp_comm=a2a",), "parallel.cp_comm=a2a has no effect with parallel.cp=1"),
+    (("parallel.pp=2", "parallel.pp_schedule=zb", "parallel.cp_comm=a2a+p2p", "parallel.cp=2"), None),
+    # HDP's rings read cp_comm whatever parallel.cp is
+    (("parallel.hdp=true", "parallel.cp_comm=a2a+p2p", "parallel.cp_a2a_size=2", "data.varlen=true"), None),
+])
+def test_a_schedule_or_cp_comm_nothing_reads_is_said(caplog, overrides, said):
+    with caplog.at_level("WARNING", logger="megalm"):
+        layout(4, "trainer.micro_batch_size=2", *overrides)
+    effects = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+    assert effects == ([said] if said else [])
+
+
 def test_kv_heads_split_or_replicated():
     assert layout(2, "parallel.tp=2").tp == 2  # 2 kv heads split over tp=2
     assert layout(4, "parallel.tp=4", "trainer.micro_batch_size=2").tp == 4  # 2 kv heads replicated over tp=4
