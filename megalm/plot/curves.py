@@ -4,6 +4,7 @@ metrics.jsonl."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,29 +13,48 @@ from megalm.plot.figures import PlotError, new_figure
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+
+def last_attempt(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A resumed run's history: metrics.jsonl is appended to, so after a restart from an earlier checkpoint the
+    steps an attempt logged past it are there twice. A record whose step is not past the one before it starts a new
+    attempt, whose records replace the earlier one's from that step on."""
+    kept: list[dict[str, Any]] = []
+    for record in records:
+        while kept and kept[-1]["step"] >= record["step"]:
+            kept.pop()
+        kept.append(record)
+    return kept
+
+
 def load_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of RUN_DIR/metrics.jsonl; PlotError (naming the line) if the dir, the file or a line is bad."""
+    """The records of RUN_DIR/metrics.jsonl as the run's last attempt left them (`last_attempt`); PlotError (naming
+    the line) if the dir, the file or a record is bad. A line that is not JSON (one a crash tore; megalm-train
+    starts its next record on a line of its own) is skipped with a warning on stderr."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise PlotError(f"run dir {run_dir} does not exist (or is not a directory)")
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise PlotError(f"{path} not found: is {run_dir} a megalm run dir (megalm-train writes it)?")
-    records = []
+    records, torn = [], []
     for n, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PlotError(f"{path} line {n} is not valid JSON ({e.msg}); truncated by a crash? "
-                            "delete or fix that line") from None
+        except json.JSONDecodeError:
+            torn.append(n)
+            continue
         if not isinstance(record, dict) or not isinstance(record.get("step"), (int, float)):
             raise PlotError(f"{path} line {n} is not a metrics record (a JSON object with a numeric 'step')")
         records.append(record)
     if not records:
-        raise PlotError(f"{path} is empty: the run logged no step yet")
-    return records
+        torn_note = " (only a line torn by a crash)" if torn else ""
+        raise PlotError(f"{path} is empty: the run logged no step yet{torn_note}")
+    if torn:
+        print(f"warning: {path}: skipped {len(torn)} line(s) that are not JSON (torn by a crash?): line "
+              f"{', '.join(map(str, torn[:5]))}{' ...' if len(torn) > 5 else ''}", file=sys.stderr)
+    return last_attempt(records)
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:

@@ -52,7 +52,11 @@ def format_line(record: dict[str, Any], max_steps: int) -> str:
 class MetricsLogger:
     """Fan-out of metric records; only the process that owns it (rank 0) should create one."""
 
-    def __init__(self, run_dir: Path, cfg: LoggingConfig, max_steps: int, config_dict: dict | None = None):
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, max_steps: int, config_dict: dict | None = None,
+                 start_step: int = 0):
+        """`start_step`: the step the run (re)starts from. A resumed run appends: the records of steps after it,
+        which an earlier attempt logged before it stopped, stay in metrics.jsonl (megalm-plot draws the last
+        attempt's), while TensorBoard drops them (its `purge_step`)."""
         self.max_steps = max_steps
         self.started = time.perf_counter()
         self._first: tuple[int, float] | None = None  # (step, time) of the first record: the rate's origin
@@ -60,11 +64,13 @@ class MetricsLogger:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a")  # noqa: SIM115 - open for the logger's lifetime, closed in close()
-        self._tb = self._open_tensorboard(run_dir, cfg.tensorboard)
+        if self._file.tell() and not _ends_with_newline(self.path):
+            self._file.write("\n")  # a line torn by a crash stays a line of its own, not the start of the next record
+        self._tb = self._open_tensorboard(run_dir, cfg.tensorboard, start_step)
         self._wandb = self._open_wandb(run_dir, cfg, config_dict) if cfg.wandb.enabled else None
 
     @staticmethod
-    def _open_tensorboard(run_dir: Path, wanted: bool | None):
+    def _open_tensorboard(run_dir: Path, wanted: bool | None, start_step: int):
         installed = importlib.util.find_spec("tensorboard") is not None
         if wanted is False or (wanted is None and not installed):
             return None
@@ -73,7 +79,8 @@ class MetricsLogger:
                               "pip install tensorboard or set logging.tensorboard=false")
         from torch.utils.tensorboard import SummaryWriter
 
-        return SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        purge = start_step + 1 if start_step else None  # the first step this attempt logs: later events are stale
+        return SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=purge)
 
     @staticmethod
     def _open_wandb(run_dir: Path, cfg: LoggingConfig, config_dict: dict | None):
@@ -128,8 +135,15 @@ def _terminal_bar(total: int):
     return tqdm(total=total, unit="step", dynamic_ncols=True, leave=False)
 
 
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
 def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
-    """All records of a run's metrics.jsonl, in order."""
+    """All records of a run's metrics.jsonl, in order (a resumed run's earlier attempts included: megalm-plot draws
+    the last one's, `megalm.plot.curves.last_attempt`)."""
     with open(Path(run_dir) / "metrics.jsonl") as f:
         return [json.loads(line) for line in f if line.strip()]
 

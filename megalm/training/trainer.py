@@ -84,8 +84,7 @@ class Trainer:
         budget = cfg.trainer.tokens_per_step
         self.train_steps = TokenBudgetSteps(self.data.train, budget) if budget else None
         self.valid_steps = TokenBudgetSteps(self.data.valid, budget) if budget and self.data.valid else None
-        self.step, self.consumed_tokens = 0, 0
-        self.resumed_from: Path | None = None
+        self.step, self.consumed_tokens, self.resumed_from = 0, 0, None  # resumed_from: the checkpoint's path
         self.checkpointer = ckpt.Checkpointer(self.run_dir, cfg.trainer.keep_last, self.mesh, cfg.trainer.async_save)
         self.preemption.distributed = self.mesh.is_distributed
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, cfg.trainer.max_consecutive_skips)
@@ -215,7 +214,8 @@ class Trainer:
         t = self.cfg.trainer
         stop_at = t.stop_at_step or t.max_steps
         main = self.mesh.is_logging_rank
-        logger = MetricsLogger(self.run_dir, self.cfg.logging, t.max_steps, self.config_dict) if main else None
+        logger = MetricsLogger(self.run_dir, self.cfg.logging, t.max_steps, self.config_dict,
+                               self.step) if main else None
         if main:
             n_params = num_parameters(GPT(self.cfg.model, device="meta"))
             log.info(f"model {self.cfg.model.name}: {n_params / 1e6:.2f}M parameters, {self.cfg.model.num_layers} "

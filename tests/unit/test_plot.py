@@ -104,6 +104,20 @@ def test_cli_writes_the_pngs(tmp_path, capsys):
     assert (run / "plots" / "loss.png").is_file()
 
 
+def test_a_torn_line_is_skipped_and_a_resumed_run_s_last_attempt_drawn(tmp_path, capsys):
+    """Steps 1-6 logged, a crash tore step 7's line, the run resumed from its step-4 checkpoint and logged 5-10:
+    the curve is steps 1-4 of the first attempt and 5-10 of the second, once each, and the torn line is named."""
+    first, second = records(6), [{**r, "loss": 9.0} for r in records(10)[4:]]
+    run = write_run(tmp_path / "run", first, extra='{"step": 7, "loss": 1.\n' + "".join(
+        json.dumps(r) + "\n" for r in second))
+    drawn = plot.load_metrics(run)
+    assert [r["step"] for r in drawn] == list(range(1, 11)) and drawn[:4] == first[:4] and drawn[4:] == second
+    assert "skipped 1 line(s) that are not JSON (torn by a crash?): line 7" in capsys.readouterr().err
+    train = plot.plot_metrics(drawn)["loss"].axes[0].get_lines()[0]
+    assert list(train.get_xdata()) == list(range(1, 11)) and list(train.get_ydata())[4:] == [9.0] * 6
+    assert plot.main([str(run)]) == 0
+
+
 def test_cli_one_line_errors(tmp_path, capsys):
     err = one_line_error(capsys, lambda: plot.main([str(tmp_path / "nope")]))
     assert "nope" in err and "does not exist" in err
@@ -111,8 +125,8 @@ def test_cli_one_line_errors(tmp_path, capsys):
     assert "metrics.jsonl not found" in one_line_error(capsys, lambda: plot.main([str(tmp_path / "empty_dir")]))
     write_run(tmp_path / "empty", [], extra="\n")
     assert "is empty" in one_line_error(capsys, lambda: plot.main([str(tmp_path / "empty")]))
-    write_run(tmp_path / "bad", records(2), extra='{"step": 3, "loss": 1.\n')
-    assert "line 3 is not valid JSON" in one_line_error(capsys, lambda: plot.main([str(tmp_path / "bad")]))
+    write_run(tmp_path / "torn", [], extra='{"step": 3, "loss": 1.\n')
+    assert "is empty" in one_line_error(capsys, lambda: plot.main([str(tmp_path / "torn")]))
     write_run(tmp_path / "nostep", records(1), extra='{"loss": 1.0}\n')
     assert "line 2 is not a metrics record" in one_line_error(capsys, lambda: plot.main([str(tmp_path / "nostep")]))
     (tmp_path / "notes.txt").write_text("mine")

@@ -4,20 +4,22 @@ in metrics.jsonl. The rate is measured from the first record, so a resumed run e
 from __future__ import annotations
 
 import itertools
+import json
 
 from megalm.config import LoggingConfig
 from megalm.training import metrics
 from megalm.training.metrics import MetricsLogger, clock, format_line, read_metrics
+
+BASE = {"loss": 1.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_sec": 1000.0}
 
 
 def test_progress_elapsed_and_eta(tmp_path, monkeypatch, caplog):
     times = itertools.chain([100.0, 105.0, 125.0, 145.0])  # created; steps 40, 50 and 60 (2 s a step)
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(times))
     logger = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False), max_steps=100)
-    base = {"loss": 1.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_sec": 1000.0}
     with caplog.at_level("INFO", logger="megalm"):
         for step in (40, 50, 60):  # a run resumed at step 39
-            logger.log({"step": step, **base})
+            logger.log({"step": step, **BASE})
     logger.close()
     records = read_metrics(tmp_path)
     assert [r["progress"] for r in records] == [0.4, 0.5, 0.6]
@@ -30,3 +32,27 @@ def test_clock_and_a_line_without_timing():
     assert clock(3725.4) == "1:02:05"
     line = format_line({"step": 3, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_sec": 10.0}, 10)
     assert line.startswith("step  3/10 (30%) | loss 2.0000") and "elapsed" not in line
+
+
+def test_a_resumed_run_starts_after_a_torn_line_and_tensorboard_drops_the_lost_steps(tmp_path):
+    """A crash can leave metrics.jsonl's last line half written: the resumed run's first record goes on a line of
+    its own (the torn text is kept). TensorBoard forgets the steps logged after the checkpoint resumed from, which
+    the new attempt logs again (SummaryWriter's purge_step); without it both attempts' step 5 would be drawn."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsLogger(tmp_path, LoggingConfig(tensorboard=True), max_steps=10)
+    for step in range(1, 7):
+        first.log({**BASE, "step": step, "loss": 10.0 + step})
+    first.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "lo')  # the crash
+    resumed = MetricsLogger(tmp_path, LoggingConfig(tensorboard=True), max_steps=10, start_step=4)
+    for step in range(5, 9):
+        resumed.log({**BASE, "step": step, "loss": float(step)})
+    resumed.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[6] == '{"step": 7, "lo' and [json.loads(x)["step"] for x in lines[7:]] == [5, 6, 7, 8]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (1, 11.0), (2, 12.0), (3, 13.0), (4, 14.0), (5, 5.0), (6, 6.0), (7, 7.0), (8, 8.0)]

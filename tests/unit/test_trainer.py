@@ -2,6 +2,7 @@
 
 import importlib.machinery
 import importlib.util
+import shutil
 import sys
 import types
 
@@ -58,6 +59,29 @@ def test_resume_is_bit_exact(tmp_path):
     for step in range(7, 13):
         assert got[step] == expected[step], f"step {step}: {got[step]} != {expected[step]}"
     assert [loss for _, loss in straight.losses][6:] == [got[s] for s in range(7, 13)]
+
+
+def test_a_run_resumed_from_before_its_last_logged_step_is_drawn_once(tmp_path):
+    """A crash after step 6 with the last checkpoint at step 4: the resumed run logs steps 5 and 6 again.
+    megalm-plot draws the last attempt's records and TensorBoard drops the first attempt's steps 5 and 6."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megalm.plot.curves import load_metrics
+
+    common = ["trainer.max_steps=8", "trainer.save_interval=4", "logging.tensorboard=true"]
+    Trainer(compose_config(*common, "trainer.stop_at_step=6"), tmp_path).fit()
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000006")  # the crash came before this save
+    resumed = Trainer(compose_config(*common, "trainer.resume=auto"), tmp_path)
+    assert resumed.step == 4
+    resumed.fit()
+    written = read_metrics(tmp_path)
+    assert [r["step"] for r in written] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]
+    drawn = load_metrics(tmp_path)
+    assert [r["step"] for r in drawn] == list(range(1, 9)) and drawn[4:] == written[6:]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (r["step"], pytest.approx(r["loss"])) for r in drawn]
 
 
 def test_resume_refuses_other_model_and_changed_data_order(tmp_path):
