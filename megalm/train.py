@@ -55,14 +55,16 @@ def precheck_overrides(argv: list[str]) -> None:
         config = compose_config(overrides)
         if runs:  # every rule at this process's world size, before Hydra makes a run dir a refused run would leave
             check_run(config)
-        for override in overrides if runs else []:  # before Hydra makes the run dir and its train.log there
-            key, _, value = override.partition("=")
+        named = [o.partition("=")[2] for o in overrides if o.partition("=")[0].lstrip("+") == "hydra.run.dir"]
+        if runs:  # the run dir, before Hydra makes it and its train.log there
+            value = named[-1] if named else "outputs"  # configs/config.yaml: outputs/DATE/TIME
+            what = f"hydra.run.dir={value}" if named else "outputs (the default run dir is outputs/DATE/TIME)"
             run_dir = Path(value).expanduser()
-            if key.lstrip("+") == "hydra.run.dir" and run_dir.exists():
-                if not run_dir.is_dir():
-                    raise ConfigError(f"hydra.run.dir={value} is a file; choose a directory (new, or a run's to "
-                                      "continue)")
+            if run_dir.exists() and not run_dir.is_dir():
+                raise ConfigError(f"{what} is a file; choose a directory (hydra.run.dir: new, or a run's to continue)")
+            if named and run_dir.is_dir():
                 check_run_dir(run_dir)
+            check_creatable(run_dir, what)
     except ConfigError as e:
         if "debug=true" in overrides:
             raise
@@ -81,6 +83,19 @@ def check_run(config: MegalmConfig) -> None:
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     validate_run(config, world_size=int(os.environ.get("WORLD_SIZE", "1")), device=device)
+
+
+def check_creatable(run_dir: Path, what: str) -> None:
+    """Refuse a run dir the run could not make or write in (Hydra would fail with a traceback): its nearest existing
+    ancestor must be a directory this process may write to."""
+    existing = run_dir.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{what}: {existing} is a file, so the run dir cannot be made there; choose another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what}: {existing} is not writable by this user; choose a run dir you may write to "
+                          "(hydra.run.dir=PATH)")
 
 
 def check_run_dir(run_dir: Path) -> None:

@@ -112,7 +112,7 @@ def test_resuming_an_earlier_checkpoint_into_the_run_dir_keeps_the_later_ones(tr
 
 def test_a_run_dir_holding_other_files_is_refused_and_kept(tmp_path):
     """A run writes config.yaml and appends to metrics.jsonl: a directory whose files of those names are not a
-    megalm run's is refused before either is touched; so is a run dir that is a file."""
+    megalm run's is refused before either is touched; so is a run dir that is a file or lies under one."""
     cases = {"mine": {"config.yaml": "notes: mine\n", "metrics.jsonl": "my line\n"},
              "metrics_only": {"metrics.jsonl": "my line\n"}}
     for name, files in cases.items():
@@ -132,6 +132,11 @@ def test_a_run_dir_holding_other_files_is_refused_and_kept(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     assert_one_line_error(train(["hydra.run.dir=notes.txt"], tmp_path), "hydra.run.dir=notes.txt is a file")
     assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert_one_line_error(train(["hydra.run.dir=notes.txt/run"], tmp_path),  # Hydra could not make it
+                          f"hydra.run.dir=notes.txt/run: {tmp_path / 'notes.txt'} is a file")
+    (tmp_path / "outputs").write_text("mine too")
+    assert_one_line_error(train([], tmp_path), "outputs (the default run dir is outputs/DATE/TIME) is a file")
+    assert (tmp_path / "notes.txt").read_text() == "mine" and (tmp_path / "outputs").read_text() == "mine too"
 
 
 @pytest.mark.parametrize("args, fragments", [
@@ -145,6 +150,7 @@ def test_a_run_dir_holding_other_files_is_refused_and_kept(tmp_path):
     (["parallel.cp=2"], ["world size 1 is not divisible by tp*pp*cp = 1*1*2"]),
     (["model.seq_length=64", "model.max_position_embeddings=32"], ["exceeds the model's positions"]),
     (["data=indexed"], ["data.path"]),
+    (["trainer.preempt_signals=[SIGFOO]"], ["trainer.preempt_signals has 'SIGFOO'"]),
     (["data=indexed", "data.path=/nonexistent/corpus"], ["/nonexistent/corpus"]),
 ])
 def test_bad_input_is_one_line_error(tmp_path, args, fragments):
