@@ -27,7 +27,7 @@ from megalm.errors import ConfigError
 from megalm.model.gpt import VOCAB_PARAMS, resize_vocab_rows
 from megalm.model.hf import model_config_dict, read_hf_model
 from megalm.model.naming import canonical_named_buffers, canonical_named_parameters
-from megalm.model.shard import shard_specs
+from megalm.model.shard import copy_full_value, shard_specs
 from megalm.training.checkpoint import LoadedCheckpoint, check_model_config, load_saved_model
 from megalm.training.optim import full_precision_weights
 
@@ -111,4 +111,4 @@ def _copy_init_weights(spec: str, weights: dict[str, torch.Tensor], model: nn.Mo
         if tuple(full.shape) != (shard.full_shape if shard else tuple(param.shape)):
             raise ConfigError(f"model.init_from={spec}: {name} has shape {tuple(full.shape)}, this run's model "
                               f"{shard.full_shape if shard else tuple(param.shape)}; use the matching model config")
-        param.copy_(shard.shard(full) if shard else full)
+        copy_full_value(param, shard.shard(full) if shard else full)  # an FSDP shard takes its own rows

@@ -78,6 +78,16 @@ def test_fsdp_matches_single_process(tmp_path, name):
     run_distributed(check_fsdp, world, COMMON + parallel, str(tmp_path), PARAM_ATOL, timeout=240)
 
 
+def test_fsdp_starts_from_init_from_weights(tmp_path):
+    """model.init_from under FSDP: each rank copies its own rows of every weight into its DTensor shard (it raised
+    "mixed torch.Tensor and DTensor"), and trains as one process started from the same weights."""
+    source = Trainer(compose_config(*COMMON, "model.init_std=0.05", "trainer.max_steps=1"), tmp_path / "source")
+    source.train_step(0)
+    checkpoint = source.save()
+    run_distributed(check_fsdp, 2, [*COMMON, "parallel.dp=2", f"model.init_from={checkpoint}"], str(tmp_path),
+                    PARAM_ATOL, timeout=240)
+
+
 def test_fsdp_resume_is_bit_exact(tmp_path):
     """An FSDP run stopped and resumed (its sharded weights and Adam moments gathered into the layout-free files,
     then scattered back; saved in the background, every step) repeats the straight run's losses exactly."""

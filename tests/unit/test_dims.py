@@ -64,6 +64,10 @@ def test_dp_defaults_to_what_is_left():
     (1, ["parallel.recompute=most"], "'most' is not one of none, full, selective"),
     (1, ["parallel.fsdp=true"], "fsdp=true needs dp.cp > 1 ranks"),
     (2, ["parallel.fsdp=true", "parallel.zero1=true"], "drop parallel.zero1"),
+    (2, ["parallel.fsdp=true", "data.varlen=true", "trainer.tokens_per_step=64"],  # an audit's hang, 2026-12-04
+     "tokens_per_step with parallel.fsdp=true is not supported"),
+    (2, ["model=moe_tiny", "parallel.ep=2", "data.varlen=true", "trainer.tokens_per_step=64"],
+     "tokens_per_step with parallel.ep=2 is not supported"),
     (2, ["parallel.fsdp=true", "parallel.hdp=true", "data.varlen=true"], "use parallel.zero1=true with HDP"),
     (4, ["parallel.fsdp=true", "parallel.pp=2", "parallel.pp_schedule=zb"], "use 1f1b or interleaved"),
     (2, ["parallel.fsdp=true", "precision=fp8", "precision.backend=te"], "use precision.backend=native"),

@@ -54,6 +54,10 @@ def validate_experts(cfg: MegalmConfig) -> None:
         raise ConfigError("parallel.hdp=true does not run mixture-of-experts models: HDP ranks run different numbers "
                           "of micro-batches, while an expert-parallel layer needs every rank in each all-to-all; "
                           "use parallel.cp with data or expert parallelism")
+    if p.ep > 1 and cfg.trainer.tokens_per_step is not None and (p.dp or 1) > 1:
+        raise ConfigError(f"trainer.tokens_per_step with parallel.ep={p.ep} is not supported: under a token budget the "
+                          "data-parallel ranks may run different numbers of micro-batches, while an expert-parallel "
+                          "layer needs every rank in each all-to-all; use trainer.global_batch_size, or parallel.ep=1")
     if p.fsdp and (p.ep > 1 or p.sequence_parallel) and p.fsdp_shard_size is not None:
         raise ConfigError(f"parallel.fsdp_shard_size={p.fsdp_shard_size} (HSDP) with parallel.ep={p.ep} or sequence "
                           "parallelism is not supported for mixture-of-experts models: the routed experts shard over "

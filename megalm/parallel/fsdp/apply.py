@@ -63,6 +63,10 @@ def validate_fsdp(cfg: MegalmConfig) -> None:
         raise ConfigError("parallel.hdp=true with parallel.fsdp=true is not supported: HDP ranks run different "
                           "numbers of micro-batches, while every rank of an FSDP group must join each block's "
                           "all-gather; use parallel.zero1=true with HDP")
+    if cfg.trainer.tokens_per_step is not None and (p.dp or 1) > 1:
+        raise ConfigError("trainer.tokens_per_step with parallel.fsdp=true is not supported: under a token budget the "
+                          "data-parallel ranks may run different numbers of micro-batches, while every rank of an FSDP "
+                          "group must join each block's all-gather; use trainer.global_batch_size, or parallel.zero1")
     if zero_bubble(p):
         raise ConfigError("parallel.pp_schedule=zb with parallel.fsdp=true is not supported: its deferred weight "
                           "gradients land after FSDP's reduce-scatter has run; use 1f1b or interleaved")

@@ -47,10 +47,10 @@ def load_safetensors(file: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model_weights(path: Path, model: nn.Module, mesh: ParallelMesh | None = None) -> None:
-    """Weights only (megalm-generate, fine-tuning starts)."""
+    """Weights only (megalm-generate, fine-tuning starts); collective when `mesh` is distributed."""
     saved_rows = saved_vocab_rows(read_checkpoint_meta(path).config)
     targets = model_targets(model, mesh, saved_rows)
-    dcp_load(targets, path)
+    dcp_load(targets, path, collective=mesh is not None and mesh.is_distributed)
     copy_model(model, targets, path, saved_rows)
 
 
@@ -112,7 +112,7 @@ def _load_tensors(path: Path, meta: LoadedCheckpoint, model: nn.Module, optimize
                                             saved_rows, f"::{field}"))
             else:  # the step count, stored with every piece: the first one's is read
                 targets[f"optim/{stored_names(param_name)[0]}::{field}"] = value.clone()
-    dcp_load(targets, path)
+    dcp_load(targets, path, collective=mesh is not None and mesh.is_distributed)
     copy_model(model, targets, path, saved_rows)
     if optimizer is not None:
         tensors = {}

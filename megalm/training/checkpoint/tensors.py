@@ -168,11 +168,14 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
         dcp.save(tensors, storage_writer=compat.hf_storage_writer(str(path)))
 
 
-def dcp_load(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def dcp_load(tensors: dict[str, torch.Tensor], path: Path, collective: bool) -> None:
+    """Read `tensors` from a checkpoint dir through DCP: with `collective`, every rank of the default group together;
+    else this process alone, even where a process group exists (each rank of a run reading a whole model to start
+    from, `model.init_from`, without pairing its reads with the other ranks')."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(path)))
+            dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=not collective)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises many types
         cause = next(iter(getattr(e, "failures", {}).values()), e)  # CheckpointException: per-rank causes
         first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
