@@ -121,7 +121,8 @@ def shared_run_dir(own_dir: Path, config) -> tuple[Path, int]:
     from megalm.parallel.dims import init_distributed
     from megalm.training.device import select_device
 
-    rank, world_size = init_distributed(select_device(config.trainer.device), process_group_minutes(config))
+    rank, world_size = init_distributed(select_device(config.trainer.device), process_group_minutes(config),
+                                        config.parallel.fsdp_cpu_offload)
     if world_size == 1:
         return own_dir, rank
     import torch.distributed as dist

@@ -157,12 +157,15 @@ class ParallelMesh:
         return self.pp_rank == self.dims.pp - 1
 
 
-def init_distributed(device: torch.device, timeout_minutes: float | None = None) -> tuple[int, int]:
+def init_distributed(device: torch.device, timeout_minutes: float | None = None,
+                     host_collectives: bool = False) -> tuple[int, int]:
     """Join the torchrun job if there is one (env:// rendezvous). Returns (rank, world_size).
 
     On CUDA the group is NCCL, bound to this rank's GPU (LOCAL_RANK); on CPU it is gloo. A group someone
     else already initialised (a test launcher, a notebook) is used as it is. `timeout_minutes`
     (`parallel.timeout_minutes`): how long a collective may wait before it fails; None keeps torch's default.
+    `host_collectives` (`parallel.fsdp_cpu_offload`: gradients and the optimizer step on the host) adds gloo for
+    CPU tensors beside NCCL, which takes only CUDA ones (TorchTitan does the same).
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -175,7 +178,8 @@ def init_distributed(device: torch.device, timeout_minutes: float | None = None)
     if device.type == "cuda":
         local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(local)
-        dist.init_process_group(backend="nccl", device_id=local, **timeout, **join)
+        backend = "cuda:nccl,cpu:gloo" if host_collectives else "nccl"
+        dist.init_process_group(backend=backend, device_id=local, **timeout, **join)
     else:
         dist.init_process_group(backend="gloo", **timeout, **join)
     return dist.get_rank(), dist.get_world_size()

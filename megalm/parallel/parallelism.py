@@ -421,7 +421,9 @@ class Parallelism:
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the full model's gradient: squares summed over the reducer's shards (ZeRO-1), TP
         shards and pipeline stages, each element of the full model counted once."""
-        sq = self.reducer.local_grad_sq_norm(weight=self._norm_weight)
+        # on the run's device: FSDP's host-offloaded gradients (parallel.fsdp_cpu_offload) give a CPU sum, which NCCL
+        # cannot reduce and the trainer reads beside its device totals
+        sq = self.reducer.local_grad_sq_norm(weight=self._norm_weight).to(self.device)
         # expert slices differ across an EP group: sum over all of dp x cp (`_grad_norm_weights` counts each once)
         shards = self.mesh.dp_cp_group if self.mesh.dims.ep > 1 else self.reducer.shard_group
         for group in (shards, self.mesh.tp_group, self.mesh.pp_group):

@@ -60,8 +60,8 @@ class Trainer:
         # Joining the job is watched too: a rank stuck in the rendezvous or in building the groups is reported
         # (and exits 124 for the launcher to restart) within trainer.init_hang_minutes, not at the group timeout.
         with joining_watchdog(cfg.trainer.init_hang_minutes, self.run_dir) as joining:
-            world_size = (mesh.dims.world_size if mesh is not None
-                          else init_distributed(self.device, process_group_minutes(cfg))[1])
+            world_size = mesh.dims.world_size if mesh is not None else init_distributed(
+                self.device, process_group_minutes(cfg), cfg.parallel.fsdp_cpu_offload)[1]
             self.cfg = cfg = validate_run(cfg, world_size, self.device)  # a resolved copy (precision=auto: this device)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             torch.manual_seed(cfg.seed)  # the same on every rank: TP ranks must draw the same dropout masks

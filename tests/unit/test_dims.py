@@ -131,6 +131,34 @@ def test_fsdp_cpu_offload_needs_a_gpu():
         validate_run(cfg, 2, torch.device("cpu"))
 
 
+def test_fsdp_cpu_offload_gives_host_tensors_a_backend_beside_nccl(monkeypatch, tmp_path):
+    """FSDP's host-offloaded gradients (the tied embedding's all-reduce over pipeline stages) are CPU tensors, which
+    NCCL does not take: a run with parallel.fsdp_cpu_offload joins with gloo for them beside NCCL, as TorchTitan does.
+    On CPU the group's calls are recorded; megalm-train's first join (shared_run_dir) and the trainer's pass it."""
+    import torch.distributed as dist
+
+    from megalm import train
+    from megalm.parallel import dims
+
+    joined = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.append(backend))
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(joined))
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    for offload, backend in ((False, "nccl"), (True, "cuda:nccl,cpu:gloo")):
+        joined.clear()
+        assert dims.init_distributed(torch.device("cuda"), None, host_collectives=offload) == (0, 2)
+        assert joined == [backend]
+    seen = []
+    monkeypatch.setattr(dims, "init_distributed", lambda device, minutes, host: seen.append(host) or (0, 1))
+    for offload in (False, True):
+        train.shared_run_dir(tmp_path, compose_config(f"parallel.fsdp_cpu_offload={str(offload).lower()}"))
+    assert seen == [False, True]
+
+
 def test_a_restarted_attempt_reads_none_of_its_predecessors_keys(monkeypatch):
     """Under torchrun every restart attempt shares the agent's store; a restarted group that read the gloo addresses
     its dead predecessor wrote hung about one time in four (tests/e2e/test_restarts.py kills and restarts a real run).

@@ -75,8 +75,8 @@ class FsdpGrads:
     def scale_grads(self, coef: float | torch.Tensor) -> None:
         """Multiply the gradient shards by `coef` (the clip coefficient)."""
         grads = [local_part(p.grad) for p in self.params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, coef)
+        if grads:  # `coef` (a device scalar) onto the gradients' device: the host under parallel.fsdp_cpu_offload
+            torch._foreach_mul_(grads, coef.to(grads[0].device) if isinstance(coef, torch.Tensor) else coef)
 
     def remove(self) -> None:
         """Nothing to detach: FSDP's hooks stay with its units."""
