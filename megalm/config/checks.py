@@ -7,6 +7,8 @@ Each rule is a one-line `ConfigError` that names the fix. The packages check the
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from enum import Enum
 from typing import Any
@@ -27,8 +29,10 @@ from megalm.config.choices import (
     RouterScore,
     WandbMode,
 )
-from megalm.config.schema import MegalmConfig, ModelConfig, ParallelConfig
+from megalm.config.schema import MegalmConfig, ModelConfig, MoEConfig, ParallelConfig
 from megalm.errors import ConfigError
+
+log = logging.getLogger("megalm")
 
 SPIKE_MIN_HISTORY = 10  # losses the spike detector (megalm/training/guards.py) needs before it judges one
 
@@ -161,6 +165,10 @@ def validate_moe(model: ModelConfig) -> None:
     if moe.num_experts < 0:
         raise ConfigError(f"model.moe.num_experts={moe.num_experts} must be >= 0 (0: a dense model)")
     if not moe.num_experts:
+        unread = [f"{f.name}={getattr(moe, f.name)}" for f in dataclasses.fields(MoEConfig)
+                  if f.name != "num_experts" and getattr(moe, f.name) != f.default]
+        if unread:  # a preset's experts turned off, or a typo'd model: said, not refused
+            log.warning(f"model.moe: {', '.join(unread)} set on a dense model (model.moe.num_experts=0): not used")
         return
     choice(moe.router_score, "model.moe.router_score", RouterScore)
     if not 1 <= moe.top_k <= moe.num_experts:
@@ -171,16 +179,16 @@ def validate_moe(model: ModelConfig) -> None:
         raise ConfigError("model.moe.num_shared_experts and model.moe.first_k_dense must be >= 0")
     if moe.num_shared_experts:
         positive(moe.shared_ffn_hidden_size, "model.moe.shared_ffn_hidden_size")
+    elif moe.shared_ffn_hidden_size is not None:
+        raise ConfigError(f"model.moe.shared_ffn_hidden_size={moe.shared_ffn_hidden_size} sizes the shared experts, "
+                          "and model.moe.num_shared_experts=0; set it > 0 or drop shared_ffn_hidden_size")
     if model.activation != "swiglu":
         raise ConfigError(f"model.moe: experts are SwiGLU MLPs, model.activation={model.activation}; "
                           "set model.activation=swiglu or model.moe.num_experts=0")
-    if moe.capacity_factor is not None and moe.capacity_factor <= 0:
-        raise ConfigError(f"model.moe.capacity_factor={moe.capacity_factor} must be > 0 (null: dropless)")
-    if moe.routed_scaling_factor <= 0:
-        raise ConfigError(f"model.moe.routed_scaling_factor={moe.routed_scaling_factor} must be > 0")
+    positive(moe.capacity_factor, "model.moe.capacity_factor")  # null: dropless
+    positive(moe.routed_scaling_factor, "model.moe.routed_scaling_factor")
     for key in ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
-        if getattr(moe, key) < 0:
-            raise ConfigError(f"model.moe.{key}={getattr(moe, key)} must be >= 0 (0 turns it off)")
+        non_negative(getattr(moe, key), f"model.moe.{key}", "turns it off")
     if not moe_layer_ids(model):
         raise ConfigError(f"model.moe: no block has experts with first_k_dense={moe.first_k_dense} and "
                           f"every_n_layers={moe.every_n_layers} over {model.num_layers} layers; lower them")

@@ -215,7 +215,14 @@ def test_moe_config_errors_name_the_fix():
 
     for moe, message in [(dict(top_k=5), "top_k"), (dict(capacity_factor=0.0), "capacity_factor"),
                          (dict(aux_loss_coeff=-1.0), "aux_loss_coeff"), (dict(first_k_dense=2), "no block"),
-                         (dict(router_score="relu"), "router_score")]:
+                         (dict(router_score="relu"), "router_score"),
+                         # NaN passed `<= 0` and `< 0`: a NaN capacity dropped every token on a padded micro-batch
+                         (dict(capacity_factor=float("nan")), "capacity_factor=nan must be a finite number > 0"),
+                         (dict(capacity_factor=float("inf")), "capacity_factor=inf must be a finite"),
+                         (dict(routed_scaling_factor=float("nan")), "routed_scaling_factor=nan must be a finite"),
+                         (dict(aux_loss_coeff=float("nan")), "aux_loss_coeff=nan must be a finite number >= 0"),
+                         (dict(bias_update_rate=float("inf")), "bias_update_rate=inf must be a finite"),
+                         (dict(num_shared_experts=0, shared_ffn_hidden_size=64), "num_shared_experts=0")]:
         cfg = resolve_model_defaults(moe_config(**moe))
         with pytest.raises(ConfigError, match=message):
             validate_model(cfg)
@@ -223,6 +230,18 @@ def test_moe_config_errors_name_the_fix():
     cfg.activation = "gelu"
     with pytest.raises(ConfigError, match="swiglu"):
         validate_model(cfg)
+
+
+def test_moe_settings_on_a_dense_model_are_said_to_be_unused(caplog):
+    from megalm.config import resolve_model_defaults, validate_model
+
+    for moe, said in [(dict(), None), (dict(aux_loss_coeff=0.01, top_k=7), "top_k=7, aux_loss_coeff=0.01 set on a "
+                                                                         "dense model")]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="megalm"):
+            validate_model(resolve_model_defaults(moe_config(num_experts=0, expert_ffn_hidden_size=None, **moe)))
+        unused = [r.getMessage() for r in caplog.records if "dense model" in r.getMessage()]
+        assert len(unused) == (1 if said else 0) and (not said or said in unused[0]), unused
 
 
 def test_moe_tiny_trains_logs_load_and_resumes_its_bias(tmp_path, make_config):
