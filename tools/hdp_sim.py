@@ -290,6 +290,10 @@ def main(argv: list[str] | None = None) -> dict:
                    "distributions and four contexts; uses --ranks, --steps, --global-tokens, --seed")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    for flag in ("ranks", "context", "global_tokens", "pp", "steps", "capacity"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            p.error(f"--{flag.replace('_', '-')} {value} must be >= 1")
     policies = POLICIES + (("hdp_offload",) if args.offload else ())
     if args.png_dir and args.ablation:
         p.error("--ablation prints a table and draws nothing: drop --png-dir")
@@ -310,11 +314,13 @@ def main(argv: list[str] | None = None) -> dict:
             source = np.asarray(json.loads(Path(source).read_text()), dtype=np.int64)
         except (OSError, ValueError) as error:
             p.error(f"--lengths {source}: not a JSON list of document lengths ({error}); give a file or longtail")
+        if source.ndim != 1 or not source.size or source.min() < 1:
+            p.error(f"--lengths {args.lengths}: needs a non-empty list of document lengths, each >= 1")
     try:
         cost = load_cost(args.cost) if args.cost else model_cost(args.model)
     except ValueError as e:
         p.error(str(e))
-    capacity = args.capacity or cost.capacity
+    capacity = args.capacity if args.capacity is not None else cost.capacity
 
     rng = np.random.default_rng(args.seed)
     totals = {k: {"step": 0.0, "compute": 0.0, "comm": 0.0, "bytes": 0.0, "pad": 0, "mbs": 0, "max_mbs": 0,

@@ -99,6 +99,24 @@ def test_cli_longtail_with_pipeline_and_capacity(capsys):
         hdp_sim.main(["--ranks", "8", "--context", "8K", "--lengths", "/nonexistent/lengths.json"])
 
 
+@pytest.mark.parametrize("flags, lengths, said", [
+    (["--steps", "0"], None, "--steps 0 must be >= 1"),  # divided by zero
+    (["--pp", "0"], None, "--pp 0 must be >= 1"),
+    (["--ranks", "-2"], None, "--ranks -2 must be >= 1"),
+    (["--capacity", "0"], None, "--capacity 0 must be >= 1"),  # was replaced by the cost model's capacity
+    ([], [], "needs a non-empty list"),
+    ([], [0, 0], "each >= 1"),  # looped forever
+])
+def test_cli_bad_arguments_are_one_line(tmp_path, capsys, flags, lengths, said):
+    extra = []
+    if lengths is not None:
+        (tmp_path / "lengths.json").write_text(json.dumps(lengths))
+        extra = ["--lengths", str(tmp_path / "lengths.json")]
+    with pytest.raises(SystemExit) as e:
+        hdp_sim.main(["--ranks", "8", "--context", "8K", "--global-tokens", "64K", *flags, *extra])
+    assert e.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_cli_bare_runs_with_its_defaults(capsys):
     """`python tools/hdp_sim.py` with no arguments: 256 ranks, 256K context, the long tail (copy-paste safe)."""
     result = hdp_sim.main(["--global-tokens", "2M", "--json"])
