@@ -30,12 +30,18 @@ class CheckpointError(MegalmError):
 
 @contextmanager
 def one_line_errors(debug: bool = False) -> Iterator[None]:
-    """For CLI entry points: a MegalmError inside becomes `error: <message>` on stderr and exit code 2;
-    `debug` keeps the traceback."""
+    """For CLI entry points: a MegalmError (or an OSError: a path that cannot be written) inside becomes
+    `error: <message>` on stderr and exit code 2; `debug` keeps the traceback."""
     try:
         yield
-    except MegalmError as e:
+    except (MegalmError, OSError) as e:
         if debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {os_error_line(e) if isinstance(e, OSError) else e}", file=sys.stderr)
         sys.exit(2)
+
+
+def os_error_line(e: OSError) -> str:
+    """An OSError as one line (an output path under a file, a read-only or full disk): what failed, on which path."""
+    paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+    return f"{e.strerror or type(e).__name__}: {paths}; choose a path this user can write to" if paths else str(e)

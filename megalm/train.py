@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import hydra
@@ -87,15 +88,17 @@ def check_run(config: MegalmConfig) -> None:
 
 def check_creatable(run_dir: Path, what: str) -> None:
     """Refuse a run dir the run could not make or write in (Hydra would fail with a traceback): its nearest existing
-    ancestor must be a directory this process may write to."""
+    ancestor must be a directory this process can write in."""
     existing = run_dir.absolute()
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
         raise ConfigError(f"{what}: {existing} is a file, so the run dir cannot be made there; choose another path")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{what}: {existing} is not writable by this user; choose a run dir you may write to "
-                          "(hydra.run.dir=PATH)")
+    try:  # a real write (os.access passes root on a read-only file system): an empty directory, removed at once
+        os.rmdir(tempfile.mkdtemp(prefix=".megalm-write-check-", dir=existing))
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot write in {existing} ({e.strerror}); choose a run dir you may write to "
+                          "(hydra.run.dir=PATH)") from None
 
 
 def check_run_dir(run_dir: Path) -> None:

@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from megalm.errors import os_error_line
 from megalm.plot.curves import load_metrics, plot_metrics
 from megalm.plot.figures import PlotError, check_replaceable, require_matplotlib, save_figure
 from megalm.plot.schedule import build_plotted_schedule, plot_schedule
@@ -78,6 +79,6 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["schedule"] and not Path("schedule").is_dir():
             return _schedule_main(argv[1:])
         return _run_main(argv)
-    except PlotError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (PlotError, OSError) as e:
+        print(f"error: {os_error_line(e) if isinstance(e, OSError) else e}", file=sys.stderr)
         sys.exit(2)

@@ -37,12 +37,12 @@ def load_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise PlotError(f"{path} not found: is {run_dir} a megalm run dir (megalm-train writes it)?")
     records, torn = [], []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
+    for n, line in enumerate(path.read_bytes().splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
+            record = json.loads(line)  # bytes: a line a crash left undecodable is torn like any other
+        except (json.JSONDecodeError, UnicodeDecodeError):
             torn.append(n)
             continue
         if not isinstance(record, dict) or not isinstance(record.get("step"), (int, float)):

@@ -134,6 +134,8 @@ def test_a_run_dir_holding_other_files_is_refused_and_kept(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
     assert_one_line_error(train(["hydra.run.dir=notes.txt/run"], tmp_path),  # Hydra could not make it
                           f"hydra.run.dir=notes.txt/run: {tmp_path / 'notes.txt'} is a file")
+    assert_one_line_error(train(["hydra.run.dir=/proc/megalm_run"], tmp_path),  # no one may write there, not root
+                          "hydra.run.dir=/proc/megalm_run: cannot write in /proc")
     (tmp_path / "outputs").write_text("mine too")
     assert_one_line_error(train([], tmp_path), "outputs (the default run dir is outputs/DATE/TIME) is a file")
     assert (tmp_path / "notes.txt").read_text() == "mine" and (tmp_path / "outputs").read_text() == "mine too"

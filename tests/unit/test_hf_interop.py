@@ -310,6 +310,19 @@ def test_export_and_import_refuse_an_out_that_is_or_holds_their_input(tmp_path, 
         assert _tree(source) == before, f"{argv}: the input changed"
 
 
+def test_export_and_import_name_an_out_they_cannot_write_in_one_line(tmp_path, capsys):
+    """An --out under a file (or on a read-only disk) was an OSError's traceback: one line now, exit 2."""
+    run, _ = make_run(tmp_path / "src", "llama")
+    hf_dir = export_hf(run, tmp_path / "hf")
+    (tmp_path / "notes.txt").write_text("mine")
+    for cli, source in ((export_cli, run), (import_cli, hf_dir)):
+        with pytest.raises(SystemExit) as e:
+            cli.main([str(source), "--out", str(tmp_path / "notes.txt" / "out")])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.startswith("error: ") and "\n" not in err and "notes.txt" in err, err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def test_import_accepts_original_gpt2_key_names_and_gelu_new(tmp_path):
     """The original GPT-2 files store GPT2Model keys (no "transformer." prefix), the causal-mask buffers and
     activation_function=gelu_new; they import to the same weights."""

@@ -110,9 +110,11 @@ def test_a_torn_line_is_skipped_and_a_resumed_run_s_last_attempt_drawn(tmp_path,
     first, second = records(6), [{**r, "loss": 9.0} for r in records(10)[4:]]
     run = write_run(tmp_path / "run", first, extra='{"step": 7, "loss": 1.\n' + "".join(
         json.dumps(r) + "\n" for r in second))
+    with open(run / "metrics.jsonl", "ab") as f:  # and a line of bytes that are not UTF-8 (a damaged block)
+        f.write(b'{"step": 11, "loss": \xff\xfe\n')
     drawn = plot.load_metrics(run)
     assert [r["step"] for r in drawn] == list(range(1, 11)) and drawn[:4] == first[:4] and drawn[4:] == second
-    assert "skipped 1 line(s) that are not JSON (torn by a crash?): line 7" in capsys.readouterr().err
+    assert "skipped 2 line(s) that are not JSON (torn by a crash?): line 7, 14" in capsys.readouterr().err
     train = plot.plot_metrics(drawn)["loss"].axes[0].get_lines()[0]
     assert list(train.get_xdata()) == list(range(1, 11)) and list(train.get_ydata())[4:] == [9.0] * 6
     assert plot.main([str(run)]) == 0
@@ -131,6 +133,8 @@ def test_cli_one_line_errors(tmp_path, capsys):
     assert "line 2 is not a metrics record" in one_line_error(capsys, lambda: plot.main([str(tmp_path / "nostep")]))
     (tmp_path / "notes.txt").write_text("mine")
     good = write_run(tmp_path / "good", records())
+    err = one_line_error(capsys, lambda: plot.main([str(good), "--out", str(tmp_path / "notes.txt" / "plots")]))
+    assert err == f"error: Not a directory: {tmp_path / 'notes.txt' / 'plots'}; choose a path this user can write to"
     err = one_line_error(capsys, lambda: plot.main([str(good), "--out", str(tmp_path / "notes.txt")]))
     assert "is a file" in err and (tmp_path / "notes.txt").read_text() == "mine"
 
