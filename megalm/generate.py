@@ -22,8 +22,10 @@ if TYPE_CHECKING:
 
 @torch.no_grad()
 def sample(model: GPT, prompt: list[int], max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-           eod_id: int | None = None, generator: torch.Generator | None = None) -> list[int]:
-    """Autoregressive sampling; the context is cropped to the model's positions; stops at eod."""
+           eod_id: int | None = None, generator: torch.Generator | None = None, vocab_size: int | None = None
+           ) -> list[int]:
+    """Autoregressive sampling; the context is cropped to the model's positions; stops at eod. `vocab_size`: the
+    tokenizer's, when the model's is larger (ids past it decode to nothing); default the model's."""
     from megalm.model.gpt import real_logits
 
     device = next(model.parameters()).device
@@ -34,11 +36,12 @@ def sample(model: GPT, prompt: list[int], max_new_tokens: int, temperature: floa
         n = context.numel()
         cu = torch.tensor([0, n], dtype=torch.int32, device=device)
         # Only the real vocab: the padding columns (megalm.model.gpt, VOCAB_PARAMS) are never sampled.
-        logits = real_logits(model(context, torch.arange(n, device=device), cu, n)[-1], model.cfg.vocab_size).float()
+        logits = real_logits(model(context, torch.arange(n, device=device), cu, n)[-1],
+                             vocab_size or model.cfg.vocab_size).float()
         if temperature <= 0:
             next_id = int(logits.argmax())
         else:
-            logits = logits / temperature
+            logits = (logits - logits.max()) / temperature  # at most 0: a tiny temperature gives -inf, never NaN
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -82,8 +85,8 @@ def _check_sampling_args(args: argparse.Namespace) -> None:
                                    ("--num-samples", args.num_samples, 1, ""),
                                    ("--top-k", args.top_k, 0, " (0: no top-k filtering)"),
                                    ("--temperature", args.temperature, 0, " (0: greedy)")):
-        if value < low:
-            raise MegalmError(f"{flag} {value} must be >= {low}{what}")
+        if not value >= low or value == float("inf"):
+            raise MegalmError(f"{flag} {value} must be {'a finite number ' * isinstance(value, float)}>= {low}{what}")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         generator = torch.Generator().manual_seed(args.seed)
         for i in range(args.num_samples):
             out = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k or None,
-                         tokenizer.eod_id, generator)
+                         tokenizer.eod_id, generator, tokenizer.vocab_size)
             text = tokenizer.decode([t for t in out if t != tokenizer.eod_id])
             if args.num_samples > 1:
                 print(f"--- sample {i + 1}")

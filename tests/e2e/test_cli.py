@@ -193,7 +193,9 @@ def test_generate_from_the_run(trained_run):
 
 @pytest.mark.parametrize("flags, fragments", [
     (["--top-k", "-3"], ["--top-k -3 must be >= 0"]),
-    (["--temperature", "-1"], ["--temperature -1.0 must be >= 0 (0: greedy)"]),
+    (["--temperature", "-1"], ["--temperature -1.0 must be a finite number >= 0 (0: greedy)"]),
+    (["--temperature", "nan"], ["--temperature nan must be a finite number >= 0"]),  # passed `< 0`, then a traceback
+    (["--temperature", "inf"], ["--temperature inf must be a finite number >= 0"]),
     (["--num-samples", "0"], ["--num-samples 0 must be >= 1"]),
     (["--device", "banana"], ["--device banana is not a device"]),
     (["--tokenizer", "no_such_dir/tokenizer.json"], ["not found"]),

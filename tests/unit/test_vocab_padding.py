@@ -77,6 +77,21 @@ def test_generation_never_samples_a_padding_id():
     assert max(greedy + drawn) < 301
 
 
+def test_generation_stays_in_the_tokenizer_vocab_and_takes_a_tiny_temperature():
+    """A model of 301 real rows trained with a 257-token tokenizer (the demo: bytes in a model of vocab 320): ids 257
+    to 300 decode to nothing, and early in training they were drawn. And a temperature of 1e-40 divided logits into
+    inf - inf = NaN probabilities (torch.multinomial raised); it now samples the argmax."""
+    model = _tiny(301, 64)
+    with torch.no_grad():
+        model.output.weight[257:301] = 10.0  # ids past the tokenizer's that would win most draws
+    drawn = sample(model, [1, 2, 3], max_new_tokens=8, temperature=2.0, generator=torch.Generator().manual_seed(0),
+                   vocab_size=257)
+    assert max(drawn) < 257
+    greedy = sample(model, [1, 2, 3], max_new_tokens=8, temperature=0, vocab_size=257)
+    assert max(greedy) < 257
+    assert sample(model, [1, 2, 3], max_new_tokens=8, temperature=1e-40, vocab_size=257) == greedy
+
+
 def test_checkpoint_loads_into_another_padding(tmp_path):
     """A run padded to 320 rows resumes padded to 304 (weights and Adam moments of the real rows kept) and its
     weights load into an unpadded model."""
