@@ -15,8 +15,9 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -24,6 +25,7 @@ from megalm.config import LoggingConfig
 from megalm.errors import ConfigError
 
 log = logging.getLogger("megalm")
+T = TypeVar("T")
 
 
 def clock(seconds: float) -> str:
@@ -149,11 +151,20 @@ def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
 
 
 class ThroughputWindow:
-    """Tokens and model FLOPs since the last logged step: tokens/s, per GPU, and MFU over that window."""
+    """Tokens and model FLOPs since the last logged step: tokens/s, per GPU, and MFU over that window's training time
+    (evaluation and checkpoint saves run `aside`, off its clock)."""
 
     def __init__(self, world_size: int, peak_flops: float | None):
         self.world_size, self.peak = world_size, peak_flops
         self.start, self.tokens, self.flops = time.perf_counter(), 0, 0.0
+
+    def aside(self, work: Callable[[], T]) -> T:
+        """`work()`, its time left out of the window (the window's start moves later by it)."""
+        began = time.perf_counter()
+        try:
+            return work()
+        finally:
+            self.start += time.perf_counter() - began
 
     def add(self, tokens: int, flops: float) -> None:
         self.tokens += tokens

@@ -31,3 +31,19 @@ class TrainSummary:
     run_dir: Path
     losses: list[tuple[int, float]] = field(default_factory=list)
     preempted: bool = False  # stopped by a preemption signal, with a checkpoint: exit REQUEUE_EXIT_CODE
+
+    def lines(self, max_steps: int, peak_memory_gib: float) -> list[str]:
+        """What a finished (or stopped) run says last: where it ended, its losses and memory, where its checkpoint,
+        a command to sample from it and its metrics are."""
+        done = "finished" if self.steps >= max_steps else "stopped early"
+        parts = [f"{done} at step {self.steps}/{max_steps} in {self.seconds:.1f}s"]
+        if self.first_loss is not None:
+            parts.append(f"loss {self.first_loss:.3f} -> {self.last_loss:.3f}")
+        if self.val_loss is not None:
+            parts.append(f"val loss {self.val_loss:.3f}")
+        parts.append(f"peak memory {peak_memory_gib:.2f} GiB")
+        out = [" | ".join(parts)]
+        if self.checkpoint is not None:
+            out += [f"checkpoint: {self.checkpoint}",
+                    f"sample from it: megalm-generate {self.checkpoint} --prompt 'def '"]
+        return out + [f"metrics: {self.run_dir / 'metrics.jsonl'}"]

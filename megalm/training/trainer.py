@@ -244,8 +244,8 @@ class Trainer:
                     losses.append((self.step, result.loss))
                     self.spikes.check(result.loss, self.step, self.step_sample_ids(self.step - 1))
                     evaluate = t.eval_interval > 0 and self.step % t.eval_interval == 0
-                    if evaluate:
-                        val_loss = self.evaluate()
+                    if evaluate:  # eval and save off the throughput window's clock (Megatron stops its timer too)
+                        val_loss = window.aside(self.evaluate)
                         self.watchdog.beat(self.step + 1)
                     if self.step == 1 or self.step % t.log_interval == 0 or evaluate or self.step == stop_at:
                         record = {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
@@ -263,7 +263,7 @@ class Trainer:
                         last_loss = result.loss
                     saved = (t.save_interval and self.step % t.save_interval == 0) or self.step == stop_at
                     if saved:
-                        last_saved = self.save()
+                        last_saved = window.aside(self.save)
                         self.watchdog.beat(self.step + 1)
                     if evaluate or saved:  # one full collection at this boundary, where every rank waited anyway
                         collector.full()
@@ -282,19 +282,6 @@ class Trainer:
                                tokens=self.consumed_tokens, seconds=time.perf_counter() - start,
                                checkpoint=last_saved, run_dir=self.run_dir, losses=losses, preempted=preempted)
         if main:
-            self._log_summary(summary)
+            for line in summary.lines(t.max_steps, peak_memory_gb(self.device)):
+                log.info(line)
         return summary
-
-    def _log_summary(self, s: TrainSummary) -> None:
-        done = "finished" if s.steps >= self.cfg.trainer.max_steps else "stopped early"
-        parts = [f"{done} at step {s.steps}/{self.cfg.trainer.max_steps} in {s.seconds:.1f}s"]
-        if s.first_loss is not None:
-            parts.append(f"loss {s.first_loss:.3f} -> {s.last_loss:.3f}")
-        if s.val_loss is not None:
-            parts.append(f"val loss {s.val_loss:.3f}")
-        parts.append(f"peak memory {peak_memory_gb(self.device):.2f} GiB")
-        log.info(" | ".join(parts))
-        if s.checkpoint is not None:
-            log.info(f"checkpoint: {s.checkpoint}")
-            log.info(f"sample from it: megalm-generate {s.checkpoint} --prompt 'def '")
-        log.info(f"metrics: {self.run_dir / 'metrics.jsonl'}")

@@ -84,6 +84,29 @@ def test_a_run_resumed_from_before_its_last_logged_step_is_drawn_once(tmp_path):
         (r["step"], pytest.approx(r["loss"])) for r in drawn]
 
 
+def test_throughput_leaves_out_evaluation_and_checkpoint_saves(tmp_path, monkeypatch):
+    """tokens/s and MFU are the training steps' (Megatron stops its interval timer around both): on a clock that
+    moves only while the run evaluates or saves, every logged window's rate is unbounded. Before, a save's time
+    landed in the next window, an evaluation's in its own: periodic dips in the throughput curve."""
+    from megalm.training import metrics
+
+    clock = [0.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+
+    def slow(method):
+        def run(self, *args, **kwargs):
+            clock[0] += 1000.0
+            return method(self, *args, **kwargs)
+        return run
+
+    monkeypatch.setattr(Trainer, "save", slow(Trainer.save))
+    monkeypatch.setattr(Trainer, "evaluate", slow(Trainer.evaluate))
+    Trainer(compose_config("trainer.max_steps=6", "trainer.save_interval=2", "trainer.eval_interval=3",
+                           "trainer.log_interval=1"), tmp_path).fit()
+    rates = [r["tokens_per_sec"] for r in read_metrics(tmp_path)]
+    assert len(rates) == 6 and min(rates) > 1e9, rates
+
+
 def test_resume_refuses_other_model_and_changed_data_order(tmp_path):
     Trainer(compose_config("trainer.max_steps=2"), tmp_path).fit()
     with pytest.raises(CheckpointError, match="hidden_size=64 .this run: 128"):
