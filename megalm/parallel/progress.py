@@ -28,6 +28,11 @@ class Progress:
         if torch.compiler.is_compiling():  # inside a compiled block: no Python side effect can run in its graph;
             return  # the notes made around the block (its micro-batch, the pipeline action) remain
         now = time.monotonic()
+        if "step" in fields and fields["step"] != self.step:  # what the last step did is not the new one's
+            for key in ("micro_batch", "pipeline_action", "collective"):
+                value = getattr(self, key)
+                if key not in fields and value != "-" and not value.startswith("- ("):
+                    setattr(self, key, f"- (step {self.step}'s last: {value})")
         for key, value in fields.items():
             setattr(self, key, value)
             self.since[key] = now

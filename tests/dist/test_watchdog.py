@@ -54,7 +54,7 @@ def test_both_ranks_report_where_they_hang_and_exit(tmp_path):
         assert report.startswith(f"hang: rank {rank} made no progress for") and "step: 3" in report, report
     # rank 0 waits inside step 3's first collective; rank 1 never reached it: its last one closed step 2
     assert "collective: all_reduce (loss-token count) over 2 ranks" in reports[0], reports[0]
-    assert "collective: all_reduce (step totals) over 2 ranks" in reports[1], reports[1]
+    assert "collective: - (step 2's last: all_reduce (step totals) over 2 ranks)" in reports[1], reports[1]
 
 
 def test_beats_keep_it_quiet_and_silence_fires_once(tmp_path):

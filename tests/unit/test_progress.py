@@ -56,3 +56,23 @@ def test_a_resumed_run_starts_after_a_torn_line_and_tensorboard_drops_the_lost_s
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
         (1, 11.0), (2, 12.0), (3, 13.0), (4, 14.0), (5, 5.0), (6, 6.0), (7, 7.0), (8, 8.0)]
+
+
+def test_a_new_step_marks_what_the_last_one_did_as_its():
+    """A rank that hangs before its step's first micro-batch must not read as hung inside that step: the notes of
+    the step before keep their text, marked as that step's."""
+    from megalm.parallel.progress import Progress
+
+    progress = Progress()
+    progress.note(step=3)
+    progress.note(micro_batch="2 of 2", collective="all_reduce (step totals) over 2 ranks")
+    progress.note(step=4)
+    report = progress.report()
+    assert "step: 4" in report and "micro batch: - (step 3's last: 2 of 2)" in report, report
+    assert "collective: - (step 3's last: all_reduce (step totals) over 2 ranks)" in report
+    assert "pipeline action: -" in report and "pipeline action: - (" not in report
+    progress.note(step=4)  # a beat within the step changes nothing
+    progress.note(step=5)  # nor is a mark marked again
+    assert "micro batch: - (step 3's last: 2 of 2)" in progress.report()
+    progress.note(micro_batch="1 of 2")
+    assert "micro batch: 1 of 2" in progress.report()
