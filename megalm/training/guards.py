@@ -59,11 +59,19 @@ class NonFiniteGuard:
 
 
 class SpikeDetector:
-    """Flags a loss more than `zscore` standard deviations above the mean of the last `window` finite losses."""
+    """Flags a loss more than `zscore` standard deviations above the mean of the last `window` finite losses.
+
+    A spike stays out of the history, so that it cannot hide the next one; but a loss that stays up is a new level,
+    not a spike: from the `SHIFT`-th spike in a row they join it (else the history would stay frozen at the old
+    level, and every later step be reported). A history of equal losses has no spread: the deviation is measured
+    against at least 1e-4 of their mean, so that the next step's rounding is not a spike."""
+
+    SHIFT = 3
 
     def __init__(self, window: int, zscore: float, min_history: int = SPIKE_MIN_HISTORY) -> None:
         self.zscore, self.min_history = zscore, min_history
         self.history: deque[float] = deque(maxlen=max(window, 1))
+        self.in_a_row = 0
 
     def check(self, loss: float, step: int | None = None, sample_ids: range | None = None) -> float | None:
         """The loss's z-score when it is a spike (then logged with `step` and its `sample_ids`, and not added to
@@ -73,13 +81,19 @@ class SpikeDetector:
         if self.zscore > 0 and len(self.history) >= self.min_history:
             mean = sum(self.history) / len(self.history)
             std = math.sqrt(sum((x - mean) ** 2 for x in self.history) / len(self.history))
-            z = (loss - mean) / max(std, 1e-12)
+            z = (loss - mean) / max(std, 1e-4 * abs(mean), 1e-12)
             if z > self.zscore:
                 samples = f"; its samples are {sample_ids.start}..{sample_ids.stop - 1} of the train split" \
                     if sample_ids is not None else ""
+                self.in_a_row += 1
+                shift = self.in_a_row >= self.SHIFT
                 log.warning(f"loss spike at step {step}: {loss:.4f} is {z:.1f} standard deviations above the last "
-                            f"{len(self.history)} steps' mean{samples}")
+                            f"{len(self.history)} steps' mean{samples}" + (
+                                f" ({self.in_a_row} in a row: taken as the loss's new level)" if shift else ""))
+                if shift:
+                    self.history.append(loss)
                 return z
+        self.in_a_row = 0
         self.history.append(loss)
         return None
 

@@ -103,6 +103,20 @@ def test_spike_detector():
     assert SpikeDetector(window=50, zscore=0).check(100.0) is None
 
 
+def test_a_loss_that_stays_up_is_a_new_level_not_a_spike_every_step():
+    """The history took no spike, so a loss that jumped and stayed (a new data mix, a changed schedule) was reported
+    at every later step; from the third spike in a row they join the history, which moves to the new level."""
+    spikes = SpikeDetector(window=20, zscore=6.0)
+    for i in range(20):
+        spikes.check(2.0 + 0.01 * (i % 5))
+    reported = [spikes.check(3.0 + 0.01 * (i % 5)) is not None for i in range(40)]
+    assert reported[:3] == [True] * 3 and sum(reported) < 10 and not any(reported[20:]), reported
+    steady = SpikeDetector(window=20, zscore=6.0)  # no spread at all: the last digit of a loss is no spike
+    for _ in range(20):
+        steady.check(2.0)
+    assert steady.check(2.0001) is None and steady.check(2.5) is not None
+
+
 def test_a_spike_is_logged_with_its_step_and_samples(tmp_path, caplog):
     trainer = Trainer(compose_config("trainer.max_steps=14", "trainer.spike_window=20"), tmp_path)
     forward_backward = trainer.forward_backward
