@@ -11,6 +11,8 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+REQUEUE_EXIT_CODE = 75  # sysexits.h EX_TEMPFAIL, "try again": a preempted run asks its launcher to requeue it
+
 
 class MegalmError(Exception):
     """An error caused by user input; its message is one line that says what to change."""

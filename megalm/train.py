@@ -13,6 +13,7 @@ import gc
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -23,14 +24,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from megalm.config import (
     MegalmConfig,
+    TrainerConfig,
     process_group_minutes,
     register_schema,
     to_dataclass,
 )
 from megalm.config.compose import CONFIG_DIR, compose_config  # noqa: F401 (tools import them from here)
-from megalm.errors import ConfigError, MegalmError
+from megalm.errors import REQUEUE_EXIT_CODE, ConfigError, MegalmError
 
 log = logging.getLogger("megalm")
+# the signals megalm-train catches from its start (trainer.preempt_signals's default), until its config says which
+_START_UP_SIGNALS = [signal.Signals[name] for name in TrainerConfig.__dataclass_fields__["preempt_signals"]
+                     .default_factory()]  # type: ignore[misc]
 
 
 def fail(message: str) -> None:
@@ -39,6 +44,23 @@ def fail(message: str) -> None:
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
     sys.exit(2)
+
+
+def requeue_on(signals: list[signal.Signals]) -> None:
+    """Until the trainer's own handlers take over (`Trainer.fit`), and from `main()` on: a preemption signal during
+    start-up (imports, Hydra, the rendezvous, the checkpoint load: minutes at scale) ends the process with
+    REQUEUE_EXIT_CODE and the requeue marker, as a preempted run does after its checkpoint. Nothing was trained yet
+    that a checkpoint could keep; the signal's default action (death by it) left the job unrequeued. Signals the run
+    does not catch (`trainer.preempt_signals`, `[]`: none) get their default action back."""
+    def stop(signum: int, frame: object) -> None:
+        sys.stderr.write(f"megalm-train: {signal.Signals(signum).name} before training began: exiting with "
+                         f"{REQUEUE_EXIT_CODE} to be requeued (nothing to checkpoint yet)\n")
+        if os.environ.get("MEGALM_REQUEUE_MARKER"):  # torchrun reports a worker's 75 as 1: a file says it
+            Path(os.environ["MEGALM_REQUEUE_MARKER"]).touch()
+        os._exit(REQUEUE_EXIT_CODE)  # now: a raised SystemExit could be swallowed, or wait inside a C call
+
+    for number in _START_UP_SIGNALS:
+        signal.signal(number, stop if number in signals else signal.SIG_DFL)
 
 
 def precheck_overrides(argv: list[str]) -> None:
@@ -163,13 +185,14 @@ def run(cfg: DictConfig) -> float | None:
     from megalm.training.checkpoint import write_text_atomic
     from megalm.training.compile import resolve_auto_compile
     from megalm.training.device import resolve_auto_precision, select_device
-    from megalm.training.preemption import REQUEUE_EXIT_CODE
+    from megalm.training.preemption import signal_numbers
     from megalm.training.trainer import Trainer
     from megalm.training.watchdog import joining_watchdog
 
     debug = bool(cfg.get("debug", False))
     try:
         config = to_dataclass(cfg)
+        requeue_on(signal_numbers(config.trainer.preempt_signals))  # the run's own signals from here on
         own_dir = Path(HydraConfig.get().runtime.output_dir)
         with joining_watchdog(config.trainer.init_hang_minutes, own_dir):  # a stuck rendezvous is reported
             run_dir, rank = shared_run_dir(own_dir, config)
@@ -185,7 +208,10 @@ def run(cfg: DictConfig) -> float | None:
         trainer = Trainer(config, run_dir)  # validates the config and the checkpoint it resumes from
         if rank == 0:  # only now: a run refused above leaves the run dir's config.yaml as it was
             write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-        summary = trainer.fit()
+        try:
+            summary = trainer.fit()
+        finally:
+            requeue_on([])  # trained: a signal from now on has its default action (no requeue of a finished run)
         del trainer
         shutdown_distributed()
         if summary.preempted:  # saved; the launcher requeues on this code (megalm/training/preemption.py)
@@ -209,6 +235,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
 def main() -> None:
     if not Path(CONFIG_DIR).is_dir():
         fail(f"megalm's configs/ is not at {CONFIG_DIR}; install megalm from its checkout with pip install -e .")
+    requeue_on(_START_UP_SIGNALS)  # first: a preemption during start-up requeues the job
     register_schema()  # here, not at import: importing megalm registers nothing anywhere
     precheck_overrides(sys.argv[1:])
     hydra_main()

@@ -22,11 +22,10 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from megalm.errors import REQUEUE_EXIT_CODE as REQUEUE_EXIT_CODE  # re-exported: its users read it here
 from megalm.errors import ConfigError
 
 log = logging.getLogger("megalm")
-
-REQUEUE_EXIT_CODE = 75  # sysexits.h EX_TEMPFAIL
 
 
 def signal_numbers(names: list[str]) -> list[signal.Signals]:

@@ -24,6 +24,8 @@ APPLIED_AT_START = {  # (file, function): where the trainer applies process-wide
     ("megalm/training/trainer.py", "Trainer.__init__"): "trainer.num_threads",
     ("megalm/precision/__init__.py", "Precision.__init__"): "precision.tf32 on a GPU",
     ("megalm/training/preemption.py", "*"): "trainer.preempt_signals: handlers installed and restored by fit()",
+    ("megalm/train.py", "requeue_on"): "megalm-train's process: trainer.preempt_signals requeue a run preempted "
+                                       "before fit() (its entry point's own handlers, not a library's)",
     ("megalm/training/python_gc.py", "StepBoundaryGC.__enter__"): "trainer.gc_interval: Python's automatic "
                                                                   "collector off while fit() trains, on again after",
     ("megalm/parallel/hdp/planner.py", "_plan"): "the automatic collector off while one plan is searched, restored "
