@@ -203,6 +203,7 @@ class Trainer:
             return None
         loss, tokens = torch.zeros((), dtype=torch.float64, device=self.device), 0
         for i in range(self.cfg.trainer.eval_iters):
+            self.watchdog.beat()  # batch by batch: trainer.hang_minutes bounds one batch, not the whole evaluation
             share = self.parallel.share_of_step(valid, self.step_sample_ids(i, valid), i)
             loss += self.parallel.forward_loss(share).double()
             tokens += share.loss_tokens

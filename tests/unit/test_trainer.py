@@ -107,6 +107,16 @@ def test_throughput_leaves_out_evaluation_and_checkpoint_saves(tmp_path, monkeyp
     assert len(rates) == 6 and min(rates) > 1e9, rates
 
 
+def test_a_long_evaluation_is_progress_to_the_hang_watchdog(tmp_path):
+    """The watchdog heard from the loop only between steps, evaluations and saves: an evaluation of many batches
+    longer than trainer.hang_minutes was reported as a hang and the run killed. Each batch is a beat now."""
+    trainer = Trainer(compose_config("trainer.eval_iters=5", "trainer.max_steps=1"), tmp_path)
+    beats = []
+    trainer.watchdog.beat = lambda step=None: beats.append(step)
+    trainer.evaluate()
+    assert beats == [None] * 5
+
+
 def test_resume_refuses_other_model_and_changed_data_order(tmp_path):
     Trainer(compose_config("trainer.max_steps=2"), tmp_path).fit()
     with pytest.raises(CheckpointError, match="hidden_size=64 .this run: 128"):
