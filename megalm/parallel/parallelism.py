@@ -462,7 +462,7 @@ class Parallelism:
         flags = (f" ep={p.ep}" if p.ep > 1 else "") + (" sp" if p.sequence_parallel else "") + (
             " zero1" if p.zero1 else "")
         if p.fsdp:
-            flags += f" fsdp({'hsdp ' if p.fsdp_shard_size else ''}{'x'.join(map(str, self.fsdp_mesh.shape))})"
+            flags += f" fsdp({'hsdp ' if self.fsdp_mesh.ndim > 1 else ''}{'x'.join(map(str, self.fsdp_mesh.shape))})"
         o = self.cfg.offload
         if o.enabled:
             what = f"{o.policy} {o.fraction:g} of micro-batches" if p.pp > 1 else f"{o.fraction:g} of the blocks"

@@ -104,6 +104,15 @@ def test_a_schedule_or_cp_comm_nothing_reads_is_said(caplog, overrides, said):
     assert effects == ([said] if said else [])
 
 
+def test_bucket_settings_fsdp_does_not_read_are_said(caplog):
+    with caplog.at_level("WARNING", logger="megalm"):
+        layout(2, "parallel.fsdp=true", "trainer.micro_batch_size=2")
+        layout(2, "parallel.fsdp=true", "trainer.micro_batch_size=2", "parallel.bucket_size_mb=50",
+               "parallel.overlap_param_gather=false")
+    unused = [r.getMessage() for r in caplog.records if "FSDP replaces" in r.getMessage()]
+    assert len(unused) == 1 and "parallel.bucket_size_mb=50.0, parallel.overlap_param_gather=False" in unused[0]
+
+
 def test_kv_heads_split_or_replicated():
     assert layout(2, "parallel.tp=2").tp == 2  # 2 kv heads split over tp=2
     assert layout(4, "parallel.tp=4", "trainer.micro_batch_size=2").tp == 4  # 2 kv heads replicated over tp=4

@@ -26,6 +26,7 @@ Composition (docs/architecture.md, "Fully sharded data parallelism"):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -53,6 +54,11 @@ def validate_fsdp(cfg: MegalmConfig) -> None:
             if value != default:
                 raise ConfigError(f"parallel.{key}={value} needs parallel.fsdp=true; set it or drop the key")
         return
+    defaults = {f.name: f.default for f in dataclasses.fields(ParallelConfig)}
+    unread = [f"parallel.{key}={getattr(p, key)}" for key in ("bucket_size_mb", "overlap_param_gather")
+              if getattr(p, key) != defaults[key]]
+    if unread:  # FSDP's units are its buckets, and it gathers each block's weights itself
+        log.warning(f"{', '.join(unread)} sized or timed megalm's data-parallel buckets, which FSDP replaces: not used")
     domain = (p.dp or 1) * p.cp
     if domain == 1:
         raise ConfigError("parallel.fsdp=true needs dp*cp > 1 ranks to shard over; raise parallel.dp or drop fsdp")
