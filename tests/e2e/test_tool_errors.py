@@ -26,6 +26,14 @@ ROOT = Path(__file__).resolve().parents[2]
     (["tools/bench/throughput.py", "--steps", "0"], "--steps 0 must be >= 1"),
     (["tools/hdp_plan.py", "--step", "-1"], "--step -1 must be >= 0"),
     (["tools/bench/amax_histories.py", "--reps", "0"], "--reps 0 must be >= 1"),
+    # a traceback each, or (--systems) a table without the misspelt row (an audit, 2026-12-04)
+    (["tools/bench/step_cost.py", "model=nonexistent"], "Could not find 'model/nonexistent'"),
+    (["tools/bench/step_cost.py", "--systems", "megalm_compile", "model=tiny"], "--systems megalm_compile: not one"),
+    (["tools/bench/activation_memory.py", "--recompute", "bogus"], "parallel.recompute='bogus'"),
+    (["tools/bench/estimate_vs_formula.py", "--models", "nope"], "--models nope: not one of 8b, 70b"),
+    (["tools/bench/hdp_plan_time.py", "--reps", "0"], "--reps 0 must be >= 1"),
+    (["tools/bench/checkpoint_save.py", "--reps", "0"], "--reps 0 must be >= 1"),
+    (["tools/bench/adamw_kernels.py", "--iters", "0"], "--iters 0 must be >= 1"),
 ])
 def test_a_bad_override_is_one_line(argv, fragment, tmp_path):
     # forked from a server that imported torch (tests/e2e/forked_python.py): 3 s of CPU less a case

@@ -40,6 +40,7 @@ if str(ROOT) not in sys.path:
 from megalm.measure import LiveStorages, storage_bytes  # noqa: E402
 from megalm.measure.op_cost import GPUS  # noqa: E402
 from megalm.train import compose_config  # noqa: E402
+from tools.bench.cli import run_main  # noqa: E402
 from tools.bench.step_cost import STEP_OVERRIDES, fake_trainer  # noqa: E402  (the same one-micro-batch step)
 
 
@@ -127,4 +128,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

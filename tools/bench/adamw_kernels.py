@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megalm.config.checks import resolve_model_defaults  # noqa: E402
 from megalm.model.gpt import GPT  # noqa: E402
 from megalm.parallel.data_parallel import adamw_kernel  # noqa: E402
-from tools.bench.cli import add_timing_flags, parse_flags_and_overrides  # noqa: E402
+from tools.bench.cli import add_timing_flags, check_counts, parse_flags_and_overrides, run_main  # noqa: E402
 from tools.bench.throughput import compose_config  # noqa: E402
 from tools.bench.timing import time_calls  # noqa: E402
 
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_timing_flags(parser, "steps", iters=10, warmup=3, warmup_note=" (compiles the kernel)")
     args, overrides = parse_flags_and_overrides(parser, argv)
+    check_counts(args, 'iters')
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = segments(overrides)
     n = sum(sizes)
@@ -92,4 +93,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -54,7 +54,7 @@ from megalm.config.checks import resolve_model_defaults  # noqa: E402
 from megalm.errors import ConfigError  # noqa: E402
 from megalm.measure.kernel_profile import summarize  # noqa: E402
 from megalm.model.attention import select_attention_backend, varlen_attention  # noqa: E402
-from tools.bench.cli import add_timing_flags, parse_flags_and_overrides  # noqa: E402
+from tools.bench.cli import add_timing_flags, check_counts, parse_flags_and_overrides, run_main  # noqa: E402
 from tools.bench.throughput import compose_config  # noqa: E402
 from tools.bench.timing import time_calls  # noqa: E402
 
@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_timing_flags(parser, "calls of each backend (forward and backward)", iters=20, warmup=5)
     args, overrides = parse_flags_and_overrides(parser, argv)
+    check_counts(args, 'iters')
     model = resolve_model_defaults(compose_config(overrides).model)  # kv heads and head_dim where the config omits them
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -228,4 +229,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -25,11 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from throughput import compose_config  # noqa: E402
 
+from tools.bench.cli import check_counts, run_main  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3, help="saves per mode, in turns (default 3)")
     args, overrides = parser.parse_known_args(argv)
+    check_counts(args, 'reps')
 
     from megalm.training import checkpoint as ckpt
     from megalm.training.trainer import Trainer
@@ -67,4 +70,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

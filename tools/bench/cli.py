@@ -24,10 +24,24 @@ def add_timing_flags(parser: argparse.ArgumentParser, what: str, iters: int, war
     parser.add_argument("--json", action="store_true", help="print the results as JSON last")
 
 
+def check_counts(args: argparse.Namespace, *flags: str) -> None:
+    """One-line errors (under `run_main`) for count flags below 1 (--reps, --iters, --steps: 0 left nothing to take
+    a median of, or a plan to time)."""
+    from megalm.errors import ConfigError
+
+    for flag in flags:
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} {value} must be >= 1")
+
+
 def run_main(main: Callable[[], object]) -> None:
-    """A tool's `main` as megalm-train runs: a user error (a bad override or flag value, a MegalmError) prints one
-    `error:` line and exits 2, not a traceback."""
+    """A tool's `main` as megalm-train runs: a user error (a bad override or flag value, a MegalmError, a path that
+    cannot be written) prints one `error:` line and exits 2, not a traceback; a `main` that returns an int exit
+    status exits with it."""
     from megalm.errors import one_line_errors
 
     with one_line_errors():
-        main()
+        status = main()
+    if isinstance(status, int) and not isinstance(status, bool):
+        sys.exit(status)

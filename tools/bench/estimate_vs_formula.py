@@ -28,8 +28,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from megalm import estimate  # noqa: E402
+from megalm.errors import ConfigError  # noqa: E402
 from megalm.estimate import layout_search  # noqa: E402
 from megalm.estimate.layout_search import Layout  # noqa: E402
+from tools.bench.cli import run_main  # noqa: E402
 
 LAYOUTS = {  # model -> (overrides, world): TP within a node, PP across nodes, dp 8
     "8b": (["model=8b", "parallel.tp=8", "parallel.pp=4", "parallel.sequence_parallel=true"], 256),
@@ -42,11 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     from megalm.train import compose_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=list(LAYOUTS))
+    p.add_argument("--models", nargs="+", default=list(LAYOUTS), help=f"of {', '.join(LAYOUTS)}")
     p.add_argument("--recompute", nargs="+", default=["none", "selective", "full", "offload"],
                    help="recompute modes; 'offload': none, with activation offload (offload.enabled=true)")
     p.add_argument("--num-layers", type=int, help="fewer layers, for a quick run (the per-layer figures hold)")
     args = p.parse_args(argv)
+    unknown = sorted(set(args.models) - set(LAYOUTS))
+    if unknown:
+        raise ConfigError(f"--models {' '.join(unknown)}: not one of {', '.join(LAYOUTS)}")
     depth = [f"model.num_layers={args.num_layers}"] if args.num_layers else []
     print("| model | recompute | params GiB | grads GiB | optimizer GiB | activations GiB | Korthikanti | ratio | "
           "host GiB |")
@@ -80,4 +85,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -38,7 +38,7 @@ from megalm.model.gpt import GPT  # noqa: E402
 from megalm.model.linear import Linear  # noqa: E402
 from megalm.precision.fp8 import column_major  # noqa: E402
 from megalm.training.flops import peak_flops  # noqa: E402
-from tools.bench.cli import add_timing_flags, parse_flags_and_overrides, run_main  # noqa: E402
+from tools.bench.cli import add_timing_flags, check_counts, parse_flags_and_overrides, run_main  # noqa: E402
 from tools.bench.throughput import compose_config  # noqa: E402
 from tools.bench.timing import time_calls  # noqa: E402
 
@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "10): one GEMM of a 1.3b block is tens of microseconds, which the host's launch work "
                              "before it would otherwise add to")
     args, overrides = parse_flags_and_overrides(parser, argv)
+    check_counts(args, 'iters')
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     linears, layers, tokens = block_linears(overrides)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"

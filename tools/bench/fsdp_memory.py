@@ -42,6 +42,7 @@ import torch.distributed as dist  # noqa: E402
 from megalm.config.compose import compose_config  # noqa: E402
 from megalm.estimate import rank as estimate  # noqa: E402
 from megalm.measure import LiveStorages  # noqa: E402
+from tools.bench.cli import run_main  # noqa: E402
 from tools.bench.ranks import free_port, run_cpu_ranks  # noqa: E402
 
 LAYOUTS = {"plain DP": [], "ZeRO-1": ["parallel.zero1=true"], "FSDP": ["parallel.fsdp=true"]}
@@ -133,4 +134,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

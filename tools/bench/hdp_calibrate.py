@@ -55,7 +55,7 @@ from megalm.measure.op_cost import GPUS  # noqa: E402
 from megalm.model.attention import one_kernel_backend  # noqa: E402
 from megalm.parallel.hdp.cost import CostModel  # noqa: E402
 from megalm.precision import compute_dtype  # noqa: E402
-from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
+from tools.bench.cli import parse_flags_and_overrides, run_main  # noqa: E402
 
 # The fit, the block measured and the YAML live beside this file; their names stay importable from here.
 from tools.bench.hdp_calibrate_bench import HOST_COPY_BYTES, Bench, MemoryLine, Point  # noqa: E402, F401
@@ -334,4 +334,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from hdp_sim import global_batch, model_cost, parse_size  # noqa: E402
 
 from megalm.parallel.hdp import plan_hdp  # noqa: E402
+from tools.bench.cli import check_counts, run_main  # noqa: E402
 
 SAMPLE = Path("tools/data/seqlen/prolong_lengths.json")
 
@@ -48,6 +49,7 @@ def main() -> None:
     p.add_argument("--flat", action="store_true", help="flat rings only (parallel.cp_comm=ring)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    check_counts(args, 'ranks', 'reps', 'pp')
 
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
@@ -90,4 +92,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
+from tools.bench.cli import check_counts, parse_flags_and_overrides, run_main  # noqa: E402
 from tools.bench.throughput import compose_config  # noqa: E402
 
 NARROW = ["model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=4", "model.ffn_hidden_size=128",
@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--cuda-paths", action="store_true", help="run the FP8 recipes' CUDA code on the CPU")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list last")
     args, overrides = parse_flags_and_overrides(parser, argv)
+    check_counts(args, 'steps')
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps takes 1 or more, --warmup 0 or more")
     torch.set_num_threads(1)  # one thread, as a training process's host loop runs
@@ -159,4 +160,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megalm.precision.hadamard import random_signs, rht  # noqa: E402
 from megalm.precision.mx import mx_quantize, mx_quantize_dequantize  # noqa: E402
+from tools.bench.cli import check_counts, run_main  # noqa: E402
 from tools.bench.timing import time_calls  # noqa: E402
 
 # HBM bandwidth in GB/s by device-name substring, most specific first
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-reference", action="store_true", help="skip timing the PyTorch reference")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     args = parser.parse_args(argv)
+    check_counts(args, 'iters')
 
     if not torch.cuda.is_available():
         print("mx_quantize_bandwidth: needs a CUDA GPU (the Triton kernel's CPU interpreter is for tests, "
@@ -149,4 +151,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from throughput import compose_config, synchronize  # noqa: E402
 
-from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
+from tools.bench.cli import check_counts, parse_flags_and_overrides, run_main  # noqa: E402
 
 
 def counted_step(trainer, step: int) -> dict:
@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     args, overrides = parse_flags_and_overrides(parser, argv)
+    check_counts(args, 'steps')
     if args.pp > 1:
         rows = pipeline_measured_rows(overrides, args.pp, args.fractions, args.steps, args.warmup)
     else:
@@ -211,4 +212,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

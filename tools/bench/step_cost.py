@@ -60,6 +60,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from megalm import compat  # noqa: E402
+from megalm.errors import ConfigError  # noqa: E402
 from megalm.estimate.rank import trace_compiled_blocks  # noqa: E402
 from megalm.measure.compiled_cost import InductorCosts  # noqa: E402
 from megalm.measure.op_cost import CATEGORIES, GPUS, OpCosts  # noqa: E402
@@ -68,6 +69,7 @@ from megalm.parallel.data_parallel.fused_wgrad import accumulator_problem  # noq
 from megalm.precision import compiles_in_sight  # noqa: E402
 from megalm.train import compose_config  # noqa: E402
 from megalm.training.compile import compile_blocks, compile_loss, inductor_options  # noqa: E402
+from tools.bench.cli import run_main  # noqa: E402
 
 STEP_OVERRIDES = ["data=synthetic", "data.synthetic.num_docs=64", "trainer.global_batch_size=1",
                   "trainer.micro_batch_size=1", "trainer.device=cpu", "trainer.hang_minutes=0",
@@ -298,20 +300,25 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+SYSTEMS = ("megalm", "megalm_compiled", "megalm_autocast", "hf_llama", "torchtitan", "torchtitan_compiled")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="megalm-train overrides (model=1.3b model.seq_length=4096)")
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--systems",
-                   default="megalm,megalm_compiled,megalm_autocast,hf_llama,torchtitan,torchtitan_compiled")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"a comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--torch-estimator", action="store_true",
                    help="also price the megalm row's micro-batch with torch's roofline (RuntimeEstimator), op by "
                         "op beside megalm's: it reads the live GPU, or without CUDA the datasheet of --gpu")
     args = p.parse_intermixed_args(argv)  # overrides before and after the flags
     logging.getLogger("megalm").setLevel(logging.WARNING)
     systems = args.systems.split(",")
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:  # a typo dropped its row from the table without a word
+        raise ConfigError(f"--systems {','.join(unknown)}: not one of {','.join(SYSTEMS)}")
     rows, notes = [], []
     against_torch = None  # torch's estimator reads the live GPU, or on a CPU the datasheet of --gpu
     if args.torch_estimator:
@@ -379,4 +386,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

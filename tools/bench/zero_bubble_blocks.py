@@ -39,7 +39,7 @@ from megalm.config.checks import resolve_model_defaults  # noqa: E402
 from megalm.model import GPT, choose_attention_backends, init_weights  # noqa: E402
 from megalm.parallel.pipeline.weight_grad import WeightGradStore, defer_weight_grads  # noqa: E402
 from megalm.training.compile import compile_blocks  # noqa: E402
-from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
+from tools.bench.cli import check_counts, parse_flags_and_overrides, run_main  # noqa: E402
 from tools.bench.throughput import compose_config  # noqa: E402
 from tools.bench.timing import time_calls  # noqa: E402
 
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", default=",".join(ROWS), help=f"which of {', '.join(ROWS)}")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     args, overrides = parse_flags_and_overrides(parser, argv)
+    check_counts(args, 'iters')
     rows = args.rows.split(",")
     if unknown := [r for r in rows if r not in ROWS]:
         parser.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
@@ -124,4 +125,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
