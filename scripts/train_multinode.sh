@@ -10,7 +10,10 @@ set -euo pipefail
 : "${MASTER_ADDR:?set MASTER_ADDR to the rendezvous host}"
 : "${NNODES:?set NNODES to the number of nodes}"
 MASTER_PORT=${MASTER_PORT:-29500}
-NPROC_PER_NODE=${NPROC_PER_NODE:-$( (command -v nvidia-smi >/dev/null && nvidia-smi -L | wc -l) || echo 1)}
+# GPUs this node gives the run (CUDA_VISIBLE_DEVICES when set; MIG slices are not GPUs), at least 1 (CPU processes)
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then gpus=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c . || true); fi
+NPROC_PER_NODE=${NPROC_PER_NODE:-$(( gpus > 0 ? gpus : 1 ))}
 exec torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RUN_ID:-megalm}" \
     ${NODE_RANK:+--node-rank "$NODE_RANK"} -m megalm.train "$@"

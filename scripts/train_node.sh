@@ -4,5 +4,8 @@
 #   NPROC=2 scripts/train_node.sh trainer.device=cpu parallel.tp=2      # CPU, gloo (tp ranks share the batch)
 # parallel.dp defaults to NPROC / (tp * pp * cp).
 set -euo pipefail
-NPROC=${NPROC:-$( (command -v nvidia-smi >/dev/null && nvidia-smi -L | wc -l) || echo 1)}
+# GPUs this node gives the run (CUDA_VISIBLE_DEVICES when set; MIG slices are not GPUs), at least 1 (CPU processes)
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then gpus=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c . || true); fi
+NPROC=${NPROC:-$(( gpus > 0 ? gpus : 1 ))}
 exec torchrun --standalone --nnodes 1 --nproc-per-node "$NPROC" -m megalm.train "$@"
