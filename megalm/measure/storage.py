@@ -50,6 +50,15 @@ def _new_outputs(func, out):  # noqa: ANN001, ANN202 - an OpOverload and what it
     return tuple(o for o, r in zip(out, returns, strict=True) if r.alias_info is None)
 
 
+def _written_outputs(func, out) -> list[torch.Tensor]:  # noqa: ANN001 - an OpOverload and what it returned
+    """The outputs of `func` that are inputs it wrote (an in-place or out= result): `resize_`, or an out= into a
+    tensor too small, grows their storage in place."""
+    returns = func._schema.returns
+    outs = out if isinstance(out, (tuple, list)) and len(returns) > 1 else (out,)
+    return [o for o, r in zip(outs, returns, strict=False)
+            if r.alias_info is not None and r.alias_info.is_write and isinstance(o, torch.Tensor)]
+
+
 def storage_identity(t: torch.Tensor | torch.UntypedStorage) -> int:
     """Which storage `t` (a tensor or its storage) is, while it lives: its StorageImpl's address, the same for every
     view and alias (detach()) of it. A data pointer would do on a device, but fake tensors have none: every one
@@ -151,6 +160,10 @@ class LiveStorages(TorchDispatchMode):
             if self.on_backward_start is not None:
                 self.on_backward_start()
         out = func(*args, **(kwargs or {}))
+        if not is_higher_order(func):
+            for written in _written_outputs(func, out):  # a tracked storage grown in place
+                for inner in _own_elements(written):
+                    self._resized(inner.untyped_storage())
         new = _unaliased_outputs(out, (args, kwargs)) if is_higher_order(func) else _new_outputs(func, out)
         tensors = [t for t in tree_flatten(new)[0] if isinstance(t, torch.Tensor)]
         if tensors and not self._uncounted and not in_sharding_propagation():  # frames read only where there is

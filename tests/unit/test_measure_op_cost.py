@@ -36,6 +36,19 @@ def test_a_gemm_costs_2mnk_flops_and_its_operands_bytes():
     assert abs(gemm.ms - max(tf32_s, hbm_s) * 1e3) < 1e-12
 
 
+def test_views_that_do_not_say_so_and_in_place_shape_changes_are_no_kernel():
+    """F.linear on a 3-D input without a bias is mm, then `_unsafe_view` (a view its schema does not mark); and `t_`,
+    `unsqueeze_` change metadata only. Each was priced as a kernel reading and writing its tensor (HF's Llama rows:
+    37 such kernels and 4% of the bytes at the tiny model)."""
+    x, w = torch.randn(2, 16, 32), torch.randn(8, 32)
+    y = torch.randn(4, 4)
+    with OpCosts(GPUS["h100"]) as costs:
+        torch.nn.functional.linear(x, w)
+        y.t_().unsqueeze_(0)
+    assert dict(costs.by_op).keys() == {"mm"}, dict(costs.by_op)
+    assert costs.total().bytes == (32 * 32 + 8 * 32 + 32 * 8) * 4
+
+
 def test_a_bf16_gemm_meets_the_bf16_peak_and_fake_tensors_cost_the_same():
     with FakeTensorMode():
         a = torch.randn(4096, 4096, dtype=torch.bfloat16)

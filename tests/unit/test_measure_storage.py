@@ -81,6 +81,20 @@ def test_storages_made_before_it_are_not_new_when_an_op_aliases_them():
     del fresh
 
 
+@pytest.mark.parametrize("fake", [False, True])
+def test_a_storage_grown_in_place_counts_its_new_size(fake):
+    """`Tensor.resize_` and an out= into a tensor too small grow the storage through a dispatched op that returns
+    its input (not a new storage): the probe counted the old size."""
+    import contextlib
+
+    with FakeTensorMode() if fake else contextlib.nullcontext(), torch.no_grad(), LiveStorages() as live:
+        grown = torch.empty(10)
+        grown.resize_(1000)
+        out = torch.empty(0)
+        torch.add(torch.ones(500), 1, out=out)
+        assert live.bytes() == 4000 + 2000 and live.peak() >= 4000 + 2000 + 2000  # the ones(500) were live too
+
+
 def test_labelled_storages_count_under_their_label():
     """What an owner's method allocates while `labelling` is on counts under its label (an offload pool's host
     buffers on a CPU, where device and host are one memory); the method is the owner's own again afterwards."""
