@@ -109,6 +109,12 @@ def compiled_recipe_conflict(cfg: MegalmConfig) -> tuple[str, str] | None:
     if zero_bubble(parallel):
         return ("without the zero-bubble schedule's deferred weight gradients",
                 "use another parallel.pp_schedule")
+    recompute = [parallel.recompute] if isinstance(parallel.recompute, str) else list(parallel.recompute)
+    if "full" in recompute and get_recipe(p.name, forward=p.forward).draws:
+        # the op's call seed is an output the backward reads: under full recompute the partitioner re-runs the op in
+        # the backward, which draws the next seed, so dgrad and wgrad would round with other numbers than eager's
+        return ("without full recomputation (its recomputed forward draws a new seed, which the compiled backward "
+                "would round with)", "use parallel.recompute=selective (it keeps the recipe's GEMM outputs)")
     return None
 
 

@@ -100,6 +100,11 @@ class Recipe:
                 and self.fprop.a_format == self.wgrad.b_format and self.dgrad.a_format == self.wgrad.a_format)
 
     @property
+    def draws(self) -> bool:
+        """Whether a GEMM draws random numbers (stochastic rounding, the RHT's signs) from its call's seed."""
+        return any(spec.rounding == "stochastic" or spec.rht for spec in self.specs)
+
+    @property
     def delayed(self) -> bool:
         """Whether the recipe's forward scales FP8 by an amax history (amax_history.AmaxHistory)."""
         return self.fprop.kind == "fp8" and self.fprop.scaling == "delayed"

@@ -51,9 +51,10 @@ RECIPES = ["fp8", "fp8_delayed", "fp8_rowwise", "mxfp8", "mxfp4"]  # the FP8/MX 
     [], ["parallel.recompute=full"], ["parallel.recompute=selective"], ["precision=bf16"],
     ["precision=bf16", "parallel.gradient_accumulation_fusion=true"],
     ["offload.enabled=true"], ["offload.enabled=true", "offload.min_tensor_bytes=0", "parallel.recompute=full"],
-    *[[f"precision={recipe}"] for recipe in RECIPES], ["precision=mxfp4", "parallel.recompute=full"],
+    *[[f"precision={recipe}"] for recipe in RECIPES], ["precision=mxfp4", "parallel.recompute=selective"],
+    ["precision=mxfp4_rtn", "parallel.recompute=full"],
 ], ids=["fp32", "recompute_full", "recompute_selective", "bf16", "bf16_fused_wgrad", "offload", "offload_recompute",
-        *RECIPES, "mxfp4_recompute"])
+        *RECIPES, "mxfp4_selective", "mxfp4_rtn_full"])
 def test_blocks_compile_to_one_graph_without_breaks(tmp_path, overrides):
     assert_compiles_once(compiled_trainer(tmp_path, "eager", *overrides))
 
@@ -177,11 +178,29 @@ def test_async_tp_refuses_blocks_inductor_does_not_compile():
     assert validate_run(compose_config(*sp, "trainer.compile=true"), world_size=2).parallel.async_tp
 
 
+def test_full_recompute_of_a_drawing_recipe_is_refused_compiled():
+    """A compiled block's recipe op returns its call seed for the backward; under full recompute the partitioner
+    re-ran the op in the backward, which drew the next seed: mxfp4's dgrad and wgrad rounded with other numbers than
+    eager's (gradients 0.56 apart, relative; an audit, 2026-12-04). Refused for the recipes that draw; those that do
+    not (mxfp4_rtn, the FP8 ones) recompute the same scales and run."""
+    from megalm.errors import ConfigError
+    from megalm.training.validation import validate_run
+
+    with pytest.raises(ConfigError) as error:
+        validate_run(compose_config("precision=mxfp4", "parallel.recompute=full", "trainer.compile=true"))
+    assert "use parallel.recompute=selective" in str(error.value) and "\n" not in str(error.value)
+    for fine in (["precision=mxfp4_rtn", "parallel.recompute=full"],
+                 ["precision=mxfp4", "parallel.recompute=selective"],
+                 ["precision=mxfp4", "parallel.recompute=full", "trainer.compile=false"]):
+        validate_run(compose_config("trainer.compile=true", *fine))
+
+
 @pytest.mark.parametrize("overrides", [[], ["offload.enabled=true", "offload.min_tensor_bytes=0"],
                                        ["precision=fp8", *FP32_ACTIVATIONS],
                                        ["precision=fp8_delayed", *FP32_ACTIVATIONS],
-                                       ["precision=mxfp4", *FP32_ACTIVATIONS]],
-                         ids=["plain", "offload", "fp8", "fp8_delayed", "mxfp4"])
+                                       ["precision=mxfp4", *FP32_ACTIVATIONS],
+                                       ["precision=mxfp4", *FP32_ACTIVATIONS, "parallel.recompute=selective"]],
+                         ids=["plain", "offload", "fp8", "fp8_delayed", "mxfp4", "mxfp4_selective"])
 def test_compiled_training_matches_eager(tmp_path, overrides):
     """aot_eager traces forward and backward through AOT autograd (what inductor compiles) and runs the traced
     graphs: the same losses (1e-6) and weights as eager, in fp32. With layer offload, the compiled graph's saved
