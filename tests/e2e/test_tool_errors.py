@@ -14,6 +14,15 @@ from tests.e2e.forked_python import run_one_thread
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def test_a_mistyped_flag_of_the_save_benchmark_is_an_error_not_an_override(tmp_path):
+    """checkpoint_save.py read unknown arguments as Hydra overrides (parse_known_args): `--iters 1` (other tools' flag)
+    went to Hydra."""
+    proc = run_one_thread([sys.executable, str(ROOT / "tools/bench/checkpoint_save.py"), "--iters", "1"], tmp_path,
+                          {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 2 and "unrecognized arguments: --iters 1" in proc.stderr, proc.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["tools/bench/throughput.py", "--steps", "1", "model.hiden=3"], "unknown config key 'model.hiden'"),
     (["tools/hdp_plan.py", "--step", "1", "model.hiden=4"], "unknown config key 'model.hiden'"),

@@ -344,3 +344,12 @@ def test_a_ring_is_never_faster_than_the_bound_that_skips_ring_size_trials(nic_f
             times = [planner.ring_time(s, d, ranks)[1] for ranks in (inside, across)]
             assert sizer.fastest(i, d) <= min(times) * (1 + 1e-12), (s, d, sizer.fastest(i, d), times)
     assert nic_faster or all(sizer.fastest(i, d) == sizer.layout(i, d)[1] for i in range(3) for d in range(2, n + 1))
+
+
+def test_the_planner_refuses_a_layout_of_no_ranks():
+    """plan_hdp's callers check these first (validate_run, tools/hdp_sim.py); called directly with 0 ranks it failed
+    deep inside (a None ring search), with -1 capacity in min() of nothing."""
+    for kwargs, said in ((dict(num_ranks=0), "num_ranks=0"), (dict(capacity=0), "capacity=0"), (dict(pp=0), "pp=0")):
+        args = dict(num_ranks=4, capacity=64, pp=1) | kwargs
+        with pytest.raises(ValueError, match=f"{said} must be >= 1"):
+            plan_hdp([10, 20], args["num_ranks"], args["capacity"], COST, pp=args["pp"])

@@ -25,13 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from throughput import compose_config  # noqa: E402
 
-from tools.bench.cli import check_counts, run_main  # noqa: E402
+from tools.bench.cli import check_counts, parse_flags_and_overrides, run_main  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3, help="saves per mode, in turns (default 3)")
-    args, overrides = parser.parse_known_args(argv)
+    args, overrides = parse_flags_and_overrides(parser, argv)  # a mistyped flag is an error, not an override
     check_counts(args, 'reps')
 
     from megalm.training import checkpoint as ckpt

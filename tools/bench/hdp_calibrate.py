@@ -288,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         args, overrides = parse_args(argv)
         args.argv = argv
         check_out(args.out)
+        if args.out.resolve() == args.base.resolve():  # a shipped cost model replaced by this machine's fit
+            raise BadInput(f"--out {args.out} is --base: write the fit elsewhere (the base keeps the keys it cannot "
+                           "measure)")
         base = load_base(args.base)
         if args.device == "cuda" and not torch.cuda.is_available():
             raise BadInput("--device cuda but no CUDA device is visible (torch.cuda.is_available() is False); "

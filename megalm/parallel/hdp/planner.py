@@ -333,6 +333,9 @@ def plan_hdp(
     Deterministic (ties broken by index); the ring sizes are chosen among a few target durations by placing the
     rings alone (`_best_rings`), then the short documents fill in around the best.
     """
+    for name, value in (("num_ranks", num_ranks), ("capacity", capacity), ("pp", pp)):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be >= 1")
     if offload and compete:
         with_offload = _plan(lengths, num_ranks, capacity, cost, pp, True, balance, hierarchical)
         without = _plan(lengths, num_ranks, capacity, cost, pp, False, balance, hierarchical)
