@@ -27,6 +27,7 @@ from megalm.config import (
     TrainerConfig,
     process_group_minutes,
     register_schema,
+    schema_default,
     to_dataclass,
 )
 from megalm.config.compose import CONFIG_DIR, compose_config  # noqa: F401 (tools import them from here)
@@ -34,8 +35,7 @@ from megalm.errors import REQUEUE_EXIT_CODE, ConfigError, MegalmError
 
 log = logging.getLogger("megalm")
 # the signals megalm-train catches from its start (trainer.preempt_signals's default), until its config says which
-_START_UP_SIGNALS = [signal.Signals[name] for name in TrainerConfig.__dataclass_fields__["preempt_signals"]
-                     .default_factory()]  # type: ignore[misc]
+_START_UP_SIGNALS = [signal.Signals[name] for name in schema_default(TrainerConfig, "preempt_signals")]
 
 
 def fail(message: str) -> None:

@@ -14,6 +14,8 @@ from megalm.config.checks import (
     positive,
     process_group_minutes,
     resolve_model_defaults,
+    schema_default,
+    set_away_from_default,
     validate,
     validate_model,
     zero_bubble,
@@ -43,6 +45,7 @@ __all__ = [
     "Choice", "DataConfig", "LoggingConfig", "MegalmConfig", "ModelConfig", "MoEConfig", "OffloadConfig", "OptimConfig",
     "ParallelConfig", "PrecisionConfig", "SyntheticDataConfig", "TrainerConfig", "WandbConfig", "blend_pairs",
     "choice", "config_to_dict", "is_moe_layer", "model_config", "moe_layer_ids", "pad_vocab", "positive",
-    "process_group_minutes", "register_schema", "resolve_model_defaults", "schema_error_line", "to_dataclass",
+    "process_group_minutes", "register_schema", "resolve_model_defaults", "schema_default", "schema_error_line",
+    "set_away_from_default", "to_dataclass",
     "validate", "validate_model", "zero_bubble",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Iterable
 from enum import Enum
 from typing import Any
 
@@ -106,6 +107,19 @@ def non_negative(value: int | float, key: str, zero_means: str = "") -> None:
         raise ConfigError(f"{key}={value} must be a finite number >= 0" + (f" (0 {zero_means})" if zero_means else ""))
 
 
+def schema_default(schema: type, key: str) -> Any:
+    """The default of field `key` of the dataclass `schema` (a list field's: its factory's value)."""
+    field = next(f for f in dataclasses.fields(schema) if f.name == key)
+    return field.default_factory() if field.default is dataclasses.MISSING else field.default  # type: ignore[misc]
+
+
+def set_away_from_default(section: Any, schema: type, keys: Iterable[str] | None = None) -> list[str]:
+    """`key=value` for each of `keys` (default: every field) whose value in `section`, a config section of the
+    dataclass `schema`, is not the schema's default: settings a layout will not read, for a warning or an error."""
+    keys = [f.name for f in dataclasses.fields(schema)] if keys is None else keys
+    return [f"{key}={getattr(section, key)}" for key in keys if getattr(section, key) != schema_default(schema, key)]
+
+
 def fraction(value: float, key: str) -> None:
     """A one-line ConfigError unless `value` is in [0, 1)."""
     if not 0.0 <= value < 1.0:
@@ -165,9 +179,8 @@ def validate_moe(model: ModelConfig) -> None:
     if moe.num_experts < 0:
         raise ConfigError(f"model.moe.num_experts={moe.num_experts} must be >= 0 (0: a dense model)")
     if not moe.num_experts:
-        unread = [f"{f.name}={getattr(moe, f.name)}" for f in dataclasses.fields(MoEConfig)
-                  if f.name != "num_experts" and getattr(moe, f.name) != f.default]
-        if unread:  # a preset's experts turned off, or a typo'd model: said, not refused
+        # a preset's experts turned off, or a typo'd model: said, not refused
+        if unread := set_away_from_default(moe, MoEConfig):
             log.warning(f"model.moe: {', '.join(unread)} set on a dense model (model.moe.num_experts=0): not used")
         return
     choice(moe.router_score, "model.moe.router_score", RouterScore)

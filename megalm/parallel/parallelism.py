@@ -31,7 +31,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 
-from megalm.config import MegalmConfig, config_to_dict
+from megalm.config import MegalmConfig, ParallelConfig, config_to_dict, set_away_from_default
 from megalm.data.batch import pad_to_multiple
 from megalm.data.dataset import SampleDataset
 from megalm.errors import ConfigError
@@ -101,10 +101,10 @@ def validate_parallel(cfg: MegalmConfig, world_size: int) -> ParallelDims:
         raise ConfigError("parallel.async_tp=true pipelines sequence parallelism's all-gathers and reduce-scatters "
                           "with their GEMMs; set parallel.sequence_parallel=true (and parallel.tp>1) or turn it off")
     validate_context(cfg)
-    for key, value, default, size in (("pp_schedule", p.pp_schedule, "1f1b", "pp"),
-                                      ("cp_comm", p.cp_comm, "ring", "cp" if not p.hdp else None)):
-        if value != default and size is not None and getattr(p, size) == 1:  # a choice nothing will read
-            log.warning(f"parallel.{key}={value} has no effect with parallel.{size}=1")
+    for key, size in (("pp_schedule", "pp"), ("cp_comm", None if p.hdp else "cp")):  # HDP's rings read cp_comm
+        unread = set_away_from_default(p, ParallelConfig, [key]) if size and getattr(p, size) == 1 else []
+        if unread:  # a choice nothing will read
+            log.warning(f"parallel.{unread[0]} has no effect with parallel.{size}=1")
     validate_hdp(cfg)
     validate_data_parallel(cfg)
     validate_fsdp(cfg)

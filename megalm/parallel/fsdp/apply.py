@@ -26,7 +26,6 @@ Composition (docs/architecture.md, "Fully sharded data parallelism"):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
@@ -35,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from megalm.config import MegalmConfig, ParallelConfig, zero_bubble
+from megalm.config import MegalmConfig, ParallelConfig, set_away_from_default, zero_bubble
 from megalm.errors import ConfigError
 from megalm.model.moe import MoE
 from megalm.model.naming import model_chunks
@@ -48,17 +47,14 @@ def validate_fsdp(cfg: MegalmConfig) -> None:
     """FSDP's rules, alone and with the rest of the layout (one-line ConfigErrors)."""
     p = cfg.parallel
     if not p.fsdp:
-        for key, value, default in (("fsdp_shard_size", p.fsdp_shard_size, None),
-                                    ("fsdp_cpu_offload", p.fsdp_cpu_offload, False),
-                                    ("fsdp_reshard_after_forward", p.fsdp_reshard_after_forward, True)):
-            if value != default:
-                raise ConfigError(f"parallel.{key}={value} needs parallel.fsdp=true; set it or drop the key")
+        if set_fsdp := set_away_from_default(p, ParallelConfig, ("fsdp_shard_size", "fsdp_cpu_offload",
+                                                                 "fsdp_reshard_after_forward")):
+            raise ConfigError(f"parallel.{set_fsdp[0]} needs parallel.fsdp=true; set it or drop the key")
         return
-    defaults = {f.name: f.default for f in dataclasses.fields(ParallelConfig)}
-    unread = [f"parallel.{key}={getattr(p, key)}" for key in ("bucket_size_mb", "overlap_param_gather")
-              if getattr(p, key) != defaults[key]]
-    if unread:  # FSDP's units are its buckets, and it gathers each block's weights itself
-        log.warning(f"{', '.join(unread)} sized or timed megalm's data-parallel buckets, which FSDP replaces: not used")
+    if unread := set_away_from_default(p, ParallelConfig, ("bucket_size_mb", "overlap_param_gather")):
+        # FSDP's units are its buckets, and it gathers each block's weights itself
+        log.warning(f"parallel.{', parallel.'.join(unread)} sized or timed megalm's data-parallel buckets, which "
+                    "FSDP replaces: not used")
     domain = (p.dp or 1) * p.cp
     if domain == 1:
         raise ConfigError("parallel.fsdp=true needs dp*cp > 1 ranks to shard over; raise parallel.dp or drop fsdp")
