@@ -46,6 +46,16 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
+_REQUEUEING: set[signal.Signals] = set()  # the signals `requeue_on` last gave its handler
+
+
+def mark_for_requeue() -> None:
+    """Touch `$MEGALM_REQUEUE_MARKER` when set, before exiting with REQUEUE_EXIT_CODE: torchrun reports a worker's 75
+    as 1, so the Slurm templates look for the file (docs/slurm.md)."""
+    if os.environ.get("MEGALM_REQUEUE_MARKER"):
+        Path(os.environ["MEGALM_REQUEUE_MARKER"]).touch()
+
+
 def requeue_on(signals: list[signal.Signals]) -> None:
     """Until the trainer's own handlers take over (`Trainer.fit`), and from `main()` on: a preemption signal during
     start-up (imports, Hydra, the rendezvous, the checkpoint load: minutes at scale) ends the process with
@@ -55,12 +65,13 @@ def requeue_on(signals: list[signal.Signals]) -> None:
     def stop(signum: int, frame: object) -> None:
         sys.stderr.write(f"megalm-train: {signal.Signals(signum).name} before training began: exiting with "
                          f"{REQUEUE_EXIT_CODE} to be requeued (nothing to checkpoint yet)\n")
-        if os.environ.get("MEGALM_REQUEUE_MARKER"):  # torchrun reports a worker's 75 as 1: a file says it
-            Path(os.environ["MEGALM_REQUEUE_MARKER"]).touch()
+        mark_for_requeue()
         os._exit(REQUEUE_EXIT_CODE)  # now: a raised SystemExit could be swallowed, or wait inside a C call
 
-    for number in _START_UP_SIGNALS:
+    for number in {*_REQUEUEING, *signals}:  # those no longer named get their default action back
         signal.signal(number, stop if number in signals else signal.SIG_DFL)
+    _REQUEUEING.clear()
+    _REQUEUEING.update(signals)
 
 
 def precheck_overrides(argv: list[str]) -> None:
@@ -215,8 +226,7 @@ def run(cfg: DictConfig) -> float | None:
         del trainer
         shutdown_distributed()
         if summary.preempted:  # saved; the launcher requeues on this code (megalm/training/preemption.py)
-            if os.environ.get("MEGALM_REQUEUE_MARKER"):  # torchrun reports a worker's 75 as 1: a file says it
-                Path(os.environ["MEGALM_REQUEUE_MARKER"]).touch()
+            mark_for_requeue()
             logging.shutdown()
             sys.exit(REQUEUE_EXIT_CODE)
         return summary.last_loss

@@ -189,20 +189,24 @@ def test_a_signal_while_the_run_starts_up_stops_it_after_its_first_step(tmp_path
     assert signal.getsignal(signal.SIGUSR1) == before
 
 
-SIGNAL_AT = {  # a SIGTERM sent to itself by megalm-train at a point of its start-up
+SIGNAL_AT = {  # a signal (SENT) sent to itself by megalm-train at a point of its start-up
     "imports": "import megalm.train as t; before = t.register_schema\n"
-               "t.register_schema = lambda: (os.kill(os.getpid(), signal.SIGTERM), before())[1]",
+               "t.register_schema = lambda: (os.kill(os.getpid(), SENT), before())[1]",
     "checkpoint_load": "import megalm.training.trainer as tr; before = tr.Trainer.__init__\n"
-                       "def init(self, *a, **k): os.kill(os.getpid(), signal.SIGTERM); before(self, *a, **k)\n"
+                       "def init(self, *a, **k): os.kill(os.getpid(), SENT); before(self, *a, **k)\n"
                        "tr.Trainer.__init__ = init\nimport megalm.train as t",
 }
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("at, signals, code", [("imports", None, REQUEUE_EXIT_CODE),
-                                               ("checkpoint_load", None, REQUEUE_EXIT_CODE),
-                                               ("checkpoint_load", "[]", -signal.SIGTERM)])
-def test_a_signal_before_training_began_requeues_the_job(tmp_path, at, signals, code):
+@pytest.mark.parametrize("at, signals, sent, code", [
+    ("imports", None, signal.SIGTERM, REQUEUE_EXIT_CODE),
+    ("checkpoint_load", None, signal.SIGTERM, REQUEUE_EXIT_CODE),
+    ("checkpoint_load", "[]", signal.SIGTERM, -signal.SIGTERM),
+    ("checkpoint_load", "[SIGUSR2]", signal.SIGUSR2, REQUEUE_EXIT_CODE),  # a signal the default list does not name
+    ("checkpoint_load", "[SIGUSR2]", signal.SIGTERM, -signal.SIGTERM),  # and one the run's list leaves out
+])
+def test_a_signal_before_training_began_requeues_the_job(tmp_path, at, signals, sent, code):
     """Preempted during start-up (Slurm's SIGTERM while torch imports, or while a large checkpoint loads), the
     process died of the signal: torchrun reported a failure, no marker, and the job was not requeued. megalm-train
     catches trainer.preempt_signals from its first line: exit 75 and the marker (nothing to save yet); with
@@ -211,10 +215,11 @@ def test_a_signal_before_training_began_requeues_the_job(tmp_path, at, signals, 
     argv = [*TINY, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}"]
     if signals is not None:
         argv.append(f"trainer.preempt_signals={signals}")
-    script = f"import os, signal, sys\nsys.argv = ['megalm-train', *{argv!r}]\n{SIGNAL_AT[at]}\nt.main()\n"
+    script = (f"import os, signal, sys\nSENT = {int(sent)}\nsys.argv = ['megalm-train', *{argv!r}]\n{SIGNAL_AT[at]}\n"
+              "t.main()\n")
     proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "MEGALM_REQUEUE_MARKER": str(marker)},
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == code, proc.stderr[-2000:]
     assert marker.exists() == (code == REQUEUE_EXIT_CODE)
-    assert ("SIGTERM before training began" in proc.stderr) == (code == REQUEUE_EXIT_CODE), proc.stderr[-2000:]
+    assert (f"{sent.name} before training began" in proc.stderr) == (code == REQUEUE_EXIT_CODE), proc.stderr[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
