@@ -46,9 +46,6 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-_REQUEUEING: set[signal.Signals] = set()  # the signals `requeue_on` last gave its handler
-
-
 def mark_for_requeue() -> None:
     """Touch `$MEGALM_REQUEUE_MARKER` when set, before exiting with REQUEUE_EXIT_CODE: torchrun reports a worker's 75
     as 1, so the Slurm templates look for the file (docs/slurm.md)."""
@@ -56,22 +53,23 @@ def mark_for_requeue() -> None:
         Path(os.environ["MEGALM_REQUEUE_MARKER"]).touch()
 
 
+def _stop_before_training(signum: int, frame: object) -> None:
+    sys.stderr.write(f"megalm-train: {signal.Signals(signum).name} before training began: exiting with "
+                     f"{REQUEUE_EXIT_CODE} to be requeued (nothing to checkpoint yet)\n")
+    mark_for_requeue()
+    os._exit(REQUEUE_EXIT_CODE)  # now: a raised SystemExit could be swallowed, or wait inside a C call
+
+
 def requeue_on(signals: list[signal.Signals]) -> None:
     """Until the trainer's own handlers take over (`Trainer.fit`), and from `main()` on: a preemption signal during
     start-up (imports, Hydra, the rendezvous, the checkpoint load: minutes at scale) ends the process with
     REQUEUE_EXIT_CODE and the requeue marker, as a preempted run does after its checkpoint. Nothing was trained yet
-    that a checkpoint could keep; the signal's default action (death by it) left the job unrequeued. Signals the run
-    does not catch (`trainer.preempt_signals`, `[]`: none) get their default action back."""
-    def stop(signum: int, frame: object) -> None:
-        sys.stderr.write(f"megalm-train: {signal.Signals(signum).name} before training began: exiting with "
-                         f"{REQUEUE_EXIT_CODE} to be requeued (nothing to checkpoint yet)\n")
-        mark_for_requeue()
-        os._exit(REQUEUE_EXIT_CODE)  # now: a raised SystemExit could be swallowed, or wait inside a C call
-
-    for number in {*_REQUEUEING, *signals}:  # those no longer named get their default action back
-        signal.signal(number, stop if number in signals else signal.SIG_DFL)
-    _REQUEUEING.clear()
-    _REQUEUEING.update(signals)
+    that a checkpoint could keep; the signal's default action (death by it) left the job unrequeued. The signals
+    it caught before and `signals` (`trainer.preempt_signals`, `[]`: none) no longer names get their default
+    action back."""
+    caught = [s for s in signal.valid_signals() if signal.getsignal(s) is _stop_before_training]
+    for number in {*caught, *signals}:
+        signal.signal(number, _stop_before_training if number in signals else signal.SIG_DFL)
 
 
 def precheck_overrides(argv: list[str]) -> None:
