@@ -45,6 +45,15 @@ def fsync_dir(directory: str) -> None:
 _Writer = TypeVar("_Writer", bound="TokenFileWriter")
 
 
+def id_outside_vocab(ids: np.ndarray, vocab_size: int) -> int | None:
+    """The first of the lowest and the highest of `ids` that lies outside [0, vocab_size), or None: every reader
+    and writer of token files checks its ids with it."""
+    if not ids.size:
+        return None
+    lo, hi = int(ids.min()), int(ids.max())
+    return lo if lo < 0 else hi if hi >= vocab_size else None
+
+
 class TokenFileWriter(ABC):
     """Streams documents into PREFIX.bin and the format's other files; nothing is visible under PREFIX until
     `finalize()`.
@@ -121,9 +130,7 @@ class TokenFileWriter(ABC):
         if arr.size:
             if not np.issubdtype(arr.dtype, np.integer):
                 raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0 or hi >= self.vocab_size:
-                bad = lo if lo < 0 else hi
+            if (bad := id_outside_vocab(arr, self.vocab_size)) is not None:
                 raise DataError(f"token id {bad} is outside the vocab [0, {self.vocab_size}) of "
                                 f"{self.prefix}; the tokenizer and vocab_size do not match")
             self._bin.write(arr.astype(self.dtype, copy=False).tobytes())

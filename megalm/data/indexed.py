@@ -23,7 +23,7 @@ from array import array
 
 import numpy as np
 
-from megalm.data.files import SIDECAR_SUFFIX, TokenFileWriter
+from megalm.data.files import SIDECAR_SUFFIX, TokenFileWriter, id_outside_vocab
 from megalm.data.files import DatasetExistsError as DatasetExistsError  # re-exported: preprocess, demo
 from megalm.data.files import dataset_exists as dataset_exists  # re-exported: preprocess, demo
 from megalm.data.tokenizer import Tokenizer
@@ -224,8 +224,7 @@ class IndexedDataset:
             out = np.empty(length, dtype=self._out_dtype)  # the slice ends with the virtual eod
             out[:-1] = self._tokens[start + offset:end]
             out[-1] = self._eod_id
-        if self._ids_checked and out.size and (int(out.max()) >= self._vocab_size or int(out.min()) < 0):
-            bad = int(out.min()) if int(out.min()) < 0 else int(out.max())
+        if self._ids_checked and (bad := id_outside_vocab(out, self._vocab_size)) is not None:
             raise DataError(f"document {i} of {self.prefix} holds token id {bad}, outside its vocab [0, "
                             f"{self._vocab_size}): the data is damaged or was made with another tokenizer; re-run "
                             f"megalm-preprocess --input ... --output-prefix {self.prefix} --overwrite")

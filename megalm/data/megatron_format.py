@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megalm.data.files import SIDECAR_SUFFIX, TokenFileWriter
+from megalm.data.files import SIDECAR_SUFFIX, TokenFileWriter, id_outside_vocab
 from megalm.data.tokenizer import Tokenizer, build_tokenizer
 from megalm.errors import DataError
 
@@ -197,9 +197,7 @@ def open_megatron(prefix: str, tokenizer: Tokenizer | str | None = None) -> Mega
         vocab_size, eod_id, spec = int(tok.vocab_size), int(tok.eod_id), tok.spec
         # The vocab is the caller's claim: check the first tokens against it, so that ids of another
         # tokenizer (e.g. GPT-2's read with the default data.tokenizer=byte) fail here, not as garbage.
-        probe = np.asarray(tokens[:_VOCAB_PROBE])
-        if probe.size and (int(probe.min()) < 0 or int(probe.max()) >= vocab_size):
-            bad = int(probe.min()) if int(probe.min()) < 0 else int(probe.max())
+        if (bad := id_outside_vocab(np.asarray(tokens[:_VOCAB_PROBE]), vocab_size)) is not None:
             raise DataError(f"{bin_path} holds token id {bad}, outside the vocab [0, {vocab_size}) of tokenizer "
                             f"{spec!r}; set data.tokenizer to the tokenizer the data was made with")
 
