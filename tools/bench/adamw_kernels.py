@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_timing_flags(parser, "steps", iters=10, warmup=3, warmup_note=" (compiles the kernel)")
     args, overrides = parse_flags_and_overrides(parser, argv)
-    check_counts(args, 'iters')
+    check_counts(args, "iters")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = segments(overrides)
     n = sum(sizes)

@@ -27,8 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from megalm.errors import ConfigError  # noqa: E402
-from tools.bench.cli import parse_flags_and_overrides, run_main  # noqa: E402
+from tools.bench.cli import check_counts, parse_flags_and_overrides, run_main  # noqa: E402
 from tools.bench.host_overhead import NARROW  # noqa: E402
 from tools.bench.throughput import compose_config  # noqa: E402
 
@@ -65,8 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=200, help="timed compactions and rolls")
     args, overrides = parse_flags_and_overrides(parser, argv)
-    if args.reps < 1:
-        raise ConfigError(f"--reps {args.reps} must be >= 1")
+    check_counts(args, "reps")
     torch.set_num_threads(1)  # one thread, as a training process's host loop runs
     row = measure(overrides, args.reps)
     print(f"{row['layers']} layers, {row['histories']} amax histories: between micro-batches "

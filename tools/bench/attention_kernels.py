@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_timing_flags(parser, "calls of each backend (forward and backward)", iters=20, warmup=5)
     args, overrides = parse_flags_and_overrides(parser, argv)
-    check_counts(args, 'iters')
+    check_counts(args, "iters")
     model = resolve_model_defaults(compose_config(overrides).model)  # kv heads and head_dim where the config omits them
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3, help="saves per mode, in turns (default 3)")
     args, overrides = parse_flags_and_overrides(parser, argv)  # a mistyped flag is an error, not an override
-    check_counts(args, 'reps')
+    check_counts(args, "reps")
 
     from megalm.training import checkpoint as ckpt
     from megalm.training.trainer import Trainer

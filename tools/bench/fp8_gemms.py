@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "10): one GEMM of a 1.3b block is tens of microseconds, which the host's launch work "
                              "before it would otherwise add to")
     args, overrides = parse_flags_and_overrides(parser, argv)
-    check_counts(args, 'iters')
+    check_counts(args, "iters")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     linears, layers, tokens = block_linears(overrides)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"

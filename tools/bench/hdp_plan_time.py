@@ -49,7 +49,7 @@ def main() -> None:
     p.add_argument("--flat", action="store_true", help="flat rings only (parallel.cp_comm=ring)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    check_counts(args, 'ranks', 'reps', 'pp')
+    check_counts(args, "ranks", "reps", "pp")
 
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--cuda-paths", action="store_true", help="run the FP8 recipes' CUDA code on the CPU")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list last")
     args, overrides = parse_flags_and_overrides(parser, argv)
-    check_counts(args, 'steps')
+    check_counts(args, "steps")
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps takes 1 or more, --warmup 0 or more")
     torch.set_num_threads(1)  # one thread, as a training process's host loop runs

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-reference", action="store_true", help="skip timing the PyTorch reference")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     args = parser.parse_args(argv)
-    check_counts(args, 'iters')
+    check_counts(args, "iters")
 
     if not torch.cuda.is_available():
         print("mx_quantize_bandwidth: needs a CUDA GPU (the Triton kernel's CPU interpreter is for tests, "

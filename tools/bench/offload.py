@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     args, overrides = parse_flags_and_overrides(parser, argv)
-    check_counts(args, 'steps')
+    check_counts(args, "steps")
     if args.pp > 1:
         rows = pipeline_measured_rows(overrides, args.pp, args.fractions, args.steps, args.warmup)
     else:

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.bench.cli import parse_flags_and_overrides, run_main  # noqa: E402
+from tools.bench.cli import check_counts, parse_flags_and_overrides, run_main  # noqa: E402
 from tools.bench.host_overhead import NARROW  # noqa: E402
 from tools.bench.throughput import compose_config  # noqa: E402
 
@@ -108,10 +108,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=30, help="training steps per run")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list last")
     args, overrides = parse_flags_and_overrides(parser, argv)
-    if args.steps < 1:
-        from megalm.errors import ConfigError
-
-        raise ConfigError(f"--steps {args.steps} must be >= 1")
+    check_counts(args, "steps")
     configured = compose_config(NARROW + overrides).trainer.gc_interval
     rows = [run(overrides, args.steps, interval) for interval in dict.fromkeys([0, 1, 50, configured])]
     print(f"{args.steps} steps of {' '.join(overrides) or 'the default config'} (width 64, 128 tokens); a full "

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", default=",".join(ROWS), help=f"which of {', '.join(ROWS)}")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     args, overrides = parse_flags_and_overrides(parser, argv)
-    check_counts(args, 'iters')
+    check_counts(args, "iters")
     rows = args.rows.split(",")
     if unknown := [r for r in rows if r not in ROWS]:
         parser.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
