@@ -164,6 +164,15 @@ def is_fake(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, FakeTensor)
 
 
+def fake_mode_active() -> bool:
+    """Whether a FakeTensorMode is on the dispatch stack: new tensors made now are fake, so a cache of constant
+    tensors must neither keep nor serve them (a fake constant fails every real call after; a real one fails under a
+    mode that does not take real inputs)."""
+    from torch._guards import active_fake_mode
+
+    return active_fake_mode() is not None
+
+
 def dynamo_frames_compiled() -> int:
     """How many frames dynamo has compiled in this process (its own counter, which torch's tests read too); 0 where
     torch._dynamo was never imported, without importing it (then nothing was compiled)."""

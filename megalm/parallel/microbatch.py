@@ -42,6 +42,14 @@ class LocalMicroBatch:
     offload_fraction: float = 0.0  # share of its activations it must offload (HDP selective offload)
     real_tokens: torch.Tensor | None = None  # a zigzag shard's tokens that are not padding (bool [T]); None: all
 
+    @property
+    def ring_position(self) -> int:
+        """This rank's position on the micro-batch's ring (0 where it is whole here). It seeds random rounding
+        beside `index`: the ranks of a ring hold different tokens, so each draws its own noise, as one process
+        draws independent noise for every token (a shared stream correlated the ring's rounding errors, and the
+        summed weight gradient's error grew with the ring's size)."""
+        return 0 if self.ring is None else self.ring.index
+
     def run(self, model: nn.Module, inputs: torch.Tensor | None = None) -> torch.Tensor:
         """`model` (a GPT or pipeline chunk) on this micro-batch: on its tokens, or on `inputs` (the hidden
         states a previous pipeline stage sent)."""

@@ -82,7 +82,7 @@ class ModelConverter(Protocol):
 
     def forward_context(self) -> contextlib.AbstractContextManager: ...
 
-    def before_forward(self, chunk: nn.Module, step: int, micro_batch: int) -> None: ...
+    def before_forward(self, chunk: nn.Module, step: int, micro_batch: int, shard: int = 0) -> None: ...
 
     def watch_optimizer(self, optimizer: object) -> None: ...
 
@@ -330,9 +330,9 @@ class Parallelism:
             stack.enter_context(converter.forward_context())
         return stack
 
-    def _before_forward(self, chunk: nn.Module, step: int, micro_batch: int) -> None:
+    def _before_forward(self, chunk: nn.Module, step: int, micro_batch: int, shard: int = 0) -> None:
         for converter in self.converters:
-            converter.before_forward(chunk, step, micro_batch)
+            converter.before_forward(chunk, step, micro_batch, shard)
 
     # ------------------------------------------------------------------ one step
 

@@ -69,7 +69,7 @@ class LocalRunner:
             hooks.start_step()
         for i, mb in enumerate(micro_batches):
             self.progress.note(micro_batch=f"{i + 1} of {len(micro_batches)}")
-            self.before_forward(self.model, step, mb.index)
+            self.before_forward(self.model, step, mb.index, mb.ring_position)
             with hooks.micro_batch(mb.offload_fraction) if hooks is not None else contextlib.nullcontext():
                 loss_sum = self._loss(mb)
                 (loss_sum / n_loss_tokens).backward()

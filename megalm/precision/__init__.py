@@ -262,9 +262,10 @@ class Precision:
         """The dtype activations reach attention in (`compute_dtype`)."""
         return compute_dtype(self.cfg)
 
-    def before_forward(self, chunk: nn.Module, step: int, micro_batch: int) -> None:
-        """Seed the random rounding of `chunk`'s layers by (step, micro-batch index in the step)."""
-        set_precision_step(chunk, step, micro_batch)
+    def before_forward(self, chunk: nn.Module, step: int, micro_batch: int, shard: int = 0) -> None:
+        """Seed the random rounding of `chunk`'s layers by (step, micro-batch index in the step, this rank's
+        position on the micro-batch's CP ring)."""
+        set_precision_step(chunk, step, micro_batch, shard)
 
 
 def _check_skip_patterns(cfg: MegalmConfig) -> None:

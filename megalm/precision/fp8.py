@@ -84,6 +84,9 @@ def amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """max |x| in fp32: of the whole tensor (0-dim), or along `dim` (kept as size 1). One reduction reading x,
     with no |x| copy in memory (`x.abs().amax()` writes one in eager); NaN propagates as in `amax`."""
     x = x.detach()
+    if x.numel() == 0:  # no tokens: 0 (a scale of 1), where the inf-norm refuses an empty tensor
+        shape = () if dim is None else x.shape[:dim % x.dim()] + (1,) + x.shape[dim % x.dim() + 1:]
+        return torch.zeros(shape, dtype=torch.float32, device=x.device)
     if dim is None:
         return torch.linalg.vector_norm(x, float("inf")).float()
     return torch.linalg.vector_norm(x, float("inf"), dim=dim, keepdim=True).float()

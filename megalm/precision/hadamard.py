@@ -26,26 +26,31 @@ import math
 
 import torch
 
-
-@functools.cache
-def _sylvester(n: int) -> torch.Tensor:
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
-    return h
+from megalm.compat import fake_mode_active
 
 
-@functools.cache
 def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                     normalized: bool = True) -> torch.Tensor:
     """The n x n Sylvester Hadamard matrix H_{2m} = [[H_m, H_m], [H_m, -H_m]] (n a power of two),
-    divided by sqrt(n) when `normalized` (then it is orthogonal and symmetric). Cached: do not modify."""
+    divided by sqrt(n) when `normalized` (then it is orthogonal and symmetric). Cached per (dtype, device): do not
+    modify. Under a FakeTensorMode (megalm-estimate, the fake-CUDA tier) it is made afresh and not cached."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"Hadamard block size must be a power of two, got {n}")
-    h = _sylvester(n)
+    if fake_mode_active():
+        return _hadamard(n, dtype, device, normalized)
+    return _cached_hadamard(n, dtype, None if device is None else torch.device(device), normalized)
+
+
+def _hadamard(n: int, dtype: torch.dtype, device: torch.device | str | None, normalized: bool) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
     if normalized:
         h = h / math.sqrt(n)
     return h.to(dtype=dtype, device=device)
+
+
+_cached_hadamard = functools.cache(_hadamard)
 
 
 def random_signs(n: int, generator: torch.Generator | None = None,
@@ -75,14 +80,15 @@ def rht(x: torch.Tensor, signs: torch.Tensor, dim: int = -1, block_size: int = 6
     h = hadamard_matrix(block_size, dtype=xf.dtype, device=xf.device)
     signs = signs.to(device=xf.device, dtype=xf.dtype)
     last = dim == xf.dim() - 1
+    post = math.prod(xf.shape[dim + 1:])  # not -1: ambiguous where a dim is empty (a micro-batch of no tokens)
     if signs.numel() == block_size:  # the same signs in every block: fold them into R = diag(s) H
         r = signs.unsqueeze(1) * h
         if last:  # [..., n_blocks, b] @ R
             return (xf.unflatten(-1, (-1, block_size)) @ r).flatten(-2)
         # [pre, n_blocks, b, post]: (x R)[.., j, :] = sum_i R_ij x[.., i, :], i.e. R^T @ blocks
-        return (r.t() @ xf.reshape(*xf.shape[:dim], length // block_size, block_size, -1)).reshape(xf.shape)
+        return (r.t() @ xf.reshape(*xf.shape[:dim], length // block_size, block_size, post)).reshape(xf.shape)
     signs = signs.reshape(-1, block_size)  # one row of signs per block
     if last:
         return ((xf.unflatten(-1, (-1, block_size)) * signs) @ h).flatten(-2)
-    blocks = xf.reshape(*xf.shape[:dim], length // block_size, block_size, -1)
+    blocks = xf.reshape(*xf.shape[:dim], length // block_size, block_size, post)
     return (h @ (blocks * signs.unsqueeze(-1))).reshape(xf.shape)

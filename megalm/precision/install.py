@@ -137,7 +137,8 @@ def load_amax_histories(model: nn.Module, tensors: Mapping[str, torch.Tensor], l
     return {k.split("/")[1] for k in tensors if k.startswith("amax/")} - {layout}
 
 
-def set_precision_step(model: nn.Module, step: int, micro_batch: int = 0) -> None:
-    """Start the seed stream of every low-precision layer at (step, micro_batch); call it before each
-    micro-batch's forward for draws that do not depend on the schedule."""
-    set_steps((state for state, _ in _layer_states(model)), step, micro_batch)
+def set_precision_step(model: nn.Module, step: int, micro_batch: int = 0, shard: int = 0) -> None:
+    """Start the seed stream of every low-precision layer at (step, micro_batch, shard); call it before each
+    micro-batch's forward for draws that do not depend on the schedule. `shard`: this rank's position on the
+    micro-batch's context-parallel ring (0 when the micro-batch is whole here)."""
+    set_steps((state for state, _ in _layer_states(model)), step, micro_batch, shard)

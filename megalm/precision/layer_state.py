@@ -5,10 +5,12 @@ Randomness and reproducibility. A GEMM that draws (RHT signs, SR noise) uses its
 seeded by (call seed, GEMM name), `gemm_generator`. Each forward call fixes its call seed and the
 backward's GEMMs use it, so the draws do not depend on the order in which layers run backward
 (pipeline schedules reorder them). The call seed comes from the layer's `LinearState`: a hash of (base seed,
-layer name, step, micro-batch, call index within the micro-batch). A trainer calls
-`set_precision_step(model, step, micro_batch)` (install.py) before each micro-batch's forward; then every run of
-the same seed draws the same numbers whatever the pipeline schedule. Put the data-parallel rank into
-`micro_batch` (e.g. the global micro-batch index) so that replicas draw independent noise. Activation
+layer name, step, micro-batch, shard, call index within the micro-batch). A trainer calls
+`set_precision_step(model, step, micro_batch, shard)` (install.py) before each micro-batch's forward; then every
+run of the same seed draws the same numbers whatever the pipeline schedule. Put the data-parallel rank into
+`micro_batch` (e.g. the global micro-batch index) so that replicas draw independent noise, and the rank's position
+on a context-parallel ring into `shard` so that the ring's token shards do too. Tensor-parallel ranks share
+(micro_batch, shard): their RHT signs must match. Activation
 recomputation re-runs forwards (advancing the call index), but the backward GEMMs use the seed their
 original forward fixed, so recomputation changes no draw. Without a state and without `seed=`, a call
 draws its seed from torch's default generator (reproducible under torch.manual_seed).
@@ -60,7 +62,7 @@ class LinearState:
                  weights_version: WeightsVersion | None = None) -> None:
         self.name, self.seed = name, seed
         self.weights_version = weights_version or WeightsVersion()
-        self.step, self.micro_batch, self.calls = 0, 0, 0
+        self.step, self.micro_batch, self.shard, self.calls = 0, 0, 0, 0
         self.amax = {tensor: AmaxHistory(amax_history_len) for tensor in ("x", "w", "dy")}
         self.weights: dict[tuple, tuple[weakref.ref, tuple, Fp8Operand]] = {}
 
@@ -85,13 +87,15 @@ class LinearState:
         and W's delayed-scaling history count (a copy an evaluation made before the step's roll)."""
         return self.weights_version.steps, weight._version, self.amax["w"].count
 
-    def set_step(self, step: int, micro_batch: int = 0) -> None:
-        """Start the seed stream at (step, micro_batch); a new step also ends the last one's amax histories
+    def set_step(self, step: int, micro_batch: int = 0, shard: int = 0) -> None:
+        """Start the seed stream at (step, micro_batch, shard); a new step also ends the last one's amax histories
         (delayed scaling: `AmaxHistory.roll`)."""
-        set_steps([self], step, micro_batch)
+        set_steps([self], step, micro_batch, shard)
 
     def next_seed(self) -> int:
-        seed = hash_seed(self.seed, self.name, self.step, self.micro_batch, self.calls)
+        # shard 0 (a whole micro-batch, a ring's first rank) keeps the stream of one process
+        where = (self.micro_batch,) if self.shard == 0 else (self.micro_batch, f"shard{self.shard}")
+        seed = hash_seed(self.seed, self.name, self.step, *where, self.calls)
         self.calls += 1
         return seed
 
@@ -103,11 +107,11 @@ class LinearState:
             self.amax[k].load_state_dict(v)
 
 
-def set_steps(states: Iterable[LinearState], step: int, micro_batch: int = 0) -> None:
+def set_steps(states: Iterable[LinearState], step: int, micro_batch: int = 0, shard: int = 0) -> None:
     """`LinearState.set_step` of many layers, their amax histories rolled (a new step) or compacted together in a
     few batched kernels (`amax_history.roll_histories`), not a few per history."""
     states = list(states)
     roll_histories([h for state in states if state.step != step for h in state.amax.values()])
     compact_histories([h for state in states if state.step == step for h in state.amax.values()])
     for state in states:
-        state.step, state.micro_batch, state.calls = step, micro_batch, 0
+        state.step, state.micro_batch, state.shard, state.calls = step, micro_batch, shard, 0

@@ -68,3 +68,38 @@ def check_tp_recipe(rank: int, world_size: int, overrides: list[str], loss_rtol:
 ], ids=["mxfp8", "mxfp4_rtn", "mxfp4"])
 def test_tp2_matches_tp1(tmp_path, overrides, loss_rtol, grad_rtol):
     run_distributed(check_tp_recipe, 2, overrides, loss_rtol, grad_rtol, str(tmp_path), timeout=240)
+
+
+def record_wgrad_seeds(rank: int, world_size: int, layout: str, tmp: str) -> None:
+    """One mxfp4 step under `layout`: the wgrad generator seeds each rank drew, in call order, saved per rank."""
+    import torch
+
+    import megalm.precision.linear as recipe_linear
+
+    seeds, make = [], recipe_linear.gemm_generator
+
+    def recording(seed, gemm, device):
+        if gemm == "wgrad":
+            seeds.append(seed)
+        return make(seed, gemm, device)
+
+    recipe_linear.gemm_generator = recording
+    try:
+        Trainer(compose_config(*MODEL, "precision=mxfp4", layout), f"{tmp}/run").train_step(0)
+    finally:
+        recipe_linear.gemm_generator = make
+    torch.save(seeds, f"{tmp}/seeds{rank}.pt")
+
+
+@pytest.mark.parametrize("layout, shared", [("parallel.cp=2", False), ("parallel.tp=2", True)], ids=["cp2", "tp2"])
+def test_ring_ranks_draw_their_own_rounding_noise(tmp_path, layout, shared):
+    """A CP ring's ranks hold different tokens of one micro-batch, so each draws its own SR noise and RHT signs, as
+    one process draws independent noise for every token (shared draws correlate the ring's rounding errors: the
+    summed weight gradient's error grew with cp, 1.3x at cp=4). TP ranks split one GEMM's K and must share them."""
+    import torch
+
+    run_distributed(record_wgrad_seeds, 2, layout, str(tmp_path), timeout=240)
+    first, second = (torch.load(tmp_path / f"seeds{rank}.pt") for rank in (0, 1))
+    assert first and len(first) == len(second)
+    common = len(set(first) & set(second))
+    assert common == (len(first) if shared else 0), f"{layout}: {common} of {len(first)} wgrad seeds shared"

@@ -87,3 +87,24 @@ def test_rht_spreads_an_outlier_over_its_block():
 def test_rht_rejects_wrong_sign_count():
     with pytest.raises(ValueError, match="signs"):
         rht(torch.randn(4, 128), torch.ones(32))
+
+
+@pytest.mark.parametrize("fake_first", [True, False], ids=["fake-then-real", "real-then-fake"])
+def test_fake_tensor_tracing_leaves_the_matrix_cache_real(fake_first):
+    """megalm-estimate and the fake-CUDA tier trace the RHT under FakeTensorMode: a fake matrix kept in the cache
+    failed every real transform after it in the process, and a cached real one failed under a mode that takes no
+    real inputs. A block size of its own (8) so that no other test's call has filled the cache first."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    def transform_fake() -> None:
+        with FakeTensorMode():
+            out = rht(torch.randn(16, 8), random_signs(8), block_size=8)
+            assert isinstance(out, FakeTensor)
+
+    x, signs = torch.randn(16, 8), random_signs(8, torch.Generator().manual_seed(0))
+    if fake_first:
+        transform_fake()
+    out = rht(x, signs, block_size=8)
+    assert not isinstance(out, FakeTensor)
+    torch.testing.assert_close(out, x @ (signs.unsqueeze(1) * hadamard_matrix(8)))
+    transform_fake()

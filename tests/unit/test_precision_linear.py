@@ -565,3 +565,15 @@ def test_a_step_that_overflowed_leaves_delayed_scaling_s_history_scaling_the_nex
             assert (dx - exact).norm() / exact.norm() < 0.2, index
     state.set_step(8)
     assert state.amax["dy"].history.isnan().any()  # the step's amax is kept: the scale leaves it out
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_a_linear_of_no_tokens(name):
+    """A layer given no tokens returns no rows and a zero weight gradient under every recipe (the inf-norm of the FP8
+    amax and the RHT's reshape along T refused an empty tensor)."""
+    x = torch.randn(0, 64, requires_grad=True)
+    w = torch.randn(32, 64, requires_grad=True)
+    out = low_precision_linear(x, w, None, name, LinearState("layer"))
+    assert out.shape == (0, 32)
+    out.sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w)) and x.grad.shape == x.shape

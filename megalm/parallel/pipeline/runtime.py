@@ -95,7 +95,7 @@ class PipelineRuntime:
 
     def __init__(self, chunks: nn.ModuleList, mesh: ParallelMesh, schedule: str, loss_fn: LossFn,
                  forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 before_forward: Callable[[nn.Module, int, int], None] | None = None,
+                 before_forward: Callable[[nn.Module, int, int, int], None] | None = None,
                  device: torch.device | str = "cpu", memory_hooks: MemoryHooks | None = None,
                  activation_shape: Callable[[LocalMicroBatch], tuple[int, ...]] | None = None,
                  activation_dtype: torch.dtype = torch.float32) -> None:
@@ -181,7 +181,7 @@ class PipelineRuntime:
                 x = None if stage == 0 else inputs[key] if train else inputs.pop(key)
                 chunk = self.chunks[a.chunk]
                 if train and self.before_forward is not None:
-                    self.before_forward(chunk, step, mb.index)
+                    self.before_forward(chunk, step, mb.index, mb.ring_position)
                 with self.forward_context(), hooks.forward_context(key, mb) if hooks else contextlib.nullcontext():
                     out = mb.run(chunk, x)
                 if stage == last:
