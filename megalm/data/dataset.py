@@ -360,7 +360,10 @@ def split_samplers(source: DocumentSource, cfg: MegalmConfig, what: str) -> tupl
         raise DataError(f"the train split is empty: {what} has {len(source)} documents; "
                         "use a dataset with documents in it")
     sampler = VarlenDataset if d.varlen else PackedDataset
-    train = sampler(source, train_ids, cfg.model.seq_length, cfg.seed)
+    try:
+        train = sampler(source, train_ids, cfg.model.seq_length, cfg.seed)
+    except DataError as e:  # which of a blend's components is too small
+        raise DataError(f"{what}: {e}") from None
     valid = None
     if len(valid_ids):
         try:

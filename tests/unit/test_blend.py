@@ -254,6 +254,16 @@ def test_resume_with_another_blend_is_refused(prefixes, tmp_path):
     assert Trainer(blend_config(f"data.blend=[3,{a},7,{b}]", "trainer.max_steps=2"), tmp_path).step == 1
 
 
+def test_resume_with_another_data_path_is_refused(prefixes, tmp_path):
+    """data.path is the data source as a one-component blend is: another one changes every later sample (it resumed
+    without a word; the guide lists the data source among what a resume must match)."""
+    a, b = prefixes[:2]
+    Trainer(blend_config(f"data.path={a}", "trainer.max_steps=1"), tmp_path).fit()
+    with pytest.raises(CheckpointError, match=rf"trained with path={a}, this run has {b}; resuming would change"):
+        Trainer(blend_config(f"data.path={b}", "trainer.max_steps=2"), tmp_path)
+    assert Trainer(blend_config(f"data.path={a}", "trainer.max_steps=2"), tmp_path).step == 1
+
+
 # --------------------------------------------------------------------------------------- bad input
 
 
@@ -285,6 +295,12 @@ def test_bad_blend_data_is_a_one_line_data_error(prefixes, tmp_path):
         ([1, a, 1, write_component(tmp_path / "eod", 1, eod_id=0)], "mixes tokenizations: .* eod 0"),
         ([1, a, 1, write_component(tmp_path / "spec", 1, spec="")], "mixes tokenizations: .*tokenizer ''"),
     ]
+    tiny = str(tmp_path / "tiny")  # too few tokens for one sample: which component is named
+    with IndexedDatasetWriter(tiny, 257, "byte", eod_id=256) as w:
+        for _ in range(2):
+            w.add_document(np.array([RANGE, RANGE + 1, RANGE + 2]))
+        w.finalize()
+    cases.append(([1, a, 1, tiny], rf"data.blend component {tiny}: \d+ documents? hold .* tokens, fewer than"))
     for blend, message in cases:
         with pytest.raises(DataError, match=message) as info:
             build_datasets(config(blend))

@@ -159,3 +159,57 @@ def test_torch_floor_is_checked_and_matches_pyproject():
     compat.check_torch_version("2.11.0a0+nv26.04")
     with pytest.raises(ImportError, match=r"torch>=2\.11.*found 2\.10\.0"):
         compat.check_torch_version("2.10.0")
+
+
+def test_a_full_disk_is_one_error_line_and_the_next_save_clears_its_files(tmp_path, monkeypatch):
+    """A save that runs out of space: a CheckpointError naming the cause (DCP's CheckpointException printed a
+    traceback of every rank's), the previous checkpoint kept, and the failed save's files removed by the next save
+    of any step before it writes (they filled the disk that save needed: a preemption's or the final step's)."""
+    import errno
+
+    from megalm import compat
+
+    net, opt = trained()
+    first = save(tmp_path, 1, net, opt)
+    real = compat.hf_storage_writer
+
+    def full_disk(path):
+        writer = real(path)
+
+        def write_data(plan, planner):
+            (tmp_path / "checkpoints" / ".tmp-step_00000002" / "shard-partial.safetensors").write_bytes(b"\0" * 64)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        writer.write_data = write_data
+        return writer
+
+    monkeypatch.setattr(compat, "hf_storage_writer", full_disk)
+    with pytest.raises(CheckpointError, match=r"could not be written \(OSError: \[Errno 28\] No space left on device"
+                                              r"\); the checkpoints saved before it are kept") as error:
+        save(tmp_path, 2, net, opt)
+    assert "\n" not in str(error.value)
+    assert ckpt.latest_checkpoint(tmp_path) == first
+    debris = tmp_path / "checkpoints" / ".tmp-step_00000002"
+    assert debris.is_dir()
+    monkeypatch.undo()
+
+    seen = []
+    real_save_tensors = ckpt_save.save_tensors
+
+    def writes_after_the_debris_is_gone(tensors, path):
+        seen.append(debris.exists())
+        real_save_tensors(tensors, path)
+
+    monkeypatch.setattr(ckpt_save, "save_tensors", writes_after_the_debris_is_gone)
+    assert save(tmp_path, 3, net, opt).name == "step_00000003"
+    assert seen == [False]
+
+
+def test_a_checkpoint_holds_the_files_its_save_wrote(tmp_path):
+    """state.json lists every safetensors file of the save by size (what verify_checkpoint checks)."""
+    import json
+
+    net, opt = trained()
+    path = save(tmp_path, 1, net, opt)
+    files = json.loads((path / "state.json").read_text())["files"]
+    assert files == {f.name: f.stat().st_size for f in path.glob("*.safetensors")} and len(files) == 2

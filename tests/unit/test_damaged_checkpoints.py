@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from megalm.errors import CheckpointError
 from megalm.training.trainer import Trainer
@@ -29,13 +32,26 @@ def garbage_json(file):
     file.write_text("{\"step\": 4, \"consumed")
 
 
-DAMAGE = {  # (file in step_00000004, how, what the message says)
+def add_a_copy(file):
+    """A safetensors file the save did not write (DCP's reader would index it too): the copy is what is named."""
+    extra = file.with_name("shard-00009-model-00009-of-00009.safetensors")
+    extra.write_bytes(file.read_bytes())
+    return extra
+
+
+DAMAGE = {  # (file in step_00000004, how (returning the file the message names, if not that one), what it says)
     "truncated shard": ("shard-*.safetensors", truncate, "truncated"),
     "foreign shard": ("shard-*.safetensors", not_safetensors, "not a safetensors file"),
     "truncated rng": ("rng-rank00000.safetensors", truncate, "truncated"),
     "broken state": ("state.json", garbage_json, "JSONDecodeError"),
     "state not a mapping": ("state.json", lambda f: f.write_text("[1, 2]"), "a JSON list, not a checkpoint's state"),
     "config not a run's": ("config.yaml", lambda f: f.write_text("junk\n"), "no model section"),
+    # a lost rank's file: DCP's reader indexes the files it finds, and a tp2 checkpoint without rank 0's loaded
+    # rank 1's rows and left rank 0's uninitialised (torch.empty) without a word (one process's only shard gone:
+    # test_a_checkpoint_without_shards_is_said)
+    "missing rng": ("rng-rank00000.safetensors", lambda f: f.unlink(), "missing: the save wrote it"),
+    "shard added": ("shard-*.safetensors", add_a_copy, "not written by this checkpoint's save"),
+    "shard replaced": ("shard-*.safetensors", lambda f: save_file({"x": torch.zeros(1)}, f), "the save wrote"),
 }
 
 
@@ -53,8 +69,8 @@ def damaged_copy(trained, tmp_path, case: str):
     shutil.copytree(trained, run)
     pattern, damage, _ = DAMAGE[case]
     file = next((run / "checkpoints" / "step_00000004").glob(pattern))
-    damage(file)
-    return run, file
+    named = damage(file)
+    return run, named if isinstance(named, pathlib.Path) else file
 
 
 @pytest.mark.parametrize("case", list(DAMAGE))
@@ -150,3 +166,22 @@ def test_a_requeued_job_with_its_resume_path_continues_past_its_own_damaged_chec
     with pytest.raises(CheckpointError, match="which this run would overwrite"):
         Trainer(compose_config(*run, f"trainer.resume={tmp_path / 'run' / 'checkpoints' / 'step_00000004'}"),
                 tmp_path / "run")
+
+
+def test_a_checkpoint_without_shards_is_said(trained, tmp_path, caplog):
+    """The checkpoint `latest` names lost every shard file (one process writes one): it no longer counts as
+    complete, and auto falls back with a warning naming it; with no other checkpoint, an error (it started over
+    from step 0 without a word)."""
+    run = tmp_path / "run"
+    import shutil
+
+    shutil.copytree(trained, run)
+    for shard in (run / "checkpoints" / "step_00000004").glob("shard-*"):
+        shard.unlink()
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        trainer = Trainer(compose_config(*RUN), run)
+    assert trainer.step == 2
+    assert [r.message for r in caplog.records if "step_00000004" in r.message and "falls back" in r.message]
+    shutil.rmtree(run / "checkpoints" / "step_00000002")
+    with pytest.raises(CheckpointError, match="is incomplete .* and the run dir has no other"):
+        Trainer(compose_config(*RUN), run)

@@ -82,3 +82,21 @@ def test_init_from_carries_the_routers_learned_selection_bias(tmp_path):
                       tmp_path / "started")
     for layer, expected in zip(started.model.layers, bias, strict=True):
         assert torch.equal(layer.mlp.router.expert_bias, expected)
+
+
+def test_a_checkpoint_of_skipped_steps_only_resumes(tmp_path, monkeypatch, caplog):
+    """trainer.nonfinite=skip skipped every update before the save (a preemption during non-finite first steps):
+    torch's AdamW had no state to save, and the resume asked the checkpoint for moments it never held ("corrupt or
+    from another model"). It resumes, and says AdamW starts afresh."""
+    from megalm.training import guards
+
+    real = guards.NonFiniteGuard.should_skip
+    monkeypatch.setattr(guards.NonFiniteGuard, "should_skip",
+                        lambda self, step, loss, norm: real(self, step, float("nan"), norm))
+    stopped_at_2(tmp_path)
+    monkeypatch.undo()
+    with caplog.at_level(logging.INFO, logger="megalm"):
+        trainer = Trainer(compose_config(*RUN), tmp_path)
+    assert trainer.step == 2 and "holds no optimizer state" in caplog.text
+    trainer.fit()
+    assert trainer.optimizer.state  # the next steps update

@@ -82,7 +82,15 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     rank = mesh.rank if mesh is not None else 0
     rng_file = path / f"rng-rank{rank:05d}.safetensors"
     rng = load_safetensors(rng_file) if rng_file.is_file() else {}
-    if rng and meta.state.get("world_size", 1) == (mesh.dims.world_size if mesh else 1):
+    # each rank's streams hold only under the layout that drew them: in another one, ranks that must draw alike
+    # (TP's dropout on replicated activations) would start apart; the run's fresh seed is the same on every rank
+    saved_layout = meta.state.get("layout")  # checkpoints before 2026-12-04: the world size
+    same_layout = (saved_layout == layout_tag(mesh) if saved_layout is not None
+                   else meta.state.get("world_size", 1) == (mesh.dims.world_size if mesh else 1))
+    if rng and not same_layout and rank == 0:
+        log.info(f"random streams start from trainer seed: the checkpoint drew them in layout {saved_layout}, "
+                 f"this run is {layout_tag(mesh)}")
+    if rng and same_layout:
         torch.set_rng_state(rng["torch_cpu"])
         cuda_states = [rng[k] for k in sorted(rng) if k.startswith("torch_cuda_")]
         if cuda_states and torch.cuda.is_available():
@@ -100,6 +108,10 @@ def _load_tensors(path: Path, meta: LoadedCheckpoint, model: nn.Module, optimize
     saved_rows = saved_vocab_rows(meta.config)
     targets = model_targets(model, mesh, saved_rows)
     params, specs = dict(canonical_named_parameters(model)), shard_specs(model)
+    if optimizer is not None and not meta.state.get("optimizer_state", True):
+        log.info(f"checkpoint {path} holds no optimizer state (every step before it was skipped): AdamW starts "
+                 "afresh")
+        optimizer = None
     if optimizer is not None:
         like, groups = optimizer_tensors(model, optimizer)
         if not like:  # a fresh torch AdamW has no state yet: take one step's worth of shapes

@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 
 from megalm import compat
 from megalm.model.naming import canonical_named_buffers, canonical_named_parameters
@@ -44,6 +45,7 @@ from megalm.training.checkpoint.tensors import (
     save_tensors,
     stored_names,
     stored_pieces,
+    write_failed,
 )
 from megalm.training.optim import full_precision_weights
 
@@ -64,7 +66,10 @@ class PendingCheckpoint:
     _finalize: Callable[[], None]
 
     def wait(self) -> Path:
-        self._future.result()  # re-raises an error of the background write
+        try:
+            self._future.result()  # re-raises an error of the background write
+        except (OSError, CheckpointException) as e:
+            raise write_failed(self.path, e) from None
         self._finalize()
         return self.path
 
@@ -85,7 +90,8 @@ def _write(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Op
     tmp = root / f".tmp-{name}"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in root.glob(".tmp-*"):  # a failed save's files (one save is in flight at a time): they could
+            shutil.rmtree(stale, ignore_errors=True)  # fill the disk this one needs
         tmp.mkdir()
     _barrier(mesh)
 
@@ -112,7 +118,8 @@ def _write(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Op
     save_file(rng, str(rng_file))
     fsync_path(rng_file)
     full_state = {"format_version": FORMAT_VERSION, "step": step, "optimizer_param_groups": groups,
-                  "world_size": mesh.dims.world_size if mesh is not None else 1, **state}
+                  "optimizer_state": bool(opt_tensors),  # False: every step so far was skipped (no AdamW state yet)
+                  "world_size": mesh.dims.world_size if mesh is not None else 1, "layout": layout_tag(mesh), **state}
     return root / name, written, functools.partial(_publish, root, name, full_state, config, keep_last, mesh)
 
 
@@ -134,7 +141,10 @@ def _publish(root: Path, name: str, full_state: dict, config: dict[str, Any], ke
     tmp, final = root / f".tmp-{name}", root / name
     _barrier(mesh)
     if rank == 0:
-        (tmp / "state.json").write_text(json.dumps(full_state, indent=1))
+        # every rank's files, by size: a resume refuses a checkpoint that lost one (DCP's reader indexes the files
+        # it finds, and left a missing rank's rows uninitialised without a word)
+        files = {f.name: f.stat().st_size for f in sorted(tmp.glob("*.safetensors"))}
+        (tmp / "state.json").write_text(json.dumps({**full_state, "files": files}, indent=1))
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
         for f in tmp.iterdir():
             fsync_path(f)

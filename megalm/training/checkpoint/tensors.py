@@ -161,11 +161,31 @@ def from_dcp(loaded: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
     return loaded
 
 
+def dcp_failure(error: BaseException) -> str:
+    """The first line of what went wrong in a DCP call, named by its type: a CheckpointException's first rank's cause
+    (its `failures` map each rank to (exception, traceback)), else the error itself."""
+    cause = next(iter(getattr(error, "failures", {}).values()), error)
+    if isinstance(cause, tuple) and cause and isinstance(cause[0], BaseException):
+        cause = cause[0]
+    first = (str(cause).strip().splitlines() or [""])[0][:200]
+    return f"{type(cause).__name__}: {first}" if first else type(cause).__name__
+
+
+def write_failed(path: Path, error: BaseException) -> CheckpointError:
+    """The one-line error of a checkpoint that could not be written (a full disk, a lost mount)."""
+    return CheckpointError(f"checkpoint {path} could not be written ({dcp_failure(error)}); the checkpoints saved "
+                           f"before it are kept: free space on {Path(path).parent}'s file system (or fix it) and "
+                           "resume with trainer.resume=auto")
+
+
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """Write `tensors` (plain or DTensor) into the safetensors files of a checkpoint dir through DCP (collective)."""
-    with warnings.catch_warnings():  # one process: DCP warns that it saves without a process group
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(tensors, storage_writer=compat.hf_storage_writer(str(path)))
+    try:
+        with warnings.catch_warnings():  # one process: DCP warns that it saves without a process group
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(tensors, storage_writer=compat.hf_storage_writer(str(path)))
+    except (OSError, CheckpointException) as e:
+        raise write_failed(path, e) from None
 
 
 def dcp_load(tensors: dict[str, torch.Tensor], path: Path, collective: bool) -> None:
@@ -177,9 +197,7 @@ def dcp_load(tensors: dict[str, torch.Tensor], path: Path, collective: bool) -> 
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=not collective)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises many types
-        cause = next(iter(getattr(e, "failures", {}).values()), e)  # CheckpointException: per-rank causes
-        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
-        raise CheckpointError(f"checkpoint {path} cannot be read into this model ({type(cause).__name__}: {first}); "
+        raise CheckpointError(f"checkpoint {path} cannot be read into this model ({dcp_failure(e)}); "
                               "it is corrupt or from another model — resume from another with "
                               "trainer.resume=PATH") from None
 

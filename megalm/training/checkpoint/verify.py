@@ -20,6 +20,7 @@ from megalm.precision import recipe_on_bf16_weights
 from megalm.training.checkpoint.layout import (
     CHECKPOINTS,
     FORMAT_VERSION,
+    LATEST,
     checkpoint_name,
     is_complete,
     latest_checkpoint,
@@ -85,11 +86,24 @@ def read_checkpoint_meta(path: Path) -> LoadedCheckpoint:
 
 def verify_checkpoint(path: Path) -> LoadedCheckpoint:
     """Refuse (one line naming the file) a checkpoint whose files were damaged after it was written: an
-    unreadable state.json or config.yaml, a truncated or foreign .safetensors file. Reads headers only; returns
-    the metadata it read."""
+    unreadable state.json or config.yaml, a truncated or foreign .safetensors file, and (checkpoints since
+    2026-12-04, whose state.json lists the files their save wrote) a file missing, of another size, or added.
+    Reads headers only; returns the metadata it read."""
     meta = read_checkpoint_meta(path)
-    for file in sorted(path.glob("*.safetensors")):
+    present = {file.name: file for file in sorted(path.glob("*.safetensors"))}
+    for file in present.values():
         _check_safetensors(file)
+    written = meta.state.get("files")
+    if isinstance(written, dict):
+        for name, size in written.items():
+            if name not in present:
+                raise _damaged(path / name, "missing: the save wrote it, and without it DCP would leave that "
+                                            "rank's rows unread")
+            if present[name].stat().st_size != size:
+                raise _damaged(path / name, f"{present[name].stat().st_size} bytes, the save wrote {size}")
+        for name in sorted(set(present) - set(written)):
+            raise _damaged(path / name, "not written by this checkpoint's save (DCP would read it too); move it "
+                                        "out of the checkpoint dir")
     return meta
 
 
@@ -114,6 +128,16 @@ def resumable_checkpoint(run_dir: Path, resume: str) -> Path | None:
                                   f"model.init_from={path} instead of trainer.resume")
         return path
     latest = latest_checkpoint(run_dir)
+    pointer = Path(run_dir) / CHECKPOINTS / LATEST
+    named = pointer.read_text().strip() if pointer.is_file() else ""
+    if named and (latest is None or latest.name != named):  # `latest` names only published checkpoints
+        if latest is None:
+            raise CheckpointError(f"checkpoint {pointer.parent / named}, which {pointer} names, is incomplete (its "
+                                  "state.json, config.yaml or shard files are gone) and the run dir has no other; "
+                                  "move the run dir away to start over, or resume from a copy with "
+                                  "trainer.resume=PATH")
+        log.warning(f"checkpoint {pointer.parent / named}, which {pointer} names, is incomplete (its state.json, "
+                    f"config.yaml or shard files are gone); trainer.resume=auto falls back to {latest.name}")
     if latest is None:
         return None
     older = [p for p in reversed(step_dirs(latest.parent)) if p.name < latest.name and is_complete(p)]
@@ -183,6 +207,7 @@ def data_order(cfg: Any, blend: Any) -> dict[str, Any]:
     synthetic = config_to_dict(d.synthetic) if str(d.name) == "synthetic" else None
     return {"seed": cfg.seed, "global_batch_size": t.global_batch_size, "varlen": d.varlen,
             "tokens_per_step": t.tokens_per_step, "blend": blend, "data": str(d.name),
+            "path": d.path if str(d.name) == "indexed" else None,
             "seq_length": cfg.model.seq_length, "split_seed": d.split_seed, "valid_fraction": d.valid_fraction,
             "synthetic": synthetic}
 
