@@ -53,11 +53,12 @@ SAVED_OPS.update(compat.present_aten_ops(
 SAVED_OP_NAMES = ("varlen_attn", "flash_attn", "fused_attn", "recipe_linear", "fp8_linear", "deferred_fprop")
 
 
-# Tensor parallelism's collectives, run again in the recompute rather than kept. Every TP rank recomputes the same
-# ops in the same order, so they pair; a c10d collective writes its output in place, which torch's selective
-# checkpointing cannot cache (the cached output is seen as mutated); and SP's all-gathered [T, h] input is tp times
-# the shard it is gathered from (Megatron gathers it again too).
-RECOMPUTED_COLLECTIVES = ("allgather", "allreduce", "reduce_scatter")
+# Tensor parallelism's collectives and expert parallelism's all-to-alls, run again in the recompute rather than kept.
+# Every TP (EP) rank recomputes the same ops in the same order, so they pair; a c10d collective writes its output in
+# place, which torch's selective checkpointing cannot cache (the cached output is seen as mutated: the MoE
+# dispatcher's counts all-to-all, kept, sized the recomputed token all-to-all from uninitialised memory); and SP's
+# all-gathered [T, h] input is tp times the shard it is gathered from (Megatron gathers it again too).
+RECOMPUTED_COLLECTIVES = ("allgather", "allreduce", "reduce_scatter", "alltoall")
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

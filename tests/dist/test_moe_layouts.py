@@ -69,6 +69,8 @@ LAYOUTS = {  # name: (ranks, the model and data of both runs, the layout)
     "ep4": (4, DROPLESS + BATCH16, ["parallel.ep=4"]),
     "ep2_dp4_capacity": (4, CAPACITY + BATCH16, ["parallel.ep=2"]),
     "ep2_zero1": (2, DROPLESS, ["parallel.ep=2", "parallel.zero1=true"]),
+    # selective recompute runs the dispatcher's all-to-alls again (kept, the counts' in-place output was garbage)
+    "ep2_selective": (2, DROPLESS, ["parallel.ep=2", "parallel.recompute=selective"]),
     # zero-bubble: the experts' grouped GEMMs defer their weight gradients to W
     "ep2_pp2_zb": (4, DROPLESS + ["trainer.micro_batch_size=2"], ["parallel.ep=2", "parallel.pp=2",
                                                                   "parallel.pp_schedule=zb"]),
