@@ -40,7 +40,7 @@ from megalm.parallel.microbatch import LocalMicroBatch
 from megalm.parallel.pipeline.actions import Action, Schedule
 from megalm.parallel.pipeline.p2p import exchange_known, pipeline_peer
 from megalm.parallel.pipeline.rendezvous import steps, with_comm
-from megalm.parallel.pipeline.schedules import build_schedule, validate
+from megalm.parallel.pipeline.schedules import build_schedule, forward_only, validate
 from megalm.parallel.pipeline.weight_grad import WeightGradStore, defer_weight_grads
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -139,12 +139,10 @@ class PipelineRuntime:
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[LocalMicroBatch]) -> torch.Tensor:
-        """Summed token loss of the micro-batches (last stage; 0 elsewhere): forwards in order."""
+        """Summed token loss of the micro-batches (last stage; 0 elsewhere): forwards in `forward_only`'s order."""
         if not micro_batches:
             return torch.zeros((), device=self.device)
-        p, vpp, m = self.mesh.dims.pp, self.vpp, len(micro_batches)
-        actions = [[Action("F", i, c) for i in range(m) for c in range(vpp)] for _ in range(p)]
-        sched = with_comm(Schedule(p, m, vpp, "forward_only", False, actions))
+        sched = with_comm(forward_only(self.mesh.dims.pp, len(micro_batches), self.vpp))
         return self._execute(sched, sched.actions[self.mesh.pp_rank], micro_batches, 1, None)
 
     def _execute(self, sched: Schedule, actions: list[Action], micro_batches: list[LocalMicroBatch],

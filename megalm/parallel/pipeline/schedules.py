@@ -166,6 +166,17 @@ def zb_h1(p: int, m: int) -> Schedule:
 SCHEDULES = PipelineScheduleName.names()
 
 
+def forward_only(p: int, m: int, vpp: int = 1) -> Schedule:
+    """An evaluation's forwards: interleaved 1F1B's forward order (Megatron's forward-only pass), micro-batches in
+    groups of p through each chunk in turn, the last group holding what is left. Micro-batch by micro-batch instead,
+    rank 0 waited for each one to cross all p * vpp virtual stages before starting the next (2.3x the makespan at
+    p=4, vpp=2, m=8). The same list on every rank; no backward, so `validate` does not apply (its F checks do:
+    tests/unit/test_schedules.py)."""
+    _check_pm(p, m)
+    order = [Action("F", i, c) for first in range(0, m, p) for c in range(vpp) for i in range(first, min(first + p, m))]
+    return Schedule(p, m, vpp, "forward_only", False, [list(order) for _ in range(p)])
+
+
 def build_schedule(name: str, p: int, m: int, vpp: int = 1) -> Schedule:
     """The schedule `parallel.pp_schedule=name` runs for p stages and m micro-batches, validated."""
     if name == "1f1b":
