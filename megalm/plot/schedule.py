@@ -94,17 +94,15 @@ def plot_schedule(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.
 
 def build_plotted_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, offload: float = 0.0,
                            offload_policy: str = "lifespan") -> Schedule:
-    """The schedule the runtime executes (with its SEND/RECV actions, and OFFLOAD/RELOAD for `offload` > 0:
-    that fraction of micro-batch-chunks chosen by megalm.offload.policy)."""
-    from megalm.parallel.pipeline.rendezvous import with_comm
-    from megalm.parallel.pipeline.schedules import build_schedule, simulate_schedule
+    """The schedule the runtime executes (`executed_schedule`: with its SEND/RECV actions, and OFFLOAD/RELOAD for
+    `offload` > 0: that fraction of micro-batch-chunks chosen by megalm.offload.policy, as the trainer's
+    PipelineOffload chooses them, on the list with its communication; PipeOffload's copy/compute ratio 0)."""
+    from megalm.parallel.pipeline.runtime import executed_schedule
+    from megalm.parallel.pipeline.schedules import simulate_schedule
 
-    sched = build_schedule(name, pp, microbatches, vpp)
+    hooks = None
     if offload > 0:
-        from megalm.offload.policy import COSTS, select_pipeline
+        from megalm.offload.hooks import PipelineOffload
 
-        timeline = simulate_schedule(sched, COSTS["F"], 1.0 if sched.split_backward else COSTS["B"] / 2,
-                            1.0 if sched.split_backward else COSTS["B"] / 2).timeline
-        chosen = select_pipeline(sched, timeline, offload_policy, offload)
-        return with_comm(sched).with_offload(chosen)
-    return with_comm(sched)
+        hooks = PipelineOffload(None, offload_policy, offload, lambda schedule: simulate_schedule(schedule).timeline)
+    return executed_schedule(name, pp, microbatches, vpp, hooks)

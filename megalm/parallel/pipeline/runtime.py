@@ -79,6 +79,17 @@ def tied_embedding_copy(chunks: nn.ModuleList) -> nn.Parameter | None:
     return None
 
 
+def executed_schedule(name: str, pp: int, num_micro_batches: int, vpp: int = 1,
+                      memory_hooks: MemoryHooks | None = None) -> Schedule:
+    """The validated action lists a training step runs: schedule `name` with its SEND/RECV actions, and the
+    OFFLOAD/RELOAD actions of what `memory_hooks` selects on that list (megalm-plot schedule draws this one)."""
+    sched = with_comm(build_schedule(name, pp, num_micro_batches, vpp))
+    if memory_hooks is not None:
+        sched = sched.with_offload(memory_hooks.select(sched))
+    validate(sched)
+    return sched
+
+
 class PipelineRuntime:
     """Runs one pipeline rank's action list per step: forward, backward (and W) of its chunks.
 
@@ -120,11 +131,8 @@ class PipelineRuntime:
     def schedule(self, num_micro_batches: int) -> Schedule:
         """The validated schedule (with communication actions) for `num_micro_batches`."""
         if num_micro_batches not in self._schedules:
-            sched = with_comm(build_schedule(self.schedule_name, self.mesh.dims.pp, num_micro_batches, self.vpp))
-            if self.memory_hooks is not None:
-                sched = sched.with_offload(self.memory_hooks.select(sched))
-            validate(sched)
-            self._schedules[num_micro_batches] = sched
+            self._schedules[num_micro_batches] = executed_schedule(
+                self.schedule_name, self.mesh.dims.pp, num_micro_batches, self.vpp, self.memory_hooks)
         return self._schedules[num_micro_batches]
 
     # ------------------------------------------------------------------ execution
