@@ -248,6 +248,26 @@ def test_validate_rejects_misplaced_memory_actions():
         validate(bad)
 
 
+@pytest.mark.parametrize("rank, kind, micro_batch, shift, message", [
+    (1, "RECV_F", 0, +1, "runs F0 before RECV_F0<-0"),
+    (0, "SEND_F", 1, -1, "runs SEND_F1->1 before F1"),
+    (0, "RECV_B", 0, +1, "runs B0 before RECV_B0<-1"),
+    (1, "SEND_B", 0, -1, "runs SEND_B0->0 before B0"),
+])
+def test_validate_rejects_communication_on_the_wrong_side_of_its_compute(rank, kind, micro_batch, shift, message):
+    """A hand-edited list with a receive after the F/B that reads it, or a send before the F/B that makes its tensor:
+    paired and deadlock-free, so validate took it, and the runtime failed mid-step (KeyError)."""
+    good = with_comm(one_f_one_b(2, 2))
+    validate(good)
+    acts = list(good.actions[rank])
+    i = next(i for i, a in enumerate(acts) if a.kind == kind and a.micro_batch == micro_batch)
+    acts.insert(i + shift, acts.pop(i))
+    lists = [list(a) for a in good.actions]
+    lists[rank] = acts
+    with pytest.raises(ValueError, match=rf"rank {rank} {message}"):
+        validate(Schedule(2, 2, 1, "hand-edited", False, lists))
+
+
 def test_rendezvous_model_finds_what_nccl_would_hang_on(monkeypatch):
     """Sends that wait for their receives: interleaved 1F1B with every receive next to its compute action
     deadlocks (two ranks each hold a send the other only receives later); posting the stuck receives one

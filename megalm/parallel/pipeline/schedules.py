@@ -212,12 +212,19 @@ def _deps(sched: Schedule, rank: int, a: Action) -> list[tuple[str, int, int]]:
 
 
 def _check_memory_actions(sched: Schedule) -> None:
-    """Each OFFLOAD comes after its F, each RELOAD after its OFFLOAD and before its B, at most once."""
+    """Each OFFLOAD comes after its F, each RELOAD after its OFFLOAD and before its B, at most once; each SEND after
+    the F or B that makes its tensor, each RECV a rank has before the F or B that takes it (the runtime reads the
+    received tensor there: a RECV after it failed mid-step, not here)."""
     for rank, acts in enumerate(sched.actions):
         done: set[tuple[str, int, int]] = set()
+        receives = {(a.kind, a.micro_batch, a.chunk): a for a in acts if a.kind in ("RECV_F", "RECV_B")}
         for a in acts:
             key = (a.micro_batch, a.chunk)
-            need = {"OFFLOAD": ("F",), "RELOAD": ("OFFLOAD",), "B": ()}.get(a.kind)
+            need = {"OFFLOAD": ("F",), "RELOAD": ("OFFLOAD",), "B": (), "SEND_F": ("F",), "SEND_B": ("B",)}.get(a.kind)
+            received = {"F": "RECV_F", "B": "RECV_B"}.get(a.kind)
+            if received is not None and (received, *key) in receives and (received, *key) not in done:
+                raise ValueError(f"{sched.name}: rank {rank} runs {a} before {receives[(received, *key)]}, which "
+                                 "brings its input")
             if a.kind == "B" and ("OFFLOAD", *key) in done and ("RELOAD", *key) not in done:
                 raise ValueError(f"{sched.name}: rank {rank} runs {a} while its activations are offloaded "
                                  "(RELOAD missing before it)")
