@@ -332,9 +332,13 @@ def zero_bubble(parallel: ParallelConfig) -> bool:
 
 
 def process_group_minutes(cfg: MegalmConfig) -> float | None:
-    """The collective timeout of the process group: `parallel.timeout_minutes`, or, unset with the hang watchdog
-    on, `trainer.hang_minutes` + 5 (torch's default, 10 minutes for NCCL, would end the run before the watchdog
-    could say where each rank is); None keeps torch's default."""
-    if cfg.parallel.timeout_minutes is not None or cfg.trainer.hang_minutes <= 0:
+    """The collective timeout of the process group: `parallel.timeout_minutes`, or, unset with a hang watchdog on,
+    5 minutes past the later of `trainer.hang_minutes` and `trainer.init_hang_minutes` (torch's default, 10 minutes
+    for NCCL, would end the run before the watchdog could say where each rank is; so would a timeout under the
+    joining watchdog's, with a rendezvous traceback instead of the report and exit 124); None keeps torch's
+    default."""
+    t = cfg.trainer
+    watched = max(t.hang_minutes, t.init_hang_minutes)
+    if cfg.parallel.timeout_minutes is not None or watched <= 0:
         return cfg.parallel.timeout_minutes
-    return cfg.trainer.hang_minutes + 5
+    return watched + 5

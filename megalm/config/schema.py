@@ -351,7 +351,8 @@ class ParallelConfig:
     itself (Megatron's gradient_accumulation_fusion; on CUDA torch's bf16 GEMM with an fp32 accumulator, no apex), so
     no bf16 weight gradient is written and copied in (megalm/parallel/data_parallel/fused_wgrad.py)."""
     timeout_minutes: float | None = None
-    """The collective timeout; None: trainer.hang_minutes + 5 (torch's default if that is 0)."""
+    """The collective timeout; None: 5 minutes past the later of trainer.hang_minutes and trainer.init_hang_minutes
+    (torch's default if both are 0)."""
 
 
 @dataclass

@@ -113,7 +113,10 @@ def test_the_collective_timeout_outlasts_the_watchdog(monkeypatch):
     assert process_group_minutes(compose_config()) == 35  # hang_minutes 30 + 5: the watchdog reports first
     assert compose_config().trainer.init_hang_minutes < 35  # and a stuck init is reported before it too
     assert process_group_minutes(compose_config("parallel.timeout_minutes=60")) == 60
-    assert process_group_minutes(compose_config("trainer.hang_minutes=0")) is None  # torch's default
+    assert process_group_minutes(compose_config("trainer.hang_minutes=0", "trainer.init_hang_minutes=0")) is None
+    # the joining watchdog's longer limit: the rendezvous timed out first (a traceback, exit 1, not the report and 124)
+    assert process_group_minutes(compose_config("trainer.hang_minutes=2", "trainer.init_hang_minutes=10")) == 15
+    assert process_group_minutes(compose_config("trainer.hang_minutes=0")) == 15  # init_hang_minutes 10 + 5
     with pytest.raises(ConfigError, match="parallel.timeout_minutes=20.0 must exceed trainer.hang_minutes=30.0"):
         validate(compose_config("parallel.timeout_minutes=20"))
     with pytest.raises(ConfigError, match="must exceed trainer.init_hang_minutes=40.0"):
