@@ -297,6 +297,14 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
         raise ConfigError(f"optim.wsd_decay_fraction={o.wsd_decay_fraction} must be in (0, 1]")
     if o.decay_steps is not None:
         positive(o.decay_steps, "optim.decay_steps")  # (null: to trainer.max_steps)
+    if o.warmup_steps >= t.max_steps:  # Megatron refuses warmup >= decay
+        log.warning(f"optim.warmup_steps={o.warmup_steps} >= trainer.max_steps={t.max_steps}: the learning rate "
+                    f"never reaches optim.lr={o.lr} (it ends at {o.lr * t.max_steps / o.warmup_steps:.3g}) and never "
+                    "decays")
+    if o.decay_steps is not None and o.schedule in ("wsd", "constant"):
+        log.warning(f"optim.decay_steps={o.decay_steps} is read by the cosine and linear schedules only: "
+                    f"optim.schedule={o.schedule} " + ("decays over optim.wsd_decay_fraction of the run"
+                                                       if o.schedule == "wsd" else "does not decay"))
     for key in ("beta1", "beta2"):
         fraction(getattr(o, key), f"optim.{key}")
     positive(o.eps, "optim.eps")
@@ -317,8 +325,17 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
         raise ConfigError("data=indexed needs data.path=PREFIX (the prefix of PREFIX.bin/PREFIX.idx "
                           "written by megalm-preprocess), or data.blend=[W1,PREFIX1,W2,PREFIX2,...]")
     positive(d.synthetic.num_docs, "data.synthetic.num_docs")
-    positive(d.synthetic.mean_doc_length, "data.synthetic.mean_doc_length")
-    positive(d.synthetic.fixed_doc_length, "data.synthetic.fixed_doc_length")  # (null: log-normal lengths)
+    for key in ("mean_doc_length", "fixed_doc_length"):  # (fixed null: log-normal lengths)
+        length = getattr(d.synthetic, key)
+        positive(length, f"data.synthetic.{key}")
+        if length is not None and length < 2:  # one token and the eod: it failed inside the data builder
+            raise ConfigError(f"data.synthetic.{key}={length} must be >= 2 (a token and the end-of-document)")
+    if d.name == "synthetic" and cfg.model.vocab_size < 2:
+        raise ConfigError(f"data=synthetic draws tokens besides the end-of-document: model.vocab_size="
+                          f"{cfg.model.vocab_size} must be >= 2")
+    for key, value in (("seed", cfg.seed), ("data.split_seed", d.split_seed)):  # numpy's and torch's seed range
+        if not 0 <= value < 2**63:
+            raise ConfigError(f"{key}={value} must be in [0, 2**63)")
     fraction(d.valid_fraction, "data.valid_fraction")
     choice(cfg.logging.wandb.mode, "logging.wandb.mode", WandbMode)
     return cfg

@@ -57,6 +57,16 @@ class NonFiniteGuard:
         log.warning(f"{what}: update skipped ({self.consecutive} in a row)")
         return True
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps, so that a resume neither restarts the count in a row (each requeue gave the run a
+        fresh max_consecutive_skips) nor the skipped steps metrics.jsonl counts."""
+        return {"nonfinite_consecutive": self.consecutive, "nonfinite_skipped_steps": list(self.skipped_steps)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """From a checkpoint's state (one before 2026-12-04 has neither key: none skipped)."""
+        self.consecutive = int(state.get("nonfinite_consecutive", 0))
+        self.skipped_steps = [int(s) for s in state.get("nonfinite_skipped_steps", [])]
+
 
 class SpikeDetector:
     """Flags a loss more than `zscore` standard deviations above the mean of the last `window` finite losses.

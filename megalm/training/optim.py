@@ -35,7 +35,8 @@ def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
         decay_start = max(optim.warmup_steps, max_steps - decay_steps)
         if step < decay_start:
             return optim.lr
-        progress = min(1.0, (step - decay_start + 1) / decay_steps)
+        # over what is left after warmup: a warmup into the decay window still ends at min_lr
+        progress = min(1.0, (step - decay_start + 1) / max(1, max_steps - decay_start))
         return optim.lr + (optim.min_lr - optim.lr) * progress
     decay_steps = optim.decay_steps or max(1, max_steps - optim.warmup_steps)
     progress = min(1.0, (step - optim.warmup_steps) / decay_steps)

@@ -120,8 +120,10 @@ class Trainer:
         ckpt.check_model_config(meta.config.get("model", {}), self.config_dict["model"], path)
         ckpt.check_same_data_order(meta.state, ckpt.data_order(self.cfg, self.data.blend), path)
         ckpt.note_precision_change(meta.config.get("precision", {}), self.config_dict["precision"], path)
+        ckpt.note_schedule_change(meta.config, self.cfg, step, path)
         ckpt.load_checkpoint(path, self.model, self.optimizer, self.mesh, self.device)
         self.step, self.consumed_tokens = step, meta.state["consumed_tokens"]
+        self.nonfinite.load_state_dict(meta.state)
         if self.train_steps is not None:  # continue the step boundaries from the checkpoint's cursor
             self.train_steps = TokenBudgetSteps(self.data.train, self.cfg.trainer.tokens_per_step, self.step,
                                                 meta.state["next_sample"])
@@ -135,7 +137,7 @@ class Trainer:
         tokenizer = self.data.tokenizer
         state = {"consumed_tokens": self.consumed_tokens, "tokenizer": getattr(tokenizer, "spec", None),
                  "tokenizer_vocab_size": getattr(tokenizer, "vocab_size", None),
-                 **ckpt.data_order(self.cfg, self.data.blend)}
+                 **ckpt.data_order(self.cfg, self.data.blend), **self.nonfinite.state_dict()}
         if self.train_steps is not None:
             state["next_sample"] = self.train_steps.start(self.step)
         return self.checkpointer.save(self.step, self.model, self.optimizer, state, self.config_dict)

@@ -152,6 +152,13 @@ def test_a_value_set_in_python_is_still_checked():
     ("data.synthetic.num_docs=0", "data.synthetic.num_docs=0 must be a finite number > 0"),
     ("data.synthetic.mean_doc_length=0", "data.synthetic.mean_doc_length=0 must be a finite number > 0"),
     ("data.synthetic.fixed_doc_length=-3", "data.synthetic.fixed_doc_length=-3 must be a finite number > 0"),
+    # each passed, then failed inside the data builder or torch with a traceback (an audit, 2026-12-04)
+    ("data.synthetic.fixed_doc_length=1", "data.synthetic.fixed_doc_length=1 must be >= 2"),
+    ("data.synthetic.mean_doc_length=1", "data.synthetic.mean_doc_length=1 must be >= 2"),
+    ("model.vocab_size=1", "data=synthetic draws tokens besides the end-of-document: model.vocab_size=1 must be"),
+    ("seed=-1", "seed=-1 must be in [0, 2**63)"),
+    ("seed=18446744073709551616", "seed=18446744073709551616 must be in [0, 2**63)"),
+    ("data.split_seed=-5", "data.split_seed=-5 must be in [0, 2**63)"),
 ])
 def test_a_value_outside_its_range_fails_as_one_line(override, message):
     """Values the schema's types admit but training cannot use: each was a traceback from inside torch, or a run
@@ -159,6 +166,23 @@ def test_a_value_outside_its_range_fails_as_one_line(override, message):
     with pytest.raises(ConfigError) as e:
         config.validate(compose_config(override))
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_schedule_settings_that_cannot_act_are_said(caplog):
+    """A warmup as long as the run (the learning rate never reached optim.lr) and decay_steps under a schedule that
+    does not read it were accepted without a word."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        config.validate(compose_config("trainer.max_steps=30", "optim.warmup_steps=40"))
+        config.validate(compose_config("optim.schedule=wsd", "optim.decay_steps=50"))
+        config.validate(compose_config("trainer.max_steps=30", "optim.warmup_steps=3", "optim.schedule=cosine",
+                                       "optim.decay_steps=20"))
+    lines = [r.message for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("optim.warmup_steps=40 >= trainer.max_steps=30: the learning rate never reaches")
+    assert lines[1].startswith("optim.decay_steps=50 is read by the cosine and linear schedules only: "
+                               "optim.schedule=wsd decays over optim.wsd_decay_fraction of the run")
 
 
 def test_the_range_rules_pass_every_shipped_config():

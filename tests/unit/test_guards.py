@@ -63,6 +63,21 @@ def test_fit_logs_the_skips_and_saves_finite_weights(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step_00000004"
 
 
+def test_a_resume_keeps_the_skips_in_a_row(tmp_path):
+    """A run stopped (preempted) inside a run of non-finite steps: the resume continues the count in a row, so that
+    max_consecutive_skips still ends it (each requeue gave a fresh budget: 5 in a row at a limit of 3), and the
+    skipped steps metrics.jsonl counts."""
+    run = ["trainer.max_steps=8", "trainer.save_interval=4", "trainer.max_consecutive_skips=3"]
+    first = Trainer(compose_config(*run, "trainer.stop_at_step=4"), tmp_path)
+    poison_grads_at(first, {2, 3})  # steps 3 and 4 (1-based)
+    first.fit()
+    resumed = Trainer(compose_config(*run), tmp_path)
+    assert resumed.step == 4 and resumed.nonfinite.consecutive == 2 and resumed.nonfinite.skipped_steps == [3, 4]
+    poison_grads_at(resumed, {4})
+    with pytest.raises(NonFiniteError, match="at step 5: 3 non-finite steps in a row"):
+        resumed.fit()
+
+
 def test_stop_mode_ends_the_run_naming_the_step(tmp_path):
     trainer = Trainer(compose_config("trainer.max_steps=4", "trainer.nonfinite=stop"), tmp_path)
     poison_grads_at(trainer, {1})

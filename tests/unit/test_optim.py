@@ -26,6 +26,17 @@ def test_wsd_is_flat_then_decays_over_last_fraction():
     assert lr_at(99, o, 100) == pytest.approx(0.0)
 
 
+def test_wsd_reaches_min_lr_when_warmup_runs_into_the_decay_window():
+    """The decay starts after warmup and spans what is left of the run: divided by the window's nominal length, it
+    ended part-way down (0.00165 for a min_lr of 0.0003 at warmup 90 of 100, fraction 0.2)."""
+    o = OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=90, schedule="wsd", wsd_decay_fraction=0.2)
+    assert lr_at(89, o, 100) == pytest.approx(3e-3) and lr_at(99, o, 100) == pytest.approx(3e-4)
+    lrs = [lr_at(s, o, 100) for s in range(90, 100)]
+    assert all(a > b for a, b in zip(lrs, lrs[1:], strict=False))
+    whole = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=20, schedule="wsd", wsd_decay_fraction=1.0)
+    assert lr_at(99, whole, 100) == pytest.approx(0.0)
+
+
 def test_linear_and_constant():
     lin = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=0, schedule="linear")
     assert lr_at(50, lin, 100) == pytest.approx(0.5)

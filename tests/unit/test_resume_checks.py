@@ -100,3 +100,23 @@ def test_a_checkpoint_of_skipped_steps_only_resumes(tmp_path, monkeypatch, caplo
     assert trainer.step == 2 and "holds no optimizer state" in caplog.text
     trainer.fit()
     assert trainer.optimizer.state  # the next steps update
+
+
+def test_a_changed_learning_rate_schedule_is_said_with_both_rates(tmp_path, caplog):
+    """lr_at follows this run's settings: a resume with a longer max_steps re-stretches a cosine (a 6.7x jump of the
+    learning rate in one step) or with another optim.lr jumps, without a word; it now names the keys and both rates.
+    The same schedule resumes without the line."""
+    from megalm.training.optim import lr_at
+
+    stopped_at_2(tmp_path, "optim.warmup_steps=1")
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        Trainer(compose_config(*RUN, "optim.warmup_steps=1"), tmp_path)
+    assert "learning rate" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        trainer = Trainer(compose_config("trainer.max_steps=40", "trainer.save_interval=2", "optim.warmup_steps=1"),
+                          tmp_path)
+    lines = [r.message for r in caplog.records if "on this run's schedule" in r.message]
+    now, was = lr_at(2, trainer.cfg.optim, 40), lr_at(2, trainer.cfg.optim, 4)
+    assert len(lines) == 1 and "trainer.max_steps=4 (this run: 40)" in lines[0], caplog.text
+    assert f"step 3 runs at learning rate {now:.4g} on this run's schedule, {was:.4g} on the checkpoint's" in lines[0]
