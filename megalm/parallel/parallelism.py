@@ -308,6 +308,12 @@ class Parallelism:
                       for key, share in shares.items()}
         return shares
 
+    def random_seed(self, seed: int) -> int:
+        """The seed of this rank's random streams (dropout): one per pipeline stage, `seed + 100 * pp rank` as
+        Megatron's, so that a stage's layers do not repeat another stage's masks (every rank seeded alike, layer i
+        and layer i + L/pp dropped the same elements); the same on the ranks of a stage, as TP's must be."""
+        return seed + 100 * self.mesh.pp_rank
+
     def watch_optimizer(self, optimizer: object) -> None:
         """Let the converters cache per optimizer step what depends on the weights only (a recipe's quantized
         weights). Not under FSDP: a layer's weight exists only while its unit is gathered, and a cache kept for the

@@ -64,7 +64,7 @@ class Trainer:
                 self.device, process_group_minutes(cfg), cfg.parallel.fsdp_cpu_offload)[1]
             self.cfg = cfg = validate_run(cfg, world_size, self.device)  # a resolved copy (precision=auto: this device)
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            torch.manual_seed(cfg.seed)  # TP ranks must draw the same dropout masks (pipeline stages: below)
+            torch.manual_seed(cfg.seed)  # reseeded per pipeline stage once the mesh is known (random_seed)
 
             self.data = build_datasets(cfg)  # before the model: a bad path or vocab fails before any weight is made
             self.precision = Precision(cfg.precision, cfg.seed, self.device)
@@ -72,8 +72,7 @@ class Trainer:
                                              "config on every rank")
             self.parallel = Parallelism(cfg, self.device, [self.precision], mesh)
         self.mesh, self.model = self.parallel.mesh, self.parallel.model
-        if self.mesh.pp_rank:  # each stage's layers their own dropout masks (one stream: layer i and i + L/pp drew
-            torch.manual_seed(cfg.seed + 100 * self.mesh.pp_rank)  # the same ones), as Megatron's seed + 100 * pp rank
+        torch.manual_seed(self.parallel.random_seed(cfg.seed))  # this rank's dropout stream
         # chosen (and logged) once, before any forward: a compiled block's trace holds no selection
         choose_attention_backends(self.model, self.device, self.precision.compute_dtype)
         if cfg.trainer.compile:
