@@ -38,6 +38,9 @@ def test_dp_defaults_to_what_is_left():
     (2, ["parallel.tp=2", "model.num_heads=2", "model.num_kv_heads=1", "model.hidden_size=64",
          "model.ffn_hidden_size=63"], "ffn_hidden_size=63 is not divisible"),
     (8, ["parallel.tp=8"], "model.num_heads=4 is not divisible by parallel.tp=8"),
+    # the shared experts are split as a dense MLP: a width tp does not divide failed inside the model's build
+    (2, ["model=moe_tiny", "parallel.tp=2", "model.moe.num_shared_experts=1", "model.moe.shared_ffn_hidden_size=49"],
+     "model.moe.shared_ffn_hidden_size=49 is not divisible by parallel.tp=2"),
     (1, ["parallel.sequence_parallel=true"], "needs parallel.tp>1"),
     (2, ["parallel.tp=2", "parallel.async_tp=true"], "set parallel.sequence_parallel=true"),
     (4, ["trainer.global_batch_size=8", "trainer.micro_batch_size=4"], "not divisible by micro_batch_size.dp=4.4"),
@@ -111,6 +114,21 @@ def test_bucket_settings_fsdp_does_not_read_are_said(caplog):
                "parallel.overlap_param_gather=false")
     unused = [r.getMessage() for r in caplog.records if "FSDP replaces" in r.getMessage()]
     assert len(unused) == 1 and "parallel.bucket_size_mb=50.0, parallel.overlap_param_gather=False" in unused[0]
+
+
+def test_a2a_p2p_at_cp_1_is_accepted_as_the_other_comms_are():
+    """At cp=1 nothing forms a ring: cp_comm=ring or a2a is said to be unread, but a2a+p2p was refused for its group
+    size, and the fix named (cp_a2a_size) was refused too."""
+    assert layout(1, "parallel.cp_comm=a2a+p2p").cp == 1
+
+
+def test_tp_checks_only_the_widths_it_splits():
+    """A model whose every block has experts holds no dense MLP: its ffn_hidden_size is not split (it was refused);
+    qk_norm with kv heads replicated over tp is a layout (tests/dist/test_tensor_parallel.py checks its gradients)."""
+    assert layout(3, "model=moe_tiny", "model.num_heads=6", "model.num_kv_heads=3", "model.hidden_size=48",
+                  "model.ffn_hidden_size=128", "model.moe.first_k_dense=0", "model.make_vocab_size_divisible_by=48",
+                  "parallel.tp=3").tp == 3
+    assert layout(2, "model.qk_norm=true", "model.num_kv_heads=1", "parallel.tp=2").tp == 2
 
 
 def test_kv_heads_split_or_replicated():

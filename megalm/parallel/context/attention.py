@@ -99,7 +99,7 @@ def validate_context(cfg: MegalmConfig) -> None:
     if p.cp_a2a_size is not None and p.cp_comm != "a2a+p2p":
         raise ConfigError(f"parallel.cp_a2a_size={p.cp_a2a_size} sizes hierarchical CP's all-to-all groups; set "
                           "parallel.cp_comm=a2a+p2p or remove it")
-    if p.cp_comm == "a2a+p2p":
+    if p.cp_comm == "a2a+p2p" and (p.cp > 1 or p.hdp):  # at cp=1 no group is formed: said as unread (parallelism)
         cp_a2a_size(cfg)  # its checks
     if p.cp == 1 or p.hdp:
         return

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalm.config import ModelConfig
+from megalm.config import ModelConfig, moe_layer_ids
 from megalm.errors import ConfigError
 from megalm.model.fused import part_rows
 from megalm.model.loss import TokenLoss
@@ -82,12 +82,18 @@ def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
     if model.num_kv_heads % tp and tp % model.num_kv_heads:
         raise ConfigError(f"model.num_kv_heads={model.num_kv_heads} and parallel.tp={tp}: one must divide the "
                           "other (kv heads are split over tp, or replicated when tp > kv heads)")
-    if model.qk_norm and tp > model.num_kv_heads:
-        raise ConfigError(f"model.qk_norm=true with parallel.tp={tp} > model.num_kv_heads={model.num_kv_heads}: "
-                          "the replicated kv heads would count twice in k_norm's gradient; use tp <= num_kv_heads")
-    if model.ffn_hidden_size % tp:
-        raise ConfigError(f"model.ffn_hidden_size={model.ffn_hidden_size} is not divisible by parallel.tp={tp}; "
-                          f"set it to a multiple of {tp}")
+    # (qk_norm with kv heads replicated over tp > kv heads: each replica's k_norm gradient comes from its own query
+    # heads, and ParallelNorm sums it over TP as the replicated k rows' gradients are summed: tests/dist)
+    moe = model.moe
+    split = []  # the MLP widths column/row-parallel layers split: dense blocks', and shared experts' (routed experts
+    if len(moe_layer_ids(model)) < model.num_layers:  # are whole on a rank: expert parallelism splits those)
+        split.append(("model.ffn_hidden_size", model.ffn_hidden_size))
+    if moe.num_experts and moe.num_shared_experts:
+        split.append(("model.moe.shared_ffn_hidden_size",
+                      moe.shared_ffn_hidden_size or moe.num_shared_experts * (moe.expert_ffn_hidden_size or 0)))
+    for key, width in split:
+        if width % tp:
+            raise ConfigError(f"{key}={width} is not divisible by parallel.tp={tp}; set it to a multiple of {tp}")
     rows = model.padded_vocab_size or model.vocab_size
     if rows % tp:
         raise ConfigError(f"the model's vocab rows ({rows}) are not divisible by parallel.tp={tp}; leave "
