@@ -50,7 +50,8 @@ SAVED_OPS.update(compat.present_aten_ops(
 # block that run as ops: an FP8/MX recipe's (megalm::recipe_linear, and megalm::fp8_linear whose FP8 casts are in
 # the graph: megalm/precision/compiled_linear.py), a zero-bubble layer's (megalm::deferred_fprop:
 # megalm/model/deferred_wgrad.py).
-SAVED_OP_NAMES = ("varlen_attn", "flash_attn", "fused_attn", "recipe_linear", "fp8_linear", "deferred_fprop")
+SAVED_OP_NAMES = ("varlen_attn", "flash_attn", "fused_attn", "recipe_linear", "fp8_linear", "deferred_fprop",
+                  "ring_attention")  # context parallelism's ring (megalm::ring_attention): not run again in backward
 
 
 # Tensor parallelism's collectives and expert parallelism's all-to-alls, run again in the recompute rather than kept.

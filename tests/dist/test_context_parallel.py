@@ -46,6 +46,9 @@ LAYOUTS = {
     "cp2_ring": (2, ["parallel.cp=2"]),
     "cp4_ring": (4, ["parallel.cp=4"]),
     "cp2_a2a": (2, ["parallel.cp=2", "parallel.cp_comm=a2a"]),
+    # selective recompute keeps the ring's output and runs the all-to-alls again (refused until 2026-12-04)
+    "cp2_ring_selective": (2, ["parallel.cp=2", "parallel.recompute=selective"]),
+    "cp2_a2a_selective": (2, ["parallel.cp=2", "parallel.cp_comm=a2a", "parallel.recompute=selective"]),
     # hierarchical: two all-to-all groups of 2 ranks, a ring across them per head group
     "cp4_a2a_p2p": (4, ["parallel.cp=4", "parallel.cp_comm=a2a+p2p", "parallel.cp_a2a_size=2"]),
     # documents as samples, many shorter than 2·cp tokens

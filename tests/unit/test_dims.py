@@ -51,8 +51,6 @@ def test_dp_defaults_to_what_is_left():
     (4, ["parallel.cp=4", "parallel.cp_comm=a2a+p2p", "parallel.cp_a2a_size=3"], "cp_a2a_size=3 must divide"),
     (2, ["parallel.cp=2", "parallel.cp_a2a_size=2"], "set parallel.cp_comm=a2a\\+p2p or remove it"),
     (2, ["parallel.cp=2", "model.attention_dropout=0.1"], "cp_comm=ring has no attention dropout"),
-    (4, ["parallel.cp=2", "parallel.pp=2", "parallel.recompute=[full,selective]"], "recompute=selective does not "
-     "combine with parallel.cp=2"),
     (6, ["parallel.cp=4"], "world size 6 is not divisible by tp.pp.cp"),
     (1, ["parallel.hdp=true"], "parallel.hdp=true balances documents of different lengths; set data.varlen=true"),
     (1, ["parallel.vpp=2", "parallel.pp_schedule=interleaved"], "needs pipeline parallelism"),

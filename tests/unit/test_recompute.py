@@ -124,8 +124,10 @@ def test_selective_keeps_the_gemms_compiled_linears_run_as_ops():
     from megalm.parallel.recompute import _selective_policy
 
     ops = torch.ops.megalm
+    import megalm.parallel.context.ring  # noqa: F401 - registers megalm::ring_attention (CP's, saved as attention is)
+
     for op in (ops.deferred_fprop.default, ops.recipe_linear.default, ops.fp8_linear.default,
-               torch.ops.aten.mm.default):
+               ops.ring_attention.default, torch.ops.aten.mm.default):
         assert _selective_policy(None, op) is CheckpointPolicy.MUST_SAVE, op
     assert _selective_policy(None, torch.ops.aten.mul.Tensor) is CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -29,7 +29,6 @@ from megalm.parallel.context.ulysses import ulysses_attention
 from megalm.parallel.context.zigzag import ZigzagLayout, layout_from_local_cu_seqlens
 from megalm.parallel.microbatch import Ring
 from megalm.parallel.progress import Progress
-from megalm.parallel.recompute import recompute_modes
 
 COMMS = ContextComm.names()
 
@@ -106,10 +105,6 @@ def validate_context(cfg: MegalmConfig) -> None:
     if p.cp_comm != "a2a" and m.attention_dropout > 0:
         raise ConfigError(f"parallel.cp={p.cp} with parallel.cp_comm={p.cp_comm} has no attention dropout; set "
                           "model.attention_dropout=0 or parallel.cp_comm=a2a")
-    if "selective" in recompute_modes(p.recompute, p.pp):  # its cache replays the collectives, not their receives
-        raise ConfigError(f"parallel.recompute=selective does not combine with parallel.cp={p.cp} yet (the "
-                          "ring/all-to-all would be replayed without its received data); use parallel.recompute="
-                          "full or none")
     if p.cp_comm == "a2a":
         heads, kv_heads = m.num_heads // p.tp, max(1, m.num_kv_heads // p.tp)  # what each TP rank holds
         if heads % p.cp or kv_heads % p.cp:
