@@ -48,7 +48,13 @@ def export_hf(source: str | Path, out: str | Path, *, overwrite: bool = False, d
     if dtype not in ("auto", *DTYPES):
         raise InteropError(f"--dtype={dtype} is not one of auto|{'|'.join(DTYPES)}")
     max_bytes = parse_size(max_shard_size)
-    meta, cfg, weights = read_megalm_weights(source)
+    meta, cfg, weights = read_megalm_weights(source, buffers=True)
+    bias = {name: b for name, b in weights.items() if name.endswith("expert_bias")}
+    weights = {name: t for name, t in weights.items() if name not in bias}  # buffers: only the routers' bias
+    if biased := [name for name, b in bias.items() if bool(b.any())]:  # the model adds it to the routers' scores
+        raise InteropError(f"{source}: {biased[0]} (+{len(biased) - 1} more) holds a learned selection bias that "
+                           "Hugging Face's MoE routers do not have: the exported model would route otherwise; "
+                           "export a model trained without one (model.moe.bias_update_rate=0 from the start)")
     origin = meta.state.get("source") or {}  # an imported model (megalm-import) keeps its dtype and token ids
     if dtype == "auto":
         dtype = origin.get("dtype") if origin.get("dtype") in DTYPES else "float32"

@@ -41,6 +41,7 @@ a directory (atomic output, shards) is the CLI's part, in megalm/interop/files.p
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import asdict
@@ -75,6 +76,8 @@ LLAMA_FAMILY = (LLAMA, QWEN3, QWEN3_MOE, MIXTRAL)  # Llama's names, plus QK-norm
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+log = logging.getLogger("megalm")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # GPT-2 activations that are the tanh approximation of GELU, i.e. megalm's GeluMLP.
 GPT2_TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new")
@@ -136,6 +139,8 @@ def architecture_of(cfg: ModelConfig) -> str:
             problems.append("tie_embeddings=false (GPT2LMHeadModel ties its head to wte)")
         if cfg.num_kv_heads != cfg.num_heads:
             problems.append(f"num_kv_heads={cfg.num_kv_heads} != num_heads={cfg.num_heads} (GPT-2 has no GQA)")
+        if cfg.head_dim is not None and cfg.head_dim * cfg.num_heads != cfg.hidden_size:
+            problems.append(f"head_dim={cfg.head_dim} != hidden_size/num_heads (GPT2LMHeadModel has no head_dim)")
         if problems:
             raise InteropError(f"the GPT-2-style model cannot be exported as GPT2LMHeadModel: {'; '.join(problems)}")
         return GPT2
@@ -411,9 +416,16 @@ def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a transformers model dir: sharded (model.safetensors.index.json) or one file. Pickle
     weights (pytorch_model.bin, ...) are refused: loading them runs arbitrary code."""
     index = hf_dir / INDEX
+    if (hf_dir / SINGLE).is_file():  # transformers reads it first: an index beside it is a stale sharded save's
+        if index.is_file():
+            log.warning(f"{hf_dir} holds {SINGLE} and {INDEX}: {SINGLE} is read, as transformers reads it; delete "
+                        "the one that is stale")
+        return _load(hf_dir / SINGLE)
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not a mapping")
         except (ValueError, KeyError, TypeError) as e:
             raise InteropError(f"{index} is not a safetensors index ({type(e).__name__}); re-save the model") from None
         files = sorted(set(weight_map.values()))
@@ -428,8 +440,6 @@ def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
         if absent:
             raise InteropError(f"{hf_dir}: {INDEX} maps {absent[0]} to {weight_map[absent[0]]}, which lacks it")
         return tensors
-    if (hf_dir / SINGLE).is_file():
-        return _load(hf_dir / SINGLE)
     found = sorted(p.name for p in hf_dir.glob("*.safetensors"))
     if len(found) == 1:
         return _load(hf_dir / found[0])
@@ -456,7 +466,17 @@ def read_hf_model(hf_dir: str | Path) -> tuple[str, ModelConfig, dict[str, torch
         hf = json.loads(config_file.read_text())
     except ValueError as e:
         raise InteropError(f"{config_file} is not valid JSON ({e})") from None
-    arch, cfg = model_config_from_hf(hf, str(hf_dir))
+    if not isinstance(hf, dict):
+        raise InteropError(f"{config_file} is a JSON {type(hf).__name__}, not a model config; pass a transformers "
+                           "model dir")
+    try:
+        arch, cfg = model_config_from_hf(hf, str(hf_dir))
+    except KeyError as e:
+        raise InteropError(f"{config_file} lacks {e}, which this architecture needs; re-save the model with "
+                           "save_pretrained (it writes every key)") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise InteropError(f"{config_file} holds a value of the wrong type ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:150]}); re-save the model with save_pretrained") from None
     tensors = read_safetensors(hf_dir)
     model = GPT(cfg, device="meta")  # parameter names and shapes only
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}

@@ -238,6 +238,15 @@ BAD_IMPORTS = {
     "missing_shard": (lambda d: next(d.glob("model-00002-*.safetensors")).unlink(), "which is missing"),
     "pickle_only": (lambda d: [f.unlink() for f in d.glob("model*.safetensors*")]
                     and (d / "pytorch_model.bin").write_bytes(b"pickle"), "pickle"),
+    # tracebacks until 2026-12-04 (an audit): a config that is not a mapping, a key the architecture needs, a value
+    # of another type, an index whose weight map is a list
+    "config_a_list": (lambda d: (d / "config.json").write_text("[1, 2]"), "is a JSON list, not a model config"),
+    "config_lacks_a_key": (lambda d: (d / "config.json").write_text(json.dumps(
+        {k: v for k, v in json.loads((d / "config.json").read_text()).items() if k != "hidden_size"})),
+        "lacks 'hidden_size'"),
+    "config_wrong_type": (lambda d: _edit_config(d, hidden_size="abc"), "holds a value of the wrong type"),
+    "index_map_a_list": (lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": [1]}'),
+                         "is not a safetensors index"),
 }
 
 
@@ -444,3 +453,37 @@ def test_the_command_import_prints_starts_training_from_the_import(tmp_path, sty
     for name, p in trainer.model.named_parameters():
         if name not in ("embedding.weight", "output.weight"):
             assert torch.equal(p.detach(), weights[name]), name
+
+
+def test_a_single_file_beside_a_stale_index_is_read_as_transformers_reads_it(tmp_path, caplog):
+    """save_pretrained sharded, then unsharded into the same dir, leaves the old index beside model.safetensors:
+    transformers reads the single file, megalm read the index (other weights, or a refusal naming a lost shard)."""
+    run, _ = make_run(tmp_path / "src", "llama")
+    sharded = export_hf(run, tmp_path / "hf", max_shard_size="20KB")
+    other, _ = make_run(tmp_path / "other", "llama", seed=9)
+    single = export_hf(other, tmp_path / "single")
+    (sharded / "model.safetensors").write_bytes((single / "model.safetensors").read_bytes())
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        out = import_hf(sharded, tmp_path / "out")
+    assert "model.safetensors is read, as transformers reads it" in caplog.text
+    imported = read_megalm_weights(out)[2]
+    expected = read_megalm_weights(import_hf(single, tmp_path / "out-single"))[2]
+    assert imported.keys() == expected.keys() and all(torch.equal(imported[k], expected[k]) for k in expected)
+
+
+def test_export_refuses_what_hugging_face_cannot_compute(tmp_path):
+    """A learned router selection bias (kept by model.init_from from an aux-loss-free run, bias_update_rate 0 now):
+    export dropped it without a word and the HF model routed otherwise; a GPT-2 head_dim apart from hidden/heads
+    exported a directory transformers cannot load."""
+    cfg = validate(compose_config(*STYLES["mixtral"])).model
+    model = GPT(cfg)
+    init_weights(model, 0)
+    model.layers[0].mlp.router.expert_bias.copy_(torch.linspace(-1, 1, cfg.moe.num_experts))
+    full = validate(compose_config(*STYLES["mixtral"]))
+    save_checkpoint(tmp_path / "run", 1, model, torch.optim.AdamW(model.parameters()), {"consumed_tokens": 0},
+                    config_to_dict(full), keep_last=1)
+    with pytest.raises(InteropError, match=r"layers.0.mlp.router.expert_bias \(\+0 more\) holds a learned selection bias"):
+        export_hf(tmp_path / "run", tmp_path / "out")
+    gpt2 = validate(compose_config(*STYLES["gpt2"], "model.head_dim=8")).model
+    with pytest.raises(InteropError, match="head_dim=8 != hidden_size/num_heads"):
+        architecture_of(gpt2)

@@ -12,6 +12,7 @@ import logging
 import pytest
 import torch
 
+from megalm.config import config_to_dict, validate
 from megalm.errors import CheckpointError
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
@@ -120,3 +121,27 @@ def test_a_changed_learning_rate_schedule_is_said_with_both_rates(tmp_path, capl
     now, was = lr_at(2, trainer.cfg.optim, 40), lr_at(2, trainer.cfg.optim, 4)
     assert len(lines) == 1 and "trainer.max_steps=4 (this run: 40)" in lines[0], caplog.text
     assert f"step 3 runs at learning rate {now:.4g} on this run's schedule, {was:.4g} on the checkpoint's" in lines[0]
+
+
+def test_an_all_expert_model_has_no_dense_width_to_match(tmp_path):
+    """Every block with experts: no tensor has ffn_hidden_size, so it is not part of the structure (a Mixtral-style
+    run's own HF export, whose width is the experts', was refused as another model)."""
+    from megalm.training.checkpoint.verify import check_model_config, model_structure
+
+    saved = config_to_dict(validate(compose_config("model=moe_tiny", "model.ffn_hidden_size=32")))["model"]
+    current = config_to_dict(validate(compose_config("model=moe_tiny", "model.ffn_hidden_size=192")))["model"]
+    assert "ffn_hidden_size" not in model_structure(saved)
+    check_model_config(saved, current, tmp_path)
+    with pytest.raises(CheckpointError, match="ffn_hidden_size"):  # a dense first block holds it
+        check_model_config({**saved, "moe": {**saved["moe"], "first_k_dense": 1}},
+                           {**current, "moe": {**current["moe"], "first_k_dense": 1}}, tmp_path)
+
+
+def test_init_from_says_when_the_routers_route_otherwise(tmp_path, caplog):
+    """model.init_from named rope_theta or norm_eps changes; another top_k or norm_topk_prob of the same experts
+    passed without a word."""
+    stopped_at_2(tmp_path / "src", "model=moe_tiny")
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        Trainer(compose_config(*RUN, "model=moe_tiny", "model.moe.top_k=1",
+                               f"model.init_from={tmp_path / 'src'}"), tmp_path / "run")
+    assert "moe.top_k=2 (this run: 1)" in caplog.text, caplog.text
