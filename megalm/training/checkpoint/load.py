@@ -88,7 +88,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     same_layout = (saved_layout == layout_tag(mesh) if saved_layout is not None
                    else meta.state.get("world_size", 1) == (mesh.dims.world_size if mesh else 1))
     if rng and not same_layout and rank == 0:
-        log.info(f"random streams start from trainer seed: the checkpoint drew them in layout {saved_layout}, "
+        log.info(f"random streams start from the run's seed: the checkpoint drew them in layout {saved_layout}, "
                  f"this run is {layout_tag(mesh)}")
     if rng and same_layout:
         torch.set_rng_state(rng["torch_cpu"])
