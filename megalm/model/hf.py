@@ -69,6 +69,7 @@ from megalm.model.hf_moe import (
     moe_tensors_to_hf,
 )
 
+log = logging.getLogger("megalm")
 LLAMA, GPT2 = "llama", "gpt2"
 ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", QWEN3: "Qwen3ForCausalLM",
                  QWEN3_MOE: "Qwen3MoeForCausalLM", MIXTRAL: "MixtralForCausalLM"}
@@ -76,8 +77,6 @@ LLAMA_FAMILY = (LLAMA, QWEN3, QWEN3_MOE, MIXTRAL)  # Llama's names, plus QK-norm
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-log = logging.getLogger("megalm")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # GPT-2 activations that are the tanh approximation of GELU, i.e. megalm's GeluMLP.
 GPT2_TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new")

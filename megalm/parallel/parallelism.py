@@ -54,7 +54,7 @@ from megalm.parallel.hdp.split import HdpSplit, hdp_cost_model, validate_hdp
 from megalm.parallel.microbatch import LocalMicroBatch, PaddedContext, Ring, StepShare
 from megalm.parallel.norms import NormShare, scaled_share
 from megalm.parallel.pipeline.runtime import PipelineRuntime, tied_embedding_copy
-from megalm.parallel.pipeline.schedules import simulate_schedule
+from megalm.parallel.pipeline.schedules import simulated_timeline
 from megalm.parallel.pipeline.stages import build_stage_chunks, validate_pipeline
 from megalm.parallel.recompute import apply_recompute, stage_mode
 from megalm.parallel.runner import LocalRunner, Runner, StepSplit
@@ -261,8 +261,8 @@ class Parallelism:
             blocks = [chunk.layers for chunk in self.model] if p.pp > 1 else self.model.layers
             self.runner.memory_hooks = LayerOffload(blocks, store, o.fraction, per_micro_batch=True)
         elif p.pp > 1:
-            timeline = lambda schedule: simulate_schedule(schedule).timeline
-            self.runner.memory_hooks = PipelineOffload(store, o.policy, o.fraction, timeline, self._copy_to_compute())
+            self.runner.memory_hooks = PipelineOffload(store, o.policy, o.fraction, simulated_timeline,
+                                                       self._copy_to_compute())
         else:
             self.runner.memory_hooks = LayerOffload(self.model.layers, store, o.fraction)
         return store

@@ -98,11 +98,11 @@ def build_plotted_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, 
     `offload` > 0: that fraction of micro-batch-chunks chosen by megalm.offload.policy, as the trainer's
     PipelineOffload chooses them, on the list with its communication; PipeOffload's copy/compute ratio 0)."""
     from megalm.parallel.pipeline.runtime import executed_schedule
-    from megalm.parallel.pipeline.schedules import simulate_schedule
+    from megalm.parallel.pipeline.schedules import simulated_timeline
 
     hooks = None
     if offload > 0:
         from megalm.offload.hooks import PipelineOffload
 
-        hooks = PipelineOffload(None, offload_policy, offload, lambda schedule: simulate_schedule(schedule).timeline)
+        hooks = PipelineOffload(None, offload_policy, offload, simulated_timeline)
     return executed_schedule(name, pp, microbatches, vpp, hooks)

@@ -409,6 +409,12 @@ def simulate_schedule(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float 
     return ScheduleTimeline(makespan, busy, bubble, timeline)
 
 
+def simulated_timeline(sched: Schedule) -> list[list[tuple[Action, float, float]]]:
+    """`simulate_schedule(sched).timeline` at the default costs: what PipeOffload's policies choose from, in the
+    trainer (Parallelism) and in megalm-plot schedule alike."""
+    return simulate_schedule(sched).timeline
+
+
 def peak_in_flight(sched: Schedule, release: str = "B") -> list[int]:
     """Per rank, the most micro-batch-chunks whose F has run and whose backward has not.
 

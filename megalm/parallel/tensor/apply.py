@@ -88,9 +88,8 @@ def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
     split = []  # the MLP widths column/row-parallel layers split: dense blocks', and shared experts' (routed experts
     if len(moe_layer_ids(model)) < model.num_layers:  # are whole on a rank: expert parallelism splits those)
         split.append(("model.ffn_hidden_size", model.ffn_hidden_size))
-    if moe.num_experts and moe.num_shared_experts:
-        split.append(("model.moe.shared_ffn_hidden_size",
-                      moe.shared_ffn_hidden_size or moe.num_shared_experts * (moe.expert_ffn_hidden_size or 0)))
+    if moe.num_experts and moe.num_shared_experts:  # (resolved: resolve_model_defaults derives an unset width)
+        split.append(("model.moe.shared_ffn_hidden_size", moe.shared_ffn_hidden_size))
     for key, width in split:
         if width % tp:
             raise ConfigError(f"{key}={width} is not divisible by parallel.tp={tp}; set it to a multiple of {tp}")

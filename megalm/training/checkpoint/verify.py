@@ -179,13 +179,12 @@ def model_structure(model: dict[str, Any]) -> dict[str, Any]:
     """What fixes a model's tensors, from its config section (a checkpoint's or this run's): head_dim as resolved
     (None: hidden_size / num_heads), the MoE layers' keys where the model has experts."""
     out = {k: model.get(k) for k in SHAPE_KEYS} | {k: model.get(k, d) for k, d in LATER_SHAPE_KEYS.items()}
+    heads = model.get("num_heads")
+    out["head_dim"] = model.get("head_dim") or (model.get("hidden_size") // heads if heads else None)
     moe = model.get("moe") or {}
     if moe.get("num_experts", 0) and not moe.get("first_k_dense", 0) and moe.get("every_n_layers", 1) == 1:
         del out["ffn_hidden_size"]  # every block has experts: no tensor has the dense width (an HF export's is the
         # experts' width, and a run from it was refused for a width nothing holds)
-    heads = model.get("num_heads")
-    out["head_dim"] = model.get("head_dim") or (model.get("hidden_size") // heads if heads else None)
-    moe = model.get("moe") or {}
     if moe.get("num_experts", 0):
         out |= {f"moe.{k}": moe.get(k, d) for k, d in MOE_SHAPE_KEYS.items()}
     else:
