@@ -299,8 +299,8 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
         positive(o.decay_steps, "optim.decay_steps")  # (null: to trainer.max_steps)
     if o.warmup_steps >= t.max_steps:  # Megatron refuses warmup >= decay
         log.warning(f"optim.warmup_steps={o.warmup_steps} >= trainer.max_steps={t.max_steps}: the learning rate "
-                    f"never reaches optim.lr={o.lr} (it ends at {o.lr * t.max_steps / o.warmup_steps:.3g}) and never "
-                    "decays")
+                    f"warms up for the whole run (it ends at {t.max_steps / o.warmup_steps:.0%} of "
+                    f"optim.lr={o.lr}) and never decays")
     if o.decay_steps is not None and o.schedule in ("wsd", "constant"):
         log.warning(f"optim.decay_steps={o.decay_steps} is read by the cosine and linear schedules only: "
                     f"optim.schedule={o.schedule} " + ("decays over optim.wsd_decay_fraction of the run"

@@ -104,7 +104,7 @@ def test_resuming_an_earlier_checkpoint_into_the_run_dir_keeps_the_later_ones(tr
                   f"trainer.resume={earlier}"], tmp_path)
     assert_one_line_error(proc, "has checkpoints after step 2 (step_00000004)", "new hydra.run.dir")
     assert {f.name: f.read_bytes() for f in later.iterdir()} == before
-    assert_one_line_error(train([f"hydra.run.dir={run_dir}", "trainer.max_steps=2"], tmp_path),
+    assert_one_line_error(train([f"hydra.run.dir={run_dir}", "trainer.max_steps=2", "optim.warmup_steps=1"], tmp_path),
                           "is at step 4, past trainer.max_steps=2", "raise trainer.max_steps")
     assert_one_line_error(train(["hydra.run.dir=new", "trainer.resume=autp"], tmp_path),
                           "trainer.resume=autp: no such path", "auto, never")
