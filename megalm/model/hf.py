@@ -58,6 +58,7 @@ from megalm.model.fused import fuse_tensors, unfuse_tensors
 from megalm.model.gpt import GPT, VOCAB_PARAMS, resize_vocab_rows
 from megalm.model.hf_moe import (
     MIXTRAL,
+    MOE_DEFAULTS,
     MOE_SUFFIXES,
     QWEN3,
     QWEN3_MOE,
@@ -78,6 +79,23 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# transformers' defaults (their XConfig.__init__ signatures) for the keys a config.json may omit, per model_type:
+# a hand-written Mixtral config without rms_norm_eps or rope_theta means 1e-5 and 1e6 there, not Llama's values.
+# None: derived (head_dim = hidden_size / heads, num_key_value_heads = heads, n_inner = 4 * n_embd).
+_LLAMA_DEFAULTS = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                   "tie_word_embeddings": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+                   "hidden_act": "silu", "head_dim": None, "num_key_value_heads": None}
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    LLAMA: _LLAMA_DEFAULTS,
+    QWEN3: {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "head_dim": 128},
+    QWEN3_MOE: {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 4,
+                **MOE_DEFAULTS[QWEN3_MOE]},
+    MIXTRAL: {**_LLAMA_DEFAULTS, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+              "num_key_value_heads": 8, **MOE_DEFAULTS[MIXTRAL]},
+    GPT2: {"n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
+           "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.1, "attn_pdrop": 0.1, "initializer_range": 0.02,
+           "activation_function": "gelu_new", "tie_word_embeddings": True},
+}
 # GPT-2 activations that are the tanh approximation of GELU, i.e. megalm's GeluMLP.
 GPT2_TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new")
 
@@ -188,16 +206,17 @@ def _rope_theta(hf: Mapping[str, Any], where: str) -> float:
     if params.get("rope_type", "default") != "default" or set(params) - {"rope_type", "rope_theta"}:
         raise InteropError(f"{where}: rope_parameters={params} is not plain RoPE; megalm's RoPE has no scaling "
                            "(only rope_type=default imports)")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return float(params.get("rope_theta", hf["rope_theta"]))
 
 
 def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelConfig]:
     """(architecture, megalm ModelConfig) for a transformers config.json, or InteropError naming what megalm
-    cannot compute. Defaults are transformers' LlamaConfig / GPT2Config defaults for keys the file omits."""
+    cannot compute. A key the file omits takes its architecture's transformers default (HF_DEFAULTS)."""
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
         raise InteropError(f"{where}: model_type={model_type!r} is not supported; megalm imports "
                            f"{', '.join(ARCHITECTURES)}")
+    hf = {**HF_DEFAULTS[model_type], **hf}
     # Qwen3 configs carry a sliding_window that only use_sliding_window turns on
     windows = ("use_sliding_window",) if model_type in (QWEN3, QWEN3_MOE) else ("sliding_window", "use_sliding_window")
     for key in windows:
@@ -210,17 +229,17 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelC
         bias = [k for k in ("attention_bias", "mlp_bias") if hf.get(k)]
         if bias:
             raise InteropError(f"{where}: {'/'.join(bias)}=true; megalm's Llama-style model has no biases")
-        if hf.get("hidden_act", "silu") != "silu":
+        if hf["hidden_act"] != "silu":
             raise InteropError(f"{where}: hidden_act={hf['hidden_act']}; megalm's SwiGLU uses silu")
         hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        max_pos = int(hf.get("max_position_embeddings", 2048))
+        max_pos = int(hf["max_position_embeddings"])
         kwargs = dict(norm="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
                       num_layers=int(hf["num_hidden_layers"]), hidden_size=hidden, num_heads=heads,
                       num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                      ffn_hidden_size=int(hf["intermediate_size"]), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                      ffn_hidden_size=int(hf["intermediate_size"]), norm_eps=float(hf["rms_norm_eps"]),
                       rope_theta=_rope_theta(hf, where), max_position_embeddings=max_pos,
-                      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                      attention_dropout=float(hf.get("attention_dropout", 0.0)),
+                      tie_embeddings=bool(hf["tie_word_embeddings"]),
+                      attention_dropout=float(hf["attention_dropout"]),
                       head_dim=int(hf["head_dim"]) if hf.get("head_dim") is not None else None)
         if model_type != LLAMA:
             try:
@@ -229,7 +248,7 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelC
                 raise InteropError(f"{where}: {e}") from None
             kwargs.update(extra)
     else:
-        act = hf.get("activation_function", "gelu_new")
+        act = hf["activation_function"]
         if act not in GPT2_TANH_GELUS:
             raise InteropError(f"{where}: activation_function={act}; megalm's GELU is the tanh approximation "
                                f"({' or '.join(GPT2_TANH_GELUS)})")
@@ -237,18 +256,18 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelC
                             ("add_cross_attention", False)):
             if bool(hf.get(key, wanted)) != wanted:
                 raise InteropError(f"{where}: {key}={hf[key]}; megalm's attention needs {key}={wanted}")
-        if not hf.get("tie_word_embeddings", True):
+        if not hf["tie_word_embeddings"]:
             raise InteropError(f"{where}: tie_word_embeddings=false; megalm's GPT-2 style ties the head to wte")
-        hidden = int(hf.get("n_embd", 768))
-        max_pos = int(hf.get("n_positions", 1024))
+        hidden = int(hf["n_embd"])
+        max_pos = int(hf["n_positions"])
         kwargs = dict(norm="layernorm", activation="gelu", position_embedding="learned", bias=True,
-                      tie_embeddings=True, num_layers=int(hf.get("n_layer", 12)), hidden_size=hidden,
-                      num_heads=int(hf.get("n_head", 12)), num_kv_heads=int(hf.get("n_head", 12)),
+                      tie_embeddings=True, num_layers=int(hf["n_layer"]), hidden_size=hidden,
+                      num_heads=int(hf["n_head"]), num_kv_heads=int(hf["n_head"]),
                       ffn_hidden_size=int(hf.get("n_inner") or 4 * hidden),
-                      norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), max_position_embeddings=max_pos,
-                      dropout=float(hf.get("resid_pdrop", 0.0)), attention_dropout=float(hf.get("attn_pdrop", 0.0)))
+                      norm_eps=float(hf["layer_norm_epsilon"]), max_position_embeddings=max_pos,
+                      dropout=float(hf["resid_pdrop"]), attention_dropout=float(hf["attn_pdrop"]))
     cfg = ModelConfig(name=f"hf-{model_type}", vocab_size=int(hf["vocab_size"]), seq_length=min(max_pos, 2048),
-                      init_std=float(hf.get("initializer_range", 0.02)), **kwargs)
+                      init_std=float(hf["initializer_range"]), **kwargs)
     if moe is not None:
         cfg.moe = moe
     try:

@@ -34,6 +34,14 @@ _EXPERT = {QWEN3_MOE: ("mlp.experts.{e}.", "gate_proj", "up_proj", "down_proj"),
            MIXTRAL: ("block_sparse_moe.experts.{e}.", "w1", "w3", "w2")}
 
 
+# transformers' defaults (their XConfig.__init__ signatures) for the MoE keys a config.json may omit
+MOE_DEFAULTS = {
+    QWEN3_MOE: {"num_experts_per_tok": 8, "router_aux_loss_coef": 0.001, "norm_topk_prob": False,
+                "decoder_sparse_step": 1, "num_experts": 128, "moe_intermediate_size": 768, "mlp_only_layers": None},
+    MIXTRAL: {"num_experts_per_tok": 2, "router_aux_loss_coef": 0.001, "num_local_experts": 8},
+}
+
+
 class MoEMappingError(ValueError):
     """Why a megalm MoE model or an HF config cannot be mapped (hf.py turns it into an InteropError)."""
 
@@ -81,21 +89,22 @@ def _qwen3_attention(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def moe_config_from_hf(hf: Mapping[str, Any], arch: str) -> tuple[dict[str, Any], MoEConfig | None]:
-    """(ModelConfig keyword arguments, the MoE section) that `arch`'s config.json adds to Llama's."""
+    """(ModelConfig keyword arguments, the MoE section) that `arch`'s config.json adds to Llama's; `hf` holds
+    transformers' defaults for the keys the file omits (MOE_DEFAULTS)."""
     if arch == QWEN3:
         return {"qk_norm": True}, None
-    top_k = int(hf.get("num_experts_per_tok", 2))
-    aux = float(hf.get("router_aux_loss_coef", 0.0))
+    top_k = int(hf["num_experts_per_tok"])
+    aux = float(hf["router_aux_loss_coef"])
     if arch == QWEN3_MOE:
-        step = int(hf.get("decoder_sparse_step", 1))
-        dense = sorted(int(i) for i in hf.get("mlp_only_layers") or [])
+        step = int(hf["decoder_sparse_step"])
+        dense = sorted(int(i) for i in hf["mlp_only_layers"] or [])
         if dense != list(range(len(dense))):
             raise MoEMappingError(f"mlp_only_layers={dense} are not the first blocks; megalm's dense blocks are the "
                                   "first model.moe.first_k_dense ones")
-        experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+        experts = int(hf.get("num_local_experts") or hf["num_experts"])  # transformers 5 writes num_local_experts
         return {"qk_norm": True}, MoEConfig(
             num_experts=experts, top_k=top_k, expert_ffn_hidden_size=int(hf["moe_intermediate_size"]),
-            first_k_dense=len(dense), every_n_layers=step, norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            first_k_dense=len(dense), every_n_layers=step, norm_topk_prob=bool(hf["norm_topk_prob"]),
             aux_loss_coeff=aux)
     ffn = int(hf["intermediate_size"])
     return {"ffn_hidden_size": ffn}, MoEConfig(num_experts=int(hf["num_local_experts"]), top_k=top_k,

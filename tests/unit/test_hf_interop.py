@@ -487,3 +487,20 @@ def test_export_refuses_what_hugging_face_cannot_compute(tmp_path):
     gpt2 = validate(compose_config(*STYLES["gpt2"], "model.head_dim=8")).model
     with pytest.raises(InteropError, match="head_dim=8 != hidden_size/num_heads"):
         architecture_of(gpt2)
+
+
+@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def test_a_config_without_its_optional_keys_reads_as_transformers_reads_it(model_type):
+    """A config.json that omits a key means transformers' default for its architecture. Every omitted key took
+    Llama's before: a hand-written Mixtral config got rms_norm_eps 1e-6 and rope_theta 1e4 (Mixtral's are 1e-5
+    and 1e6), a Qwen3 one head_dim = hidden / heads (Qwen3's is 128), a Qwen3-MoE one top-2 routing (top-8)."""
+    from megalm.model.hf import HF_DEFAULTS, model_config_from_hf
+
+    config_class = transformers.AutoConfig.for_model(model_type).__class__
+    # a width whose head size is not 128: Qwen3's head_dim default (128) then differs from hidden / heads
+    full = config_class(**({} if model_type == "gpt2" else {"hidden_size": 1024})).to_dict()
+    bare = {k: v for k, v in full.items() if k not in HF_DEFAULTS[model_type] and k != "rope_parameters"}
+    assert len(bare) < len(full) - 5, sorted(full)
+    _, read_full = model_config_from_hf(full, "full")
+    _, read_bare = model_config_from_hf(bare, "bare")
+    assert read_bare == read_full
