@@ -243,6 +243,7 @@ class Trainer:
                     result = self.train_step(self.step)
                     self.step += 1
                     collector.after_step(self.step)
+                    window.aside(self.checkpointer.publish_if_written)  # an async save written: `latest` names it
                     self.consumed_tokens += result.tokens
                     window.add(result.tokens, result.flops)
                     losses.append((self.step, result.loss))

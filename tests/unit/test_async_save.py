@@ -41,3 +41,22 @@ def test_nothing_is_published_before_the_write_completes(tmp_path):
     ckpt.load_model_weights(path, model)
     for name, p in model.named_parameters():
         assert torch.equal(p, weights[name]), f"{name}: the checkpoint must hold the weights of the step it names"
+
+
+def test_a_written_save_is_published_at_the_next_step_boundary(tmp_path):
+    """Published only at the next save or the end, a run that died between two saves lost the checkpoint its thread
+    had finished writing. Now the first step boundary after the write ends publishes it (`latest` names it)."""
+    trainer = Trainer(compose_config(*RUN, "trainer.save_interval=4", "trainer.max_steps=6"), tmp_path)
+    trainer.checkpointer.async_save = True
+    train_step, latest_before = trainer.train_step, {}
+
+    def watched(step: int):
+        latest_before[step] = ckpt.latest_checkpoint(tmp_path)
+        if trainer.checkpointer.pending is not None:
+            trainer.checkpointer.pending._future.result()  # written before this step's boundary, whatever the disk
+        return train_step(step)
+
+    trainer.train_step = watched
+    trainer.fit()
+    assert latest_before[4] is None  # saved after step 4: in flight while step 5 runs
+    assert latest_before[5] == tmp_path / "checkpoints" / "step_00000004", latest_before

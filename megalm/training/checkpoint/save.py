@@ -65,6 +65,10 @@ class PendingCheckpoint:
     _future: Future
     _finalize: Callable[[], None]
 
+    def written(self) -> bool:
+        """Whether this rank's background write has ended (well or not: `wait()` says which)."""
+        return self._future.done()
+
     def wait(self) -> Path:
         try:
             self._future.result()  # re-raises an error of the background write
@@ -176,15 +180,18 @@ class Checkpointer:
     """One run's saves: into `run_dir`, keeping the newest `keep_last`, collective over `mesh`.
 
     With `async_save`, `save` returns once the tensors are staged in host memory and DCP's thread writes them
-    while training goes on; the checkpoint is published by `finish()` (before the next save and at the end, on
-    every rank at the same point). The background write's collectives run on a gloo group of this
-    checkpointer's own, made at its first distributed save, so they never interleave with the training's.
+    while training goes on; the checkpoint is published by `publish_if_written()` at the first step boundary where
+    every rank's write has ended (Megatron's `maybe_finalize_async_save`), or by `finish()` (before the next save
+    and at the end), on every rank at the same point. The background write's collectives run on a gloo group of
+    this checkpointer's own, made at its first distributed save, so they never interleave with the training's;
+    the ranks agree that their writes ended on a second one (a collective of its own, beside the thread's).
     """
 
     def __init__(self, run_dir: Path, keep_last: int, mesh: ParallelMesh | None = None, async_save: bool = False):
         self.run_dir, self.keep_last, self.mesh, self.async_save = Path(run_dir), keep_last, mesh, async_save
         self.pending: PendingCheckpoint | None = None
         self._async_group: dist.ProcessGroup | None = None
+        self._poll_group: dist.ProcessGroup | None = None
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
              config: dict[str, Any]) -> Path:
@@ -203,11 +210,30 @@ class Checkpointer:
         if pending is not None:
             pending.wait()
 
+    def publish_if_written(self) -> Path | None:
+        """Publish the save in flight if every rank's background write has ended; its path, or None. Collective
+        while a save is in flight (one all-reduce of a flag, on a gloo group: no device sync), free otherwise.
+        Published only at the next save or the end, a run that died between two saves lost the checkpoint its
+        threads had finished writing (the resume went back to the one before, or to step 0)."""
+        if self.pending is None:
+            return None
+        written = self.pending.written()
+        if self._poll_group is not None:
+            flag = torch.tensor(int(written))
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._poll_group)
+            written = bool(flag.item())
+        if not written:
+            return None
+        path = self.pending.path
+        self.finish()
+        return path
+
     def _start_async_write(self, tensors: dict[str, torch.Tensor], path: Path) -> Future:
         """DCP's async save: the tensors are staged (copied to host memory) before it returns, then written by a
         thread."""
         if self.mesh is not None and self.mesh.is_distributed and self._async_group is None:
             self._async_group = dist.new_group(backend="gloo")
+            self._poll_group = dist.new_group(backend="gloo")
         with warnings.catch_warnings():  # one process: DCP warns that it saves without a process group
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             return dcp.async_save(tensors, storage_writer=compat.hf_storage_writer(str(path)),
