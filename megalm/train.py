@@ -47,10 +47,12 @@ def fail(message: str) -> None:
 
 
 def mark_for_requeue() -> None:
-    """Touch `$MEGALM_REQUEUE_MARKER` when set, before exiting with REQUEUE_EXIT_CODE: torchrun reports a worker's 75
-    as 1, so the Slurm templates look for the file (docs/slurm.md)."""
-    if os.environ.get("MEGALM_REQUEUE_MARKER"):
-        Path(os.environ["MEGALM_REQUEUE_MARKER"]).touch()
+    """Touch `$MEGALM_REQUEUE_MARKER.rank<RANK>-of-<WORLD_SIZE>` when MEGALM_REQUEUE_MARKER is set, before exiting
+    with REQUEUE_EXIT_CODE: torchrun reports a worker's 75 as 1, so the Slurm templates look for the files, and
+    requeue only when every process left one (docs/slurm.md). A process that fails on its own leaves none; when it
+    did, srun's SIGTERM reached the others still starting up, and their markers alone requeued a failing job."""
+    if marker := os.environ.get("MEGALM_REQUEUE_MARKER"):
+        Path(f"{marker}.rank{os.environ.get('RANK', '0')}-of-{os.environ.get('WORLD_SIZE', '1')}").touch()
 
 
 def _stop_before_training(signum: int, frame: object) -> None:

@@ -4,8 +4,8 @@
 #
 # Contract with megalm (megalm/train.py): on SIGTERM or SIGUSR1 every training process finishes its step,
 # writes a checkpoint and exits with 75 (EX_TEMPFAIL, "requeue me"). torchrun turns any failing worker into
-# its own exit status 1, so megalm also touches $MEGALM_REQUEUE_MARKER when it exits 75; the job is requeued
-# when srun exits 75 or that file exists. Anything else passes through as is.
+# its own exit status 1, so megalm also touches $MEGALM_REQUEUE_MARKER.rank<R>-of-<W> when it exits 75; the job is
+# requeued when srun exits 75 or every process left its file. Anything else passes through as is.
 
 EX_TEMPFAIL=75
 
@@ -105,11 +105,23 @@ megalm_on_term() {
     megalm_log "SIGTERM to the whole job: srun kills its tasks on it (no checkpoint); see scripts/slurm/lib.sh"
 }
 
+# Whether every process of the step left its requeue marker (megalm/train.py, mark_for_requeue: one file per rank,
+# named with the world size). Some but not all: a process failed on its own (a config error, a crash), and srun's
+# SIGTERM reached the others while they started up: the job failed, and a requeue would fail again.
+megalm_every_process_asked() {
+    local markers=("$MEGALM_REQUEUE_MARKER".rank*) world
+    [[ -e "${markers[0]}" ]] || return 1
+    world=${markers[0]##*-of-}
+    [[ "${#markers[@]}" == "$world" ]] && return 0
+    megalm_log "${#markers[@]} of $world processes asked to be requeued; the others failed on their own: not requeued"
+    return 1
+}
+
 # Run srun "$@" in the background (a trap runs only between commands, and `wait` returns at once on a
 # trapped signal), wait for it to really end, then requeue on 75 or the marker, else pass the status on.
 megalm_srun_and_requeue() {
     local pid rc
-    rm -f "$MEGALM_REQUEUE_MARKER"
+    rm -f "$MEGALM_REQUEUE_MARKER".rank*
     trap megalm_on_usr1 USR1
     trap megalm_on_term TERM
     srun "$@" &
@@ -123,9 +135,9 @@ megalm_srun_and_requeue() {
         [[ "$MEGALM_TRAPPED" == 1 && "$rc" -gt 128 ]] || break
     done
     trap - USR1 TERM
-    if [[ "$rc" == "$EX_TEMPFAIL" || -e "$MEGALM_REQUEUE_MARKER" ]]; then
+    if [[ "$rc" == "$EX_TEMPFAIL" ]] || megalm_every_process_asked; then
         megalm_log "the training checkpointed and asked to be requeued (srun exit $rc): scontrol requeue $SLURM_JOB_ID"
-        rm -f "$MEGALM_REQUEUE_MARKER"
+        rm -f "$MEGALM_REQUEUE_MARKER".rank*
         scontrol requeue "$SLURM_JOB_ID"
         exit 0
     fi

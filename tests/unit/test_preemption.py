@@ -220,6 +220,7 @@ def test_a_signal_before_training_began_requeues_the_job(tmp_path, at, signals, 
     proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "MEGALM_REQUEUE_MARKER": str(marker)},
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == code, proc.stderr[-2000:]
-    assert marker.exists() == (code == REQUEUE_EXIT_CODE)
+    assert [m.name for m in tmp_path.glob("requeue-marker*")] == (["requeue-marker.rank0-of-1"]
+                                                                    if code == REQUEUE_EXIT_CODE else [])
     assert (f"{sent.name} before training began" in proc.stderr) == (code == REQUEUE_EXIT_CODE), proc.stderr[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()

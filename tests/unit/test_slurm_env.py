@@ -76,3 +76,37 @@ def test_the_head_node_lookup_skips_loopback_addresses(tmp_path):
     # the name resolves to loopback only: on the head node, its own first address; elsewhere the name
     assert rdzv_host(tmp_path, "127.0.1.1 STREAM gpu-001\\n", "10.1.2.3 172.17.0.1\\n", node="gpu-001") == "10.1.2.3"
     assert rdzv_host(tmp_path, "127.0.1.1 STREAM gpu-001\\n", "10.1.2.3\\n", node="gpu-002") == "gpu-001"
+
+
+def run_and_requeue(tmp_path: Path, markers: list[str], srun_exit: int) -> tuple[subprocess.CompletedProcess, bool]:
+    """megalm_srun_and_requeue with a stand-in srun that leaves `markers` (as the job's processes would) and exits
+    with `srun_exit`, and a scontrol that records a requeue."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    marker = tmp_path / "requeue-7"
+    touches = "".join(f"touch {marker}.{m}\n" for m in markers)
+    for name, body in (("srun", f"{touches}exit {srun_exit}\n"), ("scontrol", f"touch {tmp_path}/requeued\n"),
+                       ("torchrun", "")):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}")
+        os.chmod(bin_dir / name, 0o755)
+    (tmp_path / "requeue-7.rank5-of-8").touch()  # a marker left by an earlier attempt: cleared before srun
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "MEGALM_ROOT": str(ROOT), "SLURM_JOB_ID": "7",
+           "MEGALM_REQUEUE_MARKER": str(marker)}
+    proc = subprocess.run(["bash", "-c", f'source "{LIB}" && megalm_srun_and_requeue --nodes=2'], env=env,
+                          capture_output=True, text=True, timeout=60)
+    return proc, (tmp_path / "requeued").exists()
+
+
+def test_a_job_is_requeued_only_when_every_process_asked(tmp_path):
+    """A rank that failed on its own (a config error: exit 2) made srun SIGTERM the others; those still starting up
+    exit 75 with their marker. One marker requeued the job before, which then failed again (found in CI's Slurm
+    test). Every rank's marker requeues it; some is the job's failure; srun's own 75 still requeues."""
+    proc, requeued = run_and_requeue(tmp_path / "all", ["rank0-of-2", "rank1-of-2"], 1)
+    assert (proc.returncode, requeued) == (0, True), proc.stderr
+    proc, requeued = run_and_requeue(tmp_path / "some", ["rank1-of-2"], 143)
+    assert (proc.returncode, requeued) == (143, False), proc.stderr
+    assert "1 of 2 processes asked to be requeued; the others failed on their own: not requeued" in proc.stderr
+    proc, requeued = run_and_requeue(tmp_path / "none", [], 1)
+    assert (proc.returncode, requeued) == (1, False), proc.stderr
+    proc, requeued = run_and_requeue(tmp_path / "single", [], 75)
+    assert (proc.returncode, requeued) == (0, True), proc.stderr
