@@ -15,6 +15,7 @@ batch of a step depends on (seed, step) only and a resumed run continues exactly
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -149,16 +150,35 @@ def open_component(prefix: str, tokenizer: str | None = None) -> IndexedDataset:
         raise DataError(f"data.blend component {prefix}: {e}") from None
 
 
-def _check_same_tokens(sources: Sequence[IndexedDataset], names: Sequence[str]) -> None:
-    """All components must share one vocabulary: same vocab size, eod id and tokenizer."""
+def tokenizer_identity(spec: str) -> str:
+    """What a dataset's tokenizer is: "byte", the SHA-256 of its tokenizer.json, or the spec itself when that file is
+    not on this machine. By path, the same file copied or linked elsewhere (datasets preprocessed on two machines)
+    was two tokenizers, and their blend was refused."""
+    if not spec or spec == "byte":
+        return spec
+    path = os.path.expanduser(spec)
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    try:
+        with open(path, "rb") as f:
+            return "sha256:" + hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return spec
+
+
+def _check_same_tokens(sources: Sequence[IndexedDataset], names: Sequence[str], tokenizer: str) -> None:
+    """All components must share one vocabulary: same vocab size, eod id and tokenizer (its file's content; with
+    `data.tokenizer` set, that tokenizer stands for all, each checked against it when it is read)."""
     first = sources[0]
-    key = lambda s: (s.vocab_size, s.eod_id, s.tokenizer_spec)
+    named = bool(tokenizer) and tokenizer != "byte"
+    key = lambda s: (s.vocab_size, s.eod_id, None if named else tokenizer_identity(s.tokenizer_spec))
     for source, name in zip(sources[1:], names[1:], strict=True):
         if key(source) != key(first):
             raise DataError(f"data.blend mixes tokenizations: {names[0]} has vocab {first.vocab_size}, eod "
                             f"{first.eod_id}, tokenizer {first.tokenizer_spec!r} but {name} has vocab "
                             f"{source.vocab_size}, eod {source.eod_id}, tokenizer {source.tokenizer_spec!r}; "
-                            "preprocess all of them with the same --tokenizer")
+                            "preprocess all of them with the same --tokenizer (or, if the two files are one "
+                            "tokenizer, name it: data.tokenizer=PATH)")
 
 
 def build_blend(cfg: MegalmConfig) -> DataBundle:
@@ -171,7 +191,7 @@ def build_blend(cfg: MegalmConfig) -> DataBundle:
     names = [path for _, path in pairs]
     quotas = blend_quotas([w for w, _ in pairs])
     sources = [open_component(p, d.tokenizer) for p in names]
-    _check_same_tokens(sources, names)
+    _check_same_tokens(sources, names, d.tokenizer)
     tokenizer = indexed_tokenizer(sources[0], d.tokenizer)
     check_vocab(sources[0], tokenizer, cfg.model.vocab_size)
     splits = [split_samplers(s, cfg, f"data.blend component {name}") for s, name in zip(sources, names, strict=True)]

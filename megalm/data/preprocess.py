@@ -20,6 +20,7 @@ import fnmatch
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections import deque
@@ -53,6 +54,7 @@ class PreprocessStats:
     dtype: str
     seconds: float
     format: str = "megalm"
+    repaired: int = 0  # documents whose bytes were not UTF-8, or whose JSON held lone surrogates: stored as U+FFFD
 
     def summary(self) -> str:
         files = f"{self.output_prefix}.bin/.idx"
@@ -60,7 +62,9 @@ class PreprocessStats:
             files += f" + {SIDECAR_SUFFIX} (Megatron-LM format)"
         return (f"wrote {files}: {self.num_docs} documents, {self.num_tokens} tokens "
                 f"({self.dtype}, vocab {self.vocab_size}) from {self.num_files} files in {self.seconds:.1f}s"
-                + (f"; skipped {self.skipped_empty} empty documents" if self.skipped_empty else ""))
+                + (f"; skipped {self.skipped_empty} empty documents" if self.skipped_empty else "")
+                + (f"; {self.repaired} documents held bytes that are not UTF-8 (or JSON's lone surrogates), "
+                   "stored as U+FFFD" if self.repaired else ""))
 
 
 def _is_hidden(name: str) -> bool:
@@ -88,7 +92,36 @@ def list_input_files(inputs: Sequence[str | os.PathLike], glob: str = "*") -> li
     return files
 
 
-def _read_json_lines(path: Path, json_key: str) -> Iterator[tuple[str, int]]:
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # valid JSON escapes ("\ud800") that no UTF-8 encodes
+
+
+class _Repairs:
+    """How many documents `iter_documents` repaired (bytes not UTF-8, JSON's lone surrogates: U+FFFD instead), for
+    the summary line: the text changed, so the user is told, not left to find it in the tokens."""
+
+    def __init__(self) -> None:
+        self.documents = 0
+
+    def decode(self, raw: bytes) -> str:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self.documents += 1
+            return raw.decode("utf-8", errors="replace")
+
+    def json_text(self, raw: bytes, text: str) -> str:
+        """A JSON line's text: lone surrogates (valid JSON escapes that no UTF-8 encodes, which the tokenizers
+        refuse) replaced; the line counted once if its bytes or its text needed a repair."""
+        cleaned = _LONE_SURROGATE.sub("\ufffd", text)
+        try:
+            raw.decode("utf-8")
+            self.documents += cleaned != text
+        except UnicodeDecodeError:
+            self.documents += 1
+        return cleaned
+
+
+def _read_json_lines(path: Path, json_key: str, repairs: _Repairs) -> Iterator[tuple[str, int]]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             line = raw.decode("utf-8", errors="replace").strip()
@@ -99,6 +132,10 @@ def _read_json_lines(path: Path, json_key: str) -> Iterator[tuple[str, int]]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg}); fix or remove that line") from None
+            except (ValueError, RecursionError) as e:  # a number past int's digit limit, nesting past the stack
+                reason = str(e).split(";")[0].split("\n")[0] or type(e).__name__
+                raise DataError(f"{path}:{lineno}: JSON that Python cannot read ({reason}); fix or remove that "
+                                "line") from None
             if not isinstance(obj, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
             if json_key not in obj:
@@ -107,22 +144,24 @@ def _read_json_lines(path: Path, json_key: str) -> Iterator[tuple[str, int]]:
             text = obj[json_key]
             if not isinstance(text, str):
                 raise DataError(f"{path}:{lineno}: {json_key!r} is a {type(text).__name__}, not a string")
-            yield text, len(raw)
+            yield repairs.json_text(raw, text), len(raw)
 
 
-def iter_documents(files: Sequence[Path], json_key: str = "text",
-                   split_lines: bool = False) -> Iterator[tuple[str, int]]:
-    """(text, bytes read) for every document; the byte counts drive the progress bar."""
+def iter_documents(files: Sequence[Path], json_key: str = "text", split_lines: bool = False,
+                   repairs: _Repairs | None = None) -> Iterator[tuple[str, int]]:
+    """(text, bytes read) for every document; the byte counts drive the progress bar. Bytes that are not UTF-8
+    are read as U+FFFD, and counted in `repairs`."""
+    repairs = repairs or _Repairs()
     for path in files:
         if path.suffix.lower() in JSON_SUFFIXES:
-            yield from _read_json_lines(path, json_key)
+            yield from _read_json_lines(path, json_key, repairs)
         elif split_lines and path.suffix.lower() == ".txt":
             with open(path, "rb") as f:
                 for raw in f:
-                    yield raw.decode("utf-8", errors="replace").rstrip("\r\n"), len(raw)
+                    yield repairs.decode(raw).rstrip("\r\n"), len(raw)
         else:
             data = path.read_bytes()
-            yield data.decode("utf-8", errors="replace"), len(data)
+            yield repairs.decode(data), len(data)
 
 
 def _batches(docs: Iterator[tuple[str, int]]) -> Iterator[tuple[list[str], int, int]]:
@@ -197,7 +236,8 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str, tokenize
         raise DataError(f"no files matching --glob {glob!r} under {', '.join(map(str, inputs))}; "
                         "check --input and --glob")
     total_bytes = sum(p.stat().st_size for p in files)
-    batches = _batches(iter_documents(files, json_key, split_lines))
+    repairs = _Repairs()
+    batches = _batches(iter_documents(files, json_key, split_lines, repairs))
     use_pool = workers > 1 and not isinstance(tokenizer, ByteTokenizer)
 
     from tqdm import tqdm
@@ -251,7 +291,8 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str, tokenize
                             "check --input, --json-key and --glob")
         writer.finalize()
         stats = PreprocessStats(output_prefix, len(files), writer.num_docs, writer.num_tokens, skipped,
-                                tokenizer.vocab_size, writer.dtype.name, time.perf_counter() - start, output_format)
+                                tokenizer.vocab_size, writer.dtype.name, time.perf_counter() - start, output_format,
+                                repairs.documents)
     return stats
 
 

@@ -85,7 +85,12 @@ class HFTokenizer:
             raise DataError(f"tokenizer file {path} is not a valid Hugging Face tokenizer.json ({reason}); "
                             "pass a file saved with tokenizers' Tokenizer.save, or 'byte'") from None
         self._path = path
-        self._vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # A document's text is text: a literal "<|endoftext|>" in it (scraped code, ML papers) is encoded as its
+        # characters, not as the special token, which put an end-of-document id inside one document
+        self._tok.encode_special_tokens = True
+        # ids may skip numbers: the rows an id needs, not the count of entries (a gap refused the eod id)
+        self._vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True),
+                               max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
         for name in EOD_CANDIDATES:
             eod = self._tok.token_to_id(name)
             if eod is not None:

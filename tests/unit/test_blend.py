@@ -307,3 +307,29 @@ def test_bad_blend_data_is_a_one_line_data_error(prefixes, tmp_path):
         assert "\n" not in str(info.value)
     with pytest.raises(DataError, match="missing.idx not found"):  # through the trainer too, before any weight
         Trainer(blend_config(f"data.blend=[1,{a},1,{tmp_path / 'missing'}]"), tmp_path / "run")
+
+
+def test_components_of_one_tokenizer_at_two_paths_blend(tmp_path):
+    """The tokenizer was compared by its path: the same tokenizer.json copied (datasets preprocessed on two
+    machines) or linked was refused as another tokenization, and no data.tokenizer could say otherwise. It is
+    compared by content now; two tokenizers of one vocab size and eod are still two, unless data.tokenizer names
+    the one they stand for."""
+    import shutil
+
+    from tests.unit.test_data import make_hf_tokenizer
+
+    first = make_hf_tokenizer(tmp_path / "machine_a.json", [f"w{i}" for i in range(255)])  # vocab 257, eod 256
+    copy = tmp_path / "machine_b" / "tokenizer.json"
+    copy.parent.mkdir()
+    shutil.copy(first, copy)
+    other = make_hf_tokenizer(tmp_path / "other.json", [f"v{i}" for i in range(255)])  # the same sizes
+    a = write_component(tmp_path / "a", 0, spec=str(first))
+    b = write_component(tmp_path / "b", 1, spec=str(copy.parent))
+    c = write_component(tmp_path / "c", 1, spec=str(other))
+    bundle = build_datasets(config([1, a, 1, b]))
+    assert bundle.tokenizer.vocab_size == 257
+    with pytest.raises(DataError, match="mixes tokenizations: .*other.json"):
+        build_datasets(config([1, a, 1, c]))
+    named = config([1, a, 1, c])
+    named.data.tokenizer = str(first)
+    assert build_datasets(named).tokenizer.spec == str(first)

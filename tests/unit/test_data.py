@@ -117,6 +117,48 @@ def test_hf_tokenizer_directory_and_other_eod_names(tmp_path):
     assert tok.spec == str(path.resolve()) and tok.eod_id == 3
 
 
+def test_a_literal_special_token_in_a_document_is_text(tmp_path):
+    """`tokenizers` matches added special tokens in the text even without add_special_tokens: a document holding
+    the characters "<|endoftext|>" (scraped code, ML papers) got an end-of-document id inside it."""
+    path = make_hf_tokenizer(tmp_path / "tok.json", ["a", "b", "<", "|", ">", "endoftext"])
+    tok = build_tokenizer(str(path))
+    ids = tok.encode("a <|endoftext|> b")
+    assert tok.eod_id not in ids and ids[0] == 1 and ids[-1] == 2, ids
+    assert tok.encode_batch(["a <|endoftext|>"])[0] == ids[:-1]
+
+
+def test_a_vocab_whose_ids_skip_numbers_has_rows_for_its_largest_id(tmp_path):
+    """vocab_size counted entries: ids {0, 1, 10} gave 3, and preprocess refused the eod id 10 with a traceback."""
+    path = tmp_path / "gap.json"
+    gap = HFTok(models.WordLevel({"<unk>": 0, "a": 1, "<|endoftext|>": 10}, unk_token="<unk>"))
+    gap.pre_tokenizer = pre_tokenizers.Whitespace()
+    gap.save(str(path))
+    tok = build_tokenizer(str(path))
+    assert (tok.vocab_size, tok.eod_id) == (11, 10)
+    (tmp_path / "a.txt").write_text("a a")
+    stats = preprocess([tmp_path / "a.txt"], str(tmp_path / "out"), tok, show_progress=False)
+    assert (stats.num_tokens, stats.vocab_size) == (3, 11)
+
+
+def test_text_that_is_not_utf8_is_repaired_and_said(tmp_path):
+    """Latin-1 bytes and JSON's lone surrogate escapes: stored as U+FFFD and counted in the summary (surrogates
+    were a traceback; other bytes were replaced without a word)."""
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    (tmp_path / "docs.jsonl").write_text('{"text": "ok"}\n{"text": "x\\ud800y"}\n')
+    for tokenizer in ("byte", str(make_hf_tokenizer(tmp_path / "tok.json", ["ok"]))):
+        stats = preprocess([tmp_path / "latin1.txt", tmp_path / "docs.jsonl"], str(tmp_path / tokenizer[-4:]),
+                           tokenizer, show_progress=False)
+        assert (stats.num_docs, stats.repaired) == (3, 2)
+        assert "; 2 documents held bytes that are not UTF-8" in stats.summary()
+    assert _texts(str(tmp_path / "byte")) == ["caf\ufffd", "ok", "x\ufffdy"]
+    stats = preprocess([tmp_path / "docs.jsonl"], str(tmp_path / "clean"), "byte", show_progress=False)
+    assert stats.repaired == 1
+    (tmp_path / "fine.jsonl").write_text('{"text": "caf\\u00e9 \\ud83d\\ude00"}\n')  # a valid surrogate pair
+    stats = preprocess([tmp_path / "fine.jsonl"], str(tmp_path / "fine"), "byte", show_progress=False)
+    assert stats.repaired == 0 and "UTF-8" not in stats.summary()
+    assert _texts(str(tmp_path / "fine")) == ["café 😀"]
+
+
 def test_hf_tokenizer_errors(tmp_path):
     no_eod = make_hf_tokenizer(tmp_path / "noeod.json", ["a", "b"], ())
     with pytest.raises(DataError, match="end-of-document"):
@@ -382,13 +424,19 @@ def _cli_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
         (tmp_path / "a.txt").write_text("a")
         argv = ["--input", str(tmp_path / "a.txt"), "--tokenizer", str(tmp_path / "t.json"), *out]
         return argv, "tokenizer file"
+    if case == "huge_number":  # valid JSON that Python's int() refuses (a ValueError, not a JSONDecodeError)
+        (tmp_path / "n.jsonl").write_text('{"text": "a"}\n{"text": "b", "id": ' + "9" * 5000 + "}\n")
+        return ["--input", str(tmp_path / "n.jsonl"), *out], "n.jsonl:2: JSON that Python cannot read"
+    if case == "deep_nesting":
+        (tmp_path / "d.jsonl").write_text('{"text": "b", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+        return ["--input", str(tmp_path / "d.jsonl"), *out], "d.jsonl:1: JSON that Python cannot read"
     if case == "usage":
         return ["--input", "x"], "required"
     raise AssertionError(case)
 
 
 @pytest.mark.parametrize("case", ["missing_input", "bad_json", "missing_key", "exists", "empty", "empty_dir",
-                                  "tokenizer", "usage"])
+                                  "tokenizer", "huge_number", "deep_nesting", "usage"])
 def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, case):
     argv, expected = _cli_case(tmp_path, case)
     code, out, err = run_cli(argv, capsys)
