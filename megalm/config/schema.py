@@ -164,7 +164,9 @@ class DataConfig:
     varlen: bool = False
     """One document per sample (split at seq_length) instead of fixed-length packing."""
     tokenizer: str = "byte"
-    """byte, or the path of a Hugging Face tokenizer.json (demo and synthetic data)."""
+    """data=indexed: the tokenizer of a Megatron-format dataset without megalm's sidecar, or one that stands for the
+    dataset's own (the same vocab and eod; a blend's components alike). byte, or the path of a Hugging Face
+    tokenizer.json. data=demo is byte-tokenized; data=synthetic has no text, and refuses another."""
     valid_fraction: float = 0.01
     """The share of documents held out for validation."""
     split_seed: int = 0

@@ -39,6 +39,9 @@ def build_datasets(cfg: MegalmConfig) -> DataBundle:
         source = IndexedDataset(d.path, tokenizer=d.tokenizer)
         tokenizer = indexed_tokenizer(source, d.tokenizer)
     elif d.name == "synthetic":
+        if d.tokenizer != "byte":
+            raise DataError(f"data=synthetic draws token ids, with no text to tokenize: data.tokenizer={d.tokenizer} "
+                            "would not be read; drop it, or use data=indexed")
         s = d.synthetic
         source = SyntheticDocuments(s.num_docs, cfg.model.vocab_size, s.mean_doc_length, s.fixed_doc_length,
                                     seed=cfg.seed)

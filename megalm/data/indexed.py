@@ -81,7 +81,7 @@ class IndexedDataset:
     """
 
     def __init__(self, prefix: str, tokenizer: Tokenizer | str | None = None) -> None:
-        self.prefix = prefix = os.fspath(prefix)
+        self.prefix = prefix = os.path.expanduser(os.fspath(prefix))  # as blend prefixes and data.tokenizer
         idx_path, bin_path = f"{prefix}.idx", f"{prefix}.bin"
         for path in (idx_path, bin_path):
             if os.path.isfile(path):

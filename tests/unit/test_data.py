@@ -706,6 +706,17 @@ def test_build_datasets_synthetic():
     assert all(len(s.tokens) == 17 and s.tokens.max() < cfg.model.vocab_size for s in batch)
     cfg.data.varlen = True
     assert isinstance(build_datasets(cfg).train, VarlenDataset)
+    cfg.data.tokenizer = "/nonexistent/tokenizer.json"  # was accepted and never read
+    with pytest.raises(DataError, match="data=synthetic draws token ids.*would not be read"):
+        build_datasets(cfg)
+
+
+def test_a_data_path_under_home_is_found(tmp_path, monkeypatch):
+    """data.path="~/..." was not expanded (blend prefixes, data.tokenizer and data.cache_dir are)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    byte_dataset(tmp_path, ["hello world"] * 40)
+    cfg = _cfg(name="indexed", path="~/bytes")
+    assert build_datasets(cfg).source.prefix == str(tmp_path / "bytes")
 
 
 def test_build_datasets_indexed_byte(tmp_path):
