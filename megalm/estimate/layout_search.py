@@ -358,6 +358,17 @@ def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tu
     return shape, base, notes
 
 
+def priced_batch(overrides: list[str], shape: Shape) -> list[str]:
+    """The batch settings the search priced and the command left to megalm-train's defaults (6 sequences a
+    micro-batch, for the tiny CPU model): a layout's overrides carry them, or the command plus the layout trained
+    another batch than the one priced, and was often refused (a global batch that micro-batches x dp do not
+    divide)."""
+    given = {o.split("=", 1)[0].lstrip("+") for o in overrides}
+    return [f"{key}={value}" for key, value in (("trainer.micro_batch_size", shape.micro_batch),
+                                                ("trainer.global_batch_size", shape.global_batch))
+            if key not in given]
+
+
 def search(overrides: list[str], world: int, gpu: str, top: int = 5, max_confirm: int = 8,
            memory_bytes: int | None = None, budget_s: float = 90.0) -> dict[str, Any]:
     """Layouts that fit `world` GPUs of `gpu` (of `memory_bytes` each, by default the GPU's), best predicted tokens/s
@@ -370,6 +381,10 @@ def search(overrides: list[str], world: int, gpu: str, top: int = 5, max_confirm
     start = time.perf_counter()
     memory = memory_bytes or HBM_BYTES[gpu]
     shape, base, notes = search_shape(gpu_precision(overrides), world, gpu)
+    batch = priced_batch(overrides, shape)
+    if any(o.startswith("trainer.micro_batch_size=") for o in batch):
+        notes.append(f"micro-batch size not given: the search prices {shape.micro_batch} sequence(s) a micro-batch, "
+                     "and each layout's overrides set it")
     candidates = layouts(shape)
     priced = [(layout, *closed_form(shape, layout, gpu)) for layout in candidates]
     hopeful = sorted((c for c in priced if c[1] <= memory * CLOSED_FORM_MARGIN), key=lambda c: -c[2])
@@ -396,7 +411,7 @@ def search(overrides: list[str], world: int, gpu: str, top: int = 5, max_confirm
 
             model = resolve_model_defaults(compose_config(overrides).model)  # the command's depth
             model_flops = training_flops(model, [shape.seq] * shape.global_batch)
-        found.append({"overrides": layout.overrides(), "layout": asdict(layout), "peak_bytes": peak,
+        found.append({"overrides": layout.overrides() + batch, "layout": asdict(layout), "peak_bytes": peak,
                       "tokens_per_s": shape.global_batch * shape.seq / step, "step_time_s": step,
                       "mfu": model_flops / (world * GPUS[gpu].bf16_tflops * 1e12 * step),
                       "closed_form": {"peak_bytes": closed_peak, "tokens_per_s": closed_rate},

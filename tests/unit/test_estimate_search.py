@@ -178,3 +178,21 @@ def test_the_closed_form_prices_the_last_stage_s_logits_as_the_estimator():
         closed.append(layout_search.closed_form(shape, layout, "h100")[0])
         estimated.append(estimate.estimate_rank(overrides, 4, 1, "last stage", "h100").peak_bytes)
     assert closed[1] - closed[0] == pytest.approx(estimated[1] - estimated[0], rel=0.01), (closed, estimated)
+
+
+def test_every_layout_the_search_prices_trains_as_priced():
+    """Without trainer.micro_batch_size the search prices one sequence a micro-batch, but its layouts' overrides
+    said nothing of it: the command plus a layout trained megalm-train's default of 6 (the docs' 70B answer was
+    refused: 1024 is not divisible by 6 x 16). Each layout's overrides now carry the batch the search priced."""
+    from megalm.training.validation import validate_run
+
+    command = [*SMALL, "trainer.global_batch_size=8"]
+    shape, _, _ = layout_search.search_shape(command, 4)
+    batch = layout_search.priced_batch(command, shape)
+    assert batch == ["trainer.micro_batch_size=1"]
+    for layout in layout_search.layouts(shape):
+        cfg = validate_run(compose_config([*command, *layout.overrides(), *batch]), world_size=4)
+        assert (cfg.trainer.micro_batch_size, cfg.trainer.global_batch_size) == (shape.micro_batch,
+                                                                                shape.global_batch), layout
+    assert layout_search.priced_batch(SMALL, layout_search.search_shape(SMALL, 4)[0]) == [
+        "trainer.micro_batch_size=1", "trainer.global_batch_size=4"]
