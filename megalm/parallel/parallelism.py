@@ -136,16 +136,16 @@ class Parallelism:
                  mesh: ParallelMesh | None = None):
         p = cfg.parallel
         self.cfg, self.device, self.converters = cfg, device, list(converters)
-        with unset_fake_temporarily():  # the mesh's own tensors are real under a caller's FakeTensorMode
+        with unset_fake_temporarily():  # the meshes' own tensors are real under a caller's FakeTensorMode
             self.mesh = mesh or build_mesh(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp, ep=p.ep), device,
                                            experts_over_tp=bool(cfg.model.moe.num_experts) and p.sequence_parallel,
                                            rings_over_dp=p.hdp)
+            self.fsdp_mesh = fsdp_mesh(self.mesh, p.fsdp_shard_size, device.type) if p.fsdp else None
         check_same_on_all_ranks(json.dumps(config_to_dict(cfg), sort_keys=True, default=str), self.mesh, device)
         # bf16 working weights (the bf16 recipe): the model trains bf16 copies of its fp32 initial weights, which the
         # optimizer takes as its fp32 main weights (BucketAdamW); the gradients accumulate over micro-batches in the
         # reducer's fp32 buckets. Under FSDP its MixedPrecisionPolicy does that: the fp32 shards are the main weights.
         recipe_dtype = next((c.working_dtype for c in self.converters if c.working_dtype), None)
-        self.fsdp_mesh = fsdp_mesh(self.mesh, p.fsdp_shard_size, device.type) if p.fsdp else None
         self.model = self._build_model(recipe_dtype)
         self.working_dtype = None if p.fsdp else recipe_dtype
         self._initial_weights = self._to_working_dtype()

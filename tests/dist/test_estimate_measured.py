@@ -40,6 +40,8 @@ LAYOUTS = {  # overrides, world size
     "offload": (["offload.enabled=true", "offload.min_tensor_bytes=0", "trainer.global_batch_size=4"], 2),
     # FSDP frees and re-allocates its gathered parameters by resizing their storages, which the probe watches
     "fsdp2": (["parallel.fsdp=true", "trainer.global_batch_size=4"], 2),
+    # HSDP (shards of 2, replicated twice): the estimate failed with a traceback (its mesh made of fake tensors)
+    "hsdp4": (["parallel.fsdp=true", "parallel.fsdp_shard_size=2", "trainer.global_batch_size=4"], 4),
 }
 
 
