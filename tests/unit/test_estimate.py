@@ -44,10 +44,13 @@ def parameters(overrides: list[str]) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("precision, zero1, world", [("bf16", False, 2), ("bf16", True, 4), ("fp32", False, 2),
-                                                     ("fp32", True, 4)])
-def test_static_bytes_are_the_closed_form(precision, zero1, world):
-    overrides = [*SMALL, f"precision={precision}", f"parallel.zero1={str(zero1).lower()}", "trainer.device=cpu"]
+@pytest.mark.parametrize("precision, zero1, world, reduce", [
+    ("bf16", False, 2, "fp32"), ("bf16", True, 4, "fp32"), ("fp32", False, 2, "fp32"), ("fp32", True, 4, "fp32"),
+    # bf16 buckets and shards: the fp32 copy of each shard the optimizer steps was kept between steps (4n/dp)
+    ("bf16", True, 4, "bf16")])
+def test_static_bytes_are_the_closed_form(precision, zero1, world, reduce):
+    overrides = [*SMALL, f"precision={precision}", f"parallel.zero1={str(zero1).lower()}", "trainer.device=cpu",
+                 f"parallel.grad_reduce_dtype={reduce}"]
     n = parameters(overrides)
     dp = world
     assert n % dp == 0  # no ZeRO-1 padding at this shape: the closed forms are exact
@@ -55,7 +58,8 @@ def test_static_bytes_are_the_closed_form(precision, zero1, world):
     (rank,) = result["ranks"]
     weight = 2 if precision == "bf16" else 4
     assert rank["param_bytes"] == weight * n
-    assert rank["grad_bytes"] == 4 * n + (4 * n // dp if zero1 else 0)
+    grad = 2 if reduce == "bf16" else 4
+    assert rank["grad_bytes"] == grad * n + (grad * n // dp if zero1 else 0)
     moments_and_main = (12 if precision == "bf16" else 8) * n // (dp if zero1 else 1)
     scalars = rank["optimizer_bytes"] - moments_and_main  # AdamW's step counters and scalars
     assert 0 < scalars < 128, (rank["optimizer_bytes"], moments_and_main)

@@ -239,6 +239,8 @@ class BucketAdamW:
                   eps=group["eps"], maximize=False)
         if not writes_copies:
             self._refresh_params(shards)
+        del grads, grads_
+        self.reducer.release_cast_grad_shards()
         for hook in list(self._post_hooks.values()):
             hook(self, (), {})
 

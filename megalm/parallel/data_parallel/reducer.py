@@ -341,6 +341,14 @@ class GradReducer:
         self.stats.update({"all_reduce_bytes": 0, "reduce_scatter_bytes": 0, "all_gather_bytes": 0,
                            "collective_calls": 0, "buckets_in_backward": 0, "buckets_in_finish": 0})
 
+    def release_cast_grad_shards(self) -> None:
+        """Drop the ZeRO-1 gradient shards cast out of the reduce dtype (`parallel.grad_reduce_dtype=bf16`: an fp32
+        copy of each shard), once the optimizer has stepped them: kept until the next step's `finish()`, they held
+        4 bytes a parameter / dp between steps for nothing."""
+        for bucket in self.buckets:
+            if bucket.grad_shard is not None and bucket.grad_shard is not bucket.shard:
+                bucket.grad_shard = None
+
     def grad_shards(self) -> list[torch.Tensor]:
         """The summed gradients this rank's optimizer steps, one flat tensor per bucket (valid after finish()):
         its shard of every bucket under ZeRO-1, else (accumulating) the whole buckets."""
