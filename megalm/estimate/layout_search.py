@@ -234,7 +234,9 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
     flops *= 4 / 3 if layout.recompute == "full" else 1
     compute = flops / (GPUS[gpu].bf16_tflops * 1e12 * ROOFLINE_EFFICIENCY)
     per_micro_batch = m.layers // pp * tokens * m.hidden * 2
-    per_parameter = 4 + (2 if layout.zero1 else 0)  # link bytes: the gradient's reduction (and ZeRO-1's gather)
+    # link bytes: a ring all-reduce of the fp32 gradients sends 2 x 4 (the estimator counts as much); ZeRO-1 a
+    # reduce-scatter of them (4) and an all-gather of the bf16 weights (2)
+    per_parameter = 6 if layout.zero1 else 8
     collective = {
         "tp": TP_TRANSFERS[layout.recompute] * per_micro_batch * micro_batches if t > 1 else 0,
         "cp": 3 * m.layers // pp * tokens * 2 * m.hidden * m.kv_heads // m.heads * 2 * (cp - 1)

@@ -283,8 +283,16 @@ def test_moe_tiny_trains_logs_load_and_resumes_its_bias(tmp_path, make_config):
     (2, ["parallel.ep=0"], "parallel.ep=0 must be >= 1"),
     (2, ["model=tiny", "parallel.ep=2"], "needs a mixture-of-experts model"),
     # torch._grouped_mm's meta kernel (what a compiled graph traces) takes bf16 only: fp32 failed deep in dynamo
-    (1, ["trainer.compile=true", "precision=fp32"], "MoE model needs precision=bf16")],
-    ids=["hsdp_ep", "hdp", "ep_not_experts", "ep_not_domain", "ep0", "ep_dense", "compiled_fp32"])
+    (1, ["trainer.compile=true", "precision=fp32"], "MoE model needs precision=bf16"),
+    # each DP rank cuts its own micro-batches under a token budget: their capacity queues and switch loss were not
+    # one process's (found by an audit: the aux loss 1.0115 against 1.0099 at dp2)
+    (2, ["data.varlen=true", "trainer.tokens_per_step=256", "model.moe.aux_loss_coeff=0.01"],
+     "tokens_per_step with model.moe.aux_loss_coeff=0.01 over dp > 1"),
+    (2, ["data.varlen=true", "trainer.tokens_per_step=256", "model.moe.capacity_factor=1.0",
+         "model.moe.aux_loss_coeff=0"],
+     "tokens_per_step with model.moe.capacity_factor=1.0 over dp > 1")],
+    ids=["hsdp_ep", "hdp", "ep_not_experts", "ep_not_domain", "ep0", "ep_dense", "compiled_fp32", "budget_aux",
+         "budget_capacity"])
 def test_layouts_not_built_for_moe_are_refused_in_one_line(make_config, world, overrides, message):
     from megalm.training.validation import validate_run
 

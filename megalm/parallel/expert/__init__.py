@@ -58,6 +58,15 @@ def validate_experts(cfg: MegalmConfig) -> None:
         raise ConfigError(f"trainer.tokens_per_step with parallel.ep={p.ep} is not supported: under a token budget the "
                           "data-parallel ranks may run different numbers of micro-batches, while an expert-parallel "
                           "layer needs every rank in each all-to-all; use trainer.global_batch_size, or parallel.ep=1")
+    moe = cfg.model.moe
+    per_micro_batch = [f"model.moe.{k}={getattr(moe, k)}" for k in ("capacity_factor", "aux_loss_coeff")
+                       if getattr(moe, k) not in (None, 0, 0.0)]
+    if per_micro_batch and cfg.trainer.tokens_per_step is not None and (p.dp or 1) > 1:
+        raise ConfigError(f"trainer.tokens_per_step with {' and '.join(per_micro_batch)} over dp > 1 is not "
+                          "supported: under a token budget each data-parallel rank cuts its own micro-batches, and "
+                          "the capacity queues and the switch loss are a micro-batch's, so the run would not be one "
+                          "process's; use trainer.global_batch_size, or drop them (the sequence and z losses and "
+                          "the selection bias are fine)")
     if p.fsdp and (p.ep > 1 or p.sequence_parallel) and p.fsdp_shard_size is not None:
         raise ConfigError(f"parallel.fsdp_shard_size={p.fsdp_shard_size} (HSDP) with parallel.ep={p.ep} or sequence "
                           "parallelism is not supported for mixture-of-experts models: the routed experts shard over "
