@@ -268,7 +268,9 @@ class Router(nn.Module):
         whole_experts, whole_real = whole
         one_hot = F.one_hot(whole_experts.reshape(-1), self.num_experts)  # [T_whole * k], in token order
         if real is None:
-            capacity = math.ceil(self.capacity_factor * tokens.whole_tokens * self.top_k / self.num_experts)
+            # cf * (T·k) / E in doubles, as the masked path computes it on the device: grouped as cf·T·k / E the
+            # rounding differed at k = 3 (cf 1.1, T 240, E 8: 99 or 100), and layouts kept other tokens
+            capacity = math.ceil(self.capacity_factor * (tokens.whole_tokens * self.top_k) / self.num_experts)
             real_assignments = None
         else:  # padding takes no place in a queue
             real_assignments = whole_real.repeat_interleave(self.top_k)

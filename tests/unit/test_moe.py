@@ -346,3 +346,25 @@ def test_low_precision_recipes_cover_the_dense_linears_and_leave_the_experts_in_
     lines = [r.getMessage() for r in caplog.records if "grouped GEMMs run in" in r.getMessage()]
     assert lines == [f"precision={recipe} covers every linear but the MoE experts, whose grouped GEMMs run in bf16 "
                      f"(no {recipe} grouped GEMM yet)"]
+
+
+def test_the_capacity_is_one_number_with_and_without_a_padding_mask():
+    """ceil(cf·T·k / E) was computed in Python as (cf·T)·k / E without a mask (one process) and on the device as
+    cf·(T·k) / E with one (CP, SP padding): at k = 3, cf 1.1, T 240, E 8 the first is 99 and the second 100, so
+    layouts dropped other tokens (found by an audit; every layout test ran k = 2, where the grouping is exact)."""
+    from megalm.config.checks import validate
+    from megalm.model.moe import Router, WholeTokens
+    from tests.conftest import compose_config
+
+    cf, tokens, k, experts = 1.1, 240, 3, 8
+    cfg = compose_config("model=moe_tiny", "model.hidden_size=64", "model.moe.expert_ffn_hidden_size=32",
+                         f"model.moe.top_k={k}", f"model.moe.capacity_factor={cf}", f"model.moe.num_experts={experts}")
+    validate(cfg)
+    torch.manual_seed(0)
+    router = Router(cfg.model)
+    torch.nn.init.normal_(router.weight, std=0.02)
+    router.expert_bias[0] = 10.0  # every token chooses expert 0: 240 assignments queue for it
+    x, cu = torch.randn(tokens, 64), torch.tensor([0, tokens], dtype=torch.int32)
+    whole = router(x, WholeTokens(cu, tokens))
+    masked = router(x, WholeTokens(cu, tokens, real=torch.ones(tokens, dtype=torch.bool)))
+    assert int(whole.counts[0]) == int(masked.counts[0]) == math.ceil(cf * (tokens * k) / experts) == 100
