@@ -59,6 +59,10 @@ def export_hf(source: str | Path, out: str | Path, *, overwrite: bool = False, d
     if dtype == "auto":
         dtype = origin.get("dtype") if origin.get("dtype") in DTYPES else "float32"
     arch = architecture_of(cfg)
+    if cfg.moe.num_experts and cfg.moe.capacity_factor is not None:  # megalm drops in evaluation and generation too
+        log.warning(f"{source}: model.moe.capacity_factor={cfg.moe.capacity_factor}: {ARCHITECTURES[arch]} routes "
+                    "without a capacity (dropless), so its logits differ from megalm's wherever an expert's queue "
+                    "was full; megalm-generate and evaluation drop as training did")
 
     spec = _tokenizer_spec(meta.state, meta.config, tokenizer)
     tok = None

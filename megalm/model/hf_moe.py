@@ -15,7 +15,8 @@ and splits them again on save), so the mapping stacks them on import and slices 
 megalm's softmax top-k: Qwen3-MoE renormalises the k weights when `norm_topk_prob`, Mixtral always. Qwen3-MoE's
 dense blocks are those in `mlp_only_layers` or off its `decoder_sparse_step`: megalm's `first_k_dense` and
 `every_n_layers`. Neither has megalm's aux-loss-free selection bias or shared experts: a model with them does
-not export. The capacity factor is a training-time limit; both HF models are dropless, as megalm is without one.
+not export. Both HF models are dropless, as megalm is without `capacity_factor`; with one, megalm drops in evaluation
+and generation too, so the export warns that transformers' logits differ wherever an expert's queue was full.
 """
 
 from __future__ import annotations

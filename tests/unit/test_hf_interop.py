@@ -504,3 +504,14 @@ def test_a_config_without_its_optional_keys_reads_as_transformers_reads_it(model
     _, read_full = model_config_from_hf(full, "full")
     _, read_bare = model_config_from_hf(bare, "bare")
     assert read_bare == read_full
+
+
+def test_export_of_a_model_with_a_capacity_says_transformers_routes_dropless(tmp_path, monkeypatch, caplog):
+    """megalm drops past an expert's capacity in evaluation and generation too; Mixtral's and Qwen3-MoE's routers
+    have no capacity. The export was silent (0.02 logit difference at capacity_factor=0.5); it now says so."""
+    monkeypatch.setitem(STYLES, "mixtral_capacity", [*STYLES["mixtral"], "model.moe.capacity_factor=0.5"])
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        export_hf(make_run(tmp_path / "capacity", "mixtral_capacity")[0], tmp_path / "hf")
+        export_hf(make_run(tmp_path / "dropless", "mixtral")[0], tmp_path / "hf_dropless")
+    warned = [r.message for r in caplog.records if "capacity_factor" in r.message]
+    assert len(warned) == 1 and "capacity_factor=0.5: MixtralForCausalLM routes without a capacity" in warned[0]
