@@ -46,6 +46,7 @@ from megalm.estimate.rank import (
     RankEstimate,
     bubble_factor,
     check_gpu,
+    communicators,
     compile_notes,
     estimate_rank,
     fp8_notes,
@@ -69,8 +70,11 @@ ACTIVATION_FACTOR = {"none": 1.05, "selective": 1.6, "full": 1.25}
 ROOFLINE_EFFICIENCY = 0.5
 # Tensor parallelism with SP moves about 10 [s, h] tensors of the working dtype through a rank's link a layer and
 # micro-batch (the estimator's tp bytes at 70B, tp 8, pp 8: the forward's all-gathers and reduce-scatters, their
-# mirrors and the re-gathers in the backward), 13 when recompute runs the forward's again.
-TP_TRANSFERS = {"none": 10, "selective": 13, "full": 13}
+# mirrors and the re-gathers in the backward), 13 when recompute runs the forward's again. The backward's 4 the
+# step leaves in flight beside the GEMMs (its input gradients' reduce-scatters, the re-gathers) hide, as the
+# estimator prices them since 2026-12-02 (5.6% more tokens/s at tp 4, 2.7% at tp 2 there; 4.7% and 2.3% here): 6
+# and 9 are exposed.
+TP_TRANSFERS = {"none": 6, "selective": 9, "full": 9}
 CLOSED_FORM_MARGIN = 1.1  # the closed form may be this optimistic and still be confirmed (0.96-1.27x at 70B)
 SEARCH_NOTE = "global batch not given: trainer.global_batch_size = --world sequences of model.seq_length"
 REFUSALS_SHOWN = 5  # refused layouts named in the notes; the rest counted
@@ -228,7 +232,7 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
     logits = 2 * tokens * m.vocab / t + min(CHUNK_BYTES, 4 * tokens * m.vocab / t)
     peak = static + activations + (logits if pp == 1 else 0)
     peak = max(peak, static + logits)  # the last stage: logits, fewer micro-batches in flight
-    reserve = reserve_bytes(int(peak), sum(size > 1 for size in (t, pp, cp, dp)))
+    reserve = reserve_bytes(int(peak), communicators(t, pp, cp, dp, layout.ep, e is not None and t > 1))
     active = m.layer_params if e is None else active_layer_params(shape)
     flops = 6 * m.layers * active * shape.global_batch * shape.seq / shape.world
     flops *= 4 / 3 if layout.recompute == "full" else 1
@@ -245,7 +249,7 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
         "dp": per_parameter * (n - routed) if dp * cp > 1 else 0}
     if e is not None:  # each MoE layer's two all-to-alls of k copies of the rank's tokens, forward and backward
         moe_layers = m.layers // pp if pp > 1 else m.layers - e.first_dense  # the fuller of the first and last
-        replays = 3 if layout.recompute == "full" else 2
+        replays = 2 if layout.recompute == "none" else 3  # selective recompute runs them again too
         collective["ep"] = 2 * replays * moe_layers * e.top_k * tokens / t * m.hidden * 2 * (layout.ep - 1) \
             / layout.ep * micro_batches
         collective["expert_dp"] = per_parameter * routed if dp * cp // layout.ep * t > 1 else 0
@@ -311,7 +315,8 @@ def shallow_rank(base: list[str], layout: Layout, shape: Shape, stage: int, role
                            * (1 if dim in PER_STEP_DIMS else scale)
                            + grow(shallow.step_collective_bytes.get(dim, 0), deep.step_collective_bytes.get(dim, 0)))
                   for dim in deep.collective_bytes}
-    reserve = reserve_bytes(peak, sum(size > 1 for size in (layout.tp, layout.pp, layout.cp, layout.dp)))
+    reserve = reserve_bytes(peak, communicators(layout.tp, layout.pp, layout.cp, layout.dp, layout.ep,
+                                                shape.experts is not None and layout.tp > 1))
     hidden = values["hidden_comm_s"] * scale  # TP's collectives in flight: per micro-batch, as compute
     return replace(deep, **{k: int(v) for k, v in values.items() if k.endswith("_bytes")}, peak_bytes=peak + reserve,
                    reserve_bytes=reserve, flops=values["flops"] * scale, optimizer_s=values["optimizer_s"],

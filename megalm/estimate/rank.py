@@ -132,6 +132,11 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
     cfg = compose_config(overrides)
     trace_compiled_blocks(cfg)
     p = cfg.parallel
+    if p.fsdp_cpu_offload:  # the trace runs on the CPU, where the trainer refuses it as already there
+        from megalm.errors import ConfigError
+
+        raise ConfigError("megalm-estimate does not price parallel.fsdp_cpu_offload (FSDP's shards in host memory, "
+                          "moved each step); estimate without it: the device then holds the shards it would not")
     dims = ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=world // (p.tp * p.pp * p.cp), ep=p.ep)
     rank = dims.rank_of(pp=stage, dp=domain_index // p.cp, cp=domain_index % p.cp)
     fake, live = FakeTensorMode(allow_non_fake_inputs=True), LiveStorages()
@@ -142,6 +147,7 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
             with fake, live:
                 trainer = Trainer(cfg, run_dir)
                 make_compiled_weight_copies(trainer)
+            check_grouped_gemms(trainer.cfg)
             if isinstance(backend := trainer.cfg.trainer.compile_backend, InductorCosts):  # the layout's own passes
                 backend.options = {**(backend.options or {}), **trainer.parallel.inductor_config}  # (async TP's)
             params = storage_bytes(trainer.model.parameters())
@@ -162,7 +168,10 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
             domain = hdp_loads(trainer, 1)
     finally:
         dist.destroy_process_group()
-    reserve = reserve_bytes(peak, sum(1 for d in ("tp", "cp", "dp", "pp") if getattr(dims, d) > 1))
+    moe = bool(cfg.model.moe.num_experts)
+    hsdp = p.fsdp and p.fsdp_shard_size is not None and p.fsdp_shard_size < dims.dp * dims.cp
+    reserve = reserve_bytes(peak, communicators(dims.tp, dims.pp, dims.cp, dims.dp, dims.ep if moe else 1,
+                                                moe and p.sequence_parallel, hsdp))
     summary = costs.summary()
     return RankEstimate(role, rank, peak + reserve, params, grads, static - params - grads - comm, peak - static,
                         comm, live.peak("host"), reserve, summary["tflop"] * 1e12, summary["roofline_ms"] / 1e3,
@@ -205,6 +214,35 @@ def make_compiled_weight_copies(trainer: Any) -> None:
         gemms = module.gemm_recipe
         if isinstance(gemms, RecipeGemms) and gemms.recipe.casts_in_graph:
             gemms.make_weight_copies()
+
+
+def check_grouped_gemms(cfg: Any) -> None:
+    """The experts' torch._grouped_mm, as fake tensors trace it (its meta kernel, which CUDA's follows): bf16 inputs
+    whose rows are multiples of 16 bytes. Anything else failed mid-trace with a torch traceback; one line instead."""
+    from megalm.errors import ConfigError
+
+    m = cfg.model
+    if not m.moe.num_experts:
+        return
+    if str(cfg.precision.name) == "fp32":
+        raise ConfigError("megalm-estimate traces an MoE model's experts with torch._grouped_mm, whose meta kernel "
+                          "takes bf16 only; estimate it with precision=bf16")
+    tp = cfg.parallel.tp
+    widths = {"model.hidden_size": m.hidden_size, "model.moe.expert_ffn_hidden_size / parallel.tp":
+              m.moe.expert_ffn_hidden_size // tp}
+    if odd := [f"{name}={width}" for name, width in widths.items() if width % 8]:
+        raise ConfigError(f"the experts' grouped GEMM (torch._grouped_mm) needs rows of 16 bytes, bf16 widths that "
+                          f"are multiples of 8: {', '.join(odd)}; round it to a multiple of 8")
+
+
+def communicators(tp: int, pp: int, cp: int, dp: int, ep: int = 1, experts_over_tp: bool = False,
+                  hsdp: bool = False) -> int:
+    """The parallel dimensions a rank talks over, each a communicator of NCCL buffers: tp, pp, cp and dp when
+    larger than 1, expert parallelism's all-to-all group, the expert-data-parallel group of the routed experts'
+    gradients (under sequence parallelism it spans the TP ranks, ep = 1 included), and HSDP's replicate group."""
+    expert_dp = dp * cp // ep * (tp if experts_over_tp else 1)
+    return (sum(size > 1 for size in (tp, pp, cp, dp)) + (ep > 1)
+            + ((ep > 1 or experts_over_tp) and expert_dp > 1) + hsdp)
 
 
 def reserve_bytes(peak: int, communicators: int) -> int:

@@ -400,3 +400,40 @@ def test_tensor_parallel_collectives_left_in_flight_are_hidden_behind_compute(mo
     assert 0 < a["hidden_comm_s"] <= 0.4 * tp_s
     assert in_flight["step_time_s"] == pytest.approx(synchronous["step_time_s"] - a["hidden_comm_s"], rel=1e-9)
 
+
+
+def test_the_reserve_counts_every_communicator_a_rank_talks_over():
+    """NCCL buffers per parallel dimension in use (docs/estimate.md): expert parallelism's all-to-all group, the
+    routed experts' gradient group and HSDP's replicate group were left out (ep 1, 2 and 4 at world 4 all had one)."""
+    from megalm.estimate.rank import communicators
+
+    assert communicators(tp=1, pp=1, cp=1, dp=4) == 1
+    assert communicators(tp=1, pp=1, cp=1, dp=4, ep=2) == 3  # dp, ep, expert-dp (2 ranks)
+    assert communicators(tp=1, pp=1, cp=1, dp=4, ep=4) == 2  # dp, ep: the expert-dp group is one rank
+    assert communicators(tp=2, pp=1, cp=1, dp=2, experts_over_tp=True) == 3  # tp, dp, expert-dp over tp x dp
+    assert communicators(tp=1, pp=2, cp=2, dp=2, hsdp=True) == 4
+    moe = ["model=moe_tiny", "trainer.device=cpu", "precision=bf16"]
+    small = estimate.estimate(estimate.batch_overrides(moe, 4), 4, "h100")
+    wide = estimate.estimate(estimate.batch_overrides([*moe, "parallel.ep=2"], 4), 4, "h100")
+    from megalm.estimate.rank import FRAGMENTATION, RESERVE_PER_COMMUNICATOR
+
+    def fixed(result: dict) -> int:
+        (rank,) = result["ranks"]
+        return rank["reserve_bytes"] - int(FRAGMENTATION * (rank["peak_bytes"] - rank["reserve_bytes"]))
+
+    assert fixed(wide) - fixed(small) == 2 * RESERVE_PER_COMMUNICATOR
+
+
+@pytest.mark.parametrize("change, message", [
+    ("precision=fp32", "whose meta kernel takes bf16 only; estimate it with precision=bf16"),
+    # the trace runs on the CPU, where the trainer refused it "as there already"
+    ("parallel.fsdp_cpu_offload=true", "megalm-estimate does not price parallel.fsdp_cpu_offload"),
+    ("model.moe.expert_ffn_hidden_size=36", "multiples of 8: model.moe.expert_ffn_hidden_size / parallel.tp=36")])
+def test_what_the_estimator_cannot_trace_is_one_line(change, message, capsys):
+    """The MoE shapes trained on the CPU and failed in megalm-estimate with a torch traceback from _grouped_mm's
+    meta kernel; FSDP's CPU offload was refused for a reason that is not the user's."""
+    extra = ["parallel.fsdp=true"] if "fsdp" in change else []
+    assert estimate.main(["model=moe_tiny", "trainer.device=cpu", "precision=bf16", *extra, change, "--world",
+                          "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1, err
