@@ -13,14 +13,16 @@ use, with no schedule, no streams, no pool and no choice of what to offload, whi
 
 from __future__ import annotations
 
-from megalm.config import MegalmConfig, choice
+from megalm.config import MegalmConfig, choice, schema_default
+from megalm.config.schema import OffloadConfig
 from megalm.errors import ConfigError
 from megalm.offload.hooks import LayerOffload, PipelineOffload
 from megalm.offload.policy import POLICIES
 from megalm.offload.pool import HostPool
 from megalm.offload.store import ActivationStore
 
-__all__ = ["ActivationStore", "HostPool", "LayerOffload", "PipelineOffload", "validate_offload"]
+__all__ = ["ActivationStore", "HostPool", "LayerOffload", "PipelineOffload", "unread_offload_settings",
+           "validate_offload"]
 
 
 def validate_offload(cfg: MegalmConfig) -> None:
@@ -40,3 +42,24 @@ def validate_offload(cfg: MegalmConfig) -> None:
     if p.hdp and p.hdp_offload and o.policy != "uniform":
         raise ConfigError(f"offload.policy={o.policy} picks pipeline micro-batches; with parallel.hdp_offload=true "
                           "each long document offloads its own r(s) of the blocks: drop offload.policy")
+
+
+def unread_offload_settings(cfg: MegalmConfig) -> list[str]:
+    """What the run's offload will not do although the config asks it (one log line each, said when the offload is
+    attached): the layout decides instead, or compiled blocks keep what the store would recompute."""
+    o, p = cfg.offload, cfg.parallel
+    if not o.enabled:
+        return []
+    notes = []
+    if o.fraction != schema_default(OffloadConfig, "fraction"):
+        if p.hdp and p.hdp_offload:
+            notes.append(f"offload.fraction={o.fraction} is not read with parallel.hdp_offload=true: each long "
+                         "document offloads its own r(s) of the blocks (docs/hdp.md)")
+        elif p.pp > 1 and o.policy == "auto":
+            notes.append(f"offload.fraction={o.fraction} is not read by offload.policy=auto: it offloads min(1, 1/k) "
+                         "of the micro-batches, k from the cost model; use offload.policy=uniform for a fraction")
+    if o.recompute_cheap and cfg.trainer.compile:
+        notes.append("offload.recompute_cheap=true does not act in compiled blocks: they save GELU's output inside "
+                     "their graph, where the store sees no GELU to recompute, so it is offloaded like the rest "
+                     "(trainer.compile=false recomputes it)")
+    return notes

@@ -48,9 +48,15 @@ class ScheduleLike(Protocol):
     actions: list
 
 
+def share(fraction: float, count: int) -> int:
+    """round(fraction * count), at least one of a non-empty `count` when fraction > 0: offload on with a small
+    fraction offloaded nothing (0.125 of 4 blocks rounds to 0) while the run said it offloaded."""
+    return max(round(fraction * count), 1 if fraction > 0 and count else 0)
+
+
 def spread(count: int, fraction: float) -> list[int]:
-    """round(fraction * count) of range(count), spread evenly (fraction 0.5: every other one)."""
-    chosen = round(fraction * count)
+    """share(fraction, count) of range(count), spread evenly (fraction 0.5: every other one)."""
+    chosen = share(fraction, count)
     return sorted({math.floor(i * count / chosen) for i in range(chosen)}) if chosen else []
 
 
@@ -144,7 +150,7 @@ def select_pipeline(schedule: ScheduleLike, timeline: Timeline, policy: str, fra
     for rank in range(schedule.num_stages):
         spans = lifespans(timeline, rank)
         keys = sorted(spans)  # (micro_batch, chunk) in order
-        budget = round(fraction * len(keys))
+        budget = share(fraction, len(keys))
         if policy == "uniform":
             picked = [keys[i] for i in spread(len(keys), fraction)]
         else:
@@ -171,9 +177,9 @@ def resident_profile(schedule: ScheduleLike, rank: int, weights: dict[tuple[int,
 
 
 def layer_groups(num_layers: int, fraction: float, round_up: bool = False) -> list[int]:
-    """The transformer blocks offloaded without a pipeline: the first round(fraction * num_layers) (ceil with
+    """The transformer blocks offloaded without a pipeline: the first share(fraction, num_layers) (ceil with
     `round_up`: a share of the activations that must leave the device)."""
-    count = math.ceil(fraction * num_layers - 1e-9) if round_up else round(fraction * num_layers)
+    count = math.ceil(fraction * num_layers - 1e-9) if round_up else share(fraction, num_layers)
     return list(range(count))
 
 

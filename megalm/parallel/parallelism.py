@@ -39,7 +39,7 @@ from megalm.model.gpt import GPT, init_weights
 from megalm.model.moe import set_aux_loss_scale
 from megalm.model.naming import canonical_named_parameters, model_chunks
 from megalm.model.shard import shard_specs
-from megalm.offload import ActivationStore, LayerOffload, PipelineOffload
+from megalm.offload import ActivationStore, LayerOffload, PipelineOffload, unread_offload_settings
 from megalm.parallel.collectives import all_reduce_sum
 from megalm.parallel.context.attention import RingContext, cp_a2a_size, validate_context
 from megalm.parallel.context.split import ContextShards
@@ -255,6 +255,8 @@ class Parallelism:
             log.info("offload with parallel.recompute=selective: the GEMM and attention outputs selective "
                      "checkpointing keeps stay on the device (it holds them outside saved-tensor hooks); "
                      "each block's inputs are offloaded")
+        for note in unread_offload_settings(self.cfg):
+            log.warning(note)
         store = ActivationStore(self.device, [*self.model.parameters(), *self.model.buffers()], o.min_tensor_bytes,
                                 recompute_cheap=o.recompute_cheap)
         if p.hdp and p.hdp_offload:  # each long document's own r(s) of the blocks, in every chunk it runs

@@ -23,6 +23,7 @@ gradients as one without.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -100,7 +101,13 @@ def apply_recompute(model: nn.Module, mode: str) -> int:
 
 def recompute_modes(recompute: str | list[str], pp: int) -> list[str]:
     """`parallel.recompute` as one validated mode per pipeline rank (one mode for all, or a list of pp)."""
-    modes = [recompute] * pp if isinstance(recompute, str) else list(recompute)
+    if isinstance(recompute, str):
+        modes = [recompute] * pp
+    elif isinstance(recompute, Sequence):  # a list (Hydra's ListConfig is one)
+        modes = list(recompute)
+    else:  # true, null, 5, {a: 1}: a traceback, or a mapping read as its keys
+        raise ConfigError(f"parallel.recompute={recompute!r} is not one of {', '.join(MODES)}, nor a list of one "
+                          "mode per pipeline rank")
     if len(modes) != pp:
         raise ConfigError(f"parallel.recompute={modes} has {len(modes)} entries for parallel.pp={pp}; give one "
                           "mode, or one mode per pipeline rank")

@@ -168,6 +168,19 @@ def test_a_value_outside_its_range_fails_as_one_line(override, message):
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("parallel.recompute=true", "parallel.recompute=True is not one of none, full, selective, nor a list"),
+    ("parallel.recompute={selective:1}", "parallel.recompute={'selective': 1} is not one of"),
+])
+def test_a_recompute_that_is_no_mode_nor_a_list_fails_as_one_line(override, message):
+    """A TypeError traceback (true, null, 5), or a mapping read as its keys (an audit, 2026-12-04)."""
+    from megalm.training.validation import validate_run
+
+    with pytest.raises(ConfigError) as e:
+        validate_run(compose_config(override))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
 def test_schedule_settings_that_cannot_act_are_said(caplog):
     """A warmup as long as the run (the learning rate never decayed) and decay_steps under a schedule that
     does not read it were accepted without a word."""

@@ -190,6 +190,31 @@ def test_spread_and_auto_fraction():
     assert auto_fraction(0.5) == 1.0 and auto_fraction(4.0) == 0.25
 
 
+def test_a_small_fraction_offloads_one_block_or_micro_batch_not_none():
+    """round() took 0.125 of 4 blocks (and 0.1 of 4 micro-batches) to none: offload on, the run said so, and nothing
+    left the device (an audit, 2026-12-04)."""
+    assert layer_groups(4, 0.125) == [0] and layer_groups(4, 0.1) == [0] and layer_groups(4, 0.5) == [0, 1]
+    assert spread(4, 0.1) == [0] and spread(0, 0.5) == []
+
+
+def test_offload_settings_the_run_will_not_read_are_said():
+    """offload.fraction under HDP's own r(s) or policy=auto, and recompute_cheap in compiled blocks (they keep
+    GELU's output in their graph): accepted without a word before."""
+    from megalm.offload import unread_offload_settings
+
+    def notes(*overrides: str) -> list[str]:
+        return unread_offload_settings(compose_config("offload.enabled=true", *overrides))
+
+    assert notes() == [] and notes("offload.fraction=0.25") == []
+    (hdp,) = notes("parallel.hdp=true", "parallel.hdp_offload=true", "offload.fraction=0.25")
+    assert hdp.startswith("offload.fraction=0.25 is not read with parallel.hdp_offload=true")
+    (auto,) = notes("parallel.pp=2", "offload.policy=auto", "offload.fraction=0.25")
+    assert auto.startswith("offload.fraction=0.25 is not read by offload.policy=auto")
+    (cheap,) = notes("offload.recompute_cheap=true", "trainer.compile=true")
+    assert cheap.startswith("offload.recompute_cheap=true does not act in compiled blocks")
+    assert notes("offload.recompute_cheap=true", "trainer.compile=false") == []
+
+
 def test_lifespans_are_longest_on_the_first_rank_and_zero_on_the_last():
     timeline = simulate_schedule(build_schedule("1f1b", 4, 8)).timeline
     first, last = lifespans(timeline, 0), lifespans(timeline, 3)
@@ -471,3 +496,25 @@ def test_a_checkpoint_leaves_the_parameters_storages_and_offload_knows_them(tmp_
     assert not any(store._offloadable(p.detach()) for p in params)
     trainer.train_step(1)  # trains on: the weights it steps are the ones the model reads
     assert [storage_identity(p) for p in params] == before
+
+
+def test_the_offload_bench_counts_the_pool_s_buffers_waiting_on_a_copy(tmp_path, monkeypatch):
+    """On a GPU the pool takes a buffer back with its copy's CUDA event and parks it in `pending` until the next
+    take: the bench tracked the free buffers only, and reported about 0 host bytes (an audit, simulated here with
+    a completed event, as CUDA would pass)."""
+    from megalm.offload.pool import HostPool
+    from megalm.training.trainer import Trainer
+    from tools.bench.offload import counted_step
+
+    class Done:
+        def query(self) -> bool:
+            return True
+
+    give = HostPool.give
+    monkeypatch.setattr(HostPool, "give", lambda self, buffer, event=None: give(self, buffer, Done()))
+    trainer = Trainer(compose_config("model.num_layers=4", "offload.enabled=true", "offload.fraction=1.0",
+                                     "offload.min_tensor_bytes=0"), tmp_path)
+    trainer.train_step(0)
+    pool = trainer.parallel.offload_store.pool
+    assert pool.pending and pool.allocated_bytes > 0
+    assert counted_step(trainer, 1)["host"] == pool.allocated_bytes

@@ -56,7 +56,10 @@ def counted_step(trainer, step: int) -> dict:
     with LiveStorages() as probe, contextlib.ExitStack() as stack:
         if store is not None:
             with probe.labelled("host"):
-                probe.track(buffer for buffers in store.pool.free.values() for buffer in buffers)
+                # the pool's buffers from earlier steps: free, and (CUDA) those still waiting on their last copy's
+                # event, which the counted step reuses too (only the free ones were tracked: ~0 host bytes on a GPU)
+                probe.track([*(buffer for buffers in store.pool.free.values() for buffer in buffers),
+                             *(buffer for buffer, _ in store.pool.pending)])
             stack.enter_context(probe.labelling(store.pool, "allocate", "host"))
         trainer.train_step(step)
         synchronize(trainer.device)
