@@ -295,8 +295,18 @@ def main(argv: list[str] | None = None) -> dict:
         if value is not None and value < 1:
             p.error(f"--{flag.replace('_', '-')} {value} must be >= 1")
     policies = POLICIES + (("hdp_offload",) if args.offload else ())
-    if args.png_dir and args.ablation:
-        p.error("--ablation prints a table and draws nothing: drop --png-dir")
+    if args.ablation:  # its own models, distributions and contexts: the other flags were accepted and ignored
+        unread = [f"--{name.replace('_', '-')}" for name in ("png_dir", "lengths", "dist", "model", "cost",
+                                                            "capacity", "pp", "check", "offload", "json", "context")
+                  if getattr(args, name) != p.get_default(name)]
+        if unread:
+            p.error(f"--ablation runs its own models, length distributions and contexts and prints a table; "
+                    f"{', '.join(unread)} would not be read: drop {'it' if len(unread) == 1 else 'them'} (it uses "
+                    "--ranks, --steps, --global-tokens, --seed)")
+        capacity = min(model_cost(model).capacity for model in ("7b", "70b"))
+        if args.ranks * capacity < 2 * M:  # its largest context, over ranks of the models' capacity
+            p.error(f"--ablation's 2M context needs {-(-2 * M // capacity)} ranks of {size_name(capacity)} tokens; "
+                    f"--ranks {args.ranks} is fewer")
     if args.png_dir:
         from megalm.plot import PlotError, check_replaceable, require_matplotlib
 
@@ -311,14 +321,17 @@ def main(argv: list[str] | None = None) -> dict:
     source = args.lengths or args.dist or "longtail"  # bare `python tools/hdp_sim.py`: 256 ranks, 256K, long tail
     if source != "longtail":
         try:
-            source = np.asarray(json.loads(Path(source).read_text()), dtype=np.int64)
+            values = json.loads(Path(source).read_text())
         except (OSError, ValueError) as error:
             p.error(f"--lengths {source}: not a JSON list of document lengths ({error}); give a file or longtail")
-        if source.ndim != 1 or not source.size or source.min() < 1:
-            p.error(f"--lengths {args.lengths}: needs a non-empty list of document lengths, each >= 1")
+        # whole numbers only: 1.9 was cut to 1 without a word, and a mapping was a traceback
+        if not isinstance(values, list) or not values or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+            p.error(f"--lengths {args.lengths}: needs a non-empty JSON list of whole document lengths, each >= 1")
+        source = np.asarray(values, dtype=np.int64)
     try:
         cost = load_cost(args.cost) if args.cost else model_cost(args.model)
-    except ValueError as e:
+    except (OSError, ValueError) as e:
         p.error(str(e))
     capacity = args.capacity if args.capacity is not None else cost.capacity
 

@@ -131,6 +131,18 @@ def test_bad_input_is_one_line(tmp_path: Path, capsys, case: str):
     assert not (tmp_path / "x.yaml").exists()
 
 
+def test_a_base_whose_coefficient_yaml_reads_as_a_string_is_read_as_its_number(tmp_path: Path):
+    """YAML reads `c: 7e-4` (no dot) as a string: the trainer failed mid-step in the planner, and this tool after
+    its whole measurement, on its summary line (an audit, 2026-12-04). The cost model now converts it."""
+    text = BASE.read_text()
+    value = CostModel.from_yaml(BASE).c
+    written = tmp_path / "base.yaml"
+    written.write_text("".join(f"c: {value:.0e}\n" if line.startswith("c:") else line
+                               for line in text.splitlines(keepends=True)))
+    assert isinstance(yaml.safe_load(written.read_text())["c"], str)
+    assert hdp_calibrate.load_base(written)["c"] == float(f"{value:.0e}")
+
+
 def test_command_line_exit_code(tmp_path: Path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / "hdp_calibrate.py"), "model=nope",
                            "--device", "cpu", "--base", str(BASE), "--out", str(tmp_path / "x.yaml")],

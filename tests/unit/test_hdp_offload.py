@@ -78,3 +78,23 @@ def test_offload_never_plans_a_slower_step_than_without_offload(seed):
     assert chosen.stats["estimated_step"] <= plain.stats["estimated_step"]
     assert chosen.stats["estimated_step"] <= forced.stats["estimated_step"]
     check_plan(chosen, lengths, ranks, C, offload=COST)
+
+
+def test_a_selective_offload_that_cannot_act_is_said(caplog):
+    """parallel.hdp_offload=true on 2 layers (r_max = 1 - 2/2 = 0), or with a cost model without a host link, was
+    accepted and offloaded nothing, while the run described itself as offloading (an audit, 2026-12-04)."""
+    import logging
+
+    from megalm.training.validation import validate_run
+    from tests.conftest import compose_config
+
+    hdp = ["parallel.hdp=true", "parallel.hdp_offload=true", "offload.enabled=true", "data.varlen=true",
+           "parallel.hdp_capacity=16"]
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        validate_run(compose_config(*hdp, "model.num_layers=2"), world_size=4)
+    assert any("parallel.hdp_offload=true offloads nothing here" in r.message and "2 layers keep 2 resident"
+               in r.message for r in caplog.records), caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        validate_run(compose_config(*hdp, "model.num_layers=4"), world_size=4)
+    assert not any("offloads nothing" in r.message for r in caplog.records), caplog.text

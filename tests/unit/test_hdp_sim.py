@@ -104,16 +104,29 @@ def test_cli_longtail_with_pipeline_and_capacity(capsys):
     (["--pp", "0"], None, "--pp 0 must be >= 1"),
     (["--ranks", "-2"], None, "--ranks -2 must be >= 1"),
     (["--capacity", "0"], None, "--capacity 0 must be >= 1"),  # was replaced by the cost model's capacity
-    ([], [], "needs a non-empty list"),
+    ([], [], "needs a non-empty JSON list"),
     ([], [0, 0], "each >= 1"),  # looped forever
+    # an audit, 2026-12-04: a mapping was a traceback, fractions were cut without a word, the ablation took flags it
+    # never read (--json's last line was no JSON) and failed below 256 ranks with a traceback, a cost YAML with a
+    # string coefficient or bad syntax was a traceback
+    ([], {"a": 1}, "needs a non-empty JSON list of whole document lengths"),
+    ([], [1.9, 2000.7], "needs a non-empty JSON list of whole document lengths"),
+    (["--ablation", "--json", "--model", "70b"], None, "--model, --json would not be read: drop them"),
+    (["--ablation"], None, "--ablation's 2M context needs 256 ranks of 8K tokens; --ranks 8 is fewer"),
+    (["--cost", "COST"], "c: 1e-3x", "cost model key c='1e-3x' is not a float"),
+    (["--cost", "COST"], "a: [", "is not YAML"),
 ])
 def test_cli_bad_arguments_are_one_line(tmp_path, capsys, flags, lengths, said):
     extra = []
-    if lengths is not None:
+    if isinstance(lengths, str):  # a cost model's YAML
+        (tmp_path / "cost.yaml").write_text(f"a: 1.0e-9\nb: 1.0e-6\n{lengths}\n")
+        flags = [str(tmp_path / "cost.yaml") if f == "COST" else f for f in flags]
+    elif lengths is not None:
         (tmp_path / "lengths.json").write_text(json.dumps(lengths))
         extra = ["--lengths", str(tmp_path / "lengths.json")]
     with pytest.raises(SystemExit) as e:
-        hdp_sim.main(["--ranks", "8", "--context", "8K", "--global-tokens", "64K", *flags, *extra])
+        context = [] if "--ablation" in flags else ["--context", "8K"]  # the ablation refuses one
+        hdp_sim.main(["--ranks", "8", *context, "--global-tokens", "64K", *flags, *extra])
     assert e.value.code == 2 and said in capsys.readouterr().err
 
 

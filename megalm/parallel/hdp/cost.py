@@ -149,16 +149,40 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - fields
+        """The model a YAML mapping describes, each value converted to its field's type and checked: YAML reads
+        `c: 1e-3` (no dot) as a string, which passed and failed mid-training in the planner; a count below 1 divided
+        by zero there."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a cost model is a mapping of coefficients, got {type(d).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(d) - set(fields)
         if unknown:
             raise ValueError(f"unknown cost model keys: {sorted(unknown)}")
-        return cls(**d)
+        if missing := [n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in d]:
+            raise ValueError(f"the cost model lacks {', '.join(missing)}")
+        values = {}
+        for name, value in d.items():
+            kind = {"float": float, "int": int, "str": str}[str(fields[name].type)]
+            try:
+                if kind is int and (isinstance(value, bool) or float(value) != int(float(value))):
+                    raise ValueError
+                values[name] = kind(float(value)) if kind is int else kind(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"cost model key {name}={value!r} is not a{'n' if kind is int else ''} "
+                                 f"{kind.__name__}") from None
+            low = 1 if name in ("layers", "ranks_per_node", "capacity") else 0  # counts, and times or rates
+            if kind is not str and not (math.isfinite(values[name]) and values[name] >= low):
+                raise ValueError(f"cost model key {name}={value!r} must be a finite number >= {low}")
+        return cls(**values)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> CostModel:
-        with open(path) as f:
-            return cls.from_dict(yaml.safe_load(f))
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ValueError(f"cost model {path} is not YAML ({str(e).splitlines()[0]})") from None
+        return cls.from_dict(data)
 
 
 def pipeline_cost(total: float, longest: float, pp: int) -> float:

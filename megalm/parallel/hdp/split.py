@@ -23,6 +23,7 @@ HDP domain (`mesh.dp_cp_group`), so the update is the single-process update on t
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -41,6 +42,8 @@ from megalm.parallel.hdp.plan import Plan
 from megalm.parallel.hdp.planner import plan_hdp
 from megalm.parallel.microbatch import LocalMicroBatch, Ring
 from megalm.parallel.recompute import recompute_modes
+
+log = logging.getLogger("megalm")
 
 
 def filler_batch() -> PackedBatch:
@@ -210,6 +213,11 @@ def validate_hdp(cfg: MegalmConfig) -> None:
         except Exception as e:  # a missing file, bad YAML, missing or mistyped keys
             raise ConfigError(f"parallel.hdp_cost={p.hdp_cost} cannot be loaded ({type(e).__name__}: {e}); "
                               "give a preset (7b) or a YAML like configs/hdp_cost/h100_7b.yaml") from None
+    if p.hdp_offload and offload_ratio(m.seq_length, cost := hdp_cost_model(cfg)) == 0.0:
+        why = (f"{cost.layers} layers keep 2 resident (r_max = 1 - 2/layers)" if cost.layers < 3 else
+               "the cost model has no host link or activation sizes (host_bw, act_bytes)")
+        log.warning(f"parallel.hdp_offload=true offloads nothing here: r(s) is 0 for every document ({why}); the "
+                    "rings are planned as without it (docs/hdp.md)")
     if p.cp_comm == "a2a":
         raise ConfigError("parallel.hdp=true forms rings of any size over rank lists, which Ulysses' fixed groups "
                           "cannot; set parallel.cp_comm=ring or a2a+p2p (hierarchical rings)")
