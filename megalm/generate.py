@@ -10,6 +10,7 @@ enough for the small models one samples from on a workstation.
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,6 +19,8 @@ from megalm.errors import MegalmError, one_line_errors
 
 if TYPE_CHECKING:
     from megalm.model import GPT
+
+log = logging.getLogger("megalm")
 
 
 @torch.no_grad()
@@ -63,6 +66,7 @@ def load_for_generation(path: str, device: str = "cpu", tokenizer: str | None = 
 
     meta, model = load_saved_model(path, device)
     model.eval()
+    sample_with_any_attention_backend(model)
     spec = tokenizer or meta.state.get("tokenizer")
     if spec is None:
         raise MegalmError(f"checkpoint {meta.path} was trained without a tokenizer (synthetic data); nothing to decode "
@@ -77,6 +81,21 @@ def load_for_generation(path: str, device: str = "cpu", tokenizer: str | None = 
                           f"{trained or f'at most {model.cfg.vocab_size}'}: it is not the one {meta.path} was trained "
                           "with; pass that one with --tokenizer PATH")
     return model, built
+
+
+def sample_with_any_attention_backend(model: GPT) -> None:
+    """Attention picks its backend here (auto): the run's `model.attention_backend` (cudnn, flash_attn, torch_varlen:
+    bf16 on a GPU) refused the fp32 model megalm-generate samples with, and the fix it named is no flag of this
+    command. The backend changes no numbers a sample shows."""
+    from megalm.config.choices import AttentionBackend
+    from megalm.model.attention import Attention
+
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    named = {str(m.backend) for m in layers} - {AttentionBackend.auto.value}
+    if named:
+        log.info(f"model.attention_backend={named.pop()} was the training run's; sampling picks its own (auto)")
+        for m in layers:
+            m.backend = AttentionBackend.auto
 
 
 def _check_sampling_args(args: argparse.Namespace) -> None:
@@ -95,6 +114,15 @@ def _check_sampling_args(args: argparse.Namespace) -> None:
         raise MegalmError(f"--device {args.device}, but no CUDA device is visible; use --device cpu")
     if device.type not in ("cpu", "cuda"):
         raise MegalmError(f"--device {args.device}: megalm-generate runs on cpu or cuda")
+
+
+def continuation(tokenizer, prompt: list[int], generated: list[int]) -> str:
+    """The text `generated` adds after `prompt`: decoded together with the prompt, less the prompt's own decoding.
+    Decoded alone, a sentencepiece-style (Metaspace) or WordPiece decoder drops the space that starts it:
+    "the cat" + "the ..." printed "the catthe ..." (an audit, 2026-12-04)."""
+    ids = [t for t in generated if t != tokenizer.eod_id]
+    head, whole = tokenizer.decode(prompt), tokenizer.decode(prompt + ids)
+    return whole[len(head):] if whole.startswith(head) else tokenizer.decode(ids)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,10 +147,9 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(args.num_samples):
             out = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k or None,
                          tokenizer.eod_id, generator, tokenizer.vocab_size)
-            text = tokenizer.decode([t for t in out if t != tokenizer.eod_id])
             if args.num_samples > 1:
                 print(f"--- sample {i + 1}")
-            print(args.prompt + text, flush=True)
+            print(args.prompt + continuation(tokenizer, prompt, out), flush=True)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ a chart megalm drew (its `Software` text chunk says so), so nothing of the user'
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -81,10 +82,25 @@ def save_figure(fig: Figure, path: str | Path) -> Path:
             os.replace(partial, path)
         else:
             try:
-                os.link(partial, path)  # fails if a file appeared there since the check
+                _place_new(partial, path)  # fails if a file appeared there since the check
             except FileExistsError:
                 raise PlotError(f"{path} appeared while the chart was drawn; nothing was written: move it or "
                                 "pick another output path") from None
     finally:
         partial.unlink(missing_ok=True)
     return path
+
+
+def _place_new(partial: Path, path: Path) -> None:
+    """Put `partial` at `path` only if nothing is there: a hard link (atomic, refused if the name exists). File
+    systems without hard links (vfat, exFAT, SMB, FUSE object stores) refuse the link itself: there the name is
+    claimed with O_EXCL, then the chart renamed over the empty file it made (no chart was written there before)."""
+    try:
+        os.link(partial, path)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+            raise
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # FileExistsError if taken meanwhile
+        os.replace(partial, path)

@@ -31,6 +31,7 @@ class TrainSummary:
     run_dir: Path
     losses: list[tuple[int, float]] = field(default_factory=list)
     preempted: bool = False  # stopped by a preemption signal, with a checkpoint: exit REQUEUE_EXIT_CODE
+    has_tokenizer: bool = True  # text to sample: synthetic data has none, and megalm-generate refuses its checkpoint
 
     def lines(self, max_steps: int, peak_memory_gib: float) -> list[str]:
         """What a finished (or stopped) run says last: where it ended, its losses and memory, where its checkpoint,
@@ -44,6 +45,7 @@ class TrainSummary:
         parts.append(f"peak memory {peak_memory_gib:.2f} GiB")
         out = [" | ".join(parts)]
         if self.checkpoint is not None:
-            out += [f"checkpoint: {self.checkpoint}",
-                    f"sample from it: megalm-generate {self.checkpoint} --prompt 'def '"]
+            out.append(f"checkpoint: {self.checkpoint}")
+            if self.has_tokenizer:
+                out.append(f"sample from it: megalm-generate {self.checkpoint} --prompt 'def '")
         return out + [f"metrics: {self.run_dir / 'metrics.jsonl'}"]

@@ -766,3 +766,25 @@ def test_build_datasets_demo(tmp_path, monkeypatch):
     assert bundle.train.num_tokens == len("import sys\n") + len("def f():\n    return 1\n") + 2
     with pytest.raises(DataError, match="byte-tokenized"):
         build_datasets(_cfg(name="demo", tokenizer="some/tokenizer.json"))
+
+
+def test_a_generated_continuation_keeps_the_space_a_sentencepiece_decoder_drops(tmp_path):
+    """megalm-generate printed the prompt, then the continuation decoded alone: a Metaspace decoder (Llama-2,
+    Mistral, Mixtral tokenizers) strips the leading space of a decoded sequence, so "the cat" + "the the" printed
+    "the catthe the" (an audit, 2026-12-04). The continuation is now what it adds to the prompt's decoding."""
+    from megalm.generate import continuation
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "\u2581the", "\u2581cat", "<|endoftext|>"])}
+    tok = HFTok(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    from tokenizers import decoders
+
+    tok.decoder = decoders.Metaspace()
+    tok.save(str(tmp_path / "spm.json"))
+    spm = build_tokenizer(str(tmp_path / "spm.json"))
+    prompt = spm.encode("the cat")
+    assert prompt == [1, 2] and spm.decode([1]) == "the"  # the decoder drops the leading space
+    assert "the cat" + continuation(spm, prompt, [1, 1, spm.eod_id]) == "the cat the the"
+    byte = build_tokenizer("byte")
+    assert continuation(byte, byte.encode("def"), byte.encode(" f(x)")) == " f(x)"
+    assert continuation(byte, [byte.eod_id], byte.encode("x = 1")) == "x = 1"  # an empty prompt

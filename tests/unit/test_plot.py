@@ -188,6 +188,26 @@ def test_a_file_that_appears_while_the_chart_is_drawn_is_kept(tmp_path, monkeypa
     assert target.read_text() == "written meanwhile" and [f.name for f in tmp_path.iterdir()] == ["loss.png"]
 
 
+def test_a_chart_is_written_where_the_file_system_has_no_hard_links(tmp_path, monkeypatch):
+    """vfat, exFAT, SMB and FUSE object stores refuse os.link: no chart was written, and the error blamed write
+    permission (an audit, 2026-12-04). The name is claimed with O_EXCL there; a file that appears meanwhile is kept."""
+    import errno
+    import os
+
+    def no_links(src, dst):  # noqa: ANN001, ANN202
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    written = plot.save_figure(plot.new_figure(1, 1), tmp_path / "loss.png")
+    assert written.read_bytes().startswith(b"\x89PNG") and [f.name for f in tmp_path.iterdir()] == ["loss.png"]
+    (tmp_path / "users.png").write_text("theirs")
+    from megalm.plot import figures
+
+    with pytest.raises(FileExistsError):
+        figures._place_new(written, tmp_path / "users.png")
+    assert (tmp_path / "users.png").read_text() == "theirs"
+
+
 def test_hdp_tools_refuse_to_replace_a_users_file_before_planning(tmp_path, capsys):
     hdp_sim = _load_tool("hdp_sim")
     lengths = tmp_path / "lengths.json"

@@ -86,7 +86,8 @@ def test_a_run_resumed_from_before_its_last_logged_step_is_drawn_once(tmp_path):
 
 def test_throughput_leaves_out_evaluation_and_checkpoint_saves(tmp_path, monkeypatch):
     """tokens/s and MFU are the training steps' (Megatron stops its interval timer around both): on a clock that
-    moves only while the run evaluates or saves, every logged window's rate is unbounded. Before, a save's time
+    moves only while the run evaluates, saves or collects garbage after them, every logged window's rate is
+    unbounded. Before, a save's time
     landed in the next window, an evaluation's in its own: periodic dips in the throughput curve."""
     from megalm.training import metrics
 
@@ -101,6 +102,11 @@ def test_throughput_leaves_out_evaluation_and_checkpoint_saves(tmp_path, monkeyp
 
     monkeypatch.setattr(Trainer, "save", slow(Trainer.save))
     monkeypatch.setattr(Trainer, "evaluate", slow(Trainer.evaluate))
+    # and the full collection after each (and the one before the first step): on the clock, it dipped the next
+    # window's tokens/s tenfold (an audit, 2026-12-04)
+    from megalm.training.python_gc import StepBoundaryGC
+
+    monkeypatch.setattr(StepBoundaryGC, "full", slow(StepBoundaryGC.full))
     Trainer(compose_config("trainer.max_steps=6", "trainer.save_interval=2", "trainer.eval_interval=3",
                            "trainer.log_interval=1"), tmp_path).fit()
     rates = [r["tokens_per_sec"] for r in read_metrics(tmp_path)]
@@ -263,3 +269,25 @@ def test_evaluation_without_a_validation_split_is_said(tmp_path, caplog):
                           tmp_path).fit()
     said = [r.getMessage() for r in caplog.records if "there is no validation split" in r.getMessage()]
     assert len(said) == 1 and summary.val_loss is None, said
+
+
+def test_generation_samples_a_checkpoint_whose_run_named_a_gpu_attention_backend(tmp_path):
+    """A bf16 GPU run may name model.attention_backend=cudnn (or flash_attn, torch_varlen); megalm-generate rebuilt
+    the model with it and refused its own fp32 model, naming a fix it has no flag for (an audit, 2026-12-04)."""
+    from megalm.generate import load_for_generation, sample
+
+    trainer = Trainer(compose_config("trainer.max_steps=1", "data=demo"), tmp_path)
+    path = trainer.save()
+    config = path / "config.yaml"
+    config.write_text(config.read_text().replace("attention_backend: auto", "attention_backend: cudnn"))
+    assert "attention_backend: cudnn" in config.read_text()
+    model, tokenizer = load_for_generation(str(path))
+    assert len(sample(model, tokenizer.encode("def "), 3, temperature=0)) == 3
+
+
+def test_the_summary_suggests_sampling_only_from_a_run_with_text(tmp_path):
+    """It printed a megalm-generate command after a synthetic-data run, which the command refuses (no tokenizer)."""
+    synthetic = Trainer(compose_config("trainer.max_steps=1"), tmp_path / "synthetic").fit()
+    text = Trainer(compose_config("trainer.max_steps=1", "data=demo"), tmp_path / "demo").fit()
+    assert not any("megalm-generate" in line for line in synthetic.lines(1, 0.0))
+    assert any(line.startswith("sample from it: megalm-generate") for line in text.lines(1, 0.0))
