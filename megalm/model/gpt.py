@@ -23,6 +23,7 @@ import copy
 import hashlib
 import math
 import zlib
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -221,12 +222,13 @@ def real_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int) -> None:
+def init_weights(model: nn.Module, seed: int, progress: Callable[[], None] | None = None) -> None:
     """Set every parameter to `initial_value(name, ...)`: deterministic in `seed` only.
 
     A sharded parameter (tensor parallelism) has a `ShardSpec` (megalm/model/shard.py): the full value
     is drawn, then sliced, so every layout starts from the same model. `model` may be a ModuleList of
-    pipeline chunks.
+    pipeline chunks. `progress()` after each parameter: drawing a large stage's full tensors takes minutes on a
+    CPU thread, which a start-up hang watchdog must see as progress, not as a hang.
     """
     cfg = model_chunks(model)[0].cfg
     specs = shard_specs(model)
@@ -237,6 +239,8 @@ def init_weights(model: nn.Module, seed: int) -> None:
         spec = specs.get(name)
         full = initial_value(name, spec.full_shape if spec else tuple(param.shape), cfg, seed)
         copy_full_value(param, spec.shard(full) if spec else full)
+        if progress is not None:
+            progress()
     reset_buffers(model)
 
 

@@ -23,7 +23,7 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -133,9 +133,10 @@ class Parallelism:
     """
 
     def __init__(self, cfg: MegalmConfig, device: torch.device, converters: Sequence[ModelConverter] = (),
-                 mesh: ParallelMesh | None = None):
+                 mesh: ParallelMesh | None = None, progress: Callable[[], None] | None = None):
         p = cfg.parallel
         self.cfg, self.device, self.converters = cfg, device, list(converters)
+        self._init_progress = progress  # called per parameter drawn (the trainer's start-up watchdog beats)
         with unset_fake_temporarily():  # the meshes' own tensors are real under a caller's FakeTensorMode
             self.mesh = mesh or build_mesh(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp, ep=p.ep), device,
                                            experts_over_tp=bool(cfg.model.moe.num_experts) and p.sequence_parallel,
@@ -225,7 +226,7 @@ class Parallelism:
                 apply_fsdp(model, self.fsdp_mesh, p.fsdp_reshard_after_forward, recipe_dtype, _reduce_dtype(p),
                            p.fsdp_cpu_offload, experts)
         model.to_empty(device=self.device)
-        init_weights(model, self.cfg.seed)
+        init_weights(model, self.cfg.seed, self._init_progress)
         return model
 
     def _to_working_dtype(self) -> dict[int, torch.Tensor] | None:

@@ -70,7 +70,8 @@ class Trainer:
             self.precision = Precision(cfg.precision, cfg.seed, self.device)
             joining.progress.note(collective="building the mesh's process groups and the model, checking the "
                                              "config on every rank")
-            self.parallel = Parallelism(cfg, self.device, [self.precision], mesh)
+            # drawing the weights is progress: a large stage's full tensors take minutes on one CPU thread
+            self.parallel = Parallelism(cfg, self.device, [self.precision], mesh, progress=joining.beat)
         self.mesh, self.model = self.parallel.mesh, self.parallel.model
         torch.manual_seed(self.parallel.random_seed(cfg.seed))  # this rank's dropout stream
         # chosen (and logged) once, before any forward: a compiled block's trace holds no selection
