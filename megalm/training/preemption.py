@@ -127,11 +127,20 @@ class Preemption:
         log.warning(f"preempted by {who}: saved {checkpoint} at step {step}; exiting with {REQUEUE_EXIT_CODE} for "
                     "the launcher to requeue the run")
 
-    def requested(self) -> bool:
-        """Whether any rank received a preemption signal (collective when distributed: call it on every rank)."""
-        flag = self.received is not None
-        if not self.distributed or not self.signals:  # nothing to agree on: no collective, no host sync
-            return flag
-        t = torch.tensor(float(flag), device=self.device)  # on the device: NCCL reduces no CPU tensors
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+    def reduced_flag(self) -> torch.Tensor | None:
+        """Whether any rank has received a preemption signal, max-reduced over every rank on the device (collective
+        when distributed: every rank calls it at the same point of its step), for the step's one host read; None
+        when there is nothing to agree on (one process, or no signals caught). Read on its own after the step, it
+        cost every step a second host sync, which kept the host from queueing the next step's kernels."""
+        if not self.distributed or not self.signals:
+            return None
+        flag = torch.full((), float(self.received is not None), device=self.device)  # a kernel: no copy to wait on
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # on the device: NCCL reduces no CPU tensors
+        return flag
+
+    def requested(self, reduced: float | None = None) -> bool:
+        """Whether to stop: `reduced`, the step's read of `reduced_flag()`, where the ranks agree; else this
+        process's own signal."""
+        if not self.distributed or not self.signals:
+            return self.received is not None
+        return bool(reduced)

@@ -17,6 +17,7 @@ class StepResult:
     skipped: bool = False  # the loss or grad norm was not finite: no update (trainer.nonfinite=skip)
     rank_tokens: list[int] = field(default_factory=list)  # HDP: each domain rank's tokens (Parallelism.rank_loads)
     moe: dict[str, object] = field(default_factory=dict)  # MoE: expert load, drops, balancing losses (expert_load.py)
+    preempt: float | None = None  # any rank's preemption signal, as the step read it (Preemption.reduced_flag)
 
 
 @dataclass

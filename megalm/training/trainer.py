@@ -183,10 +183,15 @@ class Trainer:
             totals = self.parallel.sum_over_batch(local)
             normaliser = torch.as_tensor(share.normaliser, dtype=torch.float64, device=self.device)
             loads = self.parallel.rank_loads(share)  # HDP: the tokens each rank of the domain ran; else empty
-            # the step's one device-to-host sync: all the log and the guard need, read together, before the update
-            values = torch.cat([totals, grad_norm.double().reshape(1), normaliser.reshape(1), loads]).tolist()
+            stop = self.preemption.reduced_flag()  # any rank's signal, agreed on the device
+            stop = torch.zeros(0, dtype=torch.float64, device=self.device) if stop is None else stop.double()
+            # the step's one device-to-host sync: all the log, the guard and the preemption check need, read together,
+            # before the update
+            values = torch.cat([totals, grad_norm.double().reshape(1), normaliser.reshape(1), loads,
+                                stop.reshape(-1)]).tolist()
             (loss_sum, tokens, flops), moe = values[:3], values[3:len(totals)]
-            norm, n, *rank_tokens = values[len(totals):]
+            norm, n, *rank_tokens = values[len(totals):len(values) - stop.numel()]
+            preempt = values[-1] if stop.numel() else None
             lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
             skipped = self.nonfinite.should_skip(step + 1, loss_sum / n, norm)
             if not skipped:
@@ -197,7 +202,8 @@ class Trainer:
         finally:  # spent by the step, or dropped with it (also when the guard raises)
             self.optimizer.grad_scale = None
         return StepResult(loss=loss_sum / n, grad_norm=norm, lr=lr, tokens=int(tokens), flops=flops, skipped=skipped,
-                          rank_tokens=[int(x) for x in rank_tokens], moe=self.expert_load.record(moe, n))
+                          rank_tokens=[int(x) for x in rank_tokens], moe=self.expert_load.record(moe, n),
+                          preempt=preempt)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -273,7 +279,7 @@ class Trainer:
                         self.watchdog.beat(self.step + 1)
                     if evaluate or saved:  # one full collection at this boundary, where every rank waited anyway
                         window.aside(collector.full)  # off the clock with them: 0.24 s dipped tokens/s tenfold
-                    if self.step < stop_at and self.preemption.requested():
+                    if self.step < stop_at and self.preemption.requested(result.preempt):
                         last_saved, preempted = last_saved if saved else self.save(), True
                         self.preemption.log_stop(self.step, last_saved)
                         break

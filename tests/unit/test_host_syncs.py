@@ -88,3 +88,20 @@ def test_expert_parallelism_adds_one_host_sync_per_moe_layer_and_micro_batch(tmp
     """An all-to-all with variable splits needs them on the host (NCCL's as gloo's): each MoE layer reads its
     exchanged counts once per micro-batch's forward, and nothing else; the backward reuses them."""
     run_distributed(_count_expert_parallel_syncs, 2, str(tmp_path), timeout=120)
+
+
+def _count_data_parallel_syncs(rank: int, world_size: int, tmp: str) -> None:
+    trainer = Trainer(compose_config("trainer.max_steps=3", "parallel.dp=2"), tmp)
+    assert trainer.preemption.distributed and trainer.preemption.signals
+    trainer.train_step(0)
+    with SyncCounter() as counter:
+        result = trainer.train_step(1)
+        assert not trainer.preemption.requested(result.preempt)  # as Trainer.fit asks after every step
+    assert len(counter.syncs) == 1 and "trainer.py" in counter.syncs[0], counter.syncs
+
+
+def test_the_preemption_check_adds_no_host_sync_to_a_distributed_step(tmp_path):
+    """The ranks agree on a preemption signal every step: its all-reduce was read on its own after the step, a
+    second device-to-host sync that kept the host from queueing the next step (an audit, 2026-12-04). The flag is
+    read with the step's totals now."""
+    run_distributed(_count_data_parallel_syncs, 2, str(tmp_path), timeout=120)
