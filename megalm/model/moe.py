@@ -13,7 +13,9 @@ tokens and the rest of its assignments are dropped in token order (their weight 
 token), counted in the layer's stats.
 
 Balancing losses, each a sum over tokens (as the LM loss is, megalm/model/loss.py) so that the step divides it by
-the global batch's token count once and every split of the batch gives the same gradient:
+the global batch's loss-token count once (the LM loss's normaliser N) and every split of the batch gives the same
+gradient. The routed tokens T exceed N by one a document (a document's last token has no label), so each weighs
+T/N of Megatron's per-micro-batch mean: 1.024 on the demo's documents, more for short ones:
 
     switch   T · E · Σ_e f_e · P̄_e              f_e = tokens routed to e / (T·k), P̄_e = mean score of e
                                                  (Fedus et al. 2021, eq. 4; Megatron's aux_loss)
