@@ -221,7 +221,7 @@ def test_hdp_tools_refuse_to_replace_a_users_file_before_planning(tmp_path, caps
     assert (tmp_path / "hdp.png").read_text() == "mine"
     with pytest.raises(SystemExit):  # the ablation draws nothing: a --png-dir beside it is a mistake, said
         hdp_sim.main(["--ablation", "--png-dir", str(tmp_path)])
-    assert "--ablation prints a table and draws nothing" in capsys.readouterr().err
+    assert "and prints a table; --png-dir would not be read: drop it" in capsys.readouterr().err
 
 
 def test_committed_charts_are_marked_as_megalms():
