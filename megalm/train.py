@@ -41,18 +41,30 @@ _START_UP_SIGNALS = [signal.Signals[name] for name in schema_default(TrainerConf
 def fail(message: str) -> None:
     """Print a user error as one line and exit non-zero. One write with its newline: under torchrun every rank
     shares stderr, and print's separate write of the newline let two ranks' lines run together."""
+    mark_failed()
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
     sys.exit(2)
 
 
+def _touch_marker(suffix: str) -> None:
+    if marker := os.environ.get("MEGALM_REQUEUE_MARKER"):
+        Path(f"{marker}.{suffix}").touch()
+
+
 def mark_for_requeue() -> None:
     """Touch `$MEGALM_REQUEUE_MARKER.rank<RANK>-of-<WORLD_SIZE>` when MEGALM_REQUEUE_MARKER is set, before exiting
-    with REQUEUE_EXIT_CODE: torchrun reports a worker's 75 as 1, so the Slurm templates look for the files, and
-    requeue only when every process left one (docs/slurm.md). A process that fails on its own leaves none; when it
-    did, srun's SIGTERM reached the others still starting up, and their markers alone requeued a failing job."""
-    if marker := os.environ.get("MEGALM_REQUEUE_MARKER"):
-        Path(f"{marker}.rank{os.environ.get('RANK', '0')}-of-{os.environ.get('WORLD_SIZE', '1')}").touch()
+    with REQUEUE_EXIT_CODE: torchrun reports a worker's 75 as 1, so the Slurm templates look for these files
+    (docs/slurm.md)."""
+    _touch_marker(f"rank{os.environ.get('RANK', '0')}-of-{os.environ.get('WORLD_SIZE', '1')}")
+
+
+def mark_failed() -> None:
+    """Touch `$MEGALM_REQUEUE_MARKER.failed-rank<RANK>`: this process failed on its own (a user error, an exception
+    while no preemption signal reached it). srun then SIGTERMs the job's other processes, and those still starting
+    up exit 75 with a requeue marker: the Slurm templates requeue no job in which a process left this file (one rank's
+    config error requeued the job, which failed again)."""
+    _touch_marker(f"failed-rank{os.environ.get('RANK', '0')}")
 
 
 def _stop_before_training(signum: int, frame: object) -> None:
@@ -196,7 +208,7 @@ def run(cfg: DictConfig) -> float | None:
     from megalm.training.checkpoint import write_text_atomic
     from megalm.training.compile import resolve_auto_compile
     from megalm.training.device import resolve_auto_precision, select_device
-    from megalm.training.preemption import signal_numbers
+    from megalm.training.preemption import preemption_signal_received, signal_numbers
     from megalm.training.trainer import Trainer
     from megalm.training.watchdog import joining_watchdog
 
@@ -223,17 +235,23 @@ def run(cfg: DictConfig) -> float | None:
             summary = trainer.fit()
         finally:
             requeue_on([])  # trained: a signal from now on has its default action (no requeue of a finished run)
+        if summary.preempted:  # saved: asked before the shutdown, which a rank stopped by torchrun may not finish
+            mark_for_requeue()
         del trainer
         shutdown_distributed()
-        if summary.preempted:  # saved; the launcher requeues on this code (megalm/training/preemption.py)
-            mark_for_requeue()
+        if summary.preempted:  # the launcher requeues on this code (megalm/training/preemption.py)
             logging.shutdown()
             sys.exit(REQUEUE_EXIT_CODE)
         return summary.last_loss
     except MegalmError as e:
         if debug:
+            mark_failed()
             raise
         fail(str(e))
+    except Exception:  # a traceback: this process's own failure, unless a preemption signal stopped it mid-collective
+        if not preemption_signal_received():
+            mark_failed()
+        raise
     return None
 
 

@@ -3,8 +3,10 @@
 Schedulers warn before they take nodes back: Slurm sends SIGTERM to every process of a job (or the signal of
 `#SBATCH --signal`) and SIGKILLs it `KillWait` seconds later; torchrun forwards SIGTERM to its workers. The
 handler only sets a flag, because a checkpoint written from inside a signal handler could interrupt a collective
-half-way. The trainer asks `requested()` after each optimizer step; ranks see the signal at different moments,
-so the flag is max-reduced over all ranks and every rank stops after the same step. The run then saves and the
+half-way. Ranks see the signal at different moments, so the flag is max-reduced over all ranks on the device
+within each step and read with the step's totals (`reduced_flag`, no host sync of its own), and again at a step
+that evaluated or saved (`agreed_now`: a signal during a save is not left for the next step); every rank stops
+after the same step. The run then saves and the
 process exits with `REQUEUE_EXIT_CODE` (EX_TEMPFAIL, "try again"): the Slurm templates (scripts/slurm/) requeue
 the job on it, and the next launch resumes from that checkpoint with `trainer.resume=auto`, exactly.
 """
@@ -24,6 +26,15 @@ import torch.distributed as dist
 
 from megalm.errors import REQUEUE_EXIT_CODE as REQUEUE_EXIT_CODE  # re-exported: its users read it here
 from megalm.errors import ConfigError
+
+# the signals any Preemption of this process received: megalm-train's failure path tells a rank that died in a
+# collective because others stopped for a preemption from one that failed on its own
+_RECEIVED: list[signal.Signals] = []
+
+
+def preemption_signal_received() -> bool:
+    return bool(_RECEIVED)
+
 
 log = logging.getLogger("megalm")
 
@@ -101,6 +112,7 @@ class Preemption:
                 _forward(previous, signum, frame)
             elif (owner := ref()).received is None:
                 owner.received = signal.Signals(signum)
+                _RECEIVED.append(owner.received)
         handle.owner, handle.previous, handle.retired = ref, previous, False
         return handle
 
@@ -138,9 +150,17 @@ class Preemption:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # on the device: NCCL reduces no CPU tensors
         return flag
 
-    def requested(self, reduced: float | None = None) -> bool:
+    def requested(self, reduced: float | None) -> bool:
         """Whether to stop: `reduced`, the step's read of `reduced_flag()`, where the ranks agree; else this
         process's own signal."""
         if not self.distributed or not self.signals:
             return self.received is not None
+        if reduced is None:
+            raise ValueError("a distributed run agrees on preemption: pass the step's read of reduced_flag()")
         return bool(reduced)
+
+    def agreed_now(self) -> bool:
+        """Whether any rank has received a signal, agreed now (collective, and a host sync: only at a step boundary
+        where every rank waited anyway, after an evaluation or a save)."""
+        flag = self.reduced_flag()
+        return self.received is not None if flag is None else bool(flag.item())

@@ -4,8 +4,9 @@
 #
 # Contract with megalm (megalm/train.py): on SIGTERM or SIGUSR1 every training process finishes its step,
 # writes a checkpoint and exits with 75 (EX_TEMPFAIL, "requeue me"). torchrun turns any failing worker into
-# its own exit status 1, so megalm also touches $MEGALM_REQUEUE_MARKER.rank<R>-of-<W> when it exits 75; the job is
-# requeued when srun exits 75 or every process left its file. Anything else passes through as is.
+# its own exit status 1, so megalm also touches $MEGALM_REQUEUE_MARKER.rank<R>-of-<W> when it exits 75, and
+# .failed-rank<R> when it fails on its own; the job is requeued when srun exits 75, or when a process asked and none
+# failed. Anything else passes through as is.
 
 EX_TEMPFAIL=75
 
@@ -105,15 +106,16 @@ megalm_on_term() {
     megalm_log "SIGTERM to the whole job: srun kills its tasks on it (no checkpoint); see scripts/slurm/lib.sh"
 }
 
-# Whether every process of the step left its requeue marker (megalm/train.py, mark_for_requeue: one file per rank,
-# named with the world size). Some but not all: a process failed on its own (a config error, a crash), and srun's
-# SIGTERM reached the others while they started up: the job failed, and a requeue would fail again.
-megalm_every_process_asked() {
-    local markers=("$MEGALM_REQUEUE_MARKER".rank*) world
-    [[ -e "${markers[0]}" ]] || return 1
-    world=${markers[0]##*-of-}
-    [[ "${#markers[@]}" == "$world" ]] && return 0
-    megalm_log "${#markers[@]} of $world processes asked to be requeued; the others failed on their own: not requeued"
+# Whether the step's processes asked to be requeued (megalm/train.py: mark_for_requeue leaves one file per rank that
+# exits 75) and none failed on its own (mark_failed: a config error, or an exception with no preemption signal).
+# One rank's failure makes srun SIGTERM the others, and those still starting up exit 75 with their file: that job
+# failed, and a requeue would fail again. A rank killed outright (SIGKILL, a segfault) leaves neither file.
+megalm_requeue_asked() {
+    local asked=("${MEGALM_REQUEUE_MARKER:?}".rank*) failed=("${MEGALM_REQUEUE_MARKER:?}".failed-rank*)
+    [[ -e "${asked[0]}" ]] || return 1
+    [[ -e "${failed[0]}" ]] || return 0
+    megalm_log "${#asked[@]} process(es) asked to be requeued, but ${#failed[@]} failed on their own (${failed[*]##*.}):" \
+        "not requeued"
     return 1
 }
 
@@ -121,7 +123,7 @@ megalm_every_process_asked() {
 # trapped signal), wait for it to really end, then requeue on 75 or the marker, else pass the status on.
 megalm_srun_and_requeue() {
     local pid rc
-    rm -f "$MEGALM_REQUEUE_MARKER".rank*
+    rm -f "${MEGALM_REQUEUE_MARKER:?}".rank* "${MEGALM_REQUEUE_MARKER:?}".failed-rank*
     trap megalm_on_usr1 USR1
     trap megalm_on_term TERM
     srun "$@" &
@@ -135,9 +137,9 @@ megalm_srun_and_requeue() {
         [[ "$MEGALM_TRAPPED" == 1 && "$rc" -gt 128 ]] || break
     done
     trap - USR1 TERM
-    if [[ "$rc" == "$EX_TEMPFAIL" ]] || megalm_every_process_asked; then
+    if [[ "$rc" == "$EX_TEMPFAIL" ]] || megalm_requeue_asked; then
         megalm_log "the training checkpointed and asked to be requeued (srun exit $rc): scontrol requeue $SLURM_JOB_ID"
-        rm -f "$MEGALM_REQUEUE_MARKER".rank*
+        rm -f "${MEGALM_REQUEUE_MARKER:?}".rank*
         scontrol requeue "$SLURM_JOB_ID"
         exit 0
     fi

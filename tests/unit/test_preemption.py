@@ -224,3 +224,23 @@ def test_a_signal_before_training_began_requeues_the_job(tmp_path, at, signals, 
                                                                     if code == REQUEUE_EXIT_CODE else [])
     assert (f"{sent.name} before training began" in proc.stderr) == (code == REQUEUE_EXIT_CODE), proc.stderr[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_process_that_fails_on_its_own_leaves_a_failure_marker(tmp_path, monkeypatch):
+    """The Slurm templates requeue no job in which a process failed on its own: a user error (fail) and an exception
+    while no preemption signal reached the process leave `<marker>.failed-rank<RANK>`; a process stopped by a
+    preemption (its collectives broken by the ranks that stopped) leaves none."""
+    from megalm import train
+    from megalm.training import preemption
+
+    marker = tmp_path / "requeue-9"
+    monkeypatch.setenv("MEGALM_REQUEUE_MARKER", str(marker))
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(SystemExit):
+        train.fail("a config error")
+    assert [p.name for p in tmp_path.iterdir()] == ["requeue-9.failed-rank3"]
+    monkeypatch.setattr(preemption, "_RECEIVED", [])  # other tests of this process sent signals
+    with Preemption(["SIGUSR2"], torch.device("cpu"), distributed=False):
+        assert not preemption.preemption_signal_received()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert preemption.preemption_signal_received()

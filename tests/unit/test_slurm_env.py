@@ -89,7 +89,8 @@ def run_and_requeue(tmp_path: Path, markers: list[str], srun_exit: int) -> tuple
                        ("torchrun", "")):
         (bin_dir / name).write_text(f"#!/bin/sh\n{body}")
         os.chmod(bin_dir / name, 0o755)
-    (tmp_path / "requeue-7.rank5-of-8").touch()  # a marker left by an earlier attempt: cleared before srun
+    (tmp_path / "requeue-7.rank5-of-8").touch()  # markers left by an earlier attempt: cleared before srun
+    (tmp_path / "requeue-7.failed-rank3").touch()
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "MEGALM_ROOT": str(ROOT), "SLURM_JOB_ID": "7",
            "MEGALM_REQUEUE_MARKER": str(marker)}
     proc = subprocess.run(["bash", "-c", f'source "{LIB}" && megalm_srun_and_requeue --nodes=2'], env=env,
@@ -97,15 +98,19 @@ def run_and_requeue(tmp_path: Path, markers: list[str], srun_exit: int) -> tuple
     return proc, (tmp_path / "requeued").exists()
 
 
-def test_a_job_is_requeued_only_when_every_process_asked(tmp_path):
+def test_a_job_is_requeued_when_its_processes_asked_and_none_failed_on_its_own(tmp_path):
     """A rank that failed on its own (a config error: exit 2) made srun SIGTERM the others; those still starting up
-    exit 75 with their marker. One marker requeued the job before, which then failed again (found in CI's Slurm
-    test). Every rank's marker requeues it; some is the job's failure; srun's own 75 still requeues."""
+    exit 75 with their marker, and that one marker requeued the job, which then failed again (found in CI's Slurm
+    test). The failing rank leaves a failure marker now, which vetoes the requeue; a preemption whose ranks stopped
+    at different points (some asked, some died in a collective, none failed on its own) is still requeued, as is
+    srun's own 75."""
     proc, requeued = run_and_requeue(tmp_path / "all", ["rank0-of-2", "rank1-of-2"], 1)
     assert (proc.returncode, requeued) == (0, True), proc.stderr
     proc, requeued = run_and_requeue(tmp_path / "some", ["rank1-of-2"], 143)
+    assert (proc.returncode, requeued) == (0, True), proc.stderr
+    proc, requeued = run_and_requeue(tmp_path / "failed", ["rank1-of-2", "failed-rank0"], 143)
     assert (proc.returncode, requeued) == (143, False), proc.stderr
-    assert "1 of 2 processes asked to be requeued; the others failed on their own: not requeued" in proc.stderr
+    assert "1 process(es) asked to be requeued, but 1 failed on their own (failed-rank0): not requeued" in proc.stderr
     proc, requeued = run_and_requeue(tmp_path / "none", [], 1)
     assert (proc.returncode, requeued) == (1, False), proc.stderr
     proc, requeued = run_and_requeue(tmp_path / "single", [], 75)
