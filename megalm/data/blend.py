@@ -172,8 +172,9 @@ def _check_same_tokens(sources: Sequence[IndexedDataset], names: Sequence[str], 
     first = sources[0]
     named = bool(tokenizer) and tokenizer != "byte"
     key = lambda s: (s.vocab_size, s.eod_id, None if named else tokenizer_identity(s.tokenizer_spec))
+    first_key = key(first)  # its tokenizer file read and hashed once
     for source, name in zip(sources[1:], names[1:], strict=True):
-        if key(source) != key(first):
+        if key(source) != first_key:
             raise DataError(f"data.blend mixes tokenizations: {names[0]} has vocab {first.vocab_size}, eod "
                             f"{first.eod_id}, tokenizer {first.tokenizer_spec!r} but {name} has vocab "
                             f"{source.vocab_size}, eod {source.eod_id}, tokenizer {source.tokenizer_spec!r}; "

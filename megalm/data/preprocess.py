@@ -101,30 +101,28 @@ class _Repairs:
 
     def __init__(self) -> None:
         self.documents = 0
+        self.last_repaired = False  # the bytes `decode` read last were not UTF-8
 
     def decode(self, raw: bytes) -> str:
         try:
-            return raw.decode("utf-8")
+            text, self.last_repaired = raw.decode("utf-8"), False
         except UnicodeDecodeError:
+            text, self.last_repaired = raw.decode("utf-8", errors="replace"), True
             self.documents += 1
-            return raw.decode("utf-8", errors="replace")
+        return text
 
-    def json_text(self, raw: bytes, text: str) -> str:
-        """A JSON line's text: lone surrogates (valid JSON escapes that no UTF-8 encodes, which the tokenizers
-        refuse) replaced; the line counted once if its bytes or its text needed a repair."""
+    def json_text(self, text: str) -> str:
+        """The text of the JSON line `decode` read last: lone surrogates (valid JSON escapes that no UTF-8 encodes,
+        which the tokenizers refuse) replaced; the line counted once if its bytes or its text needed a repair."""
         cleaned = _LONE_SURROGATE.sub("\ufffd", text)
-        try:
-            raw.decode("utf-8")
-            self.documents += cleaned != text
-        except UnicodeDecodeError:
-            self.documents += 1
+        self.documents += cleaned != text and not self.last_repaired
         return cleaned
 
 
 def _read_json_lines(path: Path, json_key: str, repairs: _Repairs) -> Iterator[tuple[str, int]]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
-            line = raw.decode("utf-8", errors="replace").strip()
+            line = repairs.decode(raw).strip()
             if not line:
                 yield "", len(raw)
                 continue
@@ -144,7 +142,7 @@ def _read_json_lines(path: Path, json_key: str, repairs: _Repairs) -> Iterator[t
             text = obj[json_key]
             if not isinstance(text, str):
                 raise DataError(f"{path}:{lineno}: {json_key!r} is a {type(text).__name__}, not a string")
-            yield repairs.json_text(raw, text), len(raw)
+            yield repairs.json_text(text), len(raw)
 
 
 def iter_documents(files: Sequence[Path], json_key: str = "text", split_lines: bool = False,

@@ -51,6 +51,7 @@ from megalm.estimate.rank import (
     estimate_rank,
     fp8_notes,
     gpu_precision,
+    override_keys,
     reserve_bytes,
     roles,
 )
@@ -92,6 +93,11 @@ class Layout:
     offload: bool
     hdp: bool
     ep: int = 1  # expert parallelism (MoE models)
+
+    def communicators(self, moe: bool) -> int:
+        """The NCCL communicators a rank of this layout talks over (rank.communicators): the search turns sequence
+        parallelism on with tp > 1, under which an MoE model's routed-expert gradients span the TP ranks."""
+        return communicators(self.tp, self.pp, self.cp, self.dp, self.ep, moe and self.tp > 1)
 
     def overrides(self) -> list[str]:
         """megalm-train's overrides for this layout."""
@@ -232,7 +238,7 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
     logits = 2 * tokens * m.vocab / t + min(CHUNK_BYTES, 4 * tokens * m.vocab / t)
     peak = static + activations + (logits if pp == 1 else 0)
     peak = max(peak, static + logits)  # the last stage: logits, fewer micro-batches in flight
-    reserve = reserve_bytes(int(peak), communicators(t, pp, cp, dp, layout.ep, e is not None and t > 1))
+    reserve = reserve_bytes(int(peak), layout.communicators(e is not None))
     active = m.layer_params if e is None else active_layer_params(shape)
     flops = 6 * m.layers * active * shape.global_batch * shape.seq / shape.world
     flops *= 4 / 3 if layout.recompute == "full" else 1
@@ -315,8 +321,7 @@ def shallow_rank(base: list[str], layout: Layout, shape: Shape, stage: int, role
                            * (1 if dim in PER_STEP_DIMS else scale)
                            + grow(shallow.step_collective_bytes.get(dim, 0), deep.step_collective_bytes.get(dim, 0)))
                   for dim in deep.collective_bytes}
-    reserve = reserve_bytes(peak, communicators(layout.tp, layout.pp, layout.cp, layout.dp, layout.ep,
-                                                shape.experts is not None and layout.tp > 1))
+    reserve = reserve_bytes(peak, layout.communicators(shape.experts is not None))
     hidden = values["hidden_comm_s"] * scale  # TP's collectives in flight: per micro-batch, as compute
     return replace(deep, **{k: int(v) for k, v in values.items() if k.endswith("_bytes")}, peak_bytes=peak + reserve,
                    reserve_bytes=reserve, flops=values["flops"] * scale, optimizer_s=values["optimizer_s"],
@@ -351,7 +356,7 @@ def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tu
                               "(without --search)")
         experts = Experts(moe.num_experts, moe.top_k, moe.expert_ffn_hidden_size,
                           moe.shared_ffn_hidden_size if moe.num_shared_experts else 0, moe.first_k_dense)
-    keys = {o.split("=", 1)[0].lstrip("+") for o in overrides}
+    keys = override_keys(overrides)
     notes = [] if "trainer.global_batch_size" in keys else [SEARCH_NOTE]
     notes += (fp8_notes(cfg.precision, gpu) if gpu else []) + compile_notes(cfg)
     micro = t.micro_batch_size if "trainer.micro_batch_size" in keys else 1
@@ -361,7 +366,7 @@ def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tu
                   t.global_batch_size if "trainer.global_batch_size" in keys else world, world,
                   str(cfg.precision.name) != "fp32", bool(cfg.data.varlen), float(cfg.offload.fraction),
                   int(m.make_vocab_size_divisible_by), bool(m.tie_embeddings), experts)
-    base = [o for o in overrides if o.split("=", 1)[0].lstrip("+") not in STRIPPED]
+    base = [o for o in overrides if not override_keys([o]) & STRIPPED]
     return shape, base, notes
 
 
@@ -370,7 +375,7 @@ def priced_batch(overrides: list[str], shape: Shape) -> list[str]:
     micro-batch, for the tiny CPU model): a layout's overrides carry them, or the command plus the layout trained
     another batch than the one priced, and was often refused (a global batch that micro-batches x dp do not
     divide)."""
-    given = {o.split("=", 1)[0].lstrip("+") for o in overrides}
+    given = override_keys(overrides)
     return [f"{key}={value}" for key, value in (("trainer.micro_batch_size", shape.micro_batch),
                                                 ("trainer.global_batch_size", shape.global_batch))
             if key not in given]

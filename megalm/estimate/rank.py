@@ -227,9 +227,8 @@ def check_grouped_gemms(cfg: Any) -> None:
     if str(cfg.precision.name) == "fp32":
         raise ConfigError("megalm-estimate traces an MoE model's experts with torch._grouped_mm, whose meta kernel "
                           "takes bf16 only; estimate it with precision=bf16")
-    tp = cfg.parallel.tp
-    widths = {"model.hidden_size": m.hidden_size, "model.moe.expert_ffn_hidden_size / parallel.tp":
-              m.moe.expert_ffn_hidden_size // tp}
+    # the routed experts are whole on every TP rank (megalm/parallel/tensor/apply.py): their full width
+    widths = {"model.hidden_size": m.hidden_size, "model.moe.expert_ffn_hidden_size": m.moe.expert_ffn_hidden_size}
     if odd := [f"{name}={width}" for name, width in widths.items() if width % 8]:
         raise ConfigError(f"the experts' grouped GEMM (torch._grouped_mm) needs rows of 16 bytes, bf16 widths that "
                           f"are multiples of 8: {', '.join(odd)}; round it to a multiple of 8")
@@ -335,13 +334,17 @@ def gpu_precision(overrides: list[str]) -> list[str]:
     return [*overrides, "precision=bf16"]
 
 
+def override_keys(overrides: list[str]) -> set[str]:
+    """The config keys a command's overrides set (`+key=value` too)."""
+    return {o.split("=", 1)[0].lstrip("+") for o in overrides}
+
+
 def batch_overrides(overrides: list[str], world: int) -> list[str]:
     """The estimator's batch when the command line sets none (megalm-train's defaults are for the tiny CPU model):
     one sequence per micro-batch and 4·pp micro-batches per step, so the pipeline's bubble is (pp - 1) / (5·pp - 1)."""
     from megalm.config.compose import compose_config
 
-    keys = {o.split("=", 1)[0].lstrip("+") for o in overrides}
-    if {"trainer.micro_batch_size", "trainer.global_batch_size"} & keys:
+    if {"trainer.micro_batch_size", "trainer.global_batch_size"} & override_keys(overrides):
         return overrides
     p = compose_config(overrides).parallel
     dp = world // (p.tp * p.pp * p.cp)

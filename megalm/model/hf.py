@@ -87,7 +87,7 @@ _LLAMA_DEFAULTS = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_
                    "hidden_act": "silu", "head_dim": None, "num_key_value_heads": None}
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
     LLAMA: _LLAMA_DEFAULTS,
-    QWEN3: {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "head_dim": 128},
+    QWEN3: {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "head_dim": 128, "num_key_value_heads": 32},
     QWEN3_MOE: {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 4,
                 **MOE_DEFAULTS[QWEN3_MOE]},
     MIXTRAL: {**_LLAMA_DEFAULTS, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1e6,

@@ -428,7 +428,7 @@ def test_the_reserve_counts_every_communicator_a_rank_talks_over():
     ("precision=fp32", "whose meta kernel takes bf16 only; estimate it with precision=bf16"),
     # the trace runs on the CPU, where the trainer refused it "as there already"
     ("parallel.fsdp_cpu_offload=true", "megalm-estimate does not price parallel.fsdp_cpu_offload"),
-    ("model.moe.expert_ffn_hidden_size=36", "multiples of 8: model.moe.expert_ffn_hidden_size / parallel.tp=36")])
+    ("model.moe.expert_ffn_hidden_size=36", "multiples of 8: model.moe.expert_ffn_hidden_size=36")])
 def test_what_the_estimator_cannot_trace_is_one_line(change, message, capsys):
     """The MoE shapes trained on the CPU and failed in megalm-estimate with a torch traceback from _grouped_mm's
     meta kernel; FSDP's CPU offload was refused for a reason that is not the user's."""

@@ -115,6 +115,7 @@ def test_cli_longtail_with_pipeline_and_capacity(capsys):
     (["--ablation"], None, "--ablation's 2M context needs 256 ranks of 8K tokens; --ranks 8 is fewer"),
     (["--cost", "COST"], "c: 1e-3x", "cost model key c='1e-3x' is not a float"),
     (["--cost", "COST"], "a: [", "is not YAML"),
+    (["--cost", "COST"], "c: 1.0e-3\nlayers: .inf", "cost model key layers=inf is not an int"),  # OverflowError
 ])
 def test_cli_bad_arguments_are_one_line(tmp_path, capsys, flags, lengths, said):
     extra = []

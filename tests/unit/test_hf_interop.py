@@ -497,8 +497,9 @@ def test_a_config_without_its_optional_keys_reads_as_transformers_reads_it(model
     from megalm.model.hf import HF_DEFAULTS, model_config_from_hf
 
     config_class = transformers.AutoConfig.for_model(model_type).__class__
-    # a width whose head size is not 128: Qwen3's head_dim default (128) then differs from hidden / heads
-    full = config_class(**({} if model_type == "gpt2" else {"hidden_size": 1024})).to_dict()
+    # 64 heads of 64: Qwen3's head_dim default (128) then differs from hidden / heads, and its kv heads default (32)
+    # from the heads
+    full = config_class(**({} if model_type == "gpt2" else {"hidden_size": 4096, "num_attention_heads": 64})).to_dict()
     bare = {k: v for k, v in full.items() if k not in HF_DEFAULTS[model_type] and k != "rope_parameters"}
     assert len(bare) < len(full) - 5, sorted(full)
     _, read_full = model_config_from_hf(full, "full")

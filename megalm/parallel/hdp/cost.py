@@ -164,10 +164,12 @@ class CostModel:
         for name, value in d.items():
             kind = {"float": float, "int": int, "str": str}[str(fields[name].type)]
             try:
-                if kind is int and (isinstance(value, bool) or float(value) != int(float(value))):
+                if kind is not str and isinstance(value, bool):  # YAML's true is no coefficient
+                    raise ValueError
+                if kind is int and float(value) != int(float(value)):
                     raise ValueError
                 values[name] = kind(float(value)) if kind is int else kind(value)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # OverflowError: .inf for a count
                 raise ValueError(f"cost model key {name}={value!r} is not a{'n' if kind is int else ''} "
                                  f"{kind.__name__}") from None
             low = 1 if name in ("layers", "ranks_per_node", "capacity") else 0  # counts, and times or rates
