@@ -208,11 +208,12 @@ def run(cfg: DictConfig) -> float | None:
     from megalm.training.checkpoint import write_text_atomic
     from megalm.training.compile import resolve_auto_compile
     from megalm.training.device import resolve_auto_precision, select_device
-    from megalm.training.preemption import preemption_signal_received, signal_numbers
+    from megalm.training.preemption import signal_numbers
     from megalm.training.trainer import Trainer
     from megalm.training.watchdog import joining_watchdog
 
     debug = bool(cfg.get("debug", False))
+    preemption = None  # the trainer's, once it exists: whether a preemption signal reached this process
     try:
         config = to_dataclass(cfg)
         requeue_on(signal_numbers(config.trainer.preempt_signals))  # the run's own signals from here on
@@ -229,6 +230,7 @@ def run(cfg: DictConfig) -> float | None:
         if resolve_auto_compile(cfg, device) is not None or resolved:
             config = to_dataclass(cfg)
         trainer = Trainer(config, run_dir)  # validates the config and the checkpoint it resumes from
+        preemption = trainer.preemption
         if rank == 0:  # only now: a run refused above leaves the run dir's config.yaml as it was
             write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         try:
@@ -249,7 +251,7 @@ def run(cfg: DictConfig) -> float | None:
             raise
         fail(str(e))
     except Exception:  # a traceback: this process's own failure, unless a preemption signal stopped it mid-collective
-        if not preemption_signal_received():
+        if preemption is None or preemption.received is None:
             mark_failed()
         raise
     return None

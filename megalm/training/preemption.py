@@ -27,15 +27,6 @@ import torch.distributed as dist
 from megalm.errors import REQUEUE_EXIT_CODE as REQUEUE_EXIT_CODE  # re-exported: its users read it here
 from megalm.errors import ConfigError
 
-# the signals any Preemption of this process received: megalm-train's failure path tells a rank that died in a
-# collective because others stopped for a preemption from one that failed on its own
-_RECEIVED: list[signal.Signals] = []
-
-
-def preemption_signal_received() -> bool:
-    return bool(_RECEIVED)
-
-
 log = logging.getLogger("megalm")
 
 
@@ -112,7 +103,6 @@ class Preemption:
                 _forward(previous, signum, frame)
             elif (owner := ref()).received is None:
                 owner.received = signal.Signals(signum)
-                _RECEIVED.append(owner.received)
         handle.owner, handle.previous, handle.retired = ref, previous, False
         return handle
 
@@ -139,15 +129,17 @@ class Preemption:
         log.warning(f"preempted by {who}: saved {checkpoint} at step {step}; exiting with {REQUEUE_EXIT_CODE} for "
                     "the launcher to requeue the run")
 
-    def reduced_flag(self) -> torch.Tensor | None:
+    def reduced_flag(self) -> torch.Tensor:
         """Whether any rank has received a preemption signal, max-reduced over every rank on the device (collective
-        when distributed: every rank calls it at the same point of its step), for the step's one host read; None
-        when there is nothing to agree on (one process, or no signals caught). Read on its own after the step, it
-        cost every step a second host sync, which kept the host from queueing the next step's kernels."""
+        when distributed: every rank calls it at the same point of its step), for the step's one host read: a float64
+        tensor of one element, or of none when there is nothing to agree on (one process, or no signals caught).
+        Read on its own after the step, it cost every step a second host sync, which kept the host from queueing the
+        next step's kernels."""
         if not self.distributed or not self.signals:
-            return None
-        flag = torch.full((), float(self.received is not None), device=self.device)  # a kernel: no copy to wait on
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # on the device: NCCL reduces no CPU tensors
+            return torch.zeros(0, dtype=torch.float64, device=self.device)
+        # a kernel, no copy to wait on; on the device: NCCL reduces no CPU tensors
+        flag = torch.full((1,), float(self.received is not None), dtype=torch.float64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag
 
     def requested(self, reduced: float | None) -> bool:
@@ -163,4 +155,4 @@ class Preemption:
         """Whether any rank has received a signal, agreed now (collective, and a host sync: only at a step boundary
         where every rank waited anyway, after an evaluation or a save)."""
         flag = self.reduced_flag()
-        return self.received is not None if flag is None else bool(flag.item())
+        return bool(flag.item()) if flag.numel() else self.received is not None

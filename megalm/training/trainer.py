@@ -183,15 +183,12 @@ class Trainer:
             totals = self.parallel.sum_over_batch(local)
             normaliser = torch.as_tensor(share.normaliser, dtype=torch.float64, device=self.device)
             loads = self.parallel.rank_loads(share)  # HDP: the tokens each rank of the domain ran; else empty
-            stop = self.preemption.reduced_flag()  # any rank's signal, agreed on the device
-            stop = torch.zeros(0, dtype=torch.float64, device=self.device) if stop is None else stop.double()
-            # the step's one device-to-host sync: all the log, the guard and the preemption check need, read together,
-            # before the update
-            values = torch.cat([totals, grad_norm.double().reshape(1), normaliser.reshape(1), loads,
-                                stop.reshape(-1)]).tolist()
+            stop = self.preemption.reduced_flag()  # any rank's signal, agreed on the device (empty: none to agree on)
+            # the step's one device-to-host sync: all the log, the guard and the preemption check need, read together
+            values = torch.cat([totals, grad_norm.double().reshape(1), normaliser.reshape(1), loads, stop]).tolist()
             (loss_sum, tokens, flops), moe = values[:3], values[3:len(totals)]
-            norm, n, *rank_tokens = values[len(totals):len(values) - stop.numel()]
-            preempt = values[-1] if stop.numel() else None
+            norm, n, *rank_tokens = values[len(totals):len(values) - len(stop)]
+            preempt = values[-1] if len(stop) else None
             lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
             skipped = self.nonfinite.should_skip(step + 1, loss_sum / n, norm)
             if not skipped:

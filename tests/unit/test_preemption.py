@@ -227,11 +227,9 @@ def test_a_signal_before_training_began_requeues_the_job(tmp_path, at, signals, 
 
 
 def test_a_process_that_fails_on_its_own_leaves_a_failure_marker(tmp_path, monkeypatch):
-    """The Slurm templates requeue no job in which a process failed on its own: a user error (fail) and an exception
-    while no preemption signal reached the process leave `<marker>.failed-rank<RANK>`; a process stopped by a
-    preemption (its collectives broken by the ranks that stopped) leaves none."""
+    """The Slurm templates requeue no job in which a process failed on its own: a user error (fail) leaves
+    `<marker>.failed-rank<RANK>`."""
     from megalm import train
-    from megalm.training import preemption
 
     marker = tmp_path / "requeue-9"
     monkeypatch.setenv("MEGALM_REQUEUE_MARKER", str(marker))
@@ -239,8 +237,21 @@ def test_a_process_that_fails_on_its_own_leaves_a_failure_marker(tmp_path, monke
     with pytest.raises(SystemExit):
         train.fail("a config error")
     assert [p.name for p in tmp_path.iterdir()] == ["requeue-9.failed-rank3"]
-    monkeypatch.setattr(preemption, "_RECEIVED", [])  # other tests of this process sent signals
-    with Preemption(["SIGUSR2"], torch.device("cpu"), distributed=False):
-        assert not preemption.preemption_signal_received()
-        os.kill(os.getpid(), signal.SIGUSR2)
-        assert preemption.preemption_signal_received()
+
+
+@pytest.mark.parametrize("signalled", [False, True], ids=["own_failure", "stopped_by_a_preemption"])
+def test_a_traceback_leaves_a_failure_marker_unless_a_preemption_signal_came_first(tmp_path, signalled):
+    """An exception in training is this process's own failure (the marker vetoes a requeue), unless a preemption
+    signal reached it first: then its collectives broke because the other ranks stopped to be requeued."""
+    marker = tmp_path / "requeue-marker"
+    argv = [*TINY, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    script = ("import signal, sys\nimport megalm.train as t\nfrom megalm.training.trainer import Trainer\n"
+              "def fit(self):\n"
+              f"    if {signalled}:\n        self.preemption.received = signal.SIGTERM\n"
+              "    raise RuntimeError('a collective failed')\n"
+              f"Trainer.fit = fit\nsys.argv = ['megalm-train', *{argv!r}]\nt.main()\n")
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "MEGALM_REQUEUE_MARKER": str(marker),
+                                                               "RANK": "0"}, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 1 and "a collective failed" in proc.stderr, proc.stderr[-2000:]
+    assert [m.name for m in tmp_path.glob("requeue-marker*")] == ([] if signalled else ["requeue-marker.failed-rank0"])
