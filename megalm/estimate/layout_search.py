@@ -394,7 +394,7 @@ def search(overrides: list[str], world: int, gpu: str, top: int = 5, max_confirm
     memory = memory_bytes or HBM_BYTES[gpu]
     shape, base, notes = search_shape(gpu_precision(overrides), world, gpu)
     batch = priced_batch(overrides, shape)
-    if any(o.startswith("trainer.micro_batch_size=") for o in batch):
+    if "trainer.micro_batch_size" not in override_keys(overrides):
         notes.append(f"micro-batch size not given: the search prices {shape.micro_batch} sequence(s) a micro-batch, "
                      "and each layout's overrides set it")
     candidates = layouts(shape)

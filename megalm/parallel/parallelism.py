@@ -136,7 +136,6 @@ class Parallelism:
                  mesh: ParallelMesh | None = None, progress: Callable[[], None] | None = None):
         p = cfg.parallel
         self.cfg, self.device, self.converters = cfg, device, list(converters)
-        self._init_progress = progress  # called per parameter drawn (the trainer's start-up watchdog beats)
         with unset_fake_temporarily():  # the meshes' own tensors are real under a caller's FakeTensorMode
             self.mesh = mesh or build_mesh(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp, ep=p.ep), device,
                                            experts_over_tp=bool(cfg.model.moe.num_experts) and p.sequence_parallel,
@@ -147,7 +146,7 @@ class Parallelism:
         # optimizer takes as its fp32 main weights (BucketAdamW); the gradients accumulate over micro-batches in the
         # reducer's fp32 buckets. Under FSDP its MixedPrecisionPolicy does that: the fp32 shards are the main weights.
         recipe_dtype = next((c.working_dtype for c in self.converters if c.working_dtype), None)
-        self.model = self._build_model(recipe_dtype)
+        self.model = self._build_model(recipe_dtype, progress)
         self.working_dtype = None if p.fsdp else recipe_dtype
         self._initial_weights = self._to_working_dtype()
         self.loss_fn = loss_fn_for(self.mesh.tp_group, self.cfg.model.vocab_size)
@@ -200,7 +199,7 @@ class Parallelism:
 
     # ------------------------------------------------------------------ building
 
-    def _build_model(self, recipe_dtype: torch.dtype | None) -> nn.Module:
+    def _build_model(self, recipe_dtype: torch.dtype | None, progress: Callable[[], None] | None) -> nn.Module:
         """Build on the meta device (only this pipeline rank's chunks), shard for TP, convert (precision),
         wrap for recomputation, shard for FSDP, then materialise and initialise: every rank draws its shards of
         the single-process initial weights (`init_weights` + the layers' shard specs, FSDP's chunk of them)."""
@@ -226,7 +225,7 @@ class Parallelism:
                 apply_fsdp(model, self.fsdp_mesh, p.fsdp_reshard_after_forward, recipe_dtype, _reduce_dtype(p),
                            p.fsdp_cpu_offload, experts)
         model.to_empty(device=self.device)
-        init_weights(model, self.cfg.seed, self._init_progress)
+        init_weights(model, self.cfg.seed, progress)  # progress: per parameter drawn (the start-up watchdog's beat)
         return model
 
     def _to_working_dtype(self) -> dict[int, torch.Tensor] | None:

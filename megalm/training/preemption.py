@@ -6,9 +6,9 @@ handler only sets a flag, because a checkpoint written from inside a signal hand
 half-way. Ranks see the signal at different moments, so the flag is max-reduced over all ranks on the device
 within each step and read with the step's totals (`reduced_flag`, no host sync of its own), and again at a step
 that evaluated or saved (`agreed_now`: a signal during a save is not left for the next step); every rank stops
-after the same step. The run then saves and the
-process exits with `REQUEUE_EXIT_CODE` (EX_TEMPFAIL, "try again"): the Slurm templates (scripts/slurm/) requeue
-the job on it, and the next launch resumes from that checkpoint with `trainer.resume=auto`, exactly.
+after the same step. The run then saves and the process exits with `REQUEUE_EXIT_CODE` (EX_TEMPFAIL, "try
+again"): the Slurm templates (scripts/slurm/) requeue the job on it, and the next launch resumes from that
+checkpoint with `trainer.resume=auto`, exactly.
 """
 
 from __future__ import annotations

@@ -147,9 +147,10 @@ def check_out(path: Path) -> None:
 
 def load_base(path: Path) -> dict:
     try:
-        model = CostModel.from_yaml(path)
-        with open(path) as f:  # the file's keys, with the values CostModel read (c: 1e-3 is a string to YAML)
-            return {key: getattr(model, key) for key in yaml.safe_load(f)}
+        with open(path) as f:
+            data = yaml.safe_load(f)
+        model = CostModel.from_dict(data)  # the file's keys, with the values CostModel read (c: 1e-3: a string)
+        return {key: getattr(model, key) for key in data}
     except (OSError, ValueError, TypeError, yaml.YAMLError) as e:
         raise BadInput(f"--base {path}: not a cost-model YAML ({str(e).splitlines()[0]})") from e
 

@@ -204,11 +204,10 @@ class Checkpointer:
         self.pending = PendingCheckpoint(final, future, publish)
         return final
 
-    def finish(self) -> None:
-        """Publish the save in flight, if any (collective)."""
+    def finish(self) -> Path | None:
+        """Publish the save in flight, if any (collective); its path."""
         pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.wait()
+        return pending.wait() if pending is not None else None
 
     def publish_if_written(self) -> Path | None:
         """Publish the save in flight if every rank's background write has ended; its path, or None. Collective
@@ -222,11 +221,7 @@ class Checkpointer:
             flag = torch.tensor(int(written))
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._poll_group)
             written = bool(flag.item())
-        if not written:
-            return None
-        path = self.pending.path
-        self.finish()
-        return path
+        return self.finish() if written else None
 
     def _start_async_write(self, tensors: dict[str, torch.Tensor], path: Path) -> Future:
         """DCP's async save: the tensors are staged (copied to host memory) before it returns, then written by a
