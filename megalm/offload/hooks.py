@@ -16,10 +16,22 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
+import torch
 from torch import nn
 
 from megalm.offload.policy import Timeline, layer_groups, select_pipeline
 from megalm.offload.store import ActivationStore
+
+
+def _tensors(values: tuple) -> list[torch.Tensor]:
+    """The tensors among `values`, and inside the tuples among them (a block's (cos, sin))."""
+    found = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (tuple, list)):
+            found.extend(_tensors(tuple(value)))
+    return found
 
 
 class PipelineOffload:
@@ -74,9 +86,9 @@ class LayerOffload:
 
     def _enter(self, chunk: int, index: int):
         def hook(module, args):
-            if self.active:
+            if self.active:  # the block's inputs past the hidden states are its caller's (RoPE tables of all blocks)
                 key = (*self.prefix, chunk, index)
-                self._open[key] = ctx = self.store.hooks(key)
+                self._open[key] = ctx = self.store.hooks(key, keep=_tensors(args[1:]))
                 ctx.__enter__()
         return hook
 

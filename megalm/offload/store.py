@@ -7,8 +7,9 @@ inside `store.hooks(key)`, every tensor autograd saves for backward passes throu
 
 - parameters (and aliases of their storage), inputs held for their gradient (leaves that require grad: a
   pipeline stage's received activation), integer tensors (the batch's token ids and positions, held by the
-  micro-batch all step), tensors on another device, and tensors smaller than
-  `min_tensor_bytes` are kept as they are (copying them saves nothing or costs more than it saves);
+  micro-batch all step), tensors the caller holds for every group (`keep`: the RoPE tables each block saves),
+  tensors on another device, and tensors smaller than `min_tensor_bytes` are kept as they are (copying them
+  saves nothing or costs more than it saves);
 - with `recompute_cheap`, the output of a cheap activation (GELU: `CHEAP_OPS`) is not stored at all but
   recomputed from the op's input, which its own backward keeps anyway (PipeOffload's partial recompute); SwiGLU
   keeps no SiLU output to begin with (megalm/model/mlp.py);
@@ -160,16 +161,18 @@ class ActivationStore:
 
     # ------------------------------------------------------------------ hooks
 
-    def hooks(self, key: object) -> contextlib.AbstractContextManager:
+    def hooks(self, key: object, keep: Iterable[torch.Tensor] = ()) -> contextlib.AbstractContextManager:
         """Saved-tensor hooks that record the activations saved inside as group `key` (a new group; a key
-        whose group is still alive is refused)."""
+        whose group is still alive is refused). Tensors on the storages of `keep` are the caller's (a block's
+        RoPE tables, which every block saves): they stay as they are, since moving a copy frees nothing."""
         if key in self.groups:
             raise RuntimeError(f"activation offload: group {key!r} is still alive (released after its backward)")
         group = self.groups[key] = _Group()
         self.released_empty.discard(key)
+        kept = {storage_identity(t) for t in keep}
 
         def pack(t: torch.Tensor) -> torch.Tensor | _Ref | _Recompute:
-            if not self._offloadable(t):
+            if not self._offloadable(t) or storage_identity(t) in kept:
                 return t
             node = t.grad_fn
             if self.recompute_cheap and node is not None and type(node).__name__ in CHEAP_OPS and not t._is_view():
@@ -246,7 +249,8 @@ class ActivationStore:
             group.unpacked = True
             if self.on_unpack is not None:
                 self.on_unpack(ref.key)
-        elements = saved.device.view(ref.dtype)  # the storage's bytes as ref's dtype (a view: see `_bytes_of`)
+        whole = saved.nbytes - saved.nbytes % ref.dtype.itemsize  # a storage of another dtype's bytes may not divide
+        elements = saved.device[:whole].view(ref.dtype)  # the storage's bytes as ref's dtype (a view: `_bytes_of`)
         return elements.as_strided(ref.size, ref.stride, elements.storage_offset() + ref.offset)
 
     # ------------------------------------------------------------------ moves

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from megalm.config import ModelConfig
-from megalm.measure import LiveStorages
+from megalm.measure import LiveStorages, storage_identity
 from megalm.model import GPT, init_weights
 from megalm.offload import ActivationStore, HostPool, LayerOffload
 from megalm.offload.policy import (
@@ -174,6 +174,35 @@ def test_layer_offload_is_exact_and_frees_what_the_theory_says(fraction):
     assert store.offloaded_bytes == store.reloaded_bytes == 2 * len(offloaded_blocks) * per_block
     assert store.sync_reloads == (2 if fraction == 1.0 else 0)  # the last block, when offloaded, is not prefetched
     assert not store.groups and store.resident_bytes == 0
+
+
+def test_a_block_s_rope_tables_stay_with_its_caller():
+    """Every block saves the model's (cos, sin): they are the caller's, so no block's group records (or moves) them."""
+    model = tiny_gpt()
+    store = ActivationStore("cpu", model.parameters())
+    layer_offload = LayerOffload(model.layers, store, 0.5)  # the last two blocks' groups stay on the device
+    tables, rotary = [], model.rotary
+    model.rotary = lambda *args: tables.append(rotary(*args)) or tables[-1]
+    groups = {}
+    model.layers[-1].register_forward_hook(lambda *_: groups.update(store.groups))
+    with layer_offload.micro_batch():
+        loss = loss_of(model)
+        recorded = {storage_identity(s.device) for g in groups.values() for s in g.storages if s.device is not None}
+        assert recorded and not recorded & {storage_identity(t) for t in tables[0]}
+        loss.backward()
+
+
+def test_a_tensor_on_a_storage_its_dtype_does_not_divide_comes_back():
+    """A float tensor over a 10-byte storage (`set_` on another dtype's bytes) is saved, offloaded and rebuilt."""
+    w = nn.Parameter(torch.randn(2))
+    raw = torch.arange(10, dtype=torch.uint8).untyped_storage()
+    x = torch.empty(0).set_(raw, 0, (2,), (1,))
+    store = ActivationStore("cpu", [w])
+    with store.hooks("g"):
+        loss = (x * w).sum()
+    store.offload("g")
+    loss.backward()
+    assert torch.equal(w.grad, x)
 
 
 def test_layer_theory():
