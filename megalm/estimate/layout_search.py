@@ -171,8 +171,6 @@ def layouts(shape: Shape) -> list[Layout]:
         for vpp, zero1, recompute, offload, hdp, ep in itertools.product(
                 vpps, (False, True) if dp * cp > 1 else (False,), ("none", "selective", "full"), (False, True), hdps,
                 eps):
-            if recompute == "selective" and hdp:  # the config's rule: HDP rings are not replayed
-                continue
             if experts is not None and experts.first_dense > shape.model.layers // (pp * vpp):
                 continue  # dense blocks past the first chunk: the shallow runs' extrapolation would not hold
             if hdp and vpp > 1:  # HDP gives pipelines different micro-batch counts (parallel/hdp/split.py)

@@ -87,6 +87,8 @@ MIXED = ("mixed",)
 LAYOUTS = {
     "dp4": (4, ["parallel.dp=4"], MIXED),
     "dp2_cp2": (4, ["parallel.dp=2", "parallel.cp=2"], MIXED),
+    # selective recompute keeps each ring's attention output and runs its elementwise ops again
+    "dp4_selective": (4, ["parallel.dp=4", "parallel.recompute=selective"], MIXED),
     "dp2_cp2_zero1": (4, ["parallel.dp=2", "parallel.cp=2", "parallel.zero1=true"], MIXED),
     # a token budget per step instead of a sample count: steps hold different numbers of documents
     "dp4_token_budget": (4, ["parallel.dp=4", "trainer.tokens_per_step=400"], MIXED),

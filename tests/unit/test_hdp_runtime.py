@@ -153,7 +153,6 @@ HDP = ["parallel.hdp=true", "data.varlen=true"]
     (HDP + ["parallel.cp=2", "parallel.cp_comm=a2a"], 4, "cp_comm=ring"),
     (HDP + ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved"], 4, "interleaved"),
     (HDP + ["parallel.hdp_capacity=16", "model.attention_dropout=0.1"], 4, "attention_dropout=0"),
-    (HDP + ["parallel.hdp_capacity=16", "parallel.recompute=selective"], 4, "selective"),
     (HDP + ["parallel.hdp_cost=nope"], 4, "parallel.hdp_cost=nope"),
     (["parallel.hdp_capacity=16"], 1, "parallel.hdp=false"),
 ])

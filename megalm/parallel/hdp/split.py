@@ -41,7 +41,6 @@ from megalm.parallel.hdp.pipelined import align_rings, check_pipelined
 from megalm.parallel.hdp.plan import Plan
 from megalm.parallel.hdp.planner import plan_hdp
 from megalm.parallel.microbatch import LocalMicroBatch, Ring
-from megalm.parallel.recompute import recompute_modes
 
 log = logging.getLogger("megalm")
 
@@ -224,11 +223,7 @@ def validate_hdp(cfg: MegalmConfig) -> None:
     if p.pp_schedule == "interleaved":
         raise ConfigError("parallel.hdp=true gives pipelines different micro-batch counts, which interleaved "
                           "pipelining cannot take; use parallel.pp_schedule=1f1b or zb")
-    if widest > 1:  # some micro-batches may run on rings
-        if m.attention_dropout > 0:
-            raise ConfigError("parallel.hdp=true runs long documents with ring attention, which has no attention "
-                              "dropout; set model.attention_dropout=0 or raise parallel.hdp_capacity to "
-                              f"model.seq_length={m.seq_length}")
-        if "selective" in recompute_modes(p.recompute, p.pp):
-            raise ConfigError("parallel.recompute=selective does not combine with HDP rings yet; use "
-                              "parallel.recompute=full or none")
+    if widest > 1 and m.attention_dropout > 0:  # some micro-batches may run on rings
+        raise ConfigError("parallel.hdp=true runs long documents with ring attention, which has no attention "
+                          "dropout; set model.attention_dropout=0 or raise parallel.hdp_capacity to "
+                          f"model.seq_length={m.seq_length}")
