@@ -125,6 +125,7 @@ class Experts:
     ffn: int
     shared_ffn: int
     first_dense: int
+    hdp: bool = False  # dropless and no switch loss: HDP may pack it (at ep 1; megalm/parallel/expert)
 
     def routed_params(self, hidden: int) -> int:
         return self.experts * 3 * hidden * self.ffn
@@ -167,13 +168,13 @@ def layouts(shape: Shape) -> list[Layout]:
         vpps = [1] + ([2] if pp > 1 and shape.model.layers % (2 * pp) == 0 and micro_batches % pp == 0 else [])
         experts = shape.experts
         eps = [ep for ep in powers if (dp * cp) % ep == 0 and experts.experts % ep == 0] if experts else [1]
-        hdps = (False, True) if shape.varlen and dp * cp > 1 and experts is None else (False,)  # HDP refuses MoE
+        hdps = (False, True) if shape.varlen and dp * cp > 1 and (experts is None or experts.hdp) else (False,)
         for vpp, zero1, recompute, offload, hdp, ep in itertools.product(
                 vpps, (False, True) if dp * cp > 1 else (False,), ("none", "selective", "full"), (False, True), hdps,
                 eps):
             if experts is not None and experts.first_dense > shape.model.layers // (pp * vpp):
                 continue  # dense blocks past the first chunk: the shallow runs' extrapolation would not hold
-            if hdp and vpp > 1:  # HDP gives pipelines different micro-batch counts (parallel/hdp/split.py)
+            if hdp and (vpp > 1 or ep > 1):  # HDP gives pipelines and EP ranks different micro-batch counts
                 continue
             out.append(Layout(tp, pp, vpp, cp, dp, zero1, recompute, offload, hdp, ep))
     return out
@@ -353,7 +354,8 @@ def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tu
                               f"experts; model.moe.every_n_layers={moe.every_n_layers}: estimate a layout by name "
                               "(without --search)")
         experts = Experts(moe.num_experts, moe.top_k, moe.expert_ffn_hidden_size,
-                          moe.shared_ffn_hidden_size if moe.num_shared_experts else 0, moe.first_k_dense)
+                          moe.shared_ffn_hidden_size if moe.num_shared_experts else 0, moe.first_k_dense,
+                          hdp=moe.capacity_factor is None and not moe.aux_loss_coeff)
     keys = override_keys(overrides)
     notes = [] if "trainer.global_batch_size" in keys else [SEARCH_NOTE]
     notes += (fp8_notes(cfg.precision, gpu) if gpu else []) + compile_notes(cfg)

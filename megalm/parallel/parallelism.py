@@ -364,7 +364,7 @@ class Parallelism:
             moe_over = None
             if self.cfg.model.moe.num_experts and mb.real_tokens is not None:  # the routers' view of the shard
                 real = torch.cat([mb.real_tokens, mb.real_tokens.new_zeros(padded.num_tokens - batch.num_tokens)])
-                moe_over = (real, self.mesh.cp_group)
+                moe_over = (real, None if self.cfg.parallel.hdp else self.mesh.cp_group)  # HDP: over ring.ranks
             attention = RingContext.for_shard(padded, ring, self.device, self.cfg.parallel.cp_comm,
                                               self.mesh.cp_group if a2a else None, self.mesh.progress, moe_over)
         counted = mb.counted_doc_lengths if self.mesh.is_last_stage else []
@@ -372,8 +372,9 @@ class Parallelism:
             moved = padded.pin_memory().to(self.device, non_blocking=True)
         else:
             moved = padded.to(self.device)
-        if ring is None and self.cfg.model.moe.num_experts and padded is not batch:  # the routers must not count
-            attention = PaddedContext(moved, batch.num_tokens, self.device)  # the padding (its cu_seqlens moved)
+        if ring is None and self.cfg.model.moe.num_experts and (padded is not batch or mb.real_tokens is not None):
+            real = batch.num_tokens if mb.real_tokens is None else int(mb.real_tokens.sum())  # (HDP's filler: 0)
+            attention = PaddedContext(moved, real, self.device)  # the routers must not count the padding
         return LocalMicroBatch(moved, mb.index, ring, counted, attention, mb.offload_fraction)
 
     def forward_backward(self, share: StepShare) -> torch.Tensor:

@@ -84,11 +84,17 @@ def check_rank_loads(trainer: Trainer, step: int) -> None:
 
 
 MIXED = ("mixed",)
+MOE = ["model=moe_tiny", "model.num_layers=2", "model.hidden_size=64", "model.moe.expert_ffn_hidden_size=32",
+       "model.moe.aux_loss_coeff=0", "model.moe.seq_aux_loss_coeff=0.01", "model.moe.bias_update_rate=0.01"]
 LAYOUTS = {
     "dp4": (4, ["parallel.dp=4"], MIXED),
     "dp2_cp2": (4, ["parallel.dp=2", "parallel.cp=2"], MIXED),
     # selective recompute keeps each ring's attention output and runs its elementwise ops again
     "dp4_selective": (4, ["parallel.dp=4", "parallel.recompute=selective"], MIXED),
+    # a dropless MoE model without the switch loss (a micro-batch's, refused): the sequence and z losses and the
+    # selection bias are per document, token and step, whatever packs them; the routers gather a ring's choices p2p
+    # and count no zigzag padding
+    "dp4_moe": (4, ["parallel.dp=4", *MOE], MIXED),
     "dp2_cp2_zero1": (4, ["parallel.dp=2", "parallel.cp=2", "parallel.zero1=true"], MIXED),
     # a token budget per step instead of a sample count: steps hold different numbers of documents
     "dp4_token_budget": (4, ["parallel.dp=4", "trainer.tokens_per_step=400"], MIXED),
@@ -104,6 +110,9 @@ LAYOUTS = {
                     "trainer.global_batch_size=8"], ("mixed", "fillers")),
     "pp2_dp4_zb_full_recompute": (8, ["parallel.pp=2", "parallel.dp=4", "model.num_layers=4",
                                       "parallel.pp_schedule=zb", "parallel.recompute=full"], MIXED),
+    # ... and no pipeline filler's token
+    "pp2_dp4_moe": (8, ["parallel.pp=2", "parallel.dp=4", *MOE, "model.num_layers=4",
+                        "data.synthetic.mean_doc_length=40", "trainer.global_batch_size=8"], ("mixed", "fillers")),
     # a2a+p2p: "nodes" of 2 HDP ranks; a document that needs 3 ranks gets 4 as a hierarchical ring of 2 x 2
     "dp4_hierarchical": (4, ["parallel.dp=4", "parallel.cp_comm=a2a+p2p", "parallel.cp_a2a_size=2"],
                          ("hierarchical",)),

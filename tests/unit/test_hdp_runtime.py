@@ -87,10 +87,11 @@ def test_ring_shard_reads_only_its_chunks_and_equals_the_full_shard():
     for n in (2, 3):
         for index in range(n):
             reads.clear()
-            shard = read_ring_shard(data, k, n, index)
+            shard, real = read_ring_shard(data, k, n, index)
             expect = shard_batch(full, zigzag_plan(full.cu_seqlens, n), index)
             for name in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens"):
                 torch.testing.assert_close(getattr(shard, name), getattr(expect, name), rtol=0, atol=0)
+            assert real.shape == shard.tokens.shape and int(real.sum()) == int(shard.loss_mask.sum())  # one doc
             read_tokens = sum(length for _, length in reads)
             assert read_tokens <= shard.loss_mask.sum().item() + 2, "a ring member read more than its chunks"
 
@@ -123,7 +124,7 @@ def test_micro_batches_carry_their_ring_context_and_attention_runs_it(make_confi
     data = varlen_dataset()
     k = next(k for k in range(100) if data.sample_length(k) > 30)
     trainer = Trainer(make_config(*HDP), tmp_path, mesh=ParallelMesh(ParallelDims()))
-    prepared = trainer.parallel._prepare(LocalMicroBatch(read_ring_shard(data, k, 3, 1), 5, ring=Ring((4, 0, 2), 1)))
+    prepared = trainer.parallel._prepare(LocalMicroBatch(read_ring_shard(data, k, 3, 1)[0], 5, ring=Ring((4, 0, 2), 1)))
     context = prepared.attention
     assert isinstance(context, RingContext) and (context.ranks, context.index, context.comm) == ((4, 0, 2), 1, "ring")
     expected = zigzag_plan(pack_samples([data[k]]).cu_seqlens, 3).layout

@@ -60,15 +60,16 @@ class RingContext:
     @classmethod
     def for_shard(cls, batch: PackedBatch, ring: Ring, device: torch.device, comm: str = "ring",
                   group: dist.ProcessGroup | None = None, progress: Progress | None = None,
-                  moe_over: tuple[torch.Tensor, dist.ProcessGroup] | None = None) -> RingContext:
+                  moe_over: tuple[torch.Tensor, dist.ProcessGroup | None] | None = None) -> RingContext:
         """The context of `batch` (on the host), this rank's zigzag shard over `ring` (`zigzag.shard_batch`,
         possibly padded with one more even segment), with its layout on `device`. `moe_over`: (the shard's real
-        tokens, the ring's group) for an MoE model's routers (tokens.py)."""
+        tokens, the ring's group, or None for an HDP ring of ranks with no group) for an MoE model's routers
+        (tokens.py)."""
         layout = layout_from_local_cu_seqlens(batch.cu_seqlens, len(ring.ranks), ring.inner).to(device)
         tokens = None
         if moe_over is not None:
             real, ring_group = moe_over
-            tokens = RingTokens(layout, ring.index, real.to(device), ring_group, progress)
+            tokens = RingTokens(layout, ring.index, real.to(device), ring_group, progress, tuple(ring.ranks))
         return cls(tuple(int(r) for r in ring.ranks), ring.index, layout, comm, group, progress, tokens)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, dropout_p: float = 0.0,

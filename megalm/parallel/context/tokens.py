@@ -6,7 +6,8 @@ The router's capacity queues (first come in the micro-batch's token order) and i
 (megalm/model/moe.py, `TokenShard`). Under context parallelism each rank holds a zigzag shard; one all-gather of
 the chosen experts (small ints) over the ring gives every rank the whole's choices in the padded stream's order
 (zigzag.py: documents in order, each padded at its end), where padding is masked out, so each rank routes its shard
-exactly as one process routes the whole micro-batch.
+exactly as one process routes the whole micro-batch. HDP's rings are rank lists with no group of their own: there
+the gather is the p2p all-to-all of hierarchical CP (every slot the same rows), on the default group.
 """
 
 from __future__ import annotations
@@ -15,17 +16,19 @@ import torch
 import torch.distributed as dist
 
 from megalm.parallel.collectives import all_gather_flat
+from megalm.parallel.context.hierarchical import p2p_all_to_all
 from megalm.parallel.context.zigzag import ZigzagLayout
 from megalm.parallel.progress import Progress, note_collective
 
 
 class RingTokens:
     """`TokenShard` of this rank's zigzag shard (`layout`, position `index` of its ring, `real` its tokens that are
-    not padding) over the ring's `group`."""
+    not padding) over the ring's `group`, or with no group (HDP) p2p over the ring's global `ranks`."""
 
-    def __init__(self, layout: ZigzagLayout, index: int, real: torch.Tensor, group: dist.ProcessGroup,
-                 progress: Progress | None = None) -> None:
+    def __init__(self, layout: ZigzagLayout, index: int, real: torch.Tensor, group: dist.ProcessGroup | None,
+                 progress: Progress | None = None, ranks: tuple[int, ...] = ()) -> None:
         self.layout, self.real, self.group, self.progress = layout, real, group, progress
+        self.meta = torch.tensor([index, *ranks], dtype=torch.int64) if group is None else None  # p2p_all_to_all's
         self.local_index = layout.indices[index]
         self.whole_tokens = layout.padded_tokens
         self.num_docs = layout.chunk_sizes.numel()
@@ -36,7 +39,10 @@ class RingTokens:
         flat = t.detach().reshape(-1)
         out = flat.new_empty(n * flat.numel())
         note_collective(self.progress, "all_gather (MoE routing over the CP ring)", n)
-        all_gather_flat(out, flat.contiguous(), group=self.group)
+        if self.group is None:
+            out = p2p_all_to_all(flat.expand(n, -1), self.meta).reshape(-1)
+        else:
+            all_gather_flat(out, flat.contiguous(), group=self.group)
         whole = out.new_empty(self.whole_tokens, *t.shape[1:])
         whole[self.layout.indices.reshape(-1)] = out.view(n * local, *t.shape[1:])
         return whole

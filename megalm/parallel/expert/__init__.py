@@ -50,10 +50,10 @@ def validate_experts(cfg: MegalmConfig) -> None:
     if experts % p.ep or domain % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.num_experts={experts} and dp*cp={domain} "
                           "(expert-parallel ranks are carved from the data-parallel ones); change parallel.ep")
-    if p.hdp:
-        raise ConfigError("parallel.hdp=true does not run mixture-of-experts models: HDP ranks run different numbers "
-                          "of micro-batches, while an expert-parallel layer needs every rank in each all-to-all; "
-                          "use parallel.cp with data or expert parallelism")
+    if p.hdp and p.ep > 1:
+        raise ConfigError(f"parallel.hdp=true with parallel.ep={p.ep} is not supported: HDP ranks run different "
+                          "numbers of micro-batches, while an expert-parallel layer needs every rank in each "
+                          "all-to-all; set parallel.ep=1, or use parallel.cp with expert parallelism")
     if p.ep > 1 and cfg.trainer.tokens_per_step is not None and (p.dp or 1) > 1:
         raise ConfigError(f"trainer.tokens_per_step with parallel.ep={p.ep} is not supported: under a token budget the "
                           "data-parallel ranks may run different numbers of micro-batches, while an expert-parallel "
@@ -61,6 +61,11 @@ def validate_experts(cfg: MegalmConfig) -> None:
     moe = cfg.model.moe
     per_micro_batch = [f"model.moe.{k}={getattr(moe, k)}" for k in ("capacity_factor", "aux_loss_coeff")
                        if getattr(moe, k) not in (None, 0, 0.0)]
+    if per_micro_batch and p.hdp:
+        raise ConfigError(f"parallel.hdp=true with {' and '.join(per_micro_batch)} is not supported: HDP packs each "
+                          "step's documents into its own micro-batches, and the capacity queues and the switch loss "
+                          "are a micro-batch's, so the run would not be one process's; drop them (the sequence and z "
+                          "losses and the selection bias are fine)")
     if per_micro_batch and cfg.trainer.tokens_per_step is not None and (p.dp or 1) > 1:
         raise ConfigError(f"trainer.tokens_per_step with {' and '.join(per_micro_batch)} over dp > 1 is not "
                           "supported: under a token budget each data-parallel rank cuts its own micro-batches, and "

@@ -52,8 +52,10 @@ def filler_batch() -> PackedBatch:
                        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1, doc_lengths=[1])
 
 
-def read_ring_shard(dataset: VarlenDataset, k: int, n: int, index: int, inner: int = 1) -> PackedBatch:
-    """Rank `index`'s zigzag shard over a ring of `n` of sample k, reading only its chunks' tokens.
+def read_ring_shard(dataset: VarlenDataset, k: int, n: int, index: int, inner: int = 1
+                    ) -> tuple[PackedBatch, torch.Tensor]:
+    """Rank `index`'s zigzag shard over a ring of `n` of sample k, reading only its chunks' tokens, and which of
+    its tokens are real (bool [T]; the rest is zigzag padding, which an MoE router must not count).
 
     The sample's L inputs are padded to 2n chunks of c = ceil(L / 2n); the rank holds input positions
     [index·c, (index+1)·c) and [(2n−1−index)·c, (2n−index)·c) (a hierarchical ring, `inner` > 1: its own
@@ -70,7 +72,8 @@ def read_ring_shard(dataset: VarlenDataset, k: int, n: int, index: int, inner: i
         if stop - 1 > start:
             tokens[start:stop] = dataset.read(k, start, stop - start)
     full = pack_samples([Sample(tokens, (length,))])
-    return shard_batch(full, zigzag_plan(full.cu_seqlens, n, inner), index)
+    plan = zigzag_plan(full.cu_seqlens, n, inner)
+    return shard_batch(full, plan, index), plan.local_source(index) >= 0
 
 
 class HdpSplit:
@@ -132,8 +135,8 @@ class HdpSplit:
         for k in plan.per_rank[index]:
             mb = plan.micro_batches[k]
             offload = self.offload_fraction(mb.tokens, len(mb.ranks))  # a ring planned smaller: offloads r(s)
-            if not mb.seqs:
-                out.append(LocalMicroBatch(filler_batch(), k))
+            if not mb.seqs:  # its one token is padding to an MoE router too
+                out.append(LocalMicroBatch(filler_batch(), k, real_tokens=torch.zeros(1, dtype=torch.bool)))
             elif len(mb.ranks) == 1:
                 samples = [dataset[ids[i]] for i in mb.seqs]
                 counted = [lengths[i] for i in mb.seqs]
@@ -143,10 +146,10 @@ class HdpSplit:
                 (i,) = mb.seqs
                 position = mb.ranks.index(index)
                 ring = Ring(tuple(self.domain[h] for h in mb.ranks), position, mb.inner)
-                shard = read_ring_shard(dataset, ids[i], len(mb.ranks), position, mb.inner)
+                shard, real = read_ring_shard(dataset, ids[i], len(mb.ranks), position, mb.inner)
                 counted = [lengths[i]] if position == 0 else []
                 out.append(LocalMicroBatch(shard, k, ring=ring, counted_doc_lengths=counted,
-                                           offload_fraction=offload))
+                                           offload_fraction=offload, real_tokens=real))
         return out
 
     def offload_fraction(self, tokens: int, d: int) -> float:
