@@ -60,6 +60,24 @@ def test_round_trip_restores_weights_optimizer_and_rng(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_each_device_gets_back_its_own_cuda_stream(tmp_path, monkeypatch):
+    """12 visible devices (a 16-GPU node without a CUDA_VISIBLE_DEVICES per rank): device i's state goes back to
+    device i, not in the text order of the names (torch_cuda_10 before torch_cuda_2)."""
+    from safetensors.torch import load_file, save_file
+
+    net, opt = trained()
+    path = save(tmp_path, 3, net, opt)
+    rng_file = path / "rng-rank00000.safetensors"
+    rng = load_file(str(rng_file)) | {f"torch_cuda_{i}": torch.full((16,), i, dtype=torch.uint8) for i in range(12)}
+    save_file(rng, str(rng_file))
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 12)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: restored.extend(int(s[0]) for s in states))
+    ckpt.load_checkpoint(path, net, opt)
+    assert restored == list(range(12))
+
+
 @pytest.mark.parametrize("fail_at", ["tensors", "rng", "rename", "latest"])
 def test_crash_mid_save_keeps_previous_checkpoint_usable(tmp_path, monkeypatch, fail_at):
     net, opt = trained()

@@ -92,7 +92,9 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
                  f"this run is {layout_tag(mesh)}")
     if rng and same_layout:
         torch.set_rng_state(rng["torch_cpu"])
-        cuda_states = [rng[k] for k in sorted(rng) if k.startswith("torch_cuda_")]
+        # by device number: as text, torch_cuda_10 sorted before torch_cuda_2 and devices past 9 took others' states
+        cuda_states = [rng[k] for k in sorted((k for k in rng if k.startswith("torch_cuda_")),
+                                              key=lambda k: int(k.rsplit("_", 1)[1]))]
         if cuda_states and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(cuda_states[: torch.cuda.device_count()])
     others = load_amax_histories(model, rng, layout_tag(mesh), device)
