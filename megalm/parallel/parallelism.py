@@ -210,7 +210,7 @@ class Parallelism:
         with unset_fake_temporarily():
             if p.pp > 1:
                 model = build_stage_chunks(self.cfg.model, mesh.pp_rank, p.pp, p.vpp,
-                                           list(p.layers_per_stage) if p.layers_per_stage else None)
+                                           None if p.layers_per_stage is None else list(p.layers_per_stage))
             else:
                 model = GPT(self.cfg.model, device="meta")
             for chunk in model_chunks(model):

@@ -83,3 +83,11 @@ def test_stage_holds_embedding_first_head_last():
         stage_holds(2, 0, 2, 3)
     with pytest.raises(ValueError, match="outside pp=2, vpp=3"):
         stage_holds(0, 3, 2, 3)
+
+
+def test_an_empty_layers_per_stage_is_refused_not_read_as_unset(make_config):
+    """`parallel.layers_per_stage=[]` is a split of no stages (it had been taken for null: the even split)."""
+    from megalm.training.validation import validate_run
+
+    with pytest.raises(ConfigError, match=re.escape("has 0 entries but pp*vpp=2")):
+        validate_run(make_config("parallel.pp=2", "model.num_layers=4", "parallel.layers_per_stage=[]"), world_size=2)

@@ -147,5 +147,5 @@ def validate_pipeline(cfg: MegalmConfig) -> None:
     if p.layers_per_stage is not None and p.pp * p.vpp == 1:
         raise ConfigError("parallel.layers_per_stage is set but there is one pipeline stage; "
                           "remove it or set parallel.pp")
-    split_layers(cfg.model.num_layers, p.pp * p.vpp, list(p.layers_per_stage) if p.layers_per_stage else None)
+    split_layers(cfg.model.num_layers, p.pp * p.vpp, None if p.layers_per_stage is None else list(p.layers_per_stage))
     recompute_modes(p.recompute, p.pp)
