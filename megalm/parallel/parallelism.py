@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
@@ -83,6 +84,8 @@ class ModelConverter(Protocol):
     def forward_context(self) -> contextlib.AbstractContextManager: ...
 
     def before_forward(self, chunk: nn.Module, step: int, micro_batch: int, shard: int = 0) -> None: ...
+
+    def after_backward(self, model: nn.Module, group: dist.ProcessGroup | None) -> None: ...
 
     def watch_optimizer(self, optimizer: object) -> None: ...
 
@@ -386,6 +389,8 @@ class Parallelism:
         set_aux_loss_scale(self.model, 1.0 / n if isinstance(n, int) else 1.0 / n.to(torch.float32))
         loss = self.runner.run_micro_batches(share.micro_batches, share.normaliser, share.step)
         self.reducer.finish()
+        for converter in self.converters:  # what the ranks that split the batch agree on (FP8 amax histories)
+            converter.after_backward(self.model, self.mesh.dp_cp_group)
         return loss
 
     @torch.no_grad()

@@ -33,6 +33,7 @@ import logging
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megalm import compat
@@ -41,7 +42,7 @@ from megalm.config.choices import ForwardFormat, PrecisionBackend
 from megalm.errors import ConfigError
 from megalm.precision import fp8, te, torchao_fp8
 from megalm.precision.gemm import mx_gemm_path
-from megalm.precision.install import apply_precision, set_precision_step
+from megalm.precision.install import apply_precision, reduce_amax_histories, set_precision_step
 from megalm.precision.layer_state import WeightsVersion
 from megalm.precision.recipes import RECIPES, get_recipe
 
@@ -261,6 +262,14 @@ class Precision:
     def compute_dtype(self) -> torch.dtype:
         """The dtype activations reach attention in (`compute_dtype`)."""
         return compute_dtype(self.cfg)
+
+    def after_backward(self, model: nn.Module, group: dist.ProcessGroup | None) -> None:
+        """After a training step's backward on every rank of `group` (the ranks that split its batch): native delayed
+        scaling's step amaxes maxed over them, so the next step casts with one process's scales."""
+        native = self.cfg.name not in WHOLE_MODEL and not self.on_te and not self.on_torchao
+        if native and get_recipe(self.cfg.name, forward=self.cfg.forward).delayed and group is not None \
+                and dist.get_world_size(group) > 1:
+            reduce_amax_histories(model, group, self.device)
 
     def before_forward(self, chunk: nn.Module, step: int, micro_batch: int, shard: int = 0) -> None:
         """Seed the random rounding of `chunk`'s layers by (step, micro-batch index in the step, this rank's

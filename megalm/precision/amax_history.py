@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 
 from megalm.precision.fp8 import scale_from_amax
 
@@ -91,6 +92,21 @@ def compact_histories(histories: Iterable[AmaxHistory]) -> None:
         maxes = torch.stack([a for history in group for a in history.pending]).reshape(len(group), -1).amax(dim=1)
         for history, step_max in zip(group, maxes.unbind(), strict=True):
             history.pending = [step_max]
+
+
+def reduce_pending(histories: Iterable[AmaxHistory], group: dist.ProcessGroup, device: torch.device) -> None:
+    """Delayed scaling on ranks that split a batch (data, context, HDP parallelism): each history's step amax becomes
+    the max over the ranks of `group`, as one process's is over the whole batch, so that every rank casts the next
+    step with one process's scales (Transformer Engine and Megatron reduce over their amax group likewise). One
+    all-reduce of every history's step max, on the device, after a step's backward on every rank (an HDP rank that
+    ran no micro-batch joins with nothing: -1, below any amax). A history no rank used takes an amax of 0."""
+    histories = list(histories)
+    compact_histories(histories)
+    unused = torch.full((), -1.0, device=device)
+    maxes = torch.stack([h.pending[0].float() if h.pending else unused for h in histories])
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+    for history, step_max in zip(histories, maxes.clamp_(min=0).unbind(), strict=True):
+        history.pending = [step_max]
 
 
 def roll_histories(histories: Iterable[AmaxHistory]) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from megalm.model.linear import LinearHooks, linear_modules
 from megalm.model.naming import canonical_named_modules, model_chunks
+from megalm.precision.amax_history import reduce_pending
 from megalm.precision.layer_state import LinearState, WeightsVersion, set_steps
 from megalm.precision.linear import RecipeGemms
 from megalm.precision.recipes import Recipe, get_recipe
@@ -103,6 +104,14 @@ def _layer_states(model: nn.Module) -> Iterator[tuple[LinearState, torch.device]
         gemms = module.gemm_recipe
         if isinstance(gemms, RecipeGemms) and gemms.state is not None:
             yield gemms.state, module.weight.device
+
+
+def reduce_amax_histories(model: nn.Module, group: object, device: torch.device) -> None:
+    """End a training step's backward under delayed scaling: every history's step amax maxed over the ranks of `group`
+    (the ranks that split the batch; `amax_history.reduce_pending`). Every rank of `group` calls it once a step."""
+    histories = [history for state, _ in _layer_states(model) for history in state.amax.values()]
+    if histories:
+        reduce_pending(histories, group, device)
 
 
 def amax_history_tensors(model: nn.Module, layout: str) -> dict[str, torch.Tensor]:

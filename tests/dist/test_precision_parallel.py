@@ -103,3 +103,40 @@ def test_ring_ranks_draw_their_own_rounding_noise(tmp_path, layout, shared):
     assert first and len(first) == len(second)
     common = len(set(first) & set(second))
     assert common == (len(first) if shared else 0), f"{layout}: {common} of {len(first)} wgrad seeds shared"
+
+
+def check_delayed_histories(rank: int, world_size: int, layout: list[str], tmp: str) -> None:
+    """fp8_delayed under `layout`, 3 steps: the losses are one process's (`loss_rtol`); every rank's amax histories
+    (rings and the step's pending max) are saved for the test to compare."""
+    import torch
+
+    from megalm.precision.install import amax_history_tensors
+
+    model = [*MODEL, "precision=fp8_delayed", "precision.autocast=false"]
+    one = Trainer(compose_config(*model), f"{tmp}/one{rank}", mesh=ParallelMesh(ParallelDims()))
+    par = Trainer(compose_config(*model, *layout), f"{tmp}/par")
+    for step in range(3):
+        a, b = one.train_step(step).loss, par.train_step(step).loss
+        assert abs(a - b) <= 1e-4 * abs(a), f"{layout} step {step}: loss {b} vs one process's {a}"
+    for name, trainer in (("one", one), ("par", par)):  # keys "amax/<layout>/<layer>/<tensor>/<part>"
+        torch.save({key.split("/", 2)[2]: value for key, value in amax_history_tensors(trainer.model, "").items()},
+                   f"{tmp}/{name}{rank}.pt")
+
+
+@pytest.mark.parametrize("layout", [["parallel.dp=2"], ["parallel.cp=2"]], ids=["dp2", "cp2"])
+def test_delayed_scaling_histories_agree_over_the_batch_s_ranks(tmp_path, layout):
+    """A DP rank sees its micro-batches, a CP rank its half of each: their amaxes are maxed over the ranks after each
+    step's backward, so every rank casts the next step with the same scales, one process's under DP (unreduced, dp
+    rank 1's x history of the first layer read 3.72 where one process's read 3.89). Under CP the first step scales
+    by each shard's current amax (as current scaling does; docs/guide.md), so the runs part by ~4e-5 there and
+    the histories, equal on the ring's ranks, follow their own run."""
+    import torch
+
+    run_distributed(check_delayed_histories, 2, layout, str(tmp_path), timeout=240)
+    ranks = [torch.load(tmp_path / f"par{rank}.pt") for rank in (0, 1)]
+    one = torch.load(tmp_path / "one0.pt")
+    assert ranks[0].keys() == ranks[1].keys() == one.keys() and any(k.endswith("/history") for k in one)
+    for key, value in ranks[0].items():
+        assert torch.equal(ranks[1][key], value), f"{layout} {key}: the ranks' histories differ"
+        if layout == ["parallel.dp=2"]:
+            torch.testing.assert_close(value, one[key], rtol=1e-5, atol=0, msg=f"{key}: not one process's")
