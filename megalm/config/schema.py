@@ -368,8 +368,9 @@ class PrecisionConfig:
     built in Python keeps fp32."""
     forward: ForwardFormat | None = None
     """mxfp4 recipes: the forward GEMM in bf16 (None) or fp8."""
-    skip: list[str] = field(default_factory=list)
-    """fnmatch patterns of linear layers kept in bf16."""
+    skip: list[str] | None = None
+    """fnmatch patterns of linear layers the fp8/mx recipes keep in bf16; None: [output] (the head), under
+    `precision=fp8` and `precision.name=fp8` alike. Not read by fp32, bf16 or bf16_autocast (refused there)."""
     backend: PrecisionBackend = PrecisionBackend.native
     """native (megalm's linears) | te (Transformer Engine's fp8 recipes, when it is installed) | torchao (torchao's
     Float8Linear, TorchTitan's fp8, for precision=fp8, when it is installed)."""

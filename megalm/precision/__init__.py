@@ -204,7 +204,7 @@ class Precision:
         """Install the recipe on the linear layers of `chunk` (a GPT or a pipeline chunk). `fsdp_shards`: the ranks
         FSDP will shard each weight's rows over (1: none), where `precision.fp8_all_gather` gathers a weight in FP8
         if its rows divide over them."""
-        name, skip = self.cfg.name, list(self.cfg.skip)
+        name, skip = self.cfg.name, skipped_layers(self.cfg)
         skipped = f", skipping {skip}" if skip else ""
         if name in WHOLE_MODEL:
             return
@@ -277,6 +277,11 @@ class Precision:
         set_precision_step(chunk, step, micro_batch, shard)
 
 
+def skipped_layers(precision: PrecisionConfig) -> list[str]:
+    """The layer patterns a recipe keeps in bf16: `precision.skip`, or by default the output head ([output])."""
+    return ["output"] if precision.skip is None else list(precision.skip)
+
+
 def _check_skip_patterns(cfg: MegalmConfig) -> None:
     """Refuse a `precision.skip` pattern that names no linear layer of the model: a typo (or a module that is not a
     linear layer, which no recipe touches) would skip nothing without a word. `output` always names the head (a
@@ -288,7 +293,7 @@ def _check_skip_patterns(cfg: MegalmConfig) -> None:
     from megalm.model.naming import canonical_named_modules
     from megalm.precision.install import expand_layer_patterns
 
-    skip = [str(pattern) for pattern in cfg.precision.skip]
+    skip = [str(pattern) for pattern in skipped_layers(cfg.precision)]
     if all(pattern == "output" for pattern in skip):
         return
     names = {name for name, module in canonical_named_modules(GPT(cfg.model, device="meta"))
@@ -342,6 +347,13 @@ def validate_precision(cfg: MegalmConfig) -> None:
     if p.bf16_weights and (p.name in WHOLE_MODEL or p.backend == "te"):
         raise ConfigError(f"precision.bf16_weights=true applies to the native fp8/mx recipes; remove it for "
                           f"precision={p.name}" + (" with precision.backend=te" if p.backend == "te" else ""))
+    if p.bf16_weights is False and p.name in WHOLE_MODEL:  # (bf16 keeps bf16 weights whatever it says)
+        raise ConfigError(f"precision.bf16_weights=false applies to the fp8/mx recipes; remove it for precision="
+                          f"{p.name}" + (" (fp32 weights under bf16 autocast: precision=bf16_autocast)"
+                                         if p.name == "bf16" else ""))
+    if p.skip and p.name in WHOLE_MODEL:
+        raise ConfigError(f"precision.skip keeps layers out of the fp8/mx recipes; precision={p.name} has no recipe "
+                          "to keep them out of: remove it")
     if p.backend == "te" and parallel.tp > 1:
         raise ConfigError(f"precision.backend=te swaps in TE's Linear, which megalm's tensor parallelism does not "
                           f"shard; use parallel.tp=1 or precision.backend=native (tp={parallel.tp})")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import typing
@@ -220,6 +221,41 @@ def test_a_precision_skip_pattern_that_names_no_layer_fails_as_one_line():
     validate_run(compose_config("precision=fp8", 'precision.skip=["output","layers.{last}.*","layers.0.mlp.*"]'))
     # a tied head is still `output`: with another pattern beside it, the check builds the model and names it
     validate_run(compose_config("precision=fp8", "model=gpt2_tiny", 'precision.skip=["output","layers.0.*"]'))
+
+
+def test_the_recipe_by_key_keeps_the_head_as_the_recipe_by_group_does():
+    """`precision.name=fp8` (over the default group) had put the head in FP8 where `precision=fp8` kept it in bf16:
+    the [output] default lived in the group's YAML only."""
+    import torch
+
+    from megalm.model import GPT
+    from megalm.precision import Precision
+    from megalm.training.validation import validate_run
+
+    for name in ("fp8", "mxfp4"):
+        notes = []
+        for override in (f"precision={name}", f"precision.name={name}"):
+            cfg = validate_run(compose_config(override))
+            converter = Precision(cfg.precision, seed=0, device=torch.device("cpu"))
+            converter.convert(GPT(cfg.model, device="meta"))
+            notes.append(converter.note)
+        assert notes[0] == notes[1] and notes[0].endswith("skipping ['output']"), notes
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["precision=bf16", "precision.bf16_weights=false"], "precision.bf16_weights=false applies to the fp8/mx recipes; "
+                                                          "remove it for precision=bf16 (fp32 weights under bf16 "
+                                                          "autocast: precision=bf16_autocast)"),
+    (["precision=bf16", "precision.skip=[outptu]"], "precision.skip keeps layers out of the fp8/mx recipes"),
+    (["precision=fp32", "precision.skip=[output]"], "precision=fp32 has no recipe"),
+])
+def test_precision_settings_no_recipe_reads_are_refused(overrides, message):
+    """Under fp32, bf16 and bf16_autocast `precision.skip` and `precision.bf16_weights=false` were accepted and did
+    nothing (a typo in skip was refused under fp8 only)."""
+    from megalm.training.validation import validate_run
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_run(compose_config(*overrides))
 
 
 def test_a_composition_is_kept_per_process_and_each_caller_gets_its_own_copy(tmp_path, monkeypatch):
