@@ -101,7 +101,7 @@ def precheck_overrides(argv: list[str]) -> None:
         config = compose_config(overrides)
         if runs:  # every rule at this process's world size, before Hydra makes a run dir a refused run would leave
             check_run(config)
-        named = [o.partition("=")[2] for o in overrides if o.partition("=")[0].lstrip("+") == "hydra.run.dir"]
+        named = [override_value(o) for o in overrides if o.partition("=")[0].lstrip("+") == "hydra.run.dir"]
         if runs:  # the run dir, before Hydra makes it and its train.log there
             value = named[-1] if named else "outputs"  # configs/config.yaml: outputs/DATE/TIME
             what = f"hydra.run.dir={value}" if named else "outputs (the default run dir is outputs/DATE/TIME)"
@@ -115,6 +115,18 @@ def precheck_overrides(argv: list[str]) -> None:
         if "debug=true" in overrides:
             raise
         fail(str(e))
+
+
+def override_value(override: str) -> str:
+    """The value of a key=value override as Hydra reads it: quoted ('/runs/7b,lr=3e-4', as the Slurm templates pass a
+    job's run dir) or not."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        return str(OverridesParser.create().parse_override(override).value())
+    except HydraException:  # Hydra refuses it itself, in its own words, when it starts
+        return override.partition("=")[2]
 
 
 def check_run(config: MegalmConfig) -> None:

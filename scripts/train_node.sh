@@ -6,6 +6,7 @@
 set -euo pipefail
 # GPUs this node gives the run (CUDA_VISIBLE_DEVICES when set; MIG slices are not GPUs), at least 1 (CPU processes)
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
-if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then gpus=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c . || true); fi
+# set, even empty (no GPU visible: CPU processes)
+if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then gpus=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c . || true); fi
 NPROC=${NPROC:-$(( gpus > 0 ? gpus : 1 ))}
 exec torchrun --standalone --nnodes 1 --nproc-per-node "$NPROC" -m megalm.train "$@"

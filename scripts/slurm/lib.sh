@@ -54,6 +54,12 @@ megalm_run_dir() {
     echo "$dir"
 }
 
+# The hydra.run.dir=... override of DIR, quoted for Hydra's override grammar: a job name may hold what the grammar
+# reads otherwise unquoted (a comma is a sweep; parentheses, '=', '[', '#' do not parse).
+megalm_run_dir_override() {  # in quotes, a run of backslashes before a quote or at the end is doubled, a quote escaped
+    printf "hydra.run.dir='%s'" "$(printf '%s' "$1" | sed -E "s/(\\\\+)('|\$)/\\1\\1\\2/g; s/'/\\\\'/g")"
+}
+
 # The rendezvous address of HEAD_NODE, looked up inside the job: the first non-loopback IPv4 address its name
 # resolves to (many clusters map a node's own name to 127.0.1.1 in /etc/hosts, which the other nodes cannot
 # reach), or, on the head node itself, this host's first address; else the name (tests/unit/test_slurm_env.py).

@@ -42,6 +42,9 @@ def nproc(tmp_path: Path, script: str, nvidia_smi: str | None, env: dict[str, st
     ("#!/bin/sh\necho 'NVIDIA-SMI has failed because it could not communicate with the driver'\nexit 9\n", {}, "1"),
     (f"#!/bin/sh\nprintf '{MIG_LINES}'\n", {}, "1"),
     (f"#!/bin/sh\nprintf '{GPU_LINES}'\n", {"CUDA_VISIBLE_DEVICES": "1"}, "1"),
+    (f"#!/bin/sh\nprintf '{GPU_LINES}'\n", {"CUDA_VISIBLE_DEVICES": "0,1"}, "2"),
+    # set but empty: no GPU visible, one CPU process (it had been read as unset: nvidia-smi's 2)
+    (f"#!/bin/sh\nprintf '{GPU_LINES}'\n", {"CUDA_VISIBLE_DEVICES": ""}, "1"),
     (f"#!/bin/sh\nprintf '{GPU_LINES}'\n", {"NPROC": "3", "NPROC_PER_NODE": "3"}, "3"),
 ])
 def test_processes_per_node(tmp_path, script, nvidia_smi, env, expected):

@@ -115,3 +115,25 @@ def test_a_job_is_requeued_when_its_processes_asked_and_none_failed_on_its_own(t
     assert (proc.returncode, requeued) == (1, False), proc.stderr
     proc, requeued = run_and_requeue(tmp_path / "single", [], 75)
     assert (proc.returncode, requeued) == (0, True), proc.stderr
+
+
+def test_a_job_s_run_dir_reaches_hydra_whatever_its_name_holds(tmp_path):
+    """The templates' hydra.run.dir=... of a job named `7b,lr=3e-4(v2)` (a comma is a sweep to Hydra, parentheses and
+    '=' do not parse unquoted: the job trained nothing and exited 1) reads back as the dir, and megalm-train's
+    pre-check reads the quoted value (here a file where the dir should be: refused with its one line)."""
+    import sys
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for name in ("7b,lr=3e-4(v2)", "it's [a] #1", "back\\slash", "ends\\", "q\\'x"):
+        script = f'source "{LIB}" >/dev/null && megalm_run_dir_override "$1"'
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MEGALM_ROOT": str(ROOT), "MEGALM_LAUNCH": "stand-in"}
+        proc = subprocess.run(["bash", "-c", script, "_", f"/runs/{name}-42"], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert parser.parse_override(proc.stdout).value() == f"/runs/{name}-42", proc.stdout
+    taken = tmp_path / "7b,lr=3e-4(v2)-42"
+    taken.write_text("")
+    proc = subprocess.run([sys.executable, "-m", "megalm.train", f"hydra.run.dir='{taken}'"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and f"hydra.run.dir={taken} is a file" in proc.stderr, proc.stderr
