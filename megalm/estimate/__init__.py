@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 from typing import Any
 
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--search", action="store_true", help="enumerate the layouts that fit, best tokens/s first "
                         "(the overrides give the model, sequence length, batch and precision)")
-    parser.add_argument("--top", type=int, default=5, help="--search: how many layouts to confirm and print")
+    parser.add_argument("--top", type=int, help="--search: how many layouts to confirm and print (default 5)")
     parser.add_argument("--gpu-memory", type=float, help="--search: GiB of device memory per GPU (default: --gpu's)")
     args = parser.parse_intermixed_args(argv)  # overrides before and after the flags
     logging.getLogger("megalm").setLevel(logging.WARNING)  # the trainers' start-up lines are not the answer
@@ -77,15 +78,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.world < 1:
             raise ConfigError(f"--world {args.world} must be >= 1 (the number of GPUs of the run)")
-        if args.top < 1:
+        if args.top is not None and args.top < 1:
             raise ConfigError(f"--top {args.top} must be >= 1")
-        if args.gpu_memory is not None and args.gpu_memory <= 0:
-            raise ConfigError(f"--gpu-memory {args.gpu_memory} must be > 0 GiB (or left out for --gpu's)")
+        if args.gpu_memory is not None and not 0 < args.gpu_memory < math.inf:  # (NaN fails both)
+            raise ConfigError(f"--gpu-memory {args.gpu_memory} must be a finite number > 0 GiB (or left out for "
+                              "--gpu's)")
+        unread = [flag for flag, value in (("--top", args.top), ("--gpu-memory", args.gpu_memory))
+                  if value is not None and not args.search]
+        if unread:
+            raise ConfigError(f"{' and '.join(unread)} apply to --search; add --search, or drop them")
         given = gpu_precision(args.overrides)
         with contextlib.redirect_stdout(sys.stderr):
             if args.search:
                 memory = int(args.gpu_memory * GIB) if args.gpu_memory else None
-                result = search([*given, *cpu_run], args.world, args.gpu, args.top, memory_bytes=memory)
+                result = search([*given, *cpu_run], args.world, args.gpu, args.top or 5, memory_bytes=memory)
                 if not result["layouts"]:
                     raise ConfigError(
                         f"none of the {result['confirmed']} layouts the estimator ran (of {result['fit_closed_form']}"
