@@ -51,6 +51,17 @@ def format_line(record: dict[str, Any], max_steps: int) -> str:
     return " | ".join(parts)
 
 
+def check_logging_backends(cfg: LoggingConfig) -> None:
+    """The logging backends asked for are installed: one-line ConfigErrors, checked with the config's other rules
+    (`validate_run`), before a run dir is made and the model built."""
+    if cfg.tensorboard is True and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logging.tensorboard=true but tensorboard is not installed; "
+                          "pip install tensorboard or set logging.tensorboard=false")
+    if cfg.wandb.enabled and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb.enabled=true but wandb is not installed; pip install wandb "
+                          "or set logging.wandb.enabled=false")
+
+
 class MetricsLogger:
     """Fan-out of metric records; only the process that owns it (rank 0) should create one."""
 
@@ -59,6 +70,7 @@ class MetricsLogger:
         """`start_step`: the step the run (re)starts from. A resumed run appends: the records of steps after it,
         which an earlier attempt logged before it stopped, stay in metrics.jsonl (megalm-plot draws the last
         attempt's), while TensorBoard drops them (its `purge_step`)."""
+        check_logging_backends(cfg)  # (validate_run has: a logger built on its own checks again)
         self.max_steps = max_steps
         self.started = time.perf_counter()
         self._first: tuple[int, float] | None = None  # (step, time) of the first record: the rate's origin
@@ -73,12 +85,8 @@ class MetricsLogger:
 
     @staticmethod
     def _open_tensorboard(run_dir: Path, wanted: bool | None, start_step: int):
-        installed = importlib.util.find_spec("tensorboard") is not None
-        if wanted is False or (wanted is None and not installed):
+        if wanted is False or (wanted is None and importlib.util.find_spec("tensorboard") is None):
             return None
-        if not installed:
-            raise ConfigError("logging.tensorboard=true but tensorboard is not installed; "
-                              "pip install tensorboard or set logging.tensorboard=false")
         from torch.utils.tensorboard import SummaryWriter
 
         purge = start_step + 1 if start_step else None  # the first step this attempt logs: later events are stale
@@ -86,9 +94,6 @@ class MetricsLogger:
 
     @staticmethod
     def _open_wandb(run_dir: Path, cfg: LoggingConfig, config_dict: dict | None):
-        if importlib.util.find_spec("wandb") is None:
-            raise ConfigError("logging.wandb.enabled=true but wandb is not installed; pip install wandb "
-                              "or set logging.wandb.enabled=false")
         import wandb
 
         os.environ.setdefault("WANDB_MODE", cfg.wandb.mode)

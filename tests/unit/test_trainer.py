@@ -232,11 +232,17 @@ def test_tensorboard_and_wandb_offline_receive_the_metrics(tmp_path, monkeypatch
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_wandb_enabled_but_missing_is_a_config_error(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` and find_spec fail
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else _find(name, *a))
-    with pytest.raises(ConfigError, match="pip install wandb"):
-        Trainer(compose_config("trainer.max_steps=1", "logging.wandb.enabled=true"), tmp_path).fit()
+@pytest.mark.parametrize("override, package", [("logging.wandb.enabled=true", "wandb"),
+                                               ("logging.tensorboard=true", "tensorboard")])
+def test_a_logger_asked_for_but_missing_is_a_config_error_before_the_run(tmp_path, monkeypatch, override, package):
+    """Refused with the config's rules (megalm-train's pre-check runs them before Hydra makes the run dir): it had been
+    refused only when the trainer opened its loggers, after the data and the model were built."""
+    from megalm.training.validation import validate_run
+
+    monkeypatch.setitem(sys.modules, package, None)  # makes `import wandb` and find_spec fail
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else _find(name, *a))
+    with pytest.raises(ConfigError, match=f"pip install {package}"):
+        validate_run(compose_config("trainer.max_steps=1", override))
 
 
 _find = importlib.util.find_spec
