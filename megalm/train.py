@@ -25,13 +25,14 @@ from omegaconf import DictConfig, OmegaConf
 from megalm.config import (
     MegalmConfig,
     TrainerConfig,
+    config_to_dict,
     process_group_minutes,
     register_schema,
     schema_default,
     to_dataclass,
 )
 from megalm.config.compose import CONFIG_DIR, compose_config  # noqa: F401 (tools import them from here)
-from megalm.errors import REQUEUE_EXIT_CODE, ConfigError, MegalmError
+from megalm.errors import REQUEUE_EXIT_CODE, CheckpointError, ConfigError, MegalmError
 
 log = logging.getLogger("megalm")
 # the signals megalm-train catches from its start (trainer.preempt_signals's default), until its config says which
@@ -110,8 +111,10 @@ def precheck_overrides(argv: list[str]) -> None:
                 raise ConfigError(f"{what} is a file; choose a directory (hydra.run.dir: new, or a run's to continue)")
             if named and run_dir.is_dir():
                 check_run_dir(run_dir)
+                if runs:
+                    check_own_checkpoints(run_dir, config)
             check_creatable(run_dir, what)
-    except ConfigError as e:
+    except (ConfigError, CheckpointError) as e:
         if "debug=true" in overrides:
             raise
         fail(str(e))
@@ -173,6 +176,28 @@ def check_run_dir(run_dir: Path) -> None:
     elif metrics.exists():
         raise ConfigError(f"{metrics} exists without the config.yaml of the run that wrote it, and a run would add "
                           "to it; choose a new or empty run dir (hydra.run.dir; hydra.sweep.dir under -m)")
+
+
+def check_own_checkpoints(run_dir: Path, config: MegalmConfig) -> None:
+    """What the trainer refuses of a run dir's own latest checkpoint that a glance at it shows (another model's shapes,
+    or trainer.resume=never), refused before Hydra rewrites the dir's .hydra/ and config.yaml with this command (the
+    record of the command that wrote the checkpoints was lost)."""
+    from megalm.config.checks import resolve_model_defaults
+    from megalm.training import checkpoint as ckpt
+
+    latest = ckpt.latest_checkpoint(run_dir)
+    if latest is None or config.trainer.resume not in ("auto", "never"):  # a PATH: the trainer's to resolve
+        return
+    if config.trainer.resume == "never":
+        raise CheckpointError(f"run dir {run_dir} already has checkpoints ({latest.name}); use trainer.resume=auto "
+                              "to continue it or choose a new hydra.run.dir")
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(latest / "config.yaml"))
+    except Exception:  # any unreadable config: the trainer's checks name the damage
+        return
+    if isinstance(saved, dict) and isinstance(saved.get("model"), dict):
+        current = config_to_dict(resolve_model_defaults(config.model))
+        ckpt.check_model_config(saved["model"], current, latest)
 
 
 def shared_run_dir(own_dir: Path, config) -> tuple[Path, int]:

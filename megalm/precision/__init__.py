@@ -278,8 +278,11 @@ class Precision:
 
 
 def skipped_layers(precision: PrecisionConfig) -> list[str]:
-    """The layer patterns a recipe keeps in bf16: `precision.skip`, or by default the output head ([output])."""
-    return ["output"] if precision.skip is None else list(precision.skip)
+    """The layer patterns a recipe keeps in bf16: `precision.skip`, or by default the output head ([output]); none
+    without a recipe (fp32, bf16)."""
+    if precision.skip is None:
+        return [] if str(precision.name) in WHOLE_MODEL else ["output"]
+    return list(precision.skip)
 
 
 def _check_skip_patterns(cfg: MegalmConfig) -> None:

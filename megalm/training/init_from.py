@@ -28,23 +28,11 @@ from megalm.model.gpt import VOCAB_PARAMS, resize_vocab_rows
 from megalm.model.hf import model_config_dict, read_hf_model
 from megalm.model.naming import canonical_named_buffers, canonical_named_parameters
 from megalm.model.shard import copy_full_value, shard_specs
-from megalm.training.checkpoint import LoadedCheckpoint, check_model_config, load_saved_model
+from megalm.training.checkpoint import LoadedCheckpoint, check_model_config, function_differences, load_saved_model
 from megalm.training.optim import full_precision_weights
 
 log = logging.getLogger("megalm")
 HF_PREFIX = "hf:"
-# Not part of the shape check, but they change the function the weights compute: named in a warning.
-FUNCTION_KEYS = ("rope_theta", "norm_eps", "moe.top_k", "moe.norm_topk_prob", "moe.router_score",
-                 "moe.routed_scaling_factor")  # moe.*: how an MoE router routes (the model's own experts only)
-
-
-def _key(model: dict[str, Any], key: str) -> Any:
-    """`key` of a model config dict; `moe.x` inside its moe section (None on a dense model)."""
-    section, _, name = key.rpartition(".")
-    if section:
-        moe = model.get(section) or {}
-        return moe.get(name) if moe.get("num_experts") else None
-    return model.get(key)
 
 
 def validate_init_from(spec: str | None) -> None:
@@ -91,8 +79,7 @@ def load_init_weights(spec: str, model: nn.Module, run_model: dict[str, Any], op
     fp32 main weights `optimizer` keeps behind them. Returns a log description."""
     where, path, source, weights = read_init_weights(spec)
     check_model_config(source, run_model, path)
-    differing = [f"{k}={_key(source, k)} (this run: {_key(run_model, k)})" for k in FUNCTION_KEYS
-                 if _key(source, k) != _key(run_model, k)]
+    differing = function_differences(source, run_model)
     if differing:
         log.warning(f"model.init_from: the source differs in {', '.join(differing)}; its weights will compute "
                     "another function — set them to match unless that is intended")

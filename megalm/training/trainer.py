@@ -118,6 +118,7 @@ class Trainer:
         if self.cfg.model.init_from:
             log.info(f"model.init_from={self.cfg.model.init_from} not used: resuming from {path}")
         ckpt.check_model_config(meta.config.get("model", {}), self.config_dict["model"], path)
+        ckpt.note_function_change(meta.config.get("model", {}), self.config_dict["model"], path)
         ckpt.check_same_data_order(meta.state, ckpt.data_order(self.cfg, self.data.blend), path)
         ckpt.note_precision_change(meta.config.get("precision", {}), self.config_dict["precision"], path)
         ckpt.note_schedule_change(meta.config, self.cfg, step, path)

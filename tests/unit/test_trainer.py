@@ -133,6 +133,21 @@ def test_resume_refuses_other_model_and_changed_data_order(tmp_path):
         Trainer(compose_config("trainer.max_steps=4", "trainer.resume=never"), tmp_path)
 
 
+def test_a_resume_that_changes_what_the_model_computes_is_said(tmp_path, caplog):
+    """A resume with another model.rope_theta or dropout loads (no tensor changes shape) and continues another function
+    than the run it resumes: one warning line names the keys (it had said nothing; model.init_from did)."""
+    import logging
+
+    Trainer(compose_config("trainer.max_steps=1"), tmp_path).fit()
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        Trainer(compose_config("trainer.max_steps=2"), tmp_path)
+        assert not [r for r in caplog.records if "was trained with model." in r.getMessage()]
+        Trainer(compose_config("trainer.max_steps=2", "model.rope_theta=100", "model.dropout=0.1"), tmp_path)
+    said = [r.getMessage() for r in caplog.records if "was trained with model." in r.getMessage()]
+    assert len(said) == 1 and "model.rope_theta=10000.0 (this run: 100.0), model.dropout=0.0 (this run: 0.1)" in \
+        said[0], said
+
+
 def test_a_run_started_from_another_s_checkpoint_continues_its_own_when_requeued(tmp_path, caplog):
     """trainer.resume=PATH starts a run from another run's checkpoint; the same command again (a Slurm requeue, a
     torchrun restart) continues the run dir's own checkpoints rather than going back to PATH, or refusing them, as
@@ -297,3 +312,26 @@ def test_the_summary_suggests_sampling_only_from_a_run_with_text(tmp_path):
     text = Trainer(compose_config("trainer.max_steps=1", "data=demo"), tmp_path / "demo").fit()
     assert not any("megalm-generate" in line for line in synthetic.lines(1, 0.0))
     assert any(line.startswith("sample from it: megalm-generate") for line in text.lines(1, 0.0))
+
+
+def test_a_refused_resume_leaves_the_run_dir_s_record_of_its_command(tmp_path):
+    """Continuing a run dir with another model's shapes (or trainer.resume=never) is refused by megalm-train's
+    pre-check, before Hydra rewrites the dir's .hydra/ and config.yaml: the trainer refused it too, but only after
+    the record of the command that wrote the checkpoints had been replaced by the refused one."""
+    import os
+    import subprocess
+
+    from tests.conftest import TINY
+
+    run = tmp_path / "run"
+    base = [sys.executable, "-m", "megalm.train", *TINY, "trainer.max_steps=1", "optim.warmup_steps=0",
+            f"hydra.run.dir={run}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    assert subprocess.run(base, capture_output=True, text=True, timeout=300, env=env).returncode == 0
+    record = {p: p.read_text() for p in (run / ".hydra" / "overrides.yaml", run / "config.yaml")}
+    for extra, message in ((["model.hidden_size=128"], "is from another model: hidden_size=64 (this run: 128)"),
+                           (["trainer.resume=never"], "already has checkpoints (step_00000001)")):
+        proc = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=300, env=env)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+        assert {p: p.read_text() for p in record} == record

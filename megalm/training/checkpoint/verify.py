@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from megalm.config import config_to_dict
 from megalm.errors import CheckpointError
-from megalm.precision import recipe_on_bf16_weights
+from megalm.precision import recipe_on_bf16_weights, skipped_layers
 from megalm.training.checkpoint.layout import (
     CHECKPOINTS,
     FORMAT_VERSION,
@@ -204,6 +204,39 @@ def check_model_config(saved: dict[str, Any], current: dict[str, Any], path: Pat
                               "model=... overrides or a new hydra.run.dir")
 
 
+# Not part of the shape check, but they change the function the weights compute: named in a warning (model.init_from
+# and a resume)
+FUNCTION_KEYS = ("rope_theta", "norm_eps", "moe.top_k", "moe.norm_topk_prob", "moe.router_score",
+                 "moe.routed_scaling_factor")  # moe.*: how an MoE router routes (the model's own experts only)
+# ... and what a resume continues to train with (a fine-tune from another model's weights changes them at will)
+TRAINING_KEYS = ("dropout", "attention_dropout", "moe.capacity_factor")
+
+
+def _model_key(model: dict[str, Any], key: str) -> Any:
+    """`key` of a model config dict; `moe.x` inside its moe section (None on a dense model)."""
+    section, _, name = key.rpartition(".")
+    if section:
+        moe = model.get(section) or {}
+        return moe.get(name) if moe.get("num_experts") else None
+    return model.get(key)
+
+
+def function_differences(source: dict[str, Any], run: dict[str, Any], keys: tuple[str, ...] = FUNCTION_KEYS,
+                         ) -> list[str]:
+    """`key=value (this run: value)` for each of `keys` on which two model config dicts differ."""
+    return [f"{k}={_model_key(source, k)} (this run: {_model_key(run, k)})" for k in keys
+            if _model_key(source, k) != _model_key(run, k)]
+
+
+def note_function_change(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    """One warning line when a resume changes what the model computes or trains with, beyond its shapes (a mistyped
+    model.rope_theta): it loads, and the losses part from the run it continues."""
+    diffs = function_differences(saved, current, FUNCTION_KEYS + TRAINING_KEYS)
+    if saved and diffs:
+        log.warning(f"checkpoint {path} was trained with model.{', model.'.join(diffs)}; it loads, and trains on "
+                    "another function unless they are set back")
+
+
 def data_order(cfg: Any, blend: Any) -> dict[str, Any]:
     """What fixes the samples of every step (of a MegalmConfig, and the data's resolved `blend`: [[weight, prefix],
     ...]): a resumed run must have the same (`check_same_data_order`)."""
@@ -253,7 +286,8 @@ def note_precision_change(saved: dict[str, Any], current: dict[str, Any], path: 
     def resolved(section: dict[str, Any], before_the_key: bool) -> dict[str, Any]:
         unset = False if before_the_key else None  # before the key, the recipes trained fp32 weights
         as_set = SimpleNamespace(**{**section, "bf16_weights": section.get("bf16_weights", unset)})
-        return {**section, "bf16_weights": recipe_on_bf16_weights(as_set)}
+        skip = skipped_layers(SimpleNamespace(name=section.get("name"), skip=section.get("skip")))  # None: default
+        return {**section, "bf16_weights": recipe_on_bf16_weights(as_set), "skip": skip}
 
     was, now = resolved(saved, before_the_key="bf16_weights" not in saved), resolved(current, before_the_key=False)
     # a key the checkpoint's section lacks was added to megalm after it: only bf16_weights has a rule for that
