@@ -30,7 +30,7 @@ from megalm.config.choices import (
     RouterScore,
     WandbMode,
 )
-from megalm.config.schema import MegalmConfig, ModelConfig, MoEConfig, ParallelConfig
+from megalm.config.schema import MegalmConfig, ModelConfig, MoEConfig, OptimConfig, ParallelConfig
 from megalm.errors import ConfigError
 
 log = logging.getLogger("megalm")
@@ -243,7 +243,12 @@ def validate_model(model: ModelConfig) -> None:
 def validate(cfg: MegalmConfig) -> MegalmConfig:
     """Check the cross-field rules of the model, trainer, optim, data and logging sections; fill derived
     defaults. Returns the same (mutated) config."""
+    given = cfg.model.padded_vocab_size
     resolve_model_defaults(cfg.model, tp=cfg.parallel.tp)
+    if given is not None and given != cfg.model.padded_vocab_size:
+        log.warning(f"model.padded_vocab_size={given} is derived, not read: the run pads model.vocab_size="
+                    f"{cfg.model.vocab_size} to {cfg.model.padded_vocab_size} (a multiple of "
+                    "model.make_vocab_size_divisible_by x parallel.tp); set make_vocab_size_divisible_by instead")
     validate_model(cfg.model)
 
     t = cfg.trainer
@@ -301,6 +306,10 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
         log.warning(f"optim.warmup_steps={o.warmup_steps} >= trainer.max_steps={t.max_steps}: the learning rate "
                     f"warms up for the whole run (it ends at {t.max_steps / o.warmup_steps:.0%} of "
                     f"optim.lr={o.lr}) and never decays")
+    if o.schedule != "wsd" and o.wsd_decay_fraction != schema_default(OptimConfig, "wsd_decay_fraction"):
+        log.warning(f"optim.wsd_decay_fraction={o.wsd_decay_fraction} is read by the wsd schedule only: "
+                    f"optim.schedule={o.schedule} " + ("does not decay" if o.schedule == "constant" else
+                                                       "decays over optim.decay_steps (null: to trainer.max_steps)"))
     if o.decay_steps is not None and o.schedule in ("wsd", "constant"):
         log.warning(f"optim.decay_steps={o.decay_steps} is read by the cosine and linear schedules only: "
                     f"optim.schedule={o.schedule} " + ("decays over optim.wsd_decay_fraction of the run"

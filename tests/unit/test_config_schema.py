@@ -183,8 +183,8 @@ def test_a_recompute_that_is_no_mode_nor_a_list_fails_as_one_line(override, mess
 
 
 def test_schedule_settings_that_cannot_act_are_said(caplog):
-    """A warmup as long as the run (the learning rate never decayed) and decay_steps under a schedule that
-    does not read it were accepted without a word."""
+    """A warmup as long as the run (the learning rate never decayed), decay_steps or wsd_decay_fraction under a
+    schedule that does not read it, and a padded vocab set by hand (derived) were accepted without a word."""
     import logging
 
     with caplog.at_level(logging.WARNING, logger="megalm"):
@@ -192,8 +192,16 @@ def test_schedule_settings_that_cannot_act_are_said(caplog):
         config.validate(compose_config("optim.schedule=wsd", "optim.decay_steps=50"))
         config.validate(compose_config("trainer.max_steps=30", "optim.warmup_steps=3", "optim.schedule=cosine",
                                        "optim.decay_steps=20"))
+        config.validate(compose_config("optim.schedule=wsd", "optim.wsd_decay_fraction=0.5"))
+        config.validate(compose_config("optim.schedule=cosine", "optim.wsd_decay_fraction=0.5"))  # the mirror case
+        config.validate(compose_config("model.padded_vocab_size=1000"))  # derived: the run pads to 320
+        config.validate(compose_config("model.padded_vocab_size=320"))  # what it derives: nothing to say
     lines = [r.message for r in caplog.records]
-    assert len(lines) == 2, lines
+    assert len(lines) == 4, lines
+    assert lines[2] == ("optim.wsd_decay_fraction=0.5 is read by the wsd schedule only: optim.schedule=cosine decays "
+                        "over optim.decay_steps (null: to trainer.max_steps)")
+    assert lines[3].startswith("model.padded_vocab_size=1000 is derived, not read: the run pads model.vocab_size=320 "
+                               "to 320")
     assert lines[0] == ("optim.warmup_steps=40 >= trainer.max_steps=30: the learning rate warms up for the whole run "
                         "(it ends at 75% of optim.lr=0.003) and never decays")
     assert lines[1].startswith("optim.decay_steps=50 is read by the cosine and linear schedules only: "
