@@ -209,6 +209,15 @@ def _rope_theta(hf: Mapping[str, Any], where: str) -> float:
     return float(params.get("rope_theta", hf["rope_theta"]))
 
 
+def _whole(hf: Mapping[str, Any], key: str, where: str) -> int:
+    """config.json's `key` as a whole number (2.0 is 2); 2.5 or a string is an InteropError naming it: int() had
+    dropped the fraction, and the tensors of the layers it dropped were reported missing later."""
+    value = hf[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise InteropError(f"{where}: {key}={value!r} must be a whole number; fix config.json")
+    return int(value)
+
+
 def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelConfig]:
     """(architecture, megalm ModelConfig) for a transformers config.json, or InteropError naming what megalm
     cannot compute. A key the file omits takes its architecture's transformers default (HF_DEFAULTS)."""
@@ -231,16 +240,17 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelC
             raise InteropError(f"{where}: {'/'.join(bias)}=true; megalm's Llama-style model has no biases")
         if hf["hidden_act"] != "silu":
             raise InteropError(f"{where}: hidden_act={hf['hidden_act']}; megalm's SwiGLU uses silu")
-        hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        max_pos = int(hf["max_position_embeddings"])
+        hidden, heads = _whole(hf, "hidden_size", where), _whole(hf, "num_attention_heads", where)
+        max_pos = _whole(hf, "max_position_embeddings", where)
         kwargs = dict(norm="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
-                      num_layers=int(hf["num_hidden_layers"]), hidden_size=hidden, num_heads=heads,
-                      num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                      ffn_hidden_size=int(hf["intermediate_size"]), norm_eps=float(hf["rms_norm_eps"]),
+                      num_layers=_whole(hf, "num_hidden_layers", where), hidden_size=hidden, num_heads=heads,
+                      num_kv_heads=(_whole(hf, "num_key_value_heads", where) if hf.get("num_key_value_heads")
+                                    else heads),
+                      ffn_hidden_size=_whole(hf, "intermediate_size", where), norm_eps=float(hf["rms_norm_eps"]),
                       rope_theta=_rope_theta(hf, where), max_position_embeddings=max_pos,
                       tie_embeddings=bool(hf["tie_word_embeddings"]),
                       attention_dropout=float(hf["attention_dropout"]),
-                      head_dim=int(hf["head_dim"]) if hf.get("head_dim") is not None else None)
+                      head_dim=_whole(hf, "head_dim", where) if hf.get("head_dim") is not None else None)
         if model_type != LLAMA:
             try:
                 extra, moe = moe_config_from_hf(hf, model_type)
@@ -258,15 +268,19 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelC
                 raise InteropError(f"{where}: {key}={hf[key]}; megalm's attention needs {key}={wanted}")
         if not hf["tie_word_embeddings"]:
             raise InteropError(f"{where}: tie_word_embeddings=false; megalm's GPT-2 style ties the head to wte")
-        hidden = int(hf["n_embd"])
-        max_pos = int(hf["n_positions"])
+        hidden = _whole(hf, "n_embd", where)
+        max_pos = _whole(hf, "n_positions", where)
         kwargs = dict(norm="layernorm", activation="gelu", position_embedding="learned", bias=True,
-                      tie_embeddings=True, num_layers=int(hf["n_layer"]), hidden_size=hidden,
-                      num_heads=int(hf["n_head"]), num_kv_heads=int(hf["n_head"]),
-                      ffn_hidden_size=int(hf.get("n_inner") or 4 * hidden),
+                      tie_embeddings=True, num_layers=_whole(hf, "n_layer", where), hidden_size=hidden,
+                      num_heads=_whole(hf, "n_head", where), num_kv_heads=_whole(hf, "n_head", where),
+                      ffn_hidden_size=_whole(hf, "n_inner", where) if hf.get("n_inner") else 4 * hidden,
                       norm_eps=float(hf["layer_norm_epsilon"]), max_position_embeddings=max_pos,
                       dropout=float(hf["resid_pdrop"]), attention_dropout=float(hf["attn_pdrop"]))
-    cfg = ModelConfig(name=f"hf-{model_type}", vocab_size=int(hf["vocab_size"]), seq_length=min(max_pos, 2048),
+    if max_pos < 1:  # (the run's seq_length is min(it, 2048): its error would name a key the file does not have)
+        key = "max_position_embeddings" if model_type in LLAMA_FAMILY else "n_positions"
+        raise InteropError(f"{where}: {key}={max_pos} must be >= 1; fix config.json")
+    cfg = ModelConfig(name=f"hf-{model_type}", vocab_size=_whole(hf, "vocab_size", where),
+                      seq_length=min(max_pos, 2048),
                       init_std=float(hf["initializer_range"]), **kwargs)
     if moe is not None:
         cfg.moe = moe

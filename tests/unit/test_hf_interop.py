@@ -244,7 +244,13 @@ BAD_IMPORTS = {
     "config_lacks_a_key": (lambda d: (d / "config.json").write_text(json.dumps(
         {k: v for k, v in json.loads((d / "config.json").read_text()).items() if k != "hidden_size"})),
         "lacks 'hidden_size'"),
-    "config_wrong_type": (lambda d: _edit_config(d, hidden_size="abc"), "holds a value of the wrong type"),
+    "config_wrong_type": (lambda d: _edit_config(d, hidden_size="abc"), "hidden_size='abc' must be a whole number"),
+    "config_wrong_float": (lambda d: _edit_config(d, rms_norm_eps="abc"), "holds a value of the wrong type"),
+    # int() dropped the fraction, and the layers past it were reported missing (found by an audit)
+    "config_fractional": (lambda d: _edit_config(d, num_hidden_layers=2.5), "num_hidden_layers=2.5 must be a whole"),
+    # named as model.seq_length=0, a key the file does not have
+    "config_no_positions": (lambda d: _edit_config(d, max_position_embeddings=0),
+                            "max_position_embeddings=0 must be >= 1"),
     "index_map_a_list": (lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": [1]}'),
                          "is not a safetensors index"),
 }
