@@ -152,17 +152,17 @@ def compute_dtype(precision: PrecisionConfig | str) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def autocast(precision: PrecisionConfig | str, device: torch.device) -> Iterator[None]:
+def autocast(precision: PrecisionConfig | str, device: torch.device, amax_group: object = None) -> Iterator[None]:
     """bf16 autocast around forward passes (fp32 weights): for bf16_autocast, and for the low-precision
     recipes unless `precision.autocast` is false (then everything but the recipe's GEMMs runs in fp32);
     plus TE's fp8_autocast when the recipe runs on Transformer Engine. Nothing is entered before the
-    `with`. `precision` is a PrecisionConfig or a recipe name."""
+    `with`. `precision` is a PrecisionConfig or a recipe name; `amax_group` the group TE reduces amaxes over."""
     name = getattr(precision, "name", precision)
     with contextlib.ExitStack() as stack:
         if autocasts(precision):
             stack.enter_context(torch.autocast(device_type=device.type, dtype=torch.bfloat16))
         if uses_transformer_engine(name, getattr(precision, "backend", "native"), device):
-            stack.enter_context(te.te_autocast(name))
+            stack.enter_context(te.te_autocast(name, amax_group))
         yield
 
 
@@ -172,6 +172,7 @@ class Precision:
 
     def __init__(self, cfg: PrecisionConfig, seed: int, device: torch.device):
         self.cfg, self.seed, self.device = cfg, seed, device
+        self.amax_group = None  # the ranks that split the batch (set by the parallelism): TE reduces amaxes over it
         self.weights_version = WeightsVersion()  # shared by the layers' states of every chunk it converts
         self.on_te = uses_transformer_engine(cfg.name, cfg.backend, device)
         # FP8 GEMMs on a GPU (TE's, or torch._scaled_mm) need the token count divisible by 16: pad micro-batches
@@ -251,7 +252,7 @@ class Precision:
                 lambda *_: torchao_fp8.precompute_weight_scales(chunks))
 
     def forward_context(self) -> contextlib.AbstractContextManager:
-        return autocast(self.cfg, self.device)
+        return autocast(self.cfg, self.device, self.amax_group)
 
     @property
     def quantizes_weights(self) -> bool:

@@ -63,11 +63,13 @@ def te_recipe(name: str):
     raise ValueError(f"precision={name} has no Transformer Engine recipe; TE runs {', '.join(TE_RECIPES)}")
 
 
-def te_autocast(name: str) -> contextlib.AbstractContextManager:
-    """TE's fp8 autocast with the recipe for `name`, around a forward pass."""
+def te_autocast(name: str, amax_group: object = None) -> contextlib.AbstractContextManager:
+    """TE's fp8 autocast with the recipe for `name`, around a forward pass. `amax_group`: the ranks that split the
+    batch (data and context parallel), over which TE reduces its amaxes, as Megatron passes its amax group; TE's
+    default (None) is the whole world, which under pipeline parallelism mixes stages of other layers."""
     import transformer_engine.pytorch as te
 
-    return te.fp8_autocast(enabled=True, fp8_recipe=te_recipe(name))
+    return te.fp8_autocast(enabled=True, fp8_recipe=te_recipe(name), fp8_group=amax_group)
 
 
 def apply_te(model: nn.Module, name: str, skip: list[str] | tuple[str, ...] = ()) -> int:

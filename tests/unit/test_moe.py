@@ -296,7 +296,8 @@ def test_moe_tiny_trains_logs_load_and_resumes_its_bias(tmp_path, make_config):
     (2, ["data.varlen=true", "trainer.tokens_per_step=256", "model.moe.capacity_factor=1.0",
          "model.moe.aux_loss_coeff=0"],
      "tokens_per_step with model.moe.capacity_factor=1.0 over dp > 1")],
-    ids=["hsdp_ep", "hdp_switch", "hdp_capacity", "hdp_ep", "ep_not_experts", "ep_not_domain", "ep0", "ep_dense", "compiled_fp32", "budget_aux",
+    ids=["hsdp_ep", "hdp_switch", "hdp_capacity", "hdp_ep", "ep_not_experts", "ep_not_domain", "ep0", "ep_dense",
+         "compiled_fp32", "budget_aux",
          "budget_capacity"])
 def test_layouts_not_built_for_moe_are_refused_in_one_line(make_config, world, overrides, message):
     from megalm.training.validation import validate_run

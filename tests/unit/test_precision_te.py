@@ -46,8 +46,9 @@ def fake_te(monkeypatch):
             return super().forward(x)
 
     @contextlib.contextmanager
-    def fp8_autocast(enabled=False, fp8_recipe=None):
+    def fp8_autocast(enabled=False, fp8_recipe=None, fp8_group=None):
         state["recipes"].append(fp8_recipe)
+        state.setdefault("groups", []).append(fp8_group)
         state["active"] += 1
         try:
             yield
@@ -159,3 +160,21 @@ def test_te_version_floor_for_current_scaling(version, ok):
 def test_te_backend_config_rules(make_config, overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate_run(make_config(*overrides), world_size=2)
+
+
+def test_te_reduces_its_amaxes_over_the_ranks_that_split_the_batch(fake_te, make_config, tmp_path):
+    """TE's fp8_autocast gets the parallelism's data x context group as its amax group (Megatron passes its amax
+    group): TE's default, the whole world, would mix pipeline stages of other layers. In one process the group is
+    None; a converter given a group passes that one."""
+    import torch
+
+    from megalm.precision import Precision
+
+    trainer = one_process(make_config, tmp_path, "one", "precision=fp8_delayed", "precision.backend=te")
+    assert trainer.precision.amax_group is trainer.mesh.dp_cp_group
+    cfg = make_config("precision=fp8_delayed", "precision.backend=te").precision
+    converter, group = Precision(cfg, seed=0, device=torch.device("cpu")), object()
+    converter.amax_group = group
+    with converter.forward_context():
+        pass
+    assert fake_te["groups"][-1] is group
