@@ -63,22 +63,28 @@ def _slot_order(ranks: Sequence[int], group: dist.ProcessGroup | None) -> list[i
     return order
 
 
+def _in_order(t: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """t[order] along dim 0, and t itself where the group's ranks are in ring order (a static CP group's are): a list
+    index is copied from the host, a stream sync on CUDA in every attention layer."""
+    return t if order == sorted(order) else t[order]
+
+
 def _heads_to_tokens(x: torch.Tensor, layout: ZigzagLayout, order: list[int], group) -> torch.Tensor:
     """[T_local, H, D] zigzag shard, all heads -> [T_pad, H/N, D] padded stream, this rank's head group."""
     n, (tokens, heads, dim) = layout.n, x.shape
-    slots = x.reshape(tokens, n, heads // n, dim).permute(1, 0, 2, 3)[order]  # slot g: head group order[g]
+    slots = _in_order(x.reshape(tokens, n, heads // n, dim).permute(1, 0, 2, 3), order)  # slot g: group order[g]
     received = all_to_all(slots, group)  # slot g: tokens of ring position order[g], my head group
-    where = layout.indices[order].reshape(-1).to(x.device)  # padded-stream index of every received token
+    where = _in_order(layout.indices, order).reshape(-1).to(x.device)  # padded-stream index of each received token
     return received.reshape(n * tokens, heads // n, dim)[torch.argsort(where)]
 
 
 def _tokens_to_heads(x: torch.Tensor, layout: ZigzagLayout, order: list[int], group) -> torch.Tensor:
     """The inverse of `_heads_to_tokens`: [T_pad, H/N, D] -> [T_local, H, D]."""
     n, (_, heads, dim) = layout.n, x.shape
-    where = layout.indices[order].to(x.device)  # [N, T_local]
+    where = _in_order(layout.indices, order).to(x.device)  # [N, T_local]
     received = all_to_all(x[where], group)  # slot g: my tokens, head group order[g]
-    inverse = torch.argsort(torch.tensor(order, device=x.device))
-    return received[inverse].permute(1, 0, 2, 3).reshape(where.shape[1], n * heads, dim)
+    inverse = sorted(range(n), key=order.__getitem__)  # (a permutation's inverse, on the host)
+    return _in_order(received, inverse).permute(1, 0, 2, 3).reshape(where.shape[1], n * heads, dim)
 
 
 def ulysses_attention(
