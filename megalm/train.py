@@ -185,12 +185,9 @@ def check_own_checkpoints(run_dir: Path, config: MegalmConfig) -> None:
     from megalm.config.checks import resolve_model_defaults
     from megalm.training import checkpoint as ckpt
 
-    latest = ckpt.latest_checkpoint(run_dir)
-    if latest is None or config.trainer.resume not in ("auto", "never"):  # a PATH: the trainer's to resolve
+    latest = ckpt.latest_unless_never(run_dir, config.trainer.resume)
+    if latest is None or config.trainer.resume != "auto":  # a PATH: the trainer's to resolve
         return
-    if config.trainer.resume == "never":
-        raise CheckpointError(f"run dir {run_dir} already has checkpoints ({latest.name}); use trainer.resume=auto "
-                              "to continue it or choose a new hydra.run.dir")
     try:
         saved = OmegaConf.to_container(OmegaConf.load(latest / "config.yaml"))
     except Exception:  # any unreadable config: the trainer's checks name the damage

@@ -57,6 +57,7 @@ from megalm.estimate.rank import (
 )
 from megalm.measure.op_cost import GPUS
 from megalm.model.loss import CHUNK_BYTES
+from megalm.parallel.expert import micro_batch_settings
 from megalm.parallel.hdp.cost import ModelShape
 
 # The estimator's first-stage peak against Korthikanti et al. (34·s·h/t a layer with SP and flash attention) at
@@ -355,7 +356,7 @@ def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tu
                               "(without --search)")
         experts = Experts(moe.num_experts, moe.top_k, moe.expert_ffn_hidden_size,
                           moe.shared_ffn_hidden_size if moe.num_shared_experts else 0, moe.first_k_dense,
-                          hdp=moe.capacity_factor is None and not moe.aux_loss_coeff)
+                          hdp=not micro_batch_settings(moe))
     keys = override_keys(overrides)
     notes = [] if "trainer.global_batch_size" in keys else [SEARCH_NOTE]
     notes += (fp8_notes(cfg.precision, gpu) if gpu else []) + compile_notes(cfg)

@@ -189,6 +189,9 @@ class Precision:
             log.info("fp32 matmuls on %s: %s (precision.tf32=%s)", device, "TF32" if cfg.tf32 else "full fp32",
                      str(cfg.tf32).lower())
         self.on_torchao = cfg.backend == "torchao" and torchao_fp8.torchao_problem() is None
+        # megalm's own delayed scaling, whose amaxes `after_backward` reduces (TE reduces its own, torchao has none)
+        self.native_delayed = (cfg.name not in WHOLE_MODEL and not self.on_te and not self.on_torchao
+                               and get_recipe(cfg.name, forward=cfg.forward).delayed)
         self.fallback = ""
         if cfg.backend == "te" and not self.on_te:
             why = transformer_engine_problem(cfg.name) or "no CUDA device"
@@ -264,12 +267,11 @@ class Precision:
         """The dtype activations reach attention in (`compute_dtype`)."""
         return compute_dtype(self.cfg)
 
-    def after_backward(self, model: nn.Module, group: dist.ProcessGroup | None) -> None:
-        """After a training step's backward on every rank of `group` (the ranks that split its batch): native delayed
-        scaling's step amaxes maxed over them, so the next step casts with one process's scales."""
-        native = self.cfg.name not in WHOLE_MODEL and not self.on_te and not self.on_torchao
-        if native and get_recipe(self.cfg.name, forward=self.cfg.forward).delayed and group is not None \
-                and dist.get_world_size(group) > 1:
+    def after_backward(self, model: nn.Module) -> None:
+        """After a training step's backward on every rank of `amax_group` (the ranks that split its batch): native
+        delayed scaling's step amaxes maxed over them, so the next step casts with one process's scales."""
+        group = self.amax_group
+        if self.native_delayed and group is not None and dist.get_world_size(group) > 1:
             reduce_amax_histories(model, group, self.device)
 
     def before_forward(self, chunk: nn.Module, step: int, micro_batch: int, shard: int = 0) -> None:

@@ -21,7 +21,6 @@ import torch
 from megalm.config import MegalmConfig, config_to_dict, process_group_minutes
 from megalm.data.build import build_datasets
 from megalm.data.dataset import SampleDataset, TokenBudgetSteps
-from megalm.errors import CheckpointError
 from megalm.model import GPT, choose_attention_backends, num_parameters
 from megalm.parallel.dims import ParallelMesh, init_distributed
 from megalm.parallel.microbatch import StepShare
@@ -101,9 +100,7 @@ class Trainer:
     def _maybe_resume(self) -> None:
         """Continue from a checkpoint (`trainer.resume`); a fresh run starts from `model.init_from` when set."""
         resume = self.cfg.trainer.resume
-        if resume == "never" and (own := ckpt.latest_checkpoint(self.run_dir)) is not None:
-            raise CheckpointError(f"run dir {self.run_dir} already has checkpoints ({own.name}); "
-                                  "use trainer.resume=auto to continue it or choose a new hydra.run.dir")
+        ckpt.latest_unless_never(self.run_dir, resume)
         if resume == "never" or (path := ckpt.resumable_checkpoint(self.run_dir, resume)) is None:
             if self.cfg.model.init_from:  # weights from elsewhere, any layout (megalm/training/init_from.py)
                 where = load_init_weights(self.cfg.model.init_from, self.model, self.config_dict["model"],

@@ -37,11 +37,11 @@ class RingTokens:
         """Every rank's rows of `t` [T_local, ...] placed in the padded stream's order [T_whole, ...] (detached)."""
         n, local = self.layout.n, t.shape[0]
         flat = t.detach().reshape(-1)
-        out = flat.new_empty(n * flat.numel())
         note_collective(self.progress, "all_gather (MoE routing over the CP ring)", n)
         if self.group is None:
             out = p2p_all_to_all(flat.expand(n, -1), self.meta).reshape(-1)
         else:
+            out = flat.new_empty(n * flat.numel())
             all_gather_flat(out, flat.contiguous(), group=self.group)
         whole = out.new_empty(self.whole_tokens, *t.shape[1:])
         whole[self.layout.indices.reshape(-1)] = out.view(n * local, *t.shape[1:])

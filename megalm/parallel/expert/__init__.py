@@ -33,7 +33,7 @@ from megalm.model.shard import ShardSpec
 from megalm.parallel.dims import ParallelMesh
 from megalm.parallel.expert.dispatch import AllToAllDispatcher
 
-__all__ = ["validate_experts", "apply_expert_parallel", "expert_parameters"]
+__all__ = ["validate_experts", "apply_expert_parallel", "expert_parameters", "micro_batch_settings"]
 
 
 def validate_experts(cfg: MegalmConfig) -> None:
@@ -58,9 +58,7 @@ def validate_experts(cfg: MegalmConfig) -> None:
         raise ConfigError(f"trainer.tokens_per_step with parallel.ep={p.ep} is not supported: under a token budget the "
                           "data-parallel ranks may run different numbers of micro-batches, while an expert-parallel "
                           "layer needs every rank in each all-to-all; use trainer.global_batch_size, or parallel.ep=1")
-    moe = cfg.model.moe
-    per_micro_batch = [f"model.moe.{k}={getattr(moe, k)}" for k in ("capacity_factor", "aux_loss_coeff")
-                       if getattr(moe, k) not in (None, 0, 0.0)]
+    per_micro_batch = micro_batch_settings(cfg.model.moe)
     if per_micro_batch and p.hdp:
         raise ConfigError(f"parallel.hdp=true with {' and '.join(per_micro_batch)} is not supported: HDP packs each "
                           "step's documents into its own micro-batches, and the capacity queues and the switch loss "
@@ -76,6 +74,13 @@ def validate_experts(cfg: MegalmConfig) -> None:
         raise ConfigError(f"parallel.fsdp_shard_size={p.fsdp_shard_size} (HSDP) with parallel.ep={p.ep} or sequence "
                           "parallelism is not supported for mixture-of-experts models: the routed experts shard over "
                           "their own expert-data-parallel ranks; leave parallel.fsdp_shard_size=null")
+
+
+def micro_batch_settings(moe: object) -> list[str]:
+    """`model.moe.key=value` of the settings that make a micro-batch part of the loss (a capacity queue, the switch
+    loss): a layout that cuts micro-batches of its own (HDP, a token budget over dp) would not be one process's."""
+    return [f"model.moe.{k}={getattr(moe, k)}" for k in ("capacity_factor", "aux_loss_coeff")
+            if getattr(moe, k) not in (None, 0, 0.0)]
 
 
 def apply_expert_parallel(chunk: nn.Module, mesh: ParallelMesh) -> None:

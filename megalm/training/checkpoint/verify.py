@@ -108,6 +108,16 @@ def verify_checkpoint(path: Path) -> LoadedCheckpoint:
     return meta
 
 
+def latest_unless_never(run_dir: Path, resume: str) -> Path | None:
+    """The run dir's latest checkpoint (None: it has none); refused under trainer.resume=never, which would write over
+    it (megalm-train's pre-check and the trainer both ask)."""
+    latest = latest_checkpoint(run_dir)
+    if resume == "never" and latest is not None:
+        raise CheckpointError(f"run dir {run_dir} already has checkpoints ({latest.name}); use trainer.resume=auto "
+                              "to continue it or choose a new hydra.run.dir")
+    return latest
+
+
 def resumable_checkpoint(run_dir: Path, resume: str) -> Path | None:
     """The checkpoint `trainer.resume` names, checked by `verify_checkpoint`. A path: that checkpoint, or a one-line
     error naming its damaged file. "auto": the run dir's `latest`, or, when its files are damaged, the newest older
