@@ -47,6 +47,12 @@ def _extern_name(node: Any) -> str:
     return parts[-2] if parts[-1] in ("default", "Tensor", "out") and len(parts) > 1 else parts[-1]
 
 
+def _extern_category(node: Any, name: str) -> str:
+    """op_cost's category of an extern kernel named `name` (a collective by its op's namespace)."""
+    op = getattr(node.node, "op_overload", None)
+    return category(name, op.namespace if isinstance(op, torch._ops.OpOverload) else "aten")
+
+
 def traced_through(node: Any) -> bool:
     """Whether an extern kernel is a custom op whose Python body the replay prices op by op (op_cost.TRACED_THROUGH)."""
     op = getattr(node.node, "op_overload", None)
@@ -151,11 +157,11 @@ class InductorCosts:
                 generated.append(nbytes)
             elif traced_through(node):  # its own ops are replayed and priced (op_cost.TRACED_THROUGH)
                 bodies[_extern_name(node)] += 1
-            elif category(name := _extern_name(node)) in REPLAYED:
+            elif _extern_category(node, name := _extern_name(node)) in REPLAYED:
                 extern[name] += 1
             elif not (getattr(getattr(node.node, "op_overload", None), "is_view", False)  # a view launches nothing,
                       or launches_no_kernel(name)):  # nor an allocation, a host read or a collective's wait
-                fallbacks.append((name, category(name), nbytes))
+                fallbacks.append((name, _extern_category(node, name), nbytes))
         graph = {"generated_kernels": len(generated), "generated_bytes": sum(generated),
                  "fallback_kernels": dict(Counter(name for name, _, _ in fallbacks)), "extern": dict(extern),
                  "traced_through": dict(bodies),

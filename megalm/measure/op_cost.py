@@ -86,11 +86,18 @@ _WRITES = {"_fused_adamw_": ("self", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs
            "_fused_adam_": ("self", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
            "_fused_sgd_": ("self", "momentum_buffer_list")}
 _LOSS = ("nll_loss", "log_softmax", "_log_softmax", "cross_entropy", "logsumexp")
+# torch.distributed's ops: eager code's (`c10d`, the group boxed) and the functional ones compiled graphs and DTensor
+# call. Their time is their link's, which the caller prices from the bytes they move (megalm/estimate/collectives.py),
+# so here they count as kernels of 0 ms: priced as a read and a write of their buffers at HBM bandwidth too, every
+# collective had been counted twice (a tp8 SP 1.3B step's compute 20% too long, found 2026-12-05)
+COMMUNICATION_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
 
 
-def category(op: str) -> str:
-    """The cost category of an aten op name (without overload): gemm, attention, cast/copy, loss, optimizer,
-    communication, or elementwise/other."""
+def category(op: str, namespace: str = "aten") -> str:
+    """The cost category of an op name (without overload) of `namespace`: gemm, attention, cast/copy, loss,
+    optimizer, communication, or elementwise/other."""
+    if namespace in COMMUNICATION_NAMESPACES:
+        return "communication"
     if op in _GEMM or op.endswith("_") and op[:-1] in _GEMM:  # in place too (addmm_)
         return "gemm"
     if "attention" in op or "flash" in op or "_efficient_attention" in op or "cudnn_attention" in op:
@@ -343,7 +350,8 @@ class OpCosts(TorchDispatchMode):
                 read -= _nbytes(weight) - weight.numel()
                 self._fp8_weight_copies(weight)
         gemm_operands = [a for a in args[1:3] if isinstance(a, torch.Tensor)] if name in _ACCUMULATING_GEMMS else inputs
-        self._add(name, flops, read + written, self._peak_flops(gemm_operands))  # the multiplied operands' peak
+        # the multiplied operands' peak
+        self._add(name, flops, read + written, self._peak_flops(gemm_operands), category(name, func.namespace))
         return out
 
     def _fp8_weight_copies(self, weight: torch.Tensor) -> None:
@@ -419,9 +427,10 @@ class OpCosts(TorchDispatchMode):
         self._add(name, 0.0, nbytes, self.gpu.bf16_tflops * 1e12, category)
 
     def _add(self, name: str, flops: float, nbytes: float, peak: float, cat: str | None = None) -> float:
-        """Count one kernel; returns its roofline milliseconds."""
-        ms = max(flops / peak, nbytes / (self.gpu.hbm_tbytes_per_s * 1e12)) * 1e3
-        for bucket in (self.by_category[self._counted_category(cat or category(name))], self.by_op[name]):
+        """Count one kernel; returns its roofline milliseconds (0 for a collective: COMMUNICATION_NAMESPACES)."""
+        cat = cat or category(name)
+        ms = 0.0 if cat == "communication" else max(flops / peak, nbytes / (self.gpu.hbm_tbytes_per_s * 1e12)) * 1e3
+        for bucket in (self.by_category[self._counted_category(cat)], self.by_op[name]):
             bucket.kernels += 1
             bucket.flops += flops
             bucket.bytes += nbytes
