@@ -164,6 +164,18 @@ def is_fake(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, FakeTensor)
 
 
+def host_values(tensor: torch.Tensor) -> list:
+    """`tensor.tolist()` of a real tensor, read even where a FakeTensorMode is on (a cost trace's FLOP formula reads a
+    host tensor an op was given, where the mode would take the read for one of its own tensors'). None for a fake
+    tensor, which has no values."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if is_fake(tensor):
+        return None
+    with unset_fake_temporarily():
+        return tensor.tolist()
+
+
 def fake_mode_active() -> bool:
     """Whether a FakeTensorMode is on the dispatch stack: new tensors made now are fake, so a cache of constant
     tensors must neither keep nor serve them (a fake constant fails every real call after; a real one fails under a

@@ -16,8 +16,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from megalm import compat
 from megalm.measure import is_higher_order
 from megalm.measure.op_cost import FUSED_COLLECTIVE_GEMMS, OpCosts
+
+CP_OPS = ("ring_attention", "ring_attention_backward", "p2p_all_to_all")  # megalm's point-to-point CP ops
 
 
 @dataclass(frozen=True)
@@ -40,9 +43,20 @@ GPUS_PER_NODE = 8  # HGX/DGX nodes of every GPU in LINKS
 
 def inside_node(tp: int, cp: int, ep: int = 1) -> set[str]:
     """The mesh dimensions whose groups lie inside one node of GPUS_PER_NODE GPUs (ranks are ordered tp fastest,
-    then cp): tp when tp <= 8, cp when tp x cp <= 8, ep (consecutive dp x cp ranks) when tp x ep <= 8. Their
-    collectives run over NVLink, the others over the NICs."""
-    return {dim for dim, span in (("tp", tp), ("cp", tp * cp), ("ep", tp * ep)) if span <= GPUS_PER_NODE}
+    then cp): tp when tp <= 8, cp when tp x cp <= 8, ep (consecutive dp x cp ranks) when tp x ep <= 8, and always
+    `cp_in_node` (`ring_dim`). Their collectives run over NVLink, the others over the NICs."""
+    spans = (("tp", tp), ("cp", tp * cp), ("ep", tp * ep))
+    return {dim for dim, span in spans if span <= GPUS_PER_NODE} | {"cp_in_node"}
+
+
+def ring_dim(ranks: list[int], inside: set[str]) -> str:
+    """The dimension a ring's point-to-point transfers among global `ranks` are priced under: `cp` where its link is
+    the cp group's (a static ring is that group), else `cp_in_node` (NVLink: an HDP ring, or a hierarchical ring's
+    all-to-all, inside one node) or `cp_across_nodes` (the NICs)."""
+    one_node = len({rank // GPUS_PER_NODE for rank in ranks}) == 1
+    if one_node == ("cp" in inside):
+        return "cp"
+    return "cp_in_node" if one_node else "cp_across_nodes"
 
 
 def comm_seconds(nbytes: dict[str, int], links: Links, inside: set[str]) -> float:
@@ -59,18 +73,26 @@ class Collectives(TorchDispatchMode):
     dynamo traces them into (`_c10d_functional`, the group by its name, the result returned; their `wait_tensor`
     moves nothing), and under async TP torch's fused collective GEMMs (`symm_mem`, op_cost's
     `FUSED_COLLECTIVE_GEMMS`), whose collective is counted here and whose GEMM the `OpCosts` below this mode prices
-    (`pipelined` keeps both for `InFlight`)."""
+    (`pipelined` keeps both for `InFlight`).
 
-    def __init__(self, groups: dict[str, str]) -> None:
+    Context parallelism's ring attention and its hierarchical all-to-all send point-to-point between global ranks
+    from inside megalm's ops (megalm/parallel/context), whose fake kernels send nothing: the bytes their real ones
+    send are counted per op (`ring.ring_sent_bytes`, (u - 1) of an all-to-all's u slots), under `ring_dim` of the
+    ranks they pass among (`inside`: the dimensions inside a node). The ring's transfers run beside its block
+    kernels (each step's is posted before its compute): they are `pipelined` too, over the ring's n ranks."""
+
+    def __init__(self, groups: dict[str, str], inside: set[str] | None = None) -> None:
         super().__init__()
         self.groups = groups  # process group name -> mesh dimension
+        self.inside = inside if inside is not None else set()
         self.bytes: dict[str, int] = defaultdict(int)
         self.step_bytes: dict[str, int] = defaultdict(int)  # of `bytes`, those moved while `once_a_step` is set
         self.once_a_step = False
         self.last: tuple[str, int] = ("other", 0)  # the latest collective's (mesh dimension, link bytes)
-        # async TP's fused collective GEMMs: (mesh dimension, link bytes, ranks, GEMM seconds by `gemm_clock`)
+        # transfers that run beside their op's own compute (async TP's fused collective GEMMs, the CP ring): (mesh
+        # dimension, link bytes, ranks, the op's roofline seconds by `clock`)
         self.pipelined: list[tuple[str, int, int, float]] = []
-        self.gemm_clock: Callable[[], float] = lambda: 0.0  # the GEMM roofline seconds priced so far (InFlight's)
+        self.clock: Callable[[], float] = lambda: 0.0  # the roofline seconds priced so far (InFlight's)
 
     def _count(self, dim: str, moved: int) -> None:
         self.bytes[dim] += moved
@@ -86,13 +108,33 @@ class Collectives(TorchDispatchMode):
         name = func._overloadpacket.__name__
         group = args[3] if name == "fused_all_gather_matmul" else args[4]
         ranks = c10d._resolve_process_group(group).size()
-        gemm_before = self.gemm_clock()
+        before = self.clock()
         out = func(*args, **kwargs)
         tensor = args[0] if name == "fused_all_gather_matmul" else out
         dim = self.groups.get(group, "other")
         moved = tensor.numel() * tensor.element_size() * ranks
         self._count(dim, moved)
-        self.pipelined.append((dim, moved, ranks, self.gemm_clock() - gemm_before))
+        self.pipelined.append((dim, moved, ranks, self.clock() - before))
+        return out
+
+    def _context_parallel(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """One of megalm's point-to-point CP ops (the class docstring)."""
+        from megalm.parallel.context.ring import ring_ranks, ring_sent_bytes
+
+        name = func._overloadpacket.__name__
+        before = self.clock()
+        out = func(*args, **kwargs)
+        if name == "p2p_all_to_all":
+            x, meta = args[:2]
+            ranks = compat.host_values(meta)[1:]
+            self._count(ring_dim(ranks, self.inside), x.numel() * x.element_size() * (len(ranks) - 1) // len(ranks))
+            return out
+        backward = name == "ring_attention_backward"
+        q, k = args[1:3] if backward else args[:2]
+        ranks = ring_ranks(args[7] if backward else args[4])
+        dim, moved = ring_dim(ranks, self.inside), ring_sent_bytes(q, k, len(ranks), backward)
+        self._count(dim, moved)
+        self.pipelined.append((dim, moved, len(ranks), self.clock() - before))
         return out
 
     @classmethod
@@ -108,6 +150,8 @@ class Collectives(TorchDispatchMode):
         if (not is_higher_order(func) and func.namespace == "symm_mem"
                 and func._overloadpacket.__name__ in FUSED_COLLECTIVE_GEMMS):
             return self._fused_collective_gemm(func, args, kwargs or {})
+        if not is_higher_order(func) and func.namespace == "megalm" and func._overloadpacket.__name__ in CP_OPS:
+            return self._context_parallel(func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         if is_higher_order(func):
             return out
@@ -133,9 +177,11 @@ class InFlight:
     between its start and its wait). The NCCL stream runs them beside the GEMMs; that they share the GPU's memory
     bandwidth with them is not priced.
 
-    Async TP's fused collective GEMMs (`Collectives.pipelined`) split the GEMM into one chunk per rank and move a
-    chunk while the GEMM multiplies the one before it: all but one chunk's transfer (or GEMM, whichever is shorter)
-    hides, min(collective time, GEMM time) x (ranks - 1) / ranks, added to `hidden_s` on leaving."""
+    The ops whose transfers run beside their own compute (`Collectives.pipelined`) hide all but one of their n
+    steps' transfers, or compute, whichever is shorter: min(transfer time, the op's roofline time) x (n - 1) / n,
+    added to `hidden_s` on leaving. Async TP's fused collective GEMMs split the GEMM into one chunk per TP rank and
+    move a chunk while the GEMM multiplies the one before it; the CP ring posts each step's K/V (and dK/dV) transfer
+    before that step's block kernels, over its n ranks."""
 
     def __init__(self, costs: OpCosts, comms: Collectives, links: Links, inside: set[str]) -> None:
         self.costs, self.comms, self.links, self.inside = costs, comms, links, inside
@@ -144,8 +190,7 @@ class InFlight:
     def __enter__(self) -> InFlight:
         from megalm.parallel.tensor.comm import Pending
 
-        gemm = self.costs.by_category
-        self.comms.gemm_clock = lambda: gemm["gemm"].ms / 1e3 if "gemm" in gemm else 0.0
+        self.comms.clock = lambda: self.costs.total().ms / 1e3
         if not _ACTIVE:  # the outermost: patch (an inner one prices into the innermost, `_ACTIVE[-1]`)
             _ORIGINALS["init"], _ORIGINALS["wait"] = Pending.__init__, Pending.wait
             Pending.__init__, Pending.wait = _observed_init, _observed_wait

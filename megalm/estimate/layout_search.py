@@ -10,8 +10,9 @@ Two passes, because one fake-tensor step of a 70B rank takes a minute and a clus
    of many lengths (`data.varlen=true`), HDP. Sequence parallelism is on with tp > 1. The closed form (`closed_form`)
    prices each: static bytes per parameter of the rank (the recipes' 2 + 4 + 12, ZeRO-1's shards), Korthikanti et
    al.'s activations per layer times the factor the estimator measures against them (docs/benchmarks.md), the
-   micro-batches in flight, the logits; a roofline step of 6·N·T FLOPs at the efficiency the estimator's trace
-   finds, the pipeline's bubble from the runtime's schedule simulator, and each dimension's collectives.
+   micro-batches in flight, the logits; a roofline step of 6·N·T FLOPs and causal attention's at the efficiency the
+   estimator's trace finds, the pipeline's bubble from the runtime's schedule simulator, and each dimension's
+   collectives (the CP ring's as ring.ring_sent_bytes counts them).
 2. **Confirm the best with the estimator.** In order of the closed form's tokens/s, among the layouts it says fit
    (with a margin: it is a pruning rule, not the answer), the estimator runs the first and the last pipeline stage's
    rank under fake tensors (megalm.estimate.rank). To take seconds rather than minutes, each rank runs twice at a
@@ -240,7 +241,9 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
     peak = max(peak, static + logits)  # the last stage: logits, fewer micro-batches in flight
     reserve = reserve_bytes(int(peak), layout.communicators(e is not None))
     active = m.layer_params if e is None else active_layer_params(shape)
-    flops = 6 * m.layers * active * shape.global_batch * shape.seq / shape.world
+    # 6·N·T, and causal attention's 6·h·s a token and layer (QK^T and PV over s/2 keys on average, forward and
+    # backward; documents of the whole sequence: an upper bound under data.varlen)
+    flops = 6 * m.layers * (active + m.hidden * shape.seq) * shape.global_batch * shape.seq / shape.world
     flops *= 4 / 3 if layout.recompute == "full" else 1
     compute = flops / (GPUS[gpu].bf16_tflops * 1e12 * ROOFLINE_EFFICIENCY)
     per_micro_batch = m.layers // pp * tokens * m.hidden * 2
@@ -249,8 +252,8 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
     per_parameter = 6 if layout.zero1 else 8
     collective = {
         "tp": TP_TRANSFERS[layout.recompute] * per_micro_batch * micro_batches if t > 1 else 0,
-        "cp": 3 * m.layers // pp * tokens * 2 * m.hidden * m.kv_heads // m.heads * 2 * (cp - 1)
-        * micro_batches / t if cp > 1 else 0,
+        "cp": m.layers // pp * ring_bytes(tokens * 2 * m.hidden * m.kv_heads // m.heads / t, cp, shape.bf16,
+                                          layout.recompute == "full") * micro_batches if cp > 1 else 0,
         "pp": 4 * tokens * m.hidden * 2 / t * micro_batches if pp > 1 else 0,
         "dp": per_parameter * (n - routed) if dp * cp > 1 else 0}
     if e is not None:  # each MoE layer's two all-to-alls of k copies of the rank's tokens, forward and backward
@@ -262,6 +265,14 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
     step = compute * _bubble(pp, micro_batches, layout.vpp) + comm_seconds(collective, LINKS[gpu],
                                                                            inside_node(t, cp, layout.ep))
     return int(peak + reserve), shape.global_batch * shape.seq / step
+
+
+def ring_bytes(kv: float, cp: int, bf16: bool, recomputed: bool) -> float:
+    """What one layer's ring attention sends from a rank holding `kv` K and V elements (ring.ring_sent_bytes): the
+    forward's K/V over cp - 1 hops, again in the backward (and in full recompute's forward), and dK/dV in fp32 over
+    cp hops."""
+    width = 2 if bf16 else 4
+    return kv * ((2 + recomputed) * (cp - 1) * width + cp * 4)
 
 
 def active_layer_params(shape: Shape) -> float:

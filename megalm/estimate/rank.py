@@ -159,9 +159,9 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
             grads = storage_bytes(_grad_buffers(trainer))
             comm = storage_bytes(getattr(trainer.optimizer, "gather_buffers", list)())  # none held past this line
             live.mark_peak()
-            costs, comms = OpCosts(GPUS[gpu], cfg.precision.tf32), Collectives(_group_names(trainer))
-            once = OnceAStep(costs, comms)
             links, inside = LINKS[gpu], inside_node(p.tp, p.cp, p.ep)
+            costs, comms = OpCosts(GPUS[gpu], cfg.precision.tf32), Collectives(_group_names(trainer), inside)
+            once = OnceAStep(costs, comms)
             with InFlight(costs, comms, links, inside) as in_flight:
                 tokens = run_step(trainer, 1, fake, live, costs, comms, once=once)
             peak = live.peak(device)

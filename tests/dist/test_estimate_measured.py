@@ -13,6 +13,10 @@ it lets go of its work, which can come after the main thread's next allocation (
 sequence-parallel shard, in 1 of 10 runs on a loaded machine). A late free only raises a peak, so a real run that
 reads above the estimate is run again, up to twice, and each rank's smallest peak is the one compared; one that
 reads below it fails at once.
+
+Context parallelism's point-to-point transfers (the ring's K/V and dK/dV, a hierarchical ring's all-to-all) are
+counted in the real run as the bytes each rank hands to `isend`, and must equal what the estimator prices for them
+(its fake ops send nothing; it had priced none).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,6 +40,9 @@ LAYOUTS = {  # overrides, world size
     "tp2_sp": (["parallel.tp=2", "parallel.sequence_parallel=true", "trainer.global_batch_size=2"], 2),
     "pp2": (["parallel.pp=2", "trainer.global_batch_size=4"], 2),
     "cp2": (["parallel.cp=2", "trainer.global_batch_size=2"], 2),
+    # a hierarchical ring: all-to-alls inside pairs of ranks, a ring of 2 across them (the sends are counted)
+    "cp4_a2a_p2p": (["parallel.cp=4", "parallel.cp_comm=a2a+p2p", "parallel.cp_a2a_size=2",
+                     "trainer.global_batch_size=2"], 4),
     "hdp4_rings": (["parallel.hdp=true", "data.varlen=true", "parallel.hdp_capacity=11", "trainer.global_batch_size=8"],
                    4),  # 32-token documents on rings of 3: rank 0 and the largest ring's busiest rank (1) are measured
     "offload": (["offload.enabled=true", "offload.min_tensor_bytes=0", "trainer.global_batch_size=4"], 2),
@@ -45,19 +53,42 @@ LAYOUTS = {  # overrides, world size
 }
 
 
+P2P_DIMS = ("cp", "cp_in_node", "cp_across_nodes")  # where the estimator prices CP's point-to-point bytes
+
+
+@contextlib.contextmanager
+def sends_counted(sent: list[int]) -> Iterator[None]:
+    """While inside, the bytes of every tensor this rank hands to `dist.batch_isend_irecv` to send go into `sent`."""
+    import torch.distributed as dist
+
+    original = dist.batch_isend_irecv
+
+    def counted(ops: list) -> list:
+        sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return original(ops)
+
+    dist.batch_isend_irecv = counted
+    try:
+        yield
+    finally:
+        dist.batch_isend_irecv = original
+
+
 def measure(rank: int, world: int, overrides: list[str], out: str) -> None:
     from megalm.measure import LiveStorages
     from megalm.train import compose_config
     from megalm.training.trainer import Trainer
 
-    live, real = LiveStorages(), contextlib.nullcontext()
+    live, real, sent = LiveStorages(), contextlib.nullcontext(), []
     with tempfile.TemporaryDirectory() as run_dir:
         with live:
             trainer = Trainer(compose_config(overrides), run_dir)
         estimate.run_step(trainer, 0, real, live)
         live.mark_peak()
-        tokens = estimate.run_step(trainer, 1, real, live)
-        Path(out, f"{rank}.json").write_text(json.dumps({"peak": live.peak(trainer.device.type), "tokens": tokens}))
+        with sends_counted(sent):
+            tokens = estimate.run_step(trainer, 1, real, live)
+        Path(out, f"{rank}.json").write_text(json.dumps({"peak": live.peak(trainer.device.type), "tokens": tokens,
+                                                         "sent": sum(sent)}))
 
 
 @pytest.mark.timeout(900)  # up to three real runs (the module docstring)
@@ -82,5 +113,7 @@ def test_the_estimate_is_the_real_run(tmp_path, layout):
             f"{layout} {rank['role']} (rank {rank['rank']}): estimated {fake[rank['rank']]} bytes, the real run "
             f"{got['peak']} (the smallest of {attempt + 1})")
         assert rank["tokens"] == got["tokens"], f"{layout} {rank['role']}: the step's tokens differ"
+        p2p = sum(rank["collective_bytes"].get(dim, 0) for dim in P2P_DIMS)
+        assert p2p == got["sent"], f"{layout} {rank['role']}: estimated {p2p} bytes sent point to point, real {got}"
     if "hdp" in layout:  # the largest ring's rank is a role of its own
         assert [r["rank"] for r in result["ranks"]] == [0, 1], result["ranks"]

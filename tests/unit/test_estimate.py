@@ -406,6 +406,22 @@ def test_tensor_parallel_collectives_left_in_flight_are_hidden_behind_compute(mo
 
 
 
+def test_ring_attention_is_priced_as_ulysses_computes_it():
+    """CP's ring attention runs as one op whose fake kernel computes nothing: the estimator prices its blocks' FLOPs
+    from the layout (ring.ring_pairs, registered with torch's flop counter). Over the same documents a ring rank
+    computes exactly what a Ulysses rank does (1/cp of the causal attention: all tokens, 1/cp of the heads), which
+    the trace prices from torch's SDPA kernels, so the two ranks' FLOPs are equal; before, the ring's were missing
+    (a 16K-token step's per-rank FLOPs 19% short, its MFU high). The ring's sends run beside its blocks: at most
+    (cp - 1)/cp of them hides (collectives.InFlight)."""
+    common = [*SMALL, "model.seq_length=512", "parallel.cp=2", "precision=bf16", "trainer.device=cpu",
+              "trainer.compile=false"]
+    ring, ulysses = (estimate.estimate(estimate.batch_overrides([*common, f"parallel.cp_comm={comm}"], 2), 2, "h100")
+                     for comm in ("ring", "a2a"))
+    (r,), (u,) = ring["ranks"], ulysses["ranks"]
+    assert r["flops"] == pytest.approx(u["flops"], rel=1e-12), (r["flops"], u["flops"])
+    ring_s = r["collective_bytes"]["cp"] / LINKS["h100"].nvlink
+    assert 0 < r["hidden_comm_s"] <= ring_s / 2 + 1e-12
+
 def test_the_reserve_counts_every_communicator_a_rank_talks_over():
     """NCCL buffers per parallel dimension in use (docs/estimate.md): expert parallelism's all-to-all group, the
     routed experts' gradient group and HSDP's replicate group were left out (ep 1, 2 and 4 at world 4 all had one)."""

@@ -196,3 +196,21 @@ def test_every_layout_the_search_prices_trains_as_priced():
                                                                                 shape.global_batch), layout
     assert layout_search.priced_batch(SMALL, layout_search.search_shape(SMALL, 4)[0]) == [
         "trainer.micro_batch_size=1", "trainer.global_batch_size=4"]
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_the_closed_form_s_ring_bytes_are_the_ring_s(bf16):
+    """The closed form prices a layer's ring attention at what the ring op sends (ring.ring_sent_bytes, which the
+    estimator counts and tests/dist/test_estimate_measured.py holds to a real run's sends): K/V forward and backward,
+    dK/dV in fp32. It had priced 3·(cp - 1) K/V volumes, half the 4·cp - 2 a bf16 ring of 2 moves."""
+    import torch
+
+    from megalm.parallel.context.ring import ring_sent_bytes
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    q, k = torch.empty(64, 8, 16, dtype=dtype), torch.empty(64, 2, 16, dtype=dtype)
+    for cp in (2, 4, 8):
+        sent = ring_sent_bytes(q, k, cp, backward=False) + ring_sent_bytes(q, k, cp, backward=True)
+        assert layout_search.ring_bytes(2 * k.numel(), cp, bf16, recomputed=False) == sent
+        recomputed = sent + ring_sent_bytes(q, k, cp, backward=False)
+        assert layout_search.ring_bytes(2 * k.numel(), cp, bf16, recomputed=True) == recomputed

@@ -32,7 +32,9 @@ from dataclasses import fields
 
 import torch
 import torch.distributed as dist
+from torch.utils.flop_counter import register_flop_formula
 
+from megalm import compat
 from megalm.model.attention import select_attention_backend, varlen_attention
 from megalm.parallel.context.ring_kernels import (
     accumulation_dtype,
@@ -183,6 +185,7 @@ def ring_note(ranks: Sequence[int]) -> str:
 
 
 def _layout_tensors(layout: ZigzagLayout) -> list[torch.Tensor]:
+    """The op's `layout` argument: the layout's tensors in field order (chunk_sizes first)."""
     return [getattr(layout, f.name) for f in fields(layout) if f.name not in ("n", "max_chunk", "inner")]
 
 
@@ -230,6 +233,59 @@ def _ring_op_backward(ctx, dout, _dlse):
 
 
 _ring_op.register_autograd(_ring_op_backward, setup_context=_save_for_ring_backward)
+
+
+# ------------------------------------------------------------------------------------------ what the ring costs
+#
+# Under fake tensors (megalm-estimate) the ops run their fake kernels, which compute and send nothing; these say
+# what the real ones do, for the cost traces: the FLOPs through torch's own registry of formulas
+# (torch.utils.flop_counter, which megalm/measure/op_cost.py reads), the bytes sent for the estimator's link model.
+
+
+def ring_pairs(chunk_sizes: Sequence[int], n: int) -> int:
+    """Query-key pairs one rank's block kernels compute over a ring of n ranks (flash kernels skip what the causal
+    mask hides), for documents of 2n·c_d padded tokens (c_d = `chunk_sizes`): per document 2·c² a step (the own
+    block's causal (2c)²/2, every other one's c × 2c), 2·n·Σ c_d² in all, 1/n of the documents' causal
+    Σ (2n·c_d)²/2."""
+    return 2 * n * sum(c * c for c in chunk_sizes)
+
+
+def ring_sent_bytes(q: torch.Tensor, k: torch.Tensor, n: int, backward: bool) -> int:
+    """Bytes one rank sends over a ring of n ranks in the forward (its K/V block, n - 1 hops) or the backward (K/V
+    again, and dK/dV in the accumulation dtype, n hops home): `_ring_forward`, `_ring_backward`."""
+    if n < 2:
+        return 0
+    kv = 2 * k.numel() * k.element_size()
+    if not backward:
+        return (n - 1) * kv
+    return (n - 1) * kv + n * 2 * k.numel() * torch.empty((), dtype=accumulation_dtype(q.dtype)).element_size()
+
+
+def ring_ranks(meta: torch.Tensor) -> list[int]:
+    """The ring's global ranks, read from the op's `ring_meta` (a host tensor, real even under fake tensors)."""
+    return _host_values(meta)[2:]
+
+
+def _host_values(t: torch.Tensor) -> list[int]:
+    values = compat.host_values(t)
+    if values is None:
+        raise ValueError("the ring op's cost needs its layout's values; build the micro-batch's RingContext "
+                         "outside FakeTensorMode (as megalm-estimate does: the step's data plan is host work)")
+    return values
+
+
+@register_flop_formula(torch.ops.megalm.ring_attention, get_raw=True)
+def _ring_flops(q, k, v, layout, meta, *args, **kwargs) -> float:  # noqa: ANN001 - torch's formula signature
+    """QK^T and PV of each pair (`ring_pairs`): 2·(D_qk + D_v) FLOPs a query head."""
+    chunk_sizes = _host_values(layout[0])  # _layout_tensors' first: the layout's chunk_sizes
+    pairs = ring_pairs(chunk_sizes, len(ring_ranks(meta)))
+    return 2.0 * pairs * q.shape[1] * (q.shape[-1] + v.shape[-1])
+
+
+@register_flop_formula(torch.ops.megalm.ring_attention_backward, get_raw=True)
+def _ring_backward_flops(dout, q, k, v, out, lse, layout, meta, *args, **kwargs) -> float:  # noqa: ANN001
+    """Twice the forward's, as megalm prices every attention backward (measure/op_cost.py)."""
+    return 2 * _ring_flops(q, k, v, layout, meta)
 
 
 def ring_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ZigzagLayout, meta: torch.Tensor,
