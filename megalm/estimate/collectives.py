@@ -65,10 +65,25 @@ def comm_seconds(nbytes: dict[str, int], links: Links, inside: set[str]) -> floa
     return sum(n / (links.nvlink if dim in inside else links.network) for dim, n in nbytes.items())
 
 
+_RING_COLLECTIVES = {  # op name prefix -> buffers a ring algorithm sends per (n - 1) / n of the largest tensor
+    "allreduce": 2, "all_reduce": 2,  # a reduce-scatter, then an all-gather
+    "allgather": 1, "_allgather": 1, "all_gather": 1,  # of the output
+    "reduce_scatter": 1, "_reduce_scatter": 1,  # of the input
+    "alltoall": 1, "all_to_all": 1}
+
+
+def link_share(op: str, ranks: int) -> float:
+    """Of a collective's largest tensor, the share each rank of a group of `ranks` sends through its link (NCCL's
+    bus bandwidth: an all-reduce 2 (n - 1) / n, an all-gather, a reduce-scatter or an all-to-all (n - 1) / n); a
+    send, a receive or a broadcast sends it once."""
+    factor = next((f for prefix, f in _RING_COLLECTIVES.items() if op.startswith(prefix)), None)
+    return 1.0 if factor is None else factor * (ranks - 1) / ranks
+
+
 class Collectives(TorchDispatchMode):
-    """Bytes the step's collectives move through this rank's link, by the group's mesh dimension: a ring all-reduce
-    sends about twice its buffer (2 (n - 1) / n: a reduce-scatter, then an all-gather), an all-gather its output,
-    a reduce-scatter its input, a send or receive its tensor (the largest tensor of the call, counted once).
+    """Bytes the step's collectives move through this rank's link, by the group's mesh dimension (`link_share` of the
+    call's largest tensor: an all-reduce's buffer, an all-gather's output, a reduce-scatter's input; counted once).
+    Until 2026-12-05 the (n - 1) / n was left out, which doubled a group of 2's bytes.
     Eager code dispatches `c10d` ops (the group a boxed ScriptObject); compiled blocks the functional collectives
     dynamo traces them into (`_c10d_functional`, the group by its name, the result returned; their `wait_tensor`
     moves nothing), and under async TP torch's fused collective GEMMs (`symm_mem`, op_cost's
@@ -101,8 +116,9 @@ class Collectives(TorchDispatchMode):
             self.step_bytes[dim] += moved
 
     def _fused_collective_gemm(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """Async TP's `symm_mem` op: its all-gather moves the shard times the group's ranks, its reduce-scatter the
-        GEMM's whole output; the GEMM inside is priced by the trace below this mode (OpCosts runs the op's body)."""
+        """Async TP's `symm_mem` op: its all-gather sends the shard to the group's other ranks, its reduce-scatter
+        (n - 1) / n of the GEMM's whole output; the GEMM inside is priced by the trace below this mode (OpCosts runs
+        the op's body)."""
         from torch.distributed import distributed_c10d as c10d
 
         name = func._overloadpacket.__name__
@@ -112,7 +128,7 @@ class Collectives(TorchDispatchMode):
         out = func(*args, **kwargs)
         tensor = args[0] if name == "fused_all_gather_matmul" else out
         dim = self.groups.get(group, "other")
-        moved = tensor.numel() * tensor.element_size() * ranks
+        moved = tensor.numel() * tensor.element_size() * (ranks - 1)  # every shard but its own
         self._count(dim, moved)
         self.pipelined.append((dim, moved, ranks, self.clock() - before))
         return out
@@ -157,16 +173,20 @@ class Collectives(TorchDispatchMode):
             return out
         functional = func.namespace == "_c10d_functional" and not func.__name__.startswith("wait_tensor")
         if func.namespace == "c10d" or functional:
+            from torch.distributed import distributed_c10d as c10d
+
             flat = tree_flatten((args, kwargs or {}, out))[0]
             tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-            if functional:  # the group by its name, a string argument
-                names = [a for a in flat if isinstance(a, str)]
-            else:  # the group arrives boxed (a ScriptObject): its name says which it is
-                names = [dist.ProcessGroup.unbox(a).group_name for a in flat if isinstance(a, torch.ScriptObject)
-                         and "ProcessGroup" in str(a._type())]
-            dim = next((self.groups[n] for n in names if n in self.groups), "other")
+            if functional:  # the group by its name, its `group_name` argument
+                named = {**dict(zip((a.name for a in func._schema.arguments), args, strict=False)), **(kwargs or {})}
+                groups = [c10d._resolve_process_group(named["group_name"])] if "group_name" in named else []
+            else:  # the group arrives boxed (a ScriptObject)
+                groups = [dist.ProcessGroup.unbox(a) for a in flat if isinstance(a, torch.ScriptObject)
+                          and "ProcessGroup" in str(a._type())]
+            group = groups[0] if groups else None
+            dim = self.groups.get(group.group_name, "other") if group is not None else "other"
             largest = max((t.numel() * t.element_size() for t in tensors), default=0)
-            self._count(dim, largest * (2 if func.__name__.startswith(("allreduce", "all_reduce")) else 1))
+            self._count(dim, int(largest * link_share(func._overloadpacket.__name__, group.size() if group else 1)))
         return out
 
 

@@ -71,12 +71,12 @@ ACTIVATION_FACTOR = {"none": 1.05, "selective": 1.6, "full": 1.25}
 # The estimator's roofline runs 8B's step at about half the bf16 peak (222 TFLOP in 0.436 s on an H100: the
 # memory-bound elementwise ops); the closed form takes the same share.
 ROOFLINE_EFFICIENCY = 0.5
-# Tensor parallelism with SP moves about 10 [s, h] tensors of the working dtype through a rank's link a layer and
-# micro-batch (the estimator's tp bytes at 70B, tp 8, pp 8: the forward's all-gathers and reduce-scatters, their
-# mirrors and the re-gathers in the backward), 13 when recompute runs the forward's again. The backward's 4 the
-# step leaves in flight beside the GEMMs (its input gradients' reduce-scatters, the re-gathers) hide, as the
-# estimator prices them since 2026-12-02 (5.6% more tokens/s at tp 4, 2.7% at tp 2 there; 4.7% and 2.3% here): 6
-# and 9 are exposed.
+# Tensor parallelism with SP moves about 10 [s, h] tensors of the working dtype a layer and micro-batch, (t - 1) / t
+# of each through a rank's link (the estimator's tp bytes at 70B, tp 8, pp 8: the forward's all-gathers and
+# reduce-scatters, their mirrors and the re-gathers in the backward), 13 when recompute runs the forward's again.
+# The backward's 4 the step leaves in flight beside the GEMMs (its input gradients' reduce-scatters, the
+# re-gathers) hide, as the estimator prices them since 2026-12-02 (5.6% more tokens/s at tp 4, 2.7% at tp 2 there;
+# 4.7% and 2.3% here): 6 and 9 are exposed.
 TP_TRANSFERS = {"none": 6, "selective": 9, "full": 9}
 CLOSED_FORM_MARGIN = 1.1  # the closed form may be this optimistic and still be confirmed (0.96-1.27x at 70B)
 SEARCH_NOTE = "global batch not given: trainer.global_batch_size = --world sequences of model.seq_length"
@@ -247,24 +247,30 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
     flops *= 4 / 3 if layout.recompute == "full" else 1
     compute = flops / (GPUS[gpu].bf16_tflops * 1e12 * ROOFLINE_EFFICIENCY)
     per_micro_batch = m.layers // pp * tokens * m.hidden * 2
-    # link bytes: a ring all-reduce of the fp32 gradients sends 2 x 4 (the estimator counts as much); ZeRO-1 a
-    # reduce-scatter of them (4) and an all-gather of the bf16 weights (2)
-    per_parameter = 6 if layout.zero1 else 8
+    # link bytes: a ring all-reduce of the fp32 gradients sends 2 x 4 of every (n - 1) / n (the estimator counts as
+    # much: collectives.link_share); ZeRO-1 a reduce-scatter of them (4) and an all-gather of the bf16 weights (2)
+    per_parameter = (6 if layout.zero1 else 8) * share(dp * cp)
     collective = {
-        "tp": TP_TRANSFERS[layout.recompute] * per_micro_batch * micro_batches if t > 1 else 0,
+        "tp": TP_TRANSFERS[layout.recompute] * per_micro_batch * micro_batches * share(t),
         "cp": m.layers // pp * ring_bytes(tokens * 2 * m.hidden * m.kv_heads // m.heads / t, cp, shape.bf16,
                                           layout.recompute == "full") * micro_batches if cp > 1 else 0,
         "pp": 4 * tokens * m.hidden * 2 / t * micro_batches if pp > 1 else 0,
-        "dp": per_parameter * (n - routed) if dp * cp > 1 else 0}
+        "dp": per_parameter * (n - routed)}
     if e is not None:  # each MoE layer's two all-to-alls of k copies of the rank's tokens, forward and backward
         moe_layers = m.layers // pp if pp > 1 else m.layers - e.first_dense  # the fuller of the first and last
         replays = 2 if layout.recompute == "none" else 3  # selective recompute runs them again too
         collective["ep"] = 2 * replays * moe_layers * e.top_k * tokens / t * m.hidden * 2 * (layout.ep - 1) \
             / layout.ep * micro_batches
-        collective["expert_dp"] = per_parameter * routed if dp * cp // layout.ep * t > 1 else 0
+        expert_dp = dp * cp // layout.ep * t
+        collective["expert_dp"] = (6 if layout.zero1 else 8) * share(expert_dp) * routed
     step = compute * _bubble(pp, micro_batches, layout.vpp) + comm_seconds(collective, LINKS[gpu],
                                                                            inside_node(t, cp, layout.ep))
     return int(peak + reserve), shape.global_batch * shape.seq / step
+
+
+def share(ranks: int) -> float:
+    """(n - 1) / n: of a collective's buffer, what each of its n ranks sends (0 for a group of one)."""
+    return (ranks - 1) / ranks
 
 
 def ring_bytes(kv: float, cp: int, bf16: bool, recomputed: bool) -> float:

@@ -406,6 +406,15 @@ def test_tensor_parallel_collectives_left_in_flight_are_hidden_behind_compute(mo
 
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_an_all_reduce_sends_its_ring_share_of_the_buffer(world):
+    """A ring all-reduce of n ranks sends 2·(n - 1)/n of its buffer through each rank's link (NCCL's bus bandwidth):
+    the gradient buckets' (measured by the storage probe) under plain DP. Counted as 2 buffers whatever n until
+    2026-12-05, which doubled a pair's traffic."""
+    overrides = estimate.batch_overrides([*SMALL, "precision=bf16", "trainer.device=cpu"], world)
+    (rank,) = estimate.estimate(overrides, world, "h100")["ranks"]
+    assert rank["collective_bytes"] == {"dp": 2 * (world - 1) * rank["grad_bytes"] // world}
+
 def test_ring_attention_is_priced_as_ulysses_computes_it():
     """CP's ring attention runs as one op whose fake kernel computes nothing: the estimator prices its blocks' FLOPs
     from the layout (ring.ring_pairs, registered with torch's flop counter). Over the same documents a ring rank
