@@ -440,7 +440,9 @@ def search(overrides: list[str], world: int, gpu: str, top: int = 5, max_confirm
             from megalm.config.compose import compose_config
 
             model = resolve_model_defaults(compose_config(overrides).model)  # the command's depth
-            model_flops = training_flops(model, [shape.seq] * shape.global_batch)
+            # the shallow run's documents, as many as the step's sequences (rank.step_documents)
+            first = ranks[0]
+            model_flops = training_flops(model, first.documents) * shape.global_batch / first.sequences
         found.append({"overrides": layout.overrides() + batch, "layout": asdict(layout), "peak_bytes": peak,
                       "tokens_per_s": shape.global_batch * shape.seq / step, "step_time_s": step,
                       "mfu": model_flops / (world * GPUS[gpu].bf16_tflops * 1e12 * step),

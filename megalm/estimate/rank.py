@@ -89,6 +89,9 @@ class RankEstimate:
     domain: dict[str, list[int]] | None = None  # HDP: every domain rank's load of the step (`hdp_loads`)
     step_collective_bytes: dict[str, int] = field(default_factory=dict)  # of collective_bytes, the clip's and step's
     hidden_comm_s: float = 0.0  # the collectives' time hidden behind compute (in flight), already out of comm_s
+    # the step's documents (all ranks', as the trainer's MFU counts them: `step_documents`) and its sequences
+    documents: list[int] = field(default_factory=list)
+    sequences: int = 0
 
 
 class OnceAStep:
@@ -166,6 +169,7 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
                 tokens = run_step(trainer, 1, fake, live, costs, comms, once=once)
             peak = live.peak(device)
             domain = hdp_loads(trainer, 1)
+            documents, sequences = step_documents(trainer, 1)
     finally:
         dist.destroy_process_group()
     moe = bool(cfg.model.moe.num_experts)
@@ -176,7 +180,8 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
     return RankEstimate(role, rank, peak + reserve, params, grads, static - params - grads - comm, peak - static,
                         comm, live.peak("host"), reserve, summary["tflop"] * 1e12, summary["roofline_ms"] / 1e3,
                         comm_seconds(comms.bytes, links, inside) - in_flight.hidden_s, dict(comms.bytes),
-                        tokens, once.ms / 1e3, domain, dict(comms.step_bytes), in_flight.hidden_s)
+                        tokens, once.ms / 1e3, domain, dict(comms.step_bytes), in_flight.hidden_s, documents,
+                        sequences)
 
 
 @contextlib.contextmanager
@@ -277,6 +282,15 @@ def run_step(trainer: Any, step: int, fake: Any, live: LiveStorages, *traces: To
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer.optimizer.grad_scale = None
     return tokens
+
+
+def step_documents(trainer: Any, step: int) -> tuple[list[int], int]:
+    """(the input lengths of every document of `step`'s global batch, as its packed batches split them, which is
+    what the trainer's MFU counts attention over; the step's sequences). Host work on the step's samples."""
+    from megalm.data.batch import pack_samples
+
+    ids, data = trainer.step_sample_ids(step), trainer.data.train
+    return [n for k in ids for n in pack_samples([data[k]]).doc_lengths], len(ids)
 
 
 def _real_tokens(micro_batches: list[Any]) -> int:
@@ -500,9 +514,10 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
     micro_batches = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * dp)
     factor = bubble_factor(p.pp, micro_batches, str(p.pp_schedule.value), p.vpp)
     step_time = max(r.compute_s * factor + r.comm_s for r in ranks)
-    sequences = cfg.trainer.global_batch_size
-    tokens = sequences * cfg.model.seq_length
-    flops = training_flops(resolve_model_defaults(cfg.model, p.tp), [cfg.model.seq_length] * sequences)
+    tokens = cfg.trainer.global_batch_size * cfg.model.seq_length
+    # the step's own documents (until 2026-12-05 one of model.seq_length a sequence: packed documents shorter than
+    # that made the MFU too high, over 100% at 128K)
+    flops = training_flops(resolve_model_defaults(cfg.model, p.tp), ranks[0].documents)
     mfu = flops / (world * GPUS[gpu].bf16_tflops * 1e12 * step_time)
     fits = all(r.peak_bytes <= HBM_BYTES[gpu] for r in ranks)
     graph_breaks = sum(counters["graph_break"].values()) - breaks_before
@@ -512,7 +527,7 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
                        "micro_batches": micro_batches, "sequence_parallel": p.sequence_parallel,
                        "zero1": p.zero1, "recompute": str(p.recompute), "precision": str(cfg.precision.name),
                        **({"compile": True} if cfg.trainer.compile else {})},
-            "ranks": [{k: v for k, v in asdict(r).items() if k != "domain"} for r in ranks],
+            "ranks": [{k: v for k, v in asdict(r).items() if k not in ("domain", "documents")} for r in ranks],
             "step_time_s": step_time, "bubble_factor": factor, "mfu": mfu, "tokens_per_s": tokens / step_time,
             "global_flops": flops,
             "notes": fp8_notes(cfg.precision, gpu) + compile_notes(cfg, graph_breaks),

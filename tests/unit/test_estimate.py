@@ -415,6 +415,15 @@ def test_an_all_reduce_sends_its_ring_share_of_the_buffer(world):
     (rank,) = estimate.estimate(overrides, world, "h100")["ranks"]
     assert rank["collective_bytes"] == {"dp": 2 * (world - 1) * rank["grad_bytes"] // world}
 
+def test_the_mfu_counts_the_step_s_own_documents():
+    """The MFU's model FLOPs (6·N·T plus causal attention) are counted over the step's documents, as the trainer's
+    are, so on one rank they are the FLOPs the trace prices (to the s(s + 1) against s² of the attention pairs).
+    Counted as one document of model.seq_length a sequence until 2026-12-05, the MFU of packed documents shorter
+    than the sequence read high (over 100% at 128K tokens)."""
+    overrides = estimate.batch_overrides([*SMALL, "model.seq_length=512", "precision=bf16", "trainer.device=cpu"], 1)
+    result = estimate.estimate(overrides, 1, "h100")
+    assert result["global_flops"] == pytest.approx(result["ranks"][0]["flops"], rel=0.005)
+
 def test_ring_attention_is_priced_as_ulysses_computes_it():
     """CP's ring attention runs as one op whose fake kernel computes nothing: the estimator prices its blocks' FLOPs
     from the layout (ring.ring_pairs, registered with torch's flop counter). Over the same documents a ring rank

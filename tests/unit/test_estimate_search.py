@@ -152,7 +152,7 @@ def test_layouts_the_rules_refuse_are_not_counted_as_confirmations(monkeypatch):
             refused.add(layout)
             raise ConfigError(f"{layout} refused")
         reached.append(layout)
-        return SimpleNamespace(compute_s=1.0, comm_s=0.0, peak_bytes=1, role=role, rank=0)
+        return SimpleNamespace(compute_s=1.0, comm_s=0.0, peak_bytes=1, role=role, rank=0, documents=[8], sequences=1)
 
     monkeypatch.setattr(layout_search, "shallow_rank", shallow_rank)
     result = layout_search.search([*SMALL, "trainer.micro_batch_size=1", "trainer.global_batch_size=16"], 4, "h100",
