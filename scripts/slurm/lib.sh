@@ -48,10 +48,33 @@ megalm_run_dir() {
     local arg submit=${SLURM_SUBMIT_DIR:-$PWD}
     local dir="outputs/${SLURM_JOB_NAME:-megalm}-${SLURM_JOB_ID:?not inside a Slurm job}"
     for arg in "$@"; do
-        [[ "$arg" == hydra.run.dir=* ]] && dir=${arg#hydra.run.dir=}
+        [[ "$arg" == hydra.run.dir=* ]] && dir=$(megalm_unquote "${arg#hydra.run.dir=}")
     done
     [[ "$dir" == /* ]] || dir="$submit/$dir"  # relative to the submit dir, the job's working dir
     echo "$dir"
+}
+
+# A value as Hydra's override grammar reads it: in quotes ('...' or "..."), a run of 2k backslashes before a quote or
+# at the end is k, and 2k + 1 before a quote is k and the quote itself (megalm_run_dir_override's inverse); else as is.
+megalm_unquote() {
+    local value=$1 quote=${1:0:1} out="" run=0 i c
+    if (( ${#value} < 2 )) || [[ ( "$quote" != "'" && "$quote" != '"' ) || "${value: -1}" != "$quote" ]]; then
+        printf '%s\n' "$value"
+        return
+    fi
+    value=${value:1:${#value}-2}
+    for ((i = 0; i < ${#value}; i++)); do
+        c=${value:i:1}
+        if [[ "$c" == "\\" ]]; then
+            run=$((run + 1))
+            continue
+        fi
+        [[ "$c" == "$quote" ]] && run=$((run / 2))
+        for ((; run > 0; run--)); do out+="\\"; done
+        out+=$c
+    done
+    for ((run /= 2; run > 0; run--)); do out+="\\"; done
+    printf '%s\n' "$out"
 }
 
 # The hydra.run.dir=... override of DIR, quoted for Hydra's override grammar: a job name may hold what the grammar

@@ -132,6 +132,11 @@ def test_a_job_s_run_dir_reaches_hydra_whatever_its_name_holds(tmp_path):
         proc = subprocess.run(["bash", "-c", script, "_", f"/runs/{name}-42"], env=env, capture_output=True, text=True,
                               timeout=60)
         assert parser.parse_override(proc.stdout).value() == f"/runs/{name}-42", proc.stdout
+        # the run dir the job's own lines use (its logs, the requeue marker) is the one Hydra reads from it
+        script = f'source "{LIB}" >/dev/null && megalm_run_dir "$1"'
+        found = subprocess.run(["bash", "-c", script, "_", proc.stdout], env={**env, "SLURM_JOB_ID": "42"},
+                               capture_output=True, text=True, timeout=60)
+        assert found.stdout == f"/runs/{name}-42\n", (proc.stdout, found.stdout, found.stderr)
     taken = tmp_path / "7b,lr=3e-4(v2)-42"
     taken.write_text("")
     proc = subprocess.run([sys.executable, "-m", "megalm.train", f"hydra.run.dir='{taken}'"], capture_output=True,
