@@ -360,6 +360,14 @@ def validate_precision(cfg: MegalmConfig) -> None:
     if p.skip and p.name in WHOLE_MODEL:
         raise ConfigError(f"precision.skip keeps layers out of the fp8/mx recipes; precision={p.name} has no recipe "
                           "to keep them out of: remove it")
+    uneven = ("parallel.hdp=true" if parallel.hdp else "trainer.tokens_per_step"
+              if cfg.trainer.tokens_per_step is not None and (parallel.dp or 1) * parallel.cp > 1 else None)
+    if p.backend == "te" and uneven:
+        # native recipes reduce their amaxes once a step, after the backward (Precision.after_backward)
+        raise ConfigError(f"precision.backend=te reduces FP8 amaxes over the ranks that split the batch in every "
+                          f"micro-batch (TE's fp8_autocast), and under {uneven} those ranks run different numbers "
+                          f"of micro-batches: the reduction would hang; use precision.backend=native or drop "
+                          f"{uneven}")
     if p.backend == "te" and parallel.tp > 1:
         raise ConfigError(f"precision.backend=te swaps in TE's Linear, which megalm's tensor parallelism does not "
                           f"shard; use parallel.tp=1 or precision.backend=native (tp={parallel.tp})")

@@ -156,6 +156,11 @@ def test_te_version_floor_for_current_scaling(version, ok):
     (["precision=fp8_rowwise", "precision.backend=te"], "fp8, fp8_delayed"),
     (["precision=fp8", "precision.backend=te", "parallel.recompute=full"], "parallel.recompute=none"),
     (["precision=fp8", "precision.backend=te", "parallel.tp=2"], "parallel.tp=1"),
+    # TE reduces amaxes in every micro-batch: ranks running different numbers of them would hang
+    (["precision=fp8_delayed", "precision.backend=te", "parallel.hdp=true", "data.varlen=true"],
+     "drop parallel.hdp=true"),
+    (["precision=fp8", "precision.backend=te", "data.varlen=true", "trainer.tokens_per_step=64"],
+     "drop trainer.tokens_per_step"),
 ])
 def test_te_backend_config_rules(make_config, overrides, message):
     with pytest.raises(ConfigError, match=message):
