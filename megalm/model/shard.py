@@ -169,8 +169,8 @@ def copy_full_value(param: torch.Tensor, value: torch.Tensor) -> None:
 
 def laid_out_like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """`value`, whole as this rank sees `param`, laid out as `param` is held: its own chunk as a DTensor when `param`
-    is an FSDP shard (every rank has `value`: no communication), else `value` itself."""
-    if isinstance(param, DTensor) and value.shape == param.shape:
+    is an FSDP shard (every rank has `value`: no communication), else `value` itself (one already laid out so, too)."""
+    if isinstance(param, DTensor) and value.shape == param.shape and not isinstance(value, DTensor):
         return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
     return value
 
@@ -186,6 +186,7 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def empty_full_like(t: torch.Tensor) -> torch.Tensor:
-    """An uninitialised plain tensor of `t`'s whole (TP-local) shape, dtype and device (no collective)."""
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+def empty_full_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised plain tensor of `t`'s whole (TP-local) shape, of `t`'s dtype (or `dtype`) and device (no
+    collective)."""
+    return torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device)

@@ -10,12 +10,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from megalm.config import model_config, resolve_model_defaults
 from megalm.errors import CheckpointError
 from megalm.model.gpt import GPT, reset_buffers
 from megalm.model.naming import canonical_named_parameters
-from megalm.model.shard import shard_specs
+from megalm.model.shard import empty_full_like, laid_out_like, shard_specs
 from megalm.precision.install import load_amax_histories
 from megalm.training.checkpoint.layout import layout_tag, resolve_checkpoint_path
 from megalm.training.checkpoint.tensors import (
@@ -115,26 +116,33 @@ def _load_tensors(path: Path, meta: LoadedCheckpoint, model: nn.Module, optimize
                  "afresh")
         optimizer = None
     if optimizer is not None:
-        like, groups = optimizer_tensors(model, optimizer)
-        if not like:  # a fresh torch AdamW has no state yet: take one step's worth of shapes
-            like = {f"{n}::{k}": torch.zeros(() if k == "step" else p.shape, dtype=torch.float32, device=p.device)
+        # the state's shapes (a fresh torch AdamW has none yet: one step's worth, on the meta device); each moment's
+        # targets are made, and read back, one whole tensor at a time (`empty_full_like`, transient)
+        like, groups = optimizer_tensors(model, optimizer, whole=False)
+        if not like:
+            like = {f"{n}::{k}": torch.zeros(() if k == "step" else p.shape, dtype=torch.float32, device="meta")
                     for n, p in params.items() for k in ("step", "exp_avg", "exp_avg_sq")}
         for key, value in like.items():
             param_name, _, field = key.partition("::")
-            if value.shape == params[param_name].shape:  # a moment, laid out like its parameter
-                targets.update(like_targets("optim/", param_name, value, specs.get(param_name), model, mesh,
-                                            saved_rows, f"::{field}"))
+            param = params[param_name]
+            if value.shape == param.shape:  # a moment, laid out like its parameter
+                targets.update(like_targets("optim/", param_name, empty_full_like(param, value.dtype),
+                                            specs.get(param_name), model, mesh, saved_rows, f"::{field}",
+                                            fsdp=param if isinstance(param, DTensor) else None))
             else:  # the step count, stored with every piece: the first one's is read
-                targets[f"optim/{stored_names(param_name)[0]}::{field}"] = value.clone()
+                targets[f"optim/{stored_names(param_name)[0]}::{field}"] = torch.zeros(
+                    value.shape, dtype=value.dtype, device=param.device if value.is_meta else value.device)
     dcp_load(targets, path, collective=mesh is not None and mesh.is_distributed)
     copy_model(model, targets, path, saved_rows)
     if optimizer is not None:
         tensors = {}
         for key, value in like.items():
             param_name, _, field = key.partition("::")
-            if value.shape == params[param_name].shape:
-                tensors[key] = local_from_targets("optim/", param_name, value, specs.get(param_name), model,
-                                                  targets, saved_rows, f"::{field}")
+            param = params[param_name]
+            if value.shape == param.shape:  # whole, then this rank's layout of it (its FSDP chunk), at once
+                tensors[key] = laid_out_like(param, local_from_targets(
+                    "optim/", param_name, empty_full_like(param, value.dtype), specs.get(param_name), model,
+                    targets, saved_rows, f"::{field}"))
             else:
                 tensors[key] = targets[f"optim/{stored_names(param_name)[0]}::{field}"]
         load_optimizer_tensors(model, optimizer, tensors, meta.state["optimizer_param_groups"])

@@ -40,11 +40,10 @@ from megalm.training.checkpoint.layout import (
     write_text_atomic,
 )
 from megalm.training.checkpoint.tensors import (
-    for_dcp,
+    dcp_pieces,
     optimizer_tensors,
     save_tensors,
     stored_names,
-    stored_pieces,
     write_failed,
 )
 from megalm.training.optim import full_precision_weights
@@ -101,17 +100,19 @@ def _write(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Op
 
     params, specs = dict(canonical_named_parameters(model)), shard_specs(model)
     with full_precision_weights(optimizer):  # fp32 weights, whatever the recipe (async: staged before the exit)
-        tensors = {f"model/{stored}": for_dcp(piece, spec, mesh) for n, p in params.items()
-                   for stored, piece, spec in stored_pieces(n, full_value(p.detach()), specs.get(n), model)}
+        # one tensor gathered at a time (FSDP: each rank keeps its chunks, `dcp_pieces`)
+        tensors = {f"model/{stored}": handed for n, p in params.items()
+                   for stored, handed in dcp_pieces(n, p.detach(), specs.get(n), model, mesh).items()}
         tensors.update({f"model/{n}": b.detach().clone() for n, b in canonical_named_buffers(model)})
-        opt_tensors, groups = optimizer_tensors(model, optimizer)
+        opt_tensors, groups = optimizer_tensors(model, optimizer, whole=False)
         for key, value in opt_tensors.items():
             param_name, _, field = key.partition("::")
             if value.shape == params[param_name].shape:  # a moment, laid out like its parameter
-                for stored, piece, spec in stored_pieces(param_name, value, specs.get(param_name), model):
-                    tensors[f"optim/{stored}::{field}"] = for_dcp(piece, spec, mesh)
+                for stored, handed in dcp_pieces(param_name, value, specs.get(param_name), model, mesh).items():
+                    tensors[f"optim/{stored}::{field}"] = handed
             else:  # the step count, with every stored piece
-                tensors.update({f"optim/{stored}::{field}": value.clone() for stored in stored_names(param_name)})
+                tensors.update({f"optim/{stored}::{field}": full_value(value).clone()
+                                for stored in stored_names(param_name)})
         written = write_tensors(tensors, tmp)
     rng = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from megalm import compat
 from megalm.errors import CheckpointError
@@ -49,14 +49,16 @@ def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str
     return [name for group in optimizer.param_groups for name in _group_names(model, group)]
 
 
-def optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
-    """Flatten AdamW state to {"<param>::<key>": tensor} and hyper-parameters per group."""
+def optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, whole: bool = True
+                      ) -> tuple[dict, list[dict]]:
+    """Flatten AdamW state to {"<param>::<key>": tensor} and hyper-parameters per group. `whole=False` leaves an
+    FSDP shard's state as its DTensor (no collective), for a caller that gathers one tensor at a time."""
     state = optimizer.state_dict()
     names = _param_names(model, optimizer)
     tensors = {}
     for index, per_param in state["state"].items():
         for key, value in per_param.items():
-            tensors[f"{names[index]}::{key}"] = full_value(value.detach()).contiguous()
+            tensors[f"{names[index]}::{key}"] = full_value(value.detach()).contiguous() if whole else value.detach()
     groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
     for group, torch_group in zip(groups, optimizer.param_groups, strict=True):
         group["param_names"] = _group_names(model, torch_group)
@@ -144,6 +146,32 @@ def for_dcp(local: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | No
     return DTensor.from_local(local, device_mesh, [Shard(spec.dim)], shape=full_shape, stride=stride)
 
 
+def fsdp_chunk(value: torch.Tensor, param: DTensor) -> DTensor:
+    """`value`, a whole tensor on every rank (a stored piece of FSDP-sharded `param`, TP-local), as a DTensor over
+    `param`'s mesh and placements holding only this rank's chunk of its rows (a copy: the whole can go), which DCP
+    writes and reads alone and reshards into any layout. What a save and a load of an FSDP run hold (1/dp of the
+    model's 12 bytes a parameter, and one gathered tensor at a time): handed whole, DCP had held the TP-local fp32
+    weights and both Adam moments on every rank (96 GB at 8B with tp 1)."""
+    chunk = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    return DTensor.from_local(chunk.to_local().clone(), chunk.device_mesh, chunk.placements, shape=chunk.shape,
+                              stride=chunk.stride())
+
+
+def dcp_pieces(name: str, value: torch.Tensor, spec: ShardSpec | FusedShardSpec | None, model: nn.Module,
+               mesh: ParallelMesh | None) -> dict[str, torch.Tensor]:
+    """{stored name: what DCP is handed} for `value`, laid out like parameter `name` (the weight, or a moment):
+    each stored piece `for_dcp`'s, and of an FSDP shard (a DTensor `value`, gathered here for the one tensor) the
+    pieces DCP would get whole as `fsdp_chunk`s (tp = 1, or a piece TP ranks share). A TP slice of an FSDP shard
+    stays whole over its data-parallel ranks (a 2-D DTensor of both is not built)."""
+    whole = full_value(value)
+    out = {}
+    for stored, piece, piece_spec in stored_pieces(name, whole, spec, model):
+        handed = for_dcp(piece, piece_spec, mesh)
+        out[stored] = fsdp_chunk(handed, value) if isinstance(value, DTensor) and not isinstance(handed, DTensor) \
+            else handed
+    return out
+
+
 def _load_target(like: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | None) -> torch.Tensor:
     """An empty tensor for DCP to load into, laid out as `for_dcp` saved one like `like`: a DTensor slice,
     the full tensor of slices several ranks hold (no collective: only its shape matters), or a plain one."""
@@ -224,7 +252,10 @@ def target_tensor(name: str, like: torch.Tensor, spec: ShardSpec | None, mesh: P
 
 def local_tensor(name: str, loaded: torch.Tensor, spec: ShardSpec | None, like: torch.Tensor,
            saved_rows: int | None) -> torch.Tensor:
-    """This rank's tensor from what DCP filled: `from_dcp`, after resizing a differently padded table."""
+    """This rank's tensor from what DCP filled: `from_dcp`, after resizing a differently padded table; an
+    `fsdp_chunk` target (a DTensor of `like`'s whole shape) gathered whole."""
+    if isinstance(loaded, DTensor) and loaded.shape == like.shape:
+        return loaded.full_tensor()
     if _vocab_resized(name, like, spec, saved_rows):
         loaded = resize_vocab_rows(loaded, spec.full_shape[0] if spec is not None else like.shape[0])
     return from_dcp(loaded, spec)
@@ -232,11 +263,17 @@ def local_tensor(name: str, loaded: torch.Tensor, spec: ShardSpec | None, like: 
 
 def like_targets(prefix: str, name: str, like: torch.Tensor, spec: ShardSpec | FusedShardSpec | None,
                  model: nn.Module, mesh: ParallelMesh | None, saved_rows: int | None,
-                 suffix: str = "") -> dict[str, torch.Tensor]:
+                 suffix: str = "", fsdp: DTensor | None = None) -> dict[str, torch.Tensor]:
     """DCP's targets for a tensor laid out like parameter `name` (`like`): one per stored piece,
-    keyed `{prefix}{stored name}{suffix}`."""
-    return {f"{prefix}{stored}{suffix}": target_tensor(stored, piece, piece_spec, mesh, saved_rows)
-            for stored, piece, piece_spec in stored_pieces(name, like, spec, model)}
+    keyed `{prefix}{stored name}{suffix}`; where `fsdp` (the parameter, an FSDP shard) and the target would be
+    whole, its `fsdp_chunk` (a save's layout: this rank reads only its rows)."""
+    targets = {}
+    for stored, piece, piece_spec in stored_pieces(name, like, spec, model):
+        target = target_tensor(stored, piece, piece_spec, mesh, saved_rows)
+        if fsdp is not None and not isinstance(target, DTensor) and target.shape == piece.shape:
+            target = fsdp_chunk(target, fsdp)
+        targets[f"{prefix}{stored}{suffix}"] = target
+    return targets
 
 
 def local_from_targets(prefix: str, name: str, like: torch.Tensor, spec: ShardSpec | FusedShardSpec | None,
@@ -252,7 +289,7 @@ def model_targets(model: nn.Module, mesh: ParallelMesh | None, saved_rows: int |
     specs = shard_specs(model)
     targets = {key: target for n, p in canonical_named_parameters(model)
                for key, target in like_targets("model/", n, empty_full_like(p), specs.get(n), model, mesh,
-                                               saved_rows).items()}
+                                               saved_rows, fsdp=p if isinstance(p, DTensor) else None).items()}
     return targets | {f"model/{n}": torch.empty_like(b) for n, b in canonical_named_buffers(model)}
 
 
