@@ -58,13 +58,18 @@ P2P_DIMS = ("cp", "cp_in_node", "cp_across_nodes")  # where the estimator prices
 
 @contextlib.contextmanager
 def sends_counted(sent: list[int]) -> Iterator[None]:
-    """While inside, the bytes of every tensor this rank hands to `dist.batch_isend_irecv` to send go into `sent`."""
+    """While inside, the bytes of every tensor this rank hands to `dist.batch_isend_irecv` to send for context
+    parallelism (the ring's K/V and dK/dV, the hierarchical all-to-all: by their tags) go into `sent`."""
     import torch.distributed as dist
+
+    from megalm.parallel.context.hierarchical import A2A_TAG
+    from megalm.parallel.context.ring import DKV_TAG, KV_TAG
 
     original = dist.batch_isend_irecv
 
     def counted(ops: list) -> list:
-        sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops
+                    if op.op is dist.isend and op.tag in (KV_TAG, DKV_TAG, A2A_TAG))
         return original(ops)
 
     dist.batch_isend_irecv = counted
