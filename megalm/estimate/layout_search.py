@@ -4,9 +4,10 @@
 
 Two passes, because one fake-tensor step of a 70B rank takes a minute and a cluster has thousands of layouts:
 
-1. **Enumerate and price by a closed form.** Every layout of tp (a power of two up to a node, dividing the heads
-   and KV heads), pp (dividing the layers), vpp (interleaved, 2 chunks a stage), cp, dp = world / (tp·pp·cp)
-   (dividing the global batch), ZeRO-1, recompute (none, selective, full), activation offload and, with documents
+1. **Enumerate and price by a closed form.** Every layout of tp (a power of two up to a node, dividing the heads,
+   and the KV heads or a multiple of them: replicated past them), pp (dividing the layers), vpp (interleaved, 2
+   chunks a stage), cp, dp = world / (tp·pp·cp) (dividing the global batch), ZeRO-1, recompute (none, selective,
+   full), activation offload and, with documents
    of many lengths (`data.varlen=true`), HDP. Sequence parallelism is on with tp > 1. The closed form (`closed_form`)
    prices each: static bytes per parameter of the rank (the recipes' 2 + 4 + 12, ZeRO-1's shards), Korthikanti et
    al.'s activations per layer times the factor the estimator measures against them (docs/benchmarks.md), the
@@ -160,7 +161,8 @@ def layouts(shape: Shape) -> list[Layout]:
     powers = [2**k for k in range(12) if 2**k <= shape.world]
     for tp, pp, cp in itertools.product(powers, powers, powers):
         per_replica = tp * pp * cp
-        if (tp > GPUS_PER_NODE or shape.model.heads % tp or shape.model.kv_heads % tp or shape.model.layers % pp
+        kv_heads = shape.model.kv_heads  # tp past the kv heads replicates them (megalm/parallel/tensor/apply.py)
+        if (tp > GPUS_PER_NODE or shape.model.heads % tp or (kv_heads % tp and tp % kv_heads) or shape.model.layers % pp
                 or shape.world % per_replica or shape.seq % ((2 * cp if cp > 1 else 1) * tp)):
             continue
         dp = shape.world // per_replica
@@ -192,11 +194,13 @@ def stage_parameters(shape: Shape, layout: Layout) -> tuple[int, int]:
     padded_vocab = -(-m.vocab // multiple) * multiple
     vocab_matrices = 2 if layout.pp == 1 and not shape.tied else 1
     layers = m.layers // layout.pp
-    dense = m.layer_params // t + 2 * m.hidden
+    # with tp past the kv heads each rank keeps a whole kv head of k and v, not 1/t of them
+    replicated_kv = 2 * m.hidden * m.kv_dim * (1 / m.kv_heads - 1 / t) if t > m.kv_heads else 0
+    dense = m.layer_params // t + 2 * m.hidden + replicated_kv
     vocab = vocab_matrices * padded_vocab * m.hidden // t
     if e is None:
         return layers * dense + vocab, 0
-    attention = m.attention_params // t + 2 * m.hidden
+    attention = m.attention_params // t + 2 * m.hidden + replicated_kv
     routed = e.routed_params(m.hidden) // layout.ep
     moe = attention + e.experts * m.hidden + 3 * m.hidden * e.shared_ffn // t + routed
     first = min(e.first_dense, layers)
