@@ -79,6 +79,7 @@ class ModelConverter(Protocol):
     token_multiple: int
     working_dtype: torch.dtype | None
     amax_group: dist.ProcessGroup | None  # set here: the ranks that split the batch (TE's amax reduction)
+    noise_rank: int  # set here: the TP rank, by which ranks holding other shards of a layer draw their own noise
 
     def convert(self, chunk: nn.Module, fsdp_shards: int = 1) -> None: ...
 
@@ -147,7 +148,7 @@ class Parallelism:
             self.fsdp_mesh = fsdp_mesh(self.mesh, p.fsdp_shard_size, device.type) if p.fsdp else None
         check_same_on_all_ranks(json.dumps(config_to_dict(cfg), sort_keys=True, default=str), self.mesh, device)
         for converter in self.converters:
-            converter.amax_group = self.mesh.dp_cp_group
+            converter.amax_group, converter.noise_rank = self.mesh.dp_cp_group, self.mesh.tp_rank
         # bf16 working weights (the bf16 recipe): the model trains bf16 copies of its fp32 initial weights, which the
         # optimizer takes as its fp32 main weights (BucketAdamW); the gradients accumulate over micro-batches in the
         # reducer's fp32 buckets. Under FSDP its MixedPrecisionPolicy does that: the fp32 shards are the main weights.

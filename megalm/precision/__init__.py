@@ -173,6 +173,7 @@ class Precision:
     def __init__(self, cfg: PrecisionConfig, seed: int, device: torch.device):
         self.cfg, self.seed, self.device = cfg, seed, device
         self.amax_group = None  # the ranks that split the batch (set by the parallelism): TE reduces amaxes over it
+        self.noise_rank = 0  # this rank's TP rank (set by the parallelism): stochastic rounding draws apart by it
         self.weights_version = WeightsVersion()  # shared by the layers' states of every chunk it converts
         self.on_te = uses_transformer_engine(cfg.name, cfg.backend, device)
         # FP8 GEMMs on a GPU (TE's, or torch._scaled_mm) need the token count divisible by 16: pad micro-batches
@@ -233,7 +234,7 @@ class Precision:
                 self.note += f", {left} layers left unconverted (a dimension not a multiple of 16)"
         else:
             states = apply_precision(chunk, get_recipe(name, forward=self.cfg.forward), skip=skip, seed=self.seed,
-                                     weights_version=self.weights_version)
+                                     weights_version=self.weights_version, noise_rank=self.noise_rank)
             paths = [f"FP8 GEMMs {fp8.gemm_path(self.device)}"] * has_fp8_gemms(self.cfg)
             paths += [f"MX GEMMs {mx_gemm_path(self.device)}"] * name.startswith("mx")
             path = "; ".join(paths)

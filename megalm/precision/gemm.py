@@ -123,6 +123,7 @@ def gemm(
     generator: torch.Generator | None = None,
     *,
     seed: int | None = None,
+    noise: torch.Generator | None = None,
     a_fp8: Fp8Operand | None = None,
     b_fp8: Fp8Operand | None = None,
     out_dtype: torch.dtype = torch.float32,
@@ -134,7 +135,7 @@ def gemm(
     along whichever dim K is. a_fp8 / b_fp8: an operand already quantized (the call's per-tensor scale shared by
     two GEMMs, a weight's cached FP8 copy); else quantized here (current scaling). MX: RHT signs from
     `generator`; on CUDA the fused path draws its stochastic rounding from `seed` (Triton's Philox), the
-    reference from `generator`.
+    reference from `noise` if given, else from `generator` after the signs.
     """
     as_a = (lambda t: t) if a_dim == 1 else (lambda t: t.t())  # -> [M, K]
     as_b = (lambda t: t) if b_dim == 0 else (lambda t: t.t())  # -> [K, N]
@@ -157,7 +158,8 @@ def gemm(
         a, b = a.float(), b.float()  # the reference works in fp32
         if spec.rht:
             a, b = rht(a, signs, a_dim, spec.rht_block), rht(b, signs, b_dim, spec.rht_block)
-        qa = mx_quantize_dequantize(a, spec.a_format, spec.block_size, a_dim, spec.rounding, spec.scaling, generator)
-        qb = mx_quantize_dequantize(b, spec.b_format, spec.block_size, b_dim, spec.rounding, spec.scaling, generator)
+        rounding = noise if noise is not None else generator
+        qa = mx_quantize_dequantize(a, spec.a_format, spec.block_size, a_dim, spec.rounding, spec.scaling, rounding)
+        qb = mx_quantize_dequantize(b, spec.b_format, spec.block_size, b_dim, spec.rounding, spec.scaling, rounding)
         return (as_a(qa) @ as_b(qb)).to(out_dtype)
     raise ValueError(f"unknown GEMM kind {spec.kind!r}; expected fp32, bf16, fp8 or mx")

@@ -57,6 +57,7 @@ def apply_precision(
     overrides: Mapping[str, str | Recipe] | None = None,
     seed: int = 0,
     weights_version: WeightsVersion | None = None,
+    noise_rank: int = 0,
 ) -> dict[str, LinearState]:
     """Run the linear layers of `model` in `recipe`; returns {layer name: its LinearState}.
 
@@ -86,7 +87,7 @@ def apply_precision(
             raise TypeError(f"{name} is a plain torch nn.Linear, which has no precision hook; build it as "
                             "megalm.model.linear.Linear (same parameters)")
         chosen = next((r for p, r in override_patterns if fnmatch.fnmatchcase(name, p)), recipe)
-        state = LinearState(name, seed, weights_version=weights_version)
+        state = LinearState(name, seed, weights_version=weights_version, noise_rank=noise_rank)
         module.gemm_recipe = None if chosen.is_fp32 else RecipeGemms(chosen, state, module=module)
         states[name] = state
     return states

@@ -10,7 +10,9 @@ layer name, step, micro-batch, shard, call index within the micro-batch). A trai
 run of the same seed draws the same numbers whatever the pipeline schedule. Put the data-parallel rank into
 `micro_batch` (e.g. the global micro-batch index) so that replicas draw independent noise, and the rank's position
 on a context-parallel ring into `shard` so that the ring's token shards do too. Tensor-parallel ranks share
-(micro_batch, shard): their RHT signs must match. Activation
+(micro_batch, shard): their RHT signs must match; their stochastic rounding draws apart by `noise_rank` (the TP
+rank), else the partial products a collective sums (a column-parallel dgrad's) round alike and their errors add up
+instead of averaging out (1.18x the error on operands with a non-zero mean, tp 4). Activation
 recomputation re-runs forwards (advancing the call index), but the backward GEMMs use the seed their
 original forward fixed, so recomputation changes no draw. Without a state and without `seed=`, a call
 draws its seed from torch's default generator (reproducible under torch.manual_seed).
@@ -59,8 +61,11 @@ class LinearState:
     """
 
     def __init__(self, name: str = "", seed: int = 0, amax_history_len: int = 16,
-                 weights_version: WeightsVersion | None = None) -> None:
+                 weights_version: WeightsVersion | None = None, noise_rank: int = 0) -> None:
         self.name, self.seed = name, seed
+        # this rank's place among those that share the layer's call seeds but hold other shards of it (its TP rank):
+        # their RHT signs must match, their stochastic rounding's noise must not (`RecipeGemms`)
+        self.noise_rank = noise_rank
         self.weights_version = weights_version or WeightsVersion()
         self.step, self.micro_batch, self.shard, self.calls = 0, 0, 0, 0
         self.amax = {tensor: AmaxHistory(amax_history_len) for tensor in ("x", "w", "dy")}

@@ -53,7 +53,8 @@ summation order, for the GEMMs whose K is not sharded, with round-to-nearest and
     row-parallel (W split by input columns): dgrad (K = out) and wgrad (K = T) are exact; fprop's
         K = in is sharded (the same alignment condition).
 Per-tensor FP8 scales are a shard's own amax, not the full tensor's, and SR noise is drawn for the
-shard's shape, so those are reproducible but not equal to tp=1.
+shard's shape, and apart on each TP rank (`LinearState.noise_rank`: shared noise would round the partial products a
+collective sums alike), so those are reproducible but not equal to tp=1.
 
 Compiled blocks (`trainer.compile`): dynamo cannot trace a layer's per-call Python state (seed hashing, weight
 caches, amax histories: layer_state.py), so inside a compiled block a layer runs as one opaque op pair that runs
@@ -233,9 +234,15 @@ class RecipeGemms:
                 b_fp8 = self._fp8_weight(spec, b, b_dim)
             else:
                 b_fp8 = self._fp8(spec, call, b, b_name, b_dim, spec.b_format)
-        generator = gemm_generator(call.seed, gemm_name, a.device) if spec.random else None
-        seed = hash_seed(call.seed, gemm_name) if spec.random else None
-        return gemm(spec, a, a_dim, b, b_dim, generator, seed=seed, a_fp8=a_fp8, b_fp8=b_fp8, out_dtype=out_dtype)
+        generator = noise = seed = None
+        if spec.random:  # RHT signs from (call seed, GEMM); stochastic rounding's noise apart per TP rank
+            generator = gemm_generator(call.seed, gemm_name, a.device)
+            rank = self.state.noise_rank if self.state is not None else 0
+            noised = gemm_name if rank == 0 else f"{gemm_name}/noise{rank}"  # rank 0: one process's draws
+            noise = gemm_generator(call.seed, noised, a.device) if rank else None
+            seed = hash_seed(call.seed, noised)
+        return gemm(spec, a, a_dim, b, b_dim, generator, seed=seed, noise=noise, a_fp8=a_fp8, b_fp8=b_fp8,
+                    out_dtype=out_dtype)
 
     def _fp8(self, spec: GemmSpec, call: Call, t: torch.Tensor, name: str, k_dim: int, fmt: str) -> Fp8Operand:
         """Tensor `name` (x, w or dy) in FP8 for one GEMM of `call`: per-row scales along K; or the call's per-tensor

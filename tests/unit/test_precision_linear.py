@@ -577,3 +577,39 @@ def test_a_linear_of_no_tokens(name):
     assert out.shape == (0, 32)
     out.sum().backward()
     assert torch.equal(w.grad, torch.zeros_like(w)) and x.grad.shape == x.shape
+
+
+def test_tensor_parallel_ranks_share_rht_signs_and_draw_their_own_rounding_noise():
+    """A layer's TP ranks share its call seeds, so its RHT signs match (a GEMM whose K is not sharded then equals
+    tp = 1's), but each rank's stochastic rounding draws apart by its TP rank (`LinearState.noise_rank`): a
+    column-parallel dgrad (K = out, sharded) sums the ranks' partial products, whose rounding errors, drawn alike,
+    had added up instead of averaging out. Rank 0 keeps one process's draws."""
+    from megalm.precision.linear import RecipeGemms
+
+    def partials(recipe: str, ranks: list[int], dy: torch.Tensor, w: torch.Tensor, seed: int = 99
+                 ) -> list[torch.Tensor]:
+        """Each TP rank's dgrad of its out-slice, with the same call seed (a layer's, shared over TP)."""
+        out = []
+        for shard, rank in enumerate(ranks):
+            gemms = RecipeGemms(get_recipe(recipe), LinearState("layer", seed=5, noise_rank=rank), seed=seed)
+            rows = slice(shard * w.shape[0] // len(ranks), (shard + 1) * w.shape[0] // len(ranks))
+            out.append(gemms.dgrad(gemms.start(dy), dy[:, rows], w[rows]).double())
+        return out
+
+    gen = torch.Generator().manual_seed(0)
+    dy, w = torch.randn(128, 256, generator=gen), torch.randn(256, 128, generator=gen)
+    alike = torch.cat([w[:64]] * 4)  # shards holding alike values: alike draws give alike rounding errors
+    # round to nearest after the RHT: the signs alone decide, the same on every rank
+    nearest = partials("mxfp4_rht", [0, 1], dy, alike), partials("mxfp4_rht", [0, 0], dy, alike)
+    assert all(torch.equal(a, b) for a, b in zip(*nearest, strict=True))
+    # stochastic rounding: rank 0 draws as one process does, rank 1 apart
+    own, shared = partials("mxfp4", [0, 1], dy, alike), partials("mxfp4", [0, 0], dy, alike)
+    assert torch.equal(own[0], shared[0]) and not torch.equal(own[1], shared[1])
+    # the summed dgrad's error over many calls' draws: apart, the four ranks' errors average out
+    dy, w = dy + 1.0, alike + 0.5  # non-zero means: the errors share a sign
+    exact = dy.double() @ w.double()
+
+    def error(ranks: list[int]) -> float:
+        return sum((sum(partials("mxfp4", ranks, dy, w, seed)) - exact).norm().item() for seed in range(8))
+
+    assert error([0, 1, 2, 3]) < 0.9 * error([0, 0, 0, 0])
