@@ -10,11 +10,9 @@ set -euo pipefail
 : "${MASTER_ADDR:?set MASTER_ADDR to the rendezvous host}"
 : "${NNODES:?set NNODES to the number of nodes}"
 MASTER_PORT=${MASTER_PORT:-29500}
-# GPUs this node gives the run (CUDA_VISIBLE_DEVICES when set; MIG slices are not GPUs), at least 1 (CPU processes)
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
-# set, even empty (no GPU visible: CPU processes)
-if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then gpus=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c . || true); fi
-NPROC_PER_NODE=${NPROC_PER_NODE:-$(( gpus > 0 ? gpus : 1 ))}
+# shellcheck source=scripts/node_processes.sh
+source "$(dirname "${BASH_SOURCE[0]}")/node_processes.sh"
+NPROC_PER_NODE=${NPROC_PER_NODE:-$(node_processes)}
 exec torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RUN_ID:-megalm}" \
     ${NODE_RANK:+--node-rank "$NODE_RANK"} -m megalm.train "$@"
