@@ -16,6 +16,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
@@ -75,16 +76,25 @@ def _stop_before_training(signum: int, frame: object) -> None:
     os._exit(REQUEUE_EXIT_CODE)  # now: a raised SystemExit could be swallowed, or wait inside a C call
 
 
-def requeue_on(signals: list[signal.Signals]) -> None:
+def _stop_after_checkpoint(signum: int, frame: object) -> None:
+    sys.stderr.write(f"megalm-train: {signal.Signals(signum).name} again after the preempted run's checkpoint: exiting "
+                     f"with {REQUEUE_EXIT_CODE} now\n")
+    os._exit(REQUEUE_EXIT_CODE)  # marked for requeue already
+
+
+_REQUEUE_HANDLERS = (_stop_before_training, _stop_after_checkpoint)
+
+
+def requeue_on(signals: list[signal.Signals], handler: Callable[[int, object], None] = _stop_before_training) -> None:
     """Until the trainer's own handlers take over (`Trainer.fit`), and from `main()` on: a preemption signal during
     start-up (imports, Hydra, the rendezvous, the checkpoint load: minutes at scale) ends the process with
     REQUEUE_EXIT_CODE and the requeue marker, as a preempted run does after its checkpoint. Nothing was trained yet
     that a checkpoint could keep; the signal's default action (death by it) left the job unrequeued. The signals
     it caught before and `signals` (`trainer.preempt_signals`, `[]`: none) no longer names get their default
-    action back."""
-    caught = [s for s in signal.valid_signals() if signal.getsignal(s) is _stop_before_training]
+    action back. `handler`: `_stop_after_checkpoint` once a preempted run saved and marked itself (its shutdown)."""
+    caught = [s for s in signal.valid_signals() if signal.getsignal(s) in _REQUEUE_HANDLERS]
     for number in {*caught, *signals}:
-        signal.signal(number, _stop_before_training if number in signals else signal.SIG_DFL)
+        signal.signal(number, handler if number in signals else signal.SIG_DFL)
 
 
 def precheck_overrides(argv: list[str]) -> None:
@@ -273,6 +283,9 @@ def run(cfg: DictConfig) -> float | None:
             requeue_on([])  # trained: a signal from now on has its default action (no requeue of a finished run)
         if summary.preempted:  # saved: asked before the shutdown, which a rank stopped by torchrun may not finish
             mark_for_requeue()
+            # a second signal (Slurm's SIGTERM reaches the workers, and torchrun forwards its own) ends the shutdown
+            # with the requeue code, where its default action had exited -15
+            requeue_on(signal_numbers(config.trainer.preempt_signals), _stop_after_checkpoint)
         del trainer
         shutdown_distributed()
         if summary.preempted:  # the launcher requeues on this code (megalm/training/preemption.py)

@@ -226,6 +226,28 @@ def test_a_signal_before_training_began_requeues_the_job(tmp_path, at, signals, 
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.timeout(300)
+def test_a_second_signal_after_the_checkpoint_still_requeues(tmp_path):
+    """Slurm's SIGTERM reaches every process of the job, and torchrun forwards its own: a worker can get a second one
+    after its preempted run saved, while it shuts down. It exits 75 then (saved and marked already), where the
+    signal's default action had ended it by the signal (-15), a failure to torchrun and the templates."""
+    marker = tmp_path / "requeue-marker"
+    argv = [*TINY, "trainer.max_steps=4", f"hydra.run.dir={tmp_path / 'run'}"]
+    script = ("import os, signal, sys\n"
+              f"sys.argv = ['megalm-train', *{argv!r}]\n"
+              "import megalm.training.trainer as tr\nstep = tr.Trainer.train_step\n"
+              "def first(self, *a, **k):\n    os.kill(os.getpid(), signal.SIGTERM)\n    return step(self, *a, **k)\n"
+              "tr.Trainer.train_step = first\n"
+              "import megalm.train as t\n"
+              "t.shutdown_distributed = lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(5))\n"
+              "import time\nt.main()\n")
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "MEGALM_REQUEUE_MARKER": str(marker)},
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == REQUEUE_EXIT_CODE, proc.stderr[-2000:]
+    assert "SIGTERM again after the preempted run's checkpoint" in proc.stderr, proc.stderr[-2000:]
+    assert [m.name for m in tmp_path.glob("requeue-marker*")] == ["requeue-marker.rank0-of-1"]
+    assert list((tmp_path / "run" / "checkpoints").glob("step_*"))
+
 def test_a_process_that_fails_on_its_own_leaves_a_failure_marker(tmp_path, monkeypatch):
     """The Slurm templates requeue no job in which a process failed on its own: a user error (fail) leaves
     `<marker>.failed-rank<RANK>`."""
