@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict
@@ -213,7 +214,8 @@ def _whole(hf: Mapping[str, Any], key: str, where: str) -> int:
     """config.json's `key` as a whole number (2.0 is 2); 2.5 or a string is an InteropError naming it: int() had
     dropped the fraction, and the tensors of the layers it dropped were reported missing later."""
     value = hf[key]
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+    # (json reads Infinity and NaN, on which int() raises its own error)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value != int(value):
         raise InteropError(f"{where}: {key}={value!r} must be a whole number; fix config.json")
     return int(value)
 

@@ -248,6 +248,9 @@ BAD_IMPORTS = {
     "config_wrong_float": (lambda d: _edit_config(d, rms_norm_eps="abc"), "holds a value of the wrong type"),
     # int() dropped the fraction, and the layers past it were reported missing (found by an audit)
     "config_fractional": (lambda d: _edit_config(d, num_hidden_layers=2.5), "num_hidden_layers=2.5 must be a whole"),
+    # json reads Infinity, on which int() raised its own OverflowError
+    "config_infinite": (lambda d: _edit_config(d, num_hidden_layers=float("inf")),
+                        "num_hidden_layers=inf must be a whole"),
     # named as model.seq_length=0, a key the file does not have
     "config_no_positions": (lambda d: _edit_config(d, max_position_embeddings=0),
                             "max_position_embeddings=0 must be >= 1"),
