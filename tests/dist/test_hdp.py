@@ -116,6 +116,9 @@ LAYOUTS = {
     # a2a+p2p: "nodes" of 2 HDP ranks; a document that needs 3 ranks gets 4 as a hierarchical ring of 2 x 2
     "dp4_hierarchical": (4, ["parallel.dp=4", "parallel.cp_comm=a2a+p2p", "parallel.cp_a2a_size=2"],
                          ("hierarchical",)),
+    # ... with an MoE model, whose routers gather a hierarchical ring's choices, and selective recompute
+    "dp4_hierarchical_moe_selective": (4, ["parallel.dp=4", "parallel.cp_comm=a2a+p2p", "parallel.cp_a2a_size=2",
+                                           "parallel.recompute=selective", *MOE], ("hierarchical",)),
 }
 
 
