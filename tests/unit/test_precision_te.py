@@ -167,7 +167,7 @@ def test_te_backend_config_rules(make_config, overrides, message):
         validate_run(make_config(*overrides), world_size=2)
 
 
-def test_te_reduces_its_amaxes_over_the_ranks_that_split_the_batch(fake_te, make_config, tmp_path):
+def test_te_reduces_its_amaxes_over_the_ranks_that_split_the_batch(fake_te, make_config, tmp_path, monkeypatch):
     """TE's fp8_autocast gets the parallelism's data x context group as its amax group (Megatron passes its amax
     group): TE's default, the whole world, would mix pipeline stages of other layers. In one process the group is
     None; a converter given a group passes that one."""
@@ -175,8 +175,17 @@ def test_te_reduces_its_amaxes_over_the_ranks_that_split_the_batch(fake_te, make
 
     from megalm.precision import Precision
 
+    unset = object()  # what a converter's group is until the parallelism sets it (one process's: None)
+    original = Precision.__init__
+
+    def init(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        self.amax_group = unset
+
+    monkeypatch.setattr(Precision, "__init__", init)
     trainer = one_process(make_config, tmp_path, "one", "precision=fp8_delayed", "precision.backend=te")
-    assert trainer.precision.amax_group is trainer.mesh.dp_cp_group
+    assert trainer.precision.amax_group is trainer.mesh.dp_cp_group is None
+    monkeypatch.setattr(Precision, "__init__", original)
     cfg = make_config("precision=fp8_delayed", "precision.backend=te").precision
     converter, group = Precision(cfg, seed=0, device=torch.device("cpu")), object()
     converter.amax_group = group
