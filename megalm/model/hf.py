@@ -215,7 +215,8 @@ def _whole(hf: Mapping[str, Any], key: str, where: str) -> int:
     dropped the fraction, and the tensors of the layers it dropped were reported missing later."""
     value = hf[key]
     # (json reads Infinity and NaN, on which int() raises its own error)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value != int(value):
+    infinite = isinstance(value, float) and not math.isfinite(value)  # (an int never is; isfinite overflows on 10**400)
+    if isinstance(value, bool) or not isinstance(value, int | float) or infinite or value != int(value):
         raise InteropError(f"{where}: {key}={value!r} must be a whole number; fix config.json")
     return int(value)
 
