@@ -258,7 +258,7 @@ def ring_sent_bytes(q: torch.Tensor, k: torch.Tensor, n: int, backward: bool) ->
     kv = 2 * k.numel() * k.element_size()
     if not backward:
         return (n - 1) * kv
-    return (n - 1) * kv + n * 2 * k.numel() * torch.empty((), dtype=accumulation_dtype(q.dtype)).element_size()
+    return (n - 1) * kv + n * 2 * k.numel() * accumulation_dtype(q.dtype).itemsize
 
 
 def ring_ranks(meta: torch.Tensor) -> list[int]:
@@ -266,15 +266,11 @@ def ring_ranks(meta: torch.Tensor) -> list[int]:
     return compat.host_values(meta)[2:]
 
 
-def _host_values(t: torch.Tensor) -> list[int] | None:
-    return compat.host_values(t)
-
-
 @register_flop_formula(torch.ops.megalm.ring_attention, get_raw=True)
 def _ring_flops(q, k, v, layout, meta, *args, **kwargs) -> float:  # noqa: ANN001 - torch's formula signature
     """QK^T and PV of each pair (`ring_pairs`): 2·(D_qk + D_v) FLOPs a query head. Any torch FLOP counter calls it,
     inductor's over fake tensors too: without the layout's values (fake), 0, never an error."""
-    chunk_sizes, meta_values = _host_values(layout[0]), _host_values(meta)  # layout[0]: the chunk_sizes
+    chunk_sizes, meta_values = compat.host_values(layout[0]), compat.host_values(meta)  # layout[0]: chunk_sizes
     if chunk_sizes is None or meta_values is None:
         return 0.0
     pairs = ring_pairs(chunk_sizes, len(meta_values) - 2)
