@@ -79,7 +79,8 @@ def _stop_before_training(signum: int, frame: object) -> None:
 def _stop_after_checkpoint(signum: int, frame: object) -> None:
     sys.stderr.write(f"megalm-train: {signal.Signals(signum).name} again after the preempted run's checkpoint: exiting "
                      f"with {REQUEUE_EXIT_CODE} now\n")
-    os._exit(REQUEUE_EXIT_CODE)  # marked for requeue already
+    mark_for_requeue()  # again: the signal may have come before the shutdown's own mark
+    os._exit(REQUEUE_EXIT_CODE)
 
 
 _REQUEUE_HANDLERS = (_stop_before_training, _stop_after_checkpoint)
@@ -279,13 +280,17 @@ def run(cfg: DictConfig) -> float | None:
             write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         try:
             summary = trainer.fit()
-        finally:
-            requeue_on([])  # trained: a signal from now on has its default action (no requeue of a finished run)
-        if summary.preempted:  # saved: asked before the shutdown, which a rank stopped by torchrun may not finish
-            mark_for_requeue()
+        except BaseException:
+            requeue_on([])  # a signal from now on has its default action
+            raise
+        if summary.preempted:
             # a second signal (Slurm's SIGTERM reaches the workers, and torchrun forwards its own) ends the shutdown
-            # with the requeue code, where its default action had exited -15
+            # with the requeue code, where its default action had exited -15: caught from the moment the trainer's
+            # own handlers are replaced, the marker's line included
             requeue_on(signal_numbers(config.trainer.preempt_signals), _stop_after_checkpoint)
+            mark_for_requeue()  # saved: asked before the shutdown, which a rank stopped by torchrun may not finish
+        else:
+            requeue_on([])  # trained: a signal from now on has its default action (no requeue of a finished run)
         del trainer
         shutdown_distributed()
         if summary.preempted:  # the launcher requeues on this code (megalm/training/preemption.py)

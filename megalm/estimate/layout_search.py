@@ -250,14 +250,32 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
     flops = 6 * m.layers * (active + m.hidden * shape.seq) * shape.global_batch * shape.seq / shape.world
     flops *= 4 / 3 if layout.recompute == "full" else 1
     compute = flops / (GPUS[gpu].bf16_tflops * 1e12 * ROOFLINE_EFFICIENCY)
+    collective = link_bytes(shape, layout)
+    step = compute * _bubble(pp, micro_batches, layout.vpp) + comm_seconds(collective, LINKS[gpu],
+                                                                           inside_node(t, cp, layout.ep))
+    return int(peak + reserve), shape.global_batch * shape.seq / step
+
+
+def link_bytes(shape: Shape, layout: Layout) -> dict[str, float]:
+    """What a rank's step sends over each mesh dimension's links, by the closed form (the estimator's
+    `collective_bytes`, which tests/unit/test_estimate_search.py holds it to)."""
+    t, pp, cp, dp, m, e = layout.tp, layout.pp, layout.cp, layout.dp, shape.model, shape.experts
+    n, routed = stage_parameters(shape, layout)
+    tokens = shape.seq * shape.micro_batch / cp  # a micro-batch's tokens on this rank
+    micro_batches = shape.global_batch // (dp * shape.micro_batch)
     per_micro_batch = m.layers // pp * tokens * m.hidden * 2
     # link bytes: a ring all-reduce of the fp32 gradients sends 2 x 4 of every (n - 1) / n (the estimator counts as
     # much: collectives.link_share); ZeRO-1 a reduce-scatter of them (4) and an all-gather of the bf16 weights (2)
     per_parameter = (6 if layout.zero1 else 8) * share(dp * cp)
+    # the ring passes the rank's K and V: 1/t of the kv heads, or a whole one where tp past them replicates them
+    kv = tokens * 2 * m.hidden // m.heads * max(m.kv_heads, t) / t
+    # and with tp past the kv heads, every micro-batch's backward all-reduces the k and v weights' gradients over TP
+    # in the working dtype (tensor.comm.sum_grad_over_sharers): 2 x the whole k and v of every layer
+    replicated_kv = m.layers // pp * 2 * 2 * m.hidden * m.kv_dim * (2 if shape.bf16 else 4) if t > m.kv_heads else 0
     collective = {
-        "tp": TP_TRANSFERS[layout.recompute] * per_micro_batch * micro_batches * share(t),
-        "cp": m.layers // pp * ring_bytes(tokens * 2 * m.hidden * m.kv_heads // m.heads / t, cp, shape.bf16,
-                                          layout.recompute == "full") * micro_batches if cp > 1 else 0,
+        "tp": (TP_TRANSFERS[layout.recompute] * per_micro_batch + replicated_kv) * micro_batches * share(t),
+        "cp": m.layers // pp * ring_bytes(kv, cp, shape.bf16, layout.recompute == "full") * micro_batches
+        if cp > 1 else 0,
         "pp": 4 * tokens * m.hidden * 2 / t * micro_batches if pp > 1 else 0,
         "dp": per_parameter * (n - routed)}
     if e is not None:  # each MoE layer's two all-to-alls of k copies of the rank's tokens, forward and backward
@@ -267,9 +285,7 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
             / layout.ep * micro_batches
         expert_dp = dp * cp // layout.ep * t
         collective["expert_dp"] = (6 if layout.zero1 else 8) * share(expert_dp) * routed
-    step = compute * _bubble(pp, micro_batches, layout.vpp) + comm_seconds(collective, LINKS[gpu],
-                                                                           inside_node(t, cp, layout.ep))
-    return int(peak + reserve), shape.global_batch * shape.seq / step
+    return collective
 
 
 def share(ranks: int) -> float:

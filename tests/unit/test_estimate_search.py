@@ -116,6 +116,29 @@ def test_the_closed_form_static_bytes_are_the_estimators(tp, dp):
     assert static == pytest.approx(layout_search.static_bytes_per_parameter(True, dp > 1, dp) * n, abs=256)
 
 
+def test_the_closed_form_s_link_bytes_are_the_estimators():
+    """The closed form's bytes over the CP and DP links against a run's, at tp 2 and at tp 4 past the model's 2 kv
+    heads, where each rank's ring passes a whole replicated head (it had priced half of one); and TP's bytes of those
+    replicas, whose gradients every micro-batch all-reduces over TP: what a model of 4 kv heads does not send. One
+    document a sequence, so that no document is padded to the ring's 2·cp (which the closed form leaves out)."""
+    def both(tp: int, kv_heads: int = 2) -> tuple[dict[str, int], dict[str, float]]:
+        layout = Layout(tp=tp, pp=1, vpp=1, cp=2, dp=1, zero1=False, recompute="none", offload=False, hdp=False)
+        overrides = [*SMALL, *layout.overrides(), "trainer.micro_batch_size=1", "trainer.global_batch_size=2",
+                     f"model.num_kv_heads={kv_heads}", "data.synthetic.mean_doc_length=100000",
+                     "data.synthetic.num_docs=4"]
+        shape, _, _ = layout_search.search_shape(overrides, 2 * tp)
+        assert layout in layout_search.layouts(shape)
+        rank = estimate.estimate_rank(overrides, 2 * tp, 0, "first stage", "h100")
+        return rank.collective_bytes, layout_search.link_bytes(shape, layout)
+
+    for tp in (2, 4):
+        measured, closed = both(tp)
+        assert measured["cp"] == closed["cp"], tp
+        assert measured["dp_cp"] == pytest.approx(closed["dp"], abs=1024), tp  # and the final norm's
+    unreplicated, unreplicated_closed = both(4, kv_heads=4)
+    assert measured["tp"] - unreplicated["tp"] == closed["tp"] - unreplicated_closed["tp"] > 0
+
+
 @pytest.mark.slow  # about 25 s: a fake-tensor step of a 16-rank layout
 def test_the_closed_form_prices_an_moe_model_by_its_experts():
     """MoE: the parameters of the fuller stage (the last: no dense block), the routed experts among them split over

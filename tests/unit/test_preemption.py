@@ -227,10 +227,12 @@ def test_a_signal_before_training_began_requeues_the_job(tmp_path, at, signals, 
 
 
 @pytest.mark.timeout(300)
-def test_a_second_signal_after_the_checkpoint_still_requeues(tmp_path):
+@pytest.mark.parametrize("during", ["shutdown_distributed", "mark_for_requeue"])
+def test_a_second_signal_after_the_checkpoint_still_requeues(tmp_path, during):
     """Slurm's SIGTERM reaches every process of the job, and torchrun forwards its own: a worker can get a second one
-    after its preempted run saved, while it shuts down. It exits 75 then (saved and marked already), where the
-    signal's default action had ended it by the signal (-15), a failure to torchrun and the templates."""
+    after its preempted run saved, while it shuts down. It exits 75 then, with the marker, where the signal's default
+    action had ended it by the signal (-15), a failure to torchrun and the templates; and so while the marker is
+    written, where the handlers had been between the trainer's and the shutdown's."""
     marker = tmp_path / "requeue-marker"
     argv = [*TINY, "trainer.max_steps=4", f"hydra.run.dir={tmp_path / 'run'}"]
     script = ("import os, signal, sys\n"
@@ -239,7 +241,10 @@ def test_a_second_signal_after_the_checkpoint_still_requeues(tmp_path):
               "def first(self, *a, **k):\n    os.kill(os.getpid(), signal.SIGTERM)\n    return step(self, *a, **k)\n"
               "tr.Trainer.train_step = first\n"
               "import megalm.train as t\n"
-              "t.shutdown_distributed = lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(5))\n"
+              f"original, sent = t.{during}, []\n"  # the signal once (the handler marks too)
+              "def second():\n    if not sent:\n        sent.append(True)\n        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "        time.sleep(5)\n    original()\n"
+              f"t.{during} = second\n"
               "import time\nt.main()\n")
     proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "MEGALM_REQUEUE_MARKER": str(marker)},
                           capture_output=True, text=True, timeout=240)
