@@ -12,7 +12,8 @@ run of the same seed draws the same numbers whatever the pipeline schedule. Put 
 on a context-parallel ring into `shard` so that the ring's token shards do too. Tensor-parallel ranks share
 (micro_batch, shard): their RHT signs must match; their stochastic rounding draws apart by `noise_rank` (the TP
 rank), else the partial products a collective sums (a column-parallel dgrad's) round alike and their errors add up
-instead of averaging out (1.18x the error on operands with a non-zero mean, tp 4). Activation
+instead of averaging out (1.5x the error of a dgrad summed over tp 4 from alike shards with a non-zero mean:
+tests/unit/test_precision_linear.py). Activation
 recomputation re-runs forwards (advancing the call index), but the backward GEMMs use the seed their
 original forward fixed, so recomputation changes no draw. Without a state and without `seed=`, a call
 draws its seed from torch's default generator (reproducible under torch.manual_seed).
