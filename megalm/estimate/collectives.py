@@ -75,7 +75,10 @@ _RING_COLLECTIVES = {  # op name prefix -> buffers a ring algorithm sends per (n
 def link_share(op: str, ranks: int) -> float:
     """Of a collective's largest tensor, the share each rank of a group of `ranks` sends through its link (NCCL's
     bus bandwidth: an all-reduce 2 (n - 1) / n, an all-gather, a reduce-scatter or an all-to-all (n - 1) / n); a
-    send, a receive or a broadcast sends it once."""
+    send or a broadcast sends it once, a receive nothing: its sender counts it, and a full-duplex link carries a
+    rank's receives beside its sends (a pipeline stage's had been counted twice)."""
+    if op.startswith("recv"):
+        return 0.0
     factor = next((f for prefix, f in _RING_COLLECTIVES.items() if op.startswith(prefix)), None)
     return 1.0 if factor is None else factor * (ranks - 1) / ranks
 

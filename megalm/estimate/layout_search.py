@@ -276,7 +276,8 @@ def link_bytes(shape: Shape, layout: Layout) -> dict[str, float]:
         "tp": (TP_TRANSFERS[layout.recompute] * per_micro_batch + replicated_kv) * micro_batches * share(t),
         "cp": m.layers // pp * ring_bytes(kv, cp, shape.bf16, layout.recompute == "full") * micro_batches
         if cp > 1 else 0,
-        "pp": 4 * tokens * m.hidden * 2 / t * micro_batches if pp > 1 else 0,
+        # a middle stage sends each micro-batch's activations on and their gradients back (its receives pass beside)
+        "pp": 2 * tokens * m.hidden * 2 / t * micro_batches if pp > 1 else 0,
         "dp": per_parameter * (n - routed)}
     if e is not None:  # each MoE layer's two all-to-alls of k copies of the rank's tokens, forward and backward
         moe_layers = m.layers // pp if pp > 1 else m.layers - e.first_dense  # the fuller of the first and last

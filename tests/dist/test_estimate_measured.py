@@ -16,7 +16,7 @@ reads below it fails at once.
 
 Context parallelism's point-to-point transfers (the ring's K/V and dK/dV, a hierarchical ring's all-to-all) are
 counted in the real run as the bytes each rank hands to `isend`, and must equal what the estimator prices for them
-(its fake ops send nothing; it had priced none).
+(its fake ops send nothing; it had priced none). So must a pipeline stage's sends (it had counted its receives too).
 """
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ P2P_DIMS = ("cp", "cp_in_node", "cp_across_nodes")  # where the estimator prices
 
 
 @contextlib.contextmanager
-def sends_counted(sent: list[int]) -> Iterator[None]:
+def sends_counted(sent: list[int], pipeline: list[int]) -> Iterator[None]:
     """While inside, the bytes of every tensor this rank hands to `dist.batch_isend_irecv` to send for context
-    parallelism (the ring's K/V and dK/dV, the hierarchical all-to-all: by their tags) go into `sent`."""
+    parallelism (the ring's K/V and dK/dV, the hierarchical all-to-all: by their tags) go into `sent`, the others
+    (a pipeline stage's activations and gradients) into `pipeline`."""
     import torch.distributed as dist
 
     from megalm.parallel.context.hierarchical import A2A_TAG
@@ -68,8 +69,10 @@ def sends_counted(sent: list[int]) -> Iterator[None]:
     original = dist.batch_isend_irecv
 
     def counted(ops: list) -> list:
-        sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops
-                    if op.op is dist.isend and op.tag in (KV_TAG, DKV_TAG, A2A_TAG))
+        for op in ops:
+            if op.op is dist.isend:
+                cp = op.tag in (KV_TAG, DKV_TAG, A2A_TAG)
+                (sent if cp else pipeline).append(op.tensor.numel() * op.tensor.element_size())
         return original(ops)
 
     dist.batch_isend_irecv = counted
@@ -84,16 +87,17 @@ def measure(rank: int, world: int, overrides: list[str], out: str) -> None:
     from megalm.train import compose_config
     from megalm.training.trainer import Trainer
 
-    live, real, sent = LiveStorages(), contextlib.nullcontext(), []
+    live, real, sent, pipeline = LiveStorages(), contextlib.nullcontext(), [], []
     with tempfile.TemporaryDirectory() as run_dir:
         with live:
             trainer = Trainer(compose_config(overrides), run_dir)
         estimate.run_step(trainer, 0, real, live)
         live.mark_peak()
-        with sends_counted(sent):
+        with sends_counted(sent, pipeline):
             tokens = estimate.run_step(trainer, 1, real, live)
         Path(out, f"{rank}.json").write_text(json.dumps({"peak": live.peak(trainer.device.type), "tokens": tokens,
-                                                         "sent": sum(sent)}))
+                                                         "sent": sum(sent),
+                                                         "pipeline": sum(pipeline)}))
 
 
 @pytest.mark.timeout(900)  # up to three real runs (the module docstring)
@@ -120,5 +124,8 @@ def test_the_estimate_is_the_real_run(tmp_path, layout):
         assert rank["tokens"] == got["tokens"], f"{layout} {rank['role']}: the step's tokens differ"
         p2p = sum(rank["collective_bytes"].get(dim, 0) for dim in P2P_DIMS)
         assert p2p == got["sent"], f"{layout} {rank['role']}: estimated {p2p} bytes sent point to point, real {got}"
+        # and the pp group's bytes: the stage's sends, and its all-reduce of a scalar (the step's loss)
+        pp = rank["collective_bytes"].get("pp", 0)
+        assert got["pipeline"] <= pp <= got["pipeline"] + 8, f"{layout} {rank['role']}: pp {pp} bytes, real {got}"
     if "hdp" in layout:  # the largest ring's rank is a role of its own
         assert [r["rank"] for r in result["ranks"]] == [0, 1], result["ranks"]

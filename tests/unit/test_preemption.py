@@ -242,8 +242,8 @@ def test_a_second_signal_after_the_checkpoint_still_requeues(tmp_path, during):
               "tr.Trainer.train_step = first\n"
               "import megalm.train as t\n"
               f"original, sent = t.{during}, []\n"  # the signal once (the handler marks too)
-              "def second():\n    if not sent:\n        sent.append(True)\n        os.kill(os.getpid(), signal.SIGTERM)\n"
-              "        time.sleep(5)\n    original()\n"
+              "def second():\n    if not sent:\n        sent.append(True)\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n        time.sleep(5)\n    original()\n"
               f"t.{during} = second\n"
               "import time\nt.main()\n")
     proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "MEGALM_REQUEUE_MARKER": str(marker)},
