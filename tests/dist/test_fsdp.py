@@ -97,12 +97,15 @@ def test_fsdp_resume_is_bit_exact(tmp_path):
 
 
 def test_fsdp_checkpoints_reshard_through_zero1_and_back(tmp_path):
-    """FSDP dp4 -> tp2 dp2 ZeRO-1 -> FSDP dp2 in one run dir, each resuming the last one's checkpoint: every
-    segment's losses are the single-process run's (1e-5 relative), so nothing of the weights or the optimizer
-    state is lost or misplaced between the layouts."""
-    common = ["trainer.max_steps=6", *COMMON]
+    """FSDP dp4 -> FSDP tp2 dp2 -> tp2 dp2 ZeRO-1 -> FSDP dp2 in one run dir, each resuming the last one's
+    checkpoint: every segment's losses are the single-process run's (1e-5 relative), so nothing of the weights or the
+    optimizer state is lost or misplaced between the layouts. FSDP under TP saves and loads its chunks over both
+    (`checkpoint.tensors.fsdp_tp_mesh`), the one kv head's rows, which both TP ranks hold, over FSDP's alone."""
+    common = ["trainer.max_steps=8", "model.num_kv_heads=1", *COMMON]
     segments = [(4, ["parallel.fsdp=true", "parallel.dp=4", "trainer.stop_at_step=2"]),
-                (4, ["parallel.tp=2", "parallel.dp=2", "parallel.zero1=true", "trainer.stop_at_step=4"]),
+                (4, ["parallel.fsdp=true", "parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true",
+                     "trainer.stop_at_step=4"]),
+                (4, ["parallel.tp=2", "parallel.dp=2", "parallel.zero1=true", "trainer.stop_at_step=6"]),
                 (2, ["parallel.fsdp=true", "parallel.dp=2"])]
     assert_resharded_run_continues(tmp_path, common, segments)
 
@@ -132,17 +135,18 @@ def test_fp8_and_mx_recipes_under_fsdp_match_plain_data_parallel(tmp_path, recip
                     str(tmp_path), timeout=240)
 
 
-def check_checkpoint_memory(rank: int, world_size: int, tmp: str) -> None:
+def check_checkpoint_memory(rank: int, world_size: int, tmp: str, parallel: list[str]) -> None:
     from megalm.measure import LiveStorages
     from megalm.training.checkpoint import load_checkpoint
 
-    layout = [*COMMON, "parallel.dp=4", "parallel.fsdp=true", "model.num_layers=4", "model.hidden_size=128",
+    layout = [*COMMON, *parallel, "parallel.fsdp=true", "model.num_layers=4", "model.hidden_size=128",
               "trainer.max_steps=1"]
     trainer = Trainer(compose_config(*layout), f"{tmp}/run")
     trainer.fit()
     params = [p for _, p in canonical_named_parameters(trainer.model)]
     shard = sum(p.to_local().nbytes for p in params)  # this rank's fp32 weights; each Adam moment as much
-    largest = max(p.numel() * p.element_size() for p in params)  # the whole tensor gathered at a time
+    # the whole tensor gathered at a time (over TP too)
+    largest = max(p.numel() * p.element_size() for p in params) * trainer.mesh.dims.tp
     with LiveStorages() as live:
         path = trainer.save()
     assert live.peak("cpu") <= 3 * shard + 2 * largest, (live.peak("cpu"), shard, largest)
@@ -155,10 +159,15 @@ def check_checkpoint_memory(rank: int, world_size: int, tmp: str) -> None:
         assert torch.equal(loaded.to_local(), saved.to_local())
 
 
-def test_fsdp_checkpoints_hold_this_rank_s_shards_and_one_whole_tensor(tmp_path):
-    """A save hands DCP each rank's chunk of every stored piece (`checkpoint.tensors.fsdp_chunk`) and a load reads
+@pytest.mark.parametrize("parallel", [["parallel.dp=4"], ["parallel.tp=2", "parallel.dp=2",
+                                                           "parallel.sequence_parallel=true"]], ids=["dp4", "tp2_dp2"])
+def test_fsdp_checkpoints_hold_this_rank_s_shards_and_one_whole_tensor(tmp_path, parallel):
+    """A save hands DCP each rank's chunk of every stored piece (`checkpoint.tensors.fsdp_pieces_chunk`) and a load reads
     into such chunks, gathering one whole tensor at a time: the storage probe's peak over a save stays within the
     rank's weights and moments (3 shards) and two whole tensors, over a load within the targets, the moments it
     keeps and three. Until 2026-12-05 DCP was handed every gathered weight and moment at once: 11.9 MB of a save's
-    peak and 23.3 MB of a load's, against 2.9 and 5.2 MB now (0.87 MB shards of a 3.5 MB model, 4 ranks)."""
-    run_distributed(check_checkpoint_memory, 4, str(tmp_path), timeout=300)
+    peak and 23.3 MB of a load's, against 2.9 and 5.2 MB now (0.87 MB shards of a 3.5 MB model, 4 ranks). Under
+    tp 2 each rank's chunks are cut from the whole tensor over the FSDP and TP ranks together
+    (`checkpoint.tensors.fsdp_tp_mesh`), where until the day's second session each rank held its TP slice of every
+    tensor whole: a save's peak 5.4 → 3.1 MB, a load's 7.2 → 4.9 MB (0.89 MB shards)."""
+    run_distributed(check_checkpoint_memory, 4, str(tmp_path), parallel, timeout=300)

@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
 
 from megalm import compat
 from megalm.errors import CheckpointError
@@ -146,29 +147,50 @@ def for_dcp(local: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | No
     return DTensor.from_local(local, device_mesh, [Shard(spec.dim)], shape=full_shape, stride=stride)
 
 
-def fsdp_chunk(value: torch.Tensor, param: DTensor) -> DTensor:
-    """`value`, a whole tensor on every rank (a stored piece of FSDP-sharded `param`, TP-local), as a DTensor over
-    `param`'s mesh and placements holding only this rank's chunk of its rows (a copy: the whole can go), which DCP
-    writes and reads alone and reshards into any layout. What a save and a load of an FSDP run hold (1/dp of the
-    model's 12 bytes a parameter, and one gathered tensor at a time): handed whole, DCP had held the TP-local fp32
-    weights and both Adam moments on every rank (96 GB at 8B with tp 1)."""
-    chunk = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+def fsdp_chunk(value: torch.Tensor, device_mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
+    """`value`, a whole tensor on every rank of `device_mesh`, as a DTensor over it holding only this rank's chunk
+    (a copy: the whole can go), which DCP writes and reads alone and reshards into any layout. What a save and a load
+    of an FSDP run hold (1/dp of the model's 12 bytes a parameter, and one gathered tensor at a time): handed whole,
+    DCP had held the TP-local fp32 weights and both Adam moments on every rank (96 GB at 8B with tp 1, 12 GB at 70B
+    with tp 8)."""
+    chunk = distribute_tensor(value, device_mesh, placements, src_data_rank=None)
     return DTensor.from_local(chunk.to_local().clone(), chunk.device_mesh, chunk.placements, shape=chunk.shape,
                               stride=chunk.stride())
+
+
+def fsdp_tp_mesh(param: DTensor, mesh: ParallelMesh) -> DeviceMesh:
+    """FSDP-sharded `param`'s mesh with the TP ranks beside it as its last dimension (ranks are tp fastest,
+    `ParallelDims.rank_of`): where a save's chunks of a TP slice are cut over both (no collective; its groups exist)."""
+    tp, own = mesh.dims.tp, param.device_mesh
+    grid = own.mesh
+    ranks = torch.stack([grid - grid % tp + t for t in range(tp)], dim=-1)
+    groups = [own.get_group(i) for i in range(own.ndim)] + [mesh.tp_group]
+    return DeviceMesh.from_group(groups, own.device_type, mesh=ranks, mesh_dim_names=(*own.mesh_dim_names, "tp"))
+
+
+def fsdp_pieces_chunk(whole: torch.Tensor, param: DTensor, spec: ShardSpec | None, mesh: ParallelMesh | None
+                      ) -> DTensor:
+    """This rank's chunk of `whole` (a stored piece of FSDP-sharded `param`, whole on every rank), over FSDP's mesh;
+    a TP slice's (spec's group tp, tp > 1) over FSDP's and TP's ranks together, `fsdp_tp_mesh`, so that no rank keeps
+    its whole TP slice of every tensor at once."""
+    if spec is None or spec.group != "tp" or mesh is None or mesh.dims.tp == 1 or not spec.single_slice:
+        return fsdp_chunk(whole, param.device_mesh, param.placements)
+    return fsdp_chunk(whole, fsdp_tp_mesh(param, mesh), (*param.placements, Shard(spec.dim)))
 
 
 def dcp_pieces(name: str, value: torch.Tensor, spec: ShardSpec | FusedShardSpec | None, model: nn.Module,
                mesh: ParallelMesh | None) -> dict[str, torch.Tensor]:
     """{stored name: what DCP is handed} for `value`, laid out like parameter `name` (the weight, or a moment):
-    each stored piece `for_dcp`'s, and of an FSDP shard (a DTensor `value`, gathered here for the one tensor) the
-    pieces DCP would get whole as `fsdp_chunk`s (tp = 1, or a piece TP ranks share). A TP slice of an FSDP shard
-    stays whole over its data-parallel ranks (a 2-D DTensor of both is not built)."""
+    each stored piece `for_dcp`'s, and of an FSDP shard (a DTensor `value`, gathered here for the one tensor) each
+    piece whole (gathered over TP too where TP slices it) and cut into this rank's `fsdp_pieces_chunk`."""
     whole = full_value(value)
     out = {}
     for stored, piece, piece_spec in stored_pieces(name, whole, spec, model):
         handed = for_dcp(piece, piece_spec, mesh)
-        out[stored] = fsdp_chunk(handed, value) if isinstance(value, DTensor) and not isinstance(handed, DTensor) \
-            else handed
+        if isinstance(value, DTensor) and (not isinstance(handed, DTensor) or piece_spec.group == "tp"):
+            handed = fsdp_pieces_chunk(handed.full_tensor() if isinstance(handed, DTensor) else handed, value,
+                                       piece_spec, mesh)
+        out[stored] = handed
     return out
 
 
@@ -253,9 +275,11 @@ def target_tensor(name: str, like: torch.Tensor, spec: ShardSpec | None, mesh: P
 def local_tensor(name: str, loaded: torch.Tensor, spec: ShardSpec | None, like: torch.Tensor,
            saved_rows: int | None) -> torch.Tensor:
     """This rank's tensor from what DCP filled: `from_dcp`, after resizing a differently padded table; an
-    `fsdp_chunk` target (a DTensor of `like`'s whole shape) gathered whole."""
+    `fsdp_pieces_chunk` target gathered whole (and a TP slice's cut to this rank's)."""
     if isinstance(loaded, DTensor) and loaded.shape == like.shape:
         return loaded.full_tensor()
+    if isinstance(loaded, DTensor) and loaded.device_mesh.ndim > 1 and loaded.device_mesh.mesh_dim_names[-1] == "tp":
+        return spec.shard(loaded.full_tensor())  # `fsdp_pieces_chunk` of a TP slice: whole, then this rank's slice
     if _vocab_resized(name, like, spec, saved_rows):
         loaded = resize_vocab_rows(loaded, spec.full_shape[0] if spec is not None else like.shape[0])
     return from_dcp(loaded, spec)
@@ -265,13 +289,15 @@ def like_targets(prefix: str, name: str, like: torch.Tensor, spec: ShardSpec | F
                  model: nn.Module, mesh: ParallelMesh | None, saved_rows: int | None,
                  suffix: str = "", fsdp: DTensor | None = None) -> dict[str, torch.Tensor]:
     """DCP's targets for a tensor laid out like parameter `name` (`like`): one per stored piece,
-    keyed `{prefix}{stored name}{suffix}`; where `fsdp` (the parameter, an FSDP shard) and the target would be
-    whole, its `fsdp_chunk` (a save's layout: this rank reads only its rows)."""
+    keyed `{prefix}{stored name}{suffix}`; where `fsdp` (the parameter, an FSDP shard) is given, a whole target or
+    a TP slice's becomes its `fsdp_pieces_chunk` (a save's layout: this rank reads only its rows)."""
     targets = {}
     for stored, piece, piece_spec in stored_pieces(name, like, spec, model):
         target = target_tensor(stored, piece, piece_spec, mesh, saved_rows)
-        if fsdp is not None and not isinstance(target, DTensor) and target.shape == piece.shape:
-            target = fsdp_chunk(target, fsdp)
+        if fsdp is not None and (target.shape == piece.shape if not isinstance(target, DTensor)
+                                 else piece_spec.group == "tp"):
+            target = fsdp_pieces_chunk(torch.empty(target.shape, dtype=target.dtype, device=piece.device), fsdp,
+                                       piece_spec, mesh)
         targets[f"{prefix}{stored}{suffix}"] = target
     return targets
 
