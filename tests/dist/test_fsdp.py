@@ -159,15 +159,19 @@ def check_checkpoint_memory(rank: int, world_size: int, tmp: str, parallel: list
         assert torch.equal(loaded.to_local(), saved.to_local())
 
 
-@pytest.mark.parametrize("parallel", [["parallel.dp=4"], ["parallel.tp=2", "parallel.dp=2",
-                                                           "parallel.sequence_parallel=true"]], ids=["dp4", "tp2_dp2"])
-def test_fsdp_checkpoints_hold_this_rank_s_shards_and_one_whole_tensor(tmp_path, parallel):
-    """A save hands DCP each rank's chunk of every stored piece (`checkpoint.tensors.fsdp_pieces_chunk`) and a load reads
-    into such chunks, gathering one whole tensor at a time: the storage probe's peak over a save stays within the
-    rank's weights and moments (3 shards) and two whole tensors, over a load within the targets, the moments it
+@pytest.mark.parametrize("world, parallel", [
+    pytest.param(4, ["parallel.dp=4"], id="dp4"),
+    pytest.param(4, ["parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true"], id="tp2_dp2"),
+    # HSDP under TP: chunks over a 3-D mesh (replicate, shard, tp); 19 s
+    pytest.param(8, ["parallel.tp=2", "parallel.dp=4", "parallel.fsdp_shard_size=2",
+                     "parallel.sequence_parallel=true"], id="tp2_hsdp4", marks=pytest.mark.slow)])
+def test_fsdp_checkpoints_hold_this_rank_s_shards_and_one_whole_tensor(tmp_path, world, parallel):
+    """A save hands DCP each rank's chunk of every stored piece (`checkpoint.tensors.fsdp_pieces_chunk`) and a load
+    reads into such chunks, gathering one whole tensor at a time: the storage probe's peak over a save stays within
+    the rank's weights and moments (3 shards) and two whole tensors, over a load within the targets, the moments it
     keeps and three. Until 2026-12-05 DCP was handed every gathered weight and moment at once: 11.9 MB of a save's
     peak and 23.3 MB of a load's, against 2.9 and 5.2 MB now (0.87 MB shards of a 3.5 MB model, 4 ranks). Under
     tp 2 each rank's chunks are cut from the whole tensor over the FSDP and TP ranks together
     (`checkpoint.tensors.fsdp_tp_mesh`), where until the day's second session each rank held its TP slice of every
     tensor whole: a save's peak 5.4 → 3.1 MB, a load's 7.2 → 4.9 MB (0.89 MB shards)."""
-    run_distributed(check_checkpoint_memory, 4, str(tmp_path), parallel, timeout=300)
+    run_distributed(check_checkpoint_memory, world, str(tmp_path), parallel, timeout=300)
