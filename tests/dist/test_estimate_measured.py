@@ -124,7 +124,7 @@ def test_the_estimate_is_the_real_run(tmp_path, layout):
         assert rank["tokens"] == got["tokens"], f"{layout} {rank['role']}: the step's tokens differ"
         p2p = sum(rank["collective_bytes"].get(dim, 0) for dim in P2P_DIMS)
         assert p2p == got["sent"], f"{layout} {rank['role']}: estimated {p2p} bytes sent point to point, real {got}"
-        # and the pp group's bytes: the stage's sends, and its all-reduce of a scalar (the step's loss)
+        # and the pp group's bytes: the stage's sends, and its all-reduce of one fp32 (the gradient norm's square)
         pp = rank["collective_bytes"].get("pp", 0)
         assert got["pipeline"] <= pp <= got["pipeline"] + 8, f"{layout} {rank['role']}: pp {pp} bytes, real {got}"
     if "hdp" in layout:  # the largest ring's rank is a role of its own
