@@ -72,6 +72,11 @@ _RING_COLLECTIVES = {  # op name prefix -> buffers a ring algorithm sends per (n
     "alltoall": 1, "all_to_all": 1}
 
 
+# c10d's point-to-point ops: a pipeline stage's sends address global ranks over the default group
+# (megalm/parallel/pipeline/p2p.py), which no mesh dimension names where dp, cp or tp > 1; they are pp's
+POINT_TO_POINT = ("send", "recv_", "recv_any_source_")
+
+
 def link_share(op: str, ranks: int) -> float:
     """Of a collective's largest tensor, the share each rank of a group of `ranks` sends through its link (NCCL's
     bus bandwidth: an all-reduce 2 (n - 1) / n, an all-gather, a reduce-scatter or an all-to-all (n - 1) / n); a
@@ -188,8 +193,11 @@ class Collectives(TorchDispatchMode):
                           and "ProcessGroup" in str(a._type())]
             group = groups[0] if groups else None
             dim = self.groups.get(group.group_name, "other") if group is not None else "other"
+            name = func._overloadpacket.__name__
+            if dim == "other" and name in POINT_TO_POINT:  # the pipeline's (CP's are counted above)
+                dim = "pp"
             largest = max((t.numel() * t.element_size() for t in tensors), default=0)
-            self._count(dim, int(largest * link_share(func._overloadpacket.__name__, group.size() if group else 1)))
+            self._count(dim, int(largest * link_share(name, group.size() if group else 1)))
         return out
 
 

@@ -415,6 +415,21 @@ def test_an_all_reduce_sends_its_ring_share_of_the_buffer(world):
     (rank,) = estimate.estimate(overrides, world, "h100")["ranks"]
     assert rank["collective_bytes"] == {"dp": 2 * (world - 1) * rank["grad_bytes"] // world}
 
+def test_a_pipeline_stage_s_sends_are_pp_s_and_its_receives_are_not_counted():
+    """The stage's sends over the default group (global ranks, megalm/parallel/pipeline/p2p.py) were filed under
+    `other` wherever dp > 1, and each receive was counted beside them, doubling a full-duplex link's bytes: the first
+    stage sends each micro-batch's activations (1 sequence of model.seq_length × hidden, bf16) and receives their
+    gradients; its pp bytes are the sends and the gradient norm's one fp32 all-reduced over the 2 stages."""
+    overrides = [*SMALL, "precision=bf16", "trainer.device=cpu", "parallel.pp=2", "parallel.dp=2",
+                 "trainer.micro_batch_size=1", "trainer.global_batch_size=4", "data.synthetic.mean_doc_length=100000",
+                 "data.synthetic.num_docs=8"]
+    cfg = compose_config(*overrides, tiny=False)
+    first = next(r for r in estimate.estimate(overrides, 4, "h100")["ranks"] if r["role"] == "first stage")
+    sends = 2 * cfg.model.seq_length * cfg.model.hidden_size * 2  # 2 micro-batches on each of dp 2
+    assert "other" not in first["collective_bytes"]
+    assert first["collective_bytes"]["pp"] == sends + 4
+
+
 def test_the_mfu_counts_the_step_s_own_documents():
     """The MFU's model FLOPs (6·N·T plus causal attention) are counted over the step's documents, as the trainer's
     are, so on one rank they are the FLOPs the trace prices (to the s(s + 1) against s² of the attention pairs).
