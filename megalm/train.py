@@ -77,9 +77,9 @@ def _stop_before_training(signum: int, frame: object) -> None:
 
 
 def _stop_after_checkpoint(signum: int, frame: object) -> None:
+    mark_for_requeue()  # again, first: the signal may have come before the shutdown's own mark
     sys.stderr.write(f"megalm-train: {signal.Signals(signum).name} again after the preempted run's checkpoint: exiting "
                      f"with {REQUEUE_EXIT_CODE} now\n")
-    mark_for_requeue()  # again: the signal may have come before the shutdown's own mark
     os._exit(REQUEUE_EXIT_CODE)
 
 

@@ -276,8 +276,7 @@ def link_bytes(shape: Shape, layout: Layout) -> dict[str, float]:
         "tp": (TP_TRANSFERS[layout.recompute] * per_micro_batch + replicated_kv) * micro_batches * share(t),
         "cp": m.layers // pp * ring_bytes(kv, cp, shape.bf16, layout.recompute == "full") * micro_batches
         if cp > 1 else 0,
-        # a middle stage sends each micro-batch's activations on and their gradients back (its receives pass beside)
-        "pp": 2 * tokens * m.hidden * 2 / t * micro_batches if pp > 1 else 0,
+        "pp": pipeline_sends(pp, layout.vpp) * tokens * m.hidden * 2 / t * micro_batches if pp > 1 else 0,
         "dp": per_parameter * (n - routed)}
     if e is not None:  # each MoE layer's two all-to-alls of k copies of the rank's tokens, forward and backward
         moe_layers = m.layers // pp if pp > 1 else m.layers - e.first_dense  # the fuller of the first and last
@@ -287,6 +286,13 @@ def link_bytes(shape: Shape, layout: Layout) -> dict[str, float]:
         expert_dp = dp * cp // layout.ep * t
         collective["expert_dp"] = (6 if layout.zero1 else 8) * share(expert_dp) * routed
     return collective
+
+
+def pipeline_sends(pp: int, vpp: int) -> int:
+    """The sends of a micro-batch's activations or gradients the busiest stage makes (its receives pass beside them
+    on a full-duplex link): each chunk boundary it holds, one each way; of pp 2, each stage holds one end of the
+    pipeline, which sends one way only."""
+    return 2 * vpp - (1 if pp == 2 else 0)
 
 
 def share(ranks: int) -> float:

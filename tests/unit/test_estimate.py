@@ -415,6 +415,7 @@ def test_an_all_reduce_sends_its_ring_share_of_the_buffer(world):
     (rank,) = estimate.estimate(overrides, world, "h100")["ranks"]
     assert rank["collective_bytes"] == {"dp": 2 * (world - 1) * rank["grad_bytes"] // world}
 
+
 def test_a_pipeline_stage_s_sends_are_pp_s_and_its_receives_are_not_counted():
     """The stage's sends over the default group (global ranks, megalm/parallel/pipeline/p2p.py) were filed under
     `other` wherever dp > 1, and each receive was counted beside them, doubling a full-duplex link's bytes: the first

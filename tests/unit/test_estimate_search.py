@@ -139,6 +139,21 @@ def test_the_closed_form_s_link_bytes_are_the_estimators():
     assert measured["tp"] - unreplicated["tp"] == closed["tp"] - unreplicated_closed["tp"] > 0
 
 
+@pytest.mark.parametrize("pp, vpp", [(2, 1), (2, 2), (4, 1), (4, 2)])
+def test_the_closed_form_s_pipeline_sends_are_the_estimators(pp, vpp):
+    """The closed form's pp bytes are the sends of the busiest stage, as the estimator counts them (the middle stage
+    of pp 4; interleaved, each chunk boundary it holds), and the gradient norm's one fp32 all-reduced over pp."""
+    layout = Layout(tp=1, pp=pp, vpp=vpp, cp=1, dp=1, zero1=False, recompute="none", offload=False, hdp=False)
+    overrides = [*SMALL, *layout.overrides(), "trainer.micro_batch_size=1", f"trainer.global_batch_size={pp}",
+                 "data.synthetic.mean_doc_length=100000", "data.synthetic.num_docs=8"]
+    shape, _, _ = layout_search.search_shape(overrides, pp)
+    assert layout in layout_search.layouts(shape)
+    role = "middle stage" if pp > 2 else "first stage"
+    rank = estimate.estimate_rank(overrides, pp, 1 if pp > 2 else 0, role, "h100")
+    link = 2 * 4 * (pp - 1) // pp  # the gradient norm's square
+    assert rank.collective_bytes["pp"] == layout_search.link_bytes(shape, layout)["pp"] + link
+
+
 @pytest.mark.slow  # about 25 s: a fake-tensor step of a 16-rank layout
 def test_the_closed_form_prices_an_moe_model_by_its_experts():
     """MoE: the parameters of the fuller stage (the last: no dense block), the routed experts among them split over
