@@ -128,7 +128,7 @@ class Experts:
     ffn: int
     shared_ffn: int
     first_dense: int
-    hdp: bool = False  # dropless and no switch loss: HDP may pack it (at ep 1; megalm/parallel/expert)
+    hdp: bool = False  # dropless and no switch loss: HDP may pack it (megalm/parallel/expert; searched at ep 1)
 
     def routed_params(self, hidden: int) -> int:
         return self.experts * 3 * hidden * self.ffn
@@ -178,7 +178,9 @@ def layouts(shape: Shape) -> list[Layout]:
                 eps):
             if experts is not None and experts.first_dense > shape.model.layers // (pp * vpp):
                 continue  # dense blocks past the first chunk: the shallow runs' extrapolation would not hold
-            if hdp and (vpp > 1 or ep > 1):  # HDP gives pipelines and EP ranks different micro-batch counts
+            # HDP gives interleaved pipelines different micro-batch counts; under EP it runs in lockstep, which the
+            # estimator does not price (`rank.lockstep_notes`)
+            if hdp and (vpp > 1 or ep > 1):
                 continue
             out.append(Layout(tp, pp, vpp, cp, dp, zero1, recompute, offload, hdp, ep))
     return out

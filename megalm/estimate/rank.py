@@ -484,6 +484,17 @@ def _compiled_block_notes(cfg: Any, graph_breaks: int) -> list[str]:
     return []
 
 
+def lockstep_notes(cfg: Any) -> list[str]:
+    """HDP under expert parallelism runs every rank's micro-batches in lockstep (megalm/parallel/hdp/pipelined.py),
+    which the step time, the slower measured rank's total, does not price."""
+    p = cfg.parallel
+    if not (p.hdp and p.ep > 1):
+        return []
+    return [f"parallel.hdp=true with parallel.ep={p.ep}: every micro-batch waits for its slowest rank at each MoE "
+            "layer's all-to-all (ranks run in lockstep), which the step time, the slower measured rank's total, does "
+            "not price"]
+
+
 def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
     """Every rank role of the layout, and the step's time, MFU and tokens/s (see the module docstring)."""
     from megalm.config.checks import resolve_model_defaults
@@ -530,6 +541,6 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
             "ranks": [{k: v for k, v in asdict(r).items() if k not in ("domain", "documents")} for r in ranks],
             "step_time_s": step_time, "bubble_factor": factor, "mfu": mfu, "tokens_per_s": tokens / step_time,
             "global_flops": flops,
-            "notes": fp8_notes(cfg.precision, gpu) + compile_notes(cfg, graph_breaks),
+            "notes": fp8_notes(cfg.precision, gpu) + compile_notes(cfg, graph_breaks) + lockstep_notes(cfg),
             **({"hdp": {"tokens_per_rank": hdp["tokens"], "largest_ring": hdp["ring"], "lengths": hdp["lengths"]}}
                if hdp else {})}

@@ -61,6 +61,9 @@ def check_first_plan(par: Trainer, expect: tuple[str, ...]) -> None:
         if "fillers" in expect:
             assert par.parallel.split.last_plan.stats["fillers"] > 0, \
                 "this pipelined layout should need a filler micro-batch"
+        if "lockstep" in expect:  # expert parallelism: as many micro-batches on every rank, rings among them
+            assert len(set(counts)) == 1 and par.parallel.split.last_plan.stats["fillers"] > 0, counts
+            assert {2, 3} <= sizes, f"step 0 should hold rings of 2 and 3 ranks, got {sizes}"
         if "idle" in expect:
             assert min(counts) == 0, f"some rank should have nothing to do in step 0, got {counts}"
         if "hierarchical" in expect:
@@ -113,6 +116,11 @@ LAYOUTS = {
     # ... and no pipeline filler's token
     "pp2_dp4_moe": (8, ["parallel.pp=2", "parallel.dp=4", *MOE, "model.num_layers=4",
                         "data.synthetic.mean_doc_length=40", "trainer.global_batch_size=8"], ("mixed", "fillers")),
+    # expert parallelism: every micro-batch's all-to-alls need each EP group's ranks at it, so every rank runs as many
+    # micro-batches (fillers where it has fewer), rings at one position on all their members
+    "dp4_moe_ep2": (4, ["parallel.dp=4", *MOE, "parallel.ep=2"], ("lockstep",)),
+    "pp2_dp4_moe_ep4": (8, ["parallel.pp=2", "parallel.dp=4", *MOE, "parallel.ep=4", "model.num_layers=4",
+                            "data.synthetic.mean_doc_length=40", "trainer.global_batch_size=8"], ("lockstep",)),
     # a2a+p2p: "nodes" of 2 HDP ranks; a document that needs 3 ranks gets 4 as a hierarchical ring of 2 x 2
     "dp4_hierarchical": (4, ["parallel.dp=4", "parallel.cp_comm=a2a+p2p", "parallel.cp_a2a_size=2"],
                          ("hierarchical",)),

@@ -431,6 +431,19 @@ def test_a_pipeline_stage_s_sends_are_pp_s_and_its_receives_are_not_counted():
     assert first["collective_bytes"]["pp"] == sends + 4
 
 
+def test_hdp_under_expert_parallelism_is_estimated_and_says_what_it_leaves_out():
+    """HDP with ep > 1 runs its ranks in lockstep (fillers where a rank has fewer micro-batches), which the estimate
+    runs as the trainer does, and whose waits its step time does not price: a note says so, and only there."""
+    base = ["model=moe_tiny", "model.num_layers=2", "model.moe.aux_loss_coeff=0", "model.moe.seq_aux_loss_coeff=0.01",
+            "data=synthetic", "data.varlen=true", "data.synthetic.mean_doc_length=200", "parallel.hdp=true",
+            "parallel.dp=4", "precision=bf16", "trainer.device=cpu", "trainer.micro_batch_size=1",
+            "trainer.global_batch_size=16"]
+    lockstep = estimate.estimate([*base, "parallel.ep=2"], 4, "h100")
+    assert [n for n in lockstep["notes"] if "lockstep" in n] == [lockstep["notes"][-1]]
+    assert sum(lockstep["hdp"]["tokens_per_rank"]) == sum(lockstep["hdp"]["lengths"])
+    assert not [n for n in estimate.estimate(base, 4, "h100")["notes"] if "lockstep" in n]
+
+
 def test_the_mfu_counts_the_step_s_own_documents():
     """The MFU's model FLOPs (6·N·T plus causal attention) are counted over the step's documents, as the trainer's
     are, so on one rank they are the FLOPs the trace prices (to the s(s + 1) against s² of the attention pairs).

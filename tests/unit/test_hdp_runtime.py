@@ -19,7 +19,7 @@ from megalm.model.loss import token_loss_sum
 from megalm.parallel.context.zigzag import shard_batch, zigzag_plan
 from megalm.parallel.hdp import plan_hdp
 from megalm.parallel.hdp.cost import load_cost
-from megalm.parallel.hdp.pipelined import align_rings, check_pipelined
+from megalm.parallel.hdp.pipelined import align_rings, check_pipelined, in_lockstep
 from megalm.parallel.hdp.split import filler_batch, read_ring_shard
 from megalm.training.validation import validate_run
 
@@ -60,6 +60,27 @@ def test_aligned_plans_run_as_pipelines(schedule):
             if len(mb.ranks) > 1:
                 assert len({aligned.per_rank[r].index(k) for r in mb.ranks}) == 1, "ring at different positions"
         assert aligned.stats["fillers"] == len(aligned.micro_batches) - len(plan.micro_batches)
+
+
+def test_plans_in_lockstep_give_every_rank_as_many_micro_batches_rings_aligned():
+    """Expert parallelism's all-to-alls need every rank of an EP group at every micro-batch: `in_lockstep` pads each
+    rank to the longest list with fillers, rings at one position on all their members, the same work, and the plan
+    still runs as pipelines (each pipeline then runs the same schedule, so the all-to-alls of a stage line up)."""
+    padded = 0
+    for plan, pp, lengths in random_plans(300, seed=2):
+        lockstep = in_lockstep(plan)
+        assert len({len(todo) for todo in lockstep.per_rank}) == 1
+        assert len(lockstep.per_rank[0]) == max(len(todo) for todo in align_rings(plan).per_rank)
+        assert sorted(i for mb in lockstep.micro_batches for i in mb.seqs) == list(range(len(lengths)))
+        for r, todo in enumerate(lockstep.per_rank):
+            assert sorted(k for k in todo if k < len(plan.micro_batches)) == sorted(plan.per_rank[r])
+        for k, mb in enumerate(lockstep.micro_batches):
+            if len(mb.ranks) > 1:
+                assert len({lockstep.per_rank[r].index(k) for r in mb.ranks}) == 1, "ring at different positions"
+        assert lockstep.stats["fillers"] == len(lockstep.micro_batches) - len(plan.micro_batches)
+        padded += lockstep.stats["fillers"] > align_rings(plan).stats["fillers"]
+        check_pipelined(lockstep, pp)
+    assert padded > 0, "some plan should need fillers beyond its rings' alignment"
 
 
 def varlen_dataset(seq_length: int = 40) -> VarlenDataset:

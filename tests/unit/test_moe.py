@@ -281,8 +281,6 @@ def test_moe_tiny_trains_logs_load_and_resumes_its_bias(tmp_path, make_config):
     (2, ["data.varlen=true", "parallel.hdp=true"], "parallel.hdp=true with model.moe.aux_loss_coeff=0.01 is not"),
     (2, ["data.varlen=true", "parallel.hdp=true", "model.moe.aux_loss_coeff=0", "model.moe.capacity_factor=1.0"],
      "parallel.hdp=true with model.moe.capacity_factor=1.0 is not"),
-    (2, ["data.varlen=true", "parallel.hdp=true", "model.moe.aux_loss_coeff=0", "parallel.ep=2"],
-     "parallel.hdp=true with parallel.ep=2 is not supported"),
     (4, ["parallel.ep=3", "trainer.micro_batch_size=2"], "must divide model.moe.num_experts=8 and dp\\*cp=4"),
     (2, ["parallel.ep=4"], "must divide model.moe.num_experts=8 and dp\\*cp=2"),
     (2, ["parallel.ep=0"], "parallel.ep=0 must be >= 1"),
@@ -296,7 +294,7 @@ def test_moe_tiny_trains_logs_load_and_resumes_its_bias(tmp_path, make_config):
     (2, ["data.varlen=true", "trainer.tokens_per_step=256", "model.moe.capacity_factor=1.0",
          "model.moe.aux_loss_coeff=0"],
      "tokens_per_step with model.moe.capacity_factor=1.0 over dp > 1")],
-    ids=["hsdp_ep", "hdp_switch", "hdp_capacity", "hdp_ep", "ep_not_experts", "ep_not_domain", "ep0", "ep_dense",
+    ids=["hsdp_ep", "hdp_switch", "hdp_capacity", "ep_not_experts", "ep_not_domain", "ep0", "ep_dense",
          "compiled_fp32", "budget_aux",
          "budget_capacity"])
 def test_layouts_not_built_for_moe_are_refused_in_one_line(make_config, world, overrides, message):

@@ -52,10 +52,6 @@ def validate_experts(cfg: MegalmConfig) -> None:
     if experts % p.ep or domain % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.num_experts={experts} and dp*cp={domain} "
                           "(expert-parallel ranks are carved from the data-parallel ones); change parallel.ep")
-    if p.hdp and p.ep > 1:
-        raise ConfigError(f"parallel.hdp=true with parallel.ep={p.ep} is not supported: HDP ranks run different "
-                          "numbers of micro-batches, while an expert-parallel layer needs every rank in each "
-                          "all-to-all; set parallel.ep=1, or use parallel.cp with expert parallelism")
     if p.ep > 1 and cfg.trainer.tokens_per_step is not None and (p.dp or 1) > 1:
         raise ConfigError(f"trainer.tokens_per_step with parallel.ep={p.ep} is not supported: under a token budget the "
                           "data-parallel ranks may run different numbers of micro-batches, while an expert-parallel "

@@ -1,4 +1,5 @@
-"""HDP with pipeline parallelism: make a plan safe to run as one pipeline schedule per HDP rank.
+"""HDP with pipeline or expert parallelism: make a plan safe to run as one pipeline schedule per HDP rank, and in
+lockstep where every micro-batch communicates.
 
 With pp > 1 every HDP rank is a pipeline of pp stages, and each pipeline runs its own 1F1B (or ZB)
 schedule over its own micro-batches (`plan.per_rank[h]`, ByteScale's PP-balance gives pipelines
@@ -13,7 +14,15 @@ the rings in their global order; a member that has fewer micro-batches before th
 first pulls its own later local micro-batches forward, and only when it has none left gets a
 *filler*: a micro-batch with no documents, which the trainer runs as one masked token (zero loss,
 zero gradient). Aligned plans were deadlock-free in every randomized trial (tests/unit/test_hdp_runtime.py
-checks them with `check_pipelined`, and the trainer checks each plan before running it). Pure Python.
+checks them with `check_pipelined`, and the trainer checks each plan before running it).
+
+Under expert parallelism (ep > 1) every micro-batch's MoE layers all-to-all over their EP group, so every rank must
+run the same number of micro-batches, each at the same position as its group's: `in_lockstep` aligns the rings and
+pads every rank to the domain's longest list with fillers. Then each rank (each pipeline, with one schedule of the
+same length) runs the same sequence of forwards and backwards, so each all-to-all finds its group at the same layer
+of the same position, and each ring its members. The price: each micro-batch position waits for its slowest rank
+at every MoE layer, so a step costs the sum over positions of the slowest rank's micro-batch, where HDP's planner
+balances each rank's total. Pure Python.
 """
 
 from __future__ import annotations
@@ -76,6 +85,20 @@ def align_rings(plan: Plan) -> Plan:
     for m, q in enumerate(queues):
         out[m] += q[pos[m]:]
     return Plan(plan.policy, mbs, out, dict(plan.stats, fillers=fillers))
+
+
+def in_lockstep(plan: Plan) -> Plan:
+    """`align_rings(plan)` with every rank's list padded with fillers to the longest (the module docstring: expert
+    parallelism's all-to-alls need every rank at every micro-batch). `stats["fillers"]` counts all of them."""
+    plan = align_rings(plan)
+    mbs, longest = list(plan.micro_batches), max(map(len, plan.per_rank), default=0)
+    per_rank, fillers = [], plan.stats.get("fillers", 0)
+    for m, todo in enumerate(plan.per_rank):
+        pad = list(range(len(mbs), len(mbs) + longest - len(todo)))
+        mbs += [MicroBatch((m,), (), 0, 0)] * len(pad)
+        per_rank.append([*todo, *pad])
+        fillers += len(pad)
+    return Plan(plan.policy, mbs, per_rank, dict(plan.stats, fillers=fillers))
 
 
 def check_pipelined(plan: Plan, pp: int, schedule: str = "1f1b") -> None:

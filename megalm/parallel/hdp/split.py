@@ -10,7 +10,8 @@ each rank reads only what it runs (`HdpSplit.micro_batches`):
   (megalm/parallel/context/zigzag.py), plus the one token after each chunk that its last label needs.
   No token is read twice in the domain except those chunk-boundary labels (the TP ranks and pipeline
   stages of one HDP rank read the same data, as under DP);
-- a filler (pipelines only, pipelined.py): one masked token, which adds zero loss and zero gradient.
+- a filler (pipelines and expert parallelism only, pipelined.py): one masked token, which adds zero loss and zero
+  gradient.
 
 Which ring a micro-batch runs on is data: each `LocalMicroBatch` carries its `Ring` (ordered global
 ranks, this rank's position), from which the parallelism builds the micro-batch's attention context
@@ -37,7 +38,7 @@ from megalm.parallel.context.attention import cp_a2a_size
 from megalm.parallel.context.zigzag import shard_batch, zigzag_chunks, zigzag_plan
 from megalm.parallel.dims import ParallelMesh
 from megalm.parallel.hdp.cost import CostModel, ModelShape, load_cost, offload_ratio, preset
-from megalm.parallel.hdp.pipelined import align_rings, check_pipelined
+from megalm.parallel.hdp.pipelined import align_rings, check_pipelined, in_lockstep
 from megalm.parallel.hdp.plan import Plan
 from megalm.parallel.hdp.planner import plan_hdp
 from megalm.parallel.microbatch import LocalMicroBatch, Ring
@@ -80,18 +81,20 @@ class HdpSplit:
     """Plans each step over the HDP domain and builds this rank's micro-batches.
 
     `capacity` (parallel.hdp_capacity) is C in tokens; `pp`/`schedule` make pipelined plans aligned and
-    checked (pipelined.py). The domain index of a rank is h = dp_rank·cp + cp_rank; `domain[h]` its
-    global rank at this rank's TP and PP coordinates.
+    checked, `lockstep` (expert parallelism) every rank's micro-batches as many and aligned (pipelined.py). The
+    domain index of a rank is h = dp_rank·cp + cp_rank; `domain[h]` its global rank at this rank's TP and PP
+    coordinates.
     """
 
     def __init__(self, mesh: ParallelMesh, capacity: int, cost: CostModel, pp: int = 1, schedule: str = "1f1b",
-                 offload: bool = False, hierarchical: bool = False):
+                 offload: bool = False, hierarchical: bool = False, lockstep: bool = False):
         d = mesh.dims
         self.mesh, self.capacity, self.cost, self.pp, self.schedule = mesh, capacity, cost, pp, schedule
         # cp_comm=a2a+p2p: rings that span nodes are hierarchical (cost.ranks_per_node HDP ranks a group), those
         # inside one may be Ulysses; cp_comm=ring: every ring flat
         self.hierarchical = hierarchical
         self.offload = offload  # ByteScale's selective offload: rings of d(s) = ceil((1 - r(s)) s / C) ranks
+        self.lockstep = lockstep
         self.domain = d.domain_ranks(mesh.tp_rank, mesh.pp_rank)
         self.num_ranks = len(self.domain)
         self.index = mesh.dp_rank * d.cp + mesh.cp_rank
@@ -102,15 +105,17 @@ class HdpSplit:
         """The split a run of `cfg` uses (the trainer's and tools/hdp_plan.py's)."""
         p = cfg.parallel
         return cls(mesh, p.hdp_capacity, hdp_cost_model(cfg), p.pp, p.pp_schedule, p.hdp_offload,
-                   hierarchical=p.cp_comm == "a2a+p2p")
+                   hierarchical=p.cp_comm == "a2a+p2p", lockstep=p.ep > 1)
 
     def plan(self, lengths: list[int]) -> Plan:
-        """The step's plan over input lengths; with pp > 1, rings aligned and checked deadlock-free."""
+        """The step's plan over input lengths; with pp > 1, rings aligned and checked deadlock-free; in lockstep,
+        as many micro-batches on every rank, rings aligned."""
         # with selective offload the narrower rings are a choice: the plan without them competes
         plan = plan_hdp(lengths, self.num_ranks, self.capacity, self.cost, pp=self.pp, offload=self.offload,
                         hierarchical=self.hierarchical)
+        if self.lockstep or self.pp > 1:
+            plan = in_lockstep(plan) if self.lockstep else align_rings(plan)
         if self.pp > 1:
-            plan = align_rings(plan)
             try:
                 check_pipelined(plan, self.pp, self.schedule)
             except ValueError as e:  # not seen in randomized tests; stop rather than hang every rank
