@@ -119,6 +119,9 @@ LAYOUTS = {
     # expert parallelism: every micro-batch's all-to-alls need each EP group's ranks at it, so every rank runs as many
     # micro-batches (fillers where it has fewer), rings at one position on all their members
     "dp4_moe_ep2": (4, ["parallel.dp=4", *MOE, "parallel.ep=2"], ("lockstep",)),
+    # ... under a token budget too, which without HDP gives data-parallel ranks different counts (refused there)
+    "dp4_moe_ep2_token_budget": (4, ["parallel.dp=4", *MOE, "parallel.ep=2", "trainer.tokens_per_step=400"],
+                                 ("lockstep",)),
     "pp2_dp4_moe_ep4": (8, ["parallel.pp=2", "parallel.dp=4", *MOE, "parallel.ep=4", "model.num_layers=4",
                             "data.synthetic.mean_doc_length=40", "trainer.global_batch_size=8"], ("lockstep",)),
     # a2a+p2p: "nodes" of 2 HDP ranks; a document that needs 3 ranks gets 4 as a hierarchical ring of 2 x 2

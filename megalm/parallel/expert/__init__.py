@@ -52,10 +52,11 @@ def validate_experts(cfg: MegalmConfig) -> None:
     if experts % p.ep or domain % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.num_experts={experts} and dp*cp={domain} "
                           "(expert-parallel ranks are carved from the data-parallel ones); change parallel.ep")
-    if p.ep > 1 and cfg.trainer.tokens_per_step is not None and (p.dp or 1) > 1:
+    if p.ep > 1 and cfg.trainer.tokens_per_step is not None and (p.dp or 1) > 1 and not p.hdp:  # HDP: lockstep
         raise ConfigError(f"trainer.tokens_per_step with parallel.ep={p.ep} is not supported: under a token budget the "
                           "data-parallel ranks may run different numbers of micro-batches, while an expert-parallel "
-                          "layer needs every rank in each all-to-all; use trainer.global_batch_size, or parallel.ep=1")
+                          "layer needs every rank in each all-to-all; use trainer.global_batch_size, "
+                          "parallel.hdp=true (whose ranks run in lockstep), or parallel.ep=1")
     per_micro_batch = micro_batch_settings(cfg.model.moe)
     if per_micro_batch and p.hdp:
         raise ConfigError(f"parallel.hdp=true with {' and '.join(per_micro_batch)} is not supported: HDP packs each "
