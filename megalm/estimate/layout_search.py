@@ -246,16 +246,24 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
     peak = static + activations + (logits if pp == 1 else 0)
     peak = max(peak, static + logits)  # the last stage: logits, fewer micro-batches in flight
     reserve = reserve_bytes(int(peak), layout.communicators(e is not None))
-    active = m.layer_params if e is None else active_layer_params(shape)
-    # 6·N·T, and causal attention's 6·h·s a token and layer (QK^T and PV over s/2 keys on average, forward and
-    # backward; documents of the whole sequence: an upper bound under data.varlen)
-    flops = 6 * m.layers * (active + m.hidden * shape.seq) * shape.global_batch * shape.seq / shape.world
-    flops *= 4 / 3 if layout.recompute == "full" else 1
-    compute = flops / (GPUS[gpu].bf16_tflops * 1e12 * ROOFLINE_EFFICIENCY)
+    compute = last_stage_flops(shape, layout) / (GPUS[gpu].bf16_tflops * 1e12 * ROOFLINE_EFFICIENCY)
     collective = link_bytes(shape, layout)
     step = compute * _bubble(pp, micro_batches, layout.vpp) + comm_seconds(collective, LINKS[gpu],
                                                                            inside_node(t, cp, layout.ep))
     return int(peak + reserve), shape.global_batch * shape.seq / step
+
+
+def last_stage_flops(shape: Shape, layout: Layout) -> float:
+    """A last-stage rank's FLOPs in a step, 6·N·T: its layers' (full recompute runs their forward again), with causal
+    attention's 6·h·s a token and layer (QK^T and PV over s/2 keys on average, forward and backward; documents of the
+    whole sequence: an upper bound under data.varlen), and the output layer's, which sets the pipeline's pace (until
+    2026-12-05 the FLOPs were the layers' spread evenly over the stages, and a deep pipeline of a large vocabulary
+    looked as fast as a shallow one)."""
+    m, t = shape.model, layout.tp
+    active = m.layer_params if shape.experts is None else active_layer_params(shape)
+    layers = m.layers / layout.pp * (active + m.hidden * shape.seq) * (4 / 3 if layout.recompute == "full" else 1)
+    head = -(-m.vocab // (shape.vocab_multiple * t)) * shape.vocab_multiple * t * m.hidden  # padded vocab x h
+    return 6 * (layers + head) * shape.global_batch * shape.seq / (layout.dp * layout.cp * t)
 
 
 def link_bytes(shape: Shape, layout: Layout) -> dict[str, float]:
@@ -278,7 +286,7 @@ def link_bytes(shape: Shape, layout: Layout) -> dict[str, float]:
         "tp": (TP_TRANSFERS[layout.recompute] * per_micro_batch + replicated_kv) * micro_batches * share(t),
         "cp": m.layers // pp * ring_bytes(kv, cp, shape.bf16, layout.recompute == "full") * micro_batches
         if cp > 1 else 0,
-        "pp": pipeline_sends(pp, layout.vpp) * tokens * m.hidden * 2 / t * micro_batches if pp > 1 else 0,
+        "pp": pipeline_sends(layout.vpp) * tokens * m.hidden * 2 / t * micro_batches if pp > 1 else 0,
         "dp": per_parameter * (n - routed)}
     if e is not None:  # each MoE layer's two all-to-alls of k copies of the rank's tokens, forward and backward
         moe_layers = m.layers // pp if pp > 1 else m.layers - e.first_dense  # the fuller of the first and last
@@ -290,11 +298,11 @@ def link_bytes(shape: Shape, layout: Layout) -> dict[str, float]:
     return collective
 
 
-def pipeline_sends(pp: int, vpp: int) -> int:
-    """The sends of a micro-batch's activations or gradients the busiest stage makes (its receives pass beside them
-    on a full-duplex link): each chunk boundary it holds, one each way; of pp 2, each stage holds one end of the
-    pipeline, which sends one way only."""
-    return 2 * vpp - (1 if pp == 2 else 0)
+def pipeline_sends(vpp: int) -> int:
+    """The sends of a micro-batch's activations or gradients the first or last stage makes (its receives pass beside
+    them on a full-duplex link): one each way at each chunk boundary it holds, but the pipeline's own end. A middle
+    stage sends one more; the search's confirmation runs the first and last stages, which this prices, as it does."""
+    return 2 * vpp - 1
 
 
 def share(ranks: int) -> float:

@@ -139,17 +139,31 @@ def test_the_closed_form_s_link_bytes_are_the_estimators():
     assert measured["tp"] - unreplicated["tp"] == closed["tp"] - unreplicated_closed["tp"] > 0
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_the_closed_form_s_flops_are_the_last_stage_s(pp):
+    """The closed form's FLOPs are the last stage's, which holds the output layer (a tenth of this small model's
+    step): the estimator's for that rank, to causal attention's s² against the step's documents' Σ s(s + 1). One
+    document a sequence. They had been the layers' spread evenly over the stages, without the output layer."""
+    layout = Layout(tp=1, pp=pp, vpp=1, cp=1, dp=2, zero1=False, recompute="none", offload=False, hdp=False)
+    overrides = [*SMALL, *layout.overrides(), "trainer.micro_batch_size=1", "trainer.global_batch_size=4",
+                 "data.synthetic.mean_doc_length=100000", "data.synthetic.num_docs=8"]
+    shape, _, _ = layout_search.search_shape(overrides, 2 * pp)
+    rank = estimate.estimate_rank(overrides, 2 * pp, pp - 1, "last stage", "h100")
+    assert rank.flops == pytest.approx(layout_search.last_stage_flops(shape, layout), rel=0.02)
+
+
 @pytest.mark.parametrize("pp, vpp", [(2, 1), (2, 2), (4, 1), (4, 2)])
 def test_the_closed_form_s_pipeline_sends_are_the_estimators(pp, vpp):
-    """The closed form's pp bytes are the sends of the busiest stage, as the estimator counts them (the middle stage
-    of pp 4; interleaved, each chunk boundary it holds), and the gradient norm's one fp32 all-reduced over pp."""
+    """The closed form's pp bytes are the first stage's sends, as the estimator counts them (interleaved, each chunk
+    boundary it holds, one each way), and the gradient norm's one fp32 all-reduced over pp: what the search's
+    confirmation measures (the first and last stages). It had counted 2 a micro-batch whatever the layout, and before
+    2026-12-05's second session each receive beside each send (4)."""
     layout = Layout(tp=1, pp=pp, vpp=vpp, cp=1, dp=1, zero1=False, recompute="none", offload=False, hdp=False)
     overrides = [*SMALL, *layout.overrides(), "trainer.micro_batch_size=1", f"trainer.global_batch_size={pp}",
                  "data.synthetic.mean_doc_length=100000", "data.synthetic.num_docs=8"]
     shape, _, _ = layout_search.search_shape(overrides, pp)
     assert layout in layout_search.layouts(shape)
-    role = "middle stage" if pp > 2 else "first stage"
-    rank = estimate.estimate_rank(overrides, pp, 1 if pp > 2 else 0, role, "h100")
+    rank = estimate.estimate_rank(overrides, pp, 0, "first stage", "h100")
     link = 2 * 4 * (pp - 1) // pp  # the gradient norm's square
     assert rank.collective_bytes["pp"] == layout_search.link_bytes(shape, layout)["pp"] + link
 
