@@ -259,8 +259,10 @@ def last_stage_flops(shape: Shape, layout: Layout) -> float:
     whole sequence: an upper bound under data.varlen), and the output layer's, which sets the pipeline's pace (until
     2026-12-05 the FLOPs were the layers' spread evenly over the stages, and a deep pipeline of a large vocabulary
     looked as fast as a shallow one)."""
-    m, t = shape.model, layout.tp
-    active = m.layer_params if shape.experts is None else active_layer_params(shape)
+    m, t, e = shape.model, layout.tp, shape.experts
+    active = m.layer_params if e is None else active_layer_params(shape)
+    if e is not None and layout.pp > 1:  # the leading dense blocks are the first stage's: the last runs MoE blocks
+        active = m.attention_params + e.active_mlp_params(m.hidden)
     layers = m.layers / layout.pp * (active + m.hidden * shape.seq) * (4 / 3 if layout.recompute == "full" else 1)
     head = -(-m.vocab // (shape.vocab_multiple * t)) * shape.vocab_multiple * t * m.hidden  # padded vocab x h
     return 6 * (layers + head) * shape.global_batch * shape.seq / (layout.dp * layout.cp * t)

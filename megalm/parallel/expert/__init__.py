@@ -14,10 +14,11 @@ over it, tensor parallelism (the routed experts whole on every TP rank, the shar
 sequence parallelism each TP rank routes its own tokens: megalm/parallel/tensor/tokens.py), context
 parallelism (the routers see the whole micro-batch: megalm/parallel/context/tokens.py), pipeline stages (the
 balancing losses of a stage that is not the last reach the gradient through the layer's scaler; the load counts
-are summed over the stages with the loss), recomputation, activation offload, and HDP at ep = 1 for dropless
-models without the switch loss (`micro_batch_settings`: HDP cuts micro-batches of its own, and its ranks run
-different numbers of them, where every EP rank must join each all-to-all). HDP with ep > 1, a capacity factor or the
-switch loss is refused, and so is HSDP with ep > 1 or sequence parallelism, each in one line. Under a zero-bubble
+are summed over the stages with the loss), recomputation, activation offload, and HDP for dropless models without
+the switch loss (`micro_batch_settings`: HDP cuts micro-batches of its own); under ep > 1 HDP's ranks run in lockstep,
+as many micro-batches each, since every EP rank must join each all-to-all (megalm/parallel/hdp/pipelined.py). HDP
+with a capacity factor or the switch loss is refused, and so is HSDP with ep > 1 or sequence parallelism, each in one
+line. Under a zero-bubble
 schedule the experts' grouped GEMMs defer their weight gradients to the W action as every linear does
 (megalm/parallel/pipeline/weight_grad.py). The FP8/MX recipes leave the experts' grouped GEMMs in bf16
 (megalm/parallel/parallelism.py logs it).
