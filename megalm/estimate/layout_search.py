@@ -42,6 +42,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from megalm.config.checks import pad_vocab
 from megalm.estimate.collectives import GPUS_PER_NODE, LINKS, comm_seconds, inside_node
 from megalm.estimate.rank import (
     HBM_BYTES,
@@ -192,14 +193,12 @@ def stage_parameters(shape: Shape, layout: Layout) -> tuple[int, int]:
     pp = 1, untied. As (all of them, the routed experts' among them: an MoE layer's routed experts are whole on
     every TP rank and split over ep; its router is replicated, its shared experts split over tp)."""
     m, t, e = shape.model, layout.tp, shape.experts
-    multiple = shape.vocab_multiple * t
-    padded_vocab = -(-m.vocab // multiple) * multiple
     vocab_matrices = 2 if layout.pp == 1 and not shape.tied else 1
     layers = m.layers // layout.pp
     # with tp past the kv heads each rank keeps a whole kv head of k and v, not 1/t of them
     replicated_kv = 2 * m.hidden * m.kv_dim * (1 / m.kv_heads - 1 / t) if t > m.kv_heads else 0
     dense = m.layer_params // t + 2 * m.hidden + replicated_kv
-    vocab = vocab_matrices * padded_vocab * m.hidden // t
+    vocab = vocab_matrices * pad_vocab(m.vocab, shape.vocab_multiple * t) * m.hidden // t
     if e is None:
         return layers * dense + vocab, 0
     attention = m.attention_params // t + 2 * m.hidden + replicated_kv
@@ -264,7 +263,7 @@ def last_stage_flops(shape: Shape, layout: Layout) -> float:
     if e is not None and layout.pp > 1:  # the leading dense blocks are the first stage's: the last runs MoE blocks
         active = m.attention_params + e.active_mlp_params(m.hidden)
     layers = m.layers / layout.pp * (active + m.hidden * shape.seq) * (4 / 3 if layout.recompute == "full" else 1)
-    head = -(-m.vocab // (shape.vocab_multiple * t)) * shape.vocab_multiple * t * m.hidden  # padded vocab x h
+    head = pad_vocab(m.vocab, shape.vocab_multiple * t) * m.hidden
     return 6 * (layers + head) * shape.global_batch * shape.seq / (layout.dp * layout.cp * t)
 
 

@@ -113,8 +113,10 @@ class HdpSplit:
         # with selective offload the narrower rings are a choice: the plan without them competes
         plan = plan_hdp(lengths, self.num_ranks, self.capacity, self.cost, pp=self.pp, offload=self.offload,
                         hierarchical=self.hierarchical)
-        if self.lockstep or self.pp > 1:
-            plan = in_lockstep(plan) if self.lockstep else align_rings(plan)
+        if self.lockstep:
+            plan = in_lockstep(plan)
+        elif self.pp > 1:
+            plan = align_rings(plan)
         if self.pp > 1:
             try:
                 check_pipelined(plan, self.pp, self.schedule)
