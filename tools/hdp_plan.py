@@ -85,9 +85,12 @@ def main(argv: list[str] | None = None) -> tuple[Plan, list[int]]:
     print(f"step {args.step}: {len(lengths)} documents, {sum(lengths)} tokens over {runtime.num_ranks} HDP ranks, "
           f"C = {par.hdp_capacity}, pp = {par.pp}; {plan.stats['rings']} rings, "
           f"{plan.stats.get('fillers', 0)} fillers; estimated step {sim.step_time * 1e3:.2f} ms ({runtime.cost.name})")
-    if runtime.lockstep:
+    if par.ep > 1:
         print(f"parallel.ep={par.ep}: the ranks run in lockstep (fillers pad every rank to the longest list), and each "
               "micro-batch waits for its slowest rank at the MoE all-to-alls, which the estimated step leaves out")
+    elif runtime.lockstep:
+        print(f"parallel.vpp={par.vpp}: the interleaved pipelines run in lockstep, each as many micro-batches, a "
+              f"multiple of pp = {par.pp} (fillers pad the shorter lists)")
     print("\n".join(describe(plan, lengths)))
     if args.png:
         utilisation = sum(sim.compute) / (runtime.num_ranks * sim.step_time) if sim.step_time else 0.0

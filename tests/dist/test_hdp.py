@@ -64,6 +64,11 @@ def check_first_plan(par: Trainer, expect: tuple[str, ...]) -> None:
         if "lockstep" in expect:  # expert parallelism: as many micro-batches on every rank, rings among them
             assert len(set(counts)) == 1 and par.parallel.split.last_plan.stats["fillers"] > 0, counts
             assert {2, 3} <= sizes, f"step 0 should hold rings of 2 and 3 ranks, got {sizes}"
+        if "interleaved" in expect:  # every pipeline runs one interleaved schedule: as many, a multiple of pp
+            pp = par.cfg.parallel.pp
+            assert len(set(counts)) == 1 and counts[0] % pp == 0, counts
+            assert par.parallel.split.last_plan.stats["fillers"] > 0, "this plan should need fillers"
+            assert {2, 3} <= sizes, f"step 0 should hold rings of 2 and 3 ranks, got {sizes}"
         if "idle" in expect:
             assert min(counts) == 0, f"some rank should have nothing to do in step 0, got {counts}"
         if "hierarchical" in expect:
@@ -113,6 +118,10 @@ LAYOUTS = {
                     "trainer.global_batch_size=8"], ("mixed", "fillers")),
     "pp2_dp4_zb_full_recompute": (8, ["parallel.pp=2", "parallel.dp=4", "model.num_layers=4",
                                       "parallel.pp_schedule=zb", "parallel.recompute=full"], MIXED),
+    # interleaved pipelines (2 chunks of a layer each per rank) in lockstep: one schedule, rings at one index
+    "pp2_dp4_interleaved": (8, ["parallel.pp=2", "parallel.dp=4", "model.num_layers=4", "parallel.vpp=2",
+                                "parallel.pp_schedule=interleaved", "data.synthetic.mean_doc_length=40",
+                                "trainer.global_batch_size=8"], ("interleaved",)),
     # ... and no pipeline filler's token
     "pp2_dp4_moe": (8, ["parallel.pp=2", "parallel.dp=4", *MOE, "model.num_layers=4",
                         "data.synthetic.mean_doc_length=40", "trainer.global_batch_size=8"], ("mixed", "fillers")),

@@ -22,13 +22,19 @@ pads every rank to the domain's longest list with fillers. Then each rank (each 
 same length) runs the same sequence of forwards and backwards, so each all-to-all finds its group at the same layer
 of the same position, and each ring its members. The price: each micro-batch position waits for its slowest rank
 at every MoE layer, so a step costs the sum over positions of the slowest rank's micro-batch, where HDP's planner
-balances each rank's total. Pure Python.
+balances each rank's total.
+
+Interleaved pipelines (vpp > 1) run in lockstep too, padded to a multiple of pp (Megatron's interleaved order needs
+one). Aligned rings are not enough there: an interleaved schedule's order depends on its micro-batch count (with
+m = pp every forward runs first), so pipelines of different counts meet a ring from different places, and 60 of 800
+random aligned plans padded only to a multiple of pp deadlocked (`check_pipelined`, which models the chunks). In
+lockstep every pipeline runs one schedule, a ring at one index in all of them: none of the same 800 did. Pure Python.
 """
 
 from __future__ import annotations
 
 from megalm.parallel.hdp.plan import MicroBatch, Plan
-from megalm.parallel.pipeline.rendezvous import steps, with_comm
+from megalm.parallel.pipeline.rendezvous import message_key, steps, with_comm
 from megalm.parallel.pipeline.schedules import build_schedule
 
 
@@ -87,11 +93,13 @@ def align_rings(plan: Plan) -> Plan:
     return Plan(plan.policy, mbs, out, dict(plan.stats, fillers=fillers))
 
 
-def in_lockstep(plan: Plan) -> Plan:
-    """`align_rings(plan)` with every rank's list padded with fillers to the longest (the module docstring: expert
-    parallelism's all-to-alls need every rank at every micro-batch). `stats["fillers"]` counts all of them."""
+def in_lockstep(plan: Plan, multiple: int = 1) -> Plan:
+    """`align_rings(plan)` with every rank's list padded with fillers to the longest, rounded up to a multiple of
+    `multiple` (the module docstring: expert parallelism's all-to-alls need every rank at every micro-batch; an
+    interleaved pipeline's schedule needs a multiple of its ranks). `stats["fillers"]` counts all of them."""
     plan = align_rings(plan)
     mbs, longest = list(plan.micro_batches), max(map(len, plan.per_rank), default=0)
+    longest += -longest % multiple
     per_rank, fillers = [], plan.stats.get("fillers", 0)
     for m, todo in enumerate(plan.per_rank):
         pad = list(range(len(mbs), len(mbs) + longest - len(todo)))
@@ -101,128 +109,133 @@ def in_lockstep(plan: Plan) -> Plan:
     return Plan(plan.policy, mbs, per_rank, dict(plan.stats, fillers=fillers))
 
 
-def check_pipelined(plan: Plan, pp: int, schedule: str = "1f1b") -> None:
-    """Raise ValueError if running `plan` with one `schedule` pipeline of `pp` stages per HDP rank
-    can deadlock: each (rank, stage) runs its compute actions in order; F needs the previous stage's
-    F, B the next stage's B (the last stage its own F), W its own B; the F or B of a ring needs every
-    member pipeline's same stage to be at that same action (sends never block)."""
-    lists: dict[tuple[int, int], list[tuple[str, int]]] = {}
-    per_stage: dict[int, list[list[tuple[str, int]]]] = {}  # micro-batch count -> (kind, index) per stage
-    for h, todo in enumerate(plan.per_rank):
-        m = len(todo)
-        if m and m not in per_stage:
-            sched = build_schedule(schedule, pp, m)
-            per_stage[m] = [[(a.kind, a.micro_batch) for a in sched.compute_actions(s)] for s in range(pp)]
-        for s in range(pp):
-            lists[h, s] = [(kind, todo[i]) for kind, i in per_stage[m][s]] if m else []
+def check_pipelined(plan: Plan, pp: int, schedule: str = "1f1b", vpp: int = 1) -> None:
+    """Raise ValueError if running `plan` with one `schedule` pipeline of `pp` ranks (`vpp` model chunks each, pp·vpp
+    virtual stages) per HDP rank can deadlock: each (pipeline, rank) runs its compute actions in order; F needs the
+    previous virtual stage's F, B the next one's B (the last stage its own F), W its own B; the F or B of a ring
+    needs every member pipeline's same rank to be at that same action (sends never block)."""
+    lists = _pipelines(plan, pp, schedule, vpp, lambda sched, r: [
+        (a.kind, a.micro_batch, sched.stage_of(r, a.chunk)) for a in sched.compute_actions(r)])
+    last = pp * vpp - 1
     pos = dict.fromkeys(lists, 0)
-    done: set[tuple[str, int, int, int]] = set()
+    done: set[tuple[str, int, int, int]] = set()  # (kind, micro-batch, pipeline, virtual stage)
 
-    def ready(h: int, s: int) -> tuple[str, int] | None:
-        if pos[h, s] >= len(lists[h, s]):
+    def ready(h: int, r: int) -> tuple[str, int, int] | None:
+        if pos[h, r] >= len(lists[h, r]):
             return None
-        kind, k = lists[h, s][pos[h, s]]
-        need = {"F": ("F", k, h, s - 1) if s > 0 else None,
-                "B": ("B", k, h, s + 1) if s < pp - 1 else ("F", k, h, s),
-                "W": ("B", k, h, s)}[kind]
-        return (kind, k) if need is None or need in done else None
+        kind, k, v = lists[h, r][pos[h, r]]
+        need = {"F": ("F", k, h, v - 1) if v > 0 else None,
+                "B": ("B", k, h, v + 1) if v < last else ("F", k, h, v),
+                "W": ("B", k, h, v)}[kind]
+        return (kind, k, v) if need is None or need in done else None
 
-    todo = list(lists)  # (rank, stage) pairs that may be able to move; a worklist, not sweeps
+    todo = list(lists)  # (pipeline, rank) pairs that may be able to move; a worklist, not sweeps
     while todo:
-        h, s = todo.pop()
-        action = ready(h, s)
+        h, r = todo.pop()
+        action = ready(h, r)
         if action is None:
             continue
-        kind, k = action
+        kind, k, v = action
         members = plan.micro_batches[k].ranks if kind in "FB" and _is_ring(plan.micro_batches[k]) else (h,)
-        if any(ready(m, s) != action for m in members):
+        if any(ready(m, r) != action for m in members):
             continue  # the last member to arrive runs it
         for m in members:
-            done.add((kind, k, m, s))
-            pos[m, s] += 1
-            todo += [(m, s)] + [(m, t) for t in (s - 1, s + 1) if 0 <= t < pp]
+            done.add((kind, k, m, v))
+            pos[m, r] += 1
+            todo += [(m, r), *_neighbours(m, r, pp)]
     stuck = next((key for key in lists if pos[key] < len(lists[key])), None)
     if stuck is not None:
-        h, s = stuck
-        kind, k = lists[h, s][pos[h, s]]
-        raise ValueError(f"HDP plan deadlocks under pp={pp} {schedule}: pipeline {h} stage {s} waits at {kind} of "
-                         f"micro-batch {k} (ring {plan.micro_batches[k].ranks}); align its rings with align_rings")
-    _check_rendezvous(plan, pp, schedule)
+        h, r = stuck
+        kind, k, v = lists[h, r][pos[h, r]]
+        raise ValueError(f"HDP plan deadlocks under pp={pp} {_named(schedule, vpp)}: pipeline {h} rank {r} waits at "
+                         f"{kind} of micro-batch {k} on virtual stage {v} (ring {plan.micro_batches[k].ranks}); align "
+                         "its rings with align_rings")
+    _check_rendezvous(plan, pp, schedule, vpp)
 
 
-def _check_rendezvous(plan: Plan, pp: int, schedule: str) -> None:
-    """The same plan with each pipeline's sends and receives as the runtime posts them (batches of its
-    schedule's `with_comm` actions, rendezvous.py): a batch completes once the partner of each of its
-    messages is posted by the neighbouring stage of the same pipeline, a ring's F or B once every member
-    pipeline's stage is at it; compute runs as soon as it is reached (its inputs came with the batches)."""
-    per_stage: dict[int, list[list]] = {}  # micro-batch count -> per stage: items with schedule indices
+def _neighbours(h: int, r: int, pp: int) -> list[tuple[int, int]]:
+    """Pipeline h's ranks holding the virtual stages next to rank r's (r ± 1, around: the last rank's chunk c feeds
+    the first rank's chunk c + 1)."""
+    return [(h, (r - 1) % pp), (h, (r + 1) % pp)]
+
+
+def _pipelines(plan: Plan, pp: int, schedule: str, vpp: int, items) -> dict[tuple[int, int], list]:
+    """{(pipeline h, rank r): `items(schedule, r)` of the schedule of h's micro-batch count, its micro-batch indices
+    replaced by the plan's ids}: `items` gives tuples whose second element is a micro-batch index, or ("X", [message
+    tuples whose second element is one]) for a batch of sends and receives."""
+    per_count: dict[int, list[list[tuple]]] = {}
     lists: dict[tuple[int, int], list] = {}
     for h, todo in enumerate(plan.per_rank):
         m = len(todo)
-        if m and m not in per_stage:
-            sched = with_comm(build_schedule(schedule, pp, m))
-            per_stage[m] = [[_item(step, s) for step in steps(sched.actions[s])] for s in range(pp)]
-        for s in range(pp):
-            lists[h, s] = [_in_plan(item, todo) for item in per_stage[m][s]] if m else []
-    pos = dict.fromkeys(lists, 0)
-    pending: dict[tuple[int, int], set | None] = dict.fromkeys(lists)  # the posted batch's open messages
-
-    def current(h: int, s: int):
-        return lists[h, s][pos[h, s]] if pos[h, s] < len(lists[h, s]) else None
-
-    todo = list(lists)
-    while todo:
-        h, s = todo.pop()
-        while (item := current(h, s)) is not None:
-            if item[0] == "C":
-                kind, k = item[1], item[2]
-                mb = plan.micro_batches[k]
-                members = mb.ranks if kind in "FB" and _is_ring(mb) else (h,)
-                if any(current(m, s) != item for m in members):
-                    break  # the last member to arrive runs it
-                for m in members:
-                    pos[m, s] += 1
-                    if m != h:
-                        todo.append((m, s))
-                continue
-            if pending[h, s] is None:  # post the batch: match what the neighbours have posted
-                pending[h, s] = set(item[1])
-                for op in list(pending[h, s]):
-                    send, kind, k, src, dst = op
-                    peer = (h, dst if send else src)
-                    partner = (not send, kind, k, src, dst)
-                    if pending.get(peer) is not None and partner in pending[peer]:
-                        pending[h, s].discard(op)
-                        pending[peer].discard(partner)
-                        todo.append(peer)
-            if pending[h, s]:
-                break
-            pending[h, s] = None
-            pos[h, s] += 1
-            todo += [(h, t) for t in (s - 1, s + 1) if 0 <= t < pp]
-    stuck = next((key for key in lists if pos[key] < len(lists[key])), None)
-    if stuck is not None:
-        h, s = stuck
-        raise ValueError(f"HDP plan deadlocks under pp={pp} {schedule} when sends wait for their receives: pipeline "
-                         f"{h} stage {s} waits at {current(h, s)}; align its rings with align_rings")
-
-
-def _item(step, s: int) -> tuple:
-    """("C", kind, micro-batch index) for a compute action; ("X", [(is_send, F|B, index, source stage,
-    destination stage)]) for a batch of sends and receives (memory actions do not wait)."""
-    if not isinstance(step, tuple):
-        return "C", step.kind, step.micro_batch
-    return "X", [(a.kind.startswith("SEND"), a.kind[-1], a.micro_batch, *_stages(a.kind, s)) for a in step
-                 if a.kind.startswith(("SEND", "RECV"))]
+        if m and m not in per_count:
+            sched = build_schedule(schedule, pp, m, vpp)
+            per_count[m] = [items(sched, r) for r in range(pp)]
+        for r in range(pp):
+            lists[h, r] = [_in_plan(item, todo) for item in per_count[m][r]] if m else []
+    return lists
 
 
 def _in_plan(item: tuple, todo: list[int]) -> tuple:
     """`item` with the schedule's micro-batch indices replaced by the plan's micro-batch ids."""
-    if item[0] == "C":
-        return "C", item[1], todo[item[2]]
-    return "X", [(send, kind, todo[i], src, dst) for send, kind, i, src, dst in item[1]]
+    if item[0] == "X":
+        return "X", [(send, kind, todo[i], *rest) for send, kind, i, *rest in item[1]]
+    return (item[0], todo[item[1]], *item[2:])
 
 
-def _stages(kind: str, s: int) -> tuple[int, int]:
-    """(source stage, destination stage) of a SEND/RECV action on stage s."""
-    return {"SEND_F": (s, s + 1), "RECV_F": (s - 1, s), "SEND_B": (s, s - 1), "RECV_B": (s + 1, s)}[kind]
+def _named(schedule: str, vpp: int) -> str:
+    return f"{schedule} (vpp={vpp})" if vpp > 1 else schedule
+
+
+def _check_rendezvous(plan: Plan, pp: int, schedule: str, vpp: int) -> None:
+    """The same plan with each pipeline's sends and receives as the runtime posts them (batches of its
+    schedule's `with_comm` actions, rendezvous.py): a batch completes once the partner of each of its
+    messages is posted by the other rank of the same pipeline, a ring's F or B once every member
+    pipeline's rank is at it; compute runs as soon as it is reached (its inputs came with the batches)."""
+    def items(sched, r: int) -> list[tuple]:
+        sched = with_comm(sched)
+        return [(step.kind, step.micro_batch, sched.stage_of(r, step.chunk)) if not isinstance(step, tuple) else
+                ("X", [(a.kind.startswith("SEND"), *message_key(sched, r, a)) for a in step
+                       if a.kind.startswith(("SEND", "RECV"))]) for step in steps(sched.actions[r])]
+
+    lists = _pipelines(plan, pp, schedule, vpp, items)
+    pos = dict.fromkeys(lists, 0)
+    pending: dict[tuple[int, int], set | None] = dict.fromkeys(lists)  # the posted batch's open messages
+
+    def current(h: int, r: int):
+        return lists[h, r][pos[h, r]] if pos[h, r] < len(lists[h, r]) else None
+
+    todo = list(lists)
+    while todo:
+        h, r = todo.pop()
+        while (item := current(h, r)) is not None:
+            if item[0] != "X":
+                kind, k = item[0], item[1]
+                mb = plan.micro_batches[k]
+                members = mb.ranks if kind in "FB" and _is_ring(mb) else (h,)
+                if any(current(m, r) != item for m in members):
+                    break  # the last member to arrive runs it
+                for m in members:
+                    pos[m, r] += 1
+                    if m != h:
+                        todo.append((m, r))
+                continue
+            if pending[h, r] is None:  # post the batch: match what the other ranks have posted
+                pending[h, r] = set(item[1])
+                for op in list(pending[h, r]):
+                    send, *message = op  # message: (F|B, micro-batch, source stage, source rank, destination rank)
+                    peer = (h, message[4] if send else message[3])
+                    partner = (not send, *message)
+                    if pending.get(peer) is not None and partner in pending[peer]:
+                        pending[h, r].discard(op)
+                        pending[peer].discard(partner)
+                        todo.append(peer)
+            if pending[h, r]:
+                break
+            pending[h, r] = None
+            pos[h, r] += 1
+            todo += _neighbours(h, r, pp)
+    stuck = next((key for key in lists if pos[key] < len(lists[key])), None)
+    if stuck is not None:
+        h, r = stuck
+        raise ValueError(f"HDP plan deadlocks under pp={pp} {_named(schedule, vpp)} when sends wait for their "
+                         f"receives: pipeline {h} rank {r} waits at {current(h, r)}; align its rings with align_rings")

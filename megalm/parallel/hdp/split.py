@@ -80,21 +80,24 @@ def read_ring_shard(dataset: VarlenDataset, k: int, n: int, index: int, inner: i
 class HdpSplit:
     """Plans each step over the HDP domain and builds this rank's micro-batches.
 
-    `capacity` (parallel.hdp_capacity) is C in tokens; `pp`/`schedule` make pipelined plans aligned and
-    checked, `lockstep` (expert parallelism) every rank's micro-batches as many and aligned (pipelined.py). The
+    `capacity` (parallel.hdp_capacity) is C in tokens; `pp`/`schedule`/`vpp` make pipelined plans aligned and
+    checked; in lockstep (expert parallelism, `lockstep`, or interleaved pipelines) every rank's micro-batches are as
+    many and aligned, a multiple of pp when interleaved (pipelined.py). The
     domain index of a rank is h = dp_rank·cp + cp_rank; `domain[h]` its global rank at this rank's TP and PP
     coordinates.
     """
 
     def __init__(self, mesh: ParallelMesh, capacity: int, cost: CostModel, pp: int = 1, schedule: str = "1f1b",
-                 offload: bool = False, hierarchical: bool = False, lockstep: bool = False):
+                 offload: bool = False, hierarchical: bool = False, lockstep: bool = False, vpp: int = 1):
         d = mesh.dims
         self.mesh, self.capacity, self.cost, self.pp, self.schedule = mesh, capacity, cost, pp, schedule
+        self.vpp = vpp
         # cp_comm=a2a+p2p: rings that span nodes are hierarchical (cost.ranks_per_node HDP ranks a group), those
         # inside one may be Ulysses; cp_comm=ring: every ring flat
         self.hierarchical = hierarchical
         self.offload = offload  # ByteScale's selective offload: rings of d(s) = ceil((1 - r(s)) s / C) ranks
-        self.lockstep = lockstep
+        self.interleaved = schedule == "interleaved" and pp > 1
+        self.lockstep = lockstep or self.interleaved
         self.domain = d.domain_ranks(mesh.tp_rank, mesh.pp_rank)
         self.num_ranks = len(self.domain)
         self.index = mesh.dp_rank * d.cp + mesh.cp_rank
@@ -105,7 +108,7 @@ class HdpSplit:
         """The split a run of `cfg` uses (the trainer's and tools/hdp_plan.py's)."""
         p = cfg.parallel
         return cls(mesh, p.hdp_capacity, hdp_cost_model(cfg), p.pp, p.pp_schedule, p.hdp_offload,
-                   hierarchical=p.cp_comm == "a2a+p2p", lockstep=p.ep > 1)
+                   hierarchical=p.cp_comm == "a2a+p2p", lockstep=p.ep > 1, vpp=p.vpp)
 
     def plan(self, lengths: list[int]) -> Plan:
         """The step's plan over input lengths; with pp > 1, rings aligned and checked deadlock-free; in lockstep,
@@ -114,12 +117,12 @@ class HdpSplit:
         plan = plan_hdp(lengths, self.num_ranks, self.capacity, self.cost, pp=self.pp, offload=self.offload,
                         hierarchical=self.hierarchical)
         if self.lockstep:
-            plan = in_lockstep(plan)
+            plan = in_lockstep(plan, self.pp if self.interleaved else 1)
         elif self.pp > 1:
             plan = align_rings(plan)
         if self.pp > 1:
             try:
-                check_pipelined(plan, self.pp, self.schedule)
+                check_pipelined(plan, self.pp, self.schedule, self.vpp)
             except ValueError as e:  # not seen in randomized tests; stop rather than hang every rank
                 raise MegalmError(f"{e}. This is a megalm bug (please report it with the step); meanwhile try "
                                   "parallel.pp_schedule=1f1b or another parallel.hdp_capacity") from None
@@ -230,9 +233,6 @@ def validate_hdp(cfg: MegalmConfig) -> None:
     if p.cp_comm == "a2a":
         raise ConfigError("parallel.hdp=true forms rings of any size over rank lists, which Ulysses' fixed groups "
                           "cannot; set parallel.cp_comm=ring or a2a+p2p (hierarchical rings)")
-    if p.pp_schedule == "interleaved":
-        raise ConfigError("parallel.hdp=true gives pipelines different micro-batch counts, which interleaved "
-                          "pipelining cannot take; use parallel.pp_schedule=1f1b or zb")
     if widest > 1 and m.attention_dropout > 0:  # some micro-batches may run on rings
         raise ConfigError("parallel.hdp=true runs long documents with ring attention, which has no attention "
                           "dropout; set model.attention_dropout=0 or raise parallel.hdp_capacity to "

@@ -36,7 +36,7 @@ def steps(actions: list[Action]) -> list[Action | tuple[Action, ...]]:
     return out
 
 
-def _message(sched: Schedule, rank: int, a: Action) -> tuple:
+def message_key(sched: Schedule, rank: int, a: Action) -> tuple:
     """(kind, micro_batch, source stage, source rank, destination rank) of a SEND or RECV action: the key
     its partner action shares."""
     s = sched.stage_of(rank, a.chunk)
@@ -60,7 +60,7 @@ def _rendezvous(sched: Schedule) -> tuple[str, list[tuple[int, tuple, int]]] | N
         for step in steps(acts):
             n += len(step) if isinstance(step, tuple) else 1
             if isinstance(step, tuple):
-                rank_batches.append((n, {(a.kind.startswith("SEND"), _message(sched, r, a)) for a in step
+                rank_batches.append((n, {(a.kind.startswith("SEND"), message_key(sched, r, a)) for a in step
                                          if a.kind.startswith(("SEND", "RECV"))}))
         batches.append(rank_batches)
     pos = [0] * len(batches)
@@ -111,7 +111,7 @@ def post_receives_early(sched: Schedule) -> Schedule:
         moves: dict[int, tuple[int, list[int]]] = {}  # receiver -> (where its stuck batch ends, receives to move)
         for receiver, msg, at in result[1]:
             index = next(i for i, a in enumerate(actions[receiver]) if a.kind.startswith("RECV")
-                         and _message(current, receiver, a) == msg)
+                         and message_key(current, receiver, a) == msg)
             if index < at:  # already posted by then: moving it cannot help
                 return current
             moves.setdefault(receiver, (at, []))[1].append(index)

@@ -138,9 +138,10 @@ def validate_pipeline(cfg: MegalmConfig) -> None:
         raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp_schedule=interleaved "
                           f"(got {p.pp_schedule}); set it or use parallel.vpp=1")
     micro_batches = t.global_batch_size // (t.micro_batch_size * p.dp)
-    if p.pp_schedule == "interleaved" and p.pp > 1 and t.tokens_per_step is not None:
+    if p.pp_schedule == "interleaved" and p.pp > 1 and t.tokens_per_step is not None and not p.hdp:
         raise ConfigError("trainer.tokens_per_step gives steps different micro-batch counts, which interleaved "
-                          "pipelining cannot take; use parallel.pp_schedule=1f1b or zb, or trainer.global_batch_size")
+                          "pipelining cannot take; use parallel.pp_schedule=1f1b or zb, trainer.global_batch_size, "
+                          "or parallel.hdp=true (which pads every pipeline to a multiple of parallel.pp)")
     if p.pp_schedule == "interleaved" and p.pp > 1 and not p.hdp and micro_batches % p.pp:
         raise ConfigError(f"interleaved pipelining needs micro-batches per step ({micro_batches} = global_batch_size/"
                           f"(micro_batch_size*dp)) to be a multiple of parallel.pp={p.pp}; change the batch sizes")
