@@ -122,6 +122,10 @@ LAYOUTS = {
     "pp2_dp4_interleaved": (8, ["parallel.pp=2", "parallel.dp=4", "model.num_layers=4", "parallel.vpp=2",
                                 "parallel.pp_schedule=interleaved", "data.synthetic.mean_doc_length=40",
                                 "trainer.global_batch_size=8"], ("interleaved",)),
+    # ... under a token budget, which without HDP gives interleaved pipelines counts they cannot take (refused there)
+    "pp2_dp4_interleaved_token_budget": (8, ["parallel.pp=2", "parallel.dp=4", "model.num_layers=4", "parallel.vpp=2",
+                                             "parallel.pp_schedule=interleaved", "data.synthetic.mean_doc_length=40",
+                                             "trainer.tokens_per_step=300"], ("interleaved",)),
     # ... and no pipeline filler's token
     "pp2_dp4_moe": (8, ["parallel.pp=2", "parallel.dp=4", *MOE, "model.num_layers=4",
                         "data.synthetic.mean_doc_length=40", "trainer.global_batch_size=8"], ("mixed", "fillers")),

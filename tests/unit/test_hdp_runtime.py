@@ -212,6 +212,16 @@ def test_hdp_config_rules(make_config, overrides, world, message):
         validate_run(make_config(*overrides), world_size=world)
 
 
+def test_a_token_budget_takes_interleaved_pipelines_under_hdp_only(make_config):
+    """Without HDP a token budget gives steps micro-batch counts that an interleaved schedule cannot take; HDP pads
+    every pipeline to a multiple of pp (`in_lockstep`)."""
+    interleaved = ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved", "model.num_layers=4",
+                   "trainer.tokens_per_step=300", "data.varlen=true"]
+    with pytest.raises(ConfigError, match="or parallel.hdp=true"):
+        validate_run(make_config(*interleaved), world_size=4)
+    assert validate_run(make_config(*interleaved, "parallel.hdp=true"), world_size=4).parallel.hdp
+
+
 def test_hdp_capacity_defaults_to_the_static_cp_share(make_config):
     cfg = validate_run(make_config(*HDP, "parallel.cp=2", "model.seq_length=33"), world_size=4)
     assert cfg.parallel.hdp_capacity == 17
