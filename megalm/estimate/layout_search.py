@@ -253,18 +253,29 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
 
 
 def last_stage_flops(shape: Shape, layout: Layout) -> float:
-    """A last-stage rank's FLOPs in a step, 6·N·T: its layers' (full recompute runs their forward again), with causal
-    attention's 6·h·s a token and layer (QK^T and PV over s/2 keys on average, forward and backward; documents of the
-    whole sequence: an upper bound under data.varlen), and the output layer's, which sets the pipeline's pace (until
-    2026-12-05 the FLOPs were the layers' spread evenly over the stages, and a deep pipeline of a large vocabulary
-    looked as fast as a shallow one)."""
+    """A last-stage rank's FLOPs in a step, 6·N·T: its layers', with causal attention's 6·h·s a token and layer (QK^T
+    and PV over s/2 keys on average, forward and backward; documents of the whole sequence: an upper bound under
+    data.varlen), and the output layer's, which sets the pipeline's pace (until 2026-12-05 the FLOPs were the layers'
+    spread evenly over the stages, and a deep pipeline of a large vocabulary looked as fast as a shallow one).
+
+    Full recompute runs a block's forward again, 2·N·T, up to the last tensor its backward needs: torch's
+    non-reentrant checkpoint stops there (`torch.utils.checkpoint.set_checkpoint_early_stop`), so a dense block's
+    down projection, whose output only joins the residual, is not run again; an MoE block's experts are (their
+    outputs are weighted by the router's probabilities, which saves them). Priced as a whole forward, 4/3, until
+    2026-12-05, 6% high against the estimator's trace."""
     m, t, e = shape.model, layout.tp, shape.experts
-    active = m.layer_params if e is None else active_layer_params(shape)
+    per_token = m.hidden * shape.seq  # causal attention's share of 6·N per token and layer
     if e is not None and layout.pp > 1:  # the leading dense blocks are the first stage's: the last runs MoE blocks
         active = m.attention_params + e.active_mlp_params(m.hidden)
-    layers = m.layers / layout.pp * (active + m.hidden * shape.seq) * (4 / 3 if layout.recompute == "full" else 1)
-    head = pad_vocab(m.vocab, shape.vocab_multiple * t) * m.hidden
-    return 6 * (layers + head) * shape.global_batch * shape.seq / (layout.dp * layout.cp * t)
+        skipped = 0.0
+    else:
+        active = m.layer_params if e is None else active_layer_params(shape)
+        dense = m.layers if e is None else min(e.first_dense, m.layers)
+        skipped = m.hidden * m.ffn * dense / m.layers  # the dense blocks' down projections, a mean layer's share
+    layers = m.layers / layout.pp * (3 * (active + per_token) + (active + per_token - skipped) * (
+        layout.recompute == "full"))
+    head = 3 * pad_vocab(m.vocab, shape.vocab_multiple * t) * m.hidden
+    return 2 * (layers + head) * shape.global_batch * shape.seq / (layout.dp * layout.cp * t)
 
 
 def link_bytes(shape: Shape, layout: Layout) -> dict[str, float]:
