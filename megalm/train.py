@@ -132,15 +132,21 @@ def precheck_overrides(argv: list[str]) -> None:
 
 
 def override_value(override: str) -> str:
-    """The value of a key=value override as Hydra reads it: quoted ('/runs/7b,lr=3e-4', as the Slurm templates pass a
-    job's run dir) or not."""
+    """The value of a key=value override as Hydra reads it, quoted ('/runs/7b,lr=3e-4', as the Slurm templates pass a
+    job's run dir) or not, and as OmegaConf then resolves it (an escaped '\\${' is a literal '${')."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     try:
-        return str(OverridesParser.create().parse_override(override).value())
+        value = str(OverridesParser.create().parse_override(override).value())
     except HydraException:  # Hydra refuses it itself, in its own words, when it starts
         return override.partition("=")[2]
+    try:
+        return str(OmegaConf.create({"value": value}).value)
+    except OmegaConfBaseException:  # an interpolation of Hydra's config, resolved when it starts
+        return value
 
 
 def check_run(config: MegalmConfig) -> None:

@@ -55,11 +55,12 @@ megalm_run_dir() {
 }
 
 # A value as Hydra's override grammar reads it: in quotes ('...' or "..."), a run of 2k backslashes before a quote or
-# at the end is k, and 2k + 1 before a quote is k and the quote itself (megalm_run_dir_override's inverse); else as is.
+# at the end is k, and 2k + 1 before a quote is k and the quote itself (megalm_run_dir_override's inverse); else as is;
+# then as OmegaConf reads it (megalm_unescape_interpolations).
 megalm_unquote() {
     local value=$1 quote=${1:0:1} out="" run=0 i c
     if (( ${#value} < 2 )) || [[ ( "$quote" != "'" && "$quote" != '"' ) || "${value: -1}" != "$quote" ]]; then
-        printf '%s\n' "$value"
+        megalm_unescape_interpolations "$value"
         return
     fi
     value=${value:1:${#value}-2}
@@ -74,13 +75,33 @@ megalm_unquote() {
         out+=$c
     done
     for ((run /= 2; run > 0; run--)); do out+="\\"; done
+    megalm_unescape_interpolations "$out"
+}
+
+# VALUE as OmegaConf reads it: a run of n backslashes before '${' is n / 2 (rounded down; odd, the '${' is literal,
+# an escaped interpolation), other backslashes as they are (megalm_run_dir_override's escape's inverse).
+megalm_unescape_interpolations() {
+    local value=$1 out="" run=0 i c
+    for ((i = 0; i < ${#value}; i++)); do
+        c=${value:i:1}
+        if [[ "$c" == "\\" ]]; then
+            run=$((run + 1))
+            continue
+        fi
+        [[ "$c" == '$' && "${value:i+1:1}" == '{' ]] && run=$((run / 2))
+        for ((; run > 0; run--)); do out+="\\"; done
+        out+=$c
+    done
+    for ((; run > 0; run--)); do out+="\\"; done
     printf '%s\n' "$out"
 }
 
 # The hydra.run.dir=... override of DIR, quoted for Hydra's override grammar: a job name may hold what the grammar
-# reads otherwise unquoted (a comma is a sweep; parentheses, '=', '[', '#' do not parse).
+# reads otherwise unquoted (a comma is a sweep; parentheses, '=', '[', '#' do not parse), and what OmegaConf would
+# resolve (a '${' starts an interpolation: escaped, a run of n backslashes before it made 2n + 1).
 megalm_run_dir_override() {  # in quotes, a run of backslashes before a quote or at the end is doubled, a quote escaped
-    printf "hydra.run.dir='%s'" "$(printf '%s' "$1" | sed -E "s/(\\\\+)('|\$)/\\1\\1\\2/g; s/'/\\\\'/g")"
+    printf "hydra.run.dir='%s'" "$(printf '%s' "$1" | sed -E 's/(\\*)\$\{/\1\1\\${/g' |
+        sed -E "s/(\\\\+)('|\$)/\\1\\1\\2/g; s/'/\\\\'/g")"
 }
 
 # The rendezvous address of HEAD_NODE, looked up inside the job: the first non-loopback IPv4 address its name

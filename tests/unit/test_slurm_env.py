@@ -119,19 +119,25 @@ def test_a_job_is_requeued_when_its_processes_asked_and_none_failed_on_its_own(t
 
 def test_a_job_s_run_dir_reaches_hydra_whatever_its_name_holds(tmp_path):
     """The templates' hydra.run.dir=... of a job named `7b,lr=3e-4(v2)` (a comma is a sweep to Hydra, parentheses and
-    '=' do not parse unquoted: the job trained nothing and exited 1) reads back as the dir, and megalm-train's
-    pre-check reads the quoted value (here a file where the dir should be: refused with its one line)."""
+    '=' do not parse unquoted: the job trained nothing and exited 1), or holding a '${' (an interpolation to OmegaConf,
+    which Hydra's config resolves: the job failed to start), reads back as the dir, and megalm-train's pre-check reads
+    the value as Hydra and OmegaConf do (here a file where the dir should be: refused with its one line)."""
     import sys
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    from megalm.train import override_value
 
     parser = OverridesParser.create()
-    for name in ("7b,lr=3e-4(v2)", "it's [a] #1", "back\\slash", "ends\\", "q\\'x"):
+    for name in ("7b,lr=3e-4(v2)", "it's [a] #1", "back\\slash", "ends\\", "q\\'x", "a${b}", "c\\${d}", "e\\\\${f}'"):
         script = f'source "{LIB}" >/dev/null && megalm_run_dir_override "$1"'
         env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MEGALM_ROOT": str(ROOT), "MEGALM_LAUNCH": "stand-in"}
         proc = subprocess.run(["bash", "-c", script, "_", f"/runs/{name}-42"], env=env, capture_output=True, text=True,
                               timeout=60)
-        assert parser.parse_override(proc.stdout).value() == f"/runs/{name}-42", proc.stdout
+        # as Hydra's config holds it: the override's value, resolved by OmegaConf
+        resolved = OmegaConf.create({"dir": parser.parse_override(proc.stdout).value()}).dir
+        assert resolved == override_value(proc.stdout) == f"/runs/{name}-42", proc.stdout
         # the run dir the job's own lines use (its logs, the requeue marker) is the one Hydra reads from it
         script = f'source "{LIB}" >/dev/null && megalm_run_dir "$1"'
         found = subprocess.run(["bash", "-c", script, "_", proc.stdout], env={**env, "SLURM_JOB_ID": "42"},
