@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> tuple[Plan, list[int]]:
     if par.dp is None or not par.hdp:
         raise ConfigError("set parallel.hdp=true and parallel.dp (and parallel.cp): the HDP domain is dp*cp ranks")
     cfg = validate_run(cfg, world_size=par.tp * par.pp * par.cp * par.dp)
+    par = cfg.parallel  # validated: parallel.hdp_capacity filled where unset
     data = build_datasets(cfg)
     t = cfg.trainer
     ids = (TokenBudgetSteps(data.train, t.tokens_per_step).ids(args.step) if t.tokens_per_step
@@ -81,13 +82,15 @@ def main(argv: list[str] | None = None) -> tuple[Plan, list[int]]:
     lengths = [data.train.sample_length(k) - 1 for k in ids]
     runtime = HdpSplit.for_config(cfg, ParallelMesh(ParallelDims(cp=par.cp, dp=par.dp)))
     plan = runtime.plan(lengths)
-    sim = simulate(plan, runtime.cost, pp=par.pp)
+    sim = simulate(plan, runtime.cost, pp=par.pp, lockstep=par.ep > 1)
     print(f"step {args.step}: {len(lengths)} documents, {sum(lengths)} tokens over {runtime.num_ranks} HDP ranks, "
           f"C = {par.hdp_capacity}, pp = {par.pp}; {plan.stats['rings']} rings, "
           f"{plan.stats.get('fillers', 0)} fillers; estimated step {sim.step_time * 1e3:.2f} ms ({runtime.cost.name})")
     if par.ep > 1:
+        free = simulate(plan, runtime.cost, pp=par.pp).step_time
         print(f"parallel.ep={par.ep}: the ranks run in lockstep (fillers pad every rank to the longest list), and each "
-              "micro-batch waits for its slowest rank at the MoE all-to-alls, which the estimated step leaves out")
+              "micro-batch position waits for its slowest rank at the MoE all-to-alls: the estimated step includes "
+              f"the waits ({free * 1e3:.2f} ms without them)")
     elif runtime.lockstep:
         print(f"parallel.vpp={par.vpp}: the interleaved pipelines run in lockstep, each as many micro-batches, a "
               f"multiple of pp = {par.pp} (fillers pad the shorter lists)")

@@ -86,7 +86,7 @@ class RankEstimate:
     tokens: int  # real tokens (loss positions) this rank ran in the measured step
     optimizer_s: float  # of compute_s, the gradient norm, clip and optimizer step's (once a step, whatever the
     # micro-batches)
-    domain: dict[str, list[int]] | None = None  # HDP: every domain rank's load of the step (`hdp_loads`)
+    domain: dict[str, Any] | None = None  # HDP: every domain rank's load of the step (`hdp_loads`)
     step_collective_bytes: dict[str, int] = field(default_factory=dict)  # of collective_bytes, the clip's and step's
     hidden_comm_s: float = 0.0  # the collectives' time hidden behind compute (in flight), already out of comm_s
     # the step's documents (all ranks', as the trainer's MFU counts them: `step_documents`) and its sequences
@@ -298,10 +298,14 @@ def _real_tokens(micro_batches: list[Any]) -> int:
     return sum(int(mb.batch.loss_mask.sum()) for mb in micro_batches)
 
 
-def hdp_loads(trainer: Any, step: int) -> dict[str, list[int]] | None:
+def hdp_loads(trainer: Any, step: int) -> dict[str, Any] | None:
     """Under HDP, every domain rank's share of `step` as the trainer's split builds it on the host: the real tokens
     each runs (`tokens`) and the largest ring it joins (`ring`, 1 when it runs only packed documents); plus the
-    step's document lengths (`lengths`), from which tools/hdp_sim.py's planner and simulator derive their loads."""
+    step's document lengths (`lengths`), from which tools/hdp_sim.py's planner and simulator derive their loads.
+    Under expert parallelism, `lockstep`: the step's time with every micro-batch position waiting for its slowest
+    rank (the all-to-alls) over its time without those waits, both simulated with HDP's cost model on the step's
+    plan (the trace measures two ranks, not every rank's micro-batch at every position); 1 otherwise."""
+    from megalm.parallel.hdp.cost import simulate
     from megalm.parallel.hdp.split import HdpSplit
 
     split, data = trainer.parallel.split, trainer.data.train
@@ -313,7 +317,11 @@ def hdp_loads(trainer: Any, step: int) -> dict[str, list[int]] | None:
     tokens = [_real_tokens(split.micro_batches_of(plan, h, data, ids, lengths)) for h in range(split.num_ranks)]
     ring = [max((len(plan.micro_batches[k].ranks) for k in todo if plan.micro_batches[k].seqs), default=1)
             for todo in plan.per_rank]
-    return {"tokens": tokens, "ring": ring, "lengths": lengths}
+    lockstep = 1.0
+    if trainer.cfg.parallel.ep > 1:
+        free = simulate(plan, split.cost, split.pp).step_time
+        lockstep = simulate(plan, split.cost, split.pp, lockstep=True).step_time / free if free else 1.0
+    return {"tokens": tokens, "ring": ring, "lengths": lengths, "lockstep": lockstep}
 
 
 def _grad_buffers(trainer: Any) -> list[torch.Tensor]:
@@ -484,15 +492,15 @@ def _compiled_block_notes(cfg: Any, graph_breaks: int) -> list[str]:
     return []
 
 
-def lockstep_notes(cfg: Any) -> list[str]:
-    """HDP under expert parallelism runs every rank's micro-batches in lockstep (megalm/parallel/hdp/pipelined.py),
-    which the step time, the slower measured rank's total, does not price."""
+def lockstep_notes(cfg: Any, lockstep: float) -> list[str]:
+    """HDP under expert parallelism runs every rank's micro-batches in lockstep (megalm/parallel/hdp/pipelined.py):
+    the measured ranks' compute is scaled by `lockstep` (`hdp_loads`) for the waits, which the note says."""
     p = cfg.parallel
     if not (p.hdp and p.ep > 1):
         return []
     return [f"parallel.hdp=true with parallel.ep={p.ep}: every micro-batch waits for its slowest rank at each MoE "
-            "layer's all-to-all (ranks run in lockstep), which the step time, the slower measured rank's total, does "
-            "not price"]
+            f"layer's all-to-all (ranks run in lockstep); the compute is priced x{lockstep:.3f} for those waits, "
+            "from HDP's cost model on the step's plan (tools/hdp_plan.py), not from the trace"]
 
 
 def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
@@ -524,7 +532,8 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
                                           f"{ranks[0].role}", gpu, h))
     micro_batches = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * dp)
     factor = bubble_factor(p.pp, micro_batches, str(p.pp_schedule.value), p.vpp)
-    step_time = max(r.compute_s * factor + r.comm_s for r in ranks)
+    lockstep = hdp["lockstep"] if hdp is not None else 1.0  # the waits of HDP's lockstep under EP (`hdp_loads`)
+    step_time = max(r.compute_s * factor * lockstep + r.comm_s for r in ranks)
     tokens = cfg.trainer.global_batch_size * cfg.model.seq_length
     # the step's own documents (until 2026-12-05 one of model.seq_length a sequence: packed documents shorter than
     # that made the MFU too high, over 100% at 128K)
@@ -541,6 +550,7 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
             "ranks": [{k: v for k, v in asdict(r).items() if k not in ("domain", "documents")} for r in ranks],
             "step_time_s": step_time, "bubble_factor": factor, "mfu": mfu, "tokens_per_s": tokens / step_time,
             "global_flops": flops,
-            "notes": fp8_notes(cfg.precision, gpu) + compile_notes(cfg, graph_breaks) + lockstep_notes(cfg),
-            **({"hdp": {"tokens_per_rank": hdp["tokens"], "largest_ring": hdp["ring"], "lengths": hdp["lengths"]}}
+            "notes": fp8_notes(cfg.precision, gpu) + compile_notes(cfg, graph_breaks) + lockstep_notes(cfg, lockstep),
+            **({"hdp": {"tokens_per_rank": hdp["tokens"], "largest_ring": hdp["ring"], "lengths": hdp["lengths"],
+                        "lockstep_factor": lockstep}}
                if hdp else {})}

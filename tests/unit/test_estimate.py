@@ -431,17 +431,25 @@ def test_a_pipeline_stage_s_sends_are_pp_s_and_its_receives_are_not_counted():
     assert first["collective_bytes"]["pp"] == sends + 4
 
 
-def test_hdp_under_expert_parallelism_is_estimated_and_says_what_it_leaves_out():
+def test_hdp_under_expert_parallelism_prices_its_lockstep_waits():
     """HDP with ep > 1 runs its ranks in lockstep (fillers where a rank has fewer micro-batches), which the estimate
-    runs as the trainer does, and whose waits its step time does not price: a note says so, and only there."""
+    runs as the trainer does. Each micro-batch position waits for its slowest rank there, which two traced ranks do
+    not show: the compute is priced times HDP's simulated lockstep step over its free one on the step's plan, and a
+    note says so (until 2026-12-05 the note said the waits were left out)."""
     base = ["model=moe_tiny", "model.num_layers=2", "model.moe.aux_loss_coeff=0", "model.moe.seq_aux_loss_coeff=0.01",
             "data=synthetic", "data.varlen=true", "data.synthetic.mean_doc_length=200", "parallel.hdp=true",
             "parallel.dp=4", "precision=bf16", "trainer.device=cpu", "trainer.micro_batch_size=1",
-            "trainer.global_batch_size=16"]
+            "trainer.global_batch_size=16", "parallel.hdp_cost=7b"]  # 7B's times: tokens, not a launch's latency
     lockstep = estimate.estimate([*base, "parallel.ep=2"], 4, "h100")
-    assert [n for n in lockstep["notes"] if "lockstep" in n] == [lockstep["notes"][-1]]
+    factor = lockstep["hdp"]["lockstep_factor"]
+    assert factor > 1.05, "this step's plan should leave ranks waiting at some position"
+    notes = [n for n in lockstep["notes"] if "lockstep" in n]
+    assert notes == [lockstep["notes"][-1]] and f"x{factor:.3f}" in notes[0]
+    step = max(r["compute_s"] * lockstep["bubble_factor"] * factor + r["comm_s"] for r in lockstep["ranks"])
+    assert lockstep["step_time_s"] == pytest.approx(step, rel=1e-9)
     assert sum(lockstep["hdp"]["tokens_per_rank"]) == sum(lockstep["hdp"]["lengths"])
-    assert not [n for n in estimate.estimate(base, 4, "h100")["notes"] if "lockstep" in n]
+    free = estimate.estimate(base, 4, "h100")
+    assert not [n for n in free["notes"] if "lockstep" in n] and free["hdp"]["lockstep_factor"] == 1.0
 
 
 def test_the_mfu_counts_the_step_s_own_documents():

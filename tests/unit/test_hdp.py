@@ -203,6 +203,21 @@ def test_simulate_waits_for_ring_partners():
     assert sim.utilization == pytest.approx((2 + 2 + 2 + 1) / 10)
 
 
+def test_simulate_in_lockstep_waits_for_the_slowest_rank_at_every_position():
+    """Expert parallelism's all-to-alls make each micro-batch position wait for its slowest rank: rank 0 runs 3 then 1
+    token, rank 1 runs 1 then 3: each rank's 4 tokens take 6 in lockstep, 4 without (a pipeline's fill on top)."""
+    cost = CostModel(a=0.0, b=1.0, c=0.0, latency=0.0)
+    mbs = [MicroBatch((0,), (0,), 3, 9), MicroBatch((0,), (1,), 1, 1), MicroBatch((1,), (2,), 1, 1),
+           MicroBatch((1,), (3,), 3, 9)]
+    plan = Plan("hand", mbs, [[0, 1], [2, 3]])
+    assert simulate(plan, cost).step_time == 4.0
+    lockstep = simulate(plan, cost, lockstep=True)
+    assert lockstep.step_time == 6.0 and lockstep.timeline[1] == [(0.0, 1.0, 2), (3.0, 6.0, 3)]
+    assert simulate(plan, cost, pp=2, lockstep=True).step_time == 3.0 + 1.5  # stages of half, fill of one
+    with pytest.raises(ValueError, match="as many micro-batches"):
+        simulate(Plan("hand", mbs, [[0, 1, 2], [3]]), cost, lockstep=True)
+
+
 def test_check_plan_names_the_violation():
     lengths = [3, 5, 9]
     good = Plan("hand", [MicroBatch((0,), (0, 1), 8, 34), MicroBatch((0, 1), (2,), 9, 81)], [[0, 1], [1]])

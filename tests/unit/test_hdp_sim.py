@@ -155,6 +155,9 @@ def test_plan_tool_shows_the_trainers_plan(tmp_path, capsys):
     assert out.count("\nrank ") == 4 and "ring(" in out
     width, height = png_size(png)
     assert width > 1000 and height > 200 and f"wrote {png}" in out
+    # unset, the capacity the run takes (the static CP share of a sample: model.seq_length here) is the one shown
+    tool.main([o for o in overrides if not o.startswith("parallel.hdp_capacity")])
+    assert ", C = 48, pp = 2;" in capsys.readouterr().out
 
 
 def test_the_acceptance_setting_2m_long_tail_on_1024_ranks(capsys):

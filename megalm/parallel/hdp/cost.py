@@ -339,10 +339,28 @@ class SimResult:
         return sum(self.compute) / (len(self.compute) * self.step_time) if self.step_time else 0.0
 
 
-def simulate(plan, cost: CostModel, pp: int = 1) -> SimResult:
+def _in_lockstep(plan, duration) -> tuple[list[float], list[list[tuple[float, float, int]]]]:
+    """`execute` of a plan whose ranks run as many micro-batches, each position starting when the last rank ends the
+    one before."""
+    counts = {len(todo) for todo in plan.per_rank}
+    if len(counts) > 1:
+        raise ValueError(f"a plan in lockstep gives every rank as many micro-batches, not {sorted(counts)}")
+    timeline: list[list[tuple[float, float, int]]] = [[] for _ in plan.per_rank]
+    clock = 0.0
+    for position in zip(*plan.per_rank, strict=True):
+        for r, k in enumerate(position):
+            timeline[r].append((clock, clock + duration(k), k))
+        clock += max(duration(k) for k in position)
+    return [clock] * plan.num_ranks, timeline
+
+
+def simulate(plan, cost: CostModel, pp: int = 1, lockstep: bool = False) -> SimResult:
     """Simulated step time of a plan: in-order execution, rings wait for all members; with pp > 1
     each rank is a pipeline whose stages take 1/pp of a micro-batch's time, plus a fill/drain of
-    (pp−1)·(its longest micro-batch)/pp. Gradient reduction and the optimizer step are not included."""
+    (pp−1)·(its longest micro-batch)/pp. `lockstep` (expert parallelism: a plan of `pipelined.in_lockstep`, as many
+    micro-batches on every rank): each position waits for the slowest rank's micro-batch there, as each MoE layer's
+    all-to-all does (taken domain-wide: EP groups chain the ranks). Gradient reduction and the optimizer step are not
+    included."""
     durations = []
     cp_bytes = 0.0
     for mb in plan.micro_batches:
@@ -353,7 +371,10 @@ def simulate(plan, cost: CostModel, pp: int = 1) -> SimResult:
         comp, comm = cost.parts(mb.tokens + mb.padding, mb.sum_sq, d, d == 1 or cost.intra(mb.ranks), mb.inner)
         durations.append((comp / pp, comm / pp))
         cp_bytes += cost.ring_bytes(mb.tokens + mb.padding, d, mb.inner)
-    clock, timeline = execute(plan, lambda k: durations[k][0] + durations[k][1])
+    if lockstep:
+        clock, timeline = _in_lockstep(plan, lambda k: durations[k][0] + durations[k][1])
+    else:
+        clock, timeline = execute(plan, lambda k: durations[k][0] + durations[k][1])
     D = plan.num_ranks
     compute, comm, finish = [0.0] * D, [0.0] * D, clock[:]
     for r, todo in enumerate(plan.per_rank):
