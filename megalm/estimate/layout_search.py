@@ -180,7 +180,7 @@ def layouts(shape: Shape) -> list[Layout]:
             if experts is not None and experts.first_dense > shape.model.layers // (pp * vpp):
                 continue  # dense blocks past the first chunk: the shallow runs' extrapolation would not hold
             # HDP runs interleaved pipelines and EP in lockstep (fillers pad every rank to one count), which the
-            # closed form does not model, and under EP the estimator does not price (`rank.lockstep_notes`)
+            # closed form does not model (the estimator prices EP's lockstep waits from HDP's cost model)
             if hdp and (vpp > 1 or ep > 1):
                 continue
             out.append(Layout(tp, pp, vpp, cp, dp, zero1, recompute, offload, hdp, ep))
