@@ -62,9 +62,11 @@ def check_hdp_offload(rank: int, world_size: int, cost_path: str, tmp: str, layo
     (4, []),
     # about 21 s: the default suite keeps dp4 and the default-threshold test below
     pytest.param(8, ["parallel.pp=2"], marks=pytest.mark.slow),
-], ids=["dp4", "pp2_dp4"])
+    pytest.param(8, ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved"], marks=pytest.mark.slow),
+], ids=["dp4", "pp2_dp4", "pp2_dp4_interleaved"])
 def test_hdp_selective_offload_equals_one_process_and_moves_bytes(tmp_path, world, layout):
-    """dp4: layer-wise offload in the plain loop; pp2 x dp4: inside each pipeline F, per chunk."""
+    """dp4: layer-wise offload in the plain loop; pp2 x dp4: inside each pipeline F, per chunk; interleaved: two
+    chunks a rank, the pipelines in lockstep."""
     cost = tmp_path / "fast_host.yaml"
     cost.write_text(yaml.safe_dump(FAST_HOST))
     run_distributed(check_hdp_offload, world, str(cost), str(tmp_path), layout, timeout=400)
