@@ -114,8 +114,8 @@ def check_pipelined(plan: Plan, pp: int, schedule: str = "1f1b", vpp: int = 1) -
     virtual stages) per HDP rank can deadlock: each (pipeline, rank) runs its compute actions in order; F needs the
     previous virtual stage's F, B the next one's B (the last stage its own F), W its own B; the F or B of a ring
     needs every member pipeline's same rank to be at that same action (sends never block)."""
-    lists = _pipelines(plan, pp, schedule, vpp, lambda sched, r: [
-        (a.kind, a.micro_batch, sched.stage_of(r, a.chunk)) for a in sched.compute_actions(r)])
+    lists = _pipelines(plan, pp, schedule, vpp, lambda sched: [
+        [(a.kind, a.micro_batch, sched.stage_of(r, a.chunk)) for a in sched.compute_actions(r)] for r in range(pp)])
     last = pp * vpp - 1
     pos = dict.fromkeys(lists, 0)
     done: set[tuple[str, int, int, int]] = set()  # (kind, micro-batch, pipeline, virtual stage)
@@ -160,16 +160,16 @@ def _neighbours(h: int, r: int, pp: int) -> list[tuple[int, int]]:
 
 
 def _pipelines(plan: Plan, pp: int, schedule: str, vpp: int, items) -> dict[tuple[int, int], list]:
-    """{(pipeline h, rank r): `items(schedule, r)` of the schedule of h's micro-batch count, its micro-batch indices
-    replaced by the plan's ids}: `items` gives tuples whose second element is a micro-batch index, or ("X", [message
-    tuples whose second element is one]) for a batch of sends and receives."""
+    """{(pipeline h, rank r): `items(schedule)[r]` of the schedule of h's micro-batch count, its micro-batch indices
+    replaced by the plan's ids}: `items` gives each rank's tuples whose second element is a micro-batch index, or
+    ("X", [message tuples whose second element is one]) for a batch of sends and receives; once a count."""
     per_count: dict[int, list[list[tuple]]] = {}
     lists: dict[tuple[int, int], list] = {}
     for h, todo in enumerate(plan.per_rank):
         m = len(todo)
         if m and m not in per_count:
             sched = build_schedule(schedule, pp, m, vpp)
-            per_count[m] = [items(sched, r) for r in range(pp)]
+            per_count[m] = items(sched)
         for r in range(pp):
             lists[h, r] = [_in_plan(item, todo) for item in per_count[m][r]] if m else []
     return lists
@@ -191,11 +191,12 @@ def _check_rendezvous(plan: Plan, pp: int, schedule: str, vpp: int) -> None:
     schedule's `with_comm` actions, rendezvous.py): a batch completes once the partner of each of its
     messages is posted by the other rank of the same pipeline, a ring's F or B once every member
     pipeline's rank is at it; compute runs as soon as it is reached (its inputs came with the batches)."""
-    def items(sched, r: int) -> list[tuple]:
-        sched = with_comm(sched)
-        return [(step.kind, step.micro_batch, sched.stage_of(r, step.chunk)) if not isinstance(step, tuple) else
-                ("X", [(a.kind.startswith("SEND"), *message_key(sched, r, a)) for a in step
-                       if a.kind.startswith(("SEND", "RECV"))]) for step in steps(sched.actions[r])]
+    def items(sched) -> list[list[tuple]]:
+        sched = with_comm(sched)  # once a micro-batch count
+        return [[(step.kind, step.micro_batch, sched.stage_of(r, step.chunk)) if not isinstance(step, tuple) else
+                 ("X", [(a.kind.startswith("SEND"), *message_key(sched, r, a)) for a in step
+                        if a.kind.startswith(("SEND", "RECV"))]) for step in steps(sched.actions[r])]
+                for r in range(pp)]
 
     lists = _pipelines(plan, pp, schedule, vpp, items)
     pos = dict.fromkeys(lists, 0)
