@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from megalm.config.checks import pad_vocab
+from megalm.config.schema import MegalmConfig
 from megalm.estimate.collectives import GPUS_PER_NODE, LINKS, comm_seconds, inside_node
 from megalm.estimate.rank import (
     HBM_BYTES,
@@ -154,6 +155,8 @@ class Shape:
     vocab_multiple: int  # model.make_vocab_size_divisible_by: the vocabulary is padded to it times tp
     tied: bool  # model.tie_embeddings: one vocabulary matrix, else the embedding's and the output layer's
     experts: Experts | None = None  # MoE models
+    # of the dense blocks, the share whose down projection full recompute runs again (`down_projection_reruns`)
+    down_reruns: float = 0.0
 
 
 def layouts(shape: Shape) -> list[Layout]:
@@ -261,8 +264,9 @@ def last_stage_flops(shape: Shape, layout: Layout) -> float:
     Full recompute runs a block's forward again, 2·N·T, up to the last tensor its backward needs: torch's
     non-reentrant checkpoint stops there (`torch.utils.checkpoint.set_checkpoint_early_stop`), so a dense block's
     down projection, whose output only joins the residual, is not run again; an MoE block's experts are (their
-    outputs are weighted by the router's probabilities, which saves them). Priced as a whole forward, 4/3, until
-    2026-12-05, 6% high against the estimator's trace."""
+    outputs are weighted by the router's probabilities, which saves them), and so is a down projection that saves
+    something after its GEMM (`down_projection_reruns`). Priced as a whole forward, 4/3, until 2026-12-05, 6% high
+    against the estimator's trace."""
     m, t, e = shape.model, layout.tp, shape.experts
     per_token = m.hidden * shape.seq  # causal attention's share of 6·N per token and layer
     if e is not None and layout.pp > 1:  # the leading dense blocks are the first stage's: the last runs MoE blocks
@@ -271,7 +275,8 @@ def last_stage_flops(shape: Shape, layout: Layout) -> float:
     else:
         active = m.layer_params if e is None else active_layer_params(shape)
         dense = m.layers if e is None else min(e.first_dense, m.layers)
-        skipped = m.hidden * m.ffn * dense / m.layers  # the dense blocks' down projections, a mean layer's share
+        # the dense blocks' down projections that full recompute does not run again, a mean layer's share
+        skipped = m.hidden * m.ffn * dense / m.layers * (1 - shape.down_reruns)
     layers = m.layers / layout.pp * (3 * (active + per_token) + (active + per_token - skipped) * (
         layout.recompute == "full"))
     head = 3 * pad_vocab(m.vocab, shape.vocab_multiple * t) * m.hidden
@@ -432,9 +437,31 @@ def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tu
     shape = Shape(model, m.seq_length, micro,
                   t.global_batch_size if "trainer.global_batch_size" in keys else world, world,
                   str(cfg.precision.name) != "fp32", bool(cfg.data.varlen), float(cfg.offload.fraction),
-                  int(m.make_vocab_size_divisible_by), bool(m.tie_embeddings), experts)
+                  int(m.make_vocab_size_divisible_by), bool(m.tie_embeddings), experts, down_projection_reruns(cfg))
     base = [o for o in overrides if not override_keys([o]) & STRIPPED]
     return shape, base, notes
+
+
+def down_projection_reruns(cfg: MegalmConfig) -> float:
+    """Of the model's blocks, the share whose down projection full recompute runs again. torch's checkpoint stops
+    the recomputed forward at the last tensor the backward saved: an aten GEMM saves its inputs before it runs, so a
+    down projection whose output only joins the residual is not run again; one whose output a dropout then masks,
+    or that runs as a custom autograd Function (a GEMM recipe's linear, or
+    parallel.gradient_accumulation_fusion's), saves after its GEMM, which must run again."""
+    import fnmatch
+
+    from megalm.precision import WHOLE_MODEL, skipped_layers
+    from megalm.precision.install import expand_layer_patterns
+
+    m = cfg.model
+    if m.dropout or cfg.parallel.gradient_accumulation_fusion:
+        return 1.0
+    if str(cfg.precision.name) in (*WHOLE_MODEL, "auto"):
+        return 0.0
+    skip = expand_layer_patterns([str(p) for p in skipped_layers(cfg.precision)], m.num_layers - 1)
+    recipe = [i for i in range(m.num_layers)
+              if not any(fnmatch.fnmatchcase(f"layers.{i}.mlp.down_proj", pattern) for pattern in skip)]
+    return len(recipe) / m.num_layers
 
 
 def priced_batch(overrides: list[str], shape: Shape) -> list[str]:
