@@ -82,15 +82,17 @@ def main(argv: list[str] | None = None) -> tuple[Plan, list[int]]:
     lengths = [data.train.sample_length(k) - 1 for k in ids]
     runtime = HdpSplit.for_config(cfg, ParallelMesh(ParallelDims(cp=par.cp, dp=par.dp)))
     plan = runtime.plan(lengths)
-    sim = simulate(plan, runtime.cost, pp=par.pp, lockstep=par.ep > 1)
+    sim = simulate(plan, runtime.cost, pp=par.pp, ep=par.ep)
+    vpp = f", vpp = {par.vpp}" if par.vpp > 1 else ""
     print(f"step {args.step}: {len(lengths)} documents, {sum(lengths)} tokens over {runtime.num_ranks} HDP ranks, "
-          f"C = {par.hdp_capacity}, pp = {par.pp}; {plan.stats['rings']} rings, "
+          f"C = {par.hdp_capacity}, pp = {par.pp}{vpp}; {plan.stats['rings']} rings, "
           f"{plan.stats.get('fillers', 0)} fillers; estimated step {sim.step_time * 1e3:.2f} ms ({runtime.cost.name})")
     if par.ep > 1:
         free = simulate(plan, runtime.cost, pp=par.pp).step_time
         print(f"parallel.ep={par.ep}: the ranks run in lockstep (fillers pad every rank to the longest list), and each "
-              "micro-batch position waits for its slowest rank at the MoE all-to-alls: the estimated step includes "
-              f"the waits ({free * 1e3:.2f} ms without them)")
+              "micro-batch position waits for the slowest rank of its EP group (and of the groups a ring there "
+              f"joins) at the MoE all-to-alls: the estimated step includes the waits ({free * 1e3:.2f} ms without "
+              "them)")
     elif runtime.lockstep:
         print(f"parallel.vpp={par.vpp}: the interleaved pipelines run in lockstep, each as many micro-batches, a "
               f"multiple of pp = {par.pp} (fillers pad the shorter lists)")

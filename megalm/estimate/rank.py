@@ -302,9 +302,11 @@ def hdp_loads(trainer: Any, step: int) -> dict[str, Any] | None:
     """Under HDP, every domain rank's share of `step` as the trainer's split builds it on the host: the real tokens
     each runs (`tokens`) and the largest ring it joins (`ring`, 1 when it runs only packed documents); plus the
     step's document lengths (`lengths`), from which tools/hdp_sim.py's planner and simulator derive their loads.
-    Under expert parallelism, `lockstep`: the step's time with every micro-batch position waiting for its slowest
-    rank (the all-to-alls) over its time without those waits, both simulated with HDP's cost model on the step's
-    plan (the trace measures two ranks, not every rank's micro-batch at every position); 1 otherwise."""
+    Under expert parallelism, `lockstep` per domain rank: the step's time in lockstep (each micro-batch position
+    waiting for the slowest rank of its EP group and of the groups a ring there joins, at the all-to-alls; the step
+    ends with the slowest rank) over the rank's own time (its micro-batches and the pipeline's fill), both from HDP's
+    cost model on the step's plan (the trace measures two ranks, not every rank's micro-batch at every position); 1
+    otherwise."""
     from megalm.parallel.hdp.cost import simulate
     from megalm.parallel.hdp.split import HdpSplit
 
@@ -317,10 +319,10 @@ def hdp_loads(trainer: Any, step: int) -> dict[str, Any] | None:
     tokens = [_real_tokens(split.micro_batches_of(plan, h, data, ids, lengths)) for h in range(split.num_ranks)]
     ring = [max((len(plan.micro_batches[k].ranks) for k in todo if plan.micro_batches[k].seqs), default=1)
             for todo in plan.per_rank]
-    lockstep = 1.0
+    lockstep = [1.0] * split.num_ranks
     if trainer.cfg.parallel.ep > 1:
-        free = simulate(plan, split.cost, split.pp).step_time
-        lockstep = simulate(plan, split.cost, split.pp, lockstep=True).step_time / free if free else 1.0
+        sim = simulate(plan, split.cost, split.pp, ep=trainer.cfg.parallel.ep)
+        lockstep = [sim.step_time / own if own else 1.0 for own in sim.busy]
     return {"tokens": tokens, "ring": ring, "lengths": lengths, "lockstep": lockstep}
 
 
@@ -492,15 +494,18 @@ def _compiled_block_notes(cfg: Any, graph_breaks: int) -> list[str]:
     return []
 
 
-def lockstep_notes(cfg: Any, lockstep: float) -> list[str]:
+def lockstep_notes(cfg: Any, lockstep: dict[int, float]) -> list[str]:
     """HDP under expert parallelism runs every rank's micro-batches in lockstep (megalm/parallel/hdp/pipelined.py):
-    the measured ranks' compute is scaled by `lockstep` (`hdp_loads`) for the waits, which the note says."""
+    each measured rank's micro-batch compute is scaled by its factor (`hdp_loads`; `lockstep`: {domain rank:
+    factor}) for the waits, which the note says."""
     p = cfg.parallel
     if not (p.hdp and p.ep > 1):
         return []
-    return [f"parallel.hdp=true with parallel.ep={p.ep}: every micro-batch waits for its slowest rank at each MoE "
-            f"layer's all-to-all (ranks run in lockstep); the compute is priced x{lockstep:.3f} for those waits, "
-            "from HDP's cost model on the step's plan (tools/hdp_plan.py), not from the trace"]
+    factors = ", ".join(f"x{f:.3f} (domain rank {h})" for h, f in sorted(lockstep.items()))
+    return [f"parallel.hdp=true with parallel.ep={p.ep}: every micro-batch waits for the slowest rank of its EP group "
+            f"(and of the groups a ring joins) at each MoE layer's all-to-all (ranks run in lockstep); the measured "
+            f"ranks' micro-batch compute is priced {factors} for those waits, from HDP's cost model on the step's plan "
+            "(tools/hdp_plan.py), not from the trace"]
 
 
 def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
@@ -522,6 +527,7 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
 
     breaks_before = sum(counters["graph_break"].values())
     ranks = [estimate_rank(overrides, world, stage, role, gpu) for role, stage in roles(p.pp)]
+    indices = [0] * len(ranks)  # each measured rank's index in the HDP domain
     hdp = ranks[0].domain
     if hdp is not None:  # HDP: also the rank of the step's largest ring (the most tokens among equals), first stage
         h = max(range(len(hdp["tokens"])), key=lambda i: (hdp["ring"][i], hdp["tokens"][i]))
@@ -530,10 +536,14 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
         else:
             ranks.insert(1, estimate_rank(overrides, world, 0, f"largest ring ({hdp['ring'][h]} ranks), "
                                           f"{ranks[0].role}", gpu, h))
+            indices.insert(1, h)
     micro_batches = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * dp)
     factor = bubble_factor(p.pp, micro_batches, str(p.pp_schedule.value), p.vpp)
-    lockstep = hdp["lockstep"] if hdp is not None else 1.0  # the waits of HDP's lockstep under EP (`hdp_loads`)
-    step_time = max(r.compute_s * factor * lockstep + r.comm_s for r in ranks)
+    # the waits of HDP's lockstep under EP (`hdp_loads`), per measured rank
+    lockstep = {h: hdp["lockstep"][h] if hdp is not None else 1.0 for h in indices}
+    # the bubble and the waits stretch the micro-batches, not the optimizer step (once a step, after them)
+    step_time = max((r.compute_s - r.optimizer_s) * factor * lockstep[h] + r.optimizer_s + r.comm_s
+                    for r, h in zip(ranks, indices, strict=True))
     tokens = cfg.trainer.global_batch_size * cfg.model.seq_length
     # the step's own documents (until 2026-12-05 one of model.seq_length a sequence: packed documents shorter than
     # that made the MFU too high, over 100% at 128K)
@@ -552,5 +562,5 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
             "global_flops": flops,
             "notes": fp8_notes(cfg.precision, gpu) + compile_notes(cfg, graph_breaks) + lockstep_notes(cfg, lockstep),
             **({"hdp": {"tokens_per_rank": hdp["tokens"], "largest_ring": hdp["ring"], "lengths": hdp["lengths"],
-                        "lockstep_factor": lockstep}}
+                        "lockstep_factors": hdp["lockstep"]}}
                if hdp else {})}

@@ -433,23 +433,39 @@ def test_a_pipeline_stage_s_sends_are_pp_s_and_its_receives_are_not_counted():
 
 def test_hdp_under_expert_parallelism_prices_its_lockstep_waits():
     """HDP with ep > 1 runs its ranks in lockstep (fillers where a rank has fewer micro-batches), which the estimate
-    runs as the trainer does. Each micro-batch position waits for its slowest rank there, which two traced ranks do
-    not show: the compute is priced times HDP's simulated lockstep step over its free one on the step's plan, and a
-    note says so (until 2026-12-05 the note said the waits were left out)."""
+    runs as the trainer does. Each micro-batch position waits for the slowest rank of its EP group (and of the groups
+    a ring there joins), which two traced ranks do not show: each measured rank's micro-batch compute is priced
+    times HDP's simulated lockstep step over that rank's own simulated time on the step's plan, and a note says so
+    (until 2026-12-05 the note said the waits were left out; then one domain-wide factor over the slowest rank's
+    time). The optimizer step, once a step, is stretched by neither the waits nor the bubble."""
+    from megalm.parallel.dims import ParallelDims, ParallelMesh
+    from megalm.parallel.hdp.split import HdpSplit
+    from megalm.training.validation import validate_run
+
     base = ["model=moe_tiny", "model.num_layers=2", "model.moe.aux_loss_coeff=0", "model.moe.seq_aux_loss_coeff=0.01",
             "data=synthetic", "data.varlen=true", "data.synthetic.mean_doc_length=200", "parallel.hdp=true",
             "parallel.dp=4", "precision=bf16", "trainer.device=cpu", "trainer.micro_batch_size=1",
             "trainer.global_batch_size=16", "parallel.hdp_cost=7b"]  # 7B's times: tokens, not a launch's latency
     lockstep = estimate.estimate([*base, "parallel.ep=2"], 4, "h100")
-    factor = lockstep["hdp"]["lockstep_factor"]
-    assert factor > 1.05, "this step's plan should leave ranks waiting at some position"
+    hdp = lockstep["hdp"]
+    factors = hdp["lockstep_factors"]
+    # by hand: the step's plan simulated with EP groups of 2 consecutive domain ranks, the step over each rank's own
+    cfg = validate_run(compose_config(*base, "parallel.ep=2", tiny=False), world_size=4)
+    split = HdpSplit.for_config(cfg, ParallelMesh(ParallelDims(dp=4)))
+    sim = simulate(split.plan(hdp["lengths"]), split.cost, ep=2)
+    assert factors == pytest.approx([sim.step_time / own for own in sim.busy], rel=1e-12)
+    assert max(factors) > 1.05, "this step's plan should leave ranks waiting at some position"
+    h = max(range(4), key=lambda i: (hdp["largest_ring"][i], hdp["tokens_per_rank"][i]))
+    measured = [h if r["role"].startswith("largest ring (") else 0 for r in lockstep["ranks"]]
     notes = [n for n in lockstep["notes"] if "lockstep" in n]
-    assert notes == [lockstep["notes"][-1]] and f"x{factor:.3f}" in notes[0]
-    step = max(r["compute_s"] * lockstep["bubble_factor"] * factor + r["comm_s"] for r in lockstep["ranks"])
+    assert notes == [lockstep["notes"][-1]]
+    assert all(f"x{factors[i]:.3f} (domain rank {i})" in notes[0] for i in measured)
+    step = max((r["compute_s"] - r["optimizer_s"]) * lockstep["bubble_factor"] * factors[i] + r["optimizer_s"]
+               + r["comm_s"] for r, i in zip(lockstep["ranks"], measured, strict=True))
     assert lockstep["step_time_s"] == pytest.approx(step, rel=1e-9)
-    assert sum(lockstep["hdp"]["tokens_per_rank"]) == sum(lockstep["hdp"]["lengths"])
+    assert sum(hdp["tokens_per_rank"]) == sum(hdp["lengths"])
     free = estimate.estimate(base, 4, "h100")
-    assert not [n for n in free["notes"] if "lockstep" in n] and free["hdp"]["lockstep_factor"] == 1.0
+    assert not [n for n in free["notes"] if "lockstep" in n] and set(free["hdp"]["lockstep_factors"]) == {1.0}
 
 
 def test_the_mfu_counts_the_step_s_own_documents():

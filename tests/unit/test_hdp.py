@@ -211,11 +211,34 @@ def test_simulate_in_lockstep_waits_for_the_slowest_rank_at_every_position():
            MicroBatch((1,), (3,), 3, 9)]
     plan = Plan("hand", mbs, [[0, 1], [2, 3]])
     assert simulate(plan, cost).step_time == 4.0
-    lockstep = simulate(plan, cost, lockstep=True)
+    lockstep = simulate(plan, cost, ep=2)
     assert lockstep.step_time == 6.0 and lockstep.timeline[1] == [(0.0, 1.0, 2), (3.0, 6.0, 3)]
-    assert simulate(plan, cost, pp=2, lockstep=True).step_time == 3.0 + 1.5  # stages of half, fill of one
+    assert simulate(plan, cost, pp=2, ep=2).step_time == 3.0 + 1.5  # stages of half, fill of one
     with pytest.raises(ValueError, match="as many micro-batches"):
-        simulate(Plan("hand", mbs, [[0, 1, 2], [3]]), cost, lockstep=True)
+        simulate(Plan("hand", mbs, [[0, 1, 2], [3]]), cost, ep=2)
+
+
+def test_simulate_in_lockstep_waits_within_each_ep_group_and_the_groups_a_ring_joins():
+    """With ep below the domain's size only an EP group's ranks wait for each other at a position, and the groups a
+    ring there joins (its ranks wait for each other too): the domain-wide wait it had priced until 2026-12-05
+    over-priced the step. Ranks {0, 1} and {2, 3} are the EP groups of ep = 2; rank 0 runs 3 tokens then 1, rank 3
+    runs 1 then 3, the others 1 and 1. Alone, each group takes 3 + 1 = 4 (the domain-wide wait, 6). A ring of ranks 1
+    and 2 at the second position joins the groups there: it starts when both groups end the first (3) and ends with
+    the slowest of the four ranks (3 + 3)."""
+    cost = CostModel(a=0.0, b=1.0, c=0.0, latency=0.0)
+    one = [MicroBatch((r,), (r,), n, n * n) for r, n in enumerate((3, 1, 1, 1))] + \
+        [MicroBatch((r,), (4 + r,), n, n * n) for r, n in enumerate((1, 1, 1, 3))]
+    apart = Plan("hand", one, [[r, 4 + r] for r in range(4)])
+    result = simulate(apart, cost, ep=2)
+    assert result.finish == [4.0, 4.0, 4.0, 4.0] and result.timeline[3] == [(0.0, 1.0, 3), (1.0, 4.0, 7)]
+    assert simulate(apart, cost, ep=4).step_time == 6.0
+    ring = MicroBatch((1, 2), (12,), 2, 4)  # 2 tokens over 2 ranks: 1 each
+    joined = Plan("hand", [*one[:4], one[4], ring, one[7]], [[0, 4], [1, 5], [2, 5], [3, 6]])
+    result = simulate(joined, cost, ep=2)
+    assert result.finish == [6.0] * 4 and result.timeline[1] == [(0.0, 1.0, 1), (3.0, 4.0, 5)]
+    unaligned = Plan("hand", [*one[:4], one[4], ring, one[7]], [[0, 4], [1, 5], [5, 2], [3, 6]])
+    with pytest.raises(ValueError, match="aligns its rings"):
+        simulate(unaligned, cost, ep=2)
 
 
 def test_check_plan_names_the_violation():

@@ -332,6 +332,7 @@ class SimResult:
     timeline: list[list[tuple[float, float, int]]]  # per rank (start, end, micro-batch)
     durations: list[tuple[float, float]]  # per micro-batch (compute, exposed comm), per stage
     tokens: list[int] = field(default_factory=list)  # per rank, real tokens run (plan.tokens_per_rank)
+    busy: list[float] = field(default_factory=list)  # per rank, its own micro-batches and pipeline fill (no waits)
 
     @property
     def utilization(self) -> float:
@@ -339,28 +340,54 @@ class SimResult:
         return sum(self.compute) / (len(self.compute) * self.step_time) if self.step_time else 0.0
 
 
-def _in_lockstep(plan, duration) -> tuple[list[float], list[list[tuple[float, float, int]]]]:
-    """`execute` of a plan whose ranks run as many micro-batches, each position starting when the last rank ends the
-    one before."""
+def _root(joined: list[int], r: int) -> int:
+    """The representative of r's set in the union-find `joined` (parent links, halved on the way)."""
+    while joined[r] != r:
+        joined[r] = joined[joined[r]]
+        r = joined[r]
+    return r
+
+
+def _in_lockstep(plan, duration, ep: int) -> tuple[list[float], list[list[tuple[float, float, int]]]]:
+    """`execute` of a plan whose ranks run as many micro-batches, a ring's at one position on all its ranks. At each
+    position the ranks that wait for each other (every group of `ep` consecutive ranks, an EP group's all-to-alls,
+    and every ring, which joins the groups of its ranks) start when the last of them ends the position before, and
+    end with the slowest micro-batch among them."""
     counts = {len(todo) for todo in plan.per_rank}
     if len(counts) > 1:
         raise ValueError(f"a plan in lockstep gives every rank as many micro-batches, not {sorted(counts)}")
+    n = plan.num_ranks
     timeline: list[list[tuple[float, float, int]]] = [[] for _ in plan.per_rank]
-    clock = 0.0
-    for position in zip(*plan.per_rank, strict=True):
+    end = [0.0] * n
+    for index, position in enumerate(zip(*plan.per_rank, strict=True)):
+        joined = list(range(n))  # union-find over the ranks that wait for each other at this position
         for r, k in enumerate(position):
-            timeline[r].append((clock, clock + duration(k), k))
-        clock += max(duration(k) for k in position)
-    return [clock] * plan.num_ranks, timeline
+            ring = plan.micro_batches[k].ranks
+            if any(position[other] != k for other in ring):
+                raise ValueError(f"micro-batch {k} of ranks {ring} is not at position {index} on all of them: a plan "
+                                 "in lockstep aligns its rings")
+            for other in (r - r % ep, *ring):
+                joined[_root(joined, r)] = _root(joined, other)
+        waiting: dict[int, list[int]] = {}
+        for r in range(n):
+            waiting.setdefault(_root(joined, r), []).append(r)
+        for ranks in waiting.values():
+            start = max(end[r] for r in ranks)
+            finish = start + max(duration(position[r]) for r in ranks)
+            for r in ranks:
+                timeline[r].append((start, start + duration(position[r]), position[r]))
+                end[r] = finish
+    return end, timeline
 
 
-def simulate(plan, cost: CostModel, pp: int = 1, lockstep: bool = False) -> SimResult:
+def simulate(plan, cost: CostModel, pp: int = 1, ep: int = 1) -> SimResult:
     """Simulated step time of a plan: in-order execution, rings wait for all members; with pp > 1
     each rank is a pipeline whose stages take 1/pp of a micro-batch's time, plus a fill/drain of
-    (pp−1)·(its longest micro-batch)/pp. `lockstep` (expert parallelism: a plan of `pipelined.in_lockstep`, as many
-    micro-batches on every rank): each position waits for the slowest rank's micro-batch there, as each MoE layer's
-    all-to-all does (taken domain-wide: EP groups chain the ranks). Gradient reduction and the optimizer step are not
-    included."""
+    (pp−1)·(its longest micro-batch)/pp. With `ep` > 1 (expert parallelism: a plan of `pipelined.in_lockstep`, as
+    many micro-batches on every rank) each EP group of ep consecutive ranks waits at every position for its slowest
+    rank's micro-batch, as each MoE layer's all-to-all does, and so do the groups a ring there joins (until
+    2026-12-05 the whole domain waited for its slowest rank, which over-priced the waits with ep below the domain's
+    size). Gradient reduction and the optimizer step are not included."""
     durations = []
     cp_bytes = 0.0
     for mb in plan.micro_batches:
@@ -371,12 +398,12 @@ def simulate(plan, cost: CostModel, pp: int = 1, lockstep: bool = False) -> SimR
         comp, comm = cost.parts(mb.tokens + mb.padding, mb.sum_sq, d, d == 1 or cost.intra(mb.ranks), mb.inner)
         durations.append((comp / pp, comm / pp))
         cp_bytes += cost.ring_bytes(mb.tokens + mb.padding, d, mb.inner)
-    if lockstep:
-        clock, timeline = _in_lockstep(plan, lambda k: durations[k][0] + durations[k][1])
+    if ep > 1:
+        clock, timeline = _in_lockstep(plan, lambda k: durations[k][0] + durations[k][1], ep)
     else:
         clock, timeline = execute(plan, lambda k: durations[k][0] + durations[k][1])
     D = plan.num_ranks
-    compute, comm, finish = [0.0] * D, [0.0] * D, clock[:]
+    compute, comm, finish, busy = [0.0] * D, [0.0] * D, clock[:], [0.0] * D
     for r, todo in enumerate(plan.per_rank):
         longest = 0.0
         for k in todo:
@@ -385,9 +412,10 @@ def simulate(plan, cost: CostModel, pp: int = 1, lockstep: bool = False) -> SimR
             comm[r] += e
             longest = max(longest, c + e)
         finish[r] += (pp - 1) * longest
+        busy[r] = compute[r] + comm[r] + (pp - 1) * longest
     padding = sum(mb.padding for mb in plan.micro_batches)
     return SimResult(max(finish, default=0.0), finish, compute, comm, cp_bytes, padding, timeline, durations,
-                     tokens_per_rank(plan))
+                     tokens_per_rank(plan), busy)
 
 
 # ---------------------------------------------------------------------------------------------
