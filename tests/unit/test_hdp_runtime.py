@@ -19,7 +19,7 @@ from megalm.model.loss import token_loss_sum
 from megalm.parallel.context.zigzag import shard_batch, zigzag_plan
 from megalm.parallel.hdp import plan_hdp
 from megalm.parallel.hdp.cost import load_cost
-from megalm.parallel.hdp.pipelined import align_rings, check_pipelined, in_lockstep
+from megalm.parallel.hdp.pipelined import align_rings, check_pipelined, in_lockstep, in_one_schedule, run_pipelines
 from megalm.parallel.hdp.plan import MicroBatch, Plan
 from megalm.parallel.hdp.split import filler_batch, read_ring_shard
 from megalm.training.validation import validate_run
@@ -80,8 +80,22 @@ def test_plans_in_lockstep_give_every_rank_as_many_micro_batches_rings_aligned()
                 assert len({lockstep.per_rank[r].index(k) for r in mb.ranks}) == 1, "ring at different positions"
         assert lockstep.stats["fillers"] == len(lockstep.micro_batches) - len(plan.micro_batches)
         padded += lockstep.stats["fillers"] > align_rings(plan).stats["fillers"]
-        check_pipelined(lockstep, pp)
+        run_pipelines(lockstep, pp)  # whole, not as the one pipeline check_pipelined runs for it
     assert padded > 0, "some plan should need fillers beyond its rings' alignment"
+
+
+def test_only_plans_whose_rings_sit_at_one_index_are_checked_as_one_pipeline():
+    """Two rings in opposite orders on two pipelines of one count deadlock; the check runs them whole (they are not in
+    one schedule), and checks a plan in one schedule as one pipeline of its count."""
+    rings = [MicroBatch((0, 1), (0,), 10, 100), MicroBatch((0, 1), (1,), 10, 100)]
+    crossed = Plan("hand", rings, [[0, 1], [1, 0]])
+    assert not in_one_schedule(crossed)
+    with pytest.raises(ValueError, match="deadlocks"):
+        check_pipelined(crossed, 2)
+    aligned = Plan("hand", rings, [[0, 1], [0, 1]])
+    assert in_one_schedule(aligned) and not in_one_schedule(Plan("hand", [*rings, rings[0]], [[0, 1, 2], [0, 1]]))
+    check_pipelined(aligned, 2)
+    run_pipelines(aligned, 2)
 
 
 def padded_to_a_multiple(plan: Plan, multiple: int) -> Plan:
@@ -97,18 +111,19 @@ def padded_to_a_multiple(plan: Plan, multiple: int) -> Plan:
 def test_interleaved_pipelines_run_in_lockstep_and_aligned_rings_alone_can_deadlock_them():
     """An interleaved schedule's order depends on its micro-batch count, so pipelines of different counts can meet a
     ring from different places even with the ring at one index in all: `check_pipelined`, which models the chunks,
-    finds such plans. In lockstep (one count, a multiple of pp) every pipeline runs one schedule, and none does."""
+    finds such plans. In lockstep (one count, a multiple of pp) every pipeline runs one schedule, and none does: run
+    whole (`run_pipelines`), which is why `check_pipelined` checks such a plan as one pipeline of its count."""
     deadlocks = 0
     for plan, pp, _ in random_plans(200, seed=3):
         for vpp in (2, 3):
             lockstep = in_lockstep(plan, pp)
             counts = {len(todo) for todo in lockstep.per_rank}
-            assert len(counts) == 1 and counts.pop() % pp == 0
-            check_pipelined(lockstep, pp, "interleaved", vpp)
+            assert len(counts) == 1 and counts.pop() % pp == 0 and in_one_schedule(lockstep)
+            run_pipelines(lockstep, pp, "interleaved", vpp)
             try:
                 check_pipelined(padded_to_a_multiple(align_rings(plan), pp), pp, "interleaved", vpp)
             except ValueError as e:
-                assert "deadlocks" in str(e) and f"vpp={vpp}" in str(e)
+                assert "deadlocks" in str(e) and f"vpp={vpp}" in str(e) and "in_lockstep(plan" in str(e)
                 deadlocks += 1
     assert deadlocks > 0, "some aligned plan of unequal counts should deadlock interleaved pipelines"
 
