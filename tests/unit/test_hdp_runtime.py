@@ -306,3 +306,25 @@ def test_the_trainers_cost_model_holds_the_runs_capacity_whatever_the_presets_me
                                       "trainer.global_batch_size=8", "trainer.micro_batch_size=2", tiny=False),
                        world_size=2)
     assert hdp_cost_model(cfg).capacity == 8192
+
+
+def test_the_trainers_cost_model_prices_an_moe_model_at_the_mlp_width_its_tokens_run():
+    """An MoE block's token runs k routed experts and the shared ones, not the dense FFN: the default cost model takes
+    the blocks' mean width (one dense block of 704 units, three of 2 x 128 routed + 128 shared: 464), where it had
+    taken the dense width in every block."""
+    from megalm.parallel.hdp.cost import ModelShape, preset
+    from megalm.parallel.hdp.split import hdp_cost_model
+    from tests.conftest import compose_config
+
+    cfg = validate_run(compose_config("model=moe_tiny", "model.moe.first_k_dense=1", "model.moe.num_shared_experts=1",
+                                      "model.moe.aux_loss_coeff=0",
+                                      "parallel.hdp=true", "parallel.dp=2", "data=synthetic", "data.varlen=true",
+                                      tiny=False), world_size=2)
+    m = cfg.model
+    assert (m.ffn_hidden_size, m.moe.expert_ffn_hidden_size, m.moe.shared_ffn_hidden_size) == (704, 128, 128)
+
+    def priced(ffn: int):
+        shape = ModelShape(layers=4, hidden=256, heads=4, kv_heads=2, ffn=ffn, vocab=m.padded_vocab_size)
+        return preset(shape, tp=1, capacity=cfg.parallel.hdp_capacity)
+
+    assert hdp_cost_model(cfg) == priced((704 + 3 * (2 * 128 + 128)) // 4) != priced(704)

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 
 from megalm.config import MegalmConfig
+from megalm.config.checks import moe_layer_ids
+from megalm.config.schema import ModelConfig
 from megalm.data.batch import PackedBatch, Sample, pack_samples
 from megalm.data.dataset import VarlenDataset
 from megalm.errors import ConfigError, MegalmError
@@ -180,7 +182,7 @@ def hdp_cost_model(cfg: MegalmConfig) -> CostModel:
     else:
         m = cfg.model
         shape = ModelShape(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_heads, kv_heads=m.num_kv_heads,
-                           ffn=m.ffn_hidden_size, vocab=m.padded_vocab_size or m.vocab_size)
+                           ffn=active_ffn(m), vocab=m.padded_vocab_size or m.vocab_size)
         # the run's own capacity (validate_hdp fills it under HDP; outside it, for PipeOffload's copy ratio, what a
         # micro-batch holds): the preset's H100 memory model may find no room at this tp for a model the run's
         # memory holds, and the times are all the trainer takes from this model
@@ -191,6 +193,19 @@ def hdp_cost_model(cfg: MegalmConfig) -> CostModel:
         heads = math.gcd(kv_heads, cfg.model.num_heads // cfg.parallel.tp)
         cost = cost.replace(ranks_per_node=cp_a2a_size(cfg), heads=heads)
     return cost
+
+
+def active_ffn(model: ModelConfig) -> int:
+    """The MLP width a token runs through, a mean over the blocks: the dense FFN's, or in a block with experts its k
+    routed experts' and the shared experts' (the cost model's per-token GEMM time; until 2026-12-05 an MoE model was
+    priced at its dense blocks' width in every block)."""
+    moe = model.moe
+    if not moe.num_experts:
+        return model.ffn_hidden_size
+    shared = (moe.shared_ffn_hidden_size or 0) if moe.num_shared_experts else 0
+    routed = moe.top_k * moe.expert_ffn_hidden_size + shared
+    experts = len(moe_layer_ids(model))
+    return round((experts * routed + (model.num_layers - experts) * model.ffn_hidden_size) / model.num_layers)
 
 
 def validate_hdp(cfg: MegalmConfig) -> None:
