@@ -58,6 +58,7 @@ from megalm.estimate.rank import (
     override_keys,
     reserve_bytes,
     roles,
+    step_seconds,
 )
 from megalm.measure.op_cost import GPUS
 from megalm.model.loss import CHUNK_BYTES
@@ -507,7 +508,7 @@ def search(overrides: list[str], world: int, gpu: str, top: int = 5, max_confirm
             continue
         tried += 1
         micro_batches = shape.global_batch // (layout.dp * shape.micro_batch)
-        step = max(r.compute_s * _bubble(layout.pp, micro_batches, layout.vpp) + r.comm_s for r in ranks)
+        step = max(step_seconds(r, _bubble(layout.pp, micro_batches, layout.vpp)) for r in ranks)
         peak = max(r.peak_bytes for r in ranks)
         if peak > memory:
             continue

@@ -494,6 +494,13 @@ def _compiled_block_notes(cfg: Any, graph_breaks: int) -> list[str]:
     return []
 
 
+def step_seconds(rank: RankEstimate, stretch: float) -> float:
+    """A rank's step: its micro-batches' compute stretched by `stretch` (the pipeline's bubble, HDP's lockstep waits),
+    its optimizer step's (once a step, after the micro-batches: stretched by neither; it was until 2026-12-05), its
+    exposed collectives."""
+    return (rank.compute_s - rank.optimizer_s) * stretch + rank.optimizer_s + rank.comm_s
+
+
 def lockstep_notes(cfg: Any, lockstep: dict[int, float]) -> list[str]:
     """HDP under expert parallelism runs every rank's micro-batches in lockstep (megalm/parallel/hdp/pipelined.py):
     each measured rank's micro-batch compute is scaled by its factor (`hdp_loads`; `lockstep`: {domain rank:
@@ -541,9 +548,7 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
     factor = bubble_factor(p.pp, micro_batches, str(p.pp_schedule.value), p.vpp)
     # the waits of HDP's lockstep under EP (`hdp_loads`), per measured rank
     lockstep = {h: hdp["lockstep"][h] if hdp is not None else 1.0 for h in indices}
-    # the bubble and the waits stretch the micro-batches, not the optimizer step (once a step, after them)
-    step_time = max((r.compute_s - r.optimizer_s) * factor * lockstep[h] + r.optimizer_s + r.comm_s
-                    for r, h in zip(ranks, indices, strict=True))
+    step_time = max(step_seconds(r, factor * lockstep[h]) for r, h in zip(ranks, indices, strict=True))
     tokens = cfg.trainer.global_batch_size * cfg.model.seq_length
     # the step's own documents (until 2026-12-05 one of model.seq_length a sequence: packed documents shorter than
     # that made the MFU too high, over 100% at 128K)
