@@ -42,7 +42,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from megalm.config.checks import pad_vocab
+from megalm.config.checks import is_moe_layer, pad_vocab
 from megalm.config.schema import MegalmConfig
 from megalm.estimate.collectives import GPUS_PER_NODE, LINKS, comm_seconds, inside_node
 from megalm.estimate.rank import (
@@ -444,7 +444,7 @@ def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tu
 
 
 def down_projection_reruns(cfg: MegalmConfig) -> float:
-    """Of the model's blocks, the share whose down projection full recompute runs again. torch's checkpoint stops
+    """Of the model's dense blocks, the share whose down projection full recompute runs again. torch's checkpoint stops
     the recomputed forward at the last tensor the backward saved: an aten GEMM saves its inputs before it runs, so a
     down projection whose output only joins the residual is not run again; one whose output a dropout then masks,
     or that runs as a custom autograd Function (a GEMM recipe's linear, or
@@ -455,14 +455,15 @@ def down_projection_reruns(cfg: MegalmConfig) -> float:
     from megalm.precision.install import expand_layer_patterns
 
     m = cfg.model
+    dense = [i for i in range(m.num_layers) if not is_moe_layer(m, i)]  # the blocks with a down projection of their own
     if m.dropout or cfg.parallel.gradient_accumulation_fusion:
         return 1.0
-    if str(cfg.precision.name) in (*WHOLE_MODEL, "auto"):
+    if str(cfg.precision.name) in (*WHOLE_MODEL, "auto") or not dense:
         return 0.0
     skip = expand_layer_patterns([str(p) for p in skipped_layers(cfg.precision)], m.num_layers - 1)
-    recipe = [i for i in range(m.num_layers)
+    recipe = [i for i in dense
               if not any(fnmatch.fnmatchcase(f"layers.{i}.mlp.down_proj", pattern) for pattern in skip)]
-    return len(recipe) / m.num_layers
+    return len(recipe) / len(dense)
 
 
 def priced_batch(overrides: list[str], shape: Shape) -> list[str]:

@@ -164,6 +164,22 @@ def test_the_closed_form_s_flops_are_the_last_stage_s(model, pp, extra, recomput
     assert rank.flops == pytest.approx(layout_search.last_stage_flops(shape, layout), rel=0.02)
 
 
+def test_the_down_projections_full_recompute_runs_again_are_counted_over_the_dense_blocks():
+    """The share of dense blocks whose down projection runs again under full recompute: all under dropout, those a
+    GEMM recipe does not skip, none without a recipe; an MoE model's dense blocks only (its expert blocks are
+    recomputed whole: the closed form prices them apart)."""
+    from megalm.config.compose import compose_config
+
+    def reruns(*overrides: str) -> float:
+        return layout_search.down_projection_reruns(compose_config(list(overrides)))
+
+    assert reruns(*SMALL) == 0.0 and reruns(*SMALL, "model.dropout=0.1") == 1.0
+    assert reruns(*SMALL, "precision=fp8") == 1.0
+    assert reruns(*SMALL, "precision=fp8", "precision.skip=[output,'layers.{last}.*']") == 7 / 8
+    assert reruns(*MOE, "precision=fp8") == 1.0  # the one dense block (first_k_dense=1) runs the recipe
+    assert reruns(*MOE, "precision=fp8", "precision.skip=[output,'layers.0.*']") == 0.0
+
+
 @pytest.mark.parametrize("pp, vpp", [(2, 1), (2, 2), (4, 1), (4, 2)])
 def test_the_closed_form_s_pipeline_sends_are_the_estimators(pp, vpp):
     """The closed form's pp bytes are the first stage's sends, as the estimator counts them (interleaved, each chunk
@@ -220,7 +236,8 @@ def test_layouts_the_rules_refuse_are_not_counted_as_confirmations(monkeypatch):
             refused.add(layout)
             raise ConfigError(f"{layout} refused")
         reached.append(layout)
-        return SimpleNamespace(compute_s=1.0, comm_s=0.0, peak_bytes=1, role=role, rank=0, documents=[8], sequences=1)
+        return SimpleNamespace(compute_s=1.0, optimizer_s=0.25, comm_s=0.0, peak_bytes=1, role=role, rank=0,
+                               documents=[8], sequences=1)
 
     monkeypatch.setattr(layout_search, "shallow_rank", shallow_rank)
     result = layout_search.search([*SMALL, "trainer.micro_batch_size=1", "trainer.global_batch_size=16"], 4, "h100",
@@ -229,6 +246,10 @@ def test_layouts_the_rules_refuse_are_not_counted_as_confirmations(monkeypatch):
     assert result["confirmed"] == 2 and refusals, result
     assert len({*reached}) == 2 and not refused & {*reached}
     assert len(refusals) == layout_search.REFUSALS_SHOWN + 1 and refusals[-1].startswith("... and 2 more"), refusals
+    for found in result["layouts"]:  # the bubble stretches the micro-batches' compute, not the optimizer step's
+        layout = found["layout"]
+        bubble = layout_search._bubble(layout["pp"], 16 // layout["dp"], layout["vpp"])
+        assert found["step_time_s"] == pytest.approx(0.75 * bubble + 0.25, rel=1e-12), layout
 
 
 def test_the_closed_form_prices_the_last_stage_s_logits_as_the_estimator():

@@ -17,7 +17,7 @@ from megalm.errors import ConfigError
 from megalm.model import GPT, init_weights
 from megalm.model.loss import token_loss_sum
 from megalm.parallel.context.zigzag import shard_batch, zigzag_plan
-from megalm.parallel.hdp import plan_hdp
+from megalm.parallel.hdp import pipelined, plan_hdp
 from megalm.parallel.hdp.cost import load_cost
 from megalm.parallel.hdp.pipelined import align_rings, check_pipelined, in_lockstep, in_one_schedule, run_pipelines
 from megalm.parallel.hdp.plan import MicroBatch, Plan
@@ -84,7 +84,7 @@ def test_plans_in_lockstep_give_every_rank_as_many_micro_batches_rings_aligned()
     assert padded > 0, "some plan should need fillers beyond its rings' alignment"
 
 
-def test_only_plans_whose_rings_sit_at_one_index_are_checked_as_one_pipeline():
+def test_only_plans_whose_rings_sit_at_one_index_are_checked_as_one_pipeline(monkeypatch):
     """Two rings in opposite orders on two pipelines of one count deadlock; the check runs them whole (they are not in
     one schedule), and checks a plan in one schedule as one pipeline of its count."""
     rings = [MicroBatch((0, 1), (0,), 10, 100), MicroBatch((0, 1), (1,), 10, 100)]
@@ -92,10 +92,16 @@ def test_only_plans_whose_rings_sit_at_one_index_are_checked_as_one_pipeline():
     assert not in_one_schedule(crossed)
     with pytest.raises(ValueError, match="deadlocks"):
         check_pipelined(crossed, 2)
+    run_pipelines(Plan("hand", rings, [[0, 1], [0, 1]]), 2)
     aligned = Plan("hand", rings, [[0, 1], [0, 1]])
     assert in_one_schedule(aligned) and not in_one_schedule(Plan("hand", [*rings, rings[0]], [[0, 1, 2], [0, 1]]))
+    # a ring its members do not all list is not in one schedule, wherever it sits
+    assert not in_one_schedule(Plan("hand", [*rings, MicroBatch((1,), (), 0, 0)], [[0, 1], [0, 2]]))
+    checked = []
+    monkeypatch.setattr(pipelined, "run_pipelines", lambda plan, *args: checked.append(plan))
     check_pipelined(aligned, 2)
-    run_pipelines(aligned, 2)
+    check_pipelined(crossed, 2)
+    assert checked[0].per_rank == [[0, 1]] and checked[1] is crossed  # one pipeline of its count, or the whole plan
 
 
 def padded_to_a_multiple(plan: Plan, multiple: int) -> Plan:

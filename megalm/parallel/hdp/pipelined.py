@@ -123,11 +123,17 @@ def check_pipelined(plan: Plan, pp: int, schedule: str = "1f1b", vpp: int = 1) -
 
 def in_one_schedule(plan: Plan) -> bool:
     """Whether every pipeline of `plan` runs one schedule (as many micro-batches) with each micro-batch at one index
-    in all its members' lists (`in_lockstep`'s plans)."""
+    in the lists of its ranks, and of them only (`in_lockstep`'s plans)."""
     if len({len(todo) for todo in plan.per_rank}) > 1:
         return False
     index: dict[int, int] = {}
-    return all(index.setdefault(k, i) == i for todo in plan.per_rank for i, k in enumerate(todo))
+    holders: dict[int, list[int]] = {}
+    for h, todo in enumerate(plan.per_rank):
+        for i, k in enumerate(todo):
+            if index.setdefault(k, i) != i:
+                return False
+            holders.setdefault(k, []).append(h)
+    return all(sorted(plan.micro_batches[k].ranks) == ranks for k, ranks in holders.items())
 
 
 def run_pipelines(plan: Plan, pp: int, schedule: str = "1f1b", vpp: int = 1) -> None:
