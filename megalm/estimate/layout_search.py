@@ -141,6 +141,17 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class Reruns:
+    """Of the GEMMs whose output only joins the residual, the shares full recompute runs again (`recompute_reruns`):
+    the dense blocks' down projections, every block's attention output projection, the MoE blocks' experts' (and
+    shared experts') down projections."""
+
+    down: float = 0.0
+    output: float = 1.0
+    expert_down: float = 1.0
+
+
+@dataclass(frozen=True)
 class Shape:
     """What the closed form needs of the run: the model's shapes (the HDP cost model's `ModelShape`), the batch, the
     cluster."""
@@ -156,8 +167,7 @@ class Shape:
     vocab_multiple: int  # model.make_vocab_size_divisible_by: the vocabulary is padded to it times tp
     tied: bool  # model.tie_embeddings: one vocabulary matrix, else the embedding's and the output layer's
     experts: Experts | None = None  # MoE models
-    # of the dense blocks, the share whose down projection full recompute runs again (`down_projection_reruns`)
-    down_reruns: float = 0.0
+    reruns: Reruns = Reruns()  # what full recompute runs again (`recompute_reruns`)
 
 
 def layouts(shape: Shape) -> list[Layout]:
@@ -262,22 +272,21 @@ def last_stage_flops(shape: Shape, layout: Layout) -> float:
     data.varlen), and the output layer's, which sets the pipeline's pace (until 2026-12-05 the FLOPs were the layers'
     spread evenly over the stages, and a deep pipeline of a large vocabulary looked as fast as a shallow one).
 
-    Full recompute runs a block's forward again, 2·N·T, up to the last tensor its backward needs: torch's
-    non-reentrant checkpoint stops there (`torch.utils.checkpoint.set_checkpoint_early_stop`), so a dense block's
-    down projection, whose output only joins the residual, is not run again; an MoE block's experts are (their
-    outputs are weighted by the router's probabilities, which saves them), and so is a down projection that saves
-    something after its GEMM (`down_projection_reruns`). Priced as a whole forward, 4/3, until 2026-12-05, 6% high
-    against the estimator's trace."""
-    m, t, e = shape.model, layout.tp, shape.experts
+    Full recompute runs a block's forward again, 2·N·T, but the GEMMs whose outputs the backward does not need
+    (`recompute_reruns`): priced as a whole forward, 4/3, until 2026-12-05, 6% high against the estimator's trace in
+    eager, 8% compiled."""
+    m, t, e, again = shape.model, layout.tp, shape.experts, shape.reruns
     per_token = m.hidden * shape.seq  # causal attention's share of 6·N per token and layer
     if e is not None and layout.pp > 1:  # the leading dense blocks are the first stage's: the last runs MoE blocks
         active = m.attention_params + e.active_mlp_params(m.hidden)
-        skipped = 0.0
+        dense = 0.0
     else:
         active = m.layer_params if e is None else active_layer_params(shape)
-        dense = m.layers if e is None else min(e.first_dense, m.layers)
-        # the dense blocks' down projections that full recompute does not run again, a mean layer's share
-        skipped = m.hidden * m.ffn * dense / m.layers * (1 - shape.down_reruns)
+        dense = (m.layers if e is None else min(e.first_dense, m.layers)) / m.layers  # the blocks' share
+    # what full recompute does not run again, a mean layer's share
+    skipped = m.hidden * (m.ffn * dense * (1 - again.down) + m.hidden * (1 - again.output))
+    if e is not None:
+        skipped += m.hidden * (e.top_k * e.ffn + e.shared_ffn) * (1 - dense) * (1 - again.expert_down)
     layers = m.layers / layout.pp * (3 * (active + per_token) + (active + per_token - skipped) * (
         layout.recompute == "full"))
     head = 3 * pad_vocab(m.vocab, shape.vocab_multiple * t) * m.hidden
@@ -438,32 +447,44 @@ def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tu
     shape = Shape(model, m.seq_length, micro,
                   t.global_batch_size if "trainer.global_batch_size" in keys else world, world,
                   str(cfg.precision.name) != "fp32", bool(cfg.data.varlen), float(cfg.offload.fraction),
-                  int(m.make_vocab_size_divisible_by), bool(m.tie_embeddings), experts, down_projection_reruns(cfg))
+                  int(m.make_vocab_size_divisible_by), bool(m.tie_embeddings), experts, recompute_reruns(cfg))
     base = [o for o in overrides if not override_keys([o]) & STRIPPED]
     return shape, base, notes
 
 
-def down_projection_reruns(cfg: MegalmConfig) -> float:
-    """Of the model's dense blocks, the share whose down projection full recompute runs again. torch's checkpoint stops
-    the recomputed forward at the last tensor the backward saved: an aten GEMM saves its inputs before it runs, so a
-    down projection whose output only joins the residual is not run again; one whose output a dropout then masks,
-    or that runs as a custom autograd Function (a GEMM recipe's linear, or
-    parallel.gradient_accumulation_fusion's), saves after its GEMM, which must run again."""
+def recompute_reruns(cfg: MegalmConfig) -> Reruns:
+    """What full recompute runs again of the GEMMs whose output only joins the residual: a block's attention output
+    and down projections.
+
+    Eager, torch's non-reentrant checkpoint stops the recomputed forward at the last tensor the backward saved, and
+    an aten GEMM saves its inputs before it runs: a dense block's down projection is not run again, unless a dropout
+    then masks its output or it runs as a custom autograd Function (a GEMM recipe's linear, or
+    parallel.gradient_accumulation_fusion's), which saves after its GEMM; the output projection is (the MLP's norm
+    reads the residual it joins), and so are an MoE block's experts (their outputs are weighted by the router's
+    probabilities). Compiled (`trainer.compile`), AOT's partitioner saves the residual instead and runs neither
+    projection again, but a recipe's linear that runs as one opaque op (`compiles_in_sight` false). Measured
+    against the estimator's trace (tests/unit/test_estimate_search.py)."""
     import fnmatch
 
-    from megalm.precision import WHOLE_MODEL, skipped_layers
+    from megalm.precision import WHOLE_MODEL, compiles_in_sight, skipped_layers
     from megalm.precision.install import expand_layer_patterns
 
-    m = cfg.model
-    dense = [i for i in range(m.num_layers) if not is_moe_layer(m, i)]  # the blocks with a down projection of their own
-    if m.dropout or cfg.parallel.gradient_accumulation_fusion:
-        return 1.0
-    if str(cfg.precision.name) in (*WHOLE_MODEL, "auto") or not dense:
-        return 0.0
+    m, compiled = cfg.model, bool(cfg.trainer.compile)
+    recipe = str(cfg.precision.name) not in (*WHOLE_MODEL, "auto")
     skip = expand_layer_patterns([str(p) for p in skipped_layers(cfg.precision)], m.num_layers - 1)
-    recipe = [i for i in dense
-              if not any(fnmatch.fnmatchcase(f"layers.{i}.mlp.down_proj", pattern) for pattern in skip)]
-    return len(recipe) / len(dense)
+
+    def share(blocks: list[int], layer: str) -> float:  # of `blocks`, those whose `layer` runs the recipe
+        ran = [i for i in blocks if not any(fnmatch.fnmatchcase(f"layers.{i}.{layer}", p) for p in skip)]
+        return len(ran) / len(blocks) if recipe and blocks else 0.0
+
+    dense = [i for i in range(m.num_layers) if not is_moe_layer(m, i)]  # the blocks with a down projection of their own
+    if compiled:
+        opaque = not compiles_in_sight(cfg.precision)
+        return Reruns(down=share(dense, "mlp.down_proj") if opaque else 0.0,
+                      output=share(list(range(m.num_layers)), "attention.o_proj") if opaque else 0.0, expert_down=0.0)
+    if m.dropout or cfg.parallel.gradient_accumulation_fusion:
+        return Reruns(down=1.0)
+    return Reruns(down=share(dense, "mlp.down_proj"))
 
 
 def priced_batch(overrides: list[str], shape: Shape) -> list[str]:

@@ -9,7 +9,8 @@ chosen per stage (`parallel.recompute=full` for all stages, or one mode per pipe
   block keeps only its input; its forward runs again in backward. About one extra forward (~33% more
   compute; less by a dense block's down projection, which torch's checkpoint need not run again: it stops at the
   last tensor the backward needs, unless dropout, a GEMM recipe or gradient accumulation fusion saves one after that
-  GEMM) for activation memory of one [T, h] tensor per layer.
+  GEMM; in compiled blocks AOT's partitioner runs neither it nor the attention output projection again) for
+  activation memory of one [T, h] tensor per layer.
 - ``selective`` (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models"): keep the outputs of the matmuls and of attention (costly to recompute), recompute the cheap
   elementwise work between them (norms, RoPE, SwiGLU/GELU, residual adds, dropout masks from the saved

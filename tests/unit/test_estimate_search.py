@@ -139,13 +139,20 @@ def test_the_closed_form_s_link_bytes_are_the_estimators():
     assert measured["tp"] - unreplicated["tp"] == closed["tp"] - unreplicated_closed["tp"] > 0
 
 
-@pytest.mark.parametrize("recompute", ["none", "full"])
-@pytest.mark.parametrize("model, pp, extra", [
+EAGER_FLOPS = [
     ("dense", 1, []), ("dense", 2, []), ("moe", 1, []), ("moe", 2, []),
     # a down projection that saves after its GEMM runs again under full recompute
     ("dense", 1, ["model.dropout=0.1"]), ("dense", 1, ["precision=fp8"]),
     ("dense", 1, ["parallel.gradient_accumulation_fusion=true"]),
-    ("dense", 1, ["precision=fp8", "precision.skip=[output,'layers.*.mlp.down_proj']"])])
+    ("dense", 1, ["precision=fp8", "precision.skip=[output,'layers.*.mlp.down_proj']"])]
+# compiled blocks run neither projection again (AOT's partitioner saves the residual), but as an opaque op
+COMPILED_FLOPS = [("dense", 1, ["trainer.compile=true"]), ("dense", 1, ["trainer.compile=true", "model.dropout=0.1"]),
+                  ("dense", 1, ["trainer.compile=true", "precision=mxfp8"]), ("moe", 1, ["trainer.compile=true"])]
+
+
+@pytest.mark.parametrize("model, pp, extra, recompute", [
+    *[(*case, recompute) for recompute in ("none", "full") for case in EAGER_FLOPS],
+    *[(*case, "full") for case in COMPILED_FLOPS]])
 def test_the_closed_form_s_flops_are_the_last_stage_s(model, pp, extra, recompute):
     """The closed form's FLOPs are the last stage's, which holds the output layer (a tenth of this small model's
     step) and, of an MoE model in a pipeline, MoE blocks only (the dense first block is the first stage's): the
@@ -154,7 +161,8 @@ def test_the_closed_form_s_flops_are_the_last_stage_s(model, pp, extra, recomput
     runs a block's forward again but a dense block's down projection (torch's checkpoint stops early): priced as a
     whole forward until 2026-12-05, 6% high here. It does run again where it saves after its GEMM: under dropout,
     a recipe's linear or gradient accumulation fusion (where the closed form had priced it 6% low), on the layers
-    the recipe does not skip."""
+    the recipe does not skip. Compiled, neither the down nor the output projection runs again but as a recipe's
+    opaque op (the closed form had priced the compiled step 2 to 8% high here)."""
     layout = Layout(tp=1, pp=pp, vpp=1, cp=1, dp=2, zero1=False, recompute=recompute, offload=False, hdp=False)
     overrides = [*(SMALL if model == "dense" else MOE), *extra, *layout.overrides(), "trainer.micro_batch_size=1",
                  "trainer.global_batch_size=4",
@@ -164,20 +172,25 @@ def test_the_closed_form_s_flops_are_the_last_stage_s(model, pp, extra, recomput
     assert rank.flops == pytest.approx(layout_search.last_stage_flops(shape, layout), rel=0.02)
 
 
-def test_the_down_projections_full_recompute_runs_again_are_counted_over_the_dense_blocks():
-    """The share of dense blocks whose down projection runs again under full recompute: all under dropout, those a
-    GEMM recipe does not skip, none without a recipe; an MoE model's dense blocks only (its expert blocks are
-    recomputed whole: the closed form prices them apart)."""
+def test_what_full_recompute_runs_again_is_counted_over_the_blocks_that_have_it():
+    """The shares of the GEMMs whose output only joins the residual that full recompute runs again. Eager: every
+    attention output projection and MoE block's experts; the dense blocks' down projections under dropout, those a
+    GEMM recipe does not skip, none without a recipe (an MoE model's dense blocks only). Compiled: neither projection
+    but a recipe's opaque op."""
     from megalm.config.compose import compose_config
+    from megalm.estimate.layout_search import Reruns
 
-    def reruns(*overrides: str) -> float:
-        return layout_search.down_projection_reruns(compose_config(list(overrides)))
+    def reruns(*overrides: str) -> Reruns:
+        return layout_search.recompute_reruns(compose_config(list(overrides)))
 
-    assert reruns(*SMALL) == 0.0 and reruns(*SMALL, "model.dropout=0.1") == 1.0
-    assert reruns(*SMALL, "precision=fp8") == 1.0
-    assert reruns(*SMALL, "precision=fp8", "precision.skip=[output,'layers.{last}.*']") == 7 / 8
-    assert reruns(*MOE, "precision=fp8") == 1.0  # the one dense block (first_k_dense=1) runs the recipe
-    assert reruns(*MOE, "precision=fp8", "precision.skip=[output,'layers.0.*']") == 0.0
+    assert reruns(*SMALL) == Reruns(0.0, 1.0, 1.0) and reruns(*SMALL, "model.dropout=0.1") == Reruns(1.0, 1.0, 1.0)
+    assert reruns(*SMALL, "precision=fp8").down == 1.0
+    assert reruns(*SMALL, "precision=fp8", "precision.skip=[output,'layers.{last}.*']").down == 7 / 8
+    assert reruns(*MOE, "precision=fp8").down == 1.0  # the one dense block (first_k_dense=1) runs the recipe
+    assert reruns(*MOE, "precision=fp8", "precision.skip=[output,'layers.0.*']").down == 0.0
+    compiled = [*SMALL, "trainer.compile=true"]
+    assert reruns(*compiled, "model.dropout=0.1", "precision=fp8") == Reruns(0.0, 0.0, 0.0)  # FP8's casts in the graph
+    assert reruns(*compiled, "precision=mxfp8", "precision.skip=[output,'layers.0.*']") == Reruns(7 / 8, 7 / 8, 0.0)
 
 
 @pytest.mark.parametrize("pp, vpp", [(2, 1), (2, 2), (4, 1), (4, 2)])
