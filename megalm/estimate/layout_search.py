@@ -461,15 +461,16 @@ def recompute_reruns(cfg: MegalmConfig) -> Reruns:
     then masks its output or it runs as a custom autograd Function (a GEMM recipe's linear, or
     parallel.gradient_accumulation_fusion's), which saves after its GEMM; the output projection is (the MLP's norm
     reads the residual it joins), and so are an MoE block's experts (their outputs are weighted by the router's
-    probabilities). Compiled (`trainer.compile`), AOT's partitioner saves the residual instead and runs neither
-    projection again, but a recipe's linear that runs as one opaque op (`compiles_in_sight` false). Measured
-    against the estimator's trace (tests/unit/test_estimate_search.py)."""
+    probabilities). Compiled (`trainer.compile` on AOT's backends), AOT's partitioner saves the residual instead and
+    runs neither projection again, but a recipe's linear that runs as one opaque op (`compiles_in_sight` false).
+    Measured against the estimator's trace (tests/unit/test_estimate_search.py)."""
     import fnmatch
 
     from megalm.precision import WHOLE_MODEL, compiles_in_sight, skipped_layers
     from megalm.precision.install import expand_layer_patterns
 
-    m, compiled = cfg.model, bool(cfg.trainer.compile)
+    # AOT autograd's partitioner (inductor, aot_eager); dynamo's eager backend runs the checkpoint as eager does
+    m, compiled = cfg.model, bool(cfg.trainer.compile) and str(cfg.trainer.compile_backend) != "eager"
     recipe = str(cfg.precision.name) not in (*WHOLE_MODEL, "auto")
     skip = expand_layer_patterns([str(p) for p in skipped_layers(cfg.precision)], m.num_layers - 1)
 
