@@ -416,11 +416,43 @@ inductor_force_strides: Callable[[torch.Tensor, list[int]], torch.Tensor] | None
 def load_inductor_layout_prim() -> None:
     """Register and keep inductor's `prims.inductor_force_stride_order` (a private op of torch._inductor, present
     since torch 2.1; its eager form copies only where the strides differ). Without it a graph's FP8 column-major
-    copies are made as before, by a transposed loop inductor's C++ scheduler does not fuse with the cast (logged)."""
+    copies are made as before, by a transposed loop inductor's C++ scheduler does not fuse with the cast (logged).
+    Where inductor's lowering of the prim cannot order symbolic strides (torch 2.11's: it sorts them with no shape
+    env, and a token count that changes from step to step failed to compile, "cannot determine truth value of
+    Relational"), the prim is kept for static shapes only (logged)."""
     global inductor_force_strides
     try:
         importlib.import_module("torch._inductor.inductor_prims")
-        inductor_force_strides = torch.ops.prims.inductor_force_stride_order
+        prim = torch.ops.prims.inductor_force_stride_order
     except (ImportError, AttributeError) as error:
         _log_fallback(f"no inductor_force_stride_order in torch {torch.__version__} ({error}): compiled FP8 "
                       "graphs write column-major copies in a pass of their own")
+        return
+    if _lowering_orders_symbolic_strides():
+        inductor_force_strides = prim
+    else:
+        _log_fallback(f"torch {torch.__version__}'s inductor cannot order symbolic strides in "
+                      "inductor_force_stride_order: compiled FP8 graphs over a changing token count write "
+                      "column-major copies in a pass of their own")
+        inductor_force_strides = functools.partial(_force_static_strides, prim)
+
+
+def _lowering_orders_symbolic_strides() -> bool:
+    """Whether inductor's lowering of `inductor_force_stride_order` hands the graph's shape env to the sort of the
+    strides (which the fix of the bug above added; there is no public switch or version to ask): read from the names
+    its code uses."""
+    lowering = importlib.import_module("torch._inductor.lowering")
+    code = getattr(getattr(lowering, "inductor_force_stride_order", None), "__code__", None)
+    return code is not None and "shape_env" in code.co_names
+
+
+def _force_static_strides(prim: Callable[[torch.Tensor, list[int]], torch.Tensor], tensor: torch.Tensor,
+                          stride: list[int]) -> torch.Tensor:
+    """`prim(tensor, stride)` where every stride is a number; `tensor` as it is (already in that layout, the
+    caller's copy) where one is symbolic (`load_inductor_layout_prim`). Dynamo shows a symbolic size to `isinstance`
+    as an int; a symbol is told from a number by its range, which has no upper bound."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if all(statically_known_true(s < sys.maxsize) for s in stride):
+        return prim(tensor, stride)
+    return tensor

@@ -57,7 +57,12 @@ class CountOps:
 
     def __exit__(self, *exc) -> None:
         self._profile.__exit__(*exc)
-        self.calls = sum(event.count for event in self._profile.key_averages() if self.name in event.key)
+        self.calls = self.count(self.name)
+
+    def count(self, name: str) -> int:
+        """How many ops whose name holds `name` ran under it (after the block: one profiler counts them all, since
+        torch's profilers do not nest)."""
+        return sum(event.count for event in self._profile.key_averages() if name in event.key)
 
 
 @pytest.fixture(autouse=True)

@@ -28,11 +28,11 @@ def test_the_cuda_gemm_overwrites_then_adds_in_fp32_without_upcasting():
     x = torch.randn(4096, 512, device="cuda", generator=generator).bfloat16()
     out = torch.full((256, 512), float("nan"), device="cuda")
     expected = dy.double().t() @ x.double()
-    with CountOps("addmm") as gemms, CountOps("_to_copy") as copies:
+    with CountOps("addmm") as gemms:  # one profiler: two would nest, which torch's do not
         wgrad_into(out, dy, x, first=True)
         torch.cuda.synchronize()
     assert rel_error(out, expected) < 1e-5
-    assert gemms.calls == 1 and copies.calls == 0, (gemms.calls, copies.calls)
+    assert gemms.calls == 1 and gemms.count("_to_copy") == 0, (gemms.calls, gemms.count("_to_copy"))
     wgrad_into(out, dy, x, first=False)
     assert rel_error(out, 2 * expected) < 1e-5
 
