@@ -274,7 +274,8 @@ step_throughput() {
       model.seq_length=4096 trainer.micro_batch_size=2
   fi
   # the optimizer step (24 of the compiled bf16 step's 173 ms on 2026-11-29): torch's fused AdamW + the bf16 copy
-  # against megalm's one-pass Triton kernel (optim.implementation=triton), over the 1.3B model's parameters
+  # against megalm's one-pass Triton kernel (optim.implementation=auto's on CUDA since this row measured it 1.37x
+  # faster on an H100, 2026-12-05), over the 1.3B model's parameters
   bench "AdamW kernels, 1.3b parameters" 60 tools/bench/adamw_kernels.py model=1.3b --iters 10 --warmup 3
   # last, each in a process of its own (torch 2.11's backward of this op may fault, which ends only its process):
   # cuDNN's kernel on the packed unequal documents, forward alone, then forward and backward, then bucketed shapes
@@ -298,10 +299,10 @@ step_bench() {
   bench "training throughput, 1.3b/4096 bf16 with fused weight gradients (compiled)" 240 tools/bench/throughput.py \
     model=1.3b model.seq_length=4096 precision=bf16 trainer.compile=true parallel.gradient_accumulation_fusion=true \
     trainer.global_batch_size=2 trainer.micro_batch_size=2 --steps 6 --warmup 3 --profile 2
-  # megalm's fastest single-GPU step as pretraining runs it: every opt-in speed option (fused weight gradients, the
-  # one-pass Triton AdamW) and 4 micro-batches of 2 sequences a step, so that the optimizer step (24 of the 173 ms
-  # of one micro-batch's step on 2026-11-29) is shared as gradient accumulation shares it: the MFU the fast step's
-  # 55% goal is about
+  # megalm's fastest single-GPU step as pretraining runs it: every speed option (fused weight gradients, opt-in; the
+  # one-pass Triton AdamW, auto's since 2026-12-05) and 4 micro-batches of 2 sequences a step, so that the optimizer
+  # step (24 of the 173 ms of one micro-batch's step on 2026-11-29) is shared as gradient accumulation shares it: the
+  # MFU the fast step's 55% goal is about
   bench "training throughput, 1.3b/4096 bf16 with every speed option, 4 micro-batches a step (compiled)" 240 \
     tools/bench/throughput.py model=1.3b model.seq_length=4096 precision=bf16 trainer.compile=true \
     parallel.gradient_accumulation_fusion=true optim.implementation=triton trainer.global_batch_size=8 \
@@ -380,8 +381,8 @@ step_compare() {
   fi
 }
 # The 55% goal's cell as pretraining steps it: bf16, 4 micro-batches of 16,384 tokens a step in every framework (the
-# optimizer step shared by them), megalm compiled with its opt-in speed options (fused weight gradients, the Triton
-# AdamW); one repeat, profiled.
+# optimizer step shared by them), megalm compiled with its speed options (fused weight gradients, opt-in; the Triton
+# AdamW, auto's on CUDA since 2026-12-05); one repeat, profiled.
 step_compare_accumulated() {
   install_peers
   local accumulated=(--tokens-per-step 65536 --micro-batches 4 --repeats 1 --profile 1

@@ -79,6 +79,9 @@ _NO_KERNEL = {"detach", "lift_fresh", "_local_scalar_dense", "item",  # a host r
 _WRITE_ONLY = {"zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "new_zeros", "new_ones", "new_full",
                "fill_", "zero_"}
 _OVERWRITES_DESTINATION = {"copy_", "_foreach_copy_"}
+# Arguments an op writes without reading them: megalm's Triton AdamW (megalm::adamw_step) writes the bf16 working
+# copy from the updated weight in registers
+_WRITE_ONLY_ARGUMENTS = {"adamw_step": {"work"}}
 # In-place ops that return nothing write what their schema marks as written, except where it marks more than the
 # kernel writes: the fused optimizers' schemas mark the gradients too (unscaled in place only with a `grad_scale`:
 # a grad scaler's, or megalm's clip coefficient, megalm/parallel/parallelism.py).
@@ -104,7 +107,7 @@ def category(op: str, namespace: str = "aten") -> str:
         return "attention"
     if op.startswith(_LOSS):
         return "loss"
-    if op.startswith(("_fused_adam", "_fused_sgd")) or op.startswith("_foreach_") and "norm" not in op:
+    if op.startswith(("_fused_adam", "_fused_sgd", "adamw_step")) or op.startswith("_foreach_") and "norm" not in op:
         return "optimizer"
     if op in _CAST_COPY:
         return "cast/copy"
@@ -170,7 +173,7 @@ def _read_operands(func: Any, name: str, args: tuple, kwargs: dict) -> list[torc
     (`copy_`), and everything for a fill or an `x.new_*` (which takes x's dtype and device only)."""
     if name in _WRITE_ONLY or name.startswith("new_"):
         return []
-    skipped = {"self"} if name in _OVERWRITES_DESTINATION else set()
+    skipped = {"self"} if name in _OVERWRITES_DESTINATION else set(_WRITE_ONLY_ARGUMENTS.get(name, ()))
     if name in _ACCUMULATING_GEMMS and kwargs.get("beta", 1) == 0:  # beta = 0: C is not read
         skipped.add("self")
     return [t for argument, value in _arguments(func, args, kwargs)

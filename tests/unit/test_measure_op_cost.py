@@ -17,6 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megalm.measure.op_cost import GPUS, OpCosts, category
+from megalm.model.gpt import GPT
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,12 +88,18 @@ def test_the_step_cost_tool_counts_six_flops_per_weight_and_token():
     assert set(rows) == expected | ({"torchtitan", "torchtitan_compiled"} if titan else set()), report["notes"]
     assert [note for note in report["notes"] if not note.startswith("torchtitan")] == [], report["notes"]
     m, weights = tiny_linear_weights()
+    with torch.device("meta"):
+        tensors = len(list(GPT(m).parameters()))
     for system, row in rows.items():
         gemm_tflop = row["by_category"]["gemm"]["tflop"]
         assert abs(gemm_tflop * 1e12 - 6 * weights * m.seq_length) < 1e-6 * gemm_tflop * 1e12, system
-        # the clip's foreach norm and its scale, fused AdamW per param group, megalm's bf16 refresh: a few kernels,
-        # not one per parameter (a per-parameter norm alone would add 27, the tiny model's parameter tensors)
-        assert row["optimizer"]["kernels"] <= 20, (system, row["optimizer"]["kernels"])
+        # the clip's foreach norm and its scale, fused AdamW per param group: a few kernels, not one per parameter (a
+        # per-parameter norm alone would add 27, the tiny model's parameter tensors); megalm's Triton AdamW (auto on
+        # a GPU, behind bf16 working weights) launches once per parameter tensor, writing its bf16 copy too
+        optimizer, triton = row["optimizer"], system in ("megalm", "megalm_compiled")
+        steps = optimizer["by_category"]["optimizer"]["kernels"] if triton else 0
+        assert steps == (tensors if triton else 0), (system, optimizer)
+        assert optimizer["kernels"] - steps <= 20, (system, optimizer["kernels"])
         assert set(row["by_category"]) >= {"gemm", "attention", "cast/copy", "elementwise/other", "loss"}
         # the loss, from the logits to the scalar, forward and backward, whatever ops compute it (megalm's chunks are
         # generic ops, counted as elementwise/other by name): at least the bf16 logits read once
@@ -366,3 +373,24 @@ def test_collectives_take_no_hbm_time():
     assert traced.by_category["communication"].kernels == 1 and traced.by_category["communication"].ms == 0.0, \
         dict(traced.by_op)
     assert traced.by_category["elementwise/other"].kernels == 2, backend.graphs  # x * 2, then + 1: not fused over it
+
+
+def test_a_trace_of_a_gpu_step_prices_megalm_s_one_pass_adamw_at_30_bytes_a_parameter():
+    """`optim.implementation=auto` steps bf16 working weights' fp32 main weights with megalm's Triton AdamW on CUDA
+    (1.37x torch's kernel and cast on an H100, 2026-12-05); a trace of a GPU step (fake tensors, on any device) steps
+    it too, as one op a parameter tensor (megalm::adamw_step) of 30 bytes a parameter: the main weight, gradient and
+    moments read (16), the three written back and the bf16 copy written (14), plus the clip's scale read (4 bytes a
+    call). `fused` is torch's kernel, which writes the unscaled gradients back (4 more), and then the copy into the
+    working weights (reading the main weight again, writing bf16: 6): 38."""
+    from tools.bench.step_cost import megalm_step
+
+    m, _ = tiny_linear_weights()
+    with torch.device("meta"):
+        params = list(GPT(m).parameters())
+    count = sum(p.numel() for p in params)
+    steps = {impl: megalm_step(["model=tiny", f"optim.implementation={impl}"], "h100")["optimizer"]["by_category"]
+             for impl in ("auto", "fused")}
+    one_pass = steps["auto"]["optimizer"]
+    assert one_pass["kernels"] == len(params)
+    assert one_pass["gbytes"] * 1e9 == pytest.approx(30 * count + 4 * len(params), abs=1)
+    assert steps["fused"]["optimizer"]["gbytes"] * 1e9 == pytest.approx(38 * count, abs=1024)

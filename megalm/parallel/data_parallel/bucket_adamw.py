@@ -114,19 +114,23 @@ class BucketAdamW:
         self.grad_scale: torch.Tensor | None = None
         self._pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()  # RemovableHandle's weakref
         self._post_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
-        # `kernel` is optim.implementation: torch's fused AdamW kernel ("fused"; "auto" where the device has one: CPU
-        # and CUDA), its foreach kernels ("foreach"; "auto" elsewhere), or megalm's one-pass Triton kernel ("triton":
-        # adamw_kernel.py, which writes the working copies too)
+        # `kernel` is optim.implementation: megalm's one-pass Triton kernel ("triton"; "auto" on CUDA where triton
+        # imports: adamw_kernel.py, which writes the working copies too, 1.37x torch's kernel and cast on an H100,
+        # 2026-12-05), torch's fused AdamW kernel ("fused"; "auto" on a CPU, or CUDA without triton), or its foreach
+        # kernels ("foreach"; "auto" elsewhere)
         if kernel not in ("auto", "fused", "foreach", "triton"):
             raise ValueError(f"BucketAdamW kernel {kernel!r}: auto, fused, foreach or triton")
         device = reducer.params[0].device if reducer.params else torch.device("cpu")
+        # a cost trace (fake tensors: megalm-estimate's, the step-cost tool's, each of a GPU run whatever device it
+        # traces on) steps the Triton kernel's op (`traced_adamw_step`, priced by its bytes), as a CUDA run would
+        self.traced = bool(reducer.params) and is_fake(reducer.params[0])
+        if kernel == "auto" and (self.traced or device.type == "cuda" and adamw_kernel.runnable(device)):
+            kernel = "triton"
+            log.info("optim.implementation=auto: megalm's one-pass Triton AdamW steps the fp32 main weights "
+                     "(optim.implementation=fused for torch's kernel)")
         self.fused = kernel == "fused" or (kernel != "foreach" and device.type in ("cpu", "cuda"))
         self.kernel = "triton" if kernel == "triton" else "torch"
-        if kernel == "triton" and (reducer.params and is_fake(reducer.params[0])):  # a cost trace (megalm-estimate)
-            log.warning("optim.implementation=triton: the Triton AdamW kernel cannot run on fake tensors; this trace "
-                        "steps torch's AdamW")
-            self.kernel = "torch"
-        elif kernel == "triton" and not adamw_kernel.runnable(device):
+        if kernel == "triton" and not self.traced and not adamw_kernel.runnable(device):
             log.warning("optim.implementation=triton: the Triton AdamW kernel cannot run on %s (it needs CUDA, or "
                         "TRITON_INTERPRET=1 on a CPU); torch's AdamW steps instead", device.type)
             self.kernel = "torch"
@@ -225,10 +229,13 @@ class BucketAdamW:
         for group, (params, grads_, exp_avgs, exp_avg_sqs, works) in per_group.values():
             beta1, beta2 = group["betas"]
             if self.kernel == "triton":  # optim.implementation=triton: adamw_kernel's one pass per segment
+                hyper = {"lr": group["lr"], "beta1": beta1, "beta2": beta2, "eps": group["eps"],
+                         "weight_decay": group["weight_decay"], "step": self.step_count}
                 for tensors in zip(params, grads_, exp_avgs, exp_avg_sqs, works, strict=True):
-                    adamw_kernel.adamw_step_(*tensors, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                                             weight_decay=group["weight_decay"], step=self.step_count,
-                                             grad_scale=self.grad_scale)
+                    if self.traced:
+                        adamw_kernel.traced_adamw_step(*tensors, self.grad_scale, **hyper)
+                    else:
+                        adamw_kernel.adamw_step_(*tensors, **hyper, grad_scale=self.grad_scale)
                 continue
             # torch's own AdamW kernels (fused, or foreach) on this rank's flat segments, one call per param group;
             # the step counters (one per tensor, as torch's kernels take them) are views of one tensor
