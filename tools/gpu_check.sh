@@ -299,6 +299,16 @@ step_bench() {
   bench "training throughput, 1.3b/4096 bf16 with fused weight gradients (compiled)" 240 tools/bench/throughput.py \
     model=1.3b model.seq_length=4096 precision=bf16 trainer.compile=true parallel.gradient_accumulation_fusion=true \
     trainer.global_batch_size=2 trainer.micro_batch_size=2 --steps 6 --warmup 3 --profile 2
+  # FP8's column-major copies (wgrad's operands) written by their casts' kernels (inductor's layout prim, since
+  # 2026-12-03) or by kernels of their own: on one H100 (2026-12-05) the row-wise Triton kernels that wrote them took
+  # 11.6 of the compiled fp8 step's 35.1 ms of Triton kernels. The two rows side by side decide the default.
+  if ((DRY_RUN || capability >= 89)); then
+    for apart in "" --fp8-columns-apart; do
+      bench "training throughput, 1.3b/4096 fp8 compiled${apart:+, $apart}" 150 tools/bench/throughput.py \
+        model=1.3b model.seq_length=4096 precision=fp8 trainer.compile=true trainer.global_batch_size=2 \
+        trainer.micro_batch_size=2 --steps 6 --warmup 3 --profile 2 $apart
+    done
+  fi
   # megalm's fastest single-GPU step as pretraining runs it: every speed option (fused weight gradients, opt-in; the
   # one-pass Triton AdamW, auto's since 2026-12-05) and 4 micro-batches of 2 sequences a step, so that the optimizer
   # step (24 of the 173 ms of one micro-batch's step on 2026-11-29) is shared as gradient accumulation shares it: the

@@ -356,6 +356,31 @@ def test_inductor_hands_wgrad_its_operands_column_major(monkeypatch, dynamic):
     assert layouts == [(True, True)] * (2 if dynamic else 1)
 
 
+@pytest.mark.parametrize("apart", [False, True], ids=["in_the_cast", "apart"])
+def test_the_throughput_tool_can_leave_the_column_major_copies_to_kernels_of_their_own(apart):
+    """tools/bench/throughput.py --fp8-columns-apart, the GPU's A/B of inductor's layout prim: blocks compiled inside
+    trace the column-major FP8 copies without the prim (a loop over the transposed shape), and the prim is back
+    after it."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from tools.bench.throughput import columns_apart
+
+    layer = _layer("fp8")
+    graphs: list[str] = []
+
+    def record(gm, _inputs):
+        graphs.append(str(gm.graph))
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    with columns_apart(apart):
+        compat.load_inductor_layout_prim()  # as compiling blocks does
+        _step(torch.compile(layer, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True))
+    assert compat.inductor_force_strides is not None
+    assert ["inductor_force_stride_order" in graph for graph in graphs] == [not apart, not apart]
+
+
 @pytest.mark.parametrize("recompute", ["full", "selective"])
 def test_delayed_scaling_trains_as_without_recomputation(tmp_path, recompute):
     """A training run under fp8_delayed with activation recomputation gives the losses and weights of the run

@@ -16,16 +16,23 @@ writes the Chrome trace. The profiled steps are not in the timed figures (the pr
 Where the blocks compile (`trainer.compile=true`, or auto on CUDA) it also reports dynamo's own counts over all the
 steps it ran: graph breaks and compiled frames (the first graph and every recompile), so a GPU row says whether its
 blocks were whole graphs.
+
+`--fp8-columns-apart` (compiled FP8): each column-major FP8 copy, wgrad's operand, is made by a kernel of its own, a
+loop over the transposed shape, as before 2026-12-03, not in the kernel of its cast (inductor's layout prim,
+`megalm.compat.load_inductor_layout_prim`): the A/B of that choice on a GPU, where Triton writes the copy from a
+row-wise kernel uncoalesced (docs/benchmarks.md, "One H100").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -56,6 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="then profile N more steps and print where their time went")
     parser.add_argument("--profile-trace", type=Path, metavar="PATH",
                         help="with --profile, also write the profiler's Chrome trace here (.json)")
+    parser.add_argument("--fp8-columns-apart", action="store_true",
+                        help="compiled FP8: each column-major copy in a kernel of its own, not its cast's")
     args, overrides = parse_flags_and_overrides(parser, argv)
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError(f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0")
@@ -69,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg.trainer.max_steps = args.warmup + args.steps + (args.profile + 1 if args.profile else 0)
     profile = None
     compiled = compile_counts() if cfg.trainer.compile is not False else None  # true, or auto (None)
-    with tempfile.TemporaryDirectory() as run_dir:
+    with tempfile.TemporaryDirectory() as run_dir, columns_apart(args.fp8_columns_apart):
         trainer = Trainer(cfg, run_dir)
         compiled = compiled if trainer.cfg.trainer.compile else None  # auto resolved: eager here
         device = trainer.device
@@ -128,6 +137,25 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         print(json.dumps(report))
     return report
+
+
+@contextlib.contextmanager
+def columns_apart(apart: bool) -> Iterator[None]:
+    """With `apart`, compiled FP8 graphs traced inside make their column-major copies without inductor's layout prim
+    (`--fp8-columns-apart`): compiling blocks loads it, so it is taken away for as long as the block lasts and then
+    restored."""
+    from megalm import compat
+
+    if not apart:
+        yield
+        return
+    load = compat.load_inductor_layout_prim
+    compat.load_inductor_layout_prim = lambda: None
+    saved, compat.inductor_force_strides = compat.inductor_force_strides, None
+    try:
+        yield
+    finally:
+        compat.load_inductor_layout_prim, compat.inductor_force_strides = load, saved
 
 
 def compile_counts():
