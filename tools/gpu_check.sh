@@ -24,7 +24,7 @@ throughput tests", carry [".wheels", ".whl"]; the first two fit a 15-minute devi
 # Usage: tools/gpu_check.sh [--dry-run] [--print-run] [STEP ...]
 #   STEP: setup throughput tests calibrate bench compare compare_accumulated, run in the order given (default: all
 #         seven, in this order); setup always runs first. throughput: the fast step's rows (1.3B at seq 4096, bf16 and
-#         fp8, eager and compiled, profiled) and the kernels behind them (attention, FP8 GEMMs, AdamW); bench: the
+#         fp8, eager and compiled, profiled) and the kernels behind them (FP8 GEMMs, AdamW); bench: the
 #         other benchmarks; compare: megalm against its peers; compare_accumulated: the same at 4 micro-batches a
 #         step. The GPU run puts the fast step's numbers before the tests.
 #   --dry-run: the whole script on a machine without a GPU (CI runs it): setup only reports, the tests are the GPU
@@ -239,14 +239,6 @@ bench() {  # bench NAME LIMIT_S SCRIPT ARGS...: on the GPU as given; in a dry ru
   fi
 }
 step_throughput() {
-  # attention first (seconds): cuDNN's kernel (auto's pick on Hopper for equal documents) against torch's flash one
-  bench "attention kernels, 1.3b/4096, one document per sequence" 90 tools/bench/attention_kernels.py model=1.3b \
-    model.seq_length=4096 --seqs 4
-  # unequal documents, as packed pretraining data and throughput.py's rows have them (a new layout each of the 26
-  # calls, as each micro-batch is): torch's flash varlen kernel, 35 of the compiled bf16 step's 176 ms on 2026-11-29
-  # (cuDNN's kernel on the same packed documents, which torch's varlen function keeps off: last in this step)
-  bench "attention kernels, 1.3b/4096, unequal documents" 90 tools/bench/attention_kernels.py model=1.3b \
-    model.seq_length=4096 --seqs 2 --ragged --layouts 26
   # the fast step's goal: 1.3B at seq 4096, bf16 and fp8, eager and compiled (inductor per block); each then
   # profiles 2 steps (--profile: GPU busy against wall time, time per kind of kernel, the top kernels, host syncs)
   bench "training throughput, 1.3b/4096 bf16" 150 tools/bench/throughput.py model=1.3b model.seq_length=4096 \
@@ -260,6 +252,12 @@ step_throughput() {
     bench "training throughput, 1.3b/4096 fp8 compiled" 240 tools/bench/throughput.py model=1.3b \
       model.seq_length=4096 precision=fp8 trainer.compile=true trainer.global_batch_size=2 \
       trainer.micro_batch_size=2 --steps 6 --warmup 3 --profile 2
+    # the same with FP8's column-major copies (wgrad's operands) in kernels of their own, not their casts' (inductor's
+    # layout prim, since 2026-12-03): on one H100 (2026-12-05) the row-wise Triton kernels that wrote them took 11.6
+    # of this row's 35.1 ms of Triton kernels. The two rows side by side decide the default.
+    bench "training throughput, 1.3b/4096 fp8 compiled, --fp8-columns-apart" 240 tools/bench/throughput.py \
+      model=1.3b model.seq_length=4096 precision=fp8 trainer.compile=true trainer.global_batch_size=2 \
+      trainer.micro_batch_size=2 --steps 6 --warmup 3 --profile 2 --fp8-columns-apart
     # fp8 with delayed scaling, compiled: each cast with its history's scale, one pass fused into the producer, the
     # fp8 recipe the step-cost trace favours (40.74 ms a micro-batch against current scaling's 43.83 and bf16's 50.91
     # on the H100 roofline, 2026-12-04): the fp8 goal's best candidate, so measured here, beside bf16, in the first
@@ -277,15 +275,6 @@ step_throughput() {
   # against megalm's one-pass Triton kernel (optim.implementation=auto's on CUDA since this row measured it 1.37x
   # faster on an H100, 2026-12-05), over the 1.3B model's parameters
   bench "AdamW kernels, 1.3b parameters" 60 tools/bench/adamw_kernels.py model=1.3b --iters 10 --warmup 3
-  # last, each in a process of its own (torch 2.11's backward of this op may fault, which ends only its process):
-  # cuDNN's kernel on the packed unequal documents, forward alone, then forward and backward, then bucketed shapes
-  bench "attention kernels, unequal documents, cuDNN ragged (forward)" 60 tools/bench/attention_kernels.py \
-    model=1.3b model.seq_length=4096 --seqs 2 --ragged --layouts 26 --backends torch_varlen,cudnn_ragged \
-    --forward-only
-  bench "attention kernels, unequal documents, cuDNN ragged" 60 tools/bench/attention_kernels.py model=1.3b \
-    model.seq_length=4096 --seqs 2 --ragged --layouts 26 --backends torch_varlen,cudnn_ragged
-  bench "attention kernels, unequal documents, cuDNN ragged bucketed" 60 tools/bench/attention_kernels.py \
-    model=1.3b model.seq_length=4096 --seqs 2 --ragged --layouts 26 --backends torch_varlen,cudnn_ragged_bucketed
 }
 step_bench() {
   # first the rows that decide a default (trainer.compile's auto keeps MoE and zero-bubble blocks eager until they
@@ -299,16 +288,6 @@ step_bench() {
   bench "training throughput, 1.3b/4096 bf16 with fused weight gradients (compiled)" 240 tools/bench/throughput.py \
     model=1.3b model.seq_length=4096 precision=bf16 trainer.compile=true parallel.gradient_accumulation_fusion=true \
     trainer.global_batch_size=2 trainer.micro_batch_size=2 --steps 6 --warmup 3 --profile 2
-  # FP8's column-major copies (wgrad's operands) written by their casts' kernels (inductor's layout prim, since
-  # 2026-12-03) or by kernels of their own: on one H100 (2026-12-05) the row-wise Triton kernels that wrote them took
-  # 11.6 of the compiled fp8 step's 35.1 ms of Triton kernels. The two rows side by side decide the default.
-  if ((DRY_RUN || capability >= 89)); then
-    for apart in "" --fp8-columns-apart; do
-      bench "training throughput, 1.3b/4096 fp8 compiled${apart:+, $apart}" 150 tools/bench/throughput.py \
-        model=1.3b model.seq_length=4096 precision=fp8 trainer.compile=true trainer.global_batch_size=2 \
-        trainer.micro_batch_size=2 --steps 6 --warmup 3 --profile 2 $apart
-    done
-  fi
   # megalm's fastest single-GPU step as pretraining runs it: every speed option (fused weight gradients, opt-in; the
   # one-pass Triton AdamW, auto's since 2026-12-05) and 4 micro-batches of 2 sequences a step, so that the optimizer
   # step (24 of the 173 ms of one micro-batch's step on 2026-11-29) is shared as gradient accumulation shares it: the
@@ -356,6 +335,25 @@ step_bench() {
   else
     report "" "### context parallelism: not run (one GPU: one GPU per CP rank)"
   fi
+  # the attention kernels last (measured on 2026-11-29 and 2026-12-05; the throughput step had them first, until it
+  # needed their minute for the rows that decide defaults): cuDNN's kernel (auto's pick on Hopper for equal
+  # documents) against torch's flash one
+  bench "attention kernels, 1.3b/4096, one document per sequence" 90 tools/bench/attention_kernels.py model=1.3b \
+    model.seq_length=4096 --seqs 4
+  # unequal documents, as packed pretraining data and throughput.py's rows have them (a new layout each of the 26
+  # calls, as each micro-batch is): torch's flash varlen kernel, 35 of the compiled bf16 step's 176 ms on 2026-11-29
+  # (cuDNN's kernel on the same packed documents, which torch's varlen function keeps off: last)
+  bench "attention kernels, 1.3b/4096, unequal documents" 90 tools/bench/attention_kernels.py model=1.3b \
+    model.seq_length=4096 --seqs 2 --ragged --layouts 26
+  # last, each in a process of its own (torch 2.11's backward of this op may fault, which ends only its process):
+  # cuDNN's kernel on the packed unequal documents, forward alone, then forward and backward, then bucketed shapes
+  bench "attention kernels, unequal documents, cuDNN ragged (forward)" 60 tools/bench/attention_kernels.py \
+    model=1.3b model.seq_length=4096 --seqs 2 --ragged --layouts 26 --backends torch_varlen,cudnn_ragged \
+    --forward-only
+  bench "attention kernels, unequal documents, cuDNN ragged" 60 tools/bench/attention_kernels.py model=1.3b \
+    model.seq_length=4096 --seqs 2 --ragged --layouts 26 --backends torch_varlen,cudnn_ragged
+  bench "attention kernels, unequal documents, cuDNN ragged bucketed" 60 tools/bench/attention_kernels.py \
+    model=1.3b model.seq_length=4096 --seqs 2 --ragged --layouts 26 --backends torch_varlen,cudnn_ragged_bucketed
 }
 
 # ---------------------------------------------------------------------------------------------------- compare
