@@ -254,7 +254,7 @@ step_throughput() {
       trainer.micro_batch_size=2 --steps 6 --warmup 3 --profile 2
     # the same with FP8's column-major copies (wgrad's operands) in kernels of their own, not their casts' (inductor's
     # layout prim, since 2026-12-03): on one H100 (2026-12-05) the row-wise Triton kernels that wrote them took 11.6
-    # of this row's 35.1 ms of Triton kernels. The two rows side by side decide the default.
+    # of this row's 39.4 ms of Triton kernels. The two rows side by side decide the default.
     bench "training throughput, 1.3b/4096 fp8 compiled, --fp8-columns-apart" 240 tools/bench/throughput.py \
       model=1.3b model.seq_length=4096 precision=fp8 trainer.compile=true trainer.global_batch_size=2 \
       trainer.micro_batch_size=2 --steps 6 --warmup 3 --profile 2 --fp8-columns-apart

@@ -30,6 +30,10 @@ TINY = ["model.num_layers=2", "model.hidden_size=256", "model.num_heads=4", "mod
     ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80", "attention"),
     ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0", "attention"),  # not sm90_'s gemm
     ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", "compiled (triton)"),
+    # inductor names a kernel after the ops fused into it: an FP8 cast feeding torch._scaled_mm; a GEMM template
+    ("triton_poi_fused__scaled_mm__to_copy_clamp_clone_eq_inductor_force_stride_order_isinf_2", "compiled (triton)"),
+    ("triton_red_fused__fused_rms_norm_backward_add_cat_flash_attention_backward_1", "compiled (triton)"),
+    ("triton_tem_fused_mm_0", "gemm"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "elementwise"),
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::NormOps<float>>>", "reduction"),
     ("Memcpy DtoD (Device -> Device)", "copy/cast"),
