@@ -83,8 +83,9 @@ def triton_runs_on(device: torch.device | str | None = None) -> bool:
     """Whether megalm's Triton kernels (the MX quantizer, the AdamW step) can run on `device`: a CUDA device with
     triton importable, or CPU tensors under the Triton interpreter. None means the current CUDA device."""
     device = torch.device("cuda" if device is None else device)
-    if device.type == "cuda":
-        return cuda_capability(device) is not None and triton_importable()
+    if device.type == "cuda":  # sm70+, as inductor's Triton backend asks
+        capability = cuda_capability(device)
+        return capability is not None and capability >= (7, 0) and triton_importable()
     if device.type == "cpu":
         return triton_interpreted() and triton_importable()
     return False
@@ -421,6 +422,8 @@ def load_inductor_layout_prim() -> None:
     env, and a token count that changes from step to step failed to compile, "cannot determine truth value of
     Relational"), the prim is kept for static shapes only (logged)."""
     global inductor_force_strides
+    if inductor_force_strides is not None:  # loaded (and its fallback logged) once a process
+        return
     try:
         importlib.import_module("torch._inductor.inductor_prims")
         prim = torch.ops.prims.inductor_force_stride_order
@@ -442,7 +445,8 @@ def _lowering_orders_symbolic_strides() -> bool:
     strides (which the fix of the bug above added; there is no public switch or version to ask): read from the names
     its code uses."""
     lowering = importlib.import_module("torch._inductor.lowering")
-    code = getattr(getattr(lowering, "inductor_force_stride_order", None), "__code__", None)
+    function = getattr(lowering, "inductor_force_stride_order", None)  # as register_lowering wrapped it
+    code = getattr(inspect.unwrap(function), "__code__", None) if function is not None else None
     return code is not None and "shape_env" in code.co_names
 
 
@@ -450,7 +454,8 @@ def _force_static_strides(prim: Callable[[torch.Tensor, list[int]], torch.Tensor
                           stride: list[int]) -> torch.Tensor:
     """`prim(tensor, stride)` where every stride is a number; `tensor` as it is (already in that layout, the
     caller's copy) where one is symbolic (`load_inductor_layout_prim`). Dynamo shows a symbolic size to `isinstance`
-    as an int; a symbol is told from a number by its range, which has no upper bound."""
+    as an int; a symbol is told from a number by its range, which has no upper bound. Not where the traced code
+    bounds the symbol (`if tokens < n`, a guard): no compiled block compares its token count with a number."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     if all(statically_known_true(s < sys.maxsize) for s in stride):

@@ -12,7 +12,7 @@ torch with CUDA, no network needed); from its root run
     OUT=DIR tools/gpu_check.sh setup compare              (1.3B at seq 4096 against the peers, about 5 minutes)
 and, if time is left,
     OUT=DIR tools/gpu_check.sh setup compare_accumulated  (the same at 4 micro-batches a step, megalm with its
-                                                           opt-in speed options: the cell of the 55% goal, ~5 min)
+                                                           speed options: the cell of the 55% goal, ~5 min)
     OUT=DIR tools/gpu_check.sh setup bench                (first the rows that decide a default: fused weight
                                                            gradients, the MoE and zero-bubble compile defaults;
                                                            then the other benchmarks)

@@ -374,11 +374,36 @@ def test_the_throughput_tool_can_leave_the_column_major_copies_to_kernels_of_the
         return make_boxed_func(gm.forward)
 
     torch._dynamo.reset()
+    compat.load_inductor_layout_prim()
+    before = compat.inductor_force_strides
     with columns_apart(apart):
         compat.load_inductor_layout_prim()  # as compiling blocks does
         _step(torch.compile(layer, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True))
-    assert compat.inductor_force_strides is not None
+    assert before is not None and compat.inductor_force_strides is before
     assert ["inductor_force_stride_order" in graph for graph in graphs] == [not apart, not apart]
+
+
+def test_the_layout_prim_is_kept_for_symbolic_strides_where_inductor_can_order_them():
+    """compat's reading of inductor's lowering of the prim (whether it sorts the strides with the graph's shape env)
+    against what compiling the prim over a changing token count does on the installed torch: read wrong, compiled FP8
+    fails on unequal documents (torch 2.11) or gives up the fused copy where the prim works (torch 2.13)."""
+    import torch._inductor.inductor_prims  # noqa: F401 - registers the prim
+
+    prim = torch.ops.prims.inductor_force_stride_order
+
+    def columns(x: torch.Tensor) -> torch.Tensor:
+        q = (x * 2).to(E4M3)
+        return prim(fp8.column_major(q), [1, q.shape[0]])
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(columns, dynamic=True, fullgraph=True)(torch.randn(48, 64))
+        orders = True
+    except Exception as error:  # inductor's error, wrapped by dynamo's backend
+        if "cannot determine truth value of Relational" not in str(error):
+            raise
+        orders = False
+    assert compat._lowering_orders_symbolic_strides() is orders
 
 
 @pytest.mark.parametrize("recompute", ["full", "selective"])

@@ -8,7 +8,9 @@ time per category, for megalm and for Hugging Face's LlamaForCausalLM of the sam
 Each system runs under `FakeTensorMode` (sizes, no data: a 1.3B step traces in seconds) with a dispatch mode that
 records every aten op (megalm/measure/op_cost.py). One "step" is one micro-batch of `model.seq_length` tokens,
 forward and backward; the optimizer step is its own row: the gradient clipping at norm 1.0 each system runs in
-training (megalm's `trainer.grad_clip`, HF Trainer's `max_grad_norm`, TorchTitan's `max_norm`) and fused AdamW. Systems:
+training (megalm's `trainer.grad_clip`, HF Trainer's `max_grad_norm`, TorchTitan's `max_norm`) and AdamW (torch's fused
+kernel; megalm's one-pass Triton kernel behind bf16 working weights, as a CUDA run steps them, traced as the op
+`megalm::adamw_step`). Systems:
 - `megalm`: megalm's `Trainer.forward_backward` at its default precision for the run (`precision=bf16` unless
   overridden: bf16 working weights behind fp32 main weights), eager.
 - `megalm_autocast`: the same with `precision=bf16_autocast` (fp32 weights under bf16 autocast: megalm's bf16
@@ -109,7 +111,7 @@ def megalm_step(overrides: list[str], gpu: str, system: str = "megalm", compiled
         trainer.optimizer.zero_grad(set_to_none=True)
         with step, _loss_counted_as_loss(step):
             trainer.forward_backward(1)
-        with optimizer:  # as train_step: the clip's scale goes into the fused AdamW step
+        with optimizer:  # as train_step: the clip's scale goes into the AdamW step
             trainer.parallel.clip_grad_norm_(trainer.cfg.trainer.grad_clip, trainer.optimizer)
             trainer.optimizer.step()
         trainer.optimizer.grad_scale = None

@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if compiled is not None:
         report["compile"] = compiled()
+    report["fp8_columns_apart"] = args.fp8_columns_apart
     print(f"{report['model']} {report['precision']} on {report['device']}: {report['params_m']:.1f}M params, "
           f"{tok_per_step:.0f} tokens/step, {step_s * 1e3:.1f} ms/step, {report['tokens_per_sec']:,.0f} tokens/s, "
           f"{report['tflops_per_sec']:.2f} TFLOP/s"
