@@ -387,10 +387,12 @@ class Parallelism:
     def forward_backward(self, share: StepShare) -> torch.Tensor:
         """Gradients of sum(token losses) / (the step's loss tokens) accumulated over this rank's
         micro-batches and reduced over the ranks that split the batch; returns this rank's summed loss."""
-        self.model.train()
+        if not self.model.training:  # each module's flag set by a walk of the whole model: only when it changes
+            self.model.train()
         self.reducer.start_step(len(share.micro_batches))
         n = share.normaliser  # the balancing losses' gradient gets the loss's 1 / n too
-        set_aux_loss_scale(self.model, 1.0 / n if isinstance(n, int) else 1.0 / n.to(torch.float32))
+        if self.cfg.model.moe.num_experts:
+            set_aux_loss_scale(self.model, 1.0 / n if isinstance(n, int) else 1.0 / n.to(torch.float32))
         loss = self.runner.run_micro_batches(share.micro_batches, share.normaliser, share.step)
         self.reducer.finish()
         for converter in self.converters:  # what the ranks that split the batch agree on (FP8 amax histories)

@@ -277,8 +277,10 @@ class Precision:
 
     def before_forward(self, chunk: nn.Module, step: int, micro_batch: int, shard: int = 0) -> None:
         """Seed the random rounding of `chunk`'s layers by (step, micro-batch index in the step, this rank's
-        position on the micro-batch's CP ring)."""
-        set_precision_step(chunk, step, micro_batch, shard)
+        position on the micro-batch's CP ring). Only recipes with layer states have seeds: the others skip the walk
+        over the chunk's modules."""
+        if self.quantizes_weights:
+            set_precision_step(chunk, step, micro_batch, shard)
 
 
 def skipped_layers(precision: PrecisionConfig) -> list[str]:
