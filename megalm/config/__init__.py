@@ -31,6 +31,7 @@ from megalm.config.schema import (
     OptimConfig,
     ParallelConfig,
     PrecisionConfig,
+    ProfilingConfig,
     SyntheticDataConfig,
     TrainerConfig,
     WandbConfig,
@@ -43,7 +44,8 @@ from megalm.config.schema import (
 
 __all__ = [
     "Choice", "DataConfig", "LoggingConfig", "MegalmConfig", "ModelConfig", "MoEConfig", "OffloadConfig", "OptimConfig",
-    "ParallelConfig", "PrecisionConfig", "SyntheticDataConfig", "TrainerConfig", "WandbConfig", "blend_pairs",
+    "ParallelConfig", "PrecisionConfig", "ProfilingConfig", "SyntheticDataConfig", "TrainerConfig", "WandbConfig",
+    "blend_pairs",
     "choice", "config_to_dict", "is_moe_layer", "model_config", "moe_layer_ids", "pad_vocab", "positive",
     "process_group_minutes", "register_schema", "resolve_model_defaults", "schema_default", "schema_error_line",
     "set_away_from_default", "to_dataclass",

@@ -438,6 +438,26 @@ class LoggingConfig:
 
 
 @dataclass
+class ProfilingConfig:
+    """A profile of a few steps of the run (megalm/training/profiling.py): Megatron's --profile and
+    --record-memory-history, TorchTitan's [profiling] section."""
+
+    trace: bool = False
+    """Record torch.profiler's trace of the steps below (CPU ops, and CUDA kernels on a GPU): a Chrome trace per rank
+    in the run dir's profile/, and where the steps' time went (kernels by kind) in the log and a JSON beside it."""
+    memory_snapshot: bool = False
+    """CUDA: record the caching allocator's history from the start of training, and write its snapshot (open it at
+    pytorch.org/memory_viz) after the steps below, and on an out-of-memory error; a CPU run has none (said once)."""
+    start_step: int = 10
+    """The steps this process runs before the profiled ones (a resumed run counts from its resume); the last of them
+    warms the profiler up. 10 leaves compiling and the allocator's first steps out."""
+    steps: int = 2
+    """How many steps are profiled."""
+    ranks: list[int] | None = field(default_factory=lambda: [0])
+    """The global ranks that profile; null: every rank."""
+
+
+@dataclass
 class MegalmConfig:
     """A whole run."""
 
@@ -461,6 +481,8 @@ class MegalmConfig:
     """Activation offload (configs/offload/)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metric sinks (configs/logging/)."""
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    """Profiler traces and memory snapshots of a few steps (configs/profiling/)."""
 
 
 def register_schema() -> None:

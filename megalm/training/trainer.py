@@ -36,6 +36,7 @@ from megalm.training.init_from import load_init_weights
 from megalm.training.metrics import MetricsLogger, ThroughputWindow, peak_memory_gb
 from megalm.training.optim import build_optimizer, current_weights, lr_at, set_lr
 from megalm.training.preemption import Preemption
+from megalm.training.profiling import StepProfiler
 from megalm.training.python_gc import StepBoundaryGC
 from megalm.training.results import StepResult, TrainSummary
 from megalm.training.validation import validate_run
@@ -231,18 +232,19 @@ class Trainer:
             if t.eval_interval > 0 and self.data.valid is None:
                 log.warning(f"trainer.eval_interval={t.eval_interval}: there is no validation split (data.valid_"
                             f"fraction={self.cfg.data.valid_fraction}); raise it, or set trainer.eval_interval=0")
-        first_loss = last_loss = val_loss = None
+        first_loss = last_loss = val_loss = last_saved = None
         losses: list[tuple[int, float]] = []
-        last_saved: Path | None = None
-        start = time.perf_counter()
-        preempted = False
+        start, preempted = time.perf_counter(), False
         collector = StepBoundaryGC(t.gc_interval)  # Python's GC between steps only, while training
-        with self.preemption, self.watchdog, collector:  # signals caught and hangs watched only while training
+        profiler = StepProfiler(self.cfg.profiling, self.run_dir, self.mesh.rank, self.device, self.step)
+        with self.preemption, self.watchdog, collector, profiler:  # signals, hangs and profiles: while training only
             window = ThroughputWindow(self.mesh.dims.world_size, self.peak)  # after the collector's first collection
             try:
                 while self.step < stop_at:
                     self.watchdog.beat(self.step + 1)
+                    profiler.before_step(self.step)
                     result = self.train_step(self.step)
+                    window.aside(lambda: profiler.after_step(self.step))  # a profile's files: written off the clock
                     self.step += 1
                     collector.after_step(self.step)
                     window.aside(self.checkpointer.publish_if_written)  # an async save written: `latest` names it

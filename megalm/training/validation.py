@@ -22,6 +22,7 @@ from megalm.training.compile import resolve_auto_compile, validate_compile
 from megalm.training.device import resolve_auto_precision
 from megalm.training.metrics import check_logging_backends
 from megalm.training.preemption import signal_numbers
+from megalm.training.profiling import validate_profiling
 
 
 def validate_run(cfg: MegalmConfig, world_size: int = 1, device: torch.device | None = None) -> MegalmConfig:
@@ -42,6 +43,7 @@ def validate_run(cfg: MegalmConfig, world_size: int = 1, device: torch.device | 
     validate_compile(cfg)
     signal_numbers(cfg.trainer.preempt_signals)  # a bad name is refused before Hydra makes the run dir
     check_logging_backends(cfg.logging)  # so is a logger that is not installed (it was refused after the build)
+    validate_profiling(cfg, world_size)
     if cfg.parallel.fsdp_cpu_offload and device.type != "cuda":
         raise ConfigError("parallel.fsdp_cpu_offload=true moves FSDP's shards from the GPU to the host; on "
                           f"{device.type} they are there already: drop it")

@@ -48,7 +48,8 @@ TINY = {"model.num_layers": "4", "model.hidden_size": "64", "model.num_heads": "
         "trainer.log_interval": "1", "logging.tensorboard": "false", "trainer.max_steps": "3"}
 # Values scaled down wherever a command sets them.
 SCALED = {"trainer.max_steps": "3", "trainer.stop_at_step": "2", "trainer.tokens_per_step": "600",
-          "trainer.eval_iters": "2", "trainer.save_interval": "0"}
+          "trainer.eval_iters": "2", "trainer.save_interval": "0",
+          "profiling.start_step": "1", "profiling.steps": "1"}  # a profile's window inside the 3 steps
 FLAGS = {"--steps": ["1"], "--warmup": ["0"], "--reps": ["1"], "--seq": ["64"], "--nproc": None,
          "--global-tokens": ["4M"]}
 # Benchmarks that train: flags appended (argparse keeps the last value) so that they run one short repetition.
