@@ -123,7 +123,9 @@ class StepProfiler:
             from torch.profiler import ProfilerActivity, profile, schedule
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-            self._profiler = profile(activities=activities, record_shapes=True,
+            # one cycle, so acc_events=True keeps what it would keep anyway (without it, torch 2.11 warns that
+            # events are cleared between cycles)
+            self._profiler = profile(activities=activities, record_shapes=True, acc_events=True,
                                      schedule=schedule(wait=0, warmup=1, active=self.last - self.first + 1, repeat=1))
             self._profiler.start()
         if self._profiler is not None and self.first <= index <= self.last:
