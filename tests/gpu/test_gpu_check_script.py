@@ -40,8 +40,8 @@ def test_gpu_check_refuses_without_cuda(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == [], "the refusal must not write a report or a log"
 
 
-def _dry_run(tmp_path: Path, *args: str, budget: int = 540) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "GPU_CHECK_BUDGET_S": str(budget)}
+def _dry_run(tmp_path: Path, *args: str, budget: int = 540, **env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "GPU_CHECK_BUDGET_S": str(budget), **env}
     return subprocess.run(["bash", str(SCRIPTS[0]), "--dry-run", *args], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=540)
 
@@ -76,6 +76,33 @@ def test_a_spent_budget_means_not_run_never_failed(tmp_path: Path) -> None:
             "1.3b/4096 fp8 compiled (", "fp8 compiled, --fp8-columns-apart", "1.3b/4096 fp8_delayed compiled",
             "AdamW kernels", "bf16 with fused weight gradients", "every speed option", "125m")
     assert [sum(row in line for line in sections) for row in rows] == [1] * len(rows), sections
+
+
+BESIDE_OTHERS = """
+import os
+
+def test_alone():  # fails in a pytest-xdist worker only, as a test disturbed by its neighbours would
+    assert "PYTEST_XDIST_WORKER" not in os.environ
+
+def test_fine():
+    pass
+"""
+
+
+@pytest.mark.parametrize("always", [False, True], ids=["passes alone", "fails alone too"])
+def test_tests_that_fail_beside_others_run_again_alone(tmp_path: Path, always: bool) -> None:
+    """The tests step's workers (GPU_CHECK_TEST_WORKERS; 4 on a GPU) share one GPU: a test that fails beside the others
+    runs again in one process, and only a failure there fails the run."""
+    tests = tmp_path / "tests" / "test_beside.py"
+    tests.parent.mkdir()
+    tests.write_text(BESIDE_OTHERS + ("\ndef test_broken():\n    assert False\n" if always else ""))
+    proc = _dry_run(tmp_path, "tests", GPU_CHECK_TESTS=str(tests), GPU_CHECK_TEST_WORKERS="2")
+    report = (tmp_path / "gpu_check_report.md").read_text()
+    assert " -n 2 " in report and f"again in one process ({2 if always else 1})" in report, report
+    if always:
+        assert proc.returncode == 1 and "**FAIL**" in report and "1 passed, 1 failed" in report, report
+    else:
+        assert proc.returncode == 0 and "**PASS**" in report and "passed alone" in report, report
 
 
 def _kill_session(session: int) -> None:
