@@ -82,6 +82,7 @@ class StepShare:
     # Loss-carrying tokens of the whole global batch: an int, or a 0-dim tensor on the compute device where it
     # came from a collective (reading it would be a host sync).
     loss_tokens: int | torch.Tensor
+    host_seconds: float = 0.0  # the host's time making it (Parallelism.share_of_step: read, pack, copy to the device)
 
     @property
     def normaliser(self) -> int | torch.Tensor:

@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -352,9 +353,12 @@ class Parallelism:
     # ------------------------------------------------------------------ one step
 
     def share_of_step(self, dataset: SampleDataset, sample_ids: range, step: int) -> StepShare:
-        """This rank's micro-batches of the step whose global batch is `sample_ids`, ready to run."""
+        """This rank's micro-batches of the step whose global batch is `sample_ids`, ready to run; the host's time
+        making them goes with them (a timer: no sync, so copies still in flight are not in it)."""
+        began = time.perf_counter()
         micro_batches, loss_tokens = self.split.micro_batches(dataset, sample_ids)
-        return StepShare(step, [self._prepare(mb) for mb in micro_batches], loss_tokens)
+        prepared = [self._prepare(mb) for mb in micro_batches]
+        return StepShare(step, prepared, loss_tokens, time.perf_counter() - began)
 
     def _prepare(self, mb: LocalMicroBatch) -> LocalMicroBatch:
         """Pad (SP splits T over tp, TE's FP8 GEMMs want T % 16 == 0), build the ring's attention context,

@@ -34,6 +34,9 @@ def clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+BATCH_SHARE_SHOWN = 0.05  # the console line names the batches' share of the time from this share up
+
+
 def format_line(record: dict[str, Any], max_steps: int) -> str:
     """A concise console line: step and progress, loss, lr, grad norm, throughput (and MFU, eval when known),
     elapsed time and the estimate of what is left."""
@@ -45,6 +48,8 @@ def format_line(record: dict[str, Any], max_steps: int) -> str:
               f"{record['tokens_per_sec']:,.0f} tok/s"]
     if record.get("mfu") is not None:
         parts.append(f"mfu {100 * record['mfu']:.1f}%")
+    if record.get("batch_share", 0) >= BATCH_SHARE_SHOWN:  # a run that waits on its input says so
+        parts.append(f"batches {100 * record['batch_share']:.0f}% of the time")
     if "elapsed_sec" in record:
         eta = record.get("eta_sec")
         parts.append(f"{clock(record['elapsed_sec'])} elapsed" + (f", eta {clock(eta)}" if eta is not None else ""))
@@ -157,11 +162,13 @@ def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
 
 class ThroughputWindow:
     """Tokens and model FLOPs since the last logged step: tokens/s, per GPU, and MFU over that window's training time
-    (evaluation and checkpoint saves run `aside`, off its clock)."""
+    (evaluation and checkpoint saves run `aside`, off its clock); and the host's time making the steps' batches, per
+    step and as a share of that time (TorchTitan's data-loading time: a run that waits on its input shows it)."""
 
     def __init__(self, world_size: int, peak_flops: float | None):
         self.world_size, self.peak = world_size, peak_flops
         self.start, self.tokens, self.flops = time.perf_counter(), 0, 0.0
+        self.steps, self.batch_seconds = 0, 0.0
 
     def aside(self, work: Callable[[], T]) -> T:
         """`work()`, its time left out of the window (the window's start moves later by it)."""
@@ -171,9 +178,12 @@ class ThroughputWindow:
         finally:
             self.start += time.perf_counter() - began
 
-    def add(self, tokens: int, flops: float) -> None:
+    def add(self, tokens: int, flops: float, batch_seconds: float = 0.0) -> None:
+        """One step's tokens, model FLOPs and host time making its batches."""
         self.tokens += tokens
         self.flops += flops
+        self.steps += 1
+        self.batch_seconds += batch_seconds
 
     def close(self) -> dict[str, float]:
         """The window's rates (a metrics record's throughput fields); starts the next window."""
@@ -183,7 +193,10 @@ class ThroughputWindow:
                  "tokens_per_sec_per_gpu": self.tokens / elapsed / self.world_size}
         if self.peak is not None:  # per GPU: global model FLOPs over all ranks' peak
             rates["mfu"] = self.flops / elapsed / (self.peak * self.world_size)
+        if self.steps:  # this rank's (the logging rank's) batches
+            rates |= {"batch_ms": 1e3 * self.batch_seconds / self.steps, "batch_share": self.batch_seconds / elapsed}
         self.start, self.tokens, self.flops = now, 0, 0.0
+        self.steps, self.batch_seconds = 0, 0.0
         return rates
 
 

@@ -18,6 +18,7 @@ class StepResult:
     rank_tokens: list[int] = field(default_factory=list)  # HDP: each domain rank's tokens (Parallelism.rank_loads)
     moe: dict[str, object] = field(default_factory=dict)  # MoE: expert load, drops, balancing losses (expert_load.py)
     preempt: float | None = None  # any rank's preemption signal, as the step read it (Preemption.reduced_flag)
+    batch_seconds: float = 0.0  # the host's time making this rank's batches of the step (StepShare.host_seconds)
 
 
 @dataclass

@@ -199,7 +199,7 @@ class Trainer:
             self.optimizer.grad_scale = None
         return StepResult(loss=loss_sum / n, grad_norm=norm, lr=lr, tokens=int(tokens), flops=flops, skipped=skipped,
                           rank_tokens=[int(x) for x in rank_tokens], moe=self.expert_load.record(moe, n),
-                          preempt=preempt)
+                          preempt=preempt, batch_seconds=share.host_seconds)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -249,7 +249,7 @@ class Trainer:
                     collector.after_step(self.step)
                     window.aside(self.checkpointer.publish_if_written)  # an async save written: `latest` names it
                     self.consumed_tokens += result.tokens
-                    window.add(result.tokens, result.flops)
+                    window.add(result.tokens, result.flops, result.batch_seconds)
                     losses.append((self.step, result.loss))
                     self.spikes.check(result.loss, self.step, self.step_sample_ids(self.step - 1))
                     evaluate = t.eval_interval > 0 and self.step % t.eval_interval == 0

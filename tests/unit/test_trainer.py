@@ -4,6 +4,7 @@ import importlib.machinery
 import importlib.util
 import shutil
 import sys
+import time
 import types
 
 import pytest
@@ -335,3 +336,37 @@ def test_a_refused_resume_leaves_the_run_dir_s_record_of_its_command(tmp_path):
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
         assert {p: p.read_text() for p in record} == record
+
+
+def test_the_host_time_making_batches_is_measured_and_said(tmp_path, monkeypatch, caplog):
+    """batch_ms and batch_share (TorchTitan's data-loading time): a slow input shows in metrics.jsonl and on the console
+    line, measured against a timer of its own around the slow part; a fast one stays off the console line."""
+    from megalm.parallel.parallelism import Parallelism
+
+    prepare, spent = Parallelism._prepare, []
+
+    def slow_prepare(self, mb):  # a slow reader: 60 ms a micro-batch, timed here on its own
+        began = time.perf_counter()
+        time.sleep(0.06)
+        prepared = prepare(self, mb)
+        spent.append(time.perf_counter() - began)
+        return prepared
+
+    overrides = ("trainer.max_steps=3", "trainer.log_interval=1", "trainer.eval_interval=0",
+                 "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "model.seq_length=256",
+                 "model.num_layers=4", "model.hidden_size=128", "model.ffn_hidden_size=256")  # ~1% making batches
+    with caplog.at_level("INFO", logger="megalm"):
+        Trainer(compose_config(*overrides), tmp_path / "fast").fit()
+    fast = read_metrics(tmp_path / "fast")
+    assert all(r["batch_ms"] > 0 and r["batch_share"] < 0.05 for r in fast), fast
+    assert "batches" not in caplog.text
+    monkeypatch.setattr(Parallelism, "_prepare", slow_prepare)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="megalm"):
+        Trainer(compose_config(*overrides), tmp_path / "slow").fit()
+    slow = read_metrics(tmp_path / "slow")
+    per_step = [1e3 * (a + b) for a, b in zip(spent[::2], spent[1::2], strict=True)]  # two micro-batches a step
+    for record, timed in zip(slow, per_step, strict=True):
+        assert timed <= record["batch_ms"] <= timed + 20, (record["batch_ms"], timed)
+        assert record["batch_share"] > 0.05
+    assert "% of the time" in caplog.text and "batches" in caplog.text
