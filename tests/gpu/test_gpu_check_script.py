@@ -57,8 +57,8 @@ def test_the_documented_gpu_run_is_the_one_the_script_prints() -> None:
 def test_a_spent_budget_means_not_run_never_failed(tmp_path: Path) -> None:
     """Also: the steps run in the order asked (the GPU run asks for the fast step's numbers before the tests), and
     `throughput` runs the 1.3B rows (fp8 compiled with and without its column-major copies apart: the A/B that
-    decides that default), `bench` the other benchmarks, the attention kernels last: each row once (a later call's
-    `bench` had re-run the 1.3B rows)."""
+    decides that default; and through torchao's Float8Linear: the backend comparison), `bench` the other benchmarks,
+    the attention kernels last: each row once (a later call's `bench` had re-run the 1.3B rows)."""
     proc = _dry_run(tmp_path, "throughput", "bench", "tests", budget=1)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = (tmp_path / "gpu_check_report.md").read_text()
@@ -69,11 +69,13 @@ def test_a_spent_budget_means_not_run_never_failed(tmp_path: Path) -> None:
     assert sections[1].startswith("### training throughput, 1.3b/4096 bf16 compiled"), sections
     assert sections[2].startswith("### training throughput, 1.3b/4096 fp8 compiled ("), sections
     assert sections[3].startswith("### training throughput, 1.3b/4096 fp8 compiled, --fp8-columns-apart"), sections
+    assert sections[4].startswith("### training throughput, 1.3b/4096 fp8 compiled, torchao's"), sections
     assert sections[-2].startswith("### attention kernels, unequal documents, cuDNN ragged bucketed"), sections
     assert sections[-1].startswith("### tests"), sections
     rows = ("attention kernels, 1.3b/4096, one", "attention kernels, 1.3b/4096, unequal",
             "1.3b/4096 bf16 (", "1.3b/4096 bf16 compiled", "1.3b/4096 fp8 (",
-            "1.3b/4096 fp8 compiled (", "fp8 compiled, --fp8-columns-apart", "1.3b/4096 fp8_delayed compiled",
+            "1.3b/4096 fp8 compiled (", "fp8 compiled, --fp8-columns-apart", "torchao's Float8Linear",
+            "1.3b/4096 fp8_delayed compiled",
             "AdamW kernels", "bf16 with fused weight gradients", "every speed option", "125m")
     assert [sum(row in line for line in sections) for row in rows] == [1] * len(rows), sections
 
