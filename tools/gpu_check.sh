@@ -63,6 +63,10 @@ done
 ((${#STEPS[@]})) || STEPS=(setup throughput tests calibrate bench compare compare_accumulated)
 # the tests step's pytest-xdist workers: 4 on a GPU, one process in a dry run (CI's), unless set
 TEST_WORKERS=${GPU_CHECK_TEST_WORKERS:-$( ((DRY_RUN)) && echo 1 || echo 4)}
+if [[ ! "$TEST_WORKERS" =~ ^[1-9][0-9]*$ ]]; then
+  echo "gpu_check: GPU_CHECK_TEST_WORKERS=$TEST_WORKERS is not a count of workers; give a number (1: one process)" >&2
+  exit 2
+fi
 
 # ------------------------------------------------------------------------------------------------ a CUDA GPU
 if ! "$PYTHON" -c 'import torch' >/dev/null 2>&1; then
@@ -205,7 +209,7 @@ case "$gpu_name" in a100|h100|h200|b200) ROOFLINE_GPU=$gpu_name ;; *) ROOFLINE_G
 
 # ------------------------------------------------------------------------------------------------------ tests
 step_tests() {
-  if [ -n "${GPU_CHECK_TESTS:-}" ]; then  # a partial re-run: e.g. the files that failed last time
+  if [ -n "${GPU_CHECK_TESTS// /}" ]; then  # a partial re-run: e.g. the files that failed last time
     read -r -a TESTS <<<"$GPU_CHECK_TESTS"
   elif ((DRY_RUN)); then  # on CPU: the GPU tier collects and skips; the fake-CUDA tier runs (or skips on a CPU torch)
     TESTS=(tests/gpu tests/unit/test_fake_cuda.py)
@@ -216,11 +220,10 @@ step_tests() {
   # On a GPU, TEST_WORKERS pytest-xdist workers share the GPU and the host's cores, whole files each, where
   # pytest-xdist is installed (.wheels/ carries it): serially the tier took 227 s of a 15-minute device budget
   # (2026-11-29), much of it the CPU's fp32 references. The tests that fail beside others run again alone, below.
-  local workers=() threads failed
-  threads=$(nproc)
+  local workers=() threads=() failed
   if ((TEST_WORKERS > 1)) && "$PYTHON" -c "import xdist" >/dev/null 2>&1; then
-    workers=(-n "$TEST_WORKERS" --dist loadfile)
-    threads=$((threads / TEST_WORKERS > 0 ? threads / TEST_WORKERS : 1))
+    workers=(-n "$TEST_WORKERS" --dist loadfile)  # and the cores shared between them, not each taking all
+    threads=(OMP_NUM_THREADS=$(($(nproc) / TEST_WORKERS > 0 ? $(nproc) / TEST_WORKERS : 1)))
   fi
   # `-m "gpu or not slow"`: the gpu tests, and the unit files' tests, which carry no marker
   # --timeout 90: a hung test fails alone and the others are still counted (addopts' 600 s exceeds the step)
@@ -229,14 +232,14 @@ step_tests() {
   # cache_dir: pytest's record of what failed (for --last-failed below), kept out of the checkout
   local pytest_args=(-m "gpu or not slow" -rfEs -q --ignore=tests/gpu/test_gpu_check_script.py --timeout 90
                      -o cache_dir="$WORK/pytest_cache")
-  run "tests" 420 env OMP_NUM_THREADS="$threads" "$PYTHON" -m pytest "${TESTS[@]}" "${workers[@]}" \
+  run "tests" 420 env "${threads[@]}" "$PYTHON" -m pytest "${TESTS[@]}" "${workers[@]}" \
     "${pytest_args[@]}" --junitxml="$WORK/junit.xml"
   if [[ "$last_status" == ok || "$last_status" == failed ]]; then  # cut or not started: no verdict on the tests
     summary=$("$PYTHON" tools/gpu_check_report.py junit "$WORK/junit.xml" "$last_rc" "$last_s" 2>&1) \
       || [[ " ${failures[*]} " == *" tests "* ]] || failures+=("tests")
     report "" "$summary"
   fi
-  failed=$(grep -c -E '<(failure|error)[ >]' "$WORK/junit.xml" 2>/dev/null)
+  failed=$("$PYTHON" tools/gpu_check_report.py failed "$WORK/junit.xml" 2>/dev/null)  # tests, not failure lines
   # beside other workers only, and few: more than 20 failing at once is no neighbour's doing
   ((${#workers[@]} && ${failed:-0} > 0 && ${failed:-0} <= 20)) && [[ "$last_status" == failed ]] || return 0
   run "tests that failed beside others, again in one process ($failed)" 240 "$PYTHON" -m pytest "${TESTS[@]}" \

@@ -2,6 +2,7 @@
 
     python tools/gpu_check_report.py header REPORT [--dry-run]   # appends the header: date, device, versions, commit
     python tools/gpu_check_report.py junit JUNIT_XML RC SECONDS  # prints the tests' lines (counts, failures, skips)
+    python tools/gpu_check_report.py failed JUNIT_XML            # prints how many tests failed or errored
     python tools/gpu_check_report.py device                      # prints "CAPABILITY GPUS NAME", e.g. "90 1 h100"
 
 Why separate: the shell script appends each step's lines to the report as it goes (a step killed by a time limit
@@ -76,6 +77,12 @@ def junit(path: Path, rc: int, seconds: str) -> tuple[list[str], bool]:
     return lines, rc == 0 and counts["passed"] > 0 and not failed
 
 
+def failed(path: Path) -> int:
+    """How many tests of the junit file failed or errored (a test can carry both a failure and a teardown error)."""
+    cases = ET.parse(path).getroot().iter("testcase") if path.exists() else ()
+    return sum(any(child.tag in ("failure", "error") for child in case) for case in cases)
+
+
 def device() -> str:
     """The device's compute capability (e.g. 90), GPU count and short name (h100: NVIDIA's "H100 80GB HBM3" reads
     as its model, not as its memory), or "0 0 cpu"."""
@@ -105,6 +112,9 @@ def main(argv: list[str]) -> int:
         lines, ok = junit(Path(argv[1]), int(argv[2]), argv[3])
         print("\n".join(lines))
         return 0 if ok else 1
+    if argv[:1] == ["failed"]:
+        print(failed(Path(argv[1])))
+        return 0
     print(__doc__, file=sys.stderr)
     return 2
 

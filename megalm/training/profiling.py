@@ -33,7 +33,7 @@ from types import TracebackType
 
 import torch
 
-from megalm.config import MegalmConfig, ProfilingConfig
+from megalm.config import MegalmConfig
 from megalm.errors import ConfigError
 from megalm.measure.kernel_profile import STEP_SPAN, format_profile, summarize
 
@@ -65,38 +65,46 @@ def validate_profiling(cfg: MegalmConfig, world_size: int) -> None:
 
 class StepProfiler:
     """A context manager around the training loop; `before_step(i)` / `after_step(i)` around step index i (0-based:
-    the log's step i + 1). `first_step`: the index of this process's first step (its resume point)."""
+    the log's step i + 1). `first_step`: the index of this process's first step (its resume point). Nothing it does
+    stops the training: a file it cannot write is a warning, and an error inside the loop leaves it stopped."""
 
-    def __init__(self, cfg: ProfilingConfig, run_dir: Path, rank: int, device: torch.device, first_step: int) -> None:
-        on_rank = cfg.ranks is None or rank in cfg.ranks
-        self.trace = cfg.trace and on_rank
-        self.memory = cfg.memory_snapshot and on_rank and device.type == "cuda"
-        if cfg.memory_snapshot and on_rank and device.type != "cuda":
+    def __init__(self, cfg: MegalmConfig, run_dir: Path, rank: int, device: torch.device, first_step: int) -> None:
+        p, t = cfg.profiling, cfg.trainer
+        on_rank = p.ranks is None or rank in p.ranks
+        self.trace = p.trace and on_rank
+        self.memory = p.memory_snapshot and on_rank and device.type == "cuda"
+        if p.memory_snapshot and on_rank and device.type != "cuda":
             log.warning("profiling.memory_snapshot=true: the snapshot is the CUDA caching allocator's, and this run is "
-                        "on %s: none is written (profiling.trace=true still records the steps)", device.type)
-        self.first = first_step + cfg.start_step  # the first profiled step's index
-        self.last = self.first + cfg.steps - 1
+                        "on %s: none is written%s", device.type,
+                        " (profiling.trace=true still records the steps)" if p.trace else "")
+        self.first = first_step + p.start_step  # the first profiled step's index
+        self.last = self.first + p.steps - 1
         self.rank, self.device, self.dir = rank, device, Path(run_dir) / "profile"
+        # the log's step numbers after which the loop evaluates or saves inside the window: the profiler records it
+        self.between = [n for n in range(self.first + 1, self.last + 1) if any(
+            every and n % every == 0 for every in (t.eval_interval, t.save_interval))]
         self.written: list[Path] = []
         self._profiler: torch.profiler.profile | None = None
         self._spans: contextlib.ExitStack | None = None
         self._recording = False
-        self._started = 0.0
+        self._started = self._wall = 0.0  # the profiled steps' wall: each step's own, between two syncs
         self._index = self._done = first_step  # the step running, and the steps done (the log's last step number)
 
-    @property
-    def _label(self) -> str:  # in the files' names
-        return f"steps{self.first + 1}-{self.last + 1}"
-
-    @property
-    def _steps(self) -> str:  # in the log
-        return f"steps {self.first + 1} to {self.last + 1}"
+    def _steps(self, last: int | None = None, sep: str = " to ") -> str:
+        """'steps 11 to 12' (the log's numbers), or with sep '-' and no space the files' 'steps11-12'."""
+        last = self.last if last is None else last
+        return f"steps{' ' if sep == ' to ' else ''}{self.first + 1}{sep}{last + 1}"
 
     def __enter__(self) -> StepProfiler:
         if self.trace:
-            log.info("profiling.trace: torch.profiler records %s on rank %d, into %s", self._steps, self.rank, self.dir)
+            log.info("profiling.trace: torch.profiler records %s on rank %d, into %s", self._steps(), self.rank,
+                     self.dir)
+            if self.between:
+                log.warning("profiling: the run evaluates or saves after step(s) %s, inside the profiled %s: the "
+                            "summary's kernels count that work too (the wall does not)", self.between, self._steps())
         if self.memory:
-            torch.cuda.memory._record_memory_history(max_entries=MEMORY_ENTRIES)
+            # Python's stacks only: C++ frames on every allocation would slow each step of this rank until the dump
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_ENTRIES, stacks="python")
             self._recording = True
             log.info("profiling.memory_snapshot: recording the CUDA allocator's history until step %d",
                      self.last + 1)
@@ -104,18 +112,22 @@ class StepProfiler:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if self._recording:
-            if isinstance(exc, torch.OutOfMemoryError):
+        try:
+            if self._recording and isinstance(exc, torch.OutOfMemoryError):
                 self._dump_memory(f"rank{self.rank}_memory_oom_step{self._index + 1}.pickle")
-            self._stop_recording()
-        if self._spans is not None:
-            self._spans.close()
-        if self._profiler is not None:
-            self._profiler.stop()
-            self._profiler = None
+        finally:
+            try:
+                if self._recording:
+                    self._stop_recording()
+            finally:
+                if self._spans is not None:
+                    self._spans.close()
+                    self._spans = None
+                if self._profiler is not None:  # the loop ended inside the window
+                    self._finish(self._done - 1 if exc is None and self._done > self.first else None)
         if (self.trace or self.memory) and not self.written and exc is None:
             log.warning("profiling: this process stopped after step %d, before its profiled %s: nothing was written "
-                        "(lower profiling.start_step)", self._done, self._steps)
+                        "(lower profiling.start_step)", self._done, self._steps())
 
     def before_step(self, index: int) -> None:
         self._index = index
@@ -129,9 +141,8 @@ class StepProfiler:
                                      schedule=schedule(wait=0, warmup=1, active=self.last - self.first + 1, repeat=1))
             self._profiler.start()
         if self._profiler is not None and self.first <= index <= self.last:
-            if index == self.first:
-                self._synchronize()
-                self._started = time.perf_counter()
+            self._synchronize()
+            self._started = time.perf_counter()
             from torch.profiler import record_function
 
             self._spans = contextlib.ExitStack()  # the host syncs are counted inside STEP_SPAN (kernel_profile)
@@ -146,41 +157,60 @@ class StepProfiler:
             self._spans.close()
             self._spans = None
         if self._profiler is not None:
+            if self.first <= index:
+                self._synchronize()
+                self._wall += time.perf_counter() - self._started
             if index < self.last:
                 self._profiler.step()
             else:
-                self._synchronize()
-                wall = time.perf_counter() - self._started
-                self._profiler.stop()
-                self._write_trace(self._profiler, wall)
-                self._profiler = None
+                self._finish(index)
         if self._recording and index == self.last:
-            self._dump_memory(f"rank{self.rank}_memory_{self._label}.pickle")
+            self._dump_memory(f"rank{self.rank}_memory_{self._steps(sep='-')}.pickle")
             self._stop_recording()
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _write_trace(self, profiler: torch.profiler.profile, wall_s: float) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        trace = self.dir / f"rank{self.rank}_{self._label}.json.gz"
-        profiler.export_chrome_trace(str(trace))
-        profile = summarize(profiler.events(), self.last - self.first + 1, wall_s)
-        summary = self.dir / f"rank{self.rank}_{self._label}_summary.json"
-        summary.write_text(json.dumps(profile.as_dict(), indent=1) + "\n")
-        self.written += [trace, summary]
-        log.info("profiling rank %d, %s (trace %s):\n%s", self.rank, self._steps, trace,
-                 format_profile(profile))
+    def _finish(self, last: int | None) -> None:
+        """Stop the profiler; write the trace and summary of the steps up to index `last` (None: none, or an error
+        ended the loop: nothing is written)."""
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        if last is None:
+            return
+        steps = last - self.first + 1
+        if last < self.last:
+            log.warning("profiling rank %d: the run stopped inside the profiled steps; the trace holds %s",
+                        self.rank, self._steps(last))
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            trace = self.dir / f"rank{self.rank}_{self._steps(last, sep='-')}.json.gz"
+            profiler.export_chrome_trace(str(trace))
+            self.written.append(trace)
+            profile = summarize(profiler.events(), steps, self._wall)
+            summary = trace.with_name(trace.name.replace(".json.gz", "_summary.json"))
+            summary.write_text(json.dumps(profile.as_dict(), indent=1) + "\n")
+            self.written.append(summary)
+        except Exception as e:  # noqa: BLE001 - a profile that cannot be written must not end the training
+            log.warning("profiling rank %d: the profile of %s could not be written (%s: %s); training goes on",
+                        self.rank, self._steps(last), type(e).__name__, e)
+            return
+        log.info("profiling rank %d, %s (trace %s):\n%s", self.rank, self._steps(last), trace, format_profile(profile))
 
     def _dump_memory(self, name: str) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / name
-        torch.cuda.memory._dump_snapshot(str(path))
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            path = self.dir / name
+            torch.cuda.memory._dump_snapshot(str(path))
+        except Exception as e:  # noqa: BLE001 - as above
+            log.warning("profiling rank %d: the CUDA allocator's snapshot could not be written (%s: %s)", self.rank,
+                        type(e).__name__, e)
+            return
         self.written.append(path)
         log.info("profiling rank %d: the CUDA allocator's snapshot is %s (pytorch.org/memory_viz draws it)",
                  self.rank, path)
 
     def _stop_recording(self) -> None:
-        torch.cuda.memory._record_memory_history(enabled=None)
         self._recording = False
+        torch.cuda.memory._record_memory_history(enabled=None)

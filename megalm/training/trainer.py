@@ -236,7 +236,7 @@ class Trainer:
         losses: list[tuple[int, float]] = []
         start, preempted = time.perf_counter(), False
         collector = StepBoundaryGC(t.gc_interval)  # Python's GC between steps only, while training
-        profiler = StepProfiler(self.cfg.profiling, self.run_dir, self.mesh.rank, self.device, self.step)
+        profiler = StepProfiler(self.cfg, self.run_dir, self.mesh.rank, self.device, self.step)
         with self.preemption, self.watchdog, collector, profiler:  # signals, hangs and profiles: while training only
             window = ThroughputWindow(self.mesh.dims.world_size, self.peak)  # after the collector's first collection
             try:

@@ -107,6 +107,12 @@ def test_tests_that_fail_beside_others_run_again_alone(tmp_path: Path, always: b
         assert proc.returncode == 0 and "**PASS**" in report and "passed alone" in report, report
 
 
+def test_a_worker_count_that_is_no_number_is_refused(tmp_path: Path) -> None:
+    proc = _dry_run(tmp_path, "tests", GPU_CHECK_TEST_WORKERS="auto")
+    assert proc.returncode == 2 and "GPU_CHECK_TEST_WORKERS=auto is not a count of workers" in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == [], "refused before writing anything"
+
+
 def _kill_session(session: int) -> None:
     """SIGKILL every process of session `session` (/proc/PID/stat's sixth field)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):

@@ -119,6 +119,7 @@ class FakeAllocator:
 
     def record(self, enabled: str | None = "all", **kwargs) -> None:
         self.calls.append(("record", enabled))
+        assert enabled is None or kwargs.get("stacks") == "python", "C++ stacks slow every step until the dump"
 
     def dump(self, path: str) -> None:
         self.calls.append(("dump", Path(path).name))
@@ -134,7 +135,7 @@ def allocator():
 
 
 def memory_profiler(tmp_path: Path) -> StepProfiler:
-    cfg = compose_config("profiling.memory_snapshot=true", "profiling.start_step=2", "profiling.steps=2").profiling
+    cfg = compose_config("profiling.memory_snapshot=true", "profiling.start_step=2", "profiling.steps=2")
     return StepProfiler(cfg, tmp_path, 0, torch.device("cuda"), first_step=0)
 
 
@@ -157,3 +158,63 @@ def test_an_out_of_memory_error_leaves_its_snapshot(tmp_path, allocator):
         raise torch.OutOfMemoryError("CUDA out of memory")
     assert allocator.calls == [("record", "all"), ("dump", "rank0_memory_oom_step2.pickle"), ("record", None)]
     assert (tmp_path / "profile" / "rank0_memory_oom_step2.pickle").exists()
+
+
+def test_an_error_inside_the_window_leaves_the_profiler_stopped(tmp_path):
+    """The run's error is the run's: the profiler stops (another profile in the process works), nothing half-written."""
+    cfg = compose_config(*TRACE, "trainer.max_steps=4", "profiling.start_step=1", "profiling.steps=2")
+    trainer = Trainer(cfg, tmp_path / "failed")
+    train_step = trainer.train_step
+    trainer.train_step = lambda step: (_ for _ in ()).throw(RuntimeError("boom")) if step == 2 else train_step(step)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit()
+    assert not torch.autograd.profiler._is_profiler_enabled
+    assert not (tmp_path / "failed" / "profile").exists()
+    Trainer(cfg, tmp_path / "next").fit()
+    assert (tmp_path / "next" / "profile" / "rank0_steps2-3.json.gz").exists()
+
+
+def test_a_run_stopped_inside_the_window_keeps_the_steps_it_profiled(tmp_path, caplog):
+    """A preemption (here: asked for after step 3) ends the loop inside the window: the trace and summary of the
+    profiled steps it ran are written, and a line says the window was cut."""
+    cfg = compose_config(*TRACE, "trainer.max_steps=6", "profiling.start_step=2", "profiling.steps=3")
+    trainer = Trainer(cfg, tmp_path)
+    trainer.preemption.requested = lambda *_: trainer.step == 4
+    with caplog.at_level(logging.INFO, logger="megalm"):
+        trainer.fit()
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["rank0_steps3-4.json.gz",
+                                                                          "rank0_steps3-4_summary.json"]
+    assert sorted(step_spans(trace_events(tmp_path / "profile" / "rank0_steps3-4.json.gz"))) == [
+        "megalm step 3", "megalm step 4"]
+    assert json.loads((tmp_path / "profile" / "rank0_steps3-4_summary.json").read_text())["steps"] == 2
+    assert any("stopped inside the profiled steps; the trace holds steps 3 to 4" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_profile_that_cannot_be_written_does_not_stop_training(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", lambda *a, **k: (_ for _ in ()).throw(
+        OSError("No space left on device")))
+    cfg = compose_config(*TRACE, "trainer.max_steps=4", "profiling.start_step=1", "profiling.steps=1")
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        summary = Trainer(cfg, tmp_path).fit()
+    assert summary.steps == 4
+    assert any("could not be written (OSError: No space left on device); training goes on" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_an_evaluation_inside_the_window_is_said_and_kept_off_the_wall(tmp_path, caplog):
+    """The loop evaluates between steps 3 and 4 (trainer.eval_interval=3): recorded with them, so said; the summary's
+    wall is the two steps' own (their spans' length, within the timer's reach), not the evaluation's."""
+    cfg = compose_config("profiling.trace=true", "logging.tensorboard=false", "trainer.max_steps=5",
+                         "trainer.eval_interval=3", "trainer.eval_iters=20", "profiling.start_step=2",
+                         "profiling.steps=2")
+    with caplog.at_level(logging.INFO, logger="megalm"):
+        Trainer(cfg, tmp_path).fit()
+    assert any("evaluates or saves after step(s) [3], inside the profiled steps 3 to 4" in r.getMessage()
+               for r in caplog.records)
+    spans = step_spans(trace_events(tmp_path / "profile" / "rank0_steps3-4.json.gz"))
+    steps_ms = sum(end - start for start, end in spans.values()) / 1e3
+    summary = json.loads((tmp_path / "profile" / "rank0_steps3-4_summary.json").read_text())
+    gap_ms = (spans["megalm step 4"][0] - spans["megalm step 3"][1]) / 1e3  # the evaluation of 20 batches
+    assert gap_ms > steps_ms / 2, "the evaluation should take a while for the test to mean anything"
+    assert steps_ms / 2 <= summary["wall_ms"] <= steps_ms / 2 + 5
