@@ -79,6 +79,7 @@ class MetricsLogger:
         self.max_steps = max_steps
         self.started = time.perf_counter()
         self._first: tuple[int, float] | None = None  # (step, time) of the first record: the rate's origin
+        self._alloc_retries = 0  # the CUDA allocator's retries last said (memory_metrics)
         self._bar = _terminal_bar(max_steps)
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -118,6 +119,12 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
         log.info(format_line(record, self.max_steps))
+        if record.get("alloc_retries", 0) > self._alloc_retries:  # said as the count grows, one line a record at most
+            self._alloc_retries = record["alloc_retries"]
+            log.warning(f"step {step}: the CUDA caching allocator has retried {self._alloc_retries} allocation(s) "
+                        "since the start (it freed its cache to find the memory, a device-wide sync each: memory is "
+                        "near full or fragmented); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, a smaller "
+                        "trainer.micro_batch_size or more parallel.recompute avoids it")
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         step = record["step"]
@@ -198,6 +205,19 @@ class ThroughputWindow:
         self.start, self.tokens, self.flops = now, 0, 0.0
         self.steps, self.batch_seconds = 0, 0.0
         return rates
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """A metrics record's memory fields: `peak_memory_gib` (`peak_memory_gb`); on CUDA also the caching allocator's
+    peak reserved memory (`peak_reserved_gib`: what the process holds from the GPU, fragmentation included) and its
+    counts since the start of `alloc_retries` (allocations that succeeded only after the allocator freed its cache and
+    retried: memory near full or fragmented, each retry a device-wide sync) and `ooms` (TorchTitan logs both)."""
+    record = {"peak_memory_gib": peak_memory_gb(device)}
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        record |= {"peak_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30,
+                   "alloc_retries": stats.get("num_alloc_retries", 0), "ooms": stats.get("num_ooms", 0)}
+    return record
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -33,7 +33,7 @@ from megalm.training.expert_load import ExpertLoad
 from megalm.training.flops import peak_flops, training_flops
 from megalm.training.guards import NonFiniteError, NonFiniteGuard, SpikeDetector, check_finite_state
 from megalm.training.init_from import load_init_weights
-from megalm.training.metrics import MetricsLogger, ThroughputWindow, peak_memory_gb
+from megalm.training.metrics import MetricsLogger, ThroughputWindow, memory_metrics, peak_memory_gb
 from megalm.training.optim import build_optimizer, current_weights, lr_at, set_lr
 from megalm.training.preemption import Preemption
 from megalm.training.profiling import StepProfiler
@@ -259,7 +259,7 @@ class Trainer:
                     if self.step == 1 or self.step % t.log_interval == 0 or evaluate or self.step == stop_at:
                         record = {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
                                   "lr": result.lr, "tokens": self.consumed_tokens, **window.close(),
-                                  "peak_memory_gib": peak_memory_gb(self.device),
+                                  **memory_metrics(self.device),
                                   **({"hdp_rank_tokens": result.rank_tokens} if result.rank_tokens else {}),
                                   **result.moe}
                         if self.nonfinite.skipped_steps:

@@ -2,7 +2,8 @@
 
 A tiny run profiles its third step: the trace holds that step's CUDA kernels inside its span, the summary counts them
 by kind with the GPU busy no longer than the wall, and the allocator's snapshot is the one torch's memory viewer reads
-(its segments hold the model's parameters, with the stacks of their allocations)."""
+(its segments hold the model's parameters, with the stacks of their allocations); and each metrics record has the
+caching allocator's reserved peak and its retry and OOM counts."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pickle
 
 import pytest
 
+from megalm.training.metrics import read_metrics
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
 
@@ -39,3 +41,6 @@ def test_a_cuda_run_profiles_its_kernels_and_memory(tmp_path):
     parameter_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     assert sum(b["size"] for b in blocks) >= parameter_bytes
     assert any(b.get("frames") for b in blocks), "allocations without their stacks"
+    records = read_metrics(tmp_path)  # the allocator's counters in every record (memory_metrics)
+    assert records and all(r["peak_reserved_gib"] >= r["peak_memory_gib"] > 0 and r["alloc_retries"] >= 0
+                           and r["ooms"] == 0 for r in records)

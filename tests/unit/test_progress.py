@@ -76,3 +76,26 @@ def test_a_new_step_marks_what_the_last_one_did_as_its():
     assert "micro batch: - (step 3's last: 2 of 2)" in progress.report()
     progress.note(micro_batch="1 of 2")
     assert "micro batch: 1 of 2" in progress.report()
+
+
+def test_the_cuda_allocators_retries_are_logged_and_said_as_they_grow(tmp_path, monkeypatch, caplog):
+    """memory_metrics on a CUDA device reads the caching allocator's counters (torch.cuda.memory_stats, stood in for
+    here: no GPU); the logger warns when the retries grow, not on every record."""
+    import torch
+
+    stats = {"reserved_bytes.all.peak": 3 * 2**30, "num_alloc_retries": 0, "num_ooms": 0}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(stats))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 2 * 2**30)
+    logger = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False), max_steps=10)
+    with caplog.at_level("WARNING", logger="megalm"):
+        for step, retries in ((1, 0), (2, 2), (3, 2), (4, 5)):
+            stats["num_alloc_retries"] = retries
+            logger.log({"step": step, **BASE, **metrics.memory_metrics(torch.device("cuda"))})
+    logger.close()
+    records = read_metrics(tmp_path)
+    assert [(r["peak_memory_gib"], r["peak_reserved_gib"], r["alloc_retries"]) for r in records] == [
+        (2.0, 3.0, 0), (2.0, 3.0, 2), (2.0, 3.0, 2), (2.0, 3.0, 5)]
+    said = [r.getMessage() for r in caplog.records if "caching allocator" in r.getMessage()]
+    assert [line.split(":")[0] for line in said] == ["step 2", "step 4"], said
+    assert "retried 5 allocation(s)" in said[-1]
+    assert set(metrics.memory_metrics(torch.device("cpu"))) == {"peak_memory_gib"}
