@@ -209,8 +209,9 @@ case "$gpu_name" in a100|h100|h200|b200) ROOFLINE_GPU=$gpu_name ;; *) ROOFLINE_G
 
 # ------------------------------------------------------------------------------------------------------ tests
 step_tests() {
-  if [ -n "${GPU_CHECK_TESTS// /}" ]; then  # a partial re-run: e.g. the files that failed last time
-    read -r -a TESTS <<<"$GPU_CHECK_TESTS"
+  local given=${GPU_CHECK_TESTS:-}
+  if [ -n "${given// /}" ]; then  # a partial re-run: e.g. the files that failed last time
+    read -r -a TESTS <<<"$given"
   elif ((DRY_RUN)); then  # on CPU: the GPU tier collects and skips; the fake-CUDA tier runs (or skips on a CPU torch)
     TESTS=(tests/gpu tests/unit/test_fake_cuda.py)
   else

@@ -41,7 +41,9 @@ def test_gpu_check_refuses_without_cuda(tmp_path: Path) -> None:
 
 
 def _dry_run(tmp_path: Path, *args: str, budget: int = 540, **env: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "GPU_CHECK_BUDGET_S": str(budget), **env}
+    # without this pytest's own variables (a pytest-xdist worker's among them): the script's pytest is a run of its own
+    outer = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env = {**outer, "PYTHON": sys.executable, "OUT": str(tmp_path), "GPU_CHECK_BUDGET_S": str(budget), **env}
     return subprocess.run(["bash", str(SCRIPTS[0]), "--dry-run", *args], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=540)
 
