@@ -115,6 +115,8 @@ class StepProfiler:
         try:
             if self._recording and isinstance(exc, torch.OutOfMemoryError):
                 self._dump_memory(f"rank{self.rank}_memory_oom_step{self._index + 1}.pickle")
+            elif self._recording and exc is None and self._done > self.first:  # stopped inside the window
+                self._dump_memory(f"rank{self.rank}_memory_{self._steps(self._done - 1, sep='-')}.pickle")
         finally:
             try:
                 if self._recording:

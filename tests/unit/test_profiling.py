@@ -150,6 +150,14 @@ def test_the_memory_snapshot_records_from_the_start_to_the_window_end(tmp_path, 
     assert len(allocator.calls) == 3
 
 
+def test_a_run_stopped_inside_the_window_leaves_the_snapshot_of_its_steps(tmp_path, allocator):
+    with memory_profiler(tmp_path) as profiler:  # steps 3 and 4 asked; the loop stops after step 3
+        for index in range(3):
+            profiler.before_step(index)
+            profiler.after_step(index)
+    assert allocator.calls == [("record", "all"), ("dump", "rank0_memory_steps3-3.pickle"), ("record", None)]
+
+
 def test_an_out_of_memory_error_leaves_its_snapshot(tmp_path, allocator):
     with pytest.raises(torch.OutOfMemoryError), memory_profiler(tmp_path) as profiler:
         profiler.before_step(0)
