@@ -9,10 +9,11 @@ GPU_RUN='The GPU run. Where pip reaches an index: tools/gpu_wheels.sh && tools/c
 git-ignored .wheels/ and .whl/). Copy the checkout with .wheels/ and .whl/ to the GPU machine (one H100 or H200,
 torch with CUDA, no network needed); from its root run
     OUT=DIR tools/gpu_check.sh setup throughput tests     (about 8 minutes; its 9-minute budget)
-    OUT=DIR tools/gpu_check.sh setup compare              (1.3B at seq 4096 against the peers, about 5 minutes)
+    OUT=DIR tools/gpu_check.sh setup compare_accumulated  (1.3B at seq 4096 against the peers at 4 micro-batches
+                                                           a step, megalm with its speed options: the cell of the
+                                                           55% goal, about 4 minutes)
 and, if time is left,
-    OUT=DIR tools/gpu_check.sh setup compare_accumulated  (the same at 4 micro-batches a step, megalm with its
-                                                           speed options: the cell of the 55% goal, ~5 min)
+    OUT=DIR tools/gpu_check.sh setup compare              (the same at one micro-batch a step, bf16 and fp8, ~5 min)
     OUT=DIR tools/gpu_check.sh setup bench                (first the rows that decide a default: fused weight
                                                            gradients, the MoE and zero-bubble compile defaults;
                                                            then the other benchmarks)
