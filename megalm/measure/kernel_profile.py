@@ -148,29 +148,41 @@ def summarize(events: Iterable[Any], steps: int, wall_s: float, top: int = 15) -
         top=[(name, calls / steps, us / 1e3 / steps) for name, (calls, us) in ranked])
 
 
-def profile_steps(step: Callable[[int], object], first_step: int, steps: int, device: torch.device,
-                  trace: Path | None = None) -> StepProfile:
-    """`steps` calls of `step(i)` (one training step each, any framework's) under torch.profiler (CPU ops, and CUDA
-    kernels on a GPU), summed per step, after one call the profiler records and discards (its own set-up is not in
-    the figures); `trace` also gets the Chrome trace."""
-    from torch.profiler import ProfilerActivity, profile, record_function, schedule
+def synchronize(device: torch.device) -> None:
+    """Wait for the kernels queued on `device` (a CPU's ops have run when they return)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    def synchronize() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+
+def step_profiler(device: torch.device, steps: int, **options: Any) -> torch.profiler.profile:
+    """torch.profiler (CPU ops, and CUDA kernels on a GPU; `options` are its own) for one warm-up step it records and
+    discards (its own set-up is not in the figures), then `steps` steps, each ended by `prof.step()` but the last.
+    One cycle, so acc_events=True keeps what it would keep anyway (without it torch 2.11 warns that events are cleared
+    between cycles)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof:
+    return profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
+                   acc_events=True, **options)
+
+
+def profile_steps(step: Callable[[int], object], first_step: int, steps: int, device: torch.device,
+                  trace: Path | None = None) -> StepProfile:
+    """`steps` calls of `step(i)` (one training step each, any framework's) under `step_profiler`, summed per step,
+    after one call the profiler records and discards; `trace` also gets the Chrome trace."""
+    from torch.profiler import record_function
+
+    with step_profiler(device, steps) as prof:
         step(first_step)
         prof.step()
-        synchronize()
+        synchronize(device)
         start = time.perf_counter()
         for i in range(first_step + 1, first_step + 1 + steps):
             with record_function(STEP_SPAN):  # the host syncs are counted inside it, not this loop's own
                 step(i)
             if i < first_step + steps:
                 prof.step()
-        synchronize()
+        synchronize(device)
         wall = time.perf_counter() - start
     if trace is not None:
         prof.export_chrome_trace(str(trace))

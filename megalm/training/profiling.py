@@ -35,7 +35,7 @@ import torch
 
 from megalm.config import MegalmConfig
 from megalm.errors import ConfigError
-from megalm.measure.kernel_profile import STEP_SPAN, format_profile, summarize
+from megalm.measure.kernel_profile import STEP_SPAN, format_profile, step_profiler, summarize, synchronize
 
 log = logging.getLogger("megalm")
 
@@ -90,10 +90,13 @@ class StepProfiler:
         self._started = self._wall = 0.0  # the profiled steps' wall: each step's own, between two syncs
         self._index = self._done = first_step  # the step running, and the steps done (the log's last step number)
 
-    def _steps(self, last: int | None = None, sep: str = " to ") -> str:
-        """'steps 11 to 12' (the log's numbers), or with sep '-' and no space the files' 'steps11-12'."""
-        last = self.last if last is None else last
-        return f"steps{' ' if sep == ' to ' else ''}{self.first + 1}{sep}{last + 1}"
+    def _steps(self, last: int | None = None) -> str:
+        """The profiled steps up to index `last` (default: the window's), in the log: 'steps 11 to 12'."""
+        return f"steps {self.first + 1} to {(self.last if last is None else last) + 1}"
+
+    def _label(self, last: int | None = None) -> str:
+        """The same in the files' names: 'steps11-12'."""
+        return f"steps{self.first + 1}-{(self.last if last is None else last) + 1}"
 
     def __enter__(self) -> StepProfiler:
         if self.trace:
@@ -116,7 +119,7 @@ class StepProfiler:
             if self._recording and isinstance(exc, torch.OutOfMemoryError):
                 self._dump_memory(f"rank{self.rank}_memory_oom_step{self._index + 1}.pickle")
             elif self._recording and exc is None and self._done > self.first:  # stopped inside the window
-                self._dump_memory(f"rank{self.rank}_memory_{self._steps(self._done - 1, sep='-')}.pickle")
+                self._dump_memory(f"rank{self.rank}_memory_{self._label(self._done - 1)}.pickle")
         finally:
             try:
                 if self._recording:
@@ -134,16 +137,10 @@ class StepProfiler:
     def before_step(self, index: int) -> None:
         self._index = index
         if self.trace and index == self.first - 1:
-            from torch.profiler import ProfilerActivity, profile, schedule
-
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-            # one cycle, so acc_events=True keeps what it would keep anyway (without it, torch 2.11 warns that
-            # events are cleared between cycles)
-            self._profiler = profile(activities=activities, record_shapes=True, acc_events=True,
-                                     schedule=schedule(wait=0, warmup=1, active=self.last - self.first + 1, repeat=1))
+            self._profiler = step_profiler(self.device, self.last - self.first + 1, record_shapes=True)
             self._profiler.start()
         if self._profiler is not None and self.first <= index <= self.last:
-            self._synchronize()
+            synchronize(self.device)
             self._started = time.perf_counter()
             from torch.profiler import record_function
 
@@ -160,19 +157,15 @@ class StepProfiler:
             self._spans = None
         if self._profiler is not None:
             if self.first <= index:
-                self._synchronize()
+                synchronize(self.device)
                 self._wall += time.perf_counter() - self._started
             if index < self.last:
                 self._profiler.step()
             else:
                 self._finish(index)
         if self._recording and index == self.last:
-            self._dump_memory(f"rank{self.rank}_memory_{self._steps(sep='-')}.pickle")
+            self._dump_memory(f"rank{self.rank}_memory_{self._label()}.pickle")
             self._stop_recording()
-
-    def _synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def _finish(self, last: int | None) -> None:
         """Stop the profiler; write the trace and summary of the steps up to index `last` (None: none, or an error
@@ -187,7 +180,7 @@ class StepProfiler:
                         self.rank, self._steps(last))
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            trace = self.dir / f"rank{self.rank}_{self._steps(last, sep='-')}.json.gz"
+            trace = self.dir / f"rank{self.rank}_{self._label(last)}.json.gz"
             profiler.export_chrome_trace(str(trace))
             self.written.append(trace)
             profile = summarize(profiler.events(), steps, self._wall)
