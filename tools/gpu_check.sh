@@ -241,9 +241,10 @@ step_tests() {
       || [[ " ${failures[*]} " == *" tests "* ]] || failures+=("tests")
     report "" "$summary"
   fi
-  failed=$("$PYTHON" tools/gpu_check_report.py failed "$WORK/junit.xml" 2>/dev/null)  # tests, not failure lines
   # beside other workers only, and few: more than 20 failing at once is no neighbour's doing
-  ((${#workers[@]} && ${failed:-0} > 0 && ${failed:-0} <= 20)) && [[ "$last_status" == failed ]] || return 0
+  ((${#workers[@]})) && [[ "$last_status" == failed ]] || return 0
+  failed=$("$PYTHON" tools/gpu_check_report.py failed "$WORK/junit.xml" 2>/dev/null)  # tests, not failure lines
+  ((${failed:-0} > 0 && ${failed:-0} <= 20)) || return 0
   run "tests that failed beside others, again in one process ($failed)" 240 "$PYTHON" -m pytest "${TESTS[@]}" \
     "${pytest_args[@]}" --last-failed --last-failed-no-failures none --junitxml="$WORK/junit_again.xml"
   if [[ "$last_status" == ok ]]; then  # each passed alone: what failed was running beside other tests
