@@ -226,3 +226,10 @@ def test_an_evaluation_inside_the_window_is_said_and_kept_off_the_wall(tmp_path,
     gap_ms = (spans["megalm step 4"][0] - spans["megalm step 3"][1]) / 1e3  # the evaluation of 20 batches
     assert gap_ms > steps_ms / 2, "the evaluation should take a while for the test to mean anything"
     assert steps_ms / 2 <= summary["wall_ms"] <= steps_ms / 2 + 5
+
+
+def test_the_default_window_is_steps_11_and_12(tmp_path):
+    """At the defaults (profiling.start_step=10, steps=2, ranks=[0]): the two steps after the first ten."""
+    Trainer(compose_config(*TRACE, "trainer.max_steps=12"), tmp_path).fit()
+    assert sorted(step_spans(trace_events(tmp_path / "profile" / "rank0_steps11-12.json.gz"))) == [
+        "megalm step 11", "megalm step 12"]
