@@ -177,6 +177,22 @@ class Bench:
         median = statistics.median(times)
         return median, (max(times) - min(times)) / median
 
+    def fastest_interleaved(self, calls: Sequence[Callable[[], None]]) -> list[float]:
+        """The fastest of `repeats` calls of each of `calls`, timed in turn (one of each per round, after `warmup`
+        rounds). For a slope over a few short calls (the head's, a few ms each on a CPU): a loaded machine only adds
+        time, in bursts, so the minimum is the call's own cost, and taking turns spreads a burst over every point
+        instead of one. A median of each point in a row fit the head's slope negative beside another CI worker."""
+        if self.roofline is not None:
+            return [self.time_calls(call)[0] for call in calls]
+        for _ in range(self.warmup):
+            for call in calls:
+                call()
+        fastest = [float("inf")] * len(calls)
+        for _ in range(self.repeats):
+            for i, call in enumerate(calls):
+                fastest[i] = min(fastest[i], time_calls(call, self.device, 0, 1)[0] / 1e3)
+        return fastest
+
     # -------------------------------------------------------------- phases
 
     def first_calls(self, tokens: int) -> None:

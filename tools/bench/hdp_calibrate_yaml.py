@@ -207,7 +207,7 @@ def derive(found: dict, base: dict, cfg, device: torch.device, args: argparse.Na
         header.append(f"Fit: not done, {len(points)} points measured within --budget-s {args.budget_s:g} (3 needed).")
     if "head" in found:
         _, times, toks = found["head"]
-        header.append("Head (embedding + final norm + LM head + loss, fwd + bwd): "
+        header.append("Head (embedding + final norm + LM head + loss, fwd + bwd; the fastest call of each, in turn): "
                       + ", ".join(f"{n} tokens {t * 1e3:.3f} ms" for n, t in zip(toks, times, strict=True)))
     header += memory_text
     if found["skipped"]:
