@@ -14,7 +14,8 @@ working dtype; forward inside the recipe's forward context; precision=bf16 (bf16
   Σs_i vary independently (one long document vs many short ones of the same total, several totals, and mixed
   lengths); warmup calls, then the median of timed calls (CUDA events; perf_counter on CPU). Fit of
   t = a·Σs_i² + b·Σs_i + c by non-negative least squares on the relative error (`fit_cost`).
-- head: embedding + final norm + LM head + loss, forward + backward, at three token counts, timed in turn (the fastest of each); the slope per token.
+- head: embedding + final norm + LM head + loss, forward + backward, at three token counts, timed in turn (the
+  fastest of each); the slope per token.
 - act_bytes, act_fixed: CUDA allocator (memory_allocated / max_memory_allocated) at two token counts, per block and
   for the head (`memory_line`); on CPU the live storage of the tensors autograd saves (no transient peaks), and
   capacity is not derived (no device memory to fill).
