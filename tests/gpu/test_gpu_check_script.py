@@ -51,7 +51,8 @@ def _dry_run(tmp_path: Path, *args: str, budget: int = 540, **env: str) -> subpr
 def test_the_documented_gpu_run_is_the_one_the_script_prints() -> None:
     printed = subprocess.run(["bash", str(SCRIPTS[0]), "--print-run"], capture_output=True, text=True,
                              check=True).stdout.strip()
-    assert "OUT=DIR tools/gpu_check.sh setup throughput tests" in printed
+    assert "OUT=DIR tools/gpu_check.sh setup compare_accumulated throughput\n" in printed
+    assert "OUT=DIR tools/gpu_check.sh setup tests " in printed
     docs = (ROOT / "docs" / "benchmarks.md").read_text()
     assert printed in docs, "docs/benchmarks.md must quote `tools/gpu_check.sh --print-run` verbatim"
 
@@ -67,11 +68,14 @@ def test_a_spent_budget_means_not_run_never_failed(tmp_path: Path) -> None:
     assert report.count(": not run (the 1 s budget was spent") >= 6, report
     assert "failed (exit" not in report and "**FAIL**" not in report and "**PASS**" in report
     sections = [line for line in report.splitlines() if line.startswith("### ") and line != "### setup"]
-    assert sections[0].startswith("### training throughput, 1.3b/4096 bf16 ("), sections
-    assert sections[1].startswith("### training throughput, 1.3b/4096 bf16 compiled"), sections
-    assert sections[2].startswith("### training throughput, 1.3b/4096 fp8 compiled ("), sections
-    assert sections[3].startswith("### training throughput, 1.3b/4096 fp8 compiled, --fp8-columns-apart"), sections
-    assert sections[4].startswith("### training throughput, 1.3b/4096 fp8 compiled, torchao's"), sections
+    # the rows that decide a default first (a budget cuts the last): compiled bf16, the base of the fp8 ratios, then
+    # the fp8 A/Bs; eager bf16 after them
+    assert sections[0].startswith("### training throughput, 1.3b/4096 bf16 compiled"), sections
+    assert sections[1].startswith("### training throughput, 1.3b/4096 fp8 compiled ("), sections
+    assert sections[2].startswith("### training throughput, 1.3b/4096 fp8 compiled, --fp8-columns-apart"), sections
+    assert sections[3].startswith("### training throughput, 1.3b/4096 fp8 compiled, torchao's"), sections
+    assert sections[4].startswith("### training throughput, 1.3b/4096 fp8_delayed compiled"), sections
+    assert sections[5].startswith("### training throughput, 1.3b/4096 bf16 ("), sections
     assert sections[-2].startswith("### attention kernels, unequal documents, cuDNN ragged bucketed"), sections
     assert sections[-1].startswith("### tests"), sections
     rows = ("attention kernels, 1.3b/4096, one", "attention kernels, 1.3b/4096, unequal",
