@@ -127,6 +127,26 @@ def test_one_flop_formula_for_all(report):
 
 
 @pytest.mark.timeout(120)
+def test_each_run_is_printed_as_it_ends(report):
+    """A cell's rows wait for every framework's runs; a call cut inside a cell (gpu_check's time limits) still shows
+    the runs it finished: each run's line comes before its cell's rows, with that run's own tokens/s and MFU."""
+    data, stdout = report
+    lines = stdout.splitlines()
+    ok = [r for r in data["rows"] if r["status"] == "ok"]
+    assert ok
+    for r in ok:
+        flops = training_flops(ModelConfig(**r["model"]), [r["seq"]] * r["batch"])
+        row_line = next(i for i, line in enumerate(lines)
+                        if line.startswith(r["framework"]) and f" {r['seq']} " in line)
+        for k, tokens_per_sec in enumerate(r["tokens_per_sec_per_repeat"]):
+            prefix = f"  {r['framework']} tiny/{r['seq']} fp32, run {k + 1} of {REPEATS}: "
+            at = next(i for i, line in enumerate(lines) if line.startswith(prefix))
+            mfu = flops * tokens_per_sec / r["tokens_per_step"] / (PEAK_TFLOPS * 1e12)
+            assert f", {tokens_per_sec:,.0f} tokens/s, MFU {mfu:.1%}, " in lines[at], lines[at]
+            assert at < row_line
+
+
+@pytest.mark.timeout(120)
 def test_runs_alternate_between_frameworks(report):
     data, _ = report
     for seq in SEQS:

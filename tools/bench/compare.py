@@ -303,14 +303,14 @@ def fresh_device(device: torch.device, cfg: MegalmConfig) -> Iterator[None]:
             torch.cuda.empty_cache()
 
 
-def summarise(row: Row, runs: list[Run], cfg: MegalmConfig, sequences: int, seq: int, peak: float | None) -> None:
-    """Tokens/s over the median step of all repeats; TFLOP/s and MFU from megalm's formula, the same for all."""
+def summarise(row: Row, runs: list[Run], flops: float, peak: float | None) -> None:
+    """Tokens/s over the median step of all repeats; TFLOP/s and MFU from a step's `flops` by megalm's formula, the
+    same for all."""
     step_s = statistics.median(t for run in runs for t in run.step_seconds)
     row.tokens_per_step = runs[0].tokens_per_step
     row.step_seconds = step_s
     row.tokens_per_sec = row.tokens_per_step / step_s
     row.tokens_per_sec_per_repeat = [run.tokens_per_step / statistics.median(run.step_seconds) for run in runs]
-    flops = training_flops(cfg.model, [seq] * sequences)  # a step's sequences
     row.tflops_per_sec = flops / step_s / 1e12
     row.mfu = flops / step_s / peak if peak else None
     row.peak_memory_gib = max(run.peak_memory_gib for run in runs)
@@ -330,6 +330,8 @@ def run_cell(cell: Cell, args: argparse.Namespace, overrides: list[str], device:
                     model=model) for fw in args.frameworks}
     runs: dict[str, list[Run]] = {fw: [] for fw in args.frameworks}
     batches = synthetic_batches(cfg, min(args.warmup + args.steps, 4), batch, device, n)
+    flops = training_flops(cfg.model, [cell.seq] * (batch * n))  # a step's sequences
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(device, cell.precision)
     for repeat in range(args.repeats):
         for fw in args.frameworks:  # A B C, A B C: drift reaches every framework alike
             row = rows[fw]
@@ -339,6 +341,7 @@ def run_cell(cell: Cell, args: argparse.Namespace, overrides: list[str], device:
                 try:
                     profile = args.profile if repeat == args.repeats - 1 else 0  # once per row
                     runs[fw].append(RUNNERS[fw](cfg, batches, device, args.warmup, args.steps, profile))
+                    print(run_line(fw, cell, repeat, args.repeats, runs[fw][-1], flops, peak), flush=True)
                 except Exception as e:  # noqa: BLE001 - a peer that cannot run is a result, said in one line
                     # megalm's own rows raising is megalm's failure (the exit status says so), not a skip
                     failed = fw.startswith("megalm") and not isinstance(e, Skip)
@@ -347,11 +350,20 @@ def run_cell(cell: Cell, args: argparse.Namespace, overrides: list[str], device:
                         traceback.print_exc()
             order.append({"framework": fw, "shape": cell.shape, "seq": cell.seq, "precision": cell.precision,
                           "repeat": repeat, "status": row.status})
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(device, cell.precision)
     for fw, row in rows.items():
         if row.status == "ok":
-            summarise(row, runs[fw], cfg, batch * n, cell.seq, peak)
+            summarise(row, runs[fw], flops, peak)
     return list(rows.values())
+
+
+def run_line(fw: str, cell: Cell, repeat: int, repeats: int, run: Run, flops: float, peak: float | None) -> str:
+    """One run's figures as soon as it ends, before its cell's rows (which wait for every framework's runs): a call
+    cut by its time limit inside a cell (gpu_check's) still shows the runs it finished."""
+    step_s = statistics.median(run.step_seconds)
+    mfu = f", MFU {flops / step_s / peak:.1%}" if peak else ""
+    return (f"  {fw} {cell.shape}/{cell.seq} {cell.precision}, run {repeat + 1} of {repeats}: {step_s * 1e3:.1f} ms "
+            f"a step (median of {len(run.step_seconds)}), {run.tokens_per_step / step_s:,.0f} tokens/s{mfu}, "
+            f"{run.peak_memory_gib:.2f} GiB")
 
 
 def fmt(value: float | None, spec: str) -> str:
@@ -427,8 +439,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Runs the grid cell by cell, printing each cell's rows and rewriting the JSON (`complete` false until the
-    last cell) as it finishes, so that a run stopped by a time limit keeps every cell it measured."""
+    """Runs the grid cell by cell, printing each run's line as it ends (`run_line`) and each cell's rows, and
+    rewriting the JSON (`complete` false until the last cell) as a cell finishes, so that a run stopped by a time
+    limit keeps every cell it measured and shows every run it finished."""
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "compare_inductor"))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
