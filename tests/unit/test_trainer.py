@@ -367,6 +367,8 @@ def test_the_host_time_making_batches_is_measured_and_said(tmp_path, monkeypatch
     slow = read_metrics(tmp_path / "slow")
     per_step = [1e3 * (a + b) for a, b in zip(spent[::2], spent[1::2], strict=True)]  # two micro-batches a step
     for record, timed in zip(slow, per_step, strict=True):
-        assert timed <= record["batch_ms"] <= timed + 20, (record["batch_ms"], timed)
+        # the rest of making the batches is ~1.5 ms here, a step ~640 ms: 100 ms leaves room for a loaded machine's
+        # stalls and none for a step counted in
+        assert timed <= record["batch_ms"] <= timed + 100, (record["batch_ms"], timed)
         assert record["batch_share"] > 0.05
     assert "% of the time" in caplog.text and "batches" in caplog.text
