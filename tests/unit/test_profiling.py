@@ -225,7 +225,9 @@ def test_an_evaluation_inside_the_window_is_said_and_kept_off_the_wall(tmp_path,
     summary = json.loads((tmp_path / "profile" / "rank0_steps3-4_summary.json").read_text())
     gap_ms = (spans["megalm step 4"][0] - spans["megalm step 3"][1]) / 1e3  # the evaluation of 20 batches
     assert gap_ms > steps_ms / 2, "the evaluation should take a while for the test to mean anything"
-    assert steps_ms / 2 <= summary["wall_ms"] <= steps_ms / 2 + 5
+    # a step's wall is its span and ~0.1 ms of syncs here (the evaluation would add ~470 ms): 20 ms of slack is a
+    # loaded machine's stall, not the evaluation
+    assert steps_ms / 2 <= summary["wall_ms"] <= steps_ms / 2 + 20
 
 
 def test_the_default_window_is_steps_11_and_12(tmp_path):
