@@ -32,7 +32,7 @@ start and "setup throughput tests" (553 s) left no room for the cell of the goal
 #         seven, in this order); setup always runs first. throughput: the fast step's rows (1.3B at seq 4096, bf16 and
 #         fp8, eager and compiled, profiled) and the kernels behind them (FP8 GEMMs, AdamW); bench: the
 #         other benchmarks; compare: megalm against its peers; compare_accumulated: the same at 4 micro-batches a
-#         step. The GPU run puts the fast step's numbers before the tests.
+#         step. The GPU run puts the goal's cell (compare_accumulated) and the fast step's numbers before the tests.
 #   --dry-run: the whole script on a machine without a GPU (CI runs it): setup only reports, the tests are the GPU
 #              tier (skipped there) and the fake-CUDA tier, each benchmark is asked for --help, calibration and the
 #              comparison run their CPU sizes. Exit 0 when all of that works.
