@@ -101,13 +101,17 @@ def requeue_on(signals: list[signal.Signals], handler: Callable[[int, object], N
 def precheck_overrides(argv: list[str]) -> None:
     """Compose once with the command-line overrides, and check a run's config against every rule at its world size,
     so that bad keys, values and layouts fail as a single line before Hydra starts the run (a refused run left its
-    empty run dir behind, and took the trainer's imports and two more compositions to say so). Sweeps (-m) and
-    Hydra's own flags are left to Hydra."""
+    empty run dir behind, and took the trainer's imports and two more compositions to say so). A sweep (-m) is
+    checked value by value (`sweep_variants`), before its first job trains: Hydra's own report of a bad key is
+    several lines that advise a `+key` which would add it. Hydra's own flags are left to Hydra."""
     config_location = ("-cd", "-cp", "-cn", "--config-dir", "--config-path", "--config-name")
-    if any(a in ("-m", "--multirun") or a.split("=")[0] in config_location for a in argv):
-        return  # a sweep, or another config tree than megalm's configs/: Hydra's to check
+    if any(a.split("=")[0] in config_location for a in argv):
+        return  # another config tree than megalm's configs/: Hydra's to check
     # Hydra's own flags (--cfg job, --help, --info ...) are Hydra's; the overrides beside them are key=value
     overrides = [a for a in argv if not a.startswith("-") and "=" in a]
+    if any(a in ("-m", "--multirun") for a in argv):
+        precheck_sweep(overrides, debug="debug=true" in overrides)
+        return
     runs = not any(a.startswith("-") for a in argv)  # --cfg job, --help ... only print
     try:
         config = compose_config(overrides)
@@ -129,6 +133,44 @@ def precheck_overrides(argv: list[str]) -> None:
         if "debug=true" in overrides:
             raise
         fail(str(e))
+
+
+def precheck_sweep(overrides: list[str], debug: bool = False) -> None:
+    """Every job config a sweep's values make, composed and checked against every rule at this process's world
+    size, as one job's run is (`precheck_overrides`): a bad value in any position fails as one line before the
+    sweep's first job trains, not after the jobs before it. The jobs' run dirs are checked in their own runs."""
+    variants = sweep_variants(overrides)
+    if variants is None:  # a sweep only its sweeper can enumerate (interval, glob): Hydra's to check
+        return
+    try:
+        for variant in variants:
+            check_run(compose_config(variant))
+    except (ConfigError, CheckpointError) as e:
+        if debug:
+            raise
+        fail(f"{e} (a job of the sweep: {' '.join(variant)})")
+
+
+def sweep_variants(overrides: list[str]) -> list[list[str]] | None:
+    """The job overrides that together hold every value of a sweep: each swept key's values in turn, the other swept
+    keys at their first value (as many lists as values, not the product of the sweep). None where Hydra's parser
+    cannot list a sweep's values without its sweeper (interval, glob)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    try:
+        parsed = [parser.parse_override(o) for o in overrides]
+        values = [list(o.sweep_string_iterator()) if o.is_sweep_override() else None for o in parsed]
+    except HydraException:
+        return None
+    first = [o if v is None else f"{p.get_key_element()}={v[0]}" for o, p, v in zip(overrides, parsed, values,
+                                                                                    strict=True)]
+    variants = [first]
+    for i, (p, swept) in enumerate(zip(parsed, values, strict=True)):
+        for value in (swept or [])[1:]:
+            variants.append([*first[:i], f"{p.get_key_element()}={value}", *first[i + 1:]])
+    return variants
 
 
 def override_value(override: str) -> str:
@@ -160,7 +202,8 @@ def check_run(config: MegalmConfig) -> None:
     device = select_device(config.trainer.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    validate_run(config, world_size=int(os.environ.get("WORLD_SIZE", "1")), device=device)
+    # its warnings are the trainer's to say, once, in the run's log (its rank 0's)
+    validate_run(config, world_size=int(os.environ.get("WORLD_SIZE", "1")), device=device, warn=False)
 
 
 def check_creatable(run_dir: Path, what: str) -> None:

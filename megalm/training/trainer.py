@@ -60,9 +60,10 @@ class Trainer:
         # Joining the job is watched too: a rank stuck in the rendezvous or in building the groups is reported
         # (and exits 124 for the launcher to restart) within trainer.init_hang_minutes, not at the group timeout.
         with joining_watchdog(cfg.trainer.init_hang_minutes, self.run_dir) as joining:
-            world_size = mesh.dims.world_size if mesh is not None else init_distributed(
-                self.device, process_group_minutes(cfg), cfg.parallel.fsdp_cpu_offload)[1]
-            self.cfg = cfg = validate_run(cfg, world_size, self.device)  # a resolved copy (precision=auto: this device)
+            rank, world_size = (mesh.rank, mesh.dims.world_size) if mesh is not None else init_distributed(
+                self.device, process_group_minutes(cfg), cfg.parallel.fsdp_cpu_offload)
+            # a resolved copy (precision=auto: this device); its warnings said by rank 0 alone, as every rank has them
+            self.cfg = cfg = validate_run(cfg, world_size, self.device, warn=rank == 0)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             torch.manual_seed(cfg.seed)  # reseeded per pipeline stage once the mesh is known (random_seed)
 

@@ -9,7 +9,10 @@ that runs them all, above every package it asks.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
+from collections.abc import Iterator
 
 import torch
 
@@ -25,13 +28,34 @@ from megalm.training.preemption import signal_numbers
 from megalm.training.profiling import validate_profiling
 
 
-def validate_run(cfg: MegalmConfig, world_size: int = 1, device: torch.device | None = None) -> MegalmConfig:
+def validate_run(cfg: MegalmConfig, world_size: int = 1, device: torch.device | None = None,
+                 warn: bool = True) -> MegalmConfig:
     """Check every rule for a run on `world_size` processes. Returns a resolved copy: derived defaults filled
     (model sizes, `parallel.dp`, `parallel.hdp_capacity`) and `precision=auto` resolved against the run's
     `device` (default, for tools that only check a config: the GPU here if `trainer.device` allows one, else the
     CPU), so no rule sees "auto". The config passed in is left as it was (the package validators below fill
-    the copy); `trainer.compile=null` (auto) likewise, after the precision (megalm/training/compile.py)."""
-    cfg = copy.deepcopy(cfg)
+    the copy); `trainer.compile=null` (auto) likewise, after the precision (megalm/training/compile.py).
+    `warn=False` keeps the rules' warnings and notes unsaid (errors still raise): a run checked twice (megalm-train
+    checks before Hydra makes the run dir, the trainer again) says them once, and on rank 0 only."""
+    with _said(warn):
+        return _validate_run(copy.deepcopy(cfg), world_size, device)
+
+
+@contextlib.contextmanager
+def _said(warn: bool) -> Iterator[None]:
+    """megalm's log (its child loggers' too: they inherit its level) above WARNING while the rules run, unless
+    `warn`."""
+    log = logging.getLogger("megalm")
+    level = log.level
+    if not warn:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _validate_run(cfg: MegalmConfig, world_size: int, device: torch.device | None) -> MegalmConfig:
     if device is None:
         device = torch.device("cuda" if cfg.trainer.device != "cpu" and torch.cuda.is_available() else "cpu")
     resolve_auto_precision(cfg, device)

@@ -223,6 +223,21 @@ def test_generate_refuses_a_tokenizer_the_run_did_not_train_with(trained_run, tm
     assert byte.returncode == 0 and byte.stdout.startswith("def "), byte.stderr
 
 
+def test_a_sweep_s_bad_value_fails_as_one_line_before_its_first_job(tmp_path):
+    """A sweep (-m) is checked value by value before its first job: a misspelled key had Hydra's several lines,
+    exit 1 and its advice to add the key with `+`; a value that breaks a rule, second in its list, failed only after
+    the first job had trained."""
+    for args, fragments in [
+        (["trainer.max_step=2", "optim.lr=1e-3,2e-3"], ["unknown config key 'trainer.max_step'"]),
+        (["trainer.max_steps=2", "model.num_heads=4,3", "model.num_kv_heads=1"],
+         ["model.hidden_size=64", "model.num_heads=3", "(a job of the sweep: ", "model.num_heads=3 "]),
+    ]:
+        proc = train(["-m", *args, "hydra.sweep.dir=sweep"], tmp_path)
+        assert_one_line_error(proc, *fragments)
+        assert proc.returncode == 2, proc.stderr
+        assert not (tmp_path / "sweep").exists(), "no job of a refused sweep ran"
+
+
 def test_console_script_and_multirun(tmp_path):
     exe = shutil.which("megalm-train")
     assert exe is not None, "megalm-train is not on PATH: pip install -e . first"

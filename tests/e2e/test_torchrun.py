@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +19,9 @@ def losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def assert_torchrun_matches_single_process(tmp_path: Path, common: list[str], parallel: list[str]) -> None:
+def assert_torchrun_matches_single_process(tmp_path: Path, common: list[str], parallel: list[str]
+                                          ) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """The losses of `common` in one process and under torchrun with `parallel`; returns both processes."""
     single = run([sys.executable, "-m", "megalm.train", *common, "hydra.run.dir=single"], tmp_path)
     assert single.returncode == 0, single.stderr
     multi = run([*TORCHRUN, "--nproc-per-node", "4", "-m", "megalm.train", *common, *parallel, "hydra.run.dir=multi"],
@@ -28,6 +31,7 @@ def assert_torchrun_matches_single_process(tmp_path: Path, common: list[str], pa
     assert len(a) == len(b) == 4
     for x, y in zip(b, a, strict=True):
         assert abs(x - y) <= 1e-5 * abs(y), (b, a)
+    return single, multi
 
 
 @pytest.mark.slow  # about 19 s: the default suite keeps the torchrun HDP run (4 ranks) and its shared run dir
@@ -57,10 +61,16 @@ def test_bad_layout_fails_on_every_rank_without_hanging(tmp_path, args, message)
 
 
 def test_torchrun_hdp_matches_single_process(tmp_path):
-    """HDP from the command line: dp2 x cp2 as one domain of 4, rings of up to 3 ranks, a token budget."""
-    common = [*TINY, "trainer.max_steps=4", "precision=fp32", "data.varlen=true", "model.seq_length=48",
-              "trainer.tokens_per_step=300"]
-    assert_torchrun_matches_single_process(tmp_path, common, ["parallel.hdp=true", "parallel.dp=2", "parallel.cp=2",
-                                                              "parallel.hdp_capacity=16"])
+    """HDP from the command line: dp2 x cp2 as one domain of 4, rings of up to 3 ranks, a token budget. A warning of
+    the config (a warmup as long as the run) is said once: not by every rank, nor again by megalm-train's check
+    before Hydra starts the run."""
+    common = [*TINY, "trainer.max_steps=4", "optim.warmup_steps=4", "precision=fp32", "data.varlen=true",
+              "model.seq_length=48", "trainer.tokens_per_step=300"]
+    single, multi = assert_torchrun_matches_single_process(
+        tmp_path, common, ["parallel.hdp=true", "parallel.dp=2", "parallel.cp=2", "parallel.hdp_capacity=16"])
+    for proc, run_dir in ((single, "single"), (multi, "multi")):
+        said = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "the learning rate warms up" in ln]
+        assert len(said) == 1, said
+        assert (tmp_path / run_dir / "train.log").read_text().count("the learning rate warms up") == 1
     assert not any(p.name != "multi" and p.name != "single" for p in tmp_path.iterdir() if p.is_dir()), \
         "all ranks must share rank 0's run dir"
