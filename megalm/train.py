@@ -308,6 +308,7 @@ def run(cfg: DictConfig) -> float | None:
 
     debug = bool(cfg.get("debug", False))
     preemption = None  # the trainer's, once it exists: whether a preemption signal reached this process
+    run_dir, rank = None, int(os.environ.get("RANK", "0"))
     try:
         config = to_dataclass(cfg)
         requeue_on(signal_numbers(config.trainer.preempt_signals))  # the run's own signals from here on
@@ -346,6 +347,10 @@ def run(cfg: DictConfig) -> float | None:
             logging.shutdown()
             sys.exit(REQUEUE_EXIT_CODE)
         return summary.last_loss
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        stop_on_interrupt(run_dir, rank)
     except MegalmError as e:
         if debug:
             mark_failed()
@@ -356,6 +361,22 @@ def run(cfg: DictConfig) -> float | None:
             mark_failed()
         raise
     return None
+
+
+def stop_on_interrupt(run_dir: Path | None, rank: int) -> None:
+    """Ctrl-C: one line, from rank 0, naming the checkpoint the same command resumes from, and exit 130 (the shell's
+    code for SIGINT), where Python printed the traceback of whatever the step was doing (a hundred lines ending in
+    the GEMM it stopped). Nothing is saved: a signal of `trainer.preempt_signals` finishes the step and saves."""
+    from megalm.training.checkpoint import latest_checkpoint
+
+    mark_failed()  # stopped by its user: no requeue
+    if rank == 0:
+        latest = latest_checkpoint(run_dir) if run_dir is not None else None
+        where = (f"the same command resumes from {latest}" if latest is not None else "no checkpoint was saved yet")
+        sys.stderr.write(f"megalm-train: interrupted (Ctrl-C); {where}. To save on Ctrl-C first, add SIGINT to "
+                         "trainer.preempt_signals\n")
+        sys.stderr.flush()
+    sys.exit(130)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")

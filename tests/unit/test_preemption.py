@@ -282,3 +282,43 @@ def test_a_traceback_leaves_a_failure_marker_unless_a_preemption_signal_came_fir
                           timeout=240)
     assert proc.returncode == 1 and "a collective failed" in proc.stderr, proc.stderr[-2000:]
     assert [m.name for m in tmp_path.glob("requeue-marker*")] == ([] if signalled else ["requeue-marker.failed-rank0"])
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_with_one_line_that_names_the_checkpoint_to_resume(tmp_path):
+    """Ctrl-C (SIGINT, not a preemption signal by default) during a step printed a hundred lines of traceback ending
+    in the GEMM it stopped: now one line naming the checkpoint the same command resumes from, exit 130 (the shell's
+    code for SIGINT), and the failure marker (a user's stop is no requeue)."""
+    marker = tmp_path / "requeue-marker"
+    argv = [*TINY, "trainer.max_steps=8", "trainer.save_interval=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    script = ("import os, signal, sys\nimport megalm.training.trainer as tr\nstep = tr.Trainer.train_step\n"
+              "def interrupted(self, s, *a, **k):\n    if s == 3:\n        os.kill(os.getpid(), signal.SIGINT)\n"
+              "    return step(self, s, *a, **k)\n"
+              f"tr.Trainer.train_step = interrupted\nsys.argv = ['megalm-train', *{argv!r}]\n"
+              "import megalm.train as t\nt.main()\n")
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "MEGALM_REQUEUE_MARKER": str(marker),
+                                                               "RANK": "0"}, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("megalm-train: interrupted (Ctrl-C); the same command resumes from "
+                           f"{tmp_path / 'run' / 'checkpoints' / 'step_00000002'}."), proc.stderr[-2000:]
+    assert [m.name for m in tmp_path.glob("requeue-marker*")] == ["requeue-marker.failed-rank0"]
+
+
+def test_a_ctrl_c_inside_a_checkpoint_write_is_no_disk_to_free(tmp_path):
+    """DCP catches what stops its write, a KeyboardInterrupt too, and hands it on wrapped in a CheckpointException:
+    that was reported as a write failure ("free space on ..."); it is a KeyboardInterrupt again."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megalm.errors import CheckpointError
+    from megalm.training.checkpoint.tensors import write_failed
+
+    stack = traceback.StackSummary.from_list([])
+    assert isinstance(write_failed(tmp_path, CheckpointException("save", {0: (KeyboardInterrupt(), stack)})),
+                      KeyboardInterrupt)
+    full = write_failed(tmp_path, CheckpointException("save", {0: (OSError(28, "No space left on device"), stack)}))
+    assert isinstance(full, CheckpointError) and "No space left on device" in str(full) and "free space" in str(full)

@@ -211,18 +211,27 @@ def from_dcp(loaded: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
     return loaded
 
 
-def dcp_failure(error: BaseException) -> str:
-    """The first line of what went wrong in a DCP call, named by its type: a CheckpointException's first rank's cause
-    (its `failures` map each rank to (exception, traceback)), else the error itself."""
+def _dcp_cause(error: BaseException) -> BaseException:
+    """A CheckpointException's first rank's cause (its `failures` map each rank to (exception, traceback)), else the
+    error itself."""
     cause = next(iter(getattr(error, "failures", {}).values()), error)
     if isinstance(cause, tuple) and cause and isinstance(cause[0], BaseException):
         cause = cause[0]
+    return cause
+
+
+def dcp_failure(error: BaseException) -> str:
+    """The first line of what went wrong in a DCP call, named by its type."""
+    cause = _dcp_cause(error)
     first = (str(cause).strip().splitlines() or [""])[0][:200]
     return f"{type(cause).__name__}: {first}" if first else type(cause).__name__
 
 
-def write_failed(path: Path, error: BaseException) -> CheckpointError:
-    """The one-line error of a checkpoint that could not be written (a full disk, a lost mount)."""
+def write_failed(path: Path, error: BaseException) -> CheckpointError | KeyboardInterrupt:
+    """The one-line error of a checkpoint that could not be written (a full disk, a lost mount); a Ctrl-C that DCP
+    caught and wrapped is a KeyboardInterrupt again (megalm-train's one line says what resumes), not a disk to free."""
+    if isinstance(_dcp_cause(error), KeyboardInterrupt):
+        return KeyboardInterrupt()
     return CheckpointError(f"checkpoint {path} could not be written ({dcp_failure(error)}); the checkpoints saved "
                            f"before it are kept: free space on {Path(path).parent}'s file system (or fix it) and "
                            "resume with trainer.resume=auto")
