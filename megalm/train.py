@@ -369,6 +369,9 @@ def stop_on_interrupt(run_dir: Path | None, rank: int) -> None:
     the GEMM it stopped). Nothing is saved: a signal of `trainer.preempt_signals` finishes the step and saves."""
     from megalm.training.checkpoint import latest_checkpoint
 
+    # a terminal's Ctrl-C reaches torchrun too, which sends each worker a SIGINT of its own: ignored on the way out
+    # (a second KeyboardInterrupt in the exit's callbacks printed a traceback)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     mark_failed()  # stopped by its user: no requeue
     if rank == 0:
         latest = latest_checkpoint(run_dir) if run_dir is not None else None
