@@ -32,7 +32,7 @@ from megalm.config import (
     schema_default,
     to_dataclass,
 )
-from megalm.config.compose import CONFIG_DIR, compose_config  # noqa: F401 (tools import them from here)
+from megalm.config.compose import CONFIG_DIR, compose_config, register_help  # noqa: F401 (tools import them)
 from megalm.errors import REQUEUE_EXIT_CODE, CheckpointError, ConfigError, MegalmError
 
 log = logging.getLogger("megalm")
@@ -70,7 +70,10 @@ def mark_failed() -> None:
 
 
 def _stop_before_training(signum: int, frame: object) -> None:
-    sys.stderr.write(f"megalm-train: {signal.Signals(signum).name} before training began: exiting with "
+    # a preemption, or torchrun stopping the other workers of a job whose one process failed (a config error: the
+    # Slurm templates requeue no job that left a failure marker)
+    sys.stderr.write(f"megalm-train: {signal.Signals(signum).name} before training began (a preemption, or the "
+                     "launcher stopping this process after another one failed): exiting with "
                      f"{REQUEUE_EXIT_CODE} to be requeued (nothing to checkpoint yet)\n")
     mark_for_requeue()
     os._exit(REQUEUE_EXIT_CODE)  # now: a raised SystemExit could be swallowed, or wait inside a C call
@@ -392,6 +395,7 @@ def main() -> None:
         fail(f"megalm's configs/ is not at {CONFIG_DIR}; install megalm from its checkout with pip install -e .")
     requeue_on(_START_UP_SIGNALS)  # first: a preemption during start-up requeues the job
     register_schema()  # here, not at import: importing megalm registers nothing anywhere
+    register_help()
     precheck_overrides(sys.argv[1:])
     hydra_main()
 

@@ -38,6 +38,29 @@ def _one_line(exc: BaseException) -> str:
     return head
 
 
+def config_groups_help() -> str:
+    """`megalm-train --help`'s configuration groups: those configs/config.yaml's defaults list picks from, each with
+    its options. Hydra's own list names every folder of configs/, configs/hdp_cost too, whose files are
+    `parallel.hdp_cost`'s values and no group (`hdp_cost=h100_7b` is refused): it is named as the key it is."""
+    from omegaconf import OmegaConf
+
+    config_dir = Path(CONFIG_DIR)
+    defaults = OmegaConf.to_container(OmegaConf.load(config_dir / "config.yaml"))["defaults"]
+    groups = sorted(name for entry in defaults if isinstance(entry, dict) for name in entry)
+    lines = [f"{group}: {', '.join(sorted(f.stem for f in (config_dir / group).glob('*.yaml')))}" for group in groups]
+    costs = ", ".join(sorted(f.stem for f in (config_dir / "hdp_cost").glob("*.yaml")))
+    return "\n".join([*lines, "", f"and the key parallel.hdp_cost (HDP's cost model): {costs} (configs/hdp_cost/), "
+                                   "a preset (1b, 7b, 13b, 70b) or a YAML file's path"])
+
+
+def register_help() -> None:
+    """The resolver configs/config.yaml's help template calls for its groups (`config_groups_help`)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("megalm_config_groups"):
+        OmegaConf.register_new_resolver("megalm_config_groups", config_groups_help)
+
+
 def compose_config(overrides: list[str]) -> MegalmConfig:
     """configs/config.yaml with `overrides`, checked against the schema, as a MegalmConfig of the caller's own; a
     bad key or value is a one-line ConfigError (Hydra reports composition errors over several lines)."""
@@ -60,6 +83,7 @@ def _composed(overrides: tuple[str, ...], config_dir: str, files_state: tuple) -
     from hydra import compose, initialize_config_dir
 
     register_schema()
+    register_help()
     try:
         with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
             return to_dataclass(compose(config_name="config", overrides=list(overrides)))

@@ -289,3 +289,28 @@ def test_a_composition_is_kept_per_process_and_each_caller_gets_its_own_copy(tmp
     tiny = configs / "model" / "tiny.yaml"
     tiny.write_text(tiny.read_text().replace("hidden_size: 256", "hidden_size: 128"))
     assert compose.compose_config([]).model.hidden_size == 128
+
+
+def test_help_lists_the_groups_a_run_can_pick_and_hdp_cost_as_its_key():
+    """`megalm-train --help` listed Hydra's groups, every folder of configs/: `hdp_cost: h100_7b, h200_7b` among them,
+    which `hdp_cost=h100_7b` refuses (its files are parallel.hdp_cost's values). Each group it lists now composes with
+    each option it names, and hdp_cost is named as the key, with the presets the cost model has."""
+    import subprocess
+    import sys
+
+    from megalm.config.compose import config_groups_help
+    from megalm.parallel.hdp.cost import SHAPES, load_cost
+
+    groups, _, key = config_groups_help().partition("\n\n")
+    listed = dict(line.split(": ", 1) for line in groups.splitlines())
+    assert "hdp_cost" not in listed and {"model", "precision", "data", "parallel"} <= listed.keys(), listed
+    for group, options in listed.items():
+        for option in options.split(", "):
+            compose_config(f"{group}={option}", tiny=False)
+    assert key.startswith("and the key parallel.hdp_cost (HDP's cost model): h100_7b, h200_7b (configs/hdp_cost/)")
+    presets = key.split("a preset (")[1].split(")")[0].split(", ")
+    assert presets == list(SHAPES), presets
+    for name in key.split(": ")[1].split(" (configs")[0].split(", "):
+        load_cost(name)
+    proc = subprocess.run([sys.executable, "-m", "megalm.train", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and groups in proc.stdout and "\nhdp_cost:" not in proc.stdout, proc.stdout[:2000]
