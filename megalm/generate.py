@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -80,6 +82,8 @@ def load_for_generation(path: str, device: str = "cpu", tokenizer: str | None = 
         raise MegalmError(f"tokenizer {spec} has {built.vocab_size} tokens, the run's had "
                           f"{trained or f'at most {model.cfg.vocab_size}'}: it is not the one {meta.path} was trained "
                           "with; pass that one with --tokenizer PATH")
+    if Path(path).expanduser().absolute() != meta.path.absolute():  # a run dir's latest, or a dir of runs' newest
+        sys.stderr.write(f"megalm-generate: sampling from {meta.path} (step {meta.state.get('step')})\n")
     return model, built
 
 
@@ -127,7 +131,8 @@ def continuation(tokenizer, prompt: list[int], generated: list[int]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="megalm-generate", description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", help="a checkpoint dir (RUN/checkpoints/step_...) or a run dir (uses latest)")
+    parser.add_argument("checkpoint", help="a checkpoint dir (RUN/checkpoints/step_...), a run dir (its latest), or "
+                        "a dir of runs such as outputs/ (the newest run's latest: named on stderr)")
     parser.add_argument("--prompt", default="", help="text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")

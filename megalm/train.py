@@ -110,8 +110,26 @@ def precheck_overrides(argv: list[str]) -> None:
     config_location = ("-cd", "-cp", "-cn", "--config-dir", "--config-path", "--config-name")
     if any(a.split("=")[0] in config_location for a in argv):
         return  # another config tree than megalm's configs/: Hydra's to check
-    # Hydra's own flags (--cfg job, --help, --info ...) are Hydra's; the overrides beside them are key=value
-    overrides = [a for a in argv if not a.startswith("-") and "=" in a]
+    # Hydra's own flags (--cfg job, --help, --info ...) are Hydra's; the overrides beside them as Hydra's parser reads
+    # them (a value of a flag is none: `--cfg job`; a word without `=` is one, which Hydra refuses in several lines)
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+
+    def refused(message: str) -> None:
+        raise ValueError(message)
+
+    parser.error = refused  # argparse's own: the usage, then exit 2
+    try:
+        overrides = parser.parse_args(argv).overrides
+    except ValueError:
+        try:  # Hydra takes its flags before the overrides only ("unrecognized arguments: <the overrides after>")
+            parser.parse_intermixed_args(argv)
+        except ValueError:
+            return  # a flag Hydra does not know: its usage and error, when it starts
+        flags = [a for a in argv if a.startswith("-")]
+        fail(f"Hydra's flags go before the overrides: megalm-train {' '.join(flags)} KEY=VALUE ... (here "
+             f"{flags[0]} came after {argv[0]})")
     if any(a in ("-m", "--multirun") for a in argv):
         precheck_sweep(overrides, debug="debug=true" in overrides)
         return
@@ -144,7 +162,13 @@ def precheck_sweep(overrides: list[str], debug: bool = False) -> None:
     sweep's first job trains, not after the jobs before it. The jobs' run dirs are checked in their own runs."""
     variants = sweep_variants(overrides)
     if variants is None:  # a sweep only its sweeper can enumerate (interval, glob): Hydra's to check
+        if not any(o.lstrip("+~").startswith("hydra/sweeper=") for o in overrides):  # Hydra's basic sweeper's trace
+            swept = [o for o in overrides if "interval(" in o]
+            if swept:
+                fail(f"{swept[0]}: Hydra's basic sweeper runs listed values only (a,b / range(...) / choice(...)); "
+                     "an interval needs a sweeper plugin (hydra/sweeper=optuna)")
         return
+    variant: list[str] = []
     try:
         for variant in variants:
             check_run(compose_config(variant))
@@ -164,6 +188,9 @@ def sweep_variants(overrides: list[str]) -> list[list[str]] | None:
     parser = OverridesParser.create()
     try:
         parsed = [parser.parse_override(o) for o in overrides]
+    except HydraException:  # a malformed override (a word without '='): composing says so in one line
+        return [overrides]
+    try:
         values = [list(o.sweep_string_iterator()) if o.is_sweep_override() else None for o in parsed]
     except HydraException:
         return None

@@ -27,6 +27,9 @@ def _one_line(exc: BaseException) -> str:
     if any(ln.startswith("full_key:") for ln in lines):  # a key or a value against the schema
         return schema_error_line(cause)
     head = lines[0] if lines else type(cause).__name__
+    if head.startswith("Error parsing override"):  # Hydra's next lines are its grammar's ("missing EQUAL at '<EOF>'")
+        return (f"{head}: an override is key=value (trainer.max_steps=100) or group=option (model=125m); "
+                "megalm-train --help lists both")
     if "Could not find" in head:
         options = []
         for ln in lines[1:]:

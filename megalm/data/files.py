@@ -105,7 +105,7 @@ class TokenFileWriter(ABC):
 
     def _check_absent(self) -> None:
         if dataset_exists(self.prefix):
-            raise DatasetExistsError(f"{self.prefix}.bin/.idx already exist; pass --overwrite "
+            raise DatasetExistsError(f"{self.prefix}.bin and {self.prefix}.idx already exist; pass --overwrite "
                                      "(overwrite=True) to replace them, or choose another output prefix")
 
     def _check_length(self, num_tokens: int) -> None:  # noqa: B027 - optional: no limit unless a format sets one

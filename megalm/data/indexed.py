@@ -89,6 +89,11 @@ class IndexedDataset:
             if prefix.endswith((".bin", ".idx")) and os.path.isfile(prefix):
                 raise DataError(f"data.path={prefix} names a file; it is the prefix of PREFIX.bin/PREFIX.idx: write "
                                 f"data.path={prefix[:-4]}")
+            if os.path.isfile(prefix):  # text itself (docs.jsonl): the tokenized files are made from it first
+                stem = os.path.splitext(prefix)[0]
+                raise DataError(f"data.path={prefix} is a file, not a tokenized corpus: tokenize it with "
+                                f"megalm-preprocess --input {prefix} --output-prefix {stem}, then write "
+                                f"data.path={stem}")
             if os.path.exists(path):
                 raise DataError(f"data.path={prefix}: {path} is not a file; point data.path at the prefix "
                                 "megalm-preprocess wrote")

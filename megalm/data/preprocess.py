@@ -57,7 +57,7 @@ class PreprocessStats:
     repaired: int = 0  # documents whose bytes were not UTF-8, or whose JSON held lone surrogates: stored as U+FFFD
 
     def summary(self) -> str:
-        files = f"{self.output_prefix}.bin/.idx"
+        files = f"{self.output_prefix}.bin and {self.output_prefix}.idx"
         if self.format == "megatron":
             files += f" + {SIDECAR_SUFFIX} (Megatron-LM format)"
         return (f"wrote {files}: {self.num_docs} documents, {self.num_tokens} tokens "
@@ -219,8 +219,8 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str, tokenize
         raise DataError(f"output prefix {output_prefix!r} is a directory; give a file prefix such as "
                         f"{os.path.join(output_prefix or '.', 'corpus')}")
     if not overwrite and dataset_exists(output_prefix):
-        raise DatasetExistsError(f"{output_prefix}.bin/.idx already exist; pass --overwrite to replace them, "
-                                 "or choose another --output-prefix")
+        raise DatasetExistsError(f"{output_prefix}.bin and {output_prefix}.idx already exist; pass --overwrite to "
+                                 "replace them, or choose another --output-prefix")
     if not inputs:
         raise DataError("no input given; pass --input PATH [PATH ...]")
     files = list_input_files(inputs, glob)

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megalm-estimate", description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="megalm-train's Hydra overrides (model=8b parallel.tp=8 ...)")
     parser.add_argument("--world", type=int, required=True, help="number of GPUs of the run")
-    parser.add_argument("--gpu", default="h100", help=f"one of {', '.join(sorted(GPUS))}")
+    parser.add_argument("--gpu", default="h100", type=str.lower, help=f"one of {', '.join(sorted(GPUS))}")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--search", action="store_true", help="enumerate the layouts that fit, best tokens/s first "
                         "(the overrides give the model, sequence length, batch and precision)")
@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         unread = [flag for flag, value in (("--top", args.top), ("--gpu-memory", args.gpu_memory))
                   if value is not None and not args.search]
         if unread:
-            raise ConfigError(f"{' and '.join(unread)} apply to --search; add --search, or drop them")
+            verb, them = ("apply", "them") if len(unread) > 1 else ("applies", "it")
+            raise ConfigError(f"{' and '.join(unread)} {verb} to --search; add --search, or drop {them}")
         given = gpu_precision(args.overrides)
         with contextlib.redirect_stdout(sys.stderr):
             if args.search:

@@ -1,4 +1,5 @@
-"""`megalm-export`: a megalm checkpoint as a Hugging Face model directory (LlamaForCausalLM or GPT2LMHeadModel).
+"""`megalm-export`: a megalm checkpoint as a Hugging Face model directory (LlamaForCausalLM, GPT2LMHeadModel,
+Qwen3ForCausalLM, Qwen3MoeForCausalLM or MixtralForCausalLM: megalm/model/hf.py ARCHITECTURES).
 
     megalm-export outputs/2026-11-21/10-00-00 --format hf --out /tmp/hf-model
 
@@ -105,7 +106,7 @@ def export_hf(source: str | Path, out: str | Path, *, overwrite: bool = False, d
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="megalm-export", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="megalm-export", description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("checkpoint", help="a checkpoint dir (RUN/checkpoints/step_...) or a run dir (uses latest)")
     parser.add_argument("--format", choices=["hf"], default="hf", help="output format (hf: transformers)")
     parser.add_argument("--out", required=True, help="output directory (must be absent or empty)")

@@ -1,4 +1,5 @@
-"""`megalm-import`: a local Hugging Face Llama / GPT-2 directory as a megalm checkpoint directory.
+"""`megalm-import`: a local Hugging Face directory (Llama, GPT-2, Qwen3, Qwen3-MoE or Mixtral) as a megalm
+checkpoint directory.
 
     megalm-import /tmp/hf-model --out /tmp/imported
     megalm-train model.init_from=/tmp/imported <the model.* overrides it prints> ...
@@ -92,7 +93,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False, t
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="megalm-import", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="megalm-import", description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("hf_dir", help="a local transformers model dir (config.json + safetensors)")
     parser.add_argument("--out", required=True, help="the checkpoint dir to write (must be absent or empty)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (once complete)")

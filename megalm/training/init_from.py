@@ -78,7 +78,8 @@ def load_init_weights(spec: str, model: nn.Module, run_model: dict[str, Any], op
     the source model's shape against `run_model` (the run's model config dict); with bf16 weights, into the
     fp32 main weights `optimizer` keeps behind them. Returns a log description."""
     where, path, source, weights = read_init_weights(spec)
-    check_model_config(source, run_model, path)
+    check_model_config(source, run_model, path, fix="set the run's model.* to the source's (megalm-import prints "
+                       "them for a Hugging Face dir), or start from another model.init_from")
     differing = function_differences(source, run_model)
     if differing:
         log.warning(f"model.init_from: the source differs in {', '.join(differing)}; its weights will compute "

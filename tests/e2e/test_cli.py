@@ -154,6 +154,7 @@ def test_a_run_dir_holding_other_files_is_refused_and_kept(tmp_path):
     (["data=indexed"], ["data.path"]),
     (["trainer.preempt_signals=[SIGFOO]"], ["trainer.preempt_signals has 'SIGFOO'"]),
     (["data=indexed", "data.path=/nonexistent/corpus"], ["/nonexistent/corpus"]),
+    (["banana"], ["Error parsing override 'banana': an override is key=value"]),  # Hydra's 4 lines, exit 1
 ])
 def test_bad_input_is_one_line_error(tmp_path, args, fragments):
     """A config refused by its rules is refused before Hydra starts the run: no run dir is left behind
@@ -187,6 +188,11 @@ def test_generate_from_the_run(trained_run):
     proc = run(["megalm-generate", str(trained_run), "--prompt", "def ", "--max-new-tokens", "12"], trained_run)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("def ")
+    # a run dir (or a dir of runs) is resolved to a checkpoint: which one is said, on stderr (stdout is the sample)
+    latest = trained_run / "checkpoints" / "step_00000004"
+    assert f"megalm-generate: sampling from {latest} (step 4)" in proc.stderr, proc.stderr
+    named = run(["megalm-generate", str(latest), "--prompt", "def ", "--max-new-tokens", "2"], trained_run)
+    assert named.returncode == 0 and "sampling from" not in named.stderr, named.stderr
     bad = run(["megalm-generate", str(trained_run / "missing")], trained_run)
     assert_one_line_error(bad, "does not exist")
 
@@ -229,13 +235,18 @@ def test_a_sweep_s_bad_value_fails_as_one_line_before_its_first_job(tmp_path):
     the first job had trained."""
     for args, fragments in [
         (["trainer.max_step=2", "optim.lr=1e-3,2e-3"], ["unknown config key 'trainer.max_step'"]),
+        (["banana", "optim.lr=1e-3,2e-3"], ["Error parsing override 'banana': an override is key=value"]),
+        (["optim.lr=interval(0.001,0.01)"], ["an interval needs a sweeper plugin"]),  # the basic sweeper's trace
         (["trainer.max_steps=2", "model.num_heads=4,3", "model.num_kv_heads=1"],
          ["model.hidden_size=64", "model.num_heads=3", "(a job of the sweep: ", "model.num_heads=3 "]),
     ]:
-        proc = train(["-m", *args, "hydra.sweep.dir=sweep"], tmp_path)
+        proc = run([sys.executable, "-m", "megalm.train", "-m", *TINY, *args, "hydra.sweep.dir=sweep"], tmp_path)
         assert_one_line_error(proc, *fragments)
         assert proc.returncode == 2, proc.stderr
         assert not (tmp_path / "sweep").exists(), "no job of a refused sweep ran"
+    # Hydra's flags before the overrides (Hydra's usage, 9 lines, where a flag came after them)
+    assert_one_line_error(train(["-m", "optim.lr=1e-3,2e-3"], tmp_path), "Hydra's flags go before the overrides",
+                          f"here -m came after {TINY[0]}")
 
 
 def test_console_script_and_multirun(tmp_path):

@@ -106,7 +106,7 @@ def test_the_cli_says_one_line_and_exits_2(trained, tmp_path):
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: checkpoint file {file} is damaged (not a safetensors file); use another checkpoint "
-                      "(trainer.resume=PATH to train from one)"], proc.stderr[-2000:]
+                      "(an earlier step_* dir beside it)"], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
 

@@ -277,6 +277,12 @@ def test_a_dataset_path_with_its_suffix_says_to_drop_it(tmp_path):
     Path(f"{prefix}.idx").mkdir()
     with pytest.raises(DataError, match=r"\.idx is not a file"):
         IndexedDataset(prefix)
+    text = tmp_path / "docs.jsonl"  # the text itself: its tokenized files had been asked for as docs.jsonl.idx
+    text.write_text('{"text": "def f(): pass"}\n')
+    with pytest.raises(DataError, match=rf"is a file, not a tokenized corpus: tokenize it with megalm-preprocess "
+                                        rf"--input {text} --output-prefix {tmp_path / 'docs'}, then write "
+                                        rf"data.path={tmp_path / 'docs'}$"):
+        IndexedDataset(str(text))
 
 
 # -------------------------------------------------------------------------------------- preprocess

@@ -128,13 +128,14 @@ def test_hdp_measures_the_largest_ring_and_its_loads_are_the_simulators():
 @pytest.mark.parametrize("argv, message", [
     (["parallel.tp=2", "--world", "3"], "--world 3 is not a multiple of tp x pp x cp = 2"),
     (["--world", "2", "--gpu", "v100"], "--gpu v100: unknown GPU"),
+    (["--world", "2", "--gpu", "V100"], "--gpu v100: unknown GPU"),  # read in lower case (H100 is h100)
     (["model=moe_tiny", "model.moe.every_n_layers=2", "--world", "2", "--search"], "model.moe.every_n_layers=2"),
     (["--world", "0"], "--world 0 must be >= 1"),
     (["--world", "2", "--search", "--top", "0"], "--top 0 must be >= 1"),
     (["--world", "2", "--search", "--gpu-memory", "-5"], "--gpu-memory -5.0 must be a finite number > 0 GiB"),
     (["--world", "2", "--search", "--gpu-memory", "nan"], "--gpu-memory nan must be a finite number > 0 GiB"),
     (["--world", "2", "--search", "--gpu-memory", "inf"], "--gpu-memory inf must be a finite number > 0 GiB"),
-    (["--world", "2", "--gpu-memory", "80"], "--gpu-memory apply to --search; add --search"),
+    (["--world", "2", "--gpu-memory", "80"], "--gpu-memory applies to --search; add --search, or drop it"),
     (["--world", "2", "--top", "3", "--gpu-memory", "80"], "--top and --gpu-memory apply to --search"),
 ])
 def test_bad_input_is_one_line(argv, message, capsys):

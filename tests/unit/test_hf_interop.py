@@ -209,6 +209,7 @@ def test_init_from_refuses_another_shape_and_resume_refuses_an_import(tmp_path):
     with pytest.raises(MegalmError, match="num_kv_heads=2 .this run: 4.") as e:
         Trainer(compose_config("model.num_kv_heads=4", f"model.init_from={run}"), tmp_path / "run")
     assert "\n" not in str(e.value)
+    assert "set the run's model.* to the source's" in str(e.value) and "hydra.run.dir" not in str(e.value)
     imported = import_hf(export_hf(run, tmp_path / "hf"), tmp_path / "imported")
     with pytest.raises(MegalmError, match="weights only .* model.init_from="):  # no optimizer state to resume
         Trainer(compose_config(*STYLES["llama"], f"trainer.resume={imported}"), tmp_path / "resumed")

@@ -40,8 +40,9 @@ class LoadedCheckpoint:
 
 
 def _damaged(file: Path, why: str) -> CheckpointError:
-    return CheckpointError(f"checkpoint file {file} is damaged ({why}); use another checkpoint (trainer.resume=PATH "
-                           "to train from one)")
+    # generate, export and model.init_from read checkpoints too: the fix names no training key
+    return CheckpointError(f"checkpoint file {file} is damaged ({why}); use another checkpoint (an earlier step_* "
+                           "dir beside it)")
 
 
 def _check_safetensors(file: Path) -> None:
@@ -202,16 +203,16 @@ def model_structure(model: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def check_model_config(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+def check_model_config(saved: dict[str, Any], current: dict[str, Any], path: Path,
+                       fix: str = "use the matching model=... overrides or a new hydra.run.dir") -> None:
     """Refuse a checkpoint written by a model of another shape, naming the differing keys (DCP reads what this
     model asks for: a tensor of the checkpoint it has no place for, a qk-norm weight or a shared expert, would be
-    left out without a word)."""
+    left out without a word). `fix`: what the line tells the user to do (a resume's, by default)."""
     was, now = model_structure(saved), model_structure(current)
     diffs = [f"{k}={was.get(k)} (this run: {now.get(k)})" for k in dict.fromkeys([*was, *now])
              if was.get(k) != now.get(k)]
     if diffs:
-        raise CheckpointError(f"checkpoint {path} is from another model: {', '.join(diffs)}; use the matching "
-                              "model=... overrides or a new hydra.run.dir")
+        raise CheckpointError(f"checkpoint {path} is from another model: {', '.join(diffs)}; {fix}")
 
 
 # Not part of the shape check, but they change the function the weights compute: named in a warning (model.init_from
