@@ -40,8 +40,10 @@ class TrainSummary:
         a command to sample from it and its metrics are."""
         done = "finished" if self.steps >= max_steps else "stopped early"
         parts = [f"{done} at step {self.steps}/{max_steps} in {self.seconds:.1f}s"]
-        if self.first_loss is not None:
-            parts.append(f"loss {self.first_loss:.3f} -> {self.last_loss:.3f}")
+        if self.losses:  # this run's own steps: after a resume the first is not step 1
+            (first, first_loss), (last, last_loss) = self.losses[0], self.losses[-1]
+            parts.append(f"loss {first_loss:.3f} at step {first} -> {last_loss:.3f} at step {last}" if first != last
+                         else f"loss {last_loss:.3f} at step {last}")
         if self.val_loss is not None:
             parts.append(f"val loss {self.val_loss:.3f}")
         parts.append(f"peak memory {peak_memory_gib:.2f} GiB")

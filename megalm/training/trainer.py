@@ -233,7 +233,7 @@ class Trainer:
             if t.eval_interval > 0 and self.data.valid is None:
                 log.warning(f"trainer.eval_interval={t.eval_interval}: there is no validation split (data.valid_"
                             f"fraction={self.cfg.data.valid_fraction}); raise it, or set trainer.eval_interval=0")
-        first_loss = last_loss = val_loss = last_saved = None
+        val_loss = last_saved = None
         losses: list[tuple[int, float]] = []
         start, preempted = time.perf_counter(), False
         collector = StepBoundaryGC(t.gc_interval)  # Python's GC between steps only, while training
@@ -269,8 +269,6 @@ class Trainer:
                             record["val_loss"] = val_loss
                         if logger is not None:
                             logger.log(record)
-                        first_loss = result.loss if first_loss is None else first_loss
-                        last_loss = result.loss
                     saved = (t.save_interval and self.step % t.save_interval == 0) or self.step == stop_at
                     if saved:
                         last_saved = window.aside(self.save)
@@ -290,6 +288,8 @@ class Trainer:
             finally:
                 if logger is not None:
                     logger.close()
+        # every step's loss, not the logged ones': a resumed or preempted run ends between log lines
+        first_loss, last_loss = (losses[0][1], losses[-1][1]) if losses else (None, None)
         summary = TrainSummary(steps=self.step, first_loss=first_loss, last_loss=last_loss, val_loss=val_loss,
                                tokens=self.consumed_tokens, seconds=time.perf_counter() - start,
                                checkpoint=last_saved, run_dir=self.run_dir, losses=losses, preempted=preempted,

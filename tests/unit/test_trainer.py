@@ -190,6 +190,24 @@ def test_loss_falls_and_metrics_are_written(tmp_path):
     assert summary.last_loss < summary.first_loss
 
 
+def test_the_summary_names_this_run_s_first_and_last_step_losses(tmp_path, caplog):
+    """The summary's losses were the logged steps' (every log_interval): a resumed run whose one logged step was its
+    last read "loss 3.441 -> 3.441", and a preempted one gave the last logged step's as the final loss. They are the
+    run's own first and last steps', with the steps named."""
+    import logging
+
+    common = ["trainer.max_steps=8", "trainer.log_interval=5"]
+    Trainer(compose_config(*common, "trainer.stop_at_step=3"), tmp_path).fit()
+    with caplog.at_level(logging.INFO, logger="megalm"):
+        summary = Trainer(compose_config(*common), tmp_path).fit()
+    assert [s for s, _ in summary.losses] == [4, 5, 6, 7, 8]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 3, 5, 8]  # step 4, the first resumed, is not logged
+    first, last = summary.losses[0][1], summary.losses[-1][1]
+    assert (summary.first_loss, summary.last_loss) == (first, last)
+    line = next(r.message for r in caplog.records if r.message.startswith("finished at step 8/8"))
+    assert f"loss {first:.3f} at step 4 -> {last:.3f} at step 8" in line, line
+
+
 def test_bf16_autocast_trains(tmp_path):
     cfg = compose_config("precision=bf16_autocast", "trainer.max_steps=3")
     trainer = Trainer(cfg, tmp_path)
