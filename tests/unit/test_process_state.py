@@ -26,6 +26,8 @@ APPLIED_AT_START = {  # (file, function): where the trainer applies process-wide
     ("megalm/training/preemption.py", "*"): "trainer.preempt_signals: handlers installed and restored by fit()",
     ("megalm/train.py", "requeue_on"): "megalm-train's process: trainer.preempt_signals requeue a run preempted "
                                        "before fit() (its entry point's own handlers, not a library's)",
+    ("megalm/train.py", "stop_on_interrupt"): "megalm-train's process after Ctrl-C: SIGINT ignored while it exits "
+                                              "(torchrun's own SIGINT to each worker printed a second traceback)",
     ("megalm/training/python_gc.py", "StepBoundaryGC.__enter__"): "trainer.gc_interval: Python's automatic "
                                                                   "collector off while fit() trains, on again after",
     ("megalm/parallel/hdp/planner.py", "_plan"): "the automatic collector off while one plan is searched, restored "
