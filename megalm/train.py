@@ -124,16 +124,15 @@ def precheck_overrides(argv: list[str]) -> None:
         overrides = parser.parse_args(argv).overrides
     except ValueError:
         try:  # Hydra takes its flags before the overrides only ("unrecognized arguments: <the overrides after>")
-            parser.parse_intermixed_args(argv)
+            overrides = parser.parse_intermixed_args(argv).overrides
         except ValueError:
             return  # a flag Hydra does not know: its usage and error, when it starts
-        flags = [a for a in argv if a.startswith("-")]
-        fail(f"Hydra's flags go before the overrides: megalm-train {' '.join(flags)} KEY=VALUE ... (here "
-             f"{flags[0]} came after {argv[0]})")
+        fail(f"Hydra's flags go before the overrides: {flags_first(argv, overrides)}")
+    runs = not any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv)  # --cfg job, --help: print
     if any(a in ("-m", "--multirun") for a in argv):
-        precheck_sweep(overrides, debug="debug=true" in overrides)
+        if runs:
+            precheck_sweep(overrides, debug="debug=true" in overrides)
         return
-    runs = not any(a.startswith("-") for a in argv)  # --cfg job, --help ... only print
     try:
         config = compose_config(overrides)
         if runs:  # every rule at this process's world size, before Hydra makes a run dir a refused run would leave
@@ -156,6 +155,26 @@ def precheck_overrides(argv: list[str]) -> None:
         fail(str(e))
 
 
+def flags_first(argv: list[str], overrides: list[str]) -> str:
+    """The command with Hydra's flags (with their values: `--cfg job`) before the overrides, and the flag that came
+    between overrides: the line a command gets whose flag came after an override (Hydra's parser takes the
+    overrides after its flags only)."""
+    left = list(overrides)
+    flags, before, culprit, after = [], None, None, None
+    for word in argv:
+        if word in left:  # an override (Hydra's parser keeps their order)
+            left.remove(word)
+            if culprit is None:
+                before = word
+            elif after is None:
+                after = word
+        else:  # a flag or a flag's value
+            flags.append(word)
+            if before is not None and culprit is None and word.startswith("-"):
+                culprit = word
+    return f"megalm-train {' '.join([*flags, *overrides])} (here {culprit} came after {before}, before {after})"
+
+
 def precheck_sweep(overrides: list[str], debug: bool = False) -> None:
     """Every job config a sweep's values make, composed and checked against every rule at this process's world
     size, as one job's run is (`precheck_overrides`): a bad value in any position fails as one line before the
@@ -166,7 +185,7 @@ def precheck_sweep(overrides: list[str], debug: bool = False) -> None:
             swept = [o for o in overrides if "interval(" in o]
             if swept:
                 fail(f"{swept[0]}: Hydra's basic sweeper runs listed values only (a,b / range(...) / choice(...)); "
-                     "an interval needs a sweeper plugin (hydra/sweeper=optuna)")
+                     "an interval needs a sweeper plugin (pip install hydra-optuna-sweeper, then hydra/sweeper=optuna)")
         return
     variant: list[str] = []
     try:
@@ -328,7 +347,7 @@ def shutdown_distributed() -> None:
 
 
 def run(cfg: DictConfig) -> float | None:
-    """Train with a composed config; returns the last logged loss (what a Hydra sweeper minimises)."""
+    """Train with a composed config; returns the last step's loss (what a Hydra sweeper minimises)."""
     from megalm.training.checkpoint import write_text_atomic
     from megalm.training.compile import resolve_auto_compile
     from megalm.training.device import resolve_auto_precision, select_device
@@ -338,7 +357,7 @@ def run(cfg: DictConfig) -> float | None:
 
     debug = bool(cfg.get("debug", False))
     preemption = None  # the trainer's, once it exists: whether a preemption signal reached this process
-    run_dir, rank = None, int(os.environ.get("RANK", "0"))
+    run_dir, own_dir, rank = None, None, int(os.environ.get("RANK", "0"))
     try:
         config = to_dataclass(cfg)
         requeue_on(signal_numbers(config.trainer.preempt_signals))  # the run's own signals from here on
@@ -380,7 +399,7 @@ def run(cfg: DictConfig) -> float | None:
     except KeyboardInterrupt:
         if debug:
             raise
-        stop_on_interrupt(run_dir, rank)
+        stop_on_interrupt(run_dir or own_dir, rank)  # own_dir: a Ctrl-C before the ranks agreed on one
     except MegalmError as e:
         if debug:
             mark_failed()
@@ -394,9 +413,10 @@ def run(cfg: DictConfig) -> float | None:
 
 
 def stop_on_interrupt(run_dir: Path | None, rank: int) -> None:
-    """Ctrl-C: one line, from rank 0, naming the checkpoint the same command resumes from, and exit 130 (the shell's
-    code for SIGINT), where Python printed the traceback of whatever the step was doing (a hundred lines ending in
-    the GEMM it stopped). Nothing is saved: a signal of `trainer.preempt_signals` finishes the step and saves."""
+    """Ctrl-C: one line, from rank 0, naming the checkpoint the same command (in the same run dir) resumes from, and
+    exit 130 (the shell's code for SIGINT), where Python printed the traceback of whatever the step was doing (a
+    hundred lines ending in the GEMM it stopped). Nothing is saved: a signal of `trainer.preempt_signals` finishes
+    the step and saves."""
     from megalm.training.checkpoint import latest_checkpoint
 
     # a terminal's Ctrl-C reaches torchrun too, which sends each worker a SIGINT of its own: ignored on the way out
@@ -405,7 +425,13 @@ def stop_on_interrupt(run_dir: Path | None, rank: int) -> None:
     mark_failed()  # stopped by its user: no requeue
     if rank == 0:
         latest = latest_checkpoint(run_dir) if run_dir is not None else None
-        where = (f"the same command resumes from {latest}" if latest is not None else "no checkpoint was saved yet")
+        named = any(a.startswith(("hydra.run.dir=", "+hydra.run.dir=")) for a in sys.argv[1:])
+        if latest is None:
+            where = "no checkpoint was saved yet"
+        elif named:
+            where = f"the same command resumes from {latest}"
+        else:  # the default run dir is a new outputs/DATE/TIME each time: the same command would start afresh
+            where = f"the same command with hydra.run.dir={run_dir} resumes from {latest}"
         sys.stderr.write(f"megalm-train: interrupted (Ctrl-C); {where}. To save on Ctrl-C first, add SIGINT to "
                          "trainer.preempt_signals\n")
         sys.stderr.flush()

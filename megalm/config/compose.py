@@ -27,9 +27,12 @@ def _one_line(exc: BaseException) -> str:
     if any(ln.startswith("full_key:") for ln in lines):  # a key or a value against the schema
         return schema_error_line(cause)
     head = lines[0] if lines else type(cause).__name__
-    if head.startswith("Error parsing override"):  # Hydra's next lines are its grammar's ("missing EQUAL at '<EOF>'")
-        return (f"{head}: an override is key=value (trainer.max_steps=100) or group=option (model=125m); "
-                "megalm-train --help lists both")
+    if head.startswith("Error parsing override"):  # Hydra's next line is its grammar's ("missing EQUAL at '<EOF>'")
+        reason = lines[1] if len(lines) > 1 else ""
+        if reason.startswith("missing EQUAL") or not reason:  # a word without '=': what an override looks like
+            return (f"{head}: an override is key=value (trainer.max_steps=100) or group=option (model=125m); "
+                    "megalm-train --help lists both")
+        return f"{head}: {reason}"  # the grammar's own reason ("extraneous input ')'"), which names the character
     if "Could not find" in head:
         options = []
         for ln in lines[1:]:

@@ -91,9 +91,11 @@ class IndexedDataset:
                                 f"data.path={prefix[:-4]}")
             if os.path.isfile(prefix):  # text itself (docs.jsonl): the tokenized files are made from it first
                 stem = os.path.splitext(prefix)[0]
+                spec = tokenizer if isinstance(tokenizer, str) or tokenizer is None else tokenizer.spec
+                with_tokenizer = f" --tokenizer {spec}" if spec not in (None, "byte") else ""  # data.tokenizer's
                 raise DataError(f"data.path={prefix} is a file, not a tokenized corpus: tokenize it with "
-                                f"megalm-preprocess --input {prefix} --output-prefix {stem}, then write "
-                                f"data.path={stem}")
+                                f"megalm-preprocess --input {prefix} --output-prefix {stem}{with_tokenizer}, then "
+                                f"write data.path={stem}")
             if os.path.exists(path):
                 raise DataError(f"data.path={prefix}: {path} is not a file; point data.path at the prefix "
                                 "megalm-preprocess wrote")

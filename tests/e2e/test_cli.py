@@ -155,6 +155,7 @@ def test_a_run_dir_holding_other_files_is_refused_and_kept(tmp_path):
     (["trainer.preempt_signals=[SIGFOO]"], ["trainer.preempt_signals has 'SIGFOO'"]),
     (["data=indexed", "data.path=/nonexistent/corpus"], ["/nonexistent/corpus"]),
     (["banana"], ["Error parsing override 'banana': an override is key=value"]),  # Hydra's 4 lines, exit 1
+    (["trainer.max_steps=2)"], ["Error parsing override 'trainer.max_steps=2)': extraneous input ')'"]),
 ])
 def test_bad_input_is_one_line_error(tmp_path, args, fragments):
     """A config refused by its rules is refused before Hydra starts the run: no run dir is left behind
@@ -245,8 +246,9 @@ def test_a_sweep_s_bad_value_fails_as_one_line_before_its_first_job(tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert not (tmp_path / "sweep").exists(), "no job of a refused sweep ran"
     # Hydra's flags before the overrides (Hydra's usage, 9 lines, where a flag came after them)
-    assert_one_line_error(train(["-m", "optim.lr=1e-3,2e-3"], tmp_path), "Hydra's flags go before the overrides",
-                          f"here -m came after {TINY[0]}")
+    assert_one_line_error(train(["-m", "optim.lr=1e-3,2e-3"], tmp_path), "Hydra's flags go before the overrides: "
+                          f"megalm-train -m {' '.join(TINY)} optim.lr=1e-3,2e-3 (here -m came after {TINY[-1]}, "
+                          "before optim.lr=1e-3,2e-3)")
 
 
 def test_console_script_and_multirun(tmp_path):

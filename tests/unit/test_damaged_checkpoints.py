@@ -105,9 +105,23 @@ def test_the_cli_says_one_line_and_exits_2(trained, tmp_path):
                                                                                      "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    step = run / "checkpoints" / "step_00000004"
     assert errors == [f"error: checkpoint file {file} is damaged (not a safetensors file); use another checkpoint "
-                      "(an earlier step_* dir beside it)"], proc.stderr[-2000:]
+                      f"(an earlier step_* dir beside {step})"], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_damaged_checkpoint_outside_a_run_names_no_step_dirs(trained, tmp_path):
+    """An imported or init_from checkpoint has no earlier step_* dirs beside it: the fix does not send the user
+    looking for them."""
+    from megalm.training.checkpoint.verify import verify_checkpoint
+
+    run, file = damaged_copy(trained, tmp_path, "foreign shard")
+    imported = tmp_path / "imported"
+    (run / "checkpoints" / "step_00000004").rename(imported)
+    with pytest.raises(CheckpointError) as refused:
+        verify_checkpoint(imported)
+    assert str(refused.value).endswith("is damaged (not a safetensors file); use another checkpoint"), refused.value
 
 
 @pytest.mark.parametrize("case", ["truncated shard", "state not a mapping", "config not a run's"])

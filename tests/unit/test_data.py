@@ -283,6 +283,9 @@ def test_a_dataset_path_with_its_suffix_says_to_drop_it(tmp_path):
                                         rf"--input {text} --output-prefix {tmp_path / 'docs'}, then write "
                                         rf"data.path={tmp_path / 'docs'}$"):
         IndexedDataset(str(text))
+    tokenizer = tmp_path / "tokenizer.json"  # data.tokenizer's: the corpus is made with it
+    with pytest.raises(DataError, match=rf"--output-prefix {tmp_path / 'docs'} --tokenizer {tokenizer}, then"):
+        IndexedDataset(str(text), tokenizer=str(tokenizer))
 
 
 # -------------------------------------------------------------------------------------- preprocess

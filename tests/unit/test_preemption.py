@@ -285,12 +285,15 @@ def test_a_traceback_leaves_a_failure_marker_unless_a_preemption_signal_came_fir
 
 
 @pytest.mark.timeout(300)
-def test_ctrl_c_stops_with_one_line_that_names_the_checkpoint_to_resume(tmp_path):
+@pytest.mark.parametrize("run_dir_named", [True, False])
+def test_ctrl_c_stops_with_one_line_that_names_the_checkpoint_to_resume(tmp_path, run_dir_named):
     """Ctrl-C (SIGINT, not a preemption signal by default) during a step printed a hundred lines of traceback ending
     in the GEMM it stopped: now one line naming the checkpoint the same command resumes from, exit 130 (the shell's
-    code for SIGINT), and the failure marker (a user's stop is no requeue)."""
+    code for SIGINT), and the failure marker (a user's stop is no requeue). The default run dir is a new
+    outputs/DATE/TIME per run: the line then names the hydra.run.dir that resumes."""
     marker = tmp_path / "requeue-marker"
-    argv = [*TINY, "trainer.max_steps=8", "trainer.save_interval=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    argv = [*TINY, "trainer.max_steps=8", "trainer.save_interval=2"]
+    argv += [f"hydra.run.dir={tmp_path / 'run'}"] if run_dir_named else []
     script = ("import os, signal, sys\nimport megalm.training.trainer as tr\nstep = tr.Trainer.train_step\n"
               "def interrupted(self, s, *a, **k):\n    if s == 3:\n        os.kill(os.getpid(), signal.SIGINT)\n"
               "    return step(self, s, *a, **k)\n"
@@ -298,12 +301,17 @@ def test_ctrl_c_stops_with_one_line_that_names_the_checkpoint_to_resume(tmp_path
               "import megalm.train as t\nt.main()\n")
     proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "MEGALM_REQUEUE_MARKER": str(marker),
                                                                "RANK": "0"}, capture_output=True, text=True,
-                          timeout=240)
+                          timeout=240, cwd=tmp_path)
     assert proc.returncode == 130, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("megalm-train: interrupted (Ctrl-C); the same command resumes from "
-                           f"{tmp_path / 'run' / 'checkpoints' / 'step_00000002'}."), proc.stderr[-2000:]
+    if run_dir_named:
+        run_dir, command = tmp_path / "run", "the same command"
+    else:
+        [run_dir] = [p.parent for p in (tmp_path / "outputs").glob("*/*/config.yaml")]
+        command = f"the same command with hydra.run.dir={run_dir}"
+    assert last.startswith(f"megalm-train: interrupted (Ctrl-C); {command} resumes from "
+                           f"{run_dir / 'checkpoints' / 'step_00000002'}."), proc.stderr[-2000:]
     assert [m.name for m in tmp_path.glob("requeue-marker*")] == ["requeue-marker.failed-rank0"]
 
 

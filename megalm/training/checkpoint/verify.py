@@ -40,9 +40,11 @@ class LoadedCheckpoint:
 
 
 def _damaged(file: Path, why: str) -> CheckpointError:
-    # generate, export and model.init_from read checkpoints too: the fix names no training key
-    return CheckpointError(f"checkpoint file {file} is damaged ({why}); use another checkpoint (an earlier step_* "
-                           "dir beside it)")
+    # generate, export and model.init_from read checkpoints too: the fix names no training key; a run's step_* dir
+    # has earlier ones beside it, an imported or init_from checkpoint none
+    step = next((p for p in file.parents if p.name.startswith("step_")), None)
+    beside = f" (an earlier step_* dir beside {step})" if step is not None else ""
+    return CheckpointError(f"checkpoint file {file} is damaged ({why}); use another checkpoint{beside}")
 
 
 def _check_safetensors(file: Path) -> None:
