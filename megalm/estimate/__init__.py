@@ -56,6 +56,16 @@ def _table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def no_fit(result: dict[str, Any], world: int, json_printed: bool) -> str:
+    """`--search`'s line when layouts were priced and none fits: the counts, and the fixes that apply."""
+    fixes = ["add GPUs", "shorten model.seq_length"] + (["lower trainer.micro_batch_size"]
+                                                         if result["micro_batch"] > 1 else [])
+    notes = f" ({len(result['notes'])} notes: --json lists them)" if result["notes"] and not json_printed else ""
+    return (f"none of the {result['confirmed']} layouts the estimator ran (of {result['fit_closed_form']} the closed "
+            f"form fits, {result['candidates']} in all) fits {world} GPUs of {result['hbm_bytes'] / GIB:.1f} GiB at "
+            f"this batch; {', '.join(fixes[:-1])} or {fixes[-1]}{notes}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """megalm-estimate OVERRIDES... --world N --gpu h100 [--json]."""
     import logging
@@ -75,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("megalm").setLevel(logging.WARNING)  # the trainers' start-up lines are not the answer
     cpu_run = ["trainer.device=cpu", "trainer.hang_minutes=0", "trainer.init_hang_minutes=0",
                "logging.tensorboard=false"]
+    unfit = None  # a search's result with no layout: --json prints it beside the error line
     try:
         if args.world < 1:
             raise ConfigError(f"--world {args.world} must be >= 1 (the number of GPUs of the run)")
@@ -94,11 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                 memory = int(args.gpu_memory * GIB) if args.gpu_memory else None
                 result = search([*given, *cpu_run], args.world, args.gpu, args.top or 5, memory_bytes=memory)
                 if not result["layouts"]:
-                    raise ConfigError(
-                        f"none of the {result['confirmed']} layouts the estimator ran (of {result['fit_closed_form']}"
-                        f" the closed form fits, {result['candidates']} in all) fits {args.world} GPUs of "
-                        f"{result['hbm_bytes'] / GIB:.1f} GiB at this batch; add GPUs, shorten model.seq_length or "
-                        f"lower trainer.micro_batch_size ({len(result['notes'])} notes with --json)")
+                    unfit = result
+                    raise ConfigError(result["why_none"] or no_fit(result, args.world, bool(args.json)))
                 text = search_table(result)
             else:
                 overrides = batch_overrides(given, args.world)
@@ -109,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         if given is not args.overrides:
             result["notes"].append(AUTO_PRECISION)
     except ConfigError as error:
+        if unfit is not None and args.json:  # the search's counts and notes, for a script
+            print(json.dumps(unfit, indent=1))
         print(f"error: {error}", file=sys.stderr)  # megalm-train's form
         return 2
     print(json.dumps(result, indent=1) if args.json else "\n".join([text, *result["notes"]]))

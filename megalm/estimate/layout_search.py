@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -199,6 +200,18 @@ def layouts(shape: Shape) -> list[Layout]:
                 continue
             out.append(Layout(tp, pp, vpp, cp, dp, zero1, recompute, offload, hdp, ep))
     return out
+
+
+def why_no_layouts(shape: Shape) -> str:
+    """Why `layouts` found none: the data-parallel sizes the world leaves (tp, pp and cp are powers of two), none of
+    which splits the global batch into whole micro-batches."""
+    powers = [2**k for k in range(12) if 2**k <= shape.world]
+    dps = sorted({shape.world // p for p in powers if shape.world % p == 0})
+    return (f"no layout of {shape.world} GPUs splits the global batch: tp, pp and cp are powers of two, so dp is "
+            f"one of {', '.join(map(str, dps))}, and none divides {shape.global_batch} sequences into micro-batches "
+            f"of {shape.micro_batch}; set trainer.global_batch_size to a multiple of dp x {shape.micro_batch} (e.g. "
+            f"{math.ceil(shape.global_batch / (dps[0] * shape.micro_batch)) * dps[0] * shape.micro_batch}), or "
+            "--world to a power of two")
 
 
 def stage_parameters(shape: Shape, layout: Layout) -> tuple[int, int]:
@@ -553,6 +566,7 @@ def search(overrides: list[str], world: int, gpu: str, top: int = 5, max_confirm
     if len(refused) > REFUSALS_SHOWN:
         notes.append(f"... and {len(refused) - REFUSALS_SHOWN} more layouts the config's rules refused")
     return {"world": world, "gpu": gpu, "hbm_bytes": memory, "global_batch": shape.global_batch,
+            "micro_batch": shape.micro_batch, "why_none": why_no_layouts(shape) if not candidates else None,
             "candidates": len(candidates), "fit_closed_form": len(hopeful), "confirmed": tried, "layouts": found,
             "seconds": time.perf_counter() - start, "notes": notes}
 

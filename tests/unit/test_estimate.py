@@ -127,6 +127,8 @@ def test_hdp_measures_the_largest_ring_and_its_loads_are_the_simulators():
 
 @pytest.mark.parametrize("argv, message", [
     (["parallel.tp=2", "--world", "3"], "--world 3 is not a multiple of tp x pp x cp = 2"),
+    (["parallel.dp=4", "--world", "2"], "parallel.dp=4 with tp x pp x cp = 1 makes 4 GPUs, not --world 2; set "
+                                        "--world 4"),  # had named torchrun's --nproc-per-node
     (["--world", "2", "--gpu", "v100"], "--gpu v100: unknown GPU"),
     (["--world", "2", "--gpu", "V100"], "--gpu v100: unknown GPU"),  # read in lower case (H100 is h100)
     (["model=moe_tiny", "model.moe.every_n_layers=2", "--world", "2", "--search"], "model.moe.every_n_layers=2"),

@@ -99,6 +99,24 @@ def test_search_says_when_nothing_fits(capsys):
                           "--search", "--gpu-memory", "0.1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "none of the" in err and "fits" in err and len(err.splitlines()) == 1, err
+    assert "lower trainer.micro_batch_size" not in err, "a micro-batch of 1 is as low as it goes"
+    # --json: the search's counts and notes on stdout (the line said "notes with --json" and --json printed none)
+    assert estimate.main([*SMALL, "trainer.micro_batch_size=1", "trainer.global_batch_size=16", "--world", "4",
+                          "--search", "--gpu-memory", "0.1", "--json"]) == 2
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    assert result["layouts"] == [] and result["candidates"] > 0 and len(err.strip().splitlines()) == 1, err
+
+
+def test_search_says_when_no_layout_splits_the_batch(capsys):
+    """6 GPUs and a global batch of 4: no data-parallel size (6 or 3 with tp, pp and cp powers of two) divides the
+    batch, and the search had said that none of its 0 layouts fit in memory, naming fixes that could not help."""
+    assert estimate.main([*SMALL, "trainer.micro_batch_size=1", "trainer.global_batch_size=4", "--world", "6",
+                          "--search"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: no layout of 6 GPUs splits the global batch: tp, pp and cp are powers of two, so dp is one "
+                   "of 3, 6, and none divides 4 sequences into micro-batches of 1; set trainer.global_batch_size to a "
+                   "multiple of dp x 1 (e.g. 6), or --world to a power of two"), err
 
 
 @pytest.mark.parametrize("tp, dp", [(2, 2), (4, 1)])
