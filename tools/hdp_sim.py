@@ -67,6 +67,14 @@ def parse_size(text: str | int) -> int:
     return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
+def size(text: str) -> int:
+    """`parse_size` as an argparse type: a value it cannot read names the forms it reads."""
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is no size: write e.g. 2M, 256K or 131072") from None
+
+
 def size_name(n: int) -> str:
     for unit, scale in (("M", M), ("K", K)):
         if n >= scale and n % scale == 0:
@@ -265,22 +273,23 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=256,
                    help="HDP domain size D (dp·cp ranks per TP×PP position; default 256)")
-    p.add_argument("--context", type=parse_size, default=parse_size("256K"),
+    p.add_argument("--context", type=size, default=parse_size("256K"),
                    help="context length, e.g. 2M, 256K, 131072 (default 256K)")
     p.add_argument("--lengths", default=None, help="JSON list of document lengths, or 'longtail' (the default)")
     p.add_argument("--dist", choices=["longtail"], default=None, help="same as --lengths longtail")
     p.add_argument("--model", default="7b", help="1b, 7b, 13b, 70b (the configs/hdp_cost YAML of h100 and the model, "
                    "if present)")
     p.add_argument("--cost", default=None, help="cost model: preset name or YAML path (overrides --model)")
-    p.add_argument("--capacity", type=parse_size, default=None, help="tokens per rank per micro-batch")
-    p.add_argument("--global-tokens", type=parse_size, default=33554432)
+    p.add_argument("--capacity", type=size, default=None, help="tokens per rank per micro-batch (default: the cost "
+                   "model's)")
+    p.add_argument("--global-tokens", type=size, default=33554432, help="tokens in one global batch (default 32M)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages per HDP rank")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the random lengths' seed (default 0)")
     p.add_argument("--steps", type=int, default=1, help="simulate this many global batches; means are reported")
     p.add_argument("--check", action="store_true", help="also run check_plan on every plan")
     p.add_argument("--png-dir", default=None, help="write <dir>/<prefix><policy>.png Gantt charts "
                    "and <dir>/<prefix>balance.png (needs matplotlib; replaces only charts megalm drew)")
-    p.add_argument("--png-prefix", default="")
+    p.add_argument("--png-prefix", default="", help="prefix of the --png-dir charts' file names")
     p.add_argument("--shared-x", action="store_true", help="draw every policy's Gantt chart on the slowest one's "
                    "time axis (default: each fitted to its own plan)")
     p.add_argument("--offload", action="store_true", help="also plan 'hdp_offload' (ByteScale's selective offload: "
@@ -288,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ablation", action="store_true", help="print ByteScale's ablation (static, + dynamic "
                    "communication, + selective offload, + balance, + hierarchical CP) for 7B and 70B, two length "
                    "distributions and four contexts; uses --ranks, --steps, --global-tokens, --seed")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="also print the results as one JSON object, last")
     args = p.parse_args(argv)
     for flag in ("ranks", "context", "global_tokens", "pp", "steps", "capacity"):
         value = getattr(args, flag)
@@ -347,7 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             last, plan_seconds = run_step(lengths, args, cost, capacity)
         except ValueError as e:  # e.g. a context that does not fit on the ranks
-            p.error(str(e))
+            p.error(f"{e}; raise --ranks or --capacity, or lower --context")
         plan_times.append(plan_seconds)
         for name, (plan, sim) in last.items():
             t = totals[name]
@@ -404,8 +413,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{d['min_rank_utilization']:>6.1%} {d['exposed_comm_share']:>6.1%} "
               f"{d['cp_traffic_tb_per_step']:>8.2f} {d['padding_share']:>6.1%} "
               f"{d['micro_batches_per_step']:>7.0f} {d['max_micro_batches_per_rank']:>8}")
-    print("util: compute / (ranks × step); min: the least-utilised rank; comm: exposed CP communication share; "
-          "CP TB: ring traffic per step; pad: padded positions; mbs: micro-batches per step")
+    print("hdp x: this policy's step time over hdp's (hdp's speed-up over it); util: compute / (ranks × step); min: "
+          "the least-utilised rank; comm: exposed CP communication share; CP TB: ring traffic per step; pad: padded "
+          "positions; mbs: micro-batches per step; max/rank: the most micro-batches one rank runs")
     print(f"exposed CP communication / busy time, by the micro-batch's longest document (C = {capacity}):")
     print(f"{'policy':<16} " + " ".join(f"{name:>9}" for name in BUCKETS))
     for name in policies:

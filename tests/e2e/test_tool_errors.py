@@ -41,6 +41,7 @@ def test_a_mistyped_flag_of_the_save_benchmark_is_an_error_not_an_override(tmp_p
     (["tools/bench/activation_memory.py", "--recompute", "bogus"], "parallel.recompute='bogus'"),
     (["tools/bench/estimate_vs_formula.py", "--models", "nope"], "--models nope: not one of 8b, 70b"),
     (["tools/bench/hdp_plan_time.py", "--reps", "0"], "--reps 0 must be >= 1"),
+    (["tools/bench/hdp_plan_time.py", "--ranks", "2"], "raise --ranks or --capacity"),  # a planner's traceback
     (["tools/bench/checkpoint_save.py", "--reps", "0"], "--reps 0 must be >= 1"),
     (["tools/bench/adamw_kernels.py", "--iters", "0"], "--iters 0 must be >= 1"),
 ])

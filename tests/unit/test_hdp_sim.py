@@ -116,6 +116,9 @@ def test_cli_longtail_with_pipeline_and_capacity(capsys):
     (["--cost", "COST"], "c: 1e-3x", "cost model key c='1e-3x' is not a float"),
     (["--cost", "COST"], "a: [", "is not YAML"),
     (["--cost", "COST"], "c: 1.0e-3\nlayers: .inf", "cost model key layers=inf is not an int"),  # OverflowError
+    # a newcomer's pass, 2026-12-06: the planner's refusal named no flag; argparse named `parse_size`
+    (["--context", "128K"], None, "more than 8; raise --ranks or --capacity, or lower --context"),
+    (["--context", "64X"], None, "'64X' is no size: write e.g. 2M, 256K or 131072"),
 ])
 def test_cli_bad_arguments_are_one_line(tmp_path, capsys, flags, lengths, said):
     extra = []
@@ -126,7 +129,7 @@ def test_cli_bad_arguments_are_one_line(tmp_path, capsys, flags, lengths, said):
         (tmp_path / "lengths.json").write_text(json.dumps(lengths))
         extra = ["--lengths", str(tmp_path / "lengths.json")]
     with pytest.raises(SystemExit) as e:
-        context = [] if "--ablation" in flags else ["--context", "8K"]  # the ablation refuses one
+        context = [] if "--ablation" in flags or "--context" in flags else ["--context", "8K"]  # the ablation: none
         hdp_sim.main(["--ranks", "8", *context, "--global-tokens", "64K", *flags, *extra])
     assert e.value.code == 2 and said in capsys.readouterr().err
 

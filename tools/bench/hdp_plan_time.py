@@ -27,27 +27,29 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from hdp_sim import global_batch, model_cost, parse_size  # noqa: E402
+from hdp_sim import global_batch, model_cost, parse_size, size  # noqa: E402
 
+from megalm.errors import ConfigError  # noqa: E402
 from megalm.parallel.hdp import plan_hdp  # noqa: E402
 from tools.bench.cli import check_counts, run_main  # noqa: E402
 
-SAMPLE = Path("tools/data/seqlen/prolong_lengths.json")
+SAMPLE = ROOT / "tools/data/seqlen/prolong_lengths.json"  # from any working directory
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=12288)
-    p.add_argument("--global-tokens", type=parse_size, default=33554432)
-    p.add_argument("--model", default="7b")
-    p.add_argument("--capacity", type=parse_size, default=None)
+    p.add_argument("--ranks", type=int, default=12288, help="HDP domain size (default 12,288)")
+    p.add_argument("--global-tokens", type=size, default=33554432, help="tokens in one global batch (default 32M)")
+    p.add_argument("--model", default="7b", help="the HDP cost model's preset: 1b, 7b, 13b or 70b (default 7b)")
+    p.add_argument("--capacity", type=size, default=None, help="tokens per rank per micro-batch (default: the "
+                   "cost model's)")
     p.add_argument("--lengths", default=str(SAMPLE), help="JSON list of document lengths (skipped if missing)")
-    p.add_argument("--reps", type=int, default=11)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--budget-ms", type=float, default=100.0)
+    p.add_argument("--reps", type=int, default=11, help="plans of each case; min and median reported (default 11)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages per HDP rank (default 1)")
+    p.add_argument("--budget-ms", type=float, default=100.0, help="the CPU time a plan may take (default 100 ms)")
     p.add_argument("--offload", action="store_true", help="plan with selective offload (two plans compete)")
     p.add_argument("--flat", action="store_true", help="flat rings only (parallel.cp_comm=ring)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="also print the results as one JSON object, last")
     args = p.parse_args()
     check_counts(args, "ranks", "reps", "pp")
 
@@ -58,6 +60,15 @@ def main() -> None:
     cases = [("longtail", "256K"), ("longtail", "2M")]
     if Path(args.lengths).exists():
         cases = [(args.lengths, "128K"), (args.lengths, "256K")] + cases
+    # a context past the domain's tokens per micro-batch has documents no ring of these ranks holds
+    fits = [case for case in cases if parse_size(case[1]) <= args.ranks * capacity]
+    if not fits:
+        raise ConfigError(f"--ranks {args.ranks} x capacity {capacity} holds {args.ranks * capacity} tokens, less "
+                          f"than every case's context ({', '.join(sorted({c for _, c in cases}))}); raise --ranks "
+                          "or --capacity")
+    for source, context in (case for case in cases if case not in fits):
+        print(f"skipped {Path(source).name} at {context}: longer than --ranks {args.ranks} x capacity {capacity}")
+    cases = fits
     rows = []
     for source, context in cases:
         src = source if source == "longtail" else np.asarray(json.loads(Path(source).read_text()))
