@@ -8,27 +8,32 @@ import sys
 from pathlib import Path
 
 from megalm.errors import os_error_line
-from megalm.plot.curves import load_metrics, plot_metrics
+from megalm.plot.curves import load_metrics, plot_metrics, resolve_run_dir
 from megalm.plot.figures import PlotError, check_replaceable, require_matplotlib, save_figure
 from megalm.plot.schedule import build_plotted_schedule, plot_schedule
 
 
 def _run_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="megalm-plot", description="Plot a run's metrics.jsonl: loss (train and "
-                                "valid), learning rate, gradient norm, tokens/s and an MoE model's expert load against "
-                                "step. "
-                                "`megalm-plot schedule -h` draws a pipeline schedule.")
-    p.add_argument("run_dir", help="a run directory holding metrics.jsonl")
+    usage = ("megalm-plot [-h] RUN_DIR [--out DIR] [--log-loss]\n"
+             "       megalm-plot schedule [-h] --out PNG [--schedule ...]")
+    p = argparse.ArgumentParser(prog="megalm-plot", usage=usage, description="Plot a run's metrics.jsonl: loss "
+                                "(train and valid), learning rate, gradient norm, tokens/s and an MoE model's expert "
+                                "load against step. `megalm-plot schedule -h` draws a pipeline schedule.")
+    p.add_argument("run_dir", help="a run directory holding metrics.jsonl (or that file), or a dir of runs such as "
+                   "outputs/ (its newest run)")
     p.add_argument("--out", default=None, help="where the PNGs go (default RUN_DIR/plots); only charts "
                    "megalm drew are replaced there")
     p.add_argument("--log-loss", action="store_true", help="the loss on a log y-axis")
     args = p.parse_args(argv)
-    records = load_metrics(args.run_dir)
+    run_dir = resolve_run_dir(args.run_dir)
+    records = load_metrics(run_dir)
+    if run_dir != Path(args.run_dir).expanduser():  # a dir of runs' newest, or the run of a metrics.jsonl named
+        print(f"megalm-plot: plotting {run_dir}", file=sys.stderr)
     require_matplotlib()
-    out = Path(args.out) if args.out else Path(args.run_dir) / "plots"
+    out = Path(args.out) if args.out else run_dir / "plots"
     if out.exists() and not out.is_dir():
         raise PlotError(f"--out {out} is a file; pass a directory for the PNGs")
-    run_name = "/".join(Path(args.run_dir).resolve().parts[-2:])  # hydra's runs are DATE/TIME
+    run_name = "/".join(run_dir.resolve().parts[-2:])  # hydra's runs are DATE/TIME
     figures = plot_metrics(records, run_name, log_loss=args.log_loss)
     check_replaceable(*(out / f"{name}.png" for name in figures))  # all or none written
     for name, fig in figures.items():
@@ -42,12 +47,13 @@ def _schedule_main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="megalm-plot schedule", description="Draw a pipeline schedule's simulated "
                                 "timeline: ranks on y, time on x, F/B/W bars, SEND/RECV and OFFLOAD/RELOAD marks.")
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    p.add_argument("--pp", type=int, default=4, help="pipeline ranks")
-    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="the pipeline schedule (default 1f1b)")
+    p.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches a step (default 8)")
     p.add_argument("--vpp", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
     p.add_argument("--offload", type=float, default=0.0, help="fraction of micro-batch-chunks to offload")
-    p.add_argument("--offload-policy", choices=[x for x in POLICIES if x != "auto"], default="lifespan")
+    p.add_argument("--offload-policy", choices=[x for x in POLICIES if x != "auto"], default="lifespan",
+                   help="which micro-batch-chunks offload (default lifespan)")
     p.add_argument("--out", required=True, help="the PNG to write (it replaces only a chart megalm drew)")
     args = p.parse_args(argv)
     vpp = args.vpp if args.vpp is not None else (2 if args.schedule == "interleaved" else 1)

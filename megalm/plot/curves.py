@@ -26,13 +26,28 @@ def last_attempt(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return kept
 
 
+def resolve_run_dir(path: str | Path) -> Path:
+    """The run dir a user named: a run dir; its metrics.jsonl; or a dir of runs (such as `outputs/`, which a bare
+    `megalm-train` writes DATE/TIME dirs into), whose newest metrics.jsonl wins, as megalm-generate's newest run."""
+    path = Path(path).expanduser()
+    if path.is_file() and path.name == "metrics.jsonl":
+        return path.parent
+    if path.is_dir() and not (path / "metrics.jsonl").exists():
+        runs = sorted(path.glob("**/metrics.jsonl"), key=lambda p: p.stat().st_mtime)
+        if runs:
+            return runs[-1].parent
+    return path
+
+
 def load_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of RUN_DIR/metrics.jsonl as the run's last attempt left them (`last_attempt`); PlotError (naming
     the line) if the dir, the file or a record is bad. A line that is not JSON (one a crash tore; megalm-train
     starts its next record on a line of its own) is skipped with a warning on stderr."""
     run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise PlotError(f"run dir {run_dir} does not exist")
     if not run_dir.is_dir():
-        raise PlotError(f"run dir {run_dir} does not exist (or is not a directory)")
+        raise PlotError(f"{run_dir} is a file; pass the run dir that holds metrics.jsonl")
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise PlotError(f"{path} not found: is {run_dir} a megalm run dir (megalm-train writes it)?")

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -118,6 +119,22 @@ def test_a_torn_line_is_skipped_and_a_resumed_run_s_last_attempt_drawn(tmp_path,
     train = plot.plot_metrics(drawn)["loss"].axes[0].get_lines()[0]
     assert list(train.get_xdata()) == list(range(1, 11)) and list(train.get_ydata())[4:] == [9.0] * 6
     assert plot.main([str(run)]) == 0
+
+
+def test_a_run_s_metrics_file_or_a_dir_of_runs_names_its_run(tmp_path, capsys):
+    """`megalm-plot RUN_DIR/metrics.jsonl` was refused as no directory, and `megalm-plot outputs/` (where a bare
+    megalm-train writes DATE/TIME run dirs) found no metrics: the file's run, and the newest run of a dir of runs,
+    named on stderr as megalm-generate names the checkpoint it resolved to."""
+    older = write_run(tmp_path / "outputs" / "2026-12-05" / "10-00-00", records())
+    newer = write_run(tmp_path / "outputs" / "2026-12-06" / "09-00-00", records())
+    os.utime(older / "metrics.jsonl", (1, 1))
+    assert plot.main([str(tmp_path / "outputs")]) == 0
+    assert f"megalm-plot: plotting {newer}" in capsys.readouterr().err
+    assert (newer / "plots" / "loss.png").is_file() and not (older / "plots").exists()
+    assert plot.main([str(older / "metrics.jsonl")]) == 0
+    assert (older / "plots" / "loss.png").is_file() and f"plotting {older}" in capsys.readouterr().err
+    (tmp_path / "notes.txt").write_text("mine")
+    assert "is a file; pass the run dir" in one_line_error(capsys, lambda: plot.main([str(tmp_path / "notes.txt")]))
 
 
 def test_cli_one_line_errors(tmp_path, capsys):
