@@ -66,8 +66,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fp8-columns-apart", action="store_true",
                         help="compiled FP8: each column-major copy in a kernel of its own, not its cast's")
     args, overrides = parse_flags_and_overrides(parser, argv)
-    if args.steps < 1 or args.warmup < 0:
-        raise ConfigError(f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0")
+    if args.steps < 1:
+        raise ConfigError(f"--steps {args.steps} must be >= 1 (the timed steps)")
+    if args.warmup < 0:
+        raise ConfigError(f"--warmup {args.warmup} must be >= 0 (the untimed steps first)")
     if args.profile < 0 or (args.profile_trace and not args.profile):
         parser.error("--profile takes a number of steps >= 1; --profile-trace needs --profile")
     from megalm.training.metrics import peak_memory_gb
