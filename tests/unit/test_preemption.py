@@ -294,7 +294,10 @@ def test_ctrl_c_stops_with_one_line_that_names_the_checkpoint_to_resume(tmp_path
     marker = tmp_path / "requeue-marker"
     argv = [*TINY, "trainer.max_steps=8", "trainer.save_interval=2"]
     argv += [f"hydra.run.dir={tmp_path / 'run'}"] if run_dir_named else []
-    script = ("import os, signal, sys\nimport megalm.training.trainer as tr\nstep = tr.Trainer.train_step\n"
+    # Python's own SIGINT handler, whatever the harness left: a process started in the background by a shell without
+    # job control inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it
+    script = ("import os, signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              "import megalm.training.trainer as tr\nstep = tr.Trainer.train_step\n"
               "def interrupted(self, s, *a, **k):\n    if s == 3:\n        os.kill(os.getpid(), signal.SIGINT)\n"
               "    return step(self, s, *a, **k)\n"
               f"tr.Trainer.train_step = interrupted\nsys.argv = ['megalm-train', *{argv!r}]\n"
