@@ -113,21 +113,24 @@ def test_budget_too_short_still_writes_the_file(tmp_path: Path, capsys):
     assert "not measured (budget" in path.read_text()
 
 
-@pytest.mark.parametrize("case", ["unknown model", "unwritable out", "no cuda", "bad flag", "out is base"])
+@pytest.mark.parametrize("case", ["unknown model", "unwritable out", "no cuda", "bad flag", "out is base",
+                                  "gpu unread"])
 def test_bad_input_is_one_line(tmp_path: Path, capsys, case: str):
     (tmp_path / "file").write_text("")
     argv = {"unknown model": ["model=13b_nope", "--device", "cpu", "--out", str(tmp_path / "x.yaml")],
             "unwritable out": ["model=tiny", "--device", "cpu", "--out", str(tmp_path / "file" / "x.yaml")],
             "no cuda": ["model=tiny", "--device", "cuda", "--out", str(tmp_path / "x.yaml")],
             "bad flag": ["model=tiny", "--device", "tpu", "--out", str(tmp_path / "x.yaml")],
-            "out is base": ["model=tiny", "--device", "cpu", "--out", str(BASE)]}[case]  # the shipped one replaced
+            "out is base": ["model=tiny", "--device", "cpu", "--out", str(BASE)],  # the shipped one replaced
+            "gpu unread": ["model=tiny", "--device", "cpu", "--gpu", "h200", "--out", str(tmp_path / "x.yaml")]}[case]
     if case == "no cuda" and torch.cuda.is_available():
         pytest.skip("a CUDA device is visible")
     assert hdp_calibrate.main([*argv, "--base", str(BASE)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
     assert {"unknown model": "unknown model '13b_nope'", "unwritable out": "does not exist",
-            "no cuda": "no CUDA device", "bad flag": "--device", "out is base": "is --base"}[case] in err
+            "no cuda": "no CUDA device", "bad flag": "--device", "out is base": "is --base",
+            "gpu unread": "--gpu prices --device roofline only"}[case] in err
     assert not (tmp_path / "x.yaml").exists()
 
 

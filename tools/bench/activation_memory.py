@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="megalm-train overrides (model=1.3b model.seq_length=4096)")
-    p.add_argument("--recompute", default="none,selective,full")
+    p.add_argument("--recompute", default="none,selective,full", help="parallel.recompute values to measure, comma-"
+                   "separated (default none,selective,full)")
     p.add_argument("--gpu", choices=sorted(GPUS), default=None,
                    help="trace FP8 recipes as this GPU runs them (torch._scaled_mm from sm89, compiled casts); "
                         "default: as this machine runs them (on a CPU, the emulation)")

@@ -133,7 +133,7 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) ->
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=2, help="processes (gloo ranks) of the measured run (default 2)")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     args, overrides = parser.parse_known_args(argv)
     compose_config(overrides)  # a bad override is one line here, not a traceback from each spawned rank

@@ -168,7 +168,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
     parser.error = one_line_error  # type: ignore[method-assign]
     parser.add_argument("--base", required=True, type=Path,
-                        help="cost YAML whose unmeasured keys (links, overlap) are kept: configs/hdp_cost/h100_7b.yaml")
+                        help="cost YAML whose unmeasured keys (links, overlap) are kept, e.g. "
+                        "configs/hdp_cost/h100_7b.yaml (required)")
     parser.add_argument("--out", required=True, type=Path, help="the cost YAML to write")
     parser.add_argument("--budget-s", type=float, default=180.0,
                         help="seconds for the whole run, from process start (default 180)")
@@ -191,6 +192,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args.repeats = repeats if args.repeats is None else args.repeats
     if args.budget_s <= 0:
         raise BadInput(f"--budget-s {args.budget_s}: must be positive")
+    if args.device != "roofline" and any(a == "--gpu" or a.startswith("--gpu=") for a in argv):  # timed: its own
+        raise BadInput(f"--gpu prices --device roofline only; --device {args.device} times the device itself: drop "
+                       "--gpu, or add --device roofline")
     if args.min_doc < 1 or args.max_tokens < 2 * args.min_doc:
         raise BadInput(f"--max-tokens {args.max_tokens} must be at least twice --min-doc {args.min_doc} (>= 1)")
     if args.repeats < 1 or args.warmup < 0:
