@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -425,13 +426,17 @@ def stop_on_interrupt(run_dir: Path | None, rank: int) -> None:
     mark_failed()  # stopped by its user: no requeue
     if rank == 0:
         latest = latest_checkpoint(run_dir) if run_dir is not None else None
-        named = any(a.startswith(("hydra.run.dir=", "+hydra.run.dir=")) for a in sys.argv[1:])
+        argv = sys.argv[1:]
+        named = any(a.startswith(("hydra.run.dir=", "+hydra.run.dir=")) for a in argv)
         if latest is None:
             where = "no checkpoint was saved yet"
+        elif any(a in ("-m", "--multirun") for a in argv):  # a sweep's job: the sweep again makes a new sweep dir
+            where = (f"this sweep job's checkpoint is {latest}: run the job alone (without -m) with "
+                     f"{shlex.quote(f'hydra.run.dir={run_dir}')} to resume it")
         elif named:
             where = f"the same command resumes from {latest}"
         else:  # the default run dir is a new outputs/DATE/TIME each time: the same command would start afresh
-            where = f"the same command with hydra.run.dir={run_dir} resumes from {latest}"
+            where = f"the same command with {shlex.quote(f'hydra.run.dir={run_dir}')} resumes from {latest}"
         sys.stderr.write(f"megalm-train: interrupted (Ctrl-C); {where}. To save on Ctrl-C first, add SIGINT to "
                          "trainer.preempt_signals\n")
         sys.stderr.flush()

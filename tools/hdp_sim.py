@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             last, plan_seconds = run_step(lengths, args, cost, capacity)
         except ValueError as e:  # e.g. a context that does not fit on the ranks
-            p.error(f"{e}; raise --ranks or --capacity, or lower --context")
+            p.error(f"{e}; raise --ranks or --capacity, or lower --context" if "more than" in str(e) else str(e))
         plan_times.append(plan_seconds)
         for name, (plan, sim) in last.items():
             t = totals[name]

@@ -203,15 +203,15 @@ def layouts(shape: Shape) -> list[Layout]:
 
 
 def why_no_layouts(shape: Shape) -> str:
-    """Why `layouts` found none: the data-parallel sizes the world leaves (tp, pp and cp are powers of two), none of
-    which splits the global batch into whole micro-batches."""
-    powers = [2**k for k in range(12) if 2**k <= shape.world]
-    dps = sorted({shape.world // p for p in powers if shape.world % p == 0})
-    return (f"no layout of {shape.world} GPUs splits the global batch: tp, pp and cp are powers of two, so dp is "
-            f"one of {', '.join(map(str, dps))}, and none divides {shape.global_batch} sequences into micro-batches "
-            f"of {shape.micro_batch}; set trainer.global_batch_size to a multiple of dp x {shape.micro_batch} (e.g. "
-            f"{math.ceil(shape.global_batch / (dps[0] * shape.micro_batch)) * dps[0] * shape.micro_batch}), or "
-            "--world to a power of two")
+    """Why `layouts` found none: no data-parallel size the model's shapes allow (tp, pp and cp powers of two that
+    divide its heads, layers and sequence) splits the global batch into whole micro-batches. dp = world (no tp, pp
+    or cp) is always allowed, so a multiple of world x micro-batch always splits."""
+    step = shape.world * shape.micro_batch
+    example = math.ceil(shape.global_batch / step) * step
+    return (f"no layout of {shape.world} GPUs splits the global batch: no data-parallel size the model's shapes "
+            f"allow (at most {shape.world}) divides {shape.global_batch} sequences into micro-batches of "
+            f"{shape.micro_batch}; set trainer.global_batch_size to a multiple of dp x {shape.micro_batch}, e.g. "
+            f"{example} (dp {shape.world})")
 
 
 def stage_parameters(shape: Shape, layout: Layout) -> tuple[int, int]:

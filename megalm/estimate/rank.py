@@ -530,7 +530,8 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
         raise ConfigError(f"--world {world} is not a multiple of tp x pp x cp = {per_replica}; change --world or the "
                           "layout")
     dp = world // per_replica
-    if p.dp is not None and p.dp != dp:  # the run's own check names torchrun's process count, which here is --world
+    # the run's own check names torchrun's process count, which here is --world (below 1: its own rule says so)
+    if p.dp is not None and p.dp >= 1 and p.dp != dp:
         raise ConfigError(f"parallel.dp={p.dp} with tp x pp x cp = {per_replica} makes {p.dp * per_replica} GPUs, not "
                           f"--world {world}; set --world {p.dp * per_replica}, or drop parallel.dp (it follows "
                           "--world)")

@@ -33,7 +33,9 @@ def resolve_run_dir(path: str | Path) -> Path:
     if path.is_file() and path.name == "metrics.jsonl":
         return path.parent
     if path.is_dir() and not (path / "metrics.jsonl").exists():
-        runs = sorted(path.glob("**/metrics.jsonl"), key=lambda p: p.stat().st_mtime)
+        # DATE/TIME under outputs/, DATE/TIME/N under multirun/: three levels, not the whole tree of `.` or `~`
+        found = [run for depth in (1, 2, 3) for run in path.glob("*/" * depth + "metrics.jsonl")]
+        runs = sorted(found, key=lambda p: p.stat().st_mtime)
         if runs:
             return runs[-1].parent
     return path

@@ -114,9 +114,12 @@ def test_search_says_when_no_layout_splits_the_batch(capsys):
     assert estimate.main([*SMALL, "trainer.micro_batch_size=1", "trainer.global_batch_size=4", "--world", "6",
                           "--search"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("error: no layout of 6 GPUs splits the global batch: tp, pp and cp are powers of two, so dp is one "
-                   "of 3, 6, and none divides 4 sequences into micro-batches of 1; set trainer.global_batch_size to a "
-                   "multiple of dp x 1 (e.g. 6), or --world to a power of two"), err
+    assert err == ("error: no layout of 6 GPUs splits the global batch: no data-parallel size the model's shapes allow "
+                   "(at most 6) divides 4 sequences into micro-batches of 1; set trainer.global_batch_size to a "
+                   "multiple of dp x 1, e.g. 6 (dp 6)"), err
+    # the batch it names splits
+    assert estimate.main([*SMALL, "trainer.micro_batch_size=1", "trainer.global_batch_size=6", "--world", "6",
+                          "--search", "--top", "1"]) == 0
 
 
 @pytest.mark.parametrize("tp, dp", [(2, 2), (4, 1)])

@@ -318,6 +318,25 @@ def test_ctrl_c_stops_with_one_line_that_names_the_checkpoint_to_resume(tmp_path
     assert [m.name for m in tmp_path.glob("requeue-marker*")] == ["requeue-marker.failed-rank0"]
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["-m", "optim.lr=1e-3,2e-3"], "this sweep job's checkpoint is {ckpt}: run the job alone (without -m) with "
+                                   "'hydra.run.dir={run}' to resume it"),  # the sweep again makes a new sweep dir
+    (["optim.lr=1e-3"], "the same command with 'hydra.run.dir={run}' resumes from {ckpt}"),  # quoted: a space
+])
+def test_the_ctrl_c_line_names_a_command_that_resumes(tmp_path, argv, said):
+    run = tmp_path / "my runs" / "run"
+    ckpt = run / "checkpoints" / "step_00000002"
+    script = ("import sys\nfrom pathlib import Path\nimport megalm.training.checkpoint as c\n"
+              f"c.latest_checkpoint = lambda run_dir: Path(run_dir) / 'checkpoints' / 'step_00000002'\n"
+              f"sys.argv = ['megalm-train', *{argv!r}]\nfrom megalm.train import stop_on_interrupt\n"
+              f"stop_on_interrupt(Path({str(run)!r}), 0)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "MEGALM_REQUEUE_MARKER": str(tmp_path / "marker")})
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert proc.stderr.strip() == ("megalm-train: interrupted (Ctrl-C); " + said.format(run=run, ckpt=ckpt) +
+                                   ". To save on Ctrl-C first, add SIGINT to trainer.preempt_signals"), proc.stderr
+
+
 def test_a_ctrl_c_inside_a_checkpoint_write_is_no_disk_to_free(tmp_path):
     """DCP catches what stops its write, a KeyboardInterrupt too, and hands it on wrapped in a CheckpointException:
     that was reported as a write failure ("free space on ..."); it is a KeyboardInterrupt again."""

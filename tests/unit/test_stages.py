@@ -45,7 +45,7 @@ def test_every_layer_is_held_exactly_once():
 
 
 @pytest.mark.parametrize("args, kwargs, message", [
-    ((10, 2, 2), {}, "num_layers=10 is not divisible into pp*vpp=4 stages; set parallel.layers_per_stage=[2,3,3,2]"),
+    ((10, 2, 2), {}, "num_layers=10 is not divisible into pp*vpp=4 stages; set 'parallel.layers_per_stage=[2,3,3,2]'"),
     ((1, 4), {}, "num_layers=1 is not divisible into pp*vpp=4 stages; use fewer stages"),
     ((0, 1), {}, "model.num_layers=0 must be >= 1"),
     ((8, 0), {}, "parallel.pp=0 must be >= 1"),

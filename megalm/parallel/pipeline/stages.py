@@ -52,8 +52,8 @@ def split_layers(num_layers: int, stages: int, layers_per_stage: list[int] | Non
     if layers_per_stage is None:
         if num_layers % stages:
             hint = _suggested_split(num_layers, stages) if num_layers >= stages - 2 else None
-            # as one shell word: Hydra's override parser reads "[1, 2, 1]", but the shell splits it at the spaces
-            fix = (f"set parallel.layers_per_stage=[{','.join(map(str, hint))}]" if hint
+            # one quoted shell word: the shell split "[1, 2, 1]" at its spaces, and zsh globs an unquoted [...]
+            fix = (f"set 'parallel.layers_per_stage=[{','.join(map(str, hint))}]'" if hint
                    else "use fewer stages (parallel.pp*parallel.vpp)")
             raise StageSplitError(f"num_layers={num_layers} is not divisible into pp*vpp={stages} stages; {fix}")
         return [num_layers // stages] * stages
