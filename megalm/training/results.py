@@ -24,16 +24,25 @@ class StepResult:
 @dataclass
 class TrainSummary:
     steps: int
-    first_loss: float | None
-    last_loss: float | None
     val_loss: float | None
     tokens: int
     seconds: float
     checkpoint: Path | None
     run_dir: Path
-    losses: list[tuple[int, float]] = field(default_factory=list)
+    losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) of every step this run trained
     preempted: bool = False  # stopped by a preemption signal, with a checkpoint: exit REQUEUE_EXIT_CODE
     has_tokenizer: bool = True  # text to sample: synthetic data has none, and megalm-generate refuses its checkpoint
+
+    @property
+    def first_loss(self) -> float | None:
+        """This run's first step's loss (after a resume, not step 1's)."""
+        return self.losses[0][1] if self.losses else None
+
+    @property
+    def last_loss(self) -> float | None:
+        """This run's last step's loss: every step's, not only the logged ones' (a resumed or preempted run ends
+        between log lines)."""
+        return self.losses[-1][1] if self.losses else None
 
     def lines(self, max_steps: int, peak_memory_gib: float) -> list[str]:
         """What a finished (or stopped) run says last: where it ended, its losses and memory, where its checkpoint,

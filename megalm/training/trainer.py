@@ -288,12 +288,9 @@ class Trainer:
             finally:
                 if logger is not None:
                     logger.close()
-        # every step's loss, not the logged ones': a resumed or preempted run ends between log lines
-        first_loss, last_loss = (losses[0][1], losses[-1][1]) if losses else (None, None)
-        summary = TrainSummary(steps=self.step, first_loss=first_loss, last_loss=last_loss, val_loss=val_loss,
-                               tokens=self.consumed_tokens, seconds=time.perf_counter() - start,
-                               checkpoint=last_saved, run_dir=self.run_dir, losses=losses, preempted=preempted,
-                               has_tokenizer=self.data.tokenizer is not None)
+        summary = TrainSummary(steps=self.step, val_loss=val_loss, tokens=self.consumed_tokens,
+                               seconds=time.perf_counter() - start, checkpoint=last_saved, run_dir=self.run_dir,
+                               losses=losses, preempted=preempted, has_tokenizer=self.data.tokenizer is not None)
         if main:
             for line in summary.lines(t.max_steps, peak_memory_gb(self.device)):
                 log.info(line)
