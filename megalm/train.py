@@ -39,6 +39,7 @@ from megalm.errors import REQUEUE_EXIT_CODE, CheckpointError, ConfigError, Megal
 log = logging.getLogger("megalm")
 # the signals megalm-train catches from its start (trainer.preempt_signals's default), until its config says which
 _START_UP_SIGNALS = [signal.Signals[name] for name in schema_default(TrainerConfig, "preempt_signals")]
+MULTIRUN_FLAGS = ("-m", "--multirun")  # Hydra's flag of a sweep
 
 
 def fail(message: str) -> None:
@@ -129,8 +130,8 @@ def precheck_overrides(argv: list[str]) -> None:
         except ValueError:
             return  # a flag Hydra does not know: its usage and error, when it starts
         fail(f"Hydra's flags go before the overrides: {flags_first(argv, overrides)}")
-    runs = not any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv)  # --cfg job, --help: print
-    if any(a in ("-m", "--multirun") for a in argv):
+    runs = not any(a.startswith("-") and a not in MULTIRUN_FLAGS for a in argv)  # --cfg job, --help: print
+    if any(a in MULTIRUN_FLAGS for a in argv):
         if runs:
             precheck_sweep(overrides, debug="debug=true" in overrides)
         return
@@ -430,7 +431,7 @@ def stop_on_interrupt(run_dir: Path | None, rank: int) -> None:
         named = any(a.startswith(("hydra.run.dir=", "+hydra.run.dir=")) for a in argv)
         if latest is None:
             where = "no checkpoint was saved yet"
-        elif any(a in ("-m", "--multirun") for a in argv):  # a sweep's job: the sweep again makes a new sweep dir
+        elif any(a in MULTIRUN_FLAGS for a in argv):  # a sweep's job: the sweep again makes a new sweep dir
             where = (f"this sweep job's checkpoint is {latest}: run the job alone (without -m) with "
                      f"{shlex.quote(f'hydra.run.dir={run_dir}')} to resume it")
         elif named:
