@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megalm.parallel.hdp import (  # noqa: E402
     Plan,
     SimResult,
+    TooFewRanks,
     check_plan,
     plan_hdp,
     plan_megatron_hybrid,
@@ -355,8 +356,10 @@ def main(argv: list[str] | None = None) -> dict:
         docs += len(lengths)
         try:
             last, plan_seconds = run_step(lengths, args, cost, capacity)
-        except ValueError as e:  # e.g. a context that does not fit on the ranks
-            p.error(f"{e}; raise --ranks or --capacity, or lower --context" if "more than" in str(e) else str(e))
+        except TooFewRanks as e:  # a context that does not fit on the ranks
+            p.error(f"{e}; raise --ranks or --capacity, or lower --context")
+        except ValueError as e:
+            p.error(str(e))
         plan_times.append(plan_seconds)
         for name, (plan, sim) in last.items():
             t = totals[name]

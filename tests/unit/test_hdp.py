@@ -11,6 +11,7 @@ import pytest
 from megalm.parallel.hdp import (
     MicroBatch,
     Plan,
+    TooFewRanks,
     check_plan,
     megatron_cp_size,
     plan_hdp,
@@ -265,11 +266,11 @@ def test_check_plan_names_the_violation():
 
 
 def test_documents_that_do_not_fit_are_refused():
-    with pytest.raises(ValueError, match="needs more than"):
+    with pytest.raises(TooFewRanks, match="needs more than"):  # a type of its own: tools name their flags for it
         plan_hdp([100], 2, 10, COST)
-    with pytest.raises(ValueError):
+    with pytest.raises(TooFewRanks, match="needs 10 ranks of 10 tokens, more than 2"):
         plan_static([100], 2, 10, 100, COST)
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(TooFewRanks, match="does not fit"):
         plan_megatron_hybrid([100], 2, 10)
     with pytest.raises(ValueError, match="positive"):
         plan_hdp([5, 0], 2, 10, COST)

@@ -9,10 +9,10 @@ The names below are pure Python (no torch, no numpy), for the planner and tools/
 
 from megalm.parallel.hdp.baselines import megatron_cp_size, plan_megatron_hybrid, plan_static
 from megalm.parallel.hdp.cost import CostModel, SimResult, check_plan, ring_size, simulate
-from megalm.parallel.hdp.plan import MicroBatch, Plan
+from megalm.parallel.hdp.plan import MicroBatch, Plan, TooFewRanks
 from megalm.parallel.hdp.planner import plan_hdp
 
 __all__ = [
-    "CostModel", "MicroBatch", "Plan", "SimResult", "check_plan", "megatron_cp_size", "plan_hdp",
+    "CostModel", "MicroBatch", "Plan", "SimResult", "TooFewRanks", "check_plan", "megatron_cp_size", "plan_hdp",
     "plan_megatron_hybrid", "plan_static", "ring_size", "simulate",
 ]

@@ -9,7 +9,7 @@ import heapq
 from collections.abc import Sequence
 
 from megalm.parallel.hdp.cost import CostModel, ring_size
-from megalm.parallel.hdp.plan import MicroBatch, Plan, packed_micro_batches
+from megalm.parallel.hdp.plan import MicroBatch, Plan, TooFewRanks, packed_micro_batches
 
 
 def plan_static(lengths: Sequence[int], num_ranks: int, capacity: int, context: int, cost: CostModel,
@@ -30,7 +30,7 @@ def plan_static(lengths: Sequence[int], num_ranks: int, capacity: int, context: 
     need = ring_size(context, C)
     cp = next((k for k in range(need, D + 1) if D % k == 0), None)
     if cp is None:
-        raise ValueError(f"context {context} needs {need} ranks of {C} tokens, more than {D}")
+        raise TooFewRanks(f"context {context} needs {need} ranks of {C} tokens, more than {D}")
     unit = 2 * cp if cp > 1 else 1
     padded = [ring_size(s, unit) * unit for s in lengths]
     seq_len = ring_size(context, unit) * unit
@@ -100,7 +100,7 @@ def plan_megatron_hybrid(lengths: Sequence[int], num_ranks: int, capacity: int, 
     D, C = num_ranks, capacity
     remaining = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
     if remaining and megatron_cp_size(lengths[remaining[0]], C, D) * C < lengths[remaining[0]]:
-        raise ValueError(f"a document of {lengths[remaining[0]]} tokens does not fit on {D} ranks")
+        raise TooFewRanks(f"a document of {lengths[remaining[0]]} tokens does not fit on {D} ranks")
     micro_batches: list[MicroBatch] = []
     per_rank: list[list[int]] = [[] for _ in range(D)]
     rounds = 0

@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
+class TooFewRanks(ValueError):
+    """A document (or the static mesh's context) needs more ranks of `capacity` tokens than the step has: the fix is
+    more ranks, more tokens per rank, or shorter sequences, which callers name in their own flags or keys."""
+
+
 class MicroBatch(NamedTuple):
     """One unit of work. len(ranks) == 1: documents packed on one rank; > 1: a ring over `ranks`
     (in ring order; with `inner` = u > 1 the ring is r = d/u groups of u ranks of one node, all-to-all inside a

@@ -35,7 +35,7 @@ import math
 from collections.abc import Sequence
 
 from megalm.parallel.hdp.cost import CostModel, ring_size, simulate
-from megalm.parallel.hdp.plan import MicroBatch, Plan, packed_micro_batches
+from megalm.parallel.hdp.plan import MicroBatch, Plan, TooFewRanks, packed_micro_batches
 from megalm.parallel.hdp.sizing import RingSizes, ring_sizes_for_makespan
 
 
@@ -350,7 +350,7 @@ def _plan(lengths, num_ranks, C, cost, pp, offload, balance, hierarchical) -> Pl
         raise ValueError("document lengths must be positive")
     sizer = RingSizes(lengths, num_ranks, C, cost, hierarchical)
     if order and sizer.minimal(lengths[order[0]], offload) > num_ranks:
-        raise ValueError(f"a document of {lengths[order[0]]} tokens needs more than {num_ranks} ranks of {C}")
+        raise TooFewRanks(f"a document of {lengths[order[0]]} tokens needs more than {num_ranks} ranks of {C}")
     minimal: dict[int, int] = {}
     for i in order[:bisect.bisect_left([-lengths[i] for i in order], -C)]:  # the documents longer than C
         # with offload some fit on one rank, but take long there: they are sized (and widened) like rings
