@@ -39,6 +39,12 @@ __all__ = ["BATCH_DEFAULTS", "RankEstimate", "batch_overrides", "bubble_factor",
            "roles", "run_step", "search"]
 
 
+def _figure(value: float, places: int) -> str:
+    """`value` with `places` decimals, or 3 significant digits where those decimals would print a tiny model's
+    seconds or TFLOP as 0.000."""
+    return f"{value:.{places}f}" if value == 0 or abs(value) >= 10.0 ** (1 - places) else f"{value:.3g}"
+
+
 def _table(result: dict[str, Any]) -> str:
     gib = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     lines = [f"{result['model']} on {result['world']} x {GPUS[result['gpu']].name} "
@@ -48,9 +54,9 @@ def _table(result: dict[str, Any]) -> str:
     for r in result["ranks"]:
         lines.append(f"| {r['role']} | {r['rank']} | {gib(r['param_bytes'])} | {gib(r['grad_bytes'])} | "
                      f"{gib(r['optimizer_bytes'])} | {gib(r['activation_bytes'])} | {gib(r['host_bytes'])} | "
-                     f"{gib(r['reserve_bytes'])} | {gib(r['peak_bytes'])} | {r['flops'] / 1e12:.1f} | "
-                     f"{r['compute_s']:.3f} | {r['comm_s']:.3f} | {r['hidden_comm_s']:.3f} |")
-    lines.append(f"step {result['step_time_s']:.3f} s (bubble x{result['bubble_factor']:.2f}), MFU "
+                     f"{gib(r['reserve_bytes'])} | {gib(r['peak_bytes'])} | {_figure(r['flops'] / 1e12, 1)} | "
+                     f"{_figure(r['compute_s'], 3)} | {_figure(r['comm_s'], 3)} | {_figure(r['hidden_comm_s'], 3)} |")
+    lines.append(f"step {_figure(result['step_time_s'], 3)} s (bubble x{result['bubble_factor']:.2f}), MFU "
                  f"{result['mfu']:.1%}, {result['tokens_per_s']:,.0f} tokens/s; "
                  + ("fits" if result["fits"] else "does NOT fit") + " in device memory")
     return "\n".join(lines)

@@ -105,6 +105,21 @@ def test_the_command_line(capsys):
     assert not any(n.startswith("trainer.compile") for n in json.loads(capsys.readouterr().out)["notes"])
 
 
+def test_the_table_prints_a_tiny_model_s_seconds_and_tflop_as_figures(capsys):
+    """The table's seconds have 3 decimals and its TFLOP 1, as at 1.3B; a tiny model's step (a fraction of a
+    millisecond) printed `step 0.000 s` and `0.0` TFLOP, so it gets 3 significant digits of the JSON's figures."""
+    assert estimate.main([*SMALL, "precision=bf16", "--world", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert 0 < result["step_time_s"] < 1e-3 and result["ranks"][0]["flops"] < 1e11  # tiny: the case this is about
+    assert estimate.main([*SMALL, "precision=bf16", "--world", "1"]) == 0
+    table = capsys.readouterr().out
+    assert f"step {result['step_time_s']:.3g} s (bubble" in table
+    row = next(line for line in table.splitlines() if line.startswith("| only stage"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[9:11] == [f"{result['ranks'][0]['flops'] / 1e12:.3g}", f"{result['ranks'][0]['compute_s']:.3g}"]
+    assert estimate._figure(0.364, 3) == "0.364" and estimate._figure(69.74, 1) == "69.7"  # larger ones as before
+
+
 def test_hdp_measures_the_largest_ring_and_its_loads_are_the_simulators():
     """32-token documents on 4 ranks of 11 tokens: rings of 3. The estimator reads every domain rank's share of the
     step from the trainer's own split (the batches it would run); tools/hdp_sim.py's planner and simulator, given
