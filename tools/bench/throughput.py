@@ -6,7 +6,8 @@
 
 Arguments without dashes are Hydra overrides of configs/config.yaml (data defaults to synthetic).
 It times `Trainer.train_step` (forward, backward, clip, AdamW) after `--warmup` steps, reports the
-median step and writes nothing but a temporary run dir (deleted afterwards).
+median step and writes nothing but a temporary run dir (deleted afterwards). The learning rate's warm-up is
+shortened to the steps run unless `optim.warmup_steps` is given (its schedule does not change a step's time).
 
 `--profile N` then runs N more steps under torch.profiler and prints where their time went
 (megalm/measure/kernel_profile.py): on a GPU how long it was busy at all against the wall time (the rest is
@@ -78,6 +79,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     cfg = compose_config(overrides)
     cfg.trainer.max_steps = args.warmup + args.steps + (args.profile + 1 if args.profile else 0)
+    if not any(o.split("=")[0].lstrip("+~") == "optim.warmup_steps" for o in overrides):
+        # the learning rate's schedule does not change a step's time: the default's warm-up (20 steps) shortened to
+        # these few, where the config check warned that it never ends
+        cfg.optim.warmup_steps = min(cfg.optim.warmup_steps, cfg.trainer.max_steps - 1)
     profile = None
     compiled = compile_counts() if cfg.trainer.compile is not False else None  # true, or auto (None)
     with tempfile.TemporaryDirectory() as run_dir, columns_apart(args.fp8_columns_apart):
