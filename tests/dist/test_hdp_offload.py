@@ -25,15 +25,15 @@ FAST_HOST = {"a": 1e-9, "b": 1e-6, "c": 1e-4, "layers": 4, "act_bytes": 4000.0, 
              "kv_bytes": 512.0, "name": "fast_host"}
 
 
-def overrides(cost_path: str) -> list[str]:
+def overrides(cost_path: str, layers: int = 4) -> list[str]:
     return ["parallel.hdp=true", "parallel.hdp_capacity=16", "data.varlen=true", "model.seq_length=48",
-            "data.synthetic.mean_doc_length=30", "trainer.global_batch_size=12", "model.num_layers=4",
+            "data.synthetic.mean_doc_length=30", "trainer.global_batch_size=12", f"model.num_layers={layers}",
             "parallel.dp=4", "parallel.hdp_offload=true", "offload.enabled=true", "offload.min_tensor_bytes=0",
             f"parallel.hdp_cost={cost_path}"]
 
 
-def check_hdp_offload(rank: int, world_size: int, cost_path: str, tmp: str, layout: list[str]) -> None:
-    run = overrides(cost_path) + layout
+def check_hdp_offload(rank: int, world_size: int, cost_path: str, tmp: str, layout: list[str], layers: int) -> None:
+    run = overrides(cost_path, layers) + layout
     ref = Trainer(compose_config(*[o for o in run if not o.startswith("parallel.")]), f"{tmp}/ref{rank}",
                   mesh=ParallelMesh(ParallelDims()))
     par = Trainer(compose_config(*run), f"{tmp}/par")
@@ -58,18 +58,20 @@ def check_hdp_offload(rank: int, world_size: int, cost_path: str, tmp: str, layo
     assert not store.groups
 
 
-@pytest.mark.parametrize("world, layout", [
-    (4, []),
-    # about 21 s: the default suite keeps dp4 and the default-threshold test below
-    pytest.param(8, ["parallel.pp=2"], marks=pytest.mark.slow),
-    pytest.param(8, ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved"], marks=pytest.mark.slow),
+@pytest.mark.parametrize("world, layout, layers", [
+    (4, [], 4),
+    # about 21 s: the default suite keeps dp4 and the default-threshold test below. Chunks of 3 blocks: each keeps
+    # two resident, so one of its own offloads (r ≤ 1 − 2/3)
+    pytest.param(8, ["parallel.pp=2"], 6, marks=pytest.mark.slow),
+    pytest.param(8, ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved"], 12,
+                 marks=pytest.mark.slow),
 ], ids=["dp4", "pp2_dp4", "pp2_dp4_interleaved"])
-def test_hdp_selective_offload_equals_one_process_and_moves_bytes(tmp_path, world, layout):
+def test_hdp_selective_offload_equals_one_process_and_moves_bytes(tmp_path, world, layout, layers):
     """dp4: layer-wise offload in the plain loop; pp2 x dp4: inside each pipeline F, per chunk; interleaved: two
     chunks a rank, the pipelines in lockstep."""
     cost = tmp_path / "fast_host.yaml"
     cost.write_text(yaml.safe_dump(FAST_HOST))
-    run_distributed(check_hdp_offload, world, str(cost), str(tmp_path), layout, timeout=400)
+    run_distributed(check_hdp_offload, world, str(cost), str(tmp_path), layout, layers, timeout=400)
 
 
 def check_default_threshold(rank: int, world_size: int, cost_path: str, tmp: str) -> None:

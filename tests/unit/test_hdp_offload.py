@@ -98,3 +98,33 @@ def test_a_selective_offload_that_cannot_act_is_said(caplog):
     with caplog.at_level(logging.WARNING, logger="megalm"):
         validate_run(compose_config(*hdp, "model.num_layers=4"), world_size=4)
     assert not any("offloads nothing" in r.message for r in caplog.records), caplog.text
+    with caplog.at_level(logging.WARNING, logger="megalm"):  # 4 layers in two chunks of 2: each keeps both
+        validate_run(compose_config(*hdp, "model.num_layers=4", "parallel.pp=2"), world_size=8)
+    assert any("2 blocks of a pipeline chunk keep 2 resident (r_max = 1 - 2/2)" in r.message
+               for r in caplog.records), caplog.text
+
+
+@pytest.mark.parametrize("pp, vpp, layers_per_stage, chunk", [
+    (1, 1, None, 32), (2, 1, None, 16), (8, 1, None, 4), (4, 1, [6, 10, 10, 6], 6), (4, 2, None, 4)])
+def test_each_pipeline_chunk_keeps_two_of_its_blocks_resident(pp, vpp, layers_per_stage, chunk):
+    """With a pipeline each chunk offloads the first ceil(r·L) of its own L blocks (megalm/offload/hooks.py), so r's
+    cap is the smallest chunk's 1 − 2/L: the whole model's (1 − 2/32 at 7B) offloaded every block of a 4-block chunk
+    at pp 8, and the last one's reload, which its backward needs first, was waited for where the planner priced the
+    offload as hidden."""
+    from megalm.offload.policy import layer_groups
+    from megalm.parallel.hdp.split import hdp_cost_model
+    from tests.conftest import compose_config
+
+    overrides = ["model.num_layers=32", "parallel.hdp_cost=configs/hdp_cost/h100_7b.yaml", f"parallel.pp={pp}",
+                 f"parallel.vpp={vpp}"]
+    if layers_per_stage:
+        overrides.append(f"parallel.layers_per_stage=[{','.join(map(str, layers_per_stage))}]")
+    cost = hdp_cost_model(compose_config(*overrides))
+    assert (cost.chunk_layers or cost.layers) == chunk
+    counts = layers_per_stage or [32 // (pp * vpp)] * (pp * vpp)
+    longest = 4 * 1024 * 1024
+    assert offload_ratio(longest, cost) == pytest.approx(1 - 2 / chunk)  # capped: the long tail reaches the cap
+    for s in (65536, 262144, 1024 * 1024, longest):
+        r = offload_ratio(s, cost)
+        assert r == min(offload_ratio(s, COST), 1 - 2 / chunk)  # the cost model's r(s), capped for the chunk
+        assert all(blocks - len(layer_groups(blocks, r, round_up=True)) >= 2 for blocks in counts), (s, r)

@@ -75,6 +75,7 @@ class CostModel:
     host_bw: float = 0.0  # bytes/s per GPU to host memory (activation offload)
     qo_bytes: float = 0.0  # bytes per token per layer of q and the attention output (2 · h · 2 in bf16): all-to-all
     heads: int = 0  # kv heads per HDP rank: an all-to-all group size must divide them (0: no limit)
+    chunk_layers: int = 0  # blocks of the pipeline's smallest chunk, which offloads r of its own (0: no pipeline)
     source: str = ""  # where the coefficients come from (first principles, the estimator, a GPU calibration)
     name: str = "custom"
 
@@ -257,17 +258,22 @@ def offload_ratio(s: int, cost: CostModel) -> float:
     of the activations during forward (and reloading them during backward, the other direction of the link)
     is hidden when r·e·s/d / host_bw <= (a·s² + b·s + c) / (3d), so
 
-        r(s) = min(r_max, host_bw · (a·s² + b·s + c) / (3·e·s)),   r_max = 1 − 2 / layers,
+        r(s) = min(r_max, host_bw · (a·s² + b·s + c) / (3·e·s)),   r_max = 1 − 2 / L,
 
     independent of d; it grows with s (compute ~s², activations ~s): long documents can offload more.
-    r_max keeps two layers resident (the one computing and the one being reloaded: megalm.offload's
-    layer-wise offload). 0 without a host link or activation sizes in the cost model.
+    r_max keeps two blocks resident (the one computing and the one being reloaded: megalm.offload's
+    layer-wise offload offloads the first ceil(r·L) blocks). L is the blocks one offload covers: the model's
+    layers, or with a pipeline its smallest chunk's (`chunk_layers`), each chunk offloading r of its own: r_max
+    over the whole model offloaded every block of a 4-block chunk of a 32-layer 7B at pp 8, the last one's reload
+    then waited for where the model took it as hidden. 0 without a host link or activation sizes in the cost model,
+    or under 3 blocks.
     """
-    if s <= 0 or cost.host_bw <= 0 or cost.act_bytes <= 0 or cost.layers < 3:
+    blocks = cost.chunk_layers or cost.layers
+    if s <= 0 or cost.host_bw <= 0 or cost.act_bytes <= 0 or blocks < 3:
         return 0.0
     per_layer = cost.act_bytes / cost.layers
     hidden = cost.host_bw * (cost.a * s * s + cost.b * s + cost.c) / (3 * per_layer * s)
-    return min(1.0 - 2.0 / cost.layers, hidden)
+    return min(1.0 - 2.0 / blocks, hidden)
 
 
 def offload_ring_size(s: int, capacity: int, cost: CostModel) -> int:

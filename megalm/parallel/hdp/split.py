@@ -44,6 +44,7 @@ from megalm.parallel.hdp.pipelined import align_rings, check_pipelined, in_locks
 from megalm.parallel.hdp.plan import Plan
 from megalm.parallel.hdp.planner import plan_hdp
 from megalm.parallel.microbatch import LocalMicroBatch, Ring
+from megalm.parallel.pipeline.stages import split_layers
 
 log = logging.getLogger("megalm")
 
@@ -192,6 +193,11 @@ def hdp_cost_model(cfg: MegalmConfig) -> CostModel:
         kv_heads = max(1, cfg.model.num_kv_heads // cfg.parallel.tp)
         heads = math.gcd(kv_heads, cfg.model.num_heads // cfg.parallel.tp)
         cost = cost.replace(ranks_per_node=cp_a2a_size(cfg), heads=heads)
+    stages = cfg.parallel.pp * cfg.parallel.vpp
+    if stages > 1:  # selective offload works per chunk: its r(s) keeps two blocks of the smallest one resident
+        given = cfg.parallel.layers_per_stage
+        counts = split_layers(cfg.model.num_layers, stages, None if given is None else list(given))
+        cost = cost.replace(chunk_layers=min(n for n in counts if n))
     return cost
 
 
@@ -241,7 +247,9 @@ def validate_hdp(cfg: MegalmConfig) -> None:
             raise ConfigError(f"parallel.hdp_cost={p.hdp_cost} cannot be loaded ({type(e).__name__}: {e}); "
                               "give a preset (7b) or a YAML like configs/hdp_cost/h100_7b.yaml") from None
     if p.hdp_offload and offload_ratio(m.seq_length, cost := hdp_cost_model(cfg)) == 0.0:
-        why = (f"{cost.layers} layers keep 2 resident (r_max = 1 - 2/layers)" if cost.layers < 3 else
+        blocks = cost.chunk_layers or cost.layers
+        why = (f"{blocks} {'blocks of a pipeline chunk' if cost.chunk_layers else 'layers'} keep 2 resident "
+               f"(r_max = 1 - 2/{blocks})" if blocks < 3 else
                "the cost model has no host link or activation sizes (host_bw, act_bytes)")
         log.warning(f"parallel.hdp_offload=true offloads nothing here: r(s) is 0 for every document ({why}); the "
                     "rings are planned as without it (docs/hdp.md)")
