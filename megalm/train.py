@@ -13,10 +13,8 @@ import gc
 import logging
 import os
 import shlex
-import shutil
 import signal
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,14 +25,18 @@ from omegaconf import DictConfig, OmegaConf
 from megalm.config import (
     MegalmConfig,
     TrainerConfig,
-    config_to_dict,
-    process_group_minutes,
     register_schema,
     schema_default,
     to_dataclass,
 )
 from megalm.config.compose import CONFIG_DIR, compose_config, register_help  # noqa: F401 (tools import them)
 from megalm.errors import REQUEUE_EXIT_CODE, CheckpointError, ConfigError, MegalmError
+from megalm.training.run_dir import (
+    check_creatable,
+    check_own_checkpoints,
+    check_run_dir,
+    shared_run_dir,
+)
 
 log = logging.getLogger("megalm")
 # the signals megalm-train catches from its start (trainer.preempt_signals's default), until its config says which
@@ -255,87 +257,6 @@ def check_run(config: MegalmConfig) -> None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     # its warnings are the trainer's to say, once, in the run's log (its rank 0's)
     validate_run(config, world_size=int(os.environ.get("WORLD_SIZE", "1")), device=device, warn=False)
-
-
-def check_creatable(run_dir: Path, what: str) -> None:
-    """Refuse a run dir the run could not make or write in (Hydra would fail with a traceback): its nearest existing
-    ancestor must be a directory this process can write in."""
-    existing = run_dir.absolute()
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"{what}: {existing} is a file, so the run dir cannot be made there; choose another path")
-    try:  # a real write (os.access passes root on a read-only file system): an empty directory, removed at once
-        os.rmdir(tempfile.mkdtemp(prefix=".megalm-write-check-", dir=existing))
-    except OSError as e:
-        raise ConfigError(f"{what}: cannot write in {existing} ({e.strerror}); choose a run dir you may write to "
-                          "(hydra.run.dir=PATH)") from None
-
-
-def check_run_dir(run_dir: Path) -> None:
-    """Refuse a run dir that holds another program's config.yaml or metrics.jsonl: a run would overwrite the one
-    and append to the other. A megalm run's config.yaml is a mapping with model and trainer sections."""
-    config, metrics = run_dir / "config.yaml", run_dir / "metrics.jsonl"
-    if config.exists():
-        try:
-            saved = OmegaConf.to_container(OmegaConf.load(config))
-        except Exception:  # any unreadable YAML: not a run's
-            saved = None
-        if not (isinstance(saved, dict) and {"model", "trainer"} <= saved.keys()):
-            raise ConfigError(f"{config} is not a megalm run's config.yaml, and a run would overwrite it; choose a "
-                              "new or empty run dir (hydra.run.dir; hydra.sweep.dir under -m)")
-    elif metrics.exists():
-        raise ConfigError(f"{metrics} exists without the config.yaml of the run that wrote it, and a run would add "
-                          "to it; choose a new or empty run dir (hydra.run.dir; hydra.sweep.dir under -m)")
-
-
-def check_own_checkpoints(run_dir: Path, config: MegalmConfig) -> None:
-    """What the trainer refuses of a run dir's own latest checkpoint that a glance at it shows (another model's shapes,
-    or trainer.resume=never), refused before Hydra rewrites the dir's .hydra/ and config.yaml with this command (the
-    record of the command that wrote the checkpoints was lost)."""
-    from megalm.config.checks import resolve_model_defaults
-    from megalm.training import checkpoint as ckpt
-
-    latest = ckpt.latest_unless_never(run_dir, config.trainer.resume)
-    if latest is None or config.trainer.resume != "auto":  # a PATH: the trainer's to resolve
-        return
-    try:
-        saved = OmegaConf.to_container(OmegaConf.load(latest / "config.yaml"))
-    except Exception:  # any unreadable config: the trainer's checks name the damage
-        return
-    if isinstance(saved, dict) and isinstance(saved.get("model"), dict):
-        current = config_to_dict(resolve_model_defaults(config.model))
-        ckpt.check_model_config(saved["model"], current, latest)
-
-
-def shared_run_dir(own_dir: Path, config) -> tuple[Path, int]:
-    """Under torchrun every rank composes its own Hydra run dir (from its own clock); all ranks
-    take rank 0's, and a rank whose dir differs removes the empty one Hydra made for it."""
-    from megalm.parallel.dims import init_distributed
-    from megalm.training.device import select_device
-
-    rank, world_size = init_distributed(select_device(config.trainer.device), process_group_minutes(config),
-                                        config.parallel.fsdp_cpu_offload)
-    if world_size == 1:
-        return own_dir, rank
-    import torch.distributed as dist
-
-    shared = [str(own_dir)]
-    dist.broadcast_object_list(shared, src=0)
-    if shared[0] != str(own_dir):
-        remove_unused_run_dir(own_dir)
-    return Path(shared[0]), rank
-
-
-def remove_unused_run_dir(own_dir: Path) -> None:
-    """Remove the run dir Hydra made for this rank when it holds nothing but Hydra's own files. Ranks of one node
-    whose clocks gave them the same dir (not rank 0's) race to remove it: the one that finds it gone is done."""
-    try:
-        unused = all(p.name in (".hydra", "train.log") for p in own_dir.iterdir())
-    except FileNotFoundError:
-        return
-    if unused:
-        shutil.rmtree(own_dir, ignore_errors=True)
 
 
 def shutdown_distributed() -> None:

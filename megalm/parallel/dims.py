@@ -192,11 +192,19 @@ def _attempt_store(world_size: int, timeout: datetime.timedelta | None) -> dist.
     (it assumes a new store per restart). A restarted group that reads a key its dead predecessor wrote (a gloo
     rank's listening address) connects to a port nobody listens on: refused, or a wait until the timeout. Keys
     under the prefix "attempt_<TORCHELASTIC_RESTART_COUNT>" are this attempt's only."""
+    client = elastic_store(world_size, timeout)
+    if client is None:
+        return None
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+
+
+def elastic_store(world_size: int = 1, timeout: datetime.timedelta | None = None) -> dist.Store | None:
+    """A client of torchrun's agent store, which every restart attempt of the job shares (None: not under torchrun's
+    agent). Its keys outlive the workers that wrote them: `_attempt_store`'s prefix keeps an attempt to its own."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                           **({"timeout": timeout} if timeout is not None else {}))
-    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                         **({"timeout": timeout} if timeout is not None else {}))
 
 
 def build_mesh(dims: ParallelDims, device: torch.device, experts_over_tp: bool = False,

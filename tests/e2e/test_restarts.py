@@ -1,6 +1,7 @@
 """Restarts: under `torchrun --max-restarts`, a rank killed with SIGKILL mid-run makes torchrun restart the job,
-which resumes from the last complete checkpoint with the losses of an uninterrupted run; a rank killed while a
-checkpoint is being written leaves `latest` on the previous complete one."""
+which resumes from the last complete checkpoint with the losses of an uninterrupted run, in the run dir of its first
+attempt (Hydra's default one included: a new outputs/DATE/TIME per process); a rank killed while a checkpoint is
+being written leaves `latest` on the previous complete one."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def workers_of(pid: int) -> list[int]:
     return sorted(children)
 
 
+def default_run_dirs(cwd: Path) -> list[Path]:
+    """The run dirs Hydra's default made under `cwd` (outputs/DATE/TIME), by their .hydra folders."""
+    return sorted(p.parent for p in cwd.glob("outputs/*/*/.hydra"))
+
+
 def last_step_after_kill(run_dir: Path) -> int:
     """The last step logged once a rank is killed: the survivor logs none past it (its next collective waits for
     the dead rank), though it may still log the one it was finishing; read after a short settle, not before the
@@ -67,14 +73,20 @@ def test_a_killed_rank_restarts_and_resumes_with_the_same_losses(tmp_path):
                               capture_output=True, text=True, timeout=300, env=ENV)
     assert straight.returncode == 0, straight.stderr[-3000:]
 
-    run_dir = tmp_path / "killed"
+    # the guide's command: Hydra's default run dir, which the restarted attempt must find again
+    cwd = tmp_path / "killed"
+    cwd.mkdir()
     log_file = (tmp_path / "killed.log").open("w")  # a file, not a pipe: nobody reads while the run goes on
     # 3 restarts allowed: on a loaded 2-core machine gloo's re-connection of a restarted group can time out once
-    proc = subprocess.Popen([*TORCHRUN, "--max-restarts", "3", "-m", "megalm.train", *COMMON,
-                             f"hydra.run.dir={run_dir}"], stdout=log_file, stderr=subprocess.STDOUT, env=ENV)
+    proc = subprocess.Popen([*TORCHRUN, "--max-restarts", "3", "-m", "megalm.train", *COMMON], cwd=cwd,
+                            stdout=log_file, stderr=subprocess.STDOUT, env=ENV)
     try:
         deadline = time.monotonic() + 120
-        while not any(r["step"] >= 6 for r in records(run_dir)):
+        while True:
+            dirs = default_run_dirs(cwd)
+            run_dir = dirs[0] if dirs else cwd
+            if any(r["step"] >= 6 for r in records(run_dir)):
+                break
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended before step 6"
             time.sleep(0.02)
         victims = workers_of(proc.pid)
@@ -89,7 +101,8 @@ def test_a_killed_rank_restarts_and_resumes_with_the_same_losses(tmp_path):
         log_file.close()
     out = (tmp_path / "killed.log").read_text()
     assert proc.returncode == 0, out[-3000:]
-    assert "resumed from" in out
+    assert "resumed from" in out and "continuing in the first attempt's run dir" in out
+    assert default_run_dirs(cwd) == [run_dir]  # the restarted attempt's own dir, Hydra's files only, is gone
     resumed_step = int(out.split("resumed from")[1].split(" at step ")[1].split()[0])
     assert 4 <= resumed_step <= killed_step and resumed_step % 4 == 0
     expected = {r["step"]: r["loss"] for r in records(tmp_path / "straight")}

@@ -162,8 +162,8 @@ def test_fsdp_cpu_offload_gives_host_tensors_a_backend_beside_nccl(monkeypatch, 
     On CPU the group's calls are recorded; megalm-train's first join (shared_run_dir) and the trainer's pass it."""
     import torch.distributed as dist
 
-    from megalm import train
     from megalm.parallel import dims
+    from megalm.training import run_dir
 
     joined = []
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.append(backend))
@@ -180,7 +180,7 @@ def test_fsdp_cpu_offload_gives_host_tensors_a_backend_beside_nccl(monkeypatch, 
     seen = []
     monkeypatch.setattr(dims, "init_distributed", lambda device, minutes, host: seen.append(host) or (0, 1))
     for offload in (False, True):
-        train.shared_run_dir(tmp_path, compose_config(f"parallel.fsdp_cpu_offload={str(offload).lower()}"))
+        run_dir.shared_run_dir(tmp_path, compose_config(f"parallel.fsdp_cpu_offload={str(offload).lower()}"))
     assert seen == [False, True]
 
 

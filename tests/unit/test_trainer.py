@@ -285,7 +285,7 @@ _find = importlib.util.find_spec
 def test_an_unused_run_dir_is_removed_once_and_a_used_one_kept(tmp_path):
     """Under torchrun, ranks whose clocks gave them the same Hydra run dir (not rank 0's) each remove it: the
     second finds it gone, which must not fail that rank (it did, as FileNotFoundError, on a loaded machine)."""
-    from megalm.train import remove_unused_run_dir
+    from megalm.training.run_dir import remove_unused_run_dir
 
     unused = tmp_path / "09-19-27"
     (unused / ".hydra").mkdir(parents=True)

@@ -1,0 +1,137 @@
+"""megalm-train's run dir: the checks before Hydra makes it (a path the run could not write in, another program's
+files, a checkpoint of another model), and the one dir every rank of a torchrun job (and every restart attempt of
+it) shares, whatever each process's clock made of Hydra's default outputs/DATE/TIME."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from megalm.config import MegalmConfig, config_to_dict, process_group_minutes
+from megalm.errors import ConfigError
+
+log = logging.getLogger("megalm")
+RUN_DIR_KEY = "megalm_run_dir"  # in torchrun's agent store: the first attempt's run dir
+
+
+def check_creatable(run_dir: Path, what: str) -> None:
+    """Refuse a run dir the run could not make or write in (Hydra would fail with a traceback): its nearest existing
+    ancestor must be a directory this process can write in."""
+    existing = run_dir.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{what}: {existing} is a file, so the run dir cannot be made there; choose another path")
+    try:  # a real write (os.access passes root on a read-only file system): an empty directory, removed at once
+        os.rmdir(tempfile.mkdtemp(prefix=".megalm-write-check-", dir=existing))
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot write in {existing} ({e.strerror}); choose a run dir you may write to "
+                          "(hydra.run.dir=PATH)") from None
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse a run dir that holds another program's config.yaml or metrics.jsonl: a run would overwrite the one
+    and append to the other. A megalm run's config.yaml is a mapping with model and trainer sections."""
+    config, metrics = run_dir / "config.yaml", run_dir / "metrics.jsonl"
+    if config.exists():
+        try:
+            saved = OmegaConf.to_container(OmegaConf.load(config))
+        except Exception:  # any unreadable YAML: not a run's
+            saved = None
+        if not (isinstance(saved, dict) and {"model", "trainer"} <= saved.keys()):
+            raise ConfigError(f"{config} is not a megalm run's config.yaml, and a run would overwrite it; choose a "
+                              "new or empty run dir (hydra.run.dir; hydra.sweep.dir under -m)")
+    elif metrics.exists():
+        raise ConfigError(f"{metrics} exists without the config.yaml of the run that wrote it, and a run would add "
+                          "to it; choose a new or empty run dir (hydra.run.dir; hydra.sweep.dir under -m)")
+
+
+def check_own_checkpoints(run_dir: Path, config: MegalmConfig) -> None:
+    """What the trainer refuses of a run dir's own latest checkpoint that a glance at it shows (another model's shapes,
+    or trainer.resume=never), refused before Hydra rewrites the dir's .hydra/ and config.yaml with this command (the
+    record of the command that wrote the checkpoints was lost)."""
+    from megalm.config.checks import resolve_model_defaults
+    from megalm.training import checkpoint as ckpt
+
+    latest = ckpt.latest_unless_never(run_dir, config.trainer.resume)
+    if latest is None or config.trainer.resume != "auto":  # a PATH: the trainer's to resolve
+        return
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(latest / "config.yaml"))
+    except Exception:  # any unreadable config: the trainer's checks name the damage
+        return
+    if isinstance(saved, dict) and isinstance(saved.get("model"), dict):
+        current = config_to_dict(resolve_model_defaults(config.model))
+        ckpt.check_model_config(saved["model"], current, latest)
+
+
+def shared_run_dir(own_dir: Path, config: MegalmConfig) -> tuple[Path, int]:
+    """Under torchrun every rank composes its own Hydra run dir (from its own clock); all ranks take rank 0's, and a
+    rank whose dir differs removes the empty one Hydra made for it. A restarted attempt's rank 0 takes the job's
+    first attempt's (`first_attempt_run_dir`)."""
+    from megalm.parallel.dims import init_distributed
+    from megalm.training.device import select_device
+
+    rank, world_size = init_distributed(select_device(config.trainer.device), process_group_minutes(config),
+                                        config.parallel.fsdp_cpu_offload)
+    chosen = first_attempt_run_dir(own_dir, config.trainer.resume) if rank == 0 else own_dir
+    if world_size > 1:
+        import torch.distributed as dist
+
+        shared = [str(chosen)]
+        dist.broadcast_object_list(shared, src=0)
+        chosen = Path(shared[0])
+    if chosen != own_dir:
+        if rank == 0:
+            log_in(chosen, own_dir)
+        remove_unused_run_dir(own_dir)
+    return chosen, rank
+
+
+def first_attempt_run_dir(own_dir: Path, resume: str) -> Path:
+    """The run dir of a restart: under `torchrun --max-restarts`, the dir of the job's first attempt, recorded in
+    torchrun's agent store, which lives as long as the job. Hydra's default run dir is a new outputs/DATE/TIME per
+    process, so a restarted attempt started over in a dir of its own, where `trainer.resume=auto` found nothing to
+    resume (TorchTitan's and Megatron's checkpoint dirs are fixed paths, and resume there). With another
+    `trainer.resume` (never, a PATH) the attempt keeps its own dir, as a new run would."""
+    from megalm.parallel.dims import elastic_store
+
+    store = elastic_store()
+    if store is None:  # not under torchrun
+        return own_dir
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or not store.check([RUN_DIR_KEY]):
+        store.set(RUN_DIR_KEY, str(own_dir.absolute()))
+        return own_dir
+    first = Path(store.get(RUN_DIR_KEY).decode())
+    if resume != "auto" or first == own_dir.absolute() or not first.is_dir():
+        return own_dir
+    log.info(f"torchrun's restart {attempt}: continuing in the first attempt's run dir {first}, whose latest "
+             "checkpoint trainer.resume=auto resumes from")
+    return first
+
+
+def log_in(run_dir: Path, own_dir: Path) -> None:
+    """Point the log file Hydra opened in `own_dir` (its train.log) at `run_dir`'s, appended to."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == own_dir.absolute():
+            handler.close()
+            handler.baseFilename = str(run_dir.absolute() / Path(handler.baseFilename).name)
+            handler.mode = "a"
+            handler.stream = handler._open()
+
+
+def remove_unused_run_dir(own_dir: Path) -> None:
+    """Remove the run dir Hydra made for this rank when it holds nothing but Hydra's own files. Ranks of one node
+    whose clocks gave them the same dir (not rank 0's) race to remove it: the one that finds it gone is done."""
+    try:
+        unused = all(p.name in (".hydra", "train.log") for p in own_dir.iterdir())
+    except FileNotFoundError:
+        return
+    if unused:
+        shutil.rmtree(own_dir, ignore_errors=True)
