@@ -20,6 +20,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from megalm.config import (
@@ -284,9 +285,11 @@ def run(cfg: DictConfig) -> float | None:
     try:
         config = to_dataclass(cfg)
         requeue_on(signal_numbers(config.trainer.preempt_signals))  # the run's own signals from here on
-        own_dir = Path(HydraConfig.get().runtime.output_dir)
+        hydra_config = HydraConfig.get()
+        own_dir = Path(hydra_config.runtime.output_dir)
+        sweep_job = hydra_config.job.num if hydra_config.mode == RunMode.MULTIRUN else None
         with joining_watchdog(config.trainer.init_hang_minutes, own_dir):  # a stuck rendezvous is reported
-            run_dir, rank = shared_run_dir(own_dir, config)
+            run_dir, rank = shared_run_dir(own_dir, config, sweep_job)
         if rank != 0:  # one voice: rank 0 logs, the others only warn
             log.setLevel(logging.WARNING)
         check_run_dir(run_dir)

@@ -344,6 +344,8 @@ def main(argv: list[str] | None = None) -> dict:
     except (OSError, ValueError) as e:
         p.error(str(e))
     capacity = args.capacity if args.capacity is not None else cost.capacity
+    if args.pp > 1:  # each stage offloads r(s) of its own blocks, capped to keep two of them (as the trainer's)
+        cost = cost.replace(chunk_layers=max(1, cost.layers // args.pp))
 
     rng = np.random.default_rng(args.seed)
     totals = {k: {"step": 0.0, "compute": 0.0, "comm": 0.0, "bytes": 0.0, "pad": 0, "mbs": 0, "max_mbs": 0,

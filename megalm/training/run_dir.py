@@ -70,16 +70,17 @@ def check_own_checkpoints(run_dir: Path, config: MegalmConfig) -> None:
         ckpt.check_model_config(saved["model"], current, latest)
 
 
-def shared_run_dir(own_dir: Path, config: MegalmConfig) -> tuple[Path, int]:
+def shared_run_dir(own_dir: Path, config: MegalmConfig, sweep_job: int | None = None) -> tuple[Path, int]:
     """Under torchrun every rank composes its own Hydra run dir (from its own clock); all ranks take rank 0's, and a
     rank whose dir differs removes the empty one Hydra made for it. A restarted attempt's rank 0 takes the job's
-    first attempt's (`first_attempt_run_dir`)."""
+    first attempt's (`first_attempt_run_dir`; `sweep_job`: the job's number in a sweep, None outside one), and every
+    rank's train.log follows it there."""
     from megalm.parallel.dims import init_distributed
     from megalm.training.device import select_device
 
     rank, world_size = init_distributed(select_device(config.trainer.device), process_group_minutes(config),
                                         config.parallel.fsdp_cpu_offload)
-    chosen = first_attempt_run_dir(own_dir, config.trainer.resume) if rank == 0 else own_dir
+    chosen = first_attempt_run_dir(own_dir, config.trainer.resume, sweep_job) if rank == 0 else own_dir
     if world_size > 1:
         import torch.distributed as dist
 
@@ -87,43 +88,56 @@ def shared_run_dir(own_dir: Path, config: MegalmConfig) -> tuple[Path, int]:
         dist.broadcast_object_list(shared, src=0)
         chosen = Path(shared[0])
     if chosen != own_dir:
-        if rank == 0:
-            log_in(chosen, own_dir)
+        log_in(chosen, own_dir)
         remove_unused_run_dir(own_dir)
     return chosen, rank
 
 
-def first_attempt_run_dir(own_dir: Path, resume: str) -> Path:
+def first_attempt_run_dir(own_dir: Path, resume: str, sweep_job: int | None = None) -> Path:
     """The run dir of a restart: under `torchrun --max-restarts`, the dir of the job's first attempt, recorded in
-    torchrun's agent store, which lives as long as the job. Hydra's default run dir is a new outputs/DATE/TIME per
-    process, so a restarted attempt started over in a dir of its own, where `trainer.resume=auto` found nothing to
-    resume (TorchTitan's and Megatron's checkpoint dirs are fixed paths, and resume there). With another
-    `trainer.resume` (never, a PATH) the attempt keeps its own dir, as a new run would."""
+    torchrun's agent store, which lives as long as the job (a sweep's jobs each under a key of their own). Hydra's
+    default run dir is a new outputs/DATE/TIME per process, so a restarted attempt started over in a dir of its own,
+    where `trainer.resume` found nothing to resume (TorchTitan's and Megatron's checkpoint dirs are fixed paths, and
+    resume there). With a PATH the run continues from its own checkpoints once it has some (training/checkpoint), so
+    it continues in the first dir too; with `trainer.resume=never` each attempt starts as a new run, in its own dir."""
     from megalm.parallel.dims import elastic_store
 
-    store = elastic_store()
-    if store is None:  # not under torchrun
-        return own_dir
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt == 0 or not store.check([RUN_DIR_KEY]):
-        store.set(RUN_DIR_KEY, str(own_dir.absolute()))
+    store = elastic_store()
+    key = RUN_DIR_KEY if sweep_job is None else f"{RUN_DIR_KEY}_job{sweep_job}"
+    if store is None or (attempt > 0 and not store.check([key])):
+        if attempt > 0 and resume != "never":  # torchrun's restart, without the store's record (an elastic job whose
+            # first node left, or TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+            log.warning(f"torchrun's restart {attempt}: the first attempt's run dir is unknown here, so this attempt "
+                        f"starts in {own_dir}; name one run dir for every attempt (hydra.run.dir=PATH) to resume")
+        if store is not None:
+            store.set(key, str(own_dir.absolute()))
         return own_dir
-    first = Path(store.get(RUN_DIR_KEY).decode())
-    if resume != "auto" or first == own_dir.absolute() or not first.is_dir():
+    if attempt == 0:
+        store.set(key, str(own_dir.absolute()))
         return own_dir
-    log.info(f"torchrun's restart {attempt}: continuing in the first attempt's run dir {first}, whose latest "
-             "checkpoint trainer.resume=auto resumes from")
+    first = Path(store.get(key).decode())
+    if resume == "never" or first == own_dir.absolute() or not first.is_dir():
+        return own_dir
+    log.info(f"torchrun's restart {attempt}: continuing in the first attempt's run dir {first}, from its latest "
+             "checkpoint")
     return first
 
 
 def log_in(run_dir: Path, own_dir: Path) -> None:
-    """Point the log file Hydra opened in `own_dir` (its train.log) at `run_dir`'s, appended to."""
-    for handler in logging.getLogger().handlers:
+    """Replace the log file handler Hydra opened in `own_dir` (its train.log) by one appending to `run_dir`'s."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
         if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == own_dir.absolute():
+            moved = logging.FileHandler(run_dir.absolute() / Path(handler.baseFilename).name, mode="a",
+                                        encoding=handler.encoding)
+            moved.setLevel(handler.level)
+            moved.setFormatter(handler.formatter)
+            for kept in handler.filters:
+                moved.addFilter(kept)
+            root.removeHandler(handler)
             handler.close()
-            handler.baseFilename = str(run_dir.absolute() / Path(handler.baseFilename).name)
-            handler.mode = "a"
-            handler.stream = handler._open()
+            root.addHandler(moved)
 
 
 def remove_unused_run_dir(own_dir: Path) -> None:

@@ -99,6 +99,21 @@ def test_cli_longtail_with_pipeline_and_capacity(capsys):
         hdp_sim.main(["--ranks", "8", "--context", "8K", "--lengths", "/nonexistent/lengths.json"])
 
 
+def test_a_pipeline_s_offload_is_capped_per_stage_as_the_trainer_s(monkeypatch, capsys):
+    """With --pp each stage offloads r(s) of its own blocks (megalm/offload/hooks.py), which keep two resident: the
+    simulator plans and checks with the trainer's cap, 1 − 2/(layers/pp), where it priced the whole model's."""
+    from megalm.parallel.hdp.cost import offload_ratio
+
+    seen = []
+    plan = hdp_sim.plan_hdp
+    monkeypatch.setattr(hdp_sim, "plan_hdp", lambda *a, **kw: seen.append(a[3]) or plan(*a, **kw))
+    hdp_sim.main(["--ranks", "64", "--context", "512K", "--global-tokens", "2M", "--model", "7b", "--pp", "8",
+                  "--steps", "1", "--offload", "--check"])
+    capsys.readouterr()
+    assert {cost.chunk_layers for cost in seen} == {4}  # 32 layers over 8 stages
+    assert offload_ratio(2 * 1024 * 1024, seen[0]) == pytest.approx(1 - 2 / 4)
+
+
 @pytest.mark.parametrize("flags, lengths, said", [
     (["--steps", "0"], None, "--steps 0 must be >= 1"),  # divided by zero
     (["--pp", "0"], None, "--pp 0 must be >= 1"),

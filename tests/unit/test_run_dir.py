@@ -37,9 +37,37 @@ def test_a_restarted_attempt_continues_in_the_first_attempt_s_run_dir(agent_stor
     assert f"torchrun's restart 1: continuing in the first attempt's run dir {first}" in caplog.text
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     assert first_attempt_run_dir(third, "auto") == first  # every restart: the first attempt's, not the one before
-    # trainer.resume=never, or a PATH: each attempt starts as a new run would, in its own dir
+    # a PATH: the run continues from its own checkpoints once it has some, so in the first dir too
+    assert first_attempt_run_dir(second, str(tmp_path / "elsewhere")) == first
+    # trainer.resume=never: each attempt starts as a new run would, in its own dir
     assert first_attempt_run_dir(second, "never") == second
-    assert first_attempt_run_dir(second, str(tmp_path / "elsewhere")) == second
+
+
+def test_each_job_of_a_sweep_continues_in_its_own_first_dir(agent_store, monkeypatch, tmp_path):
+    """A sweep (-m) under torchrun runs its jobs one after the other in the same processes, and a restart runs them
+    all again: job k continues in job k's dir, not in the last job's (which has another config)."""
+    dirs = {(attempt, job): tmp_path / f"attempt{attempt}" / str(job) for attempt in (0, 1) for job in (0, 1)}
+    for path in dirs.values():
+        path.mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    for job in (0, 1):
+        assert first_attempt_run_dir(dirs[0, job], "auto", sweep_job=job) == dirs[0, job]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    for job in (0, 1):
+        assert first_attempt_run_dir(dirs[1, job], "auto", sweep_job=job) == dirs[0, job]
+
+
+def test_a_restart_whose_first_dir_is_unknown_says_so(agent_store, monkeypatch, tmp_path, caplog):
+    """A restart without the store's record (an elastic job whose first node left) starts afresh in its own dir, and
+    says how to resume instead; the next restart continues in that dir."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        assert first_attempt_run_dir(tmp_path / "a", "auto") == tmp_path / "a"
+    assert "torchrun's restart 2: the first attempt's run dir is unknown here" in caplog.text
+    assert "(hydra.run.dir=PATH) to resume" in caplog.text
+    (tmp_path / "a").mkdir()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    assert first_attempt_run_dir(tmp_path / "b", "auto") == tmp_path / "a"
 
 
 def test_outside_torchrun_the_run_keeps_its_own_dir(monkeypatch, tmp_path):
@@ -56,7 +84,9 @@ def test_rank_0_s_log_follows_it_into_the_first_attempt_s_dir(tmp_path):
     (own / ".hydra").mkdir(parents=True)
     (first / "train.log").write_text("the first attempt's lines\n")
     handler = logging.FileHandler(own / "train.log")
+    handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
     root = logging.getLogger()
+    before = list(root.handlers)
     root.addHandler(handler)
     try:
         log_in(first, own)
@@ -65,10 +95,11 @@ def test_rank_0_s_log_follows_it_into_the_first_attempt_s_dir(tmp_path):
         logger.setLevel(logging.INFO)
         logger.info("the restart's line")
         logger.setLevel(level)
-        handler.flush()
     finally:
-        root.removeHandler(handler)
-        handler.close()
-    assert (first / "train.log").read_text() == "the first attempt's lines\nthe restart's line\n"
+        for added in [h for h in root.handlers if h not in before]:
+            root.removeHandler(added)
+            added.close()
+    assert handler not in root.handlers
+    assert (first / "train.log").read_text() == "the first attempt's lines\n[megalm] the restart's line\n"
     remove_unused_run_dir(own)
     assert not own.exists()

@@ -193,12 +193,12 @@ def hdp_cost_model(cfg: MegalmConfig) -> CostModel:
         kv_heads = max(1, cfg.model.num_kv_heads // cfg.parallel.tp)
         heads = math.gcd(kv_heads, cfg.model.num_heads // cfg.parallel.tp)
         cost = cost.replace(ranks_per_node=cp_a2a_size(cfg), heads=heads)
-    stages = cfg.parallel.pp * cfg.parallel.vpp
-    if stages > 1:  # selective offload works per chunk: its r(s) keeps two blocks of the smallest one resident
-        given = cfg.parallel.layers_per_stage
-        counts = split_layers(cfg.model.num_layers, stages, None if given is None else list(given))
-        cost = cost.replace(chunk_layers=min(n for n in counts if n))
-    return cost
+    # selective offload works per chunk (the whole model without a pipeline), its r(s) capped to keep two blocks of
+    # the smallest one resident: the model's own count, which a cost model's YAML may not share
+    given = cfg.parallel.layers_per_stage
+    counts = split_layers(cfg.model.num_layers, cfg.parallel.pp * cfg.parallel.vpp, None if given is None else
+                          list(given))
+    return cost.replace(chunk_layers=min(n for n in counts if n))
 
 
 def active_ffn(model: ModelConfig) -> int:
@@ -248,7 +248,7 @@ def validate_hdp(cfg: MegalmConfig) -> None:
                               "give a preset (7b) or a YAML like configs/hdp_cost/h100_7b.yaml") from None
     if p.hdp_offload and offload_ratio(m.seq_length, cost := hdp_cost_model(cfg)) == 0.0:
         blocks = cost.chunk_layers or cost.layers
-        why = (f"{blocks} {'blocks of a pipeline chunk' if cost.chunk_layers else 'layers'} keep 2 resident "
+        why = (f"{blocks} {'blocks of a pipeline chunk' if p.pp * p.vpp > 1 else 'layers'} keep 2 resident "
                f"(r_max = 1 - 2/{blocks})" if blocks < 3 else
                "the cost model has no host link or activation sizes (host_bw, act_bytes)")
         log.warning(f"parallel.hdp_offload=true offloads nothing here: r(s) is 0 for every document ({why}); the "
