@@ -327,6 +327,8 @@ def test_cost_yaml_loads_and_agrees_with_the_model_shape():
     for name in ("layers", "kv_bytes", "qo_bytes", "capacity", "ranks_per_node"):
         assert getattr(from_yaml, name) == getattr(derived, name), name
     assert from_yaml.heads == 32 and derived.heads == 32 and "roofline" in from_yaml.source
+    # two models of other coefficients, two names (both printed "h100_7b" in plans and the simulator)
+    assert (from_yaml.name, derived.name, load_cost("7b").name) == ("h100_7b", "h100_7b_preset", "h100_7b_preset")
     with pytest.raises(ValueError, match="unknown cost model keys"):
         CostModel.from_dict({"a": 1, "b": 1, "c": 1, "alpha": 2})
 

@@ -523,7 +523,9 @@ def preset(
         shape, tp = SHAPES[model], tp or DEFAULT_TP[model]
     else:
         raise ValueError(f"unknown model {model!r}; known: {sorted(SHAPES)}")
-    label = model if isinstance(model, str) else f"{shape.layers}L-{shape.hidden}h"
+    # a named shape's model is not the YAML of its name (configs/hdp_cost/h100_7b.yaml: derived from megalm's block),
+    # and says so: both were "h100_7b" in a plan's and the simulator's output
+    label = f"{model}_preset" if isinstance(model, str) else f"{shape.layers}L-{shape.hidden}h"
     flops = hw.peak_flops * tp * (0.9 if tp > 1 else 1.0)
     e, f = memory_model(shape, tp)
     return CostModel(
