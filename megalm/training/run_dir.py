@@ -101,13 +101,15 @@ def first_attempt_run_dir(own_dir: Path, resume: str, sweep_job: int | None = No
     resume there). With a PATH the run continues from its own checkpoints once it has some (training/checkpoint), so
     it continues in the first dir too; with `trainer.resume=never` each attempt starts as a new run, in its own dir."""
     from megalm.parallel.dims import elastic_store
+    from megalm.training.checkpoint import latest_checkpoint
 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     store = elastic_store()
     key = RUN_DIR_KEY if sweep_job is None else f"{RUN_DIR_KEY}_job{sweep_job}"
     if store is None or (attempt > 0 and not store.check([key])):
-        if attempt > 0 and resume != "never":  # torchrun's restart, without the store's record (an elastic job whose
-            # first node left, or TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+        # torchrun's restart without the store's record (an elastic job whose first node left, or
+        # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), in a dir with nothing to resume (a named one resumes as it is)
+        if attempt > 0 and resume != "never" and latest_checkpoint(own_dir) is None:
             log.warning(f"torchrun's restart {attempt}: the first attempt's run dir is unknown here, so this attempt "
                         f"starts in {own_dir}; name one run dir for every attempt (hydra.run.dir=PATH) to resume")
         if store is not None:

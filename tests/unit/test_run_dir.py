@@ -68,6 +68,17 @@ def test_a_restart_whose_first_dir_is_unknown_says_so(agent_store, monkeypatch, 
     (tmp_path / "a").mkdir()
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
     assert first_attempt_run_dir(tmp_path / "b", "auto") == tmp_path / "a"
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")  # no store at all; a dir named for every attempt resumes
+    caplog.clear()
+    from megalm.training.checkpoint.layout import FILES
+
+    step = tmp_path / "named" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    for name in (*FILES, "shard-00000.safetensors"):  # what a complete checkpoint's dir holds, by name
+        (step / name).write_text("")
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        assert first_attempt_run_dir(tmp_path / "named", "auto") == tmp_path / "named"
+    assert "unknown here" not in caplog.text
 
 
 def test_outside_torchrun_the_run_keeps_its_own_dir(monkeypatch, tmp_path):
