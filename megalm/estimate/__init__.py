@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     """megalm-estimate OVERRIDES... --world N --gpu h100 [--json]."""
     import logging
 
-    from megalm.errors import ConfigError
+    from megalm.errors import ConfigError, MegalmError
 
     parser = argparse.ArgumentParser(prog="megalm-estimate", description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="megalm-train's Hydra overrides (model=8b parallel.tp=8 ...)")
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 text = _table(result)
         if given is not args.overrides:
             result["notes"].append(AUTO_PRECISION)
-    except ConfigError as error:
+    except MegalmError as error:  # a config's, and the data's or a checkpoint's the estimated step reads
         if unfit is not None and args.json:  # the search's counts and notes, for a script
             print(json.dumps(unfit, indent=1))
         print(f"error: {error}", file=sys.stderr)  # megalm-train's form

@@ -161,6 +161,16 @@ def test_bad_input_is_one_line(argv, message, capsys):
     assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1, err
 
 
+def test_a_dataset_that_is_not_there_is_one_line(tmp_path, capsys):
+    """The estimated step builds the run's data as the trainer does: a missing dataset was a DataError's traceback
+    (exit 1), where a config error is one line."""
+    small = [o for o in SMALL if not o.startswith("data")]
+    assert estimate.main([*small, "data=indexed", f"data.path={tmp_path / 'missing'}", "--world", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: data.path=") and "not found; build it with megalm-preprocess" in err, err
+    assert len(err.splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_static_bytes_under_fsdp_are_the_closed_form(precision):
     """FSDP keeps only fp32 shards (the main weights) and their two moments between steps: 12 bytes per element of
