@@ -106,24 +106,21 @@ def first_attempt_run_dir(own_dir: Path, resume: str, sweep_job: int | None = No
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     store = elastic_store()
     key = RUN_DIR_KEY if sweep_job is None else f"{RUN_DIR_KEY}_job{sweep_job}"
-    if store is None or (attempt > 0 and not store.check([key])):
-        # torchrun's restart without the store's record (an elastic job whose first node left, or
-        # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), in a dir with nothing to resume (a named one resumes as it is)
-        if attempt > 0 and resume != "never" and latest_checkpoint(own_dir) is None:
-            log.warning(f"torchrun's restart {attempt}: the first attempt's run dir is unknown here, so this attempt "
-                        f"starts in {own_dir}; name one run dir for every attempt (hydra.run.dir=PATH) to resume")
-        if store is not None:
-            store.set(key, str(own_dir.absolute()))
-        return own_dir
-    if attempt == 0:
+    if attempt > 0 and store is not None and store.check([key]):  # a restart: the record of the first attempt
+        first = Path(store.get(key).decode())
+        if resume == "never" or first == own_dir.absolute() or not first.is_dir():
+            return own_dir
+        log.info(f"torchrun's restart {attempt}: continuing in the first attempt's run dir {first}, from its latest "
+                 "checkpoint")
+        return first
+    # the first attempt, or torchrun's restart without the store's record (an elastic job whose first node left, or
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), in a dir with nothing to resume (a named one resumes as it is)
+    if attempt > 0 and resume != "never" and latest_checkpoint(own_dir) is None:
+        log.warning(f"torchrun's restart {attempt}: the first attempt's run dir is unknown here, so this attempt "
+                    f"starts in {own_dir}; name one run dir for every attempt (hydra.run.dir=PATH) to resume")
+    if store is not None:
         store.set(key, str(own_dir.absolute()))
-        return own_dir
-    first = Path(store.get(key).decode())
-    if resume == "never" or first == own_dir.absolute() or not first.is_dir():
-        return own_dir
-    log.info(f"torchrun's restart {attempt}: continuing in the first attempt's run dir {first}, from its latest "
-             "checkpoint")
-    return first
+    return own_dir
 
 
 def log_in(run_dir: Path, own_dir: Path) -> None:

@@ -44,7 +44,7 @@ from megalm.parallel.hdp.pipelined import align_rings, check_pipelined, in_locks
 from megalm.parallel.hdp.plan import Plan
 from megalm.parallel.hdp.planner import plan_hdp
 from megalm.parallel.microbatch import LocalMicroBatch, Ring
-from megalm.parallel.pipeline.stages import split_layers
+from megalm.parallel.pipeline.stages import stage_layer_counts
 
 log = logging.getLogger("megalm")
 
@@ -195,10 +195,7 @@ def hdp_cost_model(cfg: MegalmConfig) -> CostModel:
         cost = cost.replace(ranks_per_node=cp_a2a_size(cfg), heads=heads)
     # selective offload works per chunk (the whole model without a pipeline), its r(s) capped to keep two blocks of
     # the smallest one resident: the model's own count, which a cost model's YAML may not share
-    given = cfg.parallel.layers_per_stage
-    counts = split_layers(cfg.model.num_layers, cfg.parallel.pp * cfg.parallel.vpp, None if given is None else
-                          list(given))
-    return cost.replace(chunk_layers=min(n for n in counts if n))
+    return cost.replace(chunk_layers=min(n for n in stage_layer_counts(cfg) if n))
 
 
 def active_ffn(model: ModelConfig) -> int:
@@ -247,7 +244,7 @@ def validate_hdp(cfg: MegalmConfig) -> None:
             raise ConfigError(f"parallel.hdp_cost={p.hdp_cost} cannot be loaded ({type(e).__name__}: {e}); "
                               "give a preset (7b) or a YAML like configs/hdp_cost/h100_7b.yaml") from None
     if p.hdp_offload and offload_ratio(m.seq_length, cost := hdp_cost_model(cfg)) == 0.0:
-        blocks = cost.chunk_layers or cost.layers
+        blocks = cost.chunk_layers  # the model's, set by hdp_cost_model
         why = (f"{blocks} {'blocks of a pipeline chunk' if p.pp * p.vpp > 1 else 'layers'} keep 2 resident "
                f"(r_max = 1 - 2/{blocks})" if blocks < 3 else
                "the cost model has no host link or activation sizes (host_bw, act_bytes)")

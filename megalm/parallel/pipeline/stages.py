@@ -89,6 +89,13 @@ def stage_layer_ranges(
     return [[virtual[c * pp + r] for c in range(vpp)] for r in range(pp)]
 
 
+def stage_layer_counts(cfg: MegalmConfig) -> list[int]:
+    """The validated layer count of each of the run's pp·vpp virtual stages (`parallel.layers_per_stage`, or even)."""
+    p = cfg.parallel
+    return split_layers(cfg.model.num_layers, p.pp * p.vpp,
+                        None if p.layers_per_stage is None else list(p.layers_per_stage))
+
+
 def stage_holds(pp_rank: int, chunk: int, pp: int, vpp: int = 1) -> tuple[bool, bool]:
     """(has_embedding, has_head) of chunk `chunk` on pipeline rank `pp_rank`.
 
@@ -150,5 +157,5 @@ def validate_pipeline(cfg: MegalmConfig) -> None:
     if p.layers_per_stage is not None and p.pp * p.vpp == 1:
         raise ConfigError("parallel.layers_per_stage is set but there is one pipeline stage; "
                           "remove it or set parallel.pp")
-    split_layers(cfg.model.num_layers, p.pp * p.vpp, None if p.layers_per_stage is None else list(p.layers_per_stage))
+    stage_layer_counts(cfg)
     recompute_modes(p.recompute, p.pp)
