@@ -363,7 +363,10 @@ def split_samplers(source: DocumentSource, cfg: MegalmConfig, what: str) -> tupl
     try:
         train = sampler(source, train_ids, cfg.model.seq_length, cfg.seed)
     except DataError as e:  # which of a blend's components is too small
-        raise DataError(f"{what}: {e}") from None
+        held_out = (f" ({len(valid_ids)} of its {len(source)} documents are held out for validation by "
+                    f"data.valid_fraction={d.valid_fraction}; data.valid_fraction=0 trains on all)"
+                    if len(valid_ids) else "")
+        raise DataError(f"{what}: {e}{held_out}") from None
     valid = None
     if len(valid_ids):
         try:

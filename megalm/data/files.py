@@ -23,9 +23,21 @@ class DatasetExistsError(DataError):
     """The output dataset already exists and overwriting was not asked for."""
 
 
+def dataset_files(prefix: str) -> list[str]:
+    """The files of a dataset (.bin, .idx, a Megatron dataset's sidecar) that exist at `prefix`."""
+    return [f"{prefix}{ext}" for ext in (".bin", ".idx", SIDECAR_SUFFIX) if os.path.exists(f"{prefix}{ext}")]
+
+
 def dataset_exists(prefix: str) -> bool:
     """Whether any file of a dataset (.bin, .idx, or a Megatron dataset's sidecar) is at `prefix`."""
-    return any(os.path.exists(f"{prefix}{ext}") for ext in (".bin", ".idx", SIDECAR_SUFFIX))
+    return bool(dataset_files(prefix))
+
+
+def exists_error(prefix: str, how: str) -> DatasetExistsError:
+    """The refusal to write a dataset over files at `prefix`, naming those that exist (a stale sidecar alone too)."""
+    found = dataset_files(prefix)
+    return DatasetExistsError(f"{' and '.join(found)} already exist{'s' if len(found) == 1 else ''}; pass {how} "
+                              "to replace them, or choose another output prefix")
 
 
 def fsync_dir(directory: str) -> None:
@@ -105,8 +117,7 @@ class TokenFileWriter(ABC):
 
     def _check_absent(self) -> None:
         if dataset_exists(self.prefix):
-            raise DatasetExistsError(f"{self.prefix}.bin and {self.prefix}.idx already exist; pass --overwrite "
-                                     "(overwrite=True) to replace them, or choose another output prefix")
+            raise exists_error(self.prefix, "--overwrite (overwrite=True)")
 
     def _check_length(self, num_tokens: int) -> None:  # noqa: B027 - optional: no limit unless a format sets one
         """Refuse a document of `num_tokens` tokens (eod not counted) that the format cannot store."""

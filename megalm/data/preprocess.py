@@ -16,6 +16,7 @@ runs or for sharing one corpus between both; megalm reads either (docs/data_form
 from __future__ import annotations
 
 import argparse
+import codecs
 import fnmatch
 import json
 import logging
@@ -30,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megalm.data.indexed import DatasetExistsError, IndexedDatasetWriter, dataset_exists
+from megalm.data.files import exists_error
+from megalm.data.indexed import IndexedDatasetWriter, dataset_exists
 from megalm.data.megatron_format import SIDECAR_SUFFIX, MegatronDatasetWriter
 from megalm.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 from megalm.errors import DataError, MegalmError
@@ -71,24 +73,66 @@ def _is_hidden(name: str) -> bool:
     return name.startswith(".")
 
 
+# Compressed files would be read as one document of binary noise: refused, naming the fix.
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zstd", ".lz4", ".zip", ".7z", ".tgz")
+_DATASET_SUFFIXES = (".bin", ".idx", SIDECAR_SUFFIX)
+
+
+def _dataset_prefix(path: Path) -> str | None:
+    """The prefix of the tokenized dataset that `path` (a .bin, .idx or sidecar) belongs to, if one is there."""
+    for suffix in _DATASET_SUFFIXES:
+        if path.name.endswith(suffix):
+            prefix = str(path)[: -len(suffix)]
+            others = [f"{prefix}{s}" for s in (".bin", ".idx") if s != suffix]
+            return prefix if suffix == SIDECAR_SUFFIX or any(os.path.exists(o) for o in others) else None
+    return None
+
+
+def _walk(path: Path, glob: str) -> tuple[list[Path], set[str]]:
+    """A directory's files matching `glob`, sorted by their path inside it (hidden files and directories skipped,
+    symlinked directories followed once each), and the prefixes of tokenized datasets found there (left out)."""
+    found: list[Path] = []
+    datasets: set[str] = set()
+    seen: set[str] = set()
+    for root, dirs, names in os.walk(path, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:  # a symlink back to a directory already walked
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = [d for d in dirs if not _is_hidden(d)]
+        for name in names:
+            if _is_hidden(name) or not fnmatch.fnmatch(name, glob):
+                continue
+            if (prefix := _dataset_prefix(Path(root, name))) is not None:
+                datasets.add(prefix)
+            else:
+                found.append(Path(root, name))
+    return sorted(found, key=lambda p: p.relative_to(path).as_posix()), datasets
+
+
 def list_input_files(inputs: Sequence[str | os.PathLike], glob: str = "*") -> list[Path]:
-    """The files to read, in order: each input as given; a directory's files (matching `glob`, hidden
-    files and directories skipped) sorted by their path inside it."""
+    """The files to read, in order: each input as given (a regular file, or a pipe such as `<(zcat a.gz)`); a
+    directory's files (matching `glob`; hidden files and directories and tokenized datasets skipped, the latter
+    with one warning) sorted by their path inside it. Compressed files are refused."""
     files: list[Path] = []
+    datasets: set[str] = set()
     for item in inputs:
         path = Path(item)
-        if path.is_file():
+        if path.is_dir():
+            found, in_dir = _walk(path, glob)
+            files.extend(found)
+            datasets |= in_dir
+        elif path.exists():
             files.append(path)
-        elif path.is_dir():
-            found = []
-            for root, dirs, names in os.walk(path):
-                dirs[:] = [d for d in dirs if not _is_hidden(d)]
-                for name in names:
-                    if not _is_hidden(name) and fnmatch.fnmatch(name, glob):
-                        found.append(Path(root, name))
-            files.extend(sorted(found, key=lambda p: p.relative_to(path).as_posix()))
         else:
             raise DataError(f"input {path} not found; check --input")
+    if datasets:
+        log.warning(f"skipping the tokenized dataset{'s' if len(datasets) > 1 else ''} "
+                    f"{', '.join(sorted(datasets))} (.bin/.idx) inside the input directories")
+    if compressed := [p for p in files if p.name.lower().endswith(COMPRESSED_SUFFIXES)]:
+        raise DataError(f"{compressed[0]} is compressed, which megalm-preprocess does not read; decompress it "
+                        "first, pass it through a pipe (--input <(zcat FILE)), or leave it out with --glob")
     return files
 
 
@@ -122,7 +166,7 @@ class _Repairs:
 def _read_json_lines(path: Path, json_key: str, repairs: _Repairs) -> Iterator[tuple[str, int]]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
-            line = repairs.decode(raw).strip()
+            line = repairs.decode(raw.removeprefix(codecs.BOM_UTF8) if lineno == 1 else raw).strip()
             if not line:
                 yield "", len(raw)
                 continue
@@ -219,8 +263,7 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str, tokenize
         raise DataError(f"output prefix {output_prefix!r} is a directory; give a file prefix such as "
                         f"{os.path.join(output_prefix or '.', 'corpus')}")
     if not overwrite and dataset_exists(output_prefix):
-        raise DatasetExistsError(f"{output_prefix}.bin and {output_prefix}.idx already exist; pass --overwrite to "
-                                 "replace them, or choose another --output-prefix")
+        raise exists_error(output_prefix, "--overwrite")
     if not inputs:
         raise DataError("no input given; pass --input PATH [PATH ...]")
     files = list_input_files(inputs, glob)

@@ -369,6 +369,54 @@ def test_preprocess_again_into_its_input_directory_skips_its_own_output(tmp_path
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("output_format", ["megalm", "megatron"])
+def test_preprocess_directory_skips_other_datasets_and_follows_symlinks(tmp_path, output_format, caplog):
+    """A directory walk leaves out any tokenized dataset inside it (its .bin/.idx were read as text, and a Megatron
+    sidecar as bad JSON, until 2026-12-06), with one warning, and follows a symlinked directory once (it was
+    skipped silently; a symlink back up the tree is not walked twice)."""
+    root, shared = tmp_path / "corpus", tmp_path / "shared"
+    root.mkdir()
+    shared.mkdir()
+    (root / "a.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    (shared / "s.txt").write_text("from a symlinked directory")
+    (root / "shard").symlink_to(shared, target_is_directory=True)
+    (shared / "loop").symlink_to(root, target_is_directory=True)
+    preprocess([root / "a.jsonl"], str(root / "other"), "byte", show_progress=False, output_format=output_format)
+    with caplog.at_level(logging.WARNING, logger="megalm.data.preprocess"):
+        stats = preprocess([root], str(tmp_path / "all"), "byte", show_progress=False)
+    assert _texts(str(tmp_path / "all")) == ["hello", "from a symlinked directory"]
+    assert stats.num_files == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        f"skipping the tokenized dataset {root / 'other'} (.bin/.idx) inside the input directories"]
+
+
+def test_preprocess_input_refusals_and_pipes(tmp_path):
+    """A compressed input is refused in one line (it was tokenized as one document of binary noise), a pipe is read
+    (it was "not found"), a JSON file's byte-order mark is dropped (it was "invalid JSON"), and a stale sidecar alone
+    is named as what exists (the error named a .bin and .idx that were not there)."""
+    import gzip
+
+    gz = tmp_path / "docs.jsonl.gz"
+    gz.write_bytes(gzip.compress(json.dumps({"text": "zipped"}).encode()))
+    with pytest.raises(DataError, match="docs.jsonl.gz is compressed") as error:
+        preprocess([tmp_path], str(tmp_path / "out"), "byte", show_progress=False)
+    assert "\n" not in str(error.value)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("through a pipe"))
+    writer.start()
+    preprocess([fifo], str(tmp_path / "piped"), "byte", show_progress=False)
+    writer.join()
+    assert _texts(str(tmp_path / "piped")) == ["through a pipe"]
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "first"}).encode() + b"\n")
+    preprocess([bom], str(tmp_path / "bom"), "byte", show_progress=False)
+    assert _texts(str(tmp_path / "bom")) == ["first"]
+    (tmp_path / "stale.megalm.json").write_text("{}")
+    with pytest.raises(DataError, match=r"^\S*stale.megalm.json already exists; pass --overwrite"):
+        preprocess([bom], str(tmp_path / "stale"), "byte", show_progress=False)
+
+
 def test_preprocess_hf_tokenizer_and_uint32(tmp_path):
     words = [f"w{i}" for i in range(70000)]  # ids 1..70000, eod 70001
     tok = HFTokenizer(str(make_hf_tokenizer(tmp_path / "big.json", words)))
@@ -760,8 +808,15 @@ def test_build_datasets_empty_or_tiny(tmp_path):
     with pytest.raises(DataError, match="train split is empty"):
         build_datasets(_cfg(name="indexed", path=empty))
     tiny = byte_dataset(tmp_path, ["abc"])
-    with pytest.raises(DataError, match="fewer than the seq_length"):
+    with pytest.raises(DataError, match="fewer than the seq_length") as error:
         build_datasets(_cfg(name="indexed", path=tiny))
+    assert "valid_fraction" not in str(error.value)
+    # Two documents: the default valid_fraction holds one out, and the error says so (it counted the train half's
+    # tokens alone and named only more data or a shorter sequence, until 2026-12-06).
+    (tmp_path / "two").mkdir()
+    two = byte_dataset(tmp_path / "two", ["a" * 10, "b" * 10])  # 11 tokens each, 17 a sample
+    with pytest.raises(DataError, match=r"1 of its 2 documents are held out .* data.valid_fraction=0 trains on all"):
+        build_datasets(_cfg(name="indexed", path=two))
 
 
 def test_build_datasets_demo(tmp_path, monkeypatch):
