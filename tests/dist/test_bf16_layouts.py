@@ -43,7 +43,7 @@ def summed_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def check_layout(rank: int, world_size: int, overrides: list[str], tmp: str, loss_rtol: float = LOSS_RTOL) -> None:
-    model = [o for o in overrides if o.startswith(("model.", "precision"))]  # the model and recipe of both runs
+    model = [o for o in overrides if o.startswith(("model.", "model=", "precision"))]  # the model and recipe of both
     one = Trainer(compose_config(*BF16, *model), f"{tmp}/one{rank}", mesh=ParallelMesh(ParallelDims()))
     par = Trainer(compose_config(*BF16, *overrides), f"{tmp}/par")
     if "precision.backend=torchao" in overrides:  # the layout runs torchao's layers, not a fallback to the native path
