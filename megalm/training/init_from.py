@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from megalm.config import ModelConfig
+from megalm.data.blend import tokenizer_identity
 from megalm.errors import ConfigError
 from megalm.model.gpt import VOCAB_PARAMS, resize_vocab_rows
 from megalm.model.hf import model_config_dict, read_hf_model
@@ -36,7 +37,7 @@ HF_PREFIX = "hf:"
 
 
 def validate_init_from(spec: str | None) -> None:
-    """One-line ConfigError for a `model.init_from` that cannot name weights (before anything is built)."""
+    """One-line ConfigError for a `model.init_from` that cannot name weights (before they are read)."""
     if spec is None:
         return
     if not isinstance(spec, str) or not spec.strip() or spec.strip() == HF_PREFIX:
@@ -61,25 +62,50 @@ def read_megalm_weights(path: str | Path, buffers: bool = False
                                        if buffers else {})
 
 
-def read_init_weights(spec: str) -> tuple[str, Path, dict[str, Any], dict[str, torch.Tensor]]:
-    """(description, source path, source model config dict, full-model weights on CPU) of `model.init_from`."""
+def read_init_weights(spec: str) -> tuple[str, Path, dict[str, Any], dict[str, torch.Tensor], str | None]:
+    """(description, source path, source model config dict, full-model weights on CPU, the source's tokenizer spec
+    or None when it records none) of `model.init_from`."""
     validate_init_from(spec)
     if spec.startswith(HF_PREFIX):
         hf_dir = Path(spec[len(HF_PREFIX):]).expanduser().absolute()
         arch, cfg, weights, _ = read_hf_model(hf_dir)
-        return f"Hugging Face {arch} dir {hf_dir}", hf_dir, model_config_dict(cfg), weights
+        tokenizer = str(hf_dir / "tokenizer.json") if (hf_dir / "tokenizer.json").is_file() else None
+        return f"Hugging Face {arch} dir {hf_dir}", hf_dir, model_config_dict(cfg), weights, tokenizer
     meta, cfg, weights = read_megalm_weights(spec, buffers=True)
-    return f"checkpoint {meta.path} (step {meta.state.get('step')})", meta.path, model_config_dict(cfg), weights
+    return (f"checkpoint {meta.path} (step {meta.state.get('step')})", meta.path, model_config_dict(cfg), weights,
+            meta.state.get("tokenizer"))
+
+
+def check_same_tokenizer(spec: str, source: str | None, run: str | None) -> None:
+    """Refuse (one line) weights trained on another tokenizer's ids than the run's data: the run would go on
+    training, with no error, on token ids that mean other text to the model. Compared by content
+    (`tokenizer_identity`); not checked when either side records none (synthetic data, an HF dir without
+    tokenizer.json) or a tokenizer file is not on this machine (said in one line)."""
+    if source is None or run is None:
+        return
+    a, b = tokenizer_identity(source), tokenizer_identity(run)
+    if a == b:
+        return
+    if not all(x == "byte" or x.startswith("sha256:") for x in (a, b)):
+        log.info(f"model.init_from={spec}: its tokenizer {source} and the data's {run} are not both on this "
+                 "machine; not compared")
+        return
+    raise ConfigError(f"model.init_from={spec} was trained with tokenizer {source}, this run's data is tokenized with "
+                      f"{run}; train on data preprocessed with its tokenizer (megalm-preprocess --tokenizer "
+                      f"{source}, data=indexed data.path=PREFIX)")
 
 
 @torch.no_grad()
-def load_init_weights(spec: str, model: nn.Module, run_model: dict[str, Any], optimizer: Any = None) -> str:
+def load_init_weights(spec: str, model: nn.Module, run_model: dict[str, Any], optimizer: Any = None,
+                      run_tokenizer: str | None = None) -> str:
     """Copy the weights `spec` names into `model` (a GPT or this rank's pipeline chunks, any layout), checking
-    the source model's shape against `run_model` (the run's model config dict); with bf16 weights, into the
-    fp32 main weights `optimizer` keeps behind them. Returns a log description."""
-    where, path, source, weights = read_init_weights(spec)
+    the source model's shape against `run_model` (the run's model config dict) and its tokenizer against the
+    data's (`run_tokenizer`, a spec); with bf16 weights, into the fp32 main weights `optimizer` keeps behind them.
+    Returns a log description."""
+    where, path, source, weights, tokenizer = read_init_weights(spec)
     check_model_config(source, run_model, path, fix="set the run's model.* to the source's (megalm-import prints "
                        "them for a Hugging Face dir), or start from another model.init_from")
+    check_same_tokenizer(spec, tokenizer, run_tokenizer)
     differing = function_differences(source, run_model)
     if differing:
         log.warning(f"model.init_from: the source differs in {', '.join(differing)}; its weights will compute "

@@ -217,6 +217,54 @@ def test_init_from_refuses_another_shape_and_resume_refuses_an_import(tmp_path):
         Trainer(compose_config(*STYLES["llama"], f"model.init_from={tmp_path / 'hf'}"), tmp_path / "no_prefix")
 
 
+def test_init_from_takes_a_rope_model_to_a_longer_context(tmp_path):
+    """RoPE has no tensor of max_position_embeddings (it defaults to seq_length): a longer context starts from the
+    shorter run's weights, as the guide says (it was refused as another model until 2026-12-06); a learned position
+    table of another length is still refused."""
+    from megalm.errors import MegalmError
+    from megalm.training.trainer import Trainer
+
+    run, model = make_run(tmp_path / "src", "llama")
+    longer = Trainer(compose_config(*STYLES["llama"], "model.seq_length=64", f"model.init_from={run}"),
+                     tmp_path / "run")
+    assert torch.equal(longer.model.embedding.weight, model.embedding.weight)
+    gpt2, _ = make_run(tmp_path / "gpt2", "gpt2")
+    with pytest.raises(MegalmError, match=r"max_position_embeddings=32 \(this run: 64\)"):
+        Trainer(compose_config(*STYLES["gpt2"], "model.seq_length=64", f"model.init_from={gpt2}"), tmp_path / "g")
+
+
+def test_init_from_refuses_weights_of_another_tokenizer(tmp_path, hf_tokenizer, caplog):
+    """Weights trained on one tokenizer's ids, started on data of another's (the command megalm-import prints, run on
+    the byte-level demo data), are refused in one line for a megalm checkpoint and an HF dir alike; they trained on
+    without a word until 2026-12-06. The same tokenizer file elsewhere is the same tokenizer (by content)."""
+    import shutil
+
+    from megalm.data.preprocess import preprocess
+    from megalm.errors import MegalmError
+    from megalm.training.init_from import check_same_tokenizer
+    from megalm.training.trainer import Trainer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 40)
+    preprocess([corpus], str(tmp_path / "bytes"), "byte", show_progress=False)
+    data = ["data=indexed", f"data.path={tmp_path / 'bytes'}", "data.valid_fraction=0"]
+    run, _ = make_run(tmp_path / "src", "llama", hf_tokenizer)
+    for source in (str(run), f"hf:{export_hf(run, tmp_path / 'hf')}"):
+        with pytest.raises(MegalmError, match=r"was trained with tokenizer \S*tokenizer.json, this run's data is "
+                           r"tokenized with byte; train on data preprocessed with its tokenizer") as e:
+            Trainer(compose_config(*STYLES["llama"], *data, f"model.init_from={source}"), tmp_path / "run")
+        assert "\n" not in str(e.value)
+    byte_run, _ = make_run(tmp_path / "byte_src", "llama", "byte")
+    Trainer(compose_config(*STYLES["llama"], *data, f"model.init_from={byte_run}"), tmp_path / "byte_run")
+    copy = tmp_path / "copy" / "tokenizer.json"
+    copy.parent.mkdir()
+    shutil.copyfile(hf_tokenizer, copy)
+    check_same_tokenizer("x", hf_tokenizer, str(copy))
+    with caplog.at_level(logging.INFO, logger="megalm"):
+        check_same_tokenizer("x", str(tmp_path / "gone.json"), "byte")
+    assert "not both on this machine; not compared" in caplog.text
+
+
 def _hf_dir(tmp_path: Path, style: str = "llama") -> Path:
     run, _ = make_run(tmp_path / f"src-{style}", style)
     return export_hf(run, tmp_path / f"good-{style}")

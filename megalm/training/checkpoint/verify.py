@@ -192,6 +192,9 @@ def model_structure(model: dict[str, Any]) -> dict[str, Any]:
     """What fixes a model's tensors, from its config section (a checkpoint's or this run's): head_dim as resolved
     (None: hidden_size / num_heads), the MoE layers' keys where the model has experts."""
     out = {k: model.get(k) for k in SHAPE_KEYS} | {k: model.get(k, d) for k, d in LATER_SHAPE_KEYS.items()}
+    if out["position_embedding"] != "learned":
+        del out["max_position_embeddings"]  # sizes only the learned position table: a RoPE model continues at a
+        # longer context (it was refused for a shape no tensor has)
     heads = model.get("num_heads")
     out["head_dim"] = model.get("head_dim") or (model.get("hidden_size") // heads if heads else None)
     moe = model.get("moe") or {}
