@@ -488,9 +488,9 @@ def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     raise InteropError(f"{hf_dir} holds no model weights ({SINGLE} or {INDEX}); pass a transformers model dir")
 
 
-def read_hf_model(hf_dir: str | Path) -> tuple[str, ModelConfig, dict[str, torch.Tensor], dict]:
-    """(architecture, megalm model config, megalm full-model weights in fp32 with the model's padded vocab rows,
-    config.json) of a local transformers model dir. `model.init_from=hf:DIR` and megalm-import read it so."""
+def read_hf_config(hf_dir: str | Path) -> tuple[str, ModelConfig, dict]:
+    """(architecture, megalm model config with its defaults resolved, config.json) of a local transformers model
+    dir, without reading its weights: `model.init_from=hf:DIR` checks the shape first."""
     hf_dir = Path(hf_dir).expanduser().absolute()
     if not hf_dir.is_dir():
         raise InteropError(f"{hf_dir} is not a directory; pass a local Hugging Face model dir (no downloads)")
@@ -512,6 +512,14 @@ def read_hf_model(hf_dir: str | Path) -> tuple[str, ModelConfig, dict[str, torch
     except (TypeError, ValueError, AttributeError) as e:
         raise InteropError(f"{config_file} holds a value of the wrong type ({type(e).__name__}: "
                            f"{str(e).splitlines()[0][:150]}); re-save the model with save_pretrained") from None
+    return arch, GPT(cfg, device="meta").cfg, hf
+
+
+def read_hf_model(hf_dir: str | Path) -> tuple[str, ModelConfig, dict[str, torch.Tensor], dict]:
+    """(architecture, megalm model config, megalm full-model weights in fp32 with the model's padded vocab rows,
+    config.json) of a local transformers model dir. `model.init_from=hf:DIR` and megalm-import read it so."""
+    hf_dir = Path(hf_dir).expanduser().absolute()
+    arch, cfg, hf = read_hf_config(hf_dir)
     tensors = read_safetensors(hf_dir)
     model = GPT(cfg, device="meta")  # parameter names and shapes only
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}

@@ -16,20 +16,28 @@ side (`read_hf_model`) is megalm/model/hf.py's.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from megalm.config import ModelConfig
+from megalm.config import ModelConfig, model_config, resolve_model_defaults
 from megalm.data.blend import tokenizer_identity
 from megalm.errors import ConfigError
 from megalm.model.gpt import VOCAB_PARAMS, resize_vocab_rows
-from megalm.model.hf import model_config_dict, read_hf_model
+from megalm.model.hf import model_config_dict, read_hf_config, read_hf_model
 from megalm.model.naming import canonical_named_buffers, canonical_named_parameters
 from megalm.model.shard import copy_full_value, shard_specs
-from megalm.training.checkpoint import LoadedCheckpoint, check_model_config, function_differences, load_saved_model
+from megalm.training.checkpoint import (
+    LoadedCheckpoint,
+    check_model_config,
+    function_differences,
+    load_saved_model,
+    read_checkpoint_meta,
+    resolve_checkpoint_path,
+)
 from megalm.training.optim import full_precision_weights
 
 log = logging.getLogger("megalm")
@@ -62,18 +70,36 @@ def read_megalm_weights(path: str | Path, buffers: bool = False
                                        if buffers else {})
 
 
-def read_init_weights(spec: str) -> tuple[str, Path, dict[str, Any], dict[str, torch.Tensor], str | None]:
-    """(description, source path, source model config dict, full-model weights on CPU, the source's tokenizer spec
-    or None when it records none) of `model.init_from`."""
+@dataclass(frozen=True)
+class InitSource:
+    """What `model.init_from` names, read before its weights: checked against the run first."""
+
+    where: str  # for the log line
+    path: Path
+    model: dict[str, Any]  # its model config, as a checkpoint's config.yaml holds it
+    tokenizer: str | None  # its tokenizer spec; None where it records none
+
+
+def read_init_source(spec: str) -> InitSource:
+    """The source `model.init_from` names, from its config files alone (a source of another shape is refused before
+    every rank reads its whole model into host memory)."""
     validate_init_from(spec)
     if spec.startswith(HF_PREFIX):
         hf_dir = Path(spec[len(HF_PREFIX):]).expanduser().absolute()
-        arch, cfg, weights, _ = read_hf_model(hf_dir)
+        arch, cfg, _ = read_hf_config(hf_dir)
         tokenizer = str(hf_dir / "tokenizer.json") if (hf_dir / "tokenizer.json").is_file() else None
-        return f"Hugging Face {arch} dir {hf_dir}", hf_dir, model_config_dict(cfg), weights, tokenizer
-    meta, cfg, weights = read_megalm_weights(spec, buffers=True)
-    return (f"checkpoint {meta.path} (step {meta.state.get('step')})", meta.path, model_config_dict(cfg), weights,
-            meta.state.get("tokenizer"))
+        return InitSource(f"Hugging Face {arch} dir {hf_dir}", hf_dir, model_config_dict(cfg), tokenizer)
+    meta = read_checkpoint_meta(resolve_checkpoint_path(spec))
+    cfg = resolve_model_defaults(model_config(meta.config["model"]))
+    return InitSource(f"checkpoint {meta.path} (step {meta.state.get('step')})", meta.path, model_config_dict(cfg),
+                      meta.state.get("tokenizer"))
+
+
+def read_init_weights(spec: str) -> dict[str, torch.Tensor]:
+    """The full-model weights on CPU of `model.init_from` (a megalm checkpoint's persistent buffers too)."""
+    if spec.startswith(HF_PREFIX):
+        return read_hf_model(Path(spec[len(HF_PREFIX):]).expanduser().absolute())[2]
+    return read_megalm_weights(spec, buffers=True)[2]
 
 
 def check_same_tokenizer(spec: str, source: str | None, run: str | None) -> None:
@@ -102,17 +128,17 @@ def load_init_weights(spec: str, model: nn.Module, run_model: dict[str, Any], op
     the source model's shape against `run_model` (the run's model config dict) and its tokenizer against the
     data's (`run_tokenizer`, a spec); with bf16 weights, into the fp32 main weights `optimizer` keeps behind them.
     Returns a log description."""
-    where, path, source, weights, tokenizer = read_init_weights(spec)
-    check_model_config(source, run_model, path, fix="set the run's model.* to the source's (megalm-import prints "
-                       "them for a Hugging Face dir), or start from another model.init_from")
-    check_same_tokenizer(spec, tokenizer, run_tokenizer)
-    differing = function_differences(source, run_model)
+    source = read_init_source(spec)
+    check_model_config(source.model, run_model, source.path, fix="set the run's model.* to the source's "
+                       "(megalm-import prints them for a Hugging Face dir), or start from another model.init_from")
+    check_same_tokenizer(spec, source.tokenizer, run_tokenizer)
+    differing = function_differences(source.model, run_model)
     if differing:
         log.warning(f"model.init_from: the source differs in {', '.join(differing)}; its weights will compute "
                     "another function — set them to match unless that is intended")
     with full_precision_weights(optimizer):
-        _copy_init_weights(spec, weights, model, run_model["vocab_size"])
-    return where
+        _copy_init_weights(spec, read_init_weights(spec), model, run_model["vocab_size"])
+    return source.where
 
 
 def _copy_init_weights(spec: str, weights: dict[str, torch.Tensor], model: nn.Module, vocab: int) -> None:

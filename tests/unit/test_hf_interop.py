@@ -217,11 +217,13 @@ def test_init_from_refuses_another_shape_and_resume_refuses_an_import(tmp_path):
         Trainer(compose_config(*STYLES["llama"], f"model.init_from={tmp_path / 'hf'}"), tmp_path / "no_prefix")
 
 
-def test_init_from_takes_a_rope_model_to_a_longer_context(tmp_path):
+def test_init_from_takes_a_rope_model_to_a_longer_context(tmp_path, monkeypatch):
     """RoPE has no tensor of max_position_embeddings (it defaults to seq_length): a longer context starts from the
     shorter run's weights, as the guide says (it was refused as another model until 2026-12-06); a learned position
-    table of another length is still refused."""
+    table of another length is still refused, from the source's config alone (every rank read the whole source
+    model into host memory first)."""
     from megalm.errors import MegalmError
+    from megalm.training import init_from
     from megalm.training.trainer import Trainer
 
     run, model = make_run(tmp_path / "src", "llama")
@@ -229,8 +231,12 @@ def test_init_from_takes_a_rope_model_to_a_longer_context(tmp_path):
                      tmp_path / "run")
     assert torch.equal(longer.model.embedding.weight, model.embedding.weight)
     gpt2, _ = make_run(tmp_path / "gpt2", "gpt2")
-    with pytest.raises(MegalmError, match=r"max_position_embeddings=32 \(this run: 64\)"):
-        Trainer(compose_config(*STYLES["gpt2"], "model.seq_length=64", f"model.init_from={gpt2}"), tmp_path / "g")
+    hf = export_hf(gpt2, tmp_path / "gpt2_hf")
+    monkeypatch.setattr(init_from, "read_init_weights", lambda spec: pytest.fail(f"read the weights of {spec}"))
+    for source in (gpt2, f"hf:{hf}"):
+        with pytest.raises(MegalmError, match=r"max_position_embeddings=32 \(this run: 64\)"):
+            Trainer(compose_config(*STYLES["gpt2"], "model.seq_length=64", f"model.init_from={source}"),
+                    tmp_path / "g")
 
 
 def test_init_from_refuses_weights_of_another_tokenizer(tmp_path, hf_tokenizer, caplog):
