@@ -13,13 +13,17 @@ use, with no schedule, no streams, no pool and no choice of what to offload, whi
 
 from __future__ import annotations
 
-from megalm.config import MegalmConfig, choice, schema_default
+import logging
+
+from megalm.config import MegalmConfig, choice, schema_default, set_away_from_default
 from megalm.config.schema import OffloadConfig
 from megalm.errors import ConfigError
 from megalm.offload.hooks import LayerOffload, PipelineOffload
 from megalm.offload.policy import POLICIES
 from megalm.offload.pool import HostPool
 from megalm.offload.store import ActivationStore
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ActivationStore", "HostPool", "LayerOffload", "PipelineOffload", "unread_offload_settings",
            "validate_offload"]
@@ -29,6 +33,9 @@ def validate_offload(cfg: MegalmConfig) -> None:
     """The rules of `cfg.offload`, alone and with the layout, as one-line ConfigErrors."""
     o, p = cfg.offload, cfg.parallel
     if not o.enabled:
+        if unread := set_away_from_default(o, OffloadConfig):
+            log.warning(f"offload: {', '.join(unread)} set with offload.enabled=false: not used "
+                        "(offload.enabled=true offloads)")
         return
     choice(o.policy, "offload.policy", POLICIES)
     if not 0.0 < o.fraction <= 1.0:

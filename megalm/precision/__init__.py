@@ -360,6 +360,15 @@ def validate_precision(cfg: MegalmConfig) -> None:
         raise ConfigError(f"precision.bf16_weights=false applies to the fp8/mx recipes; remove it for precision="
                           f"{p.name}" + (" (fp32 weights under bf16 autocast: precision=bf16_autocast)"
                                          if p.name == "bf16" else ""))
+    if p.autocast is False and p.name == "bf16_autocast":
+        raise ConfigError("precision=bf16_autocast is bf16 autocast over fp32 weights, which precision.autocast=false "
+                          "turns off: use precision=fp32, or drop precision.autocast")
+    if p.autocast is False and p.name in WHOLE_MODEL:
+        log.warning(f"precision.autocast=false is not read by precision={p.name} (it keeps fp32 around the fp8/mx "
+                    "recipes)")
+    if p.bf16_weights and p.autocast is False:
+        raise ConfigError("precision.bf16_weights=true keeps bf16 weights, so the model around the recipe runs in "
+                          "bf16, and precision.autocast=false asks for fp32 there: drop one of them")
     if p.skip and p.name in WHOLE_MODEL:
         raise ConfigError(f"precision.skip keeps layers out of the fp8/mx recipes; precision={p.name} has no recipe "
                           "to keep them out of: remove it")

@@ -7,6 +7,8 @@ files read back with safetensors.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -239,6 +241,27 @@ def test_fp8_recipe_on_bf16_weights_quantizes_bf16(tmp_path, monkeypatch):
     for bad in (["precision=bf16_autocast"], ["precision=fp8", "precision.backend=te"]):
         with pytest.raises(ConfigError, match="precision.bf16_weights=true applies to the native fp8/mx recipes"):
             validate_run(compose_config(*bad, "precision.bf16_weights=true"))
+
+
+def test_autocast_false_where_it_cannot_act(caplog):
+    """precision.autocast=false under bf16_autocast, or beside bf16_weights=true, ran autocast or bf16 weights with
+    no word (until 2026-12-06): refused; under fp32 and bf16, which have no autocast to turn off, said to be unread."""
+    from megalm.errors import ConfigError
+    from megalm.training.validation import validate_run
+
+    with pytest.raises(ConfigError, match="precision=bf16_autocast is bf16 autocast over fp32 weights"):
+        validate_run(compose_config("precision=bf16_autocast", "precision.autocast=false"))
+    with pytest.raises(ConfigError, match="precision.bf16_weights=true keeps bf16 weights.*drop one of them"):
+        validate_run(compose_config("precision=fp8", "precision.bf16_weights=true", "precision.autocast=false"))
+    for recipe in ("fp32", "bf16"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megalm"):
+            validate_run(compose_config(f"precision={recipe}", "precision.autocast=false"))
+        assert f"precision.autocast=false is not read by precision={recipe}" in caplog.text
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megalm"):
+            validate_run(compose_config(f"precision={recipe}"))
+        assert "autocast" not in caplog.text
 
 
 def test_a_checkpoint_of_another_precision_resumes_with_one_line_naming_what_changed(tmp_path, caplog):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 
 import pytest
 import torch
@@ -312,6 +313,19 @@ def test_bad_offload_configs_get_one_line_errors(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         validate_run(compose_config(*overrides), world_size=2 if "parallel.pp=2" in overrides else 1)
+
+
+def test_offload_settings_without_offload_are_said_unread(caplog):
+    """offload.* set while offload.enabled=false was ignored without a word (until 2026-12-06), where fsdp_* and hdp_*
+    without their feature are refused and model.moe.* on a dense model is warned about."""
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        validate_run(compose_config("offload.fraction=0.3", "offload.recompute_cheap=true"))
+    assert ("offload: fraction=0.3, recompute_cheap=True set with offload.enabled=false: not used "
+            "(offload.enabled=true offloads)") in caplog.messages
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        validate_run(compose_config())
+    assert not [m for m in caplog.messages if "offload" in m]
 
 
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"])
