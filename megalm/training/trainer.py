@@ -39,7 +39,7 @@ from megalm.training.preemption import Preemption
 from megalm.training.profiling import StepProfiler
 from megalm.training.python_gc import StepBoundaryGC
 from megalm.training.results import StepResult, TrainSummary
-from megalm.training.validation import validate_run
+from megalm.training.validation import note_evaluation_split, validate_run
 from megalm.training.watchdog import Watchdog, joining_watchdog
 
 log = logging.getLogger("megalm")
@@ -230,9 +230,10 @@ class Trainer:
                      f"layers | {self.precision.note} on {self.device} | {self.parallel.describe()} | data "
                      f"{self.cfg.data.name} ({'varlen' if self.cfg.data.varlen else 'packed'}) | run dir "
                      f"{self.run_dir}")
-            if t.eval_interval > 0 and self.data.valid is None:
-                log.warning(f"trainer.eval_interval={t.eval_interval}: there is no validation split (data.valid_"
-                            f"fraction={self.cfg.data.valid_fraction}); raise it, or set trainer.eval_interval=0")
+            if t.eval_interval > 0:
+                valid = self.data.valid
+                note_evaluation_split(self.cfg, valid, self.step_sample_ids(t.eval_iters - 1, valid).stop if valid
+                                      else 0)
         val_loss = last_saved = None
         losses: list[tuple[int, float]] = []
         start, preempted = time.perf_counter(), False

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from megalm.config import MegalmConfig, validate
+from megalm.data.dataset import SampleDataset
 from megalm.errors import ConfigError
 from megalm.offload import validate_offload
 from megalm.parallel.parallelism import validate_parallel
@@ -72,3 +73,17 @@ def _validate_run(cfg: MegalmConfig, world_size: int, device: torch.device | Non
         raise ConfigError("parallel.fsdp_cpu_offload=true moves FSDP's shards from the GPU to the host; on "
                           f"{device.type} they are there already: drop it")
     return cfg
+
+
+def note_evaluation_split(cfg: MegalmConfig, valid: SampleDataset | None, samples_read: int) -> None:
+    """One warning line when `trainer.eval_interval` evaluates nothing (no validation split), or when each evaluation
+    reads `samples_read` samples of a split that holds fewer (the rest come round again: scored more than once)."""
+    t, log = cfg.trainer, logging.getLogger("megalm")
+    if valid is None:
+        log.warning(f"trainer.eval_interval={t.eval_interval}: there is no validation split (data.valid_fraction="
+                    f"{cfg.data.valid_fraction}); raise it, or set trainer.eval_interval=0")
+    elif samples_read > valid.samples_per_epoch:
+        held = valid.samples_per_epoch
+        log.warning(f"each evaluation reads {samples_read} validation samples, and the split holds {held}: "
+                    f"{samples_read - held} of them score samples again; lower trainer.eval_iters={t.eval_iters} or "
+                    f"raise data.valid_fraction={cfg.data.valid_fraction}")

@@ -311,6 +311,26 @@ def test_evaluation_without_a_validation_split_is_said(tmp_path, caplog):
     assert len(said) == 1 and summary.val_loss is None, said
 
 
+def test_evaluation_past_the_end_of_the_validation_split_is_said(tmp_path, caplog):
+    """An evaluation that reads more samples than the validation split holds scores some twice: said in one line
+    at the start (it was silent until 2026-12-06); one that fits says nothing."""
+    import logging
+
+    common = ["trainer.max_steps=1", "trainer.eval_interval=1", "trainer.global_batch_size=4",
+              "trainer.micro_batch_size=4", "data.valid_fraction=0.05"]
+    for iters in (1, 40):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megalm"):
+            trainer = Trainer(compose_config(*common, f"trainer.eval_iters={iters}"), tmp_path / str(iters))
+            trainer.fit()
+        held = trainer.data.valid.samples_per_epoch
+        assert 4 <= held < 160, held  # the first evaluation fits the split, the second does not
+        said = [m for m in caplog.messages if "validation samples" in m]
+        assert said == ([] if iters == 1 else [
+            f"each evaluation reads 160 validation samples, and the split holds {held}: {160 - held} of them score "
+            "samples again; lower trainer.eval_iters=40 or raise data.valid_fraction=0.05"])
+
+
 def test_generation_samples_a_checkpoint_whose_run_named_a_gpu_attention_backend(tmp_path):
     """A bf16 GPU run may name model.attention_backend=cudnn (or flash_attn, torch_varlen); megalm-generate rebuilt
     the model with it and refused its own fp32 model, naming a fix it has no flag for (an audit, 2026-12-04)."""
