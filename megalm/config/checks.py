@@ -120,6 +120,14 @@ def set_away_from_default(section: Any, schema: type, keys: Iterable[str] | None
     return [f"{key}={getattr(section, key)}" for key in keys if getattr(section, key) != schema_default(schema, key)]
 
 
+def demo_tokenizer_refusal(tokenizer: str) -> str | None:
+    """Why data=demo cannot take `data.tokenizer` (None: it can): its corpus is byte-tokenized when built."""
+    if tokenizer == "byte":
+        return None
+    return (f"data=demo is byte-tokenized, got data.tokenizer={tokenizer}; drop it, or tokenize your own text with "
+            "megalm-preprocess and use data=indexed")
+
+
 def fraction(value: float, key: str) -> None:
     """A one-line ConfigError unless `value` is in [0, 1)."""
     if not 0.0 <= value < 1.0:
@@ -330,6 +338,8 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
         blend_pairs(d.blend)
     elif d.path and d.name != "indexed":  # it would be ignored: the run would train on the wrong data
         raise ConfigError(f"data.path={d.path} is read by data=indexed only, but data={d.name}; add data=indexed")
+    elif d.name == "demo" and (refusal := demo_tokenizer_refusal(d.tokenizer)):
+        raise ConfigError(refusal)
     elif d.name == "indexed" and not d.path:
         raise ConfigError("data=indexed needs data.path=PREFIX (the prefix of PREFIX.bin/PREFIX.idx "
                           "written by megalm-preprocess), or data.blend=[W1,PREFIX1,W2,PREFIX2,...]")

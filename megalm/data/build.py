@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from megalm.config import MegalmConfig
+from megalm.config.checks import demo_tokenizer_refusal
 from megalm.data import demo
 from megalm.data.blend import build_blend
 from megalm.data.dataset import DataBundle, DocumentSource, check_vocab, indexed_tokenizer, split_samplers
@@ -27,9 +28,8 @@ def build_datasets(cfg: MegalmConfig) -> DataBundle:
     source: DocumentSource
     tokenizer: Tokenizer | None
     if d.name == "demo":
-        if d.tokenizer != "byte":
-            raise DataError(f"data=demo is byte-tokenized, got data.tokenizer={d.tokenizer}; drop it, or "
-                            "tokenize your own text with megalm-preprocess and use data=indexed")
+        if refusal := demo_tokenizer_refusal(d.tokenizer):  # (validate says it first, for a run)
+            raise DataError(refusal)
         source = IndexedDataset(demo.demo_corpus(d.cache_dir))
         tokenizer = ByteTokenizer()
     elif d.name == "indexed":

@@ -119,6 +119,10 @@ def validate_parallel(cfg: MegalmConfig, world_size: int) -> ParallelDims:
     return dims
 
 
+TRITON_ADAMW_NEEDS = ("optim.implementation=triton steps fp32 main weights behind bf16 working weights, or ZeRO-1 "
+                      "shards (BucketAdamW); use precision=bf16 or parallel.zero1=true, or optim.implementation=auto")
+
+
 def _fused_adamw(optimizer: object) -> bool:
     """Whether `optimizer` steps with torch's fused AdamW kernel, which takes a `grad_scale`."""
     if isinstance(optimizer, BucketAdamW):
@@ -195,9 +199,7 @@ class Parallelism:
         # ZeRO-1's shards or for fp32 main weights
         self.optimizer_factory = self._bucket_adamw if p.zero1 or self.working_dtype else None
         if cfg.optim.implementation == "triton" and self.optimizer_factory is None:
-            raise ConfigError("optim.implementation=triton steps fp32 main weights behind bf16 working weights, or "
-                              "ZeRO-1 shards (BucketAdamW); use precision=bf16 or parallel.zero1=true, or "
-                              "optim.implementation=auto" + (" (FSDP steps its own shards)" if p.fsdp else ""))
+            raise ConfigError(TRITON_ADAMW_NEEDS + (" (FSDP steps its own shards)" if p.fsdp else ""))
         self._norm_weights = self._grad_norm_weights()
         recipe = cfg.precision.name
         if cfg.model.moe.num_experts and recipe not in ("bf16", "bf16_autocast", "fp32"):

@@ -19,9 +19,10 @@ import torch
 from megalm.config import MegalmConfig, validate
 from megalm.data.dataset import SampleDataset
 from megalm.errors import ConfigError
+from megalm.model import select_attention_backend
 from megalm.offload import validate_offload
-from megalm.parallel.parallelism import validate_parallel
-from megalm.precision import validate_precision
+from megalm.parallel.parallelism import TRITON_ADAMW_NEEDS, validate_parallel
+from megalm.precision import compute_dtype, validate_precision, working_dtype
 from megalm.training.compile import resolve_auto_compile, validate_compile
 from megalm.training.device import resolve_auto_precision
 from megalm.training.metrics import check_logging_backends
@@ -34,8 +35,9 @@ def validate_run(cfg: MegalmConfig, world_size: int = 1, device: torch.device | 
     """Check every rule for a run on `world_size` processes. Returns a resolved copy: derived defaults filled
     (model sizes, `parallel.dp`, `parallel.hdp_capacity`) and `precision=auto` resolved against the run's
     `device` (default, for tools that only check a config: the GPU here if `trainer.device` allows one, else the
-    CPU), so no rule sees "auto". The config passed in is left as it was (the package validators below fill
-    the copy); `trainer.compile=null` (auto) likewise, after the precision (megalm/training/compile.py).
+    CPU; the attention backend is checked against a `device` given only), so no rule sees "auto". The config
+    passed in is left as it was (the package validators below fill the copy); `trainer.compile=null` (auto)
+    likewise, after the precision (megalm/training/compile.py).
     `warn=False` keeps the rules' warnings and notes unsaid (errors still raise): a run checked twice (megalm-train
     checks before Hydra makes the run dir, the trainer again) says them once, and on rank 0 only."""
     with _said(warn):
@@ -57,6 +59,7 @@ def _said(warn: bool) -> Iterator[None]:
 
 
 def _validate_run(cfg: MegalmConfig, world_size: int, device: torch.device | None) -> MegalmConfig:
+    on_its_device = device is not None  # a run's check (a tool's may name a GPU's attention kernel on a laptop)
     if device is None:
         device = torch.device("cuda" if cfg.trainer.device != "cpu" and torch.cuda.is_available() else "cpu")
     resolve_auto_precision(cfg, device)
@@ -69,6 +72,13 @@ def _validate_run(cfg: MegalmConfig, world_size: int, device: torch.device | Non
     signal_numbers(cfg.trainer.preempt_signals)  # a bad name is refused before Hydra makes the run dir
     check_logging_backends(cfg.logging)  # so is a logger that is not installed (it was refused after the build)
     validate_profiling(cfg, world_size)
+    # the rules the build checks again, said here too so that megalm-train refuses them before Hydra makes a run dir
+    if on_its_device:
+        select_attention_backend(cfg.model.attention_backend, device, compute_dtype(cfg.precision),
+                                 dropout=cfg.model.attention_dropout > 0)
+    if cfg.optim.implementation == "triton" and not cfg.parallel.zero1 and (
+            cfg.parallel.fsdp or working_dtype(cfg.precision) is None):
+        raise ConfigError(TRITON_ADAMW_NEEDS + (" (FSDP steps its own shards)" if cfg.parallel.fsdp else ""))
     if cfg.parallel.fsdp_cpu_offload and device.type != "cuda":
         raise ConfigError("parallel.fsdp_cpu_offload=true moves FSDP's shards from the GPU to the host; on "
                           f"{device.type} they are there already: drop it")
