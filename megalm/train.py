@@ -143,6 +143,8 @@ def precheck_overrides(argv: list[str]) -> None:
         if runs:  # every rule at this process's world size, before Hydra makes a run dir a refused run would leave
             check_run(config)
         named = [override_value(o) for o in overrides if o.partition("=")[0].lstrip("+") == "hydra.run.dir"]
+        if named and not named[-1].strip():  # an unset shell variable: Hydra ran in the current directory
+            raise ConfigError("hydra.run.dir is empty; name the run's directory, or drop it for outputs/DATE/TIME")
         if runs:  # the run dir, before Hydra makes it and its train.log there
             value = named[-1] if named else "outputs"  # configs/config.yaml: outputs/DATE/TIME
             what = f"hydra.run.dir={value}" if named else "outputs (the default run dir is outputs/DATE/TIME)"

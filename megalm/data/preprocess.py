@@ -61,7 +61,7 @@ class PreprocessStats:
     def summary(self) -> str:
         files = f"{self.output_prefix}.bin and {self.output_prefix}.idx"
         if self.format == "megatron":
-            files += f" + {SIDECAR_SUFFIX} (Megatron-LM format)"
+            files += f" + {self.output_prefix}{SIDECAR_SUFFIX} (Megatron-LM format)"
         return (f"wrote {files}: {self.num_docs} documents, {self.num_tokens} tokens "
                 f"({self.dtype}, vocab {self.vocab_size}) from {self.num_files} files in {self.seconds:.1f}s"
                 + (f"; skipped {self.skipped_empty} empty documents" if self.skipped_empty else "")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import shutil
 from pathlib import Path
 
@@ -88,10 +89,11 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False, t
             shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
     kept = "none" if spec is None else "byte" if spec == "byte" else f"tokenizer.json from {tokenizer_file}"
     log.info(f"imported {ARCHITECTURES[arch]} {hf_dir} to {out} (weights only, fp32; tokenizer: {kept})")
-    log.info(f"continue pretraining from it: megalm-train model.init_from={out} {' '.join(run_overrides(cfg))}")
+    log.info(f"continue pretraining from it: megalm-train {shlex.quote(f'model.init_from={out}')} "
+             f"{' '.join(run_overrides(cfg))}")
     if spec not in (None, "byte"):  # the run's data must be tokenized with it (model.init_from checks)
-        log.info(f"on a corpus tokenized with its tokenizer: megalm-preprocess --tokenizer {spec} ..., then "
-                 "data=indexed data.path=PREFIX")
+        log.info(f"on a corpus tokenized with its tokenizer: megalm-preprocess --tokenizer {shlex.quote(spec)} "
+                 "..., then data=indexed data.path=PREFIX")
     return out
 
 

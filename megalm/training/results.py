@@ -3,6 +3,7 @@ and a run's (`TrainSummary`, from `Trainer.fit`)."""
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,5 +61,5 @@ class TrainSummary:
         if self.checkpoint is not None:
             out.append(f"checkpoint: {self.checkpoint}")
             if self.has_tokenizer:
-                out.append(f"sample from it: megalm-generate {self.checkpoint} --prompt 'def '")
+                out.append(f"sample from it: megalm-generate {shlex.quote(str(self.checkpoint))} --prompt 'def '")
         return out + [f"metrics: {self.run_dir / 'metrics.jsonl'}"]

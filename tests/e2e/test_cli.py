@@ -158,6 +158,7 @@ def test_a_run_dir_holding_other_files_is_refused_and_kept(tmp_path):
     (["model.attention_backend=flash_attn"], ["model.attention_backend=flash_attn needs the flash-attn package"]),
     (["optim.implementation=triton", "precision=fp32"], ["optim.implementation=triton steps fp32 main weights"]),
     (["data=demo", "data.tokenizer=tok.json"], ["data=demo is byte-tokenized, got data.tokenizer=tok.json"]),
+    (["hydra.run.dir="], ["hydra.run.dir is empty"]),  # an unset $RUN: it trained in the current directory
     (["banana"], ["Error parsing override 'banana': an override is key=value"]),  # Hydra's 4 lines, exit 1
     (["trainer.max_steps=2)"], ["Error parsing override 'trainer.max_steps=2)': extraneous input ')'"]),
 ])

@@ -114,7 +114,7 @@ def test_megatron_format_equals_megalm_format(tmp_path, capsys, tokenizer):
         code, out, err = cli(["--input", str(src), "--output-prefix", str(tmp_path / fmt), "--tokenizer", spec,
                               "--format", fmt], capsys)
         assert code == 0, err
-        assert ("Megatron-LM format" in out) == (fmt == "megatron")
+        assert (f"+ {tmp_path / 'megatron'}.megalm.json (Megatron-LM format)" in out) == (fmt == "megatron")
     ours, theirs = IndexedDataset(tmp_path / "megalm"), IndexedDataset(tmp_path / "megatron")
     assert (ours.format, theirs.format) == ("megalm", "megatron")
     assert len(theirs) == len(ours) == 30

@@ -348,9 +348,10 @@ def test_generation_samples_a_checkpoint_whose_run_named_a_gpu_attention_backend
 def test_the_summary_suggests_sampling_only_from_a_run_with_text(tmp_path):
     """It printed a megalm-generate command after a synthetic-data run, which the command refuses (no tokenizer)."""
     synthetic = Trainer(compose_config("trainer.max_steps=1"), tmp_path / "synthetic").fit()
-    text = Trainer(compose_config("trainer.max_steps=1", "data=demo"), tmp_path / "demo").fit()
+    text = Trainer(compose_config("trainer.max_steps=1", "data=demo"), tmp_path / "demo run").fit()
     assert not any("megalm-generate" in line for line in synthetic.lines(1, 0.0))
-    assert any(line.startswith("sample from it: megalm-generate") for line in text.lines(1, 0.0))
+    # a run dir with a space is quoted, so the line pastes into a shell (it split at the space until 2026-12-06)
+    assert f"sample from it: megalm-generate '{text.checkpoint}' --prompt 'def '" in text.lines(1, 0.0)
 
 
 def test_a_refused_resume_leaves_the_run_dir_s_record_of_its_command(tmp_path):
