@@ -61,19 +61,19 @@ def main(argv: list[str] | None = None) -> tuple[Plan, list[int]]:
     if args.step < 0:
         raise ConfigError(f"--step {args.step} must be >= 0 (steps count from 0)")
     if args.png:
-        from megalm.plot import PlotError, check_replaceable, require_matplotlib
+        from megalm.plot import check_replaceable, require_matplotlib
 
-        try:
-            require_matplotlib()
-            check_replaceable(args.png)
-        except PlotError as e:
-            sys.exit(f"error: {e}")
+        require_matplotlib()  # a PlotError: one line and exit 2 (run_main), before anything is computed
+        check_replaceable(args.png)
 
     cfg = compose_config(args.overrides)
     par = cfg.parallel
     if par.dp is None or not par.hdp:
         raise ConfigError("set parallel.hdp=true and parallel.dp (and parallel.cp): the HDP domain is dp*cp ranks")
     cfg = validate_run(cfg, world_size=par.tp * par.pp * par.cp * par.dp)
+    if args.step >= cfg.trainer.max_steps:  # (a token budget's steps are found by scanning every one before it)
+        raise ConfigError(f"--step {args.step} is past the run's last step, {cfg.trainer.max_steps - 1} "
+                          f"(trainer.max_steps={cfg.trainer.max_steps}); set trainer.max_steps to the run's")
     par = cfg.parallel  # validated: parallel.hdp_capacity filled where unset
     data = build_datasets(cfg)
     t = cfg.trainer

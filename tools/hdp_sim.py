@@ -45,6 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megalm.errors import MegalmError  # noqa: E402
 from megalm.parallel.hdp import (  # noqa: E402
     Plan,
     SimResult,
@@ -56,6 +57,7 @@ from megalm.parallel.hdp import (  # noqa: E402
     simulate,
 )
 from megalm.parallel.hdp.cost import CostModel, load_cost  # noqa: E402
+from tools.bench.cli import run_main  # noqa: E402
 
 POLICIES = ("static", "megatron_hybrid", "hdp")
 K, M = 1024, 1024 * 1024
@@ -72,7 +74,7 @@ def size(text: str) -> int:
     """`parse_size` as an argparse type: a value it cannot read names the forms it reads."""
     try:
         return parse_size(text)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: inf
         raise argparse.ArgumentTypeError(f"{text!r} is no size: write e.g. 2M, 256K or 131072") from None
 
 
@@ -304,6 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
         value = getattr(args, flag)
         if value is not None and value < 1:
             p.error(f"--{flag.replace('_', '-')} {value} must be >= 1")
+    if args.seed < 0:
+        p.error(f"--seed {args.seed} must be >= 0")
     policies = POLICIES + (("hdp_offload",) if args.offload else ())
     if args.ablation:  # its own models, distributions and contexts: the other flags were accepted and ignored
         unread = [f"--{name.replace('_', '-')}" for name in ("png_dir", "lengths", "dist", "model", "cost",
@@ -318,13 +322,19 @@ def main(argv: list[str] | None = None) -> dict:
             p.error(f"--ablation's 2M context needs {-(-2 * M // capacity)} ranks of {size_name(capacity)} tokens; "
                     f"--ranks {args.ranks} is fewer")
     if args.png_dir:
-        from megalm.plot import PlotError, check_replaceable, require_matplotlib
+        from megalm.plot import check_replaceable, require_matplotlib
+        from megalm.training.run_dir import check_creatable
 
+        # refused before the simulation runs, not with a traceback after it
+        if Path(args.png_dir).exists() and not Path(args.png_dir).is_dir():
+            p.error(f"--png-dir {args.png_dir} is a file; name a directory for the charts")
         try:
             require_matplotlib()
-            check_replaceable(*(Path(args.png_dir) / f"{args.png_prefix}{name}.png" for name in (*policies, "balance")))
-        except PlotError as e:
-            sys.exit(f"error: {e}")
+            check_creatable(Path(args.png_dir), f"--png-dir {args.png_dir}", "choose a --png-dir you may write to")
+            check_replaceable(*(Path(args.png_dir) / f"{args.png_prefix}{name}.png" for name in (*policies,
+                                                                                                "balance")))
+        except MegalmError as e:
+            p.error(str(e))
     if args.ablation:
         return ablation(args)
 
@@ -452,4 +462,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -19,19 +19,20 @@ log = logging.getLogger("megalm")
 RUN_DIR_KEY = "megalm_run_dir"  # in torchrun's agent store: the first attempt's run dir
 
 
-def check_creatable(run_dir: Path, what: str) -> None:
-    """Refuse a run dir the run could not make or write in (Hydra would fail with a traceback): its nearest existing
-    ancestor must be a directory this process can write in."""
+def check_creatable(run_dir: Path, what: str, fix: str = "choose a run dir you may write to (hydra.run.dir=PATH)"
+                    ) -> None:
+    """Refuse a run dir (or another output directory: `fix` then names its flag) the run could not make or write in
+    (Hydra would fail with a traceback): its nearest existing ancestor must be a directory this process can write
+    in."""
     existing = run_dir.absolute()
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise ConfigError(f"{what}: {existing} is a file, so the run dir cannot be made there; choose another path")
+        raise ConfigError(f"{what}: {existing} is a file, so the directory cannot be made there; choose another path")
     try:  # a real write (os.access passes root on a read-only file system): an empty directory, removed at once
         os.rmdir(tempfile.mkdtemp(prefix=".megalm-write-check-", dir=existing))
     except OSError as e:
-        raise ConfigError(f"{what}: cannot write in {existing} ({e.strerror}); choose a run dir you may write to "
-                          "(hydra.run.dir=PATH)") from None
+        raise ConfigError(f"{what}: cannot write in {existing} ({e.strerror}); {fix}") from None
 
 
 def check_run_dir(run_dir: Path) -> None:

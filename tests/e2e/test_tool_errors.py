@@ -34,6 +34,9 @@ def test_a_mistyped_flag_of_the_save_benchmark_is_an_error_not_an_override(tmp_p
     (["-m", "megalm.train", "--cfg", "job", "model.hiden=3"], "unknown config key 'model.hiden'"),
     (["tools/bench/throughput.py", "--steps", "0"], "--steps 0 must be >= 1"),
     (["tools/hdp_plan.py", "--step", "-1"], "--step -1 must be >= 0"),
+    # scanned step boundaries for minutes (an audit, 2026-12-06)
+    (["tools/hdp_plan.py", "--step", "10000000000", "parallel.hdp=true", "parallel.dp=2", "data.varlen=true"],
+     "--step 10000000000 is past the run's last step, 299 (trainer.max_steps=300)"),
     (["tools/bench/amax_histories.py", "--reps", "0"], "--reps 0 must be >= 1"),
     # a traceback each, or (--systems) a table without the misspelt row (an audit, 2026-12-04)
     (["tools/bench/step_cost.py", "model=nonexistent"], "Could not find 'model/nonexistent'"),

@@ -134,6 +134,11 @@ def test_a_pipeline_s_offload_is_capped_per_stage_as_the_trainer_s(monkeypatch, 
     # a newcomer's pass, 2026-12-06: the planner's refusal named no flag; argparse named `parse_size`
     (["--context", "128K"], None, "more than 8; raise --ranks or --capacity, or lower --context"),
     (["--context", "64X"], None, "'64X' is no size: write e.g. 2M, 256K or 131072"),
+    # an audit, 2026-12-06: tracebacks, the --png-dir ones after the whole simulation had run
+    (["--context", "inf"], None, "'inf' is no size"),
+    (["--seed", "-1"], None, "--seed -1 must be >= 0"),
+    (["--png-dir", "/proc/megalm_charts"], None, "--png-dir /proc/megalm_charts: cannot write in /proc"),
+    (["--png-dir", "FILE"], None, "is a file; name a directory for the charts"),
 ])
 def test_cli_bad_arguments_are_one_line(tmp_path, capsys, flags, lengths, said):
     extra = []
@@ -143,6 +148,9 @@ def test_cli_bad_arguments_are_one_line(tmp_path, capsys, flags, lengths, said):
     elif lengths is not None:
         (tmp_path / "lengths.json").write_text(json.dumps(lengths))
         extra = ["--lengths", str(tmp_path / "lengths.json")]
+    if "FILE" in flags:
+        (tmp_path / "notes").write_text("mine")
+        flags = [str(tmp_path / "notes") if f == "FILE" else f for f in flags]
     with pytest.raises(SystemExit) as e:
         context = [] if "--ablation" in flags or "--context" in flags else ["--context", "8K"]  # the ablation: none
         hdp_sim.main(["--ranks", "8", *context, "--global-tokens", "64K", *flags, *extra])
