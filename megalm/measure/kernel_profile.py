@@ -11,6 +11,7 @@ its events, so the figures are torch's and CUPTI's, not megalm's bookkeeping.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -186,6 +187,8 @@ def profile_steps(step: Callable[[int], object], first_step: int, steps: int, de
         wall = time.perf_counter() - start
     if trace is not None:
         prof.export_chrome_trace(str(trace))
+        if not Path(trace).is_file():  # the profiler logs its own failure to write, and returns
+            raise OSError(errno.EIO, "the profiler wrote no Chrome trace", str(trace))
     return summarize(prof.events(), steps, wall)
 
 

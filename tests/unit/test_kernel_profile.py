@@ -5,6 +5,7 @@ prints it."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -119,10 +120,27 @@ def test_throughput_profiles_the_cpu_step(capsys) -> None:
     assert "aten ops (self CPU time)" in capsys.readouterr().out
 
 
-def test_profile_arguments_are_checked() -> None:
+def test_profile_arguments_are_checked(tmp_path, monkeypatch) -> None:
+    """--profile-trace needs --profile; a file already there is refused before the run (the profiler replaced it),
+    a missing folder is made (the profiler failed to write, exit 0), and a trace the profiler did not write is an
+    error (an audit, 2026-12-06)."""
+    from megalm.errors import ConfigError
+
     bench = _throughput()
     with pytest.raises(SystemExit):
         bench.main(["--profile-trace", "t.json", *TINY])
+    mine = tmp_path / "notes.json"
+    mine.write_text("mine")
+    with pytest.raises(ConfigError, match="notes.json exists; nothing was run"):
+        bench.main(["--steps", "1", "--warmup", "0", "--profile", "1", "--profile-trace", str(mine), *TINY])
+    assert mine.read_text() == "mine"
+    trace = tmp_path / "new" / "trace.json"
+    bench.main(["--steps", "1", "--warmup", "0", "--profile", "1", "--profile-trace", str(trace), *TINY])
+    assert json.loads(trace.read_text())["traceEvents"]
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", lambda self, path: None)
+    with pytest.raises(OSError, match="the profiler wrote no Chrome trace"):
+        bench.main(["--steps", "1", "--warmup", "0", "--profile", "1", "--profile-trace", str(tmp_path / "t.json"),
+                    *TINY])
 
 
 def test_throughput_runs_the_default_warm_up_without_a_warning(caplog) -> None:

@@ -41,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megalm.config.compose import compose_config as compose_megalm_config  # noqa: E402
 from megalm.errors import ConfigError  # noqa: E402
+from megalm.training.run_dir import check_creatable  # noqa: E402
 from tools.bench.cli import parse_flags_and_overrides, run_main  # noqa: E402
 
 
@@ -73,6 +74,13 @@ def main(argv: list[str] | None = None) -> dict:
         raise ConfigError(f"--warmup {args.warmup} must be >= 0 (the untimed steps first)")
     if args.profile < 0 or (args.profile_trace and not args.profile):
         parser.error("--profile takes a number of steps >= 1; --profile-trace needs --profile")
+    if args.profile_trace is not None:  # before the run: the profiler overwrote a file, or failed without a word
+        if args.profile_trace.exists():
+            raise ConfigError(f"--profile-trace {args.profile_trace} exists; nothing was run: move it or name a new "
+                              "file")
+        check_creatable(args.profile_trace.parent, f"--profile-trace {args.profile_trace}",
+                        "choose a --profile-trace path you may write to")
+        args.profile_trace.parent.mkdir(parents=True, exist_ok=True)
     from megalm.training.metrics import peak_memory_gb
     from megalm.training.python_gc import StepBoundaryGC
     from megalm.training.trainer import Trainer
