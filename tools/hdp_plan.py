@@ -61,10 +61,14 @@ def main(argv: list[str] | None = None) -> tuple[Plan, list[int]]:
     if args.step < 0:
         raise ConfigError(f"--step {args.step} must be >= 0 (steps count from 0)")
     if args.png:
-        from megalm.plot import check_replaceable, require_matplotlib
+        from megalm.plot import PlotError, check_replaceable, require_matplotlib
 
-        require_matplotlib()  # a PlotError: one line and exit 2 (run_main), before anything is computed
-        check_replaceable(args.png)
+        try:  # before anything is computed
+            require_matplotlib()
+            check_replaceable(args.png)
+        except PlotError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
 
     cfg = compose_config(args.overrides)
     par = cfg.parallel

@@ -334,7 +334,8 @@ def main(argv: list[str] | None = None) -> dict:
             check_replaceable(*(Path(args.png_dir) / f"{args.png_prefix}{name}.png" for name in (*policies,
                                                                                                 "balance")))
         except MegalmError as e:
-            p.error(str(e))
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
     if args.ablation:
         return ablation(args)
 

@@ -35,6 +35,9 @@ def _run_main(argv: list[str]) -> int:
         raise PlotError(f"--out {out} is a file; pass a directory for the PNGs")
     run_name = "/".join(run_dir.resolve().parts[-2:])  # hydra's runs are DATE/TIME
     figures = plot_metrics(records, run_name, log_loss=args.log_loss)
+    if not figures:  # records without a curve: it exited 0 having drawn nothing
+        raise PlotError(f"{run_dir}: its metrics.jsonl has steps but no loss, lr or other curve to draw; is it a "
+                        "megalm run's?")
     check_replaceable(*(out / f"{name}.png" for name in figures))  # all or none written
     for name, fig in figures.items():
         print(f"wrote {save_figure(fig, out / f'{name}.png')}")

@@ -59,6 +59,8 @@ def check_replaceable(*paths: str | Path) -> None:
     """PlotError (one line) if any of `paths` exists and is not a chart megalm wrote: nothing of the user's is
     overwritten. Callers check every chart they will write before writing the first."""
     for path in map(Path, paths):
+        if path.suffix.lower() != ".png":  # savefig writes PNG bytes whatever the name says
+            raise PlotError(f"{path}: megalm draws PNG charts; name the file *.png")
         if path.is_dir() or (path.exists() and not written_here(path)):
             raise PlotError(f"{path} exists and is not a chart megalm drew; nothing was written: move it or "
                             "pick another output path")

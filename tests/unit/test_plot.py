@@ -146,6 +146,8 @@ def test_cli_one_line_errors(tmp_path, capsys):
     assert "is empty" in one_line_error(capsys, lambda: plot.main([str(tmp_path / "empty")]))
     write_run(tmp_path / "torn", [], extra='{"step": 3, "loss": 1.\n')
     assert "is empty" in one_line_error(capsys, lambda: plot.main([str(tmp_path / "torn")]))
+    write_run(tmp_path / "steps_only", [], extra='{"step": 1}\n{"step": 2}\n')  # it drew nothing and exited 0
+    assert "has steps but no loss" in one_line_error(capsys, lambda: plot.main([str(tmp_path / "steps_only")]))
     write_run(tmp_path / "nostep", records(1), extra='{"loss": 1.0}\n')
     assert "line 2 is not a metrics record" in one_line_error(capsys, lambda: plot.main([str(tmp_path / "nostep")]))
     (tmp_path / "notes.txt").write_text("mine")
@@ -230,11 +232,15 @@ def test_hdp_tools_refuse_to_replace_a_users_file_before_planning(tmp_path, caps
     lengths = tmp_path / "lengths.json"
     lengths.write_text("[100, 200]")
     (tmp_path / "hdp.png").write_text("mine")
-    with pytest.raises(SystemExit, match="^error: .*hdp.png exists and is not a chart megalm drew"):
+    refused = "hdp.png exists and is not a chart megalm drew"
+    with pytest.raises(SystemExit) as e:
         hdp_sim.main(["--ranks", "4", "--context", "8K", "--lengths", str(lengths), "--png-dir", str(tmp_path)])
-    assert sorted(f.name for f in tmp_path.glob("*.png")) == ["hdp.png"] and "static" not in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="^error: .*hdp.png exists and is not a chart megalm drew"):
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and err.startswith("error: ") and refused in err and "static" not in out
+    assert sorted(f.name for f in tmp_path.glob("*.png")) == ["hdp.png"]
+    with pytest.raises(SystemExit) as e:
         _load_tool("hdp_plan").main(["--png", str(tmp_path / "hdp.png"), "parallel.hdp=true"])
+    assert e.value.code == 2 and refused in capsys.readouterr().err
     assert (tmp_path / "hdp.png").read_text() == "mine"
     with pytest.raises(SystemExit):  # the ablation draws nothing: a --png-dir beside it is a mistake, said
         hdp_sim.main(["--ablation", "--png-dir", str(tmp_path)])
@@ -260,11 +266,14 @@ def test_missing_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
     hdp_sim = _load_tool("hdp_sim")
     lengths = tmp_path / "lengths.json"
     lengths.write_text("[100, 200]")
-    with pytest.raises(SystemExit, match="^error: plotting needs matplotlib"):  # before simulating
+    with pytest.raises(SystemExit) as e:  # before simulating
         hdp_sim.main(["--ranks", "4", "--context", "8K", "--lengths", str(lengths), "--png-dir", str(tmp_path)])
-    assert not list(tmp_path.glob("*.png")) and "static" not in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="^error: plotting needs matplotlib"):  # before composing the config
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and err.startswith("error: plotting needs matplotlib") and "static" not in out
+    assert not list(tmp_path.glob("*.png"))
+    with pytest.raises(SystemExit) as e:  # before composing the config
         _load_tool("hdp_plan").main(["--png", str(tmp_path / "plan.png"), "parallel.hdp=true"])
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("error: plotting needs matplotlib")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,6 +349,10 @@ def test_schedule_cli(tmp_path, capsys):
     assert "multiple of the number of pipeline stages" in err
     err = one_line_error(capsys, lambda: plot.main(["schedule", "--offload", "2", "--out", str(tmp_path / "y.png")]))
     assert "--offload 2 is a fraction" in err and not (tmp_path / "y.png").exists()
+    # a PDF name got PNG bytes without a word (an audit, 2026-12-06)
+    err = one_line_error(capsys, lambda: plot.main(["schedule", "--out", str(tmp_path / "s.pdf")]))
+    assert err == f"error: {tmp_path / 's.pdf'}: megalm draws PNG charts; name the file *.png"
+    assert not (tmp_path / "s.pdf").exists()
 
 
 # ---------------------------------------------------------------------------------------------
