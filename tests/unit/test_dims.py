@@ -49,6 +49,9 @@ def test_dp_defaults_to_what_is_left():
     (4, ["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm=a2a"], "use parallel.cp_comm=ring"),
     (4, ["parallel.cp=4", "parallel.cp_comm=a2a+p2p", "model.num_kv_heads=1"], "a2a\\+p2p finds no all-to-all group"),
     (4, ["parallel.cp=4", "parallel.cp_comm=a2a+p2p", "parallel.cp_a2a_size=3"], "cp_a2a_size=3 must divide"),
+    # HDP's default group is a node's ranks: the line blamed the heads (an audit, 2026-12-06)
+    (2, ["parallel.hdp=true", "data.varlen=true", "parallel.cp_comm=a2a+p2p"],
+     "groups one node's HDP ranks, 8 // tp = 8 by default, which does not divide the HDP domain dp.cp=2"),
     (2, ["parallel.cp=2", "parallel.cp_a2a_size=2"], "set parallel.cp_comm=a2a\\+p2p or remove it"),
     (2, ["parallel.cp=2", "model.attention_dropout=0.1"], "cp_comm=ring has no attention dropout"),
     (6, ["parallel.cp=4"], "world size 6 is not divisible by tp.pp.cp"),
