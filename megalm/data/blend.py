@@ -108,6 +108,16 @@ class BlendedDataset:
         """The weights as sampled (normalized quotas): each period of `period` samples holds exactly these shares."""
         return [int(n) / self.period for n in self.quotas]
 
+    @property
+    def samples_per_epoch(self) -> int:
+        """Samples of the blend before one of its components runs out of samples of its own and starts over (its
+        epoch ends): where reading on repeats samples (an evaluation of more is said in one line)."""
+        ends = []
+        for d, component in enumerate(self.components):
+            cycles, k = divmod(component.samples_per_epoch, int(self.quotas[d]))  # its first repeat: appearance k
+            ends.append(cycles * self.period + int(np.flatnonzero((self._component == d) & (self._rank == k))[0]))
+        return min(ends)
+
     def locate(self, i: int) -> tuple[int, int]:
         """(d, j): sample i of the blend is sample j of component d."""
         if i < 0:

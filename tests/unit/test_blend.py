@@ -241,6 +241,28 @@ def test_resumed_blend_run_has_the_losses_of_an_uninterrupted_one(prefixes, tmp_
     assert [got[s] for s in range(4, 7)] == [expected[s] for s in range(4, 7)]
 
 
+def test_a_blend_counts_its_samples_before_a_component_repeats(prefixes, tmp_path, caplog):
+    """BlendedDataset.samples_per_epoch, brute-forced: the first blend index whose component sample is past that
+    component's epoch. An evaluation of a blend read it from a missing attribute, a crash at the start of every blend
+    run with eval_interval > 0 (2026-12-06, the evaluation-coverage line's first version)."""
+    import logging
+    from types import SimpleNamespace
+
+    for sizes, quotas in (([5, 7], [3, 7]), ([1, 40], [1, 1]), ([9], [1]), ([4, 4, 30], [2, 5, 1])):
+        blend = BlendedDataset([SimpleNamespace(samples_per_epoch=n, seq_length=8, num_docs=1, num_tokens=1)
+                                for n in sizes], quotas, [str(n) for n in sizes])
+        i = 0
+        while (lambda d, j: j < sizes[d])(*blend.locate(i)):
+            i += 1
+        assert blend.samples_per_epoch == i, (sizes, quotas)
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        trainer = Trainer(blend_config(f"data.blend=[0.3,{prefixes[0]},0.7,{prefixes[1]}]", "trainer.max_steps=1",
+                                       "trainer.eval_interval=1", "trainer.eval_iters=50"), tmp_path)
+        assert trainer.fit().val_loss is not None
+    held = trainer.data.valid.samples_per_epoch
+    assert 0 < held < 400 and f"each evaluation reads 400 validation samples, and the split holds {held}" in caplog.text
+
+
 def test_resume_with_another_blend_is_refused(prefixes, tmp_path):
     a, b = prefixes[:2]
     Trainer(blend_config(f"data.blend=[0.3,{a},0.7,{b}]", "trainer.max_steps=1"), tmp_path).fit()
