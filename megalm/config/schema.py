@@ -384,8 +384,9 @@ class PrecisionConfig:
     weight whose rows do not divide over FSDP's shards is gathered, then cast (one log line). False: all are."""
     autocast: bool = True
     """fp8/mx recipes on fp32 weights (`bf16_weights` false): bf16 autocast for the rest of the model (false: fp32
-    around the recipe, and fp32 weights where `bf16_weights` is auto). Not read by bf16 (bf16 weights, no autocast)
-    nor bf16_autocast (autocast over fp32 weights: what bf16 was before)."""
+    around the recipe, and fp32 weights where `bf16_weights` is auto; refused beside `bf16_weights` true). Not read
+    by fp32 or bf16 (bf16 weights, no autocast; false is said to be unread); refused false under bf16_autocast
+    (autocast over fp32 weights: what bf16 was before)."""
     bf16_weights: bool | None = None
     """fp8/mx recipes: bf16 working weights behind fp32 main weights, as precision=bf16 keeps them, so the
     recipe's GEMMs quantize bf16 activations and weights (Transformer Engine's and Megatron's setting) and no

@@ -84,7 +84,7 @@ def _dataset_prefix(path: Path) -> str | None:
         if path.name.endswith(suffix):
             prefix = str(path)[: -len(suffix)]
             others = [f"{prefix}{s}" for s in (".bin", ".idx") if s != suffix]
-            return prefix if suffix == SIDECAR_SUFFIX or any(os.path.exists(o) for o in others) else None
+            return prefix if any(os.path.exists(o) for o in others) else None
     return None
 
 
@@ -100,7 +100,9 @@ def _walk(path: Path, glob: str) -> tuple[list[Path], set[str]]:
             dirs[:] = []
             continue
         seen.add(real)
-        dirs[:] = [d for d in dirs if not _is_hidden(d)]
+        # real directories before symlinked ones, by name: which path a linked tree is read under (and so where its
+        # files sort) is the same on every file system, whatever order it lists a directory in
+        dirs[:] = sorted((d for d in dirs if not _is_hidden(d)), key=lambda d: (os.path.islink(Path(root, d)), d))
         for name in names:
             if _is_hidden(name) or not fnmatch.fnmatch(name, glob):
                 continue
@@ -132,7 +134,8 @@ def list_input_files(inputs: Sequence[str | os.PathLike], glob: str = "*") -> li
                     f"{', '.join(sorted(datasets))} (.bin/.idx) inside the input directories")
     if compressed := [p for p in files if p.name.lower().endswith(COMPRESSED_SUFFIXES)]:
         raise DataError(f"{compressed[0]} is compressed, which megalm-preprocess does not read; decompress it "
-                        "first, pass it through a pipe (--input <(zcat FILE)), or leave it out with --glob")
+                        "first, or pass it through a pipe (--input <(zcat FILE), <(zstd -dc FILE), ...); in a "
+                        "directory, --glob leaves it out")
     return files
 
 
@@ -350,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "for megalm.")
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
                    help=".jsonl/.json (one JSON object per line), .txt (one document; one per line with "
-                        "--split-lines), any other file (one document), or a directory (walked recursively)")
+                        "--split-lines), any other file (one document; compressed ones are refused), a pipe "
+                        "(<(zcat FILE)), or a directory (walked recursively, symlinks followed, tokenized "
+                        "datasets left out)")
     p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
     p.add_argument("--tokenizer", default="byte", help="'byte' (default) or the path of a Hugging Face "
                                                        "tokenizer.json")

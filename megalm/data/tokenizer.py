@@ -114,6 +114,11 @@ class HFTokenizer:
     def spec(self) -> str:
         return self._path
 
+    def token_ids(self) -> dict[str, int]:
+        """Every token and its id, added tokens too: two files with the same are the same vocabulary (the file's
+        bytes differ between versions of the tokenizers library that saved it)."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def encode(self, text: str) -> list[int]:
         # No BOS/EOS from the tokenizer's post-processor: the dataset writer appends eod itself.
         return self._tok.encode(text, add_special_tokens=False).ids

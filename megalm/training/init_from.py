@@ -25,6 +25,7 @@ from torch import nn
 
 from megalm.config import ModelConfig, model_config, resolve_model_defaults
 from megalm.data.blend import tokenizer_identity
+from megalm.data.tokenizer import HFTokenizer
 from megalm.errors import ConfigError
 from megalm.model.gpt import VOCAB_PARAMS, resize_vocab_rows
 from megalm.model.hf import model_config_dict, read_hf_config, read_hf_model
@@ -95,18 +96,18 @@ def read_init_source(spec: str) -> InitSource:
                       meta.state.get("tokenizer"))
 
 
-def read_init_weights(spec: str) -> dict[str, torch.Tensor]:
-    """The full-model weights on CPU of `model.init_from` (a megalm checkpoint's persistent buffers too)."""
-    if spec.startswith(HF_PREFIX):
-        return read_hf_model(Path(spec[len(HF_PREFIX):]).expanduser().absolute())[2]
-    return read_megalm_weights(spec, buffers=True)[2]
+def read_init_weights(source: InitSource, hf: bool) -> dict[str, torch.Tensor]:
+    """The full-model weights on CPU of the `model.init_from` source that was checked (a run dir's `latest` as it
+    was then, though the run saves on), a megalm checkpoint's persistent buffers too."""
+    return read_hf_model(source.path)[2] if hf else read_megalm_weights(source.path, buffers=True)[2]
 
 
 def check_same_tokenizer(spec: str, source: str | None, run: str | None) -> None:
     """Refuse (one line) weights trained on another tokenizer's ids than the run's data: the run would go on
-    training, with no error, on token ids that mean other text to the model. Compared by content
-    (`tokenizer_identity`); not checked when either side records none (synthetic data, an HF dir without
-    tokenizer.json) or a tokenizer file is not on this machine (said in one line)."""
+    training, with no error, on token ids that mean other text to the model. Compared by content: the files'
+    bytes (`tokenizer_identity`), else their vocabularies (a file saved again by another version of the tokenizers
+    library); not checked when either side records none (synthetic data, an HF dir without tokenizer.json) or a
+    tokenizer file is not on this machine (said in one line)."""
     if source is None or run is None:
         return
     a, b = tokenizer_identity(source), tokenizer_identity(run)
@@ -115,6 +116,8 @@ def check_same_tokenizer(spec: str, source: str | None, run: str | None) -> None
     if not all(x == "byte" or x.startswith("sha256:") for x in (a, b)):
         log.info(f"model.init_from={spec}: its tokenizer {source} and the data's {run} are not both on this "
                  "machine; not compared")
+        return
+    if "byte" not in (a, b) and HFTokenizer(source).token_ids() == HFTokenizer(run).token_ids():
         return
     raise ConfigError(f"model.init_from={spec} was trained with tokenizer {source}, this run's data is tokenized with "
                       f"{run}; train on data preprocessed with its tokenizer (megalm-preprocess --tokenizer "
@@ -137,7 +140,8 @@ def load_init_weights(spec: str, model: nn.Module, run_model: dict[str, Any], op
         log.warning(f"model.init_from: the source differs in {', '.join(differing)}; its weights will compute "
                     "another function — set them to match unless that is intended")
     with full_precision_weights(optimizer):
-        _copy_init_weights(spec, read_init_weights(spec), model, run_model["vocab_size"])
+        _copy_init_weights(spec, read_init_weights(source, spec.startswith(HF_PREFIX)), model,
+                           run_model["vocab_size"])
     return source.where
 
 

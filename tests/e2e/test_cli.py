@@ -155,7 +155,8 @@ def test_a_run_dir_holding_other_files_is_refused_and_kept(tmp_path):
     (["trainer.preempt_signals=[SIGFOO]"], ["trainer.preempt_signals has 'SIGFOO'"]),
     (["data=indexed", "data.path=/nonexistent/corpus"], ["/nonexistent/corpus"]),
     # refused when the trainer built them, after Hydra had made the run dir (until 2026-12-06, an audit found)
-    (["model.attention_backend=flash_attn"], ["model.attention_backend=flash_attn needs the flash-attn package"]),
+    (["model.attention_backend=flash_attn", "trainer.device=cpu"],
+     ["model.attention_backend=flash_attn needs the flash-attn package"]),
     (["optim.implementation=triton", "precision=fp32"], ["optim.implementation=triton steps fp32 main weights"]),
     (["data=demo", "data.tokenizer=tok.json"], ["data=demo is byte-tokenized, got data.tokenizer=tok.json"]),
     (["hydra.run.dir="], ["hydra.run.dir is empty"]),  # an unset $RUN: it trained in the current directory

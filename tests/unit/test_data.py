@@ -381,11 +381,13 @@ def test_preprocess_directory_skips_other_datasets_and_follows_symlinks(tmp_path
     (shared / "s.txt").write_text("from a symlinked directory")
     (root / "shard").symlink_to(shared, target_is_directory=True)
     (shared / "loop").symlink_to(root, target_is_directory=True)
+    (root / "z.megalm.json").write_text(json.dumps({"text": "a sidecar's name, no dataset beside it"}) + "\n")
     preprocess([root / "a.jsonl"], str(root / "other"), "byte", show_progress=False, output_format=output_format)
     with caplog.at_level(logging.WARNING, logger="megalm.data.preprocess"):
         stats = preprocess([root], str(tmp_path / "all"), "byte", show_progress=False)
-    assert _texts(str(tmp_path / "all")) == ["hello", "from a symlinked directory"]
-    assert stats.num_files == 2
+    assert _texts(str(tmp_path / "all")) == ["hello", "from a symlinked directory",
+                                             "a sidecar's name, no dataset beside it"]
+    assert stats.num_files == 3
     assert [r.getMessage() for r in caplog.records] == [
         f"skipping the tokenized dataset {root / 'other'} (.bin/.idx) inside the input directories"]
 

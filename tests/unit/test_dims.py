@@ -51,7 +51,10 @@ def test_dp_defaults_to_what_is_left():
     (4, ["parallel.cp=4", "parallel.cp_comm=a2a+p2p", "parallel.cp_a2a_size=3"], "cp_a2a_size=3 must divide"),
     # HDP's default group is a node's ranks: the line blamed the heads (an audit, 2026-12-06)
     (2, ["parallel.hdp=true", "data.varlen=true", "parallel.cp_comm=a2a+p2p"],
-     "groups one node's HDP ranks, 8 // tp = 8 by default, which does not divide the HDP domain dp.cp=2"),
+     "groups one node's HDP ranks: 8 // tp = 8 by default, which does not divide the HDP domain dp.cp=2; set "
+     r"parallel.cp_a2a_size to one of \[2\]"),
+    (16, ["parallel.hdp=true", "data.varlen=true", "parallel.cp_comm=a2a+p2p", "parallel.tp=8", "model.num_heads=8",
+          "model.num_kv_heads=8"], r"at parallel.tp=8 a node holds one \(8 // tp = 1\); no group of 2 or more"),
     (2, ["parallel.cp=2", "parallel.cp_a2a_size=2"], "set parallel.cp_comm=a2a\\+p2p or remove it"),
     (2, ["parallel.cp=2", "model.attention_dropout=0.1"], "cp_comm=ring has no attention dropout"),
     (6, ["parallel.cp=4"], "world size 6 is not divisible by tp.pp.cp"),

@@ -232,7 +232,7 @@ def test_init_from_takes_a_rope_model_to_a_longer_context(tmp_path, monkeypatch)
     assert torch.equal(longer.model.embedding.weight, model.embedding.weight)
     gpt2, _ = make_run(tmp_path / "gpt2", "gpt2")
     hf = export_hf(gpt2, tmp_path / "gpt2_hf")
-    monkeypatch.setattr(init_from, "read_init_weights", lambda spec: pytest.fail(f"read the weights of {spec}"))
+    monkeypatch.setattr(init_from, "read_init_weights", lambda *source: pytest.fail(f"read the weights of {source}"))
     for source in (gpt2, f"hf:{hf}"):
         with pytest.raises(MegalmError, match=r"max_position_embeddings=32 \(this run: 64\)"):
             Trainer(compose_config(*STYLES["gpt2"], "model.seq_length=64", f"model.init_from={source}"),
@@ -266,6 +266,9 @@ def test_init_from_refuses_weights_of_another_tokenizer(tmp_path, hf_tokenizer, 
     copy.parent.mkdir()
     shutil.copyfile(hf_tokenizer, copy)
     check_same_tokenizer("x", hf_tokenizer, str(copy))
+    resaved = tmp_path / "resaved.json"  # the same vocabulary in other bytes (another tokenizers version's file)
+    resaved.write_text(json.dumps(json.loads(Path(hf_tokenizer).read_text()), indent=4))
+    check_same_tokenizer("x", hf_tokenizer, str(resaved))
     with caplog.at_level(logging.INFO, logger="megalm"):
         check_same_tokenizer("x", str(tmp_path / "gone.json"), "byte")
     assert "not both on this machine; not compared" in caplog.text

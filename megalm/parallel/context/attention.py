@@ -131,10 +131,13 @@ def cp_a2a_size(cfg: MegalmConfig) -> int:
         else:
             u = max(k for k in range(1, node + 1) if not ranks % k and not heads % k and not kv_heads % k)
         if p.hdp and u < 2:  # the default is one node's ranks, whatever the heads
-            raise ConfigError(f"parallel.cp_comm=a2a+p2p groups one node's HDP ranks, 8 // tp = {node} by default, "
-                              f"which does not divide {what}={ranks}; set parallel.cp_a2a_size (a divisor of "
-                              f"{ranks} and of {heads} query and {kv_heads} kv heads per TP rank) or use "
-                              "parallel.cp_comm=ring")
+            fits = [k for k in range(2, ranks + 1) if not ranks % k and not heads % k and not kv_heads % k]
+            why = (f"at parallel.tp={p.tp} a node holds one (8 // tp = {node})" if node < 2 else
+                   f"8 // tp = {node} by default, which does not divide {what}={ranks}")
+            fix = (f"set parallel.cp_a2a_size to one of {fits} or use parallel.cp_comm=ring" if fits else
+                   f"no group of 2 or more divides {ranks} and the {heads} query and {kv_heads} kv heads per TP "
+                   "rank: use parallel.cp_comm=ring")
+            raise ConfigError(f"parallel.cp_comm=a2a+p2p groups one node's HDP ranks: {why}; {fix}")
         if u < 2 or heads % u or kv_heads % u:
             raise ConfigError(f"parallel.cp_comm=a2a+p2p finds no all-to-all group for {what}={ranks} with {heads} "
                               f"query and {kv_heads} kv heads per TP rank; set parallel.cp_a2a_size (the ranks of "
