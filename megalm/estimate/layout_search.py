@@ -501,6 +501,22 @@ def recompute_reruns(cfg: MegalmConfig) -> Reruns:
     return Reruns(down=share(dense, "mlp.down_proj"))
 
 
+# what the search prices a key of STRIPPED at where a layout's overrides leave it unset: a command that set one gets it
+# back at this value beside the layout, or the command plus the layout trained another layout than the one priced
+PRICED_DEFAULTS = {"parallel.vpp": "1", "parallel.pp_schedule": "1f1b", "parallel.hdp": "false", "parallel.ep": "1",
+                   "parallel.layers_per_stage": "null", "parallel.dp": "null", "offload.enabled": "false"}
+
+
+def priced_layout(overrides: list[str], layout: Layout) -> list[str]:
+    """`layout`'s overrides as the search priced them for the command `overrides`: the command's layout keys the
+    search set aside back at their defaults where the layout does not set them, and a command's async TP off at tp 1
+    (nothing to fuse)."""
+    own = layout.overrides()
+    given, set_here = override_keys(overrides), override_keys(own)
+    resets = [f"{key}={value}" for key, value in PRICED_DEFAULTS.items() if key in given and key not in set_here]
+    return own + resets + (["parallel.async_tp=false"] if layout.tp == 1 and "parallel.async_tp" in given else [])
+
+
 def priced_batch(overrides: list[str], shape: Shape) -> list[str]:
     """The batch settings the search priced and the command left to megalm-train's defaults (6 sequences a
     micro-batch, for the tiny CPU model): a layout's overrides carry them, or the command plus the layout trained
@@ -556,7 +572,8 @@ def search(overrides: list[str], world: int, gpu: str, top: int = 5, max_confirm
             # the shallow run's documents, as many as the step's sequences (rank.step_documents)
             first = ranks[0]
             model_flops = training_flops(model, first.documents) * shape.global_batch / first.sequences
-        found.append({"overrides": layout.overrides() + batch, "layout": asdict(layout), "peak_bytes": peak,
+        found.append({"overrides": priced_layout(overrides, layout) + batch, "layout": asdict(layout),
+                      "peak_bytes": peak,
                       "tokens_per_s": shape.global_batch * shape.seq / step, "step_time_s": step,
                       "mfu": model_flops / (world * GPUS[gpu].bf16_tflops * 1e12 * step),
                       "closed_form": {"peak_bytes": closed_peak, "tokens_per_s": closed_rate},

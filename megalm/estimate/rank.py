@@ -433,14 +433,19 @@ def trace_compiled_blocks(cfg: Any) -> None:
     from megalm.training.compile import inductor_options
     from megalm.training.device import resolve_auto_precision
 
-    if cfg.trainer.compile:
+    asked = cfg.trainer.compile  # None: auto, which a CUDA run may resolve to compiled blocks
+    if asked:
         resolve_auto_precision(cfg, torch.device("cpu"))  # as the fake trainer, on the CPU, would
         validate_precision(cfg)
         torch._dynamo.reset()
         cfg.trainer.compile = prices_compiled_blocks(cfg)
         if cfg.trainer.compile_backend == "inductor":  # an object in a str field: a traced trainer saves no config
             cfg.trainer.compile_backend = InductorCosts(inductor_options())  # megalm's blocks' inductor config
-    if async_tp_unpriced(cfg):  # priced without it, as `compile_notes` says
+    # priced without async TP, as `compile_notes` says, where a run would run it (or turn it off itself) but the
+    # trace cannot; not where every run refuses it (trainer.compile=false, no sequence parallelism), which the
+    # trainer's checks then say as megalm-train does
+    if cfg.parallel.async_tp and cfg.parallel.sequence_parallel and (
+            cfg.parallel.tp > GPUS_PER_NODE or asked is None or (asked and not cfg.trainer.compile)):
         cfg.parallel.async_tp = False
 
 

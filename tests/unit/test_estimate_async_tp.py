@@ -61,6 +61,21 @@ def test_pricing_collectives_in_flight_breaks_no_compiled_graph():
     assert reasons and all(per_document_sdpa.__name__ in reason for reason in reasons), reasons
 
 
+@pytest.mark.parametrize("overrides, refusal", [
+    (["trainer.compile=false"], "parallel.async_tp=true is a pass of inductor's over compiled blocks"),
+    (["parallel.sequence_parallel=false"], "parallel.async_tp=true pipelines sequence parallelism's"),
+])
+def test_async_tp_a_run_refuses_is_refused(overrides, refusal):
+    """The trace turned async TP off wherever it could not price it, so the estimator priced configs megalm-train
+    refuses (an audit, 2026-12-06): there it says the run's refusal."""
+    from megalm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=refusal):
+        estimate.estimate([*SMALL, "trainer.device=cpu", "trainer.micro_batch_size=1", "trainer.global_batch_size=1",
+                           "precision=bf16", "parallel.tp=2", "parallel.sequence_parallel=true",
+                           "parallel.async_tp=true", *overrides], 2, "h100")
+
+
 @pytest.mark.parametrize("overrides, why", [
     (["parallel.tp=2"], "the blocks are priced eager"),  # trainer.compile null: priced eager, as the CPU resolves it
     (["parallel.tp=16", "model.num_heads=16", "model.num_kv_heads=16"], "spans nodes"),  # said first, whatever else

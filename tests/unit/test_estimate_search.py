@@ -321,6 +321,25 @@ def test_every_layout_the_search_prices_trains_as_priced():
         "trainer.micro_batch_size=1", "trainer.global_batch_size=4"]
 
 
+def test_a_command_s_layout_keys_come_back_at_what_was_priced():
+    """The search sets a command's offload, vpp, schedule, HDP and ep aside and prices each layout without them, but
+    a layout's overrides named them only when on: the command plus the overrides trained offload the search had not
+    priced (an audit, 2026-12-06)."""
+    from megalm.training.validation import validate_run
+
+    command = [*SMALL, "trainer.global_batch_size=8", "offload.enabled=true", "parallel.dp=4"]
+    shape, _, _ = layout_search.search_shape(command, 4)
+    batch = layout_search.priced_batch(command, shape)
+    seen = set()
+    for layout in layout_search.layouts(shape):
+        overrides = layout_search.priced_layout(command, layout)
+        cfg = validate_run(compose_config([*command, *overrides, *batch]), world_size=4)
+        assert (cfg.offload.enabled, cfg.parallel.vpp, cfg.parallel.dp) == (layout.offload, layout.vpp,
+                                                                             layout.dp), overrides
+        seen.add(layout.offload)
+    assert seen == {False, True}
+
+
 @pytest.mark.parametrize("bf16", [True, False])
 def test_the_closed_form_s_ring_bytes_are_the_ring_s(bf16):
     """The closed form prices a layer's ring attention at what the ring op sends (ring.ring_sent_bytes, which the
