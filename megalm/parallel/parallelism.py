@@ -42,6 +42,7 @@ from megalm.model.moe import set_aux_loss_scale
 from megalm.model.naming import canonical_named_parameters, model_chunks
 from megalm.model.shard import shard_specs
 from megalm.offload import ActivationStore, LayerOffload, PipelineOffload, unread_offload_settings
+from megalm.offload.policy import auto_fraction
 from megalm.parallel.collectives import all_reduce_sum
 from megalm.parallel.context.attention import RingContext, cp_a2a_size, validate_context
 from megalm.parallel.context.split import ContextShards
@@ -491,7 +492,8 @@ class Parallelism:
             flags += f" fsdp({'hsdp ' if self.fsdp_mesh.ndim > 1 else ''}{'x'.join(map(str, self.fsdp_mesh.shape))})"
         o = self.cfg.offload
         if o.enabled:
-            what = f"{o.policy} {o.fraction:g} of micro-batches" if p.pp > 1 else f"{o.fraction:g} of the blocks"
+            share = auto_fraction(self._copy_to_compute()) if o.policy == "auto" else o.fraction  # auto: min(1, 1/k)
+            what = f"{o.policy} {share:.3g} of micro-batches" if p.pp > 1 else f"{o.fraction:g} of the blocks"
             what = "r(s) of the blocks of long documents" if p.hdp and p.hdp_offload else what
             flags += f" offload({what})"
         return f"{d.world_size} rank(s): tp={d.tp} pp={d.pp}{pipeline}{context} dp={d.dp}{flags}"

@@ -12,9 +12,13 @@ buffer from the config the way fixed-shape pipelines do. Every message here is t
 `exchange` posts all headers of one batch in a single `dist.batch_isend_irecv` and waits, then all
 payloads in a second one. Posting a send to the next stage and a receive from the previous stage
 together is what keeps a ring (or the steady state of 1F1B) from deadlocking: with blocking calls
-every rank would sit in `send` waiting for a peer that is itself sitting in `send`. Every pipeline
-message goes through it (no lone `isend`: NCCL may put unbatched and batched p2p on different
-communicators, and may hold a send until its receive is posted; rendezvous.py checks schedules for that).
+every rank would sit in `send` waiting for a peer that is itself sitting in `send`.
+
+The pipeline runtime sends every message through `exchange_known` instead: both sides know each micro-batch's
+token count (the runtime's `activation_shape`), so one batch with no header does (no lone `isend`: NCCL may put
+unbatched and batched p2p on different communicators, and may hold a send until its receive is posted;
+rendezvous.py checks schedules for that). `exchange` (with `send_tensor`/`recv_tensor`) stays for a receiver that
+does not know the shape; tests/dist/test_p2p.py runs it.
 
 Ranks are GLOBAL ranks throughout (what `pipeline_neighbours` returns and what `P2POp`/`dist.send`
 take); `group` only selects the communicator (e.g. `mesh.pp_group`), it does not renumber peers.

@@ -7,7 +7,8 @@ reducer relies on). The pieces, each in its own file:
 - `stages.py`      which layers each (rank, chunk) holds, and the chunks themselves;
 - `actions.py`     a schedule's data: `Action`, and `Schedule`'s per-rank action lists;
 - `schedules.py`   the generators (1F1B, interleaved 1F1B, ZB-H1), validated as data;
-- `p2p.py`         shape-first point-to-point sends, so micro-batches may differ in token count;
+- `p2p.py`         batched point-to-point sends sized from the micro-batch (`exchange_known`), so micro-batches
+                   may differ in token count;
 - `rendezvous.py`  NCCL's rule that a send may wait for its receive: batches of sends and receives;
 - `weight_grad.py` the B/W split of zero-bubble schedules;
 - this file        runs one rank's action list.
