@@ -43,6 +43,7 @@ notes say so.
 from __future__ import annotations
 
 import contextlib
+import math
 import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -368,7 +369,7 @@ def batch_overrides(overrides: list[str], world: int) -> list[str]:
     one sequence per micro-batch and 4·pp micro-batches per step, so the pipeline's bubble is (pp - 1) / (5·pp - 1)."""
     from megalm.config.compose import compose_config
 
-    if {"trainer.micro_batch_size", "trainer.global_batch_size"} & override_keys(overrides):
+    if {"trainer.micro_batch_size", "trainer.global_batch_size", "trainer.tokens_per_step"} & override_keys(overrides):
         return overrides
     p = compose_config(overrides).parallel
     dp = world // (p.tp * p.pp * p.cp)
@@ -554,12 +555,16 @@ def estimate(overrides: list[str], world: int, gpu: str) -> dict[str, Any]:
             ranks.insert(1, estimate_rank(overrides, world, 0, f"largest ring ({hdp['ring'][h]} ranks), "
                                           f"{ranks[0].role}", gpu, h))
             indices.insert(1, h)
-    micro_batches = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * dp)
+    if cfg.trainer.tokens_per_step is None:
+        micro_batches = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * dp)
+        tokens = cfg.trainer.global_batch_size * cfg.model.seq_length
+    else:  # a token budget: the traced step's sequences and tokens (global_batch_size is not read)
+        micro_batches = max(1, math.ceil(ranks[0].sequences / (cfg.trainer.micro_batch_size * dp)))
+        tokens = sum(ranks[0].documents)
     factor = bubble_factor(p.pp, micro_batches, str(p.pp_schedule.value), p.vpp)
     # the waits of HDP's lockstep under EP (`hdp_loads`), per measured rank
     lockstep = {h: hdp["lockstep"][h] if hdp is not None else 1.0 for h in indices}
     step_time = max(step_seconds(r, factor * lockstep[h]) for r, h in zip(ranks, indices, strict=True))
-    tokens = cfg.trainer.global_batch_size * cfg.model.seq_length
     # the step's own documents (until 2026-12-05 one of model.seq_length a sequence: packed documents shorter than
     # that made the MFU too high, over 100% at 128K)
     flops = training_flops(resolve_model_defaults(cfg.model, p.tp), ranks[0].documents)

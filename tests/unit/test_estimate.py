@@ -82,6 +82,22 @@ def test_every_pipeline_role_and_the_step_time():
     assert all(r["peak_bytes"] > r["param_bytes"] + r["activation_bytes"] for r in ranks)
 
 
+def test_a_token_budget_s_step_is_priced_with_its_own_tokens_and_micro_batches(tmp_path):
+    """Under trainer.tokens_per_step the estimator counted global_batch_size x seq_length tokens and micro-batches
+    (a default it injected besides the budget, 'batch not given'): tokens/s was 4x too low for the tiny model. Now the
+    step's tokens are those a real trainer's step trains on, and its micro-batches those it cuts."""
+    from megalm.training.trainer import Trainer
+
+    budget = [*SMALL, "data.varlen=true", "trainer.tokens_per_step=512", "trainer.micro_batch_size=2"]
+    assert estimate.batch_overrides(budget, 2) is budget
+    result = estimate.estimate([*budget, "trainer.device=cpu"], 2, "h100")
+    trainer = Trainer(compose_config(*budget, "trainer.device=cpu", "parallel.dp=1"), tmp_path)
+    ids = trainer.step_sample_ids(1)
+    tokens = sum(trainer.data.train.sample_length(k) - 1 for k in ids)  # inputs: a sample's tokens less one
+    assert result["tokens_per_s"] * result["step_time_s"] == pytest.approx(tokens)
+    assert result["layout"]["micro_batches"] == math.ceil(len(ids) / (2 * 2))
+
+
 def test_the_bubble_is_the_simulated_schedule_s():
     """1F1B and interleaved as Narayanan et al. count them; zero-bubble schedules fill part of the bubble."""
     assert estimate.bubble_factor(4, 16, "1f1b", 1) == pytest.approx((16 + 3) / 16)
