@@ -63,7 +63,7 @@ def load_for_generation(path: str, device: str = "cpu", tokenizer: str | None = 
     in place of the one the checkpoint names. A tokenizer of another vocabulary than the model's is refused: it
     would decode the ids into other text."""
     # the model and checkpoint stack (2-3 s of imports) only now: a bad flag is answered before it
-    from megalm.data.tokenizer import build_tokenizer
+    from megalm.data.tokenizer import build_tokenizer, trained_with
     from megalm.training.checkpoint import load_saved_model
 
     meta, model = load_saved_model(path, device)
@@ -78,7 +78,7 @@ def load_for_generation(path: str, device: str = "cpu", tokenizer: str | None = 
     except MegalmError as e:
         raise MegalmError(f"{e}; or pass megalm-generate --tokenizer PATH" if tokenizer is None else str(e)) from None
     trained = meta.state.get("tokenizer_vocab_size")  # (checkpoints since 2026-11-30; else only the model's bound)
-    if built.vocab_size > model.cfg.vocab_size or trained not in (None, built.vocab_size):
+    if not trained_with(built, model.cfg.vocab_size, trained):
         raise MegalmError(f"tokenizer {spec} has {built.vocab_size} tokens, the run's had "
                           f"{trained or f'at most {model.cfg.vocab_size}'}: it is not the one {meta.path} was trained "
                           "with; pass that one with --tokenizer PATH")

@@ -119,6 +119,10 @@ class HFTokenizer:
         bytes differ between versions of the tokenizers library that saved it)."""
         return self._tok.get_vocab(with_added_tokens=True)
 
+    def token_of(self, token_id: int) -> str | None:
+        """The token of `token_id` (None: no token has it)."""
+        return self._tok.id_to_token(int(token_id))
+
     def encode(self, text: str) -> list[int]:
         # No BOS/EOS from the tokenizer's post-processor: the dataset writer appends eod itself.
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -132,6 +136,13 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self._path!r})"
+
+
+def trained_with(tokenizer: Tokenizer, model_vocab_size: int, trained_vocab_size: int | None) -> bool:
+    """Whether `tokenizer` can be the one a model of `model_vocab_size` rows was trained with, whose checkpoint
+    recorded `trained_vocab_size` tokens (None: not recorded, checkpoints before 2026-11-30 and imports): one of
+    another vocabulary decodes the model's ids into other text."""
+    return tokenizer.vocab_size <= model_vocab_size and trained_vocab_size in (None, tokenizer.vocab_size)
 
 
 def build_tokenizer(spec: str) -> Tokenizer:

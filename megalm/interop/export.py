@@ -19,7 +19,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from megalm.data.tokenizer import HFTokenizer, build_tokenizer
+from megalm.data.blend import tokenizer_identity
+from megalm.data.tokenizer import HFTokenizer, build_tokenizer, trained_with
 from megalm.errors import MegalmError, one_line_errors
 from megalm.interop.files import DEFAULT_MAX_SHARD, atomic_output_dir, check_output_dir, parse_size, write_safetensors
 from megalm.model.hf import ARCHITECTURES, DTYPES, InteropError, architecture_of, hf_config, megalm_to_hf
@@ -75,8 +76,16 @@ def export_hf(source: str | Path, out: str | Path, *, overwrite: bool = False, d
                 raise InteropError(f"--tokenizer {tokenizer}: {e}") from None
             raise InteropError(f"the run's tokenizer cannot be loaded ({e}); pass --tokenizer PATH/tokenizer.json "
                                "or --tokenizer none") from None
+    trained = meta.state.get("tokenizer_vocab_size")
+    if tok is not None and not trained_with(tok, cfg.vocab_size, trained):  # as megalm-generate refuses it
+        raise InteropError(f"tokenizer {spec} has {tok.vocab_size} tokens, the run's had "
+                           f"{trained or f'at most {cfg.vocab_size}'}: it is not the one {meta.path} was trained "
+                           "with; pass that one with --tokenizer PATH, or --tokenizer none")
     eod = tok.eod_id if tok is not None else None
-    bos, eos = (origin.get("bos_token_id"), origin.get("eos_token_id")) if origin.get("format") == "hf" else (eod, eod)
+    # an imported model's own bos and eos ids, while it ships its own tokenizer; another tokenizer's are its eod
+    own = tokenizer is None or tokenizer_identity(spec) == tokenizer_identity(meta.state.get("tokenizer") or "")
+    bos, eos = ((origin.get("bos_token_id"), origin.get("eos_token_id")) if origin.get("format") == "hf" and own
+                else (eod, eod))
 
     tensors = {k: v.to(DTYPES[dtype]) for k, v in megalm_to_hf(weights, cfg, arch).items()}
     # checked against the checkpoint read too, where `source` was a run dir or a dir of runs, before anything is written
@@ -88,8 +97,11 @@ def export_hf(source: str | Path, out: str | Path, *, overwrite: bool = False, d
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         if isinstance(tok, HFTokenizer):
             shutil.copyfile(tok.spec, tmp / "tokenizer.json")
-            tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.eod_token,
-                          "eos_token": tok.eod_token, "model_max_length": cfg.max_position_embeddings,
+            # the tokens of the ids config.json and generation_config.json name (an import's <s> and </s>)
+            token = {key: tok.token_of(i) if isinstance(i, int) and tok.token_of(i) else tok.eod_token
+                     for key, i in (("bos_token", bos), ("eos_token", eos))}
+            tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", **token,
+                          "model_max_length": cfg.max_position_embeddings,
                           "clean_up_tokenization_spaces": False}
             (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     if isinstance(tok, HFTokenizer):

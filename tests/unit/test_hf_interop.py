@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -243,8 +244,6 @@ def test_init_from_refuses_weights_of_another_tokenizer(tmp_path, hf_tokenizer, 
     """Weights trained on one tokenizer's ids, started on data of another's (the command megalm-import prints, run on
     the byte-level demo data), are refused in one line for a megalm checkpoint and an HF dir alike; they trained on
     without a word until 2026-12-06. The same tokenizer file elsewhere is the same tokenizer (by content)."""
-    import shutil
-
     from megalm.data.preprocess import preprocess
     from megalm.errors import MegalmError
     from megalm.training.init_from import check_same_tokenizer
@@ -583,3 +582,44 @@ def test_export_of_a_model_with_a_capacity_says_transformers_routes_dropless(tmp
         export_hf(make_run(tmp_path / "dropless", "mixtral")[0], tmp_path / "hf_dropless")
     warned = [r.message for r in caplog.records if "capacity_factor" in r.message]
     assert len(warned) == 1 and "capacity_factor=0.5: MixtralForCausalLM routes without a capacity" in warned[0]
+
+
+def _bpe_tokenizer(path: Path, specials: list[str], vocab: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def hello(world): return world + 1\n" * 4, "the quick brown fox jumps"] * 20, trainer)
+    path.mkdir(parents=True)
+    tok.save(str(path / "tokenizer.json"))
+    return str(path / "tokenizer.json")
+
+
+def test_an_export_s_token_files_agree_and_a_tokenizer_of_another_vocabulary_is_refused(tmp_path):
+    """An imported Llama (bos <s> = 1, eos </s> = 2) exported again: tokenizer_config.json named the eod token as bos,
+    so AutoTokenizer's bos id was 2 where generation_config.json said 1; exported with another --tokenizer, the
+    import's ids were kept though that tokenizer's end of text is another id; and a --tokenizer larger than the
+    model's vocabulary was shipped, its ids past the embedding (an audit, 2026-12-06)."""
+    hf_dir, _ = transformers_dir(tmp_path / "hf", "llama")
+    shutil.copy(_bpe_tokenizer(tmp_path / "llama_tok", ["<unk>", "<s>", "</s>"], 300), hf_dir / "tokenizer.json")
+    imported = import_hf(hf_dir, tmp_path / "imported")
+    out = export_hf(imported, tmp_path / "again")
+    tokens = json.loads((out / "tokenizer_config.json").read_text())
+    assert (tokens["bos_token"], tokens["eos_token"]) == ("<s>", "</s>")
+    assert json.loads((out / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": 2}
+    auto = transformers.AutoTokenizer.from_pretrained(out)
+    assert (auto.bos_token_id, auto.eos_token_id) == (1, 2)
+    gpt = _bpe_tokenizer(tmp_path / "gpt_tok", ["<|endoftext|>"], 300)
+    other = export_hf(imported, tmp_path / "other", tokenizer=gpt)
+    assert json.loads((other / "generation_config.json").read_text()) == {"bos_token_id": 0, "eos_token_id": 0}
+    tokens = json.loads((other / "tokenizer_config.json").read_text())
+    assert (tokens["bos_token"], tokens["eos_token"]) == ("<|endoftext|>", "<|endoftext|>")
+    from tests.unit.test_data import make_hf_tokenizer
+
+    big = str(make_hf_tokenizer(tmp_path / "big.json", [f"w{i}" for i in range(700)]))
+    with pytest.raises(InteropError, match=r"has 702 tokens, the run's had at most 300: it is not the one"):
+        export_hf(imported, tmp_path / "big", tokenizer=big)
+    assert not (tmp_path / "big").exists()
