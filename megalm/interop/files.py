@@ -44,6 +44,12 @@ def check_output_dir(out: Path, overwrite: bool, source: Path | str | None = Non
                                + "; writing there would delete it: choose another --out")
     if out.exists() and not out.is_dir():
         raise InteropError(f"--out {out} is a file; pass a directory path")
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():  # (mkdir said "File exists" of the file above it)
+        raise InteropError(f"--out {out}: {parent} is a file, so the directory cannot be made there; choose another "
+                           "--out")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise InteropError(f"--out {out} exists and is not empty; pass --overwrite to replace it or choose "
                            "another directory")

@@ -395,6 +395,8 @@ def test_export_and_import_name_an_out_they_cannot_write_in_one_line(tmp_path, c
             cli.main([str(source), "--out", str(tmp_path / "notes.txt" / "out")])
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and err.startswith("error: ") and "\n" not in err and "notes.txt" in err, err
+        # it said "File exists: .../notes.txt" (an audit, 2026-12-06)
+        assert f"{tmp_path / 'notes.txt'} is a file, so the directory cannot be made there" in err, err
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
