@@ -331,7 +331,10 @@ def test_a_command_s_layout_keys_come_back_at_what_was_priced():
     shape, _, _ = layout_search.search_shape(command, 4)
     batch = layout_search.priced_batch(command, shape)
     seen = set()
-    for layout in layout_search.layouts(shape):
+    every = layout_search.layouts(shape)
+    some = [*[x for x in every if x.offload][:3], *[x for x in every if not x.offload][:3],
+            *[x for x in every if x.vpp > 1][:1]]  # each kind a few times (all of them: 21 s)
+    for layout in some:
         overrides = layout_search.priced_layout(command, layout)
         cfg = validate_run(compose_config([*command, *overrides, *batch]), world_size=4)
         assert (cfg.offload.enabled, cfg.parallel.vpp, cfg.parallel.dp) == (layout.offload, layout.vpp,
