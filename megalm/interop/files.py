@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from megalm.model.hf import INDEX, SINGLE, InteropError
 from megalm.training.checkpoint import fsync_path
+from megalm.training.run_dir import check_creatable
 
 DEFAULT_MAX_SHARD = "5GB"  # transformers' save_pretrained default
 
@@ -35,8 +36,9 @@ def parse_size(text: str) -> int:
 
 
 def check_output_dir(out: Path, overwrite: bool, source: Path | str | None = None) -> None:
-    """Refuse an output path that is a file, a non-empty directory without `overwrite`, or the `source` being read
-    (or a directory that holds it), which `--overwrite` would replace with its own output."""
+    """Refuse an output path that is a file, one that cannot be made or written (under a file, on a read-only disk),
+    a non-empty directory without `overwrite`, or the `source` being read (or a directory that holds it), which
+    `--overwrite` would replace with its own output."""
     if source is not None:
         source, target = Path(source).expanduser().resolve(), Path(out).expanduser().resolve()
         if source == target or target in source.parents:
@@ -44,12 +46,7 @@ def check_output_dir(out: Path, overwrite: bool, source: Path | str | None = Non
                                + "; writing there would delete it: choose another --out")
     if out.exists() and not out.is_dir():
         raise InteropError(f"--out {out} is a file; pass a directory path")
-    parent = out.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():  # (mkdir said "File exists" of the file above it)
-        raise InteropError(f"--out {out}: {parent} is a file, so the directory cannot be made there; choose another "
-                           "--out")
+    check_creatable(out.absolute().parent, f"--out {out}", "choose an --out you may write to")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise InteropError(f"--out {out} exists and is not empty; pass --overwrite to replace it or choose "
                            "another directory")
