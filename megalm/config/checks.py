@@ -30,7 +30,15 @@ from megalm.config.choices import (
     RouterScore,
     WandbMode,
 )
-from megalm.config.schema import MegalmConfig, ModelConfig, MoEConfig, OptimConfig, ParallelConfig
+from megalm.config.schema import (
+    MegalmConfig,
+    ModelConfig,
+    MoEConfig,
+    OptimConfig,
+    ParallelConfig,
+    SyntheticDataConfig,
+    WandbConfig,
+)
 from megalm.errors import ConfigError
 
 log = logging.getLogger("megalm")
@@ -349,6 +357,8 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
         positive(length, f"data.synthetic.{key}")
         if length is not None and length < 2:  # one token and the eod: it failed inside the data builder
             raise ConfigError(f"data.synthetic.{key}={length} must be >= 2 (a token and the end-of-document)")
+    if d.name != "synthetic" and (unread := set_away_from_default(d.synthetic, SyntheticDataConfig)):
+        log.warning(f"data.synthetic: {', '.join(unread)} set with data={d.name}: not used (data=synthetic reads it)")
     if d.name == "synthetic" and cfg.model.vocab_size < 2:
         raise ConfigError(f"data=synthetic draws tokens besides the end-of-document: model.vocab_size="
                           f"{cfg.model.vocab_size} must be >= 2")
@@ -356,7 +366,11 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
         if not 0 <= value < 2**63:
             raise ConfigError(f"{key}={value} must be in [0, 2**63)")
     fraction(d.valid_fraction, "data.valid_fraction")
-    choice(cfg.logging.wandb.mode, "logging.wandb.mode", WandbMode)
+    w = cfg.logging.wandb
+    choice(w.mode, "logging.wandb.mode", WandbMode)
+    if not w.enabled and (unread := set_away_from_default(w, WandbConfig, ("project", "name", "entity", "mode"))):
+        log.warning(f"logging.wandb: {', '.join(unread)} set with logging.wandb.enabled=false: not used "
+                    "(logging.wandb.enabled=true logs to W&B)")
     return cfg
 
 

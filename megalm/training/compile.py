@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from megalm import compat
-from megalm.config import zero_bubble
+from megalm.config import TrainerConfig, schema_default, zero_bubble
 from megalm.errors import ConfigError
 from megalm.model import TransformerBlock
 from megalm.model.deferred_wgrad import LayerSink
@@ -96,6 +96,10 @@ def validate_compile(cfg: Any) -> None:
     buffer, megalm/model/moe.py) change after the checkpoint saved them, which its recomputation rejects; AOT
     autograd (`aot_eager`, `inductor`) moves the update out of the checkpointed region."""
     backend = cfg.trainer.compile_backend  # a callable: a cost trace's backend that runs inductor (InductorCosts)
+    if not cfg.trainer.compile and isinstance(backend, str) and backend != schema_default(TrainerConfig,
+                                                                                          "compile_backend"):
+        log.warning(f"trainer.compile_backend={backend} is read by compiled blocks only, and this run is eager "
+                    "(trainer.compile=false, as set or as null resolves for it): not used")
     if cfg.parallel.async_tp and not (cfg.trainer.compile and (backend == "inductor" or callable(backend))):
         why = ("trainer.compile=false (as set, or as null resolves for this run)" if not cfg.trainer.compile
                else f"trainer.compile_backend={backend}")

@@ -208,6 +208,44 @@ def test_schedule_settings_that_cannot_act_are_said(caplog):
                                "optim.schedule=wsd decays over optim.wsd_decay_fraction of the run")
 
 
+def test_settings_nothing_reads_are_said(caplog):
+    """data.synthetic.* beside other data, logging.wandb.* with W&B off, trainer.compile_backend in an eager run and
+    parallel.overlap_param_gather without ZeRO-1 were ignored without a word (until 2026-12-06); where each is read,
+    nothing is said."""
+    import logging
+
+    from megalm.training.validation import validate_run
+
+    said = {
+        ("data=demo", "data.synthetic.num_docs=10"): "data.synthetic: num_docs=10 set with data=demo: not used "
+                                                      "(data=synthetic reads it)",
+        ("logging.wandb.project=mine", "logging.wandb.mode=online"): "logging.wandb: project=mine, mode=online set "
+                                                                    "with logging.wandb.enabled=false: not used "
+                                                                    "(logging.wandb.enabled=true logs to W&B)",
+        ("trainer.compile=false", "trainer.compile_backend=aot_eager"): "trainer.compile_backend=aot_eager is read by "
+                                                                        "compiled blocks only, and this run is eager "
+                                                                        "(trainer.compile=false, as set or as null "
+                                                                        "resolves for it): not used",
+        ("parallel.overlap_param_gather=false",): "parallel.overlap_param_gather=False times ZeRO-1's all-gather of "
+                                                  "the updated parameters, and parallel.zero1=false gathers none: not "
+                                                  "used",
+    }
+    for overrides, line in said.items():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megalm"):
+            validate_run(compose_config(*overrides, tiny=False))
+        assert caplog.messages == [line], (overrides, caplog.messages)
+    read = [("data=synthetic", "data.synthetic.num_docs=10"),  # each read where it is set: nothing to say
+            ("parallel.overlap_param_gather=false", "parallel.zero1=true"),
+            ("trainer.compile=true", "trainer.compile_backend=aot_eager")]
+    for overrides in read + [()]:  # and the defaults
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megalm"):
+            validate_run(compose_config(*overrides, tiny=False), world_size=2 if "parallel.zero1=true" in overrides
+                         else 1)
+        assert not [m for m in caplog.messages if "not used" in m], (overrides, caplog.messages)
+
+
 def test_the_range_rules_pass_every_shipped_config():
     """The defaults, and every model preset as shipped (no tiny overrides), pass the whole run's validation, FP8's
     skip patterns included: the rules above refuse only what a user set wrong."""

@@ -10,14 +10,18 @@ draw independent noise and any DP size draws the same noise for the same samples
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from megalm.config import MegalmConfig, choice, positive
+from megalm.config import MegalmConfig, ParallelConfig, choice, positive, set_away_from_default
 from megalm.data.dataset import SampleDataset, loss_token_count, micro_batches
 from megalm.errors import ConfigError
 from megalm.parallel.collectives import all_reduce_sum
 from megalm.parallel.dims import ParallelMesh
 from megalm.parallel.microbatch import LocalMicroBatch
+
+log = logging.getLogger("megalm")
 
 
 class DataParallelSlices:
@@ -55,6 +59,9 @@ def validate_data_parallel(cfg: MegalmConfig) -> None:
     if p.grad_reduce_dtype is not None:
         choice(p.grad_reduce_dtype, "parallel.grad_reduce_dtype", ("fp32", "bf16"))
     positive(p.bucket_size_mb, "parallel.bucket_size_mb")
+    if not (p.zero1 or p.fsdp) and (unread := set_away_from_default(p, ParallelConfig, ["overlap_param_gather"])):
+        log.warning(f"parallel.{unread[0]} times ZeRO-1's all-gather of the updated parameters, and "
+                    "parallel.zero1=false gathers none: not used")
     if p.gradient_accumulation_fusion and p.fsdp:
         raise ConfigError("parallel.gradient_accumulation_fusion adds into the data-parallel buckets, which FSDP "
                           "replaces with its own sharded gradients: drop one of the two")
