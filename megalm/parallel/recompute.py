@@ -15,7 +15,8 @@ chosen per stage (`parallel.recompute=full` for all stages, or one mode per pipe
   Models"): keep the outputs of the matmuls and of attention (costly to recompute), recompute the cheap
   elementwise work between them (norms, RoPE, SwiGLU/GELU, residual adds, dropout masks from the saved
   RNG state) and tensor parallelism's collectives. Built on torch's selective activation checkpointing:
-  the policy below decides per op.
+  the policy below decides per op. Under attention dropout the fused attention kernels (GPU) run again too: each
+  draws its mask from the default generator, and only a kernel run again advances it as the forward did.
 - ``none``: save everything.
 
 Both run through `torch.utils.checkpoint` (non-reentrant), which restores the RNG state for the
@@ -66,9 +67,25 @@ SAVED_OP_NAMES = ("varlen_attn", "flash_attn", "fused_attn", "recipe_linear", "f
 RECOMPUTED_COLLECTIVES = ("allgather", "allreduce", "reduce_scatter", "alltoall")
 
 
+def draws_dropout(op, args: tuple, kwargs: dict) -> bool:
+    """Whether this call of `op` draws a dropout mask: an argument `dropout_p` > 0 (torch's fused attention kernels,
+    flash-attn's, TE's), read by name from the op's schema."""
+    arguments = getattr(getattr(op, "_schema", None), "arguments", ())
+    for i, argument in enumerate(arguments):
+        if argument.name == "dropout_p":
+            value = kwargs.get("dropout_p", args[i] if i < len(args) else argument.default_value)
+            return isinstance(value, (int, float)) and value > 0
+    return False
+
+
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     name = str(op)
     if "c10d" in name and any(part in name for part in RECOMPUTED_COLLECTIVES):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if draws_dropout(op, args, kwargs):
+        # An attention kernel drawing its dropout mask from the default generator: kept, the recompute would not run
+        # it, so the generator (restored at the block's start) would not advance past its draw, and the hidden
+        # dropout after attention would draw another mask than the forward's. Run again, it draws the same.
         return CheckpointPolicy.PREFER_RECOMPUTE
     if op in SAVED_OPS or "c10d" in name or any(part in name for part in SAVED_OP_NAMES):
         return CheckpointPolicy.MUST_SAVE  # a GEMM, an attention kernel, or another collective

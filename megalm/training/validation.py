@@ -22,6 +22,7 @@ from megalm.errors import ConfigError
 from megalm.model import select_attention_backend
 from megalm.offload import validate_offload
 from megalm.parallel.parallelism import TRITON_ADAMW_NEEDS, validate_parallel
+from megalm.parallel.recompute import recompute_modes
 from megalm.precision import compute_dtype, validate_precision, working_dtype
 from megalm.training.compile import resolve_auto_compile, validate_compile
 from megalm.training.device import resolve_auto_precision
@@ -76,6 +77,12 @@ def _validate_run(cfg: MegalmConfig, world_size: int, device: torch.device | Non
     if on_its_device:
         select_attention_backend(cfg.model.attention_backend, device, compute_dtype(cfg.precision),
                                  dropout=cfg.model.attention_dropout > 0)
+    if device.type == "cuda" and cfg.model.attention_dropout > 0 and "selective" in recompute_modes(
+            cfg.parallel.recompute, cfg.parallel.pp):
+        logging.getLogger("megalm").info(
+            "parallel.recompute=selective runs the attention kernels again in backward under model.attention_dropout>0"
+            " (each draws its mask from the generator the recompute restores; kept, the dropouts after it would draw "
+            "other masks): slower than selective without attention dropout")
     if cfg.optim.implementation == "triton" and not cfg.parallel.zero1 and (
             cfg.parallel.fsdp or working_dtype(cfg.precision) is None):
         raise ConfigError(TRITON_ADAMW_NEEDS + (" (FSDP steps its own shards)" if cfg.parallel.fsdp else ""))

@@ -113,6 +113,55 @@ def test_selective_keeps_attention_custom_ops():
     assert reruns == {"selective": 0, "full": 1}
 
 
+@torch.library.custom_op("megalm_test::fake_flash_attn_dropout", mutates_args=())
+def _fake_flash_attn_dropout(x: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """A GPU attention kernel's dropout, as flash-attn's and torch's fused kernels draw it: from the default
+    generator, inside the op."""
+    if dropout_p == 0:
+        return x.tanh()
+    return x.tanh() * torch.bernoulli(torch.full_like(x, 1 - dropout_p)) / (1 - dropout_p)
+
+
+@_fake_flash_attn_dropout.register_fake
+def _(x, dropout_p):
+    return torch.empty_like(x)
+
+
+def _fake_flash_attn_dropout_backward(ctx, grad):  # (the mask is re-drawn nowhere: tanh's derivative on kept entries)
+    return grad * ctx.kept * (1 - ctx.x.tanh() ** 2) / (1 - ctx.p), None
+
+
+_fake_flash_attn_dropout.register_autograd(
+    _fake_flash_attn_dropout_backward,
+    setup_context=lambda ctx, inputs, output: (setattr(ctx, "x", inputs[0]), setattr(ctx, "p", inputs[1]),
+                                               setattr(ctx, "kept", output != 0)))
+
+
+@pytest.mark.parametrize("attention_dropout", [0.0, 0.3])
+def test_selective_reruns_attention_kernels_that_draw_dropout(attention_dropout):
+    """On a GPU, attention dropout is drawn inside the fused kernel that selective keeps. Kept, the recompute skipped
+    its draw, so the hidden dropout after it drew another mask than the forward's and the gradients were wrong (an
+    audit, 2026-12-06: ~100% off); a kernel drawing dropout now runs again, one without dropout is still kept."""
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.dropout(_fake_flash_attn_dropout(x * 2, attention_dropout), 0.5) * x
+
+    grads, reruns = {}, {}
+    for mode in ("none", "selective"):
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList([Block()])
+        apply_recompute(model, mode)
+        x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        torch.manual_seed(7)
+        out = model.layers[0](x).sum()
+        with OpCounter() as counter:
+            out.backward()
+        grads[mode] = x.grad
+        reruns[mode] = sum(n for op, n in counter.ops.items() if "fake_flash_attn_dropout" in str(op))
+    torch.testing.assert_close(grads["selective"], grads["none"], rtol=0, atol=0)
+    assert reruns == {"none": 0, "selective": 1 if attention_dropout else 0}
+
+
 def test_selective_keeps_the_gemms_compiled_linears_run_as_ops():
     """A compiled block runs some linears' GEMMs as custom ops (an FP8/MX recipe's, a zero-bubble layer's): selective
     recomputation saves their outputs, as it saves a plain GEMM's, rather than running the GEMM again in the backward
