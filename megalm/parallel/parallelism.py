@@ -89,7 +89,7 @@ class ModelConverter(Protocol):
 
     def before_forward(self, chunk: nn.Module, step: int, micro_batch: int, shard: int = 0) -> None: ...
 
-    def after_backward(self, model: nn.Module) -> None: ...  # every rank of amax_group, once a step
+    def after_backward(self, model: nn.Module, step: int) -> None: ...  # every rank of amax_group, once a step
 
     def watch_optimizer(self, optimizer: object) -> None: ...
 
@@ -403,7 +403,7 @@ class Parallelism:
         loss = self.runner.run_micro_batches(share.micro_batches, share.normaliser, share.step)
         self.reducer.finish()
         for converter in self.converters:  # what the ranks that split the batch agree on (FP8 amax histories)
-            converter.after_backward(self.model)
+            converter.after_backward(self.model, share.step)
         return loss
 
     @torch.no_grad()

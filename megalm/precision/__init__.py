@@ -268,12 +268,12 @@ class Precision:
         """The dtype activations reach attention in (`compute_dtype`)."""
         return compute_dtype(self.cfg)
 
-    def after_backward(self, model: nn.Module) -> None:
-        """After a training step's backward on every rank of `amax_group` (the ranks that split its batch): native
+    def after_backward(self, model: nn.Module, step: int) -> None:
+        """After training step `step`'s backward on every rank of `amax_group` (the ranks that split its batch): native
         delayed scaling's step amaxes maxed over them, so the next step casts with one process's scales."""
         group = self.amax_group
         if self.native_delayed and group is not None and dist.get_world_size(group) > 1:
-            reduce_amax_histories(model, group, self.device)
+            reduce_amax_histories(model, group, self.device, step)
 
     def before_forward(self, chunk: nn.Module, step: int, micro_batch: int, shard: int = 0) -> None:
         """Seed the random rounding of `chunk`'s layers by (step, micro-batch index in the step, this rank's

@@ -107,10 +107,14 @@ def _layer_states(model: nn.Module) -> Iterator[tuple[LinearState, torch.device]
             yield gemms.state, module.weight.device
 
 
-def reduce_amax_histories(model: nn.Module, group: object, device: torch.device) -> None:
-    """End a training step's backward under delayed scaling: every history's step amax maxed over the ranks of `group`
-    (the ranks that split the batch; `amax_history.reduce_pending`). Every rank of `group` calls it once a step."""
-    histories = [history for state, _ in _layer_states(model) for history in state.amax.values()]
+def reduce_amax_histories(model: nn.Module, group: object, device: torch.device, step: int) -> None:
+    """End training step `step`'s backward under delayed scaling: every history's step amax maxed over the ranks of
+    `group` (the ranks that split the batch; `amax_history.reduce_pending`). Every rank of `group` calls it once a
+    step. A layer this rank ran no micro-batch through in the step (an idle HDP rank's) is moved to the step first,
+    as a forward would have: its rings take the last step's max, and it joins with nothing, not that max again."""
+    states = [state for state, _ in _layer_states(model)]
+    set_steps([state for state in states if state.step != step], step)
+    histories = [history for state in states for history in state.amax.values()]
     if histories:
         reduce_pending(histories, group, device)
 

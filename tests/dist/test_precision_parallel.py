@@ -106,30 +106,42 @@ def test_ring_ranks_draw_their_own_rounding_noise(tmp_path, layout, shared):
 
 
 def check_delayed_histories(rank: int, world_size: int, layout: list[str], tmp: str) -> None:
-    """fp8_delayed under `layout`, 3 steps: the losses are one process's (`loss_rtol`); every rank's amax histories
-    (rings and the step's pending max) are saved for the test to compare."""
+    """fp8_delayed under `layout`, 3 steps (4 under HDP): the losses are one process's; every rank's amax histories
+    (rings and the step's pending max) are saved for the test to compare. Under HDP a rank may run no micro-batch in a
+    step (what is checked)."""
     import torch
 
     from megalm.precision.install import amax_history_tensors
 
     model = [*MODEL, "precision=fp8_delayed", "precision.autocast=false"]
-    one = Trainer(compose_config(*model), f"{tmp}/one{rank}", mesh=ParallelMesh(ParallelDims()))
+    same_data = [o for o in layout if not o.startswith("parallel.")]
+    one = Trainer(compose_config(*model, *same_data), f"{tmp}/one{rank}", mesh=ParallelMesh(ParallelDims()))
     par = Trainer(compose_config(*model, *layout), f"{tmp}/par")
-    for step in range(3):
+    idle = []
+    for step in range(4 if par.cfg.parallel.hdp else 3):
         a, b = one.train_step(step).loss, par.train_step(step).loss
         assert abs(a - b) <= 1e-4 * abs(a), f"{layout} step {step}: loss {b} vs one process's {a}"
+        if par.cfg.parallel.hdp:
+            idle.append([not todo for todo in par.parallel.split.last_plan.per_rank])
+    if par.cfg.parallel.hdp:  # a rank idle in a step after one it worked in (the case that went wrong)
+        assert any(idle[s][r] and not idle[s - 1][r] for s in range(1, len(idle)) for r in range(world_size)), idle
     for name, trainer in (("one", one), ("par", par)):  # keys "amax/<layout>/<layer>/<tensor>/<part>"
         torch.save({key.split("/", 2)[2]: value for key, value in amax_history_tensors(trainer.model, "").items()},
                    f"{tmp}/{name}{rank}.pt")
 
 
-@pytest.mark.parametrize("layout", [["parallel.dp=2"], ["parallel.cp=2"]], ids=["dp2", "cp2"])
+HDP_IDLE = ["parallel.hdp=true", "parallel.dp=2", "parallel.hdp_capacity=24", "data.varlen=true",
+            "model.seq_length=48", "data.synthetic.mean_doc_length=30", "trainer.tokens_per_step=20"]
+
+
+@pytest.mark.parametrize("layout", [["parallel.dp=2"], ["parallel.cp=2"], HDP_IDLE], ids=["dp2", "cp2", "hdp_idle"])
 def test_delayed_scaling_histories_agree_over_the_batch_s_ranks(tmp_path, layout):
     """A DP rank sees its micro-batches, a CP rank its half of each: their amaxes are maxed over the ranks after each
     step's backward, so every rank casts the next step with the same scales, one process's under DP (unreduced, dp
     rank 1's x history of the first layer read 3.72 where one process's read 3.89). Under CP the first step scales
     by each shard's current amax (as current scaling does; docs/guide.md), so the runs part by ~4e-5 there and
-    the histories, equal on the ring's ranks, follow their own run."""
+    the histories, equal on the ring's ranks, follow their own run. Under HDP a rank idle in a step joined the
+    reduction with the step before's max and skipped a roll (its ring a step behind: an audit, 2026-12-06)."""
     import torch
 
     run_distributed(check_delayed_histories, 2, layout, str(tmp_path), timeout=240)
@@ -138,5 +150,6 @@ def test_delayed_scaling_histories_agree_over_the_batch_s_ranks(tmp_path, layout
     assert ranks[0].keys() == ranks[1].keys() == one.keys() and any(k.endswith("/history") for k in one)
     for key, value in ranks[0].items():
         assert torch.equal(ranks[1][key], value), f"{layout} {key}: the ranks' histories differ"
-        if layout == ["parallel.dp=2"]:
-            torch.testing.assert_close(value, one[key], rtol=1e-5, atol=0, msg=f"{key}: not one process's")
+        if layout != ["parallel.cp=2"]:  # HDP's 4th step: the last step's max of dy drifts a few % (FP8 flips)
+            rtol = 5e-2 if layout is HDP_IDLE and key.endswith("/pending") else 1e-5
+            torch.testing.assert_close(value, one[key], rtol=rtol, atol=0, msg=f"{key}: not one process's")
