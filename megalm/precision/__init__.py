@@ -335,7 +335,9 @@ def validate_precision(cfg: MegalmConfig) -> None:
     if p.backend == "te" and p.name not in te.TE_RECIPES:
         raise ConfigError(f"precision.backend=te runs Transformer Engine's fp8 recipes (fp8, fp8_delayed); "
                           f"precision={p.name} needs precision.backend=native")
-    if p.backend == "te" and parallel.recompute != "none":
+    recomputes = parallel.recompute != "none" if isinstance(parallel.recompute, str) else any(
+        mode != "none" for mode in parallel.recompute)  # one mode, or one per pipeline rank
+    if p.backend == "te" and recomputes:
         raise ConfigError("precision.backend=te does not combine with parallel.recompute yet (the recomputed "
                           "forward would run outside TE's fp8_autocast); use parallel.recompute=none or "
                           "precision.backend=native")

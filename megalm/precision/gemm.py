@@ -83,7 +83,12 @@ def mx_gemm_path(device: torch.device) -> str:
     """Where MX GEMMs run on `device`, for the log."""
     if mx_gemm_fused(device):
         return "Triton quantizer + bf16 GEMM"
-    why = "triton is not importable" if device.type == "cuda" else f"no fused kernels on {device.type}"
+    if device.type != "cuda":
+        why = f"no fused kernels on {device.type}"
+    elif not compat.triton_importable():
+        why = "triton is not importable"
+    else:
+        why = f"Triton kernels need compute capability 7.0+, this GPU has {compat.cuda_capability(device)}"
     return f"emulated in fp32 ({why})"
 
 

@@ -12,8 +12,9 @@ Block scales (MX: one per 32 elements) and per-row FP8 scales must run along K, 
 factor them out of its sums. So every GEMM quantizes its two operands itself, from the
 high-precision tensors it was given: W is quantized along `in` for fprop and along `out` for dgrad,
 dy along `out` for dgrad and along the tokens for wgrad (per-tensor scales, which do not depend on K, let the
-GEMMs that read one tensor share its cast: linear.py). The backward saves x (or, under per-tensor current FP8
-scaling, fprop's FP8 copy of it) and W.
+GEMMs that read one tensor share its cast: linear.py). The backward saves x (or, under per-tensor FP8 scaling,
+current or delayed, fprop's FP8 copy of it; not under sequence parallelism, where the layer keeps its input's shard)
+and W.
 
 Recipes (`get_recipe(name)`; fprop / dgrad / wgrad):
 

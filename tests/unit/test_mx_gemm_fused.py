@@ -136,3 +136,9 @@ def test_the_log_names_the_mx_path():
     assert "MX GEMMs emulated in fp32 (no fused kernels on cpu)" in cpu.note
     if torch.cuda.is_available():
         assert mx_gemm_path(torch.device("cuda")) == "Triton quantizer + bf16 GEMM"
+    from megalm import compat
+
+    if compat.triton_importable():  # a GPU below sm70 was said to lack triton (an audit, 2026-12-06)
+        with compat.simulated_cuda((6, 0)):
+            assert mx_gemm_path(torch.device("cuda")) == ("emulated in fp32 (Triton kernels need compute capability "
+                                                          "7.0+, this GPU has (6, 0))")

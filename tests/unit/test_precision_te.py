@@ -167,6 +167,14 @@ def test_te_backend_config_rules(make_config, overrides, message):
         validate_run(make_config(*overrides), world_size=2)
 
 
+def test_te_backend_takes_a_per_stage_recompute_list_that_recomputes_nothing(make_config):
+    """[none, none] recomputes nothing, as none does: it was refused (an audit, 2026-12-06); [none, full] is not."""
+    base = ["precision=fp8", "precision.backend=te", "parallel.pp=2", "model.num_layers=2"]
+    validate_run(make_config(*base, "parallel.recompute=[none,none]"), world_size=2)
+    with pytest.raises(ConfigError, match="parallel.recompute=none"):
+        validate_run(make_config(*base, "parallel.recompute=[none,full]"), world_size=2)
+
+
 def test_te_reduces_its_amaxes_over_the_ranks_that_split_the_batch(fake_te, make_config, tmp_path, monkeypatch):
     """TE's fp8_autocast gets the parallelism's data x context group as its amax group (Megatron passes its amax
     group): TE's default, the whole world, would mix pipeline stages of other layers. In one process the group is
