@@ -200,3 +200,21 @@ def test_te_reduces_its_amaxes_over_the_ranks_that_split_the_batch(fake_te, make
     with converter.forward_context():
         pass
     assert fake_te["groups"][-1] is group
+
+
+def test_a_resume_says_te_s_delayed_histories_start_afresh(caplog):
+    """TE's amax histories live in its layers' extra state (pickled), which checkpoints do not hold: a resumed TE
+    fp8_delayed run restarted them without a word (an audit, 2026-12-06). The native backend restores its own."""
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from megalm.config.schema import PrecisionConfig
+    from megalm.training.checkpoint import note_precision_change
+
+    for backend, said in (("te", 1), ("native", 0)):
+        section = {**asdict(PrecisionConfig()), "name": "fp8_delayed", "backend": backend}
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="megalm"):
+            note_precision_change(section, section, Path("ckpt"))
+        lines = [r.getMessage() for r in caplog.records if "start afresh" in r.getMessage()]
+        assert len(lines) == said, (backend, caplog.messages)

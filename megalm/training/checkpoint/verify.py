@@ -312,3 +312,7 @@ def note_precision_change(saved: dict[str, Any], current: dict[str, Any], path: 
     if saved and diffs:
         log.warning(f"checkpoint {path} was trained with {', '.join(diffs)}; it loads (its weights are fp32), and "
                     "trains on as it did with those keys set back")
+    if now.get("name") == "fp8_delayed" and now.get("backend") == "te":
+        log.warning("precision=fp8_delayed precision.backend=te: Transformer Engine keeps the amax histories in its "
+                    "layers' extra state, which a checkpoint does not hold (TE pickles it, and megalm loads no "
+                    "pickle): they start afresh, as a new run's, where the native backend restores its own")
