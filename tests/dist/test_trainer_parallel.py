@@ -27,9 +27,13 @@ STEPS = 5
 
 
 def check_layout(rank: int, world_size: int, overrides: list[str], tmp: str, compare_grads: bool) -> None:
-    reference = single_process_reference(rank, [], tmp, STEPS)  # every layout trains the default config
+    model = [o for o in overrides if o.startswith("model.")]  # every layout trains the default config, or its own
+    reference = single_process_reference(rank, model, tmp, STEPS)
     par = Trainer(compose_config(*overrides), f"{tmp}/par")
-    assert_layout_matches(reference, par, rank, STEPS, 2e-5, grads=compare_grads)
+    # dropout zeroes some embedding rows' gradients in a step, and Adam turns the summation-order noise of such a ~0
+    # element into an update of up to lr (measured: 4.2e-5 on one element of 12,288); losses and grads stay strict
+    assert_layout_matches(reference, par, rank, STEPS, 1e-4 if "model.dropout=0.1" in model else 2e-5,
+                          grads=compare_grads)
 
 
 LAYOUTS = {
@@ -37,6 +41,10 @@ LAYOUTS = {
     "dp2": (2, ["parallel.dp=2"], True),
     "dp4_zero1": (4, ["parallel.dp=4", "trainer.micro_batch_size=2", "parallel.zero1=true"], False),
     "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], True),
+    # SP's dropout keeps its rows of one process's mask (a chunk's own draw was the same on every rank until
+    # 2026-12-06), under selective recompute, which draws it again
+    "tp2_sp_dropout_selective": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.dropout=0.1",
+                                     "parallel.recompute=selective"], True),
     # selective recompute runs TP's collectives again instead of caching them (megalm/parallel/recompute.py)
     "tp2_selective": (2, ["parallel.tp=2", "parallel.recompute=selective"], False),
     "tp2_sp_selective": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.recompute=selective"],

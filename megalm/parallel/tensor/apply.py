@@ -32,8 +32,9 @@ gathers [T, h] again for the head. T must then be a multiple of tp: `megalm.data
 Hidden dropout (after attention and the MLP) stays where the model puts it:
   * without SP it acts on the replicated [T, h] stream, so every TP rank must draw the same mask:
     give the TP ranks the same torch RNG seed (they then draw identical masks, as Megatron does);
-  * under SP each rank drops out its own tokens, so masks differ per rank and the run differs
-    from one process with the same seed, as in Megatron. Attention dropout draws per rank for the
+  * under SP each rank holds its own tokens: `SequenceParallelDropout` draws the whole stream's mask from that
+    shared seed and keeps this rank's rows, so the masks differ per rank as they do in Megatron (which seeds each
+    TP rank apart) and the run equals one process's. Attention dropout draws per rank for the
     rank's own heads either way (with equal seeds, the masks of heads on different ranks are equal).
 
 Order (megalm/parallel/parallelism.py): build the model (CPU or "meta") -> apply_tensor_parallel ->
@@ -66,6 +67,7 @@ from megalm.parallel.tensor.layers import (
     ParallelNorm,
     ReplicatedOnShard,
     RowParallelLinear,
+    SequenceParallelDropout,
     VocabParallelEmbedding,
 )
 from megalm.parallel.tensor.loss import VocabParallelTokenLoss
@@ -164,6 +166,8 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
             dense.down_proj = row(dense.down_proj)
         layer.attention_norm = norm(layer.attention_norm)
         layer.mlp_norm = norm(layer.mlp_norm)
+        if sp:  # the residual stream's dropout acts on this rank's chunk: its rows of one process's mask
+            layer.dropout = SequenceParallelDropout(layer.dropout.p, group)
 
     if sp:
         route_sequence_chunks(model, group, progress)

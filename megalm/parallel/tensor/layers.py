@@ -322,3 +322,27 @@ class ParallelNorm(ReplicatedOnShard):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, enters={self.enter_tp_region}"
+
+
+class SequenceParallelDropout(nn.Module):
+    """Hidden dropout on this rank's [T/tp, h] chunk of the residual stream under SP, drawn as one process draws it:
+    the mask of the whole [T, h] stream, from the generator every TP rank seeds alike, of which this rank keeps its
+    rows. A mask drawn for the chunk alone would be the same on every rank (token t and t + T/tp dropping the same
+    features); Megatron gives each TP rank a stream of its own instead. Drawing the whole mask costs tp times the
+    random numbers and a transient [T, h] tensor per call, only while dropout is on, and makes an SP run with
+    dropout equal one process's (tests/dist/test_trainer_parallel.py). Recomputation draws it again from the restored
+    generator state, as it does an unsharded dropout."""
+
+    def __init__(self, p: float, group: Group) -> None:
+        super().__init__()
+        self.p, self.tp, self.rank = p, tp_world_size(group), tp_rank(group)  # (no group lookups in a traced forward)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        rows = x.shape[0]
+        noise = F.dropout(x.new_ones((rows * self.tp, *x.shape[1:])), self.p)  # kept: 1 / (1 - p), as F.dropout's
+        return x * noise.narrow(0, self.rank * rows, rows).clone()  # (a copy: the whole mask is freed)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, sequence_parallel=True"
