@@ -25,7 +25,8 @@ export PYTHONPATH="$MEGALM_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # The Python environment of the training processes. Without a knob, the one sbatch was called from (sbatch exports
 # it to the job). MEGALM_VENV=/path/to/venv: activated here, so srun's tasks on every node inherit it (the path
 # must exist on the nodes). MEGALM_LAUNCH: words put before torchrun on every node, for a container, e.g.
-# MEGALM_LAUNCH="apptainer exec --nv --bind $MEGALM_ROOT /images/train.sif" (the checkout visible inside).
+# MEGALM_LAUNCH="apptainer exec --nv --bind $MEGALM_ROOT /images/train.sif" (the checkout visible inside). Its words
+# are split at spaces, quotes and all: a path in it may not hold a space (bind a link to it instead).
 if [[ -n "${MEGALM_VENV:-}" ]]; then
     if [[ ! -f "$MEGALM_VENV/bin/activate" ]]; then
         megalm_log "error: MEGALM_VENV=$MEGALM_VENV has no bin/activate; point it at a virtualenv or unset it"
@@ -43,12 +44,20 @@ fi
 
 # The run dir is a function of the job, not of the clock (Hydra's default): a requeued job keeps its
 # SLURM_JOB_ID, lands in the same dir, and trainer.resume=auto (the default) continues from its checkpoint.
-# A hydra.run.dir=... among the overrides wins.
+# A hydra.run.dir=... among the overrides wins (+hydra.run.dir= and ++hydra.run.dir= too, as they do in Hydra).
+megalm_sets_run_dir() {
+    local arg
+    for arg in "$@"; do
+        [[ "$arg" =~ ^\+{0,2}hydra\.run\.dir= ]] && return 0
+    done
+    return 1
+}
+
 megalm_run_dir() {
     local arg submit=${SLURM_SUBMIT_DIR:-$PWD}
     local dir="outputs/${SLURM_JOB_NAME:-megalm}-${SLURM_JOB_ID:?not inside a Slurm job}"
     for arg in "$@"; do
-        [[ "$arg" == hydra.run.dir=* ]] && dir=$(megalm_unquote "${arg#hydra.run.dir=}")
+        [[ "$arg" =~ ^\+{0,2}hydra\.run\.dir= ]] && dir=$(megalm_unquote "${arg#*hydra.run.dir=}")
     done
     [[ "$dir" == /* ]] || dir="$submit/$dir"  # relative to the submit dir, the job's working dir
     echo "$dir"

@@ -148,3 +148,29 @@ def test_a_job_s_run_dir_reaches_hydra_whatever_its_name_holds(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "megalm.train", f"hydra.run.dir='{taken}'"], capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2 and f"hydra.run.dir={taken} is a file" in proc.stderr, proc.stderr
+
+
+def test_a_prefixed_run_dir_override_is_the_job_s_run_dir(tmp_path):
+    """+hydra.run.dir= and ++hydra.run.dir= set the run dir in Hydra as hydra.run.dir= does: the templates added their
+    own beside it, so the job's logs and requeue marker went to outputs/ while it trained elsewhere (an audit,
+    2026-12-06)."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MEGALM_ROOT": str(ROOT), "MEGALM_LAUNCH": "stand-in",
+           "SLURM_JOB_ID": "42", "SLURM_SUBMIT_DIR": "/submit"}
+    for override, sets in (("hydra.run.dir=/runs/a", True), ("+hydra.run.dir=/runs/a", True),
+                           ("++hydra.run.dir=/runs/a", True), ("model.hydra.run.dir=/runs/a", False)):
+        script = f'source "{LIB}" >/dev/null && megalm_run_dir "$1" && (megalm_sets_run_dir "$1" && echo sets || :)'
+        proc = subprocess.run(["bash", "-c", script, "_", override], env=env, capture_output=True, text=True,
+                              timeout=60)
+        expected = "/runs/a\nsets\n" if sets else "/submit/outputs/megalm-42\n"
+        assert proc.stdout == expected, (override, proc.stdout, proc.stderr)
+
+
+def test_a_job_submitted_outside_the_checkout_is_one_line(tmp_path):
+    """sbatch runs a copy of the template, which finds lib.sh in the submit dir: submitted elsewhere it failed with
+    bash's "lib.sh: No such file or directory" (an audit on a real Slurm, 2026-12-06)."""
+    for template in ("train.sbatch", "train_single_node.sbatch"):
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "SLURM_SUBMIT_DIR": str(tmp_path)}
+        proc = subprocess.run(["bash", str(ROOT / "scripts" / "slurm" / template)], env=env, capture_output=True,
+                              text=True, timeout=60, cwd=tmp_path)
+        assert proc.returncode == 2 and proc.stderr == (f"error: {tmp_path} is not a megalm checkout; submit from it "
+                                                        "or set MEGALM_ROOT=/path/to/megalm\n"), proc.stderr
