@@ -100,7 +100,10 @@ def note_evaluation_split(cfg: MegalmConfig, valid: SampleDataset | None, sample
         log.warning(f"trainer.eval_interval={t.eval_interval}: there is no validation split (data.valid_fraction="
                     f"{cfg.data.valid_fraction}); raise it, or set trainer.eval_interval=0")
     elif samples_read > valid.samples_per_epoch:
-        held = valid.samples_per_epoch
+        held, per_iteration = valid.samples_per_epoch, samples_read // t.eval_iters
+        fits = held // per_iteration  # the evaluation iterations the split holds
+        lower = f"trainer.eval_iters={fits} (now {t.eval_iters}) or " if fits else ""
+        needed = cfg.data.valid_fraction * samples_read / held  # (the split grows about in proportion)
         log.warning(f"each evaluation reads {samples_read} validation samples, and the split holds {held}: "
-                    f"{samples_read - held} of them score samples again; lower trainer.eval_iters={t.eval_iters} or "
-                    f"raise data.valid_fraction={cfg.data.valid_fraction}")
+                    f"{samples_read - held} of them score samples again; set {lower}data.valid_fraction to about "
+                    f"{needed:.2g} or more (now {cfg.data.valid_fraction})")

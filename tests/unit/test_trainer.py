@@ -326,9 +326,12 @@ def test_evaluation_past_the_end_of_the_validation_split_is_said(tmp_path, caplo
         held = trainer.data.valid.samples_per_epoch
         assert 4 <= held < 160, held  # the first evaluation fits the split, the second does not
         said = [m for m in caplog.messages if "validation samples" in m]
+        # the fixes it names fit: eval_iters that read at most the split, a fraction that holds 160 samples (it
+        # named the values set until 2026-12-06: "lower trainer.eval_iters=2" where 2 was the value read)
         assert said == ([] if iters == 1 else [
             f"each evaluation reads 160 validation samples, and the split holds {held}: {160 - held} of them score "
-            "samples again; lower trainer.eval_iters=40 or raise data.valid_fraction=0.05"])
+            f"samples again; set trainer.eval_iters={held // 4} (now 40) or data.valid_fraction to about "
+            f"{0.05 * 160 / held:.2g} or more (now 0.05)"])
 
 
 def test_generation_samples_a_checkpoint_whose_run_named_a_gpu_attention_backend(tmp_path):
