@@ -4,6 +4,7 @@ Slurm needed: lib.sh does this when sourced); the real-Slurm runs are tests/e2e/
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 from pathlib import Path
@@ -174,3 +175,25 @@ def test_a_job_submitted_outside_the_checkout_is_one_line(tmp_path):
                               text=True, timeout=60, cwd=tmp_path)
         assert proc.returncode == 2 and proc.stderr == (f"error: {tmp_path} is not a megalm checkout; submit from it "
                                                         "or set MEGALM_ROOT=/path/to/megalm\n"), proc.stderr
+
+
+def test_a_second_loopback_cluster_start_on_a_running_dir_is_refused(tmp_path):
+    """`cluster.py start DIR` twice started a second set of daemons and overwrote DIR/pids.json, so `stop` left the
+    first set running (an audit, 2026-12-06); a pids.json whose pids are gone (or reused) does not refuse."""
+    import json
+    import sys
+
+    daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(tmp_path)])
+    try:
+        (tmp_path / "pids.json").write_text(json.dumps({"slurmctld": daemon.pid}))
+        cluster = [sys.executable, str(ROOT / "tools" / "slurm_local" / "cluster.py"), "start", str(tmp_path)]
+        proc = subprocess.run(cluster, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 1 and proc.stderr.startswith(f"error: {tmp_path} already runs a cluster "
+                                                               "(slurmctld); stop it first"), proc.stderr
+    finally:
+        daemon.kill()
+        daemon.wait()
+    spec = importlib.util.spec_from_file_location("slurm_local_cluster", ROOT / "tools" / "slurm_local" / "cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.LoopbackCluster.running_recorded(tmp_path) == {}

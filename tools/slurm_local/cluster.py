@@ -219,19 +219,33 @@ class LoopbackCluster:
         (self.root / "pids.json").write_text(json.dumps({n: p.pid for n, p in self.procs.items()}))
 
     @staticmethod
+    def running_recorded(root: Path | str) -> dict[str, int]:
+        """{name: pid} of the daemons a `start` command recorded under `root` that still run: pids whose command line
+        still names `root` (a pid reused by another process since is not one)."""
+        root = Path(root).resolve()
+        if not (root / "pids.json").exists():
+            return {}
+        running = {}
+        for name, pid in json.loads((root / "pids.json").read_text()).items():
+            try:
+                if str(root) in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode():
+                    running[name] = pid
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        return running
+
+    @staticmethod
     def stop_recorded(root: Path | str) -> list[str]:
-        """End the daemons a `start` command recorded under `root`: only pids whose command line still names
-        `root` (a pid reused by another process since is left alone). Returns the names it stopped."""
+        """End the daemons a `start` command recorded under `root` (`running_recorded`). Returns the names it
+        stopped."""
         root = Path(root).resolve()
         if not (root / "pids.json").exists():
             return []
-        pids = json.loads((root / "pids.json").read_text())
+        pids = LoopbackCluster.running_recorded(root)
         cancel_jobs({**os.environ, "SLURM_CONF": str(root / "slurm.conf")})
         stopped = []
         for name, pid in reversed(list(pids.items())):
             try:
-                if str(root) not in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode():
-                    continue
                 os.kill(pid, signal.SIGTERM)
             except (FileNotFoundError, ProcessLookupError):
                 continue
@@ -251,6 +265,9 @@ def main() -> None:
     if sys.argv[1] == "stop":
         print("stopped:", ", ".join(LoopbackCluster.stop_recorded(sys.argv[2])) or "nothing")
         return
+    if running := LoopbackCluster.running_recorded(sys.argv[2]):  # a second start lost the first one's pids
+        sys.exit(f"error: {sys.argv[2]} already runs a cluster ({', '.join(running)}); stop it first: python "
+                 f"{sys.argv[0]} stop {sys.argv[2]}")
     why = ensure_installed()
     if why:
         sys.exit(f"error: {why}")
