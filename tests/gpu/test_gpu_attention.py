@@ -115,3 +115,29 @@ def test_auto_picks_a_flash_kernel_on_cuda_and_says_so(caplog):
         assert backend == "cudnn", "on Hopper auto must prefer cuDNN's attention to the flash kernels"
     elif attention._flash_attn_importable():
         assert backend == "flash_attn", "flash-attn imports, so auto must prefer it off Hopper"
+
+
+def test_selective_recompute_under_attention_dropout_keeps_the_forward_s_masks():
+    """On CUDA, SDPA's fused kernel draws attention dropout from the default generator inside an op selective
+    recompute keeps: kept, the recompute skipped the draw and the hidden dropout after it drew another mask (wrong
+    gradients, ~100% off in a CPU stand-in, 2026-12-06). Now the kernel runs again: selective's gradients are none's."""
+    from megalm.config import ModelConfig
+    from megalm.model import GPT, init_weights
+    from megalm.parallel.recompute import apply_recompute
+
+    cfg = ModelConfig(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, ffn_hidden_size=256, vocab_size=256,
+                      seq_length=256, dropout=0.2, attention_dropout=0.2, attention_backend="sdpa")
+    tokens = torch.randint(0, 256, (256,), generator=torch.Generator().manual_seed(0)).cuda()
+    positions = torch.arange(256, device="cuda")
+    cu = torch.tensor([0, 256], dtype=torch.int32, device="cuda")
+    grads = {}
+    for mode in ("none", "selective"):
+        model = GPT(cfg).cuda()
+        init_weights(model, 0)
+        apply_recompute(model, mode)
+        torch.cuda.manual_seed(7)
+        model(tokens, positions, cu, 256).float().pow(2).mean().backward()
+        grads[mode] = {n: p.grad for n, p in model.named_parameters()}
+    for name, grad in grads["none"].items():
+        err = rel_error(grads["selective"][name], grad)
+        assert err < 1e-4, f"{name}: selective recompute's gradient is {err:.2e} off recompute=none's"
