@@ -1,6 +1,7 @@
 # megalm on PyTorch's own CUDA image (CUDA, cuDNN, NCCL, PyTorch and Triton; devel: a compiler for Triton).
 # torch here must satisfy pyproject.toml's floor (torch>=2.11: the GPU image is what sets it).
-# Build: docker build -t megalm .   Run: docker run --gpus all --ipc=host -it megalm megalm-train model=125m precision=bf16
+# Build: docker build -t megalm .   Run (the run dir kept on the host): docker run --gpus all --ipc=host -it
+#   -v "$PWD/outputs:/workspace/megalm/outputs" megalm megalm-train model=125m precision=bf16
 FROM pytorch/pytorch:2.11.0-cuda12.8-cudnn9-devel
 
 WORKDIR /workspace/megalm
