@@ -80,6 +80,20 @@ def _restore(installed: dict[signal.Signals, Callable]) -> None:
     installed.clear()
 
 
+def unread_shutdown_timeout() -> str | None:
+    """One line when this process runs under a torchrun that does not read TORCH_ELASTIC_SHUTDOWN_TIMEOUT (set by the
+    Slurm templates: the time torchrun gives its workers to save after forwarding SIGTERM) though it is set: torch
+    before 2.12, whose torchrun SIGKILLs them after 30 s. None otherwise."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    asked = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    if asked is None or "TORCHELASTIC_RUN_ID" not in os.environ or "shutdown_timeout" in LaunchConfig.__annotations__:
+        return None
+    return (f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={asked} is not read by torch {torch.__version__}'s torchrun (torch 2.12+ "
+            "reads it): after forwarding a preemption's SIGTERM it SIGKILLs the workers in 30 s, so a checkpoint that "
+            "takes longer to write is lost")
+
+
 class Preemption:
     """Catches the preemption signals while a run trains (a context manager) and agrees on stopping."""
 
@@ -93,6 +107,8 @@ class Preemption:
         self._installed: dict[signal.Signals, Callable] = {}
         self._install()
         weakref.finalize(self, _restore, self._installed)
+        if self.signals and os.environ.get("RANK", "0") == "0" and (line := unread_shutdown_timeout()):
+            log.warning(line)
 
     @staticmethod
     def _handler(ref: weakref.ref, previous: object) -> Callable[[int, FrameType | None], None]:

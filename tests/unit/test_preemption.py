@@ -352,3 +352,24 @@ def test_a_ctrl_c_inside_a_checkpoint_write_is_no_disk_to_free(tmp_path):
                       KeyboardInterrupt)
     full = write_failed(tmp_path, CheckpointException("save", {0: (OSError(28, "No space left on device"), stack)}))
     assert isinstance(full, CheckpointError) and "No space left on device" in str(full) and "free space" in str(full)
+
+
+def test_a_torchrun_that_ignores_the_shutdown_timeout_is_said(monkeypatch):
+    """The Slurm templates give torchrun's workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT=100 s to save after a preemption's
+    SIGTERM; torch 2.11's torchrun (the Docker image's) does not read it and SIGKILLs them after 30 s, without a word
+    (an audit, 2026-12-06). Said where it is set and not read; nothing where torchrun reads it or it is not set."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from megalm.training.preemption import unread_shutdown_timeout
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "100")
+    reads = "shutdown_timeout" in LaunchConfig.__annotations__
+    assert (unread_shutdown_timeout() is None) == reads
+    monkeypatch.setattr(LaunchConfig, "__annotations__", {k: v for k, v in LaunchConfig.__annotations__.items()
+                                                          if k != "shutdown_timeout"})  # a torchrun before 2.12
+    line = unread_shutdown_timeout()
+    assert line is not None and line.startswith("TORCH_ELASTIC_SHUTDOWN_TIMEOUT=100 is not read by torch ")
+    assert "SIGKILLs the workers in 30 s" in line
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    assert unread_shutdown_timeout() is None
