@@ -100,10 +100,11 @@ def note_evaluation_split(cfg: MegalmConfig, valid: SampleDataset | None, sample
         log.warning(f"trainer.eval_interval={t.eval_interval}: there is no validation split (data.valid_fraction="
                     f"{cfg.data.valid_fraction}); raise it, or set trainer.eval_interval=0")
     elif samples_read > valid.samples_per_epoch:
-        held, per_iteration = valid.samples_per_epoch, samples_read // t.eval_iters
-        fits = held // per_iteration  # the evaluation iterations the split holds
+        held, per_iteration = valid.samples_per_epoch, -(-samples_read // t.eval_iters)  # (a token budget's vary)
+        fits = held // per_iteration  # evaluation iterations the split surely holds: fewer than eval_iters
         lower = f"trainer.eval_iters={fits} (now {t.eval_iters}) or " if fits else ""
         needed = cfg.data.valid_fraction * samples_read / held  # (the split grows about in proportion)
+        more = (f"data.valid_fraction to about {needed:.2g} or more (now {cfg.data.valid_fraction})" if needed < 1
+                else "more documents (no data.valid_fraction below 1 holds the reads)")
         log.warning(f"each evaluation reads {samples_read} validation samples, and the split holds {held}: "
-                    f"{samples_read - held} of them score samples again; set {lower}data.valid_fraction to about "
-                    f"{needed:.2g} or more (now {cfg.data.valid_fraction})")
+                    f"{samples_read - held} of them score samples again; set {lower}{more}")

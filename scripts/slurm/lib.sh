@@ -44,7 +44,7 @@ fi
 
 # The run dir is a function of the job, not of the clock (Hydra's default): a requeued job keeps its
 # SLURM_JOB_ID, lands in the same dir, and trainer.resume=auto (the default) continues from its checkpoint.
-# A hydra.run.dir=... among the overrides wins (+hydra.run.dir= and ++hydra.run.dir= too, as they do in Hydra).
+# A hydra.run.dir=... among the overrides wins (++hydra.run.dir= too; Hydra refuses +hydra.run.dir=, the key exists).
 megalm_sets_run_dir() {
     local arg
     for arg in "$@"; do

@@ -152,9 +152,9 @@ def test_a_job_s_run_dir_reaches_hydra_whatever_its_name_holds(tmp_path):
 
 
 def test_a_prefixed_run_dir_override_is_the_job_s_run_dir(tmp_path):
-    """+hydra.run.dir= and ++hydra.run.dir= set the run dir in Hydra as hydra.run.dir= does: the templates added their
-    own beside it, so the job's logs and requeue marker went to outputs/ while it trained elsewhere (an audit,
-    2026-12-06)."""
+    """++hydra.run.dir= sets the run dir in Hydra as hydra.run.dir= does: the templates added their own beside it, so
+    the job's logs and requeue marker went to outputs/ while it trained elsewhere (an audit, 2026-12-06).
+    (+hydra.run.dir= Hydra refuses in one line, the key existing: its job's lines go to the dir it named.)"""
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MEGALM_ROOT": str(ROOT), "MEGALM_LAUNCH": "stand-in",
            "SLURM_JOB_ID": "42", "SLURM_SUBMIT_DIR": "/submit"}
     for override, sets in (("hydra.run.dir=/runs/a", True), ("+hydra.run.dir=/runs/a", True),

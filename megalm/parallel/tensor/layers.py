@@ -329,7 +329,8 @@ class SequenceParallelDropout(nn.Module):
     the mask of the whole [T, h] stream, from the generator every TP rank seeds alike, of which this rank keeps its
     rows. A mask drawn for the chunk alone would be the same on every rank (token t and t + T/tp dropping the same
     features); Megatron gives each TP rank a stream of its own instead. Drawing the whole mask costs tp times the
-    random numbers and a transient [T, h] tensor per call, only while dropout is on, and makes an SP run with
+    random numbers and a transient fp32 [T, h] tensor per call (and an fp32 [T/tp, h] mask saved for backward, where
+    torch's fused kernel saves a bool one), only while dropout is on, and makes an SP run with
     dropout equal one process's (tests/dist/test_trainer_parallel.py). Recomputation draws it again from the restored
     generator state, as it does an unsharded dropout."""
 
@@ -341,8 +342,10 @@ class SequenceParallelDropout(nn.Module):
         if not self.training or self.p == 0:
             return x
         rows = x.shape[0]
-        noise = F.dropout(x.new_ones((rows * self.tp, *x.shape[1:])), self.p)  # kept: 1 / (1 - p), as F.dropout's
-        return x * noise.narrow(0, self.rank * rows, rows).clone()  # (a copy: the whole mask is freed)
+        # in fp32, whatever x's dtype: kept elements hold 1 / (1 - p) unrounded, as the fused CUDA kernel scales
+        # (a bf16 mask would hold 1.109375 for p = 0.1); a bf16 x is multiplied in fp32 and rounded once
+        noise = F.dropout(x.new_ones((rows * self.tp, *x.shape[1:]), dtype=torch.float32), self.p)
+        return (x * noise.narrow(0, self.rank * rows, rows).clone()).to(x.dtype)  # (a copy: the whole mask is freed)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, sequence_parallel=True"
