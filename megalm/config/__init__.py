@@ -6,6 +6,7 @@ This package imports no other megalm package but errors: everything imports it.
 """
 
 from megalm.config.checks import (
+    RECOMPUTE_MODES,
     blend_pairs,
     choice,
     is_moe_layer,
@@ -13,6 +14,7 @@ from megalm.config.checks import (
     pad_vocab,
     positive,
     process_group_minutes,
+    recompute_modes,
     resolve_model_defaults,
     schema_default,
     set_away_from_default,
@@ -47,7 +49,8 @@ __all__ = [
     "ParallelConfig", "PrecisionConfig", "ProfilingConfig", "SyntheticDataConfig", "TrainerConfig", "WandbConfig",
     "blend_pairs",
     "choice", "config_to_dict", "is_moe_layer", "model_config", "moe_layer_ids", "pad_vocab", "positive",
-    "process_group_minutes", "register_schema", "resolve_model_defaults", "schema_default", "schema_error_line",
+    "RECOMPUTE_MODES", "process_group_minutes", "recompute_modes",
+    "register_schema", "resolve_model_defaults", "schema_default", "schema_error_line",
     "set_away_from_default", "to_dataclass",
     "validate", "validate_model", "zero_bubble",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from enum import Enum
 from typing import Any
 
@@ -368,10 +368,31 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
     fraction(d.valid_fraction, "data.valid_fraction")
     w = cfg.logging.wandb
     choice(w.mode, "logging.wandb.mode", WandbMode)
-    if not w.enabled and (unread := set_away_from_default(w, WandbConfig, ("project", "name", "entity", "mode"))):
+    if not w.enabled and (unread := set_away_from_default(w, WandbConfig)):  # (enabled=false is the default)
         log.warning(f"logging.wandb: {', '.join(unread)} set with logging.wandb.enabled=false: not used "
                     "(logging.wandb.enabled=true logs to W&B)")
     return cfg
+
+
+RECOMPUTE_MODES = ("none", "full", "selective")  # parallel.recompute (megalm/parallel/recompute.py)
+
+
+def recompute_modes(recompute: str | list[str], pp: int) -> list[str]:
+    """`parallel.recompute` as one validated mode per pipeline rank (one mode for all, or a list of pp)."""
+    if isinstance(recompute, str):
+        modes = [recompute] * pp
+    elif isinstance(recompute, Sequence):  # a list (Hydra's ListConfig is one)
+        modes = list(recompute)
+    else:  # true, null, 5, {a: 1}: a traceback, or a mapping read as its keys
+        raise ConfigError(f"parallel.recompute={recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}, nor a list "
+                          "of one mode per pipeline rank")
+    if len(modes) != pp:
+        raise ConfigError(f"parallel.recompute={modes} has {len(modes)} entries for parallel.pp={pp}; give one "
+                          "mode, or one mode per pipeline rank")
+    for mode in modes:
+        if mode not in RECOMPUTE_MODES:
+            raise ConfigError(f"parallel.recompute={mode!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+    return modes
 
 
 def zero_bubble(parallel: ParallelConfig) -> bool:

@@ -27,16 +27,14 @@ gradients as one without.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from megalm import compat
-from megalm.errors import ConfigError
-
-MODES = ("none", "full", "selective")
+from megalm.config import RECOMPUTE_MODES as MODES
+from megalm.config import recompute_modes as recompute_modes  # re-exported: its users read it here
 
 _aten = torch.ops.aten
 # Ops whose outputs `selective` keeps: GEMMs and fused attention (the expensive ones).
@@ -82,12 +80,12 @@ def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     name = str(op)
     if "c10d" in name and any(part in name for part in RECOMPUTED_COLLECTIVES):
         return CheckpointPolicy.PREFER_RECOMPUTE
-    if draws_dropout(op, args, kwargs):
-        # An attention kernel drawing its dropout mask from the default generator: kept, the recompute would not run
-        # it, so the generator (restored at the block's start) would not advance past its draw, and the hidden
-        # dropout after attention would draw another mask than the forward's. Run again, it draws the same.
-        return CheckpointPolicy.PREFER_RECOMPUTE
     if op in SAVED_OPS or "c10d" in name or any(part in name for part in SAVED_OP_NAMES):
+        if draws_dropout(op, args, kwargs):
+            # An attention kernel drawing its dropout mask from the default generator: kept, the recompute would not
+            # run it, so the generator (restored at the block's start) would not advance past its draw, and the
+            # hidden dropout after attention would draw another mask than the forward's. Run again, it draws the same.
+            return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE  # a GEMM, an attention kernel, or another collective
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -117,24 +115,6 @@ def apply_recompute(model: nn.Module, mode: str) -> int:
     for layer in layers:
         layer.forward = functools.partial(_checkpointed_forward, layer.forward, mode == "selective")
     return len(layers)
-
-
-def recompute_modes(recompute: str | list[str], pp: int) -> list[str]:
-    """`parallel.recompute` as one validated mode per pipeline rank (one mode for all, or a list of pp)."""
-    if isinstance(recompute, str):
-        modes = [recompute] * pp
-    elif isinstance(recompute, Sequence):  # a list (Hydra's ListConfig is one)
-        modes = list(recompute)
-    else:  # true, null, 5, {a: 1}: a traceback, or a mapping read as its keys
-        raise ConfigError(f"parallel.recompute={recompute!r} is not one of {', '.join(MODES)}, nor a list of one "
-                          "mode per pipeline rank")
-    if len(modes) != pp:
-        raise ConfigError(f"parallel.recompute={modes} has {len(modes)} entries for parallel.pp={pp}; give one "
-                          "mode, or one mode per pipeline rank")
-    for mode in modes:
-        if mode not in MODES:
-            raise ConfigError(f"parallel.recompute={mode!r} is not one of {', '.join(MODES)}")
-    return modes
 
 
 def stage_mode(recompute: str | list[str], pp_rank: int, pp: int) -> str:

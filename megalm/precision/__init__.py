@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalm import compat
-from megalm.config import MegalmConfig, PrecisionConfig, choice, zero_bubble
+from megalm.config import MegalmConfig, PrecisionConfig, choice, recompute_modes, zero_bubble
 from megalm.config.choices import ForwardFormat, PrecisionBackend
 from megalm.errors import ConfigError
 from megalm.precision import fp8, te, torchao_fp8
@@ -335,9 +335,7 @@ def validate_precision(cfg: MegalmConfig) -> None:
     if p.backend == "te" and p.name not in te.TE_RECIPES:
         raise ConfigError(f"precision.backend=te runs Transformer Engine's fp8 recipes (fp8, fp8_delayed); "
                           f"precision={p.name} needs precision.backend=native")
-    recomputes = parallel.recompute != "none" if isinstance(parallel.recompute, str) else any(
-        mode != "none" for mode in parallel.recompute)  # one mode, or one per pipeline rank
-    if p.backend == "te" and recomputes:
+    if p.backend == "te" and any(mode != "none" for mode in recompute_modes(parallel.recompute, parallel.pp)):
         raise ConfigError("precision.backend=te does not combine with parallel.recompute yet (the recomputed "
                           "forward would run outside TE's fp8_autocast); use parallel.recompute=none or "
                           "precision.backend=native")

@@ -45,10 +45,12 @@ fi
 # The run dir is a function of the job, not of the clock (Hydra's default): a requeued job keeps its
 # SLURM_JOB_ID, lands in the same dir, and trainer.resume=auto (the default) continues from its checkpoint.
 # A hydra.run.dir=... among the overrides wins (++hydra.run.dir= too; Hydra refuses +hydra.run.dir=, the key exists).
+MEGALM_RUN_DIR_ARG='^\+{0,2}hydra\.run\.dir='  # an override that sets it, as a regex
+
 megalm_sets_run_dir() {
     local arg
     for arg in "$@"; do
-        [[ "$arg" =~ ^\+{0,2}hydra\.run\.dir= ]] && return 0
+        [[ "$arg" =~ $MEGALM_RUN_DIR_ARG ]] && return 0
     done
     return 1
 }
@@ -57,7 +59,7 @@ megalm_run_dir() {
     local arg submit=${SLURM_SUBMIT_DIR:-$PWD}
     local dir="outputs/${SLURM_JOB_NAME:-megalm}-${SLURM_JOB_ID:?not inside a Slurm job}"
     for arg in "$@"; do
-        [[ "$arg" =~ ^\+{0,2}hydra\.run\.dir= ]] && dir=$(megalm_unquote "${arg#*hydra.run.dir=}")
+        [[ "$arg" =~ $MEGALM_RUN_DIR_ARG ]] && dir=$(megalm_unquote "${arg#*hydra.run.dir=}")
     done
     [[ "$dir" == /* ]] || dir="$submit/$dir"  # relative to the submit dir, the job's working dir
     echo "$dir"
