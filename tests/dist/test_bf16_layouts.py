@@ -155,6 +155,31 @@ def test_overlapped_gather_waits_for_every_bucket_under_pp2_tied(tmp_path):
     run_distributed(check_overlap_is_waiting, 4, str(tmp_path), timeout=300)
 
 
+def check_head_waits_in_the_head(rank: int, world_size: int, tmp: str) -> None:
+    from megalm.model.naming import model_chunks
+
+    layout = ["parallel.dp=2", "parallel.zero1=true", "parallel.bucket_size_mb=0.00001"]  # a bucket per parameter
+    overlapped = Trainer(compose_config(*BF16, *layout), f"{tmp}/overlapped")
+    optimizer, model = overlapped.optimizer, model_chunks(overlapped.model)[0]
+    bucket_of = {id(p): i for i, b in enumerate(overlapped.parallel.reducer.buckets) for p in b.params}
+    head = {bucket_of[id(p)] for p in [*model.final_norm.parameters(), *model.output.parameters()]}
+    pending_at_first_block: list[set[int]] = []
+    # registered after the trainer's own hooks: it sees what the block's own wait left in flight
+    model.layers[0].register_forward_pre_hook(lambda *_: pending_at_first_block.append(set(optimizer._pending)))
+    for step in range(2):
+        overlapped.train_step(step)
+    # step 1's forward ran behind step 0's gathers: the head's were still in flight when the first block began
+    assert pending_at_first_block[0] == set(), rank
+    assert head <= pending_at_first_block[1], (rank, head, pending_at_first_block)
+    assert bucket_of[id(model.embedding.weight)] not in pending_at_first_block[1], rank
+
+
+def test_overlapped_gather_leaves_the_head_in_flight_until_the_head(tmp_path):
+    """The head's buckets are the last all-gathers a step launches (its gradients came first): the final norm waits
+    for them, not the model's root, whose wait would hold the embedding until every gather had landed."""
+    run_distributed(check_head_waits_in_the_head, 2, str(tmp_path), timeout=240)
+
+
 def check_zero_bubble_fusion(rank: int, world_size: int, tmp: str) -> None:
     from megalm.parallel.data_parallel.reducer import GradReducer
     from megalm.training.compile import defers_weight_grads

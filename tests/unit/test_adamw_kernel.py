@@ -62,6 +62,24 @@ def test_the_kernel_steps_as_torch_s_fused_adamw(weight_decay, scaled):
     assert torch.equal(work, ours[0].to(torch.bfloat16)), "the working copy is not the rounded main weights"
 
 
+def test_bf16_gradients_are_read_as_they_are():
+    """parallel.grad_reduce_dtype=bf16 without ZeRO-1 hands the kernel the bf16 buckets: it widens them in registers
+    (no fp32 copy of the gradients), the same step as on their fp32 values, bit for bit."""
+    gen = torch.Generator().manual_seed(1)
+    n = 5_003
+    start = [torch.randn(n, generator=gen), torch.randn(n, generator=gen).bfloat16(),
+             0.1 * torch.randn(n, generator=gen), 0.01 * torch.rand(n, generator=gen)]
+    runs = []
+    for grad in (start[1], start[1].float()):
+        tensors = [t.clone().to(DEVICE) for t in (start[0], grad, start[2], start[3])]
+        work = torch.empty(n, dtype=torch.bfloat16, device=DEVICE)
+        adamw_kernel.adamw_step_(*tensors, work, weight_decay=0.1, step=2, grad_scale=torch.tensor(1.5, device=DEVICE),
+                                 **HYPER)
+        runs.append([tensors[0], tensors[2], tensors[3], work])
+    for got, want in zip(*runs, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_bad_tensors_are_refused():
     x = torch.zeros(8, device=DEVICE)
     with pytest.raises(ValueError, match="1-D contiguous tensors of one length"):

@@ -145,3 +145,25 @@ def test_a_spike_is_logged_with_its_step_and_samples(tmp_path, caplog):
         trainer.fit()
     spikes = [r.message for r in caplog.records if "loss spike" in r.message]
     assert len(spikes) == 1 and "loss spike at step 13" in spikes[0] and "samples are 96..103" in spikes[0]
+
+
+def test_a_skipped_step_drops_the_fp32_copies_of_its_bf16_gradient_shards(tmp_path):
+    """ZeRO-1 with parallel.grad_reduce_dtype=bf16 casts each gradient shard to fp32 for the optimizer (4 bytes a
+    parameter / dp); a step the guard skips drops them too, as a taken one does, not at the next step's end."""
+    import gc
+    import weakref
+
+    trainer = Trainer(compose_config("data=synthetic", "trainer.device=cpu", "precision=bf16", "parallel.zero1=true",
+                                     "parallel.grad_reduce_dtype=bf16"), tmp_path)
+    reducer, copies = trainer.parallel.reducer, []
+    finish = reducer.finish
+
+    def finish_and_watch(*args, **kwargs):  # noqa: ANN202 - the reducer's own signature
+        finish(*args, **kwargs)
+        copies.extend(weakref.ref(b.grad_shard) for b in reducer.buckets if b.grad_shard is not b.shard)
+
+    reducer.finish = finish_and_watch
+    trainer.nonfinite.should_skip = lambda *_: True
+    assert trainer.train_step(0).skipped
+    gc.collect()
+    assert copies and all(copy() is None for copy in copies), "a skipped step's fp32 gradient shards are alive"

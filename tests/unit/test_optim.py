@@ -138,3 +138,44 @@ def test_optim_implementation_chooses_bucket_adamw_s_kernel(tmp_path, layout):
         moments[implementation] = _first_moments(trainer.optimizer)
     for implementation in ("fused", "foreach"):
         torch.testing.assert_close(moments[implementation], moments["auto"], rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("kernel, copies", [("fused", 1), ("foreach", 2)])  # foreach: its own temporaries, as many
+def test_bf16_gradient_buckets_are_cast_one_bucket_at_a_time(kernel, copies):
+    """parallel.grad_reduce_dtype=bf16 without ZeRO-1: the optimizer steps whole bf16 buckets, which torch's AdamW
+    kernels take in fp32. Cast one bucket at a time, the step's extra memory is one bucket's fp32 copy (it was every
+    bucket's at once: 4 bytes a parameter on top of the 2 the setting keeps, more than fp32 buckets hold), measured
+    by the live-storage probe; the update is the one of the same gradients in fp32."""
+    from torch import nn
+
+    from megalm.measure.storage import LiveStorages
+    from megalm.parallel.data_parallel.bucket_adamw import BucketAdamW
+    from megalm.parallel.data_parallel.reducer import GradReducer
+
+    def stepped(reduce_dtype: torch.dtype | None) -> tuple[list[torch.Tensor], int, int, int]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(8)])
+        initial = {id(p): p.detach().clone() for p in model.parameters()}
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        reducer = GradReducer(list(model.parameters()), None, bucket_size_mb=0.125, reduce_dtype=reduce_dtype,
+                              accumulate=True)
+        optimizer = BucketAdamW(list(model.parameters()), reducer, working_dtype=torch.bfloat16,
+                                initial_weights=initial, kernel=kernel)
+        reducer.start_step(1)
+        model(torch.randn(4, 256, dtype=torch.bfloat16)).float().sum().backward()
+        reducer.finish()
+        if reduce_dtype is None:  # the bf16 run's gradients, held in fp32: the same update expected
+            for bucket in reducer.buckets:
+                bucket.buffer.copy_(bucket.buffer.bfloat16())
+        with LiveStorages() as live:
+            optimizer.step()
+        largest = max(b.buffer.numel() for b in reducer.buckets) * 4
+        return [t.clone() for t in optimizer.main], live.peak(), largest, len(reducer.buckets)
+
+    cast, peak, largest, buckets = stepped(torch.bfloat16)
+    held, _, _, _ = stepped(None)
+    assert buckets >= 4
+    assert peak <= copies * largest + 4096, (peak, largest, buckets)  # the step counters and the like: a few bytes
+    for a, b in zip(cast, held, strict=True):
+        assert torch.equal(a, b)

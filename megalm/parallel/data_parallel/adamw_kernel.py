@@ -30,6 +30,7 @@ import torch
 from megalm import compat
 
 BLOCK = 4096  # elements per program: 16 KiB of each fp32 stream
+_GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
 
 runnable = compat.triton_runs_on  # CUDA with triton importable, or a CPU under TRITON_INTERPRET=1
@@ -49,7 +50,7 @@ def _kernel(interpret: bool):  # noqa: ANN202 - a triton.JITFunction
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n
         w = tl.load(main_ptr + offsets, mask=mask)
-        g = tl.load(grad_ptr + offsets, mask=mask)
+        g = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)  # bf16 gradients (grad_reduce_dtype) widen
         m = tl.load(m_ptr + offsets, mask=mask)
         v = tl.load(v_ptr + offsets, mask=mask)
         if HAS_SCALE:
@@ -74,12 +75,15 @@ def adamw_step_(main: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
                 work: torch.Tensor | None, *, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, step: int, grad_scale: torch.Tensor | None = None) -> None:
     """One AdamW step (module docstring) of the flat fp32 `main` weights in place, and of their bf16 working copy
-    `work` (same numel; None: none); `step` counts from 1. Every tensor 1-D and contiguous."""
+    `work` (same numel; None: none); `step` counts from 1. Every tensor 1-D and contiguous; `grad` fp32 or bf16
+    (`parallel.grad_reduce_dtype=bf16`: read as it is, widened in registers, no fp32 copy)."""
     tensors = (main, grad, exp_avg, exp_avg_sq) + (() if work is None else (work,))
     if any(t.dim() != 1 or not t.is_contiguous() or t.numel() != main.numel() for t in tensors):
         raise ValueError("adamw_step_ takes 1-D contiguous tensors of one length")
-    if any(t.dtype != torch.float32 for t in tensors[:4]) or (work is not None and work.dtype != torch.bfloat16):
-        raise TypeError("adamw_step_ steps fp32 main weights, gradients and moments, and their bf16 copy")
+    if any(t.dtype != torch.float32 for t in (main, exp_avg, exp_avg_sq)) or grad.dtype not in _GRAD_DTYPES or (
+            work is not None and work.dtype != torch.bfloat16):
+        raise TypeError("adamw_step_ steps fp32 main weights and moments by fp32 or bf16 gradients, and their bf16 "
+                        "copy")
     n = main.numel()
     if n == 0:
         return

@@ -176,7 +176,9 @@ class BucketAdamW:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in the reducer's buckets and are overwritten each step; this only drops any
-        `p.grad` left behind (e.g. by a backward run outside a reducer step)."""
+        `p.grad` left behind (e.g. by a backward run outside a reducer step), and the fp32 copies of ZeRO-1's bf16
+        gradient shards, which `step()` drops too: a step the non-finite guard skips kept them to the next step."""
+        self.reducer.release_cast_grad_shards()
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
@@ -202,18 +204,37 @@ class BucketAdamW:
         for hook in list(self._pre_hooks.values()):
             hook(self, (), {})
         self.finish_param_gather()  # the parameters are read below (fp32: they are the main weights)
-        grads = [g if g.dtype == torch.float32 else g.float() for g in self._grad_shards()]
+        grads = self._grad_shards()
         self.step_count += 1
         shards = self.main or [torch.empty(b.shard_numel, dtype=torch.float32, device=m.device)
                                for b, m in zip(self.reducer.buckets, self.exp_avg, strict=True)]
-        # id(group) -> (group, [main weights, gradients, moments, second moments, working copies the step writes])
-        per_group: dict[int, tuple[dict, list[list]]] = {}
-        fresh: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # fp32 parameters -> the shard they step in
         # the Triton kernel writes the working copies where this rank owns whole buckets (then there are main weights:
         # the constructor asks for them); under ZeRO-1 the all-gather refreshes the parameters, as after torch's
         writes_copies = self.kernel == "triton" and not self.reducer.zero1
-        for bucket, grad, m, v, shard in zip(self.reducer.buckets, grads, self.exp_avg, self.exp_avg_sq, shards,
-                                             strict=True):
+        # Gradients in bf16 (parallel.grad_reduce_dtype=bf16 without ZeRO-1: the whole buckets): the Triton kernel
+        # reads them as they are; torch's kernels take fp32, so each bucket is cast and stepped on its own (a launch
+        # per param group and bucket), never an fp32 copy of every gradient at once (4 bytes a parameter more than
+        # the fp32 buckets the setting halves).
+        cast_each = self.kernel != "triton" and any(g.dtype != torch.float32 for g in grads)
+        indices = range(len(grads))
+        for batch in ([i] for i in indices) if cast_each else [indices]:
+            self._step_buckets(batch, grads, shards, writes_copies)
+        if not writes_copies:
+            self._refresh_params(shards)
+        del grads
+        self.reducer.release_cast_grad_shards()
+        for hook in list(self._post_hooks.values()):
+            hook(self, (), {})
+
+    def _step_buckets(self, indices: Iterable[int], grads: list[torch.Tensor], shards: list[torch.Tensor],
+                      writes_copies: bool) -> None:
+        """AdamW on buckets `indices`: one launch per param group (torch's kernels) or per segment (Triton)."""
+        # id(group) -> (group, [main weights, gradients, moments, second moments, working copies the step writes])
+        per_group: dict[int, tuple[dict, list[list]]] = {}
+        fresh: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # fp32 parameters -> the shard they step in
+        for i in indices:
+            bucket, m, v, shard = self.reducer.buckets[i], self.exp_avg[i], self.exp_avg_sq[i], shards[i]
+            grad = grads[i] if grads[i].dtype == torch.float32 or self.kernel == "triton" else grads[i].float()
             for seg in bucket.segments:
                 group = self._group_of[id(seg.param)]
                 s = seg.shard_slice
@@ -244,12 +265,6 @@ class BucketAdamW:
                   foreach=None if self.fused else True, grad_scale=self.grad_scale,  # the foreach path refuses one
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                   eps=group["eps"], maximize=False)
-        if not writes_copies:
-            self._refresh_params(shards)
-        del grads, grads_
-        self.reducer.release_cast_grad_shards()
-        for hook in list(self._post_hooks.values()):
-            hook(self, (), {})
 
     def _refresh_params(self, shards: list[torch.Tensor]) -> None:
         """Every parameter from the updated owned parts: all-gathered under ZeRO-1 (in the parameters' dtype:
@@ -444,14 +459,22 @@ class BucketAdamW:
 
 
 def forward_owners(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """Where a forward first reads each parameter, as (module, parameters) for `overlap_param_gather_with`: each
-    TransformerBlock its own (its hooks stay outside a compiled block's graph), and each model chunk's root all the
-    others (embedding, final norm, output head: a pipeline's last stage reads a tied embedding's weight in its head
-    without running the embedding's forward)."""
+    """Where a forward first reads each parameter, as (module, parameters) for `overlap_param_gather_with`, in
+    forward order: each model chunk's root the embeddings' (a pipeline's last stage holds a tied embedding's weight
+    without running the embedding's forward: its root waits for it too), each TransformerBlock its own (its hooks
+    stay outside a compiled block's graph), and the final norm the head's (its weight, the output projection's or
+    the tied embedding's: `GPT.head` runs the norm first). The head's buckets are the last all-gathers launched:
+    waited for by the root, the first wait would hold the whole forward until every gather had landed."""
     owners = []
     for chunk in model_chunks(model):
         blocks = [m for m in chunk.modules() if isinstance(m, TransformerBlock)]
-        inside = {id(p) for block in blocks for p in block.parameters()}
-        owners += [(chunk, [p for p in chunk.parameters() if id(p) not in inside])]
+        final_norm, output = getattr(chunk, "final_norm", None), getattr(chunk, "output", None)
+        head = [*(final_norm.parameters() if final_norm is not None else ()),
+                *(output.parameters() if output is not None else ())]
+        later = {id(p) for block in blocks for p in block.parameters()} | {id(p) for p in head}
+        owners += [(chunk, [p for p in chunk.parameters() if id(p) not in later])]
         owners += [(block, list(block.parameters())) for block in blocks]
+        if final_norm is not None:
+            tied = [chunk.embedding.weight] if output is None and getattr(chunk, "embedding", None) is not None else []
+            owners += [(final_norm, head + tied)]
     return owners
