@@ -36,9 +36,16 @@ def check_creatable(run_dir: Path, what: str, fix: str = "choose a run dir you m
 
 
 def check_run_dir(run_dir: Path) -> None:
-    """Refuse a run dir that holds another program's config.yaml or metrics.jsonl: a run would overwrite the one
-    and append to the other. A megalm run's config.yaml is a mapping with model and trainer sections."""
+    """Refuse a run dir that is a checkpoint or holds another program's config.yaml or metrics.jsonl: a run would
+    overwrite the config.yaml and append to the metrics. A megalm run's config.yaml is a mapping with model and
+    trainer sections."""
     config, metrics = run_dir / "config.yaml", run_dir / "metrics.jsonl"
+    if (run_dir / "state.json").exists() or any(run_dir.glob("shard-*.safetensors")):
+        # a checkpoint (a run dir holds its own in checkpoints/step_*): its config.yaml has model and trainer sections
+        # too, and a run would write its own over it, leaving the weights unreadable
+        raise ConfigError(f"{run_dir} is a checkpoint, and a run there would overwrite its config.yaml; continue from "
+                          f"it with trainer.resume={run_dir} (or start from its weights with model.init_from="
+                          f"{run_dir}) in a new hydra.run.dir")
     if config.exists():
         try:
             saved = OmegaConf.to_container(OmegaConf.load(config))

@@ -153,3 +153,38 @@ def test_delayed_scaling_histories_agree_over_the_batch_s_ranks(tmp_path, layout
         if layout != ["parallel.cp=2"]:  # HDP's 4th step: the last step's max of dy drifts a few % (FP8 flips)
             rtol = 5e-2 if layout is HDP_IDLE and key.endswith("/pending") else 1e-5
             torch.testing.assert_close(value, one[key], rtol=rtol, atol=0, msg=f"{key}: not one process's")
+
+
+def resume_delayed_histories(rank: int, world_size: int, tmp: str, split: str | None) -> None:
+    """Under pp 2 and layer split `split`, resume the checkpoint of tmp/run and save this rank's amax histories (None:
+    train the run to step 2 under [3,1])."""
+    import torch
+
+    from megalm.precision.install import amax_history_tensors
+
+    common = ["precision=fp8_delayed", "model.num_layers=4", "trainer.max_steps=4", "parallel.pp=2"]
+    if split is None:
+        first = compose_config(*common, "parallel.layers_per_stage=[3,1]", "trainer.stop_at_step=2")
+        Trainer(first, f"{tmp}/run").fit()
+        return
+    resumed = Trainer(compose_config(*common, f"parallel.layers_per_stage={split}"), f"{tmp}/run")
+    torch.save({key.split("/", 2)[2]: value for key, value in amax_history_tensors(resumed.model, "").items()},
+               f"{tmp}/{split}{rank}.pt")
+
+
+def test_delayed_histories_follow_a_layer_to_its_new_stage(tmp_path):
+    """A resume that moves layers between pipeline stages (parallel.layers_per_stage [3,1] -> [1,3]) keeps the layout
+    tag, so each rank read only its own file, and layers 1 and 2, now on stage 1, started afresh without a word (an
+    audit, 2026-12-06). Each layer's history is now read from the file of the stage that held it: the union of the
+    ranks' histories is the same as after a resume under the split that saved them."""
+    import torch
+
+    for split in (None, "[3,1]", "[1,3]"):
+        run_distributed(resume_delayed_histories, 2, str(tmp_path), split, timeout=300)
+    kept, moved = ({k: v for rank in (0, 1) for k, v in torch.load(tmp_path / f"{split}{rank}.pt").items()}
+                   for split in ("[3,1]", "[1,3]"))
+    layers = {key.split("/")[0].split(".")[1] for key in kept if key.endswith("/history")}
+    assert layers == {"0", "1", "2", "3"}, sorted(kept)
+    assert moved.keys() == kept.keys()
+    for key, value in kept.items():
+        assert torch.equal(moved[key], value), key

@@ -110,6 +110,19 @@ def test_resuming_an_earlier_checkpoint_into_the_run_dir_keeps_the_later_ones(tr
                           "trainer.resume=autp: no such path", "auto, never")
 
 
+def test_a_checkpoint_as_the_run_dir_is_refused_and_kept(trained_run, tmp_path):
+    """hydra.run.dir naming a checkpoint (where trainer.resume=PATH was meant): its config.yaml has model and trainer
+    sections as a run's has, and the run wrote its own over it, leaving the weights unreadable (another model's
+    shapes). Refused before anything is written, naming trainer.resume."""
+    checkpoint = tmp_path / "step_00000002"
+    shutil.copytree(trained_run / "checkpoints" / "step_00000002", checkpoint)
+    before = {f.name: f.read_bytes() for f in checkpoint.iterdir()}
+    proc = train([f"hydra.run.dir={checkpoint}", "model.hidden_size=128"], tmp_path)
+    assert_one_line_error(proc, "is a checkpoint, and a run there would overwrite its config.yaml",
+                          f"trainer.resume={checkpoint}")
+    assert {f.name: f.read_bytes() for f in checkpoint.iterdir()} == before
+
+
 def test_a_run_dir_holding_other_files_is_refused_and_kept(tmp_path):
     """A run writes config.yaml and appends to metrics.jsonl: a directory whose files of those names are not a
     megalm run's is refused before either is touched; so is a run dir that is a file or lies under one."""

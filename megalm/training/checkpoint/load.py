@@ -98,11 +98,32 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
                                               key=lambda k: int(k.rsplit("_", 1)[1]))]
         if cuda_states and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(cuda_states[: torch.cuda.device_count()])
+    if same_layout and mesh is not None and mesh.dims.pp > 1:
+        rng = rng | _other_stages_amax(path, mesh, rng)
     others = load_amax_histories(model, rng, layout_tag(mesh), device)
     if others and rank == 0:
         log.info(f"precision=fp8_delayed: amax histories start afresh (the checkpoint holds them per shard of layout "
                  f"{', '.join(sorted(others))}; this run is {layout_tag(mesh)})")
     return meta
+
+
+def _other_stages_amax(path: Path, mesh: ParallelMesh, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fp8_delayed's amax histories held by this rank's peers on the other pipeline stages (its tp, cp and dp
+    coordinates): a run that moves layers between stages (parallel.layers_per_stage, parallel.vpp) keeps the layout
+    tag, and a layer's history is in the file of the rank that held it, which the layer's new rank reads here (they
+    had started afresh without a word). Keys this rank's own file holds are its own; the others are ignored by
+    `load_amax_histories` unless this rank now holds their layer."""
+    found: dict[str, torch.Tensor] = {}
+    if not any(key.startswith("amax/") for key in own):  # no histories saved (another recipe): nothing to find
+        return found
+    coords = {k: getattr(mesh, f"{k}_rank") for k in ("tp", "cp", "dp")}
+    for stage in range(mesh.dims.pp):
+        if stage == mesh.pp_rank:
+            continue
+        peer = path / f"rng-rank{mesh.dims.rank_of(**coords, pp=stage):05d}.safetensors"
+        if peer.is_file():
+            found |= {k: v for k, v in load_safetensors(peer).items() if k.startswith("amax/") and k not in own}
+    return found
 
 
 def _load_tensors(path: Path, meta: LoadedCheckpoint, model: nn.Module, optimizer: torch.optim.Optimizer | None,
