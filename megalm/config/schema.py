@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ValidationError
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from megalm.config.choices import (
     Activation,
@@ -528,8 +528,9 @@ def model_config(values: dict[str, Any] | DictConfig | ModelConfig) -> ModelConf
         return values
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), values))  # type: ignore
-    except (ValidationError, KeyError) as e:
-        raise ConfigError(f"model config: {schema_error_line(e) if isinstance(e, ValidationError) else e}") from None
+    except (OmegaConfBaseException, KeyError) as e:  # a ConfigKeyError (a key the schema lacks) is no ValidationError
+        line = schema_error_line(e) if isinstance(e, OmegaConfBaseException) else str(e)
+        raise ConfigError(f"model config: {line}") from None
 
 
 def to_dataclass(cfg: DictConfig | MegalmConfig) -> MegalmConfig:

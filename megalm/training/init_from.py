@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megalm.config import ModelConfig, model_config, resolve_model_defaults
+from megalm.config import ModelConfig
 from megalm.data.blend import tokenizer_identity
 from megalm.data.tokenizer import HFTokenizer
 from megalm.errors import ConfigError
@@ -38,6 +38,7 @@ from megalm.training.checkpoint import (
     load_saved_model,
     read_checkpoint_meta,
     resolve_checkpoint_path,
+    saved_model_config,
 )
 from megalm.training.optim import full_precision_weights
 
@@ -91,7 +92,7 @@ def read_init_source(spec: str) -> InitSource:
         tokenizer = str(hf_dir / "tokenizer.json") if (hf_dir / "tokenizer.json").is_file() else None
         return InitSource(f"Hugging Face {arch} dir {hf_dir}", hf_dir, model_config_dict(cfg), tokenizer)
     meta = read_checkpoint_meta(resolve_checkpoint_path(spec))
-    cfg = resolve_model_defaults(model_config(meta.config["model"]))
+    cfg = saved_model_config(meta)
     return InitSource(f"checkpoint {meta.path} (step {meta.state.get('step')})", meta.path, model_config_dict(cfg),
                       meta.state.get("tokenizer"))
 

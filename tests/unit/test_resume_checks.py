@@ -145,3 +145,21 @@ def test_init_from_says_when_the_routers_route_otherwise(tmp_path, caplog):
         Trainer(compose_config(*RUN, "model=moe_tiny", "model.moe.top_k=1",
                                f"model.init_from={tmp_path / 'src'}"), tmp_path / "run")
     assert "moe.top_k=2 (this run: 1)" in caplog.text, caplog.text
+
+
+def test_a_checkpoint_with_a_model_key_this_megalm_lacks_is_one_line_naming_its_file(tmp_path):
+    """A newer megalm's checkpoint (a model key this one lacks) read by megalm-generate, megalm-export or
+    model.init_from: one line naming its config.yaml and the way to read it (it was OmegaConf's three lines,
+    without the file: its ConfigKeyError is no ValidationError)."""
+    from megalm.training.checkpoint import latest_checkpoint, load_saved_model
+    from megalm.training.init_from import read_init_source
+
+    stopped_at_2(tmp_path / "run")
+    config = latest_checkpoint(tmp_path / "run") / "config.yaml"
+    config.write_text(config.read_text().replace("model:\n", "model:\n  a_newer_key: 1\n", 1))
+    for read in (lambda: load_saved_model(tmp_path / "run"), lambda: read_init_source(str(tmp_path / "run"))):
+        with pytest.raises(CheckpointError) as error:
+            read()
+        message = str(error.value)
+        assert "\n" not in message and str(config) in message and "'a_newer_key'" in message, message
+        assert "read it with the megalm version that wrote it" in message

@@ -65,6 +65,7 @@ from megalm.training.checkpoint.verify import (
     note_schedule_change,
     read_checkpoint_meta,
     resumable_checkpoint,
+    saved_model_config,
     verify_checkpoint,
 )
 
@@ -75,6 +76,6 @@ __all__ = [
     "load_optimizer_tensors",
     "function_differences", "note_function_change", "note_precision_change", "note_schedule_change",
     "load_saved_model", "optimizer_tensors", "read_checkpoint_meta", "resolve_checkpoint_path",
-    "resumable_checkpoint", "save_checkpoint", "save_tensors", "saved_vocab_rows", "verify_checkpoint",
-    "write_text_atomic",
+    "resumable_checkpoint", "save_checkpoint", "save_tensors", "saved_model_config", "saved_vocab_rows",
+    "verify_checkpoint", "write_text_atomic",
 ]

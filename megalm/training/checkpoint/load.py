@@ -12,7 +12,6 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from megalm.config import model_config, resolve_model_defaults
 from megalm.errors import CheckpointError
 from megalm.model.gpt import GPT, reset_buffers
 from megalm.model.naming import canonical_named_parameters
@@ -30,7 +29,12 @@ from megalm.training.checkpoint.tensors import (
     saved_vocab_rows,
     stored_names,
 )
-from megalm.training.checkpoint.verify import LoadedCheckpoint, read_checkpoint_meta, verify_checkpoint
+from megalm.training.checkpoint.verify import (
+    LoadedCheckpoint,
+    read_checkpoint_meta,
+    saved_model_config,
+    verify_checkpoint,
+)
 from megalm.training.optim import full_precision_weights
 
 if TYPE_CHECKING:  # annotations only: checkpoints take the mesh they are given
@@ -61,7 +65,7 @@ def load_saved_model(path: str | Path, device: str | torch.device = "cpu") -> tu
     megalm-export and model.init_from read. No initialization is drawn: every parameter is loaded."""
     ckpt = resolve_checkpoint_path(path)
     meta = verify_checkpoint(ckpt)  # a damaged file is one line naming it, before DCP reads any of it
-    model = GPT(resolve_model_defaults(model_config(meta.config["model"])), device="meta")
+    model = GPT(saved_model_config(meta), device="meta")
     model.to_empty(device=device)
     reset_buffers(model)
     load_model_weights(ckpt, model)

@@ -256,9 +256,9 @@ def dcp_load(tensors: dict[str, torch.Tensor], path: Path, collective: bool) -> 
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=not collective)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises many types
+        # megalm-generate, megalm-export and model.init_from read checkpoints too: the fix names no training key
         raise CheckpointError(f"checkpoint {path} cannot be read into this model ({dcp_failure(e)}); "
-                              "it is corrupt or from another model — resume from another with "
-                              "trainer.resume=PATH") from None
+                              "it is corrupt or from another model: use another checkpoint") from None
 
 
 def saved_vocab_rows(config: dict[str, Any]) -> int | None:

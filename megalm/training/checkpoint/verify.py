@@ -14,8 +14,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from megalm.config import config_to_dict
-from megalm.errors import CheckpointError
+from megalm.config import ModelConfig, config_to_dict, model_config, resolve_model_defaults
+from megalm.errors import CheckpointError, ConfigError
 from megalm.precision import recipe_on_bf16_weights, skipped_layers
 from megalm.training.checkpoint.layout import (
     CHECKPOINTS,
@@ -37,6 +37,17 @@ class LoadedCheckpoint:
     path: Path
     state: dict[str, Any]
     config: dict[str, Any]
+
+
+def saved_model_config(meta: LoadedCheckpoint) -> ModelConfig:
+    """The model a checkpoint's config.yaml describes (its defaults resolved); one line naming the file where this
+    megalm cannot build it (a key it lacks: a newer megalm's checkpoint, or a value outside a choice)."""
+    try:
+        return resolve_model_defaults(model_config(meta.config.get("model", {})))
+    except ConfigError as e:
+        reason = str(e).removeprefix("model config: ").split(";")[0]
+        raise CheckpointError(f"checkpoint {meta.path / 'config.yaml'} describes a model this megalm cannot build "
+                              f"({reason}); read it with the megalm version that wrote it") from None
 
 
 def _damaged(file: Path, why: str) -> CheckpointError:
