@@ -125,6 +125,7 @@ class PipelineRuntime:
             self.store = WeightGradStore()
             defer_weight_grads(chunks, self.store)
         self._schedules: dict[int, Schedule] = {}
+        self._eval_schedules: dict[int, Schedule] = {}  # forward_only's, per micro-batch count: built once as well
         self.tied_copy = tied_embedding_copy(chunks)
         self.memory_hooks = memory_hooks
         self.peak_in_flight = 0  # most micro-batch activations held at once in the last step
@@ -151,7 +152,10 @@ class PipelineRuntime:
         """Summed token loss of the micro-batches (last stage; 0 elsewhere): forwards in `forward_only`'s order."""
         if not micro_batches:
             return torch.zeros((), device=self.device)
-        sched = with_comm(forward_only(self.mesh.dims.pp, len(micro_batches), self.vpp))
+        n = len(micro_batches)
+        if n not in self._eval_schedules:  # each evaluation has the same counts: its early-receive search runs once
+            self._eval_schedules[n] = with_comm(forward_only(self.mesh.dims.pp, n, self.vpp))
+        sched = self._eval_schedules[n]
         return self._execute(sched, sched.actions[self.mesh.pp_rank], micro_batches, 1, None)
 
     def _execute(self, sched: Schedule, actions: list[Action], micro_batches: list[LocalMicroBatch],
