@@ -37,6 +37,7 @@ from megalm.config.schema import (
     OptimConfig,
     ParallelConfig,
     SyntheticDataConfig,
+    TrainerConfig,
     WandbConfig,
 )
 from megalm.errors import ConfigError
@@ -305,6 +306,9 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
         if not cfg.data.varlen:
             raise ConfigError("trainer.tokens_per_step is a budget over documents of different lengths; set "
                               "data.varlen=true, or use trainer.global_batch_size for packed samples")
+        if unread := set_away_from_default(t, TrainerConfig, ["global_batch_size"]):
+            log.warning(f"trainer.{unread[0]} set with trainer.tokens_per_step={t.tokens_per_step}: not used (a step "
+                        "takes the samples that fit the token budget)")
 
     o = cfg.optim
     choice(o.name, "optim.name", OptimizerName)

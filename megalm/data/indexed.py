@@ -99,6 +99,12 @@ class IndexedDataset:
             if os.path.exists(path):
                 raise DataError(f"data.path={prefix}: {path} is not a file; point data.path at the prefix "
                                 "megalm-preprocess wrote")
+            if os.path.isdir(prefix):  # a directory holding a dataset: the prefix is one of its files' stems
+                held = sorted(name[:-4] for name in os.listdir(prefix) if name.endswith(".idx"))
+                inside = (f"it holds {', '.join(os.path.join(prefix, h) for h in held)}: write data.path="
+                          f"{os.path.join(prefix, held[0])}" if held else "it holds no .idx file: point data.path "
+                          "at the prefix megalm-preprocess wrote (PREFIX.bin/PREFIX.idx)")
+                raise DataError(f"data.path={prefix} is a directory, not a dataset's prefix; {inside}")
             raise DataError(f"data.path={prefix}: {path} not found; build it with "
                             f"megalm-preprocess --input ... --output-prefix {prefix}")
         with open(idx_path, "rb") as f:
@@ -116,7 +122,9 @@ class IndexedDataset:
             self._num_docs = len(m.offsets) - 1
             self._vocab_size, self._eod_id, self._spec = m.vocab_size, m.eod_id, m.tokenizer_spec
             self._num_tokens = int(m.offsets[-1]) + (int(m.add_eod.sum()) if m.add_eod is not None else 0)
+            self._vocab_claimed = m.vocab_claimed
         else:
+            self._vocab_claimed = False
             self.format = "megalm"
             self._open_megalm(prefix, idx_path, bin_path)
         # get() returns this dtype: the stored one, or int64 if a virtual eod would not fit in it
@@ -232,6 +240,10 @@ class IndexedDataset:
             out[:-1] = self._tokens[start + offset:end]
             out[-1] = self._eod_id
         if self._ids_checked and (bad := id_outside_vocab(out, self._vocab_size)) is not None:
+            if self._vocab_claimed:  # the vocab is data.tokenizer's (no sidecar), checked on the first tokens only
+                raise DataError(f"document {i} of {self.prefix} holds token id {bad}, outside the vocab [0, "
+                                f"{self._vocab_size}) of data.tokenizer={self._spec}; set data.tokenizer to the "
+                                "tokenizer the data was made with (this Megatron-LM dataset has no sidecar naming it)")
             raise DataError(f"document {i} of {self.prefix} holds token id {bad}, outside its vocab [0, "
                             f"{self._vocab_size}): the data is damaged or was made with another tokenizer; re-run "
                             f"megalm-preprocess --input ... --output-prefix {self.prefix} --overwrite")

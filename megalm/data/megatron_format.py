@@ -67,6 +67,7 @@ class MegatronData:
     vocab_size: int
     eod_id: int
     tokenizer_spec: str
+    vocab_claimed: bool = False  # no sidecar: vocab and eod are the caller's tokenizer's, checked on a probe only
 
 
 def _fix(prefix: str) -> str:
@@ -217,7 +218,7 @@ def open_megatron(prefix: str, tokenizer: Tokenizer | str | None = None) -> Mega
                 add_eod[start:start + len(ends)][nonempty] = last != eod_id
         if not add_eod.any():
             add_eod = None
-    return MegatronData(tokens, offsets, add_eod, int(vocab_size), int(eod_id), spec)
+    return MegatronData(tokens, offsets, add_eod, int(vocab_size), int(eod_id), spec, vocab_claimed=meta is None)
 
 
 class MegatronDatasetWriter(TokenFileWriter):

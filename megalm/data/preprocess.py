@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import fnmatch
+import itertools
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ import re
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,9 +134,11 @@ def list_input_files(inputs: Sequence[str | os.PathLike], glob: str = "*") -> li
         log.warning(f"skipping the tokenized dataset{'s' if len(datasets) > 1 else ''} "
                     f"{', '.join(sorted(datasets))} (.bin/.idx) inside the input directories")
     if compressed := [p for p in files if p.name.lower().endswith(COMPRESSED_SUFFIXES)]:
+        inner = Path(compressed[0].stem).suffix.lower()  # data.jsonl.gz: .jsonl
+        as_format = " --input-format jsonl" if inner in JSON_SUFFIXES else " --input-format txt" if inner else ""
         raise DataError(f"{compressed[0]} is compressed, which megalm-preprocess does not read; decompress it "
-                        "first, or pass it through a pipe (--input <(zcat FILE), <(zstd -dc FILE), ...); in a "
-                        "directory, --glob leaves it out")
+                        f"first, or pass it through a pipe (--input <(zcat FILE){as_format}, <(zstd -dc FILE), ...); "
+                        "in a directory, --glob leaves it out")
     return files
 
 
@@ -166,47 +169,87 @@ class _Repairs:
         return cleaned
 
 
-def _read_json_lines(path: Path, json_key: str, repairs: _Repairs) -> Iterator[tuple[str, int]]:
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            line = repairs.decode(raw.removeprefix(codecs.BOM_UTF8) if lineno == 1 else raw).strip()
-            if not line:
-                yield "", len(raw)
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg}); fix or remove that line") from None
-            except (ValueError, RecursionError) as e:  # a number past int's digit limit, nesting past the stack
-                reason = str(e).split(";")[0].split("\n")[0] or type(e).__name__
-                raise DataError(f"{path}:{lineno}: JSON that Python cannot read ({reason}); fix or remove that "
-                                "line") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
-            if json_key not in obj:
-                keys = ", ".join(list(obj)[:5])
-                raise DataError(f"{path}:{lineno}: no key {json_key!r} (keys: {keys}); pass --json-key KEY")
-            text = obj[json_key]
-            if not isinstance(text, str):
-                raise DataError(f"{path}:{lineno}: {json_key!r} is a {type(text).__name__}, not a string")
-            yield repairs.json_text(text), len(raw)
+def _read_json_lines(path: Path, lines: Iterable[bytes], json_key: str, repairs: _Repairs
+                     ) -> Iterator[tuple[str, int]]:
+    """(text, bytes read) of each JSON line of `path` (`lines`: its lines, opened by the caller)."""
+    for lineno, raw in enumerate(lines, 1):
+        line = repairs.decode(raw.removeprefix(codecs.BOM_UTF8) if lineno == 1 else raw).strip()
+        if not line:
+            yield "", len(raw)
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg}); fix or remove that line") from None
+        except (ValueError, RecursionError) as e:  # a number past int's digit limit, nesting past the stack
+            reason = str(e).split(";")[0].split("\n")[0] or type(e).__name__
+            raise DataError(f"{path}:{lineno}: JSON that Python cannot read ({reason}); fix or remove that "
+                            "line") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
+        if json_key not in obj:
+            keys = ", ".join(list(obj)[:5])
+            raise DataError(f"{path}:{lineno}: no key {json_key!r} (keys: {keys}); pass --json-key KEY")
+        text = obj[json_key]
+        if not isinstance(text, str):
+            raise DataError(f"{path}:{lineno}: {json_key!r} is a {type(text).__name__}, not a string")
+        yield repairs.json_text(text), len(raw)
+
+
+INPUT_FORMATS = ("auto", "jsonl", "txt")
+
+
+def _sniffed_kind(path: Path, head: list[bytes], json_key: str) -> str:
+    """auto's reading of a pipe (<(zcat FILE.jsonl.gz): a name without a suffix): jsonl when its first non-blank line
+    is a JSON object holding `json_key`, else text; one log line says which, and the flag that reads it otherwise."""
+    first = next((line for line in head if line.strip()), b"")
+    try:
+        obj = json.loads(first.removeprefix(codecs.BOM_UTF8))
+    except (ValueError, RecursionError):
+        obj = None
+    kind = "jsonl" if isinstance(obj, dict) and json_key in obj else "txt"
+    other = "txt" if kind == "jsonl" else "jsonl"
+    log.warning(f"reading {path} as {kind} (its first line {'is' if kind == 'jsonl' else 'is not'} a JSON object with "
+                f"key {json_key!r}); --input-format {other} reads it as {other}")
+    return kind
 
 
 def iter_documents(files: Sequence[Path], json_key: str = "text", split_lines: bool = False,
-                   repairs: _Repairs | None = None) -> Iterator[tuple[str, int]]:
+                   repairs: _Repairs | None = None, input_format: str = "auto") -> Iterator[tuple[str, int]]:
     """(text, bytes read) for every document; the byte counts drive the progress bar. Bytes that are not UTF-8
-    are read as U+FFFD, and counted in `repairs`."""
+    are read as U+FFFD, and counted in `repairs`. `input_format` auto reads a file by its suffix (a pipe, which has
+    none, by its first line: `_sniffed_kind`); jsonl or txt reads every file so."""
     repairs = repairs or _Repairs()
     for path in files:
-        if path.suffix.lower() in JSON_SUFFIXES:
-            yield from _read_json_lines(path, json_key, repairs)
-        elif split_lines and path.suffix.lower() == ".txt":
-            with open(path, "rb") as f:
-                for raw in f:
+        with open(path, "rb") as f:
+            head: list[bytes] = []
+            kind = input_format
+            if kind == "auto":
+                suffix = path.suffix.lower()
+                if suffix in JSON_SUFFIXES:
+                    kind = "jsonl"
+                elif suffix == ".txt" or path.is_file():
+                    kind = "txt"
+                else:  # a pipe (/dev/fd/63: no suffix): read up to its first non-blank line, kept for the reader
+                    head = list(_until_non_blank(f))
+                    kind = _sniffed_kind(path, head, json_key)
+            lines = itertools.chain(head, f)
+            if kind == "jsonl":
+                yield from _read_json_lines(path, lines, json_key, repairs)
+            elif split_lines and (input_format == "txt" or path.suffix.lower() == ".txt" or head):
+                for raw in lines:
                     yield repairs.decode(raw).rstrip("\r\n"), len(raw)
-        else:
-            data = path.read_bytes()
-            yield repairs.decode(data), len(data)
+            else:
+                data = b"".join(head) + f.read()
+                yield repairs.decode(data), len(data)
+
+
+def _until_non_blank(f: Iterable[bytes]) -> Iterator[bytes]:
+    """The lines of `f` up to and including its first non-blank one."""
+    for line in f:
+        yield line
+        if line.strip():
+            return
 
 
 def _batches(docs: Iterator[tuple[str, int]]) -> Iterator[tuple[list[str], int, int]]:
@@ -253,12 +296,14 @@ def _worker_encode(texts: list[str]) -> list[np.ndarray]:
 def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str, tokenizer: Tokenizer | str = "byte",
                json_key: str = "text", split_lines: bool = False, overwrite: bool = False,
                show_progress: bool = True, glob: str = "*", workers: int = 1,
-               output_format: str = "megalm") -> PreprocessStats:
+               output_format: str = "megalm", input_format: str = "auto") -> PreprocessStats:
     """Tokenize `inputs` into output_prefix.bin/.idx (megalm's format, or Megatron-LM's with
-    output_format="megatron") and return what was written."""
+    output_format="megatron") and return what was written; `input_format` as `iter_documents`."""
     start = time.perf_counter()
     if output_format not in FORMATS:
         raise DataError(f"--format {output_format!r} is not one of {', '.join(FORMATS)}")
+    if input_format not in INPUT_FORMATS:
+        raise DataError(f"--input-format {input_format!r} is not one of {', '.join(INPUT_FORMATS)}")
     if isinstance(tokenizer, str):
         tokenizer = build_tokenizer(tokenizer)
     output_prefix = os.fspath(output_prefix)
@@ -281,7 +326,7 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str, tokenize
                         "check --input and --glob")
     total_bytes = sum(p.stat().st_size for p in files)
     repairs = _Repairs()
-    batches = _batches(iter_documents(files, json_key, split_lines, repairs))
+    batches = _batches(iter_documents(files, json_key, split_lines, repairs, input_format))
     use_pool = workers > 1 and not isinstance(tokenizer, ByteTokenizer)
 
     from tqdm import tqdm
@@ -362,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-key", default="text",
                    help="the key holding the text in .jsonl files (default: text)")
     p.add_argument("--split-lines", action="store_true", help="every line of a .txt file is a document")
+    p.add_argument("--input-format", choices=INPUT_FORMATS, default="auto",
+                   help="auto (default): each file by its suffix, a pipe by its first line (jsonl when it is a JSON "
+                        "object with --json-key, else text; the log says which); jsonl or txt: every input so")
     p.add_argument("--glob", default="*", help="file-name pattern for files inside directories (default: *); "
                                                "hidden files and directories are skipped")
     p.add_argument("--format", choices=FORMATS, default="megalm",
@@ -382,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stats = preprocess(args.input, args.output_prefix, build_tokenizer(args.tokenizer),
                            json_key=args.json_key, split_lines=args.split_lines, overwrite=args.overwrite,
                            show_progress=not args.no_progress, glob=args.glob, workers=args.workers,
-                           output_format=args.format)
+                           output_format=args.format, input_format=args.input_format)
     except (MegalmError, OSError) as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"error: {message}", file=sys.stderr)

@@ -122,6 +122,7 @@ class Trainer:
             ckpt.note_function_change(meta.config.get("model", {}), self.config_dict["model"], path)
             ckpt.note_precision_change(meta.config.get("precision", {}), self.config_dict["precision"], path)
             ckpt.note_schedule_change(meta.config, self.cfg, step, path)
+            ckpt.note_data_change(meta.state, ckpt.data_size(self.data.train, self.data.valid), path)
         ckpt.load_checkpoint(path, self.model, self.optimizer, self.mesh, self.device)
         self.step, self.consumed_tokens = step, meta.state["consumed_tokens"]
         self.nonfinite.load_state_dict(meta.state)
@@ -138,7 +139,8 @@ class Trainer:
         tokenizer = self.data.tokenizer
         state = {"consumed_tokens": self.consumed_tokens, "tokenizer": getattr(tokenizer, "spec", None),
                  "tokenizer_vocab_size": getattr(tokenizer, "vocab_size", None),
-                 **ckpt.data_order(self.cfg, self.data.blend), **self.nonfinite.state_dict()}
+                 **ckpt.data_order(self.cfg, self.data.blend), **ckpt.data_size(self.data.train, self.data.valid),
+                 **self.nonfinite.state_dict()}
         if self.train_steps is not None:
             state["next_sample"] = self.train_steps.start(self.step)
         return self.checkpointer.save(self.step, self.model, self.optimizer, state, self.config_dict)

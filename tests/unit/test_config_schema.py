@@ -208,10 +208,13 @@ def test_schedule_settings_that_cannot_act_are_said(caplog):
                                "optim.schedule=wsd decays over optim.wsd_decay_fraction of the run")
 
 
+BUDGET = ("data=synthetic", "data.varlen=true", "trainer.tokens_per_step=256")
+
+
 def test_settings_nothing_reads_are_said(caplog):
-    """data.synthetic.* beside other data, logging.wandb.* with W&B off, trainer.compile_backend in an eager run and
-    parallel.overlap_param_gather without ZeRO-1 were ignored without a word (until 2026-12-06); where each is read,
-    nothing is said."""
+    """data.synthetic.* beside other data, logging.wandb.* with W&B off, trainer.compile_backend in an eager run,
+    parallel.overlap_param_gather without ZeRO-1 and trainer.global_batch_size under a token budget were ignored
+    without a word (until 2026-12-06); where each is read, nothing is said."""
     import logging
 
     from megalm.training.validation import validate_run
@@ -229,6 +232,8 @@ def test_settings_nothing_reads_are_said(caplog):
         ("parallel.overlap_param_gather=false",): "parallel.overlap_param_gather=False times ZeRO-1's all-gather of "
                                                   "the updated parameters, and parallel.zero1=false gathers none: not "
                                                   "used",
+        (*BUDGET, "trainer.global_batch_size=8"): "trainer.global_batch_size=8 set with trainer.tokens_per_step=256: "
+                                                  "not used (a step takes the samples that fit the token budget)",
     }
     for overrides, line in said.items():
         caplog.clear()
@@ -237,7 +242,7 @@ def test_settings_nothing_reads_are_said(caplog):
         assert caplog.messages == [line], (overrides, caplog.messages)
     read = [("data=synthetic", "data.synthetic.num_docs=10"),  # each read where it is set: nothing to say
             ("parallel.overlap_param_gather=false", "parallel.zero1=true"),
-            ("trainer.compile=true", "trainer.compile_backend=aot_eager")]
+            ("trainer.compile=true", "trainer.compile_backend=aot_eager"), BUDGET]
     for overrides in read + [()]:  # and the defaults
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="megalm"):

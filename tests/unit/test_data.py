@@ -269,6 +269,19 @@ def test_missing_dataset_files_raise(tmp_path, how, missing):
         IndexedDataset(prefix)
 
 
+def test_a_dataset_path_naming_its_directory_names_the_prefix(tmp_path):
+    """data.path=DIR holding DIR/corpus.{bin,idx}: the line names the prefix (it suggested preprocessing to
+    --output-prefix DIR, which refuses a directory)."""
+    prefix = write_dataset(tmp_path / "data" / "corpus", [[1, 2], [3]], 257, 256, "byte")
+    for path in (tmp_path / "data", f"{tmp_path / 'data'}/"):
+        with pytest.raises(DataError, match=rf"is a directory, not a dataset's prefix; it holds .*: write "
+                                            rf"data.path={prefix}$"):
+            IndexedDataset(str(path))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="it holds no .idx file"):
+        IndexedDataset(str(tmp_path / "empty"))
+
+
 def test_a_dataset_path_with_its_suffix_says_to_drop_it(tmp_path):
     prefix = write_dataset(tmp_path / "ds", [[1, 2], [3]], 257, 256, "byte")
     with pytest.raises(DataError, match=rf"names a file; .* write data.path={prefix}$"):
@@ -417,6 +430,39 @@ def test_preprocess_input_refusals_and_pipes(tmp_path):
     (tmp_path / "stale.megalm.json").write_text("{}")
     with pytest.raises(DataError, match=r"^\S*stale.megalm.json already exists; pass --overwrite"):
         preprocess([bom], str(tmp_path / "stale"), "byte", show_progress=False)
+
+
+def test_preprocess_reads_a_pipe_of_json_lines_as_json_lines(tmp_path, caplog):
+    """The compressed-input error says to pipe the file in: a pipe has no suffix, and a piped .jsonl was one document
+    of raw JSON text. auto reads a pipe by its first line (and says so); --input-format sets it; --split-lines splits
+    a piped text."""
+    import gzip
+    import logging
+
+    (tmp_path / "gz").mkdir()
+    (tmp_path / "gz" / "docs.jsonl.gz").write_bytes(gzip.compress(b"{}"))
+    with pytest.raises(DataError, match=r"--input <\(zcat FILE\) --input-format jsonl"):
+        preprocess([tmp_path / "gz"], str(tmp_path / "out"), "byte", show_progress=False)
+
+    def piped(text: str, prefix: str, **options) -> list[str]:
+        fifo = tmp_path / f"{prefix}.fifo"
+        os.mkfifo(fifo)
+        writer = threading.Thread(target=lambda: fifo.write_text(text))
+        writer.start()
+        preprocess([fifo], str(tmp_path / prefix), "byte", show_progress=False, **options)
+        writer.join()
+        return _texts(str(tmp_path / prefix))
+
+    lines = "\n" + json.dumps({"text": "one"}) + "\n" + json.dumps({"text": "two", "id": 2}) + "\n"
+    with caplog.at_level(logging.INFO):
+        assert piped(lines, "auto") == ["one", "two"]
+    assert any("as jsonl (its first line is a JSON object with key 'text'); --input-format txt" in m
+               for m in caplog.messages), caplog.messages
+    assert piped(lines, "as_text", input_format="txt") == [lines]
+    assert piped("a\nb\n", "split", split_lines=True) == ["a", "b"]
+    assert piped("{not json\n", "text") == ["{not json\n"]
+    with pytest.raises(DataError, match="--input-format 'yaml' is not one of auto, jsonl, txt"):
+        preprocess([tmp_path / "gz"], str(tmp_path / "out"), "byte", show_progress=False, input_format="yaml")
 
 
 def test_preprocess_hf_tokenizer_and_uint32(tmp_path):

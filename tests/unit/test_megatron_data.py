@@ -464,4 +464,8 @@ def test_an_id_outside_the_vocab_past_the_probe_is_refused_when_read(tmp_path, m
     assert ds.get(0).tolist() == [1, 2, 3, 4, 256] and ds.get(1, 0, 1).tolist() == [5]
     with pytest.raises(DataError) as e:
         ds.get(1)
-    assert_one_line(e, "document 1", "token id 300", "[0, 257)", "megalm-preprocess")
+    # the vocab is data.tokenizer's (no sidecar): the fix is the tokenizer, not a preprocess that would overwrite
+    # Megatron-LM's files
+    assert_one_line(e, "document 1", "token id 300", "[0, 257) of data.tokenizer=byte",
+                    "set data.tokenizer to the tokenizer the data was made with")
+    assert "megalm-preprocess" not in str(e.value)

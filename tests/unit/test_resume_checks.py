@@ -54,6 +54,16 @@ def test_settings_that_change_later_samples_are_refused(tmp_path, overrides):
         Trainer(compose_config(*RUN, *overrides), tmp_path)
 
 
+def test_under_a_token_budget_the_unread_batch_size_may_change(tmp_path):
+    """trainer.tokens_per_step takes as many samples a step as fit it, whatever trainer.global_batch_size says: a
+    resume that changes the batch size was refused as changing the data order, which it does not."""
+    budget = ["data.varlen=true", "trainer.tokens_per_step=96"]
+    stopped_at_2(tmp_path / "run", *budget, "trainer.global_batch_size=4")
+    resumed = Trainer(compose_config(*RUN, *budget, "trainer.global_batch_size=8"), tmp_path / "run")
+    straight = Trainer(compose_config(*RUN, *budget), tmp_path / "straight")
+    assert resumed.step == 2 and all(resumed.step_sample_ids(s) == straight.step_sample_ids(s) for s in range(2, 4))
+
+
 def test_the_optimizer_s_settings_are_this_run_s_and_a_change_is_said(tmp_path, caplog):
     """Lowering beta2 (a usual answer to a divergence) takes effect on resume, with one warning; the moments are the
     checkpoint's. Until 2026-12-04 the checkpoint's param groups were restored whole, over the config."""
@@ -163,3 +173,29 @@ def test_a_checkpoint_with_a_model_key_this_megalm_lacks_is_one_line_naming_its_
         message = str(error.value)
         assert "\n" not in message and str(config) in message and "'a_newer_key'" in message, message
         assert "read it with the megalm version that wrote it" in message
+
+
+def test_a_resume_on_data_rebuilt_in_place_is_said(tmp_path, caplog):
+    """The checkpoint keeps the data's documents and tokens: a resume on a dataset rebuilt under the same data.path
+    (other documents) goes on, saying that its samples and validation split are no longer the run's (it went on
+    without a word, an audit, 2026-12-06); on the same data nothing is said."""
+    import json
+
+    from megalm.data.preprocess import preprocess
+
+    def corpus(docs: int) -> None:
+        text = "".join(json.dumps({"text": f"document {i} " * (3 + i % 7)}) + "\n" for i in range(docs))
+        (tmp_path / "docs.jsonl").write_text(text)
+        preprocess([tmp_path / "docs.jsonl"], str(tmp_path / "corpus"), "byte", show_progress=False, overwrite=True)
+
+    data = ["data=indexed", f"data.path={tmp_path / 'corpus'}", "data.valid_fraction=0.1"]
+    corpus(60)
+    stopped_at_2(tmp_path / "run", *data)
+    for docs, said in ((60, False), (70, True)):
+        corpus(docs)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megalm"):
+            Trainer(compose_config(*RUN, *data), tmp_path / "run")
+        lines = [m for m in caplog.messages if "the data changed since" in m]
+        assert len(lines) == int(said), caplog.messages
+    assert "trained on data of 60 documents" in lines[0] and "this run's has 70 and" in lines[0], lines

@@ -58,8 +58,10 @@ from megalm.training.checkpoint.verify import (
     check_resume_target,
     check_same_data_order,
     data_order,
+    data_size,
     function_differences,
     latest_unless_never,
+    note_data_change,
     note_function_change,
     note_precision_change,
     note_schedule_change,
@@ -71,11 +73,10 @@ from megalm.training.checkpoint.verify import (
 
 __all__ = [
     "CHECKPOINTS", "FILES", "FORMAT_VERSION", "LATEST", "Checkpointer", "LoadedCheckpoint", "PendingCheckpoint",
-    "check_model_config", "check_resume_target", "check_same_data_order", "checkpoint_name", "data_order", "fsync_path",
-    "is_complete", "latest_checkpoint", "latest_unless_never", "load_checkpoint", "load_model_weights",
-    "load_optimizer_tensors",
-    "function_differences", "note_function_change", "note_precision_change", "note_schedule_change",
-    "load_saved_model", "optimizer_tensors", "read_checkpoint_meta", "resolve_checkpoint_path",
-    "resumable_checkpoint", "save_checkpoint", "save_tensors", "saved_model_config", "saved_vocab_rows",
-    "verify_checkpoint", "write_text_atomic",
+    "check_model_config", "check_resume_target", "check_same_data_order", "checkpoint_name", "data_order", "data_size",
+    "fsync_path", "is_complete", "latest_checkpoint", "latest_unless_never", "load_checkpoint", "load_model_weights",
+    "load_optimizer_tensors", "function_differences", "note_data_change", "note_function_change",
+    "note_precision_change", "note_schedule_change", "load_saved_model", "optimizer_tensors", "read_checkpoint_meta",
+    "resolve_checkpoint_path", "resumable_checkpoint", "save_checkpoint", "save_tensors", "saved_model_config",
+    "saved_vocab_rows", "verify_checkpoint", "write_text_atomic",
 ]

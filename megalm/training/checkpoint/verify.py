@@ -269,11 +269,31 @@ def data_order(cfg: Any, blend: Any) -> dict[str, Any]:
     ...]): a resumed run must have the same (`check_same_data_order`)."""
     t, d = cfg.trainer, cfg.data
     synthetic = config_to_dict(d.synthetic) if str(d.name) == "synthetic" else None
-    return {"seed": cfg.seed, "global_batch_size": t.global_batch_size, "varlen": d.varlen,
+    # under a token budget a step's samples are as many as fit it: the batch size is not read (nor compared)
+    batch = {"global_batch_size": t.global_batch_size} if t.tokens_per_step is None else {}
+    return {"seed": cfg.seed, **batch, "varlen": d.varlen,
             "tokens_per_step": t.tokens_per_step, "blend": blend, "data": str(d.name),
             "path": d.path if str(d.name) == "indexed" else None,
             "seq_length": cfg.model.seq_length, "split_seed": d.split_seed, "valid_fraction": d.valid_fraction,
             "synthetic": synthetic}
+
+
+def data_size(train: Any, valid: Any) -> dict[str, list[int]]:
+    """The documents and tokens of the run's data (both splits): a checkpoint keeps them, so that a resume on data
+    rebuilt in place (the same data.path, other contents) is said (`note_data_change`)."""
+    splits = [split for split in (train, valid) if split is not None]
+    return {"data_size": [sum(int(s.num_docs) for s in splits), sum(int(s.num_tokens) for s in splits)]}
+
+
+def note_data_change(saved: dict[str, Any], current: dict[str, list[int]], path: Path) -> None:
+    """One warning line when the run's data holds other documents than the checkpoint's (a dataset rebuilt under the
+    same data.path): the run goes on, but its later samples and validation split are not the ones it would have had.
+    A checkpoint without the record (before 2026-12-06) is not compared."""
+    was, now = saved.get("data_size"), current["data_size"]
+    if was is not None and list(was) != list(now):
+        log.warning(f"checkpoint {path} was trained on data of {was[0]:,} documents and {was[1]:,} tokens, this run's "
+                    f"has {now[0]:,} and {now[1]:,}: the data changed since, so the later samples and the validation "
+                    "split are not those the run would have seen (set data.path back to the data it trained on)")
 
 
 def check_same_data_order(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
