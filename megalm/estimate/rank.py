@@ -223,21 +223,13 @@ def make_compiled_weight_copies(trainer: Any) -> None:
 
 
 def check_grouped_gemms(cfg: Any) -> None:
-    """The experts' torch._grouped_mm, as fake tensors trace it (its meta kernel, which CUDA's follows): bf16 inputs
-    whose rows are multiples of 16 bytes. Anything else failed mid-trace with a torch traceback; one line instead."""
+    """The experts' torch._grouped_mm, as fake tensors trace it (`grouped_gemm_refusal`): anything it cannot take
+    failed mid-trace with a torch traceback; one line instead."""
     from megalm.errors import ConfigError
+    from megalm.precision import grouped_gemm_refusal
 
-    m = cfg.model
-    if not m.moe.num_experts:
-        return
-    if str(cfg.precision.name) == "fp32":
-        raise ConfigError("megalm-estimate traces an MoE model's experts with torch._grouped_mm, whose meta kernel "
-                          "takes bf16 only; estimate it with precision=bf16")
-    # the routed experts are whole on every TP rank (megalm/parallel/tensor/apply.py): their full width
-    widths = {"model.hidden_size": m.hidden_size, "model.moe.expert_ffn_hidden_size": m.moe.expert_ffn_hidden_size}
-    if odd := [f"{name}={width}" for name, width in widths.items() if width % 8]:
-        raise ConfigError(f"the experts' grouped GEMM (torch._grouped_mm) needs rows of 16 bytes, bf16 widths that "
-                          f"are multiples of 8: {', '.join(odd)}; round it to a multiple of 8")
+    if refusal := grouped_gemm_refusal(cfg):
+        raise ConfigError(f"megalm-estimate traces {refusal[0]}; {refusal[1]}")
 
 
 def communicators(tp: int, pp: int, cp: int, dp: int, ep: int = 1, experts_over_tp: bool = False,

@@ -151,6 +151,25 @@ def compute_dtype(precision: PrecisionConfig | str) -> torch.dtype:
     return torch.bfloat16 if autocasts(precision) or working_dtype(precision) else torch.float32
 
 
+def grouped_gemm_refusal(cfg: MegalmConfig) -> tuple[str, str] | None:
+    """(what, fix) where an MoE model's experts cannot be traced (compiled blocks, megalm-estimate's fake tensors):
+    torch._grouped_mm's meta kernel, which CUDA's kernel follows, takes bf16 inputs whose rows are multiples of 16
+    bytes (in eager on a CPU it runs fp32 and any width). The experts run in `compute_dtype`: fp32 under precision=
+    fp32, and under the fp8/mx recipes without autocast or bf16 working weights. None where they can be traced."""
+    m, p = cfg.model, cfg.precision
+    if not m.moe.num_experts:
+        return None
+    if compute_dtype(p) != torch.bfloat16:
+        return (f"the MoE experts' torch._grouped_mm, which takes bf16 only, and precision={p.name} runs them in fp32",
+                "set precision=bf16" + ("" if p.name in WHOLE_MODEL else " or precision.bf16_weights=true"))
+    # the routed experts are whole on every TP rank (megalm/parallel/tensor/apply.py): their full width
+    widths = {"model.hidden_size": m.hidden_size, "model.moe.expert_ffn_hidden_size": m.moe.expert_ffn_hidden_size}
+    if odd := [f"{name}={width}" for name, width in widths.items() if width % 8]:
+        return (f"the MoE experts' torch._grouped_mm, which needs rows of 16 bytes (bf16 widths that are multiples of "
+                f"8): {', '.join(odd)}", "round it to a multiple of 8")
+    return None
+
+
 @contextlib.contextmanager
 def autocast(precision: PrecisionConfig | str, device: torch.device, amax_group: object = None) -> Iterator[None]:
     """bf16 autocast around forward passes (fp32 weights): for bf16_autocast, and for the low-precision
@@ -342,11 +361,8 @@ def validate_precision(cfg: MegalmConfig) -> None:
     if cfg.trainer.compile and (conflict := compiled_recipe_conflict(cfg)):
         raise ConfigError(f"trainer.compile=true runs precision={p.name} {conflict[0]}; {conflict[1]} or "
                           "trainer.compile=false")
-    if cfg.trainer.compile and cfg.model.moe.num_experts and p.name == "fp32":
-        # torch._grouped_mm, the experts' GEMM, runs fp32 in eager on a CPU, but its meta kernel (what a compiled
-        # graph is traced with) takes bf16 only: the first compiled step would fail deep in dynamo
-        raise ConfigError("trainer.compile=true with an MoE model needs precision=bf16 (the experts' "
-                          "torch._grouped_mm traces bf16 only); set precision=bf16 or trainer.compile=false")
+    if cfg.trainer.compile and (refusal := grouped_gemm_refusal(cfg)):
+        raise ConfigError(f"trainer.compile=true traces {refusal[0]}; {refusal[1]}, or set trainer.compile=false")
     if p.name not in WHOLE_MODEL:
         _check_skip_patterns(cfg)
     if parallel.gradient_accumulation_fusion and working_dtype(p) is None:

@@ -309,6 +309,27 @@ def test_precision_settings_no_recipe_reads_are_refused(overrides, message):
         validate_run(compose_config(*overrides))
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["precision=fp32"], "which takes bf16 only, and precision=fp32 runs them in fp32; set precision=bf16, or set "
+                         "trainer.compile=false"),
+    (["precision=fp8", "precision.autocast=false", "precision.bf16_weights=false"],
+     "precision=fp8 runs them in fp32; set precision=bf16 or precision.bf16_weights=true, or set "
+     "trainer.compile=false"),
+    (["precision=bf16", "model.moe.expert_ffn_hidden_size=20"], "multiples of 8): model.moe.expert_ffn_hidden_size=20; "
+                                                                "round it to a multiple of 8"),
+], ids=["fp32", "fp8_fp32_experts", "width"])
+def test_compiled_moe_blocks_the_grouped_gemm_cannot_trace_are_refused(overrides, message):
+    """torch._grouped_mm's meta kernel (what a compiled block is traced with) takes bf16 rows of 16 bytes: fp32
+    experts under an fp8 recipe without autocast or bf16 weights, and widths that are not multiples of 8, were
+    accepted and failed in the first compiled step with a dynamo traceback (precision=fp32 alone was refused)."""
+    from megalm.training.validation import validate_run
+
+    with pytest.raises(ConfigError, match=re.escape(message)) as error:
+        validate_run(compose_config("model=moe_tiny", "trainer.compile=true", *overrides))
+    assert "\n" not in str(error.value)
+    validate_run(compose_config("model=moe_tiny", "trainer.compile=true", "precision=bf16"))  # it can trace that
+
+
 def test_a_composition_is_kept_per_process_and_each_caller_gets_its_own_copy(tmp_path, monkeypatch):
     """megalm.config.compose keeps what it composed (a composition is 0.3-0.6 s of CPU): the same overrides give an
     equal config that the caller may change without changing the next one's, a bad value is refused every time, and

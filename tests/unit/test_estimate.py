@@ -560,15 +560,18 @@ def test_the_reserve_counts_every_communicator_a_rank_talks_over():
 
 
 @pytest.mark.parametrize("change, message", [
-    ("precision=fp32", "whose meta kernel takes bf16 only; estimate it with precision=bf16"),
+    ("precision=fp32", "which takes bf16 only, and precision=fp32 runs them in fp32; set precision=bf16"),
+    # an fp8 recipe without autocast or bf16 weights runs the experts in fp32 too (a torch traceback until 2026-12-06)
+    ("precision=fp8 precision.autocast=false precision.bf16_weights=false",
+     "precision=fp8 runs them in fp32; set precision=bf16 or precision.bf16_weights=true"),
     # the trace runs on the CPU, where the trainer refused it "as there already"
     ("parallel.fsdp_cpu_offload=true", "megalm-estimate does not price parallel.fsdp_cpu_offload"),
-    ("model.moe.expert_ffn_hidden_size=36", "multiples of 8: model.moe.expert_ffn_hidden_size=36")])
+    ("model.moe.expert_ffn_hidden_size=36", "multiples of 8): model.moe.expert_ffn_hidden_size=36")])
 def test_what_the_estimator_cannot_trace_is_one_line(change, message, capsys):
     """The MoE shapes trained on the CPU and failed in megalm-estimate with a torch traceback from _grouped_mm's
     meta kernel; FSDP's CPU offload was refused for a reason that is not the user's."""
     extra = ["parallel.fsdp=true"] if "fsdp" in change else []
-    assert estimate.main(["model=moe_tiny", "trainer.device=cpu", "precision=bf16", *extra, change, "--world",
-                          "2"]) == 2
+    assert estimate.main(["model=moe_tiny", "trainer.device=cpu", "precision=bf16", *extra, *change.split(),
+                          "--world", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1, err
