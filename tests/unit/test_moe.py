@@ -286,7 +286,7 @@ def test_moe_tiny_trains_logs_load_and_resumes_its_bias(tmp_path, make_config):
     (2, ["parallel.ep=0"], "parallel.ep=0 must be >= 1"),
     (2, ["model=tiny", "parallel.ep=2"], "needs a mixture-of-experts model"),
     # torch._grouped_mm's meta kernel (what a compiled graph traces) takes bf16 only: fp32 failed deep in dynamo
-    (1, ["trainer.compile=true", "precision=fp32"], "MoE model needs precision=bf16"),
+    (1, ["trainer.compile=true", "precision=fp32"], "which takes bf16 only, and precision=fp32 runs them in fp32"),
     # each DP rank cuts its own micro-batches under a token budget: their capacity queues and switch loss were not
     # one process's (found by an audit: the aux loss 1.0115 against 1.0099 at dp2)
     (2, ["data.varlen=true", "trainer.tokens_per_step=256", "model.moe.aux_loss_coeff=0.01"],
