@@ -309,6 +309,10 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
         if unread := set_away_from_default(t, TrainerConfig, ["global_batch_size"]):
             log.warning(f"trainer.{unread[0]} set with trainer.tokens_per_step={t.tokens_per_step}: not used (a step "
                         "takes the samples that fit the token budget)")
+    if t.eval_interval == 0 and (unread := set_away_from_default(t, TrainerConfig, ["eval_iters"])):
+        log.warning(f"trainer.{unread[0]} set with trainer.eval_interval=0, which never evaluates: not used")
+    if str(t.nonfinite) == "stop" and (unread := set_away_from_default(t, TrainerConfig, ["max_consecutive_skips"])):
+        log.warning(f"trainer.{unread[0]} set with trainer.nonfinite=stop, which skips no step: not used")
 
     o = cfg.optim
     choice(o.name, "optim.name", OptimizerName)

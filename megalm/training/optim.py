@@ -3,8 +3,9 @@
 The schedule is a pure function of the step (`lr_at`), so resuming needs no scheduler state
 beyond the step counter and a resumed run follows exactly the curve of one that never stopped.
 
-- cosine: linear warmup, then cosine from lr to min_lr over `decay_steps`, then min_lr.
-- linear: linear warmup, then linear decay to min_lr.
+- cosine: linear warmup, then cosine from lr to min_lr over `decay_steps` (default: the rest of the run, whose last
+  step runs at min_lr), then min_lr.
+- linear: linear warmup, then linear decay to min_lr, likewise.
 - wsd: warmup-stable-decay (Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond
   Fixed Training Durations"): warmup, constant lr, then a linear decay to min_lr over the last
   `wsd_decay_fraction` of the run.
@@ -38,8 +39,10 @@ def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
         # over what is left after warmup: a warmup into the decay window still ends at min_lr
         progress = min(1.0, (step - decay_start + 1) / max(1, max_steps - decay_start))
         return optim.lr + (optim.min_lr - optim.lr) * progress
+    # the decay's first step is the one after warmup's last (which ran at lr), its last at min_lr: as wsd's window
+    # (it was a step late: lr twice, and the run's last step short of min_lr, 45% of the way on a 20-step linear decay)
     decay_steps = optim.decay_steps or max(1, max_steps - optim.warmup_steps)
-    progress = min(1.0, (step - optim.warmup_steps) / decay_steps)
+    progress = min(1.0, (step - optim.warmup_steps + 1) / decay_steps)
     if optim.schedule == "linear":
         return optim.lr + (optim.min_lr - optim.lr) * progress
     return optim.min_lr + 0.5 * (optim.lr - optim.min_lr) * (1.0 + math.cos(math.pi * progress))

@@ -213,8 +213,9 @@ BUDGET = ("data=synthetic", "data.varlen=true", "trainer.tokens_per_step=256")
 
 def test_settings_nothing_reads_are_said(caplog):
     """data.synthetic.* beside other data, logging.wandb.* with W&B off, trainer.compile_backend in an eager run,
-    parallel.overlap_param_gather without ZeRO-1 and trainer.global_batch_size under a token budget were ignored
-    without a word (until 2026-12-06); where each is read, nothing is said."""
+    parallel.overlap_param_gather without ZeRO-1, trainer.global_batch_size under a token budget, trainer.eval_iters
+    without evaluations and trainer.max_consecutive_skips under nonfinite=stop were ignored without a word (until
+    2026-12-06); where each is read, nothing is said."""
     import logging
 
     from megalm.training.validation import validate_run
@@ -234,6 +235,11 @@ def test_settings_nothing_reads_are_said(caplog):
                                                   "used",
         (*BUDGET, "trainer.global_batch_size=8"): "trainer.global_batch_size=8 set with trainer.tokens_per_step=256: "
                                                   "not used (a step takes the samples that fit the token budget)",
+        ("trainer.eval_interval=0", "trainer.eval_iters=9"): "trainer.eval_iters=9 set with trainer.eval_interval=0, "
+                                                             "which never evaluates: not used",
+        ("trainer.nonfinite=stop", "trainer.max_consecutive_skips=3"): "trainer.max_consecutive_skips=3 set with "
+                                                                       "trainer.nonfinite=stop, which skips no step: "
+                                                                       "not used",
     }
     for overrides, line in said.items():
         caplog.clear()
@@ -242,7 +248,8 @@ def test_settings_nothing_reads_are_said(caplog):
         assert caplog.messages == [line], (overrides, caplog.messages)
     read = [("data=synthetic", "data.synthetic.num_docs=10"),  # each read where it is set: nothing to say
             ("parallel.overlap_param_gather=false", "parallel.zero1=true"),
-            ("trainer.compile=true", "trainer.compile_backend=aot_eager"), BUDGET]
+            ("trainer.compile=true", "trainer.compile_backend=aot_eager"), BUDGET, ("trainer.eval_iters=9",),
+            ("trainer.max_consecutive_skips=3",)]
     for overrides in read + [()]:  # and the defaults
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="megalm"):

@@ -10,13 +10,13 @@ from megalm.training.optim import build_optimizer, full_precision_weights, lr_at
 def test_warmup_is_linear_then_cosine_reaches_min_lr():
     o = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, schedule="cosine")
     assert lr_at(0, o, 110) == pytest.approx(0.1)
-    assert lr_at(9, o, 110) == pytest.approx(1.0)
-    assert lr_at(10, o, 110) == pytest.approx(1.0)
-    assert lr_at(60, o, 110) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
-    assert lr_at(110, o, 110) == pytest.approx(0.1)
+    assert lr_at(9, o, 110) == pytest.approx(1.0)  # warmup's last step runs at lr, the decay's first below it
+    assert lr_at(10, o, 110) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.01)))
+    assert lr_at(59, o, 110) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(109, o, 110) == pytest.approx(0.1)  # the run's last step: min_lr (it ran a step short of it)
     assert lr_at(500, o, 110) == pytest.approx(0.1)
-    lrs = [lr_at(s, o, 110) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False)), "cosine decay must be monotone"
+    lrs = [lr_at(s, o, 110) for s in range(9, 110)]
+    assert all(a > b for a, b in zip(lrs, lrs[1:], strict=False)), "cosine decay must fall every step"
 
 
 def test_wsd_is_flat_then_decays_over_last_fraction():
@@ -39,7 +39,11 @@ def test_wsd_reaches_min_lr_when_warmup_runs_into_the_decay_window():
 
 def test_linear_and_constant():
     lin = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=0, schedule="linear")
-    assert lr_at(50, lin, 100) == pytest.approx(0.5)
+    assert lr_at(49, lin, 100) == pytest.approx(0.5) and lr_at(99, lin, 100) == pytest.approx(0.0)
+    # the same window as wsd's over the whole run: the same rates, step for step
+    wsd = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=10, schedule="wsd", wsd_decay_fraction=0.9)
+    lin_warm = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=10, schedule="linear")
+    assert [lr_at(s, lin_warm, 100) for s in range(100)] == pytest.approx([lr_at(s, wsd, 100) for s in range(100)])
     const = OptimConfig(lr=0.3, warmup_steps=0, schedule="constant")
     assert lr_at(99, const, 100) == 0.3
 
