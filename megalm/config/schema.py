@@ -227,7 +227,7 @@ class TrainerConfig:
     """Steps between log lines (and metrics.jsonl records)."""
     eval_interval: int = 100
     """Steps between validations; 0: never."""
-    eval_iters: int = 4
+    eval_iters: int = 2
     """Batches per validation."""
     save_interval: int = 100
     """Steps between checkpoints; 0: only at the end."""

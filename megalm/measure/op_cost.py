@@ -17,6 +17,7 @@ GPU the two rooflines are compared op by op (measure/torch_roofline.py, run by t
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -130,6 +131,26 @@ def _attention_flops(name: str, args: tuple, kwargs: dict) -> float | None:
     return forward if name.endswith("_cpu") else 2 * forward
 
 
+# torch's attention kernels whose FLOP formulas (torch.utils.flop_counter) count the whole square, causal or not
+CAUSAL_HALVED = frozenset({
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_forward", "_flash_attention_backward",
+    "_efficient_attention_forward", "_efficient_attention_backward"})
+
+
+def causal_attention(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of one of torch's attention kernels (`CAUSAL_HALVED`) is causal: its `is_causal` argument, or
+    a `custom_mask_type` other than 0 (none) for the efficient kernels; read by name from the op's schema."""
+    if func._overloadpacket.__name__ not in CAUSAL_HALVED:
+        return False
+    for argument, value in _arguments(func, args, kwargs):
+        if argument.name == "is_causal" or argument.name == "custom_mask_type":
+            return bool(value)
+    return False
+
+
 def _recipe_gemm_operands(name: str, args: tuple) -> list[torch.Tensor] | None:
     """The matrices of one of megalm's compiled FP8/MX linear ops (megalm/precision/compiled_linear.py): [x, weight]
     for a forward (x [T, in], FP8 under `fp8_linear`), [dy, x, weight] for a backward; None for any other op."""
@@ -178,6 +199,61 @@ def _read_operands(func: Any, name: str, args: tuple, kwargs: dict) -> list[torc
         skipped.add("self")
     return [t for argument, value in _arguments(func, args, kwargs)
             if not argument.is_out and argument.name not in skipped for t in _tensors(value)]
+
+
+# Ops that read or write only the elements their indices name, not the whole tensor they index
+_GATHERS = {"gather": "self", "index_select": "self", "embedding": "weight"}  # read out.numel() elements of it
+_SCATTERS_IN_PLACE = {"scatter_": "src", "scatter_add_": "src", "index_add_": "source", "index_put_": "values",
+                      "index_copy_": "source"}  # write (and, adding, read) as many elements of self as they are given
+_ADDING = {"scatter_add_", "index_add_"}
+
+
+def indexed_bytes(func: Any, args: tuple, kwargs: dict, out: object) -> tuple[int, int] | None:
+    """(bytes read, bytes written) of an op that touches only the elements its indices name (`_GATHERS`,
+    `_SCATTERS_IN_PLACE`, the loss's `nll_loss_forward`, which reads one logit a row, and `nll_loss_backward`, which
+    reads no logit), or None for any other op: priced as reading and writing whole tensors, the loss's gathers and
+    scatters had cost a full pass over the [T, V] logits each. Every other tensor argument (the indices, ...) is read
+    whole."""
+    name = func._overloadpacket.__name__
+    indexed = _GATHERS.get(name) or ("self" if name in _SCATTERS_IN_PLACE or name.startswith("nll_loss") else None)
+    if indexed is None:
+        return None
+    arguments = {argument.name: value for argument, value in _arguments(func, args, kwargs)}
+    target = arguments.get(indexed)
+    if not isinstance(target, torch.Tensor):
+        return None
+    others = sum(_nbytes(t) for key, value in arguments.items() if key != indexed for t in _tensors(value))
+    outputs = _tensors(out)
+    if name in _GATHERS:
+        return others + outputs[0].numel() * target.element_size(), sum(_nbytes(t) for t in outputs)
+    if name == "nll_loss_forward":  # one logit a target
+        return others + arguments["target"].numel() * target.element_size(), sum(_nbytes(t) for t in outputs)
+    if name == "nll_loss_backward":  # the gradient's [T, V] written whole (zeros, then the targets' column)
+        return others, sum(_nbytes(t) for t in outputs)
+    if name.startswith("nll_loss"):
+        return None
+    elements = _indexed_elements(name, target, arguments)
+    if elements is None:
+        return None
+    nbytes = elements * target.element_size()
+    return others + (nbytes if name in _ADDING else 0), nbytes
+
+
+def _indexed_elements(name: str, target: torch.Tensor, arguments: dict[str, Any]) -> int | None:
+    """How many elements of `target` an in-place scatter writes: those it is given, or, for index_put_ (whose
+    values broadcast), those its indices name; None where that depends on the data (a boolean mask)."""
+    if name == "index_put_":
+        indices = list(arguments.get("indices") or [])
+        if any(i is not None and i.dtype == torch.bool for i in indices):
+            return None
+        named = [i for i in indices if i is not None]
+        rows = math.prod(torch.broadcast_shapes(*[i.shape for i in named])) if named else 1
+        whole = [size for i, size in zip(indices, target.shape, strict=False) if i is None]  # x[:, idx]: all of dim 0
+        return rows * math.prod(whole) * math.prod(target.shape[len(indices):])
+    given = arguments.get(_SCATTERS_IN_PLACE[name])
+    if not isinstance(given, torch.Tensor):  # a scalar value (scatter_.value): one element an index
+        given = arguments.get("index")
+    return given.numel() if isinstance(given, torch.Tensor) else None
 
 
 def reads_every_argument(func: Any, args: tuple, kwargs: dict) -> bool:
@@ -332,6 +408,8 @@ class OpCosts(TorchDispatchMode):
         outputs = _tensors(out) or _written_in_place(func, name, args, kwargs)
         read = sum(_nbytes(t) for t in inputs)
         written = sum(_nbytes(t) for t in outputs)
+        if (indexed := indexed_bytes(func, args, kwargs, out)) is not None:
+            read, written = indexed
         # an in-place GEMM (addmm_, a fused weight gradient's CPU form) has its out-of-place twin's formula
         formula = flop_registry.get(func._overloadpacket) or flop_registry.get(
             getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") and name[:-1] in _GEMM else None)
@@ -342,6 +420,8 @@ class OpCosts(TorchDispatchMode):
             # (the `out_dtype` overloads of mm/addmm pass a dtype where torch's formula takes its output shape)
             shapes = [a for a in args if not isinstance(a, torch.dtype)]
             flops = float(formula(*shapes, **kwargs, out_val=out)) if formula is not None else 0.0
+            if causal_attention(func, args, kwargs):  # flash kernels skip the masked blocks: half the square
+                flops /= 2
         matrices = _recipe_gemm_operands(name, args)
         if matrices is not None:  # GEMMs out of sight of torch's flop counter (their fake kernels compute nothing):
             # 2·T·in·out forward, twice that backward, at the peak of their operands (FP8 where `fp8_linear` takes
@@ -370,11 +450,13 @@ class OpCosts(TorchDispatchMode):
             self.add_kernel("fp8_weight_column_major", 2 * weight.numel(), "cast/copy")
 
     def _peak_flops(self, inputs: list[torch.Tensor]) -> float:
-        """The tensor-core peak of a GEMM's input dtype (FLOP/s)."""
+        """The tensor-core peak of a GEMM's input dtype (FLOP/s): its narrowest floating dtype, as an aten GEMM's
+        operands share theirs and a wider input beside them is an auxiliary one (an attention backward's fp32
+        logsumexp, a scale), whose dtype had priced the attention backward at TF32's half rate."""
         dtypes = {t.dtype for t in inputs if t.is_floating_point()}
         if dtypes & {torch.float8_e4m3fn, torch.float8_e5m2} and self.gpu.fp8_tflops:
             return self.gpu.fp8_tflops * 1e12
-        if dtypes <= {torch.bfloat16, torch.float16} and dtypes:
+        if dtypes & {torch.bfloat16, torch.float16}:
             return self.gpu.bf16_tflops * 1e12
         return (self.gpu.tf32_tflops if self.tf32 else self.gpu.tf32_tflops / 8) * 1e12
 

@@ -38,7 +38,16 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from megalm.measure.op_cost import GPUS, Gpu, OpCosts, category, dispatches_no_kernel, reads_every_argument
+from megalm.measure.op_cost import (
+    GPUS,
+    Gpu,
+    OpCosts,
+    category,
+    causal_attention,
+    dispatches_no_kernel,
+    indexed_bytes,
+    reads_every_argument,
+)
 
 REASONS = {
     "no kernel": "launches no kernel (a view missing from torch's list, a metadata query, an allocation); torch prices "
@@ -54,6 +63,10 @@ REASONS = {
                     "megalm of its operands'",
     "fused": "megalm counts these as the one kernel the GPU fuses them into (a compiled FP8 cast, its row "
              "`fused kernel`); torch prices each op",
+    "indexed": "an op that reads or writes only the elements its indices name (gather, embedding, an in-place "
+               "scatter, nll_loss); torch counts whole tensors",
+    "causal": "a causal call of torch's attention kernels, whose FLOPs megalm halves (flash kernels skip the masked "
+              "blocks); torch's formula counts the whole square",
 }
 
 
@@ -132,6 +145,10 @@ def _reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object,
         return "no kernel"
     if func._overloadpacket in _IGNORE_OPS:
         return "created"
+    if indexed_bytes(func, args, kwargs, out) is not None:
+        return "indexed"
+    if causal_attention(func, args, kwargs):
+        return "causal"
     if not reads_every_argument(func, args, kwargs):
         return "not read"
     outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]

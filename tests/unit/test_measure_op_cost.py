@@ -394,3 +394,64 @@ def test_a_trace_of_a_gpu_step_prices_megalm_s_one_pass_adamw_at_30_bytes_a_para
     assert one_pass["kernels"] == len(params)
     assert one_pass["gbytes"] * 1e9 == pytest.approx(30 * count + 4 * len(params), abs=1)
     assert steps["fused"]["optimizer"]["gbytes"] * 1e9 == pytest.approx(38 * count, abs=1024)
+
+
+def test_an_attention_backward_runs_at_the_peak_of_its_bf16_operands():
+    """The attention backward takes the forward's fp32 logsumexp beside its bf16 q, k, v: the peak is its operands'
+    (the narrowest floating dtype), where the fp32 input had priced it at TF32's, half the rate (every step-cost
+    table's attention column 1.7x too long)."""
+    with FakeTensorMode():
+        q, k, v = (torch.randn(1, 16, 4096, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        with OpCosts(GPUS["h100"]) as costs:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.backward(torch.randn_like(out))
+    attention = {name: c for name, c in costs.by_op.items() if category(name) == "attention"}
+    assert len(attention) == 2, dict(costs.by_op)
+    half_square = 4 * 16 * 4096 * 4096 * 128 / 2  # QKᵀ and PV, causal
+    for name, cost in attention.items():
+        assert cost.flops == half_square * (2 if name.endswith("backward") else 1), name
+        assert cost.ms == pytest.approx(cost.flops / (GPUS["h100"].bf16_tflops * 1e12) * 1e3, rel=1e-9), name
+
+
+@pytest.mark.parametrize("kernel, extra", [("_scaled_dot_product_flash_attention", (0.0, True)),
+                                           ("_scaled_dot_product_efficient_attention", (None, False, 0.0, True)),
+                                           ("_scaled_dot_product_cudnn_attention", (None, False, 0.0, True))])
+def test_torch_s_cuda_attention_kernels_count_half_the_square_when_causal(kernel, extra):
+    """torch's FLOP formulas for its CUDA attention kernels count the whole square, causal or not; a causal call
+    computes half of it (flash kernels skip the masked blocks), as the CPU kernel's formula here says."""
+    with FakeTensorMode():
+        q, k, v = (torch.empty(1, 16, 1024, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        flops = {}
+        for causal in (True, False):
+            with OpCosts(GPUS["h100"]) as costs:
+                getattr(torch.ops.aten, kernel)(q, k, v, *extra[:-1], causal)
+            flops[causal] = costs.total().flops
+    assert flops[False] == 4 * 16 * 1024 * 1024 * 128 and flops[True] == flops[False] / 2, flops
+
+
+def test_ops_that_touch_the_elements_their_indices_name_are_priced_by_those():
+    """The loss's gathers and scatters, an embedding's rows and nll_loss's one logit a row: priced as reading (and
+    writing) whole tensors, each had cost a full pass over the [T, V] logits (8 of the 48 bytes a logit of the
+    1.3B step's loss)."""
+    T, V, h = 256, 5000, 64
+    with FakeTensorMode():
+        logits, index = torch.empty(T, V, dtype=torch.bfloat16), torch.zeros(T, 1, dtype=torch.long)
+        weight, tokens = torch.empty(V, h, dtype=torch.bfloat16), torch.zeros(T, dtype=torch.long)
+        log_probs, targets = torch.empty(T, V), torch.zeros(T, dtype=torch.long)
+        table, rows, values, zero = torch.empty(1000, 100), torch.arange(10), torch.empty(10, 100), torch.empty(())
+        cases = {  # bytes: what is read (indices and the elements they name) and written
+            "gather": (lambda: logits.gather(-1, index), T * 8 + 2 * T * 2),
+            "scatter_": (lambda: logits.scatter_(-1, index, torch.empty(T, 1, dtype=torch.bfloat16)),
+                         T * 8 + 2 * T * 2),
+            "scatter_add_": (lambda: logits.scatter_add_(-1, index, torch.empty(T, 1, dtype=torch.bfloat16)),
+                             T * 8 + 3 * T * 2),
+            "embedding": (lambda: torch.nn.functional.embedding(tokens, weight), T * 8 + 2 * T * h * 2),
+            "nll_loss_forward": (lambda: torch.ops.aten.nll_loss_forward(log_probs, targets, None, 1, -100),
+                                 T * 8 + T * 4 + 2 * 4),
+            "index_put_": (lambda: table.index_put_((rows,), values), 10 * 8 + 2 * 10 * 100 * 4),
+            "index_put_ broadcast": (lambda: table.index_put_((rows,), zero), 10 * 8 + 4 + 10 * 100 * 4),
+        }
+        for name, (op, expected) in cases.items():
+            with OpCosts(GPUS["h100"]) as costs:
+                op()
+            assert costs.total().bytes == expected, (name, costs.total().bytes, expected)

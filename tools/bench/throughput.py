@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
                                         args.profile_trace)
     step_s = statistics.median(times)
     tok_per_step = statistics.median(tokens)
+    gpus = trainer.mesh.dims.world_size  # a step's tokens and FLOPs are global: the rates per GPU divide by them all
     report = {
         "model": cfg.model.name,
         "precision": cfg.precision.name,
@@ -126,9 +127,11 @@ def main(argv: list[str] | None = None) -> dict:
         "params_m": sum(p.numel() for p in trainer.model.parameters()) / 1e6,
         "tokens_per_step": tok_per_step,
         "step_seconds": step_s,
-        "tokens_per_sec": tok_per_step / step_s,
-        "tflops_per_sec": statistics.median(flops) / step_s / 1e12,
-        "mfu": statistics.median(flops) / step_s / trainer.peak if trainer.peak else None,
+        "world_size": gpus,
+        "tokens_per_sec": tok_per_step / step_s,  # the job's
+        "tokens_per_sec_per_gpu": tok_per_step / step_s / gpus,
+        "tflops_per_sec": statistics.median(flops) / step_s / gpus / 1e12,  # per GPU, as MFU
+        "mfu": statistics.median(flops) / step_s / (trainer.peak * gpus) if trainer.peak else None,
         "peak_memory_gib": peak_memory_gb(device),
     }
     if compiled is not None:
@@ -136,7 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
     report["fp8_columns_apart"] = args.fp8_columns_apart
     print(f"{report['model']} {report['precision']} on {report['device']}: {report['params_m']:.1f}M params, "
           f"{tok_per_step:.0f} tokens/step, {step_s * 1e3:.1f} ms/step, {report['tokens_per_sec']:,.0f} tokens/s, "
-          f"{report['tflops_per_sec']:.2f} TFLOP/s"
+          + (f"{report['tokens_per_sec_per_gpu']:,.0f} a GPU of {gpus}, " if gpus > 1 else "")
+          + f"{report['tflops_per_sec']:.2f} TFLOP/s" + (" a GPU" if gpus > 1 else "")
           + (f", MFU {100 * report['mfu']:.1f}%" if report["mfu"] else ", MFU n/a (no peak for this device)")
           + f", peak memory {report['peak_memory_gib']:.2f} GiB")
     if compiled is not None:
