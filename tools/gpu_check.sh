@@ -124,7 +124,8 @@ run() {
   report "" "### $name" "" "\`${*/#$PYTHON/python}\` (started $(date -u +%H:%M:%S), at most $limit s)"
   say "$name: $* (at most $limit s)"
   t0=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee "$log" | tee -a "$LOG"
+  # -k: the trainer takes SIGTERM as a preemption (a flag a bench loop never reads): KILL follows 10 s later
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$log" | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
   last_rc=$rc last_s=$((SECONDS - t0))
   if ((rc == 0)); then
