@@ -286,9 +286,9 @@ bench() {  # bench NAME LIMIT_S SCRIPT ARGS...: on the GPU as given; in a dry ru
   local name=$1 limit=$2 script=$3
   shift 3
   if ((DRY_RUN)) && [ -n "${HELPED[$script]:-}" ]; then
-    report "" "### $name (dry run: $script's imports and arguments were checked above)"
+    report "" "### $name (dry run: $script's imports and --help ran above; this row's arguments are not parsed)"
   elif ((DRY_RUN)); then
-    run "$name (dry run: imports and arguments)" 60 "$PYTHON" "$script" --help
+    run "$name (dry run: its imports and --help, not this row's arguments)" 60 "$PYTHON" "$script" --help
     if [ "$last_status" = ok ]; then HELPED[$script]=1; fi
   else
     run "$name" "$limit" "$PYTHON" "$script" "$@"
