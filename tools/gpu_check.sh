@@ -22,8 +22,9 @@ and, if time is left,
     OUT=DIR tools/gpu_check.sh setup calibrate            (the HDP cost model on this GPU: 2026-11-28 has it)
 Each call stays under ten minutes; what its budget leaves out is "not run". The report is DIR/gpu_check_report.md,
 the full output DIR/gpu_check.log. With the device tool: carry [".wheels", ".whl"]; the first command as
-"OUT=$OUT GPU_CHECK_BUDGET_S=570 tools/gpu_check.sh setup compare_accumulated throughput" (timeout_s 600), then at
-once (the machine goes back after 30 s idle) the second, its GPU_CHECK_BUDGET_S a minute under the device time left.
+"OUT=$OUT GPU_CHECK_BUDGET_S=570 GPU_CHECK_COMMIT=<git rev-parse --short HEAD> tools/gpu_check.sh setup
+compare_accumulated throughput" (timeout_s 600; the copy has no .git: the commit names the report), then at once
+(the machine goes back after 30 s idle) the second, its GPU_CHECK_BUDGET_S a minute under the device time left.
 A 15-minute device budget holds the start of the machine, the first call and a short second: on 2026-12-05 the
 start and "setup throughput tests" (553 s) left no room for the cell of the goal.'
 #

@@ -12,6 +12,7 @@ leaves what it wrote); these two parts are structured data, easier read in Pytho
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import subprocess
 import sys
@@ -44,7 +45,9 @@ def header(dry_run: bool) -> list[str]:
                   f"GiB), {torch.cuda.device_count()} visible" + (f"; driver {driver[0]}" if driver else ""))
     else:
         device = "no CUDA device (dry run: CPU stand-ins for the GPU steps)" if dry_run else "no CUDA device"
-    commit = _sh("git", "describe", "--always", "--dirty") or "unknown (no git checkout)"
+    # a copy without .git (the device tool's) is named by its caller: GPU_CHECK_COMMIT
+    commit = (_sh("git", "describe", "--always", "--dirty") or os.environ.get("GPU_CHECK_COMMIT")
+              or "unknown (no git checkout; GPU_CHECK_COMMIT names it)")
     return [
         "# megalm GPU check" + (" (dry run)" if dry_run else ""), "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
