@@ -138,9 +138,8 @@ class Trainer:
         check_finite_state(self.model, self.optimizer, self.step, self.device, self.mesh.is_distributed)
         tokenizer = self.data.tokenizer
         state = {"consumed_tokens": self.consumed_tokens, "tokenizer": getattr(tokenizer, "spec", None),
-                 "tokenizer_vocab_size": getattr(tokenizer, "vocab_size", None),
-                 **ckpt.data_order(self.cfg, self.data.blend), **ckpt.data_size(self.data.train, self.data.valid),
-                 **self.nonfinite.state_dict()}
+                 "tokenizer_vocab_size": getattr(tokenizer, "vocab_size", None), **self.nonfinite.state_dict(),
+                 **ckpt.data_order(self.cfg, self.data.blend), **ckpt.data_size(self.data.train, self.data.valid)}
         if self.train_steps is not None:
             state["next_sample"] = self.train_steps.start(self.step)
         return self.checkpointer.save(self.step, self.model, self.optimizer, state, self.config_dict)
