@@ -101,9 +101,11 @@ class IndexedDataset:
                                 "megalm-preprocess wrote")
             if os.path.isdir(prefix):  # a directory holding a dataset: the prefix is one of its files' stems
                 held = sorted(name[:-4] for name in os.listdir(prefix) if name.endswith(".idx"))
-                inside = (f"it holds {', '.join(os.path.join(prefix, h) for h in held)}: write data.path="
-                          f"{os.path.join(prefix, held[0])}" if held else "it holds no .idx file: point data.path "
-                          "at the prefix megalm-preprocess wrote (PREFIX.bin/PREFIX.idx)")
+                some = ", ".join(os.path.join(prefix, h) for h in held[:3]) + (f" and {len(held) - 3} more"
+                                                                              if len(held) > 3 else "")
+                inside = (f"it holds {some}: write data.path={os.path.join(prefix, held[0])}" if held else
+                          "it holds no .idx file: point data.path at the prefix megalm-preprocess wrote "
+                          "(PREFIX.bin/PREFIX.idx)")
                 raise DataError(f"data.path={prefix} is a directory, not a dataset's prefix; {inside}")
             raise DataError(f"data.path={prefix}: {path} not found; build it with "
                             f"megalm-preprocess --input ... --output-prefix {prefix}")

@@ -135,7 +135,8 @@ def list_input_files(inputs: Sequence[str | os.PathLike], glob: str = "*") -> li
                     f"{', '.join(sorted(datasets))} (.bin/.idx) inside the input directories")
     if compressed := [p for p in files if p.name.lower().endswith(COMPRESSED_SUFFIXES)]:
         inner = Path(compressed[0].stem).suffix.lower()  # data.jsonl.gz: .jsonl
-        as_format = " --input-format jsonl" if inner in JSON_SUFFIXES else " --input-format txt" if inner else ""
+        kind = "jsonl" if inner in JSON_SUFFIXES else "txt" if inner == ".txt" else None  # (a .tar.gz: neither)
+        as_format = f" --input-format {kind}" if kind else ""
         raise DataError(f"{compressed[0]} is compressed, which megalm-preprocess does not read; decompress it "
                         f"first, or pass it through a pipe (--input <(zcat FILE){as_format}, <(zstd -dc FILE), ...); "
                         "in a directory, --glob leaves it out")
@@ -201,16 +202,17 @@ INPUT_FORMATS = ("auto", "jsonl", "txt")
 
 def _sniffed_kind(path: Path, head: list[bytes], json_key: str) -> str:
     """auto's reading of a pipe (<(zcat FILE.jsonl.gz): a name without a suffix): jsonl when its first non-blank line
-    is a JSON object holding `json_key`, else text; one log line says which, and the flag that reads it otherwise."""
+    is a JSON object (one without `json_key` is then refused naming --json-key), else text; one warning line says
+    which, and the flag that reads it otherwise."""
     first = next((line for line in head if line.strip()), b"")
     try:
         obj = json.loads(first.removeprefix(codecs.BOM_UTF8))
     except (ValueError, RecursionError):
         obj = None
-    kind = "jsonl" if isinstance(obj, dict) and json_key in obj else "txt"
+    kind = "jsonl" if isinstance(obj, dict) else "txt"  # (a line without --json-key's key is then named, one line)
     other = "txt" if kind == "jsonl" else "jsonl"
-    log.warning(f"reading {path} as {kind} (its first line {'is' if kind == 'jsonl' else 'is not'} a JSON object with "
-                f"key {json_key!r}); --input-format {other} reads it as {other}")
+    log.warning(f"reading {path} as {kind} (its first line {'is' if kind == 'jsonl' else 'is not'} a JSON object); "
+                f"--input-format {other} reads it as {other}")
     return kind
 
 

@@ -236,7 +236,8 @@ def indexed_bytes(func: Any, args: tuple, kwargs: dict, out: object) -> tuple[in
     if elements is None:
         return None
     nbytes = elements * target.element_size()
-    return others + (nbytes if name in _ADDING else 0), nbytes
+    adding = name in _ADDING or name == "index_put_" and bool(arguments.get("accumulate"))
+    return others + (nbytes if adding else 0), nbytes
 
 
 def _indexed_elements(name: str, target: torch.Tensor, arguments: dict[str, Any]) -> int | None:

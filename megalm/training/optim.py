@@ -39,10 +39,11 @@ def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
         # over what is left after warmup: a warmup into the decay window still ends at min_lr
         progress = min(1.0, (step - decay_start + 1) / max(1, max_steps - decay_start))
         return optim.lr + (optim.min_lr - optim.lr) * progress
-    # the decay's first step is the one after warmup's last (which ran at lr), its last at min_lr: as wsd's window
-    # (it was a step late: lr twice, and the run's last step short of min_lr, 45% of the way on a 20-step linear decay)
-    decay_steps = optim.decay_steps or max(1, max_steps - optim.warmup_steps)
-    progress = min(1.0, (step - optim.warmup_steps + 1) / decay_steps)
+    # from the peak, warmup's last step (or step 0 without warmup), to min_lr on the run's last step: it was a step
+    # late (lr twice after warmup, and the last step short of min_lr: 45% of the way on a 20-step linear decay)
+    peak = max(optim.warmup_steps - 1, 0)
+    decay_steps = optim.decay_steps or max(1, max_steps - 1 - peak)
+    progress = min(1.0, (step - peak) / decay_steps)
     if optim.schedule == "linear":
         return optim.lr + (optim.min_lr - optim.lr) * progress
     return optim.min_lr + 0.5 * (optim.lr - optim.min_lr) * (1.0 + math.cos(math.pi * progress))

@@ -160,36 +160,38 @@ def test_delayed_scaling_histories_agree_over_the_batch_s_ranks(tmp_path, layout
                                        msg=lambda m, key=key: f"{key}: not one process's: {m}")
 
 
-def resume_delayed_histories(rank: int, world_size: int, tmp: str, split: str | None) -> None:
-    """Under pp 2 and layer split `split`, resume the checkpoint of tmp/run and save this rank's amax histories (None:
-    train the run to step 2 under [3,1])."""
+def resume_delayed_histories(rank: int, world_size: int, tmp: str, split: str, first: bool) -> None:
+    """Under pp 2 and layer split `split`, train tmp/run to step 2 (`first`) or resume it and save this rank's amax
+    histories."""
     import torch
 
     from megalm.precision.install import amax_history_tensors
 
-    common = ["precision=fp8_delayed", "model.num_layers=4", "trainer.max_steps=4", "parallel.pp=2"]
-    if split is None:
-        first = compose_config(*common, "parallel.layers_per_stage=[3,1]", "trainer.stop_at_step=2")
-        Trainer(first, f"{tmp}/run").fit()
+    common = ["precision=fp8_delayed", "model.num_layers=4", "trainer.max_steps=4", "parallel.pp=2",
+              f"parallel.layers_per_stage={split}"]
+    if first:
+        Trainer(compose_config(*common, "trainer.stop_at_step=2"), f"{tmp}/run").fit()
         return
-    resumed = Trainer(compose_config(*common, f"parallel.layers_per_stage={split}"), f"{tmp}/run")
+    resumed = Trainer(compose_config(*common), f"{tmp}/run")
     torch.save({key.split("/", 2)[2]: value for key, value in amax_history_tensors(resumed.model, "").items()},
                f"{tmp}/{split}{rank}.pt")
 
 
-def test_delayed_histories_follow_a_layer_to_its_new_stage(tmp_path):
+@pytest.mark.parametrize("saved, moved", [("[3,1]", "[1,3]"), ("[4,0]", "[2,2]")], ids=["3_1_to_1_3", "4_0_to_2_2"])
+def test_delayed_histories_follow_a_layer_to_its_new_stage(tmp_path, saved, moved):
     """A resume that moves layers between pipeline stages (parallel.layers_per_stage [3,1] -> [1,3]) keeps the layout
     tag, so each rank read only its own file, and layers 1 and 2, now on stage 1, started afresh without a word (an
     audit, 2026-12-06). Each layer's history is now read from the file of the stage that held it: the union of the
-    ranks' histories is the same as after a resume under the split that saved them."""
+    ranks' histories is the same as after a resume under the split that saved them; also where the new stage had
+    saved none ([4,0]: stage 1 held the head only, which precision.skip keeps out of FP8)."""
     import torch
 
-    for split in (None, "[3,1]", "[1,3]"):
-        run_distributed(resume_delayed_histories, 2, str(tmp_path), split, timeout=300)
-    kept, moved = ({k: v for rank in (0, 1) for k, v in torch.load(tmp_path / f"{split}{rank}.pt").items()}
-                   for split in ("[3,1]", "[1,3]"))
+    for split, first in ((saved, True), (saved, False), (moved, False)):
+        run_distributed(resume_delayed_histories, 2, str(tmp_path), split, first, timeout=300)
+    kept, after = ({k: v for rank in (0, 1) for k, v in torch.load(tmp_path / f"{split}{rank}.pt").items()}
+                   for split in (saved, moved))
     layers = {key.split("/")[0].split(".")[1] for key in kept if key.endswith("/history")}
     assert layers == {"0", "1", "2", "3"}, sorted(kept)
-    assert moved.keys() == kept.keys()
+    assert after.keys() == kept.keys()
     for key, value in kept.items():
-        assert torch.equal(moved[key], value), key
+        assert torch.equal(after[key], value), key

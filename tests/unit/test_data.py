@@ -456,11 +456,13 @@ def test_preprocess_reads_a_pipe_of_json_lines_as_json_lines(tmp_path, caplog):
     lines = "\n" + json.dumps({"text": "one"}) + "\n" + json.dumps({"text": "two", "id": 2}) + "\n"
     with caplog.at_level(logging.INFO):
         assert piped(lines, "auto") == ["one", "two"]
-    assert any("as jsonl (its first line is a JSON object with key 'text'); --input-format txt" in m
+    assert any("as jsonl (its first line is a JSON object); --input-format txt" in m
                for m in caplog.messages), caplog.messages
     assert piped(lines, "as_text", input_format="txt") == [lines]
     assert piped("a\nb\n", "split", split_lines=True) == ["a", "b"]
     assert piped("{not json\n", "text") == ["{not json\n"]
+    with pytest.raises(DataError, match="no key 'text' \\(keys: body\\); pass --json-key KEY"):  # not one raw document
+        piped(json.dumps({"body": "x"}) + "\n", "other_key")
     with pytest.raises(DataError, match="--input-format 'yaml' is not one of auto, jsonl, txt"):
         preprocess([tmp_path / "gz"], str(tmp_path / "out"), "byte", show_progress=False, input_format="yaml")
 

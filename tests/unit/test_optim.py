@@ -39,7 +39,8 @@ def test_wsd_reaches_min_lr_when_warmup_runs_into_the_decay_window():
 
 def test_linear_and_constant():
     lin = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=0, schedule="linear")
-    assert lr_at(49, lin, 100) == pytest.approx(0.5) and lr_at(99, lin, 100) == pytest.approx(0.0)
+    # without warmup the first step runs at lr, the last at min_lr
+    assert lr_at(0, lin, 100) == 1.0 and lr_at(33, lin, 100) == pytest.approx(2 / 3) and lr_at(99, lin, 100) == 0.0
     # the same window as wsd's over the whole run: the same rates, step for step
     wsd = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=10, schedule="wsd", wsd_decay_fraction=0.9)
     lin_warm = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=10, schedule="linear")

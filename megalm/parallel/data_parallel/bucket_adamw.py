@@ -200,7 +200,8 @@ class BucketAdamW:
     @torch.no_grad()
     def step(self) -> None:
         """AdamW on the part of every bucket this rank owns, then every parameter refreshed from it (ZeRO-1: an
-        all-gather, collective). A fixed number of foreach/fused launches per param group, not one per parameter."""
+        all-gather, collective). A fixed number of foreach/fused launches per param group (and bucket, where bf16
+        gradient buckets are cast for torch's kernels), not one per parameter."""
         for hook in list(self._pre_hooks.values()):
             hook(self, (), {})
         self.finish_param_gather()  # the parameters are read below (fp32: they are the main weights)

@@ -102,7 +102,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
                                               key=lambda k: int(k.rsplit("_", 1)[1]))]
         if cuda_states and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(cuda_states[: torch.cuda.device_count()])
-    if same_layout and mesh is not None and mesh.dims.pp > 1:
+    delayed = meta.config.get("precision", {}).get("name") == "fp8_delayed"  # (a stage may hold no history itself)
+    if same_layout and delayed and mesh is not None and mesh.dims.pp > 1:
         rng = rng | _other_stages_amax(path, mesh, rng)
     others = load_amax_histories(model, rng, layout_tag(mesh), device)
     if others and rank == 0:
@@ -118,8 +119,6 @@ def _other_stages_amax(path: Path, mesh: ParallelMesh, own: dict[str, torch.Tens
     had started afresh without a word). Keys this rank's own file holds are its own; the others are ignored by
     `load_amax_histories` unless this rank now holds their layer."""
     found: dict[str, torch.Tensor] = {}
-    if not any(key.startswith("amax/") for key in own):  # no histories saved (another recipe): nothing to find
-        return found
     coords = {k: getattr(mesh, f"{k}_rank") for k in ("tp", "cp", "dp")}
     for stage in range(mesh.dims.pp):
         if stage == mesh.pp_rank:
