@@ -206,6 +206,7 @@ _GATHERS = {"gather": "self", "index_select": "self", "embedding": "weight"}  # 
 _SCATTERS_IN_PLACE = {"scatter_": "src", "scatter_add_": "src", "index_add_": "source", "index_put_": "values",
                       "index_copy_": "source"}  # write (and, adding, read) as many elements of self as they are given
 _ADDING = {"scatter_add_", "index_add_"}
+_NLL_LOSS = ("nll_loss_forward", "nll_loss_backward")  # (nll_loss2d's are priced whole)
 
 
 def indexed_bytes(func: Any, args: tuple, kwargs: dict, out: object) -> tuple[int, int] | None:
@@ -215,7 +216,7 @@ def indexed_bytes(func: Any, args: tuple, kwargs: dict, out: object) -> tuple[in
     scatters had cost a full pass over the [T, V] logits each. Every other tensor argument (the indices, ...) is read
     whole."""
     name = func._overloadpacket.__name__
-    indexed = _GATHERS.get(name) or ("self" if name in _SCATTERS_IN_PLACE or name.startswith("nll_loss") else None)
+    indexed = _GATHERS.get(name) or ("self" if name in _SCATTERS_IN_PLACE or name in _NLL_LOSS else None)
     if indexed is None:
         return None
     arguments = {argument.name: value for argument, value in _arguments(func, args, kwargs)}
@@ -230,8 +231,6 @@ def indexed_bytes(func: Any, args: tuple, kwargs: dict, out: object) -> tuple[in
         return others + arguments["target"].numel() * target.element_size(), sum(_nbytes(t) for t in outputs)
     if name == "nll_loss_backward":  # the gradient's [T, V] written whole (zeros, then the targets' column)
         return others, sum(_nbytes(t) for t in outputs)
-    if name.startswith("nll_loss"):
-        return None
     elements = _indexed_elements(name, target, arguments)
     if elements is None:
         return None
