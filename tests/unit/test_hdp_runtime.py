@@ -334,3 +334,31 @@ def test_the_trainers_cost_model_prices_an_moe_model_at_the_mlp_width_its_tokens
         return preset(shape, tp=1, capacity=cfg.parallel.hdp_capacity).replace(chunk_layers=4)  # offload's blocks
 
     assert hdp_cost_model(cfg) == priced((704 + 3 * (2 * 128 + 128)) // 4) != priced(704)
+
+
+def test_a_named_cost_model_is_rescaled_to_the_runs_tp():
+    """`parallel.hdp_cost` names a model of one-GPU HDP ranks (the YAML's and the 7b preset's tp 1): at tp 2 a node
+    holds 4 HDP ranks, each with twice the links and 1.8x the FLOPs, as the preset built at tp 2 has them. It kept
+    ranks_per_node 8, so the planner took rings of 5 to 8 ranks that cross nodes for NVLink rings."""
+    from megalm.parallel.hdp.cost import load_cost, preset
+    from megalm.parallel.hdp.split import hdp_cost_model
+    from tests.conftest import compose_config
+
+    def cost(name: str, tp: int):
+        cfg = validate_run(compose_config("model=7b", "parallel.hdp=true", f"parallel.tp={tp}", "parallel.dp=2",
+                                          f"parallel.hdp_cost={name}", "data=synthetic", "data.varlen=true",
+                                          "model.seq_length=4096", "trainer.global_batch_size=8",
+                                          "trainer.micro_batch_size=1", tiny=False), world_size=2 * tp)
+        return hdp_cost_model(cfg)
+
+    yaml1, yaml2 = cost("h100_7b", 1), cost("h100_7b", 2)
+    assert yaml1.replace(chunk_layers=0) == load_cost("h100_7b") and yaml1.tp == 1
+    assert (yaml2.tp, yaml2.ranks_per_node, yaml2.heads) == (2, 4, 16)
+    assert yaml2.bw_inter == 2 * yaml1.bw_inter and yaml2.c == yaml1.c
+    assert yaml2.b == pytest.approx(yaml1.b / 1.8) and yaml2.act_bytes == yaml1.act_bytes / 2
+    built = preset("7b", tp=2)
+    scaled = cost("7b", 2)
+    for key in ("a", "b", "head", "bw_intra", "bw_inter", "ranks_per_node", "heads", "act_bytes", "act_fixed", "tp"):
+        assert getattr(scaled, key) == pytest.approx(getattr(built, key)), key
+    thirteen = preset("13b")  # built at its default tp 2
+    assert thirteen.tp == 2 and thirteen.at_tp(2) is thirteen

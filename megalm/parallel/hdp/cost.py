@@ -76,6 +76,7 @@ class CostModel:
     qo_bytes: float = 0.0  # bytes per token per layer of q and the attention output (2 · h · 2 in bf16): all-to-all
     heads: int = 0  # kv heads per HDP rank: an all-to-all group size must divide them (0: no limit)
     chunk_layers: int = 0  # blocks of the pipeline's smallest chunk, which offloads r of its own (0: no pipeline)
+    tp: int = 1  # GPUs in one HDP rank (its TP group) that these coefficients describe: `at_tp` rescales them
     source: str = ""  # where the coefficients come from (first principles, the estimator, a GPU calibration)
     name: str = "custom"
 
@@ -148,6 +149,19 @@ class CostModel:
     def replace(self, **changes) -> CostModel:
         return dataclasses.replace(self, **changes)
 
+    def at_tp(self, tp: int) -> CostModel:
+        """This model for HDP ranks of `tp` GPUs, by `preset`'s rules: a rank has tp× the FLOPs (90% TP efficiency
+        past tp 1) and tp× the links, a node holds gpus_per_node / tp ranks, and the activation and state bytes
+        per GPU and the kv heads per rank are 1/tp. The per-micro-batch overhead c stays."""
+        if tp == self.tp:
+            return self
+        k = tp / self.tp
+        speed = k * _tp_efficiency(tp) / _tp_efficiency(self.tp)
+        heads = max(1, self.heads * self.tp // tp) if self.heads else 0
+        return self.replace(a=self.a / speed, b=self.b / speed, head=self.head / speed, bw_intra=self.bw_intra * k,
+                            bw_inter=self.bw_inter * k, ranks_per_node=max(1, self.ranks_per_node * self.tp // tp),
+                            act_bytes=self.act_bytes / k, act_fixed=self.act_fixed / k, heads=heads, tp=tp)
+
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
         """The model a YAML mapping describes, each value converted to its field's type and checked: YAML reads
@@ -173,7 +187,7 @@ class CostModel:
             except (TypeError, ValueError, OverflowError):  # OverflowError: .inf for a count
                 raise ValueError(f"cost model key {name}={value!r} is not a{'n' if kind is int else ''} "
                                  f"{kind.__name__}") from None
-            low = 1 if name in ("layers", "ranks_per_node", "capacity") else 0  # counts, and times or rates
+            low = 1 if name in ("layers", "ranks_per_node", "capacity", "tp") else 0  # counts, and times or rates
             if kind is not str and not (math.isfinite(values[name]) and values[name] >= low):
                 raise ValueError(f"cost model key {name}={value!r} must be a finite number >= {low}")
         return cls(**values)
@@ -501,6 +515,11 @@ def memory_capacity(shape: ModelShape, tp: int = 1, hw: Hardware = H100) -> int:
     return 2 ** int(math.log2(free / e))
 
 
+def _tp_efficiency(tp: int) -> float:
+    """The share of tp GPUs' FLOPs a TP group delivers (the presets' assumption)."""
+    return 0.9 if tp > 1 else 1.0
+
+
 def preset(
     model: str | ModelShape,
     tp: int | None = None,
@@ -526,7 +545,7 @@ def preset(
     # a named shape's model is not the YAML of its name (configs/hdp_cost/h100_7b.yaml: derived from megalm's block),
     # and says so: both were "h100_7b" in a plan's and the simulator's output
     label = f"{model}_preset" if isinstance(model, str) else f"{shape.layers}L-{shape.hidden}h"
-    flops = hw.peak_flops * tp * (0.9 if tp > 1 else 1.0)
+    flops = hw.peak_flops * tp * _tp_efficiency(tp)
     e, f = memory_model(shape, tp)
     return CostModel(
         a=7 * shape.hidden / (flops * eff_attn),
@@ -544,6 +563,7 @@ def preset(
         host_bw=hw.host_bw,
         qo_bytes=2 * shape.hidden * 2,
         heads=max(1, shape.kv_heads // tp),
+        tp=tp,
         source=f"first principles: FLOPs / (peak x efficiency {eff_linear} linear, {eff_attn} attention)",
         name=f"h100_{label}" if hw == H100 else label,
     )

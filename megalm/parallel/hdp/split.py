@@ -174,12 +174,15 @@ class HdpSplit:
 
 
 def hdp_cost_model(cfg: MegalmConfig) -> CostModel:
-    """`parallel.hdp_cost`: a preset or YAML (cost.load_cost); unset, the first-principles model of this
-    model's shape on H100s, one HDP rank = one TP group (only the balance depends on it). Under
+    """`parallel.hdp_cost`: a preset or YAML (cost.load_cost) at the run's tp (`CostModel.at_tp`); unset, the
+    first-principles model of this model's shape on H100s, one HDP rank = one TP group (only the balance depends on
+    it). Under
     `parallel.cp_comm=a2a+p2p` a node holds `parallel.cp_a2a_size` HDP ranks (the all-to-all groups), and the kv
     heads are the model's."""
     if cfg.parallel.hdp_cost:
-        cost = load_cost(cfg.parallel.hdp_cost)
+        # a YAML or preset describes HDP ranks of its own tp (1 unless it says): rescaled to the run's, where a node
+        # holds gpus_per_node / tp ranks (a ring of 5 to 8 ranks at tp 2 crosses nodes)
+        cost = load_cost(cfg.parallel.hdp_cost).at_tp(cfg.parallel.tp)
     else:
         m = cfg.model
         shape = ModelShape(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_heads, kv_heads=m.num_kv_heads,
