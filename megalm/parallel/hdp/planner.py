@@ -269,8 +269,8 @@ class _Planner:
         heapq.heapify(free)
         slots: dict[tuple[int, float], list[int]] = {}  # (rank, hole start) -> documents
         tail: list[list[int]] = [[] for _ in load]
-        tail_tokens = [0] * len(load)
-        overhead, full_mb = cost.layers * cost.c, cost.time(C, 0)
+        tail_tokens, tail_sq, tail_top = [0] * len(load), [0] * len(load), [0] * len(load)
+        overhead = cost.layers * cost.c
         qa, qb = cost.layers * cost.a, cost.layers * cost.b + cost.head  # cost.time(s, s * s), inlined
         for i in docs:
             s = L[i]
@@ -284,9 +284,12 @@ class _Planner:
             r = heap[0][1]
             tail[r].append(i)
             load[r] += t - overhead * (1 - s / C)
-            if pp > 1:
+            if pp > 1:  # the tail's micro-batches hold at most C tokens, each no longer than its first (longest)
                 tail_tokens[r] += s
-                longest[r] = max(longest[r], full_mb if tail_tokens[r] >= C else cost.time(tail_tokens[r], 0))
+                tail_sq[r] += s * s
+                tail_top[r] = tail_top[r] or s
+                tokens = min(tail_tokens[r], C)
+                longest[r] = max(longest[r], cost.time(tokens, min(tail_sq[r], tokens * tail_top[r])))
             key[r] = load[r] + (pp - 1) * longest[r]
             heapq.heapreplace(heap, (key[r], r))
         mbs, items = self.micro_batches, self.items
