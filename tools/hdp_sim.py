@@ -57,6 +57,7 @@ from megalm.parallel.hdp import (  # noqa: E402
     simulate,
 )
 from megalm.parallel.hdp.cost import CostModel, load_cost  # noqa: E402
+from megalm.parallel.hdp.pipelined import align_rings  # noqa: E402
 from tools.bench.cli import run_main  # noqa: E402
 
 POLICIES = ("static", "megatron_hybrid", "hdp")
@@ -208,6 +209,8 @@ def run_step(lengths: list[int], args, cost: CostModel, capacity: int):
     if args.offload:  # ByteScale's selective offload, the plan without it competing
         plans["hdp_offload"] = plan_hdp(lengths, args.ranks, capacity, cost, pp=args.pp, offload=True)
     for name, plan in plans.items():
+        if args.pp > 1 and name.startswith("hdp"):  # as the trainer runs it (HdpSplit.plan): 1F1B needs rings aligned
+            plan = align_rings(plan)
         if args.check:
             check_plan(plan, lengths, args.ranks, capacity, offload=cost if "offload" in name else None)
         out[name] = (plan, simulate(plan, cost, pp=args.pp))

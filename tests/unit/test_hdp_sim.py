@@ -99,6 +99,24 @@ def test_cli_longtail_with_pipeline_and_capacity(capsys):
         hdp_sim.main(["--ranks", "8", "--context", "8K", "--lengths", "/nonexistent/lengths.json"])
 
 
+def test_a_pipeline_s_plans_are_simulated_as_the_trainer_runs_them(monkeypatch, capsys):
+    """With --pp the trainer runs `align_rings(plan)` (HdpSplit.plan: 1F1B deadlocks on the raw plan), fillers
+    included; the simulator priced the raw plans, 2-4% faster than any run (docs/hdp.md's pp = 4 row)."""
+    from megalm.parallel.hdp.pipelined import check_pipelined
+
+    simulated = []
+    simulate = hdp_sim.simulate
+    monkeypatch.setattr(hdp_sim, "simulate", lambda plan, *a, **kw: simulated.append(plan) or simulate(plan, *a, **kw))
+    hdp_sim.main(["--ranks", "64", "--context", "256K", "--global-tokens", "4M", "--model", "7b", "--pp", "4",
+                  "--steps", "1", "--offload", "--check"])
+    capsys.readouterr()
+    planned = [plan for plan in simulated if plan.policy == "hdp"]  # hdp and hdp_offload
+    assert len(planned) == 2
+    for plan in planned:
+        check_pipelined(plan, 4, "1f1b")  # raises on a plan that deadlocks
+    assert sum(plan.stats.get("fillers", 0) for plan in planned) > 0
+
+
 def test_a_pipeline_s_offload_is_capped_per_stage_as_the_trainer_s(monkeypatch, capsys):
     """With --pp each stage offloads r(s) of its own blocks (megalm/offload/hooks.py), which keep two resident: the
     simulator plans and checks with the trainer's cap, 1 − 2/(layers/pp), where it priced the whole model's."""
