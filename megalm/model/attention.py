@@ -267,7 +267,11 @@ class Attention(nn.Module):
         q_width = self.o_proj.weight.shape[-1]  # this rank's query heads x head_dim: o_proj's input
         kv_width = (qkv.shape[-1] - q_width) // 2
         q, k, v = (t.view(total, -1, self.head_dim) for t in qkv.split([q_width, kv_width, kv_width], dim=-1))
-        v = v.contiguous()  # attention saves v: as a view it would keep the whole [T, q + 2 kv] output alive
+        if rope is not None or self.q_norm is not None:
+            # q and k become new tensors below, and attention saves v: as a view it would keep the whole [T, q + 2 kv]
+            # output alive. Without either (GPT-2's learned positions) attention saves q and k as views of that
+            # output, which stays alive anyway: a copy of v would be T·kv·head_dim more a layer.
+            v = v.contiguous()
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:

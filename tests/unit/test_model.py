@@ -359,6 +359,35 @@ def test_swiglu_is_autograds_bit_for_bit_and_keeps_its_input_alone():
 # ---------------------------------------------------------------- the model
 
 
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_attention_keeps_one_copy_of_v_for_its_backward(positions):
+    """Attention saves v for its backward: with RoPE (q and k rotated into new tensors) a copy of v, so that no view
+    keeps the [T, q + 2 kv] projection alive; with learned positions q and k are saved as views of that output, which
+    lives on anyway, and a copy of v was T·kv·head_dim more in every layer (an audit, GPT-2-style runs)."""
+    cfg = ModelConfig(num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=100, seq_length=32,
+                      attention_backend="sdpa", position_embedding=positions)
+    model = GPT(cfg)
+    init_weights(model, 0)
+    T = 32
+    attention = model.layers[0].attention
+    x = torch.randn(T, cfg.hidden_size, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    rope = model.rotary(torch.arange(T), torch.float32) if positions == "rope" else None
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attention(x, torch.tensor([0, T], dtype=torch.int32), T, rope)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+    sizes = sorted(n for ptr, n in saved.items() if ptr not in weights)
+    head_dim = cfg.hidden_size // cfg.num_heads
+    qkv, v = T * (4 + 2 * 2) * head_dim * 4, T * 2 * head_dim * 4
+    assert (qkv in sizes) == (positions == "learned")  # the projection's output, kept by views of q and k
+    assert (v in sizes) == (positions == "rope")  # v's own copy
+
+
 def test_causal():
     model = build(tiny_config())
     tokens, positions, cu, max_len = pack(random_docs([12], 64))
