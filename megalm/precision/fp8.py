@@ -318,7 +318,9 @@ def quantize_in_graph(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor |
     Engine's fused cast + amax). The amax is taken per row, then over the rows: a row reduction is what inductor
     fuses into a norm's or SwiGLU's kernel (a whole-tensor one it splits and leaves as a pass of its own over x), and
     a max is exact in any order. The same values as the eager casts, bit for bit."""
-    x_amax = amax(x, -1).amax()
+    # no tokens (a rank's empty micro-batch): an amax of 0 and a scale of 1, as the eager `amax` (dynamo specialises a
+    # size of 0, so the branch is a guard, not a break)
+    x_amax = amax(x, -1).amax() if x.numel() else x.new_zeros((), dtype=torch.float32)
     if scale is None:
         scale = scale_from_amax(x_amax, dtype)
     return _quantize_math(x, scale, fp8_max(dtype), dtype), scale, x_amax

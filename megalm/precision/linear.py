@@ -23,7 +23,8 @@ FP8 once per call under per-tensor scales, which do not depend on the GEMM's K: 
 fprop's FP8 x is kept for wgrad in place of x (1 byte per element, through autograd's saved tensors:
 `RecipeGemms.pack_input`; Transformer Engine keeps its FP8 input likewise). Under per-row scales and MX blocks
 each GEMM casts its own operands along its K, and the layer keeps its input in its own dtype (bf16 under
-`precision.bf16_weights` or autocast), as a sequence-parallel layer keeps its shard (smaller than a whole FP8
+`precision.bf16_weights`; fp32 under autocast over fp32 weights, whose norms return the fp32 stream's dtype, where
+F.linear would keep a bf16 copy), as a sequence-parallel layer keeps its shard (smaller than a whole FP8
 copy from tp = 2 on; wgrad casts it again, gathered, with fprop's scale). Bias and its gradient stay
 fp32 (a layer with a bias gets an fp32 GEMM output, adds the bias, then casts). Under torch.autocast the output
 has the autocast dtype, as F.linear's.

@@ -325,6 +325,21 @@ def test_compiled_per_tensor_fp8_casts_in_the_graph(monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["current", "delayed"])
+def test_the_graphs_cast_of_no_tokens_is_the_eager_ones(scaled):
+    """A rank's micro-batch of no tokens ([0, h]): the compiled layers' cast takes an amax of 0 and a scale of 1, as
+    the eager cast does; it raised (a max over no rows) where the eager path ran."""
+    x = torch.randn(0, 64)
+    scale = torch.tensor(4.0) if scaled else None
+    q, got_scale, got_amax = fp8.quantize_in_graph(x, E4M3, scale)
+    if scaled:  # (FP8 x, amax) with the history's scale
+        (want_q, want_amax), want_scale = fp8.quantize_delayed(x, E4M3, scale), scale
+    else:  # (FP8 x, the scale of its amax)
+        (want_q, want_scale), want_amax = fp8.quantize_current(x, E4M3), torch.tensor(0.0)
+    assert q.shape == want_q.shape == (0, 64) and q.dtype == want_q.dtype
+    assert torch.equal(got_scale, want_scale) and torch.equal(got_amax, want_amax)
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic_tokens"])
 def test_inductor_hands_wgrad_its_operands_column_major(monkeypatch, dynamic):
     """torch._scaled_mm takes wgrad's operands (dy and x, contracted over the tokens) column-major: the compiled
