@@ -27,6 +27,9 @@ class Group:
     ("nccl", 4, "6", "4 ranks span nodes"),  # ranks 4-7 straddle two 6-GPU nodes
     ("nccl", 8, None, None),  # not under torchrun: nothing says where the ranks are
     ("fake", 8, None, None),  # megalm-estimate's ranks, in NCCL's place (it checks the node's width itself)
+    ("cuda:nccl,cpu:gloo", 8, "8", None),  # parallel.fsdp_cpu_offload's world: CUDA tensors on NCCL (an audit)
+    ("cuda:nccl,cpu:gloo", 16, "8", "16 ranks span nodes"),
+    ("cpu:gloo", 2, None, "backend is cpu:gloo"),
 ])
 def test_where_the_fused_ops_cannot_run(monkeypatch, caplog, backend, ranks, local, problem):
     monkeypatch.setattr(async_tp.dist, "get_backend", lambda group: backend)

@@ -35,7 +35,9 @@ log = logging.getLogger("megalm")
 
 def async_tp_problem(group: dist.ProcessGroup) -> str | None:
     """Why torch's fused collective GEMMs cannot run on the TP `group` (None: they can)."""
-    backend = dist.get_backend(group)
+    backend = str(dist.get_backend(group))
+    if ":" in backend:  # per device type, "cuda:nccl,cpu:gloo" (FSDP's CPU offload): the GEMMs' tensors are CUDA's
+        backend = dict(part.split(":", 1) for part in backend.split(",")).get("cuda", backend)
     if backend not in ("nccl", "fake"):  # fake: torch's, which megalm-estimate's ranks join in NCCL's place
         return (f"the TP group's backend is {backend}; torch's fused all-gather/reduce-scatter GEMMs run on CUDA "
                 "symmetric memory with NCCL only")
