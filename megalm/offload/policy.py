@@ -7,7 +7,8 @@ is long for the first micro-batches of the first ranks and short at the end of t
 micro-batch after its forward and reloading it before its backward frees its memory for that span, at
 the cost of one round-trip copy that must hide under the compute in between.
 
-- ``uniform``: a fraction of each rank's micro-batches, spread evenly over the step.
+- ``uniform``: a fraction of each rank's micro-batches, spread evenly over the step among those whose offload frees
+  memory while something computes (not the last stage's, whose F and B touch).
 - ``lifespan``: PipeOffload's selective offload: only micro-batches whose lifespan is at least 3x their
   round-trip copy time (shorter ones could not hide the copy), and among those, greedily, the one whose
   offload lowers the rank's peak the most (ties: the longest-lived). Offloading where the peak is, rather
@@ -28,6 +29,7 @@ starts while the first reloads are in flight).
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Protocol
 
@@ -106,6 +108,16 @@ def _live_intervals(actions: list) -> tuple[dict[tuple[int, int], tuple[int, int
     return out, len(actions)
 
 
+def _frees_memory(actions: list) -> set[tuple[int, int]]:
+    """The (micro_batch, chunk) whose offload frees device memory while some compute action runs: with none between
+    its OFFLOAD and its RELOAD (the last stage's F and B side by side, a warm-up's last F before its B) the copy goes
+    out and straight back, freeing nothing, and the B waits for both copies."""
+    spans, _ = _live_intervals(actions)
+    compute = [i for i, a in enumerate(actions) if a.kind in COSTS]
+    return {key for key, (_, sent, back, _) in spans.items()
+            if bisect.bisect_right(compute, sent) < bisect.bisect_left(compute, back)}
+
+
 def _greedy_peak_cut(actions: list, candidates: list[tuple[int, int]], budget: int) -> list[tuple[int, int]]:
     """Up to `budget` of `candidates` (in preference order), each time the one whose offload lowers the rank's
     peak the most, or else the number of places where the peak is reached (then the longest-lived, then the
@@ -151,10 +163,13 @@ def select_pipeline(schedule: ScheduleLike, timeline: Timeline, policy: str, fra
         spans = lifespans(timeline, rank)
         keys = sorted(spans)  # (micro_batch, chunk) in order
         budget = share(fraction, len(keys))
-        if policy == "uniform":
-            picked = [keys[i] for i in spread(len(keys), fraction)]
+        frees = _frees_memory(schedule.actions[rank])
+        if policy == "uniform":  # the budget spread evenly over the micro-batches whose offload frees memory
+            useful = [k for k in keys if k in frees]
+            picked = [useful[i] for i in spread(len(useful), min(budget, len(useful)) / max(len(useful), 1))]
         else:
-            worth = [k for k in sorted(keys, key=lambda k: (-spans[k], k)) if spans[k] > 0 and spans[k] >= min_gap]
+            worth = [k for k in sorted(keys, key=lambda k: (-spans[k], k))
+                     if spans[k] > 0 and spans[k] >= min_gap and k in frees]
             picked = _greedy_peak_cut(schedule.actions[rank], worth, budget)
         chosen.update((rank, mb, chunk) for mb, chunk in picked)
     return chosen

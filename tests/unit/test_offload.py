@@ -271,6 +271,27 @@ def test_lifespan_never_leaves_a_higher_peak_than_uniform(name, vpp):
             assert l_volume[r] <= u_volume[r] and lifespan[r] <= uniform[r], (fraction, r)
 
 
+@pytest.mark.parametrize("policy", ["uniform", "lifespan", "auto"])
+@pytest.mark.parametrize("name, pp, vpp", [("1f1b", 2, 1), ("1f1b", 4, 1), ("interleaved", 4, 2), ("zb", 4, 1)])
+def test_every_offload_frees_memory_while_something_computes(policy, name, pp, vpp):
+    """No policy picks a micro-batch-chunk whose OFFLOAD and RELOAD have no compute action between them: uniform
+    picked by index, so every micro-batch of the last stage (its F and B side by side) and a warm-up's last went out
+    and straight back, freeing nothing while the B waited for both copies (an audit: 8 of 8 on the last stage)."""
+    sched = with_comm(build_schedule(name, pp, 8, vpp))
+    for fraction in (0.25, 0.5, 1.0):
+        chosen = select_pipeline(sched, simulate_schedule(sched).timeline, policy, fraction)
+        offloaded = sched.with_offload(chosen)
+        for rank, actions in enumerate(offloaded.actions):
+            kinds = [(a.kind, a.micro_batch, a.chunk) for a in actions]
+            for i, (kind, mb, chunk) in enumerate(kinds):
+                if kind == "OFFLOAD":
+                    back = kinds.index(("RELOAD", mb, chunk))
+                    assert any(a.is_compute for a in actions[i + 1:back]), (fraction, rank, mb, chunk)
+        if policy == "uniform" and fraction == 1.0 and pp == 4:  # and still every one whose offload frees memory:
+            # all of the first stage's at pp 4 (at pp 2 its first and last F run right before the B ahead of theirs)
+            assert sum(rank == 0 for rank, _, _ in chosen) == 8 * vpp
+
+
 def test_lifespan_cuts_the_peak_better_than_linear_where_lifespans_differ():
     """Interleaved 1F1B (p=4, vpp=2, m=8): lifespans differ a lot, and offloading the long-lived micro-batch-
     chunks at the peak cuts it faster than the volume offloaded (PipeOffload's better-than-linear), where
