@@ -86,7 +86,9 @@ class _Group:
 @dataclass(frozen=True, eq=False)
 class _Ref:
     """What autograd holds instead of a saved tensor: where to rebuild it from, and the version counter it
-    had when saved (autograd's in-place check, which saved-tensor hooks bypass, is redone here)."""
+    had when saved (autograd's in-place check, which saved-tensor hooks bypass, is redone here, for writes made
+    before the group's OFFLOAD: after it the backward reads the host copy, and a later in-place write to the device
+    tensor, which plain autograd would refuse, goes unseen)."""
 
     key: object
     group: _Group
