@@ -67,3 +67,37 @@ def test_sequence_parallel_padding_of_a_zigzag_shard(tp: int, cp: int):
         assert layout_from_local_cu_seqlens(padded.cu_seqlens, cp).local_tokens == padded.num_tokens
         total_loss_tokens += padded.num_loss_tokens()
     assert total_loss_tokens == batch.num_loss_tokens()
+
+
+@pytest.mark.parametrize("comm, inner", [("ring", 1), ("a2a", 1), ("a2a+p2p", 2)])
+def test_a_micro_batchs_ring_moves_to_the_device_without_a_stream_sync(monkeypatch, comm, inner):
+    """`for_shard` runs for every CP micro-batch as it is prepared: each of its layout tensors went host to device in
+    a plain copy (from pageable memory: a stream sync on CUDA, waiting for the step before's optimizer), and a
+    hierarchical ring read the moved layout back (an audit: 7 and 15 syncs a micro-batch). It builds on the host and
+    moves without blocking, as the batch does. 'meta' stands in for CUDA: every copy to it is recorded."""
+    batch = packed_from_documents([torch.arange(13), torch.arange(20), torch.arange(5)])
+    shard = shard_batch(batch, zigzag_plan(batch.cu_seqlens, 4, inner), 1)
+    blocking, reads = [], []
+    to, cpu = torch.Tensor.to, torch.Tensor.cpu
+
+    def recorded_to(self, *args, **kwargs):
+        out = to(self, *args, **kwargs)
+        if self.device.type == "cpu" and out.device.type != "cpu" and not kwargs.get("non_blocking", False):
+            blocking.append(tuple(self.shape))
+        return out
+
+    def recorded_cpu(self, *args, **kwargs):
+        if self.device.type != "cpu":
+            reads.append(tuple(self.shape))
+            return torch.zeros(self.shape, dtype=self.dtype)  # meta has no values
+        return cpu(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", recorded_to)
+    monkeypatch.setattr(torch.Tensor, "cpu", recorded_cpu)
+    context = RingContext.for_shard(shard, Ring((0, 1, 2, 3), 1, inner), torch.device("meta"), comm)
+    monkeypatch.undo()
+    assert blocking == [] and reads == []
+    assert context.layout.indices.device.type == "meta" and (context.hierarchical is not None) == (inner > 1)
+    if inner > 1:  # the hierarchical ring's tensors that its attention reads are on the device too
+        assert context.hierarchical.to_position.device.type == "meta"
+        assert context.hierarchical.position_layout.indices.device.type == "meta"

@@ -26,7 +26,7 @@ from megalm.parallel.context.hierarchical import HierarchicalRing
 from megalm.parallel.context.ring import ring_attend, ring_attention, ring_meta, ring_note
 from megalm.parallel.context.tokens import RingTokens
 from megalm.parallel.context.ulysses import ulysses_attention
-from megalm.parallel.context.zigzag import ZigzagLayout, layout_from_local_cu_seqlens
+from megalm.parallel.context.zigzag import ZigzagLayout, layout_from_local_cu_seqlens, to_device
 from megalm.parallel.microbatch import Ring
 from megalm.parallel.progress import Progress
 
@@ -44,12 +44,15 @@ class RingContext:
     group: dist.ProcessGroup | None = None  # a2a: the group of exactly `ranks`
     progress: Progress | None = None  # the mesh's record of the transfer entered (hang reports)
     moe_tokens: RingTokens | None = None  # MoE models: the shard as the routers see it (tokens.py)
+    hierarchical: HierarchicalRing | None = None  # a2a+p2p: built from `layout` when not given (`for_shard` gives it)
 
     def __post_init__(self) -> None:
         if self.comm not in COMMS:
             raise ValueError(f"unknown context-parallel communication {self.comm!r}; use one of {', '.join(COMMS)}")
         # made once here, outside any compiled block: the ring op reads it on the host (ring.py, "the ring as one op")
-        hierarchical = HierarchicalRing.build(self.layout, self.ranks, self.index) if self.layout.inner > 1 else None
+        hierarchical = self.hierarchical
+        if hierarchical is None and self.layout.inner > 1:
+            hierarchical = HierarchicalRing.build(self.layout, self.ranks, self.index)
         meta = ring_meta(self.layout, self.ranks, self.index) if self.comm != "a2a" and not hierarchical else None
         object.__setattr__(self, "meta", meta)
         object.__setattr__(self, "hierarchical", hierarchical)
@@ -65,12 +68,17 @@ class RingContext:
         possibly padded with one more even segment), with its layout on `device`. `moe_over`: (the shard's real
         tokens, the ring's group, or None for an HDP ring of ranks with no group) for an MoE model's routers
         (tokens.py)."""
-        layout = layout_from_local_cu_seqlens(batch.cu_seqlens, len(ring.ranks), ring.inner).to(device)
+        # built on the host and moved from pinned memory like the batch: a plain copy of each of its tensors (and a
+        # hierarchical ring's read of them back) synchronised the stream, 7 to 15 times a micro-batch
+        ranks = tuple(int(r) for r in ring.ranks)
+        host = layout_from_local_cu_seqlens(batch.cu_seqlens, len(ranks), ring.inner)
+        hierarchical = HierarchicalRing.build(host, ranks, ring.index, device) if host.inner > 1 else None
+        layout = host.to(device, non_blocking=True)
         tokens = None
         if moe_over is not None:
             real, ring_group = moe_over
-            tokens = RingTokens(layout, ring.index, real.to(device), ring_group, progress, tuple(ring.ranks))
-        return cls(tuple(int(r) for r in ring.ranks), ring.index, layout, comm, group, progress, tokens)
+            tokens = RingTokens(layout, ring.index, to_device(real, device, True), ring_group, progress, ranks)
+        return cls(ranks, ring.index, layout, comm, group, progress, tokens, hierarchical)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, dropout_p: float = 0.0,
                scale: float | None = None) -> torch.Tensor:

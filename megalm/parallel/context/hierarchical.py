@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from megalm.model.attention import select_attention_backend, varlen_attention
 from megalm.parallel.context.ring import ring_attend, ring_meta
-from megalm.parallel.context.zigzag import ZigzagLayout, zigzag_layout
+from megalm.parallel.context.zigzag import ZigzagLayout, to_device, zigzag_layout
 
 A2A_TAG = 0x6132
 
@@ -90,18 +90,24 @@ class HierarchicalRing:
     position_meta: torch.Tensor | None  # ring_meta of this head group's ring over the positions; None when r == 1
 
     @classmethod
-    def build(cls, layout: ZigzagLayout, ranks: Sequence[int], index: int) -> HierarchicalRing:
+    def build(cls, layout: ZigzagLayout, ranks: Sequence[int], index: int, device: torch.device | None = None
+              ) -> HierarchicalRing:
         """`layout`: the member layout (`zigzag_layout(..., n=d, inner=u)`) of a ring over `ranks` (position-major:
-        ranks[j·u + i] is member i of position j); `index`: this rank's place in `ranks`."""
+        ranks[j·u + i] is member i of position j); `index`: this rank's place in `ranks`. `device`: where the
+        attention runs, given a host `layout` (RingContext.for_shard): built on the host, moved without a sync."""
         u, d = layout.inner, layout.n
         r, (j, i) = d // u, divmod(index, u)
-        members = range(j * u, (j + 1) * u)
-        where = layout.indices[list(members)].reshape(-1)  # padded-stream index of every received token
+        members = slice(j * u, (j + 1) * u)
+        where = layout.indices[members].reshape(-1)  # padded-stream index of every received token
         to_position = torch.argsort(where)
         position = zigzag_layout(layout.chunk_sizes * u, r, layout.chunk_sizes.device)
+        from_position = torch.argsort(to_position)
+        if device is not None:
+            to_position, from_position = (to_device(t, device, True) for t in (to_position, from_position))
+            position = position.to(device, non_blocking=True)
         outer = [int(ranks[p * u + i]) for p in range(r)]  # the ring of this rank's head group
-        return cls(u, torch.tensor([i, *(int(ranks[m]) for m in members)], dtype=torch.int64), to_position,
-                   torch.argsort(to_position), position, ring_meta(position, outer, j) if r > 1 else None)
+        return cls(u, torch.tensor([i, *(int(ranks[m]) for m in range(j * u, (j + 1) * u))], dtype=torch.int64),
+                   to_position, from_position, position, ring_meta(position, outer, j) if r > 1 else None)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, scale: float | None = None
                ) -> torch.Tensor:

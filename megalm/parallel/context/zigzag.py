@@ -81,11 +81,21 @@ class ZigzagLayout:
     def padded_max_seqlen(self) -> int:
         return 2 * self.n * self.max_chunk
 
-    def to(self, device: torch.device | str) -> ZigzagLayout:
-        """This layout with its index tensors on `device` (the kernels want them next to q)."""
-        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> ZigzagLayout:
+        """This layout with its index tensors on `device` (the kernels want them next to q); `non_blocking`: from
+        page-locked host memory (`to_device`), as a micro-batch's layout is moved when it is prepared."""
+        moved = {f.name: to_device(getattr(self, f.name), device, non_blocking) for f in fields(self)
                  if isinstance(getattr(self, f.name), torch.Tensor)}
         return replace(self, **moved)
+
+
+def to_device(t: torch.Tensor, device: torch.device | str, non_blocking: bool = False) -> torch.Tensor:
+    """t on `device`; `non_blocking` from host to CUDA: pinned first, as the batch is (Parallelism._prepare), since a
+    copy from pageable memory synchronises the stream (and waits for the optimizer's kernels of the step before)."""
+    device = torch.device(device)
+    if non_blocking and t.device.type == "cpu" and device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=non_blocking)
 
 
 def zigzag_chunks(n: int, index: int, inner: int = 1) -> tuple[int, int]:
