@@ -102,8 +102,16 @@ def sample_with_any_attention_backend(model: GPT) -> None:
             m.backend = AttentionBackend.auto
 
 
+# [eod] was the context of an empty prompt: no trained position reads eod as its input (the loss of the token after a
+# document's end, the next document's first, is masked), so the first token was sampled from noise (an audit)
+EMPTY_PROMPT = ("megalm-generate needs --prompt TEXT to continue: a megalm model never learns a document's first token "
+                "(its loss starts at the second), so an empty prompt has no trained context")
+
+
 def _check_sampling_args(args: argparse.Namespace) -> None:
     """One line for each flag out of its range, before anything loads."""
+    if not args.prompt:
+        raise MegalmError(EMPTY_PROMPT)
     for flag, value, low, what in (("--max-new-tokens", args.max_new_tokens, 1, ""),
                                    ("--num-samples", args.num_samples, 1, ""),
                                    ("--top-k", args.top_k, 0, " (0: no top-k filtering)"),
@@ -133,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="megalm-generate", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a checkpoint dir (RUN/checkpoints/step_...), a run dir (its latest), or "
                         "a dir of runs such as outputs/ (the newest run's latest: named on stderr)")
-    parser.add_argument("--prompt", default="", help="text to continue")
+    parser.add_argument("--prompt", default="", help="text to continue (not empty: a document's first token is "
+                        "never trained, so there is no start to sample from)")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=50, help="0 = no top-k filtering")
@@ -147,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     with one_line_errors(args.debug):
         _check_sampling_args(args)
         model, tokenizer = load_for_generation(args.checkpoint, args.device, args.tokenizer)
-        prompt = tokenizer.encode(args.prompt) or [tokenizer.eod_id]
+        prompt = tokenizer.encode(args.prompt)
+        if not prompt:
+            raise MegalmError(EMPTY_PROMPT)
         generator = torch.Generator().manual_seed(args.seed)
         for i in range(args.num_samples):
             out = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k or None,

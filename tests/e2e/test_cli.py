@@ -213,7 +213,7 @@ def test_generate_from_the_run(trained_run):
     assert f"megalm-generate: sampling from {latest} (step 4)" in proc.stderr, proc.stderr
     named = run(["megalm-generate", str(latest), "--prompt", "def ", "--max-new-tokens", "2"], trained_run)
     assert named.returncode == 0 and "sampling from" not in named.stderr, named.stderr
-    bad = run(["megalm-generate", str(trained_run / "missing")], trained_run)
+    bad = run(["megalm-generate", str(trained_run / "missing"), "--prompt", "def "], trained_run)
     assert_one_line_error(bad, "does not exist")
 
 
@@ -225,9 +225,12 @@ def test_generate_from_the_run(trained_run):
     (["--num-samples", "0"], ["--num-samples 0 must be >= 1"]),
     (["--device", "banana"], ["--device banana is not a device"]),
     (["--tokenizer", "no_such_dir/tokenizer.json"], ["not found"]),
+    # an empty context: no trained position reads eod, which it was (the first token sampled from noise; an audit)
+    (["--prompt", ""], ["needs --prompt TEXT", "never learns a document's first token"]),
 ])
 def test_generate_refuses_bad_flags_in_one_line(trained_run, flags, fragments):
-    proc = run(["megalm-generate", str(trained_run), "--max-new-tokens", "2", "--device", "cpu", *flags], ROOT)
+    proc = run(["megalm-generate", str(trained_run), "--max-new-tokens", "2", "--device", "cpu", "--prompt", "def ",
+                *flags], ROOT)
     assert_one_line_error(proc, *fragments)
 
 
@@ -242,7 +245,7 @@ def test_generate_refuses_a_tokenizer_the_run_did_not_train_with(trained_run, tm
         vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(tmp_path / "tokenizer.json"))
     proc = run(["megalm-generate", str(trained_run), "--max-new-tokens", "2", "--device", "cpu", "--tokenizer",
-                str(tmp_path / "tokenizer.json")], tmp_path)
+                str(tmp_path / "tokenizer.json"), "--prompt", "def "], tmp_path)
     assert_one_line_error(proc, "tokens, the run's had 257", "--tokenizer PATH")
     byte = run(["megalm-generate", str(trained_run), "--max-new-tokens", "2", "--device", "cpu", "--tokenizer",
                 "byte", "--prompt", "def "], tmp_path)

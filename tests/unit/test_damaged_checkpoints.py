@@ -133,7 +133,7 @@ def test_generate_and_export_name_the_damaged_file_in_one_line(trained, tmp_path
 
     run, file = damaged_copy(trained, tmp_path, case)
     step = str(run / "checkpoints" / "step_00000004")
-    for cli, argv in ((generate, [step, "--max-new-tokens", "1", "--device", "cpu"]),
+    for cli, argv in ((generate, [step, "--max-new-tokens", "1", "--device", "cpu", "--prompt", "a"]),
                       (export, [step, "--format", "hf", "--out", str(tmp_path / "hf")])):
         with pytest.raises(SystemExit) as e:
             cli(argv)
