@@ -152,6 +152,29 @@ def lower_bound(sim) -> float:
     return max(sum(busy) / len(busy), max(c + e for c, e in sim.durations))
 
 
+@pytest.mark.parametrize("lengths", [[8000], [8000, 7000, 6000], [8000] * 4, [6000, 300, 200]])
+def test_short_documents_that_outlast_the_mean_load_take_rings(lengths):
+    """Fewer short documents (s ≤ C) than ranks: each ran on one rank while the others idled, a step of one 8K
+    document on 8 ranks 6x its ring's time and behind Megatron's hybrid layout, which spreads it (an audit). A short
+    document that alone outlasts the mean load is sized like a long one against the makespan."""
+    cost = load_cost("h100_7b")
+    plan = plan_hdp(lengths, 8, 8192, cost)
+    check_plan(plan, lengths, 8, 8192)
+    step = simulate(plan, cost).step_time
+    alone = max(cost.time(s, s * s) for s in lengths)  # the longest document on one rank
+    assert step < 0.6 * alone and step <= 1.05 * simulate(plan_megatron_hybrid(lengths, 8, 8192), cost).step_time
+    # the estimate charges a short document its share of a packed micro-batch's overhead: one alone pays it all
+    assert abs(step - plan.stats["estimated_step"]) <= cost.layers * cost.c + 1e-9
+
+
+def test_a_batch_of_many_short_documents_keeps_them_on_single_ranks():
+    """With the mean load above every short document's time (the usual batch) none takes a ring."""
+    lengths = sample(400, 3, 8192)
+    plan = plan_hdp(lengths, 8, 8192, COST)
+    rings = [mb for mb in plan.micro_batches if len(mb.ranks) > 1]
+    assert all(mb.tokens > 8192 for mb in rings)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_pipelines_estimate_prices_its_longest_micro_batch_with_its_attention(seed):
     """With pp > 1 a pipeline's step is Σt + (pp−1)·max t over its micro-batches: the planner priced the max t of its

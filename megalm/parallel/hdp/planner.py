@@ -4,7 +4,8 @@ ByteScale (Ge et al. 2025, arXiv 2502.21231) merges the DP and CP dimensions int
 D = dp·cp ranks and re-plans the global batch each step. C is the tokens one rank holds in a micro-batch
 (parallel.hdp_capacity):
 
-- documents with s ≤ C are packed best-fit onto single ranks and run with no CP traffic;
+- documents with s ≤ C are packed best-fit onto single ranks and run with no CP traffic (one that alone would
+  outlast the step's mean load, as where there are fewer of them than ranks, is sized like a long one);
 - longer ones get a ring over an ordered list of global ranks (docs/architecture.md), of at least
   ceil(s / C) ranks (fewer with selective offload), not a power of two (inside a node any size, across
   nodes whole nodes); it is sized
@@ -361,10 +362,17 @@ def _plan(lengths, num_ranks, C, cost, pp, offload, balance, hierarchical) -> Pl
     longs = list(minimal)
     locals_ = [i for i in order if i not in minimal]
     qa, qb, q0 = cost.layers * cost.a, cost.layers * cost.b + cost.head, cost.layers * cost.c
-    local_work = sum((qa * s + qb) * s + q0 for s in map(lengths.__getitem__, locals_))  # cost.time(s, s²)
+    work = lambda s: (qa * s + qb) * s + q0  # cost.time(s, s²)
+    local_work = sum(work(s) for s in map(lengths.__getitem__, locals_))
     gc_was_on = gc.isenabled()
     gc.disable()  # ~10^5 small acyclic objects: generational GC passes would cost ~20% of the time
     try:
+        if balance and num_ranks > 1:
+            for i in _short_rings(sizer, lengths, longs, minimal, locals_, local_work, num_ranks, pp):
+                minimal[i] = sizer.minimal(lengths[i], offload)  # 1: any wider ring is the makespan's choice
+                longs.append(i)
+                locals_.remove(i)
+                local_work -= work(lengths[i])
         if balance:
             sizes, target = ring_sizes_for_makespan(sizer, longs, minimal, local_work, num_ranks, pp)
             planner = _best_rings(lengths, num_ranks, C, cost, pp, hierarchical, sizer, longs, minimal, sizes,
@@ -398,6 +406,23 @@ def _plan(lengths, num_ranks, C, cost, pp, offload, balance, hierarchical) -> Pl
     if not balance:  # the placement ran on token counts: estimate the step in seconds
         plan.stats["estimated_step"] = simulate(plan, cost, pp).step_time
     return plan
+
+
+def _short_rings(sizer: RingSizes, lengths: Sequence[int], longs: list[int], minimal: dict[int, int],
+                 locals_: list[int], local_work: float, num_ranks: int, pp: int) -> list[int]:
+    """The short documents (s ≤ C) that run faster as rings, longest first: each alone outlasts the mean load, and
+    the makespan's sizing (`ring_sizes_for_makespan`, as for the long ones) widens it. With fewer short documents
+    than ranks (a small token budget against D·C) they were one a rank, the others idle: a step of one 8K document
+    on 8 ranks took 6x the ring's time. A large batch leaves every short document under the mean load: none."""
+    area = local_work + sum(minimal[i] * sizer.layout(i, minimal[i])[1] for i in longs)
+    low = area / (num_ranks * pp)
+    outlast = [i for i in locals_ if sizer.layout(i, 1)[1] > low]  # longest first, as locals_
+    if not outlast:
+        return []
+    trial = {**minimal, **dict.fromkeys(outlast, 1)}
+    rest = local_work - sum(sizer.layout(i, 1)[1] for i in outlast)
+    sizes, _ = ring_sizes_for_makespan(sizer, longs + outlast, trial, rest, num_ranks, pp)
+    return [i for i in outlast if sizes[i] > 1]
 
 
 def _place_rings(lengths, num_ranks, C, place_cost, cost, pp, hierarchical, sizer, longs, sizes, target,
