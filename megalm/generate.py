@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,10 +28,12 @@ log = logging.getLogger("megalm")
 
 @torch.no_grad()
 def sample(model: GPT, prompt: list[int], max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-           eod_id: int | None = None, generator: torch.Generator | None = None, vocab_size: int | None = None
-           ) -> list[int]:
-    """Autoregressive sampling; the context is cropped to the model's positions; stops at eod. `vocab_size`: the
-    tokenizer's, when the model's is larger (ids past it decode to nothing); default the model's."""
+           eod_id: int | Collection[int] | None = None, generator: torch.Generator | None = None,
+           vocab_size: int | None = None) -> list[int]:
+    """Autoregressive sampling; the context is cropped to the model's positions; stops at eod (`eod_id`: one id or
+    several, e.g. an imported chat model's end-of-turn beside it). `vocab_size`: the tokenizer's, when the model's is
+    larger (ids past it decode to nothing); default the model's."""
+    stops = {eod_id} if isinstance(eod_id, int) else set(eod_id or ())
     from megalm.model.gpt import real_logits
 
     device = next(model.parameters()).device
@@ -53,15 +56,18 @@ def sample(model: GPT, prompt: list[int], max_new_tokens: int, temperature: floa
             probs = torch.softmax(logits, dim=-1)
             next_id = int(torch.multinomial(probs.cpu(), 1, generator=generator))
         ids.append(next_id)
-        if eod_id is not None and next_id == eod_id:
+        if next_id in stops:
             break
     return ids[len(prompt):]
 
 
-def load_for_generation(path: str, device: str = "cpu", tokenizer: str | None = None) -> tuple[GPT, object]:
-    """Model (weights loaded) and tokenizer of a checkpoint dir or run dir; `tokenizer` (a tokenizer.json or "byte")
-    in place of the one the checkpoint names. A tokenizer of another vocabulary than the model's is refused: it
-    would decode the ids into other text."""
+def load_for_generation(path: str, device: str = "cpu", tokenizer: str | None = None
+                        ) -> tuple[GPT, object, set[int]]:
+    """Model (weights loaded), tokenizer and the ids sampling stops at, of a checkpoint dir or run dir; `tokenizer`
+    (a tokenizer.json or "byte") in place of the one the checkpoint names. A tokenizer of another vocabulary than
+    the model's is refused: it would decode the ids into other text. The stops are the tokenizer's eod and, for a
+    model imported with its own tokenizer, its config's eos ids (a chat model's end of turn: Llama-3-Instruct's
+    <|eot_id|>, Qwen's <|im_end|>), which the eod alone missed, sampling to --max-new-tokens."""
     # the model and checkpoint stack (2-3 s of imports) only now: a bad flag is answered before it
     from megalm.data.tokenizer import build_tokenizer, trained_with
     from megalm.training.checkpoint import load_saved_model
@@ -84,7 +90,12 @@ def load_for_generation(path: str, device: str = "cpu", tokenizer: str | None = 
                           "with; pass that one with --tokenizer PATH")
     if Path(path).expanduser().absolute() != meta.path.absolute():  # a run dir's latest, or a dir of runs' newest
         sys.stderr.write(f"megalm-generate: sampling from {meta.path} (step {meta.state.get('step')})\n")
-    return model, built
+    stops = {built.eod_id}
+    source = meta.state.get("source") or {}
+    if tokenizer is None and source.get("format") == "hf":  # its own tokenizer: its own ids
+        eos = source.get("eos_token_id")
+        stops.update(i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int))
+    return model, built, stops
 
 
 def sample_with_any_attention_backend(model: GPT) -> None:
@@ -155,14 +166,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with one_line_errors(args.debug):
         _check_sampling_args(args)
-        model, tokenizer = load_for_generation(args.checkpoint, args.device, args.tokenizer)
+        model, tokenizer, stops = load_for_generation(args.checkpoint, args.device, args.tokenizer)
         prompt = tokenizer.encode(args.prompt)
         if not prompt:
             raise MegalmError(EMPTY_PROMPT)
         generator = torch.Generator().manual_seed(args.seed)
         for i in range(args.num_samples):
             out = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k or None,
-                         tokenizer.eod_id, generator, tokenizer.vocab_size)
+                         stops, generator, tokenizer.vocab_size)
+            out = out[:-1] if out and out[-1] in stops else out
             if args.num_samples > 1:
                 print(f"--- sample {i + 1}")
             print(args.prompt + continuation(tokenizer, prompt, out), flush=True)
