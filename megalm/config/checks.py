@@ -203,6 +203,10 @@ def validate_moe(model: ModelConfig) -> None:
     choice(moe.router_score, "model.moe.router_score", RouterScore)
     if not 1 <= moe.top_k <= moe.num_experts:
         raise ConfigError(f"model.moe.top_k={moe.top_k} must be in [1, model.moe.num_experts={moe.num_experts}]")
+    if moe.top_k == 1 and moe.norm_topk_prob:  # Megatron refuses it too (--moe-router-pre-softmax for top-1)
+        raise ConfigError("model.moe.top_k=1 with model.moe.norm_topk_prob=true divides the one chosen score by "
+                          "itself: every combine weight is 1 and the router learns nothing from the loss; set "
+                          "model.moe.norm_topk_prob=false")
     for key in ("expert_ffn_hidden_size", "every_n_layers"):
         positive(getattr(moe, key), f"model.moe.{key}")
     if moe.num_shared_experts < 0 or moe.first_k_dense < 0:

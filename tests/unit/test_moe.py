@@ -293,10 +293,12 @@ def test_moe_tiny_trains_logs_load_and_resumes_its_bias(tmp_path, make_config):
      "tokens_per_step with model.moe.aux_loss_coeff=0.01 over dp > 1"),
     (2, ["data.varlen=true", "trainer.tokens_per_step=256", "model.moe.capacity_factor=1.0",
          "model.moe.aux_loss_coeff=0"],
-     "tokens_per_step with model.moe.capacity_factor=1.0 over dp > 1")],
+     "tokens_per_step with model.moe.capacity_factor=1.0 over dp > 1"),
+    # one chosen score renormalised is 1: the router's gradient from the loss was ~1e-9 (an audit; Megatron refuses it)
+    (1, ["model.moe.top_k=1"], "model.moe.top_k=1 with model.moe.norm_topk_prob=true divides")],
     ids=["hsdp_ep", "hdp_switch", "hdp_capacity", "ep_not_experts", "ep_not_domain", "ep0", "ep_dense",
          "compiled_fp32", "budget_aux",
-         "budget_capacity"])
+         "budget_capacity", "top1_renormalised"])
 def test_layouts_not_built_for_moe_are_refused_in_one_line(make_config, world, overrides, message):
     from megalm.training.validation import validate_run
 

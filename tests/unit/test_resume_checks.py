@@ -152,7 +152,7 @@ def test_init_from_says_when_the_routers_route_otherwise(tmp_path, caplog):
     passed without a word."""
     stopped_at_2(tmp_path / "src", "model=moe_tiny")
     with caplog.at_level(logging.WARNING, logger="megalm"):
-        Trainer(compose_config(*RUN, "model=moe_tiny", "model.moe.top_k=1",
+        Trainer(compose_config(*RUN, "model=moe_tiny", "model.moe.top_k=1", "model.moe.norm_topk_prob=false",
                                f"model.init_from={tmp_path / 'src'}"), tmp_path / "run")
     assert "moe.top_k=2 (this run: 1)" in caplog.text, caplog.text
 
