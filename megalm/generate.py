@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         model, tokenizer, stops = load_for_generation(args.checkpoint, args.device, args.tokenizer)
         prompt = tokenizer.encode(args.prompt)
         if not prompt:
-            raise MegalmError(EMPTY_PROMPT)
+            raise MegalmError(f"--prompt {args.prompt!r} encodes to no tokens; {EMPTY_PROMPT.split(': ', 1)[1]}")
         generator = torch.Generator().manual_seed(args.seed)
         for i in range(args.num_samples):
             out = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k or None,

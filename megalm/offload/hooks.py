@@ -14,6 +14,7 @@ own fraction: r(s) for a long document planned on fewer ranks (megalm/parallel/h
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 
 import torch
@@ -21,6 +22,8 @@ from torch import nn
 
 from megalm.offload.policy import Timeline, layer_groups, select_pipeline
 from megalm.offload.store import ActivationStore
+
+log = logging.getLogger("megalm")
 
 
 def _tensors(values: tuple) -> list[torch.Tensor]:
@@ -45,7 +48,14 @@ class PipelineOffload:
         self.timeline = timeline  # schedule -> its simulated timeline (pipeline.schedules.simulate_schedule)
 
     def select(self, schedule) -> set[tuple[int, int, int]]:
-        return select_pipeline(schedule, self.timeline(schedule), self.policy, self.fraction, self.copy_to_compute)
+        chosen = select_pipeline(schedule, self.timeline(schedule), self.policy, self.fraction, self.copy_to_compute)
+        if not chosen:  # once per schedule: the runtime builds one per micro-batch count
+            log.warning(f"offload.enabled=true offloads nothing in this step's {schedule.name} schedule "
+                        f"({schedule.num_micro_batches} micro-batches over {schedule.num_stages} stages): no "
+                        f"micro-batch's copy would free memory while something computes"
+                        f"{'' if self.policy == 'uniform' else ' and hide under it'} (more micro-batches a step "
+                        "give it room)")
+        return chosen
 
     def start_step(self) -> None:
         self.store.reset_peak()

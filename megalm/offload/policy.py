@@ -8,7 +8,7 @@ micro-batch after its forward and reloading it before its backward frees its mem
 the cost of one round-trip copy that must hide under the compute in between.
 
 - ``uniform``: a fraction of each rank's micro-batches, spread evenly over the step among those whose offload frees
-  memory while something computes (not the last stage's, whose F and B touch).
+  memory while something computes (every policy skips the others, such as the last stage's, whose F and B touch).
 - ``lifespan``: PipeOffload's selective offload: only micro-batches whose lifespan is at least 3x their
   round-trip copy time (shorter ones could not hide the copy), and among those, greedily, the one whose
   offload lowers the rank's peak the most (ties: the longest-lived). Offloading where the peak is, rather

@@ -101,3 +101,21 @@ def test_a_micro_batchs_ring_moves_to_the_device_without_a_stream_sync(monkeypat
     if inner > 1:  # the hierarchical ring's tensors that its attention reads are on the device too
         assert context.hierarchical.to_position.device.type == "meta"
         assert context.hierarchical.position_layout.indices.device.type == "meta"
+
+
+def test_to_device_pins_before_a_copy_to_cuda_without_blocking(monkeypatch):
+    """A copy from pageable memory synchronises the stream whatever `non_blocking` says: `to_device` pins first, only
+    toward CUDA with `non_blocking` (a CPU torch has no pinned memory; a blocking copy needs none)."""
+    from megalm.parallel.context.zigzag import to_device
+
+    pinned, copies = [], []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self.shape) or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, device, non_blocking=False: copies.append(
+        (str(device), non_blocking)) or self)
+    t = torch.arange(4)
+    to_device(t, "cuda", non_blocking=True)
+    assert pinned == [(4,)] and copies == [("cuda", True)]
+    to_device(t, "cuda")
+    to_device(t, "cpu", non_blocking=True)
+    to_device(t, "meta", non_blocking=True)
+    assert pinned == [(4,)] and [c[1] for c in copies] == [True, False, True, True]

@@ -353,7 +353,10 @@ def test_a_named_cost_model_is_rescaled_to_the_runs_tp():
 
     yaml1, yaml2 = cost("h100_7b", 1), cost("h100_7b", 2)
     assert yaml1.replace(chunk_layers=0) == load_cost("h100_7b") and yaml1.tp == 1
-    assert (yaml2.tp, yaml2.ranks_per_node, yaml2.heads) == (2, 4, 16)
+    assert (yaml2.tp, yaml2.ranks_per_node, yaml2.heads, yaml2.name) == (2, 4, 16, "h100_7b@tp2")
+    assert yaml2.capacity == yaml1.capacity  # the run plans with parallel.hdp_capacity
+    back = yaml2.at_tp(1)
+    assert (back.ranks_per_node, back.heads, back.bw_inter, back.a) == (8, 32, yaml1.bw_inter, pytest.approx(yaml1.a))
     assert yaml2.bw_inter == 2 * yaml1.bw_inter and yaml2.c == yaml1.c
     assert yaml2.b == pytest.approx(yaml1.b / 1.8) and yaml2.act_bytes == yaml1.act_bytes / 2
     built = preset("7b", tp=2)

@@ -292,6 +292,19 @@ def test_every_offload_frees_memory_while_something_computes(policy, name, pp, v
             assert sum(rank == 0 for rank, _, _ in chosen) == 8 * vpp
 
 
+def test_a_schedule_where_nothing_is_worth_offloading_is_said(caplog):
+    """pp 2 with 2 micro-batches: no copy would free memory while something computes on either stage, so offload
+    on does nothing; the start-up line still says its share, and a warning says what happens (a second reader)."""
+    from megalm.offload.hooks import PipelineOffload
+
+    hooks = PipelineOffload(None, "uniform", 0.5, lambda schedule: simulate_schedule(schedule).timeline)
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        assert hooks.select(with_comm(build_schedule("1f1b", 2, 2))) == set()
+        assert hooks.select(with_comm(build_schedule("1f1b", 2, 4))) != set()
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("offload.enabled=true offloads nothing in this step's 1f1b schedule (2 micro-batches")
+
+
 def test_lifespan_cuts_the_peak_better_than_linear_where_lifespans_differ():
     """Interleaved 1F1B (p=4, vpp=2, m=8): lifespans differ a lot, and offloading the long-lived micro-batch-
     chunks at the peak cuts it faster than the volume offloaded (PipeOffload's better-than-linear), where

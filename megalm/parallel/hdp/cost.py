@@ -152,7 +152,8 @@ class CostModel:
     def at_tp(self, tp: int) -> CostModel:
         """This model for HDP ranks of `tp` GPUs, by `preset`'s rules: a rank has tp× the FLOPs (90% TP efficiency
         past tp 1) and tp× the links, a node holds gpus_per_node / tp ranks, and the activation and state bytes
-        per GPU and the kv heads per rank are 1/tp. The per-micro-batch overhead c stays."""
+        per GPU and the kv heads per rank are 1/tp. The per-micro-batch overhead c stays, and so does `capacity`
+        (the trainer plans with its own `parallel.hdp_capacity`); the name says the tp."""
         if tp == self.tp:
             return self
         k = tp / self.tp
@@ -160,7 +161,8 @@ class CostModel:
         heads = max(1, self.heads * self.tp // tp) if self.heads else 0
         return self.replace(a=self.a / speed, b=self.b / speed, head=self.head / speed, bw_intra=self.bw_intra * k,
                             bw_inter=self.bw_inter * k, ranks_per_node=max(1, self.ranks_per_node * self.tp // tp),
-                            act_bytes=self.act_bytes / k, act_fixed=self.act_fixed / k, heads=heads, tp=tp)
+                            act_bytes=self.act_bytes / k, act_fixed=self.act_fixed / k, heads=heads, tp=tp,
+                            name=f"{self.name.split('@tp')[0]}@tp{tp}")
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
