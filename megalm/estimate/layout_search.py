@@ -5,10 +5,10 @@
 Two passes, because one fake-tensor step of a 70B rank takes a minute and a cluster has thousands of layouts:
 
 1. **Enumerate and price by a closed form.** Every layout of tp (a power of two up to a node, dividing the heads,
-   and the KV heads or a multiple of them: replicated past them), pp (dividing the layers), vpp (interleaved, 2
-   chunks a stage), cp, dp = world / (tp·pp·cp) (dividing the global batch), ZeRO-1, recompute (none, selective,
-   full), activation offload and, with documents
-   of many lengths (`data.varlen=true`), HDP. Sequence parallelism is on with tp > 1. The closed form (`closed_form`)
+   and the KV heads or a multiple of them: replicated past them), pp (a power of two dividing the layers), vpp
+   (interleaved, 2 chunks a stage), cp (a power of two), dp = world / (tp·pp·cp) (dividing the global batch),
+   ZeRO-1, recompute (none, selective, full), activation offload and, with documents of many lengths
+   (`data.varlen=true`), HDP. Sequence parallelism is on with tp > 1. The closed form (`closed_form`)
    prices each: static bytes per parameter of the rank (the recipes' 2 + 4 + 12, ZeRO-1's shards), Korthikanti et
    al.'s activations per layer times the factor the estimator measures against them (docs/benchmarks.md), the
    micro-batches in flight, the logits; a roofline step of 6·N·T FLOPs and causal attention's at the efficiency the
@@ -208,10 +208,11 @@ def why_no_layouts(shape: Shape) -> str:
     or cp) is always allowed, so a multiple of world x micro-batch always splits."""
     step = shape.world * shape.micro_batch
     example = math.ceil(shape.global_batch / step) * step
-    return (f"no layout of {shape.world} GPUs splits the global batch: no data-parallel size the model's shapes "
-            f"allow (at most {shape.world}) divides {shape.global_batch} sequences into micro-batches of "
-            f"{shape.micro_batch}; set trainer.global_batch_size to a multiple of dp x {shape.micro_batch}, e.g. "
-            f"{example} (dp {shape.world})")
+    return (f"no layout of {shape.world} GPUs the search tries (tp, pp and cp powers of two) splits the global "
+            f"batch: no data-parallel size they leave (at most {shape.world}) divides {shape.global_batch} sequences "
+            f"into micro-batches of {shape.micro_batch}; set trainer.global_batch_size to a multiple of dp x "
+            f"{shape.micro_batch}, e.g. {example} (dp {shape.world}), or estimate another layout by name "
+            "(parallel.pp=3)")
 
 
 def stage_parameters(shape: Shape, layout: Layout) -> tuple[int, int]:
@@ -275,7 +276,8 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
     compute = last_stage_flops(shape, layout) / (GPUS[gpu].bf16_tflops * 1e12 * ROOFLINE_EFFICIENCY)
     collective = link_bytes(shape, layout)
     step = compute * _bubble(pp, micro_batches, layout.vpp) + comm_seconds(collective, LINKS[gpu],
-                                                                           inside_node(t, cp, layout.ep))
+                                                                           inside_node(t, cp, layout.ep, layout.dp,
+                                                                                       pp))
     return int(peak + reserve), shape.global_batch * shape.seq / step
 
 
@@ -421,7 +423,8 @@ def shallow_rank(base: list[str], layout: Layout, shape: Shape, stage: int, role
                    reserve_bytes=reserve, flops=values["flops"] * scale, optimizer_s=values["optimizer_s"],
                    compute_s=(values["compute_s"] - values["optimizer_s"]) * scale + values["optimizer_s"],
                    collective_bytes=collective, domain=None, hidden_comm_s=hidden,
-                   comm_s=comm_seconds(collective, LINKS[gpu], inside_node(layout.tp, layout.cp, layout.ep)) - hidden)
+                   comm_s=comm_seconds(collective, LINKS[gpu], inside_node(layout.tp, layout.cp, layout.ep, layout.dp,
+                                                                           layout.pp)) - hidden)
 
 
 # ------------------------------------------------------------------------------------------------------ the search
@@ -441,6 +444,14 @@ def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tu
 
     cfg = compose_config(overrides)
     m, t = resolve_model_defaults(cfg.model), cfg.trainer
+    # settings the closed form does not price, each confirmed layout ran anyway: FSDP's shards (18 bytes a parameter
+    # pruned every layout: "none fits"), a token budget's batch (the tokens/s 22x off), Ulysses' fixed groups
+    for key, value, why in (("parallel.fsdp", cfg.parallel.fsdp, "its closed form prices ZeRO-1 and plain DP states"),
+                            ("trainer.tokens_per_step", t.tokens_per_step, "it searches a global batch of sequences"),
+                            ("parallel.cp_comm", cfg.parallel.cp_comm == "a2a" and "a2a", "it searches ring CP")):
+        if value:
+            raise ConfigError(f"--search does not price {key}={value if value is not True else 'true'} ({why}); "
+                              f"estimate a layout with it by name (without --search), or search without it")
     experts = None
     if m.moe.num_experts:
         moe = m.moe

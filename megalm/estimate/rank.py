@@ -20,8 +20,9 @@ the caching allocator's fragmentation (10% of the peak, PyTorch's documented `ex
 
 Step time: the rank's roofline time for compute (max(FLOPs / peak, bytes / HBM bandwidth) per op), stretched by the
 pipeline's bubble (the schedule the runtime runs, simulated: (m + p - 1) / m micro-batch slots for 1F1B), plus
-its collectives at the link's bandwidth: tensor- and context-parallel groups inside a node of 8 GPUs (tp <= 8, tp x cp
-<= 8) over NVLink, the rest (data- and pipeline-parallel traffic, groups that span nodes) over InfiniBand (`LINKS`).
+its collectives at the link's bandwidth: the groups inside a node of 8 GPUs (tp <= 8, tp x cp <= 8, data-parallel
+ones when tp x cp x dp <= 8, a pipeline's when the whole world is one node: `inside_node`) over NVLink, the groups
+that span nodes over InfiniBand (`LINKS`).
 A collective the step leaves in flight (tensor parallelism's backward collectives in eager blocks:
 megalm.parallel.tensor.comm.Pending) is hidden behind the roofline time of the ops the rank runs before it waits
 for it, up to its own time (`hidden_comm_s`); so is (n - 1)/n of the shorter of the transfer and the GEMM of each
@@ -163,7 +164,7 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
             grads = storage_bytes(_grad_buffers(trainer))
             comm = storage_bytes(getattr(trainer.optimizer, "gather_buffers", list)())  # none held past this line
             live.mark_peak()
-            links, inside = LINKS[gpu], inside_node(p.tp, p.cp, p.ep)
+            links, inside = LINKS[gpu], inside_node(p.tp, p.cp, p.ep, dims.dp, p.pp)
             costs, comms = OpCosts(GPUS[gpu], cfg.precision.tf32), Collectives(_group_names(trainer), inside)
             once = OnceAStep(costs, comms)
             with InFlight(costs, comms, links, inside) as in_flight:

@@ -114,12 +114,26 @@ def test_search_says_when_no_layout_splits_the_batch(capsys):
     assert estimate.main([*SMALL, "trainer.micro_batch_size=1", "trainer.global_batch_size=4", "--world", "6",
                           "--search"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("error: no layout of 6 GPUs splits the global batch: no data-parallel size the model's shapes allow "
-                   "(at most 6) divides 4 sequences into micro-batches of 1; set trainer.global_batch_size to a "
-                   "multiple of dp x 1, e.g. 6 (dp 6)"), err
+    assert err == ("error: no layout of 6 GPUs the search tries (tp, pp and cp powers of two) splits the global batch: "
+                   "no data-parallel size they leave (at most 6) divides 4 sequences into micro-batches of 1; set "
+                   "trainer.global_batch_size to a multiple of dp x 1, e.g. 6 (dp 6), or estimate another layout by "
+                   "name (parallel.pp=3)"), err
     # the batch it names splits
     assert estimate.main([*SMALL, "trainer.micro_batch_size=1", "trainer.global_batch_size=6", "--world", "6",
                           "--search", "--top", "1"]) == 0
+
+
+@pytest.mark.parametrize("setting, fragment", [
+    ("parallel.fsdp=true", "--search does not price parallel.fsdp=true"),
+    ("trainer.tokens_per_step=1024", "--search does not price trainer.tokens_per_step=1024"),
+    ("parallel.cp_comm=a2a", "--search does not price parallel.cp_comm=a2a")])
+def test_search_refuses_the_settings_its_closed_form_does_not_price(capsys, setting, fragment):
+    """FSDP was pruned at ZeRO-1's bytes ("none of the 0 layouts fits" where tp1 dp8 fits), a token budget's tokens/s
+    came out 22x low, Ulysses' groups were never searched: each is one line naming the way out (an audit)."""
+    extra = ["data.varlen=true"] if "tokens_per_step" in setting else []
+    assert estimate.main([*SMALL, *extra, setting, "--world", "2", "--search"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {fragment}") and "without --search" in err and "\n" not in err, err
 
 
 @pytest.mark.parametrize("tp, dp", [(2, 2), (4, 1)])
