@@ -145,10 +145,13 @@ def precheck_overrides(argv: list[str]) -> None:
         named = [override_value(o) for o in overrides if o.partition("=")[0].lstrip("+") == "hydra.run.dir"]
         if named and not named[-1].strip():  # an unset shell variable: Hydra ran in the current directory
             raise ConfigError("hydra.run.dir is empty; name the run's directory, or drop it for outputs/DATE/TIME")
+        if named and named[-1].strip().startswith("~"):  # Hydra keeps it: the run went to ./~/..., unchecked
+            raise ConfigError(f"hydra.run.dir={named[-1]}: Hydra does not expand ~ (the run would go to a directory "
+                              "named '~' here); write the path out, e.g. hydra.run.dir=$HOME/...")
         if runs:  # the run dir, before Hydra makes it and its train.log there
             value = named[-1] if named else "outputs"  # configs/config.yaml: outputs/DATE/TIME
             what = f"hydra.run.dir={value}" if named else "outputs (the default run dir is outputs/DATE/TIME)"
-            run_dir = Path(value).expanduser()
+            run_dir = Path(value)
             if run_dir.exists() and not run_dir.is_dir():
                 raise ConfigError(f"{what} is a file; choose a directory (hydra.run.dir: new, or a run's to continue)")
             if named and run_dir.is_dir():

@@ -106,7 +106,8 @@ class ModelConfig:
     padded_vocab_size: int | None = None
     """Derived from vocab_size, make_vocab_size_divisible_by and parallel.tp; not set by hand."""
     init_from: str | None = None
-    """Start from these weights: hf:DIR (a Hugging Face Llama/GPT-2 directory)."""
+    """Start from these weights: hf:DIR (a Hugging Face model directory megalm-import reads), or a megalm checkpoint
+    or run dir (any layout; docs/interop.md)."""
     seq_length: int = 256
     """Tokens per sample (packed), or the longest document piece (data.varlen)."""
     max_position_embeddings: int | None = None

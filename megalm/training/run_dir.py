@@ -61,14 +61,16 @@ def check_run_dir(run_dir: Path) -> None:
 
 def check_own_checkpoints(run_dir: Path, config: MegalmConfig) -> None:
     """What the trainer refuses of a run dir's own latest checkpoint that a glance at it shows (another model's shapes,
-    or trainer.resume=never), refused before Hydra rewrites the dir's .hydra/ and config.yaml with this command (the
-    record of the command that wrote the checkpoints was lost)."""
+    a step past trainer.max_steps or stop_at_step, or trainer.resume=never), refused before Hydra rewrites the dir's
+    .hydra/ and config.yaml with this command (the record of the command that wrote the checkpoints was lost)."""
     from megalm.config.checks import resolve_model_defaults
     from megalm.training import checkpoint as ckpt
 
     latest = ckpt.latest_unless_never(run_dir, config.trainer.resume)
     if latest is None or config.trainer.resume != "auto":  # a PATH: the trainer's to resolve
         return
+    if latest.name.removeprefix("step_").isdigit():
+        ckpt.check_resume_target(latest, int(latest.name.removeprefix("step_")), config.trainer, run_dir, False)
     try:
         saved = OmegaConf.to_container(OmegaConf.load(latest / "config.yaml"))
     except Exception:  # any unreadable config: the trainer's checks name the damage

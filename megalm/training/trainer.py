@@ -113,7 +113,7 @@ class Trainer:
         step = meta.state["step"]
         # PATH as named, not the run dir's own checkpoints a requeued job continues instead (`resumable_checkpoint`)
         explicit = resume != "auto" and path.resolve() == ckpt.resolve_checkpoint_path(resume).resolve()
-        ckpt.check_resume_target(path, step, self.cfg.trainer.max_steps, self.run_dir, explicit=explicit)
+        ckpt.check_resume_target(path, step, self.cfg.trainer, self.run_dir, explicit=explicit)
         if self.cfg.model.init_from:
             log.info(f"model.init_from={self.cfg.model.init_from} not used: resuming from {path}")
         ckpt.check_model_config(meta.config.get("model", {}), self.config_dict["model"], path)

@@ -176,13 +176,15 @@ def resumable_checkpoint(run_dir: Path, resume: str) -> Path | None:
                           "away to start over, or resume from a copy with trainer.resume=PATH")
 
 
-def check_resume_target(path: Path, step: int, max_steps: int, run_dir: Path, explicit: bool) -> None:
-    """Refuse to resume checkpoint `path` (at `step`) when the run would end before it starts, or, for an explicit
-    trainer.resume=PATH (auto takes the run dir's latest intact one), when `run_dir` holds complete checkpoints
-    after `step`: the run's saves would replace them."""
-    if step > max_steps:
-        raise CheckpointError(f"checkpoint {path} is at step {step}, past trainer.max_steps={max_steps}; raise "
-                              "trainer.max_steps to continue it")
+def check_resume_target(path: Path, step: int, trainer: Any, run_dir: Path, explicit: bool) -> None:
+    """Refuse to resume checkpoint `path` (at `step`) when the run would end before it starts (`trainer`: the run's
+    trainer config, its max_steps and stop_at_step), or, for an explicit trainer.resume=PATH (auto takes the run
+    dir's latest intact one), when `run_dir` holds complete checkpoints after `step`: the run's saves would replace
+    them."""
+    for key, last in (("max_steps", trainer.max_steps), ("stop_at_step", trainer.stop_at_step)):
+        if last is not None and step > last:  # stop_at_step: it ran nothing and said "stopped early" (an audit)
+            raise CheckpointError(f"checkpoint {path} is at step {step}, past trainer.{key}={last}; raise "
+                                  f"trainer.{key} to continue it")
     later = [p.name for p in step_dirs(Path(run_dir) / CHECKPOINTS)
              if p.name > checkpoint_name(step) and is_complete(p)] if explicit else []
     if later:
