@@ -271,6 +271,10 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
                     f"{cfg.model.vocab_size} to {cfg.model.padded_vocab_size} (a multiple of "
                     "model.make_vocab_size_divisible_by x parallel.tp); set make_vocab_size_divisible_by instead")
     validate_model(cfg.model)
+    if cfg.model.position_embedding == "learned" and (unread := set_away_from_default(cfg.model, ModelConfig,
+                                                                                        ["rope_theta"])):
+        log.warning(f"model.{unread[0]} set with model.position_embedding=learned, which has no rotary embedding: "
+                    "not used")
 
     t = cfg.trainer
     for key in ("max_steps", "global_batch_size", "micro_batch_size", "log_interval", "eval_iters", "keep_last"):

@@ -33,7 +33,7 @@ from types import TracebackType
 
 import torch
 
-from megalm.config import MegalmConfig
+from megalm.config import MegalmConfig, ProfilingConfig, set_away_from_default
 from megalm.errors import ConfigError
 from megalm.measure.kernel_profile import STEP_SPAN, format_profile, step_profiler, summarize, synchronize
 
@@ -52,6 +52,9 @@ def validate_profiling(cfg: MegalmConfig, world_size: int) -> None:
     if p.steps < 1:
         raise ConfigError(f"profiling.steps={p.steps} must be >= 1")
     if not (p.trace or p.memory_snapshot):
+        if unread := set_away_from_default(p, ProfilingConfig, ["start_step", "steps", "ranks"]):
+            log.warning(f"profiling.{', profiling.'.join(unread)} set with profiling.trace and "
+                        "profiling.memory_snapshot false, which profile nothing: not used")
         return
     run_steps = cfg.trainer.stop_at_step or cfg.trainer.max_steps
     if p.start_step + p.steps > run_steps:

@@ -240,6 +240,13 @@ def test_settings_nothing_reads_are_said(caplog):
         ("trainer.nonfinite=stop", "trainer.max_consecutive_skips=3"): "trainer.max_consecutive_skips=3 set with "
                                                                        "trainer.nonfinite=stop, which skips no step: "
                                                                        "not used",
+        # (an audit, 2026-12-06)
+        ("model=gpt2_tiny", "model.rope_theta=500000"): "model.rope_theta=500000.0 set with "
+                                                        "model.position_embedding=learned, which has no rotary "
+                                                        "embedding: not used",
+        ("profiling.start_step=3", "profiling.ranks=[1]"): "profiling.start_step=3, profiling.ranks=[1] set with "
+                                                           "profiling.trace and profiling.memory_snapshot false, "
+                                                           "which profile nothing: not used",
     }
     for overrides, line in said.items():
         caplog.clear()
@@ -249,7 +256,8 @@ def test_settings_nothing_reads_are_said(caplog):
     read = [("data=synthetic", "data.synthetic.num_docs=10"),  # each read where it is set: nothing to say
             ("parallel.overlap_param_gather=false", "parallel.zero1=true"),
             ("trainer.compile=true", "trainer.compile_backend=aot_eager"), BUDGET, ("trainer.eval_iters=9",),
-            ("trainer.max_consecutive_skips=3",)]
+            ("trainer.max_consecutive_skips=3",), ("model.rope_theta=500000",), ("model=gpt2_tiny",),
+            ("profiling.trace=true", "profiling.start_step=3", "trainer.max_steps=10")]
     for overrides in read + [()]:  # and the defaults
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="megalm"):
