@@ -107,7 +107,8 @@ def test_blocks_compile_without_breaks_and_train_as_eager(tmp_path, name):
     for rank in range(world):
         result = torch.load(tmp_path / f"run.{rank}")
         assert result["breaks"] == [], (name, rank, result)
-        assert result["frames"] <= 2 and result["graphs"] <= 2, (name, rank, result)
+        # at least one: a layout whose blocks silently stayed eager trained as eager does (a test-quality audit)
+        assert 1 <= result["frames"] <= 2 and 1 <= result["graphs"] <= 2, (name, rank, result)
         if name.startswith("moe"):  # one kind of block, one graph (a view cached across blocks made two)
             assert result["frames"] == 1 and result["graphs"] == 1, (name, rank, result)
         # the loss's kernels, compiled where it runs (under TP on each rank's vocabulary shard), not on pp2's first
@@ -136,6 +137,7 @@ def test_inductor_under_sequence_parallelism_trains_as_eager(tmp_path, monkeypat
                     str(tmp_path), str(tmp_path / "sp"), "inductor", timeout=900)
     for rank in range(2):
         result = torch.load(tmp_path / f"sp.{rank}")
+        assert 1 <= result["frames"] <= 2 and 1 <= result["graphs"] <= 2, (rank, result)  # compiled, not eager
         for step, (a, b) in enumerate(result["losses"]):
             assert a == pytest.approx(b, rel=1e-6, abs=1e-7), (rank, step, result)
         # inductor's fused kernels round differently from eager's ops, and AdamW divides by sqrt(v) + eps: a
@@ -153,6 +155,7 @@ def test_inductor_under_the_zero_bubble_schedule_trains_as_eager(tmp_path, monke
                     "inductor", timeout=900)
     for rank in range(2):
         result = torch.load(tmp_path / f"zb.{rank}")
+        assert 1 <= result["frames"] <= 2 and 1 <= result["graphs"] <= 2, (rank, result)  # compiled, not eager
         for step, (a, b) in enumerate(result["losses"]):
             assert a == pytest.approx(b, rel=1e-6, abs=1e-7), (rank, step, result)
         assert result["weight_diff"] < 1e-4, (rank, result)

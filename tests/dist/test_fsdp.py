@@ -45,7 +45,10 @@ def check_fsdp(rank: int, world_size: int, overrides: list[str], tmp: str, param
     assert held <= sum(p.numel() for p in params) // shards + sum(math.prod(p.shape[1:]) for p in params), held
 
     def offloaded_as_one_process() -> None:
-        """Activations only: FSDP's gathered weights are parameters the store leaves alone."""
+        """Activations only: FSDP's gathered weights are parameters the store leaves alone. Under a clip below the
+        norm, every step clips (TINY's norms are 0.82-0.90: at the default 1.0 no layout clipped)."""
+        if par.cfg.trainer.grad_clip < 0.82:
+            assert float(par.grad_norm()) > par.cfg.trainer.grad_clip
         if par.cfg.offload.enabled:
             par_bytes = par.parallel.offload_store.offloaded_bytes
             assert par_bytes > 0 and reference.offloaded_bytes == par.mesh.dims.dp * par_bytes, \
@@ -69,6 +72,8 @@ LAYOUTS = {
     "hsdp_dp4": (4, ["parallel.dp=4", "parallel.fsdp_shard_size=2"]),
     "dp2_offload": (2, ["parallel.dp=2", "offload.enabled=true"]),
     "dp2_selective": (2, ["parallel.dp=2", "parallel.recompute=selective"]),
+    # the clip's coefficient applied to the shards (FsdpGrads.scale_grads): no other layout clipped (a test audit)
+    "dp2_clipped": (2, ["parallel.dp=2", "trainer.grad_clip=0.3"]),
 }
 
 

@@ -39,20 +39,33 @@ STEPS = 4
 
 
 def check_tp_recipe(rank: int, world_size: int, overrides: list[str], loss_rtol: float,
-                    grad_rtol: tuple[float, float] | None, tmp: str) -> None:
-    """grad_rtol: (the head, which no rounding flip reaches; every other parameter)."""
+                    grad_rtol: tuple[float, float, bool], tmp: str) -> None:
+    """grad_rtol: (the head, which no rounding flip reaches; every other parameter; whether that bound is on their
+    median: mxfp4's stochastic rounding and Hadamard signs per shard leave each within 0.23-0.53, a skipped TP
+    reduction leaves them near 0.8)."""
+    import statistics
+
     one = Trainer(compose_config(*MODEL, *overrides), f"{tmp}/one{rank}", mesh=ParallelMesh(ParallelDims()))
     tp = Trainer(compose_config(*MODEL, *overrides, "parallel.tp=2"), f"{tmp}/tp")
     if grad_rtol is not None:
+        errors = []
         one.forward_backward(0)
         tp.forward_backward(0)
-        full = dict(canonical_named_parameters(one.model))
+        # the summed fp32 gradients: .grad, or a parameter's slice of the buckets behind bf16 working weights
+        summed = lambda trainer, p: trainer.parallel.reducer.summed_grad(p).float()  # noqa: E731
+        full = {name: summed(one, p) for name, p in canonical_named_parameters(one.model)}
         for name, p in canonical_named_parameters(tp.model):
-            expected = shard_of(tp.model, name, full[name].grad)  # vocab tables: tp2 pads more rows (zero grads)
-            error = ((p.grad - expected).norm() / expected.norm()).item()
+            expected = shard_of(tp.model, name, full[name])  # vocab tables: tp2 pads more rows (zero grads)
+            error = ((summed(tp, p) - expected).norm() / expected.norm()).item()
             exact = name in ("output.weight", "final_norm.weight")
             limit = grad_rtol[0] if exact else grad_rtol[1]
-            assert error <= limit, f"{overrides} {name}: tp2 grad differs from tp1 by {error:.3g} (relative)"
+            if exact or not grad_rtol[2]:
+                assert error <= limit, f"{overrides} {name}: tp2 grad differs from tp1 by {error:.3g} (relative)"
+            else:
+                errors.append(error)
+        if errors:
+            middle = statistics.median(errors)
+            assert middle <= grad_rtol[1], f"{overrides}: tp2 grads differ from tp1 by {middle:.3g} (the median)"
         for t in (one, tp):
             t.optimizer.zero_grad(set_to_none=True)
     a = [one.train_step(s).loss for s in range(STEPS)]
@@ -62,9 +75,11 @@ def check_tp_recipe(rank: int, world_size: int, overrides: list[str], loss_rtol:
 
 
 @pytest.mark.parametrize("overrides, loss_rtol, grad_rtol", [
-    (["precision=mxfp8", "precision.autocast=false"], 3e-4, (1e-4, 3e-2)),
-    (["precision=mxfp4_rtn", "precision.autocast=false"], 1e-3, (1e-4, 1.5e-1)),
-    (["precision=mxfp4"], 3e-3, None),  # SR + RHT noise per shard, bf16 around: losses only
+    (["precision=mxfp8", "precision.autocast=false"], 3e-4, (1e-4, 3e-2, False)),
+    (["precision=mxfp4_rtn", "precision.autocast=false"], 1e-3, (1e-4, 1.5e-1, False)),
+    # SR + RHT noise per shard, bf16 around: the head's (bf16 only) within 2e-2, the others' median within 0.6 (0.39
+    # measured; a skipped TP reduction of the input gradients ~0.8: with losses only it passed, a test-quality audit)
+    (["precision=mxfp4"], 3e-3, (2e-2, 0.6, True)),
 ], ids=["mxfp8", "mxfp4_rtn", "mxfp4"])
 def test_tp2_matches_tp1(tmp_path, overrides, loss_rtol, grad_rtol):
     run_distributed(check_tp_recipe, 2, overrides, loss_rtol, grad_rtol, str(tmp_path), timeout=240)
