@@ -367,6 +367,10 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
     elif d.name == "indexed" and not d.path:
         raise ConfigError("data=indexed needs data.path=PREFIX (the prefix of PREFIX.bin/PREFIX.idx "
                           "written by megalm-preprocess), or data.blend=[W1,PREFIX1,W2,PREFIX2,...]")
+    if d.name == "demo" and cfg.model.vocab_size > 1024:  # data= is the config's default: a cluster example ran on it
+        log.warning(f"data=demo is the Python standard library as bytes (257 ids), for a model of "
+                    f"{cfg.model.vocab_size:,} tokens ({cfg.model.name}): a smoke run, not a language model; "
+                    "tokenize your corpus with megalm-preprocess and set data=indexed data.path=PREFIX")
     positive(d.synthetic.num_docs, "data.synthetic.num_docs")
     for key in ("mean_doc_length", "fixed_doc_length"):  # (fixed null: log-normal lengths)
         length = getattr(d.synthetic, key)

@@ -256,7 +256,7 @@ class Trainer:
                     window.add(result.tokens, result.flops, result.batch_seconds)
                     losses.append((self.step, result.loss))
                     self.spikes.check(result.loss, self.step, self.step_sample_ids(self.step - 1))
-                    evaluate = t.eval_interval > 0 and self.step % t.eval_interval == 0
+                    evaluate = t.eval_interval > 0 and (self.step % t.eval_interval == 0 or self.step == stop_at)
                     if evaluate:  # eval and save off the throughput window's clock (Megatron stops its timer too)
                         val_loss = window.aside(self.evaluate)
                         self.watchdog.beat(self.step + 1)

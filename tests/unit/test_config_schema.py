@@ -247,6 +247,10 @@ def test_settings_nothing_reads_are_said(caplog):
         ("profiling.start_step=3", "profiling.ranks=[1]"): "profiling.start_step=3, profiling.ranks=[1] set with "
                                                            "profiling.trace and profiling.memory_snapshot false, "
                                                            "which profile nothing: not used",
+        # a preset on the config's default data, as the cluster examples ran (a newcomer's audit)
+        ("model=125m",): "data=demo is the Python standard library as bytes (257 ids), for a model of 50,304 tokens "
+                         "(125m): a smoke run, not a language model; tokenize your corpus with megalm-preprocess and "
+                         "set data=indexed data.path=PREFIX",
     }
     for overrides, line in said.items():
         caplog.clear()

@@ -299,6 +299,15 @@ def test_an_unused_run_dir_is_removed_once_and_a_used_one_kept(tmp_path):
     assert (used / "checkpoints").is_dir(), "a run dir with anything of a run in it is kept"
 
 
+def test_the_last_step_is_evaluated_too(tmp_path):
+    """trainer.eval_interval=2 over 3 steps evaluates at steps 2 and 3: the last was not evaluated, and the closing
+    line's val loss was step 2's (Megatron-LM evaluates at the end of training; a newcomer's audit)."""
+    summary = Trainer(compose_config("trainer.max_steps=3", "trainer.eval_interval=2"), tmp_path).fit()
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 3]
+    assert summary.val_loss == records[-1]["val_loss"]
+
+
 def test_evaluation_without_a_validation_split_is_said(tmp_path, caplog):
     """data.valid_fraction=0 leaves no validation split: trainer.eval_interval then evaluates nothing, said in one
     line at the start (until 2026-12-04 it was skipped without a word, an audit found)."""
