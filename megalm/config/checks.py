@@ -129,6 +129,9 @@ def set_away_from_default(section: Any, schema: type, keys: Iterable[str] | None
     return [f"{key}={getattr(section, key)}" for key in keys if getattr(section, key) != schema_default(schema, key)]
 
 
+DEMO_DATA_WARNING = "data=demo is the Python standard library as bytes (257 ids)"
+
+
 def demo_tokenizer_refusal(tokenizer: str) -> str | None:
     """Why data=demo cannot take `data.tokenizer` (None: it can): its corpus is byte-tokenized when built."""
     if tokenizer == "byte":
@@ -368,7 +371,7 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
         raise ConfigError("data=indexed needs data.path=PREFIX (the prefix of PREFIX.bin/PREFIX.idx "
                           "written by megalm-preprocess), or data.blend=[W1,PREFIX1,W2,PREFIX2,...]")
     if d.name == "demo" and cfg.model.vocab_size > 1024:  # data= is the config's default: a cluster example ran on it
-        log.warning(f"data=demo is the Python standard library as bytes (257 ids), for a model of "
+        log.warning(f"{DEMO_DATA_WARNING}, for a model of "
                     f"{cfg.model.vocab_size:,} tokens ({cfg.model.name}): a smoke run, not a language model; "
                     "tokenize your corpus with megalm-preprocess and set data=indexed data.path=PREFIX")
     positive(d.synthetic.num_docs, "data.synthetic.num_docs")

@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import sys
 from typing import Any
 
+from megalm.config.checks import DEMO_DATA_WARNING
 from megalm.estimate.layout_search import search, search_table
 from megalm.estimate.rank import (
     AUTO_PRECISION,
@@ -72,6 +74,10 @@ def no_fit(result: dict[str, Any], world: int, json_printed: bool) -> str:
             f"this batch; {', '.join(fixes[:-1])} or {fixes[-1]}{notes}")
 
 
+def _not_the_demo_data_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(DEMO_DATA_WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     """megalm-estimate OVERRIDES... --world N --gpu h100 [--json]."""
     import logging
@@ -89,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory", type=float, help="--search: GiB of device memory per GPU (default: --gpu's)")
     args = parser.parse_intermixed_args(argv)  # overrides before and after the flags
     logging.getLogger("megalm").setLevel(logging.WARNING)  # the trainers' start-up lines are not the answer
+    # nor is the warning that a preset on data=demo trains no language model: the estimate prices its shapes only
+    logging.getLogger("megalm").addFilter(_not_the_demo_data_warning)
     cpu_run = ["trainer.device=cpu", "trainer.hang_minutes=0", "trainer.init_hang_minutes=0",
                "logging.tensorboard=false"]
     unfit = None  # a search's result with no layout: --json prints it beside the error line
