@@ -154,12 +154,14 @@ def main(argv: list[str] | None = None) -> None:
                         "a dir of runs such as outputs/ (the newest run's latest: named on stderr)")
     parser.add_argument("--prompt", default="", help="text to continue (not empty: a document's first token is "
                         "never trained, so there is no start to sample from)")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=50, help="0 = no top-k filtering")
-    parser.add_argument("--num-samples", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="default 200; the context is cropped to the "
+                        "model's model.max_position_embeddings, its newest tokens kept")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; default 0.8")
+    parser.add_argument("--top-k", type=int, default=50, help="0 = no top-k filtering; default 50")
+    parser.add_argument("--num-samples", type=int, default=1, help="default 1")
+    parser.add_argument("--seed", type=int, default=0, help="default 0")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="default cuda where one is visible, else cpu")
     parser.add_argument("--tokenizer", default=None,
                         help="a tokenizer.json (or 'byte') to decode with; default: the one the checkpoint names")
     parser.add_argument("--debug", action="store_true", help="keep tracebacks")
