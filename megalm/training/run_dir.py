@@ -61,7 +61,7 @@ def check_run_dir(run_dir: Path) -> None:
 
 def check_own_checkpoints(run_dir: Path, config: MegalmConfig) -> None:
     """What the trainer refuses of a run dir's own latest checkpoint that a glance at it shows (another model's shapes,
-    a step past trainer.max_steps or stop_at_step, or trainer.resume=never), refused before Hydra rewrites the dir's
+    a step past trainer.max_steps, or trainer.resume=never), refused before Hydra rewrites the dir's
     .hydra/ and config.yaml with this command (the record of the command that wrote the checkpoints was lost)."""
     from megalm.config.checks import resolve_model_defaults
     from megalm.training import checkpoint as ckpt
@@ -70,7 +70,8 @@ def check_own_checkpoints(run_dir: Path, config: MegalmConfig) -> None:
     if latest is None or config.trainer.resume != "auto":  # a PATH: the trainer's to resolve
         return
     if latest.name.removeprefix("step_").isdigit():
-        ckpt.check_resume_target(latest, int(latest.name.removeprefix("step_")), config.trainer, run_dir, False)
+        ckpt.check_resume_target(latest, int(latest.name.removeprefix("step_")), config.trainer, run_dir, False,
+                                 note=False)  # (the trainer says what it notes)
     try:
         saved = OmegaConf.to_container(OmegaConf.load(latest / "config.yaml"))
     except Exception:  # any unreadable config: the trainer's checks name the damage

@@ -176,15 +176,18 @@ def resumable_checkpoint(run_dir: Path, resume: str) -> Path | None:
                           "away to start over, or resume from a copy with trainer.resume=PATH")
 
 
-def check_resume_target(path: Path, step: int, trainer: Any, run_dir: Path, explicit: bool) -> None:
+def check_resume_target(path: Path, step: int, trainer: Any, run_dir: Path, explicit: bool, note: bool = True
+                        ) -> None:
     """Refuse to resume checkpoint `path` (at `step`) when the run would end before it starts (`trainer`: the run's
-    trainer config, its max_steps and stop_at_step), or, for an explicit trainer.resume=PATH (auto takes the run
-    dir's latest intact one), when `run_dir` holds complete checkpoints after `step`: the run's saves would replace
-    them."""
-    for key, last in (("max_steps", trainer.max_steps), ("stop_at_step", trainer.stop_at_step)):
-        if last is not None and step > last:  # stop_at_step: it ran nothing and said "stopped early" (an audit)
-            raise CheckpointError(f"checkpoint {path} is at step {step}, past trainer.{key}={last}; raise "
-                                  f"trainer.{key} to continue it")
+    trainer config), or, for an explicit trainer.resume=PATH (auto takes the run dir's latest intact one), when
+    `run_dir` holds complete checkpoints after `step`: the run's saves would replace them. A checkpoint past
+    trainer.stop_at_step is said (`note`), not refused: a requeued chunk of a run that went on since trains nothing."""
+    if step > trainer.max_steps:
+        raise CheckpointError(f"checkpoint {path} is at step {step}, past trainer.max_steps={trainer.max_steps}; raise "
+                              "trainer.max_steps to continue it")
+    if note and trainer.stop_at_step is not None and step > trainer.stop_at_step:  # it said only "stopped early"
+        log.warning(f"checkpoint {path} is at step {step}, past trainer.stop_at_step={trainer.stop_at_step}: nothing "
+                    "to train (raise trainer.stop_at_step to continue it)")
     later = [p.name for p in step_dirs(Path(run_dir) / CHECKPOINTS)
              if p.name > checkpoint_name(step) and is_complete(p)] if explicit else []
     if later:
