@@ -115,14 +115,14 @@ def sample_with_any_attention_backend(model: GPT) -> None:
 
 # [eod] was the context of an empty prompt: no trained position reads eod as its input (the loss of the token after a
 # document's end, the next document's first, is masked), so the first token was sampled from noise (an audit)
-EMPTY_PROMPT = ("megalm-generate needs --prompt TEXT to continue: a megalm model never learns a document's first token "
-                "(its loss starts at the second), so an empty prompt has no trained context")
+NO_START = ("a megalm model never learns a document's first token (its loss starts at the second), so an empty "
+            "prompt has no trained context")
 
 
 def _check_sampling_args(args: argparse.Namespace) -> None:
     """One line for each flag out of its range, before anything loads."""
     if not args.prompt:
-        raise MegalmError(EMPTY_PROMPT)
+        raise MegalmError(f"megalm-generate needs --prompt TEXT to continue: {NO_START}")
     for flag, value, low, what in (("--max-new-tokens", args.max_new_tokens, 1, ""),
                                    ("--num-samples", args.num_samples, 1, ""),
                                    ("--top-k", args.top_k, 0, " (0: no top-k filtering)"),
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         model, tokenizer, stops = load_for_generation(args.checkpoint, args.device, args.tokenizer)
         prompt = tokenizer.encode(args.prompt)
         if not prompt:
-            raise MegalmError(f"--prompt {args.prompt!r} encodes to no tokens; {EMPTY_PROMPT.split(': ', 1)[1]}")
+            raise MegalmError(f"--prompt {args.prompt!r} encodes to no tokens; {NO_START}")
         generator = torch.Generator().manual_seed(args.seed)
         for i in range(args.num_samples):
             out = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k or None,

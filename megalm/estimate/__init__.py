@@ -80,7 +80,6 @@ def _not_the_demo_data_warning(record: logging.LogRecord) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """megalm-estimate OVERRIDES... --world N --gpu h100 [--json]."""
-    import logging
 
     from megalm.errors import ConfigError, MegalmError
 

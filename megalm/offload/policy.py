@@ -58,7 +58,11 @@ def share(fraction: float, count: int) -> int:
 
 def spread(count: int, fraction: float) -> list[int]:
     """share(fraction, count) of range(count), spread evenly (fraction 0.5: every other one)."""
-    chosen = share(fraction, count)
+    return evenly(count, share(fraction, count))
+
+
+def evenly(count: int, chosen: int) -> list[int]:
+    """`chosen` of range(count), spread evenly."""
     return sorted({math.floor(i * count / chosen) for i in range(chosen)}) if chosen else []
 
 
@@ -166,7 +170,7 @@ def select_pipeline(schedule: ScheduleLike, timeline: Timeline, policy: str, fra
         frees = _frees_memory(schedule.actions[rank])
         if policy == "uniform":  # the budget spread evenly over the micro-batches whose offload frees memory
             useful = [k for k in keys if k in frees]
-            picked = [useful[i] for i in spread(len(useful), min(budget, len(useful)) / max(len(useful), 1))]
+            picked = [useful[i] for i in evenly(len(useful), min(budget, len(useful)))]
         else:
             worth = [k for k in sorted(keys, key=lambda k: (-spans[k], k))
                      if spans[k] > 0 and spans[k] >= min_gap and k in frees]

@@ -69,9 +69,9 @@ def check_own_checkpoints(run_dir: Path, config: MegalmConfig) -> None:
     latest = ckpt.latest_unless_never(run_dir, config.trainer.resume)
     if latest is None or config.trainer.resume != "auto":  # a PATH: the trainer's to resolve
         return
-    if latest.name.removeprefix("step_").isdigit():
-        ckpt.check_resume_target(latest, int(latest.name.removeprefix("step_")), config.trainer, run_dir, False,
-                                 note=False)  # (the trainer says what it notes)
+    step = latest.name.removeprefix("step_")
+    if step.isdigit():  # (the trainer says what it only notes)
+        ckpt.check_resume_target(latest, int(step), config.trainer, run_dir, False, note=False)
     try:
         saved = OmegaConf.to_container(OmegaConf.load(latest / "config.yaml"))
     except Exception:  # any unreadable config: the trainer's checks name the damage

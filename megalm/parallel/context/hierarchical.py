@@ -97,8 +97,8 @@ class HierarchicalRing:
         attention runs, given a host `layout` (RingContext.for_shard): built on the host, moved without a sync."""
         u, d = layout.inner, layout.n
         r, (j, i) = d // u, divmod(index, u)
-        members = slice(j * u, (j + 1) * u)
-        where = layout.indices[members].reshape(-1)  # padded-stream index of every received token
+        members = range(j * u, (j + 1) * u)
+        where = layout.indices[members.start:members.stop].reshape(-1)  # padded-stream index of every received token
         to_position = torch.argsort(where)
         position = zigzag_layout(layout.chunk_sizes * u, r, layout.chunk_sizes.device)
         from_position = torch.argsort(to_position)
@@ -106,8 +106,8 @@ class HierarchicalRing:
             to_position, from_position = (to_device(t, device, True) for t in (to_position, from_position))
             position = position.to(device, non_blocking=True)
         outer = [int(ranks[p * u + i]) for p in range(r)]  # the ring of this rank's head group
-        return cls(u, torch.tensor([i, *(int(ranks[m]) for m in range(j * u, (j + 1) * u))], dtype=torch.int64),
-                   to_position, from_position, position, ring_meta(position, outer, j) if r > 1 else None)
+        return cls(u, torch.tensor([i, *(int(ranks[m]) for m in members)], dtype=torch.int64), to_position,
+                   from_position, position, ring_meta(position, outer, j) if r > 1 else None)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, scale: float | None = None
                ) -> torch.Tensor:
