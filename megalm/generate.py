@@ -14,7 +14,7 @@ import logging
 import sys
 from collections.abc import Collection
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -61,13 +61,23 @@ def sample(model: GPT, prompt: list[int], max_new_tokens: int, temperature: floa
     return ids[len(prompt):]
 
 
-def load_for_generation(path: str, device: str = "cpu", tokenizer: str | None = None
-                        ) -> tuple[GPT, object, set[int]]:
-    """Model (weights loaded), tokenizer and the ids sampling stops at, of a checkpoint dir or run dir; `tokenizer`
-    (a tokenizer.json or "byte") in place of the one the checkpoint names. A tokenizer of another vocabulary than
-    the model's is refused: it would decode the ids into other text. The stops are the tokenizer's eod and, for a
-    model imported with its own tokenizer, its config's eos ids (a chat model's end of turn: Llama-3-Instruct's
-    <|eot_id|>, Qwen's <|im_end|>), which the eod alone missed, sampling to --max-new-tokens."""
+class ForGeneration(NamedTuple):
+    """What sampling from a checkpoint needs: the model, its tokenizer, the ids it stops at and the ids every prompt
+    starts with (an imported model's bos, where its tokenizer adds one; none for a megalm-trained model)."""
+    model: GPT
+    tokenizer: object
+    stops: set[int]
+    start: list[int]
+
+
+def load_for_generation(path: str, device: str = "cpu", tokenizer: str | None = None) -> ForGeneration:
+    """Model (weights loaded), tokenizer, stops and start of a checkpoint dir or run dir; `tokenizer` (a
+    tokenizer.json or "byte") in place of the one the checkpoint names. A tokenizer of another vocabulary than the
+    model's is refused: it would decode the ids into other text. The stops are the tokenizer's eod and, for a model
+    imported with its own tokenizer, its config's eos ids (a chat model's end of turn: Llama-3-Instruct's
+    <|eot_id|>, Qwen's <|im_end|>), which the eod alone missed, sampling to --max-new-tokens. Such a model's prompt
+    starts as its own tokenizer starts a text (Llama's <s> or <|begin_of_text|>: every document it was trained on
+    begins with it), which megalm's encode leaves out; a megalm-trained model's documents start after an eod."""
     # the model and checkpoint stack (2-3 s of imports) only now: a bad flag is answered before it
     from megalm.data.tokenizer import build_tokenizer, trained_with
     from megalm.training.checkpoint import load_saved_model
@@ -90,12 +100,13 @@ def load_for_generation(path: str, device: str = "cpu", tokenizer: str | None = 
                           "with; pass that one with --tokenizer PATH")
     if Path(path).expanduser().absolute() != meta.path.absolute():  # a run dir's latest, or a dir of runs' newest
         sys.stderr.write(f"megalm-generate: sampling from {meta.path} (step {meta.state.get('step')})\n")
-    stops = {built.eod_id}
+    stops, start = {built.eod_id}, []
     source = meta.state.get("source") or {}
     if tokenizer is None and source.get("format") == "hf":  # its own tokenizer: its own ids
         eos = source.get("eos_token_id")
         stops.update(i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int))
-    return model, built, stops
+        start = built.prompt_start()
+    return ForGeneration(model, built, stops, start)
 
 
 def sample_with_any_attention_backend(model: GPT) -> None:
@@ -168,10 +179,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with one_line_errors(args.debug):
         _check_sampling_args(args)
-        model, tokenizer, stops = load_for_generation(args.checkpoint, args.device, args.tokenizer)
-        prompt = tokenizer.encode(args.prompt)
-        if not prompt:
+        model, tokenizer, stops, start = load_for_generation(args.checkpoint, args.device, args.tokenizer)
+        text = tokenizer.encode(args.prompt)
+        if not text:
             raise MegalmError(f"--prompt {args.prompt!r} encodes to no tokens; {NO_START}")
+        prompt = start + text
         generator = torch.Generator().manual_seed(args.seed)
         for i in range(args.num_samples):
             out = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k or None,

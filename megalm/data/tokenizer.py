@@ -35,6 +35,10 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def prompt_start(self) -> list[int]:
+        """The special ids the tokenizer itself puts before a text (a bos), which `encode` leaves out."""
+        ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes are the tokens 0..255; `<eod>` is 256. Lossless, file-free, vocab 257."""
@@ -45,6 +49,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def prompt_start(self) -> list[int]:
+        return []
 
     def decode(self, ids: list[int]) -> str:
         # Decode runs of bytes together (a character may span several bytes); show eod as "<eod>"
@@ -133,6 +140,13 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def prompt_start(self) -> list[int]:
+        """What the post-processor puts before a text: Llama's <s> (<|begin_of_text|>), which Hugging Face's
+        tokenizer adds by default; none for GPT-2's or Qwen's."""
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        marked = self._tok.encode("a", add_special_tokens=True).ids
+        return next((marked[:i] for i in range(len(marked) - len(plain) + 1) if marked[i:i + len(plain)] == plain), [])
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self._path!r})"

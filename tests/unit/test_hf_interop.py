@@ -625,3 +625,29 @@ def test_an_export_s_token_files_agree_and_a_tokenizer_of_another_vocabulary_is_
     with pytest.raises(InteropError, match=r"has 702 tokens, the run's had at most 300: it is not the one"):
         export_hf(imported, tmp_path / "big", tokenizer=big)
     assert not (tmp_path / "big").exists()
+
+
+def test_generation_from_an_imported_llama_starts_its_prompt_as_its_tokenizer_does(tmp_path, capsys):
+    """megalm encodes text without special tokens (its documents start after an eod); Llama's tokenizer puts <s>
+    before every text, and Hugging Face's generate continues that. megalm-generate sampled an imported Llama from a
+    prompt without it, a context the model never saw (an audit, 2026-12-06): now it prints what transformers does."""
+    from tokenizers import Tokenizer, processors
+
+    from megalm.generate import continuation, load_for_generation
+    from megalm.generate import main as generate_main
+
+    hf_dir, hf_model = transformers_dir(tmp_path / "hf", "llama")
+    tok = Tokenizer.from_file(_bpe_tokenizer(tmp_path / "llama_tok", ["<unk>", "<s>", "</s>"], 300))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(hf_dir / "tokenizer.json"))
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    imported = import_hf(hf_dir, tmp_path / "imported")
+    text = "def hello"
+    ids = transformers.AutoTokenizer.from_pretrained(hf_dir)(text).input_ids
+    model, tokenizer, stops, start = load_for_generation(str(imported))
+    assert ids[0] == 1 and start + tokenizer.encode(text) == ids
+    theirs = hf_model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
+                               attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=2)[0, len(ids):]
+    generate_main([str(imported), "--prompt", text, "--temperature", "0", "--max-new-tokens", "6"])
+    assert capsys.readouterr().out == text + continuation(tokenizer, ids, theirs.tolist()) + "\n"
+    assert load_for_generation(str(imported), tokenizer="byte").start == []  # another tokenizer: its own start
