@@ -63,7 +63,7 @@ def sample(model: GPT, prompt: list[int], max_new_tokens: int, temperature: floa
 
 class ForGeneration(NamedTuple):
     """What sampling from a checkpoint needs: the model, its tokenizer, the ids it stops at and the ids every prompt
-    starts with (an imported model's bos, where its tokenizer adds one; none for a megalm-trained model)."""
+    starts with (a bos, where the tokenizer puts one before a text)."""
     model: GPT
     tokenizer: object
     stops: set[int]
@@ -75,9 +75,9 @@ def load_for_generation(path: str, device: str = "cpu", tokenizer: str | None = 
     tokenizer.json or "byte") in place of the one the checkpoint names. A tokenizer of another vocabulary than the
     model's is refused: it would decode the ids into other text. The stops are the tokenizer's eod and, for a model
     imported with its own tokenizer, its config's eos ids (a chat model's end of turn: Llama-3-Instruct's
-    <|eot_id|>, Qwen's <|im_end|>), which the eod alone missed, sampling to --max-new-tokens. Such a model's prompt
-    starts as its own tokenizer starts a text (Llama's <s> or <|begin_of_text|>: every document it was trained on
-    begins with it), which megalm's encode leaves out; a megalm-trained model's documents start after an eod."""
+    <|eot_id|>, Qwen's <|im_end|>), which the eod alone missed, sampling to --max-new-tokens. A prompt starts as the
+    tokenizer starts a text (Llama's <s> or <|begin_of_text|>), as every document the model was trained on did
+    (megalm-preprocess writes it; `encode` leaves it out) and as transformers' generate starts it."""
     # the model and checkpoint stack (2-3 s of imports) only now: a bad flag is answered before it
     from megalm.data.tokenizer import build_tokenizer, trained_with
     from megalm.training.checkpoint import load_saved_model
@@ -100,13 +100,12 @@ def load_for_generation(path: str, device: str = "cpu", tokenizer: str | None = 
                           "with; pass that one with --tokenizer PATH")
     if Path(path).expanduser().absolute() != meta.path.absolute():  # a run dir's latest, or a dir of runs' newest
         sys.stderr.write(f"megalm-generate: sampling from {meta.path} (step {meta.state.get('step')})\n")
-    stops, start = {built.eod_id}, []
+    stops = {built.eod_id}
     source = meta.state.get("source") or {}
     if tokenizer is None and source.get("format") == "hf":  # its own tokenizer: its own ids
         eos = source.get("eos_token_id")
         stops.update(i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int))
-        start = built.prompt_start()
-    return ForGeneration(model, built, stops, start)
+    return ForGeneration(model, built, stops, built.prompt_start())
 
 
 def sample_with_any_attention_backend(model: GPT) -> None:

@@ -277,7 +277,10 @@ def _encode_batch(tokenizer: Tokenizer, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
     encode_batch = getattr(tokenizer, "encode_batch", None)
     ids = encode_batch(texts) if encode_batch is not None else [tokenizer.encode(t) for t in texts]
-    return [np.asarray(x, dtype=np.int64) for x in ids]
+    # A document starts as its tokenizer starts a text (Llama's <s>), as Megatron-LM's preprocess_data and
+    # TorchTitan write it: continued pretraining of an imported Llama then sees what it was trained on
+    start = tokenizer.prompt_start()
+    return [np.asarray(start + x, dtype=np.int64) for x in ids]
 
 
 # Worker processes rebuild the tokenizer from its spec once, then encode batches.

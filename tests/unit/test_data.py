@@ -480,6 +480,26 @@ def test_preprocess_hf_tokenizer_and_uint32(tmp_path):
     assert _texts(str(tmp_path / "big")) == ["w69999 w3 w65535", "w0"]
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_preprocess_starts_each_document_as_its_tokenizer_starts_a_text(tmp_path, workers):
+    """A Llama tokenizer puts <s> before every text; megalm's encode leaves special tokens out, so its documents
+    started without it, where Megatron-LM's preprocess_data (and TorchTitan) write it: continued pretraining of an
+    imported Llama trained on documents unlike its own (an audit, 2026-12-06). Megatron's layout, with eod after."""
+    from tokenizers import processors
+
+    path = make_hf_tokenizer(tmp_path / "tok.json", ["alpha", "beta"], specials=("<s>", "</s>"))
+    tok = HFTok.from_file(str(path))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 3)])
+    tok.save(str(path))
+    src = tmp_path / "in.txt"
+    src.write_text("alpha beta\nbeta")
+    preprocess([src], str(tmp_path / "ds"), str(path), split_lines=True, show_progress=False, workers=workers)
+    ds = IndexedDataset(str(tmp_path / "ds"))
+    assert [ds.get(i).tolist() for i in range(len(ds))] == [tok.encode(t).ids + [4] for t in ("alpha beta", "beta")]
+    assert [ds.get(i).tolist() for i in range(len(ds))] == [[3, 1, 2, 4], [3, 2, 4]]
+    assert HFTokenizer(str(path)).prompt_start() == [3] and ByteTokenizer().prompt_start() == []
+
+
 def test_preprocess_workers_match_single_process(tmp_path):
     path = make_hf_tokenizer(tmp_path / "tok.json", ["alpha", "beta", "gamma"])
     src = tmp_path / "in.txt"
