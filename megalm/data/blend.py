@@ -150,10 +150,8 @@ def open_component(prefix: str, tokenizer: str | None = None) -> IndexedDataset:
     """One blend component, with errors that name `data.blend` (not data.path); `tokenizer` (data.tokenizer)
     describes Megatron-format components that have no sidecar."""
     path = os.path.expanduser(prefix)
-    for ext in (".idx", ".bin"):
-        if not os.path.isfile(path + ext):
-            raise DataError(f"data.blend component {prefix}: {path}{ext} not found; build it with "
-                            f"megalm-preprocess --input ... --output-prefix {prefix}")
+    if not all(os.path.isfile(path + ext) for ext in (".idx", ".bin")):  # the dataset's own hint, for this entry
+        IndexedDataset(path, tokenizer=tokenizer, key="the data.blend entry")
     try:
         return IndexedDataset(path, tokenizer=tokenizer)
     except DataError as e:

@@ -76,6 +76,8 @@ def _is_hidden(name: str) -> bool:
 
 # Compressed files would be read as one document of binary noise: refused, naming the fix.
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zstd", ".lz4", ".zip", ".7z", ".tgz")
+# So would binary formats (Hugging Face datasets' parquet and arrow above all): refused, naming the conversion.
+BINARY_SUFFIXES = (".parquet", ".arrow", ".feather", ".npy", ".npz", ".pt", ".safetensors", ".pdf")
 _DATASET_SUFFIXES = (".bin", ".idx", SIDECAR_SUFFIX)
 
 
@@ -121,7 +123,7 @@ def list_input_files(inputs: Sequence[str | os.PathLike], glob: str = "*") -> li
     files: list[Path] = []
     datasets: set[str] = set()
     for item in inputs:
-        path = Path(item)
+        path = Path(os.path.expanduser(os.fspath(item)))  # (a quoted or --input=~/x path keeps its ~ from bash)
         if path.is_dir():
             found, in_dir = _walk(path, glob)
             files.extend(found)
@@ -139,6 +141,11 @@ def list_input_files(inputs: Sequence[str | os.PathLike], glob: str = "*") -> li
         as_format = f" --input-format {kind}" if kind else ""
         raise DataError(f"{compressed[0]} is compressed, which megalm-preprocess does not read; decompress it "
                         f"first, or pass it through a pipe (--input <(zcat FILE){as_format}, <(zstd -dc FILE), ...); "
+                        "in a directory, --glob leaves it out")
+    if binary := [p for p in files if p.name.lower().endswith(BINARY_SUFFIXES)]:
+        raise DataError(f"{binary[0]} is a binary file, which megalm-preprocess would read as one document of noise; "
+                        "write its text as JSON lines first (a parquet file: python -c \"import pandas as pd; "
+                        "pd.read_parquet('IN.parquet').to_json('OUT.jsonl', orient='records', lines=True)\"); "
                         "in a directory, --glob leaves it out")
     return files
 
@@ -239,11 +246,12 @@ def iter_documents(files: Sequence[Path], json_key: str = "text", split_lines: b
             if kind == "jsonl":
                 yield from _read_json_lines(path, lines, json_key, repairs)
             elif split_lines and (input_format == "txt" or path.suffix.lower() == ".txt" or head):
-                for raw in lines:
-                    yield repairs.decode(raw).rstrip("\r\n"), len(raw)
+                for lineno, raw in enumerate(lines, 1):  # a BOM (Windows editors write one) is no text of a line
+                    yield repairs.decode(raw.removeprefix(codecs.BOM_UTF8) if lineno == 1 else raw).rstrip("\r\n"), \
+                        len(raw)
             else:
                 data = b"".join(head) + f.read()
-                yield repairs.decode(data), len(data)
+                yield repairs.decode(data.removeprefix(codecs.BOM_UTF8)), len(data)
 
 
 def _until_non_blank(f: Iterable[bytes]) -> Iterator[bytes]:
@@ -311,7 +319,7 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str, tokenize
         raise DataError(f"--input-format {input_format!r} is not one of {', '.join(INPUT_FORMATS)}")
     if isinstance(tokenizer, str):
         tokenizer = build_tokenizer(tokenizer)
-    output_prefix = os.fspath(output_prefix)
+    output_prefix = os.path.expanduser(os.fspath(output_prefix))  # as data.path reads it (a quoted ~ stays ~)
     if not output_prefix or output_prefix.endswith(("/", os.sep)) or os.path.isdir(output_prefix):
         raise DataError(f"output prefix {output_prefix!r} is a directory; give a file prefix such as "
                         f"{os.path.join(output_prefix or '.', 'corpus')}")

@@ -311,8 +311,15 @@ def test_bad_blend_config_is_a_one_line_config_error(overrides, message):
 
 def test_bad_blend_data_is_a_one_line_data_error(prefixes, tmp_path):
     a = prefixes[0]
+    text = tmp_path / "docs.jsonl"
+    text.write_text('{"text": "x"}\n')
     cases = [
-        ([1, a, 1, str(tmp_path / "missing")], r"component .*missing: .*missing.idx not found"),
+        ([1, a, 1, str(tmp_path / "missing")], r"^the data.blend entry .*missing: .*missing.idx not found"),
+        # an entry naming its .bin, or a text file: the hint data.path gets, for this entry (it said to preprocess
+        # again with that name as the prefix, an audit 2026-12-06)
+        ([1, a, 1, f"{a}.bin"], rf"^the data.blend entry {a}.bin names a file; .* write the data.blend entry {a}$"),
+        ([1, a, 1, str(text)], rf"tokenize it with megalm-preprocess --input {text} .* the data.blend entry "
+                               rf"{tmp_path / 'docs'}$"),
         ([1, a, 1, write_component(tmp_path / "vocab", 1, vocab_size=300)], "mixes tokenizations: .* vocab 300"),
         ([1, a, 1, write_component(tmp_path / "eod", 1, eod_id=0)], "mixes tokenizations: .* eod 0"),
         ([1, a, 1, write_component(tmp_path / "spec", 1, spec="")], "mixes tokenizations: .*tokenizer ''"),

@@ -432,6 +432,24 @@ def test_preprocess_input_refusals_and_pipes(tmp_path):
         preprocess([bom], str(tmp_path / "stale"), "byte", show_progress=False)
 
 
+def test_preprocess_reads_text_files_as_editors_and_shells_write_them(tmp_path, monkeypatch):
+    """A .txt's byte-order mark (Windows editors write one) was stored as 3 tokens of its first document; a parquet
+    file (Hugging Face datasets' format) was one document of noise, exit 0; a quoted ~ in --output-prefix made a
+    ./~ directory that data.path=~/... never found (an audit, 2026-12-06)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    bom = tmp_path / "home" / "bom.txt"
+    bom.write_bytes(b"\xef\xbb\xbfhello\nworld\n")
+    for split_lines, texts in ((True, ["hello", "world"]), (False, ["hello\nworld\n"])):
+        preprocess(["~/bom.txt"], "~/corpus", "byte", split_lines=split_lines, show_progress=False, overwrite=True)
+        assert _texts(str(tmp_path / "home" / "corpus")) == texts
+    assert not Path("~").exists()
+    (tmp_path / "train.parquet").write_bytes(b"PAR1\x15\x04" + bytes(range(256)))
+    with pytest.raises(DataError, match=r"train.parquet is a binary file, .* write its text as JSON lines first"):
+        preprocess([tmp_path], str(tmp_path / "pq"), "byte", show_progress=False)
+    assert not (tmp_path / "pq.bin").exists()
+
+
 def test_preprocess_reads_a_pipe_of_json_lines_as_json_lines(tmp_path, caplog):
     """The compressed-input error says to pipe the file in: a pipe has no suffix, and a piped .jsonl was one document
     of raw JSON text. auto reads a pipe by its first line (and says so); --input-format sets it; --split-lines splits
