@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from collections.abc import Iterable, Sequence
 from enum import Enum
 from typing import Any
@@ -85,10 +86,13 @@ def blend_pairs(blend: Any) -> list[tuple[float, str]]:
             raise ConfigError(f"data.blend entry {i + 1} ({path!r}) is not a dataset prefix; write weight, prefix "
                               "pairs: [0.3,PREFIX_A,0.7,PREFIX_B]")
         pairs.append((float(weight), path))
-    seen = [p for _, p in pairs]
-    for path in seen:
-        if seen.count(path) > 1:
-            raise ConfigError(f"data.blend lists {path} twice; give it one entry with the summed weight")
+    first: dict[str, str] = {}  # each dataset, its path resolved (./, ~, links): the entry that named it first
+    for _, path in pairs:
+        key = os.path.realpath(os.path.expanduser(path))
+        if key in first:
+            twice = f"{path} twice" if first[key] == path else f"one dataset twice, as {first[key]} and {path}"
+            raise ConfigError(f"data.blend lists {twice}; give it one entry with the summed weight")
+        first[key] = path
     return pairs
 
 

@@ -296,6 +296,8 @@ def test_resume_with_another_data_path_is_refused(prefixes, tmp_path):
     (["data.blend=[0,A,1,B]"], "weight 0 of A must be > 0"),
     (["data.blend=[-1,A,1,B]"], "weight -1 of A must be > 0"),
     (["data.blend=[0.5,A,0.5,A]"], "lists A twice"),
+    # one dataset spelled two ways sampled it twice as two components, with the same seed (an audit, 2026-12-06)
+    (["data.blend=[0.5,d/A,0.5,d/./A]"], r"lists one dataset twice, as d/A and d/./A; give it one entry"),
     (["data.blend=[{weight:1,prefix:A}]"], "needs exactly weight and path"),
     (["data.blend=[]"], "is not a weighted list"),
     (["data.blend=[1,A]", "data.path=B"], "data.path=B and data.blend are both set"),
