@@ -96,6 +96,10 @@ def moe_config_from_hf(hf: Mapping[str, Any], arch: str) -> tuple[dict[str, Any]
         return {"qk_norm": True}, None
     top_k = int(hf["num_experts_per_tok"])
     aux = float(hf["router_aux_loss_coef"])
+    if top_k == 1 and (arch != QWEN3_MOE or hf["norm_topk_prob"]):  # (the training config's fix would change it)
+        raise MoEMappingError("num_experts_per_tok=1 renormalised over its one expert weighs every expert's output "
+                              "1, so its router gets no gradient: megalm does not import top-1 routing with "
+                              "norm_topk_prob (Mixtral always renormalises)")
     if arch == QWEN3_MOE:
         step = int(hf["decoder_sparse_step"])
         dense = sorted(int(i) for i in hf["mlp_only_layers"] or [])

@@ -487,7 +487,9 @@ def test_bf16_directory_round_trips_exactly_in_its_own_dtype(tmp_path):
 @pytest.mark.parametrize(("change", "message"), [
     (dict(mlp_only_layers=[1]), "mlp_only_layers=\\[1\\] are not the first blocks"),
     (dict(use_sliding_window=True), "use_sliding_window=True is set"),
-    (dict(model_type="qwen2_moe"), "model_type='qwen2_moe' is not supported")])
+    (dict(model_type="qwen2_moe"), "model_type='qwen2_moe' is not supported"),
+    # it named model.moe.norm_topk_prob=false, a training setting no import takes (an audit, 2026-12-06)
+    (dict(num_experts_per_tok=1, norm_topk_prob=True), "megalm does not import top-1 routing with norm_topk_prob")])
 def test_import_refuses_moe_layouts_megalm_cannot_compute(tmp_path, change, message):
     hf_dir, _ = transformers_dir(tmp_path / "hf", "qwen3_moe")
     _edit_config(hf_dir, **change)
