@@ -111,8 +111,7 @@ class Trainer:
             return
         meta = ckpt.read_checkpoint_meta(path)
         step = meta.state["step"]
-        # PATH as named, not the run dir's own checkpoints a requeued job continues instead (`resumable_checkpoint`)
-        explicit = resume != "auto" and path.resolve() == ckpt.resolve_checkpoint_path(resume).resolve()
+        explicit = ckpt.resumes_as_named(resume, path)
         ckpt.check_resume_target(path, step, self.cfg.trainer, self.run_dir, explicit=explicit)
         if self.cfg.model.init_from:
             log.info(f"model.init_from={self.cfg.model.init_from} not used: resuming from {path}")

@@ -170,6 +170,12 @@ def test_a_run_started_from_another_s_checkpoint_continues_its_own_when_requeued
     requeued.fit()  # to step 6
     with pytest.raises(CheckpointError, match="after step 4 .step_00000006.*trainer.resume=auto"):
         Trainer(compose_config(*common, f"trainer.resume={run / 'checkpoints' / 'step_00000004'}"), run)
+    # the source run went on and pruned PATH (keep_last): a requeue still continues its own (it said "no such
+    # path", an audit 2026-12-06); a PATH that never was is refused while the run has nothing to continue
+    shutil.rmtree(start)
+    assert Trainer(compose_config(*common, f"trainer.resume={start}"), run).step == 6
+    with pytest.raises(CheckpointError, match="no such path"):
+        Trainer(compose_config(*common, f"trainer.resume={start}"), tmp_path / "new")
 
 
 def test_loss_falls_and_metrics_are_written(tmp_path):

@@ -67,6 +67,7 @@ from megalm.training.checkpoint.verify import (
     note_schedule_change,
     read_checkpoint_meta,
     resumable_checkpoint,
+    resumes_as_named,
     saved_model_config,
     verify_checkpoint,
 )
@@ -77,6 +78,6 @@ __all__ = [
     "fsync_path", "is_complete", "latest_checkpoint", "latest_unless_never", "load_checkpoint", "load_model_weights",
     "load_optimizer_tensors", "function_differences", "note_data_change", "note_function_change",
     "note_precision_change", "note_schedule_change", "load_saved_model", "optimizer_tensors", "read_checkpoint_meta",
-    "resolve_checkpoint_path", "resumable_checkpoint", "save_checkpoint", "save_tensors", "saved_model_config",
-    "saved_vocab_rows", "verify_checkpoint", "write_text_atomic",
+    "resolve_checkpoint_path", "resumable_checkpoint", "resumes_as_named", "save_checkpoint", "save_tensors",
+    "saved_model_config", "saved_vocab_rows", "verify_checkpoint", "write_text_atomic",
 ]

@@ -132,19 +132,26 @@ def latest_unless_never(run_dir: Path, resume: str) -> Path | None:
     return latest
 
 
+def resumes_as_named(resume: str, path: Path) -> bool:
+    """Whether `path`, what `resumable_checkpoint` chose, is the checkpoint trainer.resume=PATH names, not the run
+    dir's own checkpoints that a requeued job continues instead (PATH may be gone by then)."""
+    return resume != "auto" and Path(resume).expanduser().exists() and \
+        path.resolve() == resolve_checkpoint_path(resume).resolve()
+
+
 def resumable_checkpoint(run_dir: Path, resume: str) -> Path | None:
     """The checkpoint `trainer.resume` names, checked by `verify_checkpoint`. A path: that checkpoint, or a one-line
     error naming its damaged file. "auto": the run dir's `latest`, or, when its files are damaged, the newest older
     complete checkpoint that is intact (a warning names what was skipped); None when the run dir has none."""
     if resume != "auto":
-        if not Path(resume).expanduser().exists():
+        own = latest_checkpoint(run_dir)
+        if not Path(resume).expanduser().exists() and own is None:
             raise CheckpointError(f"trainer.resume={resume}: no such path; set trainer.resume=auto, never, or the "
                                   "path of a checkpoint or run dir")
-        path = resolve_checkpoint_path(resume)
-        own = latest_checkpoint(run_dir)
-        if own is not None and Path(run_dir).resolve() not in path.resolve().parents:
+        path = resolve_checkpoint_path(resume) if Path(resume).expanduser().exists() else None
+        if own is not None and (path is None or Path(run_dir).resolve() not in path.resolve().parents):
             # a requeued or restarted job: PATH started it, its own checkpoints continue it (TorchTitan's
-            # initial_load_path, read only while the run has none)
+            # initial_load_path, read only while the run has none), PATH gone or not (the source run pruned it)
             log.info(f"trainer.resume={resume} not used: run dir {run_dir} has checkpoints of its own ({own.name}); "
                      "continuing them as trainer.resume=auto does")
             return resumable_checkpoint(run_dir, "auto")
