@@ -116,12 +116,13 @@ class Trainer:
         if self.cfg.model.init_from:
             log.info(f"model.init_from={self.cfg.model.init_from} not used: resuming from {path}")
         ckpt.check_model_config(meta.config.get("model", {}), self.config_dict["model"], path)
-        ckpt.check_same_data_order(meta.state, ckpt.data_order(self.cfg, self.data.blend), path)
+        data = {**ckpt.data_order(self.cfg, self.data.blend), **ckpt.data_size(self.data.train, self.data.valid)}
+        ckpt.check_same_data_order(meta.state, data, path)
         if self.mesh.is_logging_rank:  # what a resume only notes: once, not once per rank
             ckpt.note_function_change(meta.config.get("model", {}), self.config_dict["model"], path)
             ckpt.note_precision_change(meta.config.get("precision", {}), self.config_dict["precision"], path)
             ckpt.note_schedule_change(meta.config, self.cfg, step, path)
-            ckpt.note_data_change(meta.state, ckpt.data_size(self.data.train, self.data.valid), path)
+            ckpt.note_data_change(meta.state, data, path)
         ckpt.load_checkpoint(path, self.model, self.optimizer, self.mesh, self.device)
         self.step, self.consumed_tokens = step, meta.state["consumed_tokens"]
         self.nonfinite.load_state_dict(meta.state)

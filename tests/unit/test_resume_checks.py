@@ -8,6 +8,7 @@ silently."""
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -199,3 +200,24 @@ def test_a_resume_on_data_rebuilt_in_place_is_said(tmp_path, caplog):
         lines = [m for m in caplog.messages if "the data changed since" in m]
         assert len(lines) == int(said), caplog.messages
     assert "trained on data of 60 documents" in lines[0] and "this run's has 70 and" in lines[0], lines
+
+    # the same data copied elsewhere (a node's local disk) resumes, said in one line: the path was compared as a
+    # string and refused as a change of data order, which only a new run dir escaped (an audit, 2026-12-06); other
+    # data at another path (70 documents, the checkpoint's 60) is still refused
+    (tmp_path / "local").mkdir()
+    for name in ("corpus.bin", "corpus.idx"):
+        shutil.copy(tmp_path / name, tmp_path / "local" / name)
+    elsewhere = [*data[:1], f"data.path={tmp_path / 'local' / 'corpus'}", *data[2:]]
+    with pytest.raises(CheckpointError, match="trained with path=.*, this run has .*local/corpus; resuming would"):
+        Trainer(compose_config(*RUN, *elsewhere), tmp_path / "run")
+    corpus(60)
+    for name in ("corpus.bin", "corpus.idx"):
+        shutil.copy(tmp_path / name, tmp_path / "local" / name)
+    moved = [*data[:1], f"data.path={tmp_path / 'local' / 'corpus'}", *data[2:]]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        assert Trainer(compose_config(*RUN, *moved), tmp_path / "run").step == 2
+    said = [m for m in caplog.messages if "this run reads" in m]
+    assert len(said) == 1 and f"this run reads {tmp_path / 'local' / 'corpus'}: resumed as the same data" in said[0]
+    with pytest.raises(CheckpointError, match="seed=1234, this run has 1"):  # what does fix the order is still refused
+        Trainer(compose_config(*RUN, *moved, "seed=1"), tmp_path / "run")

@@ -297,10 +297,27 @@ def data_size(train: Any, valid: Any) -> dict[str, list[int]]:
     return {"data_size": [sum(int(s.num_docs) for s in splits), sum(int(s.num_tokens) for s in splits)]}
 
 
-def note_data_change(saved: dict[str, Any], current: dict[str, list[int]], path: Path) -> None:
+def _blend_weights(blend: Any) -> list[float] | None:
+    return None if blend is None else [float(weight) for weight, _ in blend]
+
+
+def _moved(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The data's location keys that differ from the checkpoint's for the same data: the same documents and tokens
+    (`data_size`) and blend weights, named by another path (relative, linked, copied to a node's local disk)."""
+    moved = [key for key in ("path", "blend") if key in saved and saved[key] != current[key]]
+    same_weights = _blend_weights(saved.get("blend")) == _blend_weights(current.get("blend"))
+    same_size = saved.get("data_size") is not None and list(saved["data_size"]) == list(current["data_size"])
+    return moved if same_size and same_weights else []
+
+
+def note_data_change(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
     """One warning line when the run's data holds other documents than the checkpoint's (a dataset rebuilt under the
-    same data.path): the run goes on, but its later samples and validation split are not the ones it would have had.
-    A checkpoint without the record (before 2026-12-06) is not compared."""
+    same data.path): the run goes on, but its later samples and validation split are not the ones it would have had;
+    one when the same data is read from another path. `current`: the run's `data_order` and `data_size`. A checkpoint
+    without the record (before 2026-12-06) is not compared."""
+    for key in _moved(saved, current):
+        log.warning(f"checkpoint {path} was trained on {key}={saved[key]}, this run reads {current[key]}: resumed as "
+                    "the same data read from another place (only the data's contents and settings fix its order)")
     was, now = saved.get("data_size"), current["data_size"]
     if was is not None and list(was) != list(now):
         log.warning(f"checkpoint {path} was trained on data of {was[0]:,} documents and {was[1]:,} tokens, this run's "
@@ -310,9 +327,12 @@ def note_data_change(saved: dict[str, Any], current: dict[str, list[int]], path:
 
 def check_same_data_order(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
     """Refuse to resume with settings that would change which samples later steps see (seed, batch size, ...). A key
-    the checkpoint lacks was added to megalm after it was written: not compared."""
+    the checkpoint lacks was added to megalm after it was written: not compared. `current`: the run's `data_order`
+    and `data_size`; the same data read from another path is not refused (`note_data_change` says it), nor are its
+    contents compared here (a dataset rebuilt in place: said there too)."""
+    moved = _moved(saved, current)
     for key, value in current.items():
-        if key in saved and saved[key] != value:
+        if key in saved and saved[key] != value and key not in (*moved, "data_size"):
             raise CheckpointError(f"checkpoint {path} was trained with {key}={saved.get(key)}, this run has {value}; "
                                   "resuming would change the data order — set it back or start a new hydra.run.dir")
 
