@@ -67,3 +67,37 @@ def test_a_resume_into_another_layout_draws_dropout_alike_on_tp_ranks(tmp_path):
     run_dir = str(Path(tmp_path) / "run")
     run_distributed(_fit, 2, [*common, "parallel.dp=2", "trainer.stop_at_step=3"], run_dir, timeout=240)
     run_distributed(_resume_as_tp2, 2, [*common, "parallel.tp=2"], run_dir, timeout=240)
+
+
+def _publish_on_a_full_disk(rank: int, world_size: int, overrides: list[str], run_dir: str) -> None:
+    import errno
+
+    trainer = Trainer(compose_config(*overrides), run_dir)
+    trainer.train_step(0)
+    trainer.step = 1
+    first = trainer.save()
+    real = Path.write_text
+
+    def full_disk(self, *args, **kwargs):
+        if self.name == "state.json":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    Path.write_text = full_disk  # rank 0 writes state.json; rank 1 waits for it
+    trainer.step = 2
+    try:
+        with pytest.raises(CheckpointError) as error:
+            trainer.save()
+    finally:
+        Path.write_text = real
+    said = str(error.value)
+    assert "\n" not in said and "the checkpoints saved before it are kept" in said
+    assert ("No space left on device" in said) == (rank == 0), said
+    assert resumable_checkpoint(Path(run_dir), "auto") == first
+
+
+def test_a_full_disk_while_publishing_is_one_line_on_every_rank(tmp_path):
+    """Only the tensors' write was caught: a full disk while rank 0 wrote state.json (or config.yaml, a rename) was a
+    traceback there while the other ranks waited in the last barrier until the process group's timeout (an audit,
+    2026-12-06). Now every rank raises one line and the checkpoint before it stays the latest."""
+    run_distributed(_publish_on_a_full_disk, 2, ["parallel.dp=2"], str(tmp_path / "run"), timeout=240)

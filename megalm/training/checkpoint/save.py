@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 
 from megalm import compat
+from megalm.errors import CheckpointError
 from megalm.model.naming import canonical_named_buffers, canonical_named_parameters
 from megalm.model.shard import full_value, shard_specs
 from megalm.precision.install import amax_history_tensors
@@ -82,6 +83,23 @@ def _barrier(mesh: ParallelMesh | None) -> None:
         dist.barrier()
 
 
+def _barrier_raising(mesh: ParallelMesh | None, error: BaseException | None, path: Path) -> None:
+    """A barrier after which every rank raises when one rank's part of the save failed (`error`: a full disk, a lost
+    mount), where the others had waited in the next barrier until the process group's timeout."""
+    failed = error is not None
+    if mesh is not None and mesh.is_distributed:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # NCCL reduces no CPU tensors
+        flag = torch.tensor([float(failed)], device=torch.device("cuda", torch.cuda.current_device()) if cuda
+                            else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = bool(flag.item())
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"checkpoint {path} could not be written on another rank (its error line says why); "
+                              "the checkpoints saved before it are kept")
+
+
 def _write(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
            config: dict[str, Any], keep_last: int, mesh: ParallelMesh | None,
            write_tensors: Callable[[dict[str, torch.Tensor], Path], Any]) -> tuple[Path, Any, Callable[[], None]]:
@@ -119,13 +137,16 @@ def _write(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Op
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             rng[f"torch_cuda_{i}"] = s
     rng |= amax_history_tensors(model, layout_tag(mesh))  # fp8_delayed's per-rank histories: this layout's state
-    rng_file = tmp / f"rng-rank{rank:05d}.safetensors"
-    save_file(rng, str(rng_file))
-    fsync_path(rng_file)
+    rng_file, failed = tmp / f"rng-rank{rank:05d}.safetensors", None
+    try:
+        save_file(rng, str(rng_file))
+        fsync_path(rng_file)
+    except OSError as e:  # every rank raises it at the publish's first barrier
+        failed = write_failed(root / name, e)
     full_state = {"format_version": FORMAT_VERSION, "step": step, "optimizer_param_groups": groups,
                   "optimizer_state": bool(opt_tensors),  # False: every step so far was skipped (no AdamW state yet)
                   "world_size": mesh.dims.world_size if mesh is not None else 1, "layout": layout_tag(mesh), **state}
-    return root / name, written, functools.partial(_publish, root, name, full_state, config, keep_last, mesh)
+    return root / name, written, functools.partial(_publish, root, name, full_state, config, keep_last, mesh, failed)
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -139,31 +160,41 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
 
 
 def _publish(root: Path, name: str, full_state: dict, config: dict[str, Any], keep_last: int,
-             mesh: ParallelMesh | None) -> None:
-    """The second half of a save, once every rank's files are written: state.json and config.yaml, fsync, the
-    rename into place, then `latest` (collective)."""
+             mesh: ParallelMesh | None, failed: BaseException | None = None) -> None:
+    """The second half of a save, once every rank's files are written (`failed`: this rank's RNG file was not):
+    state.json and config.yaml, fsync, the rename into place, then `latest` (collective). A file system error is
+    one line on every rank."""
     rank = mesh.rank if mesh is not None else 0
+    final = root / name
+    _barrier_raising(mesh, failed, final)
+    try:
+        if rank == 0:
+            _publish_files(root, name, full_state, config, keep_last)
+    except OSError as e:
+        failed = write_failed(final, e)
+    _barrier_raising(mesh, failed, final)
+
+
+def _publish_files(root: Path, name: str, full_state: dict, config: dict[str, Any], keep_last: int) -> None:
+    """Rank 0's part of `_publish`."""
     tmp, final = root / f".tmp-{name}", root / name
-    _barrier(mesh)
-    if rank == 0:
-        # every rank's files, by size: a resume refuses a checkpoint that lost one (DCP's reader indexes the files
-        # it finds, and left a missing rank's rows uninitialised without a word)
-        files = {f.name: f.stat().st_size for f in sorted(tmp.glob("*.safetensors"))}
-        (tmp / "state.json").write_text(json.dumps({**full_state, "files": files}, indent=1))
-        (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
-        for f in tmp.iterdir():
-            fsync_path(f)
-        fsync_path(tmp)
-        if final.exists():  # a step saved before, which a resume went back past (its files were damaged): kept
-            kept = root / f"replaced-{name}-{time.strftime('%Y%m%dT%H%M%S')}"
-            os.rename(final, kept)
-            log.warning(f"checkpoint {final} is saved again by this run; the one it replaces is kept as {kept} "
-                        "for inspection (delete it when done)")
-        os.rename(tmp, final)
-        fsync_path(root)
-        write_text_atomic(root / LATEST, name + "\n")
-        _prune(root, keep_last, name)
-    _barrier(mesh)
+    # every rank's files, by size: a resume refuses a checkpoint that lost one (DCP's reader indexes the files
+    # it finds, and left a missing rank's rows uninitialised without a word)
+    files = {f.name: f.stat().st_size for f in sorted(tmp.glob("*.safetensors"))}
+    (tmp / "state.json").write_text(json.dumps({**full_state, "files": files}, indent=1))
+    (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+    for f in tmp.iterdir():
+        fsync_path(f)
+    fsync_path(tmp)
+    if final.exists():  # a step saved before, which a resume went back past (its files were damaged): kept
+        kept = root / f"replaced-{name}-{time.strftime('%Y%m%dT%H%M%S')}"
+        os.rename(final, kept)
+        log.warning(f"checkpoint {final} is saved again by this run; the one it replaces is kept as {kept} "
+                    "for inspection (delete it when done)")
+    os.rename(tmp, final)
+    fsync_path(root)
+    write_text_atomic(root / LATEST, name + "\n")
+    _prune(root, keep_last, name)
 
 
 def _prune(root: Path, keep_last: int, published: str) -> None:
