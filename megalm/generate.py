@@ -68,6 +68,7 @@ class ForGeneration(NamedTuple):
     tokenizer: object
     stops: set[int]
     start: list[int]
+    checkpoint: Path  # the checkpoint dir read (a run dir's latest, a dir of runs' newest)
 
 
 def load_for_generation(path: str, device: str = "cpu", tokenizer: str | None = None) -> ForGeneration:
@@ -76,8 +77,8 @@ def load_for_generation(path: str, device: str = "cpu", tokenizer: str | None = 
     model's is refused: it would decode the ids into other text. The stops are the tokenizer's eod and, for a model
     imported with its own tokenizer, its config's eos ids (a chat model's end of turn: Llama-3-Instruct's
     <|eot_id|>, Qwen's <|im_end|>), which the eod alone missed, sampling to --max-new-tokens. A prompt starts as the
-    tokenizer starts a text (Llama's <s> or <|begin_of_text|>), as every document the model was trained on did
-    (megalm-preprocess writes it; `encode` leaves it out) and as transformers' generate starts it."""
+    tokenizer starts a text (Llama's <s> or <|begin_of_text|>), as transformers' generate starts it and as
+    megalm-preprocess starts a document since 2026-12-06 (`encode` leaves it out)."""
     # the model and checkpoint stack (2-3 s of imports) only now: a bad flag is answered before it
     from megalm.data.tokenizer import build_tokenizer, trained_with
     from megalm.training.checkpoint import load_saved_model
@@ -98,14 +99,12 @@ def load_for_generation(path: str, device: str = "cpu", tokenizer: str | None = 
         raise MegalmError(f"tokenizer {spec} has {built.vocab_size} tokens, the run's had "
                           f"{trained or f'at most {model.cfg.vocab_size}'}: it is not the one {meta.path} was trained "
                           "with; pass that one with --tokenizer PATH")
-    if Path(path).expanduser().absolute() != meta.path.absolute():  # a run dir's latest, or a dir of runs' newest
-        sys.stderr.write(f"megalm-generate: sampling from {meta.path} (step {meta.state.get('step')})\n")
     stops = {built.eod_id}
     source = meta.state.get("source") or {}
     if tokenizer is None and source.get("format") == "hf":  # its own tokenizer: its own ids
         eos = source.get("eos_token_id")
         stops.update(i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int))
-    return ForGeneration(model, built, stops, built.prompt_start())
+    return ForGeneration(model, built, stops, built.prompt_start(), meta.path)
 
 
 def sample_with_any_attention_backend(model: GPT) -> None:
@@ -125,14 +124,12 @@ def sample_with_any_attention_backend(model: GPT) -> None:
 
 # [eod] was the context of an empty prompt: no trained position reads eod as its input (the loss of the token after a
 # document's end, the next document's first, is masked), so the first token was sampled from noise (an audit)
-NO_START = ("a megalm model never learns a document's first token (its loss starts at the second), so an empty "
-            "prompt has no trained context")
+NO_START = ("a model never learns a document's first token (its loss starts at the second) and this tokenizer puts "
+            "no bos before a text, so an empty prompt has no trained context")
 
 
 def _check_sampling_args(args: argparse.Namespace) -> None:
     """One line for each flag out of its range, before anything loads."""
-    if not args.prompt:
-        raise MegalmError(f"megalm-generate needs --prompt TEXT to continue: {NO_START}")
     for flag, value, low, what in (("--max-new-tokens", args.max_new_tokens, 1, ""),
                                    ("--num-samples", args.num_samples, 1, ""),
                                    ("--top-k", args.top_k, 0, " (0: no top-k filtering)"),
@@ -162,8 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="megalm-generate", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a checkpoint dir (RUN/checkpoints/step_...), a run dir (its latest), or "
                         "a dir of runs such as outputs/ (the newest run's latest: named on stderr)")
-    parser.add_argument("--prompt", default="", help="text to continue (not empty: a document's first token is "
-                        "never trained, so there is no start to sample from)")
+    parser.add_argument("--prompt", default="", help="text to continue (empty only for a tokenizer that puts a bos "
+                        "before a text: a document's first token is never trained)")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="default 200; the context is cropped to the "
                         "model's model.max_position_embeddings, its newest tokens kept")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; default 0.8")
@@ -178,11 +175,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with one_line_errors(args.debug):
         _check_sampling_args(args)
-        model, tokenizer, stops, start = load_for_generation(args.checkpoint, args.device, args.tokenizer)
+        model, tokenizer, stops, start, checkpoint = load_for_generation(args.checkpoint, args.device, args.tokenizer)
         text = tokenizer.encode(args.prompt)
-        if not text:
-            raise MegalmError(f"--prompt {args.prompt!r} encodes to no tokens; {NO_START}")
+        if not start + text:  # a bos alone is a trained context, as transformers' generate samples from it
+            raise MegalmError(f"megalm-generate needs --prompt TEXT to continue: {NO_START}" if not args.prompt else
+                              f"--prompt {args.prompt!r} encodes to no tokens; {NO_START}")
         prompt = start + text
+        if Path(args.checkpoint).expanduser().absolute() != checkpoint.absolute():  # a run dir's latest, a dir of
+            sys.stderr.write(f"megalm-generate: sampling from {checkpoint}\n")  # runs' newest: which one it read
         generator = torch.Generator().manual_seed(args.seed)
         for i in range(args.num_samples):
             out = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k or None,

@@ -177,11 +177,16 @@ class _Repairs:
         return cleaned
 
 
+def _without_bom(raw: bytes, lineno: int = 1) -> bytes:
+    """A file's bytes without the UTF-8 byte-order mark that starts its first line (Windows editors write one)."""
+    return raw.removeprefix(codecs.BOM_UTF8) if lineno == 1 else raw
+
+
 def _read_json_lines(path: Path, lines: Iterable[bytes], json_key: str, repairs: _Repairs
                      ) -> Iterator[tuple[str, int]]:
     """(text, bytes read) of each JSON line of `path` (`lines`: its lines, opened by the caller)."""
     for lineno, raw in enumerate(lines, 1):
-        line = repairs.decode(raw.removeprefix(codecs.BOM_UTF8) if lineno == 1 else raw).strip()
+        line = repairs.decode(_without_bom(raw, lineno)).strip()
         if not line:
             yield "", len(raw)
             continue
@@ -246,12 +251,11 @@ def iter_documents(files: Sequence[Path], json_key: str = "text", split_lines: b
             if kind == "jsonl":
                 yield from _read_json_lines(path, lines, json_key, repairs)
             elif split_lines and (input_format == "txt" or path.suffix.lower() == ".txt" or head):
-                for lineno, raw in enumerate(lines, 1):  # a BOM (Windows editors write one) is no text of a line
-                    yield repairs.decode(raw.removeprefix(codecs.BOM_UTF8) if lineno == 1 else raw).rstrip("\r\n"), \
-                        len(raw)
+                for lineno, raw in enumerate(lines, 1):
+                    yield repairs.decode(_without_bom(raw, lineno)).rstrip("\r\n"), len(raw)
             else:
                 data = b"".join(head) + f.read()
-                yield repairs.decode(data.removeprefix(codecs.BOM_UTF8)), len(data)
+                yield repairs.decode(_without_bom(data)), len(data)
 
 
 def _until_non_blank(f: Iterable[bytes]) -> Iterator[bytes]:
@@ -287,8 +291,8 @@ def _encode_batch(tokenizer: Tokenizer, texts: list[str]) -> list[np.ndarray]:
     ids = encode_batch(texts) if encode_batch is not None else [tokenizer.encode(t) for t in texts]
     # A document starts as its tokenizer starts a text (Llama's <s>), as Megatron-LM's preprocess_data and
     # TorchTitan write it: continued pretraining of an imported Llama then sees what it was trained on
-    start = tokenizer.prompt_start()
-    return [np.asarray(start + x, dtype=np.int64) for x in ids]
+    start = list(tokenizer.prompt_start())
+    return [np.asarray(start + list(x), dtype=np.int64) for x in ids]
 
 
 # Worker processes rebuild the tokenizer from its spec once, then encode batches.
@@ -329,7 +333,8 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str, tokenize
         raise DataError("no input given; pass --input PATH [PATH ...]")
     files = list_input_files(inputs, glob)
     outputs = {Path(f"{output_prefix}{suffix}").resolve() for suffix in (".bin", ".idx", SIDECAR_SUFFIX)}
-    if named := [str(p) for p in map(Path, inputs) if p.is_file() and p.resolve() in outputs]:
+    given = [Path(os.path.expanduser(os.fspath(item))) for item in inputs]
+    if named := [str(p) for p in given if p.is_file() and p.resolve() in outputs]:
         raise DataError(f"--input {named[0]} is this run's own output; choose another --output-prefix")
     if own := [p for p in files if p.resolve() in outputs]:  # an earlier run's output inside an input directory
         log.warning(f"skipping {', '.join(map(str, own))}: the output of an earlier run with this --output-prefix")

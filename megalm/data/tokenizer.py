@@ -144,9 +144,13 @@ class HFTokenizer:
     def prompt_start(self) -> list[int]:
         """What the post-processor puts before a text: Llama's <s> (<|begin_of_text|>), which Hugging Face's
         tokenizer adds by default; none for GPT-2's or Qwen's."""
-        plain = self._tok.encode("a", add_special_tokens=False).ids
-        marked = self._tok.encode("a", add_special_tokens=True).ids
-        return next((marked[:i] for i in range(len(marked) - len(plain) + 1) if marked[i:i + len(plain)] == plain), [])
+        for probe in ("a", "0", " ", "the"):  # a text the vocabulary encodes to something (no <unk>: maybe not "a")
+            plain = self._tok.encode(probe, add_special_tokens=False).ids
+            if plain:
+                marked = self._tok.encode(probe, add_special_tokens=True).ids
+                return next((marked[:i] for i in range(len(marked) - len(plain) + 1)
+                             if marked[i:i + len(plain)] == plain), [])
+        return []
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self._path!r})"

@@ -95,6 +95,27 @@ def _publish_on_a_full_disk(rank: int, world_size: int, overrides: list[str], ru
     assert ("No space left on device" in said) == (rank == 0), said
     assert resumable_checkpoint(Path(run_dir), "auto") == first
 
+    # rank 1's RNG file: safetensors says a full disk with an error of its own, no OSError
+    from safetensors import SafetensorError
+
+    from megalm.training.checkpoint import save as save_module
+
+    real_save_file = save_module.save_file
+
+    def rng_on_a_full_disk(tensors, path):
+        if rank == 1:
+            raise SafetensorError("Error while serializing: No space left on device (os error 28)")
+        real_save_file(tensors, path)
+
+    save_module.save_file = rng_on_a_full_disk
+    try:
+        with pytest.raises(CheckpointError) as error:
+            trainer.save()
+    finally:
+        save_module.save_file = real_save_file
+    assert ("No space left on device" in str(error.value)) == (rank == 1), str(error.value)
+    assert resumable_checkpoint(Path(run_dir), "auto") == first
+
 
 def test_a_full_disk_while_publishing_is_one_line_on_every_rank(tmp_path):
     """Only the tensors' write was caught: a full disk while rank 0 wrote state.json (or config.yaml, a rename) was a

@@ -437,6 +437,7 @@ def test_preprocess_reads_text_files_as_editors_and_shells_write_them(tmp_path, 
     file (Hugging Face datasets' format) was one document of noise, exit 0; a quoted ~ in --output-prefix made a
     ./~ directory that data.path=~/... never found (an audit, 2026-12-06)."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)  # where a ~ kept as a name would land
     (tmp_path / "home").mkdir()
     bom = tmp_path / "home" / "bom.txt"
     bom.write_bytes(b"\xef\xbb\xbfhello\nworld\n")

@@ -646,10 +646,15 @@ def test_generation_from_an_imported_llama_starts_its_prompt_as_its_tokenizer_do
     imported = import_hf(hf_dir, tmp_path / "imported")
     text = "def hello"
     ids = transformers.AutoTokenizer.from_pretrained(hf_dir)(text).input_ids
-    model, tokenizer, stops, start = load_for_generation(str(imported))
+    model, tokenizer, stops, start, _ = load_for_generation(str(imported))
     assert ids[0] == 1 and start + tokenizer.encode(text) == ids
     theirs = hf_model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
                                attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=2)[0, len(ids):]
     generate_main([str(imported), "--prompt", text, "--temperature", "0", "--max-new-tokens", "6"])
     assert capsys.readouterr().out == text + continuation(tokenizer, ids, theirs.tolist()) + "\n"
     assert load_for_generation(str(imported), tokenizer="byte").start == []  # another tokenizer: its own start
+    # <s> alone is a trained context (a byte-level model's empty prompt is refused: test_cli), as transformers has it
+    theirs = hf_model.generate(torch.tensor([[1]]), max_new_tokens=4, do_sample=False, pad_token_id=2,
+                               attention_mask=torch.ones(1, 1, dtype=torch.long))[0, 1:]
+    generate_main([str(imported), "--prompt", "", "--temperature", "0", "--max-new-tokens", "4"])
+    assert capsys.readouterr().out == continuation(tokenizer, [1], theirs.tolist()) + "\n"

@@ -359,7 +359,7 @@ def test_generation_samples_a_checkpoint_whose_run_named_a_gpu_attention_backend
     config = path / "config.yaml"
     config.write_text(config.read_text().replace("attention_backend: auto", "attention_backend: cudnn"))
     assert "attention_backend: cudnn" in config.read_text()
-    model, tokenizer, stops, start = load_for_generation(str(path))
+    model, tokenizer, stops, start, _ = load_for_generation(str(path))
     assert len(sample(model, tokenizer.encode("def "), 3, temperature=0)) == 3
     assert stops == {tokenizer.eod_id} and start == []  # megalm's documents start after an eod, with no bos
 
@@ -379,7 +379,7 @@ def test_generation_stops_at_an_imported_models_own_eos_ids(tmp_path):
     state = json.loads((path / "state.json").read_text())
     state["source"] = {"format": "hf", "eos_token_id": [first, 7]}
     (path / "state.json").write_text(json.dumps(state))
-    model, tokenizer, stops, _ = load_for_generation(str(path))
+    model, tokenizer, stops, *_ = load_for_generation(str(path))
     assert stops == {tokenizer.eod_id, first, 7}
     assert sample(model, prompt, 3, temperature=0, eod_id=stops) == [first]
     assert load_for_generation(str(path), tokenizer="byte").stops == {tokenizer.eod_id}  # another tokenizer: its eod

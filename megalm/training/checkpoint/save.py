@@ -88,9 +88,9 @@ def _barrier_raising(mesh: ParallelMesh | None, error: BaseException | None, pat
     mount), where the others had waited in the next barrier until the process group's timeout."""
     failed = error is not None
     if mesh is not None and mesh.is_distributed:
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # NCCL reduces no CPU tensors
-        flag = torch.tensor([float(failed)], device=torch.device("cuda", torch.cuda.current_device()) if cuda
-                            else "cpu")
+        on_gloo = "gloo" in str(dist.get_backend())  # ("cuda:nccl,cpu:gloo" too); NCCL reduces no CPU tensors
+        device = "cpu" if on_gloo else torch.device("cuda", torch.cuda.current_device())
+        flag = torch.tensor([float(failed)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         failed = bool(flag.item())
     if error is not None:
@@ -141,7 +141,7 @@ def _write(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Op
     try:
         save_file(rng, str(rng_file))
         fsync_path(rng_file)
-    except OSError as e:  # every rank raises it at the publish's first barrier
+    except Exception as e:  # (safetensors' own error for a full disk, too): every rank raises at the first barrier
         failed = write_failed(root / name, e)
     full_state = {"format_version": FORMAT_VERSION, "step": step, "optimizer_param_groups": groups,
                   "optimizer_state": bool(opt_tensors),  # False: every step so far was skipped (no AdamW state yet)
@@ -170,7 +170,7 @@ def _publish(root: Path, name: str, full_state: dict, config: dict[str, Any], ke
     try:
         if rank == 0:
             _publish_files(root, name, full_state, config, keep_last)
-    except OSError as e:
+    except Exception as e:  # whatever it is, the other ranks meet this rank at the next collective
         failed = write_failed(final, e)
     _barrier_raising(mesh, failed, final)
 

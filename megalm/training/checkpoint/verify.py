@@ -135,25 +135,34 @@ def latest_unless_never(run_dir: Path, resume: str) -> Path | None:
 def resumes_as_named(resume: str, path: Path) -> bool:
     """Whether `path`, what `resumable_checkpoint` chose, is the checkpoint trainer.resume=PATH names, not the run
     dir's own checkpoints that a requeued job continues instead (PATH may be gone by then)."""
-    return resume != "auto" and Path(resume).expanduser().exists() and \
-        path.resolve() == resolve_checkpoint_path(resume).resolve()
+    try:
+        return resume != "auto" and path.resolve() == resolve_checkpoint_path(resume).resolve()
+    except CheckpointError:  # gone or incomplete since
+        return False
 
 
 def resumable_checkpoint(run_dir: Path, resume: str) -> Path | None:
     """The checkpoint `trainer.resume` names, checked by `verify_checkpoint`. A path: that checkpoint, or a one-line
-    error naming its damaged file. "auto": the run dir's `latest`, or, when its files are damaged, the newest older
+    error naming its damaged file; once the run dir has checkpoints of its own (a requeued job), those, whether the
+    path is still there or not. "auto": the run dir's `latest`, or, when its files are damaged, the newest older
     complete checkpoint that is intact (a warning names what was skipped); None when the run dir has none."""
     if resume != "auto":
         own = latest_checkpoint(run_dir)
         if not Path(resume).expanduser().exists() and own is None:
             raise CheckpointError(f"trainer.resume={resume}: no such path; set trainer.resume=auto, never, or the "
                                   "path of a checkpoint or run dir")
-        path = resolve_checkpoint_path(resume) if Path(resume).expanduser().exists() else None
+        try:
+            path = resolve_checkpoint_path(resume)
+        except CheckpointError:
+            if own is None:
+                raise
+            path = None  # gone, or half pruned: the source run went on (keep_last)
         if own is not None and (path is None or Path(run_dir).resolve() not in path.resolve().parents):
             # a requeued or restarted job: PATH started it, its own checkpoints continue it (TorchTitan's
-            # initial_load_path, read only while the run has none), PATH gone or not (the source run pruned it)
-            log.info(f"trainer.resume={resume} not used: run dir {run_dir} has checkpoints of its own ({own.name}); "
-                     "continuing them as trainer.resume=auto does")
+            # initial_load_path, read only while the run has none), whether PATH is there or not
+            (log.info if path is not None else log.warning)(
+                f"trainer.resume={resume} not used{'' if path else ' (it is no checkpoint now)'}: run dir {run_dir} "
+                f"has checkpoints of its own ({own.name}); continuing them as trainer.resume=auto does")
             return resumable_checkpoint(run_dir, "auto")
         if verify_checkpoint(path).state.get("weights_only"):
             raise CheckpointError(f"checkpoint {path} holds weights only (megalm-import); start from it with "
@@ -278,7 +287,7 @@ def note_function_change(saved: dict[str, Any], current: dict[str, Any], path: P
 
 def data_order(cfg: Any, blend: Any) -> dict[str, Any]:
     """What fixes the samples of every step (of a MegalmConfig, and the data's resolved `blend`: [[weight, prefix],
-    ...]): a resumed run must have the same (`check_same_data_order`)."""
+    ...]): a resumed run must have the same (`check_same_data_order`; data.path may name the same data elsewhere)."""
     t, d = cfg.trainer, cfg.data
     synthetic = config_to_dict(d.synthetic) if str(d.name) == "synthetic" else None
     # under a token budget a step's samples are as many as fit it: the batch size is not read (nor compared)
@@ -297,17 +306,14 @@ def data_size(train: Any, valid: Any) -> dict[str, list[int]]:
     return {"data_size": [sum(int(s.num_docs) for s in splits), sum(int(s.num_tokens) for s in splits)]}
 
 
-def _blend_weights(blend: Any) -> list[float] | None:
-    return None if blend is None else [float(weight) for weight, _ in blend]
-
-
 def _moved(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """The data's location keys that differ from the checkpoint's for the same data: the same documents and tokens
-    (`data_size`) and blend weights, named by another path (relative, linked, copied to a node's local disk)."""
-    moved = [key for key in ("path", "blend") if key in saved and saved[key] != current[key]]
-    same_weights = _blend_weights(saved.get("blend")) == _blend_weights(current.get("blend"))
+    """["path"] when data.path differs from the checkpoint's for the same data: its documents and tokens
+    (`data_size`) named by another path (relative, linked, copied to a node's local disk). A blend's prefixes are
+    compared as they are: its size is the sum over components, the same for its components reordered, which is
+    another order."""
+    moved = "path" in saved and saved["path"] != current["path"] and saved.get("blend") == current.get("blend")
     same_size = saved.get("data_size") is not None and list(saved["data_size"]) == list(current["data_size"])
-    return moved if same_size and same_weights else []
+    return ["path"] if moved and same_size else []
 
 
 def note_data_change(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
