@@ -342,6 +342,11 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str, tokenize
     if not files:
         raise DataError(f"no files matching --glob {glob!r} under {', '.join(map(str, inputs))}; "
                         "check --input and --glob")
+    if split_lines and input_format == "auto" and (whole := [p for p in files if p.is_file() and p.suffix.lower()
+                                                             not in (".txt", *JSON_SUFFIXES)]):
+        others = f" and {len(whole) - 1} more files are" if len(whole) > 1 else " is"
+        log.warning(f"--split-lines reads .txt files line by line; {whole[0]}{others} read whole, one document "
+                    "each: add --input-format txt to split them too")
     total_bytes = sum(p.stat().st_size for p in files)
     repairs = _Repairs()
     batches = _batches(iter_documents(files, json_key, split_lines, repairs, input_format))

@@ -432,7 +432,7 @@ def test_preprocess_input_refusals_and_pipes(tmp_path):
         preprocess([bom], str(tmp_path / "stale"), "byte", show_progress=False)
 
 
-def test_preprocess_reads_text_files_as_editors_and_shells_write_them(tmp_path, monkeypatch):
+def test_preprocess_reads_text_files_as_editors_and_shells_write_them(tmp_path, monkeypatch, caplog):
     """A .txt's byte-order mark (Windows editors write one) was stored as 3 tokens of its first document; a parquet
     file (Hugging Face datasets' format) was one document of noise, exit 0; a quoted ~ in --output-prefix made a
     ./~ directory that data.path=~/... never found (an audit, 2026-12-06)."""
@@ -445,6 +445,16 @@ def test_preprocess_reads_text_files_as_editors_and_shells_write_them(tmp_path, 
         preprocess(["~/bom.txt"], "~/corpus", "byte", split_lines=split_lines, show_progress=False, overwrite=True)
         assert _texts(str(tmp_path / "home" / "corpus")) == texts
     assert not Path("~").exists()
+    notes = tmp_path / "notes.md"  # --split-lines splits .txt files only: a .md was one document without a word
+    notes.write_text("one\ntwo\n")
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        preprocess([notes, bom], str(tmp_path / "md"), "byte", split_lines=True, show_progress=False)
+    assert _texts(str(tmp_path / "md")) == ["one\ntwo\n", "hello", "world"]
+    assert [m for m in caplog.messages if "--split-lines" in m] == [
+        f"--split-lines reads .txt files line by line; {notes} is read whole, one document each: add "
+        "--input-format txt to split them too"]
+    preprocess([notes], str(tmp_path / "md2"), "byte", split_lines=True, show_progress=False, input_format="txt")
+    assert _texts(str(tmp_path / "md2")) == ["one", "two"]
     (tmp_path / "train.parquet").write_bytes(b"PAR1\x15\x04" + bytes(range(256)))
     with pytest.raises(DataError, match=r"train.parquet is a binary file, .* write its text as JSON lines first"):
         preprocess([tmp_path], str(tmp_path / "pq"), "byte", show_progress=False)
