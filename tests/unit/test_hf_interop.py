@@ -498,6 +498,17 @@ def test_import_refuses_moe_layouts_megalm_cannot_compute(tmp_path, change, mess
     assert "\n" not in str(error.value) and not (tmp_path / "out").exists()
 
 
+def test_import_refuses_a_top_1_mixtral_naming_no_training_setting(tmp_path):
+    """Mixtral always renormalises its top-k: at top-1 every combine weight is 1 (the router learns nothing). The
+    refusal named model.moe.norm_topk_prob=false, a training setting no import takes (an audit, 2026-12-06)."""
+    run, _ = make_run(tmp_path / "run", "mixtral")
+    out = export_hf(run, tmp_path / "hf")
+    _edit_config(out, num_experts_per_tok=1)
+    with pytest.raises(InteropError, match="megalm does not import top-1 routing with norm_topk_prob .Mixtral") as e:
+        import_hf(out, tmp_path / "imported")
+    assert "model.moe" not in str(e.value) and not (tmp_path / "imported").exists()
+
+
 def test_export_refuses_moe_models_without_an_hf_counterpart(tmp_path):
     cfg = validate(compose_config(*STYLES["qwen3_moe"], "model.moe.num_shared_experts=1",
                                   "model.moe.router_score=sigmoid")).model
