@@ -27,7 +27,7 @@ import numpy as np
 from megalm.config import MegalmConfig, blend_pairs
 from megalm.data.batch import Sample
 from megalm.data.dataset import DataBundle, SampleDataset, check_vocab, indexed_tokenizer, split_samplers
-from megalm.data.indexed import IndexedDataset
+from megalm.data.indexed import IndexedDataset, missing_dataset
 from megalm.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -150,8 +150,8 @@ def open_component(prefix: str, tokenizer: str | None = None) -> IndexedDataset:
     """One blend component, with errors that name `data.blend` (not data.path); `tokenizer` (data.tokenizer)
     describes Megatron-format components that have no sidecar."""
     path = os.path.expanduser(prefix)
-    if not all(os.path.isfile(path + ext) for ext in (".idx", ".bin")):  # the dataset's own hint, for this entry
-        IndexedDataset(path, tokenizer=tokenizer, key="the data.blend entry")
+    if (missing := missing_dataset(path, tokenizer, key="the data.blend entry")) is not None:  # data.path's hint
+        raise missing
     try:
         return IndexedDataset(path, tokenizer=tokenizer)
     except DataError as e:

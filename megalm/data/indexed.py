@@ -70,6 +70,44 @@ class IndexedDatasetWriter(TokenFileWriter):
                       stale=(f"{self.prefix}{SIDECAR_SUFFIX}",))  # left by a Megatron-format dataset replaced here
 
 
+def missing_dataset(prefix: str, tokenizer: Tokenizer | str | None = None, key: str = "data.path"
+                    ) -> DataError | None:
+    """Why `prefix` (expanded) names no PREFIX.bin/PREFIX.idx pair, a hint for the likely slip (a .bin named, a text
+    file, a directory holding datasets) told to `key`, the setting that named it; None when both files are there."""
+    idx_path, bin_path = f"{prefix}.idx", f"{prefix}.bin"
+
+    def named(value: str) -> str:
+        return f"{key}={value}" if key == "data.path" else f"{key} {value}"
+
+    for path in (idx_path, bin_path):
+        if os.path.isfile(path):
+            continue
+        if prefix.endswith((".bin", ".idx")) and os.path.isfile(prefix):
+            return DataError(f"{named(prefix)} names a file; it is the prefix of PREFIX.bin/PREFIX.idx: write "
+                             f"{named(prefix[:-4])}")
+        if os.path.isfile(prefix):  # text itself (docs.jsonl): the tokenized files are made from it first
+            stem = os.path.splitext(prefix)[0]
+            spec = tokenizer if isinstance(tokenizer, str) or tokenizer is None else tokenizer.spec
+            with_tokenizer = f" --tokenizer {spec}" if spec not in (None, "byte") else ""  # data.tokenizer's
+            return DataError(f"{named(prefix)} is a file, not a tokenized corpus: tokenize it with "
+                             f"megalm-preprocess --input {prefix} --output-prefix {stem}{with_tokenizer}, then "
+                             f"write {named(stem)}")
+        if os.path.exists(path):
+            return DataError(f"{named(prefix)}: {path} is not a file; point {key} at the prefix "
+                             "megalm-preprocess wrote")
+        if os.path.isdir(prefix):  # a directory holding a dataset: the prefix is one of its files' stems
+            held = sorted(name[:-4] for name in os.listdir(prefix) if name.endswith(".idx"))
+            some = ", ".join(os.path.join(prefix, h) for h in held[:3]) + (f" and {len(held) - 3} more"
+                                                                          if len(held) > 3 else "")
+            inside = (f"it holds {some}: write {named(os.path.join(prefix, held[0]))}" if held else
+                      f"it holds no .idx file: point {key} at the prefix megalm-preprocess wrote "
+                      "(PREFIX.bin/PREFIX.idx)")
+            return DataError(f"{named(prefix)} is a directory, not a dataset's prefix; {inside}")
+        return DataError(f"{named(prefix)}: {path} not found; build it with "
+                        f"megalm-preprocess --input ... --output-prefix {prefix}")
+    return None
+
+
 class IndexedDataset:
     """Read-only, memory-mapped view of PREFIX.bin/.idx, megalm's format or Megatron-LM's; validated when opened.
 
@@ -80,39 +118,11 @@ class IndexedDataset:
     did (one eod appended virtually), so every document of either format ends with eod.
     """
 
-    def __init__(self, prefix: str, tokenizer: Tokenizer | str | None = None, key: str = "data.path") -> None:
-        """`key`: the setting that named `prefix`, which a missing or misnamed dataset's error tells to change."""
+    def __init__(self, prefix: str, tokenizer: Tokenizer | str | None = None) -> None:
         self.prefix = prefix = os.path.expanduser(os.fspath(prefix))  # as blend prefixes and data.tokenizer
         idx_path, bin_path = f"{prefix}.idx", f"{prefix}.bin"
-
-        def named(value: str) -> str:
-            return f"{key}={value}" if key == "data.path" else f"{key} {value}"
-        for path in (idx_path, bin_path):
-            if os.path.isfile(path):
-                continue
-            if prefix.endswith((".bin", ".idx")) and os.path.isfile(prefix):
-                raise DataError(f"{named(prefix)} names a file; it is the prefix of PREFIX.bin/PREFIX.idx: write "
-                                f"{named(prefix[:-4])}")
-            if os.path.isfile(prefix):  # text itself (docs.jsonl): the tokenized files are made from it first
-                stem = os.path.splitext(prefix)[0]
-                spec = tokenizer if isinstance(tokenizer, str) or tokenizer is None else tokenizer.spec
-                with_tokenizer = f" --tokenizer {spec}" if spec not in (None, "byte") else ""  # data.tokenizer's
-                raise DataError(f"{named(prefix)} is a file, not a tokenized corpus: tokenize it with "
-                                f"megalm-preprocess --input {prefix} --output-prefix {stem}{with_tokenizer}, then "
-                                f"write {named(stem)}")
-            if os.path.exists(path):
-                raise DataError(f"{named(prefix)}: {path} is not a file; point {key} at the prefix "
-                                "megalm-preprocess wrote")
-            if os.path.isdir(prefix):  # a directory holding a dataset: the prefix is one of its files' stems
-                held = sorted(name[:-4] for name in os.listdir(prefix) if name.endswith(".idx"))
-                some = ", ".join(os.path.join(prefix, h) for h in held[:3]) + (f" and {len(held) - 3} more"
-                                                                              if len(held) > 3 else "")
-                inside = (f"it holds {some}: write {named(os.path.join(prefix, held[0]))}" if held else
-                          f"it holds no .idx file: point {key} at the prefix megalm-preprocess wrote "
-                          "(PREFIX.bin/PREFIX.idx)")
-                raise DataError(f"{named(prefix)} is a directory, not a dataset's prefix; {inside}")
-            raise DataError(f"{named(prefix)}: {path} not found; build it with "
-                            f"megalm-preprocess --input ... --output-prefix {prefix}")
+        if (missing := missing_dataset(prefix, tokenizer)) is not None:
+            raise missing
         with open(idx_path, "rb") as f:
             head = f.read(16)
         from megalm.data import megatron_format  # imports this module: not at the top

@@ -116,6 +116,11 @@ def _walk(path: Path, glob: str) -> tuple[list[Path], set[str]]:
     return sorted(found, key=lambda p: p.relative_to(path).as_posix()), datasets
 
 
+def _user_path(item: str | os.PathLike) -> Path:
+    """An input as the user meant it: a quoted or --input=~/x path keeps its ~ from bash."""
+    return Path(os.path.expanduser(os.fspath(item)))
+
+
 def list_input_files(inputs: Sequence[str | os.PathLike], glob: str = "*") -> list[Path]:
     """The files to read, in order: each input as given (a regular file, or a pipe such as `<(zcat a.gz)`); a
     directory's files (matching `glob`; hidden files and directories and tokenized datasets skipped, the latter
@@ -123,7 +128,7 @@ def list_input_files(inputs: Sequence[str | os.PathLike], glob: str = "*") -> li
     files: list[Path] = []
     datasets: set[str] = set()
     for item in inputs:
-        path = Path(os.path.expanduser(os.fspath(item)))  # (a quoted or --input=~/x path keeps its ~ from bash)
+        path = _user_path(item)
         if path.is_dir():
             found, in_dir = _walk(path, glob)
             files.extend(found)
@@ -333,8 +338,7 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str, tokenize
         raise DataError("no input given; pass --input PATH [PATH ...]")
     files = list_input_files(inputs, glob)
     outputs = {Path(f"{output_prefix}{suffix}").resolve() for suffix in (".bin", ".idx", SIDECAR_SUFFIX)}
-    given = [Path(os.path.expanduser(os.fspath(item))) for item in inputs]
-    if named := [str(p) for p in given if p.is_file() and p.resolve() in outputs]:
+    if named := [str(p) for p in map(_user_path, inputs) if p.is_file() and p.resolve() in outputs]:
         raise DataError(f"--input {named[0]} is this run's own output; choose another --output-prefix")
     if own := [p for p in files if p.resolve() in outputs]:  # an earlier run's output inside an input directory
         log.warning(f"skipping {', '.join(map(str, own))}: the output of an earlier run with this --output-prefix")

@@ -92,6 +92,7 @@ class HFTokenizer:
             raise DataError(f"tokenizer file {path} is not a valid Hugging Face tokenizer.json ({reason}); "
                             "pass a file saved with tokenizers' Tokenizer.save, or 'byte'") from None
         self._path = path
+        self._start: list[int] | None = None  # prompt_start's, once probed
         # A document's text is text: a literal "<|endoftext|>" in it (scraped code, ML papers) is encoded as its
         # characters, not as the special token, which put an end-of-document id inside one document
         self._tok.encode_special_tokens = True
@@ -143,14 +144,17 @@ class HFTokenizer:
 
     def prompt_start(self) -> list[int]:
         """What the post-processor puts before a text: Llama's <s> (<|begin_of_text|>), which Hugging Face's
-        tokenizer adds by default; none for GPT-2's or Qwen's."""
-        for probe in ("a", "0", " ", "the"):  # a text the vocabulary encodes to something (no <unk>: maybe not "a")
-            plain = self._tok.encode(probe, add_special_tokens=False).ids
-            if plain:
-                marked = self._tok.encode(probe, add_special_tokens=True).ids
-                return next((marked[:i] for i in range(len(marked) - len(plain) + 1)
-                             if marked[i:i + len(plain)] == plain), [])
-        return []
+        tokenizer adds by default; none for GPT-2's or Qwen's. Probed once (preprocess asks for every batch)."""
+        if self._start is None:
+            self._start = []
+            for probe in ("a", "0", " ", "the"):  # a text the vocabulary encodes (no <unk>: maybe not "a")
+                plain = self._tok.encode(probe, add_special_tokens=False).ids
+                if plain:
+                    marked = self._tok.encode(probe, add_special_tokens=True).ids
+                    self._start = next((marked[:i] for i in range(len(marked) - len(plain) + 1)
+                                        if marked[i:i + len(plain)] == plain), [])
+                    break
+        return list(self._start)
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self._path!r})"
