@@ -352,6 +352,10 @@ def test_a_ctrl_c_inside_a_checkpoint_write_is_no_disk_to_free(tmp_path):
                       KeyboardInterrupt)
     full = write_failed(tmp_path, CheckpointException("save", {0: (OSError(28, "No space left on device"), stack)}))
     assert isinstance(full, CheckpointError) and "No space left on device" in str(full) and "free space" in str(full)
+    # only a full disk is said to be one: a denied rename or a config that would not serialise names its own fix
+    for other in (PermissionError(13, "Permission denied"), ValueError("cannot represent an object")):
+        line = str(write_failed(tmp_path, other))
+        assert str(other) in line and "free space" not in line and "fix what it names" in line, line
 
 
 def test_a_torchrun_that_ignores_the_shutdown_timeout_is_said(monkeypatch):

@@ -10,6 +10,7 @@ and the files keep the layout of checkpoints written before the fusion, which th
 
 from __future__ import annotations
 
+import errno
 import logging
 import warnings
 from pathlib import Path
@@ -230,11 +231,15 @@ def dcp_failure(error: BaseException) -> str:
 def write_failed(path: Path, error: BaseException) -> CheckpointError | KeyboardInterrupt:
     """The one-line error of a checkpoint that could not be written (a full disk, a lost mount); a Ctrl-C that DCP
     caught and wrapped is a KeyboardInterrupt again (megalm-train's one line says what resumes), not a disk to free."""
-    if isinstance(_dcp_cause(error), KeyboardInterrupt):
+    cause = _dcp_cause(error)
+    if isinstance(cause, KeyboardInterrupt):
         return KeyboardInterrupt()
+    full = getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(cause)
+    fix = (f"free space on {Path(path).parent}'s file system" if full  # (safetensors' error carries only the text)
+           else f"fix what it names (the file system of {Path(path).parent}, its permissions or mount)"
+           if isinstance(cause, OSError) else "fix what it names")
     return CheckpointError(f"checkpoint {path} could not be written ({dcp_failure(error)}); the checkpoints saved "
-                           f"before it are kept: free space on {Path(path).parent}'s file system (or fix it) and "
-                           "resume with trainer.resume=auto")
+                           f"before it are kept: {fix} and resume with trainer.resume=auto")
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
