@@ -3,8 +3,8 @@
     megalm-generate outputs/2026-11-21/10-00-00 --prompt "def " --max-new-tokens 200 --temperature 0.8 --top-k 50
 
 The checkpoint is self-describing (its config.yaml rebuilds the model, state.json names the
-tokenizer). Sampling recomputes the whole context every token (no KV cache): simple, and fast
-enough for the small models one samples from on a workstation.
+tokenizer). Sampling keeps each layer's keys and values (megalm/model/kv_cache.py): one forward of the
+prompt, then one of each new token.
 """
 
 from __future__ import annotations
@@ -29,22 +29,42 @@ log = logging.getLogger("megalm")
 @torch.no_grad()
 def sample(model: GPT, prompt: list[int], max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
            eod_id: int | Collection[int] | None = None, generator: torch.Generator | None = None,
-           vocab_size: int | None = None) -> list[int]:
+           vocab_size: int | None = None, kv_cache: bool = True) -> list[int]:
     """Autoregressive sampling; the context is cropped to the model's positions; stops at eod (`eod_id`: one id or
     several, e.g. an imported chat model's end-of-turn beside it). `vocab_size`: the tokenizer's, when the model's is
-    larger (ids past it decode to nothing); default the model's."""
-    stops = {eod_id} if isinstance(eod_id, int) else set(eod_id or ())
-    from megalm.model.gpt import real_logits
+    larger (ids past it decode to nothing); default the model's.
 
+    `kv_cache`: each forward feeds only the tokens after those cached (`KVCache`), the same logits as a forward of
+    the whole context up to rounding. Without it, or once the context outgrows the model's positions (the newest
+    ones kept: every position shifts), or for an MoE model that drops tokens by how many a forward routes
+    (model.moe.capacity_factor), each token is a forward of the whole context."""
+    from megalm.model.gpt import real_logits
+    from megalm.model.kv_cache import KVCache
+
+    if not prompt:
+        raise ValueError("sampling needs a prompt of one token or more")
+    stops = {eod_id} if isinstance(eod_id, int) else set(eod_id or ())
     device = next(model.parameters()).device
     max_positions = model.cfg.max_position_embeddings
+    moe = model.cfg.moe
+    if kv_cache and moe.num_experts and moe.capacity_factor is not None:
+        log.warning("model.moe.capacity_factor: an expert's capacity follows the tokens a forward routes, so each "
+                    "token is a forward of the whole context (no KV cache)")
+        kv_cache = False
+    cache = KVCache(len(model.layers), max_positions) if kv_cache else None
     ids = list(prompt)
     for _ in range(max_new_tokens):
-        context = torch.tensor(ids[-max_positions:], dtype=torch.long, device=device)
-        n = context.numel()
+        if cache is not None and len(ids) > max_positions:
+            log.warning(f"the context outgrew model.max_position_embeddings={max_positions}: each further token is "
+                        f"a forward of the newest {max_positions} (their positions shift; no KV cache)")
+            cache = None
+        first = cache.length if cache is not None else max(len(ids) - max_positions, 0)
+        fed = torch.tensor(ids[first:], dtype=torch.long, device=device)
+        n = fed.numel()
+        positions = torch.arange(n, device=device) + (first if cache is not None else 0)
         cu = torch.tensor([0, n], dtype=torch.int32, device=device)
         # Only the real vocab: the padding columns (megalm.model.gpt, VOCAB_PARAMS) are never sampled.
-        logits = real_logits(model(context, torch.arange(n, device=device), cu, n)[-1],
+        logits = real_logits(model(fed, positions, cu, n, context=cache)[-1],
                              vocab_size or model.cfg.vocab_size).float()
         if temperature <= 0:
             next_id = int(logits.argmax())

@@ -67,6 +67,7 @@ TOOL_FLAGS = {"precision_convergence.py": ["--steps", "2"], "throughput.py": ["-
               "moe_balance.py": ["--steps", "2"],
               "host_overhead.py": ["--steps", "1", "--warmup", "1"],
               "python_gc.py": ["--steps", "2"],
+              "kv_cache.py": ["--reps", "1", "--prompt-tokens", "8", "--new-tokens", "16"],  # within the tiny positions
               "attention_kernels.py": ["--iters", "1", "--warmup", "0"],
               "adamw_kernels.py": ["--iters", "1", "--warmup", "0"],
               # its documented 8,192 tokens: CPU's emulated FP8 GEMMs ran past 600 s on CI (2026-12-06), 4 min here

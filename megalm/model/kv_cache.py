@@ -1,0 +1,64 @@
+"""A key/value cache for sampling: each new token attends to the keys and values of the tokens before it, kept from
+the forwards that made them, instead of recomputing the whole context for every token (what `megalm-generate` did
+before 2026-12-07: O(n) forwards of up to n tokens for n new tokens, where a cache runs one of the prompt and then
+one token each).
+
+It is an `AttentionContext` (megalm/model/attention.py): the model passes it to every attention layer, which calls
+`attend` in place of its own kernel, so the model needs no cache argument and no code of its own for decoding. The
+layers call `attend` in their order, once each per forward: the i-th call of a forward is layer i. The cache holds
+one document, the sample's context, at absolute positions 0, 1, ... (RoPE's and learned positions both encode them
+into k or the hidden states before `attend`), so it can hold at most `capacity` tokens: the model's positions.
+Hand-written because the model's packed varlen layout is not transformers' `Cache` classes' [batch, heads, seq, dim].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class KVCache:
+    """Keys and values of one document's tokens, per layer: [capacity, kv heads, head_dim] each, filled from the
+    front. One forward feeds the tokens after those cached (the prompt first, then one sampled token at a time) at
+    positions `length`, `length` + 1, ...; its queries attend causally to everything cached and to themselves."""
+
+    def __init__(self, num_layers: int, capacity: int) -> None:
+        if num_layers < 1 or capacity < 1:
+            raise ValueError(f"a KV cache needs layers and capacity (got {num_layers} layers, {capacity} tokens)")
+        self.num_layers, self.capacity = num_layers, capacity
+        self._keys: list[torch.Tensor | None] = [None] * num_layers
+        self._values: list[torch.Tensor | None] = [None] * num_layers
+        self._lengths = [0] * num_layers
+        self._calls = 0  # attend calls so far: call c is layer c % num_layers
+
+    @property
+    def length(self) -> int:
+        """Tokens cached (by every layer, between forwards)."""
+        return self._lengths[-1]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, dropout_p: float = 0.0,
+               scale: float | None = None) -> torch.Tensor:
+        """q [n, heads, head_dim], k and v [n, kv heads, head_dim] of the n tokens after those cached -> [n, heads,
+        head_dim]. `backend` is not read: torch SDPA runs it (a decoding step's one query row is no varlen kernel's
+        case). No dropout: sampling runs the model in evaluation."""
+        if dropout_p:
+            raise ValueError("a KV cache samples from a model in evaluation: no attention dropout")
+        layer = self._calls % self.num_layers
+        self._calls += 1
+        past, n = self._lengths[layer], q.shape[0]
+        if past + n > self.capacity:
+            raise ValueError(f"a KV cache of {self.capacity} tokens cannot take {n} after {past}")
+        if self._keys[layer] is None:
+            self._keys[layer] = k.new_empty(self.capacity, *k.shape[1:])
+            self._values[layer] = v.new_empty(self.capacity, *v.shape[1:])
+        keys, values = self._keys[layer], self._values[layer]
+        keys[past:past + n], values[past:past + n] = k, v
+        self._lengths[layer] = past + n
+        # [1, heads, tokens, head_dim]: query i (position past + i) sees keys 0 ... past + i
+        qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, keys[:past + n], values[:past + n]))
+        mask = None
+        if n > 1 and past:
+            mask = torch.arange(past + n, device=q.device) <= past + torch.arange(n, device=q.device)[:, None]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=n > 1 and not past, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out[0].transpose(0, 1)

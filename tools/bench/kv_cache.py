@@ -1,0 +1,80 @@
+"""What `megalm-generate`'s KV cache buys: greedy sampling with and without it, side by side, on one model.
+
+    python tools/bench/kv_cache.py model=125m --prompt-tokens 128 --new-tokens 256
+
+Builds the overrides' model (weights drawn by `init_weights`, fp32, evaluation mode) on --device, and samples
+--new-tokens greedily after a prompt of --prompt-tokens ids with `sample(kv_cache=True)` and `sample(kv_cache=False)`
+(each token a forward of the whole context, what megalm-generate did before 2026-12-07), --reps times each,
+alternating, timed by a wall clock around each call (CUDA synchronized). Reports the median tokens/s of each and
+their ratio, and whether both drew the same ids (a sampler that changed the numbers would show it here too: greedy
+ids follow the argmax of every step's logits). No stop id: every call draws --new-tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from megalm.config.compose import compose_config  # noqa: E402
+from megalm.generate import sample  # noqa: E402
+from megalm.model import GPT  # noqa: E402
+from megalm.model.gpt import init_weights  # noqa: E402
+from tools.bench.cli import check_counts, parse_flags_and_overrides, run_main  # noqa: E402
+
+
+def timed(fn, device: torch.device) -> tuple[float, list[int]]:  # noqa: ANN001
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start, out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=3, help="timed calls of each (the median is reported)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON last")
+    args, overrides = parse_flags_and_overrides(parser, argv)
+    check_counts(args, "prompt_tokens", "new_tokens", "reps")
+    cfg = compose_config(overrides)
+    device = torch.device(args.device)
+    model = GPT(cfg.model, device=device)
+    init_weights(model, cfg.seed)
+    model.eval()
+    prompt = torch.randint(0, cfg.model.vocab_size, (args.prompt_tokens,),
+                           generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    seconds: dict[bool, list[float]] = {True: [], False: []}
+    drawn: dict[bool, list[int]] = {}
+    for _ in range(args.reps):
+        for cached in (True, False):
+            t, drawn[cached] = timed(functools.partial(sample, model, prompt, args.new_tokens, temperature=0,
+                                                       kv_cache=cached), device)
+            seconds[cached].append(t)
+    rate = {cached: args.new_tokens / statistics.median(ts) for cached, ts in seconds.items()}
+    result = {"device": str(device), "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+              "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+              "tokens_per_s_cached": rate[True], "tokens_per_s_recomputed": rate[False],
+              "speedup": rate[True] / rate[False], "same_ids": drawn[True] == drawn[False]}
+    print("| device | params (M) | prompt | new tokens | KV cache tok/s | recomputed tok/s | speedup | same ids |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| {device} | {result['params_m']:.1f} | {args.prompt_tokens} | {args.new_tokens} | {rate[True]:.1f} | "
+          f"{rate[False]:.1f} | {result['speedup']:.2f}x | {'yes' if result['same_ids'] else 'NO'} |")
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    run_main(main)
