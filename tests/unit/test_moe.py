@@ -374,3 +374,15 @@ def test_the_capacity_is_one_number_with_and_without_a_padding_mask():
     whole = router(x, WholeTokens(cu, tokens))
     masked = router(x, WholeTokens(cu, tokens, real=torch.ones(tokens, dtype=torch.bool)))
     assert int(whole.counts[0]) == int(masked.counts[0]) == math.ceil(cf * (tokens * k) / experts) == 100
+
+
+def test_queue_positions_count_each_experts_earlier_assignments():
+    """An assignment's place in its expert's queue by a stable sort (O(T·k) memory) is what the one-hot running count
+    over [T·k, E] gave: the earlier assignments of the same expert, in token order."""
+    from megalm.model.moe import _queue_positions
+
+    generator = torch.Generator().manual_seed(0)
+    for n, queues in [(1, 1), (7, 3), (500, 9), (4096, 65)]:
+        queue = torch.randint(0, queues, (n,), generator=generator)
+        one_hot = torch.nn.functional.one_hot(queue, queues)
+        torch.testing.assert_close(_queue_positions(queue, queues), (one_hot.cumsum(0) * one_hot).sum(-1) - 1)
