@@ -4,12 +4,13 @@
 
 The checkpoint is self-describing (its config.yaml rebuilds the model, state.json names the
 tokenizer). Sampling keeps each layer's keys and values (megalm/model/kv_cache.py): one forward of the
-prompt, then one of each new token.
+prompt, then one of each new token, within the model's positions (`sample` says when it cannot).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 from collections.abc import Collection
@@ -35,9 +36,11 @@ def sample(model: GPT, prompt: list[int], max_new_tokens: int, temperature: floa
     larger (ids past it decode to nothing); default the model's.
 
     `kv_cache`: each forward feeds only the tokens after those cached (`KVCache`), the same logits as a forward of
-    the whole context up to rounding. Without it, or once the context outgrows the model's positions (the newest
-    ones kept: every position shifts), or for an MoE model that drops tokens by how many a forward routes
-    (model.moe.capacity_factor), each token is a forward of the whole context."""
+    the whole context up to rounding. Without it, once the context outgrows the model's positions (the newest ones
+    kept: every position shifts), for an MoE model that drops tokens by how many a forward routes
+    (model.moe.capacity_factor), or for a model in training mode with attention dropout, each token is a forward of
+    the whole context (said once a process). The model samples in the mode it is in: `model.eval()` first for no
+    dropout (`load_for_generation` does)."""
     from megalm.model.gpt import real_logits
     from megalm.model.kv_cache import KVCache
 
@@ -48,15 +51,20 @@ def sample(model: GPT, prompt: list[int], max_new_tokens: int, temperature: floa
     max_positions = model.cfg.max_position_embeddings
     moe = model.cfg.moe
     if kv_cache and moe.num_experts and moe.capacity_factor is not None:
-        log.warning("model.moe.capacity_factor: an expert's capacity follows the tokens a forward routes, so each "
-                    "token is a forward of the whole context (no KV cache)")
+        _warn_once("model.moe.capacity_factor: an expert's capacity follows the tokens a forward routes, so each token "
+                   "is a forward of the whole context (no KV cache)")
         kv_cache = False
-    cache = KVCache(len(model.layers), max_positions) if kv_cache else None
+    if kv_cache and model.training and model.cfg.attention_dropout:
+        _warn_once("the model is in training mode with model.attention_dropout: each token is a forward of the whole "
+                   "context, its dropout drawn again (no KV cache; model.eval() samples without dropout, with it)")
+        kv_cache = False
+    # slots for what this sample can feed, not the model's every position (an import's 32K or 128K: GiBs on a GPU)
+    cache = KVCache(len(model.layers), min(max_positions, len(prompt) + max_new_tokens)) if kv_cache else None
     ids = list(prompt)
     for _ in range(max_new_tokens):
         if cache is not None and len(ids) > max_positions:
-            log.warning(f"the context outgrew model.max_position_embeddings={max_positions}: each further token is "
-                        f"a forward of the newest {max_positions} (their positions shift; no KV cache)")
+            _warn_once(f"the context outgrew model.max_position_embeddings={max_positions}: each further token is a "
+                       f"forward of the newest {max_positions} (their positions shift; no KV cache)")
             cache = None
         first = cache.length if cache is not None else max(len(ids) - max_positions, 0)
         fed = torch.tensor(ids[first:], dtype=torch.long, device=device)
@@ -79,6 +87,12 @@ def sample(model: GPT, prompt: list[int], max_new_tokens: int, temperature: floa
         if next_id in stops:
             break
     return ids[len(prompt):]
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    """A warning line once a process: --num-samples N samples N times, each meeting the same condition."""
+    log.warning(message)
 
 
 class ForGeneration(NamedTuple):

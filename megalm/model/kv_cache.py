@@ -7,7 +7,8 @@ It is an `AttentionContext` (megalm/model/attention.py): the model passes it to 
 `attend` in place of its own kernel, so the model needs no cache argument and no code of its own for decoding. The
 layers call `attend` in their order, once each per forward: the i-th call of a forward is layer i. The cache holds
 one document, the sample's context, at absolute positions 0, 1, ... (RoPE's and learned positions both encode them
-into k or the hidden states before `attend`), so it can hold at most `capacity` tokens: the model's positions.
+into k or the hidden states before `attend`), at most `capacity` tokens: within the model's positions. A forward
+that stops part-way (an error) leaves the layers' counts apart: a cache serves one sample, made afresh for each.
 Hand-written because the model's packed varlen layout is not transformers' `Cache` classes' [batch, heads, seq, dim].
 """
 
@@ -40,9 +41,9 @@ class KVCache:
                scale: float | None = None) -> torch.Tensor:
         """q [n, heads, head_dim], k and v [n, kv heads, head_dim] of the n tokens after those cached -> [n, heads,
         head_dim]. `backend` is not read: torch SDPA runs it (a decoding step's one query row is no varlen kernel's
-        case). No dropout: sampling runs the model in evaluation."""
+        case). No attention dropout (a model in evaluation mode): what a cached key saw would be drawn once."""
         if dropout_p:
-            raise ValueError("a KV cache samples from a model in evaluation: no attention dropout")
+            raise ValueError("a KV cache attends without dropout: call model.eval() first")
         layer = self._calls % self.num_layers
         self._calls += 1
         past, n = self._lengths[layer], q.shape[0]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megalm.config.schema import ModelConfig, MoEConfig
-from megalm.generate import sample
+from megalm.generate import _warn_once, sample
 from megalm.model import GPT
 from megalm.model.gpt import init_weights
 from megalm.model.kv_cache import KVCache
@@ -24,6 +24,12 @@ MODELS = {
     "qk_norm": dict(num_kv_heads=2, qk_norm=True),
     "moe": dict(num_kv_heads=2, moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_hidden_size=64)),
 }
+
+
+@pytest.fixture(autouse=True)
+def warnings_said_afresh():
+    """megalm-generate says each fallback once a process: each test here sees its own."""
+    _warn_once.cache_clear()
 
 
 def model_of(kind: str, **extra) -> GPT:
@@ -56,18 +62,51 @@ def test_cached_forwards_give_the_whole_contexts_logits(kind):
 @pytest.mark.parametrize("kind", ["llama_gqa", "gpt2"])
 def test_sampling_with_the_cache_draws_what_recomputing_draws(kind, caplog):
     """Top-k at a temperature, from one seed, 40 new tokens after 20: past the 48 positions, where the cache stops
-    (said once) and each further token is a forward of the newest 48, as without it."""
+    (said once a process, as --num-samples samples again) and each further token is a forward of the newest 48, as
+    without it."""
     model = model_of(kind)
     prompt = list(range(5, 25))
     drawn = {}
-    for cached in (True, False):
-        with caplog.at_level(logging.INFO, logger="megalm"):
-            caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megalm"):
+        for cached in (True, True, False):
             drawn[cached] = sample(model, prompt, 40, temperature=1.5, top_k=50, kv_cache=cached,
                                    generator=torch.Generator().manual_seed(1))
-        outgrew = [r for r in caplog.records if "outgrew model.max_position_embeddings=48" in r.getMessage()]
-        assert len(outgrew) == cached, caplog.text
+    outgrew = [r for r in caplog.records if "outgrew model.max_position_embeddings=48" in r.getMessage()]
+    assert len(outgrew) == 1, caplog.text
     assert len(drawn[True]) == 40 and drawn[True] == drawn[False]
+
+
+def test_the_cache_holds_what_a_sample_can_feed(monkeypatch):
+    """Slots for the prompt and the new tokens, not for every position of the model (an import's 32K or 128K
+    positions were GiBs of keys and values a layer on a GPU); read off the cache's own tensors' storages."""
+    import megalm.model.kv_cache
+
+    made = []
+
+    class Recorded(KVCache):
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            made.append(self)
+
+    monkeypatch.setattr(megalm.model.kv_cache, "KVCache", Recorded)
+    sample(model_of("llama_gqa"), [1, 2, 3], 5, temperature=0)
+    (cache,) = made
+    keys = cache._keys[0]
+    assert keys.untyped_storage().nbytes() == 8 * keys[0].numel() * keys.element_size()  # 3 + 5 tokens' slots
+    assert cache.length == 7  # the last token drawn is never fed
+
+
+def test_a_model_in_training_mode_with_attention_dropout_samples_without_the_cache(caplog):
+    """A cached key would keep the dropout drawn when it was made: such a model recomputes, and says so; in
+    evaluation mode it samples with the cache."""
+    model = model_of("llama_gqa", attention_dropout=0.5).train()
+    fed = []
+    model.register_forward_pre_hook(lambda module, args: fed.append(args[0].numel()))
+    with caplog.at_level(logging.INFO, logger="megalm"):
+        sample(model, [1, 2, 3], 3, temperature=0)
+        model.eval()
+        sample(model, [1, 2, 3], 3, temperature=0)
+    assert fed == [3, 4, 5, 3, 1, 1] and "training mode with model.attention_dropout" in caplog.text
 
 
 def test_sampling_feeds_the_prompt_once_then_one_token_a_forward():
@@ -100,7 +139,7 @@ def test_a_cache_refuses_what_it_cannot_hold():
     cache.attend(q, q, q, "sdpa")
     with pytest.raises(ValueError, match="cannot take 3 after 3"):
         cache.attend(q, q, q, "sdpa")
-    with pytest.raises(ValueError, match="no attention dropout"):
+    with pytest.raises(ValueError, match="without dropout: call model.eval"):
         KVCache(1, 4).attend(q, q, q, "sdpa", dropout_p=0.1)
     with pytest.raises(ValueError, match="needs layers and capacity"):
         KVCache(0, 4)
