@@ -236,7 +236,11 @@ def mx_quantize_dequantize(
     rounding: "nearest" (ties to even) | "stochastic" (draws from `generator`; pass one for
     reproducibility). scale_mode: "floor" (OCP spec) | "ceil" (no clipping). prescale: the factor
     applied to the scaled block before rounding and divided out after; None = 3/4 for stochastic
-    rounding with floor scales (Tseng et al.), 1 otherwise.
+    rounding with floor scales (Tseng et al.), 1 otherwise. With a prescale other than 1 the values
+    (grid x 2^s / prescale) are exact in fp32, not in bf16: a bf16 x comes back with 4/3 rounded up to
+    1.3359, a +0.11% bias in stochastic rounding's mean (an audit, 2026-12-07). The GEMMs are not
+    affected: they take their operands in fp32 (megalm/precision/gemm.py); pass x.float() for an
+    unbiased result.
     """
     fmt = get_format(fmt)
     prescale = resolve_prescale(prescale, rounding, scale_mode)
