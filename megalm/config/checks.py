@@ -37,6 +37,7 @@ from megalm.config.schema import (
     MoEConfig,
     OptimConfig,
     ParallelConfig,
+    RopeScalingConfig,
     SyntheticDataConfig,
     TrainerConfig,
     WandbConfig,
@@ -265,7 +266,32 @@ def validate_model(model: ModelConfig) -> None:
         fraction(getattr(model, key), f"model.{key}")
     for key in ("norm_eps", "rope_theta", "init_std"):  # a zero or negative one trains NaNs, or fails inside torch
         positive(getattr(model, key), f"model.{key}")
+    validate_rope_scaling(model)
     validate_moe(model)
+
+
+def validate_rope_scaling(model: ModelConfig) -> None:
+    """The rules of `model.rope_scaling`: Llama 3.1's scaling needs rotary positions, a factor of 1 or more (it
+    divides the slow frequencies) and a band low_freq_factor < high_freq_factor (its interpolation divides by their
+    difference)."""
+    scaling = model.rope_scaling
+    if scaling.type == "none":
+        if unread := set_away_from_default(scaling, RopeScalingConfig):
+            log.warning(f"model.rope_scaling: {', '.join(unread)} set with model.rope_scaling.type=none: not used "
+                        "(model.rope_scaling.type=llama3 uses them)")
+        return
+    if model.position_embedding != "rope":
+        raise ConfigError(f"model.rope_scaling.type={scaling.type} scales rotary embeddings, and "
+                          f"model.position_embedding={model.position_embedding} has none; set "
+                          "model.rope_scaling.type=none")
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        positive(getattr(scaling, key), f"model.rope_scaling.{key}")
+    if scaling.factor < 1:
+        raise ConfigError(f"model.rope_scaling.factor={scaling.factor} must be >= 1 (it divides the slowest "
+                          "frequencies: the context grows by it)")
+    if not scaling.low_freq_factor < scaling.high_freq_factor:
+        raise ConfigError(f"model.rope_scaling.low_freq_factor={scaling.low_freq_factor} must be below "
+                          f"high_freq_factor={scaling.high_freq_factor} (Llama 3.1's: 1 and 4)")
 
 
 def validate(cfg: MegalmConfig) -> MegalmConfig:

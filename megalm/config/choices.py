@@ -53,6 +53,14 @@ class PositionEmbedding(Choice):
     learned = "learned"
 
 
+class RopeScaling(Choice):
+    """How RoPE's frequencies are rescaled for a longer context: none, or Llama 3.1's (slow frequencies divided by a
+    factor, fast ones kept, those between interpolated)."""
+
+    none = "none"
+    llama3 = "llama3"
+
+
 class AttentionBackend(Choice):
     """The attention kernel; auto picks the fastest present (megalm/model/attention.py)."""
 

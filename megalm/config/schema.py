@@ -34,10 +34,29 @@ from megalm.config.choices import (
     PositionEmbedding,
     PrecisionBackend,
     PrecisionRecipe,
+    RopeScaling,
     RouterScore,
     WandbMode,
 )
 from megalm.errors import ConfigError
+
+
+@dataclass
+class RopeScalingConfig:
+    """Llama 3.1's RoPE frequency scaling (megalm/model/rope.py `llama3_inv_freq`), as its config.json's rope_scaling
+    holds it; type none leaves RoPE as rope_theta makes it. Llama 3.1 and 3.3: factor 8; Llama 3.2: 32."""
+
+    type: RopeScaling = RopeScaling.none
+    """none | llama3."""
+    factor: float = 8.0
+    """What the slowest frequencies are divided by: the context grows by it."""
+    low_freq_factor: float = 1.0
+    """Wavelengths longer than original_max_position_embeddings / low_freq_factor are divided by factor."""
+    high_freq_factor: float = 4.0
+    """Wavelengths shorter than original_max_position_embeddings / high_freq_factor are kept; those between are
+    interpolated."""
+    original_max_position_embeddings: int = 8192
+    """The context the model was first trained at (Llama 3's 8,192)."""
 
 
 @dataclass
@@ -122,6 +141,8 @@ class ModelConfig:
     """rope (rotary, Llama) | learned (an absolute table, GPT-2)."""
     rope_theta: float = 10000.0
     """RoPE's base: the longest wavelength grows with it."""
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    """RoPE's frequency scaling (Llama 3.1's: model.rope_scaling.type=llama3); none by default."""
     tie_embeddings: bool = False
     """The output head shares the input embedding's weight."""
     bias: bool = False

@@ -126,7 +126,7 @@ class GPT(nn.Module):
         and in fp32); None without rotary embeddings."""
         if self.cfg.position_embedding != "rope":
             return None
-        cos, sin = rope_cos_sin(position_ids, self.head_dim, self.cfg.rope_theta)
+        cos, sin = rope_cos_sin(position_ids, self.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
         return cos.to(dtype), sin.to(dtype)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

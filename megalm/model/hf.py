@@ -54,6 +54,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from megalm.config import ModelConfig, resolve_model_defaults, validate_model
+from megalm.config.choices import RopeScaling
+from megalm.config.schema import RopeScalingConfig
 from megalm.errors import ConfigError, MegalmError
 from megalm.model.fused import fuse_tensors, unfuse_tensors
 from megalm.model.gpt import GPT, VOCAB_PARAMS, resize_vocab_rows
@@ -185,9 +187,7 @@ def hf_config(cfg: ModelConfig, arch: str, dtype: str, bos_id: int | list[int] |
                 "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
                 "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
                 "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
-                "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
-                # transformers >= 5 reads rope_parameters; 4.x reads rope_theta/rope_scaling
-                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                "rms_norm_eps": cfg.norm_eps, **_hf_rope(cfg),
                 "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attention_dropout,
                 "pretraining_tp": 1, **extra}
     return {**common, "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
@@ -198,16 +198,50 @@ def hf_config(cfg: ModelConfig, arch: str, dtype: str, bos_id: int | list[int] |
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
 
 
-def _rope_theta(hf: Mapping[str, Any], where: str) -> float:
-    """rope_theta of a Llama config, refusing any RoPE scaling (megalm's RoPE has none)."""
-    if hf.get("rope_scaling"):
-        raise InteropError(f"{where}: rope_scaling={hf['rope_scaling']} is set; megalm's RoPE has no scaling "
-                           "(only plain rope_theta models import)")
-    params = hf.get("rope_parameters") or {}
-    if params.get("rope_type", "default") != "default" or set(params) - {"rope_type", "rope_theta"}:
-        raise InteropError(f"{where}: rope_parameters={params} is not plain RoPE; megalm's RoPE has no scaling "
-                           "(only rope_type=default imports)")
-    return float(params.get("rope_theta", hf["rope_theta"]))
+# Llama 3.1's rope_scaling keys, megalm's model.rope_scaling fields of the same names
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope(hf: Mapping[str, Any], where: str) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, model.rope_scaling's values) of a Llama-family config: plain RoPE, or Llama 3.1's scaling
+    (rope_type llama3), from transformers 4's rope_theta and rope_scaling or 5's rope_parameters. Any other scaling
+    (linear, dynamic, yarn, longrope) is refused: megalm's RoPE does not compute it."""
+    legacy, current = hf.get("rope_scaling") or {}, hf.get("rope_parameters") or {}
+    kind_of = lambda d: d.get("rope_type", d.get("type", "default"))  # ("type": transformers 4's older spelling)
+    scaled = [d for d in (current, legacy) if kind_of(d) != "default"]
+    if len({kind_of(d) for d in scaled}) > 1:
+        raise InteropError(f"{where}: rope_parameters={current} and rope_scaling={legacy} disagree; fix config.json")
+    params = scaled[0] if scaled else {**legacy, **current}
+    kind = kind_of(params)
+    theta = float(current.get("rope_theta", hf["rope_theta"]))
+    if kind == "default":
+        if set(params) - {"rope_type", "type", "rope_theta"}:
+            raise InteropError(f"{where}: rope_parameters={params} is not plain RoPE; megalm computes rope_type "
+                               "default and llama3 only")
+        return theta, {}
+    if kind != "llama3":
+        raise InteropError(f"{where}: rope_scaling of rope_type {kind!r} ({params}); megalm's RoPE computes "
+                           "default and llama3 (Llama 3.1's) only")
+    missing = [k for k in _LLAMA3_KEYS if k not in params]
+    if missing:
+        raise InteropError(f"{where}: rope_scaling of rope_type llama3 lacks {', '.join(missing)}; fix config.json")
+    try:
+        factors = {k: float(params[k]) for k in _LLAMA3_KEYS[:3]}
+    except (TypeError, ValueError):
+        raise InteropError(f"{where}: rope_scaling {params}: its factors must be numbers; fix config.json") from None
+    return theta, {"type": RopeScaling.llama3, **factors,
+                   "original_max_position_embeddings": _whole(params, "original_max_position_embeddings", where)}
+
+
+def _hf_rope(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json's RoPE keys for `cfg`: transformers 4 reads rope_theta and rope_scaling, 5 rope_parameters."""
+    scaling = cfg.rope_scaling
+    if scaling.type == "none":
+        return {"rope_theta": cfg.rope_theta, "rope_scaling": None,
+                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
+    llama3 = {"rope_type": "llama3", **{k: getattr(scaling, k) for k in _LLAMA3_KEYS}}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": llama3,
+            "rope_parameters": {**llama3, "rope_theta": cfg.rope_theta}}
 
 
 def _whole(hf: Mapping[str, Any], key: str, where: str) -> int:
@@ -245,12 +279,14 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelC
             raise InteropError(f"{where}: hidden_act={hf['hidden_act']}; megalm's SwiGLU uses silu")
         hidden, heads = _whole(hf, "hidden_size", where), _whole(hf, "num_attention_heads", where)
         max_pos = _whole(hf, "max_position_embeddings", where)
+        rope_theta, rope_scaling = _rope(hf, where)
         kwargs = dict(norm="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
                       num_layers=_whole(hf, "num_hidden_layers", where), hidden_size=hidden, num_heads=heads,
                       num_kv_heads=(_whole(hf, "num_key_value_heads", where) if hf.get("num_key_value_heads")
                                     else heads),
                       ffn_hidden_size=_whole(hf, "intermediate_size", where), norm_eps=float(hf["rms_norm_eps"]),
-                      rope_theta=_rope_theta(hf, where), max_position_embeddings=max_pos,
+                      rope_theta=rope_theta, rope_scaling=RopeScalingConfig(**rope_scaling),
+                      max_position_embeddings=max_pos,
                       tie_embeddings=bool(hf["tie_word_embeddings"]),
                       attention_dropout=float(hf["attention_dropout"]),
                       head_dim=_whole(hf, "head_dim", where) if hf.get("head_dim") is not None else None)
@@ -430,6 +466,8 @@ def run_overrides(cfg: ModelConfig) -> list[str]:
     values = {k: getattr(cfg, k) for k in keys}
     if cfg.position_embedding != "rope":
         values.pop("rope_theta")
+    if cfg.rope_scaling.type != "none":
+        values.update({f"rope_scaling.{k}": getattr(cfg.rope_scaling, k) for k in ("type", *_LLAMA3_KEYS)})
     if cfg.moe.num_experts:
         values.update({f"moe.{k}": getattr(cfg.moe, k) for k in (
             "num_experts", "top_k", "expert_ffn_hidden_size", "first_k_dense", "every_n_layers", "norm_topk_prob",

@@ -5,6 +5,8 @@ angle p * theta^(-2i/D) for a token at position p:
     rope(x, p) = x * cos(p * w) + rotate_half(x) * sin(p * w),   rotate_half(x) = (-x2, x1),
 with w = (w_0..w_{D/2-1}, w_0..w_{D/2-1}). Then <rope(q, m), rope(k, n)> depends on m - n only.
 
+Llama 3.1's frequency scaling (`llama3_inv_freq`, model.rope_scaling) rescales w before the angles are taken.
+
 Positions come from explicit `position_ids` [T], which restart at 0 in every packed document, so
 a document gets the same rotations wherever it sits in the packed stream. Angles are computed in
 fp32 (bf16 positions above 256 are not exact), once per forward for all layers, with the sign of
@@ -26,17 +28,38 @@ RMSNorm's function), and the tables take no gradient.
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from megalm.config.schema import RopeScalingConfig
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: RopeScalingConfig) -> torch.Tensor:
+    """Llama 3.1's frequency scaling (Meta's `apply_scaling`; Megatron's `--use-rope-scaling`, TorchTitan's llama3
+    model): with L the original context and wavelength 2π/w, a frequency w whose wavelength exceeds L / low_freq_factor
+    becomes w / factor, one whose wavelength is under L / high_freq_factor stays w, and those between are interpolated,
+    (1 - a)·w / factor + a·w with a = (L / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor).
+    a clamped to [0, 1] is the three cases in one expression."""
+    wavelength = 2 * math.pi / inv_freq
+    a = ((scaling.original_max_position_embeddings / wavelength - scaling.low_freq_factor)
+         / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0.0, 1.0)
+    return (1 - a) * inv_freq / scaling.factor + a * inv_freq
 
 
 def rope_cos_sin(
-    position_ids: torch.Tensor, head_dim: int, theta: float
+    position_ids: torch.Tensor, head_dim: int, theta: float, scaling: RopeScalingConfig | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotation tables for positions `position_ids` [T], each fp32 [T, D]: cos of the angles (repeated for the
-    two halves) and the signed sine (-sin, sin) that `apply_rope` takes."""
+    two halves) and the signed sine (-sin, sin) that `apply_rope` takes. `scaling`: model.rope_scaling (type none:
+    the frequencies as theta makes them)."""
     inv_freq = 1.0 / theta ** (
         torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
     )
+    if scaling is not None and scaling.type == "llama3":
+        inv_freq = llama3_inv_freq(inv_freq, scaling)
     angles = position_ids.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     cos, sin = angles.cos(), angles.sin()
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)

@@ -669,3 +669,51 @@ def test_generation_from_an_imported_llama_starts_its_prompt_as_its_tokenizer_do
                                attention_mask=torch.ones(1, 1, dtype=torch.long))[0, 1:]
     generate_main([str(imported), "--prompt", "", "--temperature", "0", "--max-new-tokens", "4"])
     assert capsys.readouterr().out == continuation(tokenizer, [1], theirs.tolist()) + "\n"
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+
+def test_a_llama_3_1_rope_imports_computes_its_logits_and_exports_back(tmp_path):
+    """Llama 3.1/3.2/3.3's rope_scaling (rope_type llama3) imports as model.rope_scaling: the logits equal
+    transformers' past the original 32 positions (at head_dim 16 and theta 5,000 the 8 frequencies fall in all three
+    of its bands: kept, interpolated, divided by 8), where the unscaled RoPE's do not; the export carries it back, and
+    transformers computes the same from it."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      rope_theta=5000.0, rope_scaling=dict(LLAMA3_ROPE), tie_word_embeddings=False)
+    hf_model = transformers.LlamaForCausalLM(config).eval()
+    hf_model.save_pretrained(tmp_path / "hf")
+    imported = import_hf(tmp_path / "hf", tmp_path / "imported")
+    _, model = load_saved_model(imported)
+    model.eval()
+    scaling = model.cfg.rope_scaling
+    assert (scaling.type, scaling.factor, scaling.original_max_position_embeddings) == ("llama3", 8.0, 32)
+    ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([ids])).logits[0]
+        assert (expected - megalm_logits(model, ids)).abs().max().item() <= 1e-5
+        scaling.type = "none"  # the same weights under plain RoPE: another function past the first positions
+        assert (expected - megalm_logits(model, ids)).abs().max().item() > 1e-3
+    again = export_hf(imported, tmp_path / "again")
+    config = json.loads((again / "config.json").read_text())
+    assert {**config["rope_parameters"], **config["rope_scaling"]} == {**LLAMA3_ROPE, "rope_theta": 5000.0}
+    with torch.no_grad():
+        assert (load_hf(again)(torch.tensor([ids])).logits[0] - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("rope_scaling, message", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, "rope_type 'yarn'"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+     "lacks original_max_position_embeddings"),
+    ({**LLAMA3_ROPE, "factor": "eight"}, "its factors must be numbers"),
+    ({**LLAMA3_ROPE, "low_freq_factor": 4.0}, "low_freq_factor=4.0 must be below high_freq_factor=4.0"),
+], ids=["yarn", "incomplete", "not_a_number", "empty_band"])
+def test_import_refuses_a_rope_scaling_it_cannot_compute(tmp_path, rope_scaling, message):
+    hf_dir = _hf_dir(tmp_path)
+    _edit_config(hf_dir, rope_parameters=None, rope_scaling=rope_scaling)  # transformers 4's spelling
+    with pytest.raises((InteropError, ValueError), match=message):
+        import_hf(hf_dir, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -254,18 +254,25 @@ def check_model_config(saved: dict[str, Any], current: dict[str, Any], path: Pat
 
 # Not part of the shape check, but they change the function the weights compute: named in a warning (model.init_from
 # and a resume)
-FUNCTION_KEYS = ("rope_theta", "norm_eps", "moe.top_k", "moe.norm_topk_prob", "moe.router_score",
+FUNCTION_KEYS = ("rope_theta", "rope_scaling.type", "rope_scaling.factor", "rope_scaling.low_freq_factor",
+                 "rope_scaling.high_freq_factor", "rope_scaling.original_max_position_embeddings", "norm_eps",
+                 "moe.top_k", "moe.norm_topk_prob", "moe.router_score",
                  "moe.routed_scaling_factor")  # moe.*: how an MoE router routes (the model's own experts only)
 # ... and what a resume continues to train with (a fine-tune from another model's weights changes them at will)
 TRAINING_KEYS = ("dropout", "attention_dropout", "moe.capacity_factor")
 
 
 def _model_key(model: dict[str, Any], key: str) -> Any:
-    """`key` of a model config dict; `moe.x` inside its moe section (None on a dense model)."""
+    """`key` of a model config dict; `moe.x` inside its moe section (None on a dense model), `rope_scaling.x` inside
+    its rope_scaling section (a config from before it: type none; its other values None while the type is none)."""
     section, _, name = key.rpartition(".")
-    if section:
+    if section == "moe":
         moe = model.get(section) or {}
         return moe.get(name) if moe.get("num_experts") else None
+    if section == "rope_scaling":
+        scaling = model.get(section) or {}
+        kind = str(scaling.get("type", "none"))
+        return kind if name == "type" else scaling.get(name) if kind != "none" else None
     return model.get(key)
 
 

@@ -1,0 +1,93 @@
+"""Llama 3.1's RoPE frequency scaling (`model.rope_scaling.type=llama3`, megalm/model/rope.py): the clamped
+one-expression form against Meta's three cases written out, and the config's rules. Hugging Face's logits are
+checked in tests/unit/test_hf_interop.py."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from megalm.config.schema import ModelConfig, RopeScalingConfig
+from megalm.errors import ConfigError
+from megalm.model import GPT
+from megalm.model.rope import llama3_inv_freq, rope_cos_sin
+from megalm.training.checkpoint import function_differences
+
+
+def three_cases(inv_freq: list[float], s: RopeScalingConfig) -> list[float]:
+    """Meta's `apply_scaling`, one frequency at a time: kept above the high band, divided below the low one,
+    interpolated between."""
+    out = []
+    for w in inv_freq:
+        wavelength = 2 * math.pi / w
+        if wavelength < s.original_max_position_embeddings / s.high_freq_factor:
+            out.append(w)
+        elif wavelength > s.original_max_position_embeddings / s.low_freq_factor:
+            out.append(w / s.factor)
+        else:
+            smooth = (s.original_max_position_embeddings / wavelength - s.low_freq_factor) / (
+                s.high_freq_factor - s.low_freq_factor)
+            out.append((1 - smooth) * w / s.factor + smooth * w)
+    return out
+
+
+@pytest.mark.parametrize("head_dim, theta, scaling", [
+    (128, 500000.0, RopeScalingConfig(type="llama3")),  # Llama 3.1 8B
+    (64, 500000.0, RopeScalingConfig(type="llama3", factor=32.0)),  # Llama 3.2 1B
+    (16, 5000.0, RopeScalingConfig(type="llama3", original_max_position_embeddings=32)),  # every band, small
+])
+def test_llama3_frequencies_are_meta_s_three_cases(head_dim, theta, scaling):
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    expected = torch.tensor(three_cases(inv_freq.tolist(), scaling), dtype=torch.float64)
+    torch.testing.assert_close(llama3_inv_freq(inv_freq, scaling), expected, rtol=1e-12, atol=0)
+    kept = inv_freq == expected
+    assert kept.any() and (expected == inv_freq / scaling.factor).any() and not kept.all()
+
+
+def test_the_tables_take_the_scaled_frequencies_and_none_leaves_them():
+    positions = torch.arange(300)
+    plain = rope_cos_sin(positions, 64, 500000.0)
+    none = rope_cos_sin(positions, 64, 500000.0, RopeScalingConfig())
+    scaling = RopeScalingConfig(type="llama3", original_max_position_embeddings=64)
+    scaled = rope_cos_sin(positions, 64, 500000.0, scaling)
+    assert all(torch.equal(a, b) for a, b in zip(plain, none, strict=True))
+    assert not torch.allclose(plain[0], scaled[0])
+    torch.testing.assert_close(plain[0][:, 0], scaled[0][:, 0])  # the fastest frequency is kept
+
+
+@pytest.mark.parametrize("model, message", [
+    (dict(position_embedding="learned", rope_scaling=RopeScalingConfig(type="llama3")),
+     "model.position_embedding=learned has none"),
+    (dict(rope_scaling=RopeScalingConfig(type="llama3", factor=0.5)), "factor=0.5 must be >= 1"),
+    (dict(rope_scaling=RopeScalingConfig(type="llama3", low_freq_factor=4.0)), "must be below high_freq_factor"),
+    (dict(rope_scaling=RopeScalingConfig(type="llama3", high_freq_factor=float("nan"))), "finite number > 0"),
+    (dict(rope_scaling=RopeScalingConfig(type="llama3", original_max_position_embeddings=0)),
+     "original_max_position_embeddings=0 must be a finite number > 0"),
+])
+def test_a_rope_scaling_that_cannot_run_is_one_line(model, message):
+    with pytest.raises(ConfigError, match=message):
+        GPT(ModelConfig(**model))
+
+
+def test_a_factor_without_the_type_is_said_unread(caplog):
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        GPT(ModelConfig(rope_scaling=RopeScalingConfig(factor=32.0)))
+    assert "factor=32.0 set with model.rope_scaling.type=none: not used" in caplog.text
+
+
+def test_a_change_of_scaling_is_a_change_of_function_and_an_old_config_has_none():
+    """A resume or init_from names a changed scaling (the weights compute another function); a config saved before
+    model.rope_scaling existed reads as type none, not as a difference."""
+    old = {"rope_theta": 500000.0}
+    none = {"rope_theta": 500000.0, "rope_scaling": {"type": "none", "factor": 8.0}}
+    llama3 = {"rope_theta": 500000.0, "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                       "high_freq_factor": 4.0,
+                                                       "original_max_position_embeddings": 8192}}
+    assert function_differences(old, none) == []
+    assert function_differences(old, llama3)[:2] == ["rope_scaling.type=none (this run: llama3)",
+                                                     "rope_scaling.factor=None (this run: 8.0)"]
+    assert function_differences(llama3, {**llama3, "rope_scaling": {**llama3["rope_scaling"], "factor": 32.0}}) == [
+        "rope_scaling.factor=8.0 (this run: 32.0)"]
