@@ -256,7 +256,9 @@ def validate_hdp(cfg: MegalmConfig) -> None:
     if p.cp_comm == "a2a":
         raise ConfigError("parallel.hdp=true forms rings of any size over rank lists, which Ulysses' fixed groups "
                           "cannot; set parallel.cp_comm=ring or a2a+p2p (hierarchical rings)")
-    if widest > 1 and m.attention_dropout > 0:  # some micro-batches may run on rings
-        raise ConfigError("parallel.hdp=true runs long documents with ring attention, which has no attention "
-                          "dropout; set model.attention_dropout=0 or raise parallel.hdp_capacity to "
-                          f"model.seq_length={m.seq_length}")
+    # a document of any length may run on a ring: a long one, and a short one that would outlast the step's mean
+    # load alone (the planner widens it); a capacity of seq_length had let dropout through to fail on that step
+    if domain > 1 and m.attention_dropout > 0:
+        raise ConfigError("parallel.hdp=true may run any document with ring attention over several ranks (a long "
+                          "one, or a short one that outlasts the step's mean load), which has no attention dropout; "
+                          "set model.attention_dropout=0")
