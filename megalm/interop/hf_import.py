@@ -1,4 +1,4 @@
-"""`megalm-import`: a local Hugging Face directory (Llama, GPT-2, Qwen3, Qwen3-MoE or Mixtral) as a megalm
+"""`megalm-import`: a local Hugging Face directory (Llama, Mistral, GPT-2, Qwen3, Qwen3-MoE or Mixtral) as a megalm
 checkpoint directory.
 
     megalm-import /tmp/hf-model --out /tmp/imported

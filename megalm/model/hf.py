@@ -74,10 +74,13 @@ from megalm.model.hf_moe import (
 )
 
 log = logging.getLogger("megalm")
-LLAMA, GPT2 = "llama", "gpt2"
+LLAMA, GPT2, MISTRAL = "llama", "gpt2", "mistral"
 ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", QWEN3: "Qwen3ForCausalLM",
-                 QWEN3_MOE: "Qwen3MoeForCausalLM", MIXTRAL: "MixtralForCausalLM"}
-LLAMA_FAMILY = (LLAMA, QWEN3, QWEN3_MOE, MIXTRAL)  # Llama's names, plus QK-norm and/or MoE blocks (hf_moe.py)
+                 QWEN3_MOE: "Qwen3MoeForCausalLM", MIXTRAL: "MixtralForCausalLM", MISTRAL: "MistralForCausalLM"}
+# Llama's names, plus QK-norm and/or MoE blocks (hf_moe.py); Mistral is Llama's model (its sliding window refused),
+# imported only: megalm exports that model as LlamaForCausalLM
+LLAMA_FAMILY = (LLAMA, QWEN3, QWEN3_MOE, MIXTRAL, MISTRAL)
+DENSE_LLAMAS = (LLAMA, MISTRAL)
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -95,6 +98,9 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                 **MOE_DEFAULTS[QWEN3_MOE]},
     MIXTRAL: {**_LLAMA_DEFAULTS, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
               "num_key_value_heads": 8, **MOE_DEFAULTS[MIXTRAL]},
+    # a Mistral config without sliding_window has transformers' 4,096-token window: refused, as a set one is
+    MISTRAL: {**_LLAMA_DEFAULTS, "max_position_embeddings": 4096 * 32, "num_key_value_heads": 8,
+              "sliding_window": 4096},
     GPT2: {"n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
            "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.1, "attn_pdrop": 0.1, "initializer_range": 0.02,
            "activation_function": "gelu_new", "tie_word_embeddings": True},
@@ -290,7 +296,7 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelC
                       tie_embeddings=bool(hf["tie_word_embeddings"]),
                       attention_dropout=float(hf["attention_dropout"]),
                       head_dim=_whole(hf, "head_dim", where) if hf.get("head_dim") is not None else None)
-        if model_type != LLAMA:
+        if model_type not in DENSE_LLAMAS:
             try:
                 extra, moe = moe_config_from_hf(hf, model_type)
             except MoEMappingError as e:

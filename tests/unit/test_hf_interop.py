@@ -289,7 +289,7 @@ BAD_IMPORTS = {
     "attention_bias": (lambda d: _edit_config(d, attention_bias=True), "attention_bias=true"),
     "sliding_window": (lambda d: _edit_config(d, sliding_window=16), "sliding_window"),
     "head_dim": (lambda d: _edit_config(d, head_dim=8), "config.json implies"),  # weights of another head_dim
-    "model_type": (lambda d: _edit_config(d, model_type="mistral"), "model_type='mistral'"),
+    "model_type": (lambda d: _edit_config(d, model_type="gemma"), "model_type='gemma'"),
     "tie_mismatch": (lambda d: _edit_config(d, tie_word_embeddings=True), "lm_head.weight differs"),
     "missing_config": (lambda d: (d / "config.json").unlink(), "no config.json"),
     "missing_shard": (lambda d: next(d.glob("model-00002-*.safetensors")).unlink(), "which is missing"),
@@ -581,7 +581,12 @@ def test_a_config_without_its_optional_keys_reads_as_transformers_reads_it(model
     # 64 heads of 64: Qwen3's head_dim default (128) then differs from hidden / heads, and its kv heads default (32)
     # from the heads
     full = config_class(**({} if model_type == "gpt2" else {"hidden_size": 4096, "num_attention_heads": 64})).to_dict()
-    bare = {k: v for k, v in full.items() if k not in HF_DEFAULTS[model_type] and k != "rope_parameters"}
+    if model_type == "mistral":  # its default window is refused, full or bare: both read it
+        with pytest.raises(InteropError, match="sliding_window=4096 is set"):
+            model_config_from_hf({k: v for k, v in full.items() if k != "sliding_window"}, "bare")
+        full["sliding_window"] = None  # Mistral 7B v0.2 and v0.3, NeMo: no window; said, so kept in the bare one
+    bare = {k: v for k, v in full.items()
+            if (k not in HF_DEFAULTS[model_type] or k == "sliding_window") and k != "rope_parameters"}
     assert len(bare) < len(full) - 5, sorted(full)
     _, read_full = model_config_from_hf(full, "full")
     _, read_bare = model_config_from_hf(bare, "bare")
@@ -717,3 +722,28 @@ def test_import_refuses_a_rope_scaling_it_cannot_compute(tmp_path, rope_scaling,
     with pytest.raises((InteropError, ValueError), match=message):
         import_hf(hf_dir, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_mistral_without_its_window_imports_as_the_llama_style_and_exports_as_llama(tmp_path):
+    """MistralForCausalLM with sliding_window null (Mistral 7B v0.2/v0.3, NeMo) is Llama's model: it imports with
+    transformers' logits, and exports as LlamaForCausalLM with the same tensors and logits."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                        max_position_embeddings=128, sliding_window=None, rope_theta=1e6)
+    hf_model = transformers.MistralForCausalLM(config).eval()
+    hf_model.save_pretrained(tmp_path / "hf")
+    imported = import_hf(tmp_path / "hf", tmp_path / "imported")
+    _, model = load_saved_model(imported)
+    model.eval()
+    ids = torch.randint(0, 300, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([ids])).logits[0]
+        assert (expected - megalm_logits(model, ids)).abs().max().item() <= 1e-5
+    again = export_hf(imported, tmp_path / "again")
+    assert json.loads((again / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    exported = files_tensors(again)
+    assert {k: torch.equal(v, exported[k]) for k, v in files_tensors(tmp_path / "hf").items()} == dict.fromkeys(
+        exported, True)
+    with torch.no_grad():
+        assert (load_hf(again)(torch.tensor([ids])).logits[0] - expected).abs().max().item() <= 1e-5
