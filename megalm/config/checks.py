@@ -277,8 +277,9 @@ def validate_rope_scaling(model: ModelConfig) -> None:
     scaling = model.rope_scaling
     if scaling.type == "none":
         if unread := set_away_from_default(scaling, RopeScalingConfig):
-            log.warning(f"model.rope_scaling: {', '.join(unread)} set with model.rope_scaling.type=none: not used "
-                        "(model.rope_scaling.type=llama3 uses them)")
+            hint = " (model.rope_scaling.type=llama3 uses them)" if model.position_embedding == "rope" else ""
+            log.warning(f"model.rope_scaling: {', '.join(unread)} set with model.rope_scaling.type=none: not "
+                        f"used{hint}")
         return
     if model.position_embedding != "rope":
         raise ConfigError(f"model.rope_scaling.type={scaling.type} scales rotary embeddings, and "

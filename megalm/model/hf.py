@@ -214,27 +214,27 @@ def _rope(hf: Mapping[str, Any], where: str) -> tuple[float, dict[str, Any]]:
     (linear, dynamic, yarn, longrope) is refused: megalm's RoPE does not compute it."""
     legacy, current = hf.get("rope_scaling") or {}, hf.get("rope_parameters") or {}
     kind_of = lambda d: d.get("rope_type", d.get("type", "default"))  # ("type": transformers 4's older spelling)
-    scaled = [d for d in (current, legacy) if kind_of(d) != "default"]
-    if len({kind_of(d) for d in scaled}) > 1:
+    scaling_of = lambda d: {**{k: v for k, v in d.items() if k not in ("rope_theta", "type")}, "rope_type": kind_of(d)}
+    if legacy and current and scaling_of(legacy) != scaling_of(current):  # transformers 4 reads one, 5 the other
         raise InteropError(f"{where}: rope_parameters={current} and rope_scaling={legacy} disagree; fix config.json")
-    params = scaled[0] if scaled else {**legacy, **current}
+    which, params = ("rope_scaling", legacy) if legacy else ("rope_parameters", current)
     kind = kind_of(params)
     theta = float(current.get("rope_theta", hf["rope_theta"]))
     if kind == "default":
         if set(params) - {"rope_type", "type", "rope_theta"}:
-            raise InteropError(f"{where}: rope_parameters={params} is not plain RoPE; megalm computes rope_type "
-                               "default and llama3 only")
+            raise InteropError(f"{where}: {which}={params} is not plain RoPE; megalm computes rope_type default and "
+                               "llama3 only")
         return theta, {}
     if kind != "llama3":
-        raise InteropError(f"{where}: rope_scaling of rope_type {kind!r} ({params}); megalm's RoPE computes "
-                           "default and llama3 (Llama 3.1's) only")
+        raise InteropError(f"{where}: {which} of rope_type {kind!r} ({params}); megalm's RoPE computes default and "
+                           "llama3 (Llama 3.1's) only")
     missing = [k for k in _LLAMA3_KEYS if k not in params]
     if missing:
-        raise InteropError(f"{where}: rope_scaling of rope_type llama3 lacks {', '.join(missing)}; fix config.json")
+        raise InteropError(f"{where}: {which} of rope_type llama3 lacks {', '.join(missing)}; fix config.json")
     try:
         factors = {k: float(params[k]) for k in _LLAMA3_KEYS[:3]}
     except (TypeError, ValueError):
-        raise InteropError(f"{where}: rope_scaling {params}: its factors must be numbers; fix config.json") from None
+        raise InteropError(f"{where}: {which}={params}: its factors must be numbers; fix config.json") from None
     return theta, {"type": RopeScaling.llama3, **factors,
                    "original_max_position_embeddings": _whole(params, "original_max_position_embeddings", where)}
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from megalm.config import config_to_dict, validate
 from megalm.data.tokenizer import build_tokenizer
+from megalm.errors import MegalmError
 from megalm.generate import sample
 from megalm.interop import export as export_cli
 from megalm.interop import hf_import as import_cli
@@ -715,11 +716,15 @@ def test_a_llama_3_1_rope_imports_computes_its_logits_and_exports_back(tmp_path)
      "lacks original_max_position_embeddings"),
     ({**LLAMA3_ROPE, "factor": "eight"}, "its factors must be numbers"),
     ({**LLAMA3_ROPE, "low_freq_factor": 4.0}, "low_freq_factor=4.0 must be below high_freq_factor=4.0"),
-], ids=["yarn", "incomplete", "not_a_number", "empty_band"])
+    # transformers 5 reads rope_parameters, 4 rope_scaling: two that disagree would be two models
+    ({**LLAMA3_ROPE, "factor": 32.0, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5000.0}}, "disagree"),
+    ({"rope_type": "default", "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5000.0}}, "disagree"),
+], ids=["yarn", "incomplete", "not_a_number", "empty_band", "two_factors", "two_types"])
 def test_import_refuses_a_rope_scaling_it_cannot_compute(tmp_path, rope_scaling, message):
     hf_dir = _hf_dir(tmp_path)
-    _edit_config(hf_dir, rope_parameters=None, rope_scaling=rope_scaling)  # transformers 4's spelling
-    with pytest.raises((InteropError, ValueError), match=message):
+    rope_scaling = dict(rope_scaling)
+    _edit_config(hf_dir, rope_parameters=rope_scaling.pop("rope_parameters", None), rope_scaling=rope_scaling)
+    with pytest.raises(MegalmError, match=message):
         import_hf(hf_dir, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -102,8 +102,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from throughput import compose_config  # noqa: E402
 
 from megalm.config import MegalmConfig  # noqa: E402
+from megalm.errors import ConfigError  # noqa: E402
 from megalm.training.flops import peak_flops, training_flops  # noqa: E402
-from tools.bench.cli import parse_flags_and_overrides  # noqa: E402
+from tools.bench.cli import parse_flags_and_overrides, run_main  # noqa: E402
 
 # The peers' runners and what every runner shares live beside this file (module docstring).
 from tools.bench.compare_megatron import run_megatron  # noqa: E402
@@ -174,9 +175,13 @@ def cell_config(cell: Cell, batch: int, overrides: list[str], tiny: bool, micro_
     """megalm's config of a cell: the shape every framework builds and the data every framework reads; a step is
     `micro_batches` micro-batches of `batch` sequences (gradient accumulation)."""
     shape = ["model=tiny", *TINY_SHAPE] if tiny else [f"model={cell.shape}"]
-    return compose_config([*shape, f"precision={cell.precision}", "data.varlen=true", *overrides,
-                           f"model.seq_length={cell.seq}", f"data.synthetic.fixed_doc_length={cell.seq + 1}",
-                           f"trainer.micro_batch_size={batch}", f"trainer.global_batch_size={batch * micro_batches}"])
+    cfg = compose_config([*shape, f"precision={cell.precision}", "data.varlen=true", *overrides,
+                          f"model.seq_length={cell.seq}", f"data.synthetic.fixed_doc_length={cell.seq + 1}",
+                          f"trainer.micro_batch_size={batch}", f"trainer.global_batch_size={batch * micro_batches}"])
+    if cfg.model.rope_scaling.type != "none":  # the peers' rows would compute another model than megalm's
+        raise ConfigError(f"model.rope_scaling.type={cfg.model.rope_scaling.type}: compare builds Megatron-Core and "
+                          "TorchTitan with plain RoPE; drop model.rope_scaling")
+    return cfg
 
 
 def synthetic_batches(cfg: MegalmConfig, steps: int, batch: int, device: torch.device,
@@ -462,6 +467,8 @@ def main(argv: list[str] | None = None) -> dict:
         "run_order": order,
         "rows": [],
     }
+    if cells:  # the overrides' config, checked before any run (model.rope_scaling, a bad key)
+        cell_config(cells[0], 1, overrides, args.tiny)
     print(f"device: {report['device']}, torch {torch.__version__}")
     width = table_width(args.frameworks)
     print_header(width)
@@ -486,4 +493,4 @@ def exit_status(report: dict) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(exit_status(main()))
+    run_main(lambda: exit_status(main()))  # a bad override is one error line (exit 2), not a traceback

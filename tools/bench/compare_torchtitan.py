@@ -51,7 +51,8 @@ def torchtitan_job(precision: str, compile_model: bool, emulate_fp8: bool = Fals
 def torchtitan_args(model: ModelConfig) -> Any:
     """llama3's TransformerModelArgs at the shape of `model`. Its FeedForward sizes the hidden layer from
     4 * dim (2/3 of it, times ffn_dim_multiplier, rounded up to multiple_of), so multiple_of = ffn and a
-    multiplier just under ffn / base give exactly ffn; RoPE scaling factor 1 is plain RoPE, as megalm's."""
+    multiplier just under ffn / base give exactly ffn; RoPE scaling factor 1 is plain RoPE, as megalm's
+    (compare.py refuses model.rope_scaling)."""
     from torchtitan.models.llama3 import TransformerModelArgs
     from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
