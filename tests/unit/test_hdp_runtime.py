@@ -4,6 +4,7 @@ the ring context a micro-batch carries, fillers, and the config rules."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 
 import numpy as np
@@ -233,6 +234,21 @@ HDP = ["parallel.hdp=true", "data.varlen=true"]
 def test_hdp_config_rules(make_config, overrides, world, message):
     with pytest.raises(ConfigError, match=message):
         validate_run(make_config(*overrides), world_size=world)
+
+
+def test_one_device_connection_under_hdp_is_said(make_config, monkeypatch, caplog):
+    """At CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's TP overlap setting) the GPU runs two communicators' kernels in
+    issue order, which HDP's own communicator for the gradient reductions relies on not happening (docs/hdp.md):
+    said in one line; nothing without it, or on one rank."""
+    for value, world, said in (("1", 4, True), (None, 4, False), ("8", 4, False), ("1", 1, False)):
+        if value is None:
+            monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", value)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megalm"):
+            validate_run(make_config(*HDP), world_size=world)
+        assert ("CUDA_DEVICE_MAX_CONNECTIONS=1 under parallel.hdp=true" in caplog.text) == said, (value, world)
 
 
 def test_a_token_budget_takes_interleaved_pipelines_under_hdp_only(make_config):

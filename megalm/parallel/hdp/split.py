@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import numpy as np
 import torch
@@ -258,6 +259,10 @@ def validate_hdp(cfg: MegalmConfig) -> None:
                           "cannot; set parallel.cp_comm=ring or a2a+p2p (hierarchical rings)")
     # a document of any length may run on a ring: a long one, and a short one that would outlast the step's mean
     # load alone (the planner widens it); a capacity of seq_length had let dropout through to fail on that step
+    if domain > 1 and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        log.warning("CUDA_DEVICE_MAX_CONNECTIONS=1 under parallel.hdp=true: the GPU then runs the rings' and the "
+                    "gradient reductions' communicators in issue order, which can hang a rank whose last micro-batch "
+                    "is a ring (docs/hdp.md); unset it")
     if domain > 1 and m.attention_dropout > 0:
         raise ConfigError("parallel.hdp=true may run any document with ring attention over several ranks (a long "
                           "one, or a short one that outlasts the step's mean load), which has no attention dropout; "
