@@ -147,6 +147,8 @@ class ModelConfig:
     """The output head shares the input embedding's weight."""
     bias: bool = False
     """Biases in the linear layers (GPT-2 style)."""
+    qkv_bias: bool = False
+    """Biases in the q, k and v projections only (Qwen2, Qwen2.5); model.bias puts them in every linear layer."""
     dropout: float = 0.0
     """Hidden dropout after attention and MLP."""
     attention_dropout: float = 0.0

@@ -1,5 +1,5 @@
 """`megalm-export`: a megalm checkpoint as a Hugging Face model directory (LlamaForCausalLM, GPT2LMHeadModel,
-Qwen3ForCausalLM, Qwen3MoeForCausalLM or MixtralForCausalLM: megalm/model/hf.py ARCHITECTURES).
+Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM or MixtralForCausalLM: megalm/model/hf.py ARCHITECTURES).
 
     megalm-export outputs/2026-11-21/10-00-00 --format hf --out /tmp/hf-model
 

@@ -1,5 +1,5 @@
-"""`megalm-import`: a local Hugging Face directory (Llama, Mistral, GPT-2, Qwen3, Qwen3-MoE or Mixtral) as a megalm
-checkpoint directory.
+"""`megalm-import`: a local Hugging Face directory (Llama, Mistral, GPT-2, Qwen2, Qwen3, Qwen3-MoE or Mixtral) as a
+megalm checkpoint directory.
 
     megalm-import /tmp/hf-model --out /tmp/imported
     megalm-train model.init_from=/tmp/imported <the model.* overrides it prints> ...

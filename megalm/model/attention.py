@@ -241,7 +241,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_heads
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         q_width, kv_width = cfg.num_heads * self.head_dim, cfg.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, q_width + 2 * kv_width, bias=cfg.bias)
+        self.qkv_proj = Linear(cfg.hidden_size, q_width + 2 * kv_width, bias=cfg.bias or cfg.qkv_bias)
         self.o_proj = Linear(q_width, cfg.hidden_size, bias=cfg.bias)
         # QK-norm (Qwen3): RMSNorm over each head of q and k, before RoPE; one [head_dim] weight each, every head's
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None

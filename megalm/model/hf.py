@@ -74,13 +74,16 @@ from megalm.model.hf_moe import (
 )
 
 log = logging.getLogger("megalm")
-LLAMA, GPT2, MISTRAL = "llama", "gpt2", "mistral"
-ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", QWEN3: "Qwen3ForCausalLM",
-                 QWEN3_MOE: "Qwen3MoeForCausalLM", MIXTRAL: "MixtralForCausalLM", MISTRAL: "MistralForCausalLM"}
-# Llama's names, plus QK-norm and/or MoE blocks (hf_moe.py); Mistral is Llama's model (its sliding window refused),
-# imported only: megalm exports that model as LlamaForCausalLM
-LLAMA_FAMILY = (LLAMA, QWEN3, QWEN3_MOE, MIXTRAL, MISTRAL)
-DENSE_LLAMAS = (LLAMA, MISTRAL)
+LLAMA, GPT2, MISTRAL, QWEN2 = "llama", "gpt2", "mistral", "qwen2"
+ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", QWEN2: "Qwen2ForCausalLM",
+                 QWEN3: "Qwen3ForCausalLM", QWEN3_MOE: "Qwen3MoeForCausalLM", MIXTRAL: "MixtralForCausalLM",
+                 MISTRAL: "MistralForCausalLM"}
+# Llama's names, plus q/k/v biases (Qwen2), QK-norm and/or MoE blocks (hf_moe.py); Mistral is Llama's model (its
+# sliding window refused), imported only: megalm exports that model as LlamaForCausalLM
+LLAMA_FAMILY = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, MISTRAL)
+DENSE_LLAMAS = (LLAMA, MISTRAL, QWEN2)
+# the sliding window's switch, where a window size alone does not turn it on
+WINDOW_SWITCHED = (QWEN2, QWEN3, QWEN3_MOE)
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -93,6 +96,7 @@ _LLAMA_DEFAULTS = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_
                    "hidden_act": "silu", "head_dim": None, "num_key_value_heads": None}
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
     LLAMA: _LLAMA_DEFAULTS,
+    QWEN2: {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 32},
     QWEN3: {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "head_dim": 128, "num_key_value_heads": 32},
     QWEN3_MOE: {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 4,
                 **MOE_DEFAULTS[QWEN3_MOE]},
@@ -119,6 +123,9 @@ _LLAMA_LAYER = {
     "mlp.gate_proj.weight": "mlp.gate_proj.weight",
     "mlp.up_proj.weight": "mlp.up_proj.weight",
     "mlp.down_proj.weight": "mlp.down_proj.weight",
+    "attention.q_proj.bias": "self_attn.q_proj.bias",  # Qwen2's (model.qkv_bias)
+    "attention.k_proj.bias": "self_attn.k_proj.bias",
+    "attention.v_proj.bias": "self_attn.v_proj.bias",
     "attention.q_norm.weight": "self_attn.q_norm.weight",
     "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
@@ -148,12 +155,15 @@ def architecture_of(cfg: ModelConfig) -> str:
         if cfg.bias:
             raise InteropError("model.bias=true with rmsnorm/swiglu/rope has no Hugging Face counterpart "
                                "(LlamaForCausalLM's norms have no bias); export supports bias=false only")
+        if cfg.qkv_bias and (cfg.moe.num_experts or cfg.qk_norm):
+            raise InteropError("model.qkv_bias=true maps to Qwen2ForCausalLM, which has neither MoE blocks nor "
+                               "QK-norm; export a model without them")
         if cfg.moe.num_experts:
             try:
                 return moe_architecture(cfg)
             except MoEMappingError as e:
                 raise InteropError(str(e)) from None
-        return QWEN3 if cfg.qk_norm else LLAMA
+        return QWEN2 if cfg.qkv_bias else QWEN3 if cfg.qk_norm else LLAMA
     if cfg.moe.num_experts or cfg.qk_norm:
         raise InteropError("MoE blocks and QK-norm map to Hugging Face with rmsnorm/swiglu/rope only (Qwen3, "
                            "Qwen3-MoE, Mixtral); export a Llama-style model")
@@ -188,7 +198,8 @@ def hf_config(cfg: ModelConfig, arch: str, dtype: str, bos_id: int | list[int] |
               "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std, "use_cache": True,
               "dtype": dtype, "torch_dtype": dtype}
     if arch in LLAMA_FAMILY:
-        extra = {} if arch == LLAMA else moe_hf_config(cfg, arch)
+        extra = ({} if arch == LLAMA else moe_hf_config(cfg, arch) if arch != QWEN2 else
+                 {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.num_layers})
         return {**common, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
                 "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
                 "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
@@ -269,8 +280,8 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelC
         raise InteropError(f"{where}: model_type={model_type!r} is not supported; megalm imports "
                            f"{', '.join(ARCHITECTURES)}")
     hf = {**HF_DEFAULTS[model_type], **hf}
-    # Qwen3 configs carry a sliding_window that only use_sliding_window turns on
-    windows = ("use_sliding_window",) if model_type in (QWEN3, QWEN3_MOE) else ("sliding_window", "use_sliding_window")
+    # Qwen2 and Qwen3 configs carry a sliding_window that only use_sliding_window turns on
+    windows = ("use_sliding_window",) if model_type in WINDOW_SWITCHED else ("sliding_window", "use_sliding_window")
     for key in windows:
         if hf.get(key):
             raise InteropError(f"{where}: {key}={hf[key]} is set; megalm attends over the whole document "
@@ -296,6 +307,8 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelC
                       tie_embeddings=bool(hf["tie_word_embeddings"]),
                       attention_dropout=float(hf["attention_dropout"]),
                       head_dim=_whole(hf, "head_dim", where) if hf.get("head_dim") is not None else None)
+        if model_type == QWEN2:  # q, k and v have biases (o_proj and the MLP none): no attention_bias key says so
+            kwargs["qkv_bias"] = True
         if model_type not in DENSE_LLAMAS:
             try:
                 extra, moe = moe_config_from_hf(hf, model_type)
@@ -468,7 +481,7 @@ def run_overrides(cfg: ModelConfig) -> list[str]:
     """The `model.*` overrides that make a run's model the shape of `cfg` (to start it from these weights)."""
     keys = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
             "max_position_embeddings", "seq_length", "norm", "norm_eps", "activation", "position_embedding",
-            "rope_theta", "tie_embeddings", "bias", "head_dim", "qk_norm")
+            "rope_theta", "tie_embeddings", "bias", "head_dim", "qk_norm", "qkv_bias")
     values = {k: getattr(cfg, k) for k in keys}
     if cfg.position_embedding != "rope":
         values.pop("rope_theta")

@@ -323,6 +323,8 @@ def _gpt_worker(rank: int, world: int, model_kwargs: dict, sequence_parallel: bo
         # (refused until 2026-12-04 for a double count it does not make)
         pytest.param(2, dict(LLAMA, num_kv_heads=1, head_dim=24, qk_norm=True), True, False,
                      id="qwen3-tp2-sp-replicated-kv"),
+        # Qwen2's q/k/v biases: each rank's rows of the fused bias, the kv part replicated with its heads
+        pytest.param(2, dict(LLAMA, num_kv_heads=1, qkv_bias=True), True, False, id="qwen2-tp2-sp-replicated-kv"),
     ],
 )
 def test_gpt_matches_single_process(world: int, model_kwargs: dict, sequence_parallel: bool, on_meta: bool) -> None:

@@ -41,6 +41,7 @@ STYLES = {
                   "model.moe.expert_ffn_hidden_size=32"],
     "mixtral": ["model=moe_tiny", "model.num_layers=2", "model.hidden_size=64", "model.moe.norm_topk_prob=true",
                 "model.moe.expert_ffn_hidden_size=32"],
+    "qwen2": ["model.num_kv_heads=2", "model.qkv_bias=true", "model.tie_embeddings=true"],  # trained biases
 }
 
 
@@ -419,6 +420,7 @@ QWEN3_STYLES = {
     "qwen3_moe": ("Qwen3Moe", dict(head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                    mlp_only_layers=[0], norm_topk_prob=True)),
     "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2": ("Qwen2", {}),  # Llama's with q/k/v biases (perturbed like every tensor: not zeros)
 }
 
 
@@ -569,6 +571,10 @@ def test_export_refuses_what_hugging_face_cannot_compute(tmp_path):
     gpt2 = validate(compose_config(*STYLES["gpt2"], "model.head_dim=8")).model
     with pytest.raises(InteropError, match="head_dim=8 != hidden_size/num_heads"):
         architecture_of(gpt2)
+    for extra in ("model.qk_norm=true", "model.moe.num_experts=4"):  # Qwen2 has neither
+        qwen2 = validate(compose_config(*STYLES["qwen2"], extra)).model
+        with pytest.raises(InteropError, match="model.qkv_bias=true maps to Qwen2ForCausalLM"):
+            architecture_of(qwen2)
 
 
 @pytest.mark.parametrize("model_type", list(ARCHITECTURES))

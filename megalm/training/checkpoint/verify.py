@@ -215,7 +215,7 @@ def check_resume_target(path: Path, step: int, trainer: Any, run_dir: Path, expl
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size", "norm",
               "activation", "position_embedding", "tie_embeddings", "bias", "max_position_embeddings")
 # keys added to the model config after checkpoints were written: a checkpoint without one had the default
-LATER_SHAPE_KEYS = {"qk_norm": False}
+LATER_SHAPE_KEYS = {"qk_norm": False, "qkv_bias": False}
 MOE_SHAPE_KEYS = {"num_experts": 0, "expert_ffn_hidden_size": None, "num_shared_experts": 0,
                   "shared_ffn_hidden_size": None, "first_k_dense": 0, "every_n_layers": 1}
 
