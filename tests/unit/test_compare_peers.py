@@ -170,10 +170,12 @@ def test_sdpa_core_attention_refuses_what_it_cannot_run(megatron_group):
         core(q, q, q, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
 
 
-def test_compare_refuses_a_scaled_rope_the_peers_would_not_compute():
-    """Megatron-Core and TorchTitan are built with plain RoPE: a megalm row under model.rope_scaling would compare
-    two models; refused before any run."""
+def test_compare_refuses_a_model_the_peers_would_not_compute():
+    """Megatron-Core and TorchTitan are built with plain RoPE and no biases: a megalm row under model.rope_scaling or
+    model.qkv_bias would compare two models; refused before any run."""
     from megalm.errors import ConfigError
 
     with pytest.raises(ConfigError, match="drop model.rope_scaling"):
         compare.main(["--tiny", "--seqs", "64", "--precisions", "fp32", "model.rope_scaling.type=llama3"])
+    with pytest.raises(ConfigError, match="without biases"):
+        compare.main(["--tiny", "--seqs", "64", "--precisions", "fp32", "model.qkv_bias=true"])

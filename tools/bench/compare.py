@@ -181,6 +181,8 @@ def cell_config(cell: Cell, batch: int, overrides: list[str], tiny: bool, micro_
     if cfg.model.rope_scaling.type != "none":  # the peers' rows would compute another model than megalm's
         raise ConfigError(f"model.rope_scaling.type={cfg.model.rope_scaling.type}: compare builds Megatron-Core and "
                           "TorchTitan with plain RoPE; drop model.rope_scaling")
+    if cfg.model.qkv_bias:
+        raise ConfigError("model.qkv_bias=true: compare builds Megatron-Core and TorchTitan without biases; drop it")
     return cfg
 
 
