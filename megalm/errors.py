@@ -30,6 +30,10 @@ class CheckpointError(MegalmError):
     """A checkpoint is missing, corrupt, or was written by a different model."""
 
 
+class InteropError(MegalmError):
+    """A model or directory that cannot be mapped between megalm and Hugging Face (one line, names why)."""
+
+
 @contextmanager
 def one_line_errors(debug: bool = False) -> Iterator[None]:
     """For CLI entry points: a MegalmError (or an OSError: a path that cannot be written) inside becomes

@@ -31,7 +31,8 @@ from megalm.errors import MegalmError, one_line_errors
 from megalm.interop.files import atomic_output_dir, check_output_dir
 from megalm.model.fused import unfuse_tensors
 from megalm.model.gpt import GPT
-from megalm.model.hf import ARCHITECTURES, InteropError, read_hf_model, run_overrides
+from megalm.model.hf import ARCHITECTURES, InteropError, run_overrides
+from megalm.model.hf_files import read_hf_model
 from megalm.model.naming import canonical_named_buffers
 from megalm.training.checkpoint import FORMAT_VERSION, save_tensors
 

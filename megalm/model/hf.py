@@ -1,5 +1,6 @@
-"""The mapping between megalm's GPT and Hugging Face's LlamaForCausalLM / GPT2LMHeadModel: configs and tensors,
-and the reading of a local transformers model directory (safetensors only) as megalm weights.
+"""The mapping between megalm's GPT and Hugging Face's LlamaForCausalLM / GPT2LMHeadModel: configs and tensors
+(beyond Llama: Qwen3, Qwen3-MoE and Mixtral in hf_moe.py, RoPE scaling in hf_rope.py; reading a directory in
+hf_files.py).
 
 megalm's GPT is one module with two styles (megalm/model/gpt.py), and each style is exactly one `transformers`
 architecture; the correspondence follows transformers' own modeling files (models/llama/modeling_llama.py,
@@ -33,32 +34,26 @@ formula written out, equal up to float rounding, and is accepted on import.
 Vocabulary: megalm pads the embedding and head rows past `vocab_size` (Megatron's rule); only the first
 `vocab_size` rows are real, so export writes `weight[:vocab_size]` and import leaves padding to megalm.
 
-Reading: `read_hf_model` is what `model.init_from=hf:DIR` (megalm/training/init_from.py) and megalm-import
-(megalm/interop/hf_import.py) use; nothing here imports `transformers` (safetensors and json only). Writing
-a directory (atomic output, shards) is the CLI's part, in megalm/interop/files.py.
+Reading: hf_files.py's `read_hf_model` is what `model.init_from=hf:DIR` (megalm/training/init_from.py) and
+megalm-import (megalm/interop/hf_import.py) use; nothing here imports `transformers`. Writing a directory (atomic
+output, shards) is the CLI's part, in megalm/interop/files.py.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from megalm.config import ModelConfig, resolve_model_defaults, validate_model
-from megalm.config.choices import RopeScaling
 from megalm.config.schema import RopeScalingConfig
-from megalm.errors import ConfigError, MegalmError
+from megalm.errors import ConfigError, InteropError
 from megalm.model.fused import fuse_tensors, unfuse_tensors
-from megalm.model.gpt import GPT, VOCAB_PARAMS, resize_vocab_rows
+from megalm.model.gpt import VOCAB_PARAMS
 from megalm.model.hf_moe import (
     MIXTRAL,
     MOE_DEFAULTS,
@@ -72,8 +67,8 @@ from megalm.model.hf_moe import (
     moe_tensor_from_hf,
     moe_tensors_to_hf,
 )
+from megalm.model.hf_rope import LLAMA3_KEYS, hf_rope, rope_from_hf
 
-log = logging.getLogger("megalm")
 LLAMA, GPT2, MISTRAL, QWEN2 = "llama", "gpt2", "mistral", "qwen2"
 ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", QWEN2: "Qwen2ForCausalLM",
                  QWEN3: "Qwen3ForCausalLM", QWEN3_MOE: "Qwen3MoeForCausalLM", MIXTRAL: "MixtralForCausalLM",
@@ -140,10 +135,6 @@ _GPT2_GLOBAL = {"embedding.weight": "transformer.wte.weight", "position_embeddin
 _IGNORED_HF_KEYS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
 
 
-class InteropError(MegalmError):
-    """A model or directory that cannot be mapped between megalm and Hugging Face (one line, names why)."""
-
-
 # ---------------------------------------------------------------------------- architectures
 
 
@@ -204,7 +195,7 @@ def hf_config(cfg: ModelConfig, arch: str, dtype: str, bos_id: int | list[int] |
                 "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
                 "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
                 "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
-                "rms_norm_eps": cfg.norm_eps, **_hf_rope(cfg),
+                "rms_norm_eps": cfg.norm_eps, **hf_rope(cfg),
                 "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attention_dropout,
                 "pretraining_tp": 1, **extra}
     return {**common, "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
@@ -213,52 +204,6 @@ def hf_config(cfg: ModelConfig, arch: str, dtype: str, bos_id: int | list[int] |
             "layer_norm_epsilon": cfg.norm_eps, "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
             "attn_pdrop": cfg.attention_dropout, "scale_attn_weights": True,
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
-
-
-# Llama 3.1's rope_scaling keys, megalm's model.rope_scaling fields of the same names
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-def _rope(hf: Mapping[str, Any], where: str) -> tuple[float, dict[str, Any]]:
-    """(rope_theta, model.rope_scaling's values) of a Llama-family config: plain RoPE, or Llama 3.1's scaling
-    (rope_type llama3), from transformers 4's rope_theta and rope_scaling or 5's rope_parameters. Any other scaling
-    (linear, dynamic, yarn, longrope) is refused: megalm's RoPE does not compute it."""
-    legacy, current = hf.get("rope_scaling") or {}, hf.get("rope_parameters") or {}
-    kind_of = lambda d: d.get("rope_type", d.get("type", "default"))  # ("type": transformers 4's older spelling)
-    scaling_of = lambda d: {**{k: v for k, v in d.items() if k not in ("rope_theta", "type")}, "rope_type": kind_of(d)}
-    if legacy and current and scaling_of(legacy) != scaling_of(current):  # transformers 4 reads one, 5 the other
-        raise InteropError(f"{where}: rope_parameters={current} and rope_scaling={legacy} disagree; fix config.json")
-    which, params = ("rope_scaling", legacy) if legacy else ("rope_parameters", current)
-    kind = kind_of(params)
-    theta = float(current.get("rope_theta", hf["rope_theta"]))
-    if kind == "default":
-        if set(params) - {"rope_type", "type", "rope_theta"}:
-            raise InteropError(f"{where}: {which}={params} is not plain RoPE; megalm computes rope_type default and "
-                               "llama3 only")
-        return theta, {}
-    if kind != "llama3":
-        raise InteropError(f"{where}: {which} of rope_type {kind!r} ({params}); megalm's RoPE computes default and "
-                           "llama3 (Llama 3.1's) only")
-    missing = [k for k in _LLAMA3_KEYS if k not in params]
-    if missing:
-        raise InteropError(f"{where}: {which} of rope_type llama3 lacks {', '.join(missing)}; fix config.json")
-    try:
-        factors = {k: float(params[k]) for k in _LLAMA3_KEYS[:3]}
-    except (TypeError, ValueError):
-        raise InteropError(f"{where}: {which}={params}: its factors must be numbers; fix config.json") from None
-    return theta, {"type": RopeScaling.llama3, **factors,
-                   "original_max_position_embeddings": _whole(params, "original_max_position_embeddings", where)}
-
-
-def _hf_rope(cfg: ModelConfig) -> dict[str, Any]:
-    """config.json's RoPE keys for `cfg`: transformers 4 reads rope_theta and rope_scaling, 5 rope_parameters."""
-    scaling = cfg.rope_scaling
-    if scaling.type == "none":
-        return {"rope_theta": cfg.rope_theta, "rope_scaling": None,
-                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
-    llama3 = {"rope_type": "llama3", **{k: getattr(scaling, k) for k in _LLAMA3_KEYS}}
-    return {"rope_theta": cfg.rope_theta, "rope_scaling": llama3,
-            "rope_parameters": {**llama3, "rope_theta": cfg.rope_theta}}
 
 
 def _whole(hf: Mapping[str, Any], key: str, where: str) -> int:
@@ -296,7 +241,7 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelC
             raise InteropError(f"{where}: hidden_act={hf['hidden_act']}; megalm's SwiGLU uses silu")
         hidden, heads = _whole(hf, "hidden_size", where), _whole(hf, "num_attention_heads", where)
         max_pos = _whole(hf, "max_position_embeddings", where)
-        rope_theta, rope_scaling = _rope(hf, where)
+        rope_theta, rope_scaling = rope_from_hf(hf, where)
         kwargs = dict(norm="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
                       num_layers=_whole(hf, "num_hidden_layers", where), hidden_size=hidden, num_heads=heads,
                       num_kv_heads=(_whole(hf, "num_key_value_heads", where) if hf.get("num_key_value_heads")
@@ -486,102 +431,9 @@ def run_overrides(cfg: ModelConfig) -> list[str]:
     if cfg.position_embedding != "rope":
         values.pop("rope_theta")
     if cfg.rope_scaling.type != "none":
-        values.update({f"rope_scaling.{k}": getattr(cfg.rope_scaling, k) for k in ("type", *_LLAMA3_KEYS)})
+        values.update({f"rope_scaling.{k}": getattr(cfg.rope_scaling, k) for k in ("type", *LLAMA3_KEYS)})
     if cfg.moe.num_experts:
         values.update({f"moe.{k}": getattr(cfg.moe, k) for k in (
             "num_experts", "top_k", "expert_ffn_hidden_size", "first_k_dense", "every_n_layers", "norm_topk_prob",
             "aux_loss_coeff")})
     return [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
-
-
-# ---------------------------------------------------------------------------- reading a directory
-
-
-def _load(file: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(file), device="cpu")
-    except (SafetensorError, OSError, ValueError) as e:
-        raise InteropError(f"{file} is not a readable safetensors file ({str(e).strip()[:200]})") from None
-
-
-def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a transformers model dir: sharded (model.safetensors.index.json) or one file. Pickle
-    weights (pytorch_model.bin, ...) are refused: loading them runs arbitrary code."""
-    index = hf_dir / INDEX
-    if (hf_dir / SINGLE).is_file():  # transformers reads it first: an index beside it is a stale sharded save's
-        if index.is_file():
-            log.warning(f"{hf_dir} holds {SINGLE} and {INDEX}: {SINGLE} is read, as transformers reads it; delete "
-                        "the one that is stale")
-        return _load(hf_dir / SINGLE)
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not a mapping")
-        except (ValueError, KeyError, TypeError) as e:
-            raise InteropError(f"{index} is not a safetensors index ({type(e).__name__}); re-save the model") from None
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (hf_dir / f).is_file()]
-        if missing:
-            raise InteropError(f"{hf_dir}: {INDEX} names {missing[0]}, which is missing"
-                               f"{f' (+{len(missing) - 1} more)' if len(missing) > 1 else ''}; copy every shard")
-        tensors: dict[str, torch.Tensor] = {}
-        for f in files:
-            tensors.update(_load(hf_dir / f))
-        absent = [k for k in weight_map if k not in tensors]
-        if absent:
-            raise InteropError(f"{hf_dir}: {INDEX} maps {absent[0]} to {weight_map[absent[0]]}, which lacks it")
-        return tensors
-    found = sorted(p.name for p in hf_dir.glob("*.safetensors"))
-    if len(found) == 1:
-        return _load(hf_dir / found[0])
-    if found:
-        raise InteropError(f"{hf_dir} holds {len(found)} .safetensors files but no {INDEX}; "
-                           "add the index transformers wrote with them")
-    pickles = sorted(p.name for p in hf_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if pickles:
-        raise InteropError(f"{hf_dir} holds only pickle weights ({pickles[0]}); megalm reads safetensors only "
-                           "(pickle can run code): re-save with save_pretrained(..., safe_serialization=True)")
-    raise InteropError(f"{hf_dir} holds no model weights ({SINGLE} or {INDEX}); pass a transformers model dir")
-
-
-def read_hf_config(hf_dir: str | Path) -> tuple[str, ModelConfig, dict]:
-    """(architecture, megalm model config with its defaults resolved, config.json) of a local transformers model
-    dir, without reading its weights: `model.init_from=hf:DIR` checks the shape first."""
-    hf_dir = Path(hf_dir).expanduser().absolute()
-    if not hf_dir.is_dir():
-        raise InteropError(f"{hf_dir} is not a directory; pass a local Hugging Face model dir (no downloads)")
-    config_file = hf_dir / "config.json"
-    if not config_file.is_file():
-        raise InteropError(f"{hf_dir} has no config.json; pass a transformers model dir (save_pretrained's output)")
-    try:
-        hf = json.loads(config_file.read_text())
-    except ValueError as e:
-        raise InteropError(f"{config_file} is not valid JSON ({e})") from None
-    if not isinstance(hf, dict):
-        raise InteropError(f"{config_file} is a JSON {type(hf).__name__}, not a model config; pass a transformers "
-                           "model dir")
-    try:
-        arch, cfg = model_config_from_hf(hf, str(hf_dir))
-    except KeyError as e:
-        raise InteropError(f"{config_file} lacks {e}, which this architecture needs; re-save the model with "
-                           "save_pretrained (it writes every key)") from None
-    except (TypeError, ValueError, AttributeError) as e:
-        raise InteropError(f"{config_file} holds a value of the wrong type ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:150]}); re-save the model with save_pretrained") from None
-    return arch, GPT(cfg, device="meta").cfg, hf
-
-
-def read_hf_model(hf_dir: str | Path) -> tuple[str, ModelConfig, dict[str, torch.Tensor], dict]:
-    """(architecture, megalm model config, megalm full-model weights in fp32 with the model's padded vocab rows,
-    config.json) of a local transformers model dir. `model.init_from=hf:DIR` and megalm-import read it so."""
-    hf_dir = Path(hf_dir).expanduser().absolute()
-    arch, cfg, hf = read_hf_config(hf_dir)
-    tensors = read_safetensors(hf_dir)
-    model = GPT(cfg, device="meta")  # parameter names and shapes only
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    weights = hf_to_megalm(tensors, model.cfg, arch, shapes, str(hf_dir))
-    for name in VOCAB_PARAMS:
-        if name in weights:
-            weights[name] = resize_vocab_rows(weights[name][: cfg.vocab_size], shapes[name][0])
-    return arch, model.cfg, weights, hf

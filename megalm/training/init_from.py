@@ -10,7 +10,7 @@ TP/PP/ZeRO-1 layout starts from it. The source's model shape must equal the run'
 embedding/head rows are real, so a source padded for another TP degree fits too.
 
 `read_megalm_weights` (a megalm checkpoint's full model on CPU) is megalm-export's reader too; the Hugging Face
-side (`read_hf_model`) is megalm/model/hf.py's.
+side (`read_hf_model`) is megalm/model/hf_files.py's.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from megalm.data.blend import tokenizer_identity
 from megalm.data.tokenizer import HFTokenizer
 from megalm.errors import ConfigError
 from megalm.model.gpt import VOCAB_PARAMS, resize_vocab_rows
-from megalm.model.hf import model_config_dict, read_hf_config, read_hf_model
+from megalm.model.hf import model_config_dict
+from megalm.model.hf_files import read_hf_config, read_hf_model
 from megalm.model.naming import canonical_named_buffers, canonical_named_parameters
 from megalm.model.shard import copy_full_value, shard_specs
 from megalm.training.checkpoint import (
