@@ -270,27 +270,43 @@ def validate_model(model: ModelConfig) -> None:
     validate_moe(model)
 
 
+# the model.rope_scaling fields each scaling reads
+ROPE_SCALING_FIELDS = {"none": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                              "original_max_position_embeddings"),
+                       "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                                "attention_factor", "truncate")}
+
+
 def validate_rope_scaling(model: ModelConfig) -> None:
-    """The rules of `model.rope_scaling`: Llama 3.1's scaling needs rotary positions, a factor of 1 or more (it
-    divides the slow frequencies) and a band low_freq_factor < high_freq_factor (its interpolation divides by their
-    difference)."""
+    """The rules of `model.rope_scaling`: a scaling needs rotary positions and a factor of 1 or more (it divides the
+    slow frequencies); Llama 3.1's a band low_freq_factor < high_freq_factor (its interpolation divides by their
+    difference), YaRN's beta_slow < beta_fast (rotations: the ramp runs from the one to the other). Fields the type
+    does not read are said unread in one warning."""
     scaling = model.rope_scaling
+    others = [f.name for f in dataclasses.fields(RopeScalingConfig)
+              if f.name != "type" and f.name not in ROPE_SCALING_FIELDS[str(scaling.type)]]
+    if unread := set_away_from_default(scaling, RopeScalingConfig, others):
+        hint = (" (model.rope_scaling.type=llama3 or yarn uses them)" if scaling.type == "none" and
+                model.position_embedding == "rope" else "")
+        log.warning(f"model.rope_scaling: {', '.join(unread)} set with model.rope_scaling.type={scaling.type}: not "
+                    f"used{hint}")
     if scaling.type == "none":
-        if unread := set_away_from_default(scaling, RopeScalingConfig):
-            hint = " (model.rope_scaling.type=llama3 uses them)" if model.position_embedding == "rope" else ""
-            log.warning(f"model.rope_scaling: {', '.join(unread)} set with model.rope_scaling.type=none: not "
-                        f"used{hint}")
         return
     if model.position_embedding != "rope":
         raise ConfigError(f"model.rope_scaling.type={scaling.type} scales rotary embeddings, and "
                           f"model.position_embedding={model.position_embedding} has none; set "
                           "model.rope_scaling.type=none")
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-        positive(getattr(scaling, key), f"model.rope_scaling.{key}")
+    for key in ROPE_SCALING_FIELDS[str(scaling.type)]:
+        if key != "truncate":
+            positive(getattr(scaling, key), f"model.rope_scaling.{key}")
     if scaling.factor < 1:
         raise ConfigError(f"model.rope_scaling.factor={scaling.factor} must be >= 1 (it divides the slowest "
                           "frequencies: the context grows by it)")
-    if not scaling.low_freq_factor < scaling.high_freq_factor:
+    if scaling.type == "yarn":
+        if not scaling.beta_slow < scaling.beta_fast:
+            raise ConfigError(f"model.rope_scaling.beta_slow={scaling.beta_slow} must be below beta_fast="
+                              f"{scaling.beta_fast} (YaRN's: 1 and 32)")
+    elif not scaling.low_freq_factor < scaling.high_freq_factor:
         raise ConfigError(f"model.rope_scaling.low_freq_factor={scaling.low_freq_factor} must be below "
                           f"high_freq_factor={scaling.high_freq_factor} (Llama 3.1's: 1 and 4)")
 

@@ -54,11 +54,13 @@ class PositionEmbedding(Choice):
 
 
 class RopeScaling(Choice):
-    """How RoPE's frequencies are rescaled for a longer context: none, or Llama 3.1's (slow frequencies divided by a
-    factor, fast ones kept, those between interpolated)."""
+    """How RoPE's frequencies are rescaled for a longer context: none, Llama 3.1's (slow frequencies divided by a
+    factor, fast ones kept, those between interpolated by wavelength), or YaRN (the same by rotations over the
+    original context, and the attention logits scaled: Qwen's long-context configs)."""
 
     none = "none"
     llama3 = "llama3"
+    yarn = "yarn"
 
 
 class AttentionBackend(Choice):

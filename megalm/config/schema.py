@@ -43,11 +43,13 @@ from megalm.errors import ConfigError
 
 @dataclass
 class RopeScalingConfig:
-    """Llama 3.1's RoPE frequency scaling (megalm/model/rope.py `llama3_inv_freq`), as its config.json's rope_scaling
-    holds it; type none leaves RoPE as rope_theta makes it. Llama 3.1 and 3.3: factor 8; Llama 3.2: 32."""
+    """RoPE frequency scaling (megalm/model/rope.py): Llama 3.1's (`llama3_inv_freq`; Llama 3.1 and 3.3: factor 8,
+    Llama 3.2: 32) or YaRN (`yarn_inv_freq`; Qwen3's 128K configs: factor 4 over 32,768), as a config.json's
+    rope_scaling holds it; type none leaves RoPE as rope_theta makes it. factor and original_max_position_embeddings
+    are both types'; the others are one type's each."""
 
     type: RopeScaling = RopeScaling.none
-    """none | llama3."""
+    """none | llama3 | yarn."""
     factor: float = 8.0
     """What the slowest frequencies are divided by: the context grows by it."""
     low_freq_factor: float = 1.0
@@ -57,6 +59,14 @@ class RopeScalingConfig:
     interpolated."""
     original_max_position_embeddings: int = 8192
     """The context the model was first trained at (Llama 3's 8,192)."""
+    beta_fast: float = 32.0
+    """YaRN: frequencies turning more than beta_fast times over the original context are kept."""
+    beta_slow: float = 1.0
+    """YaRN: those turning fewer than beta_slow times are divided by factor; a linear ramp over the pairs between."""
+    attention_factor: float | None = None
+    """YaRN: what cos and sin are multiplied by (the attention logits by its square); None: 0.1·ln(factor) + 1."""
+    truncate: bool = True
+    """YaRN: the ramp's ends rounded out to whole dimensions (transformers' default)."""
 
 
 @dataclass

@@ -67,7 +67,7 @@ from megalm.model.hf_moe import (
     moe_tensor_from_hf,
     moe_tensors_to_hf,
 )
-from megalm.model.hf_rope import LLAMA3_KEYS, hf_rope, rope_from_hf
+from megalm.model.hf_rope import LLAMA3_KEYS, YARN_KEYS, hf_rope, rope_from_hf
 
 LLAMA, GPT2, MISTRAL, QWEN2 = "llama", "gpt2", "mistral", "qwen2"
 ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", QWEN2: "Qwen2ForCausalLM",
@@ -431,7 +431,9 @@ def run_overrides(cfg: ModelConfig) -> list[str]:
     if cfg.position_embedding != "rope":
         values.pop("rope_theta")
     if cfg.rope_scaling.type != "none":
-        values.update({f"rope_scaling.{k}": getattr(cfg.rope_scaling, k) for k in ("type", *LLAMA3_KEYS)})
+        keys = LLAMA3_KEYS if cfg.rope_scaling.type == "llama3" else YARN_KEYS
+        values.update({f"rope_scaling.{k}": "null" if getattr(cfg.rope_scaling, k) is None else
+                       getattr(cfg.rope_scaling, k) for k in ("type", *keys)})
     if cfg.moe.num_experts:
         values.update({f"moe.{k}": getattr(cfg.moe, k) for k in (
             "num_experts", "top_k", "expert_ffn_hidden_size", "first_k_dense", "every_n_layers", "norm_topk_prob",

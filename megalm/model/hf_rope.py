@@ -1,6 +1,6 @@
-"""RoPE in Hugging Face configs: plain rope_theta, or Llama 3.1's frequency scaling (rope_type llama3, megalm's
+"""RoPE in Hugging Face configs: plain rope_theta, Llama 3.1's frequency scaling (rope_type llama3) or YaRN (megalm's
 model.rope_scaling), read from transformers 4's rope_theta and rope_scaling or 5's rope_parameters and written in
-both spellings; any other scaling (linear, dynamic, yarn, longrope) is refused. The rest of the mapping is hf.py's.
+both spellings; any other scaling (linear, dynamic, longrope) is refused. The rest of the mapping is hf.py's.
 """
 
 from __future__ import annotations
@@ -15,12 +15,15 @@ from megalm.errors import InteropError
 
 # Llama 3.1's rope_scaling keys, megalm's model.rope_scaling fields of the same names
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# YaRN's, as transformers reads them (mscale and mscale_all_dim become attention_factor on import)
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate")
+_YARN_ACCEPTED = {*YARN_KEYS, "mscale", "mscale_all_dim", "rope_type", "type", "rope_theta"}
 
 
 def rope_from_hf(hf: Mapping[str, Any], where: str) -> tuple[float, dict[str, Any]]:
-    """(rope_theta, model.rope_scaling's values) of a Llama-family config: plain RoPE, or Llama 3.1's scaling
-    (rope_type llama3), from transformers 4's rope_theta and rope_scaling or 5's rope_parameters. Any other scaling
-    (linear, dynamic, yarn, longrope) is refused: megalm's RoPE does not compute it."""
+    """(rope_theta, model.rope_scaling's values) of a Llama-family config: plain RoPE, Llama 3.1's scaling (rope_type
+    llama3) or YaRN, from transformers 4's rope_theta and rope_scaling or 5's rope_parameters. Any other scaling
+    (linear, dynamic, longrope) is refused: megalm's RoPE does not compute it."""
     legacy, current = hf.get("rope_scaling") or {}, hf.get("rope_parameters") or {}
     kind_of = lambda d: d.get("rope_type", d.get("type", "default"))  # ("type": transformers 4's older spelling)
     scaling_of = lambda d: {**{k: v for k, v in d.items() if k not in ("rope_theta", "type")}, "rope_type": kind_of(d)}
@@ -31,21 +34,43 @@ def rope_from_hf(hf: Mapping[str, Any], where: str) -> tuple[float, dict[str, An
     theta = float(current.get("rope_theta", hf["rope_theta"]))
     if kind == "default":
         if set(params) - {"rope_type", "type", "rope_theta"}:
-            raise InteropError(f"{where}: {which}={params} is not plain RoPE; megalm computes rope_type default and "
-                               "llama3 only")
+            raise InteropError(f"{where}: {which}={params} is not plain RoPE; megalm computes rope_type default, "
+                               "llama3 and yarn only")
         return theta, {}
-    if kind != "llama3":
-        raise InteropError(f"{where}: {which} of rope_type {kind!r} ({params}); megalm's RoPE computes default and "
-                           "llama3 (Llama 3.1's) only")
-    missing = [k for k in LLAMA3_KEYS if k not in params]
+    if kind not in ("llama3", "yarn"):
+        raise InteropError(f"{where}: {which} of rope_type {kind!r} ({params}); megalm's RoPE computes default, "
+                           "llama3 (Llama 3.1's) and yarn only")
+    params = dict(params)
+    if kind == "yarn":
+        if unknown := sorted(set(params) - _YARN_ACCEPTED):
+            raise InteropError(f"{where}: {which} of rope_type yarn sets {', '.join(unknown)}, which megalm's YaRN "
+                               "does not compute")
+        if params.get("factor") is None and params.get("original_max_position_embeddings"):  # (DeepSeek-V3's form)
+            params["factor"] = hf["max_position_embeddings"] / params["original_max_position_embeddings"]
+    required = LLAMA3_KEYS if kind == "llama3" else YARN_KEYS[:2]
+    missing = [k for k in required if params.get(k) is None]
     if missing:
-        raise InteropError(f"{where}: {which} of rope_type llama3 lacks {', '.join(missing)}; fix config.json")
+        raise InteropError(f"{where}: {which} of rope_type {kind} lacks {', '.join(missing)}; fix config.json")
+    numbers = [k for k in (LLAMA3_KEYS[:3] if kind == "llama3" else ("factor", "beta_fast", "beta_slow",
+                                                                    "attention_factor", "mscale", "mscale_all_dim"))
+               if params.get(k) is not None]
     try:
-        factors = {k: float(params[k]) for k in LLAMA3_KEYS[:3]}
+        values = {k: float(params[k]) for k in numbers}
     except (TypeError, ValueError):
         raise InteropError(f"{where}: {which}={params}: its factors must be numbers; fix config.json") from None
-    return theta, {"type": RopeScaling.llama3, **factors,
-                   "original_max_position_embeddings": _whole_number(params, "original_max_position_embeddings", where)}
+    values["original_max_position_embeddings"] = _whole_number(params, "original_max_position_embeddings", where)
+    if kind == "llama3":
+        return theta, {"type": RopeScaling.llama3, **values}
+    mscale, mscale_all_dim = values.pop("mscale", None), values.pop("mscale_all_dim", None)
+    if values.get("attention_factor") is None and mscale and mscale_all_dim:  # transformers' rule for the pair
+        values["attention_factor"] = _yarn_mscale(values["factor"], mscale) / _yarn_mscale(values["factor"],
+                                                                                          mscale_all_dim)
+    truncate = params.get("truncate")
+    return theta, {"type": RopeScaling.yarn, **values, "truncate": True if truncate is None else bool(truncate)}
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def hf_rope(cfg: ModelConfig) -> dict[str, Any]:
@@ -54,9 +79,11 @@ def hf_rope(cfg: ModelConfig) -> dict[str, Any]:
     if scaling.type == "none":
         return {"rope_theta": cfg.rope_theta, "rope_scaling": None,
                 "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
-    llama3 = {"rope_type": "llama3", **{k: getattr(scaling, k) for k in LLAMA3_KEYS}}
-    return {"rope_theta": cfg.rope_theta, "rope_scaling": llama3,
-            "rope_parameters": {**llama3, "rope_theta": cfg.rope_theta}}
+    keys = LLAMA3_KEYS if scaling.type == "llama3" else YARN_KEYS
+    written = {"rope_type": str(scaling.type), **{k: getattr(scaling, k) for k in keys
+                                                  if getattr(scaling, k) is not None}}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": written,
+            "rope_parameters": {**written, "rope_theta": cfg.rope_theta}}
 
 
 def _whole_number(params: Mapping[str, Any], key: str, where: str) -> int:

@@ -5,7 +5,8 @@ angle p * theta^(-2i/D) for a token at position p:
     rope(x, p) = x * cos(p * w) + rotate_half(x) * sin(p * w),   rotate_half(x) = (-x2, x1),
 with w = (w_0..w_{D/2-1}, w_0..w_{D/2-1}). Then <rope(q, m), rope(k, n)> depends on m - n only.
 
-Llama 3.1's frequency scaling (`llama3_inv_freq`, model.rope_scaling) rescales w before the angles are taken.
+Llama 3.1's frequency scaling and YaRN (`llama3_inv_freq`, `yarn_inv_freq`, model.rope_scaling) rescale w before the
+angles are taken; YaRN also multiplies both tables by its attention factor.
 
 Positions come from explicit `position_ids` [T], which restart at 0 in every packed document, so
 a document gets the same rotations wherever it sits in the packed stream. Angles are computed in
@@ -49,19 +50,55 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: RopeScalingConfig) -> torch
     return (1 - a) * inv_freq / scaling.factor + a * inv_freq
 
 
+def yarn_inv_freq(inv_freq: torch.Tensor, theta: float, scaling: RopeScalingConfig) -> torch.Tensor:
+    """YaRN's frequencies (Peng et al. 2023, "YaRN: Efficient Context Window Extension of LLMs", sec. 3.2): with L the
+    original context, dimension pair i turns L·w_i/2π times over it; pairs turning more than beta_fast times keep w_i,
+    those turning fewer than beta_slow times get w_i / factor, and between them a linear ramp in i mixes the two. The
+    ramp's ends are the pairs d(r) = D·ln(L / 2πr) / (2·ln theta) for r = beta_fast and beta_slow, rounded out to
+    whole pairs with `truncate`, clamped to [0, D - 1]."""
+    dim = 2 * inv_freq.numel()
+    L = scaling.original_max_position_embeddings
+
+    def pair(rotations: float) -> float:
+        return dim * math.log(L / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair(scaling.beta_fast), pair(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high if high != low else high + 0.001  # (a ramp of no width)
+    i = torch.arange(inv_freq.numel(), device=inv_freq.device, dtype=inv_freq.dtype)
+    ramp = ((i - low) / (high - low)).clamp(0.0, 1.0)  # 0: kept, 1: divided by factor
+    return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_attention_factor(scaling: RopeScalingConfig) -> float:
+    """YaRN's scale of cos and sin, sqrt(1/t) = 0.1·ln(factor) + 1 (the paper's eq. 21; 1 for factor <= 1), unless
+    the config names its own."""
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+    return 1.0 if scaling.factor <= 1 else 0.1 * math.log(scaling.factor) + 1.0
+
+
 def rope_cos_sin(
     position_ids: torch.Tensor, head_dim: int, theta: float, scaling: RopeScalingConfig | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotation tables for positions `position_ids` [T], each fp32 [T, D]: cos of the angles (repeated for the
     two halves) and the signed sine (-sin, sin) that `apply_rope` takes. `scaling`: model.rope_scaling (type none:
-    the frequencies as theta makes them)."""
+    the frequencies as theta makes them; yarn also scales both tables)."""
     inv_freq = 1.0 / theta ** (
         torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
     )
-    if scaling is not None and scaling.type == "llama3":
+    kind = scaling.type if scaling is not None else "none"
+    if kind == "llama3":
         inv_freq = llama3_inv_freq(inv_freq, scaling)
+    elif kind == "yarn":
+        inv_freq = yarn_inv_freq(inv_freq, theta, scaling)
     angles = position_ids.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     cos, sin = angles.cos(), angles.sin()
+    if kind == "yarn":
+        factor = yarn_attention_factor(scaling)
+        cos, sin = cos * factor, sin * factor
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 

@@ -687,22 +687,36 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 32}
 
 
-def test_a_llama_3_1_rope_imports_computes_its_logits_and_exports_back(tmp_path):
-    """Llama 3.1/3.2/3.3's rope_scaling (rope_type llama3) imports as model.rope_scaling: the logits equal
-    transformers' past the original 32 positions (at head_dim 16 and theta 5,000 the 8 frequencies fall in all three
-    of its bands: kept, interpolated, divided by 8), where the unscaled RoPE's do not; the export carries it back, and
-    transformers computes the same from it."""
+SCALED_ROPES = {  # (transformers config class, its rope_scaling) at head_dim 16, theta 5,000, an original context of 32
+    "llama3": ("Llama", LLAMA3_ROPE),
+    "yarn": ("Qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),  # Qwen3's 128K
+    # DeepSeek's attention factor from an mscale pair, a ramp of other bounds, not rounded out to whole pairs
+    "yarn_mscale": ("Llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                              "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2,
+                              "truncate": False}),
+}
+
+
+@pytest.mark.parametrize("kind", list(SCALED_ROPES))
+def test_a_scaled_rope_imports_computes_its_logits_and_exports_back(tmp_path, kind):
+    """Llama 3.1/3.2/3.3's rope_scaling (rope_type llama3) and YaRN (Qwen's long-context configs) import as
+    model.rope_scaling: the logits equal transformers' past the original 32 positions (at head_dim 16 and theta 5,000
+    the 8 frequencies fall in every band: kept, interpolated, divided by the factor), where the unscaled RoPE's do
+    not; the export carries it back, and transformers computes the same from it."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      rope_theta=5000.0, rope_scaling=dict(LLAMA3_ROPE), tie_word_embeddings=False)
-    hf_model = transformers.LlamaForCausalLM(config).eval()
+    family, rope = SCALED_ROPES[kind]
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rope_theta=5000.0, rope_scaling=dict(rope),
+        tie_word_embeddings=False)
+    hf_model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     hf_model.save_pretrained(tmp_path / "hf")
     imported = import_hf(tmp_path / "hf", tmp_path / "imported")
     _, model = load_saved_model(imported)
     model.eval()
     scaling = model.cfg.rope_scaling
-    assert (scaling.type, scaling.factor, scaling.original_max_position_embeddings) == ("llama3", 8.0, 32)
+    assert (scaling.type, scaling.factor, scaling.original_max_position_embeddings) == (rope["rope_type"], rope[
+        "factor"], 32)
     ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         expected = hf_model(torch.tensor([ids])).logits[0]
@@ -711,13 +725,15 @@ def test_a_llama_3_1_rope_imports_computes_its_logits_and_exports_back(tmp_path)
         assert (expected - megalm_logits(model, ids)).abs().max().item() > 1e-3
     again = export_hf(imported, tmp_path / "again")
     config = json.loads((again / "config.json").read_text())
-    assert {**config["rope_parameters"], **config["rope_scaling"]} == {**LLAMA3_ROPE, "rope_theta": 5000.0}
+    assert config["rope_parameters"]["rope_type"] == config["rope_scaling"]["rope_type"] == rope["rope_type"]
     with torch.no_grad():
         assert (load_hf(again)(torch.tensor([ids])).logits[0] - expected).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("rope_scaling, message", [
-    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, "rope_type 'yarn'"),
+    ({"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 32}, "rope_type 'longrope'"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "partial_rotary_factor": 0.5},
+     "sets partial_rotary_factor"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
      "lacks original_max_position_embeddings"),
     ({**LLAMA3_ROPE, "factor": "eight"}, "its factors must be numbers"),
@@ -725,7 +741,7 @@ def test_a_llama_3_1_rope_imports_computes_its_logits_and_exports_back(tmp_path)
     # transformers 5 reads rope_parameters, 4 rope_scaling: two that disagree would be two models
     ({**LLAMA3_ROPE, "factor": 32.0, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5000.0}}, "disagree"),
     ({"rope_type": "default", "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5000.0}}, "disagree"),
-], ids=["yarn", "incomplete", "not_a_number", "empty_band", "two_factors", "two_types"])
+], ids=["longrope", "partial_yarn", "incomplete", "not_a_number", "empty_band", "two_factors", "two_types"])
 def test_import_refuses_a_rope_scaling_it_cannot_compute(tmp_path, rope_scaling, message):
     hf_dir = _hf_dir(tmp_path)
     rope_scaling = dict(rope_scaling)

@@ -13,7 +13,7 @@ import torch
 from megalm.config.schema import ModelConfig, RopeScalingConfig
 from megalm.errors import ConfigError
 from megalm.model import GPT
-from megalm.model.rope import llama3_inv_freq, rope_cos_sin
+from megalm.model.rope import llama3_inv_freq, rope_cos_sin, yarn_attention_factor, yarn_inv_freq
 from megalm.training.checkpoint import function_differences
 
 
@@ -91,3 +91,56 @@ def test_a_change_of_scaling_is_a_change_of_function_and_an_old_config_has_none(
                                                      "rope_scaling.factor=None (this run: 8.0)"]
     assert function_differences(llama3, {**llama3, "rope_scaling": {**llama3["rope_scaling"], "factor": 32.0}}) == [
         "rope_scaling.factor=8.0 (this run: 32.0)"]
+
+
+def yarn_by_pair(inv_freq: list[float], theta: float, s: RopeScalingConfig) -> list[float]:
+    """YaRN's frequencies (Peng et al. 2023, sec. 3.2) one pair at a time: the pair turning r times over the original
+    context sits at d(r) = D·ln(L / 2πr) / (2·ln theta); below d(beta_fast) kept, above d(beta_slow) divided by the
+    factor, a straight line between."""
+    dim, L = 2 * len(inv_freq), s.original_max_position_embeddings
+    d = [dim * math.log(L / (r * 2 * math.pi)) / (2 * math.log(theta)) for r in (s.beta_fast, s.beta_slow)]
+    if s.truncate:
+        d = [math.floor(d[0]), math.ceil(d[1])]
+    low, high = max(d[0], 0), min(d[1], dim - 1)
+    out = []
+    for i, w in enumerate(inv_freq):
+        share = 0.0 if i <= low else 1.0 if i >= high else (i - low) / (high - low)  # of the interpolated frequency
+        out.append(share * w / s.factor + (1 - share) * w)
+    return out
+
+
+@pytest.mark.parametrize("head_dim, theta, scaling", [
+    (128, 1000000.0, RopeScalingConfig(type="yarn", factor=4.0, original_max_position_embeddings=32768)),  # Qwen3
+    (64, 10000.0, RopeScalingConfig(type="yarn", factor=8.0, original_max_position_embeddings=4096, truncate=False)),
+    (16, 5000.0, RopeScalingConfig(type="yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=16.0,
+                                   beta_slow=2.0)),
+])
+def test_yarn_frequencies_are_the_paper_s_ramp(head_dim, theta, scaling):
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    expected = torch.tensor(yarn_by_pair(inv_freq.tolist(), theta, scaling), dtype=torch.float64)
+    torch.testing.assert_close(yarn_inv_freq(inv_freq, theta, scaling), expected, rtol=1e-12, atol=0)
+    assert (expected == inv_freq).any() and (expected == inv_freq / scaling.factor).any()
+
+
+def test_yarn_scales_both_tables_by_its_attention_factor():
+    """cos and sin times 0.1·ln(factor) + 1 (the logits by its square), or the factor a config names."""
+    positions = torch.arange(50)
+    scaling = RopeScalingConfig(type="yarn", factor=4.0, original_max_position_embeddings=32)
+    cos, sin = rope_cos_sin(positions, 16, 5000.0, scaling)
+    assert yarn_attention_factor(scaling) == pytest.approx(0.1 * math.log(4.0) + 1)
+    torch.testing.assert_close(cos[0], torch.full((16,), yarn_attention_factor(scaling)))
+    torch.testing.assert_close(cos.square() + sin.square(), torch.full((50, 16), yarn_attention_factor(scaling) ** 2))
+    named = RopeScalingConfig(type="yarn", factor=4.0, original_max_position_embeddings=32, attention_factor=1.0)
+    torch.testing.assert_close(rope_cos_sin(positions, 16, 5000.0, named)[0][0], torch.ones(16))
+
+
+def test_yarn_rules_and_the_other_type_s_fields(caplog):
+    with pytest.raises(ConfigError, match="beta_slow=32.0 must be below beta_fast=32.0"):
+        GPT(ModelConfig(rope_scaling=RopeScalingConfig(type="yarn", beta_slow=32.0)))
+    with pytest.raises(ConfigError, match="attention_factor=0.0 must be a finite number > 0"):
+        GPT(ModelConfig(rope_scaling=RopeScalingConfig(type="yarn", attention_factor=0.0)))
+    with caplog.at_level(logging.WARNING, logger="megalm"):
+        GPT(ModelConfig(rope_scaling=RopeScalingConfig(type="yarn", low_freq_factor=2.0)))
+        GPT(ModelConfig(rope_scaling=RopeScalingConfig(type="llama3", beta_fast=16.0)))
+    assert "low_freq_factor=2.0 set with model.rope_scaling.type=yarn: not used" in caplog.text
+    assert "beta_fast=16.0 set with model.rope_scaling.type=llama3: not used" in caplog.text
