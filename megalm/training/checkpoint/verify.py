@@ -15,6 +15,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from megalm.config import ModelConfig, config_to_dict, model_config, resolve_model_defaults
+from megalm.config.checks import ROPE_SCALING_FIELDS, schema_default
+from megalm.config.schema import RopeScalingConfig
 from megalm.errors import CheckpointError, ConfigError
 from megalm.precision import recipe_on_bf16_weights, skipped_layers
 from megalm.training.checkpoint.layout import (
@@ -271,10 +273,12 @@ def _model_key(model: dict[str, Any], key: str) -> Any:
     if section == "moe":
         moe = model.get(section) or {}
         return moe.get(name) if moe.get("num_experts") else None
-    if section == "rope_scaling":
+    if section == "rope_scaling":  # the fields its type reads; one a config predates has its default
         scaling = model.get(section) or {}
         kind = str(scaling.get("type", "none"))
-        return kind if name == "type" else scaling.get(name) if kind != "none" else None
+        if name == "type":
+            return kind
+        return scaling.get(name, schema_default(RopeScalingConfig, name)) if name in ROPE_SCALING_FIELDS[kind] else None
     return model.get(key)
 
 
