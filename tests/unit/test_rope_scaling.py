@@ -94,7 +94,8 @@ def test_a_change_of_scaling_is_a_change_of_function_and_an_old_config_has_none(
     # YaRN's fields, which a llama3 config saved before them lacks, are not llama3's: no difference; YaRN's are
     yarn_fields = {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None, "truncate": True}
     assert function_differences(llama3, {**llama3, "rope_scaling": {**llama3["rope_scaling"], **yarn_fields}}) == []
-    yarn = {"rope_theta": 1e6, "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    yarn = {"rope_theta": 1e6,
+            "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
     assert function_differences(yarn, {**yarn, "rope_scaling": {**yarn["rope_scaling"], **yarn_fields}}) == []
     assert function_differences(yarn, {**yarn, "rope_scaling": {**yarn["rope_scaling"], "beta_fast": 16.0}}) == [
         "rope_scaling.beta_fast=32.0 (this run: 16.0)"]
