@@ -120,8 +120,14 @@ def validate_parallel(cfg: MegalmConfig, world_size: int) -> ParallelDims:
     return dims
 
 
-TRITON_ADAMW_NEEDS = ("optim.implementation=triton steps fp32 main weights behind bf16 working weights, or ZeRO-1 "
-                      "shards (BucketAdamW); use precision=bf16 or parallel.zero1=true, or optim.implementation=auto")
+def triton_adamw_refusal(fsdp: bool) -> str:
+    """Why optim.implementation=triton cannot run here: it steps megalm's buckets (BucketAdamW), which FSDP replaces
+    (the fixes for a run without them, bf16 weights or ZeRO-1, do not apply under FSDP: an audit, 2026-12-07)."""
+    if fsdp:
+        return ("optim.implementation=triton steps megalm's own gradient buckets, which parallel.fsdp=true replaces "
+                "(FSDP steps its own shards); use optim.implementation=auto")
+    return ("optim.implementation=triton steps fp32 main weights behind bf16 working weights, or ZeRO-1 shards "
+            "(BucketAdamW); use precision=bf16 or parallel.zero1=true, or optim.implementation=auto")
 
 
 def _fused_adamw(optimizer: object) -> bool:
@@ -200,7 +206,7 @@ class Parallelism:
         # ZeRO-1's shards or for fp32 main weights
         self.optimizer_factory = self._bucket_adamw if p.zero1 or self.working_dtype else None
         if cfg.optim.implementation == "triton" and self.optimizer_factory is None:
-            raise ConfigError(TRITON_ADAMW_NEEDS + (" (FSDP steps its own shards)" if p.fsdp else ""))
+            raise ConfigError(triton_adamw_refusal(p.fsdp))
         self._norm_weights = self._grad_norm_weights()
         recipe = cfg.precision.name
         if cfg.model.moe.num_experts and recipe not in ("bf16", "bf16_autocast", "fp32"):

@@ -21,7 +21,7 @@ from megalm.data.dataset import SampleDataset
 from megalm.errors import ConfigError
 from megalm.model import select_attention_backend
 from megalm.offload import validate_offload
-from megalm.parallel.parallelism import TRITON_ADAMW_NEEDS, validate_parallel
+from megalm.parallel.parallelism import triton_adamw_refusal, validate_parallel
 from megalm.parallel.recompute import recompute_modes
 from megalm.precision import compute_dtype, validate_precision, working_dtype
 from megalm.training.compile import resolve_auto_compile, validate_compile
@@ -85,7 +85,7 @@ def _validate_run(cfg: MegalmConfig, world_size: int, device: torch.device | Non
             "other masks): slower than selective without attention dropout")
     if cfg.optim.implementation == "triton" and not cfg.parallel.zero1 and (
             cfg.parallel.fsdp or working_dtype(cfg.precision) is None):
-        raise ConfigError(TRITON_ADAMW_NEEDS + (" (FSDP steps its own shards)" if cfg.parallel.fsdp else ""))
+        raise ConfigError(triton_adamw_refusal(cfg.parallel.fsdp))
     if cfg.parallel.fsdp_cpu_offload and device.type != "cuda":
         raise ConfigError("parallel.fsdp_cpu_offload=true moves FSDP's shards from the GPU to the host; on "
                           f"{device.type} they are there already: drop it")

@@ -141,3 +141,14 @@ def test_where_triton_cannot_run_torch_s_adamw_steps_and_says_so(tmp_path, monke
         trainer = Trainer(compose_config(*TRAIN, "precision=bf16", "optim.implementation=triton"), tmp_path)
     assert trainer.optimizer.kernel == "torch"
     assert any("the Triton AdamW kernel cannot run on cpu" in r.getMessage() for r in caplog.records)
+
+
+def test_under_fsdp_the_refusal_names_the_one_fix_that_applies():
+    """FSDP steps its own shards: bf16 weights or ZeRO-1, the fixes for a run without them, are no fixes there (the
+    line named both, with precision=bf16 set and ZeRO-1 refused beside FSDP: an audit)."""
+    from megalm.training.validation import validate_run
+
+    cfg = compose_config(*TRAIN, "precision=bf16", "optim.implementation=triton", "parallel.fsdp=true")
+    with pytest.raises(ConfigError, match="which parallel.fsdp=true replaces") as error:
+        validate_run(cfg, world_size=2)
+    assert "precision=bf16" not in str(error.value) and "zero1" not in str(error.value)
