@@ -220,6 +220,16 @@ def test_the_optimizer_under_fsdp_updates_this_rank_s_shard_only():
     assert abs(steps["fsdp"] * world - steps["ddp"]) < 0.05 * steps["ddp"], steps
 
 
+def test_fsdp_with_a_pipeline_prices_every_stage():
+    """megalm-estimate prices each pipeline stage's rank in a fresh fake world of the same process; FSDP's shard
+    offsets asked the mesh for its local rank, which looked its group up by name and did not find the second stage's
+    (a traceback, an audit): both stages are priced, each holding half the blocks' shards."""
+    overrides = [*SMALL, "precision=fp32", "trainer.device=cpu", "parallel.fsdp=true", "parallel.pp=2"]
+    report = estimate.estimate(estimate.batch_overrides(overrides, 8), 8, "h100")
+    roles = [rank["role"] for rank in report["ranks"]]
+    assert roles == ["first stage", "last stage"] and all(rank["param_bytes"] > 0 for rank in report["ranks"]), roles
+
+
 def test_fsdp_gathering_torchao_s_fp8_weights_holds_the_same_shards_and_moves_fewer_bytes():
     """precision.fp8_all_gather: a rank holds the same fp32 shards, counted through torchao's wrapper by the tensor it
     wraps (the wrappers each `to_local()` makes afresh had reused storage addresses: 8 weights counted as one), and

@@ -27,14 +27,16 @@ def shard_offset(param: DTensor) -> int:
     """Where this rank's shard starts in the parameter's flattened (TP-local) elements. FSDP shards dim 0 as
     `torch.chunk` does (chunks of ceil(rows / n), the last ones short or empty), over each mesh dimension that shards
     it, left to right (HSDP replicates over the first). Read from the mesh coordinates alone: torch 2.11's
-    `compute_local_shape_and_global_offset` runs tensor ops, which fake tensors (megalm-estimate) cannot read."""
+    `compute_local_shape_and_global_offset` runs tensor ops, which fake tensors (megalm-estimate) cannot read, and
+    `get_local_rank` resolves the dimension's group by name, which megalm-estimate's second rank of a pipeline
+    (a fresh fake world in the same process) no longer finds: it raised for FSDP with pp > 1 (an audit)."""
     start, rows = 0, param.shape[0]
     for mesh_dim, placement in enumerate(param.placements):
         if isinstance(placement, Shard):
             if placement.dim != 0:
                 raise ValueError(f"FSDP gradients sharded on dim {placement.dim}: megalm's FSDP shards dim 0")
             chunk = -(-rows // param.device_mesh.size(mesh_dim))
-            first = min(param.device_mesh.get_local_rank(mesh_dim) * chunk, rows)
+            first = min(param.device_mesh.get_coordinate()[mesh_dim] * chunk, rows)
             start, rows = start + first, min(chunk, rows - first)
     return start * math.prod(param.shape[1:])
 
