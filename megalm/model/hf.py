@@ -196,8 +196,10 @@ def hf_config(cfg: ModelConfig, arch: str, dtype: str, bos_id: int | list[int] |
                 "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
                 "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
                 "rms_norm_eps": cfg.norm_eps, **hf_rope(cfg),
-                "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attention_dropout,
-                "pretraining_tp": 1, **extra}
+                # (Llama's attention_bias would be o_proj's too: Qwen2's config has no such key, its q/k/v biases
+                # are its architecture's)
+                **({} if arch == QWEN2 else {"attention_bias": False}), "mlp_bias": False,
+                "attention_dropout": cfg.attention_dropout, "pretraining_tp": 1, **extra}
     return {**common, "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
             "n_inner": cfg.ffn_hidden_size, "n_positions": cfg.max_position_embeddings, "n_ctx":
             cfg.max_position_embeddings, "activation_function": "gelu_pytorch_tanh",
@@ -224,12 +226,14 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelC
     if model_type not in ARCHITECTURES:
         raise InteropError(f"{where}: model_type={model_type!r} is not supported; megalm imports "
                            f"{', '.join(ARCHITECTURES)}")
-    hf = {**HF_DEFAULTS[model_type], **hf}
+    given, hf = hf, {**HF_DEFAULTS[model_type], **hf}
     # Qwen2 and Qwen3 configs carry a sliding_window that only use_sliding_window turns on
     windows = ("use_sliding_window",) if model_type in WINDOW_SWITCHED else ("sliding_window", "use_sliding_window")
     for key in windows:
         if hf.get(key):
-            raise InteropError(f"{where}: {key}={hf[key]} is set; megalm attends over the whole document "
+            absent = f" (absent: transformers' default for {model_type}; set {key}: null in config.json if the model " \
+                     "was trained without a window)" if key not in given else ""
+            raise InteropError(f"{where}: {key}={hf[key]} is set{absent}; megalm attends over the whole document "
                                "(no sliding window)")
     kwargs: dict[str, Any]
     moe = None

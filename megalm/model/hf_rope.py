@@ -59,14 +59,18 @@ def rope_from_hf(hf: Mapping[str, Any], where: str) -> tuple[float, dict[str, An
     except (TypeError, ValueError):
         raise InteropError(f"{where}: {which}={params}: its factors must be numbers; fix config.json") from None
     values["original_max_position_embeddings"] = _whole_number(params, "original_max_position_embeddings", where)
+    outer = hf.get("original_max_position_embeddings")  # (transformers 5 reads a top-level one over the scaling's)
+    if outer is not None and outer != values["original_max_position_embeddings"]:
+        raise InteropError(f"{where}: original_max_position_embeddings={outer} and {which}'s "
+                           f"{values['original_max_position_embeddings']} disagree; fix config.json")
     if kind == "llama3":
         return theta, {"type": RopeScaling.llama3, **values}
     mscale, mscale_all_dim = values.pop("mscale", None), values.pop("mscale_all_dim", None)
     if values.get("attention_factor") is None and mscale and mscale_all_dim:  # transformers' rule for the pair
         values["attention_factor"] = _yarn_mscale(values["factor"], mscale) / _yarn_mscale(values["factor"],
                                                                                           mscale_all_dim)
-    truncate = params.get("truncate")
-    return theta, {"type": RopeScaling.yarn, **values, "truncate": True if truncate is None else bool(truncate)}
+    # transformers reads truncate with get("truncate", True): an explicit null does not truncate
+    return theta, {"type": RopeScaling.yarn, **values, "truncate": bool(params.get("truncate", True))}
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
@@ -80,8 +84,10 @@ def hf_rope(cfg: ModelConfig) -> dict[str, Any]:
         return {"rope_theta": cfg.rope_theta, "rope_scaling": None,
                 "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
     keys = LLAMA3_KEYS if scaling.type == "llama3" else YARN_KEYS
+    # truncate only when off: a transformers from before the key reads its absence as the default, true
     written = {"rope_type": str(scaling.type), **{k: getattr(scaling, k) for k in keys
-                                                  if getattr(scaling, k) is not None}}
+                                                  if getattr(scaling, k) is not None
+                                                  and not (k == "truncate" and getattr(scaling, k))}}
     return {"rope_theta": cfg.rope_theta, "rope_scaling": written,
             "rope_parameters": {**written, "rope_theta": cfg.rope_theta}}
 

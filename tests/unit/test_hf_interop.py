@@ -774,3 +774,22 @@ def test_a_mistral_without_its_window_imports_as_the_llama_style_and_exports_as_
         exported, True)
     with torch.no_grad():
         assert (load_hf(again)(torch.tensor([ids])).logits[0] - expected).abs().max().item() <= 1e-5
+
+
+def test_yarn_keys_read_as_transformers_reads_them(tmp_path):
+    """truncate: null does not truncate (transformers reads get("truncate", True)); a top-level
+    original_max_position_embeddings that contradicts the scaling's is refused (transformers 5 reads the top-level
+    one); a Mistral config without sliding_window is refused saying the 4,096 is transformers' default."""
+    from megalm.model.hf import model_config_from_hf
+
+    base = {"model_type": "qwen3", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "max_position_embeddings": 256, "rope_theta": 5000.0}
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    _, cfg = model_config_from_hf({**base, "rope_scaling": {**yarn, "truncate": None}}, "d")
+    assert cfg.rope_scaling.truncate is False
+    with pytest.raises(InteropError, match="original_max_position_embeddings=64 and rope_scaling's 32 disagree"):
+        model_config_from_hf({**base, "rope_scaling": yarn, "original_max_position_embeddings": 64}, "d")
+    mistral = {**base, "model_type": "mistral"}
+    with pytest.raises(InteropError, match="absent: transformers' default for mistral; set sliding_window: null"):
+        model_config_from_hf(mistral, "d")
