@@ -148,6 +148,20 @@ def test_an_all_expert_model_has_no_dense_width_to_match(tmp_path):
                            {**current, "moe": {**current["moe"], "first_k_dense": 1}}, tmp_path)
 
 
+def test_q_k_v_biases_are_one_structure_however_they_are_asked_for(tmp_path):
+    """model.bias puts biases in q, k and v as model.qkv_bias does: a GPT-2-style run with either or both holds the
+    same tensors (it was refused as another model); a Llama-style model with q/k/v biases is another than one
+    without."""
+    from megalm.training.checkpoint.verify import check_model_config
+
+    gpt2 = ["model=gpt2_tiny"]
+    both = config_to_dict(validate(compose_config(*gpt2, "model.qkv_bias=true")))["model"]
+    check_model_config(config_to_dict(validate(compose_config(*gpt2)))["model"], both, tmp_path)
+    llama = config_to_dict(validate(compose_config()))["model"]
+    with pytest.raises(CheckpointError, match="qkv_bias"):
+        check_model_config(llama, {**llama, "qkv_bias": True}, tmp_path)
+
+
 def test_init_from_says_when_the_routers_route_otherwise(tmp_path, caplog):
     """model.init_from named rope_theta or norm_eps changes; another top_k or norm_topk_prob of the same experts
     passed without a word."""

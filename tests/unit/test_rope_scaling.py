@@ -99,6 +99,11 @@ def test_a_change_of_scaling_is_a_change_of_function_and_an_old_config_has_none(
     assert function_differences(yarn, {**yarn, "rope_scaling": {**yarn["rope_scaling"], **yarn_fields}}) == []
     assert function_differences(yarn, {**yarn, "rope_scaling": {**yarn["rope_scaling"], "beta_fast": 16.0}}) == [
         "rope_scaling.beta_fast=32.0 (this run: 16.0)"]
+    # an attention factor named at its default value is the same function as none named
+    named = {**yarn["rope_scaling"], "attention_factor": 0.1 * math.log(4.0) + 1}
+    assert function_differences(yarn, {**yarn, "rope_scaling": named}) == []
+    assert function_differences(yarn, {**yarn, "rope_scaling": {**named, "attention_factor": 1.0}}) == [
+        f"rope_scaling.attention_factor={0.1 * math.log(4.0) + 1} (this run: 1.0)"]
 
 
 def yarn_by_pair(inv_freq: list[float], theta: float, s: RopeScalingConfig) -> list[float]:

@@ -18,6 +18,7 @@ from megalm.config import ModelConfig, config_to_dict, model_config, resolve_mod
 from megalm.config.checks import ROPE_SCALING_FIELDS, schema_default
 from megalm.config.schema import RopeScalingConfig
 from megalm.errors import CheckpointError, ConfigError
+from megalm.model.rope import yarn_attention_factor
 from megalm.precision import recipe_on_bf16_weights, skipped_layers
 from megalm.training.checkpoint.layout import (
     CHECKPOINTS,
@@ -226,6 +227,7 @@ def model_structure(model: dict[str, Any]) -> dict[str, Any]:
     """What fixes a model's tensors, from its config section (a checkpoint's or this run's): head_dim as resolved
     (None: hidden_size / num_heads), the MoE layers' keys where the model has experts."""
     out = {k: model.get(k) for k in SHAPE_KEYS} | {k: model.get(k, d) for k, d in LATER_SHAPE_KEYS.items()}
+    out["qkv_bias"] = bool(out["qkv_bias"] or out["bias"])  # model.bias puts them there too: the same tensors
     if out["position_embedding"] != "learned":
         del out["max_position_embeddings"]  # sizes only the learned position table: a RoPE model continues at a
         # longer context (it was refused for a shape no tensor has)
@@ -278,7 +280,13 @@ def _model_key(model: dict[str, Any], key: str) -> Any:
         kind = str(scaling.get("type", "none"))
         if name == "type":
             return kind
-        return scaling.get(name, schema_default(RopeScalingConfig, name)) if name in ROPE_SCALING_FIELDS[kind] else None
+        if name not in ROPE_SCALING_FIELDS[kind]:
+            return None
+        value = scaling.get(name, schema_default(RopeScalingConfig, name))
+        if name == "attention_factor" and value is None:  # the factor's own: the same function as naming it
+            factor = scaling.get("factor", schema_default(RopeScalingConfig, "factor"))
+            value = yarn_attention_factor(RopeScalingConfig(type=kind, factor=factor))
+        return value
     return model.get(key)
 
 
