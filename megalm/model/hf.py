@@ -41,7 +41,6 @@ output, shards) is the CLI's part, in megalm/interop/files.py.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict
@@ -67,7 +66,7 @@ from megalm.model.hf_moe import (
     moe_tensor_from_hf,
     moe_tensors_to_hf,
 )
-from megalm.model.hf_rope import LLAMA3_KEYS, YARN_KEYS, hf_rope, rope_from_hf
+from megalm.model.hf_rope import LLAMA3_KEYS, YARN_KEYS, hf_rope, rope_from_hf, whole_number
 
 LLAMA, GPT2, MISTRAL, QWEN2 = "llama", "gpt2", "mistral", "qwen2"
 ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", QWEN2: "Qwen2ForCausalLM",
@@ -208,17 +207,6 @@ def hf_config(cfg: ModelConfig, arch: str, dtype: str, bos_id: int | list[int] |
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
 
 
-def _whole(hf: Mapping[str, Any], key: str, where: str) -> int:
-    """config.json's `key` as a whole number (2.0 is 2); 2.5 or a string is an InteropError naming it: int() had
-    dropped the fraction, and the tensors of the layers it dropped were reported missing later."""
-    value = hf[key]
-    # (json reads Infinity and NaN, on which int() raises its own error)
-    infinite = isinstance(value, float) and not math.isfinite(value)  # (an int never is; isfinite overflows on 10**400)
-    if isinstance(value, bool) or not isinstance(value, int | float) or infinite or value != int(value):
-        raise InteropError(f"{where}: {key}={value!r} must be a whole number; fix config.json")
-    return int(value)
-
-
 def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelConfig]:
     """(architecture, megalm ModelConfig) for a transformers config.json, or InteropError naming what megalm
     cannot compute. A key the file omits takes its architecture's transformers default (HF_DEFAULTS)."""
@@ -243,19 +231,19 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelC
             raise InteropError(f"{where}: {'/'.join(bias)}=true; megalm's Llama-style model has no biases")
         if hf["hidden_act"] != "silu":
             raise InteropError(f"{where}: hidden_act={hf['hidden_act']}; megalm's SwiGLU uses silu")
-        hidden, heads = _whole(hf, "hidden_size", where), _whole(hf, "num_attention_heads", where)
-        max_pos = _whole(hf, "max_position_embeddings", where)
+        hidden, heads = whole_number(hf, "hidden_size", where), whole_number(hf, "num_attention_heads", where)
+        max_pos = whole_number(hf, "max_position_embeddings", where)
         rope_theta, rope_scaling = rope_from_hf(hf, where)
         kwargs = dict(norm="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
-                      num_layers=_whole(hf, "num_hidden_layers", where), hidden_size=hidden, num_heads=heads,
-                      num_kv_heads=(_whole(hf, "num_key_value_heads", where) if hf.get("num_key_value_heads")
+                      num_layers=whole_number(hf, "num_hidden_layers", where), hidden_size=hidden, num_heads=heads,
+                      num_kv_heads=(whole_number(hf, "num_key_value_heads", where) if hf.get("num_key_value_heads")
                                     else heads),
-                      ffn_hidden_size=_whole(hf, "intermediate_size", where), norm_eps=float(hf["rms_norm_eps"]),
+                      ffn_hidden_size=whole_number(hf, "intermediate_size", where), norm_eps=float(hf["rms_norm_eps"]),
                       rope_theta=rope_theta, rope_scaling=RopeScalingConfig(**rope_scaling),
                       max_position_embeddings=max_pos,
                       tie_embeddings=bool(hf["tie_word_embeddings"]),
                       attention_dropout=float(hf["attention_dropout"]),
-                      head_dim=_whole(hf, "head_dim", where) if hf.get("head_dim") is not None else None)
+                      head_dim=whole_number(hf, "head_dim", where) if hf.get("head_dim") is not None else None)
         if model_type == QWEN2:  # q, k and v have biases (o_proj and the MLP none): no attention_bias key says so
             kwargs["qkv_bias"] = True
         if model_type not in DENSE_LLAMAS:
@@ -275,18 +263,18 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelC
                 raise InteropError(f"{where}: {key}={hf[key]}; megalm's attention needs {key}={wanted}")
         if not hf["tie_word_embeddings"]:
             raise InteropError(f"{where}: tie_word_embeddings=false; megalm's GPT-2 style ties the head to wte")
-        hidden = _whole(hf, "n_embd", where)
-        max_pos = _whole(hf, "n_positions", where)
+        hidden = whole_number(hf, "n_embd", where)
+        max_pos = whole_number(hf, "n_positions", where)
         kwargs = dict(norm="layernorm", activation="gelu", position_embedding="learned", bias=True,
-                      tie_embeddings=True, num_layers=_whole(hf, "n_layer", where), hidden_size=hidden,
-                      num_heads=_whole(hf, "n_head", where), num_kv_heads=_whole(hf, "n_head", where),
-                      ffn_hidden_size=_whole(hf, "n_inner", where) if hf.get("n_inner") else 4 * hidden,
+                      tie_embeddings=True, num_layers=whole_number(hf, "n_layer", where), hidden_size=hidden,
+                      num_heads=whole_number(hf, "n_head", where), num_kv_heads=whole_number(hf, "n_head", where),
+                      ffn_hidden_size=whole_number(hf, "n_inner", where) if hf.get("n_inner") else 4 * hidden,
                       norm_eps=float(hf["layer_norm_epsilon"]), max_position_embeddings=max_pos,
                       dropout=float(hf["resid_pdrop"]), attention_dropout=float(hf["attn_pdrop"]))
     if max_pos < 1:  # (the run's seq_length is min(it, 2048): its error would name a key the file does not have)
         key = "max_position_embeddings" if model_type in LLAMA_FAMILY else "n_positions"
         raise InteropError(f"{where}: {key}={max_pos} must be >= 1; fix config.json")
-    cfg = ModelConfig(name=f"hf-{model_type}", vocab_size=_whole(hf, "vocab_size", where),
+    cfg = ModelConfig(name=f"hf-{model_type}", vocab_size=whole_number(hf, "vocab_size", where),
                       seq_length=min(max_pos, 2048),
                       init_std=float(hf["initializer_range"]), **kwargs)
     if moe is not None:

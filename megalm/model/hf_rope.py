@@ -12,6 +12,7 @@ from typing import Any
 from megalm.config.choices import RopeScaling
 from megalm.config.schema import ModelConfig
 from megalm.errors import InteropError
+from megalm.model.rope import yarn_mscale
 
 # Llama 3.1's rope_scaling keys, megalm's model.rope_scaling fields of the same names
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -58,7 +59,7 @@ def rope_from_hf(hf: Mapping[str, Any], where: str) -> tuple[float, dict[str, An
         values = {k: float(params[k]) for k in numbers}
     except (TypeError, ValueError):
         raise InteropError(f"{where}: {which}={params}: its factors must be numbers; fix config.json") from None
-    values["original_max_position_embeddings"] = _whole_number(params, "original_max_position_embeddings", where)
+    values["original_max_position_embeddings"] = whole_number(params, "original_max_position_embeddings", where)
     outer = hf.get("original_max_position_embeddings")  # (transformers 5 reads a top-level one over the scaling's)
     if outer is not None and outer != values["original_max_position_embeddings"]:
         raise InteropError(f"{where}: original_max_position_embeddings={outer} and {which}'s "
@@ -67,14 +68,10 @@ def rope_from_hf(hf: Mapping[str, Any], where: str) -> tuple[float, dict[str, An
         return theta, {"type": RopeScaling.llama3, **values}
     mscale, mscale_all_dim = values.pop("mscale", None), values.pop("mscale_all_dim", None)
     if values.get("attention_factor") is None and mscale and mscale_all_dim:  # transformers' rule for the pair
-        values["attention_factor"] = _yarn_mscale(values["factor"], mscale) / _yarn_mscale(values["factor"],
+        values["attention_factor"] = yarn_mscale(values["factor"], mscale) / yarn_mscale(values["factor"],
                                                                                           mscale_all_dim)
     # transformers reads truncate with get("truncate", True): an explicit null does not truncate
     return theta, {"type": RopeScaling.yarn, **values, "truncate": bool(params.get("truncate", True))}
-
-
-def _yarn_mscale(factor: float, mscale: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def hf_rope(cfg: ModelConfig) -> dict[str, Any]:
@@ -92,11 +89,13 @@ def hf_rope(cfg: ModelConfig) -> dict[str, Any]:
             "rope_parameters": {**written, "rope_theta": cfg.rope_theta}}
 
 
-def _whole_number(params: Mapping[str, Any], key: str, where: str) -> int:
-    """params[key] as a whole number (8192.0 is 8192), else an InteropError naming it."""
-    value = params[key]
-    number = (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and
-                                                                          math.isfinite(value))
-    if not number or value != int(value):
+def whole_number(hf: Mapping[str, Any], key: str, where: str) -> int:
+    """config.json's `key` (or a rope section's) as a whole number (2.0 is 2); 2.5 or a string is an InteropError
+    naming it: int() had dropped the fraction, and the tensors of the layers it dropped were reported missing later.
+    (Here, not in hf.py, which reads this module's RoPE keys: both read whole numbers so.)"""
+    value = hf[key]
+    # (json reads Infinity and NaN, on which int() raises its own error)
+    infinite = isinstance(value, float) and not math.isfinite(value)  # (an int never is; isfinite overflows on 10**400)
+    if isinstance(value, bool) or not isinstance(value, int | float) or infinite or value != int(value):
         raise InteropError(f"{where}: {key}={value!r} must be a whole number; fix config.json")
     return int(value)

@@ -72,12 +72,17 @@ def yarn_inv_freq(inv_freq: torch.Tensor, theta: float, scaling: RopeScalingConf
     return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's eq. 21, sqrt(1/t) = 0.1·mscale·ln(factor) + 1 (1 for factor <= 1); DeepSeek's configs divide two of
+    them (mscale, mscale_all_dim), megalm-import's attention_factor."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def yarn_attention_factor(scaling: RopeScalingConfig) -> float:
-    """YaRN's scale of cos and sin, sqrt(1/t) = 0.1·ln(factor) + 1 (the paper's eq. 21; 1 for factor <= 1), unless
-    the config names its own."""
+    """YaRN's scale of cos and sin: `yarn_mscale(factor)`, unless the config names its own."""
     if scaling.attention_factor is not None:
         return float(scaling.attention_factor)
-    return 1.0 if scaling.factor <= 1 else 0.1 * math.log(scaling.factor) + 1.0
+    return yarn_mscale(scaling.factor)
 
 
 def rope_cos_sin(

@@ -5,10 +5,10 @@
 Builds the overrides' model (weights drawn by `init_weights`, fp32, evaluation mode) on --device, and samples
 --new-tokens greedily after a prompt of --prompt-tokens ids with `sample(kv_cache=True)` and `sample(kv_cache=False)`
 (each token a forward of the whole context, what megalm-generate did before 2026-12-07), --reps times each,
-alternating, timed by a wall clock around each call (CUDA synchronized). Reports the median tokens/s of each and
-their ratio, and whether every call drew the same ids (a sampler that changed the numbers would show it here too:
-greedy ids follow the argmax of every step's logits). No stop id: every call draws --new-tokens, within the model's
-positions (past them sampling drops its cache: such a run is refused).
+alternating, each call timed by tools/bench/timing.py's `time_calls` (CUDA events, or a host clock). Reports the
+median tokens/s of each and their ratio, and whether every call drew the same ids (a sampler that changed the
+numbers would show it here too: greedy ids follow the argmax of every step's logits). No stop id: every call draws
+--new-tokens, within the model's positions (past them sampling drops its cache: such a run is refused).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import functools
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,16 +29,7 @@ from megalm.generate import sample  # noqa: E402
 from megalm.model import GPT  # noqa: E402
 from megalm.model.gpt import init_weights  # noqa: E402
 from tools.bench.cli import check_counts, parse_flags_and_overrides, run_main  # noqa: E402
-
-
-def timed(fn, device: torch.device) -> tuple[float, list[int]]:  # noqa: ANN001
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start, out
+from tools.bench.timing import time_calls  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,15 +53,16 @@ def main(argv: list[str] | None = None) -> None:
     model.eval()
     prompt = torch.randint(0, cfg.model.vocab_size, (args.prompt_tokens,),
                            generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    seconds: dict[bool, list[float]] = {True: [], False: []}
+    ms: dict[bool, list[float]] = {True: [], False: []}
     drawn: set[tuple[int, ...]] = set()  # every call's ids: one set of them when the cache changes nothing
+
+    def draw(cached: bool) -> None:
+        drawn.add(tuple(sample(model, prompt, args.new_tokens, temperature=0, kv_cache=cached)))
+
     for _ in range(args.reps):
         for cached in (True, False):
-            t, ids = timed(functools.partial(sample, model, prompt, args.new_tokens, temperature=0,
-                                             kv_cache=cached), device)
-            seconds[cached].append(t)
-            drawn.add(tuple(ids))
-    rate = {cached: args.new_tokens / statistics.median(ts) for cached, ts in seconds.items()}
+            ms[cached] += time_calls(functools.partial(draw, cached), device, warmup=0, iters=1)
+    rate = {cached: 1e3 * args.new_tokens / statistics.median(times) for cached, times in ms.items()}
     result = {"device": str(device), "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "tokens_per_s_cached": rate[True], "tokens_per_s_recomputed": rate[False],
