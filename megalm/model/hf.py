@@ -34,15 +34,16 @@ formula written out, equal up to float rounding, and is accepted on import.
 Vocabulary: megalm pads the embedding and head rows past `vocab_size` (Megatron's rule); only the first
 `vocab_size` rows are real, so export writes `weight[:vocab_size]` and import leaves padding to megalm.
 
-Reading: hf_files.py's `read_hf_model` is what `model.init_from=hf:DIR` (megalm/training/init_from.py) and
-megalm-import (megalm/interop/hf_import.py) use; nothing here imports `transformers`. Writing a directory (atomic
+Reading: hf_files.py's `read_hf_weights` (`HFWeights`, one tensor at a time) is what `model.init_from=hf:DIR`
+(megalm/training/init_from.py) reads, its `read_hf_model` (all at once) what megalm-import
+(megalm/interop/hf_import.py) writes; nothing here imports `transformers`. Writing a directory (atomic
 output, shards) is the CLI's part, in megalm/interop/files.py.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -51,7 +52,7 @@ import torch
 from megalm.config import ModelConfig, resolve_model_defaults, validate_model
 from megalm.config.schema import RopeScalingConfig
 from megalm.errors import ConfigError, InteropError
-from megalm.model.fused import fuse_tensors, unfuse_tensors
+from megalm.model.fused import fuse_tensors, unfuse_tensors, unfused_names
 from megalm.model.gpt import VOCAB_PARAMS
 from megalm.model.hf_moe import (
     MIXTRAL,
@@ -341,77 +342,113 @@ def _strip_gpt2_prefix(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": k for k in tensors}
 
 
-def hf_to_megalm(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: str,
-                 shapes: Mapping[str, tuple[int, ...]], where: str) -> dict[str, torch.Tensor]:
-    """megalm full-model parameters (fp32, unpadded vocab rows) from an HF state dict.
+class HFWeights(Mapping[str, torch.Tensor]):
+    """megalm's full-model parameters (fp32, unpadded vocab rows, fused names) from an HF state dict, each made when
+    it is looked up: `model.init_from=hf:DIR` copies them into a rank's model one at a time, from files read one
+    tensor at a time (hf_files.py's `SafetensorsDir`), so no rank holds the whole model in fp32.
 
-    `shapes` are the megalm model's parameter shapes (names = the parameters to fill). Refuses missing or
-    unexpected tensors, shape mismatches and a head that contradicts tie_word_embeddings, each in one line.
+    `shapes` are the megalm model's parameter shapes (names = the parameters to fill); `meta` the HF tensors'
+    shapes and dtypes alone (meta tensors; taken from `tensors` when not given). Missing or unexpected tensors,
+    shape mismatches and a head that contradicts tie_word_embeddings are refused in one line, each before a value
+    is read, except a stored tied head that differs from the embedding: it is compared when the embedding is read.
     """
-    shapes = {n: tuple(t.shape) for n, t in unfuse_tensors({n: torch.empty(s, device="meta") for n, s in
-                                                            shapes.items()}, cfg).items()}
-    keys = _strip_gpt2_prefix(tensors) if arch == GPT2 else {k: k for k in tensors}
-    used: set[str] = set()
 
-    def get(key: str) -> torch.Tensor:
-        if key == "lm_head.weight" and key not in keys:
-            raise InteropError(f"{where}: tie_word_embeddings=false but the files hold no lm_head.weight; "
-                               "set tie_word_embeddings=true in config.json if the head is the embedding")
-        if key not in keys:
-            raise InteropError(f"{where}: tensor {key} is missing; the files do not hold a complete "
-                               f"{ARCHITECTURES[arch]}")
-        used.add(key)
-        return tensors[keys[key]].to(torch.float32)
+    def __init__(self, tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: str,
+                 shapes: Mapping[str, tuple[int, ...]], where: str,
+                 meta: Mapping[str, torch.Tensor] | None = None) -> None:
+        self._tensors, self._cfg, self._arch, self._where = tensors, cfg, arch, where
+        self._keys = _strip_gpt2_prefix(tensors) if arch == GPT2 else {k: k for k in tensors}
+        meta = {k: v.to("meta") for k, v in tensors.items()} if meta is None else meta
+        unfused = unfuse_tensors({n: torch.empty(s, device="meta") for n, s in shapes.items()}, cfg)
+        used: set[str] = set()
+        out = {name: self._value(name, lambda key: used.add(key) or meta[self._keys[key]]) for name in unfused}
+        self._check_tied_head(out, meta, used)
+        unexpected = sorted(k for k in self._keys if k not in used and not _IGNORED_HF_KEYS.search(k))
+        if unexpected:
+            more = f" (+{len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
+            raise InteropError(f"{where}: unexpected tensors {', '.join(unexpected[:3])}{more}; they do not belong "
+                               f"to a {ARCHITECTURES[arch]} that megalm can compute")
+        for name, value in out.items():
+            expected = tuple(unfused[name].shape)
+            if name in VOCAB_PARAMS:
+                expected = (cfg.vocab_size, *expected[1:])
+            if tuple(value.shape) != expected:
+                raise InteropError(f"{where}: {name} has shape {tuple(value.shape)}, config.json implies {expected}")
+        self._names = list(fuse_tensors(out, cfg))  # the parts' rows checked against the model's
 
-    out: dict[str, torch.Tensor] = {}
-    for name in shapes:
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        parts = unfused_names(name)
+        if parts is None:
+            value = self._value(name, self._read)
+            if name == "embedding.weight" and self._cfg.tie_embeddings and "lm_head.weight" in self._keys:
+                head = self._read("lm_head.weight")  # some files store the tied head too: it must be the embedding
+                if not torch.equal(head, value):
+                    raise InteropError(_TIED_HEAD_DIFFERS.format(where=self._where))
+            return value
+        return torch.cat([self._value(part, self._read) for part in parts])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def _read(self, key: str) -> torch.Tensor:
+        return self._tensors[self._keys[key]].to(torch.float32)
+
+    def _check_tied_head(self, out: Mapping[str, torch.Tensor], meta: Mapping[str, torch.Tensor],
+                         used: set[str]) -> None:
+        if self._cfg.tie_embeddings and "lm_head.weight" in self._keys:
+            if meta[self._keys["lm_head.weight"]].shape != out["embedding.weight"].shape:
+                raise InteropError(_TIED_HEAD_DIFFERS.format(where=self._where))
+            used.add("lm_head.weight")
+
+    def _value(self, name: str, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """Unfused parameter `name` from the HF tensors `read(key)` returns (in fp32)."""
+        where, arch, keys = self._where, self._arch, self._keys
+
+        def get(key: str) -> torch.Tensor:
+            if key == "lm_head.weight" and key not in keys:
+                raise InteropError(f"{where}: tie_word_embeddings=false but the files hold no lm_head.weight; "
+                                   "set tie_word_embeddings=true in config.json if the head is the embedding")
+            if key not in keys:
+                raise InteropError(f"{where}: tensor {key} is missing; the files do not hold a complete "
+                                   f"{ARCHITECTURES[arch]}")
+            return read(key).to(torch.float32)
+
         layer = _layer_of(name)
         if arch in LLAMA_FAMILY:
             if layer is not None and layer[1] in MOE_SUFFIXES:
-                out[name] = moe_tensor_from_hf(arch, *layer, cfg.moe.num_experts, get)
-                continue
-            key = _LLAMA_GLOBAL[name] if layer is None else f"model.layers.{layer[0]}.{_LLAMA_LAYER[layer[1]]}"
-            out[name] = get(key)
-            continue
+                return moe_tensor_from_hf(arch, *layer, self._cfg.moe.num_experts, get)
+            return get(_LLAMA_GLOBAL[name] if layer is None else f"model.layers.{layer[0]}.{_LLAMA_LAYER[layer[1]]}")
         if layer is None:
-            out[name] = get(_GPT2_GLOBAL[name])
-            continue
+            return get(_GPT2_GLOBAL[name])
         index, rest = layer
         module, _, leaf = rest.rpartition(".")
         prefix = f"transformer.h.{index}."
         if module in _GPT2_LAYER_SAME:
-            out[name] = get(prefix + f"{_GPT2_LAYER_SAME[module]}.{leaf}")
-        elif module in _GPT2_LAYER_CONV:
+            return get(prefix + f"{_GPT2_LAYER_SAME[module]}.{leaf}")
+        if module in _GPT2_LAYER_CONV:
             value = get(prefix + f"{_GPT2_LAYER_CONV[module]}.{leaf}")
-            out[name] = value.t().contiguous() if leaf == "weight" else value
-        else:  # q/k/v from c_attn: [in, 3 * out] (weight) or [3 * out] (bias)
-            fused = get(prefix + f"attn.c_attn.{leaf}")
-            fused = fused.t() if leaf == "weight" else fused
-            if fused.shape[0] % 3:
-                raise InteropError(f"{where}: {prefix}attn.c_attn.{leaf} of shape {tuple(fused.shape)} is not q|k|v")
-            part = "qkv".index(module.split(".")[1][0])
-            out[name] = fused.chunk(3, dim=0)[part].contiguous()
+            return value.t().contiguous() if leaf == "weight" else value
+        # q/k/v from c_attn: [in, 3 * out] (weight) or [3 * out] (bias)
+        fused = get(prefix + f"attn.c_attn.{leaf}")
+        fused = fused.t() if leaf == "weight" else fused
+        if fused.shape[0] % 3:
+            raise InteropError(f"{where}: {prefix}attn.c_attn.{leaf} of shape {tuple(fused.shape)} is not q|k|v")
+        return fused.chunk(3, dim=0)["qkv".index(module.split(".")[1][0])].contiguous()
 
-    head_key = "lm_head.weight"
-    if cfg.tie_embeddings and head_key in keys:  # some files store the tied head too: it must be the embedding
-        embedding = out["embedding.weight"]
-        head = tensors[keys[head_key]].to(torch.float32)
-        if head.shape != embedding.shape or not torch.equal(head, embedding):
-            raise InteropError(f"{where}: tie_word_embeddings=true but lm_head.weight differs from the embedding; "
-                               "megalm cannot tie them (set tie_word_embeddings=false in config.json if untied)")
-        used.add(head_key)
-    unexpected = sorted(k for k in keys if k not in used and not _IGNORED_HF_KEYS.search(k))
-    if unexpected:
-        more = f" (+{len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
-        raise InteropError(f"{where}: unexpected tensors {', '.join(unexpected[:3])}{more}; they do not belong to "
-                           f"a {ARCHITECTURES[arch]} that megalm can compute")
-    for name, value in out.items():
-        expected = tuple(shapes[name])
-        if name in VOCAB_PARAMS:
-            expected = (cfg.vocab_size, *expected[1:])
-        if tuple(value.shape) != expected:
-            raise InteropError(f"{where}: {name} has shape {tuple(value.shape)}, config.json implies {expected}")
-    return fuse_tensors(out, cfg)
+
+_TIED_HEAD_DIFFERS = ("{where}: tie_word_embeddings=true but lm_head.weight differs from the embedding; megalm "
+                      "cannot tie them (set tie_word_embeddings=false in config.json if untied)")
+
+
+def hf_to_megalm(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: str,
+                 shapes: Mapping[str, tuple[int, ...]], where: str) -> dict[str, torch.Tensor]:
+    """`HFWeights`, every value read at once (megalm-import writes them all)."""
+    return dict(HFWeights(tensors, cfg, arch, shapes, where).items())
 
 
 def run_overrides(cfg: ModelConfig) -> list[str]:

@@ -7,58 +7,101 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 
 from megalm.config import ModelConfig
 from megalm.errors import InteropError
 from megalm.model.gpt import GPT, VOCAB_PARAMS, resize_vocab_rows
-from megalm.model.hf import INDEX, PICKLE_SUFFIXES, SINGLE, hf_to_megalm, model_config_from_hf
+from megalm.model.hf import INDEX, PICKLE_SUFFIXES, SINGLE, HFWeights, model_config_from_hf
 
 log = logging.getLogger("megalm")
 
 
-def _load(file: Path) -> dict[str, torch.Tensor]:
+# safetensors' dtype names, for a tensor's shape read from a file's header alone (`SafetensorsDir.meta`)
+_HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                  "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                  "BOOL": torch.bool}
+
+
+def _open(file: Path) -> Any:
     try:
-        return load_file(str(file), device="cpu")
+        return safe_open(str(file), framework="pt", device="cpu")
     except (SafetensorError, OSError, ValueError) as e:
         raise InteropError(f"{file} is not a readable safetensors file ({str(e).strip()[:200]})") from None
 
 
-def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a transformers model dir: sharded (model.safetensors.index.json) or one file. Pickle
-    weights (pytorch_model.bin, ...) are refused: loading them runs arbitrary code."""
+class SafetensorsDir(Mapping[str, torch.Tensor]):
+    """Every tensor of a transformers model dir (sharded: model.safetensors.index.json, or one file), read one at a
+    time when it is looked up: `model.init_from=hf:DIR` copies each into a rank's model and lets it go, so no rank
+    holds the whole model. Opening it reads the files' headers only and checks the dir: pickle weights
+    (pytorch_model.bin, ...) are refused, since loading them runs arbitrary code."""
+
+    def __init__(self, hf_dir: Path) -> None:
+        files, weight_map = _weight_files(hf_dir)
+        self._files = {file: _open(file) for file in files}
+        self._file_of = {key: file for file, handle in self._files.items() for key in handle.keys()}  # noqa: SIM118
+        absent = [k for k in weight_map if k not in self._file_of]
+        if absent:
+            raise InteropError(f"{hf_dir}: {INDEX} maps {absent[0]} to {weight_map[absent[0]]}, which lacks it")
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        file = self._file_of[key]
+        try:
+            return self._files[file].get_tensor(key)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise InteropError(f"{file} is not a readable safetensors file ({str(e).strip()[:200]})") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
+
+    def meta(self) -> dict[str, torch.Tensor]:
+        """Every tensor's shape and dtype, from the headers (meta tensors: no data read)."""
+        out = {}
+        for key, file in self._file_of.items():
+            piece = self._files[file].get_slice(key)
+            out[key] = torch.empty(piece.get_shape(), dtype=_HEADER_DTYPES.get(piece.get_dtype(), torch.float32),
+                                   device="meta")
+        return out
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not a mapping")
+    except (ValueError, KeyError, TypeError) as e:
+        raise InteropError(f"{index} is not a safetensors index ({type(e).__name__}); re-save the model") from None
+    return weight_map
+
+
+def _weight_files(hf_dir: Path) -> tuple[list[Path], dict[str, str]]:
+    """The safetensors files of a transformers model dir, as transformers picks them, and the index's weight map
+    (empty without one)."""
     index = hf_dir / INDEX
     if (hf_dir / SINGLE).is_file():  # transformers reads it first: an index beside it is a stale sharded save's
         if index.is_file():
             log.warning(f"{hf_dir} holds {SINGLE} and {INDEX}: {SINGLE} is read, as transformers reads it; delete "
                         "the one that is stale")
-        return _load(hf_dir / SINGLE)
+        return [hf_dir / SINGLE], {}
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not a mapping")
-        except (ValueError, KeyError, TypeError) as e:
-            raise InteropError(f"{index} is not a safetensors index ({type(e).__name__}); re-save the model") from None
+        weight_map = _weight_map(index)
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (hf_dir / f).is_file()]
         if missing:
             raise InteropError(f"{hf_dir}: {INDEX} names {missing[0]}, which is missing"
                                f"{f' (+{len(missing) - 1} more)' if len(missing) > 1 else ''}; copy every shard")
-        tensors: dict[str, torch.Tensor] = {}
-        for f in files:
-            tensors.update(_load(hf_dir / f))
-        absent = [k for k in weight_map if k not in tensors]
-        if absent:
-            raise InteropError(f"{hf_dir}: {INDEX} maps {absent[0]} to {weight_map[absent[0]]}, which lacks it")
-        return tensors
+        return [hf_dir / f for f in files], weight_map
     found = sorted(p.name for p in hf_dir.glob("*.safetensors"))
     if len(found) == 1:
-        return _load(hf_dir / found[0])
+        return [hf_dir / found[0]], {}
     if found:
         raise InteropError(f"{hf_dir} holds {len(found)} .safetensors files but no {INDEX}; "
                            "add the index transformers wrote with them")
@@ -96,16 +139,22 @@ def read_hf_config(hf_dir: str | Path) -> tuple[str, ModelConfig, dict]:
     return arch, GPT(cfg, device="meta").cfg, hf
 
 
-def read_hf_model(hf_dir: str | Path) -> tuple[str, ModelConfig, dict[str, torch.Tensor], dict]:
-    """(architecture, megalm model config, megalm full-model weights in fp32 with the model's padded vocab rows,
-    config.json) of a local transformers model dir. `model.init_from=hf:DIR` and megalm-import read it so."""
+def read_hf_weights(hf_dir: str | Path) -> tuple[str, ModelConfig, HFWeights, dict]:
+    """(architecture, megalm model config, megalm full-model weights in fp32 with unpadded vocab rows, each read
+    from the files when it is looked up, config.json) of a local transformers model dir: what
+    `model.init_from=hf:DIR` copies into a rank's model one tensor at a time."""
     hf_dir = Path(hf_dir).expanduser().absolute()
     arch, cfg, hf = read_hf_config(hf_dir)
-    tensors = read_safetensors(hf_dir)
-    model = GPT(cfg, device="meta")  # parameter names and shapes only
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    weights = hf_to_megalm(tensors, model.cfg, arch, shapes, str(hf_dir))
-    for name in VOCAB_PARAMS:
-        if name in weights:
-            weights[name] = resize_vocab_rows(weights[name][: cfg.vocab_size], shapes[name][0])
-    return arch, model.cfg, weights, hf
+    tensors = SafetensorsDir(hf_dir)
+    shapes = {name: tuple(p.shape) for name, p in GPT(cfg, device="meta").named_parameters()}
+    return arch, cfg, HFWeights(tensors, cfg, arch, shapes, str(hf_dir), meta=tensors.meta()), hf
+
+
+def read_hf_model(hf_dir: str | Path) -> tuple[str, ModelConfig, dict[str, torch.Tensor], dict]:
+    """`read_hf_weights`, every tensor read, the vocab tables padded to the model's rows: what megalm-import
+    writes."""
+    arch, cfg, lazy, hf = read_hf_weights(hf_dir)
+    rows = {name: p.shape[0] for name, p in GPT(cfg, device="meta").named_parameters() if name in VOCAB_PARAMS}
+    weights = {name: resize_vocab_rows(value[: cfg.vocab_size], rows[name]) if name in rows else value
+               for name, value in lazy.items()}
+    return arch, cfg, weights, hf

@@ -4,21 +4,24 @@
     model.init_from=PATH     a megalm checkpoint or run dir (e.g. megalm-import's output): its weights only
 
 Why weights only: a fresh run (step 0, new optimizer, its own schedule and data order) that continues
-pretraining from a model trained elsewhere. The source is read on CPU as the full single-process model, then
-every parameter of this rank's model is filled with its slice (the same path `init_weights` takes), so any
-TP/PP/ZeRO-1 layout starts from it. The source's model shape must equal the run's; only the first `vocab_size`
-embedding/head rows are real, so a source padded for another TP degree fits too.
+pretraining from a model trained elsewhere. The source's config is checked against the run's first (another
+shape is refused before any weight is read). A megalm checkpoint is then read as a resume reads one (DCP: each rank
+reads its own slices, whatever layout wrote it); a Hugging Face dir one full tensor at a time, each cut to this
+rank's slice (the path `init_weights` takes) and let go, so no rank holds the whole source model: any
+TP/PP/FSDP/ZeRO-1 layout starts from it. Only the first `vocab_size` embedding/head rows are real, so a source
+padded for another TP degree fits too.
 
 `read_megalm_weights` (a megalm checkpoint's full model on CPU) is megalm-export's reader too; the Hugging Face
-side (`read_hf_model`) is megalm/model/hf_files.py's.
+side (`read_hf_weights`) is megalm/model/hf_files.py's.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,19 +32,23 @@ from megalm.data.tokenizer import HFTokenizer
 from megalm.errors import ConfigError
 from megalm.model.gpt import VOCAB_PARAMS, resize_vocab_rows
 from megalm.model.hf import model_config_dict
-from megalm.model.hf_files import read_hf_config, read_hf_model
+from megalm.model.hf_files import read_hf_config, read_hf_weights
 from megalm.model.naming import canonical_named_buffers, canonical_named_parameters
 from megalm.model.shard import copy_full_value, shard_specs
 from megalm.training.checkpoint import (
     LoadedCheckpoint,
     check_model_config,
     function_differences,
+    load_model_weights,
     load_saved_model,
     read_checkpoint_meta,
     resolve_checkpoint_path,
     saved_model_config,
 )
 from megalm.training.optim import full_precision_weights
+
+if TYPE_CHECKING:  # annotations only: the trainer passes its mesh
+    from megalm.parallel.dims import ParallelMesh
 
 log = logging.getLogger("megalm")
 HF_PREFIX = "hf:"
@@ -98,10 +105,15 @@ def read_init_source(spec: str) -> InitSource:
                       meta.state.get("tokenizer"))
 
 
-def read_init_weights(source: InitSource, hf: bool) -> dict[str, torch.Tensor]:
-    """The full-model weights on CPU of the `model.init_from` source that was checked (a run dir's `latest` as it
-    was then, though the run saves on), a megalm checkpoint's persistent buffers too."""
-    return read_hf_model(source.path)[2] if hf else read_megalm_weights(source.path, buffers=True)[2]
+def copy_init_weights(spec: str, source: InitSource, model: nn.Module, vocab: int,
+                      mesh: ParallelMesh | None = None) -> None:
+    """Fill `model` (this rank's layout; collective over `mesh` when it is distributed) from the source that was
+    checked (a run dir's `latest` as it was then, though the run saves on): a megalm checkpoint's weights and
+    persistent buffers, read as a resume reads them; a Hugging Face dir's weights, one tensor at a time."""
+    if spec.startswith(HF_PREFIX):
+        _copy_init_weights(spec, read_hf_weights(source.path)[2], model, vocab)
+    else:
+        load_model_weights(source.path, model, mesh)
 
 
 def check_same_tokenizer(spec: str, source: str | None, run: str | None) -> None:
@@ -128,11 +140,11 @@ def check_same_tokenizer(spec: str, source: str | None, run: str | None) -> None
 
 @torch.no_grad()
 def load_init_weights(spec: str, model: nn.Module, run_model: dict[str, Any], optimizer: Any = None,
-                      run_tokenizer: str | None = None) -> str:
-    """Copy the weights `spec` names into `model` (a GPT or this rank's pipeline chunks, any layout), checking
-    the source model's shape against `run_model` (the run's model config dict) and its tokenizer against the
-    data's (`run_tokenizer`, a spec); with bf16 weights, into the fp32 main weights `optimizer` keeps behind them.
-    Returns a log description."""
+                      run_tokenizer: str | None = None, mesh: ParallelMesh | None = None) -> str:
+    """Copy the weights `spec` names into `model` (a GPT or this rank's pipeline chunks, any layout: every rank of
+    `mesh` calls it), checking the source model's shape against `run_model` (the run's model config dict) and its
+    tokenizer against the data's (`run_tokenizer`, a spec); with bf16 weights, into the fp32 main weights
+    `optimizer` keeps behind them. Returns a log description."""
     source = read_init_source(spec)
     check_model_config(source.model, run_model, source.path, fix="set the run's model.* to the source's "
                        "(megalm-import prints them for a Hugging Face dir), or start from another model.init_from")
@@ -142,20 +154,13 @@ def load_init_weights(spec: str, model: nn.Module, run_model: dict[str, Any], op
         log.warning(f"model.init_from: the source differs in {', '.join(differing)}; its weights will compute "
                     "another function — set them to match unless that is intended")
     with full_precision_weights(optimizer):
-        _copy_init_weights(spec, read_init_weights(source, spec.startswith(HF_PREFIX)), model,
-                           run_model["vocab_size"])
+        copy_init_weights(spec, source, model, run_model["vocab_size"], mesh)
     return source.where
 
 
-def _copy_init_weights(spec: str, weights: dict[str, torch.Tensor], model: nn.Module, vocab: int) -> None:
-    """Every parameter of `model` from the full-model `weights`: this rank's shard of it; and each persistent buffer
-    `weights` holds (a megalm checkpoint's; a Hugging Face model has none: they keep their initial values)."""
-    for name, buffer in canonical_named_buffers(model):  # every rank holding the module holds it whole
-        if name in weights:
-            if weights[name].shape != buffer.shape:
-                raise ConfigError(f"model.init_from={spec}: {name} has shape {tuple(weights[name].shape)}, this "
-                                  f"run's model {tuple(buffer.shape)}; use the matching model config")
-            buffer.copy_(weights[name])
+def _copy_init_weights(spec: str, weights: Mapping[str, torch.Tensor], model: nn.Module, vocab: int) -> None:
+    """Every parameter of `model` from the full-model `weights`, read one at a time: this rank's shard of it (a
+    Hugging Face model has no buffers: they keep their initial values)."""
     specs = shard_specs(model)
     for name, param in canonical_named_parameters(model):
         if name not in weights:

@@ -106,7 +106,7 @@ class Trainer:
         if resume == "never" or (path := ckpt.resumable_checkpoint(self.run_dir, resume)) is None:
             if self.cfg.model.init_from:  # weights from elsewhere, any layout (megalm/training/init_from.py)
                 where = load_init_weights(self.cfg.model.init_from, self.model, self.config_dict["model"],
-                                          self.optimizer, getattr(self.data.tokenizer, "spec", None))
+                                          self.optimizer, getattr(self.data.tokenizer, "spec", None), self.mesh)
                 log.info(f"model.init_from: weights from {where}")
             return
         meta = ckpt.read_checkpoint_meta(path)

@@ -235,7 +235,7 @@ def test_init_from_takes_a_rope_model_to_a_longer_context(tmp_path, monkeypatch)
     assert torch.equal(longer.model.embedding.weight, model.embedding.weight)
     gpt2, _ = make_run(tmp_path / "gpt2", "gpt2")
     hf = export_hf(gpt2, tmp_path / "gpt2_hf")
-    monkeypatch.setattr(init_from, "read_init_weights", lambda *source: pytest.fail(f"read the weights of {source}"))
+    monkeypatch.setattr(init_from, "copy_init_weights", lambda *source: pytest.fail(f"read the weights of {source}"))
     for source in (gpt2, f"hf:{hf}"):
         with pytest.raises(MegalmError, match=r"max_position_embeddings=32 \(this run: 64\)"):
             Trainer(compose_config(*STYLES["gpt2"], "model.seq_length=64", f"model.init_from={source}"),
@@ -334,6 +334,27 @@ def test_import_refuses_bad_inputs_in_one_line(tmp_path, case, capsys):
     assert e.value.code != 0 and "\n" not in err and message in err, err
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "untouched"
     assert not list(tmp_path.glob(".out.*")), "no temporary directory is left behind"
+
+
+@pytest.mark.parametrize("case", ["tie_mismatch", "truncated_shard"])
+def test_init_from_refuses_bad_files_in_one_line(tmp_path, case):
+    """`model.init_from=hf:DIR` reads the files one tensor at a time (tests/unit/test_init_from_memory.py): what only
+    a tensor's bytes show (a stored tied head that is not the embedding, a cut shard) is still one line."""
+    from megalm.training.trainer import Trainer
+
+    hf_dir = tmp_path / "hf"
+    run, _ = make_run(tmp_path / "src", "llama")
+    export_hf(run, hf_dir, max_shard_size="20KB")
+    if case == "tie_mismatch":
+        BAD_IMPORTS[case][0](hf_dir)
+    else:
+        shard = next(hf_dir.glob("model-00002-*.safetensors"))
+        shard.write_bytes(shard.read_bytes()[:-64])
+    tied = ["model.tie_embeddings=true"] if case == "tie_mismatch" else []
+    message = "lm_head.weight differs" if case == "tie_mismatch" else "is not a readable safetensors file"
+    with pytest.raises(MegalmError, match=message) as e:
+        Trainer(compose_config(*STYLES["llama"], *tied, f"model.init_from=hf:{hf_dir}"), tmp_path / "run")
+    assert "\n" not in str(e.value)
 
 
 def test_export_refuses_bad_inputs_in_one_line(tmp_path, capsys):

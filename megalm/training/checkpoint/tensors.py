@@ -196,11 +196,12 @@ def dcp_pieces(name: str, value: torch.Tensor, spec: ShardSpec | FusedShardSpec 
 
 
 def _load_target(like: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | None) -> torch.Tensor:
-    """An empty tensor for DCP to load into, laid out as `for_dcp` saved one like `like`: a DTensor slice,
-    the full tensor of slices several ranks hold (no collective: only its shape matters), or a plain one."""
+    """The tensor DCP loads into, laid out as `for_dcp` saved one like `like`: `like` itself (its storage is
+    written: a parameter loads in place) or a DTensor over it for a slice; a new full tensor for slices several ranks
+    hold (no collective: only its shape matters)."""
     if spec is not None and mesh is not None and mesh.dims.tp > 1 and not spec.single_slice:
         return torch.empty(spec.full_shape, dtype=like.dtype, device=like.device)
-    return for_dcp(torch.empty_like(like), spec, mesh)
+    return for_dcp(like, spec, mesh)
 
 
 def from_dcp(loaded: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
@@ -326,10 +327,13 @@ def local_from_targets(prefix: str, name: str, like: torch.Tensor, spec: ShardSp
 
 
 def model_targets(model: nn.Module, mesh: ParallelMesh | None, saved_rows: int | None) -> dict[str, torch.Tensor]:
+    """DCP's targets for `model`'s weights and buffers: a plain parameter is its own target (read in place: a load
+    holds no second copy of the model; `copy_model` then copies it onto itself), an FSDP shard's is its chunk."""
     specs = shard_specs(model)
     targets = {key: target for n, p in canonical_named_parameters(model)
-               for key, target in like_targets("model/", n, empty_full_like(p), specs.get(n), model, mesh,
-                                               saved_rows, fsdp=p if isinstance(p, DTensor) else None).items()}
+               for key, target in like_targets("model/", n, empty_full_like(p) if isinstance(p, DTensor)
+                                               else p.detach(), specs.get(n), model, mesh, saved_rows,
+                                               fsdp=p if isinstance(p, DTensor) else None).items()}
     return targets | {f"model/{n}": torch.empty_like(b) for n, b in canonical_named_buffers(model)}
 
 
