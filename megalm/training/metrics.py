@@ -38,10 +38,11 @@ BATCH_SHARE_SHOWN = 0.05  # the console line names the batches' share of the tim
 
 
 def format_line(record: dict[str, Any], max_steps: int) -> str:
-    """A concise console line: step and progress, loss, lr, grad norm, throughput (and MFU, eval when known),
-    elapsed time and the estimate of what is left."""
+    """A concise console line: step and progress, loss (and its mean over the steps since the last line), lr,
+    grad norm, throughput (and MFU, eval when known), elapsed time and the estimate of what is left."""
     parts = [f"step {record['step']:>{len(str(max_steps))}}/{max_steps} ({100 * record['step'] / max_steps:.0f}%)",
-             f"loss {record['loss']:.4f}"]
+             f"loss {record['loss']:.4f}" + (f" (avg {record['loss_avg']:.4f})" if record.get("loss_avg") is not None
+                                             and record["loss_avg"] != record["loss"] else "")]
     if "val_loss" in record:
         parts.append(f"val {record['val_loss']:.4f}")
     parts += [f"lr {record['lr']:.2e}", f"grad {record['grad_norm']:.3f}",

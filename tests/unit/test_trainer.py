@@ -43,6 +43,20 @@ def test_training_trajectory_independent_of_micro_batch_split(tmp_path):
     assert runs[1] == pytest.approx(runs[8], rel=1e-5)
 
 
+def test_each_record_averages_the_losses_since_the_last_one(tmp_path, caplog):
+    """metrics.jsonl's `loss_avg` and the console's "(avg …)": the mean of the step losses since the previous record
+    (Megatron's lm loss over its log interval), beside the logged step's own `loss`."""
+    with caplog.at_level("INFO", logger="megalm"):
+        summary = Trainer(compose_config("trainer.max_steps=7", "trainer.log_interval=3"), tmp_path).fit()
+    step_loss = dict(summary.losses)
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 3, 6, 7]
+    for record, steps in zip(records, ([1], [2, 3], [4, 5, 6], [7]), strict=True):
+        assert record["loss"] == step_loss[record["step"]]
+        assert record["loss_avg"] == pytest.approx(sum(step_loss[s] for s in steps) / len(steps), rel=1e-12)
+    assert f"(avg {records[2]['loss_avg']:.4f})" in caplog.text
+
+
 def test_resume_is_bit_exact(tmp_path):
     common = ["trainer.max_steps=12", "model.dropout=0.1", "trainer.save_interval=4"]
     straight = Trainer(compose_config(*common), tmp_path / "straight").fit()
