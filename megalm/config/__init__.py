@@ -9,6 +9,7 @@ from megalm.config.checks import (
     RECOMPUTE_MODES,
     blend_pairs,
     choice,
+    is_hsdp,
     is_moe_layer,
     moe_layer_ids,
     pad_vocab,
@@ -52,5 +53,5 @@ __all__ = [
     "RECOMPUTE_MODES", "process_group_minutes", "recompute_modes",
     "register_schema", "resolve_model_defaults", "schema_default", "schema_error_line",
     "set_away_from_default", "to_dataclass",
-    "validate", "validate_model", "zero_bubble",
+    "validate", "validate_model", "zero_bubble", "is_hsdp",
 ]

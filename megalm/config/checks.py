@@ -465,6 +465,13 @@ def recompute_modes(recompute: str | list[str], pp: int) -> list[str]:
     return modes
 
 
+def is_hsdp(parallel: ParallelConfig) -> bool:
+    """Whether FSDP shards over groups smaller than dp*cp and replicates across them (HSDP); `fsdp_shard_size`
+    equal to dp*cp is plain FSDP."""
+    return (parallel.fsdp and parallel.fsdp_shard_size is not None
+            and parallel.fsdp_shard_size < (parallel.dp or 1) * parallel.cp)
+
+
 def zero_bubble(parallel: ParallelConfig) -> bool:
     """Whether `parallel` runs the zero-bubble schedule, whose weight gradients wait for its W actions
     (megalm/parallel/pipeline/weight_grad.py): what FSDP, torchao's layers and compiled FP8/MX linears refuse, and what

@@ -81,6 +81,8 @@ def test_dp_defaults_to_what_is_left():
     (4, ["parallel.fsdp=true", "parallel.fsdp_shard_size=3", "trainer.micro_batch_size=2"],
      "fsdp_shard_size=3 must divide dp.cp=4"),
     (2, ["parallel.fsdp_shard_size=2"], "fsdp_shard_size=2 needs parallel.fsdp=true"),
+    # shards of one rank: it ran, every rank gathering its whole model through FSDP's hooks (found 2026-12-07)
+    (2, ["parallel.fsdp=true", "parallel.fsdp_shard_size=1"], "fsdp_shard_size=1 shards nothing"),
     (2, ["parallel.fsdp_reshard_after_forward=false"], "needs parallel.fsdp=true"),
     (2, ["parallel.fsdp_cpu_offload=true"], "needs parallel.fsdp=true"),
 ])

@@ -307,6 +307,17 @@ def test_layouts_not_built_for_moe_are_refused_in_one_line(make_config, world, o
     assert "\n" not in str(error.value)
 
 
+def test_fsdp_shard_size_of_the_whole_domain_is_plain_fsdp_for_moe(make_config):
+    """parallel.fsdp_shard_size = dp*cp shards over every rank, as null does: not HSDP, which EP refuses (it was
+    refused as HSDP until 2026-12-07)."""
+    from megalm.training.validation import validate_run
+
+    for size in ("null", "4"):
+        validate_run(make_config("model=moe_tiny", "parallel.ep=2", "parallel.fsdp=true",
+                                 f"parallel.fsdp_shard_size={size}", "trainer.micro_batch_size=2"), 4,
+                     torch.device("cpu"))
+
+
 def test_expert_groups_are_consecutive_domain_ranks_and_their_columns():
     """EP groups: consecutive ranks of each dp x cp domain (at every tp and pp coordinate); expert-data-parallel
     groups: the ranks holding the same experts, one from each EP group. Every domain rank is in exactly one of

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalm.config import MegalmConfig
+from megalm.config import MegalmConfig, is_hsdp
 from megalm.errors import ConfigError
 from megalm.model.moe import MoE
 from megalm.model.shard import ShardSpec
@@ -70,7 +70,7 @@ def validate_experts(cfg: MegalmConfig) -> None:
                           "the capacity queues and the switch loss are a micro-batch's, so the run would not be one "
                           "process's; use trainer.global_batch_size, or drop them (the sequence and z losses and "
                           "the selection bias are fine)")
-    if p.fsdp and (p.ep > 1 or p.sequence_parallel) and p.fsdp_shard_size is not None:
+    if is_hsdp(p) and (p.ep > 1 or p.sequence_parallel):  # fsdp_shard_size = dp*cp is plain FSDP
         raise ConfigError(f"parallel.fsdp_shard_size={p.fsdp_shard_size} (HSDP) with parallel.ep={p.ep} or sequence "
                           "parallelism is not supported for mixture-of-experts models: the routed experts shard over "
                           "their own expert-data-parallel ranks; leave parallel.fsdp_shard_size=null")

@@ -78,6 +78,10 @@ def validate_fsdp(cfg: MegalmConfig) -> None:
     if p.fsdp_shard_size is not None and (p.fsdp_shard_size < 1 or domain % p.fsdp_shard_size):
         raise ConfigError(f"parallel.fsdp_shard_size={p.fsdp_shard_size} must divide dp*cp={domain} (HSDP: shard "
                           "within groups of that many ranks, replicate across them); null shards over all of them")
+    if p.fsdp_shard_size == 1:  # it ran, every rank gathering its own whole model through FSDP's hooks
+        raise ConfigError("parallel.fsdp_shard_size=1 shards nothing: every rank would hold the whole model and its "
+                          "optimizer states; drop parallel.fsdp (parallel.zero1=true shards the optimizer states) or "
+                          "shard over more ranks")
 
 
 def fsdp_shard_count(p: ParallelConfig) -> int:
