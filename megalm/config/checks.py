@@ -22,6 +22,7 @@ from megalm.config.choices import (
     AttentionBackend,
     DataSource,
     Device,
+    DropPolicy,
     LRSchedule,
     NonFinite,
     Norm,
@@ -228,6 +229,10 @@ def validate_moe(model: ModelConfig) -> None:
         raise ConfigError(f"model.moe: experts are SwiGLU MLPs, model.activation={model.activation}; "
                           "set model.activation=swiglu or model.moe.num_experts=0")
     positive(moe.capacity_factor, "model.moe.capacity_factor")  # null: dropless
+    choice(moe.drop_policy, "model.moe.drop_policy", DropPolicy)
+    if moe.capacity_factor is None and (unread := set_away_from_default(moe, MoEConfig, ["drop_policy"])):
+        log.warning(f"model.moe.{unread[0]} set with model.moe.capacity_factor=null (dropless): "
+                    "not used")
     positive(moe.routed_scaling_factor, "model.moe.routed_scaling_factor")
     for key in ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
         non_negative(getattr(moe, key), f"model.moe.{key}", "turns it off")

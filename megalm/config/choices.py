@@ -39,6 +39,14 @@ class Activation(Choice):
     gelu = "gelu"
 
 
+class DropPolicy(Choice):
+    """Which assignments an MoE expert past its capacity drops: the last in token order (position), or those of the
+    lowest routing weight (probs, Megatron's default `--moe-token-drop-policy`)."""
+
+    position = "position"
+    probs = "probs"
+
+
 class RouterScore(Choice):
     """How an MoE router turns logits into expert scores: softmax (Switch, Mixtral, Qwen3) or sigmoid (DeepSeek-V3)."""
 

@@ -22,6 +22,7 @@ from megalm.config.choices import (
     ContextComm,
     DataSource,
     Device,
+    DropPolicy,
     ForwardFormat,
     GradReduceDtype,
     LRSchedule,
@@ -95,7 +96,10 @@ class MoEConfig:
     """Multiplies the routed experts' combine weights (DeepSeek-V3: 2.5)."""
     capacity_factor: float | None = None
     """None: dropless. Else an expert takes at most ceil(cf x T x top_k / num_experts) of a micro-batch's T tokens
-    (the whole micro-batch's, whatever the layout); later assignments in token order are dropped and counted."""
+    (the whole micro-batch's, whatever the layout); the rest of its assignments are dropped and counted."""
+    drop_policy: DropPolicy = DropPolicy.position
+    """Which assignments an expert past its capacity drops: position (the last in token order) | probs (those of
+    the lowest routing weight, ties in token order: Megatron's default)."""
     aux_loss_coeff: float = 0.0
     """The switch-style load-balancing loss's coefficient (Fedus et al.; Qwen3's router_aux_loss_coef 0.001)."""
     seq_aux_loss_coeff: float = 0.0

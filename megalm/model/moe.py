@@ -9,8 +9,9 @@ The router runs in fp32 whatever the compute dtype. Tokens are sorted by expert 
 token order, so the permutation is the same under every layout), the experts run as two grouped GEMMs over the
 sorted rows (`torch._grouped_mm`), and each token's k outputs are gathered back and summed with their weights.
 Dropless by default; with `capacity_factor` an expert takes at most ceil(cf · T · k / E) of a micro-batch's T
-tokens and the rest of its assignments are dropped in token order (their weight is lost, the residual carries the
-token), counted in the layer's stats.
+tokens and the rest of its assignments are dropped (their weight is lost, the residual carries the token), counted
+in the layer's stats: the last in token order, or with `drop_policy=probs` those of the lowest routing weight
+(Megatron's default; ties in token order).
 
 Balancing losses, each a sum over tokens (as the LM loss is, megalm/model/loss.py) so that the step divides it by
 the global batch's loss-token count once (the LM loss's normaliser N) and every split of the batch gives the same
@@ -224,7 +225,7 @@ class Router(nn.Module):
         moe = cfg.moe
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.score, self.norm_topk_prob, self.scaling = moe.router_score, moe.norm_topk_prob, moe.routed_scaling_factor
-        self.capacity_factor = moe.capacity_factor
+        self.capacity_factor, self.drop_by_weight = moe.capacity_factor, moe.drop_policy == "probs"
         self.coeffs = (moe.aux_loss_coeff, moe.seq_aux_loss_coeff, moe.z_loss_coeff)
         self.weight = nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size))
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts, dtype=torch.float32))
@@ -244,7 +245,7 @@ class Router(nn.Module):
         whole = None
         if self.capacity_factor is not None or self.coeffs[0] or self.coeffs[1]:
             whole = self._whole_choices(experts, tokens)
-        kept = self._capacity_mask(experts, tokens, whole)
+        kept = self._capacity_mask(experts, tokens, whole, weights)
         weights = weights * kept
         counts = per_expert(experts, kept.float(), self.num_experts)
         real = experts.numel() if tokens.real is None else tokens.real.sum() * self.top_k
@@ -260,9 +261,10 @@ class Router(nn.Module):
         return both[:, :self.top_k], both[:, self.top_k].bool()
 
     def _capacity_mask(self, experts: torch.Tensor, tokens: TokenShard,
-                       whole: tuple[torch.Tensor, torch.Tensor | None] | None) -> torch.Tensor:
+                       whole: tuple[torch.Tensor, torch.Tensor | None] | None, weights: torch.Tensor) -> torch.Tensor:
         """True for the assignments of real tokens that fit their expert's capacity: ceil(cf · T · k / E) of the
-        whole micro-batch's T real tokens, first come in its token order (the same queue under every layout)."""
+        whole micro-batch's T real tokens, first come in its token order (the same queue under every layout), or
+        under `drop_policy=probs` first by routing weight, highest first (`weights` [T, k], gathered whole)."""
         real = tokens.real
         if self.capacity_factor is None:
             return torch.ones_like(experts, dtype=torch.bool) if real is None else real.unsqueeze(-1).expand_as(
@@ -278,7 +280,13 @@ class Router(nn.Module):
             real_assignments = whole_real.repeat_interleave(self.top_k)
             queue = torch.where(real_assignments, queue, self.num_experts)
             capacity = torch.ceil(self.capacity_factor * real_assignments.sum().double() / self.num_experts)
-        kept = _queue_positions(queue, self.num_experts + 1) < capacity
+        if self.drop_by_weight:  # the queues in order of weight, ties in token order (a stable sort)
+            by_weight = torch.argsort(tokens.gather(weights.detach()).reshape(-1), descending=True, stable=True)
+            positions = torch.empty_like(by_weight)
+            positions[by_weight] = _queue_positions(queue[by_weight], self.num_experts + 1)
+        else:
+            positions = _queue_positions(queue, self.num_experts + 1)
+        kept = positions < capacity
         if real_assignments is not None:
             kept = kept & real_assignments
         return kept.view(-1, self.top_k)[tokens.local_index]

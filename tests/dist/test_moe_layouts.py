@@ -54,6 +54,7 @@ def same_bias(ref: Trainer, par: Trainer) -> bool:
 
 
 DROPLESS, CAPACITY = ["model.moe.capacity_factor=null"], ["model.moe.capacity_factor=1.0"]
+PROBS = ["model.moe.drop_policy=probs"]
 SHARED = ["model.moe.num_shared_experts=1", "model.moe.shared_ffn_hidden_size=48"]  # TP splits them as an MLP
 VARLEN = ["data.varlen=true"]  # documents of every length: zigzag pads them, and the routers must not count it
 BATCH16 = ["trainer.global_batch_size=16"]  # 4 data-parallel ranks of micro-batches of 4 samples
@@ -83,6 +84,10 @@ LAYOUTS = {  # name: (ranks, the model and data of both runs, the layout)
                                                 "parallel.zero1=true"]),
     "cp2_a2a_capacity": (2, CAPACITY + VARLEN, ["parallel.cp=2", "parallel.cp_comm=a2a"]),
     "ep2_cp2": (4, DROPLESS + VARLEN, ["parallel.ep=2", "parallel.cp=2"]),
+    # drops by routing weight: each expert's queue ordered by the whole micro-batch's weights, gathered over the
+    # ranks that split its tokens (CP's ring, SP's TP ranks)
+    "cp2_probs": (2, CAPACITY + PROBS + VARLEN, ["parallel.cp=2"]),
+    "tp2_sp_probs": (2, CAPACITY + PROBS + VARLEN, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
 }
 
 

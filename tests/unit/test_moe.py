@@ -397,3 +397,50 @@ def test_queue_positions_count_each_experts_earlier_assignments():
         queue = torch.randint(0, queues, (n,), generator=generator)
         one_hot = torch.nn.functional.one_hot(queue, queues)
         torch.testing.assert_close(_queue_positions(queue, queues), (one_hot.cumsum(0) * one_hot).sum(-1) - 1)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_drop_policy_probs_keeps_each_experts_highest_weights(padded, caplog):
+    """model.moe.drop_policy=probs (Megatron's default): an expert past its capacity keeps the assignments of the
+    highest routing weight, ties in token order; checked against a per-expert sort in plain Python. position keeps
+    the first in token order, and they differ on this batch. Padding tokens take no place in either queue."""
+    from megalm.config.checks import validate
+    from megalm.model.moe import Router, WholeTokens
+    from tests.conftest import compose_config
+
+    cf, tokens, k, experts = 0.5, 96, 2, 4
+    routers = {}
+    for policy, capacity_factor in (("position", cf), ("probs", cf), ("position", None)):
+        cfg = compose_config("model=moe_tiny", "model.hidden_size=64", "model.moe.expert_ffn_hidden_size=32",
+                             f"model.moe.top_k={k}", f"model.moe.capacity_factor={capacity_factor or 'null'}",
+                             f"model.moe.num_experts={experts}", f"model.moe.drop_policy={policy}")
+        validate(cfg)
+        torch.manual_seed(0)
+        routers[policy if capacity_factor else "dropless"] = Router(cfg.model)
+        torch.nn.init.normal_(routers[policy if capacity_factor else "dropless"].weight, std=0.5)
+    x, cu = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(1)), torch.tensor([0, tokens])
+    real = (torch.arange(tokens) % 7 != 3) if padded else None
+    kept = {policy: routers[policy](x, WholeTokens(cu, tokens, real=real)).kept for policy in ("position", "probs")}
+    dropless = routers["dropless"](x, WholeTokens(cu, tokens))  # every assignment's weight, none dropped
+    chosen, weights = dropless.experts.tolist(), dropless.weights.tolist()
+    n_real = tokens if real is None else int(real.sum())
+    capacity = math.ceil(cf * n_real * k / experts)
+    expected = [[False] * k for _ in range(tokens)]
+    for e in range(experts):
+        queue = [(t, j) for t in range(tokens) for j in range(k)
+                 if chosen[t][j] == e and (real is None or bool(real[t]))]
+        for t, j in sorted(queue, key=lambda a: -weights[a[0]][a[1]])[:capacity]:  # sorted() is stable
+            expected[t][j] = True
+    assert kept["probs"].tolist() == expected
+    assert kept["position"].tolist() != expected and kept["position"].sum() == kept["probs"].sum()
+
+
+def test_drop_policy_without_a_capacity_is_said_unread(caplog):
+    from megalm.config.checks import validate
+    from tests.conftest import compose_config
+
+    with caplog.at_level("WARNING", logger="megalm"):
+        validate(compose_config("model=moe_tiny", "model.moe.drop_policy=probs"))
+    assert "model.moe.drop_policy=probs set with model.moe.capacity_factor=null (dropless): not used" in caplog.text
+    with pytest.raises(ConfigError, match="model.moe.drop_policy"):
+        validate(compose_config("model=moe_tiny", "model.moe.capacity_factor=1.0", "model.moe.drop_policy=lowest"))

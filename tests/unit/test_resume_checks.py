@@ -235,3 +235,20 @@ def test_a_resume_on_data_rebuilt_in_place_is_said(tmp_path, caplog):
     assert len(said) == 1 and f"this run reads {tmp_path / 'local' / 'corpus'}: resumed as the same data" in said[0]
     with pytest.raises(CheckpointError, match="seed=1234, this run has 1"):  # what does fix the order is still refused
         Trainer(compose_config(*RUN, *moved, "seed=1"), tmp_path / "run")
+
+
+def test_a_resume_names_another_drop_policy_only_where_experts_drop():
+    """model.moe.drop_policy changes which assignments a capacity drops: a resume names it, as it names
+    capacity_factor. A checkpoint written before the key drops by position, and a dropless model reads no policy."""
+    from megalm.training.checkpoint.verify import FUNCTION_KEYS, TRAINING_KEYS, function_differences
+
+    def model(*overrides: str) -> dict:
+        return config_to_dict(validate(compose_config("model=moe_tiny", *overrides)))["model"]
+
+    keys = FUNCTION_KEYS + TRAINING_KEYS
+    capacity = model("model.moe.capacity_factor=1.0")
+    probs = model("model.moe.capacity_factor=1.0", "model.moe.drop_policy=probs")
+    assert function_differences(capacity, probs, keys) == ["moe.drop_policy=position (this run: probs)"]
+    before_the_key = {**capacity, "moe": {k: v for k, v in capacity["moe"].items() if k != "drop_policy"}}
+    assert function_differences(before_the_key, capacity, keys) == []
+    assert function_differences(model(), model("model.moe.drop_policy=probs"), keys) == []

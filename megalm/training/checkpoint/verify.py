@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from megalm.config import ModelConfig, config_to_dict, model_config, resolve_model_defaults
 from megalm.config.checks import ROPE_SCALING_FIELDS, schema_default
-from megalm.config.schema import RopeScalingConfig
+from megalm.config.schema import MoEConfig, RopeScalingConfig
 from megalm.errors import CheckpointError, ConfigError
 from megalm.model.rope import yarn_attention_factor
 from megalm.precision import recipe_on_bf16_weights, skipped_layers
@@ -265,7 +265,7 @@ FUNCTION_KEYS = ("rope_theta", "rope_scaling.type", "rope_scaling.factor", "rope
                  "moe.top_k", "moe.norm_topk_prob", "moe.router_score",
                  "moe.routed_scaling_factor")  # moe.*: how an MoE router routes (the model's own experts only)
 # ... and what a resume continues to train with (a fine-tune from another model's weights changes them at will)
-TRAINING_KEYS = ("dropout", "attention_dropout", "moe.capacity_factor")
+TRAINING_KEYS = ("dropout", "attention_dropout", "moe.capacity_factor", "moe.drop_policy")
 
 
 def _model_key(model: dict[str, Any], key: str) -> Any:
@@ -274,7 +274,9 @@ def _model_key(model: dict[str, Any], key: str) -> Any:
     section, _, name = key.rpartition(".")
     if section == "moe":
         moe = model.get(section) or {}
-        return moe.get(name) if moe.get("num_experts") else None
+        if not moe.get("num_experts") or name == "drop_policy" and moe.get("capacity_factor") is None:
+            return None  # a dense model's, or a dropless one's drop policy: nothing reads it
+        return str(moe.get(name, schema_default(MoEConfig, name))) if name == "drop_policy" else moe.get(name)
     if section == "rope_scaling":  # the fields its type reads; one a config predates has its default
         scaling = model.get(section) or {}
         kind = str(scaling.get("type", "none"))
