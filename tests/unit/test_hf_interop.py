@@ -755,14 +755,15 @@ def test_a_scaled_rope_imports_computes_its_logits_and_exports_back(tmp_path, ki
     ({"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 32}, "rope_type 'longrope'"),
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "partial_rotary_factor": 0.5},
      "sets partial_rotary_factor"),
-    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
-     "lacks original_max_position_embeddings"),
+    # YaRN in DeepSeek's form (its factor from the original context) without that context: transformers 5 takes
+    # the model's own, a factor of 1
+    ({"rope_type": "yarn", "beta_fast": 32.0}, "lacks factor"),
     ({**LLAMA3_ROPE, "factor": "eight"}, "its factors must be numbers"),
     ({**LLAMA3_ROPE, "low_freq_factor": 4.0}, "low_freq_factor=4.0 must be below high_freq_factor=4.0"),
     # transformers 5 reads rope_parameters, 4 rope_scaling: two that disagree would be two models
     ({**LLAMA3_ROPE, "factor": 32.0, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5000.0}}, "disagree"),
     ({"rope_type": "default", "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5000.0}}, "disagree"),
-], ids=["longrope", "partial_yarn", "incomplete", "not_a_number", "empty_band", "two_factors", "two_types"])
+], ids=["longrope", "partial_yarn", "no_yarn_factor", "not_a_number", "empty_band", "two_factors", "two_types"])
 def test_import_refuses_a_rope_scaling_it_cannot_compute(tmp_path, rope_scaling, message):
     hf_dir = _hf_dir(tmp_path)
     rope_scaling = dict(rope_scaling)
@@ -770,6 +771,33 @@ def test_import_refuses_a_rope_scaling_it_cannot_compute(tmp_path, rope_scaling,
     with pytest.raises(MegalmError, match=message):
         import_hf(hf_dir, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("outer", [None, 32])
+def test_a_scaled_rope_without_its_original_context_reads_as_transformers_5_reads_it(tmp_path, outer, caplog):
+    """rope_scaling llama3 without original_max_position_embeddings (transformers 4 raised KeyError; it was refused
+    until 2026-12-07): transformers 5 takes a top-level original_max_position_embeddings, else
+    max_position_embeddings, and so does the import, saying so once; the logits equal transformers' on the file."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rope_theta=5000.0,
+        rope_scaling=dict(LLAMA3_ROPE), tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    without = {k: v for k, v in LLAMA3_ROPE.items() if k != "original_max_position_embeddings"}
+    _edit_config(tmp_path / "hf", rope_parameters={**without, "rope_theta": 5000.0},  # as transformers 5 writes it
+                 **({"original_max_position_embeddings": outer} if outer else {}))
+    hf_model = load_hf(tmp_path / "hf")
+    assert hf_model.config.rope_parameters["original_max_position_embeddings"] == (outer or 256)
+    with caplog.at_level(logging.INFO, logger="megalm"):
+        imported = import_hf(tmp_path / "hf", tmp_path / "imported")
+    assert f"has no original_max_position_embeddings: {outer or 256} is read" in caplog.text
+    _, model = load_saved_model(imported)
+    model.eval()
+    assert model.cfg.rope_scaling.original_max_position_embeddings == (outer or 256)
+    ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        assert (hf_model(torch.tensor([ids])).logits[0] - megalm_logits(model, ids)).abs().max().item() <= 1e-5
 
 
 def test_a_mistral_without_its_window_imports_as_the_llama_style_and_exports_as_llama(tmp_path):
