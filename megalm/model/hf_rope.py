@@ -36,7 +36,8 @@ def rope_from_hf(hf: Mapping[str, Any], where: str) -> tuple[float, dict[str, An
         raise InteropError(f"{where}: rope_parameters={current} and rope_scaling={legacy} disagree; fix config.json")
     which, params = ("rope_scaling", legacy) if legacy else ("rope_parameters", current)
     kind = kind_of(params)
-    theta = float(current.get("rope_theta", hf["rope_theta"]))
+    # transformers 5 reads a legacy rope_scaling with the top-level rope_theta (as 4 does), over rope_parameters'
+    theta = float(hf["rope_theta"] if legacy or "rope_theta" not in current else current["rope_theta"])
     if kind == "default":
         if set(params) - {"rope_type", "type", "rope_theta"}:
             raise InteropError(f"{where}: {which}={params} is not plain RoPE; megalm computes rope_type default, "

@@ -800,6 +800,25 @@ def test_a_scaled_rope_without_its_original_context_reads_as_transformers_5_read
         assert (hf_model(torch.tensor([ids])).logits[0] - megalm_logits(model, ids)).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("keys", [
+    {"rope_scaling": LLAMA3_ROPE, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5000.0}},
+    {"rope_scaling": LLAMA3_ROPE, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5000.0}, "rope_theta": 7000.0},
+    {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0},
+    {"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5000.0}, "rope_theta": 7000.0},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 5000.0}}], ids=["both", "both_top", "4", "5_top", "5"])
+def test_rope_theta_reads_as_transformers_reads_it(keys):
+    """rope_theta where config.json spells it more than once: with a (legacy) rope_scaling, transformers 4 and 5
+    read the top-level rope_theta (or the default), else rope_parameters'; megalm read rope_parameters' first."""
+    import copy
+
+    from megalm.model.hf import model_config_from_hf
+
+    base = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+    theirs = transformers.LlamaConfig.from_dict({**base, **copy.deepcopy(keys)}).rope_parameters["rope_theta"]
+    assert model_config_from_hf({**base, **copy.deepcopy(keys)}, "d")[1].rope_theta == theirs
+
+
 def test_a_mistral_without_its_window_imports_as_the_llama_style_and_exports_as_llama(tmp_path):
     """MistralForCausalLM with sliding_window null (Mistral 7B v0.2/v0.3, NeMo) is Llama's model: it imports with
     transformers' logits, and exports as LlamaForCausalLM with the same tensors and logits."""
