@@ -42,6 +42,7 @@ output, shards) is the CLI's part, in megalm/interop/files.py.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
@@ -68,6 +69,8 @@ from megalm.model.hf_moe import (
     moe_tensors_to_hf,
 )
 from megalm.model.hf_rope import LLAMA3_KEYS, YARN_KEYS, hf_rope, rope_from_hf, whole_number
+
+log = logging.getLogger("megalm")
 
 LLAMA, GPT2, MISTRAL, QWEN2 = "llama", "gpt2", "mistral", "qwen2"
 ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", QWEN2: "Qwen2ForCausalLM",
@@ -218,6 +221,11 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelC
     given, hf = hf, {**HF_DEFAULTS[model_type], **hf}
     # Qwen2 and Qwen3 configs carry a sliding_window that only use_sliding_window turns on
     windows = ("use_sliding_window",) if model_type in WINDOW_SWITCHED else ("sliding_window", "use_sliding_window")
+    window, positions = hf.get("sliding_window"), hf.get("max_position_embeddings")
+    if isinstance(window, int | float) and isinstance(positions, int | float) and window >= positions:
+        windows = ()  # no token is that far from another: the whole document, as megalm attends
+        log.info(f"{where}: sliding_window={window} >= max_position_embeddings={positions} reaches every earlier "
+                 "token: read as attention over the whole document")
     for key in windows:
         if hf.get(key):
             absent = f" (absent: transformers' default for {model_type}; set {key}: null in config.json if the model " \

@@ -139,12 +139,14 @@ def read_hf_config(hf_dir: str | Path) -> tuple[str, ModelConfig, dict]:
     return arch, GPT(cfg, device="meta").cfg, hf
 
 
-def read_hf_weights(hf_dir: str | Path) -> tuple[str, ModelConfig, HFWeights, dict]:
+def read_hf_weights(hf_dir: str | Path, config: tuple[str, ModelConfig, dict] | None = None
+                    ) -> tuple[str, ModelConfig, HFWeights, dict]:
     """(architecture, megalm model config, megalm full-model weights in fp32 with unpadded vocab rows, each read
     from the files when it is looked up, config.json) of a local transformers model dir: what
-    `model.init_from=hf:DIR` copies into a rank's model one tensor at a time."""
+    `model.init_from=hf:DIR` copies into a rank's model one tensor at a time. `config`: `read_hf_config`'s, when
+    it was read already."""
     hf_dir = Path(hf_dir).expanduser().absolute()
-    arch, cfg, hf = read_hf_config(hf_dir)
+    arch, cfg, hf = config or read_hf_config(hf_dir)
     tensors = SafetensorsDir(hf_dir)
     shapes = {name: tuple(p.shape) for name, p in GPT(cfg, device="meta").named_parameters()}
     return arch, cfg, HFWeights(tensors, cfg, arch, shapes, str(hf_dir), meta=tensors.meta()), hf

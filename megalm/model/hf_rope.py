@@ -5,7 +5,6 @@ both spellings; any other scaling (linear, dynamic, longrope) is refused. The re
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections.abc import Mapping
@@ -22,7 +21,6 @@ LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate")
 _YARN_ACCEPTED = {*YARN_KEYS, "mscale", "mscale_all_dim", "rope_type", "type", "rope_theta"}
 log = logging.getLogger("megalm")
-_say_once = functools.cache(log.info)  # `model.init_from=hf:DIR` reads config.json twice (its check, then its weights)
 
 
 def rope_from_hf(hf: Mapping[str, Any], where: str) -> tuple[float, dict[str, Any]]:
@@ -57,8 +55,8 @@ def rope_from_hf(hf: Mapping[str, Any], where: str) -> tuple[float, dict[str, An
         # transformers 5 takes the top-level key, else the model's context (4 raised KeyError for llama3)
         params["original_max_position_embeddings"] = hf.get("original_max_position_embeddings",
                                                             hf["max_position_embeddings"])
-        _say_once(f"{where}: {which} of rope_type {kind} has no original_max_position_embeddings: "
-                  f"{params['original_max_position_embeddings']} is read, as transformers 5 reads it")
+        log.info(f"{where}: {which} of rope_type {kind} has no original_max_position_embeddings: "
+                 f"{params['original_max_position_embeddings']} is read, as transformers 5 reads it")
     required = LLAMA3_KEYS if kind == "llama3" else YARN_KEYS[:2]
     missing = [k for k in required if params.get(k) is None]
     if missing:

@@ -88,6 +88,7 @@ class InitSource:
     path: Path
     model: dict[str, Any]  # its model config, as a checkpoint's config.yaml holds it
     tokenizer: str | None  # its tokenizer spec; None where it records none
+    hf_config: tuple[str, ModelConfig, dict] | None = None  # a Hugging Face dir's, as `read_hf_config` read it
 
 
 def read_init_source(spec: str) -> InitSource:
@@ -96,9 +97,10 @@ def read_init_source(spec: str) -> InitSource:
     validate_init_from(spec)
     if spec.startswith(HF_PREFIX):
         hf_dir = Path(spec[len(HF_PREFIX):]).expanduser().absolute()
-        arch, cfg, _ = read_hf_config(hf_dir)
+        hf_config = read_hf_config(hf_dir)
+        arch, cfg, _ = hf_config
         tokenizer = str(hf_dir / "tokenizer.json") if (hf_dir / "tokenizer.json").is_file() else None
-        return InitSource(f"Hugging Face {arch} dir {hf_dir}", hf_dir, model_config_dict(cfg), tokenizer)
+        return InitSource(f"Hugging Face {arch} dir {hf_dir}", hf_dir, model_config_dict(cfg), tokenizer, hf_config)
     meta = read_checkpoint_meta(resolve_checkpoint_path(spec))
     cfg = saved_model_config(meta)
     return InitSource(f"checkpoint {meta.path} (step {meta.state.get('step')})", meta.path, model_config_dict(cfg),
@@ -111,7 +113,7 @@ def copy_init_weights(spec: str, source: InitSource, model: nn.Module, vocab: in
     checked (a run dir's `latest` as it was then, though the run saves on): a megalm checkpoint's weights and
     persistent buffers, read as a resume reads them; a Hugging Face dir's weights, one tensor at a time."""
     if spec.startswith(HF_PREFIX):
-        _copy_init_weights(spec, read_hf_weights(source.path)[2], model, vocab)
+        _copy_init_weights(spec, read_hf_weights(source.path, source.hf_config)[2], model, vocab)
     else:
         load_model_weights(source.path, model, mesh)
 

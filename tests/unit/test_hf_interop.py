@@ -819,19 +819,24 @@ def test_rope_theta_reads_as_transformers_reads_it(keys):
     assert model_config_from_hf({**base, **copy.deepcopy(keys)}, "d")[1].rope_theta == theirs
 
 
-def test_a_mistral_without_its_window_imports_as_the_llama_style_and_exports_as_llama(tmp_path):
-    """MistralForCausalLM with sliding_window null (Mistral 7B v0.2/v0.3, NeMo) is Llama's model: it imports with
-    transformers' logits, and exports as LlamaForCausalLM with the same tensors and logits."""
+@pytest.mark.parametrize("window", [None, 128])
+def test_a_mistral_without_its_window_imports_as_the_llama_style_and_exports_as_llama(tmp_path, window, caplog):
+    """MistralForCausalLM with sliding_window null (Mistral 7B v0.2/v0.3, NeMo), or one that reaches every earlier
+    position (refused until 2026-12-07), is Llama's model: it imports with transformers' logits, and exports as
+    LlamaForCausalLM with the same tensors and logits."""
     torch.manual_seed(0)
     config = transformers.MistralConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                        max_position_embeddings=128, sliding_window=None, rope_theta=1e6)
+                                        max_position_embeddings=128, sliding_window=window, rope_theta=1e6)
     hf_model = transformers.MistralForCausalLM(config).eval()
     hf_model.save_pretrained(tmp_path / "hf")
-    imported = import_hf(tmp_path / "hf", tmp_path / "imported")
+    with caplog.at_level(logging.INFO, logger="megalm"):
+        imported = import_hf(tmp_path / "hf", tmp_path / "imported")
+    assert ("sliding_window=128 >= max_position_embeddings=128 reaches every earlier token" in caplog.text) == bool(
+        window)
     _, model = load_saved_model(imported)
     model.eval()
-    ids = torch.randint(0, 300, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         expected = hf_model(torch.tensor([ids])).logits[0]
         assert (expected - megalm_logits(model, ids)).abs().max().item() <= 1e-5
@@ -858,6 +863,7 @@ def test_yarn_keys_read_as_transformers_reads_them(tmp_path):
     assert cfg.rope_scaling.truncate is False
     with pytest.raises(InteropError, match="original_max_position_embeddings=64 and rope_scaling's 32 disagree"):
         model_config_from_hf({**base, "rope_scaling": yarn, "original_max_position_embeddings": 64}, "d")
-    mistral = {**base, "model_type": "mistral"}
+    mistral = {**base, "model_type": "mistral", "max_position_embeddings": 32768}
     with pytest.raises(InteropError, match="absent: transformers' default for mistral; set sliding_window: null"):
         model_config_from_hf(mistral, "d")
+    model_config_from_hf({**mistral, "max_position_embeddings": 4096}, "d")  # the window reaches every position
