@@ -369,7 +369,13 @@ class HFWeights(Mapping[str, torch.Tensor]):
         meta = {k: v.to("meta") for k, v in tensors.items()} if meta is None else meta
         unfused = unfuse_tensors({n: torch.empty(s, device="meta") for n, s in shapes.items()}, cfg)
         used: set[str] = set()
-        out = {name: self._value(name, lambda key: used.add(key) or meta[self._keys[key]]) for name in unfused}
+        out = {}
+        for name in unfused:
+            try:
+                out[name] = self._value(name, lambda key: used.add(key) or meta[self._keys[key]])
+            except RuntimeError as e:  # tensors that do not stack or concatenate (experts of other shapes)
+                raise InteropError(f"{where}: {name} cannot be made of its tensors ({str(e).splitlines()[0][:150]}); "
+                                   f"the files do not hold a {ARCHITECTURES[arch]} of config.json's shape") from None
         self._check_tied_head(out, meta, used)
         unexpected = sorted(k for k in self._keys if k not in used and not _IGNORED_HF_KEYS.search(k))
         if unexpected:
@@ -382,7 +388,7 @@ class HFWeights(Mapping[str, torch.Tensor]):
                 expected = (cfg.vocab_size, *expected[1:])
             if tuple(value.shape) != expected:
                 raise InteropError(f"{where}: {name} has shape {tuple(value.shape)}, config.json implies {expected}")
-        self._names = list(fuse_tensors(out, cfg))  # the parts' rows checked against the model's
+        self._names = dict.fromkeys(fuse_tensors(out, cfg))  # the parts' rows checked against the model's
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._names:
@@ -396,6 +402,9 @@ class HFWeights(Mapping[str, torch.Tensor]):
                     raise InteropError(_TIED_HEAD_DIFFERS.format(where=self._where))
             return value
         return torch.cat([self._value(part, self._read) for part in parts])
+
+    def __contains__(self, key: object) -> bool:  # (Mapping's would read the tensor)
+        return key in self._names
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)

@@ -56,6 +56,9 @@ class SafetensorsDir(Mapping[str, torch.Tensor]):
         except (SafetensorError, OSError, ValueError) as e:
             raise InteropError(f"{file} is not a readable safetensors file ({str(e).strip()[:200]})") from None
 
+    def __contains__(self, key: object) -> bool:  # (Mapping's would read the tensor)
+        return key in self._file_of
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._file_of)
 

@@ -44,6 +44,7 @@ from megalm.training.checkpoint import (
     read_checkpoint_meta,
     resolve_checkpoint_path,
     saved_model_config,
+    verify_checkpoint,
 )
 from megalm.training.optim import full_precision_weights
 
@@ -114,7 +115,8 @@ def copy_init_weights(spec: str, source: InitSource, model: nn.Module, vocab: in
     persistent buffers, read as a resume reads them; a Hugging Face dir's weights, one tensor at a time."""
     if spec.startswith(HF_PREFIX):
         _copy_init_weights(spec, read_hf_weights(source.path, source.hf_config)[2], model, vocab)
-    else:
+    else:  # a damaged file is one line naming it: DCP would leave a lost rank's rows at their initial values
+        verify_checkpoint(source.path)
         load_model_weights(source.path, model, mesh)
 
 

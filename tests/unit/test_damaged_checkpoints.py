@@ -141,6 +141,18 @@ def test_generate_and_export_name_the_damaged_file_in_one_line(trained, tmp_path
         assert e.value.code != 0 and "\n" not in err and f"checkpoint file {file} is damaged" in err, err
 
 
+@pytest.mark.parametrize("case", ["missing rng", "truncated shard", "shard replaced"])
+def test_init_from_names_the_damaged_file_in_one_line(trained, tmp_path, case):
+    """model.init_from reads a checkpoint as a resume does (DCP, into the parameters) and checks its files first, as
+    a resume does: a lost rank's file had left that rank's rows at the run's initial values without a word (a second
+    reader found it)."""
+    run, file = damaged_copy(trained, tmp_path, case)
+    step = run / "checkpoints" / "step_00000004"
+    with pytest.raises(CheckpointError, match=f"checkpoint file {file} is damaged") as refused:
+        Trainer(compose_config(f"model.init_from={step}"), tmp_path / "started")
+    assert "\n" not in str(refused.value)
+
+
 def test_the_save_after_a_fall_back_survives_pruning(trained, tmp_path):
     """keep_last=1 after falling back from a damaged step 4 to step 2: the new step 3 is what `latest` names and
     what pruning keeps (the damaged, newer step 4 is left for inspection, not counted)."""

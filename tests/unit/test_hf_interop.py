@@ -357,6 +357,40 @@ def test_init_from_refuses_bad_files_in_one_line(tmp_path, case):
     assert "\n" not in str(e.value)
 
 
+def test_init_from_reads_each_file_tensor_once(tmp_path, monkeypatch):
+    """`HFWeights` builds a tensor when it is looked up: a membership test must not build it too (Mapping's
+    `__contains__` does, and every tensor of the files was read and converted twice, a second reader found)."""
+    from megalm.model.hf_files import SafetensorsDir
+    from megalm.training.trainer import Trainer
+
+    hf_dir = _hf_dir(tmp_path, "llama_tied")
+    reads: dict[str, int] = {}
+    getitem = SafetensorsDir.__getitem__
+
+    def counted(self, key):
+        reads[key] = reads.get(key, 0) + 1
+        return getitem(self, key)
+
+    monkeypatch.setattr(SafetensorsDir, "__getitem__", counted)
+    Trainer(compose_config(*STYLES["llama_tied"], f"model.init_from=hf:{hf_dir}"), tmp_path / "run")
+    assert reads and reads.keys() == files_tensors(hf_dir).keys() and set(reads.values()) == {1}, reads
+
+
+def test_import_names_experts_that_do_not_stack(tmp_path):
+    """An expert weight of another shape in a Qwen3-MoE file: one line naming the parameter (it was torch.stack's
+    RuntimeError, found by a second reader)."""
+    hf_dir, _ = transformers_dir(tmp_path / "hf", "qwen3_moe")
+    file = next(hf_dir.glob("*.safetensors"))
+    tensors = load_file(str(file))
+    key = next(k for k in tensors if k.endswith("experts.1.gate_proj.weight"))
+    tensors[key] = tensors[key][:-1].clone()
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(InteropError, match=r"layers\.1\.mlp\.experts\.gate_up_proj\.weight cannot be made of its "
+                       "tensors .* the files do not hold a Qwen3MoeForCausalLM") as error:
+        import_hf(hf_dir, tmp_path / "out")
+    assert "\n" not in str(error.value)
+
+
 def test_export_refuses_bad_inputs_in_one_line(tmp_path, capsys):
     run, _ = make_run(tmp_path / "src", "llama")
     out = tmp_path / "out"
