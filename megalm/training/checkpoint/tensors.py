@@ -323,7 +323,25 @@ def local_from_targets(prefix: str, name: str, like: torch.Tensor, spec: ShardSp
     """This rank's tensor laid out like parameter `name` from what DCP filled into `like_targets`' targets."""
     pieces = [local_tensor(stored, targets[f"{prefix}{stored}{suffix}"], piece_spec, piece, saved_rows)
               for stored, piece, piece_spec in stored_pieces(name, like, spec, model)]
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    if len(pieces) == 1:
+        return pieces[0]
+    whole = _whole_of(pieces, like.shape)
+    return torch.cat(pieces) if whole is None else whole
+
+
+def _whole_of(pieces: list[torch.Tensor], shape: torch.Size) -> torch.Tensor | None:
+    """The tensor `pieces` are consecutive row views of, end to end (a fused parameter's parts loaded in place into
+    one target), else None: concatenating them would copy what is already whole."""
+    base = pieces[0]._base
+    if base is None or tuple(base.shape) != tuple(shape) or not base.is_contiguous():
+        return None
+    offset = 0
+    for piece in pieces:
+        if piece._base is not base or piece.storage_offset() != base.storage_offset() + offset \
+                or not piece.is_contiguous():
+            return None
+        offset += piece.numel()
+    return base if offset == base.numel() else None
 
 
 def model_targets(model: nn.Module, mesh: ParallelMesh | None, saved_rows: int | None) -> dict[str, torch.Tensor]:
