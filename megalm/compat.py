@@ -254,16 +254,26 @@ def varlen_attn_available() -> bool:
     return bool(_resolve_varlen())
 
 
+def varlen_window_available() -> bool:
+    """Whether this torch's varlen_attn takes a window (window_size: torch >= 2.11), which a sliding window needs."""
+    form = _resolve_varlen()
+    return bool(form) and form[1]
+
+
 def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                scale: float | None = None) -> torch.Tensor:
+                scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """Causal varlen flash attention (torch.nn.attention.varlen) of q [T, Hq, D] onto k/v [T, Hkv, D], with the
-    keywords this torch's signature takes."""
+    keywords this torch's signature takes; `window`: each query sees its last `window` keys, itself included."""
     form = _resolve_varlen()
     if not form:
         raise RuntimeError("torch.nn.attention.varlen.varlen_attn is missing from this torch or has an unknown form "
                            "(it needs >= 2.10); use model.attention_backend=auto")
-    fn, window, takes_scale, takes_gqa = form
-    kwargs: dict[str, Any] = {"window_size": (-1, 0)} if window else {"is_causal": True}
+    fn, takes_window, takes_scale, takes_gqa = form
+    if window is not None and not takes_window:
+        raise ValueError("this torch's varlen_attn takes no window (torch >= 2.11 does); use "
+                         "model.attention_backend=sdpa for model.sliding_window")
+    kwargs: dict[str, Any] = ({"window_size": (-1 if window is None else window - 1, 0)} if takes_window
+                              else {"is_causal": True})
     if takes_scale:
         kwargs["scale"] = scale
     elif scale is not None and not math.isclose(scale, q.shape[-1] ** -0.5):

@@ -269,6 +269,7 @@ def validate_model(model: ModelConfig) -> None:
                           "lower seq_length or raise max_position_embeddings")
     for key in ("dropout", "attention_dropout"):
         fraction(getattr(model, key), f"model.{key}")
+    positive(model.sliding_window, "model.sliding_window")  # null: the whole document
     for key in ("norm_eps", "rope_theta", "init_std"):  # a zero or negative one trains NaNs, or fails inside torch
         positive(getattr(model, key), f"model.{key}")
     validate_rope_scaling(model)

@@ -167,6 +167,9 @@ class ModelConfig:
     """Hidden dropout after attention and MLP."""
     attention_dropout: float = 0.0
     """Dropout on the attention probabilities."""
+    sliding_window: int | None = None
+    """None: each token attends to every earlier token of its document. Else to the last `sliding_window` tokens,
+    itself included (Mistral 7B v0.1's 4096; Megatron's --window-size (sliding_window - 1, 0))."""
     init_std: float = 0.02
     """The standard deviation of the normal init of the weights."""
     attention_backend: AttentionBackend = AttentionBackend.auto

@@ -68,25 +68,30 @@ def _hopper(device: torch.device) -> bool:
 
 @compat.constant_to_dynamo  # called inside compiled blocks (context parallelism): a constant, not traced
 def select_attention_backend(
-    requested: str, device: torch.device | str, dtype: torch.dtype, *, dropout: bool = False
+    requested: str, device: torch.device | str, dtype: torch.dtype, *, dropout: bool = False, window: bool = False
 ) -> str:
     """The backend to run for q of this device/dtype; "auto" picks the fastest that can run.
 
     auto on CUDA in fp16/bf16: cudnn on sm90 (its unequal micro-batches and ring blocks run torch's own
     FlashAttention-2 kernel, not the flash-attn package's), else flash_attn if importable, else torch_varlen; else
-    sdpa. `dropout=True` (attention dropout active) rules out torch_varlen and cudnn, which have no dropout. An
+    sdpa. `dropout=True` (attention dropout active) rules out torch_varlen and cudnn, which have no dropout;
+    `window=True` (a sliding window) rules them out on a torch whose varlen kernel takes no window (< 2.11). An
     explicit backend that cannot run raises ConfigError naming the fix.
     """
     device = torch.device(device)
     fast = _flash_capable(device, dtype)
     can_flash = fast and _flash_attn_importable()
-    can_varlen = fast and compat.varlen_attn_available() and not dropout
+    can_varlen = fast and compat.varlen_attn_available() and not dropout and (
+        not window or compat.varlen_window_available())
     can_cudnn = can_varlen and torch.backends.cuda.cudnn_sdp_enabled()  # not switched off by the user
     where = f"(got {device.type} {str(dtype).removeprefix('torch.')})"
     if requested == "auto":
         if can_cudnn and _hopper(device):
             return "cudnn"
         return "flash_attn" if can_flash else "torch_varlen" if can_varlen else "sdpa"
+    if requested in ("cudnn", "torch_varlen") and window and fast and not compat.varlen_window_available():
+        raise ConfigError(f"model.attention_backend={requested} with model.sliding_window needs torch >= 2.11's "
+                          "varlen kernel (window_size); use model.attention_backend=auto")
     if requested == "cudnn" and not can_cudnn:
         if dropout and fast:
             raise ConfigError("model.attention_backend=cudnn runs torch_varlen on micro-batches of unequal documents, "
@@ -124,11 +129,12 @@ def one_kernel_backend(requested: str, device: torch.device | str, dtype: torch.
 
 
 @functools.cache
-def _resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, dropout: bool) -> str:
-    """`select_attention_backend`, cached per (device, dtype, dropout) and logged once for each."""
-    backend = select_attention_backend(requested, device, dtype, dropout=dropout)
-    logger.info("attention backend: %s (model.attention_backend=%s, %s, %s)", backend, requested,
-                device, str(dtype).removeprefix("torch."))
+def _resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, dropout: bool,
+                     window: bool = False) -> str:
+    """`select_attention_backend`, cached per (device, dtype, dropout, window) and logged once for each."""
+    backend = select_attention_backend(requested, device, dtype, dropout=dropout, window=window)
+    logger.info("attention backend: %s (model.attention_backend=%s, %s, %s%s)", backend, requested,
+                device, str(dtype).removeprefix("torch."), ", a sliding window" if window else "")
     return backend
 
 
@@ -139,8 +145,10 @@ def reference_varlen_attention(
     cu_seqlens: torch.Tensor,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Explicit fp32 attention with a block-diagonal causal [T, T] mask built from `cu_seqlens`."""
+    """Explicit fp32 attention with a block-diagonal causal [T, T] mask built from `cu_seqlens` (each query within
+    its last `window` keys, itself included, where a window is set)."""
     total, num_heads, head_dim = q.shape
     group = num_heads // k.shape[1]
     scale = head_dim**-0.5 if scale is None else scale
@@ -153,6 +161,8 @@ def reference_varlen_attention(
     doc = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths, output_size=total)
     pos = torch.arange(total, device=q.device)
     allowed = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
+    if window is not None:
+        allowed &= pos[:, None] - pos[None, :] < window
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
@@ -167,14 +177,15 @@ def _sdpa_varlen_attention(
     max_seqlen: int,
     dropout_p: float,
     scale: float | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     if equal_documents(q, cu_seqlens, max_seqlen):
-        return batched_sdpa(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale)
+        return batched_sdpa(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, window)
     if torch.compiler.is_compiling():  # the loop left out of the graph (imported here: it imports torch._dynamo)
         from megalm.model.eager_attention import per_document_sdpa_outside_graphs as loop
     else:
         loop = per_document_sdpa
-    return loop(q, k, v, cu_seqlens, dropout_p, scale)
+    return loop(q, k, v, cu_seqlens, dropout_p, scale, window)
 
 
 def varlen_attention(
@@ -186,28 +197,33 @@ def varlen_attention(
     backend: str,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention within each packed document: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
     `cu_seqlens` int32 [N + 1] are document offsets (cu_seqlens[-1] == T), `max_seqlen` the longest
-    document; `backend` one of flash_attn | torch_varlen | cudnn | sdpa | reference (not "auto").
+    document; `backend` one of flash_attn | torch_varlen | cudnn | sdpa | reference (not "auto"); `window`: each
+    query attends to its last `window` keys, itself included (None: all of its document's before it).
     """
+    if window is not None and window >= max_seqlen:
+        window = None  # no document is longer: the same attention, and the kernels' causal case
     if backend == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 
         cu = cu_seqlens.to(torch.int32)
         return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p,
-                                      softmax_scale=scale, causal=True)
+                                      softmax_scale=scale, causal=True,
+                                      window_size=(-1, -1) if window is None else (window - 1, 0))
     if backend in ("torch_varlen", "cudnn"):
         if dropout_p > 0.0:
             raise ValueError(f"the {backend} attention backend has no dropout")
-        if backend == "cudnn" and equal_documents(q, cu_seqlens, max_seqlen):
+        if backend == "cudnn" and window is None and equal_documents(q, cu_seqlens, max_seqlen):
             return batched_sdpa(q, k, v, cu_seqlens, max_seqlen, 0.0, scale)
-        return compat.varlen_attn(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, scale=scale)
+        return compat.varlen_attn(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, scale=scale, window=window)
     if backend == "sdpa":
-        return _sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale)
+        return _sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, window)
     if backend == "reference":
-        return reference_varlen_attention(q, k, v, cu_seqlens, dropout_p, scale)
+        return reference_varlen_attention(q, k, v, cu_seqlens, dropout_p, scale, window)
     raise ValueError(f"unknown attention backend {backend!r}")
 
 
@@ -223,7 +239,7 @@ class AttentionContext(Protocol):
     """
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, dropout_p: float = 0.0,
-               scale: float | None = None) -> torch.Tensor: ...
+               scale: float | None = None, window: int | None = None) -> torch.Tensor: ...
 
 
 class Attention(nn.Module):
@@ -247,6 +263,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.dropout_p = cfg.attention_dropout
+        self.window = cfg.sliding_window  # each token's last keys, itself included (None: its whole document)
         self.backend = cfg.attention_backend
         # (device type, dtype, dropout on) -> the backend chosen for it, filled by `choose_attention_backends` before
         # the first step, so that the forward (which torch.compile traces) neither selects nor logs.
@@ -280,11 +297,11 @@ class Attention(nn.Module):
         dropout_p = self.dropout_p if self.training else 0.0
         backend = self.chosen.get((q.device.type, q.dtype, dropout_p > 0.0))
         if backend is None:  # not chosen ahead (a model used outside the trainer): select here, eagerly
-            backend = _resolve_backend(self.backend, q.device, q.dtype, dropout_p > 0.0)
+            backend = _resolve_backend(self.backend, q.device, q.dtype, dropout_p > 0.0, self.window is not None)
         if context is not None:
-            out = context.attend(q, k, v, backend, dropout_p)
+            out = context.attend(q, k, v, backend, dropout_p, window=self.window)
         else:
-            out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, backend, dropout_p=dropout_p)
+            out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, backend, dropout_p=dropout_p, window=self.window)
         return self.o_proj(out.reshape(total, -1))
 
 
@@ -296,7 +313,8 @@ def choose_attention_backends(model: nn.Module, device: torch.device, dtype: tor
     for module in model.modules():
         if isinstance(module, Attention):
             for dropout in {False, module.dropout_p > 0.0}:
-                backend = _resolve_backend(module.backend, torch.device(device), dtype, dropout)
+                backend = _resolve_backend(module.backend, torch.device(device), dtype, dropout,
+                                           module.window is not None)
                 module.chosen[(torch.device(device).type, dtype, dropout)] = backend
                 chosen.add(backend)
                 if backend == "cudnn":

@@ -82,6 +82,7 @@ LLAMA_FAMILY = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, MISTRAL)
 DENSE_LLAMAS = (LLAMA, MISTRAL, QWEN2)
 # the sliding window's switch, where a window size alone does not turn it on
 WINDOW_SWITCHED = (QWEN2, QWEN3, QWEN3_MOE)
+WINDOWED = (MISTRAL, MIXTRAL)  # a sliding_window in every layer (model.sliding_window); Qwen's are per layer
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -154,13 +155,18 @@ def architecture_of(cfg: ModelConfig) -> str:
                                "QK-norm; export a model without them")
         if cfg.moe.num_experts:
             try:
-                return moe_architecture(cfg)
+                arch = moe_architecture(cfg)
             except MoEMappingError as e:
                 raise InteropError(str(e)) from None
-        return QWEN2 if cfg.qkv_bias else QWEN3 if cfg.qk_norm else LLAMA
-    if cfg.moe.num_experts or cfg.qk_norm:
-        raise InteropError("MoE blocks and QK-norm map to Hugging Face with rmsnorm/swiglu/rope only (Qwen3, "
-                           "Qwen3-MoE, Mixtral); export a Llama-style model")
+        else:
+            arch = QWEN2 if cfg.qkv_bias else QWEN3 if cfg.qk_norm else MISTRAL if cfg.sliding_window else LLAMA
+        if cfg.sliding_window is not None and arch not in WINDOWED:
+            raise InteropError(f"model.sliding_window={cfg.sliding_window} maps to MistralForCausalLM or Mixtral, "
+                               f"which have neither q/k/v biases nor QK-norm; {ARCHITECTURES[arch]} attends whole")
+        return arch
+    if cfg.moe.num_experts or cfg.qk_norm or cfg.sliding_window is not None:
+        raise InteropError("MoE blocks, QK-norm and a sliding window map to Hugging Face with rmsnorm/swiglu/rope "
+                           "only (Qwen3, Qwen3-MoE, Mixtral, Mistral); export a Llama-style model")
     if style == ("layernorm", "gelu", "learned"):
         problems = []
         if not cfg.bias:
@@ -192,8 +198,11 @@ def hf_config(cfg: ModelConfig, arch: str, dtype: str, bos_id: int | list[int] |
               "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std, "use_cache": True,
               "dtype": dtype, "torch_dtype": dtype}
     if arch in LLAMA_FAMILY:
-        extra = ({} if arch == LLAMA else moe_hf_config(cfg, arch) if arch != QWEN2 else
+        extra = ({} if arch == LLAMA else {"sliding_window": cfg.sliding_window} if arch == MISTRAL else
+                 moe_hf_config(cfg, arch) if arch != QWEN2 else
                  {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.num_layers})
+        if arch == MIXTRAL:
+            extra["sliding_window"] = cfg.sliding_window
         return {**common, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
                 "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
                 "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
@@ -223,9 +232,13 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelC
     windows = ("use_sliding_window",) if model_type in WINDOW_SWITCHED else ("sliding_window", "use_sliding_window")
     window, positions = hf.get("sliding_window"), hf.get("max_position_embeddings")
     if isinstance(window, int | float) and isinstance(positions, int | float) and window >= positions:
-        windows = ()  # no token is that far from another: the whole document, as megalm attends
-        log.info(f"{where}: sliding_window={window} >= max_position_embeddings={positions} reaches every earlier "
-                 "token: read as attention over the whole document")
+        windows, window = (), None  # no token is that far from another: the whole document
+        log.info(f"{where}: sliding_window={hf['sliding_window']} >= max_position_embeddings={positions} reaches every "
+                 "earlier token: read as attention over the whole document")
+    elif model_type in WINDOWED and window is not None:  # every layer's (model.sliding_window)
+        windows, window = ("use_sliding_window",), whole_number(hf, "sliding_window", where)
+    else:
+        window = None
     for key in windows:
         if hf.get(key):
             absent = f" (absent: transformers' default for {model_type}; set {key}: null in config.json if the model " \
@@ -255,6 +268,8 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str) -> tuple[str, ModelC
                       head_dim=whole_number(hf, "head_dim", where) if hf.get("head_dim") is not None else None)
         if model_type == QWEN2:  # q, k and v have biases (o_proj and the MLP none): no attention_bias key says so
             kwargs["qkv_bias"] = True
+        if window is not None:
+            kwargs["sliding_window"] = window
         if model_type not in DENSE_LLAMAS:
             try:
                 extra, moe = moe_config_from_hf(hf, model_type)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megalm.model.document_sdpa import window_mask
+
 
 class KVCache:
     """Keys and values of one document's tokens, per layer: [capacity, kv heads, head_dim] each, filled from the
@@ -38,7 +40,7 @@ class KVCache:
         return self._lengths[-1]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, dropout_p: float = 0.0,
-               scale: float | None = None) -> torch.Tensor:
+               scale: float | None = None, window: int | None = None) -> torch.Tensor:
         """q [n, heads, head_dim], k and v [n, kv heads, head_dim] of the n tokens after those cached -> [n, heads,
         head_dim]. `backend` is not read: torch SDPA runs it (a decoding step's one query row is no varlen kernel's
         case). No attention dropout (a model in evaluation mode): what a cached key saw would be drawn once."""
@@ -58,8 +60,8 @@ class KVCache:
         # [1, heads, tokens, head_dim]: query i (position past + i) sees keys 0 ... past + i
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, keys[:past + n], values[:past + n]))
         mask = None
-        if n > 1 and past:
-            mask = torch.arange(past + n, device=q.device) <= past + torch.arange(n, device=q.device)[:, None]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=n > 1 and not past, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        if (n > 1 and past) or (window is not None and past + n > window):  # (a window: keys past it are masked)
+            mask = window_mask(n, past + n, past + n if window is None else window, q.device)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None and n > 1,
+                                             scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         return out[0].transpose(0, 1)

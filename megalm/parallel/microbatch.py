@@ -71,8 +71,9 @@ class PaddedContext:
         self.moe_tokens = WholeTokens(self.cu_seqlens, batch.num_tokens, real)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, dropout_p: float = 0.0,
-               scale: float | None = None) -> torch.Tensor:
-        return varlen_attention(q, k, v, self.cu_seqlens, self.max_seqlen, backend, dropout_p=dropout_p, scale=scale)
+               scale: float | None = None, window: int | None = None) -> torch.Tensor:
+        return varlen_attention(q, k, v, self.cu_seqlens, self.max_seqlen, backend, dropout_p=dropout_p, scale=scale,
+                                window=window)
 
 
 @dataclass

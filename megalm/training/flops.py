@@ -10,6 +10,7 @@ Forward FLOPs of one micro-batch of T tokens in documents of lengths s_1..s_N:
                (an MoE layer's m·h·f is E·h + 3·h·(k·f_expert + f_shared): router, active and shared experts)
     attn    = L · 2 · 2 · h_q · Σ_i s_i (s_i + 1) / 2
             = L · 2 · h_q · Σ_i s_i (s_i + 1)
+              (within a sliding window w: s_i (s_i + 1) / 2 pairs become w (w + 1) / 2 + (s_i - w) · w where s_i > w)
 
 with h_q = heads · head_dim, h_kv = kv_heads · head_dim. The attention term counts the causal
 (query, key) pairs of each document — the work a causal varlen kernel does — for the two GEMMs
@@ -65,8 +66,16 @@ def forward_flops(model: ModelConfig, doc_lengths: Iterable[int]) -> float:
     tokens = sum(lengths)
     hq = model.num_heads * (model.head_dim or model.hidden_size // model.num_heads)
     dense = 2.0 * tokens * matmul_params(model)
-    attention = model.num_layers * 2.0 * hq * sum(s * (s + 1) for s in lengths)
+    attention = model.num_layers * 4.0 * hq * sum(attended_pairs(s, model.sliding_window) for s in lengths)
     return dense + attention
+
+
+def attended_pairs(length: int, window: int | None = None) -> int:
+    """The (query, key) pairs causal attention computes over a document of `length` tokens: each query's earlier
+    keys and itself, or its last `window` of them."""
+    if window is None or length <= window:
+        return length * (length + 1) // 2
+    return window * (window + 1) // 2 + (length - window) * window
 
 
 def training_flops(model: ModelConfig, doc_lengths: Iterable[int]) -> float:

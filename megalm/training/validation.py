@@ -76,7 +76,7 @@ def _validate_run(cfg: MegalmConfig, world_size: int, device: torch.device | Non
     # the rules the build checks again, said here too so that megalm-train refuses them before Hydra makes a run dir
     if on_its_device:
         select_attention_backend(cfg.model.attention_backend, device, compute_dtype(cfg.precision),
-                                 dropout=cfg.model.attention_dropout > 0)
+                                 dropout=cfg.model.attention_dropout > 0, window=cfg.model.sliding_window is not None)
     if device.type == "cuda" and cfg.model.attention_dropout > 0 and "selective" in recompute_modes(
             cfg.parallel.recompute, cfg.parallel.pp):
         logging.getLogger("megalm").info(

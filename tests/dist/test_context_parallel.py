@@ -60,6 +60,8 @@ LAYOUTS = {
     # gradients summed over dp x cp (checked per parameter), and ZeRO-1 sharded over those 4 ranks
     "cp2_dp2": (4, ["parallel.cp=2", "parallel.dp=2"]),
     "cp2_dp2_zero1": (4, ["parallel.cp=2", "parallel.dp=2", "parallel.zero1=true"]),
+    # Ulysses attends whole documents of its heads, within a sliding window (rings refuse one)
+    "cp2_a2a_window": (2, ["parallel.cp=2", "parallel.cp_comm=a2a", "model.sliding_window=6"]),
 }
 
 

@@ -52,6 +52,8 @@ LAYOUTS = {
     "tp2_dp2": (4, ["parallel.tp=2", "parallel.dp=2"], True),
     "tp4_gqa_kv2": (4, ["parallel.tp=4"], True),
     "tp2_dp2_zero1": (4, ["parallel.tp=2", "parallel.dp=2", "parallel.zero1=true"], False),
+    # a sliding window shorter than the documents: each TP rank's heads attend within it
+    "tp2_sp_window": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.sliding_window=6"], True),
 }
 
 

@@ -31,10 +31,10 @@ OUT_TOL = 1.5 * eps(torch.bfloat16)  # 0.0117
 GRAD_TOL = 3 * eps(torch.bfloat16)  # 0.0234
 
 
-def _runnable(backend: str) -> str | None:
-    """Why `backend` cannot run on this GPU in bf16, or None."""
+def _runnable(backend: str, window: bool = False) -> str | None:
+    """Why `backend` cannot run on this GPU in bf16 (with a sliding window), or None."""
     try:
-        select_attention_backend(backend, torch.device("cuda"), torch.bfloat16)
+        select_attention_backend(backend, torch.device("cuda"), torch.bfloat16, window=window)
     except Exception as e:  # ConfigError naming what is missing (package, sm80+)
         return str(e)
     return None
@@ -52,17 +52,18 @@ def _batch(head_dim: int, seed: int, lengths: list[int] = LENGTHS):
     return q, k, v, dout, cu, max(lengths)
 
 
-def _forward_backward(backend: str, q, k, v, dout, cu, max_len: int, dtype: torch.dtype, device: str):
+def _forward_backward(backend: str, q, k, v, dout, cu, max_len: int, dtype: torch.dtype, device: str,
+                      window: int | None = None):
     """(out, dq, dk, dv) of `backend` on copies of the inputs in `dtype` on `device`."""
     leaves = [t.detach().to(device, dtype).requires_grad_() for t in (q, k, v)]
-    out = varlen_attention(*leaves, cu.to(device), max_len, backend)
+    out = varlen_attention(*leaves, cu.to(device), max_len, backend, window=window)
     out.backward(dout.to(device, dtype))
     return (out, *(t.grad for t in leaves))
 
 
-def _assert_matches_reference(backend: str, batch) -> None:
-    got = _forward_backward(backend, *batch, torch.bfloat16, "cuda")
-    want = _forward_backward("reference", *batch, torch.float32, "cpu")
+def _assert_matches_reference(backend: str, batch, window: int | None = None) -> None:
+    got = _forward_backward(backend, *batch, torch.bfloat16, "cuda", window)
+    want = _forward_backward("reference", *batch, torch.float32, "cpu", window)
     assert got[0].dtype == torch.bfloat16 and got[0].device.type == "cuda"
     for name, g, w, tol in zip(("out", "dq", "dk", "dv"), got, want, (OUT_TOL, GRAD_TOL, GRAD_TOL, GRAD_TOL),
                                strict=True):
@@ -77,6 +78,16 @@ def test_cuda_backend_matches_reference_on_packed_gqa_batch(backend: str, head_d
     if why is not None:
         pytest.skip(f"{backend} cannot run here: {why}")
     _assert_matches_reference(backend, _batch(head_dim, seed=head_dim))
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen", "cudnn", "sdpa"])
+def test_cuda_backend_attends_within_a_sliding_window(backend: str):
+    """model.sliding_window=64 over documents of up to 300 tokens: the varlen kernels' window_size (w - 1, 0) and
+    SDPA's band mask against the reference's band (CPU-checked: tests/unit/test_sliding_window.py)."""
+    why = _runnable(backend, window=True)
+    if why is not None:
+        pytest.skip(f"{backend} cannot run here: {why}")
+    _assert_matches_reference(backend, _batch(64, seed=7), window=64)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

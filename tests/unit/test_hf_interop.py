@@ -643,9 +643,9 @@ def test_a_config_without_its_optional_keys_reads_as_transformers_reads_it(model
     # 64 heads of 64: Qwen3's head_dim default (128) then differs from hidden / heads, and its kv heads default (32)
     # from the heads
     full = config_class(**({} if model_type == "gpt2" else {"hidden_size": 4096, "num_attention_heads": 64})).to_dict()
-    if model_type == "mistral":  # its default window is refused, full or bare: both read it
-        with pytest.raises(InteropError, match="sliding_window=4096 is set"):
-            model_config_from_hf({k: v for k, v in full.items() if k != "sliding_window"}, "bare")
+    if model_type == "mistral":  # its default window (4,096 of 32,768 positions) is read from a bare config too
+        _, windowed = model_config_from_hf({k: v for k, v in full.items() if k != "sliding_window"}, "bare")
+        assert windowed.sliding_window == 4096
         full["sliding_window"] = None  # Mistral 7B v0.2 and v0.3, NeMo: no window; said, so kept in the bare one
     bare = {k: v for k, v in full.items()
             if (k not in HF_DEFAULTS[model_type] or k == "sliding_window") and k != "rope_parameters"}
@@ -853,6 +853,37 @@ def test_rope_theta_reads_as_transformers_reads_it(keys):
     assert model_config_from_hf({**base, **copy.deepcopy(keys)}, "d")[1].rope_theta == theirs
 
 
+def test_a_mistral_with_a_sliding_window_imports_with_its_logits_and_exports_as_mistral(tmp_path):
+    """Mistral 7B v0.1's sliding window (16 of 128 positions here) imports as model.sliding_window: the logits of 120
+    tokens equal transformers' (and differ without the window); the export is a MistralForCausalLM with the window,
+    the same tensors and logits."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                        max_position_embeddings=128, sliding_window=16, rope_theta=1e6)
+    hf_model = transformers.MistralForCausalLM(config).eval()
+    hf_model.save_pretrained(tmp_path / "hf")
+    imported = import_hf(tmp_path / "hf", tmp_path / "imported")
+    _, model = load_saved_model(imported)
+    model.eval()
+    assert model.cfg.sliding_window == 16
+    ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([ids])).logits[0]
+        assert (expected - megalm_logits(model, ids)).abs().max().item() <= 1e-5
+    again = export_hf(imported, tmp_path / "again")
+    exported = json.loads((again / "config.json").read_text())
+    assert (exported["architectures"], exported["sliding_window"]) == (["MistralForCausalLM"], 16)
+    assert {k: torch.equal(v, files_tensors(again)[k]) for k, v in files_tensors(tmp_path / "hf").items()} == \
+        dict.fromkeys(files_tensors(again), True)
+    with torch.no_grad():
+        assert (load_hf(again)(torch.tensor([ids])).logits[0] - expected).abs().max().item() <= 1e-5
+        for module in model.modules():  # the same weights attending whole documents: another function
+            if hasattr(module, "window"):
+                module.window = None
+        assert (expected - megalm_logits(model, ids)).abs().max().item() > 1e-3
+
+
 @pytest.mark.parametrize("window", [None, 128])
 def test_a_mistral_without_its_window_imports_as_the_llama_style_and_exports_as_llama(tmp_path, window, caplog):
     """MistralForCausalLM with sliding_window null (Mistral 7B v0.2/v0.3, NeMo), or one that reaches every earlier
@@ -886,7 +917,7 @@ def test_a_mistral_without_its_window_imports_as_the_llama_style_and_exports_as_
 def test_yarn_keys_read_as_transformers_reads_them(tmp_path):
     """truncate: null does not truncate (transformers reads get("truncate", True)); a top-level
     original_max_position_embeddings that contradicts the scaling's is refused (transformers 5 reads the top-level
-    one); a Mistral config without sliding_window is refused saying the 4,096 is transformers' default."""
+    one); a Mistral config without sliding_window has transformers' default window, 4,096."""
     from megalm.model.hf import model_config_from_hf
 
     base = {"model_type": "qwen3", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
@@ -898,6 +929,9 @@ def test_yarn_keys_read_as_transformers_reads_them(tmp_path):
     with pytest.raises(InteropError, match="original_max_position_embeddings=64 and rope_scaling's 32 disagree"):
         model_config_from_hf({**base, "rope_scaling": yarn, "original_max_position_embeddings": 64}, "d")
     mistral = {**base, "model_type": "mistral", "max_position_embeddings": 32768}
-    with pytest.raises(InteropError, match="absent: transformers' default for mistral; set sliding_window: null"):
-        model_config_from_hf(mistral, "d")
-    model_config_from_hf({**mistral, "max_position_embeddings": 4096}, "d")  # the window reaches every position
+    assert model_config_from_hf(mistral, "d")[1].sliding_window == 4096  # transformers' default for mistral
+    # a window that reaches every position is the whole document's attention
+    assert model_config_from_hf({**mistral, "max_position_embeddings": 4096}, "d")[1].sliding_window is None
+    qwen = {**base, "use_sliding_window": True, "sliding_window": 16}  # Qwen's windows are per layer: refused
+    with pytest.raises(InteropError, match="use_sliding_window=True is set"):
+        model_config_from_hf(qwen, "d")

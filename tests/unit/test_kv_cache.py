@@ -23,6 +23,7 @@ MODELS = {
                  tie_embeddings=True),
     "qk_norm": dict(num_kv_heads=2, qk_norm=True),
     "moe": dict(num_kv_heads=2, moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_hidden_size=64)),
+    "window": dict(num_kv_heads=2, sliding_window=5),  # shorter than the prompt's chunks: their keys are masked
 }
 
 
@@ -59,7 +60,7 @@ def test_cached_forwards_give_the_whole_contexts_logits(kind):
     torch.testing.assert_close(torch.cat(pieces), whole, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama_gqa", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama_gqa", "gpt2", "window"])
 def test_sampling_with_the_cache_draws_what_recomputing_draws(kind, caplog):
     """Top-k at a temperature, from one seed, 40 new tokens after 20: past the 48 positions, where the cache stops
     (said once a process, as --num-samples samples again) and each further token is a forward of the newest 48, as

@@ -81,11 +81,14 @@ class RingContext:
         return cls(ranks, ring.index, layout, comm, group, progress, tokens, hierarchical)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, dropout_p: float = 0.0,
-               scale: float | None = None) -> torch.Tensor:
-        """Causal attention of this rank's shard q/k/v [T_local, H, D] against the ring's whole documents."""
+               scale: float | None = None, window: int | None = None) -> torch.Tensor:
+        """Causal attention of this rank's shard q/k/v [T_local, H, D] against the ring's whole documents (within a
+        sliding `window` under Ulysses only: `validate_context` refuses it for rings)."""
         if self.comm != "a2a":
             if dropout_p > 0.0:
                 raise ValueError("ring attention has no attention dropout; set model.attention_dropout=0")
+            if window is not None:
+                raise ValueError("ring attention has no sliding window; use parallel.cp_comm=a2a")
             if self.hierarchical is not None:
                 if self.progress is not None:
                     self.progress.note(collective=self.note)
@@ -96,7 +99,7 @@ class RingContext:
                 self.progress.note(collective=self.note)
             return ring_attend(q, k, v, self.layout, self.meta, backend, scale)
         return ulysses_attention(q, k, v, self.layout, self.ranks, self.index, self.group, backend=backend,
-                                 dropout_p=dropout_p, scale=scale)
+                                 dropout_p=dropout_p, scale=scale, window=window)
 
 
 def validate_context(cfg: MegalmConfig) -> None:
@@ -109,6 +112,11 @@ def validate_context(cfg: MegalmConfig) -> None:
                           "parallel.cp_comm=a2a+p2p or remove it")
     if p.cp_comm == "a2a+p2p" and (p.cp > 1 or p.hdp):  # at cp=1 no group is formed: said as unread (parallelism)
         cp_a2a_size(cfg)  # its checks
+    if m.sliding_window is not None and (p.hdp or p.cp > 1 and p.cp_comm != "a2a"):
+        layout = "parallel.hdp=true" if p.hdp else f"parallel.cp_comm={p.cp_comm}"
+        raise ConfigError(f"model.sliding_window={m.sliding_window} with {layout} is not supported: ring attention "
+                          "attends whole blocks of keys; use parallel.cp_comm=a2a (Ulysses: each rank attends whole "
+                          "documents) or no context parallelism")
     if p.cp == 1 or p.hdp:
         return
     if p.cp_comm != "a2a" and m.attention_dropout > 0:

@@ -98,8 +98,10 @@ def ulysses_attention(
     backend: str = "auto",
     dropout_p: float = 0.0,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of this rank's zigzag shard via head all-to-alls; same contract as ring_attention.
+    """Causal attention of this rank's zigzag shard via head all-to-alls; same contract as ring_attention, and a
+    sliding `window` (each rank attends whole documents of its heads).
 
     q [T_local, Hq, D], k/v [T_local, Hkv, D]; `group` holds exactly `ranks` (default WORLD), and N
     must divide Hq and Hkv. Returns [T_local, Hq, D].
@@ -109,10 +111,10 @@ def ulysses_attention(
         raise ValueError(f"ranks {list(ranks)} / rank_index {rank_index} do not match the plan's ring of {layout.n}")
     if q.shape[0] != layout.local_tokens:
         raise ValueError(f"q has {q.shape[0]} tokens, the plan {layout.local_tokens} per rank")
-    resolved = select_attention_backend(backend, q.device, q.dtype, dropout=dropout_p > 0.0)
+    resolved = select_attention_backend(backend, q.device, q.dtype, dropout=dropout_p > 0.0, window=window is not None)
     if n == 1:
         return varlen_attention(q, k, v, layout.local_cu_seqlens, layout.local_max_seqlen, resolved, dropout_p,
-                                scale)
+                                scale, window)
     if q.shape[1] % n or k.shape[1] % n:
         raise ValueError(f"Ulysses over {n} ranks splits heads, but q has {q.shape[1]} and k/v {k.shape[1]} heads; "
                          "use cp_comm=ring or a cp that divides the kv heads")
@@ -121,5 +123,5 @@ def ulysses_attention(
     order = _slot_order(ranks, group)
     q_full, k_full, v_full = (_heads_to_tokens(t, layout, order, group) for t in (q, k, v))
     out = varlen_attention(q_full, k_full, v_full, layout.padded_cu_seqlens, layout.padded_max_seqlen, resolved,
-                           dropout_p, scale)
+                           dropout_p, scale, window)
     return _tokens_to_heads(out, layout, order, group)

@@ -1,0 +1,117 @@
+"""model.sliding_window: each token attends to its last `sliding_window` tokens, itself included (Mistral 7B v0.1's
+attention, transformers' `q - k < sliding_window`, Megatron's --window-size (w - 1, 0)). Every CPU kernel equals an
+attention written out token by token; MFU counts the pairs a window computes; the layouts whose attention cannot
+window are refused in one line. (The layouts that train with a window equal one process: tests/dist; Hugging Face
+Mistral's logits: tests/unit/test_hf_interop.py; the KV cache: tests/unit/test_kv_cache.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megalm.config import ModelConfig
+from megalm.errors import ConfigError
+from megalm.model import attention
+from megalm.model.attention import reference_varlen_attention, varlen_attention
+from megalm.training.flops import attended_pairs, forward_flops
+from tests.conftest import compose_config
+
+
+def written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
+                window: int | None) -> torch.Tensor:
+    """Attention one query at a time over the keys it may see (the test's oracle)."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
+        for i in range(start, end):
+            first = start if window is None else max(start, i - window + 1)
+            keys, values = (t[first:i + 1].repeat_interleave(group, dim=1) for t in (k, v))  # [n, H, D]
+            weights = torch.softmax(torch.einsum("hd,nhd->hn", q[i], keys) * q.shape[-1] ** -0.5, dim=-1)
+            out[i] = torch.einsum("hn,nhd->hd", weights, values)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 20, 100])
+@pytest.mark.parametrize("documents", [[20, 20], [7, 23, 10]], ids=["equal", "unequal"])
+def test_every_cpu_kernel_attends_within_the_window(documents, window):
+    """sdpa (one batched call on equal documents, one per document otherwise: a band mask) and reference (a
+    block-diagonal band) equal the written-out attention, for windows shorter and longer than the documents."""
+    generator = torch.Generator().manual_seed(0)
+    total = sum(documents)
+    q, k, v = torch.randn(total, 4, 8, generator=generator), *torch.randn(2, total, 2, 8, generator=generator)
+    bounds = [0, *torch.tensor(documents).cumsum(0).tolist()]
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+    expected = written_out(q, k, v, bounds, window)
+    torch.testing.assert_close(reference_varlen_attention(q, k, v, cu_seqlens, window=window), expected)
+    for backend in ("sdpa", "reference"):
+        got = varlen_attention(q, k, v, cu_seqlens, max(documents), backend, window=window)
+        torch.testing.assert_close(got, expected, msg=backend)
+    if window is not None and window < max(documents):  # and the window is not the whole document's attention
+        assert not torch.allclose(varlen_attention(q, k, v, cu_seqlens, max(documents), "sdpa"), expected)
+
+
+def test_mfu_counts_the_pairs_a_window_computes():
+    for length in (1, 4, 5, 6, 50):
+        for window in (None, 1, 5, 64):
+            assert attended_pairs(length, window) == sum(min(i + 1, window or length) for i in range(length))
+    shape = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=128,
+                 seq_length=64, max_position_embeddings=64)
+    whole, windowed = ModelConfig(**shape), ModelConfig(**shape, sliding_window=8)
+    hq, layers = 64, 2
+    # one 64-token document: 2080 pairs causal, 36 + 56 * 8 = 484 within a window of 8, at 4·h_q FLOPs a layer
+    assert forward_flops(whole, [64]) - forward_flops(windowed, [64]) == layers * 4 * hq * (2080 - 484)
+
+
+@pytest.mark.parametrize(("world", "overrides", "message"), [
+    (1, ["model.sliding_window=0"], "model.sliding_window=0 must be a finite number > 0"),
+    (2, ["parallel.cp=2"], "model.sliding_window=8 with parallel.cp_comm=ring is not supported"),
+    (2, ["parallel.cp=2", "parallel.cp_comm=a2a+p2p", "parallel.cp_a2a_size=2"], "cp_comm=a2a\\+p2p is not supported"),
+    (2, ["parallel.hdp=true", "data.varlen=true"], "model.sliding_window=8 with parallel.hdp=true is not supported")])
+def test_layouts_whose_attention_cannot_window_are_refused(world, overrides, message):
+    from megalm.training.validation import validate_run
+
+    with pytest.raises(ConfigError, match=message) as error:
+        validate_run(compose_config("model.sliding_window=8", "trainer.micro_batch_size=2", *overrides), world,
+                     torch.device("cpu"))
+    assert "\n" not in str(error.value)
+    # Ulysses attends whole documents of its heads: it windows
+    validate_run(compose_config("model.sliding_window=8", "trainer.micro_batch_size=2", "parallel.cp=2",
+                                "parallel.cp_comm=a2a"), 2, torch.device("cpu"))
+
+
+def test_a_varlen_kernel_without_a_window_is_not_chosen_for_one(monkeypatch):
+    """torch 2.10's varlen_attn takes no window_size: auto passes over it (and cuDNN's, whose unequal documents run
+    it) for a windowed model, and naming it is one line naming the fix."""
+    monkeypatch.setattr(attention, "_flash_capable", lambda device, dtype: True)
+    monkeypatch.setattr(attention, "_flash_attn_importable", lambda: False)
+    monkeypatch.setattr(attention, "_hopper", lambda device: True)
+    monkeypatch.setattr(attention.compat, "varlen_attn_available", lambda: True)
+    monkeypatch.setattr(attention.compat, "varlen_window_available", lambda: False)
+    select = attention.select_attention_backend
+    assert select("auto", "cpu", torch.bfloat16) == "cudnn"
+    assert select("auto", "cpu", torch.bfloat16, window=True) == "sdpa"
+    for backend in ("torch_varlen", "cudnn"):
+        with pytest.raises(ConfigError, match=f"attention_backend={backend} with model.sliding_window needs torch >= "
+                           "2.11"):
+            select(backend, "cpu", torch.bfloat16, window=True)
+    monkeypatch.setattr(attention.compat, "varlen_window_available", lambda: True)
+    assert select("auto", "cpu", torch.bfloat16, window=True) == "cudnn"
+
+
+def test_an_export_with_a_window_is_mistral_or_mixtral():
+    """Hugging Face models with one window in every layer are MistralForCausalLM and Mixtral; a windowed model of
+    another architecture (QK-norm: Qwen3, q/k/v biases: Qwen2, GPT-2) has no counterpart and is refused."""
+    from megalm.config import resolve_model_defaults
+    from megalm.errors import InteropError
+    from megalm.model.hf import architecture_of
+
+    def cfg(*overrides: str) -> ModelConfig:
+        return resolve_model_defaults(compose_config("model.sliding_window=8", *overrides).model)
+
+    assert architecture_of(cfg()) == "mistral"
+    assert architecture_of(cfg("model=moe_tiny", "model.moe.norm_topk_prob=true")) == "mixtral"
+    for overrides, message in ((["model.qk_norm=true"], "Qwen3ForCausalLM attends whole"),
+                               (["model.qkv_bias=true"], "Qwen2ForCausalLM attends whole"),
+                               (["model=gpt2_tiny"], "a sliding window map to Hugging Face with rmsnorm")):
+        with pytest.raises(InteropError, match=message):
+            architecture_of(cfg(*overrides))
