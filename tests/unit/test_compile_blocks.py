@@ -52,9 +52,9 @@ RECIPES = ["fp8", "fp8_delayed", "fp8_rowwise", "mxfp8", "mxfp4"]  # the FP8/MX 
     ["precision=bf16", "parallel.gradient_accumulation_fusion=true"],
     ["offload.enabled=true"], ["offload.enabled=true", "offload.min_tensor_bytes=0", "parallel.recompute=full"],
     *[[f"precision={recipe}"] for recipe in RECIPES], ["precision=mxfp4", "parallel.recompute=selective"],
-    ["precision=mxfp4_rtn", "parallel.recompute=full"],
+    ["precision=mxfp4_rtn", "parallel.recompute=full"], ["model.sliding_window=6"],
 ], ids=["fp32", "recompute_full", "recompute_selective", "bf16", "bf16_fused_wgrad", "offload", "offload_recompute",
-        *RECIPES, "mxfp4_selective", "mxfp4_rtn_full"])
+        *RECIPES, "mxfp4_selective", "mxfp4_rtn_full", "sliding_window"])
 def test_blocks_compile_to_one_graph_without_breaks(tmp_path, overrides):
     assert_compiles_once(compiled_trainer(tmp_path, "eager", *overrides))
 
@@ -199,8 +199,9 @@ def test_full_recompute_of_a_drawing_recipe_is_refused_compiled():
                                        ["precision=fp8", *FP32_ACTIVATIONS],
                                        ["precision=fp8_delayed", *FP32_ACTIVATIONS],
                                        ["precision=mxfp4", *FP32_ACTIVATIONS],
-                                       ["precision=mxfp4", *FP32_ACTIVATIONS, "parallel.recompute=selective"]],
-                         ids=["plain", "offload", "fp8", "fp8_delayed", "mxfp4", "mxfp4_selective"])
+                                       ["precision=mxfp4", *FP32_ACTIVATIONS, "parallel.recompute=selective"],
+                                       ["model.sliding_window=6"]],
+                         ids=["plain", "offload", "fp8", "fp8_delayed", "mxfp4", "mxfp4_selective", "sliding_window"])
 def test_compiled_training_matches_eager(tmp_path, overrides):
     """aot_eager traces forward and backward through AOT autograd (what inductor compiles) and runs the traced
     graphs: the same losses (1e-6) and weights as eager, in fp32. With layer offload, the compiled graph's saved

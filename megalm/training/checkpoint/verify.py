@@ -261,7 +261,7 @@ def check_model_config(saved: dict[str, Any], current: dict[str, Any], path: Pat
 FUNCTION_KEYS = ("rope_theta", "rope_scaling.type", "rope_scaling.factor", "rope_scaling.low_freq_factor",
                  "rope_scaling.high_freq_factor", "rope_scaling.original_max_position_embeddings",
                  "rope_scaling.beta_fast", "rope_scaling.beta_slow", "rope_scaling.attention_factor",
-                 "rope_scaling.truncate", "norm_eps",
+                 "rope_scaling.truncate", "norm_eps", "sliding_window",
                  "moe.top_k", "moe.norm_topk_prob", "moe.router_score",
                  "moe.routed_scaling_factor")  # moe.*: how an MoE router routes (the model's own experts only)
 # ... and what a resume continues to train with (a fine-tune from another model's weights changes them at will)
