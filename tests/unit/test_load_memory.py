@@ -30,32 +30,50 @@ from tests.conftest import compose_config
 SHAPE = ["model.num_layers=16", "model.hidden_size=256", "model.num_heads=4", "model.num_kv_heads=4",
          "model.ffn_hidden_size=768", "model.vocab_size=512"]
 
-MEASURE = r"""
+# what both measurements run first: RssAnon, and a thread that keeps its peak while `measuring` (started by
+# `start()`, ended by `stop()`, which returns the peak above the start)
+PROBE = r"""
 import json, sys, threading, time
+from pathlib import Path
 import torch
 from megalm.config import validate
 from megalm.model import GPT
-from megalm.model.hf import model_config_dict
-from megalm.training import init_from
-from megalm.training.checkpoint import tensors as checkpoint_tensors
-from megalm.training.init_from import load_init_weights, read_init_source, read_megalm_weights
 from tests.conftest import compose_config
 
 def rss_anon():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
-spec, checkpoint, shape = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-model = GPT(validate(compose_config(*shape)).model)
-model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-peak, done = [0], threading.Event()
+peak, done, baseline = [0], threading.Event(), [0]
 
 def sample():
     while not done.is_set():
         peak[0] = max(peak[0], rss_anon())
         time.sleep(0.001)
 
-def sampled(copy):
+thread = threading.Thread(target=sample, daemon=True)
+
+def start():
+    baseline[0] = rss_anon()
+    thread.start()
+
+def stop():
+    done.set()
+    thread.join()
+    return max(peak[0], rss_anon()) - baseline[0]
+"""
+
+INIT_FROM = PROBE + r"""
+from megalm.model.hf import model_config_dict
+from megalm.training import init_from
+from megalm.training.checkpoint import tensors as checkpoint_tensors
+from megalm.training.init_from import load_init_weights, read_init_source, read_megalm_weights
+
+spec, checkpoint, shape = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+model = GPT(validate(compose_config(*shape)).model)
+model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+def sampled(copy):  # the level at every parameter's copy too, whatever the thread saw
     def wrapper(param, value):
         peak[0] = max(peak[0], rss_anon())
         copy(param, value)
@@ -64,32 +82,17 @@ def sampled(copy):
 for module in (init_from, checkpoint_tensors):
     module.copy_full_value = sampled(module.copy_full_value)
 read_init_source(spec)  # what reading the configs imports (triton, by the model's kernels) is not a copy
-baseline = rss_anon()
-thread = threading.Thread(target=sample, daemon=True)
-thread.start()
+start()
 load_init_weights(spec, model, model_config_dict(model.cfg))
-done.set()
-thread.join()
-extra = peak[0] - baseline
+extra = stop()
 source = read_megalm_weights(checkpoint)[2]
 params = dict(model.named_parameters())
 diff = max((params[n] - v).abs().max().item() for n, v in source.items())
 print(json.dumps({"extra": extra, "model_bytes": model_bytes, "diff": diff}))
 """
 
-
-RESUME = r"""
-import json, sys, threading, time
-from pathlib import Path
-import torch
-from megalm.config import validate
-from megalm.model import GPT
+RESUME = PROBE + r"""
 from megalm.training.checkpoint import load_checkpoint
-from tests.conftest import compose_config
-
-def rss_anon():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
 checkpoint, shape = Path(sys.argv[1]), json.loads(sys.argv[2])
 cfg = validate(compose_config(*shape)).model
@@ -97,24 +100,23 @@ load_checkpoint(checkpoint, GPT(cfg), None)  # what loading imports is not the l
 model = GPT(cfg)
 optimizer = torch.optim.AdamW(model.parameters())  # a fresh one, as a resumed run's: no state until loaded
 model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-peak, done = [0], threading.Event()
-
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], rss_anon())
-        time.sleep(0.001)
-
-baseline = rss_anon()
-thread = threading.Thread(target=sample, daemon=True)
-thread.start()
+start()
 load_checkpoint(checkpoint, model, optimizer)
-done.set()
-thread.join()
-peak[0] = max(peak[0], rss_anon())
+extra = stop()
 moments = sum(v.numel() * v.element_size() for state in optimizer.state.values() for k, v in state.items()
               if k != "step")
-print(json.dumps({"extra": peak[0] - baseline, "model_bytes": model_bytes, "moments": moments}))
+print(json.dumps({"extra": extra, "model_bytes": model_bytes, "moments": moments}))
 """
+
+
+def measured(script: str, *args: str) -> dict:
+    """`script`'s JSON line, run in a fresh interpreter with glibc's mmap threshold fixed (a freed large tensor goes
+    back to the system, so the peak is what was live)."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                            timeout=300, cwd=Path(__file__).parents[2])
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -139,25 +141,15 @@ def source(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.mark.parametrize("via", ["checkpoint", "hf"])
 def test_init_from_holds_no_second_copy_of_the_model(source, via):
     run, hf_dir = source
-    spec = str(run) if via == "checkpoint" else f"hf:{hf_dir}"
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", MEASURE, spec, str(run), json.dumps(SHAPE)], env=env,
-                            capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
-    assert result.returncode == 0, result.stderr[-2000:]
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
-    assert measured["diff"] == 0.0  # the source's weights, every one
+    result = measured(INIT_FROM, str(run) if via == "checkpoint" else f"hf:{hf_dir}", str(run), json.dumps(SHAPE))
+    assert result["diff"] == 0.0  # the source's weights, every one
     # a few tensors of 1.6 MB and the interpreter's own growth; the whole model in fp32 would be 57 MB more
-    assert measured["extra"] < 0.2 * measured["model_bytes"], measured
+    assert result["extra"] < 0.2 * result["model_bytes"], result
 
 
 def test_a_resume_holds_the_moments_and_no_second_copy(source):
     run, _ = source
-    checkpoint = next((run / "checkpoints").glob("step_*"))
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", RESUME, str(checkpoint), json.dumps(SHAPE)], env=env,
-                            capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
-    assert result.returncode == 0, result.stderr[-2000:]
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
-    assert measured["moments"] == 2 * measured["model_bytes"]  # AdamW's two, loaded
+    result = measured(RESUME, str(next((run / "checkpoints").glob("step_*"))), json.dumps(SHAPE))
+    assert result["moments"] == 2 * result["model_bytes"]  # AdamW's two, loaded
     # the moments it must hold, a few tensors besides; before: 2.4x the model more
-    assert measured["extra"] < measured["moments"] + 0.2 * measured["model_bytes"], measured
+    assert result["extra"] < result["moments"] + 0.2 * result["model_bytes"], result
