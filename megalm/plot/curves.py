@@ -81,7 +81,8 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[
 
 # name: (keys, labels, y label, title)
 CURVES = {
-    "loss": (("loss", "val_loss"), ("train loss", "valid loss"), "cross-entropy loss (nats/token)", "loss"),
+    "loss": (("loss", "loss_avg", "val_loss"), ("train loss", "train loss, mean since the last record", "valid loss"),
+             "cross-entropy loss (nats/token)", "loss"),
     "lr": (("lr",), ("learning rate",), "learning rate", "learning rate"),
     "grad_norm": (("grad_norm",), ("gradient norm",), "gradient norm (global L2, before clipping)",
                   "gradient norm"),

@@ -76,6 +76,14 @@ def test_metrics_figures_have_curves_axes_and_legends():
     assert plot.plot_metrics(records(), "run1", log_loss=True)["loss"].axes[0].get_yscale() == "log"
 
 
+def test_a_runs_loss_mean_over_its_log_interval_is_a_curve_of_its_own():
+    """metrics.jsonl's loss_avg (the mean of the step losses since the previous record) beside the logged step's."""
+    rs = [{**r, "loss_avg": r["loss"] + 0.05} for r in records()]
+    ax = plot.plot_metrics(rs)["loss"].axes[0]
+    assert legend_texts(ax) == ["train loss", "train loss, mean since the last record", "valid loss"]
+    assert list(ax.get_lines()[1].get_ydata()) == [r["loss_avg"] for r in rs]
+
+
 def test_metrics_without_validation_or_per_gpu_rate_draw_fewer_curves():
     rs = [{"step": s, "loss": 3.0, "lr": 1e-3} for s in range(1, 4)]
     figs = plot.plot_metrics(rs)
