@@ -78,6 +78,12 @@ def _not_the_demo_data_warning(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith(DEMO_DATA_WARNING)
 
 
+WINDOW_PRICED_WHOLE = ("model.sliding_window: priced as the CPU trace runs it, SDPA with a band mask: attention's "
+                       "FLOPs are its whole square and its [S, S] masks count as activation memory, where a GPU's "
+                       "varlen kernel (window_size) computes the band alone and holds no mask, so step time and memory "
+                       "are upper bounds; --search's context-parallel layouts are rings, which refuse a window")
+
+
 def main(argv: list[str] | None = None) -> int:
     """megalm-estimate OVERRIDES... --world N --gpu h100 [--json]."""
 
@@ -129,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                 text = _table(result)
         if given is not args.overrides:
             result["notes"].append(AUTO_PRECISION)
+        if any(o.startswith("model.sliding_window=") and o.split("=", 1)[1] not in ("null", "None")
+               for o in args.overrides):
+            result["notes"].append(WINDOW_PRICED_WHOLE)
     except MegalmError as error:  # a config's, and the data's or a checkpoint's the estimated step reads
         if unfit is not None and args.json:  # the search's counts and notes, for a script
             print(json.dumps(unfit, indent=1))

@@ -23,7 +23,8 @@ from megalm.data.blend import tokenizer_identity
 from megalm.data.tokenizer import HFTokenizer, build_tokenizer, trained_with
 from megalm.errors import MegalmError, one_line_errors
 from megalm.interop.files import DEFAULT_MAX_SHARD, atomic_output_dir, check_output_dir, parse_size, write_safetensors
-from megalm.model.hf import ARCHITECTURES, DTYPES, InteropError, architecture_of, hf_config, megalm_to_hf
+from megalm.model.hf import ARCHITECTURES, DTYPES, InteropError, architecture_of, hf_config
+from megalm.model.hf_tensors import megalm_to_hf
 from megalm.training.init_from import read_megalm_weights
 
 log = logging.getLogger("megalm")

@@ -1,5 +1,5 @@
 """Files for export and import: all-or-nothing output directories and safetensors shards (the writing side;
-reading a Hugging Face directory is megalm/model/hf.py's, reading megalm weights megalm/training/init_from.py's).
+reading a Hugging Face directory is megalm/model/hf_files.py's, reading megalm weights megalm/training/init_from.py's).
 
 An output directory is written as a hidden sibling and renamed into place only when complete, so an error or a
 crash never leaves a half-written model where a user (or transformers) would load it, and an existing directory

@@ -219,7 +219,8 @@ def varlen_attention(
             raise ValueError(f"the {backend} attention backend has no dropout")
         if backend == "cudnn" and window is None and equal_documents(q, cu_seqlens, max_seqlen):
             return batched_sdpa(q, k, v, cu_seqlens, max_seqlen, 0.0, scale)
-        return compat.varlen_attn(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, scale=scale, window=window)
+        return compat.varlen_attn(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, scale=scale,
+                                  **({} if window is None else {"window": window}))
     if backend == "sdpa":
         return _sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, window)
     if backend == "reference":
@@ -298,10 +299,11 @@ class Attention(nn.Module):
         backend = self.chosen.get((q.device.type, q.dtype, dropout_p > 0.0))
         if backend is None:  # not chosen ahead (a model used outside the trainer): select here, eagerly
             backend = _resolve_backend(self.backend, q.device, q.dtype, dropout_p > 0.0, self.window is not None)
+        window = {} if self.window is None else {"window": self.window}  # (a context without windows takes none)
         if context is not None:
-            out = context.attend(q, k, v, backend, dropout_p, window=self.window)
+            out = context.attend(q, k, v, backend, dropout_p, **window)
         else:
-            out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, backend, dropout_p=dropout_p, window=self.window)
+            out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, backend, dropout_p=dropout_p, **window)
         return self.o_proj(out.reshape(total, -1))
 
 

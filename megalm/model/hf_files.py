@@ -17,7 +17,8 @@ from safetensors import SafetensorError, safe_open
 from megalm.config import ModelConfig
 from megalm.errors import InteropError
 from megalm.model.gpt import GPT, VOCAB_PARAMS, resize_vocab_rows
-from megalm.model.hf import INDEX, PICKLE_SUFFIXES, SINGLE, HFWeights, model_config_from_hf
+from megalm.model.hf import INDEX, PICKLE_SUFFIXES, SINGLE, model_config_from_hf
+from megalm.model.hf_tensors import HFWeights
 
 log = logging.getLogger("megalm")
 

@@ -1,6 +1,7 @@
 """RoPE in Hugging Face configs: plain rope_theta, Llama 3.1's frequency scaling (rope_type llama3) or YaRN (megalm's
 model.rope_scaling), read from transformers 4's rope_theta and rope_scaling or 5's rope_parameters and written in
-both spellings; any other scaling (linear, dynamic, longrope) is refused. The rest of the mapping is hf.py's.
+both spellings; any other scaling (linear, dynamic, longrope) is refused. The rest of the mapping is hf.py's (configs)
+and hf_tensors.py's.
 """
 
 from __future__ import annotations

@@ -9,8 +9,10 @@ network call happens unless asked.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import logging
+import math
 import os
 import resource
 import sys
@@ -80,6 +82,7 @@ class MetricsLogger:
         self.max_steps = max_steps
         self.started = time.perf_counter()
         self._first: tuple[int, float] | None = None  # (step, time) of the first record: the rate's origin
+        self._last_step = start_step  # the last record's step: `loss_avg` averages the steps after it
         self._alloc_retries = 0  # the CUDA allocator's retries last said (memory_metrics)
         self._bar = _terminal_bar(max_steps)
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -107,10 +110,17 @@ class MetricsLogger:
         return wandb.init(project=cfg.wandb.project, name=cfg.wandb.name, entity=cfg.wandb.entity,
                           dir=str(run_dir), mode=cfg.wandb.mode, config=config_dict)
 
-    def log(self, record: dict[str, Any]) -> None:
+    def log(self, record: dict[str, Any], step_losses: list[tuple[int, float]] | None = None) -> None:
         """Add progress (`progress`, `elapsed_sec`, `eta_sec`: from the rate since the first record, which a resumed
-        run makes after its first step) and send the record everywhere."""
+        run makes after its first step) and, given the run's (step, loss) pairs, `loss_avg`: the mean of the losses
+        of the steps since the previous record (Megatron's lm loss, averaged over the log interval; a step skipped
+        for a non-finite loss left out), and send the record everywhere."""
         now, step = time.perf_counter(), record["step"]
+        if step_losses is not None:
+            recent = [loss for s, loss in itertools.takewhile(lambda pair: pair[0] > self._last_step,
+                                                              reversed(step_losses)) if math.isfinite(loss)]
+            record = {**record, "loss_avg": math.fsum(recent) / len(recent) if recent else None}
+        self._last_step = step
         if self._first is None:
             self._first = (step, now)
         first_step, first_time = self._first

@@ -13,7 +13,6 @@ The trainer does not know which layout runs: megalm/parallel/parallelism.py deci
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -239,7 +238,6 @@ class Trainer:
                                       else 0)
         val_loss = last_saved = None
         losses: list[tuple[int, float]] = []
-        since_record: list[float] = []  # the step losses since the last record: its `loss_avg` (Megatron's lm loss)
         start, preempted = time.perf_counter(), False
         collector = StepBoundaryGC(t.gc_interval)  # Python's GC between steps only, while training
         profiler = StepProfiler(self.cfg, self.run_dir, self.mesh.rank, self.device, self.step)
@@ -257,17 +255,13 @@ class Trainer:
                     self.consumed_tokens += result.tokens
                     window.add(result.tokens, result.flops, result.batch_seconds)
                     losses.append((self.step, result.loss))
-                    if math.isfinite(result.loss):  # a skipped step's (trainer.nonfinite=skip) is not averaged
-                        since_record.append(result.loss)
                     self.spikes.check(result.loss, self.step, self.step_sample_ids(self.step - 1))
                     evaluate = t.eval_interval > 0 and (self.step % t.eval_interval == 0 or self.step == stop_at)
                     if evaluate:  # eval and save off the throughput window's clock (Megatron stops its timer too)
                         val_loss = window.aside(self.evaluate)
                         self.watchdog.beat(self.step + 1)
                     if self.step == 1 or self.step % t.log_interval == 0 or evaluate or self.step == stop_at:
-                        record = {"step": self.step, "loss": result.loss,
-                                  "loss_avg": math.fsum(since_record) / len(since_record) if since_record else None,
-                                  "grad_norm": result.grad_norm,
+                        record = {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
                                   "lr": result.lr, "tokens": self.consumed_tokens, **window.close(),
                                   **memory_metrics(self.device),
                                   **({"hdp_rank_tokens": result.rank_tokens} if result.rank_tokens else {}),
@@ -277,8 +271,7 @@ class Trainer:
                         if evaluate and val_loss is not None:
                             record["val_loss"] = val_loss
                         if logger is not None:
-                            logger.log(record)
-                        since_record.clear()
+                            logger.log(record, losses)  # (and the mean of the step losses since the last record)
                     saved = (t.save_interval and self.step % t.save_interval == 0) or self.step == stop_at
                     if saved:
                         last_saved = window.aside(self.save)

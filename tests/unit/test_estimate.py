@@ -119,6 +119,9 @@ def test_the_command_line(capsys):
     zb = [*SMALL, "parallel.pp=2", "parallel.pp_schedule=zb", "precision=bf16", "--world", "2", "--json"]
     assert estimate.main(zb) == 0  # under the ZB schedule auto stays eager on CUDA too: nothing to say
     assert not any(n.startswith("trainer.compile") for n in json.loads(capsys.readouterr().out)["notes"])
+    # a sliding window: the CPU trace's SDPA band mask is priced whole (an upper bound), said in one note
+    assert estimate.main([*SMALL, "model.sliding_window=4", "--world", "1", "--json"]) == 0
+    assert estimate.WINDOW_PRICED_WHOLE in json.loads(capsys.readouterr().out)["notes"]
 
 
 def test_the_table_prints_a_tiny_model_s_seconds_and_tflop_as_figures(capsys):

@@ -338,7 +338,7 @@ def test_import_refuses_bad_inputs_in_one_line(tmp_path, case, capsys):
 
 @pytest.mark.parametrize("case", ["tie_mismatch", "truncated_shard"])
 def test_init_from_refuses_bad_files_in_one_line(tmp_path, case):
-    """`model.init_from=hf:DIR` reads the files one tensor at a time (tests/unit/test_init_from_memory.py): what only
+    """`model.init_from=hf:DIR` reads the files one tensor at a time (tests/unit/test_load_memory.py): what only
     a tensor's bytes show (a stored tied head that is not the embedding, a cut shard) is still one line."""
     from megalm.training.trainer import Trainer
 
@@ -544,7 +544,10 @@ def test_bf16_directory_round_trips_exactly_in_its_own_dtype(tmp_path):
 
 @pytest.mark.parametrize(("change", "message"), [
     (dict(mlp_only_layers=[1]), "mlp_only_layers=\\[1\\] are not the first blocks"),
-    (dict(use_sliding_window=True), "use_sliding_window=True is set"),
+    # Qwen's use_sliding_window puts Qwen3-MoE's window in every layer: one shorter than the context's positions
+    # imports (tests/unit/test_sliding_window.py); this config's positions are 64
+    (dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], use_sliding_window=True, sliding_window=16,
+          max_window_layers=1), "use_sliding_window=True is set; megalm's window .* some layers' only"),
     (dict(model_type="qwen2_moe"), "model_type='qwen2_moe' is not supported"),
     # it named model.moe.norm_topk_prob=false, a training setting no import takes (an audit, 2026-12-06)
     (dict(num_experts_per_tok=1, norm_topk_prob=True), "megalm does not import top-1 routing with norm_topk_prob")])
@@ -884,21 +887,16 @@ def test_a_mistral_with_a_sliding_window_imports_with_its_logits_and_exports_as_
         assert (expected - megalm_logits(model, ids)).abs().max().item() > 1e-3
 
 
-@pytest.mark.parametrize("window", [None, 128])
-def test_a_mistral_without_its_window_imports_as_the_llama_style_and_exports_as_llama(tmp_path, window, caplog):
-    """MistralForCausalLM with sliding_window null (Mistral 7B v0.2/v0.3, NeMo), or one that reaches every earlier
-    position (refused until 2026-12-07), is Llama's model: it imports with transformers' logits, and exports as
-    LlamaForCausalLM with the same tensors and logits."""
+def test_a_mistral_without_its_window_imports_as_the_llama_style_and_exports_as_llama(tmp_path):
+    """MistralForCausalLM with sliding_window null (Mistral 7B v0.2/v0.3, NeMo) is Llama's model: it imports with
+    transformers' logits, and exports as LlamaForCausalLM with the same tensors and logits."""
     torch.manual_seed(0)
     config = transformers.MistralConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                        max_position_embeddings=128, sliding_window=window, rope_theta=1e6)
+                                        max_position_embeddings=128, sliding_window=None, rope_theta=1e6)
     hf_model = transformers.MistralForCausalLM(config).eval()
     hf_model.save_pretrained(tmp_path / "hf")
-    with caplog.at_level(logging.INFO, logger="megalm"):
-        imported = import_hf(tmp_path / "hf", tmp_path / "imported")
-    assert ("sliding_window=128 >= max_position_embeddings=128 reaches every earlier token" in caplog.text) == bool(
-        window)
+    imported = import_hf(tmp_path / "hf", tmp_path / "imported")
     _, model = load_saved_model(imported)
     model.eval()
     ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -930,8 +928,5 @@ def test_yarn_keys_read_as_transformers_reads_them(tmp_path):
         model_config_from_hf({**base, "rope_scaling": yarn, "original_max_position_embeddings": 64}, "d")
     mistral = {**base, "model_type": "mistral", "max_position_embeddings": 32768}
     assert model_config_from_hf(mistral, "d")[1].sliding_window == 4096  # transformers' default for mistral
-    # a window that reaches every position is the whole document's attention
-    assert model_config_from_hf({**mistral, "max_position_embeddings": 4096}, "d")[1].sliding_window is None
-    qwen = {**base, "use_sliding_window": True, "sliding_window": 16}  # Qwen's windows are per layer: refused
-    with pytest.raises(InteropError, match="use_sliding_window=True is set"):
-        model_config_from_hf(qwen, "d")
+    # Mistral keeps its window, even one as long as its positions (a longer context, later, would see past it)
+    assert model_config_from_hf({**mistral, "max_position_embeddings": 4096}, "d")[1].sliding_window == 4096

@@ -98,20 +98,55 @@ def test_a_varlen_kernel_without_a_window_is_not_chosen_for_one(monkeypatch):
     assert select("auto", "cpu", torch.bfloat16, window=True) == "cudnn"
 
 
-def test_an_export_with_a_window_is_mistral_or_mixtral():
-    """Hugging Face models with one window in every layer are MistralForCausalLM and Mixtral; a windowed model of
-    another architecture (QK-norm: Qwen3, q/k/v biases: Qwen2, GPT-2) has no counterpart and is refused."""
+def test_an_export_with_a_window_keeps_it_in_every_layer():
+    """A Llama-style model with a window exports as MistralForCausalLM, an MoE one as Mixtral, one with QK-norm or
+    q/k/v biases as Qwen3 / Qwen2 with use_sliding_window in every layer (max_window_layers 0): transformers reads
+    the window from each config.json megalm writes, and so does megalm's import. GPT-2 has none: refused."""
+    import transformers
+
     from megalm.config import resolve_model_defaults
     from megalm.errors import InteropError
-    from megalm.model.hf import architecture_of
+    from megalm.model.hf import architecture_of, hf_config, model_config_from_hf
 
     def cfg(*overrides: str) -> ModelConfig:
         return resolve_model_defaults(compose_config("model.sliding_window=8", *overrides).model)
 
-    assert architecture_of(cfg()) == "mistral"
-    assert architecture_of(cfg("model=moe_tiny", "model.moe.norm_topk_prob=true")) == "mixtral"
-    for overrides, message in ((["model.qk_norm=true"], "Qwen3ForCausalLM attends whole"),
-                               (["model.qkv_bias=true"], "Qwen2ForCausalLM attends whole"),
-                               (["model=gpt2_tiny"], "a sliding window map to Hugging Face with rmsnorm")):
-        with pytest.raises(InteropError, match=message):
-            architecture_of(cfg(*overrides))
+    for overrides, arch in (([], "mistral"), (["model=moe_tiny", "model.moe.norm_topk_prob=true"], "mixtral"),
+                            (["model.qk_norm=true"], "qwen3"), (["model.qkv_bias=true"], "qwen2")):
+        model = cfg(*overrides)
+        assert architecture_of(model) == arch
+        config = hf_config(model, arch, "float32", None, None)
+        theirs = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "model_type"},
+                                                   model_type=arch)
+        assert theirs.sliding_window == 8 and set(getattr(theirs, "layer_types", None) or ["sliding_attention"]) \
+            == {"sliding_attention"}, arch
+        assert model_config_from_hf(config, "d")[1].sliding_window == 8, arch
+    with pytest.raises(InteropError, match="a sliding window map to Hugging Face with rmsnorm"):
+        architecture_of(cfg("model=gpt2_tiny"))
+
+
+def test_qwen_windows_import_where_every_layer_has_the_one_window():
+    """Qwen's use_sliding_window: Qwen3-MoE's window is every layer's (transformers applies it to all), Qwen2's and
+    Qwen3's the layers' from max_window_layers on (transformers' default 28: none of a smaller model's). megalm has
+    one window for every layer: all or none import, a mix is refused unless the window reaches every position."""
+    import transformers
+
+    from megalm.errors import InteropError
+    from megalm.model.hf import model_config_from_hf
+
+    base = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+            "use_sliding_window": True, "sliding_window": 16}
+    cases = [("qwen3", {}, None), ("qwen3", {"max_window_layers": 0}, 16), ("qwen2", {"max_window_layers": 0}, 16),
+             ("qwen3", {"layer_types": ["sliding_attention"] * 4}, 16),
+             ("qwen3", {"max_window_layers": 2, "sliding_window": 256}, None),  # reaches every position
+             ("qwen3_moe", {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}, 16)]
+    for model_type, extra, window in cases:
+        config = {**base, "model_type": model_type, **extra}
+        theirs = transformers.AutoConfig.for_model(**config)
+        sliding = getattr(theirs, "layer_types", None) or ["sliding_attention"] * 4
+        assert (theirs.sliding_window is not None and "sliding_attention" in sliding) == (window is not None) or \
+            window is None and theirs.sliding_window >= 256, (model_type, extra)
+        assert model_config_from_hf(config, "d")[1].sliding_window == window, (model_type, extra)
+    with pytest.raises(InteropError, match="some layers' only"):
+        model_config_from_hf({**base, "model_type": "qwen3", "max_window_layers": 2}, "d")
