@@ -26,6 +26,8 @@ from megalm.model import GPT, init_weights
 from megalm.training.checkpoint import save_checkpoint
 from tests.conftest import compose_config
 
+pytestmark = pytest.mark.slow  # fresh interpreters loading a 57 MB model: 14 s, measured in the long tests' leg
+
 # 16 blocks of 0.85M parameters: the model is 57 MB in fp32, its largest tensor (a gate/up pair) 1.6 MB
 SHAPE = ["model.num_layers=16", "model.hidden_size=256", "model.num_heads=4", "model.num_kv_heads=4",
          "model.ffn_hidden_size=768", "model.vocab_size=512"]
