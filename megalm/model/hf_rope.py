@@ -35,8 +35,9 @@ def rope_from_hf(hf: Mapping[str, Any], where: str) -> tuple[float, dict[str, An
         raise InteropError(f"{where}: rope_parameters={current} and rope_scaling={legacy} disagree; fix config.json")
     which, params = ("rope_scaling", legacy) if legacy else ("rope_parameters", current)
     kind = kind_of(params)
-    # transformers 5 reads a legacy rope_scaling with the top-level rope_theta (as 4 does), over rope_parameters'
-    theta = float(hf["rope_theta"] if legacy or "rope_theta" not in current else current["rope_theta"])
+    # transformers 5 reads a legacy rope_scaling with its own rope_theta, else the top-level one (as 4 does), over
+    # rope_parameters'
+    theta = float(legacy.get("rope_theta", hf["rope_theta"]) if legacy else current.get("rope_theta", hf["rope_theta"]))
     if kind == "default":
         if set(params) - {"rope_type", "type", "rope_theta"}:
             raise InteropError(f"{where}: {which}={params} is not plain RoPE; megalm computes rope_type default, "
@@ -53,11 +54,16 @@ def rope_from_hf(hf: Mapping[str, Any], where: str) -> tuple[float, dict[str, An
         if params.get("factor") is None and params.get("original_max_position_embeddings"):  # (DeepSeek-V3's form)
             params["factor"] = hf["max_position_embeddings"] / params["original_max_position_embeddings"]
     if params.get("original_max_position_embeddings") is None and "max_position_embeddings" in hf:
-        # transformers 5 takes the top-level key, else the model's context (4 raised KeyError for llama3)
-        params["original_max_position_embeddings"] = hf.get("original_max_position_embeddings",
-                                                            hf["max_position_embeddings"])
+        # transformers 5 takes the model's context (4 raised KeyError for llama3); a top-level key its AutoConfig
+        # leaves out and its model classes read: one that disagrees is refused, as ambiguous
+        outer = hf.get("original_max_position_embeddings")
+        if outer is not None and outer != hf["max_position_embeddings"]:
+            raise InteropError(f"{where}: original_max_position_embeddings={outer} stands outside {which}, which has "
+                               f"none: transformers 5 reads it or max_position_embeddings="
+                               f"{hf['max_position_embeddings']} by how it loads; move it into {which} in config.json")
+        params["original_max_position_embeddings"] = hf["max_position_embeddings"]
         log.info(f"{where}: {which} of rope_type {kind} has no original_max_position_embeddings: "
-                 f"{params['original_max_position_embeddings']} is read, as transformers 5 reads it")
+                 f"max_position_embeddings={hf['max_position_embeddings']} is read, as transformers 5 reads it")
     required = LLAMA3_KEYS if kind == "llama3" else YARN_KEYS[:2]
     missing = [k for k in required if params.get(k) is None]
     if missing:

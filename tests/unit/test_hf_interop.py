@@ -810,11 +810,12 @@ def test_import_refuses_a_rope_scaling_it_cannot_compute(tmp_path, rope_scaling,
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("outer", [None, 32])
+@pytest.mark.parametrize("outer", [None, 256, 32])
 def test_a_scaled_rope_without_its_original_context_reads_as_transformers_5_reads_it(tmp_path, outer, caplog):
     """rope_scaling llama3 without original_max_position_embeddings (transformers 4 raised KeyError; it was refused
-    until 2026-12-07): transformers 5 takes a top-level original_max_position_embeddings, else
-    max_position_embeddings, and so does the import, saying so once; the logits equal transformers' on the file."""
+    until 2026-12-07): transformers 5 takes max_position_embeddings, and so does the import, saying so once; the
+    logits equal transformers' on the file. A top-level original_max_position_embeddings that disagrees is refused:
+    transformers 5's AutoConfig leaves it out, its model classes read it (a second reader found megalm read it)."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -824,14 +825,18 @@ def test_a_scaled_rope_without_its_original_context_reads_as_transformers_5_read
     without = {k: v for k, v in LLAMA3_ROPE.items() if k != "original_max_position_embeddings"}
     _edit_config(tmp_path / "hf", rope_parameters={**without, "rope_theta": 5000.0},  # as transformers 5 writes it
                  **({"original_max_position_embeddings": outer} if outer else {}))
+    if outer == 32:  # (transformers' AutoConfig reads 256 from this file, its model class 32: ambiguous)
+        with pytest.raises(InteropError, match="original_max_position_embeddings=32 stands outside rope_parameters"):
+            import_hf(tmp_path / "hf", tmp_path / "imported")
+        return
     hf_model = load_hf(tmp_path / "hf")
-    assert hf_model.config.rope_parameters["original_max_position_embeddings"] == (outer or 256)
+    assert hf_model.config.rope_parameters["original_max_position_embeddings"] == 256
     with caplog.at_level(logging.INFO, logger="megalm"):
         imported = import_hf(tmp_path / "hf", tmp_path / "imported")
-    assert f"has no original_max_position_embeddings: {outer or 256} is read" in caplog.text
+    assert "has no original_max_position_embeddings: max_position_embeddings=256 is read" in caplog.text
     _, model = load_saved_model(imported)
     model.eval()
-    assert model.cfg.rope_scaling.original_max_position_embeddings == (outer or 256)
+    assert model.cfg.rope_scaling.original_max_position_embeddings == 256
     ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         assert (hf_model(torch.tensor([ids])).logits[0] - megalm_logits(model, ids)).abs().max().item() <= 1e-5
@@ -842,10 +847,13 @@ def test_a_scaled_rope_without_its_original_context_reads_as_transformers_5_read
     {"rope_scaling": LLAMA3_ROPE, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5000.0}, "rope_theta": 7000.0},
     {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0},
     {"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5000.0}, "rope_theta": 7000.0},
-    {"rope_parameters": {"rope_type": "default", "rope_theta": 5000.0}}], ids=["both", "both_top", "4", "5_top", "5"])
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 5000.0}},
+    {"rope_scaling": {**LLAMA3_ROPE, "rope_theta": 1e6}, "rope_theta": 5e5}],  # the legacy dict's own: a reader found
+    ids=["both", "both_top", "4", "5_top", "5", "legacy_own"])
 def test_rope_theta_reads_as_transformers_reads_it(keys):
-    """rope_theta where config.json spells it more than once: with a (legacy) rope_scaling, transformers 4 and 5
-    read the top-level rope_theta (or the default), else rope_parameters'; megalm read rope_parameters' first."""
+    """rope_theta where config.json spells it more than once: with a (legacy) rope_scaling, transformers 5 reads its
+    own rope_theta, else the top-level one (or the default), else rope_parameters'; megalm read rope_parameters'
+    first."""
     import copy
 
     from megalm.model.hf import model_config_from_hf
