@@ -54,7 +54,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megalm import compat
-from megalm.config import zero_bubble
+from megalm.config import is_hsdp, zero_bubble
 from megalm.estimate.collectives import GPUS_PER_NODE, LINKS, Collectives, InFlight, comm_seconds, inside_node
 from megalm.measure import LiveStorages, storage_bytes
 from megalm.measure.compiled_cost import InductorCosts
@@ -175,7 +175,7 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
     finally:
         dist.destroy_process_group()
     moe = bool(cfg.model.moe.num_experts)
-    hsdp = p.fsdp and p.fsdp_shard_size is not None and p.fsdp_shard_size < dims.dp * dims.cp  # (p.dp: unresolved)
+    hsdp = is_hsdp(trainer.cfg.parallel)  # (the run's own config: `p.dp` may be unresolved)
     reserve = reserve_bytes(peak, communicators(dims.tp, dims.pp, dims.cp, dims.dp, dims.ep if moe else 1,
                                                 moe and p.sequence_parallel, hsdp))
     summary = costs.summary()

@@ -219,8 +219,7 @@ def varlen_attention(
             raise ValueError(f"the {backend} attention backend has no dropout")
         if backend == "cudnn" and window is None and equal_documents(q, cu_seqlens, max_seqlen):
             return batched_sdpa(q, k, v, cu_seqlens, max_seqlen, 0.0, scale)
-        return compat.varlen_attn(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, scale=scale,
-                                  **({} if window is None else {"window": window}))
+        return compat.varlen_attn(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, scale=scale, window=window)
     if backend == "sdpa":
         return _sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, window)
     if backend == "reference":

@@ -29,11 +29,18 @@ _HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float
                   "BOOL": torch.bool}
 
 
+_UNREADABLE = (SafetensorError, OSError, ValueError)
+
+
+def _unreadable(file: Path, error: Exception) -> InteropError:
+    return InteropError(f"{file} is not a readable safetensors file ({str(error).strip()[:200]})")
+
+
 def _open(file: Path) -> Any:
     try:
         return safe_open(str(file), framework="pt", device="cpu")
-    except (SafetensorError, OSError, ValueError) as e:
-        raise InteropError(f"{file} is not a readable safetensors file ({str(e).strip()[:200]})") from None
+    except _UNREADABLE as e:
+        raise _unreadable(file, e) from None
 
 
 class SafetensorsDir(Mapping[str, torch.Tensor]):
@@ -54,8 +61,8 @@ class SafetensorsDir(Mapping[str, torch.Tensor]):
         file = self._file_of[key]
         try:
             return self._files[file].get_tensor(key)
-        except (SafetensorError, OSError, ValueError) as e:
-            raise InteropError(f"{file} is not a readable safetensors file ({str(e).strip()[:200]})") from None
+        except _UNREADABLE as e:
+            raise _unreadable(file, e) from None
 
     def __contains__(self, key: object) -> bool:  # (Mapping's would read the tensor)
         return key in self._file_of

@@ -205,7 +205,7 @@ class HFWeights(Mapping[str, torch.Tensor]):
             if key not in keys:
                 raise InteropError(f"{where}: tensor {key} is missing; the files do not hold a complete "
                                    f"{ARCHITECTURES[arch]}")
-            return read(key).to(torch.float32)
+            return read(key)
 
         layer = _layer_of(name)
         if arch in LLAMA_FAMILY:

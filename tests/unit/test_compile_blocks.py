@@ -301,7 +301,8 @@ def test_the_cudnn_backend_compiles_each_of_its_two_kernels_once_dynamic(monkeyp
 
     stand_in_op.register_fake(lambda q: torch.empty_like(q))
     stand_in_op.register_autograd(lambda ctx, grad: grad * 2)
-    monkeypatch.setattr(compat, "varlen_attn", lambda q, k, v, cu_seqlens, max_seqlen, scale=None: stand_in_op(q))
+    monkeypatch.setattr(compat, "varlen_attn",
+                        lambda q, k, v, cu_seqlens, max_seqlen, scale=None, window=None: stand_in_op(q))
     torch.manual_seed(0)
     model = GPT(ModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=128, seq_length=128))
     for module in model.modules():

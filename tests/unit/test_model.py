@@ -131,8 +131,8 @@ def test_cudnn_backend_runs_equal_documents_in_one_sdpa_call(heads, monkeypatch)
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: sdpa_calls.append(a[0].shape) or
                         sdpa(*a, **kw))
-    monkeypatch.setattr(compat, "varlen_attn", lambda q, k, v, cu, max_len, scale=None: varlen_calls.append(
-        (cu.dtype, max_len)) or q.clone())
+    monkeypatch.setattr(compat, "varlen_attn", lambda q, k, v, cu, max_len, scale=None, window=None:
+                        varlen_calls.append((cu.dtype, max_len)) or q.clone())
     cu = cu_from([6, 6, 6])
     q, k, v = random_qkv(18, hq, hkv, 8)
     out = varlen_attention(q, k, v, cu, 6, "cudnn")
