@@ -12,6 +12,7 @@ from megalm.config.checks import (
     is_hsdp,
     is_moe_layer,
     moe_layer_ids,
+    override_value,
     pad_vocab,
     positive,
     process_group_minutes,
@@ -52,6 +53,6 @@ __all__ = [
     "choice", "config_to_dict", "is_moe_layer", "model_config", "moe_layer_ids", "pad_vocab", "positive",
     "RECOMPUTE_MODES", "process_group_minutes", "recompute_modes",
     "register_schema", "resolve_model_defaults", "schema_default", "schema_error_line",
-    "set_away_from_default", "to_dataclass",
+    "override_value", "set_away_from_default", "to_dataclass",
     "validate", "validate_model", "zero_bubble", "is_hsdp",
 ]

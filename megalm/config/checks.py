@@ -132,7 +132,13 @@ def set_away_from_default(section: Any, schema: type, keys: Iterable[str] | None
     """`key=value` for each of `keys` (default: every field) whose value in `section`, a config section of the
     dataclass `schema`, is not the schema's default: settings a layout will not read, for a warning or an error."""
     keys = [f.name for f in dataclasses.fields(schema)] if keys is None else keys
-    return [f"{key}={getattr(section, key)}" for key in keys if getattr(section, key) != schema_default(schema, key)]
+    return [f"{key}={override_value(getattr(section, key))}" for key in keys
+            if getattr(section, key) != schema_default(schema, key)]
+
+
+def override_value(value: Any) -> str:
+    """`value` as a command-line override spells it (true, false, null), so a message's key=value can be pasted."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 DEMO_DATA_WARNING = "data=demo is the Python standard library as bytes (257 ids)"

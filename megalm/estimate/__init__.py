@@ -86,9 +86,6 @@ WINDOW_PRICED_WHOLE = ("model.sliding_window: priced as the CPU trace runs it, S
 
 def main(argv: list[str] | None = None) -> int:
     """megalm-estimate OVERRIDES... --world N --gpu h100 [--json]."""
-
-    from megalm.errors import ConfigError, MegalmError
-
     parser = argparse.ArgumentParser(prog="megalm-estimate", description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="megalm-train's Hydra overrides (model=8b parallel.tp=8 ...)")
     parser.add_argument("--world", type=int, required=True, help="number of GPUs of the run")
@@ -99,9 +96,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, help="--search: how many layouts to confirm and print (default 5)")
     parser.add_argument("--gpu-memory", type=float, help="--search: GiB of device memory per GPU (default: --gpu's)")
     args = parser.parse_intermixed_args(argv)  # overrides before and after the flags
-    logging.getLogger("megalm").setLevel(logging.WARNING)  # the trainers' start-up lines are not the answer
+    megalm_log = logging.getLogger("megalm")
+    level = megalm_log.level
+    megalm_log.setLevel(logging.WARNING)  # the trainers' start-up lines are not the answer
     # nor is the warning that a preset on data=demo trains no language model: the estimate prices its shapes only
-    logging.getLogger("megalm").addFilter(_not_the_demo_data_warning)
+    megalm_log.addFilter(_not_the_demo_data_warning)
+    try:
+        return _answer(args)
+    finally:  # a caller in the same process (a test) keeps its logging: the filter had hidden the warning after it
+        megalm_log.setLevel(level)
+        megalm_log.removeFilter(_not_the_demo_data_warning)
+
+
+def _answer(args: argparse.Namespace) -> int:
+    """main's work on its parsed arguments: print the estimate (or the search) or one error line."""
+    from megalm.errors import ConfigError, MegalmError
+
     cpu_run = ["trainer.device=cpu", "trainer.hang_minutes=0", "trainer.init_hang_minutes=0",
                "logging.tensorboard=false"]
     unfit = None  # a search's result with no layout: --json prints it beside the error line

@@ -41,16 +41,18 @@ LINKS = {  # NVLink 4: 900 GB/s both ways (H100, H200); NVLink 3: 600 (A100); NV
 GPUS_PER_NODE = 8  # HGX/DGX nodes of every GPU in LINKS
 
 
-def inside_node(tp: int, cp: int, ep: int = 1, dp: int = 0, pp: int = 1) -> set[str]:
+def inside_node(tp: int, cp: int, ep: int = 1, dp: int = 0, pp: int = 1, fsdp_shard: int = 0) -> set[str]:
     """The mesh dimensions whose groups lie inside one node of GPUS_PER_NODE GPUs (ranks are ordered tp fastest,
     then cp, dp, pp; a group spans the consecutive ranks of its dimension and the faster ones, inside a node when
-    that span divides the node): tp, cp (tp x cp), ep (consecutive dp x cp ranks: tp x ep), dp, dp_cp and expert_dp
+    that span divides the node): tp, cp (tp x cp), ep (consecutive dp x cp ranks: tp x ep), HSDP's `fsdp_shard`
+    (`fsdp_shard` consecutive dp x cp ranks: tp x fsdp_shard), dp, dp_cp, expert_dp and HSDP's `fsdp_replicate`
     (tp x cp x dp), pp and embedding (the whole world), and always `cp_in_node` (`ring_dim`). Their collectives run
     over NVLink, the others over the NICs. `dp` 0: not known, across nodes (a single node's dp and pp traffic was
     priced at the NICs', 9x slower, until 2026-12-06)."""
     within = tp * cp * dp
-    spans = (("tp", tp), ("cp", tp * cp), ("ep", tp * ep), ("dp", within), ("dp_cp", within),
-             ("expert_dp", within), ("pp", within * pp), ("embedding", within * pp))
+    spans = (("tp", tp), ("cp", tp * cp), ("ep", tp * ep), ("fsdp_shard", tp * fsdp_shard), ("dp", within),
+             ("dp_cp", within), ("expert_dp", within), ("fsdp_replicate", within), ("pp", within * pp),
+             ("embedding", within * pp))
     return {dim for dim, span in spans if 0 < span <= GPUS_PER_NODE and GPUS_PER_NODE % span == 0} | {"cp_in_node"}
 
 

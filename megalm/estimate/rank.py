@@ -164,7 +164,9 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
             grads = storage_bytes(_grad_buffers(trainer))
             comm = storage_bytes(getattr(trainer.optimizer, "gather_buffers", list)())  # none held past this line
             live.mark_peak()
-            links, inside = LINKS[gpu], inside_node(p.tp, p.cp, p.ep, dims.dp, p.pp)
+            hsdp = is_hsdp(trainer.cfg.parallel)  # (the run's own config: `p.dp` may be unresolved)
+            links = LINKS[gpu]
+            inside = inside_node(p.tp, p.cp, p.ep, dims.dp, p.pp, p.fsdp_shard_size if hsdp else 0)
             costs, comms = OpCosts(GPUS[gpu], cfg.precision.tf32), Collectives(_group_names(trainer), inside)
             once = OnceAStep(costs, comms)
             with InFlight(costs, comms, links, inside) as in_flight:
@@ -175,7 +177,6 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
     finally:
         dist.destroy_process_group()
     moe = bool(cfg.model.moe.num_experts)
-    hsdp = is_hsdp(trainer.cfg.parallel)  # (the run's own config: `p.dp` may be unresolved)
     reserve = reserve_bytes(peak, communicators(dims.tp, dims.pp, dims.cp, dims.dp, dims.ep if moe else 1,
                                                 moe and p.sequence_parallel, hsdp))
     summary = costs.summary()
@@ -326,12 +327,16 @@ def _grad_buffers(trainer: Any) -> list[torch.Tensor]:
 
 
 def _group_names(trainer: Any) -> dict[str, str]:
-    """{process group name: its mesh dimension} of this rank's groups."""
+    """{process group name: its mesh dimension} of this rank's groups, HSDP's two among them (FSDP's own groups,
+    which had been priced as `other`, across nodes, the shard group's gathers within a node included)."""
     mesh, names = trainer.parallel.mesh, {}
     for dim in ("dp_cp", "tp", "cp", "dp", "pp", "embedding", "ep", "expert_dp"):  # dp_cp: dp's own when cp = 1
         group = getattr(mesh, f"{dim}_group", None)
         if group is not None:
             names[group.group_name] = dim
+    fsdp = getattr(trainer.parallel, "fsdp_mesh", None)
+    if fsdp is not None and fsdp.ndim == 2:  # (replicate, shard)
+        names[fsdp.get_group(0).group_name], names[fsdp.get_group(1).group_name] = "fsdp_replicate", "fsdp_shard"
     return names
 
 

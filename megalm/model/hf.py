@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from megalm.config import ModelConfig, resolve_model_defaults, validate_model
+from megalm.config import ModelConfig, override_value, resolve_model_defaults, validate_model
 from megalm.config.schema import RopeScalingConfig
 from megalm.errors import ConfigError, InteropError
 from megalm.model.hf_moe import (
@@ -278,10 +278,9 @@ def run_overrides(cfg: ModelConfig) -> list[str]:
         values.pop("rope_theta")
     if cfg.rope_scaling.type != "none":
         keys = LLAMA3_KEYS if cfg.rope_scaling.type == "llama3" else YARN_KEYS
-        values.update({f"rope_scaling.{k}": "null" if getattr(cfg.rope_scaling, k) is None else
-                       getattr(cfg.rope_scaling, k) for k in ("type", *keys)})
+        values.update({f"rope_scaling.{k}": getattr(cfg.rope_scaling, k) for k in ("type", *keys)})
     if cfg.moe.num_experts:
         values.update({f"moe.{k}": getattr(cfg.moe, k) for k in (
             "num_experts", "top_k", "expert_ffn_hidden_size", "first_k_dense", "every_n_layers", "norm_topk_prob",
             "aux_loss_coeff")})
-    return [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
+    return [f"model.{k}={override_value(v)}" for k, v in values.items()]

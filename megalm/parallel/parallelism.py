@@ -177,10 +177,11 @@ class Parallelism:
             self.runner: Runner = PipelineRuntime(
                 self.model, self.mesh, p.pp_schedule, self.loss_fn, self._forward_context, self._before_forward,
                 device, activation_shape=lambda mb: (mb.batch.num_tokens // sp, hidden),
-                activation_dtype=recipe_dtype or next(self.model.parameters()).dtype)
+                activation_dtype=recipe_dtype or next(self.model.parameters()).dtype,
+                before_backward=self._before_backward)
         else:
             self.runner = LocalRunner(self.model, self.loss_fn, self._forward_context, self._before_forward, device,
-                                      self.mesh.progress)
+                                      self.mesh.progress, self._before_backward)
         self.offload_store = self._attach_offload() if cfg.offload.enabled else None
         self.split: StepSplit = self._build_split()
         self.token_multiple = math.lcm(p.tp if p.sequence_parallel else 1,
@@ -190,7 +191,7 @@ class Parallelism:
         presum = dict([tied]) if tied else None
         if p.fsdp:  # FSDP reduce-scatters into the sharded gradients itself
             self.reducer: GradReducer | FsdpGrads = FsdpGrads(list(self.model.parameters()), self.fsdp_mesh, presum,
-                                                              self.mesh.progress)
+                                                              self.mesh.progress, p.fsdp_reduce_each_micro_batch)
         else:
             # routed experts: summed over the ranks that hold the same experts only (expert parallelism), and over
             # TP too under sequence parallelism (each TP rank runs them on its own tokens)
@@ -358,6 +359,9 @@ class Parallelism:
     def _before_forward(self, chunk: nn.Module, step: int, micro_batch: int, shard: int = 0) -> None:
         for converter in self.converters:
             converter.before_forward(chunk, step, micro_batch, shard)
+
+    def _before_backward(self, chunk: nn.Module, last: bool) -> None:
+        self.reducer.before_backward(chunk, last)
 
     # ------------------------------------------------------------------ one step
 

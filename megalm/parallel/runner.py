@@ -49,10 +49,12 @@ class LocalRunner:
     """Runs a step's micro-batches one after the other on the whole model (no pipeline)."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, forward_context: Callable, before_forward: Callable,
-                 device: torch.device, progress: Progress | None = None):
+                 device: torch.device, progress: Progress | None = None,
+                 before_backward: Callable[[nn.Module, bool], None] | None = None):
         self.model, self.loss_fn, self.device = model, loss_fn, device
         self.progress = progress or Progress()  # where the hang watchdog reads the micro-batch in flight
         self.forward_context, self.before_forward = forward_context, before_forward
+        self.before_backward = before_backward  # (the model, whether it is the step's last backward)
         self.memory_hooks: LayerOffload | None = None  # activation offload of transformer blocks
 
     def _loss(self, mb: LocalMicroBatch) -> torch.Tensor:
@@ -72,6 +74,8 @@ class LocalRunner:
             self.before_forward(self.model, step, mb.index, mb.ring_position)
             with hooks.micro_batch(mb.offload_fraction) if hooks is not None else contextlib.nullcontext():
                 loss_sum = self._loss(mb)
+                if self.before_backward is not None:
+                    self.before_backward(self.model, i == len(micro_batches) - 1)
                 (loss_sum / n_loss_tokens).backward()
             total += loss_sum.detach()
         return total

@@ -70,6 +70,14 @@ LAYOUTS = {
     "pp2_dp2_tied": (4, ["parallel.pp=2", "parallel.dp=2", "model.num_layers=4", "model.tie_embeddings=true"]),
     "cp2_dp2": (4, ["parallel.cp=2", "parallel.dp=2"]),
     "hsdp_dp4": (4, ["parallel.dp=4", "parallel.fsdp_shard_size=2"]),
+    # two micro-batches a rank: the replicas' all-reduce deferred to each unit's last backward (FsdpGrads)
+    "hsdp_dp4_accumulated": (4, ["parallel.dp=4", "parallel.fsdp_shard_size=2", "trainer.global_batch_size=16"]),
+    # three micro-batches a rank, reduce-scattered once: the unsharded gradients accumulate in between
+    "dp2_reduce_once": (2, ["parallel.dp=2", "parallel.fsdp_reduce_each_micro_batch=false"]),
+    # and each pipeline chunk's last backward found in the interleaved schedule (PipelineRuntime)
+    "pp2_vpp2_dp2_reduce_once": (4, ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved",
+                                     "parallel.dp=2", "model.num_layers=4",
+                                     "parallel.fsdp_reduce_each_micro_batch=false", "trainer.global_batch_size=16"]),
     "dp2_offload": (2, ["parallel.dp=2", "offload.enabled=true"]),
     "dp2_selective": (2, ["parallel.dp=2", "parallel.recompute=selective"]),
     # the clip's coefficient applied to the shards (FsdpGrads.scale_grads): no other layout clipped (a test audit)
@@ -180,3 +188,52 @@ def test_fsdp_checkpoints_hold_this_rank_s_shards_and_one_whole_tensor(tmp_path,
     (`checkpoint.tensors.fsdp_tp_mesh`), where until the day's second session each rank held its TP slice of every
     tensor whole: a save's peak 5.4 → 3.1 MB, a load's 7.2 → 4.9 MB (0.89 MB shards)."""
     run_distributed(check_checkpoint_memory, world, str(tmp_path), parallel, timeout=300)
+
+
+ACCUMULATED = ["trainer.global_batch_size=16", "trainer.micro_batch_size=2"]  # dp 4: 2 micro-batches a rank
+
+
+def check_reductions_per_step(rank: int, world_size: int, tmp: str, overrides: list[str]) -> None:
+    """The collectives FSDP runs over a step's backward, counted where torch.distributed is called (FSDP2 calls
+    `dist.reduce_scatter_single` and, under HSDP, `dist.all_reduce` over the replicate group), against the number of
+    FSDP units: each unit sends across replicas once a step, and with `fsdp_reduce_each_micro_batch=false`
+    reduce-scatters once a step too."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    trainer = Trainer(compose_config(*COMMON, *ACCUMULATED, "parallel.fsdp=true", *overrides), f"{tmp}/run")
+    mesh = trainer.parallel.fsdp_mesh
+    calls = {"reduce_scatter": 0, "replicas": 0}
+    wrapped = {name: getattr(dist, name) for name in ("reduce_scatter_single", "all_reduce")}
+
+    def reduce_scatter_single(*args, **kwargs):
+        calls["reduce_scatter"] += kwargs.get("group") is mesh.get_group(mesh.ndim - 1)
+        return wrapped["reduce_scatter_single"](*args, **kwargs)
+
+    def all_reduce(*args, **kwargs):
+        calls["replicas"] += mesh.ndim > 1 and kwargs.get("group") is mesh.get_group(0)
+        return wrapped["all_reduce"](*args, **kwargs)
+
+    units = sum(isinstance(m, FSDPModule) for m in trainer.model.modules())
+    dist.reduce_scatter_single, dist.all_reduce = reduce_scatter_single, all_reduce
+    try:
+        _, share = trainer.forward_backward(0)
+    finally:
+        dist.reduce_scatter_single, dist.all_reduce = wrapped["reduce_scatter_single"], wrapped["all_reduce"]
+    micro_batches = len(share.micro_batches)
+    assert micro_batches == 2, micro_batches
+    reduce_once = "parallel.fsdp_reduce_each_micro_batch=false" in overrides
+    assert calls["reduce_scatter"] == units * (1 if reduce_once else micro_batches), (calls, units)
+    assert calls["replicas"] == (units if mesh.ndim > 1 else 0), (calls, units)
+
+
+@pytest.mark.parametrize("overrides", [
+    pytest.param(["parallel.dp=4", "parallel.fsdp_shard_size=2"], id="hsdp"),
+    pytest.param(["parallel.dp=4", "parallel.fsdp_shard_size=2", "parallel.fsdp_reduce_each_micro_batch=false"],
+                 id="hsdp_reduce_once"),
+    pytest.param(["parallel.dp=4", "parallel.fsdp_reduce_each_micro_batch=false"], id="fsdp_reduce_once")])
+def test_fsdp_sends_gradients_across_replicas_once_a_step(tmp_path, overrides):
+    """Under gradient accumulation HSDP all-reduces across replicas in each unit's last backward only (TorchTitan's
+    set_requires_all_reduce), where it had all-reduced every micro-batch; `fsdp_reduce_each_micro_batch=false`
+    also reduce-scatters once. That the deferred sums arrive whole is the equivalence tests' (LAYOUTS)."""
+    run_distributed(check_reductions_per_step, 4, str(tmp_path), overrides, timeout=240)

@@ -230,7 +230,7 @@ def test_settings_nothing_reads_are_said(caplog):
                                                                         "compiled blocks only, and this run is eager "
                                                                         "(trainer.compile=false, as set or as null "
                                                                         "resolves for it): not used",
-        ("parallel.overlap_param_gather=false",): "parallel.overlap_param_gather=False times ZeRO-1's all-gather of "
+        ("parallel.overlap_param_gather=false",): "parallel.overlap_param_gather=false times ZeRO-1's all-gather of "
                                                   "the updated parameters, and parallel.zero1=false gathers none: not "
                                                   "used",
         (*BUDGET, "trainer.global_batch_size=8"): "trainer.global_batch_size=8 set with trainer.tokens_per_step=256: "

@@ -85,6 +85,7 @@ def test_dp_defaults_to_what_is_left():
     (2, ["parallel.fsdp=true", "parallel.fsdp_shard_size=1"], "fsdp_shard_size=1 shards nothing"),
     (2, ["parallel.fsdp_reshard_after_forward=false"], "needs parallel.fsdp=true"),
     (2, ["parallel.fsdp_cpu_offload=true"], "needs parallel.fsdp=true"),
+    (2, ["parallel.fsdp_reduce_each_micro_batch=false"], "fsdp_reduce_each_micro_batch=false needs parallel.fsdp=true"),
 ])
 def test_bad_layouts_name_the_fix(world, overrides, message):
     with pytest.raises(ConfigError, match=message) as info:
@@ -119,7 +120,7 @@ def test_bucket_settings_fsdp_does_not_read_are_said(caplog):
         layout(2, "parallel.fsdp=true", "trainer.micro_batch_size=2", "parallel.bucket_size_mb=50",
                "parallel.overlap_param_gather=false")
     unused = [r.getMessage() for r in caplog.records if "FSDP replaces" in r.getMessage()]
-    assert len(unused) == 1 and "parallel.bucket_size_mb=50.0, parallel.overlap_param_gather=False" in unused[0]
+    assert len(unused) == 1 and "parallel.bucket_size_mb=50.0, parallel.overlap_param_gather=false" in unused[0]
 
 
 def test_a2a_p2p_at_cp_1_is_accepted_as_the_other_comms_are():

@@ -287,6 +287,25 @@ def test_a_groups_collectives_run_over_nvlink_where_its_ranks_share_a_node():
     assert nic == pytest.approx(9 * nvlink)
 
 
+def test_hsdp_prices_its_shard_group_inside_the_node_and_its_replicas_once_a_step():
+    """HSDP's two groups are FSDP's own, which no mesh dimension had named: every collective of theirs was priced as
+    `other`, across nodes, the shard group's all-gathers and reduce-scatters inside a node included. Now the shard
+    group of 2 consecutive ranks is inside the node, the replicate group across the domain; and with two
+    micro-batches a rank its all-reduce of the gradient shards runs once a step (FsdpGrads.before_backward): its
+    bytes are those of one all-reduce over 2 replicas of this rank's fp32 gradient shard, the size of its fp32
+    weights (`param_bytes`)."""
+    from megalm.estimate.collectives import inside_node
+
+    assert "fsdp_shard" in inside_node(tp=1, cp=1, dp=16, fsdp_shard=8)
+    assert not {"fsdp_shard", "fsdp_replicate"} & inside_node(tp=2, cp=1, dp=16, fsdp_shard=8)  # 16 ranks a group
+    assert "fsdp_replicate" in inside_node(tp=1, cp=1, dp=4, fsdp_shard=2)
+    overrides = ["model=tiny", "trainer.device=cpu", "parallel.fsdp=true", "parallel.fsdp_shard_size=2",
+                 "trainer.micro_batch_size=1", "trainer.global_batch_size=8"]
+    (rank,) = estimate.estimate(overrides, 4, "h100")["ranks"]
+    assert set(rank["collective_bytes"]) == {"fsdp_shard", "fsdp_replicate"}, rank["collective_bytes"]
+    assert rank["collective_bytes"]["fsdp_replicate"] == rank["param_bytes"]  # 2 (n - 1) / n of it, n = 2
+
+
 def test_fp8_gemms_are_traced_as_the_gpu_runs_them(monkeypatch):
     """On a GPU with FP8 tensor cores the estimator's step takes torch._scaled_mm (its fake kernel), priced at the FP8
     peak, instead of the CPU's fp32 emulation, with micro-batches padded to 16 tokens as on the GPU (36-token

@@ -288,6 +288,9 @@ class GradReducer:
         self._active = True
         self.step_finished = False
 
+    def before_backward(self, chunk: nn.Module, last: bool) -> None:
+        """Nothing to tell: a bucket is reduced once its gradients are final, counted by the hooks."""
+
     def finish(self) -> None:
         """Launch the buckets still waiting (unused parameters count as zero), wait for all of them,
         and leave the summed gradients in place (`p.grad`, or the buckets' `grad_shard` for ZeRO-1)."""

@@ -48,7 +48,8 @@ def validate_fsdp(cfg: MegalmConfig) -> None:
     p = cfg.parallel
     if not p.fsdp:
         if set_fsdp := set_away_from_default(p, ParallelConfig, ("fsdp_shard_size", "fsdp_cpu_offload",
-                                                                 "fsdp_reshard_after_forward")):
+                                                                 "fsdp_reshard_after_forward",
+                                                                 "fsdp_reduce_each_micro_batch")):
             raise ConfigError(f"parallel.{set_fsdp[0]} needs parallel.fsdp=true; set it or drop the key")
         return
     if unread := set_away_from_default(p, ParallelConfig, ("bucket_size_mb", "overlap_param_gather")):

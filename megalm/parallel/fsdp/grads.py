@@ -4,8 +4,13 @@ unchanged.
 
 FSDP reduce-scatters each unit's gradients as its backward ends, every micro-batch, and adds them into the sharded
 `p.grad` (a DTensor): after the last backward of a step each rank holds the step's summed gradient of its shard of
-every parameter. What is left is what FSDP cannot know: a pipeline's tied embedding has a copy on the first and
-the last stage whose sharded gradients are summed here (`finish`), as the DP reducer presums them.
+every parameter. What is left is what FSDP cannot know:
+- which backward is a chunk's last of the step (`before_backward`, told by the runner): HSDP's all-reduce across
+  replicas runs only then, the replicas' partial sums held reduce-scattered until it (FSDP2's
+  set_requires_all_reduce; TorchTitan does the same), and `parallel.fsdp_reduce_each_micro_batch=false` defers the
+  reduce-scatter as well (set_requires_gradient_sync: the unsharded gradients accumulate on each rank);
+- a pipeline's tied embedding has a copy on the first and the last stage whose sharded gradients are summed here
+  (`finish`), as the DP reducer presums them.
 """
 
 from __future__ import annotations
@@ -48,14 +53,24 @@ class FsdpGrads:
     tied embedding's first- and last-stage copies; both hold the same shard rows, their dp ranks match)."""
 
     def __init__(self, params: list[nn.Parameter], mesh: DeviceMesh, presum: dict[nn.Parameter, dist.ProcessGroup]
-                 | None = None, progress: Progress | None = None):
+                 | None = None, progress: Progress | None = None, reduce_each_micro_batch: bool = True):
         self.params, self.presum, self.progress = params, dict(presum or {}), progress
         self.world = mesh.size()
         self.shard_group = mesh.get_group(mesh.ndim - 1)  # shards partition the parameters over this group
         self.buckets: list = []  # FSDP owns the communication buffers (its units)
+        self.hsdp, self.reduce_each_micro_batch = mesh.ndim > 1, reduce_each_micro_batch
 
     def start_step(self, num_micro_batches: int) -> None:
-        """Nothing to arm: FSDP's hooks reduce every micro-batch's gradients into the shards."""
+        """Nothing to arm: FSDP's hooks reduce the micro-batches' gradients into the shards."""
+
+    def before_backward(self, chunk: nn.Module, last: bool) -> None:
+        """Before a backward of `chunk` (an FSDP unit, its blocks' units inside it): `last` when no other backward
+        of the chunk follows in this step. Only the last sends the gradients across replicas (HSDP), or at all with
+        `reduce_each_micro_batch` false; whatever a chunk held back is reduced with its last backward's."""
+        if not self.reduce_each_micro_batch:
+            chunk.set_requires_gradient_sync(last)
+        elif self.hsdp:
+            chunk.set_requires_all_reduce(last)
 
     @torch.no_grad()
     def finish(self) -> None:

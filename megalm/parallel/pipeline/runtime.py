@@ -101,7 +101,9 @@ class PipelineRuntime:
     their number of micro-batches (and micro-batches in their number of tokens).
 
     `forward_context()` is entered around every F (autocast, precision); `before_forward(chunk, step,
-    index)` runs before each training F (seeds random rounding by the micro-batch's index in the step).
+    index)` runs before each training F (seeds random rounding by the micro-batch's index in the step);
+    `before_backward(chunk, last)` before each B, `last` on the chunk's last B of the step (FSDP defers its
+    reductions to it).
     With `schedule="zb"` the chunks' linear layers defer their weight gradients to W (weight_grad.py).
     """
 
@@ -110,11 +112,12 @@ class PipelineRuntime:
                  before_forward: Callable[[nn.Module, int, int, int], None] | None = None,
                  device: torch.device | str = "cpu", memory_hooks: MemoryHooks | None = None,
                  activation_shape: Callable[[LocalMicroBatch], tuple[int, ...]] | None = None,
-                 activation_dtype: torch.dtype = torch.float32) -> None:
+                 activation_dtype: torch.dtype = torch.float32,
+                 before_backward: Callable[[nn.Module, bool], None] | None = None) -> None:
         self.chunks, self.mesh, self.schedule_name = chunks, mesh, schedule
         self.vpp = len(chunks)
         self.loss_fn, self.forward_context, self.device = loss_fn, forward_context, torch.device(device)
-        self.before_forward = before_forward
+        self.before_forward, self.before_backward = before_forward, before_backward
         # What one stage hands the next: [tokens of the micro-batch on this rank, hidden] (the residual stream
         # keeps the parameters' dtype under autocast); its gradient has the same shape and dtype.
         hidden = chunks[0].cfg.hidden_size
@@ -173,6 +176,7 @@ class PipelineRuntime:
         hooks = self.memory_hooks if train else None
         if hooks:
             hooks.start_step()
+        last_backward = {a.chunk: a for a in actions if a.kind == "B"}  # each chunk's last B (later ones overwrite)
         self.peak_in_flight = 0
         for item in steps(actions):
             action = " + ".join(map(str, item)) if isinstance(item, tuple) else str(item)
@@ -204,6 +208,8 @@ class PipelineRuntime:
                     self.peak_in_flight = max(self.peak_in_flight, len(outputs))
             elif a.kind == "B":
                 out, grad = outputs.pop(key), output_grads.pop(key, None)
+                if self.before_backward is not None:
+                    self.before_backward(self.chunks[a.chunk], a is last_backward[a.chunk])
                 with self.store.collect(key) if self.store is not None else contextlib.nullcontext():
                     torch.autograd.backward(out, grad)
                 if hooks:
