@@ -1,5 +1,8 @@
 """torch SDPA over packed documents, where no varlen kernel runs them (a CPU; cuDNN's kernel on equal documents).
-A sliding window (`model.sliding_window`) is a boolean band mask, SDPA's `is_causal` having no window.
+A sliding window (`model.sliding_window`) is a boolean band mask, SDPA's `is_causal` having no window: the queries in
+blocks of at least the window's length, each block against only the keys its window reaches, under one band mask
+they share (`causal_sdpa`), so that a document of S tokens costs S x (block + window - 1) scores and one
+[block, block + window - 1] mask, not the S x S square and its mask (a 32K document's mask is 1 GiB a layer).
 
 Documents all of one length are one batched SDPA call on [B, H, S, D] views (`batched_sdpa`); unequal ones are one
 call per document (`per_document_sdpa`), a Python loop over their offsets, which compiled blocks leave out of their
@@ -9,6 +12,7 @@ graphs (megalm/model/eager_attention.py).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +33,28 @@ def window_mask(queries: int, keys: int, window: int, device: torch.device) -> t
     return (key <= position) & (key > position - window)
 
 
-def _causal(length: int, window: int | None, device: torch.device) -> dict:
-    """SDPA's keywords for causal attention over `length` tokens, within a sliding window where one is set and
-    shorter than the tokens (a mask: SDPA's is_causal has no window)."""
+MIN_BLOCK = 64  # the fewest queries a block of a windowed call holds: a short window is not one SDPA call a token
+
+
+def causal_sdpa(sdpa: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                window: int | None) -> torch.Tensor:
+    """`sdpa` of [..., S, D] views, causal, within a sliding `window` where one is set and shorter than S. Queries
+    [start, end) see keys [start - window + 1, end): each block is one call against those keys alone, masked by a
+    slice of one band (the relation i - j < window is the same in every block). A flash kernel skips the band's
+    empty tiles; here the keys before the band's reach are not computed at all, and each block computes its
+    rectangle of (block + window - 1) keys, about twice the band's scores at blocks of the window's length."""
+    length = q.shape[-2]
     if window is None or window >= length:
-        return {"is_causal": True}
-    return {"attn_mask": window_mask(length, length, window, device)}
+        return sdpa(q, k, v, is_causal=True)
+    block = max(window, MIN_BLOCK)
+    band = window_mask(block, block + window - 1, window, q.device)  # a whole block's: key columns from start - w + 1
+    outs = []
+    for start in range(0, length, block):
+        end, first = min(start + block, length), max(0, start - window + 1)
+        column = first - (start - window + 1)  # the block's first key in the band's columns
+        mask = band[: end - start, column:column + end - first]
+        outs.append(sdpa(q[..., start:end, :], k[..., first:end, :], v[..., first:end, :], attn_mask=mask))
+    return torch.cat(outs, dim=-2)
 
 
 def batched_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
@@ -43,8 +63,9 @@ def batched_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     total, num_heads, head_dim = q.shape
     num_docs = cu_seqlens.numel() - 1
     to_bhsd = lambda t: t.reshape(num_docs, max_seqlen, t.shape[1], head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), dropout_p=dropout_p, scale=scale,
-                                         enable_gqa=num_heads != k.shape[1], **_causal(max_seqlen, window, q.device))
+    sdpa = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout_p, scale=scale,
+                             enable_gqa=num_heads != k.shape[1])
+    out = causal_sdpa(sdpa, to_bhsd(q), to_bhsd(k), to_bhsd(v), window)
     return out.transpose(1, 2).reshape(total, num_heads, head_dim)
 
 
@@ -62,5 +83,5 @@ def per_document_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         if end > start:  # [1, H, S, D] views of this document
             q_doc, k_doc, v_doc = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            outs.append(sdpa(q_doc, k_doc, v_doc, **_causal(end - start, window, q.device)).squeeze(0).transpose(0, 1))
+            outs.append(causal_sdpa(sdpa, q_doc, k_doc, v_doc, window).squeeze(0).transpose(0, 1))
     return torch.cat(outs, dim=0)
