@@ -7,7 +7,11 @@ It is an `AttentionContext` (megalm/model/attention.py): the model passes it to 
 `attend` in place of its own kernel, so the model needs no cache argument and no code of its own for decoding. The
 layers call `attend` in their order, once each per forward: the i-th call of a forward is layer i. The cache holds
 one document, the sample's context, at absolute positions 0, 1, ... (RoPE's and learned positions both encode them
-into k or the hidden states before `attend`), at most `capacity` tokens: within the model's positions. A forward
+into k or the hidden states before `attend`), at most `capacity` tokens: within the model's positions. Under a
+sliding window a layer keeps only its last `window` keys and values, in a ring of that many slots (position p in slot
+p mod window; softmax attention does not read the keys' order, their positions being in them already), and each
+token attends to those alone: the cache and a decoding step's work stay bounded by the window, however long the
+sample grows (Mistral's rolling buffer cache). A forward
 that stops part-way (an error) leaves the layers' counts apart: a cache serves one sample, made afresh for each.
 Hand-written because the model's packed varlen layout is not transformers' `Cache` classes' [batch, heads, seq, dim].
 """
@@ -51,6 +55,8 @@ class KVCache:
         past, n = self._lengths[layer], q.shape[0]
         if past + n > self.capacity:
             raise ValueError(f"a KV cache of {self.capacity} tokens cannot take {n} after {past}")
+        if window is not None and window < self.capacity:
+            return self._attend_in_window(layer, q, k, v, scale, window)
         if self._keys[layer] is None:
             self._keys[layer] = k.new_empty(self.capacity, *k.shape[1:])
             self._values[layer] = v.new_empty(self.capacity, *v.shape[1:])
@@ -64,4 +70,32 @@ class KVCache:
             mask = window_mask(n, past + n, past + n if window is None else window, q.device)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None and n > 1,
                                              scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return out[0].transpose(0, 1)
+
+    def _attend_in_window(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                          window: int) -> torch.Tensor:
+        """`attend` under a window shorter than the capacity, over the layer's ring of `window` slots. One new token
+        is written into its slot and attends to every filled slot: exactly its window. Several (a prompt) attend to
+        the window's keys before them, read out of the ring in order, and to their own, under the band mask; then
+        the last `window` of all those go into the ring."""
+        past, n = self._lengths[layer], q.shape[0]
+        if self._keys[layer] is None:
+            self._keys[layer] = k.new_empty(window, *k.shape[1:])
+            self._values[layer] = v.new_empty(window, *v.shape[1:])
+        ring_k, ring_v = self._keys[layer], self._values[layer]
+        self._lengths[layer] = past + n
+        if n == 1:
+            ring_k[past % window], ring_v[past % window] = k[0], v[0]
+            filled = min(past + 1, window)
+            keys, values, mask = ring_k[:filled], ring_v[:filled], None
+        else:
+            first = max(0, past - window + 1)  # the earliest position the first new query sees
+            held = torch.arange(first, past, device=k.device) % window
+            keys, values = torch.cat([ring_k[held], k]), torch.cat([ring_v[held], v])
+            mask = window_mask(n, keys.shape[0], window, q.device)
+            kept = torch.arange(max(first, past + n - window), past + n, device=k.device)
+            ring_k[kept % window], ring_v[kept % window] = keys[kept - first], values[kept - first]
+        qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, keys, values))
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
         return out[0].transpose(0, 1)

@@ -77,9 +77,13 @@ def test_sampling_with_the_cache_draws_what_recomputing_draws(kind, caplog):
     assert len(drawn[True]) == 40 and drawn[True] == drawn[False]
 
 
-def test_the_cache_holds_what_a_sample_can_feed(monkeypatch):
+@pytest.mark.parametrize("kind, prompt, new, slots", [
+    ("llama_gqa", 3, 5, 8),  # 3 + 5 tokens' slots
+    ("window", 12, 20, 5)])  # under a window of 5: its ring, however long the sample (Mistral's rolling buffer)
+def test_the_cache_holds_what_a_sample_can_feed(monkeypatch, kind, prompt, new, slots):
     """Slots for the prompt and the new tokens, not for every position of the model (an import's 32K or 128K
-    positions were GiBs of keys and values a layer on a GPU); read off the cache's own tensors' storages."""
+    positions were GiBs of keys and values a layer on a GPU), and under a sliding window the window's alone; read
+    off the cache's own tensors' storages."""
     import megalm.model.kv_cache
 
     made = []
@@ -90,11 +94,11 @@ def test_the_cache_holds_what_a_sample_can_feed(monkeypatch):
             made.append(self)
 
     monkeypatch.setattr(megalm.model.kv_cache, "KVCache", Recorded)
-    sample(model_of("llama_gqa"), [1, 2, 3], 5, temperature=0)
+    sample(model_of(kind), list(range(1, prompt + 1)), new, temperature=0)
     (cache,) = made
-    keys = cache._keys[0]
-    assert keys.untyped_storage().nbytes() == 8 * keys[0].numel() * keys.element_size()  # 3 + 5 tokens' slots
-    assert cache.length == 7  # the last token drawn is never fed
+    for keys in (*cache._keys, *cache._values):
+        assert keys.untyped_storage().nbytes() == slots * keys[0].numel() * keys.element_size()
+    assert cache.length == prompt + new - 1  # the last token drawn is never fed
 
 
 def test_a_model_in_training_mode_with_attention_dropout_samples_without_the_cache(caplog):
