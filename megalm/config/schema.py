@@ -368,7 +368,7 @@ class ParallelConfig:
     TorchTitan does); false keeps each rank's unsharded gradients (in grad_reduce_dtype: fp32 by default) across the
     step's micro-batches and reduce-scatters once, in the last: 1/micro-batches of the gradient traffic for 4 bytes
     a (TP-local) parameter more on every rank (FSDP2's set_requires_gradient_sync). HSDP's all-reduce across
-    replicas runs once a step either way."""
+    replicas runs once a step either way (with fp32 sums)."""
     overlap_param_gather: bool = True
     """ZeRO-1: the all-gather of the updated parameters runs on while the next forward begins, each bucket waited
     for before the first block that reads it (Megatron's overlap_param_gather); false: waited for in the step."""

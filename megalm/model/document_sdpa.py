@@ -2,7 +2,9 @@
 A sliding window (`model.sliding_window`) is a boolean band mask, SDPA's `is_causal` having no window: the queries in
 blocks of at least the window's length, each block against only the keys its window reaches, under one band mask
 they share (`causal_sdpa`), so that a document of S tokens costs S x (block + window - 1) scores and one
-[block, block + window - 1] mask, not the S x S square and its mask (a 32K document's mask is 1 GiB a layer).
+[block, block + window - 1] mask, not the S x S square and its mask (a 32K document's mask is 1 GiB a layer). Inside
+a graph being compiled the document stays one call under the whole band mask: a loop over blocks would specialise
+the graph on the document's length (a recompile for each new length, a second reader found).
 
 Documents all of one length are one batched SDPA call on [B, H, S, D] views (`batched_sdpa`); unequal ones are one
 call per document (`per_document_sdpa`), a Python loop over their offsets, which compiled blocks leave out of their
@@ -42,10 +44,13 @@ def causal_sdpa(sdpa: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Ten
     [start, end) see keys [start - window + 1, end): each block is one call against those keys alone, masked by a
     slice of one band (the relation i - j < window is the same in every block). A flash kernel skips the band's
     empty tiles; here the keys before the band's reach are not computed at all, and each block computes its
-    rectangle of (block + window - 1) keys, about twice the band's scores at blocks of the window's length."""
+    rectangle of (block + window - 1) keys: (block + window - 1) / window of the band's scores, about twice from a
+    window of 64 tokens on (blocks hold at least 64 queries). Compiling, one call (the module docstring)."""
     length = q.shape[-2]
     if window is None or window >= length:
         return sdpa(q, k, v, is_causal=True)
+    if torch.compiler.is_compiling():
+        return sdpa(q, k, v, attn_mask=window_mask(length, length, window, q.device))
     block = max(window, MIN_BLOCK)
     band = window_mask(block, block + window - 1, window, q.device)  # a whole block's: key columns from start - w + 1
     outs = []

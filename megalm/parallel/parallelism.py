@@ -191,7 +191,8 @@ class Parallelism:
         presum = dict([tied]) if tied else None
         if p.fsdp:  # FSDP reduce-scatters into the sharded gradients itself
             self.reducer: GradReducer | FsdpGrads = FsdpGrads(list(self.model.parameters()), self.fsdp_mesh, presum,
-                                                              self.mesh.progress, p.fsdp_reduce_each_micro_batch)
+                                                              self.mesh.progress, p.fsdp_reduce_each_micro_batch,
+                                                              _reduce_dtype(p) or torch.float32)
         else:
             # routed experts: summed over the ranks that hold the same experts only (expert parallelism), and over
             # TP too under sequence parallelism (each TP rank runs them on its own tokens)

@@ -224,16 +224,22 @@ def check_reductions_per_step(rank: int, world_size: int, tmp: str, overrides: l
     assert micro_batches == 2, micro_batches
     reduce_once = "parallel.fsdp_reduce_each_micro_batch=false" in overrides
     assert calls["reduce_scatter"] == units * (1 if reduce_once else micro_batches), (calls, units)
-    assert calls["replicas"] == (units if mesh.ndim > 1 else 0), (calls, units)
+    # bf16 sums: each micro-batch's joins the fp32 shard, where FSDP would hold them summed in bf16
+    in_bf16 = "parallel.grad_reduce_dtype=bf16" in overrides and not reduce_once
+    assert calls["replicas"] == (units * (micro_batches if in_bf16 else 1) if mesh.ndim > 1 else 0), (calls, units)
 
 
 @pytest.mark.parametrize("overrides", [
     pytest.param(["parallel.dp=4", "parallel.fsdp_shard_size=2"], id="hsdp"),
     pytest.param(["parallel.dp=4", "parallel.fsdp_shard_size=2", "parallel.fsdp_reduce_each_micro_batch=false"],
                  id="hsdp_reduce_once"),
-    pytest.param(["parallel.dp=4", "parallel.fsdp_reduce_each_micro_batch=false"], id="fsdp_reduce_once")])
+    pytest.param(["parallel.dp=4", "parallel.fsdp_reduce_each_micro_batch=false"], id="fsdp_reduce_once"),
+    pytest.param(["parallel.dp=4", "parallel.fsdp_shard_size=2", "parallel.grad_reduce_dtype=bf16"],
+                 id="hsdp_bf16_sums")])
 def test_fsdp_sends_gradients_across_replicas_once_a_step(tmp_path, overrides):
     """Under gradient accumulation HSDP all-reduces across replicas in each unit's last backward only (TorchTitan's
-    set_requires_all_reduce), where it had all-reduced every micro-batch; `fsdp_reduce_each_micro_batch=false`
-    also reduce-scatters once. That the deferred sums arrive whole is the equivalence tests' (LAYOUTS)."""
+    set_requires_all_reduce), where it had all-reduced every micro-batch, except where the held sums would be bf16
+    (`grad_reduce_dtype=bf16`: a second reader measured 7.7e-3 relative error against 3.0e-3 over 32
+    micro-batches); `fsdp_reduce_each_micro_batch=false` also reduce-scatters once. That the deferred sums arrive
+    whole is the equivalence tests' (LAYOUTS)."""
     run_distributed(check_reductions_per_step, 4, str(tmp_path), overrides, timeout=240)

@@ -354,7 +354,7 @@ def test_offload_settings_without_offload_are_said_unread(caplog):
     without their feature are refused and model.moe.* on a dense model is warned about."""
     with caplog.at_level(logging.WARNING, logger="megalm"):
         validate_run(compose_config("offload.fraction=0.3", "offload.recompute_cheap=true"))
-    assert ("offload: fraction=0.3, recompute_cheap=True set with offload.enabled=false: not used "
+    assert ("offload: fraction=0.3, recompute_cheap=true set with offload.enabled=false: not used "
             "(offload.enabled=true offloads)") in caplog.messages
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="megalm"):

@@ -7,8 +7,10 @@ FSDP reduce-scatters each unit's gradients as its backward ends, every micro-bat
 every parameter. What is left is what FSDP cannot know:
 - which backward is a chunk's last of the step (`before_backward`, told by the runner): HSDP's all-reduce across
   replicas runs only then, the replicas' partial sums held reduce-scattered until it (FSDP2's
-  set_requires_all_reduce; TorchTitan does the same), and `parallel.fsdp_reduce_each_micro_batch=false` defers the
-  reduce-scatter as well (set_requires_gradient_sync: the unsharded gradients accumulate on each rank);
+  set_requires_all_reduce; TorchTitan does the same), where they are summed in fp32 (FSDP2 sums the held ones in the
+  reduce dtype: under `parallel.grad_reduce_dtype=bf16` the replicas all-reduce every micro-batch, as before, and
+  each result joins the fp32 shard); `parallel.fsdp_reduce_each_micro_batch=false` defers the reduce-scatter as
+  well (set_requires_gradient_sync: the unsharded gradients accumulate on each rank, in the reduce dtype);
 - a pipeline's tied embedding has a copy on the first and the last stage whose sharded gradients are summed here
   (`finish`), as the DP reducer presums them.
 """
@@ -53,12 +55,15 @@ class FsdpGrads:
     tied embedding's first- and last-stage copies; both hold the same shard rows, their dp ranks match)."""
 
     def __init__(self, params: list[nn.Parameter], mesh: DeviceMesh, presum: dict[nn.Parameter, dist.ProcessGroup]
-                 | None = None, progress: Progress | None = None, reduce_each_micro_batch: bool = True):
+                 | None = None, progress: Progress | None = None, reduce_each_micro_batch: bool = True,
+                 reduce_dtype: torch.dtype = torch.float32):
         self.params, self.presum, self.progress = params, dict(presum or {}), progress
         self.world = mesh.size()
         self.shard_group = mesh.get_group(mesh.ndim - 1)  # shards partition the parameters over this group
         self.buckets: list = []  # FSDP owns the communication buffers (its units)
-        self.hsdp, self.reduce_each_micro_batch = mesh.ndim > 1, reduce_each_micro_batch
+        self.reduce_each_micro_batch = reduce_each_micro_batch
+        # HSDP: the replicas' all-reduce waits for a chunk's last backward where the held sums are fp32's
+        self.defer_all_reduce = mesh.ndim > 1 and reduce_dtype == torch.float32
 
     def start_step(self, num_micro_batches: int) -> None:
         """Nothing to arm: FSDP's hooks reduce the micro-batches' gradients into the shards."""
@@ -69,7 +74,7 @@ class FsdpGrads:
         `reduce_each_micro_batch` false; whatever a chunk held back is reduced with its last backward's."""
         if not self.reduce_each_micro_batch:
             chunk.set_requires_gradient_sync(last)
-        elif self.hsdp:
+        elif self.defer_all_reduce:
             chunk.set_requires_all_reduce(last)
 
     @torch.no_grad()
