@@ -177,6 +177,17 @@ def host_values(tensor: torch.Tensor) -> list:
         return tensor.tolist()
 
 
+def host_tensor(values: list[int]) -> torch.Tensor:
+    """An int64 CPU tensor of `values` that stays real where a FakeTensorMode is on, for an op to read on the host
+    (`host_values`). FSDP's root pre-forward rebuilds the dataclasses among a forward's arguments (the CP attention
+    context: torch.distributed.utils._recursive_to, dataclasses.replace), inside megalm-estimate's fake trace, and
+    their host tensors made there were fake: the estimate raised on ring CP with FSDP."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return torch.tensor(values, dtype=torch.int64)
+
+
 def fake_mode_active() -> bool:
     """Whether a FakeTensorMode is on the dispatch stack: new tensors made now are fake, so a cache of constant
     tensors must neither keep nor serve them (a fake constant fails every real call after; a real one fails under a

@@ -50,6 +50,9 @@ LAYOUTS = {  # overrides, world size
     "fsdp2": (["parallel.fsdp=true", "trainer.global_batch_size=4"], 2),
     # HSDP (shards of 2, replicated twice): the estimate failed with a traceback (its mesh made of fake tensors)
     "hsdp4": (["parallel.fsdp=true", "parallel.fsdp_shard_size=2", "trainer.global_batch_size=4"], 4),
+    # ring CP under FSDP: FSDP's pre-forward rebuilt the ring's context inside the trace, its host tensors fake, and
+    # the estimate raised (a second reader, 2026-12-07)
+    "cp2_fsdp": (["parallel.cp=2", "parallel.fsdp=true", "trainer.global_batch_size=2"], 2),
 }
 
 

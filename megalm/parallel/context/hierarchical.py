@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megalm import compat
 from megalm.model.attention import select_attention_backend, varlen_attention
 from megalm.parallel.context.ring import ring_attend, ring_meta
 from megalm.parallel.context.zigzag import ZigzagLayout, to_device, zigzag_layout
@@ -106,7 +107,7 @@ class HierarchicalRing:
             to_position, from_position = (to_device(t, device, True) for t in (to_position, from_position))
             position = position.to(device, non_blocking=True)
         outer = [int(ranks[p * u + i]) for p in range(r)]  # the ring of this rank's head group
-        return cls(u, torch.tensor([i, *(int(ranks[m]) for m in members)], dtype=torch.int64), to_position,
+        return cls(u, compat.host_tensor([i, *(int(ranks[m]) for m in members)]), to_position,
                    from_position, position, ring_meta(position, outer, j) if r > 1 else None)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, scale: float | None = None

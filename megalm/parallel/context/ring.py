@@ -176,7 +176,7 @@ def _ring_backward(dout, q, k, v, out, lse, layout: ZigzagLayout, ranks: tuple[i
 def ring_meta(layout: ZigzagLayout, ranks: Sequence[int], rank_index: int) -> torch.Tensor:
     """The ring's host-side description for the op, made once per micro-batch: int64 [max_chunk, index, *ranks]
     on the CPU (read there without a device sync)."""
-    return torch.tensor([layout.max_chunk, rank_index, *(int(rank) for rank in ranks)], dtype=torch.int64)
+    return compat.host_tensor([layout.max_chunk, rank_index, *(int(rank) for rank in ranks)])
 
 
 def ring_note(ranks: Sequence[int]) -> str:

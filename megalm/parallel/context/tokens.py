@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megalm import compat
 from megalm.parallel.collectives import all_gather_flat
 from megalm.parallel.context.hierarchical import p2p_all_to_all
 from megalm.parallel.context.zigzag import ZigzagLayout
@@ -28,7 +29,7 @@ class RingTokens:
     def __init__(self, layout: ZigzagLayout, index: int, real: torch.Tensor, group: dist.ProcessGroup | None,
                  progress: Progress | None = None, ranks: tuple[int, ...] = ()) -> None:
         self.layout, self.real, self.group, self.progress = layout, real, group, progress
-        self.meta = torch.tensor([index, *ranks], dtype=torch.int64) if group is None else None  # p2p_all_to_all's
+        self.meta = compat.host_tensor([index, *ranks]) if group is None else None  # p2p_all_to_all's
         self.local_index = layout.indices[index]
         self.whole_tokens = layout.padded_tokens
         self.num_docs = layout.chunk_sizes.numel()
