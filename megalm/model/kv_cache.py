@@ -18,10 +18,12 @@ Hand-written because the model's packed varlen layout is not transformers' `Cach
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from megalm.model.document_sdpa import window_mask
+from megalm.model.document_sdpa import causal_sdpa, window_mask
 
 
 class KVCache:
@@ -76,8 +78,9 @@ class KVCache:
                           window: int) -> torch.Tensor:
         """`attend` under a window shorter than the capacity, over the layer's ring of `window` slots. One new token
         is written into its slot and attends to every filled slot: exactly its window. Several (a prompt) attend to
-        the window's keys before them, read out of the ring in order, and to their own, under the band mask; then
-        the last `window` of all those go into the ring."""
+        the window's keys before them, read out of the ring in order, and to their own, under the band mask (the
+        first, with none before them, in blocks: document_sdpa.causal_sdpa); then the last `window` of all those go
+        into the ring."""
         past, n = self._lengths[layer], q.shape[0]
         if self._keys[layer] is None:
             self._keys[layer] = k.new_empty(window, *k.shape[1:])
@@ -92,10 +95,11 @@ class KVCache:
             first = max(0, past - window + 1)  # the earliest position the first new query sees
             held = torch.arange(first, past, device=k.device) % window
             keys, values = torch.cat([ring_k[held], k]), torch.cat([ring_v[held], v])
-            mask = window_mask(n, keys.shape[0], window, q.device)
+            mask = window_mask(n, keys.shape[0], window, q.device) if past else None
             kept = torch.arange(max(first, past + n - window), past + n, device=k.device)
             ring_k[kept % window], ring_v[kept % window] = keys[kept - first], values[kept - first]
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, keys, values))
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        return out[0].transpose(0, 1)
+        sdpa = functools.partial(F.scaled_dot_product_attention, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        if n > 1 and not past:  # a prompt: its queries in blocks against their window's keys, no [n, n] mask
+            return causal_sdpa(sdpa, qh, kh, vh, window)[0].transpose(0, 1)
+        return sdpa(qh, kh, vh, attn_mask=mask)[0].transpose(0, 1)

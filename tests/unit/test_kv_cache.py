@@ -150,3 +150,19 @@ def test_a_cache_refuses_what_it_cannot_hold():
         KVCache(0, 4)
     with pytest.raises(ValueError, match="a prompt of one token or more"):
         sample(model_of("llama_gqa"), [], 1)
+
+
+@torch.no_grad()
+def test_a_windowed_cache_takes_prompts_longer_than_its_blocks():
+    """Under a window of 20, a 150-token prompt (attended in blocks of 64 queries, no [150, 150] mask), an 80-token
+    chunk after it (the ring's 19 keys read back in order) and single tokens give the whole context's logits."""
+    model = GPT(ModelConfig(**{**SHAPE, "num_layers": 2, "seq_length": 300, "max_position_embeddings": 400},
+                            num_kv_heads=2, sliding_window=20))
+    init_weights(model, 3)
+    model.eval()
+    ids = torch.randint(0, 300, (260,), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = KVCache(len(model.layers), 400)
+    pieces = [forward(model, ids[:150], 0, cache), forward(model, ids[150:230], 150, cache)]
+    pieces += [forward(model, [t], i, cache) for i, t in enumerate(ids[230:], start=230)]
+    assert cache._keys[0].shape[0] == 20
+    torch.testing.assert_close(torch.cat(pieces), forward(model, ids), rtol=1e-5, atol=1e-5)
