@@ -500,7 +500,8 @@ class Parallelism:
         flags = (f" ep={p.ep}" if p.ep > 1 else "") + (" sp" if p.sequence_parallel else "") + (
             " zero1" if p.zero1 else "")
         if p.fsdp:
-            flags += f" fsdp({'hsdp ' if self.fsdp_mesh.ndim > 1 else ''}{'x'.join(map(str, self.fsdp_mesh.shape))})"
+            shape = ("hsdp " if self.fsdp_mesh.ndim > 1 else "") + "x".join(map(str, self.fsdp_mesh.shape))
+            flags += f" fsdp({shape}{'' if p.fsdp_reduce_each_micro_batch else ', reduce-scattered once a step'})"
         o = self.cfg.offload
         if o.enabled:
             share = auto_fraction(self._copy_to_compute()) if o.policy == "auto" else o.fraction  # auto: min(1, 1/k)
