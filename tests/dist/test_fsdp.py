@@ -195,31 +195,35 @@ ACCUMULATED = ["trainer.global_batch_size=16", "trainer.micro_batch_size=2"]  # 
 
 def check_reductions_per_step(rank: int, world_size: int, tmp: str, overrides: list[str]) -> None:
     """The collectives FSDP runs over a step's backward, counted where torch.distributed is called (FSDP2 calls
-    `dist.reduce_scatter_single` and, under HSDP, `dist.all_reduce` over the replicate group), against the number of
-    FSDP units: each unit sends across replicas once a step, and with `fsdp_reduce_each_micro_batch=false`
-    reduce-scatters once a step too."""
+    `dist.reduce_scatter_single` on torch 2.13, `dist.reduce_scatter_tensor` on 2.11, and under HSDP `dist.all_reduce`
+    over the replicate group), against the number of FSDP units: each unit sends across replicas once a step, and
+    with `fsdp_reduce_each_micro_batch=false` reduce-scatters once a step too."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
     trainer = Trainer(compose_config(*COMMON, *ACCUMULATED, "parallel.fsdp=true", *overrides), f"{tmp}/run")
     mesh = trainer.parallel.fsdp_mesh
     calls = {"reduce_scatter": 0, "replicas": 0}
-    wrapped = {name: getattr(dist, name) for name in ("reduce_scatter_single", "all_reduce")}
+    counted = {"reduce_scatter_single": ("reduce_scatter", mesh.get_group(mesh.ndim - 1)),
+               "reduce_scatter_tensor": ("reduce_scatter", mesh.get_group(mesh.ndim - 1)),
+               "all_reduce": ("replicas", mesh.get_group(0) if mesh.ndim > 1 else None)}
+    wrapped = {name: getattr(dist, name) for name in counted if hasattr(dist, name)}
 
-    def reduce_scatter_single(*args, **kwargs):
-        calls["reduce_scatter"] += kwargs.get("group") is mesh.get_group(mesh.ndim - 1)
-        return wrapped["reduce_scatter_single"](*args, **kwargs)
-
-    def all_reduce(*args, **kwargs):
-        calls["replicas"] += mesh.ndim > 1 and kwargs.get("group") is mesh.get_group(0)
-        return wrapped["all_reduce"](*args, **kwargs)
+    def counting(name):
+        def call(*args, **kwargs):
+            kind, group = counted[name]
+            calls[kind] += group is not None and kwargs.get("group") is group
+            return wrapped[name](*args, **kwargs)
+        return call
 
     units = sum(isinstance(m, FSDPModule) for m in trainer.model.modules())
-    dist.reduce_scatter_single, dist.all_reduce = reduce_scatter_single, all_reduce
+    for name in wrapped:
+        setattr(dist, name, counting(name))
     try:
         _, share = trainer.forward_backward(0)
     finally:
-        dist.reduce_scatter_single, dist.all_reduce = wrapped["reduce_scatter_single"], wrapped["all_reduce"]
+        for name, function in wrapped.items():
+            setattr(dist, name, function)
     micro_batches = len(share.micro_batches)
     assert micro_batches == 2, micro_batches
     reduce_once = "parallel.fsdp_reduce_each_micro_batch=false" in overrides
