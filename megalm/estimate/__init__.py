@@ -82,8 +82,8 @@ WINDOW_PRICED_WHOLE = ("model.sliding_window: priced as the CPU trace runs it, S
                        "keys their window reaches under a band mask: attention's FLOPs are each block's rectangle, "
                        "about twice the band's from a 64-token window on, and a block's scores count as memory, "
                        "where a GPU's varlen kernel (window_size) computes the band alone and holds no scores, so step "
-                       "time and memory are upper bounds; --search's context-parallel layouts are rings, which refuse "
-                       "a window")
+                       "time and memory are upper bounds; --search prices its context parallelism as Ulysses alone "
+                       "(rings refuse a window)")
 
 
 def main(argv: list[str] | None = None) -> int:

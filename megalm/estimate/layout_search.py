@@ -6,14 +6,16 @@ Two passes, because one fake-tensor step of a 70B rank takes a minute and a clus
 
 1. **Enumerate and price by a closed form.** Every layout of tp (a power of two up to a node, dividing the heads,
    and the KV heads or a multiple of them: replicated past them), pp (a power of two dividing the layers), vpp
-   (interleaved, 2 chunks a stage), cp (a power of two), dp = world / (tp·pp·cp) (dividing the global batch),
-   ZeRO-1, recompute (none, selective, full), activation offload and, with documents of many lengths
-   (`data.varlen=true`), HDP. Sequence parallelism is on with tp > 1. The closed form (`closed_form`)
-   prices each: static bytes per parameter of the rank (the recipes' 2 + 4 + 12, ZeRO-1's shards), Korthikanti et
-   al.'s activations per layer times the factor the estimator measures against them (docs/benchmarks.md), the
-   micro-batches in flight, the logits; a roofline step of 6·N·T FLOPs and causal attention's at the efficiency the
-   estimator's trace finds, the pipeline's bubble from the runtime's schedule simulator, and each dimension's
-   collectives (the CP ring's as ring.ring_sent_bytes counts them).
+   (interleaved, 2 chunks a stage), cp (a power of two) as a ring or, where cp divides each TP rank's query and kv
+   heads, as Ulysses' all-to-all (`parallel.cp_comm=a2a`; the only CP of a model with a sliding window, which rings
+   refuse), dp = world / (tp·pp·cp) (dividing the global batch), ZeRO-1, recompute (none, selective, full),
+   activation offload and, with documents of many lengths (`data.varlen=true`), HDP. Sequence parallelism is on
+   with tp > 1. The closed form (`closed_form`) prices each: static bytes per parameter of the rank (the recipes'
+   2 + 4 + 12, ZeRO-1's shards), Korthikanti et al.'s activations per layer times the factor the estimator measures
+   against them (docs/benchmarks.md), the micro-batches in flight, the logits; a roofline step of 6·N·T FLOPs and
+   causal attention's at the efficiency the estimator's trace finds, the pipeline's bubble from the runtime's
+   schedule simulator, and each dimension's collectives (the CP ring's as ring.ring_sent_bytes counts them,
+   Ulysses' four all-to-alls a layer as `ulysses_bytes`).
 2. **Confirm the best with the estimator.** In order of the closed form's tokens/s, among the layouts it says fit
    (with a margin: it is a pruning rule, not the answer), the estimator runs the first and the last pipeline stage's
    rank under fake tensors (megalm.estimate.rank). To take seconds rather than minutes, each rank runs twice at a
@@ -31,7 +33,7 @@ activations of k copies of each token through the experts (`moe_activation_ratio
 all-to-alls forward and backward. The shallow runs keep the leading dense blocks (`first_k_dense`) in the first
 chunk, so every layer past them is an MoE one; `every_n_layers` > 1 is refused.
 
-Not searched: tp beyond a node, cp with a2a, the ZB schedule, FSDP, precision (the command's).
+Not searched: tp beyond a node, hierarchical CP (a2a+p2p), the ZB schedule, FSDP, precision (the command's).
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class Layout:
     offload: bool
     hdp: bool
     ep: int = 1  # expert parallelism (MoE models)
+    cp_comm: str = "ring"  # or "a2a": Ulysses
 
     def communicators(self, moe: bool) -> int:
         """The NCCL communicators a rank of this layout talks over (rank.communicators): the search turns sequence
@@ -113,6 +116,8 @@ class Layout:
                f"parallel.recompute={self.recompute}"]
         if self.ep > 1:
             out.append(f"parallel.ep={self.ep}")
+        if self.cp_comm != "ring":
+            out.append(f"parallel.cp_comm={self.cp_comm}")
         if self.vpp > 1:
             out += [f"parallel.vpp={self.vpp}", "parallel.pp_schedule=interleaved"]
         if self.offload:
@@ -169,6 +174,7 @@ class Shape:
     tied: bool  # model.tie_embeddings: one vocabulary matrix, else the embedding's and the output layer's
     experts: Experts | None = None  # MoE models
     reruns: Reruns = Reruns()  # what full recompute runs again (`recompute_reruns`)
+    window: int | None = None  # model.sliding_window where shorter than the sequence: no ring CP, no HDP
 
 
 def layouts(shape: Shape) -> list[Layout]:
@@ -188,18 +194,35 @@ def layouts(shape: Shape) -> list[Layout]:
         vpps = [1] + ([2] if pp > 1 and shape.model.layers % (2 * pp) == 0 and micro_batches % pp == 0 else [])
         experts = shape.experts
         eps = [ep for ep in powers if (dp * cp) % ep == 0 and experts.experts % ep == 0] if experts else [1]
-        hdps = (False, True) if shape.varlen and dp * cp > 1 and (experts is None or experts.hdp) else (False,)
-        for vpp, zero1, recompute, offload, hdp, ep in itertools.product(
+        hdps = (False, True) if (shape.varlen and dp * cp > 1 and (experts is None or experts.hdp)
+                                 and shape.window is None) else (False,)
+        comms = cp_comms(shape, tp, cp)
+        if not comms:
+            continue
+        for vpp, zero1, recompute, offload, hdp, ep, comm in itertools.product(
                 vpps, (False, True) if dp * cp > 1 else (False,), ("none", "selective", "full"), (False, True), hdps,
-                eps):
+                eps, comms):
+            if hdp and comm != "ring":
+                continue  # HDP's rings are its own
             if experts is not None and experts.first_dense > shape.model.layers // (pp * vpp):
                 continue  # dense blocks past the first chunk: the shallow runs' extrapolation would not hold
             # HDP runs interleaved pipelines and EP in lockstep (fillers pad every rank to one count), which the
             # closed form does not model (the estimator prices EP's lockstep waits from HDP's cost model)
             if hdp and (vpp > 1 or ep > 1):
                 continue
-            out.append(Layout(tp, pp, vpp, cp, dp, zero1, recompute, offload, hdp, ep))
+            out.append(Layout(tp, pp, vpp, cp, dp, zero1, recompute, offload, hdp, ep, comm))
     return out
+
+
+def cp_comms(shape: Shape, tp: int, cp: int) -> list[str]:
+    """How context parallelism of `cp` ranks may run at `tp`: a ring (not under a sliding window, which rings refuse)
+    and Ulysses' all-to-all where cp divides each TP rank's query and kv heads (kv heads replicated past tp have one
+    a rank: none divides); ["ring"] without CP."""
+    if cp == 1:
+        return ["ring"]
+    m = shape.model
+    a2a = m.heads // tp % cp == 0 and m.kv_heads >= tp and m.kv_heads // tp % cp == 0
+    return ([] if shape.window is not None else ["ring"]) + (["a2a"] if a2a else [])
 
 
 def why_no_layouts(shape: Shape) -> str:
@@ -326,7 +349,9 @@ def link_bytes(shape: Shape, layout: Layout) -> dict[str, float]:
     replicated_kv = m.layers // pp * 2 * 2 * m.hidden * m.kv_dim * (2 if shape.bf16 else 4) if t > m.kv_heads else 0
     collective = {
         "tp": (TP_TRANSFERS[layout.recompute] * per_micro_batch + replicated_kv) * micro_batches * share(t),
-        "cp": m.layers // pp * ring_bytes(kv, cp, shape.bf16, layout.recompute == "full") * micro_batches
+        "cp": m.layers // pp * micro_batches * (
+            ulysses_bytes(tokens, m.hidden // m.heads, (m.heads + m.kv_heads) // t, cp, shape.bf16, layout.recompute)
+            if layout.cp_comm == "a2a" else ring_bytes(kv, cp, shape.bf16, layout.recompute == "full"))
         if cp > 1 else 0,
         "pp": pipeline_sends(layout.vpp) * tokens * m.hidden * 2 / t * micro_batches if pp > 1 else 0,
         "dp": per_parameter * (n - routed)}
@@ -358,6 +383,15 @@ def ring_bytes(kv: float, cp: int, bf16: bool, recomputed: bool) -> float:
     cp hops."""
     width = 2 if bf16 else 4
     return kv * ((2 + recomputed) * (cp - 1) * width + cp * 4)
+
+
+def ulysses_bytes(tokens: float, head_dim: int, heads: int, cp: int, bf16: bool, recompute: str) -> float:
+    """What one layer's Ulysses attention sends from a rank of `tokens` tokens and `heads` query plus kv heads
+    (its TP rank's): all-to-alls of q, k, v to whole sequences of 1/cp of the heads and of the output back,
+    (cp - 1) / cp of each, in the working dtype; the backward's four mirror them, and either recompute runs the
+    forward's again (megalm's selective keeps no all-to-all's output)."""
+    replays = 2 if recompute == "none" else 3
+    return replays * share(cp) * tokens * head_dim * 2 * heads * (2 if bf16 else 4)
 
 
 def active_layer_params(shape: Shape) -> float:
@@ -431,8 +465,9 @@ def shallow_rank(base: list[str], layout: Layout, shape: Shape, stage: int, role
 
 STRIPPED = {"parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.dp", "parallel.pp_schedule",
             "parallel.sequence_parallel", "parallel.zero1", "parallel.recompute", "parallel.hdp",
-            "parallel.layers_per_stage", "parallel.ep", "offload.enabled", "trainer.micro_batch_size",
-            "trainer.global_batch_size", "model.num_layers"}  # set per layout by the search; the others are kept
+            "parallel.layers_per_stage", "parallel.ep", "parallel.cp_comm", "offload.enabled",
+            "trainer.micro_batch_size", "trainer.global_batch_size",
+            "model.num_layers"}  # set per layout by the search; the others are kept
 
 
 def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tuple[Shape, list[str], list[str]]:
@@ -448,7 +483,8 @@ def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tu
     # pruned every layout: "none fits"), a token budget's batch (the tokens/s 22x off), Ulysses' fixed groups
     for key, value, why in (("parallel.fsdp", cfg.parallel.fsdp, "its closed form prices ZeRO-1 and plain DP states"),
                             ("trainer.tokens_per_step", t.tokens_per_step, "it searches a global batch of sequences"),
-                            ("parallel.cp_comm", cfg.parallel.cp_comm == "a2a" and "a2a", "it searches ring CP")):
+                            ("parallel.cp_comm", cfg.parallel.cp_comm == "a2a+p2p" and "a2a+p2p",
+                             "it searches ring and Ulysses CP")):
         if value:
             raise ConfigError(f"--search does not price {key}={value if value is not True else 'true'} ({why}); "
                               f"estimate a layout with it by name (without --search), or search without it")
@@ -471,7 +507,8 @@ def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tu
     shape = Shape(model, m.seq_length, micro,
                   t.global_batch_size if "trainer.global_batch_size" in keys else world, world,
                   str(cfg.precision.name) != "fp32", bool(cfg.data.varlen), float(cfg.offload.fraction),
-                  int(m.make_vocab_size_divisible_by), bool(m.tie_embeddings), experts, recompute_reruns(cfg))
+                  int(m.make_vocab_size_divisible_by), bool(m.tie_embeddings), experts, recompute_reruns(cfg),
+                  m.sliding_window if m.sliding_window is not None and m.sliding_window < m.seq_length else None)
     base = [o for o in overrides if not override_keys([o]) & STRIPPED]
     return shape, base, notes
 
@@ -515,7 +552,8 @@ def recompute_reruns(cfg: MegalmConfig) -> Reruns:
 # what the search prices a key of STRIPPED at where a layout's overrides leave it unset: a command that set one gets it
 # back at this value beside the layout, or the command plus the layout trained another layout than the one priced
 PRICED_DEFAULTS = {"parallel.vpp": "1", "parallel.pp_schedule": "1f1b", "parallel.hdp": "false", "parallel.ep": "1",
-                   "parallel.layers_per_stage": "null", "parallel.dp": "null", "offload.enabled": "false"}
+                   "parallel.layers_per_stage": "null", "parallel.dp": "null", "offload.enabled": "false",
+                   "parallel.cp_comm": "ring"}
 
 
 def priced_layout(overrides: list[str], layout: Layout) -> list[str]:

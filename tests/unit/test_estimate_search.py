@@ -126,10 +126,11 @@ def test_search_says_when_no_layout_splits_the_batch(capsys):
 @pytest.mark.parametrize("setting, fragment", [
     ("parallel.fsdp=true", "--search does not price parallel.fsdp=true"),
     ("trainer.tokens_per_step=1024", "--search does not price trainer.tokens_per_step=1024"),
-    ("parallel.cp_comm=a2a", "--search does not price parallel.cp_comm=a2a")])
+    ("parallel.cp_comm=a2a+p2p", "--search does not price parallel.cp_comm=a2a+p2p")])
 def test_search_refuses_the_settings_its_closed_form_does_not_price(capsys, setting, fragment):
     """FSDP was pruned at ZeRO-1's bytes ("none of the 0 layouts fits" where tp1 dp8 fits), a token budget's tokens/s
-    came out 22x low, Ulysses' groups were never searched: each is one line naming the way out (an audit)."""
+    came out 22x low, the hierarchical ring's groups are not searched: each is one line naming the way out (an
+    audit)."""
     extra = ["data.varlen=true"] if "tokens_per_step" in setting else []
     assert estimate.main([*SMALL, *extra, setting, "--world", "2", "--search"]) == 2
     err = capsys.readouterr().err.strip()
@@ -341,7 +342,7 @@ def test_a_command_s_layout_keys_come_back_at_what_was_priced():
     priced (an audit, 2026-12-06)."""
     from megalm.training.validation import validate_run
 
-    command = [*SMALL, "trainer.global_batch_size=8", "offload.enabled=true", "parallel.dp=4"]
+    command = [*SMALL, "trainer.global_batch_size=8", "offload.enabled=true", "parallel.dp=4", "parallel.cp_comm=a2a"]
     shape, _, _ = layout_search.search_shape(command, 4)
     batch = layout_search.priced_batch(command, shape)
     seen = set()
@@ -351,8 +352,8 @@ def test_a_command_s_layout_keys_come_back_at_what_was_priced():
     for layout in some:
         overrides = layout_search.priced_layout(command, layout)
         cfg = validate_run(compose_config([*command, *overrides, *batch]), world_size=4)
-        assert (cfg.offload.enabled, cfg.parallel.vpp, cfg.parallel.dp) == (layout.offload, layout.vpp,
-                                                                             layout.dp), overrides
+        assert (cfg.offload.enabled, cfg.parallel.vpp, cfg.parallel.dp, cfg.parallel.cp_comm) == (
+            layout.offload, layout.vpp, layout.dp, layout.cp_comm), overrides
         seen.add(layout.offload)
     assert seen == {False, True}
 
@@ -373,3 +374,35 @@ def test_the_closed_form_s_ring_bytes_are_the_ring_s(bf16):
         assert layout_search.ring_bytes(2 * k.numel(), cp, bf16, recomputed=False) == sent
         recomputed = sent + ring_sent_bytes(q, k, cp, backward=False)
         assert layout_search.ring_bytes(2 * k.numel(), cp, bf16, recomputed=True) == recomputed
+
+
+@pytest.mark.parametrize("tp, recompute", [(1, "none"), (2, "none"), (1, "selective"), (1, "full")])
+def test_the_closed_form_s_ulysses_bytes_are_the_estimators(tp, recompute):
+    """Ulysses (`parallel.cp_comm=a2a`) is searched where cp divides each TP rank's query and kv heads: the closed
+    form's CP bytes, four all-to-alls of q, k, v and the output a layer, mirrored in the backward and run again by
+    either recompute, equal the estimator's trace of them."""
+    layout = Layout(tp=tp, pp=1, vpp=1, cp=2, dp=1, zero1=False, recompute=recompute, offload=False, hdp=False,
+                    cp_comm="a2a")
+    overrides = [*SMALL, *layout.overrides(), "trainer.micro_batch_size=1", "trainer.global_batch_size=2",
+                 "model.num_heads=8", "model.num_kv_heads=4", "data.synthetic.mean_doc_length=100000",
+                 "data.synthetic.num_docs=4"]
+    shape, _, _ = layout_search.search_shape(overrides, 2 * tp)
+    assert layout in layout_search.layouts(shape)
+    rank = estimate.estimate_rank(overrides, 2 * tp, 0, "first stage", "h100")
+    assert rank.collective_bytes["cp"] == layout_search.link_bytes(shape, layout)["cp"] > 0
+
+
+def test_a_sliding_window_is_searched_with_ulysses_alone():
+    """Rings (and HDP's) refuse a sliding window: a windowed model's context-parallel layouts are all Ulysses, where
+    its heads allow it, and none where they do not (the search had offered rings, each refused at confirmation)."""
+    def windowed(*extra: str) -> list[Layout]:
+        command = [*SMALL, "trainer.global_batch_size=8", "data.varlen=true", "model.sliding_window=8", *extra]
+        return layout_search.layouts(layout_search.search_shape(command, 4)[0])
+
+    both = windowed("model.num_heads=4", "model.num_kv_heads=2")
+    assert {x.cp_comm for x in both if x.cp > 1} == {"a2a"} and not any(x.hdp for x in both)
+    assert any(x.cp == 2 for x in both)
+    assert not any(x.cp > 1 for x in windowed("model.num_heads=3", "model.num_kv_heads=1", "model.hidden_size=48"))
+    unwindowed = layout_search.layouts(layout_search.search_shape([*SMALL, "trainer.global_batch_size=8",
+                                                                   "data.varlen=true"], 4)[0])
+    assert {x.cp_comm for x in unwindowed if x.cp > 1} == {"ring", "a2a"} and any(x.hdp for x in unwindowed)
