@@ -174,7 +174,8 @@ class Shape:
     tied: bool  # model.tie_embeddings: one vocabulary matrix, else the embedding's and the output layer's
     experts: Experts | None = None  # MoE models
     reruns: Reruns = Reruns()  # what full recompute runs again (`recompute_reruns`)
-    window: int | None = None  # model.sliding_window where shorter than the sequence: no ring CP, no HDP
+    window: int | None = None  # model.sliding_window, whatever its length (the config refuses rings and HDP for any)
+    attention_dropout: float = 0.0  # which rings refuse too, HDP's among them (megalm/parallel/hdp/split.py)
 
 
 def layouts(shape: Shape) -> list[Layout]:
@@ -195,7 +196,7 @@ def layouts(shape: Shape) -> list[Layout]:
         experts = shape.experts
         eps = [ep for ep in powers if (dp * cp) % ep == 0 and experts.experts % ep == 0] if experts else [1]
         hdps = (False, True) if (shape.varlen and dp * cp > 1 and (experts is None or experts.hdp)
-                                 and shape.window is None) else (False,)
+                                 and shape.window is None and not shape.attention_dropout) else (False,)
         comms = cp_comms(shape, tp, cp)
         if not comms:
             continue
@@ -215,14 +216,16 @@ def layouts(shape: Shape) -> list[Layout]:
 
 
 def cp_comms(shape: Shape, tp: int, cp: int) -> list[str]:
-    """How context parallelism of `cp` ranks may run at `tp`: a ring (not under a sliding window, which rings refuse)
-    and Ulysses' all-to-all where cp divides each TP rank's query and kv heads (kv heads replicated past tp have one
-    a rank: none divides); ["ring"] without CP."""
+    """How context parallelism of `cp` ranks may run at `tp`: a ring (not under a sliding window or attention
+    dropout, which rings refuse: parallel/context/attention.py, validate_context) and Ulysses' all-to-all where cp
+    divides each TP rank's query and kv heads (kv heads replicated past tp have one a rank: none divides); ["ring"]
+    without CP."""
     if cp == 1:
         return ["ring"]
     m = shape.model
     a2a = m.heads // tp % cp == 0 and m.kv_heads >= tp and m.kv_heads // tp % cp == 0
-    return ([] if shape.window is not None else ["ring"]) + (["a2a"] if a2a else [])
+    ring = shape.window is None and not shape.attention_dropout
+    return (["ring"] if ring else []) + (["a2a"] if a2a else [])
 
 
 def why_no_layouts(shape: Shape) -> str:
@@ -275,7 +278,9 @@ def _bubble(pp: int, micro_batches: int, vpp: int) -> float:
 
 
 def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
-    """(peak bytes of the fullest rank with the estimator's reserve, tokens/s) of a layout, by the closed form."""
+    """(peak bytes of the fullest rank with the estimator's reserve, tokens/s) of a layout, by the closed form.
+    Ulysses' activations are priced as the ring's: it keeps about one more [T, h/t] tensor a layer, which the
+    estimator's confirmation measures (70B, tp 4, pp 4, cp 2: 64.9 against the ring's 63.0 GiB, inside the margin)."""
     t, pp, cp, dp, m, e = layout.tp, layout.pp, layout.cp, layout.dp, shape.model, shape.experts
     n, routed = stage_parameters(shape, layout)
     # the routed experts' gradients and ZeRO-1 states shard over their expert-data-parallel ranks, which span TP
@@ -508,7 +513,7 @@ def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tu
                   t.global_batch_size if "trainer.global_batch_size" in keys else world, world,
                   str(cfg.precision.name) != "fp32", bool(cfg.data.varlen), float(cfg.offload.fraction),
                   int(m.make_vocab_size_divisible_by), bool(m.tie_embeddings), experts, recompute_reruns(cfg),
-                  m.sliding_window if m.sliding_window is not None and m.sliding_window < m.seq_length else None)
+                  m.sliding_window, float(m.attention_dropout))
     base = [o for o in overrides if not override_keys([o]) & STRIPPED]
     return shape, base, notes
 

@@ -403,6 +403,12 @@ def test_a_sliding_window_is_searched_with_ulysses_alone():
     assert {x.cp_comm for x in both if x.cp > 1} == {"a2a"} and not any(x.hdp for x in both)
     assert any(x.cp == 2 for x in both)
     assert not any(x.cp > 1 for x in windowed("model.num_heads=3", "model.num_kv_heads=1", "model.hidden_size=48"))
+    # a window as long as the sequence is refused with rings all the same (a second reader: 84 HDP and 108 ring
+    # layouts were offered, each refused at confirmation); attention dropout refuses rings and HDP too
+    for extra in (["model.sliding_window=32", "model.seq_length=32"], ["model.attention_dropout=0.1"]):
+        command = [*SMALL, "trainer.global_batch_size=8", "data.varlen=true", *extra]
+        priced = layout_search.layouts(layout_search.search_shape(command, 4)[0])
+        assert {x.cp_comm for x in priced if x.cp > 1} == {"a2a"} and not any(x.hdp for x in priced), extra
     unwindowed = layout_search.layouts(layout_search.search_shape([*SMALL, "trainer.global_batch_size=8",
                                                                    "data.varlen=true"], 4)[0])
     assert {x.cp_comm for x in unwindowed if x.cp > 1} == {"ring", "a2a"} and any(x.hdp for x in unwindowed)
