@@ -174,7 +174,7 @@ class Shape:
     tied: bool  # model.tie_embeddings: one vocabulary matrix, else the embedding's and the output layer's
     experts: Experts | None = None  # MoE models
     reruns: Reruns = Reruns()  # what full recompute runs again (`recompute_reruns`)
-    window: int | None = None  # model.sliding_window, whatever its length (the config refuses rings and HDP for any)
+    window: int | None = None  # model.sliding_window shorter than the sequence, which rings and HDP refuse
     attention_dropout: float = 0.0  # which rings refuse too, HDP's among them (megalm/parallel/hdp/split.py)
 
 
@@ -513,7 +513,8 @@ def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tu
                   t.global_batch_size if "trainer.global_batch_size" in keys else world, world,
                   str(cfg.precision.name) != "fp32", bool(cfg.data.varlen), float(cfg.offload.fraction),
                   int(m.make_vocab_size_divisible_by), bool(m.tie_embeddings), experts, recompute_reruns(cfg),
-                  m.sliding_window, float(m.attention_dropout))
+                  m.sliding_window if m.sliding_window is not None and m.sliding_window < m.seq_length else None,
+                  float(m.attention_dropout))
     base = [o for o in overrides if not override_keys([o]) & STRIPPED]
     return shape, base, notes
 

@@ -62,6 +62,8 @@ LAYOUTS = {
     "cp2_dp2_zero1": (4, ["parallel.cp=2", "parallel.dp=2", "parallel.zero1=true"]),
     # Ulysses attends whole documents of its heads, within a sliding window (rings refuse one)
     "cp2_a2a_window": (2, ["parallel.cp=2", "parallel.cp_comm=a2a", "model.sliding_window=6"]),
+    # a window of the whole sequence holds every document: a ring attends as it does (it had been refused)
+    "cp2_ring_whole_window": (2, ["parallel.cp=2", "model.sliding_window=32", "model.seq_length=32"]),
 }
 
 

@@ -403,12 +403,23 @@ def test_a_sliding_window_is_searched_with_ulysses_alone():
     assert {x.cp_comm for x in both if x.cp > 1} == {"a2a"} and not any(x.hdp for x in both)
     assert any(x.cp == 2 for x in both)
     assert not any(x.cp > 1 for x in windowed("model.num_heads=3", "model.num_kv_heads=1", "model.hidden_size=48"))
-    # a window as long as the sequence is refused with rings all the same (a second reader: 84 HDP and 108 ring
-    # layouts were offered, each refused at confirmation); attention dropout refuses rings and HDP too
-    for extra in (["model.sliding_window=32", "model.seq_length=32"], ["model.attention_dropout=0.1"]):
-        command = [*SMALL, "trainer.global_batch_size=8", "data.varlen=true", *extra]
-        priced = layout_search.layouts(layout_search.search_shape(command, 4)[0])
-        assert {x.cp_comm for x in priced if x.cp > 1} == {"a2a"} and not any(x.hdp for x in priced), extra
+    # attention dropout refuses rings and HDP too
+    command = [*SMALL, "trainer.global_batch_size=8", "data.varlen=true", "model.attention_dropout=0.1"]
+    priced = layout_search.layouts(layout_search.search_shape(command, 4)[0])
+    assert {x.cp_comm for x in priced if x.cp > 1} == {"a2a"} and not any(x.hdp for x in priced)
+    # a window as long as the sequence holds every document whole: rings and HDP run it, and the search offers them
+    # (a second reader found them offered and then refused at confirmation: the config refused any window)
+    from megalm.training.validation import validate_run
+
+    command = [*SMALL, "trainer.global_batch_size=8", "data.varlen=true", "model.sliding_window=32",
+               "model.seq_length=32"]
+    shape = layout_search.search_shape(command, 4)[0]
+    priced = layout_search.layouts(shape)
+    ring, hdp = (next(x for x in priced if test(x)) for test in (lambda x: x.cp > 1 and x.cp_comm == "ring",
+                                                                  lambda x: x.hdp))
+    for layout in (ring, hdp):
+        validate_run(compose_config([*command, *layout.overrides(), *layout_search.priced_batch(command, shape)]),
+                     world_size=4)
     unwindowed = layout_search.layouts(layout_search.search_shape([*SMALL, "trainer.global_batch_size=8",
                                                                    "data.varlen=true"], 4)[0])
     assert {x.cp_comm for x in unwindowed if x.cp > 1} == {"ring", "a2a"} and any(x.hdp for x in unwindowed)

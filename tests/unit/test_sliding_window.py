@@ -98,6 +98,11 @@ def test_layouts_whose_attention_cannot_window_are_refused(world, overrides, mes
     # Ulysses attends whole documents of its heads: it windows
     validate_run(compose_config("model.sliding_window=8", "trainer.micro_batch_size=2", "parallel.cp=2",
                                 "parallel.cp_comm=a2a"), 2, torch.device("cpu"))
+    # a window of at least the sequence holds every document whole: rings attend as it does (Mistral 7B v0.1's 4,096
+    # at a 4,096-token sequence had been refused)
+    layout = [o for o in overrides if not o.startswith("model.sliding_window")]
+    validate_run(compose_config("model.sliding_window=32", "model.seq_length=32", "trainer.micro_batch_size=2",
+                                *layout), world, torch.device("cpu"))
 
 
 def test_a_varlen_kernel_without_a_window_is_not_chosen_for_one(monkeypatch):

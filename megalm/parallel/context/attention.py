@@ -45,6 +45,7 @@ class RingContext:
     progress: Progress | None = None  # the mesh's record of the transfer entered (hang reports)
     moe_tokens: RingTokens | None = None  # MoE models: the shard as the routers see it (tokens.py)
     hierarchical: HierarchicalRing | None = None  # a2a+p2p: built from `layout` when not given (`for_shard` gives it)
+    window_covered: bool = True  # the model's sliding window holds each document whole: a ring attends as it does
 
     def __post_init__(self) -> None:
         if self.comm not in COMMS:
@@ -63,11 +64,13 @@ class RingContext:
     @classmethod
     def for_shard(cls, batch: PackedBatch, ring: Ring, device: torch.device, comm: str = "ring",
                   group: dist.ProcessGroup | None = None, progress: Progress | None = None,
-                  moe_over: tuple[torch.Tensor, dist.ProcessGroup | None] | None = None) -> RingContext:
+                  moe_over: tuple[torch.Tensor, dist.ProcessGroup | None] | None = None,
+                  window_covered: bool = True) -> RingContext:
         """The context of `batch` (on the host), this rank's zigzag shard over `ring` (`zigzag.shard_batch`,
         possibly padded with one more even segment), with its layout on `device`. `moe_over`: (the shard's real
         tokens, the ring's group, or None for an HDP ring of ranks with no group) for an MoE model's routers
-        (tokens.py)."""
+        (tokens.py). `window_covered`: the model has no sliding window, or one that holds every document whole
+        (at least the sequence length, which no document exceeds: the only window the config lets a ring meet)."""
         # built on the host and moved from pinned memory like the batch: a plain copy of each of its tensors (and a
         # hierarchical ring's read of them back) synchronised the stream, 7 to 15 times a micro-batch
         ranks = tuple(int(r) for r in ring.ranks)
@@ -78,17 +81,19 @@ class RingContext:
         if moe_over is not None:
             real, ring_group = moe_over
             tokens = RingTokens(layout, ring.index, to_device(real, device, True), ring_group, progress, ranks)
-        return cls(ranks, ring.index, layout, comm, group, progress, tokens, hierarchical)
+        return cls(ranks, ring.index, layout, comm, group, progress, tokens, hierarchical, window_covered)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, dropout_p: float = 0.0,
                scale: float | None = None, window: int | None = None) -> torch.Tensor:
         """Causal attention of this rank's shard q/k/v [T_local, H, D] against the ring's whole documents (within a
-        sliding `window` under Ulysses only: `validate_context` refuses it for rings)."""
+        sliding `window` under Ulysses; a ring only where the window holds every document whole: `validate_context`
+        refuses a window shorter than the sequence for rings)."""
         if self.comm != "a2a":
             if dropout_p > 0.0:
                 raise ValueError("ring attention has no attention dropout; set model.attention_dropout=0")
-            if window is not None:
-                raise ValueError("ring attention has no sliding window; use parallel.cp_comm=a2a")
+            if window is not None and not self.window_covered:
+                raise ValueError(f"ring attention has no sliding window, and documents may be longer than its "
+                                 f"{window} tokens; use parallel.cp_comm=a2a")
             if self.hierarchical is not None:
                 if self.progress is not None:
                     self.progress.note(collective=self.note)
@@ -112,7 +117,10 @@ def validate_context(cfg: MegalmConfig) -> None:
                           "parallel.cp_comm=a2a+p2p or remove it")
     if p.cp_comm == "a2a+p2p" and (p.cp > 1 or p.hdp):  # at cp=1 no group is formed: said as unread (parallelism)
         cp_a2a_size(cfg)  # its checks
-    if m.sliding_window is not None and (p.hdp or p.cp > 1 and p.cp_comm != "a2a"):
+    # a window of at least the sequence holds every document whole (a sample has at most seq_length inputs): rings
+    # attend as the window does (the kernels drop such a window too: model/attention.py, varlen_attention)
+    windowed = m.sliding_window is not None and m.sliding_window < m.seq_length
+    if windowed and (p.hdp or p.cp > 1 and p.cp_comm != "a2a"):
         layout = "parallel.hdp=true" if p.hdp else f"parallel.cp_comm={p.cp_comm}"
         raise ConfigError(f"model.sliding_window={m.sliding_window} with {layout} is not supported: ring attention "
                           "attends whole blocks of keys; use parallel.cp_comm=a2a (Ulysses: each rank attends whole "
