@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _answer(args: argparse.Namespace) -> int:
     """main's work on its parsed arguments: print the estimate (or the search) or one error line."""
+    from megalm.config.compose import compose_config
     from megalm.errors import ConfigError, MegalmError
 
     cpu_run = ["trainer.device=cpu", "trainer.hang_minutes=0", "trainer.init_hang_minutes=0",
@@ -147,8 +148,8 @@ def _answer(args: argparse.Namespace) -> int:
                 text = _table(result)
         if given is not args.overrides:
             result["notes"].append(AUTO_PRECISION)
-        if any(o.startswith("model.sliding_window=") and o.split("=", 1)[1] not in ("null", "None")
-               for o in args.overrides):
+        model = compose_config(given).model  # a window of at least the sequence is priced as full attention
+        if model.sliding_window is not None and model.sliding_window < model.seq_length:
             result["notes"].append(WINDOW_PRICED_WHOLE)
     except MegalmError as error:  # a config's, and the data's or a checkpoint's the estimated step reads
         if unfit is not None and args.json:  # the search's counts and notes, for a script

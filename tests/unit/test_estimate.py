@@ -122,6 +122,9 @@ def test_the_command_line(capsys):
     # a sliding window: the CPU trace's SDPA band mask is priced whole (an upper bound), said in one note
     assert estimate.main([*SMALL, "model.sliding_window=4", "--world", "1", "--json"]) == 0
     assert estimate.WINDOW_PRICED_WHOLE in json.loads(capsys.readouterr().out)["notes"]
+    # one of at least the sequence holds every document whole: priced as full attention, which needs no note
+    assert estimate.main([*SMALL, "model.sliding_window=32", "model.seq_length=32", "--world", "1", "--json"]) == 0
+    assert estimate.WINDOW_PRICED_WHOLE not in json.loads(capsys.readouterr().out)["notes"]
 
 
 def test_the_table_prints_a_tiny_model_s_seconds_and_tflop_as_figures(capsys):
