@@ -22,6 +22,7 @@ from megalm.config.checks import (
     set_away_from_default,
     validate,
     validate_model,
+    window_within_samples,
     zero_bubble,
 )
 from megalm.config.choices import Choice
@@ -54,5 +55,5 @@ __all__ = [
     "RECOMPUTE_MODES", "process_group_minutes", "recompute_modes",
     "register_schema", "resolve_model_defaults", "schema_default", "schema_error_line",
     "override_value", "set_away_from_default", "to_dataclass",
-    "validate", "validate_model", "zero_bubble", "is_hsdp",
+    "validate", "validate_model", "window_within_samples", "zero_bubble", "is_hsdp",
 ]

@@ -477,6 +477,14 @@ def recompute_modes(recompute: str | list[str], pp: int) -> list[str]:
     return modes
 
 
+def window_within_samples(model: ModelConfig) -> int | None:
+    """`model.sliding_window` where it is shorter than the sequence; None where there is none or it holds every
+    document whole (a sample has at most seq_length inputs): what rings and HDP refuse, and what attention with it
+    computes differently from without it."""
+    window = model.sliding_window
+    return window if window is not None and window < model.seq_length else None
+
+
 def is_hsdp(parallel: ParallelConfig) -> bool:
     """Whether FSDP shards over groups smaller than dp*cp and replicates across them (HSDP); `fsdp_shard_size`
     equal to dp*cp is plain FSDP."""

@@ -19,7 +19,7 @@ import math
 import sys
 from typing import Any
 
-from megalm.config.checks import DEMO_DATA_WARNING
+from megalm.config.checks import DEMO_DATA_WARNING, window_within_samples
 from megalm.estimate.layout_search import search, search_table
 from megalm.estimate.rank import (
     AUTO_PRECISION,
@@ -148,8 +148,8 @@ def _answer(args: argparse.Namespace) -> int:
                 text = _table(result)
         if given is not args.overrides:
             result["notes"].append(AUTO_PRECISION)
-        model = compose_config(given).model  # a window of at least the sequence is priced as full attention
-        if model.sliding_window is not None and model.sliding_window < model.seq_length:
+        # a window of at least the sequence is priced as full attention
+        if window_within_samples(compose_config(given).model) is not None:
             result["notes"].append(WINDOW_PRICED_WHOLE)
     except MegalmError as error:  # a config's, and the data's or a checkpoint's the estimated step reads
         if unfit is not None and args.json:  # the search's counts and notes, for a script

@@ -45,7 +45,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from megalm.config.checks import is_moe_layer, pad_vocab
+from megalm.config.checks import is_moe_layer, pad_vocab, window_within_samples
 from megalm.config.schema import MegalmConfig
 from megalm.estimate.collectives import GPUS_PER_NODE, LINKS, comm_seconds, inside_node
 from megalm.estimate.rank import (
@@ -513,8 +513,7 @@ def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tu
                   t.global_batch_size if "trainer.global_batch_size" in keys else world, world,
                   str(cfg.precision.name) != "fp32", bool(cfg.data.varlen), float(cfg.offload.fraction),
                   int(m.make_vocab_size_divisible_by), bool(m.tie_embeddings), experts, recompute_reruns(cfg),
-                  m.sliding_window if m.sliding_window is not None and m.sliding_window < m.seq_length else None,
-                  float(m.attention_dropout))
+                  window_within_samples(m), float(m.attention_dropout))
     base = [o for o in overrides if not override_keys([o]) & STRIPPED]
     return shape, base, notes
 

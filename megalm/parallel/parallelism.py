@@ -33,7 +33,13 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 
-from megalm.config import MegalmConfig, ParallelConfig, config_to_dict, set_away_from_default
+from megalm.config import (
+    MegalmConfig,
+    ParallelConfig,
+    config_to_dict,
+    set_away_from_default,
+    window_within_samples,
+)
 from megalm.data.batch import pad_to_multiple
 from megalm.data.dataset import SampleDataset
 from megalm.errors import ConfigError
@@ -385,14 +391,14 @@ class Parallelism:
         padded = pad_to_multiple(batch, self.token_multiple, even=ring is not None)
         attention = None
         if ring is not None:
-            a2a, window = self.cfg.parallel.cp_comm == "a2a", self.cfg.model.sliding_window
+            a2a = self.cfg.parallel.cp_comm == "a2a"
             moe_over = None
             if self.cfg.model.moe.num_experts and mb.real_tokens is not None:  # the routers' view of the shard
                 real = torch.cat([mb.real_tokens, mb.real_tokens.new_zeros(padded.num_tokens - batch.num_tokens)])
                 moe_over = (real, None if self.cfg.parallel.hdp else self.mesh.cp_group)  # HDP: over ring.ranks
             attention = RingContext.for_shard(padded, ring, self.device, self.cfg.parallel.cp_comm,
                                               self.mesh.cp_group if a2a else None, self.mesh.progress, moe_over,
-                                              window is None or window >= self.cfg.model.seq_length)
+                                              window_within_samples(self.cfg.model) is None)
         counted = mb.counted_doc_lengths if self.mesh.is_last_stage else []
         if self.device.type == "cuda":  # pinned host memory: the copies overlap instead of syncing the stream
             moved = padded.pin_memory().to(self.device, non_blocking=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megalm.config import MegalmConfig, choice
+from megalm.config import MegalmConfig, choice, window_within_samples
 from megalm.config.choices import ContextComm
 from megalm.data.batch import PackedBatch
 from megalm.errors import ConfigError
@@ -117,10 +117,9 @@ def validate_context(cfg: MegalmConfig) -> None:
                           "parallel.cp_comm=a2a+p2p or remove it")
     if p.cp_comm == "a2a+p2p" and (p.cp > 1 or p.hdp):  # at cp=1 no group is formed: said as unread (parallelism)
         cp_a2a_size(cfg)  # its checks
-    # a window of at least the sequence holds every document whole (a sample has at most seq_length inputs): rings
-    # attend as the window does (the kernels drop such a window too: model/attention.py, varlen_attention)
-    windowed = m.sliding_window is not None and m.sliding_window < m.seq_length
-    if windowed and (p.hdp or p.cp > 1 and p.cp_comm != "a2a"):
+    # a window of at least the sequence holds every document whole: rings attend as the window does (the kernels
+    # drop such a window too: model/attention.py, varlen_attention)
+    if window_within_samples(m) is not None and (p.hdp or p.cp > 1 and p.cp_comm != "a2a"):
         layout = "parallel.hdp=true" if p.hdp else f"parallel.cp_comm={p.cp_comm}"
         raise ConfigError(f"model.sliding_window={m.sliding_window} with {layout} is not supported: ring attention "
                           "attends whole blocks of keys; use parallel.cp_comm=a2a (Ulysses: each rank attends whole "
