@@ -184,8 +184,8 @@ def host_tensor(values: list[int]) -> torch.Tensor:
     their host tensors made there were fake: the estimate raised on ring CP with FSDP."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    with unset_fake_temporarily():
-        return torch.tensor(values, dtype=torch.int64)
+    with unset_fake_temporarily():  # on the host by name: a default-device context (fake CUDA) would put it there
+        return torch.tensor(values, dtype=torch.int64, device="cpu")
 
 
 def fake_mode_active() -> bool:
