@@ -193,22 +193,26 @@ def test_fake_cuda_auto_picks_the_fastest_backend_the_device_has():
 
 
 @needs_cuda_build
+@pytest.mark.parametrize("window", [None, 16], ids=["causal", "window16"])
 @pytest.mark.parametrize("backend", ["torch_varlen", "flash_attn", "sdpa"])
-def test_fake_cuda_varlen_attention_backend(backend):
-    """Each backend `auto` can choose on a GPU accepts megalm's call: GQA, packed documents, bf16."""
+def test_fake_cuda_varlen_attention_backend(backend, window):
+    """Each backend `auto` can choose on a GPU accepts megalm's call: GQA, packed documents, bf16, with and without
+    a sliding window shorter than the documents (model.sliding_window: the kernels' window_size, SDPA's band)."""
     if backend == "flash_attn" and not attention._flash_attn_importable():
         pytest.skip("flash-attn is not installed")
     if backend == "torch_varlen" and not compat.varlen_attn_available():
         pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen (>= 2.10): auto runs sdpa")
+    if backend == "torch_varlen" and window and not compat.varlen_window_available():
+        pytest.skip(f"torch {torch.__version__}'s varlen_attn takes no window (>= 2.11): auto runs sdpa")
     needs_fake({"sdpa": "sdpa", "torch_varlen": "varlen_attn"}.get(backend, "sdpa"))
     with fake_cuda():
         q, k, v = _qkv(96)
         cu = torch.tensor([0, 32, 64, 96], dtype=torch.int32)  # equal documents: sdpa's batched call
-        out = attention.varlen_attention(q, k, v, cu, 32, backend)
+        out = attention.varlen_attention(q, k, v, cu, 32, backend, window=window)
         assert out.shape == q.shape and out.dtype == q.dtype and out.device == CUDA
         if backend != "sdpa":  # unequal documents: sdpa would read cu_seqlens on the host (module docstring)
             cu = torch.tensor([0, 10, 64, 96], dtype=torch.int32)
-            out = attention.varlen_attention(q, k, v, cu, 54, backend)
+            out = attention.varlen_attention(q, k, v, cu, 54, backend, window=window)
             assert out.shape == q.shape and out.device == CUDA
 
 
