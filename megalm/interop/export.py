@@ -4,7 +4,8 @@ Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM or MixtralForCausalLM: m
     megalm-export outputs/2026-11-21/10-00-00 --format hf --out /tmp/hf-model
 
 Why: so a model trained here can be evaluated, served and shared with the `transformers` ecosystem. The checkpoint
-may come from any layout (TP/PP/ZeRO-1): it is loaded into one CPU process first. The directory holds
+may come from any layout (TP/PP/ZeRO-1): one CPU process reads it a block at a time, writing each weight file
+as soon as its tensors are read, so that host memory holds a block and a file, not the model. The directory holds
 safetensors weights (sharded past --max-shard-size, with model.safetensors.index.json), config.json,
 generation_config.json and, when the run used a Hugging Face tokenizer, tokenizer.json + tokenizer_config.json.
 The mapping is megalm.model.hf's; the directory is written whole or not at all.
@@ -22,10 +23,19 @@ from typing import Any
 from megalm.data.blend import tokenizer_identity
 from megalm.data.tokenizer import HFTokenizer, build_tokenizer, trained_with
 from megalm.errors import MegalmError, one_line_errors
-from megalm.interop.files import DEFAULT_MAX_SHARD, atomic_output_dir, check_output_dir, parse_size, write_safetensors
+from megalm.interop.files import (
+    DEFAULT_MAX_SHARD,
+    atomic_output_dir,
+    check_output_dir,
+    hf_file_names,
+    parse_size,
+    plan_shards,
+    write_hf_index,
+    write_shards,
+)
 from megalm.model.hf import ARCHITECTURES, DTYPES, InteropError, architecture_of, hf_config
 from megalm.model.hf_tensors import megalm_to_hf
-from megalm.training.init_from import read_megalm_weights
+from megalm.training.checkpoint import SavedModelParts
 
 log = logging.getLogger("megalm")
 
@@ -51,9 +61,9 @@ def export_hf(source: str | Path, out: str | Path, *, overwrite: bool = False, d
     if dtype not in ("auto", *DTYPES):
         raise InteropError(f"--dtype={dtype} is not one of auto|{'|'.join(DTYPES)}")
     max_bytes = parse_size(max_shard_size)
-    meta, cfg, weights = read_megalm_weights(source, buffers=True)
-    bias = {name: b for name, b in weights.items() if name.endswith("expert_bias")}
-    weights = {name: t for name, t in weights.items() if name not in bias}  # buffers: only the routers' bias
+    weights = SavedModelParts(source)  # read a block at a time while the files are written
+    meta, cfg = weights.meta, weights.cfg
+    bias = {name: b for name, b in weights.buffers().items() if name.endswith("expert_bias")}  # buffers: only these
     if biased := [name for name, b in bias.items() if bool(b.any())]:  # the model adds it to the routers' scores
         raise InteropError(f"{source}: {biased[0]} (+{len(biased) - 1} more) holds a learned selection bias that "
                            "Hugging Face's MoE routers do not have: the exported model would route otherwise; "
@@ -88,10 +98,17 @@ def export_hf(source: str | Path, out: str | Path, *, overwrite: bool = False, d
     bos, eos = ((origin.get("bos_token_id"), origin.get("eos_token_id")) if origin.get("format") == "hf" and own
                 else (eod, eod))
 
-    tensors = {k: v.to(DTYPES[dtype]) for k, v in megalm_to_hf(weights, cfg, arch).items()}
+    # the files' plan from the shapes alone: transformers' names, each tensor in its dtype
+    torch_dtype = DTYPES[dtype]
+    nbytes = {name: t.numel() * torch_dtype.itemsize for part in weights.shapes()
+              for name, t in megalm_to_hf(part, cfg, arch).items()}
+    shards = plan_shards(nbytes, max_bytes)
+    files = hf_file_names(len(shards))
     # checked against the checkpoint read too, where `source` was a run dir or a dir of runs, before anything is written
     with atomic_output_dir(out, overwrite, meta.path) as tmp:
-        files = write_safetensors(tmp, tensors, max_bytes)
+        write_shards(tmp, files, shards, ({name: t.to(torch_dtype) for name, t in megalm_to_hf(part, cfg, arch).items()}
+                                          for part in weights))
+        write_hf_index(tmp, files, shards, sum(nbytes.values()))
         config = hf_config(cfg, arch, dtype, bos, eos)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}

@@ -12,7 +12,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -87,25 +87,45 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t if t.untyped_storage().nbytes() == t.nbytes and t.storage_offset() == 0 else t.clone()
 
 
-def write_safetensors(directory: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[str]:
-    """transformers' weight layout: model.safetensors, or model-0000i-of-0000n.safetensors shards of at most
-    `max_shard_bytes` (a tensor larger than that gets a shard of its own) plus model.safetensors.index.json."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
+def plan_shards(nbytes: Mapping[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """The tensors' names, in order, in shards of at most `max_shard_bytes` (a larger tensor gets a shard of its
+    own), as transformers' save_pretrained cuts them."""
+    shards: list[list[str]] = [[]]
     size = 0
-    for name, t in tensors.items():
-        if shards[-1] and size + t.nbytes > max_shard_bytes:
-            shards.append({})
+    for name, n in nbytes.items():
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
             size = 0
-        shards[-1][name] = _own_storage(t)
-        size += t.nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(directory / SINGLE), metadata={"format": "pt"})
-        return [SINGLE]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for file, shard in zip(names, shards, strict=True):
-        save_file(shard, str(directory / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
-    (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    return [*names, INDEX]
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def hf_file_names(count: int) -> list[str]:
+    """transformers' weight files: model.safetensors, or model-0000i-of-0000n.safetensors shards."""
+    return [SINGLE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def write_shards(directory: Path, files: list[str], shards: list[list[str]],
+                 parts: Iterable[Mapping[str, torch.Tensor]]) -> None:
+    """Write shard i's tensors to `directory / files[i]` as soon as `parts` (tensors in the plan's order, a part at a
+    time) has given them all: what is held at once is one part and the shard it fills, not the model."""
+    shard_of = {name: i for i, names in enumerate(shards) for name in names}
+    pending: dict[int, dict[str, torch.Tensor]] = {}
+    written = 0
+    for part in parts:
+        for name, t in part.items():
+            pending.setdefault(shard_of[name], {})[name] = _own_storage(t)
+        for i in [i for i, held in pending.items() if len(held) == len(shards[i])]:
+            save_file(pending.pop(i), str(directory / files[i]), metadata={"format": "pt"})
+            written += 1
+    if written != len(shards):  # a plan and parts that disagree: a bug, never a partial output
+        raise RuntimeError(f"wrote {written} of {len(shards)} planned weight files")
+
+
+def write_hf_index(directory: Path, files: list[str], shards: list[list[str]], total_bytes: int) -> None:
+    """model.safetensors.index.json for sharded weights (none for one file, as transformers writes)."""
+    if len(files) > 1:
+        weight_map = {name: file for file, names in zip(files, shards, strict=True) for name in names}
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")

@@ -5,9 +5,9 @@ scaling in hf_rope.py; reading a directory in hf_files.py). Each of megalm's two
 which define what a key means; a key a config.json omits takes its architecture's default (`HF_DEFAULTS`).
 
 Reading: hf_files.py's `read_hf_weights` (hf_tensors.py's `HFWeights`, one tensor at a time) is what
-`model.init_from=hf:DIR` (megalm/training/init_from.py) reads, its `read_hf_model` (all at once) what megalm-import
-(megalm/interop/hf_import.py) writes; nothing here imports `transformers`. Writing a directory (atomic output,
-shards) is the CLI's part, in megalm/interop/files.py.
+`model.init_from=hf:DIR` (megalm/training/init_from.py) reads, its `HFModelParts` (a block at a time) what
+megalm-import (megalm/interop/hf_import.py) writes; nothing here imports `transformers`. Writing a directory (atomic
+output, shards) is the CLI's part, in megalm/interop/files.py.
 """
 
 from __future__ import annotations

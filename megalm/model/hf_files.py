@@ -19,6 +19,7 @@ from megalm.errors import InteropError
 from megalm.model.gpt import GPT, VOCAB_PARAMS, resize_vocab_rows
 from megalm.model.hf import INDEX, PICKLE_SUFFIXES, SINGLE, model_config_from_hf
 from megalm.model.hf_tensors import HFWeights
+from megalm.model.naming import canonical_named_parameters, model_parts
 
 log = logging.getLogger("megalm")
 
@@ -163,11 +164,26 @@ def read_hf_weights(hf_dir: str | Path, config: tuple[str, ModelConfig, dict] | 
     return arch, cfg, HFWeights(tensors, cfg, arch, shapes, str(hf_dir), meta=tensors.meta()), hf
 
 
-def read_hf_model(hf_dir: str | Path) -> tuple[str, ModelConfig, dict[str, torch.Tensor], dict]:
-    """`read_hf_weights`, every tensor read, the vocab tables padded to the model's rows: what megalm-import
-    writes."""
-    arch, cfg, lazy, hf = read_hf_weights(hf_dir)
-    rows = {name: p.shape[0] for name, p in GPT(cfg, device="meta").named_parameters() if name in VOCAB_PARAMS}
-    weights = {name: resize_vocab_rows(value[: cfg.vocab_size], rows[name]) if name in rows else value
-               for name, value in lazy.items()}
-    return arch, cfg, weights, hf
+class HFModelParts:
+    """A Hugging Face dir's weights as megalm's full model (fp32, fused names, vocab rows padded to the model's), a
+    part at a time (a block or a top-level module: `model_parts`): what megalm-import writes, holding one part in
+    host memory, not the model. `shapes()` gives each part's parameters on the meta device, for planning before
+    anything is read; iterating reads each part from the files."""
+
+    def __init__(self, hf_dir: str | Path) -> None:
+        self.arch, self.cfg, self._weights, self.hf = read_hf_weights(hf_dir)
+        self._meta = dict(canonical_named_parameters(GPT(self.cfg, device="meta")))
+        self.parts = model_parts(self._weights)  # the model's parameters, checked against the files
+
+    def shapes(self) -> Iterator[dict[str, torch.Tensor]]:
+        return ({name: self._meta[name] for name in names} for names in self.parts.values())
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for names in self.parts.values():
+            yield {name: self._read(name) for name in names}
+
+    def _read(self, name: str) -> torch.Tensor:
+        value = self._weights[name]
+        if name in VOCAB_PARAMS:
+            return resize_vocab_rows(value[: self.cfg.vocab_size], self._meta[name].shape[0])
+        return value

@@ -44,7 +44,7 @@ from megalm.training.checkpoint.layout import (
     resolve_checkpoint_path,
     write_text_atomic,
 )
-from megalm.training.checkpoint.load import load_checkpoint, load_model_weights, load_saved_model
+from megalm.training.checkpoint.load import SavedModelParts, load_checkpoint, load_model_weights, load_saved_model
 from megalm.training.checkpoint.save import Checkpointer, PendingCheckpoint, save_checkpoint
 from megalm.training.checkpoint.tensors import (
     load_optimizer_tensors,
@@ -74,6 +74,7 @@ from megalm.training.checkpoint.verify import (
 
 __all__ = [
     "CHECKPOINTS", "FILES", "FORMAT_VERSION", "LATEST", "Checkpointer", "LoadedCheckpoint", "PendingCheckpoint",
+    "SavedModelParts",
     "check_model_config", "check_resume_target", "check_same_data_order", "checkpoint_name", "data_order", "data_size",
     "fsync_path", "is_complete", "latest_checkpoint", "latest_unless_never", "load_checkpoint", "load_model_weights",
     "load_optimizer_tensors", "function_differences", "note_data_change", "note_function_change",

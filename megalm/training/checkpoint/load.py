@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from megalm.errors import CheckpointError
 from megalm.model.gpt import GPT, reset_buffers
-from megalm.model.naming import canonical_named_parameters
+from megalm.model.naming import canonical_named_buffers, canonical_named_parameters, model_parts
 from megalm.model.shard import empty_full_like, laid_out_like, shard_specs
 from megalm.precision.install import load_amax_histories
 from megalm.training.checkpoint.layout import layout_tag, resolve_checkpoint_path
@@ -70,6 +71,47 @@ def load_saved_model(path: str | Path, device: str | torch.device = "cpu") -> tu
     reset_buffers(model)
     load_model_weights(ckpt, model)
     return meta, model
+
+
+class SavedModelParts:
+    """The whole model of a checkpoint (or of a run dir's `latest`), as `load_saved_model` reads it, one part at a
+    time on the CPU (a block or a top-level module: `model_parts`): megalm-export holds one part in host memory,
+    not the model. `shapes()` gives each part's parameters on the meta device, for planning before anything is
+    read; iterating reads each part's (DCP reshards any saved layout), which are the caller's until it lets them go.
+    `buffers()`: the persistent buffers (an MoE router's selection bias), read alone."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = resolve_checkpoint_path(path)
+        self.meta = verify_checkpoint(self.path)  # a damaged file is one line naming it, before DCP reads any of it
+        self.model = GPT(saved_model_config(self.meta), device="meta")
+        self.cfg = self.model.cfg
+        self.parts = model_parts(n for n, _ in canonical_named_parameters(self.model))
+
+    def _parameters(self, names: list[str]) -> dict[str, torch.Tensor]:
+        held = dict(canonical_named_parameters(self.model))
+        return {name: held[name].detach() for name in names}
+
+    def shapes(self) -> Iterator[dict[str, torch.Tensor]]:
+        return (self._parameters(names) for names in self.parts.values())
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        saved_rows = saved_vocab_rows(self.meta.config)
+        for module_name, names in self.parts.items():
+            module = self.model.get_submodule(module_name)
+            module.to_empty(device="cpu")
+            targets = model_targets(self.model, None, saved_rows, set(names))
+            dcp_load(targets, self.path, collective=False)
+            copy_model(self.model, targets, self.path, saved_rows, set(names))
+            del targets
+            part = self._parameters(names)
+            module.to_empty(device="meta")  # the part's memory is now the caller's alone
+            yield part
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        targets = {f"model/{n}": torch.empty_like(b, device="cpu") for n, b in canonical_named_buffers(self.model)}
+        if targets:
+            dcp_load(targets, self.path, collective=False)
+        return {key.removeprefix("model/"): value for key, value in targets.items()}
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import warnings
+from collections.abc import Container
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -344,21 +345,27 @@ def _whole_of(pieces: list[torch.Tensor], shape: torch.Size) -> torch.Tensor | N
     return base if offset == base.numel() else None
 
 
-def model_targets(model: nn.Module, mesh: ParallelMesh | None, saved_rows: int | None) -> dict[str, torch.Tensor]:
-    """DCP's targets for `model`'s weights and buffers: a plain parameter is its own target (read in place: a load
-    holds no second copy of the model; `copy_model` then copies it onto itself), an FSDP shard's is its chunk."""
+def model_targets(model: nn.Module, mesh: ParallelMesh | None, saved_rows: int | None,
+                  names: Container[str] | None = None) -> dict[str, torch.Tensor]:
+    """DCP's targets for `model`'s weights and buffers (those of `names` only, where given): a plain parameter is its
+    own target (read in place: a load holds no second copy of the model; `copy_model` then copies it onto itself),
+    an FSDP shard's is its chunk."""
     specs = shard_specs(model)
-    targets = {key: target for n, p in canonical_named_parameters(model)
+    targets = {key: target for n, p in canonical_named_parameters(model) if names is None or n in names
                for key, target in like_targets("model/", n, empty_full_like(p) if isinstance(p, DTensor)
                                                else p.detach(), specs.get(n), model, mesh, saved_rows,
                                                fsdp=p if isinstance(p, DTensor) else None).items()}
-    return targets | {f"model/{n}": torch.empty_like(b) for n, b in canonical_named_buffers(model)}
+    return targets | {f"model/{n}": torch.empty_like(b) for n, b in canonical_named_buffers(model)
+                      if names is None or n in names}
 
 
 @torch.no_grad()
-def copy_model(model: nn.Module, targets: dict[str, torch.Tensor], path: Path, saved_rows: int | None) -> None:
+def copy_model(model: nn.Module, targets: dict[str, torch.Tensor], path: Path, saved_rows: int | None,
+               names: Container[str] | None = None) -> None:
     specs = shard_specs(model)
     for name, param in canonical_named_parameters(model):
+        if names is not None and name not in names:
+            continue
         value = local_from_targets("model/", name, empty_full_like(param), specs.get(name), model, targets,
                                    saved_rows)
         if value.shape != param.shape:
@@ -366,4 +373,6 @@ def copy_model(model: nn.Module, targets: dict[str, torch.Tensor], path: Path, s
                                   f"{tuple(param.shape)}; use the matching model config")
         copy_full_value(param, value)
     for name, buffer in canonical_named_buffers(model):  # replicated state that is not trained
+        if names is not None and name not in names:
+            continue
         buffer.copy_(targets[f"model/{name}"])
