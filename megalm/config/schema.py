@@ -213,7 +213,9 @@ class DataConfig:
     split_seed: int = 0
     """Fixes the train/valid split independently of `seed`."""
     cache_dir: str | None = None
-    """The demo corpus cache; None: $XDG_CACHE_HOME/megalm or ~/.cache/megalm."""
+    """The demo corpus cache, and the samplers' index arrays of 16 MB and more (index/: built once by the machine's
+    first process, memory-mapped by all; megalm/data/index_cache.py); None: $XDG_CACHE_HOME/megalm or
+    ~/.cache/megalm. A local disk: the files are locked with flock while built."""
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
     """data=synthetic: the documents' count and lengths."""
 

@@ -21,12 +21,14 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from megalm.config import MegalmConfig
 from megalm.data.batch import PackedBatch, Sample, pack_samples
+from megalm.data.index_cache import IndexFiles, default_cache_dir, lengths_digest
 from megalm.data.tokenizer import Tokenizer, build_tokenizer
 from megalm.errors import DataError
 
@@ -99,15 +101,19 @@ class _DocumentSampler(ABC):
     _epoch: _EpochCache
 
     def __init__(self, source: DocumentSource, doc_ids: np.ndarray | list[int], seq_length: int,
-                 seed: int) -> None:
+                 seed: int, index: IndexFiles | None = None) -> None:
         if seq_length < 1:
             raise ValueError(f"seq_length={seq_length} must be >= 1")
         self.source = source
         self.doc_ids = np.asarray(doc_ids, dtype=np.int64)
         self.seq_length = int(seq_length)
         self.seed = int(seed)
-        self._lengths = np.asarray(source.doc_lengths, dtype=np.int64)[self.doc_ids]
         self.num_docs = len(self.doc_ids)
+        # the arrays below: memory-mapped files shared by the machine's processes where a run's config names the
+        # cache (split_samplers), else in memory
+        self._index = index or IndexFiles(None, ())
+        self._lengths = self._index.arrays("lengths", 8 * self.num_docs, lambda: {
+            "lengths": np.asarray(source.doc_lengths, dtype=np.int64)[self.doc_ids]})["lengths"]
         self.num_tokens = int(self._lengths.sum())
 
     @abstractmethod
@@ -131,8 +137,8 @@ class PackedDataset(_DocumentSampler):
     """
 
     def __init__(self, source: DocumentSource, doc_ids: np.ndarray | list[int], seq_length: int,
-                 seed: int) -> None:
-        super().__init__(source, doc_ids, seq_length, seed)
+                 seed: int, index: IndexFiles | None = None) -> None:
+        super().__init__(source, doc_ids, seq_length, seed, index)
         self.samples_per_epoch = max(self.num_tokens - 1, 0) // self.seq_length
         if self.samples_per_epoch == 0:
             raise DataError(f"{self.num_docs} documents hold {self.num_tokens} tokens, fewer than the "
@@ -141,11 +147,15 @@ class PackedDataset(_DocumentSampler):
         self._epoch = _EpochCache(self._build_epoch)
 
     def _build_epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        perm = _permutation(self.num_docs, self.seed, epoch, _DOC_ORDER)
-        starts = np.zeros(self.num_docs + 1, dtype=np.int64)
-        np.cumsum(self._lengths[perm], out=starts[1:])
-        windows = _permutation(self.samples_per_epoch, self.seed, epoch, _SAMPLE_ORDER)
-        return self.doc_ids[perm], starts, windows
+        def build() -> dict[str, np.ndarray]:
+            perm = _permutation(self.num_docs, self.seed, epoch, _DOC_ORDER)
+            starts = np.zeros(self.num_docs + 1, dtype=np.int64)
+            np.cumsum(self._lengths[perm], out=starts[1:])
+            windows = _permutation(self.samples_per_epoch, self.seed, epoch, _SAMPLE_ORDER)
+            return {"order": self.doc_ids[perm], "starts": starts, "windows": windows}
+
+        built = self._index.arrays(f"epoch{epoch}", 8 * (2 * self.num_docs + 1 + self.samples_per_epoch), build)
+        return built["order"], built["starts"], built["windows"]
 
     def epoch_documents(self, epoch: int) -> np.ndarray:
         """Document ids in the order epoch `epoch` concatenates them."""
@@ -186,15 +196,21 @@ class VarlenDataset(_DocumentSampler):
     """
 
     def __init__(self, source: DocumentSource, doc_ids: np.ndarray | list[int], seq_length: int,
-                 seed: int) -> None:
-        super().__init__(source, doc_ids, seq_length, seed)
-        chunks = np.where(self._lengths >= 2, (self._lengths - 2) // self.seq_length + 1, 0)
-        self._chunk_starts = np.zeros(self.num_docs + 1, dtype=np.int64)
-        np.cumsum(chunks, out=self._chunk_starts[1:])
+                 seed: int, index: IndexFiles | None = None) -> None:
+        super().__init__(source, doc_ids, seq_length, seed, index)
+
+        def chunk_starts() -> dict[str, np.ndarray]:
+            chunks = np.where(self._lengths >= 2, (self._lengths - 2) // self.seq_length + 1, 0)
+            starts = np.zeros(self.num_docs + 1, dtype=np.int64)
+            np.cumsum(chunks, out=starts[1:])
+            return {"chunk_starts": starts}
+
+        self._chunk_starts = self._index.arrays("chunks", 8 * (self.num_docs + 1), chunk_starts)["chunk_starts"]
         self.samples_per_epoch = int(self._chunk_starts[-1])
         if self.samples_per_epoch == 0:
             raise DataError(f"{self.num_docs} documents give no sample of 2 or more tokens; use more data")
-        self._epoch = _EpochCache(lambda e: (_permutation(self.samples_per_epoch, self.seed, e, _VARLEN_ORDER),))
+        self._epoch = _EpochCache(lambda e: (self._index.arrays(f"epoch{e}", 8 * self.samples_per_epoch, lambda: {
+            "order": _permutation(self.samples_per_epoch, self.seed, e, _VARLEN_ORDER)})["order"],))
 
     def _chunk_span(self, c: int) -> tuple[int, int, int]:
         """(document id, first token, tokens) of chunk c in document order (before shuffling)."""
@@ -355,13 +371,24 @@ def split_samplers(source: DocumentSource, cfg: MegalmConfig, what: str) -> tupl
     """(train, valid) samplers over the `data.split_seed` split of `source`; valid is None when nothing is held
     out or the held-out documents are too small for one sample. `what` names the data in errors."""
     d = cfg.data
-    train_ids, valid_ids = split_documents(len(source), d.valid_fraction, d.split_seed)
+    directory = Path(d.cache_dir or default_cache_dir()) / "index"
+    split = IndexFiles(directory, ("split", len(source), d.valid_fraction, d.split_seed)).arrays(
+        "split", 8 * len(source), lambda: dict(zip(("train", "valid"),
+                                                   split_documents(len(source), d.valid_fraction, d.split_seed),
+                                                   strict=True)))
+    train_ids, valid_ids = split["train"], split["valid"]
     if len(train_ids) == 0:
         raise DataError(f"the train split is empty: {what} has {len(source)} documents; "
                         "use a dataset with documents in it")
     sampler = VarlenDataset if d.varlen else PackedDataset
+    lengths = lengths_digest(source.doc_lengths)
+
+    def index(part: str) -> IndexFiles:  # what the sampler's arrays are a function of
+        return IndexFiles(directory, (sampler.__name__, lengths, d.valid_fraction, d.split_seed, part,
+                                      cfg.model.seq_length, cfg.seed))
+
     try:
-        train = sampler(source, train_ids, cfg.model.seq_length, cfg.seed)
+        train = sampler(source, train_ids, cfg.model.seq_length, cfg.seed, index("train"))
     except DataError as e:  # which of a blend's components is too small
         held_out = (f" ({len(valid_ids)} of its {len(source)} documents are held out for validation by "
                     f"data.valid_fraction={d.valid_fraction}; data.valid_fraction=0 trains on all)"
@@ -370,7 +397,7 @@ def split_samplers(source: DocumentSource, cfg: MegalmConfig, what: str) -> tupl
     valid = None
     if len(valid_ids):
         try:
-            valid = sampler(source, valid_ids, cfg.model.seq_length, cfg.seed)
+            valid = sampler(source, valid_ids, cfg.model.seq_length, cfg.seed, index("valid"))
         except DataError as e:
             log.warning("no validation set from %s: the %d held-out documents are too small (%s)", what,
                         len(valid_ids), e)

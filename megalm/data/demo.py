@@ -19,6 +19,7 @@ import sysconfig
 import time
 from pathlib import Path
 
+from megalm.data.index_cache import default_cache_dir
 from megalm.data.indexed import DatasetExistsError, IndexedDataset, dataset_exists
 from megalm.data.preprocess import preprocess
 from megalm.data.tokenizer import ByteTokenizer
@@ -27,12 +28,6 @@ from megalm.errors import DataError
 log = logging.getLogger(__name__)
 
 EXCLUDED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "lib2to3", "__pycache__"})
-
-
-def default_cache_dir() -> str:
-    """$XDG_CACHE_HOME/megalm, else ~/.cache/megalm."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "megalm")
 
 
 def demo_source_files(source_dir: str) -> list[Path]:

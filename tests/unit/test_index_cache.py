@@ -1,0 +1,194 @@
+"""The samplers' index arrays are built once per machine and memory-mapped by every process (data/index_cache.py).
+
+A run's samplers (split_samplers) keep their arrays of 16 MB and more as .npy files under data.cache_dir/index: the
+first process builds them under a lock, the others map them. The samples are those of in-memory samplers; a second
+process holds none of the arrays in its anonymous memory (measured: RssAnon, which file-backed pages do not count);
+processes that start together build each array once; a damaged file is built again; a directory that cannot be
+written is said in one line and the arrays are built in memory. The source has 2.5M documents, so that the arrays
+pass the default MIN_BYTES (16 MB).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megalm.data.dataset import PackedDataset, VarlenDataset, split_samplers
+from megalm.data.index_cache import MIN_BYTES
+from tests.conftest import compose_config
+
+DOCS = 2_500_000  # 20 MB of int64 lengths: above MIN_BYTES, so every large array goes to a file
+
+
+class LengthsSource:
+    """Documents of 2..64 tokens whose tokens are a function of (document, position): no file to write."""
+
+    vocab_size = 512
+
+    def __init__(self, num_docs: int = DOCS) -> None:
+        self.doc_lengths = np.random.default_rng(3).integers(2, 65, num_docs).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.doc_lengths)
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        length = int(self.doc_lengths[i]) - offset if length is None else length
+        return (i * 7 + np.arange(offset, offset + length)) % self.vocab_size
+
+
+def _samples(dataset) -> list[list[int]]:
+    """Samples of epochs 0, 1 and 2, their first and last included."""
+    n = dataset.samples_per_epoch
+    return [dataset[k].tokens.tolist() for k in (0, 1, n - 1, n, n + 17, 2 * n + 5)]
+
+
+def _file_backed(array: np.ndarray) -> bool:
+    """Whether `array` is (a view of) a memory-mapped file."""
+    while isinstance(array, np.ndarray) and not isinstance(array, np.memmap):
+        array = array.base
+    return isinstance(array, np.memmap)
+
+
+def _config(cache: Path, varlen: bool = False):
+    return compose_config(f"data.cache_dir={cache}", f"data.varlen={str(varlen).lower()}", "data.valid_fraction=0.01")
+
+
+def test_min_bytes_is_the_documented_sixteen_megabytes():
+    assert MIN_BYTES == 16 << 20 and 8 * DOCS > MIN_BYTES
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["packed", "varlen"])
+def test_cached_samplers_draw_the_in_memory_samplers_samples(tmp_path, varlen):
+    source = LengthsSource()
+    cfg = _config(tmp_path, varlen)
+    train, valid = split_samplers(source, cfg, "test data")
+    sampler = VarlenDataset if varlen else PackedDataset
+    in_memory = sampler(source, train.doc_ids.copy(), cfg.model.seq_length, cfg.seed)
+    assert _samples(train) == _samples(in_memory)
+    files = sorted(p.name.split("-", 1)[1] for p in (tmp_path / "index").glob("*.fields"))
+    expected = {False: ["epoch0.fields", "epoch1.fields", "epoch2.fields", "lengths.fields", "split.fields"],
+                True: ["chunks.fields", "epoch0.fields", "epoch1.fields", "epoch2.fields", "lengths.fields",
+                       "split.fields"]}[varlen]
+    assert files == expected  # the run's arrays went to files (the held-out 1%'s are small: in memory)
+    again, _ = split_samplers(source, cfg, "test data")  # another process's samplers: mapped, the same samples
+    assert _file_backed(again._lengths) and _file_backed(again.doc_ids)
+    assert _samples(again) == _samples(in_memory)
+    held_out = sampler(source, valid.doc_ids.copy(), cfg.model.seq_length, cfg.seed)
+    assert [valid[k].tokens.tolist() for k in range(3)] == [held_out[k].tokens.tolist() for k in range(3)]
+
+
+# A process that reads the run's samplers: its anonymous memory (RssAnon) above its start while it builds the
+# samplers and draws from three epochs, the cache either present (files mapped) or not (data.cache_dir unusable)
+PROBE = r"""
+import json, sys, threading, time
+sys.path.insert(0, sys.argv[3])
+from tests.unit.test_index_cache import LengthsSource, _config, _samples
+from megalm.data.dataset import split_samplers
+from pathlib import Path
+
+def rss_anon():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+source = LengthsSource()
+cfg = _config(Path(sys.argv[1]), sys.argv[2] == "varlen")
+peak, done = [0], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss_anon())
+        time.sleep(0.001)
+start = rss_anon()
+thread = threading.Thread(target=sample, daemon=True)
+thread.start()
+train, _ = split_samplers(source, cfg, "test data")
+checksum = hash(str(_samples(train)))
+done.set()
+thread.join()
+print(json.dumps({"extra": max(peak[0], rss_anon()) - start, "checksum": checksum}))
+"""
+
+
+def _run(script: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+    root = Path(__file__).parents[2]
+    return subprocess.Popen([sys.executable, "-c", script, *args, str(root)], cwd=root, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONHASHSEED": "0",
+                                 **(env or {})})
+
+
+def _result(process: subprocess.Popen) -> dict:
+    out, err = process.communicate(timeout=240)
+    assert process.returncode == 0, err[-2000:]
+    return {**json.loads(out.strip().splitlines()[-1]), "log": err}
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["packed", "varlen"])
+def test_a_second_process_maps_the_arrays_instead_of_holding_them(tmp_path, varlen):
+    kind = "varlen" if varlen else "packed"
+    first = _result(_run(PROBE, str(tmp_path / "cache"), kind))  # builds and writes them
+    second = _result(_run(PROBE, str(tmp_path / "cache"), kind))  # maps them
+    (tmp_path / "not_a_dir").write_text("")
+    unusable = _result(_run(PROBE, str(tmp_path / "not_a_dir"), kind))  # builds them in its own memory
+    assert first["checksum"] == second["checksum"] == unusable["checksum"]
+    assert "cannot hold the sampler's index files" in unusable["log"]
+    arrays = sum(f.stat().st_size for f in (tmp_path / "cache" / "index").glob("*.npy"))
+    # packed (2026-12-07): files 220 MB (three epochs), held in memory 180 MB (two epochs at a time), mapped 8.4 MB
+    # (the digest's 8 MB slice of the lengths); varlen: 148, 119 and 8.4 MB
+    assert unusable["extra"] > 0.5 * arrays  # the probe sees arrays held in memory
+    assert second["extra"] < 0.1 * unusable["extra"], (second["extra"], unusable["extra"], arrays)
+
+
+GO = r"""
+import json, os, sys, time, logging
+sys.path.insert(0, sys.argv[3])
+from tests.unit.test_index_cache import LengthsSource, _config, _samples
+from megalm.data.dataset import split_samplers
+from pathlib import Path
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+source = LengthsSource()
+cfg = _config(Path(sys.argv[1]))
+Path(sys.argv[2], str(os.getpid())).write_text("")  # ready
+while not Path(sys.argv[2], "go").exists():
+    time.sleep(0.001)
+train, _ = split_samplers(source, cfg, "test data")
+print(json.dumps({"checksum": hash(str(_samples(train)))}))
+"""
+
+
+def test_processes_that_start_together_build_each_array_once(tmp_path):
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    processes = [_run(GO, str(tmp_path / "cache"), str(ready)) for _ in range(3)]
+    deadline = 240
+    while len(list(ready.iterdir())) < 3 and deadline > 0:
+        import time
+
+        time.sleep(0.05)
+        deadline -= 0.05
+    (ready / "go").write_text("")
+    results = [_result(p) for p in processes]
+    assert len({r["checksum"] for r in results}) == 1
+    written = [line for r in results for line in r["log"].splitlines() if "written to" in line]
+    # split, lengths and epochs 0, 1, 2: five arrays, each built by one process while the others waited
+    assert len(written) == 5, written
+
+
+def test_a_damaged_file_is_built_again(tmp_path, caplog):
+    source = LengthsSource()
+    cfg = _config(tmp_path)
+    train, _ = split_samplers(source, cfg, "test data")
+    want = _samples(train)
+    damaged = next((tmp_path / "index").glob("*-lengths.lengths.npy"))
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])  # cut short
+    with caplog.at_level(logging.WARNING, logger="megalm.data.index_cache"):
+        again, _ = split_samplers(source, cfg, "test data")
+    assert "is damaged" in caplog.text and "building it again" in caplog.text
+    assert _samples(again) == want
+    assert np.load(damaged, mmap_mode="r").shape == (len(again.doc_ids),)  # written whole again
