@@ -381,7 +381,7 @@ def split_samplers(source: DocumentSource, cfg: MegalmConfig, what: str) -> tupl
         raise DataError(f"the train split is empty: {what} has {len(source)} documents; "
                         "use a dataset with documents in it")
     sampler = VarlenDataset if d.varlen else PackedDataset
-    lengths = lengths_digest(source.doc_lengths)
+    lengths = lengths_digest(source)
 
     def index(part: str) -> IndexFiles:  # what the sampler's arrays are a function of
         return IndexFiles(directory, (sampler.__name__, lengths, d.valid_fraction, d.split_seed, part,

@@ -23,9 +23,11 @@ from array import array
 
 import numpy as np
 
+from megalm.data import index_cache
 from megalm.data.files import SIDECAR_SUFFIX, TokenFileWriter, id_outside_vocab
 from megalm.data.files import DatasetExistsError as DatasetExistsError  # re-exported: preprocess, demo
 from megalm.data.files import dataset_exists as dataset_exists  # re-exported: preprocess, demo
+from megalm.data.index_cache import lengths_digest_start
 from megalm.data.tokenizer import Tokenizer
 from megalm.errors import DataError
 
@@ -128,7 +130,6 @@ class IndexedDataset:
         from megalm.data import megatron_format  # imports this module: not at the top
 
         self._add_eod: np.ndarray | None = None  # per document: append eod virtually (Megatron data only)
-        self._doc_lengths: np.ndarray | None = None
         if head.startswith(megatron_format.MAGIC) or (len(head) < len(megatron_format.MAGIC)
                                                       and head.startswith(b"MM")):
             m = megatron_format.open_megatron(prefix, tokenizer)
@@ -226,13 +227,23 @@ class IndexedDataset:
 
     @property
     def doc_lengths(self) -> np.ndarray:
-        """Tokens per document (eod included, virtual ones too), int64 [num_docs]."""
-        if self._doc_lengths is None:
-            lengths = np.diff(self._offsets).astype(np.int64)
+        """Tokens per document (eod included, virtual ones too), int64 [num_docs]: made anew at each call and not
+        kept (8 bytes a document: the samplers keep what they need, memory-mapped from a machine-wide file)."""
+        lengths = np.diff(self._offsets).astype(np.int64)
+        if self._add_eod is not None:
+            lengths += self._add_eod
+        return lengths
+
+    def lengths_digest(self) -> str:
+        """`index_cache.lengths_digest` of `doc_lengths`' values, read from the memory-mapped offsets in slices:
+        no process that maps the samplers' files makes the 8 bytes a document of `doc_lengths`."""
+        digest, step = lengths_digest_start(self._num_docs), index_cache.DIGEST_SLICE
+        for start in range(0, self._num_docs, step):
+            lengths = np.diff(self._offsets[start:start + step + 1]).astype(np.int64)
             if self._add_eod is not None:
-                lengths += self._add_eod
-            self._doc_lengths = lengths
-        return self._doc_lengths
+                lengths += self._add_eod[start:start + step]
+            digest.update(lengths.tobytes())
+        return digest.hexdigest()
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens [offset, offset + length) of document i (to its end when length is None).
