@@ -27,6 +27,7 @@ from megalm.interop.files import (
     DEFAULT_MAX_SHARD,
     atomic_output_dir,
     check_output_dir,
+    converted_parts,
     hf_file_names,
     parse_size,
     plan_shards,
@@ -106,8 +107,8 @@ def export_hf(source: str | Path, out: str | Path, *, overwrite: bool = False, d
     files = hf_file_names(len(shards))
     # checked against the checkpoint read too, where `source` was a run dir or a dir of runs, before anything is written
     with atomic_output_dir(out, overwrite, meta.path) as tmp:
-        write_shards(tmp, files, shards, ({name: t.to(torch_dtype) for name, t in megalm_to_hf(part, cfg, arch).items()}
-                                          for part in weights))
+        write_shards(tmp, files, shards, converted_parts(weights, lambda part: {
+            name: t.to(torch_dtype) for name, t in megalm_to_hf(part, cfg, arch).items()}))
         write_hf_index(tmp, files, shards, sum(nbytes.values()))
         config = hf_config(cfg, arch, dtype, bos, eos)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -12,9 +12,10 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -116,11 +117,23 @@ def write_shards(directory: Path, files: list[str], shards: list[list[str]],
     for part in parts:
         for name, t in part.items():
             pending.setdefault(shard_of[name], {})[name] = _own_storage(t)
+        part = t = None  # let the part go before the next is read (a shard keeps the tensors it holds)
         for i in [i for i, held in pending.items() if len(held) == len(shards[i])]:
             save_file(pending.pop(i), str(directory / files[i]), metadata={"format": "pt"})
             written += 1
     if written != len(shards):  # a plan and parts that disagree: a bug, never a partial output
         raise RuntimeError(f"wrote {written} of {len(shards)} planned weight files")
+
+
+def converted_parts(parts: Iterable[Any], convert: Callable[[Any], dict[str, torch.Tensor]]
+                    ) -> Iterator[dict[str, torch.Tensor]]:
+    """`convert(part)` for each of `parts`, each let go before the next part is read (a generator expression's loop
+    variable would hold the last one while the next is read: two parts in memory, not one)."""
+    for part in parts:
+        converted = convert(part)
+        part = None
+        yield converted
+        converted = None
 
 
 def write_hf_index(directory: Path, files: list[str], shards: list[list[str]], total_bytes: int) -> None:

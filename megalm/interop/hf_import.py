@@ -34,6 +34,7 @@ from megalm.interop.files import (
     DEFAULT_MAX_SHARD,
     atomic_output_dir,
     check_output_dir,
+    converted_parts,
     parse_size,
     plan_shards,
     write_shards,
@@ -102,7 +103,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False, t
     shards = plan_shards(nbytes | {key: b.nbytes for key, b in buffers.items()}, max_bytes)
     files = [f"shard-00001-model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     with atomic_output_dir(out, overwrite, hf_dir) as tmp:
-        write_shards(tmp, files, shards, chain((_stored(part, cfg) for part in source), [buffers]))
+        write_shards(tmp, files, shards, chain(converted_parts(source, lambda part: _stored(part, cfg)), [buffers]))
         state["files"] = {file: (tmp / file).stat().st_size for file in files}  # as a save lists them (verified)
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))

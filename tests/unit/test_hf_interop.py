@@ -613,6 +613,20 @@ def test_a_single_file_beside_a_stale_index_is_read_as_transformers_reads_it(tmp
     assert imported.keys() == expected.keys() and all(torch.equal(imported[k], expected[k]) for k in expected)
 
 
+def test_export_reads_the_checkpoints_file_headers_once(tmp_path, monkeypatch):
+    """megalm-export reads a block at a time (megalm/training/checkpoint/load.py, SavedModelParts); a reader made for
+    each read would read every file's header again, every rank's optimizer keys among them (minutes at 70B saved by
+    64 ranks, found by a second reader). One reader reads them once."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    run, _ = make_run(tmp_path / "src", "mixtral")  # routers' buffers too: read by the same reader
+    reads = []
+    original = HuggingFaceStorageReader.read_metadata
+    monkeypatch.setattr(HuggingFaceStorageReader, "read_metadata", lambda self: reads.append(1) or original(self))
+    export_hf(run, tmp_path / "hf")
+    assert len(reads) == 1
+
+
 def test_export_refuses_what_hugging_face_cannot_compute(tmp_path):
     """A learned router selection bias (kept by model.init_from from an aux-loss-free run, bias_update_rate 0 now):
     export dropped it without a word and the HF model routed otherwise; a GPT-2 head_dim apart from hidden/heads

@@ -20,6 +20,7 @@ from megalm.model.shard import empty_full_like, laid_out_like, shard_specs
 from megalm.precision.install import load_amax_histories
 from megalm.training.checkpoint.layout import layout_tag, resolve_checkpoint_path
 from megalm.training.checkpoint.tensors import (
+    HeadersReadOnce,
     copy_model,
     dcp_load,
     like_targets,
@@ -86,6 +87,7 @@ class SavedModelParts:
         self.model = GPT(saved_model_config(self.meta), device="meta")
         self.cfg = self.model.cfg
         self.parts = model_parts(n for n, _ in canonical_named_parameters(self.model))
+        self._reader = HeadersReadOnce(str(self.path))  # one read of the files' headers for all the parts
 
     def _parameters(self, names: list[str]) -> dict[str, torch.Tensor]:
         held = dict(canonical_named_parameters(self.model))
@@ -100,17 +102,18 @@ class SavedModelParts:
             module = self.model.get_submodule(module_name)
             module.to_empty(device="cpu")
             targets = model_targets(self.model, None, saved_rows, set(names))
-            dcp_load(targets, self.path, collective=False)
+            dcp_load(targets, self.path, collective=False, reader=self._reader)
             copy_model(self.model, targets, self.path, saved_rows, set(names))
             del targets
             part = self._parameters(names)
             module.to_empty(device="meta")  # the part's memory is now the caller's alone
             yield part
+            del part  # before the next part is read: one part is held at a time
 
     def buffers(self) -> dict[str, torch.Tensor]:
         targets = {f"model/{n}": torch.empty_like(b, device="cpu") for n, b in canonical_named_buffers(self.model)}
         if targets:
-            dcp_load(targets, self.path, collective=False)
+            dcp_load(targets, self.path, collective=False, reader=self._reader)
         return {key.removeprefix("model/"): value for key, value in targets.items()}
 
 

@@ -254,14 +254,28 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
         raise write_failed(path, e) from None
 
 
-def dcp_load(tensors: dict[str, torch.Tensor], path: Path, collective: bool) -> None:
+class HeadersReadOnce(HuggingFaceStorageReader):
+    """DCP's safetensors reader that reads the files' headers once, for many loads from one checkpoint (megalm-export
+    reads a block at a time: each load would read every file's header again, every rank's optimizer keys too)."""
+
+    _metadata: Any = None
+
+    def read_metadata(self) -> Any:
+        if self._metadata is None:
+            self._metadata = super().read_metadata()
+        return self._metadata
+
+
+def dcp_load(tensors: dict[str, torch.Tensor], path: Path, collective: bool,
+             reader: HuggingFaceStorageReader | None = None) -> None:
     """Read `tensors` from a checkpoint dir through DCP: with `collective`, every rank of the default group together;
     else this process alone, even where a process group exists (each rank of a run reading a whole model to start
-    from, `model.init_from`, without pairing its reads with the other ranks')."""
+    from, `model.init_from`, without pairing its reads with the other ranks'). `reader`: one kept for many loads
+    (`HeadersReadOnce`)."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=not collective)
+            dcp.load(tensors, storage_reader=reader or HuggingFaceStorageReader(str(path)), no_dist=not collective)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises many types
         # megalm-generate, megalm-export and model.init_from read checkpoints too: the fix names no training key
         raise CheckpointError(f"checkpoint {path} cannot be read into this model ({dcp_failure(e)}); "
