@@ -19,6 +19,7 @@ sampler, seq_length, seed, epoch and `FORMAT`): a changed dataset or config read
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -33,8 +34,6 @@ log = logging.getLogger(__name__)
 FORMAT = 1  # bump when what an array holds changes: old files are then never read
 MIN_BYTES = 16 << 20  # smaller arrays stay in memory: a file and a lock cost more than they save
 DIGEST_SLICE = 1 << 20  # documents a digest reads at a time (8 MB of int64 lengths)
-
-_refused: set[str] = set()  # directories already said to be unusable (one log line each)
 
 
 def default_cache_dir() -> str:
@@ -95,12 +94,14 @@ class IndexFiles:
                 _write(stem, built)
                 return _mapped(stem) or built
         except OSError as e:
-            if str(self.directory) not in _refused:
-                _refused.add(str(self.directory))
-                log.warning("data.cache_dir %s cannot hold the sampler's index files (%s): every process builds "
-                            "them in its own memory; set data.cache_dir to a writable local directory",
-                            self.directory, e.strerror or e)
+            _say_unusable(str(self.directory), str(e.strerror or e))
             return build()
+
+
+@functools.cache  # one line for each directory (and reason), however many arrays meet it
+def _say_unusable(directory: str, why: str) -> None:
+    log.warning("data.cache_dir %s cannot hold the sampler's index files (%s): every process builds them in its own "
+                "memory; set data.cache_dir to a writable local directory", directory, why)
 
 
 def _listing(stem: Path) -> Path:
