@@ -55,6 +55,15 @@ class DocumentSource(Protocol):
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray: ...
 
 
+def document_lengths(source: DocumentSource, ids: np.ndarray) -> np.ndarray:
+    """Tokens of documents `ids`, int64: read for those alone where the source can (IndexedDataset's `lengths_of`, from
+    its memory-mapped offsets: a held-out split's few documents do not make the corpus' lengths on every rank), else
+    taken from its `doc_lengths`."""
+    if hasattr(source, "lengths_of"):
+        return source.lengths_of(ids)
+    return np.asarray(source.doc_lengths, dtype=np.int64)[ids]
+
+
 def _permutation(n: int, *entropy: int) -> np.ndarray:
     return np.random.default_rng(list(entropy)).permutation(n)
 
@@ -113,7 +122,7 @@ class _DocumentSampler(ABC):
         # cache (split_samplers), else in memory
         self._index = index or IndexFiles(None, ())
         self._lengths = self._index.arrays("lengths", 8 * self.num_docs, lambda: {
-            "lengths": np.asarray(source.doc_lengths, dtype=np.int64)[self.doc_ids]})["lengths"]
+            "lengths": document_lengths(source, self.doc_ids)})["lengths"]
         self.num_tokens = int(self._lengths.sum())
 
     @abstractmethod

@@ -23,6 +23,7 @@ import functools
 import hashlib
 import logging
 import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when what an array holds changes: old files are then never read
 MIN_BYTES = 16 << 20  # smaller arrays stay in memory: a file and a lock cost more than they save
-DIGEST_SLICE = 1 << 20  # documents a digest reads at a time (8 MB of int64 lengths)
+DIGEST_SLICE = 1 << 18  # documents a digest reads at a time (2 MB of int64 lengths)
 
 
 def default_cache_dir() -> str:
@@ -59,7 +60,7 @@ def lengths_digest(source: Any) -> str:
     flat = np.asarray(source.doc_lengths, dtype=np.int64).reshape(-1)
     digest = lengths_digest_start(flat.shape[0])
     for start in range(0, flat.shape[0], DIGEST_SLICE):
-        digest.update(np.ascontiguousarray(flat[start:start + DIGEST_SLICE]).tobytes())
+        digest.update(np.ascontiguousarray(flat[start:start + DIGEST_SLICE]))
     return digest.hexdigest()
 
 
@@ -80,20 +81,28 @@ class IndexFiles:
         stem = self.directory / f"{self.digest}-{name}"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            found = _mapped(stem)
+            found = _mapped(stem, nbytes)
             if found is not None:
                 return found
             with open(f"{stem}.lock", "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-                found = _mapped(stem)  # another process built them while this one waited
+                found = _mapped(stem, nbytes)  # another process built them while this one waited
                 if found is not None:
                     return found
                 built = build()
-                log.info("sampler index %s (%.1f MB) written to %s for the other processes to map", name,
-                         sum(a.nbytes for a in built.values()) / 1e6, self.directory)
-                _write(stem, built)
-                return _mapped(stem) or built
-        except OSError as e:
+                size = sum(a.nbytes for a in built.values())
+                if size != nbytes:  # the caller's size is what a reader checks the files against
+                    raise RuntimeError(f"sampler index {name}: {size} bytes built, {nbytes} announced")
+                try:
+                    _write(stem, built)
+                except OSError as e:  # a full disk or quota: this process keeps what it built
+                    _say_unusable(str(self.directory), str(e.strerror or e))
+                    return built
+                log.info("sampler index %s (%.1f MB) written to %s for the other processes to map", name, size / 1e6,
+                         self.directory)
+                found = _mapped(stem, nbytes)
+                return built if found is None else found  # mapped: the built copy goes
+        except OSError as e:  # no directory, no lock (a filesystem without flock)
             _say_unusable(str(self.directory), str(e.strerror or e))
             return build()
 
@@ -108,29 +117,41 @@ def _listing(stem: Path) -> Path:
     return stem.with_name(f"{stem.name}.fields")
 
 
-def _mapped(stem: Path) -> dict[str, np.ndarray] | None:
-    """The arrays at `stem`, memory-mapped read-only, or None when they are not all there and whole (a damaged
-    file is built and written again)."""
+def _mapped(stem: Path, nbytes: int) -> dict[str, np.ndarray] | None:
+    """The arrays at `stem`, memory-mapped read-only, or None when they are not all there and whole: `nbytes` in all
+    (a damaged file, an empty one that a crash left before its data reached the disk, is built and written again)."""
     listing = _listing(stem)
     if not listing.is_file():
         return None
     try:
         fields = listing.read_text().split()
-        return {field: np.load(f"{stem}.{field}.npy", mmap_mode="r") for field in fields}
-    except (OSError, ValueError) as e:  # a truncated .npy: its header promises more bytes than the file holds
+        arrays = {field: np.load(f"{stem}.{field}.npy", mmap_mode="r") for field in fields}
+        if sum(a.nbytes for a in arrays.values()) != nbytes:
+            raise ValueError(f"{sum(a.nbytes for a in arrays.values())} bytes, {nbytes} expected")
+        return arrays
+    except (OSError, ValueError, EOFError) as e:  # a truncated .npy: its header promises more than the file holds
         log.warning("sampler index %s is damaged (%s); building it again", stem, e)
         listing.unlink(missing_ok=True)
         return None
 
 
 def _write(stem: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Each array as .npy, then the listing of their names: each file is renamed into place once written, and the
-    listing last, so a reader that finds the listing finds every array whole."""
+    """Each array as .npy, then the listing of their names: each file is on the disk before it is renamed into
+    place, and the listing goes last, so a reader that finds the listing finds every array whole."""
     for field, array in arrays.items():
-        tmp = stem.with_name(f".{stem.name}.{field}.npy.tmp-{os.getpid()}")
+        _replace(Path(f"{stem}.{field}.npy"), lambda f, array=array: np.save(f, array))
+    _replace(_listing(stem), lambda f: f.write(" ".join(arrays).encode()))
+
+
+def _replace(path: Path, write: Callable[[Any], Any]) -> None:
+    """`write(file)` into a temporary name (this host's and process's), synced, then renamed to `path`; the
+    temporary file is removed whatever happens (a full disk leaves no partial file behind)."""
+    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    try:
         with open(tmp, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, f"{stem}.{field}.npy")
-    tmp = stem.with_name(f".{_listing(stem).name}.tmp-{os.getpid()}")
-    tmp.write_text(" ".join(arrays))
-    os.replace(tmp, _listing(stem))
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -5,11 +5,12 @@ first process builds them under a lock, the others map them. The samples are tho
 process holds none of the arrays in its anonymous memory (measured: RssAnon, which file-backed pages do not count);
 processes that start together build each array once; a damaged file is built again; a directory that cannot be
 written is said in one line and the arrays are built in memory. The source has 2.5M documents, so that the arrays
-pass the default MIN_BYTES (16 MB).
+pass the default MIN_BYTES (16 MB); the memory test reads an indexed dataset of as many, as a run does.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -84,20 +85,22 @@ def test_cached_samplers_draw_the_in_memory_samplers_samples(tmp_path, varlen):
     assert [valid[k].tokens.tolist() for k in range(3)] == [held_out[k].tokens.tolist() for k in range(3)]
 
 
-# A process that reads the run's samplers: its anonymous memory (RssAnon) above its start while it builds the
-# samplers and draws from three epochs, the cache either present (files mapped) or not (data.cache_dir unusable)
+# A process that reads the run's samplers of an indexed dataset: its anonymous memory (RssAnon) above its start while
+# it builds the samplers and draws from three epochs, the cache either present (files mapped) or not (data.cache_dir
+# unusable)
 PROBE = r"""
 import json, sys, threading, time
 sys.path.insert(0, sys.argv[3])
-from tests.unit.test_index_cache import LengthsSource, _config, _samples
+from tests.unit.test_index_cache import _config, _samples
 from megalm.data.dataset import split_samplers
+from megalm.data.indexed import IndexedDataset
 from pathlib import Path
 
 def rss_anon():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
-source = LengthsSource()
+source = IndexedDataset(sys.argv[4])
 cfg = _config(Path(sys.argv[1]), sys.argv[2] == "varlen")
 peak, done = [0], threading.Event()
 def sample():
@@ -115,9 +118,9 @@ print(json.dumps({"extra": max(peak[0], rss_anon()) - start, "checksum": checksu
 """
 
 
-def _run(script: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+def _run(script: str, cache: Path, kind: str, *args: str, env: dict | None = None) -> subprocess.Popen:
     root = Path(__file__).parents[2]
-    return subprocess.Popen([sys.executable, "-c", script, *args, str(root)], cwd=root, text=True,
+    return subprocess.Popen([sys.executable, "-c", script, str(cache), kind, str(root), *args], cwd=root, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONHASHSEED": "0",
                                  **(env or {})})
@@ -129,18 +132,36 @@ def _result(process: subprocess.Popen) -> dict:
     return {**json.loads(out.strip().splitlines()[-1]), "log": err}
 
 
+@pytest.fixture(scope="module")
+def indexed(tmp_path_factory) -> str:
+    """An indexed dataset of 2.5M documents of 1 to 3 tokens and their eod (zeros: what the arrays hold is their
+    lengths), 8.5 s to write."""
+    from megalm.data.indexed import IndexedDatasetWriter
+
+    prefix = str(tmp_path_factory.mktemp("indexed") / "docs")
+    tokens = np.zeros(3, dtype=np.int64)
+    with IndexedDatasetWriter(prefix, 257, "byte", eod_id=256) as writer:
+        for n in np.random.default_rng(3).integers(1, 4, DOCS):
+            writer.add_document(tokens[:n])
+        writer.finalize()
+    return prefix
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=["packed", "varlen"])
-def test_a_second_process_maps_the_arrays_instead_of_holding_them(tmp_path, varlen):
+def test_a_second_process_maps_the_arrays_instead_of_holding_them(tmp_path, indexed, varlen):
+    """Every rank of a run, on a real dataset: the lengths digest read from the offsets in slices, the held-out
+    split's few lengths read alone (they had made the corpus' lengths: 16 bytes a document on every rank)."""
     kind = "varlen" if varlen else "packed"
-    first = _result(_run(PROBE, str(tmp_path / "cache"), kind))  # builds and writes them
-    second = _result(_run(PROBE, str(tmp_path / "cache"), kind))  # maps them
+    first = _result(_run(PROBE, tmp_path / "cache", kind, indexed))  # builds and writes them
+    second = _result(_run(PROBE, tmp_path / "cache", kind, indexed))  # maps them
     (tmp_path / "not_a_dir").write_text("")
-    unusable = _result(_run(PROBE, str(tmp_path / "not_a_dir"), kind))  # builds them in its own memory
+    unusable = _result(_run(PROBE, tmp_path / "not_a_dir", kind, indexed))  # builds them in its own memory
     assert first["checksum"] == second["checksum"] == unusable["checksum"]
     assert "cannot hold the sampler's index files" in unusable["log"]
     arrays = sum(f.stat().st_size for f in (tmp_path / "cache" / "index").glob("*.npy"))
-    # packed (2026-12-07): files 220 MB (three epochs), held in memory 180 MB (two epochs at a time), mapped 8.4 MB
-    # (the digest's 8 MB slice of the lengths); varlen: 148, 119 and 8.4 MB
+    # 2026-12-07, packed: files 164 MB (three epochs), held in memory 143 MB (two epochs at a time), mapped 4.2 MB
+    # (the digest's slices; 39 MB while the held-out split's lengths were taken from the whole corpus'); varlen: 119,
+    # 100 and 4.2 MB
     assert unusable["extra"] > 0.5 * arrays  # the probe sees arrays held in memory
     assert second["extra"] < 0.1 * unusable["extra"], (second["extra"], unusable["extra"], arrays)
 
@@ -154,8 +175,8 @@ from pathlib import Path
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 source = LengthsSource()
 cfg = _config(Path(sys.argv[1]))
-Path(sys.argv[2], str(os.getpid())).write_text("")  # ready
-while not Path(sys.argv[2], "go").exists():
+Path(sys.argv[4], str(os.getpid())).write_text("")  # ready
+while not Path(sys.argv[4], "go").exists():
     time.sleep(0.001)
 train, _ = split_samplers(source, cfg, "test data")
 print(json.dumps({"checksum": hash(str(_samples(train)))}))
@@ -165,7 +186,7 @@ print(json.dumps({"checksum": hash(str(_samples(train)))}))
 def test_processes_that_start_together_build_each_array_once(tmp_path):
     ready = tmp_path / "ready"
     ready.mkdir()
-    processes = [_run(GO, str(tmp_path / "cache"), str(ready)) for _ in range(3)]
+    processes = [_run(GO, tmp_path / "cache", "packed", str(ready)) for _ in range(3)]
     deadline = 240
     while len(list(ready.iterdir())) < 3 and deadline > 0:
         import time
@@ -180,15 +201,46 @@ def test_processes_that_start_together_build_each_array_once(tmp_path):
     assert len(written) == 5, written
 
 
-def test_a_damaged_file_is_built_again(tmp_path, caplog):
+@pytest.mark.parametrize("damage", ["cut short", "emptied", "empty listing"])
+def test_a_damaged_file_is_built_again(tmp_path, caplog, damage):
+    """A file cut short, one a crash left empty before its data reached the disk (np.load: EOFError), a listing of no
+    arrays: each is built and written again, with the samples of the first build."""
     source = LengthsSource()
     cfg = _config(tmp_path)
     train, _ = split_samplers(source, cfg, "test data")
     want = _samples(train)
     damaged = next((tmp_path / "index").glob("*-lengths.lengths.npy"))
-    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])  # cut short
+    if damage == "cut short":
+        damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    elif damage == "emptied":
+        damaged.write_bytes(b"")
+    else:
+        next((tmp_path / "index").glob("*-lengths.fields")).write_text("")
     with caplog.at_level(logging.WARNING, logger="megalm.data.index_cache"):
         again, _ = split_samplers(source, cfg, "test data")
     assert "is damaged" in caplog.text and "building it again" in caplog.text
     assert _samples(again) == want
     assert np.load(damaged, mmap_mode="r").shape == (len(again.doc_ids),)  # written whole again
+
+
+def test_a_full_disk_leaves_no_partial_file_and_keeps_what_was_built(tmp_path, monkeypatch, caplog):
+    """A write that fails part-way (a full disk or quota: ENOSPC) leaves no temporary file behind, is said in one
+    line, and the process trains on the arrays it built (it does not build them a second time)."""
+    save = np.save
+
+    def full_disk(file, array):
+        if array.nbytes > 1 << 20:
+            file.write(b"\x93NUMPY partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        save(file, array)
+
+    monkeypatch.setattr(np, "save", full_disk)
+    source = LengthsSource()
+    with caplog.at_level(logging.WARNING, logger="megalm.data.index_cache"):
+        train, _ = split_samplers(source, _config(tmp_path), "test data")
+        monkeypatch.undo()
+        want = _samples(PackedDataset(source, train.doc_ids.copy(), train.seq_length, train.seed))
+        assert _samples(train) == want
+    assert "cannot hold the sampler's index files (No space left on device)" in caplog.text
+    assert caplog.text.count("cannot hold") == 1  # one line for the directory, however many arrays met it
+    assert [p.name for p in (tmp_path / "index").iterdir() if ".tmp-" in p.name] == []

@@ -226,6 +226,8 @@ def test_the_index_files_digest_reads_the_lengths_with_their_virtual_eods(tmp_pa
     assert index_cache.lengths_digest(ds) == index_cache.lengths_digest(plain)
     plain.doc_lengths = ds.doc_lengths - np.array([0, 0, 0, 1, 0])  # the fourth's virtual eod left out
     assert index_cache.lengths_digest(ds) != index_cache.lengths_digest(plain)
+    ids = np.array([4, 0, 3, 3])  # a split's documents, read alone (the held-out ones on every rank)
+    assert ds.lengths_of(ids).tolist() == ds.doc_lengths[ids].tolist() == [3, 4, 2, 2]
 
 
 def test_multi_sequence_documents(tmp_path):
