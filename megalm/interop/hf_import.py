@@ -40,10 +40,8 @@ from megalm.interop.files import (
     write_shards,
 )
 from megalm.model.fused import unfuse_tensors
-from megalm.model.gpt import GPT
 from megalm.model.hf import ARCHITECTURES, InteropError, run_overrides
 from megalm.model.hf_files import HFModelParts
-from megalm.model.naming import canonical_named_buffers
 from megalm.training.checkpoint import FORMAT_VERSION
 
 log = logging.getLogger("megalm")
@@ -96,9 +94,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False, t
              "source": {"format": "hf", "path": str(hf_dir), "architecture": ARCHITECTURES[arch],
                         "dtype": _source_dtype(hf), "bos_token_id": hf.get("bos_token_id"),
                         "eos_token_id": hf.get("eos_token_id")}}
-    # the model's persistent buffers, which HF files do not hold: an MoE router's selection bias, zero
-    buffers = {f"model/{name}": torch.zeros(b.shape, dtype=b.dtype)
-               for name, b in canonical_named_buffers(GPT(cfg, device="meta"))}
+    buffers = {f"model/{name}": b for name, b in source.buffers().items()}
     nbytes = {key: t.numel() * t.element_size() for part in source.shapes() for key, t in _stored(part, cfg).items()}
     shards = plan_shards(nbytes | {key: b.nbytes for key, b in buffers.items()}, max_bytes)
     files = [f"shard-00001-model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]

@@ -19,7 +19,7 @@ from megalm.errors import InteropError
 from megalm.model.gpt import GPT, VOCAB_PARAMS, resize_vocab_rows
 from megalm.model.hf import INDEX, PICKLE_SUFFIXES, SINGLE, model_config_from_hf
 from megalm.model.hf_tensors import HFWeights
-from megalm.model.naming import canonical_named_parameters, model_parts
+from megalm.model.naming import canonical_named_buffers, canonical_named_parameters, model_parts
 
 log = logging.getLogger("megalm")
 
@@ -172,7 +172,8 @@ class HFModelParts:
 
     def __init__(self, hf_dir: str | Path) -> None:
         self.arch, self.cfg, self._weights, self.hf = read_hf_weights(hf_dir)
-        self._meta = dict(canonical_named_parameters(GPT(self.cfg, device="meta")))
+        self._model = GPT(self.cfg, device="meta")
+        self._meta = dict(canonical_named_parameters(self._model))
         self.parts = model_parts(self._weights)  # the model's parameters, checked against the files
 
     def shapes(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -181,6 +182,11 @@ class HFModelParts:
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for names in self.parts.values():
             yield {name: self._read(name) for name in names}
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The model's persistent buffers, which Hugging Face files do not hold (an MoE router's selection bias):
+        zero."""
+        return {name: torch.zeros(b.shape, dtype=b.dtype) for name, b in canonical_named_buffers(self._model)}
 
     def _read(self, name: str) -> torch.Tensor:
         value = self._weights[name]
