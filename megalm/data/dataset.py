@@ -18,6 +18,7 @@ Random streams are keyed by explicit entropy lists (seed, epoch, tag) so no two 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ import numpy as np
 
 from megalm.config import MegalmConfig
 from megalm.data.batch import PackedBatch, Sample, pack_samples
-from megalm.data.index_cache import IndexFiles, default_cache_dir, lengths_digest
+from megalm.data.index_cache import IndexFiles, default_cache_dir
 from megalm.data.tokenizer import Tokenizer, build_tokenizer
 from megalm.errors import DataError
 
@@ -62,6 +63,21 @@ def document_lengths(source: DocumentSource, ids: np.ndarray) -> np.ndarray:
     if hasattr(source, "lengths_of"):
         return source.lengths_of(ids)
     return np.asarray(source.doc_lengths, dtype=np.int64)[ids]
+
+
+DIGEST_SLICE = 1 << 16  # documents `lengths_digest` reads at a time (0.5 MB of int64 lengths)
+
+
+def lengths_digest(source: DocumentSource) -> str:
+    """A digest of the documents' lengths, what every sampler array is a function of (with the config), which names
+    the samplers' index files (index_cache.py): read in slices of DIGEST_SLICE documents (`document_lengths`), so that
+    every rank digests a billion-document dataset without making its lengths whole."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(str(len(source)).encode())
+    for start in range(0, len(source), DIGEST_SLICE):
+        ids = np.arange(start, min(start + DIGEST_SLICE, len(source)), dtype=np.int64)
+        digest.update(np.ascontiguousarray(document_lengths(source, ids), dtype=np.int64))
+    return digest.hexdigest()
 
 
 def _permutation(n: int, *entropy: int) -> np.ndarray:

@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when what an array holds changes: old files are then never read
 MIN_BYTES = 16 << 20  # smaller arrays stay in memory: a file and a lock cost more than they save
-DIGEST_SLICE = 1 << 18  # documents a digest reads at a time (2 MB of int64 lengths)
 
 
 def default_cache_dir() -> str:
@@ -42,26 +41,6 @@ def default_cache_dir() -> str:
     ~/.cache/megalm."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "megalm")
-
-
-def lengths_digest_start(num_docs: int) -> hashlib.blake2b:
-    """The digest `lengths_digest` feeds: the document count first, then the lengths as int64 bytes."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(str(num_docs).encode())
-    return digest
-
-
-def lengths_digest(source: Any) -> str:
-    """A digest of a document source's lengths, what every sampler array is a function of (with the config): the
-    source's own `lengths_digest()` where it has one (IndexedDataset's reads its memory-mapped offsets in slices),
-    else its `doc_lengths` read in slices of DIGEST_SLICE documents."""
-    if hasattr(source, "lengths_digest"):
-        return source.lengths_digest()
-    flat = np.asarray(source.doc_lengths, dtype=np.int64).reshape(-1)
-    digest = lengths_digest_start(flat.shape[0])
-    for start in range(0, flat.shape[0], DIGEST_SLICE):
-        digest.update(np.ascontiguousarray(flat[start:start + DIGEST_SLICE]))
-    return digest.hexdigest()
 
 
 class IndexFiles:

@@ -23,11 +23,9 @@ from array import array
 
 import numpy as np
 
-from megalm.data import index_cache
 from megalm.data.files import SIDECAR_SUFFIX, TokenFileWriter, id_outside_vocab
 from megalm.data.files import DatasetExistsError as DatasetExistsError  # re-exported: preprocess, demo
 from megalm.data.files import dataset_exists as dataset_exists  # re-exported: preprocess, demo
-from megalm.data.index_cache import lengths_digest_start
 from megalm.data.tokenizer import Tokenizer
 from megalm.errors import DataError
 
@@ -235,23 +233,13 @@ class IndexedDataset:
         return lengths
 
     def lengths_of(self, ids: np.ndarray) -> np.ndarray:
-        """`doc_lengths[ids]`, read from the memory-mapped offsets of those documents alone."""
+        """`doc_lengths[ids]`, read from the memory-mapped offsets of those documents alone (a split's, or a slice the
+        samplers' lengths digest reads: no process that maps the samplers' files makes the whole `doc_lengths`)."""
         ids = np.asarray(ids, dtype=np.int64)
         lengths = (self._offsets[ids + 1] - self._offsets[ids]).astype(np.int64)
         if self._add_eod is not None:
             lengths += self._add_eod[ids]
         return lengths
-
-    def lengths_digest(self) -> str:
-        """`index_cache.lengths_digest` of `doc_lengths`' values, read from the memory-mapped offsets in slices:
-        no process that maps the samplers' files makes the 8 bytes a document of `doc_lengths`."""
-        digest, step = lengths_digest_start(self._num_docs), index_cache.DIGEST_SLICE
-        for start in range(0, self._num_docs, step):
-            lengths = np.diff(self._offsets[start:start + step + 1]).astype(np.int64, copy=False)
-            if self._add_eod is not None:
-                lengths += self._add_eod[start:start + step]
-            digest.update(np.ascontiguousarray(lengths))
-        return digest.hexdigest()
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens [offset, offset + length) of document i (to its end when length is None).

@@ -159,9 +159,9 @@ def test_a_second_process_maps_the_arrays_instead_of_holding_them(tmp_path, inde
     assert first["checksum"] == second["checksum"] == unusable["checksum"]
     assert "cannot hold the sampler's index files" in unusable["log"]
     arrays = sum(f.stat().st_size for f in (tmp_path / "cache" / "index").glob("*.npy"))
-    # 2026-12-07, packed: files 164 MB (three epochs), held in memory 143 MB (two epochs at a time), mapped 4.2 MB
+    # 2026-12-07, packed: files 164 MB (three epochs), held in memory 143 MB (two epochs at a time), mapped 2.1 MB
     # (the digest's slices; 39 MB while the held-out split's lengths were taken from the whole corpus'); varlen: 119,
-    # 100 and 4.2 MB
+    # 100 and 2.1 MB
     assert unusable["extra"] > 0.5 * arrays  # the probe sees arrays held in memory
     assert second["extra"] < 0.1 * unusable["extra"], (second["extra"], unusable["extra"], arrays)
 

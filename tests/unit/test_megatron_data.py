@@ -14,14 +14,13 @@ import os
 import struct
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from tokenizers import Tokenizer as HFTok
 from tokenizers import models, pre_tokenizers
 
-from megalm.data import index_cache
+from megalm.data import dataset
 from megalm.data.build import build_datasets
 from megalm.data.dataset import PackedDataset, VarlenDataset
 from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter
@@ -215,17 +214,27 @@ def test_virtual_eod_is_consistent_for_every_slice(tmp_path):
         assert sum(int(sampler[k].tokens.max() <= 256) for k in range(8)) == 8
 
 
+class _Lengths:
+    """A document source of lengths alone, as `lengths_digest` reads any source without `lengths_of`."""
+
+    def __init__(self, doc_lengths: np.ndarray) -> None:
+        self.doc_lengths = doc_lengths
+
+    def __len__(self) -> int:
+        return len(self.doc_lengths)
+
+
 @pytest.mark.parametrize("slice_docs", [1, 3, 1 << 20])
 def test_the_index_files_digest_reads_the_lengths_with_their_virtual_eods(tmp_path, monkeypatch, slice_docs):
-    """IndexedDataset's digest of its lengths, read from the offsets in slices (megalm/data/index_cache.py names the
-    samplers' files by it), is the digest of `doc_lengths` itself, virtual eods included, for any slice size."""
-    monkeypatch.setattr(index_cache, "DIGEST_SLICE", slice_docs)
+    """IndexedDataset's lengths digest, read from the offsets in slices (`lengths_of`; megalm/data/index_cache.py names
+    the samplers' files by it), is the digest of `doc_lengths` itself, virtual eods included, for any slice size."""
+    monkeypatch.setattr(dataset, "DIGEST_SLICE", slice_docs)
     prefix = spec_write(tmp_path / "m", [[[10, 11, 12]], [[20, 256]], [], [[30]], [[40, 41]]])
     ds = IndexedDataset(prefix, tokenizer="byte")
-    plain = SimpleNamespace(doc_lengths=ds.doc_lengths)
-    assert index_cache.lengths_digest(ds) == index_cache.lengths_digest(plain)
+    plain = _Lengths(ds.doc_lengths)
+    assert dataset.lengths_digest(ds) == dataset.lengths_digest(plain)
     plain.doc_lengths = ds.doc_lengths - np.array([0, 0, 0, 1, 0])  # the fourth's virtual eod left out
-    assert index_cache.lengths_digest(ds) != index_cache.lengths_digest(plain)
+    assert dataset.lengths_digest(ds) != dataset.lengths_digest(plain)
     ids = np.array([4, 0, 3, 3])  # a split's documents, read alone (the held-out ones on every rank)
     assert ds.lengths_of(ids).tolist() == ds.doc_lengths[ids].tolist() == [3, 4, 2, 2]
 
