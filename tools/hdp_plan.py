@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalm.config.compose import compose_config  # noqa: E402
 from megalm.data.build import build_datasets  # noqa: E402
-from megalm.data.dataset import TokenBudgetSteps  # noqa: E402
+from megalm.data.steps import step_samples  # noqa: E402
 from megalm.errors import ConfigError  # noqa: E402
 from megalm.parallel.dims import ParallelDims, ParallelMesh  # noqa: E402
 from megalm.parallel.hdp import Plan, simulate  # noqa: E402
@@ -81,8 +81,7 @@ def main(argv: list[str] | None = None) -> tuple[Plan, list[int]]:
     par = cfg.parallel  # validated: parallel.hdp_capacity filled where unset
     data = build_datasets(cfg)
     t = cfg.trainer
-    ids = (TokenBudgetSteps(data.train, t.tokens_per_step).ids(args.step) if t.tokens_per_step
-           else range(args.step * t.global_batch_size, (args.step + 1) * t.global_batch_size))
+    ids = step_samples(t, data.train).ids(args.step)
     lengths = [data.train.sample_length(k) - 1 for k in ids]
     runtime = HdpSplit.for_config(cfg, ParallelMesh(ParallelDims(cp=par.cp, dp=par.dp)))
     plan = runtime.plan(lengths)

@@ -323,6 +323,35 @@ def validate_rope_scaling(model: ModelConfig) -> None:
                           f"high_freq_factor={scaling.high_freq_factor} (Llama 3.1's: 1 and 4)")
 
 
+def ramp_values(rampup: Sequence[int], global_batch_size: int) -> tuple[int, int, int]:
+    """(start, increment, samples) of `trainer.rampup_batch_size`, checked against the global batch size: ConfigError
+    naming what to change."""
+    if len(rampup) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) for v in rampup):
+        raise ConfigError(f"trainer.rampup_batch_size={list(rampup)} must be three integers: [start batch size, "
+                          "batch size increment, ramp-up samples]")
+    first, increment, samples = rampup
+    if not 1 <= first <= global_batch_size:
+        raise ConfigError(f"trainer.rampup_batch_size starts at {first}, which must be in [1, "
+                          f"trainer.global_batch_size={global_batch_size}]")
+    if increment < 1 or samples < 1:
+        raise ConfigError(f"trainer.rampup_batch_size={list(rampup)}: the increment and the ramp-up samples must be "
+                          ">= 1")
+    if (global_batch_size - first) % increment:
+        raise ConfigError(f"trainer.rampup_batch_size={list(rampup)} does not reach trainer.global_batch_size="
+                          f"{global_batch_size} from {first} in steps of {increment}; change the start or the "
+                          "increment")
+    return first, increment, samples
+
+
+def ramp_batch_sizes(global_batch_size: int, rampup: Sequence[int] | None) -> list[int]:
+    """Every global batch size a run can take: [global_batch_size], or each size of its ramp-up (for the checks that
+    each splits over data-parallel ranks and micro-batches)."""
+    if not rampup:
+        return [global_batch_size]
+    first, increment, _ = ramp_values(rampup, global_batch_size)
+    return list(range(first, global_batch_size + 1, increment))
+
+
 def validate(cfg: MegalmConfig) -> MegalmConfig:
     """Check the cross-field rules of the model, trainer, optim, data and logging sections; fill derived
     defaults. Returns the same (mutated) config."""
@@ -379,6 +408,11 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
         if unread := set_away_from_default(t, TrainerConfig, ["global_batch_size"]):
             log.warning(f"trainer.{unread[0]} set with trainer.tokens_per_step={t.tokens_per_step}: not used (a step "
                         "takes the samples that fit the token budget)")
+    if t.rampup_batch_size is not None:
+        if t.tokens_per_step is not None:
+            raise ConfigError("trainer.rampup_batch_size ramps trainer.global_batch_size, which "
+                              "trainer.tokens_per_step replaces; drop one of the two")
+        ramp_values(t.rampup_batch_size, t.global_batch_size)
     if t.eval_interval == 0 and (unread := set_away_from_default(t, TrainerConfig, ["eval_iters"])):
         log.warning(f"trainer.{unread[0]} set with trainer.eval_interval=0, which never evaluates: not used")
     if str(t.nonfinite) == "stop" and (unread := set_away_from_default(t, TrainerConfig, ["max_consecutive_skips"])):

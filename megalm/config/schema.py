@@ -262,6 +262,11 @@ class TrainerConfig:
     """Optimizer steps of the run; the learning-rate schedule spans them."""
     global_batch_size: int = 12
     """Samples per optimizer step (unless tokens_per_step is set)."""
+    rampup_batch_size: list[int] | None = None
+    """[start, increment, samples]: ramp the global batch up from `start` samples a step by `increment` to
+    global_batch_size over the run's first `samples` samples (Megatron-LM's --rampup-batch-size; each size a multiple
+    of micro_batch_size x dp). The learning-rate schedule still counts steps, whatever their size (Megatron's counts
+    samples). Validation batches are whole. null: every step takes global_batch_size (megalm/data/steps.py)."""
     tokens_per_step: int | None = None
     """data.varlen: a token budget per step instead (samples are taken while they fit)."""
     micro_batch_size: int = 6

@@ -1,10 +1,10 @@
 """Sampling: which tokens make up the global batch of a step.
 
 The global batch is a function of (seed, step) only, never of the parallel layout: sample k of the
-run is a pure function of (seed, k), step s takes samples s*gbs ... s*gbs + gbs - 1, and a layout
-only decides who processes which slice (`micro_batches`). That is what lets the equivalence tests
-compare any tp/pp/cp/dp/HDP run against one process, and what makes resuming trivial (no sampler
-state: the step number is the state).
+run is a pure function of (seed, k), step s takes samples s*gbs ... s*gbs + gbs - 1 (or a batch
+ramp-up's or a token budget's: megalm/data/steps.py), and a layout only decides who processes which
+slice (`micro_batches`). That is what lets the equivalence tests compare any tp/pp/cp/dp/HDP run
+against one process, and what makes resuming trivial (no sampler state: the step number is the state).
 
 Two ways to cut documents into samples of `seq_length` (L) inputs:
 - `PackedDataset` (Megatron style): per epoch, shuffle documents, concatenate them into a stream,
@@ -283,41 +283,6 @@ class SampleDataset(Protocol):
     num_docs: int
 
     def __getitem__(self, k: int) -> Sample: ...
-
-
-class TokenBudgetSteps:
-    """Which samples each step takes under a token budget (`trainer.tokens_per_step`, varlen data).
-
-    Step s takes samples start(s), start(s) + 1, ... while their input tokens fit the budget, and at
-    least one; start(s + 1) is where step s stopped. Still a function of (seed, step) only, never of
-    the layout. Boundaries are found forward from a known point: sample 0 at step 0, or a checkpoint's
-    cursor (`next_sample`) when resuming, so a resumed run does not rescan its whole history.
-    """
-
-    def __init__(self, dataset: VarlenDataset, tokens_per_step: int, first_step: int = 0, first_sample: int = 0):
-        if tokens_per_step < 1:
-            raise ValueError(f"tokens_per_step={tokens_per_step} must be >= 1")
-        self.dataset, self.budget = dataset, int(tokens_per_step)
-        self.first_step = first_step
-        self._starts = [int(first_sample)]  # _starts[i] = first sample of step first_step + i
-
-    def start(self, step: int) -> int:
-        if step < self.first_step:
-            raise IndexError(f"step {step} is before step {self.first_step}, where these boundaries start")
-        while len(self._starts) <= step - self.first_step:
-            k, total = self._starts[-1], 0
-            while True:
-                n = self.dataset.sample_length(k) - 1
-                if total and total + n > self.budget:
-                    break
-                total += n
-                k += 1
-            self._starts.append(k)
-        return self._starts[step - self.first_step]
-
-    def ids(self, step: int) -> range:
-        """Sample indices of step `step`."""
-        return range(self.start(step), self.start(step + 1))
 
 
 def global_batch(dataset: SampleDataset, step: int, global_batch_size: int) -> list[Sample]:

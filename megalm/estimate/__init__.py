@@ -26,6 +26,7 @@ from megalm.estimate.rank import (
     BATCH_DEFAULTS,
     GIB,
     HBM_BYTES,
+    RAMP_PRICED_WHOLE,
     RankEstimate,
     batch_overrides,
     bubble_factor,
@@ -34,6 +35,7 @@ from megalm.estimate.rank import (
     gpu_precision,
     roles,
     run_step,
+    whole_batch,
 )
 from megalm.measure.op_cost import GPUS
 
@@ -132,22 +134,25 @@ def _answer(args: argparse.Namespace) -> int:
             verb, them = ("apply", "them") if len(unread) > 1 else ("applies", "it")
             raise ConfigError(f"{' and '.join(unread)} {verb} to --search; add --search, or drop {them}")
         given = gpu_precision(args.overrides)
+        whole = whole_batch(given)
         with contextlib.redirect_stdout(sys.stderr):
             if args.search:
                 memory = int(args.gpu_memory * GIB) if args.gpu_memory else None
-                result = search([*given, *cpu_run], args.world, args.gpu, args.top or 5, memory_bytes=memory)
+                result = search([*whole, *cpu_run], args.world, args.gpu, args.top or 5, memory_bytes=memory)
                 if not result["layouts"]:
                     unfit = result
                     raise ConfigError(result["why_none"] or no_fit(result, args.world, bool(args.json)))
                 text = search_table(result)
             else:
-                overrides = batch_overrides(given, args.world)
+                overrides = batch_overrides(whole, args.world)
                 result = estimate([*overrides, *cpu_run], args.world, args.gpu)
-                if overrides is not given:
+                if overrides is not whole:
                     result["notes"].append(f"batch not given: {BATCH_DEFAULTS}")
                 text = _table(result)
         if given is not args.overrides:
             result["notes"].append(AUTO_PRECISION)
+        if whole is not given:
+            result["notes"].append(RAMP_PRICED_WHOLE)
         # a window of at least the sequence is priced as full attention
         if window_within_samples(compose_config(given).model) is not None:
             result["notes"].append(WINDOW_PRICED_WHOLE)

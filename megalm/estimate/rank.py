@@ -357,6 +357,20 @@ def gpu_precision(overrides: list[str]) -> list[str]:
     return [*overrides, "precision=bf16"]
 
 
+RAMP_PRICED_WHOLE = ("trainer.rampup_batch_size: priced at the whole trainer.global_batch_size, where the ramp "
+                     "ends; its earlier steps run fewer micro-batches (a larger pipeline bubble)")
+
+
+def whole_batch(overrides: list[str]) -> list[str]:
+    """The run's steps once a batch ramp-up is over (`trainer.rampup_batch_size` dropped): the step the estimate
+    prices, and the one most of a run takes."""
+    from megalm.config.compose import compose_config
+
+    if compose_config(overrides).trainer.rampup_batch_size is None:
+        return overrides
+    return [*overrides, "trainer.rampup_batch_size=null"]
+
+
 def override_keys(overrides: list[str]) -> set[str]:
     """The config keys a command's overrides set (`+key=value` too)."""
     return {o.split("=", 1)[0].lstrip("+") for o in overrides}

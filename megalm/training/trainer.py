@@ -20,7 +20,8 @@ import torch
 
 from megalm.config import MegalmConfig, config_to_dict, process_group_minutes
 from megalm.data.build import build_datasets
-from megalm.data.dataset import SampleDataset, TokenBudgetSteps
+from megalm.data.dataset import SampleDataset
+from megalm.data.steps import step_samples
 from megalm.model import GPT, choose_attention_backends, num_parameters
 from megalm.parallel.dims import ParallelMesh, init_distributed
 from megalm.parallel.microbatch import StepShare
@@ -84,9 +85,9 @@ class Trainer:
         self.parallel.watch_optimizer(self.optimizer)  # quantized weights: made once per optimizer step
         self.expert_load = ExpertLoad(self.model, cfg.model)  # MoE: load, drops, balancing losses, bias updates
         self.config_dict = config_to_dict(cfg)
-        budget = cfg.trainer.tokens_per_step
-        self.train_steps = TokenBudgetSteps(self.data.train, budget) if budget else None
-        self.valid_steps = TokenBudgetSteps(self.data.valid, budget) if budget and self.data.valid else None
+        # which samples each step takes (megalm/data/steps.py); validation batches are whole, never ramped
+        self.train_steps = step_samples(cfg.trainer, self.data.train)
+        self.valid_steps = step_samples(cfg.trainer, self.data.valid, rampup=False) if self.data.valid else None
         self.step, self.consumed_tokens, self.resumed_from = 0, 0, None  # resumed_from: the checkpoint's path
         self.checkpointer = ckpt.Checkpointer(self.run_dir, cfg.trainer.keep_last, self.mesh, cfg.trainer.async_save)
         self.preemption.distributed = self.mesh.is_distributed
@@ -126,9 +127,8 @@ class Trainer:
         ckpt.load_checkpoint(path, self.model, self.optimizer, self.mesh, self.device)
         self.step, self.consumed_tokens = step, meta.state["consumed_tokens"]
         self.nonfinite.load_state_dict(meta.state)
-        if self.train_steps is not None:  # continue the step boundaries from the checkpoint's cursor
-            self.train_steps = TokenBudgetSteps(self.data.train, self.cfg.trainer.tokens_per_step, self.step,
-                                                meta.state["next_sample"])
+        if self.cfg.trainer.tokens_per_step:  # continue the budget's step boundaries from the checkpoint's cursor
+            self.train_steps = step_samples(self.cfg.trainer, self.data.train, self.step, meta.state["next_sample"])
         self.resumed_from = path
         log.info(f"resumed from {path} at step {self.step}")
 
@@ -140,8 +140,7 @@ class Trainer:
         state = {"consumed_tokens": self.consumed_tokens, "tokenizer": getattr(tokenizer, "spec", None),
                  "tokenizer_vocab_size": getattr(tokenizer, "vocab_size", None), **self.nonfinite.state_dict(),
                  **ckpt.data_order(self.cfg, self.data.blend), **ckpt.data_size(self.data.train, self.data.valid)}
-        if self.train_steps is not None:
-            state["next_sample"] = self.train_steps.start(self.step)
+        state["next_sample"] = self.train_steps.start(self.step)  # a token budget's resume reads it
         return self.checkpointer.save(self.step, self.model, self.optimizer, state, self.config_dict)
 
     def finish_save(self) -> None:
@@ -152,11 +151,8 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def step_sample_ids(self, step: int, dataset: SampleDataset | None = None) -> range:
-        """The sample indices of global batch `step`: `global_batch_size` of them, or as many as fit
-        `trainer.tokens_per_step` (a function of (seed, step) only, whatever the layout)."""
-        t = self.cfg.trainer
-        if t.tokens_per_step is None:
-            return range(step * t.global_batch_size, (step + 1) * t.global_batch_size)
+        """The sample indices of global batch `step`: `global_batch_size` of them (or its ramp-up's), or as many as
+        fit `trainer.tokens_per_step` (a function of (seed, step) only, whatever the layout)."""
         is_valid = dataset is not None and dataset is self.data.valid
         return (self.valid_steps if is_valid else self.train_steps).ids(step)
 
@@ -232,6 +228,8 @@ class Trainer:
                      f"layers | {self.precision.note} on {self.device} | {self.parallel.describe()} | data "
                      f"{self.cfg.data.name} ({'varlen' if self.cfg.data.varlen else 'packed'}) | run dir "
                      f"{self.run_dir}")
+            if t.rampup_batch_size:  # (refused beside trainer.tokens_per_step)
+                log.info(self.train_steps.describe())
             if t.eval_interval > 0:
                 valid = self.data.valid
                 note_evaluation_split(self.cfg, valid, self.step_sample_ids(t.eval_iters - 1, valid).stop if valid

@@ -108,6 +108,8 @@ LAYOUTS = {
     "dp4_token_budget": (4, ["parallel.dp=4", "trainer.tokens_per_step=400"], MIXED),
     # a budget of one document per step: most ranks have no micro-batch, and still join the reduction
     "dp4_idle_ranks": (4, ["parallel.dp=4", "trainer.tokens_per_step=20"], ("idle",)),
+    # a batch ramp-up (trainer.rampup_batch_size): steps of 4, 4, 8, 12 and 12 documents
+    "dp4_batch_ramp": (4, ["parallel.dp=4", "trainer.rampup_batch_size=[4,4,16]"], ()),
     # the same budget without HDP: DP ranks take slices that differ by a sample, micro-batches a partial last one
     "dp2_token_budget_without_hdp": (2, ["parallel.dp=2", "trainer.tokens_per_step=400", "parallel.hdp=false",
                                          "parallel.hdp_capacity=null"], ()),

@@ -66,6 +66,23 @@ def test_layout_matches_single_process(tmp_path, name):
     run_distributed(check_layout, world, overrides, str(tmp_path), grads, timeout=240)
 
 
+# trainer.rampup_batch_size: steps of 4, 4, 8, 12 and 12 samples (micro-batches of 2); each layout runs the ramp's
+# smaller steps, with fewer micro-batches a rank, as one process runs them
+RAMP = ["trainer.global_batch_size=12", "trainer.micro_batch_size=2", "trainer.rampup_batch_size=[4,4,16]"]
+
+
+def check_batch_ramp(rank: int, world_size: int, layout: list[str], tmp: str) -> None:
+    reference = single_process_reference(rank, RAMP, tmp, STEPS)
+    par = Trainer(compose_config(*RAMP, *layout), f"{tmp}/par")
+    assert [len(par.step_sample_ids(s)) for s in range(STEPS)] == [4, 4, 8, 12, 12]
+    assert_layout_matches(reference, par, rank, STEPS, 2e-5)
+
+
+@pytest.mark.parametrize("layout", [["parallel.dp=2"], ["parallel.pp=2"]], ids=["dp2", "pp2"])
+def test_a_batch_ramp_up_matches_single_process(tmp_path, layout):
+    run_distributed(check_batch_ramp, 2, layout, str(tmp_path), timeout=240)
+
+
 # A vocab of 301: one process unpadded (301 rows) against tp2 (padded to 384) and tp4 (512),
 # make_vocab_size_divisible_by 64 (tiny's). The padded rows' logits are masked, so every layout trains the unpadded
 # model.

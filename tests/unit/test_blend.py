@@ -16,12 +16,12 @@ from megalm.data.blend import BlendedDataset, blend_period, blend_quotas
 from megalm.data.build import build_datasets
 from megalm.data.dataset import (
     PackedDataset,
-    TokenBudgetSteps,
     VarlenDataset,
     global_batch,
     split_documents,
 )
 from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter
+from megalm.data.steps import TokenBudgetSteps
 from megalm.errors import CheckpointError, ConfigError, DataError
 from megalm.training.metrics import read_metrics
 from megalm.training.trainer import Trainer

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from megalm.data.batch import Sample, pack_samples
-from megalm.data.dataset import TokenBudgetSteps, VarlenDataset
+from megalm.data.dataset import VarlenDataset
+from megalm.data.steps import TokenBudgetSteps
 from megalm.data.synthetic import SyntheticDocuments
 from megalm.errors import ConfigError
 from megalm.model import GPT, init_weights

@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from megalm.config import MegalmConfig, ParallelConfig, choice, positive, set_away_from_default
+from megalm.config import MegalmConfig, ParallelConfig, choice, positive, ramp_batch_sizes, set_away_from_default
 from megalm.data.dataset import SampleDataset, loss_token_count, micro_batches
 from megalm.errors import ConfigError
 from megalm.parallel.collectives import all_reduce_sum
@@ -65,6 +65,12 @@ def validate_data_parallel(cfg: MegalmConfig) -> None:
     if p.gradient_accumulation_fusion and p.fsdp:
         raise ConfigError("parallel.gradient_accumulation_fusion adds into the data-parallel buckets, which FSDP "
                           "replaces with its own sharded gradients: drop one of the two")
-    if not p.hdp and t.tokens_per_step is None and t.global_batch_size % (t.micro_batch_size * p.dp):
-        raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
-                          f"micro_batch_size*dp={t.micro_batch_size}*{p.dp}; change one of them")
+    if not p.hdp and t.tokens_per_step is None:
+        split = t.micro_batch_size * p.dp
+        if t.global_batch_size % split:
+            raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
+                              f"micro_batch_size*dp={t.micro_batch_size}*{p.dp}; change one of them")
+        if uneven := [size for size in ramp_batch_sizes(t.global_batch_size, t.rampup_batch_size) if size % split]:
+            raise ConfigError(f"trainer.rampup_batch_size={list(t.rampup_batch_size)} takes a global batch of "
+                              f"{uneven[0]}, not divisible by micro_batch_size*dp={t.micro_batch_size}*{p.dp}; make "
+                              f"its start and increment multiples of {split}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalm.config import MegalmConfig, ModelConfig, choice
+from megalm.config import MegalmConfig, ModelConfig, choice, ramp_batch_sizes
 from megalm.errors import ConfigError
 from megalm.model.gpt import GPT
 from megalm.parallel.pipeline.schedules import SCHEDULES
@@ -154,6 +154,13 @@ def validate_pipeline(cfg: MegalmConfig) -> None:
     if p.pp_schedule == "interleaved" and p.pp > 1 and not p.hdp and micro_batches % p.pp:
         raise ConfigError(f"interleaved pipelining needs micro-batches per step ({micro_batches} = global_batch_size/"
                           f"(micro_batch_size*dp)) to be a multiple of parallel.pp={p.pp}; change the batch sizes")
+    if p.pp_schedule == "interleaved" and p.pp > 1 and not p.hdp and t.tokens_per_step is None and (uneven := [
+            size for size in ramp_batch_sizes(t.global_batch_size, t.rampup_batch_size)
+            if size % (t.micro_batch_size * p.dp * p.pp)]):
+        raise ConfigError(f"interleaved pipelining needs micro-batches per step to be a multiple of parallel.pp="
+                          f"{p.pp}, and trainer.rampup_batch_size={list(t.rampup_batch_size)} takes a global batch of "
+                          f"{uneven[0]}; make its start and increment multiples of micro_batch_size*dp*pp="
+                          f"{t.micro_batch_size * p.dp * p.pp}")
     if p.layers_per_stage is not None and p.pp * p.vpp == 1:
         raise ConfigError("parallel.layers_per_stage is set but there is one pipeline stage; "
                           "remove it or set parallel.pp")

@@ -314,7 +314,8 @@ def data_order(cfg: Any, blend: Any) -> dict[str, Any]:
     t, d = cfg.trainer, cfg.data
     synthetic = config_to_dict(d.synthetic) if str(d.name) == "synthetic" else None
     # under a token budget a step's samples are as many as fit it: the batch size is not read (nor compared)
-    batch = {"global_batch_size": t.global_batch_size} if t.tokens_per_step is None else {}
+    ramp = list(t.rampup_batch_size) if t.rampup_batch_size else None
+    batch = {"global_batch_size": t.global_batch_size, "rampup_batch_size": ramp} if t.tokens_per_step is None else {}
     return {"seed": cfg.seed, **batch, "varlen": d.varlen,
             "tokens_per_step": t.tokens_per_step, "blend": blend, "data": str(d.name),
             "path": d.path if str(d.name) == "indexed" else None,

@@ -1,0 +1,125 @@
+"""`trainer.rampup_batch_size`: the global batch ramps up by Megatron-LM's rule, its steps train as the smaller batches
+they are, a resume inside the ramp continues it, and a ramp that cannot run is refused in one line.
+(tests/dist/test_trainer_parallel.py checks a ramp under dp and pp against one process.)"""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import pytest
+import torch
+
+from megalm import estimate
+from megalm.data.steps import GlobalBatchSteps
+from megalm.errors import CheckpointError, ConfigError
+from megalm.training.trainer import Trainer
+from megalm.training.validation import validate_run
+from tests.conftest import compose_config
+from tests.unit.test_estimate import SMALL
+
+RAMP = ["trainer.global_batch_size=12", "trainer.micro_batch_size=2", "trainer.rampup_batch_size=[4,4,16]"]
+
+
+def megatron_batch_sizes(global_batch_size: int, rampup: list[int], steps: int) -> list[int]:
+    """Megatron-LM's RampupBatchsizeNumMicroBatchesCalculator stepped one step at a time, its quotient exact: the
+    batch of a step that begins after `consumed` samples."""
+    start, increment, samples = rampup
+    if start == global_batch_size:  # no increment (Megatron divides by zero here; megalm takes the whole batch)
+        return [global_batch_size] * steps
+    per_increment = Fraction(samples, (global_batch_size - start) // increment)
+    sizes, consumed = [], 0
+    for _ in range(steps):
+        size = global_batch_size if consumed > samples else start + int(consumed / per_increment) * increment
+        sizes.append(size)
+        consumed += size
+    return sizes
+
+
+@pytest.mark.parametrize("global_batch_size, rampup", [
+    (12, [4, 4, 16]),
+    (1024, [32, 32, 1000]),  # steps overshoot the boundaries: sizes are skipped
+    (96, [16, 16, 50]),
+    (10, [1, 1, 7]),  # a ramp-up over fewer samples than increments... (7 samples, 9 increments)
+    (64, [16, 8, 10_000]),  # a long one, a quotient that is not an integer
+    (8, [8, 4, 100]),  # no increment: the whole batch from the start
+])
+def test_the_steps_follow_megatrons_rule(global_batch_size, rampup):
+    steps = GlobalBatchSteps(global_batch_size, rampup)
+    sizes = megatron_batch_sizes(global_batch_size, rampup, 400)
+    starts = [sum(sizes[:s]) for s in range(len(sizes))]
+    assert [steps.ids(s) for s in range(len(sizes))] == [range(a, a + n) for a, n in zip(starts, sizes, strict=True)]
+    assert sizes[-1] == global_batch_size  # each case reaches the whole batch within the steps compared
+    far = 10**7  # and any step later is a bisect, not a walk
+    assert steps.ids(far) == range(starts[-1] + (far - len(sizes) + 1) * global_batch_size,
+                                   starts[-1] + (far - len(sizes) + 2) * global_batch_size)
+
+
+def test_without_a_ramp_step_s_takes_the_samples_after_s_batches():
+    steps = GlobalBatchSteps(12)
+    assert [steps.ids(s) for s in (0, 1, 5)] == [range(0, 12), range(12, 24), range(60, 72)]
+
+
+def test_the_ramp_s_steps_train_as_the_smaller_batches_they_are(tmp_path):
+    """Step 1 of the ramp (4 samples of the 12) is step 1 of a run of global batch 4, to the bit: the same samples,
+    micro-batches, loss and update."""
+    ramp = Trainer(compose_config(*RAMP), tmp_path / "ramp")
+    small = Trainer(compose_config(*RAMP[:2], "trainer.global_batch_size=4"), tmp_path / "small")
+    assert ramp.step_sample_ids(0) == small.step_sample_ids(0) == range(0, 4)
+    assert [len(ramp.step_sample_ids(s)) for s in range(5)] == [4, 4, 8, 12, 12]
+    a, b = ramp.train_step(0), small.train_step(0)
+    assert (a.loss, a.grad_norm, a.tokens) == (b.loss, b.grad_norm, b.tokens)
+    for p, q in zip(ramp.model.parameters(), small.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert ramp.step_sample_ids(0, ramp.data.valid) == range(0, 12)  # validation batches are whole
+
+
+def test_a_resume_inside_the_ramp_continues_it(tmp_path):
+    steps = ["trainer.max_steps=5", "trainer.save_interval=2"]
+    straight = Trainer(compose_config(*RAMP, *steps), tmp_path / "straight").fit()
+    Trainer(compose_config(*RAMP, *steps, "trainer.stop_at_step=2"), tmp_path / "run").fit()
+    resumed = Trainer(compose_config(*RAMP, *steps), tmp_path / "run")
+    assert resumed.step == 2
+    assert resumed.fit().losses == straight.losses[2:]
+    assert straight.tokens == (4 + 4 + 8 + 12 + 12) * 32  # five steps' 40 samples of model.seq_length tokens
+
+
+def test_a_resume_with_another_ramp_is_refused(tmp_path):
+    Trainer(compose_config(*RAMP, "trainer.max_steps=4", "trainer.stop_at_step=2"), tmp_path).fit()
+    with pytest.raises(CheckpointError, match=r"rampup_batch_size=\[4, 4, 16\], this run has \[4, 8, 16\]"):
+        Trainer(compose_config(*RAMP, "trainer.max_steps=4", "trainer.rampup_batch_size=[4,8,16]"), tmp_path)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.rampup_batch_size=[4,4]"], r"must be three integers: \[start batch size"),
+    (["trainer.rampup_batch_size=[16,4,16]"], r"starts at 16, which must be in \[1, trainer.global_batch_size=12\]"),
+    (["trainer.rampup_batch_size=[4,0,16]"], "the increment and the ramp-up samples must be >= 1"),
+    (["trainer.rampup_batch_size=[4,4,0]"], "the increment and the ramp-up samples must be >= 1"),
+    (["trainer.rampup_batch_size=[6,4,16]"], "does not reach trainer.global_batch_size=12 from 6 in steps of 4"),
+    (["trainer.rampup_batch_size=[2,2,16]", "parallel.dp=2"],
+     r"takes a global batch of 2, not divisible by micro_batch_size\*dp=2\*2; make its start and increment "
+     "multiples of 4"),
+    (["trainer.rampup_batch_size=[2,2,16]", "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved",
+      "model.num_layers=4", "trainer.global_batch_size=8"],
+     r"takes a global batch of 2; make its start and increment multiples of micro_batch_size\*dp\*pp=4"),
+    (["trainer.rampup_batch_size=[4,4,16]", "data.varlen=true", "trainer.tokens_per_step=100"],
+     "trainer.tokens_per_step replaces; drop one of the two"),
+])
+def test_a_ramp_that_cannot_run_is_refused_in_one_line(overrides, message):
+    world = 2 if "parallel.dp=2" in overrides or "parallel.pp=2" in overrides else 1
+    with pytest.raises(ConfigError, match=message) as error:
+        validate_run(compose_config(*RAMP, *overrides), world_size=world)
+    assert "\n" not in str(error.value)
+
+
+def test_the_estimate_prices_the_steps_after_the_ramp(capsys):
+    """megalm-estimate traces one step: the ramp's first would be 2 samples of the 8 its layout prices."""
+    run = [*SMALL, "trainer.global_batch_size=8", "trainer.micro_batch_size=1", "precision=bf16", "--world", "1",
+           "--json"]
+    assert estimate.main([*run, "trainer.rampup_batch_size=[2,2,100]"]) == 0
+    ramped = json.loads(capsys.readouterr().out)
+    assert estimate.main(run) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert estimate.RAMP_PRICED_WHOLE in ramped["notes"] and estimate.RAMP_PRICED_WHOLE not in whole["notes"]
+    assert ramped["layout"]["micro_batches"] == 8
+    assert ramped["ranks"][0]["flops"] == whole["ranks"][0]["flops"] and ramped["tokens_per_s"] == whole["tokens_per_s"]
