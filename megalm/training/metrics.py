@@ -49,6 +49,8 @@ def format_line(record: dict[str, Any], max_steps: int) -> str:
         parts.append(f"val {record['val_loss']:.4f}")
     parts += [f"lr {record['lr']:.2e}", f"grad {record['grad_norm']:.3f}",
               f"{record['tokens_per_sec']:,.0f} tok/s"]
+    if "global_batch_size" in record:  # a batch ramp-up's (trainer.rampup_batch_size)
+        parts.append(f"batch {record['global_batch_size']}")
     if record.get("mfu") is not None:
         parts.append(f"mfu {100 * record['mfu']:.1f}%")
     if record.get("batch_share", 0) >= BATCH_SHARE_SHOWN:  # a run that waits on its input says so

@@ -263,6 +263,8 @@ class Trainer:
                                   "lr": result.lr, "tokens": self.consumed_tokens, **window.close(),
                                   **memory_metrics(self.device),
                                   **({"hdp_rank_tokens": result.rank_tokens} if result.rank_tokens else {}),
+                                  **({"global_batch_size": len(self.step_sample_ids(self.step - 1))}
+                                     if t.rampup_batch_size else {}),
                                   **result.moe}
                         if self.nonfinite.skipped_steps:
                             record["skipped_steps"] = len(self.nonfinite.skipped_steps)

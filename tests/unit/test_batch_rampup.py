@@ -13,6 +13,7 @@ import torch
 from megalm import estimate
 from megalm.data.steps import GlobalBatchSteps
 from megalm.errors import CheckpointError, ConfigError
+from megalm.training.metrics import format_line, read_metrics
 from megalm.training.trainer import Trainer
 from megalm.training.validation import validate_run
 from tests.conftest import compose_config
@@ -82,6 +83,9 @@ def test_a_resume_inside_the_ramp_continues_it(tmp_path):
     assert resumed.step == 2
     assert resumed.fit().losses == straight.losses[2:]
     assert straight.tokens == (4 + 4 + 8 + 12 + 12) * 32  # five steps' 40 samples of model.seq_length tokens
+    records = read_metrics(tmp_path / "straight")
+    assert [r["global_batch_size"] for r in records] == [4, 4, 8, 12, 12]
+    assert "| batch 8 |" in format_line(records[2], 5)
 
 
 def test_a_resume_with_another_ramp_is_refused(tmp_path):
