@@ -40,7 +40,7 @@ DTYPE_CODES = {1: np.dtype("u1"), 2: np.dtype("i1"), 3: np.dtype("<i2"), 4: np.d
                6: np.dtype("<f8"), 7: np.dtype("<f4"), 8: np.dtype("<u2")}
 SIDECAR_FORMAT = "megalm-megatron-sidecar"
 SIDECAR_VERSION = 1
-_CHUNK = 1 << 22  # elements checked at a time: a 10^9-entry index needs no multi-GB temporaries
+_CHUNK = 1 << 16  # elements checked at a time: a 10^9-entry index needs no large temporaries (0.5 MB of int64)
 _VOCAB_PROBE = 1 << 20  # tokens checked against the vocab when it comes from the caller, not the sidecar
 
 
@@ -57,13 +57,70 @@ def is_megatron_index(head: bytes) -> bool:
     return head[:len(MAGIC)] == MAGIC
 
 
+class DocumentOffsets:
+    """The token offset of each document and of the end (int64 [num_docs + 1], as a megalm index stores them), read
+    from the .idx's memory-mapped arrays at each access rather than held: document i starts at byte
+    sequence_pointers[document_indices[i]] (`open_megatron` checked that the sequences lie back to back), and
+    document_indices[-1] is the sequence count, the end. A held copy was 8 bytes a document on every rank (160 MB at
+    20M documents), made at every open."""
+
+    def __init__(self, pointers: np.ndarray, doc_index: np.ndarray, itemsize: int, num_tokens: int):
+        self.pointers, self.doc_index, self.itemsize, self.num_tokens = pointers, doc_index, itemsize, num_tokens
+
+    def __len__(self) -> int:
+        return len(self.doc_index)
+
+    def __getitem__(self, key: int | slice | np.ndarray) -> np.int64 | np.ndarray:
+        sequences = np.asarray(self.doc_index[key], dtype=np.int64)
+        count = len(self.pointers)
+        if count == 0:  # no sequence: every document is empty
+            return sequences * 0
+        starts = np.asarray(self.pointers[np.minimum(sequences, count - 1)], dtype=np.int64) // self.itemsize
+        return np.where(sequences < count, starts, np.int64(self.num_tokens))[()]
+
+    def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:
+        return np.asarray(self[:], dtype=dtype)
+
+
+class DocumentFlags:
+    """One bit a document (`np.packbits`), read like the bool array it packs: which documents get a virtual eod. A
+    bool array was a byte a document on every rank."""
+
+    def __init__(self, num_docs: int):
+        self.bits, self.num_docs, self.count = np.zeros((num_docs + 7) // 8, dtype=np.uint8), num_docs, 0
+
+    def set_from(self, start: int, flags: np.ndarray) -> None:
+        """Flags of documents start, start + 1, ... (not set before)."""
+        lo, hi = start // 8, (start + len(flags) + 7) // 8
+        bits = np.unpackbits(self.bits[lo:hi])  # the bytes they share with their neighbours' flags
+        bits[start - 8 * lo:start - 8 * lo + len(flags)] = flags
+        self.bits[lo:hi] = np.packbits(bits)
+        self.count += int(np.count_nonzero(flags))
+
+    def __len__(self) -> int:
+        return self.num_docs
+
+    def __getitem__(self, key: int | np.ndarray) -> np.bool_ | np.ndarray:
+        ids = np.asarray(key, dtype=np.int64)
+        return ((self.bits[ids >> 3] >> (7 - (ids & 7))) & 1).astype(bool)[()]
+
+    def any(self) -> bool:
+        return self.count > 0
+
+    def sum(self) -> int:
+        return self.count
+
+    def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:
+        return np.asarray(np.unpackbits(self.bits, count=self.num_docs).astype(bool), dtype=dtype)
+
+
 @dataclass
 class MegatronData:
     """What IndexedDataset needs from an opened Megatron dataset."""
 
     tokens: np.ndarray  # the .bin stream (a memmap)
-    offsets: np.ndarray  # int64 [num_docs + 1]: document i is tokens[offsets[i]:offsets[i + 1]]
-    add_eod: np.ndarray | None  # bool [num_docs]: append eod virtually; None when no document needs it
+    offsets: DocumentOffsets  # [num_docs + 1]: document i is tokens[offsets[i]:offsets[i + 1]]
+    add_eod: DocumentFlags | None  # [num_docs]: append eod virtually; None when no document needs it
     vocab_size: int
     eod_id: int
     tokenizer_spec: str
@@ -152,10 +209,9 @@ def open_megatron(prefix: str, tokenizer: Tokenizer | str | None = None) -> Mega
         if np.any(np.diff(doc_index[start:start + _CHUNK + 1]) < 0):
             raise corrupt(f"{idx_path} document indices are not monotonic")
 
-    # Token offset of every document: the running sum of sequence lengths at each document's first
-    # sequence. Sequences must lie back to back in .bin (pointers == running sum * itemsize), as
-    # Megatron-LM writes them, so a document is one contiguous slice of the token stream.
-    offsets = np.empty(doc_count, dtype=np.int64)
+    # Sequences must lie back to back in .bin (pointers == the running sum of lengths * itemsize), as Megatron-LM
+    # writes them, so a document is one contiguous slice of the token stream, from its first sequence's pointer
+    # (`DocumentOffsets`).
     carry = 0
     for start in range(0, seq_count, _CHUNK):
         lens = np.asarray(lengths[start:start + _CHUNK], dtype=np.int64)
@@ -170,13 +226,9 @@ def open_megatron(prefix: str, tokenizer: Tokenizer | str | None = None) -> Mega
             i = start + int(bad[0])
             raise corrupt(f"{idx_path} sequence {i} points at byte {int(pointers[i])}, its preceding lengths put "
                           f"it at {int(run[bad[0]]) * dtype.itemsize}")
-        lo = int(np.searchsorted(doc_index, start, side="left"))
-        hi = int(np.searchsorted(doc_index, start + len(lens), side="right"))
-        offsets[lo:hi] = run[np.asarray(doc_index[lo:hi]) - start]
         carry = int(run[-1])
-    if seq_count == 0:
-        offsets[:] = 0
     num_tokens = carry
+    offsets = DocumentOffsets(pointers, doc_index, dtype.itemsize, num_tokens)
     bin_size = os.path.getsize(bin_path)
     if bin_size != num_tokens * dtype.itemsize:
         raise corrupt(f"{bin_path} has {bin_size} bytes, the index expects {num_tokens} tokens * "
@@ -202,22 +254,21 @@ def open_megatron(prefix: str, tokenizer: Tokenizer | str | None = None) -> Mega
             raise DataError(f"{bin_path} holds token id {bad}, outside the vocab [0, {vocab_size}) of tokenizer "
                             f"{spec!r}; set data.tokenizer to the tokenizer the data was made with")
 
-    lengths_per_doc = np.diff(offsets)
-    if meta is not None and meta["eod_appended"]:
-        if num_docs and int(lengths_per_doc.min()) == 0:
+    eod_appended = meta is not None and meta["eod_appended"]
+    add_eod = None if eod_appended else DocumentFlags(num_docs)
+    for start in range(0, num_docs, _CHUNK):
+        bounds = offsets[start:start + _CHUNK + 1]
+        nonempty = np.diff(bounds) > 0
+        if eod_appended and not nonempty.all():
             raise corrupt(f"sidecar {sidecar_path(prefix)} says every document ends with eod, but a document "
                           "is empty")
+        if add_eod is not None:
+            flags = np.ones(len(nonempty), dtype=bool)
+            if meta is None:  # documents that already end with eod (Megatron's --append-eod) keep theirs alone
+                flags[nonempty] = np.asarray(tokens[bounds[1:][nonempty] - 1]) != eod_id
+            add_eod.set_from(start, flags)
+    if add_eod is not None and not add_eod.any():
         add_eod = None
-    else:
-        add_eod = np.ones(num_docs, dtype=bool)
-        if meta is None:  # documents that already end with eod (Megatron's --append-eod) keep theirs alone
-            for start in range(0, num_docs, _CHUNK):
-                ends = offsets[start + 1:start + _CHUNK + 1]
-                nonempty = lengths_per_doc[start:start + _CHUNK] > 0
-                last = np.asarray(tokens[ends[nonempty] - 1])
-                add_eod[start:start + len(ends)][nonempty] = last != eod_id
-        if not add_eod.any():
-            add_eod = None
     return MegatronData(tokens, offsets, add_eod, int(vocab_size), int(eod_id), spec, vocab_claimed=meta is None)
 
 

@@ -85,23 +85,25 @@ def test_cached_samplers_draw_the_in_memory_samplers_samples(tmp_path, varlen):
     assert [valid[k].tokens.tolist() for k in range(3)] == [held_out[k].tokens.tolist() for k in range(3)]
 
 
-# A process that reads the run's samplers of an indexed dataset: its anonymous memory (RssAnon) above its start while
-# it builds the samplers and draws from three epochs, the cache either present (files mapped) or not (data.cache_dir
-# unusable)
+# A process that opens an indexed dataset and reads the run's samplers of it: its anonymous memory (RssAnon) above its
+# start once the dataset is open ("open"), and at most while it opens it, builds the samplers and draws from three
+# epochs ("extra"), the cache either present (files mapped) or not (data.cache_dir unusable)
 PROBE = r"""
 import json, sys, threading, time
 sys.path.insert(0, sys.argv[3])
 from tests.unit.test_index_cache import _config, _samples
 from megalm.data.dataset import split_samplers
 from megalm.data.indexed import IndexedDataset
+from megalm.data import megatron_format  # imported by the open: before the start, as the tokenizer is made
+from megalm.data.tokenizer import build_tokenizer
 from pathlib import Path
 
 def rss_anon():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
-source = IndexedDataset(sys.argv[4])
 cfg = _config(Path(sys.argv[1]), sys.argv[2] == "varlen")
+tokenizer = build_tokenizer("byte")  # a Megatron-LM dataset without megalm's sidecar needs data.tokenizer
 peak, done = [0], threading.Event()
 def sample():
     while not done.is_set():
@@ -110,11 +112,13 @@ def sample():
 start = rss_anon()
 thread = threading.Thread(target=sample, daemon=True)
 thread.start()
+source = IndexedDataset(sys.argv[4], tokenizer)
+opened = rss_anon() - start
 train, _ = split_samplers(source, cfg, "test data")
 checksum = hash(str(_samples(train)))
 done.set()
 thread.join()
-print(json.dumps({"extra": max(peak[0], rss_anon()) - start, "checksum": checksum}))
+print(json.dumps({"open": opened, "extra": max(peak[0], rss_anon()) - start, "checksum": checksum}))
 """
 
 
@@ -133,24 +137,32 @@ def _result(process: subprocess.Popen) -> dict:
 
 
 @pytest.fixture(scope="module")
-def indexed(tmp_path_factory) -> str:
+def indexed(tmp_path_factory, request) -> str:
     """An indexed dataset of 2.5M documents of 1 to 3 tokens and their eod (zeros: what the arrays hold is their
-    lengths), 8.5 s to write."""
+    lengths), in megalm's format (8.5 s to write) or Megatron-LM's (13 s; without megalm's sidecar, as Megatron-LM
+    writes it: each document's last token read at the open decides its virtual eod)."""
     from megalm.data.indexed import IndexedDatasetWriter
+    from megalm.data.megatron_format import MegatronDatasetWriter, sidecar_path
 
     prefix = str(tmp_path_factory.mktemp("indexed") / "docs")
     tokens = np.zeros(3, dtype=np.int64)
-    with IndexedDatasetWriter(prefix, 257, "byte", eod_id=256) as writer:
+    writer_class = MegatronDatasetWriter if request.param == "megatron" else IndexedDatasetWriter
+    with writer_class(prefix, 257, "byte", eod_id=256) as writer:
         for n in np.random.default_rng(3).integers(1, 4, DOCS):
             writer.add_document(tokens[:n])
         writer.finalize()
+    if request.param == "megatron":
+        os.remove(sidecar_path(prefix))
     return prefix
 
 
-@pytest.mark.parametrize("varlen", [False, True], ids=["packed", "varlen"])
+@pytest.mark.parametrize("indexed, varlen", [("megalm", False), ("megalm", True), ("megatron", False)],
+                         ids=["packed", "varlen", "megatron_packed"], indirect=["indexed"])
 def test_a_second_process_maps_the_arrays_instead_of_holding_them(tmp_path, indexed, varlen):
     """Every rank of a run, on a real dataset: the lengths digest read from the offsets in slices, the held-out
-    split's few lengths read alone (they had made the corpus' lengths: 16 bytes a document on every rank)."""
+    split's few lengths read alone (they had made the corpus' lengths: 16 bytes a document on every rank). A
+    Megatron-LM dataset's document offsets are read from its index's mapped sequence pointers, and its virtual eods are
+    a bit a document (they were 9 bytes a document on every rank, made at every open)."""
     kind = "varlen" if varlen else "packed"
     first = _result(_run(PROBE, tmp_path / "cache", kind, indexed))  # builds and writes them
     second = _result(_run(PROBE, tmp_path / "cache", kind, indexed))  # maps them
@@ -162,8 +174,15 @@ def test_a_second_process_maps_the_arrays_instead_of_holding_them(tmp_path, inde
     # 2026-12-07, packed: files 164 MB (three epochs), held in memory 143 MB (two epochs at a time), mapped 2.1 MB
     # (the digest's slices; 39 MB while the held-out split's lengths were taken from the whole corpus'); varlen: 119,
     # 100 and 2.1 MB
+    mb = lambda n: f"{n / 1e6:.2f}"  # noqa: E731
+    print(f"MB above the start: held once open {mb(first['open'])}; at most, mapping {mb(second['extra'])}, "
+          f"building in memory {mb(unusable['extra'])}; the files {mb(arrays)}")  # (pytest -s shows it)
     assert unusable["extra"] > 0.5 * arrays  # the probe sees arrays held in memory
     assert second["extra"] < 0.1 * unusable["extra"], (second["extra"], unusable["extra"], arrays)
+    # 2026-12-07: 0.17-0.39 MB held once open in both formats (Megatron's: 20 MB, its offsets, before); at most 6.3 MB
+    # (megalm) and 6.9 MB (Megatron) while opening and mapping, were 22 and 80 MB (the open's checks in slices of 4M
+    # entries, not 64K)
+    assert first["open"] < 0.05 * 8 * DOCS, first["open"]
 
 
 GO = r"""
