@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import socket
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from typing import IO, TypeVar
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any, TypeVar
 
 import numpy as np
 
@@ -52,6 +54,20 @@ def fsync_dir(directory: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def write_atomically(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
+    """`write(file)` into a temporary name (this host's and process's), synced, then renamed to `path`; the
+    temporary file is removed whatever happens (a full disk leaves no partial file behind)."""
+    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 _Writer = TypeVar("_Writer", bound="TokenFileWriter")

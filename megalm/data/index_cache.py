@@ -23,12 +23,12 @@ import functools
 import hashlib
 import logging
 import os
-import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+
+from megalm.data.files import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -118,19 +118,5 @@ def _write(stem: Path, arrays: dict[str, np.ndarray]) -> None:
     """Each array as .npy, then the listing of their names: each file is on the disk before it is renamed into
     place, and the listing goes last, so a reader that finds the listing finds every array whole."""
     for field, array in arrays.items():
-        _replace(Path(f"{stem}.{field}.npy"), lambda f, array=array: np.save(f, array))
-    _replace(_listing(stem), lambda f: f.write(" ".join(arrays).encode()))
-
-
-def _replace(path: Path, write: Callable[[Any], Any]) -> None:
-    """`write(file)` into a temporary name (this host's and process's), synced, then renamed to `path`; the
-    temporary file is removed whatever happens (a full disk leaves no partial file behind)."""
-    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        write_atomically(Path(f"{stem}.{field}.npy"), lambda f, array=array: np.save(f, array))
+    write_atomically(_listing(stem), lambda f: f.write(" ".join(arrays).encode()))

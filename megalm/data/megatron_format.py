@@ -21,16 +21,20 @@ document already does, which spares the check of each document's last token.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 from array import array
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from megalm.data.files import SIDECAR_SUFFIX, TokenFileWriter, id_outside_vocab
+from megalm.data.files import SIDECAR_SUFFIX, TokenFileWriter, id_outside_vocab, write_atomically
 from megalm.data.tokenizer import Tokenizer, build_tokenizer
 from megalm.errors import DataError
+
+log = logging.getLogger("megalm")
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -159,11 +163,11 @@ def _read_sidecar(prefix: str, num_docs: int, num_tokens: int) -> dict | None:
     return meta
 
 
-def open_megatron(prefix: str, tokenizer: Tokenizer | str | None = None) -> MegatronData:
+def open_megatron(prefix: str, tokenizer: Tokenizer | str | None = None, read_sidecar: bool = True) -> MegatronData:
     """Validate PREFIX.idx/.bin (MMIDIDX v1) and return documents, eod handling, vocab and tokenizer spec.
 
-    vocab/eod/spec come from the sidecar when there is one (`tokenizer` is then ignored), else from
-    `tokenizer`; with neither, a DataError says to set data.tokenizer. Every error is one line.
+    vocab/eod/spec come from the sidecar when there is one (`tokenizer` is then ignored; `read_sidecar` false: not
+    read), else from `tokenizer`; with neither, a DataError says to set data.tokenizer. Every error is one line.
     """
     idx_path, bin_path = f"{prefix}.idx", f"{prefix}.bin"
 
@@ -236,12 +240,15 @@ def open_megatron(prefix: str, tokenizer: Tokenizer | str | None = None) -> Mega
     tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(num_tokens,)) if num_tokens else np.zeros(0, dtype)
     num_docs = doc_count - 1
 
-    meta = _read_sidecar(prefix, num_docs, num_tokens)
+    meta = _read_sidecar(prefix, num_docs, num_tokens) if read_sidecar else None
     if meta is not None:
         vocab_size, eod_id, spec = meta["vocab_size"], meta["eod_id"], meta["tokenizer_spec"]
         if not 0 <= eod_id < vocab_size:
             raise DataError(f"sidecar {sidecar_path(prefix)}: eod_id {eod_id} is outside the vocab [0, {vocab_size})")
     else:
+        if read_sidecar:  # (the one pass the sidecar spares, every open, every process: said once here)
+            log.info(f"{prefix}: no megalm sidecar, so each of its {num_docs:,} documents' last token is read for "
+                     f"its eod; `megalm-preprocess --sidecar {prefix} --tokenizer ...` writes one once")
         if tokenizer is None:
             raise DataError(f"{idx_path} is a Megatron-LM index without megalm's sidecar {sidecar_path(prefix)}, so "
                             "its vocab and eod token are unknown; set data.tokenizer=byte|PATH/tokenizer.json to "
@@ -270,6 +277,29 @@ def open_megatron(prefix: str, tokenizer: Tokenizer | str | None = None) -> Mega
     if add_eod is not None and not add_eod.any():
         add_eod = None
     return MegatronData(tokens, offsets, add_eod, int(vocab_size), int(eod_id), spec, vocab_claimed=meta is None)
+
+
+def write_sidecar(prefix: str, tokenizer: Tokenizer, overwrite: bool = False) -> dict:
+    """megalm's sidecar for a dataset that Megatron-LM wrote (which has none): `tokenizer`'s vocab and eod, and
+    whether every document ends with eod (Megatron's --append-eod) or none does, found from each document's last token
+    once here, where each open without it reads them again in every process (a pass over the .bin's pages). A
+    dataset whose documents differ in that cannot be described by one flag: refused, and its opens keep reading them.
+    Written atomically; an existing sidecar is replaced only with `overwrite`. Returns what was written."""
+    path = sidecar_path(prefix)
+    if os.path.exists(path) and not overwrite:
+        raise DataError(f"{path} exists; add --overwrite to write it again from the tokenizer given")
+    data = open_megatron(prefix, tokenizer, read_sidecar=False)
+    num_docs = len(data.offsets) - 1
+    ending = num_docs - (data.add_eod.sum() if data.add_eod is not None else 0)  # documents that end with eod
+    if ending not in (0, num_docs):
+        raise DataError(f"{ending} of the {num_docs} documents of {prefix} end with eod ({data.eod_id}) and the others "
+                        "do not (or are empty), which a sidecar cannot say; without one, megalm reads each "
+                        "document's last token when it opens the dataset")
+    meta = {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "tokenizer_spec": data.tokenizer_spec,
+            "vocab_size": data.vocab_size, "eod_id": data.eod_id, "eod_appended": ending == num_docs,
+            "dtype": data.tokens.dtype.name, "num_docs": num_docs, "num_tokens": int(data.offsets[-1])}
+    write_atomically(Path(path), lambda f: f.write((json.dumps(meta, indent=1) + "\n").encode()))
+    return meta
 
 
 class MegatronDatasetWriter(TokenFileWriter):

@@ -34,7 +34,7 @@ import numpy as np
 
 from megalm.data.files import exists_error
 from megalm.data.indexed import IndexedDatasetWriter, dataset_exists
-from megalm.data.megatron_format import SIDECAR_SUFFIX, MegatronDatasetWriter
+from megalm.data.megatron_format import SIDECAR_SUFFIX, MegatronDatasetWriter, sidecar_path, write_sidecar
 from megalm.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 from megalm.errors import DataError, MegalmError
 
@@ -423,12 +423,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = _OneLineParser(prog="megalm-preprocess",
                        description="Tokenize text into an indexed dataset (PREFIX.bin + PREFIX.idx) "
                                    "for megalm.")
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+    p.add_argument("--input", nargs="+", metavar="PATH",
                    help=".jsonl/.json (one JSON object per line), .txt (one document; one per line with "
                         "--split-lines), any other file (one document; compressed ones are refused), a pipe "
                         "(<(zcat FILE)), or a directory (walked recursively, symlinks followed, tokenized "
                         "datasets left out)")
-    p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
+    p.add_argument("--output-prefix", help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
     p.add_argument("--tokenizer", default="byte", help="'byte' (default) or the path of a Hugging Face "
                                                        "tokenizer.json")
     p.add_argument("--json-key", default="text",
@@ -446,12 +446,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1,
                    help="processes tokenizing in parallel (Hugging Face tokenizers; 'byte' needs none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--sidecar", metavar="PREFIX",
+                   help="instead of tokenizing: write PREFIX.megalm.json for a dataset Megatron-LM wrote, with "
+                        "--tokenizer's vocab and eod and whether its documents end with eod, so that opening it "
+                        "reads no document's last token (docs/data_formats.md)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.sidecar is not None and (args.input or args.output_prefix):
+        parser.error("--sidecar PREFIX describes a dataset that exists: it takes no --input or --output-prefix")
+    if args.sidecar is None and not (args.input and args.output_prefix):
+        parser.error("the following arguments are required: --input, --output-prefix (or --sidecar PREFIX)")
     try:
+        if args.sidecar is not None:
+            meta = write_sidecar(args.sidecar, build_tokenizer(args.tokenizer), overwrite=args.overwrite)
+            print(f"wrote {sidecar_path(args.sidecar)}: {meta['num_docs']:,} documents, tokenizer "
+                  f"{meta['tokenizer_spec']}, its documents "
+                  f"{'end with eod' if meta['eod_appended'] else 'get an eod at read time'}")
+            return 0
         if args.workers < 1:
             raise DataError(f"--workers={args.workers} must be >= 1")
         stats = preprocess(args.input, args.output_prefix, build_tokenizer(args.tokenizer),

@@ -239,6 +239,41 @@ def test_the_index_files_digest_reads_the_lengths_with_their_virtual_eods(tmp_pa
     assert ds.lengths_of(ids).tolist() == ds.doc_lengths[ids].tolist() == [3, 4, 2, 2]
 
 
+@pytest.mark.parametrize("docs, appended", [
+    ([[[1, 2, 256]], [[3], [4, 256]], [[5, 256]]], True),  # Megatron's --append-eod: every document ends with eod
+    ([[[1, 2]], [[3], [4]], [], [[5]]], False),  # without it (an empty document too): each gets one at read time
+], ids=["append_eod", "no_eod"])
+def test_a_written_sidecar_reads_the_documents_as_the_open_without_it(tmp_path, capsys, caplog, docs, appended):
+    """`megalm-preprocess --sidecar PREFIX` finds once what every open of a sidecar-less dataset finds from each
+    document's last token (one line says so each time): the documents read through the sidecar are the same."""
+    prefix = spec_write(tmp_path / "m", docs)
+    with caplog.at_level("INFO", logger="megalm"):
+        without = docs_of(IndexedDataset(prefix, tokenizer="byte"))
+    assert "no megalm sidecar, so each of its" in caplog.text and "--sidecar" in caplog.text
+    code, out, _ = cli(["--sidecar", prefix, "--tokenizer", "byte"], capsys)
+    assert code == 0 and f"wrote {prefix}.megalm.json: {len(docs)} documents" in out
+    sidecar = json.loads(Path(f"{prefix}.megalm.json").read_text())
+    assert sidecar["eod_appended"] is appended and (sidecar["vocab_size"], sidecar["eod_id"]) == (257, 256)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="megalm"):
+        ds = IndexedDataset(prefix)  # no tokenizer needed: the sidecar names it
+    assert docs_of(ds) == without and "no megalm sidecar" not in caplog.text
+    # an existing sidecar is kept unless --overwrite, which reads the documents again, not the sidecar
+    assert cli(["--sidecar", prefix, "--tokenizer", "byte"], capsys)[0] == 2
+    Path(f"{prefix}.megalm.json").write_text(json.dumps({**sidecar, "num_docs": 99}))  # a stale one
+    assert cli(["--sidecar", prefix, "--tokenizer", "byte", "--overwrite"], capsys)[0] == 0
+    assert json.loads(Path(f"{prefix}.megalm.json").read_text()) == sidecar
+
+
+def test_a_sidecar_cannot_describe_documents_that_differ(tmp_path, capsys):
+    prefix = spec_write(tmp_path / "m", [[[1, 256]], [[2]]])
+    code, _, err = cli(["--sidecar", prefix, "--tokenizer", "byte"], capsys)
+    assert code == 2 and "1 of the 2 documents of" in err and "which a sidecar cannot say" in err
+    assert len(err.strip().splitlines()) == 1 and not Path(f"{prefix}.megalm.json").exists()
+    assert cli(["--sidecar", prefix, "--input", "x.txt"], capsys)[0] == 2  # it describes, never tokenizes
+    assert cli(["--tokenizer", "byte"], capsys)[0] == 2  # neither --sidecar nor --input/--output-prefix
+
+
 def test_multi_sequence_documents(tmp_path):
     docs = [[[1, 2], [3], [4, 5, 6]], [[7]], [[8, 9], [10, 256]]]
     prefix = spec_write(tmp_path / "m", docs, dtype=np.int32)
