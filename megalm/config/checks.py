@@ -343,13 +343,28 @@ def ramp_values(rampup: Sequence[int], global_batch_size: int) -> tuple[int, int
     return first, increment, samples
 
 
+def ramp_phases(global_batch_size: int, rampup: Sequence[int] | None) -> list[tuple[int, int, int]]:
+    """A run's steps as phases of one batch size each, (first step, first sample, batch size), the last one the whole
+    global batch from its first step on: Megatron-LM's ramp-up rule in integers (megalm/data/steps.py says it).
+    At most n + 1 phases, n = (global - start) / increment: a step that overshoots a boundary skips a size."""
+    phases: list[tuple[int, int, int]] = []
+    step = consumed = 0
+    if rampup:
+        first, increment, samples = ramp_values(rampup, global_batch_size)
+        n = (global_batch_size - first) // increment
+        while (level := min(consumed * n // samples, n)) < n:
+            size = first + level * increment
+            boundary = -(-(level + 1) * samples // n)  # the first sample count of the next level
+            steps = -(-(boundary - consumed) // size)  # >= 1: consumed < boundary
+            phases.append((step, consumed, size))
+            step, consumed = step + steps, consumed + steps * size
+    return [*phases, (step, consumed, global_batch_size)]
+
+
 def ramp_batch_sizes(global_batch_size: int, rampup: Sequence[int] | None) -> list[int]:
-    """Every global batch size a run can take: [global_batch_size], or each size of its ramp-up (for the checks that
-    each splits over data-parallel ranks and micro-batches)."""
-    if not rampup:
-        return [global_batch_size]
-    first, increment, _ = ramp_values(rampup, global_batch_size)
-    return list(range(first, global_batch_size + 1, increment))
+    """The global batch sizes a run takes: [global_batch_size], or each its ramp-up reaches (for the checks that each
+    splits over data-parallel ranks and micro-batches; a size the ramp skips need not)."""
+    return [size for _, _, size in ramp_phases(global_batch_size, rampup)]
 
 
 def validate(cfg: MegalmConfig) -> MegalmConfig:

@@ -75,8 +75,11 @@ class DocumentOffsets:
         return len(self.doc_index)
 
     def __getitem__(self, key: int | slice | np.ndarray) -> np.int64 | np.ndarray:
-        sequences = np.asarray(self.doc_index[key], dtype=np.int64)
         count = len(self.pointers)
+        if isinstance(key, (int, np.integer)):  # IndexedDataset.get's two a document: no array made
+            sequence = int(self.doc_index[key])
+            return np.int64(int(self.pointers[sequence]) // self.itemsize if sequence < count else self.num_tokens)
+        sequences = np.asarray(self.doc_index[key], dtype=np.int64)
         if count == 0:  # no sequence: every document is empty
             return sequences * 0
         starts = np.asarray(self.pointers[np.minimum(sequences, count - 1)], dtype=np.int64) // self.itemsize
@@ -104,8 +107,25 @@ class DocumentFlags:
     def __len__(self) -> int:
         return self.num_docs
 
-    def __getitem__(self, key: int | np.ndarray) -> np.bool_ | np.ndarray:
-        ids = np.asarray(key, dtype=np.int64)
+    def __getitem__(self, key: int | slice | np.ndarray) -> np.bool_ | np.ndarray:
+        """As a bool array's: an index (negative ones from the end), a slice, an array of indices or a bool mask."""
+        if isinstance(key, (int, np.integer)):  # IndexedDataset.get's, once a document: no array made
+            if not -self.num_docs <= key < self.num_docs:
+                raise IndexError(f"document {key} outside [-{self.num_docs}, {self.num_docs})")
+            key = int(key) % self.num_docs
+            return np.bool_((int(self.bits[key >> 3]) >> (7 - (key & 7))) & 1)
+        if isinstance(key, slice):
+            ids = np.arange(*key.indices(self.num_docs))
+        else:
+            ids = np.asarray(key)
+            if ids.dtype == bool:
+                if ids.shape != (self.num_docs,):
+                    raise IndexError(f"a mask of shape {ids.shape} for {self.num_docs} documents")
+                ids = np.flatnonzero(ids)
+            ids = ids.astype(np.int64, copy=False)
+            if ids.size and (int(ids.min()) < -self.num_docs or int(ids.max()) >= self.num_docs):
+                raise IndexError(f"a document index outside [-{self.num_docs}, {self.num_docs})")
+            ids = np.where(ids < 0, ids + self.num_docs, ids)
         return ((self.bits[ids >> 3] >> (7 - (ids & 7))) & 1).astype(bool)[()]
 
     def any(self) -> bool:

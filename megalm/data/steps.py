@@ -8,8 +8,8 @@ step s takes a contiguous run of sample ids, starting where step s - 1 stopped.
   2020, section 2.3): a step that begins after `consumed` samples takes start + increment·⌊consumed·n / samples⌋ of
   them, n = (global - start) / increment, and the whole global batch once `samples` are consumed. Megatron computes
   ⌊consumed / (samples / n)⌋ in floating point; here it is exact, which differs only where that quotient rounds
-  across an integer. Hand-written: it is a dozen lines of arithmetic, and the data order must not depend on a
-  library's float.
+  across an integer. Hand-written: it is a dozen lines of arithmetic (`megalm.config.ramp_phases`, which the config
+  checks read too), and the data order must not depend on a library's float.
 - `TokenBudgetSteps`: `trainer.tokens_per_step` (varlen data), as many samples as fit the budget.
 """
 
@@ -19,7 +19,7 @@ import bisect
 from collections.abc import Sequence
 from typing import Any
 
-from megalm.config import ramp_values
+from megalm.config import ramp_phases
 from megalm.data.dataset import SampleDataset, VarlenDataset
 
 
@@ -36,18 +36,7 @@ class GlobalBatchSteps:
             raise ValueError(f"global_batch_size={global_batch_size} must be >= 1")
         self.global_batch_size = global_batch_size
         self.rampup = list(rampup) if rampup else None
-        self._phases: list[tuple[int, int, int]] = []
-        step = consumed = 0
-        if self.rampup:
-            first, increment, samples = ramp_values(self.rampup, global_batch_size)
-            n = (global_batch_size - first) // increment
-            while (level := min(consumed * n // samples, n)) < n:
-                size = first + level * increment
-                boundary = -(-(level + 1) * samples // n)  # the first sample count of the next level
-                steps = -(-(boundary - consumed) // size)
-                self._phases.append((step, consumed, size))
-                step, consumed = step + steps, consumed + steps * size
-        self._phases.append((step, consumed, global_batch_size))
+        self._phases = ramp_phases(global_batch_size, self.rampup)  # (first step, first sample, batch size)
         self._first_steps = [phase[0] for phase in self._phases]
 
     def _phase(self, step: int) -> tuple[int, int, int]:
@@ -71,6 +60,8 @@ class GlobalBatchSteps:
     def describe(self) -> str:
         """One line for the log: each batch size of the ramp and the steps it runs."""
         *ramp, (step, consumed, size) = self._phases
+        if not ramp:
+            return f"trainer.rampup_batch_size={self.rampup} starts at the whole global batch ({size}): no ramp-up"
         spans = [f"{batch} from step {first + 1}" for first, _, batch in ramp]
         return (f"global batch ramping up (trainer.rampup_batch_size={self.rampup}): {', '.join(spans)}, the whole "
                 f"{size} from step {step + 1} on ({consumed} samples in)")

@@ -26,6 +26,7 @@ from megalm.estimate.rank import (
     BATCH_DEFAULTS,
     GIB,
     HBM_BYTES,
+    RAMP_NOT_SEARCHED,
     RAMP_PRICED_WHOLE,
     RankEstimate,
     batch_overrides,
@@ -134,7 +135,7 @@ def _answer(args: argparse.Namespace) -> int:
             verb, them = ("apply", "them") if len(unread) > 1 else ("applies", "it")
             raise ConfigError(f"{' and '.join(unread)} {verb} to --search; add --search, or drop {them}")
         given = gpu_precision(args.overrides)
-        whole = whole_batch(given)
+        whole = whole_batch(given, None if args.search else args.world)
         with contextlib.redirect_stdout(sys.stderr):
             if args.search:
                 memory = int(args.gpu_memory * GIB) if args.gpu_memory else None
@@ -152,7 +153,7 @@ def _answer(args: argparse.Namespace) -> int:
         if given is not args.overrides:
             result["notes"].append(AUTO_PRECISION)
         if whole is not given:
-            result["notes"].append(RAMP_PRICED_WHOLE)
+            result["notes"].append(RAMP_NOT_SEARCHED if args.search else RAMP_PRICED_WHOLE)
         # a window of at least the sequence is priced as full attention
         if window_within_samples(compose_config(given).model) is not None:
             result["notes"].append(WINDOW_PRICED_WHOLE)

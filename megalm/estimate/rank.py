@@ -359,15 +359,26 @@ def gpu_precision(overrides: list[str]) -> list[str]:
 
 RAMP_PRICED_WHOLE = ("trainer.rampup_batch_size: priced at the whole trainer.global_batch_size, where the ramp "
                      "ends; its earlier steps run fewer micro-batches (a larger pipeline bubble)")
+RAMP_NOT_SEARCHED = ("trainer.rampup_batch_size: the layouts were searched at the whole trainer.global_batch_size; "
+                     "megalm-train checks that each of the ramp's sizes splits over the chosen layout's micro-batches")
 
 
-def whole_batch(overrides: list[str]) -> list[str]:
+def whole_batch(overrides: list[str], world: int | None) -> list[str]:
     """The run's steps once a batch ramp-up is over (`trainer.rampup_batch_size` dropped): the step the estimate
-    prices, and the one most of a run takes."""
+    prices, and the one most of a run takes. With `world` (not a search, whose layouts vary), the ramp's sizes are
+    first checked against the layout's micro-batches, as megalm-train checks them."""
     from megalm.config.compose import compose_config
+    from megalm.parallel.data_parallel.slices import validate_data_parallel
+    from megalm.parallel.pipeline.stages import validate_pipeline
 
-    if compose_config(overrides).trainer.rampup_batch_size is None:
+    cfg = compose_config(overrides)
+    if cfg.trainer.rampup_batch_size is None:
         return overrides
+    if world is not None:
+        p = cfg.parallel
+        p.dp = max(world // (p.tp * p.pp * p.cp), 1)
+        validate_data_parallel(cfg)
+        validate_pipeline(cfg)
     return [*overrides, "trainer.rampup_batch_size=null"]
 
 

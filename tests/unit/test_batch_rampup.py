@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megalm import estimate
+from megalm.config import ramp_batch_sizes
 from megalm.data.steps import GlobalBatchSteps
 from megalm.errors import CheckpointError, ConfigError
 from megalm.training.metrics import format_line, read_metrics
@@ -94,6 +95,28 @@ def test_a_resume_with_another_ramp_is_refused(tmp_path):
         Trainer(compose_config(*RAMP, "trainer.max_steps=4", "trainer.rampup_batch_size=[4,8,16]"), tmp_path)
 
 
+def test_a_checkpoint_from_before_the_ramp_was_recorded_resumes_only_without_one(tmp_path):
+    """A checkpoint written before `rampup_batch_size` was part of the data order had none: resuming it with one would
+    take other samples from its step on (said by a second reader, 2026-12-07)."""
+    Trainer(compose_config(*RAMP[:2], "trainer.max_steps=4", "trainer.stop_at_step=2"), tmp_path).fit()
+    state = next(tmp_path.glob("checkpoints/step_*/state.json"))
+    saved = json.loads(state.read_text())
+    del saved["rampup_batch_size"]
+    state.write_text(json.dumps(saved))
+    with pytest.raises(CheckpointError, match=r"rampup_batch_size=None, this run has \[4, 4, 16\]"):
+        Trainer(compose_config(*RAMP, "trainer.max_steps=4"), tmp_path)
+    # a ramp that starts at the whole batch is none: the same steps, resumed, said in the start's line
+    resumed = Trainer(compose_config(*RAMP[:2], "trainer.max_steps=4", "trainer.rampup_batch_size=[12,4,16]"), tmp_path)
+    assert resumed.step == 2 and "no ramp-up" in resumed.train_steps.describe()
+
+
+def test_the_sizes_a_ramp_skips_need_not_split():
+    """[4, 2, 4] to 12 takes 4, then 12 (its first step overshoots the next three boundaries): micro-batches of 2 over
+    dp 2 split both, and the skipped 6, 8 and 10 are not asked to."""
+    assert ramp_batch_sizes(12, [4, 2, 4]) == [4, 12]
+    validate_run(compose_config(*RAMP[:2], "trainer.rampup_batch_size=[4,2,4]", "parallel.dp=2"), world_size=2)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.rampup_batch_size=[4,4]"], r"must be three integers: \[start batch size"),
     (["trainer.rampup_batch_size=[16,4,16]"], r"starts at 16, which must be in \[1, trainer.global_batch_size=12\]"),
@@ -127,3 +150,6 @@ def test_the_estimate_prices_the_steps_after_the_ramp(capsys):
     assert estimate.RAMP_PRICED_WHOLE in ramped["notes"] and estimate.RAMP_PRICED_WHOLE not in whole["notes"]
     assert ramped["layout"]["micro_batches"] == 8
     assert ramped["ranks"][0]["flops"] == whole["ranks"][0]["flops"] and ramped["tokens_per_s"] == whole["tokens_per_s"]
+    # the ramp's sizes are checked against the layout first, as megalm-train checks them
+    assert estimate.main([*run[:-3], "parallel.dp=4", "--world", "4", "trainer.rampup_batch_size=[2,2,100]"]) == 2
+    assert "takes a global batch of 2, not divisible by micro_batch_size*dp=1*4" in capsys.readouterr().err

@@ -274,6 +274,45 @@ def test_a_sidecar_cannot_describe_documents_that_differ(tmp_path, capsys):
     assert cli(["--tokenizer", "byte"], capsys)[0] == 2  # neither --sidecar nor --input/--output-prefix
 
 
+@pytest.mark.parametrize("num_docs", [0, 1, 7, 8, 9, 17])
+def test_the_packed_eod_flags_read_as_the_bool_array(num_docs):
+    """`DocumentFlags` (a bit a document, set in pieces of any length) answers every index a bool array answers."""
+    from megalm.data.megatron_format import DocumentFlags
+
+    rng = np.random.default_rng(num_docs)
+    want = rng.random(num_docs) < 0.5
+    flags, start = DocumentFlags(num_docs), 0
+    while start < num_docs:
+        piece = int(rng.integers(1, 5))
+        flags.set_from(start, want[start:start + piece])
+        start += piece
+    assert np.asarray(flags).tolist() == want.tolist() and flags.sum() == want.sum() and flags.any() == want.any()
+    for i in range(-num_docs, num_docs):
+        assert flags[i] == want[i] and type(flags[i]) is np.bool_
+    picks = rng.integers(0, num_docs, 5) if num_docs else np.zeros(0, np.int64)
+    for key in (slice(1, None), slice(None, None, -2), slice(3, 1), picks, want, np.arange(-num_docs, 0)):
+        assert flags[key].tolist() == want[key].tolist(), key
+    for outside in (num_docs, -num_docs - 1, np.array([num_docs])):
+        with pytest.raises(IndexError):
+            flags[outside]
+
+
+def test_the_offsets_read_from_the_index_are_the_held_ones(tmp_path):
+    """`DocumentOffsets` (document i's first sequence's pointer, read at each access) against the offsets made from
+    the format's description: empty documents first, inside and last, several sequences a document."""
+    docs = [[], [[1, 2], [3]], [[4]], [], [[5, 6], [], [7]], [[8, 256]], []]
+    prefix = spec_write(tmp_path / "m", docs)
+    offsets = IndexedDataset(prefix, tokenizer="byte")._offsets
+    held = np.concatenate([[0], np.cumsum([sum(len(s) for s in d) for d in docs])])
+    assert np.asarray(offsets).tolist() == held.tolist() and len(offsets) == len(held)
+    for i in range(-len(held), len(held)):
+        assert offsets[i] == held[i] and type(offsets[i]) is np.int64
+    for key in (slice(2, 6), slice(None, None, -3), np.array([6, 0, 3, 3]), np.array([], np.int64)):
+        assert offsets[key].tolist() == held[key].tolist(), key
+    empty = spec_write(tmp_path / "e", [[], []])  # no sequence at all
+    assert np.asarray(IndexedDataset(empty, tokenizer="byte")._offsets).tolist() == [0, 0, 0]
+
+
 def test_multi_sequence_documents(tmp_path):
     docs = [[[1, 2], [3], [4, 5, 6]], [[7]], [[8, 9], [10, 256]]]
     prefix = spec_write(tmp_path / "m", docs, dtype=np.int32)

@@ -314,7 +314,8 @@ def data_order(cfg: Any, blend: Any) -> dict[str, Any]:
     t, d = cfg.trainer, cfg.data
     synthetic = config_to_dict(d.synthetic) if str(d.name) == "synthetic" else None
     # under a token budget a step's samples are as many as fit it: the batch size is not read (nor compared)
-    ramp = list(t.rampup_batch_size) if t.rampup_batch_size else None
+    # (a ramp that starts at the whole batch takes the steps no ramp takes: the same order)
+    ramp = list(t.rampup_batch_size) if t.rampup_batch_size and t.rampup_batch_size[0] != t.global_batch_size else None
     batch = {"global_batch_size": t.global_batch_size, "rampup_batch_size": ramp} if t.tokens_per_step is None else {}
     return {"seed": cfg.seed, **batch, "varlen": d.varlen,
             "tokens_per_step": t.tokens_per_step, "blend": blend, "data": str(d.name),
@@ -361,6 +362,8 @@ def check_same_data_order(saved: dict[str, Any], current: dict[str, Any], path: 
     and `data_size`; the same data read from another path is not refused (`note_data_change` says it), nor are its
     contents compared here (a dataset rebuilt in place: said there too)."""
     moved = _moved(saved, current)
+    if "global_batch_size" in saved:  # written before rampup_batch_size was recorded (2026-12-07): none ramped
+        saved = {"rampup_batch_size": None, **saved}
     for key, value in current.items():
         if key in saved and saved[key] != value and key not in (*moved, "data_size"):
             raise CheckpointError(f"checkpoint {path} was trained with {key}={saved.get(key)}, this run has {value}; "
