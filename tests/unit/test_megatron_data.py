@@ -272,6 +272,14 @@ def test_a_sidecar_cannot_describe_documents_that_differ(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1 and not Path(f"{prefix}.megalm.json").exists()
     assert cli(["--sidecar", prefix, "--input", "x.txt"], capsys)[0] == 2  # it describes, never tokenizes
     assert cli(["--tokenizer", "byte"], capsys)[0] == 2  # neither --sidecar nor --input/--output-prefix
+    code, _, err = cli(["--sidecar", str(tmp_path / "nothing")], capsys)
+    assert code == 2 and "--sidecar" in err and "Errno" not in err, err
+    megalm_prefix = str(tmp_path / "own")
+    with IndexedDatasetWriter(megalm_prefix, 257, "byte") as w:
+        w.add_document([1, 2])
+        w.finalize()
+    code, _, err = cli(["--sidecar", megalm_prefix], capsys)
+    assert code == 2 and "is a megalm dataset" in err and "needs no sidecar" in err, err
 
 
 @pytest.mark.parametrize("num_docs", [0, 1, 7, 8, 9, 17])
