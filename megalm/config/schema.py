@@ -490,6 +490,9 @@ class LoggingConfig:
     """None: on when tensorboard is installed."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases."""
+    params_norm: bool = False
+    """Log the L2 norm of the model's weights at each logged step (`params_norm`: Megatron's --log-params-norm), a
+    reduction over the layout's shards and one host sync a logged step."""
 
 
 @dataclass

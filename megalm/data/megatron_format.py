@@ -305,15 +305,6 @@ def write_sidecar(prefix: str, tokenizer: Tokenizer, overwrite: bool = False) ->
     once here, where each open without it reads them again in every process (a pass over the .bin's pages). A
     dataset whose documents differ in that cannot be described by one flag: refused, and its opens keep reading them.
     Written atomically; an existing sidecar is replaced only with `overwrite`. Returns what was written."""
-    from megalm.data.indexed import MAGIC as MEGALM_MAGIC
-    from megalm.data.indexed import missing_dataset  # (imports this module: not at the top)
-
-    if (missing := missing_dataset(prefix, tokenizer, key="--sidecar")) is not None:
-        raise missing
-    with open(f"{prefix}.idx", "rb") as f:
-        if f.read(len(MEGALM_MAGIC)) == MEGALM_MAGIC:
-            raise DataError(f"{prefix} is a megalm dataset, whose .idx names its tokenizer, vocab and eod: it needs no "
-                            "sidecar")
     path = sidecar_path(prefix)
     if os.path.exists(path) and not overwrite:
         raise DataError(f"{path} exists; add --overwrite to write it again from the tokenizer given")

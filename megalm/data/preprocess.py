@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from megalm.data.files import exists_error
-from megalm.data.indexed import IndexedDatasetWriter, dataset_exists
+from megalm.data.indexed import MAGIC as MEGALM_MAGIC
+from megalm.data.indexed import IndexedDatasetWriter, dataset_exists, missing_dataset
 from megalm.data.megatron_format import SIDECAR_SUFFIX, MegatronDatasetWriter, sidecar_path, write_sidecar
 from megalm.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 from megalm.errors import DataError, MegalmError
@@ -462,6 +463,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("the following arguments are required: --input, --output-prefix (or --sidecar PREFIX)")
     try:
         if args.sidecar is not None:
+            if (missing := missing_dataset(args.sidecar, args.tokenizer, key="--sidecar")) is not None:
+                raise missing
+            with open(f"{args.sidecar}.idx", "rb") as f:
+                megalm_format = f.read(len(MEGALM_MAGIC)) == MEGALM_MAGIC
+            if megalm_format:
+                raise DataError(f"{args.sidecar} is a megalm dataset, whose .idx names its tokenizer, vocab and eod: "
+                                "it needs no sidecar")
             meta = write_sidecar(args.sidecar, build_tokenizer(args.tokenizer), overwrite=args.overwrite)
             print(f"wrote {sidecar_path(args.sidecar)}: {meta['num_docs']:,} documents, tokenizer "
                   f"{meta['tokenizer_spec']}, its documents "

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from megalm.config import (
     MegalmConfig,
@@ -46,7 +47,7 @@ from megalm.errors import ConfigError
 from megalm.model.gpt import GPT, init_weights
 from megalm.model.moe import set_aux_loss_scale
 from megalm.model.naming import canonical_named_parameters, model_chunks
-from megalm.model.shard import shard_specs
+from megalm.model.shard import local_part, shard_specs
 from megalm.offload import ActivationStore, LayerOffload, PipelineOffload, unread_offload_settings
 from megalm.offload.policy import auto_fraction
 from megalm.parallel.collectives import all_reduce_sum
@@ -59,9 +60,10 @@ from megalm.parallel.data_parallel.slices import DataParallelSlices, validate_da
 from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh, check_same_on_all_ranks, resolve_dims
 from megalm.parallel.expert import apply_expert_parallel, expert_parameters, validate_experts
 from megalm.parallel.fsdp import FsdpGrads, apply_fsdp, fsdp_mesh, fsdp_shard_count, validate_fsdp
+from megalm.parallel.fsdp.grads import shard_offset
 from megalm.parallel.hdp.split import HdpSplit, hdp_cost_model, validate_hdp
 from megalm.parallel.microbatch import LocalMicroBatch, PaddedContext, Ring, StepShare
-from megalm.parallel.norms import NormShare, scaled_share
+from megalm.parallel.norms import NormShare, scaled_share, share_pairs, weighted_sq_norm
 from megalm.parallel.pipeline.runtime import PipelineRuntime, tied_embedding_copy
 from megalm.parallel.pipeline.schedules import simulated_timeline
 from megalm.parallel.pipeline.stages import build_stage_chunks, validate_pipeline
@@ -215,7 +217,9 @@ class Parallelism:
         self.optimizer_factory = self._bucket_adamw if p.zero1 or self.working_dtype else None
         if cfg.optim.implementation == "triton" and self.optimizer_factory is None:
             raise ConfigError(triton_adamw_refusal(p.fsdp))
-        self._norm_weights = self._grad_norm_weights()
+        self._norm_weights = self._grad_norm_weights(sharded=cfg.parallel.zero1 or cfg.parallel.fsdp)
+        # the weights are whole on every replica but under FSDP (ZeRO-1 shards gradients and main weights only)
+        self._weight_norm_weights = self._grad_norm_weights(sharded=cfg.parallel.fsdp)
         recipe = cfg.precision.name
         if cfg.model.moe.num_experts and recipe not in ("bf16", "bf16_autocast", "fp32"):
             experts = "bf16" if cfg.precision.autocast or recipe_dtype else "fp32"
@@ -316,20 +320,20 @@ class Parallelism:
         inner = cp_a2a_size(self.cfg) if p.cp_comm == "a2a+p2p" else 1
         return ContextShards(split, Ring(tuple(mesh.cp_ranks), mesh.cp_rank, inner)) if p.cp > 1 else split
 
-    def _grad_norm_weights(self) -> dict[int, NormShare]:
-        """Each parameter's share of the full model's squared gradient norm: a TP shard counts whole, a
-        TP-replicated parameter 1/tp, the tied embedding's last-stage copy 0 (the first stage counts it).
-        Under expert parallelism the squares are summed over dp x cp (`_norm_groups`), so what several of those
-        ranks hold counts 1/their number: without ZeRO-1 an expert slice 1/(dp·cp/ep), any other parameter
-        1/(dp·cp); under ZeRO-1 and FSDP each rank's shard is its own, and when the experts' buckets span TP (sequence
-        parallelism) so is each TP rank's shard of them."""
+    def _grad_norm_weights(self, sharded: bool) -> dict[int, NormShare]:
+        """Each parameter's share of the full model's squared gradient norm (or weight norm): a TP shard counts whole,
+        a TP-replicated parameter 1/tp, the tied embedding's last-stage copy 0 (the first stage counts it).
+        Under expert parallelism the squares are summed over dp x cp (`grad_norm`), so what several of those
+        ranks hold counts 1/their number: replicated (`sharded` false) an expert slice 1/(dp·cp/ep), any other
+        parameter 1/(dp·cp); sharded (the gradients under ZeRO-1, anything under FSDP) each rank's shard is its own,
+        and when the experts' buckets span TP (sequence parallelism) so is each TP rank's shard of them."""
         specs, d = shard_specs(self.model), self.mesh.dims
         tied_copy = tied_embedding_copy(self.model) if self.cfg.parallel.pp > 1 else None
         shares = {id(p): 0.0 if p is tied_copy else tp_norm_share(specs.get(name), d.tp, p.shape)
                   for name, p in canonical_named_parameters(self.model)}
-        if (self.cfg.parallel.zero1 or self.cfg.parallel.fsdp) and self.cfg.parallel.sequence_parallel and d.tp > 1:
+        if sharded and self.cfg.parallel.sequence_parallel and d.tp > 1:
             shares |= {id(p): 1.0 for p in expert_parameters(self.model)}
-        if d.ep > 1 and not (self.cfg.parallel.zero1 or self.cfg.parallel.fsdp):
+        if d.ep > 1 and not sharded:
             domain, experts = d.dp * d.cp, {id(p) for p in expert_parameters(self.model)}
             shares = {key: scaled_share(share, (d.ep if key in experts else 1) / domain)
                       for key, share in shares.items()}
@@ -473,6 +477,22 @@ class Parallelism:
         shards = self.mesh.dp_cp_group if self.mesh.dims.ep > 1 else self.reducer.shard_group
         for group in (shards, self.mesh.tp_group, self.mesh.pp_group):
             sq = all_reduce_sum(sq, group, "grad norm", self.mesh.progress)
+        return sq.sqrt()
+
+    @torch.no_grad()
+    def weight_norm(self, optimizer: object | None = None) -> torch.Tensor:
+        """L2 norm of the full model's weights (`logging.params_norm`, Megatron's --log-params-norm), each element
+        counted once as `grad_norm` counts them: the model's weights, so bf16 working copies under precision=bf16
+        (Megatron takes its fp32 main weights: they differ by the copies' rounding). `optimizer`: its last step's
+        weights are finished first (ZeRO-1's all-gather, overlapped with the next forward otherwise)."""
+        getattr(optimizer, "finish_param_gather", lambda: None)()
+        fsdp, weights = self.cfg.parallel.fsdp, self._weight_norm_weights
+        pairs = [pair for p in self.model.parameters() for pair in share_pairs(
+            local_part(p).reshape(-1), shard_offset(p) if isinstance(p, DTensor) else 0, weights[id(p)])]
+        sq = weighted_sq_norm(pairs, next(iter(pairs))[0].device if pairs else None).to(self.device)
+        shards = self.mesh.dp_cp_group if self.mesh.dims.ep > 1 else self.reducer.shard_group if fsdp else None
+        for group in (shards, self.mesh.tp_group, self.mesh.pp_group):
+            sq = all_reduce_sum(sq, group, "weight norm", self.mesh.progress)
         return sq.sqrt()
 
     def clip_grad_norm_(self, max_norm: float, optimizer: object | None = None) -> torch.Tensor:

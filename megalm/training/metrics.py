@@ -49,6 +49,8 @@ def format_line(record: dict[str, Any], max_steps: int) -> str:
         parts.append(f"val {record['val_loss']:.4f}")
     parts += [f"lr {record['lr']:.2e}", f"grad {record['grad_norm']:.3f}",
               f"{record['tokens_per_sec']:,.0f} tok/s"]
+    if "params_norm" in record:  # logging.params_norm
+        parts.append(f"params {record['params_norm']:.3f}")
     if "global_batch_size" in record:  # a batch ramp-up's (trainer.rampup_batch_size)
         parts.append(f"batch {record['global_batch_size']}")
     if record.get("mfu") is not None:
@@ -238,3 +240,18 @@ def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def run_lines(trainer: Any) -> list[str]:
+    """What a run says when it starts (its logging rank): the model, precision, layout, data and run dir, and a batch
+    ramp-up's sizes (`megalm/data/steps.py`)."""
+    from megalm.model import GPT, num_parameters
+
+    cfg = trainer.cfg
+    n_params = num_parameters(GPT(cfg.model, device="meta"))
+    lines = [f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, {cfg.model.num_layers} layers | "
+             f"{trainer.precision.note} on {trainer.device} | {trainer.parallel.describe()} | data {cfg.data.name} "
+             f"({'varlen' if cfg.data.varlen else 'packed'}) | run dir {trainer.run_dir}"]
+    if cfg.trainer.rampup_batch_size:  # (refused beside trainer.tokens_per_step)
+        lines.append(trainer.train_steps.describe())
+    return lines

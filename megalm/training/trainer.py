@@ -22,7 +22,7 @@ from megalm.config import MegalmConfig, config_to_dict, process_group_minutes
 from megalm.data.build import build_datasets
 from megalm.data.dataset import SampleDataset
 from megalm.data.steps import step_samples
-from megalm.model import GPT, choose_attention_backends, num_parameters
+from megalm.model import choose_attention_backends
 from megalm.parallel.dims import ParallelMesh, init_distributed
 from megalm.parallel.microbatch import StepShare
 from megalm.parallel.parallelism import Parallelism
@@ -34,7 +34,7 @@ from megalm.training.expert_load import ExpertLoad
 from megalm.training.flops import peak_flops, training_flops
 from megalm.training.guards import NonFiniteError, NonFiniteGuard, SpikeDetector, check_finite_state
 from megalm.training.init_from import load_init_weights
-from megalm.training.metrics import MetricsLogger, ThroughputWindow, memory_metrics, peak_memory_gb
+from megalm.training.metrics import MetricsLogger, ThroughputWindow, memory_metrics, peak_memory_gb, run_lines
 from megalm.training.optim import build_optimizer, current_weights, lr_at, set_lr
 from megalm.training.preemption import Preemption
 from megalm.training.profiling import StepProfiler
@@ -223,13 +223,8 @@ class Trainer:
         logger = MetricsLogger(self.run_dir, self.cfg.logging, t.max_steps, self.config_dict,
                                self.step) if main else None
         if main:
-            n_params = num_parameters(GPT(self.cfg.model, device="meta"))
-            log.info(f"model {self.cfg.model.name}: {n_params / 1e6:.2f}M parameters, {self.cfg.model.num_layers} "
-                     f"layers | {self.precision.note} on {self.device} | {self.parallel.describe()} | data "
-                     f"{self.cfg.data.name} ({'varlen' if self.cfg.data.varlen else 'packed'}) | run dir "
-                     f"{self.run_dir}")
-            if t.rampup_batch_size:  # (refused beside trainer.tokens_per_step)
-                log.info(self.train_steps.describe())
+            for line in run_lines(self):
+                log.info(line)
             if t.eval_interval > 0:
                 valid = self.data.valid
                 note_evaluation_split(self.cfg, valid, self.step_sample_ids(t.eval_iters - 1, valid).stop if valid
@@ -265,6 +260,8 @@ class Trainer:
                                   **({"hdp_rank_tokens": result.rank_tokens} if result.rank_tokens else {}),
                                   **({"global_batch_size": len(self.step_sample_ids(self.step - 1))}
                                      if t.rampup_batch_size else {}),
+                                  **({"params_norm": self.parallel.weight_norm(self.optimizer).item()}
+                                     if self.cfg.logging.params_norm else {}),
                                   **result.moe}
                         if self.nonfinite.skipped_steps:
                             record["skipped_steps"] = len(self.nonfinite.skipped_steps)

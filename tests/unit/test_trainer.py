@@ -465,3 +465,21 @@ def test_the_host_time_making_batches_is_measured_and_said(tmp_path, monkeypatch
         assert timed <= record["batch_ms"] <= timed + 100, (record["batch_ms"], timed)
         assert record["batch_share"] > 0.05
     assert "% of the time" in caplog.text and "batches" in caplog.text
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_weight_norm_is_logged_when_asked(tmp_path, precision):
+    """`logging.params_norm=true` (Megatron's --log-params-norm): each logged record has the L2 norm of the weights
+    the step left, on the console too; the layouts give one process's (tests/dist/equivalence.py compares them)."""
+    from megalm.training.metrics import format_line
+
+    run = ["trainer.max_steps=2", f"precision={precision}"]
+    trainer = Trainer(compose_config(*run, "logging.params_norm=true"), tmp_path / "on")
+    trainer.fit()
+    records = read_metrics(tmp_path / "on")
+    weights = torch.cat([p.detach().double().reshape(-1) for p in trainer.model.parameters()])
+    assert [r["step"] for r in records] == [1, 2] and records[0]["params_norm"] != records[1]["params_norm"]
+    assert records[-1]["params_norm"] == pytest.approx(float(weights.norm()), rel=1e-6)
+    assert f"| params {records[-1]['params_norm']:.3f} |" in format_line(records[-1], 2)
+    Trainer(compose_config(*run), tmp_path / "off").fit()
+    assert not any("params_norm" in r for r in read_metrics(tmp_path / "off"))
