@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megalm.parallel.dims import ParallelDims, ParallelMesh
+from megalm.training.metrics import read_metrics
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
 from tests.dist.equivalence import (
@@ -20,6 +21,7 @@ from tests.dist.equivalence import (
     assert_resume_is_bit_exact,
     assert_same_training,
     single_process_reference,
+    train_and_record,
 )
 from tests.dist.launch import run_distributed
 
@@ -81,6 +83,21 @@ def check_batch_ramp(rank: int, world_size: int, layout: list[str], tmp: str) ->
 @pytest.mark.parametrize("layout", [["parallel.dp=2"], ["parallel.pp=2"]], ids=["dp2", "pp2"])
 def test_a_batch_ramp_up_matches_single_process(tmp_path, layout):
     run_distributed(check_batch_ramp, 2, layout, str(tmp_path), timeout=240)
+
+
+def test_a_logged_weight_norm_under_tp_and_pp_is_one_process_s(tmp_path):
+    """`logging.params_norm=true` in `fit()`: every rank builds the record, so every rank joins the norm's reductions
+    (only the logging rank writing it would hang the others); the logged norms are one process's."""
+    run = ["logging.params_norm=true", "trainer.max_steps=3", "model.num_layers=4"]
+    single = Trainer(compose_config(*run), tmp_path / "one").fit()
+    assert single.steps == 3
+    expected = [r["params_norm"] for r in read_metrics(tmp_path / "one")]
+    run_distributed(train_and_record, 4, [*run, "parallel.tp=2", "parallel.pp=2"], str(tmp_path / "par"),
+                    str(tmp_path / "losses.json"), timeout=240)
+    logged = [r["params_norm"] for r in read_metrics(tmp_path / "par")]
+    assert len(logged) == len(expected) == 3
+    for a, b in zip(logged, expected, strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
 
 
 # A vocab of 301: one process unpadded (301 rows) against tp2 (padded to 384) and tp4 (512),
