@@ -160,7 +160,8 @@ def _read_sidecar(prefix: str, num_docs: int, num_tokens: int) -> dict | None:
     path = sidecar_path(prefix)
     if not os.path.isfile(path):
         return None
-    delete = f"delete {path} and set data.tokenizer to the tokenizer the data was made with, or {_fix(prefix)}"
+    delete = (f"write it again with megalm-preprocess --sidecar {prefix} --tokenizer <the tokenizer the data was made "
+              f"with> --overwrite, or delete it and set data.tokenizer to that tokenizer, or {_fix(prefix)}")
     try:
         with open(path, encoding="utf-8") as f:
             meta = json.load(f)

@@ -34,7 +34,7 @@ import numpy as np
 
 from megalm.data.files import exists_error
 from megalm.data.indexed import MAGIC as MEGALM_MAGIC
-from megalm.data.indexed import IndexedDatasetWriter, dataset_exists, missing_dataset
+from megalm.data.indexed import IndexedDatasetWriter, dataset_exists
 from megalm.data.megatron_format import SIDECAR_SUFFIX, MegatronDatasetWriter, sidecar_path, write_sidecar
 from megalm.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 from megalm.errors import DataError, MegalmError
@@ -463,15 +463,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("the following arguments are required: --input, --output-prefix (or --sidecar PREFIX)")
     try:
         if args.sidecar is not None:
-            if (missing := missing_dataset(args.sidecar, args.tokenizer, key="--sidecar")) is not None:
-                raise missing
-            with open(f"{args.sidecar}.idx", "rb") as f:
+            prefix = os.path.expanduser(args.sidecar)  # as data.path
+            if not (os.path.isfile(f"{prefix}.idx") and os.path.isfile(f"{prefix}.bin")):
+                raise DataError(f"--sidecar {prefix}: no {prefix}.idx and {prefix}.bin; name the prefix of a dataset "
+                                "Megatron-LM tokenized (its PREFIX.bin and PREFIX.idx)")
+            with open(f"{prefix}.idx", "rb") as f:
                 megalm_format = f.read(len(MEGALM_MAGIC)) == MEGALM_MAGIC
             if megalm_format:
-                raise DataError(f"{args.sidecar} is a megalm dataset, whose .idx names its tokenizer, vocab and eod: "
-                                "it needs no sidecar")
-            meta = write_sidecar(args.sidecar, build_tokenizer(args.tokenizer), overwrite=args.overwrite)
-            print(f"wrote {sidecar_path(args.sidecar)}: {meta['num_docs']:,} documents, tokenizer "
+                raise DataError(f"{prefix} is a megalm dataset, whose .idx names its tokenizer, vocab and eod: it "
+                                "needs no sidecar")
+            meta = write_sidecar(prefix, build_tokenizer(args.tokenizer), overwrite=args.overwrite)
+            docs = f"{meta['num_docs']:,} document{'' if meta['num_docs'] == 1 else 's'}"
+            print(f"wrote {sidecar_path(prefix)}: {docs}, tokenizer "
                   f"{meta['tokenizer_spec']}, its documents "
                   f"{'end with eod' if meta['eod_appended'] else 'get an eod at read time'}")
             return 0

@@ -482,12 +482,14 @@ class Parallelism:
     @torch.no_grad()
     def weight_norm(self, optimizer: object | None = None) -> torch.Tensor:
         """L2 norm of the full model's weights (`logging.params_norm`, Megatron's --log-params-norm), each element
-        counted once as `grad_norm` counts them: the model's weights, so bf16 working copies under precision=bf16
-        (Megatron takes its fp32 main weights: they differ by the copies' rounding). `optimizer`: its last step's
-        weights are finished first (ZeRO-1's all-gather, overlapped with the next forward otherwise)."""
+        counted once as `grad_norm` counts them, over the parameters the gradient reducer holds (FSDP's shards, even
+        where a unit kept its gathered weights after an evaluation's forward): the model's, so bf16 working copies
+        under precision=bf16 but FSDP's fp32 shards (Megatron takes its fp32 main weights: they differ by the copies'
+        rounding). `optimizer`: its last step's weights are finished first (ZeRO-1's all-gather, overlapped with the
+        next forward otherwise)."""
         getattr(optimizer, "finish_param_gather", lambda: None)()
         fsdp, weights = self.cfg.parallel.fsdp, self._weight_norm_weights
-        pairs = [pair for p in self.model.parameters() for pair in share_pairs(
+        pairs = [pair for p in self.reducer.params for pair in share_pairs(
             local_part(p).reshape(-1), shard_offset(p) if isinstance(p, DTensor) else 0, weights[id(p)])]
         sq = weighted_sq_norm(pairs, next(iter(pairs))[0].device if pairs else None).to(self.device)
         shards = self.mesh.dp_cp_group if self.mesh.dims.ep > 1 else self.reducer.shard_group if fsdp else None

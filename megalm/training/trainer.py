@@ -260,8 +260,8 @@ class Trainer:
                                   **({"hdp_rank_tokens": result.rank_tokens} if result.rank_tokens else {}),
                                   **({"global_batch_size": len(self.step_sample_ids(self.step - 1))}
                                      if t.rampup_batch_size else {}),
-                                  **({"params_norm": self.parallel.weight_norm(self.optimizer).item()}
-                                     if self.cfg.logging.params_norm else {}),
+                                  **({"params_norm": window.aside(lambda: self.parallel.weight_norm(
+                                      self.optimizer).item())} if self.cfg.logging.params_norm else {}),
                                   **result.moe}
                         if self.nonfinite.skipped_steps:
                             record["skipped_steps"] = len(self.nonfinite.skipped_steps)

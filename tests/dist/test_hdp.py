@@ -108,8 +108,6 @@ LAYOUTS = {
     "dp4_token_budget": (4, ["parallel.dp=4", "trainer.tokens_per_step=400"], MIXED),
     # a budget of one document per step: most ranks have no micro-batch, and still join the reduction
     "dp4_idle_ranks": (4, ["parallel.dp=4", "trainer.tokens_per_step=20"], ("idle",)),
-    # a batch ramp-up (trainer.rampup_batch_size): steps of 4, 4, 8, 12 and 12 documents
-    "dp4_batch_ramp": (4, ["parallel.dp=4", "trainer.rampup_batch_size=[4,4,16]"], ()),
     # the same budget without HDP: DP ranks take slices that differ by a sample, micro-batches a partial last one
     "dp2_token_budget_without_hdp": (2, ["parallel.dp=2", "trainer.tokens_per_step=400", "parallel.hdp=false",
                                          "parallel.hdp_capacity=null"], ()),
@@ -152,6 +150,13 @@ LAYOUTS = {
 def test_hdp_matches_single_process(tmp_path, name):
     world, parallel, expect = LAYOUTS[name]
     run_distributed(check_hdp, world, HDP + parallel, str(tmp_path), expect, timeout=300)
+
+
+@pytest.mark.slow  # 12 s; the default suite keeps the ramp under dp2 and pp2 (tests/dist/test_trainer_parallel.py)
+def test_a_batch_ramp_up_under_hdp_matches_single_process(tmp_path):
+    """trainer.rampup_batch_size: steps of 4, 4, 8, 12 and 12 documents, each planned over the HDP domain."""
+    run_distributed(check_hdp, 4, [*HDP, "parallel.dp=4", "trainer.rampup_batch_size=[4,4,16]"], str(tmp_path), (),
+                    timeout=300)
 
 
 @pytest.mark.slow  # about 30 s: the default suite keeps test_resume_under_tp_dp_zero1_is_bit_exact

@@ -156,8 +156,10 @@ def indexed(tmp_path_factory, request) -> str:
     return prefix
 
 
-@pytest.mark.parametrize("indexed, varlen", [("megalm", False), ("megalm", True), ("megatron", False)],
-                         ids=["packed", "varlen", "megatron_packed"], indirect=["indexed"])
+@pytest.mark.parametrize("indexed, varlen", [
+    pytest.param("megalm", False, id="packed"), pytest.param("megalm", True, id="varlen"),
+    # 30 s (its own 2.5M documents, written in 13 s): with the long tests
+    pytest.param("megatron", False, id="megatron_packed", marks=pytest.mark.slow)], indirect=["indexed"])
 def test_a_second_process_maps_the_arrays_instead_of_holding_them(tmp_path, indexed, varlen):
     """Every rank of a run, on a real dataset: the lengths digest read from the offsets in slices, the held-out
     split's few lengths read alone (they had made the corpus' lengths: 16 bytes a document on every rank). A
