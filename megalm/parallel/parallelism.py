@@ -491,7 +491,7 @@ class Parallelism:
         fsdp, weights = self.cfg.parallel.fsdp, self._weight_norm_weights
         pairs = [pair for p in self.reducer.params for pair in share_pairs(
             local_part(p).reshape(-1), shard_offset(p) if isinstance(p, DTensor) else 0, weights[id(p)])]
-        sq = weighted_sq_norm(pairs, next(iter(pairs))[0].device if pairs else None).to(self.device)
+        sq = weighted_sq_norm(pairs, pairs[0][0].device if pairs else None).to(self.device)
         shards = self.mesh.dp_cp_group if self.mesh.dims.ep > 1 else self.reducer.shard_group if fsdp else None
         for group in (shards, self.mesh.tp_group, self.mesh.pp_group):
             sq = all_reduce_sum(sq, group, "weight norm", self.mesh.progress)

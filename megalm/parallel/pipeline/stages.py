@@ -146,21 +146,22 @@ def validate_pipeline(cfg: MegalmConfig) -> None:
     if p.vpp > 1 and p.pp_schedule != "interleaved":
         raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp_schedule=interleaved "
                           f"(got {p.pp_schedule}); set it or use parallel.vpp=1")
-    micro_batches = t.global_batch_size // (t.micro_batch_size * p.dp)
-    if p.pp_schedule == "interleaved" and p.pp > 1 and t.tokens_per_step is not None and not p.hdp:
-        raise ConfigError("trainer.tokens_per_step gives steps different micro-batch counts, which interleaved "
-                          "pipelining cannot take; use parallel.pp_schedule=1f1b or zb, trainer.global_batch_size, "
-                          "or parallel.hdp=true (which pads every pipeline to a multiple of parallel.pp)")
-    if p.pp_schedule == "interleaved" and p.pp > 1 and not p.hdp and micro_batches % p.pp:
-        raise ConfigError(f"interleaved pipelining needs micro-batches per step ({micro_batches} = global_batch_size/"
-                          f"(micro_batch_size*dp)) to be a multiple of parallel.pp={p.pp}; change the batch sizes")
-    if p.pp_schedule == "interleaved" and p.pp > 1 and not p.hdp and t.tokens_per_step is None and (uneven := [
-            size for size in ramp_batch_sizes(t.global_batch_size, t.rampup_batch_size)
-            if size % (t.micro_batch_size * p.dp * p.pp)]):
-        raise ConfigError(f"interleaved pipelining needs micro-batches per step to be a multiple of parallel.pp="
-                          f"{p.pp}, and trainer.rampup_batch_size={list(t.rampup_batch_size)} takes a global batch of "
-                          f"{uneven[0]}; make its start and increment multiples of micro_batch_size*dp*pp="
-                          f"{t.micro_batch_size * p.dp * p.pp}")
+    if p.pp_schedule == "interleaved" and p.pp > 1 and not p.hdp:  # (HDP pads every pipeline to a multiple of pp)
+        if t.tokens_per_step is not None:
+            raise ConfigError("trainer.tokens_per_step gives steps different micro-batch counts, which interleaved "
+                              "pipelining cannot take; use parallel.pp_schedule=1f1b or zb, trainer.global_batch_size, "
+                              "or parallel.hdp=true (which pads every pipeline to a multiple of parallel.pp)")
+        micro_batches = t.global_batch_size // (t.micro_batch_size * p.dp)
+        if micro_batches % p.pp:
+            raise ConfigError(f"interleaved pipelining needs micro-batches per step ({micro_batches} = "
+                              f"global_batch_size/(micro_batch_size*dp)) to be a multiple of parallel.pp={p.pp}; "
+                              "change the batch sizes")
+        split = t.micro_batch_size * p.dp * p.pp
+        if uneven := [size for size in ramp_batch_sizes(t.global_batch_size, t.rampup_batch_size) if size % split]:
+            raise ConfigError(f"interleaved pipelining needs micro-batches per step to be a multiple of parallel.pp="
+                              f"{p.pp}, and trainer.rampup_batch_size={list(t.rampup_batch_size)} takes a global "
+                              f"batch of {uneven[0]}; make its start and increment multiples of "
+                              f"micro_batch_size*dp*pp={split}")
     if p.layers_per_stage is not None and p.pp * p.vpp == 1:
         raise ConfigError("parallel.layers_per_stage is set but there is one pipeline stage; "
                           "remove it or set parallel.pp")
