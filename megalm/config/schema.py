@@ -241,7 +241,7 @@ class OptimConfig:
     schedule: LRSchedule = LRSchedule.cosine
     """cosine | wsd (warmup-stable-decay) | linear | constant, after warmup."""
     warmup_steps: int = 20
-    """Linear warmup from 0 to lr over this many steps."""
+    """Linear warmup from 0 to lr over this many steps (global batches of samples under trainer.rampup_batch_size)."""
     decay_steps: int | None = None
     """cosine/linear: steps from the end of warmup to min_lr; None: to trainer.max_steps."""
     wsd_decay_fraction: float = 0.2
@@ -265,8 +265,9 @@ class TrainerConfig:
     rampup_batch_size: list[int] | None = None
     """[start, increment, samples]: ramp the global batch up from `start` samples a step by `increment` to
     global_batch_size over the run's first `samples` samples (Megatron-LM's --rampup-batch-size; each size a multiple
-    of micro_batch_size x dp). The learning-rate schedule still counts steps, whatever their size (Megatron's counts
-    samples). Validation batches are whole. null: every step takes global_batch_size (megalm/data/steps.py)."""
+    of micro_batch_size x dp). The learning-rate schedule then counts samples, in global batches (as Megatron's
+    --lr-warmup-samples; megalm/training/optim.py). Validation batches are whole. null: every step takes
+    global_batch_size (megalm/data/steps.py)."""
     tokens_per_step: int | None = None
     """data.varlen: a token budget per step instead (samples are taken while they fit)."""
     micro_batch_size: int = 6

@@ -10,6 +10,13 @@ beyond the step counter and a resumed run follows exactly the curve of one that 
   Fixed Training Durations"): warmup, constant lr, then a linear decay to min_lr over the last
   `wsd_decay_fraction` of the run.
 - constant: warmup, then lr.
+
+The clock is the step, unless the global batch ramps up (`trainer.rampup_batch_size`): then it is the samples
+consumed, counted in whole global batches, so that warmup_steps, decay_steps and the run's end mean the same samples
+whatever the ramp (Megatron-LM's schedule in samples, which its ramp requires: `--lr-warmup-samples` is warmup_steps
+× global_batch_size, `--lr-decay-samples` the run's samples). Step s sits at samples(through s) / global_batch_size
+− 1, behind s by the samples the ramp's smaller batches did not take, and the run's last step still at min_lr. Each
+step runs at the rate Megatron-Core's scheduler gives for the samples through it (`tests/unit/test_optim.py`).
 """
 
 from __future__ import annotations
@@ -23,11 +30,21 @@ import torch
 from torch import nn
 
 from megalm.config import OptimConfig
+from megalm.data.steps import GlobalBatchSteps
 
 
-def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
-    """Learning rate for the optimizer step with 0-based index `step`."""
-    if optim.warmup_steps > 0 and step < optim.warmup_steps:
+def lr_at(step: int, optim: OptimConfig, max_steps: int, batches: Any = None) -> float:
+    """Learning rate for the optimizer step with 0-based index `step`. `batches`, the run's steps
+    (megalm.data.steps.step_samples): under a batch-size ramp the schedule counts samples (module docstring)."""
+    if isinstance(batches, GlobalBatchSteps) and batches.rampup:
+        whole = batches.global_batch_size
+        return _lr_at(batches.start(step + 1) / whole - 1, optim, batches.start(max_steps) / whole)
+    return _lr_at(step, optim, max_steps)
+
+
+def _lr_at(step: float, optim: OptimConfig, max_steps: float) -> float:
+    """The schedule at `step`, a step index or, under a ramp, samples through it in global batches, minus one."""
+    if optim.warmup_steps > 0 and step + 1 <= optim.warmup_steps:
         return optim.lr * (step + 1) / optim.warmup_steps
     if optim.schedule == "constant":
         return optim.lr

@@ -122,7 +122,7 @@ class Trainer:
         if self.mesh.is_logging_rank:  # what a resume only notes: once, not once per rank
             ckpt.note_function_change(meta.config.get("model", {}), self.config_dict["model"], path)
             ckpt.note_precision_change(meta.config.get("precision", {}), self.config_dict["precision"], path)
-            ckpt.note_schedule_change(meta.config, self.cfg, step, path)
+            ckpt.note_schedule_change(meta.config, self.cfg, step, path, self.train_steps)
             ckpt.note_data_change(meta.state, data, path)
         ckpt.load_checkpoint(path, self.model, self.optimizer, self.mesh, self.device)
         self.step, self.consumed_tokens = step, meta.state["consumed_tokens"]
@@ -187,7 +187,7 @@ class Trainer:
             (loss_sum, tokens, flops), moe = values[:3], values[3:len(totals)]
             norm, n, *rank_tokens = values[len(totals):len(values) - len(stop)]
             preempt = values[-1] if len(stop) else None
-            lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
+            lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps, self.train_steps)
             skipped = self.nonfinite.should_skip(step + 1, loss_sum / n, norm)
             if not skipped:
                 set_lr(self.optimizer, lr)

@@ -15,6 +15,7 @@ from megalm.config import ramp_batch_sizes
 from megalm.data.steps import GlobalBatchSteps
 from megalm.errors import CheckpointError, ConfigError
 from megalm.training.metrics import format_line, read_metrics
+from megalm.training.optim import lr_at
 from megalm.training.trainer import Trainer
 from megalm.training.validation import validate_run
 from tests.conftest import compose_config
@@ -64,9 +65,11 @@ def test_without_a_ramp_step_s_takes_the_samples_after_s_batches():
 
 def test_the_ramp_s_steps_train_as_the_smaller_batches_they_are(tmp_path):
     """Step 1 of the ramp (4 samples of the 12) is step 1 of a run of global batch 4, to the bit: the same samples,
-    micro-batches, loss and update."""
-    ramp = Trainer(compose_config(*RAMP), tmp_path / "ramp")
-    small = Trainer(compose_config(*RAMP[:2], "trainer.global_batch_size=4"), tmp_path / "small")
+    micro-batches, loss and update (at a constant learning rate: the ramp's schedule counts samples in batches of
+    12, test_optim.py)."""
+    constant = ["optim.schedule=constant", "optim.warmup_steps=0"]
+    ramp = Trainer(compose_config(*RAMP, *constant), tmp_path / "ramp")
+    small = Trainer(compose_config(*RAMP[:2], *constant, "trainer.global_batch_size=4"), tmp_path / "small")
     assert ramp.step_sample_ids(0) == small.step_sample_ids(0) == range(0, 4)
     assert [len(ramp.step_sample_ids(s)) for s in range(5)] == [4, 4, 8, 12, 12]
     a, b = ramp.train_step(0), small.train_step(0)
@@ -87,6 +90,10 @@ def test_a_resume_inside_the_ramp_continues_it(tmp_path):
     records = read_metrics(tmp_path / "straight")
     assert [r["global_batch_size"] for r in records] == [4, 4, 8, 12, 12]
     assert "| batch 8 |" in format_line(records[2], 5)
+    # the trainer's schedule counts samples under the ramp (test_optim.py checks that clock against Megatron-Core's)
+    cfg, ramp = compose_config(*RAMP, *steps), GlobalBatchSteps(12, [4, 4, 16])
+    assert [r["lr"] for r in records] == [lr_at(s, cfg.optim, 5, ramp) for s in range(5)]
+    assert [r["lr"] for r in records] != [lr_at(s, cfg.optim, 5) for s in range(5)]
 
 
 def test_a_resume_with_another_ramp_is_refused(tmp_path):

@@ -373,10 +373,11 @@ def check_same_data_order(saved: dict[str, Any], current: dict[str, Any], path: 
 SCHEDULE_KEYS = ("lr", "min_lr", "schedule", "warmup_steps", "decay_steps", "wsd_decay_fraction")
 
 
-def note_schedule_change(saved: dict[str, Any], current: Any, step: int, path: Path) -> None:
+def note_schedule_change(saved: dict[str, Any], current: Any, step: int, path: Path, batches: Any = None) -> None:
     """One warning line when this run's learning-rate schedule (the optim keys `lr_at` reads, trainer.max_steps)
     differs from the checkpoint's, with the learning rate of the next step under each: a resume continues this run's
-    curve (a longer max_steps re-stretches a cosine; the jump was not said)."""
+    curve (a longer max_steps re-stretches a cosine; the jump was not said). `batches`: the run's steps, whose ramp
+    (a resume keeps it: the data order) the schedule counts in samples."""
     was_optim, was_max = saved.get("optim", {}), saved.get("trainer", {}).get("max_steps")
     now_optim, now_max = current.optim, current.trainer.max_steps
     diffs = [f"optim.{k}={was_optim[k]} (this run: {getattr(now_optim, k)})" for k in SCHEDULE_KEYS
@@ -385,7 +386,8 @@ def note_schedule_change(saved: dict[str, Any], current: Any, step: int, path: P
         diffs.append(f"trainer.max_steps={was_max} (this run: {now_max})")
     if diffs:
         as_saved = SimpleNamespace(**{k: was_optim.get(k, getattr(now_optim, k)) for k in SCHEDULE_KEYS})
-        was_lr, now_lr = lr_at(step, as_saved, was_max or now_max), lr_at(step, now_optim, now_max)
+        was_lr = lr_at(step, as_saved, was_max or now_max, batches)
+        now_lr = lr_at(step, now_optim, now_max, batches)
         log.warning(f"checkpoint {path} was trained with {', '.join(diffs)}: step {step + 1} runs at learning rate "
                     f"{now_lr:.4g} on this run's schedule, {was_lr:.4g} on the checkpoint's; set them back to "
                     "continue its curve")
