@@ -401,6 +401,7 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
                           f"against at least {SPIKE_MIN_HISTORY} steps' losses (trainer.spike_zscore=0 turns spike "
                           "reports off)")
     positive(cfg.parallel.timeout_minutes, "parallel.timeout_minutes")
+    positive(t.exit_duration_minutes, "trainer.exit_duration_minutes")
     timeout = cfg.parallel.timeout_minutes
     for key in ("hang_minutes", "init_hang_minutes"):  # the two watchdogs: steps, and joining the job
         minutes = getattr(t, key)

@@ -295,6 +295,9 @@ class TrainerConfig:
     """torch's CPU threads; None: torch's default."""
     preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     """On these signals: finish the step, save, exit 75 (requeue me); [] leaves the signals' default actions."""
+    exit_duration_minutes: float | None = None
+    """Stop as on a preemption signal (save, exit 75) after the first step that ends this many minutes after the
+    trainer started, on any rank's clock (Megatron-LM's --exit-duration-in-mins); null: no time limit."""
     nonfinite: NonFinite = NonFinite.skip
     """A step whose loss or grad norm is inf/NaN skips its update, or ends the run."""
     max_consecutive_skips: int = 10

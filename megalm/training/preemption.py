@@ -9,6 +9,12 @@ that evaluated or saved (`agreed_now`: a signal during a save is not left for th
 after the same step. The run then saves and the process exits with `REQUEUE_EXIT_CODE` (EX_TEMPFAIL, "try
 again"): the Slurm templates (scripts/slurm/) requeue the job on it, and the next launch resumes from that
 checkpoint with `trainer.resume=auto`, exactly.
+
+A time limit stops the run the same way (`trainer.exit_duration_minutes`, Megatron-LM's --exit-duration-in-mins):
+once that many minutes have passed since the trainer started, on any rank's clock, every rank stops after the same
+step, saves and exits for a requeue, which suits a scheduler that kills a job at its time limit and sends no signal
+first (or one whose save would not fit between the signal and the kill). It rides on the same flag, so it adds no
+collective and no host sync to a step.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from types import FrameType
@@ -97,13 +104,17 @@ def unread_shutdown_timeout() -> str | None:
 class Preemption:
     """Catches the preemption signals while a run trains (a context manager) and agrees on stopping."""
 
-    def __init__(self, names: list[str], device: torch.device, distributed: bool) -> None:
+    def __init__(self, names: list[str], device: torch.device, distributed: bool,
+                 exit_minutes: float | None = None) -> None:
         """Installs the handlers at once (a job preempted while it loads data, builds the model or resumes stops
         after its first step, requeued too); leaving the `with` block (the end of `Trainer.fit`), or this object
-        being collected, gives the signals back their previous handlers."""
+        being collected, gives the signals back their previous handlers. `exit_minutes`: stop too once that many
+        minutes have passed since now (`trainer.exit_duration_minutes`; None: no time limit)."""
         self.signals = signal_numbers(names)
         self.device, self.distributed = device, distributed
         self.received: signal.Signals | None = None
+        self.exit_minutes, self.started = exit_minutes, time.monotonic()
+        self.watching = bool(self.signals) or exit_minutes is not None  # whether there is anything to agree on
         self._installed: dict[signal.Signals, Callable] = {}
         self._install()
         weakref.finalize(self, _restore, self._installed)
@@ -140,35 +151,49 @@ class Preemption:
     def __exit__(self, *exc) -> None:
         _restore(self._installed)
 
+    def minutes(self) -> float:
+        """Minutes since the trainer started (this object was made)."""
+        return (time.monotonic() - self.started) / 60
+
+    def due(self) -> bool:
+        """Whether this process asks to stop: a signal came, or the time limit has passed on its clock."""
+        return self.received is not None or (self.exit_minutes is not None and self.minutes() >= self.exit_minutes)
+
     def log_stop(self, step: int, checkpoint: object) -> None:
-        who = self.received.name if self.received is not None else "a signal to another rank"
-        log.warning(f"preempted by {who}: saved {checkpoint} at step {step}; exiting with {REQUEUE_EXIT_CODE} for "
-                    "the launcher to requeue the run")
+        if self.received is not None:
+            why = f"preempted by {self.received.name}"
+        elif self.due():
+            why = f"trainer.exit_duration_minutes={self.exit_minutes:g} reached ({self.minutes():.1f} minutes in)"
+        else:
+            why = "stopped by another rank (a preemption signal or trainer.exit_duration_minutes on its clock)"
+        log.warning(f"{why}: saved {checkpoint} at step {step}; exiting with {REQUEUE_EXIT_CODE} for the launcher to "
+                    "requeue the run")
 
     def reduced_flag(self) -> torch.Tensor:
-        """Whether any rank has received a preemption signal, max-reduced over every rank on the device (collective
-        when distributed: every rank calls it at the same point of its step), for the step's one host read: a float64
-        tensor of one element, or of none when there is nothing to agree on (one process, or no signals caught).
+        """Whether any rank asks to stop (`due`: a signal, or the time limit), max-reduced over every rank on the
+        device (collective when distributed: every rank calls it at the same point of its step), for the step's one
+        host read: a float64 tensor of one element, or of none when there is nothing to agree on (one process, or no
+        signals caught and no time limit).
         Read on its own after the step, it cost every step a second host sync, which kept the host from queueing the
         next step's kernels."""
-        if not self.distributed or not self.signals:
+        if not self.distributed or not self.watching:
             return torch.zeros(0, dtype=torch.float64, device=self.device)
         # a kernel, no copy to wait on; on the device: NCCL reduces no CPU tensors
-        flag = torch.full((1,), float(self.received is not None), dtype=torch.float64, device=self.device)
+        flag = torch.full((1,), float(self.due()), dtype=torch.float64, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag
 
     def requested(self, reduced: float | None) -> bool:
         """Whether to stop: `reduced`, the step's read of `reduced_flag()`, where the ranks agree; else this
-        process's own signal."""
-        if not self.distributed or not self.signals:
-            return self.received is not None
+        process's own `due`."""
+        if not self.distributed or not self.watching:
+            return self.due()
         if reduced is None:
             raise ValueError("a distributed run agrees on preemption: pass the step's read of reduced_flag()")
         return bool(reduced)
 
     def agreed_now(self) -> bool:
-        """Whether any rank has received a signal, agreed now (collective, and a host sync: only at a step boundary
+        """Whether any rank asks to stop, agreed now (collective, and a host sync: only at a step boundary
         where every rank waited anyway, after an evaluation or a save)."""
         flag = self.reduced_flag()
-        return bool(flag.item()) if flag.numel() else self.received is not None
+        return bool(flag.item()) if flag.numel() else self.due()

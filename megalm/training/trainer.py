@@ -56,7 +56,8 @@ class Trainer:
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
         self.device = select_device(cfg.trainer.device)
-        self.preemption = Preemption(cfg.trainer.preempt_signals, self.device, distributed=False)
+        self.preemption = Preemption(cfg.trainer.preempt_signals, self.device, distributed=False,
+                                     exit_minutes=cfg.trainer.exit_duration_minutes)
         self.run_dir = Path(run_dir)
         # Joining the job is watched too: a rank stuck in the rendezvous or in building the groups is reported
         # (and exits 124 for the launcher to restart) within trainer.init_hang_minutes, not at the group timeout.

@@ -18,6 +18,7 @@ import torch
 from megalm.errors import ConfigError
 from megalm.training.preemption import REQUEUE_EXIT_CODE, Preemption, _live, signal_numbers
 from megalm.training.trainer import Trainer
+from megalm.training.validation import validate_run
 from tests.conftest import TINY, compose_config
 
 STEPS = 8
@@ -120,6 +121,41 @@ def test_a_run_that_ended_catches_no_more_signals():
 def test_no_signal_no_preemption(tmp_path):
     summary = Trainer(compose_config("trainer.max_steps=2", "trainer.preempt_signals=[]"), tmp_path).fit()
     assert not summary.preempted and summary.steps == 2
+
+
+def test_a_time_limit_stops_like_a_preemption_and_the_resumed_run_repeats_the_losses(tmp_path):
+    """trainer.exit_duration_minutes (Megatron-LM's --exit-duration-in-mins): the step during which the limit passes
+    finishes, the run saves and stops as a preempted one (exit 75 for a requeue), and the resumed run repeats the
+    uninterrupted losses. The clock is moved past the limit during step 3 (the trainer's start, set back an hour)."""
+    limit = ["trainer.exit_duration_minutes=30", f"trainer.max_steps={STEPS}"]
+    straight = Trainer(compose_config(*limit), tmp_path / "straight").fit()
+    assert not straight.preempted and straight.steps == STEPS  # an hour under the limit: no stop
+    first = Trainer(compose_config(*limit), tmp_path / "run")
+    train_step = first.train_step
+
+    def late(step: int):
+        if step == 2:
+            first.preemption.started -= 3600
+        return train_step(step)
+
+    first.train_step = late
+    summary = first.fit()
+    assert summary.preempted and summary.steps == 3 and summary.checkpoint.name == "step_00000003"
+    resumed = Trainer(compose_config(*limit), tmp_path / "run")
+    assert resumed.step == 3
+    rest = resumed.fit()
+    assert not rest.preempted and summary.losses + rest.losses == straight.losses
+
+
+def test_a_time_limit_that_passes_in_the_first_step_stops_after_it(tmp_path, caplog):
+    """At a real clock: 6 ms pass in the first step of any model (and without signals to catch)."""
+    overrides = ["trainer.exit_duration_minutes=0.0001", "trainer.preempt_signals=[]", f"trainer.max_steps={STEPS}"]
+    with caplog.at_level("WARNING", logger="megalm"):
+        summary = Trainer(compose_config(*overrides), tmp_path).fit()
+    assert summary.preempted and summary.steps == 1 and summary.checkpoint.name == "step_00000001"
+    assert "trainer.exit_duration_minutes=0.0001 reached" in caplog.text
+    with pytest.raises(ConfigError, match=r"trainer.exit_duration_minutes=0.0 must be a finite number > 0"):
+        validate_run(compose_config("trainer.exit_duration_minutes=0"), world_size=1)
 
 
 def test_signal_names_are_checked():
