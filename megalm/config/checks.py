@@ -367,6 +367,33 @@ def ramp_batch_sizes(global_batch_size: int, rampup: Sequence[int] | None) -> li
     return [size for _, _, size in ramp_phases(global_batch_size, rampup)]
 
 
+def steps_for_samples(global_batch_size: int, rampup: Sequence[int] | None, samples: int) -> int:
+    """The steps that consume `samples` samples at this global batch size and ramp-up (the last step may take more)."""
+    phases = ramp_phases(global_batch_size, rampup)
+    for (first_step, first_sample, size), (_, ends, _) in zip(phases, [*phases[1:], (0, math.inf, 0)], strict=True):
+        if samples <= ends:
+            return first_step + -(-(samples - first_sample) // size)
+    raise AssertionError("the last phase never ends")
+
+
+def resolve_train_samples(t: TrainerConfig) -> None:
+    """`trainer.train_samples` (Megatron-LM's --train-samples) as `trainer.max_steps`: the steps that consume them,
+    the ramp-up's smaller batches counted. Idempotent: a resolved config (its max_steps derived) passes again."""
+    if t.train_samples is None:
+        return
+    positive(t.train_samples, "trainer.train_samples")
+    if t.tokens_per_step is not None:
+        raise ConfigError("trainer.train_samples counts steps of trainer.global_batch_size, which "
+                          "trainer.tokens_per_step replaces; set trainer.max_steps instead")
+    if t.rampup_batch_size is not None:
+        ramp_values(t.rampup_batch_size, t.global_batch_size)
+    steps = steps_for_samples(t.global_batch_size, t.rampup_batch_size, t.train_samples)
+    if t.max_steps not in (steps, schema_default(TrainerConfig, "max_steps")):
+        raise ConfigError(f"trainer.train_samples={t.train_samples} sets the run's length ({steps} steps), and "
+                          f"trainer.max_steps={t.max_steps} sets it too; drop one of the two")
+    t.max_steps = steps
+
+
 def validate(cfg: MegalmConfig) -> MegalmConfig:
     """Check the cross-field rules of the model, trainer, optim, data and logging sections; fill derived
     defaults. Returns the same (mutated) config."""
@@ -383,6 +410,7 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
                     "not used")
 
     t = cfg.trainer
+    resolve_train_samples(t)
     for key in ("max_steps", "global_batch_size", "micro_batch_size", "log_interval", "eval_iters", "keep_last"):
         positive(getattr(t, key), f"trainer.{key}")
     for key in ("eval_interval", "save_interval", "gc_interval"):

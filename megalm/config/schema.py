@@ -260,6 +260,9 @@ class TrainerConfig:
 
     max_steps: int = 300
     """Optimizer steps of the run; the learning-rate schedule spans them."""
+    train_samples: int | None = None
+    """Train on this many samples instead (Megatron-LM's --train-samples): max_steps becomes the steps that consume
+    them, a batch ramp-up's smaller steps counted (the last step may take more); leave max_steps unset beside it."""
     global_batch_size: int = 12
     """Samples per optimizer step (unless tokens_per_step is set)."""
     rampup_batch_size: list[int] | None = None

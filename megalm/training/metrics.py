@@ -254,4 +254,7 @@ def run_lines(trainer: Any) -> list[str]:
              f"({'varlen' if cfg.data.varlen else 'packed'}) | run dir {trainer.run_dir}"]
     if cfg.trainer.rampup_batch_size:  # (refused beside trainer.tokens_per_step)
         lines.append(trainer.train_steps.describe())
+    if cfg.trainer.train_samples:
+        lines.append(f"trainer.train_samples={cfg.trainer.train_samples}: {cfg.trainer.max_steps} steps, "
+                     f"{trainer.train_steps.start(cfg.trainer.max_steps)} samples")
     return lines

@@ -160,3 +160,31 @@ def test_the_estimate_prices_the_steps_after_the_ramp(capsys):
     # the ramp's sizes are checked against the layout first, as megalm-train checks them
     assert estimate.main([*run[:-3], "parallel.dp=4", "--world", "4", "trainer.rampup_batch_size=[2,2,100]"]) == 2
     assert "takes a global batch of 2, not divisible by micro_batch_size*dp=1*4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rampup", [None, [4, 4, 16], [4, 2, 4], [2, 2, 100]])
+def test_train_samples_sets_the_steps_that_consume_them(rampup):
+    """trainer.train_samples (Megatron-LM's --train-samples): max_steps becomes the first step count whose samples
+    reach it, counted step by step over the ramp; the resolved config passes the check again (a saved one does)."""
+    for samples in (1, 11, 12, 13, 40, 41, 500):
+        ramp = [f"trainer.rampup_batch_size=[{','.join(map(str, rampup))}]"] if rampup else []
+        cfg = validate_run(compose_config(*RAMP[:2], *ramp, f"trainer.train_samples={samples}"))
+        steps = GlobalBatchSteps(12, rampup)
+        counted = next(n for n in range(1, 1000) if steps.start(n) >= samples)
+        assert cfg.trainer.max_steps == counted, (samples, rampup)
+        assert validate_run(cfg).trainer.max_steps == counted
+
+
+def test_train_samples_runs_and_is_refused_beside_another_length(tmp_path, caplog):
+    with caplog.at_level("INFO", logger="megalm"):
+        summary = Trainer(compose_config(*RAMP, "trainer.train_samples=29"), tmp_path).fit()
+    assert summary.steps == 5 and summary.tokens == (4 + 4 + 8 + 12 + 12) * 32  # 28 samples after 4 steps, 40 after 5
+    assert "trainer.train_samples=29: 5 steps, 40 samples" in caplog.text
+    with pytest.raises(ConfigError, match=r"trainer.train_samples=29 sets the run's length \(5 steps\), and "
+                                          r"trainer.max_steps=6 sets it too; drop one of the two"):
+        validate_run(compose_config(*RAMP, "trainer.train_samples=29", "trainer.max_steps=6"))
+    with pytest.raises(ConfigError, match="trainer.train_samples counts steps of trainer.global_batch_size, which "
+                                          "trainer.tokens_per_step replaces"):
+        validate_run(compose_config("data.varlen=true", "trainer.tokens_per_step=64", "trainer.train_samples=30"))
+    with pytest.raises(ConfigError, match=r"trainer.train_samples=0 must be a finite number > 0"):
+        validate_run(compose_config("trainer.train_samples=0"))
