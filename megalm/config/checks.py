@@ -430,6 +430,7 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
                           "reports off)")
     positive(cfg.parallel.timeout_minutes, "parallel.timeout_minutes")
     positive(t.exit_duration_minutes, "trainer.exit_duration_minutes")
+    non_negative(cfg.parallel.flight_recorder_entries, "parallel.flight_recorder_entries", "turns the recorder off")
     timeout = cfg.parallel.timeout_minutes
     for key in ("hang_minutes", "init_hang_minutes"):  # the two watchdogs: steps, and joining the job
         minutes = getattr(t, key)

@@ -418,6 +418,10 @@ class ParallelConfig:
     timeout_minutes: float | None = None
     """The collective timeout; None: 5 minutes past the later of trainer.hang_minutes and trainer.init_hang_minutes
     (torch's default if both are 0)."""
+    flight_recorder_entries: int = 20000
+    """torch's flight recorder: each process keeps its last this many collectives, which the hang watchdog dumps to
+    RUN_DIR/hang-rankR.flight.json (`python -m megalm.parallel.flight_recorder RUN_DIR` compares the ranks'); 0 off.
+    A TORCH_FR_BUFFER_SIZE in the environment wins."""
 
 
 @dataclass

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megalm.errors import ConfigError
+from megalm.parallel.flight_recorder import record_collectives
 from megalm.parallel.progress import Progress
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # slowest to fastest
@@ -146,6 +147,12 @@ class ParallelMesh:
     def is_distributed(self) -> bool:
         return self.mesh is not None
 
+    def groups(self) -> dict[str, dist.ProcessGroup | None]:
+        """This rank's groups by role (None where the layout has none)."""
+        return {"tp": self.tp_group, "cp": self.cp_group, "dp": self.dp_group, "pp": self.pp_group,
+                "dp_cp": self.dp_cp_group, "embedding": self.embedding_group, "ep": self.ep_group,
+                "expert_dp": self.expert_dp_group}
+
     @property
     def is_logging_rank(self) -> bool:
         """Rank 0 prints and writes metrics; every other rank stays quiet."""
@@ -158,20 +165,23 @@ class ParallelMesh:
 
 
 def init_distributed(device: torch.device, timeout_minutes: float | None = None,
-                     host_collectives: bool = False) -> tuple[int, int]:
+                     host_collectives: bool = False, flight_recorder_entries: int = 0) -> tuple[int, int]:
     """Join the torchrun job if there is one (env:// rendezvous). Returns (rank, world_size).
 
     On CUDA the group is NCCL, bound to this rank's GPU (LOCAL_RANK); on CPU it is gloo. A group someone
     else already initialised (a test launcher, a notebook) is used as it is. `timeout_minutes`
     (`parallel.timeout_minutes`): how long a collective may wait before it fails; None keeps torch's default.
     `host_collectives` (`parallel.fsdp_cpu_offload`: gradients and the optimizer step on the host) adds gloo for
-    CPU tensors beside NCCL, which takes only CUDA ones (TorchTitan does the same).
+    CPU tensors beside NCCL, which takes only CUDA ones (TorchTitan does the same). `flight_recorder_entries`
+    (`parallel.flight_recorder_entries`): torch's record of each process's last collectives, for hang reports
+    (megalm/parallel/flight_recorder.py); 0 leaves it as the environment has it.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return 0, 1
+    record_collectives(flight_recorder_entries)  # read when the groups are made
     timeout = {"timeout": datetime.timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
     store = _attempt_store(world_size, timeout.get("timeout"))
     join = {"store": store, "rank": int(os.environ["RANK"]), "world_size": world_size} if store is not None else {}

@@ -63,7 +63,8 @@ class Trainer:
         # (and exits 124 for the launcher to restart) within trainer.init_hang_minutes, not at the group timeout.
         with joining_watchdog(cfg.trainer.init_hang_minutes, self.run_dir) as joining:
             rank, world_size = (mesh.rank, mesh.dims.world_size) if mesh is not None else init_distributed(
-                self.device, process_group_minutes(cfg), cfg.parallel.fsdp_cpu_offload)
+                self.device, process_group_minutes(cfg), cfg.parallel.fsdp_cpu_offload,
+                cfg.parallel.flight_recorder_entries)
             # a resolved copy (precision=auto: this device); its warnings said by rank 0 alone, as every rank has them
             self.cfg = cfg = validate_run(cfg, world_size, self.device, warn=rank == 0)
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -95,7 +96,7 @@ class Trainer:
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, cfg.trainer.max_consecutive_skips)
         self.spikes = SpikeDetector(cfg.trainer.spike_window, cfg.trainer.spike_zscore)
         self.watchdog = Watchdog(cfg.trainer.hang_minutes * 60, self.mesh.rank, self.run_dir,
-                                 progress=self.mesh.progress)
+                                 progress=self.mesh.progress, groups=self.mesh.groups())
         self._maybe_resume()
         self.peak = peak_flops(self.device, cfg.precision.name)
 

@@ -7,7 +7,9 @@ rank nor the action. The trainer beats this watchdog after every step, evaluatio
 the last micro-batch, pipeline action and collective its parallel code noted in the mesh's `Progress`
 (megalm/parallel/progress.py), plus the Python stacks of its threads, writes the line to RUN_DIR/hang-rankR.txt,
 and exits with `HANG_EXIT_CODE` so that torchrun (`--max-restarts`) or the scheduler restarts the job from its last
-checkpoint. The rank whose report differs from the others' is the one to look at.
+checkpoint. The rank whose report differs from the others' is the one to look at. In a distributed run it also writes
+torch's flight recorder (RUN_DIR/hang-rankR.flight.json: the rank's last collectives, numbered per process group),
+which `python -m megalm.parallel.flight_recorder RUN_DIR` compares across ranks (megalm/parallel/flight_recorder.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from megalm.parallel.flight_recorder import dump, group_names
 from megalm.parallel.progress import Progress
 
 log = logging.getLogger("megalm")
@@ -43,10 +47,13 @@ class Watchdog:
     """`with Watchdog(...)`: a daemon thread checks the last `beat()`; `timeout_s` <= 0 turns it off."""
 
     def __init__(self, timeout_s: float, rank: int, run_dir: Path, exit: Callable[[int], None] = os._exit,
-                 progress: Progress | None = None, setting: str = "trainer.hang_minutes") -> None:
+                 progress: Progress | None = None, setting: str = "trainer.hang_minutes",
+                 groups: dict[str, Any] | None = None) -> None:
         self.timeout_s, self.rank, self.run_dir, self._exit = timeout_s, rank, Path(run_dir), exit
         self.setting = setting  # the config key of `timeout_s`, named in the report
         self.progress = progress or Progress()  # the rank's record (`mesh.progress`), written by its parallel code
+        # a distributed run's groups by role (`ParallelMesh.groups()`): torch's flight recorder is dumped with them
+        self.groups = None if groups is None else group_names(groups)  # (None for one process)
         self.last_beat = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -91,7 +98,20 @@ class Watchdog:
             (self.run_dir / f"hang-rank{self.rank}.txt").write_text(line + "\n")
         except OSError as e:
             print(f"hang report not written to {self.run_dir}: {e}", file=sys.stderr, flush=True)
+        if self.groups is not None:
+            self._dump_flight_recorder()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         print(f"exiting with {HANG_EXIT_CODE} so that the launcher restarts the run from its last checkpoint",
               file=sys.stderr, flush=True)
         self._exit(HANG_EXIT_CODE)
+
+    def _dump_flight_recorder(self) -> None:
+        """torch's record of this rank's last collectives, beside the report (megalm/parallel/flight_recorder.py)."""
+        try:
+            written = dump(self.run_dir / f"hang-rank{self.rank}.flight.json", self.rank, self.groups)
+        except (OSError, RuntimeError, ValueError) as e:
+            print(f"flight recorder not written to {self.run_dir}: {e}", file=sys.stderr, flush=True)
+            return
+        if written is not None:
+            print(f"flight recorder: {written}; `python -m megalm.parallel.flight_recorder {self.run_dir}` compares "
+                  "the ranks' files", file=sys.stderr, flush=True)

@@ -4,19 +4,23 @@ report where they were and exit with HANG_EXIT_CODE instead of waiting for the p
 from __future__ import annotations
 
 import multiprocessing
+import re
 import time
 
 import pytest
 import torch.distributed as dist
 
+from megalm.parallel import flight_recorder
 from megalm.training.watchdog import HANG_EXIT_CODE, Watchdog
 from tests.dist.launch import free_port
 
 
 def _hanging_rank(rank: int, world_size: int, port: int, run_dir: str) -> None:
+    from megalm.parallel.flight_recorder import record_collectives
     from megalm.training.trainer import Trainer
     from tests.conftest import compose_config
 
+    record_collectives(compose_config().parallel.flight_recorder_entries)  # as init_distributed does, at the default
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     trainer = Trainer(compose_config("parallel.dp=2", "trainer.max_steps=6", "trainer.hang_minutes=0.05",
                                      "trainer.preempt_signals=[]"), run_dir)
@@ -55,6 +59,15 @@ def test_both_ranks_report_where_they_hang_and_exit(tmp_path):
     # rank 0 waits inside step 3's first collective; rank 1 never reached it: its last one closed step 2
     assert "collective: all_reduce (loss-token count) over 2 ranks" in reports[0], reports[0]
     assert "collective: - (step 2's last: all_reduce (step totals) over 2 ranks)" in reports[1], reports[1]
+    # torch's flight recorder, dumped by both watchdogs and compared: rank 1 never entered the dp group's collective
+    # that rank 0 waits in (its sequence number one past rank 1's last)
+    lines = flight_recorder.compare(flight_recorder.read_dumps(tmp_path))
+    assert lines[0] == "flight recorder: look at rank(s) [1] (2 rank(s) dumped)", lines
+    behind = [line for line in lines if "never entered it" in line]
+    assert len(behind) == 1 and "ranks [0] entered #" in behind[0] and "all_reduce" in behind[0], lines
+    ahead, short = (int(n) for n in re.findall(r"#(\d+)", behind[0])[:2])
+    assert ahead == short + 1 and re.match(r"the [\w=]*\bdp\b[\w=]* group", behind[0]), behind[0]
+    assert flight_recorder.main([str(tmp_path)]) == 0
 
 
 def test_beats_keep_it_quiet_and_silence_fires_once(tmp_path):
