@@ -31,6 +31,7 @@ from megalm.config.choices import (
     PositionEmbedding,
     RouterScore,
     WandbMode,
+    WSDDecayStyle,
 )
 from megalm.config.schema import (
     MegalmConfig,
@@ -466,6 +467,7 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
     o = cfg.optim
     choice(o.name, "optim.name", OptimizerName)
     choice(o.schedule, "optim.schedule", LRSchedule)
+    choice(o.wsd_decay_style, "optim.wsd_decay_style", WSDDecayStyle)
     choice(o.implementation, "optim.implementation", OptimizerImplementation)
     positive(o.lr, "optim.lr")
     if not 0 <= o.min_lr <= o.lr:  # NaN fails it too
@@ -479,14 +481,15 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
         log.warning(f"optim.warmup_steps={o.warmup_steps} >= trainer.max_steps={t.max_steps}: the learning rate "
                     f"warms up for the whole run (it ends at {t.max_steps / o.warmup_steps:.0%} of "
                     f"optim.lr={o.lr}) and never decays")
-    if o.schedule != "wsd" and o.wsd_decay_fraction != schema_default(OptimConfig, "wsd_decay_fraction"):
-        log.warning(f"optim.wsd_decay_fraction={o.wsd_decay_fraction} is read by the wsd schedule only: "
-                    f"optim.schedule={o.schedule} " + ("does not decay" if o.schedule == "constant" else
-                                                       "decays over optim.decay_steps (null: to trainer.max_steps)"))
-    if o.decay_steps is not None and o.schedule in ("wsd", "constant"):
+    decays = {"constant": "does not decay", "inverse_sqrt": "decays as the inverse square root of the step",
+              "wsd": "decays over optim.wsd_decay_fraction of the run"}.get(
+        str(o.schedule), "decays over optim.decay_steps (null: to trainer.max_steps)")
+    if o.schedule != "wsd" and (unread := set_away_from_default(o, OptimConfig, ["wsd_decay_fraction",
+                                                                                "wsd_decay_style"])):
+        log.warning(f"optim.{unread[0]} is read by the wsd schedule only: optim.schedule={o.schedule} {decays}")
+    if o.decay_steps is not None and o.schedule not in ("cosine", "linear"):
         log.warning(f"optim.decay_steps={o.decay_steps} is read by the cosine and linear schedules only: "
-                    f"optim.schedule={o.schedule} " + ("decays over optim.wsd_decay_fraction of the run"
-                                                       if o.schedule == "wsd" else "does not decay"))
+                    f"optim.schedule={o.schedule} {decays}")
     for key in ("beta1", "beta2"):
         fraction(getattr(o, key), f"optim.{key}")
     positive(o.eps, "optim.eps")

@@ -103,6 +103,16 @@ class LRSchedule(Choice):
     wsd = "wsd"
     linear = "linear"
     constant = "constant"
+    inverse_sqrt = "inverse_sqrt"
+
+
+class WSDDecayStyle(Choice):
+    """The shape of the wsd schedule's decay (Megatron-LM's --lr-wsd-decay-style)."""
+
+    linear = "linear"
+    cosine = "cosine"
+    exponential = "exponential"
+    minus_sqrt = "minus_sqrt"
 
 
 class OptimizerImplementation(Choice):

@@ -38,6 +38,7 @@ from megalm.config.choices import (
     RopeScaling,
     RouterScore,
     WandbMode,
+    WSDDecayStyle,
 )
 from megalm.errors import ConfigError
 
@@ -239,13 +240,17 @@ class OptimConfig:
     eps: float = 1e-8
     """AdamW's denominator epsilon."""
     schedule: LRSchedule = LRSchedule.cosine
-    """cosine | wsd (warmup-stable-decay) | linear | constant, after warmup."""
+    """cosine | wsd (warmup-stable-decay) | linear | constant | inverse_sqrt (lr·√(warmup/step), down to min_lr),
+    after warmup."""
     warmup_steps: int = 20
     """Linear warmup from 0 to lr over this many steps (global batches of samples under trainer.rampup_batch_size)."""
     decay_steps: int | None = None
     """cosine/linear: steps from the end of warmup to min_lr; None: to trainer.max_steps."""
     wsd_decay_fraction: float = 0.2
-    """wsd: the last fraction of trainer.max_steps decays linearly to min_lr."""
+    """wsd: the last fraction of trainer.max_steps decays to min_lr."""
+    wsd_decay_style: WSDDecayStyle = WSDDecayStyle.linear
+    """wsd: the decay's shape, as Megatron-LM's --lr-wsd-decay-style: linear | cosine | exponential | minus_sqrt
+    (1 - √progress, the cooldown Hägele et al. 2024 found best)."""
     implementation: OptimizerImplementation = OptimizerImplementation.auto
     """auto | fused (one kernel per step) | foreach: torch's AdamW kernel; triton: megalm's one pass over the fp32
     main weights that also writes the bf16 working copies (bf16 working weights or ZeRO-1; CUDA, or a CPU under

@@ -7,9 +7,12 @@ beyond the step counter and a resumed run follows exactly the curve of one that 
   step runs at min_lr), then min_lr.
 - linear: linear warmup, then linear decay to min_lr, likewise.
 - wsd: warmup-stable-decay (Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond
-  Fixed Training Durations"): warmup, constant lr, then a linear decay to min_lr over the last
-  `wsd_decay_fraction` of the run.
+  Fixed Training Durations"): warmup, constant lr, then a decay to min_lr over the last
+  `wsd_decay_fraction` of the run, shaped by `wsd_decay_style` as Megatron-LM's --lr-wsd-decay-style: linear,
+  cosine, exponential (2·0.5^progress − 1), or minus_sqrt (1 − √progress, the cooldown the paper found best).
 - constant: warmup, then lr.
+- inverse_sqrt: warmup, then lr·√(warmup_steps / step), never below min_lr (Vaswani et al. 2017; Megatron's
+  inverse-square-root).
 
 The clock is the step, unless the global batch ramps up (`trainer.rampup_batch_size`): then it is the samples
 consumed, counted in whole global batches, so that warmup_steps, decay_steps and the run's end mean the same samples
@@ -32,6 +35,14 @@ from torch import nn
 from megalm.config import OptimConfig
 from megalm.data.steps import GlobalBatchSteps
 
+# wsd's decay, the fraction of (lr - min_lr) left at a progress through it (0 to 1): Megatron-LM's shapes
+WSD_DECAY: dict[str, Callable[[float], float]] = {
+    "linear": lambda progress: 1.0 - progress,
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
+    "exponential": lambda progress: 2.0 * 0.5 ** progress - 1.0,
+    "minus_sqrt": lambda progress: 1.0 - math.sqrt(progress),
+}
+
 
 def lr_at(step: int, optim: OptimConfig, max_steps: int, batches: Any = None) -> float:
     """Learning rate for the optimizer step with 0-based index `step`. `batches`, the run's steps
@@ -48,6 +59,8 @@ def _lr_at(step: float, optim: OptimConfig, max_steps: float) -> float:
         return optim.lr * (step + 1) / optim.warmup_steps
     if optim.schedule == "constant":
         return optim.lr
+    if optim.schedule == "inverse_sqrt":
+        return max(optim.min_lr, optim.lr * math.sqrt(max(optim.warmup_steps, 1) / (step + 1)))
     if optim.schedule == "wsd":
         decay_steps = max(1, round(optim.wsd_decay_fraction * max_steps))
         decay_start = max(optim.warmup_steps, max_steps - decay_steps)
@@ -55,7 +68,7 @@ def _lr_at(step: float, optim: OptimConfig, max_steps: float) -> float:
             return optim.lr
         # over what is left after warmup: a warmup into the decay window still ends at min_lr
         progress = min(1.0, (step - decay_start + 1) / max(1, max_steps - decay_start))
-        return optim.lr + (optim.min_lr - optim.lr) * progress
+        return optim.min_lr + (optim.lr - optim.min_lr) * WSD_DECAY[optim.wsd_decay_style](progress)
     # from the peak, warmup's last step (or step 0 without warmup), to min_lr on the run's last step: it was a step
     # late (lr twice after warmup, and the last step short of min_lr: 45% of the way on a 20-step linear decay)
     peak = max(optim.warmup_steps - 1, 0)

@@ -188,7 +188,7 @@ def test_bf16_gradient_buckets_are_cast_one_bucket_at_a_time(kernel, copies):
         assert torch.equal(a, b)
 
 
-def megatron_lr(schedule: str, optim: OptimConfig, warmup_samples: int, decay_samples: int, wsd_samples: int,
+def megatron_lr(optim: OptimConfig, warmup_samples: int, decay_samples: int, wsd_samples: int,
                 samples: list[int]) -> list[float]:
     """Megatron-Core's OptimizerParamScheduler, counted in samples (as its batch-size ramp needs) and stepped by each
     step's batch: its learning rate once `samples[i]` samples are consumed."""
@@ -196,9 +196,9 @@ def megatron_lr(schedule: str, optim: OptimConfig, warmup_samples: int, decay_sa
     holder = SimpleNamespace(param_groups=[{}])
     scheduler = core.OptimizerParamScheduler(
         holder, init_lr=0.0, max_lr=optim.lr, min_lr=optim.min_lr, lr_warmup_steps=warmup_samples,
-        lr_decay_steps=decay_samples, lr_decay_style={"wsd": "WSD"}.get(schedule, schedule), start_wd=0.0,
-        end_wd=0.0, wd_incr_steps=1, wd_incr_style="constant", wsd_decay_steps=wsd_samples,
-        lr_wsd_decay_style="linear")
+        lr_decay_steps=decay_samples, start_wd=0.0, end_wd=0.0, wd_incr_steps=1, wd_incr_style="constant",
+        lr_decay_style={"wsd": "WSD", "inverse_sqrt": "inverse-square-root"}.get(optim.schedule, optim.schedule),
+        wsd_decay_steps=wsd_samples, lr_wsd_decay_style=optim.wsd_decay_style)
     rates, consumed = [], 0
     for through in samples:
         scheduler.step(through - consumed)
@@ -207,22 +207,32 @@ def megatron_lr(schedule: str, optim: OptimConfig, warmup_samples: int, decay_sa
     return rates
 
 
-@pytest.mark.parametrize("schedule", ["cosine", "linear", "wsd", "constant"])
-@pytest.mark.parametrize("rampup, warmup", [([2, 2, 24], 3), ([2, 2, 24], 12), ([4, 2, 40], 1), ([4, 4, 8], 5)])
-def test_under_a_ramp_the_schedule_is_megatrons_counted_in_samples(schedule, rampup, warmup):
-    """With trainer.rampup_batch_size the schedule's clock is the samples consumed: each step runs at the learning
-    rate Megatron-Core's scheduler gives for the samples through it, with --lr-warmup-samples = warmup_steps × the
-    global batch and --lr-decay-samples the run's samples (WSD's decay window: wsd_decay_fraction of them, in whole
-    batches). Warmups that end inside the ramp and after it; the ramp's steps take fractions of a batch."""
-    optim = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=warmup, schedule=schedule, wsd_decay_fraction=0.3)
+SCHEDULES = [("cosine", "linear"), ("linear", "linear"), ("constant", "linear"), ("inverse_sqrt", "linear"),
+             *[("wsd", style) for style in ("linear", "cosine", "exponential", "minus_sqrt")]]
+
+
+@pytest.mark.parametrize("schedule, wsd_decay_style", SCHEDULES)
+@pytest.mark.parametrize("rampup, warmup", [(None, 4), ([2, 2, 24], 3), ([2, 2, 24], 12), ([4, 2, 40], 1),
+                                            ([4, 4, 8], 5)])
+def test_each_schedule_is_megatrons_counted_in_samples(schedule, wsd_decay_style, rampup, warmup):
+    """Each schedule and WSD decay shape is Megatron-Core's: without a ramp, step s at Megatron's rate for the
+    (s + 1) global batches through it; with trainer.rampup_batch_size the schedule's clock is the samples consumed,
+    each step at the rate Megatron-Core's scheduler gives for the samples through it, with --lr-warmup-samples =
+    warmup_steps × the global batch and --lr-decay-samples the run's samples (WSD's decay window: wsd_decay_fraction
+    of them, in whole batches). Warmups that end inside the ramp and after it; the ramp's steps take fractions of a
+    batch."""
+    optim = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=warmup, schedule=schedule, wsd_decay_fraction=0.3,
+                        wsd_decay_style=wsd_decay_style)
     batches, max_steps = GlobalBatchSteps(8, rampup), 30
     through = [batches.start(s + 1) for s in range(max_steps)]
     total = through[-1]
     wsd_samples = round(0.3 * total / 8) * 8
     ours = [lr_at(s, optim, max_steps, batches) for s in range(max_steps)]
-    assert ours == pytest.approx(megatron_lr(schedule, optim, warmup * 8, total, wsd_samples, through), abs=1e-12)
-    assert max(ours) <= 1.0 and ours[-1] == pytest.approx(1.0 if schedule == "constant" else 0.1)
-    if schedule != "constant":  # the ramp's clock is not the steps'
+    assert ours == pytest.approx(megatron_lr(optim, warmup * 8, total, wsd_samples, through), abs=1e-12)
+    assert max(ours) <= 1.0 + 1e-12
+    if schedule not in ("constant", "inverse_sqrt"):
+        assert ours[-1] == pytest.approx(0.1)
+    if rampup and schedule != "constant":  # the ramp's clock is not the steps'
         assert ours != pytest.approx([lr_at(s, optim, max_steps) for s in range(max_steps)])
 
 

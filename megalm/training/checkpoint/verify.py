@@ -370,7 +370,7 @@ def check_same_data_order(saved: dict[str, Any], current: dict[str, Any], path: 
                                   "resuming would change the data order — set it back or start a new hydra.run.dir")
 
 
-SCHEDULE_KEYS = ("lr", "min_lr", "schedule", "warmup_steps", "decay_steps", "wsd_decay_fraction")
+SCHEDULE_KEYS = ("lr", "min_lr", "schedule", "warmup_steps", "decay_steps", "wsd_decay_fraction", "wsd_decay_style")
 
 
 def note_schedule_change(saved: dict[str, Any], current: Any, step: int, path: Path, batches: Any = None) -> None:
