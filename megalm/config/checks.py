@@ -24,6 +24,7 @@ from megalm.config.choices import (
     Device,
     DropPolicy,
     LRSchedule,
+    MuonScale,
     NonFinite,
     Norm,
     OptimizerImplementation,
@@ -468,6 +469,12 @@ def validate(cfg: MegalmConfig) -> MegalmConfig:
     choice(o.name, "optim.name", OptimizerName)
     choice(o.schedule, "optim.schedule", LRSchedule)
     choice(o.wsd_decay_style, "optim.wsd_decay_style", WSDDecayStyle)
+    choice(o.muon_scale, "optim.muon_scale", MuonScale)
+    fraction(o.muon_momentum, "optim.muon_momentum")
+    positive(o.muon_ns_steps, "optim.muon_ns_steps")
+    if o.name != "muon" and (unread := set_away_from_default(o, OptimConfig, [
+            "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_scale"])):
+        log.warning(f"optim.{unread[0]} is read by optim.name=muon only: not used")
     choice(o.implementation, "optim.implementation", OptimizerImplementation)
     positive(o.lr, "optim.lr")
     if not 0 <= o.min_lr <= o.lr:  # NaN fails it too

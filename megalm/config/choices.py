@@ -94,6 +94,14 @@ class OptimizerName(Choice):
     """The optimizer."""
 
     adamw = "adamw"
+    muon = "muon"
+
+
+class MuonScale(Choice):
+    """How Muon scales each orthogonalised matrix update of shape (rows, cols)."""
+
+    match_rms_adamw = "match_rms_adamw"
+    original = "original"
 
 
 class LRSchedule(Choice):

@@ -26,6 +26,7 @@ from megalm.config.choices import (
     ForwardFormat,
     GradReduceDtype,
     LRSchedule,
+    MuonScale,
     NonFinite,
     Norm,
     OffloadPolicy,
@@ -226,7 +227,8 @@ class OptimConfig:
     """AdamW and its learning-rate schedule."""
 
     name: OptimizerName = OptimizerName.adamw
-    """adamw (decoupled weight decay, Loshchilov & Hutter)."""
+    """adamw (decoupled weight decay, Loshchilov & Hutter) | muon (the transformer blocks' matrices orthogonalised,
+    AdamW for the rest: megalm/training/muon.py)."""
     lr: float = 1e-3
     """The peak learning rate, reached at the end of warmup."""
     min_lr: float = 1e-4
@@ -251,6 +253,16 @@ class OptimConfig:
     wsd_decay_style: WSDDecayStyle = WSDDecayStyle.linear
     """wsd: the decay's shape, as Megatron-LM's --lr-wsd-decay-style: linear | cosine | exponential | minus_sqrt
     (1 - √progress, the cooldown Hägele et al. 2024 found best)."""
+    muon_momentum: float = 0.95
+    """muon: the momentum of the gradients it orthogonalises."""
+    muon_nesterov: bool = True
+    """muon: Nesterov momentum."""
+    muon_ns_steps: int = 5
+    """muon: Newton-Schulz iterations of the orthogonalisation."""
+    muon_scale: MuonScale = MuonScale.match_rms_adamw
+    """muon: match_rms_adamw scales a (rows, cols) update by 0.2·√max(rows, cols), to an AdamW update's RMS, so that
+    optim.lr and weight_decay serve both optimizers (Liu et al. 2025, Moonlight) | original: √max(1, rows/cols)
+    (Jordan et al. 2024)."""
     implementation: OptimizerImplementation = OptimizerImplementation.auto
     """auto | fused (one kernel per step) | foreach: torch's AdamW kernel; triton: megalm's one pass over the fp32
     main weights that also writes the bf16 working copies (bf16 working weights or ZeRO-1; CUDA, or a CPU under

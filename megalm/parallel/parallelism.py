@@ -62,6 +62,7 @@ from megalm.parallel.expert import apply_expert_parallel, expert_parameters, val
 from megalm.parallel.fsdp import FsdpGrads, apply_fsdp, fsdp_mesh, fsdp_shard_count, validate_fsdp
 from megalm.parallel.fsdp.grads import shard_offset
 from megalm.parallel.hdp.split import HdpSplit, hdp_cost_model, validate_hdp
+from megalm.parallel.matrices import WholeMatrices, whole_matrices
 from megalm.parallel.microbatch import LocalMicroBatch, PaddedContext, Ring, StepShare
 from megalm.parallel.norms import NormShare, scaled_share, share_pairs, weighted_sq_norm
 from megalm.parallel.pipeline.runtime import PipelineRuntime, tied_embedding_copy
@@ -338,6 +339,11 @@ class Parallelism:
             shares = {key: scaled_share(share, (d.ep if key in experts else 1) / domain)
                       for key, share in shares.items()}
         return shares
+
+    def matrices(self) -> dict[int, WholeMatrices]:
+        """The transformer blocks' matrices as whole ones, for an optimizer that updates matrices (optim.name=muon):
+        TP shards gathered over the TP group, fused projections split (megalm/parallel/matrices.py)."""
+        return whole_matrices(self.model, self.cfg.model, self.mesh.tp_group)
 
     def random_seed(self, seed: int) -> int:
         """The seed of this rank's random streams (dropout): one per pipeline stage, `seed + 100 * pp rank` as

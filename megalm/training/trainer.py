@@ -83,7 +83,7 @@ class Trainer:
         if cfg.trainer.compile:
             compile_blocks(self.model, cfg.trainer.compile_backend, self.parallel.inductor_config)
             compile_loss(self.parallel.loss_fn, cfg.trainer.compile_backend)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.parallel.optimizer_factory)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.parallel)
         self.parallel.watch_optimizer(self.optimizer)  # quantized weights: made once per optimizer step
         self.expert_load = ExpertLoad(self.model, cfg.model)  # MoE: load, drops, balancing losses, bias updates
         self.config_dict = config_to_dict(cfg)

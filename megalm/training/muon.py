@@ -1,0 +1,109 @@
+"""Muon for the transformer blocks' matrices, AdamW for the rest: one torch optimizer (`optim.name=muon`).
+
+Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks"; at LLM scale Liu et al. 2025,
+"Muon is Scalable for LLM Training"): keep a momentum M of each matrix's gradient G (M ← μM + (1 − μ)G; Nesterov:
+step along (1 − μ)G + μM), replace it by its orthogonal factor (U·Vᵀ of its SVD, approximated by a quintic
+Newton-Schulz iteration with coefficients (3.4445, −4.7750, 2.0315) on the Frobenius-normalised matrix), scale it per
+matrix, and apply it with decoupled weight decay: W ← W(1 − lr·wd) − lr·s·O, s = 0.2·√max(rows, cols) (Moonlight's,
+the RMS of an AdamW update, so that one lr and weight decay serve both) or √max(1, rows/cols) (the original). The
+embedding, the output layer, the router, norms and biases step with AdamW, as the authors do.
+
+Hand-written beside torch.optim.Muon (torch 2.9+) for two reasons. It orthogonalises the tensors it is given, and a
+TP shard, or q, k and v fused in one projection, are not the matrices: megalm/parallel/matrices.py gathers and splits
+them (`WholeMatrices`), so that every layout takes one process's step. And its iteration runs in bf16, megalm's in
+fp32, so that those layouts match one process to fp32 tolerance (tests/dist/test_muon.py). The AdamW groups step with
+torch's functional AdamW (its fused kernel on CPU and CUDA, as `build_optimizer`'s).
+
+Layouts: whatever keeps fp32 parameters with whole gradients on every rank: tp (with sequence parallelism), pp, dp, cp,
+HDP and ep, under precision=fp32 or bf16_autocast (and the fp8/mx recipes on fp32 weights). ZeRO-1 and FSDP shard the
+gradients and weights across the data-parallel ranks, cutting the matrices, and precision=bf16 steps flat fp32 main
+weights in buckets (megalm/parallel/data_parallel/bucket_adamw.py): refused in one line (megalm/training/validation.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch.optim.adamw import adamw
+
+from megalm.parallel.matrices import WholeMatrices
+
+NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)  # Jordan et al.'s quintic: fast to ~[0.7, 1.2] singular values
+
+
+def orthogonalise(matrix: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
+    """An approximation of U·Vᵀ, the orthogonal factor of `matrix` (or of each of a stack of them, on the last two
+    dims), by `steps` Newton-Schulz iterations in fp32."""
+    x = matrix.float()
+    tall = x.size(-2) > x.size(-1)
+    if tall:  # iterate on the wide orientation: the Gram matrix x·xᵀ is the smaller one
+        x = x.mT
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)  # Frobenius norm >= spectral norm: singular values <= 1
+    a, b, c = NEWTON_SCHULZ
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.mT if tall else x
+
+
+def update_scale(rows: int, cols: int, scale: str) -> float:
+    """The factor of a (rows, cols) matrix's orthogonalised update (`optim.muon_scale`)."""
+    if scale == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1.0, rows / cols))
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon over the param groups marked `"muon": True` (each parameter's `WholeMatrices` in `matrices`), AdamW
+    over the others. A torch optimizer: its state_dict, hooks and param groups are torch's, so checkpoints save,
+    reshard and resume it as they do AdamW (per parameter: `momentum_buffer`, or AdamW's `step`, `exp_avg`,
+    `exp_avg_sq`, laid out like the parameter). The state is made at once, so that a checkpoint's loader sees its
+    shape before the first step."""
+
+    def __init__(self, groups: list[dict], matrices: dict[int, WholeMatrices], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
+                 momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, scale: str = "match_rms_adamw",
+                 fused: bool = False) -> None:
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "momentum": momentum,
+                    "nesterov": nesterov, "ns_steps": ns_steps, "scale": scale, "muon": False}
+        super().__init__(groups, defaults)
+        self.matrices, self.fused = matrices, fused
+        for group in self.param_groups:
+            for p in group["params"]:
+                if group["muon"] and id(p) not in matrices:
+                    raise ValueError(f"a Muon parameter of shape {tuple(p.shape)} has no WholeMatrices")
+                self.state[p] = ({"momentum_buffer": torch.zeros_like(p)} if group["muon"] else
+                                 {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                                  "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        if closure is not None:
+            raise ValueError("Muon.step takes no closure")
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                (self._muon if group["muon"] else self._adamw)(group, params)
+
+    def _muon(self, group: dict, params: list[torch.Tensor]) -> None:
+        lr, momentum = group["lr"], group["momentum"]
+        for p in params:  # in the same order on every rank of a TP group: each gather is collective there
+            buf = self.state[p]["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - momentum)
+            direction = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+            layout = self.matrices[id(p)]
+            full = torch.cat([orthogonalise(m, group["ns_steps"]) * update_scale(m.size(-2), m.size(-1),
+                                                                                  group["scale"])
+                              for m in layout.split(layout.gather(direction))], dim=-2)
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(layout.scatter(full).to(p.dtype), alpha=-lr)
+
+    def _adamw(self, group: dict, params: list[torch.Tensor]) -> None:
+        states = [self.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+              [], [s["step"] for s in states], fused=self.fused, foreach=None if self.fused else True,
+              amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+              eps=group["eps"], maximize=False)

@@ -1,0 +1,45 @@
+"""optim.name=muon under each layout that keeps fp32 parameters whole per rank equals one process (fp32, same seed):
+step 0's gradients and grad norm, 5 optimizer steps of losses, the parameters after them and the validation loss.
+TP gathers each shard into the whole matrix (q, k and v split apart under GQA, kv heads replicated when tp exceeds
+them), pipeline stages and expert slices orthogonalise what they hold, and DP, CP and HDP ranks their reduced
+gradients' matrices. (megalm/parallel/matrices.py; the step itself against torch.optim.Muon: tests/unit/test_muon.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from megalm.training.muon import Muon
+from megalm.training.trainer import Trainer
+from tests.conftest import compose_config
+from tests.dist.equivalence import assert_layout_matches, single_process_reference
+from tests.dist.launch import run_distributed
+
+STEPS = 5
+# Muon moves every element of a matrix each step (no Adam denominator to blow fp32 rounding up): the layouts keep
+# to 1e-5 of one process's weights
+PARAM_ATOL = 1e-5
+COMMON = ["optim.name=muon", "trainer.micro_batch_size=2"]
+LAYOUTS = {
+    "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "tp4_kv_replicated": (4, ["parallel.tp=4"]),  # 2 kv heads over 4 TP ranks: each k/v slice held twice
+    "dp2": (2, ["parallel.dp=2"]),
+    "pp2": (2, ["parallel.pp=2", "model.num_layers=4"]),
+    "cp2": (2, ["parallel.cp=2"]),
+    "moe_ep2": (2, ["model=moe_tiny", "parallel.dp=2", "parallel.ep=2"]),
+    "moe_tp2_sp_ep2_pp2": (8, ["model=moe_tiny", "model.num_layers=4", "parallel.tp=2",
+                               "parallel.sequence_parallel=true", "parallel.dp=2", "parallel.ep=2", "parallel.pp=2"]),
+    "hdp_dp2": (2, ["parallel.hdp=true", "parallel.dp=2", "data.varlen=true", "trainer.micro_batch_size=1"]),
+}
+
+
+def check_muon(rank: int, world_size: int, overrides: list[str], tmp: str) -> None:
+    reference = single_process_reference(rank, [o for o in overrides if not o.startswith("parallel.")], tmp, STEPS)
+    par = Trainer(compose_config(*overrides), f"{tmp}/par")
+    assert isinstance(par.optimizer, Muon)
+    assert_layout_matches(reference, par, rank, STEPS, PARAM_ATOL)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_muon_under_a_layout_matches_one_process(tmp_path, name):
+    world, parallel = LAYOUTS[name]
+    run_distributed(check_muon, world, [*COMMON, *parallel], str(tmp_path), timeout=300)
