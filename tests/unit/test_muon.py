@@ -32,6 +32,9 @@ def test_three_steps_are_torch_s_muon_on_the_unfused_matrices_and_torch_s_adamw_
 
     torch.manual_seed(0)
     model_ = GPT(cfg.model)
+    with torch.no_grad():  # (a GPT's construction leaves the grouped experts' weights as torch.empty made them)
+        for p in model_.parameters():
+            p.normal_(0.0, 0.02)
     optimizer = build_optimizer(model_, cfg.optim)
     assert isinstance(optimizer, Muon)
     muon_group = next(g for g in optimizer.param_groups if g["muon"])
