@@ -343,7 +343,10 @@ class Parallelism:
     def matrices(self) -> dict[int, WholeMatrices]:
         """The transformer blocks' matrices as whole ones, for an optimizer that updates matrices (optim.name=muon):
         TP shards gathered over the TP group, fused projections split (megalm/parallel/matrices.py)."""
-        return whole_matrices(self.model, self.cfg.model, self.mesh.tp_group)
+        group = getattr(self.reducer, "dp_group", None)  # (FSDP, which Muon is refused with, shards instead)
+        experts = {id(p): self.mesh.expert_dp_group for p in expert_parameters(self.model)}
+        replicas = {id(p): experts.get(id(p), group) for p in self.model.parameters()}
+        return whole_matrices(self.model, self.cfg.model, self.mesh.tp_group, replicas)
 
     def random_seed(self, seed: int) -> int:
         """The seed of this rank's random streams (dropout): one per pipeline stage, `seed + 100 * pp rank` as

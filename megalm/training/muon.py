@@ -14,7 +14,9 @@ them (`WholeMatrices`), so that every layout takes one process's step. And its i
 fp32, so that those layouts match one process to fp32 tolerance (tests/dist/test_muon.py). The AdamW groups step with
 torch's functional AdamW (its fused kernel on CPU and CUDA, as `build_optimizer`'s).
 
-Layouts: whatever keeps fp32 parameters with whole gradients on every rank: tp (with sequence parallelism), pp, dp, cp,
+The data-parallel ranks share the iterations out, each matrix orthogonalised by one of them and broadcast
+(megalm/parallel/matrices.py says why and what it saves). Layouts: whatever keeps fp32 parameters with whole
+gradients on every rank: tp (with sequence parallelism), pp, dp, cp,
 HDP and ep, under precision=fp32 or bf16_autocast (and the fp8/mx recipes on fp32 weights). ZeRO-1 and FSDP shard the
 gradients and weights across the data-parallel ranks, cutting the matrices, and precision=bf16 steps flat fp32 main
 weights in buckets (megalm/parallel/data_parallel/bucket_adamw.py): refused in one line (megalm/training/validation.py).
@@ -26,9 +28,10 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch.optim.adamw import adamw
 
-from megalm.parallel.matrices import WholeMatrices
+from megalm.parallel.matrices import WholeMatrices, share_out
 
 NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)  # Jordan et al.'s quintic: fast to ~[0.7, 1.2] singular values
 
@@ -77,6 +80,11 @@ class Muon(torch.optim.Optimizer):
                 self.state[p] = ({"momentum_buffer": torch.zeros_like(p)} if group["muon"] else
                                  {"step": torch.zeros((), dtype=torch.float32, device=p.device),
                                   "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)})
+        # who updates each matrix among the data-parallel replicas: the same list on every rank (megalm/parallel/
+        # matrices.py share_out), read by the step in the groups' order
+        matrix_params = [p for group in self.param_groups if group["muon"] for p in group["params"]]
+        self.owners = dict(zip(map(id, matrix_params), share_out([matrices[id(p)] for p in matrix_params]),
+                               strict=True))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:
@@ -88,17 +96,30 @@ class Muon(torch.optim.Optimizer):
                 (self._muon if group["muon"] else self._adamw)(group, params)
 
     def _muon(self, group: dict, params: list[torch.Tensor]) -> None:
+        """Every rank updates its momenta; the i-th matrix's orthogonalised update is computed by its owner among the
+        data-parallel replicas (with its TP group, which gathers it whole) and broadcast to the others."""
         lr, momentum = group["lr"], group["momentum"]
-        for p in params:  # in the same order on every rank of a TP group: each gather is collective there
+        updates, sent = [], []
+        for p in params:  # in the same order on every rank: the gathers and broadcasts pair up
             buf = self.state[p]["momentum_buffer"]
             buf.lerp_(p.grad, 1 - momentum)
-            direction = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-            layout = self.matrices[id(p)]
-            full = torch.cat([orthogonalise(m, group["ns_steps"]) * update_scale(m.size(-2), m.size(-1),
-                                                                                  group["scale"])
-                              for m in layout.split(layout.gather(direction))], dim=-2)
+            layout, owner = self.matrices[id(p)], self.owners[id(p)]
+            if owner is None or owner == dist.get_rank():
+                direction = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                full = torch.cat([orthogonalise(m, group["ns_steps"]) * update_scale(m.size(-2), m.size(-1),
+                                                                                      group["scale"])
+                                  for m in layout.split(layout.gather(direction))], dim=-2)
+                update = layout.scatter(full).to(p.dtype).contiguous()
+            else:
+                update = torch.empty_like(p)
+            if owner is not None:
+                sent.append(dist.broadcast(update, owner, group=layout.replicas, async_op=True))
+            updates.append(update)
+        for work in sent:
+            work.wait()
+        for p, update in zip(params, updates, strict=True):
             p.mul_(1 - lr * group["weight_decay"])
-            p.add_(layout.scatter(full).to(p.dtype), alpha=-lr)
+            p.add_(update, alpha=-lr)
 
     def _adamw(self, group: dict, params: list[torch.Tensor]) -> None:
         states = [self.state[p] for p in params]

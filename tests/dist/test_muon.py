@@ -1,12 +1,14 @@
 """optim.name=muon under each layout that keeps fp32 parameters whole per rank equals one process (fp32, same seed):
 step 0's gradients and grad norm, 5 optimizer steps of losses, the parameters after them and the validation loss.
 TP gathers each shard into the whole matrix (q, k and v split apart under GQA, kv heads replicated when tp exceeds
-them), pipeline stages and expert slices orthogonalise what they hold, and DP, CP and HDP ranks their reduced
-gradients' matrices. (megalm/parallel/matrices.py; the step itself against torch.optim.Muon: tests/unit/test_muon.py.)"""
+them), pipeline stages and expert slices orthogonalise what they hold, and the DP, CP and HDP replicas share the
+reduced gradients' matrices out. (megalm/parallel/matrices.py; the step itself against torch.optim.Muon:
+tests/unit/test_muon.py.)"""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megalm.training.muon import Muon
 from megalm.training.trainer import Trainer
@@ -43,3 +45,53 @@ def check_muon(rank: int, world_size: int, overrides: list[str], tmp: str) -> No
 def test_muon_under_a_layout_matches_one_process(tmp_path, name):
     world, parallel = LAYOUTS[name]
     run_distributed(check_muon, world, [*COMMON, *parallel], str(tmp_path), timeout=300)
+
+
+def count_orthogonalised(rank: int, world_size: int, overrides: list[str], out: str) -> None:
+    """One step under `overrides`; each rank writes the matrices it orthogonalised (by shape) to `out`.rank."""
+    import json
+    from pathlib import Path
+
+    import megalm.training.muon as muon
+
+    done = []
+    orthogonalise = muon.orthogonalise
+
+    def counted(matrix, steps, eps=1e-7):
+        done.append(list(matrix.shape))
+        return orthogonalise(matrix, steps, eps)
+
+    muon.orthogonalise = counted
+    trainer = Trainer(compose_config(*overrides), f"{out}.run")
+    trainer.train_step(0)
+    Path(f"{out}.rank{rank}").write_text(json.dumps({"dp": trainer.mesh.dp_rank, "tp": trainer.mesh.tp_rank,
+                                                     "done": done, "matrices": len(trainer.optimizer.matrices)}))
+
+
+def test_the_data_parallel_ranks_share_the_iterations_out(tmp_path):
+    """Each matrix is orthogonalised by one data-parallel replica (both ranks of its TP group, which gathers it), not
+    by all of them: over dp = 2 the replicas split the model's matrices, each once, the costliest first to the least
+    loaded (their work, Σ rows·cols·min(rows, cols), within one parameter's of each other). The layouts' updates are
+    still one process's (above)."""
+    import json
+
+    overrides = [*COMMON, "model.num_layers=4"]
+    run_distributed(count_orthogonalised, 4, [*overrides, "parallel.tp=2", "parallel.dp=2"], str(tmp_path / "c"),
+                    timeout=300)
+    ranks = [json.loads((tmp_path / f"c.rank{r}").read_text()) for r in range(4)]
+    by_replica: dict[int, list] = {}
+    for r in ranks:
+        by_replica.setdefault(r["dp"], []).append(sorted(map(tuple, r["done"])))
+    assert all(a == b for a, b in by_replica.values()), "the TP ranks of a replica orthogonalise the same matrices"
+    shares = [done[0] for done in by_replica.values()]
+    one = Trainer(compose_config(*overrides), tmp_path / "one")
+    one.train_step(0)  # (counted by the same wrapper: the one process orthogonalises every matrix)
+    whole = sorted(tuple(m.shape) for layout in one.optimizer.matrices.values() for m in layout.split(
+        torch.empty(layout.full_shape, device="meta")))
+    assert sorted(shares[0] + shares[1]) == whole and all(shares)
+
+    def work(done):
+        return sum(rows * cols * min(rows, cols) for rows, cols in done)
+
+    largest = max(layout.cost for layout in one.optimizer.matrices.values())
+    assert abs(work(shares[0]) - work(shares[1])) <= largest

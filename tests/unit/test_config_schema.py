@@ -101,7 +101,8 @@ def test_a_choice_reads_as_its_string():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("optim.schedule=exp", "optim.schedule=exp is not one of cosine|wsd|linear|constant|inverse_sqrt; pick one of those"),
+    ("optim.schedule=exp",
+     "optim.schedule=exp is not one of cosine|wsd|linear|constant|inverse_sqrt; pick one of those"),
     ("precision.name=fp4", "precision=fp4 is not one of auto|fp32|bf16|bf16_autocast|fp8|"),
     ("parallel.pp_schedule=gpipe", "parallel.pp_schedule=gpipe is not one of 1f1b|interleaved|zb"),
     ("parallel.grad_reduce_dtype=fp16", "parallel.grad_reduce_dtype=fp16 is not one of fp32|bf16"),
@@ -200,8 +201,8 @@ def test_schedule_settings_that_cannot_act_are_said(caplog):
         config.validate(compose_config("optim.schedule=wsd", "optim.wsd_decay_style=minus_sqrt"))
     lines = [r.message for r in caplog.records]
     assert len(lines) == 5, lines
-    assert lines[4] == ("optim.wsd_decay_style=minus_sqrt is read by the wsd schedule only: optim.schedule=inverse_sqrt "
-                        "decays as the inverse square root of the step")
+    assert lines[4] == ("optim.wsd_decay_style=minus_sqrt is read by the wsd schedule only: "
+                        "optim.schedule=inverse_sqrt decays as the inverse square root of the step")
     assert lines[2] == ("optim.wsd_decay_fraction=0.5 is read by the wsd schedule only: optim.schedule=cosine decays "
                         "over optim.decay_steps (null: to trainer.max_steps)")
     assert lines[3].startswith("model.padded_vocab_size=1000 is derived, not read: the run pads model.vocab_size=320 "
