@@ -384,6 +384,7 @@ def resolve_train_samples(t: TrainerConfig) -> None:
     if t.train_samples is None:
         return
     positive(t.train_samples, "trainer.train_samples")
+    positive(t.global_batch_size, "trainer.global_batch_size")  # (it divides below)
     if t.tokens_per_step is not None:
         raise ConfigError("trainer.train_samples counts steps of trainer.global_batch_size, which "
                           "trainer.tokens_per_step replaces; set trainer.max_steps instead")

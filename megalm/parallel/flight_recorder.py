@@ -1,17 +1,18 @@
 """torch's flight recorder for hang reports: each rank's last collectives, dumped when its watchdog fires, compared.
 
 A hang is a rank that never enters a collective its peers wait in (or enters another one: a desync). torch keeps, per
-process, a ring of its last collectives and point-to-point ops with their sequence number in their process group
-(the "flight recorder", `TORCH_FR_BUFFER_SIZE` entries; TorchTitan's `comm.trace_buf_size`), for NCCL and, since torch
-2.8, for gloo. megalm turns it on before the process group is made (`parallel.flight_recorder_entries`, 20,000 as
-TorchTitan), and the hang watchdog (megalm/training/watchdog.py) writes it as JSON, with megalm's names of the groups,
-to RUN_DIR/hang-rankR.flight.json before the rank exits. `python -m megalm.parallel.flight_recorder RUN_DIR` then
-reads every rank's file and says, group by group, which ranks stopped short of the collective the others wait in, and
-which ranks called different collectives under one sequence number.
+process, a ring of its last collectives (and, under NCCL, point-to-point ops) with their number in their group (the
+"flight recorder", `TORCH_FR_BUFFER_SIZE` entries; TorchTitan's `comm.trace_buf_size`), for NCCL and for gloo (torch
+2.11 and 2.13 both record gloo's). megalm turns it on before the process group is made
+(`parallel.flight_recorder_entries`, 20,000 as TorchTitan), and the hang watchdog (megalm/training/watchdog.py)
+writes it as JSON, with megalm's names of the groups, to RUN_DIR/hang-rankR.flight.json before the rank exits.
+`python -m megalm.parallel.flight_recorder RUN_DIR` then reads every rank's file and says, group by group, which
+ranks stopped short of the collective the others wait in, and which ranks called different collectives under one
+sequence number.
 
 Hand-written: torch's analyser (`torch.distributed.flight_recorder`, `fr_trace`) reads NCCL's pickled dumps of the
-whole world and fails on gloo's, which is what CPU runs and tests make; this compares the JSON dumps (no pickle) of the
-ranks that wrote one, by group and sequence number only.
+whole world and fails on gloo's, which is what CPU runs and tests make; this compares the JSON dumps (no pickle) of
+the ranks that wrote one, by group and sequence number only.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ FILE_GLOB = "hang-rank*.flight.json"
 
 def record_collectives(entries: int) -> None:
     """Turn the flight recorder on for the process groups made after this (`entries` per process; 0 leaves it as the
-    environment has it). A value the user exported is kept."""
-    if entries > 0:
-        for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):  # torch's name, and its older one
-            os.environ.setdefault(name, str(entries))
+    environment has it). A value the user exported under torch's name or its older one is kept (torch reads the new
+    name first, and warns on every rank that the old one is deprecated: only the new one is set)."""
+    if entries > 0 and not any(name in os.environ for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")):
+        os.environ["TORCH_FR_BUFFER_SIZE"] = str(entries)
 
 
 def group_names(groups: dict[str, dist.ProcessGroup | None]) -> dict[str, dict[str, Any]] | None:
@@ -116,38 +117,55 @@ def compare(dumps: dict[int, dict[str, Any]]) -> list[str]:
     for group, by_rank in sorted(seen.items()):
         members = groups.get(group, {}).get("ranks") or sorted(by_rank)
         present = [r for r in members if r in dumps]
-        last = {r: max(by_rank[r]) if by_rank.get(r) else 0 for r in present}
-        if not last:
-            continue
-        top = max(last.values())
-        ahead = [r for r in present if last[r] == top]
-        entry = by_rank[ahead[0]][top]
-        behind = [r for r in present if last[r] < top]
+        pg_id = next(str(e.get("pg_id")) for entries in by_rank.values() for e in entries.values())
+        last = {r: _last_enqueued(dumps[r], pg_id, by_rank.get(r, {})) for r in present}
+        top = max(last.values(), default=0)
         where = _describe(group, groups)
-        if behind:
-            suspects.update(behind)
-            stops = ", ".join(f"rank {r} at #{last[r]}" + (f" ({_op(by_rank[r][last[r]])})" if last[r] else "")
-                              for r in behind)
-            lines.append(f"{where}: ranks {ahead} entered #{top}, {_op(entry)}, and wait in it; {stops} never "
-                         "entered it")
-        elif not all(by_rank[r][top].get("retired", True) for r in ahead):
-            lines.append(f"{where}: every rank entered #{top}, {_op(entry)}, and it did not complete (the "
-                         "collective itself hangs: the network or the communication library)")
-        for seq in sorted(set.intersection(*(set(by_rank.get(r, {})) for r in present))):
-            calls = {r: _op(by_rank[r][seq]) for r in present}
-            if len(set(calls.values())) > 1:
-                suspects.update(present)
-                differ = "; ".join(f"rank {r}: {c}" for r, c in calls.items())
-                lines.append(f"{where}: #{seq} differs between ranks ({differ}): the ranks call different "
-                             "collectives (a desync)")
-                break
         if missing := [r for r in members if r not in dumps]:
             lines.append(f"{where}: no flight recorder file from ranks {missing} (they exited before their "
                          "watchdog fired, or ran without the recorder)")
+        if top == 0:
+            continue
+        desync = _desync(by_rank, present)
+        if desync:  # (a desync's collectives never complete: that is the finding, not a stuck network)
+            suspects.update(present)
+            lines.append(f"{where}: {desync}: the ranks call different collectives (a desync)")
+            continue
+        ahead = [r for r in present if last[r] == top]
+        entries = [by_rank[r][top] for r in ahead if top in by_rank.get(r, {})]
+        if not entries or all(e.get("retired", True) for e in entries):
+            continue  # the group's last collective completed: every rank entered it (older ones were dropped)
+        behind = [r for r in present if last[r] < top]
+        if behind:
+            suspects.update(behind)
+            stops = ", ".join(f"rank {r} at #{last[r]}" + (f" ({_op(by_rank[r][last[r]])})"
+                                                            if last[r] in by_rank.get(r, {}) else "")
+                              for r in behind)
+            lines.append(f"{where}: ranks {ahead} entered #{top}, {_op(entries[0])}, and wait in it; {stops} never "
+                         "entered it")
+        else:
+            lines.append(f"{where}: every rank entered #{top}, {_op(entries[0])}, and it did not complete (the "
+                         "collective itself hangs: the network or the communication library)")
     lines.extend(waiting_p2p)
     head = (f"flight recorder: look at rank(s) {sorted(suspects)}" if suspects else
             "flight recorder: no rank stopped short of a collective its group waits in")
     return [f"{head} ({len(dumps)} rank(s) dumped)", *lines]
+
+
+def _last_enqueued(dump: dict[str, Any], pg_id: str, entries: dict[int, dict[str, Any]]) -> int:
+    """A rank's last collective in a group: its newest entry, or torch's counter of the group (`pg_status`), which
+    counts on when the ring of entries has dropped them."""
+    counted = dump.get("pg_status", {}).get(pg_id, {}).get("last_enqueued_collective")
+    return max(max(entries, default=0), int(counted) if str(counted).lstrip("-").isdigit() else 0)
+
+
+def _desync(by_rank: dict[int, dict[int, dict[str, Any]]], present: list[int]) -> str | None:
+    """The first sequence number the ranks called differently (op or sizes), said; None if none."""
+    for seq in sorted(set.intersection(*(set(by_rank.get(r, {})) for r in present))):
+        calls = {r: _op(by_rank[r][seq]) for r in present}
+        if len(set(calls.values())) > 1:
+            return f"#{seq} differs between ranks ({'; '.join(f'rank {r}: {c}' for r, c in calls.items())})"
+    return None
 
 
 def read_dumps(run_dir: Path) -> dict[int, dict[str, Any]]:

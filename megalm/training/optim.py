@@ -62,7 +62,8 @@ def _lr_at(step: float, optim: OptimConfig, max_steps: float) -> float:
     if optim.schedule == "constant":
         return optim.lr
     if optim.schedule == "inverse_sqrt":
-        return max(optim.min_lr, optim.lr * math.sqrt(max(optim.warmup_steps, 1) / (step + 1)))
+        # (under a ramp without warmup the first steps sit below one whole batch: at lr, not above it)
+        return max(optim.min_lr, optim.lr * min(1.0, math.sqrt(max(optim.warmup_steps, 1) / (step + 1))))
     if optim.schedule == "wsd":
         decay_steps = max(1, round(optim.wsd_decay_fraction * max_steps))
         decay_start = max(optim.warmup_steps, max_steps - decay_steps)
@@ -75,7 +76,7 @@ def _lr_at(step: float, optim: OptimConfig, max_steps: float) -> float:
     # late (lr twice after warmup, and the last step short of min_lr: 45% of the way on a 20-step linear decay)
     peak = max(optim.warmup_steps - 1, 0)
     decay_steps = optim.decay_steps or max(1, max_steps - 1 - peak)
-    progress = min(1.0, (step - peak) / decay_steps)
+    progress = min(1.0, max(0.0, step - peak) / decay_steps)  # (a ramp's steps before the peak: at lr)
     if optim.schedule == "linear":
         return optim.lr + (optim.min_lr - optim.lr) * progress
     return optim.min_lr + 0.5 * (optim.lr - optim.min_lr) * (1.0 + math.cos(math.pi * progress))

@@ -48,6 +48,24 @@ def test_a_desync_and_a_stuck_collective_and_a_missing_dump_are_said():
                for line in lines)
 
 
+def test_entries_the_ring_dropped_name_no_one_and_a_desync_is_not_also_a_stuck_collective():
+    """A rank whose ring of entries dropped a group's collectives is not behind: torch's counter of the group
+    (`pg_status`) says how far it got, and a last collective that completed (retired) hangs no one. A desync's ranks
+    wait forever too, but the finding is the desync, said once (a second reader's cases, 2026-12-07)."""
+    evicted = {0: {**dump(0, {**entry("3", 1), "pg_id": 1}, entry("0", 9, retired=False)),
+                   "pg_status": {"1": {"last_enqueued_collective": "1"}}},
+               1: {**dump(1, entry("0", 9, retired=False)), "pg_status": {"1": {"last_enqueued_collective": "1"}}}}
+    lines = flight_recorder.compare(evicted)
+    assert lines[0] == "flight recorder: no rank stopped short of a collective its group waits in (2 rank(s) dumped)"
+    assert not any("tp group" in line for line in lines), lines
+    desync = {0: dump(0, entry("3", 4, "all_reduce", retired=False)),
+              1: dump(1, entry("3", 4, "broadcast", retired=False))}
+    lines = flight_recorder.compare(desync)
+    assert lines[0] == "flight recorder: look at rank(s) [0, 1] (2 rank(s) dumped)"
+    assert lines[1:] == ["the tp group 3 (ranks [0, 1]): #4 differs between ranks (rank 0: all_reduce [[4]]; rank 1: "
+                         "broadcast [[4]]): the ranks call different collectives (a desync)"]
+
+
 def test_a_pending_point_to_point_op_is_said():
     dumps = {0: dump(0, entry("0", 0, "send", p2p=7, retired=False)), 1: dump(1, entry("0", 0, "recv", p2p=6))}
     lines = flight_recorder.compare(dumps)
@@ -58,7 +76,7 @@ def test_a_pending_point_to_point_op_is_said():
 def test_the_command_reads_a_run_dir_and_refuses_one_without_dumps(tmp_path, capsys):
     assert flight_recorder.main([str(tmp_path)]) == 2
     assert "error: no hang-rank*.flight.json in" in capsys.readouterr().err
-    for rank, d in {0: dump(0, entry("3", 3)), 1: dump(1, entry("3", 2))}.items():
+    for rank, d in {0: dump(0, entry("3", 3, retired=False)), 1: dump(1, entry("3", 2))}.items():
         (tmp_path / f"hang-rank{rank}.flight.json").write_text(json.dumps(d))
     assert flight_recorder.main([str(tmp_path)]) == 0
     assert capsys.readouterr().out.startswith("flight recorder: look at rank(s) [1] (2 rank(s) dumped)\n")
@@ -67,27 +85,33 @@ def test_the_command_reads_a_run_dir_and_refuses_one_without_dumps(tmp_path, cap
     assert "error: cannot read the flight recorder files in" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("exported", [None, "7"])
+@pytest.mark.parametrize("exported", [None, ("TORCH_FR_BUFFER_SIZE", "7"), ("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")])
 def test_joining_the_job_turns_the_recorder_on_unless_the_environment_says(monkeypatch, exported):
-    """parallel.flight_recorder_entries sets TORCH_FR_BUFFER_SIZE (and the older NCCL name) before the group is
-    made, which is when torch reads it; a value exported by the user wins."""
+    """parallel.flight_recorder_entries sets TORCH_FR_BUFFER_SIZE before the group is made, which is when torch reads
+    it; a value exported by the user under either name wins (torch reads the new name first: setting it beside an
+    exported TORCH_NCCL_TRACE_BUFFER_SIZE=0 turned the recorder back on; setting the old name too made torch warn on
+    every rank that it is deprecated)."""
     from megalm.parallel import dims
 
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
         monkeypatch.delenv(name, raising=False)
     if exported:
-        monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", exported)
+        monkeypatch.setenv(*exported)
     seen = {}
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(dims.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dims.dist, "init_process_group", lambda **kwargs: seen.update(
-        buffer=dims.os.environ.get("TORCH_FR_BUFFER_SIZE")))
+        buffer=dims.os.environ.get("TORCH_FR_BUFFER_SIZE"), old=dims.os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")))
     monkeypatch.setattr(dims.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dims.dist, "get_world_size", lambda: 2)
     import torch
 
     init_distributed(torch.device("cpu"), 35, flight_recorder_entries=20000)
-    assert seen == {"buffer": exported or "20000"}
+    if exported is None:
+        assert seen == {"buffer": "20000", "old": None}
+    else:
+        assert seen == {"buffer": "7", "old": None} if exported[0] == "TORCH_FR_BUFFER_SIZE" else {"buffer": None,
+                                                                                                  "old": "0"}
 
 
 def _collectives_then_dump(rank: int, port: int, run_dir: str) -> None:

@@ -122,3 +122,17 @@ def test_layouts_that_cut_the_matrices_are_refused(override, named):
     with pytest.raises(ConfigError, match=rf"optim.name=muon orthogonalises whole matrices of fp32 parameters, which "
                                           rf"{named.replace('(', '[(]')}"):
         validate_run(compose_config("optim.name=muon", override, "parallel.dp=2"), world_size=2)
+
+
+@pytest.mark.parametrize("before, after", [("adamw", "muon"), ("muon", "adamw")])
+def test_a_resume_under_the_other_optimizer_is_refused_in_one_line(tmp_path, before, after):
+    """Their states differ (one momentum a matrix, or two moments): the resume names the key and the way on, where
+    DCP's "Missing key ...::momentum_buffer" said the checkpoint was corrupt (a second reader, 2026-12-07)."""
+    from megalm.errors import CheckpointError
+
+    Trainer(compose_config(f"optim.name={before}", "trainer.max_steps=2"), tmp_path).fit()
+    with pytest.raises(CheckpointError, match=rf"was trained with optim.name={before}, this run has "
+                                              rf"optim.name={after}: their optimizer states differ; set it back to "
+                                              "resume, or start a new hydra.run.dir from its weights with "
+                                              "model.init_from="):
+        Trainer(compose_config(f"optim.name={after}", "trainer.max_steps=4"), tmp_path)

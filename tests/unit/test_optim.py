@@ -242,3 +242,15 @@ def test_without_a_ramp_the_clock_is_the_step():
     optim = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=7, schedule="cosine")
     for batches in (None, GlobalBatchSteps(8), GlobalBatchSteps(8, [8, 4, 16]), object()):
         assert [lr_at(s, optim, 50, batches) for s in range(60)] == [lr_at(s, optim, 50) for s in range(60)]
+
+
+@pytest.mark.parametrize("schedule, wsd_decay_style", SCHEDULES)
+def test_without_warmup_a_ramp_s_first_steps_run_at_lr_never_above(schedule, wsd_decay_style):
+    """Without warmup the ramp's first steps sit before the first whole batch (the clock below 0): they run at lr,
+    as step 0 without a ramp does; they ran above it (1.08 lr on the linear schedule, 1.73 on inverse_sqrt: a second
+    reader, 2026-12-07)."""
+    optim = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=0, schedule=schedule, wsd_decay_style=wsd_decay_style)
+    batches = GlobalBatchSteps(12, [4, 4, 16])
+    rates = [lr_at(s, optim, 30, batches) for s in range(30)]
+    assert rates[0] == rates[1] == 1.0 and max(rates) == 1.0
+    assert all(a >= b for a, b in zip(rates, rates[1:], strict=False)), rates

@@ -33,6 +33,7 @@ from megalm.training.checkpoint.tensors import (
 )
 from megalm.training.checkpoint.verify import (
     LoadedCheckpoint,
+    check_same_optimizer,
     read_checkpoint_meta,
     saved_model_config,
     verify_checkpoint,
@@ -126,6 +127,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     hold them. Collective when `mesh` is distributed.
     """
     meta = read_checkpoint_meta(path)
+    if optimizer is not None:
+        check_same_optimizer(meta.config, optimizer, path)
     with full_precision_weights(optimizer):  # checkpoints hold the fp32 weights, whatever the recipe
         _load_tensors(path, meta, model, optimizer, mesh)
 

@@ -370,6 +370,18 @@ def check_same_data_order(saved: dict[str, Any], current: dict[str, Any], path: 
                                   "resuming would change the data order — set it back or start a new hydra.run.dir")
 
 
+def check_same_optimizer(saved: dict[str, Any], optimizer: Any, path: Path) -> None:
+    """Refuse a checkpoint whose optimizer (`optim.name`) is not this run's: Muon keeps one momentum a matrix where
+    AdamW keeps two moments, so the state cannot carry over (DCP said "Missing key ...::momentum_buffer", which
+    reads as a corrupt checkpoint). A checkpoint from before the key trained AdamW."""
+    was = str(saved.get("optim", {}).get("name", "adamw"))
+    now = "muon" if any(group.get("muon") for group in getattr(optimizer, "param_groups", [])) else "adamw"
+    if was != now:
+        raise CheckpointError(f"checkpoint {path} was trained with optim.name={was}, this run has optim.name={now}: "
+                              f"their optimizer states differ; set it back to resume, or start a new hydra.run.dir "
+                              f"from its weights with model.init_from={path}")
+
+
 SCHEDULE_KEYS = ("lr", "min_lr", "schedule", "warmup_steps", "decay_steps", "wsd_decay_fraction", "wsd_decay_style")
 
 
