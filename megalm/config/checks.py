@@ -388,8 +388,6 @@ def resolve_train_samples(t: TrainerConfig) -> None:
     if t.tokens_per_step is not None:
         raise ConfigError("trainer.train_samples counts steps of trainer.global_batch_size, which "
                           "trainer.tokens_per_step replaces; set trainer.max_steps instead")
-    if t.rampup_batch_size is not None:
-        ramp_values(t.rampup_batch_size, t.global_batch_size)
     steps = steps_for_samples(t.global_batch_size, t.rampup_batch_size, t.train_samples)
     if t.max_steps not in (steps, schema_default(TrainerConfig, "max_steps")):
         raise ConfigError(f"trainer.train_samples={t.train_samples} sets the run's length ({steps} steps), and "

@@ -10,9 +10,11 @@ import torch
 import torch.distributed as dist
 
 from megalm.compat import all_gather_flat, reduce_scatter_flat
+from megalm.model.shard import FusedShardSpec, ShardSpec
 from megalm.parallel.progress import Progress, note_collective
 
-__all__ = ["all_gather_flat", "reduce_scatter_flat", "group_size", "group_rank", "all_reduce_sum"]
+__all__ = ["all_gather_flat", "reduce_scatter_flat", "group_size", "group_rank", "all_reduce_sum",
+           "gather_unsharded"]
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -33,3 +35,12 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None, what: 
         note_collective(progress, f"all_reduce{f' ({what})' if what else ''}", group_size(group))
         dist.all_reduce(tensor, group=group)
     return tensor
+
+
+def gather_unsharded(local: torch.Tensor, spec: ShardSpec | FusedShardSpec,
+                     group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The full tensor of a TP-sharded one: every rank's piece of `group` all-gathered (collective), put together as
+    `spec` cut it (`unshard`)."""
+    pieces = [torch.empty_like(local) for _ in range(group_size(group))]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    return spec.unshard(pieces)

@@ -30,6 +30,7 @@ from megalm.config import ModelConfig
 from megalm.model.fused import part_rows
 from megalm.model.naming import canonical_named_parameters
 from megalm.model.shard import FusedShardSpec, ShardSpec, shard_specs
+from megalm.parallel.collectives import gather_unsharded
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,12 @@ class WholeMatrices:
     leading dims are a stack of experts), update each matrix, `cat` them back and `scatter` this rank's part."""
 
     parts: tuple[int, ...]  # the rows of each matrix in the full tensor
+    full_shape: tuple[int, ...]  # the full tensor's
     spec: ShardSpec | FusedShardSpec | None = None  # TP's cut (None: the local tensor is the full one)
     group: dist.ProcessGroup | None = None  # the ranks holding the pieces, in spec order
     # the data-parallel ranks whose reduced gradients of this parameter are the same (dp x cp, or the expert-data-
-    # parallel group of an expert slice): one of them computes its update and sends it to the others (`owner`)
+    # parallel group of an expert slice): one of them computes its update and sends it to the others (`share_out`)
     replicas: dist.ProcessGroup | None = None
-    full_shape: tuple[int, ...] = ()  # the full tensor's
 
     @property
     def cost(self) -> int:
@@ -53,11 +54,7 @@ class WholeMatrices:
         return batch * sum(rows * cols * min(rows, cols) for rows in self.parts)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
-        if self.spec is None:
-            return local
-        pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(pieces, local.contiguous(), group=self.group)
-        return self.spec.unshard(pieces)
+        return local if self.spec is None else gather_unsharded(local, self.spec, self.group)
 
     def split(self, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return full.split(self.parts, dim=-2)
@@ -109,6 +106,6 @@ def whole_matrices(model: nn.Module, cfg: ModelConfig, tp_group: dist.ProcessGro
         gathered = spec is not None and spec.parts[0].group == "tp" and spec.parts[0].num_slices > 1
         full = ((sum(part.full_shape[0] for part in spec.parts), spec.parts[0].full_shape[1]) if gathered
                 else tuple(param.shape))
-        found[id(param)] = WholeMatrices(_fused_parts(name, full[-2], cfg), spec if gathered else None,
-                                         tp_group if gathered else None, replicas.get(id(param)), full)
+        found[id(param)] = WholeMatrices(_fused_parts(name, full[-2], cfg), full, spec if gathered else None,
+                                         tp_group if gathered else None, replicas.get(id(param)))
     return found

@@ -16,10 +16,10 @@ torch's functional AdamW (its fused kernel on CPU and CUDA, as `build_optimizer`
 
 The data-parallel ranks share the iterations out, each matrix orthogonalised by one of them and broadcast
 (megalm/parallel/matrices.py says why and what it saves). Layouts: whatever keeps fp32 parameters with whole
-gradients on every rank: tp (with sequence parallelism), pp, dp, cp,
-HDP and ep, under precision=fp32 or bf16_autocast (and the fp8/mx recipes on fp32 weights). ZeRO-1 and FSDP shard the
-gradients and weights across the data-parallel ranks, cutting the matrices, and precision=bf16 steps flat fp32 main
-weights in buckets (megalm/parallel/data_parallel/bucket_adamw.py): refused in one line (megalm/training/validation.py).
+gradients on every rank: tp (with sequence parallelism), pp, dp, cp, HDP and ep, under precision=fp32 or
+bf16_autocast (and the fp8/mx recipes on fp32 weights). ZeRO-1 and FSDP shard the gradients and weights across the
+data-parallel ranks, cutting the matrices, and precision=bf16 steps flat fp32 main weights in buckets
+(megalm/parallel/data_parallel/bucket_adamw.py): refused in one line (megalm/training/validation.py).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class Muon(torch.optim.Optimizer):
                 (self._muon if group["muon"] else self._adamw)(group, params)
 
     def _muon(self, group: dict, params: list[torch.Tensor]) -> None:
-        """Every rank updates its momenta; the i-th matrix's orthogonalised update is computed by its owner among the
+        """Every rank updates its momenta; each matrix's orthogonalised update is computed by its owner among the
         data-parallel replicas (with its TP group, which gathers it whole) and broadcast to the others."""
         lr, momentum = group["lr"], group["momentum"]
         updates, sent = [], []

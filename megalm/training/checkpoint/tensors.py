@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader
@@ -39,6 +38,7 @@ from megalm.model.shard import (
     laid_out_like,
     shard_specs,
 )
+from megalm.parallel.collectives import gather_unsharded
 
 if TYPE_CHECKING:  # annotations only: checkpoints take the mesh they are given
     from megalm.parallel.dims import ParallelMesh
@@ -138,9 +138,7 @@ def for_dcp(local: torch.Tensor, spec: ShardSpec | None, mesh: ParallelMesh | No
     if spec is None or mesh is None or (mesh.dims.ep if spec.group == "ep" else mesh.dims.tp) == 1:
         return local
     if not spec.single_slice:
-        pieces = [torch.empty_like(local) for _ in range(mesh.dims.tp)]
-        dist.all_gather(pieces, local.contiguous(), group=mesh.tp_group)
-        return spec.unshard(pieces)
+        return gather_unsharded(local, spec, mesh.tp_group)
     full_shape = torch.Size(spec.full_shape)
     stride = torch.empty(full_shape, device="meta").stride()
     # a view (a fused projection's part) is copied: DCP's async staging cannot deep-copy a DTensor over a view
