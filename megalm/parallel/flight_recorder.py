@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megalm.data.files import write_atomically
+
 FILE_GLOB = "hang-rank*.flight.json"
 
 
@@ -48,7 +50,7 @@ def group_names(groups: dict[str, dist.ProcessGroup | None]) -> dict[str, dict[s
     for role, group in groups.items():
         if group is not None:
             entry = named.setdefault(group.group_name, {"role": role, "ranks": dist.get_process_group_ranks(group)})
-            if entry["role"] != role and role not in entry["role"].split("="):
+            if role not in entry["role"].split("="):
                 entry["role"] = f"{entry['role']}={role}"  # one group, two roles (dp and dp_cp when cp is 1)
     return named
 
@@ -77,7 +79,9 @@ def dump(path: Path, rank: int, groups: dict[str, dict[str, Any]]) -> Path | Non
     if not entries:
         return None
     status = {key: value for d in dumps for key, value in d.get("pg_status", {}).items()}
-    path.write_text(json.dumps({"rank": rank, "groups": groups, "pg_status": status, "entries": entries}))
+    record = json.dumps({"rank": rank, "groups": groups, "pg_status": status, "entries": entries}).encode()
+    # whole or not at all: torchrun ends the other ranks when the first one exits, perhaps while they write theirs
+    write_atomically(path, lambda f: f.write(record))
     return path
 
 
