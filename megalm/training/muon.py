@@ -15,11 +15,12 @@ fp32, so that those layouts match one process to fp32 tolerance (tests/dist/test
 torch's functional AdamW (its fused kernel on CPU and CUDA, as `build_optimizer`'s).
 
 The data-parallel ranks share the iterations out, each matrix orthogonalised by one of them and broadcast
-(megalm/parallel/matrices.py says why and what it saves). Layouts: whatever keeps fp32 parameters with whole
-gradients on every rank: tp (with sequence parallelism), pp, dp, cp, HDP and ep, under precision=fp32 or
-bf16_autocast (and the fp8/mx recipes on fp32 weights). ZeRO-1 and FSDP shard the gradients and weights across the
-data-parallel ranks, cutting the matrices, and precision=bf16 steps flat fp32 main weights in buckets
-(megalm/parallel/data_parallel/bucket_adamw.py): refused in one line (megalm/training/validation.py).
+(megalm/parallel/matrices.py says why and what it saves). Layouts: whatever keeps whole gradients on every rank: tp
+(with sequence parallelism), pp, dp, cp, HDP and ep. On fp32 weights (precision=fp32, bf16_autocast) `Muon` steps
+the parameters; on bf16 working weights (precision=bf16, the fp8/mx recipes on bf16 weights) BucketAdamW steps the
+fp32 main weights behind them, its matrix groups with `MuonMatrices` on views of its flat buckets
+(megalm/parallel/data_parallel/bucket_adamw.py). ZeRO-1 and FSDP shard the gradients and weights across the
+data-parallel ranks, cutting the matrices: refused in one line (megalm/training/validation.py).
 """
 
 from __future__ import annotations
@@ -58,33 +59,68 @@ def update_scale(rows: int, cols: int, scale: str) -> float:
     return math.sqrt(max(1.0, rows / cols))
 
 
-class Muon(torch.optim.Optimizer):
-    """Muon over the param groups marked `"muon": True` (each parameter's `WholeMatrices` in `matrices`), AdamW
-    over the others. A torch optimizer: its state_dict, hooks and param groups are torch's, so checkpoints save,
-    reshard and resume it as they do AdamW (per parameter: `momentum_buffer`, or AdamW's `step`, `exp_avg`,
-    `exp_avg_sq`, laid out like the parameter). The state is made at once, so that a checkpoint's loader sees its
-    shape before the first step."""
+class MuonMatrices:
+    """Muon's step of the matrices (`Muon`'s own, and BucketAdamW's on the fp32 main weights behind bf16 working
+    weights, megalm/parallel/data_parallel/bucket_adamw.py): called with a param group's settings and, per parameter,
+    the fp32 weight to update in place, its gradient and its momentum. `matrices` holds each parameter's
+    `WholeMatrices`; `params` the matrix parameters, in the same order on every rank, which fixes who among the
+    data-parallel replicas orthogonalises each (`share_out`)."""
 
-    def __init__(self, groups: list[dict], matrices: dict[int, WholeMatrices], lr: float = 1e-3,
+    def __init__(self, matrices: dict[int, WholeMatrices], params: list[torch.Tensor]) -> None:
+        if missing := [tuple(p.shape) for p in params if id(p) not in matrices]:
+            raise ValueError(f"a Muon parameter of shape {missing[0]} has no WholeMatrices")
+        self.matrices = matrices
+        self.owners = dict(zip(map(id, params), share_out([matrices[id(p)] for p in params]), strict=True))
+
+    @torch.no_grad()
+    def __call__(self, group: dict, params: list[torch.Tensor], weights: list[torch.Tensor],
+                 grads: list[torch.Tensor], momenta: list[torch.Tensor], grad_scale: torch.Tensor | None = None
+                 ) -> None:
+        """Every rank updates its momenta (from the gradients divided by `grad_scale`, a clip's inverse coefficient,
+        when given); each matrix's orthogonalised update is computed by its owner among the data-parallel replicas
+        (with its TP group, which gathers it whole) and broadcast to the others; then the weights step."""
+        lr, momentum = group["lr"], group["momentum"]
+        updates, sent = [], []
+        for p, grad, buf in zip(params, grads, momenta, strict=True):  # the same order on every rank: the gathers
+            grad = grad.float() if grad_scale is None else grad.float() / grad_scale  # and broadcasts pair up
+            buf.lerp_(grad, 1 - momentum)
+            layout, owner = self.matrices[id(p)], self.owners[id(p)]
+            if owner is None or owner == dist.get_rank():
+                direction = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                full = torch.cat([orthogonalise(m, group["ns_steps"]) * update_scale(m.size(-2), m.size(-1),
+                                                                                      group["scale"])
+                                  for m in layout.split(layout.gather(direction))], dim=-2)
+                update = layout.scatter(full).to(buf.dtype).contiguous()
+            else:
+                update = torch.empty_like(buf)
+            if owner is not None:
+                sent.append(dist.broadcast(update, owner, group=layout.replicas, async_op=True))
+            updates.append(update)
+        for work in sent:
+            work.wait()
+        for weight, update in zip(weights, updates, strict=True):
+            weight.mul_(1 - lr * group["weight_decay"])
+            weight.add_(update.view_as(weight), alpha=-lr)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon over the param groups marked `"muon": True` (with their settings `momentum`, `nesterov`, `ns_steps` and
+    `scale`; `update` holds each parameter's `WholeMatrices`), AdamW over the others. A torch optimizer: its
+    state_dict, hooks and param groups are torch's, so checkpoints save, reshard and resume it as they do AdamW (per
+    parameter: `momentum_buffer`, or AdamW's `step`, `exp_avg`, `exp_avg_sq`, laid out like the parameter). The state
+    is made at once, so that a checkpoint's loader sees its shape before the first step."""
+
+    def __init__(self, groups: list[dict], update: MuonMatrices, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
-                 momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, scale: str = "match_rms_adamw",
                  fused: bool = False) -> None:
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "momentum": momentum,
-                    "nesterov": nesterov, "ns_steps": ns_steps, "scale": scale, "muon": False}
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "muon": False}
         super().__init__(groups, defaults)
-        self.matrices, self.fused = matrices, fused
+        self.update, self.matrices, self.fused = update, update.matrices, fused
         for group in self.param_groups:
             for p in group["params"]:
-                if group["muon"] and id(p) not in matrices:
-                    raise ValueError(f"a Muon parameter of shape {tuple(p.shape)} has no WholeMatrices")
                 self.state[p] = ({"momentum_buffer": torch.zeros_like(p)} if group["muon"] else
                                  {"step": torch.zeros((), dtype=torch.float32, device=p.device),
                                   "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)})
-        # who updates each matrix among the data-parallel replicas: the same list on every rank (megalm/parallel/
-        # matrices.py share_out), read by the step in the groups' order
-        matrix_params = [p for group in self.param_groups if group["muon"] for p in group["params"]]
-        self.owners = dict(zip(map(id, matrix_params), share_out([matrices[id(p)] for p in matrix_params]),
-                               strict=True))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:
@@ -92,34 +128,13 @@ class Muon(torch.optim.Optimizer):
             raise ValueError("Muon.step takes no closure")
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                (self._muon if group["muon"] else self._adamw)(group, params)
-
-    def _muon(self, group: dict, params: list[torch.Tensor]) -> None:
-        """Every rank updates its momenta; each matrix's orthogonalised update is computed by its owner among the
-        data-parallel replicas (with its TP group, which gathers it whole) and broadcast to the others."""
-        lr, momentum = group["lr"], group["momentum"]
-        updates, sent = [], []
-        for p in params:  # in the same order on every rank: the gathers and broadcasts pair up
-            buf = self.state[p]["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - momentum)
-            layout, owner = self.matrices[id(p)], self.owners[id(p)]
-            if owner is None or owner == dist.get_rank():
-                direction = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                full = torch.cat([orthogonalise(m, group["ns_steps"]) * update_scale(m.size(-2), m.size(-1),
-                                                                                      group["scale"])
-                                  for m in layout.split(layout.gather(direction))], dim=-2)
-                update = layout.scatter(full).to(p.dtype).contiguous()
+            if not params:
+                continue
+            if group["muon"]:
+                self.update(group, params, params, [p.grad for p in params],
+                            [self.state[p]["momentum_buffer"] for p in params])
             else:
-                update = torch.empty_like(p)
-            if owner is not None:
-                sent.append(dist.broadcast(update, owner, group=layout.replicas, async_op=True))
-            updates.append(update)
-        for work in sent:
-            work.wait()
-        for p, update in zip(params, updates, strict=True):
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(update, alpha=-lr)
+                self._adamw(group, params)
 
     def _adamw(self, group: dict, params: list[torch.Tensor]) -> None:
         states = [self.state[p] for p in params]

@@ -35,7 +35,7 @@ from torch import nn
 from megalm.config import OptimConfig
 from megalm.data.steps import GlobalBatchSteps
 from megalm.parallel.matrices import whole_matrices
-from megalm.training.muon import Muon
+from megalm.training.muon import Muon, MuonMatrices
 
 # wsd's decay, the fraction of (lr - min_lr) left at a progress through it (0 to 1): Megatron-LM's shapes
 WSD_DECAY: dict[str, Callable[[float], float]] = {
@@ -99,24 +99,30 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, layout: Any = None):
     """AdamW over `model`'s param groups: torch's (fused kernel when the parameters' device supports it,
     foreach otherwise), or the layout's own class when it brings one (`layout.optimizer_factory`, e.g. ZeRO-1's
     sharded AdamW: megalm.parallel.parallelism.Parallelism). `optim.name=muon`: Muon over `layout.matrices()` (the
-    transformer blocks' matrices as whole ones; one process's without a layout), AdamW over the rest (muon.py)."""
+    transformer blocks' matrices as whole ones; one process's without a layout), AdamW over the rest (muon.py): on
+    the layout's BucketAdamW's fp32 main weights where it brings one (bf16 working weights)."""
     factory = getattr(layout, "optimizer_factory", None)
     groups = param_groups(model, optim.weight_decay)
     hyper = {"lr": optim.lr, "betas": (optim.beta1, optim.beta2), "eps": optim.eps}
-    if factory is not None:
-        return factory(groups, weight_decay=optim.weight_decay, **hyper)
-    device = next(model.parameters()).device
-    use_fused = optim.implementation == "fused" or (
-        optim.implementation == "auto" and device.type in ("cuda", "cpu")
-    )
+    update = None
     if optim.name == "muon":
         matrices = layout.matrices() if layout is not None else whole_matrices(model, model.cfg, None)
         decay, no_decay = groups
         muon = [p for p in decay["params"] if id(p) in matrices]
         decay["params"] = [p for p in decay["params"] if id(p) not in matrices]
-        return Muon([decay, no_decay, {"params": muon, "weight_decay": optim.weight_decay, "muon": True}], matrices,
-                    weight_decay=optim.weight_decay, momentum=optim.muon_momentum, nesterov=optim.muon_nesterov,
-                    ns_steps=optim.muon_ns_steps, scale=str(optim.muon_scale), fused=use_fused, **hyper)
+        groups.append({"params": muon, "weight_decay": optim.weight_decay, "muon": True,
+                       "momentum": optim.muon_momentum, "nesterov": optim.muon_nesterov,
+                       "ns_steps": optim.muon_ns_steps, "scale": str(optim.muon_scale)})
+        update = MuonMatrices(matrices, muon)
+    if factory is not None:  # (Muon: the matrices step on BucketAdamW's fp32 main weights behind bf16 working ones)
+        return factory(groups, weight_decay=optim.weight_decay, **hyper,
+                       **({"matrix_update": update} if update else {}))
+    device = next(model.parameters()).device
+    use_fused = optim.implementation == "fused" or (
+        optim.implementation == "auto" and device.type in ("cuda", "cpu")
+    )
+    if update is not None:
+        return Muon(groups, update, weight_decay=optim.weight_decay, fused=use_fused, **hyper)
     return torch.optim.AdamW(groups, **hyper, **({"fused": True} if use_fused else {"foreach": True}))
 
 

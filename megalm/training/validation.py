@@ -87,14 +87,9 @@ def _validate_run(cfg: MegalmConfig, world_size: int, device: torch.device | Non
             cfg.parallel.fsdp or working_dtype(cfg.precision) is None):
         raise ConfigError(triton_adamw_refusal(cfg.parallel.fsdp))
     if cfg.optim.name == "muon" and (sharded := [key for key, on in (
-            ("parallel.zero1=true", cfg.parallel.zero1), ("parallel.fsdp=true", cfg.parallel.fsdp),
-            (f"precision={cfg.precision.name} (bf16 weights behind flat fp32 main weights)",
-             working_dtype(cfg.precision) is not None)) if on]):
-        fix = ("precision.bf16_weights=false (the recipe on fp32 weights)" if cfg.precision.name != "bf16" and
-               not cfg.parallel.zero1 and not cfg.parallel.fsdp else
-               "plain data parallelism and precision=fp32 or bf16_autocast")
-        raise ConfigError(f"optim.name=muon orthogonalises whole matrices of fp32 parameters, which {sharded[0]} "
-                          f"does not keep on each rank; use {fix} with it (megalm/training/muon.py)")
+            ("parallel.zero1=true", cfg.parallel.zero1), ("parallel.fsdp=true", cfg.parallel.fsdp)) if on]):
+        raise ConfigError(f"optim.name=muon orthogonalises whole matrices, which {sharded[0]} cuts across the "
+                          f"data-parallel ranks; use plain data parallelism with it (megalm/training/muon.py)")
     if cfg.parallel.fsdp_cpu_offload and device.type != "cuda":
         raise ConfigError("parallel.fsdp_cpu_offload=true moves FSDP's shards from the GPU to the host; on "
                           f"{device.type} they are there already: drop it")

@@ -23,6 +23,7 @@ from torch.optim.adamw import adamw  # noqa: E402
 from megalm import compat  # noqa: E402
 from megalm.errors import ConfigError  # noqa: E402
 from megalm.parallel.data_parallel import adamw_kernel  # noqa: E402
+from megalm.training.optim import full_precision_weights  # noqa: E402
 from megalm.training.trainer import Trainer  # noqa: E402
 from tests.conftest import compose_config  # noqa: E402
 
@@ -127,6 +128,29 @@ def test_training_with_the_kernel_matches_torch_s(tmp_path, layout):
                 for x, y in zip(getattr(optimizers["auto"], state) or [], getattr(optimizers["triton"], state) or [],
                                 strict=True):
                     y.copy_(x)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the trainer comparison runs on the CPU (the GPU tier trains on CUDA)")
+def test_under_muon_the_matrices_working_copies_are_cast_from_their_main_weights(tmp_path):
+    """optim.name=muon on bf16 weights: the kernel writes the AdamW parameters' working copies, and the matrices'
+    (stepped by Muon on their main weights) are cast from theirs after it; two steps train as torch's AdamW beside
+    Muon does, every working weight the cast of its main weight."""
+    runs = {impl: Trainer(compose_config(*TRAIN, "precision=bf16", "optim.name=muon", f"optim.implementation={impl}"),
+                          tmp_path / impl) for impl in ("auto", "triton")}
+    assert runs["triton"].optimizer.kernel == "triton" and runs["triton"].optimizer.matrix_groups
+    for step in range(2):
+        a, b = (runs[impl].train_step(step).loss for impl in ("auto", "triton"))
+        assert a == pytest.approx(b, rel=1e-5), step
+    mains = {}
+    for impl, run in runs.items():
+        named = dict(run.model.named_parameters())
+        working = {name: p.detach().clone() for name, p in named.items()}
+        with full_precision_weights(run.optimizer):
+            mains[impl] = {name: p.detach().clone() for name, p in named.items()}
+        for name, p in working.items():
+            assert torch.equal(p, mains[impl][name].to(torch.bfloat16)), f"{impl}: {name}'s working weight is stale"
+    for name, main in mains["auto"].items():
+        torch.testing.assert_close(mains["triton"][name], main, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_without_main_weights_or_zero1_it_is_refused(tmp_path):

@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from megalm.errors import ConfigError
+from megalm.model import GPT
+from megalm.model.naming import canonical_named_parameters
+from megalm.parallel.data_parallel.bucket_adamw import BucketAdamW
 from megalm.training.muon import Muon, orthogonalise
-from megalm.training.optim import build_optimizer
+from megalm.training.optim import build_optimizer, full_precision_weights
 from megalm.training.trainer import Trainer
 from megalm.training.validation import validate_run
 from tests.conftest import compose_config
@@ -106,22 +109,61 @@ def test_the_iteration_orthogonalises():
         assert off.abs().max() < 1e-4  # O = U·f(S)·Vᵀ: diagonal in G's singular bases
 
 
-def test_a_resumed_muon_run_repeats_the_straight_one(tmp_path):
-    steps = ["optim.name=muon", "trainer.max_steps=6", "trainer.save_interval=3", "model=moe_tiny"]
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_resumed_muon_run_repeats_the_straight_one(tmp_path, precision):
+    steps = ["optim.name=muon", "trainer.max_steps=6", "trainer.save_interval=3", "model=moe_tiny",
+             f"precision={precision}"]
     straight = Trainer(compose_config(*steps), tmp_path / "straight").fit()
     Trainer(compose_config(*steps, "trainer.stop_at_step=3"), tmp_path / "run").fit()
     resumed = Trainer(compose_config(*steps), tmp_path / "run")
-    assert resumed.step == 3 and isinstance(resumed.optimizer, Muon)
+    assert resumed.step == 3 and isinstance(resumed.optimizer, Muon if precision == "fp32" else BucketAdamW)
     assert straight.losses[3:] == resumed.fit().losses
 
 
-@pytest.mark.parametrize("override, named", [("parallel.zero1=true", "parallel.zero1=true"),
-                                             ("parallel.fsdp=true", "parallel.fsdp=true"),
-                                             ("precision=bf16", "precision=bf16 (bf16 weights")])
-def test_layouts_that_cut_the_matrices_are_refused(override, named):
-    with pytest.raises(ConfigError, match=rf"optim.name=muon orthogonalises whole matrices of fp32 parameters, which "
-                                          rf"{named.replace('(', '[(]')}"):
+@pytest.mark.parametrize("override", ["parallel.zero1=true", "parallel.fsdp=true"])
+def test_layouts_that_cut_the_matrices_are_refused(override):
+    with pytest.raises(ConfigError, match=rf"optim.name=muon orthogonalises whole matrices, which {override} cuts "
+                                          rf"across the data-parallel ranks; use plain data parallelism"):
         validate_run(compose_config("optim.name=muon", override, "parallel.dp=2"), world_size=2)
+
+
+def test_bf16_working_weights_step_their_fp32_main_weights_as_muon_steps_fp32_weights(tmp_path):
+    """precision=bf16: the matrices' Muon step runs on BucketAdamW's fp32 main weights (views of its buckets, the
+    momentum where AdamW's first moment would be), the rest its AdamW step; three steps from the same fp32 weights
+    and summed gradients equal `Muon` on an fp32 model (one with a clip's scale, which the matrices divide by as the
+    fused AdamW does), to the bit, and so do the optimizer states; the working weights are the main weights' casts."""
+    trainer = Trainer(compose_config("optim.name=muon", "precision=bf16", "model=moe_tiny"), tmp_path)
+    optimizer = trainer.optimizer
+    assert isinstance(optimizer, BucketAdamW) and optimizer.matrix_groups
+    named = dict(canonical_named_parameters(trainer.model))
+    assert all(p.dtype == torch.bfloat16 for p in named.values())
+    reference = GPT(trainer.cfg.model)
+    ref_named = dict(canonical_named_parameters(reference))
+    with torch.no_grad(), full_precision_weights(optimizer):
+        for name, p in ref_named.items():
+            p.copy_(named[name])
+    ref_optimizer = build_optimizer(reference, trainer.cfg.optim)
+    assert isinstance(ref_optimizer, Muon)
+    for step, scale in enumerate([None, 2.0, None]):
+        trainer.forward_backward(step)
+        for name, p in ref_named.items():
+            grad = trainer.parallel.reducer.summed_grad(named[name]).float()
+            p.grad = grad.clone() if scale is None else grad / scale
+        optimizer.grad_scale = None if scale is None else torch.tensor(scale)
+        optimizer.step()
+        optimizer.grad_scale = None
+        ref_optimizer.step()
+        for name, p in named.items():
+            assert torch.equal(p, ref_named[name].detach().to(torch.bfloat16)), f"step {step}: working weight {name}"
+        with full_precision_weights(optimizer):
+            for name, p in named.items():
+                torch.testing.assert_close(p, ref_named[name].detach(), rtol=0, atol=0, msg=f"step {step}: {name}")
+    ours, theirs = optimizer.state_dict()["state"], ref_optimizer.state_dict()["state"]
+    assert ours.keys() == theirs.keys()
+    for index, state in theirs.items():
+        assert ours[index].keys() == state.keys()
+        for key, value in state.items():
+            torch.testing.assert_close(ours[index][key], value, rtol=0, atol=0, msg=f"parameter {index} {key}")
 
 
 @pytest.mark.parametrize("before, after", [("adamw", "muon"), ("muon", "adamw")])

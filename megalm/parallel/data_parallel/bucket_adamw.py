@@ -23,6 +23,10 @@ weights, or under ZeRO-1 cast from each rank's shard and all-gathered in bf16 (h
 Bytes per parameter: 2 (bf16 weight) + 4 (fp32 gradient bucket) + 12 (main weight and two moments), the last
 divided by the DP size under ZeRO-1 — Megatron's 18 and 6 + 12/d. Checkpoints hold the fp32 main weights
 (`full_precision_weights()`), so they resume exactly and load into fp32 runs.
+
+Muon (`optim.name=muon`, megalm/training/muon.py) on bf16 working weights: its param group of matrices steps with a
+`matrix_update` on each parameter's fp32 main weight, gradient and momentum, views of the whole buckets (without
+ZeRO-1), the momentum where AdamW's first moment would be and no second moment: 2 + 4 + 8 bytes a matrix parameter.
 """
 
 from __future__ import annotations
@@ -74,12 +78,16 @@ class BucketAdamW:
     from `initial_weights` ({id(param): fp32 tensor}, the values the parameters were cast from: the fp32
     initialisation, not its rounding) or else from the parameters; whatever loads or saves weights goes
     through `full_precision_weights()`.
+
+    A param group marked `"muon": True` steps with `matrix_update` (`MuonMatrices`) instead of AdamW, on whole main
+    weights (working_dtype parameters, no ZeRO-1); its state is a `momentum_buffer` per parameter, as torch's Muon's.
     """
 
     def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict], reducer: GradReducer, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  working_dtype: torch.dtype | None = None,
-                 initial_weights: dict[int, torch.Tensor] | None = None, kernel: str = "auto"):
+                 initial_weights: dict[int, torch.Tensor] | None = None, kernel: str = "auto",
+                 matrix_update: Callable[..., None] | None = None):
         if not reducer.zero1 and not (working_dtype is not None and reducer.accumulate):
             raise ValueError("BucketAdamW needs a GradReducer built with zero1=True, or, for working_dtype "
                              "parameters, one built with accumulate=True")
@@ -107,6 +115,15 @@ class BucketAdamW:
                 self._group_of[id(p)] = group
         if set(self._group_of) != {id(p) for p in reducer.params}:
             raise ValueError("BucketAdamW's parameters must be exactly the reducer's trainable parameters")
+        # param groups marked "muon": stepped by `matrix_update` (megalm/training/muon.py MuonMatrices) on each
+        # parameter's whole fp32 main weight, gradient and momentum (held where AdamW's first moment would be), which
+        # only a rank that owns whole buckets has
+        self.matrix_groups = [group for group in self.param_groups if group.get("muon")]
+        self.matrix_update = matrix_update
+        if self.matrix_groups and (matrix_update is None or reducer.zero1 or working_dtype is None):
+            raise ValueError("BucketAdamW steps matrix param groups (\"muon\") with a matrix_update, on whole fp32 "
+                             "main weights: working_dtype parameters without ZeRO-1")
+        self._matrix_ids = {id(p) for group in self.matrix_groups for p in group["params"]}
 
         self.step_count = 0
         # the clip coefficient's inverse, which the fused kernel divides the gradients by (torch's fused AdamW reads
@@ -136,7 +153,19 @@ class BucketAdamW:
             self.kernel = "torch"
         self.exp_avg = [torch.zeros(b.shard_numel, dtype=torch.float32, device=b.buffer.device)
                         for b in reducer.buckets]
-        self.exp_avg_sq = [torch.zeros_like(m) for m in self.exp_avg]
+        # AdamW's second moments: laid out as the buckets (ZeRO-1 shards them alike), or, beside matrix groups (whole
+        # buckets), packed over the AdamW parameters only: a matrix keeps one momentum, not two moments
+        self._second_at: dict[int, slice] = {}  # id(AdamW parameter) -> its slice of its bucket's second moments
+        sizes = []
+        for b in reducer.buckets:
+            size = 0
+            for seg in b.segments:
+                if self.matrix_groups and id(seg.param) not in self._matrix_ids:
+                    self._second_at[id(seg.param)] = slice(size, size + seg.param.numel())
+                    size += seg.param.numel()
+            sizes.append(size if self.matrix_groups else b.shard_numel)
+        self.exp_avg_sq = [torch.zeros(n, dtype=torch.float32, device=m.device) for n, m in zip(sizes, self.exp_avg,
+                                                                                                 strict=True)]
         self.working_dtype = working_dtype
         # ZeRO-1's parameter all-gathers left in flight after a step (`overlap_param_gather_with`): bucket index ->
         # (the gathered flat tensor, its pending work)
@@ -220,6 +249,7 @@ class BucketAdamW:
         indices = range(len(grads))
         for batch in ([i] for i in indices) if cast_each else [indices]:
             self._step_buckets(batch, grads, shards, writes_copies)
+        self._step_matrices(grads, shards, writes_copies)
         if not writes_copies:
             self._refresh_params(shards)
         del grads
@@ -237,6 +267,8 @@ class BucketAdamW:
             bucket, m, v, shard = self.reducer.buckets[i], self.exp_avg[i], self.exp_avg_sq[i], shards[i]
             grad = grads[i] if grads[i].dtype == torch.float32 or self.kernel == "triton" else grads[i].float()
             for seg in bucket.segments:
+                if id(seg.param) in self._matrix_ids:  # stepped by `_step_matrices`
+                    continue
                 group = self._group_of[id(seg.param)]
                 s = seg.shard_slice
                 if self.main is None:  # the fp32 parameters are the main weights
@@ -244,7 +276,8 @@ class BucketAdamW:
                     fresh[1].append(seg.param.detach().reshape(-1)[seg.param_slice])
                 work = seg.param.detach().reshape(-1)[seg.param_slice] if writes_copies else None
                 lists = per_group.setdefault(id(group), (group, [[], [], [], [], []]))[1]
-                for out, tensor in zip(lists, (shard[s], grad[s], m[s], v[s], work), strict=True):
+                for out, tensor in zip(lists, (shard[s], grad[s], m[s], v[self._second_at.get(id(seg.param), s)],
+                                               work), strict=True):
                     out.append(tensor)
         if fresh[0]:
             torch._foreach_copy_(*fresh)
@@ -266,6 +299,22 @@ class BucketAdamW:
                   foreach=None if self.fused else True, grad_scale=self.grad_scale,  # the foreach path refuses one
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                   eps=group["eps"], maximize=False)
+
+    def _step_matrices(self, grads: list[torch.Tensor], shards: list[torch.Tensor], writes_copies: bool) -> None:
+        """The matrix groups' step (`matrix_update`) on each parameter's whole main weight, gradient and momentum
+        (views of the buckets), in the groups' order, which is every rank's; and, where the Triton kernel wrote the
+        other parameters' working copies, these parameters' cast from their main weights."""
+        stepped = []
+        for group in self.matrix_groups:
+            params = group["params"]
+            where = [self.reducer._where[id(p)] for p in params]
+            views = [[flats[bucket.index][offset:offset + p.numel()].view(p.shape)
+                      for p, (bucket, offset) in zip(params, where, strict=True)]
+                     for flats in (shards, grads, self.exp_avg)]
+            self.matrix_update(group, params, *views, grad_scale=self.grad_scale)
+            stepped += zip(params, views[0], strict=True)
+        if writes_copies and stepped:
+            torch._foreach_copy_([p.detach() for p, _ in stepped], [main for _, main in stepped])
 
     def _refresh_params(self, shards: list[torch.Tensor]) -> None:
         """Every parameter from the updated owned parts: all-gathered under ZeRO-1 (in the parameters' dtype:
@@ -411,9 +460,12 @@ class BucketAdamW:
             for index, p in enumerate(self._ordered_params()):
                 bucket, offset = self.reducer._where[id(p)]
                 sl = slice(offset, offset + p.numel())
+                if id(p) in self._matrix_ids:  # as torch's Muon, and megalm's on fp32 weights, keep it
+                    state[index] = {"momentum_buffer": full_m[bucket.index][sl].view_as(p).clone()}
+                    continue
                 state[index] = {"step": torch.tensor(float(self.step_count), dtype=torch.float32),
                                 "exp_avg": full_m[bucket.index][sl].view_as(p).clone(),
-                                "exp_avg_sq": full_v[bucket.index][sl].view_as(p).clone()}
+                                "exp_avg_sq": full_v[bucket.index][self._second_at.get(id(p), sl)].view_as(p).clone()}
         groups, start = [], 0
         for group in self.param_groups:
             n = len(group["params"])
@@ -445,17 +497,24 @@ class BucketAdamW:
             m.zero_()
         for index, per_param in state_dict["state"].items():
             p = params[int(index)]
-            for key in ("exp_avg", "exp_avg_sq"):
+            matrix = id(p) in self._matrix_ids
+            keys = ("momentum_buffer",) if matrix else ("exp_avg", "exp_avg_sq")
+            for key in keys:
+                if key not in per_param:
+                    raise ValueError(f"state of parameter {index} lacks {key} ({'Muon' if matrix else 'AdamW'} "
+                                     f"keeps it): the state is another optimizer's")
                 if per_param[key].shape != p.shape:
                     raise ValueError(f"state {key} of parameter {index} has shape {tuple(per_param[key].shape)}, "
                                      f"the parameter {tuple(p.shape)}")
-            steps.append(int(float(per_param["step"])))
+            if not matrix:
+                steps.append(int(float(per_param["step"])))
             bucket, _ = self.reducer._where[id(p)]
             for seg in bucket.segments:
                 if seg.param is p:
-                    self.exp_avg[bucket.index][seg.shard_slice] = per_param["exp_avg"].reshape(-1)[seg.param_slice]
-                    self.exp_avg_sq[bucket.index][seg.shard_slice] = \
-                        per_param["exp_avg_sq"].reshape(-1)[seg.param_slice]
+                    self.exp_avg[bucket.index][seg.shard_slice] = per_param[keys[0]].reshape(-1)[seg.param_slice]
+                    if not matrix:
+                        self.exp_avg_sq[bucket.index][self._second_at.get(id(p), seg.shard_slice)] = \
+                            per_param["exp_avg_sq"].reshape(-1)[seg.param_slice]
         self.step_count = max(steps)
 
 

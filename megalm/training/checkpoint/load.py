@@ -191,9 +191,11 @@ def _load_tensors(path: Path, meta: LoadedCheckpoint, model: nn.Module, optimize
         # the state's shapes (a fresh torch AdamW has none yet: one step's worth, on the meta device); each moment's
         # targets are made, and read back, one whole tensor at a time (`empty_full_like`, transient)
         like, groups = optimizer_tensors(model, optimizer, whole=False)
-        if not like:
+        if not like:  # (Muon's matrices keep a momentum: "muon" param groups)
+            matrices = {id(p) for group in optimizer.param_groups if group.get("muon") for p in group["params"]}
             like = {f"{n}::{k}": torch.zeros(() if k == "step" else p.shape, dtype=torch.float32, device="meta")
-                    for n, p in params.items() for k in ("step", "exp_avg", "exp_avg_sq")}
+                    for n, p in params.items()
+                    for k in (("momentum_buffer",) if id(p) in matrices else ("step", "exp_avg", "exp_avg_sq"))}
         for key, value in like.items():
             param_name, _, field = key.partition("::")
             param = params[param_name]
