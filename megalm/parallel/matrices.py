@@ -64,7 +64,8 @@ class WholeMatrices:
 
 
 def share_out(layouts: list[WholeMatrices]) -> list[int | None]:
-    """The global rank that updates each of `layouts` (in order, the same list on every rank that holds them): among
+    """The global rank that updates each of `layouts` (in order, the same list on every rank that holds them; anything
+    with a `cost` and its `replicas`: layerwise.py shares AdamW's parameters out by size too): among
     its replicas, the least loaded so far, the costliest first (longest processing time first: the busiest replica
     ends within one matrix's cost of the idlest); None where a rank holds the parameter alone. Each group of replicas
     is balanced on its own, by position in the group: a rank's dense and expert parameters have different replicas

@@ -55,6 +55,7 @@ from megalm.parallel.context.attention import RingContext, cp_a2a_size, validate
 from megalm.parallel.context.split import ContextShards
 from megalm.parallel.data_parallel.bucket_adamw import BucketAdamW, forward_owners
 from megalm.parallel.data_parallel.fused_wgrad import fuse_weight_grads
+from megalm.parallel.data_parallel.layerwise import LayerwiseOptimizer
 from megalm.parallel.data_parallel.reducer import GradReducer
 from megalm.parallel.data_parallel.slices import DataParallelSlices, validate_data_parallel
 from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh, check_same_on_all_ranks, resolve_dims
@@ -140,8 +141,9 @@ def triton_adamw_refusal(fsdp: bool) -> str:
 
 
 def _fused_adamw(optimizer: object) -> bool:
-    """Whether `optimizer` steps with torch's fused AdamW kernel, which takes a `grad_scale`."""
-    if isinstance(optimizer, BucketAdamW):
+    """Whether `optimizer` steps with torch's fused AdamW kernel, which takes a `grad_scale` (and so do the Muon steps
+    of megalm's own optimizers)."""
+    if isinstance(optimizer, BucketAdamW | LayerwiseOptimizer):
         return optimizer.fused
     return isinstance(optimizer, torch.optim.AdamW) and bool(optimizer.defaults.get("fused"))
 
@@ -195,6 +197,8 @@ class Parallelism:
         self.split: StepSplit = self._build_split()
         self.token_multiple = math.lcm(p.tp if p.sequence_parallel else 1,
                                        *(c.token_multiple for c in self.converters))
+        # ZeRO-1 under Muon shards the optimizer by whole parameters (layerwise.py), over whole gradients
+        self.layerwise = p.zero1 and cfg.optim.name == "muon"
         # Each CP (or HDP) rank holds the gradient of its tokens only: sum over DP x CP (ZeRO-1 shards over it).
         tied = self.runner.tied_embedding()  # a pipeline's two copies: summed before the DP reduction
         presum = dict([tied]) if tied else None
@@ -208,17 +212,19 @@ class Parallelism:
             experts = {} if self.mesh.expert_dp_group is None else {
                 param: self.mesh.expert_dp_group for param in expert_parameters(self.model)}
             self.reducer = GradReducer(list(self.model.parameters()), self.mesh.dp_cp_group, p.bucket_size_mb,
-                                       reduce_dtype=_reduce_dtype(p), zero1=p.zero1, presum=presum,
+                                       reduce_dtype=_reduce_dtype(p), zero1=p.zero1 and not self.layerwise,
+                                       presum=presum,
                                        progress=self.mesh.progress, accumulate=self.working_dtype is not None,
                                        own_groups=experts)
         if p.gradient_accumulation_fusion:  # validated: bf16 working weights, not FSDP, so the reducer accumulates
             fuse_weight_grads(self.model, self.reducer, device)
         # How to build this layout's optimizer (None: the trainer's own AdamW): over the reducer's buckets for
         # ZeRO-1's shards or for fp32 main weights
-        self.optimizer_factory = self._bucket_adamw if p.zero1 or self.working_dtype else None
+        self.optimizer_factory = (self._layerwise_optimizer if self.layerwise else
+                                  self._bucket_adamw if p.zero1 or self.working_dtype else None)
         if cfg.optim.implementation == "triton" and self.optimizer_factory is None:
             raise ConfigError(triton_adamw_refusal(p.fsdp))
-        self._norm_weights = self._grad_norm_weights(sharded=cfg.parallel.zero1 or cfg.parallel.fsdp)
+        self._norm_weights = self._grad_norm_weights(sharded=self.reducer.shard_group is not None or p.fsdp)
         # the weights are whole on every replica but under FSDP (ZeRO-1 shards gradients and main weights only)
         self._weight_norm_weights = self._grad_norm_weights(sharded=cfg.parallel.fsdp)
         recipe = cfg.precision.name
@@ -276,6 +282,17 @@ class Parallelism:
             log.info("ZeRO-1: the parameter all-gather of %d buckets overlaps the next forward (each waited for "
                      "before the first block that reads it)", len(self.reducer.buckets))
         return optimizer
+
+    def _layerwise_optimizer(self, params: list[dict], matrix_update: Callable[..., None], **hyper
+                             ) -> LayerwiseOptimizer:
+        """ZeRO-1 under Muon: each replica steps the parameters it owns, whole (layerwise.py)."""
+        initial, self._initial_weights = self._initial_weights, None
+        if self.cfg.parallel.overlap_param_gather and self.mesh.dims.dp * self.mesh.dims.cp > 1:
+            log.info("ZeRO-1 under optim.name=muon shards the optimizer by whole parameters, each broadcast from "
+                     "its owner and waited for in the step (parallel.overlap_param_gather overlaps AdamW's gathers)")
+        return LayerwiseOptimizer(params, self.reducer, self._replica_groups(), matrix_update,
+                                  working_dtype=self.working_dtype, initial_weights=initial,
+                                  fused=self.device.type in ("cpu", "cuda"), **hyper)
 
     def _attach_offload(self) -> ActivationStore:
         """Activation offload on this rank's runner: PipeOffload's actions in the pipeline schedule, or
@@ -343,10 +360,15 @@ class Parallelism:
     def matrices(self) -> dict[int, WholeMatrices]:
         """The transformer blocks' matrices as whole ones, for an optimizer that updates matrices (optim.name=muon):
         TP shards gathered over the TP group, fused projections split (megalm/parallel/matrices.py)."""
+        return whole_matrices(self.model, self.cfg.model, self.mesh.tp_group, self._replica_groups())
+
+    def _replica_groups(self) -> dict[int, dist.ProcessGroup | None]:
+        """{id(parameter): the data-parallel ranks whose reduced gradients of it are the same}: dp x cp, or the
+        expert-data-parallel group of an expert slice."""
         group = getattr(self.reducer, "dp_group", None)  # (FSDP, which Muon is refused with, shards instead)
-        experts = {id(p): self.mesh.expert_dp_group for p in expert_parameters(self.model)}
-        replicas = {id(p): experts.get(id(p), group) for p in self.model.parameters()}
-        return whole_matrices(self.model, self.cfg.model, self.mesh.tp_group, replicas)
+        experts = {} if self.mesh.expert_dp_group is None else {  # (none without expert parallelism: dp x cp's)
+            id(p): self.mesh.expert_dp_group for p in expert_parameters(self.model)}
+        return {id(p): experts.get(id(p), group) for p in self.model.parameters()}
 
     def random_seed(self, seed: int) -> int:
         """The seed of this rank's random streams (dropout): one per pipeline stage, `seed + 100 * pp rank` as
@@ -536,7 +558,7 @@ class Parallelism:
         else:
             context = f" cp={p.cp} ({p.cp_comm})" if p.cp > 1 else ""
         flags = (f" ep={p.ep}" if p.ep > 1 else "") + (" sp" if p.sequence_parallel else "") + (
-            " zero1" if p.zero1 else "")
+            " zero1 (layer-wise)" if self.layerwise else " zero1" if p.zero1 else "")
         if p.fsdp:
             shape = ("hsdp " if self.fsdp_mesh.ndim > 1 else "") + "x".join(map(str, self.fsdp_mesh.shape))
             flags += f" fsdp({shape}{'' if p.fsdp_reduce_each_micro_batch else ', reduce-scattered once a step'})"

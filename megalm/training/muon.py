@@ -74,17 +74,19 @@ class MuonMatrices:
 
     @torch.no_grad()
     def __call__(self, group: dict, params: list[torch.Tensor], weights: list[torch.Tensor],
-                 grads: list[torch.Tensor], momenta: list[torch.Tensor], grad_scale: torch.Tensor | None = None
-                 ) -> None:
+                 grads: list[torch.Tensor], momenta: list[torch.Tensor], grad_scale: torch.Tensor | None = None,
+                 owned_only: bool = False) -> None:
         """Every rank updates its momenta (from the gradients divided by `grad_scale`, a clip's inverse coefficient,
         when given); each matrix's orthogonalised update is computed by its owner among the data-parallel replicas
-        (with its TP group, which gathers it whole) and broadcast to the others; then the weights step."""
+        (with its TP group, which gathers it whole) and broadcast to the others; then the weights step. `owned_only`:
+        `params` are the ones this rank owns, whose momenta it alone keeps, and the caller sends the new weights to
+        the other replicas (megalm/parallel/data_parallel/layerwise.py)."""
         lr, momentum = group["lr"], group["momentum"]
         updates, sent = [], []
         for p, grad, buf in zip(params, grads, momenta, strict=True):  # the same order on every rank: the gathers
             grad = grad.float() if grad_scale is None else grad.float() / grad_scale  # and broadcasts pair up
             buf.lerp_(grad, 1 - momentum)
-            layout, owner = self.matrices[id(p)], self.owners[id(p)]
+            layout, owner = self.matrices[id(p)], None if owned_only else self.owners[id(p)]
             if owner is None or owner == dist.get_rank():
                 direction = grad.lerp(buf, momentum) if group["nesterov"] else buf
                 full = torch.cat([orthogonalise(m, group["ns_steps"]) * update_scale(m.size(-2), m.size(-1),

@@ -86,10 +86,13 @@ def _validate_run(cfg: MegalmConfig, world_size: int, device: torch.device | Non
     if cfg.optim.implementation == "triton" and not cfg.parallel.zero1 and (
             cfg.parallel.fsdp or working_dtype(cfg.precision) is None):
         raise ConfigError(triton_adamw_refusal(cfg.parallel.fsdp))
-    if cfg.optim.name == "muon" and (sharded := [key for key, on in (
-            ("parallel.zero1=true", cfg.parallel.zero1), ("parallel.fsdp=true", cfg.parallel.fsdp)) if on]):
-        raise ConfigError(f"optim.name=muon orthogonalises whole matrices, which {sharded[0]} cuts across the "
-                          f"data-parallel ranks; use plain data parallelism with it (megalm/training/muon.py)")
+    if cfg.optim.name == "muon" and cfg.parallel.fsdp:
+        raise ConfigError("optim.name=muon orthogonalises whole matrices, which parallel.fsdp=true cuts across the "
+                          "data-parallel ranks; use parallel.zero1=true with it (the optimizer sharded by whole "
+                          "parameters: megalm/parallel/data_parallel/layerwise.py)")
+    if cfg.optim.name == "muon" and cfg.parallel.zero1 and cfg.optim.implementation == "triton":
+        raise ConfigError("optim.implementation=triton steps AdamW's ZeRO-1 shards; under optim.name=muon ZeRO-1 "
+                          "shards by whole parameters and steps them with torch's AdamW: use optim.implementation=auto")
     if cfg.parallel.fsdp_cpu_offload and device.type != "cuda":
         raise ConfigError("parallel.fsdp_cpu_offload=true moves FSDP's shards from the GPU to the host; on "
                           f"{device.type} they are there already: drop it")

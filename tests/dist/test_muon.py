@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megalm.parallel.data_parallel.layerwise import LayerwiseOptimizer
 from megalm.training.muon import Muon
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
-from tests.dist.equivalence import assert_layout_matches, single_process_reference
+from tests.dist.equivalence import assert_layout_matches, assert_resume_is_bit_exact, single_process_reference
 from tests.dist.launch import run_distributed
 
 STEPS = 5
@@ -31,13 +32,18 @@ LAYOUTS = {
     "moe_tp2_sp_ep2_pp2": (8, ["model=moe_tiny", "model.num_layers=4", "parallel.tp=2",
                                "parallel.sequence_parallel=true", "parallel.dp=2", "parallel.ep=2", "parallel.pp=2"]),
     "hdp_dp2": (2, ["parallel.hdp=true", "parallel.dp=2", "data.varlen=true", "trainer.micro_batch_size=1"]),
+    # ZeRO-1 by whole parameters (megalm/parallel/data_parallel/layerwise.py): each replica steps its own and
+    # broadcasts them; TP groups gather the matrices their replica owns; the expert slices have replicas of their own
+    "dp2_zero1": (2, ["parallel.dp=2", "parallel.zero1=true"]),
+    "moe_tp2_sp_dp2_zero1": (4, ["model=moe_tiny", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                 "parallel.dp=2", "parallel.zero1=true"]),
 }
 
 
 def check_muon(rank: int, world_size: int, overrides: list[str], tmp: str) -> None:
     reference = single_process_reference(rank, [o for o in overrides if not o.startswith("parallel.")], tmp, STEPS)
     par = Trainer(compose_config(*overrides), f"{tmp}/par")
-    assert isinstance(par.optimizer, Muon)
+    assert isinstance(par.optimizer, LayerwiseOptimizer if "parallel.zero1=true" in overrides else Muon)
     assert_layout_matches(reference, par, rank, STEPS, PARAM_ATOL)
 
 
@@ -95,3 +101,59 @@ def test_the_data_parallel_ranks_share_the_iterations_out(tmp_path):
 
     largest = max(layout.cost for layout in one.optimizer.matrices.values())
     assert abs(work(shares[0]) - work(shares[1])) <= largest
+
+
+def check_layerwise_is_plain_dp(rank: int, world_size: int, tmp: str) -> None:
+    """bf16 weights at dp = 2: ZeRO-1 by whole parameters against plain data parallelism, bit for bit (the owner of
+    each parameter steps it as every replica would), and the optimizer's storages, measured as it is built, split
+    between the replicas: together they are plain DP's, each within one parameter's state of half."""
+    from megalm.measure.storage import LiveStorages
+    from megalm.model.naming import canonical_named_parameters
+    from megalm.training.optim import build_optimizer, full_precision_weights
+
+    base = ["optim.name=muon", "precision=bf16", "parallel.dp=2", "model=moe_tiny"]
+    plain = Trainer(compose_config(*base), f"{tmp}/plain")
+    layerwise = Trainer(compose_config(*base, "parallel.zero1=true"), f"{tmp}/layerwise")
+    assert isinstance(layerwise.optimizer, LayerwiseOptimizer) and "zero1 (layer-wise)" in layerwise.parallel.describe()
+    owned = {id(p) for p in layerwise.optimizer.owned}
+    assert 0 < len(owned) < len(list(layerwise.model.parameters())), f"rank {rank} owns {len(owned)} parameters"
+    for step in range(3):
+        a, b = plain.train_step(step), layerwise.train_step(step)
+        assert (a.loss, a.grad_norm) == (b.loss, b.grad_norm), f"rank {rank} step {step}: {b} vs {a}"
+    pairs = list(zip(canonical_named_parameters(plain.model), canonical_named_parameters(layerwise.model),
+                     strict=True))
+    for (name, p), (_, q) in pairs:
+        assert torch.equal(p, q), f"rank {rank}: working weight {name}"
+    with full_precision_weights(plain.optimizer), full_precision_weights(layerwise.optimizer):
+        for (name, p), (_, q) in pairs:
+            assert p.dtype == q.dtype == torch.float32 and torch.equal(p, q), f"rank {rank}: main weight {name}"
+    measured = {}
+    for name, run in (("plain", plain), ("layerwise", layerwise)):
+        with LiveStorages() as live:
+            optimizer = build_optimizer(run.model, run.cfg.optim, run.parallel)
+        measured[name] = live.bytes()
+        del optimizer
+    together = torch.tensor([measured["layerwise"]], dtype=torch.float64)
+    torch.distributed.all_reduce(together)
+    assert together.item() == measured["plain"], (rank, measured, together.item())  # each parameter's state once
+    largest = max(12 * p.numel() for p in layerwise.model.parameters())
+    assert measured["layerwise"] <= measured["plain"] / 2 + largest, (rank, measured)
+
+
+def test_zero1_by_whole_parameters_is_plain_dp_bit_for_bit_in_half_the_state(tmp_path):
+    run_distributed(check_layerwise_is_plain_dp, 2, str(tmp_path), timeout=300)
+
+
+def test_zero1_by_whole_parameters_resumes_bit_exact_and_its_state_loads_in_one_process(tmp_path):
+    """The checkpoint holds each parameter's state whole (its owner's, broadcast: torch's format): the run resumes
+    exactly, and one process on fp32 weights takes every matrix's momentum from it."""
+    layout = ["optim.name=muon", "precision=bf16", "parallel.dp=2", "parallel.zero1=true", "model=moe_tiny",
+              "trainer.max_steps=4"]
+    assert_resume_is_bit_exact(tmp_path, 2, layout, stop_at=2)
+    one = Trainer(compose_config("optim.name=muon", "model=moe_tiny", "trainer.max_steps=6"), tmp_path / "stopped")
+    assert one.step == 4 and isinstance(one.optimizer, Muon)
+    for group in one.optimizer.param_groups:
+        for p in group["params"]:
+            state = one.optimizer.state[p]
+            moment = state["momentum_buffer"] if group["muon"] else state["exp_avg_sq"]
+            assert moment.abs().sum() > 0, f"a {tuple(p.shape)} parameter's state was not loaded"

@@ -120,11 +120,15 @@ def test_a_resumed_muon_run_repeats_the_straight_one(tmp_path, precision):
     assert straight.losses[3:] == resumed.fit().losses
 
 
-@pytest.mark.parametrize("override", ["parallel.zero1=true", "parallel.fsdp=true"])
-def test_layouts_that_cut_the_matrices_are_refused(override):
-    with pytest.raises(ConfigError, match=rf"optim.name=muon orthogonalises whole matrices, which {override} cuts "
-                                          rf"across the data-parallel ranks; use plain data parallelism"):
-        validate_run(compose_config("optim.name=muon", override, "parallel.dp=2"), world_size=2)
+def test_fsdp_is_refused_and_zero1_shards_by_whole_parameters():
+    with pytest.raises(ConfigError, match=r"optim.name=muon orthogonalises whole matrices, which parallel.fsdp=true "
+                                          r"cuts across the data-parallel ranks; use parallel.zero1=true"):
+        validate_run(compose_config("optim.name=muon", "parallel.fsdp=true", "parallel.dp=2"), world_size=2)
+    with pytest.raises(ConfigError, match=r"optim.implementation=triton steps AdamW's ZeRO-1 shards; under "
+                                          r"optim.name=muon .* use optim.implementation=auto"):
+        validate_run(compose_config("optim.name=muon", "parallel.zero1=true", "optim.implementation=triton",
+                                    "parallel.dp=2"), world_size=2)
+    validate_run(compose_config("optim.name=muon", "parallel.zero1=true", "parallel.dp=2"), world_size=2)
 
 
 def test_bf16_working_weights_step_their_fp32_main_weights_as_muon_steps_fp32_weights(tmp_path):

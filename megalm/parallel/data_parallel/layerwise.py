@@ -1,0 +1,253 @@
+"""ZeRO-1 for Muon: the optimizer sharded by whole parameters over the data-parallel replicas.
+
+ZeRO-1 (bucket_adamw.py) cuts each flat gradient bucket into equal contiguous shards, one per replica: AdamW is
+elementwise and steps any cut, but Muon orthogonalises whole matrices, which those cuts split. Megatron-Core's
+LayerWiseDistributedOptimizer shards by parameter instead, and so does this one under `optim.name=muon
+parallel.zero1=true`: the reducer all-reduces the gradients (every replica holds them whole, as under plain data
+parallelism), each parameter is owned by one replica, which alone keeps its optimizer state (and its fp32 main weight
+behind bf16 working weights) and steps it: Muon for the transformer blocks' matrices (`MuonMatrices`, owners from its
+share-out, balanced by Newton-Schulz cost), AdamW for the rest (owners balanced by size). Then each owner broadcasts
+the parameter's new working weight to the other replicas.
+
+Bytes a parameter, d replicas, bf16 working weights: 2 (weight) + 4 (fp32 gradient bucket) + (4 main + 4 momentum)/d
+for a matrix, + (4 + 8)/d for an AdamW one: against 14 and 18 unsharded. Communication: the gradients' all-reduce
+(a reduce-scatter and an all-gather) and one broadcast of each weight (an all-gather's bytes): ZeRO-1's, plus one
+all-gather of the gradients. The broadcasts are waited for in the step (not overlapped with the next forward, as
+ZeRO-1's all-gather is: `parallel.overlap_param_gather` does not apply, said in one line by the layout).
+
+Hand-written: torch's ZeroRedundancyOptimizer also shards by parameter, but steps one torch optimizer class over
+fp32 parameters, not Muon on whole TP-gathered matrices beside AdamW, nor fp32 main weights behind bf16 ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.adamw import adamw
+from torch.utils.hooks import RemovableHandle
+
+from megalm.parallel.data_parallel.reducer import GradReducer
+from megalm.parallel.matrices import share_out
+
+
+@dataclass(frozen=True)
+class _Share:
+    """A parameter as `share_out` balances it: its cost (elements: the state's size) over its replicas."""
+
+    cost: int
+    replicas: dist.ProcessGroup | None
+
+
+class LayerwiseOptimizer:
+    """Muon (param groups marked `"muon": True`, stepped by `matrix_update`) and AdamW (the others) over the
+    parameters this rank owns among its replicas (`replicas`: {id(parameter): the data-parallel group whose reduced
+    gradients of it are the same}); every parameter's new weight is then broadcast from its owner. Gradients come
+    from `reducer` (not ZeRO-1's: whole on every rank). Looks like a torch optimizer where the trainer and the
+    checkpoints need it (`param_groups`, `zero_grad`, step hooks, a torch-format `state_dict` of the full state,
+    collective) and like BucketAdamW where the bf16 recipe does (`full_precision_weights`, `finish_param_gather`)."""
+
+    def __init__(self, groups: list[dict], reducer: GradReducer, replicas: dict[int, dist.ProcessGroup | None],
+                 matrix_update: Callable[..., None], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, working_dtype: torch.dtype | None = None,
+                 initial_weights: dict[int, torch.Tensor] | None = None, fused: bool = True) -> None:
+        if reducer.zero1:
+            raise ValueError("LayerwiseOptimizer reads whole gradients: a GradReducer built with zero1=False")
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        self.param_groups = [{**defaults, **group, "params": list(group["params"])} for group in groups]
+        params = [p for group in self.param_groups for p in group["params"]]
+        if {id(p) for p in params} != {id(p) for p in reducer.params} or len(params) != len(reducer.params):
+            raise ValueError("LayerwiseOptimizer's parameters must be exactly the reducer's trainable parameters")
+        self.reducer, self.matrix_update, self.working_dtype, self.fused = reducer, matrix_update, working_dtype, fused
+        # a clip's inverse coefficient, which the step divides the gradients by as it reads them (torch's fused AdamW
+        # reads the attribute of this name; set by Parallelism.clip_grad_norm_ when `fused`, cleared after the step)
+        self.grad_scale: torch.Tensor | None = None
+        self.step_count = 0
+        self._pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self._post_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        # who steps each parameter: the matrices' owners are Muon's share-out; the others balanced by their size
+        self.matrices = {id(p) for group in self.param_groups if group.get("muon") for p in group["params"]}
+        others = [p for p in params if id(p) not in self.matrices]
+        self.owner: dict[int, int | None] = {id(p): matrix_update.owners[id(p)] for p in params
+                                             if id(p) in self.matrices}
+        self.owner |= dict(zip(map(id, others), share_out([_Share(p.numel(), replicas.get(id(p))) for p in others]),
+                               strict=True))
+        self.replicas = replicas
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.owned = [p for p in params if self.owner[id(p)] in (None, rank)]
+        # the fp32 main weights of the owned parameters (bf16 working weights), from the values they were cast from
+        initial = initial_weights or {}
+        self.main: dict[int, torch.Tensor] = {} if working_dtype is None else {
+            id(p): initial.get(id(p), p.detach()).to(torch.float32, copy=True) for p in self.owned}
+        if working_dtype is not None:
+            for p in params:
+                p.data = p.data.to(working_dtype)
+        self.state: dict[int, dict[str, torch.Tensor]] = {
+            id(p): {key: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for key in self._keys(p)}
+            for p in self.owned}
+
+    # ------------------------------------------------------------------ the torch optimizer's face
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The gradients live in the reducer's buckets, overwritten each step: only a stray `p.grad` is dropped."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    def register_step_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        handle = RemovableHandle(self._pre_hooks)
+        self._pre_hooks[handle.id] = hook
+        return handle
+
+    def register_step_post_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        handle = RemovableHandle(self._post_hooks)
+        self._post_hooks[handle.id] = hook
+        return handle
+
+    def finish_param_gather(self, buckets: Iterable[int] | None = None) -> None:
+        """Nothing is left in flight after a step (the broadcasts are waited for in it)."""
+
+    def _weight(self, p: nn.Parameter) -> torch.Tensor:
+        """The fp32 weight this rank steps for owned `p`: its main weight, or the parameter itself."""
+        return self.main[id(p)] if self.working_dtype is not None else p.detach()
+
+    def _grad(self, p: nn.Parameter) -> torch.Tensor:
+        grad = self.reducer.summed_grad(p)
+        return grad if grad.dtype == torch.float32 else grad.float()
+
+    # ------------------------------------------------------------------ the update
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Each owned parameter's step (Muon's or AdamW's), its working copy cast, then every parameter's weight
+        broadcast from its owner (collective over each parameter's replicas, in the same order on every rank)."""
+        for hook in list(self._pre_hooks.values()):
+            hook(self, (), {})
+        self.step_count += 1
+        owned = {id(p) for p in self.owned}
+        for group in self.param_groups:
+            params = [p for p in group["params"] if id(p) in owned]
+            if not params:
+                continue
+            weights, grads = [self._weight(p) for p in params], [self._grad(p) for p in params]
+            if group.get("muon"):
+                self.matrix_update(group, params, weights, grads, [self.state[id(p)]["momentum_buffer"]
+                                                                   for p in params], self.grad_scale, owned_only=True)
+                continue
+            beta1, beta2 = group["betas"]
+            steps = list(torch.full((len(params),), float(self.step_count - 1), device=params[0].device).unbind())
+            adamw(weights, grads, [self.state[id(p)]["exp_avg"] for p in params],
+                  [self.state[id(p)]["exp_avg_sq"] for p in params], [], steps, fused=self.fused,
+                  foreach=None if self.fused else True, grad_scale=self.grad_scale, amsgrad=False, beta1=beta1,
+                  beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        if self.working_dtype is not None and self.owned:
+            torch._foreach_copy_([p.detach() for p in self.owned], [self.main[id(p)] for p in self.owned])
+        self._from_owners(lambda p: p.detach())
+        for hook in list(self._post_hooks.values()):
+            hook(self, (), {})
+
+    def _from_owners(self, tensor_of: Callable[[nn.Parameter], torch.Tensor]) -> None:
+        """Broadcast `tensor_of(p)` (written in place on the other replicas) from each parameter's owner."""
+        sent = [dist.broadcast(tensor_of(p), self.owner[id(p)], group=self.replicas.get(id(p)), async_op=True)
+                for group in self.param_groups for p in group["params"] if self.owner[id(p)] is not None]
+        for work in sent:
+            work.wait()
+
+    # ------------------------------------------------------------------ main weights and checkpoints
+
+    @contextlib.contextmanager
+    def full_precision_weights(self) -> Iterator[None]:
+        """Inside, every parameter holds its fp32 weight (the owner's main weight, broadcast: collective); on exit the
+        owners take their main weights from them (a load writes them) and the working copies are cast again."""
+        if self.working_dtype is None:
+            yield
+            return
+        params = [p for group in self.param_groups for p in group["params"]]
+        working = [p.data for p in params]  # each parameter's own storage, which it holds again on exit
+        with torch.no_grad():
+            for p in params:
+                p.data = self.main[id(p)].clone() if id(p) in self.main else torch.empty(
+                    p.shape, dtype=torch.float32, device=p.device)
+            self._from_owners(lambda p: p.data)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p in self.owned:
+                    self.main[id(p)].copy_(p.data)
+                torch._foreach_copy_(working, [p.data for p in params])
+                for p, tensor in zip(params, working, strict=True):
+                    p.data = tensor
+
+    @torch.no_grad()
+    def state_dict(self) -> dict:
+        """The full state in torch's format, indices in param-group order (Muon's `momentum_buffer` for a matrix,
+        AdamW's `step`, `exp_avg`, `exp_avg_sq` for the others): each owner's broadcast to its replicas (collective),
+        so that it loads under any layout, and into `Muon` (megalm/training/muon.py)."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        full: dict[int, dict[str, torch.Tensor]] = {}
+        if self.step_count > 0:
+            for p in params:
+                keys = self._keys(p)
+                full[id(p)] = {k: self.state[id(p)][k].clone() if id(p) in self.state else
+                               torch.empty(p.shape, dtype=torch.float32, device=p.device) for k in keys}
+            for key in ("momentum_buffer", "exp_avg", "exp_avg_sq"):
+                sent = [dist.broadcast(full[id(p)][key], self.owner[id(p)], group=self.replicas.get(id(p)),
+                                       async_op=True)
+                        for p in params if key in full[id(p)] and self.owner[id(p)] is not None]
+                for work in sent:
+                    work.wait()
+        state = {}
+        for index, p in enumerate(params):
+            if id(p) in full:
+                state[index] = full[id(p)]
+                if "exp_avg" in full[id(p)]:
+                    state[index]["step"] = torch.tensor(float(self.step_count), dtype=torch.float32)
+        groups, start = [], 0
+        for group in self.param_groups:
+            n = len(group["params"])
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "amsgrad": False, "maximize": False,
+                           "params": list(range(start, start + n))})
+            start += n
+        return {"state": state, "param_groups": groups}
+
+    def _keys(self, p: nn.Parameter) -> tuple[str, ...]:
+        """The state tensors of `p`: Muon's momentum for a matrix, AdamW's two moments otherwise."""
+        return ("momentum_buffer",) if id(p) in self.matrices else ("exp_avg", "exp_avg_sq")
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a full state (any layout's, or `Muon`'s): each rank keeps the parameters it owns."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"state has {len(state_dict['param_groups'])} param groups, this optimizer "
+                             f"{len(self.param_groups)}")
+        for saved, group in zip(state_dict["param_groups"], self.param_groups, strict=True):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError("param group sizes differ between the state and this optimizer")
+            for key in ("lr", "betas", "eps", "weight_decay"):
+                if key in saved:
+                    group[key] = tuple(saved[key]) if key == "betas" else saved[key]
+        steps = [0]
+        for state in self.state.values():
+            for tensor in state.values():
+                tensor.zero_()
+        for index, per_param in state_dict["state"].items():
+            p = params[int(index)]
+            for key in self._keys(p):
+                if key not in per_param:
+                    raise ValueError(f"state of parameter {index} lacks {key}: the state is another optimizer's")
+                if per_param[key].shape != p.shape:
+                    raise ValueError(f"state {key} of parameter {index} has shape {tuple(per_param[key].shape)}, "
+                                     f"the parameter {tuple(p.shape)}")
+                if id(p) in self.state:
+                    self.state[id(p)][key].copy_(per_param[key])
+            if "step" in per_param:
+                steps.append(int(float(per_param["step"])))
+        self.step_count = max(steps)
+
