@@ -292,7 +292,9 @@ class Parallelism:
                      "its owner and waited for in the step (parallel.overlap_param_gather overlaps AdamW's gathers)")
         return LayerwiseOptimizer(params, self.reducer, self._replica_groups(), matrix_update,
                                   working_dtype=self.working_dtype, initial_weights=initial,
-                                  fused=self.device.type in ("cpu", "cuda"), **hyper)
+                                  fused=self.cfg.optim.implementation == "fused" or (
+                                      self.cfg.optim.implementation == "auto" and self.device.type in ("cpu", "cuda")),
+                                  **hyper)
 
     def _attach_offload(self) -> ActivationStore:
         """Activation offload on this rank's runner: PipeOffload's actions in the pipeline schedule, or

@@ -19,8 +19,9 @@ The data-parallel ranks share the iterations out, each matrix orthogonalised by 
 (with sequence parallelism), pp, dp, cp, HDP and ep. On fp32 weights (precision=fp32, bf16_autocast) `Muon` steps
 the parameters; on bf16 working weights (precision=bf16, the fp8/mx recipes on bf16 weights) BucketAdamW steps the
 fp32 main weights behind them, its matrix groups with `MuonMatrices` on views of its flat buckets
-(megalm/parallel/data_parallel/bucket_adamw.py). ZeRO-1 and FSDP shard the gradients and weights across the
-data-parallel ranks, cutting the matrices: refused in one line (megalm/training/validation.py).
+(megalm/parallel/data_parallel/bucket_adamw.py). ZeRO-1's flat shards would cut the matrices: under Muon it shards
+the optimizer by whole parameters instead (megalm/parallel/data_parallel/layerwise.py). FSDP's shards cut them too:
+refused in one line (megalm/training/validation.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch.optim.adamw import adamw
 from megalm.parallel.matrices import WholeMatrices, share_out
 
 NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)  # Jordan et al.'s quintic: fast to ~[0.7, 1.2] singular values
+IN_FLIGHT_BYTES = 256 * 2**20  # the broadcast updates a step holds before applying them (`MuonMatrices`)
 
 
 def orthogonalise(matrix: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
@@ -82,9 +84,18 @@ class MuonMatrices:
         `params` are the ones this rank owns, whose momenta it alone keeps, and the caller sends the new weights to
         the other replicas (megalm/parallel/data_parallel/layerwise.py)."""
         lr, momentum = group["lr"], group["momentum"]
-        updates, sent = [], []
-        for p, grad, buf in zip(params, grads, momenta, strict=True):  # the same order on every rank: the gathers
-            grad = grad.float() if grad_scale is None else grad.float() / grad_scale  # and broadcasts pair up
+        pending: list[tuple[torch.Tensor, torch.Tensor, dist.Work | None]] = []  # (weight, its update, broadcast)
+
+        def apply_pending() -> None:
+            for weight, update, work in pending:
+                if work is not None:
+                    work.wait()
+                weight.mul_(1 - lr * group["weight_decay"])
+                weight.add_(update.view_as(weight), alpha=-lr)
+            pending.clear()
+
+        for p, weight, grad, buf in zip(params, weights, grads, momenta, strict=True):  # the same order on every rank:
+            grad = grad.float() if grad_scale is None else grad.float() / grad_scale  # the gathers and broadcasts pair
             buf.lerp_(grad, 1 - momentum)
             layout, owner = self.matrices[id(p)], None if owned_only else self.owners[id(p)]
             if owner is None or owner == dist.get_rank():
@@ -95,14 +106,13 @@ class MuonMatrices:
                 update = layout.scatter(full).to(buf.dtype).contiguous()
             else:
                 update = torch.empty_like(buf)
-            if owner is not None:
-                sent.append(dist.broadcast(update, owner, group=layout.replicas, async_op=True))
-            updates.append(update)
-        for work in sent:
-            work.wait()
-        for weight, update in zip(weights, updates, strict=True):
-            weight.mul_(1 - lr * group["weight_decay"])
-            weight.add_(update.view_as(weight), alpha=-lr)
+            pending.append((weight, update, None if owner is None else dist.broadcast(
+                update, owner, group=layout.replicas, async_op=True)))
+            # the updates in flight are applied once they pass IN_FLIGHT_BYTES: the step holds no fp32 update of
+            # every matrix at once (4 bytes a parameter more)
+            if sum(u.numel() * u.element_size() for _, u, _ in pending) >= IN_FLIGHT_BYTES:
+                apply_pending()
+        apply_pending()
 
 
 class Muon(torch.optim.Optimizer):

@@ -47,7 +47,7 @@ def check_layout(rank: int, world_size: int, overrides: list[str], tmp: str, los
     one = Trainer(compose_config(*BF16, *model), f"{tmp}/one{rank}", mesh=ParallelMesh(ParallelDims()))
     par = Trainer(compose_config(*BF16, *overrides), f"{tmp}/par")
     if "optim.name=muon" in overrides:  # Muon steps the matrices' fp32 main weights, AdamW the rest
-        assert par.optimizer.matrix_groups and one.optimizer.matrix_groups
+        assert all(any(g.get("muon") for g in run.optimizer.param_groups) for run in (one, par))
     if "precision.backend=torchao" in overrides:  # the layout runs torchao's layers, not a fallback to the native path
         assert "torchao Float8Linear" in par.precision.note and "torchao Float8Linear" in one.precision.note
     one.forward_backward(0)
@@ -94,6 +94,9 @@ LAYOUTS = {
     "dp2_muon": (2, ["parallel.dp=2", "optim.name=muon"]),
     "tp2_sp_muon": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "optim.name=muon"]),
     "pp2_muon": (2, ["parallel.pp=2", "optim.name=muon"]),
+    # ZeRO-1 by whole parameters (layerwise.py): the matrices a replica owns gathered over its TP group
+    "tp2_sp_dp2_zero1_muon": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2",
+                                  "parallel.zero1=true", "optim.name=muon"]),
 }
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from megalm.parallel.data_parallel.layerwise import LayerwiseOptimizer
+from megalm.training.checkpoint.tensors import optimizer_tensors
 from megalm.training.muon import Muon
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
@@ -37,6 +39,12 @@ LAYOUTS = {
     "dp2_zero1": (2, ["parallel.dp=2", "parallel.zero1=true"]),
     "moe_tp2_sp_dp2_zero1": (4, ["model=moe_tiny", "parallel.tp=2", "parallel.sequence_parallel=true",
                                  "parallel.dp=2", "parallel.zero1=true"]),
+    # each stage's copy of the tied embedding has an owner of its own; the expert slices' replicas (dp4 ep2: 2) are
+    # not the dense parameters' (4); the CP ranks are replicas too
+    "pp2_tied_dp2_zero1": (4, ["parallel.pp=2", "model.num_layers=4", "model.tie_embeddings=true", "parallel.dp=2",
+                               "parallel.zero1=true"]),
+    "moe_dp4_ep2_zero1": (4, ["model=moe_tiny", "parallel.dp=4", "parallel.ep=2", "parallel.zero1=true"]),
+    "cp2_dp2_zero1": (4, ["parallel.cp=2", "parallel.dp=2", "parallel.zero1=true"]),
 }
 
 
@@ -150,10 +158,22 @@ def test_zero1_by_whole_parameters_resumes_bit_exact_and_its_state_loads_in_one_
     layout = ["optim.name=muon", "precision=bf16", "parallel.dp=2", "parallel.zero1=true", "model=moe_tiny",
               "trainer.max_steps=4"]
     assert_resume_is_bit_exact(tmp_path, 2, layout, stop_at=2)
+    run_distributed(save_loaded_state, 2, layout, str(tmp_path / "stopped"), str(tmp_path / "state.safetensors"),
+                    timeout=120)
     one = Trainer(compose_config("optim.name=muon", "model=moe_tiny", "trainer.max_steps=6"), tmp_path / "stopped")
     assert one.step == 4 and isinstance(one.optimizer, Muon)
-    for group in one.optimizer.param_groups:
-        for p in group["params"]:
-            state = one.optimizer.state[p]
-            moment = state["momentum_buffer"] if group["muon"] else state["exp_avg_sq"]
-            assert moment.abs().sum() > 0, f"a {tuple(p.shape)} parameter's state was not loaded"
+    theirs, _ = optimizer_tensors(one.model, one.optimizer)
+    ours = load_file(tmp_path / "state.safetensors")
+    assert ours.keys() == theirs.keys() and any(k.endswith("::momentum_buffer") for k in ours)
+    for key, value in theirs.items():
+        assert torch.equal(ours[key], value.reshape(ours[key].shape)), key
+
+
+def save_loaded_state(rank: int, world_size: int, overrides: list[str], run_dir: str, out: str) -> None:
+    """The optimizer state the layout loaded from `run_dir`'s last checkpoint, as the checkpoints flatten it (every
+    parameter's, from its owner); rank 0 writes it to `out`."""
+    trainer = Trainer(compose_config(*overrides), run_dir)
+    assert isinstance(trainer.optimizer, LayerwiseOptimizer) and trainer.step == 4
+    tensors, _ = optimizer_tensors(trainer.model, trainer.optimizer)
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, out)

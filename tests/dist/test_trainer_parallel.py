@@ -33,8 +33,9 @@ def check_layout(rank: int, world_size: int, overrides: list[str], tmp: str, com
     reference = single_process_reference(rank, model, tmp, STEPS)
     par = Trainer(compose_config(*overrides), f"{tmp}/par")
     # dropout zeroes some embedding rows' gradients in a step, and Adam turns the summation-order noise of such a ~0
-    # element into an update of up to lr (measured: 4.2e-5 on one element of 12,288); losses and grads stay strict
-    assert_layout_matches(reference, par, rank, STEPS, 1e-4 if "model.dropout=0.1" in model else 2e-5,
+    # element into an update of up to lr (measured: 4.2e-5 on one element of 12,288 on an Intel Xeon, 1.3e-4 on an AMD
+    # EPYC, 2026-12-07, with tp2_sp_dropout_selective); losses and grads stay strict
+    assert_layout_matches(reference, par, rank, STEPS, 3e-4 if "model.dropout=0.1" in model else 2e-5,
                           grads=compare_grads)
 
 

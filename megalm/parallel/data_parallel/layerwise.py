@@ -5,9 +5,11 @@ elementwise and steps any cut, but Muon orthogonalises whole matrices, which tho
 LayerWiseDistributedOptimizer shards by parameter instead, and so does this one under `optim.name=muon
 parallel.zero1=true`: the reducer all-reduces the gradients (every replica holds them whole, as under plain data
 parallelism), each parameter is owned by one replica, which alone keeps its optimizer state (and its fp32 main weight
-behind bf16 working weights) and steps it: Muon for the transformer blocks' matrices (`MuonMatrices`, owners from its
-share-out, balanced by Newton-Schulz cost), AdamW for the rest (owners balanced by size). Then each owner broadcasts
-the parameter's new working weight to the other replicas.
+behind bf16 working weights) and steps it: Muon for the transformer blocks' matrices (`MuonMatrices`), AdamW for the
+rest. The owners are shared out by state bytes, the largest parameter first to the least loaded replica (a replica's
+share is within one parameter's of the mean; the Newton-Schulz work follows the matrices' sizes, not balanced on its
+own). Then each owner broadcasts the parameter's new working weight to the other replicas, one broadcast a parameter
+(not coalesced into buckets, as Megatron's all-gather is).
 
 Bytes a parameter, d replicas, bf16 working weights: 2 (weight) + 4 (fp32 gradient bucket) + (4 main + 4 momentum)/d
 for a matrix, + (4 + 8)/d for an AdamW one: against 14 and 18 unsharded. Communication: the gradients' all-reduce
@@ -38,7 +40,7 @@ from megalm.parallel.matrices import share_out
 
 @dataclass(frozen=True)
 class _Share:
-    """A parameter as `share_out` balances it: its cost (elements: the state's size) over its replicas."""
+    """A parameter as `share_out` balances it: its cost (its state's bytes) over its replicas."""
 
     cost: int
     replicas: dist.ProcessGroup | None
@@ -70,13 +72,13 @@ class LayerwiseOptimizer:
         self.step_count = 0
         self._pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._post_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
-        # who steps each parameter: the matrices' owners are Muon's share-out; the others balanced by their size
+        # who steps each parameter: all of them shared out at once by their state's bytes (the memory ZeRO-1 is for;
+        # a matrix's Newton-Schulz work follows its size), the largest first to the least loaded replica. The TP peers
+        # of a replica must find the same owners of the matrices they gather together: their shards' sizes are equal
         self.matrices = {id(p) for group in self.param_groups if group.get("muon") for p in group["params"]}
-        others = [p for p in params if id(p) not in self.matrices]
-        self.owner: dict[int, int | None] = {id(p): matrix_update.owners[id(p)] for p in params
-                                             if id(p) in self.matrices}
-        self.owner |= dict(zip(map(id, others), share_out([_Share(p.numel(), replicas.get(id(p))) for p in others]),
-                               strict=True))
+        main = 4 if working_dtype is not None else 0
+        shares = [_Share((main + len(self._keys(p)) * 4) * p.numel(), replicas.get(id(p))) for p in params]
+        self.owner: dict[int, int | None] = dict(zip(map(id, params), share_out(shares), strict=True))
         self.replicas = replicas
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.owned = [p for p in params if self.owner[id(p)] in (None, rank)]
@@ -116,10 +118,6 @@ class LayerwiseOptimizer:
         """The fp32 weight this rank steps for owned `p`: its main weight, or the parameter itself."""
         return self.main[id(p)] if self.working_dtype is not None else p.detach()
 
-    def _grad(self, p: nn.Parameter) -> torch.Tensor:
-        grad = self.reducer.summed_grad(p)
-        return grad if grad.dtype == torch.float32 else grad.float()
-
     # ------------------------------------------------------------------ the update
 
     @torch.no_grad()
@@ -134,22 +132,31 @@ class LayerwiseOptimizer:
             params = [p for p in group["params"] if id(p) in owned]
             if not params:
                 continue
-            weights, grads = [self._weight(p) for p in params], [self._grad(p) for p in params]
-            if group.get("muon"):
+            weights, grads = [self._weight(p) for p in params], [self.reducer.summed_grad(p) for p in params]
+            if group.get("muon"):  # (it reads each gradient in fp32 as it goes)
                 self.matrix_update(group, params, weights, grads, [self.state[id(p)]["momentum_buffer"]
                                                                    for p in params], self.grad_scale, owned_only=True)
                 continue
-            beta1, beta2 = group["betas"]
-            steps = list(torch.full((len(params),), float(self.step_count - 1), device=params[0].device).unbind())
-            adamw(weights, grads, [self.state[id(p)]["exp_avg"] for p in params],
-                  [self.state[id(p)]["exp_avg_sq"] for p in params], [], steps, fused=self.fused,
-                  foreach=None if self.fused else True, grad_scale=self.grad_scale, amsgrad=False, beta1=beta1,
-                  beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+            # torch's AdamW kernels take fp32 gradients: bf16 ones (parallel.grad_reduce_dtype=bf16) are cast and
+            # stepped one parameter at a time, never an fp32 copy of every gradient at once
+            batches = [range(len(params))] if all(g.dtype == torch.float32 for g in grads) else [
+                [i] for i in range(len(params))]
+            for batch in batches:
+                self._adamw(group, [weights[i] for i in batch], [grads[i].float() for i in batch],
+                            [self.state[id(params[i])] for i in batch])
         if self.working_dtype is not None and self.owned:
             torch._foreach_copy_([p.detach() for p in self.owned], [self.main[id(p)] for p in self.owned])
         self._from_owners(lambda p: p.detach())
         for hook in list(self._post_hooks.values()):
             hook(self, (), {})
+
+    def _adamw(self, group: dict, weights: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict]) -> None:
+        beta1, beta2 = group["betas"]
+        steps = list(torch.full((len(weights),), float(self.step_count - 1), device=weights[0].device).unbind())
+        adamw(weights, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [], steps,
+              fused=self.fused, foreach=None if self.fused else True, grad_scale=self.grad_scale, amsgrad=False,
+              beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+              maximize=False)
 
     def _from_owners(self, tensor_of: Callable[[nn.Parameter], torch.Tensor]) -> None:
         """Broadcast `tensor_of(p)` (written in place on the other replicas) from each parameter's owner."""
