@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -42,19 +41,19 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.optim.adamw import adamw
-from torch.utils.hooks import RemovableHandle
 
 from megalm.model import TransformerBlock
 from megalm.model.naming import model_chunks
 from megalm.parallel.collectives import all_gather_flat
 from megalm.parallel.data_parallel import adamw_kernel
+from megalm.parallel.data_parallel.optimizer_face import TorchOptimizerFace
 from megalm.parallel.data_parallel.reducer import GradBucket, GradReducer
 from megalm.parallel.norms import NormShare
 
 log = logging.getLogger("megalm")
 
 
-class BucketAdamW:
+class BucketAdamW(TorchOptimizerFace):
     """AdamW over the reducer's buckets: its fp32 state sharded over the DP group (ZeRO stage 1, Rajbhandari
     et al. 2020) when the reducer shards, and fp32 main weights behind `working_dtype` parameters when given.
 
@@ -91,15 +90,7 @@ class BucketAdamW:
         if not reducer.zero1 and not (working_dtype is not None and reducer.accumulate):
             raise ValueError("BucketAdamW needs a GradReducer built with zero1=True, or, for working_dtype "
                              "parameters, one built with accumulate=True")
-        params = list(params)
-        if params and not isinstance(params[0], dict):
-            params = [{"params": params}]
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        self.param_groups: list[dict] = []
-        for group in params:
-            full = {**defaults, **group, "params": list(group["params"])}
-            full["betas"] = tuple(full["betas"])
-            self.param_groups.append(full)
+        self._set_param_groups(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         self.reducer = reducer
         self.dp_group = reducer.dp_group
         self.world, self.rank = reducer.world, reducer.rank
@@ -129,8 +120,6 @@ class BucketAdamW:
         # the clip coefficient's inverse, which the fused kernel divides the gradients by (torch's fused AdamW reads
         # the attribute of this name): set by Parallelism.clip_grad_norm_, cleared by the trainer after the step
         self.grad_scale: torch.Tensor | None = None
-        self._pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()  # RemovableHandle's weakref
-        self._post_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         # `kernel` is optim.implementation: megalm's one-pass Triton kernel ("triton"; "auto" on CUDA where triton
         # imports: adamw_kernel.py, which writes the working copies too, 1.37x torch's kernel and cast on an H100,
         # 2026-12-05), torch's fused AdamW kernel ("fused"; "auto" on a CPU, or CUDA without triton), or its foreach
@@ -208,21 +197,7 @@ class BucketAdamW:
         `p.grad` left behind (e.g. by a backward run outside a reducer step), and the fp32 copies of ZeRO-1's bf16
         gradient shards, which `step()` drops too: a step the non-finite guard skips kept them to the next step."""
         self.reducer.release_cast_grad_shards()
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
-
-    def register_step_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """`hook(optimizer, args, kwargs)` before every `step()`, as torch.optim.Optimizer's hook of that name."""
-        handle = RemovableHandle(self._pre_hooks)
-        self._pre_hooks[handle.id] = hook
-        return handle
-
-    def register_step_post_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """`hook(optimizer, args, kwargs)` after every `step()`, as torch.optim.Optimizer's hook of that name."""
-        handle = RemovableHandle(self._post_hooks)
-        self._post_hooks[handle.id] = hook
-        return handle
+        super().zero_grad(set_to_none)
 
     # ------------------------------------------------------------------ the update
 
@@ -231,8 +206,7 @@ class BucketAdamW:
         """AdamW on the part of every bucket this rank owns, then every parameter refreshed from it (ZeRO-1: an
         all-gather, collective). A fixed number of foreach/fused launches per param group (and bucket, where bf16
         gradient buckets are cast for torch's kernels), not one per parameter."""
-        for hook in list(self._pre_hooks.values()):
-            hook(self, (), {})
+        self._run_hooks(self._pre_hooks)
         self.finish_param_gather()  # the parameters are read below (fp32: they are the main weights)
         grads = self._grad_shards()
         self.step_count += 1
@@ -254,8 +228,7 @@ class BucketAdamW:
             self._refresh_params(shards)
         del grads
         self.reducer.release_cast_grad_shards()
-        for hook in list(self._post_hooks.values()):
-            hook(self, (), {})
+        self._run_hooks(self._post_hooks)
 
     def _step_buckets(self, indices: Iterable[int], grads: list[torch.Tensor], shards: list[torch.Tensor],
                       writes_copies: bool) -> None:
@@ -441,9 +414,6 @@ class BucketAdamW:
         return {i: {"exp_avg": m, "exp_avg_sq": v} for i, (m, v) in enumerate(zip(self.exp_avg, self.exp_avg_sq,
                                                                                    strict=True))}
 
-    def _ordered_params(self) -> list[nn.Parameter]:
-        return [p for group in self.param_groups for p in group["params"]]
-
     @torch.no_grad()
     def state_dict(self) -> dict:
         """Full AdamW state in torch's format ({"state": {index: {"step", "exp_avg", "exp_avg_sq"}},
@@ -466,13 +436,7 @@ class BucketAdamW:
                 state[index] = {"step": torch.tensor(float(self.step_count), dtype=torch.float32),
                                 "exp_avg": full_m[bucket.index][sl].view_as(p).clone(),
                                 "exp_avg_sq": full_v[bucket.index][self._second_at.get(id(p), sl)].view_as(p).clone()}
-        groups, start = [], 0
-        for group in self.param_groups:
-            n = len(group["params"])
-            groups.append({**{k: v for k, v in group.items() if k != "params"},
-                           "amsgrad": False, "maximize": False, "params": list(range(start, start + n))})
-            start += n
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": self._state_dict_groups()}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
@@ -483,15 +447,7 @@ class BucketAdamW:
         """
         self.finish_param_gather()  # a gather still in flight would overwrite weights loaded beside this state
         params = self._ordered_params()
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"state has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
-        for saved, group in zip(groups, self.param_groups, strict=True):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError("param group sizes differ between the state and this optimizer")
-            for key in ("lr", "betas", "eps", "weight_decay"):
-                if key in saved:
-                    group[key] = tuple(saved[key]) if key == "betas" else saved[key]
+        self._load_group_settings(state_dict["param_groups"])
         steps = [0]
         for m in self.exp_avg + self.exp_avg_sq:
             m.zero_()

@@ -24,7 +24,6 @@ fp32 parameters, not Muon on whole TP-gathered matrices beside AdamW, nor fp32 m
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -32,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.adamw import adamw
-from torch.utils.hooks import RemovableHandle
 
+from megalm.parallel.data_parallel.optimizer_face import TorchOptimizerFace
 from megalm.parallel.data_parallel.reducer import GradReducer
 from megalm.parallel.matrices import share_out
 
@@ -46,7 +45,7 @@ class _Share:
     replicas: dist.ProcessGroup | None
 
 
-class LayerwiseOptimizer:
+class LayerwiseOptimizer(TorchOptimizerFace):
     """Muon (param groups marked `"muon": True`, stepped by `matrix_update`) and AdamW (the others) over the
     parameters this rank owns among its replicas (`replicas`: {id(parameter): the data-parallel group whose reduced
     gradients of it are the same}); every parameter's new weight is then broadcast from its owner. Gradients come
@@ -60,9 +59,8 @@ class LayerwiseOptimizer:
                  initial_weights: dict[int, torch.Tensor] | None = None, fused: bool = True) -> None:
         if reducer.zero1:
             raise ValueError("LayerwiseOptimizer reads whole gradients: a GradReducer built with zero1=False")
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        self.param_groups = [{**defaults, **group, "params": list(group["params"])} for group in groups]
-        params = [p for group in self.param_groups for p in group["params"]]
+        self._set_param_groups(groups, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        params = self._ordered_params()
         if {id(p) for p in params} != {id(p) for p in reducer.params} or len(params) != len(reducer.params):
             raise ValueError("LayerwiseOptimizer's parameters must be exactly the reducer's trainable parameters")
         self.reducer, self.matrix_update, self.working_dtype, self.fused = reducer, matrix_update, working_dtype, fused
@@ -70,8 +68,6 @@ class LayerwiseOptimizer:
         # reads the attribute of this name; set by Parallelism.clip_grad_norm_ when `fused`, cleared after the step)
         self.grad_scale: torch.Tensor | None = None
         self.step_count = 0
-        self._pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
-        self._post_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         # who steps each parameter: all of them shared out at once by their state's bytes (the memory ZeRO-1 is for;
         # a matrix's Newton-Schulz work follows its size), the largest first to the least loaded replica. The TP peers
         # of a replica must find the same owners of the matrices they gather together: their shards' sizes are equal
@@ -95,22 +91,6 @@ class LayerwiseOptimizer:
 
     # ------------------------------------------------------------------ the torch optimizer's face
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The gradients live in the reducer's buckets, overwritten each step: only a stray `p.grad` is dropped."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
-
-    def register_step_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        handle = RemovableHandle(self._pre_hooks)
-        self._pre_hooks[handle.id] = hook
-        return handle
-
-    def register_step_post_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        handle = RemovableHandle(self._post_hooks)
-        self._post_hooks[handle.id] = hook
-        return handle
-
     def finish_param_gather(self, buckets: Iterable[int] | None = None) -> None:
         """Nothing is left in flight after a step (the broadcasts are waited for in it)."""
 
@@ -124,8 +104,7 @@ class LayerwiseOptimizer:
     def step(self) -> None:
         """Each owned parameter's step (Muon's or AdamW's), its working copy cast, then every parameter's weight
         broadcast from its owner (collective over each parameter's replicas, in the same order on every rank)."""
-        for hook in list(self._pre_hooks.values()):
-            hook(self, (), {})
+        self._run_hooks(self._pre_hooks)
         self.step_count += 1
         owned = {id(p) for p in self.owned}
         for group in self.param_groups:
@@ -147,8 +126,7 @@ class LayerwiseOptimizer:
         if self.working_dtype is not None and self.owned:
             torch._foreach_copy_([p.detach() for p in self.owned], [self.main[id(p)] for p in self.owned])
         self._from_owners(lambda p: p.detach())
-        for hook in list(self._post_hooks.values()):
-            hook(self, (), {})
+        self._run_hooks(self._post_hooks)
 
     def _adamw(self, group: dict, weights: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict]) -> None:
         beta1, beta2 = group["betas"]
@@ -174,7 +152,7 @@ class LayerwiseOptimizer:
         if self.working_dtype is None:
             yield
             return
-        params = [p for group in self.param_groups for p in group["params"]]
+        params = self._ordered_params()
         working = [p.data for p in params]  # each parameter's own storage, which it holds again on exit
         with torch.no_grad():
             for p in params:
@@ -196,7 +174,7 @@ class LayerwiseOptimizer:
         """The full state in torch's format, indices in param-group order (Muon's `momentum_buffer` for a matrix,
         AdamW's `step`, `exp_avg`, `exp_avg_sq` for the others): each owner's broadcast to its replicas (collective),
         so that it loads under any layout, and into `Muon` (megalm/training/muon.py)."""
-        params = [p for group in self.param_groups for p in group["params"]]
+        params = self._ordered_params()
         full: dict[int, dict[str, torch.Tensor]] = {}
         if self.step_count > 0:
             for p in params:
@@ -215,13 +193,7 @@ class LayerwiseOptimizer:
                 state[index] = full[id(p)]
                 if "exp_avg" in full[id(p)]:
                     state[index]["step"] = torch.tensor(float(self.step_count), dtype=torch.float32)
-        groups, start = [], 0
-        for group in self.param_groups:
-            n = len(group["params"])
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "amsgrad": False, "maximize": False,
-                           "params": list(range(start, start + n))})
-            start += n
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": self._state_dict_groups()}
 
     def _keys(self, p: nn.Parameter) -> tuple[str, ...]:
         """The state tensors of `p`: Muon's momentum for a matrix, AdamW's two moments otherwise."""
@@ -230,16 +202,8 @@ class LayerwiseOptimizer:
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a full state (any layout's, or `Muon`'s): each rank keeps the parameters it owns."""
-        params = [p for group in self.param_groups for p in group["params"]]
-        if len(state_dict["param_groups"]) != len(self.param_groups):
-            raise ValueError(f"state has {len(state_dict['param_groups'])} param groups, this optimizer "
-                             f"{len(self.param_groups)}")
-        for saved, group in zip(state_dict["param_groups"], self.param_groups, strict=True):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError("param group sizes differ between the state and this optimizer")
-            for key in ("lr", "betas", "eps", "weight_decay"):
-                if key in saved:
-                    group[key] = tuple(saved[key]) if key == "betas" else saved[key]
+        params = self._ordered_params()
+        self._load_group_settings(state_dict["param_groups"])
         steps = [0]
         for state in self.state.values():
             for tensor in state.values():
