@@ -56,6 +56,7 @@ from megalm.parallel.context.split import ContextShards
 from megalm.parallel.data_parallel.bucket_adamw import BucketAdamW, forward_owners
 from megalm.parallel.data_parallel.fused_wgrad import fuse_weight_grads
 from megalm.parallel.data_parallel.layerwise import LayerwiseOptimizer
+from megalm.parallel.data_parallel.optimizer_face import fused_adamw_kernel
 from megalm.parallel.data_parallel.reducer import GradReducer
 from megalm.parallel.data_parallel.slices import DataParallelSlices, validate_data_parallel
 from megalm.parallel.dims import ParallelDims, ParallelMesh, build_mesh, check_same_on_all_ranks, resolve_dims
@@ -292,8 +293,7 @@ class Parallelism:
                      "its owner and waited for in the step (parallel.overlap_param_gather overlaps AdamW's gathers)")
         return LayerwiseOptimizer(params, self.reducer, self._replica_groups(), matrix_update,
                                   working_dtype=self.working_dtype, initial_weights=initial,
-                                  fused=self.cfg.optim.implementation == "fused" or (
-                                      self.cfg.optim.implementation == "auto" and self.device.type in ("cpu", "cuda")),
+                                  fused=fused_adamw_kernel(str(self.cfg.optim.implementation), self.device),
                                   **hyper)
 
     def _attach_offload(self) -> ActivationStore:
@@ -365,12 +365,9 @@ class Parallelism:
         return whole_matrices(self.model, self.cfg.model, self.mesh.tp_group, self._replica_groups())
 
     def _replica_groups(self) -> dict[int, dist.ProcessGroup | None]:
-        """{id(parameter): the data-parallel ranks whose reduced gradients of it are the same}: dp x cp, or the
-        expert-data-parallel group of an expert slice."""
-        group = getattr(self.reducer, "dp_group", None)  # (FSDP, which Muon is refused with, shards instead)
-        experts = {} if self.mesh.expert_dp_group is None else {  # (none without expert parallelism: dp x cp's)
-            id(p): self.mesh.expert_dp_group for p in expert_parameters(self.model)}
-        return {id(p): experts.get(id(p), group) for p in self.model.parameters()}
+        """{id(parameter): the data-parallel ranks whose reduced gradients of it are the same}: those the reducer
+        sums it over, dp x cp or an expert slice's expert-data-parallel group (not FSDP's: Muon is refused with it)."""
+        return {id(p): self.reducer.summed_over(p) for p in self.reducer.params}
 
     def random_seed(self, seed: int) -> int:
         """The seed of this rank's random streams (dropout): one per pipeline stage, `seed + 100 * pp rank` as

@@ -34,6 +34,7 @@ from torch import nn
 
 from megalm.config import OptimConfig
 from megalm.data.steps import GlobalBatchSteps
+from megalm.parallel.data_parallel.optimizer_face import fused_adamw_kernel
 from megalm.parallel.matrices import whole_matrices
 from megalm.training.muon import Muon, MuonMatrices
 
@@ -117,10 +118,7 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, layout: Any = None):
     if factory is not None:  # (Muon: the matrices step on BucketAdamW's fp32 main weights behind bf16 working ones)
         return factory(groups, weight_decay=optim.weight_decay, **hyper,
                        **({"matrix_update": update} if update else {}))
-    device = next(model.parameters()).device
-    use_fused = optim.implementation == "fused" or (
-        optim.implementation == "auto" and device.type in ("cuda", "cpu")
-    )
+    use_fused = fused_adamw_kernel(str(optim.implementation), next(model.parameters()).device)
     if update is not None:
         return Muon(groups, update, weight_decay=optim.weight_decay, fused=use_fused, **hyper)
     return torch.optim.AdamW(groups, **hyper, **({"fused": True} if use_fused else {"foreach": True}))

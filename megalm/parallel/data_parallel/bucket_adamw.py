@@ -114,7 +114,6 @@ class BucketAdamW(TorchOptimizerFace):
         if self.matrix_groups and (matrix_update is None or reducer.zero1 or working_dtype is None):
             raise ValueError("BucketAdamW steps matrix param groups (\"muon\") with a matrix_update, on whole fp32 "
                              "main weights: working_dtype parameters without ZeRO-1")
-        self._matrix_ids = {id(p) for group in self.matrix_groups for p in group["params"]}
 
         self.step_count = 0
         # the clip coefficient's inverse, which the fused kernel divides the gradients by (torch's fused AdamW reads
@@ -149,7 +148,7 @@ class BucketAdamW(TorchOptimizerFace):
         for b in reducer.buckets:
             size = 0
             for seg in b.segments:
-                if self.matrix_groups and id(seg.param) not in self._matrix_ids:
+                if self.matrix_groups and id(seg.param) not in self.matrix_ids:
                     self._second_at[id(seg.param)] = slice(size, size + seg.param.numel())
                     size += seg.param.numel()
             sizes.append(size if self.matrix_groups else b.shard_numel)
@@ -240,7 +239,7 @@ class BucketAdamW(TorchOptimizerFace):
             bucket, m, v, shard = self.reducer.buckets[i], self.exp_avg[i], self.exp_avg_sq[i], shards[i]
             grad = grads[i] if grads[i].dtype == torch.float32 or self.kernel == "triton" else grads[i].float()
             for seg in bucket.segments:
-                if id(seg.param) in self._matrix_ids:  # stepped by `_step_matrices`
+                if id(seg.param) in self.matrix_ids:  # stepped by `_step_matrices`
                     continue
                 group = self._group_of[id(seg.param)]
                 s = seg.shard_slice
@@ -430,7 +429,7 @@ class BucketAdamW(TorchOptimizerFace):
             for index, p in enumerate(self._ordered_params()):
                 bucket, offset = self.reducer._where[id(p)]
                 sl = slice(offset, offset + p.numel())
-                if id(p) in self._matrix_ids:  # as torch's Muon, and megalm's on fp32 weights, keep it
+                if id(p) in self.matrix_ids:  # as torch's Muon, and megalm's on fp32 weights, keep it
                     state[index] = {"momentum_buffer": full_m[bucket.index][sl].view_as(p).clone()}
                     continue
                 state[index] = {"step": torch.tensor(float(self.step_count), dtype=torch.float32),
@@ -453,15 +452,8 @@ class BucketAdamW(TorchOptimizerFace):
             m.zero_()
         for index, per_param in state_dict["state"].items():
             p = params[int(index)]
-            matrix = id(p) in self._matrix_ids
-            keys = ("momentum_buffer",) if matrix else ("exp_avg", "exp_avg_sq")
-            for key in keys:
-                if key not in per_param:
-                    raise ValueError(f"state of parameter {index} lacks {key} ({'Muon' if matrix else 'AdamW'} "
-                                     f"keeps it): the state is another optimizer's")
-                if per_param[key].shape != p.shape:
-                    raise ValueError(f"state {key} of parameter {index} has shape {tuple(per_param[key].shape)}, "
-                                     f"the parameter {tuple(p.shape)}")
+            keys = self._checked_state(int(index), p, per_param)
+            matrix = id(p) in self.matrix_ids
             if not matrix:
                 steps.append(int(float(per_param["step"])))
             bucket, _ = self.reducer._where[id(p)]

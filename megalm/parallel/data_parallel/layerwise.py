@@ -71,9 +71,8 @@ class LayerwiseOptimizer(TorchOptimizerFace):
         # who steps each parameter: all of them shared out at once by their state's bytes (the memory ZeRO-1 is for;
         # a matrix's Newton-Schulz work follows its size), the largest first to the least loaded replica. The TP peers
         # of a replica must find the same owners of the matrices they gather together: their shards' sizes are equal
-        self.matrices = {id(p) for group in self.param_groups if group.get("muon") for p in group["params"]}
         main = 4 if working_dtype is not None else 0
-        shares = [_Share((main + len(self._keys(p)) * 4) * p.numel(), replicas.get(id(p))) for p in params]
+        shares = [_Share((main + len(self._state_keys(p)) * 4) * p.numel(), replicas.get(id(p))) for p in params]
         self.owner: dict[int, int | None] = dict(zip(map(id, params), share_out(shares), strict=True))
         self.replicas = replicas
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -86,7 +85,7 @@ class LayerwiseOptimizer(TorchOptimizerFace):
             for p in params:
                 p.data = p.data.to(working_dtype)
         self.state: dict[int, dict[str, torch.Tensor]] = {
-            id(p): {key: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for key in self._keys(p)}
+            id(p): {key: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for key in self._state_keys(p)}
             for p in self.owned}
 
     # ------------------------------------------------------------------ the torch optimizer's face
@@ -136,10 +135,12 @@ class LayerwiseOptimizer(TorchOptimizerFace):
               beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
               maximize=False)
 
-    def _from_owners(self, tensor_of: Callable[[nn.Parameter], torch.Tensor]) -> None:
-        """Broadcast `tensor_of(p)` (written in place on the other replicas) from each parameter's owner."""
+    def _from_owners(self, tensor_of: Callable[[nn.Parameter], torch.Tensor],
+                     params: list[nn.Parameter] | None = None) -> None:
+        """Broadcast `tensor_of(p)` (written in place on the other replicas) from the owner of each of `params` (all
+        the parameters by default), in the same order on every rank."""
         sent = [dist.broadcast(tensor_of(p), self.owner[id(p)], group=self.replicas.get(id(p)), async_op=True)
-                for group in self.param_groups for p in group["params"] if self.owner[id(p)] is not None]
+                for p in (self._ordered_params() if params is None else params) if self.owner[id(p)] is not None]
         for work in sent:
             work.wait()
 
@@ -178,15 +179,11 @@ class LayerwiseOptimizer(TorchOptimizerFace):
         full: dict[int, dict[str, torch.Tensor]] = {}
         if self.step_count > 0:
             for p in params:
-                keys = self._keys(p)
+                keys = self._state_keys(p)
                 full[id(p)] = {k: self.state[id(p)][k].clone() if id(p) in self.state else
                                torch.empty(p.shape, dtype=torch.float32, device=p.device) for k in keys}
             for key in ("momentum_buffer", "exp_avg", "exp_avg_sq"):
-                sent = [dist.broadcast(full[id(p)][key], self.owner[id(p)], group=self.replicas.get(id(p)),
-                                       async_op=True)
-                        for p in params if key in full[id(p)] and self.owner[id(p)] is not None]
-                for work in sent:
-                    work.wait()
+                self._from_owners(lambda p, key=key: full[id(p)][key], [p for p in params if key in full[id(p)]])
         state = {}
         for index, p in enumerate(params):
             if id(p) in full:
@@ -194,10 +191,6 @@ class LayerwiseOptimizer(TorchOptimizerFace):
                 if "exp_avg" in full[id(p)]:
                     state[index]["step"] = torch.tensor(float(self.step_count), dtype=torch.float32)
         return {"state": state, "param_groups": self._state_dict_groups()}
-
-    def _keys(self, p: nn.Parameter) -> tuple[str, ...]:
-        """The state tensors of `p`: Muon's momentum for a matrix, AdamW's two moments otherwise."""
-        return ("momentum_buffer",) if id(p) in self.matrices else ("exp_avg", "exp_avg_sq")
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
@@ -210,12 +203,7 @@ class LayerwiseOptimizer(TorchOptimizerFace):
                 tensor.zero_()
         for index, per_param in state_dict["state"].items():
             p = params[int(index)]
-            for key in self._keys(p):
-                if key not in per_param:
-                    raise ValueError(f"state of parameter {index} lacks {key}: the state is another optimizer's")
-                if per_param[key].shape != p.shape:
-                    raise ValueError(f"state {key} of parameter {index} has shape {tuple(per_param[key].shape)}, "
-                                     f"the parameter {tuple(p.shape)}")
+            for key in self._checked_state(int(index), p, per_param):
                 if id(p) in self.state:
                     self.state[id(p)][key].copy_(per_param[key])
             if "step" in per_param:

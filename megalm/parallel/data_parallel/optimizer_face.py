@@ -8,8 +8,21 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+
+def fused_adamw_kernel(implementation: str, device: torch.device) -> bool:
+    """Whether torch's fused AdamW kernel steps (`optim.implementation`: fused, or auto on a CPU or CUDA device)
+    rather than its foreach kernels."""
+    return implementation == "fused" or (implementation == "auto" and device.type in ("cpu", "cuda"))
+
+
+def matrix_parameter_ids(param_groups: list[dict]) -> set[int]:
+    """The ids of the parameters in param groups marked `"muon": True`: the matrices Muon steps, whose state is a
+    `momentum_buffer` where AdamW's is two moments."""
+    return {id(p) for group in param_groups if group.get("muon") for p in group["params"]}
 
 
 class TorchOptimizerFace:
@@ -25,6 +38,26 @@ class TorchOptimizerFace:
                                           "betas": tuple(group.get("betas", defaults["betas"]))} for group in params]
         self._pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()  # RemovableHandle's weakref
         self._post_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self.matrix_ids = matrix_parameter_ids(self.param_groups)
+
+    def _state_keys(self, p: nn.Parameter) -> tuple[str, ...]:
+        """The state tensors of `p` (besides AdamW's step count): Muon's momentum for a matrix, AdamW's two moments
+        otherwise."""
+        return ("momentum_buffer",) if id(p) in self.matrix_ids else ("exp_avg", "exp_avg_sq")
+
+    def _checked_state(self, index: int, p: nn.Parameter, saved: dict) -> tuple[str, ...]:
+        """`p`'s state keys, each checked in `saved` (a state dict's entry of parameter `index`): there, and shaped
+        like `p`."""
+        keys = self._state_keys(p)
+        kind = "Muon" if id(p) in self.matrix_ids else "AdamW"
+        for key in keys:
+            if key not in saved:
+                raise ValueError(f"state of parameter {index} lacks {key} ({kind} keeps it): the state is another "
+                                 f"optimizer's")
+            if saved[key].shape != p.shape:
+                raise ValueError(f"state {key} of parameter {index} has shape {tuple(saved[key].shape)}, "
+                                 f"the parameter {tuple(p.shape)}")
+        return keys
 
     def _ordered_params(self) -> list[nn.Parameter]:
         return [p for group in self.param_groups for p in group["params"]]

@@ -368,6 +368,11 @@ class GradReducer:
             return None
         return self._view(param).view(param.shape) if self.accumulate else param.grad
 
+    def summed_over(self, param: nn.Parameter) -> dist.ProcessGroup | None:
+        """The ranks `param`'s gradient is summed over (its bucket's group: dp x cp, or an expert slice's own), whose
+        reduced gradients of it are therefore the same."""
+        return self._where[id(param)][0].group
+
     @property
     def shard_group(self) -> dist.ProcessGroup | None:
         """The group whose ranks each hold one shard of the summed gradients (ZeRO-1's DP group); None

@@ -17,6 +17,7 @@ from megalm.errors import CheckpointError
 from megalm.model.gpt import GPT, reset_buffers
 from megalm.model.naming import canonical_named_buffers, canonical_named_parameters, model_parts
 from megalm.model.shard import empty_full_like, laid_out_like, shard_specs
+from megalm.parallel.data_parallel.optimizer_face import matrix_parameter_ids
 from megalm.precision.install import load_amax_histories
 from megalm.training.checkpoint.layout import layout_tag, resolve_checkpoint_path
 from megalm.training.checkpoint.tensors import (
@@ -192,7 +193,7 @@ def _load_tensors(path: Path, meta: LoadedCheckpoint, model: nn.Module, optimize
         # targets are made, and read back, one whole tensor at a time (`empty_full_like`, transient)
         like, groups = optimizer_tensors(model, optimizer, whole=False)
         if not like:  # (Muon's matrices keep a momentum: "muon" param groups)
-            matrices = {id(p) for group in optimizer.param_groups if group.get("muon") for p in group["params"]}
+            matrices = matrix_parameter_ids(optimizer.param_groups)
             like = {f"{n}::{k}": torch.zeros(() if k == "step" else p.shape, dtype=torch.float32, device="meta")
                     for n, p in params.items()
                     for k in (("momentum_buffer",) if id(p) in matrices else ("step", "exp_avg", "exp_avg_sq"))}
