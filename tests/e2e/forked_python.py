@@ -114,13 +114,9 @@ def _child(request: dict[str, Any]) -> None:
     """Become the command in a fresh `__main__` module. Whatever it raises, SystemExit included, propagates out of the
     server's loop, so the interpreter exits this child as it exits a fresh one: the traceback printed, non-daemon
     threads joined, atexit handlers run, module globals cleared and collected (closing the files left open)."""
-    import gc
     import runpy
     import types
 
-    # the last atexit handler to run (the first registered): the interpreter's last collection frees the frozen
-    # imports as a fresh interpreter's frees them (frozen, Triton's bindings report them leaked on stderr)
-    atexit.register(gc.unfreeze)
     os.setsid()
     os.chdir(request["cwd"])
     os.environ.clear()
@@ -173,8 +169,11 @@ def serve() -> None:
     import torch._dynamo  # noqa: F401 - torch loads it lazily in every optimizer's constructor: 1.1 s more a command
 
     # What these imports made goes to the collector's permanent generation: a command's full collections (megalm's
-    # trainer runs them at step boundaries) walk only what the command made, as in a fresh interpreter they would
-    # also walk torch's objects (0.2-0.4 s each). _child unfreezes them at exit.
+    # trainer runs them at step boundaries) walk only what the command made, where in a fresh interpreter they also
+    # walk torch's objects (0.2-0.4 s each). Unfrozen at exit, the server's and each command's (which inherits this
+    # handler, registered first so it runs last): the interpreter's last collection then frees them as a fresh one's
+    # does (frozen, Triton's bindings report them leaked on stderr).
+    atexit.register(gc.unfreeze)
     gc.collect()
     gc.freeze()
 
