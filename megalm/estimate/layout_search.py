@@ -485,8 +485,11 @@ def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tu
     cfg = compose_config(overrides)
     m, t = resolve_model_defaults(cfg.model), cfg.trainer
     # settings the closed form does not price, each confirmed layout ran anyway: FSDP's shards (18 bytes a parameter
-    # pruned every layout: "none fits"), a token budget's batch (the tokens/s 22x off), Ulysses' fixed groups
+    # pruned every layout: "none fits"), a token budget's batch (the tokens/s 22x off), Ulysses' fixed groups, Muon
+    # (AdamW's states and no Newton-Schulz iterations, and its shallow runs' share of the iterations is lumpy)
     for key, value, why in (("parallel.fsdp", cfg.parallel.fsdp, "its closed form prices ZeRO-1 and plain DP states"),
+                            ("optim.name", cfg.optim.name == "muon" and "muon",
+                             "its closed form prices AdamW's states and step"),
                             ("trainer.tokens_per_step", t.tokens_per_step, "it searches a global batch of sequences"),
                             ("parallel.cp_comm", cfg.parallel.cp_comm == "a2a+p2p" and "a2a+p2p",
                              "it searches ring and Ulysses CP")):

@@ -126,11 +126,12 @@ def test_search_says_when_no_layout_splits_the_batch(capsys):
 @pytest.mark.parametrize("setting, fragment", [
     ("parallel.fsdp=true", "--search does not price parallel.fsdp=true"),
     ("trainer.tokens_per_step=1024", "--search does not price trainer.tokens_per_step=1024"),
-    ("parallel.cp_comm=a2a+p2p", "--search does not price parallel.cp_comm=a2a+p2p")])
+    ("parallel.cp_comm=a2a+p2p", "--search does not price parallel.cp_comm=a2a+p2p"),
+    ("optim.name=muon", "--search does not price optim.name=muon")])
 def test_search_refuses_the_settings_its_closed_form_does_not_price(capsys, setting, fragment):
     """FSDP was pruned at ZeRO-1's bytes ("none of the 0 layouts fits" where tp1 dp8 fits), a token budget's tokens/s
-    came out 22x low, the hierarchical ring's groups are not searched: each is one line naming the way out (an
-    audit)."""
+    came out 22x low, the hierarchical ring's groups are not searched, Muon was priced as AdamW: each is one line
+    naming the way out (an audit)."""
     extra = ["data.varlen=true"] if "tokens_per_step" in setting else []
     assert estimate.main([*SMALL, *extra, setting, "--world", "2", "--search"]) == 2
     err = capsys.readouterr().err.strip()
