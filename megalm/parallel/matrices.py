@@ -48,10 +48,9 @@ class WholeMatrices:
 
     @property
     def cost(self) -> int:
-        """The Newton-Schulz iterations' work, up to a constant: rows·cols·min(rows, cols) a matrix."""
+        """The FLOPs of one Newton-Schulz iteration on each of its matrices (`iteration_flops`)."""
         batch = math.prod(self.full_shape[:-2])
-        cols = self.full_shape[-1]
-        return batch * sum(rows * cols * min(rows, cols) for rows in self.parts)
+        return batch * sum(iteration_flops(rows, self.full_shape[-1]) for rows in self.parts)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         return local if self.spec is None else gather_unsharded(local, self.spec, self.group)
@@ -61,6 +60,15 @@ class WholeMatrices:
 
     def scatter(self, full: torch.Tensor) -> torch.Tensor:
         return full if self.spec is None else self.spec.shard(full)
+
+
+def iteration_flops(rows: int, cols: int) -> int:
+    """One Newton-Schulz iteration's FLOPs on a rows x cols matrix (megalm/training/muon.py `orthogonalise`, on the
+    wide orientation m x n, m <= n): the Gram matrix x·xᵀ (2·m²·n), its square (2·m³) and their product with x
+    (2·m²·n). Until 2026-12-08 the replicas were balanced by m²·n, which weighed a square matrix's iterations 4/6 of
+    a wide one's."""
+    m, n = sorted((rows, cols))
+    return 4 * m * m * n + 2 * m**3
 
 
 def share_out(layouts: list[WholeMatrices]) -> list[int | None]:
