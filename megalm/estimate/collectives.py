@@ -98,7 +98,8 @@ def link_share(op: str, ranks: int) -> float:
 class Collectives(TorchDispatchMode):
     """Bytes the step's collectives move through this rank's link, by the group's mesh dimension (`link_share` of the
     call's largest tensor: an all-reduce's buffer, an all-gather's output, a reduce-scatter's input; counted once).
-    Until 2026-12-05 the (n - 1) / n was left out, which doubled a group of 2's bytes.
+    Until 2026-12-05 the (n - 1) / n was left out, which doubled a group of 2's bytes; until 2026-12-08 a list
+    all-gather's output (Muon's gathers of whole matrices) was taken as one of its pieces, 1/n of it.
     Eager code dispatches `c10d` ops (the group a boxed ScriptObject); compiled blocks the functional collectives
     dynamo traces them into (`_c10d_functional`, the group by its name, the result returned; their `wait_tensor`
     moves nothing), and under async TP torch's fused collective GEMMs (`symm_mem`, op_cost's
@@ -204,6 +205,8 @@ class Collectives(TorchDispatchMode):
             if dim == "other" and name in POINT_TO_POINT:  # the pipeline's (CP's are counted above)
                 dim = "pp"
             largest = max((t.numel() * t.element_size() for t in tensors), default=0)
+            if name == "allgather_":  # a list all-gather's output is a list of one piece a rank (`dist.all_gather`)
+                largest *= group.size() if group else 1
             self._count(dim, int(largest * link_share(name, group.size() if group else 1)))
         return out
 
