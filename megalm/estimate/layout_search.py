@@ -26,6 +26,10 @@ Two passes, because one fake-tensor step of a 70B rank takes a minute and a clus
    collectives to the step's micro-batches. Layouts the estimator finds too big, or the config's rules refuse,
    drop out; the confirmed ones are ranked by the estimator's tokens/s.
 
+Muon (`optim.name=muon`): the closed form prices its states, the rank's even share of its replicas' Newton-Schulz
+iterations and what its step sends (megalm/estimate/muon_form.py); the estimator runs a Muon layout once at the
+model's depth, since which matrices a rank orthogonalises depends on all of its stage's.
+
 MoE models (`model.moe`): expert parallelism is searched too (every ep dividing dp·cp and the experts). The closed
 form counts the routed experts whole on a TP rank and split over ep, ZeRO-1's shards of their gradients and states
 over the expert-data-parallel ranks (times tp: sequence parallelism is on), the FLOPs of the active parameters, the
@@ -47,6 +51,7 @@ from typing import Any
 
 from megalm.config.checks import is_moe_layer, pad_vocab, window_within_samples
 from megalm.config.schema import MegalmConfig
+from megalm.estimate import muon_form
 from megalm.estimate.collectives import GPUS_PER_NODE, LINKS, comm_seconds, inside_node
 from megalm.estimate.rank import (
     HBM_BYTES,
@@ -176,6 +181,8 @@ class Shape:
     reruns: Reruns = Reruns()  # what full recompute runs again (`recompute_reruns`)
     window: int | None = None  # model.sliding_window shorter than the sequence, which rings and HDP refuse
     attention_dropout: float = 0.0  # which rings refuse too, HDP's among them (megalm/parallel/hdp/split.py)
+    muon: int = 0  # optim.name=muon: its Newton-Schulz iterations a matrix (optim.muon_ns_steps); 0 under AdamW
+    tf32: bool = True  # precision.tf32: fp32 GEMMs (Muon's iterations) on TF32 tensor cores, else at 1/8 of that
 
 
 def layouts(shape: Shape) -> list[Layout]:
@@ -246,6 +253,22 @@ def stage_parameters(shape: Shape, layout: Layout) -> tuple[int, int]:
     replicated, and the embedding's (or output layer's) vocabulary rows over tp; both matrices on the one stage of
     pp = 1, untied. As (all of them, the routed experts' among them: an MoE layer's routed experts are whole on
     every TP rank and split over ep; its router is replicated, its shared experts split over tp)."""
+    return fuller_stage(shape, layout).parameters
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A rank's share of a pipeline stage, for the closed form: its parameters, the routed experts' and those Muon
+    leaves to AdamW among them (the vocabulary matrices, norms and routers), and its dense and MoE blocks."""
+
+    parameters: tuple[int, int]  # (all, routed experts')
+    adamw: int
+    dense_blocks: int
+    moe_blocks: int
+
+
+def fuller_stage(shape: Shape, layout: Layout) -> Stage:
+    """The first or the last stage, whichever holds more parameters on a rank (`stage_parameters`)."""
     m, t, e = shape.model, layout.tp, shape.experts
     vocab_matrices = 2 if layout.pp == 1 and not shape.tied else 1
     layers = m.layers // layout.pp
@@ -254,13 +277,14 @@ def stage_parameters(shape: Shape, layout: Layout) -> tuple[int, int]:
     dense = m.layer_params // t + 2 * m.hidden + replicated_kv
     vocab = vocab_matrices * pad_vocab(m.vocab, shape.vocab_multiple * t) * m.hidden // t
     if e is None:
-        return layers * dense + vocab, 0
+        return Stage((layers * dense + vocab, 0), vocab + layers * 2 * m.hidden, layers, 0)
     attention = m.attention_params // t + 2 * m.hidden + replicated_kv
     routed = e.routed_params(m.hidden) // layout.ep
     moe = attention + e.experts * m.hidden + 3 * m.hidden * e.shared_ffn // t + routed
     first = min(e.first_dense, layers)
     stages = [(first, layers - first)] + ([(0, layers)] if layout.pp > 1 else [])  # first, last
-    return max((d * dense + n * moe + vocab, n * routed) for d, n in stages)
+    return max((Stage((d * dense + n * moe + vocab, n * routed), vocab + (d + n) * 2 * m.hidden + n * e.experts
+                      * m.hidden, d, n) for d, n in stages), key=lambda stage: stage.parameters)
 
 
 def static_bytes_per_parameter(bf16: bool, zero1: bool, dp: int) -> float:
@@ -282,11 +306,17 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
     Ulysses' activations are priced as the ring's: it keeps about one more [T, h/t] tensor a layer, which the
     estimator's confirmation measures (70B, tp 4, pp 4, cp 2: 64.9 against the ring's 63.0 GiB, inside the margin)."""
     t, pp, cp, dp, m, e = layout.tp, layout.pp, layout.cp, layout.dp, shape.model, shape.experts
-    n, routed = stage_parameters(shape, layout)
+    stage = fuller_stage(shape, layout)
+    n, routed = stage.parameters
     # the routed experts' gradients and ZeRO-1 states shard over their expert-data-parallel ranks, which span TP
     # under sequence parallelism (on with tp > 1 here)
-    static = static_bytes_per_parameter(shape.bf16, layout.zero1, dp * cp) * (n - routed) + \
-        static_bytes_per_parameter(shape.bf16, layout.zero1, dp * cp // layout.ep * t) * routed
+    expert_dp = dp * cp // layout.ep * t
+    if shape.muon:
+        static = muon_form.static_bytes(shape.bf16, layout.zero1, dp * cp, n - routed - stage.adamw, stage.adamw) + \
+            muon_form.static_bytes(shape.bf16, layout.zero1, expert_dp, routed, 0)
+    else:
+        static = static_bytes_per_parameter(shape.bf16, layout.zero1, dp * cp) * (n - routed) + \
+            static_bytes_per_parameter(shape.bf16, layout.zero1, expert_dp) * routed
     tokens = shape.seq * shape.micro_batch / cp  # a micro-batch's tokens on this rank
     layer = 34 * tokens * m.hidden / t * ACTIVATION_FACTOR[layout.recompute] * moe_activation_ratio(shape)
     micro_batches = shape.global_batch // (dp * shape.micro_batch)
@@ -306,6 +336,10 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
     step = compute * _bubble(pp, micro_batches, layout.vpp) + comm_seconds(collective, LINKS[gpu],
                                                                            inside_node(t, cp, layout.ep, layout.dp,
                                                                                        pp))
+    if shape.muon:  # once a step, after the micro-batches: its fp32 GEMMs on TF32 tensor cores (or at 1/8 of them)
+        fp32_peak = GPUS[gpu].tf32_tflops * 1e12 / (1 if shape.tf32 else 8)
+        step += muon_form.rank_newton_schulz_flops(shape, layout, stage.dense_blocks, stage.moe_blocks) / (
+            fp32_peak * ROOFLINE_EFFICIENCY)
     return int(peak + reserve), shape.global_batch * shape.seq / step
 
 
@@ -340,13 +374,16 @@ def link_bytes(shape: Shape, layout: Layout) -> dict[str, float]:
     """What a rank's step sends over each mesh dimension's links, by the closed form (the estimator's
     `collective_bytes`, which tests/unit/test_estimate_search.py holds it to)."""
     t, pp, cp, dp, m, e = layout.tp, layout.pp, layout.cp, layout.dp, shape.model, shape.experts
-    n, routed = stage_parameters(shape, layout)
+    stage = fuller_stage(shape, layout)
+    n, routed = stage.parameters
     tokens = shape.seq * shape.micro_batch / cp  # a micro-batch's tokens on this rank
     micro_batches = shape.global_batch // (dp * shape.micro_batch)
     per_micro_batch = m.layers // pp * tokens * m.hidden * 2
     # link bytes: a ring all-reduce of the fp32 gradients sends 2 x 4 of every (n - 1) / n (the estimator counts as
-    # much: collectives.link_share); ZeRO-1 a reduce-scatter of them (4) and an all-gather of the bf16 weights (2)
-    per_parameter = (6 if layout.zero1 else 8) * share(dp * cp)
+    # much: collectives.link_share); ZeRO-1 a reduce-scatter of them (4) and an all-gather of the bf16 weights (2);
+    # Muon's ZeRO-1 all-reduces them whole (megalm/estimate/muon_form.py)
+    zero1_buckets = layout.zero1 and not shape.muon
+    per_parameter = (6 if zero1_buckets else 8) * share(dp * cp)
     # the ring passes the rank's K and V: 1/t of the kv heads, or a whole one where tp past them replicates them
     kv = tokens * 2 * m.hidden // m.heads * max(m.kv_heads, t) / t
     # and with tp past the kv heads, every micro-batch's backward all-reduces the k and v weights' gradients over TP
@@ -360,13 +397,19 @@ def link_bytes(shape: Shape, layout: Layout) -> dict[str, float]:
         if cp > 1 else 0,
         "pp": pipeline_sends(layout.vpp) * tokens * m.hidden * 2 / t * micro_batches if pp > 1 else 0,
         "dp": per_parameter * (n - routed)}
+    matrices = n - routed - stage.adamw  # Muon's, of the rank's dense parameters
+    if shape.muon:
+        collective["dp"] += muon_form.replica_bytes(shape.bf16, layout.zero1, dp * cp, matrices, n - routed)
+        collective["tp"] += muon_form.gather_bytes(t, dp * cp, matrices)
     if e is not None:  # each MoE layer's two all-to-alls of k copies of the rank's tokens, forward and backward
         moe_layers = m.layers // pp if pp > 1 else m.layers - e.first_dense  # the fuller of the first and last
         replays = 2 if layout.recompute == "none" else 3  # selective recompute runs them again too
         collective["ep"] = 2 * replays * moe_layers * e.top_k * tokens / t * m.hidden * 2 * (layout.ep - 1) \
             / layout.ep * micro_batches
         expert_dp = dp * cp // layout.ep * t
-        collective["expert_dp"] = (6 if layout.zero1 else 8) * share(expert_dp) * routed
+        collective["expert_dp"] = (6 if zero1_buckets else 8) * share(expert_dp) * routed
+        if shape.muon:  # the routed experts are whole on a TP rank: no gather
+            collective["expert_dp"] += muon_form.replica_bytes(shape.bf16, layout.zero1, expert_dp, routed, routed)
     return collective
 
 
@@ -423,13 +466,16 @@ def moe_activation_ratio(shape: Shape) -> float:
 # ------------------------------------------------------------------------------------------ the estimator, shallow
 
 EXTRAPOLATED = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "comm_bytes", "host_bytes",
-                "flops", "compute_s", "optimizer_s", "hidden_comm_s")
+                "flops", "compute_s", "optimizer_s", "hidden_comm_s", "optimizer_flops")
 PER_STEP_DIMS = ("dp", "dp_cp", "embedding", "expert_dp")  # collectives once a step: gradients, tied embeddings
 
 
 def shallow_rank(base: list[str], layout: Layout, shape: Shape, stage: int, role: str, gpu: str) -> RankEstimate:
     """The estimator's rank of `stage`, run at one and two units of vpp layers per stage, extrapolated to the model's
-    depth, with the micro-batches in flight that set the peak, scaled to the step's (see the module docstring)."""
+    depth, with the micro-batches in flight that set the peak, scaled to the step's (see the module docstring).
+    Under Muon, run once at the model's depth: which matrices a rank orthogonalises (and under ZeRO-1 which states
+    it keeps) depends on all of its stage's (megalm/estimate/muon_form.py), so a shallow stage's do not grow by
+    layer."""
     # a unit of layers per stage holds an MoE model's leading dense blocks and one MoE block in its first chunk, so
     # that every layer past the shallow run's is an MoE one (and the shallow model has experts)
     dense = shape.experts.first_dense if shape.experts else 0
@@ -439,8 +485,11 @@ def shallow_rank(base: list[str], layout: Layout, shape: Shape, stage: int, role
     batch = [f"trainer.micro_batch_size={shape.micro_batch}",
              f"trainer.global_batch_size={run_micro * layout.dp * shape.micro_batch}"]
     no_tp = [] if layout.tp > 1 else ["parallel.async_tp=false"]  # a command's async TP: nothing to fuse at tp 1
-    shallow, deep = (estimate_rank([*base, *layout.overrides(), *no_tp, *batch, f"model.num_layers={layout.pp * d}"],
-                                   shape.world, stage, role, gpu) for d in (unit, 2 * unit))
+    if shape.muon:
+        unit = shape.model.layers // layout.pp
+    runs = [estimate_rank([*base, *layout.overrides(), *no_tp, *batch, f"model.num_layers={layout.pp * d}"],
+                          shape.world, stage, role, gpu) for d in ((unit,) if shape.muon else (unit, 2 * unit))]
+    shallow, deep = runs[0], runs[-1]
     depth = (shape.model.layers // layout.pp - unit) / unit  # the model's depth, in units past the shallow run's
 
     def grow(a: float, b: float) -> float:
@@ -459,7 +508,8 @@ def shallow_rank(base: list[str], layout: Layout, shape: Shape, stage: int, role
     reserve = reserve_bytes(peak, layout.communicators(shape.experts is not None))
     hidden = values["hidden_comm_s"] * scale  # TP's collectives in flight: per micro-batch, as compute
     return replace(deep, **{k: int(v) for k, v in values.items() if k.endswith("_bytes")}, peak_bytes=peak + reserve,
-                   reserve_bytes=reserve, flops=values["flops"] * scale, optimizer_s=values["optimizer_s"],
+                   reserve_bytes=reserve, flops=(values["flops"] - values["optimizer_flops"]) * scale
+                   + values["optimizer_flops"], optimizer_s=values["optimizer_s"],
                    compute_s=(values["compute_s"] - values["optimizer_s"]) * scale + values["optimizer_s"],
                    collective_bytes=collective, domain=None, hidden_comm_s=hidden,
                    comm_s=comm_seconds(collective, LINKS[gpu], inside_node(layout.tp, layout.cp, layout.ep, layout.dp,
@@ -485,11 +535,8 @@ def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tu
     cfg = compose_config(overrides)
     m, t = resolve_model_defaults(cfg.model), cfg.trainer
     # settings the closed form does not price, each confirmed layout ran anyway: FSDP's shards (18 bytes a parameter
-    # pruned every layout: "none fits"), a token budget's batch (the tokens/s 22x off), Ulysses' fixed groups, Muon
-    # (AdamW's states and no Newton-Schulz iterations, and its shallow runs' share of the iterations is lumpy)
+    # pruned every layout: "none fits"), a token budget's batch (the tokens/s 22x off), Ulysses' fixed groups
     for key, value, why in (("parallel.fsdp", cfg.parallel.fsdp, "its closed form prices ZeRO-1 and plain DP states"),
-                            ("optim.name", cfg.optim.name == "muon" and "muon",
-                             "its closed form prices AdamW's states and step"),
                             ("trainer.tokens_per_step", t.tokens_per_step, "it searches a global batch of sequences"),
                             ("parallel.cp_comm", cfg.parallel.cp_comm == "a2a+p2p" and "a2a+p2p",
                              "it searches ring and Ulysses CP")):
@@ -516,7 +563,8 @@ def search_shape(overrides: list[str], world: int, gpu: str | None = None) -> tu
                   t.global_batch_size if "trainer.global_batch_size" in keys else world, world,
                   str(cfg.precision.name) != "fp32", bool(cfg.data.varlen), float(cfg.offload.fraction),
                   int(m.make_vocab_size_divisible_by), bool(m.tie_embeddings), experts, recompute_reruns(cfg),
-                  window_within_samples(m), float(m.attention_dropout))
+                  window_within_samples(m), float(m.attention_dropout),
+                  int(cfg.optim.muon_ns_steps) if str(cfg.optim.name) == "muon" else 0, bool(cfg.precision.tf32))
     base = [o for o in overrides if not override_keys([o]) & STRIPPED]
     return shape, base, notes
 

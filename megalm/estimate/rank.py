@@ -27,7 +27,9 @@ A collective the step leaves in flight (tensor parallelism's backward collective
 megalm.parallel.tensor.comm.Pending) is hidden behind the roofline time of the ops the rank runs before it waits
 for it, up to its own time (`hidden_comm_s`); so is (n - 1)/n of the shorter of the transfer and the GEMM of each
 collective GEMM async TP fuses in compiled blocks (`parallel.async_tp`, over n TP ranks); every other collective is
-counted as not hidden. MFU is
+counted as not hidden. Under Muon (`optim.name=muon`) each matrix's Newton-Schulz iterations run on one replica and
+are broadcast: the step waits for the busiest replica's, whose excess over the rank's own is added to its optimizer
+step (`muon_wait_s`; megalm/estimate/muon_form.py). MFU is
 6·N·T (plus attention) FLOPs of the global step over (world x peak x step time); tokens/s the global batch's
 tokens over the step time.
 
@@ -44,6 +46,7 @@ notes say so.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import tempfile
 from collections.abc import Iterator
@@ -55,10 +58,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megalm import compat
 from megalm.config import is_hsdp, zero_bubble
+from megalm.estimate import muon_form
 from megalm.estimate.collectives import GPUS_PER_NODE, LINKS, Collectives, InFlight, comm_seconds, inside_node
 from megalm.measure import LiveStorages, storage_bytes
 from megalm.measure.compiled_cost import InductorCosts
-from megalm.measure.op_cost import GPUS, OpCosts
+from megalm.measure.op_cost import GPUS, Gpu, OpCosts
 
 GIB = 2**30
 
@@ -94,23 +98,30 @@ class RankEstimate:
     # the step's documents (all ranks', as the trainer's MFU counts them: `step_documents`) and its sequences
     documents: list[int] = field(default_factory=list)
     sequences: int = 0
+    optimizer_flops: float = 0.0  # of flops, the once-a-step part's (Muon's Newton-Schulz iterations)
+    # of optimizer_s (and compute_s), Muon's wait for the busiest replica's iterations past this rank's own
+    # (megalm/estimate/muon_form.py `replica_loads`)
+    muon_wait_s: float = 0.0
 
 
 class OnceAStep:
     """Around the part of a step that runs once whatever the micro-batches (the gradient norm, the clip, the optimizer
-    step): the roofline milliseconds `costs` priced in it (`ms`), and `comms` counts its collectives apart."""
+    step): the roofline milliseconds and FLOPs `costs` priced in it (`ms`, `flops`), and `comms` counts its
+    collectives apart."""
 
     def __init__(self, costs: OpCosts, comms: Collectives) -> None:
-        self.costs, self.comms, self.ms = costs, comms, 0.0
+        self.costs, self.comms, self.ms, self.flops = costs, comms, 0.0, 0.0
 
     def __enter__(self) -> OnceAStep:
-        self._before = self.costs.total().ms
+        self._before = self.costs.total()
         self.comms.once_a_step = True
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.comms.once_a_step = False
-        self.ms += self.costs.total().ms - self._before
+        after = self.costs.total()
+        self.ms += after.ms - self._before.ms
+        self.flops += after.flops - self._before.flops
 
 
 def roles(pp: int) -> list[tuple[str, int]]:
@@ -172,6 +183,9 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
             with InFlight(costs, comms, links, inside) as in_flight:
                 tokens = run_step(trainer, 1, fake, live, costs, comms, once=once)
             peak = live.peak(device)
+            own, busiest = muon_form.replica_seconds(trainer.optimizer, functools.partial(
+                newton_schulz_seconds, GPUS[gpu], cfg.precision.tf32, cfg.optim.muon_ns_steps, fake))
+            wait = busiest - own
             domain = hdp_loads(trainer, 1)
             documents, sequences = step_documents(trainer, 1)
     finally:
@@ -181,10 +195,10 @@ def estimate_rank(overrides: list[str], world: int, stage: int, role: str, gpu: 
                                                 moe and p.sequence_parallel, hsdp))
     summary = costs.summary()
     return RankEstimate(role, rank, peak + reserve, params, grads, static - params - grads - comm, peak - static,
-                        comm, live.peak("host"), reserve, summary["tflop"] * 1e12, summary["roofline_ms"] / 1e3,
+                        comm, live.peak("host"), reserve, summary["tflop"] * 1e12, summary["roofline_ms"] / 1e3 + wait,
                         comm_seconds(comms.bytes, links, inside) - in_flight.hidden_s, dict(comms.bytes),
-                        tokens, once.ms / 1e3, domain, dict(comms.step_bytes), in_flight.hidden_s, documents,
-                        sequences)
+                        tokens, once.ms / 1e3 + wait, domain, dict(comms.step_bytes), in_flight.hidden_s, documents,
+                        sequences, once.flops, wait)
 
 
 @contextlib.contextmanager
@@ -248,6 +262,19 @@ def reserve_bytes(peak: int, communicators: int) -> int:
     """What fake tensors cannot see, for a device peak of `peak` bytes and `communicators` parallel dimensions in
     use: the CUDA context, NCCL's buffers, the allocator's fragmentation (the module docstring's `RESERVE`)."""
     return RESERVE_CONTEXT + int(FRAGMENTATION * peak) + RESERVE_PER_COMMUNICATOR * communicators
+
+
+def newton_schulz_seconds(gpu: Gpu, tf32: bool, steps: int, fake: Any, shape: tuple[int, ...]) -> float:
+    """The roofline seconds of Muon's iterations on one matrix of `shape` (megalm/training/muon.py `orthogonalise`,
+    traced on a fake tensor as the rank's own step traces them)."""
+    from megalm.training.muon import orthogonalise
+
+    costs = OpCosts(gpu, tf32)
+    with fake:
+        matrix = torch.empty(shape)
+        with costs:
+            orthogonalise(matrix, steps)
+    return costs.total().ms / 1e3
 
 
 def run_step(trainer: Any, step: int, fake: Any, live: LiveStorages, *traces: TorchDispatchMode,

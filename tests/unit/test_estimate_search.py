@@ -6,6 +6,7 @@ and the layouts the search returns must fit and be ordered by the tokens/s the e
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -34,7 +35,11 @@ MOE = ["model=moe_tiny", "model.num_layers=8", "model.moe.first_k_dense=1", "mod
                         ep=2), MOE, marks=pytest.mark.slow),  # about 80 s
     pytest.param(Layout(tp=1, pp=1, vpp=1, cp=1, dp=2, zero1=False, recompute="none", offload=False, hdp=False,
                         ep=2), MOE, marks=pytest.mark.slow),  # one stage: the dense block and an MoE one, shallow
-], ids=["tp2_pp2", "pp2_vpp2_zero1_full", "cp2_offload_full", "moe_ep2_tp2_pp2_zero1", "moe_ep2_pp1"])
+    # Muon: run at the full depth (which matrices a rank orthogonalises depends on all of its stage's), the
+    # micro-batches scaled but for the iterations, which run once a step
+    (Layout(tp=2, pp=2, vpp=1, cp=1, dp=2, zero1=True, recompute="none", offload=False, hdp=False),
+     [*SMALL, "optim.name=muon"]),
+], ids=["tp2_pp2", "pp2_vpp2_zero1_full", "cp2_offload_full", "moe_ep2_tp2_pp2_zero1", "moe_ep2_pp1", "muon_zero1"])
 def test_the_shallow_runs_extrapolate_to_the_full_depth_run(layout, model):
     """Runs of one and two layers (per stage and chunk) and the stage's micro-batches in flight, extrapolated to 8
     layers and 4·pp micro-batches, against the estimator run at 8 layers and 4·pp micro-batches."""
@@ -63,6 +68,9 @@ def test_the_shallow_runs_extrapolate_to_the_full_depth_run(layout, model):
         # and 8K
         rel = 0.1 if model is MOE else 0.05
         assert shallow.compute_s == pytest.approx(full.compute_s, rel=rel), role
+        # FLOPs likewise, Muon's once-a-step iterations unscaled (scaled with the micro-batches until 2026-12-08: 25%
+        # high here)
+        assert shallow.flops == pytest.approx(full.flops, rel=rel), role
         # TP's collectives in flight, and the CP ring's sends beside its blocks (since 2026-12-05), hide behind the
         # compute beside them: per micro-batch and layer, as compute does
         assert shallow.hidden_comm_s == pytest.approx(full.hidden_comm_s, rel=rel), role
@@ -126,12 +134,11 @@ def test_search_says_when_no_layout_splits_the_batch(capsys):
 @pytest.mark.parametrize("setting, fragment", [
     ("parallel.fsdp=true", "--search does not price parallel.fsdp=true"),
     ("trainer.tokens_per_step=1024", "--search does not price trainer.tokens_per_step=1024"),
-    ("parallel.cp_comm=a2a+p2p", "--search does not price parallel.cp_comm=a2a+p2p"),
-    ("optim.name=muon", "--search does not price optim.name=muon")])
+    ("parallel.cp_comm=a2a+p2p", "--search does not price parallel.cp_comm=a2a+p2p")])
 def test_search_refuses_the_settings_its_closed_form_does_not_price(capsys, setting, fragment):
     """FSDP was pruned at ZeRO-1's bytes ("none of the 0 layouts fits" where tp1 dp8 fits), a token budget's tokens/s
-    came out 22x low, the hierarchical ring's groups are not searched, Muon was priced as AdamW: each is one line
-    naming the way out (an audit)."""
+    came out 22x low, the hierarchical ring's groups are not searched: each is one line naming the way out (an
+    audit)."""
     extra = ["data.varlen=true"] if "tokens_per_step" in setting else []
     assert estimate.main([*SMALL, *extra, setting, "--world", "2", "--search"]) == 2
     err = capsys.readouterr().err.strip()
@@ -424,3 +431,69 @@ def test_a_sliding_window_is_searched_with_ulysses_alone():
     unwindowed = layout_search.layouts(layout_search.search_shape([*SMALL, "trainer.global_batch_size=8",
                                                                    "data.varlen=true"], 4)[0])
     assert {x.cp_comm for x in unwindowed if x.cp > 1} == {"ring", "a2a"} and any(x.hdp for x in unwindowed)
+
+
+def muon_and_adamw(model: list[str], layout: Layout, domain_index: int = 0):
+    """The closed form's view and the estimator's last-stage rank (at data coordinate `domain_index`) of `layout`
+    under Muon, and its rank under AdamW."""
+    world = layout.tp * layout.pp * layout.cp * layout.dp
+    runs = []
+    for name in ("muon", "adamw"):
+        overrides = [*model, f"optim.name={name}", *layout.overrides(), "trainer.micro_batch_size=1",
+                     f"trainer.global_batch_size={2 * layout.dp}", "data.synthetic.mean_doc_length=100000",
+                     "data.synthetic.num_docs=8"]
+        shape, _, _ = layout_search.search_shape(overrides, world)
+        assert layout in layout_search.layouts(shape)
+        runs.append((shape, estimate.estimate_rank(overrides, world, layout.pp - 1, "last stage", "h100",
+                                                   domain_index)))
+    (shape, muon), (_, adamw) = runs
+    return shape, muon, adamw
+
+
+@pytest.mark.parametrize("model, layout", [
+    (SMALL, Layout(tp=2, pp=2, vpp=1, cp=1, dp=2, zero1=False, recompute="none", offload=False, hdp=False)),
+    pytest.param(MOE, Layout(tp=2, pp=1, vpp=1, cp=1, dp=2, zero1=False, recompute="none", offload=False, hdp=False,
+                             ep=2), marks=pytest.mark.slow),  # about 15 s
+], ids=["dense_tp2_pp2_dp2", "moe_ep2_tp2_dp2"])
+def test_the_closed_form_prices_muon_as_the_estimator(model, layout):
+    """Under optim.name=muon the closed form's static bytes (4 bytes of momentum a matrix element where AdamW keeps 8
+    of moments; AdamW's for the vocabulary matrices, norms and routers), its Newton-Schulz FLOPs (the rank's share of
+    its replicas' matrices, whole on every TP rank), and what Muon adds to the links (the broadcast fp32 updates over
+    the replicas, the owners' gathers of the TP shards) against the estimator's run. It had priced Muon as AdamW:
+    8.6 against 12 bytes of states a parameter at 1.3B, none of the iterations (8 of 78 TFLOP a step at dp 8)."""
+    from megalm.estimate import muon_form
+
+    shape, muon, adamw = muon_and_adamw(model, layout)
+    assert shape.muon == 5
+    stage = layout_search.fuller_stage(shape, layout)
+    n, routed = stage.parameters
+    static = muon.param_bytes + muon.grad_bytes + muon.optimizer_bytes + muon.comm_bytes
+    experts = layout.dp * layout.cp * layout.tp // layout.ep
+    closed = (muon_form.static_bytes(True, False, 2, n - routed - stage.adamw, stage.adamw)
+              + muon_form.static_bytes(True, False, experts, routed, 0))
+    assert static == pytest.approx(closed, rel=1e-3)  # the final norm, the biases the closed form leaves out
+    # the rank owns its replicas' mean share of the iterations, within one matrix's (the costliest first to the least
+    # loaded): exactly half of the dense model's (two of every matrix), 1.7% over it in the MoE one's
+    flops = muon_form.rank_newton_schulz_flops(shape, layout, stage.dense_blocks, stage.moe_blocks)
+    m, e = shape.model, shape.experts
+    sides = [m.hidden, m.kv_dim, m.ffn] + ([e.ffn, e.shared_ffn] if e else [])
+    largest = max(muon_form.newton_schulz_flops(rows, m.hidden, shape.muon) for rows in sides)
+    assert adamw.optimizer_flops == 0 and abs(muon.optimizer_flops - flops) <= largest
+    assert layout.ep > 1 or muon.optimizer_flops == flops
+    added = {dim: layout_search.link_bytes(shape, layout)[dim] - layout_search.link_bytes(
+        replace(shape, muon=0), layout)[dim] for dim in ("dp", "tp", "expert_dp") if dim != "expert_dp" or routed}
+    measured = {dim: muon.collective_bytes[dim] - adamw.collective_bytes[dim] for dim in added}
+    assert measured["tp"] == pytest.approx(added["tp"], rel=0.02) and measured["tp"] > 0  # the owners' gathers
+    assert {k: v for k, v in measured.items() if k != "tp"} == {k: v for k, v in added.items() if k != "tp"}
+
+
+def test_a_muon_step_waits_for_its_busiest_replica():
+    """Three layers' matrices do not share out evenly over two replicas; each broadcast of an update waits for its
+    owner, so both replicas' steps are priced at the busier one's iterations: the idler's own, traced, plus the
+    busier one's excess over them (the owners' iterations priced by the same trace, on one matrix of each shape).
+    Every replica runs the same AdamW step and momenta (without ZeRO-1), so the two ranks' traced optimizer steps
+    differ by their iterations alone: the wait makes them equal. It had priced the idler's own."""
+    layout = Layout(tp=1, pp=1, vpp=1, cp=1, dp=2, zero1=False, recompute="none", offload=False, hdp=False)
+    ranks = [muon_and_adamw([*SMALL, "model.num_layers=3"], layout, index)[1] for index in (0, 1)]
+    assert ranks[0].optimizer_flops != ranks[1].optimizer_flops and sum(r.muon_wait_s > 0 for r in ranks) == 1
+    assert ranks[0].optimizer_s == pytest.approx(ranks[1].optimizer_s, rel=1e-9)

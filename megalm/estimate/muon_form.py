@@ -1,0 +1,103 @@
+"""What `optim.name=muon` adds to a rank's step, by the layout search's closed form (megalm/estimate/layout_search.py).
+
+Muon (megalm/training/muon.py) keeps one fp32 momentum a matrix element where AdamW keeps two moments, and its step
+orthogonalises every transformer-block matrix by `optim.muon_ns_steps` Newton-Schulz iterations in fp32, each
+matrix once among the data-parallel replicas whose gradients are the same (megalm/parallel/matrices.py): the TP
+ranks of its owner gather it whole and each computes the whole iteration, then the owner's slice of the update is
+broadcast to the other replicas. Per iteration on the wide orientation of an m x n matrix (m <= n): its Gram matrix
+(2·m²·n FLOPs), the Gram's square (2·m³) and the product with the matrix (2·m²·n). Under ZeRO-1 the optimizer is
+sharded by whole parameters (megalm/parallel/data_parallel/layerwise.py): the gradients are all-reduced whole, each
+parameter's states and main weight live on its owner, which broadcasts the new working weight.
+
+The closed form prices the mean rank: its replicas' iterations shared out evenly. `share_out` gives each matrix to
+the least loaded replica, the costliest first, so a rank's share of a deep stage's matrices is within one matrix of
+the mean; at the one or two layers of the search's shallow runs it is not, so the search confirms a Muon layout at
+its full depth instead (layout_search.shallow_rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from megalm.parallel.matrices import iteration_flops
+
+if TYPE_CHECKING:
+    from megalm.estimate.layout_search import Layout, Shape
+
+MUON_STATE_BYTES = 4  # the momentum of a matrix element (fp32), where AdamW keeps 8 (two moments)
+ADAMW_STATE_BYTES = 8
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
+    """The FLOPs of `steps` iterations on one rows x cols matrix (muon.orthogonalise)."""
+    return steps * iteration_flops(rows, cols)
+
+
+def mlp_flops(hidden: int, ffn: int, steps: int) -> float:
+    """A SwiGLU MLP's three matrices: gate and up (ffn x hidden, orthogonalised apart), down (hidden x ffn)."""
+    return 2 * newton_schulz_flops(ffn, hidden, steps) + newton_schulz_flops(hidden, ffn, steps)
+
+
+def rank_newton_schulz_flops(shape: Shape, layout: Layout, dense_blocks: int, moe_blocks: int) -> float:
+    """A rank's share of its stage's iterations a step (`dense_blocks` and `moe_blocks` of them): the blocks' dense
+    matrices (q, k, v and o apart; the MLP's or the shared experts') over the dp·cp replicas, each whole on every TP
+    rank of its owner; the routed experts of the rank's ep slice, whole on every TP rank, over their
+    expert-data-parallel replicas (dp·cp·tp / ep: sequence parallelism is on with tp > 1)."""
+    m, e, steps = shape.model, shape.experts, shape.muon
+    attention = 2 * newton_schulz_flops(m.hidden, m.hidden, steps) + 2 * newton_schulz_flops(m.kv_dim, m.hidden, steps)
+    dense = dense_blocks * (attention + mlp_flops(m.hidden, m.ffn, steps))
+    routed = 0.0
+    if e is not None and moe_blocks:
+        dense += moe_blocks * (attention + (mlp_flops(m.hidden, e.shared_ffn, steps) if e.shared_ffn else 0))
+        routed = moe_blocks * e.experts // layout.ep * mlp_flops(m.hidden, e.ffn, steps)
+        routed /= layout.dp * layout.cp * layout.tp // layout.ep
+    return dense / (layout.dp * layout.cp) + routed
+
+
+def static_bytes(bf16: bool, zero1: bool, dp: int, matrices: float, adamw: float) -> float:
+    """Weights, gradient buckets, optimizer states and fp32 main weights of `matrices` Muon and `adamw` AdamW
+    parameters a rank holds, over `dp` replicas: sharded by whole parameters under ZeRO-1 (the gradients whole, no
+    gather buffers), else every state on every replica."""
+    weight, main = (2, 4) if bf16 else (4, 0)
+    own = 1 / dp if zero1 else 1.0
+    return sum(count * (weight + 4 + (main + states) * own)
+               for count, states in ((matrices, MUON_STATE_BYTES), (adamw, ADAMW_STATE_BYTES)))
+
+
+def replica_bytes(bf16: bool, zero1: bool, replicas: int, matrices: float, params: float) -> float:
+    """What a rank sends a step over its replicas' links past the gradients' all-reduce: each matrix's fp32 update
+    broadcast from its owner (each rank of a broadcast passes it once), or under ZeRO-1 every parameter's new
+    working weight."""
+    if replicas == 1:
+        return 0.0
+    return (2 if bf16 else 4) * params if zero1 else 4 * matrices
+
+
+def gather_bytes(tp: int, replicas: int, matrices: float) -> float:
+    """What a rank sends over TP a step gathering the fp32 directions of the matrices its replica owns (1/replicas of
+    its `matrices` TP shards): an all-gather passes (tp - 1) shards."""
+    return 4 * (tp - 1) * matrices / replicas
+
+
+def replica_seconds(optimizer: object, seconds: Callable[[tuple[int, ...]], float]) -> tuple[float, float]:
+    """(this rank's Newton-Schulz seconds a step, the busiest rank's among those it shares replica groups with), from
+    the owners the trainer's Muon optimizer drew (`share_out`) and `seconds` of the iterations on one matrix of a
+    shape (a stack of experts' too): each broadcast of an update (or, under ZeRO-1, of a weight) waits for its owner.
+    (0, 0) for an optimizer without matrices."""
+    import torch.distributed as dist
+
+    update = getattr(optimizer, "update", None) or getattr(optimizer, "matrix_update", None)
+    matrices = getattr(update, "matrices", None)
+    if not matrices:
+        return 0.0, 0.0
+    owners = getattr(optimizer, "owner", None) or update.owners  # ZeRO-1's by whole parameters, or the update's
+    rank, loads, priced = dist.get_rank(), {}, {}
+    for key, layout in matrices.items():
+        owner = owners.get(key)
+        owner = rank if owner is None else owner
+        for rows in layout.parts:  # (a model has a few shapes of matrices)
+            shape = (*layout.full_shape[:-2], rows, layout.full_shape[-1])
+            loads[owner] = loads.get(owner, 0.0) + (priced[shape] if shape in priced else
+                                                    priced.setdefault(shape, seconds(shape)))
+    return loads.get(rank, 0.0), max(loads.values())
