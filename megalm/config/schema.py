@@ -402,8 +402,9 @@ class ParallelConfig:
     a (TP-local) parameter more on every rank (FSDP2's set_requires_gradient_sync). HSDP's all-reduce across
     replicas runs once a step either way (with fp32 sums)."""
     overlap_param_gather: bool = True
-    """ZeRO-1: the all-gather of the updated parameters runs on while the next forward begins, each bucket waited
-    for before the first block that reads it (Megatron's overlap_param_gather); false: waited for in the step."""
+    """ZeRO-1: the all-gather of the updated parameters (under optim.name=muon, each parameter's broadcast from its
+    owner) runs on while the next forward begins, each waited for before the first block that reads it (Megatron's
+    overlap_param_gather); false: waited for in the step."""
     hdp: bool = False
     """ByteScale's hybrid data parallelism: the dp x cp ranks form one domain, re-planned every step."""
     hdp_capacity: int | None = None

@@ -288,13 +288,14 @@ class Parallelism:
                              ) -> LayerwiseOptimizer:
         """ZeRO-1 under Muon: each replica steps the parameters it owns, whole (layerwise.py)."""
         initial, self._initial_weights = self._initial_weights, None
-        if self.cfg.parallel.overlap_param_gather and self.mesh.dims.dp * self.mesh.dims.cp > 1:
-            log.info("ZeRO-1 under optim.name=muon shards the optimizer by whole parameters, each broadcast from "
-                     "its owner and waited for in the step (parallel.overlap_param_gather overlaps AdamW's gathers)")
-        return LayerwiseOptimizer(params, self.reducer, self._replica_groups(), matrix_update,
-                                  working_dtype=self.working_dtype, initial_weights=initial,
-                                  fused=fused_adamw_kernel(str(self.cfg.optim.implementation), self.device),
-                                  **hyper)
+        optimizer = LayerwiseOptimizer(params, self.reducer, self._replica_groups(), matrix_update,
+                                       working_dtype=self.working_dtype, initial_weights=initial,
+                                       fused=fused_adamw_kernel(str(self.cfg.optim.implementation), self.device),
+                                       **hyper)
+        if self.cfg.parallel.overlap_param_gather and optimizer.overlap_param_gather_with(forward_owners(self.model)):
+            log.info("ZeRO-1 under optim.name=muon: each parameter's broadcast from its owner overlaps the next "
+                     "forward (waited for before the first block that reads it)")
+        return optimizer
 
     def _attach_offload(self) -> ActivationStore:
         """Activation offload on this rank's runner: PipeOffload's actions in the pipeline schedule, or

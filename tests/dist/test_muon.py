@@ -15,6 +15,7 @@ from megalm.parallel.data_parallel.layerwise import LayerwiseOptimizer
 from megalm.parallel.matrices import iteration_flops
 from megalm.training.checkpoint.tensors import optimizer_tensors
 from megalm.training.muon import Muon
+from megalm.training.optim import current_weights
 from megalm.training.trainer import Trainer
 from tests.conftest import compose_config
 from tests.dist.equivalence import assert_layout_matches, assert_resume_is_bit_exact, single_process_reference
@@ -131,6 +132,7 @@ def check_layerwise_is_plain_dp(rank: int, world_size: int, tmp: str) -> None:
         assert (a.loss, a.grad_norm) == (b.loss, b.grad_norm), f"rank {rank} step {step}: {b} vs {a}"
     pairs = list(zip(canonical_named_parameters(plain.model), canonical_named_parameters(layerwise.model),
                      strict=True))
+    current_weights(layerwise.optimizer)  # the last step's broadcasts are in flight (parallel.overlap_param_gather)
     for (name, p), (_, q) in pairs:
         assert torch.equal(p, q), f"rank {rank}: working weight {name}"
     with full_precision_weights(plain.optimizer), full_precision_weights(layerwise.optimizer):
@@ -151,6 +153,38 @@ def check_layerwise_is_plain_dp(rank: int, world_size: int, tmp: str) -> None:
 
 def test_zero1_by_whole_parameters_is_plain_dp_bit_for_bit_in_half_the_state(tmp_path):
     run_distributed(check_layerwise_is_plain_dp, 2, str(tmp_path), timeout=300)
+
+
+def check_layerwise_overlap(rank: int, world_size: int, tmp: str) -> None:
+    """The weights' broadcasts left in flight after a step (parallel.overlap_param_gather, the default) against
+    waiting for them in the step, bit for bit; issued in forward order, each waited for by the first module that
+    reads it: when step 1's first block begins, its own weights have landed and the head's (the final norm, the
+    output layer) are still in flight."""
+    from megalm.model.naming import model_chunks
+
+    base = ["optim.name=muon", "precision=bf16", "parallel.dp=2", "parallel.zero1=true"]
+    waiting = Trainer(compose_config(*base, "parallel.overlap_param_gather=false"), f"{tmp}/waiting")
+    overlapped = Trainer(compose_config(*base), f"{tmp}/overlapped")
+    optimizer, model = overlapped.optimizer, model_chunks(overlapped.model)[0]
+    assert optimizer.overlaps_param_gather and not waiting.optimizer.overlaps_param_gather
+    sent = {id(p) for p in model.parameters() if optimizer.owner[id(p)] is not None}
+    head, block = ({id(p) for p in params} & sent for params in (
+        [*model.final_norm.parameters(), *model.output.parameters()], list(model.layers[0].parameters())))
+    assert head and block, rank
+    pending: list[set[int]] = []  # registered after the optimizer's hooks: what the block's own wait left
+    model.layers[0].register_forward_pre_hook(lambda *_: pending.append(set(optimizer._pending)))
+    for step in range(3):
+        a, b = waiting.train_step(step), overlapped.train_step(step)
+        assert (a.loss, a.grad_norm) == (b.loss, b.grad_norm), f"rank {rank} step {step}: {b} vs {a}"
+    assert pending[0] == set() and head <= pending[1] and not block & pending[1], (rank, pending[1])
+    assert optimizer._pending.keys() == sent  # the last step's, until something reads the weights
+    current_weights(optimizer)
+    for p, q in zip(waiting.model.parameters(), overlapped.model.parameters(), strict=True):
+        assert torch.equal(p, q), rank
+
+
+def test_zero1_by_whole_parameters_overlaps_its_broadcasts_with_the_next_forward(tmp_path):
+    run_distributed(check_layerwise_overlap, 2, str(tmp_path), timeout=120)
 
 
 def test_zero1_by_whole_parameters_resumes_bit_exact_and_its_state_loads_in_one_process(tmp_path):

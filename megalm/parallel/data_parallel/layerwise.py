@@ -9,13 +9,15 @@ behind bf16 working weights) and steps it: Muon for the transformer blocks' matr
 rest. The owners are shared out by state bytes, the largest parameter first to the least loaded replica (a replica's
 share is within one parameter's of the mean; the Newton-Schulz work follows the matrices' sizes, not balanced on its
 own). Then each owner broadcasts the parameter's new working weight to the other replicas, one broadcast a parameter
-(not coalesced into buckets, as Megatron's all-gather is).
+(not coalesced into buckets, as Megatron's all-gather is), in the order the next forward reads them, and each is
+waited for before the first module that reads it (`overlap_param_gather_with`, `parallel.overlap_param_gather`, as
+ZeRO-1's all-gather is), or in the step.
 
 Bytes a parameter, d replicas, bf16 working weights: 2 (weight) + 4 (fp32 gradient bucket) + (4 main + 4 momentum)/d
 for a matrix, + (4 + 8)/d for an AdamW one: against 14 and 18 unsharded. Communication: the gradients' all-reduce
 (a reduce-scatter and an all-gather) and one broadcast of each weight (an all-gather's bytes): ZeRO-1's, plus one
-all-gather of the gradients. The broadcasts are waited for in the step (not overlapped with the next forward, as
-ZeRO-1's all-gather is: `parallel.overlap_param_gather` does not apply, said in one line by the layout).
+all-gather of the gradients. The broadcasts write into the working weights (no buffer), so a weight is stale, not
+merely late, until its wait: whatever reads the parameters outside a forward calls `finish_param_gather` first.
 
 Hand-written: torch's ZeroRedundancyOptimizer also shards by parameter, but steps one torch optimizer class over
 fp32 parameters, not Muon on whole TP-gathered matrices beside AdamW, nor fp32 main weights behind bf16 ones.
@@ -75,6 +77,11 @@ class LayerwiseOptimizer(TorchOptimizerFace):
         shares = [_Share((main + len(self._state_keys(p)) * 4) * p.numel(), replicas.get(id(p))) for p in params]
         self.owner: dict[int, int | None] = dict(zip(map(id, params), share_out(shares), strict=True))
         self.replicas = replicas
+        # the weights' broadcasts left in flight after a step (`overlap_param_gather_with`): id(parameter) -> work,
+        # and the order the next forward reads the parameters in, which the broadcasts are issued in
+        self._pending: dict[int, dist.Work] = {}
+        self._forward_order: list[nn.Parameter] | None = None
+        self.overlaps_param_gather = False
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.owned = [p for p in params if self.owner[id(p)] in (None, rank)]
         # the fp32 main weights of the owned parameters (bf16 working weights), from the values they were cast from
@@ -90,8 +97,38 @@ class LayerwiseOptimizer(TorchOptimizerFace):
 
     # ------------------------------------------------------------------ the torch optimizer's face
 
-    def finish_param_gather(self, buckets: Iterable[int] | None = None) -> None:
-        """Nothing is left in flight after a step (the broadcasts are waited for in it)."""
+    def finish_param_gather(self, params: Iterable[int] | None = None) -> None:
+        """Wait for the weights' broadcasts still in flight (all, or those of the parameters of ids `params`): what a
+        forward pre-hook calls for its module's, and anything that reads the parameters outside a forward first (a
+        no-op when none is in flight)."""
+        for key in list(self._pending) if params is None else params:
+            work = self._pending.pop(key, None)
+            if work is not None:
+                work.wait()
+
+    def overlap_param_gather_with(self, owners: Iterable[tuple[nn.Module, list[nn.Parameter]]]) -> int:
+        """Leave the weights' broadcasts in flight when `step()` returns, issued in the order of `owners` ((module,
+        the parameters its forward reads first): `forward_owners`), each waited for in the forward pre-hook of the
+        first module that reads it (Megatron's `overlap_param_gather`). Every broadcast parameter must be some
+        owner's, or it would be read stale. Returns how many modules got a hook; 0 where no parameter has
+        replicas."""
+        sent = {id(p) for p in self._ordered_params() if self.owner[id(p)] is not None}
+        if not sent:
+            return 0
+        hooked, order, seen = 0, [], set()
+        for module, params in owners:
+            needs = [p for p in params if id(p) in sent and id(p) not in seen]
+            if needs:
+                seen.update(map(id, needs))
+                order += needs
+                keys = [id(p) for p in needs]
+                module.register_forward_pre_hook(lambda _module, _args, keys=keys: self.finish_param_gather(keys))
+                hooked += 1
+        if missing := [i for i, p in enumerate(self._ordered_params()) if id(p) in sent - seen]:
+            raise ValueError(f"parameters {missing[:8]} belong to none of the modules given: their broadcasts would "
+                             "never be waited for in a forward")
+        self._forward_order, self.overlaps_param_gather = order, True
+        return hooked
 
     def _weight(self, p: nn.Parameter) -> torch.Tensor:
         """The fp32 weight this rank steps for owned `p`: its main weight, or the parameter itself."""
@@ -102,7 +139,9 @@ class LayerwiseOptimizer(TorchOptimizerFace):
     @torch.no_grad()
     def step(self) -> None:
         """Each owned parameter's step (Muon's or AdamW's), its working copy cast, then every parameter's weight
-        broadcast from its owner (collective over each parameter's replicas, in the same order on every rank)."""
+        broadcast from its owner (collective over each parameter's replicas, in the same order on every rank), left
+        in flight for the next forward to wait for where `overlap_param_gather_with` set that up."""
+        self.finish_param_gather()  # (a forward waited for them all, unless none ran since the last step)
         self._run_hooks(self._pre_hooks)
         self.step_count += 1
         owned = {id(p) for p in self.owned}
@@ -124,7 +163,9 @@ class LayerwiseOptimizer(TorchOptimizerFace):
                             [self.state[id(params[i])] for i in batch])
         if self.working_dtype is not None and self.owned:
             torch._foreach_copy_([p.detach() for p in self.owned], [self.main[id(p)] for p in self.owned])
-        self._from_owners(lambda p: p.detach())
+        self._pending.update(self._broadcast(lambda p: p.detach(), self._forward_order))
+        if not self.overlaps_param_gather:
+            self.finish_param_gather()
         self._run_hooks(self._post_hooks)
 
     def _adamw(self, group: dict, weights: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict]) -> None:
@@ -135,13 +176,18 @@ class LayerwiseOptimizer(TorchOptimizerFace):
               beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
               maximize=False)
 
+    def _broadcast(self, tensor_of: Callable[[nn.Parameter], torch.Tensor],
+                   params: list[nn.Parameter] | None = None) -> dict[int, dist.Work]:
+        """Start broadcasting `tensor_of(p)` (written in place on the other replicas) from the owner of each of
+        `params` (all the parameters by default), in the same order on every rank: {id(p): its work}."""
+        return {id(p): dist.broadcast(tensor_of(p), self.owner[id(p)], group=self.replicas.get(id(p)), async_op=True)
+                for p in (self._ordered_params() if params is None else params) if self.owner[id(p)] is not None}
+
     def _from_owners(self, tensor_of: Callable[[nn.Parameter], torch.Tensor],
                      params: list[nn.Parameter] | None = None) -> None:
-        """Broadcast `tensor_of(p)` (written in place on the other replicas) from the owner of each of `params` (all
-        the parameters by default), in the same order on every rank."""
-        sent = [dist.broadcast(tensor_of(p), self.owner[id(p)], group=self.replicas.get(id(p)), async_op=True)
-                for p in (self._ordered_params() if params is None else params) if self.owner[id(p)] is not None]
-        for work in sent:
+        """`_broadcast`, waited for."""
+        self.finish_param_gather()  # a weight's broadcast still in flight would land on what this one writes
+        for work in self._broadcast(tensor_of, params).values():
             work.wait()
 
     # ------------------------------------------------------------------ main weights and checkpoints
@@ -150,6 +196,7 @@ class LayerwiseOptimizer(TorchOptimizerFace):
     def full_precision_weights(self) -> Iterator[None]:
         """Inside, every parameter holds its fp32 weight (the owner's main weight, broadcast: collective); on exit the
         owners take their main weights from them (a load writes them) and the working copies are cast again."""
+        self.finish_param_gather()
         if self.working_dtype is None:
             yield
             return
