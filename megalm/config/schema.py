@@ -382,7 +382,7 @@ class ParallelConfig:
     another backend one log line says it is off)."""
     zero1: bool = False
     """Shard the optimizer states over the data-parallel ranks (ZeRO stage 1): AdamW's flat buckets cut evenly; under
-    optim.name=muon by whole parameters (megalm/parallel/data_parallel/layerwise.py)."""
+    optim.name=muon by whole matrices (megalm/parallel/data_parallel/layerwise.py)."""
     fsdp: bool = False
     """Shard weights, gradients and optimizer states over the data-parallel (x cp) ranks: ZeRO-3 through torch's
     FSDP2 `fully_shard`, one unit per transformer block plus the root (megalm/parallel/fsdp)."""

@@ -6,7 +6,7 @@ matrix once among the data-parallel replicas whose gradients are the same (megal
 ranks of its owner gather it whole and each computes the whole iteration, then the owner's slice of the update is
 broadcast to the other replicas. Per iteration on the wide orientation of an m x n matrix (m <= n): its Gram matrix
 (2·m²·n FLOPs), the Gram's square (2·m³) and the product with the matrix (2·m²·n). Under ZeRO-1 the optimizer is
-sharded by whole parameters (megalm/parallel/data_parallel/layerwise.py): the gradients are all-reduced whole, each
+sharded by whole matrices (megalm/parallel/data_parallel/layerwise.py): the gradients are all-reduced whole, each
 parameter's states and main weight live on its owner, which broadcasts the new working weight.
 
 The closed form prices the mean rank: its replicas' iterations shared out evenly. `share_out` gives each matrix to
@@ -57,7 +57,7 @@ def rank_newton_schulz_flops(shape: Shape, layout: Layout, dense_blocks: int, mo
 
 def static_bytes(bf16: bool, zero1: bool, dp: int, matrices: float, adamw: float) -> float:
     """Weights, gradient buckets, optimizer states and fp32 main weights of `matrices` Muon and `adamw` AdamW
-    parameters a rank holds, over `dp` replicas: sharded by whole parameters under ZeRO-1 (the gradients whole, no
+    parameters a rank holds, over `dp` replicas: sharded by whole matrices under ZeRO-1 (the gradients whole, no
     gather buffers), else every state on every replica."""
     weight, main = (2, 4) if bf16 else (4, 0)
     own = 1 / dp if zero1 else 1.0
@@ -91,7 +91,7 @@ def replica_seconds(optimizer: object, seconds: Callable[[tuple[int, ...]], floa
     matrices = getattr(update, "matrices", None)
     if not matrices:
         return 0.0, 0.0
-    owners = getattr(optimizer, "owner", None) or update.owners  # ZeRO-1's by whole parameters, or the update's
+    owners = getattr(optimizer, "owner", None) or update.owners  # ZeRO-1's by whole matrices, or the update's
     rank, loads, priced = dist.get_rank(), {}, {}
     for key, layout in matrices.items():
         owner = owners.get(key)

@@ -198,7 +198,7 @@ class Parallelism:
         self.split: StepSplit = self._build_split()
         self.token_multiple = math.lcm(p.tp if p.sequence_parallel else 1,
                                        *(c.token_multiple for c in self.converters))
-        # ZeRO-1 under Muon shards the optimizer by whole parameters (layerwise.py), over whole gradients
+        # ZeRO-1 under Muon shards the optimizer by whole matrices (layerwise.py), over whole gradients
         self.layerwise = p.zero1 and cfg.optim.name == "muon"
         # Each CP (or HDP) rank holds the gradient of its tokens only: sum over DP x CP (ZeRO-1 shards over it).
         tied = self.runner.tied_embedding()  # a pipeline's two copies: summed before the DP reduction

@@ -20,7 +20,7 @@ The data-parallel ranks share the iterations out, each matrix orthogonalised by 
 the parameters; on bf16 working weights (precision=bf16, the fp8/mx recipes on bf16 weights) BucketAdamW steps the
 fp32 main weights behind them, its matrix groups with `MuonMatrices` on views of its flat buckets
 (megalm/parallel/data_parallel/bucket_adamw.py). ZeRO-1's flat shards would cut the matrices: under Muon it shards
-the optimizer by whole parameters instead (megalm/parallel/data_parallel/layerwise.py). FSDP's shards cut them too:
+the optimizer by whole matrices instead (megalm/parallel/data_parallel/layerwise.py). FSDP's shards cut them too:
 refused in one line (megalm/training/validation.py).
 """
 

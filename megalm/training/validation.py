@@ -92,7 +92,7 @@ def _validate_run(cfg: MegalmConfig, world_size: int, device: torch.device | Non
                           "parameters: megalm/parallel/data_parallel/layerwise.py)")
     if cfg.optim.name == "muon" and cfg.parallel.zero1 and cfg.optim.implementation == "triton":
         raise ConfigError("optim.implementation=triton steps AdamW's ZeRO-1 shards; under optim.name=muon ZeRO-1 "
-                          "shards by whole parameters and steps them with torch's AdamW: use optim.implementation=auto")
+                          "shards by whole matrices and steps them with torch's AdamW: use optim.implementation=auto")
     if cfg.parallel.fsdp_cpu_offload and device.type != "cuda":
         raise ConfigError("parallel.fsdp_cpu_offload=true moves FSDP's shards from the GPU to the host; on "
                           f"{device.type} they are there already: drop it")

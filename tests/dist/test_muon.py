@@ -114,9 +114,9 @@ def test_the_data_parallel_ranks_share_the_iterations_out(tmp_path):
 
 
 def check_layerwise_is_plain_dp(rank: int, world_size: int, tmp: str) -> None:
-    """bf16 weights at dp = 2: ZeRO-1 by whole parameters against plain data parallelism, bit for bit (the owner of
-    each parameter steps it as every replica would), and the optimizer's storages, measured as it is built, split
-    between the replicas: together they are plain DP's, each within one parameter's state of half."""
+    """bf16 weights at dp = 2: ZeRO-1 by whole matrices against plain data parallelism, bit for bit (the owner of
+    each piece steps it as every replica would), and the optimizer's storages, measured as it is built, split
+    between the replicas: together they are plain DP's, each within one piece's state of half."""
     from megalm.measure.storage import LiveStorages
     from megalm.model.naming import canonical_named_parameters
     from megalm.training.optim import build_optimizer, full_precision_weights
@@ -147,7 +147,13 @@ def check_layerwise_is_plain_dp(rank: int, world_size: int, tmp: str) -> None:
     together = torch.tensor([measured["layerwise"]], dtype=torch.float64)
     torch.distributed.all_reduce(together)
     assert together.item() == measured["plain"], (rank, measured, together.item())  # each parameter's state once
-    largest = max(12 * p.numel() for p in layerwise.model.parameters())
+    # within one piece's state of half: a whole matrix, or half an AdamW parameter's rows (each replica steps a block
+    # of the embedding's and of the output layer's: whole, they had landed on one replica each)
+    model = layerwise.model
+    for vocab in (model.embedding.weight, model.output.weight):
+        assert sum(piece.rows is not None for piece in layerwise.optimizer.owned if piece.param is vocab) == 1, rank
+    largest = max(12 * p.numel() // (1 if p.ndim < 2 or id(p) in layerwise.optimizer.matrix_ids else 2)
+                  for p in model.parameters())
     assert measured["layerwise"] <= measured["plain"] / 2 + largest, (rank, measured)
 
 
@@ -167,8 +173,8 @@ def check_layerwise_overlap(rank: int, world_size: int, tmp: str) -> None:
     overlapped = Trainer(compose_config(*base), f"{tmp}/overlapped")
     optimizer, model = overlapped.optimizer, model_chunks(overlapped.model)[0]
     assert optimizer.overlaps_param_gather and not waiting.optimizer.overlaps_param_gather
-    sent = {id(p) for p in model.parameters() if optimizer.owner[id(p)] is not None}
-    head, block = ({id(p) for p in params} & sent for params in (
+    sent = set(optimizer._sent(model.parameters()))
+    head, block = (set(optimizer._sent(params)) for params in (
         [*model.final_norm.parameters(), *model.output.parameters()], list(model.layers[0].parameters())))
     assert head and block, rank
     pending: list[set[int]] = []  # registered after the optimizer's hooks: what the block's own wait left

@@ -1,4 +1,4 @@
-"""ZeRO-1 for Muon: the optimizer sharded by whole parameters over the data-parallel replicas.
+"""ZeRO-1 for Muon: the optimizer sharded by whole matrices over the data-parallel replicas.
 
 ZeRO-1 (bucket_adamw.py) cuts each flat gradient bucket into equal contiguous shards, one per replica: AdamW is
 elementwise and steps any cut, but Muon orthogonalises whole matrices, which those cuts split. Megatron-Core's
@@ -6,11 +6,15 @@ LayerWiseDistributedOptimizer shards by parameter instead, and so does this one 
 parallel.zero1=true`: the reducer all-reduces the gradients (every replica holds them whole, as under plain data
 parallelism), each parameter is owned by one replica, which alone keeps its optimizer state (and its fp32 main weight
 behind bf16 working weights) and steps it: Muon for the transformer blocks' matrices (`MuonMatrices`), AdamW for the
-rest. The owners are shared out by state bytes, the largest parameter first to the least loaded replica (a replica's
-share is within one parameter's of the mean; the Newton-Schulz work follows the matrices' sizes, not balanced on its
-own). Then each owner broadcasts the parameter's new working weight to the other replicas, one broadcast a parameter
-(not coalesced into buckets, as Megatron's all-gather is), in the order the next forward reads them, and each is
-waited for before the first module that reads it (`overlap_param_gather_with`, `parallel.overlap_param_gather`, as
+rest. AdamW's parameters of two or more dimensions are cut into a block of rows a replica instead (AdamW is
+elementwise): whole, the embedding's and the output layer's states, the largest of a model, landed on one replica
+each, which then orthogonalised fewer matrices, and every replica's step waited for the others' (1.3B at dp 8: two
+replicas did 1.9 TFLOP of Newton-Schulz iterations a step, the six others 9.9-10.2, against an even 8.0). The
+pieces are shared out by state bytes, the largest first to the least loaded replica (a replica's share is within one
+piece's of the mean, and so, with no lump left, is its share of the iterations, which follows the matrices' sizes).
+Then each owner broadcasts the piece's new working weight to the other replicas, one broadcast a piece (not
+coalesced into buckets, as Megatron's all-gather is), in the order the next forward reads them, and each is waited
+for before the first module that reads it (`overlap_param_gather_with`, `parallel.overlap_param_gather`, as
 ZeRO-1's all-gather is), or in the step.
 
 Bytes a parameter, d replicas, bf16 working weights: 2 (weight) + 4 (fp32 gradient bucket) + (4 main + 4 momentum)/d
@@ -39,21 +43,40 @@ from megalm.parallel.data_parallel.reducer import GradReducer
 from megalm.parallel.matrices import share_out
 
 
-@dataclass(frozen=True)
-class _Share:
-    """A parameter as `share_out` balances it: its cost (its state's bytes) over its replicas."""
+@dataclass(frozen=True, eq=False)
+class _Piece:
+    """What one replica steps and broadcasts: a parameter whole, or a block of an AdamW parameter's rows (`rows`).
+    `cost` (its state's bytes) and `replicas` are what `share_out` balances it by."""
 
+    param: nn.Parameter
+    rows: slice | None
     cost: int
     replicas: dist.ProcessGroup | None
 
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The piece's part of `tensor` (shaped like the parameter): a view."""
+        return tensor if self.rows is None else tensor[self.rows]
+
+
+def row_blocks(rows: int, blocks: int) -> list[slice]:
+    """`rows` cut into `blocks` contiguous blocks as even as can be (the first rows % blocks one row longer)."""
+    size, extra = divmod(rows, blocks)
+    bounds = [0]
+    for i in range(blocks):
+        bounds.append(bounds[-1] + size + (i < extra))
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
 
 class LayerwiseOptimizer(TorchOptimizerFace):
-    """Muon (param groups marked `"muon": True`, stepped by `matrix_update`) and AdamW (the others) over the
-    parameters this rank owns among its replicas (`replicas`: {id(parameter): the data-parallel group whose reduced
-    gradients of it are the same}); every parameter's new weight is then broadcast from its owner. Gradients come
-    from `reducer` (not ZeRO-1's: whole on every rank). Looks like a torch optimizer where the trainer and the
-    checkpoints need it (`param_groups`, `zero_grad`, step hooks, a torch-format `state_dict` of the full state,
-    collective) and like BucketAdamW where the bf16 recipe does (`full_precision_weights`, `finish_param_gather`)."""
+    """Muon (param groups marked `"muon": True`, stepped by `matrix_update`) and AdamW (the others) over the pieces
+    this rank owns among its replicas (`replicas`: {id(parameter): the data-parallel group whose reduced gradients of
+    it are the same}): the matrices whole, an AdamW parameter of 2 or more dimensions cut into a block of rows a
+    replica (AdamW is elementwise: the embedding and the output layer, the largest parameters of a model, would
+    otherwise land whole on one replica each, which then holds their states and orthogonalises fewer matrices);
+    every piece's new weight is then broadcast from its owner. Gradients come from `reducer` (not ZeRO-1's: whole
+    on every rank). Looks like a torch optimizer where the trainer and the checkpoints need it (`param_groups`,
+    `zero_grad`, step hooks, a torch-format `state_dict` of the full state, collective) and like BucketAdamW where
+    the bf16 recipe does (`full_precision_weights`, `finish_param_gather`)."""
 
     def __init__(self, groups: list[dict], reducer: GradReducer, replicas: dict[int, dist.ProcessGroup | None],
                  matrix_update: Callable[..., None], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -70,41 +93,56 @@ class LayerwiseOptimizer(TorchOptimizerFace):
         # reads the attribute of this name; set by Parallelism.clip_grad_norm_ when `fused`, cleared after the step)
         self.grad_scale: torch.Tensor | None = None
         self.step_count = 0
-        # who steps each parameter: all of them shared out at once by their state's bytes (the memory ZeRO-1 is for;
-        # a matrix's Newton-Schulz work follows its size), the largest first to the least loaded replica. The TP peers
+        self.replicas = replicas
+        # who steps each piece: all of them shared out at once by their state's bytes (the memory ZeRO-1 is for; a
+        # matrix's Newton-Schulz work follows its size), the largest first to the least loaded replica. The TP peers
         # of a replica must find the same owners of the matrices they gather together: their shards' sizes are equal
         main = 4 if working_dtype is not None else 0
-        shares = [_Share((main + len(self._state_keys(p)) * 4) * p.numel(), replicas.get(id(p))) for p in params]
-        self.owner: dict[int, int | None] = dict(zip(map(id, params), share_out(shares), strict=True))
-        self.replicas = replicas
-        # the weights' broadcasts left in flight after a step (`overlap_param_gather_with`): id(parameter) -> work,
-        # and the order the next forward reads the parameters in, which the broadcasts are issued in
-        self._pending: dict[int, dist.Work] = {}
-        self._forward_order: list[nn.Parameter] | None = None
+        self.pieces: dict[int, list[_Piece]] = {}  # id(parameter) -> its pieces, in row order
+        for p in params:
+            group, per_element = replicas.get(id(p)), main + 4 * len(self._state_keys(p))
+            size = dist.get_world_size(group) if group is not None else 1
+            cut = id(p) not in self.matrix_ids and p.ndim >= 2 and size > 1 and p.shape[0] >= size
+            self.pieces[id(p)] = [_Piece(p, rows, per_element * (p if rows is None else p[rows]).numel(), group)
+                                  for rows in (row_blocks(p.shape[0], size) if cut else [None])]
+        every = [piece for p in params for piece in self.pieces[id(p)]]
+        self.owners: dict[_Piece, int | None] = dict(zip(every, share_out(every), strict=True))
+        # the owner of each parameter kept whole (a matrix's: megalm/estimate/muon_form.py reads them)
+        self.owner = {id(pieces[0].param): self.owners[pieces[0]] for pieces in self.pieces.values()
+                      if pieces[0].rows is None}
+        # the weights' broadcasts left in flight after a step (`overlap_param_gather_with`): piece -> work, and the
+        # order the next forward reads the pieces in, which the broadcasts are issued in
+        self._pending: dict[_Piece, dist.Work] = {}
+        self._forward_order: list[_Piece] | None = None
         self.overlaps_param_gather = False
         rank = dist.get_rank() if dist.is_initialized() else 0
-        self.owned = [p for p in params if self.owner[id(p)] in (None, rank)]
-        # the fp32 main weights of the owned parameters (bf16 working weights), from the values they were cast from
+        self.owned = [piece for piece in every if self.owners[piece] in (None, rank)]
+        # the fp32 main weights of the owned pieces (bf16 working weights), from the values they were cast from
         initial = initial_weights or {}
-        self.main: dict[int, torch.Tensor] = {} if working_dtype is None else {
-            id(p): initial.get(id(p), p.detach()).to(torch.float32, copy=True) for p in self.owned}
+        self.main: dict[_Piece, torch.Tensor] = {} if working_dtype is None else {
+            piece: piece.of(initial.get(id(piece.param), piece.param.detach())).to(torch.float32, copy=True)
+            for piece in self.owned}
         if working_dtype is not None:
             for p in params:
                 p.data = p.data.to(working_dtype)
-        self.state: dict[int, dict[str, torch.Tensor]] = {
-            id(p): {key: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for key in self._state_keys(p)}
-            for p in self.owned}
+        self.state: dict[_Piece, dict[str, torch.Tensor]] = {
+            piece: {key: torch.zeros(piece.of(piece.param).shape, dtype=torch.float32, device=piece.param.device)
+                    for key in self._state_keys(piece.param)} for piece in self.owned}
 
     # ------------------------------------------------------------------ the torch optimizer's face
 
-    def finish_param_gather(self, params: Iterable[int] | None = None) -> None:
-        """Wait for the weights' broadcasts still in flight (all, or those of the parameters of ids `params`): what a
-        forward pre-hook calls for its module's, and anything that reads the parameters outside a forward first (a
-        no-op when none is in flight)."""
-        for key in list(self._pending) if params is None else params:
-            work = self._pending.pop(key, None)
+    def finish_param_gather(self, pieces: Iterable[_Piece] | None = None) -> None:
+        """Wait for the weights' broadcasts still in flight (all, or those of `pieces`): what a forward pre-hook
+        calls for its module's, and anything that reads the parameters outside a forward first (a no-op when none
+        is in flight)."""
+        for piece in list(self._pending) if pieces is None else pieces:
+            work = self._pending.pop(piece, None)
             if work is not None:
                 work.wait()
+
+    def _sent(self, params: Iterable[nn.Parameter]) -> list[_Piece]:
+        """The pieces of `params` that are broadcast (those with replicas)."""
+        return [piece for p in params for piece in self.pieces[id(p)] if self.owners[piece] is not None]
 
     def overlap_param_gather_with(self, owners: Iterable[tuple[nn.Module, list[nn.Parameter]]]) -> int:
         """Leave the weights' broadcasts in flight when `step()` returns, issued in the order of `owners` ((module,
@@ -112,57 +150,59 @@ class LayerwiseOptimizer(TorchOptimizerFace):
         first module that reads it (Megatron's `overlap_param_gather`). Every broadcast parameter must be some
         owner's, or it would be read stale. Returns how many modules got a hook; 0 where no parameter has
         replicas."""
-        sent = {id(p) for p in self._ordered_params() if self.owner[id(p)] is not None}
+        sent = set(self._sent(self._ordered_params()))
         if not sent:
             return 0
-        hooked, order, seen = 0, [], set()
+        hooked, order = 0, []
         for module, params in owners:
-            needs = [p for p in params if id(p) in sent and id(p) not in seen]
+            needs = [piece for piece in self._sent(params) if piece not in order]
             if needs:
-                seen.update(map(id, needs))
                 order += needs
-                keys = [id(p) for p in needs]
-                module.register_forward_pre_hook(lambda _module, _args, keys=keys: self.finish_param_gather(keys))
+                module.register_forward_pre_hook(lambda _module, _args, needs=needs: self.finish_param_gather(needs))
                 hooked += 1
-        if missing := [i for i, p in enumerate(self._ordered_params()) if id(p) in sent - seen]:
+        if missing := sorted({i for i, p in enumerate(self._ordered_params()) for piece in self.pieces[id(p)]
+                              if piece in sent - set(order)}):
             raise ValueError(f"parameters {missing[:8]} belong to none of the modules given: their broadcasts would "
                              "never be waited for in a forward")
         self._forward_order, self.overlaps_param_gather = order, True
         return hooked
 
-    def _weight(self, p: nn.Parameter) -> torch.Tensor:
-        """The fp32 weight this rank steps for owned `p`: its main weight, or the parameter itself."""
-        return self.main[id(p)] if self.working_dtype is not None else p.detach()
+    def _weight(self, piece: _Piece) -> torch.Tensor:
+        """The fp32 weight this rank steps for owned `piece`: its main weight, or the parameter's own rows."""
+        return self.main[piece] if self.working_dtype is not None else piece.of(piece.param.detach())
 
     # ------------------------------------------------------------------ the update
 
     @torch.no_grad()
     def step(self) -> None:
-        """Each owned parameter's step (Muon's or AdamW's), its working copy cast, then every parameter's weight
-        broadcast from its owner (collective over each parameter's replicas, in the same order on every rank), left
-        in flight for the next forward to wait for where `overlap_param_gather_with` set that up."""
+        """Each owned piece's step (Muon's or AdamW's), its working copy cast, then every piece's weight broadcast
+        from its owner (collective over each parameter's replicas, in the same order on every rank), left in flight
+        for the next forward to wait for where `overlap_param_gather_with` set that up."""
         self.finish_param_gather()  # (a forward waited for them all, unless none ran since the last step)
         self._run_hooks(self._pre_hooks)
         self.step_count += 1
-        owned = {id(p) for p in self.owned}
+        owned = set(self.owned)
         for group in self.param_groups:
-            params = [p for p in group["params"] if id(p) in owned]
-            if not params:
+            pieces = [piece for p in group["params"] for piece in self.pieces[id(p)] if piece in owned]
+            if not pieces:
                 continue
-            weights, grads = [self._weight(p) for p in params], [self.reducer.summed_grad(p) for p in params]
-            if group.get("muon"):  # (it reads each gradient in fp32 as it goes)
-                self.matrix_update(group, params, weights, grads, [self.state[id(p)]["momentum_buffer"]
-                                                                   for p in params], self.grad_scale, owned_only=True)
+            weights = [self._weight(piece) for piece in pieces]
+            grads = [piece.of(self.reducer.summed_grad(piece.param)) for piece in pieces]
+            if group.get("muon"):  # whole matrices (it reads each gradient in fp32 as it goes)
+                self.matrix_update(group, [piece.param for piece in pieces], weights, grads,
+                                   [self.state[piece]["momentum_buffer"] for piece in pieces], self.grad_scale,
+                                   owned_only=True)
                 continue
             # torch's AdamW kernels take fp32 gradients: bf16 ones (parallel.grad_reduce_dtype=bf16) are cast and
-            # stepped one parameter at a time, never an fp32 copy of every gradient at once
-            batches = [range(len(params))] if all(g.dtype == torch.float32 for g in grads) else [
-                [i] for i in range(len(params))]
+            # stepped one piece at a time, never an fp32 copy of every gradient at once
+            batches = [range(len(pieces))] if all(g.dtype == torch.float32 for g in grads) else [
+                [i] for i in range(len(pieces))]
             for batch in batches:
                 self._adamw(group, [weights[i] for i in batch], [grads[i].float() for i in batch],
-                            [self.state[id(params[i])] for i in batch])
+                            [self.state[pieces[i]] for i in batch])
         if self.working_dtype is not None and self.owned:
-            torch._foreach_copy_([p.detach() for p in self.owned], [self.main[id(p)] for p in self.owned])
+            torch._foreach_copy_([piece.of(piece.param.detach()) for piece in self.owned],
+                                 [self.main[piece] for piece in self.owned])
         self._pending.update(self._broadcast(lambda p: p.detach(), self._forward_order))
         if not self.overlaps_param_gather:
             self.finish_param_gather()
@@ -177,17 +217,18 @@ class LayerwiseOptimizer(TorchOptimizerFace):
               maximize=False)
 
     def _broadcast(self, tensor_of: Callable[[nn.Parameter], torch.Tensor],
-                   params: list[nn.Parameter] | None = None) -> dict[int, dist.Work]:
-        """Start broadcasting `tensor_of(p)` (written in place on the other replicas) from the owner of each of
-        `params` (all the parameters by default), in the same order on every rank: {id(p): its work}."""
-        return {id(p): dist.broadcast(tensor_of(p), self.owner[id(p)], group=self.replicas.get(id(p)), async_op=True)
-                for p in (self._ordered_params() if params is None else params) if self.owner[id(p)] is not None}
+                   pieces: list[_Piece] | None = None) -> dict[_Piece, dist.Work]:
+        """Start broadcasting each of `pieces` (all of them by default) of `tensor_of(its parameter)` (written in
+        place on the other replicas) from its owner, in the same order on every rank: {piece: its work}."""
+        return {piece: dist.broadcast(piece.of(tensor_of(piece.param)), self.owners[piece], group=piece.replicas,
+                                      async_op=True)
+                for piece in (self._sent(self._ordered_params()) if pieces is None else pieces)}
 
     def _from_owners(self, tensor_of: Callable[[nn.Parameter], torch.Tensor],
                      params: list[nn.Parameter] | None = None) -> None:
-        """`_broadcast`, waited for."""
+        """`_broadcast` of the pieces of `params` (all the parameters by default), waited for."""
         self.finish_param_gather()  # a weight's broadcast still in flight would land on what this one writes
-        for work in self._broadcast(tensor_of, params).values():
+        for work in self._broadcast(tensor_of, None if params is None else self._sent(params)).values():
             work.wait()
 
     # ------------------------------------------------------------------ main weights and checkpoints
@@ -204,15 +245,16 @@ class LayerwiseOptimizer(TorchOptimizerFace):
         working = [p.data for p in params]  # each parameter's own storage, which it holds again on exit
         with torch.no_grad():
             for p in params:
-                p.data = self.main[id(p)].clone() if id(p) in self.main else torch.empty(
-                    p.shape, dtype=torch.float32, device=p.device)
+                p.data = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+            for piece in self.owned:
+                piece.of(piece.param.data).copy_(self.main[piece])
             self._from_owners(lambda p: p.data)
         try:
             yield
         finally:
             with torch.no_grad():
-                for p in self.owned:
-                    self.main[id(p)].copy_(p.data)
+                for piece in self.owned:
+                    self.main[piece].copy_(piece.of(piece.param.data))
                 torch._foreach_copy_(working, [p.data for p in params])
                 for p, tensor in zip(params, working, strict=True):
                     p.data = tensor
@@ -226,9 +268,11 @@ class LayerwiseOptimizer(TorchOptimizerFace):
         full: dict[int, dict[str, torch.Tensor]] = {}
         if self.step_count > 0:
             for p in params:
-                keys = self._state_keys(p)
-                full[id(p)] = {k: self.state[id(p)][k].clone() if id(p) in self.state else
-                               torch.empty(p.shape, dtype=torch.float32, device=p.device) for k in keys}
+                full[id(p)] = {k: torch.empty(p.shape, dtype=torch.float32, device=p.device)
+                               for k in self._state_keys(p)}
+            for piece in self.owned:
+                for key, tensor in self.state[piece].items():
+                    piece.of(full[id(piece.param)][key]).copy_(tensor)
             for key in ("momentum_buffer", "exp_avg", "exp_avg_sq"):
                 self._from_owners(lambda p, key=key: full[id(p)][key], [p for p in params if key in full[id(p)]])
         state = {}
@@ -251,8 +295,9 @@ class LayerwiseOptimizer(TorchOptimizerFace):
         for index, per_param in state_dict["state"].items():
             p = params[int(index)]
             for key in self._checked_state(int(index), p, per_param):
-                if id(p) in self.state:
-                    self.state[id(p)][key].copy_(per_param[key])
+                for piece in self.pieces[id(p)]:
+                    if piece in self.state:
+                        self.state[piece][key].copy_(piece.of(per_param[key]))
             if "step" in per_param:
                 steps.append(int(float(per_param["step"])))
         self.step_count = max(steps)
