@@ -269,6 +269,11 @@ class Stage:
 
 def fuller_stage(shape: Shape, layout: Layout) -> Stage:
     """The first or the last stage, whichever holds more parameters on a rank (`stage_parameters`)."""
+    return max(end_stages(shape, layout), key=lambda stage: stage.parameters)
+
+
+def end_stages(shape: Shape, layout: Layout) -> list[Stage]:
+    """A rank's share of the first and (with pp > 1) the last stage."""
     m, t, e = shape.model, layout.tp, shape.experts
     vocab_matrices = 2 if layout.pp == 1 and not shape.tied else 1
     layers = m.layers // layout.pp
@@ -277,14 +282,31 @@ def fuller_stage(shape: Shape, layout: Layout) -> Stage:
     dense = m.layer_params // t + 2 * m.hidden + replicated_kv
     vocab = vocab_matrices * pad_vocab(m.vocab, shape.vocab_multiple * t) * m.hidden // t
     if e is None:
-        return Stage((layers * dense + vocab, 0), vocab + layers * 2 * m.hidden, layers, 0)
+        return [Stage((layers * dense + vocab, 0), vocab + layers * 2 * m.hidden, layers, 0)]
     attention = m.attention_params // t + 2 * m.hidden + replicated_kv
     routed = e.routed_params(m.hidden) // layout.ep
     moe = attention + e.experts * m.hidden + 3 * m.hidden * e.shared_ffn // t + routed
     first = min(e.first_dense, layers)
     stages = [(first, layers - first)] + ([(0, layers)] if layout.pp > 1 else [])  # first, last
-    return max((Stage((d * dense + n * moe + vocab, n * routed), vocab + (d + n) * 2 * m.hidden + n * e.experts
-                      * m.hidden, d, n) for d, n in stages), key=lambda stage: stage.parameters)
+    return [Stage((d * dense + n * moe + vocab, n * routed), vocab + (d + n) * 2 * m.hidden + n * e.experts * m.hidden,
+                  d, n) for d, n in stages]
+
+
+def rank_newton_schulz_flops(shape: Shape, layout: Layout, dense_blocks: int, moe_blocks: int) -> float:
+    """A rank's share of its stage's iterations a step (`dense_blocks` and `moe_blocks` of them): the blocks' dense
+    matrices (q, k, v and o apart; the MLP's or the shared experts') over the dp·cp replicas, each whole on every TP
+    rank of its owner; the routed experts of the rank's ep slice, whole on every TP rank, over their
+    expert-data-parallel replicas (dp·cp·tp / ep: sequence parallelism is on with tp > 1)."""
+    m, e, steps = shape.model, shape.experts, shape.muon
+    ns, mlp = muon_form.newton_schulz_flops, muon_form.mlp_flops
+    attention = 2 * ns(m.hidden, m.hidden, steps) + 2 * ns(m.kv_dim, m.hidden, steps)
+    dense = dense_blocks * (attention + mlp(m.hidden, m.ffn, steps))
+    routed = 0.0
+    if e is not None and moe_blocks:
+        dense += moe_blocks * (attention + (mlp(m.hidden, e.shared_ffn, steps) if e.shared_ffn else 0))
+        routed = moe_blocks * e.experts // layout.ep * mlp(m.hidden, e.ffn, steps)
+        routed /= layout.dp * layout.cp * layout.tp // layout.ep
+    return dense / (layout.dp * layout.cp) + routed
 
 
 def static_bytes_per_parameter(bf16: bool, zero1: bool, dp: int) -> float:
@@ -336,9 +358,10 @@ def closed_form(shape: Shape, layout: Layout, gpu: str) -> tuple[int, float]:
     step = compute * _bubble(pp, micro_batches, layout.vpp) + comm_seconds(collective, LINKS[gpu],
                                                                            inside_node(t, cp, layout.ep, layout.dp,
                                                                                        pp))
-    if shape.muon:  # once a step, after the micro-batches: its fp32 GEMMs on TF32 tensor cores (or at 1/8 of them)
+    if shape.muon:  # once a step, after the last stage's micro-batches (whose FLOPs set `compute`): its fp32 GEMMs
+        last = end_stages(shape, layout)[-1]  # on TF32 tensor cores (or at 1/8 of them)
         fp32_peak = GPUS[gpu].tf32_tflops * 1e12 / (1 if shape.tf32 else 8)
-        step += muon_form.rank_newton_schulz_flops(shape, layout, stage.dense_blocks, stage.moe_blocks) / (
+        step += rank_newton_schulz_flops(shape, layout, last.dense_blocks, last.moe_blocks) / (
             fp32_peak * ROOFLINE_EFFICIENCY)
     return int(peak + reserve), shape.global_batch * shape.seq / step
 

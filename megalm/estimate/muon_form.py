@@ -18,12 +18,8 @@ its full depth instead (layout_search.shallow_rank).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from megalm.parallel.matrices import iteration_flops
-
-if TYPE_CHECKING:
-    from megalm.estimate.layout_search import Layout, Shape
 
 MUON_STATE_BYTES = 4  # the momentum of a matrix element (fp32), where AdamW keeps 8 (two moments)
 ADAMW_STATE_BYTES = 8
@@ -37,22 +33,6 @@ def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
 def mlp_flops(hidden: int, ffn: int, steps: int) -> float:
     """A SwiGLU MLP's three matrices: gate and up (ffn x hidden, orthogonalised apart), down (hidden x ffn)."""
     return 2 * newton_schulz_flops(ffn, hidden, steps) + newton_schulz_flops(hidden, ffn, steps)
-
-
-def rank_newton_schulz_flops(shape: Shape, layout: Layout, dense_blocks: int, moe_blocks: int) -> float:
-    """A rank's share of its stage's iterations a step (`dense_blocks` and `moe_blocks` of them): the blocks' dense
-    matrices (q, k, v and o apart; the MLP's or the shared experts') over the dp·cp replicas, each whole on every TP
-    rank of its owner; the routed experts of the rank's ep slice, whole on every TP rank, over their
-    expert-data-parallel replicas (dp·cp·tp / ep: sequence parallelism is on with tp > 1)."""
-    m, e, steps = shape.model, shape.experts, shape.muon
-    attention = 2 * newton_schulz_flops(m.hidden, m.hidden, steps) + 2 * newton_schulz_flops(m.kv_dim, m.hidden, steps)
-    dense = dense_blocks * (attention + mlp_flops(m.hidden, m.ffn, steps))
-    routed = 0.0
-    if e is not None and moe_blocks:
-        dense += moe_blocks * (attention + (mlp_flops(m.hidden, e.shared_ffn, steps) if e.shared_ffn else 0))
-        routed = moe_blocks * e.experts // layout.ep * mlp_flops(m.hidden, e.ffn, steps)
-        routed /= layout.dp * layout.cp * layout.tp // layout.ep
-    return dense / (layout.dp * layout.cp) + routed
 
 
 def static_bytes(bf16: bool, zero1: bool, dp: int, matrices: float, adamw: float) -> float:
@@ -81,9 +61,12 @@ def gather_bytes(tp: int, replicas: int, matrices: float) -> float:
 
 
 def replica_seconds(optimizer: object, seconds: Callable[[tuple[int, ...]], float]) -> tuple[float, float]:
-    """(this rank's Newton-Schulz seconds a step, the busiest rank's among those it shares replica groups with), from
-    the owners the trainer's Muon optimizer drew (`share_out`) and `seconds` of the iterations on one matrix of a
-    shape (a stack of experts' too): each broadcast of an update (or, under ZeRO-1, of a weight) waits for its owner.
+    """(this rank's Newton-Schulz seconds a step, those plus its wait for the busiest replicas), from the owners the
+    trainer's Muon optimizer drew (`share_out`) and `seconds` of the iterations on one matrix of a shape (a stack of
+    experts' too): each broadcast of an update (or, under ZeRO-1, of a weight) waits for its owner. Each group of
+    replicas is its own (the dense matrices' dp x cp ranks; an MoE model's experts' expert-data-parallel ranks, which
+    span the TP peers, who iterate on the same dense matrices as this rank): the wait is the sum of each group's
+    busiest replica's excess over this rank's share, an upper bound where the busiest of two groups differ.
     (0, 0) for an optimizer without matrices."""
     import torch.distributed as dist
 
@@ -92,12 +75,14 @@ def replica_seconds(optimizer: object, seconds: Callable[[tuple[int, ...]], floa
     if not matrices:
         return 0.0, 0.0
     owners = getattr(optimizer, "owner", None) or update.owners  # ZeRO-1's by whole matrices, or the update's
-    rank, loads, priced = dist.get_rank(), {}, {}
+    rank, loads, priced = dist.get_rank(), {}, {}  # loads: id(group) -> {owner: seconds}
     for key, layout in matrices.items():
         owner = owners.get(key)
+        group = loads.setdefault(None if owner is None else id(layout.replicas), {})
         owner = rank if owner is None else owner
         for rows in layout.parts:  # (a model has a few shapes of matrices)
             shape = (*layout.full_shape[:-2], rows, layout.full_shape[-1])
-            loads[owner] = loads.get(owner, 0.0) + (priced[shape] if shape in priced else
+            group[owner] = group.get(owner, 0.0) + (priced[shape] if shape in priced else
                                                     priced.setdefault(shape, seconds(shape)))
-    return loads.get(rank, 0.0), max(loads.values())
+    own = sum(group.get(rank, 0.0) for group in loads.values())
+    return own, own + sum(max(group.values()) - group.get(rank, 0.0) for group in loads.values())

@@ -100,7 +100,7 @@ class RankEstimate:
     sequences: int = 0
     optimizer_flops: float = 0.0  # of flops, the once-a-step part's (Muon's Newton-Schulz iterations)
     # of optimizer_s (and compute_s), Muon's wait for the busiest replica's iterations past this rank's own
-    # (megalm/estimate/muon_form.py `replica_loads`)
+    # (megalm/estimate/muon_form.py `replica_seconds`)
     muon_wait_s: float = 0.0
 
 

@@ -474,7 +474,7 @@ def test_the_closed_form_prices_muon_as_the_estimator(model, layout):
     assert static == pytest.approx(closed, rel=1e-3)  # the final norm, the biases the closed form leaves out
     # the rank owns its replicas' mean share of the iterations, within one matrix's (the costliest first to the least
     # loaded): exactly half of the dense model's (two of every matrix), 1.7% over it in the MoE one's
-    flops = muon_form.rank_newton_schulz_flops(shape, layout, stage.dense_blocks, stage.moe_blocks)
+    flops = layout_search.rank_newton_schulz_flops(shape, layout, stage.dense_blocks, stage.moe_blocks)
     m, e = shape.model, shape.experts
     sides = [m.hidden, m.kv_dim, m.ffn] + ([e.ffn, e.shared_ffn] if e else [])
     largest = max(muon_form.newton_schulz_flops(rows, m.hidden, shape.muon) for rows in sides)
@@ -497,3 +497,22 @@ def test_a_muon_step_waits_for_its_busiest_replica():
     ranks = [muon_and_adamw([*SMALL, "model.num_layers=3"], layout, index)[1] for index in (0, 1)]
     assert ranks[0].optimizer_flops != ranks[1].optimizer_flops and sum(r.muon_wait_s > 0 for r in ranks) == 1
     assert ranks[0].optimizer_s == pytest.approx(ranks[1].optimizer_s, rel=1e-9)
+
+
+def test_the_wait_for_the_busiest_replicas_is_each_group_s(monkeypatch):
+    """A rank's dense matrices and an MoE model's experts are shared out over different groups of replicas (the
+    experts' span the TP peers, who iterate on the same dense matrices as this rank): each group's busiest replica's
+    excess over this rank's share is waited for. Summed over owners across groups, rank 1's 3 s of dense matrices
+    looked less than this rank's 1 + 5, and no wait was priced."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megalm.estimate import muon_form
+
+    dense, experts = object(), object()
+    matrices = {key: SimpleNamespace(full_shape=(rows, 8), parts=(rows,), replicas=group)
+                for key, rows, group in (("a", 1, dense), ("b", 3, dense), ("c", 5, experts), ("d", 1, experts))}
+    optimizer = SimpleNamespace(update=SimpleNamespace(matrices=matrices, owners={"a": 0, "b": 1, "c": 0, "d": 2}))
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    assert muon_form.replica_seconds(optimizer, lambda shape: float(shape[-2])) == (6.0, 8.0)

@@ -11,7 +11,8 @@ elementwise): whole, the embedding's and the output layer's states, the largest 
 each, which then orthogonalised fewer matrices, and every replica's step waited for the others' (1.3B at dp 8: two
 replicas did 1.9 TFLOP of Newton-Schulz iterations a step, the six others 9.9-10.2, against an even 8.0). The
 pieces are shared out by state bytes, the largest first to the least loaded replica (a replica's share is within one
-piece's of the mean, and so, with no lump left, is its share of the iterations, which follows the matrices' sizes).
+piece's of the mean; with no lump left its share of the iterations is about as even where the matrices are of
+similar shapes, as in a dense model's blocks: 8.0 TFLOP each at 1.3B, dp 8).
 Then each owner broadcasts the piece's new working weight to the other replicas, one broadcast a piece (not
 coalesced into buckets, as Megatron's all-gather is), in the order the next forward reads them, and each is waited
 for before the first module that reads it (`overlap_param_gather_with`, `parallel.overlap_param_gather`, as
@@ -141,8 +142,9 @@ class LayerwiseOptimizer(TorchOptimizerFace):
                 work.wait()
 
     def _sent(self, params: Iterable[nn.Parameter]) -> list[_Piece]:
-        """The pieces of `params` that are broadcast (those with replicas)."""
-        return [piece for p in params for piece in self.pieces[id(p)] if self.owners[piece] is not None]
+        """The pieces of `params` that are broadcast (those with replicas; a parameter the optimizer does not step,
+        frozen, has none)."""
+        return [piece for p in params for piece in self.pieces.get(id(p), ()) if self.owners[piece] is not None]
 
     def overlap_param_gather_with(self, owners: Iterable[tuple[nn.Module, list[nn.Parameter]]]) -> int:
         """Leave the weights' broadcasts in flight when `step()` returns, issued in the order of `owners` ((module,
@@ -153,18 +155,19 @@ class LayerwiseOptimizer(TorchOptimizerFace):
         sent = set(self._sent(self._ordered_params()))
         if not sent:
             return 0
-        hooked, order = 0, []
+        hooked, order = 0, {}  # (a dict: the pieces in order, each once)
         for module, params in owners:
-            needs = [piece for piece in self._sent(params) if piece not in order]
+            needs = list(dict.fromkeys(piece for piece in self._sent(params) if piece not in order))
             if needs:
-                order += needs
+                order.update(dict.fromkeys(needs))
                 module.register_forward_pre_hook(lambda _module, _args, needs=needs: self.finish_param_gather(needs))
                 hooked += 1
+        unwaited = sent - order.keys()
         if missing := sorted({i for i, p in enumerate(self._ordered_params()) for piece in self.pieces[id(p)]
-                              if piece in sent - set(order)}):
+                              if piece in unwaited}):
             raise ValueError(f"parameters {missing[:8]} belong to none of the modules given: their broadcasts would "
                              "never be waited for in a forward")
-        self._forward_order, self.overlaps_param_gather = order, True
+        self._forward_order, self.overlaps_param_gather = list(order), True
         return hooked
 
     def _weight(self, piece: _Piece) -> torch.Tensor:
@@ -285,7 +288,8 @@ class LayerwiseOptimizer(TorchOptimizerFace):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a full state (any layout's, or `Muon`'s): each rank keeps the parameters it owns."""
+        """Load a full state (any layout's, or `Muon`'s): each rank keeps the pieces it owns."""
+        self.finish_param_gather()
         params = self._ordered_params()
         self._load_group_settings(state_dict["param_groups"])
         steps = [0]
