@@ -420,8 +420,8 @@ def link_bytes(shape: Shape, layout: Layout) -> dict[str, float]:
         if cp > 1 else 0,
         "pp": pipeline_sends(layout.vpp) * tokens * m.hidden * 2 / t * micro_batches if pp > 1 else 0,
         "dp": per_parameter * (n - routed)}
-    matrices = n - routed - stage.adamw  # Muon's, of the rank's dense parameters
     if shape.muon:
+        matrices = n - routed - stage.adamw  # Muon's, of the rank's dense parameters
         collective["dp"] += muon_form.replica_bytes(shape.bf16, layout.zero1, dp * cp, matrices, n - routed)
         collective["tp"] += muon_form.gather_bytes(t, dp * cp, matrices)
     if e is not None:  # each MoE layer's two all-to-alls of k copies of the rank's tokens, forward and backward

@@ -17,6 +17,7 @@ its full depth instead (layout_search.shallow_rank).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from megalm.parallel.matrices import iteration_flops
@@ -75,14 +76,13 @@ def replica_seconds(optimizer: object, seconds: Callable[[tuple[int, ...]], floa
     if not matrices:
         return 0.0, 0.0
     owners = getattr(optimizer, "owner", None) or update.owners  # ZeRO-1's by whole matrices, or the update's
-    rank, loads, priced = dist.get_rank(), {}, {}  # loads: id(group) -> {owner: seconds}
+    seconds = functools.cache(seconds)  # (a model has a few shapes of matrices)
+    rank, loads = dist.get_rank(), {}  # loads: id(group) -> {owner: seconds}
     for key, layout in matrices.items():
         owner = owners.get(key)
         group = loads.setdefault(None if owner is None else id(layout.replicas), {})
         owner = rank if owner is None else owner
-        for rows in layout.parts:  # (a model has a few shapes of matrices)
-            shape = (*layout.full_shape[:-2], rows, layout.full_shape[-1])
-            group[owner] = group.get(owner, 0.0) + (priced[shape] if shape in priced else
-                                                    priced.setdefault(shape, seconds(shape)))
+        group[owner] = group.get(owner, 0.0) + sum(seconds((*layout.full_shape[:-2], rows, layout.full_shape[-1]))
+                                                   for rows in layout.parts)
     own = sum(group.get(rank, 0.0) for group in loads.values())
     return own, own + sum(max(group.values()) - group.get(rank, 0.0) for group in loads.values())

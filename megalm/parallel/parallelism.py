@@ -286,7 +286,8 @@ class Parallelism:
 
     def _layerwise_optimizer(self, params: list[dict], matrix_update: Callable[..., None], **hyper
                              ) -> LayerwiseOptimizer:
-        """ZeRO-1 under Muon: each replica steps the parameters it owns, whole (layerwise.py)."""
+        """ZeRO-1 under Muon: each replica steps the pieces it owns, whole matrices and blocks of AdamW's
+        parameters (layerwise.py)."""
         initial, self._initial_weights = self._initial_weights, None
         optimizer = LayerwiseOptimizer(params, self.reducer, self._replica_groups(), matrix_update,
                                        working_dtype=self.working_dtype, initial_weights=initial,
